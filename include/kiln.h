@@ -1,0 +1,322 @@
+/*
+ * kiln.h -- the one public header of libkiln, and its specification.
+ *
+ * kiln is a C11 engine for the whole life of a transformer language model: load (GGUF,
+ * Hugging Face folders), generate, and later train, distill, quantize and serve.
+ *
+ * Conventions (see docs/API.md):
+ *   - Every call that can fail returns a kiln_status. On failure, kiln_last_error() returns a
+ *     thread-local message naming the file, field, byte offset or parameter that was wrong.
+ *     The library never calls exit() or abort() on any input.
+ *   - Handles are opaque. Freeing NULL is a no-op. A handle is used from the thread that made
+ *     it unless a function says otherwise.
+ *   - Every allocation goes through the allocator set with kiln_set_allocator().
+ *   - Output parameters are written only on success.
+ */
+#ifndef KILN_H
+#define KILN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define KILN_API __declspec(dllexport)
+#else
+#define KILN_API __attribute__((visibility("default")))
+#endif
+
+#define KILN_VERSION_MAJOR 0
+#define KILN_VERSION_MINOR 1
+#define KILN_VERSION_PATCH 0
+
+/* ---------------------------------------------------------------------------------------- */
+/* Status and errors                                                                         */
+/* ---------------------------------------------------------------------------------------- */
+
+typedef enum kiln_status {
+    KILN_OK = 0,
+    KILN_ERR_INVALID_ARG = 1, /* a parameter is NULL, out of range or inconsistent */
+    KILN_ERR_IO = 2,          /* open/read/write/mmap failed (errno text in the message) */
+    KILN_ERR_FORMAT = 3,      /* a file or document is malformed */
+    KILN_ERR_UNSUPPORTED = 4, /* well-formed but not supported (architecture, type, template) */
+    KILN_ERR_NOMEM = 5,       /* an allocation failed */
+    KILN_ERR_RANGE = 6,       /* a token id, length or position is out of range */
+    KILN_ERR_STATE = 7,       /* the call is not allowed in the handle's current state */
+    KILN_ERR_INTERNAL = 8,    /* a bug in kiln: please report */
+    KILN_ERR_BUFFER_TOO_SMALL = 9, /* the caller's buffer is too small; *needed says how big */
+} kiln_status;
+
+/* A static English name for a status ("ok", "invalid argument", ...). Never NULL. */
+KILN_API const char *kiln_status_string(kiln_status st);
+
+/* The message of the last failed call on this thread ("" if none). Valid until the next
+ * kiln call on this thread. */
+KILN_API const char *kiln_last_error(void);
+
+/* Library version as "MAJOR.MINOR.PATCH". */
+KILN_API const char *kiln_version(void);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Memory                                                                                    */
+/* ---------------------------------------------------------------------------------------- */
+
+/* The allocator hook. alloc returns NULL on failure; free(NULL) must be accepted. kiln asks
+ * for no particular alignment from the hook (it aligns to 64 bytes itself). */
+typedef struct kiln_allocator {
+    void *(*alloc)(size_t size, void *user);
+    void (*free)(void *ptr, void *user);
+    void *user;
+} kiln_allocator;
+
+/* Replace the allocator (NULL restores malloc/free). Must be called while no kiln object is
+ * alive: memory is returned to the allocator that gave it. Not thread-safe. */
+KILN_API kiln_status kiln_set_allocator(const kiln_allocator *a);
+
+/* kiln's own accounting of the memory it holds through the hook (not mmap'd files). */
+typedef struct kiln_mem_stats {
+    size_t live_bytes;  /* bytes currently allocated */
+    size_t peak_bytes;  /* high-water mark since the last kiln_mem_reset_peak() */
+    size_t live_blocks; /* number of live allocations */
+    uint64_t n_allocs;  /* allocations made since start */
+} kiln_mem_stats;
+
+KILN_API void kiln_mem_get_stats(kiln_mem_stats *out);
+KILN_API void kiln_mem_reset_peak(void);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Numbers                                                                                   */
+/* ---------------------------------------------------------------------------------------- */
+
+typedef enum kiln_dtype {
+    KILN_DTYPE_F32 = 0,
+    KILN_DTYPE_F16,
+    KILN_DTYPE_BF16,
+    KILN_DTYPE_Q8_0,
+    KILN_DTYPE_Q4_0,
+    KILN_DTYPE_Q4_1,
+    KILN_DTYPE_Q5_0,
+    KILN_DTYPE_Q5_1,
+    KILN_DTYPE_Q4_K,
+    KILN_DTYPE_Q5_K,
+    KILN_DTYPE_Q6_K,
+    KILN_DTYPE_I32,
+    KILN_DTYPE_I64,
+    KILN_DTYPE_COUNT
+} kiln_dtype;
+
+/* "f32", "bf16", "q4_1", ... Never NULL ("?" for an unknown value). */
+KILN_API const char *kiln_dtype_name(kiln_dtype t);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Models                                                                                    */
+/* ---------------------------------------------------------------------------------------- */
+
+typedef struct kiln_model kiln_model;
+typedef struct kiln_tokenizer kiln_tokenizer;
+
+typedef enum kiln_weight_mode {
+    KILN_WEIGHTS_AUTO = 0, /* keep GGUF quantized blocks and f32; bf16/f16 tensors kept as is */
+    KILN_WEIGHTS_F32 = 1,  /* dequantize / widen every matrix to f32 at load */
+} kiln_weight_mode;
+
+typedef struct kiln_model_params {
+    int n_threads;                /* CPU threads for load-time work and defaults (0 = all) */
+    kiln_weight_mode weight_mode; /* see above */
+    int use_mmap;                 /* map the file instead of reading it (default 1) */
+} kiln_model_params;
+
+KILN_API kiln_model_params kiln_model_default_params(void);
+
+/* Open a model: a .gguf file, or a Hugging Face folder (config.json, *.safetensors,
+ * tokenizer.json, tokenizer_config.json, generation_config.json). On success *out owns
+ * everything; close it with kiln_model_close(). */
+KILN_API kiln_status kiln_model_open(const char *path, const kiln_model_params *params,
+                                     kiln_model **out);
+KILN_API void kiln_model_close(kiln_model *m);
+
+/* What a model is; all strings are owned by the model. */
+typedef struct kiln_model_info {
+    const char *architecture; /* "llama", "qwen2", "qwen3", "mistral" */
+    const char *name;         /* general.name or the folder name */
+    int n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx_train;
+    float rms_norm_eps, rope_theta;
+    int tied_embeddings, attn_bias, qk_norm;
+    uint64_t n_params;       /* number of parameters */
+    uint64_t weight_bytes;   /* bytes of weights as held in memory or mapped */
+    int n_tensors;
+} kiln_model_info;
+
+KILN_API kiln_status kiln_model_get_info(const kiln_model *m, kiln_model_info *out);
+
+typedef struct kiln_tensor_info {
+    const char *name; /* the model file's own name for the tensor */
+    kiln_dtype dtype;
+    int n_dims;
+    int64_t shape[4]; /* outermost first, as torch prints it: (rows, cols) for a matrix */
+} kiln_tensor_info;
+
+/* The i-th tensor of the model file, 0 <= i < info.n_tensors. */
+KILN_API kiln_status kiln_model_get_tensor_info(const kiln_model *m, int i, kiln_tensor_info *out);
+
+/* The model's tokenizer, owned by the model. */
+KILN_API const kiln_tokenizer *kiln_model_get_tokenizer(const kiln_model *m);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Tokenizer                                                                                 */
+/* ---------------------------------------------------------------------------------------- */
+
+typedef struct kiln_tokenizer_info {
+    const char *type;    /* "bpe" (byte-level BPE) or "spm" (SentencePiece-style BPE) */
+    const char *pre;     /* pre-tokenizer name: "gpt2", "llama3", "qwen2", "smollm", ... */
+    int n_vocab;
+    int32_t bos_id, eos_id, eot_id, pad_id, unk_id; /* -1 when absent */
+    int add_bos, add_eos;
+    const char *chat_template_name; /* "chatml", "llama3", "gemma", or NULL if none/unknown */
+    const char *chat_template;      /* the raw template text, or NULL */
+} kiln_tokenizer_info;
+
+/* Open a tokenizer alone: a .gguf file (its tokenizer.ggml.* metadata), a Hugging Face
+ * folder (tokenizer.json + tokenizer_config.json) or a tokenizer.json path. */
+KILN_API kiln_status kiln_tokenizer_open(const char *path, kiln_tokenizer **out);
+/* Free a tokenizer from kiln_tokenizer_open (never one owned by a model). */
+KILN_API void kiln_tokenizer_close(kiln_tokenizer *t);
+
+KILN_API kiln_status kiln_tokenizer_get_info(const kiln_tokenizer *t, kiln_tokenizer_info *out);
+
+/* Encode text (UTF-8, len bytes) into ids. add_special adds BOS/EOS as the model's
+ * tokenizer does; parse_special makes special-token strings in the text become their ids.
+ * Invalid UTF-8 bytes are encoded as if they were U+FFFD.
+ * If cap is too small, returns KILN_ERR_BUFFER_TOO_SMALL with *n_out = the count needed. */
+KILN_API kiln_status kiln_tokenize(const kiln_tokenizer *t, const char *text, size_t len,
+                                   int add_special, int parse_special, int32_t *ids,
+                                   size_t cap, size_t *n_out);
+
+/* The raw bytes a single token stands for (after byte-level / ▁ decoding), written to buf.
+ * Special tokens give their text only when render_special is set, else nothing. */
+KILN_API kiln_status kiln_token_to_bytes(const kiln_tokenizer *t, int32_t id,
+                                         int render_special, char *buf, size_t cap,
+                                         size_t *n_out);
+
+/* The token's vocabulary string as stored (e.g. "Ġhello", "▁hello"). Owned by t. */
+KILN_API const char *kiln_token_piece(const kiln_tokenizer *t, int32_t id);
+
+/* Decode ids to text (as the HF tokenizer's decode with skip_special_tokens = !render_special). */
+KILN_API kiln_status kiln_detokenize(const kiln_tokenizer *t, const int32_t *ids, size_t n,
+                                     int render_special, char *buf, size_t cap, size_t *n_out);
+
+/* Streaming decode: push one token, get the bytes that are now complete UTF-8 text. A token
+ * that ends inside a UTF-8 character is held until the character completes. */
+typedef struct kiln_detok_stream kiln_detok_stream;
+KILN_API kiln_status kiln_detok_stream_create(const kiln_tokenizer *t, int render_special,
+                                              kiln_detok_stream **out);
+KILN_API void kiln_detok_stream_free(kiln_detok_stream *s);
+/* Writes up to cap bytes; *n_out the number written. The text is valid UTF-8. */
+KILN_API kiln_status kiln_detok_stream_push(kiln_detok_stream *s, int32_t id, char *buf,
+                                            size_t cap, size_t *n_out);
+/* Flush held bytes at the end of the stream (incomplete sequences become U+FFFD). */
+KILN_API kiln_status kiln_detok_stream_flush(kiln_detok_stream *s, char *buf, size_t cap,
+                                             size_t *n_out);
+
+/* Chat templates: chatml, llama3 and gemma are built in and chosen from the model's
+ * template text; an unknown template is an error (KILN_ERR_UNSUPPORTED), never replaced. */
+typedef struct kiln_chat_message {
+    const char *role; /* "system", "user", "assistant" */
+    const char *content;
+} kiln_chat_message;
+
+KILN_API kiln_status kiln_chat_apply(const kiln_tokenizer *t, const kiln_chat_message *msgs,
+                                     size_t n_msgs, int add_generation_prompt, char *buf,
+                                     size_t cap, size_t *n_out);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Inference contexts                                                                         */
+/* ---------------------------------------------------------------------------------------- */
+
+typedef struct kiln_context kiln_context;
+
+typedef struct kiln_context_params {
+    int n_ctx;     /* KV cache length in tokens (0 = the model's training context, max 8192) */
+    int n_batch;   /* max tokens per kiln_decode call (prefill chunk), default 512 */
+    int n_threads; /* 0 = all cores */
+} kiln_context_params;
+
+KILN_API kiln_context_params kiln_context_default_params(void);
+KILN_API kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *p,
+                                         kiln_context **out);
+KILN_API void kiln_context_free(kiln_context *c);
+
+/* Number of tokens currently in the KV cache. */
+KILN_API int kiln_context_n_past(const kiln_context *c);
+KILN_API int kiln_context_n_ctx(const kiln_context *c);
+/* Drop cached positions >= n_past (0 resets the context). */
+KILN_API kiln_status kiln_context_truncate(kiln_context *c, int n_past);
+
+/* Run ids[0..n) at positions n_past..n_past+n, appending to the KV cache.
+ * logits: NULL, or room for n_vocab floats (logits of the last token), or when all_logits
+ * is set, n*n_vocab floats (row i = logits after ids[i]). Errors: an id out of range,
+ * n_past + n > n_ctx (KILN_ERR_RANGE); the cache is unchanged on error. */
+KILN_API kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logits,
+                                 float *logits);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Sampling and generation                                                                   */
+/* ---------------------------------------------------------------------------------------- */
+
+typedef struct kiln_sampler_params {
+    float temperature;     /* <= 0: greedy (argmax, lowest id on ties) */
+    int top_k;             /* <= 0: off */
+    float top_p;           /* >= 1: off */
+    float min_p;           /* <= 0: off */
+    float repeat_penalty;  /* 1: off (CTRL-style: logit/p if > 0 else logit*p) */
+    int repeat_last_n;     /* window for the penalty; -1 = whole history */
+    uint64_t seed;
+} kiln_sampler_params;
+
+KILN_API kiln_sampler_params kiln_sampler_default_params(void);
+
+typedef struct kiln_sampler kiln_sampler;
+KILN_API kiln_status kiln_sampler_create(const kiln_sampler_params *p, kiln_sampler **out);
+KILN_API void kiln_sampler_free(kiln_sampler *s);
+/* Pick the next token from logits[n_vocab] given the history (for the penalty). */
+KILN_API kiln_status kiln_sampler_sample(kiln_sampler *s, const float *logits, int n_vocab,
+                                         const int32_t *history, size_t n_history,
+                                         int32_t *out_id);
+
+/* Called with each generated token and the text it completes (may be empty). Return nonzero
+ * to stop. */
+typedef int (*kiln_token_callback)(int32_t id, const char *text, size_t len, void *user);
+
+typedef struct kiln_generate_params {
+    int max_tokens;               /* tokens to generate at most */
+    kiln_sampler_params sampler;
+    const char *const *stop_strings; /* NULL-terminated list, or NULL */
+    int ignore_eos;               /* keep going past end-of-generation tokens */
+    kiln_token_callback on_token; /* optional */
+    void *user;
+} kiln_generate_params;
+
+KILN_API kiln_generate_params kiln_generate_default_params(void);
+
+typedef struct kiln_generate_result {
+    int32_t *ids;     /* generated ids (owned by kiln: kiln_generate_result_free) */
+    size_t n_ids;
+    char *text;       /* generated text, NUL-terminated, stop string removed */
+    size_t text_len;
+    const char *stop_reason; /* "length", "eos", "stop_string", "callback", "context" */
+    double prefill_seconds, decode_seconds;
+    int n_prompt;
+} kiln_generate_result;
+
+/* Reset the context, prefill the prompt and generate. */
+KILN_API kiln_status kiln_generate(kiln_context *c, const int32_t *prompt, size_t n_prompt,
+                                   const kiln_generate_params *p, kiln_generate_result *out);
+KILN_API void kiln_generate_result_free(kiln_generate_result *r);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KILN_H */

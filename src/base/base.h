@@ -1,0 +1,93 @@
+/*
+ * base.h -- kiln's internal base layer: errors, allocation, checked arithmetic, files.
+ * Every internal source file includes this. Nothing here depends on any other kiln layer.
+ */
+#ifndef KILN_BASE_H
+#define KILN_BASE_H
+
+#include "kiln.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define KILN_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#define KILN_LIKELY(x) __builtin_expect(!!(x), 1)
+#define KILN_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#else
+#define KILN_PRINTF(a, b)
+#define KILN_LIKELY(x) (x)
+#define KILN_UNLIKELY(x) (x)
+#endif
+
+/* ---- errors ---------------------------------------------------------------------------- */
+
+/* Set this thread's error message and return st, so callers write
+ *   return kiln_error(KILN_ERR_FORMAT, "%s: tensor '%s': offset %llu past end", path, ...); */
+kiln_status kiln_error(kiln_status st, const char *fmt, ...) KILN_PRINTF(2, 3);
+/* Prefix the current message with more context: "ctx: <old message>". Returns st. */
+kiln_status kiln_error_prefix(kiln_status st, const char *fmt, ...) KILN_PRINTF(2, 3);
+void kiln_error_clear(void);
+
+/* Propagate a failing status. */
+#define KILN_TRY(expr)                                                                         \
+    do {                                                                                       \
+        kiln_status kiln_try_st_ = (expr);                                                     \
+        if (kiln_try_st_ != KILN_OK) return kiln_try_st_;                                      \
+    } while (0)
+
+/* ---- allocation (all through the hook; 64-byte aligned; accounted) ----------------------- */
+
+void *kiln_malloc(size_t size);                 /* NULL on failure (or size 0 -> valid ptr) */
+void *kiln_calloc(size_t n, size_t size);       /* zeroed; NULL on overflow or failure */
+void *kiln_realloc(void *p, size_t size);       /* like realloc; p kept on failure */
+void kiln_free(void *p);                        /* NULL is a no-op */
+char *kiln_strdup(const char *s);
+char *kiln_strndup(const char *s, size_t n);    /* copies n bytes and adds a NUL */
+
+/* Allocate or fail with a kiln_error naming what: *out set on success. */
+kiln_status kiln_alloc_or_fail(void **out, size_t size, const char *what);
+
+/* ---- checked arithmetic: return true when the result OVERFLOWED -------------------------- */
+
+static inline bool kiln_add_overflow(size_t a, size_t b, size_t *r) {
+    return __builtin_add_overflow(a, b, r);
+}
+static inline bool kiln_mul_overflow(size_t a, size_t b, size_t *r) {
+    return __builtin_mul_overflow(a, b, r);
+}
+static inline bool kiln_mul_overflow_u64(uint64_t a, uint64_t b, uint64_t *r) {
+    return __builtin_mul_overflow(a, b, r);
+}
+static inline bool kiln_add_overflow_u64(uint64_t a, uint64_t b, uint64_t *r) {
+    return __builtin_add_overflow(a, b, r);
+}
+
+/* ---- files ------------------------------------------------------------------------------- */
+
+typedef struct kiln_file_map {
+    const uint8_t *data; /* the whole file, read-only */
+    size_t size;
+    int mapped;          /* 1: mmap'd (munmap on close); 0: read into kiln_malloc'd memory */
+} kiln_file_map;
+
+/* Map (use_mmap) or read a whole file. Errors name the path and the errno text. */
+kiln_status kiln_file_map_open(const char *path, int use_mmap, kiln_file_map *out);
+void kiln_file_map_close(kiln_file_map *m);
+
+/* Read a whole (small) text file into a NUL-terminated kiln_malloc'd buffer. */
+kiln_status kiln_read_text_file(const char *path, size_t max_size, char **out, size_t *len);
+
+/* 1 if path exists and is a directory / a regular file. */
+int kiln_path_is_dir(const char *path);
+int kiln_path_is_file(const char *path);
+
+/* ---- misc -------------------------------------------------------------------------------- */
+
+/* Wall clock in seconds (monotonic). */
+double kiln_time_seconds(void);
+/* Number of online CPUs (>= 1). */
+int kiln_cpu_count(void);
+
+#endif /* KILN_BASE_H */

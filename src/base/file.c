@@ -1,0 +1,116 @@
+/* file.c -- whole-file mapping and reading, path tests, clocks. */
+#define _GNU_SOURCE
+#include "base.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+kiln_status kiln_file_map_open(const char *path, int use_mmap, kiln_file_map *out) {
+    if (!path || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_file_map_open: NULL argument");
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return kiln_error(KILN_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
+        close(fd);
+        return kiln_error(KILN_ERR_IO, "%s: cannot stat: %s", path, strerror(e));
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        return kiln_error(KILN_ERR_IO, "%s: not a regular file", path);
+    }
+    size_t size = (size_t)st.st_size;
+    kiln_file_map m = {0};
+    m.size = size;
+    if (size == 0) {
+        close(fd);
+        m.data = (const uint8_t *)"";
+        *out = m;
+        return KILN_OK;
+    }
+    if (use_mmap) {
+        void *p = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+        if (p != MAP_FAILED) {
+            close(fd);
+            m.data = p;
+            m.mapped = 1;
+            *out = m;
+            return KILN_OK;
+        }
+        /* fall through to reading */
+    }
+    uint8_t *buf = kiln_malloc(size);
+    if (!buf) {
+        close(fd);
+        return kiln_error(KILN_ERR_NOMEM, "%s: out of memory reading %zu bytes", path, size);
+    }
+    size_t got = 0;
+    while (got < size) {
+        ssize_t r = read(fd, buf + got, size - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            int e = errno;
+            kiln_free(buf);
+            close(fd);
+            return kiln_error(KILN_ERR_IO, "%s: read failed at byte %zu: %s", path, got,
+                              r == 0 ? "unexpected end of file" : strerror(e));
+        }
+        got += (size_t)r;
+    }
+    close(fd);
+    m.data = buf;
+    *out = m;
+    return KILN_OK;
+}
+
+void kiln_file_map_close(kiln_file_map *m) {
+    if (!m || !m->data) return;
+    if (m->size) {
+        if (m->mapped) munmap((void *)m->data, m->size);
+        else kiln_free((void *)m->data);
+    }
+    memset(m, 0, sizeof *m);
+}
+
+kiln_status kiln_read_text_file(const char *path, size_t max_size, char **out, size_t *len) {
+    kiln_file_map m;
+    KILN_TRY(kiln_file_map_open(path, 0, &m));
+    if (m.size > max_size) {
+        kiln_file_map_close(&m);
+        return kiln_error(KILN_ERR_FORMAT, "%s: file is %zu bytes, more than the %zu allowed", path,
+                          m.size, max_size);
+    }
+    char *s = kiln_strndup((const char *)m.data, m.size);
+    size_t n = m.size;
+    kiln_file_map_close(&m);
+    if (!s) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", path);
+    *out = s;
+    if (len) *len = n;
+    return KILN_OK;
+}
+
+int kiln_path_is_dir(const char *path) {
+    struct stat st;
+    return path && stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+int kiln_path_is_file(const char *path) {
+    struct stat st;
+    return path && stat(path, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+double kiln_time_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int kiln_cpu_count(void) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : (int)n;
+}

@@ -1,0 +1,31 @@
+/*
+ * tokenizer.h -- internal constructors of kiln_tokenizer (the public calls are in kiln.h).
+ */
+#ifndef KILN_TOKENIZER_H
+#define KILN_TOKENIZER_H
+
+#include "../base/base.h"
+#include "../formats/gguf.h"
+
+/* From GGUF metadata (tokenizer.ggml.*: model, pre, tokens, scores, token_type, merges,
+ * bos/eos/eot/unk/pad ids, add_bos_token, add_eos_token, tokenizer.chat_template). */
+kiln_status kiln_tokenizer_from_gguf(const kiln_gguf *g, kiln_tokenizer **out);
+
+/* From a Hugging Face folder: tokenizer.json (+ tokenizer_config.json for the chat template,
+ * add_bos/add_eos and special tokens). */
+kiln_status kiln_tokenizer_from_hf_dir(const char *dir, kiln_tokenizer **out);
+
+/* From tokenizer.json / tokenizer_config.json text (config may be NULL). */
+kiln_status kiln_tokenizer_from_hf_json(const char *tokenizer_json, size_t len,
+                                        const char *config_json, size_t config_len,
+                                        const char *label, kiln_tokenizer **out);
+
+void kiln_tokenizer_free(kiln_tokenizer *t);
+
+/* Whether id ends generation (eos, eot, and any token the vocabulary marks as such, e.g.
+ * <|im_end|>, <|eot_id|>, <end_of_turn>). */
+bool kiln_tokenizer_is_eog(const kiln_tokenizer *t, int32_t id);
+
+int kiln_tokenizer_n_vocab(const kiln_tokenizer *t);
+
+#endif /* KILN_TOKENIZER_H */
