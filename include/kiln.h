@@ -286,8 +286,9 @@ KILN_API kiln_status kiln_sampler_sample(kiln_sampler *s, const float *logits, i
                                          const int32_t *history, size_t n_history,
                                          int32_t *out_id);
 
-/* Called with each generated token and the text it completes (may be empty). Return nonzero
- * to stop. */
+/* Called with each generated token and the text it completes (may be empty: text that could
+ * still become a stop string is held back). A last call with id -1 flushes held text.
+ * Return nonzero to stop. */
 typedef int (*kiln_token_callback)(int32_t id, const char *text, size_t len, void *user);
 
 typedef struct kiln_generate_params {
@@ -309,9 +310,12 @@ typedef struct kiln_generate_result {
     const char *stop_reason; /* "length", "eos", "stop_string", "callback", "context" */
     double prefill_seconds, decode_seconds;
     int n_prompt;
+    int n_prompt_cached; /* prompt tokens reused from the context's cache (not recomputed) */
 } kiln_generate_result;
 
-/* Reset the context, prefill the prompt and generate. */
+/* Prefill the prompt and generate. The KV cache is reused for the longest prefix the prompt
+ * shares with what the context holds (so a chat re-sends its whole history cheaply); the
+ * result is the same as from an empty context. */
 KILN_API kiln_status kiln_generate(kiln_context *c, const int32_t *prompt, size_t n_prompt,
                                    const kiln_generate_params *p, kiln_generate_result *out);
 KILN_API void kiln_generate_result_free(kiln_generate_result *r);

@@ -1,0 +1,94 @@
+/*
+ * context.c -- an inference context: a model, a backend, a KV cache and scratch sized up
+ * front. kiln_decode appends tokens to the cache in chunks of n_batch.
+ */
+#include "../models/model.h"
+#include "../tokenizer/tokenizer.h"
+#include "generate.h"
+
+#include <string.h>
+
+kiln_context_params kiln_context_default_params(void) {
+    kiln_context_params p = {0};
+    p.n_ctx = 0;
+    p.n_batch = 512;
+    p.n_threads = 0;
+    return p;
+}
+
+kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params,
+                                kiln_context **out) {
+    if (!m || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: model and out must be set");
+    kiln_context_params p = params ? *params : kiln_context_default_params();
+    if (p.n_ctx < 0 || p.n_batch < 0 || p.n_threads < 0)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: n_ctx, n_batch, n_threads must be >= 0");
+    if (p.n_ctx == 0) p.n_ctx = m->cfg.n_ctx_train < KILN_DEFAULT_MAX_CTX ? m->cfg.n_ctx_train : KILN_DEFAULT_MAX_CTX;
+    if (p.n_ctx > m->cfg.n_ctx_train)
+        return kiln_error(KILN_ERR_RANGE, "kiln_context_create: n_ctx %d exceeds the model's context length %d",
+                          p.n_ctx, m->cfg.n_ctx_train);
+    if (p.n_batch == 0) p.n_batch = 512;
+    if (p.n_batch > p.n_ctx) p.n_batch = p.n_ctx;
+    if (p.n_threads == 0) p.n_threads = kiln_cpu_count();
+    if (p.n_threads > 256)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: n_threads %d is more than 256", p.n_threads);
+    kiln_context *c = kiln_calloc(1, sizeof *c);
+    if (!c) return kiln_error(KILN_ERR_NOMEM, "kiln_context_create: out of memory");
+    c->model = m;
+    c->params = p;
+    kiln_status st = kiln_backend_cpu_create(p.n_threads, &c->be);
+    if (st == KILN_OK) st = kiln_forward_state_init(&c->fs, m, p.n_ctx, p.n_batch);
+    if (st == KILN_OK)
+        st = kiln_alloc_or_fail((void **)&c->tokens, (size_t)p.n_ctx * sizeof(int32_t), "context token list");
+    if (st != KILN_OK) {
+        kiln_context_free(c);
+        return st;
+    }
+    *out = c;
+    return KILN_OK;
+}
+
+void kiln_context_free(kiln_context *c) {
+    if (!c) return;
+    kiln_forward_state_free(&c->fs);
+    kiln_free(c->tokens);
+    kiln_backend_free(c->be);
+    kiln_free(c);
+}
+
+int kiln_context_n_past(const kiln_context *c) { return c ? c->n_past : 0; }
+int kiln_context_n_ctx(const kiln_context *c) { return c ? c->fs.n_ctx : 0; }
+
+kiln_status kiln_context_truncate(kiln_context *c, int n_past) {
+    if (!c) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_truncate: NULL context");
+    if (n_past < 0 || n_past > c->n_past)
+        return kiln_error(KILN_ERR_RANGE, "kiln_context_truncate: n_past %d not in [0, %d]", n_past, c->n_past);
+    c->n_past = n_past;
+    return KILN_OK;
+}
+
+kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logits, float *logits) {
+    if (!c || (!ids && n > 0)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode: NULL argument");
+    if (n <= 0) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode: n must be > 0 (got %d)", n);
+    const kiln_model *m = c->model;
+    int V = m->cfg.n_vocab;
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= V)
+            return kiln_error(KILN_ERR_RANGE, "kiln_decode: token id %d at index %d is out of range [0, %d)",
+                              ids[i], i, V);
+    if (n > c->fs.n_ctx - c->n_past)
+        return kiln_error(KILN_ERR_RANGE,
+                          "kiln_decode: %d tokens after %d cached ones exceed the context length %d",
+                          n, c->n_past, c->fs.n_ctx);
+    for (int done = 0; done < n;) {
+        int chunk = n - done < c->fs.n_batch ? n - done : c->fs.n_batch;
+        int last = done + chunk == n;
+        float *out = NULL;
+        if (logits && all_logits) out = logits + (size_t)done * V;
+        else if (logits && last) out = logits;
+        kiln_model_forward(m, c->be, &c->fs, ids + done, chunk, c->n_past, all_logits, out);
+        memcpy(c->tokens + c->n_past, ids + done, (size_t)chunk * sizeof(int32_t));
+        c->n_past += chunk;
+        done += chunk;
+    }
+    return KILN_OK;
+}

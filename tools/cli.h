@@ -1,0 +1,33 @@
+/* cli.h -- shared pieces of the kiln command-line tool (subcommands in cmd_*.c). */
+#ifndef KILN_CLI_H
+#define KILN_CLI_H
+
+#include "kiln.h"
+
+#include <stdio.h>
+
+int cmd_generate(int argc, char **argv);
+int cmd_chat(int argc, char **argv);
+int cmd_tokenize(int argc, char **argv);
+int cmd_detokenize(int argc, char **argv);
+int cmd_info(int argc, char **argv);
+
+/* Print "kiln <cmd>: <what>: <kiln_last_error()>" to stderr and return 1. */
+int cli_fail(const char *cmd, const char *what, kiln_status st);
+/* Print a usage error and return 2. */
+int cli_usage_error(const char *cmd, const char *fmt, ...);
+
+/* Parse a whole-string number; return 0 on success, else print an error naming opt. */
+int cli_parse_int(const char *cmd, const char *opt, const char *s, long lo, long hi, long *out);
+int cli_parse_float(const char *cmd, const char *opt, const char *s, double lo, double hi,
+                    double *out);
+int cli_parse_u64(const char *cmd, const char *opt, const char *s, unsigned long long *out);
+
+/* Read a whole file (or "-" for stdin) into a NUL-terminated malloc'd buffer. */
+char *cli_read_file(const char *path, size_t *len);
+
+/* 1 when argv[*i] equals name; then *val = argv[++*i] (error when missing). */
+int cli_opt(int argc, char **argv, int *i, const char *name, const char **val, int *err,
+            const char *cmd);
+
+#endif

@@ -1,0 +1,397 @@
+/* cmd_generate.c -- `kiln generate` and `kiln chat`. */
+#include "cli.h"
+
+#include <cjson/cJSON.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MAX_STOPS 16
+
+typedef struct gen_opts {
+    const char *model, *prompt, *prompt_file, *system;
+    long n_predict, threads, n_ctx, n_batch;
+    kiln_sampler_params sampler;
+    int chat, json, ignore_eos, f32, no_mmap, show_prompt_stats;
+    const char *stops[MAX_STOPS + 1];
+    int n_stops;
+} gen_opts;
+
+static const char *generate_help =
+    "usage: kiln generate -m MODEL (-p PROMPT | -f FILE) [options]\n\n"
+    "  -m, --model MODEL      .gguf file or Hugging Face folder\n"
+    "  -p, --prompt TEXT      prompt text\n"
+    "  -f, --file FILE        read the prompt from FILE ('-' = stdin)\n"
+    "  -n, --n-predict N      tokens to generate (default 128)\n"
+    "      --chat             wrap the prompt as a user message in the model's chat template\n"
+    "      --system TEXT      system message (with --chat)\n"
+    "      --temp T           temperature; 0 = greedy (default 0.8)\n"
+    "      --top-k K          keep the K most likely tokens; 0 = off (default 40)\n"
+    "      --top-p P          nucleus sampling; 1 = off (default 0.95)\n"
+    "      --min-p P          drop tokens below P x the top probability; 0 = off (default 0.05)\n"
+    "      --repeat-penalty R penalise recent tokens; 1 = off (default 1)\n"
+    "      --repeat-last-n N  window of the penalty (default 64, -1 = all)\n"
+    "      --seed S           random seed (default 0)\n"
+    "      --stop TEXT        stop when TEXT is generated (repeatable, up to 16)\n"
+    "      --ignore-eos       keep generating past end-of-generation tokens\n"
+    "  -t, --threads N        CPU threads (default: all cores)\n"
+    "      --ctx N            context length (default: model's, at most 4096)\n"
+    "      --batch N          prefill chunk (default 512)\n"
+    "      --f32              dequantize all weights to f32 at load\n"
+    "      --no-mmap          read the model instead of mapping it\n"
+    "      --json             print one JSON object: prompt_ids, ids, text, timings\n";
+
+static const char *chat_help =
+    "usage: kiln chat -m MODEL [options]\n\n"
+    "Interactive chat using the model's chat template. Type a message and press Enter;\n"
+    "an empty line or end of input (Ctrl-D) quits; /reset clears the conversation.\n\n"
+    "  -m, --model MODEL      .gguf file or Hugging Face folder\n"
+    "      --system TEXT      system message\n"
+    "  -n, --n-predict N      max tokens per reply (default 512)\n"
+    "      --temp, --top-k, --top-p, --min-p, --repeat-penalty, --seed, -t, --ctx as in generate\n";
+
+/* Parse options shared by generate and chat. Returns 0, or the exit code on error / help. */
+static int parse_opts(const char *cmd, int argc, char **argv, gen_opts *o, int *exit_code) {
+    memset(o, 0, sizeof *o);
+    o->n_predict = strcmp(cmd, "chat") ? 128 : 512;
+    o->n_batch = 512;
+    o->sampler = kiln_sampler_default_params();
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = NULL;
+        int err = 0;
+        double d;
+        long n;
+        unsigned long long u;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(strcmp(cmd, "chat") ? generate_help : chat_help, stdout);
+            *exit_code = 0;
+            return 1;
+        } else if (cli_opt(argc, argv, &i, "-m", &v, &err, cmd) || cli_opt(argc, argv, &i, "--model", &v, &err, cmd)) {
+            o->model = v;
+        } else if (cli_opt(argc, argv, &i, "-p", &v, &err, cmd) || cli_opt(argc, argv, &i, "--prompt", &v, &err, cmd)) {
+            o->prompt = v;
+        } else if (cli_opt(argc, argv, &i, "-f", &v, &err, cmd) || cli_opt(argc, argv, &i, "--file", &v, &err, cmd)) {
+            o->prompt_file = v;
+        } else if (cli_opt(argc, argv, &i, "--system", &v, &err, cmd)) {
+            o->system = v;
+        } else if (cli_opt(argc, argv, &i, "-n", &v, &err, cmd) || cli_opt(argc, argv, &i, "--n-predict", &v, &err, cmd)) {
+            if (!err) err = cli_parse_int(cmd, a, v, 0, 1 << 20, &o->n_predict);
+        } else if (cli_opt(argc, argv, &i, "-t", &v, &err, cmd) || cli_opt(argc, argv, &i, "--threads", &v, &err, cmd)) {
+            if (!err) err = cli_parse_int(cmd, a, v, 1, 256, &o->threads);
+        } else if (cli_opt(argc, argv, &i, "--ctx", &v, &err, cmd)) {
+            if (!err) err = cli_parse_int(cmd, a, v, 1, 1 << 20, &o->n_ctx);
+        } else if (cli_opt(argc, argv, &i, "--batch", &v, &err, cmd)) {
+            if (!err) err = cli_parse_int(cmd, a, v, 1, 1 << 16, &o->n_batch);
+        } else if (cli_opt(argc, argv, &i, "--temp", &v, &err, cmd)) {
+            if (!err && !(err = cli_parse_float(cmd, a, v, 0, 100, &d))) o->sampler.temperature = (float)d;
+        } else if (cli_opt(argc, argv, &i, "--top-k", &v, &err, cmd)) {
+            if (!err && !(err = cli_parse_int(cmd, a, v, 0, 1 << 24, &n))) o->sampler.top_k = (int)n;
+        } else if (cli_opt(argc, argv, &i, "--top-p", &v, &err, cmd)) {
+            if (!err && !(err = cli_parse_float(cmd, a, v, 1e-9, 1, &d))) o->sampler.top_p = (float)d;
+        } else if (cli_opt(argc, argv, &i, "--min-p", &v, &err, cmd)) {
+            if (!err && !(err = cli_parse_float(cmd, a, v, 0, 1, &d))) o->sampler.min_p = (float)d;
+        } else if (cli_opt(argc, argv, &i, "--repeat-penalty", &v, &err, cmd)) {
+            if (!err && !(err = cli_parse_float(cmd, a, v, 1e-3, 100, &d))) o->sampler.repeat_penalty = (float)d;
+        } else if (cli_opt(argc, argv, &i, "--repeat-last-n", &v, &err, cmd)) {
+            if (!err && !(err = cli_parse_int(cmd, a, v, -1, 1 << 24, &n))) o->sampler.repeat_last_n = (int)n;
+        } else if (cli_opt(argc, argv, &i, "--seed", &v, &err, cmd)) {
+            if (!err && !(err = cli_parse_u64(cmd, a, v, &u))) o->sampler.seed = u;
+        } else if (cli_opt(argc, argv, &i, "--stop", &v, &err, cmd)) {
+            if (!err && o->n_stops == MAX_STOPS) err = cli_usage_error(cmd, "at most %d --stop strings", MAX_STOPS);
+            else if (!err && !*v) err = cli_usage_error(cmd, "--stop needs a non-empty string");
+            else if (!err) o->stops[o->n_stops++] = v;
+        } else if (!strcmp(a, "--chat")) {
+            o->chat = 1;
+        } else if (!strcmp(a, "--json")) {
+            o->json = 1;
+        } else if (!strcmp(a, "--ignore-eos")) {
+            o->ignore_eos = 1;
+        } else if (!strcmp(a, "--f32")) {
+            o->f32 = 1;
+        } else if (!strcmp(a, "--no-mmap")) {
+            o->no_mmap = 1;
+        } else {
+            err = cli_usage_error(cmd, "unknown option '%s'", a);
+        }
+        if (err) {
+            *exit_code = 2;
+            return 1;
+        }
+    }
+    if (!o->model) {
+        *exit_code = cli_usage_error(cmd, "a model is required (-m MODEL)");
+        return 1;
+    }
+    return 0;
+}
+
+static kiln_status open_model(const gen_opts *o, kiln_model **m, kiln_context **ctx) {
+    kiln_model_params mp = kiln_model_default_params();
+    mp.n_threads = (int)o->threads;
+    mp.weight_mode = o->f32 ? KILN_WEIGHTS_F32 : KILN_WEIGHTS_AUTO;
+    mp.use_mmap = !o->no_mmap;
+    kiln_status st = kiln_model_open(o->model, &mp, m);
+    if (st != KILN_OK) return st;
+    kiln_context_params cp = kiln_context_default_params();
+    cp.n_ctx = (int)o->n_ctx;
+    cp.n_batch = (int)o->n_batch;
+    cp.n_threads = (int)o->threads;
+    st = kiln_context_create(*m, &cp, ctx);
+    if (st != KILN_OK) {
+        kiln_model_close(*m);
+        *m = NULL;
+    }
+    return st;
+}
+
+/* Render msgs with the template (if chat) and tokenize. *ids is malloc'd. */
+static kiln_status encode_prompt(const kiln_tokenizer *tok, const char *text, int chat,
+                                 const kiln_chat_message *msgs, size_t n_msgs, int32_t **ids,
+                                 size_t *n_ids) {
+    char *rendered = NULL;
+    size_t len = strlen(text ? text : "");
+    kiln_status st = KILN_OK;
+    if (chat) {
+        size_t need = 0;
+        st = kiln_chat_apply(tok, msgs, n_msgs, 1, NULL, 0, &need);
+        if (st != KILN_OK && st != KILN_ERR_BUFFER_TOO_SMALL) return st;
+        rendered = malloc(need + 1);
+        if (!rendered) return KILN_ERR_NOMEM;
+        st = kiln_chat_apply(tok, msgs, n_msgs, 1, rendered, need + 1, &len);
+        if (st != KILN_OK) {
+            free(rendered);
+            return st;
+        }
+        text = rendered;
+    }
+    /* A chat template already holds its special tokens (BOS included where the model uses
+     * one): tokenize it like Hugging Face's apply_chat_template, without adding more. */
+    size_t need = 0;
+    st = kiln_tokenize(tok, text, len, !chat, 1, NULL, 0, &need);
+    if (st == KILN_OK || st == KILN_ERR_BUFFER_TOO_SMALL) {
+        *ids = malloc((need ? need : 1) * sizeof(int32_t));
+        st = *ids ? kiln_tokenize(tok, text, len, !chat, 1, *ids, need, n_ids) : KILN_ERR_NOMEM;
+        if (st != KILN_OK) {
+            free(*ids);
+            *ids = NULL;
+        }
+    }
+    free(rendered);
+    return st;
+}
+
+static int stream_to_stdout(int32_t id, const char *text, size_t len, void *user) {
+    (void)id;
+    (void)user;
+    fwrite(text, 1, len, stdout);
+    fflush(stdout);
+    return 0;
+}
+
+static void json_add_ids(cJSON *obj, const char *key, const int32_t *ids, size_t n) {
+    cJSON *arr = cJSON_AddArrayToObject(obj, key);
+    for (size_t i = 0; i < n; i++) cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
+}
+
+int cmd_generate(int argc, char **argv) {
+    gen_opts o;
+    int code = 0;
+    if (parse_opts("generate", argc, argv, &o, &code)) return code;
+    if (!!o.prompt == !!o.prompt_file)
+        return cli_usage_error("generate", "give exactly one of -p PROMPT or -f FILE");
+    char *file_text = NULL;
+    if (o.prompt_file) {
+        file_text = cli_read_file(o.prompt_file, NULL);
+        if (!file_text) {
+            fprintf(stderr, "kiln generate: cannot read prompt file '%s'\n", o.prompt_file);
+            return 1;
+        }
+        o.prompt = file_text;
+    }
+    kiln_model *m = NULL;
+    kiln_context *ctx = NULL;
+    kiln_status st = open_model(&o, &m, &ctx);
+    if (st != KILN_OK) {
+        free(file_text);
+        return cli_fail("generate", o.model, st);
+    }
+    const kiln_tokenizer *tok = kiln_model_get_tokenizer(m);
+    kiln_chat_message msgs[2];
+    size_t n_msgs = 0;
+    if (o.system) msgs[n_msgs++] = (kiln_chat_message){"system", o.system};
+    msgs[n_msgs++] = (kiln_chat_message){"user", o.prompt};
+    int32_t *ids = NULL;
+    size_t n_ids = 0;
+    int rc = 0;
+    st = encode_prompt(tok, o.prompt, o.chat, msgs, n_msgs, &ids, &n_ids);
+    if (st != KILN_OK) {
+        rc = cli_fail("generate", "prompt", st);
+        goto out;
+    }
+    if (n_ids == 0) {
+        rc = cli_usage_error("generate", "the prompt gives no tokens");
+        goto out;
+    }
+    kiln_generate_params gp = kiln_generate_default_params();
+    gp.max_tokens = (int)o.n_predict;
+    gp.sampler = o.sampler;
+    gp.ignore_eos = o.ignore_eos;
+    gp.stop_strings = o.n_stops ? o.stops : NULL;
+    if (!o.json) gp.on_token = stream_to_stdout;
+    kiln_generate_result res;
+    st = kiln_generate(ctx, ids, n_ids, &gp, &res);
+    if (st != KILN_OK) {
+        rc = cli_fail("generate", "generation", st);
+        goto out;
+    }
+    double prefill_tps = res.prefill_seconds > 0 ? (double)(res.n_prompt - res.n_prompt_cached) / res.prefill_seconds : 0;
+    double decode_tps = (res.n_ids > 1 && res.decode_seconds > 0) ? (double)(res.n_ids - 1) / res.decode_seconds : 0;
+    if (o.json) {
+        cJSON *obj = cJSON_CreateObject();
+        json_add_ids(obj, "prompt_ids", ids, n_ids);
+        json_add_ids(obj, "ids", res.ids, res.n_ids);
+        cJSON_AddStringToObject(obj, "text", res.text);
+        cJSON_AddNumberToObject(obj, "n_prompt", (double)n_ids);
+        cJSON_AddNumberToObject(obj, "n_generated", (double)res.n_ids);
+        cJSON_AddStringToObject(obj, "stop_reason", res.stop_reason);
+        cJSON_AddNumberToObject(obj, "prefill_seconds", res.prefill_seconds);
+        cJSON_AddNumberToObject(obj, "decode_seconds", res.decode_seconds);
+        cJSON_AddNumberToObject(obj, "prefill_tokens_per_s", prefill_tps);
+        cJSON_AddNumberToObject(obj, "decode_tokens_per_s", decode_tps);
+        char *s = cJSON_PrintUnformatted(obj);
+        if (s) puts(s);
+        free(s);
+        cJSON_Delete(obj);
+    } else {
+        fputc('\n', stdout);
+        fprintf(stderr, "[kiln] prompt %d tokens, %.1f tok/s | generated %zu tokens, %.1f tok/s | stop: %s\n",
+                res.n_prompt, prefill_tps, res.n_ids, decode_tps, res.stop_reason);
+    }
+    kiln_generate_result_free(&res);
+out:
+    free(ids);
+    free(file_text);
+    kiln_context_free(ctx);
+    kiln_model_close(m);
+    return rc;
+}
+
+/* ---- chat ------------------------------------------------------------------------------ */
+
+typedef struct chat_history {
+    kiln_chat_message *msgs;
+    char **owned; /* strings we allocated */
+    size_t n, cap;
+} chat_history;
+
+static int history_push(chat_history *h, const char *role, char *content) {
+    if (h->n == h->cap) {
+        size_t cap = h->cap ? 2 * h->cap : 16;
+        kiln_chat_message *m = realloc(h->msgs, cap * sizeof *m);
+        if (!m) return 1;
+        h->msgs = m;
+        char **o = realloc(h->owned, cap * sizeof *o);
+        if (!o) return 1;
+        h->owned = o;
+        h->cap = cap;
+    }
+    h->msgs[h->n] = (kiln_chat_message){role, content};
+    h->owned[h->n] = content;
+    h->n++;
+    return 0;
+}
+
+static void history_clear(chat_history *h, size_t keep) {
+    while (h->n > keep) free(h->owned[--h->n]);
+}
+
+int cmd_chat(int argc, char **argv) {
+    gen_opts o;
+    int code = 0;
+    if (parse_opts("chat", argc, argv, &o, &code)) return code;
+    kiln_model *m = NULL;
+    kiln_context *ctx = NULL;
+    kiln_status st = open_model(&o, &m, &ctx);
+    if (st != KILN_OK) return cli_fail("chat", o.model, st);
+    const kiln_tokenizer *tok = kiln_model_get_tokenizer(m);
+    /* Fail early, before the first prompt, if the template is unknown. */
+    size_t need = 0;
+    kiln_chat_message probe = {"user", "hi"};
+    st = kiln_chat_apply(tok, &probe, 1, 1, NULL, 0, &need);
+    if (st != KILN_OK && st != KILN_ERR_BUFFER_TOO_SMALL) {
+        kiln_context_free(ctx);
+        kiln_model_close(m);
+        return cli_fail("chat", "chat template", st);
+    }
+    chat_history h = {0};
+    size_t base = 0;
+    if (o.system) {
+        char *s = strdup(o.system);
+        if (!s || history_push(&h, "system", s)) {
+            fprintf(stderr, "kiln chat: out of memory\n");
+            return 1;
+        }
+        base = 1;
+    }
+    int interactive = isatty(0);
+    char line[16384];
+    int rc = 0;
+    for (;;) {
+        if (interactive) {
+            fputs("\n> ", stdout);
+            fflush(stdout);
+        }
+        if (!fgets(line, sizeof line, stdin)) break;
+        size_t len = strlen(line);
+        while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = '\0';
+        if (!len) break;
+        if (!strcmp(line, "/reset")) {
+            history_clear(&h, base);
+            continue;
+        }
+        char *msg = strdup(line);
+        if (!msg || history_push(&h, "user", msg)) {
+            rc = 1;
+            break;
+        }
+        int32_t *ids = NULL;
+        size_t n_ids = 0;
+        st = encode_prompt(tok, NULL, 1, h.msgs, h.n, &ids, &n_ids);
+        if (st != KILN_OK) {
+            rc = cli_fail("chat", "prompt", st);
+            break;
+        }
+        if ((long)n_ids + o.n_predict > kiln_context_n_ctx(ctx)) {
+            free(ids);
+            fprintf(stderr, "kiln chat: the conversation (%zu tokens) no longer fits the context of %d; /reset\n",
+                    n_ids, kiln_context_n_ctx(ctx));
+            history_clear(&h, h.n - 1);
+            continue;
+        }
+        kiln_generate_params gp = kiln_generate_default_params();
+        gp.max_tokens = (int)o.n_predict;
+        gp.sampler = o.sampler;
+        gp.on_token = stream_to_stdout;
+        kiln_generate_result res;
+        st = kiln_generate(ctx, ids, n_ids, &gp, &res);
+        free(ids);
+        if (st != KILN_OK) {
+            rc = cli_fail("chat", "generation", st);
+            break;
+        }
+        fputc('\n', stdout);
+        fflush(stdout);
+        char *reply = strdup(res.text ? res.text : "");
+        kiln_generate_result_free(&res);
+        if (!reply || history_push(&h, "assistant", reply)) {
+            rc = 1;
+            break;
+        }
+    }
+    history_clear(&h, 0);
+    free(h.msgs);
+    free(h.owned);
+    kiln_context_free(ctx);
+    kiln_model_close(m);
+    return rc;
+}
