@@ -1,0 +1,279 @@
+"""kiln: Python binding (ctypes) over libkiln.
+
+The library is found through $KILN_LIB (a path to libkiln.so), else $KILN_BUILD_DIR/libkiln.so,
+else <repo>/build/libkiln.so. Every failing call raises KilnError with kiln's own message.
+"""
+import ctypes as C
+import os
+from pathlib import Path
+
+__all__ = ["KilnError", "Model", "Context", "Tokenizer", "load_library"]
+
+_lib = None
+
+
+class KilnError(RuntimeError):
+    def __init__(self, status, message):
+        super().__init__(f"{message} (status {status})")
+        self.status = status
+        self.message = message
+
+
+def _find_library():
+    if os.environ.get("KILN_LIB"):
+        return os.environ["KILN_LIB"]
+    build = os.environ.get("KILN_BUILD_DIR") or str(Path(__file__).resolve().parents[2] / "build")
+    return os.path.join(build, "libkiln.so")
+
+
+class _ModelParams(C.Structure):
+    _fields_ = [("n_threads", C.c_int), ("weight_mode", C.c_int), ("use_mmap", C.c_int)]
+
+
+class _ContextParams(C.Structure):
+    _fields_ = [("n_ctx", C.c_int), ("n_batch", C.c_int), ("n_threads", C.c_int)]
+
+
+class _SamplerParams(C.Structure):
+    _fields_ = [("temperature", C.c_float), ("top_k", C.c_int), ("top_p", C.c_float),
+                ("min_p", C.c_float), ("repeat_penalty", C.c_float), ("repeat_last_n", C.c_int),
+                ("seed", C.c_uint64)]
+
+
+_TokenCallback = C.CFUNCTYPE(C.c_int, C.c_int32, C.POINTER(C.c_char), C.c_size_t, C.c_void_p)
+
+
+class _GenerateParams(C.Structure):
+    _fields_ = [("max_tokens", C.c_int), ("sampler", _SamplerParams),
+                ("stop_strings", C.POINTER(C.c_char_p)), ("ignore_eos", C.c_int),
+                ("on_token", _TokenCallback), ("user", C.c_void_p)]
+
+
+class _GenerateResult(C.Structure):
+    _fields_ = [("ids", C.POINTER(C.c_int32)), ("n_ids", C.c_size_t), ("text", C.c_char_p),
+                ("text_len", C.c_size_t), ("stop_reason", C.c_char_p),
+                ("prefill_seconds", C.c_double), ("decode_seconds", C.c_double),
+                ("n_prompt", C.c_int), ("n_prompt_cached", C.c_int)]
+
+
+class _ModelInfo(C.Structure):
+    _fields_ = [("architecture", C.c_char_p), ("name", C.c_char_p),
+                ("n_layer", C.c_int), ("n_embd", C.c_int), ("n_head", C.c_int),
+                ("n_head_kv", C.c_int), ("head_dim", C.c_int), ("n_ff", C.c_int),
+                ("n_vocab", C.c_int), ("n_ctx_train", C.c_int),
+                ("rms_norm_eps", C.c_float), ("rope_theta", C.c_float),
+                ("tied_embeddings", C.c_int), ("attn_bias", C.c_int), ("qk_norm", C.c_int),
+                ("n_params", C.c_uint64), ("weight_bytes", C.c_uint64), ("n_tensors", C.c_int)]
+
+
+class MemStats(C.Structure):
+    _fields_ = [("live_bytes", C.c_size_t), ("peak_bytes", C.c_size_t),
+                ("live_blocks", C.c_size_t), ("n_allocs", C.c_uint64)]
+
+
+def load_library(path=None):
+    global _lib
+    if _lib is not None and path is None:
+        return _lib
+    lib = C.CDLL(path or _find_library())
+    P = C.c_void_p
+    sigs = {
+        "kiln_last_error": (C.c_char_p, []),
+        "kiln_status_string": (C.c_char_p, [C.c_int]),
+        "kiln_model_default_params": (_ModelParams, []),
+        "kiln_model_open": (C.c_int, [C.c_char_p, C.POINTER(_ModelParams), C.POINTER(P)]),
+        "kiln_model_close": (None, [P]),
+        "kiln_model_get_info": (C.c_int, [P, C.POINTER(_ModelInfo)]),
+        "kiln_model_get_tokenizer": (P, [P]),
+        "kiln_tokenizer_open": (C.c_int, [C.c_char_p, C.POINTER(P)]),
+        "kiln_tokenizer_close": (None, [P]),
+        "kiln_tokenize": (C.c_int, [P, C.c_char_p, C.c_size_t, C.c_int, C.c_int,
+                                    C.POINTER(C.c_int32), C.c_size_t, C.POINTER(C.c_size_t)]),
+        "kiln_detokenize": (C.c_int, [P, C.POINTER(C.c_int32), C.c_size_t, C.c_int, C.c_char_p,
+                                      C.c_size_t, C.POINTER(C.c_size_t)]),
+        "kiln_token_piece": (C.c_char_p, [P, C.c_int32]),
+        "kiln_context_default_params": (_ContextParams, []),
+        "kiln_context_create": (C.c_int, [P, C.POINTER(_ContextParams), C.POINTER(P)]),
+        "kiln_context_free": (None, [P]),
+        "kiln_context_truncate": (C.c_int, [P, C.c_int]),
+        "kiln_context_n_past": (C.c_int, [P]),
+        "kiln_decode": (C.c_int, [P, C.POINTER(C.c_int32), C.c_int, C.c_int, C.POINTER(C.c_float)]),
+        "kiln_sampler_default_params": (_SamplerParams, []),
+        "kiln_generate_default_params": (_GenerateParams, []),
+        "kiln_generate": (C.c_int, [P, C.POINTER(C.c_int32), C.c_size_t,
+                                    C.POINTER(_GenerateParams), C.POINTER(_GenerateResult)]),
+        "kiln_generate_result_free": (None, [C.POINTER(_GenerateResult)]),
+        "kiln_mem_get_stats": (None, [C.POINTER(MemStats)]),
+    }
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+    if path is None:
+        _lib = lib
+    return lib
+
+
+def _check(st):
+    if st != 0:
+        lib = load_library()
+        raise KilnError(st, lib.kiln_last_error().decode("utf-8", "replace"))
+
+
+def mem_stats():
+    s = MemStats()
+    load_library().kiln_mem_get_stats(C.byref(s))
+    return s
+
+
+class Tokenizer:
+    """A tokenizer: owned (from a path) or borrowed from a Model."""
+
+    def __init__(self, path=None, _handle=None, _owner=None):
+        self._lib = load_library()
+        self._owned = _handle is None
+        self._owner = _owner
+        if _handle is None:
+            h = C.c_void_p()
+            _check(self._lib.kiln_tokenizer_open(str(path).encode(), C.byref(h)))
+            _handle = h
+        self._h = _handle
+
+    def encode(self, text, add_special=True, parse_special=True):
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        n = C.c_size_t(0)
+        st = self._lib.kiln_tokenize(self._h, data, len(data), int(add_special),
+                                     int(parse_special), None, 0, C.byref(n))
+        if st not in (0, 9):
+            _check(st)
+        buf = (C.c_int32 * max(n.value, 1))()
+        _check(self._lib.kiln_tokenize(self._h, data, len(data), int(add_special),
+                                       int(parse_special), buf, n.value, C.byref(n)))
+        return list(buf[: n.value])
+
+    def decode_bytes(self, ids, render_special=False):
+        arr = (C.c_int32 * max(len(ids), 1))(*ids)
+        n = C.c_size_t(0)
+        st = self._lib.kiln_detokenize(self._h, arr, len(ids), int(render_special), None, 0,
+                                       C.byref(n))
+        if st not in (0, 9):
+            _check(st)
+        buf = C.create_string_buffer(n.value + 1)
+        _check(self._lib.kiln_detokenize(self._h, arr, len(ids), int(render_special), buf,
+                                         n.value + 1, C.byref(n)))
+        return buf.raw[: n.value]
+
+    def decode(self, ids, render_special=False):
+        return self.decode_bytes(ids, render_special).decode("utf-8", "replace")
+
+    def piece(self, i):
+        p = self._lib.kiln_token_piece(self._h, i)
+        return None if p is None else p.decode("utf-8", "replace")
+
+    def close(self):
+        if self._owned and self._h:
+            self._lib.kiln_tokenizer_close(self._h)
+        self._h = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Model:
+    def __init__(self, path, n_threads=0, f32=False, use_mmap=True):
+        self._lib = load_library()
+        p = self._lib.kiln_model_default_params()
+        p.n_threads = n_threads
+        p.weight_mode = 1 if f32 else 0
+        p.use_mmap = int(use_mmap)
+        h = C.c_void_p()
+        _check(self._lib.kiln_model_open(str(path).encode(), C.byref(p), C.byref(h)))
+        self._h = h
+        info = _ModelInfo()
+        _check(self._lib.kiln_model_get_info(self._h, C.byref(info)))
+        self.info = {k: getattr(info, k) for k, _ in _ModelInfo._fields_}
+        self.n_vocab = info.n_vocab
+        self.tokenizer = Tokenizer(_handle=self._lib.kiln_model_get_tokenizer(self._h), _owner=self)
+
+    def close(self):
+        if getattr(self, "_h", None):
+            self._lib.kiln_model_close(self._h)
+        self._h = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Context:
+    def __init__(self, model, n_ctx=0, n_batch=512, n_threads=0):
+        self._lib = load_library()
+        self.model = model
+        p = self._lib.kiln_context_default_params()
+        p.n_ctx, p.n_batch, p.n_threads = n_ctx, n_batch, n_threads
+        h = C.c_void_p()
+        _check(self._lib.kiln_context_create(model._h, C.byref(p), C.byref(h)))
+        self._h = h
+
+    @property
+    def n_past(self):
+        return self._lib.kiln_context_n_past(self._h)
+
+    def truncate(self, n_past=0):
+        _check(self._lib.kiln_context_truncate(self._h, n_past))
+
+    def decode(self, ids, all_logits=False):
+        """Append ids to the cache; returns logits as a list of rows (all_logits) or one row."""
+        import numpy as np
+        V = self.model.n_vocab
+        arr = (C.c_int32 * len(ids))(*ids)
+        rows = len(ids) if all_logits else 1
+        out = np.empty((rows, V), dtype=np.float32)
+        _check(self._lib.kiln_decode(self._h, arr, len(ids), int(all_logits),
+                                     out.ctypes.data_as(C.POINTER(C.c_float))))
+        return out if all_logits else out[0]
+
+    def generate(self, prompt_ids, max_tokens=32, temperature=0.0, top_k=0, top_p=1.0,
+                 min_p=0.0, repeat_penalty=1.0, seed=0, stop=None, ignore_eos=False):
+        gp = self._lib.kiln_generate_default_params()
+        gp.max_tokens = max_tokens
+        gp.sampler.temperature = temperature
+        gp.sampler.top_k = top_k
+        gp.sampler.top_p = top_p
+        gp.sampler.min_p = min_p
+        gp.sampler.repeat_penalty = repeat_penalty
+        gp.sampler.seed = seed
+        gp.ignore_eos = int(ignore_eos)
+        keep = None
+        if stop:
+            keep = (C.c_char_p * (len(stop) + 1))(*[s.encode() for s in stop], None)
+            gp.stop_strings = keep
+        arr = (C.c_int32 * len(prompt_ids))(*prompt_ids)
+        res = _GenerateResult()
+        _check(self._lib.kiln_generate(self._h, arr, len(prompt_ids), C.byref(gp), C.byref(res)))
+        try:
+            out = {
+                "ids": [res.ids[i] for i in range(res.n_ids)],
+                "text": C.string_at(res.text, res.text_len).decode("utf-8", "replace"),
+                "stop_reason": res.stop_reason.decode(),
+                "n_prompt_cached": res.n_prompt_cached,
+            }
+        finally:
+            self._lib.kiln_generate_result_free(C.byref(res))
+        return out
+
+    def close(self):
+        if getattr(self, "_h", None):
+            self._lib.kiln_context_free(self._h)
+        self._h = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
