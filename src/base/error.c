@@ -25,7 +25,16 @@ kiln_status kiln_error_prefix(kiln_status st, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(pre, sizeof pre, fmt, ap);
     va_end(ap);
-    snprintf(tl_error, sizeof tl_error, "%s: %s", pre, old);
+    /* truncation of an over-long message is intended */
+    size_t n = strlen(pre);
+    if (n > KILN_ERROR_CAP - 3) n = KILN_ERROR_CAP - 3;
+    memcpy(tl_error, pre, n);
+    memcpy(tl_error + n, ": ", 2);
+    size_t rest = KILN_ERROR_CAP - n - 3;
+    size_t ol = strlen(old);
+    if (ol > rest) ol = rest;
+    memcpy(tl_error + n + 2, old, ol);
+    tl_error[n + 2 + ol] = '\0';
     return st;
 }
 
