@@ -1,0 +1,131 @@
+/*
+ * kmath.h -- kiln's defined arithmetic: the pieces every backend must reproduce bit for bit.
+ *
+ * This header compiles as C11 and as CUDA (KILN_HD marks functions for host and device).
+ * Everything here is written with IEEE-754 binary32 operations whose results are fully
+ * specified (+, -, *, /, sqrtf, fmaf, integer bit manipulation) in round-to-nearest-even, so
+ * a CPU SIMD path or a GPU thread that performs the same operations in the same order gets
+ * the same bits. The definitions are documented in docs/ARITHMETIC.md; change one only with
+ * that document, and the CPU SIMD paths and tests that mirror it.
+ *
+ * Builds must not contract a*b+c into an FMA behind kiln's back (-ffp-contract=off on the
+ * host, --fmad=false under nvcc): every FMA here is an explicit fmaf().
+ */
+#ifndef KILN_KMATH_H
+#define KILN_KMATH_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__CUDACC__)
+#define KILN_HD __host__ __device__
+#else
+#define KILN_HD
+#endif
+
+/* Number of lane accumulators of the defined dot product (docs/ARITHMETIC.md, "dot"). */
+#define KILN_DOT_LANES 16
+/* Keys per block of the online softmax of attention (docs/ARITHMETIC.md, "attention"). */
+#define KILN_ATTN_BLOCK 64
+
+static inline KILN_HD uint32_t kiln_f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline KILN_HD float kiln_bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The fixed pairwise tree that ends every dot product: lanes (j, j+8) for j < 8, then
+ * (j, j+4) for j < 4, (j, j+2) for j < 2, and (0, 1). */
+static inline KILN_HD float kiln_lane16_reduce(const float acc[KILN_DOT_LANES]) {
+    float s8[8], s4[4], s2[2];
+    for (int j = 0; j < 8; j++) s8[j] = acc[j] + acc[j + 8];
+    for (int j = 0; j < 4; j++) s4[j] = s8[j] + s8[j + 4];
+    for (int j = 0; j < 2; j++) s2[j] = s4[j] + s4[j + 2];
+    return s2[0] + s2[1];
+}
+
+/* Continue the 16 lane accumulators over a[0..n) * b[0..n): lane i % 16 does
+ * acc = fmaf(a[i], b[i], acc) in increasing i. Pieces of one dot must start at multiples of
+ * 16 for the lane assignment to continue (all but the last piece have n % 16 == 0). */
+static inline KILN_HD void kiln_dot_accum_ref(float acc[KILN_DOT_LANES], const float *a,
+                                              const float *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++) acc[i % KILN_DOT_LANES] = fmaf(a[i], b[i], acc[i % KILN_DOT_LANES]);
+}
+
+/* The defined dot product of length n (portable reference; the SIMD paths equal it). */
+static inline KILN_HD float kiln_dot_ref(const float *a, const float *b, int64_t n) {
+    float acc[KILN_DOT_LANES] = {0};
+    kiln_dot_accum_ref(acc, a, b, n);
+    return kiln_lane16_reduce(acc);
+}
+
+/* ---- exp -------------------------------------------------------------------------------- */
+
+/* Constants of kiln_expf. ln2 is split so that k * KILN_EXP_LN2_HI is exact for |k| <= 2^9
+ * (the high part has 16 significant bits) and the reduction r = x - k*ln2 is done with two
+ * FMAs. The polynomial is the classic degree-6 minimax fit of (exp(r) - 1 - r) / r^2 on
+ * [-ln2/2, ln2/2] (Cephes' expf coefficients). */
+#define KILN_EXP_LOG2E 1.44269502162933349609375f     /* float(log2(e)) */
+#define KILN_EXP_LN2_HI 0.693145751953125f            /* 0x3f317200 */
+#define KILN_EXP_LN2_LO 1.428606765330187045e-06f     /* float(ln2 - LN2_HI) */
+#define KILN_EXP_SHIFTER 12582912.0f                  /* 1.5 * 2^23: rounds to an integer */
+#define KILN_EXP_HI 88.72283935546875f                /* above: +inf (largest x < ln(FLT_MAX)) */
+#define KILN_EXP_LO -103.972084045410156f             /* below: +0 (exp < 2^-150) */
+#define KILN_EXP_P0 1.9875691500e-4f
+#define KILN_EXP_P1 1.3981999507e-3f
+#define KILN_EXP_P2 8.3334519073e-3f
+#define KILN_EXP_P3 4.1665795894e-2f
+#define KILN_EXP_P4 1.6666665459e-1f
+#define KILN_EXP_P5 5.0000001201e-1f
+
+/* kiln's exp for binary32, about 1 ulp. Defined operation by operation:
+ *   NaN -> NaN (x + x); x > EXP_HI -> +inf; x < EXP_LO -> +0;
+ *   k  = (x * LOG2E + SHIFTER) - SHIFTER          (round to nearest integer, two roundings)
+ *   r  = fmaf(-k, LN2_HI, x);  r = fmaf(-k, LN2_LO, r)
+ *   p  = P0; p = fmaf(p, r, P1); ... p = fmaf(p, r, P5)     (Horner)
+ *   y  = fmaf(p, r * r, r) + 1.0f
+ *   k1 = k >> 1 (floor), k2 = k - k1;  result = (y * 2^k1) * 2^k2   (2^k built from bits)
+ * The split scaling keeps 2^k1 and 2^k2 normal for k in [-150, 128], so only the last
+ * multiply can round (into a subnormal). */
+static inline KILN_HD float kiln_expf(float x) {
+    if (x != x) return x + x;
+    if (x > KILN_EXP_HI) return INFINITY;
+    if (x < KILN_EXP_LO) return 0.0f;
+    float t = x * KILN_EXP_LOG2E;
+    float kf = (t + KILN_EXP_SHIFTER) - KILN_EXP_SHIFTER;
+    float r = fmaf(-kf, KILN_EXP_LN2_HI, x);
+    r = fmaf(-kf, KILN_EXP_LN2_LO, r);
+    float p = KILN_EXP_P0;
+    p = fmaf(p, r, KILN_EXP_P1);
+    p = fmaf(p, r, KILN_EXP_P2);
+    p = fmaf(p, r, KILN_EXP_P3);
+    p = fmaf(p, r, KILN_EXP_P4);
+    p = fmaf(p, r, KILN_EXP_P5);
+    float y = fmaf(p, r * r, r) + 1.0f;
+    int32_t k = (int32_t)kf;
+    int32_t k1 = k >> 1; /* arithmetic shift: floor(k / 2) */
+    int32_t k2 = k - k1;
+    float s1 = kiln_bits_f32((uint32_t)(k1 + 127) << 23);
+    float s2 = kiln_bits_f32((uint32_t)(k2 + 127) << 23);
+    return (y * s1) * s2;
+}
+
+/* silu(g) = g / (1 + exp(-g)), with kiln_expf; then swiglu = silu(g) * u (two roundings). */
+static inline KILN_HD float kiln_silu(float g) { return g / (1.0f + kiln_expf(-g)); }
+static inline KILN_HD float kiln_swiglu(float g, float u) { return kiln_silu(g) * u; }
+
+/* rmsnorm's scale for a row with sum of squares ss (the defined dot of x with itself):
+ * 1 / sqrt(ss / C + eps), three correctly rounded operations and one division. */
+static inline KILN_HD float kiln_rms_scale(float ss, int C, float eps) {
+    float mean = ss / (float)C;
+    return 1.0f / sqrtf(mean + eps);
+}
+
+#endif /* KILN_KMATH_H */

@@ -1,0 +1,368 @@
+/*
+ * cpu_backend.c -- the CPU backend: the ops of ops.h on kiln's thread pool, with the inner
+ * loops of the SIMD path chosen at creation (cpu_kernels.h).
+ *
+ * Parallel work is split statically into tasks; each output element belongs to exactly one
+ * task and is computed in the order docs/ARITHMETIC.md defines, so results are the same for
+ * every thread count and every SIMD path.
+ */
+#include "../ops.h"
+#include "../../base/threadpool.h"
+#include "cpu_kernels.h"
+
+#include <string.h>
+
+typedef struct cpu_ctx {
+    kiln_pool *pool;
+    const kiln_cpu_kernels *k;
+} cpu_ctx;
+
+static cpu_ctx *ctx_of(kiln_backend *be) { return (cpu_ctx *)be->ctx; }
+
+/* Split [0, n) into n_tasks contiguous ranges whose starts are multiples of align. */
+static void split_range(int64_t n, int n_tasks, int task, int64_t align, int64_t *lo,
+                        int64_t *hi) {
+    int64_t chunk = (n + n_tasks - 1) / n_tasks;
+    chunk = (chunk + align - 1) / align * align;
+    *lo = (int64_t)task * chunk;
+    *hi = *lo + chunk;
+    if (*lo > n) *lo = n;
+    if (*hi > n) *hi = n;
+}
+
+/* Tasks for a job of `work` multiply-adds split into units of at least min_work. */
+static int n_tasks_for(const cpu_ctx *c, double work, double min_work, int64_t max_tasks) {
+    int n = kiln_pool_n_threads(c->pool);
+    if (work < min_work) n = 1;
+    if (n > max_tasks) n = (int)(max_tasks > 0 ? max_tasks : 1);
+    return n;
+}
+
+/* ---- embed ---------------------------------------------------------------------------- */
+
+typedef struct embed_job {
+    float *out;
+    const kiln_tensor *table;
+    const int32_t *ids;
+    int N, n_tasks;
+    int64_t C;
+    size_t row_bytes;
+} embed_job;
+
+static void embed_task(void *arg, int task, int thread) {
+    const embed_job *j = arg;
+    int64_t lo, hi;
+    split_range(j->N, j->n_tasks, task, 1, &lo, &hi);
+    for (int64_t n = lo; n < hi; n++) {
+        const uint8_t *row = (const uint8_t *)j->table->data + (size_t)j->ids[n] * j->row_bytes;
+        kiln_dequantize(j->table->dtype, row, j->out + n * j->C, j->C);
+    }
+}
+
+static size_t row_bytes_of(kiln_dtype dt, int64_t C) {
+    const kiln_dtype_traits *tr = kiln_dtype_get_traits(dt);
+    return (size_t)(C / tr->block_size) * (size_t)tr->type_size;
+}
+
+static void cpu_embed(kiln_backend *be, float *out, const kiln_tensor *table, const int32_t *ids,
+                      int N) {
+    cpu_ctx *c = ctx_of(be);
+    int64_t C = table->shape[table->n_dims - 1];
+    embed_job j = {out, table, ids, N, 0, C, row_bytes_of(table->dtype, C)};
+    j.n_tasks = n_tasks_for(c, (double)N * C, 65536, N);
+    kiln_pool_run(c->pool, j.n_tasks, embed_task, &j);
+}
+
+/* ---- rmsnorm -------------------------------------------------------------------------- */
+
+typedef struct rmsnorm_job {
+    const kiln_cpu_kernels *k;
+    float *out;
+    const float *x, *w;
+    int N, C, n_tasks;
+    float eps;
+} rmsnorm_job;
+
+static void rmsnorm_task(void *arg, int task, int thread) {
+    const rmsnorm_job *j = arg;
+    int64_t lo, hi;
+    split_range(j->N, j->n_tasks, task, 1, &lo, &hi);
+    for (int64_t n = lo; n < hi; n++) {
+        const float *x = j->x + n * j->C;
+        float acc[KILN_DOT_LANES] = {0};
+        j->k->dot_accum(acc, x, x, j->C);
+        float r = kiln_rms_scale(kiln_lane16_reduce(acc), j->C, j->eps);
+        j->k->scale_mul(j->out + n * j->C, x, r, j->w, j->C);
+    }
+}
+
+static void cpu_rmsnorm(kiln_backend *be, float *out, const float *x, const float *w, int N,
+                        int C, float eps) {
+    cpu_ctx *c = ctx_of(be);
+    rmsnorm_job j = {c->k, out, x, w, N, C, 0, eps};
+    j.n_tasks = n_tasks_for(c, (double)N * C, 32768, N);
+    kiln_pool_run(c->pool, j.n_tasks, rmsnorm_task, &j);
+}
+
+/* ---- matmul --------------------------------------------------------------------------- */
+
+typedef struct matmul_job {
+    const kiln_cpu_kernels *k;
+    kiln_mm_args a;
+    int64_t R;
+    int n_tasks;
+} matmul_job;
+
+#define GENERIC_CHUNK 4096 /* elements dequantized at a time: a multiple of every block size */
+#define GENERIC_TOKENS 64
+
+/* Any dtype: dequantize a chunk of one row into L1 (kiln_dequantize: the reference bits),
+ * then continue the 16 lane accumulators of up to 64 tokens over it. */
+static void matmul_generic(const kiln_cpu_kernels *k, const kiln_mm_args *a, int64_t r0,
+                           int64_t r1) {
+    float buf[GENERIC_CHUNK];
+    float acc[GENERIC_TOKENS][KILN_DOT_LANES];
+    const kiln_dtype_traits *tr = kiln_dtype_get_traits(a->dtype);
+    for (int t0 = 0; t0 < a->N; t0 += GENERIC_TOKENS) {
+        int nt = a->N - t0 < GENERIC_TOKENS ? a->N - t0 : GENERIC_TOKENS;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = a->w + (size_t)r * a->row_bytes;
+            memset(acc, 0, sizeof acc);
+            for (int64_t c0 = 0; c0 < a->C; c0 += GENERIC_CHUNK) {
+                int64_t n = a->C - c0 < GENERIC_CHUNK ? a->C - c0 : GENERIC_CHUNK;
+                const float *wv;
+                if (a->dtype == KILN_DTYPE_F32) {
+                    wv = (const float *)row + c0;
+                } else {
+                    size_t off = (size_t)(c0 / tr->block_size) * (size_t)tr->type_size;
+                    kiln_dequantize(a->dtype, row + off, buf, n);
+                    wv = buf;
+                }
+                for (int t = 0; t < nt; t++)
+                    k->dot_accum(acc[t], a->x + (int64_t)(t0 + t) * a->ldx + c0, wv, n);
+            }
+            for (int t = 0; t < nt; t++) {
+                float s = kiln_lane16_reduce(acc[t]);
+                if (a->bias) s = s + a->bias[r];
+                a->out[(int64_t)(t0 + t) * a->ldo + r] = s;
+            }
+        }
+    }
+}
+
+static void matmul_task(void *arg, int task, int thread) {
+    const matmul_job *j = arg;
+    int64_t lo, hi;
+    split_range(j->R, j->n_tasks, task, 4, &lo, &hi);
+    if (lo >= hi) return;
+    if (!j->k->matmul_rows(&j->a, lo, hi)) matmul_generic(j->k, &j->a, lo, hi);
+}
+
+static void cpu_matmul(kiln_backend *be, float *out, const float *x, const kiln_tensor *W,
+                       const float *bias, int N) {
+    cpu_ctx *c = ctx_of(be);
+    int64_t C = W->shape[W->n_dims - 1];
+    int64_t R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
+    matmul_job j;
+    j.k = c->k;
+    j.a = (kiln_mm_args){out, R, x, C, (const uint8_t *)W->data, row_bytes_of(W->dtype, C),
+                         W->dtype, C, bias, N};
+    j.R = R;
+    j.n_tasks = n_tasks_for(c, (double)N * R * C, 65536, (R + 3) / 4);
+    kiln_pool_run(c->pool, j.n_tasks, matmul_task, &j);
+}
+
+/* ---- rope ----------------------------------------------------------------------------- */
+
+static void cpu_rope(kiln_backend *be, float *x, const int32_t *pos, int N, int H, int HS,
+                     const float *cos_tab, const float *sin_tab) {
+    int half = HS / 2;
+    for (int n = 0; n < N; n++) {
+        const float *ct = cos_tab + (int64_t)pos[n] * half;
+        const float *st = sin_tab + (int64_t)pos[n] * half;
+        for (int h = 0; h < H; h++) {
+            float *v = x + ((int64_t)n * H + h) * HS;
+            for (int i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * ct[i] - b * st[i];
+                v[i + half] = b * ct[i] + a * st[i];
+            }
+        }
+    }
+}
+
+/* ---- attention ------------------------------------------------------------------------ */
+
+typedef struct attn_job {
+    const kiln_cpu_kernels *k;
+    float *out;
+    const float *q, *kc, *vc;
+    int N, n_past, NH, KVH, HS, n_tasks;
+    float scale;
+} attn_job;
+
+/* One (token i, head h): the online softmax over key blocks of KILN_ATTN_BLOCK
+ * (docs/ARITHMETIC.md). The output row doubles as the accumulator. */
+static void attn_one(const attn_job *j, int i, int h) {
+    const kiln_cpu_kernels *k = j->k;
+    const int HS = j->HS;
+    const int kvh = h / (j->NH / j->KVH);
+    const int64_t stride = (int64_t)j->KVH * HS;
+    const float *q = j->q + ((int64_t)i * j->NH + h) * HS;
+    float *acc = j->out + ((int64_t)i * j->NH + h) * HS;
+    const int T = j->n_past + i + 1; /* causal: keys 0..n_past+i */
+    float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK];
+    float m = -INFINITY, l = 0.0f;
+    for (int d = 0; d < HS; d++) acc[d] = 0.0f;
+    for (int kb = 0; kb < T; kb += KILN_ATTN_BLOCK) {
+        int nk = T - kb < KILN_ATTN_BLOCK ? T - kb : KILN_ATTN_BLOCK;
+        k->dots(s, q, j->kc + (int64_t)kb * stride + (int64_t)kvh * HS, stride, nk, HS);
+        float bm = -INFINITY;
+        for (int t = 0; t < nk; t++) {
+            s[t] = s[t] * j->scale;
+            bm = s[t] > bm ? s[t] : bm;
+        }
+        float m_new = bm > m ? bm : m;
+        float alpha = kiln_expf(m - m_new);
+        k->exp_sub(p, s, m_new, nk);
+        l = l * alpha;
+        for (int t = 0; t < nk; t++) l = l + p[t];
+        k->attn_pv(acc, alpha, p, j->vc + (int64_t)kb * stride + (int64_t)kvh * HS, stride, nk,
+                   HS);
+        m = m_new;
+    }
+    for (int d = 0; d < HS; d++) acc[d] = acc[d] / l;
+}
+
+static void attn_task(void *arg, int task, int thread) {
+    const attn_job *j = arg;
+    int64_t lo, hi;
+    split_range((int64_t)j->N * j->NH, j->n_tasks, task, 1, &lo, &hi);
+    for (int64_t u = lo; u < hi; u++) attn_one(j, (int)(u / j->NH), (int)(u % j->NH));
+}
+
+static void cpu_attention(kiln_backend *be, float *out, const float *q, const float *k,
+                          const float *v, int N, int n_past, int NH, int KVH, int HS,
+                          float scale) {
+    cpu_ctx *c = ctx_of(be);
+    attn_job j = {c->k, out, q, k, v, N, n_past, NH, KVH, HS, 0, scale};
+    double work = (double)N * NH * HS * (n_past + N);
+    j.n_tasks = n_tasks_for(c, work, 16384, (int64_t)N * NH);
+    kiln_pool_run(c->pool, j.n_tasks, attn_task, &j);
+}
+
+/* ---- elementwise ---------------------------------------------------------------------- */
+
+typedef struct ew_job {
+    const kiln_cpu_kernels *k;
+    float *out;
+    const float *a, *b;
+    size_t n;
+    int n_tasks;
+} ew_job;
+
+static void swiglu_task(void *arg, int task, int thread) {
+    const ew_job *j = arg;
+    int64_t lo, hi;
+    split_range((int64_t)j->n, j->n_tasks, task, 64, &lo, &hi);
+    if (lo < hi) j->k->swiglu(j->out + lo, j->a + lo, j->b + lo, (size_t)(hi - lo));
+}
+
+static void add_task(void *arg, int task, int thread) {
+    const ew_job *j = arg;
+    int64_t lo, hi;
+    split_range((int64_t)j->n, j->n_tasks, task, 64, &lo, &hi);
+    if (lo < hi) j->k->add(j->out + lo, j->a + lo, (size_t)(hi - lo));
+}
+
+static void cpu_swiglu(kiln_backend *be, float *out, const float *gate, const float *up,
+                       size_t n) {
+    cpu_ctx *c = ctx_of(be);
+    ew_job j = {c->k, out, gate, up, n, 0};
+    j.n_tasks = n_tasks_for(c, (double)n * 8, 65536, (int64_t)(n / 64) + 1);
+    kiln_pool_run(c->pool, j.n_tasks, swiglu_task, &j);
+}
+
+static void cpu_add(kiln_backend *be, float *x, const float *y, size_t n) {
+    cpu_ctx *c = ctx_of(be);
+    ew_job j = {c->k, x, y, NULL, n, 0};
+    j.n_tasks = n_tasks_for(c, (double)n, 65536, (int64_t)(n / 64) + 1);
+    kiln_pool_run(c->pool, j.n_tasks, add_task, &j);
+}
+
+/* ---- the table -------------------------------------------------------------------------- */
+
+static bool cpu_supports_op(const kiln_backend *be, kiln_op op, kiln_dtype wtype) {
+    (void)be;
+    if (op < 0 || op >= KILN_OP_COUNT) return false;
+    if (op != KILN_OP_MATMUL && op != KILN_OP_EMBED) return true;
+    switch (wtype) {
+    case KILN_DTYPE_F32: case KILN_DTYPE_F16: case KILN_DTYPE_BF16: case KILN_DTYPE_Q8_0:
+    case KILN_DTYPE_Q4_0: case KILN_DTYPE_Q4_1: case KILN_DTYPE_Q5_0: case KILN_DTYPE_Q5_1:
+    case KILN_DTYPE_Q4_K: case KILN_DTYPE_Q5_K: case KILN_DTYPE_Q6_K:
+        return true;
+    default:
+        return false;
+    }
+}
+
+static void cpu_free(kiln_backend *be) {
+    cpu_ctx *c = ctx_of(be);
+    if (c) kiln_pool_free(c->pool);
+    kiln_free(c);
+    kiln_free(be);
+}
+
+static const kiln_backend_i cpu_iface = {
+    .name = "cpu",
+    .free = cpu_free,
+    .supports_op = cpu_supports_op,
+    .embed = cpu_embed,
+    .rmsnorm = cpu_rmsnorm,
+    .matmul = cpu_matmul,
+    .rope = cpu_rope,
+    .attention = cpu_attention,
+    .swiglu = cpu_swiglu,
+    .add = cpu_add,
+};
+
+static const kiln_cpu_kernels *kernels_for(kiln_cpu_path p) {
+#if defined(KILN_CPU_HAVE_X86)
+    if (p == KILN_CPU_PATH_AVX512) return &kiln_cpu_kernels_avx512;
+    if (p == KILN_CPU_PATH_AVX2) return &kiln_cpu_kernels_avx2;
+#else
+    (void)p;
+#endif
+    return &kiln_cpu_kernels_portable;
+}
+
+kiln_status kiln_backend_cpu_create(int n_threads, kiln_backend **out) {
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_cpu_create: out is NULL");
+    *out = NULL;
+    if (n_threads < 0)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_cpu_create: n_threads %d < 0",
+                          n_threads);
+    kiln_backend *be = kiln_calloc(1, sizeof *be);
+    cpu_ctx *c = kiln_calloc(1, sizeof *c);
+    if (!be || !c) {
+        kiln_free(be);
+        kiln_free(c);
+        return kiln_error(KILN_ERR_NOMEM, "kiln_backend_cpu_create: out of memory");
+    }
+    kiln_status st = kiln_pool_create(n_threads, &c->pool);
+    if (st != KILN_OK) {
+        kiln_free(be);
+        kiln_free(c);
+        return kiln_error_prefix(st, "kiln_backend_cpu_create");
+    }
+    c->k = kernels_for(kiln_cpu_select_path());
+    be->i = &cpu_iface;
+    be->n_threads = kiln_pool_n_threads(c->pool);
+    be->ctx = c;
+    *out = be;
+    return KILN_OK;
+}
+
+kiln_cpu_path kiln_backend_cpu_path(const kiln_backend *be) {
+    return ((const cpu_ctx *)be->ctx)->k->path;
+}

@@ -1,0 +1,63 @@
+/*
+ * cpu_kernels.h -- the inner loops of the CPU backend, one table per SIMD path.
+ *
+ * Every path computes the SAME bits (docs/ARITHMETIC.md): the portable table is plain C with
+ * fmaf, the AVX2 and AVX-512 tables perform the same IEEE operations in the same order per
+ * output element, just many elements at once. tests/c/test_ops.c checks this bit for bit.
+ */
+#ifndef KILN_CPU_KERNELS_H
+#define KILN_CPU_KERNELS_H
+
+#include "../../base/cpu_features.h"
+#include "../../base/kmath.h"
+#include "../../base/tensor.h"
+
+/* One matmul job: out(N,R) = x(N,C) @ W(R,C)^T (+ bias), with W's rows row_bytes apart. */
+typedef struct kiln_mm_args {
+    float *out;         /* out[t*ldo + r] */
+    int64_t ldo;
+    const float *x;     /* x[t*ldx + c] */
+    int64_t ldx;
+    const uint8_t *w;   /* row r at w + r*row_bytes */
+    size_t row_bytes;
+    kiln_dtype dtype;
+    int64_t C;          /* a multiple of the block size for quantized types */
+    const float *bias;  /* (R) or NULL */
+    int N;
+} kiln_mm_args;
+
+typedef struct kiln_cpu_kernels {
+    kiln_cpu_path path;
+    /* Continue the 16 lane accumulators over a[0..n) * b[0..n) (kiln_dot_accum_ref). */
+    void (*dot_accum)(float acc[KILN_DOT_LANES], const float *a, const float *b, int64_t n);
+    /* s[j] = dot(q, k + j*k_stride) over HS elements, j < nk (the defined dot). */
+    void (*dots)(float *s, const float *q, const float *k, int64_t k_stride, int nk, int HS);
+    /* Rows [r0, r1) of a matmul for all N tokens, fused dequantization. Returns 0 when this
+     * path has no fused kernel for a->dtype (the caller then uses the generic block path). */
+    int (*matmul_rows)(const kiln_mm_args *a, int64_t r0, int64_t r1);
+    /* acc[d] *= alpha (d < HS); then for j < nk in order: acc[d] = fmaf(p[j], v_j[d], acc[d])
+     * with v_j = v + j*v_stride. */
+    void (*attn_pv)(float *acc, float alpha, const float *p, const float *v, int64_t v_stride,
+                    int nk, int HS);
+    /* p[j] = kiln_expf(s[j] - m), j < n. */
+    void (*exp_sub)(float *p, const float *s, float m, int n);
+    /* out[i] = (x[i] * r) * w[i] (w NULL: x[i] * r). */
+    void (*scale_mul)(float *out, const float *x, float r, const float *w, int64_t n);
+    /* out[i] = kiln_swiglu(g[i], u[i]). */
+    void (*swiglu)(float *out, const float *g, const float *u, size_t n);
+    /* x[i] += y[i]. */
+    void (*add)(float *x, const float *y, size_t n);
+} kiln_cpu_kernels;
+
+extern const kiln_cpu_kernels kiln_cpu_kernels_portable;
+#if defined(__x86_64__)
+#define KILN_CPU_HAVE_X86 1
+extern const kiln_cpu_kernels kiln_cpu_kernels_avx2;
+extern const kiln_cpu_kernels kiln_cpu_kernels_avx512;
+#endif
+
+/* The SIMD path a CPU backend (from kiln_backend_cpu_create) uses: for tests, benchmarks. */
+struct kiln_backend;
+kiln_cpu_path kiln_backend_cpu_path(const struct kiln_backend *be);
+
+#endif /* KILN_CPU_KERNELS_H */
