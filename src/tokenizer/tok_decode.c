@@ -98,7 +98,8 @@ static kiln_status add_replaced(tok_buf *b, const char *s, size_t n, const char 
 /* ---- per token ---------------------------------------------------------------------------- */
 
 /* The bytes of one token without the whole-sequence steps (Strip, the first-token space). */
-static kiln_status token_bytes(const kiln_tokenizer *t, int32_t id, int render_special, tok_buf *b) {
+static kiln_status token_bytes(const kiln_tokenizer *t, int32_t id, int render_special, int first,
+                               tok_buf *b) {
     uint8_t a = t->attr[id];
     const char *s = t->piece[id];
     size_t n = t->piece_len[id];
@@ -120,7 +121,8 @@ static kiln_status token_bytes(const kiln_tokenizer *t, int32_t id, int render_s
         nxt.n = 0;
         if (d->kind == TOK_DEC_BYTELEVEL) st = bytelevel_token(&nxt, cur.p, cur.n);
         else if (d->kind == TOK_DEC_REPLACE) st = add_replaced(&nxt, cur.p, cur.n, d->a, d->b);
-        else if (d->kind == TOK_DEC_METASPACE) st = add_replaced(&nxt, cur.p, cur.n, d->a, " ");
+        else if (d->kind == TOK_DEC_METASPACE)
+            st = add_replaced(&nxt, cur.p, cur.n, d->a, first && d->start ? "" : " ");
         else continue;
         tok_buf tmp = cur;
         cur = nxt;
@@ -140,7 +142,7 @@ KILN_API kiln_status kiln_token_to_bytes(const kiln_tokenizer *t, int32_t id, in
         return kiln_error(KILN_ERR_RANGE, "kiln_token_to_bytes: id %d outside [0, %d)", id,
                           t->n_vocab);
     tok_buf b = {0};
-    kiln_status st = token_bytes(t, id, render_special, &b);
+    kiln_status st = token_bytes(t, id, render_special, 0, &b);
     if (st == KILN_OK) {
         *n_out = b.n;
         if (b.n > cap)
@@ -211,12 +213,11 @@ static kiln_status dec_step(const tok_dec_step *d, const tok_list *in, tok_list 
     case TOK_DEC_METASPACE:
         for (size_t i = 0; i < in->n && st == KILN_OK; i++) {
             tmp.n = 0;
-            st = add_replaced(&tmp, LS(in, i), in->len[i], d->a, d->kind == TOK_DEC_REPLACE ? d->b : " ");
-            if (st == KILN_OK && d->kind == TOK_DEC_METASPACE && i == 0 && d->start && tmp.n &&
-                tmp.p[0] == ' ') {
-                st = list_add(out, tmp.p + 1, tmp.n - 1);
-                continue;
-            }
+            /* HF's Metaspace decoder drops every marker of the first token (not only a
+             * leading one) when the scheme prepends, and maps the others to ' ' */
+            const char *rep = d->kind == TOK_DEC_REPLACE ? d->b
+                              : (i == 0 && d->start) ? "" : " ";
+            st = add_replaced(&tmp, LS(in, i), in->len[i], d->a, rep);
             if (st == KILN_OK) st = list_add(out, tmp.p ? tmp.p : "", tmp.n);
         }
         break;
@@ -331,6 +332,7 @@ struct kiln_detok_stream {
     int render_special;
     int strip_first_space; /* the decoder drops one leading space of the whole text */
     int started;           /* some text has been produced */
+    int n_tokens;          /* tokens pushed that were not skipped */
     uint8_t pend[4];       /* an incomplete UTF-8 sequence held back */
     size_t n_pend;
 };
@@ -344,9 +346,7 @@ KILN_API kiln_status kiln_detok_stream_create(const kiln_tokenizer *t, int rende
     s->render_special = render_special;
     for (int k = 0; k < t->n_dec; k++) {
         const tok_dec_step *d = &t->dec[k];
-        if ((d->kind == TOK_DEC_STRIP && d->start > 0 && !strcmp(d->a, " ")) ||
-            (d->kind == TOK_DEC_METASPACE && d->start))
-            s->strip_first_space = 1;
+        if (d->kind == TOK_DEC_STRIP && d->start > 0 && !strcmp(d->a, " ")) s->strip_first_space = 1;
     }
     *out = s;
     return KILN_OK;
@@ -398,8 +398,12 @@ KILN_API kiln_status kiln_detok_stream_push(kiln_detok_stream *s, int32_t id, ch
         return kiln_error(KILN_ERR_RANGE, "kiln_detok_stream_push: id %d outside [0, %d)", id,
                           s->t->n_vocab);
     tok_buf b = {0};
-    kiln_status st = token_bytes(s->t, id, s->render_special, &b);
+    const kiln_tokenizer *t = s->t;
+    int skipped = (t->attr[id] & TOK_ATTR_UNUSED) ||
+                  ((t->attr[id] & TOK_ATTR_SPECIAL) && !s->render_special);
+    kiln_status st = token_bytes(t, id, s->render_special, s->n_tokens == 0, &b);
     if (st == KILN_OK) st = stream_emit(s, b.p ? b.p : "", b.n, 0, buf, cap, n_out);
+    if (st == KILN_OK && !skipped) s->n_tokens++;
     kiln_free(b.p);
     return st;
 }

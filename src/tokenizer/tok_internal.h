@@ -114,6 +114,9 @@ struct kiln_tokenizer {
     int n_added;
 
     int32_t bos_id, eos_id, eot_id, eom_id, pad_id, unk_id;
+    int32_t model_unk_id;     /* HF model.unk_token: byte-level BPE emits it for a byte missing
+                               * from the vocabulary; without one the byte is dropped (HF and
+                               * llama.cpp both drop it) */
     int add_bos, add_eos;
     int32_t *prefix_ids, *suffix_ids; /* HF TemplateProcessing single; NULL -> bos/eos */
     int n_prefix, n_suffix;

@@ -243,6 +243,7 @@ kiln_status kiln_tokenizer_from_gguf(const kiln_gguf *g, kiln_tokenizer **out) {
     }
     if (st == KILN_OK && spm) {
         t->type = "spm";
+        t->model_unk_id = t->unk_id;
         t->merge_mode = TOK_MERGE_SCORE;
         t->byte_fallback = 1;
         tok_pre_step *ps = &t->pre_steps[t->n_pre++];
@@ -541,7 +542,7 @@ static kiln_status hf_build(kiln_tokenizer **out, const cJSON *root, const cJSON
     t->byte_fallback = jbool(model, "byte_fallback", 0);
     t->ignore_merges = jbool(model, "ignore_merges", 0);
     const char *unk = jstr(model, "unk_token");
-    if (st == KILN_OK && unk) t->unk_id = tok_find(t, unk, strlen(unk));
+    if (st == KILN_OK && unk) t->unk_id = t->model_unk_id = tok_find(t, unk, strlen(unk));
     const cJSON *merges = cJSON_GetObjectItemCaseSensitive(model, "merges");
     if (st == KILN_OK) st = tok_merges_reserve(t, (size_t)cJSON_GetArraySize(merges));
     int32_t rank = 0;

@@ -20,7 +20,7 @@ kiln_status tok_alloc(kiln_tokenizer **out, int32_t n_vocab, const char *label) 
     t->piece_len = kiln_calloc((size_t)n_vocab, sizeof *t->piece_len);
     t->attr = kiln_calloc((size_t)n_vocab, sizeof *t->attr);
     t->type = "bpe";
-    t->bos_id = t->eos_id = t->eot_id = t->eom_id = t->pad_id = t->unk_id = -1;
+    t->bos_id = t->eos_id = t->eot_id = t->eom_id = t->pad_id = t->unk_id = t->model_unk_id = -1;
     for (int i = 0; i < 256; i++) t->byte_id[i] = -1;
     if (!t->label || !t->piece || !t->piece_len || !t->attr) {
         kiln_tokenizer_free(t);
@@ -394,7 +394,7 @@ static kiln_status emit_unknown(const kiln_tokenizer *t, tok_ws *w, const char *
             return KILN_OK;
         }
     }
-    if (t->unk_id >= 0) return ws_push_id(w, t->unk_id);
+    if (t->model_unk_id >= 0) return ws_push_id(w, t->model_unk_id);
     return KILN_OK; /* no unknown token: the character is dropped, as HF's BPE does */
 }
 
@@ -457,7 +457,7 @@ static kiln_status bpe_piece(const kiln_tokenizer *t, tok_ws *w, const char *s, 
             KILN_TRY(ws_push_id(w, y->id));
         } else if (t->byte_level) {
             /* a mapped char missing from a byte-level vocabulary */
-            if (t->unk_id >= 0) KILN_TRY(ws_push_id(w, t->unk_id));
+            if (t->model_unk_id >= 0) KILN_TRY(ws_push_id(w, t->model_unk_id));
         } else {
             KILN_TRY(emit_unknown(t, w, text + y->start, y->len));
         }
