@@ -1,13 +1,17 @@
 /*
  * threadpool.c -- see threadpool.h.
  *
- * Protocol. The owner publishes a job (fn, ctx, n_tasks), sets pending = n_threads - 1 and
- * bumps the generation counter gen (release). A worker waits for gen to change: first by
- * spinning, then by sleeping on cv_start after announcing itself in n_sleepers. The
- * announce-then-recheck (worker) and publish-then-check-sleepers (owner) pairs are seq_cst,
- * so either the owner sees the sleeper and broadcasts under the mutex, or the worker sees
- * the new generation and does not sleep: no lost wake-ups. Completion mirrors this with
- * pending / owner_sleeping / cv_done.
+ * Protocol. The owner publishes a job (fn, ctx in a slot, n_tasks in the claim word) and
+ * bumps the generation counter gen. Workers wait for gen to change: first by spinning, then
+ * by sleeping on cv_start after announcing themselves in n_sleepers. The announce-then-
+ * recheck (worker) and publish-then-check-sleepers (owner) pairs are seq_cst, so either the
+ * owner sees the sleeper and broadcasts under the mutex, or the worker sees the new
+ * generation and does not sleep: no lost wake-ups. Every thread, the owner included, then
+ * claims task indices with one atomic fetch_add until none are left, and the owner waits
+ * until `done` counts every task. Tasks are claimed dynamically (a descheduled or sleeping
+ * worker never holds up work it has not claimed), which cannot change results: the split
+ * of the work into tasks depends only on the shapes and n_threads, and each task computes
+ * its outputs alone in a fixed order.
  */
 #include "threadpool.h"
 
@@ -16,10 +20,23 @@
 
 #define SPIN_ITERS (1 << 15)
 
+/* The claim word: job sequence (24 bits) | n_tasks (20 bits) | next task index (20 bits).
+ * fetch_add(claim, 1) hands out task indices; a thread stops at the first index >= n_tasks,
+ * so the index never exceeds n_tasks + n_threads < 2^20 and never carries into n_tasks. */
+#define IDX_BITS 20
+#define MAX_BATCH (1 << 19)
+#define IDX_MASK ((1ull << IDX_BITS) - 1)
+
 typedef struct worker {
     kiln_pool *pool;
     int index;
 } worker;
+
+typedef struct job_slot {
+    kiln_pool_fn fn;
+    void *ctx;
+    int offset; /* task index of this batch's first task */
+} job_slot;
 
 struct kiln_pool {
     int n_threads;
@@ -27,13 +44,15 @@ struct kiln_pool {
     worker *workers;
     int n_started;
 
-    /* the current job: written by the owner before gen is bumped */
-    kiln_pool_fn fn;
-    void *ctx;
-    int n_tasks;
+    /* Job seq uses slot[seq & 1]: written by the owner before the claim word publishes seq,
+     * read by a thread only after it claimed a valid task of seq, which keeps seq (and so
+     * the slot) alive until that task is done. */
+    job_slot slot[2];
+    uint64_t seq;
 
-    _Atomic uint64_t gen;
-    _Atomic int pending;
+    _Atomic uint64_t claim;
+    _Atomic uint64_t gen; /* bumped per job: what sleeping / spinning workers wait for */
+    _Atomic int done;     /* tasks of the current job finished */
     _Atomic int n_sleepers;
     _Atomic int owner_sleeping;
     _Atomic int stop;
@@ -47,8 +66,21 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static void run_share(kiln_pool *p, int thread) {
-    for (int t = thread; t < p->n_tasks; t += p->n_threads) p->fn(p->ctx, t, thread);
+/* Claim and run tasks of the current job until none are left. */
+static void work(kiln_pool *p, int thread) {
+    for (;;) {
+        uint64_t c = atomic_fetch_add_explicit(&p->claim, 1, memory_order_acq_rel);
+        uint64_t idx = c & IDX_MASK, n = (c >> IDX_BITS) & IDX_MASK;
+        if (idx >= n) return;
+        const job_slot *js = &p->slot[(c >> (2 * IDX_BITS)) & 1];
+        js->fn(js->ctx, js->offset + (int)idx, thread);
+        if (atomic_fetch_add_explicit(&p->done, 1, memory_order_acq_rel) + 1 == (int)n &&
+            atomic_load(&p->owner_sleeping)) {
+            pthread_mutex_lock(&p->mu);
+            pthread_cond_signal(&p->cv_done);
+            pthread_mutex_unlock(&p->mu);
+        }
+    }
 }
 
 static void *worker_main(void *arg) {
@@ -71,14 +103,7 @@ static void *worker_main(void *arg) {
         }
         if (atomic_load(&p->stop)) break;
         seen = g;
-        run_share(p, w->index);
-        if (atomic_fetch_sub_explicit(&p->pending, 1, memory_order_acq_rel) == 1) {
-            if (atomic_load(&p->owner_sleeping)) {
-                pthread_mutex_lock(&p->mu);
-                pthread_cond_signal(&p->cv_done);
-                pthread_mutex_unlock(&p->mu);
-            }
-        }
+        work(p, w->index);
     }
     return NULL;
 }
@@ -135,30 +160,36 @@ void kiln_pool_free(kiln_pool *p) {
 
 int kiln_pool_n_threads(const kiln_pool *p) { return p ? p->n_threads : 1; }
 
+static void run_batch(kiln_pool *p, int offset, int n, kiln_pool_fn fn, void *ctx) {
+    p->seq = (p->seq + 1) & 0xffffff;
+    p->slot[p->seq & 1] = (job_slot){fn, ctx, offset};
+    atomic_store_explicit(&p->done, 0, memory_order_relaxed);
+    atomic_store_explicit(&p->claim, (p->seq << (2 * IDX_BITS)) | ((uint64_t)n << IDX_BITS),
+                          memory_order_release);
+    atomic_fetch_add(&p->gen, 1); /* seq_cst: pairs with the sleepers' announce-and-recheck */
+    if (atomic_load(&p->n_sleepers) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv_start);
+        pthread_mutex_unlock(&p->mu);
+    }
+    work(p, 0);
+    for (int i = 0; i < SPIN_ITERS; i++) {
+        if (atomic_load_explicit(&p->done, memory_order_acquire) == n) return;
+        cpu_relax();
+    }
+    pthread_mutex_lock(&p->mu);
+    atomic_store(&p->owner_sleeping, 1);
+    while (atomic_load(&p->done) != n) pthread_cond_wait(&p->cv_done, &p->mu);
+    atomic_store(&p->owner_sleeping, 0);
+    pthread_mutex_unlock(&p->mu);
+}
+
 void kiln_pool_run(kiln_pool *p, int n_tasks, kiln_pool_fn fn, void *ctx) {
     if (n_tasks <= 0) return;
     if (!p || p->n_threads == 1 || n_tasks == 1) {
         for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
         return;
     }
-    p->fn = fn;
-    p->ctx = ctx;
-    p->n_tasks = n_tasks;
-    atomic_store_explicit(&p->pending, p->n_threads - 1, memory_order_relaxed);
-    atomic_fetch_add(&p->gen, 1); /* seq_cst: publishes the job */
-    if (atomic_load(&p->n_sleepers) > 0) {
-        pthread_mutex_lock(&p->mu);
-        pthread_cond_broadcast(&p->cv_start);
-        pthread_mutex_unlock(&p->mu);
-    }
-    run_share(p, 0);
-    for (int i = 0; i < SPIN_ITERS; i++) {
-        if (atomic_load_explicit(&p->pending, memory_order_acquire) == 0) return;
-        cpu_relax();
-    }
-    pthread_mutex_lock(&p->mu);
-    atomic_store(&p->owner_sleeping, 1);
-    while (atomic_load(&p->pending) != 0) pthread_cond_wait(&p->cv_done, &p->mu);
-    atomic_store(&p->owner_sleeping, 0);
-    pthread_mutex_unlock(&p->mu);
+    for (int off = 0; off < n_tasks; off += MAX_BATCH)
+        run_batch(p, off, n_tasks - off < MAX_BATCH ? n_tasks - off : MAX_BATCH, fn, ctx);
 }

@@ -2,11 +2,12 @@
  * threadpool.h -- a persistent pool of pthreads for parallel-for with static partitioning.
  *
  * kiln_pool_run(pool, n_tasks, fn, ctx) calls fn(ctx, task, thread) once for every task in
- * [0, n_tasks) and returns when all have finished. Task t runs on thread t % n_threads
- * (thread 0 is the caller), so which thread runs a task is fixed; kiln's ops make every
- * output element the work of exactly one task, computed in a fixed order, so results never
- * depend on the thread count. Workers spin briefly after a job (decode issues hundreds of
- * small jobs per token) and then sleep on a condition variable.
+ * [0, n_tasks) and returns when all have finished. The split into tasks is static (the
+ * caller's choice); threads (the caller is thread 0) claim tasks with an atomic counter, so
+ * which thread runs a task varies. kiln's ops make every output element the work of exactly
+ * one task, computed in a fixed order, so results never depend on the thread count or on
+ * scheduling. Workers spin briefly after a job (decode issues hundreds of small jobs per
+ * token) and then sleep on a condition variable.
  *
  * A pool is driven by one thread at a time (the one that owns it); fn must not call
  * kiln_pool_run on the same pool.

@@ -30,10 +30,13 @@ static void split_range(int64_t n, int n_tasks, int task, int64_t align, int64_t
     if (*hi > n) *hi = n;
 }
 
-/* Tasks for a job of `work` multiply-adds split into units of at least min_work. */
+/* Tasks for a job of `work` multiply-adds: one when it is below min_work (a dispatch costs
+ * about a microsecond), else 4 per thread (threads claim them dynamically, which evens out
+ * a descheduled thread on a busy machine), at most max_tasks. The split depends only on
+ * the shapes and n_threads, and never changes results (each output is one task's work). */
 static int n_tasks_for(const cpu_ctx *c, double work, double min_work, int64_t max_tasks) {
-    int n = kiln_pool_n_threads(c->pool);
-    if (work < min_work) n = 1;
+    int n = 4 * kiln_pool_n_threads(c->pool);
+    if (work < min_work || kiln_pool_n_threads(c->pool) == 1) n = 1;
     if (n > max_tasks) n = (int)(max_tasks > 0 ? max_tasks : 1);
     return n;
 }
@@ -168,7 +171,7 @@ static void cpu_matmul(kiln_backend *be, float *out, const float *x, const kiln_
     j.a = (kiln_mm_args){out, R, x, C, (const uint8_t *)W->data, row_bytes_of(W->dtype, C),
                          W->dtype, C, bias, N};
     j.R = R;
-    j.n_tasks = n_tasks_for(c, (double)N * R * C, 65536, (R + 3) / 4);
+    j.n_tasks = n_tasks_for(c, (double)N * R * C, 65536, (R + 15) / 16);
     kiln_pool_run(c->pool, j.n_tasks, matmul_task, &j);
 }
 

@@ -107,9 +107,14 @@ TGT_INLINE blk32 deq_q8_0(const uint8_t *b) {
 }
 
 /* Q4_1: d, m (f16), qs[16]; element j < 16 is qs[j] & 15, element 16 + j is qs[j] >> 4;
- * value = (d * q) + m, a multiply then an add (two roundings, as gguf-py). */
+ * value = (d * q) + m as gguf-py rounds it. d * q is EXACT in binary32 (d has 11
+ * significant bits as an f16, q < 16 has 4, and f16's range sits inside f32's normal
+ * range; inf/NaN d propagate alike), so fmaf(d, q, m) rounds once to the same bits. */
 TGT_INLINE blk32 deq_q4_1(const uint8_t *b) {
-    __m256 d = _mm256_set1_ps(h2f(b)), m = _mm256_set1_ps(h2f(b + 2));
+    int32_t dm_bits;
+    memcpy(&dm_bits, b, 4);
+    __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits)); /* d, m widened exactly */
+    __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
     const __m256i low4 = _mm256_set1_epi32(15);
     __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 4)));
     __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 12)));
@@ -117,7 +122,7 @@ TGT_INLINE blk32 deq_q4_1(const uint8_t *b) {
                     _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
     blk32 w;
     for (int k = 0; k < 4; k++)
-        w.v[k] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[k])), m);
+        w.v[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[k]), m);
     return w;
 }
 

@@ -90,8 +90,8 @@ TGT_INLINE zblk32 zdeq_q8_0(const uint8_t *b) {
 
 TGT_INLINE zblk32 zdeq_q4_1(const uint8_t *b) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512 table = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(h2f(b)), iota),
-                                 _mm512_set1_ps(h2f(b + 2)));
+    /* (d*q)+m: d*q is exact (see kernels_avx2.c deq_q4_1), so one fma gives its bits */
+    __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(h2f(b)), iota, _mm512_set1_ps(h2f(b + 2)));
     __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 4)));
     zblk32 w;
     w.v[0] = _mm512_permutexvar_ps(q, table); /* uses bits 0-3: the low nibble */
