@@ -242,7 +242,7 @@ def test_smollm2_invalid_utf8(smollm):
 def test_smollm2_chat_template(smollm):
     jinja2 = pytest.importorskip("jinja2")
     kt, hf, v = smollm
-    env = jinja2.Environment()
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)  # as transformers renders
     tmpl = env.from_string(v["chat_template"])
     convs = [
         [{"role": "user", "content": "Hi!"}],
@@ -388,3 +388,61 @@ def test_unknown_template_and_missing(lib, tmp_path):
     assert st == 4 and "not recognized" in msg
     assert kt.encode("abab") == [2, 2]
     kt.close()
+
+
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim"
+    " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant"
+    "<|end_header_id|>\n\n' }}{% endif %}")
+
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {{- message['content'] | trim -}}\n    {{ '<end_of_turn>\n' }}\n{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n")
+
+
+@pytest.mark.parametrize("tmpl,bos", [(LLAMA3_TEMPLATE, "<|begin_of_text|>"),
+                                      (GEMMA3_TEMPLATE, "<bos>")])
+def test_llama3_gemma_chat_templates(lib, tmp_path, tmpl, bos):
+    jinja2 = pytest.importorskip("jinja2")
+    hf = Tokenizer(models.BPE({"a": 0, "b": 1, bos: 2}, []))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": tmpl, "bos_token": bos}))
+    kt = KTok(lib, tmp_path)
+
+    def raise_exception(msg):
+        raise ValueError(msg)
+
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)  # as transformers renders
+    env.globals["raise_exception"] = raise_exception
+    jt = env.from_string(tmpl)
+    convs = [
+        [{"role": "user", "content": "  Hi!\n"}],
+        [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": " 4 "}, {"role": "user", "content": "more"}],
+    ]
+    try:
+        for msgs in convs:
+            for gen in (True, False):
+                want = jt.render(messages=msgs, add_generation_prompt=gen, bos_token=bos)
+                st, got = kt.chat(msgs, gen)
+                assert st == 0 and got == want, (msgs, gen, got, want)
+        # Gemma: roles that do not alternate are refused, as the template raises
+        if "start_of_turn" in tmpl:
+            st, msg = kt.chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+            assert st == 1 and "alternate" in msg
+    finally:
+        kt.close()
