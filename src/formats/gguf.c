@@ -875,3 +875,11 @@ float kiln_gguf_arr_f32(const kiln_gguf_kv *kv, uint64_t i) {
     int64_t iv;
     return (float)arr_elem(kv, i, &is_int, &iv); /* float32 elements round-trip exactly */
 }
+
+kiln_gguf_str kiln_gguf_arr_str(const kiln_gguf_kv *kv, uint64_t i) {
+    kiln_gguf_str none = {NULL, 0};
+    if (!kv || kv->type != KILN_GGUF_ARRAY || kv->arr_type != KILN_GGUF_STRING || !kv->arr_strs ||
+        i >= kv->arr_len)
+        return none;
+    return kv->arr_strs[i];
+}

@@ -74,6 +74,9 @@ kiln_status kiln_gguf_get_str(const kiln_gguf *g, const char *key, kiln_gguf_str
 /* Array element access (bounds and type checked by the caller via kv->arr_type/arr_len). */
 int32_t kiln_gguf_arr_i32(const kiln_gguf_kv *kv, uint64_t i);
 float kiln_gguf_arr_f32(const kiln_gguf_kv *kv, uint64_t i);
+/* Element i of a string array; {NULL, 0} when kv is not a string array or i is out of range.
+ * The string points into the file (not NUL-terminated). */
+kiln_gguf_str kiln_gguf_arr_str(const kiln_gguf_kv *kv, uint64_t i);
 
 /* Tensors. shape is outermost first (GGUF's ne[] reversed). data points into the file. */
 int64_t kiln_gguf_n_tensors(const kiln_gguf *g);

@@ -223,7 +223,11 @@ static void check_valid_contents(const kiln_gguf *g, const uint8_t *base, size_t
         CHECK(kv->arr_strs[0].len == 1 && kv->arr_strs[0].ptr[0] == 'a');
         CHECK(kv->arr_strs[1].len == 2 && memcmp(kv->arr_strs[1].ptr, "bc", 2) == 0);
         CHECK(kv->arr_strs[2].len == 0);
+        kiln_gguf_str e = kiln_gguf_arr_str(kv, 1);
+        CHECK(e.len == 2 && memcmp(e.ptr, "bc", 2) == 0);
+        CHECK(kiln_gguf_arr_str(kv, 3).ptr == NULL);
     }
+    CHECK(kiln_gguf_arr_str(kiln_gguf_find(g, "t.arr_i32"), 0).ptr == NULL);
     kv = kiln_gguf_find(g, "t.nested");
     CHECK(kv && kv->arr_type == KILN_GGUF_ARRAY && kv->arr_len == 2 && !kv->arr_strs);
 

@@ -37,8 +37,11 @@ static void touch_kv(const kiln_gguf *g, const kiln_gguf_kv *kv) {
         h += (uint64_t)kiln_gguf_arr_i32(kv, kv->arr_len); /* out of range: must return 0 */
         if (kv->arr_type == KILN_GGUF_STRING) {
             if (!kv->arr_strs && kv->arr_len) abort();
-            for (uint64_t i = 0; i < kv->arr_len; i++)
-                for (uint64_t j = 0; j < kv->arr_strs[i].len; j++) h += (uint8_t)kv->arr_strs[i].ptr[j];
+            for (uint64_t i = 0; i < kv->arr_len; i++) {
+                kiln_gguf_str e = kiln_gguf_arr_str(kv, i);
+                if (e.ptr != kv->arr_strs[i].ptr || e.len != kv->arr_strs[i].len) abort();
+                for (uint64_t j = 0; j < e.len; j++) h += (uint8_t)e.ptr[j];
+            }
         }
     }
     g_sink += h;
