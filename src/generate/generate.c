@@ -128,8 +128,19 @@ kiln_status kiln_generate(kiln_context *c, const int32_t *prompt, size_t n_promp
         }
         char piece[256];
         size_t np = 0;
-        st = kiln_detok_stream_push(ds, id, piece, sizeof piece, &np);
-        if (st == KILN_OK) st = text_append(&text, piece, np);
+        /* Embeddings may have padding rows past the tokenizer's vocabulary (Qwen2.5 has
+         * 151936 rows for 151665 tokens): such an id has no text, as in transformers. */
+        if (id >= kiln_tokenizer_n_vocab(m->tok)) st = KILN_OK;
+        else st = kiln_detok_stream_push(ds, id, piece, sizeof piece, &np);
+        if (st == KILN_ERR_BUFFER_TOO_SMALL) { /* a very long token: retry with its size */
+            char *big = kiln_malloc(np);
+            st = big ? kiln_detok_stream_push(ds, id, big, np, &np)
+                     : kiln_error(KILN_ERR_NOMEM, "generate: out of memory");
+            if (st == KILN_OK) st = text_append(&text, big, np);
+            kiln_free(big);
+        } else if (st == KILN_OK) {
+            st = text_append(&text, piece, np);
+        }
         if (st != KILN_OK) goto done;
         size_t scan_from = emitted;
         long at = find_stop(&text, scan_from, gp->stop_strings);

@@ -76,7 +76,9 @@ def build_model(tmp_path, name, dtype=torch.float32, shard=False):
                 p.add_(torch.randn_like(p) * 0.1)
     model = model.to(dtype)
     model.save_pretrained(d, max_shard_size="200KB" if shard else "5GB")
-    ref = model.to(torch.float64).eval()
+    # The oracle reads the very files kiln reads (a .to(bfloat16) model would also have its
+    # RoPE buffers rounded to bf16, which a freshly loaded model does not).
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64).eval()
     return d, ref
 
 
