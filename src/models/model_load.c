@@ -176,7 +176,8 @@ static kiln_status unpermute_rows(kiln_model *m, const kiln_tensor **pt, int n_h
                           m->path, t->name, (long long)rows, n_heads);
     size_t row_bytes = t->nbytes / (size_t)rows;
     kiln_tensor *nt = model_new_tensor(m);
-    uint8_t *data = nt ? model_alloc(m, t->nbytes) : NULL;
+    if (!nt) return kiln_error(KILN_ERR_INTERNAL, "%s: owned tensor table full", m->path);
+    uint8_t *data = model_alloc(m, t->nbytes);
     if (!data) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory re-laying '%s'", m->path, t->name);
     *nt = *t;
     const uint8_t *src = t->data;
@@ -209,7 +210,8 @@ static kiln_status widen_matrix(kiln_model *m, const kiln_tensor **pt) {
     if (t->dtype == KILN_DTYPE_F32) return KILN_OK;
     int64_t n = kiln_tensor_nelements(t);
     kiln_tensor *nt = model_new_tensor(m);
-    float *data = nt ? model_alloc(m, (size_t)n * sizeof(float)) : NULL;
+    if (!nt) return kiln_error(KILN_ERR_INTERNAL, "%s: owned tensor table full", m->path);
+    float *data = model_alloc(m, (size_t)n * sizeof(float));
     if (!data) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory dequantizing '%s'", m->path, t->name);
     kiln_dequantize(t->dtype, t->data, data, n);
     *nt = *t;
@@ -477,8 +479,8 @@ kiln_status kiln_model_open(const char *path, const kiln_model_params *params, k
         st = kiln_error(KILN_ERR_FORMAT, "%s: tokenizer has %d tokens but the embedding only %d rows",
                         path, kiln_tokenizer_n_vocab(m->tok), m->cfg.n_vocab);
     if (st == KILN_OK) {
-        /* up to 7 re-laid or widened matrices per layer, plus embeddings */
-        m->cap_owned_tensors = 7 * m->cfg.n_layer + 2;
+        /* per layer: 2 re-laid (Q, K) and 7 widened matrices; plus the two embeddings */
+        m->cap_owned_tensors = 9 * m->cfg.n_layer + 2;
         m->owned_tensors = kiln_calloc((size_t)m->cap_owned_tensors, sizeof *m->owned_tensors);
         if (!m->owned_tensors) st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory", path);
     }

@@ -41,6 +41,27 @@ def permute(w, n_head):
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+K_LAYOUT = {  # block bytes, and the offsets of the f16 scale fields to keep small and finite
+    Q.Q4_K: (144, [(0, 2e-4), (2, 2e-4)]),
+    Q.Q5_K: (176, [(0, 1e-4), (2, 1e-4)]),
+    Q.Q6_K: (210, [(208, 3e-5)]),
+}
+
+
+def quantize(g, qtype, rng):
+    """gguf-py quantizes the 32-blocks; it cannot quantize K-quants, so for those the blocks
+    are random bytes with small random f16 scales (the test needs weights, not a good fit)."""
+    if qtype not in K_LAYOUT:
+        return gguf.quants.quantize(g, qtype)
+    size, scales = K_LAYOUT[qtype]
+    rows, cols = g.shape
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    for off, mag in scales:
+        d = (rng.random((rows, cols // 256)) * mag).astype(np.float16)
+        blocks[:, :, off:off + 2] = d.view(np.uint8).reshape(rows, cols // 256, 2)
+    return blocks.reshape(rows, -1)
+
+
 def write_gguf(path, arch, cfg, tensors_hf, qtype, tok_json):
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-" + arch)
@@ -75,6 +96,7 @@ def write_gguf(path, arch, cfg, tensors_hf, qtype, tok_json):
     w.add_eos_token_id(0)
     w.add_add_bos_token(False)
     deq = {}
+    rng = np.random.default_rng(7)
     for name, t in tensors_hf.items():
         a = t.detach().to(torch.float32).numpy()
         gname = hf_to_gguf_name(name)
@@ -84,7 +106,7 @@ def write_gguf(path, arch, cfg, tensors_hf, qtype, tok_json):
         if arch == "llama" and name.endswith("k_proj.weight"):
             g = permute(a, cfg.num_key_value_heads)
         if a.ndim == 2 and qtype not in (Q.F32, Q.F16):
-            data = gguf.quants.quantize(g, qtype)
+            data = quantize(g, qtype, rng)
             w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
             back = gguf.quants.dequantize(data, qtype)
         elif a.ndim == 2 and qtype == Q.F16:
