@@ -1,0 +1,420 @@
+/* test_checkpoint.c -- the KILNCKPT container: round trip, every corruption detected, hostile
+ * tables with valid checksums, the marker protocol, retention, and write failures at every
+ * I/O operation of a save (fault hook) and on a real full filesystem (tmpfs, when mountable). */
+#include "test_util.h"
+#include "train/checkpoint.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static char g_root[256];
+
+static void sh(const char *fmt, const char *a) {
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, fmt, a);
+    if (system(cmd) != 0) fprintf(stderr, "command failed: %s\n", cmd);
+}
+
+static void mkdir_fresh(char *out, size_t cap, const char *name) {
+    snprintf(out, cap, "%s/%s", g_root, name);
+    sh("rm -rf '%s'", out);
+    mkdir(out, 0755);
+}
+
+static uint8_t *read_file(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long sz = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *b = malloc((size_t)sz + 1);
+    *n = fread(b, 1, (size_t)sz, f);
+    fclose(f);
+    return b;
+}
+
+static void write_file(const char *path, const uint8_t *b, size_t n) {
+    FILE *f = fopen(path, "wb");
+    fwrite(b, 1, n, f);
+    fclose(f);
+}
+
+/* A standard checkpoint of `step`: the sections a trainer writes. */
+static float g_w[3 * 4];
+static uint8_t g_blob[1000];
+
+static kiln_status save_std(const char *dir, uint64_t step, int keep_last) {
+    kiln_ckpt_save_params p = kiln_ckpt_default_save_params();
+    p.keep_last = keep_last;
+    kiln_ckpt_writer *w;
+    KILN_TRY(kiln_ckpt_begin(dir, step, &p, &w));
+    for (int i = 0; i < 12; i++) g_w[i] = (float)step + 0.25f * (float)i;
+    for (int i = 0; i < 1000; i++) g_blob[i] = (uint8_t)(i * 7 + step);
+    int64_t shape[2] = {3, 4};
+    kiln_status st;
+    if ((st = kiln_ckpt_add_json(w, "config", "{\"n_layer\": 2}")) != KILN_OK ||
+        (st = kiln_ckpt_add_tensor(w, "param/model.embed_tokens.weight", KILN_DTYPE_F32, 2, shape, g_w)) != KILN_OK ||
+        (st = kiln_ckpt_section_begin(w, "optimizer", KILN_CKPT_RAW)) != KILN_OK ||
+        (st = kiln_ckpt_section_write(w, g_blob, 300)) != KILN_OK ||
+        (st = kiln_ckpt_section_write(w, g_blob + 300, 700)) != KILN_OK ||
+        (st = kiln_ckpt_section_end(w)) != KILN_OK || (st = kiln_ckpt_add_u64(w, "step", step)) != KILN_OK ||
+        (st = kiln_ckpt_add_section(w, "rng", KILN_CKPT_RAW, "seed", 4)) != KILN_OK) {
+        kiln_ckpt_abort(w);
+        return st;
+    }
+    return kiln_ckpt_commit(w, NULL);
+}
+
+/* Names in dir other than complete step-<k> directories (tmp dirs, unmarked dirs). */
+static int count_debris(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return -1;
+    struct dirent *de;
+    int n = 0;
+    while ((de = readdir(d)) != NULL) {
+        if (de->d_name[0] == '.') continue;
+        char p[512];
+        snprintf(p, sizeof p, "%s/%s/COMPLETE", dir, de->d_name);
+        if (strchr(de->d_name, '.') || access(p, F_OK) != 0) n++;
+    }
+    closedir(d);
+    return n;
+}
+
+static void test_round_trip(void) {
+    char dir[512];
+    mkdir_fresh(dir, sizeof dir, "rt");
+    CHECK(save_std(dir, 7, 0) == KILN_OK);
+    kiln_ckpt *c = NULL;
+    CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK);
+    if (!c) return;
+    CHECK(kiln_ckpt_step(c) == 7);
+    CHECK(kiln_ckpt_section_count(c) == 5);
+    CHECK(strcmp(kiln_ckpt_rejected(c), "") == 0);
+    const kiln_ckpt_section *s;
+    CHECK(kiln_ckpt_find(c, "param/model.embed_tokens.weight", KILN_CKPT_TENSOR, &s) == KILN_OK);
+    CHECK(s && s->dtype == KILN_DTYPE_F32 && s->n_dims == 2 && s->shape[0] == 3 && s->shape[1] == 4 &&
+          s->size == 48 && memcmp(s->data, g_w, 48) == 0 && ((uintptr_t)s->data % 64) == 0);
+    CHECK(kiln_ckpt_find(c, "optimizer", KILN_CKPT_RAW, &s) == KILN_OK);
+    CHECK(s && s->size == 1000 && memcmp(s->data, g_blob, 1000) == 0);
+    CHECK(kiln_ckpt_find(c, "config", KILN_CKPT_JSON, &s) == KILN_OK);
+    CHECK(s && s->size == 14 && memcmp(s->data, "{\"n_layer\": 2}", 14) == 0);
+    uint64_t v = 0;
+    CHECK(kiln_ckpt_get_u64(c, "step", &v) == KILN_OK && v == 7);
+    CHECK_ERR(kiln_ckpt_find(c, "nope", 0, &s), KILN_ERR_FORMAT, "missing section 'nope'");
+    CHECK_ERR(kiln_ckpt_find(c, "rng", KILN_CKPT_JSON, &s), KILN_ERR_FORMAT, "has type");
+    CHECK(kiln_ckpt_section_at(c, 5) == NULL && kiln_ckpt_section_at(c, 0) != NULL);
+    kiln_ckpt_close(c);
+    CHECK(count_debris(dir) == 0);
+
+    /* writer argument errors */
+    kiln_ckpt_writer *w;
+    CHECK_ERR(kiln_ckpt_begin(dir, 7, NULL, &w), KILN_ERR_STATE, "already exists");
+    CHECK(kiln_ckpt_begin(dir, 8, NULL, &w) == KILN_OK);
+    CHECK_ERR(kiln_ckpt_add_u64(w, "bad name", 1), KILN_ERR_INVALID_ARG, "outside");
+    CHECK_ERR(kiln_ckpt_add_u64(w, "", 1), KILN_ERR_INVALID_ARG, "empty");
+    CHECK(kiln_ckpt_add_u64(w, "a", 1) == KILN_OK);
+    CHECK_ERR(kiln_ckpt_add_u64(w, "a", 1), KILN_ERR_INVALID_ARG, "duplicate");
+    int64_t shape[1] = {10};
+    CHECK_ERR(kiln_ckpt_add_tensor(w, "q", KILN_DTYPE_Q8_0, 1, shape, g_blob), KILN_ERR_INVALID_ARG,
+              "not a valid size");
+    CHECK(kiln_ckpt_section_begin(w, "u", KILN_CKPT_U64) == KILN_OK);
+    CHECK_ERR(kiln_ckpt_section_write(w, g_blob, 9), KILN_ERR_INVALID_ARG, "more data");
+    CHECK_ERR(kiln_ckpt_section_end(w), KILN_ERR_INVALID_ARG, "0 bytes written, 8 expected");
+    CHECK_ERR(kiln_ckpt_commit(w, NULL), KILN_ERR_STATE, "section 'u' is open");
+    CHECK(count_debris(dir) == 0);
+    uint64_t *steps;
+    size_t n;
+    CHECK(kiln_ckpt_list(dir, &steps, &n) == KILN_OK && n == 1 && steps[0] == 7);
+    kiln_free(steps);
+    CHECK_ERR(kiln_ckpt_open_latest("/nonexistent/kiln", &c), KILN_ERR_IO, "/nonexistent/kiln");
+}
+
+/* Offsets of each section's data in the file, from the table. */
+static int section_offsets(const uint8_t *b, uint64_t *off, uint64_t *size, int max) {
+    uint32_t n;
+    uint64_t t;
+    memcpy(&n, b + 24, 4);
+    memcpy(&t, b + 32, 8);
+    for (uint32_t i = 0; i < n && (int)i < max; i++) {
+        memcpy(&off[i], b + t + 256 * i + 176, 8);
+        memcpy(&size[i], b + t + 256 * i + 184, 8);
+    }
+    return (int)n;
+}
+
+/* Recompute the table and header checksums after editing the table (hostile but sealed). */
+static void reseal(uint8_t *b) {
+    uint32_t n;
+    uint64_t t;
+    memcpy(&n, b + 24, 4);
+    memcpy(&t, b + 32, 8);
+    kiln_ckpt_sha256(b + t, (size_t)n * 256, b + 48);
+    kiln_ckpt_sha256(b, 96, b + 96);
+}
+
+static void test_corruption(void) {
+    char dir[512], path[600];
+    mkdir_fresh(dir, sizeof dir, "corrupt");
+    CHECK(save_std(dir, 1, 0) == KILN_OK);
+    CHECK(save_std(dir, 2, 0) == KILN_OK);
+    snprintf(path, sizeof path, "%s/step-2/state.kiln", dir);
+    size_t n;
+    uint8_t *orig = read_file(path, &n);
+    uint8_t *b = malloc(n);
+    uint64_t off[8], size[8];
+    int ns = section_offsets(orig, off, size, 8);
+    CHECK(ns == 5);
+    const char *names[5] = {"config", "param/model.embed_tokens.weight", "optimizer", "step", "rng"};
+    kiln_ckpt *c;
+    for (int i = 0; i < ns; i++) {
+        memcpy(b, orig, n);
+        b[off[i] + size[i] / 2] ^= 0x10;
+        write_file(path, b, n);
+        char want[200];
+        snprintf(want, sizeof want, "section '%s'", names[i]);
+        CHECK_ERR(kiln_ckpt_open_file(path, &c), KILN_ERR_FORMAT, want);
+        CHECK(strstr(kiln_last_error(), "checksum mismatch") != NULL);
+        /* the loader falls back to step 1 and says why */
+        c = NULL;
+        CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 1);
+        if (c) CHECK(strstr(kiln_ckpt_rejected(c), "checksum mismatch") != NULL);
+        kiln_ckpt_close(c);
+    }
+    /* every single byte of the header and the table matters */
+    uint64_t t;
+    memcpy(&t, orig + 32, 8);
+    int undetected = 0;
+    for (size_t i = 0; i < n; i += (i < 128 || i >= t) ? 1 : 13) {
+        memcpy(b, orig, n);
+        b[i] ^= 0x01;
+        write_file(path, b, n);
+        if (kiln_ckpt_open_file(path, &c) == KILN_OK) {
+            undetected++;
+            kiln_ckpt_close(c);
+        }
+    }
+    CHECK_MSG(undetected == 0, "%d single-bit flips undetected", undetected);
+    /* truncation at many lengths */
+    int trunc_ok = 0;
+    for (size_t len = 0; len < n; len += (len < 256 ? 1 : 61)) {
+        write_file(path, orig, len);
+        if (kiln_ckpt_open_file(path, &c) == KILN_OK) {
+            trunc_ok++;
+            kiln_ckpt_close(c);
+        }
+    }
+    CHECK(trunc_ok == 0);
+    write_file(path, orig, 100);
+    CHECK_ERR(kiln_ckpt_open_file(path, &c), KILN_ERR_FORMAT, "shorter than the 128-byte header");
+    write_file(path, orig, n - 256);
+    CHECK_ERR(kiln_ckpt_open_file(path, &c), KILN_ERR_FORMAT, "truncated or extended");
+    /* magic, version */
+    memcpy(b, orig, n);
+    memcpy(b, "KILNCKPX", 8);
+    write_file(path, b, n);
+    CHECK_ERR(kiln_ckpt_open_file(path, &c), KILN_ERR_FORMAT, "bad magic");
+    memcpy(b, orig, n);
+    b[8] = 2;
+    write_file(path, b, n);
+    CHECK_ERR(kiln_ckpt_open_file(path, &c), KILN_ERR_UNSUPPORTED, "version 2");
+
+    /* hostile tables with valid checksums */
+    struct {
+        int entry, field, width;
+        uint64_t value;
+        const char *needle;
+    } cases[] = {
+        {1, 176, 8, 128, "misaligned, overlaps"},          /* overlaps section 0 */
+        {1, 176, 8, 1000, "misaligned"},                   /* not a multiple of 64 */
+        {4, 184, 8, 1ull << 40, "runs past the data area"}, /* size past the table */
+        {4, 184, 8, UINT64_MAX, "runs past"},              /* offset + size overflows */
+        {0, 128, 4, 9, "unknown type 9"},
+        {3, 184, 8, 16, "u64 section of 16"},
+        {1, 144, 8, 5, "do not give its size"},            /* shape[0] 3 -> 5 */
+        {1, 152 + 16, 8, 2, "do not give its size"},       /* unused dim shape[3] = 2 */
+        {1, 132, 4, 99, "out of range"},                   /* dtype */
+        {1, 136, 4, 0, "out of range"},                    /* n_dims */
+        {0, 132, 4, 1, "non-tensor"},
+        {2, 140, 4, 1, "reserved"},
+        {2, 230, 1, 1, "reserved"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        memcpy(b, orig, n);
+        uint8_t *e = b + t + 256 * cases[k].entry + cases[k].field;
+        memcpy(e, &cases[k].value, (size_t)cases[k].width);
+        reseal(b);
+        write_file(path, b, n);
+        CHECK_ERR(kiln_ckpt_open_file(path, &c), KILN_ERR_FORMAT, cases[k].needle);
+    }
+    /* names: duplicate, unterminated, bad byte, junk after NUL */
+    memcpy(b, orig, n);
+    memcpy(b + t + 256 * 4, "step\0\0\0", 7);
+    reseal(b);
+    write_file(path, b, n);
+    CHECK_ERR(kiln_ckpt_open_file(path, &c), KILN_ERR_FORMAT, "duplicate section name 'step'");
+    memcpy(b, orig, n);
+    memset(b + t, 'a', 128);
+    reseal(b);
+    write_file(path, b, n);
+    CHECK_ERR(kiln_ckpt_open_file(path, &c), KILN_ERR_FORMAT, "not NUL-terminated");
+    memcpy(b, orig, n);
+    b[t] = ' ';
+    reseal(b);
+    write_file(path, b, n);
+    CHECK_ERR(kiln_ckpt_open_file(path, &c), KILN_ERR_FORMAT, "outside");
+    memcpy(b, orig, n);
+    b[t + 100] = 'x';
+    reseal(b);
+    write_file(path, b, n);
+    CHECK_ERR(kiln_ckpt_open_file(path, &c), KILN_ERR_FORMAT, "after the name's NUL");
+    /* huge section count */
+    memcpy(b, orig, n);
+    uint32_t big = 0xffffffffu;
+    memcpy(b + 24, &big, 4);
+    kiln_ckpt_sha256(b, 96, b + 96); /* header only: the size check comes before the table */
+    write_file(path, b, n);
+    CHECK_ERR(kiln_ckpt_open_file(path, &c), KILN_ERR_FORMAT, "does not end at the file size");
+
+    /* a marker that names another file is stale */
+    write_file(path, orig, n);
+    char mpath[600];
+    snprintf(mpath, sizeof mpath, "%s/step-1/COMPLETE", dir);
+    size_t mn;
+    uint8_t *m1 = read_file(mpath, &mn);
+    snprintf(mpath, sizeof mpath, "%s/step-2/COMPLETE", dir);
+    write_file(mpath, m1, mn);
+    CHECK_ERR(kiln_ckpt_open_step(dir, 2, &c), KILN_ERR_FORMAT, "marker does not match");
+    c = NULL;
+    CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 1);
+    kiln_ckpt_close(c);
+    free(m1);
+    free(orig);
+    free(b);
+}
+
+static void test_marker_and_retention(void) {
+    char dir[512], p[600];
+    mkdir_fresh(dir, sizeof dir, "marker");
+    CHECK(save_std(dir, 1, 0) == KILN_OK);
+    CHECK(save_std(dir, 2, 0) == KILN_OK);
+    /* a crash between rename and marker: step-2 without COMPLETE */
+    snprintf(p, sizeof p, "%s/step-2/COMPLETE", dir);
+    unlink(p);
+    kiln_ckpt *c = NULL;
+    CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 1);
+    if (c) CHECK(strstr(kiln_ckpt_rejected(c), "no COMPLETE marker") != NULL);
+    kiln_ckpt_close(c);
+    uint64_t *steps;
+    size_t n;
+    CHECK(kiln_ckpt_list(dir, &steps, &n) == KILN_OK && n == 1 && steps[0] == 1);
+    kiln_free(steps);
+    /* a tmp dir of a dead writer is never loaded and is cleaned by the next save */
+    pid_t child = fork();
+    if (child == 0) _exit(0);
+    waitpid(child, NULL, 0);
+    snprintf(p, sizeof p, "%s/step-9.tmp-%ld", dir, (long)child);
+    mkdir(p, 0755);
+    snprintf(p, sizeof p, "%s/step-9.tmp-%ld/state.kiln", dir, (long)child);
+    write_file(p, (const uint8_t *)"junk", 4);
+    CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 1);
+    kiln_ckpt_close(c);
+    /* re-saving step 2 replaces the unmarked directory */
+    CHECK(save_std(dir, 2, 0) == KILN_OK);
+    CHECK(count_debris(dir) == 0);
+    CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 2);
+    kiln_ckpt_close(c);
+    /* retention */
+    for (uint64_t s = 3; s <= 7; s++) CHECK(save_std(dir, s, 3) == KILN_OK);
+    CHECK(kiln_ckpt_list(dir, &steps, &n) == KILN_OK && n == 3 && steps[0] == 5 && steps[2] == 7);
+    kiln_free(steps);
+    CHECK(count_debris(dir) == 0);
+    /* an empty directory, and one with only broken checkpoints */
+    mkdir_fresh(dir, sizeof dir, "empty");
+    CHECK_ERR(kiln_ckpt_open_latest(dir, &c), KILN_ERR_IO, "no checkpoint");
+    CHECK(save_std(dir, 1, 0) == KILN_OK);
+    snprintf(p, sizeof p, "%s/step-1/state.kiln", dir);
+    write_file(p, (const uint8_t *)"KILNCKPT", 8);
+    CHECK_ERR(kiln_ckpt_open_latest(dir, &c), KILN_ERR_FORMAT, "no valid checkpoint among 1");
+}
+
+/* ---- write failures ----------------------------------------------------------------------- */
+
+static int g_fail_at, g_calls, g_fail_errno;
+static int fail_nth(kiln_ckpt_io_op op, const char *path, void *user) {
+    (void)op, (void)path, (void)user;
+    return g_calls++ == g_fail_at ? g_fail_errno : 0;
+}
+
+static void test_fault_sweep(void) {
+    char dir[512];
+    mkdir_fresh(dir, sizeof dir, "faults");
+    CHECK(save_std(dir, 1, 2) == KILN_OK);
+    int failures_seen = 0;
+    for (g_fail_at = 0; g_fail_at < 200; g_fail_at++) {
+        g_calls = 0;
+        g_fail_errno = (g_fail_at % 2) ? EIO : ENOSPC;
+        kiln_ckpt_set_fault_hook(fail_nth, NULL);
+        kiln_status st = save_std(dir, 2, 2);
+        kiln_ckpt_set_fault_hook(NULL, NULL);
+        if (st == KILN_OK) break; /* past the last I/O operation */
+        failures_seen++;
+        CHECK_MSG(st == KILN_ERR_IO && strstr(kiln_last_error(), strerror(g_fail_errno)) &&
+                      strstr(kiln_last_error(), dir),
+                  "fault %d: status %d '%s'", g_fail_at, (int)st, kiln_last_error());
+        CHECK_MSG(count_debris(dir) == 0, "fault %d left debris", g_fail_at);
+        kiln_ckpt *c = NULL;
+        CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 1);
+        kiln_ckpt_close(c);
+    }
+    CHECK_MSG(failures_seen >= 10, "only %d injectable operations", failures_seen);
+    printf("fault sweep: %d injected failures, each clean\n", failures_seen);
+    kiln_ckpt *c = NULL;
+    CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 2);
+    kiln_ckpt_close(c);
+}
+
+/* A real full disk: a 256 KiB tmpfs (needs CAP_SYS_ADMIN; skipped otherwise). */
+static void test_tmpfs_enospc(void) {
+    char dir[512];
+    mkdir_fresh(dir, sizeof dir, "tmpfs");
+    if (mount("tmpfs", dir, "tmpfs", 0, "size=256k") != 0) {
+        printf("SKIP tmpfs ENOSPC test: mount failed: %s\n", strerror(errno));
+        return;
+    }
+    CHECK(save_std(dir, 1, 0) == KILN_OK);
+    kiln_ckpt_writer *w;
+    kiln_status st = kiln_ckpt_begin(dir, 2, NULL, &w);
+    CHECK(st == KILN_OK);
+    if (st == KILN_OK) {
+        static uint8_t big[512 * 1024];
+        st = kiln_ckpt_add_section(w, "big", KILN_CKPT_RAW, big, sizeof big);
+        CHECK_ERR(st, KILN_ERR_IO, "No space left on device");
+        CHECK(strstr(kiln_last_error(), "step-2.tmp-") != NULL);
+        CHECK_ERR(kiln_ckpt_commit(w, NULL), KILN_ERR_STATE, "an earlier write failed");
+    }
+    CHECK(count_debris(dir) == 0);
+    kiln_ckpt *c = NULL;
+    CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 1);
+    kiln_ckpt_close(c);
+    CHECK(save_std(dir, 2, 0) == KILN_OK); /* space came back */
+    umount(dir);
+    printf("tmpfs ENOSPC test ran\n");
+}
+
+int main(void) {
+    snprintf(g_root, sizeof g_root, "/tmp/kiln_test_ckpt_%ld", (long)getpid());
+    mkdir(g_root, 0755);
+    test_round_trip();
+    test_corruption();
+    test_marker_and_retention();
+    test_fault_sweep();
+    test_tmpfs_enospc();
+    if (!t_failures) sh("rm -rf '%s'", g_root);
+    return test_finish("test_checkpoint");
+}
