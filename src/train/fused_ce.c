@@ -1,0 +1,413 @@
+/*
+ * fused_ce.c -- fused linear cross-entropy: loss, dh and dW without the N x V logits.
+ *
+ * The math (docs/ARITHMETIC.md, "Fused linear cross-entropy"), for the S supervised rows
+ * hs(S,H) gathered in ascending position order and the vocabulary in chunks [c0, c0+n):
+ *
+ *   pass 1, per chunk:  z(S,n) = hs @ W[c0:c0+n]^T             (backend matmul)
+ *                       per row: online log-sum-exp (m, l), and z at the target
+ *   per row:            loss_i = (m_i - z_t) + log(l_i)
+ *   pass 2, per chunk:  z again;  g = (exp(z - m_i) / l_i - onehot) * gs     (in place)
+ *                       dh_acc(S,H) += g @ W[c0:c0+n]        (matmul on W chunk transposed)
+ *                       dW[c0:c0+n] += g^T @ hs               (matmul on g and hs transposed)
+ *
+ * Everything a thread computes is one output element in a fixed order (the backend's matmul
+ * guarantees it for the products; the row-wise work here runs on the calling thread), so the
+ * results are the same bits for any thread count.
+ */
+#include "fused_ce.h"
+
+#include "../base/kmath.h"
+#include "../ops/cpu/cpu_kernels.h"
+
+#include <math.h>
+#include <string.h>
+
+kiln_fused_ce_params kiln_fused_ce_default_params(void) {
+    kiln_fused_ce_params p;
+    memset(&p, 0, sizeof p);
+    p.weight_dtype = KILN_DTYPE_F32;
+    p.reduction = KILN_CE_REDUCTION_MEAN;
+    p.scale = 1.0f;
+    return p;
+}
+
+/* ---- log ---------------------------------------------------------------------------------- */
+
+/* Constants of kiln_fused_ce_logf: ln2 split so that e * LN2_HI is exact for |e| < 2^8
+ * (LN2_HI has 9 significant bits); the polynomial is the classic degree-8 fit of
+ * (log(1+f) - f + f^2/2) / f^3 on [sqrt(1/2) - 1, sqrt(2) - 1] (Cephes' logf coefficients). */
+#define CE_LN2_HI 0.693359375f
+#define CE_LN2_LO -2.12194440e-4f
+#define CE_SQRT2 1.41421356237309504880f
+
+float kiln_fused_ce_logf(float x) {
+    if (x != x) return x + x;
+    if (x < 0.0f) return NAN;
+    if (x == 0.0f) return -INFINITY;
+    if (x == INFINITY) return x;
+    int32_t e = 0;
+    uint32_t u = kiln_f32_bits(x);
+    if ((u >> 23) == 0) { /* subnormal: scale into the normal range (exact) */
+        x = x * 8388608.0f;
+        u = kiln_f32_bits(x);
+        e = -23;
+    }
+    e += (int32_t)(u >> 23) - 127;
+    float mant = kiln_bits_f32((u & 0x007fffffu) | 0x3f800000u); /* [1, 2) */
+    if (mant > CE_SQRT2) {                                        /* -> [sqrt(2)/2, sqrt(2)] */
+        mant = mant * 0.5f;
+        e += 1;
+    }
+    float f = mant - 1.0f; /* exact */
+    float z = f * f;
+    float p = 7.0376836292e-2f;
+    p = fmaf(p, f, -1.1514610310e-1f);
+    p = fmaf(p, f, 1.1676998740e-1f);
+    p = fmaf(p, f, -1.2420140846e-1f);
+    p = fmaf(p, f, 1.4249322787e-1f);
+    p = fmaf(p, f, -1.6668057665e-1f);
+    p = fmaf(p, f, 2.0000714765e-1f);
+    p = fmaf(p, f, -2.4999993993e-1f);
+    p = fmaf(p, f, 3.3333331174e-1f);
+    float ef = (float)e;
+    float y = (p * f) * z;
+    y = fmaf(ef, CE_LN2_LO, y);
+    y = fmaf(z, -0.5f, y);
+    float r = f + y;
+    return fmaf(ef, CE_LN2_HI, r);
+}
+
+/* ---- scratch ------------------------------------------------------------------------------ */
+
+typedef struct ce_scratch {
+    int64_t *idx;    /* (S) positions of the supervised rows, ascending */
+    float *m, *l;    /* (S) running max and sum of exponentials */
+    float *zt;       /* (S) the target's logit */
+    float *loss;     /* (S) loss_i */
+    float *ones;     /* (max(cn, S)) 1.0f: sums as dots with ones */
+    float *hs;       /* (S, H) gathered hidden rows */
+    float *z;        /* (S, cn) logits of one chunk, then g in place */
+    float *hT;       /* (H, S) hs transposed (dW only) */
+    float *gT;       /* (cn, S) g transposed (dW only) */
+    float *wpart;    /* (cn, H) this chunk's dW (dW only) */
+    float *dh_acc;   /* (S, H) dh of the supervised rows (dh only) */
+    float *dpart;    /* (S, H) this chunk's dh (dh only) */
+    float *wT;       /* (H, cn) W chunk transposed, as f32 (dh only) */
+} ce_scratch;
+
+/* Carve the scratch regions from one block; returns the total bytes (0 on overflow). With
+ * base NULL only sizes. Every region starts at a multiple of 64 bytes. */
+static size_t ce_layout(int64_t S, int64_t H, int64_t cn, int with_dh, int with_dw,
+                        uint8_t *base, ce_scratch *sc) {
+    size_t total = 0;
+    int ok = 1;
+    uint64_t uS = (uint64_t)S, uH = (uint64_t)H, uc = (uint64_t)cn;
+    uint64_t ones_n = uc > uS ? uc : uS;
+#define CE_REGION(field, type, count, want)                                                    \
+    do {                                                                                       \
+        size_t bytes_ = 0;                                                                     \
+        if (want) {                                                                            \
+            if (kiln_mul_overflow((size_t)(count), sizeof(type), &bytes_) ||                   \
+                kiln_add_overflow(bytes_, 63, &bytes_))                                        \
+                ok = 0;                                                                        \
+            bytes_ &= ~(size_t)63;                                                             \
+        }                                                                                      \
+        if (base && sc) sc->field = (want) ? (type *)(void *)(base + total) : NULL;            \
+        if (kiln_add_overflow(total, bytes_, &total)) ok = 0;                                  \
+    } while (0)
+    uint64_t SH, Sc, cH;
+    if (kiln_mul_overflow_u64(uS, uH, &SH) || kiln_mul_overflow_u64(uS, uc, &Sc) ||
+        kiln_mul_overflow_u64(uc, uH, &cH) || SH > SIZE_MAX || Sc > SIZE_MAX || cH > SIZE_MAX)
+        return 0;
+    CE_REGION(idx, int64_t, uS, 1);
+    CE_REGION(m, float, uS, 1);
+    CE_REGION(l, float, uS, 1);
+    CE_REGION(zt, float, uS, 1);
+    CE_REGION(loss, float, uS, 1);
+    CE_REGION(ones, float, ones_n, 1);
+    CE_REGION(hs, float, SH, 1);
+    CE_REGION(z, float, Sc, 1);
+    CE_REGION(hT, float, SH, with_dw);
+    CE_REGION(gT, float, Sc, with_dw);
+    CE_REGION(wpart, float, cH, with_dw);
+    CE_REGION(dh_acc, float, SH, with_dh);
+    CE_REGION(dpart, float, SH, with_dh);
+    CE_REGION(wT, float, cH, with_dh);
+#undef CE_REGION
+    return ok ? total : 0;
+}
+
+size_t kiln_fused_ce_scratch_bytes(int64_t S, int64_t H, int64_t V, int64_t chunk, int with_dh,
+                                   int with_dw) {
+    if (S <= 0 || H <= 0 || V <= 0 || chunk < 0) return 0;
+    int64_t cn = chunk == 0 ? KILN_FUSED_CE_DEFAULT_CHUNK : chunk;
+    if (cn > V) cn = V;
+    return ce_layout(S, H, cn, with_dh, with_dw, NULL, NULL);
+}
+
+/* ---- helpers ------------------------------------------------------------------------------ */
+
+/* dst(C, R) = src(R, C)^T, in 32 x 32 tiles (a copy: no arithmetic). */
+static void transpose_f32(float *dst, const float *src, int64_t R, int64_t C) {
+    for (int64_t r0 = 0; r0 < R; r0 += 32)
+        for (int64_t c0 = 0; c0 < C; c0 += 32) {
+            int64_t r1 = r0 + 32 < R ? r0 + 32 : R, c1 = c0 + 32 < C ? c0 + 32 : C;
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t c = c0; c < c1; c++) dst[c * R + r] = src[r * C + c];
+        }
+}
+
+/* dst(H, n) = W rows [0, n) transposed and widened to f32 (exact for bf16). */
+static void transpose_weight(float *dst, const void *w, kiln_dtype dt, int64_t n, int64_t H) {
+    if (dt == KILN_DTYPE_F32) {
+        transpose_f32(dst, (const float *)w, n, H);
+        return;
+    }
+    const uint16_t *b = (const uint16_t *)w;
+    for (int64_t r0 = 0; r0 < n; r0 += 32)
+        for (int64_t c0 = 0; c0 < H; c0 += 32) {
+            int64_t r1 = r0 + 32 < n ? r0 + 32 : n, c1 = c0 + 32 < H ? c0 + 32 : H;
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t c = c0; c < c1; c++) dst[c * n + r] = kiln_bf16_to_fp32(b[r * H + c]);
+        }
+}
+
+static const kiln_cpu_kernels *kernels_of(const kiln_backend *be) {
+#if defined(KILN_CPU_HAVE_X86)
+    kiln_cpu_path path = kiln_backend_cpu_path(be);
+    if (path == KILN_CPU_PATH_AVX512) return &kiln_cpu_kernels_avx512;
+    if (path == KILN_CPU_PATH_AVX2) return &kiln_cpu_kernels_avx2;
+#else
+    (void)be;
+#endif
+    return &kiln_cpu_kernels_portable;
+}
+
+/* The defined sum of v[0..n): 16 lanes (lane i % 16), then the fixed tree -- the dot of v
+ * with ones (fmaf(v, 1, acc) rounds exactly like v + acc). */
+static float lane_sum(const kiln_cpu_kernels *k, const float *v, const float *ones, int64_t n) {
+    float acc[KILN_DOT_LANES] = {0};
+    k->dot_accum(acc, v, ones, n);
+    return kiln_lane16_reduce(acc);
+}
+
+/* z(S, n) = hs(S, H) @ W[c0 : c0+n]^T with the backend's matmul. */
+static void chunk_logits(kiln_backend *be, const kiln_fused_ce_params *p, const float *hs,
+                         int64_t S, int64_t c0, int64_t n, size_t row_bytes, float *z) {
+    kiln_tensor wc;
+    memset(&wc, 0, sizeof wc);
+    wc.name = "fused_ce.weight_chunk";
+    wc.dtype = p->weight_dtype;
+    wc.n_dims = 2;
+    wc.shape[0] = n;
+    wc.shape[1] = p->H;
+    wc.data = (const uint8_t *)p->weight + (size_t)c0 * row_bytes;
+    wc.nbytes = (size_t)n * row_bytes;
+    be->i->matmul(be, z, hs, &wc, NULL, (int)S);
+}
+
+/* A (R, C) f32 tensor view of caller scratch, for the backend's matmul. */
+static kiln_tensor f32_view(const char *name, const float *data, int64_t R, int64_t C) {
+    kiln_tensor t;
+    memset(&t, 0, sizeof t);
+    t.name = name;
+    t.dtype = KILN_DTYPE_F32;
+    t.n_dims = 2;
+    t.shape[0] = R;
+    t.shape[1] = C;
+    t.data = data;
+    t.nbytes = (size_t)R * (size_t)C * sizeof(float);
+    return t;
+}
+
+/* ---- the op ------------------------------------------------------------------------------- */
+
+static kiln_status check_params(const kiln_backend *be, const kiln_fused_ce_params *p) {
+    if (!be || !p) return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: backend or params is NULL");
+    if (!be->i || !be->i->name || strcmp(be->i->name, "cpu") != 0)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "fused_ce: only the CPU backend is supported");
+    if (p->N <= 0 || p->H <= 0 || p->V <= 0)
+        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: N %lld, H %lld, V %lld must be > 0",
+                          (long long)p->N, (long long)p->H, (long long)p->V);
+    if (p->N > INT32_MAX || p->V > INT32_MAX || p->H > INT32_MAX)
+        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: N, H or V above 2^31 - 1");
+    if (!p->hidden || !p->weight || !p->targets)
+        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: hidden, weight or targets is NULL");
+    if (p->weight_dtype != KILN_DTYPE_F32 && p->weight_dtype != KILN_DTYPE_BF16)
+        return kiln_error(KILN_ERR_UNSUPPORTED,
+                          "fused_ce: weight dtype %d: only f32 and bf16 are supported",
+                          (int)p->weight_dtype);
+    if (p->reduction != KILN_CE_REDUCTION_MEAN && p->reduction != KILN_CE_REDUCTION_SUM)
+        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: reduction %d is not MEAN or SUM",
+                          (int)p->reduction);
+    if (!isfinite(p->scale))
+        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: scale %g is not finite",
+                          (double)p->scale);
+    if (p->chunk < 0)
+        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: chunk %lld < 0", (long long)p->chunk);
+    size_t tmp;
+    if (kiln_mul_overflow((size_t)p->N, (size_t)p->H, &tmp) ||
+        kiln_mul_overflow(tmp, sizeof(float), &tmp) ||
+        kiln_mul_overflow((size_t)p->V, (size_t)p->H, &tmp) ||
+        kiln_mul_overflow(tmp, sizeof(float), &tmp))
+        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: N x H or V x H overflows");
+    return KILN_OK;
+}
+
+kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
+                          kiln_fused_ce_result *out) {
+    if (out) memset(out, 0, sizeof *out);
+    KILN_TRY(check_params(be, p));
+    const int64_t N = p->N, H = p->H, V = p->V;
+
+    /* Supervised rows: mask (or all) and target >= 0. Their targets must be < V. */
+    int64_t S = 0;
+    for (int64_t n = 0; n < N; n++) {
+        if ((p->mask && !p->mask[n]) || p->targets[n] < 0) continue;
+        if (p->targets[n] >= V)
+            return kiln_error(KILN_ERR_RANGE,
+                              "fused_ce: position %lld: target %d >= vocabulary size %lld",
+                              (long long)n, (int)p->targets[n], (long long)V);
+        S++;
+    }
+    if (S == 0)
+        return kiln_error(KILN_ERR_INVALID_ARG,
+                          "fused_ce: no supervised positions (the mask and targets select none "
+                          "of the %lld positions)", (long long)N);
+
+    int64_t cn = p->chunk == 0 ? KILN_FUSED_CE_DEFAULT_CHUNK : p->chunk;
+    if (cn > V) cn = V;
+    const int with_dh = p->dhidden != NULL, with_dw = p->dweight != NULL;
+    ce_scratch sc;
+    size_t bytes = ce_layout(S, H, cn, with_dh, with_dw, NULL, NULL);
+    if (bytes == 0) return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: scratch size overflows");
+    uint8_t *block = kiln_malloc(bytes);
+    if (!block)
+        return kiln_error(KILN_ERR_NOMEM, "fused_ce: out of memory for %zu bytes of scratch "
+                          "(%lld supervised rows x chunk %lld)", bytes, (long long)S,
+                          (long long)cn);
+    ce_layout(S, H, cn, with_dh, with_dw, block, &sc);
+
+    const kiln_cpu_kernels *k = kernels_of(be);
+    const size_t row_bytes = (size_t)H * (p->weight_dtype == KILN_DTYPE_BF16 ? 2 : 4);
+    int64_t ones_n = cn > S ? cn : S;
+    for (int64_t j = 0; j < ones_n; j++) sc.ones[j] = 1.0f;
+
+    /* Gather (ascending positions). */
+    for (int64_t n = 0, i = 0; n < N; n++) {
+        if ((p->mask && !p->mask[n]) || p->targets[n] < 0) continue;
+        sc.idx[i] = n;
+        memcpy(sc.hs + i * H, p->hidden + n * H, (size_t)H * sizeof(float));
+        i++;
+    }
+    for (int64_t i = 0; i < S; i++) {
+        sc.m[i] = -INFINITY;
+        sc.l[i] = 0.0f;
+        sc.zt[i] = 0.0f;
+    }
+
+    /* Pass 1: online log-sum-exp, chunks ascending. */
+    for (int64_t c0 = 0; c0 < V; c0 += cn) {
+        int64_t n = V - c0 < cn ? V - c0 : cn;
+        chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
+        for (int64_t i = 0; i < S; i++) {
+            float *zr = sc.z + i * n;
+            int64_t t = p->targets[sc.idx[i]] - c0;
+            if (t >= 0 && t < n) sc.zt[i] = zr[t];
+            float bm = zr[0];
+            for (int64_t j = 1; j < n; j++) bm = zr[j] > bm ? zr[j] : bm;
+            float m_new = bm > sc.m[i] ? bm : sc.m[i];
+            float alpha = kiln_expf(sc.m[i] - m_new); /* first chunk: exp(-inf) = 0 */
+            k->exp_sub(zr, zr, m_new, (int)n);
+            float csum = lane_sum(k, zr, sc.ones, n);
+            sc.l[i] = sc.l[i] * alpha + csum;
+            sc.m[i] = m_new;
+        }
+    }
+    for (int64_t i = 0; i < S; i++) {
+        float li = (sc.m[i] - sc.zt[i]) + kiln_fused_ce_logf(sc.l[i]);
+        if (!isfinite(li)) {
+            kiln_status st = kiln_error(
+                KILN_ERR_RANGE,
+                "fused_ce: position %lld (supervised row %lld): loss is not finite (max logit "
+                "%g, sum of exponentials %g, target logit %g): non-finite hidden states or "
+                "weights, or logits beyond the float range",
+                (long long)sc.idx[i], (long long)i, (double)sc.m[i], (double)sc.l[i],
+                (double)sc.zt[i]);
+            kiln_free(block);
+            return st;
+        }
+        sc.loss[i] = li;
+    }
+    float sum = lane_sum(k, sc.loss, sc.ones, S);
+    double sum64 = 0.0;
+    for (int64_t i = 0; i < S; i++) sum64 += (double)sc.loss[i];
+    float loss, gs;
+    double loss64;
+    if (p->reduction == KILN_CE_REDUCTION_MEAN) {
+        loss = (sum / (float)S) * p->scale;
+        gs = p->scale / (float)S;
+        loss64 = sum64 / (double)S * (double)p->scale;
+    } else {
+        loss = sum * p->scale;
+        gs = p->scale;
+        loss64 = sum64 * (double)p->scale;
+    }
+
+    /* Pass 2: g = (softmax - onehot) * gs per chunk, into dh and dW. */
+    if (with_dh || with_dw) {
+        if (with_dw) transpose_f32(sc.hT, sc.hs, S, H);
+        if (with_dh) memset(sc.dh_acc, 0, (size_t)S * (size_t)H * sizeof(float));
+        for (int64_t c0 = 0; c0 < V; c0 += cn) {
+            int64_t n = V - c0 < cn ? V - c0 : cn;
+            chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
+            for (int64_t i = 0; i < S; i++) {
+                float *zr = sc.z + i * n;
+                float li = sc.l[i];
+                int64_t t = p->targets[sc.idx[i]] - c0;
+                k->exp_sub(zr, zr, sc.m[i], (int)n);
+                float et = (t >= 0 && t < n) ? zr[t] : 0.0f;
+                for (int64_t j = 0; j < n; j++) zr[j] = (zr[j] / li) * gs;
+                if (t >= 0 && t < n) zr[t] = ((et / li) - 1.0f) * gs;
+            }
+            if (with_dh) {
+                transpose_weight(sc.wT, (const uint8_t *)p->weight + (size_t)c0 * row_bytes,
+                                 p->weight_dtype, n, H);
+                kiln_tensor wt = f32_view("fused_ce.weight_chunk_t", sc.wT, H, n);
+                be->i->matmul(be, sc.dpart, sc.z, &wt, NULL, (int)S);
+                k->add(sc.dh_acc, sc.dpart, (size_t)S * (size_t)H);
+            }
+            if (with_dw) {
+                transpose_f32(sc.gT, sc.z, S, n);
+                kiln_tensor ht = f32_view("fused_ce.hidden_t", sc.hT, H, S);
+                be->i->matmul(be, sc.wpart, sc.gT, &ht, NULL, (int)n);
+                k->add(p->dweight + c0 * H, sc.wpart, (size_t)n * (size_t)H);
+            }
+        }
+    }
+
+    /* Outputs. */
+    if (p->row_loss) {
+        memset(p->row_loss, 0, (size_t)N * sizeof(float));
+        for (int64_t i = 0; i < S; i++) p->row_loss[sc.idx[i]] = sc.loss[i];
+    }
+    if (with_dh) {
+        if (!p->dhidden_accumulate) {
+            memset(p->dhidden, 0, (size_t)N * (size_t)H * sizeof(float));
+            for (int64_t i = 0; i < S; i++)
+                memcpy(p->dhidden + sc.idx[i] * H, sc.dh_acc + i * H, (size_t)H * sizeof(float));
+        } else {
+            for (int64_t i = 0; i < S; i++)
+                k->add(p->dhidden + sc.idx[i] * H, sc.dh_acc + i * H, (size_t)H);
+        }
+    }
+    if (out) {
+        out->loss = loss;
+        out->loss_f64 = loss64;
+        out->n_supervised = S;
+        out->scratch_bytes = bytes;
+    }
+    kiln_free(block);
+    return KILN_OK;
+}

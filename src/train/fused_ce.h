@@ -1,0 +1,91 @@
+/*
+ * fused_ce.h -- fused linear cross-entropy without materialised logits.
+ *
+ * For hidden states h(N,H), an LM head W(V,H), targets(N) and a mask(N):
+ *
+ *   loss_n = logsumexp_v(h_n . W_v) - h_n . W_{t_n}        for every supervised position n
+ *   loss   = scale * sum_n loss_n / S   (MEAN)   or   scale * sum_n loss_n   (SUM)
+ *
+ * with S the number of supervised positions (mask[n] != 0 and targets[n] >= 0), and the
+ * gradients of `loss` with respect to h (dh, N x H) and W (dW, V x H). Only the S supervised
+ * rows are computed: they are gathered first, then the vocabulary is walked in chunks of
+ * `chunk` columns, twice: pass 1 computes each row's log-sum-exp online, pass 2 recomputes
+ * each chunk's logits and turns them into (softmax - onehot) * scale, which it multiplies
+ * into dh and dW. The scratch memory is bounded by
+ * kiln_fused_ce_scratch_bytes(S, H, V, chunk, ...) -- about 2 S x chunk + 4 S x H +
+ * 2 chunk x H floats -- never N x V.
+ *
+ * The arithmetic order is defined in docs/ARITHMETIC.md ("Fused linear cross-entropy"): the
+ * three products are the backend's defined matmul, the reductions are fixed, so the results
+ * are bit-identical for every thread count and SIMD path. They DO depend on the chunk size
+ * (the online log-sum-exp and the chunk-by-chunk sums of dh follow the chunking): a result is
+ * defined for a given chunk size.
+ *
+ * All buffers are the caller's (CPU memory for the CPU backend). On any error nothing the
+ * caller passed is written: validation, the scratch allocations and the whole loss (pass 1,
+ * which detects a non-finite loss) come before the first write to dh, dW or row_loss.
+ */
+#ifndef KILN_FUSED_CE_H
+#define KILN_FUSED_CE_H
+
+#include "../ops/ops.h"
+
+/* Vocabulary columns per chunk when params.chunk is 0. */
+#define KILN_FUSED_CE_DEFAULT_CHUNK 4096
+
+typedef enum kiln_ce_reduction {
+    KILN_CE_REDUCTION_MEAN = 0, /* sum over supervised positions / S, times scale */
+    KILN_CE_REDUCTION_SUM = 1,  /* sum over supervised positions, times scale */
+} kiln_ce_reduction;
+
+typedef struct kiln_fused_ce_params {
+    int64_t N, H, V;            /* positions, hidden size, vocabulary size */
+    const float *hidden;        /* (N, H) f32 */
+    const void *weight;         /* (V, H), weight_dtype: F32 or BF16 */
+    kiln_dtype weight_dtype;
+    const int32_t *targets;     /* (N); a target < 0 (e.g. -100) marks a position unsupervised */
+    const uint8_t *mask;        /* (N) or NULL (= all ones); 0 marks a position unsupervised */
+    kiln_ce_reduction reduction;
+    float scale;                /* multiplies the loss and every gradient (1/N: a batch mean) */
+    int64_t chunk;              /* vocabulary columns per chunk; 0 = KILN_FUSED_CE_DEFAULT_CHUNK */
+    /* Outputs, each optional (NULL: not computed). With both dhidden and dweight NULL, only
+     * pass 1 runs (the loss alone). */
+    float *dhidden;             /* (N, H): overwritten (unsupervised rows set to 0), or, with
+                                 * dhidden_accumulate, dhidden += d loss / d h (unsupervised
+                                 * rows untouched) */
+    int dhidden_accumulate;
+    float *dweight;             /* (V, H) f32: dweight += d loss / d W, always accumulated */
+    float *row_loss;            /* (N): loss_n (unscaled, unreduced); 0 at unsupervised rows */
+} kiln_fused_ce_params;
+
+typedef struct kiln_fused_ce_result {
+    float loss;            /* the reduced, scaled loss (f32, defined order) */
+    double loss_f64;       /* the same from the f32 row losses summed in float64 */
+    int64_t n_supervised;  /* S */
+    size_t scratch_bytes;  /* bytes of scratch this call allocated (all freed on return) */
+} kiln_fused_ce_result;
+
+/* Defaults: everything zero/NULL, weight F32, MEAN, scale 1, chunk 0 (= 4096). */
+kiln_fused_ce_params kiln_fused_ce_default_params(void);
+
+/* The loss and gradients described above, on backend be (the CPU backend from
+ * kiln_backend_cpu_create: its thread pool runs the three products). out may be NULL.
+ * Errors: NULL/inconsistent parameters, a weight dtype other than F32/BF16, or sizes that
+ * overflow -> KILN_ERR_INVALID_ARG / KILN_ERR_UNSUPPORTED; no supervised position ->
+ * KILN_ERR_INVALID_ARG "no supervised positions"; a supervised target >= V ->
+ * KILN_ERR_RANGE naming the position; a non-finite row loss -> KILN_ERR_RANGE naming the
+ * position; scratch allocation failure -> KILN_ERR_NOMEM. */
+kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
+                          kiln_fused_ce_result *out);
+
+/* The scratch bytes kiln_fused_ce allocates for S supervised rows (the whole bound: the
+ * products themselves allocate nothing). with_dh / with_dw: whether dhidden / dweight are
+ * requested. 0 when the size overflows. */
+size_t kiln_fused_ce_scratch_bytes(int64_t S, int64_t H, int64_t V, int64_t chunk, int with_dh,
+                                   int with_dw);
+
+/* kiln's log for the loss: finite x > 0 (the row sums of exponentials, >= 1); defined in
+ * docs/ARITHMETIC.md. Exposed for the accuracy test. */
+float kiln_fused_ce_logf(float x);
+
+#endif /* KILN_FUSED_CE_H */
