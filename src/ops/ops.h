@@ -23,6 +23,13 @@ typedef enum kiln_op {
     KILN_OP_ATTENTION,
     KILN_OP_SWIGLU,
     KILN_OP_ADD,
+    /* backward (training) ops; add is its own backward (identity) */
+    KILN_OP_MATMUL_BACKWARD,
+    KILN_OP_RMSNORM_BACKWARD,
+    KILN_OP_ROPE_BACKWARD,
+    KILN_OP_ATTENTION_BACKWARD,
+    KILN_OP_SWIGLU_BACKWARD,
+    KILN_OP_EMBED_BACKWARD,
     KILN_OP_COUNT
 } kiln_op;
 
@@ -58,6 +65,52 @@ typedef struct kiln_backend_i {
     void (*swiglu)(kiln_backend *be, float *out, const float *gate, const float *up, size_t n);
     /* x[i] += y[i]. */
     void (*add)(kiln_backend *be, float *x, const float *y, size_t n);
+
+    /* ---- backward (training). Gradients are f32; each op's order of operations is defined
+     * in docs/ARITHMETIC.md, "Backward ops"; results never depend on the thread count. An
+     * output documented as `+=` is accumulated into (the caller zeroes it once per step);
+     * other outputs are overwritten. Scratch buffers are the caller's (the training arena),
+     * so no backward op allocates. Outputs must not alias inputs unless stated. ---- */
+
+    /* Backward of matmul, for x(N,C), W(R,C) (supports_op(MATMUL_BACKWARD, dtype): F32,
+     * BF16, F16), dy(N,R):
+     *   dx(N,C)   = dy @ W              (accumulate_dx: dx += dy @ W); dx NULL: skipped
+     *   dW(R,C)  += dy^T @ x            f32, whatever W's dtype; NULL: frozen weight
+     *   dbias(R) += sum over tokens of dy; NULL: no bias
+     * Each element is one lane-16 dot (over r for dx, over tokens for dW and dbias). */
+    void (*matmul_backward)(kiln_backend *be, float *dx, float *dW, float *dbias,
+                            const float *dy, const float *x, const kiln_tensor *W, int N,
+                            bool accumulate_dx);
+    /* Backward of rmsnorm over rows x(N,C) with weight w(C) (NULL: none), dy(N,C):
+     *   dx(N,C) = d out / d x applied to dy  (accumulate_dx: dx += ...)
+     *   dw(C)  += sum over rows of dy * (x * r)   (skipped when dw or w is NULL)
+     * rstd(N): scratch the op overwrites with each row's r = 1/sqrt(mean(x^2)+eps). For
+     * Qwen3's per-head q/k norms pass N*H rows of C = HS. */
+    void (*rmsnorm_backward)(kiln_backend *be, float *dx, float *dw, const float *dy,
+                             const float *x, const float *w, int N, int C, float eps,
+                             float *rstd, bool accumulate_dx);
+    /* In place on d(N,H,HS): the transpose of rope's rotation (same tables, positions):
+     *   d'[i] = d[i]*c + d[i+HS/2]*s,   d'[i+HS/2] = d[i+HS/2]*c - d[i]*s. */
+    void (*rope_backward)(kiln_backend *be, float *d, const int32_t *pos, int N, int H, int HS,
+                          const float *cos_tab, const float *sin_tab);
+    /* Backward of causal GQA attention with the forward's arguments (q(N,NH,HS), k,v(T,KVH,
+     * HS), n_past, scale), its output out(N,NH,HS) and dout(N,NH,HS):
+     *   dq(N,NH,HS) overwritten; dk, dv(n_past+N, KVH, HS) overwritten (rows past
+     *   n_past+N untouched). ws: scratch of 3*N*NH floats (softmax statistics, recomputed
+     *   FlashAttention-2 style: memory O(N*NH), never N x N). */
+    void (*attention_backward)(kiln_backend *be, float *dq, float *dk, float *dv,
+                               const float *dout, const float *q, const float *k,
+                               const float *v, const float *out, float *ws, int N, int n_past,
+                               int NH, int KVH, int HS, float scale);
+    /* Backward of out = silu(gate) * up over n elements: dgate[i], dup[i] from dout[i],
+     * gate[i], up[i]. Element-wise: dgate/dup may alias gate, up or dout at the same index
+     * (not each other). */
+    void (*swiglu_backward)(kiln_backend *be, float *dgate, float *dup, const float *dout,
+                            const float *gate, const float *up, size_t n);
+    /* Backward of embed: dtable(V,C) f32 += dy rows: row v gets the dy rows of the tokens
+     * with ids[n] == v, in increasing n. ids are in [0, V) (checked by the caller). */
+    void (*embed_backward)(kiln_backend *be, float *dtable, const float *dy, const int32_t *ids,
+                           int N, int V, int C);
 } kiln_backend_i;
 
 struct kiln_backend {

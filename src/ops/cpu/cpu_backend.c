@@ -9,6 +9,7 @@
 #include "../ops.h"
 #include "../../base/threadpool.h"
 #include "cpu_kernels.h"
+#include "backward.h"
 
 #include <string.h>
 
@@ -293,11 +294,54 @@ static void cpu_add(kiln_backend *be, float *x, const float *y, size_t n) {
     kiln_pool_run(c->pool, j.n_tasks, add_task, &j);
 }
 
+/* ---- backward (backward_portable.c) ------------------------------------------------------ */
+
+static void cpu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *dbias,
+                                const float *dy, const float *x, const kiln_tensor *W, int N,
+                                bool accumulate_dx) {
+    cpu_ctx *c = ctx_of(be);
+    kiln_cpu_matmul_backward(c->pool, c->k, dx, dW, dbias, dy, x, W, N, accumulate_dx);
+}
+
+static void cpu_rmsnorm_backward(kiln_backend *be, float *dx, float *dw, const float *dy,
+                                 const float *x, const float *w, int N, int C, float eps,
+                                 float *rstd, bool accumulate_dx) {
+    cpu_ctx *c = ctx_of(be);
+    kiln_cpu_rmsnorm_backward(c->pool, c->k, dx, dw, dy, x, w, N, C, eps, rstd, accumulate_dx);
+}
+
+static void cpu_rope_backward(kiln_backend *be, float *d, const int32_t *pos, int N, int H,
+                              int HS, const float *cos_tab, const float *sin_tab) {
+    kiln_cpu_rope_backward(ctx_of(be)->pool, d, pos, N, H, HS, cos_tab, sin_tab);
+}
+
+static void cpu_attention_backward(kiln_backend *be, float *dq, float *dk, float *dv,
+                                   const float *dout, const float *q, const float *k,
+                                   const float *v, const float *out, float *ws, int N,
+                                   int n_past, int NH, int KVH, int HS, float scale) {
+    cpu_ctx *c = ctx_of(be);
+    kiln_cpu_attention_backward(c->pool, c->k, dq, dk, dv, dout, q, k, v, out, ws, N, n_past,
+                                NH, KVH, HS, scale);
+}
+
+static void cpu_swiglu_backward(kiln_backend *be, float *dgate, float *dup, const float *dout,
+                                const float *gate, const float *up, size_t n) {
+    cpu_ctx *c = ctx_of(be);
+    kiln_cpu_swiglu_backward(c->pool, c->k, dgate, dup, dout, gate, up, n);
+}
+
+static void cpu_embed_backward(kiln_backend *be, float *dtable, const float *dy,
+                               const int32_t *ids, int N, int V, int C) {
+    kiln_cpu_embed_backward(ctx_of(be)->pool, dtable, dy, ids, N, V, C);
+}
+
 /* ---- the table -------------------------------------------------------------------------- */
 
 static bool cpu_supports_op(const kiln_backend *be, kiln_op op, kiln_dtype wtype) {
     (void)be;
     if (op < 0 || op >= KILN_OP_COUNT) return false;
+    if (op == KILN_OP_MATMUL_BACKWARD)
+        return wtype == KILN_DTYPE_F32 || wtype == KILN_DTYPE_BF16 || wtype == KILN_DTYPE_F16;
     if (op != KILN_OP_MATMUL && op != KILN_OP_EMBED) return true;
     switch (wtype) {
     case KILN_DTYPE_F32: case KILN_DTYPE_F16: case KILN_DTYPE_BF16: case KILN_DTYPE_Q8_0:
@@ -327,6 +371,12 @@ static const kiln_backend_i cpu_iface = {
     .attention = cpu_attention,
     .swiglu = cpu_swiglu,
     .add = cpu_add,
+    .matmul_backward = cpu_matmul_backward,
+    .rmsnorm_backward = cpu_rmsnorm_backward,
+    .rope_backward = cpu_rope_backward,
+    .attention_backward = cpu_attention_backward,
+    .swiglu_backward = cpu_swiglu_backward,
+    .embed_backward = cpu_embed_backward,
 };
 
 static const kiln_cpu_kernels *kernels_for(kiln_cpu_path p) {

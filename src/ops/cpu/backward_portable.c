@@ -1,0 +1,507 @@
+/*
+ * backward_portable.c -- the backward ops of the CPU backend (training), and the portable
+ * (plain C) table of their inner loops.
+ *
+ * The arithmetic of every op is defined in docs/ARITHMETIC.md, "Backward ops"; this file is
+ * its reference. Each output element is written by exactly one task, in that order, so
+ * results never depend on the thread count, on how outputs are grouped into tasks or tiles,
+ * or on the SIMD path (the AVX2 table computes the same IEEE operations per element). No
+ * float atomics, no per-thread partial sums: where many terms meet (dW, dw, dk/dv, the
+ * embedding rows) one task owns the output and adds the terms in the defined order.
+ */
+#include "backward.h"
+
+#include <string.h>
+
+/* ---- shared helpers -------------------------------------------------------------------- */
+
+/* Tasks for `work` multiply-adds (as cpu_backend.c's n_tasks_for): 1 when small or single
+ * threaded, else 4 per thread (threads claim them dynamically), at most max_tasks. */
+static int bwd_n_tasks(kiln_pool *pool, double work, double min_work, int64_t max_tasks) {
+    int nt = kiln_pool_n_threads(pool);
+    int n = (work < min_work || nt <= 1) ? 1 : 4 * nt;
+    if (n > max_tasks) n = (int)(max_tasks > 0 ? max_tasks : 1);
+    return n;
+}
+
+static void bwd_split(int64_t n, int n_tasks, int task, int64_t align, int64_t *lo, int64_t *hi) {
+    int64_t chunk = (n + n_tasks - 1) / n_tasks;
+    chunk = (chunk + align - 1) / align * align;
+    *lo = (int64_t)task * chunk;
+    *hi = *lo + chunk;
+    if (*lo > n) *lo = n;
+    if (*hi > n) *hi = n;
+}
+
+/* kiln_lane16_reduce over lanes held `stride` floats apart. */
+static float lanes_reduce(const float *p, int64_t stride) {
+    float acc[KILN_DOT_LANES];
+    for (int j = 0; j < KILN_DOT_LANES; j++) acc[j] = p[j * stride];
+    return kiln_lane16_reduce(acc);
+}
+
+/* ---- the portable kernel table ---------------------------------------------------------- */
+
+static void p_tile(float *P, const float *A, int64_t asi, int64_t ask, const kiln_bwd_b *B,
+                   int64_t c0, int64_t k0, int64_t k1, int mi, int nc) {
+    kiln_bwd_tile_generic(P, A, asi, ask, B, c0, k0, k1, mi, nc);
+}
+
+static void p_col_lanes(float *acc, const float *a, const float *b, const float *s, int64_t ld,
+                        int64_t n0, int64_t n1, int w) {
+    kiln_bwd_col_lanes_generic(acc, a, b, s, ld, n0, n1, w);
+}
+
+const kiln_bwd_kernels kiln_bwd_kernels_portable = {.tile = p_tile, .col_lanes = p_col_lanes};
+
+const kiln_bwd_kernels *kiln_bwd_kernels_for(kiln_cpu_path p) {
+#if defined(__x86_64__)
+    if (p == KILN_CPU_PATH_AVX2 || p == KILN_CPU_PATH_AVX512) return &kiln_bwd_kernels_avx2;
+#else
+    (void)p;
+#endif
+    return &kiln_bwd_kernels_portable;
+}
+
+/* ---- matmul backward: the lane-16 GEMM ------------------------------------------------- */
+
+/* out(M, NCOL) (+)= A(M, K) @ B(K, NCOL), each element the defined dot over k:
+ * lane k % 16 accumulates fmaf(A(i,k), B(k,c), .) in increasing k, then the fixed tree;
+ * then out = v (overwrite) or out = out + v (accumulate). A(i,k) = A[i*asi + k*ask]. */
+typedef struct bwd_gemm {
+    float *out;
+    int64_t ldo;
+    bool accumulate;
+    const float *A;
+    int64_t asi, ask;
+    kiln_bwd_b B;
+    int64_t M, NCOL, K;
+} bwd_gemm;
+
+#define BWD_KC 256 /* k per chunk: a chunk of A rows and B panel stay in L1 over 16 lanes */
+#define BWD_IB 48  /* rows per block: A's block stays in L2 while the c tiles sweep it */
+
+static void bwd_gemm_rows(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t i0,
+                          int64_t i1) {
+    float P[KILN_DOT_LANES * KILN_BWD_MR * KILN_BWD_NC];
+    const int64_t lane_stride = KILN_BWD_MR * KILN_BWD_NC;
+    for (int64_t ib0 = i0; ib0 < i1; ib0 += BWD_IB) {
+        int64_t ib1 = ib0 + BWD_IB < i1 ? ib0 + BWD_IB : i1;
+        for (int64_t c0 = 0; c0 < g->NCOL; c0 += KILN_BWD_NC) {
+            int nc = (int)(g->NCOL - c0 < KILN_BWD_NC ? g->NCOL - c0 : KILN_BWD_NC);
+            for (int64_t it = ib0; it < ib1; it += KILN_BWD_MR) {
+                int mi = (int)(ib1 - it < KILN_BWD_MR ? ib1 - it : KILN_BWD_MR);
+                memset(P, 0, sizeof P);
+                const float *A = g->A + it * g->asi;
+                for (int64_t k0 = 0; k0 < g->K; k0 += BWD_KC) {
+                    int64_t k1 = k0 + BWD_KC < g->K ? k0 + BWD_KC : g->K;
+                    bk->tile(P, A, g->asi, g->ask, &g->B, c0, k0, k1, mi, nc);
+                }
+                for (int i = 0; i < mi; i++) {
+                    float *o = g->out + (it + i) * g->ldo + c0;
+                    for (int c = 0; c < nc; c++) {
+                        float v = lanes_reduce(P + i * KILN_BWD_NC + c, lane_stride);
+                        o[c] = g->accumulate ? o[c] + v : v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+typedef struct mm_bwd_job {
+    const kiln_bwd_kernels *bk;
+    bwd_gemm gx, gw;        /* dx = dy @ W;  dW += dy^T @ x */
+    int tx, tw;             /* tasks of each part; tasks [0, tx) do dx, [tx, tx+tw) dW */
+    float *dbias;
+    const float *dy;
+    int64_t R;
+    int N;
+} mm_bwd_job;
+
+/* dbias[r] += sum over tokens n of dy[n, r]: lanes n % 16, increasing n, then the tree. */
+static void dbias_rows(const mm_bwd_job *j, int64_t r0, int64_t r1) {
+    float acc[KILN_DOT_LANES * 64];
+    for (int64_t c0 = r0; c0 < r1; c0 += 64) {
+        int w = (int)(r1 - c0 < 64 ? r1 - c0 : 64);
+        memset(acc, 0, sizeof acc);
+        j->bk->col_lanes(acc, j->dy + c0, NULL, NULL, j->R, 0, j->N, w);
+        for (int c = 0; c < w; c++) j->dbias[c0 + c] = j->dbias[c0 + c] + lanes_reduce(acc + c, w);
+    }
+}
+
+static void mm_bwd_task(void *arg, int task, int thread) {
+    const mm_bwd_job *j = arg;
+    int64_t lo, hi;
+    if (task < j->tx) {
+        bwd_split(j->gx.M, j->tx, task, KILN_BWD_MR, &lo, &hi);
+        if (lo < hi) bwd_gemm_rows(j->bk, &j->gx, lo, hi);
+    } else {
+        bwd_split(j->gw.M, j->tw, task - j->tx, KILN_BWD_MR, &lo, &hi);
+        if (lo >= hi) return;
+        if (j->gw.out) bwd_gemm_rows(j->bk, &j->gw, lo, hi);
+        if (j->dbias) dbias_rows(j, lo, hi);
+    }
+}
+
+void kiln_cpu_matmul_backward(kiln_pool *pool, const kiln_cpu_kernels *k, float *dx, float *dW,
+                              float *dbias, const float *dy, const float *x,
+                              const kiln_tensor *W, int N, bool accumulate_dx) {
+    int64_t C = W->shape[W->n_dims - 1];
+    int64_t R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
+    if (N <= 0 || R <= 0 || C <= 0) return;
+    /* supports_op's contract; never read a quantized row as if it were plain */
+    if (W->dtype != KILN_DTYPE_F32 && W->dtype != KILN_DTYPE_BF16 && W->dtype != KILN_DTYPE_F16)
+        return;
+    size_t esize = W->dtype == KILN_DTYPE_F32 ? 4 : 2;
+    mm_bwd_job j;
+    memset(&j, 0, sizeof j);
+    j.bk = kiln_bwd_kernels_for(k->path);
+    j.gx = (bwd_gemm){dx, C, accumulate_dx, dy, R, 1,
+                      {(const uint8_t *)W->data, (size_t)C * esize, W->dtype}, N, C, R};
+    j.gw = (bwd_gemm){dW, C, true, dy, 1, R,
+                      {(const uint8_t *)x, (size_t)C * 4, KILN_DTYPE_F32}, R, C, N};
+    j.dbias = dbias;
+    j.dy = dy;
+    j.R = R;
+    j.N = N;
+    double work = (double)N * R * C;
+    j.tx = dx ? bwd_n_tasks(pool, work, 65536, (N + KILN_BWD_MR - 1) / KILN_BWD_MR) : 0;
+    j.tw = (dW || dbias) ? bwd_n_tasks(pool, work, 65536, (R + KILN_BWD_MR - 1) / KILN_BWD_MR)
+                         : 0;
+    kiln_pool_run(pool, j.tx + j.tw, mm_bwd_task, &j);
+}
+
+/* ---- rmsnorm backward ------------------------------------------------------------------- */
+
+typedef struct rms_bwd_job {
+    const kiln_cpu_kernels *k;
+    const kiln_bwd_kernels *bk;
+    float *dx, *dw, *rstd;
+    const float *dy, *x, *w;
+    int N, C, n_tasks;
+    float eps;
+    bool accumulate;
+} rms_bwd_job;
+
+#define RMS_CHUNK 1024 /* g = dy * w is formed in pieces of this many (a multiple of 16) */
+
+/* One row: r as the forward; g = dy*w; d = dot(g, x); u = ((d / C) * r) * r;
+ * dx = (g - x*u) * r  (or dx + that). */
+static void rms_bwd_row(const rms_bwd_job *j, int64_t n) {
+    const int64_t C = j->C;
+    const float *x = j->x + n * C, *dy = j->dy + n * C;
+    float *dx = j->dx + n * C;
+    float acc[KILN_DOT_LANES] = {0};
+    j->k->dot_accum(acc, x, x, C);
+    float r = kiln_rms_scale(kiln_lane16_reduce(acc), j->C, j->eps);
+    j->rstd[n] = r;
+    float g[RMS_CHUNK];
+    memset(acc, 0, sizeof acc);
+    for (int64_t c0 = 0; c0 < C; c0 += RMS_CHUNK) {
+        int64_t m = C - c0 < RMS_CHUNK ? C - c0 : RMS_CHUNK;
+        if (j->w) {
+            for (int64_t c = 0; c < m; c++) g[c] = dy[c0 + c] * j->w[c0 + c];
+            j->k->dot_accum(acc, g, x + c0, m);
+        } else {
+            j->k->dot_accum(acc, dy + c0, x + c0, m);
+        }
+    }
+    float d = kiln_lane16_reduce(acc);
+    float u = ((d / (float)j->C) * r) * r;
+    for (int64_t c0 = 0; c0 < C; c0 += RMS_CHUNK) {
+        int64_t m = C - c0 < RMS_CHUNK ? C - c0 : RMS_CHUNK;
+        for (int64_t c = 0; c < m; c++) g[c] = j->w ? dy[c0 + c] * j->w[c0 + c] : dy[c0 + c];
+        float *o = dx + c0;
+        const float *xc = x + c0;
+        if (j->accumulate)
+            for (int64_t c = 0; c < m; c++) o[c] = o[c] + (g[c] - xc[c] * u) * r;
+        else
+            for (int64_t c = 0; c < m; c++) o[c] = (g[c] - xc[c] * u) * r;
+    }
+}
+
+static void rms_bwd_rows_task(void *arg, int task, int thread) {
+    const rms_bwd_job *j = arg;
+    int64_t lo, hi;
+    bwd_split(j->N, j->n_tasks, task, 1, &lo, &hi);
+    for (int64_t n = lo; n < hi; n++) rms_bwd_row(j, n);
+}
+
+/* dw[c] += sum over rows n of dy[n,c] * (x[n,c] * r[n]): lanes n % 16, then the tree. One
+ * task owns a slice of 64 columns (rows are never split). */
+static void rms_bwd_cols_task(void *arg, int task, int thread) {
+    const rms_bwd_job *j = arg;
+    int64_t c0 = (int64_t)task * 64;
+    int w = (int)(j->C - c0 < 64 ? j->C - c0 : 64);
+    float acc[KILN_DOT_LANES * 64];
+    memset(acc, 0, sizeof acc);
+    j->bk->col_lanes(acc, j->dy + c0, j->x + c0, j->rstd, j->C, 0, j->N, w);
+    for (int c = 0; c < w; c++) j->dw[c0 + c] = j->dw[c0 + c] + lanes_reduce(acc + c, w);
+}
+
+void kiln_cpu_rmsnorm_backward(kiln_pool *pool, const kiln_cpu_kernels *k, float *dx, float *dw,
+                               const float *dy, const float *x, const float *w, int N, int C,
+                               float eps, float *rstd, bool accumulate_dx) {
+    if (N <= 0 || C <= 0) return;
+    rms_bwd_job j = {k, kiln_bwd_kernels_for(k->path), dx, dw, rstd, dy, x, w, N, C, 0, eps,
+                     accumulate_dx};
+    j.n_tasks = bwd_n_tasks(pool, (double)N * C * 3, 32768, N);
+    kiln_pool_run(pool, j.n_tasks, rms_bwd_rows_task, &j);
+    if (dw && w) kiln_pool_run(pool, (C + 63) / 64, rms_bwd_cols_task, &j);
+}
+
+/* ---- rope backward ---------------------------------------------------------------------- */
+
+typedef struct rope_bwd_job {
+    float *d;
+    const int32_t *pos;
+    const float *ct, *st;
+    int N, H, HS, n_tasks;
+} rope_bwd_job;
+
+/* The transpose of the forward rotation: with a = d[i], b = d[i+HS/2],
+ * d[i] = a*c + b*s, d[i+HS/2] = b*c - a*s (two products, then one add or subtract). */
+static void rope_bwd_task(void *arg, int task, int thread) {
+    const rope_bwd_job *j = arg;
+    int64_t lo, hi;
+    int half = j->HS / 2;
+    bwd_split(j->N, j->n_tasks, task, 1, &lo, &hi);
+    for (int64_t n = lo; n < hi; n++) {
+        const float *ct = j->ct + (int64_t)j->pos[n] * half;
+        const float *st = j->st + (int64_t)j->pos[n] * half;
+        for (int h = 0; h < j->H; h++) {
+            float *v = j->d + (n * j->H + h) * j->HS;
+            for (int i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * ct[i] + b * st[i];
+                v[i + half] = b * ct[i] - a * st[i];
+            }
+        }
+    }
+}
+
+void kiln_cpu_rope_backward(kiln_pool *pool, float *d, const int32_t *pos, int N, int H, int HS,
+                            const float *cos_tab, const float *sin_tab) {
+    if (N <= 0) return;
+    rope_bwd_job j = {d, pos, cos_tab, sin_tab, N, H, HS, 0};
+    j.n_tasks = bwd_n_tasks(pool, (double)N * H * HS * 3, 65536, N);
+    kiln_pool_run(pool, j.n_tasks, rope_bwd_task, &j);
+}
+
+/* ---- attention backward ----------------------------------------------------------------- */
+
+/* ws holds, per (token i, head h), at (i*NH + h)*3: m and l, the forward's online-softmax
+ * max and sum, recomputed with the forward's exact operations (so a forward that saved
+ * them would give the same bits), and D = dot(dout_ih, out_ih). Then
+ *   p_ij  = kiln_expf(s_ij - m) / l,     s_ij = dot(q_ih, k_j) * scale
+ *   dp_ij = dot(dout_ih, v_j);           ds_ij = p_ij * (dp_ij - D)
+ *   dq_ih = (sum_j ds_ij k_j) * scale                 keys j ascending
+ *   dk_j  = (sum_{h in group, i} ds_ij q_ih) * scale  heads ascending, then tokens ascending
+ *   dv_j  =  sum_{h in group, i} p_ij dout_ih         same order
+ * each sum a sequence of fmaf into the output row (attn_pv), never split across tasks. */
+typedef struct attn_bwd_job {
+    const kiln_cpu_kernels *k;
+    float *dq, *dk, *dv, *ws;
+    const float *dout, *q, *kc, *vc, *out;
+    int N, n_past, NH, KVH, HS, n_tasks;
+    float scale;
+} attn_bwd_job;
+
+static void attn_bwd_stats(const attn_bwd_job *j, int i, int h) {
+    const kiln_cpu_kernels *k = j->k;
+    const int HS = j->HS, kvh = h / (j->NH / j->KVH);
+    const int64_t stride = (int64_t)j->KVH * HS, u = (int64_t)i * j->NH + h;
+    const float *q = j->q + u * HS;
+    const int T = j->n_past + i + 1;
+    float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK];
+    float m = -INFINITY, l = 0.0f;
+    for (int kb = 0; kb < T; kb += KILN_ATTN_BLOCK) {
+        int nk = T - kb < KILN_ATTN_BLOCK ? T - kb : KILN_ATTN_BLOCK;
+        k->dots(s, q, j->kc + (int64_t)kb * stride + (int64_t)kvh * HS, stride, nk, HS);
+        float bm = -INFINITY;
+        for (int t = 0; t < nk; t++) {
+            s[t] = s[t] * j->scale;
+            bm = s[t] > bm ? s[t] : bm;
+        }
+        float m_new = bm > m ? bm : m;
+        float alpha = kiln_expf(m - m_new);
+        k->exp_sub(p, s, m_new, nk);
+        l = l * alpha;
+        for (int t = 0; t < nk; t++) l = l + p[t];
+        m = m_new;
+    }
+    float D;
+    k->dots(&D, j->dout + u * HS, j->out + u * HS, 0, 1, HS);
+    j->ws[u * 3 + 0] = m;
+    j->ws[u * 3 + 1] = l;
+    j->ws[u * 3 + 2] = D;
+}
+
+static void attn_bwd_dq(const attn_bwd_job *j, int i, int h) {
+    const kiln_cpu_kernels *k = j->k;
+    const int HS = j->HS, kvh = h / (j->NH / j->KVH);
+    const int64_t stride = (int64_t)j->KVH * HS, u = (int64_t)i * j->NH + h;
+    const float *q = j->q + u * HS, *dout = j->dout + u * HS;
+    const float m = j->ws[u * 3], l = j->ws[u * 3 + 1], D = j->ws[u * 3 + 2];
+    float *dq = j->dq + u * HS;
+    const int T = j->n_past + i + 1;
+    float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK], dp[KILN_ATTN_BLOCK];
+    for (int d = 0; d < HS; d++) dq[d] = 0.0f;
+    for (int kb = 0; kb < T; kb += KILN_ATTN_BLOCK) {
+        int nk = T - kb < KILN_ATTN_BLOCK ? T - kb : KILN_ATTN_BLOCK;
+        const float *kblk = j->kc + (int64_t)kb * stride + (int64_t)kvh * HS;
+        const float *vblk = j->vc + (int64_t)kb * stride + (int64_t)kvh * HS;
+        k->dots(s, q, kblk, stride, nk, HS);
+        for (int t = 0; t < nk; t++) s[t] = s[t] * j->scale;
+        k->exp_sub(p, s, m, nk);
+        k->dots(dp, dout, vblk, stride, nk, HS);
+        for (int t = 0; t < nk; t++) dp[t] = (p[t] / l) * (dp[t] - D); /* ds */
+        k->attn_pv(dq, 1.0f, dp, kblk, stride, nk, HS);
+    }
+    for (int d = 0; d < HS; d++) dq[d] = dq[d] * j->scale;
+}
+
+/* Key position jp, kv head g: dk and dv rows. */
+static void attn_bwd_dkv(const attn_bwd_job *j, int jp, int g) {
+    const kiln_cpu_kernels *k = j->k;
+    const int HS = j->HS, G = j->NH / j->KVH;
+    const int64_t kvrow = ((int64_t)jp * j->KVH + g) * HS, qstride = (int64_t)j->NH * HS;
+    const float *kj = j->kc + kvrow, *vj = j->vc + kvrow;
+    float *dk = j->dk + kvrow, *dv = j->dv + kvrow;
+    float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK], dp[KILN_ATTN_BLOCK];
+    for (int d = 0; d < HS; d++) dk[d] = 0.0f, dv[d] = 0.0f;
+    int i_lo = jp - j->n_past > 0 ? jp - j->n_past : 0; /* causal: n_past + i >= jp */
+    for (int h = g * G; h < (g + 1) * G; h++) {
+        for (int ib = i_lo; ib < j->N; ib += KILN_ATTN_BLOCK) {
+            int nb = j->N - ib < KILN_ATTN_BLOCK ? j->N - ib : KILN_ATTN_BLOCK;
+            const float *qb = j->q + ((int64_t)ib * j->NH + h) * HS;
+            const float *db = j->dout + ((int64_t)ib * j->NH + h) * HS;
+            const float *st = j->ws + ((int64_t)ib * j->NH + h) * 3;
+            k->dots(s, kj, qb, qstride, nb, HS);
+            for (int t = 0; t < nb; t++) s[t] = s[t] * j->scale - st[t * j->NH * 3];
+            k->exp_sub(p, s, 0.0f, nb); /* kiln_expf((s - m) - 0) == kiln_expf(s - m) */
+            k->dots(dp, vj, db, qstride, nb, HS);
+            for (int t = 0; t < nb; t++) {
+                const float *stt = st + t * j->NH * 3;
+                p[t] = p[t] / stt[1];
+                dp[t] = p[t] * (dp[t] - stt[2]);
+            }
+            k->attn_pv(dv, 1.0f, p, db, qstride, nb, HS);
+            k->attn_pv(dk, 1.0f, dp, qb, qstride, nb, HS);
+        }
+    }
+    for (int d = 0; d < HS; d++) dk[d] = dk[d] * j->scale;
+}
+
+/* Work units are assigned cyclically (unit u to task u % n_tasks): causal rows differ in
+ * length, and the assignment never changes a result. */
+static void attn_bwd_stats_task(void *arg, int task, int thread) {
+    const attn_bwd_job *j = arg;
+    for (int64_t u = task; u < (int64_t)j->N * j->NH; u += j->n_tasks)
+        attn_bwd_stats(j, (int)(u / j->NH), (int)(u % j->NH));
+}
+
+static void attn_bwd_dq_task(void *arg, int task, int thread) {
+    const attn_bwd_job *j = arg;
+    for (int64_t u = task; u < (int64_t)j->N * j->NH; u += j->n_tasks)
+        attn_bwd_dq(j, (int)(u / j->NH), (int)(u % j->NH));
+}
+
+static void attn_bwd_dkv_task(void *arg, int task, int thread) {
+    const attn_bwd_job *j = arg;
+    int64_t n_units = (int64_t)(j->n_past + j->N) * j->KVH;
+    for (int64_t u = task; u < n_units; u += j->n_tasks)
+        attn_bwd_dkv(j, (int)(u / j->KVH), (int)(u % j->KVH));
+}
+
+void kiln_cpu_attention_backward(kiln_pool *pool, const kiln_cpu_kernels *k, float *dq,
+                                 float *dk, float *dv, const float *dout, const float *q,
+                                 const float *kc, const float *vc, const float *out, float *ws,
+                                 int N, int n_past, int NH, int KVH, int HS, float scale) {
+    if (N <= 0) return;
+    attn_bwd_job j = {k, dq, dk, dv, ws, dout, q, kc, vc, out, N, n_past, NH, KVH, HS, 0, scale};
+    double work = (double)N * NH * HS * (n_past + N);
+    j.n_tasks = bwd_n_tasks(pool, work, 16384, (int64_t)N * NH);
+    kiln_pool_run(pool, j.n_tasks, attn_bwd_stats_task, &j);
+    kiln_pool_run(pool, j.n_tasks, attn_bwd_dq_task, &j);
+    int nkv = bwd_n_tasks(pool, work, 16384, (int64_t)(n_past + N) * KVH);
+    j.n_tasks = nkv;
+    kiln_pool_run(pool, j.n_tasks, attn_bwd_dkv_task, &j);
+}
+
+/* ---- swiglu backward -------------------------------------------------------------------- */
+
+typedef struct swiglu_bwd_job {
+    const kiln_cpu_kernels *k;
+    float *dgate, *dup;
+    const float *dout, *gate, *up;
+    size_t n;
+    int n_tasks;
+} swiglu_bwd_job;
+
+#define SWIGLU_CHUNK 256
+
+/* e = kiln_expf(-g); den = 1 + e; s = 1 / den; silu = g / den (the forward's bits);
+ * dup = dout * silu;  dgate = (dout * u) * (s * (1 + g * (1 - s))). */
+static void swiglu_bwd_task(void *arg, int task, int thread) {
+    const swiglu_bwd_job *j = arg;
+    int64_t lo, hi;
+    bwd_split((int64_t)j->n, j->n_tasks, task, SWIGLU_CHUNK, &lo, &hi);
+    float e[SWIGLU_CHUNK];
+    for (int64_t i0 = lo; i0 < hi; i0 += SWIGLU_CHUNK) {
+        int m = (int)(hi - i0 < SWIGLU_CHUNK ? hi - i0 : SWIGLU_CHUNK);
+        for (int i = 0; i < m; i++) e[i] = -j->gate[i0 + i];
+        j->k->exp_sub(e, e, 0.0f, m); /* kiln_expf(-g - 0) == kiln_expf(-g) */
+        for (int i = 0; i < m; i++) {
+            float g = j->gate[i0 + i], u = j->up[i0 + i], dout = j->dout[i0 + i];
+            float den = 1.0f + e[i];
+            float s = 1.0f / den;
+            float silu = g / den;
+            j->dup[i0 + i] = dout * silu;
+            j->dgate[i0 + i] = (dout * u) * (s * (1.0f + g * (1.0f - s)));
+        }
+    }
+}
+
+void kiln_cpu_swiglu_backward(kiln_pool *pool, const kiln_cpu_kernels *k, float *dgate,
+                              float *dup, const float *dout, const float *gate, const float *up,
+                              size_t n) {
+    if (n == 0) return;
+    swiglu_bwd_job j = {k, dgate, dup, dout, gate, up, n, 0};
+    j.n_tasks = bwd_n_tasks(pool, (double)n * 12, 65536, (int64_t)(n / SWIGLU_CHUNK) + 1);
+    kiln_pool_run(pool, j.n_tasks, swiglu_bwd_task, &j);
+}
+
+/* ---- embed backward --------------------------------------------------------------------- */
+
+/* A task owns a range of vocabulary rows and scans all ids in increasing token order,
+ * adding dy[n,:] into row ids[n] when it is one of its own: each row receives its tokens'
+ * gradients in increasing token order, whatever the thread count. */
+typedef struct embed_bwd_job {
+    float *dtable;
+    const float *dy;
+    const int32_t *ids;
+    int N, V, C, n_tasks;
+} embed_bwd_job;
+
+static void embed_bwd_task(void *arg, int task, int thread) {
+    const embed_bwd_job *j = arg;
+    int64_t lo, hi;
+    bwd_split(j->V, j->n_tasks, task, 1, &lo, &hi);
+    for (int n = 0; n < j->N; n++) {
+        int64_t v = j->ids[n];
+        if (v < lo || v >= hi) continue;
+        float *row = j->dtable + v * j->C;
+        const float *g = j->dy + (int64_t)n * j->C;
+        for (int c = 0; c < j->C; c++) row[c] = row[c] + g[c];
+    }
+}
+
+void kiln_cpu_embed_backward(kiln_pool *pool, float *dtable, const float *dy, const int32_t *ids,
+                             int N, int V, int C) {
+    if (N <= 0 || V <= 0 || C <= 0) return;
+    embed_bwd_job j = {dtable, dy, ids, N, V, C, 0};
+    j.n_tasks = bwd_n_tasks(pool, (double)N * C, 65536, V);
+    kiln_pool_run(pool, j.n_tasks, embed_bwd_task, &j);
+}
