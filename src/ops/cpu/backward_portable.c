@@ -78,7 +78,7 @@ typedef struct bwd_gemm {
     int64_t M, NCOL, K;
 } bwd_gemm;
 
-#define BWD_KC 256 /* k per chunk: a chunk of A rows and B panel stay in L1 over 16 lanes */
+#define BWD_KC 512 /* k per chunk: A rows and the B panel of a chunk stay in L1/L2 over 16 lanes */
 #define BWD_IB 48  /* rows per block: A's block stays in L2 while the c tiles sweep it */
 
 static void bwd_gemm_rows(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t i0,
