@@ -1,0 +1,146 @@
+/*
+ * adamw.h -- torch.optim.AdamW inside kiln, with storage variants, and gradient-norm clipping
+ * with torch.nn.utils.clip_grad_norm_'s bits.
+ *
+ * The optimizer works on a list of named parameter tensors (it knows nothing of models):
+ * each has n elements, the weights the model computes with (f32 or bf16, the caller's
+ * memory, updated in place) and an f32 gradient (the caller's). The update is torch's
+ * single-tensor AdamW in float32 operation order (docs/ARITHMETIC.md, "AdamW and clipping");
+ * every element is updated alone, so the result never depends on the thread count.
+ *
+ * Storage variants (weights x moments, any combination):
+ *   KILN_ADAMW_F32          f32 weights updated in place (the reference)
+ *   KILN_ADAMW_BF16_MASTER  bf16 weights, f32 master copy; weights = RNE(master)
+ *   KILN_ADAMW_BF16_KAHAN   bf16 weights + bf16 compensation c: the value is w + c
+ *   KILN_ADAMW_BF16_SR      bf16 weights, seeded stochastic rounding, nothing else stored
+ *   moments f32, or 8-bit blocks of 256 with an f32 absmax per block (log-scale codes).
+ *
+ * Handles are used from one thread at a time; the pool (may be NULL) parallelises a call.
+ */
+#ifndef KILN_TRAIN_ADAMW_H
+#define KILN_TRAIN_ADAMW_H
+
+#include "../base/base.h"
+#include "../base/threadpool.h"
+
+typedef enum kiln_adamw_weights {
+    KILN_ADAMW_F32 = 0,
+    KILN_ADAMW_BF16_MASTER = 1,
+    KILN_ADAMW_BF16_KAHAN = 2,
+    KILN_ADAMW_BF16_SR = 3,
+} kiln_adamw_weights;
+
+typedef enum kiln_adamw_moments {
+    KILN_ADAMW_MOMENTS_F32 = 0,
+    KILN_ADAMW_MOMENTS_Q8 = 1,
+} kiln_adamw_moments;
+
+/* Elements per block of the 8-bit moments (one f32 scale each). */
+#define KILN_ADAMW_Q8_BLOCK 256
+
+typedef struct kiln_adamw_param {
+    const char *name;   /* transformers' name; copied */
+    int64_t n;          /* elements, >= 1 */
+    void *weights;      /* (n) float for KILN_ADAMW_F32, else (n) uint16_t bf16; caller's */
+    float *grad;        /* (n) the caller's; step reads it, clip scales it */
+} kiln_adamw_param;
+
+/* One entry of an explicit weight-decay map: parameters not named in the map decay. */
+typedef struct kiln_adamw_decay_rule {
+    const char *name;
+    int decay;          /* 1: weight decay applies, 0: excluded */
+} kiln_adamw_decay_rule;
+
+typedef struct kiln_adamw_config {
+    /* hyperparameters as torch's Python floats (doubles); see ARITHMETIC.md for where each
+     * is rounded to float */
+    double lr, beta1, beta2, eps, weight_decay;
+    kiln_adamw_weights weights;
+    kiln_adamw_moments moments;
+    uint64_t seed;                          /* stochastic rounding's seed */
+    const kiln_adamw_decay_rule *decay_map; /* NULL: Trainer's default exclusions */
+    int n_decay_map;
+} kiln_adamw_config;
+
+typedef struct kiln_adamw kiln_adamw;
+
+/* Memory, in bytes, of each part (params: the caller's weights, counted for the report;
+ * the others are owned by the optimizer and allocated at create). */
+typedef struct kiln_adamw_memory {
+    uint64_t params, master, moments, compensation;
+    uint64_t owned; /* master + moments + compensation */
+} kiln_adamw_memory;
+
+/* torch's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01; f32 storage. */
+kiln_adamw_config kiln_adamw_default_config(void);
+
+/* Trainer's default: 1 when weight decay applies to a parameter of this name, 0 when the
+ * lowercased name matches one of transformers' get_decay_parameter_names patterns
+ * ("bias", "layernorm", "rmsnorm", "(^|\.)norm($|\.)", "_norm($|\.)"). */
+int kiln_adamw_default_decay(const char *name);
+
+/* Create over n_params parameters (names unique). Moments start at 0, step at 0; the master
+ * copy (BF16_MASTER) is the bf16 weights widened, the compensation (KAHAN) 0. A decay_map
+ * naming a parameter that does not exist is an error. */
+kiln_status kiln_adamw_create(const kiln_adamw_param *params, int n_params,
+                              const kiln_adamw_config *cfg, kiln_adamw **out);
+void kiln_adamw_free(kiln_adamw *o); /* NULL is a no-op */
+
+void kiln_adamw_set_lr(kiln_adamw *o, double lr);
+double kiln_adamw_get_lr(const kiln_adamw *o);
+int64_t kiln_adamw_get_step(const kiln_adamw *o); /* torch's state["step"]: updates done */
+int kiln_adamw_param_decays(const kiln_adamw *o, int i);
+
+/* KILN_OK when every gradient is finite, else KILN_ERR_RANGE naming the first (lowest
+ * parameter index, then element) non-finite one. */
+kiln_status kiln_adamw_grads_finite(const kiln_adamw *o, kiln_pool *pool);
+
+/* One AdamW update of every parameter. Checks the gradients first (grads_finite): on a
+ * non-finite gradient nothing (weights, moments, step) is touched. */
+kiln_status kiln_adamw_step(kiln_adamw *o, kiln_pool *pool);
+
+/* A line such as "adamw: bf16 weights + f32 master, 8-bit moments: ..." with the memory of
+ * each part (written to buf when buf != NULL, truncated to cap) and the figures in *mem
+ * (when mem != NULL). */
+void kiln_adamw_describe(const kiln_adamw *o, char *buf, size_t cap, kiln_adamw_memory *mem);
+
+/* Read back state for tests and export: the moments of parameter i dequantized to f32
+ * (m, v: n floats each, either may be NULL), the master copy (NULL unless BF16_MASTER) and
+ * the compensation (NULL unless KAHAN). */
+kiln_status kiln_adamw_get_moments(const kiln_adamw *o, int i, float *m, float *v);
+const float *kiln_adamw_master(const kiln_adamw *o, int i);
+const uint16_t *kiln_adamw_compensation(const kiln_adamw *o, int i);
+
+/* ---- state save / restore ---------------------------------------------------------------
+ * The state is: magic "KILNADMW", version, storage configuration, seed, hyperparameters,
+ * step, the parameter list (names, sizes, decay flags), then per parameter the moments and
+ * the master copy or compensation, then "ADMWEND\0". Little-endian hosts only. */
+typedef kiln_status (*kiln_adamw_write_fn)(void *ctx, const void *data, size_t n);
+
+/* Bytes save writes. */
+uint64_t kiln_adamw_state_size(const kiln_adamw *o);
+kiln_status kiln_adamw_save(const kiln_adamw *o, kiln_adamw_write_fn write, void *ctx);
+/* Restore from a saved state (size bytes). Refused, with nothing changed, when the storage
+ * configuration or the parameter list (names, sizes, order) differs, or the data is
+ * malformed. Hyperparameters (lr, betas, eps, weight decay, decay flags) are restored as
+ * torch's load_state_dict does. */
+kiln_status kiln_adamw_load(kiln_adamw *o, const void *data, size_t size);
+
+/* ---- gradient norm and clipping (torch.nn.utils.clip_grad_norm_, norm_type 2) ------------ */
+
+/* torch's float32 2-norm of one tensor on the CPU: 8 lanes, docs/ARITHMETIC.md. */
+float kiln_grad_norm_torch(const float *g, int64_t n);
+
+/* Per-tensor norms (norms: n_params floats, may be NULL) and the total norm, the norm of the
+ * per-tensor norms, as torch computes them. *sq_norm (may be NULL) gets the total norm's sum
+ * of squares before the square root (its grad_sq_norm). */
+kiln_status kiln_adamw_grad_norm(const kiln_adamw *o, kiln_pool *pool, float *norms,
+                                 float *total, float *sq_norm);
+/* clip_coef_clamped = min((1 / (total + 1e-6f)) * max_norm, 1), torch's bits. */
+float kiln_clip_coef(float total_norm, double max_norm);
+/* Compute the total norm, then multiply every gradient by the clamped coefficient (always,
+ * as torch does). Outputs may be NULL. */
+kiln_status kiln_adamw_clip_grads(kiln_adamw *o, kiln_pool *pool, double max_norm,
+                                  float *total_norm, float *coef);
+
+#endif /* KILN_TRAIN_ADAMW_H */
