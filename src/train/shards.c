@@ -357,8 +357,10 @@ static kiln_status shard_validate(kiln_shard *s, int flags) {
                     (unsigned long long)off_at(s, in->n_docs), (unsigned long long)in->n_tokens);
     for (uint64_t i = 0; i < in->n_docs; i++) {
         uint64_t a = off_at(s, i), b = off_at(s, i + 1);
-        if (b < a)
-            return SFMT("%s: document %llu: offsets decrease (%llu then %llu) at file offset %llu", path,
+        if (b < a || b > in->n_tokens)
+            return SFMT("%s: document %llu: offsets decrease or pass n_tokens (%llu then %llu) "
+                        "at file offset %llu",
+                        path,
                         (unsigned long long)i, (unsigned long long)a, (unsigned long long)b,
                         (unsigned long long)(offsets_offset + 8 * (i + 1)));
         if (in->eos_id != KILN_SHARD_NO_EOS && (b == a || tok_at(s, b - 1) != in->eos_id))
