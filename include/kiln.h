@@ -320,6 +320,103 @@ KILN_API kiln_status kiln_generate(kiln_context *c, const int32_t *prompt, size_
                                    const kiln_generate_params *p, kiln_generate_result *out);
 KILN_API void kiln_generate_result_free(kiln_generate_result *r);
 
+
+/* ---------------------------------------------------------------------------------------- */
+/* Training (CPU)                                                                            */
+/* ---------------------------------------------------------------------------------------- */
+
+typedef struct kiln_trainer kiln_trainer;
+
+typedef enum kiln_weight_storage {
+    KILN_STORAGE_F32 = 0,         /* f32 weights and updates (the exact reference) */
+    KILN_STORAGE_BF16_MASTER = 1, /* bf16 compute weights, f32 master copy */
+    KILN_STORAGE_BF16_KAHAN = 2,  /* bf16 weights with a bf16 Kahan compensation */
+    KILN_STORAGE_BF16_SR = 3,     /* bf16 weights, seeded stochastic rounding */
+} kiln_weight_storage;
+
+typedef enum kiln_moment_storage {
+    KILN_MOMENTS_F32 = 0,
+    KILN_MOMENTS_Q8 = 1, /* 8-bit blocks of 256 with a per-block scale */
+} kiln_moment_storage;
+
+typedef enum kiln_loss_reduction {
+    KILN_LOSS_MEAN = 0, /* mean over supervised positions, times scale */
+    KILN_LOSS_SUM = 1,  /* sum over supervised positions, times scale */
+} kiln_loss_reduction;
+
+typedef struct kiln_train_params {
+    int max_seq;      /* longest sequence one forward takes (activations are sized for it) */
+    int n_threads;    /* 0 = all cores */
+    int ce_chunk;     /* vocabulary columns per chunk of the fused loss (0 = 4096) */
+    double lr, beta1, beta2, eps, weight_decay; /* AdamW, torch's meaning */
+    kiln_weight_storage weight_storage;
+    kiln_moment_storage moment_storage;
+    uint64_t seed;    /* stochastic rounding */
+} kiln_train_params;
+
+KILN_API kiln_train_params kiln_train_default_params(void);
+
+/* A trainer over a copy of the model's parameters (dequantized to f32, or bf16 per the
+ * storage). The model must outlive the trainer. Parameters are named as in transformers. */
+KILN_API kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *p,
+                                         kiln_trainer **out);
+KILN_API void kiln_trainer_free(kiln_trainer *t);
+
+/* Forward one sequence ids[0..n) (n <= max_seq) and keep what backward needs (a pending
+ * step). targets: n ids, -1 where a position is not supervised; the loss is the fused
+ * cross-entropy of the model's head, reduced and scaled. Errors: an id or target out of
+ * range, n > max_seq, no supervised position, a non-finite loss (nothing is pending then). */
+KILN_API kiln_status kiln_train_forward(kiln_trainer *t, const int32_t *ids, int n,
+                                        const int32_t *targets, kiln_loss_reduction red,
+                                        float scale, float *loss);
+/* Forward one sequence and write the final-norm hidden states at positions[0..n_pos) to
+ * hidden (n_pos x n_embd), for a head of the caller's own; backward then takes their
+ * gradient. */
+KILN_API kiln_status kiln_train_forward_hidden(kiln_trainer *t, const int32_t *ids, int n,
+                                               const int32_t *positions, int n_pos,
+                                               float *hidden);
+/* Backward of the pending step. dhidden: NULL after kiln_train_forward, else n_pos x n_embd
+ * gradients of the hidden states handed out. accumulate: add into the gradients (else they
+ * are overwritten). */
+KILN_API kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accumulate);
+/* Drop the pending step without a backward. */
+KILN_API kiln_status kiln_train_discard(kiln_trainer *t);
+/* Forward + causal-LM loss (mean over the n-1 next-token targets) + backward, gradients
+ * overwritten. */
+KILN_API kiln_status kiln_train_step(kiln_trainer *t, const int32_t *ids, int n, float *loss);
+
+/* Sum of squares of all gradients (torch's clip_grad_norm_ total norm, squared). */
+KILN_API kiln_status kiln_train_grad_sq_norm(kiln_trainer *t, double *out);
+/* torch.nn.utils.clip_grad_norm_(max_norm): scales every gradient by the clamped
+ * coefficient, with torch's bits; returns the total norm and the coefficient. */
+KILN_API kiln_status kiln_train_clip_grads(kiln_trainer *t, double max_norm, float *total_norm,
+                                           float *coef);
+/* One AdamW update with learning rate lr. A non-finite gradient is refused before any
+ * weight changes. */
+KILN_API kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr);
+
+/* Parameters by transformers' names. */
+KILN_API int kiln_train_n_params(const kiln_trainer *t);
+/* Name and element count of parameter i. */
+KILN_API kiln_status kiln_train_param_info(const kiln_trainer *t, int i, const char **name,
+                                           int64_t *n_elements, int64_t shape[2]);
+/* Read (as f32) or write one parameter's weights, or read its gradient; n must match. */
+KILN_API kiln_status kiln_train_get_param(const kiln_trainer *t, const char *name, float *out,
+                                          int64_t n);
+KILN_API kiln_status kiln_train_set_param(kiln_trainer *t, const char *name, const float *in,
+                                          int64_t n);
+KILN_API kiln_status kiln_train_get_grad(const kiln_trainer *t, const char *name, float *out,
+                                         int64_t n);
+
+/* Memory by kiln's own accounting, in bytes. */
+typedef struct kiln_train_memory {
+    uint64_t params, grads, optimizer, activations, scratch;
+    uint64_t peak_step; /* peak of live bytes during the last step (forward + backward) */
+} kiln_train_memory;
+/* A one-line description of the storage and the figures. buf may be NULL. */
+KILN_API kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap,
+                                         kiln_train_memory *mem);
+
 #ifdef __cplusplus
 }
 #endif

@@ -66,6 +66,18 @@ class _ModelInfo(C.Structure):
                 ("n_params", C.c_uint64), ("weight_bytes", C.c_uint64), ("n_tensors", C.c_int)]
 
 
+class _TrainParams(C.Structure):
+    _fields_ = [("max_seq", C.c_int), ("n_threads", C.c_int), ("ce_chunk", C.c_int),
+                ("lr", C.c_double), ("beta1", C.c_double), ("beta2", C.c_double),
+                ("eps", C.c_double), ("weight_decay", C.c_double),
+                ("weight_storage", C.c_int), ("moment_storage", C.c_int), ("seed", C.c_uint64)]
+
+
+class TrainMemory(C.Structure):
+    _fields_ = [("params", C.c_uint64), ("grads", C.c_uint64), ("optimizer", C.c_uint64),
+                ("activations", C.c_uint64), ("scratch", C.c_uint64), ("peak_step", C.c_uint64)]
+
+
 class MemStats(C.Structure):
     _fields_ = [("live_bytes", C.c_size_t), ("peak_bytes", C.c_size_t),
                 ("live_blocks", C.c_size_t), ("n_allocs", C.c_uint64)]
@@ -104,6 +116,26 @@ def load_library(path=None):
                                     C.POINTER(_GenerateParams), C.POINTER(_GenerateResult)]),
         "kiln_generate_result_free": (None, [C.POINTER(_GenerateResult)]),
         "kiln_mem_get_stats": (None, [C.POINTER(MemStats)]),
+        "kiln_train_default_params": (_TrainParams, []),
+        "kiln_trainer_create": (C.c_int, [P, C.POINTER(_TrainParams), C.POINTER(P)]),
+        "kiln_trainer_free": (None, [P]),
+        "kiln_train_forward": (C.c_int, [P, C.POINTER(C.c_int32), C.c_int, C.POINTER(C.c_int32),
+                                         C.c_int, C.c_float, C.POINTER(C.c_float)]),
+        "kiln_train_forward_hidden": (C.c_int, [P, C.POINTER(C.c_int32), C.c_int,
+                                                C.POINTER(C.c_int32), C.c_int, C.POINTER(C.c_float)]),
+        "kiln_train_backward": (C.c_int, [P, C.POINTER(C.c_float), C.c_int]),
+        "kiln_train_discard": (C.c_int, [P]),
+        "kiln_train_step": (C.c_int, [P, C.POINTER(C.c_int32), C.c_int, C.POINTER(C.c_float)]),
+        "kiln_train_grad_sq_norm": (C.c_int, [P, C.POINTER(C.c_double)]),
+        "kiln_train_clip_grads": (C.c_int, [P, C.c_double, C.POINTER(C.c_float), C.POINTER(C.c_float)]),
+        "kiln_train_optimizer_step": (C.c_int, [P, C.c_double]),
+        "kiln_train_n_params": (C.c_int, [P]),
+        "kiln_train_param_info": (C.c_int, [P, C.c_int, C.POINTER(C.c_char_p), C.POINTER(C.c_int64),
+                                            C.POINTER(C.c_int64)]),
+        "kiln_train_get_param": (C.c_int, [P, C.c_char_p, C.POINTER(C.c_float), C.c_int64]),
+        "kiln_train_set_param": (C.c_int, [P, C.c_char_p, C.POINTER(C.c_float), C.c_int64]),
+        "kiln_train_get_grad": (C.c_int, [P, C.c_char_p, C.POINTER(C.c_float), C.c_int64]),
+        "kiln_train_describe": (C.c_int, [P, C.c_char_p, C.c_size_t, C.POINTER(TrainMemory)]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -270,6 +302,117 @@ class Context:
     def close(self):
         if getattr(self, "_h", None):
             self._lib.kiln_context_free(self._h)
+        self._h = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+STORAGE = {"f32": 0, "bf16_master": 1, "bf16_kahan": 2, "bf16_sr": 3}
+MOMENTS = {"f32": 0, "q8": 1}
+
+
+def _i32(a):
+    return (C.c_int32 * max(len(a), 1))(*a)
+
+
+class Trainer:
+    """Training on the CPU over a Model's parameters (named as in transformers)."""
+
+    def __init__(self, model, max_seq=256, n_threads=0, ce_chunk=0, lr=1e-3, betas=(0.9, 0.999),
+                 eps=1e-8, weight_decay=0.01, storage="f32", moments="f32", seed=0):
+        self._lib = load_library()
+        self.model = model
+        p = self._lib.kiln_train_default_params()
+        p.max_seq, p.n_threads, p.ce_chunk = max_seq, n_threads, ce_chunk
+        p.lr, p.beta1, p.beta2, p.eps, p.weight_decay = lr, betas[0], betas[1], eps, weight_decay
+        p.weight_storage, p.moment_storage, p.seed = STORAGE[storage], MOMENTS[moments], seed
+        h = C.c_void_p()
+        _check(self._lib.kiln_trainer_create(model._h, C.byref(p), C.byref(h)))
+        self._h = h
+        self.C = model.info["n_embd"]
+
+    def params(self):
+        out = []
+        for i in range(self._lib.kiln_train_n_params(self._h)):
+            name, n, shape = C.c_char_p(), C.c_int64(), (C.c_int64 * 2)()
+            _check(self._lib.kiln_train_param_info(self._h, i, C.byref(name), C.byref(n), shape))
+            out.append((name.value.decode(), n.value, (shape[0], shape[1])))
+        return out
+
+    def _get(self, fn, name, n):
+        import numpy as np
+        out = np.empty(n, dtype=np.float32)
+        _check(fn(self._h, name.encode(), out.ctypes.data_as(C.POINTER(C.c_float)), n))
+        return out
+
+    def get_param(self, name, n):
+        return self._get(self._lib.kiln_train_get_param, name, n)
+
+    def get_grad(self, name, n):
+        return self._get(self._lib.kiln_train_get_grad, name, n)
+
+    def set_param(self, name, values):
+        import numpy as np
+        a = np.ascontiguousarray(values, dtype=np.float32).ravel()
+        _check(self._lib.kiln_train_set_param(self._h, name.encode(),
+                                              a.ctypes.data_as(C.POINTER(C.c_float)), a.size))
+
+    def forward(self, ids, targets, reduction="mean", scale=1.0):
+        loss = C.c_float()
+        _check(self._lib.kiln_train_forward(self._h, _i32(ids), len(ids), _i32(targets),
+                                            0 if reduction == "mean" else 1, scale, C.byref(loss)))
+        return loss.value
+
+    def forward_hidden(self, ids, positions):
+        import numpy as np
+        out = np.empty((len(positions), self.C), dtype=np.float32)
+        _check(self._lib.kiln_train_forward_hidden(self._h, _i32(ids), len(ids), _i32(positions),
+                                                   len(positions),
+                                                   out.ctypes.data_as(C.POINTER(C.c_float))))
+        return out
+
+    def backward(self, dhidden=None, accumulate=False):
+        import numpy as np
+        ptr = None
+        if dhidden is not None:
+            dhidden = np.ascontiguousarray(dhidden, dtype=np.float32)
+            ptr = dhidden.ctypes.data_as(C.POINTER(C.c_float))
+        _check(self._lib.kiln_train_backward(self._h, ptr, int(accumulate)))
+
+    def discard(self):
+        _check(self._lib.kiln_train_discard(self._h))
+
+    def step(self, ids):
+        loss = C.c_float()
+        _check(self._lib.kiln_train_step(self._h, _i32(ids), len(ids), C.byref(loss)))
+        return loss.value
+
+    def grad_sq_norm(self):
+        out = C.c_double()
+        _check(self._lib.kiln_train_grad_sq_norm(self._h, C.byref(out)))
+        return out.value
+
+    def clip_grads(self, max_norm):
+        total, coef = C.c_float(), C.c_float()
+        _check(self._lib.kiln_train_clip_grads(self._h, max_norm, C.byref(total), C.byref(coef)))
+        return total.value, coef.value
+
+    def optimizer_step(self, lr):
+        _check(self._lib.kiln_train_optimizer_step(self._h, lr))
+
+    def describe(self):
+        buf = C.create_string_buffer(1024)
+        mem = TrainMemory()
+        _check(self._lib.kiln_train_describe(self._h, buf, 1024, C.byref(mem)))
+        return buf.value.decode(), {k: getattr(mem, k) for k, _ in TrainMemory._fields_}
+
+    def close(self):
+        if getattr(self, "_h", None):
+            self._lib.kiln_trainer_free(self._h)
         self._h = None
 
     def __del__(self):

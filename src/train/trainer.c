@@ -1,0 +1,792 @@
+/*
+ * trainer.c -- training a Llama-family model on the CPU: parameters and gradients by
+ * transformers' names, a forward pass that keeps its activations in an arena sized up front,
+ * the fused cross-entropy (never T x V logits), the backward pass written with the backend's
+ * backward ops, gradient clipping and AdamW.
+ *
+ * The forward is the inference forward (llama_forward.c) op for op, so a trained model's
+ * logits in kiln_generate are the bits training saw. Matrices are stored f32, or bf16 for
+ * the bf16 storage variants; vectors (norms, biases) always f32 with an f32 AdamW.
+ */
+#include "../models/model.h"
+#include "../tokenizer/tokenizer.h"
+#include "adamw.h"
+#include "fused_ce.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+typedef struct train_param {
+    char name[96];
+    int n_dims;
+    int64_t shape[2]; /* (rows, cols) or (n, 1) */
+    int64_t n;
+    kiln_dtype dtype; /* F32, or BF16 for matrices under the bf16 storages */
+    void *w;          /* (n) weights the model computes with */
+    float *g;         /* (n) gradient */
+    kiln_tensor view; /* tensor view of w for the ops */
+} train_param;
+
+typedef struct train_layer {
+    train_param *attn_norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *bo, *q_norm, *k_norm;
+    train_param *mlp_norm, *gate, *up, *down;
+} train_layer;
+
+/* Saved activations of one layer, each (T, width). */
+typedef struct layer_acts {
+    float *x;     /* (T,C) layer input */
+    float *xb1;   /* (T,C) attn norm out */
+    float *qr;    /* (T,QD) q before the q norm (== q without one) */
+    float *kr;    /* (T,KD) */
+    float *q;     /* (T,QD) q after norm and rope */
+    float *k;     /* (T,KD) */
+    float *v;     /* (T,KD) */
+    float *att;   /* (T,QD) attention output */
+    float *x_mid; /* (T,C) residual after attention */
+    float *xb2;   /* (T,C) mlp norm out */
+    float *gate;  /* (T,FF) */
+    float *up;    /* (T,FF) */
+    float *hb;    /* (T,FF) silu(gate)*up */
+} layer_acts;
+
+struct kiln_trainer {
+    kiln_model *model;
+    kiln_model_config cfg;
+    kiln_train_params p;
+    kiln_backend *be;
+
+    train_param *params; /* (n_params) in transformers' named_parameters() order */
+    int n_params;
+    train_param *tok_embd, *final_norm, *lm_head;
+    train_layer *layers;
+    void *param_block; /* weights of every parameter */
+    float *grad_block;
+
+    kiln_adamw *opt_mat; /* matrices (storage per params) */
+    kiln_adamw *opt_vec; /* vectors: always f32 */
+    int *mat_index, *vec_index; /* param index of each optimizer slot */
+    int n_mat, n_vec;
+
+    /* activations, sized for max_seq */
+    layer_acts *acts;
+    float *x_final, *xn; /* (T,C) */
+    float *act_block;
+    size_t act_bytes;
+    /* backward scratch */
+    float *dx, *dxb, *dxn, *dtmp, *datt, *dq, *dqr, *dk, *dkr, *dv, *dgate, *dup, *dhb, *rstd, *ws;
+    float *rope_cos, *rope_sin; /* (max_seq, HS/2) */
+    int32_t *pos, *ids, *targets, *positions;
+    uint8_t *scratch_block;
+    size_t scratch_bytes;
+
+    /* the pending step */
+    int pending;      /* 0 none, 1 loss (targets), 2 hidden */
+    int T, n_pos;
+    kiln_loss_reduction red;
+    float scale;
+    uint64_t peak_step;
+};
+
+/* ---- parameters ------------------------------------------------------------------------ */
+
+static train_param *add_param(kiln_trainer *t, const char *name, int64_t rows, int64_t cols,
+                              int matrix) {
+    train_param *p = &t->params[t->n_params++];
+    snprintf(p->name, sizeof p->name, "%s", name);
+    p->n_dims = matrix ? 2 : 1;
+    p->shape[0] = rows;
+    p->shape[1] = matrix ? cols : 1;
+    p->n = rows * (matrix ? cols : 1);
+    p->dtype = (matrix && t->p.weight_storage != KILN_STORAGE_F32) ? KILN_DTYPE_BF16 : KILN_DTYPE_F32;
+    return p;
+}
+
+/* The parameter list of the architecture, in transformers' named_parameters() order. */
+static void declare_params(kiln_trainer *t, int count_only) {
+    const kiln_model_config *c = &t->cfg;
+    const kiln_model *m = t->model;
+    int64_t C = c->n_embd, V = c->n_vocab, FF = c->n_ff, HS = c->head_dim;
+    int64_t QD = (int64_t)c->n_head * HS, KD = (int64_t)c->n_head_kv * HS;
+    char nm[96];
+    t->n_params = 0;
+    t->tok_embd = add_param(t, "model.embed_tokens.weight", V, C, 1);
+    for (int l = 0; l < c->n_layer; l++) {
+        const kiln_layer_weights *w = &m->layers[l];
+        train_layer *L = count_only ? NULL : &t->layers[l];
+        train_param *pp;
+#define P(field, suffix, rows, cols, matrix)                                                   \
+    do {                                                                                       \
+        snprintf(nm, sizeof nm, "model.layers.%d.%s", l, suffix);                             \
+        pp = add_param(t, nm, rows, cols, matrix);                                             \
+        if (L) L->field = pp;                                                                  \
+    } while (0)
+        P(wq, "self_attn.q_proj.weight", QD, C, 1);
+        if (w->bq) P(bq, "self_attn.q_proj.bias", QD, 1, 0);
+        P(wk, "self_attn.k_proj.weight", KD, C, 1);
+        if (w->bk) P(bk, "self_attn.k_proj.bias", KD, 1, 0);
+        P(wv, "self_attn.v_proj.weight", KD, C, 1);
+        if (w->bv) P(bv, "self_attn.v_proj.bias", KD, 1, 0);
+        P(wo, "self_attn.o_proj.weight", C, QD, 1);
+        if (w->bo) P(bo, "self_attn.o_proj.bias", C, 1, 0);
+        if (w->q_norm) P(q_norm, "self_attn.q_norm.weight", HS, 1, 0);
+        if (w->k_norm) P(k_norm, "self_attn.k_norm.weight", HS, 1, 0);
+        P(gate, "mlp.gate_proj.weight", FF, C, 1);
+        P(up, "mlp.up_proj.weight", FF, C, 1);
+        P(down, "mlp.down_proj.weight", C, FF, 1);
+        P(attn_norm, "input_layernorm.weight", C, 1, 0);
+        P(mlp_norm, "post_attention_layernorm.weight", C, 1, 0);
+#undef P
+    }
+    t->final_norm = add_param(t, "model.norm.weight", C, 1, 0);
+    t->lm_head = c->tie_embeddings ? t->tok_embd : add_param(t, "lm_head.weight", V, C, 1);
+}
+
+/* Copy the model's weights (any dtype, dequantized) into the parameters. */
+static void load_from_model(kiln_trainer *t, train_param *p, const kiln_tensor *src_t,
+                            const float *src_v, float *tmp) {
+    float *dst = p->dtype == KILN_DTYPE_F32 ? (float *)p->w : tmp;
+    if (src_t) kiln_dequantize(src_t->dtype, src_t->data, dst, p->n);
+    else if (src_v) memcpy(dst, src_v, (size_t)p->n * sizeof(float));
+    else memset(dst, 0, (size_t)p->n * sizeof(float));
+    if (p->dtype == KILN_DTYPE_BF16) {
+        uint16_t *w = p->w;
+        for (int64_t i = 0; i < p->n; i++) w[i] = kiln_fp32_to_bf16(tmp[i]);
+    }
+    (void)t;
+}
+
+static void bind_views(train_param *p) {
+    p->view.name = p->name;
+    p->view.dtype = p->dtype;
+    p->view.n_dims = p->n_dims;
+    p->view.shape[0] = p->shape[0];
+    p->view.shape[1] = p->shape[1];
+    p->view.shape[2] = p->view.shape[3] = 1;
+    p->view.data = p->w;
+    p->view.nbytes = (size_t)p->n * (p->dtype == KILN_DTYPE_F32 ? 4 : 2);
+}
+
+static kiln_status create_optimizers(kiln_trainer *t) {
+    kiln_adamw_free(t->opt_mat);
+    kiln_adamw_free(t->opt_vec);
+    t->opt_mat = t->opt_vec = NULL;
+    kiln_adamw_param *mp = kiln_calloc((size_t)t->n_params, sizeof *mp);
+    kiln_adamw_param *vp = kiln_calloc((size_t)t->n_params, sizeof *vp);
+    kiln_status st = (mp && vp) ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    t->n_mat = t->n_vec = 0;
+    for (int i = 0; st == KILN_OK && i < t->n_params; i++) {
+        train_param *p = &t->params[i];
+        kiln_adamw_param a = {p->name, p->n, p->w, p->g};
+        if (p->n_dims == 2) {
+            t->mat_index[t->n_mat] = i;
+            mp[t->n_mat++] = a;
+        } else {
+            t->vec_index[t->n_vec] = i;
+            vp[t->n_vec++] = a;
+        }
+    }
+    kiln_adamw_config cfg = kiln_adamw_default_config();
+    cfg.lr = t->p.lr;
+    cfg.beta1 = t->p.beta1;
+    cfg.beta2 = t->p.beta2;
+    cfg.eps = t->p.eps;
+    cfg.weight_decay = t->p.weight_decay;
+    cfg.seed = t->p.seed;
+    cfg.moments = t->p.moment_storage == KILN_MOMENTS_Q8 ? KILN_ADAMW_MOMENTS_Q8 : KILN_ADAMW_MOMENTS_F32;
+    kiln_adamw_config vcfg = cfg;
+    vcfg.weights = KILN_ADAMW_F32;
+    static const kiln_adamw_weights wmap[] = {KILN_ADAMW_F32, KILN_ADAMW_BF16_MASTER,
+                                              KILN_ADAMW_BF16_KAHAN, KILN_ADAMW_BF16_SR};
+    cfg.weights = wmap[t->p.weight_storage];
+    if (st == KILN_OK) st = kiln_adamw_create(mp, t->n_mat, &cfg, &t->opt_mat);
+    if (st == KILN_OK) st = kiln_adamw_create(vp, t->n_vec, &vcfg, &t->opt_vec);
+    kiln_free(mp);
+    kiln_free(vp);
+    return st;
+}
+
+/* ---- arenas ------------------------------------------------------------------------------ */
+
+/* Carve sizes[i] floats (64-byte aligned each) from one block; slots[i] receive pointers. */
+static kiln_status carve(float ***slots, const size_t *sizes, int n, float **block, size_t *bytes,
+                         const char *what) {
+    size_t total = 0;
+    for (int i = 0; i < n; i++) {
+        size_t s = (sizes[i] + 15) & ~(size_t)15;
+        if (kiln_add_overflow(total, s, &total)) return kiln_error(KILN_ERR_RANGE, "trainer: %s too large", what);
+    }
+    size_t b;
+    if (kiln_mul_overflow(total, sizeof(float), &b)) return kiln_error(KILN_ERR_RANGE, "trainer: %s too large", what);
+    float *blk = kiln_calloc(1, b ? b : 64);
+    if (!blk) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory allocating %zu bytes for %s", b, what);
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        *slots[i] = blk + off;
+        off += (sizes[i] + 15) & ~(size_t)15;
+    }
+    *block = blk;
+    *bytes = b;
+    return KILN_OK;
+}
+
+static kiln_status alloc_activations(kiln_trainer *t) {
+    const kiln_model_config *c = &t->cfg;
+    size_t T = (size_t)t->p.max_seq, C = (size_t)c->n_embd, FF = (size_t)c->n_ff;
+    size_t HS = (size_t)c->head_dim, QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS;
+    int L = c->n_layer, qk = c->qk_norm || (t->layers[0].q_norm != NULL);
+    t->acts = kiln_calloc((size_t)L, sizeof *t->acts);
+    if (!t->acts) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    enum { PER_LAYER = 13 };
+    int n = L * PER_LAYER + 2 + 19;
+    float ***slots = kiln_calloc((size_t)n, sizeof *slots);
+    size_t *sizes = kiln_calloc((size_t)n, sizeof *sizes);
+    if (!slots || !sizes) {
+        kiln_free(slots);
+        kiln_free(sizes);
+        return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    }
+    int k = 0;
+    for (int l = 0; l < L; l++) {
+        layer_acts *a = &t->acts[l];
+        float **ps[PER_LAYER] = {&a->x, &a->xb1, &a->qr, &a->kr, &a->q, &a->k, &a->v, &a->att,
+                                 &a->x_mid, &a->xb2, &a->gate, &a->up, &a->hb};
+        size_t ss[PER_LAYER] = {T * C, T * C, qk ? T * QD : 0, qk ? T * KD : 0, T * QD, T * KD, T * KD,
+                                T * QD, T * C, T * C, T * FF, T * FF, T * FF};
+        for (int i = 0; i < PER_LAYER; i++) {
+            slots[k] = ps[i];
+            sizes[k++] = ss[i];
+        }
+    }
+    slots[k] = &t->x_final, sizes[k++] = T * C;
+    slots[k] = &t->xn, sizes[k++] = T * C;
+    size_t NHT = T * (size_t)c->n_head;
+    float **sp[19] = {&t->dx, &t->dxb, &t->dxn, &t->dtmp, &t->datt, &t->dq, &t->dqr, &t->dk, &t->dkr, &t->dv,
+                      &t->dgate, &t->dup, &t->dhb, &t->rstd, &t->ws, &t->rope_cos, &t->rope_sin,
+                      (float **)&t->pos, (float **)&t->ids};
+    size_t sz[19] = {T * C, T * C, T * C, T * C, T * QD, T * QD, qk ? T * QD : 0, T * KD, qk ? T * KD : 0, T * KD,
+                     T * FF, T * FF, T * FF, NHT > T * (size_t)c->n_head_kv ? NHT : T, 3 * NHT,
+                     T * HS / 2, T * HS / 2, T, T};
+    for (int i = 0; i < 19; i++) {
+        slots[k] = sp[i];
+        sizes[k++] = sz[i];
+    }
+    kiln_status st = carve(slots, sizes, k, &t->act_block, &t->act_bytes, "activations");
+    kiln_free(slots);
+    kiln_free(sizes);
+    if (st != KILN_OK) return st;
+    if (!qk)
+        for (int l = 0; l < L; l++) {
+            t->acts[l].qr = t->acts[l].q;
+            t->acts[l].kr = t->acts[l].k;
+        }
+    if (!qk) {
+        t->dqr = t->dq;
+        t->dkr = t->dk;
+    }
+    t->targets = kiln_calloc(2 * T, sizeof(int32_t));
+    if (!t->targets) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    t->positions = t->targets + T;
+    kiln_rope_tables_fill(t->model, (int)T, t->rope_cos, t->rope_sin);
+    return KILN_OK;
+}
+
+/* ---- create / free ----------------------------------------------------------------------- */
+
+kiln_train_params kiln_train_default_params(void) {
+    kiln_train_params p;
+    memset(&p, 0, sizeof p);
+    p.max_seq = 256;
+    p.lr = 1e-3;
+    p.beta1 = 0.9;
+    p.beta2 = 0.999;
+    p.eps = 1e-8;
+    p.weight_decay = 0.01;
+    return p;
+}
+
+kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, kiln_trainer **out) {
+    if (!m || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: model and out must be set");
+    kiln_train_params p = params ? *params : kiln_train_default_params();
+    if (p.max_seq < 2 || p.max_seq > m->cfg.n_ctx_train)
+        return kiln_error(KILN_ERR_RANGE, "kiln_trainer_create: max_seq %d not in [2, %d] (the model's context)",
+                          p.max_seq, m->cfg.n_ctx_train);
+    if ((unsigned)p.weight_storage > KILN_STORAGE_BF16_SR || (unsigned)p.moment_storage > KILN_MOMENTS_Q8)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: unknown storage variant");
+    if (p.ce_chunk < 0 || p.n_threads < 0)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: ce_chunk and n_threads must be >= 0");
+    for (int l = 0; l < m->cfg.n_layer; l++)
+        if (m->layers[l].b_gate || m->layers[l].b_up || m->layers[l].b_down)
+            return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: MLP biases (mlp_bias) are not trainable yet");
+    kiln_trainer *t = kiln_calloc(1, sizeof *t);
+    if (!t) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    t->model = m;
+    t->cfg = m->cfg;
+    t->p = p;
+    kiln_status st = kiln_backend_cpu_create(p.n_threads, &t->be);
+    int max_params = 2 + 3 + 15 * t->cfg.n_layer;
+    if (st == KILN_OK) {
+        t->params = kiln_calloc((size_t)max_params, sizeof *t->params);
+        t->layers = kiln_calloc((size_t)t->cfg.n_layer, sizeof *t->layers);
+        t->mat_index = kiln_calloc((size_t)max_params, sizeof(int));
+        t->vec_index = kiln_calloc((size_t)max_params, sizeof(int));
+        if (!t->params || !t->layers || !t->mat_index || !t->vec_index)
+            st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    }
+    if (st == KILN_OK) {
+        declare_params(t, 0);
+        size_t wbytes = 0, n_all = 0;
+        for (int i = 0; i < t->n_params; i++) {
+            train_param *q = &t->params[i];
+            wbytes += (((size_t)q->n * (q->dtype == KILN_DTYPE_F32 ? 4 : 2)) + 63) & ~(size_t)63;
+            n_all += ((size_t)q->n + 15) & ~(size_t)15;
+        }
+        t->param_block = kiln_calloc(1, wbytes);
+        t->grad_block = kiln_calloc(n_all, sizeof(float));
+        if (!t->param_block || !t->grad_block) st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for parameters");
+        size_t woff = 0, goff = 0;
+        float *tmp = NULL;
+        int64_t max_n = 0;
+        for (int i = 0; st == KILN_OK && i < t->n_params; i++)
+            if (t->params[i].n > max_n) max_n = t->params[i].n;
+        if (st == KILN_OK && p.weight_storage != KILN_STORAGE_F32) {
+            tmp = kiln_malloc((size_t)max_n * sizeof(float));
+            if (!tmp) st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+        }
+        for (int i = 0; st == KILN_OK && i < t->n_params; i++) {
+            train_param *q = &t->params[i];
+            q->w = (uint8_t *)t->param_block + woff;
+            q->g = t->grad_block + goff;
+            woff += (((size_t)q->n * (q->dtype == KILN_DTYPE_F32 ? 4 : 2)) + 63) & ~(size_t)63;
+            goff += ((size_t)q->n + 15) & ~(size_t)15;
+            bind_views(q);
+        }
+        /* weights from the model */
+        if (st == KILN_OK) {
+            load_from_model(t, t->tok_embd, m->tok_embd, NULL, tmp);
+            if (t->lm_head != t->tok_embd) load_from_model(t, t->lm_head, m->lm_head, NULL, tmp);
+            load_from_model(t, t->final_norm, NULL, m->final_norm, tmp);
+            for (int l = 0; l < t->cfg.n_layer; l++) {
+                const kiln_layer_weights *w = &m->layers[l];
+                train_layer *L = &t->layers[l];
+                load_from_model(t, L->wq, w->wq, NULL, tmp);
+                load_from_model(t, L->wk, w->wk, NULL, tmp);
+                load_from_model(t, L->wv, w->wv, NULL, tmp);
+                load_from_model(t, L->wo, w->wo, NULL, tmp);
+                load_from_model(t, L->gate, w->w_gate, NULL, tmp);
+                load_from_model(t, L->up, w->w_up, NULL, tmp);
+                load_from_model(t, L->down, w->w_down, NULL, tmp);
+                load_from_model(t, L->attn_norm, NULL, w->attn_norm, tmp);
+                load_from_model(t, L->mlp_norm, NULL, w->mlp_norm, tmp);
+                if (L->bq) load_from_model(t, L->bq, NULL, w->bq, tmp);
+                if (L->bk) load_from_model(t, L->bk, NULL, w->bk, tmp);
+                if (L->bv) load_from_model(t, L->bv, NULL, w->bv, tmp);
+                if (L->bo) load_from_model(t, L->bo, NULL, w->bo, tmp);
+                if (L->q_norm) load_from_model(t, L->q_norm, NULL, w->q_norm, tmp);
+                if (L->k_norm) load_from_model(t, L->k_norm, NULL, w->k_norm, tmp);
+            }
+        }
+        kiln_free(tmp);
+    }
+    if (st == KILN_OK) st = alloc_activations(t);
+    if (st == KILN_OK) st = create_optimizers(t);
+    if (st != KILN_OK) {
+        kiln_trainer_free(t);
+        return st;
+    }
+    *out = t;
+    return KILN_OK;
+}
+
+void kiln_trainer_free(kiln_trainer *t) {
+    if (!t) return;
+    kiln_adamw_free(t->opt_mat);
+    kiln_adamw_free(t->opt_vec);
+    kiln_free(t->targets);
+    kiln_free(t->act_block);
+    kiln_free(t->acts);
+    kiln_free(t->param_block);
+    kiln_free(t->grad_block);
+    kiln_free(t->mat_index);
+    kiln_free(t->vec_index);
+    kiln_free(t->layers);
+    kiln_free(t->params);
+    kiln_backend_free(t->be);
+    kiln_free(t);
+}
+
+/* ---- forward ------------------------------------------------------------------------------- */
+
+#define VEC(p) ((p) ? (const float *)(p)->w : NULL)
+
+static void forward(kiln_trainer *t, const int32_t *ids, int T) {
+    const kiln_model_config *c = &t->cfg;
+    kiln_backend *be = t->be;
+    const kiln_backend_i *op = be->i;
+    int C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
+    float eps = c->rms_eps, scale = (float)(1.0 / sqrt((double)HS));
+    for (int n = 0; n < T; n++) t->pos[n] = n;
+    memcpy(t->ids, ids, (size_t)T * sizeof(int32_t));
+    op->embed(be, t->acts[0].x, &t->tok_embd->view, ids, T);
+    for (int l = 0; l < c->n_layer; l++) {
+        const train_layer *w = &t->layers[l];
+        layer_acts *a = &t->acts[l];
+        float *x_next = l + 1 < c->n_layer ? t->acts[l + 1].x : t->x_final;
+        op->rmsnorm(be, a->xb1, a->x, VEC(w->attn_norm), T, C, eps);
+        op->matmul(be, a->qr, a->xb1, &w->wq->view, VEC(w->bq), T);
+        op->matmul(be, a->kr, a->xb1, &w->wk->view, VEC(w->bk), T);
+        op->matmul(be, a->v, a->xb1, &w->wv->view, VEC(w->bv), T);
+        if (w->q_norm) op->rmsnorm(be, a->q, a->qr, VEC(w->q_norm), T * NH, HS, eps);
+        if (w->k_norm) op->rmsnorm(be, a->k, a->kr, VEC(w->k_norm), T * KVH, HS, eps);
+        op->rope(be, a->q, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
+        op->rope(be, a->k, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
+        op->attention(be, a->att, a->q, a->k, a->v, T, 0, NH, KVH, HS, scale);
+        op->matmul(be, t->dtmp, a->att, &w->wo->view, VEC(w->bo), T);
+        memcpy(a->x_mid, a->x, (size_t)T * C * sizeof(float));
+        op->add(be, a->x_mid, t->dtmp, (size_t)T * C);
+        op->rmsnorm(be, a->xb2, a->x_mid, VEC(w->mlp_norm), T, C, eps);
+        op->matmul(be, a->gate, a->xb2, &w->gate->view, NULL, T);
+        op->matmul(be, a->up, a->xb2, &w->up->view, NULL, T);
+        op->swiglu(be, a->hb, a->gate, a->up, (size_t)T * FF);
+        op->matmul(be, t->dtmp, a->hb, &w->down->view, NULL, T);
+        memcpy(x_next, a->x_mid, (size_t)T * C * sizeof(float));
+        op->add(be, x_next, t->dtmp, (size_t)T * C);
+    }
+    op->rmsnorm(be, t->xn, t->x_final, VEC(t->final_norm), T, C, eps);
+}
+
+static kiln_status check_ready(kiln_trainer *t, const char *call) {
+    if (!t) return kiln_error(KILN_ERR_INVALID_ARG, "%s: NULL trainer", call);
+    if (t->pending)
+        return kiln_error(KILN_ERR_STATE, "%s: a step is pending (call kiln_train_backward or kiln_train_discard first)", call);
+    return KILN_OK;
+}
+
+static kiln_status check_ids(kiln_trainer *t, const int32_t *ids, int n, const char *call) {
+    if (!ids) return kiln_error(KILN_ERR_INVALID_ARG, "%s: ids is NULL", call);
+    if (n < 1 || n > t->p.max_seq)
+        return kiln_error(KILN_ERR_RANGE, "%s: sequence of %d tokens not in [1, %d] (max_seq)", call, n, t->p.max_seq);
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= t->cfg.n_vocab)
+            return kiln_error(KILN_ERR_RANGE, "%s: token id %d at position %d is out of range [0, %d)", call, ids[i], i,
+                              t->cfg.n_vocab);
+    return KILN_OK;
+}
+
+static void track_peak(kiln_trainer *t) {
+    kiln_mem_stats s;
+    kiln_mem_get_stats(&s);
+    if (s.peak_bytes > t->peak_step) t->peak_step = s.peak_bytes;
+}
+
+kiln_status kiln_train_forward(kiln_trainer *t, const int32_t *ids, int n, const int32_t *targets,
+                               kiln_loss_reduction red, float scale, float *loss) {
+    KILN_TRY(check_ready(t, "kiln_train_forward"));
+    KILN_TRY(check_ids(t, ids, n, "kiln_train_forward"));
+    if (!targets || !loss) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_forward: targets and loss must be set");
+    if (red != KILN_LOSS_MEAN && red != KILN_LOSS_SUM)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_forward: unknown reduction %d", (int)red);
+    if (!isfinite(scale)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_forward: scale is not finite");
+    kiln_mem_reset_peak();
+    t->peak_step = 0;
+    forward(t, ids, n);
+    /* the loss alone (pass 1): errors (no supervised position, target out of range,
+     * non-finite loss) leave nothing pending */
+    kiln_fused_ce_params cp = kiln_fused_ce_default_params();
+    cp.N = n;
+    cp.H = t->cfg.n_embd;
+    cp.V = t->cfg.n_vocab;
+    cp.hidden = t->xn;
+    cp.weight = t->lm_head->w;
+    cp.weight_dtype = t->lm_head->dtype;
+    cp.targets = targets;
+    cp.reduction = red == KILN_LOSS_SUM ? KILN_CE_REDUCTION_SUM : KILN_CE_REDUCTION_MEAN;
+    cp.scale = scale;
+    cp.chunk = t->p.ce_chunk;
+    kiln_fused_ce_result r;
+    kiln_status st = kiln_fused_ce(t->be, &cp, &r);
+    if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_forward");
+    memcpy(t->targets, targets, (size_t)n * sizeof(int32_t));
+    t->T = n;
+    t->red = red;
+    t->scale = scale;
+    t->pending = 1;
+    *loss = r.loss;
+    track_peak(t);
+    return KILN_OK;
+}
+
+kiln_status kiln_train_forward_hidden(kiln_trainer *t, const int32_t *ids, int n,
+                                      const int32_t *positions, int n_pos, float *hidden) {
+    KILN_TRY(check_ready(t, "kiln_train_forward_hidden"));
+    KILN_TRY(check_ids(t, ids, n, "kiln_train_forward_hidden"));
+    if (!positions || !hidden || n_pos < 1 || n_pos > n)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_forward_hidden: need 1..%d positions and a hidden buffer", n);
+    for (int i = 0; i < n_pos; i++) {
+        if (positions[i] < 0 || positions[i] >= n)
+            return kiln_error(KILN_ERR_RANGE, "kiln_train_forward_hidden: position %d (index %d) not in [0, %d)",
+                              positions[i], i, n);
+        for (int j = 0; j < i; j++)
+            if (positions[j] == positions[i])
+                return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_forward_hidden: position %d given twice", positions[i]);
+    }
+    kiln_mem_reset_peak();
+    t->peak_step = 0;
+    forward(t, ids, n);
+    int C = t->cfg.n_embd;
+    for (int i = 0; i < n_pos; i++)
+        memcpy(hidden + (size_t)i * C, t->xn + (size_t)positions[i] * C, (size_t)C * sizeof(float));
+    memcpy(t->positions, positions, (size_t)n_pos * sizeof(int32_t));
+    t->n_pos = n_pos;
+    t->T = n;
+    t->pending = 2;
+    track_peak(t);
+    return KILN_OK;
+}
+
+kiln_status kiln_train_discard(kiln_trainer *t) {
+    if (!t) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_discard: NULL trainer");
+    t->pending = 0;
+    return KILN_OK;
+}
+
+/* ---- backward ------------------------------------------------------------------------------ */
+
+#define GRAD(p) ((p) ? (p)->g : NULL)
+
+static void backward_layers(kiln_trainer *t) {
+    const kiln_model_config *c = &t->cfg;
+    kiln_backend *be = t->be;
+    const kiln_backend_i *op = be->i;
+    int T = t->T, C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
+    float eps = c->rms_eps, scale = (float)(1.0 / sqrt((double)HS));
+    /* dx = d loss / d x_final, from d xn */
+    op->rmsnorm_backward(be, t->dx, GRAD(t->final_norm), t->dxn, t->x_final, VEC(t->final_norm), T, C, eps, t->rstd,
+                         false);
+    for (int l = c->n_layer - 1; l >= 0; l--) {
+        const train_layer *w = &t->layers[l];
+        const layer_acts *a = &t->acts[l];
+        /* MLP: x_next = x_mid + down(silu(gate) * up) */
+        op->matmul_backward(be, t->dhb, w->down->g, NULL, t->dx, a->hb, &w->down->view, T, false);
+        op->swiglu_backward(be, t->dgate, t->dup, t->dhb, a->gate, a->up, (size_t)T * FF);
+        op->matmul_backward(be, t->dxb, w->gate->g, NULL, t->dgate, a->xb2, &w->gate->view, T, false);
+        op->matmul_backward(be, t->dxb, w->up->g, NULL, t->dup, a->xb2, &w->up->view, T, true);
+        op->rmsnorm_backward(be, t->dx, w->mlp_norm->g, t->dxb, a->x_mid, VEC(w->mlp_norm), T, C, eps, t->rstd, true);
+        /* attention: x_mid = x + o(attention(rope(q), rope(k), v)) */
+        op->matmul_backward(be, t->datt, w->wo->g, GRAD(w->bo), t->dx, a->att, &w->wo->view, T, false);
+        op->attention_backward(be, t->dq, t->dk, t->dv, t->datt, a->q, a->k, a->v, a->att, t->ws, T, 0, NH, KVH, HS,
+                               scale);
+        op->rope_backward(be, t->dq, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
+        op->rope_backward(be, t->dk, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
+        if (w->q_norm)
+            op->rmsnorm_backward(be, t->dqr, w->q_norm->g, t->dq, a->qr, VEC(w->q_norm), T * NH, HS, eps, t->rstd, false);
+        if (w->k_norm)
+            op->rmsnorm_backward(be, t->dkr, w->k_norm->g, t->dk, a->kr, VEC(w->k_norm), T * KVH, HS, eps, t->rstd, false);
+        op->matmul_backward(be, t->dxb, w->wq->g, GRAD(w->bq), t->dqr, a->xb1, &w->wq->view, T, false);
+        op->matmul_backward(be, t->dxb, w->wk->g, GRAD(w->bk), t->dkr, a->xb1, &w->wk->view, T, true);
+        op->matmul_backward(be, t->dxb, w->wv->g, GRAD(w->bv), t->dv, a->xb1, &w->wv->view, T, true);
+        op->rmsnorm_backward(be, t->dx, w->attn_norm->g, t->dxb, a->x, VEC(w->attn_norm), T, C, eps, t->rstd, true);
+    }
+    op->embed_backward(be, t->tok_embd->g, t->dx, t->ids, T, c->n_vocab, C);
+}
+
+static void zero_grads(kiln_trainer *t) {
+    for (int i = 0; i < t->n_params; i++) memset(t->params[i].g, 0, (size_t)t->params[i].n * sizeof(float));
+}
+
+kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accumulate) {
+    if (!t) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_backward: NULL trainer");
+    if (!t->pending) return kiln_error(KILN_ERR_STATE, "kiln_train_backward: no pending step (call a forward first)");
+    if (t->pending == 2 && !dhidden)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_backward: the step handed out hidden states: pass their gradient");
+    if (t->pending == 1 && dhidden)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_backward: the step computed its own loss: dhidden must be NULL");
+    int C = t->cfg.n_embd, T = t->T;
+    if (!accumulate) zero_grads(t);
+    if (t->pending == 1) {
+        kiln_fused_ce_params cp = kiln_fused_ce_default_params();
+        cp.N = T;
+        cp.H = C;
+        cp.V = t->cfg.n_vocab;
+        cp.hidden = t->xn;
+        cp.weight = t->lm_head->w;
+        cp.weight_dtype = t->lm_head->dtype;
+        cp.targets = t->targets;
+        cp.reduction = t->red == KILN_LOSS_SUM ? KILN_CE_REDUCTION_SUM : KILN_CE_REDUCTION_MEAN;
+        cp.scale = t->scale;
+        cp.chunk = t->p.ce_chunk;
+        cp.dhidden = t->dxn;
+        cp.dweight = t->lm_head->g;
+        kiln_fused_ce_result r;
+        kiln_status st = kiln_fused_ce(t->be, &cp, &r);
+        if (st != KILN_OK) {
+            t->pending = 0;
+            return kiln_error_prefix(st, "kiln_train_backward");
+        }
+    } else {
+        memset(t->dxn, 0, (size_t)T * C * sizeof(float));
+        for (int i = 0; i < t->n_pos; i++) {
+            const float *src = dhidden + (size_t)i * C;
+            for (int j = 0; j < C; j++)
+                if (!isfinite(src[j]))
+                    return kiln_error(KILN_ERR_RANGE, "kiln_train_backward: dhidden[%d][%d] is not finite", i, j);
+            memcpy(t->dxn + (size_t)t->positions[i] * C, src, (size_t)C * sizeof(float));
+        }
+    }
+    backward_layers(t);
+    t->pending = 0;
+    track_peak(t);
+    return KILN_OK;
+}
+
+kiln_status kiln_train_step(kiln_trainer *t, const int32_t *ids, int n, float *loss) {
+    KILN_TRY(check_ready(t, "kiln_train_step"));
+    if (!ids || !loss) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_step: ids and loss must be set");
+    if (n < 2) return kiln_error(KILN_ERR_RANGE, "kiln_train_step: a sequence needs at least 2 tokens (got %d)", n);
+    if (n > t->p.max_seq)
+        return kiln_error(KILN_ERR_RANGE, "kiln_train_step: sequence of %d tokens exceeds max_seq %d", n, t->p.max_seq);
+    int32_t *tg = t->positions; /* free during a loss step */
+    for (int i = 0; i + 1 < n; i++) tg[i] = ids[i + 1];
+    tg[n - 1] = -1;
+    KILN_TRY(kiln_train_forward(t, ids, n, tg, KILN_LOSS_MEAN, 1.0f, loss));
+    return kiln_train_backward(t, NULL, 0);
+}
+
+/* ---- gradients, optimizer ---------------------------------------------------------------- */
+
+kiln_status kiln_train_grad_sq_norm(kiln_trainer *t, double *out) {
+    KILN_TRY(check_ready(t, "kiln_train_grad_sq_norm"));
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_grad_sq_norm: out is NULL");
+    /* torch's order: per-tensor norms in named_parameters() order, then their norm */
+    double sum = 0.0;
+    for (int i = 0; i < t->n_params; i++) {
+        float nrm = kiln_grad_norm_torch(t->params[i].g, t->params[i].n);
+        sum += (double)nrm * (double)nrm;
+    }
+    *out = sum;
+    return KILN_OK;
+}
+
+kiln_status kiln_train_clip_grads(kiln_trainer *t, double max_norm, float *total_norm, float *coef) {
+    KILN_TRY(check_ready(t, "kiln_train_clip_grads"));
+    if (!(max_norm > 0)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_clip_grads: max_norm must be > 0");
+    /* torch: total = ||stack(per-tensor norms)||, over every parameter in order */
+    float *norms = kiln_malloc((size_t)t->n_params * sizeof(float));
+    if (!norms) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    for (int i = 0; i < t->n_params; i++) norms[i] = kiln_grad_norm_torch(t->params[i].g, t->params[i].n);
+    float total = kiln_grad_norm_torch(norms, t->n_params);
+    kiln_free(norms);
+    float cc = kiln_clip_coef(total, max_norm);
+    for (int i = 0; i < t->n_params; i++) {
+        float *g = t->params[i].g;
+        for (int64_t j = 0; j < t->params[i].n; j++) g[j] = g[j] * cc;
+    }
+    if (total_norm) *total_norm = total;
+    if (coef) *coef = cc;
+    return KILN_OK;
+}
+
+kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr) {
+    KILN_TRY(check_ready(t, "kiln_train_optimizer_step"));
+    if (!(lr >= 0) || !isfinite(lr)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_optimizer_step: lr must be finite and >= 0");
+    /* both halves are checked before either is updated */
+    kiln_status st = kiln_adamw_grads_finite(t->opt_mat, NULL);
+    if (st == KILN_OK) st = kiln_adamw_grads_finite(t->opt_vec, NULL);
+    if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_optimizer_step: refused, weights untouched");
+    kiln_adamw_set_lr(t->opt_mat, lr);
+    kiln_adamw_set_lr(t->opt_vec, lr);
+    KILN_TRY(kiln_adamw_step(t->opt_mat, NULL));
+    return kiln_adamw_step(t->opt_vec, NULL);
+}
+
+/* ---- parameters by name ------------------------------------------------------------------ */
+
+int kiln_train_n_params(const kiln_trainer *t) { return t ? t->n_params : 0; }
+
+kiln_status kiln_train_param_info(const kiln_trainer *t, int i, const char **name, int64_t *n_elements,
+                                  int64_t shape[2]) {
+    if (!t || i < 0 || i >= t->n_params)
+        return kiln_error(KILN_ERR_RANGE, "kiln_train_param_info: index %d not in [0, %d)", i, t ? t->n_params : 0);
+    if (name) *name = t->params[i].name;
+    if (n_elements) *n_elements = t->params[i].n;
+    if (shape) {
+        shape[0] = t->params[i].shape[0];
+        shape[1] = t->params[i].shape[1];
+    }
+    return KILN_OK;
+}
+
+static const train_param *find_param(const kiln_trainer *t, const char *name, int64_t n, const char *call) {
+    for (int i = 0; i < t->n_params; i++)
+        if (!strcmp(t->params[i].name, name)) {
+            if (t->params[i].n != n) {
+                kiln_error(KILN_ERR_INVALID_ARG, "%s: parameter '%s' has %lld elements, not %lld", call, name,
+                           (long long)t->params[i].n, (long long)n);
+                return NULL;
+            }
+            return &t->params[i];
+        }
+    kiln_error(KILN_ERR_INVALID_ARG, "%s: no parameter named '%s'", call, name);
+    return NULL;
+}
+
+kiln_status kiln_train_get_param(const kiln_trainer *t, const char *name, float *out, int64_t n) {
+    if (!t || !name || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_get_param: NULL argument");
+    const train_param *p = find_param(t, name, n, "kiln_train_get_param");
+    if (!p) return KILN_ERR_INVALID_ARG;
+    kiln_dequantize(p->dtype, p->w, out, p->n);
+    return KILN_OK;
+}
+
+kiln_status kiln_train_get_grad(const kiln_trainer *t, const char *name, float *out, int64_t n) {
+    if (!t || !name || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_get_grad: NULL argument");
+    const train_param *p = find_param(t, name, n, "kiln_train_get_grad");
+    if (!p) return KILN_ERR_INVALID_ARG;
+    memcpy(out, p->g, (size_t)n * sizeof(float));
+    return KILN_OK;
+}
+
+kiln_status kiln_train_set_param(kiln_trainer *t, const char *name, const float *in, int64_t n) {
+    KILN_TRY(check_ready(t, "kiln_train_set_param"));
+    if (!name || !in) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_set_param: NULL argument");
+    const train_param *p = find_param(t, name, n, "kiln_train_set_param");
+    if (!p) return KILN_ERR_INVALID_ARG;
+    if (p->dtype != KILN_DTYPE_F32 && kiln_adamw_get_step(t->opt_mat) > 0)
+        return kiln_error(KILN_ERR_STATE, "kiln_train_set_param: bf16 storage: weights can only be set before the first step");
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(in[i]))
+            return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_set_param: '%s'[%lld] is not finite", name, (long long)i);
+    if (p->dtype == KILN_DTYPE_F32) memcpy(p->w, in, (size_t)n * sizeof(float));
+    else
+        for (int64_t i = 0; i < n; i++) ((uint16_t *)p->w)[i] = kiln_fp32_to_bf16(in[i]);
+    /* a fresh optimizer (still at step 0) picks the new weights up as its master copy */
+    if (p->dtype != KILN_DTYPE_F32) return create_optimizers(t);
+    return KILN_OK;
+}
+
+kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, kiln_train_memory *mem) {
+    if (!t) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_describe: NULL trainer");
+    kiln_train_memory m;
+    memset(&m, 0, sizeof m);
+    for (int i = 0; i < t->n_params; i++) {
+        m.params += (uint64_t)t->params[i].n * (t->params[i].dtype == KILN_DTYPE_F32 ? 4 : 2);
+        m.grads += (uint64_t)t->params[i].n * 4;
+    }
+    kiln_adamw_memory a, b;
+    char da[256] = "", db[256] = "";
+    kiln_adamw_describe(t->opt_mat, da, sizeof da, &a);
+    kiln_adamw_describe(t->opt_vec, db, sizeof db, &b);
+    m.optimizer = a.owned + b.owned;
+    m.activations = t->act_bytes;
+    m.scratch = kiln_fused_ce_scratch_bytes(t->p.max_seq, t->cfg.n_embd, t->cfg.n_vocab,
+                                            t->p.ce_chunk ? t->p.ce_chunk : KILN_FUSED_CE_DEFAULT_CHUNK, 1, 1);
+    m.peak_step = t->peak_step;
+    if (buf && cap)
+        snprintf(buf, cap,
+                 "params %.1f MiB, grads %.1f MiB, optimizer %.1f MiB, activations %.1f MiB (max_seq %d), "
+                 "loss scratch %.1f MiB; matrices: %s; vectors: %s",
+                 m.params / 1048576.0, m.grads / 1048576.0, m.optimizer / 1048576.0, m.activations / 1048576.0,
+                 t->p.max_seq, m.scratch / 1048576.0, da, db);
+    if (mem) *mem = m;
+    return KILN_OK;
+}

@@ -1,0 +1,120 @@
+"""Training on the CPU against transformers' autograd in float64: the loss and every
+parameter's gradient for tiny random models of each supported architecture, with masks and
+scale, and through a caller's head (train_forward_hidden / train_backward(dh)).
+
+Bound: per parameter, ||g_kiln - g_torch|| <= 1e-4 * ||g_torch|| (kiln computes in f32);
+loss within 1e-5 relative.
+"""
+import numpy as np
+import pytest
+import torch
+
+import kiln
+from test_parity import build_model
+
+torch.set_num_threads(2)
+ARCHS = ["llama", "llama_tied_mqa", "mistral", "qwen2", "qwen3", "llama3_rope"]
+
+
+def rand_ids(n, V, seed):
+    return np.random.default_rng(seed).integers(3, V, size=n).tolist()
+
+
+def torch_grads(ref):
+    return {n: p.grad.detach().numpy() for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def compare_grads(tr, ref_grads, label, bound=1e-4):
+    worst = 0.0
+    names = set()
+    for name, n, _ in tr.params():
+        names.add(name)
+        g = tr.get_grad(name, n).astype(np.float64)
+        want = ref_grads[name].ravel()
+        denom = max(np.linalg.norm(want), 1e-12)
+        rel = np.linalg.norm(g - want) / denom
+        worst = max(worst, rel)
+        assert rel <= bound, f"{label}: gradient of {name}: relative error {rel:.3e}"
+    assert names == set(ref_grads), f"{label}: parameter sets differ: {names ^ set(ref_grads)}"
+    print(f"{label}: {len(names)} parameters, worst relative gradient error {worst:.3e}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_loss_and_gradients(tmp_path, build_dir, arch):
+    d, ref = build_model(tmp_path, arch)
+    m = kiln.Model(d)
+    tr = kiln.Trainer(m, max_seq=64, n_threads=2)
+    ids = rand_ids(24, m.n_vocab, 1)
+    loss = tr.step(ids)
+    out = ref(torch.tensor([ids]), labels=torch.tensor([ids]))
+    out.loss.backward()
+    assert abs(loss - out.loss.item()) <= 1e-5 * abs(out.loss.item()), (loss, out.loss.item())
+    compare_grads(tr, torch_grads(ref), arch)
+
+    # thread-count invariance of every gradient
+    tr1 = kiln.Trainer(m, max_seq=64, n_threads=1)
+    assert tr1.step(ids) == loss
+    for name, n, _ in tr.params():
+        assert np.array_equal(tr.get_grad(name, n).view(np.uint32), tr1.get_grad(name, n).view(np.uint32)), name
+
+
+def test_mask_scale_and_accumulate(tmp_path, build_dir):
+    d, ref = build_model(tmp_path, "qwen2")
+    m = kiln.Model(d)
+    tr = kiln.Trainer(m, max_seq=64, n_threads=2)
+    a, b = rand_ids(20, m.n_vocab, 2), rand_ids(16, m.n_vocab, 3)
+    ta = [t if i % 3 else -1 for i, t in enumerate(a[1:] + [-1])]
+    tb = b[1:] + [-1]
+    la = tr.forward(a, ta, reduction="sum", scale=0.25)
+    tr.backward()
+    lb = tr.forward(b, tb, reduction="mean", scale=0.5)
+    tr.backward(accumulate=True)
+    lossf = torch.nn.functional.cross_entropy
+    la_t = 0.25 * lossf(ref(torch.tensor([a])).logits[0], torch.tensor(ta), ignore_index=-1, reduction="sum")
+    lb_t = 0.5 * lossf(ref(torch.tensor([b])).logits[0], torch.tensor(tb), ignore_index=-1, reduction="mean")
+    (la_t + lb_t).backward()
+    assert abs(la - la_t.item()) <= 1e-5 * abs(la_t.item())
+    assert abs(lb - lb_t.item()) <= 1e-5 * abs(lb_t.item())
+    compare_grads(tr, torch_grads(ref), "qwen2 mask+scale+accumulate")
+
+
+def test_hidden_states_and_own_head(tmp_path, build_dir):
+    d, ref = build_model(tmp_path, "qwen3")
+    m = kiln.Model(d)
+    tr = kiln.Trainer(m, max_seq=64, n_threads=2)
+    ids = rand_ids(18, m.n_vocab, 4)
+    pos = [17, 3, 9, 0]
+    h = tr.forward_hidden(ids, pos)
+    head = np.random.default_rng(5).standard_normal((h.shape[1], 7))
+    h_t = ref.model(torch.tensor([ids])).last_hidden_state[0, pos]
+    assert np.abs(h - h_t.detach().numpy()).max() <= 1e-4 * max(1.0, np.abs(h_t.detach().numpy()).max())
+    head_t = torch.tensor(head)
+    (h_t @ head_t).pow(2).sum().backward()
+    dh = 2.0 * (h.astype(np.float64) @ head) @ head.T  # the caller's head, in numpy
+    tr.backward(dh.astype(np.float32))
+    compare_grads(tr, torch_grads(ref), "qwen3 hidden head", bound=2e-4)
+
+
+def test_pending_step_and_bad_inputs(tmp_path, build_dir):
+    d, _ = build_model(tmp_path, "llama")
+    m = kiln.Model(d)
+    tr = kiln.Trainer(m, max_seq=32, n_threads=1)
+    ids = rand_ids(10, m.n_vocab, 6)
+    tr.forward(ids, ids[1:] + [-1])
+    for call in (lambda: tr.step(ids), lambda: tr.grad_sq_norm(), lambda: tr.optimizer_step(1e-3),
+                 lambda: tr.forward(ids, ids[1:] + [-1])):
+        with pytest.raises(kiln.KilnError, match="pending"):
+            call()
+    tr.discard()
+    with pytest.raises(kiln.KilnError, match="no pending step"):
+        tr.backward()
+    with pytest.raises(kiln.KilnError, match="out of range"):
+        tr.step(ids[:5] + [m.n_vocab])
+    with pytest.raises(kiln.KilnError, match="max_seq"):
+        tr.step(rand_ids(33, m.n_vocab, 7))
+    with pytest.raises(kiln.KilnError, match="no supervised positions"):
+        tr.forward(ids, [-1] * len(ids))
+    with pytest.raises(kiln.KilnError, match="vocabulary size"):
+        tr.forward(ids, [m.n_vocab] * len(ids))  # "target ... >= vocabulary size"
+    # nothing pending after the failures: a step works
+    assert np.isfinite(tr.step(ids))
