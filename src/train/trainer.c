@@ -12,6 +12,7 @@
 #include "../tokenizer/tokenizer.h"
 #include "adamw.h"
 #include "fused_ce.h"
+#include "trainer.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -790,3 +791,5 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
     if (mem) *mem = m;
     return KILN_OK;
 }
+
+const kiln_model *kiln_trainer_model(const kiln_trainer *t) { return t ? t->model : NULL; }
