@@ -417,6 +417,27 @@ typedef struct kiln_train_memory {
 KILN_API kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap,
                                          kiln_train_memory *mem);
 
+/* Write the trainer's current weights as a Hugging Face folder: model.safetensors (f32, or
+ * bf16 when dtype_bf16), config.json, generation_config.json, tokenizer.json and
+ * tokenizer_config.json (chat template, special tokens). The folder is written atomically
+ * (a temporary sibling folder, fsync'd, renamed into place); an existing folder is refused
+ * unless overwrite is set. */
+KILN_API kiln_status kiln_train_export_hf(const kiln_trainer *t, const char *dir, int dtype_bf16, int overwrite);
+
+/* Save a checkpoint of the training state into dir/step-<step>/ (atomically: a crash at any
+ * moment leaves the previous checkpoint loadable): parameters, optimizer state, step, and
+ * run_json (the caller's own run configuration and data position, may be NULL). keep_last > 0
+ * keeps only the newest keep_last checkpoints. */
+KILN_API kiln_status kiln_train_save(kiln_trainer *t, const char *dir, uint64_t step,
+                                     const char *run_json, int keep_last);
+/* Restore the newest complete checkpoint of dir. A checkpoint of another architecture, shape,
+ * parameter list or storage configuration is refused with nothing changed. *step gets its
+ * step; *run_json (may be NULL) a copy of the run configuration (free with kiln_string_free). */
+KILN_API kiln_status kiln_train_load(kiln_trainer *t, const char *dir, uint64_t *step,
+                                     char **run_json);
+/* Free a string kiln returned. */
+KILN_API void kiln_string_free(char *s);
+
 #ifdef __cplusplus
 }
 #endif

@@ -136,6 +136,9 @@ def load_library(path=None):
         "kiln_train_set_param": (C.c_int, [P, C.c_char_p, C.POINTER(C.c_float), C.c_int64]),
         "kiln_train_get_grad": (C.c_int, [P, C.c_char_p, C.POINTER(C.c_float), C.c_int64]),
         "kiln_train_describe": (C.c_int, [P, C.c_char_p, C.c_size_t, C.POINTER(TrainMemory)]),
+        "kiln_train_save": (C.c_int, [P, C.c_char_p, C.c_uint64, C.c_char_p, C.c_int]),
+        "kiln_train_load": (C.c_int, [P, C.c_char_p, C.POINTER(C.c_uint64), C.POINTER(C.c_void_p)]),
+        "kiln_string_free": (None, [C.c_void_p]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -409,6 +412,19 @@ class Trainer:
         mem = TrainMemory()
         _check(self._lib.kiln_train_describe(self._h, buf, 1024, C.byref(mem)))
         return buf.value.decode(), {k: getattr(mem, k) for k, _ in TrainMemory._fields_}
+
+    def save(self, directory, step, run_json=None, keep_last=0):
+        _check(self._lib.kiln_train_save(self._h, str(directory).encode(), step,
+                                          run_json.encode() if run_json else None, keep_last))
+
+    def load(self, directory):
+        step, run = C.c_uint64(), C.c_void_p()
+        _check(self._lib.kiln_train_load(self._h, str(directory).encode(), C.byref(step), C.byref(run)))
+        text = None
+        if run.value:
+            text = C.string_at(run.value).decode()
+            self._lib.kiln_string_free(run)
+        return step.value, text
 
     def close(self):
         if getattr(self, "_h", None):

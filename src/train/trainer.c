@@ -11,6 +11,7 @@
 #include "../models/model.h"
 #include "../tokenizer/tokenizer.h"
 #include "adamw.h"
+#include "checkpoint.h"
 #include "fused_ce.h"
 #include "trainer.h"
 
@@ -793,3 +794,163 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
 }
 
 const kiln_model *kiln_trainer_model(const kiln_trainer *t) { return t ? t->model : NULL; }
+
+/* ---- checkpoints ------------------------------------------------------------------------ */
+
+/* The configuration a checkpoint must match to be restored: architecture and shapes, the
+ * storage variants and the parameter list (names in order). */
+static char *config_json(const kiln_trainer *t) {
+    const kiln_model_config *c = &t->cfg;
+    size_t cap = 512 + (size_t)t->n_params * 128;
+    char *s = kiln_malloc(cap);
+    if (!s) return NULL;
+    size_t n = (size_t)snprintf(s, cap,
+                                "{\"format\":\"kiln-train\",\"version\":1,\"arch\":%d,\"n_layer\":%d,\"n_embd\":%d,"
+                                "\"n_head\":%d,\"n_head_kv\":%d,\"head_dim\":%d,\"n_ff\":%d,\"n_vocab\":%d,"
+                                "\"weight_storage\":%d,\"moment_storage\":%d,\"params\":[",
+                                (int)c->arch, c->n_layer, c->n_embd, c->n_head, c->n_head_kv, c->head_dim, c->n_ff,
+                                c->n_vocab, (int)t->p.weight_storage, (int)t->p.moment_storage);
+    for (int i = 0; i < t->n_params && n < cap; i++)
+        n += (size_t)snprintf(s + n, cap - n, "%s[\"%s\",%lld]", i ? "," : "", t->params[i].name,
+                              (long long)t->params[i].n);
+    if (n < cap) n += (size_t)snprintf(s + n, cap - n, "]}");
+    if (n >= cap) {
+        kiln_free(s);
+        return NULL;
+    }
+    return s;
+}
+
+typedef struct section_sink {
+    kiln_ckpt_writer *w;
+} section_sink;
+
+static kiln_status sink_write(void *ctx, const void *data, size_t n) {
+    return kiln_ckpt_section_write(((section_sink *)ctx)->w, data, n);
+}
+
+typedef struct mem_sink {
+    uint8_t *p;
+    size_t n, cap;
+} mem_sink;
+
+static kiln_status mem_write(void *ctx, const void *data, size_t n) {
+    mem_sink *m = ctx;
+    if (n > m->cap - m->n) return kiln_error(KILN_ERR_INTERNAL, "optimizer state larger than its reported size");
+    memcpy(m->p + m->n, data, n);
+    m->n += n;
+    return KILN_OK;
+}
+
+void kiln_string_free(char *s) { kiln_free(s); }
+
+kiln_status kiln_train_save(kiln_trainer *t, const char *dir, uint64_t step, const char *run_json, int keep_last) {
+    KILN_TRY(check_ready(t, "kiln_train_save"));
+    if (!dir) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_save: dir is NULL");
+    char *cfg = config_json(t);
+    if (!cfg) return kiln_error(KILN_ERR_NOMEM, "kiln_train_save: out of memory");
+    kiln_ckpt_save_params sp = {0};
+    sp.keep_last = keep_last;
+    kiln_ckpt_writer *w = NULL;
+    kiln_status st = kiln_ckpt_begin(dir, step, &sp, &w);
+    if (st == KILN_OK) st = kiln_ckpt_add_json(w, "config", cfg);
+    if (st == KILN_OK && run_json) st = kiln_ckpt_add_json(w, "run", run_json);
+    if (st == KILN_OK) st = kiln_ckpt_add_u64(w, "step", step);
+    if (st == KILN_OK) st = kiln_ckpt_add_u64(w, "seed", t->p.seed);
+    for (int i = 0; st == KILN_OK && i < t->n_params; i++) {
+        const train_param *p = &t->params[i];
+        char name[128];
+        snprintf(name, sizeof name, "param/%s", p->name);
+        st = kiln_ckpt_add_tensor(w, name, p->dtype, p->n_dims, p->shape, p->w);
+    }
+    section_sink sink = {w};
+    if (st == KILN_OK) st = kiln_ckpt_section_begin(w, "optimizer/matrices", KILN_CKPT_RAW);
+    if (st == KILN_OK) st = kiln_adamw_save(t->opt_mat, sink_write, &sink);
+    if (st == KILN_OK) st = kiln_ckpt_section_end(w);
+    if (st == KILN_OK) st = kiln_ckpt_section_begin(w, "optimizer/vectors", KILN_CKPT_RAW);
+    if (st == KILN_OK) st = kiln_adamw_save(t->opt_vec, sink_write, &sink);
+    if (st == KILN_OK) st = kiln_ckpt_section_end(w);
+    kiln_free(cfg);
+    if (st != KILN_OK) {
+        kiln_ckpt_abort(w);
+        return kiln_error_prefix(st, "kiln_train_save: %s", dir);
+    }
+    char *warning = NULL;
+    st = kiln_ckpt_commit(w, &warning);
+    kiln_free(warning);
+    return st;
+}
+
+kiln_status kiln_train_load(kiln_trainer *t, const char *dir, uint64_t *step, char **run_json) {
+    KILN_TRY(check_ready(t, "kiln_train_load"));
+    if (!dir || !step) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_load: dir and step must be set");
+    kiln_ckpt *c = NULL;
+    KILN_TRY(kiln_ckpt_open_latest(dir, &c));
+    const kiln_ckpt_section *sec = NULL;
+    char *cfg = config_json(t);
+    kiln_status st = cfg ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "kiln_train_load: out of memory");
+    if (st == KILN_OK) st = kiln_ckpt_find(c, "config", KILN_CKPT_JSON, &sec);
+    if (st == KILN_OK && (sec->size != strlen(cfg) || memcmp(sec->data, cfg, sec->size) != 0))
+        st = kiln_error(KILN_ERR_STATE,
+                        "kiln_train_load: %s was saved under another configuration (architecture, shapes, "
+                        "parameters or storage variant differ): refused",
+                        kiln_ckpt_path(c));
+    /* check everything before writing anything */
+    const kiln_ckpt_section **ps = NULL;
+    if (st == KILN_OK) {
+        ps = kiln_calloc((size_t)t->n_params, sizeof *ps);
+        if (!ps) st = kiln_error(KILN_ERR_NOMEM, "kiln_train_load: out of memory");
+    }
+    for (int i = 0; st == KILN_OK && i < t->n_params; i++) {
+        char name[128];
+        snprintf(name, sizeof name, "param/%s", t->params[i].name);
+        st = kiln_ckpt_find(c, name, KILN_CKPT_TENSOR, &ps[i]);
+        if (st == KILN_OK && (ps[i]->dtype != t->params[i].dtype ||
+                              ps[i]->size != (uint64_t)t->params[i].n * (t->params[i].dtype == KILN_DTYPE_F32 ? 4 : 2)))
+            st = kiln_error(KILN_ERR_FORMAT, "kiln_train_load: %s: '%s' has another type or size", kiln_ckpt_path(c), name);
+    }
+    const kiln_ckpt_section *om = NULL, *ov = NULL;
+    uint64_t k = 0;
+    if (st == KILN_OK) st = kiln_ckpt_find(c, "optimizer/matrices", KILN_CKPT_RAW, &om);
+    if (st == KILN_OK) st = kiln_ckpt_find(c, "optimizer/vectors", KILN_CKPT_RAW, &ov);
+    if (st == KILN_OK) st = kiln_ckpt_get_u64(c, "step", &k);
+    char *run = NULL;
+    if (st == KILN_OK && run_json && kiln_ckpt_find(c, "run", KILN_CKPT_JSON, &sec) == KILN_OK) {
+        run = kiln_strndup(sec->data, (size_t)sec->size);
+        if (!run) st = kiln_error(KILN_ERR_NOMEM, "kiln_train_load: out of memory");
+    }
+    /* The optimizer loads validate their blobs fully before changing state; the first one's
+     * current state is kept so that a failure of the second can be rolled back. */
+    mem_sink backup = {0};
+    if (st == KILN_OK) {
+        backup.cap = kiln_adamw_state_size(t->opt_mat);
+        backup.p = kiln_malloc(backup.cap ? backup.cap : 1);
+        st = backup.p ? kiln_adamw_save(t->opt_mat, mem_write, &backup)
+                      : kiln_error(KILN_ERR_NOMEM, "kiln_train_load: out of memory");
+    }
+    if (st == KILN_OK) st = kiln_adamw_load(t->opt_mat, om->data, (size_t)om->size);
+    if (st == KILN_OK) {
+        st = kiln_adamw_load(t->opt_vec, ov->data, (size_t)ov->size);
+        if (st != KILN_OK) {
+            kiln_status keep = st;
+            kiln_adamw_load(t->opt_mat, backup.p, backup.n); /* roll back */
+            st = keep;
+        }
+    }
+    if (st == KILN_OK) {
+        for (int i = 0; i < t->n_params; i++) memcpy(t->params[i].w, ps[i]->data, (size_t)ps[i]->size);
+        *step = k;
+        if (run_json) {
+            *run_json = run;
+            run = NULL;
+        }
+    } else {
+        kiln_error_prefix(st, "kiln_train_load: %s", kiln_ckpt_path(c));
+    }
+    kiln_free(backup.p);
+    kiln_free(cfg);
+    kiln_free(ps);
+    kiln_free(run);
+    kiln_ckpt_close(c);
+    return st;
+}
