@@ -140,8 +140,11 @@ def build_prompt(model, n_tokens):
     tokenizer, BOS included if the model adds one) and those ids."""
     import llama_cpp
 
-    vocab = llama_cpp.Llama(model_path=model, vocab_only=True, verbose=False)
-    add_bos = bool(vocab._model.add_bos_token()) if hasattr(vocab._model, "add_bos_token") else False
+    # A full load (weights are mmap'd, nothing is evaluated): Llama() makes a context
+    # even for vocab_only, which a vocab-only model may not support.
+    vocab = llama_cpp.Llama(model_path=model, n_ctx=64, n_threads=1, verbose=False)
+    # llama_tokenize adds BOS only where the model's GGUF says so.
+    add_bos = True
 
     def tok(text):
         return vocab.tokenize(text.encode("utf-8"), add_bos=add_bos, special=False)
@@ -152,7 +155,7 @@ def build_prompt(model, n_tokens):
     ids = tok(text)
     # Cut at a token boundary; detokenizing and re-tokenizing can merge differently at
     # the cut, so move the cut until the round trip gives exactly n_tokens ids.
-    start = 1 if add_bos else 0
+    start = len(tok(""))  # 1 where the model adds BOS, else 0
     for k in range(n_tokens, n_tokens + 8):
         cut = vocab.detokenize(ids[start:k]).decode("utf-8", errors="strict")
         again = tok(cut)
@@ -182,17 +185,25 @@ def worker_llama(job):
         model_path=job["model"], n_ctx=len(ids) + n_gen + 16, n_batch=job["n_batch"],
         n_ubatch=job["n_batch"], n_threads=threads, n_threads_batch=threads,
         logits_all=False, verbose=False)
+    n_vocab = llm.n_vocab()
+
+    def greedy():
+        # Logits of the last evaluated token (the wrapper keeps no scores unless
+        # logits_all, which would make prefill copy 512 rows).
+        row = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(row, shape=(n_vocab,))))
+
     prefill, decode, gen = [], [], []
     for rep in range(job["warmup"] + job["reps"]):
         llm.reset()  # the next eval drops the KV cache from position 0 on
         t0 = time.perf_counter()
         llm.eval(ids)
         t1 = time.perf_counter()
-        out = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+        out = [greedy()]
         t2 = time.perf_counter()
         for _ in range(n_gen):
             llm.eval([out[-1]])
-            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            out.append(greedy())
         t3 = time.perf_counter()
         if rep >= job["warmup"]:
             prefill.append(len(ids) / (t1 - t0))
@@ -321,6 +332,15 @@ def machine():
     return f"{model}, {cores} cores"
 
 
+def loadavg():
+    """1-minute load average: on a 2-core machine anything above ~2 while the
+    benchmark runs means the figures are depressed by other processes."""
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:
+        return "n/a"
+
+
 def fmt(x, digits=1):
     return "n/a" if x is None or x != x else f"{x:.{digits}f}"
 
@@ -394,7 +414,7 @@ def main():
                   "benchmarking the peers only")
             results[e] = {"error": "not found"}
             continue
-        print(f"\n[{e}] running ...", flush=True)
+        print(f"\n[{e}] running ... (load average {loadavg()})", flush=True)
         t0 = time.perf_counter()
         r = run_worker(e, job, args.timeout)
         results[e] = r
@@ -403,7 +423,9 @@ def main():
         else:
             print(f"[{e}] prefill {['%.1f' % x for x in r['prefill']]} tok/s; "
                   f"decode {['%.1f' % x for x in r['decode']]} tok/s "
-                  f"({time.perf_counter() - t0:.0f} s; {r.get('info', '')})")
+                  f"({time.perf_counter() - t0:.0f} s; {r.get('info', '')}; "
+                  f"load average after {loadavg()})")
+        r["load_after"] = loadavg()
     os.unlink(prompt_file.name)
 
     ok = {e: r for e, r in results.items() if "error" not in r}
@@ -439,8 +461,8 @@ def main():
 
     if args.markdown:
         v = versions(args.kiln)
-        cmd = shlex.join([os.path.relpath(sys.executable) if False else "python",
-                          os.path.relpath(os.path.abspath(__file__), REPO)] + sys.argv[1:])
+        cmd = shlex.join(["python", os.path.relpath(os.path.abspath(__file__), REPO)]
+                         + sys.argv[1:])
         print("\n<!-- markdown for bench/RESULTS.md -->")
         print(f"- date: {datetime.date.today().isoformat()}")
         print(f"- machine: {machine()}")
@@ -450,6 +472,8 @@ def main():
         print(f"- versions: llama-cpp-python {v['llama-cpp-python']}, torch {v['torch']}, "
               f"transformers {v['transformers']}, kiln {v['kiln']}")
         print(f"- command: `{cmd}`")
+        print("- 1-minute load average after each engine (the benchmark itself adds ~2): "
+              + ", ".join(f"{e} {results[e].get('load_after', 'n/a')}" for e in engines))
         print("")
         print("| engine | prefill tok/s | decode tok/s | prefill vs llama.cpp | decode vs llama.cpp |")
         print("| --- | ---: | ---: | ---: | ---: |")
