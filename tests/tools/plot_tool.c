@@ -2,7 +2,8 @@
  *
  *   plot_tool curves OUT.png W H [TITLE]   plot two synthetic loss curves directly:
  *                                          "train" (0x1F77B4) at steps 1..2000 with a NaN
- *                                          every 97th step, "eval" (0xFF7F0E) every 100
+ *                                          every 97th step and on steps 1201..1260 (a
+ *                                          ~20-pixel hole), "eval" (0xFF7F0E) every 100
  *                                          steps (NaN in between)
  *   plot_tool csv CSV OUT.png W H          write the same curves as a metrics CSV, then
  *                                          plot it with kiln_metrics_plot
@@ -63,7 +64,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < N_STEPS; i++) {
         int step = i + 1;
         x[i] = step;
-        yt[i] = step % 97 == 0 ? NAN : train_loss(step);
+        yt[i] = step % 97 == 0 || (step > 1200 && step <= 1260) ? NAN : train_loss(step);
         ye[i] = step % 100 == 0 || step == 1 ? eval_loss(step) : NAN;
     }
     if (!strcmp(mode, "curves") || !strcmp(mode, "empty")) {
