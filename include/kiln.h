@@ -424,6 +424,13 @@ KILN_API kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_
  * unless overwrite is set. */
 KILN_API kiln_status kiln_train_export_hf(const kiln_trainer *t, const char *dir, int dtype_bf16, int overwrite);
 
+/* Write the trainer's current weights as a Hugging Face folder: model.safetensors (f32, or
+ * bf16 when dtype_bf16), config.json, generation_config.json, tokenizer.json and
+ * tokenizer_config.json (chat template, special tokens). The folder is written atomically
+ * (a temporary sibling folder, fsync'd, renamed into place); an existing folder is refused
+ * unless overwrite is set. */
+KILN_API kiln_status kiln_train_export_hf(const kiln_trainer *t, const char *dir, int dtype_bf16, int overwrite);
+
 /* Save a checkpoint of the training state into dir/step-<step>/ (atomically: a crash at any
  * moment leaves the previous checkpoint loadable): parameters, optimizer state, step, and
  * run_json (the caller's own run configuration and data position, may be NULL). keep_last > 0

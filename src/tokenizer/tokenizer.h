@@ -28,4 +28,14 @@ bool kiln_tokenizer_is_eog(const kiln_tokenizer *t, int32_t id);
 
 int kiln_tokenizer_n_vocab(const kiln_tokenizer *t);
 
+/* Write t as Hugging Face tokenizer.json text (tok_export.c): kiln_malloc'd, NUL-terminated,
+ * *len its length (len may be NULL). KILN_ERR_UNSUPPORTED when a part cannot be expressed
+ * (a regex split kiln knows only compiled, from a tokenizer.json of its own). */
+kiln_status kiln_tokenizer_write_hf_json(const kiln_tokenizer *t, char **out, size_t *len);
+
+/* tokenizer_config.json text for t: add_bos_token / add_eos_token, the bos / eos / unk / pad
+ * token strings, the chat template, model_max_length when > 0. */
+kiln_status kiln_tokenizer_write_hf_config(const kiln_tokenizer *t, int model_max_length, char **out,
+                                          size_t *len);
+
 #endif /* KILN_TOKENIZER_H */
