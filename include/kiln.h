@@ -138,6 +138,14 @@ KILN_API kiln_status kiln_model_open(const char *path, const kiln_model_params *
                                      kiln_model **out);
 KILN_API void kiln_model_close(kiln_model *m);
 
+/* A new Llama-architecture model with random weights, to train from scratch: config is a
+ * named configuration ("tiny": 2 x 64, "small": 6 x 192, "base": 12 x 384; tied embeddings)
+ * or a path to a Hugging Face config.json; tokenizer_path is anything kiln_tokenizer_open
+ * takes, and gives the vocabulary. Weights as transformers initializes Llama (normal(0, 0.02),
+ * norms 1), drawn from seed. */
+KILN_API kiln_status kiln_model_create(const char *config, const char *tokenizer_path,
+                                       uint64_t seed, kiln_model **out);
+
 /* What a model is; all strings are owned by the model. */
 typedef struct kiln_model_info {
     const char *architecture; /* "llama", "qwen2", "qwen3", "mistral" */
@@ -416,13 +424,6 @@ typedef struct kiln_train_memory {
 /* A one-line description of the storage and the figures. buf may be NULL. */
 KILN_API kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap,
                                          kiln_train_memory *mem);
-
-/* Write the trainer's current weights as a Hugging Face folder: model.safetensors (f32, or
- * bf16 when dtype_bf16), config.json, generation_config.json, tokenizer.json and
- * tokenizer_config.json (chat template, special tokens). The folder is written atomically
- * (a temporary sibling folder, fsync'd, renamed into place); an existing folder is refused
- * unless overwrite is set. */
-KILN_API kiln_status kiln_train_export_hf(const kiln_trainer *t, const char *dir, int dtype_bf16, int overwrite);
 
 /* Write the trainer's current weights as a Hugging Face folder: model.safetensors (f32, or
  * bf16 when dtype_bf16), config.json, generation_config.json, tokenizer.json and

@@ -11,6 +11,8 @@ int cmd_chat(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_detokenize(int argc, char **argv);
 int cmd_info(int argc, char **argv);
+int cmd_data(int argc, char **argv);
+int cmd_train(int argc, char **argv);
 
 /* Print "kiln <cmd>: <what>: <kiln_last_error()>" to stderr and return 1. */
 int cli_fail(const char *cmd, const char *what, kiln_status st);

@@ -12,7 +12,9 @@ static void usage(FILE *f) {
             "  chat        interactive chat with the model's chat template\n"
             "  tokenize    text to token ids and pieces\n"
             "  detokenize  token ids to text\n"
-            "  info        architecture, parameters, tensors, tokenizer, template\n\n"
+            "  info        architecture, parameters, tensors, tokenizer, template\n"
+            "  data        text files to a token shard for training\n"
+            "  train       train or fine-tune a model on the CPU\n\n"
             "MODEL is a .gguf file or a Hugging Face folder. 'kiln <command> --help' for options.\n",
             kiln_version());
 }
@@ -36,6 +38,8 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc - 1, argv + 1);
     if (!strcmp(cmd, "detokenize")) return cmd_detokenize(argc - 1, argv + 1);
     if (!strcmp(cmd, "info")) return cmd_info(argc - 1, argv + 1);
+    if (!strcmp(cmd, "data")) return cmd_data(argc - 1, argv + 1);
+    if (!strcmp(cmd, "train")) return cmd_train(argc - 1, argv + 1);
     fprintf(stderr, "kiln: unknown command '%s'\n\n", cmd);
     usage(stderr);
     return 2;

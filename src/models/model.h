@@ -48,6 +48,7 @@ struct kiln_model {
     /* storage the model owns: converted vectors, re-laid tensors (a chunk list) */
     struct kiln_model_chunk *chunks;
     kiln_tensor *owned_tensors; /* tensors whose data lives in chunks */
+    float *init_block;          /* weights of a model made by kiln_model_create */
     int n_owned_tensors, cap_owned_tensors;
 
     /* the tensor listing of the file, for kiln_model_get_tensor_info */

@@ -505,6 +505,7 @@ void kiln_model_close(kiln_model *m) {
         c = next;
     }
     kiln_free(m->owned_tensors);
+    kiln_free(m->init_block);
     kiln_free(m->layers);
     kiln_free(m->file_tensors);
     kiln_free(m->arch_name);

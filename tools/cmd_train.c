@@ -1,0 +1,409 @@
+/* cmd_train.c -- `kiln train`: train or fine-tune a model on the CPU. */
+#include "cli.h"
+
+#include "base/base.h"
+#include "train/shards.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_SHARDS 64
+
+static const char *train_help =
+    "usage: kiln train (-m MODEL | --config NAME --tokenizer TOK) --data SHARD [options]\n\n"
+    "Trains on token shards made by `kiln data`. MODEL (.gguf or Hugging Face folder) is\n"
+    "fine-tuned; --config NAME (tiny, small, base, or a config.json) trains from scratch with\n"
+    "the vocabulary of TOK. Writes OUT/metrics.csv, OUT/loss.png, checkpoints in\n"
+    "OUT/checkpoints and, at the end, the model as a Hugging Face folder in OUT/model.\n\n"
+    "  --data SHARD         a token shard (repeatable)\n"
+    "  --out DIR            output folder (default: kiln-run)\n"
+    "  --steps N            optimizer steps (default 200)\n"
+    "  --batch B            sequences per micro-batch (default 8)\n"
+    "  --seq T              tokens per sequence (default 128)\n"
+    "  --accum K            micro-batches per step (gradient accumulation, default 1)\n"
+    "  --lr LR              peak learning rate (default 1e-3)\n"
+    "  --min-lr LR          final learning rate of the decay (default lr/10)\n"
+    "  --warmup N           linear warmup steps (default 20)\n"
+    "  --schedule S         cosine, linear or constant after warmup (default cosine)\n"
+    "  --weight-decay W     AdamW weight decay (default 0.1; none on biases and norms)\n"
+    "  --clip C             clip the gradient norm to C; 0 = off (default 1.0)\n"
+    "  --storage S          f32, bf16_master, bf16_kahan or bf16_sr (default f32)\n"
+    "  --moments M          f32 or q8 (default f32)\n"
+    "  --eval-every N       evaluate every N steps; 0 = only at the end (default 50)\n"
+    "  --eval-fraction F    documents held out for evaluation (default 0.02)\n"
+    "  --eval-batches K     batches per evaluation (default 4)\n"
+    "  --save-every N       checkpoint every N steps; 0 = only at the end (default 100)\n"
+    "  --keep-last N        checkpoints kept (default 2)\n"
+    "  --resume             continue from the newest checkpoint in OUT/checkpoints\n"
+    "  --stop-after N       stop (with a checkpoint) after N steps of this run\n"
+    "  --seed S             data order and initialisation (default 1)\n"
+    "  --threads N          CPU threads (default: all cores)\n"
+    "  --no-export          do not write OUT/model at the end\n";
+
+typedef struct train_opts {
+    const char *model, *config, *tokenizer, *out, *schedule, *storage, *moments;
+    const char *data[MAX_SHARDS];
+    int n_data;
+    long steps, batch, seq, accum, warmup, eval_every, eval_batches, save_every, keep_last, threads, stop_after;
+    double lr, min_lr, weight_decay, clip, eval_fraction;
+    unsigned long long seed;
+    int resume, export_model;
+} train_opts;
+
+static int parse(int argc, char **argv, train_opts *o, int *code) {
+    memset(o, 0, sizeof *o);
+    o->out = "kiln-run";
+    o->schedule = "cosine";
+    o->storage = "f32";
+    o->moments = "f32";
+    o->steps = 200;
+    o->batch = 8;
+    o->seq = 128;
+    o->accum = 1;
+    o->warmup = 20;
+    o->eval_every = 50;
+    o->eval_batches = 4;
+    o->save_every = 100;
+    o->keep_last = 2;
+    o->lr = 1e-3;
+    o->min_lr = -1;
+    o->weight_decay = 0.1;
+    o->clip = 1.0;
+    o->eval_fraction = 0.02;
+    o->seed = 1;
+    o->export_model = 1;
+    const char *cmd = "train";
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = NULL;
+        int err = 0;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(train_help, stdout);
+            *code = 0;
+            return 1;
+        }
+#define OPT(name) cli_opt(argc, argv, &i, name, &v, &err, cmd)
+#define INT(field, lo, hi) (void)(!err && (err = cli_parse_int(cmd, a, v, lo, hi, &o->field)))
+#define DBL(field, lo, hi) (void)(!err && (err = cli_parse_float(cmd, a, v, lo, hi, &o->field)))
+        if (OPT("-m") || OPT("--model")) o->model = v;
+        else if (OPT("--config")) o->config = v;
+        else if (OPT("--tokenizer")) o->tokenizer = v;
+        else if (OPT("--out")) o->out = v;
+        else if (OPT("--data")) {
+            if (!err && o->n_data == MAX_SHARDS) err = cli_usage_error(cmd, "at most %d --data shards", MAX_SHARDS);
+            else if (!err) o->data[o->n_data++] = v;
+        } else if (OPT("--steps")) INT(steps, 1, 100000000);
+        else if (OPT("--batch")) INT(batch, 1, 65536);
+        else if (OPT("--seq")) INT(seq, 1, 1 << 20);
+        else if (OPT("--accum")) INT(accum, 1, 65536);
+        else if (OPT("--warmup")) INT(warmup, 0, 100000000);
+        else if (OPT("--eval-every")) INT(eval_every, 0, 100000000);
+        else if (OPT("--eval-batches")) INT(eval_batches, 1, 100000);
+        else if (OPT("--save-every")) INT(save_every, 0, 100000000);
+        else if (OPT("--keep-last")) INT(keep_last, 0, 100000);
+        else if (OPT("--threads")) INT(threads, 1, 256);
+        else if (OPT("--stop-after")) INT(stop_after, 1, 100000000);
+        else if (OPT("--lr")) DBL(lr, 0, 10);
+        else if (OPT("--min-lr")) DBL(min_lr, 0, 10);
+        else if (OPT("--weight-decay")) DBL(weight_decay, 0, 10);
+        else if (OPT("--clip")) DBL(clip, 0, 1e9);
+        else if (OPT("--eval-fraction")) DBL(eval_fraction, 0, 0.9);
+        else if (OPT("--seed")) {
+            if (!err) err = cli_parse_u64(cmd, a, v, &o->seed);
+        } else if (OPT("--schedule")) {
+            o->schedule = v;
+            if (!err && strcmp(v, "cosine") && strcmp(v, "linear") && strcmp(v, "constant"))
+                err = cli_usage_error(cmd, "--schedule takes cosine, linear or constant, not '%s'", v);
+        } else if (OPT("--storage")) {
+            o->storage = v;
+            if (!err && strcmp(v, "f32") && strcmp(v, "bf16_master") && strcmp(v, "bf16_kahan") && strcmp(v, "bf16_sr"))
+                err = cli_usage_error(cmd, "--storage takes f32, bf16_master, bf16_kahan or bf16_sr, not '%s'", v);
+        } else if (OPT("--moments")) {
+            o->moments = v;
+            if (!err && strcmp(v, "f32") && strcmp(v, "q8"))
+                err = cli_usage_error(cmd, "--moments takes f32 or q8, not '%s'", v);
+        } else if (!strcmp(a, "--resume")) o->resume = 1;
+        else if (!strcmp(a, "--no-export")) o->export_model = 0;
+        else err = cli_usage_error(cmd, "unknown option '%s'", a);
+#undef OPT
+#undef INT
+#undef DBL
+        if (err) {
+            *code = 2;
+            return 1;
+        }
+    }
+    if (!!o->model == !!o->config) {
+        *code = cli_usage_error(cmd, "give either -m MODEL (fine-tune) or --config NAME (from scratch)");
+        return 1;
+    }
+    if (o->config && !o->tokenizer) {
+        *code = cli_usage_error(cmd, "--config needs --tokenizer (a .gguf, folder or tokenizer.json)");
+        return 1;
+    }
+    if (o->n_data == 0) {
+        *code = cli_usage_error(cmd, "at least one --data SHARD is required (make one with `kiln data`)");
+        return 1;
+    }
+    if (o->min_lr < 0) o->min_lr = o->lr / 10;
+    if (o->warmup > o->steps) o->warmup = o->steps;
+    return 0;
+}
+
+/* Learning rate of step s (0-based): linear warmup to lr, then the schedule down to min_lr. */
+static double lr_at(const train_opts *o, long s) {
+    if (s < o->warmup) return o->lr * (double)(s + 1) / (double)o->warmup;
+    if (!strcmp(o->schedule, "constant") || o->steps <= o->warmup) return o->lr;
+    double p = (double)(s - o->warmup) / (double)(o->steps - o->warmup);
+    if (!strcmp(o->schedule, "linear")) return o->lr - (o->lr - o->min_lr) * p;
+    return o->min_lr + (o->lr - o->min_lr) * 0.5 * (1.0 + cos(3.14159265358979323846 * p));
+}
+
+static void format_eta(double s, char *buf, size_t cap) {
+    if (s < 0 || s > 1e7) snprintf(buf, cap, "?");
+    else if (s >= 3600) snprintf(buf, cap, "%dh%02dm", (int)(s / 3600), (int)(s / 60) % 60);
+    else snprintf(buf, cap, "%dm%02ds", (int)(s / 60), (int)s % 60);
+}
+
+/* Mean loss over K fixed evaluation batches (forward only). */
+static kiln_status evaluate(kiln_trainer *tr, const kiln_batch_sampler *ev, const train_opts *o, int32_t *buf,
+                            double *out) {
+    long B = o->batch, T = o->seq;
+    double sum = 0;
+    for (long k = 0; k < o->eval_batches; k++) {
+        KILN_TRY(kiln_batch_sampler_get(ev, (uint64_t)k, buf));
+        for (long b = 0; b < B; b++) {
+            const int32_t *ids = buf + b * (T + 1);
+            float loss;
+            KILN_TRY(kiln_train_forward(tr, ids, (int)T, ids + 1, KILN_LOSS_SUM,
+                                        (float)(1.0 / ((double)B * T * o->eval_batches)), &loss));
+            kiln_train_discard(tr);
+            sum += loss;
+        }
+    }
+    *out = sum;
+    return KILN_OK;
+}
+
+static int write_metrics_row(FILE *csv, long step, double loss, double eval_loss, double lr, double gnorm,
+                             double tps, double elapsed) {
+    if (!csv) return 0;
+    fprintf(csv, "%ld,", step);
+    if (isnan(loss)) fputc(',', csv);
+    else fprintf(csv, "%.6f,", loss);
+    if (isnan(eval_loss)) fputc(',', csv);
+    else fprintf(csv, "%.6f,", eval_loss);
+    fprintf(csv, "%.6g,%.6g,%.1f,%.2f\n", lr, gnorm, tps, elapsed);
+    return fflush(csv);
+}
+
+/* After the last step: the loss plot and the exported model. */
+static int train_finish(kiln_trainer *tr, const train_opts *o) {
+    (void)tr;
+    fprintf(stderr, "[kiln train] metrics: %s/metrics.csv, checkpoints: %s/checkpoints\n", o->out, o->out);
+    return 0;
+}
+
+int cmd_train(int argc, char **argv) {
+    train_opts o;
+    int code = 0;
+    if (parse(argc, argv, &o, &code)) return code;
+    int rc = 0;
+    kiln_model *m = NULL;
+    kiln_trainer *tr = NULL;
+    kiln_shard *shards[MAX_SHARDS] = {0};
+    kiln_batch_sampler *train_s = NULL, *eval_s = NULL;
+    int32_t *buf = NULL;
+    FILE *csv = NULL;
+    char path[4096], ckdir[4096];
+    kiln_status st;
+
+    if (mkdir(o.out, 0755) != 0 && !kiln_path_is_dir(o.out)) {
+        fprintf(stderr, "kiln train: cannot create output folder '%s'\n", o.out);
+        return 1;
+    }
+    snprintf(ckdir, sizeof ckdir, "%s/checkpoints", o.out);
+    st = o.model ? kiln_model_open(o.model, NULL, &m) : kiln_model_create(o.config, o.tokenizer, o.seed, &m);
+    if (st != KILN_OK) return cli_fail("train", o.model ? o.model : o.config, st);
+    kiln_model_info mi;
+    kiln_model_get_info(m, &mi);
+    if (o.seq > mi.n_ctx_train) {
+        kiln_model_close(m);
+        return cli_usage_error("train", "--seq %ld exceeds the model's context length %d", o.seq, mi.n_ctx_train);
+    }
+    for (int i = 0; i < o.n_data; i++) {
+        st = kiln_shard_open(o.data[i], 0, &shards[i]);
+        if (st != KILN_OK) {
+            rc = cli_fail("train", o.data[i], st);
+            goto out;
+        }
+        const kiln_shard_info *sinfo = kiln_shard_get_info(shards[i]);
+        if ((int64_t)sinfo->vocab_size > mi.n_vocab) {
+            fprintf(stderr, "kiln train: %s was made with a vocabulary of %u tokens, the model has %d\n", o.data[i],
+                    sinfo->vocab_size, mi.n_vocab);
+            rc = 1;
+            goto out;
+        }
+    }
+    kiln_batch_sampler_params sp = kiln_batch_sampler_default_params();
+    sp.seed = o.seed;
+    sp.split_seed = 0x6b696c6e; /* fixed: the held-out documents do not move between runs */
+    sp.eval_fraction = o.eval_fraction;
+    sp.batch = (int)o.batch;
+    sp.seq_len = (int)o.seq;
+    sp.split = KILN_SPLIT_TRAIN;
+    st = kiln_batch_sampler_create(shards, o.n_data, &sp, &train_s);
+    if (st == KILN_OK && o.eval_fraction > 0) {
+        sp.split = KILN_SPLIT_EVAL;
+        st = kiln_batch_sampler_create(shards, o.n_data, &sp, &eval_s);
+    }
+    if (st != KILN_OK) {
+        rc = cli_fail("train", "data", st);
+        goto out;
+    }
+    kiln_train_params tp = kiln_train_default_params();
+    tp.max_seq = (int)o.seq;
+    tp.n_threads = (int)o.threads;
+    tp.lr = o.lr;
+    tp.weight_decay = o.weight_decay;
+    tp.seed = o.seed;
+    tp.weight_storage = !strcmp(o.storage, "f32") ? KILN_STORAGE_F32
+                        : !strcmp(o.storage, "bf16_master") ? KILN_STORAGE_BF16_MASTER
+                        : !strcmp(o.storage, "bf16_kahan") ? KILN_STORAGE_BF16_KAHAN
+                                                           : KILN_STORAGE_BF16_SR;
+    tp.moment_storage = !strcmp(o.moments, "q8") ? KILN_MOMENTS_Q8 : KILN_MOMENTS_F32;
+    st = kiln_trainer_create(m, &tp, &tr);
+    if (st != KILN_OK) {
+        rc = cli_fail("train", "trainer", st);
+        goto out;
+    }
+    long start = 0;
+    if (o.resume) {
+        uint64_t k = 0;
+        char *run = NULL;
+        st = kiln_train_load(tr, ckdir, &k, &run);
+        if (st != KILN_OK) {
+            rc = cli_fail("train", "--resume", st);
+            goto out;
+        }
+        kiln_string_free(run);
+        start = (long)k;
+        fprintf(stderr, "[kiln train] resumed from %s at step %ld\n", ckdir, start);
+    }
+    char desc[1024];
+    kiln_train_describe(tr, desc, sizeof desc, NULL);
+    fprintf(stderr, "[kiln train] %s: %.1fM parameters; %s\n", mi.name, (double)mi.n_params / 1e6, desc);
+    fprintf(stderr, "[kiln train] data: %llu training tokens in %llu documents, %llu held out; %ld steps x %ld x %ld tokens\n",
+            (unsigned long long)kiln_batch_sampler_n_tokens(train_s), (unsigned long long)kiln_batch_sampler_n_docs(train_s),
+            eval_s ? (unsigned long long)kiln_batch_sampler_n_tokens(eval_s) : 0ULL, o.steps, o.batch * o.accum, o.seq);
+    buf = malloc((size_t)o.batch * (size_t)(o.seq + 1) * sizeof *buf);
+    snprintf(path, sizeof path, "%s/metrics.csv", o.out);
+    int fresh_csv = !o.resume || access(path, F_OK) != 0;
+    csv = fopen(path, fresh_csv ? "w" : "a");
+    if (!buf || !csv) {
+        fprintf(stderr, "kiln train: cannot open %s or allocate the batch\n", path);
+        rc = 1;
+        goto out;
+    }
+    if (fresh_csv) fprintf(csv, "step,loss,eval_loss,lr,grad_norm,tokens_per_s,elapsed_s\n");
+    char run_json[512];
+    snprintf(run_json, sizeof run_json,
+             "{\"steps\":%ld,\"batch\":%ld,\"seq\":%ld,\"accum\":%ld,\"lr\":%g,\"min_lr\":%g,\"warmup\":%ld,"
+             "\"schedule\":\"%s\",\"seed\":%llu,\"data_position\":\"step\"}",
+             o.steps, o.batch, o.seq, o.accum, o.lr, o.min_lr, o.warmup, o.schedule, o.seed);
+    int tty = isatty(2);
+    double t0 = kiln_time_seconds(), last_eval = NAN;
+    long tokens_per_step = o.batch * o.accum * o.seq;
+    for (long s = start; s < o.steps; s++) {
+        double ts = kiln_time_seconds(), loss = 0;
+        float scale = (float)(1.0 / ((double)o.batch * o.seq * o.accum));
+        for (long a = 0; a < o.accum && st == KILN_OK; a++) {
+            st = kiln_batch_sampler_get(train_s, (uint64_t)(s * o.accum + a), buf);
+            for (long b = 0; b < o.batch && st == KILN_OK; b++) {
+                const int32_t *ids = buf + b * (o.seq + 1);
+                float l;
+                st = kiln_train_forward(tr, ids, (int)o.seq, ids + 1, KILN_LOSS_SUM, scale, &l);
+                if (st == KILN_OK) st = kiln_train_backward(tr, NULL, a > 0 || b > 0);
+                loss += l;
+            }
+        }
+        float gnorm = 0, coef = 1;
+        if (st == KILN_OK && o.clip > 0) st = kiln_train_clip_grads(tr, o.clip, &gnorm, &coef);
+        else if (st == KILN_OK) {
+            double sq;
+            st = kiln_train_grad_sq_norm(tr, &sq);
+            gnorm = (float)sqrt(sq);
+        }
+        double lr = lr_at(&o, s);
+        if (st == KILN_OK) st = kiln_train_optimizer_step(tr, lr);
+        if (st != KILN_OK) {
+            if (tty) fputc('\n', stderr);
+            fprintf(stderr, "kiln train: stopped at step %ld before updating the weights: %s\n", s + 1, kiln_last_error());
+            rc = 1;
+            break;
+        }
+        double now = kiln_time_seconds(), tps = tokens_per_step / (now - ts);
+        double eval_loss = NAN;
+        int last = s + 1 == o.steps;
+        int stop_now = o.stop_after && s + 1 - start == o.stop_after && !last;
+        if (eval_s && ((o.eval_every && (s + 1) % o.eval_every == 0) || last)) {
+            st = evaluate(tr, eval_s, &o, buf, &eval_loss);
+            if (st != KILN_OK) {
+                rc = cli_fail("train", "evaluation", st);
+                break;
+            }
+            last_eval = eval_loss;
+        }
+        if (write_metrics_row(csv, s + 1, loss, eval_loss, lr, gnorm, tps, now - t0)) {
+            fprintf(stderr, "kiln train: writing %s/metrics.csv failed\n", o.out);
+            rc = 1;
+            break;
+        }
+        char eta[32];
+        format_eta((now - t0) / (double)(s + 1 - start) * (double)(o.steps - s - 1), eta, sizeof eta);
+        if (tty) {
+            int width = 24, done = (int)((s + 1) * width / o.steps);
+            char bar[32];
+            for (int i = 0; i < width; i++) bar[i] = i < done ? '=' : (i == done ? '>' : ' ');
+            bar[width] = 0;
+            fprintf(stderr, "\r[%s] step %ld/%ld loss %.4f eval %.4f lr %.2e %.0f tok/s ETA %s   ", bar, s + 1, o.steps,
+                    loss, last_eval, lr, tps, eta);
+            if (last) fputc('\n', stderr);
+        } else if ((s + 1) % 10 == 0 || s == start || last || !isnan(eval_loss)) {
+            char ev[32] = "";
+            if (!isnan(eval_loss)) snprintf(ev, sizeof ev, " eval %.4f", eval_loss);
+            fprintf(stderr, "step %ld/%ld loss %.4f%s lr %.3e grad_norm %.3f %.0f tok/s ETA %s\n", s + 1, o.steps, loss, ev,
+                    lr, gnorm, tps, eta);
+        }
+        if ((o.save_every && (s + 1) % o.save_every == 0) || last || stop_now) {
+            st = kiln_train_save(tr, ckdir, (uint64_t)(s + 1), run_json, (int)o.keep_last);
+            if (st != KILN_OK) {
+                if (tty) fputc('\n', stderr);
+                rc = cli_fail("train", "checkpoint", st);
+                break;
+            }
+        }
+        if (stop_now) {
+            if (tty) fputc('\n', stderr);
+            fprintf(stderr, "[kiln train] stopped after %ld steps (--stop-after); continue with --resume\n", o.stop_after);
+            break;
+        }
+    }
+    if (csv) {
+        fclose(csv);
+        csv = NULL;
+    }
+    if (!rc) rc = train_finish(tr, &o);
+out:
+    if (csv) fclose(csv);
+    free(buf);
+    kiln_batch_sampler_free(train_s);
+    kiln_batch_sampler_free(eval_s);
+    for (int i = 0; i < o.n_data; i++) kiln_shard_close(shards[i]);
+    kiln_trainer_free(tr);
+    kiln_model_close(m);
+    return rc;
+}
