@@ -559,10 +559,23 @@ kiln_status kiln_plot_write_png(const char *path, int width, int height, const c
     draw_text(&r, left + (right - left - text_width("step", ts)) / 2, height - 1 - gap - th, "step", ts, COL_TEXT);
     draw_text_up(&r, gap, top + (bottom - top + text_width("loss", ts)) / 2, "loss", ts, COL_TEXT);
     if (title && *title) {
-        int tw = text_width(title, ts);
+        /* a title wider than the image is cut, ending in "..." */
+        char tbuf[256];
+        size_t fit = (size_t)((width - 2 * gap + ts) / (6 * ts)), tl = strlen(title);
+        if (fit > sizeof tbuf - 1) fit = sizeof tbuf - 1;
+        if (tl > fit) {
+            memcpy(tbuf, title, fit);
+            if (fit >= 3) memcpy(tbuf + fit - 3, "...", 3);
+            tl = fit;
+        } else {
+            memcpy(tbuf, title, tl);
+        }
+        tbuf[tl] = 0;
+        int tw = text_width(tbuf, ts);
         int tx = left + (right - left - tw) / 2;
+        if (tx + tw > width - gap) tx = width - gap - tw;
         if (tx < gap) tx = gap;
-        draw_text(&r, tx, gap * 2, title, ts, COL_TEXT);
+        draw_text(&r, tx, gap * 2, tbuf, ts, COL_TEXT);
     }
 
     /* the curves, clipped to the inside of the frame */

@@ -56,13 +56,15 @@ typedef struct kiln_plot_series {
 
 /* Draw the series as lines on shared axes and write the plot to path as a PNG (atomically, as
  * kiln_png_write_rgb). x is labelled "step", y "loss"; both ranges are chosen automatically
- * from the finite points (with 5% padding on y, "nice" 1/2/5 ticks with numeric labels and a
- * light grid); title (NULL for none) is drawn centred on top; a legend names every series
- * with a name. A point whose x or y is NaN or infinite is skipped: the line joins its finite
+ * from the finite points (with 5% padding on y, x from 0 when the first step is near it,
+ * "nice" 1/2/5 ticks with numeric labels and a light grid); title (NULL for none) is drawn
+ * centred on top, cut with "..." if wider than the image; a legend (top right) names every
+ * series that has a name and a finite point; with no finite point at all the plot says
+ * "no data". A point whose x or y is NaN or infinite is skipped: the line joins its finite
  * neighbours (so a sparse eval series, NaN on non-eval steps, draws as one line). Series with
  * few points per pixel also get a marker on each point. Points are drawn in the order given
- * (x should be increasing for a curve). No finite point at all still gives a valid, empty
- * plot. width in 160..8192, height in 120..8192; n_series <= 16; 800x500 is the intended size.
+ * (x should be increasing for a curve). The same inputs give the same bytes.
+ * width in 160..8192, height in 120..8192; n_series <= 16; 800x500 is the intended size.
  * Text outside printable ASCII draws as '?'. */
 kiln_status kiln_plot_write_png(const char *path, int width, int height, const char *title,
                                 const kiln_plot_series *series, size_t n_series);
