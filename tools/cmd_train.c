@@ -2,6 +2,7 @@
 #include "cli.h"
 
 #include "base/base.h"
+#include "train/metrics.h"
 #include "train/shards.h"
 
 #include <math.h>
@@ -188,22 +189,11 @@ static kiln_status evaluate(kiln_trainer *tr, const kiln_batch_sampler *ev, cons
     return KILN_OK;
 }
 
-static int write_metrics_row(FILE *csv, long step, double loss, double eval_loss, double lr, double gnorm,
-                             double tps, double elapsed) {
-    if (!csv) return 0;
-    fprintf(csv, "%ld,", step);
-    if (isnan(loss)) fputc(',', csv);
-    else fprintf(csv, "%.6f,", loss);
-    if (isnan(eval_loss)) fputc(',', csv);
-    else fprintf(csv, "%.6f,", eval_loss);
-    fprintf(csv, "%.6g,%.6g,%.1f,%.2f\n", lr, gnorm, tps, elapsed);
-    return fflush(csv);
-}
-
 /* After the last step: the loss plot and the exported model. */
 static int train_finish(kiln_trainer *tr, const train_opts *o) {
     (void)tr;
-    fprintf(stderr, "[kiln train] metrics: %s/metrics.csv, checkpoints: %s/checkpoints\n", o->out, o->out);
+    fprintf(stderr, "[kiln train] metrics: %s/metrics.csv, plot: %s/loss.png, checkpoints: %s/checkpoints\n", o->out,
+            o->out, o->out);
     return 0;
 }
 
@@ -217,8 +207,8 @@ int cmd_train(int argc, char **argv) {
     kiln_shard *shards[MAX_SHARDS] = {0};
     kiln_batch_sampler *train_s = NULL, *eval_s = NULL;
     int32_t *buf = NULL;
-    FILE *csv = NULL;
-    char path[4096], ckdir[4096];
+    kiln_metrics *csv = NULL;
+    char path[4096], png[4096], ckdir[4096];
     kiln_status st;
 
     if (mkdir(o.out, 0755) != 0 && !kiln_path_is_dir(o.out)) {
@@ -300,21 +290,27 @@ int cmd_train(int argc, char **argv) {
             (unsigned long long)kiln_batch_sampler_n_tokens(train_s), (unsigned long long)kiln_batch_sampler_n_docs(train_s),
             eval_s ? (unsigned long long)kiln_batch_sampler_n_tokens(eval_s) : 0ULL, o.steps, o.batch * o.accum, o.seq);
     buf = malloc((size_t)o.batch * (size_t)(o.seq + 1) * sizeof *buf);
-    snprintf(path, sizeof path, "%s/metrics.csv", o.out);
-    int fresh_csv = !o.resume || access(path, F_OK) != 0;
-    csv = fopen(path, fresh_csv ? "w" : "a");
-    if (!buf || !csv) {
-        fprintf(stderr, "kiln train: cannot open %s or allocate the batch\n", path);
+    if (!buf) {
+        fprintf(stderr, "kiln train: out of memory for the batch\n");
         rc = 1;
         goto out;
     }
-    if (fresh_csv) fprintf(csv, "step,loss,eval_loss,lr,grad_norm,tokens_per_s,elapsed_s\n");
+    snprintf(path, sizeof path, "%s/metrics.csv", o.out);
+    snprintf(png, sizeof png, "%s/loss.png", o.out);
+    /* on resume, rows past the checkpoint (written before a crash) are cut, then appended to */
+    st = o.resume ? kiln_metrics_open_resume(path, (uint64_t)start, &csv) : kiln_metrics_open(path, &csv);
+    if (st != KILN_OK) {
+        rc = cli_fail("train", path, st);
+        goto out;
+    }
     char run_json[512];
     snprintf(run_json, sizeof run_json,
              "{\"steps\":%ld,\"batch\":%ld,\"seq\":%ld,\"accum\":%ld,\"lr\":%g,\"min_lr\":%g,\"warmup\":%ld,"
              "\"schedule\":\"%s\",\"seed\":%llu,\"data_position\":\"step\"}",
              o.steps, o.batch, o.seq, o.accum, o.lr, o.min_lr, o.warmup, o.schedule, o.seed);
     int tty = isatty(2);
+    char plot_title[256];
+    snprintf(plot_title, sizeof plot_title, "kiln train: %s", mi.name);
     double t0 = kiln_time_seconds(), last_eval = NAN;
     long tokens_per_step = o.batch * o.accum * o.seq;
     for (long s = start; s < o.steps; s++) {
@@ -357,9 +353,19 @@ int cmd_train(int argc, char **argv) {
             }
             last_eval = eval_loss;
         }
-        if (write_metrics_row(csv, s + 1, loss, eval_loss, lr, gnorm, tps, now - t0)) {
-            fprintf(stderr, "kiln train: writing %s/metrics.csv failed\n", o.out);
-            rc = 1;
+        kiln_metrics_values mv = kiln_metrics_values_empty();
+        mv.step = (uint64_t)(s + 1);
+        mv.loss = loss;
+        mv.eval_loss = eval_loss;
+        mv.lr = lr;
+        mv.grad_norm = gnorm;
+        mv.tokens_per_s = tps;
+        mv.elapsed_s = now - t0;
+        st = kiln_metrics_row(csv, &mv);
+        if (st == KILN_OK && (!isnan(eval_loss) || last)) st = kiln_metrics_plot(path, png, 800, 500, plot_title);
+        if (st != KILN_OK) {
+            if (tty) fputc('\n', stderr);
+            rc = cli_fail("train", "metrics", st);
             break;
         }
         char eta[32];
@@ -392,13 +398,12 @@ int cmd_train(int argc, char **argv) {
             break;
         }
     }
-    if (csv) {
-        fclose(csv);
-        csv = NULL;
-    }
+    st = kiln_metrics_close(csv);
+    csv = NULL;
+    if (st != KILN_OK && !rc) rc = cli_fail("train", path, st);
     if (!rc) rc = train_finish(tr, &o);
 out:
-    if (csv) fclose(csv);
+    kiln_metrics_close(csv);
     free(buf);
     kiln_batch_sampler_free(train_s);
     kiln_batch_sampler_free(eval_s);
