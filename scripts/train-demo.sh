@@ -4,11 +4,11 @@
 #     James Bible (Debian package bible-kjv, public domain), with SmolLM2's tokenizer;
 #  2. generates text from it with `kiln generate`;
 #  3. fine-tunes the default model (SmolLM2-135M-Instruct) for a few steps on the same text.
-# Usage: scripts/train-demo.sh [steps]   (default 300; KILN_DEMO_FINETUNE=0 skips part 3)
+# Usage: scripts/train-demo.sh [steps]   (default 120; KILN_DEMO_FINETUNE=0 skips part 3)
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$here"
-steps="${1:-300}"
+steps="${1:-120}"
 bash scripts/setup-deps.sh
 dpkg-query -W -f='${Status}' bible-kjv 2>/dev/null | grep -q "install ok installed" || {
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo

@@ -189,9 +189,16 @@ static kiln_status evaluate(kiln_trainer *tr, const kiln_batch_sampler *ev, cons
     return KILN_OK;
 }
 
-/* After the last step: the loss plot and the exported model. */
+/* After the last step: the model as a Hugging Face folder (OUT/model), which transformers and
+ * `kiln generate` load. */
 static int train_finish(kiln_trainer *tr, const train_opts *o) {
-    (void)tr;
+    if (o->export_model) {
+        char dir[4096];
+        snprintf(dir, sizeof dir, "%s/model", o->out);
+        kiln_status st = kiln_train_export_hf(tr, dir, !strcmp(o->storage, "f32") ? 0 : 1, 1);
+        if (st != KILN_OK) return cli_fail("train", "export", st);
+        fprintf(stderr, "[kiln train] model: %s (try: kiln generate -m %s -p \"...\")\n", dir, dir);
+    }
     fprintf(stderr, "[kiln train] metrics: %s/metrics.csv, plot: %s/loss.png, checkpoints: %s/checkpoints\n", o->out,
             o->out, o->out);
     return 0;

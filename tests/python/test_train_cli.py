@@ -46,7 +46,7 @@ def test_from_scratch_loss_falls(setup, build_dir):
     base, d = setup
     out = base / "scratch"
     kiln(build_dir, "train", "--config", "tiny", "--tokenizer", d, "--data", base / "corpus.tok", "--out", out,
-         "--steps", "30", "--threads", "2", *COMMON)
+         "--steps", "30", "--threads", "2", *[a for a in COMMON if a != "--no-export"])
     rows = losses(out)
     assert len(rows) == 30
     first, last = float(rows[0][1]), float(rows[-1][1])
@@ -54,6 +54,12 @@ def test_from_scratch_loss_falls(setup, build_dir):
     assert last < first - 1.0
     assert rows[-1][2] != ""  # evaluated at the end
     assert (out / "checkpoints").is_dir()
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the exported model generates through the CLI
+    r = kiln(build_dir, "generate", "-m", out / "model", "-p", "And God said", "-n", "8", "--temp", "0",
+             "--ignore-eos", "--json")
+    import json
+    assert len(json.loads(r.stdout)["ids"]) == 8
 
 
 def test_resume_equals_uninterrupted_and_threads(setup, build_dir):
