@@ -91,17 +91,34 @@ def bench_kiln(path, batches, threads):
     return times, mem
 
 
-def ce_memory(V, H=576, N=2048):
-    """Peak bytes of PyTorch's materialised cross-entropy (forward + backward) vs kiln's bound."""
-    import tracemalloc  # noqa: F401  (torch allocations are not traced; use RSS growth)
-    h = torch.randn(N, H, requires_grad=True)
-    W = torch.randn(V, H, requires_grad=True)
-    t = torch.randint(0, V, (N,))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    loss = torch.nn.functional.cross_entropy(h @ W.T, t)
-    loss.backward()
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return N * V * 4, max(0, after - before) * 1024
+CE_PROBE = r"""
+import resource, sys, torch
+V, H, N, threads = map(int, sys.argv[1:5])
+torch.set_num_threads(threads)
+h = torch.randn(N, H, requires_grad=True)
+W = torch.randn(V, H, requires_grad=True)
+t = torch.randint(0, V, (N,))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+loss = torch.nn.functional.cross_entropy(h @ W.T, t)
+loss.backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+"""
+
+
+def ce_memory(V, H=576, N=2048, threads=2):
+    """PyTorch's peak memory growth for cross-entropy on materialised logits (forward +
+    backward), measured in a fresh process; and the size of the logits themselves."""
+    out = subprocess.run([sys.executable, "-c", CE_PROBE, str(V), str(H), str(N), str(threads)],
+                         capture_output=True, text=True, check=True)
+    return N * V * 4, int(out.stdout.strip().splitlines()[-1])
+
+
+def kiln_ce_memory(V, H=576, N=2048, threads=2):
+    """kiln's fused loss: peak bytes by kiln's own accounting (tests/tools/ce_tool bench)."""
+    build = Path(os.environ.get("KILN_BUILD_DIR", REPO / "build"))
+    out = subprocess.run([str(build / "ce_tool"), "bench", str(N), str(H), str(V), "4096", str(threads), "1"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else f"ce_tool failed: {out.stderr.strip()[:200]}"
 
 
 def main():
@@ -126,7 +143,7 @@ def main():
             kt, kmem = bench_kiln(gguf, batches, a.threads)
             tt = bench_torch(torch_model(None, gguf), batches)
             rows.append(("SmolLM2-135M", np.median(kt), np.median(tt), kmem))
-    ce = [(V,) + ce_memory(V) for V in (49152, 151936)]
+    ce = [(V,) + ce_memory(V, threads=a.threads) + (kiln_ce_memory(V, threads=a.threads),) for V in (49152, 151936)]
     rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine())
     if a.markdown:
@@ -137,10 +154,10 @@ def main():
         for name, k, t, mem in rows:
             tot = (mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]) / 2**20
             print(f"| {name} | {a.seq / k:.0f} | {a.seq / t:.0f} | {t / k:.2f}x | {tot:.0f} MiB |")
-        print("\n| V | materialised logits (N=2048, f32) | PyTorch peak growth, CE fwd+bwd |")
-        print("|---|---|---|")
-        for V, logits, peak in ce:
-            print(f"| {V} | {logits / 2**20:.0f} MiB | {peak / 2**20:.0f} MiB |")
+        print("\n| V | materialised logits (N=2048, H=576, f32) | PyTorch peak growth, CE fwd+bwd | kiln fused CE (ce_tool bench) |")
+        print("|---|---|---|---|")
+        for V, logits, peak, k in ce:
+            print(f"| {V} | {logits / 2**20:.0f} MiB | {peak / 2**20:.0f} MiB | {k} |")
     print("\nmodel            kiln tok/s  torch tok/s  ratio")
     for name, k, t, _ in rows:
         print(f"{name:16s} {a.seq / k:10.0f} {a.seq / t:12.0f} {t / k:6.2f}x")
