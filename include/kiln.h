@@ -250,6 +250,9 @@ typedef struct kiln_context_params {
     int n_ctx;     /* KV cache length in tokens (0 = the model's training context, max 8192) */
     int n_batch;   /* max tokens per kiln_decode call (prefill chunk), default 512 */
     int n_threads; /* 0 = all cores */
+    /* approximate: activations quantized to 8 bits for quantized weights during decode;
+     * error vs the exact path in bench/RESULTS.md. 0 (default) = exact. */
+    int fast_q8_activations;
 } kiln_context_params;
 
 KILN_API kiln_context_params kiln_context_default_params(void);

@@ -12,7 +12,7 @@ typedef struct gen_opts {
     const char *model, *prompt, *prompt_file, *system;
     long n_predict, threads, n_ctx, n_batch;
     kiln_sampler_params sampler;
-    int chat, json, ignore_eos, f32, no_mmap, show_prompt_stats;
+    int chat, json, ignore_eos, f32, no_mmap, show_prompt_stats, fast;
     const char *stops[MAX_STOPS + 1];
     int n_stops;
 } gen_opts;
@@ -39,6 +39,7 @@ static const char *generate_help =
     "      --batch N          prefill chunk (default 512)\n"
     "      --f32              dequantize all weights to f32 at load\n"
     "      --no-mmap          read the model instead of mapping it\n"
+    "      --fast             approximate decode: 8-bit activations for quantized weights\n"
     "      --json             print one JSON object: prompt_ids, ids, text, timings\n";
 
 static const char *chat_help =
@@ -108,6 +109,8 @@ static int parse_opts(const char *cmd, int argc, char **argv, gen_opts *o, int *
             o->ignore_eos = 1;
         } else if (!strcmp(a, "--f32")) {
             o->f32 = 1;
+        } else if (!strcmp(a, "--fast")) {
+            o->fast = 1;
         } else if (!strcmp(a, "--no-mmap")) {
             o->no_mmap = 1;
         } else {
@@ -136,6 +139,7 @@ static kiln_status open_model(const gen_opts *o, kiln_model **m, kiln_context **
     cp.n_ctx = (int)o->n_ctx;
     cp.n_batch = (int)o->n_batch;
     cp.n_threads = (int)o->threads;
+    cp.fast_q8_activations = o->fast;
     st = kiln_context_create(*m, &cp, ctx);
     if (st != KILN_OK) {
         kiln_model_close(*m);

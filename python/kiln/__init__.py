@@ -31,7 +31,8 @@ class _ModelParams(C.Structure):
 
 
 class _ContextParams(C.Structure):
-    _fields_ = [("n_ctx", C.c_int), ("n_batch", C.c_int), ("n_threads", C.c_int)]
+    _fields_ = [("n_ctx", C.c_int), ("n_batch", C.c_int), ("n_threads", C.c_int),
+                ("fast_q8_activations", C.c_int)]
 
 
 class _SamplerParams(C.Structure):

@@ -35,7 +35,7 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
     if (!c) return kiln_error(KILN_ERR_NOMEM, "kiln_context_create: out of memory");
     c->model = m;
     c->params = p;
-    kiln_status st = kiln_backend_cpu_create(p.n_threads, &c->be);
+    kiln_status st = kiln_backend_cpu_create_mode(p.n_threads, p.fast_q8_activations, &c->be);
     if (st == KILN_OK) st = kiln_forward_state_init(&c->fs, m, p.n_ctx, p.n_batch);
     if (st == KILN_OK)
         st = kiln_alloc_or_fail((void **)&c->tokens, (size_t)p.n_ctx * sizeof(int32_t), "context token list");

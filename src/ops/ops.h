@@ -122,6 +122,11 @@ struct kiln_backend {
 /* The CPU backend with n_threads workers (0 = all cores). Results are bit-identical for any
  * n_threads. */
 kiln_status kiln_backend_cpu_create(int n_threads, kiln_backend **out);
+/* The CPU backend in a mode: fast_q8 = 0 is kiln_backend_cpu_create (exact); fast_q8 != 0
+ * makes matmul with Q8_0/Q4_0/Q4_1 weights and N <= 8 tokens quantize x to 8-bit blocks
+ * and sum integer products (approximate; docs/ARITHMETIC.md, "Fast mode: 8-bit
+ * activations"); still bit-identical for any n_threads and SIMD path. */
+kiln_status kiln_backend_cpu_create_mode(int n_threads, int fast_q8, kiln_backend **out);
 void kiln_backend_free(kiln_backend *be);
 
 #endif /* KILN_OPS_H */

@@ -10,12 +10,18 @@
 #include "../../base/threadpool.h"
 #include "cpu_kernels.h"
 #include "backward.h"
+#include "kernels_q8act.h"
 
 #include <string.h>
 
 typedef struct cpu_ctx {
     kiln_pool *pool;
     const kiln_cpu_kernels *k;
+    /* fast mode (kiln_backend_cpu_create_mode): int8 activations for quantized weights at
+     * N <= KILN_Q8ACT_MAX_N; NULL in the default, exact mode */
+    const kiln_q8act_kernels *q8;
+    void *q8_buf; /* the quantized activations, grown on demand (never per call) */
+    size_t q8_cap;
 } cpu_ctx;
 
 static cpu_ctx *ctx_of(kiln_backend *be) { return (cpu_ctx *)be->ctx; }
@@ -162,11 +168,53 @@ static void matmul_task(void *arg, int task, int thread) {
     if (!j->k->matmul_rows(&j->a, lo, hi)) matmul_generic(j->k, &j->a, lo, hi);
 }
 
+/* Fast mode: x quantized once by the calling thread, then rows split over tasks; each
+ * output is one task's (docs/ARITHMETIC.md, "Fast mode: 8-bit activations"). */
+typedef struct q8_job {
+    const kiln_q8act_kernels *q8;
+    kiln_q8act_mm m;
+    int64_t R;
+    int n_tasks;
+} q8_job;
+
+static void q8_task(void *arg, int task, int thread) {
+    const q8_job *j = arg;
+    int64_t lo, hi;
+    split_range(j->R, j->n_tasks, task, 4, &lo, &hi);
+    if (lo < hi) j->q8->rows(&j->m, lo, hi);
+}
+
+/* Whether the int8 path ran (false: not fast mode, unsupported shape, or no memory, and the
+ * caller runs the exact path). */
+static bool matmul_q8act(cpu_ctx *c, float *out, const float *x, const kiln_tensor *W,
+                         const float *bias, int N, int64_t R, int64_t C) {
+    if (!c->q8 || N < 1 || N > KILN_Q8ACT_MAX_N || !kiln_q8act_supports(W->dtype) || C % 32)
+        return false;
+    size_t need = kiln_q8act_bytes(N, C);
+    if (need == 0) return false;
+    if (need > c->q8_cap) {
+        void *nb = kiln_malloc(need);
+        if (!nb) return false;
+        kiln_free(c->q8_buf);
+        c->q8_buf = nb;
+        c->q8_cap = need;
+    }
+    kiln_q8act xa;
+    kiln_q8act_init(&xa, c->q8_buf, N, C);
+    c->q8->quantize(&xa, x, C);
+    q8_job j = {c->q8, {&xa, (const uint8_t *)W->data, row_bytes_of(W->dtype, C), W->dtype,
+                        bias, out, R}, R, 0};
+    j.n_tasks = n_tasks_for(c, (double)N * R * C, 65536, (R + 15) / 16);
+    kiln_pool_run(c->pool, j.n_tasks, q8_task, &j);
+    return true;
+}
+
 static void cpu_matmul(kiln_backend *be, float *out, const float *x, const kiln_tensor *W,
                        const float *bias, int N) {
     cpu_ctx *c = ctx_of(be);
     int64_t C = W->shape[W->n_dims - 1];
     int64_t R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
+    if (matmul_q8act(c, out, x, W, bias, N, R, C)) return;
     matmul_job j;
     j.k = c->k;
     j.a = (kiln_mm_args){out, R, x, C, (const uint8_t *)W->data, row_bytes_of(W->dtype, C),
@@ -355,7 +403,10 @@ static bool cpu_supports_op(const kiln_backend *be, kiln_op op, kiln_dtype wtype
 
 static void cpu_free(kiln_backend *be) {
     cpu_ctx *c = ctx_of(be);
-    if (c) kiln_pool_free(c->pool);
+    if (c) {
+        kiln_pool_free(c->pool);
+        kiln_free(c->q8_buf);
+    }
     kiln_free(c);
     kiln_free(be);
 }
@@ -390,6 +441,10 @@ static const kiln_cpu_kernels *kernels_for(kiln_cpu_path p) {
 }
 
 kiln_status kiln_backend_cpu_create(int n_threads, kiln_backend **out) {
+    return kiln_backend_cpu_create_mode(n_threads, 0, out);
+}
+
+kiln_status kiln_backend_cpu_create_mode(int n_threads, int fast_q8, kiln_backend **out) {
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_cpu_create: out is NULL");
     *out = NULL;
     if (n_threads < 0)
@@ -409,6 +464,12 @@ kiln_status kiln_backend_cpu_create(int n_threads, kiln_backend **out) {
         return kiln_error_prefix(st, "kiln_backend_cpu_create");
     }
     c->k = kernels_for(kiln_cpu_select_path());
+    if (fast_q8) {
+        c->q8 = &kiln_q8act_kernels_portable;
+#if defined(KILN_CPU_HAVE_X86)
+        if (c->k->path != KILN_CPU_PATH_PORTABLE) c->q8 = &kiln_q8act_kernels_avx2;
+#endif
+    }
     be->i = &cpu_iface;
     be->n_threads = kiln_pool_n_threads(c->pool);
     be->ctx = c;

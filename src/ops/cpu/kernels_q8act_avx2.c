@@ -1,0 +1,209 @@
+/*
+ * kernels_q8act_avx2.c -- the fast mode's int8-activation matmul with AVX2: the same bits as
+ * kernels_q8act.c (docs/ARITHMETIC.md, "Fast mode: 8-bit activations").
+ *
+ * Per (row, token), 8 blocks of 32 at a time: each block's products are summed exactly in
+ * integers (vpmaddubsw: unsigned weight bytes x signed activation bytes -> int16 pairs, which
+ * cannot saturate here; vpmaddwd by 1 -> int32), the 8 blocks' int32 vectors are reduced to
+ * one vector of 8 block sums (integer adds: any order is exact), and then lane k (block
+ * b = g + k, so lane b % 8) does the float steps of the definition with one vfmadd each.
+ * Padding lanes past the last block get weight scale 0 and activation scale 0, so
+ * fmaf(0, 0, acc) leaves acc unchanged (acc starts at +0 and never becomes -0).
+ */
+#include "kernels_q8act.h"
+
+#if defined(__x86_64__)
+#include <float.h>
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#define TGT __attribute__((target("avx2,fma,f16c")))
+#define TGT_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+
+#define Q8ACT_TINY 0x1p-96f
+
+/* ---- quantization ------------------------------------------------------------------------- */
+
+TGT_INLINE float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+TGT_INLINE int32_t hsum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
+}
+
+TGT static void quantize_block(const float *x, int8_t *q, float *d, float *s, int32_t *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), fmax = _mm256_set1_ps(FLT_MAX);
+    __m256 v[4], a[4];
+    int fin = 0xff;
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_loadu_ps(x + 8 * k);
+        a[k] = _mm256_andnot_ps(sign, v[k]);
+        fin &= _mm256_movemask_ps(_mm256_cmp_ps(a[k], fmax, _CMP_LE_OQ));
+    }
+    /* no NaN among a[] when fin == 0xff, so max is order-free */
+    float amax = hmax8(_mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3])));
+    if (fin != 0xff || amax < Q8ACT_TINY) {
+        memset(q, 0, 32);
+        *sum = 0;
+        *d = *s = fin != 0xff ? NAN : 0.0f;
+        return;
+    }
+    float dx = amax / 127.0f, inv = 127.0f / amax;
+    const __m256 iv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    __m256i qi[4];
+    for (int k = 0; k < 4; k++) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(v[k], iv),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        qi[k] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(r, hi), lo));
+    }
+    int32_t acc = hsum8i(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
+                                          _mm256_add_epi32(qi[2], qi[3])));
+    /* packs work per 128-bit lane: the bytes come out as dwords 0,4,1,5,2,6,3,7 */
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                   _mm256_packs_epi32(qi[2], qi[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, p);
+    *d = dx;
+    *sum = acc;
+    *s = dx * (float)acc;
+}
+
+TGT static void a_quantize(kiln_q8act *qa, const float *x, int64_t ldx) {
+    for (int t = 0; t < qa->N; t++) {
+        size_t o = (size_t)t * (size_t)qa->nbp;
+        for (int64_t b = 0; b < qa->nb; b++)
+            quantize_block(x + t * ldx + b * 32, qa->q + (o + b) * 32, qa->d + o + b,
+                           qa->s + o + b, qa->sum + o + b);
+        for (int64_t b = qa->nb; b < qa->nbp; b++) {
+            memset(qa->q + (o + b) * 32, 0, 32);
+            qa->d[o + b] = qa->s[o + b] = 0.0f;
+            qa->sum[o + b] = 0;
+        }
+    }
+}
+
+/* ---- integer block sums ------------------------------------------------------------------- */
+
+/* 8 int32 partial sums of one block's 32 products (u8 weights x s8 activations). */
+TGT_INLINE __m256i block_u8s8(__m256i w, const int8_t *xq) {
+    __m256i p16 = _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)xq));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+/* The 32 nibbles of a Q4 block's 16 bytes in element order: bytes 0-15 the low nibbles,
+ * 16-31 the high nibbles. */
+TGT_INLINE __m256i nibbles32(const uint8_t *qs) {
+    __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    b = _mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4));
+    return _mm256_and_si256(b, _mm256_set1_epi8(15));
+}
+
+/* Vector of the 8 blocks' sums: lane k = sum of v[k]'s 8 lanes. */
+TGT_INLINE __m256i reduce8x8(const __m256i v[8]) {
+    __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+    __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+    __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* The f16 at byte 0 (and 2) of 8 blocks BB bytes apart; lanes >= nv give 0. */
+TGT_INLINE void scales8(const uint8_t *blk0, int BB, int nv, __m256 *d, __m256 *m) {
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i idx = _mm256_mullo_epi32(iota, _mm256_set1_epi32(BB));
+    __m256i g;
+    if (nv == 8) {
+        g = _mm256_i32gather_epi32((const int *)blk0, idx, 1);
+    } else {
+        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota);
+        g = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)blk0, idx, mask, 1);
+    }
+    /* per 128-bit lane: low halves to bytes 0-7, high halves to 8-15; then gather lanes */
+    const __m256i shuf = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    g = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(g, shuf), 0xd8);
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(g));
+    if (m) *m = _mm256_cvtph_ps(_mm256_extracti128_si256(g, 1));
+}
+
+/* One row with one token: the definition's 8 lanes, then the fixed tree. DT is a constant. */
+TGT_INLINE float dot_row(const kiln_q8act *qa, int t, const uint8_t *row, const kiln_dtype DT) {
+    const int BB = DT == KILN_DTYPE_Q8_0 ? 34 : DT == KILN_DTYPE_Q4_0 ? 18 : 20;
+    const size_t o = (size_t)t * (size_t)qa->nbp;
+    const int8_t *xq = qa->q + o * 32;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < qa->nb; g += 8) {
+        int nv = qa->nb - g < 8 ? (int)(qa->nb - g) : 8;
+        const uint8_t *blk = row + (size_t)g * BB;
+        __m256i v[8];
+        for (int k = 0; k < 8; k++) {
+            if (k >= nv) {
+                v[k] = _mm256_setzero_si256();
+                continue;
+            }
+            const uint8_t *bk = blk + k * BB;
+            const int8_t *xk = xq + (g + k) * 32;
+            if (DT == KILN_DTYPE_Q8_0) {
+                /* |w| x (x with w's sign): |w| <= 128, |x| <= 127, so pairs fit int16 */
+                __m256i w = _mm256_loadu_si256((const __m256i *)(bk + 2));
+                __m256i xv = _mm256_loadu_si256((const __m256i *)xk);
+                __m256i p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
+                v[k] = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+            } else {
+                v[k] = block_u8s8(nibbles32(bk + (DT == KILN_DTYPE_Q4_1 ? 4 : 2)), xk);
+            }
+        }
+        __m256i isum = reduce8x8(v);
+        if (DT == KILN_DTYPE_Q4_0)
+            isum = _mm256_sub_epi32(
+                isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(qa->sum + o + g)), 3));
+        __m256 dw, mw;
+        scales8(blk, BB, nv, &dw, DT == KILN_DTYPE_Q4_1 ? &mw : NULL);
+        __m256 prod = _mm256_mul_ps(dw, _mm256_loadu_ps(qa->d + o + g));
+        acc = _mm256_fmadd_ps(prod, _mm256_cvtepi32_ps(isum), acc);
+        if (DT == KILN_DTYPE_Q4_1) acc = _mm256_fmadd_ps(mw, _mm256_loadu_ps(qa->s + o + g), acc);
+    }
+    /* s4[j] = acc[j] + acc[j+4]; s2[j] = s4[j] + s4[j+2]; s2[0] + s2[1] */
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+#define DEFINE_ROWS(NAME, DT)                                                                  \
+    TGT static void NAME(const kiln_q8act_mm *m, int64_t r0, int64_t r1) {                     \
+        for (int64_t r = r0; r < r1; r++)                                                      \
+            for (int t = 0; t < m->xa->N; t++) {                                               \
+                float s = dot_row(m->xa, t, m->w + (size_t)r * m->row_bytes, DT);              \
+                if (m->bias) s = s + m->bias[r];                                               \
+                m->out[t * m->ldo + r] = s;                                                    \
+            }                                                                                  \
+    }
+
+DEFINE_ROWS(rows_q8_0, KILN_DTYPE_Q8_0)
+DEFINE_ROWS(rows_q4_0, KILN_DTYPE_Q4_0)
+DEFINE_ROWS(rows_q4_1, KILN_DTYPE_Q4_1)
+
+static void a_rows(const kiln_q8act_mm *m, int64_t r0, int64_t r1) {
+    switch (m->dtype) {
+    case KILN_DTYPE_Q8_0: rows_q8_0(m, r0, r1); break;
+    case KILN_DTYPE_Q4_0: rows_q4_0(m, r0, r1); break;
+    case KILN_DTYPE_Q4_1: rows_q4_1(m, r0, r1); break;
+    default: kiln_q8act_kernels_portable.rows(m, r0, r1); break;
+    }
+}
+
+const kiln_q8act_kernels kiln_q8act_kernels_avx2 = {
+    .name = "avx2",
+    .quantize = a_quantize,
+    .rows = a_rows,
+};
+
+#endif /* __x86_64__ */
