@@ -15,6 +15,8 @@
 
 #include "../base/tensor.h"
 
+#include <string.h>
+
 typedef enum kiln_op {
     KILN_OP_EMBED = 0,
     KILN_OP_RMSNORM,
@@ -111,6 +113,26 @@ typedef struct kiln_backend_i {
      * with ids[n] == v, in increasing n. ids are in [0, V) (checked by the caller). */
     void (*embed_backward)(kiln_backend *be, float *dtable, const float *dy, const int32_t *ids,
                            int N, int V, int C);
+
+    /* ---- memory (for device backends; the CPU's are kiln_malloc / memcpy). The float *
+     * buffers the ops take live in this memory: the caller allocates activations, the KV
+     * cache, norm weights, biases and rope tables here and uploads what it computed on the
+     * host. kiln_tensor weights may stay in host memory: a device backend uploads each one
+     * once (docs/CUDA.md). Entries may be NULL in a backend that has none (use the
+     * kiln_backend_* wrappers below). ---- */
+
+    /* nbytes of backend memory, at least 64-byte aligned, uninitialised; NULL on failure
+     * with the error message set. */
+    void *(*alloc)(kiln_backend *be, size_t nbytes);
+    /* Free a buffer from alloc; NULL is a no-op. */
+    void (*free_buf)(kiln_backend *be, void *p);
+    /* Copy nbytes host -> backend memory (upload) or backend -> host (download), after all
+     * work submitted before; returns when the copy is complete. */
+    kiln_status (*upload)(kiln_backend *be, void *dst, const void *src, size_t nbytes);
+    kiln_status (*download)(kiln_backend *be, void *dst, const void *src, size_t nbytes);
+    /* Wait for all submitted work; KILN_OK, or the error that poisoned the backend (a failed
+     * device call or launch: every later op is skipped and every later status says so). */
+    kiln_status (*status)(kiln_backend *be);
 } kiln_backend_i;
 
 struct kiln_backend {
@@ -128,5 +150,35 @@ kiln_status kiln_backend_cpu_create(int n_threads, kiln_backend **out);
  * activations"); still bit-identical for any n_threads and SIMD path. */
 kiln_status kiln_backend_cpu_create_mode(int n_threads, int fast_q8, kiln_backend **out);
 void kiln_backend_free(kiln_backend *be);
+
+/* The CUDA backend on GPU `device` (auditable arithmetic: the CPU backend's bits; see
+ * docs/CUDA.md). KILN_ERR_UNSUPPORTED with a message when kiln was built without CUDA, or
+ * when no usable GPU (or no device of that index) is present. */
+kiln_status kiln_backend_cuda_create(int device, kiln_backend **out);
+
+/* The table's memory entries, with host-memory defaults for a backend that has none. */
+static inline void *kiln_backend_alloc(kiln_backend *be, size_t nbytes) {
+    return be->i->alloc ? be->i->alloc(be, nbytes) : kiln_malloc(nbytes);
+}
+static inline void kiln_backend_free_buf(kiln_backend *be, void *p) {
+    if (be->i->free_buf) be->i->free_buf(be, p);
+    else kiln_free(p);
+}
+static inline kiln_status kiln_backend_upload(kiln_backend *be, void *dst, const void *src,
+                                              size_t nbytes) {
+    if (be->i->upload) return be->i->upload(be, dst, src, nbytes);
+    if (nbytes) memcpy(dst, src, nbytes);
+    return KILN_OK;
+}
+static inline kiln_status kiln_backend_download(kiln_backend *be, void *dst, const void *src,
+                                                size_t nbytes) {
+    if (be->i->download) return be->i->download(be, dst, src, nbytes);
+    if (nbytes) memcpy(dst, src, nbytes);
+    return KILN_OK;
+}
+/* KILN_OK, or the error that poisoned the backend; waits for submitted work. */
+static inline kiln_status kiln_backend_status(kiln_backend *be) {
+    return be && be->i->status ? be->i->status(be) : KILN_OK;
+}
 
 #endif /* KILN_OPS_H */

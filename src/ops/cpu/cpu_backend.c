@@ -411,6 +411,31 @@ static void cpu_free(kiln_backend *be) {
     kiln_free(be);
 }
 
+/* ---- memory: host memory through kiln's allocator --------------------------------------- */
+
+static void *cpu_alloc(kiln_backend *be, size_t nbytes) {
+    (void)be;
+    void *p = kiln_malloc(nbytes);
+    if (!p) kiln_error(KILN_ERR_NOMEM, "cpu backend: cannot allocate %zu bytes", nbytes);
+    return p;
+}
+
+static void cpu_free_buf(kiln_backend *be, void *p) {
+    (void)be;
+    kiln_free(p);
+}
+
+static kiln_status cpu_copy(kiln_backend *be, void *dst, const void *src, size_t nbytes) {
+    (void)be;
+    if (nbytes) memcpy(dst, src, nbytes);
+    return KILN_OK;
+}
+
+static kiln_status cpu_status(kiln_backend *be) {
+    (void)be;
+    return KILN_OK;
+}
+
 static const kiln_backend_i cpu_iface = {
     .name = "cpu",
     .free = cpu_free,
@@ -428,6 +453,11 @@ static const kiln_backend_i cpu_iface = {
     .attention_backward = cpu_attention_backward,
     .swiglu_backward = cpu_swiglu_backward,
     .embed_backward = cpu_embed_backward,
+    .alloc = cpu_alloc,
+    .free_buf = cpu_free_buf,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .status = cpu_status,
 };
 
 static const kiln_cpu_kernels *kernels_for(kiln_cpu_path p) {

@@ -1,0 +1,381 @@
+/*
+ * cuda_backend.cu -- the CUDA backend: the op table of ops.h over cuda_kernels.cu, device
+ * memory, the weight cache, and error poisoning.
+ *
+ * Contract (docs/CUDA.md):
+ *   - Every float * an op takes is device memory (kiln_backend_alloc). ids (embed) and pos
+ *     (rope) may be host or device memory; a host array is copied at the call.
+ *   - A kiln_tensor weight whose data is device memory is used in place; one whose data is
+ *     host memory is uploaded on first use and cached, keyed by its host address range, for
+ *     the backend's lifetime (a view inside a cached range reuses it). The host data must
+ *     not change while the backend lives.
+ *   - All work runs in order on one stream of the backend; ops only enqueue. upload,
+ *     download and status wait for it.
+ *   - The first failed CUDA call or launch poisons the backend: later ops do nothing, and
+ *     status/upload/download return that error with its message until the backend is freed.
+ */
+#include "cuda_internal.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+typedef struct weight_entry {
+    const uint8_t *host; /* host range [host, host + nbytes) */
+    size_t nbytes;
+    uint8_t *dev;
+} weight_entry;
+
+typedef struct cuda_ctx {
+    int device;
+    cudaStream_t stream;
+    kiln_status err; /* KILN_OK until poisoned */
+    char msg[512];
+    weight_entry *weights;
+    size_t n_weights, cap_weights;
+    int32_t *ints; /* staging for host ids / pos */
+    size_t cap_ints;
+} cuda_ctx;
+
+static cuda_ctx *ctx_of(kiln_backend *be) { return (cuda_ctx *)be->ctx; }
+
+/* Record the first error (later ones are consequences) and set this thread's message. */
+static void poison(cuda_ctx *c, kiln_status st, const char *fmt, ...) KILN_PRINTF(3, 4);
+static void poison(cuda_ctx *c, kiln_status st, const char *fmt, ...) {
+    if (c->err == KILN_OK) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = snprintf(c->msg, sizeof c->msg, "cuda backend (device %d): ", c->device);
+        if (n > 0 && (size_t)n < sizeof c->msg)
+            vsnprintf(c->msg + n, sizeof c->msg - (size_t)n, fmt, ap);
+        va_end(ap);
+        c->err = st;
+    }
+    kiln_error(c->err, "%s", c->msg);
+}
+
+/* Check a CUDA call; on failure poison and return false. */
+static bool check(cuda_ctx *c, cudaError_t e, const char *what) {
+    if (e == cudaSuccess) return true;
+    poison(c, KILN_ERR_INTERNAL, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+    return false;
+}
+#define CK(c, call) check((c), (call), #call)
+
+/* Start of every op: false when poisoned (nothing is enqueued). */
+static bool op_begin(cuda_ctx *c) {
+    if (c->err != KILN_OK) return false;
+    return CK(c, cudaSetDevice(c->device));
+}
+
+static bool is_device_ptr(const void *p) {
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError(); /* not sticky: clear it */
+        return false;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+static size_t row_bytes_of(kiln_dtype dt, int64_t C) {
+    const kiln_dtype_traits *tr = kiln_dtype_get_traits(dt);
+    return (size_t)(C / tr->block_size) * (size_t)tr->type_size;
+}
+
+/* Device address of the weight bytes [p, p + nbytes): p itself when it is device memory,
+ * else the cached copy (uploaded now on first use). NULL when poisoned. */
+static const uint8_t *weight_dev(cuda_ctx *c, const void *p, size_t nbytes, const char *name) {
+    const uint8_t *h = (const uint8_t *)p;
+    for (size_t k = 0; k < c->n_weights; k++) {
+        const weight_entry *e = &c->weights[k];
+        if (h >= e->host && h < e->host + e->nbytes && nbytes <= (size_t)(e->host + e->nbytes - h))
+            return e->dev + (h - e->host);
+    }
+    if (is_device_ptr(p)) return h;
+    if (c->n_weights == c->cap_weights) {
+        size_t cap = c->cap_weights ? 2 * c->cap_weights : 64;
+        weight_entry *t = (weight_entry *)kiln_realloc(c->weights, cap * sizeof *t);
+        if (!t) {
+            poison(c, KILN_ERR_NOMEM, "weight cache: out of host memory");
+            return NULL;
+        }
+        c->weights = t;
+        c->cap_weights = cap;
+    }
+    void *d = NULL;
+    cudaError_t e = cudaMalloc(&d, nbytes ? nbytes : 1);
+    if (e != cudaSuccess) {
+        poison(c, KILN_ERR_NOMEM, "uploading weight '%s' (%zu bytes): cudaMalloc: %s",
+               name ? name : "?", nbytes, cudaGetErrorString(e));
+        return NULL;
+    }
+    /* the copy is synchronous for pageable memory; the stream keeps it ordered anyway */
+    if (!CK(c, cudaMemcpyAsync(d, p, nbytes, cudaMemcpyHostToDevice, c->stream)) ||
+        !CK(c, cudaStreamSynchronize(c->stream))) {
+        cudaFree(d);
+        return NULL;
+    }
+    c->weights[c->n_weights++] = (weight_entry){h, nbytes, (uint8_t *)d};
+    return (const uint8_t *)d;
+}
+
+/* A device copy of n host or device int32s (ids, pos). NULL when poisoned. */
+static const int32_t *ints_dev(cuda_ctx *c, const int32_t *p, size_t n) {
+    if (is_device_ptr(p)) return p;
+    if (n > c->cap_ints) {
+        size_t cap = n < 4096 ? 4096 : n;
+        if (c->ints && !CK(c, cudaFree(c->ints))) return NULL;
+        c->ints = NULL;
+        c->cap_ints = 0;
+        if (!CK(c, cudaMalloc((void **)&c->ints, cap * sizeof(int32_t)))) return NULL;
+        c->cap_ints = cap;
+    }
+    /* Ordered after the previous op that read the staging buffer (same stream); returns once
+     * the pageable source has been consumed. */
+    if (!CK(c, cudaMemcpyAsync(c->ints, p, n * sizeof(int32_t), cudaMemcpyHostToDevice,
+                               c->stream)))
+        return NULL;
+    return c->ints;
+}
+
+static void after_launch(cuda_ctx *c, cudaError_t e, const char *op) {
+    if (e != cudaSuccess)
+        poison(c, KILN_ERR_INTERNAL, "%s: kernel launch: %s (%s)", op, cudaGetErrorString(e),
+               cudaGetErrorName(e));
+}
+
+/* ---- ops --------------------------------------------------------------------------------- */
+
+static void cu_embed(kiln_backend *be, float *out, const kiln_tensor *table, const int32_t *ids,
+                     int N) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    if (!kiln_cuda_dtype_supported(table->dtype)) {
+        poison(c, KILN_ERR_UNSUPPORTED, "embed: dtype %s", kiln_dtype_name(table->dtype));
+        return;
+    }
+    int64_t C = table->shape[table->n_dims - 1];
+    int64_t V = C > 0 ? kiln_tensor_nelements(table) / C : 0;
+    size_t rb = row_bytes_of(table->dtype, C);
+    const uint8_t *t = weight_dev(c, table->data, (size_t)V * rb, table->name);
+    const int32_t *d_ids = t ? ints_dev(c, ids, (size_t)N) : NULL;
+    if (!d_ids) return;
+    after_launch(c, kiln_cuda_embed(c->stream, out, t, rb, table->dtype, C, d_ids, N), "embed");
+}
+
+static void cu_rmsnorm(kiln_backend *be, float *out, const float *x, const float *w, int N,
+                       int C, float eps) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_rmsnorm(c->stream, out, x, w, N, C, eps), "rmsnorm");
+}
+
+static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_tensor *W,
+                      const float *bias, int N) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    if (!kiln_cuda_dtype_supported(W->dtype)) {
+        poison(c, KILN_ERR_UNSUPPORTED, "matmul: weight '%s': dtype %s",
+               W->name ? W->name : "?", kiln_dtype_name(W->dtype));
+        return;
+    }
+    int64_t C = W->shape[W->n_dims - 1];
+    int64_t R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
+    size_t rb = row_bytes_of(W->dtype, C);
+    const uint8_t *w = weight_dev(c, W->data, (size_t)R * rb, W->name);
+    if (!w) return;
+    after_launch(c, kiln_cuda_matmul(c->stream, out, x, w, rb, W->dtype, R, C, bias, N),
+                 "matmul");
+}
+
+static void cu_rope(kiln_backend *be, float *x, const int32_t *pos, int N, int H, int HS,
+                    const float *cos_tab, const float *sin_tab) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    const int32_t *d_pos = ints_dev(c, pos, (size_t)N);
+    if (!d_pos) return;
+    after_launch(c, kiln_cuda_rope(c->stream, x, d_pos, N, H, HS, cos_tab, sin_tab), "rope");
+}
+
+static void cu_attention(kiln_backend *be, float *out, const float *q, const float *k,
+                         const float *v, int N, int n_past, int NH, int KVH, int HS,
+                         float scale) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    if (HS > KILN_CUDA_MAX_HS) {
+        poison(c, KILN_ERR_UNSUPPORTED, "attention: head size %d > %d", HS, KILN_CUDA_MAX_HS);
+        return;
+    }
+    after_launch(c,
+                 kiln_cuda_attention(c->stream, out, q, k, v, N, n_past, NH, KVH, HS, scale),
+                 "attention");
+}
+
+static void cu_swiglu(kiln_backend *be, float *out, const float *gate, const float *up,
+                      size_t n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_swiglu(c->stream, out, gate, up, n), "swiglu");
+}
+
+static void cu_add(kiln_backend *be, float *x, const float *y, size_t n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_add(c->stream, x, y, n), "add");
+}
+
+/* ---- memory -------------------------------------------------------------------------------- */
+
+static void *cu_alloc(kiln_backend *be, size_t nbytes) {
+    cuda_ctx *c = ctx_of(be);
+    if (c->err != KILN_OK) {
+        kiln_error(c->err, "%s", c->msg);
+        return NULL;
+    }
+    if (!CK(c, cudaSetDevice(c->device))) return NULL;
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, nbytes ? nbytes : 1);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError(); /* an out-of-memory is not sticky: the backend stays usable */
+        kiln_error(KILN_ERR_NOMEM, "cuda backend (device %d): cannot allocate %zu bytes: %s",
+                   c->device, nbytes, cudaGetErrorString(e));
+        return NULL;
+    }
+    return p;
+}
+
+static void cu_free_buf(kiln_backend *be, void *p) {
+    cuda_ctx *c = ctx_of(be);
+    if (!p) return;
+    cudaSetDevice(c->device);
+    cudaFree(p); /* a failure here is a consequence of an earlier poison, or harmless */
+}
+
+static kiln_status cu_copy(kiln_backend *be, void *dst, const void *src, size_t nbytes,
+                           cudaMemcpyKind kind, const char *what) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return kiln_error(c->err, "%s", c->msg);
+    if (nbytes &&
+        (!check(c, cudaMemcpyAsync(dst, src, nbytes, kind, c->stream), what) ||
+         !check(c, cudaStreamSynchronize(c->stream), what)))
+        return c->err;
+    return KILN_OK;
+}
+
+static kiln_status cu_upload(kiln_backend *be, void *dst, const void *src, size_t nbytes) {
+    return cu_copy(be, dst, src, nbytes, cudaMemcpyHostToDevice, "upload");
+}
+
+static kiln_status cu_download(kiln_backend *be, void *dst, const void *src, size_t nbytes) {
+    return cu_copy(be, dst, src, nbytes, cudaMemcpyDeviceToHost, "download");
+}
+
+static kiln_status cu_status(kiln_backend *be) {
+    cuda_ctx *c = ctx_of(be);
+    if (op_begin(c)) CK(c, cudaStreamSynchronize(c->stream));
+    if (c->err != KILN_OK) return kiln_error(c->err, "%s", c->msg);
+    return KILN_OK;
+}
+
+/* ---- the table ----------------------------------------------------------------------------- */
+
+static bool cu_supports_op(const kiln_backend *be, kiln_op op, kiln_dtype wtype) {
+    (void)be;
+    switch (op) {
+    case KILN_OP_EMBED: case KILN_OP_MATMUL:
+        return kiln_cuda_dtype_supported(wtype);
+    case KILN_OP_RMSNORM: case KILN_OP_ROPE: case KILN_OP_ATTENTION: case KILN_OP_SWIGLU:
+    case KILN_OP_ADD:
+        return true;
+    default: /* backward ops: not on the GPU yet */
+        return false;
+    }
+}
+
+static void cu_free(kiln_backend *be) {
+    cuda_ctx *c = ctx_of(be);
+    if (c) {
+        cudaSetDevice(c->device);
+        if (c->stream) cudaStreamSynchronize(c->stream);
+        for (size_t k = 0; k < c->n_weights; k++) cudaFree(c->weights[k].dev);
+        kiln_free(c->weights);
+        if (c->ints) cudaFree(c->ints);
+        if (c->stream) cudaStreamDestroy(c->stream);
+        kiln_free(c);
+    }
+    kiln_free(be);
+}
+
+static const kiln_backend_i cuda_iface = {
+    /* .name = */ "cuda",
+    /* .free = */ cu_free,
+    /* .supports_op = */ cu_supports_op,
+    /* .embed = */ cu_embed,
+    /* .rmsnorm = */ cu_rmsnorm,
+    /* .matmul = */ cu_matmul,
+    /* .rope = */ cu_rope,
+    /* .attention = */ cu_attention,
+    /* .swiglu = */ cu_swiglu,
+    /* .add = */ cu_add,
+    /* backward: supports_op says no */
+    /* .matmul_backward = */ NULL,
+    /* .rmsnorm_backward = */ NULL,
+    /* .rope_backward = */ NULL,
+    /* .attention_backward = */ NULL,
+    /* .swiglu_backward = */ NULL,
+    /* .embed_backward = */ NULL,
+    /* .alloc = */ cu_alloc,
+    /* .free_buf = */ cu_free_buf,
+    /* .upload = */ cu_upload,
+    /* .download = */ cu_download,
+    /* .status = */ cu_status,
+};
+
+extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_cuda_create: out is NULL");
+    *out = NULL;
+    if (device < 0)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_cuda_create: device %d < 0",
+                          device);
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return kiln_error(KILN_ERR_UNSUPPORTED,
+                          "kiln_backend_cuda_create: no usable CUDA device: %s (%s)",
+                          cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+    if (device >= count)
+        return kiln_error(KILN_ERR_UNSUPPORTED,
+                          "kiln_backend_cuda_create: device %d requested, %d present", device,
+                          count);
+    cudaDeviceProp prop;
+    e = cudaGetDeviceProperties(&prop, device);
+    if (e != cudaSuccess)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_backend_cuda_create: device %d: %s",
+                          device, cudaGetErrorString(e));
+    if (prop.major < 9)
+        return kiln_error(KILN_ERR_UNSUPPORTED,
+                          "kiln_backend_cuda_create: device %d (%s) has compute capability "
+                          "%d.%d; kiln's CUDA code is built for 9.0 and later",
+                          device, prop.name, prop.major, prop.minor);
+    kiln_backend *be = (kiln_backend *)kiln_calloc(1, sizeof *be);
+    cuda_ctx *c = (cuda_ctx *)kiln_calloc(1, sizeof *c);
+    if (!be || !c) {
+        kiln_free(be);
+        kiln_free(c);
+        return kiln_error(KILN_ERR_NOMEM, "kiln_backend_cuda_create: out of memory");
+    }
+    c->device = device;
+    be->i = &cuda_iface;
+    be->n_threads = 1;
+    be->ctx = c;
+    if (!CK(c, cudaSetDevice(device)) ||
+        !CK(c, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking))) {
+        kiln_status st = kiln_error(KILN_ERR_UNSUPPORTED, "kiln_backend_cuda_create: %s", c->msg);
+        c->stream = NULL;
+        cu_free(be);
+        return st;
+    }
+    *out = be;
+    return KILN_OK;
+}

@@ -1,0 +1,47 @@
+/*
+ * cuda_internal.h -- what the CUDA backend's two translation units share: the launchers of
+ * cuda_kernels.cu (each takes a stream and device pointers and only enqueues work) and the
+ * backend's error reporting. Included from .cu files only (C++ under nvcc).
+ *
+ * Arithmetic: every kernel performs, per output element, exactly the IEEE binary32 operations
+ * of docs/ARITHMETIC.md in the same order as the CPU reference (src/ops/cpu/kernels_portable.c
+ * and src/base/tensor.c's dequantizers), compiled with --fmad=false, IEEE division and square
+ * root, and no flush-to-zero, so the results are the CPU backend's bits (docs/CUDA.md).
+ */
+#ifndef KILN_CUDA_INTERNAL_H
+#define KILN_CUDA_INTERNAL_H
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+extern "C" {
+#include "../ops.h"
+}
+
+/* Maximum head size the attention kernel takes (shared memory holds q and the accumulator). */
+#define KILN_CUDA_MAX_HS 1024
+
+/* Launchers. Shapes as in ops.h; all pointers are device pointers; w is the first row of a
+ * weight matrix of dtype dt whose rows are row_bytes apart. Each returns the launch's error
+ * (cudaGetLastError), cudaSuccess when there was nothing to do. */
+cudaError_t kiln_cuda_matmul(cudaStream_t s, float *out, const float *x, const uint8_t *w,
+                             size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
+                             const float *bias, int N);
+cudaError_t kiln_cuda_embed(cudaStream_t s, float *out, const uint8_t *table, size_t row_bytes,
+                            kiln_dtype dt, int64_t C, const int32_t *ids, int N);
+cudaError_t kiln_cuda_rmsnorm(cudaStream_t s, float *out, const float *x, const float *w, int N,
+                              int C, float eps);
+cudaError_t kiln_cuda_rope(cudaStream_t s, float *x, const int32_t *pos, int N, int H, int HS,
+                           const float *cos_tab, const float *sin_tab);
+cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, const float *k,
+                                const float *v, int N, int n_past, int NH, int KVH, int HS,
+                                float scale);
+cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, const float *up,
+                             size_t n);
+cudaError_t kiln_cuda_add(cudaStream_t s, float *x, const float *y, size_t n);
+
+/* Whether the matmul/embed kernels handle dtype dt. */
+bool kiln_cuda_dtype_supported(kiln_dtype dt);
+
+#endif /* KILN_CUDA_INTERNAL_H */

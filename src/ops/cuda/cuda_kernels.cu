@@ -1,0 +1,438 @@
+/*
+ * cuda_kernels.cu -- the auditable-mode kernels of the CUDA backend and their launchers.
+ *
+ * Each kernel is a transcription of docs/ARITHMETIC.md: the same binary32 operations, in the
+ * same order, per output element, as the CPU reference. Parallelism only ever splits work
+ * ACROSS output elements or across the 16 lanes of the defined dot product, never along a
+ * sequential chain, so the bits cannot depend on the launch shape. Compiled with
+ * --fmad=false (no a*b+c contraction: every FMA is a written __fmaf_rn / fmaf), IEEE division
+ * and square root (nvcc's defaults without --use_fast_math) and no flush-to-zero.
+ */
+#include "cuda_internal.h"
+
+#include "../../base/kmath.h"
+
+/* ---- the lane-16 dot: one half-warp per dot, thread j = lane j -------------------------- */
+
+/* The fixed tree of kiln_lane16_reduce over the 16 lanes of this thread's half-warp:
+ * (j, j+8), then (j, j+4), (j, j+2), (j, j+1). XOR partners give every lane the same sums
+ * (IEEE addition is commutative), so all 16 lanes return the dot's bits. mask: the
+ * half-warp's threads. */
+static __device__ __forceinline__ float lane16_tree(float a, unsigned mask) {
+    a = a + __shfl_xor_sync(mask, a, 8, 16);
+    a = a + __shfl_xor_sync(mask, a, 4, 16);
+    a = a + __shfl_xor_sync(mask, a, 2, 16);
+    a = a + __shfl_xor_sync(mask, a, 1, 16);
+    return a;
+}
+
+static __device__ __forceinline__ unsigned half_warp_mask() {
+    return (threadIdx.x & 16) ? 0xffff0000u : 0x0000ffffu;
+}
+
+/* ---- dequantization of one element: tensor.c's formulas, operation for operation -------- */
+
+static __device__ __forceinline__ uint32_t rd_u16(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+}
+
+/* tensor.c's fp16_to_fp32: exact widening built from bits (NaN keeps sign and payload). */
+static __device__ __forceinline__ float fp16_f32(uint32_t h) {
+    uint32_t sign = (h & 0x8000u) << 16;
+    uint32_t em = h & 0x7fffu;
+    uint32_t normal = (em << 13) + 0x38000000u;
+    uint32_t special = (em << 13) + 0x70000000u;
+    uint32_t sub = __float_as_uint((float)(int32_t)em * 0x1p-24f);
+    uint32_t r = em < 0x400u ? sub : em >= 0x7c00u ? special : normal;
+    return __uint_as_float(r | sign);
+}
+
+/* The 6-bit scale and min of group g of a q4_k / q5_k block (tensor.c's k_scale_min). */
+static __device__ __forceinline__ void k_scale_min(const uint8_t *s, int g, uint32_t *sc,
+                                                   uint32_t *mn) {
+    if (g < 4) {
+        *sc = s[g] & 0x3fu;
+        *mn = s[g + 4] & 0x3fu;
+    } else {
+        int j = g - 4;
+        *sc = (s[j + 8] & 0x0fu) | ((s[j] >> 2) & 0x30u);
+        *mn = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30u);
+    }
+}
+
+/* Element i of a row of dtype DT (row: its first byte). */
+template <int DT>
+static __device__ __forceinline__ float deq(const uint8_t *__restrict__ row, int64_t i) {
+    if (DT == KILN_DTYPE_F32) {
+        return ((const float *)row)[i];
+    } else if (DT == KILN_DTYPE_F16) {
+        return fp16_f32(((const uint16_t *)row)[i]);
+    } else if (DT == KILN_DTYPE_BF16) {
+        return __uint_as_float((uint32_t)((const uint16_t *)row)[i] << 16);
+    } else if (DT == KILN_DTYPE_Q8_0) {
+        const uint8_t *b = row + (i >> 5) * 34;
+        const float d = fp16_f32(rd_u16(b));
+        return (float)(int8_t)b[2 + (i & 31)] * d;
+    } else if (DT == KILN_DTYPE_Q4_0) {
+        const uint8_t *b = row + (i >> 5) * 18;
+        const float d = fp16_f32(rd_u16(b));
+        int j = (int)(i & 31);
+        int q = j < 16 ? (b[2 + j] & 0x0f) : (b[2 + j - 16] >> 4);
+        return d * (float)(q - 8);
+    } else if (DT == KILN_DTYPE_Q4_1) {
+        const uint8_t *b = row + (i >> 5) * 20;
+        const float d = fp16_f32(rd_u16(b));
+        const float m = fp16_f32(rd_u16(b + 2));
+        int j = (int)(i & 31);
+        uint32_t q = j < 16 ? (b[4 + j] & 0x0fu) : (uint32_t)(b[4 + j - 16] >> 4);
+        return d * (float)q + m;
+    } else if (DT == KILN_DTYPE_Q5_0) {
+        const uint8_t *b = row + (i >> 5) * 22;
+        const float d = fp16_f32(rd_u16(b));
+        int j = (int)(i & 31);
+        uint32_t hb = ((uint32_t)(b[2 + (j >> 3)] >> (j & 7)) & 1u) << 4;
+        uint32_t lo = j < 16 ? (b[6 + j] & 0x0fu) : (uint32_t)(b[6 + j - 16] >> 4);
+        return d * (float)((int)(lo | hb) - 16);
+    } else if (DT == KILN_DTYPE_Q5_1) {
+        const uint8_t *b = row + (i >> 5) * 24;
+        const float d = fp16_f32(rd_u16(b));
+        const float m = fp16_f32(rd_u16(b + 2));
+        int j = (int)(i & 31);
+        uint32_t hb = ((uint32_t)(b[4 + (j >> 3)] >> (j & 7)) & 1u) << 4;
+        uint32_t lo = j < 16 ? (b[8 + j] & 0x0fu) : (uint32_t)(b[8 + j - 16] >> 4);
+        return d * (float)(lo | hb) + m;
+    } else if (DT == KILN_DTYPE_Q4_K) {
+        const uint8_t *b = row + (i >> 8) * 144;
+        const float d = fp16_f32(rd_u16(b));
+        const float dmin = fp16_f32(rd_u16(b + 2));
+        int e = (int)(i & 255), g = e >> 5, l = e & 31;
+        uint32_t sc, mn;
+        k_scale_min(b + 4, g, &sc, &mn);
+        const float dg = d * (float)sc, mg = dmin * (float)mn;
+        uint32_t q = (b[16 + (g >> 1) * 32 + l] >> ((g & 1) * 4)) & 0x0fu;
+        return dg * (float)q - mg;
+    } else if (DT == KILN_DTYPE_Q5_K) {
+        const uint8_t *b = row + (i >> 8) * 176;
+        const float d = fp16_f32(rd_u16(b));
+        const float dmin = fp16_f32(rd_u16(b + 2));
+        int e = (int)(i & 255), g = e >> 5, l = e & 31;
+        uint32_t sc, mn;
+        k_scale_min(b + 4, g, &sc, &mn);
+        const float dg = d * (float)sc, mg = dmin * (float)mn;
+        uint32_t v = ((b[48 + (g >> 1) * 32 + l] >> ((g & 1) * 4)) & 0x0fu) |
+                     (((uint32_t)(b[16 + l] >> g) & 1u) << 4);
+        return dg * (float)v - mg;
+    } else { /* KILN_DTYPE_Q6_K */
+        const uint8_t *b = row + (i >> 8) * 210;
+        const float d = fp16_f32(rd_u16(b + 208));
+        int e = (int)(i & 255), h = e >> 7, g = (e >> 5) & 3, l = e & 31;
+        const uint8_t *lq = b + h * 64 + (g & 1) * 32;
+        const uint8_t *h2 = b + 128 + h * 32;
+        int q = (int)(((lq[l] >> ((g >> 1) * 4)) & 0x0fu) | (((uint32_t)(h2[l] >> (g * 2)) & 3u) << 4));
+        const float dd = d * (float)(int8_t)b[192 + h * 8 + g * 2 + (l >= 16)];
+        return dd * (float)(q - 32);
+    }
+}
+
+bool kiln_cuda_dtype_supported(kiln_dtype dt) {
+    switch (dt) {
+    case KILN_DTYPE_F32: case KILN_DTYPE_F16: case KILN_DTYPE_BF16: case KILN_DTYPE_Q8_0:
+    case KILN_DTYPE_Q4_0: case KILN_DTYPE_Q4_1: case KILN_DTYPE_Q5_0: case KILN_DTYPE_Q5_1:
+    case KILN_DTYPE_Q4_K: case KILN_DTYPE_Q5_K: case KILN_DTYPE_Q6_K:
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* Call F<DT>(args) for the runtime dtype dt (one of kiln_cuda_dtype_supported's). */
+#define KILN_CUDA_DTYPE_SWITCH(dt, F, ...)                                                      \
+    switch (dt) {                                                                              \
+    case KILN_DTYPE_F32: F<KILN_DTYPE_F32>(__VA_ARGS__); break;                                \
+    case KILN_DTYPE_F16: F<KILN_DTYPE_F16>(__VA_ARGS__); break;                                \
+    case KILN_DTYPE_BF16: F<KILN_DTYPE_BF16>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q8_0: F<KILN_DTYPE_Q8_0>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q4_0: F<KILN_DTYPE_Q4_0>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q4_1: F<KILN_DTYPE_Q4_1>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q5_0: F<KILN_DTYPE_Q5_0>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q5_1: F<KILN_DTYPE_Q5_1>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q4_K: F<KILN_DTYPE_Q4_K>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q5_K: F<KILN_DTYPE_Q5_K>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q6_K: F<KILN_DTYPE_Q6_K>(__VA_ARGS__); break;                              \
+    default: return cudaErrorInvalidValue;                                                     \
+    }
+
+/* ---- matmul: out(N,R) = x(N,C) @ W(R,C)^T (+ bias) ---------------------------------------- */
+
+/* One half-warp per row r and tile of NT tokens: thread j is lane j of each of the NT dots,
+ * walking elements j, j+16, ... in increasing order with fmaf, the weight dequantized once
+ * per element and shared by the NT tokens; then the fixed tree. 16 rows per 256-thread
+ * block. Each output is (one half-warp's) exactly the defined dot: bit-identical to the CPU. */
+#define MM_THREADS 256
+#define MM_ROWS_PER_BLOCK (MM_THREADS / 16)
+
+template <int DT, int NT>
+static __global__ void __launch_bounds__(MM_THREADS)
+matmul_kernel(float *__restrict__ out, const float *__restrict__ x,
+              const uint8_t *__restrict__ w, size_t row_bytes, const float *__restrict__ bias,
+              int64_t R, int64_t C, int N) {
+    const int lane = threadIdx.x & 15;
+    const int64_t r = (int64_t)blockIdx.x * MM_ROWS_PER_BLOCK + (threadIdx.x >> 4);
+    const int n0 = blockIdx.y * NT;
+    if (r >= R) return; /* whole half-warps leave together */
+    const unsigned mask = half_warp_mask();
+    const int nt = N - n0 < NT ? N - n0 : NT;
+    const uint8_t *row = w + r * row_bytes;
+    const float *xt = x + (int64_t)n0 * C;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.0f;
+    if (nt == NT) {
+#pragma unroll 8
+        for (int64_t i = lane; i < C; i += 16) {
+            const float wv = deq<DT>(row, i);
+#pragma unroll
+            for (int t = 0; t < NT; t++) acc[t] = __fmaf_rn(xt[t * C + i], wv, acc[t]);
+        }
+    } else {
+        for (int64_t i = lane; i < C; i += 16) {
+            const float wv = deq<DT>(row, i);
+#pragma unroll
+            for (int t = 0; t < NT; t++)
+                if (t < nt) acc[t] = __fmaf_rn(xt[t * C + i], wv, acc[t]);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float s = lane16_tree(acc[t], mask);
+        if (bias) s = s + bias[r];
+        if (lane == t % 16 && t < nt) out[(int64_t)(n0 + t) * R + r] = s;
+    }
+}
+
+template <int DT>
+static void matmul_launch(cudaStream_t s, float *out, const float *x, const uint8_t *w,
+                          size_t row_bytes, const float *bias, int64_t R, int64_t C, int N) {
+    const unsigned gx = (unsigned)((R + MM_ROWS_PER_BLOCK - 1) / MM_ROWS_PER_BLOCK);
+    if (N == 1) {
+        matmul_kernel<DT, 1><<<dim3(gx, 1), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias, R,
+                                                                C, N);
+    } else if (N <= 4) {
+        matmul_kernel<DT, 4><<<dim3(gx, 1), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias, R,
+                                                                C, N);
+    } else {
+        const unsigned gy = (unsigned)((N + 7) / 8);
+        matmul_kernel<DT, 8><<<dim3(gx, gy), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias, R,
+                                                                 C, N);
+    }
+}
+
+cudaError_t kiln_cuda_matmul(cudaStream_t s, float *out, const float *x, const uint8_t *w,
+                             size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
+                             const float *bias, int N) {
+    if (R <= 0 || N <= 0) return cudaSuccess;
+    if ((R + MM_ROWS_PER_BLOCK - 1) / MM_ROWS_PER_BLOCK > 0x7fffffff || (N + 7) / 8 > 65535)
+        return cudaErrorInvalidConfiguration;
+    KILN_CUDA_DTYPE_SWITCH(dt, matmul_launch, s, out, x, w, row_bytes, bias, R, C, N);
+    return cudaGetLastError();
+}
+
+/* ---- embed: out(N,C) = dequantized rows ids[n] -------------------------------------------- */
+
+template <int DT>
+static __global__ void embed_kernel(float *__restrict__ out, const uint8_t *__restrict__ table,
+                                    size_t row_bytes, int64_t C, const int32_t *__restrict__ ids,
+                                    int64_t total) {
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total;
+         u += (int64_t)gridDim.x * blockDim.x) {
+        int64_t n = u / C, c = u - n * C;
+        out[u] = deq<DT>(table + (size_t)ids[n] * row_bytes, c);
+    }
+}
+
+static unsigned grid_for(int64_t total, int threads) {
+    int64_t g = (total + threads - 1) / threads;
+    return (unsigned)(g > (1 << 20) ? (1 << 20) : g);
+}
+
+template <int DT>
+static void embed_launch(cudaStream_t s, float *out, const uint8_t *table, size_t row_bytes,
+                         int64_t C, const int32_t *ids, int64_t total) {
+    embed_kernel<DT><<<grid_for(total, 256), 256, 0, s>>>(out, table, row_bytes, C, ids, total);
+}
+
+cudaError_t kiln_cuda_embed(cudaStream_t s, float *out, const uint8_t *table, size_t row_bytes,
+                            kiln_dtype dt, int64_t C, const int32_t *ids, int N) {
+    int64_t total = (int64_t)N * C;
+    if (total <= 0) return cudaSuccess;
+    KILN_CUDA_DTYPE_SWITCH(dt, embed_launch, s, out, table, row_bytes, C, ids, total);
+    return cudaGetLastError();
+}
+
+/* ---- rmsnorm: one half-warp per row -------------------------------------------------------- */
+
+/* out may alias x: each thread reads its elements for the dot, the tree (which needs every
+ * lane's accumulator) orders all reads before any write, and the final loop reads and writes
+ * each element in one thread. */
+static __global__ void rmsnorm_kernel(float *out, const float *x, const float *__restrict__ w,
+                                      int N, int C, float eps) {
+    const int lane = threadIdx.x & 15;
+    const int64_t n = (int64_t)blockIdx.x * (blockDim.x >> 4) + (threadIdx.x >> 4);
+    if (n >= N) return;
+    const unsigned mask = half_warp_mask();
+    const float *xr = x + n * C;
+    float acc = 0.0f;
+    for (int i = lane; i < C; i += 16) acc = __fmaf_rn(xr[i], xr[i], acc);
+    const float r = kiln_rms_scale(lane16_tree(acc, mask), C, eps);
+    float *o = out + n * C;
+    if (w)
+        for (int i = lane; i < C; i += 16) o[i] = (xr[i] * r) * w[i];
+    else
+        for (int i = lane; i < C; i += 16) o[i] = xr[i] * r;
+}
+
+cudaError_t kiln_cuda_rmsnorm(cudaStream_t s, float *out, const float *x, const float *w, int N,
+                              int C, float eps) {
+    if (N <= 0 || C <= 0) return cudaSuccess;
+    rmsnorm_kernel<<<(unsigned)((N + 15) / 16), 256, 0, s>>>(out, x, w, N, C, eps);
+    return cudaGetLastError();
+}
+
+/* ---- rope: one thread per rotated pair ------------------------------------------------------ */
+
+static __global__ void rope_kernel(float *x, const int32_t *__restrict__ pos, int N, int H,
+                                   int HS, const float *__restrict__ cos_tab,
+                                   const float *__restrict__ sin_tab, int64_t total) {
+    const int half = HS / 2;
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total;
+         u += (int64_t)gridDim.x * blockDim.x) {
+        int64_t nh = u / half; /* token * H + head */
+        int i = (int)(u - nh * half);
+        int64_t n = nh / H;
+        float *v = x + nh * HS;
+        const float c = cos_tab[(int64_t)pos[n] * half + i];
+        const float sn = sin_tab[(int64_t)pos[n] * half + i];
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c - b * sn;
+        v[i + half] = b * c + a * sn;
+    }
+}
+
+cudaError_t kiln_cuda_rope(cudaStream_t s, float *x, const int32_t *pos, int N, int H, int HS,
+                           const float *cos_tab, const float *sin_tab) {
+    int64_t total = (int64_t)N * H * (HS / 2);
+    if (total <= 0) return cudaSuccess;
+    rope_kernel<<<grid_for(total, 256), 256, 0, s>>>(x, pos, N, H, HS, cos_tab, sin_tab, total);
+    return cudaGetLastError();
+}
+
+/* ---- attention: one block per (token, head), keys in order -------------------------------- */
+
+/* The online softmax of docs/ARITHMETIC.md for one (token i, head h). The 64 dots of a key
+ * block are split over the block's half-warps (each dot is one half-warp's lane-16 dot); the
+ * block max and the sum l are taken by one thread in key order, exactly as the CPU does (the
+ * max's tie between -0 and +0 and its NaN handling are order-dependent, so it is not a tree);
+ * the accumulator is split over d, each d walking the keys in order. */
+#define ATTN_THREADS 128
+
+static __global__ void __launch_bounds__(ATTN_THREADS)
+attention_kernel(float *__restrict__ out, const float *__restrict__ q,
+                 const float *__restrict__ kc, const float *__restrict__ vc, int n_past, int NH,
+                 int KVH, int HS, float scale) {
+    extern __shared__ float sm[];
+    float *qs = sm;             /* (HS) */
+    float *acc = sm + HS;       /* (HS) */
+    __shared__ float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK];
+    __shared__ float sh_m_new, sh_alpha, sh_l;
+    const int i = blockIdx.x / NH, h = blockIdx.x % NH;
+    const int kvh = h / (NH / KVH);
+    const int64_t stride = (int64_t)KVH * HS;
+    const int tid = threadIdx.x, lane = tid & 15, hw = tid >> 4;
+    const unsigned mask = half_warp_mask();
+    const float *qrow = q + ((int64_t)i * NH + h) * HS;
+    const float *kbase = kc + (int64_t)kvh * HS;
+    const float *vbase = vc + (int64_t)kvh * HS;
+    for (int d = tid; d < HS; d += ATTN_THREADS) {
+        qs[d] = qrow[d];
+        acc[d] = 0.0f;
+    }
+    const int T = n_past + i + 1;
+    float m = -INFINITY, l = 0.0f;
+    __syncthreads();
+    for (int kb = 0; kb < T; kb += KILN_ATTN_BLOCK) {
+        const int nk = T - kb < KILN_ATTN_BLOCK ? T - kb : KILN_ATTN_BLOCK;
+        for (int j = hw; j < nk; j += ATTN_THREADS / 16) {
+            const float *kj = kbase + (int64_t)(kb + j) * stride;
+            float a = 0.0f;
+            for (int d = lane; d < HS; d += 16) a = __fmaf_rn(qs[d], kj[d], a);
+            a = lane16_tree(a, mask);
+            if (lane == 0) s[j] = a * scale;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            float bm = -INFINITY;
+            for (int t = 0; t < nk; t++) bm = s[t] > bm ? s[t] : bm;
+            const float m_new = bm > m ? bm : m;
+            sh_m_new = m_new;
+            sh_alpha = kiln_expf(m - m_new);
+        }
+        __syncthreads();
+        const float m_new = sh_m_new, alpha = sh_alpha;
+        for (int t = tid; t < nk; t += ATTN_THREADS) p[t] = kiln_expf(s[t] - m_new);
+        __syncthreads();
+        if (tid == 0) {
+            l = l * alpha;
+            for (int t = 0; t < nk; t++) l = l + p[t];
+        }
+        for (int d = tid; d < HS; d += ATTN_THREADS) {
+            float a = acc[d] * alpha;
+            const float *vd = vbase + (int64_t)kb * stride + d;
+            for (int t = 0; t < nk; t++) a = __fmaf_rn(p[t], vd[(int64_t)t * stride], a);
+            acc[d] = a;
+        }
+        m = m_new;
+        __syncthreads(); /* s and p are rewritten by the next block */
+    }
+    if (tid == 0) sh_l = l;
+    __syncthreads();
+    float *o = out + ((int64_t)i * NH + h) * HS;
+    for (int d = tid; d < HS; d += ATTN_THREADS) o[d] = acc[d] / sh_l;
+}
+
+cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, const float *k,
+                                const float *v, int N, int n_past, int NH, int KVH, int HS,
+                                float scale) {
+    if (N <= 0 || NH <= 0 || HS <= 0) return cudaSuccess;
+    if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0) return cudaErrorInvalidValue;
+    size_t smem = (size_t)2 * HS * sizeof(float);
+    attention_kernel<<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
+        out, q, k, v, n_past, NH, KVH, HS, scale);
+    return cudaGetLastError();
+}
+
+/* ---- elementwise ----------------------------------------------------------------------------- */
+
+static __global__ void swiglu_kernel(float *out, const float *gate, const float *up, size_t n) {
+    for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
+         u += (size_t)gridDim.x * blockDim.x)
+        out[u] = kiln_swiglu(gate[u], up[u]);
+}
+
+static __global__ void add_kernel(float *x, const float *y, size_t n) {
+    for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
+         u += (size_t)gridDim.x * blockDim.x)
+        x[u] = x[u] + y[u];
+}
+
+cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, const float *up,
+                             size_t n) {
+    if (n == 0) return cudaSuccess;
+    swiglu_kernel<<<grid_for((int64_t)n, 256), 256, 0, s>>>(out, gate, up, n);
+    return cudaGetLastError();
+}
+
+cudaError_t kiln_cuda_add(cudaStream_t s, float *x, const float *y, size_t n) {
+    if (n == 0) return cudaSuccess;
+    add_kernel<<<grid_for((int64_t)n, 256), 256, 0, s>>>(x, y, n);
+    return cudaGetLastError();
+}

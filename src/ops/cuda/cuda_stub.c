@@ -1,0 +1,18 @@
+/*
+ * cuda_stub.c -- kiln_backend_cuda_create in a build without CUDA: it exists in every build
+ * (so callers need no #ifdef) and says why it cannot work. With CUDA the real one is in
+ * cuda_backend.cu.
+ */
+#include "../ops.h"
+
+#ifndef KILN_HAVE_CUDA
+kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {
+    (void)device;
+    if (out) *out = NULL;
+    return kiln_error(KILN_ERR_UNSUPPORTED,
+                      "kiln_backend_cuda_create: this kiln was built without CUDA "
+                      "(configure with -DKILN_CUDA=ON where nvcc is installed)");
+}
+#else
+typedef int kiln_cuda_stub_unused; /* ISO C wants a non-empty translation unit */
+#endif
