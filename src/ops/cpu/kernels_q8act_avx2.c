@@ -124,22 +124,21 @@ TGT_INLINE int32_t ld32(const uint8_t *p) {
 /* The f16 at byte 0 (and 2) of 8 blocks BB bytes apart; lanes >= nv give 0. (Plain loads:
  * vpgatherdd is microcoded and slow on AMD Zen.) */
 TGT_INLINE void scales8(const uint8_t *blk0, int BB, int nv, __m256 *d, __m256 *m) {
-    __m256i g;
-    if (nv == 8) {
-        /* explicit inserts: a vector built through the stack stalls on store forwarding */
-        __m128i a = _mm_cvtsi32_si128(ld32(blk0)), b = _mm_cvtsi32_si128(ld32(blk0 + 4 * BB));
-        a = _mm_insert_epi32(a, ld32(blk0 + BB), 1);
-        b = _mm_insert_epi32(b, ld32(blk0 + 5 * BB), 1);
-        a = _mm_insert_epi32(a, ld32(blk0 + 2 * BB), 2);
-        b = _mm_insert_epi32(b, ld32(blk0 + 6 * BB), 2);
-        a = _mm_insert_epi32(a, ld32(blk0 + 3 * BB), 3);
-        b = _mm_insert_epi32(b, ld32(blk0 + 7 * BB), 3);
-        g = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
-    } else {
-        int32_t tmp[8] = {0};
-        for (int k = 0; k < nv; k++) tmp[k] = ld32(blk0 + k * BB);
-        g = _mm256_loadu_si256((const __m256i *)tmp);
-    }
+    /* explicit inserts: a vector built through the stack stalls on store forwarding. Lanes
+     * >= nv re-read the last valid block (in bounds) and are zeroed after. */
+    int o[8];
+    for (int k = 0; k < 8; k++) o[k] = (k < nv ? k : nv - 1) * BB;
+    __m128i a = _mm_cvtsi32_si128(ld32(blk0 + o[0])), b = _mm_cvtsi32_si128(ld32(blk0 + o[4]));
+    a = _mm_insert_epi32(a, ld32(blk0 + o[1]), 1);
+    b = _mm_insert_epi32(b, ld32(blk0 + o[5]), 1);
+    a = _mm_insert_epi32(a, ld32(blk0 + o[2]), 2);
+    b = _mm_insert_epi32(b, ld32(blk0 + o[6]), 2);
+    a = _mm_insert_epi32(a, ld32(blk0 + o[3]), 3);
+    b = _mm_insert_epi32(b, ld32(blk0 + o[7]), 3);
+    __m256i g = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
+    if (nv < 8)
+        g = _mm256_and_si256(g, _mm256_cmpgt_epi32(_mm256_set1_epi32(nv),
+                                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
     /* per 128-bit lane: low halves to bytes 0-7, high halves to 8-15; then gather lanes */
     const __m256i shuf = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
