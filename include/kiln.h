@@ -418,6 +418,10 @@ KILN_API kiln_status kiln_train_set_param(kiln_trainer *t, const char *name, con
                                           int64_t n);
 KILN_API kiln_status kiln_train_get_grad(const kiln_trainer *t, const char *name, float *out,
                                          int64_t n);
+/* Import many parameters at once: names[i] gets data[i] (n[i] floats). Every name, size and
+ * value is checked before any parameter is written: on error nothing has changed. */
+KILN_API kiln_status kiln_train_set_params(kiln_trainer *t, int count, const char *const *names,
+                                           const float *const *data, const int64_t *n);
 
 /* Memory by kiln's own accounting, in bytes. */
 typedef struct kiln_train_memory {

@@ -137,6 +137,8 @@ def load_library(path=None):
         "kiln_train_set_param": (C.c_int, [P, C.c_char_p, C.POINTER(C.c_float), C.c_int64]),
         "kiln_train_get_grad": (C.c_int, [P, C.c_char_p, C.POINTER(C.c_float), C.c_int64]),
         "kiln_train_describe": (C.c_int, [P, C.c_char_p, C.c_size_t, C.POINTER(TrainMemory)]),
+        "kiln_train_set_params": (C.c_int, [P, C.c_int, C.POINTER(C.c_char_p),
+                                            C.POINTER(C.POINTER(C.c_float)), C.POINTER(C.c_int64)]),
         "kiln_train_save": (C.c_int, [P, C.c_char_p, C.c_uint64, C.c_char_p, C.c_int]),
         "kiln_train_load": (C.c_int, [P, C.c_char_p, C.POINTER(C.c_uint64), C.POINTER(C.c_void_p)]),
         "kiln_string_free": (None, [C.c_void_p]),
@@ -364,6 +366,15 @@ class Trainer:
         a = np.ascontiguousarray(values, dtype=np.float32).ravel()
         _check(self._lib.kiln_train_set_param(self._h, name.encode(),
                                               a.ctypes.data_as(C.POINTER(C.c_float)), a.size))
+
+    def set_params(self, named):
+        """Import {name: array} all at once; nothing changes unless every entry is valid."""
+        import numpy as np
+        items = [(k, np.ascontiguousarray(v, dtype=np.float32).ravel()) for k, v in named.items()]
+        names = (C.c_char_p * len(items))(*[k.encode() for k, _ in items])
+        ptrs = (C.POINTER(C.c_float) * len(items))(*[a.ctypes.data_as(C.POINTER(C.c_float)) for _, a in items])
+        sizes = (C.c_int64 * len(items))(*[a.size for _, a in items])
+        _check(self._lib.kiln_train_set_params(self._h, len(items), names, ptrs, sizes))
 
     def forward(self, ids, targets, reduction="mean", scale=1.0):
         loss = C.c_float()

@@ -766,6 +766,36 @@ kiln_status kiln_train_set_param(kiln_trainer *t, const char *name, const float 
     return KILN_OK;
 }
 
+kiln_status kiln_train_set_params(kiln_trainer *t, int count, const char *const *names, const float *const *data,
+                                  const int64_t *n) {
+    KILN_TRY(check_ready(t, "kiln_train_set_params"));
+    if (count < 0 || (count && (!names || !data || !n)))
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_set_params: NULL argument");
+    int any_bf16 = 0;
+    for (int i = 0; i < count; i++) { /* check everything first */
+        if (!names[i] || !data[i]) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_set_params: entry %d is NULL", i);
+        const train_param *p = find_param(t, names[i], n[i], "kiln_train_set_params");
+        if (!p) return KILN_ERR_INVALID_ARG;
+        for (int j = 0; j < i; j++)
+            if (!strcmp(names[j], names[i]))
+                return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_set_params: '%s' given twice", names[i]);
+        for (int64_t k = 0; k < n[i]; k++)
+            if (!isfinite(data[i][k]))
+                return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_set_params: '%s'[%lld] is not finite", names[i],
+                                  (long long)k);
+        any_bf16 |= p->dtype != KILN_DTYPE_F32;
+    }
+    if (any_bf16 && kiln_adamw_get_step(t->opt_mat) > 0)
+        return kiln_error(KILN_ERR_STATE, "kiln_train_set_params: bf16 storage: weights can only be set before the first step");
+    for (int i = 0; i < count; i++) {
+        const train_param *p = find_param(t, names[i], n[i], "kiln_train_set_params");
+        if (p->dtype == KILN_DTYPE_F32) memcpy(p->w, data[i], (size_t)n[i] * sizeof(float));
+        else
+            for (int64_t k = 0; k < n[i]; k++) ((uint16_t *)p->w)[k] = kiln_fp32_to_bf16(data[i][k]);
+    }
+    return any_bf16 ? create_optimizers(t) : KILN_OK;
+}
+
 kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, kiln_train_memory *mem) {
     if (!t) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_describe: NULL trainer");
     kiln_train_memory m;

@@ -103,3 +103,27 @@ def test_refused_checkpoints_and_nonfinite(tmp_path, build_dir):
         a.set_param(name, w)
     desc, mem = a.describe()
     assert mem["params"] > 0 and mem["optimizer"] == 2 * mem["params"] and "adamw" in desc
+
+
+def test_import_all_and_nonfinite_loss(tmp_path, build_dir):
+    d, ref = build_model(tmp_path, "qwen3")
+    m = kiln.Model(d)
+    tr = kiln.Trainer(m, max_seq=32, n_threads=1)
+    sd = {k: v.detach().float().numpy() * 1.5 for k, v in ref.named_parameters()}
+    bad = dict(sd)
+    bad["model.layers.0.mlp.up_proj.weight"] = bad["model.layers.0.mlp.up_proj.weight"][:-1]  # wrong size
+    before = weights(tr)
+    with pytest.raises(kiln.KilnError, match="elements"):
+        tr.set_params(bad)
+    assert all(np.array_equal(before[k], v) for k, v in weights(tr).items())  # nothing written
+    tr.set_params(sd)
+    for k, v in sd.items():
+        assert np.array_equal(tr.get_param(k, v.size), v.ravel()), k
+    # weights that overflow the forward: the loss is not finite, stopped before anything else
+    huge = {"model.norm.weight": np.full_like(sd["model.norm.weight"], 3e38)}
+    tr.set_params(huge)
+    ids = list(range(3, 19))
+    with pytest.raises(kiln.KilnError, match="not finite"):
+        tr.step(ids)
+    with pytest.raises(kiln.KilnError, match="no pending step"):
+        tr.backward()
