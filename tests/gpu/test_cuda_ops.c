@@ -15,6 +15,9 @@
 
 #include <math.h>
 #include <stdio.h>
+
+/* The load-ahead depth of the CUDA N = 1 matmul (cuda_kernels.cu): same bits for any. */
+extern int kiln_cuda_matmul_step;
 #include <stdlib.h>
 #include <string.h>
 
@@ -422,7 +425,13 @@ int main(int argc, char **argv) {
             test_matmul(dt, Rs[rnd_int(0, 6)], rnd_width(dt), Ns[rnd_int(0, 7)], rnd_int(0, 1),
                         rep & 1);
         }
-        test_matmul(dt, 203, rnd_width(dt), 1, 1, 0); /* decode shape */
+        /* decode shapes, under both load-ahead depths of the N = 1 kernel */
+        for (int step = 32; step <= 64; step *= 2) {
+            kiln_cuda_matmul_step = step;
+            test_matmul(dt, 203, rnd_width(dt), 1, 1, 0);
+            test_matmul(dt, rnd_int(1, 300), rnd_width(dt) * rnd_int(1, 3), 1, rnd_int(0, 1), 1);
+        }
+        kiln_cuda_matmul_step = 0; /* the default: per dtype */
         for (int rep = 0; rep < 2; rep++)
             test_embed(dt, rnd_int(1, 40), rnd_width(dt), rnd_int(1, 19), rep);
     }

@@ -60,62 +60,72 @@ static __device__ __forceinline__ void k_scale_min(const uint8_t *s, int g, uint
     }
 }
 
-/* Element i of a row of dtype DT (row: its first byte). */
+/* Bytes per block and elements per block of the quantized types (plain types: one element). */
+template <int DT> struct blk {
+    static constexpr int BS = DT == KILN_DTYPE_F32 || DT == KILN_DTYPE_F16 || DT == KILN_DTYPE_BF16
+                                  ? 1
+                              : DT == KILN_DTYPE_Q4_K || DT == KILN_DTYPE_Q5_K || DT == KILN_DTYPE_Q6_K
+                                  ? 256
+                                  : 32;
+    static constexpr int TS = DT == KILN_DTYPE_F32 ? 4
+                              : DT == KILN_DTYPE_F16 || DT == KILN_DTYPE_BF16 ? 2
+                              : DT == KILN_DTYPE_Q8_0 ? 34
+                              : DT == KILN_DTYPE_Q4_0 ? 18
+                              : DT == KILN_DTYPE_Q4_1 ? 20
+                              : DT == KILN_DTYPE_Q5_0 ? 22
+                              : DT == KILN_DTYPE_Q5_1 ? 24
+                              : DT == KILN_DTYPE_Q4_K ? 144
+                              : DT == KILN_DTYPE_Q5_K ? 176
+                                                      : 210;
+};
+
+/* Element e of the block that starts at b (plain types: element e of the run at b). Loads of
+ * the block header are the same expressions for every e, so an unrolled caller that asks for
+ * several elements of one block loads the header once. */
 template <int DT>
-static __device__ __forceinline__ float deq(const uint8_t *__restrict__ row, int64_t i) {
+static __device__ __forceinline__ float deq_blk(const uint8_t *__restrict__ b, int e) {
     if (DT == KILN_DTYPE_F32) {
-        return ((const float *)row)[i];
+        return ((const float *)b)[e];
     } else if (DT == KILN_DTYPE_F16) {
-        return fp16_f32(((const uint16_t *)row)[i]);
+        return fp16_f32(((const uint16_t *)b)[e]);
     } else if (DT == KILN_DTYPE_BF16) {
-        return __uint_as_float((uint32_t)((const uint16_t *)row)[i] << 16);
+        return __uint_as_float((uint32_t)((const uint16_t *)b)[e] << 16);
     } else if (DT == KILN_DTYPE_Q8_0) {
-        const uint8_t *b = row + (i >> 5) * 34;
         const float d = fp16_f32(rd_u16(b));
-        return (float)(int8_t)b[2 + (i & 31)] * d;
+        return (float)(int8_t)b[2 + e] * d;
     } else if (DT == KILN_DTYPE_Q4_0) {
-        const uint8_t *b = row + (i >> 5) * 18;
         const float d = fp16_f32(rd_u16(b));
-        int j = (int)(i & 31);
-        int q = j < 16 ? (b[2 + j] & 0x0f) : (b[2 + j - 16] >> 4);
+        int q = e < 16 ? (b[2 + e] & 0x0f) : (b[2 + e - 16] >> 4);
         return d * (float)(q - 8);
     } else if (DT == KILN_DTYPE_Q4_1) {
-        const uint8_t *b = row + (i >> 5) * 20;
         const float d = fp16_f32(rd_u16(b));
         const float m = fp16_f32(rd_u16(b + 2));
-        int j = (int)(i & 31);
-        uint32_t q = j < 16 ? (b[4 + j] & 0x0fu) : (uint32_t)(b[4 + j - 16] >> 4);
+        uint32_t q = e < 16 ? (b[4 + e] & 0x0fu) : (uint32_t)(b[4 + e - 16] >> 4);
         return d * (float)q + m;
     } else if (DT == KILN_DTYPE_Q5_0) {
-        const uint8_t *b = row + (i >> 5) * 22;
         const float d = fp16_f32(rd_u16(b));
-        int j = (int)(i & 31);
-        uint32_t hb = ((uint32_t)(b[2 + (j >> 3)] >> (j & 7)) & 1u) << 4;
-        uint32_t lo = j < 16 ? (b[6 + j] & 0x0fu) : (uint32_t)(b[6 + j - 16] >> 4);
+        uint32_t hb = ((uint32_t)(b[2 + (e >> 3)] >> (e & 7)) & 1u) << 4;
+        uint32_t lo = e < 16 ? (b[6 + e] & 0x0fu) : (uint32_t)(b[6 + e - 16] >> 4);
         return d * (float)((int)(lo | hb) - 16);
     } else if (DT == KILN_DTYPE_Q5_1) {
-        const uint8_t *b = row + (i >> 5) * 24;
         const float d = fp16_f32(rd_u16(b));
         const float m = fp16_f32(rd_u16(b + 2));
-        int j = (int)(i & 31);
-        uint32_t hb = ((uint32_t)(b[4 + (j >> 3)] >> (j & 7)) & 1u) << 4;
-        uint32_t lo = j < 16 ? (b[8 + j] & 0x0fu) : (uint32_t)(b[8 + j - 16] >> 4);
+        uint32_t hb = ((uint32_t)(b[4 + (e >> 3)] >> (e & 7)) & 1u) << 4;
+        uint32_t lo = e < 16 ? (b[8 + e] & 0x0fu) : (uint32_t)(b[8 + e - 16] >> 4);
         return d * (float)(lo | hb) + m;
     } else if (DT == KILN_DTYPE_Q4_K) {
-        const uint8_t *b = row + (i >> 8) * 144;
         const float d = fp16_f32(rd_u16(b));
         const float dmin = fp16_f32(rd_u16(b + 2));
-        int e = (int)(i & 255), g = e >> 5, l = e & 31;
+        int g = e >> 5, l = e & 31;
         uint32_t sc, mn;
         k_scale_min(b + 4, g, &sc, &mn);
         const float dg = d * (float)sc, mg = dmin * (float)mn;
         uint32_t q = (b[16 + (g >> 1) * 32 + l] >> ((g & 1) * 4)) & 0x0fu;
         return dg * (float)q - mg;
     } else if (DT == KILN_DTYPE_Q5_K) {
-        const uint8_t *b = row + (i >> 8) * 176;
         const float d = fp16_f32(rd_u16(b));
         const float dmin = fp16_f32(rd_u16(b + 2));
-        int e = (int)(i & 255), g = e >> 5, l = e & 31;
+        int g = e >> 5, l = e & 31;
         uint32_t sc, mn;
         k_scale_min(b + 4, g, &sc, &mn);
         const float dg = d * (float)sc, mg = dmin * (float)mn;
@@ -123,15 +133,20 @@ static __device__ __forceinline__ float deq(const uint8_t *__restrict__ row, int
                      (((uint32_t)(b[16 + l] >> g) & 1u) << 4);
         return dg * (float)v - mg;
     } else { /* KILN_DTYPE_Q6_K */
-        const uint8_t *b = row + (i >> 8) * 210;
         const float d = fp16_f32(rd_u16(b + 208));
-        int e = (int)(i & 255), h = e >> 7, g = (e >> 5) & 3, l = e & 31;
+        int h = e >> 7, g = (e >> 5) & 3, l = e & 31;
         const uint8_t *lq = b + h * 64 + (g & 1) * 32;
         const uint8_t *h2 = b + 128 + h * 32;
         int q = (int)(((lq[l] >> ((g >> 1) * 4)) & 0x0fu) | (((uint32_t)(h2[l] >> (g * 2)) & 3u) << 4));
         const float dd = d * (float)(int8_t)b[192 + h * 8 + g * 2 + (l >= 16)];
         return dd * (float)(q - 32);
     }
+}
+
+/* Element i of a row of dtype DT (row: its first byte). */
+template <int DT>
+static __device__ __forceinline__ float deq(const uint8_t *__restrict__ row, int64_t i) {
+    return deq_blk<DT>(row + (i / blk<DT>::BS) * blk<DT>::TS, (int)(i % blk<DT>::BS));
 }
 
 bool kiln_cuda_dtype_supported(kiln_dtype dt) {
@@ -167,15 +182,26 @@ bool kiln_cuda_dtype_supported(kiln_dtype dt) {
 /* One half-warp per row r and tile of NT tokens: thread j is lane j of each of the NT dots,
  * walking elements j, j+16, ... in increasing order with fmaf, the weight dequantized once
  * per element and shared by the NT tokens; then the fixed tree. 16 rows per 256-thread
- * block. Each output is (one half-warp's) exactly the defined dot: bit-identical to the CPU. */
+ * block. Each output is (one half-warp's) exactly the defined dot: bit-identical to the CPU.
+ *
+ * The walk goes by "walk blocks" of VB elements (the quantization block; 16 elements for
+ * plain types), in which lane j owns the EPL = VB/16 elements j + 16m. A step loads UB walk
+ * blocks (about 32 of the lane's weights, so that many loads are in flight before the first
+ * FMA: the chain of a lane is sequential by definition, so memory parallelism has to come
+ * from loading ahead), then runs the FMAs in element order. */
 #define MM_THREADS 256
 #define MM_ROWS_PER_BLOCK (MM_THREADS / 16)
 
-template <int DT, int NT>
+template <int DT, int NT, int PER_STEP>
 static __global__ void __launch_bounds__(MM_THREADS)
 matmul_kernel(float *__restrict__ out, const float *__restrict__ x,
               const uint8_t *__restrict__ w, size_t row_bytes, const float *__restrict__ bias,
               int64_t R, int64_t C, int N) {
+    constexpr bool plain = blk<DT>::BS == 1;
+    constexpr int VB = plain ? 16 : blk<DT>::BS;            /* elements per walk block */
+    constexpr int VTS = plain ? 16 * blk<DT>::TS : blk<DT>::TS; /* its bytes */
+    constexpr int EPL = VB / 16;                             /* the lane's elements in it */
+    constexpr int UB = PER_STEP / EPL > 0 ? PER_STEP / EPL : 1;
     const int lane = threadIdx.x & 15;
     const int64_t r = (int64_t)blockIdx.x * MM_ROWS_PER_BLOCK + (threadIdx.x >> 4);
     const int n0 = blockIdx.y * NT;
@@ -183,24 +209,42 @@ matmul_kernel(float *__restrict__ out, const float *__restrict__ x,
     const unsigned mask = half_warp_mask();
     const int nt = N - n0 < NT ? N - n0 : NT;
     const uint8_t *row = w + r * row_bytes;
-    const float *xt = x + (int64_t)n0 * C;
+    const float *xt = x + (int64_t)n0 * C + lane;
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
-    if (nt == NT) {
-#pragma unroll 8
-        for (int64_t i = lane; i < C; i += 16) {
-            const float wv = deq<DT>(row, i);
+    const int64_t nb = C / VB;
+    int64_t b = 0;
+    for (; b + UB <= nb; b += UB) {
+        float wv[UB * EPL];
 #pragma unroll
-            for (int t = 0; t < NT; t++) acc[t] = __fmaf_rn(xt[t * C + i], wv, acc[t]);
-        }
-    } else {
-        for (int64_t i = lane; i < C; i += 16) {
-            const float wv = deq<DT>(row, i);
+        for (int u = 0; u < UB; u++)
+#pragma unroll
+            for (int m = 0; m < EPL; m++)
+                wv[u * EPL + m] = deq_blk<DT>(row + (b + u) * VTS, lane + 16 * m);
+        const float *xb = xt + b * VB;
+#pragma unroll
+        for (int k = 0; k < UB * EPL; k++)
 #pragma unroll
             for (int t = 0; t < NT; t++)
-                if (t < nt) acc[t] = __fmaf_rn(xt[t * C + i], wv, acc[t]);
-        }
+                if (t < nt) acc[t] = __fmaf_rn(xb[(int64_t)t * C + 16 * k], wv[k], acc[t]);
+    }
+    for (; b < nb; b++) {
+        float wv[EPL];
+#pragma unroll
+        for (int m = 0; m < EPL; m++) wv[m] = deq_blk<DT>(row + b * VTS, lane + 16 * m);
+        const float *xb = xt + b * VB;
+#pragma unroll
+        for (int k = 0; k < EPL; k++)
+#pragma unroll
+            for (int t = 0; t < NT; t++)
+                if (t < nt) acc[t] = __fmaf_rn(xb[(int64_t)t * C + 16 * k], wv[k], acc[t]);
+    }
+    if (plain && nb * VB + lane < C) { /* the last, partial run of 16 */
+        const float wl = deq<DT>(row, nb * VB + lane);
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+            if (t < nt) acc[t] = __fmaf_rn(xt[(int64_t)t * C + nb * VB], wl, acc[t]);
     }
 #pragma unroll
     for (int t = 0; t < NT; t++) {
@@ -210,20 +254,32 @@ matmul_kernel(float *__restrict__ out, const float *__restrict__ x,
     }
 }
 
+/* The lane's weights loaded ahead per step at N = 1: 32 or 64, or 0 (the default) for the
+ * faster on an H200 (64 for f16/bf16, 32 for the rest: docs/CUDA.md). tests/gpu runs both and
+ * bench_cuda_matmul times both. Any value gives the same bits: it only changes when loads are
+ * issued, never the order of the FMAs. */
+extern "C" int kiln_cuda_matmul_step;
+int kiln_cuda_matmul_step = 0;
+
 template <int DT>
 static void matmul_launch(cudaStream_t s, float *out, const float *x, const uint8_t *w,
                           size_t row_bytes, const float *bias, int64_t R, int64_t C, int N) {
     const unsigned gx = (unsigned)((R + MM_ROWS_PER_BLOCK - 1) / MM_ROWS_PER_BLOCK);
-    if (N == 1) {
-        matmul_kernel<DT, 1><<<dim3(gx, 1), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias, R,
-                                                                C, N);
+    const int step = kiln_cuda_matmul_step ? kiln_cuda_matmul_step
+                     : (DT == KILN_DTYPE_F16 || DT == KILN_DTYPE_BF16) ? 64 : 32;
+    if (N == 1 && step == 32) {
+        matmul_kernel<DT, 1, 32><<<dim3(gx, 1), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias,
+                                                                    R, C, N);
+    } else if (N == 1) {
+        matmul_kernel<DT, 1, 64><<<dim3(gx, 1), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias,
+                                                                    R, C, N);
     } else if (N <= 4) {
-        matmul_kernel<DT, 4><<<dim3(gx, 1), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias, R,
-                                                                C, N);
+        matmul_kernel<DT, 4, 16><<<dim3(gx, 1), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias,
+                                                                    R, C, N);
     } else {
         const unsigned gy = (unsigned)((N + 7) / 8);
-        matmul_kernel<DT, 8><<<dim3(gx, gy), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias, R,
-                                                                 C, N);
+        matmul_kernel<DT, 8, 16><<<dim3(gx, gy), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias,
+                                                                     R, C, N);
     }
 }
 
