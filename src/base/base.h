@@ -79,6 +79,15 @@ void kiln_file_map_close(kiln_file_map *m);
 /* Read a whole (small) text file into a NUL-terminated kiln_malloc'd buffer. */
 kiln_status kiln_read_text_file(const char *path, size_t max_size, char **out, size_t *len);
 
+/* Write all n bytes to fd (EINTR retried, large writes chunked); errors name path and errno
+ * (a write of 0 bytes is reported as a full disk). */
+kiln_status kiln_write_all(int fd, const void *data, size_t n, const char *path);
+/* fsync a file or a directory by path. */
+kiln_status kiln_fsync_path(const char *path);
+/* fsync the directory that holds path ("." when path has no '/'), so a rename in it is
+ * durable. */
+kiln_status kiln_fsync_parent_dir(const char *path);
+
 /* 1 if path exists and is a directory / a regular file. */
 int kiln_path_is_dir(const char *path);
 int kiln_path_is_file(const char *path);

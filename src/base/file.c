@@ -94,6 +94,41 @@ kiln_status kiln_read_text_file(const char *path, size_t max_size, char **out, s
     return KILN_OK;
 }
 
+kiln_status kiln_write_all(int fd, const void *data, size_t n, const char *path) {
+    const uint8_t *p = data;
+    while (n > 0) {
+        size_t chunk = n > ((size_t)1 << 30) ? ((size_t)1 << 30) : n;
+        ssize_t w = write(fd, p, chunk);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return kiln_error(KILN_ERR_IO, "%s: write failed: %s", path, strerror(errno));
+        }
+        if (w == 0) return kiln_error(KILN_ERR_IO, "%s: write wrote nothing (disk full?)", path);
+        p += w;
+        n -= (size_t)w;
+    }
+    return KILN_OK;
+}
+
+kiln_status kiln_fsync_path(const char *path) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return kiln_error(KILN_ERR_IO, "%s: cannot open to fsync: %s", path, strerror(errno));
+    int r = fsync(fd), e = errno;
+    close(fd);
+    if (r != 0) return kiln_error(KILN_ERR_IO, "%s: fsync failed: %s", path, strerror(e));
+    return KILN_OK;
+}
+
+kiln_status kiln_fsync_parent_dir(const char *path) {
+    const char *slash = strrchr(path, '/');
+    char *dir = slash ? kiln_strndup(path, slash == path ? 1 : (size_t)(slash - path)) : kiln_strdup(".");
+    if (!dir) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", path);
+    kiln_status st = kiln_fsync_path(dir);
+    if (st != KILN_OK) kiln_error_prefix(st, "%s: directory fsync", path);
+    kiln_free(dir);
+    return st;
+}
+
 int kiln_path_is_dir(const char *path) {
     struct stat st;
     return path && stat(path, &st) == 0 && S_ISDIR(st.st_mode);

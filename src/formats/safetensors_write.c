@@ -25,37 +25,12 @@
 
 /* ---- durable files --------------------------------------------------------------------- */
 
-kiln_status kiln_fsync_path(const char *path) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return kiln_error(KILN_ERR_IO, "%s: cannot open to fsync: %s", path, strerror(errno));
-    int r = fsync(fd), e = errno;
-    close(fd);
-    if (r != 0) return kiln_error(KILN_ERR_IO, "%s: fsync failed: %s", path, strerror(e));
-    return KILN_OK;
-}
-
 /* The folder part of path ("." when it has none) into buf. */
 static void stw_dirname(const char *path, char *buf, size_t cap) {
     const char *slash = strrchr(path, '/');
     if (!slash) snprintf(buf, cap, ".");
     else if (slash == path) snprintf(buf, cap, "/");
     else snprintf(buf, cap, "%.*s", (int)(slash - path), path);
-}
-
-static kiln_status stw_write_all(int fd, const void *data, size_t n, const char *path) {
-    const uint8_t *p = data;
-    while (n > 0) {
-        size_t chunk = n > ((size_t)1 << 30) ? ((size_t)1 << 30) : n;
-        ssize_t w = write(fd, p, chunk);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            return kiln_error(KILN_ERR_IO, "%s: write failed: %s", path, strerror(errno));
-        }
-        if (w == 0) return kiln_error(KILN_ERR_IO, "%s: write wrote nothing (disk full?)", path);
-        p += w;
-        n -= (size_t)w;
-    }
-    return KILN_OK;
 }
 
 /* An open temporary file beside its final path. */
@@ -114,7 +89,7 @@ kiln_status kiln_write_file_durable(const char *path, const void *data, size_t l
     if (!path || (!data && len)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_write_file_durable: NULL argument");
     stw_file f;
     KILN_TRY(stw_open(&f, path));
-    return stw_close(&f, stw_write_all(f.fd, data, len, path));
+    return stw_close(&f, kiln_write_all(f.fd, data, len, path));
 }
 
 kiln_status kiln_remove_tree(const char *path) {
@@ -271,7 +246,7 @@ static kiln_status stw_write_body(stw_file *f, const stw_entry *e, int n, const 
     memcpy(hdr + 8, json, jlen);
     memset(hdr + 8 + jlen, ' ', padded - jlen);
     free(json);
-    kiln_status st = stw_write_all(f->fd, hdr, 8 + padded, f->path);
+    kiln_status st = kiln_write_all(f->fd, hdr, 8 + padded, f->path);
     kiln_free(hdr);
     KILN_TRY(st);
 
@@ -287,7 +262,7 @@ static kiln_status stw_write_body(stw_file *f, const stw_entry *e, int n, const 
             }
             src = buf;
         }
-        st = stw_write_all(f->fd, src, e[i].nbytes, f->path);
+        st = kiln_write_all(f->fd, src, e[i].nbytes, f->path);
     }
     kiln_free(buf);
     return st;

@@ -41,8 +41,6 @@ kiln_status kiln_safetensors_write(const char *path, const kiln_st_write_tensor 
  * fsync); nothing is left behind on failure. */
 kiln_status kiln_write_file_durable(const char *path, const void *data, size_t len);
 
-/* fsync a file or a folder by path. */
-kiln_status kiln_fsync_path(const char *path);
 
 /* Remove path: a file, or a folder and everything in it (symbolic links are removed, never
  * followed). Returns KILN_ERR_IO naming the first entry that could not be removed. */

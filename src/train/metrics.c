@@ -56,33 +56,6 @@ uint32_t kiln_adler32(uint32_t adler, const void *data, size_t n) {
 
 /* ---- atomic file write ------------------------------------------------------------------- */
 
-static kiln_status write_all(int fd, const void *data, size_t n, const char *path) {
-    const uint8_t *p = data;
-    while (n > 0) {
-        ssize_t w = write(fd, p, n);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            return kiln_error(KILN_ERR_IO, "%s: write failed: %s", path, strerror(errno));
-        }
-        p += w;
-        n -= (size_t)w;
-    }
-    return KILN_OK;
-}
-
-static kiln_status fsync_parent_dir(const char *path) {
-    const char *slash = strrchr(path, '/');
-    char *dir = slash ? kiln_strndup(path, slash == path ? 1 : (size_t)(slash - path)) : kiln_strdup(".");
-    if (!dir) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", path);
-    kiln_status st = KILN_OK;
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0 || fsync(fd) != 0)
-        st = kiln_error(KILN_ERR_IO, "%s: fsync of directory %s failed: %s", path, dir, strerror(errno));
-    if (fd >= 0) close(fd);
-    kiln_free(dir);
-    return st;
-}
-
 /* path gets exactly data[0..n) or stays as it was: <path>.tmp-<pid>, fsync, rename, dir fsync. */
 static kiln_status write_file_atomic(const char *path, const void *data, size_t n) {
     size_t tl = strlen(path) + 32;
@@ -96,7 +69,7 @@ static kiln_status write_file_atomic(const char *path, const void *data, size_t 
         kiln_free(tmp);
         return st;
     }
-    kiln_status st = write_all(fd, data, n, tmp);
+    kiln_status st = kiln_write_all(fd, data, n, tmp);
     if (st == KILN_OK && fsync(fd) != 0) st = kiln_error(KILN_ERR_IO, "%s: fsync failed: %s", tmp, strerror(errno));
     if (close(fd) != 0 && st == KILN_OK) st = kiln_error(KILN_ERR_IO, "%s: close failed: %s", tmp, strerror(errno));
     if (st == KILN_OK && rename(tmp, path) != 0)
@@ -107,7 +80,7 @@ static kiln_status write_file_atomic(const char *path, const void *data, size_t 
         return st;
     }
     kiln_free(tmp);
-    return fsync_parent_dir(path);
+    return kiln_fsync_parent_dir(path);
 }
 
 /* ---- PNG --------------------------------------------------------------------------------- */
@@ -688,7 +661,7 @@ kiln_status kiln_metrics_open(const char *path, kiln_metrics **out) {
     *out = NULL;
     int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
     if (fd < 0) return kiln_error(KILN_ERR_IO, "%s: cannot create metrics CSV: %s", path, strerror(errno));
-    kiln_status st = write_all(fd, KILN_METRICS_HEADER "\n", sizeof KILN_METRICS_HEADER, path);
+    kiln_status st = kiln_write_all(fd, KILN_METRICS_HEADER "\n", sizeof KILN_METRICS_HEADER, path);
     if (st != KILN_OK) {
         close(fd);
         return st;
@@ -818,7 +791,7 @@ kiln_status kiln_metrics_row(kiln_metrics *m, const kiln_metrics_values *v) {
         n += snprintf(line + n, sizeof line - (size_t)n, ",%s", cell);
     }
     line[n++] = '\n'; /* at most 20 + 6 * 25 + 1 bytes: fits */
-    kiln_status st = write_all(m->fd, line, (size_t)n, m->path);
+    kiln_status st = kiln_write_all(m->fd, line, (size_t)n, m->path);
     if (st != KILN_OK) {
         /* a partial row may be on disk: refuse further rows rather than glue onto it */
         close(m->fd);

@@ -205,18 +205,6 @@ kiln_status kiln_shard_writer_add_doc(kiln_shard_writer *w, const int32_t *ids, 
 
 void kiln_shard_writer_abort(kiln_shard_writer *w) { swriter_free(w); }
 
-static kiln_status fsync_dir_of(const char *path) {
-    const char *slash = strrchr(path, '/');
-    char *dir = slash ? kiln_strndup(path, slash == path ? 1 : (size_t)(slash - path)) : kiln_strdup(".");
-    if (!dir) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", path);
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    kiln_status st = KILN_OK;
-    if (fd < 0 || fsync(fd) != 0) st = kiln_error(KILN_ERR_IO, "%s: directory fsync failed: %s", dir, strerror(errno));
-    if (fd >= 0) close(fd);
-    kiln_free(dir);
-    return st;
-}
-
 kiln_status kiln_shard_writer_commit(kiln_shard_writer *w) {
     if (!w) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_shard_writer_commit: NULL writer");
     kiln_status st = KILN_OK;
@@ -261,7 +249,7 @@ kiln_status kiln_shard_writer_commit(kiln_shard_writer *w) {
     if (st == KILN_OK) {
         kiln_free(w->tmp); /* renamed: nothing to unlink */
         w->tmp = NULL;
-        st = fsync_dir_of(w->path);
+        st = kiln_fsync_parent_dir(w->path);
     }
     swriter_free(w);
     return st;
