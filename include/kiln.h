@@ -253,6 +253,9 @@ typedef struct kiln_context_params {
     /* approximate: activations quantized to 8 bits for quantized weights during decode;
      * error vs the exact path in bench/RESULTS.md. 0 (default) = exact. */
     int fast_q8_activations;
+    /* -1 = CPU (default), N >= 0 = CUDA device N; results are bit-identical to the CPU
+     * (auditable mode). KILN_ERR_UNSUPPORTED when kiln has no CUDA or no such GPU. */
+    int device;
 } kiln_context_params;
 
 KILN_API kiln_context_params kiln_context_default_params(void);

@@ -13,6 +13,7 @@ typedef struct gen_opts {
     long n_predict, threads, n_ctx, n_batch;
     kiln_sampler_params sampler;
     int chat, json, ignore_eos, f32, no_mmap, show_prompt_stats, fast;
+    int device; /* -1 = CPU, N >= 0 = CUDA device N */
     const char *stops[MAX_STOPS + 1];
     int n_stops;
 } gen_opts;
@@ -40,6 +41,7 @@ static const char *generate_help =
     "      --f32              dequantize all weights to f32 at load\n"
     "      --no-mmap          read the model instead of mapping it\n"
     "      --fast             approximate decode: 8-bit activations for quantized weights\n"
+    "      --device D         cpu (default), cuda or cuda:N: run on CUDA GPU N (same bits as cpu)\n"
     "      --json             print one JSON object: prompt_ids, ids, text, timings\n";
 
 static const char *chat_help =
@@ -49,13 +51,35 @@ static const char *chat_help =
     "  -m, --model MODEL      .gguf file or Hugging Face folder\n"
     "      --system TEXT      system message\n"
     "  -n, --n-predict N      max tokens per reply (default 512)\n"
-    "      --temp, --top-k, --top-p, --min-p, --repeat-penalty, --seed, -t, --ctx as in generate\n";
+    "      --temp, --top-k, --top-p, --min-p, --repeat-penalty, --seed, -t, --ctx, --device as in generate\n";
+
+/* --device: "cpu" -> -1, "cuda" -> 0, "cuda:N" -> N. Returns 0 or the usage error's code. */
+static int parse_device(const char *cmd, const char *v, int *device) {
+    if (!strcmp(v, "cpu")) {
+        *device = -1;
+        return 0;
+    }
+    if (!strcmp(v, "cuda")) {
+        *device = 0;
+        return 0;
+    }
+    if (!strncmp(v, "cuda:", 5) && v[5] >= '0' && v[5] <= '9') {
+        char *end = NULL;
+        long n = strtol(v + 5, &end, 10);
+        if (*end == '\0' && n >= 0 && n < 1024) {
+            *device = (int)n;
+            return 0;
+        }
+    }
+    return cli_usage_error(cmd, "--device '%s': expected cpu, cuda or cuda:N", v);
+}
 
 /* Parse options shared by generate and chat. Returns 0, or the exit code on error / help. */
 static int parse_opts(const char *cmd, int argc, char **argv, gen_opts *o, int *exit_code) {
     memset(o, 0, sizeof *o);
     o->n_predict = strcmp(cmd, "chat") ? 128 : 512;
     o->n_batch = 512;
+    o->device = -1;
     o->sampler = kiln_sampler_default_params();
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = NULL;
@@ -111,6 +135,8 @@ static int parse_opts(const char *cmd, int argc, char **argv, gen_opts *o, int *
             o->f32 = 1;
         } else if (!strcmp(a, "--fast")) {
             o->fast = 1;
+        } else if (cli_opt(argc, argv, &i, "--device", &v, &err, cmd)) {
+            if (!err) err = parse_device(cmd, v, &o->device);
         } else if (!strcmp(a, "--no-mmap")) {
             o->no_mmap = 1;
         } else {
@@ -140,6 +166,7 @@ static kiln_status open_model(const gen_opts *o, kiln_model **m, kiln_context **
     cp.n_batch = (int)o->n_batch;
     cp.n_threads = (int)o->threads;
     cp.fast_q8_activations = o->fast;
+    cp.device = o->device;
     st = kiln_context_create(*m, &cp, ctx);
     if (st != KILN_OK) {
         kiln_model_close(*m);

@@ -32,7 +32,7 @@ class _ModelParams(C.Structure):
 
 class _ContextParams(C.Structure):
     _fields_ = [("n_ctx", C.c_int), ("n_batch", C.c_int), ("n_threads", C.c_int),
-                ("fast_q8_activations", C.c_int)]
+                ("fast_q8_activations", C.c_int), ("device", C.c_int)]
 
 
 class _SamplerParams(C.Structure):
@@ -249,11 +249,12 @@ class Model:
 
 
 class Context:
-    def __init__(self, model, n_ctx=0, n_batch=512, n_threads=0):
+    def __init__(self, model, n_ctx=0, n_batch=512, n_threads=0, device=-1):
+        """device: -1 = CPU, N >= 0 = CUDA device N (bit-identical to the CPU)."""
         self._lib = load_library()
         self.model = model
         p = self._lib.kiln_context_default_params()
-        p.n_ctx, p.n_batch, p.n_threads = n_ctx, n_batch, n_threads
+        p.n_ctx, p.n_batch, p.n_threads, p.device = n_ctx, n_batch, n_threads, device
         h = C.c_void_p()
         _check(self._lib.kiln_context_create(model._h, C.byref(p), C.byref(h)))
         self._h = h

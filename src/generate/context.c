@@ -6,6 +6,7 @@
 #include "../tokenizer/tokenizer.h"
 #include "generate.h"
 
+#include <stdio.h>
 #include <string.h>
 
 kiln_context_params kiln_context_default_params(void) {
@@ -13,6 +14,7 @@ kiln_context_params kiln_context_default_params(void) {
     p.n_ctx = 0;
     p.n_batch = 512;
     p.n_threads = 0;
+    p.device = -1;
     return p;
 }
 
@@ -29,14 +31,29 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
     if (p.n_batch == 0) p.n_batch = 512;
     if (p.n_batch > p.n_ctx) p.n_batch = p.n_ctx;
     if (p.n_threads == 0) p.n_threads = kiln_cpu_count();
+    if (p.device < -1)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: device %d: use -1 (CPU) or a CUDA device index >= 0", p.device);
+    if (p.device >= 0 && p.fast_q8_activations)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_context_create: fast_q8_activations is a CPU mode; the CUDA backend (device %d) runs auditable arithmetic only", p.device);
     if (p.n_threads > 256)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: n_threads %d is more than 256", p.n_threads);
     kiln_context *c = kiln_calloc(1, sizeof *c);
     if (!c) return kiln_error(KILN_ERR_NOMEM, "kiln_context_create: out of memory");
     c->model = m;
     c->params = p;
-    kiln_status st = kiln_backend_cpu_create_mode(p.n_threads, p.fast_q8_activations, &c->be);
-    if (st == KILN_OK) st = kiln_forward_state_init(&c->fs, m, p.n_ctx, p.n_batch);
+    kiln_status st;
+    if (p.device >= 0) {
+        st = kiln_backend_cuda_create(p.device, &c->be);
+        if (st != KILN_OK) { /* say which setting asked for CUDA, keep the backend's reason */
+            char why[512];
+            snprintf(why, sizeof why, "%s", kiln_last_error());
+            kiln_context_free(c);
+            return kiln_error(st, "kiln_context_create: device %d (CUDA) unavailable: %s", p.device, why);
+        }
+    } else {
+        st = kiln_backend_cpu_create_mode(p.n_threads, p.fast_q8_activations, &c->be);
+    }
+    if (st == KILN_OK) st = kiln_forward_state_init(&c->fs, m, c->be, p.n_ctx, p.n_batch);
     if (st == KILN_OK)
         st = kiln_alloc_or_fail((void **)&c->tokens, (size_t)p.n_ctx * sizeof(int32_t), "context token list");
     if (st != KILN_OK) {
@@ -66,6 +83,22 @@ kiln_status kiln_context_truncate(kiln_context *c, int n_past) {
     return KILN_OK;
 }
 
+/* A device backend's logits buffer of at least n floats (grown, never shrunk). */
+static kiln_status logits_reserve(kiln_context *c, size_t n) {
+    if (c->fs.logits_cap >= n) return KILN_OK;
+    size_t bytes;
+    if (kiln_mul_overflow(n, sizeof(float), &bytes))
+        return kiln_error(KILN_ERR_RANGE, "kiln_decode: %zu logits are too many", n);
+    float *p = kiln_backend_alloc(c->be, bytes);
+    if (!p)
+        return kiln_error(KILN_ERR_NOMEM, "kiln_decode: cannot allocate %zu bytes of %s memory for logits",
+                          bytes, c->be->i->name);
+    kiln_backend_free_buf(c->be, c->fs.logits);
+    c->fs.logits = p;
+    c->fs.logits_cap = n;
+    return KILN_OK;
+}
+
 kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logits, float *logits) {
     if (!c || (!ids && n > 0)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode: NULL argument");
     if (n <= 0) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode: n must be > 0 (got %d)", n);
@@ -85,10 +118,24 @@ kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logi
         float *out = NULL;
         if (logits && all_logits) out = logits + (size_t)done * V;
         else if (logits && last) out = logits;
-        kiln_model_forward(m, c->be, &c->fs, ids + done, chunk, c->n_past, all_logits, out);
+        /* rows of logits this chunk produces */
+        size_t rows = out ? (all_logits ? (size_t)chunk : 1) : 0;
+        float *dev_out = out;
+        if (out && !c->fs.host_memory) {
+            kiln_status st = logits_reserve(c, rows * (size_t)V);
+            if (st != KILN_OK) return st;
+            dev_out = c->fs.logits;
+        }
+        kiln_model_forward(m, c->be, &c->fs, ids + done, chunk, c->n_past, all_logits, dev_out);
         memcpy(c->tokens + c->n_past, ids + done, (size_t)chunk * sizeof(int32_t));
         c->n_past += chunk;
         done += chunk;
+        if (!c->fs.host_memory) {
+            /* download waits for the forward and reports a failure that poisoned the backend */
+            kiln_status st = out ? kiln_backend_download(c->be, out, dev_out, rows * (size_t)V * sizeof(float))
+                                 : kiln_backend_status(c->be);
+            if (st != KILN_OK) return st;
+        }
     }
     return KILN_OK;
 }

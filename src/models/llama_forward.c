@@ -15,19 +15,84 @@
 #include <math.h>
 #include <string.h>
 
-kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m, int n_ctx,
-                                    int n_batch) {
+/* Zero nbytes of backend memory at p: a device backend has no memset entry, so upload a
+ * zeroed host chunk repeatedly. */
+static kiln_status backend_zero(kiln_backend *be, void *p, size_t nbytes) {
+    size_t chunk = nbytes < ((size_t)4 << 20) ? nbytes : ((size_t)4 << 20);
+    if (!chunk) return KILN_OK;
+    void *zeros = kiln_calloc(1, chunk);
+    if (!zeros) return kiln_error(KILN_ERR_NOMEM, "forward state: out of memory (%zu bytes)", chunk);
+    kiln_status st = KILN_OK;
+    for (size_t off = 0; off < nbytes && st == KILN_OK; off += chunk) {
+        size_t n = nbytes - off < chunk ? nbytes - off : chunk;
+        st = kiln_backend_upload(be, (char *)p + off, zeros, n);
+    }
+    kiln_free(zeros);
+    return st;
+}
+
+/* A device backend: copy the model's layer table and put every f32 vector it points to
+ * (norms, biases, q/k norms, the final norm) into one backend block. */
+static kiln_status upload_weight_vectors(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be) {
+    const kiln_model_config *c = &m->cfg;
+    size_t C = (size_t)c->n_embd, HS = (size_t)c->head_dim, FF = (size_t)c->n_ff;
+    size_t QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS, L = (size_t)c->n_layer;
+    fs->layers_owned = kiln_calloc(L ? L : 1, sizeof *fs->layers_owned);
+    if (!fs->layers_owned) return kiln_error(KILN_ERR_NOMEM, "forward state: out of memory for the layer table");
+    memcpy(fs->layers_owned, m->layers, L * sizeof *fs->layers_owned);
+    size_t total = (C + 15) & ~(size_t)15; /* final norm first */
+    for (int pass = 0; pass < 2; pass++) {
+        size_t off = 0;
+        if (pass == 1) {
+            fs->wblock = kiln_backend_alloc(be, total * sizeof(float));
+            if (!fs->wblock) return kiln_error(KILN_ERR_NOMEM, "forward state: cannot allocate %zu bytes of backend memory for norms and biases", total * sizeof(float));
+            kiln_status st = kiln_backend_upload(be, fs->wblock, m->final_norm, C * sizeof(float));
+            if (st != KILN_OK) return st;
+            fs->final_norm = (const float *)fs->wblock;
+            off = (C + 15) & ~(size_t)15;
+        }
+        for (size_t l = 0; l < L; l++) {
+            kiln_layer_weights *w = &fs->layers_owned[l];
+            /* each vector's slot in the copy and its length in floats */
+            const float **slot[11] = {&w->attn_norm, &w->bq, &w->bk, &w->bv, &w->bo, &w->q_norm,
+                                      &w->k_norm, &w->mlp_norm, &w->b_gate, &w->b_up, &w->b_down};
+            const size_t len[11] = {C, QD, KD, KD, C, HS, HS, C, FF, FF, C};
+            for (int i = 0; i < 11; i++) {
+                if (!*slot[i]) continue;
+                size_t r = (len[i] + 15) & ~(size_t)15;
+                if (pass == 0) {
+                    total += r;
+                } else {
+                    float *dst = (float *)fs->wblock + off;
+                    kiln_status st = kiln_backend_upload(be, dst, *slot[i], len[i] * sizeof(float));
+                    if (st != KILN_OK) return st;
+                    *slot[i] = dst;
+                    off += r;
+                }
+            }
+        }
+    }
+    fs->layers = fs->layers_owned;
+    return KILN_OK;
+}
+
+kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be,
+                                    int n_ctx, int n_batch) {
     const kiln_model_config *c = &m->cfg;
     memset(fs, 0, sizeof *fs);
+    fs->be = be;
+    /* the cpu backend's memory is host memory: keep the model's pointers, write logits to
+     * the caller's array */
+    fs->host_memory = strcmp(be->i->name, "cpu") == 0;
     size_t C = (size_t)c->n_embd, HS = (size_t)c->head_dim, L = (size_t)c->n_layer;
     size_t QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS, FF = (size_t)c->n_ff;
     size_t NB = (size_t)n_batch, T = (size_t)n_ctx;
     size_t tmp_w = C > KD ? C : KD;
     /* sizes in floats, each rounded up to 16 floats (64 bytes) */
     size_t sizes[] = {L * T * KD, L * T * KD, T * HS / 2, T * HS / 2, NB * C, NB * C,
-                      NB * QD,    NB * QD,    NB * FF,    NB * FF,    NB * tmp_w, NB};
+                      NB * QD,    NB * QD,    NB * FF,    NB * FF,    NB * tmp_w};
     float **slots[] = {&fs->k_cache, &fs->v_cache, &fs->rope_cos, &fs->rope_sin, &fs->x, &fs->xb,
-                       &fs->q,       &fs->att,     &fs->hb,       &fs->hb2,      &fs->tmp, NULL};
+                       &fs->q,       &fs->att,     &fs->hb,       &fs->hb2,      &fs->tmp};
     size_t total = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         size_t s = (sizes[i] + 15) & ~(size_t)15;
@@ -37,27 +102,61 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
     size_t bytes;
     if (kiln_mul_overflow(total, sizeof(float), &bytes))
         return kiln_error(KILN_ERR_RANGE, "context of %d tokens is too large", n_ctx);
-    float *block = kiln_calloc(1, bytes);
-    if (!block)
-        return kiln_error(KILN_ERR_NOMEM, "out of memory allocating %zu bytes for a %d-token context",
-                          bytes, n_ctx);
-    size_t off = 0;
-    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
-        if (slots[i]) *slots[i] = block + off;
-        else fs->pos = (int32_t *)(block + off);
-        off += (sizes[i] + 15) & ~(size_t)15;
+    fs->pos = kiln_calloc(NB ? NB : 1, sizeof(int32_t));
+    if (!fs->pos) return kiln_error(KILN_ERR_NOMEM, "out of memory for a %d-token batch", n_batch);
+    /* cpu: kiln_calloc (what kiln_backend_alloc is there, zeroed lazily by the OS); device:
+     * backend memory, zeroed explicitly so no stale bits are ever read */
+    float *block = fs->host_memory ? kiln_calloc(1, bytes) : kiln_backend_alloc(be, bytes);
+    if (!block) {
+        kiln_forward_state_free(fs);
+        return kiln_error(KILN_ERR_NOMEM, "out of %s memory allocating %zu bytes for a %d-token context",
+                          be->i->name, bytes, n_ctx);
     }
     fs->block = block;
     fs->bytes = bytes;
     fs->n_ctx = n_ctx;
     fs->n_batch = n_batch;
-    kiln_rope_tables_fill(m, n_ctx, fs->rope_cos, fs->rope_sin);
-    return KILN_OK;
+    size_t off = 0;
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        *slots[i] = block + off;
+        off += (sizes[i] + 15) & ~(size_t)15;
+    }
+    kiln_status st = KILN_OK;
+    if (fs->host_memory) {
+        kiln_rope_tables_fill(m, n_ctx, fs->rope_cos, fs->rope_sin);
+        fs->layers = m->layers;
+        fs->final_norm = m->final_norm;
+        return KILN_OK;
+    }
+    st = backend_zero(be, block, bytes);
+    if (st == KILN_OK) {
+        size_t tab = T * HS / 2;
+        float *host = kiln_malloc((tab ? tab : 1) * 2 * sizeof(float));
+        if (!host) {
+            st = kiln_error(KILN_ERR_NOMEM, "out of memory for the rope tables of a %d-token context", n_ctx);
+        } else {
+            kiln_rope_tables_fill(m, n_ctx, host, host + tab);
+            st = kiln_backend_upload(be, fs->rope_cos, host, tab * sizeof(float));
+            if (st == KILN_OK) st = kiln_backend_upload(be, fs->rope_sin, host + tab, tab * sizeof(float));
+            kiln_free(host);
+        }
+    }
+    if (st == KILN_OK) st = upload_weight_vectors(fs, m, be);
+    if (st != KILN_OK) kiln_forward_state_free(fs);
+    return st;
 }
 
 void kiln_forward_state_free(kiln_forward_state *fs) {
     if (!fs) return;
-    kiln_free(fs->block);
+    if (fs->host_memory) {
+        kiln_free(fs->block);
+    } else if (fs->be) {
+        kiln_backend_free_buf(fs->be, fs->block);
+        kiln_backend_free_buf(fs->be, fs->wblock);
+        kiln_backend_free_buf(fs->be, fs->logits);
+    }
+    kiln_free(fs->layers_owned);
+    kiln_free(fs->pos);
     memset(fs, 0, sizeof *fs);
 }
 
@@ -110,7 +209,7 @@ void kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_stat
 
     op->embed(be, fs->x, m->tok_embd, ids, N);
     for (int l = 0; l < c->n_layer; l++) {
-        const kiln_layer_weights *w = &m->layers[l];
+        const kiln_layer_weights *w = &fs->layers[l];
         float *k_layer = fs->k_cache + (size_t)l * fs->n_ctx * KD; /* (n_ctx, KVH, HS) */
         float *v_layer = fs->v_cache + (size_t)l * fs->n_ctx * KD;
         float *k_new = k_layer + (size_t)n_past * KD; /* (N, KVH, HS) rows of this batch */
@@ -140,10 +239,10 @@ void kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_stat
     (void)QD;
     if (!logits) return;
     if (all_logits) {
-        op->rmsnorm(be, fs->xb, fs->x, m->final_norm, N, C, eps);
+        op->rmsnorm(be, fs->xb, fs->x, fs->final_norm, N, C, eps);
         op->matmul(be, logits, fs->xb, m->lm_head, NULL, N);
     } else {
-        op->rmsnorm(be, fs->xb, fs->x + (size_t)(N - 1) * C, m->final_norm, 1, C, eps);
+        op->rmsnorm(be, fs->xb, fs->x + (size_t)(N - 1) * C, fs->final_norm, 1, C, eps);
         op->matmul(be, logits, fs->xb, m->lm_head, NULL, 1);
     }
 }

@@ -58,8 +58,11 @@ struct kiln_model {
     kiln_model_params params;
 };
 
-/* Per-context scratch for the forward pass, sized for n_batch tokens, and the KV cache. */
+/* Per-context scratch for the forward pass, sized for n_batch tokens, and the KV cache.
+ * Every float * below is memory of the backend the state was made for (docs/CUDA.md,
+ * "Memory contract"); pos is host memory (ops accept host positions). */
 typedef struct kiln_forward_state {
+    kiln_backend *be; /* the backend the buffers belong to (not owned) */
     int n_ctx, n_batch;
     float *k_cache, *v_cache;   /* (L, n_ctx, KVH*HS) each */
     float *rope_cos, *rope_sin; /* (n_ctx, HS/2) */
@@ -70,18 +73,37 @@ typedef struct kiln_forward_state {
     float *hb;   /* (n_batch, FF) gate, then silu(gate)*up */
     float *hb2;  /* (n_batch, FF) up */
     float *tmp;  /* (n_batch, max(C, KVH*HS)) projection outputs before residual / cache */
-    int32_t *pos; /* (n_batch) */
-    void *block;  /* the single allocation all of the above is carved from */
+    int32_t *pos; /* (n_batch) host memory */
+    void *block;  /* the single backend allocation all of the above (but pos) is carved from */
     size_t bytes;
+    /* The weights the forward reads: the model's layers with their f32 vectors (norms,
+     * biases, q/k norms) and the final norm in backend memory. On a host-memory backend
+     * (cpu) these are the model's own pointers; on a device backend a copy owned here
+     * (layers_owned, vectors in wblock). The matrices stay the model's kiln_tensors (a device
+     * backend uploads and caches them on first use). */
+    const kiln_layer_weights *layers; /* (L) */
+    const float *final_norm;          /* (C) */
+    kiln_layer_weights *layers_owned;
+    void *wblock;
+    /* A device backend's logits buffer (backend memory, logits_cap floats), grown on demand
+     * by the context; NULL on a host-memory backend, where logits go to the caller's array. */
+    float *logits;
+    size_t logits_cap;
+    int host_memory; /* the backend's buffers are host memory (the cpu backend) */
 } kiln_forward_state;
 
-kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m, int n_ctx,
-                                    int n_batch);
+/* Allocate the state on backend be (which must outlive it): scratch and KV cache through
+ * kiln_backend_alloc, zeroed; rope tables computed on the host and uploaded; the f32 weight
+ * vectors uploaded (device backends). On the cpu backend the memory is one kiln_calloc and
+ * the weights are the model's, as before. */
+kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be,
+                                    int n_ctx, int n_batch);
 void kiln_forward_state_free(kiln_forward_state *fs);
 
-/* Run N <= n_batch tokens at positions n_past.. through the model; writes logits of the
- * last token (all_logits = 0) or of every token (N x V) to logits (may be NULL). The
- * caller has checked ids and lengths. */
+/* Run N <= n_batch tokens at positions n_past.. through the model on fs->be (be must be
+ * fs->be); writes logits of the last token (all_logits = 0) or of every token (N x V) to
+ * logits (may be NULL), which is backend memory. The caller has checked ids and lengths;
+ * a device backend's failure is reported by kiln_backend_status(be) afterwards. */
 void kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
                         const int32_t *ids, int N, int n_past, int all_logits, float *logits);
 

@@ -1,0 +1,336 @@
+/*
+ * test_cuda_model.c -- whole models through the public API on the CUDA backend
+ * (kiln_context_params.device = 0) against the CPU backend (device = -1), bit for bit.
+ *
+ * Random models from kiln_model_create on small config.json files written here: a tiny
+ * llama, a qwen2 (q/k/v biases), a qwen3 (per-head q/k norms, untied head), with the layer
+ * matrices also converted to bf16 and Q8_0, and one real-shaped model (Qwen2.5-0.5B: 896
+ * wide, 24 layers, 14/2 heads, ff 4864, vocab 151936; about 2 GB of f32 weights). The
+ * norms and biases are randomised (kiln_model_create makes them 1 and 0) so that their
+ * upload is tested. Per model: a prefill of 20 tokens with every row of logits, 8 cached
+ * greedy decode steps, then a truncate and re-decode; the logits of the two contexts must
+ * have the same bits (memcmp) and the greedy ids must agree. Prints a table last (model,
+ * logits compared, differing, decode ms/token on the CPU and the GPU).
+ *
+ * Without a usable GPU it checks that a context with device = 0 is refused with
+ * KILN_ERR_UNSUPPORTED and a message, then exits 77 (skipped).
+ *   test_cuda_model [vocab-dir] [--no-big]
+ * vocab-dir holds ggml-vocab-llama-spm.gguf and ggml-vocab-qwen2.gguf (default
+ * $KILN_VOCAB_DIR or /work/shared/testdata/tokenizer-vectors).
+ */
+#include "base/base.h"
+#include "base/tensor.h"
+#include "models/model.h"
+
+#include <kiln.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static uint64_t g_rng = 0x6b696c6e4d4f444cull;
+static uint64_t rnd_u64(void) {
+    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static float rnd_unit(void) { return (float)((double)(rnd_u64() >> 11) * 0x1p-53 * 2.0 - 1.0); }
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+typedef struct model_case {
+    const char *name, *arch;
+    int C, L, NH, KVH, HS, FF, V, tied, qwen_vocab, n_batch;
+    kiln_dtype wtype; /* layer matrices converted to this type (F32: as created) */
+    int big;
+} model_case;
+
+typedef struct result {
+    char name[64];
+    size_t compared, differing;
+    int ids_equal;
+    double cpu_ms, gpu_ms; /* per decode step */
+} result;
+
+static char g_tmpdir[256];
+
+static int write_config(const model_case *mc, char *path, size_t cap) {
+    snprintf(path, cap, "%s/%s.json", g_tmpdir, mc->name);
+    FILE *f = fopen(path, "w");
+    if (!f) return 0;
+    fprintf(f,
+            "{\"architectures\": [\"%s\"], \"model_type\": \"%s\", \"hidden_size\": %d,"
+            " \"num_hidden_layers\": %d, \"num_attention_heads\": %d, \"num_key_value_heads\": %d,"
+            " \"head_dim\": %d, \"intermediate_size\": %d, \"vocab_size\": %d,"
+            " \"max_position_embeddings\": 4096, \"rms_norm_eps\": 1e-6, \"rope_theta\": 1000000.0,"
+            " \"tie_word_embeddings\": %s, \"hidden_act\": \"silu\"}\n",
+            !strcmp(mc->arch, "llama") ? "LlamaForCausalLM"
+            : !strcmp(mc->arch, "qwen2") ? "Qwen2ForCausalLM" : "Qwen3ForCausalLM",
+            mc->arch, mc->C, mc->L, mc->NH, mc->KVH, mc->HS, mc->FF, mc->V,
+            mc->tied ? "true" : "false");
+    return fclose(f) == 0;
+}
+
+/* Norms 1 + 0.2 u, biases 0.05 u: kiln_model_create's are 1 and 0, which would hide a
+ * vector that never reached the device. The vectors live in the model's writable block. */
+static void randomise_vectors(kiln_model *m) {
+    const kiln_model_config *c = &m->cfg;
+    size_t C = (size_t)c->n_embd, HS = (size_t)c->head_dim;
+    size_t QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS;
+    for (int l = 0; l < c->n_layer; l++) {
+        kiln_layer_weights *w = &m->layers[l];
+        float *v[] = {(float *)w->attn_norm, (float *)w->mlp_norm, (float *)w->q_norm,
+                      (float *)w->k_norm, (float *)w->bq, (float *)w->bk, (float *)w->bv};
+        size_t n[] = {C, C, HS, HS, QD, KD, KD};
+        for (int i = 0; i < 7; i++) {
+            if (!v[i]) continue;
+            for (size_t j = 0; j < n[i]; j++) v[i][j] = i < 4 ? 1.0f + 0.2f * rnd_unit() : 0.05f * rnd_unit();
+        }
+    }
+    float *fn = (float *)m->final_norm;
+    for (size_t j = 0; j < C; j++) fn[j] = 1.0f + 0.2f * rnd_unit();
+}
+
+/* A copy of the f32 matrix t as bf16 or Q8_0 (scale a power of two, so it is exact in f16). */
+static kiln_tensor *convert(const kiln_tensor *t, kiln_dtype to, void **data_out) {
+    int64_t n = kiln_tensor_nelements(t);
+    const float *src = t->data;
+    kiln_tensor *o = malloc(sizeof *o);
+    *o = *t;
+    o->dtype = to;
+    if (to == KILN_DTYPE_BF16) {
+        uint16_t *d = malloc((size_t)n * 2);
+        for (int64_t i = 0; i < n; i++) d[i] = kiln_fp32_to_bf16(src[i]);
+        o->data = d;
+        o->nbytes = (size_t)n * 2;
+    } else { /* Q8_0: 34-byte blocks {f16 d, int8 q[32]} */
+        unsigned char *d = malloc((size_t)(n / 32) * 34);
+        for (int64_t b = 0; b < n / 32; b++) {
+            float amax = 0;
+            for (int i = 0; i < 32; i++) {
+                float a = src[b * 32 + i] < 0 ? -src[b * 32 + i] : src[b * 32 + i];
+                if (a > amax) amax = a;
+            }
+            float sc = 0x1p-20f;
+            while (sc * 127.0f < amax) sc *= 2.0f;
+            uint16_t h = kiln_fp32_to_fp16(sc);
+            memcpy(d + b * 34, &h, 2);
+            for (int i = 0; i < 32; i++) {
+                float q = src[b * 32 + i] / sc;
+                int qi = (int)(q < 0 ? q - 0.5f : q + 0.5f);
+                signed char s = (signed char)(qi > 127 ? 127 : qi < -127 ? -127 : qi);
+                memcpy(d + b * 34 + 2 + i, &s, 1);
+            }
+        }
+        o->data = d;
+        o->nbytes = (size_t)(n / 32) * 34;
+    }
+    *data_out = (void *)o->data;
+    return o;
+}
+
+static int argmax(const float *x, int n) {
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+static size_t count_diff(const float *a, const float *b, size_t n) {
+    size_t d = 0;
+    for (size_t i = 0; i < n; i++) d += memcmp(&a[i], &b[i], sizeof(float)) != 0;
+    return d;
+}
+
+static int run_case(const model_case *mc, const char *vocab_dir, result *r) {
+    char cfg[512], tok[512];
+    snprintf(r->name, sizeof r->name, "%s", mc->name);
+    if (!write_config(mc, cfg, sizeof cfg)) {
+        fprintf(stderr, "FAIL %s: cannot write %s\n", mc->name, cfg);
+        return 0;
+    }
+    snprintf(tok, sizeof tok, "%s/%s", vocab_dir,
+             mc->qwen_vocab ? "ggml-vocab-qwen2.gguf" : "ggml-vocab-llama-spm.gguf");
+    double t0 = now_s();
+    kiln_model *m = NULL;
+    kiln_status st = kiln_model_create(cfg, tok, 1234 + (uint64_t)mc->C, &m);
+    if (st != KILN_OK) {
+        fprintf(stderr, "FAIL %s: kiln_model_create: %s\n", mc->name, kiln_last_error());
+        return 0;
+    }
+    randomise_vectors(m);
+    /* converted layer matrices (freed after the model and the contexts) */
+    int L = m->cfg.n_layer, nconv = 0;
+    void **bufs = calloc((size_t)L * 7 + 1, sizeof *bufs);
+    kiln_tensor **convs = calloc((size_t)L * 7 + 1, sizeof *convs);
+    if (mc->wtype != KILN_DTYPE_F32) {
+        for (int l = 0; l < L; l++) {
+            kiln_layer_weights *w = &m->layers[l];
+            const kiln_tensor **ts[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w_gate, &w->w_up, &w->w_down};
+            for (int i = 0; i < 7; i++) {
+                convs[nconv] = convert(*ts[i], mc->wtype, &bufs[nconv]);
+                *ts[i] = convs[nconv++];
+            }
+        }
+    }
+    fprintf(stderr, "%s: model made in %.1f s\n", mc->name, now_s() - t0);
+
+    int V = m->cfg.n_vocab, n_prompt = 20, n_steps = 8, ok = 1;
+    kiln_context_params cp = kiln_context_default_params();
+    cp.n_ctx = 64;
+    cp.n_batch = mc->n_batch;
+    kiln_context *cc = NULL, *gc = NULL;
+    st = kiln_context_create(m, &cp, &cc);
+    if (st == KILN_OK) {
+        cp.device = 0;
+        st = kiln_context_create(m, &cp, &gc);
+    }
+    float *lc = malloc((size_t)n_prompt * V * sizeof(float));
+    float *lg = malloc((size_t)n_prompt * V * sizeof(float));
+    if (st != KILN_OK || !lc || !lg) {
+        fprintf(stderr, "FAIL %s: context: %s\n", mc->name, kiln_last_error());
+        ok = 0;
+        goto done;
+    }
+    int32_t ids[64];
+    int tv = V < 32000 ? V : 32000;
+    for (int i = 0; i < n_prompt; i++) ids[i] = (int32_t)(rnd_u64() % (uint64_t)tv);
+    for (size_t i = 0; i < (size_t)n_prompt * V; i++) lg[i] = NAN; /* NaN: unwritten fails */
+
+    /* prefill, every row */
+    ok &= kiln_decode(cc, ids, n_prompt, 1, lc) == KILN_OK;
+    ok &= kiln_decode(gc, ids, n_prompt, 1, lg) == KILN_OK;
+    if (!ok) fprintf(stderr, "FAIL %s: prefill: %s\n", mc->name, kiln_last_error());
+    r->compared += (size_t)n_prompt * V;
+    r->differing += count_diff(lc, lg, (size_t)n_prompt * V);
+    r->ids_equal = 1;
+    int next = argmax(lc + (size_t)(n_prompt - 1) * V, V);
+    r->ids_equal &= next == argmax(lg + (size_t)(n_prompt - 1) * V, V);
+
+    /* cached greedy decode, timed per backend */
+    double tc = 0, tg = 0;
+    for (int s = 0; s < n_steps && ok; s++) {
+        int32_t id = next;
+        ids[n_prompt + s] = id;
+        double a = now_s();
+        ok &= kiln_decode(cc, &id, 1, 0, lc) == KILN_OK;
+        double b = now_s();
+        ok &= kiln_decode(gc, &id, 1, 0, lg) == KILN_OK;
+        tg += now_s() - b;
+        tc += b - a;
+        r->compared += (size_t)V;
+        r->differing += count_diff(lc, lg, (size_t)V);
+        next = argmax(lc, V);
+        r->ids_equal &= next == argmax(lg, V);
+    }
+    r->cpu_ms = tc * 1e3 / n_steps;
+    r->gpu_ms = tg * 1e3 / n_steps;
+
+    /* truncate and re-run the last 5 positions (overwrites the cache rows), every row */
+    int keep = n_prompt + n_steps - 5;
+    ok &= kiln_context_truncate(cc, keep) == KILN_OK && kiln_context_truncate(gc, keep) == KILN_OK;
+    ok &= kiln_decode(cc, ids + keep, 5, 1, lc) == KILN_OK;
+    ok &= kiln_decode(gc, ids + keep, 5, 1, lg) == KILN_OK;
+    r->compared += (size_t)5 * V;
+    r->differing += count_diff(lc, lg, (size_t)5 * V);
+    /* no logits asked: the cache still advances on both */
+    ok &= kiln_decode(gc, ids, 1, 0, NULL) == KILN_OK && kiln_context_n_past(gc) == keep + 6;
+    if (!ok) fprintf(stderr, "FAIL %s: decode: %s\n", mc->name, kiln_last_error());
+
+done:
+    kiln_context_free(cc);
+    kiln_context_free(gc);
+    kiln_model_close(m);
+    for (int i = 0; i < nconv; i++) {
+        free(bufs[i]);
+        free(convs[i]);
+    }
+    free(bufs);
+    free(convs);
+    free(lc);
+    free(lg);
+    return ok && r->differing == 0 && r->ids_equal;
+}
+
+int main(int argc, char **argv) {
+    const char *vocab_dir = getenv("KILN_VOCAB_DIR");
+    if (!vocab_dir) vocab_dir = "/work/shared/testdata/tokenizer-vectors";
+    int big = 1;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--no-big")) big = 0;
+        else vocab_dir = argv[i];
+    }
+    const char *tmp = getenv("TMPDIR");
+    snprintf(g_tmpdir, sizeof g_tmpdir, "%s/kiln-cuda-model-XXXXXX", tmp ? tmp : "/tmp");
+    if (!mkdtemp(g_tmpdir)) {
+        fprintf(stderr, "FAIL: mkdtemp %s\n", g_tmpdir);
+        return 1;
+    }
+    static const model_case cases[] = {
+        {"llama-tiny", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, 512, KILN_DTYPE_F32, 0},
+        {"llama-tiny-q8_0", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, 512, KILN_DTYPE_Q8_0, 0},
+        {"qwen2-bias-b7", "qwen2", 96, 3, 6, 2, 16, 224, 151936, 1, 1, 7, KILN_DTYPE_F32, 0},
+        {"qwen3-qknorm", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1, 512, KILN_DTYPE_F32, 0},
+        {"qwen3-qknorm-bf16", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1, 512, KILN_DTYPE_BF16, 0},
+        {"qwen2.5-0.5b-shape", "qwen2", 896, 24, 14, 2, 64, 4864, 151936, 1, 1, 512, KILN_DTYPE_F32, 1},
+    };
+    int n_cases = (int)(sizeof cases / sizeof cases[0]);
+
+    kiln_backend *be = NULL;
+    kiln_status st = kiln_backend_cuda_create(0, &be);
+    if (st != KILN_OK) {
+        /* no GPU: a context on device 0 must be refused clearly, like the backend */
+        int ok = st == KILN_ERR_UNSUPPORTED;
+        char cfg[512], tok[512];
+        snprintf(tok, sizeof tok, "%s/ggml-vocab-llama-spm.gguf", vocab_dir);
+        if (access(tok, R_OK) == 0 && write_config(&cases[0], cfg, sizeof cfg)) {
+            kiln_model *m = NULL;
+            kiln_context *c = NULL;
+            ok &= kiln_model_create(cfg, tok, 1, &m) == KILN_OK;
+            kiln_context_params cp = kiln_context_default_params();
+            cp.n_ctx = 16;
+            cp.device = 0;
+            if (ok) st = kiln_context_create(m, &cp, &c);
+            ok &= st == KILN_ERR_UNSUPPORTED && c == NULL && strstr(kiln_last_error(), "CUDA") != NULL;
+            fprintf(stderr, "no GPU: context on device 0 refused: %s\n", kiln_last_error());
+            kiln_model_close(m);
+            remove(cfg);
+        }
+        rmdir(g_tmpdir);
+        if (!ok) {
+            fprintf(stderr, "FAIL: expected KILN_ERR_UNSUPPORTED naming CUDA, got %d\n", st);
+            return 1;
+        }
+        return 77;
+    }
+    kiln_backend_free(be);
+
+    result res[8];
+    memset(res, 0, sizeof res);
+    int all_ok = 1, n_run = 0;
+    for (int i = 0; i < n_cases; i++) {
+        if (cases[i].big && !big) continue;
+        int ok = run_case(&cases[i], vocab_dir, &res[n_run]);
+        fprintf(stderr, "%s %s\n", ok ? "ok  " : "FAIL", cases[i].name);
+        all_ok &= ok;
+        n_run++;
+        char p[600];
+        snprintf(p, sizeof p, "%s/%s.json", g_tmpdir, cases[i].name);
+        remove(p);
+    }
+    rmdir(g_tmpdir);
+    printf("model | logits compared | differing bits | greedy ids equal | decode ms/token cpu | cuda\n");
+    for (int i = 0; i < n_run; i++)
+        printf("%s | %zu | %zu | %s | %.2f | %.2f\n", res[i].name, res[i].compared, res[i].differing,
+               res[i].ids_equal ? "yes" : "NO", res[i].cpu_ms, res[i].gpu_ms);
+    printf("%s\n", all_ok ? "ALL MODELS BIT-IDENTICAL" : "FAILED");
+    return all_ok ? 0 : 1;
+}
