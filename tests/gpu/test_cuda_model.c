@@ -16,7 +16,8 @@
  * KILN_ERR_UNSUPPORTED and a message, then exits 77 (skipped).
  *   test_cuda_model [vocab-dir] [--no-big]
  * vocab-dir holds ggml-vocab-llama-spm.gguf and ggml-vocab-qwen2.gguf (default
- * $KILN_VOCAB_DIR or /work/shared/testdata/tokenizer-vectors).
+ * $KILN_VOCAB_DIR, $KILN_SHARED_DIR/testdata/tokenizer-vectors, or the source tree's
+ * ../shared/testdata/tokenizer-vectors).
  */
 #include "base/base.h"
 #include "base/tensor.h"
@@ -151,7 +152,7 @@ static size_t count_diff(const float *a, const float *b, size_t n) {
 }
 
 static int run_case(const model_case *mc, const char *vocab_dir, result *r) {
-    char cfg[512], tok[512];
+    char cfg[1200], tok[1200];
     snprintf(r->name, sizeof r->name, "%s", mc->name);
     if (!write_config(mc, cfg, sizeof cfg)) {
         fprintf(stderr, "FAIL %s: cannot write %s\n", mc->name, cfg);
@@ -262,7 +263,13 @@ done:
 
 int main(int argc, char **argv) {
     const char *vocab_dir = getenv("KILN_VOCAB_DIR");
-    if (!vocab_dir) vocab_dir = "/work/shared/testdata/tokenizer-vectors";
+    char shared[1024];
+    if (!vocab_dir) {
+        const char *env = getenv("KILN_SHARED_DIR");
+        if (env) snprintf(shared, sizeof shared, "%s/testdata/tokenizer-vectors", env);
+        else snprintf(shared, sizeof shared, "%s", KILN_SOURCE_DIR "/../shared/testdata/tokenizer-vectors");
+        vocab_dir = shared;
+    }
     int big = 1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--no-big")) big = 0;
@@ -289,7 +296,7 @@ int main(int argc, char **argv) {
     if (st != KILN_OK) {
         /* no GPU: a context on device 0 must be refused clearly, like the backend */
         int ok = st == KILN_ERR_UNSUPPORTED;
-        char cfg[512], tok[512];
+        char cfg[1200], tok[1200];
         snprintf(tok, sizeof tok, "%s/ggml-vocab-llama-spm.gguf", vocab_dir);
         if (access(tok, R_OK) == 0 && write_config(&cases[0], cfg, sizeof cfg)) {
             kiln_model *m = NULL;

@@ -1,0 +1,272 @@
+/*
+ * test_forward_devsim.c -- the forward's memory contract without a GPU: a simulated device
+ * backend ("devsim") wraps the CPU backend's ops but keeps a registry of the buffers its
+ * alloc handed out, and counts every float * an op receives that is not inside one (a host
+ * norm weight, bias or rope table that never went through kiln_backend_alloc/upload; the
+ * case a real GPU would fault on or read garbage from), every upload/download outside them,
+ * and allocations left at the end. The forward on devsim takes the device path (forward
+ * state in backend memory, weight vectors uploaded, logits in a backend buffer) and its
+ * logits must be bit-identical to a CPU context's. Runs in every CUDA-enabled build (no GPU
+ * needed); skipped (77) when the vocabulary files are not found.
+ */
+#include "base/base.h"
+#include "base/tensor.h"
+#include "models/model.h"
+
+#include <kiln.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- the simulated device backend ---------------------------------------------------------- */
+
+#define MAX_BUFS 64
+static struct {
+    char *p;
+    size_t n;
+} g_bufs[MAX_BUFS];
+static int g_n_bufs, g_violations;
+static kiln_backend *g_cpu;
+
+static int in_dev(const void *p, size_t nbytes) {
+    const char *c = p;
+    for (int i = 0; i < g_n_bufs; i++)
+        if (c >= g_bufs[i].p && c + nbytes <= g_bufs[i].p + g_bufs[i].n) return 1;
+    return 0;
+}
+static void need(const void *p, size_t nbytes, const char *what) {
+    if (!p || in_dev(p, nbytes)) return;
+    if (g_violations++ < 10) fprintf(stderr, "violation: %s (%zu bytes) is not backend memory\n", what, nbytes);
+}
+#define F(n) ((size_t)(n) * sizeof(float))
+
+static void ds_embed(kiln_backend *be, float *out, const kiln_tensor *t, const int32_t *ids, int N) {
+    (void)be;
+    need(out, F((size_t)N * t->shape[1]), "embed out");
+    g_cpu->i->embed(g_cpu, out, t, ids, N);
+}
+static void ds_rmsnorm(kiln_backend *be, float *out, const float *x, const float *w, int N, int C,
+                       float eps) {
+    (void)be;
+    need(out, F((size_t)N * C), "rmsnorm out");
+    need(x, F((size_t)N * C), "rmsnorm x");
+    need(w, F(C), "rmsnorm weight");
+    g_cpu->i->rmsnorm(g_cpu, out, x, w, N, C, eps);
+}
+static void ds_matmul(kiln_backend *be, float *out, const float *x, const kiln_tensor *W,
+                      const float *bias, int N) {
+    (void)be;
+    need(out, F((size_t)N * W->shape[0]), "matmul out");
+    need(x, F((size_t)N * W->shape[1]), "matmul x");
+    need(bias, F(W->shape[0]), "matmul bias");
+    g_cpu->i->matmul(g_cpu, out, x, W, bias, N);
+}
+static void ds_rope(kiln_backend *be, float *x, const int32_t *pos, int N, int H, int HS,
+                    const float *cs, const float *sn) {
+    (void)be;
+    need(x, F((size_t)N * H * HS), "rope x");
+    int maxp = 0;
+    for (int n = 0; n < N; n++) maxp = pos[n] > maxp ? pos[n] : maxp;
+    need(cs, F((size_t)(maxp + 1) * HS / 2), "rope cos table");
+    need(sn, F((size_t)(maxp + 1) * HS / 2), "rope sin table");
+    g_cpu->i->rope(g_cpu, x, pos, N, H, HS, cs, sn);
+}
+static void ds_attention(kiln_backend *be, float *out, const float *q, const float *k,
+                         const float *v, int N, int n_past, int NH, int KVH, int HS, float scale) {
+    (void)be;
+    need(out, F((size_t)N * NH * HS), "attention out");
+    need(q, F((size_t)N * NH * HS), "attention q");
+    need(k, F((size_t)(n_past + N) * KVH * HS), "attention k");
+    need(v, F((size_t)(n_past + N) * KVH * HS), "attention v");
+    g_cpu->i->attention(g_cpu, out, q, k, v, N, n_past, NH, KVH, HS, scale);
+}
+static void ds_swiglu(kiln_backend *be, float *out, const float *g, const float *u, size_t n) {
+    (void)be;
+    need(out, F(n), "swiglu out");
+    need(g, F(n), "swiglu gate");
+    need(u, F(n), "swiglu up");
+    g_cpu->i->swiglu(g_cpu, out, g, u, n);
+}
+static void ds_add(kiln_backend *be, float *x, const float *y, size_t n) {
+    (void)be;
+    need(x, F(n), "add x");
+    need(y, F(n), "add y");
+    g_cpu->i->add(g_cpu, x, y, n);
+}
+static bool ds_supports(const kiln_backend *be, kiln_op op, kiln_dtype t) {
+    (void)be;
+    return g_cpu->i->supports_op(g_cpu, op, t);
+}
+static void *ds_alloc(kiln_backend *be, size_t n) {
+    (void)be;
+    if (g_n_bufs == MAX_BUFS) return NULL;
+    /* filled with a NaN pattern: memory the forward reads before writing shows up in the bits */
+    char *p = kiln_malloc(n ? n : 1);
+    if (!p) return NULL;
+    memset(p, 0xff, n);
+    g_bufs[g_n_bufs].p = p;
+    g_bufs[g_n_bufs++].n = n;
+    return p;
+}
+static void ds_free_buf(kiln_backend *be, void *p) {
+    (void)be;
+    if (!p) return;
+    for (int i = 0; i < g_n_bufs; i++) {
+        if (g_bufs[i].p != p) continue;
+        g_bufs[i] = g_bufs[--g_n_bufs];
+        kiln_free(p);
+        return;
+    }
+    g_violations++;
+    fprintf(stderr, "violation: free_buf of a pointer devsim did not allocate\n");
+}
+static kiln_status ds_upload(kiln_backend *be, void *dst, const void *src, size_t n) {
+    (void)be;
+    need(dst, n, "upload destination");
+    if (n) memcpy(dst, src, n);
+    return KILN_OK;
+}
+static kiln_status ds_download(kiln_backend *be, void *dst, const void *src, size_t n) {
+    (void)be;
+    need(src, n, "download source");
+    if (n) memcpy(dst, src, n);
+    return KILN_OK;
+}
+static kiln_status ds_status(kiln_backend *be) {
+    (void)be;
+    return KILN_OK;
+}
+static void ds_free(kiln_backend *be) { (void)be; }
+
+static const kiln_backend_i ds_iface = {
+    .name = "devsim",
+    .free = ds_free,
+    .supports_op = ds_supports,
+    .embed = ds_embed,
+    .rmsnorm = ds_rmsnorm,
+    .matmul = ds_matmul,
+    .rope = ds_rope,
+    .attention = ds_attention,
+    .swiglu = ds_swiglu,
+    .add = ds_add,
+    .alloc = ds_alloc,
+    .free_buf = ds_free_buf,
+    .upload = ds_upload,
+    .download = ds_download,
+    .status = ds_status,
+};
+
+/* ---- the test ------------------------------------------------------------------------------- */
+
+static uint64_t g_rng = 0x64657673696d3031ull;
+static float rnd_unit(void) {
+    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (float)((double)(z >> 11) * 0x1p-53 * 2.0 - 1.0);
+}
+
+static int run(const char *dir, const char *arch, const char *vocab, int tied, int n_batch) {
+    char cfg[1200], tok[1200];
+    snprintf(cfg, sizeof cfg, "%s/devsim-%s.json", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", arch);
+    snprintf(tok, sizeof tok, "%s/ggml-vocab-%s.gguf", dir, vocab);
+    FILE *f = fopen(cfg, "w");
+    if (!f) return 0;
+    fprintf(f, "{\"model_type\": \"%s\", \"hidden_size\": 64, \"num_hidden_layers\": 2,"
+               " \"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 24,"
+               " \"intermediate_size\": 96, \"vocab_size\": %d, \"max_position_embeddings\": 256,"
+               " \"rms_norm_eps\": 1e-6, \"rope_theta\": 10000.0, \"tie_word_embeddings\": %s}\n",
+            arch, strcmp(vocab, "qwen2") ? 32000 : 151936, tied ? "true" : "false");
+    fclose(f);
+    kiln_model *m = NULL;
+    if (kiln_model_create(cfg, tok, 7, &m) != KILN_OK) {
+        fprintf(stderr, "FAIL %s: %s\n", arch, kiln_last_error());
+        remove(cfg);
+        return 0;
+    }
+    remove(cfg);
+    /* norms and biases away from 1 and 0 */
+    const kiln_model_config *c = &m->cfg;
+    for (int l = 0; l < c->n_layer; l++) {
+        kiln_layer_weights *w = &m->layers[l];
+        float *v[] = {(float *)w->attn_norm, (float *)w->mlp_norm, (float *)w->q_norm,
+                      (float *)w->k_norm, (float *)w->bq, (float *)w->bk, (float *)w->bv};
+        int n[] = {c->n_embd, c->n_embd, c->head_dim, c->head_dim, c->n_head * c->head_dim,
+                   c->n_head_kv * c->head_dim, c->n_head_kv * c->head_dim};
+        for (int i = 0; i < 7; i++)
+            for (int j = 0; v[i] && j < n[i]; j++) v[i][j] = i < 4 ? 1.0f + 0.2f * rnd_unit() : 0.05f * rnd_unit();
+    }
+    for (int j = 0; j < c->n_embd; j++) ((float *)m->final_norm)[j] = 1.0f + 0.2f * rnd_unit();
+
+    int V = c->n_vocab, N = 11, ok = 1;
+    int32_t ids[16];
+    for (int i = 0; i < 16; i++) ids[i] = (int32_t)((i * 7919 + 13) % 32000);
+    float *ref = malloc(sizeof(float) * (size_t)(N + 2) * V), *got = malloc(sizeof(float) * (size_t)(N + 2) * V);
+    kiln_context_params cp = kiln_context_default_params();
+    cp.n_ctx = 32;
+    cp.n_batch = n_batch;
+    cp.n_threads = 1;
+    kiln_context *cc = NULL;
+    ok &= kiln_context_create(m, &cp, &cc) == KILN_OK;
+    ok &= kiln_decode(cc, ids, N, 1, ref) == KILN_OK;
+    ok &= kiln_decode(cc, ids + N, 1, 0, ref + (size_t)N * V) == KILN_OK;
+    ok &= kiln_decode(cc, ids + N + 1, 1, 0, ref + (size_t)(N + 1) * V) == KILN_OK;
+
+    kiln_backend ds = {.i = &ds_iface, .n_threads = 1, .ctx = NULL};
+    kiln_forward_state fs;
+    ok &= kiln_forward_state_init(&fs, m, &ds, 32, n_batch) == KILN_OK && !fs.host_memory;
+    float *dl = kiln_backend_alloc(&ds, sizeof(float) * (size_t)N * V);
+    ok &= dl != NULL;
+    if (ok) {
+        /* prefill in n_batch chunks with every row, then two decode steps (last row only) */
+        for (int done = 0; done < N; done += n_batch) {
+            int k = N - done < n_batch ? N - done : n_batch;
+            kiln_model_forward(m, &ds, &fs, ids + done, k, done, 1, dl + (size_t)done * V);
+        }
+        ok &= kiln_backend_download(&ds, got, dl, sizeof(float) * (size_t)N * V) == KILN_OK;
+        for (int s = 0; s < 2; s++) {
+            kiln_model_forward(m, &ds, &fs, ids + N + s, 1, N + s, 0, dl);
+            ok &= kiln_backend_download(&ds, got + (size_t)(N + s) * V, dl, sizeof(float) * V) == KILN_OK;
+        }
+        size_t diff = 0;
+        for (size_t i = 0; i < (size_t)(N + 2) * V; i++) diff += memcmp(&ref[i], &got[i], 4) != 0;
+        if (diff) fprintf(stderr, "FAIL %s: %zu logits differ from the CPU context\n", arch, diff);
+        ok &= diff == 0;
+    }
+    kiln_backend_free_buf(&ds, dl);
+    kiln_forward_state_free(&fs);
+    if (g_n_bufs) {
+        fprintf(stderr, "FAIL %s: %d backend buffers left after kiln_forward_state_free\n", arch, g_n_bufs);
+        ok = 0;
+    }
+    kiln_context_free(cc);
+    kiln_model_close(m);
+    free(ref);
+    free(got);
+    printf("%s %s (tied %d, n_batch %d): violations so far %d\n", ok ? "ok  " : "FAIL", arch, tied,
+           n_batch, g_violations);
+    return ok;
+}
+
+int main(void) {
+    const char *env = getenv("KILN_SHARED_DIR");
+    char dir[1024], probe[1200];
+    if (env) snprintf(dir, sizeof dir, "%s/testdata/tokenizer-vectors", env);
+    else snprintf(dir, sizeof dir, "%s", KILN_SOURCE_DIR "/../shared/testdata/tokenizer-vectors");
+    snprintf(probe, sizeof probe, "%s/ggml-vocab-qwen2.gguf", dir);
+    if (!kiln_path_is_file(probe)) {
+        printf("vocabularies not found at %s: skipped\n", dir);
+        return 77;
+    }
+    if (kiln_backend_cpu_create(1, &g_cpu) != KILN_OK) return 1;
+    int ok = 1;
+    ok &= run(dir, "llama", "llama-spm", 1, 32);
+    ok &= run(dir, "qwen2", "qwen2", 1, 4);
+    ok &= run(dir, "qwen3", "qwen2", 0, 32);
+    kiln_backend_free(g_cpu);
+    ok &= g_violations == 0;
+    printf("%s: %d memory-contract violations\n", ok ? "PASS" : "FAIL", g_violations);
+    return ok ? 0 : 1;
+}
