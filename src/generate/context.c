@@ -127,15 +127,16 @@ kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logi
             dev_out = c->fs.logits;
         }
         kiln_model_forward(m, c->be, &c->fs, ids + done, chunk, c->n_past, all_logits, dev_out);
-        memcpy(c->tokens + c->n_past, ids + done, (size_t)chunk * sizeof(int32_t));
-        c->n_past += chunk;
-        done += chunk;
         if (!c->fs.host_memory) {
-            /* download waits for the forward and reports a failure that poisoned the backend */
+            /* download waits for the forward and reports a failure that poisoned the backend;
+             * then this chunk is not counted as cached */
             kiln_status st = out ? kiln_backend_download(c->be, out, dev_out, rows * (size_t)V * sizeof(float))
                                  : kiln_backend_status(c->be);
             if (st != KILN_OK) return st;
         }
+        memcpy(c->tokens + c->n_past, ids + done, (size_t)chunk * sizeof(int32_t));
+        c->n_past += chunk;
+        done += chunk;
     }
     return KILN_OK;
 }

@@ -11,6 +11,7 @@
  */
 #include "base/base.h"
 #include "base/tensor.h"
+#include "generate/generate.h"
 #include "models/model.h"
 
 #include <kiln.h>
@@ -237,6 +238,33 @@ static int run(const char *dir, const char *arch, const char *vocab, int tied, i
     }
     kiln_backend_free_buf(&ds, dl);
     kiln_forward_state_free(&fs);
+
+    /* the same through kiln_decode on a context whose backend is devsim (made by hand, as
+     * kiln_context_create would with a device backend): chunked all-row prefill, a step
+     * without logits, then decode steps; the logits buffer is grown on demand */
+    kiln_context *dc = kiln_calloc(1, sizeof *dc);
+    kiln_backend *dsp = kiln_malloc(sizeof *dsp);
+    ok &= dc && dsp;
+    if (ok) {
+        *dsp = ds;
+        dc->model = m;
+        dc->params = cp;
+        dc->be = dsp;
+        dc->tokens = kiln_calloc(32, sizeof(int32_t));
+        ok &= dc->tokens && kiln_forward_state_init(&dc->fs, m, dsp, 32, n_batch) == KILN_OK;
+        for (size_t i = 0; i < (size_t)(N + 2) * V; i++) got[i] = 0.0f;
+        ok &= kiln_decode(dc, ids, N, 1, got) == KILN_OK;
+        ok &= kiln_decode(dc, ids + N, 1, 0, got + (size_t)N * V) == KILN_OK;
+        ok &= kiln_context_truncate(dc, N) == KILN_OK;
+        ok &= kiln_decode(dc, ids + N, 1, 0, NULL) == KILN_OK;
+        ok &= kiln_decode(dc, ids + N + 1, 1, 0, got + (size_t)(N + 1) * V) == KILN_OK;
+        size_t diff = 0;
+        for (size_t i = 0; i < (size_t)(N + 2) * V; i++) diff += memcmp(&ref[i], &got[i], 4) != 0;
+        if (diff) fprintf(stderr, "FAIL %s: kiln_decode on devsim: %zu logits differ\n", arch, diff);
+        ok &= diff == 0 && kiln_context_n_past(dc) == N + 2;
+    }
+    kiln_context_free(dc); /* frees the state, then "frees" devsim (a no-op) */
+    kiln_free(dsp);
     if (g_n_bufs) {
         fprintf(stderr, "FAIL %s: %d backend buffers left after kiln_forward_state_free\n", arch, g_n_bufs);
         ok = 0;
