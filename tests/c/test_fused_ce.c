@@ -28,20 +28,6 @@ static uint64_t rnd_u64(void) {
 static float rnd_f(float lo, float hi) {
     return lo + (hi - lo) * (float)((rnd_u64() >> 40) / 16777216.0);
 }
-static uint32_t bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-static int same_bits(const float *a, const float *b, size_t n, const char *what) {
-    for (size_t i = 0; i < n; i++)
-        if (bits(a[i]) != bits(b[i])) {
-            fprintf(stderr, "  %s: element %zu: %.9g (0x%08x) vs %.9g (0x%08x)\n", what, i, a[i],
-                    bits(a[i]), b[i], bits(b[i]));
-            return 0;
-        }
-    return 1;
-}
 
 /* Backends: every supported SIMD path x {1, 2, 3} threads. */
 #define MAX_BE 9

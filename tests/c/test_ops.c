@@ -35,24 +35,6 @@ static float *rnd_vec(size_t n, float lo, float hi) {
     for (size_t i = 0; i < n; i++) v[i] = rnd_f(lo, hi);
     return v;
 }
-static void poison(float *v, size_t n) {
-    for (size_t i = 0; i < n; i++) v[i] = NAN;
-}
-static uint32_t bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-/* Bit-exact comparison; reports the first mismatch. */
-static int same_bits(const float *a, const float *b, size_t n, const char *what) {
-    for (size_t i = 0; i < n; i++)
-        if (bits(a[i]) != bits(b[i])) {
-            fprintf(stderr, "  %s: element %zu: %.9g (0x%08x) vs %.9g (0x%08x)\n", what, i, a[i],
-                    bits(a[i]), b[i], bits(b[i]));
-            return 0;
-        }
-    return 1;
-}
 
 /* The backends under test: every supported path x {1, 2, 3} threads. */
 #define MAX_BE 9

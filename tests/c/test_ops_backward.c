@@ -52,23 +52,6 @@ static double *to_d(const float *a, size_t n) {
     for (size_t i = 0; i < n; i++) v[i] = a[i];
     return v;
 }
-static void poison(float *v, size_t n) {
-    for (size_t i = 0; i < n; i++) v[i] = NAN;
-}
-static uint32_t bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-static int same_bits(const float *a, const float *b, size_t n, const char *what) {
-    for (size_t i = 0; i < n; i++)
-        if (bits(a[i]) != bits(b[i])) {
-            fprintf(stderr, "  %s: element %zu: %.9g (0x%08x) vs %.9g (0x%08x)\n", what, i, a[i],
-                    bits(a[i]), b[i], bits(b[i]));
-            return 0;
-        }
-    return 1;
-}
 
 /* max |got - want| / max(max |want|, 1e-30): the error relative to the tensor's scale. */
 static double rel_err(const float *got, const float *base, const double *want, size_t n) {

@@ -41,6 +41,30 @@ static int t_failures = 0, t_checks = 0;
         }                                                                                      \
     } while (0)
 
+/* ---- float helpers shared by the op tests ----------------------------------------------- */
+#include <math.h>
+#include <stdint.h>
+
+/* Fill outputs with NaN before a run, so an element an op never writes shows up. */
+static inline void poison(float *v, size_t n) {
+    for (size_t i = 0; i < n; i++) v[i] = NAN;
+}
+static inline uint32_t bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+/* Bit-exact comparison; reports the first mismatch. */
+static inline int same_bits(const float *a, const float *b, size_t n, const char *what) {
+    for (size_t i = 0; i < n; i++)
+        if (bits(a[i]) != bits(b[i])) {
+            fprintf(stderr, "  %s: element %zu: %.9g (0x%08x) vs %.9g (0x%08x)\n", what, i, a[i],
+                    bits(a[i]), b[i], bits(b[i]));
+            return 0;
+        }
+    return 1;
+}
+
 static inline int test_finish(const char *name) {
     printf("%s: %d checks, %d failed\n", name, t_checks, t_failures);
     return t_failures ? 1 : 0;
