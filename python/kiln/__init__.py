@@ -164,8 +164,31 @@ def mem_stats():
     return s
 
 
-class Tokenizer:
+class _Handle:
+    """An owned kiln handle: close() frees it once through _free (a library function name);
+    garbage collection closes it too."""
+    _free = None
+    _h = None
+
+    def _owns(self):
+        return True
+
+    def close(self):
+        if self._h and self._owns():
+            getattr(self._lib, self._free)(self._h)
+        self._h = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Tokenizer(_Handle):
     """A tokenizer: owned (from a path) or borrowed from a Model."""
+
+    _free = "kiln_tokenizer_close"
 
     def __init__(self, path=None, _handle=None, _owner=None):
         self._lib = load_library()
@@ -208,19 +231,13 @@ class Tokenizer:
         p = self._lib.kiln_token_piece(self._h, i)
         return None if p is None else p.decode("utf-8", "replace")
 
-    def close(self):
-        if self._owned and self._h:
-            self._lib.kiln_tokenizer_close(self._h)
-        self._h = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    def _owns(self):
+        return self._owned  # a model's tokenizer is freed with the model
 
 
-class Model:
+class Model(_Handle):
+    _free = "kiln_model_close"
+
     def __init__(self, path, n_threads=0, f32=False, use_mmap=True):
         self._lib = load_library()
         p = self._lib.kiln_model_default_params()
@@ -236,19 +253,11 @@ class Model:
         self.n_vocab = info.n_vocab
         self.tokenizer = Tokenizer(_handle=self._lib.kiln_model_get_tokenizer(self._h), _owner=self)
 
-    def close(self):
-        if getattr(self, "_h", None):
-            self._lib.kiln_model_close(self._h)
-        self._h = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
-class Context:
+class Context(_Handle):
+    _free = "kiln_context_free"
+
     def __init__(self, model, n_ctx=0, n_batch=512, n_threads=0, device=-1):
         """device: -1 = CPU, N >= 0 = CUDA device N (bit-identical to the CPU)."""
         self._lib = load_library()
@@ -306,16 +315,6 @@ class Context:
             self._lib.kiln_generate_result_free(C.byref(res))
         return out
 
-    def close(self):
-        if getattr(self, "_h", None):
-            self._lib.kiln_context_free(self._h)
-        self._h = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 STORAGE = {"f32": 0, "bf16_master": 1, "bf16_kahan": 2, "bf16_sr": 3}
@@ -326,8 +325,10 @@ def _i32(a):
     return (C.c_int32 * max(len(a), 1))(*a)
 
 
-class Trainer:
+class Trainer(_Handle):
     """Training on the CPU over a Model's parameters (named as in transformers)."""
+
+    _free = "kiln_trainer_free"
 
     def __init__(self, model, max_seq=256, n_threads=0, ce_chunk=0, lr=1e-3, betas=(0.9, 0.999),
                  eps=1e-8, weight_decay=0.01, storage="f32", moments="f32", seed=0):
@@ -439,13 +440,3 @@ class Trainer:
             self._lib.kiln_string_free(run)
         return step.value, text
 
-    def close(self):
-        if getattr(self, "_h", None):
-            self._lib.kiln_trainer_free(self._h)
-        self._h = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
