@@ -307,8 +307,15 @@ kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
         sc.zt[i] = 0.0f;
     }
 
-    /* Pass 1: online log-sum-exp, chunks ascending. */
-    for (int64_t c0 = 0; c0 < V; c0 += cn) {
+    /* Pass 1: online log-sum-exp, chunks ascending (or its statistics from an earlier call). */
+    if (p->row_stats_in)
+        for (int64_t i = 0; i < S; i++) {
+            const float *rs = p->row_stats_in + 3 * sc.idx[i];
+            sc.m[i] = rs[0];
+            sc.l[i] = rs[1];
+            sc.zt[i] = rs[2];
+        }
+    for (int64_t c0 = 0; !p->row_stats_in && c0 < V; c0 += cn) {
         int64_t n = V - c0 < cn ? V - c0 : cn;
         chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
         for (int64_t i = 0; i < S; i++) {
@@ -325,6 +332,13 @@ kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
             sc.m[i] = m_new;
         }
     }
+    if (p->row_stats_out)
+        for (int64_t i = 0; i < S; i++) {
+            float *rs = p->row_stats_out + 3 * sc.idx[i];
+            rs[0] = sc.m[i];
+            rs[1] = sc.l[i];
+            rs[2] = sc.zt[i];
+        }
     for (int64_t i = 0; i < S; i++) {
         float li = (sc.m[i] - sc.zt[i]) + kiln_fused_ce_logf(sc.l[i]);
         if (!isfinite(li)) {

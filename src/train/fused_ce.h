@@ -56,6 +56,13 @@ typedef struct kiln_fused_ce_params {
     int dhidden_accumulate;
     float *dweight;             /* (V, H) f32: dweight += d loss / d W, always accumulated */
     float *row_loss;            /* (N): loss_n (unscaled, unreduced); 0 at unsupervised rows */
+    /* Pass 1's per-row statistics (max logit, sum of exponentials, target logit), as (N, 3)
+     * floats; unsupervised rows untouched. row_stats_out: written when not NULL. row_stats_in:
+     * when not NULL, pass 1 is skipped and these are used instead: they must come from a call
+     * with the same hidden, weight, targets, mask and chunk (the loss-then-gradient pattern of
+     * training), which then gives the same bits as recomputing them. */
+    float *row_stats_out;
+    const float *row_stats_in;
 } kiln_fused_ce_params;
 
 typedef struct kiln_fused_ce_result {

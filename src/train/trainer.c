@@ -79,6 +79,7 @@ struct kiln_trainer {
     float *dx, *dxb, *dxn, *dtmp, *datt, *dq, *dqr, *dk, *dkr, *dv, *dgate, *dup, *dhb, *rstd, *ws;
     float *rope_cos, *rope_sin; /* (max_seq, HS/2) */
     int32_t *pos, *ids, *targets, *positions;
+    float *ce_stats; /* (max_seq, 3) the fused loss's pass-1 statistics, forward -> backward */
     uint8_t *scratch_block;
     size_t scratch_bytes;
 
@@ -287,7 +288,8 @@ static kiln_status alloc_activations(kiln_trainer *t) {
         t->dkr = t->dk;
     }
     t->targets = kiln_calloc(2 * T, sizeof(int32_t));
-    if (!t->targets) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    t->ce_stats = kiln_calloc(3 * T, sizeof(float));
+    if (!t->targets || !t->ce_stats) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
     t->positions = t->targets + T;
     kiln_rope_tables_fill(t->model, (int)T, t->rope_cos, t->rope_sin);
     return KILN_OK;
@@ -405,6 +407,7 @@ void kiln_trainer_free(kiln_trainer *t) {
     kiln_adamw_free(t->opt_mat);
     kiln_adamw_free(t->opt_vec);
     kiln_free(t->targets);
+    kiln_free(t->ce_stats);
     kiln_free(t->act_block);
     kiln_free(t->acts);
     kiln_free(t->param_block);
@@ -505,6 +508,7 @@ kiln_status kiln_train_forward(kiln_trainer *t, const int32_t *ids, int n, const
     cp.reduction = red == KILN_LOSS_SUM ? KILN_CE_REDUCTION_SUM : KILN_CE_REDUCTION_MEAN;
     cp.scale = scale;
     cp.chunk = t->p.ce_chunk;
+    cp.row_stats_out = t->ce_stats; /* backward's loss call skips its pass 1 */
     kiln_fused_ce_result r;
     kiln_status st = kiln_fused_ce(t->be, &cp, &r);
     if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_forward");
@@ -619,6 +623,7 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
         cp.chunk = t->p.ce_chunk;
         cp.dhidden = t->dxn;
         cp.dweight = t->lm_head->g;
+        cp.row_stats_in = t->ce_stats; /* from the forward: same inputs, same bits */
         kiln_fused_ce_result r;
         kiln_status st = kiln_fused_ce(t->be, &cp, &r);
         if (st != KILN_OK) {

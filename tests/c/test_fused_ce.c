@@ -404,6 +404,23 @@ static void test_accumulate(void) {
     CHECK(r3.scratch_bytes < r1.scratch_bytes);
     CHECK(r3.scratch_bytes == kiln_fused_ce_scratch_bytes(r3.n_supervised, H, V, 8, 0, 0));
     CHECK(r1.scratch_bytes == kiln_fused_ce_scratch_bytes(r1.n_supervised, H, V, 8, 1, 1));
+    /* loss first (pass-1 statistics out), then gradients from those statistics: the same
+     * bits as the one-call computation above */
+    float *stats = malloc((size_t)N * 3 * 4);
+    float *sdh = malloc((size_t)(N * H) * 4), *sdw = calloc((size_t)(V * H), 4);
+    kiln_fused_ce_params a = params_of(&pr, KILN_CE_REDUCTION_SUM, 0.25f, 8);
+    a.row_stats_out = stats;
+    kiln_fused_ce_result r4, r5;
+    CHECK(kiln_fused_ce(g_be[0], &a, &r4) == KILN_OK);
+    kiln_fused_ce_params b = params_of(&pr, KILN_CE_REDUCTION_SUM, 0.25f, 8);
+    b.row_stats_in = stats;
+    b.dhidden = sdh;
+    b.dweight = sdw;
+    CHECK(kiln_fused_ce(g_be[g_n_be - 1], &b, &r5) == KILN_OK);
+    CHECK(bits(r4.loss) == bits(r1.loss) && bits(r5.loss) == bits(r1.loss));
+    CHECK(same_bits(sdh, fdh, (size_t)(N * H), "dh from saved statistics"));
+    CHECK(same_bits(sdw, fdw, (size_t)(V * H), "dW from saved statistics"));
+    free(stats); free(sdh); free(sdw);
     free(dh0); free(dh); free(dw0); free(dw); free(fdh); free(fdw);
     problem_free(&pr);
 }
