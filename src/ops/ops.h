@@ -155,6 +155,11 @@ void kiln_backend_free(kiln_backend *be);
  * docs/CUDA.md). KILN_ERR_UNSUPPORTED with a message when kiln was built without CUDA, or
  * when no usable GPU (or no device of that index) is present. */
 kiln_status kiln_backend_cuda_create(int device, kiln_backend **out);
+/* The same in a mode: fast = 0 is kiln_backend_cuda_create (auditable); fast != 0 runs matrix
+ * products on bf16 tensor cores with f32 accumulation and other fixed-order kernels
+ * (docs/CUDA.md, "Fast mode"): not the CPU's bits, but deterministic from run to run on one
+ * GPU model. */
+kiln_status kiln_backend_cuda_create_mode(int device, int fast, kiln_backend **out);
 
 /* The table's memory entries, with host-memory defaults for a backend that has none. */
 static inline void *kiln_backend_alloc(kiln_backend *be, size_t nbytes) {

@@ -34,6 +34,7 @@ typedef struct cuda_ctx {
     size_t n_weights, cap_weights;
     int32_t *ints; /* staging for host ids / pos */
     size_t cap_ints;
+    bool fast; /* fast arithmetic (docs/CUDA.md, "Fast mode") instead of auditable */
 } cuda_ctx;
 
 static cuda_ctx *ctx_of(kiln_backend *be) { return (cuda_ctx *)be->ctx; }
@@ -142,6 +143,38 @@ static void after_launch(cuda_ctx *c, cudaError_t e, const char *op) {
         poison(c, KILN_ERR_INTERNAL, "%s: kernel launch: %s (%s)", op, cudaGetErrorString(e),
                cudaGetErrorName(e));
 }
+
+/* ---- the state, for other translation units (cuda_internal.h) ----------------------------- */
+
+cudaStream_t kiln_cuda_stream(kiln_backend *be) { return ctx_of(be)->stream; }
+
+bool kiln_cuda_begin(kiln_backend *be) { return op_begin(ctx_of(be)); }
+
+kiln_status kiln_cuda_fail(kiln_backend *be, kiln_status st, const char *fmt, ...) {
+    cuda_ctx *c = ctx_of(be);
+    char buf[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    poison(c, st, "%s", buf);
+    return c->err;
+}
+
+bool kiln_cuda_check(kiln_backend *be, cudaError_t e, const char *what) {
+    return check(ctx_of(be), e, what);
+}
+
+const uint8_t *kiln_cuda_weight(kiln_backend *be, const kiln_tensor *W, size_t *row_bytes) {
+    cuda_ctx *c = ctx_of(be);
+    int64_t C = W->shape[W->n_dims - 1];
+    int64_t R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
+    size_t rb = row_bytes_of(W->dtype, C);
+    if (row_bytes) *row_bytes = rb;
+    return weight_dev(c, W->data, (size_t)R * rb, W->name);
+}
+
+bool kiln_cuda_is_fast(const kiln_backend *be) { return ((const cuda_ctx *)be->ctx)->fast; }
 
 /* ---- ops --------------------------------------------------------------------------------- */
 
@@ -331,6 +364,10 @@ static const kiln_backend_i cuda_iface = {
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {
+    return kiln_backend_cuda_create_mode(device, 0, out);
+}
+
+extern "C" kiln_status kiln_backend_cuda_create_mode(int device, int fast, kiln_backend **out) {
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_cuda_create: out is NULL");
     *out = NULL;
     if (device < 0)
@@ -366,6 +403,7 @@ extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) 
         return kiln_error(KILN_ERR_NOMEM, "kiln_backend_cuda_create: out of memory");
     }
     c->device = device;
+    c->fast = fast != 0;
     be->i = &cuda_iface;
     be->n_threads = 1;
     be->ctx = c;

@@ -13,6 +13,11 @@ kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {
                       "kiln_backend_cuda_create: this kiln was built without CUDA "
                       "(configure with -DKILN_CUDA=ON where nvcc is installed)");
 }
+
+kiln_status kiln_backend_cuda_create_mode(int device, int fast, kiln_backend **out) {
+    (void)fast;
+    return kiln_backend_cuda_create(device, out);
+}
 #else
 typedef int kiln_cuda_stub_unused; /* ISO C wants a non-empty translation unit */
 #endif
