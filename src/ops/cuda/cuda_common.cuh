@@ -1,0 +1,167 @@
+/*
+ * cuda_common.cuh -- device helpers every CUDA kernel file shares: the lane-16 tree of the
+ * defined dot, and per-element dequantization of every GGUF block type with tensor.c's
+ * formulas, operation for operation (so a dequantized weight has the CPU's bits in both
+ * modes), and the runtime-dtype dispatch macro. Included from .cu files only; everything is
+ * static (one copy per translation unit, inlined).
+ */
+#ifndef KILN_CUDA_COMMON_CUH
+#define KILN_CUDA_COMMON_CUH
+
+#include "cuda_internal.h"
+
+/* ---- the lane-16 dot: one half-warp per dot, thread j = lane j -------------------------- */
+
+/* The fixed tree of kiln_lane16_reduce over the 16 lanes of this thread's half-warp:
+ * (j, j+8), then (j, j+4), (j, j+2), (j, j+1). XOR partners give every lane the same sums
+ * (IEEE addition is commutative), so all 16 lanes return the dot's bits. mask: the
+ * half-warp's threads. */
+static __device__ __forceinline__ float lane16_tree(float a, unsigned mask) {
+    a = a + __shfl_xor_sync(mask, a, 8, 16);
+    a = a + __shfl_xor_sync(mask, a, 4, 16);
+    a = a + __shfl_xor_sync(mask, a, 2, 16);
+    a = a + __shfl_xor_sync(mask, a, 1, 16);
+    return a;
+}
+
+static __device__ __forceinline__ unsigned half_warp_mask() {
+    return (threadIdx.x & 16) ? 0xffff0000u : 0x0000ffffu;
+}
+
+/* ---- dequantization of one element: tensor.c's formulas, operation for operation -------- */
+
+static __device__ __forceinline__ uint32_t rd_u16(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+}
+
+/* tensor.c's fp16_to_fp32: exact widening built from bits (NaN keeps sign and payload). */
+static __device__ __forceinline__ float fp16_f32(uint32_t h) {
+    uint32_t sign = (h & 0x8000u) << 16;
+    uint32_t em = h & 0x7fffu;
+    uint32_t normal = (em << 13) + 0x38000000u;
+    uint32_t special = (em << 13) + 0x70000000u;
+    uint32_t sub = __float_as_uint((float)(int32_t)em * 0x1p-24f);
+    uint32_t r = em < 0x400u ? sub : em >= 0x7c00u ? special : normal;
+    return __uint_as_float(r | sign);
+}
+
+/* The 6-bit scale and min of group g of a q4_k / q5_k block (tensor.c's k_scale_min). */
+static __device__ __forceinline__ void k_scale_min(const uint8_t *s, int g, uint32_t *sc,
+                                                   uint32_t *mn) {
+    if (g < 4) {
+        *sc = s[g] & 0x3fu;
+        *mn = s[g + 4] & 0x3fu;
+    } else {
+        int j = g - 4;
+        *sc = (s[j + 8] & 0x0fu) | ((s[j] >> 2) & 0x30u);
+        *mn = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30u);
+    }
+}
+
+/* Bytes per block and elements per block of the quantized types (plain types: one element). */
+template <int DT> struct blk {
+    static constexpr int BS = DT == KILN_DTYPE_F32 || DT == KILN_DTYPE_F16 || DT == KILN_DTYPE_BF16
+                                  ? 1
+                              : DT == KILN_DTYPE_Q4_K || DT == KILN_DTYPE_Q5_K || DT == KILN_DTYPE_Q6_K
+                                  ? 256
+                                  : 32;
+    static constexpr int TS = DT == KILN_DTYPE_F32 ? 4
+                              : DT == KILN_DTYPE_F16 || DT == KILN_DTYPE_BF16 ? 2
+                              : DT == KILN_DTYPE_Q8_0 ? 34
+                              : DT == KILN_DTYPE_Q4_0 ? 18
+                              : DT == KILN_DTYPE_Q4_1 ? 20
+                              : DT == KILN_DTYPE_Q5_0 ? 22
+                              : DT == KILN_DTYPE_Q5_1 ? 24
+                              : DT == KILN_DTYPE_Q4_K ? 144
+                              : DT == KILN_DTYPE_Q5_K ? 176
+                                                      : 210;
+};
+
+/* Element e of the block that starts at b (plain types: element e of the run at b). Loads of
+ * the block header are the same expressions for every e, so an unrolled caller that asks for
+ * several elements of one block loads the header once. */
+template <int DT>
+static __device__ __forceinline__ float deq_blk(const uint8_t *__restrict__ b, int e) {
+    if (DT == KILN_DTYPE_F32) {
+        return ((const float *)b)[e];
+    } else if (DT == KILN_DTYPE_F16) {
+        return fp16_f32(((const uint16_t *)b)[e]);
+    } else if (DT == KILN_DTYPE_BF16) {
+        return __uint_as_float((uint32_t)((const uint16_t *)b)[e] << 16);
+    } else if (DT == KILN_DTYPE_Q8_0) {
+        const float d = fp16_f32(rd_u16(b));
+        return (float)(int8_t)b[2 + e] * d;
+    } else if (DT == KILN_DTYPE_Q4_0) {
+        const float d = fp16_f32(rd_u16(b));
+        int q = e < 16 ? (b[2 + e] & 0x0f) : (b[2 + e - 16] >> 4);
+        return d * (float)(q - 8);
+    } else if (DT == KILN_DTYPE_Q4_1) {
+        const float d = fp16_f32(rd_u16(b));
+        const float m = fp16_f32(rd_u16(b + 2));
+        uint32_t q = e < 16 ? (b[4 + e] & 0x0fu) : (uint32_t)(b[4 + e - 16] >> 4);
+        return d * (float)q + m;
+    } else if (DT == KILN_DTYPE_Q5_0) {
+        const float d = fp16_f32(rd_u16(b));
+        uint32_t hb = ((uint32_t)(b[2 + (e >> 3)] >> (e & 7)) & 1u) << 4;
+        uint32_t lo = e < 16 ? (b[6 + e] & 0x0fu) : (uint32_t)(b[6 + e - 16] >> 4);
+        return d * (float)((int)(lo | hb) - 16);
+    } else if (DT == KILN_DTYPE_Q5_1) {
+        const float d = fp16_f32(rd_u16(b));
+        const float m = fp16_f32(rd_u16(b + 2));
+        uint32_t hb = ((uint32_t)(b[4 + (e >> 3)] >> (e & 7)) & 1u) << 4;
+        uint32_t lo = e < 16 ? (b[8 + e] & 0x0fu) : (uint32_t)(b[8 + e - 16] >> 4);
+        return d * (float)(lo | hb) + m;
+    } else if (DT == KILN_DTYPE_Q4_K) {
+        const float d = fp16_f32(rd_u16(b));
+        const float dmin = fp16_f32(rd_u16(b + 2));
+        int g = e >> 5, l = e & 31;
+        uint32_t sc, mn;
+        k_scale_min(b + 4, g, &sc, &mn);
+        const float dg = d * (float)sc, mg = dmin * (float)mn;
+        uint32_t q = (b[16 + (g >> 1) * 32 + l] >> ((g & 1) * 4)) & 0x0fu;
+        return dg * (float)q - mg;
+    } else if (DT == KILN_DTYPE_Q5_K) {
+        const float d = fp16_f32(rd_u16(b));
+        const float dmin = fp16_f32(rd_u16(b + 2));
+        int g = e >> 5, l = e & 31;
+        uint32_t sc, mn;
+        k_scale_min(b + 4, g, &sc, &mn);
+        const float dg = d * (float)sc, mg = dmin * (float)mn;
+        uint32_t v = ((b[48 + (g >> 1) * 32 + l] >> ((g & 1) * 4)) & 0x0fu) |
+                     (((uint32_t)(b[16 + l] >> g) & 1u) << 4);
+        return dg * (float)v - mg;
+    } else { /* KILN_DTYPE_Q6_K */
+        const float d = fp16_f32(rd_u16(b + 208));
+        int h = e >> 7, g = (e >> 5) & 3, l = e & 31;
+        const uint8_t *lq = b + h * 64 + (g & 1) * 32;
+        const uint8_t *h2 = b + 128 + h * 32;
+        int q = (int)(((lq[l] >> ((g >> 1) * 4)) & 0x0fu) | (((uint32_t)(h2[l] >> (g * 2)) & 3u) << 4));
+        const float dd = d * (float)(int8_t)b[192 + h * 8 + g * 2 + (l >= 16)];
+        return dd * (float)(q - 32);
+    }
+}
+
+/* Element i of a row of dtype DT (row: its first byte). */
+template <int DT>
+static __device__ __forceinline__ float deq(const uint8_t *__restrict__ row, int64_t i) {
+    return deq_blk<DT>(row + (i / blk<DT>::BS) * blk<DT>::TS, (int)(i % blk<DT>::BS));
+}
+
+/* Call F<DT>(args) for the runtime dtype dt (one of kiln_cuda_dtype_supported's). */
+#define KILN_CUDA_DTYPE_SWITCH(dt, F, ...)                                                      \
+    switch (dt) {                                                                              \
+    case KILN_DTYPE_F32: F<KILN_DTYPE_F32>(__VA_ARGS__); break;                                \
+    case KILN_DTYPE_F16: F<KILN_DTYPE_F16>(__VA_ARGS__); break;                                \
+    case KILN_DTYPE_BF16: F<KILN_DTYPE_BF16>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q8_0: F<KILN_DTYPE_Q8_0>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q4_0: F<KILN_DTYPE_Q4_0>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q4_1: F<KILN_DTYPE_Q4_1>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q5_0: F<KILN_DTYPE_Q5_0>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q5_1: F<KILN_DTYPE_Q5_1>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q4_K: F<KILN_DTYPE_Q4_K>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q5_K: F<KILN_DTYPE_Q5_K>(__VA_ARGS__); break;                              \
+    case KILN_DTYPE_Q6_K: F<KILN_DTYPE_Q6_K>(__VA_ARGS__); break;                              \
+    default: return cudaErrorInvalidValue;                                                     \
+    }
+
+#endif /* KILN_CUDA_COMMON_CUH */
