@@ -411,6 +411,15 @@ nomem:
     return kiln_error(KILN_ERR_NOMEM, "adamw: out of memory for the optimizer state");
 }
 
+kiln_status kiln_adamw_create_on(kiln_backend *be, const kiln_adamw_param *params,
+                                 int n_params, const kiln_adamw_config *cfg, kiln_adamw **out) {
+    if (!be || (be->i && be->i->name && strcmp(be->i->name, "cpu") == 0))
+        return kiln_adamw_create(params, n_params, cfg, out);
+    if (out) *out = NULL;
+    return kiln_error(KILN_ERR_UNSUPPORTED, "adamw: backend '%s' is not supported yet",
+                      be->i && be->i->name ? be->i->name : "?");
+}
+
 void kiln_adamw_set_lr(kiln_adamw *o, double lr) { o->cfg.lr = lr; }
 double kiln_adamw_get_lr(const kiln_adamw *o) { return o->cfg.lr; }
 int64_t kiln_adamw_get_step(const kiln_adamw *o) { return o->step; }

@@ -22,6 +22,7 @@
 
 #include "../base/base.h"
 #include "../base/threadpool.h"
+#include "../ops/ops.h"
 
 typedef enum kiln_adamw_weights {
     KILN_ADAMW_F32 = 0,
@@ -85,6 +86,17 @@ int kiln_adamw_default_decay(const char *name);
 kiln_status kiln_adamw_create(const kiln_adamw_param *params, int n_params,
                               const kiln_adamw_config *cfg, kiln_adamw **out);
 void kiln_adamw_free(kiln_adamw *o); /* NULL is a no-op */
+
+/* kiln_adamw_create on a backend: weights and grads of params are backend memory (device
+ * pointers for the CUDA backend), and the optimizer's state (moments, master copy,
+ * compensation) is allocated in the backend's memory (kiln_backend_alloc). be NULL or the CPU
+ * backend: kiln_adamw_create. On the CUDA backend every entry point works: step,
+ * grads_finite, grad_norm, clip_grads (the clip coefficient computed on the device, applied
+ * without a host round trip), describe, get_moments/master/compensation (downloading),
+ * state_size/save/load (download/upload), with the CPU's bits. The pool arguments are ignored
+ * for a device optimizer. The backend must outlive the optimizer. */
+kiln_status kiln_adamw_create_on(kiln_backend *be, const kiln_adamw_param *params,
+                                 int n_params, const kiln_adamw_config *cfg, kiln_adamw **out);
 
 void kiln_adamw_set_lr(kiln_adamw *o, double lr);
 double kiln_adamw_get_lr(const kiln_adamw *o);
