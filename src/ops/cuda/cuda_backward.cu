@@ -1,0 +1,604 @@
+/*
+ * cuda_backward.cu -- the backward (training) kernels of the CUDA backend in auditable
+ * arithmetic, and their launchers (contracts: cuda_backward.h and ops.h).
+ *
+ * Each kernel transcribes docs/ARITHMETIC.md, "Backward ops", as the CPU reference
+ * (src/ops/cpu/backward_portable.c) computes it: the same binary32 operations in the same
+ * order per output element, an FMA only where the reference has fmaf (written __fmaf_rn),
+ * kiln_expf / kiln_rms_scale / kiln_lane16_reduce from kmath.h (the same source on both
+ * sides), compiled with --fmad=false, IEEE division and square root, no flush-to-zero.
+ * Parallelism only splits ACROSS output elements or across the 16 lanes of a defined dot;
+ * where many terms meet in one gradient element (dW, dbias, dw, dk/dv, an embedding row) one
+ * thread (or one half-warp's lanes, then the fixed tree) owns the element and adds the terms
+ * in the defined order. No float atomics, no per-block partial sums: the bits cannot depend
+ * on the launch shape.
+ */
+#include "cuda_backward.h"
+#include "cuda_common.cuh"
+
+#include "../../base/kmath.h"
+
+#include <limits.h>
+
+bool kiln_cuda_backward_dtype_supported(kiln_dtype dt) {
+    return dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16;
+}
+
+static unsigned grid_for(int64_t total, int threads) {
+    int64_t g = (total + threads - 1) / threads;
+    return (unsigned)(g > (1 << 20) ? (1 << 20) : g);
+}
+
+/* ---- the lane-16 GEMM: out(M,NCOL) (+)= A(M,K) @ B(K,NCOL) ------------------------------- */
+
+/* Each output element is the defined dot over k: lane k % 16 does fmaf(A(i,k), B(k,c), acc)
+ * in increasing k, then the fixed tree; then out = v, or out = out + v (accumulate). This is
+ * the CPU's bwd_gemm: dx = dy @ W (k = r) and dW += dy^T @ x (k = token).
+ *
+ * A block computes a BM x BN tile of outputs. Its 256 threads are 16 groups (the 16
+ * half-warps) of 16 lanes: thread lane j of a group owns lane j of the dots of the group's
+ * TM x TN micro-tile (64 accumulators). K is walked in chunks of KC = 32 staged in shared
+ * memory (coalesced loads, B widened to f32 there); in a chunk starting at k0 (a multiple of
+ * 16) lane j does k0 + j, then k0 + 16 + j, so each lane's chain runs in increasing k with
+ * k % 16 == j exactly as defined, whatever the tile. k >= K is skipped (never an fmaf with
+ * padding: fmaf(0, 0, -0) would turn an accumulator of -0 into +0). At the end the 16 lanes of
+ * a group are one half-warp: lane16_tree gives every lane the tree's bits.
+ *
+ * Micro-tile placement avoids shared-memory bank conflicts: rows of As/Bs are 33 floats, so
+ * the 16 lanes of a half-warp (16 different k) hit 16 different banks; the two half-warps of
+ * a warp share their rows (broadcast) and take column groups 16 apart (complementary banks). */
+#define BG_THREADS 256
+#define BG_BM 32
+#define BG_BN 32
+#define BG_KC 32
+#define BG_TM 8
+#define BG_TN 8
+static_assert((BG_BM / BG_TM) * (BG_BN / BG_TN) * 16 == BG_THREADS, "16 lanes per micro-tile");
+static_assert(BG_BM / BG_TM == 4 && BG_BN / BG_TN == 4, "group placement assumes 4 x 4");
+static_assert(BG_KC % 16 == 0, "chunks keep every k's lane");
+static_assert((BG_TM * BG_TN) % 16 == 0, "outputs spread evenly over the 16 lanes");
+
+template <int DT>
+static __global__ void __launch_bounds__(BG_THREADS, 2)
+bwd_gemm_kernel(float *__restrict__ out, int64_t ldo, bool accumulate,
+                const float *__restrict__ A, int64_t asi, int64_t ask,
+                const uint8_t *__restrict__ B, size_t ldb, int64_t M, int64_t NCOL, int64_t K) {
+    __shared__ float As[BG_KC][BG_BM + 1]; /* As[kk][ii] = A(bi + ii, k0 + kk) */
+    __shared__ float Bs[BG_KC][BG_BN + 1]; /* Bs[kk][cc] = B(k0 + kk, bc + cc) */
+    const int t = threadIdx.x, j = t & 15, half = (t >> 4) & 1, wp = t >> 5;
+    const int ti = (wp >> 1) * BG_TM;             /* this group's first row in the tile */
+    const int tc = ((wp & 1) + 2 * half) * BG_TN; /* and first column */
+    const int64_t bi = (int64_t)blockIdx.y * BG_BM, bc = (int64_t)blockIdx.x * BG_BN;
+    const bool a_kmajor = ask == 1; /* A contiguous along k (dx) or along i (dW) */
+    float acc[BG_TM][BG_TN];
+#pragma unroll
+    for (int ii = 0; ii < BG_TM; ii++)
+#pragma unroll
+        for (int cc = 0; cc < BG_TN; cc++) acc[ii][cc] = 0.0f;
+
+    for (int64_t k0 = 0; k0 < K; k0 += BG_KC) {
+        /* stage A's and B's chunk; out-of-range entries are 0 and never used by an fmaf
+         * (rows/columns past M/NCOL are never written; k past K is skipped below) */
+        for (int e = t; e < BG_BM * BG_KC; e += BG_THREADS) {
+            int kk, ii;
+            if (a_kmajor) {
+                kk = e % BG_KC;
+                ii = e / BG_KC;
+            } else {
+                ii = e % BG_BM;
+                kk = e / BG_BM;
+            }
+            const int64_t i = bi + ii, k = k0 + kk;
+            As[kk][ii] = (i < M && k < K) ? A[i * asi + k * ask] : 0.0f;
+        }
+        for (int e = t; e < BG_BN * BG_KC; e += BG_THREADS) {
+            const int cc = e % BG_BN, kk = e / BG_BN;
+            const int64_t c = bc + cc, k = k0 + kk;
+            Bs[kk][cc] = (c < NCOL && k < K) ? deq<DT>(B + (size_t)k * ldb, c) : 0.0f;
+        }
+        __syncthreads();
+        const bool full = k0 + BG_KC <= K;
+#pragma unroll
+        for (int hk = 0; hk < BG_KC / 16; hk++) {
+            const int kk = j + 16 * hk;
+            if (full || k0 + kk < K) {
+                float a[BG_TM], b[BG_TN];
+#pragma unroll
+                for (int ii = 0; ii < BG_TM; ii++) a[ii] = As[kk][ti + ii];
+#pragma unroll
+                for (int cc = 0; cc < BG_TN; cc++) b[cc] = Bs[kk][tc + cc];
+#pragma unroll
+                for (int ii = 0; ii < BG_TM; ii++)
+#pragma unroll
+                    for (int cc = 0; cc < BG_TN; cc++)
+                        acc[ii][cc] = __fmaf_rn(a[ii], b[cc], acc[ii][cc]);
+            }
+        }
+        __syncthreads(); /* As/Bs are rewritten by the next chunk */
+    }
+
+    /* The tree of every output (all 32 threads of the warp take part in every shuffle); lane
+     * j keeps outputs o = j, j + 16, ... of its micro-tile (o = ii * TN + cc) and writes
+     * them. */
+    constexpr int PER_LANE = BG_TM * BG_TN / 16;
+    float mine[PER_LANE];
+#pragma unroll
+    for (int q = 0; q < PER_LANE; q++) mine[q] = 0.0f;
+#pragma unroll
+    for (int ii = 0; ii < BG_TM; ii++)
+#pragma unroll
+        for (int cc = 0; cc < BG_TN; cc++) {
+            const float v = lane16_tree(acc[ii][cc], 0xffffffffu);
+            const int o = ii * BG_TN + cc;
+            if ((o & 15) == j) mine[o >> 4] = v;
+        }
+#pragma unroll
+    for (int q = 0; q < PER_LANE; q++) {
+        const int o = j + 16 * q;
+        const int64_t i = bi + ti + o / BG_TN, c = bc + tc + o % BG_TN;
+        if (i < M && c < NCOL) {
+            float *p = out + i * ldo + c;
+            *p = accumulate ? *p + mine[q] : mine[q];
+        }
+    }
+}
+
+/* Launch checks: the grid's y dimension holds the row tiles. */
+static bool bwd_gemm_fits(int64_t M, int64_t NCOL) {
+    return (M + BG_BM - 1) / BG_BM <= 65535 && (NCOL + BG_BN - 1) / BG_BN <= INT_MAX;
+}
+
+template <int DT>
+static void bwd_gemm_launch(cudaStream_t s, float *out, int64_t ldo, bool accumulate,
+                            const float *A, int64_t asi, int64_t ask, const uint8_t *B,
+                            size_t ldb, int64_t M, int64_t NCOL, int64_t K) {
+    const dim3 grid((unsigned)((NCOL + BG_BN - 1) / BG_BN), (unsigned)((M + BG_BM - 1) / BG_BM));
+    bwd_gemm_kernel<DT><<<grid, BG_THREADS, 0, s>>>(out, ldo, accumulate, A, asi, ask, B, ldb, M,
+                                                    NCOL, K);
+}
+
+/* ---- column lanes: out(W) += lane-16 over rows n of fmaf(a[n,c], bv, .) ------------------- */
+
+/* For c < W: lane n % 16 does acc = fmaf(a[n*ld + c], bv, acc) for n ascending, with
+ * bv = 1 (b NULL: a plain sum, dbias), b[n*ld + c] (s NULL) or b[n*ld + c] * s[n] (one
+ * rounding: rmsnorm's x * r); then out[c] = out[c] + tree. The CPU's col_lanes. A block is
+ * 32 columns x 16 lanes: threadIdx.y is the lane, so a warp reads 32 consecutive columns of
+ * one row (coalesced); the 16 lanes meet in shared memory and one thread per column applies
+ * kiln_lane16_reduce. */
+#define CL_COLS 32
+
+static __global__ void __launch_bounds__(CL_COLS * 16)
+col_lanes_kernel(float *out, const float *__restrict__ a, const float *__restrict__ b,
+                 const float *__restrict__ s, int64_t ld, int N, int64_t W) {
+    __shared__ float part[16][CL_COLS + 1];
+    const int tx = threadIdx.x, lane = threadIdx.y;
+    const int64_t c = (int64_t)blockIdx.x * CL_COLS + tx;
+    float acc = 0.0f;
+    if (c < W) {
+        for (int64_t n = lane; n < N; n += 16) {
+            const float av = a[n * ld + c];
+            float bv;
+            if (!b) bv = 1.0f;
+            else if (!s) bv = b[n * ld + c];
+            else bv = b[n * ld + c] * s[n];
+            acc = __fmaf_rn(av, bv, acc);
+        }
+    }
+    part[lane][tx] = acc;
+    __syncthreads();
+    if (lane == 0 && c < W) {
+        float l[KILN_DOT_LANES];
+#pragma unroll
+        for (int q = 0; q < KILN_DOT_LANES; q++) l[q] = part[q][tx];
+        out[c] = out[c] + kiln_lane16_reduce(l);
+    }
+}
+
+static void col_lanes_launch(cudaStream_t s, float *out, const float *a, const float *b,
+                             const float *sc, int64_t ld, int N, int64_t W) {
+    col_lanes_kernel<<<(unsigned)((W + CL_COLS - 1) / CL_COLS), dim3(CL_COLS, 16), 0, s>>>(
+        out, a, b, sc, ld, N, W);
+}
+
+/* ---- matmul backward ------------------------------------------------------------------------ */
+
+cudaError_t kiln_cuda_matmul_backward(cudaStream_t s, float *dx, float *dW, float *dbias,
+                                      const float *dy, const float *x, const uint8_t *w,
+                                      size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
+                                      int N, bool accumulate_dx) {
+    if (N <= 0 || R <= 0 || C <= 0) return cudaSuccess;
+    if (!kiln_cuda_backward_dtype_supported(dt)) return cudaErrorInvalidValue;
+    if ((dx && !bwd_gemm_fits(N, C)) || (dW && !bwd_gemm_fits(R, C)) ||
+        (R + CL_COLS - 1) / CL_COLS > INT_MAX)
+        return cudaErrorInvalidConfiguration;
+    cudaError_t e;
+    if (dx) { /* dx(N,C) = dy(N,R) @ W(R,C): A(n, r) = dy[n*R + r], B = W */
+        switch (dt) {
+        case KILN_DTYPE_F32:
+            bwd_gemm_launch<KILN_DTYPE_F32>(s, dx, C, accumulate_dx, dy, R, 1, w, row_bytes, N,
+                                            C, R);
+            break;
+        case KILN_DTYPE_BF16:
+            bwd_gemm_launch<KILN_DTYPE_BF16>(s, dx, C, accumulate_dx, dy, R, 1, w, row_bytes, N,
+                                             C, R);
+            break;
+        default:
+            bwd_gemm_launch<KILN_DTYPE_F16>(s, dx, C, accumulate_dx, dy, R, 1, w, row_bytes, N,
+                                            C, R);
+            break;
+        }
+        if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
+    if (dW) { /* dW(R,C) += dy^T @ x: A(r, n) = dy[n*R + r], B = x(N,C) */
+        bwd_gemm_launch<KILN_DTYPE_F32>(s, dW, C, true, dy, 1, R, (const uint8_t *)x,
+                                        (size_t)C * sizeof(float), R, C, N);
+        if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
+    if (dbias) { /* dbias(R) += lane-16 over n of fmaf(dy[n,r], 1, .) */
+        col_lanes_launch(s, dbias, dy, NULL, NULL, R, N, R);
+        if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
+
+/* ---- rmsnorm backward: one half-warp per row, then dw by column lanes ---------------------- */
+
+/* Row n: r = kiln_rms_scale(dot(x, x)) (the forward's r, written to rstd[n]); g = dy * w (or
+ * dy); d = dot(g, x); u = ((d / C) * r) * r; dx = (g - x * u) * r, or dx + that. dx may be dy:
+ * each thread reads an element of dy before writing the same element of dx, and the trees
+ * (which need every lane) order all of a row's reads for the dots before any write. */
+static __global__ void rmsnorm_bwd_rows_kernel(float *dx, const float *dy, const float *x,
+                                               const float *w, int N, int C, float eps,
+                                               float *rstd, bool accumulate) {
+    const int lane = threadIdx.x & 15;
+    const int64_t n = (int64_t)blockIdx.x * (blockDim.x >> 4) + (threadIdx.x >> 4);
+    if (n >= N) return; /* whole half-warps leave together */
+    const unsigned mask = half_warp_mask();
+    const float *xr = x + n * C, *dyr = dy + n * C;
+    float *dxr = dx + n * C;
+    float acc = 0.0f;
+    for (int i = lane; i < C; i += 16) acc = __fmaf_rn(xr[i], xr[i], acc);
+    const float r = kiln_rms_scale(lane16_tree(acc, mask), C, eps);
+    if (lane == 0) rstd[n] = r;
+    acc = 0.0f;
+    if (w)
+        for (int i = lane; i < C; i += 16) acc = __fmaf_rn(dyr[i] * w[i], xr[i], acc);
+    else
+        for (int i = lane; i < C; i += 16) acc = __fmaf_rn(dyr[i], xr[i], acc);
+    const float d = lane16_tree(acc, mask);
+    const float u = ((d / (float)C) * r) * r;
+    for (int i = lane; i < C; i += 16) {
+        const float g = w ? dyr[i] * w[i] : dyr[i];
+        const float v = (g - xr[i] * u) * r;
+        dxr[i] = accumulate ? dxr[i] + v : v;
+    }
+}
+
+cudaError_t kiln_cuda_rmsnorm_backward(cudaStream_t s, float *dx, float *dw, const float *dy,
+                                       const float *x, const float *w, int N, int C, float eps,
+                                       float *rstd, bool accumulate_dx) {
+    if (N <= 0 || C <= 0) return cudaSuccess;
+    rmsnorm_bwd_rows_kernel<<<(unsigned)((N + 15) / 16), 256, 0, s>>>(dx, dy, x, w, N, C, eps,
+                                                                      rstd, accumulate_dx);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    if (dw && w) { /* dw[c] += lane-16 over n of fmaf(dy[n,c], x[n,c] * rstd[n], .) */
+        col_lanes_launch(s, dw, dy, x, rstd, C, N, C);
+        e = cudaGetLastError();
+    }
+    return e;
+}
+
+/* ---- rope backward: one thread per rotated pair --------------------------------------------- */
+
+static __global__ void rope_bwd_kernel(float *d, const int32_t *__restrict__ pos, int H, int HS,
+                                       const float *__restrict__ cos_tab,
+                                       const float *__restrict__ sin_tab, int64_t total) {
+    const int half = HS / 2;
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total;
+         u += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t nh = u / half; /* token * H + head */
+        const int i = (int)(u - nh * half);
+        const int64_t n = nh / H;
+        float *v = d + nh * HS;
+        const float c = cos_tab[(int64_t)pos[n] * half + i];
+        const float sn = sin_tab[(int64_t)pos[n] * half + i];
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c + b * sn;
+        v[i + half] = b * c - a * sn;
+    }
+}
+
+cudaError_t kiln_cuda_rope_backward(cudaStream_t s, float *d, const int32_t *pos, int N, int H,
+                                    int HS, const float *cos_tab, const float *sin_tab) {
+    const int64_t total = (int64_t)N * H * (HS / 2);
+    if (N <= 0 || H <= 0 || total <= 0) return cudaSuccess;
+    rope_bwd_kernel<<<grid_for(total, 256), 256, 0, s>>>(d, pos, H, HS, cos_tab, sin_tab, total);
+    return cudaGetLastError();
+}
+
+/* ---- attention backward: statistics, dq, then dk/dv ----------------------------------------- */
+
+/* Three passes, as the CPU (one block of 128 threads per work unit):
+ *   stats (token i, head h): m and l with exactly the forward's online softmax (key blocks of
+ *     64, alpha rescaling; the block max and the sum taken by one thread in key order, since
+ *     the max's choice between -0 and +0 depends on order), and D = dot(dout_ih, out_ih);
+ *     ws[(i*NH + h)*3 + {0,1,2}] = m, l, D.
+ *   dq (i, h): for keys j ascending, s = dot(q, k_j) * scale, p = kiln_expf(s - m),
+ *     ds = (p / l) * (dot(dout, v_j) - D); dq[d] = fmaf(ds, k_j[d], dq[d]); then dq * scale.
+ *   dk/dv (key position jp, kv head g): for query heads h of the group ascending, then tokens
+ *     i >= jp - n_past ascending, p = kiln_expf(dot(k_j, q_ih) * scale - m) / l,
+ *     ds = p * (dot(v_j, dout_ih) - D); dv[d] = fmaf(p, dout_ih[d], .), dk[d] = fmaf(ds,
+ *     q_ih[d], .); then dk * scale.
+ * The dots of a block of 64 keys (queries) are split over the 8 half-warps, each one
+ * half-warp's lane-16 dot; the axpy over keys (queries) is split over d, each d walking them
+ * in order. */
+#define AB_THREADS 128
+#define AB_HW (AB_THREADS / 16)
+
+static __device__ __forceinline__ float hw_dot(const float *a, const float *__restrict__ b,
+                                               int HS, int lane, unsigned mask) {
+    float acc = 0.0f;
+    for (int d = lane; d < HS; d += 16) acc = __fmaf_rn(a[d], b[d], acc);
+    return lane16_tree(acc, mask);
+}
+
+static __global__ void __launch_bounds__(AB_THREADS)
+attn_bwd_stats_kernel(float *__restrict__ ws, const float *__restrict__ q,
+                      const float *__restrict__ kc, const float *__restrict__ dout,
+                      const float *__restrict__ out, int n_past, int NH, int KVH, int HS,
+                      float scale) {
+    extern __shared__ float sm[];
+    float *qs = sm; /* (HS) */
+    __shared__ float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK];
+    __shared__ float sh_m_new, sh_alpha;
+    const int i = blockIdx.x / NH, h = blockIdx.x % NH;
+    const int kvh = h / (NH / KVH);
+    const int64_t stride = (int64_t)KVH * HS, u = (int64_t)i * NH + h;
+    const int tid = threadIdx.x, lane = tid & 15, hw = tid >> 4;
+    const unsigned mask = half_warp_mask();
+    const float *kbase = kc + (int64_t)kvh * HS;
+    for (int d = tid; d < HS; d += AB_THREADS) qs[d] = q[u * HS + d];
+    const int T = n_past + i + 1;
+    float m = -INFINITY, l = 0.0f; /* meaningful in thread 0 */
+    __syncthreads();
+    for (int kb = 0; kb < T; kb += KILN_ATTN_BLOCK) {
+        const int nk = T - kb < KILN_ATTN_BLOCK ? T - kb : KILN_ATTN_BLOCK;
+        for (int j = hw; j < nk; j += AB_HW) {
+            const float a = hw_dot(qs, kbase + (int64_t)(kb + j) * stride, HS, lane, mask);
+            if (lane == 0) s[j] = a * scale;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            float bm = -INFINITY;
+            for (int t = 0; t < nk; t++) bm = s[t] > bm ? s[t] : bm;
+            const float m_new = bm > m ? bm : m;
+            sh_m_new = m_new;
+            sh_alpha = kiln_expf(m - m_new);
+        }
+        __syncthreads();
+        const float m_new = sh_m_new;
+        for (int t = tid; t < nk; t += AB_THREADS) p[t] = kiln_expf(s[t] - m_new);
+        __syncthreads();
+        if (tid == 0) {
+            l = l * sh_alpha;
+            for (int t = 0; t < nk; t++) l = l + p[t];
+        }
+        m = m_new;
+        __syncthreads(); /* s, p and the shared scalars are rewritten by the next block */
+    }
+    if (hw == 0) {
+        const float D = hw_dot(dout + u * HS, out + u * HS, HS, lane, mask);
+        if (lane == 0) {
+            ws[u * 3 + 0] = m;
+            ws[u * 3 + 1] = l;
+            ws[u * 3 + 2] = D;
+        }
+    }
+}
+
+static __global__ void __launch_bounds__(AB_THREADS)
+attn_bwd_dq_kernel(float *__restrict__ dq, const float *__restrict__ ws,
+                   const float *__restrict__ q, const float *__restrict__ kc,
+                   const float *__restrict__ vc, const float *__restrict__ dout, int n_past,
+                   int NH, int KVH, int HS, float scale) {
+    extern __shared__ float sm[];
+    float *qs = sm, *dos = sm + HS, *acc = sm + 2 * HS; /* (HS) each */
+    __shared__ float ds[KILN_ATTN_BLOCK];
+    const int i = blockIdx.x / NH, h = blockIdx.x % NH;
+    const int kvh = h / (NH / KVH);
+    const int64_t stride = (int64_t)KVH * HS, u = (int64_t)i * NH + h;
+    const int tid = threadIdx.x, lane = tid & 15, hw = tid >> 4;
+    const unsigned mask = half_warp_mask();
+    const float *kbase = kc + (int64_t)kvh * HS, *vbase = vc + (int64_t)kvh * HS;
+    for (int d = tid; d < HS; d += AB_THREADS) {
+        qs[d] = q[u * HS + d];
+        dos[d] = dout[u * HS + d];
+        acc[d] = 0.0f;
+    }
+    const float m = ws[u * 3 + 0], l = ws[u * 3 + 1], D = ws[u * 3 + 2];
+    const int T = n_past + i + 1;
+    __syncthreads();
+    for (int kb = 0; kb < T; kb += KILN_ATTN_BLOCK) {
+        const int nk = T - kb < KILN_ATTN_BLOCK ? T - kb : KILN_ATTN_BLOCK;
+        for (int j = hw; j < nk; j += AB_HW) {
+            const int64_t off = (int64_t)(kb + j) * stride;
+            const float sd = hw_dot(qs, kbase + off, HS, lane, mask);
+            const float dp = hw_dot(dos, vbase + off, HS, lane, mask);
+            if (lane == 0) {
+                const float pj = kiln_expf(sd * scale - m);
+                ds[j] = (pj / l) * (dp - D);
+            }
+        }
+        __syncthreads();
+        for (int d = tid; d < HS; d += AB_THREADS) { /* each d owned by one thread throughout */
+            float a = acc[d];
+            const float *kd = kbase + (int64_t)kb * stride + d;
+            for (int t = 0; t < nk; t++) a = __fmaf_rn(ds[t], kd[(int64_t)t * stride], a);
+            acc[d] = a;
+        }
+        __syncthreads(); /* ds is rewritten by the next block */
+    }
+    for (int d = tid; d < HS; d += AB_THREADS) dq[u * HS + d] = acc[d] * scale;
+}
+
+static __global__ void __launch_bounds__(AB_THREADS)
+attn_bwd_dkv_kernel(float *__restrict__ dk, float *__restrict__ dv,
+                    const float *__restrict__ ws, const float *__restrict__ q,
+                    const float *__restrict__ kc, const float *__restrict__ vc,
+                    const float *__restrict__ dout, int N, int n_past, int NH, int KVH, int HS,
+                    float scale) {
+    extern __shared__ float sm[];
+    float *ks = sm, *vs = sm + HS, *dka = sm + 2 * HS, *dva = sm + 3 * HS; /* (HS) each */
+    __shared__ float ps[KILN_ATTN_BLOCK], dss[KILN_ATTN_BLOCK];
+    const int jp = blockIdx.x / KVH, g = blockIdx.x % KVH;
+    const int G = NH / KVH;
+    const int64_t kvrow = ((int64_t)jp * KVH + g) * HS, qstride = (int64_t)NH * HS;
+    const int tid = threadIdx.x, lane = tid & 15, hw = tid >> 4;
+    const unsigned mask = half_warp_mask();
+    for (int d = tid; d < HS; d += AB_THREADS) {
+        ks[d] = kc[kvrow + d];
+        vs[d] = vc[kvrow + d];
+        dka[d] = 0.0f;
+        dva[d] = 0.0f;
+    }
+    const int i_lo = jp - n_past > 0 ? jp - n_past : 0; /* causal: n_past + i >= jp */
+    __syncthreads();
+    for (int h = g * G; h < (g + 1) * G; h++) {
+        for (int ib = i_lo; ib < N; ib += KILN_ATTN_BLOCK) {
+            const int nb = N - ib < KILN_ATTN_BLOCK ? N - ib : KILN_ATTN_BLOCK;
+            for (int t = hw; t < nb; t += AB_HW) {
+                const int64_t uq = (int64_t)(ib + t) * NH + h;
+                const float sd = hw_dot(ks, q + uq * HS, HS, lane, mask);
+                const float dp = hw_dot(vs, dout + uq * HS, HS, lane, mask);
+                if (lane == 0) {
+                    const float *st = ws + uq * 3;
+                    const float pt = kiln_expf(sd * scale - st[0]) / st[1];
+                    ps[t] = pt;
+                    dss[t] = pt * (dp - st[2]);
+                }
+            }
+            __syncthreads();
+            const float *qb = q + ((int64_t)ib * NH + h) * HS;
+            const float *db = dout + ((int64_t)ib * NH + h) * HS;
+            for (int d = tid; d < HS; d += AB_THREADS) { /* each d owned by one thread */
+                float av = dva[d], bk = dka[d];
+                for (int t = 0; t < nb; t++) {
+                    av = __fmaf_rn(ps[t], db[(int64_t)t * qstride + d], av);
+                    bk = __fmaf_rn(dss[t], qb[(int64_t)t * qstride + d], bk);
+                }
+                dva[d] = av;
+                dka[d] = bk;
+            }
+            __syncthreads(); /* ps, dss are rewritten by the next block */
+        }
+    }
+    for (int d = tid; d < HS; d += AB_THREADS) {
+        dk[kvrow + d] = dka[d] * scale;
+        dv[kvrow + d] = dva[d];
+    }
+}
+
+cudaError_t kiln_cuda_attention_backward(cudaStream_t s, float *dq, float *dk, float *dv,
+                                         const float *dout, const float *q, const float *k,
+                                         const float *v, const float *out, float *ws, int N,
+                                         int n_past, int NH, int KVH, int HS, float scale) {
+    if (N <= 0 || NH <= 0 || HS <= 0) return cudaSuccess;
+    if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0 || n_past < 0)
+        return cudaErrorInvalidValue;
+    const int64_t n_q = (int64_t)N * NH, n_kv = ((int64_t)n_past + N) * KVH;
+    if (n_q > INT_MAX || n_kv > INT_MAX || (int64_t)n_past + N > INT_MAX)
+        return cudaErrorInvalidConfiguration;
+    const size_t f = sizeof(float);
+    attn_bwd_stats_kernel<<<(unsigned)n_q, AB_THREADS, (size_t)HS * f, s>>>(
+        ws, q, k, dout, out, n_past, NH, KVH, HS, scale);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    attn_bwd_dq_kernel<<<(unsigned)n_q, AB_THREADS, (size_t)3 * HS * f, s>>>(
+        dq, ws, q, k, v, dout, n_past, NH, KVH, HS, scale);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    attn_bwd_dkv_kernel<<<(unsigned)n_kv, AB_THREADS, (size_t)4 * HS * f, s>>>(
+        dk, dv, ws, q, k, v, dout, N, n_past, NH, KVH, HS, scale);
+    return cudaGetLastError();
+}
+
+/* ---- swiglu backward: one thread per element ------------------------------------------------ */
+
+/* e = kiln_expf(-g); den = 1 + e; s = 1 / den; silu = g / den (the forward's silu);
+ * dup = dout * silu; dgate = (dout * u) * (s * (1 + g * (1 - s))). All three inputs are read
+ * before either output is written, so the outputs may alias inputs at the same index. */
+static __global__ void swiglu_bwd_kernel(float *dgate, float *dup, const float *dout,
+                                         const float *gate, const float *up, size_t n) {
+    for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
+         u += (size_t)gridDim.x * blockDim.x) {
+        const float g = gate[u], uv = up[u], dov = dout[u];
+        const float e = kiln_expf(-g);
+        const float den = 1.0f + e;
+        const float sg = 1.0f / den;
+        const float silu = g / den;
+        const float r_up = dov * silu;
+        const float r_gate = (dov * uv) * (sg * (1.0f + g * (1.0f - sg)));
+        dup[u] = r_up;
+        dgate[u] = r_gate;
+    }
+}
+
+cudaError_t kiln_cuda_swiglu_backward(cudaStream_t s, float *dgate, float *dup,
+                                      const float *dout, const float *gate, const float *up,
+                                      size_t n) {
+    if (n == 0) return cudaSuccess;
+    swiglu_bwd_kernel<<<grid_for((int64_t)n, 256), 256, 0, s>>>(dgate, dup, dout, gate, up, n);
+    return cudaGetLastError();
+}
+
+/* ---- embed backward: the first token of each id owns its row -------------------------------- */
+
+/* Block (n, column block): if an earlier token has ids[n], that token's block owns the row and
+ * this one leaves. Otherwise, each thread holds one element of row v = ids[n] and adds dy[m,c]
+ * for every token m >= n with ids[m] == v, in increasing m: the ids are scanned 256 at a
+ * time, each warp's matches gathered with a ballot, and every thread walks the chunk's
+ * matches in order (warps ascending, bits ascending). One addition per element per token, as
+ * the CPU. */
+#define EB_THREADS 256
+
+static __global__ void __launch_bounds__(EB_THREADS)
+embed_bwd_kernel(float *dtable, const float *__restrict__ dy, const int32_t *__restrict__ ids,
+                 int N, int V, int C) {
+    __shared__ unsigned hits[EB_THREADS / 32];
+    const int n = blockIdx.x;
+    const int t = threadIdx.x, wl = t & 31, wi = t >> 5;
+    const int v = ids[n];
+    if (v < 0 || v >= V) return; /* the caller's contract; never write outside dtable */
+    int earlier = 0;
+    for (int m = t; m < n; m += EB_THREADS) earlier |= ids[m] == v;
+    if (__syncthreads_or(earlier)) return; /* uniform over the block */
+    const int64_t c = (int64_t)blockIdx.y * EB_THREADS + t;
+    float *row = dtable + (int64_t)v * C;
+    float val = c < C ? row[c] : 0.0f;
+    for (int m0 = n; m0 < N; m0 += EB_THREADS) {
+        const int m = m0 + t;
+        const unsigned bal = __ballot_sync(0xffffffffu, m < N && ids[m] == v);
+        if (wl == 0) hits[wi] = bal;
+        __syncthreads();
+        for (int q = 0; q < EB_THREADS / 32; q++) {
+            unsigned b = hits[q];
+            while (b) {
+                const int bit = __ffs((int)b) - 1;
+                b &= b - 1;
+                if (c < C) val = val + dy[(int64_t)(m0 + q * 32 + bit) * C + c];
+            }
+        }
+        __syncthreads(); /* hits is rewritten by the next chunk */
+    }
+    if (c < C) row[c] = val;
+}
+
+cudaError_t kiln_cuda_embed_backward(cudaStream_t s, float *dtable, const float *dy,
+                                     const int32_t *ids, int N, int V, int C) {
+    if (N <= 0 || V <= 0 || C <= 0) return cudaSuccess;
+    const int64_t gy = ((int64_t)C + EB_THREADS - 1) / EB_THREADS;
+    if (gy > 65535) return cudaErrorInvalidConfiguration;
+    embed_bwd_kernel<<<dim3((unsigned)N, (unsigned)gy), EB_THREADS, 0, s>>>(dtable, dy, ids, N, V,
+                                                                           C);
+    return cudaGetLastError();
+}

@@ -1,0 +1,61 @@
+/*
+ * cuda_backward.h -- the backward (training) ops of the CUDA backend in auditable arithmetic:
+ * launchers with exactly ops.h's semantics on device pointers, whose every output has the CPU
+ * backend's bits (src/ops/cpu/backward_portable.c; the orders are docs/ARITHMETIC.md,
+ * "Backward ops"). Included from .cu files only (C++ under nvcc).
+ *
+ * Every launcher only enqueues work on stream s and returns the launch's error
+ * (cudaGetLastError), cudaSuccess when there is nothing to do, or cudaErrorInvalidValue /
+ * cudaErrorInvalidConfiguration for arguments it cannot run (checked before anything is
+ * enqueued). All pointers are device pointers, ids and pos included. No launcher allocates;
+ * the scratch buffers are the caller's, as on the CPU.
+ */
+#ifndef KILN_CUDA_BACKWARD_H
+#define KILN_CUDA_BACKWARD_H
+
+#include "cuda_internal.h"
+
+/* The W dtypes of matmul_backward: F32, BF16, F16 (widened exactly). */
+bool kiln_cuda_backward_dtype_supported(kiln_dtype dt);
+
+/* For x(N,C), W(R,C) (rows row_bytes apart, dtype dt), dy(N,R):
+ *   dx(N,C)   = dy @ W     (accumulate_dx: dx += dy @ W); dx NULL: skipped
+ *   dW(R,C)  += dy^T @ x   f32 whatever dt; NULL: skipped
+ *   dbias(R) += sum over tokens of dy; NULL: skipped
+ * Outputs must not alias inputs. */
+cudaError_t kiln_cuda_matmul_backward(cudaStream_t s, float *dx, float *dW, float *dbias,
+                                      const float *dy, const float *x, const uint8_t *w,
+                                      size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
+                                      int N, bool accumulate_dx);
+
+/* Over rows x(N,C), weight w(C) (NULL: none), dy(N,C): dx (accumulate_dx: +=), dw(C) +=
+ * (skipped when dw or w is NULL), rstd(N) overwritten with each row's r. dx may be dy (the
+ * same index is read before it is written). */
+cudaError_t kiln_cuda_rmsnorm_backward(cudaStream_t s, float *dx, float *dw, const float *dy,
+                                       const float *x, const float *w, int N, int C, float eps,
+                                       float *rstd, bool accumulate_dx);
+
+/* In place on d(N,H,HS): the transpose of rope's rotation; pos(N) device memory. */
+cudaError_t kiln_cuda_rope_backward(cudaStream_t s, float *d, const int32_t *pos, int N, int H,
+                                    int HS, const float *cos_tab, const float *sin_tab);
+
+/* Causal GQA attention backward: dq(N,NH,HS) overwritten; dk, dv rows 0..n_past+N-1 of
+ * (T,KVH,HS) overwritten, later rows untouched; ws: 3*N*NH floats of scratch. HS at most
+ * KILN_CUDA_MAX_HS, NH a multiple of KVH. */
+cudaError_t kiln_cuda_attention_backward(cudaStream_t s, float *dq, float *dk, float *dv,
+                                         const float *dout, const float *q, const float *k,
+                                         const float *v, const float *out, float *ws, int N,
+                                         int n_past, int NH, int KVH, int HS, float scale);
+
+/* Element-wise over n: dgate, dup from dout, gate, up; dgate/dup may alias gate, up or dout
+ * at the same index (not each other). */
+cudaError_t kiln_cuda_swiglu_backward(cudaStream_t s, float *dgate, float *dup,
+                                      const float *dout, const float *gate, const float *up,
+                                      size_t n);
+
+/* dtable(V,C) += dy rows: row v gets the rows of the tokens with ids[n] == v in increasing
+ * n. ids(N) device memory, in [0, V) (an id outside is skipped, never written through). */
+cudaError_t kiln_cuda_embed_backward(cudaStream_t s, float *dtable, const float *dy,
+                                     const int32_t *ids, int N, int V, int C);
+
+#endif /* KILN_CUDA_BACKWARD_H */
