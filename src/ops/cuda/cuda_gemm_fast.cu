@@ -1,0 +1,710 @@
+/*
+ * cuda_gemm_fast.cu -- the fast mode's matrix products on bf16 tensor cores through cuBLASLt
+ * (contract, arithmetic and what determinism rests on: cuda_gemm_fast.h).
+ *
+ * Layout. kiln's matrices are row-major; cuBLASLt's are column-major. A row-major (r x c)
+ * matrix with leading dimension ld is, read column-major, its transpose (c x r) with the same
+ * ld. So the row-major product D(M,N) = A'(M,K) B'(K,N) is the column-major product
+ * D^T(N,M) = B'^T(N,K) A'^T(K,M): cuBLASLt's first operand is kiln's B, its second kiln's A,
+ * with m = N, n = M, k = K, and each transpose flag carries over to its own operand:
+ *   kiln's B stored (K,N)  (B' = B)     = column-major (N x K) = B'^T    -> op N
+ *   kiln's B stored (N,K)  (B' = B^T)   = column-major (K x N) = B'      -> op T
+ *   kiln's A stored (M,K)  (A' = A)     = column-major (K x M) = A'^T    -> op N
+ *   kiln's A stored (K,M)  (A' = A^T)   = column-major (M x K) = A'      -> op T
+ * The forward linear out(N,R) = x(N,C) W(R,C)^T is the case A = x, B = W stored (R,C), i.e.
+ * cuBLASLt's "TN" product (both operands contiguous along k), D = W x^T of (R x N).
+ */
+#include "cuda_gemm_fast.h"
+
+#include "cuda_common.cuh"
+
+#include <cublasLt.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#define GEMM_WORKSPACE_BYTES ((size_t)32 << 20)
+#define CONV_THREADS 256
+#define GRID_Y_MAX 65535
+
+/* ---- device side: conversions and the bias kernel ----------------------------------------- */
+
+/* tensor.c's kiln_fp32_to_bf16, operation for operation: round to nearest even; a NaN keeps
+ * its sign and top payload bits and is made quiet. */
+static __device__ __forceinline__ uint16_t bf16_rne(float f) {
+    const uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)(((uint64_t)u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* One thread per column c (blockIdx.x), rows r = blockIdx.y, + gridDim.y, ...: elementwise,
+ * coalesced along the row. */
+static __global__ void f32_to_bf16_kernel(uint16_t *__restrict__ dst, int64_t ld_dst,
+                                          const float *__restrict__ src, int64_t ld_src,
+                                          int64_t rows, int64_t cols) {
+    const int64_t c = (int64_t)blockIdx.x * CONV_THREADS + threadIdx.x;
+    if (c >= cols) return;
+    for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
+        dst[r * ld_dst + c] = bf16_rne(src[r * ld_src + c]);
+}
+
+template <int DT>
+static __global__ void weights_to_bf16_kernel(uint16_t *__restrict__ dst, int64_t ld_dst,
+                                              const uint8_t *__restrict__ w, size_t row_bytes,
+                                              int64_t R, int64_t C) {
+    const int64_t c = (int64_t)blockIdx.x * CONV_THREADS + threadIdx.x;
+    if (c >= C) return;
+    for (int64_t r = blockIdx.y; r < R; r += gridDim.y)
+        dst[r * ld_dst + c] = bf16_rne(deq<DT>(w + (size_t)r * row_bytes, c));
+}
+
+/* out(rows, cols; ldd) += bias(cols), row by row: the bias path when cuBLASLt's epilogue has
+ * no algorithm for a problem (or the tests force it). */
+static __global__ void add_bias_kernel(float *__restrict__ out, int64_t ldd,
+                                       const float *__restrict__ bias, int64_t rows,
+                                       int64_t cols) {
+    const int64_t c = (int64_t)blockIdx.x * CONV_THREADS + threadIdx.x;
+    if (c >= cols) return;
+    const float b = bias[c];
+    for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) out[r * ldd + c] = out[r * ldd + c] + b;
+}
+
+/* The grid of the three kernels above: columns over x, rows over y (strided past 65535). */
+static bool conv_grid(int64_t rows, int64_t cols, dim3 *grid) {
+    const int64_t gx = (cols + CONV_THREADS - 1) / CONV_THREADS;
+    if (rows <= 0 || cols <= 0 || gx > 0x7fffffff) return false;
+    *grid = dim3((unsigned)gx, (unsigned)(rows < GRID_Y_MAX ? rows : GRID_Y_MAX), 1);
+    return true;
+}
+
+cudaError_t kiln_cuda_f32_to_bf16(cudaStream_t s, uint16_t *dst, int64_t ld_dst, const float *src,
+                                  int64_t ld_src, int64_t rows, int64_t cols) {
+    if (rows <= 0 || cols <= 0) return cudaSuccess;
+    dim3 grid;
+    if (!dst || !src || ld_dst < cols || ld_src < cols || !conv_grid(rows, cols, &grid))
+        return cudaErrorInvalidValue;
+    f32_to_bf16_kernel<<<grid, CONV_THREADS, 0, s>>>(dst, ld_dst, src, ld_src, rows, cols);
+    return cudaGetLastError();
+}
+
+template <int DT>
+static void weights_launch(cudaStream_t s, dim3 grid, uint16_t *dst, int64_t ld_dst,
+                           const uint8_t *w, size_t row_bytes, int64_t R, int64_t C) {
+    weights_to_bf16_kernel<DT><<<grid, CONV_THREADS, 0, s>>>(dst, ld_dst, w, row_bytes, R, C);
+}
+
+cudaError_t kiln_cuda_weights_to_bf16(cudaStream_t s, uint16_t *dst, int64_t ld_dst,
+                                      const uint8_t *w, size_t row_bytes, kiln_dtype dt,
+                                      int64_t R, int64_t C) {
+    if (R <= 0 || C <= 0) return cudaSuccess;
+    const kiln_dtype_traits *tr = kiln_dtype_get_traits(dt);
+    dim3 grid;
+    if (!dst || !w || !tr || !kiln_cuda_dtype_supported(dt) || ld_dst < C ||
+        C % tr->block_size != 0 ||
+        row_bytes < (size_t)(C / tr->block_size) * (size_t)tr->type_size ||
+        !conv_grid(R, C, &grid))
+        return cudaErrorInvalidValue;
+    KILN_CUDA_DTYPE_SWITCH(dt, weights_launch, s, grid, dst, ld_dst, w, row_bytes, R, C);
+    return cudaGetLastError();
+}
+
+/* ---- the handle ------------------------------------------------------------------------------ */
+
+/* One problem as cuBLASLt sees it (column-major): what the cached algorithm was chosen for. */
+typedef struct gemm_key {
+    int64_t op_a, op_b;        /* cublasOperation_t of cuBLASLt's A and B */
+    int64_t m, n, k;           /* D (m x n) = op(A) (m x k) op(B) (k x n) */
+    int64_t lda, ldb, ldd;     /* elements */
+    int64_t align_a, align_b, align_d; /* alignment class of the pointers (bytes, <= 16) */
+    int64_t align_bias;        /* the bias pointer's class; 0: no bias */
+    int64_t bias_kernel;       /* the handle's forced bias-kernel mode (tests) */
+} gemm_key;
+
+typedef struct gemm_plan {
+    gemm_key key;
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t la, lb, ld; /* C and D share ld (in place: C == D) */
+    cublasLtMatmulAlgo_t algo;
+    bool epilogue_bias; /* bias added by cuBLASLt's epilogue; false with a bias: by add_bias */
+} gemm_plan;
+
+struct kiln_cuda_gemm {
+    int device;
+    cublasLtHandle_t lt;
+    void *workspace;            /* GEMM_WORKSPACE_BYTES, device */
+    uint8_t *scratch;           /* bf16 operand copies, device; 256-byte aligned (cudaMalloc) */
+    size_t scratch_bytes;
+    void **old_scratch;         /* (n_old) outgrown scratch buffers, freed with the handle */
+    int n_old, cap_old;
+    gemm_plan **plans;          /* (n_plans) the algorithm cache */
+    int n_plans, cap_plans;
+    int force_bias_kernel;
+    char err[512];
+};
+
+static void set_err(kiln_cuda_gemm *g, const char *fmt, ...) KILN_PRINTF(2, 3);
+static void set_err(kiln_cuda_gemm *g, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g->err, sizeof g->err, fmt, ap);
+    va_end(ap);
+}
+
+/* A CUDA result: true on success, else the message "what: <cuda message>". */
+static bool cuda_ok(kiln_cuda_gemm *g, cudaError_t e, const char *what) {
+    if (e == cudaSuccess) return true;
+    set_err(g, "%s: %s", what, cudaGetErrorString(e));
+    return false;
+}
+
+/* A cuBLASLt status: true on success, else the message "what: CUBLAS_STATUS_...". */
+static bool lt_ok(kiln_cuda_gemm *g, cublasStatus_t st, const char *what) {
+    if (st == CUBLAS_STATUS_SUCCESS) return true;
+    set_err(g, "cuBLASLt %s: %s (%d)", what, cublasLtGetStatusName(st), (int)st);
+    return false;
+}
+
+cudaError_t kiln_cuda_gemm_create(int device, kiln_cuda_gemm **out) {
+    if (!out) return cudaErrorInvalidValue;
+    *out = NULL;
+    int prev = 0;
+    cudaError_t e = cudaGetDevice(&prev);
+    if (e == cudaSuccess) e = cudaSetDevice(device);
+    if (e != cudaSuccess) {
+        kiln_error(KILN_ERR_UNSUPPORTED, "kiln_cuda_gemm_create: device %d: %s", device,
+                   cudaGetErrorString(e));
+        return e;
+    }
+    kiln_cuda_gemm *g = (kiln_cuda_gemm *)kiln_calloc(1, sizeof *g);
+    if (!g) {
+        cudaSetDevice(prev);
+        kiln_error(KILN_ERR_NOMEM, "kiln_cuda_gemm_create: out of host memory");
+        return cudaErrorMemoryAllocation;
+    }
+    g->device = device;
+    cublasStatus_t st = cublasLtCreate(&g->lt);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        kiln_error(KILN_ERR_UNSUPPORTED, "kiln_cuda_gemm_create: cublasLtCreate: %s",
+                   cublasLtGetStatusName(st));
+        kiln_free(g);
+        cudaSetDevice(prev);
+        return cudaErrorUnknown;
+    }
+    e = cudaMalloc(&g->workspace, GEMM_WORKSPACE_BYTES);
+    if (e != cudaSuccess) {
+        kiln_error(KILN_ERR_NOMEM, "kiln_cuda_gemm_create: workspace of %zu bytes: %s",
+                   GEMM_WORKSPACE_BYTES, cudaGetErrorString(e));
+        g->workspace = NULL;
+        kiln_cuda_gemm_free(g);
+        cudaSetDevice(prev);
+        return e;
+    }
+    cudaSetDevice(prev);
+    *out = g;
+    return cudaSuccess;
+}
+
+static void plan_destroy(gemm_plan *p) {
+    if (!p) return;
+    if (p->la) cublasLtMatrixLayoutDestroy(p->la);
+    if (p->lb) cublasLtMatrixLayoutDestroy(p->lb);
+    if (p->ld) cublasLtMatrixLayoutDestroy(p->ld);
+    if (p->desc) cublasLtMatmulDescDestroy(p->desc);
+    kiln_free(p);
+}
+
+void kiln_cuda_gemm_free(kiln_cuda_gemm *g) {
+    if (!g) return;
+    int prev = 0;
+    const bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
+    cudaSetDevice(g->device);
+    /* Nothing enqueued may still read the workspace or scratch. An error here (a sticky fault
+     * of earlier work) cannot be reported from a free; the memory is released regardless. */
+    cudaDeviceSynchronize();
+    for (int i = 0; i < g->n_plans; i++) plan_destroy(g->plans[i]);
+    kiln_free(g->plans);
+    if (g->lt) cublasLtDestroy(g->lt);
+    if (g->workspace) cudaFree(g->workspace);
+    if (g->scratch) cudaFree(g->scratch);
+    for (int i = 0; i < g->n_old; i++) cudaFree(g->old_scratch[i]);
+    kiln_free(g->old_scratch);
+    kiln_free(g);
+    if (have_prev) cudaSetDevice(prev);
+}
+
+const char *kiln_cuda_gemm_error(const kiln_cuda_gemm *g) { return g ? g->err : ""; }
+
+void kiln_cuda_gemm_set_bias_kernel(kiln_cuda_gemm *g, int on) {
+    if (g) g->force_bias_kernel = on != 0;
+}
+
+int kiln_cuda_gemm_cached(const kiln_cuda_gemm *g) { return g ? g->n_plans : 0; }
+
+/* The handle's device must be current (the scratch and workspace live there). */
+static bool device_ok(kiln_cuda_gemm *g) {
+    int d = -1;
+    if (!cuda_ok(g, cudaGetDevice(&d), "cudaGetDevice")) return false;
+    if (d != g->device) {
+        set_err(g, "kiln_cuda_gemm: the current device is %d, the handle's is %d", d, g->device);
+        return false;
+    }
+    return true;
+}
+
+/* At least nbytes of scratch. Growth (x2 at least) allocates, which a capturing stream would
+ * turn into an error or an invalid graph, so it is refused then; the outgrown buffer is kept
+ * until kiln_cuda_gemm_free since enqueued work (or a captured graph) may still read it. */
+static cudaError_t scratch_reserve(kiln_cuda_gemm *g, cudaStream_t s, size_t nbytes) {
+    if (nbytes <= g->scratch_bytes) return cudaSuccess;
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    cudaError_t e = cudaStreamIsCapturing(s, &cs);
+    if (!cuda_ok(g, e, "scratch: cudaStreamIsCapturing")) return e;
+    if (cs != cudaStreamCaptureStatusNone) {
+        set_err(g, "scratch: %zu bytes needed (have %zu) while the stream is capturing: run "
+                   "this shape once before capturing", nbytes, g->scratch_bytes);
+        return cudaErrorStreamCaptureUnsupported;
+    }
+    size_t want = g->scratch_bytes * 2 > nbytes ? g->scratch_bytes * 2 : nbytes;
+    want = (want + ((size_t)1 << 20) - 1) & ~(((size_t)1 << 20) - 1); /* whole MiB */
+    if (g->scratch && g->n_old == g->cap_old) {
+        int cap = g->cap_old ? 2 * g->cap_old : 8;
+        void **p = (void **)kiln_realloc(g->old_scratch, (size_t)cap * sizeof *p);
+        if (!p) {
+            set_err(g, "scratch: out of host memory");
+            return cudaErrorMemoryAllocation;
+        }
+        g->old_scratch = p;
+        g->cap_old = cap;
+    }
+    void *p = NULL;
+    e = cudaMalloc(&p, want);
+    if (e != cudaSuccess) {
+        set_err(g, "scratch: cudaMalloc of %zu bytes: %s", want, cudaGetErrorString(e));
+        return e;
+    }
+    if (g->scratch) g->old_scratch[g->n_old++] = g->scratch;
+    g->scratch = (uint8_t *)p;
+    g->scratch_bytes = want;
+    return cudaSuccess;
+}
+
+/* ---- plans: one cached algorithm per problem ------------------------------------------------ */
+
+/* Alignment class of a pointer: its largest power-of-two divisor, capped at 16 bytes (what
+ * the tensor-core kernels' vector and TMA loads need). Capping makes every buffer aligned to
+ * 16 or more the same class, so the same problem at different (well-aligned) addresses runs
+ * the same algorithm and gives the same bits. */
+static int64_t align_class(const void *p) {
+    const uintptr_t u = (uintptr_t)p;
+    if (!p) return 0;
+    const uintptr_t low = u & (~u + 1);
+    return low >= 16 ? 16 : (int64_t)low;
+}
+
+static bool key_equal(const gemm_key *a, const gemm_key *b) {
+    return a->op_a == b->op_a && a->op_b == b->op_b && a->m == b->m && a->n == b->n &&
+           a->k == b->k && a->lda == b->lda && a->ldb == b->ldb && a->ldd == b->ldd &&
+           a->align_a == b->align_a && a->align_b == b->align_b && a->align_d == b->align_d &&
+           a->align_bias == b->align_bias && a->bias_kernel == b->bias_kernel;
+}
+
+/* Ask the heuristic (best first) for problem p under preference pref; take the first result
+ * that succeeded and fits the workspace. false (no message) when there is none; a failing
+ * call other than "not supported" sets the message and *failed. */
+static bool heuristic_pick(kiln_cuda_gemm *g, gemm_plan *p, cublasLtMatmulPreference_t pref,
+                           bool *failed) {
+    cublasLtMatmulHeuristicResult_t res[8];
+    int n = 0;
+    memset(res, 0, sizeof res);
+    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g->lt, p->desc, p->la, p->lb, p->ld,
+                                                       p->ld, pref, 8, res, &n);
+    if (st == CUBLAS_STATUS_NOT_SUPPORTED) return false;
+    if (!lt_ok(g, st, "cublasLtMatmulAlgoGetHeuristic")) {
+        *failed = true;
+        return false;
+    }
+    for (int i = 0; i < n && i < 8; i++)
+        if (res[i].state == CUBLAS_STATUS_SUCCESS && res[i].workspaceSize <= GEMM_WORKSPACE_BYTES) {
+            p->algo = res[i].algo;
+            return true;
+        }
+    return false;
+}
+
+#define LT_TRY(call, what)                                                                    \
+    do {                                                                                      \
+        if (!lt_ok(g, (call), (what))) goto fail;                                             \
+    } while (0)
+
+/* Make the plan of key k: descriptors, layouts, and the heuristic's algorithm. Without an
+ * algorithm for the bias epilogue it falls back to the plain product + add_bias. */
+static cudaError_t plan_create(kiln_cuda_gemm *g, const gemm_key *k, gemm_plan **out) {
+    gemm_plan *p = (gemm_plan *)kiln_calloc(1, sizeof *p);
+    cublasLtMatmulPreference_t pref = NULL;
+    bool failed = false, found = false;
+    if (!p) {
+        set_err(g, "plan: out of host memory");
+        return cudaErrorMemoryAllocation;
+    }
+    p->key = *k;
+    {
+        const int32_t op_a = (int32_t)k->op_a, op_b = (int32_t)k->op_b;
+        /* layouts describe the operands as stored: op N: (rows x cols) = (m x k) / (k x n);
+         * op T: the transposes (k x m) / (n x k). */
+        const uint64_t ra = (uint64_t)(op_a == CUBLAS_OP_N ? k->m : k->k);
+        const uint64_t ca = (uint64_t)(op_a == CUBLAS_OP_N ? k->k : k->m);
+        const uint64_t rb = (uint64_t)(op_b == CUBLAS_OP_N ? k->k : k->n);
+        const uint64_t cb = (uint64_t)(op_b == CUBLAS_OP_N ? k->n : k->k);
+        LT_TRY(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+               "cublasLtMatmulDescCreate");
+        LT_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a,
+                                              sizeof op_a),
+               "set TRANSA");
+        LT_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b,
+                                              sizeof op_b),
+               "set TRANSB");
+        LT_TRY(cublasLtMatrixLayoutCreate(&p->la, CUDA_R_16BF, ra, ca, k->lda),
+               "cublasLtMatrixLayoutCreate(A)");
+        LT_TRY(cublasLtMatrixLayoutCreate(&p->lb, CUDA_R_16BF, rb, cb, k->ldb),
+               "cublasLtMatrixLayoutCreate(B)");
+        LT_TRY(cublasLtMatrixLayoutCreate(&p->ld, CUDA_R_32F, (uint64_t)k->m, (uint64_t)k->n,
+                                          k->ldd),
+               "cublasLtMatrixLayoutCreate(D)");
+
+        const uint64_t ws = GEMM_WORKSPACE_BYTES;
+        /* Split-K only with a separate, ordered reduction (cuda_gemm_fast.h, "Determinism"). */
+        const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE |
+                                 CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
+        const uint32_t al_a = (uint32_t)k->align_a, al_b = (uint32_t)k->align_b,
+                       al_d = (uint32_t)k->align_d;
+        LT_TRY(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
+        LT_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                    &ws, sizeof ws),
+               "set MAX_WORKSPACE_BYTES");
+        LT_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                                    &schemes, sizeof schemes),
+               "set REDUCTION_SCHEME_MASK");
+        LT_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                    &al_a, sizeof al_a),
+               "set MIN_ALIGNMENT_A_BYTES");
+        LT_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                    &al_b, sizeof al_b),
+               "set MIN_ALIGNMENT_B_BYTES");
+        LT_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                                    &al_d, sizeof al_d),
+               "set MIN_ALIGNMENT_C_BYTES");
+        LT_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                    &al_d, sizeof al_d),
+               "set MIN_ALIGNMENT_D_BYTES");
+
+        if (k->align_bias && !k->bias_kernel) {
+            /* The heuristic reads the bias pointer's value for its alignment (it does not
+             * dereference it). Show it a pointer of exactly the key's class, inside our
+             * 256-aligned workspace, so the algorithm suits every bias of that class; the
+             * real pointer is set at each call. */
+            const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+            const void *probe = (const uint8_t *)g->workspace + k->align_bias;
+            LT_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
+                                                  sizeof epi),
+                   "set EPILOGUE");
+            LT_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                  &probe, sizeof probe),
+                   "set BIAS_POINTER");
+            found = heuristic_pick(g, p, pref, &failed);
+            if (failed) goto fail;
+            p->epilogue_bias = found;
+            if (!found) { /* back to the plain product; add_bias does the bias */
+                const cublasLtEpilogue_t plain = CUBLASLT_EPILOGUE_DEFAULT;
+                const void *none = NULL;
+                LT_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
+                                                      &plain, sizeof plain),
+                       "set EPILOGUE");
+                LT_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                      &none, sizeof none),
+                       "set BIAS_POINTER");
+            }
+        }
+        if (!found) {
+            found = heuristic_pick(g, p, pref, &failed);
+            if (failed) goto fail;
+        }
+        if (!found) {
+            /* Should not happen for bf16 x bf16 -> f32; last resort: allow every reduction
+             * scheme (still ordered: INPLACE reduces through counters, cuBLASLt.h). */
+            const uint32_t all = CUBLASLT_REDUCTION_SCHEME_MASK;
+            LT_TRY(cublasLtMatmulPreferenceSetAttribute(
+                       pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &all, sizeof all),
+                   "set REDUCTION_SCHEME_MASK");
+            found = heuristic_pick(g, p, pref, &failed);
+            if (failed) goto fail;
+        }
+        if (!found) {
+            set_err(g, "cuBLASLt: no algorithm for bf16 x bf16 -> f32 m=%lld n=%lld k=%lld "
+                       "ops %d/%d ld %lld/%lld/%lld alignments %lld/%lld/%lld",
+                    (long long)k->m, (long long)k->n, (long long)k->k, op_a, op_b,
+                    (long long)k->lda, (long long)k->ldb, (long long)k->ldd,
+                    (long long)k->align_a, (long long)k->align_b, (long long)k->align_d);
+            goto fail;
+        }
+    }
+    cublasLtMatmulPreferenceDestroy(pref);
+    *out = p;
+    return cudaSuccess;
+fail:
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    plan_destroy(p);
+    return cudaErrorUnknown;
+}
+
+/* The cached plan of key k, made now on first use. */
+static cudaError_t plan_get(kiln_cuda_gemm *g, const gemm_key *k, gemm_plan **out) {
+    for (int i = 0; i < g->n_plans; i++)
+        if (key_equal(&g->plans[i]->key, k)) {
+            *out = g->plans[i];
+            return cudaSuccess;
+        }
+    if (g->n_plans == g->cap_plans) {
+        int cap = g->cap_plans ? 2 * g->cap_plans : 32;
+        gemm_plan **pp = (gemm_plan **)kiln_realloc(g->plans, (size_t)cap * sizeof *pp);
+        if (!pp) {
+            set_err(g, "plan cache: out of host memory");
+            return cudaErrorMemoryAllocation;
+        }
+        g->plans = pp;
+        g->cap_plans = cap;
+    }
+    gemm_plan *p = NULL;
+    cudaError_t e = plan_create(g, k, &p);
+    if (e != cudaSuccess) return e;
+    g->plans[g->n_plans++] = p;
+    *out = p;
+    return cudaSuccess;
+}
+
+/* ---- the product ------------------------------------------------------------------------------ */
+
+/* Row-major D(M,N) (+)= A'(M,K) B'(K,N) (+ bias(N) per row of D) on bf16 operands (layout
+ * mapping: file comment). Arguments already checked; M, N, K >= 1. */
+static cudaError_t gemm_rowmajor(kiln_cuda_gemm *g, cudaStream_t s, int trans_a, int trans_b,
+                                 int64_t M, int64_t N, int64_t K, const uint16_t *A,
+                                 int64_t lda, const uint16_t *B, int64_t ldb, float *D,
+                                 int64_t ldd, int accumulate, const float *bias) {
+    gemm_key k;
+    memset(&k, 0, sizeof k);
+    k.op_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N; /* cuBLASLt's A is kiln's B */
+    k.op_b = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N; /* cuBLASLt's B is kiln's A */
+    k.m = N;
+    k.n = M;
+    k.k = K;
+    k.lda = ldb;
+    k.ldb = lda;
+    k.ldd = ldd;
+    k.align_a = align_class(B);
+    k.align_b = align_class(A);
+    k.align_d = align_class(D);
+    k.align_bias = align_class(bias);
+    k.bias_kernel = bias ? g->force_bias_kernel : 0;
+    gemm_plan *p = NULL;
+    cudaError_t e = plan_get(g, &k, &p);
+    if (e != cudaSuccess) return e;
+    if (p->epilogue_bias &&
+        !lt_ok(g, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                 &bias, sizeof bias),
+               "set BIAS_POINTER"))
+        return cudaErrorUnknown;
+    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    /* C = D (same pointer, same layout): in place when accumulating; with beta = 0 cuBLASLt
+     * does not read C. */
+    if (!lt_ok(g, cublasLtMatmul(g->lt, p->desc, &alpha, B, p->la, A, p->lb, &beta, D, p->ld, D,
+                                 p->ld, &p->algo, g->workspace, GEMM_WORKSPACE_BYTES, s),
+               "cublasLtMatmul"))
+        return cudaErrorUnknown;
+    if (bias && !p->epilogue_bias) {
+        dim3 grid;
+        if (!conv_grid(M, N, &grid)) {
+            set_err(g, "bias: bad shape %lld x %lld", (long long)M, (long long)N);
+            return cudaErrorInvalidValue;
+        }
+        add_bias_kernel<<<grid, CONV_THREADS, 0, s>>>(D, ldd, bias, M, N);
+        e = cudaGetLastError();
+        if (!cuda_ok(g, e, "add_bias launch")) return e;
+    }
+    return cudaSuccess;
+}
+
+/* Bytes of a (rows x ld) bf16 matrix rounded up to 256 (the next region's alignment); false
+ * past 2^48 bytes (a caller's bug, not a size anyone allocates). */
+static bool region_bytes(int64_t rows, int64_t ld, size_t *out) {
+    const int64_t limit = (int64_t)1 << 47; /* elements: 2^48 bytes */
+    if (rows < 0 || ld < 0 || (rows > 0 && ld > limit / rows)) return false;
+    *out = ((size_t)(rows * ld) * 2u + 255u) & ~(size_t)255u;
+    return true;
+}
+
+/* Leading dimension of a bf16 copy in scratch: cols rounded up to 8 elements (16 bytes), so
+ * every row starts 16-byte aligned (the padding is never read: k stops at cols). */
+static int64_t padded_ld(int64_t cols) { return (cols + 7) & ~(int64_t)7; }
+
+/* The checks shared by the two linear entries (x: f32 or bf16, only tested for NULL). */
+static cudaError_t linear_check(kiln_cuda_gemm *g, float *out, const void *x, const uint8_t *w,
+                                size_t row_bytes, kiln_dtype dt, int64_t C, int N) {
+    const kiln_dtype_traits *tr = kiln_dtype_get_traits(dt);
+    if (!out || !x || !w) {
+        set_err(g, "linear: NULL %s", !out ? "out" : !x ? "x" : "w");
+        return cudaErrorInvalidValue;
+    }
+    if (C < 1 || N < 1) {
+        set_err(g, "linear: C = %lld, N = %d", (long long)C, N);
+        return cudaErrorInvalidValue;
+    }
+    if (!tr || !kiln_cuda_dtype_supported(dt)) {
+        set_err(g, "linear: dtype %d not supported", (int)dt);
+        return cudaErrorInvalidValue;
+    }
+    if (C % tr->block_size != 0 ||
+        row_bytes < (size_t)(C / tr->block_size) * (size_t)tr->type_size) {
+        set_err(g, "linear: %s weight rows of C = %lld in %zu bytes", tr->name, (long long)C,
+                row_bytes);
+        return cudaErrorInvalidValue;
+    }
+    if (dt == KILN_DTYPE_BF16 && (row_bytes % 2 != 0 || ((uintptr_t)w & 1u) != 0)) {
+        set_err(g, "linear: bf16 weight not 2-byte aligned (row_bytes %zu)", row_bytes);
+        return cudaErrorInvalidValue;
+    }
+    return cudaSuccess;
+}
+
+/* The linear after x is bf16 at xb (ldx): W converted into scratch at w_off unless bf16. */
+static cudaError_t linear_run(kiln_cuda_gemm *g, cudaStream_t s, float *out, const uint16_t *xb,
+                              int64_t ldx, const uint8_t *w, size_t row_bytes, kiln_dtype dt,
+                              int64_t R, int64_t C, const float *bias, int N, int accumulate,
+                              size_t w_off) {
+    const uint16_t *wb;
+    int64_t ldw;
+    if (dt == KILN_DTYPE_BF16) {
+        wb = (const uint16_t *)w;
+        ldw = (int64_t)(row_bytes / 2);
+    } else {
+        uint16_t *dst = (uint16_t *)(g->scratch + w_off);
+        ldw = padded_ld(C);
+        cudaError_t e = kiln_cuda_weights_to_bf16(s, dst, ldw, w, row_bytes, dt, R, C);
+        if (!cuda_ok(g, e, "linear: weights_to_bf16")) return e;
+        wb = dst;
+    }
+    return gemm_rowmajor(g, s, 0, 1, N, R, C, xb, ldx, wb, ldw, out, R, accumulate, bias);
+}
+
+cudaError_t kiln_cuda_gemm_linear(kiln_cuda_gemm *g, cudaStream_t s, float *out, const float *x,
+                                  const uint8_t *w, size_t row_bytes, kiln_dtype dt, int64_t R,
+                                  int64_t C, const float *bias, int N, int accumulate) {
+    if (!g) return cudaErrorInvalidValue;
+    if (N <= 0 || R <= 0) return cudaSuccess;
+    cudaError_t e = linear_check(g, out, x, w, row_bytes, dt, C, N);
+    if (e != cudaSuccess) return e;
+    if (!device_ok(g)) return cudaErrorInvalidDevice;
+    const int64_t ldx = padded_ld(C);
+    size_t x_bytes = 0, w_bytes = 0;
+    if (!region_bytes(N, ldx, &x_bytes) ||
+        (dt != KILN_DTYPE_BF16 && !region_bytes(R, padded_ld(C), &w_bytes))) {
+        set_err(g, "linear: shape too large (N %d, R %lld, C %lld)", N, (long long)R,
+                (long long)C);
+        return cudaErrorInvalidValue;
+    }
+    e = scratch_reserve(g, s, x_bytes + w_bytes);
+    if (e != cudaSuccess) return e;
+    uint16_t *xb = (uint16_t *)g->scratch;
+    e = kiln_cuda_f32_to_bf16(s, xb, ldx, x, C, N, C);
+    if (!cuda_ok(g, e, "linear: f32_to_bf16(x)")) return e;
+    return linear_run(g, s, out, xb, ldx, w, row_bytes, dt, R, C, bias, N, accumulate, x_bytes);
+}
+
+cudaError_t kiln_cuda_gemm_linear_bf16(kiln_cuda_gemm *g, cudaStream_t s, float *out,
+                                       const uint16_t *xb, int64_t ldx, const uint8_t *w,
+                                       size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
+                                       const float *bias, int N, int accumulate) {
+    if (!g) return cudaErrorInvalidValue;
+    if (N <= 0 || R <= 0) return cudaSuccess;
+    cudaError_t e = linear_check(g, out, xb, w, row_bytes, dt, C, N);
+    if (e != cudaSuccess) return e;
+    if (ldx < C) {
+        set_err(g, "linear_bf16: ldx %lld < C %lld", (long long)ldx, (long long)C);
+        return cudaErrorInvalidValue;
+    }
+    if (!device_ok(g)) return cudaErrorInvalidDevice;
+    size_t w_bytes = 0;
+    if (dt != KILN_DTYPE_BF16) {
+        if (!region_bytes(R, padded_ld(C), &w_bytes)) {
+            set_err(g, "linear_bf16: shape too large (R %lld, C %lld)", (long long)R,
+                    (long long)C);
+            return cudaErrorInvalidValue;
+        }
+        e = scratch_reserve(g, s, w_bytes);
+        if (e != cudaSuccess) return e;
+    }
+    return linear_run(g, s, out, xb, ldx, w, row_bytes, dt, R, C, bias, N, accumulate, 0);
+}
+
+/* The checks shared by the two general products. */
+static cudaError_t gemm_check(kiln_cuda_gemm *g, int trans_a, int trans_b, int64_t M, int64_t N,
+                              int64_t K, const void *A, int64_t lda, const void *B, int64_t ldb,
+                              const float *D, int64_t ldd) {
+    if (!A || !B || !D) {
+        set_err(g, "gemm: NULL %s", !A ? "A" : !B ? "B" : "D");
+        return cudaErrorInvalidValue;
+    }
+    if (K < 1) {
+        set_err(g, "gemm: K = %lld (must be >= 1)", (long long)K);
+        return cudaErrorInvalidValue;
+    }
+    const int64_t min_lda = trans_a ? M : K, min_ldb = trans_b ? K : N;
+    if (lda < min_lda || ldb < min_ldb || ldd < N) {
+        set_err(g, "gemm: leading dimensions lda %lld (>= %lld), ldb %lld (>= %lld), ldd %lld "
+                   "(>= %lld)",
+                (long long)lda, (long long)min_lda, (long long)ldb, (long long)min_ldb,
+                (long long)ldd, (long long)N);
+        return cudaErrorInvalidValue;
+    }
+    return cudaSuccess;
+}
+
+cudaError_t kiln_cuda_gemm_bf16(kiln_cuda_gemm *g, cudaStream_t s, int trans_a, int trans_b,
+                                int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda,
+                                const uint16_t *B, int64_t ldb, float *D, int64_t ldd,
+                                int accumulate) {
+    if (!g) return cudaErrorInvalidValue;
+    if (M <= 0 || N <= 0) return cudaSuccess;
+    cudaError_t e = gemm_check(g, trans_a, trans_b, M, N, K, A, lda, B, ldb, D, ldd);
+    if (e != cudaSuccess) return e;
+    if (!device_ok(g)) return cudaErrorInvalidDevice;
+    return gemm_rowmajor(g, s, trans_a != 0, trans_b != 0, M, N, K, A, lda, B, ldb, D, ldd,
+                         accumulate, NULL);
+}
+
+cudaError_t kiln_cuda_gemm_f32(kiln_cuda_gemm *g, cudaStream_t s, int trans_a, int trans_b,
+                               int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                               const float *B, int64_t ldb, float *D, int64_t ldd, int accumulate) {
+    if (!g) return cudaErrorInvalidValue;
+    if (M <= 0 || N <= 0) return cudaSuccess;
+    cudaError_t e = gemm_check(g, trans_a, trans_b, M, N, K, A, lda, B, ldb, D, ldd);
+    if (e != cudaSuccess) return e;
+    if (!device_ok(g)) return cudaErrorInvalidDevice;
+    /* The operands as stored: A (a_rows x a_cols), B (b_rows x b_cols). */
+    const int64_t a_rows = trans_a ? K : M, a_cols = trans_a ? M : K;
+    const int64_t b_rows = trans_b ? N : K, b_cols = trans_b ? K : N;
+    const int64_t lda2 = padded_ld(a_cols), ldb2 = padded_ld(b_cols);
+    size_t a_bytes = 0, b_bytes = 0;
+    if (!region_bytes(a_rows, lda2, &a_bytes) || !region_bytes(b_rows, ldb2, &b_bytes)) {
+        set_err(g, "gemm_f32: shape too large (M %lld, N %lld, K %lld)", (long long)M,
+                (long long)N, (long long)K);
+        return cudaErrorInvalidValue;
+    }
+    e = scratch_reserve(g, s, a_bytes + b_bytes);
+    if (e != cudaSuccess) return e;
+    uint16_t *ab = (uint16_t *)g->scratch, *bb = (uint16_t *)(g->scratch + a_bytes);
+    e = kiln_cuda_f32_to_bf16(s, ab, lda2, A, lda, a_rows, a_cols);
+    if (!cuda_ok(g, e, "gemm_f32: f32_to_bf16(A)")) return e;
+    e = kiln_cuda_f32_to_bf16(s, bb, ldb2, B, ldb, b_rows, b_cols);
+    if (!cuda_ok(g, e, "gemm_f32: f32_to_bf16(B)")) return e;
+    return gemm_rowmajor(g, s, trans_a != 0, trans_b != 0, M, N, K, ab, lda2, bb, ldb2, D, ldd,
+                         accumulate, NULL);
+}

@@ -1,0 +1,130 @@
+/*
+ * cuda_gemm_fast.h -- the fast mode's matrix products (docs/CUDA.md, "Fast mode"): bf16
+ * operands on the tensor cores through cuBLASLt, f32 accumulation, f32 output. Not the CPU's
+ * bits (each operand is rounded to bf16, and cuBLASLt sums in its own order), but
+ * deterministic from run to run. Included from .cu files only (C++ linkage, like the
+ * launchers of cuda_internal.h).
+ *
+ * Arithmetic, per output element d = sum_k a_k * b_k:
+ *   - every f32 operand is rounded to bf16 with round-to-nearest-even (tensor.c's
+ *     kiln_fp32_to_bf16, operation for operation: NaN stays NaN); a quantized or f16 weight
+ *     is first dequantized to f32 with tensor.c's formulas (cuda_common.cuh's deq_blk, the
+ *     same bits as kiln_dequantize), then rounded the same way; a bf16 weight is used as is;
+ *   - the products of bf16 values are exact in f32, and cuBLASLt (CUBLAS_COMPUTE_32F) sums
+ *     them in f32 in an order of its own; |error| <= about 2^-7 * sum_k |a_k b_k| against the
+ *     exact product of the unrounded operands (2^-8 per operand rounding), plus the f32
+ *     summation error;
+ *   - bias (when given) and, with accumulate, the old output are added in f32 (in cuBLASLt's
+ *     epilogue: D = A*B + 1*D + bias).
+ *
+ * Determinism (run to run, on one GPU model with the same SM count and the same cuBLASLt):
+ * what this relies on, from the cuBLAS documentation ("Results reproducibility": the routines
+ * of one toolkit version give the same bits on every run on GPUs of the same architecture and
+ * SM count; the exception, multiple streams sharing the library's internal workspace, does not
+ * arise with cublasLtMatmul and a user-owned workspace):
+ *   - one algorithm per problem: the algorithm is chosen once per (transposes, m, n, k,
+ *     leading dimensions, pointer alignments, bias mode) with cublasLtMatmulAlgoGetHeuristic
+ *     and cached in the handle, so every later call of that problem runs the same kernel with
+ *     the same configuration (the heuristic itself is never asked again);
+ *   - a fixed workspace: one 32 MiB buffer owned by the handle, always passed whole;
+ *   - split-K only with an ordered reduction: the preference's reduction-scheme mask allows
+ *     NONE, COMPUTE_TYPE and OUTPUT_TYPE (partial sums in the workspace, summed in a separate
+ *     fixed step) and excludes INPLACE (partials summed through the output buffer guarded by
+ *     counters), so no result depends on which thread block finishes first and C == D
+ *     (accumulate) never meets a reduction through D. No atomics are enabled (the atomic-sync
+ *     attributes of the matmul descriptor stay at their default, off);
+ *   - our own conversion kernels are elementwise (one thread per element, no reduction).
+ * Different pointer alignments may select a different algorithm, hence different bits: buffers
+ * at the same alignment (e.g. backend allocations, 64+ bytes) always give the same bits.
+ *
+ * Threading and streams: a handle is not thread-safe, and its workspace and scratch are shared
+ * by all its calls, so calls on one handle must be ordered (one stream, or streams the caller
+ * orders). Every call enqueues work on the given stream and returns; host pointers are never
+ * accepted. The handle's device must be the current device at each call.
+ *
+ * Scratch: the bf16 copies of the operands live in a scratch buffer of the handle that grows
+ * (x2) when a call needs more. Growth calls cudaMalloc, so it is refused (cudaErrorStreamCaptureUnsupported)
+ * while the stream is capturing: run each shape once before capturing. The old buffer is not
+ * freed until kiln_cuda_gemm_free (work in flight, or a graph captured earlier, may still read
+ * it); the kept buffers total less than the final one.
+ */
+#ifndef KILN_CUDA_GEMM_FAST_H
+#define KILN_CUDA_GEMM_FAST_H
+
+#include "cuda_internal.h"
+
+/* cuBLASLt handle, 32 MiB workspace, bf16 scratch, algorithm cache, last error message. */
+typedef struct kiln_cuda_gemm kiln_cuda_gemm;
+
+/* Create a handle on GPU `device` (made current; the previous current device is restored).
+ * *out = NULL on failure; cudaErrorUnknown for a cuBLASLt failure (no message is kept, since
+ * there is no handle: the status name goes to kiln's thread error via kiln_error). */
+cudaError_t kiln_cuda_gemm_create(int device, kiln_cuda_gemm **out);
+
+/* Free the handle: waits until the device is idle, then frees everything (scratch buffers
+ * kept from earlier growth included). NULL is a no-op. */
+void kiln_cuda_gemm_free(kiln_cuda_gemm *g);
+
+/* The last failure's message (which call, cuBLASLt status names included), "" when none (and
+ * for g == NULL). Valid until the next call on g. */
+const char *kiln_cuda_gemm_error(const kiln_cuda_gemm *g);
+
+/* Forward linear: out(N,R) = x(N,C) @ W(R,C)^T (+ bias(R)); accumulate != 0: out += that.
+ * x f32 (row-major, contiguous) is rounded to bf16 into scratch; W (R rows of dtype dt,
+ * row_bytes apart, any dtype kiln_cuda_dtype_supported accepts): BF16 is used in place (its
+ * row_bytes must be even and at least 2*C), the others are dequantized and rounded to bf16
+ * into scratch (C a multiple of the block size). bias may be NULL. out must not alias x or W.
+ * Any N >= 1 (N <= 0 or R <= 0: nothing to do). Returns cudaSuccess; cudaErrorInvalidValue
+ * for bad arguments, cudaErrorUnknown for a cuBLASLt failure, the CUDA error of a failed
+ * allocation or launch; kiln_cuda_gemm_error says which. */
+cudaError_t kiln_cuda_gemm_linear(kiln_cuda_gemm *g, cudaStream_t s, float *out, const float *x,
+                                  const uint8_t *w, size_t row_bytes, kiln_dtype dt, int64_t R,
+                                  int64_t C, const float *bias, int N, int accumulate);
+
+/* The same with x already in bf16 (N rows of C values, ldx >= C elements apart): no rounding
+ * of x. With xb = kiln_cuda_f32_to_bf16(x) (ld_dst = ldx) the result has the same bits as
+ * kiln_cuda_gemm_linear on x at the same alignments. */
+cudaError_t kiln_cuda_gemm_linear_bf16(kiln_cuda_gemm *g, cudaStream_t s, float *out,
+                                       const uint16_t *xb, int64_t ldx, const uint8_t *w,
+                                       size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
+                                       const float *bias, int N, int accumulate);
+
+/* General row-major f32 product on bf16 tensor cores, for the backward (issue 5):
+ * D(M,N) = A'(M,K) @ B'(K,N) (+ D when accumulate), where A' = A (stored (M,K), lda >= K) or,
+ * when trans_a, A^T (A stored (K,M), lda >= M); B' = B (stored (K,N), ldb >= N) or, when
+ * trans_b, B^T (B stored (N,K), ldb >= K). A and B are rounded to bf16 into scratch; D f32
+ * with leading dimension ldd >= N. M or N zero: nothing to do; K must be >= 1. D must not
+ * alias A or B. */
+cudaError_t kiln_cuda_gemm_f32(kiln_cuda_gemm *g, cudaStream_t s, int trans_a, int trans_b,
+                               int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                               const float *B, int64_t ldb, float *D, int64_t ldd, int accumulate);
+
+/* The same product with A and B already bf16 (bit patterns, uint16_t), used in place. */
+cudaError_t kiln_cuda_gemm_bf16(kiln_cuda_gemm *g, cudaStream_t s, int trans_a, int trans_b,
+                                int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda,
+                                const uint16_t *B, int64_t ldb, float *D, int64_t ldd,
+                                int accumulate);
+
+/* ---- the conversions (launchers; exposed for the tests, which check them bit for bit) ---- */
+
+/* dst(rows, cols; ld_dst) = RNE bf16 of src(rows, cols; ld_src), tensor.c's kiln_fp32_to_bf16
+ * bits (NaN stays NaN). */
+cudaError_t kiln_cuda_f32_to_bf16(cudaStream_t s, uint16_t *dst, int64_t ld_dst, const float *src,
+                                  int64_t ld_src, int64_t rows, int64_t cols);
+
+/* dst(R, C; ld_dst) = RNE bf16 of W's elements dequantized with tensor.c's formulas (the bits
+ * kiln_dequantize gives, then kiln_fp32_to_bf16). W: R rows of dtype dt, row_bytes apart; C a
+ * multiple of the block size. cudaErrorInvalidValue for an unsupported dtype. */
+cudaError_t kiln_cuda_weights_to_bf16(cudaStream_t s, uint16_t *dst, int64_t ld_dst,
+                                      const uint8_t *w, size_t row_bytes, kiln_dtype dt,
+                                      int64_t R, int64_t C);
+
+/* For the tests: bias != 0 makes the handle add a bias with its own kernel after the product
+ * (D += bias per row) instead of cuBLASLt's bias epilogue, the path taken anyway when the
+ * heuristic finds no algorithm with the epilogue for a problem. */
+void kiln_cuda_gemm_set_bias_kernel(kiln_cuda_gemm *g, int on);
+
+/* Number of cached algorithms (distinct problems seen), for the tests. */
+int kiln_cuda_gemm_cached(const kiln_cuda_gemm *g);
+
+#endif /* KILN_CUDA_GEMM_FAST_H */
