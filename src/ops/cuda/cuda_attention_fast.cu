@@ -1,0 +1,654 @@
+/*
+ * cuda_attention_fast.cu -- fast-mode attention (issue 4, item 3): flash attention on bf16
+ * tensor cores for prefill, split-along-the-keys f32 attention for decode, and the plain f32
+ * kernel for head sizes the tensor-core kernel does not take. Contract and the switch between
+ * the kernels: cuda_attention_fast.h.
+ *
+ * This file is compiled with the CUDA backend's flags (--fmad=false, IEEE division, no
+ * flush-to-zero), so every FMA below is written (fmaf / mma.sync). exp: kiln_expf in the f32
+ * kernels (about 1 ulp; they are bandwidth-bound, so its few extra FMAs cost nothing), __expf
+ * (ex2.approx) in the tensor-core kernel, whose bf16 rounding dominates its error anyway.
+ */
+#include "cuda_attention_fast.h"
+
+#include "cuda_internal.h"
+
+#include "../../base/kmath.h"
+
+#include <cuda_bf16.h>
+#include <limits.h>
+#include <string.h>
+
+struct kiln_cuda_attn {
+    float *buf;      /* device: partial acc (P, HS) then partial (m, l) (P, 2) */
+    size_t cap;      /* floats buf holds */
+};
+
+/* Floats of the workspace for B sequences x N tokens x NH heads x HS over max_T keys:
+ * P = B * nsplit * N * NH partials of HS + 2 floats. 0 on overflow. */
+static size_t ws_floats(int B, int N, int NH, int HS, int max_T) {
+    const uint64_t nsplit = ((uint64_t)max_T + KILN_ATTN_SPLIT - 1) / KILN_ATTN_SPLIT;
+    const uint64_t P = (uint64_t)B * nsplit * (uint64_t)N * (uint64_t)NH;
+    const uint64_t f = P * ((uint64_t)HS + 2);
+    if (P != 0 && f / P != (uint64_t)HS + 2) return 0;
+    if (f > (uint64_t)SIZE_MAX / sizeof(float)) return 0;
+    return (size_t)f;
+}
+
+/* ==== the split kernel: f32, a block per (kv head, chunk of query rows, split, sequence) ==== */
+
+#define SPLIT_THREADS 128
+#define SPLIT_WARPS (SPLIT_THREADS / 32)
+#define SPLIT_ROWS 16 /* query rows (token, head of the kv group) per block */
+#define SPLIT_KT 32   /* keys per shared-memory sub-tile: one per lane */
+#define SPLIT_ACC (SPLIT_ROWS * KILN_ATTN_FAST_MAX_HS / SPLIT_THREADS) /* acc per thread */
+static_assert(SPLIT_KT == 32, "a sub-tile's scores are one warp's lanes");
+static_assert(SPLIT_ROWS % SPLIT_WARPS == 0, "rows are dealt to warps round-robin");
+static_assert(KILN_ATTN_SPLIT % SPLIT_KT == 0, "splits are whole sub-tiles");
+static_assert((SPLIT_ROWS * KILN_ATTN_FAST_MAX_HS) % SPLIT_THREADS == 0, "acc tiling");
+
+/* Shared memory of split_kernel for head size HS (floats: q rows, K sub-tile with an odd row
+ * stride so the 32 lanes' key rows fall in different banks, V sub-tile, p, alpha, l). */
+static size_t split_smem(int HS) {
+    const size_t ks = (size_t)(HS | 1);
+    return sizeof(float) * ((size_t)SPLIT_ROWS * HS + SPLIT_KT * ks + (size_t)SPLIT_KT * HS +
+                            SPLIT_ROWS * SPLIT_KT + 2 * SPLIT_ROWS);
+}
+
+static __device__ __forceinline__ float warp_max(float x) {
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+/* Butterfly sum: lane j adds lane j^o's value at each step, so every lane holds the same
+ * bits at the end (IEEE addition is commutative). */
+static __device__ __forceinline__ float warp_sum(float x) {
+    for (int o = 16; o > 0; o >>= 1) x = x + __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+/* Index of the partial of (sequence b, split s, token n, head h). */
+static __device__ __forceinline__ int64_t partial_index(int b, int s, int n, int h, int N,
+                                                        int NH, int nsplit_max) {
+    return (((int64_t)b * nsplit_max + s) * N + n) * NH + h;
+}
+
+/* Rows of kv head kvh's group are (token n, head of the group g), row = n * G + g, query head
+ * h = kvh * G + g. Block (blockIdx.x = chunk * KVH + kvh, blockIdx.y = split, blockIdx.z = b)
+ * takes rows r0 .. r0 + nr - 1 of the chunk and the keys of its split:
+ *   FINAL (prefill, one split): keys 0 .. n_past + last row's n; writes out = acc / l.
+ *   !FINAL (decode): keys s*SPLIT .. min((s+1)*SPLIT, n_past + last n + 1) - 1; writes the
+ *   partial (m, l, acc) of every row, m = -inf / l = 0 / acc = 0 for a row that sees none of
+ *   them (the combine never reads those).
+ * Per row, keys go by sub-tiles of 32 in increasing order: the owning warp (row % 4) takes
+ * one key per lane (score = fmaf dot over d in order, * scale; masked -> -inf), the sub-tile
+ * max by warp shuffles, m_new = max(m, max), alpha = exp(m - m_new), p = exp(s - m_new),
+ * l = l * alpha + (butterfly sum of p); then acc(d) = acc(d) * alpha + sum_j p_j v_j(d) with
+ * fmaf in key order. Nothing depends on the grid, so the bits are fixed by (q row, keys,
+ * split size). q, out: (B, N, NH, HS); k, v: sequence b at b * kv_seq_stride, (T, KVH, HS). */
+template <bool FINAL>
+static __global__ void __launch_bounds__(SPLIT_THREADS)
+split_kernel(float *__restrict__ out, float *__restrict__ ws_acc, float *__restrict__ ws_ml,
+             const float *__restrict__ q, const float *__restrict__ k,
+             const float *__restrict__ v, int N, int n_past_host,
+             const int32_t *__restrict__ d_n_past, size_t kv_seq_stride, int NH, int KVH,
+             int HS, float scale, int nsplit_max) {
+    extern __shared__ float split_sm[];
+    const int G = NH / KVH;
+    const int R = G * N;
+    const int nchunks = (R + SPLIT_ROWS - 1) / SPLIT_ROWS;
+    const int kvh = (int)(blockIdx.x % (unsigned)KVH);
+    const int cidx = (int)(blockIdx.x / (unsigned)KVH);
+    const int chunk = FINAL ? nchunks - 1 - cidx : cidx; /* prefill: longest rows first */
+    const int split = (int)blockIdx.y, b = (int)blockIdx.z;
+    const int n_past = d_n_past ? d_n_past[b] : n_past_host;
+    const int r0 = chunk * SPLIT_ROWS;
+    const int nr = R - r0 < SPLIT_ROWS ? R - r0 : SPLIT_ROWS;
+    const int n_last = (r0 + nr - 1) / G;
+    if (n_past < 0) return; /* decode_dev: a bad position; the combine writes NaN */
+    const int64_t all_end = (int64_t)n_past + n_last + 1; /* keys any row of the chunk sees */
+    int k_begin = 0, k_end;
+    if (FINAL) {
+        k_end = (int)all_end;
+    } else {
+        const int64_t kb = (int64_t)split * KILN_ATTN_SPLIT;
+        if (kb >= all_end) return; /* beyond the keys: nothing (block-uniform, before syncs) */
+        k_begin = (int)kb;
+        k_end = (int)(kb + KILN_ATTN_SPLIT < all_end ? kb + KILN_ATTN_SPLIT : all_end);
+    }
+
+    const int ks = HS | 1;
+    float *sq = split_sm;                       /* (nr, HS) */
+    float *sk = sq + SPLIT_ROWS * HS;           /* (KT, ks) */
+    float *sv = sk + SPLIT_KT * ks;             /* (KT, HS) */
+    float *sp = sv + SPLIT_KT * HS;             /* (ROWS, KT) */
+    float *salpha = sp + SPLIT_ROWS * SPLIT_KT; /* (ROWS) */
+    float *sl = salpha + SPLIT_ROWS;            /* (ROWS) */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t kvstride = (int64_t)KVH * HS;
+    const float *kbase = k + (size_t)b * kv_seq_stride + (int64_t)kvh * HS;
+    const float *vbase = v + (size_t)b * kv_seq_stride + (int64_t)kvh * HS;
+
+    for (int e = tid; e < nr * HS; e += SPLIT_THREADS) {
+        const int r = e / HS, d = e - r * HS;
+        const int rr = r0 + r, n = rr / G, h = kvh * G + rr % G;
+        sq[e] = q[(((int64_t)b * N + n) * NH + h) * HS + d];
+    }
+    float m_r[SPLIT_ROWS / SPLIT_WARPS], l_r[SPLIT_ROWS / SPLIT_WARPS];
+#pragma unroll
+    for (int i = 0; i < SPLIT_ROWS / SPLIT_WARPS; i++) {
+        m_r[i] = -INFINITY;
+        l_r[i] = 0.0f;
+    }
+    float acc[SPLIT_ACC];
+#pragma unroll
+    for (int i = 0; i < SPLIT_ACC; i++) acc[i] = 0.0f;
+
+    for (int kt = k_begin; kt < k_end; kt += SPLIT_KT) {
+        const int nk = k_end - kt < SPLIT_KT ? k_end - kt : SPLIT_KT;
+        __syncthreads(); /* the previous sub-tile's sk, sv, sp are no longer read */
+        for (int e = tid; e < SPLIT_KT * HS; e += SPLIT_THREADS) {
+            const int j = e / HS, d = e - j * HS;
+            float kx = 0.0f, vx = 0.0f; /* keys past the range: zeros (p = 0 must not meet NaN) */
+            if (j < nk) {
+                const int64_t off = (int64_t)(kt + j) * kvstride + d;
+                kx = kbase[off];
+                vx = vbase[off];
+            }
+            sk[j * ks + d] = kx;
+            sv[j * HS + d] = vx;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < SPLIT_ROWS / SPLIT_WARPS; i++) {
+            const int r = warp + SPLIT_WARPS * i;
+            if (r < nr) { /* warp-uniform */
+                const int n = (r0 + r) / G;
+                const int key = kt + lane;
+                const float *qr = sq + r * HS, *kr = sk + lane * ks;
+                float dot = 0.0f;
+                for (int d = 0; d < HS; d++) dot = fmaf(qr[d], kr[d], dot);
+                const bool ok = lane < nk && key <= n_past + n;
+                const float s = ok ? dot * scale : -INFINITY;
+                const float mn = fmaxf(m_r[i], warp_max(s));
+                float alpha = 1.0f, p = 0.0f;
+                if (mn != -INFINITY) { /* else nothing seen yet: acc stays 0 */
+                    alpha = kiln_expf(m_r[i] - mn);
+                    p = ok ? kiln_expf(s - mn) : 0.0f;
+                }
+                l_r[i] = l_r[i] * alpha + warp_sum(p);
+                m_r[i] = mn;
+                sp[r * SPLIT_KT + lane] = p;
+                if (lane == 0) salpha[r] = alpha;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < SPLIT_ACC; i++) {
+            const int e = tid + i * SPLIT_THREADS;
+            if (e < nr * HS) {
+                const int r = e / HS, d = e - r * HS;
+                const float *pr = sp + r * SPLIT_KT;
+                float a = acc[i] * salpha[r];
+                for (int j = 0; j < nk; j++) a = fmaf(pr[j], sv[j * HS + d], a);
+                acc[i] = a;
+            }
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < SPLIT_ROWS / SPLIT_WARPS; i++) {
+        const int r = warp + SPLIT_WARPS * i;
+        if (r < nr && lane == 0) {
+            sl[r] = l_r[i];
+            if (!FINAL) {
+                const int rr = r0 + r, n = rr / G, h = kvh * G + rr % G;
+                const int64_t pi = partial_index(b, split, n, h, N, NH, nsplit_max);
+                ws_ml[2 * pi] = m_r[i];
+                ws_ml[2 * pi + 1] = l_r[i];
+            }
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < SPLIT_ACC; i++) {
+        const int e = tid + i * SPLIT_THREADS;
+        if (e < nr * HS) {
+            const int r = e / HS, d = e - r * HS;
+            const int rr = r0 + r, n = rr / G, h = kvh * G + rr % G;
+            if (FINAL)
+                out[(((int64_t)b * N + n) * NH + h) * HS + d] = acc[i] / sl[r];
+            else
+                ws_acc[partial_index(b, split, n, h, N, NH, nsplit_max) * HS + d] = acc[i];
+        }
+    }
+}
+
+/* Merge of the splits of row (b, n, h): blockIdx.x = n * NH + h, blockIdx.y = b. The row saw
+ * keys 0 .. n_past + n, which lie in splits 0 .. ns - 1, ns = (n_past + n) / SPLIT + 1, each
+ * with at least one key, so every m_s read is finite. In increasing s:
+ *   M = max m_s;  w_s = exp(m_s - M);  L = sum w_s * l_s (fmaf);  out(d) = (sum w_s acc_s(d)
+ *   (fmaf)) / L.
+ * A row whose splits were not all launched (n_past + n >= nsplit_max * SPLIT, or n_past < 0:
+ * a d_n_past beyond decode_dev's max_T) gets NaN. */
+#define COMBINE_THREADS 128
+#define COMBINE_CHUNK 256 /* split weights staged in shared memory at a time */
+
+static __global__ void __launch_bounds__(COMBINE_THREADS)
+combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
+               const float *__restrict__ ws_ml, int N, int n_past_host,
+               const int32_t *__restrict__ d_n_past, int NH, int HS, int nsplit_max) {
+    __shared__ float sw[COMBINE_CHUNK];
+    const int n = (int)(blockIdx.x / (unsigned)NH), h = (int)(blockIdx.x % (unsigned)NH);
+    const int b = (int)blockIdx.y;
+    const int n_past = d_n_past ? d_n_past[b] : n_past_host;
+    float *o = out + (((int64_t)b * N + n) * NH + h) * HS;
+    const int64_t last = (int64_t)n_past + n;
+    if (n_past < 0 || last / KILN_ATTN_SPLIT + 1 > nsplit_max) {
+        for (int d = threadIdx.x; d < HS; d += COMBINE_THREADS) o[d] = NAN;
+        return;
+    }
+    const int ns = (int)(last / KILN_ATTN_SPLIT) + 1;
+    const int64_t p0 = partial_index(b, 0, n, h, N, NH, nsplit_max);
+    const int64_t pstep = (int64_t)N * NH; /* partial index step from split s to s + 1 */
+    float M = -INFINITY;
+    for (int s = 0; s < ns; s++) M = fmaxf(M, ws_ml[2 * (p0 + s * pstep)]);
+    float L = 0.0f;
+    float a[KILN_ATTN_FAST_MAX_HS / COMBINE_THREADS];
+#pragma unroll
+    for (int i = 0; i < KILN_ATTN_FAST_MAX_HS / COMBINE_THREADS; i++) a[i] = 0.0f;
+    for (int s0 = 0; s0 < ns; s0 += COMBINE_CHUNK) {
+        const int cn = ns - s0 < COMBINE_CHUNK ? ns - s0 : COMBINE_CHUNK;
+        __syncthreads(); /* the previous chunk's weights are no longer read */
+        for (int s = threadIdx.x; s < cn; s += COMBINE_THREADS)
+            sw[s] = kiln_expf(ws_ml[2 * (p0 + (s0 + s) * pstep)] - M);
+        __syncthreads();
+        for (int s = 0; s < cn; s++) L = fmaf(sw[s], ws_ml[2 * (p0 + (s0 + s) * pstep) + 1], L);
+#pragma unroll
+        for (int i = 0; i < KILN_ATTN_FAST_MAX_HS / COMBINE_THREADS; i++) {
+            const int d = threadIdx.x + i * COMBINE_THREADS;
+            if (d < HS) {
+                float x = a[i];
+                for (int s = 0; s < cn; s++)
+                    x = fmaf(sw[s], ws_acc[(p0 + (s0 + s) * pstep) * HS + d], x);
+                a[i] = x;
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < KILN_ATTN_FAST_MAX_HS / COMBINE_THREADS; i++) {
+        const int d = threadIdx.x + i * COMBINE_THREADS;
+        if (d < HS) o[d] = a[i] / L;
+    }
+}
+
+/* ==== flash attention on bf16 tensor cores (HS 64, 128) ====================================== */
+
+#define FL_THREADS 128 /* 4 warps, 16 query rows each */
+#define FL_BM 64       /* query rows per block */
+#define FL_BN 64       /* keys per tile */
+#define FL_PAD 8       /* bf16 of padding per shared row: row strides = 4 words mod 32 */
+static_assert(FL_BM == 16 * (FL_THREADS / 32), "one m16 tile of rows per warp");
+static_assert(FL_BN % 32 == 0, "the V transpose deals key pairs in runs of 16");
+
+/* ---- mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: D(16x8) = A(16x16) B(16x8) + C.
+ * Fragment layout (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"),
+ * with g = lane >> 2 (groupID) and t = lane & 3 (threadID_in_group); a .b32 register holds
+ * two bf16, the lower-indexed element in the low 16 bits:
+ *   A (row-major 16x16), 4 regs: a[0] = A[g][2t..2t+1]     a[1] = A[g+8][2t..2t+1]
+ *                                a[2] = A[g][2t+8..2t+9]   a[3] = A[g+8][2t+8..2t+9]
+ *   B (16x8, k x n, "col"), 2 regs: b[0] = B[2t..2t+1][g]  b[1] = B[2t+8..2t+9][g]
+ *   C, D (16x8 f32), 4 regs:  c[0] = C[g][2t]    c[1] = C[g][2t+1]
+ *                             c[2] = C[g+8][2t]  c[3] = C[g+8][2t+1]
+ * Every fragment load and every use of an accumulator below goes by this table:
+ *   S = Q K^T:  A = Q rows (sQ row-major: pairs along d are contiguous), B[k=d][n=key] =
+ *               K[key][d] (sK row-major: pairs along d contiguous), C = S (rows, keys).
+ *   O += P V:   A = P: its 16 x 16 block j (keys 16j..16j+15) is exactly the C fragments of
+ *               S tiles 2j (keys 16j..+7) and 2j+1 (keys 16j+8..+15): a[0] = S tile 2j
+ *               c[0..1], a[1] = tile 2j c[2..3], a[2] = tile 2j+1 c[0..1], a[3] = tile 2j+1
+ *               c[2..3], rounded to bf16 pairs; B[k=key][n=d] = V[key][d], so V is stored
+ *               transposed (sVt[d][key]: pairs along keys contiguous). */
+static __device__ __forceinline__ void mma_bf16_16816(float c[4], const uint32_t a[4],
+                                                      const uint32_t b[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/* Two floats rounded to bf16 (nearest even), lo in the low 16 bits. */
+static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return u;
+}
+
+/* The two bf16 of a pair, widened (exact). */
+static __device__ __forceinline__ float bf16_lo(uint32_t u) { return __uint_as_float(u << 16); }
+static __device__ __forceinline__ float bf16_hi(uint32_t u) {
+    return __uint_as_float(u & 0xffff0000u);
+}
+
+/* A 4-byte aligned pair of bf16 in shared memory. */
+static __device__ __forceinline__ uint32_t ld_pair(const __nv_bfloat16 *p) {
+    return *reinterpret_cast<const uint32_t *>(p);
+}
+
+/* Four floats -> four bf16 at p (8-byte aligned). */
+static __device__ __forceinline__ void st_bf16x4(__nv_bfloat16 *p, float4 x) {
+    uint2 u;
+    u.x = pack_bf16(x.x, x.y);
+    u.y = pack_bf16(x.z, x.w);
+    *reinterpret_cast<uint2 *>(p) = u;
+}
+
+template <int HS>
+static constexpr size_t flash_smem() {
+    return sizeof(__nv_bfloat16) *
+           ((size_t)FL_BM * (HS + FL_PAD) + (size_t)FL_BN * (HS + FL_PAD) +
+            (size_t)HS * (FL_BN + FL_PAD));
+}
+
+/* FlashAttention-2 forward (Dao 2023, Algorithm 1) for one (64-row query tile, head): block
+ * (gridDim.x - 1 - blockIdx.x, blockIdx.y = h); the last query tiles, which see the most
+ * keys, are scheduled first. Key tiles of 64 go in increasing order up to the last key the
+ * tile's last row sees; each warp keeps its 16 rows' running max m, per-thread partial sums l
+ * and the O accumulator (16 x HS f32) in registers. Masked scores (key > n_past + row, or a
+ * padding key/row) are -inf, so p = 0; padding rows/keys are staged as zeros (0 * finite).
+ * q, out: (N, NH, HS); k, v: (T, KVH, HS); all 16-byte aligned. */
+template <int HS>
+static __global__ void __launch_bounds__(FL_THREADS)
+flash_bf16_kernel(float *__restrict__ out, const float *__restrict__ q,
+                  const float *__restrict__ k, const float *__restrict__ v, int N, int n_past,
+                  int NH, int KVH, float scale) {
+    static_assert(HS % 16 == 0, "HS is a whole number of mma k-steps");
+    constexpr int LDS = HS + FL_PAD;    /* bf16 per row of sQ, sK */
+    constexpr int LDV = FL_BN + FL_PAD; /* bf16 per row of sVt */
+    constexpr int C4 = HS / 4;          /* float4 per row of q, k, v */
+    extern __shared__ __align__(16) unsigned char flash_sm[];
+    __nv_bfloat16 *sQ = reinterpret_cast<__nv_bfloat16 *>(flash_sm); /* (BM, LDS) */
+    __nv_bfloat16 *sK = sQ + FL_BM * LDS;                             /* (BN, LDS) */
+    __nv_bfloat16 *sVt = sK + FL_BN * LDS;                            /* (HS, LDV) */
+
+    const int qt = (int)(gridDim.x - 1 - blockIdx.x);
+    const int h = (int)blockIdx.y, kvh = h / (NH / KVH);
+    const int q0 = qt * FL_BM;
+    const int T = n_past + N;                                /* keys 0..T-1 exist */
+    const int rows = N - q0 < FL_BM ? N - q0 : FL_BM;
+    const int kend = n_past + q0 + rows;                     /* keys the last row sees */
+    const int64_t kvstride = (int64_t)KVH * HS;
+    const float *kb = k + (int64_t)kvh * HS;
+    const float *vb = v + (int64_t)kvh * HS;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+
+    for (int idx = tid; idx < FL_BM * C4; idx += FL_THREADS) {
+        const int r = idx / C4, c = (idx - r * C4) * 4;
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (r < rows)
+            x = *reinterpret_cast<const float4 *>(q + ((int64_t)(q0 + r) * NH + h) * HS + c);
+        st_bf16x4(sQ + r * LDS + c, x);
+    }
+
+    float o[HS / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < HS / 8; dt++) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY; /* rows g and g + 8 of the warp's 16 */
+    float l0 = 0.0f, l1 = 0.0f;           /* this thread's share of their sums */
+    const int qr0 = q0 + warp * 16 + g, qr1 = qr0 + 8;
+    /* last key each row sees; padding rows (>= N) are clamped to real keys */
+    const int lim0 = n_past + qr0 < T - 1 ? n_past + qr0 : T - 1;
+    const int lim1 = n_past + qr1 < T - 1 ? n_past + qr1 : T - 1;
+
+    for (int k0 = 0; k0 < kend; k0 += FL_BN) {
+        __syncthreads(); /* the previous tile is no longer read (and sQ is written) */
+        for (int idx = tid; idx < FL_BN * C4; idx += FL_THREADS) {
+            const int r = idx / C4, c = (idx - r * C4) * 4;
+            float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (k0 + r < T) x = *reinterpret_cast<const float4 *>(kb + (k0 + r) * kvstride + c);
+            st_bf16x4(sK + r * LDS + c, x);
+        }
+        /* V transposed: a thread takes keys 2rp, 2rp+1 at d = c..c+3 and writes four bf16
+         * pairs sVt[c+i][2rp..2rp+1]. Lanes 0-15 take 16 consecutive key pairs and lanes
+         * 16-31 the next 4 d's (word address 16*(c/4) + 4i + rp mod 32: no bank conflict). */
+        for (int idx = tid; idx < (FL_BN / 2) * C4; idx += FL_THREADS) {
+            const int rp_lo = idx & 15, c4_lo = (idx >> 4) & 1, rest = idx >> 5;
+            const int rp = (rest % (FL_BN / 32)) * 16 + rp_lo;
+            const int c = ((rest / (FL_BN / 32)) * 2 + c4_lo) * 4;
+            const int key = k0 + 2 * rp;
+            float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
+            if (key < T) x0 = *reinterpret_cast<const float4 *>(vb + key * kvstride + c);
+            if (key + 1 < T) x1 = *reinterpret_cast<const float4 *>(vb + (key + 1) * kvstride + c);
+            __nv_bfloat16 *dst = sVt + c * LDV + 2 * rp;
+            *reinterpret_cast<uint32_t *>(dst) = pack_bf16(x0.x, x1.x);
+            *reinterpret_cast<uint32_t *>(dst + LDV) = pack_bf16(x0.y, x1.y);
+            *reinterpret_cast<uint32_t *>(dst + 2 * LDV) = pack_bf16(x0.z, x1.z);
+            *reinterpret_cast<uint32_t *>(dst + 3 * LDV) = pack_bf16(x0.w, x1.w);
+        }
+        __syncthreads();
+
+        /* S = Q K^T for the warp's 16 rows and the tile's 64 keys (8 n-tiles of 8 keys). */
+        float sc[FL_BN / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < FL_BN / 8; nt++) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < HS / 16; kk++) {
+            const __nv_bfloat16 *qa = sQ + (warp * 16 + g) * LDS + kk * 16 + 2 * t;
+            const uint32_t a[4] = {ld_pair(qa), ld_pair(qa + 8 * LDS), ld_pair(qa + 8),
+                                   ld_pair(qa + 8 * LDS + 8)};
+#pragma unroll
+            for (int nt = 0; nt < FL_BN / 8; nt++) {
+                const __nv_bfloat16 *kp = sK + (nt * 8 + g) * LDS + kk * 16 + 2 * t;
+                const uint32_t bf[2] = {ld_pair(kp), ld_pair(kp + 8)};
+                mma_bf16_16816(sc[nt], a, bf);
+            }
+        }
+
+        /* scale, causal mask, online softmax (rows g: c[0..1], g + 8: c[2..3]) */
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < FL_BN / 8; nt++) {
+            const int key = k0 + nt * 8 + 2 * t;
+            sc[nt][0] = key <= lim0 ? sc[nt][0] * scale : -INFINITY;
+            sc[nt][1] = key + 1 <= lim0 ? sc[nt][1] * scale : -INFINITY;
+            sc[nt][2] = key <= lim1 ? sc[nt][2] * scale : -INFINITY;
+            sc[nt][3] = key + 1 <= lim1 ? sc[nt][3] * scale : -INFINITY;
+            mx0 = fmaxf(mx0, fmaxf(sc[nt][0], sc[nt][1]));
+            mx1 = fmaxf(mx1, fmaxf(sc[nt][2], sc[nt][3]));
+        }
+        /* a row's 64 scores are spread over the 4 threads of its quad (lanes 4g..4g+3) */
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float base0 = mn0 == -INFINITY ? 0.0f : mn0; /* no key yet: exp(-inf) = 0 */
+        const float base1 = mn1 == -INFINITY ? 0.0f : mn1;
+        const float al0 = __expf(m0 - base0), al1 = __expf(m1 - base1);
+        m0 = mn0;
+        m1 = mn1;
+        uint32_t pp[FL_BN / 8][2]; /* p as bf16 pairs: [nt][0] row g, [nt][1] row g + 8 */
+        float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < FL_BN / 8; nt++) {
+            pp[nt][0] = pack_bf16(__expf(sc[nt][0] - base0), __expf(sc[nt][1] - base0));
+            pp[nt][1] = pack_bf16(__expf(sc[nt][2] - base1), __expf(sc[nt][3] - base1));
+            /* l sums the weights the p.v product uses: the bf16 ones */
+            ps0 = ps0 + (bf16_lo(pp[nt][0]) + bf16_hi(pp[nt][0]));
+            ps1 = ps1 + (bf16_lo(pp[nt][1]) + bf16_hi(pp[nt][1]));
+        }
+        l0 = l0 * al0 + ps0;
+        l1 = l1 * al1 + ps1;
+#pragma unroll
+        for (int dt = 0; dt < HS / 8; dt++) {
+            o[dt][0] *= al0;
+            o[dt][1] *= al0;
+            o[dt][2] *= al1;
+            o[dt][3] *= al1;
+        }
+
+        /* O += P V: k-steps of 16 keys; P's A fragment is S's C fragments (table above) */
+#pragma unroll
+        for (int j = 0; j < FL_BN / 16; j++) {
+            const uint32_t a[4] = {pp[2 * j][0], pp[2 * j][1], pp[2 * j + 1][0], pp[2 * j + 1][1]};
+#pragma unroll
+            for (int dt = 0; dt < HS / 8; dt++) {
+                const __nv_bfloat16 *vp = sVt + (dt * 8 + g) * LDV + j * 16 + 2 * t;
+                const uint32_t bf[2] = {ld_pair(vp), ld_pair(vp + 8)};
+                mma_bf16_16816(o[dt], a, bf);
+            }
+        }
+    }
+
+    /* the quad's partial sums (every lane ends with the same bits) */
+    l0 = l0 + __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 = l0 + __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 = l1 + __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 = l1 + __shfl_xor_sync(0xffffffffu, l1, 2);
+    if (qr0 < N) {
+        float *op = out + ((int64_t)qr0 * NH + h) * HS + 2 * t;
+#pragma unroll
+        for (int dt = 0; dt < HS / 8; dt++)
+            *reinterpret_cast<float2 *>(op + dt * 8) = make_float2(o[dt][0] / l0, o[dt][1] / l0);
+    }
+    if (qr1 < N) {
+        float *op = out + ((int64_t)qr1 * NH + h) * HS + 2 * t;
+#pragma unroll
+        for (int dt = 0; dt < HS / 8; dt++)
+            *reinterpret_cast<float2 *>(op + dt * 8) = make_float2(o[dt][2] / l1, o[dt][3] / l1);
+    }
+}
+
+/* ==== workspace and entry points ============================================================== */
+
+cudaError_t kiln_cuda_attn_create(kiln_cuda_attn **out) {
+    if (!out) return cudaErrorInvalidValue;
+    *out = NULL;
+    /* dynamic shared memory above the default 48 KiB, set once here (outside any capture) */
+    cudaError_t e = cudaFuncSetAttribute(flash_bf16_kernel<64>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)flash_smem<64>());
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(flash_bf16_kernel<128>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)flash_smem<128>());
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(split_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)split_smem(KILN_ATTN_FAST_MAX_HS));
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(split_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)split_smem(KILN_ATTN_FAST_MAX_HS));
+    if (e != cudaSuccess) return e;
+    kiln_cuda_attn *a = (kiln_cuda_attn *)kiln_calloc(1, sizeof *a);
+    if (!a) return cudaErrorMemoryAllocation;
+    *out = a;
+    return cudaSuccess;
+}
+
+void kiln_cuda_attn_free(kiln_cuda_attn *a) {
+    if (!a) return;
+    if (a->buf) (void)cudaFree(a->buf);
+    kiln_free(a);
+}
+
+cudaError_t kiln_cuda_attn_reserve(kiln_cuda_attn *a, int B, int N, int NH, int HS, int max_T) {
+    if (!a || B <= 0 || N <= 0 || NH <= 0 || HS <= 0 || max_T <= 0) return cudaErrorInvalidValue;
+    const size_t need = ws_floats(B, N, NH, HS, max_T);
+    if (need == 0) return cudaErrorInvalidValue;
+    if (need <= a->cap) return cudaSuccess;
+    if (a->buf) {
+        cudaError_t e = cudaFree(a->buf); /* cudaFree waits for work still using it */
+        a->buf = NULL;
+        a->cap = 0;
+        if (e != cudaSuccess) return e;
+    }
+    cudaError_t e = cudaMalloc((void **)&a->buf, need * sizeof(float));
+    if (e != cudaSuccess) {
+        a->buf = NULL;
+        return e;
+    }
+    a->cap = need;
+    return cudaSuccess;
+}
+
+/* Shape checks shared by the entry points. */
+static bool shape_ok(int NH, int KVH, int HS) {
+    return NH > 0 && KVH > 0 && NH % KVH == 0 && HS > 0 && HS <= KILN_ATTN_FAST_MAX_HS;
+}
+
+/* Grid x of split_kernel: KVH * chunks of 16 rows of the (G * N)-row kv groups. 0: too big. */
+static unsigned split_grid_x(int N, int NH, int KVH) {
+    const int64_t R = (int64_t)(NH / KVH) * N;
+    const int64_t x = (R + SPLIT_ROWS - 1) / SPLIT_ROWS * KVH;
+    return R > INT_MAX || x > INT_MAX ? 0u : (unsigned)x;
+}
+
+/* The split decode of B sequences x N tokens: partials, then the combine. */
+static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float *out,
+                                       const float *q, const float *k, const float *v, int B,
+                                       int N, int n_past_host, const int32_t *d_n_past,
+                                       size_t kv_seq_stride, int max_T, int NH, int KVH, int HS,
+                                       float scale) {
+    const int64_t nsplit = ((int64_t)max_T + KILN_ATTN_SPLIT - 1) / KILN_ATTN_SPLIT;
+    const unsigned gx = split_grid_x(N, NH, KVH);
+    if (gx == 0 || nsplit > 65535 || B > 65535 || (int64_t)N * NH > INT_MAX)
+        return cudaErrorInvalidConfiguration;
+    const size_t need = ws_floats(B, N, NH, HS, max_T);
+    if (need == 0 || need > a->cap) return cudaErrorInvalidValue;
+    const int64_t P = (int64_t)B * nsplit * N * NH;
+    float *ws_acc = a->buf, *ws_ml = a->buf + P * HS;
+    split_kernel<false><<<dim3(gx, (unsigned)nsplit, (unsigned)B), SPLIT_THREADS,
+                          split_smem(HS), s>>>(out, ws_acc, ws_ml, q, k, v, N, n_past_host,
+                                               d_n_past, kv_seq_stride, NH, KVH, HS, scale,
+                                               (int)nsplit);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    combine_kernel<<<dim3((unsigned)(N * NH), (unsigned)B), COMBINE_THREADS, 0, s>>>(
+        out, ws_acc, ws_ml, N, n_past_host, d_n_past, NH, HS, (int)nsplit);
+    return cudaGetLastError();
+}
+
+cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *out,
+                                     const float *q, const float *k, const float *v, int N,
+                                     int n_past, int NH, int KVH, int HS, float scale) {
+    if (N < 0 || n_past < 0 || NH < 0 || HS < 0) return cudaErrorInvalidValue;
+    if (N == 0 || NH == 0 || HS == 0) return cudaSuccess;
+    if (!a || !shape_ok(NH, KVH, HS) || (int64_t)n_past + N > INT_MAX)
+        return cudaErrorInvalidValue;
+    const int T = n_past + N;
+    if (N <= KILN_ATTN_DECODE_MAX_N) {
+        cudaError_t e = kiln_cuda_attn_reserve(a, 1, N, NH, HS, T);
+        if (e != cudaSuccess) return e;
+        return split_decode_launch(a, s, out, q, k, v, 1, N, n_past, NULL, 0, T, NH, KVH, HS,
+                                   scale);
+    }
+    const bool aligned = (((uintptr_t)out | (uintptr_t)q | (uintptr_t)k | (uintptr_t)v) & 15) == 0;
+    if (kiln_cuda_attn_fast_is_mma(N, HS) && aligned) {
+        const unsigned gx = (unsigned)((N + FL_BM - 1) / FL_BM);
+        if (NH > 65535) return cudaErrorInvalidConfiguration;
+        if (HS == 64)
+            flash_bf16_kernel<64><<<dim3(gx, (unsigned)NH), FL_THREADS, flash_smem<64>(), s>>>(
+                out, q, k, v, N, n_past, NH, KVH, scale);
+        else
+            flash_bf16_kernel<128><<<dim3(gx, (unsigned)NH), FL_THREADS, flash_smem<128>(), s>>>(
+                out, q, k, v, N, n_past, NH, KVH, scale);
+        return cudaGetLastError();
+    }
+    const unsigned gx = split_grid_x(N, NH, KVH);
+    if (gx == 0) return cudaErrorInvalidConfiguration;
+    split_kernel<true><<<dim3(gx, 1, 1), SPLIT_THREADS, split_smem(HS), s>>>(
+        out, NULL, NULL, q, k, v, N, n_past, NULL, 0, NH, KVH, HS, scale, 1);
+    return cudaGetLastError();
+}
+
+cudaError_t kiln_cuda_attention_decode_dev(kiln_cuda_attn *a, cudaStream_t s, float *out,
+                                           const float *q, const float *k, const float *v,
+                                           int B, size_t kv_seq_stride, const int32_t *d_n_past,
+                                           int max_T, int NH, int KVH, int HS, float scale) {
+    if (B < 0 || NH < 0 || HS < 0) return cudaErrorInvalidValue;
+    if (B == 0 || NH == 0 || HS == 0) return cudaSuccess;
+    if (!a || !d_n_past || max_T <= 0 || !shape_ok(NH, KVH, HS)) return cudaErrorInvalidValue;
+    return split_decode_launch(a, s, out, q, k, v, B, 1, 0, d_n_past, kv_seq_stride, max_T, NH,
+                               KVH, HS, scale);
+}

@@ -1,0 +1,78 @@
+/*
+ * cuda_attention_fast.h -- fast-mode causal grouped-query attention on the GPU (issue 4, item
+ * 3). Same semantics as ops.h's attention op: q(N,NH,HS) are the queries of positions
+ * n_past..n_past+N-1; k,v(T,KVH,HS) hold positions 0..n_past+N-1; query head h reads kv head
+ * h / (NH/KVH); out(N,NH,HS) = softmax(q.k * scale) v over keys 0..n_past+n (causal).
+ * All pointers are device pointers to f32. Included from .cu files only (C++ linkage).
+ *
+ * Which kernel runs (kiln_cuda_attention_fast; the switch is kiln_cuda_attn_fast_is_mma):
+ *   - N <= KILN_ATTN_DECODE_MAX_N (8): the split decode. The keys are cut into fixed splits
+ *     of KILN_ATTN_SPLIT keys; one block per (split, kv head, chunk of <= 16 query rows)
+ *     writes each row's partial (max m, sum l, unnormalised acc(HS)) to the workspace, then a
+ *     combine kernel merges a row's splits in increasing split order. f32 throughout,
+ *     kiln_expf. Each row's arithmetic depends only on its own q, the keys and the split size
+ *     (never on N, the grid or the other rows), so it is deterministic and a row of an N-token
+ *     call has the bits of the same row computed alone.
+ *   - N > 8 and HS 64 or 128 (and q, k, v 16-byte aligned): flash attention on bf16 tensor
+ *     cores (FlashAttention-2 style: a block per (64-row query tile, head), 4 warps of 16
+ *     rows, key tiles of 64, online softmax in f32 with __expf, mma.sync m16n8k16 bf16 ->
+ *     f32). q, k, v are rounded to bf16 as they are staged in shared memory and the softmax
+ *     weights p are rounded to bf16 before the p.v product (l sums those rounded weights), so
+ *     the result is within about 1e-2 * max|v| of the exact attention (tested at 2e-2).
+ *   - N > 8 otherwise (HS up to KILN_ATTN_FAST_MAX_HS, e.g. 48, 80, 96, 256; or unaligned
+ *     pointers): the split kernel's code run as one split over all of a row's keys, writing
+ *     out directly (plain f32, kiln_expf).
+ * Every path is deterministic: the same inputs give the same bits on every run.
+ */
+#ifndef KILN_CUDA_ATTENTION_FAST_H
+#define KILN_CUDA_ATTENTION_FAST_H
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Keys per split of the decode kernel. The partials, hence the bits, depend on it. */
+#define KILN_ATTN_SPLIT 128
+/* Largest N that takes the split decode kernel in kiln_cuda_attention_fast. */
+#define KILN_ATTN_DECODE_MAX_N 8
+/* Largest head size of the fast attention (the f32 kernels keep 16 rows x HS in registers). */
+#define KILN_ATTN_FAST_MAX_HS 256
+
+typedef struct kiln_cuda_attn kiln_cuda_attn; /* workspace for the split partials */
+
+/* Whether kiln_cuda_attention_fast runs the bf16 tensor-core flash kernel for these shapes
+ * (given 16-byte aligned q, k, v); otherwise an f32 kernel. */
+static inline bool kiln_cuda_attn_fast_is_mma(int N, int HS) {
+    return N > KILN_ATTN_DECODE_MAX_N && (HS == 64 || HS == 128);
+}
+
+/* A workspace with nothing reserved yet, for the current device: sets the kernels' shared
+ * memory limits there (so create it with the device it will run on current). *out is NULL
+ * on failure. */
+cudaError_t kiln_cuda_attn_create(kiln_cuda_attn **out);
+/* Frees the workspace (waits for the device to finish with it); NULL is a no-op. */
+void kiln_cuda_attn_free(kiln_cuda_attn *a);
+/* Make sure the workspace holds B sequences x N query tokens x NH heads x HS over max_T keys
+ * (grows; call outside CUDA-graph capture). cudaErrorInvalidValue on a non-positive size. */
+cudaError_t kiln_cuda_attn_reserve(kiln_cuda_attn *a, int B, int N, int NH, int HS, int max_T);
+/* The op: any N >= 1 (split decode for N <= 8, flash kernel above: see the top of this file).
+ * May grow the workspace (so not inside graph capture when it must grow). Enqueues on s only.
+ * cudaErrorInvalidValue when HS is outside 1..KILN_ATTN_FAST_MAX_HS, KVH does not divide NH,
+ * or a count is negative; cudaSuccess with nothing done when N, NH or HS is 0. */
+cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *out,
+                                     const float *q, const float *k, const float *v, int N,
+                                     int n_past, int NH, int KVH, int HS, float scale);
+/* Decode of B sequences, one new token each, for CUDA graphs: sequence b's query is
+ * q + b*NH*HS, its output out + b*NH*HS, its cache k + b*kv_seq_stride (floats; same for v),
+ * its n_past is d_n_past[b] READ ON THE DEVICE (so a captured graph replays for any
+ * position); max_T >= d_n_past[b] + 1 sizes the grid (splits beyond a sequence's keys do
+ * nothing and the combine skips them). The bits equal kiln_cuda_attention_fast with N = 1
+ * and that n_past. No allocation, no host synchronisation: the workspace must already hold
+ * (B, 1, NH, HS, max_T) (kiln_cuda_attn_reserve), else cudaErrorInvalidValue. A sequence
+ * whose d_n_past[b] + 1 > max_T (or < 0) gets NaN outputs rather than a wrong answer. */
+cudaError_t kiln_cuda_attention_decode_dev(kiln_cuda_attn *a, cudaStream_t s, float *out,
+                                           const float *q, const float *k, const float *v,
+                                           int B, size_t kv_seq_stride, const int32_t *d_n_past,
+                                           int max_T, int NH, int KVH, int HS, float scale);
+
+#endif /* KILN_CUDA_ATTENTION_FAST_H */
