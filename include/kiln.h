@@ -256,6 +256,12 @@ typedef struct kiln_context_params {
     /* -1 = CPU (default), N >= 0 = CUDA device N; results are bit-identical to the CPU
      * (auditable mode). KILN_ERR_UNSUPPORTED when kiln has no CUDA or no such GPU. */
     int device;
+    /* 0 (default) = exact: the auditable arithmetic (on a GPU, the CPU's bits). Non-zero = the
+     * backend's fast arithmetic: on the CPU, fast_q8_activations; on CUDA, bf16 tensor cores
+     * for prefill, fixed-order f32 kernels for decode, split-K decode attention (docs/CUDA.md,
+     * "Fast mode"): not the CPU's bits, but deterministic run to run on one GPU model, with its
+     * error against the auditable path measured in bench/RESULTS.md. */
+    int fast;
 } kiln_context_params;
 
 KILN_API kiln_context_params kiln_context_default_params(void);
@@ -336,7 +342,7 @@ KILN_API void kiln_generate_result_free(kiln_generate_result *r);
 
 
 /* ---------------------------------------------------------------------------------------- */
-/* Training (CPU)                                                                            */
+/* Training (CPU, or a CUDA GPU: kiln_train_params.device)                                  */
 /* ---------------------------------------------------------------------------------------- */
 
 typedef struct kiln_trainer kiln_trainer;
@@ -366,12 +372,17 @@ typedef struct kiln_train_params {
     kiln_weight_storage weight_storage;
     kiln_moment_storage moment_storage;
     uint64_t seed;    /* stochastic rounding */
+    int device;       /* -1 = CPU (the default); N >= 0 = CUDA device N: parameters, gradients,
+                       * activations and optimizer state in GPU memory, auditable arithmetic
+                       * (the CPU's bits); checkpoints are the same files on either */
 } kiln_train_params;
 
 KILN_API kiln_train_params kiln_train_default_params(void);
 
 /* A trainer over a copy of the model's parameters (dequantized to f32, or bf16 per the
- * storage). The model must outlive the trainer. Parameters are named as in transformers. */
+ * storage). The model must outlive the trainer. Parameters are named as in transformers.
+ * p->device >= 0 trains on that CUDA GPU; KILN_ERR_UNSUPPORTED naming why when it cannot be
+ * used (kiln built without CUDA, no such GPU). Every other call is the same on either. */
 KILN_API kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *p,
                                          kiln_trainer **out);
 KILN_API void kiln_trainer_free(kiln_trainer *t);
@@ -429,7 +440,10 @@ KILN_API kiln_status kiln_train_set_params(kiln_trainer *t, int count, const cha
 /* Memory by kiln's own accounting, in bytes. */
 typedef struct kiln_train_memory {
     uint64_t params, grads, optimizer, activations, scratch;
-    uint64_t peak_step; /* peak of live bytes during the last step (forward + backward) */
+    uint64_t peak_step; /* peak of live bytes during the last step (forward + backward); on a
+                         * GPU the peak of the trainer's device memory (all of the above
+                         * allocated at create, plus the fused loss's scratch of the step) */
+    int device;         /* where the figures live: -1 host (CPU), N: CUDA device N */
 } kiln_train_memory;
 /* A one-line description of the storage and the figures. buf may be NULL. */
 KILN_API kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap,

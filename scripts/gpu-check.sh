@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# gpu-check.sh -- on a machine with an NVIDIA GPU: build kiln with CUDA (Release), run the GPU
-# op tests (every op vs the CPU backend, bit for bit, two seeds), compute-sanitizer memcheck
-# and racecheck on the op test when the tool works here, the decode matmul benchmark, and
-# whole models on the GPU vs the CPU (test_cuda_model: logits bit for bit, decode timing);
-# print a short table last.
+# gpu-check.sh -- the GPU check of issues 4 and 5, on a machine with an NVIDIA GPU (H100/H200),
+# from a fresh clone: make the build dependencies available (scripts/gpu-deps.sh: installed,
+# apt-get, or carried .deb files), build kiln with CUDA (Release, -Werror), run every GPU test
+# (tests/gpu/test_cuda_*: auditable ops and backward ops bit for bit against the CPU, the fast
+# kernels within their stated error, sampling, the optimizer and fused loss, whole models,
+# training), compute-sanitizer memcheck and racecheck on small runs, the kernel benchmarks
+# (tests/gpu/bench_cuda_*), `kiln generate --device cuda` against `--device cpu`, and print a
+# short table last.
 #   scripts/gpu-check.sh [build-dir]      (default build-gpu; logs under $OUT or build-dir)
-#   KILN_PREBUILT=dir scripts/gpu-check.sh   (skip the build; run dir/test_cuda_ops etc.;
-#       LD_LIBRARY_PATH=dir for the libraries carried beside them; dir/vocab holds the
-#       vocabulary GGUFs test_cuda_model needs, else $KILN_VOCAB_DIR)
-#   KILN_GPU_PARTS="ops sanitizer bench model cli"   (the parts to run; default all)
-#   cli: writes a random Qwen2.5-0.5B-shaped Hugging Face folder (bf16, python3 with torch
-#   and transformers; KILN_CLI_SHAPE=C,L,NH,KVH,FF to change the shape) with the tokenizer
-#   files of $KILN_CLI_TOKENIZER (default dir/tok: a 151,936-token tokenizer.json), runs
-#   `kiln generate --device cpu` and `--device cuda` greedy on it, compares the ids and prints
-#   both runs' timings.
+#   KILN_GPU_PARTS="tests sanitizer bench cli"   (the parts to run; default all)
+#   KILN_VOCAB_DIR: the vocabulary GGUFs of the whole-model tests (default
+#       ../shared/testdata/tokenizer-vectors, else build-dir/vocab)
+#   KILN_DEFAULT_GGUF: kiln's default model (SmolLM2-135M-Instruct Q4_1) for the cli part
+#       (default ~/.cache/kiln/models/SmolLM2-135M-Instruct.Q4_1.gguf; scripts/fetch-model.sh)
+#   cli also writes a random Qwen2.5-0.5B-shaped Hugging Face folder (bf16, python3 with torch
+#   and transformers; KILN_CLI_SHAPE=C,L,NH,KVH,FF) with the tokenizer of $KILN_CLI_TOKENIZER
+#   (default build-dir/tok: a 151,936-token tokenizer.json) and compares cpu and cuda greedy ids.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 B=${1:-build-gpu}
@@ -24,45 +26,110 @@ gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+echo "kiln $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 t0=$(date +%s)
-if [ -n "${KILN_PREBUILT:-}" ]; then
-    # binaries built elsewhere (test_cuda_ops, bench_cuda_matmul need only libcudart and
-    # libstdc++): for a GPU machine without kiln's build dependencies (cJSON, PCRE2, ...)
-    B=$KILN_PREBUILT
-    echo "prebuilt binaries from $B"
-elif ! { cmake -S . -B "$B" "${gen[@]}" -DKILN_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
-         -DKILN_WERROR=ON && cmake --build "$B" -j"$J" --target test_cuda_ops bench_cuda_matmul test_cuda_model; } \
+# shellcheck source=scripts/gpu-deps.sh
+source scripts/gpu-deps.sh
+kiln_gpu_deps "$B" || { echo "BUILD FAILED (dependencies)"; exit 1; }
+if ! { cmake -S . -B "$B" "${gen[@]}" "${KILN_DEPS_CMAKE[@]}" -DKILN_CUDA=ON \
+         -DCMAKE_BUILD_TYPE=Release -DKILN_WERROR=ON && cmake --build "$B" -j"$J"; } \
        >"$LOG/build.log" 2>&1; then
-    tail -40 "$LOG/build.log"
+    grep -E "error|Error" "$LOG/build.log" | head -30
+    tail -20 "$LOG/build.log"
     echo "BUILD FAILED"
     exit 1
-else
-    echo "build: $(( $(date +%s) - t0 )) s"
 fi
+echo "build: $(( $(date +%s) - t0 )) s"
 
-PARTS=${KILN_GPU_PARTS:-ops sanitizer bench model cli}
+PARTS=${KILN_GPU_PARTS:-tests sanitizer bench cli}
 has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
 status=0
-seed2=$(( $(date +%s) ))
-r1=-; r2=-; rm_=-
-if has ops; then
-    "$B/test_cuda_ops" >"$LOG/test1.log" 2>&1; r1=$?
-    "$B/test_cuda_ops" "$seed2" >"$LOG/test2.log" 2>&1; r2=$?
-    [ $r1 -eq 0 ] && [ $r2 -eq 0 ] || status=1
-    grep FAIL "$LOG/test1.log" "$LOG/test2.log" | head -20
+seed2=$(( $(date +%s) % 100000 + 7 ))
+vocab=${KILN_VOCAB_DIR:-../shared/testdata/tokenizer-vectors}
+[ -d "$vocab" ] || vocab=$B/vocab
+export KILN_VOCAB_DIR=$vocab
+summary=()
+
+# run NAME LOGFILE CMD...: run a test, keep its rc and last line for the table
+run_test() {
+    local name=$1 log=$2
+    shift 2
+    local ts rc
+    ts=$(date +%s)
+    "$@" >"$log" 2>&1
+    rc=$?
+    local last
+    last=$(grep -v '^\s*$' "$log" | tail -1 | cut -c1-110)
+    summary+=("$(printf '%-34s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - ts ))" "$last")")
+    if [ $rc -ne 0 ] && [ $rc -ne 77 ]; then
+        status=1
+        echo "---- $name failed (rc=$rc): first failures"
+        grep -m 15 -i "fail\|mismatch\|error" "$log"
+    fi
+}
+
+if has tests; then
+    for t in "$B"/test_cuda_*; do
+        [ -x "$t" ] || continue
+        n=$(basename "$t")
+        case $n in
+        test_cuda_ops|test_cuda_backward)
+            run_test "$n" "$LOG/$n.log" "$t"
+            run_test "$n (seed $seed2)" "$LOG/$n-2.log" "$t" "$seed2" ;;
+        test_cuda_model|test_cuda_train)
+            run_test "$n" "$LOG/$n.log" "$t" "$vocab" ;;
+        *)
+            run_test "$n" "$LOG/$n.log" "$t" ;;
+        esac
+    done
 fi
 
-if has model; then
-    vocab=${KILN_VOCAB_DIR:-$B/vocab}
-    [ -d "$vocab" ] || vocab=/work/shared/testdata/tokenizer-vectors
-    tm0=$(date +%s)
-    "$B/test_cuda_model" "$vocab" >"$LOG/model.log" 2>"$LOG/model.err"; rm_=$?
-    echo "test_cuda_model: rc=$rm_, $(( $(date +%s) - tm0 )) s"
-    [ $rm_ -eq 0 ] || { status=1; tail -20 "$LOG/model.err"; }
-fi
+# compare_runs LABEL JSON_A JSON_B...: greedy ids of the first equal to each other's? one line
+compare_runs() {
+    python3 - "$@" <<'PY'
+import json, sys
+label, paths = sys.argv[1], sys.argv[2:]
+runs = []
+for p in paths:
+    try:
+        runs.append((p.rsplit("/", 1)[-1][:-5], json.load(open(p))))
+    except (OSError, ValueError) as e:
+        print(f"{label}: {p}: no JSON ({e})")
+        sys.exit(1)
+ref = runs[0][1]
+parts = []
+ok = True
+for name, r in runs:
+    same = r["ids"] == ref["ids"]
+    if name.endswith("fast"):
+        n = next((i for i, (a, b) in enumerate(zip(r["ids"], ref["ids"])) if a != b), len(r["ids"]))
+        parts.append(f"{name}: {r.get('decode_tokens_per_s', 0):.1f} tok/s, first {n} ids = cpu's")
+    else:
+        ok &= same
+        parts.append(f"{name}: {r.get('decode_tokens_per_s', 0):.1f} tok/s, ids {'==' if same else '!='} cpu")
+print(f"{label}: {len(ref['ids'])} greedy ids; " + "; ".join(parts))
+sys.exit(0 if ok else 1)
+PY
+}
 
-cli_summary="not run"
+cli_lines=()
 if has cli; then
+    prompt="The quick brown fox jumps over the lazy dog."
+    gguf=${KILN_DEFAULT_GGUF:-$HOME/.cache/kiln/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+    if [ -f "$gguf" ]; then
+        runs=()
+        for dev in cpu cuda cuda-fast; do
+            args=(--device "${dev%-fast}")
+            [ "$dev" = cuda-fast ] && args+=(--fast)
+            "$B/kiln" generate -m "$gguf" -p "$prompt" -n 128 --temp 0 --ignore-eos --json \
+                "${args[@]}" >"$LOG/default-$dev.json" 2>"$LOG/default-$dev.err"
+            echo "kiln generate default model --device $dev: rc=$?"
+            runs+=("$LOG/default-$dev.json")
+        done
+        cli_lines+=("$(compare_runs "SmolLM2-135M Q4_1 (default model)" "${runs[@]}")") || status=1
+    else
+        cli_lines+=("default model: $gguf not found (scripts/fetch-model.sh)")
+    fi
     M=${TMPDIR:-/tmp}/kiln-cli-model
     rm -rf "$M"
     if python3 - "$M" "${KILN_CLI_TOKENIZER:-$B/tok}" "${KILN_CLI_SHAPE:-896,24,14,2,4864}" \
@@ -86,65 +153,57 @@ for f in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(f"{tok}/{f}", out)
 PY
     then
-        for dev in cpu cuda; do
-            "$B/kiln" generate -m "$M" -p "The quick brown fox jumps over the lazy dog." -n 64 \
-                --temp 0 --ignore-eos --json --device "$dev" >"$LOG/cli-$dev.json" 2>"$LOG/cli-$dev.err"
-            echo "kiln generate --device $dev: rc=$?"
+        runs=()
+        for dev in cpu cuda cuda-fast; do
+            args=(--device "${dev%-fast}")
+            [ "$dev" = cuda-fast ] && args+=(--fast)
+            "$B/kiln" generate -m "$M" -p "$prompt" -n 64 --temp 0 --ignore-eos --json \
+                "${args[@]}" >"$LOG/qwen-$dev.json" 2>"$LOG/qwen-$dev.err"
+            echo "kiln generate qwen-shaped --device $dev: rc=$?"
+            runs+=("$LOG/qwen-$dev.json")
         done
-        cli_summary=$(python3 - "$LOG/cli-cpu.json" "$LOG/cli-cuda.json" <<'PY'
-import json, sys
-try:
-    a, b = (json.load(open(p)) for p in sys.argv[1:3])
-except ValueError as e:
-    print(f"a run gave no JSON ({e}); see cli-cpu.err, cli-cuda.err")
-    sys.exit(1)
-same = a["ids"] == b["ids"] and a["text"] == b["text"]
-print(f"{len(a['ids'])} greedy ids, cpu == cuda: {same}")
-for name, r in (("cpu", a), ("cuda", b)):
-    t = {k: round(v, 4) for k, v in r.items() if k.endswith(("_seconds", "_per_s"))}
-    print(f"  {name}: {json.dumps(t)}")
-sys.exit(0 if same else 1)
-PY
-) || status=1
+        cli_lines+=("$(compare_runs "random Qwen2.5-0.5B-shaped bf16" "${runs[@]}")") || status=1
     else
         tail -5 "$LOG/cli-make.log"
-        cli_summary="model not made (python3 with torch and transformers needed)"
+        cli_lines+=("random Qwen2.5-0.5B-shaped model not made (python3 with torch and transformers needed)")
     fi
 fi
 
-san="not run"
+san=()
 if has sanitizer && command -v compute-sanitizer >/dev/null; then
-    timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$B/test_cuda_ops" 5 \
-        >"$LOG/memcheck.log" 2>&1
-    m=$?
-    timeout 120 compute-sanitizer --tool racecheck --error-exitcode 3 "$B/test_cuda_ops" 6 \
-        >"$LOG/racecheck.log" 2>&1
-    rc=$?
-    if has model; then
-        timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 "$B/test_cuda_model" \
-            "$vocab" --no-big >"$LOG/model-memcheck.log" 2>&1
-        echo "memcheck test_cuda_model --no-big: rc=$? $(grep -o 'ERROR SUMMARY.*' "$LOG/model-memcheck.log" | head -1)"
-    fi
-    san="memcheck rc=$m ($(grep -c 'Invalid\|ERROR SUMMARY: [1-9]' "$LOG/memcheck.log") findings), racecheck rc=$rc ($(grep -o 'RACECHECK SUMMARY.*' "$LOG/racecheck.log" | head -1))"
-    tail -3 "$LOG/memcheck.log"
-    tail -3 "$LOG/racecheck.log"
+    for spec in "memcheck test_cuda_ops 5" "racecheck test_cuda_ops 6" \
+                "memcheck test_cuda_backward 5" "racecheck test_cuda_backward 6" \
+                "memcheck test_cuda_model $vocab --no-big" "memcheck test_cuda_train $vocab --small"; do
+        set -- $spec
+        tool=$1 bin=$2
+        shift 2
+        [ -x "$B/$bin" ] || continue
+        timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 3 "$B/$bin" "$@" \
+            >"$LOG/san-$tool-$bin.log" 2>&1
+        rc=$?
+        san+=("$(printf '%-10s %-22s rc=%-3s %s' "$tool" "$bin" "$rc" \
+            "$(grep -o 'ERROR SUMMARY.*\|RACECHECK SUMMARY.*' "$LOG/san-$tool-$bin.log" | head -1)")")
+        [ $rc -eq 0 ] || [ $rc -eq 77 ] || status=1
+    done
 fi
 
-if has bench; then "$B/bench_cuda_matmul" >"$LOG/bench.log" 2>&1 || status=1; fi
+if has bench; then
+    for b in "$B"/bench_cuda_*; do
+        [ -x "$b" ] || continue
+        timeout 300 "$b" >"$LOG/$(basename "$b").log" 2>&1 || { status=1; echo "$(basename "$b") failed"; }
+    done
+fi
 
 echo
 echo "==== GPU check summary ===="
-if has ops; then
-    echo "op tests, seed default (rc=$r1):"
-    sed -n '/^op /,$p' "$LOG/test1.log"
-    echo "op tests, seed $seed2 (rc=$r2): $(tail -1 "$LOG/test2.log")"
-fi
-echo "compute-sanitizer: $san"
-has bench && sed -n '/^BENCH/,$p' "$LOG/bench.log"
-if has model; then
-    echo "whole models, CUDA context vs CPU context (rc=$rm_):"
-    cat "$LOG/model.log"
-fi
-has cli && echo "kiln generate, random Qwen2.5-0.5B-shaped bf16 model: $cli_summary"
+for b in "$B"/bench_cuda_*; do
+    [ -f "$LOG/$(basename "$b").log" ] || continue
+    echo "-- $(basename "$b") (tail)"
+    tail -25 "$LOG/$(basename "$b").log"
+done
+[ ${#san[@]} -gt 0 ] && { echo "-- compute-sanitizer"; printf '%s\n' "${san[@]}"; }
+has cli && { echo "-- kiln generate"; printf '%s\n' "${cli_lines[@]}"; }
+echo "-- tests (rc 77 = skipped)"
+printf '%s\n' "${summary[@]}"
 [ $status -eq 0 ] && echo "GPU CHECK PASSED" || echo "GPU CHECK FAILED"
 exit $status

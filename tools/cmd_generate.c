@@ -40,7 +40,8 @@ static const char *generate_help =
     "      --batch N          prefill chunk (default 512)\n"
     "      --f32              dequantize all weights to f32 at load\n"
     "      --no-mmap          read the model instead of mapping it\n"
-    "      --fast             approximate decode: 8-bit activations for quantized weights\n"
+    "      --fast             approximate fast arithmetic: on the CPU 8-bit activations for\n"
+    "                         quantized weights; on CUDA bf16 tensor cores (docs/CUDA.md)\n"
     "      --device D         cpu (default), cuda or cuda:N: run on CUDA GPU N (same bits as cpu)\n"
     "      --json             print one JSON object: prompt_ids, ids, text, timings\n";
 
@@ -165,7 +166,7 @@ static kiln_status open_model(const gen_opts *o, kiln_model **m, kiln_context **
     cp.n_ctx = (int)o->n_ctx;
     cp.n_batch = (int)o->n_batch;
     cp.n_threads = (int)o->threads;
-    cp.fast_q8_activations = o->fast;
+    cp.fast = o->fast; /* CPU: 8-bit activations; CUDA: the fast arithmetic */
     cp.device = o->device;
     st = kiln_context_create(*m, &cp, ctx);
     if (st != KILN_OK) {

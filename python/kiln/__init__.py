@@ -32,7 +32,8 @@ class _ModelParams(C.Structure):
 
 class _ContextParams(C.Structure):
     _fields_ = [("n_ctx", C.c_int), ("n_batch", C.c_int), ("n_threads", C.c_int),
-                ("fast_q8_activations", C.c_int), ("device", C.c_int)]
+                ("fast_q8_activations", C.c_int), ("device", C.c_int),
+                ("fast", C.c_int)]
 
 
 class _SamplerParams(C.Structure):
@@ -258,12 +259,14 @@ class Model(_Handle):
 class Context(_Handle):
     _free = "kiln_context_free"
 
-    def __init__(self, model, n_ctx=0, n_batch=512, n_threads=0, device=-1):
-        """device: -1 = CPU, N >= 0 = CUDA device N (bit-identical to the CPU)."""
+    def __init__(self, model, n_ctx=0, n_batch=512, n_threads=0, device=-1, fast=False):
+        """device: -1 = CPU, N >= 0 = CUDA device N (bit-identical to the CPU unless fast).
+        fast: the backend's fast arithmetic (CPU: 8-bit activations; CUDA: bf16 tensor cores)."""
         self._lib = load_library()
         self.model = model
         p = self._lib.kiln_context_default_params()
         p.n_ctx, p.n_batch, p.n_threads, p.device = n_ctx, n_batch, n_threads, device
+        p.fast = 1 if fast else 0
         h = C.c_void_p()
         _check(self._lib.kiln_context_create(model._h, C.byref(p), C.byref(h)))
         self._h = h

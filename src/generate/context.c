@@ -34,7 +34,7 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
     if (p.device < -1)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: device %d: use -1 (CPU) or a CUDA device index >= 0", p.device);
     if (p.device >= 0 && p.fast_q8_activations)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_context_create: fast_q8_activations is a CPU mode; the CUDA backend (device %d) runs auditable arithmetic only", p.device);
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_context_create: fast_q8_activations is a CPU mode; on CUDA (device %d) ask for the GPU's fast arithmetic with fast = 1", p.device);
     if (p.n_threads > 256)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: n_threads %d is more than 256", p.n_threads);
     kiln_context *c = kiln_calloc(1, sizeof *c);
@@ -43,7 +43,7 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
     c->params = p;
     kiln_status st;
     if (p.device >= 0) {
-        st = kiln_backend_cuda_create(p.device, &c->be);
+        st = kiln_backend_cuda_create_mode(p.device, p.fast, &c->be);
         if (st != KILN_OK) { /* say which setting asked for CUDA, keep the backend's reason */
             char why[512];
             snprintf(why, sizeof why, "%s", kiln_last_error());
@@ -51,7 +51,7 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
             return kiln_error(st, "kiln_context_create: device %d (CUDA) unavailable: %s", p.device, why);
         }
     } else {
-        st = kiln_backend_cpu_create_mode(p.n_threads, p.fast_q8_activations, &c->be);
+        st = kiln_backend_cpu_create_mode(p.n_threads, p.fast_q8_activations || p.fast, &c->be);
     }
     if (st == KILN_OK) st = kiln_forward_state_init(&c->fs, m, c->be, p.n_ctx, p.n_batch);
     if (st == KILN_OK)

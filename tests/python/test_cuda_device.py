@@ -27,7 +27,8 @@ def test_default_params_layout(build_dir):
     lib = kiln.load_library()
     p = lib.kiln_context_default_params()
     # the C defaults, field by field: a layout mismatch would shift them
-    assert (p.n_ctx, p.n_batch, p.n_threads, p.fast_q8_activations, p.device) == (0, 512, 0, 0, -1)
+    assert (p.n_ctx, p.n_batch, p.n_threads, p.fast_q8_activations, p.device, p.fast) == \
+        (0, 512, 0, 0, -1, 0)
 
 
 def test_cuda_context_refused_or_identical(tiny):
@@ -43,6 +44,23 @@ def test_cuda_context_refused_or_identical(tiny):
         return
     got = gpu.decode(ids, all_logits=True)
     assert got.tobytes() == ref.tobytes()
+
+
+def test_cuda_fast_context_refused_or_deterministic(tiny):
+    """fast=True on CUDA: refused without a GPU; with one, two contexts give the same bits,
+    close to the CPU's (bf16 tensor cores: not the same bits)."""
+    m = kiln.Model(tiny)
+    ids = list(range(3, 40))
+    ref = kiln.Context(m, n_ctx=64, n_threads=1).decode(ids, all_logits=True)
+    try:
+        a = kiln.Context(m, n_ctx=64, device=0, fast=True).decode(ids, all_logits=True)
+    except kiln.KilnError as e:
+        assert e.status == KILN_ERR_UNSUPPORTED and "device 0 (CUDA)" in e.message
+        return
+    b = kiln.Context(m, n_ctx=64, device=0, fast=True).decode(ids, all_logits=True)
+    assert a.tobytes() == b.tobytes()
+    err = float(abs(a - ref).max()) / max(float(abs(ref).max()), 1e-30)
+    assert err < 5e-2, err
     assert np.array_equal(gpu.decode([7]).view(np.uint32), cpu.decode([7]).view(np.uint32))
 
 

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# gpu-deps.sh -- kiln's C build dependencies (cJSON, PCRE2, utf8proc, OpenSSL's libcrypto) on a
+# GPU machine.
+#
+#   scripts/gpu-deps.sh fetch [dir]     on a Debian 12 machine with its archive: download the
+#                                       .deb files (headers and libraries) into dir (default
+#                                       .gpudeps, git-ignored), to carry to a GPU machine that
+#                                       cannot reach a package archive
+#   source scripts/gpu-deps.sh; kiln_gpu_deps build-dir
+#       makes the dependencies available: already installed -> nothing to do; else apt-get
+#       (scripts/setup-deps.sh) when it works; else the .deb files of $KILN_GPU_DEBS (default
+#       .gpudeps) unpacked into build-dir/deps (dpkg -x, nothing installed system-wide). Sets
+#       the array KILN_DEPS_CMAKE (CMake arguments) and exports LD_LIBRARY_PATH; returns 1,
+#       saying why, when none of the three works.
+KILN_GPU_DEB_PKGS=(libcjson-dev libcjson1 libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0
+                   libpcre2-posix3 libutf8proc-dev libutf8proc2 libssl-dev libssl3)
+
+kiln_deps_present() {
+    local h
+    for h in cjson/cJSON.h pcre2.h utf8proc.h openssl/sha.h; do
+        [ -f "/usr/include/$h" ] || [ -f "/usr/local/include/$h" ] || return 1
+    done
+}
+
+kiln_gpu_deps() {
+    local B=$1
+    KILN_DEPS_CMAKE=()
+    # KILN_FORCE_DEBS=1: use the .deb files even where the headers are installed (to test this)
+    if [ -z "${KILN_FORCE_DEBS:-}" ] && kiln_deps_present; then return 0; fi
+    if [ -z "${KILN_FORCE_DEBS:-}" ] && command -v apt-get >/dev/null && timeout 120 bash scripts/setup-deps.sh >/dev/null 2>&1 &&
+        kiln_deps_present; then
+        echo "deps: installed with apt-get"
+        return 0
+    fi
+    local debs=${KILN_GPU_DEBS:-.gpudeps}
+    if ! ls "$debs"/*.deb >/dev/null 2>&1; then
+        echo "deps: cJSON/PCRE2/utf8proc/OpenSSL headers missing, apt-get failed (no archive?)," \
+             "and no .deb files in $debs (run 'scripts/gpu-deps.sh fetch' where Debian's" \
+             "archive is reachable and carry $debs)"
+        return 1
+    fi
+    local P
+    P=$(cd "$B" && pwd)/deps
+    rm -rf "$P"
+    mkdir -p "$P"
+    local f
+    for f in "$debs"/*.deb; do dpkg -x "$f" "$P" || return 1; done
+    local lib=$P/usr/lib/x86_64-linux-gnu
+    KILN_DEPS_CMAKE=(-DCMAKE_PREFIX_PATH="$P/usr" -DOPENSSL_ROOT_DIR="$P/usr"
+                     -DCMAKE_LIBRARY_PATH="$lib" -DCMAKE_INCLUDE_PATH="$P/usr/include")
+    export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "deps: unpacked $(ls "$debs"/*.deb | wc -l) .deb files from $debs into $P"
+}
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    set -euo pipefail
+    cd "$(dirname "$0")/.."
+    if [ "${1:-}" = fetch ]; then
+        d=${2:-.gpudeps}
+        mkdir -p "$d"
+        (cd "$d" && apt-get download "${KILN_GPU_DEB_PKGS[@]}" 2>&1 | grep -v '^W: Download is performed unsandboxed')
+        ls -la "$d"
+    else
+        echo "usage: scripts/gpu-deps.sh fetch [dir]   |   source scripts/gpu-deps.sh; kiln_gpu_deps build-dir" >&2
+        exit 2
+    fi
+fi
