@@ -1,12 +1,20 @@
 /*
  * adamw.c -- torch.optim.AdamW (single-tensor path) in float32 operation order, with bf16
  * weight storage variants and 8-bit block moments; torch's clip_grad_norm_ arithmetic.
- * The definitions are in docs/ARITHMETIC.md, "AdamW and clipping".
+ * The definitions are in docs/ARITHMETIC.md, "AdamW and clipping"; the per-element
+ * arithmetic is adamw_math.h, shared with the CUDA kernels (src/ops/cuda/cuda_adamw.cu).
+ *
+ * An optimizer made by kiln_adamw_create_on with the CUDA backend ("device optimizer") keeps
+ * the same slots, but weights, grads and every state array are device memory: each entry point
+ * below starts with `if (o->be)` and runs the device twin (the dev_* functions), which
+ * enqueues the same element-wise arithmetic on the backend's stream.
  */
 #include "adamw.h"
 
 #include "../base/kmath.h"
 #include "../base/tensor.h"
+#include "../ops/cuda/cuda_train.h"
+#include "adamw_math.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -32,6 +40,7 @@ typedef struct adamw_slot {
     float *ms, *vs;  /* (n_blocks) absmax of each block of 256 */
     float *master;   /* (n) BF16_MASTER only */
     uint16_t *comp;  /* (n) BF16_KAHAN only: bf16 compensation */
+    void *mirror;    /* device optimizer: host copy of master or comp for the getters */
 } adamw_slot;
 
 typedef struct adamw_chunk {
@@ -48,8 +57,17 @@ struct kiln_adamw {
     int64_t *bad;          /* (n_chunks) scratch of grads_finite */
     float *norms;          /* (n_params) scratch of grad_norm */
     int64_t step;
-    void *state;           /* one allocation holding every state array */
+    void *state;           /* one allocation holding every state array (device memory for a
+                            * device optimizer) */
     kiln_adamw_memory mem;
+    /* device optimizer only (be != NULL): */
+    kiln_backend *be;
+    void *dev_scratch;             /* one device block holding the four below */
+    kiln_cuda_grad_entry *d_table; /* (n_params) {grad, n} */
+    uint64_t *d_bad;               /* (n_params) lowest non-finite element */
+    float *d_norms;                /* (n_params) per-tensor norms */
+    float *d_out;                  /* (4) sq, total, coef */
+    int64_t max_n;                 /* largest parameter */
 };
 
 /* ---- names and configuration ------------------------------------------------------------- */
@@ -121,100 +139,15 @@ int kiln_adamw_default_decay(const char *name) {
 
 /* ---- the per-element arithmetic (docs/ARITHMETIC.md) ------------------------------------- */
 
-typedef struct adamw_scalars {
-    float wd_mul;        /* float(1 - lr * weight_decay) */
-    int lerp_small;      /* |float(1 - beta1)| < 0.5: torch's lerp branch */
-    float lerp_coeff;    /* w or (w - 1) with w = float(1 - beta1) */
-    float beta2;         /* float(beta2) */
-    float c2;            /* float(1 - beta2) */
-    float bc2_sqrt;      /* float(pow(1 - beta2^step, 0.5)) */
-    float eps;           /* float(eps) */
-    float neg_step_size; /* float(-(lr / (1 - beta1^step))) */
-    int use_wd;          /* weight_decay != 0 */
-    uint64_t sr_key;     /* mix64(mix64(seed) + step) */
-} adamw_scalars;
-
-/* torch's update of one element: param.mul_, exp_avg.lerp_, exp_avg_sq.mul_().addcmul_(),
- * denom = sqrt(v) / bc2_sqrt + eps, param.addcdiv_(m, denom, value=-step_size). */
-static inline float adamw_update(const adamw_scalars *s, int decay, float p, float g, float *m,
-                                 float *v) {
-    if (decay) p = p * s->wd_mul;
-    float mm = *m;
-    /* lerp(start=mm, end=g, w): w < 0.5 ? fma(w, end - start, start)
-     *                                    : fma(w - 1, end - start, end) */
-    mm = s->lerp_small ? fmaf(s->lerp_coeff, g - mm, mm) : fmaf(s->lerp_coeff, g - mm, g);
-    float vv = *v * s->beta2;
-    vv = fmaf(s->c2 * g, g, vv);
-    float denom = sqrtf(vv) / s->bc2_sqrt + s->eps;
-    p = p + (s->neg_step_size * mm) / denom;
-    *m = mm;
-    *v = vv;
-    return p;
-}
-
-static inline uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-/* Round x to bf16 stochastically with 16 random bits r: add r to the 16 bits that bf16
- * drops and truncate. |x| rounds away from zero with probability (dropped bits) / 2^16, so
- * the result is one of the two neighbours and its expectation is x. Inf and NaN as RNE. */
-static inline uint16_t bf16_stochastic(float x, uint32_t r16) {
-    uint32_t u = kiln_f32_bits(x);
-    if ((u & 0x7f800000u) == 0x7f800000u) return kiln_fp32_to_bf16(x);
-    return (uint16_t)((u + r16) >> 16);
-}
+typedef kiln_adamw_scalars adamw_scalars;
 
 /* ---- 8-bit log codes --------------------------------------------------------------------- */
-
-/* 2^(j/8) and the geometric midpoints 2^((j+0.5)/8), j = 0..7, rounded to float. */
-static const float q8_level[8] = {1.0f, 1.09050773266525765921f, 1.18920711500272106672f,
-                                  1.29683955465100966593f, 1.41421356237309504880f,
-                                  1.54221082540794082361f, 1.68179283050742908606f,
-                                  1.83400808640934246349f};
-static const float q8_mid[8] = {1.04427378242741384032f, 1.13878863475669165370f,
-                                1.24185781207348404859f, 1.35425554693689272830f,
-                                1.47682614593949931139f, 1.61049033194925430820f,
-                                1.75625216037329948312f, 1.91520656139714729387f};
-
-/* Code of r = |x| / absmax in [0, 1] with max_code levels: level L = round(8 log2 r) by
- * exact comparisons with the midpoints, code = max_code + L; below code 1: floor_code (0 for
- * the first moment, where 0 is harmless; 1 for the second moment, so that a nonzero v never
- * becomes 0 and turns the update into m / eps). r == 0 gives 0. */
-static inline int q8_code(float r, int max_code, int floor_code) {
-    if (!(r > 0.0f)) return 0;
-    uint32_t u = kiln_f32_bits(r);
-    int e = (int)((u >> 23) & 0xffu);
-    if (e == 0) return floor_code; /* subnormal: far below the range */
-    float f = kiln_bits_f32((u & 0x7fffffu) | 0x3f800000u); /* [1, 2) */
-    int j = 0;
-    while (j < 8 && f >= q8_mid[j]) j++;
-    int level = 8 * (e - 127) + j;
-    int code = max_code + level;
-    if (code < 1) return floor_code;
-    if (code > max_code) code = max_code; /* r > 1 cannot happen; kept for safety */
-    return code;
-}
-
-/* absmax * 2^((code - max_code) / 8): the power built exactly, then one multiply. */
-static inline float q8_value(int code, int max_code, float absmax) {
-    if (code == 0) return 0.0f;
-    int level = code - max_code; /* <= 0 */
-    int e = -((-level + 7) / 8); /* floor(level / 8) */
-    int j = level - 8 * e;       /* 0..7 */
-    float pw = kiln_bits_f32((uint32_t)(e + 127) << 23);
-    return absmax * (q8_level[j] * pw);
-}
 
 static void q8_dequant_block(const int8_t *mq, const uint8_t *vq, float ms, float vs,
                              float *m, float *v, int len) {
     for (int i = 0; i < len; i++) {
-        int c = mq[i];
-        float a = q8_value(c < 0 ? -c : c, 127, ms);
-        m[i] = c < 0 ? -a : a;
-        v[i] = q8_value(vq[i], 255, vs);
+        m[i] = kiln_adamw_q8_m(mq[i], ms);
+        v[i] = kiln_adamw_q8_v(vq[i], vs);
     }
 }
 
@@ -233,9 +166,8 @@ static void q8_quant_block(const float *m, const float *v, int8_t *mq, uint8_t *
     *ms = am;
     *vs = av;
     for (int i = 0; i < len; i++) {
-        int c = am > 0.0f ? q8_code(fabsf(m[i]) / am, 127, 0) : 0;
-        mq[i] = (int8_t)(m[i] < 0.0f ? -c : c);
-        vq[i] = (uint8_t)(av > 0.0f ? q8_code(v[i] / av, 255, 1) : 0);
+        mq[i] = kiln_adamw_q8_mcode(m[i], am);
+        vq[i] = kiln_adamw_q8_vcode(v[i], av);
     }
 }
 
@@ -244,12 +176,20 @@ static void q8_quant_block(const float *m, const float *v, int8_t *mq, uint8_t *
 void kiln_adamw_free(kiln_adamw *o) {
     if (!o) return;
     if (o->p)
-        for (int i = 0; i < o->n_params; i++) kiln_free(o->p[i].name);
+        for (int i = 0; i < o->n_params; i++) {
+            kiln_free(o->p[i].name);
+            kiln_free(o->p[i].mirror);
+        }
     kiln_free(o->p);
     kiln_free(o->chunks);
     kiln_free(o->bad);
     kiln_free(o->norms);
-    kiln_free(o->state);
+    if (o->be) {
+        kiln_backend_free_buf(o->be, o->state);
+        kiln_backend_free_buf(o->be, o->dev_scratch);
+    } else {
+        kiln_free(o->state);
+    }
     kiln_free(o);
 }
 
@@ -283,8 +223,12 @@ static kiln_status check_config(const kiln_adamw_config *c) {
     return KILN_OK;
 }
 
-kiln_status kiln_adamw_create(const kiln_adamw_param *params, int n_params,
-                              const kiln_adamw_config *cfg, kiln_adamw **out) {
+/* Device optimizer: the gradient table and scratch, the zeroed state, the master copy. */
+static kiln_status dev_init(kiln_adamw *o, size_t state_bytes);
+
+/* kiln_adamw_create, or with dev (the CUDA backend) a device optimizer. */
+static kiln_status create_impl(kiln_backend *dev, const kiln_adamw_param *params, int n_params,
+                               const kiln_adamw_config *cfg, kiln_adamw **out) {
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "adamw: out is NULL");
     *out = NULL;
     if (!params || n_params <= 0 || !cfg)
@@ -296,6 +240,10 @@ kiln_status kiln_adamw_create(const kiln_adamw_param *params, int n_params,
             return kiln_error(KILN_ERR_INVALID_ARG,
                               "adamw: parameter %d ('%s'): needs a name, n >= 1, weights and grad",
                               i, q->name ? q->name : "(null)");
+        if (dev && (!kiln_cuda_train_is_device(q->weights) || !kiln_cuda_train_is_device(q->grad)))
+            return kiln_error(KILN_ERR_INVALID_ARG,
+                              "adamw: parameter %d ('%s'): weights and grad must be device memory "
+                              "of the CUDA backend", i, q->name);
         for (int j = 0; j < i; j++)
             if (strcmp(params[j].name, q->name) == 0)
                 return kiln_error(KILN_ERR_INVALID_ARG, "adamw: parameter '%s' listed twice",
@@ -351,7 +299,16 @@ kiln_status kiln_adamw_create(const kiln_adamw_param *params, int n_params,
     }
     mem.owned = mem.master + mem.moments + mem.compensation;
     o->mem = mem;
-    o->state = kiln_calloc(1, off ? off : 1);
+    if (dev) {
+        o->be = dev;
+        o->state = kiln_backend_alloc(dev, off ? off : 1);
+        if (!o->state) {
+            kiln_adamw_free(o);
+            return kiln_error_prefix(KILN_ERR_NOMEM, "adamw: device state");
+        }
+    } else {
+        o->state = kiln_calloc(1, off ? off : 1);
+    }
     o->chunks = kiln_calloc((size_t)n_chunks, sizeof *o->chunks);
     o->bad = kiln_calloc((size_t)n_chunks, sizeof *o->bad);
     if (!o->state || !o->chunks || !o->bad) goto nomem;
@@ -389,7 +346,7 @@ kiln_status kiln_adamw_create(const kiln_adamw_param *params, int n_params,
         if (cfg->weights == KILN_ADAMW_BF16_MASTER) {
             TAKE(s->master, float, 4 * n);
             const uint16_t *w = q->weights;
-            for (int64_t e = 0; e < q->n; e++) s->master[e] = kiln_bf16_to_fp32(w[e]);
+            for (int64_t e = 0; !dev && e < q->n; e++) s->master[e] = kiln_bf16_to_fp32(w[e]);
         } else if (cfg->weights == KILN_ADAMW_BF16_KAHAN) {
             TAKE(s->comp, uint16_t, 2 * n);
         }
@@ -401,6 +358,13 @@ kiln_status kiln_adamw_create(const kiln_adamw_param *params, int n_params,
         }
     }
 #undef TAKE
+    if (dev) {
+        kiln_status st = dev_init(o, off ? off : 1);
+        if (st != KILN_OK) {
+            kiln_adamw_free(o);
+            return st;
+        }
+    }
     *out = o;
     return KILN_OK;
 toobig:
@@ -411,13 +375,166 @@ nomem:
     return kiln_error(KILN_ERR_NOMEM, "adamw: out of memory for the optimizer state");
 }
 
+kiln_status kiln_adamw_create(const kiln_adamw_param *params, int n_params,
+                              const kiln_adamw_config *cfg, kiln_adamw **out) {
+    return create_impl(NULL, params, n_params, cfg, out);
+}
+
 kiln_status kiln_adamw_create_on(kiln_backend *be, const kiln_adamw_param *params,
                                  int n_params, const kiln_adamw_config *cfg, kiln_adamw **out) {
     if (!be || (be->i && be->i->name && strcmp(be->i->name, "cpu") == 0))
-        return kiln_adamw_create(params, n_params, cfg, out);
+        return create_impl(NULL, params, n_params, cfg, out);
     if (out) *out = NULL;
-    return kiln_error(KILN_ERR_UNSUPPORTED, "adamw: backend '%s' is not supported yet",
-                      be->i && be->i->name ? be->i->name : "?");
+    if (!be->i || !be->i->name || strcmp(be->i->name, "cuda") != 0)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "adamw: backend '%s' is not supported",
+                          be->i && be->i->name ? be->i->name : "?");
+    if (n_params > 65535)
+        return kiln_error(KILN_ERR_UNSUPPORTED,
+                          "adamw: %d parameters on the CUDA backend (at most 65535)", n_params);
+    return create_impl(be, params, n_params, cfg, out);
+}
+
+/* ---- the device optimizer (CUDA backend): the host side of cuda_adamw.cu ---------------- */
+
+static kiln_status dev_init(kiln_adamw *o, size_t state_bytes) {
+    kiln_backend *be = o->be;
+    const int P = o->n_params;
+    /* scratch: table, bad, norms, out, each 64-aligned */
+    size_t tb = ((size_t)P * sizeof(kiln_cuda_grad_entry) + 63) & ~(size_t)63;
+    size_t bb = ((size_t)P * sizeof(uint64_t) + 63) & ~(size_t)63;
+    size_t nb = ((size_t)P * sizeof(float) + 63) & ~(size_t)63;
+    o->dev_scratch = kiln_backend_alloc(be, tb + bb + nb + 64);
+    if (!o->dev_scratch) return kiln_error_prefix(KILN_ERR_NOMEM, "adamw: device scratch");
+    uint8_t *base = o->dev_scratch;
+    o->d_table = (kiln_cuda_grad_entry *)(void *)base;
+    o->d_bad = (uint64_t *)(void *)(base + tb);
+    o->d_norms = (float *)(void *)(base + tb + bb);
+    o->d_out = (float *)(void *)(base + tb + bb + nb);
+    kiln_cuda_grad_entry *t = kiln_calloc((size_t)P, sizeof *t);
+    if (!t) return kiln_error(KILN_ERR_NOMEM, "adamw: out of memory");
+    o->max_n = 0;
+    for (int i = 0; i < P; i++) {
+        t[i].grad = o->p[i].grad;
+        t[i].n = o->p[i].n;
+        if (o->p[i].n > o->max_n) o->max_n = o->p[i].n;
+    }
+    kiln_status st = kiln_backend_upload(be, o->d_table, t, (size_t)P * sizeof *t);
+    kiln_free(t);
+    KILN_TRY(st);
+    KILN_TRY(kiln_cuda_train_memset(be, o->state, 0, state_bytes));
+    for (int i = 0; i < P; i++)
+        if (o->p[i].master)
+            KILN_TRY(kiln_cuda_adamw_widen_bf16(be, o->p[i].master, o->p[i].weights, o->p[i].n));
+    return kiln_backend_status(be);
+}
+
+static kiln_status dev_grads_finite(const kiln_adamw *o) {
+    kiln_backend *be = o->be;
+    const int P = o->n_params;
+    KILN_TRY(kiln_cuda_adamw_nonfinite(be, o->d_table, P, o->max_n, o->d_bad));
+    /* o->bad has n_chunks >= n_params entries: the host copy */
+    KILN_TRY(kiln_backend_download(be, o->bad, o->d_bad, (size_t)P * sizeof(uint64_t)));
+    for (int i = 0; i < P; i++) {
+        uint64_t e = (uint64_t)o->bad[i];
+        if (e == UINT64_MAX) continue;
+        const adamw_slot *s = &o->p[i];
+        float g = 0.0f;
+        KILN_TRY(kiln_backend_download(be, &g, s->grad + e, sizeof g));
+        return kiln_error(KILN_ERR_RANGE,
+                          "adamw: gradient of '%s' is not finite at element %lld (%g): step "
+                          "refused, no weight changed",
+                          s->name, (long long)e, (double)g);
+    }
+    return KILN_OK;
+}
+
+static kiln_status dev_step(kiln_adamw *o, const adamw_scalars *sc) {
+    for (int i = 0; i < o->n_params; i++) {
+        const adamw_slot *s = &o->p[i];
+        kiln_cuda_adamw_param q;
+        memset(&q, 0, sizeof q);
+        q.n = s->n;
+        q.param_index = i;
+        q.weights_kind = (int)o->cfg.weights;
+        q.q8 = o->cfg.moments == KILN_ADAMW_MOMENTS_Q8;
+        q.decay = s->decay && sc->use_wd;
+        q.weights = s->weights;
+        q.grad = s->grad;
+        q.m = s->m;
+        q.v = s->v;
+        q.mq = s->mq;
+        q.vq = s->vq;
+        q.ms = s->ms;
+        q.vs = s->vs;
+        q.master = s->master;
+        q.comp = s->comp;
+        KILN_TRY(kiln_cuda_adamw_step(o->be, &q, sc));
+    }
+    return KILN_OK;
+}
+
+static kiln_status dev_get_moments(const kiln_adamw *o, int i, float *m, float *v) {
+    kiln_backend *be = o->be;
+    const adamw_slot *s = &o->p[i];
+    if (o->cfg.moments == KILN_ADAMW_MOMENTS_F32) {
+        if (m) KILN_TRY(kiln_backend_download(be, m, s->m, (size_t)s->n * sizeof(float)));
+        if (v) KILN_TRY(kiln_backend_download(be, v, s->v, (size_t)s->n * sizeof(float)));
+        return KILN_OK;
+    }
+    const int64_t nb = n_blocks_of(s->n);
+    uint8_t *h = kiln_malloc(2 * (size_t)s->n);
+    if (!h) return kiln_error(KILN_ERR_NOMEM, "adamw: out of memory reading the moments");
+    int8_t *mq = (int8_t *)h;
+    uint8_t *vq = h + s->n;
+    float *ms = (float *)(void *)kiln_malloc(8 * (size_t)nb);
+    kiln_status st = ms ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "adamw: out of memory");
+    float *vs = ms ? ms + nb : NULL;
+    if (st == KILN_OK) st = kiln_backend_download(be, mq, s->mq, (size_t)s->n);
+    if (st == KILN_OK) st = kiln_backend_download(be, vq, s->vq, (size_t)s->n);
+    if (st == KILN_OK) st = kiln_backend_download(be, ms, s->ms, 4 * (size_t)nb);
+    if (st == KILN_OK) st = kiln_backend_download(be, vs, s->vs, 4 * (size_t)nb);
+    if (st == KILN_OK) {
+        float bm[KILN_ADAMW_Q8_BLOCK], bv[KILN_ADAMW_Q8_BLOCK];
+        for (int64_t b0 = 0; b0 < s->n; b0 += KILN_ADAMW_Q8_BLOCK) {
+            int len = (int)(s->n - b0 < KILN_ADAMW_Q8_BLOCK ? s->n - b0 : KILN_ADAMW_Q8_BLOCK);
+            int64_t b = b0 / KILN_ADAMW_Q8_BLOCK;
+            q8_dequant_block(mq + b0, vq + b0, ms[b], vs[b], bm, bv, len);
+            if (m) memcpy(m + b0, bm, (size_t)len * sizeof(float));
+            if (v) memcpy(v + b0, bv, (size_t)len * sizeof(float));
+        }
+    }
+    kiln_free(ms);
+    kiln_free(h);
+    return st;
+}
+
+/* The host mirror of parameter i's master (bytes 4n) or compensation (2n), downloaded now. */
+static const void *dev_mirror(const kiln_adamw *o, int i, const void *dev_ptr, size_t bytes) {
+    adamw_slot *s = (adamw_slot *)&o->p[i]; /* the mirror is a cache: logically const */
+    if (!s->mirror) s->mirror = kiln_malloc(bytes);
+    if (!s->mirror) {
+        kiln_error(KILN_ERR_NOMEM, "adamw: out of memory for the host copy of '%s'", s->name);
+        return NULL;
+    }
+    if (kiln_backend_download(o->be, s->mirror, dev_ptr, bytes) != KILN_OK) return NULL;
+    return s->mirror;
+}
+
+/* Write `bytes` of device memory through the writer, staged in pieces of at most 16 MiB. */
+static kiln_status dev_write_array(kiln_backend *be, const void *dev, uint64_t bytes,
+                                   kiln_adamw_write_fn write, void *ctx) {
+    const size_t piece = (size_t)1 << 24;
+    size_t cap = bytes < piece ? (size_t)bytes : piece;
+    uint8_t *h = kiln_malloc(cap ? cap : 1);
+    if (!h) return kiln_error(KILN_ERR_NOMEM, "adamw: out of memory staging the state");
+    kiln_status st = KILN_OK;
+    for (uint64_t off = 0; st == KILN_OK && off < bytes; off += cap) {
+        size_t n = bytes - off < cap ? (size_t)(bytes - off) : cap;
+        st = kiln_backend_download(be, h, (const uint8_t *)dev + off, n);
+        if (st == KILN_OK) st = write(ctx, h, n);
+    }
+    kiln_free(h);
+    return st;
 }
 
 void kiln_adamw_set_lr(kiln_adamw *o, double lr) { o->cfg.lr = lr; }
@@ -448,6 +565,8 @@ static void finite_task(void *vctx, int task, int thread) {
 }
 
 kiln_status kiln_adamw_grads_finite(const kiln_adamw *o, kiln_pool *pool) {
+    if (!o) return kiln_error(KILN_ERR_INVALID_ARG, "adamw: optimizer is NULL");
+    if (o->be) return dev_grads_finite(o);
     finite_ctx ctx = {o};
     kiln_pool_run(pool, o->n_chunks, finite_task, &ctx);
     for (int c = 0; c < o->n_chunks; c++)
@@ -478,14 +597,14 @@ static void update_range(const kiln_adamw *o, const adamw_scalars *sc, int pi, i
     switch (o->cfg.weights) {
     case KILN_ADAMW_F32: {
         float *w = (float *)s->weights + start;
-        for (int64_t i = 0; i < len; i++) w[i] = adamw_update(sc, decay, w[i], g[i], &m[i], &v[i]);
+        for (int64_t i = 0; i < len; i++) w[i] = kiln_adamw_update(sc, decay, w[i], g[i], &m[i], &v[i]);
         break;
     }
     case KILN_ADAMW_BF16_MASTER: {
         uint16_t *w = (uint16_t *)s->weights + start;
         float *ma = s->master + start;
         for (int64_t i = 0; i < len; i++) {
-            float p = adamw_update(sc, decay, ma[i], g[i], &m[i], &v[i]);
+            float p = kiln_adamw_update(sc, decay, ma[i], g[i], &m[i], &v[i]);
             ma[i] = p;
             w[i] = kiln_fp32_to_bf16(p);
         }
@@ -496,7 +615,7 @@ static void update_range(const kiln_adamw *o, const adamw_scalars *sc, int pi, i
         uint16_t *cp = s->comp + start;
         for (int64_t i = 0; i < len; i++) {
             float p = kiln_bf16_to_fp32(w[i]) + kiln_bf16_to_fp32(cp[i]);
-            p = adamw_update(sc, decay, p, g[i], &m[i], &v[i]);
+            p = kiln_adamw_update(sc, decay, p, g[i], &m[i], &v[i]);
             uint16_t nw = kiln_fp32_to_bf16(p);
             w[i] = nw;
             cp[i] = kiln_fp32_to_bf16(p - kiln_bf16_to_fp32(nw));
@@ -505,12 +624,10 @@ static void update_range(const kiln_adamw *o, const adamw_scalars *sc, int pi, i
     }
     case KILN_ADAMW_BF16_SR: {
         uint16_t *w = (uint16_t *)s->weights + start;
-        const uint64_t key = mix64(sc->sr_key + (uint64_t)pi);
+        const uint64_t key = kiln_adamw_mix64(sc->sr_key + (uint64_t)pi);
         for (int64_t i = 0; i < len; i++) {
-            float p = adamw_update(sc, decay, kiln_bf16_to_fp32(w[i]), g[i], &m[i], &v[i]);
-            uint64_t e = (uint64_t)(start + i);
-            uint32_t r16 = (uint32_t)(mix64(key + e * 0x9E3779B97F4A7C15ull) >> 48);
-            w[i] = bf16_stochastic(p, r16);
+            float p = kiln_adamw_update(sc, decay, kiln_bf16_to_fp32(w[i]), g[i], &m[i], &v[i]);
+            w[i] = kiln_adamw_bf16_stochastic(p, kiln_adamw_sr_bits(key, (uint64_t)(start + i)));
         }
         break;
     }
@@ -563,8 +680,11 @@ kiln_status kiln_adamw_step(kiln_adamw *o, kiln_pool *pool) {
     s->bc2_sqrt = (float)pow(bc2, 0.5);
     s->eps = (float)c->eps;
     s->neg_step_size = (float)(-step_size);
-    s->sr_key = mix64(mix64(c->seed) + (uint64_t)step);
-    kiln_pool_run(pool, o->n_chunks, step_task, &ctx);
+    s->sr_key = kiln_adamw_mix64(kiln_adamw_mix64(c->seed) + (uint64_t)step);
+    if (o->be)
+        KILN_TRY(dev_step(o, s));
+    else
+        kiln_pool_run(pool, o->n_chunks, step_task, &ctx);
     o->step = step;
     return KILN_OK;
 }
@@ -589,6 +709,7 @@ void kiln_adamw_describe(const kiln_adamw *o, char *buf, size_t cap, kiln_adamw_
 kiln_status kiln_adamw_get_moments(const kiln_adamw *o, int i, float *m, float *v) {
     if (!o || i < 0 || i >= o->n_params)
         return kiln_error(KILN_ERR_INVALID_ARG, "adamw: parameter index %d out of range", i);
+    if (o->be) return dev_get_moments(o, i, m, v);
     const adamw_slot *s = &o->p[i];
     if (o->cfg.moments == KILN_ADAMW_MOMENTS_F32) {
         if (m) memcpy(m, s->m, (size_t)s->n * sizeof(float));
@@ -607,10 +728,16 @@ kiln_status kiln_adamw_get_moments(const kiln_adamw *o, int i, float *m, float *
 }
 
 const float *kiln_adamw_master(const kiln_adamw *o, int i) {
-    return i >= 0 && i < o->n_params ? o->p[i].master : NULL;
+    if (i < 0 || i >= o->n_params || !o->p[i].master) return NULL;
+    if (o->be)
+        return dev_mirror(o, i, o->p[i].master, (size_t)o->p[i].n * sizeof(float));
+    return o->p[i].master;
 }
 const uint16_t *kiln_adamw_compensation(const kiln_adamw *o, int i) {
-    return i >= 0 && i < o->n_params ? o->p[i].comp : NULL;
+    if (i < 0 || i >= o->n_params || !o->p[i].comp) return NULL;
+    if (o->be)
+        return dev_mirror(o, i, o->p[i].comp, (size_t)o->p[i].n * sizeof(uint16_t));
+    return o->p[i].comp;
 }
 
 /* ---- save / load ------------------------------------------------------------------------- */
@@ -688,7 +815,12 @@ kiln_status kiln_adamw_save(const kiln_adamw *o, kiln_adamw_write_fn write, void
         void *ptr[5];
         uint64_t bytes[5];
         int k = slot_arrays(o, i, ptr, bytes);
-        for (int j = 0; j < k; j++) KILN_TRY(write(ctx, ptr[j], (size_t)bytes[j]));
+        for (int j = 0; j < k; j++) {
+            if (o->be)
+                KILN_TRY(dev_write_array(o->be, ptr[j], bytes[j], write, ctx));
+            else
+                KILN_TRY(write(ctx, ptr[j], (size_t)bytes[j]));
+        }
     }
     return write(ctx, ADAMW_END, 8);
 }
@@ -789,7 +921,11 @@ kiln_status kiln_adamw_load(kiln_adamw *o, const void *data, size_t size) {
         void *ptr[5];
         uint64_t bytes[5];
         int k = slot_arrays(o, i, ptr, bytes);
-        for (int j = 0; j < k; j++) get(&r, ptr[j], (size_t)bytes[j]);
+        for (int j = 0; j < k; j++) {
+            if (o->be) /* a device failure here leaves the state partly written */
+                KILN_TRY(kiln_backend_upload(o->be, ptr[j], r.p + r.off, (size_t)bytes[j]));
+            get(&r, o->be ? NULL : ptr[j], (size_t)bytes[j]);
+        }
     }
     o->cfg.lr = hc.lr;
     o->cfg.beta1 = hc.beta1;
@@ -803,19 +939,8 @@ kiln_status kiln_adamw_load(kiln_adamw *o, const void *data, size_t size) {
 
 /* ---- gradient norm and clipping ---------------------------------------------------------- */
 
-/* torch's CPU float32 sum of squares on its AVX2 kernels (8 float lanes):
- *   acc[j] = acc[j] + x*x over full groups of 8, then s = acc[0] + acc[1] + ... + acc[7]
- *   in order, then s = s + x*x for the tail, every product and sum rounded. */
-static float torch_sumsq(const float *g, int64_t n) {
-    float acc[8] = {0};
-    int64_t head = n - n % 8, d = 0;
-    for (; d < head; d += 8)
-        for (int j = 0; j < 8; j++) acc[j] = acc[j] + g[d + j] * g[d + j];
-    float s = acc[0];
-    for (int j = 1; j < 8; j++) s = s + acc[j];
-    for (; d < n; d++) s = s + g[d] * g[d];
-    return s;
-}
+/* torch's CPU float32 sum of squares (8 lanes): adamw_math.h. */
+static float torch_sumsq(const float *g, int64_t n) { return kiln_adamw_sumsq8(g, n); }
 
 float kiln_grad_norm_torch(const float *g, int64_t n) { return sqrtf(torch_sumsq(g, n)); }
 
@@ -833,6 +958,18 @@ static void norm_task(void *vctx, int task, int thread) {
 kiln_status kiln_adamw_grad_norm(const kiln_adamw *o, kiln_pool *pool, float *norms,
                                  float *total, float *sq_norm) {
     if (!o) return kiln_error(KILN_ERR_INVALID_ARG, "adamw: optimizer is NULL");
+    if (o->be) {
+        float h[2];
+        KILN_TRY(kiln_cuda_adamw_norms(o->be, o->d_table, o->n_params, o->d_norms, o->d_out, 0,
+                                       0.0f));
+        if (norms)
+            KILN_TRY(kiln_backend_download(o->be, norms, o->d_norms,
+                                           (size_t)o->n_params * sizeof(float)));
+        KILN_TRY(kiln_backend_download(o->be, h, o->d_out, sizeof h));
+        if (sq_norm) *sq_norm = h[0];
+        if (total) *total = h[1];
+        return KILN_OK;
+    }
     norm_ctx c = {o, o->norms};
     kiln_pool_run(pool, o->n_params, norm_task, &c);
     float sq = torch_sumsq(o->norms, o->n_params);
@@ -843,9 +980,7 @@ kiln_status kiln_adamw_grad_norm(const kiln_adamw *o, kiln_pool *pool, float *no
 }
 
 float kiln_clip_coef(float total_norm, double max_norm) {
-    float t = total_norm + (float)1e-6;
-    float coef = (1.0f / t) * (float)max_norm;
-    return coef > 1.0f ? 1.0f : coef; /* NaN stays NaN, as torch.clamp */
+    return kiln_adamw_clip_coef(total_norm, (float)max_norm); /* NaN stays NaN */
 }
 
 typedef struct scale_ctx {
@@ -867,6 +1002,18 @@ kiln_status kiln_adamw_clip_grads(kiln_adamw *o, kiln_pool *pool, double max_nor
     if (!(max_norm > 0.0) || !isfinite(max_norm))
         return kiln_error(KILN_ERR_INVALID_ARG, "adamw: max_norm %g must be finite and > 0",
                           max_norm);
+    if (o->be) { /* the coefficient stays on the device between the norm and the scaling */
+        KILN_TRY(kiln_cuda_adamw_norms(o->be, o->d_table, o->n_params, o->d_norms, o->d_out, 1,
+                                       (float)max_norm));
+        KILN_TRY(kiln_cuda_adamw_scale(o->be, o->d_table, o->n_params, o->max_n, o->d_out + 2));
+        if (total_norm || coef) {
+            float h[3];
+            KILN_TRY(kiln_backend_download(o->be, h, o->d_out, sizeof h));
+            if (total_norm) *total_norm = h[1];
+            if (coef) *coef = h[2];
+        }
+        return KILN_OK;
+    }
     float total;
     KILN_TRY(kiln_adamw_grad_norm(o, pool, NULL, &total, NULL));
     scale_ctx c = {o, kiln_clip_coef(total, max_norm)};

@@ -1,0 +1,310 @@
+/*
+ * cuda_adamw.cu -- AdamW, the gradient norm and clipping on the CUDA backend (cuda_train.h),
+ * with the CPU's bits: the per-element arithmetic is src/train/adamw_math.h, the same source
+ * adamw.c runs, and every element is updated alone, as on the CPU, so the thread split cannot
+ * change a bit. The only reductions are
+ *   - the 8-bit block absmax: a max of non-negative, non-NaN values (a NaN |m| is skipped by
+ *     the CPU's `b > a` scan starting from 0, here mapped to 0), which has one answer in any
+ *     order;
+ *   - the gradient norm: torch's 8-lane order, each lane's chain sequential in one thread
+ *     (the order is defined, so only the 8 lanes and the P tensors run in parallel);
+ *   - the lowest non-finite index: an atomicMin on integers (order-free).
+ * Also the generic helpers of cuda_train.h (is_device, memset).
+ */
+#include "cuda_common.cuh"
+
+extern "C" {
+#include "../../train/adamw.h"
+#include "cuda_train.h"
+}
+
+/* ---- generic ------------------------------------------------------------------------------ */
+
+#define TR_BEGIN(be)                                                                           \
+    do {                                                                                       \
+        if (!kiln_cuda_begin(be)) return kiln_backend_status(be);                              \
+    } while (0)
+
+static kiln_status tr_launched(kiln_backend *be, const char *what) {
+    if (!kiln_cuda_check(be, cudaGetLastError(), what)) return kiln_backend_status(be);
+    return KILN_OK;
+}
+
+static unsigned tr_grid(int64_t total, int threads, int64_t cap) {
+    int64_t g = (total + threads - 1) / threads;
+    if (g > cap) g = cap;
+    return (unsigned)(g < 1 ? 1 : g);
+}
+
+extern "C" bool kiln_cuda_train_is_device(const void *p) {
+    if (!p) return false;
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError(); /* not sticky */
+        return false;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+extern "C" kiln_status kiln_cuda_train_memset(kiln_backend *be, void *p, int byte,
+                                              size_t nbytes) {
+    TR_BEGIN(be);
+    if (nbytes == 0) return KILN_OK;
+    if (!kiln_cuda_check(be, cudaMemsetAsync(p, byte, nbytes, kiln_cuda_stream(be)),
+                         "cudaMemsetAsync"))
+        return kiln_backend_status(be);
+    return KILN_OK;
+}
+
+/* ---- the step ------------------------------------------------------------------------------ */
+
+/* Element e of the parameter: adamw.c's update_range body for weight storage W, with the
+ * element's f32 moments at *m, *v (global memory, or the dequantized registers of an 8-bit
+ * block). key: mix64(sr_key + param index) (stochastic rounding only). */
+template <int W>
+static __device__ __forceinline__ void update_elem(const kiln_adamw_scalars &s,
+                                                   const kiln_cuda_adamw_param &p, uint64_t key,
+                                                   int64_t e, float *m, float *v) {
+    const float g = p.grad[e];
+    if (W == KILN_ADAMW_F32) {
+        float *w = (float *)p.weights;
+        w[e] = kiln_adamw_update(&s, p.decay, w[e], g, m, v);
+    } else if (W == KILN_ADAMW_BF16_MASTER) {
+        uint16_t *w = (uint16_t *)p.weights;
+        const float x = kiln_adamw_update(&s, p.decay, p.master[e], g, m, v);
+        p.master[e] = x;
+        w[e] = kiln_adamw_f32_bf16(x);
+    } else if (W == KILN_ADAMW_BF16_KAHAN) {
+        uint16_t *w = (uint16_t *)p.weights;
+        float x = kiln_adamw_bf16_f32(w[e]) + kiln_adamw_bf16_f32(p.comp[e]);
+        x = kiln_adamw_update(&s, p.decay, x, g, m, v);
+        const uint16_t nw = kiln_adamw_f32_bf16(x);
+        w[e] = nw;
+        p.comp[e] = kiln_adamw_f32_bf16(x - kiln_adamw_bf16_f32(nw));
+    } else { /* KILN_ADAMW_BF16_SR */
+        uint16_t *w = (uint16_t *)p.weights;
+        const float x = kiln_adamw_update(&s, p.decay, kiln_adamw_bf16_f32(w[e]), g, m, v);
+        w[e] = kiln_adamw_bf16_stochastic(x, kiln_adamw_sr_bits(key, (uint64_t)e));
+    }
+}
+
+/* f32 moments: one thread per element. */
+template <int W>
+static __global__ void adamw_f32_kernel(kiln_cuda_adamw_param p, kiln_adamw_scalars s,
+                                        uint64_t key) {
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < p.n;
+         e += (int64_t)gridDim.x * blockDim.x)
+        update_elem<W>(s, p, key, e, &p.m[e], &p.v[e]);
+}
+
+/* 8-bit moments: one 256-thread block per block of 256 elements (thread i: element i).
+ * Dequantize, update in f32, take the block's absmax of the new m and v (warp shuffles, then
+ * the 8 warps' maxima in shared memory), requantize -- adamw.c's step_task, element for
+ * element. */
+#define Q8_THREADS KILN_ADAMW_Q8_BLOCK
+static_assert(Q8_THREADS == 256, "one thread per element of an 8-bit block");
+
+static __device__ __forceinline__ float max_nonneg(float a, float b) { return b > a ? b : a; }
+
+template <int W>
+static __global__ void __launch_bounds__(Q8_THREADS)
+adamw_q8_kernel(kiln_cuda_adamw_param p, kiln_adamw_scalars s, uint64_t key) {
+    __shared__ float wm[Q8_THREADS / 32], wv[Q8_THREADS / 32];
+    __shared__ float bm, bv;
+    const int i = threadIdx.x, warp = i >> 5, lane = i & 31;
+    const int64_t nb = (p.n + KILN_ADAMW_Q8_BLOCK - 1) / KILN_ADAMW_Q8_BLOCK;
+    for (int64_t b = blockIdx.x; b < nb; b += gridDim.x) {
+        const int64_t b0 = b * KILN_ADAMW_Q8_BLOCK;
+        const int len = (int)(p.n - b0 < KILN_ADAMW_Q8_BLOCK ? p.n - b0 : KILN_ADAMW_Q8_BLOCK);
+        const int64_t e = b0 + i;
+        float m = 0.0f, v = 0.0f;
+        if (i < len) {
+            m = kiln_adamw_q8_m(p.mq[e], p.ms[b]);
+            v = kiln_adamw_q8_v(p.vq[e], p.vs[b]);
+            update_elem<W>(s, p, key, e, &m, &v);
+        }
+        /* |m|, |v| with NaN (and the absent tail) as 0: the CPU's scan from 0 skips NaN */
+        float am = fabsf(m), av = fabsf(v);
+        am = am > 0.0f ? am : 0.0f;
+        av = av > 0.0f ? av : 0.0f;
+#pragma unroll
+        for (int d = 16; d >= 1; d >>= 1) {
+            am = max_nonneg(am, __shfl_xor_sync(0xffffffffu, am, d));
+            av = max_nonneg(av, __shfl_xor_sync(0xffffffffu, av, d));
+        }
+        if (lane == 0) {
+            wm[warp] = am;
+            wv[warp] = av;
+        }
+        __syncthreads(); /* also orders every read of ms[b], vs[b] before thread 0 writes */
+        if (i == 0) {
+            float a = 0.0f, c = 0.0f;
+            for (int k = 0; k < Q8_THREADS / 32; k++) {
+                a = max_nonneg(a, wm[k]);
+                c = max_nonneg(c, wv[k]);
+            }
+            bm = a;
+            bv = c;
+            p.ms[b] = a;
+            p.vs[b] = c;
+        }
+        __syncthreads();
+        if (i < len) {
+            p.mq[e] = kiln_adamw_q8_mcode(m, bm);
+            p.vq[e] = kiln_adamw_q8_vcode(v, bv);
+        }
+        __syncthreads(); /* wm, wv, bm, bv are rewritten by the next block */
+    }
+}
+
+template <int W>
+static void adamw_launch(cudaStream_t st, const kiln_cuda_adamw_param &p,
+                         const kiln_adamw_scalars &s, uint64_t key) {
+    if (p.q8) {
+        const int64_t nb = (p.n + KILN_ADAMW_Q8_BLOCK - 1) / KILN_ADAMW_Q8_BLOCK;
+        adamw_q8_kernel<W><<<tr_grid(nb, 1, 1 << 20), Q8_THREADS, 0, st>>>(p, s, key);
+    } else {
+        adamw_f32_kernel<W><<<tr_grid(p.n, 256, 1 << 20), 256, 0, st>>>(p, s, key);
+    }
+}
+
+extern "C" kiln_status kiln_cuda_adamw_step(kiln_backend *be, const kiln_cuda_adamw_param *p,
+                                            const kiln_adamw_scalars *s) {
+    TR_BEGIN(be);
+    if (p->n <= 0) return KILN_OK;
+    const bool ok = p->q8 ? (p->mq && p->vq && p->ms && p->vs) : (p->m && p->v);
+    if (!ok || !p->weights || !p->grad ||
+        (p->weights_kind == KILN_ADAMW_BF16_MASTER && !p->master) ||
+        (p->weights_kind == KILN_ADAMW_BF16_KAHAN && !p->comp))
+        return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG, "adamw step: missing state arrays");
+    const uint64_t key = kiln_adamw_mix64(s->sr_key + (uint64_t)p->param_index);
+    cudaStream_t st = kiln_cuda_stream(be);
+    switch (p->weights_kind) {
+    case KILN_ADAMW_F32: adamw_launch<KILN_ADAMW_F32>(st, *p, *s, key); break;
+    case KILN_ADAMW_BF16_MASTER: adamw_launch<KILN_ADAMW_BF16_MASTER>(st, *p, *s, key); break;
+    case KILN_ADAMW_BF16_KAHAN: adamw_launch<KILN_ADAMW_BF16_KAHAN>(st, *p, *s, key); break;
+    case KILN_ADAMW_BF16_SR: adamw_launch<KILN_ADAMW_BF16_SR>(st, *p, *s, key); break;
+    default:
+        return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG, "adamw step: weight storage %d",
+                              p->weights_kind);
+    }
+    return tr_launched(be, "adamw step");
+}
+
+static __global__ void widen_bf16_kernel(float *master, const uint16_t *w, int64_t n) {
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+         e += (int64_t)gridDim.x * blockDim.x)
+        master[e] = kiln_adamw_bf16_f32(w[e]);
+}
+
+extern "C" kiln_status kiln_cuda_adamw_widen_bf16(kiln_backend *be, float *master,
+                                                  const uint16_t *w, int64_t n) {
+    TR_BEGIN(be);
+    if (n <= 0) return KILN_OK;
+    widen_bf16_kernel<<<tr_grid(n, 256, 1 << 20), 256, 0, kiln_cuda_stream(be)>>>(master, w, n);
+    return tr_launched(be, "adamw widen bf16");
+}
+
+/* ---- finite check, norms, scaling ----------------------------------------------------------- */
+
+/* grid (x: element blocks, y: parameter). */
+static __global__ void nonfinite_kernel(const kiln_cuda_grad_entry *table, uint64_t *bad) {
+    const kiln_cuda_grad_entry t = table[blockIdx.y];
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < t.n;
+         e += (int64_t)gridDim.x * blockDim.x)
+        if ((__float_as_uint(t.grad[e]) & 0x7f800000u) == 0x7f800000u) {
+            atomicMin((unsigned long long *)&bad[blockIdx.y], (unsigned long long)e);
+            break; /* this thread's later elements are higher */
+        }
+}
+
+extern "C" kiln_status kiln_cuda_adamw_nonfinite(kiln_backend *be,
+                                                 const kiln_cuda_grad_entry *table, int P,
+                                                 int64_t max_n, uint64_t *bad) {
+    TR_BEGIN(be);
+    if (P <= 0) return KILN_OK;
+    if (P > 65535)
+        return kiln_cuda_fail(be, KILN_ERR_UNSUPPORTED, "adamw: %d parameters > 65535", P);
+    cudaStream_t st = kiln_cuda_stream(be);
+    if (!kiln_cuda_check(be, cudaMemsetAsync(bad, 0xff, (size_t)P * sizeof(uint64_t), st),
+                         "adamw nonfinite: cudaMemsetAsync"))
+        return kiln_backend_status(be);
+    nonfinite_kernel<<<dim3(tr_grid(max_n, 256, 256), (unsigned)P), 256, 0, st>>>(table, bad);
+    return tr_launched(be, "adamw nonfinite");
+}
+
+/* One 32-thread block per tensor: lane j < 8 runs torch's lane j (acc = acc + x*x over
+ * elements 8k + j of the full groups, sequentially, with UNROLL loads in flight), then lane 0
+ * adds the 8 lanes in order and the tail, as adamw_math.h's kiln_adamw_sumsq8. */
+#define NORM_UNROLL 16
+
+static __global__ void __launch_bounds__(32) norms_kernel(const kiln_cuda_grad_entry *table,
+                                                          float *norms) {
+    __shared__ float acc8[8];
+    const kiln_cuda_grad_entry t = table[blockIdx.x];
+    const int j = threadIdx.x;
+    const int64_t head = t.n - t.n % 8;
+    if (j < 8) {
+        float acc = 0.0f;
+        int64_t d = 0;
+        for (; d + 8 * NORM_UNROLL <= head; d += 8 * NORM_UNROLL) {
+            float x[NORM_UNROLL];
+#pragma unroll
+            for (int u = 0; u < NORM_UNROLL; u++) x[u] = t.grad[d + 8 * u + j];
+#pragma unroll
+            for (int u = 0; u < NORM_UNROLL; u++) acc = acc + x[u] * x[u];
+        }
+        for (; d < head; d += 8) {
+            const float x = t.grad[d + j];
+            acc = acc + x * x;
+        }
+        acc8[j] = acc;
+    }
+    __syncthreads();
+    if (j == 0) {
+        float s = acc8[0];
+        for (int k = 1; k < 8; k++) s = s + acc8[k];
+        for (int64_t d = head; d < t.n; d++) s = s + t.grad[d] * t.grad[d];
+        norms[blockIdx.x] = sqrtf(s);
+    }
+}
+
+static __global__ void total_kernel(const float *norms, int P, float *out, int clip,
+                                    float max_norm_f) {
+    const float sq = kiln_adamw_sumsq8(norms, P);
+    const float total = sqrtf(sq);
+    out[0] = sq;
+    out[1] = total;
+    if (clip) out[2] = kiln_adamw_clip_coef(total, max_norm_f);
+}
+
+extern "C" kiln_status kiln_cuda_adamw_norms(kiln_backend *be, const kiln_cuda_grad_entry *table,
+                                             int P, float *norms, float *out, int clip,
+                                             float max_norm_f) {
+    TR_BEGIN(be);
+    if (P <= 0) return KILN_OK;
+    cudaStream_t st = kiln_cuda_stream(be);
+    norms_kernel<<<(unsigned)P, 32, 0, st>>>(table, norms);
+    KILN_TRY(tr_launched(be, "adamw norms"));
+    total_kernel<<<1, 1, 0, st>>>(norms, P, out, clip, max_norm_f);
+    return tr_launched(be, "adamw total norm");
+}
+
+static __global__ void scale_kernel(const kiln_cuda_grad_entry *table, const float *coef) {
+    const kiln_cuda_grad_entry t = table[blockIdx.y];
+    const float c = *coef;
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < t.n;
+         e += (int64_t)gridDim.x * blockDim.x)
+        t.grad[e] = t.grad[e] * c;
+}
+
+extern "C" kiln_status kiln_cuda_adamw_scale(kiln_backend *be, const kiln_cuda_grad_entry *table,
+                                             int P, int64_t max_n, const float *coef) {
+    TR_BEGIN(be);
+    if (P <= 0) return KILN_OK;
+    if (P > 65535)
+        return kiln_cuda_fail(be, KILN_ERR_UNSUPPORTED, "adamw: %d parameters > 65535", P);
+    scale_kernel<<<dim3(tr_grid(max_n, 256, 1024), (unsigned)P), 256, 0,
+                   kiln_cuda_stream(be)>>>(table, coef);
+    return tr_launched(be, "adamw clip scale");
+}

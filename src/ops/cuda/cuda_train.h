@@ -1,0 +1,114 @@
+/*
+ * cuda_train.h -- the CUDA entry points of the training code written in C (src/train/adamw.c,
+ * src/train/fused_ce.c). Plain C types only (no cudaStream_t): each takes the CUDA backend
+ * (be from kiln_backend_cuda_create*), enqueues its work on the backend's stream and returns
+ * KILN_OK, or the status that poisoned the backend (a failed launch poisons it, docs/CUDA.md).
+ * Pointers are device memory unless stated. In a build without CUDA every entry point exists
+ * (cuda_train_stub.c) and returns KILN_ERR_UNSUPPORTED.
+ *
+ * The arithmetic is the CPU's, element for element: AdamW's from src/train/adamw_math.h
+ * (shared source), the fused loss's as docs/ARITHMETIC.md, "Fused linear cross-entropy".
+ */
+#ifndef KILN_CUDA_TRAIN_H
+#define KILN_CUDA_TRAIN_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "../../train/adamw_math.h"
+#include "../ops.h"
+
+/* ---- generic ----------------------------------------------------------------------------- */
+
+/* Whether p is device (or managed) memory. */
+bool kiln_cuda_train_is_device(const void *p);
+/* Enqueue memset(p, byte, nbytes). */
+kiln_status kiln_cuda_train_memset(kiln_backend *be, void *p, int byte, size_t nbytes);
+
+/* ---- AdamW ------------------------------------------------------------------------------- */
+
+/* One parameter's device arrays for a step (the fields of adamw.c's slot). weights_kind is a
+ * kiln_adamw_weights value, q8 whether the moments are 8-bit blocks (mq, vq, ms, vs) rather
+ * than f32 (m, v). decay: weight decay applies (already and-ed with weight_decay != 0). */
+typedef struct kiln_cuda_adamw_param {
+    int64_t n;
+    int param_index;     /* the stochastic rounding key's parameter */
+    int weights_kind;
+    int q8;
+    int decay;
+    void *weights;       /* (n) f32 or bf16 */
+    const float *grad;   /* (n) */
+    float *m, *v;        /* (n) f32 moments, or NULL */
+    int8_t *mq;          /* (n) */
+    uint8_t *vq;         /* (n) */
+    float *ms, *vs;      /* (ceil(n / 256)) */
+    float *master;       /* (n) BF16_MASTER only */
+    uint16_t *comp;      /* (n) BF16_KAHAN only */
+} kiln_cuda_adamw_param;
+
+/* One AdamW update of the parameter (adamw.c's update_range / step_task on every element;
+ * 8-bit moments: one thread block per block of 256). */
+kiln_status kiln_cuda_adamw_step(kiln_backend *be, const kiln_cuda_adamw_param *p,
+                                 const kiln_adamw_scalars *s);
+/* master(n) = weights(n) bf16 widened. */
+kiln_status kiln_cuda_adamw_widen_bf16(kiln_backend *be, float *master, const uint16_t *w,
+                                       int64_t n);
+
+/* The gradient table of an optimizer: P entries {grad, n}, an array in device memory (the
+ * caller builds it on the host and uploads it once). */
+typedef struct kiln_cuda_grad_entry {
+    float *grad;
+    int64_t n;
+} kiln_cuda_grad_entry;
+
+/* bad[p] (P uint64, device) = the lowest element index of grad p that is not finite, or
+ * UINT64_MAX. */
+kiln_status kiln_cuda_adamw_nonfinite(kiln_backend *be, const kiln_cuda_grad_entry *table,
+                                      int P, int64_t max_n, uint64_t *bad);
+/* norms[p] = sqrtf(torch_sumsq(grad p)) for the P entries (the 8-lane order), then
+ * out[0] = torch_sumsq(norms, P) (grad_sq_norm), out[1] = sqrtf(out[0]) (the total norm),
+ * and, when clip != 0, out[2] = kiln_adamw_clip_coef(out[1], max_norm_f). norms and out are
+ * device arrays (P and 3 floats). */
+kiln_status kiln_cuda_adamw_norms(kiln_backend *be, const kiln_cuda_grad_entry *table, int P,
+                                  float *norms, float *out, int clip, float max_norm_f);
+/* grad p *= *coef (a device float) for every entry: no host round trip. */
+kiln_status kiln_cuda_adamw_scale(kiln_backend *be, const kiln_cuda_grad_entry *table, int P,
+                                  int64_t max_n, const float *coef);
+
+/* ---- fused linear cross-entropy (src/train/fused_ce.c) ------------------------------------ */
+
+/* hs(S, H) = hidden rows idx[i] (idx: S int64, device). */
+kiln_status kiln_cuda_ce_gather(kiln_backend *be, float *hs, const float *hidden,
+                                const int64_t *idx, int64_t S, int64_t H);
+/* m = -inf, l = 0, zt = 0 for S rows; or, with stats (N, 3) not NULL, m, l, zt = the rows
+ * idx[i] of stats. */
+kiln_status kiln_cuda_ce_init_rows(kiln_backend *be, float *m, float *l, float *zt,
+                                   const float *stats, const int64_t *idx, int64_t S);
+/* Pass 1 on one chunk: z(S, n) the chunk's logits (columns c0 .. c0+n-1), tgt(S) int32 the
+ * rows' targets; per row the target logit, the max in order, alpha, the lane-16 sum of
+ * kiln_expf(z - m_new), l = l * alpha + sum, m = m_new. */
+kiln_status kiln_cuda_ce_pass1(kiln_backend *be, const float *z, int64_t S, int64_t n,
+                               int64_t c0, const int32_t *tgt, float *m, float *l, float *zt);
+/* stats rows idx[i] (N, 3) = (m, l, zt)[i]. */
+kiln_status kiln_cuda_ce_stats_out(kiln_backend *be, float *stats, const float *m,
+                                   const float *l, const float *zt, const int64_t *idx,
+                                   int64_t S);
+/* Pass 2 on one chunk, in place: z(S, n) -> g = (kiln_expf(z - m) / l [- 1 at the target])
+ * * gs. */
+kiln_status kiln_cuda_ce_grad(kiln_backend *be, float *z, int64_t S, int64_t n, int64_t c0,
+                              const int32_t *tgt, const float *m, const float *l, float gs);
+/* dst(C, R) = src(R, C)^T as f32; src_bf16: src is bf16 (widened exactly), else f32. */
+kiln_status kiln_cuda_ce_transpose(kiln_backend *be, float *dst, const void *src, int src_bf16,
+                                   int64_t R, int64_t C);
+/* x[i] = x[i] + y[i] (k->add's operation). */
+kiln_status kiln_cuda_ce_add(kiln_backend *be, float *x, const float *y, size_t n);
+/* Rows idx[i] of dst(., H) = src row i (accumulate: dst row + src row). */
+kiln_status kiln_cuda_ce_scatter_rows(kiln_backend *be, float *dst, const float *src,
+                                      const int64_t *idx, int64_t S, int64_t H, int accumulate);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KILN_CUDA_TRAIN_H */

@@ -1,0 +1,89 @@
+/*
+ * cuda_train_stub.c -- the entry points of cuda_train.h in a build without CUDA: they exist in
+ * every build (so adamw.c and fused_ce.c need no #ifdef) and refuse. They are never reached in
+ * practice: without CUDA no backend named "cuda" can be created. With CUDA the real ones are
+ * in cuda_adamw.cu and cuda_fused_ce.cu.
+ */
+#include "cuda_train.h"
+
+#ifndef KILN_HAVE_CUDA
+static kiln_status no_cuda(const char *what) {
+    return kiln_error(KILN_ERR_UNSUPPORTED, "%s: this kiln was built without CUDA", what);
+}
+
+bool kiln_cuda_train_is_device(const void *p) {
+    (void)p;
+    return false;
+}
+kiln_status kiln_cuda_train_memset(kiln_backend *be, void *p, int byte, size_t nbytes) {
+    (void)be; (void)p; (void)byte; (void)nbytes;
+    return no_cuda("kiln_cuda_train_memset");
+}
+kiln_status kiln_cuda_adamw_step(kiln_backend *be, const kiln_cuda_adamw_param *p,
+                                 const kiln_adamw_scalars *s) {
+    (void)be; (void)p; (void)s;
+    return no_cuda("kiln_cuda_adamw_step");
+}
+kiln_status kiln_cuda_adamw_widen_bf16(kiln_backend *be, float *master, const uint16_t *w,
+                                       int64_t n) {
+    (void)be; (void)master; (void)w; (void)n;
+    return no_cuda("kiln_cuda_adamw_widen_bf16");
+}
+kiln_status kiln_cuda_adamw_nonfinite(kiln_backend *be, const kiln_cuda_grad_entry *table,
+                                      int P, int64_t max_n, uint64_t *bad) {
+    (void)be; (void)table; (void)P; (void)max_n; (void)bad;
+    return no_cuda("kiln_cuda_adamw_nonfinite");
+}
+kiln_status kiln_cuda_adamw_norms(kiln_backend *be, const kiln_cuda_grad_entry *table, int P,
+                                  float *norms, float *out, int clip, float max_norm_f) {
+    (void)be; (void)table; (void)P; (void)norms; (void)out; (void)clip; (void)max_norm_f;
+    return no_cuda("kiln_cuda_adamw_norms");
+}
+kiln_status kiln_cuda_adamw_scale(kiln_backend *be, const kiln_cuda_grad_entry *table, int P,
+                                  int64_t max_n, const float *coef) {
+    (void)be; (void)table; (void)P; (void)max_n; (void)coef;
+    return no_cuda("kiln_cuda_adamw_scale");
+}
+kiln_status kiln_cuda_ce_gather(kiln_backend *be, float *hs, const float *hidden,
+                                const int64_t *idx, int64_t S, int64_t H) {
+    (void)be; (void)hs; (void)hidden; (void)idx; (void)S; (void)H;
+    return no_cuda("kiln_cuda_ce_gather");
+}
+kiln_status kiln_cuda_ce_init_rows(kiln_backend *be, float *m, float *l, float *zt,
+                                   const float *stats, const int64_t *idx, int64_t S) {
+    (void)be; (void)m; (void)l; (void)zt; (void)stats; (void)idx; (void)S;
+    return no_cuda("kiln_cuda_ce_init_rows");
+}
+kiln_status kiln_cuda_ce_pass1(kiln_backend *be, const float *z, int64_t S, int64_t n,
+                               int64_t c0, const int32_t *tgt, float *m, float *l, float *zt) {
+    (void)be; (void)z; (void)S; (void)n; (void)c0; (void)tgt; (void)m; (void)l; (void)zt;
+    return no_cuda("kiln_cuda_ce_pass1");
+}
+kiln_status kiln_cuda_ce_stats_out(kiln_backend *be, float *stats, const float *m,
+                                   const float *l, const float *zt, const int64_t *idx,
+                                   int64_t S) {
+    (void)be; (void)stats; (void)m; (void)l; (void)zt; (void)idx; (void)S;
+    return no_cuda("kiln_cuda_ce_stats_out");
+}
+kiln_status kiln_cuda_ce_grad(kiln_backend *be, float *z, int64_t S, int64_t n, int64_t c0,
+                              const int32_t *tgt, const float *m, const float *l, float gs) {
+    (void)be; (void)z; (void)S; (void)n; (void)c0; (void)tgt; (void)m; (void)l; (void)gs;
+    return no_cuda("kiln_cuda_ce_grad");
+}
+kiln_status kiln_cuda_ce_transpose(kiln_backend *be, float *dst, const void *src, int src_bf16,
+                                   int64_t R, int64_t C) {
+    (void)be; (void)dst; (void)src; (void)src_bf16; (void)R; (void)C;
+    return no_cuda("kiln_cuda_ce_transpose");
+}
+kiln_status kiln_cuda_ce_add(kiln_backend *be, float *x, const float *y, size_t n) {
+    (void)be; (void)x; (void)y; (void)n;
+    return no_cuda("kiln_cuda_ce_add");
+}
+kiln_status kiln_cuda_ce_scatter_rows(kiln_backend *be, float *dst, const float *src,
+                                      const int64_t *idx, int64_t S, int64_t H, int accumulate) {
+    (void)be; (void)dst; (void)src; (void)idx; (void)S; (void)H; (void)accumulate;
+    return no_cuda("kiln_cuda_ce_scatter_rows");
+}
+#else
+typedef int kiln_cuda_train_stub_unused; /* ISO C wants a non-empty translation unit */
+#endif
