@@ -14,11 +14,18 @@
  * Everything a thread computes is one output element in a fixed order (the backend's matmul
  * guarantees it for the products; the row-wise work here runs on the calling thread), so the
  * results are the same bits for any thread count.
+ *
+ * On the CUDA backend (ce_device below) the same steps run on the device in the same order:
+ * the products are the backend's matmul (the auditable kernel gives the CPU matmul's bits),
+ * the row-wise work is cuda_fused_ce.cu, and the per-row loss, its check and the two sums
+ * (O(S) scalars) are computed here on the host from the downloaded row statistics, with the
+ * very code the CPU path runs (ce_row_losses, the lane-16 sum).
  */
 #include "fused_ce.h"
 
 #include "../base/kmath.h"
 #include "../ops/cpu/cpu_kernels.h"
+#include "../ops/cuda/cuda_train.h"
 
 #include <math.h>
 #include <string.h>
@@ -223,10 +230,15 @@ static kiln_tensor f32_view(const char *name, const float *data, int64_t R, int6
 
 /* ---- the op ------------------------------------------------------------------------------- */
 
+static bool is_cuda(const kiln_backend *be) {
+    return be->i && be->i->name && strcmp(be->i->name, "cuda") == 0;
+}
+
 static kiln_status check_params(const kiln_backend *be, const kiln_fused_ce_params *p) {
     if (!be || !p) return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: backend or params is NULL");
-    if (!be->i || !be->i->name || strcmp(be->i->name, "cpu") != 0)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "fused_ce: only the CPU backend is supported");
+    if (!be->i || !be->i->name || (strcmp(be->i->name, "cpu") != 0 && !is_cuda(be)))
+        return kiln_error(KILN_ERR_UNSUPPORTED,
+                          "fused_ce: only the CPU and CUDA backends are supported");
     if (p->N <= 0 || p->H <= 0 || p->V <= 0)
         return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: N %lld, H %lld, V %lld must be > 0",
                           (long long)p->N, (long long)p->H, (long long)p->V);
@@ -255,6 +267,183 @@ static kiln_status check_params(const kiln_backend *be, const kiln_fused_ce_para
     return KILN_OK;
 }
 
+/* loss_i = (m - zt) + log(l) for the S rows; a non-finite one is an error naming its
+ * position (idx: the rows' positions). */
+static kiln_status ce_row_losses(const int64_t *idx, const float *m, const float *l,
+                                 const float *zt, float *loss, int64_t S) {
+    for (int64_t i = 0; i < S; i++) {
+        float li = (m[i] - zt[i]) + kiln_fused_ce_logf(l[i]);
+        if (!isfinite(li))
+            return kiln_error(
+                KILN_ERR_RANGE,
+                "fused_ce: position %lld (supervised row %lld): loss is not finite (max logit "
+                "%g, sum of exponentials %g, target logit %g): non-finite hidden states or "
+                "weights, or logits beyond the float range",
+                (long long)idx[i], (long long)i, (double)m[i], (double)l[i], (double)zt[i]);
+        loss[i] = li;
+    }
+    return KILN_OK;
+}
+
+/* The reduced loss, the gradient factor and the float64 loss from the row losses and their
+ * lane-16 sum. */
+static void ce_reduce(const kiln_fused_ce_params *p, const float *row_loss, float sum, int64_t S,
+                      float *loss, float *gs, double *loss64) {
+    double sum64 = 0.0;
+    for (int64_t i = 0; i < S; i++) sum64 += (double)row_loss[i];
+    if (p->reduction == KILN_CE_REDUCTION_MEAN) {
+        *loss = (sum / (float)S) * p->scale;
+        *gs = p->scale / (float)S;
+        *loss64 = sum64 / (double)S * (double)p->scale;
+    } else {
+        *loss = sum * p->scale;
+        *gs = p->scale;
+        *loss64 = sum64 * (double)p->scale;
+    }
+}
+
+/* The lane-16 sum of v[0..n) on the host without a ones array: kiln_dot_accum_ref's lanes with
+ * b = 1 (fmaf(v, 1, acc)), then the fixed tree -- the bits of lane_sum on any CPU path. */
+static float host_sum16(const float *v, int64_t n) {
+    float acc[KILN_DOT_LANES] = {0};
+    for (int64_t i = 0; i < n; i++)
+        acc[i % KILN_DOT_LANES] = fmaf(v[i], 1.0f, acc[i % KILN_DOT_LANES]);
+    return kiln_lane16_reduce(acc);
+}
+
+/* ---- the op on the CUDA backend ----------------------------------------------------------- */
+
+/* As kiln_fused_ce's CPU body, for S >= 1 validated supervised rows and chunk cn: hidden,
+ * weight and the outputs are device memory, targets and mask host memory. The scratch is one
+ * kiln_backend_alloc block with ce_layout's regions (so kiln_fused_ce_scratch_bytes bounds it),
+ * where `ones` (max(cn, S) floats, unused on the device) holds the rows' int32 targets. */
+static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, int64_t S,
+                             int64_t cn, kiln_fused_ce_result *out) {
+    const int64_t N = p->N, H = p->H, V = p->V;
+    const int with_dh = p->dhidden != NULL, with_dw = p->dweight != NULL;
+    const int bf16 = p->weight_dtype == KILN_DTYPE_BF16;
+    if (!kiln_cuda_train_is_device(p->hidden) || !kiln_cuda_train_is_device(p->weight) ||
+        (p->dhidden && !kiln_cuda_train_is_device(p->dhidden)) ||
+        (p->dweight && !kiln_cuda_train_is_device(p->dweight)) ||
+        (p->row_loss && !kiln_cuda_train_is_device(p->row_loss)) ||
+        (p->row_stats_out && !kiln_cuda_train_is_device(p->row_stats_out)) ||
+        (p->row_stats_in && !kiln_cuda_train_is_device(p->row_stats_in)))
+        return kiln_error(KILN_ERR_INVALID_ARG,
+                          "fused_ce: on the CUDA backend hidden, weight, dhidden, dweight, "
+                          "row_loss and row_stats must be device memory (targets and mask stay "
+                          "host memory)");
+    size_t bytes = ce_layout(S, H, cn, with_dh, with_dw, NULL, NULL);
+    if (bytes == 0) return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: scratch size overflows");
+    /* host: positions, targets, then m, l, zt, loss of the rows */
+    int64_t *hidx = kiln_malloc((size_t)S * sizeof(int64_t));
+    int32_t *htgt = kiln_malloc((size_t)S * sizeof(int32_t));
+    float *hrow = kiln_malloc(4 * (size_t)S * sizeof(float));
+    uint8_t *block = NULL;
+    kiln_status st = KILN_OK;
+#define CE_DEV(call)                                                                               do {                                                                                               st = (call);                                                                                   if (st != KILN_OK) goto done;                                                              } while (0)
+    if (!hidx || !htgt || !hrow) {
+        st = kiln_error(KILN_ERR_NOMEM, "fused_ce: out of host memory for %lld rows",
+                        (long long)S);
+        goto done;
+    }
+    block = kiln_backend_alloc(be, bytes);
+    if (!block) {
+        st = kiln_error(KILN_ERR_NOMEM, "fused_ce: out of device memory for %zu bytes of "
+                        "scratch (%lld supervised rows x chunk %lld)", bytes, (long long)S,
+                        (long long)cn);
+        goto done;
+    }
+    ce_scratch sc;
+    ce_layout(S, H, cn, with_dh, with_dw, block, &sc);
+    int32_t *d_tgt = (int32_t *)(void *)sc.ones;
+    const size_t row_bytes = (size_t)H * (bf16 ? 2 : 4);
+    for (int64_t n = 0, i = 0; n < N; n++) {
+        if ((p->mask && !p->mask[n]) || p->targets[n] < 0) continue;
+        hidx[i] = n;
+        htgt[i] = p->targets[n];
+        i++;
+    }
+    CE_DEV(kiln_backend_upload(be, sc.idx, hidx, (size_t)S * sizeof(int64_t)));
+    CE_DEV(kiln_backend_upload(be, d_tgt, htgt, (size_t)S * sizeof(int32_t)));
+    CE_DEV(kiln_cuda_ce_gather(be, sc.hs, p->hidden, sc.idx, S, H));
+    CE_DEV(kiln_cuda_ce_init_rows(be, sc.m, sc.l, sc.zt, p->row_stats_in, sc.idx, S));
+
+    /* Pass 1 (skipped with row_stats_in). */
+    for (int64_t c0 = 0; !p->row_stats_in && c0 < V; c0 += cn) {
+        int64_t n = V - c0 < cn ? V - c0 : cn;
+        chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
+        CE_DEV(kiln_cuda_ce_pass1(be, sc.z, S, n, c0, d_tgt, sc.m, sc.l, sc.zt));
+    }
+    if (p->row_stats_out)
+        CE_DEV(kiln_cuda_ce_stats_out(be, p->row_stats_out, sc.m, sc.l, sc.zt, sc.idx, S));
+    float *hm = hrow, *hl = hrow + S, *hzt = hrow + 2 * S, *hloss = hrow + 3 * S;
+    CE_DEV(kiln_backend_download(be, hm, sc.m, (size_t)S * sizeof(float)));
+    CE_DEV(kiln_backend_download(be, hl, sc.l, (size_t)S * sizeof(float)));
+    CE_DEV(kiln_backend_download(be, hzt, sc.zt, (size_t)S * sizeof(float)));
+    CE_DEV(ce_row_losses(hidx, hm, hl, hzt, hloss, S));
+    float loss, gs;
+    double loss64;
+    ce_reduce(p, hloss, host_sum16(hloss, S), S, &loss, &gs, &loss64);
+
+    /* Pass 2. */
+    if (with_dh || with_dw) {
+        if (with_dw) CE_DEV(kiln_cuda_ce_transpose(be, sc.hT, sc.hs, 0, S, H));
+        if (with_dh)
+            CE_DEV(kiln_cuda_train_memset(be, sc.dh_acc, 0, (size_t)S * (size_t)H * sizeof(float)));
+        for (int64_t c0 = 0; c0 < V; c0 += cn) {
+            int64_t n = V - c0 < cn ? V - c0 : cn;
+            chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
+            CE_DEV(kiln_cuda_ce_grad(be, sc.z, S, n, c0, d_tgt, sc.m, sc.l, gs));
+            if (with_dh) {
+                CE_DEV(kiln_cuda_ce_transpose(be, sc.wT,
+                                              (const uint8_t *)p->weight + (size_t)c0 * row_bytes,
+                                              bf16, n, H));
+                kiln_tensor wt = f32_view("fused_ce.weight_chunk_t", sc.wT, H, n);
+                be->i->matmul(be, sc.dpart, sc.z, &wt, NULL, (int)S);
+                CE_DEV(kiln_cuda_ce_add(be, sc.dh_acc, sc.dpart, (size_t)S * (size_t)H));
+            }
+            if (with_dw) {
+                CE_DEV(kiln_cuda_ce_transpose(be, sc.gT, sc.z, 0, S, n));
+                kiln_tensor ht = f32_view("fused_ce.hidden_t", sc.hT, H, S);
+                be->i->matmul(be, sc.wpart, sc.gT, &ht, NULL, (int)n);
+                CE_DEV(kiln_cuda_ce_add(be, p->dweight + c0 * H, sc.wpart, (size_t)n * (size_t)H));
+            }
+        }
+    }
+
+    /* Outputs. */
+    if (p->row_loss) {
+        CE_DEV(kiln_backend_upload(be, sc.loss, hloss, (size_t)S * sizeof(float)));
+        CE_DEV(kiln_cuda_train_memset(be, p->row_loss, 0, (size_t)N * sizeof(float)));
+        CE_DEV(kiln_cuda_ce_scatter_rows(be, p->row_loss, sc.loss, sc.idx, S, 1, 0));
+    }
+    if (with_dh) {
+        if (!p->dhidden_accumulate)
+            CE_DEV(kiln_cuda_train_memset(be, p->dhidden, 0,
+                                          (size_t)N * (size_t)H * sizeof(float)));
+        CE_DEV(kiln_cuda_ce_scatter_rows(be, p->dhidden, sc.dh_acc, sc.idx, S, H,
+                                         p->dhidden_accumulate));
+    }
+    CE_DEV(kiln_backend_status(be));
+    if (out) {
+        out->loss = loss;
+        out->loss_f64 = loss64;
+        out->n_supervised = S;
+        out->scratch_bytes = bytes;
+    }
+done:
+#undef CE_DEV
+    if (block) {
+        /* the scratch may still be in use by enqueued work after an error: wait first */
+        (void)kiln_backend_status(be);
+        kiln_backend_free_buf(be, block);
+    }
+    kiln_free(hidx);
+    kiln_free(htgt);
+    kiln_free(hrow);
+    return st;
+}
+
 kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
                           kiln_fused_ce_result *out) {
     if (out) memset(out, 0, sizeof *out);
@@ -278,6 +467,7 @@ kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
 
     int64_t cn = p->chunk == 0 ? KILN_FUSED_CE_DEFAULT_CHUNK : p->chunk;
     if (cn > V) cn = V;
+    if (is_cuda(be)) return ce_device(be, p, S, cn, out);
     const int with_dh = p->dhidden != NULL, with_dw = p->dweight != NULL;
     ce_scratch sc;
     size_t bytes = ce_layout(S, H, cn, with_dh, with_dw, NULL, NULL);
@@ -339,35 +529,14 @@ kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
             rs[1] = sc.l[i];
             rs[2] = sc.zt[i];
         }
-    for (int64_t i = 0; i < S; i++) {
-        float li = (sc.m[i] - sc.zt[i]) + kiln_fused_ce_logf(sc.l[i]);
-        if (!isfinite(li)) {
-            kiln_status st = kiln_error(
-                KILN_ERR_RANGE,
-                "fused_ce: position %lld (supervised row %lld): loss is not finite (max logit "
-                "%g, sum of exponentials %g, target logit %g): non-finite hidden states or "
-                "weights, or logits beyond the float range",
-                (long long)sc.idx[i], (long long)i, (double)sc.m[i], (double)sc.l[i],
-                (double)sc.zt[i]);
-            kiln_free(block);
-            return st;
-        }
-        sc.loss[i] = li;
+    kiln_status lst = ce_row_losses(sc.idx, sc.m, sc.l, sc.zt, sc.loss, S);
+    if (lst != KILN_OK) {
+        kiln_free(block);
+        return lst;
     }
-    float sum = lane_sum(k, sc.loss, sc.ones, S);
-    double sum64 = 0.0;
-    for (int64_t i = 0; i < S; i++) sum64 += (double)sc.loss[i];
     float loss, gs;
     double loss64;
-    if (p->reduction == KILN_CE_REDUCTION_MEAN) {
-        loss = (sum / (float)S) * p->scale;
-        gs = p->scale / (float)S;
-        loss64 = sum64 / (double)S * (double)p->scale;
-    } else {
-        loss = sum * p->scale;
-        gs = p->scale;
-        loss64 = sum64 * (double)p->scale;
-    }
+    ce_reduce(p, sc.loss, lane_sum(k, sc.loss, sc.ones, S), S, &loss, &gs, &loss64);
 
     /* Pass 2: g = (softmax - onehot) * gs per chunk, into dh and dW. */
     if (with_dh || with_dw) {

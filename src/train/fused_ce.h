@@ -24,6 +24,18 @@
  * All buffers are the caller's (CPU memory for the CPU backend). On any error nothing the
  * caller passed is written: validation, the scratch allocations and the whole loss (pass 1,
  * which detects a non-finite loss) come before the first write to dh, dW or row_loss.
+ *
+ * On the CUDA backend (kiln_backend_cuda_create) this same call is the loss on device
+ * pointers the caller owns (e.g. a framework's CUDA tensors): hidden, weight, dhidden,
+ * dweight, row_loss, row_stats_out and row_stats_in are DEVICE memory (checked: host pointers
+ * are refused with KILN_ERR_INVALID_ARG), while targets and mask stay HOST memory (the
+ * selection and validation of the supervised rows run on the host; their positions are
+ * uploaded). The work is enqueued on the backend's stream and the call returns once the
+ * outputs are complete. In the auditable mode every output (loss, loss_f64, dh, dW,
+ * row_loss, row_stats) has the CPU backend's bits for the same chunk; the scratch is device
+ * memory, bounded by the same kiln_fused_ce_scratch_bytes and freed at return. A device
+ * failure poisons the backend (docs/CUDA.md) and is returned. The products run on the
+ * backend's matmul, whose launch limits S and the chunk to 524,280 rows.
  */
 #ifndef KILN_FUSED_CE_H
 #define KILN_FUSED_CE_H
@@ -76,7 +88,8 @@ typedef struct kiln_fused_ce_result {
 kiln_fused_ce_params kiln_fused_ce_default_params(void);
 
 /* The loss and gradients described above, on backend be (the CPU backend from
- * kiln_backend_cpu_create: its thread pool runs the three products). out may be NULL.
+ * kiln_backend_cpu_create: its thread pool runs the three products; or the CUDA backend, with
+ * device buffers as described above). out may be NULL.
  * Errors: NULL/inconsistent parameters, a weight dtype other than F32/BF16, or sizes that
  * overflow -> KILN_ERR_INVALID_ARG / KILN_ERR_UNSUPPORTED; no supervised position ->
  * KILN_ERR_INVALID_ARG "no supervised positions"; a supervised target >= V ->

@@ -1,0 +1,251 @@
+/*
+ * cuda_fused_ce.cu -- the row-wise pieces of the fused linear cross-entropy on the CUDA
+ * backend (cuda_train.h; the driver is src/train/fused_ce.c, the products are the backend's
+ * matmul). Each kernel performs, per output element, the binary32 operations of
+ * docs/ARITHMETIC.md ("Fused linear cross-entropy") in the CPU's order:
+ *   - the per-row max: one thread walks the chunk in order (`z > bm ? z : bm`, whose NaN and
+ *     -0/+0 choices depend on the order, so it is not a tree);
+ *   - the sum of exponentials: the lane-16 sum (one half-warp per row, lane j walking
+ *     j, j+16, ... with fmaf(e, 1, acc), then the fixed tree), i.e. the CPU's dot with ones;
+ *   - g, the transposes, the adds and the gathers/scatters are one thread per element.
+ */
+#include "cuda_common.cuh"
+
+extern "C" {
+#include "cuda_train.h"
+}
+
+#define CE_BEGIN(be)                                                                           \
+    do {                                                                                       \
+        if (!kiln_cuda_begin(be)) return kiln_backend_status(be);                              \
+    } while (0)
+
+static kiln_status ce_launched(kiln_backend *be, const char *what) {
+    if (!kiln_cuda_check(be, cudaGetLastError(), what)) return kiln_backend_status(be);
+    return KILN_OK;
+}
+
+static unsigned ce_grid(int64_t total, int threads) {
+    int64_t g = (total + threads - 1) / threads;
+    if (g > (1 << 20)) g = 1 << 20;
+    return (unsigned)(g < 1 ? 1 : g);
+}
+
+/* ---- gathers and scatters ------------------------------------------------------------------ */
+
+static __global__ void gather_kernel(float *hs, const float *hidden, const int64_t *idx,
+                                     int64_t S, int64_t H) {
+    const int64_t total = S * H;
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total;
+         u += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = u / H, k = u - i * H;
+        hs[u] = hidden[idx[i] * H + k];
+    }
+}
+
+extern "C" kiln_status kiln_cuda_ce_gather(kiln_backend *be, float *hs, const float *hidden,
+                                           const int64_t *idx, int64_t S, int64_t H) {
+    CE_BEGIN(be);
+    if (S <= 0 || H <= 0) return KILN_OK;
+    gather_kernel<<<ce_grid(S * H, 256), 256, 0, kiln_cuda_stream(be)>>>(hs, hidden, idx, S, H);
+    return ce_launched(be, "fused_ce gather");
+}
+
+static __global__ void init_rows_kernel(float *m, float *l, float *zt, const float *stats,
+                                        const int64_t *idx, int64_t S) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < S;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        if (stats) {
+            const float *rs = stats + 3 * idx[i];
+            m[i] = rs[0];
+            l[i] = rs[1];
+            zt[i] = rs[2];
+        } else {
+            m[i] = -INFINITY;
+            l[i] = 0.0f;
+            zt[i] = 0.0f;
+        }
+    }
+}
+
+extern "C" kiln_status kiln_cuda_ce_init_rows(kiln_backend *be, float *m, float *l, float *zt,
+                                              const float *stats, const int64_t *idx,
+                                              int64_t S) {
+    CE_BEGIN(be);
+    if (S <= 0) return KILN_OK;
+    init_rows_kernel<<<ce_grid(S, 256), 256, 0, kiln_cuda_stream(be)>>>(m, l, zt, stats, idx, S);
+    return ce_launched(be, "fused_ce init rows");
+}
+
+static __global__ void stats_out_kernel(float *stats, const float *m, const float *l,
+                                        const float *zt, const int64_t *idx, int64_t S) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < S;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        float *rs = stats + 3 * idx[i];
+        rs[0] = m[i];
+        rs[1] = l[i];
+        rs[2] = zt[i];
+    }
+}
+
+extern "C" kiln_status kiln_cuda_ce_stats_out(kiln_backend *be, float *stats, const float *m,
+                                              const float *l, const float *zt,
+                                              const int64_t *idx, int64_t S) {
+    CE_BEGIN(be);
+    if (S <= 0) return KILN_OK;
+    stats_out_kernel<<<ce_grid(S, 256), 256, 0, kiln_cuda_stream(be)>>>(stats, m, l, zt, idx, S);
+    return ce_launched(be, "fused_ce stats out");
+}
+
+/* dst row idx[i] = src row i, or dst row idx[i] + src row i (k->add's x + y). */
+static __global__ void scatter_rows_kernel(float *dst, const float *src, const int64_t *idx,
+                                           int64_t S, int64_t H, int accumulate) {
+    const int64_t total = S * H;
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total;
+         u += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = u / H, k = u - i * H;
+        float *d = dst + idx[i] * H + k;
+        *d = accumulate ? *d + src[u] : src[u];
+    }
+}
+
+extern "C" kiln_status kiln_cuda_ce_scatter_rows(kiln_backend *be, float *dst, const float *src,
+                                                 const int64_t *idx, int64_t S, int64_t H,
+                                                 int accumulate) {
+    CE_BEGIN(be);
+    if (S <= 0 || H <= 0) return KILN_OK;
+    scatter_rows_kernel<<<ce_grid(S * H, 256), 256, 0, kiln_cuda_stream(be)>>>(dst, src, idx, S,
+                                                                               H, accumulate);
+    return ce_launched(be, "fused_ce scatter rows");
+}
+
+/* ---- pass 1: one half-warp per row ----------------------------------------------------------- */
+
+#define CE_ROWS_THREADS 256
+
+static __global__ void __launch_bounds__(CE_ROWS_THREADS)
+pass1_kernel(const float *__restrict__ z, int64_t S, int64_t n, int64_t c0,
+             const int32_t *__restrict__ tgt, float *m, float *l, float *zt) {
+    const int lane = threadIdx.x & 15;
+    const int64_t i = (int64_t)blockIdx.x * (CE_ROWS_THREADS / 16) + (threadIdx.x >> 4);
+    if (i >= S) return; /* whole half-warps leave together */
+    const unsigned mask = half_warp_mask();
+    const float *zr = z + i * n;
+    const float mi = m[i];
+    float m_new = 0.0f;
+    if (lane == 0) {
+        float bm = zr[0];
+        for (int64_t j = 1; j < n; j++) bm = zr[j] > bm ? zr[j] : bm;
+        m_new = bm > mi ? bm : mi;
+    }
+    m_new = __shfl_sync(mask, m_new, 0, 16);
+    float acc = 0.0f;
+    for (int64_t j = lane; j < n; j += 16) acc = __fmaf_rn(kiln_expf(zr[j] - m_new), 1.0f, acc);
+    const float csum = lane16_tree(acc, mask);
+    if (lane == 0) {
+        const int64_t t = (int64_t)tgt[i] - c0;
+        if (t >= 0 && t < n) zt[i] = zr[t];
+        const float alpha = kiln_expf(mi - m_new); /* first chunk: exp(-inf) = 0 */
+        l[i] = l[i] * alpha + csum;
+        m[i] = m_new;
+    }
+}
+
+extern "C" kiln_status kiln_cuda_ce_pass1(kiln_backend *be, const float *z, int64_t S, int64_t n,
+                                          int64_t c0, const int32_t *tgt, float *m, float *l,
+                                          float *zt) {
+    CE_BEGIN(be);
+    if (S <= 0 || n <= 0) return KILN_OK;
+    const int64_t blocks = (S + CE_ROWS_THREADS / 16 - 1) / (CE_ROWS_THREADS / 16);
+    if (blocks > 0x7fffffff)
+        return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG, "fused_ce pass 1: %lld rows",
+                              (long long)S);
+    pass1_kernel<<<(unsigned)blocks, CE_ROWS_THREADS, 0, kiln_cuda_stream(be)>>>(z, S, n, c0, tgt,
+                                                                                 m, l, zt);
+    return ce_launched(be, "fused_ce pass 1");
+}
+
+/* ---- pass 2: g in place, one thread per element ------------------------------------------------ */
+
+static __global__ void grad_kernel(float *z, int64_t S, int64_t n, int64_t c0,
+                                   const int32_t *__restrict__ tgt, const float *__restrict__ m,
+                                   const float *__restrict__ l, float gs) {
+    const int64_t total = S * n;
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total;
+         u += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = u / n, j = u - i * n;
+        const float e = kiln_expf(z[u] - m[i]);
+        const float li = l[i];
+        const int64_t t = (int64_t)tgt[i] - c0;
+        z[u] = j == t ? ((e / li) - 1.0f) * gs : (e / li) * gs;
+    }
+}
+
+extern "C" kiln_status kiln_cuda_ce_grad(kiln_backend *be, float *z, int64_t S, int64_t n,
+                                         int64_t c0, const int32_t *tgt, const float *m,
+                                         const float *l, float gs) {
+    CE_BEGIN(be);
+    if (S <= 0 || n <= 0) return KILN_OK;
+    grad_kernel<<<ce_grid(S * n, 256), 256, 0, kiln_cuda_stream(be)>>>(z, S, n, c0, tgt, m, l, gs);
+    return ce_launched(be, "fused_ce gradient");
+}
+
+/* ---- transpose (a copy, exact) and add --------------------------------------------------------- */
+
+#define TP_TILE 32
+#define TP_ROWS 8
+
+/* dst(C, R) = src(R, C)^T through a 32 x 33 shared tile; block (32, 8) covers a 32 x 32 tile,
+ * grid (x: column tiles, y: row tiles, grid-strided). */
+template <bool BF16>
+static __global__ void __launch_bounds__(TP_TILE * TP_ROWS)
+transpose_kernel(float *__restrict__ dst, const void *__restrict__ src, int64_t R, int64_t C) {
+    __shared__ float tile[TP_TILE][TP_TILE + 1];
+    const int64_t tiles_r = (R + TP_TILE - 1) / TP_TILE, tiles_c = (C + TP_TILE - 1) / TP_TILE;
+    for (int64_t tr = blockIdx.y; tr < tiles_r; tr += gridDim.y)
+        for (int64_t tc = blockIdx.x; tc < tiles_c; tc += gridDim.x) {
+            const int64_t r0 = tr * TP_TILE, c0 = tc * TP_TILE;
+            for (int k = threadIdx.y; k < TP_TILE; k += TP_ROWS) {
+                const int64_t r = r0 + k, c = c0 + threadIdx.x;
+                if (r < R && c < C) {
+                    const int64_t o = r * C + c;
+                    tile[k][threadIdx.x] =
+                        BF16 ? __uint_as_float((uint32_t)((const uint16_t *)src)[o] << 16)
+                             : ((const float *)src)[o];
+                }
+            }
+            __syncthreads();
+            for (int k = threadIdx.y; k < TP_TILE; k += TP_ROWS) {
+                const int64_t c = c0 + k, r = r0 + threadIdx.x;
+                if (r < R && c < C) dst[c * R + r] = tile[threadIdx.x][k];
+            }
+            __syncthreads(); /* the tile is rewritten next */
+        }
+}
+
+extern "C" kiln_status kiln_cuda_ce_transpose(kiln_backend *be, float *dst, const void *src,
+                                              int src_bf16, int64_t R, int64_t C) {
+    CE_BEGIN(be);
+    if (R <= 0 || C <= 0) return KILN_OK;
+    const int64_t tr = (R + TP_TILE - 1) / TP_TILE, tc = (C + TP_TILE - 1) / TP_TILE;
+    const dim3 grid((unsigned)(tc < 65535 ? tc : 65535), (unsigned)(tr < 65535 ? tr : 65535));
+    const dim3 block(TP_TILE, TP_ROWS);
+    if (src_bf16)
+        transpose_kernel<true><<<grid, block, 0, kiln_cuda_stream(be)>>>(dst, src, R, C);
+    else
+        transpose_kernel<false><<<grid, block, 0, kiln_cuda_stream(be)>>>(dst, src, R, C);
+    return ce_launched(be, "fused_ce transpose");
+}
+
+static __global__ void ce_add_kernel(float *x, const float *y, size_t n) {
+    for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
+         u += (size_t)gridDim.x * blockDim.x)
+        x[u] = x[u] + y[u];
+}
+
+extern "C" kiln_status kiln_cuda_ce_add(kiln_backend *be, float *x, const float *y, size_t n) {
+    CE_BEGIN(be);
+    if (n == 0) return KILN_OK;
+    ce_add_kernel<<<ce_grid((int64_t)n, 256), 256, 0, kiln_cuda_stream(be)>>>(x, y, n);
+    return ce_launched(be, "fused_ce add");
+}
