@@ -8,6 +8,7 @@
  */
 #include "../base/base.h"
 #include "../base/kmath.h"
+#include "sampler.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -84,6 +85,10 @@ kiln_status kiln_sampler_create(const kiln_sampler_params *p, kiln_sampler **out
     *out = s;
     return KILN_OK;
 }
+
+const kiln_sampler_params *kiln_sampler_get_params(const kiln_sampler *s) { return &s->p; }
+
+float kiln_sampler_draw_u(kiln_sampler *s) { return uniform01(s->s); }
 
 void kiln_sampler_free(kiln_sampler *s) {
     if (!s) return;
