@@ -92,7 +92,7 @@ split_kernel(float *__restrict__ out, float *__restrict__ ws_acc, float *__restr
              const float *__restrict__ q, const float *__restrict__ k,
              const float *__restrict__ v, int N, int n_past_host,
              const int32_t *__restrict__ d_n_past, size_t kv_seq_stride, int NH, int KVH,
-             int HS, float scale, int nsplit_max) {
+             int HS, float scale, int nsplit_max, int max_T) {
     extern __shared__ float split_sm[];
     const int G = NH / KVH;
     const int R = G * N;
@@ -105,7 +105,9 @@ split_kernel(float *__restrict__ out, float *__restrict__ ws_acc, float *__restr
     const int r0 = chunk * SPLIT_ROWS;
     const int nr = R - r0 < SPLIT_ROWS ? R - r0 : SPLIT_ROWS;
     const int n_last = (r0 + nr - 1) / G;
-    if (n_past < 0) return; /* decode_dev: a bad position; the combine writes NaN */
+    /* decode_dev: a position whose keys pass max_T (or a negative one) reads nothing; the
+     * combine writes NaN */
+    if (n_past < 0 || (int64_t)n_past + N > max_T) return;
     const int64_t all_end = (int64_t)n_past + n_last + 1; /* keys any row of the chunk sees */
     int k_begin = 0, k_end;
     if (FINAL) {
@@ -229,22 +231,23 @@ split_kernel(float *__restrict__ out, float *__restrict__ ws_acc, float *__restr
  * with at least one key, so every m_s read is finite. In increasing s:
  *   M = max m_s;  w_s = exp(m_s - M);  L = sum w_s * l_s (fmaf);  out(d) = (sum w_s acc_s(d)
  *   (fmaf)) / L.
- * A row whose splits were not all launched (n_past + n >= nsplit_max * SPLIT, or n_past < 0:
- * a d_n_past beyond decode_dev's max_T) gets NaN. */
+ * A sequence whose keys pass max_T (n_past + N > max_T, or n_past < 0: a d_n_past beyond
+ * decode_dev's max_T) gets NaN, as split_kernel computed nothing for it. */
 #define COMBINE_THREADS 128
 #define COMBINE_CHUNK 256 /* split weights staged in shared memory at a time */
 
 static __global__ void __launch_bounds__(COMBINE_THREADS)
 combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
                const float *__restrict__ ws_ml, int N, int n_past_host,
-               const int32_t *__restrict__ d_n_past, int NH, int HS, int nsplit_max) {
+               const int32_t *__restrict__ d_n_past, int NH, int HS, int nsplit_max,
+               int max_T) {
     __shared__ float sw[COMBINE_CHUNK];
     const int n = (int)(blockIdx.x / (unsigned)NH), h = (int)(blockIdx.x % (unsigned)NH);
     const int b = (int)blockIdx.y;
     const int n_past = d_n_past ? d_n_past[b] : n_past_host;
     float *o = out + (((int64_t)b * N + n) * NH + h) * HS;
     const int64_t last = (int64_t)n_past + n;
-    if (n_past < 0 || last / KILN_ATTN_SPLIT + 1 > nsplit_max) {
+    if (n_past < 0 || (int64_t)n_past + N > max_T) {
         for (int d = threadIdx.x; d < HS; d += COMBINE_THREADS) o[d] = NAN;
         return;
     }
@@ -601,11 +604,11 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
     split_kernel<false><<<dim3(gx, (unsigned)nsplit, (unsigned)B), SPLIT_THREADS,
                           split_smem(HS), s>>>(out, ws_acc, ws_ml, q, k, v, N, n_past_host,
                                                d_n_past, kv_seq_stride, NH, KVH, HS, scale,
-                                               (int)nsplit);
+                                               (int)nsplit, max_T);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
     combine_kernel<<<dim3((unsigned)(N * NH), (unsigned)B), COMBINE_THREADS, 0, s>>>(
-        out, ws_acc, ws_ml, N, n_past_host, d_n_past, NH, HS, (int)nsplit);
+        out, ws_acc, ws_ml, N, n_past_host, d_n_past, NH, HS, (int)nsplit, max_T);
     return cudaGetLastError();
 }
 
@@ -638,7 +641,7 @@ cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *o
     const unsigned gx = split_grid_x(N, NH, KVH);
     if (gx == 0) return cudaErrorInvalidConfiguration;
     split_kernel<true><<<dim3(gx, 1, 1), SPLIT_THREADS, split_smem(HS), s>>>(
-        out, NULL, NULL, q, k, v, N, n_past, NULL, 0, NH, KVH, HS, scale, 1);
+        out, NULL, NULL, q, k, v, N, n_past, NULL, 0, NH, KVH, HS, scale, 1, T);
     return cudaGetLastError();
 }
 

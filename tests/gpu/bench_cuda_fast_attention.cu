@@ -1,0 +1,166 @@
+/*
+ * bench_cuda_fast_attention.cu -- the fast-mode attention (cuda_attention_fast.h) against the
+ * auditable kernel (kiln_cuda_attention, cuda_internal.h) in the same run, on the attention
+ * shapes of Qwen2.5-0.5B (NH 14, KVH 2, HS 64) and Llama-3.2-3B (NH 24, KVH 8, HS 128):
+ *   prefill of N tokens from an empty cache: time and TFLOP/s counting the causal half,
+ *     4 * N * N / 2 * HS * NH flops (two matmuls of 2 flops per multiply-add);
+ *   decode (N = 1) at a context of ctx keys: time and GB/s of KV bytes read,
+ *     2 * ctx * KVH * HS * 4. The caches are rotated over enough copies to miss the L2.
+ * Times: CUDA events around R back-to-back calls, the median of 5 such runs, per call (the
+ * auditable prefill at N = 4096: one call).
+ * Inputs are random in [-2, 2], generated on the device.
+ * Usage: bench_cuda_fast_attention [--quick]   (--quick: prefill 512, decode 512 and 4096)
+ */
+#include "ops/cuda/cuda_attention_fast.h"
+#include "ops/cuda/cuda_internal.h"
+
+#include <algorithm>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <vector>
+
+#define CUDA_OK(call)                                                                          \
+    do {                                                                                       \
+        cudaError_t e_ = (call);                                                               \
+        if (e_ != cudaSuccess) {                                                               \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                      \
+                    cudaGetErrorString(e_));                                                   \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+
+static __global__ void fill_kernel(float *x, size_t n, uint64_t seed) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t h = (seed + i) * 0x9e3779b97f4a7c15ull;
+        h ^= h >> 31;
+        h *= 0xbf58476d1ce4e5b9ull;
+        h ^= h >> 29;
+        x[i] = (float)(h >> 40) * 0x1p-22f - 2.0f; /* [-2, 2) */
+    }
+}
+
+static void fill(float *x, size_t n, uint64_t seed) {
+    fill_kernel<<<2048, 256>>>(x, n, seed);
+    CUDA_OK(cudaGetLastError());
+}
+
+struct model_shape { const char *name; int NH, KVH, HS; };
+
+static cudaStream_t g_s;
+static cudaEvent_t g_e0, g_e1;
+
+/* Median over `runs` runs of the time per call (ms) of R calls of f(i), i = call index,
+ * after one warm-up call when warm. */
+template <typename F>
+static double time_ms(int R, int runs, bool warm, F f) {
+    if (warm) f(0);
+    CUDA_OK(cudaStreamSynchronize(g_s));
+    std::vector<float> t;
+    for (int run = 0; run < runs; run++) {
+        CUDA_OK(cudaEventRecord(g_e0, g_s));
+        for (int i = 0; i < R; i++) f(i);
+        CUDA_OK(cudaEventRecord(g_e1, g_s));
+        CUDA_OK(cudaEventSynchronize(g_e1));
+        float ms;
+        CUDA_OK(cudaEventElapsedTime(&ms, g_e0, g_e1));
+        t.push_back(ms / R);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+}
+
+int main(int argc, char **argv) {
+    const bool quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+        printf("no GPU: skipped\n");
+        return 77;
+    }
+    cudaDeviceProp prop;
+    CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+    printf("device: %s, %d SMs, L2 %d MB; split %d keys\n", prop.name, prop.multiProcessorCount,
+           prop.l2CacheSize >> 20, KILN_ATTN_SPLIT);
+    CUDA_OK(cudaStreamCreate(&g_s));
+    CUDA_OK(cudaEventCreate(&g_e0));
+    CUDA_OK(cudaEventCreate(&g_e1));
+    kiln_cuda_attn *a = NULL;
+    CUDA_OK(kiln_cuda_attn_create(&a));
+    const model_shape shapes[] = {{"Qwen2.5-0.5B", 14, 2, 64}, {"Llama-3.2-3B", 24, 8, 128}};
+
+    printf("\nprefill (n_past 0): time per call, TFLOP/s = 2*N*N*HS*NH / t\n");
+    printf("%-14s %6s | %10s %8s | %12s %8s | %7s\n", "shape", "N", "fast ms", "TFLOP/s",
+           "auditable ms", "TFLOP/s", "speedup");
+    const int prefill_n[] = {512, 4096};
+    for (const model_shape &m : shapes)
+        for (int N : prefill_n) {
+            if (quick && N > 512) continue;
+            const size_t nq = (size_t)N * m.NH * m.HS, nkv = (size_t)N * m.KVH * m.HS;
+            float *q, *k, *v, *out;
+            CUDA_OK(cudaMalloc(&q, nq * 4));
+            CUDA_OK(cudaMalloc(&out, nq * 4));
+            CUDA_OK(cudaMalloc(&k, nkv * 4));
+            CUDA_OK(cudaMalloc(&v, nkv * 4));
+            fill(q, nq, 1);
+            fill(k, nkv, 2);
+            fill(v, nkv, 3);
+            const float scale = 1.0f / sqrtf((float)m.HS);
+            const double flops = 2.0 * N * (double)N * m.HS * m.NH;
+            const double tf = time_ms(quick ? 5 : 20, 5, true, [&](int) {
+                CUDA_OK(kiln_cuda_attention_fast(a, g_s, out, q, k, v, N, 0, m.NH, m.KVH, m.HS,
+                                                 scale));
+            });
+            /* the auditable kernel takes seconds at N = 4096: one call, no warm-up */
+            const double ta = time_ms(1, N > 512 ? 1 : 3, N <= 512, [&](int) {
+                CUDA_OK(kiln_cuda_attention(g_s, out, q, k, v, N, 0, m.NH, m.KVH, m.HS, scale));
+            });
+            printf("%-14s %6d | %10.3f %8.2f | %12.3f %8.3f | %6.1fx\n", m.name, N, tf,
+                   flops / (tf * 1e-3) / 1e12, ta, flops / (ta * 1e-3) / 1e12, ta / tf);
+            CUDA_OK(cudaFree(q));
+            CUDA_OK(cudaFree(out));
+            CUDA_OK(cudaFree(k));
+            CUDA_OK(cudaFree(v));
+        }
+
+    printf("\ndecode (N 1, n_past ctx-1): time per call, GB/s of KV read = 8*ctx*KVH*HS / t\n");
+    printf("%-14s %6s %7s %6s | %10s %8s | %12s %8s | %7s\n", "shape", "ctx", "KV MB", "copies",
+           "fast us", "GB/s", "auditable us", "GB/s", "speedup");
+    const int ctxs[] = {512, 4096, 32768};
+    for (const model_shape &m : shapes)
+        for (int ctx : ctxs) {
+            if (quick && ctx > 4096) continue;
+            const size_t nq = (size_t)m.NH * m.HS, nkv = (size_t)ctx * m.KVH * m.HS;
+            const double kv_bytes = 2.0 * nkv * 4;
+            /* enough copies of (k, v) to exceed the L2 several times, at most 256 */
+            int copies = (int)ceil(4.0 * prop.l2CacheSize / kv_bytes);
+            copies = std::max(1, std::min(copies, 256));
+            float *q, *out, *kv;
+            CUDA_OK(cudaMalloc(&q, nq * 4));
+            CUDA_OK(cudaMalloc(&out, nq * 4));
+            CUDA_OK(cudaMalloc(&kv, 2 * nkv * copies * 4));
+            fill(q, nq, 4);
+            fill(kv, 2 * nkv * copies, 5);
+            const float scale = 1.0f / sqrtf((float)m.HS);
+            auto kc = [&](int i) { return kv + (size_t)(i % copies) * 2 * nkv; };
+            const double tf = time_ms(quick ? 50 : 200, 5, true, [&](int i) {
+                CUDA_OK(kiln_cuda_attention_fast(a, g_s, out, q, kc(i), kc(i) + nkv, 1, ctx - 1,
+                                                 m.NH, m.KVH, m.HS, scale));
+            });
+            const double ta = time_ms(ctx > 4096 ? 5 : 20, 5, true, [&](int i) {
+                CUDA_OK(kiln_cuda_attention(g_s, out, q, kc(i), kc(i) + nkv, 1, ctx - 1, m.NH,
+                                            m.KVH, m.HS, scale));
+            });
+            printf("%-14s %6d %7.1f %6d | %10.1f %8.0f | %12.1f %8.0f | %6.1fx\n", m.name, ctx,
+                   kv_bytes / 1e6, copies, tf * 1e3, kv_bytes / (tf * 1e-3) / 1e9, ta * 1e3,
+                   kv_bytes / (ta * 1e-3) / 1e9, ta / tf);
+            CUDA_OK(cudaFree(q));
+            CUDA_OK(cudaFree(out));
+            CUDA_OK(cudaFree(kv));
+        }
+    kiln_cuda_attn_free(a);
+    CUDA_OK(cudaEventDestroy(g_e0));
+    CUDA_OK(cudaEventDestroy(g_e1));
+    CUDA_OK(cudaStreamDestroy(g_s));
+    return 0;
+}
