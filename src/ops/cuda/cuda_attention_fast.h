@@ -10,9 +10,9 @@
  *     of KILN_ATTN_SPLIT keys; one block per (split, kv head, chunk of <= 16 query rows)
  *     writes each row's partial (max m, sum l, unnormalised acc(HS)) to the workspace, then a
  *     combine kernel merges a row's splits in increasing split order. f32 throughout,
- *     kiln_expf. Each row's arithmetic depends only on its own q, the keys and the split size
- *     (never on N, the grid or the other rows), so it is deterministic and a row of an N-token
- *     call has the bits of the same row computed alone.
+ *     kiln_expf. A row's operations are fixed by its q, its keys and the split size, never by
+ *     the grid, so the result is deterministic and kiln_cuda_attention_decode_dev (any B,
+ *     max_T) has the bits of this call with N = 1 (tested).
  *   - N > 8 and HS 64 or 128 (and q, k, v 16-byte aligned): flash attention on bf16 tensor
  *     cores (FlashAttention-2 style: a block per (64-row query tile, head), 4 warps of 16
  *     rows, key tiles of 64, online softmax in f32 with __expf, mma.sync m16n8k16 bf16 ->
