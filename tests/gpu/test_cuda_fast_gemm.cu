@@ -559,8 +559,7 @@ int main(int argc, char **argv) {
                     cudaGetErrorString(e), (void *)g);
             return 1;
         }
-        printf("no GPU: kiln_cuda_gemm_create refuses (%s: %s); skipped\n", cudaGetErrorString(e),
-               kiln_last_error());
+        printf("no GPU: kiln_cuda_gemm_create refuses (%s); skipped\n", kiln_last_error());
         return 77;
     }
 

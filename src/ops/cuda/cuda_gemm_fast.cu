@@ -37,25 +37,71 @@ static __device__ __forceinline__ uint16_t bf16_rne(float f) {
     return (uint16_t)(((uint64_t)u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* One thread per column c (blockIdx.x), rows r = blockIdx.y, + gridDim.y, ...: elementwise,
- * coalesced along the row. */
+/* The conversions are elementwise (so vectorising cannot change a bit). Thread t of block
+ * (bx, by) converts the run of VEC columns starting at c0 = (bx * CONV_THREADS + t) * VEC in
+ * rows by, by + gridDim.y, ...: one vector load and store when the run is whole and aligned,
+ * else element by element up to the last column. */
+#define F32_VEC 4 /* float4 in, 4 bf16 (8 bytes) out */
+#define W_VEC 8   /* 8 bf16 (16 bytes) out; divides every block size (32, 256) */
+
+static __device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) {
+    return (uint32_t)lo | ((uint32_t)hi << 16); /* little-endian: lo at the lower address */
+}
+
 static __global__ void f32_to_bf16_kernel(uint16_t *__restrict__ dst, int64_t ld_dst,
                                           const float *__restrict__ src, int64_t ld_src,
                                           int64_t rows, int64_t cols) {
-    const int64_t c = (int64_t)blockIdx.x * CONV_THREADS + threadIdx.x;
-    if (c >= cols) return;
-    for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
-        dst[r * ld_dst + c] = bf16_rne(src[r * ld_src + c]);
+    const int64_t c0 = ((int64_t)blockIdx.x * CONV_THREADS + threadIdx.x) * F32_VEC;
+    if (c0 >= cols) return;
+    for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+        const float *sp = src + r * ld_src + c0;
+        uint16_t *dp = dst + r * ld_dst + c0;
+        if (c0 + F32_VEC <= cols && ((uintptr_t)sp & 15u) == 0 && ((uintptr_t)dp & 7u) == 0) {
+            const float4 v = *(const float4 *)sp;
+            uint2 o;
+            o.x = pack2(bf16_rne(v.x), bf16_rne(v.y));
+            o.y = pack2(bf16_rne(v.z), bf16_rne(v.w));
+            *(uint2 *)dp = o;
+        } else {
+            for (int j = 0; j < F32_VEC && c0 + j < cols; j++) dp[j] = bf16_rne(sp[j]);
+        }
+    }
 }
 
 template <int DT>
 static __global__ void weights_to_bf16_kernel(uint16_t *__restrict__ dst, int64_t ld_dst,
                                               const uint8_t *__restrict__ w, size_t row_bytes,
                                               int64_t R, int64_t C) {
-    const int64_t c = (int64_t)blockIdx.x * CONV_THREADS + threadIdx.x;
-    if (c >= C) return;
-    for (int64_t r = blockIdx.y; r < R; r += gridDim.y)
-        dst[r * ld_dst + c] = bf16_rne(deq<DT>(w + (size_t)r * row_bytes, c));
+    static_assert(blk<DT>::BS == 1 || blk<DT>::BS % W_VEC == 0, "a run must lie in one block");
+    const int64_t c0 = ((int64_t)blockIdx.x * CONV_THREADS + threadIdx.x) * W_VEC;
+    if (c0 >= C) return;
+    for (int64_t r = blockIdx.y; r < R; r += gridDim.y) {
+        const uint8_t *row = w + (size_t)r * row_bytes;
+        uint16_t *dp = dst + r * ld_dst + c0;
+        if (c0 + W_VEC <= C) {
+            /* quantized: the run lies in one block (c0 % 8 == 0, BS % 8 == 0), so its header
+             * is loaded once for the 8 elements */
+            const uint8_t *b = row + (c0 / blk<DT>::BS) * blk<DT>::TS;
+            const int e0 = (int)(c0 % blk<DT>::BS);
+            uint16_t v[W_VEC];
+#pragma unroll
+            for (int j = 0; j < W_VEC; j++)
+                v[j] = bf16_rne(deq_blk<DT>(b, e0 + j)); /* plain: b = row + c0*TS, e0 = 0 */
+            if (((uintptr_t)dp & 15u) == 0) {
+                uint4 o;
+                o.x = pack2(v[0], v[1]);
+                o.y = pack2(v[2], v[3]);
+                o.z = pack2(v[4], v[5]);
+                o.w = pack2(v[6], v[7]);
+                *(uint4 *)dp = o;
+            } else {
+#pragma unroll
+                for (int j = 0; j < W_VEC; j++) dp[j] = v[j];
+            }
+        } else { /* the tail of a plain-type row */
+            for (int j = 0; j < W_VEC && c0 + j < C; j++) dp[j] = bf16_rne(deq<DT>(row, c0 + j));
+        }
+    }
 }
 
 /* out(rows, cols; ldd) += bias(cols), row by row: the bias path when cuBLASLt's epilogue has
@@ -69,9 +115,11 @@ static __global__ void add_bias_kernel(float *__restrict__ out, int64_t ldd,
     for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) out[r * ldd + c] = out[r * ldd + c] + b;
 }
 
-/* The grid of the three kernels above: columns over x, rows over y (strided past 65535). */
-static bool conv_grid(int64_t rows, int64_t cols, dim3 *grid) {
-    const int64_t gx = (cols + CONV_THREADS - 1) / CONV_THREADS;
+/* The grid of the kernels above for a (rows x cols) matrix, vec columns per thread: column
+ * runs over x, rows over y (strided past 65535). */
+static bool conv_grid(int64_t rows, int64_t cols, int vec, dim3 *grid) {
+    const int64_t per_block = (int64_t)CONV_THREADS * vec;
+    const int64_t gx = (cols + per_block - 1) / per_block;
     if (rows <= 0 || cols <= 0 || gx > 0x7fffffff) return false;
     *grid = dim3((unsigned)gx, (unsigned)(rows < GRID_Y_MAX ? rows : GRID_Y_MAX), 1);
     return true;
@@ -81,7 +129,8 @@ cudaError_t kiln_cuda_f32_to_bf16(cudaStream_t s, uint16_t *dst, int64_t ld_dst,
                                   int64_t ld_src, int64_t rows, int64_t cols) {
     if (rows <= 0 || cols <= 0) return cudaSuccess;
     dim3 grid;
-    if (!dst || !src || ld_dst < cols || ld_src < cols || !conv_grid(rows, cols, &grid))
+    if (!dst || !src || ld_dst < cols || ld_src < cols ||
+        !conv_grid(rows, cols, F32_VEC, &grid))
         return cudaErrorInvalidValue;
     f32_to_bf16_kernel<<<grid, CONV_THREADS, 0, s>>>(dst, ld_dst, src, ld_src, rows, cols);
     return cudaGetLastError();
@@ -102,7 +151,7 @@ cudaError_t kiln_cuda_weights_to_bf16(cudaStream_t s, uint16_t *dst, int64_t ld_
     if (!dst || !w || !tr || !kiln_cuda_dtype_supported(dt) || ld_dst < C ||
         C % tr->block_size != 0 ||
         row_bytes < (size_t)(C / tr->block_size) * (size_t)tr->type_size ||
-        !conv_grid(R, C, &grid))
+        !conv_grid(R, C, W_VEC, &grid))
         return cudaErrorInvalidValue;
     KILN_CUDA_DTYPE_SWITCH(dt, weights_launch, s, grid, dst, ld_dst, w, row_bytes, R, C);
     return cudaGetLastError();
@@ -521,7 +570,7 @@ static cudaError_t gemm_rowmajor(kiln_cuda_gemm *g, cudaStream_t s, int trans_a,
         return cudaErrorUnknown;
     if (bias && !p->epilogue_bias) {
         dim3 grid;
-        if (!conv_grid(M, N, &grid)) {
+        if (!conv_grid(M, N, 1, &grid)) {
             set_err(g, "bias: bad shape %lld x %lld", (long long)M, (long long)N);
             return cudaErrorInvalidValue;
         }
@@ -574,14 +623,23 @@ static cudaError_t linear_check(kiln_cuda_gemm *g, float *out, const void *x, co
     return cudaSuccess;
 }
 
-/* The linear after x is bf16 at xb (ldx): W converted into scratch at w_off unless bf16. */
+/* Whether a bf16 weight is used in place: rows start 16-byte aligned (the tensor-core
+ * kernels' vector loads; contiguous GGUF rows with C % 8 == 0 always are). Otherwise it is
+ * copied (exactly: bf16 -> f32 -> bf16 is the identity) into scratch with padded rows, rather
+ * than leaving cuBLASLt a layout it may have no fast (or no) algorithm for. */
+static bool bf16_in_place(kiln_dtype dt, const uint8_t *w, size_t row_bytes) {
+    return dt == KILN_DTYPE_BF16 && ((uintptr_t)w & 15u) == 0 && row_bytes % 16 == 0;
+}
+
+/* The linear after x is bf16 at xb (ldx): W converted into scratch at w_off unless it is
+ * bf16 used in place. */
 static cudaError_t linear_run(kiln_cuda_gemm *g, cudaStream_t s, float *out, const uint16_t *xb,
                               int64_t ldx, const uint8_t *w, size_t row_bytes, kiln_dtype dt,
                               int64_t R, int64_t C, const float *bias, int N, int accumulate,
                               size_t w_off) {
     const uint16_t *wb;
     int64_t ldw;
-    if (dt == KILN_DTYPE_BF16) {
+    if (bf16_in_place(dt, w, row_bytes)) {
         wb = (const uint16_t *)w;
         ldw = (int64_t)(row_bytes / 2);
     } else {
@@ -605,7 +663,7 @@ cudaError_t kiln_cuda_gemm_linear(kiln_cuda_gemm *g, cudaStream_t s, float *out,
     const int64_t ldx = padded_ld(C);
     size_t x_bytes = 0, w_bytes = 0;
     if (!region_bytes(N, ldx, &x_bytes) ||
-        (dt != KILN_DTYPE_BF16 && !region_bytes(R, padded_ld(C), &w_bytes))) {
+        (!bf16_in_place(dt, w, row_bytes) && !region_bytes(R, padded_ld(C), &w_bytes))) {
         set_err(g, "linear: shape too large (N %d, R %lld, C %lld)", N, (long long)R,
                 (long long)C);
         return cudaErrorInvalidValue;
@@ -632,7 +690,7 @@ cudaError_t kiln_cuda_gemm_linear_bf16(kiln_cuda_gemm *g, cudaStream_t s, float 
     }
     if (!device_ok(g)) return cudaErrorInvalidDevice;
     size_t w_bytes = 0;
-    if (dt != KILN_DTYPE_BF16) {
+    if (!bf16_in_place(dt, w, row_bytes)) {
         if (!region_bytes(R, padded_ld(C), &w_bytes)) {
             set_err(g, "linear_bf16: shape too large (R %lld, C %lld)", (long long)R,
                     (long long)C);

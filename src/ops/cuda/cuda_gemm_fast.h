@@ -71,9 +71,10 @@ const char *kiln_cuda_gemm_error(const kiln_cuda_gemm *g);
 
 /* Forward linear: out(N,R) = x(N,C) @ W(R,C)^T (+ bias(R)); accumulate != 0: out += that.
  * x f32 (row-major, contiguous) is rounded to bf16 into scratch; W (R rows of dtype dt,
- * row_bytes apart, any dtype kiln_cuda_dtype_supported accepts): BF16 is used in place (its
- * row_bytes must be even and at least 2*C), the others are dequantized and rounded to bf16
- * into scratch (C a multiple of the block size). bias may be NULL. out must not alias x or W.
+ * row_bytes apart, any dtype kiln_cuda_dtype_supported accepts): BF16 is used in place when
+ * W and row_bytes are multiples of 16 bytes (else copied into scratch; row_bytes must be even
+ * and at least 2*C), the others are dequantized and rounded to bf16 into scratch (C a
+ * multiple of the block size). bias may be NULL. out must not alias x or W.
  * Any N >= 1 (N <= 0 or R <= 0: nothing to do). Returns cudaSuccess; cudaErrorInvalidValue
  * for bad arguments, cudaErrorUnknown for a cuBLASLt failure, the CUDA error of a failed
  * allocation or launch; kiln_cuda_gemm_error says which. */
