@@ -7,6 +7,7 @@
 #include "generate.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 kiln_context_params kiln_context_default_params(void) {
@@ -54,6 +55,10 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
         st = kiln_backend_cpu_create_mode(p.n_threads, p.fast_q8_activations || p.fast, &c->be);
     }
     if (st == KILN_OK) st = kiln_forward_state_init(&c->fs, m, c->be, p.n_ctx, p.n_batch);
+    if (st == KILN_OK) {
+        const char *g = getenv("KILN_CUDA_GRAPHS");
+        c->graphs = c->fs.d_step != NULL && !(g && strcmp(g, "0") == 0);
+    }
     if (st == KILN_OK)
         st = kiln_alloc_or_fail((void **)&c->tokens, (size_t)p.n_ctx * sizeof(int32_t), "context token list");
     if (st != KILN_OK) {
@@ -66,6 +71,7 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
 
 void kiln_context_free(kiln_context *c) {
     if (!c) return;
+    if (c->graph) c->be->i->graph_free(c->be, c->graph);
     kiln_forward_state_free(&c->fs);
     kiln_free(c->tokens);
     kiln_backend_free(c->be);
@@ -99,6 +105,34 @@ static kiln_status logits_reserve(kiln_context *c, size_t n) {
     return KILN_OK;
 }
 
+/* One token through the recorded decode graph: upload (id, position), record the step on
+ * first use (or after the logits buffer moved), replay it, download the logits. Same bits as
+ * kiln_model_forward with N = 1. */
+static kiln_status decode_step_graph(kiln_context *c, int32_t id, float *logits) {
+    kiln_backend *be = c->be;
+    const kiln_model_config *cfg = &c->model->cfg;
+    size_t V = (size_t)cfg->n_vocab;
+    kiln_status st = logits_reserve(c, V);
+    if (st != KILN_OK) return st;
+    int32_t step[2] = {id, c->n_past};
+    st = kiln_backend_upload(be, c->fs.d_step, step, sizeof step);
+    if (st != KILN_OK) return st;
+    if (!c->graph || c->graph_logits != c->fs.logits) {
+        if (c->graph) be->i->graph_free(be, c->graph);
+        c->graph = NULL;
+        st = be->i->graph_begin(be, cfg->n_head, cfg->head_dim, c->fs.n_ctx);
+        if (st != KILN_OK) return st;
+        kiln_model_forward_step(c->model, be, &c->fs, c->fs.logits);
+        st = be->i->graph_end(be, &c->graph);
+        if (st != KILN_OK) return st;
+        c->graph_logits = c->fs.logits;
+    }
+    st = be->i->graph_launch(be, c->graph);
+    if (st != KILN_OK) return st;
+    return logits ? kiln_backend_download(be, logits, c->fs.logits, V * sizeof(float))
+                  : kiln_backend_status(be);
+}
+
 kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logits, float *logits) {
     if (!c || (!ids && n > 0)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode: NULL argument");
     if (n <= 0) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode: n must be > 0 (got %d)", n);
@@ -112,6 +146,12 @@ kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logi
         return kiln_error(KILN_ERR_RANGE,
                           "kiln_decode: %d tokens after %d cached ones exceed the context length %d",
                           n, c->n_past, c->fs.n_ctx);
+    if (n == 1 && c->graphs && c->warm) {
+        kiln_status st = decode_step_graph(c, ids[0], logits);
+        if (st != KILN_OK) return st;
+        c->tokens[c->n_past++] = ids[0];
+        return KILN_OK;
+    }
     for (int done = 0; done < n;) {
         int chunk = n - done < c->fs.n_batch ? n - done : c->fs.n_batch;
         int last = done + chunk == n;
@@ -137,6 +177,7 @@ kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logi
         memcpy(c->tokens + c->n_past, ids + done, (size_t)chunk * sizeof(int32_t));
         c->n_past += chunk;
         done += chunk;
+        c->warm = 1;
     }
     return KILN_OK;
 }

@@ -13,6 +13,13 @@ struct kiln_context {
     kiln_forward_state fs;
     int n_past;      /* tokens in the KV cache */
     int32_t *tokens; /* (n_ctx) the ids in the cache, for prefix reuse */
+    /* Decode graph (a backend with graphs, docs/CUDA.md): the one-token step recorded once
+     * and replayed; graph_logits is the logits buffer it writes (re-recorded if that buffer
+     * is regrown). graphs: whether to use them (env KILN_CUDA_GRAPHS=0 turns them off);
+     * warm: a forward has completed, so every weight is on the device. */
+    void *graph;
+    float *graph_logits;
+    int graphs, warm;
 };
 
 #endif

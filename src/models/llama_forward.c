@@ -89,10 +89,16 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
     size_t NB = (size_t)n_batch, T = (size_t)n_ctx;
     size_t tmp_w = C > KD ? C : KD;
     /* sizes in floats, each rounded up to 16 floats (64 bytes) */
+    /* a backend with decode graphs also gets the step's id/position (2 int32 in a 16-float
+     * slot) and one row of k and v */
+    int graphs = be->i->graph_begin && be->i->kv_store && be->i->attention_at;
+    size_t gk = graphs ? KD : 0, gs = graphs ? 2 : 0;
+    float *step_slot = NULL;
     size_t sizes[] = {L * T * KD, L * T * KD, T * HS / 2, T * HS / 2, NB * C, NB * C,
-                      NB * QD,    NB * QD,    NB * FF,    NB * FF,    NB * tmp_w};
+                      NB * QD,    NB * QD,    NB * FF,    NB * FF,    NB * tmp_w, gk, gk, gs};
     float **slots[] = {&fs->k_cache, &fs->v_cache, &fs->rope_cos, &fs->rope_sin, &fs->x, &fs->xb,
-                       &fs->q,       &fs->att,     &fs->hb,       &fs->hb2,      &fs->tmp};
+                       &fs->q,       &fs->att,     &fs->hb,       &fs->hb2,      &fs->tmp,
+                       &fs->k_row,   &fs->v_row,   &step_slot};
     size_t total = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         size_t s = (sizes[i] + 15) & ~(size_t)15;
@@ -118,9 +124,10 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
     fs->n_batch = n_batch;
     size_t off = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
-        *slots[i] = block + off;
+        *slots[i] = sizes[i] ? block + off : NULL;
         off += (sizes[i] + 15) & ~(size_t)15;
     }
+    fs->d_step = (int32_t *)(void *)step_slot;
     kiln_status st = KILN_OK;
     if (fs->host_memory) {
         kiln_rope_tables_fill(m, n_ctx, fs->rope_cos, fs->rope_sin);
@@ -197,23 +204,36 @@ void kiln_rope_tables_fill(const kiln_model *m, int n_ctx, float *cos_tab, float
     }
 }
 
-void kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
-                        const int32_t *ids, int N, int n_past, int all_logits, float *logits) {
+/* The forward of N tokens at positions n_past.. (step == 0), or of the one token whose id and
+ * position are in backend memory (step != 0: ids and n_past unused; k and v go through
+ * fs->k_row / v_row into the cache with kv_store, attention reads the position with
+ * attention_at), which gives the same bits. */
+static void forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
+                    const int32_t *ids, int N, int n_past, int all_logits, float *logits,
+                    int step) {
     const kiln_model_config *c = &m->cfg;
     const kiln_backend_i *op = be->i;
     int C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
     size_t QD = (size_t)NH * HS, KD = (size_t)KVH * HS;
     float eps = c->rms_eps;
     float scale = (float)(1.0 / sqrt((double)HS));
-    for (int n = 0; n < N; n++) fs->pos[n] = n_past + n;
+    const int32_t *pos = fs->pos;
+    if (step) {
+        N = 1;
+        ids = fs->d_step;
+        pos = fs->d_step + 1;
+    } else {
+        for (int n = 0; n < N; n++) fs->pos[n] = n_past + n;
+    }
 
     op->embed(be, fs->x, m->tok_embd, ids, N);
     for (int l = 0; l < c->n_layer; l++) {
         const kiln_layer_weights *w = &fs->layers[l];
         float *k_layer = fs->k_cache + (size_t)l * fs->n_ctx * KD; /* (n_ctx, KVH, HS) */
         float *v_layer = fs->v_cache + (size_t)l * fs->n_ctx * KD;
-        float *k_new = k_layer + (size_t)n_past * KD; /* (N, KVH, HS) rows of this batch */
-        float *v_new = v_layer + (size_t)n_past * KD;
+        /* (N, KVH, HS) rows of this batch: in the cache, or the step's rows stored below */
+        float *k_new = step ? fs->k_row : k_layer + (size_t)n_past * KD;
+        float *v_new = step ? fs->v_row : v_layer + (size_t)n_past * KD;
 
         /* attention block */
         op->rmsnorm(be, fs->xb, fs->x, w->attn_norm, N, C, eps);
@@ -222,9 +242,15 @@ void kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_stat
         op->matmul(be, v_new, fs->xb, w->wv, w->bv, N);
         if (w->q_norm) op->rmsnorm(be, fs->q, fs->q, w->q_norm, N * NH, HS, eps);
         if (w->k_norm) op->rmsnorm(be, k_new, k_new, w->k_norm, N * KVH, HS, eps);
-        op->rope(be, fs->q, fs->pos, N, NH, HS, fs->rope_cos, fs->rope_sin);
-        op->rope(be, k_new, fs->pos, N, KVH, HS, fs->rope_cos, fs->rope_sin);
-        op->attention(be, fs->att, fs->q, k_layer, v_layer, N, n_past, NH, KVH, HS, scale);
+        op->rope(be, fs->q, pos, N, NH, HS, fs->rope_cos, fs->rope_sin);
+        op->rope(be, k_new, pos, N, KVH, HS, fs->rope_cos, fs->rope_sin);
+        if (step) {
+            op->kv_store(be, k_layer, v_layer, k_new, v_new, pos, KD);
+            op->attention_at(be, fs->att, fs->q, k_layer, v_layer, pos, fs->n_ctx, NH, KVH, HS,
+                             scale);
+        } else {
+            op->attention(be, fs->att, fs->q, k_layer, v_layer, N, n_past, NH, KVH, HS, scale);
+        }
         op->matmul(be, fs->tmp, fs->att, w->wo, w->bo, N);
         op->add(be, fs->x, fs->tmp, (size_t)N * C);
 
@@ -245,4 +271,14 @@ void kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_stat
         op->rmsnorm(be, fs->xb, fs->x + (size_t)(N - 1) * C, fs->final_norm, 1, C, eps);
         op->matmul(be, logits, fs->xb, m->lm_head, NULL, 1);
     }
+}
+
+void kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
+                        const int32_t *ids, int N, int n_past, int all_logits, float *logits) {
+    forward(m, be, fs, ids, N, n_past, all_logits, logits, 0);
+}
+
+void kiln_model_forward_step(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
+                             float *logits) {
+    forward(m, be, fs, NULL, 1, 0, 0, logits, 1);
 }

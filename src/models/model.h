@@ -90,6 +90,11 @@ typedef struct kiln_forward_state {
     float *logits;
     size_t logits_cap;
     int host_memory; /* the backend's buffers are host memory (the cpu backend) */
+    /* Decode graphs (a backend with graph_begin): the step's token id and position in backend
+     * memory (d_step[0], d_step[1]), and one row of k and v before they are stored in the
+     * cache at that position. NULL when the backend has no graphs. */
+    int32_t *d_step;
+    float *k_row, *v_row; /* (KVH*HS) each */
 } kiln_forward_state;
 
 /* Allocate the state on backend be (which must outlive it): scratch and KV cache through
@@ -106,6 +111,15 @@ void kiln_forward_state_free(kiln_forward_state *fs);
  * a device backend's failure is reported by kiln_backend_status(be) afterwards. */
 void kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
                         const int32_t *ids, int N, int n_past, int all_logits, float *logits);
+
+/* The one-token decode step whose token id and position are read from backend memory
+ * (fs->d_step[0], fs->d_step[1]) rather than passed: the ops it submits do not depend on the
+ * position, so a backend can record them once as a graph (ops.h "decode graphs") and replay
+ * them for every token. Same bits as kiln_model_forward(N = 1, n_past = d_step[1]); logits of
+ * the token to logits (backend memory). Needs fs->d_step (a backend with kv_store and
+ * attention_at). */
+void kiln_model_forward_step(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
+                             float *logits);
 
 /* Fill rope tables for positions [0, n_ctx) per the config (default, linear, llama3,
  * GGUF rope_freqs factors). */

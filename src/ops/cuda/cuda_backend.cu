@@ -15,6 +15,10 @@
  *     status/upload/download return that error with its message until the backend is freed.
  */
 #include "cuda_internal.h"
+#include "cuda_attention_fast.h"
+#include "cuda_backward.h"
+#include "cuda_gemm_fast.h"
+#include "cuda_matvec_fast.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -35,6 +39,8 @@ typedef struct cuda_ctx {
     int32_t *ints; /* staging for host ids / pos */
     size_t cap_ints;
     bool fast; /* fast arithmetic (docs/CUDA.md, "Fast mode") instead of auditable */
+    kiln_cuda_gemm *gemm; /* fast mode: cuBLASLt state, made on first use */
+    kiln_cuda_attn *attn; /* fast mode: split-key decode workspace, made on first use */
 } cuda_ctx;
 
 static cuda_ctx *ctx_of(kiln_backend *be) { return (cuda_ctx *)be->ctx; }
@@ -216,8 +222,23 @@ static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_t
     size_t rb = row_bytes_of(W->dtype, C);
     const uint8_t *w = weight_dev(c, W->data, (size_t)R * rb, W->name);
     if (!w) return;
-    after_launch(c, kiln_cuda_matmul(c->stream, out, x, w, rb, W->dtype, R, C, bias, N),
-                 "matmul");
+    if (!c->fast) {
+        after_launch(c, kiln_cuda_matmul(c->stream, out, x, w, rb, W->dtype, R, C, bias, N),
+                     "matmul");
+    } else if (N <= 8) {
+        /* decode: fixed-order f32 matrix-vector kernels straight on the quantized blocks */
+        after_launch(c, kiln_cuda_matvec_fast(c->stream, out, x, w, rb, W->dtype, R, C, bias, N, 0),
+                     "matmul (fast matvec)");
+    } else {
+        /* prefill: bf16 tensor cores through cuBLASLt, one fixed algorithm per shape */
+        if (!c->gemm && !CK(c, kiln_cuda_gemm_create(c->device, &c->gemm))) return;
+        cudaError_t e = kiln_cuda_gemm_linear(c->gemm, c->stream, out, x, w, rb, W->dtype, R, C,
+                                              bias, N, 0);
+        if (e != cudaSuccess)
+            poison(c, KILN_ERR_INTERNAL, "matmul (fast gemm) '%s' %lld x %lld, %d tokens: %s (%s)",
+                   W->name ? W->name : "?", (long long)R, (long long)C, N,
+                   kiln_cuda_gemm_error(c->gemm), cudaGetErrorName(e));
+    }
 }
 
 static void cu_rope(kiln_backend *be, float *x, const int32_t *pos, int N, int H, int HS,
@@ -238,9 +259,22 @@ static void cu_attention(kiln_backend *be, float *out, const float *q, const flo
         poison(c, KILN_ERR_UNSUPPORTED, "attention: head size %d > %d", HS, KILN_CUDA_MAX_HS);
         return;
     }
+    if (!c->fast) {
+        after_launch(c,
+                     kiln_cuda_attention(c->stream, out, q, k, v, N, n_past, NH, KVH, HS, scale),
+                     "attention");
+        return;
+    }
+    if (HS > KILN_ATTN_FAST_MAX_HS) {
+        poison(c, KILN_ERR_UNSUPPORTED, "attention (fast): head size %d > %d", HS,
+               KILN_ATTN_FAST_MAX_HS);
+        return;
+    }
+    if (!c->attn && !CK(c, kiln_cuda_attn_create(&c->attn))) return;
     after_launch(c,
-                 kiln_cuda_attention(c->stream, out, q, k, v, N, n_past, NH, KVH, HS, scale),
-                 "attention");
+                 kiln_cuda_attention_fast(c->attn, c->stream, out, q, k, v, N, n_past, NH, KVH,
+                                          HS, scale),
+                 "attention (fast)");
 }
 
 static void cu_swiglu(kiln_backend *be, float *out, const float *gate, const float *up,
@@ -254,6 +288,156 @@ static void cu_add(kiln_backend *be, float *x, const float *y, size_t n) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
     after_launch(c, kiln_cuda_add(c->stream, x, y, n), "add");
+}
+
+/* ---- decode graphs ------------------------------------------------------------------------- */
+
+static void cu_kv_store(kiln_backend *be, float *k_cache, float *v_cache, const float *k_row,
+                        const float *v_row, const int32_t *pos, size_t row_floats) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_kv_store(c->stream, k_cache, v_cache, k_row, v_row, pos, row_floats),
+                 "kv_store");
+}
+
+static void cu_attention_at(kiln_backend *be, float *out, const float *q, const float *k,
+                            const float *v, const int32_t *pos, int max_T, int NH, int KVH,
+                            int HS, float scale) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    if (!c->fast) {
+        if (HS > KILN_CUDA_MAX_HS) {
+            poison(c, KILN_ERR_UNSUPPORTED, "attention: head size %d > %d", HS, KILN_CUDA_MAX_HS);
+            return;
+        }
+        after_launch(c, kiln_cuda_attention_at(c->stream, out, q, k, v, pos, NH, KVH, HS, scale),
+                     "attention_at");
+        return;
+    }
+    if (!c->attn) { /* graph_begin makes it; outside a graph make it now */
+        if (!CK(c, kiln_cuda_attn_create(&c->attn))) return;
+    }
+    after_launch(c,
+                 kiln_cuda_attention_decode_dev(c->attn, c->stream, out, q, k, v, 1, 0, pos, max_T,
+                                                NH, KVH, HS, scale),
+                 "attention_at (fast)");
+}
+
+static kiln_status cu_graph_begin(kiln_backend *be, int NH, int HS, int max_T) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return kiln_error(c->err, "%s", c->msg);
+    if (c->fast) { /* the split-key workspace, sized before recording (no allocation inside) */
+        if (!c->attn && !CK(c, kiln_cuda_attn_create(&c->attn))) return c->err;
+        if (!CK(c, kiln_cuda_attn_reserve(c->attn, 1, 1, NH, HS, max_T))) return c->err;
+    }
+    if (!CK(c, cudaStreamSynchronize(c->stream)) ||
+        !CK(c, cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal)))
+        return c->err;
+    return KILN_OK;
+}
+
+static kiln_status cu_graph_end(kiln_backend *be, void **graph) {
+    cuda_ctx *c = ctx_of(be);
+    *graph = NULL;
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(c->stream, &g); /* always end a capture begun */
+    if (c->err != KILN_OK) { /* an op failed while recording */
+        if (g) cudaGraphDestroy(g);
+        return kiln_error(c->err, "%s", c->msg);
+    }
+    if (!check(c, e, "cudaStreamEndCapture")) return c->err;
+    cudaGraphExec_t x = NULL;
+    e = cudaGraphInstantiate(&x, g, 0);
+    cudaGraphDestroy(g);
+    if (!check(c, e, "cudaGraphInstantiate")) return c->err;
+    *graph = (void *)x;
+    return KILN_OK;
+}
+
+static kiln_status cu_graph_launch(kiln_backend *be, void *graph) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return kiln_error(c->err, "%s", c->msg);
+    if (!CK(c, cudaGraphLaunch((cudaGraphExec_t)graph, c->stream))) return c->err;
+    return KILN_OK;
+}
+
+static void cu_graph_free(kiln_backend *be, void *graph) {
+    cuda_ctx *c = ctx_of(be);
+    if (!graph) return;
+    cudaSetDevice(c->device);
+    cudaStreamSynchronize(c->stream);
+    cudaGraphExecDestroy((cudaGraphExec_t)graph);
+}
+
+/* ---- backward ops (auditable: the CPU's bits; cuda_backward.cu) ------------------------------ */
+
+static void cu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *dbias,
+                               const float *dy, const float *x, const kiln_tensor *W, int N,
+                               bool accumulate_dx) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    if (!kiln_cuda_backward_dtype_supported(W->dtype)) {
+        poison(c, KILN_ERR_UNSUPPORTED, "matmul_backward: weight '%s': dtype %s",
+               W->name ? W->name : "?", kiln_dtype_name(W->dtype));
+        return;
+    }
+    int64_t C = W->shape[W->n_dims - 1];
+    int64_t R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
+    size_t rb = row_bytes_of(W->dtype, C);
+    const uint8_t *w = weight_dev(c, W->data, (size_t)R * rb, W->name);
+    if (!w) return;
+    after_launch(c, kiln_cuda_matmul_backward(c->stream, dx, dW, dbias, dy, x, w, rb, W->dtype,
+                                              R, C, N, accumulate_dx),
+                 "matmul_backward");
+}
+
+static void cu_rmsnorm_backward(kiln_backend *be, float *dx, float *dw, const float *dy,
+                                const float *x, const float *w, int N, int C, float eps,
+                                float *rstd, bool accumulate_dx) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    after_launch(c, kiln_cuda_rmsnorm_backward(c->stream, dx, dw, dy, x, w, N, C, eps, rstd,
+                                               accumulate_dx),
+                 "rmsnorm_backward");
+}
+
+static void cu_rope_backward(kiln_backend *be, float *d, const int32_t *pos, int N, int H,
+                             int HS, const float *cos_tab, const float *sin_tab) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    const int32_t *d_pos = ints_dev(c, pos, (size_t)N);
+    if (!d_pos) return;
+    after_launch(c, kiln_cuda_rope_backward(c->stream, d, d_pos, N, H, HS, cos_tab, sin_tab),
+                 "rope_backward");
+}
+
+static void cu_attention_backward(kiln_backend *be, float *dq, float *dk, float *dv,
+                                  const float *dout, const float *q, const float *k,
+                                  const float *v, const float *out, float *ws, int N,
+                                  int n_past, int NH, int KVH, int HS, float scale) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    after_launch(c, kiln_cuda_attention_backward(c->stream, dq, dk, dv, dout, q, k, v, out, ws,
+                                                 N, n_past, NH, KVH, HS, scale),
+                 "attention_backward");
+}
+
+static void cu_swiglu_backward(kiln_backend *be, float *dgate, float *dup, const float *dout,
+                               const float *gate, const float *up, size_t n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_swiglu_backward(c->stream, dgate, dup, dout, gate, up, n),
+                 "swiglu_backward");
+}
+
+static void cu_embed_backward(kiln_backend *be, float *dtable, const float *dy,
+                              const int32_t *ids, int N, int V, int C) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    const int32_t *d_ids = ints_dev(c, ids, (size_t)N);
+    if (!d_ids) return;
+    after_launch(c, kiln_cuda_embed_backward(c->stream, dtable, dy, d_ids, N, V, C),
+                 "embed_backward");
 }
 
 /* ---- memory -------------------------------------------------------------------------------- */
@@ -319,7 +503,12 @@ static bool cu_supports_op(const kiln_backend *be, kiln_op op, kiln_dtype wtype)
     case KILN_OP_RMSNORM: case KILN_OP_ROPE: case KILN_OP_ATTENTION: case KILN_OP_SWIGLU:
     case KILN_OP_ADD:
         return true;
-    default: /* backward ops: not on the GPU yet */
+    case KILN_OP_MATMUL_BACKWARD:
+        return kiln_cuda_backward_dtype_supported(wtype);
+    case KILN_OP_RMSNORM_BACKWARD: case KILN_OP_ROPE_BACKWARD: case KILN_OP_ATTENTION_BACKWARD:
+    case KILN_OP_SWIGLU_BACKWARD: case KILN_OP_EMBED_BACKWARD:
+        return true;
+    default:
         return false;
     }
 }
@@ -332,6 +521,8 @@ static void cu_free(kiln_backend *be) {
         for (size_t k = 0; k < c->n_weights; k++) cudaFree(c->weights[k].dev);
         kiln_free(c->weights);
         if (c->ints) cudaFree(c->ints);
+        kiln_cuda_gemm_free(c->gemm);
+        kiln_cuda_attn_free(c->attn);
         if (c->stream) cudaStreamDestroy(c->stream);
         kiln_free(c);
     }
@@ -349,18 +540,23 @@ static const kiln_backend_i cuda_iface = {
     /* .attention = */ cu_attention,
     /* .swiglu = */ cu_swiglu,
     /* .add = */ cu_add,
-    /* backward: supports_op says no */
-    /* .matmul_backward = */ NULL,
-    /* .rmsnorm_backward = */ NULL,
-    /* .rope_backward = */ NULL,
-    /* .attention_backward = */ NULL,
-    /* .swiglu_backward = */ NULL,
-    /* .embed_backward = */ NULL,
+    /* .matmul_backward = */ cu_matmul_backward,
+    /* .rmsnorm_backward = */ cu_rmsnorm_backward,
+    /* .rope_backward = */ cu_rope_backward,
+    /* .attention_backward = */ cu_attention_backward,
+    /* .swiglu_backward = */ cu_swiglu_backward,
+    /* .embed_backward = */ cu_embed_backward,
     /* .alloc = */ cu_alloc,
     /* .free_buf = */ cu_free_buf,
     /* .upload = */ cu_upload,
     /* .download = */ cu_download,
     /* .status = */ cu_status,
+    /* .kv_store = */ cu_kv_store,
+    /* .attention_at = */ cu_attention_at,
+    /* .graph_begin = */ cu_graph_begin,
+    /* .graph_end = */ cu_graph_end,
+    /* .graph_launch = */ cu_graph_launch,
+    /* .graph_free = */ cu_graph_free,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {

@@ -37,6 +37,14 @@ cudaError_t kiln_cuda_rope(cudaStream_t s, float *x, const int32_t *pos, int N, 
 cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, const float *k,
                                 const float *v, int N, int n_past, int NH, int KVH, int HS,
                                 float scale);
+/* attention for one query token at position *d_n_past (device memory): the bits of
+ * kiln_cuda_attention with N = 1 and that n_past (decode graphs). */
+cudaError_t kiln_cuda_attention_at(cudaStream_t s, float *out, const float *q, const float *k,
+                                   const float *v, const int32_t *d_n_past, int NH, int KVH,
+                                   int HS, float scale);
+/* k_cache/v_cache row *d_pos (device) = k_row/v_row, row_floats each. */
+cudaError_t kiln_cuda_kv_store(cudaStream_t s, float *k_cache, float *v_cache, const float *k_row,
+                               const float *v_row, const int32_t *d_pos, size_t row_floats);
 cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, const float *up,
                              size_t n);
 cudaError_t kiln_cuda_add(cudaStream_t s, float *x, const float *y, size_t n);

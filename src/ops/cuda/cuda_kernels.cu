@@ -239,8 +239,9 @@ cudaError_t kiln_cuda_rope(cudaStream_t s, float *x, const int32_t *pos, int N, 
 
 static __global__ void __launch_bounds__(ATTN_THREADS)
 attention_kernel(float *__restrict__ out, const float *__restrict__ q,
-                 const float *__restrict__ kc, const float *__restrict__ vc, int n_past, int NH,
-                 int KVH, int HS, float scale) {
+                 const float *__restrict__ kc, const float *__restrict__ vc, int n_past,
+                 const int32_t *__restrict__ d_n_past, int NH, int KVH, int HS, float scale) {
+    if (d_n_past) n_past = *d_n_past; /* decode graphs: the position lives on the device */
     extern __shared__ float sm[];
     float *qs = sm;             /* (HS) */
     float *acc = sm + HS;       /* (HS) */
@@ -308,7 +309,39 @@ cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, cons
     if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0) return cudaErrorInvalidValue;
     size_t smem = (size_t)2 * HS * sizeof(float);
     attention_kernel<<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
-        out, q, k, v, n_past, NH, KVH, HS, scale);
+        out, q, k, v, n_past, NULL, NH, KVH, HS, scale);
+    return cudaGetLastError();
+}
+
+cudaError_t kiln_cuda_attention_at(cudaStream_t s, float *out, const float *q, const float *k,
+                                   const float *v, const int32_t *d_n_past, int NH, int KVH,
+                                   int HS, float scale) {
+    if (NH <= 0 || HS <= 0) return cudaSuccess;
+    if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0 || !d_n_past)
+        return cudaErrorInvalidValue;
+    size_t smem = (size_t)2 * HS * sizeof(float);
+    attention_kernel<<<(unsigned)NH, ATTN_THREADS, smem, s>>>(out, q, k, v, 0, d_n_past, NH, KVH,
+                                                              HS, scale);
+    return cudaGetLastError();
+}
+
+/* k_cache/v_cache row *pos = k_row/v_row: plain copies (no arithmetic). */
+static __global__ void kv_store_kernel(float *__restrict__ kc, float *__restrict__ vc,
+                                       const float *__restrict__ kr, const float *__restrict__ vr,
+                                       const int32_t *__restrict__ pos, size_t n) {
+    const size_t off = (size_t)*pos * n;
+    for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
+         u += (size_t)gridDim.x * blockDim.x) {
+        kc[off + u] = kr[u];
+        vc[off + u] = vr[u];
+    }
+}
+
+cudaError_t kiln_cuda_kv_store(cudaStream_t s, float *k_cache, float *v_cache, const float *k_row,
+                               const float *v_row, const int32_t *d_pos, size_t row_floats) {
+    if (row_floats == 0) return cudaSuccess;
+    unsigned blocks = (unsigned)((row_floats + 255) / 256);
+    kv_store_kernel<<<blocks, 256, 0, s>>>(k_cache, v_cache, k_row, v_row, d_pos, row_floats);
     return cudaGetLastError();
 }
 
