@@ -31,8 +31,10 @@
  *     NONE, COMPUTE_TYPE and OUTPUT_TYPE (partial sums in the workspace, summed in a separate
  *     fixed step) and excludes INPLACE (partials summed through the output buffer guarded by
  *     counters), so no result depends on which thread block finishes first and C == D
- *     (accumulate) never meets a reduction through D. No atomics are enabled (the atomic-sync
- *     attributes of the matmul descriptor stay at their default, off);
+ *     (accumulate) never meets a reduction through D (only if the heuristic offers nothing
+ *     under that mask is INPLACE allowed: still ordered, "counters guarantee the
+ *     sequentiality", cublasLt.h). No atomics are enabled (the atomic-sync attributes of the
+ *     matmul descriptor stay at their default, off);
  *   - our own conversion kernels are elementwise (one thread per element, no reduction).
  * Different pointer alignments may select a different algorithm, hence different bits: buffers
  * at the same alignment (e.g. backend allocations, 64+ bytes) always give the same bits.
