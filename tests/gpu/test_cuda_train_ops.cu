@@ -1,0 +1,628 @@
+/*
+ * test_cuda_train_ops.cu -- AdamW and the fused linear cross-entropy on the CUDA backend
+ * against the CPU reference, bit for bit (auditable mode).
+ *
+ *   AdamW: every storage combination (4 weight variants x 2 moment variants), parameters of
+ *   odd sizes, a weight-decay map with an excluded parameter, 5 steps with fresh random
+ *   gradients, grad_norm and clip_grads (clipping active) each step: norms, total, coef,
+ *   clipped gradients, weights, moments, master, compensation and the saved state equal to a
+ *   CPU optimizer fed the same data; GPU state -> CPU optimizer and CPU state -> GPU optimizer,
+ *   then both continue: equal; a NaN gradient: the same refusal and nothing changed.
+ *   Fused CE: V 1000 (H 64 and 896) and 151936, N 1/7/64, chunk 0/300, MEAN/SUM, masks,
+ *   targets -100, dh overwrite/accumulate, dW, row_loss, row_stats_out then row_stats_in,
+ *   f32 and bf16 weights: every output memcmp-equal to the CPU; the same errors.
+ *
+ * Usage: test_cuda_train_ops [--no-big] [--seed N]. Exit 0 all OK, 1 on a mismatch, 77
+ * without a GPU (after the checks that need none).
+ */
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+extern "C" {
+#include "base/tensor.h"
+#include "ops/ops.h"
+#include "train/adamw.h"
+#include "train/fused_ce.h"
+}
+
+static int g_fail = 0;
+static uint64_t g_rng = 0x1234567ull;
+
+static uint64_t rnd64() {
+    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static float rndu() { return (float)((rnd64() >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f; }
+
+#define FAIL(...)                                                                              \
+    do {                                                                                       \
+        g_fail++;                                                                              \
+        fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                                   \
+        fprintf(stderr, __VA_ARGS__);                                                          \
+        fputc('\n', stderr);                                                                   \
+    } while (0)
+
+#define OK_OR_FAIL(expr)                                                                       \
+    do {                                                                                       \
+        kiln_status s_ = (expr);                                                               \
+        if (s_ != KILN_OK) FAIL("%s: %s: %s", #expr, kiln_status_string(s_), kiln_last_error()); \
+    } while (0)
+
+/* Bytes equal; reports the first differing element (elem bytes each). */
+static bool same_bytes(const void *a, const void *b, size_t nbytes, size_t elem, const char *what) {
+    if (memcmp(a, b, nbytes) == 0) return true;
+    const uint8_t *x = (const uint8_t *)a, *y = (const uint8_t *)b;
+    size_t i = 0;
+    while (i < nbytes && x[i] == y[i]) i++;
+    size_t e = i / elem;
+    if (elem == 4) {
+        float fa, fb;
+        memcpy(&fa, x + e * 4, 4);
+        memcpy(&fb, y + e * 4, 4);
+        uint32_t ua, ub;
+        memcpy(&ua, x + e * 4, 4);
+        memcpy(&ub, y + e * 4, 4);
+        FAIL("%s: element %zu differs: gpu %.9g (0x%08x) cpu %.9g (0x%08x)", what, e, (double)fa,
+             ua, (double)fb, ub);
+    } else {
+        FAIL("%s: element %zu (byte %zu) differs: gpu 0x%02x cpu 0x%02x", what, e, i, x[i], y[i]);
+    }
+    return false;
+}
+
+static bool same_f(float a, float b, const char *what) {
+    uint32_t ua, ub;
+    memcpy(&ua, &a, 4);
+    memcpy(&ub, &b, 4);
+    if (ua == ub) return true;
+    FAIL("%s: gpu %.9g (0x%08x) cpu %.9g (0x%08x)", what, (double)a, ua, (double)b, ub);
+    return false;
+}
+
+static kiln_backend *g_gpu = nullptr, *g_cpu = nullptr;
+
+static void *dalloc(size_t n) {
+    void *p = kiln_backend_alloc(g_gpu, n);
+    if (!p) {
+        fprintf(stderr, "device allocation of %zu bytes failed: %s\n", n, kiln_last_error());
+        exit(1);
+    }
+    return p;
+}
+static void up(void *d, const void *h, size_t n) { OK_OR_FAIL(kiln_backend_upload(g_gpu, d, h, n)); }
+static void down(void *h, const void *d, size_t n) {
+    OK_OR_FAIL(kiln_backend_download(g_gpu, h, d, n));
+}
+
+/* ---- AdamW --------------------------------------------------------------------------------- */
+
+static kiln_status vec_writer(void *ctx, const void *data, size_t n) {
+    std::vector<uint8_t> *v = (std::vector<uint8_t> *)ctx;
+    v->insert(v->end(), (const uint8_t *)data, (const uint8_t *)data + n);
+    return KILN_OK;
+}
+
+struct AdamSide {
+    std::vector<std::vector<uint8_t>> w;  /* host weights (CPU side) */
+    std::vector<std::vector<float>> g;    /* host grads (CPU side) */
+    std::vector<void *> dw;               /* device weights (GPU side) */
+    std::vector<float *> dg;              /* device grads (GPU side) */
+};
+
+static const int64_t kSizes[] = {1, 255, 256, 257, 10000};
+static const char *kNames[] = {"model.layers.0.attn.q.weight", "model.layers.0.attn.q.bias",
+                               "model.layers.0.mlp.w256", "model.layers.0.input_layernorm.weight",
+                               "model.embed_tokens.weight"};
+static const int kP = 5;
+
+/* Compare everything of the two optimizers (and their weights); tag names the point. */
+static void adam_compare(kiln_adamw *gpu, kiln_adamw *cpu, AdamSide &G, AdamSide &C, int bf16,
+                         const kiln_adamw_config &cfg, const char *tag) {
+    char what[256];
+    for (int i = 0; i < kP; i++) {
+        int64_t n = kSizes[i];
+        size_t wb = (size_t)n * (bf16 ? 2 : 4);
+        std::vector<uint8_t> hw(wb);
+        down(hw.data(), G.dw[i], wb);
+        snprintf(what, sizeof what, "%s: weights of '%s'", tag, kNames[i]);
+        same_bytes(hw.data(), C.w[i].data(), wb, bf16 ? 2 : 4, what);
+        std::vector<float> gm(n), gv(n), cm(n), cv(n);
+        OK_OR_FAIL(kiln_adamw_get_moments(gpu, i, gm.data(), gv.data()));
+        OK_OR_FAIL(kiln_adamw_get_moments(cpu, i, cm.data(), cv.data()));
+        snprintf(what, sizeof what, "%s: m of '%s'", tag, kNames[i]);
+        same_bytes(gm.data(), cm.data(), (size_t)n * 4, 4, what);
+        snprintf(what, sizeof what, "%s: v of '%s'", tag, kNames[i]);
+        same_bytes(gv.data(), cv.data(), (size_t)n * 4, 4, what);
+        const float *gms = kiln_adamw_master(gpu, i), *cms = kiln_adamw_master(cpu, i);
+        if ((gms == nullptr) != (cms == nullptr) ||
+            (cfg.weights == KILN_ADAMW_BF16_MASTER) != (cms != nullptr))
+            FAIL("%s: master presence differs for '%s'", tag, kNames[i]);
+        else if (gms) {
+            snprintf(what, sizeof what, "%s: master of '%s'", tag, kNames[i]);
+            same_bytes(gms, cms, (size_t)n * 4, 4, what);
+        }
+        const uint16_t *gc = kiln_adamw_compensation(gpu, i), *cc = kiln_adamw_compensation(cpu, i);
+        if ((gc == nullptr) != (cc == nullptr) ||
+            (cfg.weights == KILN_ADAMW_BF16_KAHAN) != (cc != nullptr))
+            FAIL("%s: compensation presence differs for '%s'", tag, kNames[i]);
+        else if (gc) {
+            snprintf(what, sizeof what, "%s: compensation of '%s'", tag, kNames[i]);
+            same_bytes(gc, cc, (size_t)n * 2, 2, what);
+        }
+    }
+    if (kiln_adamw_get_step(gpu) != kiln_adamw_get_step(cpu))
+        FAIL("%s: step %lld vs %lld", tag, (long long)kiln_adamw_get_step(gpu),
+             (long long)kiln_adamw_get_step(cpu));
+}
+
+/* Fresh random gradients (scale varies per parameter so that the norms differ). */
+static void adam_new_grads(AdamSide &G, AdamSide &C, int step) {
+    for (int i = 0; i < kP; i++) {
+        float sc = 0.05f * (float)(i + 1) * (float)(step + 1);
+        for (auto &x : C.g[i]) x = rndu() * sc;
+        up(G.dg[i], C.g[i].data(), C.g[i].size() * 4);
+    }
+}
+
+/* One clip + step on both, with every check. */
+static void adam_step_both(kiln_adamw *gpu, kiln_adamw *cpu, AdamSide &G, AdamSide &C, int bf16,
+                           const kiln_adamw_config &cfg, const char *tag, int step) {
+    char what[256];
+    /* grad_norm */
+    float gn[kP], cn[kP], gt = 0, ct = 0, gsq = 0, csq = 0;
+    OK_OR_FAIL(kiln_adamw_grad_norm(gpu, nullptr, gn, &gt, &gsq));
+    OK_OR_FAIL(kiln_adamw_grad_norm(cpu, nullptr, cn, &ct, &csq));
+    snprintf(what, sizeof what, "%s step %d: per-tensor norms", tag, step);
+    same_bytes(gn, cn, sizeof gn, 4, what);
+    snprintf(what, sizeof what, "%s step %d: total norm", tag, step);
+    same_f(gt, ct, what);
+    snprintf(what, sizeof what, "%s step %d: grad_sq_norm", tag, step);
+    same_f(gsq, csq, what);
+    /* clip with a max_norm small enough to clip */
+    double max_norm = 0.5 * (double)ct;
+    float gtn = 0, ctn = 0, gcoef = 0, ccoef = 0;
+    OK_OR_FAIL(kiln_adamw_clip_grads(gpu, nullptr, max_norm, &gtn, &gcoef));
+    OK_OR_FAIL(kiln_adamw_clip_grads(cpu, nullptr, max_norm, &ctn, &ccoef));
+    snprintf(what, sizeof what, "%s step %d: clip total", tag, step);
+    same_f(gtn, ctn, what);
+    snprintf(what, sizeof what, "%s step %d: clip coef", tag, step);
+    same_f(gcoef, ccoef, what);
+    if (!(ccoef < 1.0f)) FAIL("%s step %d: clipping inactive (coef %g)", tag, step, (double)ccoef);
+    for (int i = 0; i < kP; i++) {
+        std::vector<float> hg(kSizes[i]);
+        down(hg.data(), G.dg[i], hg.size() * 4);
+        snprintf(what, sizeof what, "%s step %d: clipped grad of '%s'", tag, step, kNames[i]);
+        same_bytes(hg.data(), C.g[i].data(), hg.size() * 4, 4, what);
+    }
+    OK_OR_FAIL(kiln_adamw_step(gpu, nullptr));
+    OK_OR_FAIL(kiln_adamw_step(cpu, nullptr));
+    snprintf(what, sizeof what, "%s step %d", tag, step);
+    adam_compare(gpu, cpu, G, C, bf16, cfg, what);
+    (void)bf16;
+}
+
+static void adam_make_side(AdamSide &S, int bf16, bool device, const AdamSide *from) {
+    S.w.resize(kP);
+    S.g.resize(kP);
+    S.dw.assign(kP, nullptr);
+    S.dg.assign(kP, nullptr);
+    for (int i = 0; i < kP; i++) {
+        int64_t n = kSizes[i];
+        size_t wb = (size_t)n * (bf16 ? 2 : 4);
+        S.w[i].resize(wb);
+        S.g[i].assign(n, 0.0f);
+        if (from) {
+            S.w[i] = from->w[i];
+        } else {
+            for (int64_t e = 0; e < n; e++) {
+                float x = rndu() * 0.5f;
+                if (bf16) {
+                    uint16_t b = kiln_fp32_to_bf16(x);
+                    memcpy(S.w[i].data() + 2 * e, &b, 2);
+                } else {
+                    memcpy(S.w[i].data() + 4 * e, &x, 4);
+                }
+            }
+        }
+        if (device) {
+            S.dw[i] = dalloc(wb);
+            S.dg[i] = (float *)dalloc((size_t)n * 4);
+            up(S.dw[i], S.w[i].data(), wb);
+            up(S.dg[i], S.g[i].data(), (size_t)n * 4);
+        }
+    }
+}
+
+static void adam_free_side(AdamSide &S) {
+    for (auto p : S.dw) kiln_backend_free_buf(g_gpu, p);
+    for (auto p : S.dg) kiln_backend_free_buf(g_gpu, p);
+    S.dw.clear();
+    S.dg.clear();
+}
+
+static std::vector<kiln_adamw_param> adam_params(AdamSide &S, bool device) {
+    std::vector<kiln_adamw_param> ps(kP);
+    for (int i = 0; i < kP; i++) {
+        ps[i].name = kNames[i];
+        ps[i].n = kSizes[i];
+        ps[i].weights = device ? S.dw[i] : (void *)S.w[i].data();
+        ps[i].grad = device ? S.dg[i] : S.g[i].data();
+    }
+    return ps;
+}
+
+static void test_adamw_case(kiln_adamw_weights wk, kiln_adamw_moments mk) {
+    const int fails0 = g_fail;
+    const int bf16 = wk != KILN_ADAMW_F32;
+    kiln_adamw_decay_rule rules[1] = {{"model.layers.0.mlp.w256", 0}};
+    kiln_adamw_config cfg = kiln_adamw_default_config();
+    cfg.lr = 1e-2;
+    cfg.weight_decay = 0.1;
+    cfg.weights = wk;
+    cfg.moments = mk;
+    cfg.seed = 4242;
+    cfg.decay_map = rules;
+    cfg.n_decay_map = 1;
+    char tag[128];
+    snprintf(tag, sizeof tag, "adamw w%d m%d", (int)wk, (int)mk);
+
+    AdamSide C, G;
+    adam_make_side(C, bf16, false, nullptr);
+    adam_make_side(G, bf16, true, &C);
+    auto pc = adam_params(C, false), pg = adam_params(G, true);
+    kiln_adamw *cpu = nullptr, *gpu = nullptr;
+    OK_OR_FAIL(kiln_adamw_create(pc.data(), kP, &cfg, &cpu));
+    OK_OR_FAIL(kiln_adamw_create_on(g_gpu, pg.data(), kP, &cfg, &gpu));
+    if (!cpu || !gpu) {
+        kiln_adamw_free(cpu);
+        kiln_adamw_free(gpu);
+        adam_free_side(G);
+        return;
+    }
+    for (int i = 0; i < kP; i++)
+        if (kiln_adamw_param_decays(gpu, i) != kiln_adamw_param_decays(cpu, i))
+            FAIL("%s: decay flag of '%s' differs", tag, kNames[i]);
+    if (kiln_adamw_param_decays(cpu, 2) != 0 || kiln_adamw_param_decays(cpu, 1) != 0 ||
+        kiln_adamw_param_decays(cpu, 0) != 1)
+        FAIL("%s: decay map not as intended", tag);
+    char dg[512], dc[512];
+    kiln_adamw_memory mg, mc;
+    kiln_adamw_describe(gpu, dg, sizeof dg, &mg);
+    kiln_adamw_describe(cpu, dc, sizeof dc, &mc);
+    if (strcmp(dg, dc) != 0 || memcmp(&mg, &mc, sizeof mg) != 0)
+        FAIL("%s: describe differs:\n  gpu %s\n  cpu %s", tag, dg, dc);
+    adam_compare(gpu, cpu, G, C, bf16, cfg, "after create");
+
+    for (int step = 0; step < 5; step++) {
+        adam_new_grads(G, C, step);
+        adam_step_both(gpu, cpu, G, C, bf16, cfg, tag, step);
+    }
+    /* state: equal bytes; GPU state into a CPU optimizer, CPU state into the GPU optimizer */
+    std::vector<uint8_t> sg, sc;
+    OK_OR_FAIL(kiln_adamw_save(gpu, vec_writer, &sg));
+    OK_OR_FAIL(kiln_adamw_save(cpu, vec_writer, &sc));
+    if (sg.size() != kiln_adamw_state_size(gpu) || sg.size() != sc.size())
+        FAIL("%s: state sizes %zu (gpu) %zu (cpu) state_size %llu", tag, sg.size(), sc.size(),
+             (unsigned long long)kiln_adamw_state_size(gpu));
+    else
+        same_bytes(sg.data(), sc.data(), sg.size(), 1, "saved state gpu vs cpu");
+    AdamSide C2;
+    adam_make_side(C2, bf16, false, &C);
+    auto pc2 = adam_params(C2, false);
+    kiln_adamw *cpu2 = nullptr;
+    kiln_adamw_config cfg2 = cfg;
+    cfg2.lr = 0.5; /* restored by load */
+    OK_OR_FAIL(kiln_adamw_create(pc2.data(), kP, &cfg2, &cpu2));
+    if (cpu2) {
+        OK_OR_FAIL(kiln_adamw_load(cpu2, sg.data(), sg.size()));
+        OK_OR_FAIL(kiln_adamw_load(gpu, sc.data(), sc.size()));
+        for (int step = 5; step < 7; step++) {
+            adam_new_grads(G, C2, step);
+            adam_step_both(gpu, cpu2, G, C2, bf16, cfg, "resumed", step);
+        }
+    }
+    /* A NaN gradient: the same refusal, nothing changed. */
+    adam_new_grads(G, C2, 9);
+    C2.g[3][7] = NAN;
+    C2.g[4][5000] = INFINITY;
+    C2.g[4][3] = NAN;
+    for (int i = 3; i < kP; i++) up(G.dg[i], C2.g[i].data(), C2.g[i].size() * 4);
+    if (cpu2) {
+        kiln_status s1 = kiln_adamw_step(gpu, nullptr);
+        std::string m1 = kiln_last_error();
+        kiln_status s2 = kiln_adamw_step(cpu2, nullptr);
+        std::string m2 = kiln_last_error();
+        if (s1 != KILN_ERR_RANGE || s2 != KILN_ERR_RANGE || m1 != m2)
+            FAIL("%s: NaN refusal differs: gpu %d '%s' cpu %d '%s'", tag, (int)s1, m1.c_str(),
+                 (int)s2, m2.c_str());
+        if (m2.find("input_layernorm") == std::string::npos ||
+            m2.find("element 7") == std::string::npos)
+            FAIL("%s: NaN refusal names the wrong element: '%s'", tag, m2.c_str());
+        OK_OR_FAIL(kiln_adamw_grads_finite(gpu, nullptr) == KILN_ERR_RANGE ? KILN_OK
+                                                                           : KILN_ERR_INTERNAL);
+        adam_compare(gpu, cpu2, G, C2, bf16, cfg, "after NaN refusal");
+    }
+    kiln_adamw_free(cpu2);
+    kiln_adamw_free(cpu);
+    kiln_adamw_free(gpu);
+    adam_free_side(G);
+    printf("%s (%s): 7 steps, 5 params (1..10000), clip + norms + state round trips: %s\n", tag,
+           dc, g_fail == fails0 ? "OK" : "FAILED");
+}
+
+/* ---- fused CE ------------------------------------------------------------------------------ */
+
+struct CeCase {
+    int64_t V, H, N, chunk;
+    kiln_dtype dt;
+    kiln_ce_reduction red;
+    int accumulate;  /* dh accumulate */
+    int with_dh, with_dw;
+    int masked;      /* mask with unsupervised rows */
+};
+
+static void test_ce_case(const CeCase &c) {
+    const int fails0 = g_fail;
+    const int64_t N = c.N, H = c.H, V = c.V;
+    const int bf16 = c.dt == KILN_DTYPE_BF16;
+    const size_t wb = (size_t)V * (size_t)H * (bf16 ? 2 : 4);
+    std::vector<float> hidden((size_t)N * H);
+    for (auto &x : hidden) x = rndu() * 2.0f;
+    std::vector<uint8_t> w(wb);
+    for (int64_t e = 0; e < V * H; e++) {
+        float x = rndu() * 0.5f;
+        if (bf16) {
+            uint16_t b = kiln_fp32_to_bf16(x);
+            memcpy(w.data() + 2 * e, &b, 2);
+        } else {
+            memcpy(w.data() + 4 * e, &x, 4);
+        }
+    }
+    std::vector<int32_t> tg(N);
+    std::vector<uint8_t> mask(N, 1);
+    for (int64_t n = 0; n < N; n++) {
+        tg[n] = (int32_t)(rnd64() % (uint64_t)V);
+        if (n % 5 == 3) tg[n] = -100;
+        if (c.masked && n % 3 == 1) mask[n] = 0;
+    }
+    if (N == 1) tg[0] = (int32_t)(V - 1), mask[0] = 1; /* the last column: the last chunk */
+    std::vector<float> dh0((size_t)N * H), dw0((size_t)V * H);
+    for (auto &x : dh0) x = c.accumulate ? rndu() : NAN;
+    for (auto &x : dw0) x = rndu() * 0.1f;
+
+    /* device copies */
+    float *d_hidden = (float *)dalloc(hidden.size() * 4);
+    void *d_w = dalloc(wb);
+    float *d_dh = (float *)dalloc(dh0.size() * 4), *d_dw = (float *)dalloc(dw0.size() * 4);
+    float *d_rl = (float *)dalloc((size_t)N * 4), *d_rs = (float *)dalloc((size_t)N * 12);
+    up(d_hidden, hidden.data(), hidden.size() * 4);
+    up(d_w, w.data(), wb);
+
+    char tag[200];
+    snprintf(tag, sizeof tag, "fused_ce %s V=%lld H=%lld N=%lld chunk=%lld %s%s%s%s%s",
+             bf16 ? "bf16" : "f32", (long long)V, (long long)H, (long long)N, (long long)c.chunk,
+             c.red == KILN_CE_REDUCTION_MEAN ? "MEAN" : "SUM", c.masked ? " mask" : "",
+             c.with_dh ? (c.accumulate ? " dh+=" : " dh=") : "", c.with_dw ? " dW" : "", "");
+
+    std::vector<float> stats_cpu; /* round 0's row_stats_out (the GPU's stay in d_rs) */
+    for (int round = 0; round < 2; round++) { /* 0: full; 1: with row_stats_in */
+        std::vector<float> cdh = dh0, cdw = dw0, crl(N, NAN), crs((size_t)N * 3, NAN);
+        std::vector<float> gdh(dh0.size()), gdw(dw0.size()), grl(N), grs((size_t)N * 3);
+        std::vector<float> nan_n(N, NAN), nan_rs((size_t)N * 3, NAN);
+        up(d_dh, dh0.data(), dh0.size() * 4);
+        up(d_dw, dw0.data(), dw0.size() * 4);
+        up(d_rl, nan_n.data(), (size_t)N * 4);
+        if (round == 0) up(d_rs, nan_rs.data(), (size_t)N * 12);
+
+        kiln_fused_ce_params p = kiln_fused_ce_default_params();
+        p.N = N;
+        p.H = H;
+        p.V = V;
+        p.weight_dtype = c.dt;
+        p.targets = tg.data();
+        p.mask = c.masked ? mask.data() : nullptr;
+        p.reduction = c.red;
+        p.scale = 0.75f;
+        p.chunk = c.chunk;
+        p.dhidden_accumulate = c.accumulate;
+        kiln_fused_ce_params pc = p, pg = p;
+        pc.hidden = hidden.data();
+        pc.weight = w.data();
+        pc.dhidden = c.with_dh ? cdh.data() : nullptr;
+        pc.dweight = c.with_dw ? cdw.data() : nullptr;
+        pc.row_loss = crl.data();
+        pg.hidden = d_hidden;
+        pg.weight = d_w;
+        pg.dhidden = c.with_dh ? d_dh : nullptr;
+        pg.dweight = c.with_dw ? d_dw : nullptr;
+        pg.row_loss = d_rl;
+        if (round == 0) {
+            pc.row_stats_out = crs.data();
+            pg.row_stats_out = d_rs;
+        } else {
+            pc.row_stats_in = stats_cpu.data();
+            pg.row_stats_in = d_rs;
+        }
+        kiln_fused_ce_result rc, rg;
+        memset(&rg, 0xab, sizeof rg);
+        kiln_status sc = kiln_fused_ce(g_cpu, &pc, &rc);
+        std::string mc = kiln_last_error();
+        kiln_status sg = kiln_fused_ce(g_gpu, &pg, &rg);
+        std::string mg = kiln_last_error();
+        if (sc != KILN_OK || sg != KILN_OK) {
+            FAIL("%s round %d: status cpu %d '%s' gpu %d '%s'", tag, round, (int)sc, mc.c_str(),
+                 (int)sg, mg.c_str());
+            break;
+        }
+        char what[300];
+        snprintf(what, sizeof what, "%s round %d: loss", tag, round);
+        same_f(rg.loss, rc.loss, what);
+        if (memcmp(&rg.loss_f64, &rc.loss_f64, 8) != 0)
+            FAIL("%s round %d: loss_f64 %.17g vs %.17g", tag, round, rg.loss_f64, rc.loss_f64);
+        if (rg.n_supervised != rc.n_supervised || rg.scratch_bytes != rc.scratch_bytes)
+            FAIL("%s round %d: S %lld/%lld scratch %zu/%zu", tag, round,
+                 (long long)rg.n_supervised, (long long)rc.n_supervised, rg.scratch_bytes,
+                 rc.scratch_bytes);
+        if (rc.scratch_bytes != kiln_fused_ce_scratch_bytes(rc.n_supervised, H, V, c.chunk,
+                                                            c.with_dh, c.with_dw))
+            FAIL("%s: scratch %zu is not kiln_fused_ce_scratch_bytes", tag, rc.scratch_bytes);
+        down(grl.data(), d_rl, (size_t)N * 4);
+        snprintf(what, sizeof what, "%s round %d: row_loss", tag, round);
+        same_bytes(grl.data(), crl.data(), (size_t)N * 4, 4, what);
+        if (c.with_dh) {
+            down(gdh.data(), d_dh, gdh.size() * 4);
+            snprintf(what, sizeof what, "%s round %d: dhidden", tag, round);
+            same_bytes(gdh.data(), cdh.data(), gdh.size() * 4, 4, what);
+        }
+        if (c.with_dw) {
+            down(gdw.data(), d_dw, gdw.size() * 4);
+            snprintf(what, sizeof what, "%s round %d: dweight", tag, round);
+            same_bytes(gdw.data(), cdw.data(), gdw.size() * 4, 4, what);
+        }
+        if (round == 0) {
+            down(grs.data(), d_rs, grs.size() * 4);
+            snprintf(what, sizeof what, "%s: row_stats_out", tag);
+            same_bytes(grs.data(), crs.data(), grs.size() * 4, 4, what);
+            stats_cpu = crs;
+        }
+        if (round == 1 && V > 100000)
+            printf("  big case: S %lld, scratch %zu bytes on the device "
+                   "(kiln_fused_ce_scratch_bytes %zu; the logits would be %zu bytes)\n",
+                   (long long)rc.n_supervised, rg.scratch_bytes,
+                   kiln_fused_ce_scratch_bytes(rc.n_supervised, H, V, c.chunk, c.with_dh,
+                                               c.with_dw),
+                   (size_t)rc.n_supervised * (size_t)V * 4);
+    }
+    kiln_backend_free_buf(g_gpu, d_hidden);
+    kiln_backend_free_buf(g_gpu, d_w);
+    kiln_backend_free_buf(g_gpu, d_dh);
+    kiln_backend_free_buf(g_gpu, d_dw);
+    kiln_backend_free_buf(g_gpu, d_rl);
+    kiln_backend_free_buf(g_gpu, d_rs);
+    printf("%s: %s\n", tag, g_fail == fails0 ? "OK" : "FAILED");
+}
+
+static void test_ce_errors() {
+    const int fails0 = g_fail;
+    const int64_t N = 4, H = 16, V = 50;
+    std::vector<float> hidden(N * H, 0.5f), w(V * H, 0.25f);
+    float *d_hidden = (float *)dalloc(hidden.size() * 4), *d_w = (float *)dalloc(w.size() * 4);
+    up(d_hidden, hidden.data(), hidden.size() * 4);
+    up(d_w, w.data(), w.size() * 4);
+    int32_t tg[4] = {1, 2, 50, 3}; /* 50 >= V */
+    kiln_fused_ce_params p = kiln_fused_ce_default_params();
+    p.N = N;
+    p.H = H;
+    p.V = V;
+    p.targets = tg;
+    kiln_fused_ce_params pc = p, pg = p;
+    pc.hidden = hidden.data();
+    pc.weight = w.data();
+    pg.hidden = d_hidden;
+    pg.weight = d_w;
+    kiln_status sc = kiln_fused_ce(g_cpu, &pc, nullptr);
+    std::string mc = kiln_last_error();
+    kiln_status sg = kiln_fused_ce(g_gpu, &pg, nullptr);
+    std::string mg = kiln_last_error();
+    if (sc != KILN_ERR_RANGE || sg != sc || mc != mg)
+        FAIL("target >= V: cpu %d '%s' gpu %d '%s'", (int)sc, mc.c_str(), (int)sg, mg.c_str());
+    int32_t none[4] = {-100, -100, -100, -100};
+    pc.targets = pg.targets = none;
+    sc = kiln_fused_ce(g_cpu, &pc, nullptr);
+    mc = kiln_last_error();
+    sg = kiln_fused_ce(g_gpu, &pg, nullptr);
+    mg = kiln_last_error();
+    if (sc != KILN_ERR_INVALID_ARG || sg != sc || mc != mg)
+        FAIL("no supervised: cpu %d '%s' gpu %d '%s'", (int)sc, mc.c_str(), (int)sg, mg.c_str());
+    int32_t ok[4] = {1, 2, 3, 4};
+    pg.targets = ok;
+    pg.hidden = hidden.data(); /* host memory on the GPU path: refused */
+    sg = kiln_fused_ce(g_gpu, &pg, nullptr);
+    if (sg != KILN_ERR_INVALID_ARG || !strstr(kiln_last_error(), "device memory"))
+        FAIL("host hidden on the GPU: %d '%s'", (int)sg, kiln_last_error());
+    OK_OR_FAIL(kiln_backend_status(g_gpu));
+    kiln_backend_free_buf(g_gpu, d_hidden);
+    kiln_backend_free_buf(g_gpu, d_w);
+    printf("fused_ce errors (target >= V, no supervised row, host buffer): %s\n",
+           g_fail == fails0 ? "OK" : "FAILED");
+}
+
+int main(int argc, char **argv) {
+    bool big = true;
+    for (int a = 1; a < argc; a++) {
+        if (!strcmp(argv[a], "--no-big")) big = false;
+        else if (!strcmp(argv[a], "--seed") && a + 1 < argc) g_rng = strtoull(argv[++a], 0, 10);
+    }
+    /* without a GPU: the CPU entry of create_on, then skip */
+    {
+        float wv[3] = {1, 2, 3}, gv[3] = {0.1f, 0.2f, 0.3f};
+        kiln_adamw_param q = {"w", 3, wv, gv};
+        kiln_adamw_config cfg = kiln_adamw_default_config();
+        kiln_adamw *o = nullptr;
+        OK_OR_FAIL(kiln_adamw_create_on(nullptr, &q, 1, &cfg, &o));
+        if (o) OK_OR_FAIL(kiln_adamw_step(o, nullptr));
+        kiln_adamw_free(o);
+    }
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+        printf("no GPU: skipped (%s)\n", g_fail ? "FAILED" : "CPU checks OK");
+        return g_fail ? 1 : 77;
+    }
+    if (kiln_backend_cuda_create(0, &g_gpu) != KILN_OK) {
+        printf("no usable GPU (%s): skipped\n", kiln_last_error());
+        return 77;
+    }
+    if (kiln_backend_cpu_create(0, &g_cpu) != KILN_OK) {
+        printf("cpu backend: %s\n", kiln_last_error());
+        return 1;
+    }
+
+    for (int wk = 0; wk < 4; wk++)
+        for (int mk = 0; mk < 2; mk++)
+            test_adamw_case((kiln_adamw_weights)wk, (kiln_adamw_moments)mk);
+
+    int k = 0;
+    for (int64_t N : {1, 7, 64})
+        for (int64_t chunk : {0, 300})
+            for (int red = 0; red < 2; red++)
+                for (int bf = 0; bf < 2; bf++) {
+                    CeCase c = {1000, 64, N, chunk, bf ? KILN_DTYPE_BF16 : KILN_DTYPE_F32,
+                                (kiln_ce_reduction)red, k % 2, 1, 1, (k % 3) != 0};
+                    if (k % 7 == 5) c.with_dw = 0;
+                    if (k % 7 == 6) c.with_dh = 0;
+                    test_ce_case(c);
+                    k++;
+                }
+    for (int bf = 0; bf < 2; bf++) {
+        CeCase c = {1000, 896, 7, 300, bf ? KILN_DTYPE_BF16 : KILN_DTYPE_F32,
+                    KILN_CE_REDUCTION_MEAN, bf, 1, 1, 1};
+        test_ce_case(c);
+    }
+    { /* loss only */
+        CeCase c = {1000, 64, 64, 300, KILN_DTYPE_F32, KILN_CE_REDUCTION_SUM, 0, 0, 0, 1};
+        test_ce_case(c);
+    }
+    if (big) {
+        CeCase c = {151936, 896, 16, 0, KILN_DTYPE_BF16, KILN_CE_REDUCTION_MEAN, 0, 1, 1, 1};
+        test_ce_case(c);
+    }
+    test_ce_errors();
+    OK_OR_FAIL(kiln_backend_status(g_gpu));
+    kiln_backend_free(g_cpu);
+    kiln_backend_free(g_gpu);
+    if (g_fail) {
+        printf("FAILED %d\n", g_fail);
+        return 1;
+    }
+    printf("ALL OK\n");
+    return 0;
+}
