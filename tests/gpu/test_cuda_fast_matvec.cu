@@ -371,6 +371,10 @@ int main(int argc, char **argv) {
         test_case(dt, 1, Cs[4], 2, 1, 0);
         test_case(dt, 33, Cs[4], 5, 0, 0);
         if (dt == KILN_DTYPE_BF16) test_case(dt, 151936, 896, 1, 0, 0); /* lm_head rows */
+        if (bs == 1) { /* fast path with a tail (f16/bf16: C % 8 == 4), and a short row */
+            test_case(dt, 17, 1004, 4, 1, 1);
+            test_case(dt, 5, 12, 1, 0, 0);
+        }
     }
     kiln_backend_free(g_cpu);
     if (g_failed) printf("FAILED %d\n", g_failed);
