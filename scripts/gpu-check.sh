@@ -9,6 +9,7 @@
 # short table last.
 #   scripts/gpu-check.sh [build-dir]      (default build-gpu; logs under $OUT or build-dir)
 #   KILN_GPU_PARTS="tests sanitizer bench cli"   (the parts to run; default all)
+#   KILN_BENCH_QUICK=1: the fast-kernel benchmarks with --quick
 #   KILN_VOCAB_DIR: the vocabulary GGUFs of the whole-model tests (default
 #       ../shared/testdata/tokenizer-vectors, else build-dir/vocab)
 #   KILN_DEFAULT_GGUF: kiln's default model (SmolLM2-135M-Instruct Q4_1) for the cli part
@@ -190,7 +191,9 @@ fi
 if has bench; then
     for b in "$B"/bench_cuda_*; do
         [ -x "$b" ] || continue
-        timeout 300 "$b" >"$LOG/$(basename "$b").log" 2>&1 || { status=1; echo "$(basename "$b") failed"; }
+        bargs=()
+        case $(basename "$b") in bench_cuda_fast_*) [ -n "${KILN_BENCH_QUICK:-}" ] && bargs=(--quick) ;; esac
+        timeout 300 "$b" "${bargs[@]}" >"$LOG/$(basename "$b").log" 2>&1 || { status=1; echo "$(basename "$b") failed"; }
     done
 fi
 
