@@ -93,8 +93,13 @@ void kiln_adamw_free(kiln_adamw *o); /* NULL is a no-op */
  * backend: kiln_adamw_create. On the CUDA backend every entry point works: step,
  * grads_finite, grad_norm, clip_grads (the clip coefficient computed on the device, applied
  * without a host round trip), describe, get_moments/master/compensation (downloading),
- * state_size/save/load (download/upload), with the CPU's bits. The pool arguments are ignored
- * for a device optimizer. The backend must outlive the optimizer. */
+ * state_size/save/load (download/upload), with the CPU's bits (the per-element arithmetic is
+ * adamw_math.h, shared with the kernels). The pool arguments are ignored for a device
+ * optimizer; its work is enqueued on the backend's stream (grads_finite, and therefore step,
+ * wait for the finite check's result; clip_grads waits only when total_norm or coef is asked
+ * for). Weights and grads that are not device memory are refused (KILN_ERR_INVALID_ARG); at
+ * most 65535 parameters on the CUDA backend. The backend must outlive the optimizer. A state
+ * saved by a device optimizer loads into a CPU one and vice versa. */
 kiln_status kiln_adamw_create_on(kiln_backend *be, const kiln_adamw_param *params,
                                  int n_params, const kiln_adamw_config *cfg, kiln_adamw **out);
 
@@ -118,7 +123,11 @@ void kiln_adamw_describe(const kiln_adamw *o, char *buf, size_t cap, kiln_adamw_
 
 /* Read back state for tests and export: the moments of parameter i dequantized to f32
  * (m, v: n floats each, either may be NULL), the master copy (NULL unless BF16_MASTER) and
- * the compensation (NULL unless KAHAN). */
+ * the compensation (NULL unless KAHAN). For a device optimizer (kiln_adamw_create_on with
+ * the CUDA backend) get_moments downloads into the caller's host arrays, and master /
+ * compensation download into a host mirror the optimizer owns: the pointer stays valid until
+ * the next master/compensation call for the same parameter or kiln_adamw_free; NULL, with the
+ * error set, when the download fails. */
 kiln_status kiln_adamw_get_moments(const kiln_adamw *o, int i, float *m, float *v);
 const float *kiln_adamw_master(const kiln_adamw *o, int i);
 const uint16_t *kiln_adamw_compensation(const kiln_adamw *o, int i);
