@@ -1,4 +1,4 @@
-/* cmd_train.c -- `kiln train`: train or fine-tune a model on the CPU. */
+/* cmd_train.c -- `kiln train`: train or fine-tune a model on the CPU or a CUDA GPU. */
 #include "cli.h"
 
 #include "base/base.h"
@@ -43,6 +43,8 @@ static const char *train_help =
     "  --stop-after N       stop (with a checkpoint) after N steps of this run\n"
     "  --seed S             data order and initialisation (default 1)\n"
     "  --threads N          CPU threads (default: all cores)\n"
+    "  --device D           cpu (default), cuda or cuda:N: train on CUDA GPU N (the CPU's bits;\n"
+    "                       checkpoints resume on either)\n"
     "  --no-export          do not write OUT/model at the end\n";
 
 typedef struct train_opts {
@@ -53,7 +55,30 @@ typedef struct train_opts {
     double lr, min_lr, weight_decay, clip, eval_fraction;
     unsigned long long seed;
     int resume, export_model;
+    int device; /* -1 = CPU, N >= 0 = CUDA device N */
 } train_opts;
+
+/* --device: "cpu" -> -1, "cuda" -> 0, "cuda:N" -> N, as `kiln generate --device` (a copy of
+ * cmd_generate.c's parser: both belong in cli_util.c). Returns 0 or the usage error's code. */
+static int parse_device(const char *cmd, const char *v, int *device) {
+    if (!strcmp(v, "cpu")) {
+        *device = -1;
+        return 0;
+    }
+    if (!strcmp(v, "cuda")) {
+        *device = 0;
+        return 0;
+    }
+    if (!strncmp(v, "cuda:", 5) && v[5] >= '0' && v[5] <= '9') {
+        char *end = NULL;
+        long n = strtol(v + 5, &end, 10);
+        if (*end == '\0' && n >= 0 && n < 1024) {
+            *device = (int)n;
+            return 0;
+        }
+    }
+    return cli_usage_error(cmd, "--device '%s': expected cpu, cuda or cuda:N", v);
+}
 
 static int parse(int argc, char **argv, train_opts *o, int *code) {
     memset(o, 0, sizeof *o);
@@ -77,6 +102,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
     o->eval_fraction = 0.02;
     o->seed = 1;
     o->export_model = 1;
+    o->device = -1;
     const char *cmd = "train";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = NULL;
@@ -126,6 +152,8 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
             o->moments = v;
             if (!err && strcmp(v, "f32") && strcmp(v, "q8"))
                 err = cli_usage_error(cmd, "--moments takes f32 or q8, not '%s'", v);
+        } else if (OPT("--device")) {
+            if (!err) err = parse_device(cmd, v, &o->device);
         } else if (!strcmp(a, "--resume")) o->resume = 1;
         else if (!strcmp(a, "--no-export")) o->export_model = 0;
         else err = cli_usage_error(cmd, "unknown option '%s'", a);
@@ -272,6 +300,7 @@ int cmd_train(int argc, char **argv) {
                         : !strcmp(o.storage, "bf16_kahan") ? KILN_STORAGE_BF16_KAHAN
                                                            : KILN_STORAGE_BF16_SR;
     tp.moment_storage = !strcmp(o.moments, "q8") ? KILN_MOMENTS_Q8 : KILN_MOMENTS_F32;
+    tp.device = o.device;
     st = kiln_trainer_create(m, &tp, &tr);
     if (st != KILN_OK) {
         rc = cli_fail("train", "trainer", st);

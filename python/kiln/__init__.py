@@ -72,12 +72,14 @@ class _TrainParams(C.Structure):
     _fields_ = [("max_seq", C.c_int), ("n_threads", C.c_int), ("ce_chunk", C.c_int),
                 ("lr", C.c_double), ("beta1", C.c_double), ("beta2", C.c_double),
                 ("eps", C.c_double), ("weight_decay", C.c_double),
-                ("weight_storage", C.c_int), ("moment_storage", C.c_int), ("seed", C.c_uint64)]
+                ("weight_storage", C.c_int), ("moment_storage", C.c_int), ("seed", C.c_uint64),
+                ("device", C.c_int)]
 
 
 class TrainMemory(C.Structure):
     _fields_ = [("params", C.c_uint64), ("grads", C.c_uint64), ("optimizer", C.c_uint64),
-                ("activations", C.c_uint64), ("scratch", C.c_uint64), ("peak_step", C.c_uint64)]
+                ("activations", C.c_uint64), ("scratch", C.c_uint64), ("peak_step", C.c_uint64),
+                ("device", C.c_int)]
 
 
 class MemStats(C.Structure):
@@ -329,18 +331,34 @@ def _i32(a):
 
 
 class Trainer(_Handle):
-    """Training on the CPU over a Model's parameters (named as in transformers)."""
+    """Training over a Model's parameters (named as in transformers), on the CPU or a CUDA GPU."""
 
     _free = "kiln_trainer_free"
 
+    @staticmethod
+    def _device_index(device):
+        """-1 / "cpu" -> -1; N / "cuda" / "cuda:N" -> N (0 for "cuda"), as `--device`."""
+        if isinstance(device, str):
+            if device == "cpu":
+                return -1
+            if device == "cuda":
+                return 0
+            if device.startswith("cuda:") and device[5:].isdigit():
+                return int(device[5:])
+            raise ValueError(f"device {device!r}: expected -1, N >= 0, 'cpu', 'cuda' or 'cuda:N'")
+        return int(device)
+
     def __init__(self, model, max_seq=256, n_threads=0, ce_chunk=0, lr=1e-3, betas=(0.9, 0.999),
-                 eps=1e-8, weight_decay=0.01, storage="f32", moments="f32", seed=0):
+                 eps=1e-8, weight_decay=0.01, storage="f32", moments="f32", seed=0, device=-1):
+        """device: -1 or "cpu" = CPU; N, "cuda" or "cuda:N" = CUDA device N (the CPU's bits;
+        checkpoints move between the two)."""
         self._lib = load_library()
         self.model = model
         p = self._lib.kiln_train_default_params()
         p.max_seq, p.n_threads, p.ce_chunk = max_seq, n_threads, ce_chunk
         p.lr, p.beta1, p.beta2, p.eps, p.weight_decay = lr, betas[0], betas[1], eps, weight_decay
         p.weight_storage, p.moment_storage, p.seed = STORAGE[storage], MOMENTS[moments], seed
+        p.device = self._device_index(device)
         h = C.c_void_p()
         _check(self._lib.kiln_trainer_create(model._h, C.byref(p), C.byref(h)))
         self._h = h

@@ -1,12 +1,21 @@
 /*
- * trainer.c -- training a Llama-family model on the CPU: parameters and gradients by
- * transformers' names, a forward pass that keeps its activations in an arena sized up front,
- * the fused cross-entropy (never T x V logits), the backward pass written with the backend's
- * backward ops, gradient clipping and AdamW.
+ * trainer.c -- training a Llama-family model on a backend (the CPU, or a CUDA GPU):
+ * parameters and gradients by transformers' names, a forward pass that keeps its activations
+ * in an arena sized up front, the fused cross-entropy (never T x V logits), the backward pass
+ * written with the backend's backward ops, gradient clipping and AdamW.
  *
  * The forward is the inference forward (llama_forward.c) op for op, so a trained model's
  * logits in kiln_generate are the bits training saw. Matrices are stored f32, or bf16 for
  * the bf16 storage variants; vectors (norms, biases) always f32 with an f32 AdamW.
+ *
+ * Memory (docs/CUDA.md, "Memory contract"): weights, gradients, activations, the loss's
+ * statistics and the optimizer state are backend memory; the ops see the weights as
+ * kiln_tensor views whose data is backend memory (used in place on a GPU). Token ids,
+ * positions and targets stay host arrays (the ops copy them). On the cpu backend backend
+ * memory is host memory: the blocks are kiln_calloc'd and read and written directly, as
+ * before; on a device they are read and written by download / upload, and the per-step
+ * zeroing and clip scaling run as backend ops (zero_floats, scale_grads), so a step makes
+ * no host round trip of a large buffer.
  */
 #include "../models/model.h"
 #include "../tokenizer/tokenizer.h"
@@ -25,8 +34,8 @@ typedef struct train_param {
     int64_t shape[2]; /* (rows, cols) or (n, 1) */
     int64_t n;
     kiln_dtype dtype; /* F32, or BF16 for matrices under the bf16 storages */
-    void *w;          /* (n) weights the model computes with */
-    float *g;         /* (n) gradient */
+    void *w;          /* (n) weights the model computes with; backend memory */
+    float *g;         /* (n) gradient; backend memory */
     kiln_tensor view; /* tensor view of w for the ops */
 } train_param;
 
@@ -57,13 +66,15 @@ struct kiln_trainer {
     kiln_model_config cfg;
     kiln_train_params p;
     kiln_backend *be;
+    int host; /* the backend's memory is host memory (the cpu backend) */
 
     train_param *params; /* (n_params) in transformers' named_parameters() order */
     int n_params;
     train_param *tok_embd, *final_norm, *lm_head;
     train_layer *layers;
     void *param_block; /* weights of every parameter */
-    float *grad_block;
+    float *grad_block;  /* (n_grad) every gradient, each 16-float aligned */
+    size_t n_grad;      /* floats in grad_block (a multiple of 16) */
 
     kiln_adamw *opt_mat; /* matrices (storage per params) */
     kiln_adamw *opt_vec; /* vectors: always f32 */
@@ -76,12 +87,17 @@ struct kiln_trainer {
     float *act_block;
     size_t act_bytes;
     /* backward scratch */
-    float *dx, *dxb, *dxn, *dtmp, *datt, *dq, *dqr, *dk, *dkr, *dv, *dgate, *dup, *dhb, *rstd, *ws;
+    float *dx, *dxb, *dxn, *datt, *dq, *dqr, *dk, *dkr, *dv, *dgate, *dup, *dhb, *rstd, *ws;
     float *rope_cos, *rope_sin; /* (max_seq, HS/2) */
-    int32_t *pos, *ids, *targets, *positions;
+    int32_t *pos, *ids, *targets, *positions; /* host arrays (max_seq) */
+    int32_t *ids_pos; /* device backends: the host block of pos and ids */
     float *ce_stats; /* (max_seq, 3) the fused loss's pass-1 statistics, forward -> backward */
-    uint8_t *scratch_block;
-    size_t scratch_bytes;
+    /* device backends only: stand-ins for a memset and a scale entry (zero_floats, scale_grads) */
+    float *zeros;       /* (KILN_TRAIN_ZERO_ROW) zeros, backend memory */
+    int32_t *zero_ids;  /* (n_zero_ids) host zeros: the row ids of zero_floats */
+    size_t n_zero_ids;
+    float *clip_tab;    /* (16) backend memory: cos = coef (8), sin = 0 (8) */
+    uint64_t ce_scratch; /* the largest fused-loss scratch of the last step (devices) */
 
     /* the pending step */
     int pending;      /* 0 none, 1 loss (targets), 2 hidden */
@@ -90,6 +106,156 @@ struct kiln_trainer {
     float scale;
     uint64_t peak_step;
 };
+
+/* ---- backend memory ---------------------------------------------------------------------- */
+
+/* Row width of zero_floats' table of zeros: zeroing n floats hands the op n / ROW row ids. */
+#define KILN_TRAIN_ZERO_ROW 16384
+
+/* nbytes of zeroed backend memory: kiln_calloc on the cpu backend (so nothing changes there),
+ * else kiln_backend_alloc and an upload of zeros (create time only: a device backend has no
+ * memset entry). NULL with the error set. */
+static void *bmem_alloc(kiln_trainer *t, size_t nbytes, const char *what) {
+    size_t b = nbytes ? nbytes : 64;
+    if (t->host) {
+        void *p = kiln_calloc(1, b);
+        if (!p) kiln_error(KILN_ERR_NOMEM, "trainer: out of memory allocating %zu bytes for %s", b, what);
+        return p;
+    }
+    void *p = kiln_backend_alloc(t->be, b);
+    if (!p) {
+        char why[256];
+        snprintf(why, sizeof why, "%s", kiln_last_error());
+        kiln_error(KILN_ERR_NOMEM, "trainer: out of %s memory allocating %zu bytes for %s: %s", t->be->i->name, b,
+                   what, why);
+        return NULL;
+    }
+    size_t chunk = b < ((size_t)4 << 20) ? b : ((size_t)4 << 20);
+    void *zeros = kiln_calloc(1, chunk);
+    kiln_status st = zeros ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    for (size_t off = 0; st == KILN_OK && off < b; off += chunk)
+        st = kiln_backend_upload(t->be, (char *)p + off, zeros, b - off < chunk ? b - off : chunk);
+    kiln_free(zeros);
+    if (st != KILN_OK) {
+        kiln_backend_free_buf(t->be, p);
+        return NULL;
+    }
+    return p;
+}
+
+static void bmem_free(kiln_trainer *t, void *p) {
+    if (!p) return;
+    if (t->host) kiln_free(p);
+    else kiln_backend_free_buf(t->be, p);
+}
+
+/* p[0..n) = 0 in backend memory. A device backend has no memset entry: there the op table's
+ * embed copies rows of a table of zeros, (1, ROW) f32 in backend memory, with row ids that are
+ * all 0 (host zeros, copied by the op: n / ROW ints, not n floats). embed writes the table's
+ * f32 values unchanged, so the result is +0.0 everywhere, as memset. */
+static void zero_floats(kiln_trainer *t, float *p, size_t n) {
+    if (t->host) {
+        memset(p, 0, n * sizeof(float));
+        return;
+    }
+    kiln_tensor z;
+    memset(&z, 0, sizeof z);
+    z.name = "trainer.zeros";
+    z.dtype = KILN_DTYPE_F32;
+    z.n_dims = 2;
+    z.shape[0] = 1;
+    z.shape[1] = KILN_TRAIN_ZERO_ROW;
+    z.shape[2] = z.shape[3] = 1;
+    z.data = t->zeros;
+    z.nbytes = (size_t)KILN_TRAIN_ZERO_ROW * sizeof(float);
+    size_t rows = n / KILN_TRAIN_ZERO_ROW, tail = n % KILN_TRAIN_ZERO_ROW;
+    while (rows) { /* n_zero_ids (>= 1, <= 2^20) rows per call */
+        size_t k = rows < t->n_zero_ids ? rows : t->n_zero_ids;
+        t->be->i->embed(t->be, p, &z, t->zero_ids, (int)k);
+        p += k * KILN_TRAIN_ZERO_ROW;
+        rows -= k;
+    }
+    if (tail) { /* a (1, tail) view of the same zeros */
+        z.shape[1] = (int64_t)tail;
+        z.nbytes = tail * sizeof(float);
+        t->be->i->embed(t->be, p, &z, t->zero_ids, 1);
+    }
+}
+
+/* Every gradient g = g * coef (torch's clip_grad_norm_ scaling). A device backend has no
+ * scale entry: there the op table's rope, with one position whose cos table is coef and sin
+ * table 0, over the gradient block seen as (1, n_grad/16, 16), computes
+ *   g[i] = g[i]*coef - g[i+8]*0,   g[i+8] = g[i+8]*coef + g[i]*0,
+ * which is g*coef bit for bit for every finite g (a finite x*0 is +-0, and y - (+-0) and
+ * y + (+-0) are y for y != 0; y == 0 is +0 here: a gradient is a sum into +0, so never -0,
+ * and coef*g rounds to -0 only for a subnormal g). The padding between gradients is zero and
+ * stays zero. */
+static kiln_status scale_grads(kiln_trainer *t, float coef) {
+    if (t->host) {
+        for (int i = 0; i < t->n_params; i++) {
+            float *g = t->params[i].g;
+            for (int64_t j = 0; j < t->params[i].n; j++) g[j] = g[j] * coef;
+        }
+        return KILN_OK;
+    }
+    float tab[16];
+    for (int i = 0; i < 8; i++) {
+        tab[i] = coef;
+        tab[8 + i] = 0.0f;
+    }
+    KILN_TRY(kiln_backend_upload(t->be, t->clip_tab, tab, sizeof tab));
+    static const int32_t pos0 = 0;
+    size_t heads = t->n_grad / 16;
+    float *g = t->grad_block;
+    while (heads) {
+        size_t h = heads < ((size_t)1 << 28) ? heads : ((size_t)1 << 28);
+        t->be->i->rope(t->be, g, &pos0, 1, (int)h, 16, t->clip_tab, t->clip_tab + 8);
+        g += h * 16;
+        heads -= h;
+    }
+    return KILN_OK;
+}
+
+/* KILN_OK, or the error that poisoned a device backend during the work of `call`. */
+static kiln_status backend_check(kiln_trainer *t, const char *call) {
+    kiln_status st = kiln_backend_status(t->be);
+    return st == KILN_OK ? KILN_OK : kiln_error_prefix(st, "%s: %s backend", call, t->be->i->name);
+}
+
+/* A device backend must run every op of a training step for the weights' dtype (wt); the
+ * f32 ops zero_floats and the tied/untied heads use are EMBED / MATMUL with F32. */
+static kiln_status check_backend_ops(kiln_trainer *t, kiln_dtype wt) {
+    static const struct {
+        kiln_op op;
+        const char *name;
+    } need[] = {{KILN_OP_EMBED, "embed"},
+                {KILN_OP_RMSNORM, "rmsnorm"},
+                {KILN_OP_MATMUL, "matmul"},
+                {KILN_OP_ROPE, "rope"},
+                {KILN_OP_ATTENTION, "attention"},
+                {KILN_OP_SWIGLU, "swiglu"},
+                {KILN_OP_ADD, "add"},
+                {KILN_OP_MATMUL_BACKWARD, "matmul_backward"},
+                {KILN_OP_RMSNORM_BACKWARD, "rmsnorm_backward"},
+                {KILN_OP_ROPE_BACKWARD, "rope_backward"},
+                {KILN_OP_ATTENTION_BACKWARD, "attention_backward"},
+                {KILN_OP_SWIGLU_BACKWARD, "swiglu_backward"},
+                {KILN_OP_EMBED_BACKWARD, "embed_backward"}};
+    const kiln_backend_i *op = t->be->i;
+    bool have = op->embed && op->rmsnorm && op->matmul && op->rope && op->attention && op->swiglu && op->add &&
+                op->matmul_backward && op->rmsnorm_backward && op->rope_backward && op->attention_backward &&
+                op->swiglu_backward && op->embed_backward;
+    if (!have)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: the %s backend lacks a training op", op->name);
+    for (size_t i = 0; i < sizeof need / sizeof need[0]; i++) {
+        kiln_dtype dts[2] = {wt, KILN_DTYPE_F32};
+        for (int k = 0; k < 2; k++)
+            if (!op->supports_op(t->be, need[i].op, dts[k]))
+                return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: the %s backend does not run %s for %s weights",
+                                  op->name, need[i].name, kiln_dtype_name(dts[k]));
+    }
+    return KILN_OK;
+}
 
 /* ---- parameters ------------------------------------------------------------------------ */
 
@@ -145,18 +311,22 @@ static void declare_params(kiln_trainer *t, int count_only) {
     t->lm_head = c->tie_embeddings ? t->tok_embd : add_param(t, "lm_head.weight", V, C, 1);
 }
 
-/* Copy the model's weights (any dtype, dequantized) into the parameters. */
-static void load_from_model(kiln_trainer *t, train_param *p, const kiln_tensor *src_t,
-                            const float *src_v, float *tmp) {
-    float *dst = p->dtype == KILN_DTYPE_F32 ? (float *)p->w : tmp;
+/* Copy the model's weights (any dtype, dequantized) into the parameters. tmp: max_n floats
+ * of host memory; tmp16: max_n bf16 of host memory (device backends: staging before the
+ * upload). On the cpu backend the weights are written in place, tmp only for bf16. */
+static kiln_status load_from_model(kiln_trainer *t, train_param *p, const kiln_tensor *src_t,
+                                   const float *src_v, float *tmp, uint16_t *tmp16) {
+    float *dst = (t->host && p->dtype == KILN_DTYPE_F32) ? (float *)p->w : tmp;
     if (src_t) kiln_dequantize(src_t->dtype, src_t->data, dst, p->n);
     else if (src_v) memcpy(dst, src_v, (size_t)p->n * sizeof(float));
     else memset(dst, 0, (size_t)p->n * sizeof(float));
     if (p->dtype == KILN_DTYPE_BF16) {
-        uint16_t *w = p->w;
+        uint16_t *w = t->host ? (uint16_t *)p->w : tmp16;
         for (int64_t i = 0; i < p->n; i++) w[i] = kiln_fp32_to_bf16(tmp[i]);
     }
-    (void)t;
+    if (t->host) return KILN_OK;
+    if (p->dtype == KILN_DTYPE_BF16) return kiln_backend_upload(t->be, p->w, tmp16, (size_t)p->n * sizeof(uint16_t));
+    return kiln_backend_upload(t->be, p->w, tmp, (size_t)p->n * sizeof(float));
 }
 
 static void bind_views(train_param *p) {
@@ -202,8 +372,8 @@ static kiln_status create_optimizers(kiln_trainer *t) {
     static const kiln_adamw_weights wmap[] = {KILN_ADAMW_F32, KILN_ADAMW_BF16_MASTER,
                                               KILN_ADAMW_BF16_KAHAN, KILN_ADAMW_BF16_SR};
     cfg.weights = wmap[t->p.weight_storage];
-    if (st == KILN_OK) st = kiln_adamw_create(mp, t->n_mat, &cfg, &t->opt_mat);
-    if (st == KILN_OK) st = kiln_adamw_create(vp, t->n_vec, &vcfg, &t->opt_vec);
+    if (st == KILN_OK) st = kiln_adamw_create_on(t->be, mp, t->n_mat, &cfg, &t->opt_mat);
+    if (st == KILN_OK) st = kiln_adamw_create_on(t->be, vp, t->n_vec, &vcfg, &t->opt_vec);
     kiln_free(mp);
     kiln_free(vp);
     return st;
@@ -211,8 +381,9 @@ static kiln_status create_optimizers(kiln_trainer *t) {
 
 /* ---- arenas ------------------------------------------------------------------------------ */
 
-/* Carve sizes[i] floats (64-byte aligned each) from one block; slots[i] receive pointers. */
-static kiln_status carve(float ***slots, const size_t *sizes, int n, float **block, size_t *bytes,
+/* Carve sizes[i] floats (64-byte aligned each) from one zeroed block of backend memory;
+ * slots[i] receive pointers. */
+static kiln_status carve(kiln_trainer *t, float ***slots, const size_t *sizes, int n, float **block, size_t *bytes,
                          const char *what) {
     size_t total = 0;
     for (int i = 0; i < n; i++) {
@@ -221,8 +392,8 @@ static kiln_status carve(float ***slots, const size_t *sizes, int n, float **blo
     }
     size_t b;
     if (kiln_mul_overflow(total, sizeof(float), &b)) return kiln_error(KILN_ERR_RANGE, "trainer: %s too large", what);
-    float *blk = kiln_calloc(1, b ? b : 64);
-    if (!blk) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory allocating %zu bytes for %s", b, what);
+    float *blk = bmem_alloc(t, b, what);
+    if (!blk) return KILN_ERR_NOMEM;
     size_t off = 0;
     for (int i = 0; i < n; i++) {
         *slots[i] = blk + off;
@@ -240,8 +411,8 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     int L = c->n_layer, qk = c->qk_norm || (t->layers[0].q_norm != NULL);
     t->acts = kiln_calloc((size_t)L, sizeof *t->acts);
     if (!t->acts) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    enum { PER_LAYER = 13 };
-    int n = L * PER_LAYER + 2 + 19;
+    enum { PER_LAYER = 13, N_SCRATCH = 18 };
+    int n = L * PER_LAYER + 2 + N_SCRATCH;
     float ***slots = kiln_calloc((size_t)n, sizeof *slots);
     size_t *sizes = kiln_calloc((size_t)n, sizeof *sizes);
     if (!slots || !sizes) {
@@ -264,20 +435,28 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     slots[k] = &t->x_final, sizes[k++] = T * C;
     slots[k] = &t->xn, sizes[k++] = T * C;
     size_t NHT = T * (size_t)c->n_head;
-    float **sp[19] = {&t->dx, &t->dxb, &t->dxn, &t->dtmp, &t->datt, &t->dq, &t->dqr, &t->dk, &t->dkr, &t->dv,
-                      &t->dgate, &t->dup, &t->dhb, &t->rstd, &t->ws, &t->rope_cos, &t->rope_sin,
-                      (float **)&t->pos, (float **)&t->ids};
-    size_t sz[19] = {T * C, T * C, T * C, T * C, T * QD, T * QD, qk ? T * QD : 0, T * KD, qk ? T * KD : 0, T * KD,
-                     T * FF, T * FF, T * FF, NHT > T * (size_t)c->n_head_kv ? NHT : T, 3 * NHT,
-                     T * HS / 2, T * HS / 2, T, T};
-    for (int i = 0; i < 19; i++) {
+    /* pos and ids are host arrays: in the block on the cpu backend, their own block on a device */
+    size_t ints = t->host ? T : 0;
+    float **sp[N_SCRATCH] = {&t->dx, &t->dxb, &t->dxn, &t->datt, &t->dq, &t->dqr, &t->dk, &t->dkr, &t->dv,
+                             &t->dgate, &t->dup, &t->dhb, &t->rstd, &t->ws, &t->rope_cos, &t->rope_sin,
+                             (float **)&t->pos, (float **)&t->ids};
+    size_t sz[N_SCRATCH] = {T * C, T * C, T * C, T * QD, T * QD, qk ? T * QD : 0, T * KD, qk ? T * KD : 0, T * KD,
+                            T * FF, T * FF, T * FF, NHT > T * (size_t)c->n_head_kv ? NHT : T, 3 * NHT,
+                            T * HS / 2, T * HS / 2, ints, ints};
+    for (int i = 0; i < N_SCRATCH; i++) {
         slots[k] = sp[i];
         sizes[k++] = sz[i];
     }
-    kiln_status st = carve(slots, sizes, k, &t->act_block, &t->act_bytes, "activations");
+    kiln_status st = carve(t, slots, sizes, k, &t->act_block, &t->act_bytes, "activations");
     kiln_free(slots);
     kiln_free(sizes);
     if (st != KILN_OK) return st;
+    if (!t->host) {
+        t->ids_pos = kiln_calloc(2 * T, sizeof(int32_t));
+        if (!t->ids_pos) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+        t->pos = t->ids_pos;
+        t->ids = t->ids_pos + T;
+    }
     if (!qk)
         for (int l = 0; l < L; l++) {
             t->acts[l].qr = t->acts[l].q;
@@ -288,11 +467,32 @@ static kiln_status alloc_activations(kiln_trainer *t) {
         t->dkr = t->dk;
     }
     t->targets = kiln_calloc(2 * T, sizeof(int32_t));
-    t->ce_stats = kiln_calloc(3 * T, sizeof(float));
-    if (!t->targets || !t->ce_stats) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    if (!t->targets) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    t->ce_stats = bmem_alloc(t, 3 * T * sizeof(float), "the loss statistics");
+    if (!t->ce_stats) return KILN_ERR_NOMEM;
     t->positions = t->targets + T;
-    kiln_rope_tables_fill(t->model, (int)T, t->rope_cos, t->rope_sin);
-    return KILN_OK;
+    if (t->host) {
+        kiln_rope_tables_fill(t->model, (int)T, t->rope_cos, t->rope_sin);
+        return KILN_OK;
+    }
+    /* a device: the rope tables computed on the host and uploaded; zero_floats' and
+     * scale_grads' tables */
+    size_t tab = T * HS / 2;
+    float *host = kiln_malloc((tab ? tab : 1) * 2 * sizeof(float));
+    if (!host) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for the rope tables");
+    kiln_rope_tables_fill(t->model, (int)T, host, host + tab);
+    st = kiln_backend_upload(t->be, t->rope_cos, host, tab * sizeof(float));
+    if (st == KILN_OK) st = kiln_backend_upload(t->be, t->rope_sin, host + tab, tab * sizeof(float));
+    kiln_free(host);
+    if (st != KILN_OK) return st;
+    size_t most = t->n_grad > T * C ? t->n_grad : T * C; /* the largest zero_floats */
+    t->n_zero_ids = most / KILN_TRAIN_ZERO_ROW + 1;
+    if (t->n_zero_ids > ((size_t)1 << 20)) t->n_zero_ids = (size_t)1 << 20;
+    t->zero_ids = kiln_calloc(t->n_zero_ids, sizeof(int32_t));
+    if (!t->zero_ids) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    t->zeros = bmem_alloc(t, (size_t)KILN_TRAIN_ZERO_ROW * sizeof(float), "a table of zeros");
+    t->clip_tab = t->zeros ? bmem_alloc(t, 16 * sizeof(float), "the clip table") : NULL;
+    return t->clip_tab ? KILN_OK : KILN_ERR_NOMEM;
 }
 
 /* ---- create / free ----------------------------------------------------------------------- */
@@ -306,6 +506,7 @@ kiln_train_params kiln_train_default_params(void) {
     p.beta2 = 0.999;
     p.eps = 1e-8;
     p.weight_decay = 0.01;
+    p.device = -1;
     return p;
 }
 
@@ -319,6 +520,9 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: unknown storage variant");
     if (p.ce_chunk < 0 || p.n_threads < 0)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: ce_chunk and n_threads must be >= 0");
+    if (p.device < -1)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: device %d: use -1 (CPU) or a CUDA device index >= 0",
+                          p.device);
     for (int l = 0; l < m->cfg.n_layer; l++)
         if (m->layers[l].b_gate || m->layers[l].b_up || m->layers[l].b_down)
             return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: MLP biases (mlp_bias) are not trainable yet");
@@ -327,7 +531,21 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     t->model = m;
     t->cfg = m->cfg;
     t->p = p;
-    kiln_status st = kiln_backend_cpu_create(p.n_threads, &t->be);
+    kiln_status st;
+    if (p.device >= 0) {
+        st = kiln_backend_cuda_create(p.device, &t->be);
+        if (st != KILN_OK) { /* say which setting asked for CUDA, keep the backend's reason */
+            char why[512];
+            snprintf(why, sizeof why, "%s", kiln_last_error());
+            kiln_trainer_free(t);
+            return kiln_error(st, "kiln_trainer_create: device %d (CUDA) unavailable: %s", p.device, why);
+        }
+    } else {
+        st = kiln_backend_cpu_create(p.n_threads, &t->be);
+    }
+    if (st == KILN_OK) t->host = strcmp(t->be->i->name, "cpu") == 0;
+    if (st == KILN_OK && !t->host)
+        st = check_backend_ops(t, p.weight_storage != KILN_STORAGE_F32 ? KILN_DTYPE_BF16 : KILN_DTYPE_F32);
     int max_params = 2 + 3 + 15 * t->cfg.n_layer;
     if (st == KILN_OK) {
         t->params = kiln_calloc((size_t)max_params, sizeof *t->params);
@@ -345,17 +563,20 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
             wbytes += (((size_t)q->n * (q->dtype == KILN_DTYPE_F32 ? 4 : 2)) + 63) & ~(size_t)63;
             n_all += ((size_t)q->n + 15) & ~(size_t)15;
         }
-        t->param_block = kiln_calloc(1, wbytes);
-        t->grad_block = kiln_calloc(n_all, sizeof(float));
-        if (!t->param_block || !t->grad_block) st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for parameters");
+        t->n_grad = n_all;
+        t->param_block = bmem_alloc(t, wbytes, "parameters");
+        t->grad_block = t->param_block ? bmem_alloc(t, n_all * sizeof(float), "gradients") : NULL;
+        if (!t->param_block || !t->grad_block) st = KILN_ERR_NOMEM;
         size_t woff = 0, goff = 0;
         float *tmp = NULL;
+        uint16_t *tmp16 = NULL;
         int64_t max_n = 0;
         for (int i = 0; st == KILN_OK && i < t->n_params; i++)
             if (t->params[i].n > max_n) max_n = t->params[i].n;
-        if (st == KILN_OK && p.weight_storage != KILN_STORAGE_F32) {
+        if (st == KILN_OK && (p.weight_storage != KILN_STORAGE_F32 || !t->host)) {
             tmp = kiln_malloc((size_t)max_n * sizeof(float));
-            if (!tmp) st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+            tmp16 = t->host ? NULL : kiln_malloc((size_t)max_n * sizeof(uint16_t));
+            if (!tmp || (!t->host && !tmp16)) st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
         }
         for (int i = 0; st == KILN_OK && i < t->n_params; i++) {
             train_param *q = &t->params[i];
@@ -366,31 +587,37 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
             bind_views(q);
         }
         /* weights from the model */
+#define LOAD(param, src_t, src_v)                                                              \
+    do {                                                                                       \
+        if (st == KILN_OK) st = load_from_model(t, param, src_t, src_v, tmp, tmp16);           \
+    } while (0)
         if (st == KILN_OK) {
-            load_from_model(t, t->tok_embd, m->tok_embd, NULL, tmp);
-            if (t->lm_head != t->tok_embd) load_from_model(t, t->lm_head, m->lm_head, NULL, tmp);
-            load_from_model(t, t->final_norm, NULL, m->final_norm, tmp);
+            LOAD(t->tok_embd, m->tok_embd, NULL);
+            if (t->lm_head != t->tok_embd) LOAD(t->lm_head, m->lm_head, NULL);
+            LOAD(t->final_norm, NULL, m->final_norm);
             for (int l = 0; l < t->cfg.n_layer; l++) {
                 const kiln_layer_weights *w = &m->layers[l];
                 train_layer *L = &t->layers[l];
-                load_from_model(t, L->wq, w->wq, NULL, tmp);
-                load_from_model(t, L->wk, w->wk, NULL, tmp);
-                load_from_model(t, L->wv, w->wv, NULL, tmp);
-                load_from_model(t, L->wo, w->wo, NULL, tmp);
-                load_from_model(t, L->gate, w->w_gate, NULL, tmp);
-                load_from_model(t, L->up, w->w_up, NULL, tmp);
-                load_from_model(t, L->down, w->w_down, NULL, tmp);
-                load_from_model(t, L->attn_norm, NULL, w->attn_norm, tmp);
-                load_from_model(t, L->mlp_norm, NULL, w->mlp_norm, tmp);
-                if (L->bq) load_from_model(t, L->bq, NULL, w->bq, tmp);
-                if (L->bk) load_from_model(t, L->bk, NULL, w->bk, tmp);
-                if (L->bv) load_from_model(t, L->bv, NULL, w->bv, tmp);
-                if (L->bo) load_from_model(t, L->bo, NULL, w->bo, tmp);
-                if (L->q_norm) load_from_model(t, L->q_norm, NULL, w->q_norm, tmp);
-                if (L->k_norm) load_from_model(t, L->k_norm, NULL, w->k_norm, tmp);
+                LOAD(L->wq, w->wq, NULL);
+                LOAD(L->wk, w->wk, NULL);
+                LOAD(L->wv, w->wv, NULL);
+                LOAD(L->wo, w->wo, NULL);
+                LOAD(L->gate, w->w_gate, NULL);
+                LOAD(L->up, w->w_up, NULL);
+                LOAD(L->down, w->w_down, NULL);
+                LOAD(L->attn_norm, NULL, w->attn_norm);
+                LOAD(L->mlp_norm, NULL, w->mlp_norm);
+                if (L->bq) LOAD(L->bq, NULL, w->bq);
+                if (L->bk) LOAD(L->bk, NULL, w->bk);
+                if (L->bv) LOAD(L->bv, NULL, w->bv);
+                if (L->bo) LOAD(L->bo, NULL, w->bo);
+                if (L->q_norm) LOAD(L->q_norm, NULL, w->q_norm);
+                if (L->k_norm) LOAD(L->k_norm, NULL, w->k_norm);
             }
         }
+#undef LOAD
         kiln_free(tmp);
+        kiln_free(tmp16);
     }
     if (st == KILN_OK) st = alloc_activations(t);
     if (st == KILN_OK) st = create_optimizers(t);
@@ -407,11 +634,15 @@ void kiln_trainer_free(kiln_trainer *t) {
     kiln_adamw_free(t->opt_mat);
     kiln_adamw_free(t->opt_vec);
     kiln_free(t->targets);
-    kiln_free(t->ce_stats);
-    kiln_free(t->act_block);
+    kiln_free(t->ids_pos);
+    kiln_free(t->zero_ids);
+    bmem_free(t, t->ce_stats);
+    bmem_free(t, t->act_block);
+    bmem_free(t, t->zeros);
+    bmem_free(t, t->clip_tab);
     kiln_free(t->acts);
-    kiln_free(t->param_block);
-    kiln_free(t->grad_block);
+    bmem_free(t, t->param_block);
+    bmem_free(t, t->grad_block);
     kiln_free(t->mat_index);
     kiln_free(t->vec_index);
     kiln_free(t->layers);
@@ -446,16 +677,15 @@ static void forward(kiln_trainer *t, const int32_t *ids, int T) {
         op->rope(be, a->q, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
         op->rope(be, a->k, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
         op->attention(be, a->att, a->q, a->k, a->v, T, 0, NH, KVH, HS, scale);
-        op->matmul(be, t->dtmp, a->att, &w->wo->view, VEC(w->bo), T);
-        memcpy(a->x_mid, a->x, (size_t)T * C * sizeof(float));
-        op->add(be, a->x_mid, t->dtmp, (size_t)T * C);
+        /* x_mid = o + x: IEEE addition commutes, so these are the bits of x + o, with no copy */
+        op->matmul(be, a->x_mid, a->att, &w->wo->view, VEC(w->bo), T);
+        op->add(be, a->x_mid, a->x, (size_t)T * C);
         op->rmsnorm(be, a->xb2, a->x_mid, VEC(w->mlp_norm), T, C, eps);
         op->matmul(be, a->gate, a->xb2, &w->gate->view, NULL, T);
         op->matmul(be, a->up, a->xb2, &w->up->view, NULL, T);
         op->swiglu(be, a->hb, a->gate, a->up, (size_t)T * FF);
-        op->matmul(be, t->dtmp, a->hb, &w->down->view, NULL, T);
-        memcpy(x_next, a->x_mid, (size_t)T * C * sizeof(float));
-        op->add(be, x_next, t->dtmp, (size_t)T * C);
+        op->matmul(be, x_next, a->hb, &w->down->view, NULL, T);
+        op->add(be, x_next, a->x_mid, (size_t)T * C);
     }
     op->rmsnorm(be, t->xn, t->x_final, VEC(t->final_norm), T, C, eps);
 }
@@ -512,6 +742,8 @@ kiln_status kiln_train_forward(kiln_trainer *t, const int32_t *ids, int n, const
     kiln_fused_ce_result r;
     kiln_status st = kiln_fused_ce(t->be, &cp, &r);
     if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_forward");
+    KILN_TRY(backend_check(t, "kiln_train_forward"));
+    t->ce_scratch = r.scratch_bytes;
     memcpy(t->targets, targets, (size_t)n * sizeof(int32_t));
     t->T = n;
     t->red = red;
@@ -541,7 +773,10 @@ kiln_status kiln_train_forward_hidden(kiln_trainer *t, const int32_t *ids, int n
     forward(t, ids, n);
     int C = t->cfg.n_embd;
     for (int i = 0; i < n_pos; i++)
-        memcpy(hidden + (size_t)i * C, t->xn + (size_t)positions[i] * C, (size_t)C * sizeof(float));
+        KILN_TRY(kiln_backend_download(t->be, hidden + (size_t)i * C, t->xn + (size_t)positions[i] * C,
+                                       (size_t)C * sizeof(float)));
+    KILN_TRY(backend_check(t, "kiln_train_forward_hidden"));
+    t->ce_scratch = 0;
     memcpy(t->positions, positions, (size_t)n_pos * sizeof(int32_t));
     t->n_pos = n_pos;
     t->T = n;
@@ -597,7 +832,10 @@ static void backward_layers(kiln_trainer *t) {
 }
 
 static void zero_grads(kiln_trainer *t) {
-    for (int i = 0; i < t->n_params; i++) memset(t->params[i].g, 0, (size_t)t->params[i].n * sizeof(float));
+    if (t->host)
+        for (int i = 0; i < t->n_params; i++) memset(t->params[i].g, 0, (size_t)t->params[i].n * sizeof(float));
+    else
+        zero_floats(t, t->grad_block, t->n_grad); /* the padding too: it stays 0 */
 }
 
 kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accumulate) {
@@ -630,20 +868,28 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
             t->pending = 0;
             return kiln_error_prefix(st, "kiln_train_backward");
         }
+        if (r.scratch_bytes > t->ce_scratch) t->ce_scratch = r.scratch_bytes;
     } else {
-        memset(t->dxn, 0, (size_t)T * C * sizeof(float));
         for (int i = 0; i < t->n_pos; i++) {
             const float *src = dhidden + (size_t)i * C;
             for (int j = 0; j < C; j++)
                 if (!isfinite(src[j]))
                     return kiln_error(KILN_ERR_RANGE, "kiln_train_backward: dhidden[%d][%d] is not finite", i, j);
-            memcpy(t->dxn + (size_t)t->positions[i] * C, src, (size_t)C * sizeof(float));
+        }
+        zero_floats(t, t->dxn, (size_t)T * C);
+        for (int i = 0; i < t->n_pos; i++) {
+            kiln_status st = kiln_backend_upload(t->be, t->dxn + (size_t)t->positions[i] * C, dhidden + (size_t)i * C,
+                                                 (size_t)C * sizeof(float));
+            if (st != KILN_OK) {
+                t->pending = 0;
+                return kiln_error_prefix(st, "kiln_train_backward");
+            }
         }
     }
     backward_layers(t);
     t->pending = 0;
     track_peak(t);
-    return KILN_OK;
+    return backend_check(t, "kiln_train_backward");
 }
 
 kiln_status kiln_train_step(kiln_trainer *t, const int32_t *ids, int n, float *loss) {
@@ -661,15 +907,34 @@ kiln_status kiln_train_step(kiln_trainer *t, const int32_t *ids, int n, float *l
 
 /* ---- gradients, optimizer ---------------------------------------------------------------- */
 
+/* norms[i] = torch's f32 2-norm of parameter i's gradient (n_params floats): on the host, or
+ * by the device optimizers (their per-tensor norms have the CPU's bits), downloaded. */
+static kiln_status param_norms(kiln_trainer *t, float *norms) {
+    if (t->host) {
+        for (int i = 0; i < t->n_params; i++) norms[i] = kiln_grad_norm_torch(t->params[i].g, t->params[i].n);
+        return KILN_OK;
+    }
+    float *part = kiln_malloc((size_t)t->n_params * sizeof(float));
+    if (!part) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    kiln_status st = kiln_adamw_grad_norm(t->opt_mat, NULL, part, NULL, NULL);
+    for (int j = 0; st == KILN_OK && j < t->n_mat; j++) norms[t->mat_index[j]] = part[j];
+    if (st == KILN_OK) st = kiln_adamw_grad_norm(t->opt_vec, NULL, part, NULL, NULL);
+    for (int j = 0; st == KILN_OK && j < t->n_vec; j++) norms[t->vec_index[j]] = part[j];
+    kiln_free(part);
+    return st;
+}
+
 kiln_status kiln_train_grad_sq_norm(kiln_trainer *t, double *out) {
     KILN_TRY(check_ready(t, "kiln_train_grad_sq_norm"));
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_grad_sq_norm: out is NULL");
     /* torch's order: per-tensor norms in named_parameters() order, then their norm */
+    float *norms = kiln_malloc((size_t)t->n_params * sizeof(float));
+    if (!norms) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    kiln_status st = param_norms(t, norms);
     double sum = 0.0;
-    for (int i = 0; i < t->n_params; i++) {
-        float nrm = kiln_grad_norm_torch(t->params[i].g, t->params[i].n);
-        sum += (double)nrm * (double)nrm;
-    }
+    for (int i = 0; st == KILN_OK && i < t->n_params; i++) sum += (double)norms[i] * (double)norms[i];
+    kiln_free(norms);
+    if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_grad_sq_norm");
     *out = sum;
     return KILN_OK;
 }
@@ -680,14 +945,13 @@ kiln_status kiln_train_clip_grads(kiln_trainer *t, double max_norm, float *total
     /* torch: total = ||stack(per-tensor norms)||, over every parameter in order */
     float *norms = kiln_malloc((size_t)t->n_params * sizeof(float));
     if (!norms) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    for (int i = 0; i < t->n_params; i++) norms[i] = kiln_grad_norm_torch(t->params[i].g, t->params[i].n);
-    float total = kiln_grad_norm_torch(norms, t->n_params);
+    kiln_status st = param_norms(t, norms);
+    float total = st == KILN_OK ? kiln_grad_norm_torch(norms, t->n_params) : 0.0f;
     kiln_free(norms);
+    if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_clip_grads");
     float cc = kiln_clip_coef(total, max_norm);
-    for (int i = 0; i < t->n_params; i++) {
-        float *g = t->params[i].g;
-        for (int64_t j = 0; j < t->params[i].n; j++) g[j] = g[j] * cc;
-    }
+    KILN_TRY(scale_grads(t, cc));
+    KILN_TRY(backend_check(t, "kiln_train_clip_grads"));
     if (total_norm) *total_norm = total;
     if (coef) *coef = cc;
     return KILN_OK;
@@ -703,7 +967,8 @@ kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr) {
     kiln_adamw_set_lr(t->opt_mat, lr);
     kiln_adamw_set_lr(t->opt_vec, lr);
     KILN_TRY(kiln_adamw_step(t->opt_mat, NULL));
-    return kiln_adamw_step(t->opt_vec, NULL);
+    KILN_TRY(kiln_adamw_step(t->opt_vec, NULL));
+    return backend_check(t, "kiln_train_optimizer_step");
 }
 
 /* ---- parameters by name ------------------------------------------------------------------ */
@@ -741,16 +1006,40 @@ kiln_status kiln_train_get_param(const kiln_trainer *t, const char *name, float 
     if (!t || !name || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_get_param: NULL argument");
     const train_param *p = find_param(t, name, n, "kiln_train_get_param");
     if (!p) return KILN_ERR_INVALID_ARG;
-    kiln_dequantize(p->dtype, p->w, out, p->n);
-    return KILN_OK;
+    if (t->host) {
+        kiln_dequantize(p->dtype, p->w, out, p->n);
+        return KILN_OK;
+    }
+    if (p->dtype == KILN_DTYPE_F32) return kiln_backend_download(t->be, out, p->w, (size_t)n * sizeof(float));
+    uint16_t *tmp = kiln_malloc((size_t)n * sizeof(uint16_t));
+    if (!tmp) return kiln_error(KILN_ERR_NOMEM, "kiln_train_get_param: out of memory");
+    kiln_status st = kiln_backend_download(t->be, tmp, p->w, (size_t)n * sizeof(uint16_t));
+    if (st == KILN_OK) kiln_dequantize(p->dtype, tmp, out, p->n);
+    kiln_free(tmp);
+    return st;
+}
+
+/* Write f32 values into a parameter (already validated): bf16 storage rounds them (RNE). */
+static kiln_status write_param(kiln_trainer *t, const train_param *p, const float *in) {
+    size_t n = (size_t)p->n;
+    if (p->dtype == KILN_DTYPE_F32) return kiln_backend_upload(t->be, p->w, in, n * sizeof(float));
+    if (t->host) {
+        for (size_t i = 0; i < n; i++) ((uint16_t *)p->w)[i] = kiln_fp32_to_bf16(in[i]);
+        return KILN_OK;
+    }
+    uint16_t *tmp = kiln_malloc(n * sizeof(uint16_t));
+    if (!tmp) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    for (size_t i = 0; i < n; i++) tmp[i] = kiln_fp32_to_bf16(in[i]);
+    kiln_status st = kiln_backend_upload(t->be, p->w, tmp, n * sizeof(uint16_t));
+    kiln_free(tmp);
+    return st;
 }
 
 kiln_status kiln_train_get_grad(const kiln_trainer *t, const char *name, float *out, int64_t n) {
     if (!t || !name || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_get_grad: NULL argument");
     const train_param *p = find_param(t, name, n, "kiln_train_get_grad");
     if (!p) return KILN_ERR_INVALID_ARG;
-    memcpy(out, p->g, (size_t)n * sizeof(float));
-    return KILN_OK;
+    return kiln_backend_download(t->be, out, p->g, (size_t)n * sizeof(float));
 }
 
 kiln_status kiln_train_set_param(kiln_trainer *t, const char *name, const float *in, int64_t n) {
@@ -763,9 +1052,7 @@ kiln_status kiln_train_set_param(kiln_trainer *t, const char *name, const float 
     for (int64_t i = 0; i < n; i++)
         if (!isfinite(in[i]))
             return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_set_param: '%s'[%lld] is not finite", name, (long long)i);
-    if (p->dtype == KILN_DTYPE_F32) memcpy(p->w, in, (size_t)n * sizeof(float));
-    else
-        for (int64_t i = 0; i < n; i++) ((uint16_t *)p->w)[i] = kiln_fp32_to_bf16(in[i]);
+    KILN_TRY(write_param(t, p, in));
     /* a fresh optimizer (still at step 0) picks the new weights up as its master copy */
     if (p->dtype != KILN_DTYPE_F32) return create_optimizers(t);
     return KILN_OK;
@@ -794,9 +1081,7 @@ kiln_status kiln_train_set_params(kiln_trainer *t, int count, const char *const 
         return kiln_error(KILN_ERR_STATE, "kiln_train_set_params: bf16 storage: weights can only be set before the first step");
     for (int i = 0; i < count; i++) {
         const train_param *p = find_param(t, names[i], n[i], "kiln_train_set_params");
-        if (p->dtype == KILN_DTYPE_F32) memcpy(p->w, data[i], (size_t)n[i] * sizeof(float));
-        else
-            for (int64_t k = 0; k < n[i]; k++) ((uint16_t *)p->w)[k] = kiln_fp32_to_bf16(data[i][k]);
+        KILN_TRY(write_param(t, p, data[i]));
     }
     return any_bf16 ? create_optimizers(t) : KILN_OK;
 }
@@ -818,12 +1103,20 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
     m.scratch = kiln_fused_ce_scratch_bytes(t->p.max_seq, t->cfg.n_embd, t->cfg.n_vocab,
                                             t->p.ce_chunk ? t->p.ce_chunk : KILN_FUSED_CE_DEFAULT_CHUNK, 1, 1);
     m.peak_step = t->peak_step;
+    char dev[32] = "cpu";
+    if (!t->host) {
+        snprintf(dev, sizeof dev, "%s:%d", t->be->i->name, t->p.device);
+        /* every device buffer is allocated at create except the fused loss's scratch: the
+         * peak of a step is their sum plus the largest scratch of the last step */
+        m.peak_step = m.params + m.grads + m.optimizer + m.activations + t->ce_scratch;
+    }
+    m.device = t->host ? -1 : t->p.device;
     if (buf && cap)
         snprintf(buf, cap,
                  "params %.1f MiB, grads %.1f MiB, optimizer %.1f MiB, activations %.1f MiB (max_seq %d), "
-                 "loss scratch %.1f MiB; matrices: %s; vectors: %s",
+                 "loss scratch %.1f MiB; matrices: %s; vectors: %s; device: %s",
                  m.params / 1048576.0, m.grads / 1048576.0, m.optimizer / 1048576.0, m.activations / 1048576.0,
-                 t->p.max_seq, m.scratch / 1048576.0, da, db);
+                 t->p.max_seq, m.scratch / 1048576.0, da, db, dev);
     if (mem) *mem = m;
     return KILN_OK;
 }
@@ -892,12 +1185,27 @@ kiln_status kiln_train_save(kiln_trainer *t, const char *dir, uint64_t step, con
     if (st == KILN_OK && run_json) st = kiln_ckpt_add_json(w, "run", run_json);
     if (st == KILN_OK) st = kiln_ckpt_add_u64(w, "step", step);
     if (st == KILN_OK) st = kiln_ckpt_add_u64(w, "seed", t->p.seed);
+    /* the file holds host bytes whatever the device: a device's weights are downloaded */
+    void *stage = NULL;
+    if (st == KILN_OK && !t->host) {
+        int64_t max_n = 0;
+        for (int i = 0; i < t->n_params; i++)
+            if (t->params[i].n > max_n) max_n = t->params[i].n;
+        stage = kiln_malloc((size_t)max_n * sizeof(float));
+        if (!stage) st = kiln_error(KILN_ERR_NOMEM, "out of memory");
+    }
     for (int i = 0; st == KILN_OK && i < t->n_params; i++) {
         const train_param *p = &t->params[i];
         char name[128];
         snprintf(name, sizeof name, "param/%s", p->name);
-        st = kiln_ckpt_add_tensor(w, name, p->dtype, p->n_dims, p->shape, p->w);
+        const void *data = p->w;
+        if (!t->host) {
+            st = kiln_backend_download(t->be, stage, p->w, (size_t)p->n * (p->dtype == KILN_DTYPE_F32 ? 4 : 2));
+            data = stage;
+        }
+        if (st == KILN_OK) st = kiln_ckpt_add_tensor(w, name, p->dtype, p->n_dims, p->shape, data);
     }
+    kiln_free(stage);
     section_sink sink = {w};
     if (st == KILN_OK) st = kiln_ckpt_section_begin(w, "optimizer/matrices", KILN_CKPT_RAW);
     if (st == KILN_OK) st = kiln_adamw_save(t->opt_mat, sink_write, &sink);
@@ -973,7 +1281,10 @@ kiln_status kiln_train_load(kiln_trainer *t, const char *dir, uint64_t *step, ch
         }
     }
     if (st == KILN_OK) {
-        for (int i = 0; i < t->n_params; i++) memcpy(t->params[i].w, ps[i]->data, (size_t)ps[i]->size);
+        for (int i = 0; st == KILN_OK && i < t->n_params; i++)
+            st = kiln_backend_upload(t->be, t->params[i].w, ps[i]->data, (size_t)ps[i]->size);
+    }
+    if (st == KILN_OK) {
         *step = k;
         if (run_json) {
             *run_json = run;
