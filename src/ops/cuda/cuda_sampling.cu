@@ -285,6 +285,7 @@ extern "C" cudaError_t kiln_cuda_sample_next(kiln_cuda_sampler *sp, cudaStream_t
     /* validate before drawing, so a refused call leaves smp's stream where it was */
     if (!sp || !logits || !d_token || V < 1 || V > sp->cap || n_history < 0 || !sampler_params_ok(p))
         return cudaErrorInvalidValue;
+    if (p->repeat_penalty != 1.0f && n_history > 0 && !d_history) return cudaErrorInvalidValue;
     float u = p->temperature > 0.0f ? kiln_sampler_draw_u(smp) : 0.0f;
     return kiln_cuda_sample(sp, s, logits, V, p, d_history, n_history, u, NULL, d_token, h_token);
 }

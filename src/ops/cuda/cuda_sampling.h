@@ -37,7 +37,7 @@
 #endif
 
 /* Values a sequential loop loads ahead of its dependent chain of additions. */
-#define KILN_SAMPLE_CHUNK 8
+#define KILN_SAMPLE_CHUNK 32
 
 /* Rank key of a candidate: 32 bits that sort ascending as l descends. -0 is keyed as +0 (the
  * CPU's comparisons do not tell them apart; the id then decides). NaN is never ranked (the
