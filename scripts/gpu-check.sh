@@ -62,6 +62,7 @@ run_test() {
     local last
     last=$(grep -v '^\s*$' "$log" | tail -1 | cut -c1-110)
     summary+=("$(printf '%-34s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - ts ))" "$last")")
+    echo "${summary[${#summary[@]}-1]}"
     if [ $rc -ne 0 ] && [ $rc -ne 77 ]; then
         status=1
         echo "---- $name failed (rc=$rc): first failures"
