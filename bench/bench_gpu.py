@@ -15,6 +15,12 @@ HOW TO RUN (on the GPU machine: python3 with torch and transformers; kiln built 
   (gpu-bench.sh adds DIR and DIR/deps/usr/lib/x86_64-linux-gnu).
   --quick: 32 new tokens, prefill 512 only, one repetition, no torch.compile, no eager
   transformers: a check that everything runs, not figures to quote.
+  --budget S (default 500): the optional pieces (torch.compile'd steps, transformers eager and
+  static cache) are skipped, with "skipped (--budget)" in the table, when they would not fit
+  in S seconds keeping --reserve (110) seconds for each model still to come; a model that
+  would start within 30 s of S is skipped. The JSON is rewritten after every model. The
+  default run is meant to take about 8 minutes on an H200 (the device tool stops a command at
+  10); --budget 1e9 runs everything.
   --device cpu --models tiny --quick: the CPU smoke mode (a 2-layer, 64-wide qwen2 model with a
   512-token vocabulary; kiln on the CPU, PyTorch's step uncaptured): every part's logic runs
   end to end on a machine without a GPU; its figures mean nothing.
@@ -41,7 +47,8 @@ decode (batch 1, greedy, --new tokens after the prompt; tok/s = (new - 1) / deco
   - kiln fast: the same with --fast (bf16 tensor cores for prefill, f32 matvec kernels on the
     weights for decode, split-key decode attention, CUDA graph). Notes: "auditable cost" =
     fast tok/s / auditable tok/s; how many greedy ids equal the auditable run's and the first
-    index where they differ; and "max norm logit diff" = max over the prompt's positions t of
+    index where they differ (with the number of distinct ids: a random model's greedy
+    continuation often repeats one token, which makes equality easy); and "max norm logit diff" = max over the prompt's positions t of
     max_i |fast[t,i] - aud[t,i]| / max_i |aud[t,i]|, the logits of the whole prompt from the
     binding (Context(model, device=0, fast=...).decode(prompt_ids, all_logits=True)).
   - transformers generate (bf16; eager, sdpa, sdpa + static cache, no torch.compile):
@@ -63,6 +70,7 @@ prefill (--prefill lengths, random ids):
     weights), the median time of Context.decode(ids) (the last position's logits downloaded)
     after truncate(0); repetitions stop early past --prefill-budget seconds.
   - transformers sdpa forward (bf16, logits_to_keep=1), CUDA events.
+  - the fast row's notes: "auditable cost" = auditable time / fast time.
   - "vs ceiling" = achieved FLOP/s / the bf16 matrix rate measured in this run (a cuBLAS
     bf16 8192^3 matmul through torch), with the prefill FLOPs of T tokens
         F(T) = 2 * P * T + 2 * T^2 * HS * NH * L + 2 * V * C
@@ -605,8 +613,10 @@ def compiled_layer():
     if _compiled_layer is None:
         import torch._dynamo as dyn
         for k in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
-            if hasattr(dyn.config, k):
+            try:  # names differ between torch versions
                 setattr(dyn.config, k, max(getattr(dyn.config, k), 256))
+            except (AttributeError, TypeError):
+                pass
         _compiled_layer = torch.compile(decode_layer, dynamic=False)
     return _compiled_layer
 
@@ -747,7 +757,7 @@ def graph_decode(dev, m, prompts, n_new, reps, B, comp):
 # ---- one model -------------------------------------------------------------------------------
 
 def prefill_flops(r, T):
-    _, C, L, NH, KVH, FF, V = SHAPES[r["model"]]
+    _, C, L, NH, _, _, V = SHAPES[r["model"]]
     return 2 * r["params_nonemb"] * T + 2 * T * T * (C // NH) * NH * L + 2 * V * C
 
 
@@ -758,7 +768,7 @@ def can_afford(args, cost):
 
 
 def bench_model(name, args, dev_info, env, res, rows):
-    fam, C, L, NH, KVH, FF, V = SHAPES[name]
+    V = SHAPES[name][6]
     dev = args.device
     special, eos = special_tokens(name)
     id_hi = min(special)  # random ids stay below the special tokens
@@ -828,7 +838,8 @@ def bench_model(name, args, dev_info, env, res, rows):
             cost = f["median_tps"] / a["median_tps"]
             fva = dict(auditable_cost=cost, ids_equal=n_eq, n_ids=len(a["ids"]), first_divergence=div)
             notes["fast"] = (f"auditable cost {cost:.2f}x; greedy ids equal {n_eq}/{len(a['ids'])}, "
-                             f"first divergence {div if div < len(a['ids']) else 'none'}")
+                             f"first divergence {div if div < len(a['ids']) else 'none'} "
+                             f"({len(set(a['ids']))} distinct ids in the auditable run)")
             lg = binding["logits"]
             if "fast" in lg and "auditable" in lg:
                 d = logit_diff(lg["fast"], lg["auditable"])
@@ -906,10 +917,13 @@ def bench_model(name, args, dev_info, env, res, rows):
             cells = [(tag[mode], r["kiln_prefill_s"].get(mode, {}).get(n))
                      for mode in ("auditable", "fast")]
             cells.append(("transformers sdpa forward", r.get("torch_prefill_s", {}).get(n)))
+            t_aud = cells[0][1]
             for eng, t in cells:
+                note = f"{fl / 1e12:.2f} TFLOP, {1e3 * t:.1f} ms" if t else "failed (see log)"
+                if t and t_aud and eng == tag["fast"]:
+                    note += f"; auditable cost {t_aud / t:.2f}x"
                 rows.append((name, f"prefill {n}", eng, n / t if t else None,
-                             fl / t / rate if t else None,
-                             f"{fl / 1e12:.2f} TFLOP, {1e3 * t:.1f} ms" if t else "failed (see log)"))
+                             fl / t / rate if t else None, note))
     if path:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -1013,6 +1027,20 @@ def bench_quant(name, args, env, r, rows, toks, special, eos, kiln_tps, bw, tag)
 
 
 # ---- main ------------------------------------------------------------------------------------
+
+def figure_rank(fig):
+    """Table order within a model (a stable sort keeps the measuring order inside a figure):
+    decode b1, decode bB, prefill (by length), quantized decode."""
+    if fig == "decode b1":
+        return (0, 0)
+    if fig.startswith("decode b1 "):
+        return (3, 0)
+    if fig.startswith("decode b"):
+        return (1, 0)
+    if fig.startswith("prefill "):
+        return (2, int(fig.split()[1]))
+    return (4, 0)
+
 
 def fmt_row(row):
     model, fig, eng, val, frac, note = row
@@ -1153,7 +1181,7 @@ def main():
         "prefill = % of the bf16 matmul rate, quantized decode = % of the quantized roofline")
     log("| model | figure | engine | value | vs ceiling | notes |")
     log("| --- | --- | --- | ---: | ---: | --- |")
-    for row in rows:
+    for row in sorted(rows, key=lambda x: (models.index(x[0]), figure_rank(x[1]))):
         log(fmt_row(row))
 
 if __name__ == "__main__":

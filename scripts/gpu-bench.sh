@@ -22,7 +22,7 @@
 # Smoke test without a GPU (a CPU build of kiln in build-bench):
 #   PYTHON=~/.cache/kiln-venv/bin/python scripts/gpu-bench.sh build-bench --device cpu --quick --models tiny
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 prepare() {
     local B=${1:-build-gpubench} D=${2:-.gpubin-bench}
