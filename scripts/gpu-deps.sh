@@ -32,6 +32,17 @@ kiln_gpu_deps() {
         echo "deps: installed with apt-get"
         return 0
     fi
+    local P lib
+    P=$(cd "$B" && pwd)/deps
+    lib=$P/usr/lib/x86_64-linux-gnu
+    if [ -f "$P/usr/include/cjson/cJSON.h" ] && [ -f "$P/usr/include/openssl/sha.h" ]; then
+        # unpacked by an earlier run into this build dir
+        KILN_DEPS_CMAKE=(-DCMAKE_PREFIX_PATH="$P/usr" -DOPENSSL_ROOT_DIR="$P/usr"
+                         -DCMAKE_LIBRARY_PATH="$lib" -DCMAKE_INCLUDE_PATH="$P/usr/include")
+        export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        echo "deps: the .deb files unpacked earlier in $P"
+        return 0
+    fi
     local debs=${KILN_GPU_DEBS:-.gpudeps}
     if ! ls "$debs"/*.deb >/dev/null 2>&1; then
         echo "deps: cJSON/PCRE2/utf8proc/OpenSSL headers missing, apt-get failed (no archive?)," \
@@ -39,13 +50,10 @@ kiln_gpu_deps() {
              "archive is reachable and carry $debs)"
         return 1
     fi
-    local P
-    P=$(cd "$B" && pwd)/deps
     rm -rf "$P"
     mkdir -p "$P"
     local f
     for f in "$debs"/*.deb; do dpkg -x "$f" "$P" || return 1; done
-    local lib=$P/usr/lib/x86_64-linux-gnu
     KILN_DEPS_CMAKE=(-DCMAKE_PREFIX_PATH="$P/usr" -DOPENSSL_ROOT_DIR="$P/usr"
                      -DCMAKE_LIBRARY_PATH="$lib" -DCMAKE_INCLUDE_PATH="$P/usr/include")
     export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

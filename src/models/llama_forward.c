@@ -15,9 +15,13 @@
 #include <math.h>
 #include <string.h>
 
-/* Zero nbytes of backend memory at p: a device backend has no memset entry, so upload a
- * zeroed host chunk repeatedly. */
+/* Zero nbytes (a multiple of 4) of backend memory at p: the backend's zero op, or uploads of a
+ * zeroed host chunk where it has none. */
 static kiln_status backend_zero(kiln_backend *be, void *p, size_t nbytes) {
+    if (be->i->zero) {
+        be->i->zero(be, (float *)p, nbytes / sizeof(float));
+        return kiln_backend_status(be);
+    }
     size_t chunk = nbytes < ((size_t)4 << 20) ? nbytes : ((size_t)4 << 20);
     if (!chunk) return KILN_OK;
     void *zeros = kiln_calloc(1, chunk);

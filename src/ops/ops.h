@@ -156,6 +156,12 @@ typedef struct kiln_backend_i {
     kiln_status (*graph_end)(kiln_backend *be, void **graph);
     kiln_status (*graph_launch)(kiln_backend *be, void *graph);
     void (*graph_free)(kiln_backend *be, void *graph);
+
+    /* ---- whole-buffer helpers (training) ---- */
+    /* x[0..n) = +0.0f. */
+    void (*zero)(kiln_backend *be, float *x, size_t n);
+    /* x[i] = x[i] * s, one binary32 rounding each (clip_grad_norm_'s scaling). */
+    void (*scale)(kiln_backend *be, float *x, float s, size_t n);
 } kiln_backend_i;
 
 struct kiln_backend {

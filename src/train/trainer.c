@@ -92,11 +92,6 @@ struct kiln_trainer {
     int32_t *pos, *ids, *targets, *positions; /* host arrays (max_seq) */
     int32_t *ids_pos; /* device backends: the host block of pos and ids */
     float *ce_stats; /* (max_seq, 3) the fused loss's pass-1 statistics, forward -> backward */
-    /* device backends only: stand-ins for a memset and a scale entry (zero_floats, scale_grads) */
-    float *zeros;       /* (KILN_TRAIN_ZERO_ROW) zeros, backend memory */
-    int32_t *zero_ids;  /* (n_zero_ids) host zeros: the row ids of zero_floats */
-    size_t n_zero_ids;
-    float *clip_tab;    /* (16) backend memory: cos = coef (8), sin = 0 (8) */
     uint64_t ce_scratch; /* the largest fused-loss scratch of the last step (devices) */
 
     /* the pending step */
@@ -109,14 +104,10 @@ struct kiln_trainer {
 
 /* ---- backend memory ---------------------------------------------------------------------- */
 
-/* Row width of zero_floats' table of zeros: zeroing n floats hands the op n / ROW row ids. */
-#define KILN_TRAIN_ZERO_ROW 16384
-
 /* nbytes of zeroed backend memory: kiln_calloc on the cpu backend (so nothing changes there),
- * else kiln_backend_alloc and an upload of zeros (create time only: a device backend has no
- * memset entry). NULL with the error set. */
+ * else kiln_backend_alloc and the backend's zero op. NULL with the error set. */
 static void *bmem_alloc(kiln_trainer *t, size_t nbytes, const char *what) {
-    size_t b = nbytes ? nbytes : 64;
+    size_t b = ((nbytes ? nbytes : 64) + 3) & ~(size_t)3;
     if (t->host) {
         void *p = kiln_calloc(1, b);
         if (!p) kiln_error(KILN_ERR_NOMEM, "trainer: out of memory allocating %zu bytes for %s", b, what);
@@ -130,16 +121,7 @@ static void *bmem_alloc(kiln_trainer *t, size_t nbytes, const char *what) {
                    what, why);
         return NULL;
     }
-    size_t chunk = b < ((size_t)4 << 20) ? b : ((size_t)4 << 20);
-    void *zeros = kiln_calloc(1, chunk);
-    kiln_status st = zeros ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    for (size_t off = 0; st == KILN_OK && off < b; off += chunk)
-        st = kiln_backend_upload(t->be, (char *)p + off, zeros, b - off < chunk ? b - off : chunk);
-    kiln_free(zeros);
-    if (st != KILN_OK) {
-        kiln_backend_free_buf(t->be, p);
-        return NULL;
-    }
+    t->be->i->zero(t->be, p, b / sizeof(float));
     return p;
 }
 
@@ -149,47 +131,14 @@ static void bmem_free(kiln_trainer *t, void *p) {
     else kiln_backend_free_buf(t->be, p);
 }
 
-/* p[0..n) = 0 in backend memory. A device backend has no memset entry: there the op table's
- * embed copies rows of a table of zeros, (1, ROW) f32 in backend memory, with row ids that are
- * all 0 (host zeros, copied by the op: n / ROW ints, not n floats). embed writes the table's
- * f32 values unchanged, so the result is +0.0 everywhere, as memset. */
+/* p[0..n) = +0.0f in backend memory (memset on the cpu backend, the backend's zero op). */
 static void zero_floats(kiln_trainer *t, float *p, size_t n) {
-    if (t->host) {
-        memset(p, 0, n * sizeof(float));
-        return;
-    }
-    kiln_tensor z;
-    memset(&z, 0, sizeof z);
-    z.name = "trainer.zeros";
-    z.dtype = KILN_DTYPE_F32;
-    z.n_dims = 2;
-    z.shape[0] = 1;
-    z.shape[1] = KILN_TRAIN_ZERO_ROW;
-    z.shape[2] = z.shape[3] = 1;
-    z.data = t->zeros;
-    z.nbytes = (size_t)KILN_TRAIN_ZERO_ROW * sizeof(float);
-    size_t rows = n / KILN_TRAIN_ZERO_ROW, tail = n % KILN_TRAIN_ZERO_ROW;
-    while (rows) { /* n_zero_ids (>= 1, <= 2^20) rows per call */
-        size_t k = rows < t->n_zero_ids ? rows : t->n_zero_ids;
-        t->be->i->embed(t->be, p, &z, t->zero_ids, (int)k);
-        p += k * KILN_TRAIN_ZERO_ROW;
-        rows -= k;
-    }
-    if (tail) { /* a (1, tail) view of the same zeros */
-        z.shape[1] = (int64_t)tail;
-        z.nbytes = tail * sizeof(float);
-        t->be->i->embed(t->be, p, &z, t->zero_ids, 1);
-    }
+    if (t->host) memset(p, 0, n * sizeof(float));
+    else t->be->i->zero(t->be, p, n);
 }
 
-/* Every gradient g = g * coef (torch's clip_grad_norm_ scaling). A device backend has no
- * scale entry: there the op table's rope, with one position whose cos table is coef and sin
- * table 0, over the gradient block seen as (1, n_grad/16, 16), computes
- *   g[i] = g[i]*coef - g[i+8]*0,   g[i+8] = g[i+8]*coef + g[i]*0,
- * which is g*coef bit for bit for every finite g (a finite x*0 is +-0, and y - (+-0) and
- * y + (+-0) are y for y != 0; y == 0 is +0 here: a gradient is a sum into +0, so never -0,
- * and coef*g rounds to -0 only for a subnormal g). The padding between gradients is zero and
- * stays zero. */
+/* Every gradient g = g * coef (torch's clip_grad_norm_ scaling), over the whole gradient block
+ * (the padding between gradients is zero and stays zero). */
 static kiln_status scale_grads(kiln_trainer *t, float coef) {
     if (t->host) {
         for (int i = 0; i < t->n_params; i++) {
@@ -198,21 +147,7 @@ static kiln_status scale_grads(kiln_trainer *t, float coef) {
         }
         return KILN_OK;
     }
-    float tab[16];
-    for (int i = 0; i < 8; i++) {
-        tab[i] = coef;
-        tab[8 + i] = 0.0f;
-    }
-    KILN_TRY(kiln_backend_upload(t->be, t->clip_tab, tab, sizeof tab));
-    static const int32_t pos0 = 0;
-    size_t heads = t->n_grad / 16;
-    float *g = t->grad_block;
-    while (heads) {
-        size_t h = heads < ((size_t)1 << 28) ? heads : ((size_t)1 << 28);
-        t->be->i->rope(t->be, g, &pos0, 1, (int)h, 16, t->clip_tab, t->clip_tab + 8);
-        g += h * 16;
-        heads -= h;
-    }
+    t->be->i->scale(t->be, t->grad_block, coef, t->n_grad);
     return KILN_OK;
 }
 
@@ -244,7 +179,7 @@ static kiln_status check_backend_ops(kiln_trainer *t, kiln_dtype wt) {
     const kiln_backend_i *op = t->be->i;
     bool have = op->embed && op->rmsnorm && op->matmul && op->rope && op->attention && op->swiglu && op->add &&
                 op->matmul_backward && op->rmsnorm_backward && op->rope_backward && op->attention_backward &&
-                op->swiglu_backward && op->embed_backward;
+                op->swiglu_backward && op->embed_backward && op->zero && op->scale;
     if (!have)
         return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: the %s backend lacks a training op", op->name);
     for (size_t i = 0; i < sizeof need / sizeof need[0]; i++) {
@@ -475,8 +410,7 @@ static kiln_status alloc_activations(kiln_trainer *t) {
         kiln_rope_tables_fill(t->model, (int)T, t->rope_cos, t->rope_sin);
         return KILN_OK;
     }
-    /* a device: the rope tables computed on the host and uploaded; zero_floats' and
-     * scale_grads' tables */
+    /* a device: the rope tables computed on the host and uploaded */
     size_t tab = T * HS / 2;
     float *host = kiln_malloc((tab ? tab : 1) * 2 * sizeof(float));
     if (!host) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for the rope tables");
@@ -485,14 +419,7 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     if (st == KILN_OK) st = kiln_backend_upload(t->be, t->rope_sin, host + tab, tab * sizeof(float));
     kiln_free(host);
     if (st != KILN_OK) return st;
-    size_t most = t->n_grad > T * C ? t->n_grad : T * C; /* the largest zero_floats */
-    t->n_zero_ids = most / KILN_TRAIN_ZERO_ROW + 1;
-    if (t->n_zero_ids > ((size_t)1 << 20)) t->n_zero_ids = (size_t)1 << 20;
-    t->zero_ids = kiln_calloc(t->n_zero_ids, sizeof(int32_t));
-    if (!t->zero_ids) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    t->zeros = bmem_alloc(t, (size_t)KILN_TRAIN_ZERO_ROW * sizeof(float), "a table of zeros");
-    t->clip_tab = t->zeros ? bmem_alloc(t, 16 * sizeof(float), "the clip table") : NULL;
-    return t->clip_tab ? KILN_OK : KILN_ERR_NOMEM;
+return KILN_OK;
 }
 
 /* ---- create / free ----------------------------------------------------------------------- */
@@ -523,6 +450,9 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     if (p.device < -1)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: device %d: use -1 (CPU) or a CUDA device index >= 0",
                           p.device);
+    if (p.fast && p.device < 0)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: fast is a GPU mode (the CPU has no fast training): "
+                                                "set device to a CUDA device index >= 0, or fast to 0");
     for (int l = 0; l < m->cfg.n_layer; l++)
         if (m->layers[l].b_gate || m->layers[l].b_up || m->layers[l].b_down)
             return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: MLP biases (mlp_bias) are not trainable yet");
@@ -533,7 +463,8 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     t->p = p;
     kiln_status st;
     if (p.device >= 0) {
-        st = kiln_backend_cuda_create(p.device, &t->be);
+        /* fast: bf16 tensor-core products forward and backward (docs/TRAINING.md, "Fast mode") */
+        st = kiln_backend_cuda_create_mode(p.device, p.fast ? 1 : 0, &t->be);
         if (st != KILN_OK) { /* say which setting asked for CUDA, keep the backend's reason */
             char why[512];
             snprintf(why, sizeof why, "%s", kiln_last_error());
@@ -635,11 +566,8 @@ void kiln_trainer_free(kiln_trainer *t) {
     kiln_adamw_free(t->opt_vec);
     kiln_free(t->targets);
     kiln_free(t->ids_pos);
-    kiln_free(t->zero_ids);
     bmem_free(t, t->ce_stats);
     bmem_free(t, t->act_block);
-    bmem_free(t, t->zeros);
-    bmem_free(t, t->clip_tab);
     kiln_free(t->acts);
     bmem_free(t, t->param_block);
     bmem_free(t, t->grad_block);
@@ -1105,7 +1033,7 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
     m.peak_step = t->peak_step;
     char dev[32] = "cpu";
     if (!t->host) {
-        snprintf(dev, sizeof dev, "%s:%d", t->be->i->name, t->p.device);
+        snprintf(dev, sizeof dev, "%s:%d%s", t->be->i->name, t->p.device, t->p.fast ? " (fast)" : "");
         /* every device buffer is allocated at create except the fused loss's scratch: the
          * peak of a step is their sum plus the largest scratch of the last step */
         m.peak_step = m.params + m.grads + m.optimizer + m.activations + t->ce_scratch;

@@ -154,7 +154,7 @@ int main(int argc, char **argv) {
 
     static const shape shapes[] = {
         {"0.5B q/o 896x896", 896, 896, false},       {"0.5B k/v 128x896", 128, 896, false},
-        {"0.5B gate/up 4864x896", 4864, 896, true},  {"0.5B down 896x4864", 896, 4864, false},
+        {"0.5B gate/up 4864x896", 4864, 896, false},  {"0.5B down 896x4864", 896, 4864, false},
         {"1.5B q/o 1536x1536", 1536, 1536, false},   {"1.5B gate/up 8960x1536", 8960, 1536, false},
         {"1.5B down 1536x8960", 1536, 8960, true},   {"3B q/o 3072x3072", 3072, 3072, false},
         {"3B k/v 1024x3072", 1024, 3072, false},     {"3B gate/up 8192x3072", 8192, 3072, true},

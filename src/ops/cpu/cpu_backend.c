@@ -436,6 +436,16 @@ static kiln_status cpu_status(kiln_backend *be) {
     return KILN_OK;
 }
 
+static void cpu_zero(kiln_backend *be, float *x, size_t n) {
+    (void)be;
+    if (n) memset(x, 0, n * sizeof(float));
+}
+
+static void cpu_scale(kiln_backend *be, float *x, float s, size_t n) {
+    (void)be;
+    for (size_t i = 0; i < n; i++) x[i] = x[i] * s;
+}
+
 static const kiln_backend_i cpu_iface = {
     .name = "cpu",
     .free = cpu_free,
@@ -458,6 +468,8 @@ static const kiln_backend_i cpu_iface = {
     .upload = cpu_copy,
     .download = cpu_copy,
     .status = cpu_status,
+    .zero = cpu_zero,
+    .scale = cpu_scale,
 };
 
 static const kiln_cpu_kernels *kernels_for(kiln_cpu_path p) {

@@ -290,6 +290,18 @@ static void cu_add(kiln_backend *be, float *x, const float *y, size_t n) {
     after_launch(c, kiln_cuda_add(c->stream, x, y, n), "add");
 }
 
+static void cu_zero(kiln_backend *be, float *x, size_t n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || n == 0) return;
+    CK(c, cudaMemsetAsync(x, 0, n * sizeof(float), c->stream));
+}
+
+static void cu_scale(kiln_backend *be, float *x, float s, size_t n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_scale(c->stream, x, s, n), "scale");
+}
+
 /* ---- decode graphs ------------------------------------------------------------------------- */
 
 static void cu_kv_store(kiln_backend *be, float *k_cache, float *v_cache, const float *k_row,
@@ -557,6 +569,8 @@ static const kiln_backend_i cuda_iface = {
     /* .graph_end = */ cu_graph_end,
     /* .graph_launch = */ cu_graph_launch,
     /* .graph_free = */ cu_graph_free,
+    /* .zero = */ cu_zero,
+    /* .scale = */ cu_scale,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {

@@ -45,6 +45,8 @@ cudaError_t kiln_cuda_attention_at(cudaStream_t s, float *out, const float *q, c
 /* k_cache/v_cache row *d_pos (device) = k_row/v_row, row_floats each. */
 cudaError_t kiln_cuda_kv_store(cudaStream_t s, float *k_cache, float *v_cache, const float *k_row,
                                const float *v_row, const int32_t *d_pos, size_t row_floats);
+/* x[i] = x[i] * sc. */
+cudaError_t kiln_cuda_scale(cudaStream_t s, float *x, float sc, size_t n);
 cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, const float *up,
                              size_t n);
 cudaError_t kiln_cuda_add(cudaStream_t s, float *x, const float *y, size_t n);

@@ -353,6 +353,18 @@ static __global__ void swiglu_kernel(float *out, const float *gate, const float 
         out[u] = kiln_swiglu(gate[u], up[u]);
 }
 
+static __global__ void scale_kernel(float *x, float sc, size_t n) {
+    for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
+         u += (size_t)gridDim.x * blockDim.x)
+        x[u] = x[u] * sc;
+}
+
+cudaError_t kiln_cuda_scale(cudaStream_t s, float *x, float sc, size_t n) {
+    if (n == 0) return cudaSuccess;
+    scale_kernel<<<grid_for((int64_t)n, 256), 256, 0, s>>>(x, sc, n);
+    return cudaGetLastError();
+}
+
 static __global__ void add_kernel(float *x, const float *y, size_t n) {
     for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
          u += (size_t)gridDim.x * blockDim.x)
