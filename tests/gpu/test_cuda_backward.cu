@@ -10,9 +10,11 @@
  * ws) is compared too, and so are the dk/dv rows the op must leave untouched.
  *
  * Host-side checks (argument validation that never touches the device) run first; without a
- * usable GPU the test then exits 77 (skipped).
+ * usable GPU the test then exits 77 (skipped). After the cases, a few GPU timings of
+ * training-sized shapes (informative, not compared).
  *
- * Usage: test_cuda_backward [seed]     prints one line per case, then "ALL OK" or "FAILED n".
+ * Usage: test_cuda_backward [seed]     prints one line per case, the timings, then "ALL OK" or
+ * "FAILED n".
  */
 #include "ops/cuda/cuda_backward.h"
 
@@ -368,6 +370,88 @@ static void case_embed(int N, int V, int C) {
     dev_free_all();
 }
 
+/* ---- timings (GPU only, informative: not compared) ------------------------------------------ */
+
+/* Median of 5 runs of f (each after one warm-up), in ms. */
+template <typename F> static float time_ms(F f) {
+    cudaEvent_t a, b;
+    CUDA_OK(cudaEventCreate(&a));
+    CUDA_OK(cudaEventCreate(&b));
+    float t[5];
+    run_and_sync(f(), "timing warm-up");
+    for (int r = 0; r < 5; r++) {
+        CUDA_OK(cudaEventRecord(a, g_s));
+        cudaError_t e = f();
+        CUDA_OK(cudaEventRecord(b, g_s));
+        run_and_sync(e, "timing");
+        CUDA_OK(cudaEventElapsedTime(&t[r], a, b));
+    }
+    CUDA_OK(cudaEventDestroy(a));
+    CUDA_OK(cudaEventDestroy(b));
+    for (int i = 1; i < 5; i++)
+        for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
+            float x = t[j];
+            t[j] = t[j - 1];
+            t[j - 1] = x;
+        }
+    return t[2];
+}
+
+static float *dev_rand(size_t n, float scale) {
+    std::vector<float> h(n);
+    fill_rand(h.data(), n, scale);
+    return dev_copy(h.data(), n);
+}
+
+static void timings(void) {
+    const int N = 512;
+    const int64_t R = 4864, C = 896;
+    float *x = dev_rand((size_t)N * C, 1.0f), *dy = dev_rand((size_t)N * R, 1.0f);
+    float *dx = dev_rand((size_t)N * C, 1.0f), *dW = dev_rand((size_t)R * C, 1.0f);
+    float *db = dev_rand((size_t)R, 1.0f);
+    std::vector<uint16_t> wb((size_t)R * C);
+    for (size_t i = 0; i < wb.size(); i++) wb[i] = kiln_fp32_to_bf16(rnd_unit());
+    const uint8_t *w = (const uint8_t *)dev_copy_bytes(wb.data(), wb.size() * 2);
+    const double gf = 2.0 * N * R * C * 1e-6; /* one GEMM, in GFLOP per ms */
+    float t_dx = time_ms([&] {
+        return kiln_cuda_matmul_backward(g_s, dx, NULL, NULL, dy, x, w, C * 2, KILN_DTYPE_BF16, R,
+                                         C, N, false);
+    });
+    float t_dw = time_ms([&] {
+        return kiln_cuda_matmul_backward(g_s, NULL, dW, db, dy, x, w, C * 2, KILN_DTYPE_BF16, R,
+                                         C, N, false);
+    });
+    printf("time matmul_backward bf16 N=%d R=%lld C=%lld: dx %.3f ms (%.0f GFLOP/s), dW+dbias "
+           "%.3f ms (%.0f GFLOP/s)\n",
+           N, (long long)R, (long long)C, t_dx, gf / t_dx, t_dw, gf / t_dw);
+    const int NH = 14, KVH = 2, HS = 64;
+    const size_t nq = (size_t)N * NH * HS, nkv = (size_t)N * KVH * HS;
+    float *q = dev_rand(nq, 1.0f), *k = dev_rand(nkv, 1.0f), *v = dev_rand(nkv, 1.0f);
+    float *out = dev_rand(nq, 1.0f), *dout = dev_rand(nq, 1.0f);
+    float *dq = dev_rand(nq, 1.0f), *dk = dev_rand(nkv, 1.0f), *dv = dev_rand(nkv, 1.0f);
+    float *ws = dev_rand((size_t)3 * N * NH, 1.0f);
+    float t_at = time_ms([&] {
+        return kiln_cuda_attention_backward(g_s, dq, dk, dv, dout, q, k, v, out, ws, N, 0, NH,
+                                            KVH, HS, 0.125f);
+    });
+    printf("time attention_backward N=%d NH=%d KVH=%d HS=%d: %.3f ms\n", N, NH, KVH, HS, t_at);
+    float *dt = dev_rand((size_t)151936 / 4 * C, 1.0f);
+    std::vector<int32_t> ids(N);
+    for (int i = 0; i < N; i++) ids[i] = rnd_int(0, 151936 / 4 - 1);
+    const int32_t *d_ids = (const int32_t *)dev_copy_bytes(ids.data(), ids.size() * 4);
+    float t_em = time_ms([&] {
+        return kiln_cuda_embed_backward(g_s, dt, dx, d_ids, N, 151936 / 4, (int)C);
+    });
+    float *rstd = dev_rand((size_t)N, 1.0f), *nw = dev_rand((size_t)C, 1.0f);
+    float *dnw = dev_rand((size_t)C, 1.0f);
+    float t_rms = time_ms([&] {
+        return kiln_cuda_rmsnorm_backward(g_s, dx, dnw, dx, x, nw, N, (int)C, 1e-5f, rstd, true);
+    });
+    printf("time embed_backward N=%d C=%lld: %.3f ms; rmsnorm_backward N=%d C=%lld: %.3f ms\n", N,
+           (long long)C, t_em, N, (long long)C, t_rms);
+    dev_free_all();
+}
+
 /* ---- host-side checks (no device needed) ---------------------------------------------------- */
 
 static int host_checks(void) {
@@ -480,6 +564,7 @@ int main(int argc, char **argv) {
     };
     for (size_t i = 0; i < sizeof emb / sizeof emb[0]; i++) case_embed(emb[i][0], emb[i][1], emb[i][2]);
 
+    timings();
     CUDA_OK(cudaStreamDestroy(g_s));
     kiln_backend_free(g_cpu);
     printf("%ld cases, %ld elements compared, %.1f s CPU time\n", g_cases, g_elems,
