@@ -375,6 +375,12 @@ typedef struct kiln_train_params {
     int device;       /* -1 = CPU (the default); N >= 0 = CUDA device N: parameters, gradients,
                        * activations and optimizer state in GPU memory, auditable arithmetic
                        * (the CPU's bits); checkpoints are the same files on either */
+    int fast;         /* 0 (the default): the device's auditable arithmetic; non-zero with
+                       * device >= 0: the CUDA backend's fast arithmetic (matrix products
+                       * forward and backward on bf16 tensor cores, bf16 flash attention
+                       * forward; not the CPU's bits, deterministic run to run:
+                       * docs/TRAINING.md, "Fast mode"). With device -1: KILN_ERR_UNSUPPORTED
+                       * (the CPU has no fast training) */
 } kiln_train_params;
 
 KILN_API kiln_train_params kiln_train_default_params(void);
