@@ -6,6 +6,8 @@
  *     4 * N * N / 2 * HS * NH flops (two matmuls of 2 flops per multiply-add);
  *   decode (N = 1) at a context of ctx keys: time and GB/s of KV bytes read,
  *     2 * ctx * KVH * HS * 4. The caches are rotated over enough copies to miss the L2.
+ *   decode_dev in a CUDA graph, as the decode step runs it: 24 calls (one per layer, each
+ *     with its own KV cache) captured once; time per call of a replay, GB/s as above.
  * Times: CUDA events around R back-to-back calls, the median of 5 such runs, per call (the
  * auditable prefill at N = 4096: one call).
  * Inputs are random in [-2, 2], generated on the device.
@@ -47,6 +49,8 @@ static void fill(float *x, size_t n, uint64_t seed) {
 }
 
 struct model_shape { const char *name; int NH, KVH, HS; };
+
+#define GRAPH_LAYERS 24 /* decode_dev calls per captured graph: the layers of a decode step */
 
 static cudaStream_t g_s;
 static cudaEvent_t g_e0, g_e1;
@@ -157,6 +161,52 @@ int main(int argc, char **argv) {
             CUDA_OK(cudaFree(q));
             CUDA_OK(cudaFree(out));
             CUDA_OK(cudaFree(kv));
+        }
+
+    printf("\ndecode_dev in a CUDA graph of %d calls (one per layer, own KV cache each): time "
+           "per call\n", GRAPH_LAYERS);
+    printf("%-14s %6s %7s | %10s %8s\n", "shape", "ctx", "KV MB", "graph us", "GB/s");
+    const int graph_ctxs[] = {512, 4096};
+    for (const model_shape &m : shapes)
+        for (int ctx : graph_ctxs) {
+            const size_t nq = (size_t)m.NH * m.HS, nkv = (size_t)ctx * m.KVH * m.HS;
+            const double kv_bytes = 2.0 * nkv * 4;
+            float *q, *out, *kv;
+            int32_t *pos;
+            CUDA_OK(cudaMalloc(&q, nq * 4));
+            CUDA_OK(cudaMalloc(&out, nq * 4));
+            CUDA_OK(cudaMalloc(&kv, 2 * nkv * GRAPH_LAYERS * 4));
+            CUDA_OK(cudaMalloc(&pos, sizeof(int32_t)));
+            fill(q, nq, 6);
+            fill(kv, 2 * nkv * GRAPH_LAYERS, 7);
+            const int32_t last = ctx - 1;
+            CUDA_OK(cudaMemcpy(pos, &last, sizeof last, cudaMemcpyHostToDevice));
+            const float scale = 1.0f / sqrtf((float)m.HS);
+            CUDA_OK(kiln_cuda_attn_reserve(a, 1, 1, m.NH, m.HS, ctx));
+            CUDA_OK(cudaStreamSynchronize(g_s));
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            CUDA_OK(cudaStreamBeginCapture(g_s, cudaStreamCaptureModeThreadLocal));
+            cudaError_t ce = cudaSuccess;
+            for (int l = 0; l < GRAPH_LAYERS && ce == cudaSuccess; l++) {
+                const float *kl = kv + (size_t)l * 2 * nkv;
+                ce = kiln_cuda_attention_decode_dev(a, g_s, out, q, kl, kl + nkv, 1, 0, pos, ctx,
+                                                    m.NH, m.KVH, m.HS, scale);
+            }
+            CUDA_OK(cudaStreamEndCapture(g_s, &graph));
+            CUDA_OK(ce);
+            CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+            const double tg = time_ms(quick ? 5 : 20, 5, true, [&](int) {
+                CUDA_OK(cudaGraphLaunch(exec, g_s));
+            }) / GRAPH_LAYERS;
+            printf("%-14s %6d %7.1f | %10.1f %8.0f\n", m.name, ctx, kv_bytes / 1e6, tg * 1e3,
+                   kv_bytes / (tg * 1e-3) / 1e9);
+            CUDA_OK(cudaGraphExecDestroy(exec));
+            CUDA_OK(cudaGraphDestroy(graph));
+            CUDA_OK(cudaFree(q));
+            CUDA_OK(cudaFree(out));
+            CUDA_OK(cudaFree(kv));
+            CUDA_OK(cudaFree(pos));
         }
     kiln_cuda_attn_free(a);
     CUDA_OK(cudaEventDestroy(g_e0));

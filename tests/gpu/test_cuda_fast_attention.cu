@@ -11,8 +11,11 @@
  *   f32 paths (decode split, plain f32 kernel): 1e-5.
  * Every run starts from outputs poisoned with NaN bits, every case runs twice and must give
  * the same bits, and decode_dev (B = 1 and 3, different n_past per sequence, caches an odd
- * stride apart, through a captured CUDA graph replayed at new positions) must give the bits
- * of kiln_cuda_attention_fast with N = 1.
+ * stride apart, through a captured CUDA graph replayed at several new positions) must give
+ * the bits of kiln_cuda_attention_fast with N = 1 -- across the split decode's three ways of
+ * finishing (one split: direct output; <= 64 splits: the last block combines; more: the
+ * combine kernel), which must agree bit for bit. The split decode must also give the same
+ * bits with 16-byte aligned and unaligned pointers (16- vs 4-byte tile copies).
  * Without a GPU: checks the reference and the host-side validation, then exits 77.
  * Usage: test_cuda_fast_attention
  */
@@ -250,11 +253,61 @@ static void attention_case(kiln_cuda_attn *a, cudaStream_t s, const dev_bufs &db
     if (!ok) g_fail++;
 }
 
-/* decode_dev of B sequences (n_past[b], caches kv_seq_stride floats apart) vs
+/* The split decode on the same inputs with q, k, v, out 16-byte aligned and one float off:
+ * the aligned call copies tiles with 16-byte cp.async, the other with 4-byte ones, and that
+ * must not change a bit. */
+static void vec_scalar_case(kiln_cuda_attn *a, cudaStream_t s, const dev_bufs &db, int HS,
+                            int NH, int KVH, int N, int n_past) {
+    const int T = n_past + N;
+    const float scale = 1.0f / sqrtf((float)HS);
+    const size_t nq = (size_t)N * NH * HS, nkv = (size_t)T * KVH * HS;
+    if (nq + 1 > db.nq || nkv + 1 > db.nkv || N > KILN_ATTN_DECODE_MAX_N) {
+        g_fail++;
+        fprintf(stderr, "vec_scalar_case: bad case HS %d N %d n_past %d\n", HS, N, n_past);
+        return;
+    }
+    std::vector<float> q(nq), k(nkv), v(nkv);
+    fill(q, -2, 2);
+    fill(k, -2, 2);
+    fill(v, -2, 2);
+    std::vector<float> o[2];
+    for (int off = 0; off < 2; off++) {
+        CUDA_OK(cudaMemcpy(db.q + off, q.data(), nq * 4, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(db.k + off, k.data(), nkv * 4, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(db.v + off, v.data(), nkv * 4, cudaMemcpyHostToDevice));
+        o[off] = run_fast(a, s, db.out + off, db.q + off, db.k + off, db.v + off, N, n_past, NH,
+                          KVH, HS, scale);
+    }
+    size_t first = 0;
+    const bool ok = same_bits(o[0].data(), o[1].data(), nq, &first);
+    g_cases++;
+    if (!ok) {
+        g_fail++;
+        fprintf(stderr, "vec_scalar HS %d N %d n_past %d: element %zu %a (aligned) vs %a\n", HS,
+                N, n_past, first, o[0][first], o[1][first]);
+    }
+    printf("split decode HS %3d NH/KVH %2d/%d N %d n_past %4d: aligned == unaligned bits %s\n",
+           HS, NH, KVH, N, n_past, ok ? "OK" : "FAILED");
+}
+
+/* decode_dev of B sequences (positions pos[0][b], caches kv_seq_stride floats apart) vs
  * kiln_cuda_attention_fast with N = 1 per sequence, bit for bit, and vs the reference; then the
- * same call captured in a CUDA graph and replayed at the positions n_past2[b]. */
+ * same call captured once in a CUDA graph and replayed at the positions pos[1], pos[2], ...
+ * (each replay checked: a fused-combine arrival counter left non-zero by one launch would
+ * leave the next launch's outputs unwritten, i.e. NaN from the poison). */
 static void decode_dev_case(kiln_cuda_attn *a, cudaStream_t s, int HS, int NH, int KVH, int B,
-                            const int *n_past, const int *n_past2, int max_T) {
+                            const std::vector<std::vector<int>> &pos, int max_T) {
+    if (pos.size() < 2) {
+        g_fail++;
+        fprintf(stderr, "decode_dev_case: needs a direct and at least one replay position set\n");
+        return;
+    }
+    for (const std::vector<int> &p : pos)
+        if ((int)p.size() != B) {
+            g_fail++;
+            fprintf(stderr, "decode_dev_case: a position set is not B long\n");
+            return;
+        }
     const float scale = 1.0f / sqrtf((float)HS);
     const size_t row = (size_t)NH * HS;
     const size_t stride = (size_t)max_T * KVH * HS + 37; /* odd: sequences 1.. unaligned */
@@ -315,12 +368,12 @@ static void decode_dev_case(kiln_cuda_attn *a, cudaStream_t s, int HS, int NH, i
     };
 
     CUDA_OK(kiln_cuda_attn_reserve(a, B, 1, NH, HS, max_T));
-    CUDA_OK(cudaMemcpy(dnp, n_past, B * sizeof(int32_t), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dnp, pos[0].data(), B * sizeof(int32_t), cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemsetAsync(dout, 0xff, B * row * 4, s));
     CUDA_OK(kiln_cuda_attention_decode_dev(a, s, dout, dq, dk, dv, B, stride, dnp, max_T, NH,
                                            KVH, HS, scale));
     CUDA_OK(cudaStreamSynchronize(s));
-    check("direct", n_past);
+    check("direct", pos[0].data());
 
     /* captured once, replayed at other positions: n_past is read on the device. The
      * workspace must not move between capture and replay: reserve covers every call below
@@ -333,14 +386,16 @@ static void decode_dev_case(kiln_cuda_attn *a, cudaStream_t s, int HS, int NH, i
     CUDA_OK(cudaStreamEndCapture(s, &graph));
     CUDA_OK(ce);
     CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    CUDA_OK(cudaMemcpy(dnp, n_past2, B * sizeof(int32_t), cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemsetAsync(dout, 0xff, B * row * 4, s));
-    CUDA_OK(cudaGraphLaunch(exec, s));
-    CUDA_OK(cudaStreamSynchronize(s));
-    check("graph", n_past2);
+    for (size_t i = 1; i < pos.size(); i++) {
+        CUDA_OK(cudaMemcpy(dnp, pos[i].data(), B * sizeof(int32_t), cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemsetAsync(dout, 0xff, B * row * 4, s));
+        CUDA_OK(cudaGraphLaunch(exec, s));
+        CUDA_OK(cudaStreamSynchronize(s));
+        check("graph", pos[i].data());
+    }
 
     /* a position past max_T: that sequence's outputs are NaN, the others unharmed */
-    std::vector<int32_t> bad(n_past2, n_past2 + B);
+    std::vector<int32_t> bad(pos.back().begin(), pos.back().end());
     bad[0] = max_T;
     CUDA_OK(cudaMemcpy(dnp, bad.data(), B * sizeof(int32_t), cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemsetAsync(dout, 0, B * row * 4, s));
@@ -351,7 +406,8 @@ static void decode_dev_case(kiln_cuda_attn *a, cudaStream_t s, int HS, int NH, i
         CUDA_OK(cudaMemcpy(got.data(), dout, B * row * 4, cudaMemcpyDeviceToHost));
         bool all_nan = true;
         for (size_t i = 0; i < row; i++) all_nan = all_nan && isnan(got[i]);
-        EXPECT(all_nan, "decode_dev: n_past = max_T must give NaN for that sequence");
+        EXPECT(all_nan, "decode_dev max_T %d: n_past = max_T must give NaN for that sequence",
+               max_T);
         for (int b = 1; b < B; b++) {
             std::vector<float> want = fast_row(b, bad[b]);
             size_t first;
@@ -423,20 +479,61 @@ int main(void) {
     /* long decode: 313 splits, more than one shared-memory chunk of the combine */
     attention_case(a, s, db, 64, 14, 2, 1, 40000, false);
     attention_case(a, s, db, 128, 8, 8, 2, 40000, false);
-    /* split boundaries: the last key at 127, 128, 255, 256 */
+    /* split boundaries (64 keys): the last key at 63, 64, 127, 128, 255, 256; rows of one
+     * call on both sides of a boundary (some rows one split, others two) */
+    attention_case(a, s, db, 64, 14, 2, 1, 63, false);
+    attention_case(a, s, db, 64, 14, 2, 1, 64, false);
     attention_case(a, s, db, 64, 14, 2, 1, 127, false);
     attention_case(a, s, db, 64, 14, 2, 1, 128, false);
     attention_case(a, s, db, 64, 14, 2, 2, 254, false);
     attention_case(a, s, db, 64, 14, 2, 8, 249, false);
+    attention_case(a, s, db, 64, 14, 2, 8, 60, false);
+    attention_case(a, s, db, 128, 24, 8, 3, 62, false);
+    /* the most splits the fused combine takes (64: T = 4096) and one more (the combine
+     * kernel) */
+    attention_case(a, s, db, 128, 24, 8, 1, 4095, false);
+    attention_case(a, s, db, 64, 14, 2, 2, 4094, false);
+    attention_case(a, s, db, 128, 24, 8, 1, 4096, false);
+    attention_case(a, s, db, 64, 14, 2, 8, 4090, false);
+    /* many row chunks (G * N up to 128 rows) and head sizes that are not whole float4s */
+    attention_case(a, s, db, 64, 16, 1, 8, 300, false);
+    attention_case(a, s, db, 128, 32, 2, 5, 1000, false);
+    attention_case(a, s, db, 50, 6, 2, 1, 0, false);
+    attention_case(a, s, db, 50, 6, 2, 3, 200, false);
+    attention_case(a, s, db, 7, 4, 4, 8, 130, false);
+    attention_case(a, s, db, 1, 2, 1, 1, 70, false);
+    attention_case(a, s, db, 256, 16, 2, 8, 700, false);
+    /* unaligned decode: 4-byte copies, against the reference ... */
+    attention_case(a, s, db, 64, 14, 2, 1, 300, true);
+    attention_case(a, s, db, 128, 24, 8, 8, 100, true);
+    /* ... and bit for bit against the aligned call */
+    vec_scalar_case(a, s, db, 64, 14, 2, 1, 0);
+    vec_scalar_case(a, s, db, 64, 14, 2, 1, 511);
+    vec_scalar_case(a, s, db, 128, 24, 8, 1, 4095);
+    vec_scalar_case(a, s, db, 128, 8, 4, 8, 5000);
+    vec_scalar_case(a, s, db, 256, 8, 2, 3, 129);
 
     {
-        const int np1[] = {127}, np1b[] = {700};
-        decode_dev_case(a, s, 64, 14, 2, 1, np1, np1b, 1100);
-        const int np3[] = {0, 128, 1000}, np3b[] = {1099, 5, 256};
-        decode_dev_case(a, s, 64, 14, 2, 3, np3, np3b, 1100);
-        decode_dev_case(a, s, 128, 16, 4, 3, np3, np3b, 1100);
-        decode_dev_case(a, s, 96, 8, 8, 3, np3, np3b, 1100);
-        decode_dev_case(a, s, 48, 8, 4, 1, np1, np1b, 1100);
+        /* max_T 1100: 18 splits, the combine fused into the split kernel (one split: direct
+         * output; several: the last block); replays alternate between the two */
+        const std::vector<std::vector<int>> p1 = {{127}, {700}, {63}, {64}, {700}, {0}};
+        decode_dev_case(a, s, 64, 14, 2, 1, p1, 1100);
+        const std::vector<std::vector<int>> p3 = {
+            {0, 128, 1000}, {1099, 5, 256}, {63, 64, 1099}, {1099, 5, 256}};
+        decode_dev_case(a, s, 64, 14, 2, 3, p3, 1100);
+        decode_dev_case(a, s, 128, 16, 4, 3, p3, 1100);
+        decode_dev_case(a, s, 96, 8, 8, 3, p3, 1100);
+        decode_dev_case(a, s, 48, 8, 4, 1, p1, 1100);
+        decode_dev_case(a, s, 50, 6, 2, 3, p3, 1100); /* HS % 4 != 0: 4-byte copies */
+        decode_dev_case(a, s, 64, 16, 1, 3, p3, 1100); /* G 16: one full chunk of 16 rows */
+        /* max_T 5000: 79 splits, the combine kernel; attention_fast at the same positions
+         * takes the fused combine (T <= 4096) or the kernel (T > 4096): same bits */
+        const std::vector<std::vector<int>> p5 = {
+            {4095, 63, 4999}, {4096, 0, 2000}, {100, 4200, 4095}};
+        decode_dev_case(a, s, 64, 14, 2, 3, p5, 5000);
+        decode_dev_case(a, s, 128, 24, 8, 3, p5, 5000);
+        const std::vector<std::vector<int>> p5b = {{4095}, {64}, {4999}};
+        decode_dev_case(a, s, 128, 24, 8, 1, p5b, 5000);
     }
 
     kiln_cuda_attn_free(a);

@@ -16,12 +16,15 @@
 #include "../../base/kmath.h"
 
 #include <cuda_bf16.h>
+#include <cuda_pipeline.h>
 #include <limits.h>
 #include <string.h>
 
 struct kiln_cuda_attn {
     float *buf;      /* device: partial acc (P, HS) then partial (m, l) (P, 2) */
     size_t cap;      /* floats buf holds */
+    unsigned *cnt;   /* device: arrival counters of the fused combine, all 0 between calls */
+    size_t cnt_cap;  /* counters cnt holds */
 };
 
 /* Floats of the workspace for B sequences x N tokens x NH heads x HS over max_T keys:
@@ -33,26 +36,6 @@ static size_t ws_floats(int B, int N, int NH, int HS, int max_T) {
     if (P != 0 && f / P != (uint64_t)HS + 2) return 0;
     if (f > (uint64_t)SIZE_MAX / sizeof(float)) return 0;
     return (size_t)f;
-}
-
-/* ==== the split kernel: f32, a block per (kv head, chunk of query rows, split, sequence) ==== */
-
-#define SPLIT_THREADS 128
-#define SPLIT_WARPS (SPLIT_THREADS / 32)
-#define SPLIT_ROWS 16 /* query rows (token, head of the kv group) per block */
-#define SPLIT_KT 32   /* keys per shared-memory sub-tile: one per lane */
-#define SPLIT_ACC (SPLIT_ROWS * KILN_ATTN_FAST_MAX_HS / SPLIT_THREADS) /* acc per thread */
-static_assert(SPLIT_KT == 32, "a sub-tile's scores are one warp's lanes");
-static_assert(SPLIT_ROWS % SPLIT_WARPS == 0, "rows are dealt to warps round-robin");
-static_assert(KILN_ATTN_SPLIT % SPLIT_KT == 0, "splits are whole sub-tiles");
-static_assert((SPLIT_ROWS * KILN_ATTN_FAST_MAX_HS) % SPLIT_THREADS == 0, "acc tiling");
-
-/* Shared memory of split_kernel for head size HS (floats: q rows, K sub-tile with an odd row
- * stride so the 32 lanes' key rows fall in different banks, V sub-tile, p, alpha, l). */
-static size_t split_smem(int HS) {
-    const size_t ks = (size_t)(HS | 1);
-    return sizeof(float) * ((size_t)SPLIT_ROWS * HS + SPLIT_KT * ks + (size_t)SPLIT_KT * HS +
-                            SPLIT_ROWS * SPLIT_KT + 2 * SPLIT_ROWS);
 }
 
 static __device__ __forceinline__ float warp_max(float x) {
@@ -73,83 +56,82 @@ static __device__ __forceinline__ int64_t partial_index(int b, int s, int n, int
     return (((int64_t)b * nsplit_max + s) * N + n) * NH + h;
 }
 
-/* Rows of kv head kvh's group are (token n, head of the group g), row = n * G + g, query head
- * h = kvh * G + g. Block (blockIdx.x = chunk * KVH + kvh, blockIdx.y = split, blockIdx.z = b)
- * takes rows r0 .. r0 + nr - 1 of the chunk and the keys of its split:
- *   FINAL (prefill, one split): keys 0 .. n_past + last row's n; writes out = acc / l.
- *   !FINAL (decode): keys s*SPLIT .. min((s+1)*SPLIT, n_past + last n + 1) - 1; writes the
- *   partial (m, l, acc) of every row, m = -inf / l = 0 / acc = 0 for a row that sees none of
- *   them (the combine never reads those).
+/* ==== the plain f32 kernel (N > 8 without the tensor cores): a block per 16 query rows ===== */
+
+#define F32_THREADS 128
+#define F32_WARPS (F32_THREADS / 32)
+#define F32_ROWS 16 /* query rows (token, head of the kv group) per block */
+#define F32_KT 32   /* keys per shared-memory sub-tile: one per lane */
+#define F32_ACC (F32_ROWS * KILN_ATTN_FAST_MAX_HS / F32_THREADS) /* acc per thread */
+static_assert(F32_KT == 32, "a sub-tile's scores are one warp's lanes");
+static_assert(F32_ROWS % F32_WARPS == 0, "rows are dealt to warps round-robin");
+static_assert((F32_ROWS * KILN_ATTN_FAST_MAX_HS) % F32_THREADS == 0, "acc tiling");
+
+/* Shared memory of f32_kernel for head size HS (floats: q rows, K sub-tile with an odd row
+ * stride so the 32 lanes' key rows fall in different banks, V sub-tile, p, alpha, l). */
+static size_t f32_smem(int HS) {
+    const size_t ks = (size_t)(HS | 1);
+    return sizeof(float) * ((size_t)F32_ROWS * HS + F32_KT * ks + (size_t)F32_KT * HS +
+                            F32_ROWS * F32_KT + 2 * F32_ROWS);
+}
+
+/* The plain f32 attention for N > 8 when the tensor-core kernel does not apply (head sizes
+ * other than 64/128, unaligned pointers). Rows of kv head kvh's group are (token n, head of
+ * the group g), row = n * G + g, query head h = kvh * G + g. Block (blockIdx.x = chunk * KVH +
+ * kvh) takes rows r0 .. r0 + nr - 1 of the chunk (chunks with the most keys first) and keys
+ * 0 .. n_past + last row's n; writes out = acc / l.
  * Per row, keys go by sub-tiles of 32 in increasing order: the owning warp (row % 4) takes
  * one key per lane (score = fmaf dot over d in order, * scale; masked -> -inf), the sub-tile
  * max by warp shuffles, m_new = max(m, max), alpha = exp(m - m_new), p = exp(s - m_new),
  * l = l * alpha + (butterfly sum of p); then acc(d) = acc(d) * alpha + sum_j p_j v_j(d) with
- * fmaf in key order. Nothing depends on the grid, so the bits are fixed by (q row, keys,
- * split size). q, out: (B, N, NH, HS); k, v: sequence b at b * kv_seq_stride, (T, KVH, HS). */
-template <bool FINAL>
-static __global__ void __launch_bounds__(SPLIT_THREADS)
-split_kernel(float *__restrict__ out, float *__restrict__ ws_acc, float *__restrict__ ws_ml,
-             const float *__restrict__ q, const float *__restrict__ k,
-             const float *__restrict__ v, int N, int n_past_host,
-             const int32_t *__restrict__ d_n_past, size_t kv_seq_stride, int NH, int KVH,
-             int HS, float scale, int nsplit_max, int max_T) {
-    extern __shared__ float split_sm[];
+ * fmaf in key order. Nothing depends on the grid. q, out: (N, NH, HS); k, v: (T, KVH, HS). */
+static __global__ void __launch_bounds__(F32_THREADS)
+f32_kernel(float *__restrict__ out, const float *__restrict__ q, const float *__restrict__ k,
+           const float *__restrict__ v, int N, int n_past, int NH, int KVH, int HS,
+           float scale) {
+    extern __shared__ float f32_sm[];
     const int G = NH / KVH;
     const int R = G * N;
-    const int nchunks = (R + SPLIT_ROWS - 1) / SPLIT_ROWS;
+    const int nchunks = (R + F32_ROWS - 1) / F32_ROWS;
     const int kvh = (int)(blockIdx.x % (unsigned)KVH);
     const int cidx = (int)(blockIdx.x / (unsigned)KVH);
-    const int chunk = FINAL ? nchunks - 1 - cidx : cidx; /* prefill: longest rows first */
-    const int split = (int)blockIdx.y, b = (int)blockIdx.z;
-    const int n_past = d_n_past ? d_n_past[b] : n_past_host;
-    const int r0 = chunk * SPLIT_ROWS;
-    const int nr = R - r0 < SPLIT_ROWS ? R - r0 : SPLIT_ROWS;
+    const int chunk = nchunks - 1 - cidx; /* longest rows first */
+    const int r0 = chunk * F32_ROWS;
+    const int nr = R - r0 < F32_ROWS ? R - r0 : F32_ROWS;
     const int n_last = (r0 + nr - 1) / G;
-    /* decode_dev: a position whose keys pass max_T (or a negative one) reads nothing; the
-     * combine writes NaN */
-    if (n_past < 0 || (int64_t)n_past + N > max_T) return;
-    const int64_t all_end = (int64_t)n_past + n_last + 1; /* keys any row of the chunk sees */
-    int k_begin = 0, k_end;
-    if (FINAL) {
-        k_end = (int)all_end;
-    } else {
-        const int64_t kb = (int64_t)split * KILN_ATTN_SPLIT;
-        if (kb >= all_end) return; /* beyond the keys: nothing (block-uniform, before syncs) */
-        k_begin = (int)kb;
-        k_end = (int)(kb + KILN_ATTN_SPLIT < all_end ? kb + KILN_ATTN_SPLIT : all_end);
-    }
+    const int k_begin = 0, k_end = n_past + n_last + 1; /* keys any row of the chunk sees */
 
     const int ks = HS | 1;
-    float *sq = split_sm;                       /* (nr, HS) */
-    float *sk = sq + SPLIT_ROWS * HS;           /* (KT, ks) */
-    float *sv = sk + SPLIT_KT * ks;             /* (KT, HS) */
-    float *sp = sv + SPLIT_KT * HS;             /* (ROWS, KT) */
-    float *salpha = sp + SPLIT_ROWS * SPLIT_KT; /* (ROWS) */
-    float *sl = salpha + SPLIT_ROWS;            /* (ROWS) */
+    float *sq = f32_sm;                       /* (nr, HS) */
+    float *sk = sq + F32_ROWS * HS;           /* (KT, ks) */
+    float *sv = sk + F32_KT * ks;             /* (KT, HS) */
+    float *sp = sv + F32_KT * HS;             /* (ROWS, KT) */
+    float *salpha = sp + F32_ROWS * F32_KT; /* (ROWS) */
+    float *sl = salpha + F32_ROWS;            /* (ROWS) */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t kvstride = (int64_t)KVH * HS;
-    const float *kbase = k + (size_t)b * kv_seq_stride + (int64_t)kvh * HS;
-    const float *vbase = v + (size_t)b * kv_seq_stride + (int64_t)kvh * HS;
+    const float *kbase = k + (int64_t)kvh * HS;
+    const float *vbase = v + (int64_t)kvh * HS;
 
-    for (int e = tid; e < nr * HS; e += SPLIT_THREADS) {
+    for (int e = tid; e < nr * HS; e += F32_THREADS) {
         const int r = e / HS, d = e - r * HS;
         const int rr = r0 + r, n = rr / G, h = kvh * G + rr % G;
-        sq[e] = q[(((int64_t)b * N + n) * NH + h) * HS + d];
+        sq[e] = q[((int64_t)n * NH + h) * HS + d];
     }
-    float m_r[SPLIT_ROWS / SPLIT_WARPS], l_r[SPLIT_ROWS / SPLIT_WARPS];
+    float m_r[F32_ROWS / F32_WARPS], l_r[F32_ROWS / F32_WARPS];
 #pragma unroll
-    for (int i = 0; i < SPLIT_ROWS / SPLIT_WARPS; i++) {
+    for (int i = 0; i < F32_ROWS / F32_WARPS; i++) {
         m_r[i] = -INFINITY;
         l_r[i] = 0.0f;
     }
-    float acc[SPLIT_ACC];
+    float acc[F32_ACC];
 #pragma unroll
-    for (int i = 0; i < SPLIT_ACC; i++) acc[i] = 0.0f;
+    for (int i = 0; i < F32_ACC; i++) acc[i] = 0.0f;
 
-    for (int kt = k_begin; kt < k_end; kt += SPLIT_KT) {
-        const int nk = k_end - kt < SPLIT_KT ? k_end - kt : SPLIT_KT;
+    for (int kt = k_begin; kt < k_end; kt += F32_KT) {
+        const int nk = k_end - kt < F32_KT ? k_end - kt : F32_KT;
         __syncthreads(); /* the previous sub-tile's sk, sv, sp are no longer read */
-        for (int e = tid; e < SPLIT_KT * HS; e += SPLIT_THREADS) {
+        for (int e = tid; e < F32_KT * HS; e += F32_THREADS) {
             const int j = e / HS, d = e - j * HS;
             float kx = 0.0f, vx = 0.0f; /* keys past the range: zeros (p = 0 must not meet NaN) */
             if (j < nk) {
@@ -162,8 +144,8 @@ split_kernel(float *__restrict__ out, float *__restrict__ ws_acc, float *__restr
         }
         __syncthreads();
 #pragma unroll
-        for (int i = 0; i < SPLIT_ROWS / SPLIT_WARPS; i++) {
-            const int r = warp + SPLIT_WARPS * i;
+        for (int i = 0; i < F32_ROWS / F32_WARPS; i++) {
+            const int r = warp + F32_WARPS * i;
             if (r < nr) { /* warp-uniform */
                 const int n = (r0 + r) / G;
                 const int key = kt + lane;
@@ -180,17 +162,17 @@ split_kernel(float *__restrict__ out, float *__restrict__ ws_acc, float *__restr
                 }
                 l_r[i] = l_r[i] * alpha + warp_sum(p);
                 m_r[i] = mn;
-                sp[r * SPLIT_KT + lane] = p;
+                sp[r * F32_KT + lane] = p;
                 if (lane == 0) salpha[r] = alpha;
             }
         }
         __syncthreads();
 #pragma unroll
-        for (int i = 0; i < SPLIT_ACC; i++) {
-            const int e = tid + i * SPLIT_THREADS;
+        for (int i = 0; i < F32_ACC; i++) {
+            const int e = tid + i * F32_THREADS;
             if (e < nr * HS) {
                 const int r = e / HS, d = e - r * HS;
-                const float *pr = sp + r * SPLIT_KT;
+                const float *pr = sp + r * F32_KT;
                 float a = acc[i] * salpha[r];
                 for (int j = 0; j < nk; j++) a = fmaf(pr[j], sv[j * HS + d], a);
                 acc[i] = a;
@@ -199,40 +181,385 @@ split_kernel(float *__restrict__ out, float *__restrict__ ws_acc, float *__restr
     }
 
 #pragma unroll
-    for (int i = 0; i < SPLIT_ROWS / SPLIT_WARPS; i++) {
-        const int r = warp + SPLIT_WARPS * i;
-        if (r < nr && lane == 0) {
-            sl[r] = l_r[i];
-            if (!FINAL) {
-                const int rr = r0 + r, n = rr / G, h = kvh * G + rr % G;
-                const int64_t pi = partial_index(b, split, n, h, N, NH, nsplit_max);
-                ws_ml[2 * pi] = m_r[i];
-                ws_ml[2 * pi + 1] = l_r[i];
-            }
-        }
+    for (int i = 0; i < F32_ROWS / F32_WARPS; i++) {
+        const int r = warp + F32_WARPS * i;
+        if (r < nr && lane == 0) sl[r] = l_r[i];
     }
     __syncthreads();
 #pragma unroll
-    for (int i = 0; i < SPLIT_ACC; i++) {
-        const int e = tid + i * SPLIT_THREADS;
+    for (int i = 0; i < F32_ACC; i++) {
+        const int e = tid + i * F32_THREADS;
         if (e < nr * HS) {
             const int r = e / HS, d = e - r * HS;
             const int rr = r0 + r, n = rr / G, h = kvh * G + rr % G;
-            if (FINAL)
-                out[(((int64_t)b * N + n) * NH + h) * HS + d] = acc[i] / sl[r];
-            else
-                ws_acc[partial_index(b, split, n, h, N, NH, nsplit_max) * HS + d] = acc[i];
+            out[((int64_t)n * NH + h) * HS + d] = acc[i] / sl[r];
         }
     }
 }
 
-/* Merge of the splits of row (b, n, h): blockIdx.x = n * NH + h, blockIdx.y = b. The row saw
- * keys 0 .. n_past + n, which lie in splits 0 .. ns - 1, ns = (n_past + n) / SPLIT + 1, each
- * with at least one key, so every m_s read is finite. In increasing s:
- *   M = max m_s;  w_s = exp(m_s - M);  L = sum w_s * l_s (fmaf);  out(d) = (sum w_s acc_s(d)
- *   (fmaf)) / L.
+/* ==== the split decode kernel: a block per (64-key split, kv head, 16 rows, sequence) ======= */
+
+#define DEC_THREADS 256
+#define DEC_WARPS (DEC_THREADS / 32)
+#define DEC_ROWS 16     /* query rows (token, head of the kv group) per block */
+#define DEC_RG 4        /* row groups of the score phase: thread (key j, group g) takes rows
+                         * g, g + 4, g + 8, g + 12 */
+#define DEC_FUSE_MAX 64 /* most splits a grid may have for its last block to do the combine
+                         * (two per lane in the combine's row phase) */
+#define DEC_ACC (DEC_ROWS * KILN_ATTN_FAST_MAX_HS / DEC_THREADS) /* (row, d) per thread */
+static_assert(KILN_ATTN_SPLIT == 64, "a split is two keys per lane of a warp");
+static_assert(DEC_THREADS == KILN_ATTN_SPLIT * DEC_RG, "score phase: one (key, row group) per "
+                                                       "thread");
+static_assert(DEC_ROWS == DEC_RG * 4, "score phase: four rows per thread");
+static_assert(DEC_FUSE_MAX == 64, "fused combine: two splits per lane");
+static_assert((DEC_ROWS * KILN_ATTN_FAST_MAX_HS) % DEC_THREADS == 0, "acc tiling");
+
+/* HS rounded up to a multiple of 4 (rows of sQ, sK are whole float4s). */
+static __host__ __device__ __forceinline__ int dec_hs4(int HS) { return (HS + 3) & ~3; }
+
+/* Shared memory of decode_kernel for head size HS, floats: sQ (ROWS, HS4), sK (SPLIT, HS4 +
+ * 4: 16-byte rows whose stride is 4 words mod 32 when HS % 32 == 0, so the 8 lanes of a
+ * quarter warp reading float4s of 8 different keys hit 8 different bank quads), sV (SPLIT,
+ * HS), sP (ROWS, SPLIT), sW and sLs (ROWS, FUSE_MAX), sM, sL, sLt (ROWS), sNs (ROWS ints). */
+static size_t dec_smem(int HS) {
+    const size_t hs4 = (size_t)dec_hs4(HS);
+    return sizeof(float) * (DEC_ROWS * hs4 + KILN_ATTN_SPLIT * (hs4 + 4) +
+                            (size_t)KILN_ATTN_SPLIT * HS + DEC_ROWS * KILN_ATTN_SPLIT +
+                            2 * DEC_ROWS * DEC_FUSE_MAX + 4 * DEC_ROWS);
+}
+
+/* Query head and token of row rr (= n * G + g) of kv head kvh's group. */
+static __device__ __forceinline__ void dec_row(int rr, int G, int kvh, int *n, int *h) {
+    *n = rr / G;
+    *h = kvh * G + rr % G;
+}
+
+/* The combine of one row's splits -- THE definition of a decode row's bits, shared with
+ * combine_kernel (which must do the same operations): over the row's splits s = 0 .. ns - 1
+ * with partials (m_s, l_s, acc_s),
+ *   M = max m_s (exact);  w_s = kiln_expf(m_s - M);  L = fmaf(w_s, l_s, L) in increasing s
+ *   from +0;  a(d) = fmaf(w_s, acc_s(d), a) in increasing s from +0;  out(d) = a(d) / L.
+ * A row whose keys lie in one split (ns = 1) is written by its split block with the same
+ * operations (w = kiln_expf(m - m) = 1, L = fmaf(w, l, +0), out = fmaf(w, acc, +0) / L), so
+ * the bits never depend on which block or kernel does the combine. */
+
+/* decode_kernel: rows of kv head kvh's group are (token n, head of the group g), row = n * G
+ * + g, query head h = kvh * G + g. Block (blockIdx.x = chunk * KVH + kvh, blockIdx.y = split
+ * s, blockIdx.z = sequence b) takes rows r0 .. r0 + nr - 1 of the chunk (16 at most) and keys
+ * kb = s * SPLIT .. kb + nk - 1, the split's keys that some row of the chunk sees (none: the
+ * block returns at once). Per block:
+ *   1. K and V of the split go to shared memory by cp.async (K first, its own group, so the
+ *      scores start while V is still arriving; 16-byte copies when VEC, else 4-byte ones),
+ *      keys past nk as zeros; q rows by plain loads.
+ *   2. Scores: thread (key j = tid % 64, row group tid / 64) takes rows of its group; per row
+ *      four fmaf chains over d = 4c + i (c increasing; chain i takes component i), dot =
+ *      (c0 + c1) + (c2 + c3), score = dot * scale, -inf when key > n_past + n.
+ *   3. Per row (a warp each), over the split's 64 keys: m = max, p = kiln_expf(s - m) (0 for
+ *      -inf scores), l = butterfly sum of (p_lane + p_lane+32).
+ *   4. acc(r, d) = fmaf(p_j, v_j(d), acc) for j = 0 .. nk - 1 in order.
+ *   5. Output. fuse == 0: the partial (m, l, acc) of every row goes to the workspace and
+ *      combine_kernel follows. fuse == 1: if every row of the chunk sees only split 0, this
+ *      (only) block writes out directly; otherwise the partials go to the workspace, and the
+ *      block that arrives last at the group's counter (atomicAdd, for signalling only)
+ *      resets the counter and does the combine of every row of the chunk in split order.
+ * A row's operations depend on its q, its keys and SPLIT only (not on the grid, the block
+ * order or which block combines), so the result is deterministic and decode_dev (any B,
+ * max_T) has the bits of attention_fast with N = 1. A sequence whose keys pass max_T (or a
+ * negative n_past) reads nothing; its rows get NaN (from split 0 when fuse, else from the
+ * combine). q, out: (B, N, NH, HS); k, v: sequence b at b * kv_seq_stride, (T, KVH, HS);
+ * ws_cnt: B * gridDim.x counters, all 0 on entry and on exit. */
+template <bool VEC>
+static __global__ void __launch_bounds__(DEC_THREADS, 2)
+decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws_cnt,
+              const float *__restrict__ q, const float *__restrict__ k,
+              const float *__restrict__ v, int N, int n_past_host,
+              const int32_t *__restrict__ d_n_past, size_t kv_seq_stride, int NH, int KVH,
+              int HS, float scale, int nsplit_max, int max_T, int fuse) {
+    constexpr int S = KILN_ATTN_SPLIT;
+    extern __shared__ __align__(16) float dec_sm[];
+    __shared__ int s_last;
+    const int G = NH / KVH;
+    const int R = G * N;
+    const int kvh = (int)(blockIdx.x % (unsigned)KVH);
+    const int chunk = (int)(blockIdx.x / (unsigned)KVH);
+    const int split = (int)blockIdx.y, b = (int)blockIdx.z;
+    const int n_past = d_n_past ? d_n_past[b] : n_past_host;
+    const int r0 = chunk * DEC_ROWS;
+    const int nr = R - r0 < DEC_ROWS ? R - r0 : DEC_ROWS;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t out_b = (int64_t)b * N; /* token index base of sequence b in q, out */
+
+    if (n_past < 0 || (int64_t)n_past + N > max_T) { /* keys past max_T: nothing to read */
+        if (fuse && split == 0)
+            for (int e = tid; e < nr * HS; e += DEC_THREADS) {
+                const int r = e / HS, d = e - r * HS;
+                int n, h;
+                dec_row(r0 + r, G, kvh, &n, &h);
+                out[((out_b + n) * NH + h) * HS + d] = NAN;
+            }
+        return;
+    }
+    const int n_last = (r0 + nr - 1) / G;
+    const int all_end = n_past + n_last + 1; /* keys any row of the chunk sees (<= max_T) */
+    if ((int64_t)split * S >= all_end) return; /* block-uniform, before any barrier */
+    const int kb = split * S;
+    const int nk = all_end - kb < S ? all_end - kb : S;
+    const int nsg = (all_end + S - 1) / S; /* splits of this group that have keys */
+
+    const int hs4 = dec_hs4(HS), kst = hs4 + 4;
+    float *sQ = dec_sm;                        /* (ROWS, hs4) */
+    float *sK = sQ + DEC_ROWS * hs4;           /* (S, kst) */
+    float *sV = sK + S * kst;                  /* (S, HS) */
+    float *sP = sV + S * HS;                   /* (ROWS, S): scores, then p */
+    float *sW = sP + DEC_ROWS * S;             /* (ROWS, FUSE_MAX): combine weights */
+    float *sLs = sW + DEC_ROWS * DEC_FUSE_MAX; /* (ROWS, FUSE_MAX): the splits' l */
+    float *sM = sLs + DEC_ROWS * DEC_FUSE_MAX; /* (ROWS) */
+    float *sL = sM + DEC_ROWS;                 /* (ROWS) */
+    float *sLt = sL + DEC_ROWS;                /* (ROWS): combined L */
+    int *sNs = reinterpret_cast<int *>(sLt + DEC_ROWS); /* (ROWS): splits of the row */
+
+    /* 1. staging */
+    const int64_t kvstride = (int64_t)KVH * HS;
+    const int64_t kv0 = (int64_t)b * (int64_t)kv_seq_stride + (int64_t)kvh * HS +
+                        (int64_t)kb * kvstride;
+    const float *kbase = k + kv0, *vbase = v + kv0;
+    if (VEC) { /* HS % 4 == 0 (so hs4 == HS) and every row start 16-byte aligned */
+        const int c4 = HS / 4;
+        for (int e = tid; e < S * c4; e += DEC_THREADS) {
+            const int j = e / c4, c = (e - j * c4) * 4;
+            float *dst = sK + j * kst + c;
+            if (j < nk)
+                __pipeline_memcpy_async(dst, kbase + j * kvstride + c, 16);
+            else
+                *reinterpret_cast<float4 *>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        __pipeline_commit();
+        for (int e = tid; e < S * c4; e += DEC_THREADS) {
+            const int j = e / c4, c = (e - j * c4) * 4;
+            float *dst = sV + j * HS + c;
+            if (j < nk)
+                __pipeline_memcpy_async(dst, vbase + j * kvstride + c, 16);
+            else
+                *reinterpret_cast<float4 *>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        __pipeline_commit();
+    } else { /* any alignment, any HS: K's columns HS .. hs4 - 1 are zeros */
+        for (int e = tid; e < S * hs4; e += DEC_THREADS) {
+            const int j = e / hs4, d = e - j * hs4;
+            float *dst = sK + j * kst + d;
+            if (j < nk && d < HS)
+                __pipeline_memcpy_async(dst, kbase + j * kvstride + d, 4);
+            else
+                *dst = 0.0f;
+        }
+        __pipeline_commit();
+        for (int e = tid; e < S * HS; e += DEC_THREADS) {
+            const int j = e / HS, d = e - j * HS;
+            float *dst = sV + j * HS + d;
+            if (j < nk)
+                __pipeline_memcpy_async(dst, vbase + j * kvstride + d, 4);
+            else
+                *dst = 0.0f;
+        }
+        __pipeline_commit();
+    }
+    for (int e = tid; e < DEC_ROWS * hs4; e += DEC_THREADS) {
+        const int r = e / hs4, d = e - r * hs4;
+        float x = 0.0f;
+        if (r < nr && d < HS) {
+            int n, h;
+            dec_row(r0 + r, G, kvh, &n, &h);
+            x = q[((out_b + n) * NH + h) * HS + d];
+        }
+        sQ[e] = x;
+    }
+    __pipeline_wait_prior(1); /* this thread's K copies have landed */
+    __syncthreads();          /* everyone's K copies and sQ */
+
+    /* 2. scores */
+    {
+        const int j = tid % S, rg = tid / S; /* rg is warp-uniform (S = 2 warps) */
+        float a[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = a[i][2] = a[i][3] = 0.0f;
+        const float *kr = sK + j * kst;
+        for (int c = 0; c < hs4; c += 4) {
+            const float4 kx = *reinterpret_cast<const float4 *>(kr + c);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int r = rg + DEC_RG * i;
+                if (r < nr) {
+                    const float4 qx = *reinterpret_cast<const float4 *>(sQ + r * hs4 + c);
+                    a[i][0] = fmaf(qx.x, kx.x, a[i][0]);
+                    a[i][1] = fmaf(qx.y, kx.y, a[i][1]);
+                    a[i][2] = fmaf(qx.z, kx.z, a[i][2]);
+                    a[i][3] = fmaf(qx.w, kx.w, a[i][3]);
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = rg + DEC_RG * i;
+            if (r < nr) {
+                const int n = (r0 + r) / G;
+                const float dot = (a[i][0] + a[i][1]) + (a[i][2] + a[i][3]);
+                const bool ok = j < nk && kb + j <= n_past + n;
+                sP[r * S + j] = ok ? dot * scale : -INFINITY;
+            }
+        }
+    }
+    __syncthreads();
+
+    /* 3. the split's softmax statistics per row */
+    for (int r = warp; r < nr; r += DEC_WARPS) { /* warp-uniform */
+        const float s0 = sP[r * S + lane], s1 = sP[r * S + lane + 32];
+        const float m = warp_max(fmaxf(s0, s1));
+        const float p0 = s0 == -INFINITY ? 0.0f : kiln_expf(s0 - m);
+        const float p1 = s1 == -INFINITY ? 0.0f : kiln_expf(s1 - m);
+        const float l = warp_sum(p0 + p1);
+        sP[r * S + lane] = p0;
+        sP[r * S + lane + 32] = p1;
+        if (lane == 0) {
+            sM[r] = m; /* -inf, l = 0 and acc = 0 for a row that sees none of the keys */
+            sL[r] = l;
+        }
+    }
+    __pipeline_wait_prior(0); /* this thread's V copies have landed */
+    __syncthreads();          /* everyone's V copies, p, m, l */
+
+    /* 4. acc = sum_j p_j v_j over the split's keys in order; element e = tid + i * THREADS
+     * of the chunk's (nr, HS) rows */
+    const int ne = nr * HS;
+    float acc[DEC_ACC];
+    int pofs[DEC_ACC], vofs[DEC_ACC]; /* sP offset r * S, d */
+#pragma unroll
+    for (int i = 0; i < DEC_ACC; i++) {
+        const int e = tid + i * DEC_THREADS;
+        const int r = e < ne ? e / HS : 0;
+        acc[i] = 0.0f;
+        pofs[i] = r * S;
+        vofs[i] = e < ne ? e - r * HS : 0;
+    }
+    for (int j = 0; j < nk; j++) {
+        const float *pj = sP + j, *vj = sV + j * HS;
+#pragma unroll
+        for (int i = 0; i < DEC_ACC; i++)
+            if (tid + i * DEC_THREADS < ne) acc[i] = fmaf(pj[pofs[i]], vj[vofs[i]], acc[i]);
+    }
+
+    /* 5. output */
+    if (fuse && nsg == 1) { /* the chunk's rows see only this split: the combine of ns = 1 */
+#pragma unroll
+        for (int i = 0; i < DEC_ACC; i++) {
+            if (tid + i * DEC_THREADS < ne) {
+                const int r = pofs[i] / S, d = vofs[i];
+                int n, h;
+                dec_row(r0 + r, G, kvh, &n, &h);
+                const float w = kiln_expf(sM[r] - sM[r]);
+                const float L = fmaf(w, sL[r], 0.0f);
+                out[((out_b + n) * NH + h) * HS + d] = fmaf(w, acc[i], 0.0f) / L;
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < DEC_ACC; i++) {
+        if (tid + i * DEC_THREADS < ne) {
+            const int r = pofs[i] / S, d = vofs[i];
+            int n, h;
+            dec_row(r0 + r, G, kvh, &n, &h);
+            ws_acc[partial_index(b, split, n, h, N, NH, nsplit_max) * HS + d] = acc[i];
+        }
+    }
+    for (int r = tid; r < nr; r += DEC_THREADS) {
+        int n, h;
+        dec_row(r0 + r, G, kvh, &n, &h);
+        const int64_t pi = partial_index(b, split, n, h, N, NH, nsplit_max);
+        ws_ml[2 * pi] = sM[r];
+        ws_ml[2 * pi + 1] = sL[r];
+    }
+    if (!fuse) return;
+
+    /* the last of the group's nsg blocks to arrive combines ("threadFenceReduction" of the
+     * CUDA samples): every thread's partial writes are made visible device-wide before the
+     * barrier, and thread 0 counts the block in only after the barrier */
+    __threadfence();
+    __syncthreads();
+    unsigned *cnt = ws_cnt + (int64_t)b * gridDim.x + blockIdx.x;
+    if (tid == 0) {
+        const unsigned old = atomicAdd(cnt, 1u);
+        s_last = old == (unsigned)(nsg - 1);
+    }
+    __syncthreads();
+    if (!s_last) return; /* block-uniform */
+    __threadfence(); /* the other blocks' partials, seen through the counter, are read after */
+    if (tid == 0) atomicExch(cnt, 0u); /* all nsg blocks have counted: ready for the next call */
+
+    /* the combine (definition above), partials read through L2 (__ldcg: written by other
+     * SMs during this kernel) */
+    const int64_t mstep = 2 * (int64_t)N * NH;     /* ws_ml floats from split s to s + 1 */
+    const int64_t astep = (int64_t)N * NH * HS;    /* ws_acc floats from split s to s + 1 */
+    for (int r = warp; r < nr; r += DEC_WARPS) { /* warp-uniform */
+        int n, h;
+        dec_row(r0 + r, G, kvh, &n, &h);
+        const int ns = (n_past + n) / S + 1; /* <= nsg <= nsplit_max <= FUSE_MAX */
+        const float *ml = ws_ml + 2 * partial_index(b, 0, n, h, N, NH, nsplit_max);
+        /* lane takes splits lane and lane + 32 (ns <= 64): all four loads in flight at once */
+        const bool h0 = lane < ns, h1 = lane + 32 < ns;
+        const float m0 = h0 ? __ldcg(ml + lane * mstep) : -INFINITY;
+        const float l0 = h0 ? __ldcg(ml + lane * mstep + 1) : 0.0f;
+        const float m1 = h1 ? __ldcg(ml + (lane + 32) * mstep) : -INFINITY;
+        const float l1 = h1 ? __ldcg(ml + (lane + 32) * mstep + 1) : 0.0f;
+        const float M = warp_max(fmaxf(m0, m1));
+        if (h0) {
+            sW[r * DEC_FUSE_MAX + lane] = kiln_expf(m0 - M);
+            sLs[r * DEC_FUSE_MAX + lane] = l0;
+        }
+        if (h1) {
+            sW[r * DEC_FUSE_MAX + lane + 32] = kiln_expf(m1 - M);
+            sLs[r * DEC_FUSE_MAX + lane + 32] = l1;
+        }
+        __syncwarp();
+        if (lane == 0) {
+            float L = 0.0f;
+            for (int s = 0; s < ns; s++)
+                L = fmaf(sW[r * DEC_FUSE_MAX + s], sLs[r * DEC_FUSE_MAX + s], L);
+            sLt[r] = L;
+            sNs[r] = ns;
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < ne; e += DEC_THREADS) { /* one (row, d) at a time */
+        const int r = e / HS, d = e - r * HS;
+        int n, h;
+        dec_row(r0 + r, G, kvh, &n, &h);
+        const int ns = sNs[r];
+        const float *ap = ws_acc + partial_index(b, 0, n, h, N, NH, nsplit_max) * HS + d;
+        const float *wr = sW + r * DEC_FUSE_MAX;
+        float a = 0.0f;
+        for (int s0 = 0; s0 < ns; s0 += 16) { /* 16 loads in flight, then their fmafs in order */
+            float x[16];
+#pragma unroll
+            for (int u = 0; u < 16; u++)
+                x[u] = s0 + u < ns ? __ldcg(ap + (s0 + u) * astep) : 0.0f;
+#pragma unroll
+            for (int u = 0; u < 16; u++)
+                if (s0 + u < ns) a = fmaf(wr[s0 + u], x[u], a);
+        }
+        out[((out_b + n) * NH + h) * HS + d] = a / sLt[r];
+    }
+}
+
+/* The combine as its own kernel, for grids of more than DEC_FUSE_MAX splits (decode_kernel's
+ * fuse == 0): the merge of the splits of row (b, n, h), blockIdx.x = n * NH + h, blockIdx.y =
+ * b. The row saw keys 0 .. n_past + n, which lie in splits 0 .. ns - 1, ns = (n_past + n) /
+ * SPLIT + 1, each with at least one key, so every m_s read is finite. The operations are the
+ * combine defined above decode_kernel, one for one (decode_kernel's fused combine and its
+ * single-split output do the same), in increasing s:
+ *   M = max m_s;  w_s = kiln_expf(m_s - M);  L = fmaf(w_s, l_s, L);  a(d) = fmaf(w_s,
+ *   acc_s(d), a);  out(d) = a(d) / L.
  * A sequence whose keys pass max_T (n_past + N > max_T, or n_past < 0: a d_n_past beyond
- * decode_dev's max_T) gets NaN, as split_kernel computed nothing for it. */
+ * decode_dev's max_T) gets NaN, as decode_kernel computed nothing for it. */
 #define COMBINE_THREADS 128
 #define COMBINE_CHUNK 256 /* split weights staged in shared memory at a time */
 
@@ -537,11 +864,15 @@ cudaError_t kiln_cuda_attn_create(kiln_cuda_attn **out) {
                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)flash_smem<128>());
     if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(split_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)split_smem(KILN_ATTN_FAST_MAX_HS));
+        e = cudaFuncSetAttribute(f32_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)f32_smem(KILN_ATTN_FAST_MAX_HS));
     if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(split_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)split_smem(KILN_ATTN_FAST_MAX_HS));
+        e = cudaFuncSetAttribute(decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)dec_smem(KILN_ATTN_FAST_MAX_HS));
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(decode_kernel<false>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)dec_smem(KILN_ATTN_FAST_MAX_HS));
     if (e != cudaSuccess) return e;
     kiln_cuda_attn *a = (kiln_cuda_attn *)kiln_calloc(1, sizeof *a);
     if (!a) return cudaErrorMemoryAllocation;
@@ -552,6 +883,7 @@ cudaError_t kiln_cuda_attn_create(kiln_cuda_attn **out) {
 void kiln_cuda_attn_free(kiln_cuda_attn *a) {
     if (!a) return;
     if (a->buf) (void)cudaFree(a->buf);
+    if (a->cnt) (void)cudaFree(a->cnt);
     kiln_free(a);
 }
 
@@ -559,19 +891,46 @@ cudaError_t kiln_cuda_attn_reserve(kiln_cuda_attn *a, int B, int N, int NH, int 
     if (!a || B <= 0 || N <= 0 || NH <= 0 || HS <= 0 || max_T <= 0) return cudaErrorInvalidValue;
     const size_t need = ws_floats(B, N, NH, HS, max_T);
     if (need == 0) return cudaErrorInvalidValue;
-    if (need <= a->cap) return cudaSuccess;
-    if (a->buf) {
-        cudaError_t e = cudaFree(a->buf); /* cudaFree waits for work still using it */
-        a->buf = NULL;
-        a->cap = 0;
-        if (e != cudaSuccess) return e;
+    /* counters: one per (sequence, kv head, chunk of rows) <= B * N * NH */
+    const uint64_t ncnt = (uint64_t)B * (uint64_t)N * (uint64_t)NH;
+    if (ncnt > (uint64_t)SIZE_MAX / sizeof(unsigned)) return cudaErrorInvalidValue;
+    if (need > a->cap) {
+        if (a->buf) {
+            cudaError_t e = cudaFree(a->buf); /* cudaFree waits for work still using it */
+            a->buf = NULL;
+            a->cap = 0;
+            if (e != cudaSuccess) return e;
+        }
+        cudaError_t e = cudaMalloc((void **)&a->buf, need * sizeof(float));
+        if (e != cudaSuccess) {
+            a->buf = NULL;
+            return e;
+        }
+        a->cap = need;
     }
-    cudaError_t e = cudaMalloc((void **)&a->buf, need * sizeof(float));
-    if (e != cudaSuccess) {
-        a->buf = NULL;
-        return e;
+    if (ncnt > a->cnt_cap) {
+        if (a->cnt) {
+            cudaError_t e = cudaFree(a->cnt);
+            a->cnt = NULL;
+            a->cnt_cap = 0;
+            if (e != cudaSuccess) return e;
+        }
+        cudaError_t e = cudaMalloc((void **)&a->cnt, (size_t)ncnt * sizeof(unsigned));
+        if (e != cudaSuccess) {
+            a->cnt = NULL;
+            return e;
+        }
+        /* zero before any kernel can use them: cudaMemset runs on the legacy stream, which
+         * the caller's (possibly non-blocking) stream does not wait for, so wait here */
+        e = cudaMemset(a->cnt, 0, (size_t)ncnt * sizeof(unsigned));
+        if (e == cudaSuccess) e = cudaDeviceSynchronize();
+        if (e != cudaSuccess) {
+            (void)cudaFree(a->cnt);
+            a->cnt = NULL;
+            return e;
+        }
+        a->cnt_cap = (size_t)ncnt;
     }
-    a->cap = need;
     return cudaSuccess;
 }
 
@@ -580,14 +939,18 @@ static bool shape_ok(int NH, int KVH, int HS) {
     return NH > 0 && KVH > 0 && NH % KVH == 0 && HS > 0 && HS <= KILN_ATTN_FAST_MAX_HS;
 }
 
-/* Grid x of split_kernel: KVH * chunks of 16 rows of the (G * N)-row kv groups. 0: too big. */
+/* Grid x of the row-chunk kernels: KVH * chunks of 16 rows of the (G * N)-row kv groups.
+ * 0: too big. */
 static unsigned split_grid_x(int N, int NH, int KVH) {
+    static_assert(DEC_ROWS == F32_ROWS, "one chunking for both kernels");
     const int64_t R = (int64_t)(NH / KVH) * N;
-    const int64_t x = (R + SPLIT_ROWS - 1) / SPLIT_ROWS * KVH;
+    const int64_t x = (R + DEC_ROWS - 1) / DEC_ROWS * KVH;
     return R > INT_MAX || x > INT_MAX ? 0u : (unsigned)x;
 }
 
-/* The split decode of B sequences x N tokens: partials, then the combine. */
+/* The split decode of B sequences x N tokens: decode_kernel, then combine_kernel when the
+ * grid has more than DEC_FUSE_MAX splits (else decode_kernel combines: one launch). Which
+ * way it goes depends on max_T, never the bits (see the combine's definition). */
 static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float *out,
                                        const float *q, const float *k, const float *v, int B,
                                        int N, int n_past_host, const int32_t *d_n_past,
@@ -598,15 +961,26 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
     if (gx == 0 || nsplit > 65535 || B > 65535 || (int64_t)N * NH > INT_MAX)
         return cudaErrorInvalidConfiguration;
     const size_t need = ws_floats(B, N, NH, HS, max_T);
-    if (need == 0 || need > a->cap) return cudaErrorInvalidValue;
+    if (need == 0 || need > a->cap || !a->cnt || (uint64_t)B * gx > (uint64_t)a->cnt_cap)
+        return cudaErrorInvalidValue;
     const int64_t P = (int64_t)B * nsplit * N * NH;
     float *ws_acc = a->buf, *ws_ml = a->buf + P * HS;
-    split_kernel<false><<<dim3(gx, (unsigned)nsplit, (unsigned)B), SPLIT_THREADS,
-                          split_smem(HS), s>>>(out, ws_acc, ws_ml, q, k, v, N, n_past_host,
-                                               d_n_past, kv_seq_stride, NH, KVH, HS, scale,
-                                               (int)nsplit, max_T);
+    /* 16-byte copies when every row start of k and v is 16-byte aligned (the bits do not
+     * depend on it: it only changes how the tiles are copied) */
+    const bool vec = HS % 4 == 0 && (((uintptr_t)k | (uintptr_t)v) & 15) == 0 &&
+                     (B == 1 || kv_seq_stride % 4 == 0);
+    const int fuse = nsplit <= DEC_FUSE_MAX ? 1 : 0;
+    const dim3 grid(gx, (unsigned)nsplit, (unsigned)B);
+    if (vec)
+        decode_kernel<true><<<grid, DEC_THREADS, dec_smem(HS), s>>>(
+            out, ws_acc, ws_ml, a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, NH,
+            KVH, HS, scale, (int)nsplit, max_T, fuse);
+    else
+        decode_kernel<false><<<grid, DEC_THREADS, dec_smem(HS), s>>>(
+            out, ws_acc, ws_ml, a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, NH,
+            KVH, HS, scale, (int)nsplit, max_T, fuse);
     cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
+    if (e != cudaSuccess || fuse) return e;
     combine_kernel<<<dim3((unsigned)(N * NH), (unsigned)B), COMBINE_THREADS, 0, s>>>(
         out, ws_acc, ws_ml, N, n_past_host, d_n_past, NH, HS, (int)nsplit, max_T);
     return cudaGetLastError();
@@ -640,8 +1014,8 @@ cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *o
     }
     const unsigned gx = split_grid_x(N, NH, KVH);
     if (gx == 0) return cudaErrorInvalidConfiguration;
-    split_kernel<true><<<dim3(gx, 1, 1), SPLIT_THREADS, split_smem(HS), s>>>(
-        out, NULL, NULL, q, k, v, N, n_past, NULL, 0, NH, KVH, HS, scale, 1, T);
+    f32_kernel<<<dim3(gx, 1, 1), F32_THREADS, f32_smem(HS), s>>>(out, q, k, v, N, n_past, NH,
+                                                                 KVH, HS, scale);
     return cudaGetLastError();
 }
 

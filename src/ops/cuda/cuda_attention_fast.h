@@ -7,12 +7,18 @@
  *
  * Which kernel runs (kiln_cuda_attention_fast; the switch is kiln_cuda_attn_fast_is_mma):
  *   - N <= KILN_ATTN_DECODE_MAX_N (8): the split decode. The keys are cut into fixed splits
- *     of KILN_ATTN_SPLIT keys; one block per (split, kv head, chunk of <= 16 query rows)
- *     writes each row's partial (max m, sum l, unnormalised acc(HS)) to the workspace, then a
- *     combine kernel merges a row's splits in increasing split order. f32 throughout,
- *     kiln_expf. A row's operations are fixed by its q, its keys and the split size, never by
- *     the grid, so the result is deterministic and kiln_cuda_attention_decode_dev (any B,
- *     max_T) has the bits of this call with N = 1 (tested).
+ *     of KILN_ATTN_SPLIT (64) keys; one block of 256 threads per (split, kv head, chunk of
+ *     <= 16 query rows, sequence) copies the split's K and V to shared memory (cp.async),
+ *     computes the scores of all its rows and keys in parallel, the split's max m and sum l
+ *     per row and the unnormalised acc(HS); the row's splits are then merged in increasing
+ *     split order. When the grid has at most 64 splits (max_T <= 4096) this happens in the
+ *     same launch: a chunk whose rows see one split writes out directly, otherwise the last
+ *     of its blocks to finish (an arrival counter in the workspace, signalling only, reset
+ *     by that block) merges the partials; above 64 splits a combine kernel does. f32
+ *     throughout, kiln_expf. A row's operations are fixed by its q, its keys and the split
+ *     size -- never by the grid, the block order, or which block or kernel merges -- so the
+ *     result is deterministic and kiln_cuda_attention_decode_dev (any B, max_T) has the bits
+ *     of this call with N = 1 (tested).
  *   - N > 8 and HS 64 or 128 (and q, k, v 16-byte aligned): flash attention on bf16 tensor
  *     cores (FlashAttention-2 style: a block per (64-row query tile, head), 4 warps of 16
  *     rows, key tiles of 64, online softmax in f32 with __expf, mma.sync m16n8k16 bf16 ->
@@ -31,8 +37,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Keys per split of the decode kernel. The partials, hence the bits, depend on it. */
-#define KILN_ATTN_SPLIT 128
+/* Keys per split of the decode kernel. The partials, hence the bits, depend on it, so it is
+ * a constant (never a function of n_past or max_T: decode_dev's bits must not depend on the
+ * graph's max_T). 64 keys of the 0.5B/3B shapes are 32/64 KiB of K and V per block: enough
+ * blocks at short contexts, few enough partials at long ones. */
+#define KILN_ATTN_SPLIT 64
 /* Largest N that takes the split decode kernel in kiln_cuda_attention_fast. */
 #define KILN_ATTN_DECODE_MAX_N 8
 /* Largest head size of the fast attention (the f32 kernels keep 16 rows x HS in registers). */
@@ -53,7 +62,8 @@ cudaError_t kiln_cuda_attn_create(kiln_cuda_attn **out);
 /* Frees the workspace (waits for the device to finish with it); NULL is a no-op. */
 void kiln_cuda_attn_free(kiln_cuda_attn *a);
 /* Make sure the workspace holds B sequences x N query tokens x NH heads x HS over max_T keys
- * (grows; call outside CUDA-graph capture). cudaErrorInvalidValue on a non-positive size. */
+ * (grows; call outside CUDA-graph capture; synchronises the device when it grows).
+ * cudaErrorInvalidValue on a non-positive size. The workspace serves one stream at a time. */
 cudaError_t kiln_cuda_attn_reserve(kiln_cuda_attn *a, int B, int N, int NH, int HS, int max_T);
 /* The op: any N >= 1 (split decode for N <= 8, flash kernel above: see the top of this file).
  * May grow the workspace (so not inside graph capture when it must grow). Enqueues on s only.
