@@ -45,6 +45,8 @@ static const char *train_help =
     "  --threads N          CPU threads (default: all cores)\n"
     "  --device D           cpu (default), cuda or cuda:N: train on CUDA GPU N (the CPU's bits;\n"
     "                       checkpoints resume on either)\n"
+    "  --fast               with --device cuda: matrix products (forward and backward) on bf16\n"
+    "                       tensor cores; approximate but deterministic (docs/TRAINING.md)\n"
     "  --no-export          do not write OUT/model at the end\n";
 
 typedef struct train_opts {
@@ -56,6 +58,7 @@ typedef struct train_opts {
     unsigned long long seed;
     int resume, export_model;
     int device; /* -1 = CPU, N >= 0 = CUDA device N */
+    int fast;   /* --fast: the CUDA backend's fast arithmetic (GPU only) */
 } train_opts;
 
 /* --device: "cpu" -> -1, "cuda" -> 0, "cuda:N" -> N, as `kiln generate --device` (a copy of
@@ -155,6 +158,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
         } else if (OPT("--device")) {
             if (!err) err = parse_device(cmd, v, &o->device);
         } else if (!strcmp(a, "--resume")) o->resume = 1;
+        else if (!strcmp(a, "--fast")) o->fast = 1;
         else if (!strcmp(a, "--no-export")) o->export_model = 0;
         else err = cli_usage_error(cmd, "unknown option '%s'", a);
 #undef OPT
@@ -175,6 +179,10 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
     }
     if (o->n_data == 0) {
         *code = cli_usage_error(cmd, "at least one --data SHARD is required (make one with `kiln data`)");
+        return 1;
+    }
+    if (o->fast && o->device < 0) {
+        *code = cli_usage_error(cmd, "--fast is a GPU mode: use it with --device cuda or cuda:N");
         return 1;
     }
     if (o->min_lr < 0) o->min_lr = o->lr / 10;
@@ -301,6 +309,7 @@ int cmd_train(int argc, char **argv) {
                                                            : KILN_STORAGE_BF16_SR;
     tp.moment_storage = !strcmp(o.moments, "q8") ? KILN_MOMENTS_Q8 : KILN_MOMENTS_F32;
     tp.device = o.device;
+    tp.fast = o.fast;
     st = kiln_trainer_create(m, &tp, &tr);
     if (st != KILN_OK) {
         rc = cli_fail("train", "trainer", st);

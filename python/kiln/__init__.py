@@ -73,7 +73,7 @@ class _TrainParams(C.Structure):
                 ("lr", C.c_double), ("beta1", C.c_double), ("beta2", C.c_double),
                 ("eps", C.c_double), ("weight_decay", C.c_double),
                 ("weight_storage", C.c_int), ("moment_storage", C.c_int), ("seed", C.c_uint64),
-                ("device", C.c_int)]
+                ("device", C.c_int), ("fast", C.c_int)]
 
 
 class TrainMemory(C.Structure):
@@ -349,9 +349,11 @@ class Trainer(_Handle):
         return int(device)
 
     def __init__(self, model, max_seq=256, n_threads=0, ce_chunk=0, lr=1e-3, betas=(0.9, 0.999),
-                 eps=1e-8, weight_decay=0.01, storage="f32", moments="f32", seed=0, device=-1):
+                 eps=1e-8, weight_decay=0.01, storage="f32", moments="f32", seed=0, device=-1,
+                 fast=False):
         """device: -1 or "cpu" = CPU; N, "cuda" or "cuda:N" = CUDA device N (the CPU's bits;
-        checkpoints move between the two)."""
+        checkpoints move between the two). fast=True (GPU only): matrix products on bf16
+        tensor cores, not the CPU's bits but deterministic run to run (docs/TRAINING.md)."""
         self._lib = load_library()
         self.model = model
         p = self._lib.kiln_train_default_params()
@@ -359,6 +361,7 @@ class Trainer(_Handle):
         p.lr, p.beta1, p.beta2, p.eps, p.weight_decay = lr, betas[0], betas[1], eps, weight_decay
         p.weight_storage, p.moment_storage, p.seed = STORAGE[storage], MOMENTS[moments], seed
         p.device = self._device_index(device)
+        p.fast = 1 if fast else 0
         h = C.c_void_p()
         _check(self._lib.kiln_trainer_create(model._h, C.byref(p), C.byref(h)))
         self._h = h

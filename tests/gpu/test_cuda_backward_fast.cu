@@ -1,0 +1,439 @@
+/*
+ * test_cuda_backward_fast.cu -- the fast mode's matmul backward (src/ops/cuda/
+ * cuda_backward_fast.h) against the CPU backend's matmul_backward.
+ *
+ * Cases: W in f32, bf16 and f16; odd shapes (N 1..130, R and C from 3 to 4864, C not a
+ * multiple of 8); accumulate_dx 0/1; every combination of the three outputs present or NULL;
+ * W rows packed, padded (row_bytes past C), and a bf16 W at an address 2 bytes past alignment
+ * (copied rather than read in place). Per case:
+ *   - dx (overwritten: poisoned with NaN bits first; accumulated: random old values) and dW
+ *     (random old values) within the bound below, element by element;
+ *   - dbias bit for bit equal to the CPU (it is the auditable fixed-order sum);
+ *   - an output passed as NULL is left untouched (its device copy is compared bit for bit
+ *     with the values uploaded);
+ *   - the case run twice from the same inputs gives the same bits (determinism).
+ *
+ * The bound. dy, x and W are each rounded to bf16 (relative error <= 2^-8 each; an f16 W as
+ * well, a bf16 W not at all), so each product is off by <= (2^-7 + 2^-16)|a_k b_k|; both
+ * sides sum K terms in f32 (K = R for dx, N for dW; error <= about K * 2^-24 * S each, first
+ * order). With S = sum_k |a_k||b_k| (the CPU backend's matmul_backward on |dy|, |x|, |W|):
+ *   |gpu - cpu| <= (2^-7 + 2^-16 + 2 K 2^-24) * S + 2^-22 * |old| + 1e-6
+ * (|old|: the accumulated-into value; the last terms cover the f32 additions). A worst case:
+ * random data lands far below (the printed max err/S shows by how much).
+ *
+ * Also: argument errors return cudaErrorInvalidValue (g NULL is checked without a GPU), and a
+ * training-sized shape is timed against the auditable kiln_cuda_matmul_backward
+ * (informative). Without a GPU: the host-side checks, then exit 77.
+ *
+ * Usage: test_cuda_backward_fast [seed]. One line per case, then "ALL OK" or "FAILED n".
+ */
+#include "ops/cuda/cuda_backward.h"
+#include "ops/cuda/cuda_backward_fast.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <vector>
+
+#define CUDA_OK(call)                                                                          \
+    do {                                                                                       \
+        cudaError_t e_ = (call);                                                               \
+        if (e_ != cudaSuccess) {                                                               \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                      \
+                    cudaGetErrorString(e_));                                                   \
+            printf("FAILED (CUDA error; %d failures before it)\n", g_failed);                  \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+
+static int g_failed;
+static kiln_cuda_gemm *g_gemm;
+static cudaStream_t g_s;
+static kiln_backend *g_cpu;
+static double g_worst_dx, g_worst_dw; /* max over the cases of err / S */
+
+/* ---- random numbers (splitmix64) ---------------------------------------------------------- */
+
+static uint64_t g_rng = 0x6b696c6e46425744ull;
+static uint64_t rnd_u64(void) {
+    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static float rnd_unit(void) { return (float)((double)(rnd_u64() >> 11) * 0x1p-53 * 2.0 - 1.0); }
+/* Values in [-scale, scale], one in 16 an exact zero. */
+static void fill_rand(std::vector<float> &v, float scale) {
+    for (float &f : v) f = (rnd_u64() & 15) == 0 ? 0.0f : rnd_unit() * scale;
+}
+
+/* A quiet NaN with a payload no arithmetic produces. */
+static const uint32_t POISON_BITS = 0x7fedcba9u;
+static void poison(std::vector<float> &v) {
+    for (float &f : v) memcpy(&f, &POISON_BITS, 4);
+}
+
+/* ---- device buffers (freed at the end of each case) ---------------------------------------- */
+
+static std::vector<void *> g_dev;
+
+static void *dev_alloc(size_t nbytes) {
+    void *p = NULL;
+    CUDA_OK(cudaMalloc(&p, nbytes ? nbytes : 4));
+    g_dev.push_back(p);
+    return p;
+}
+static void up(void *d, const void *h, size_t nbytes) {
+    CUDA_OK(cudaMemcpyAsync(d, h, nbytes, cudaMemcpyHostToDevice, g_s));
+    CUDA_OK(cudaStreamSynchronize(g_s));
+}
+static float *dev_copy(const std::vector<float> &h) {
+    float *d = (float *)dev_alloc(h.size() * sizeof(float));
+    up(d, h.data(), h.size() * sizeof(float));
+    return d;
+}
+static std::vector<float> to_host(const float *d, size_t n) {
+    std::vector<float> h(n);
+    CUDA_OK(cudaStreamSynchronize(g_s));
+    CUDA_OK(cudaMemcpyAsync(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost, g_s));
+    CUDA_OK(cudaStreamSynchronize(g_s));
+    return h;
+}
+static void dev_free_all(void) {
+    for (void *p : g_dev) CUDA_OK(cudaFree(p));
+    g_dev.clear();
+}
+
+/* ---- comparisons --------------------------------------------------------------------------- */
+
+static int same_bits(const char *ctx, const char *what, const std::vector<float> &want,
+                     const std::vector<float> &got) {
+    for (size_t i = 0; i < want.size(); i++)
+        if (memcmp(&want[i], &got[i], 4) != 0) {
+            uint32_t a, b;
+            memcpy(&a, &want[i], 4);
+            memcpy(&b, &got[i], 4);
+            fprintf(stderr, "FAIL %s: %s: first difference at [%zu]: want %.9g (0x%08x) got %.9g "
+                            "(0x%08x)\n",
+                    ctx, what, i, want[i], a, got[i], b);
+            return 1;
+        }
+    return 0;
+}
+
+/* |got - (cpu)| within the bound per element; cpu already includes old (the CPU accumulates);
+ * S: sum |a||b| per element; old: the value accumulated into (NULL: none). Returns 1 on a
+ * violation; *worst = max err / S over the elements with S > 0. */
+static int within_bound(const char *ctx, const char *what, const std::vector<float> &cpu,
+                        const std::vector<float> &got, const std::vector<float> &S,
+                        const std::vector<float> *old, double K, double *worst) {
+    long bad = 0;
+    size_t first = 0;
+    double w = 0.0;
+    for (size_t i = 0; i < cpu.size(); i++) {
+        const double o = old ? fabs((double)(*old)[i]) : 0.0;
+        const double err = fabs((double)got[i] - (double)cpu[i]);
+        const double tol = (0x1p-7 + 0x1p-16 + 2.0 * K * 0x1p-24) * (double)S[i] + 0x1p-22 * o +
+                           1e-6;
+        if (!(err <= tol)) { /* NaN fails too */
+            if (!bad) first = i;
+            bad++;
+        }
+        if (S[i] > 0.0f && err / (double)S[i] > w) w = err / (double)S[i];
+    }
+    if (w > *worst) *worst = w;
+    if (bad)
+        fprintf(stderr, "FAIL %s: %s: %ld of %zu outside the bound; first [%zu] cpu %.9g gpu "
+                        "%.9g S %.6g\n",
+                ctx, what, bad, cpu.size(), first, cpu[first], got[first], S[first]);
+    printf("    %s: max err/S %.3g\n", what, w);
+    return bad ? 1 : 0;
+}
+
+/* ---- one case ------------------------------------------------------------------------------ */
+
+enum { V_PACKED = 0, V_PAD_ROWS = 1, V_MISALIGNED = 2 };
+
+static const char *dt_name(kiln_dtype dt) {
+    return dt == KILN_DTYPE_F32 ? "f32" : dt == KILN_DTYPE_BF16 ? "bf16" : "f16";
+}
+
+/* Host bytes of W (R rows of C, packed) from values wf; sign_clear: |W| (the sign bit
+ * cleared, exact in every dtype). */
+static std::vector<uint8_t> encode_w(kiln_dtype dt, const std::vector<float> &wf, bool abs_val) {
+    const size_t es = dt == KILN_DTYPE_F32 ? 4 : 2;
+    std::vector<uint8_t> b(wf.size() * es);
+    for (size_t i = 0; i < wf.size(); i++) {
+        if (dt == KILN_DTYPE_F32) {
+            uint32_t u;
+            memcpy(&u, &wf[i], 4);
+            if (abs_val) u &= 0x7fffffffu;
+            memcpy(&b[4 * i], &u, 4);
+        } else {
+            uint16_t h = dt == KILN_DTYPE_BF16 ? kiln_fp32_to_bf16(wf[i]) : kiln_fp32_to_fp16(wf[i]);
+            if (abs_val) h = (uint16_t)(h & 0x7fffu);
+            memcpy(&b[2 * i], &h, 2);
+        }
+    }
+    return b;
+}
+
+static kiln_tensor make_tensor(kiln_dtype dt, int64_t R, int64_t C, std::vector<uint8_t> &bytes) {
+    kiln_tensor W;
+    memset(&W, 0, sizeof W);
+    W.name = "W";
+    W.dtype = dt;
+    W.n_dims = 2;
+    for (int d = 0; d < KILN_MAX_DIMS; d++) W.shape[d] = 1;
+    W.shape[0] = R;
+    W.shape[1] = C;
+    W.data = bytes.data();
+    W.nbytes = bytes.size();
+    return W;
+}
+
+static void case_matmul(kiln_dtype dt, int N, int64_t R, int64_t C, bool acc, bool want_dx,
+                        bool want_dW, bool want_db, int variant) {
+    char ctx[200];
+    snprintf(ctx, sizeof ctx, "backward_fast %s N=%d R=%lld C=%lld acc=%d%s%s%s%s%s", dt_name(dt),
+             N, (long long)R, (long long)C, (int)acc, want_dx ? " dx" : "", want_dW ? " dW" : "",
+             want_db ? " dbias" : "", (variant & V_PAD_ROWS) ? " padded-rows" : "",
+             (variant & V_MISALIGNED) ? " W+2B" : "");
+    const size_t nx = (size_t)N * C, ny = (size_t)N * R, nw = (size_t)R * C;
+    const size_t es = dt == KILN_DTYPE_F32 ? 4 : 2;
+    std::vector<float> x(nx), dy(ny), wf(nw), dx0(nx), dW0(nw), db0((size_t)R);
+    fill_rand(x, 1.0f);
+    fill_rand(dy, 1.0f);
+    fill_rand(wf, 1.0f);
+    if (acc) fill_rand(dx0, 2.0f);
+    else poison(dx0);
+    fill_rand(dW0, 2.0f);
+    fill_rand(db0, 2.0f);
+    std::vector<uint8_t> wb = encode_w(dt, wf, false), wabs = encode_w(dt, wf, true);
+
+    /* CPU reference, and S = the same products of absolute values (dx: |dy| @ |W|, dW: |dy|^T
+     * @ |x|, accumulated into zeros) */
+    std::vector<float> cdx(dx0), cdW(dW0), cdb(db0);
+    kiln_tensor W = make_tensor(dt, R, C, wb), Wabs = make_tensor(dt, R, C, wabs);
+    g_cpu->i->matmul_backward(g_cpu, want_dx ? cdx.data() : NULL, want_dW ? cdW.data() : NULL,
+                              want_db ? cdb.data() : NULL, dy.data(), x.data(), &W, N, acc);
+    std::vector<float> ady(dy), ax(x), Sdx(nx, 0.0f), SdW(nw, 0.0f);
+    for (float &f : ady) f = fabsf(f);
+    for (float &f : ax) f = fabsf(f);
+    g_cpu->i->matmul_backward(g_cpu, Sdx.data(), SdW.data(), NULL, ady.data(), ax.data(), &Wabs,
+                              N, false);
+
+    /* device: W with rows drb apart, at an offset of 2 bytes for V_MISALIGNED (bf16/f16 only) */
+    const size_t rb = (size_t)C * es, drb = (variant & V_PAD_ROWS) ? rb + 3 * es : rb;
+    const size_t woff = (variant & V_MISALIGNED) ? 2 : 0;
+    uint8_t *d_wbuf = (uint8_t *)dev_alloc(drb * (size_t)R + 16);
+    CUDA_OK(cudaMemsetAsync(d_wbuf, 0xff, drb * (size_t)R + 16, g_s)); /* padding: NaN bits */
+    CUDA_OK(cudaMemcpy2DAsync(d_wbuf + woff, drb, wb.data(), rb, rb, (size_t)R,
+                              cudaMemcpyHostToDevice, g_s));
+    CUDA_OK(cudaStreamSynchronize(g_s));
+    const uint8_t *d_w = d_wbuf + woff;
+    float *d_x = dev_copy(x), *d_dy = dev_copy(dy);
+
+    std::vector<float> got_dx[2], got_dW[2], got_db[2];
+    bool ran = true;
+    for (int k = 0; k < 2 && ran; k++) {
+        float *d_dx = dev_copy(dx0), *d_dW = dev_copy(dW0), *d_db = dev_copy(db0);
+        cudaError_t e = kiln_cuda_matmul_backward_fast(
+            g_gemm, g_s, want_dx ? d_dx : NULL, want_dW ? d_dW : NULL, want_db ? d_db : NULL,
+            d_dy, d_x, d_w, drb, dt, R, C, N, acc);
+        if (e == cudaSuccess) e = cudaStreamSynchronize(g_s);
+        if (e != cudaSuccess) {
+            fprintf(stderr, "FAIL %s: %s (gemm: %s)\n", ctx, cudaGetErrorString(e),
+                    kiln_cuda_gemm_error(g_gemm));
+            ran = false;
+            break;
+        }
+        got_dx[k] = to_host(d_dx, nx);
+        got_dW[k] = to_host(d_dW, nw);
+        got_db[k] = to_host(d_db, (size_t)R);
+    }
+    int bad = ran ? 0 : 1;
+    if (ran) {
+        printf("%s\n", ctx);
+        /* asked-for outputs within the bound (dbias exact), the others untouched */
+        if (want_dx) bad |= within_bound(ctx, "dx", cdx, got_dx[0], Sdx, acc ? &dx0 : NULL,
+                                         (double)R, &g_worst_dx);
+        else bad |= same_bits(ctx, "dx (NULL: untouched)", dx0, got_dx[0]);
+        if (want_dW) bad |= within_bound(ctx, "dW", cdW, got_dW[0], SdW, &dW0, (double)N,
+                                         &g_worst_dw);
+        else bad |= same_bits(ctx, "dW (NULL: untouched)", dW0, got_dW[0]);
+        bad |= same_bits(ctx, want_db ? "dbias (the CPU's bits)" : "dbias (NULL: untouched)",
+                         want_db ? cdb : db0, got_db[0]);
+        /* determinism: the second run, bit for bit */
+        bad |= same_bits(ctx, "dx run 2", got_dx[0], got_dx[1]);
+        bad |= same_bits(ctx, "dW run 2", got_dW[0], got_dW[1]);
+        bad |= same_bits(ctx, "dbias run 2", got_db[0], got_db[1]);
+    }
+    printf("  -> %s\n", bad ? "FAILED" : "OK");
+    if (bad) g_failed++;
+    dev_free_all();
+}
+
+/* ---- argument errors -------------------------------------------------------------------------- */
+
+static int host_checks(void) {
+    int bad = 0;
+    float *bogus = (float *)(uintptr_t)0x1000;
+    /* g NULL: refused before anything is touched */
+    if (kiln_cuda_matmul_backward_fast(NULL, 0, bogus, bogus, bogus, bogus, bogus,
+                                       (const uint8_t *)bogus, 32, KILN_DTYPE_F32, 4, 8, 2,
+                                       false) != cudaErrorInvalidValue) {
+        fprintf(stderr, "FAIL host check: g NULL not refused\n");
+        bad++;
+    }
+    return bad;
+}
+
+static void argument_checks(void) {
+    float *p = (float *)dev_alloc(1 << 16);
+    const uint8_t *w = (const uint8_t *)p;
+    struct {
+        const char *what;
+        cudaError_t got, want;
+    } c[] = {
+        {"dtype q8_0", kiln_cuda_matmul_backward_fast(g_gemm, g_s, p, p + 1024, NULL, p + 2048,
+                                                      p + 3072, w, 34, KILN_DTYPE_Q8_0, 4, 32,
+                                                      2, false),
+         cudaErrorInvalidValue},
+        {"row_bytes < C", kiln_cuda_matmul_backward_fast(g_gemm, g_s, p, NULL, NULL, p + 2048,
+                                                         p + 3072, w, 28, KILN_DTYPE_F32, 4, 8,
+                                                         2, false),
+         cudaErrorInvalidValue},
+        {"row_bytes odd (bf16)", kiln_cuda_matmul_backward_fast(g_gemm, g_s, p, NULL, NULL,
+                                                                p + 2048, p + 3072, w, 17,
+                                                                KILN_DTYPE_BF16, 4, 8, 2, false),
+         cudaErrorInvalidValue},
+        {"f32 W misaligned", kiln_cuda_matmul_backward_fast(g_gemm, g_s, p, NULL, NULL, p + 2048,
+                                                            p + 3072, w + 2, 32, KILN_DTYPE_F32,
+                                                            4, 8, 2, false),
+         cudaErrorInvalidValue},
+        {"dW without x", kiln_cuda_matmul_backward_fast(g_gemm, g_s, NULL, p, NULL, p + 2048, NULL,
+                                                        w, 32, KILN_DTYPE_F32, 4, 8, 2, false),
+         cudaErrorInvalidValue},
+        {"dy NULL", kiln_cuda_matmul_backward_fast(g_gemm, g_s, p, NULL, NULL, NULL, p + 3072, w,
+                                                   32, KILN_DTYPE_F32, 4, 8, 2, false),
+         cudaErrorInvalidValue},
+        {"N = 0: nothing", kiln_cuda_matmul_backward_fast(g_gemm, g_s, p, p, p, p, p, w, 32,
+                                                          KILN_DTYPE_F32, 4, 8, 0, false),
+         cudaSuccess},
+        {"no outputs: nothing", kiln_cuda_matmul_backward_fast(g_gemm, g_s, NULL, NULL, NULL, NULL,
+                                                               NULL, NULL, 0, KILN_DTYPE_F32, 4,
+                                                               8, 2, false),
+         cudaSuccess},
+    };
+    int bad = 0;
+    for (size_t i = 0; i < sizeof c / sizeof c[0]; i++)
+        if (c[i].got != c[i].want) {
+            fprintf(stderr, "FAIL argument check '%s': got %s, want %s\n", c[i].what,
+                    cudaGetErrorName(c[i].got), cudaGetErrorName(c[i].want));
+            bad++;
+        }
+    CUDA_OK(cudaStreamSynchronize(g_s));
+    printf("argument checks: %s\n", bad ? "FAILED" : "OK");
+    g_failed += bad;
+    dev_free_all();
+}
+
+/* ---- timing (informative) -------------------------------------------------------------------- */
+
+static void timing(int N, int64_t R, int64_t C, kiln_dtype dt) {
+    const size_t es = dt == KILN_DTYPE_F32 ? 4 : 2;
+    std::vector<float> h((size_t)N * (size_t)(R > C ? R : C));
+    fill_rand(h, 1.0f);
+    float *dy = (float *)dev_alloc((size_t)N * R * 4), *x = (float *)dev_alloc((size_t)N * C * 4);
+    float *dx = (float *)dev_alloc((size_t)N * C * 4), *dW = (float *)dev_alloc((size_t)R * C * 4);
+    uint8_t *w = (uint8_t *)dev_alloc((size_t)R * C * es);
+    up(dy, h.data(), (size_t)N * R * 4);
+    up(x, h.data(), (size_t)N * C * 4);
+    CUDA_OK(cudaMemsetAsync(w, 0x3c, (size_t)R * C * es, g_s)); /* small finite values */
+    CUDA_OK(cudaMemsetAsync(dW, 0, (size_t)R * C * 4, g_s));
+    cudaEvent_t a, b;
+    CUDA_OK(cudaEventCreate(&a));
+    CUDA_OK(cudaEventCreate(&b));
+    float ms[2] = {0, 0};
+    for (int mode = 0; mode < 2; mode++) {
+        for (int it = 0; it < 4; it++) { /* 1 warm-up, then 3 timed */
+            if (it == 1) CUDA_OK(cudaEventRecord(a, g_s));
+            cudaError_t e = mode ? kiln_cuda_matmul_backward_fast(g_gemm, g_s, dx, dW, NULL, dy, x,
+                                                                  w, (size_t)C * es, dt, R, C, N,
+                                                                  false)
+                                 : kiln_cuda_matmul_backward(g_s, dx, dW, NULL, dy, x, w,
+                                                             (size_t)C * es, dt, R, C, N, false);
+            CUDA_OK(e);
+        }
+        CUDA_OK(cudaEventRecord(b, g_s));
+        CUDA_OK(cudaEventSynchronize(b));
+        CUDA_OK(cudaEventElapsedTime(&ms[mode], a, b));
+        ms[mode] /= 3.0f;
+    }
+    const double flop = 4.0 * N * (double)R * (double)C;
+    printf("time matmul_backward %s N=%d R=%lld C=%lld: auditable %.3f ms (%.1f TFLOP/s), fast "
+           "%.3f ms (%.1f TFLOP/s)\n",
+           dt_name(dt), N, (long long)R, (long long)C, ms[0], flop / ms[0] * 1e-9, ms[1],
+           flop / ms[1] * 1e-9);
+    CUDA_OK(cudaEventDestroy(a));
+    CUDA_OK(cudaEventDestroy(b));
+    dev_free_all();
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1) g_rng = strtoull(argv[1], NULL, 0);
+    printf("test_cuda_backward_fast: seed %llu\n", (unsigned long long)g_rng);
+    int hbad = host_checks();
+    printf("host-side checks: %s\n", hbad ? "FAILED" : "OK");
+    int n_dev = 0;
+    cudaError_t e = cudaGetDeviceCount(&n_dev);
+    if (e != cudaSuccess || n_dev == 0) {
+        printf("no usable CUDA device (%s): skipped\n",
+               e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+        return hbad ? 1 : 77;
+    }
+    g_failed = hbad;
+    if (kiln_backend_cpu_create(0, &g_cpu) != KILN_OK) {
+        fprintf(stderr, "cpu backend: %s\n", kiln_last_error());
+        return 1;
+    }
+    CUDA_OK(cudaSetDevice(0));
+    CUDA_OK(cudaStreamCreateWithFlags(&g_s, cudaStreamNonBlocking));
+    CUDA_OK(kiln_cuda_gemm_create(0, &g_gemm));
+
+    argument_checks();
+    static const kiln_dtype dts[3] = {KILN_DTYPE_F32, KILN_DTYPE_BF16, KILN_DTYPE_F16};
+    static const int Ns[4] = {1, 3, 17, 70};
+    static const int64_t Rs[2] = {3, 97}, Cs[3] = {5, 64, 100};
+    int k = 0;
+    for (int d = 0; d < 3; d++)
+        for (int a = 0; a < 4; a++)
+            for (int r = 0; r < 2; r++)
+                for (int c = 0; c < 3; c++, k++)
+                    case_matmul(dts[d], Ns[a], Rs[r], Cs[c], (k & 1) != 0, k % 5 != 3, k % 4 != 2,
+                                k % 3 != 1, k % 7 == 5 ? V_PAD_ROWS : V_PACKED);
+    /* the layouts: bf16 copied (misaligned, padded rows) vs read in place; f16 misaligned */
+    case_matmul(KILN_DTYPE_BF16, 33, 96, 128, false, true, true, true, V_PACKED);
+    case_matmul(KILN_DTYPE_BF16, 33, 96, 128, true, true, true, true, V_MISALIGNED);
+    case_matmul(KILN_DTYPE_BF16, 33, 96, 128, true, true, true, false, V_PAD_ROWS);
+    case_matmul(KILN_DTYPE_F16, 33, 96, 100, false, true, true, true, V_MISALIGNED | V_PAD_ROWS);
+    case_matmul(KILN_DTYPE_F32, 33, 96, 100, true, true, true, true, V_PAD_ROWS);
+    /* training-sized: Qwen2.5-0.5B's MLP (R = FF 4864, C = 896) and a long K for dW */
+    case_matmul(KILN_DTYPE_BF16, 64, 4864, 896, true, true, true, true, V_PACKED);
+    case_matmul(KILN_DTYPE_F32, 130, 896, 4864, false, true, true, false, V_PACKED);
+    case_matmul(KILN_DTYPE_F32, 1024, 136, 72, false, true, true, true, V_PACKED);
+
+    printf("worst err/S: dx %.3g, dW %.3g (bound's leading term 2^-7 = %.3g)\n", g_worst_dx,
+           g_worst_dw, 0x1p-7);
+    timing(2048, 4864, 896, KILN_DTYPE_BF16);
+    timing(2048, 896, 896, KILN_DTYPE_F32);
+
+    kiln_cuda_gemm_free(g_gemm);
+    CUDA_OK(cudaStreamDestroy(g_s));
+    kiln_backend_free(g_cpu);
+    if (g_failed) printf("FAILED %d\n", g_failed);
+    else printf("ALL OK\n");
+    return g_failed ? 1 : 0;
+}

@@ -1,0 +1,412 @@
+/*
+ * test_cuda_train_fast.c -- fast training on the GPU (kiln_train_params.fast = 1, device 0)
+ * against auditable training on the same GPU (fast = 0), through the public API.
+ *
+ * A tiny random llama from kiln_model_create on a config.json written here (C 128, 2 layers,
+ * 2 query heads of 64 over 1 kv head: the tensor-core flash attention's head size; FF 352;
+ * the llama vocabulary, tied head), with f32 weights and with bf16 weights + f32 master copy.
+ * Three trainers start from the model's weights: an auditable one (A) and two fast ones (F1,
+ * F2). Every step gives all three the same sequence of 64 tokens (a learnable pattern over
+ * 256 ids, so the loss falls): kiln_train_step, clip_grads(1.0), optimizer_step; 20 steps.
+ *
+ * What is required, and why these bounds (fast mode: docs/TRAINING.md, "Fast mode"):
+ *   - step 1 gradients (same weights, same batch: the difference is only the arithmetic of
+ *     one forward + backward), per tensor: ||g_F - g_A|| / ||g_A|| <= GRAD_BOUND = 5e-2. Each
+ *     product rounds its operands to bf16 (relative 2^-8 each), so an element of a product is
+ *     off by at most 2^-7 of sum |a_k b_k|; with random signs the errors mostly cancel and the
+ *     norm-wise error of a gradient is typically a few 2^-9 (about 2e-3 to 1e-2 after several
+ *     chained products); 5e-2 leaves room for cancellation in small gradients, while a wrong
+ *     product (transposed, missing accumulate, wrong operand) gives about 1 or more;
+ *   - the loss of every step: |loss_F - loss_A| / loss_A <= LOSS_BOUND = 2e-2. The loss is
+ *     an average over 63 positions of log-sum-exps of logits whose errors are about 2^-8 of
+ *     sum |h||w| (small against 1 at this init), so the first loss agrees to about 1e-4; the
+ *     trajectories then drift apart as AdamW (a sign-like update early on) amplifies the
+ *     gradient differences of near-zero gradient elements, but over 20 steps at lr 3e-3 the
+ *     losses stay within a fraction of a percent;
+ *   - the weights after 20 steps: ||w_F - w_A|| / ||w_A - w_0|| <= WEIGHT_BOUND = 0.5 over
+ *     all parameters (w_0 the initial weights): the fast run moved the weights along the same
+ *     path as the auditable one, differing by at most half the distance travelled (a wrong
+ *     gradient gives about 1.4, a sign error 2; AdamW's updates of elements whose gradient is
+ *     near zero can flip sign under bf16 rounding, which is why this cannot be tight);
+ *   - determinism: F1 and F2 have the same bits for every loss, every step-1 gradient, the
+ *     clip norms, and every parameter after 20 steps.
+ * The maxima seen are printed, so the bounds can be tightened from a run on the target GPU.
+ *
+ * Without a usable GPU: checks that fast = 1 with device = -1 is refused with
+ * KILN_ERR_UNSUPPORTED ("fast is a GPU mode"), that fast defaults to 0, and that a trainer on
+ * device 0 (auditable and fast) is refused with KILN_ERR_UNSUPPORTED; then exits 77.
+ *   test_cuda_train_fast [vocab-dir]
+ * vocab-dir holds ggml-vocab-llama-spm.gguf (default $KILN_VOCAB_DIR,
+ * $KILN_SHARED_DIR/testdata/tokenizer-vectors, or the source tree's
+ * ../shared/testdata/tokenizer-vectors). Prints the loss curves and "ALL OK" or "FAILED n".
+ */
+#include "base/base.h"
+#include "models/model.h"
+
+#include <kiln.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define STEPS 20
+#define SEQ 64
+#define LR 3e-3
+#define GRAD_BOUND 5e-2
+#define LOSS_BOUND 2e-2
+#define WEIGHT_BOUND 0.5
+
+static uint64_t g_rng = 0x6b696c6e46535431ull;
+static uint64_t rnd_u64(void) {
+    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static float rnd_unit(void) { return (float)((double)(rnd_u64() >> 11) * 0x1p-53 * 2.0 - 1.0); }
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static char g_tmpdir[256];
+
+static int write_config(char *path, size_t cap) {
+    snprintf(path, cap, "%s/llama-fast.json", g_tmpdir);
+    FILE *f = fopen(path, "w");
+    if (!f) return 0;
+    fprintf(f, "{\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\", \"hidden_size\": 128,"
+               " \"num_hidden_layers\": 2, \"num_attention_heads\": 2, \"num_key_value_heads\": 1,"
+               " \"head_dim\": 64, \"intermediate_size\": 352, \"vocab_size\": 32000,"
+               " \"max_position_embeddings\": 4096, \"rms_norm_eps\": 1e-6, \"rope_theta\": 10000.0,"
+               " \"tie_word_embeddings\": true, \"hidden_act\": \"silu\"}\n");
+    return fclose(f) == 0;
+}
+
+/* Norms 1 + 0.2 u (kiln_model_create makes them 1). */
+static void randomise_norms(kiln_model *m) {
+    const kiln_model_config *c = &m->cfg;
+    for (int l = 0; l < c->n_layer; l++) {
+        float *v[2] = {(float *)m->layers[l].attn_norm, (float *)m->layers[l].mlp_norm};
+        for (int i = 0; i < 2; i++)
+            for (int j = 0; v[i] && j < c->n_embd; j++) v[i][j] = 1.0f + 0.2f * rnd_unit();
+    }
+    float *fn = (float *)m->final_norm;
+    for (int j = 0; j < c->n_embd; j++) fn[j] = 1.0f + 0.2f * rnd_unit();
+}
+
+/* The batch of step s: a walk over 256 ids (id' = (5 id + 17 + (s % 3)) mod 256, offset 300)
+ * started at a random id: next-token prediction a model can learn. */
+static void make_batch(int32_t *ids, int s) {
+    int32_t v = (int32_t)(rnd_u64() % 256);
+    for (int i = 0; i < SEQ; i++) {
+        ids[i] = 300 + v;
+        v = (5 * v + 17 + (s % 3)) % 256;
+    }
+}
+
+#define TRY(expr, what)                                                                        \
+    do {                                                                                       \
+        if ((expr) != KILN_OK) {                                                               \
+            fprintf(stderr, "    %s: %s\n", what, kiln_last_error());                          \
+            ok = 0;                                                                            \
+            goto done;                                                                         \
+        }                                                                                      \
+    } while (0)
+
+static kiln_trainer *make_trainer(kiln_model *m, kiln_weight_storage storage, int fast) {
+    kiln_train_params p = kiln_train_default_params();
+    p.max_seq = SEQ;
+    p.n_threads = 2;
+    p.ce_chunk = 4096;
+    p.lr = LR;
+    p.weight_decay = 0.1;
+    p.weight_storage = storage;
+    p.seed = 7;
+    p.device = 0;
+    p.fast = fast;
+    kiln_trainer *t = NULL;
+    if (kiln_trainer_create(m, &p, &t) != KILN_OK) {
+        fprintf(stderr, "    trainer (fast %d): %s\n", fast, kiln_last_error());
+        return NULL;
+    }
+    return t;
+}
+
+/* All parameters (grads = 0) or gradients (grads = 1) of t, concatenated, in out (total
+ * floats; NaN-poisoned first so that a value not written cannot pass). */
+static int read_all(kiln_trainer *t, int grads, float *out, size_t total) {
+    for (size_t i = 0; i < total; i++) out[i] = NAN;
+    size_t off = 0;
+    for (int i = 0; i < kiln_train_n_params(t); i++) {
+        const char *name = NULL;
+        int64_t ne = 0;
+        if (kiln_train_param_info(t, i, &name, &ne, NULL) != KILN_OK || off + (size_t)ne > total) return 0;
+        kiln_status st = grads ? kiln_train_get_grad(t, name, out + off, ne) : kiln_train_get_param(t, name, out + off, ne);
+        if (st != KILN_OK) {
+            fprintf(stderr, "    read %s %s: %s\n", grads ? "grad" : "param", name, kiln_last_error());
+            return 0;
+        }
+        off += (size_t)ne;
+    }
+    return off == total;
+}
+
+static size_t total_floats(kiln_trainer *t) {
+    size_t total = 0;
+    for (int i = 0; i < kiln_train_n_params(t); i++) {
+        int64_t ne = 0;
+        if (kiln_train_param_info(t, i, NULL, &ne, NULL) != KILN_OK) return 0;
+        total += (size_t)ne;
+    }
+    return total;
+}
+
+/* First differing bit pattern of a and b (n floats), or -1. */
+static long first_diff(const float *a, const float *b, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&a[i], &b[i], 4) != 0) return (long)i;
+    return -1;
+}
+
+/* Step-1 gradients per tensor: ||f - a|| / ||a||; returns the worst ratio, *bad counts the
+ * tensors over GRAD_BOUND (a NaN counts). */
+static double grad_ratios(kiln_trainer *t, const float *ga, const float *gf, int *bad) {
+    double worst = 0.0;
+    size_t off = 0;
+    for (int i = 0; i < kiln_train_n_params(t); i++) {
+        const char *name = NULL;
+        int64_t ne = 0;
+        kiln_train_param_info(t, i, &name, &ne, NULL);
+        double d2 = 0.0, a2 = 0.0;
+        for (int64_t j = 0; j < ne; j++) {
+            const double a = ga[off + (size_t)j], d = (double)gf[off + (size_t)j] - a;
+            d2 += d * d;
+            a2 += a * a;
+        }
+        const double r = a2 > 0.0 ? sqrt(d2 / a2) : sqrt(d2);
+        if (!(r <= GRAD_BOUND)) {
+            fprintf(stderr, "    step-1 gradient %s: ||fast - auditable|| / ||auditable|| = %.3g > %.3g\n", name, r,
+                    GRAD_BOUND);
+            (*bad)++;
+        }
+        if (r > worst || r != r) worst = r;
+        off += (size_t)ne;
+    }
+    return worst;
+}
+
+static int run_case(const char *name, kiln_weight_storage storage, const char *vocab_dir) {
+    char cfg[1200], tok[1200];
+    int ok = 1;
+    if (!write_config(cfg, sizeof cfg)) {
+        fprintf(stderr, "FAIL %s: cannot write %s\n", name, cfg);
+        return 0;
+    }
+    snprintf(tok, sizeof tok, "%s/ggml-vocab-llama-spm.gguf", vocab_dir);
+    kiln_model *m = NULL;
+    if (kiln_model_create(cfg, tok, 1234, &m) != KILN_OK) {
+        fprintf(stderr, "FAIL %s: kiln_model_create: %s\n", name, kiln_last_error());
+        remove(cfg);
+        return 0;
+    }
+    remove(cfg);
+    randomise_norms(m);
+    const double t0 = now_s();
+    kiln_trainer *ta = make_trainer(m, storage, 0), *tf1 = make_trainer(m, storage, 1),
+                 *tf2 = make_trainer(m, storage, 1);
+    float *w0 = NULL, *wa = NULL, *wf1 = NULL, *wf2 = NULL;
+    size_t total = 0;
+    double worst_loss = 0.0, worst_grad = 0.0, wratio = 0.0, wrel = 0.0;
+    int grad_bad = 0;
+    if (!ta || !tf1 || !tf2) {
+        ok = 0;
+        goto done;
+    }
+    total = total_floats(ta);
+    w0 = malloc(total * sizeof(float));
+    wa = malloc(total * sizeof(float));
+    wf1 = malloc(total * sizeof(float));
+    wf2 = malloc(total * sizeof(float));
+    if (!total || !w0 || !wa || !wf1 || !wf2 || total != total_floats(tf1)) {
+        fprintf(stderr, "    out of memory or parameter counts differ\n");
+        ok = 0;
+        goto done;
+    }
+    if (!read_all(ta, 0, w0, total)) {
+        ok = 0;
+        goto done;
+    }
+    {
+        char desc[1024];
+        kiln_train_memory mem;
+        if (kiln_train_describe(tf1, desc, sizeof desc, &mem) != KILN_OK || mem.device != 0 ||
+            !strstr(desc, "cuda:0")) {
+            fprintf(stderr, "    describe (fast): %s\n", desc);
+            ok = 0;
+        }
+    }
+    printf("%s\n  step   loss auditable   loss fast        rel diff   (fast run 2: same bits)\n", name);
+    for (int s = 0; s < STEPS; s++) {
+        int32_t ids[SEQ];
+        make_batch(ids, s);
+        float la = NAN, lf1 = NAN, lf2 = NAN, ta_norm, tf1_norm, tf2_norm, ca, cf1, cf2;
+        TRY(kiln_train_step(ta, ids, SEQ, &la), "train_step (auditable)");
+        TRY(kiln_train_step(tf1, ids, SEQ, &lf1), "train_step (fast)");
+        TRY(kiln_train_step(tf2, ids, SEQ, &lf2), "train_step (fast, run 2)");
+        if (s == 0) { /* the gradients of one forward + backward from the same weights */
+            float *ga = wa, *gf1 = wf1, *gf2 = wf2; /* the buffers serve as scratch here */
+            if (!read_all(ta, 1, ga, total) || !read_all(tf1, 1, gf1, total) || !read_all(tf2, 1, gf2, total)) {
+                ok = 0;
+                goto done;
+            }
+            worst_grad = grad_ratios(ta, ga, gf1, &grad_bad);
+            if (grad_bad) ok = 0;
+            long d = first_diff(gf1, gf2, total);
+            if (d >= 0) {
+                fprintf(stderr, "    step-1 gradients of the two fast runs differ at [%ld]: %.9g vs %.9g\n", d,
+                        (double)gf1[d], (double)gf2[d]);
+                ok = 0;
+            }
+        }
+        TRY(kiln_train_clip_grads(ta, 1.0, &ta_norm, &ca), "clip (auditable)");
+        TRY(kiln_train_clip_grads(tf1, 1.0, &tf1_norm, &cf1), "clip (fast)");
+        TRY(kiln_train_clip_grads(tf2, 1.0, &tf2_norm, &cf2), "clip (fast, run 2)");
+        TRY(kiln_train_optimizer_step(ta, LR), "adamw (auditable)");
+        TRY(kiln_train_optimizer_step(tf1, LR), "adamw (fast)");
+        TRY(kiln_train_optimizer_step(tf2, LR), "adamw (fast, run 2)");
+        const double rel = fabs((double)lf1 - (double)la) / fabs((double)la);
+        const int same = memcmp(&lf1, &lf2, 4) == 0 && memcmp(&tf1_norm, &tf2_norm, 4) == 0 &&
+                         memcmp(&cf1, &cf2, 4) == 0;
+        printf("  %4d   %-15.9g  %-15.9g  %.3e  %s\n", s + 1, (double)la, (double)lf1, rel, same ? "yes" : "NO");
+        if (!(rel <= LOSS_BOUND)) {
+            fprintf(stderr, "    step %d: loss rel diff %.3g > %.3g\n", s + 1, rel, LOSS_BOUND);
+            ok = 0;
+        }
+        if (!same) {
+            fprintf(stderr, "    step %d: fast runs differ: loss %.9g / %.9g, norm %.9g / %.9g, coef %.9g / %.9g\n",
+                    s + 1, (double)lf1, (double)lf2, (double)tf1_norm, (double)tf2_norm, (double)cf1, (double)cf2);
+            ok = 0;
+        }
+        if (rel > worst_loss || rel != rel) worst_loss = rel;
+    }
+    if (!read_all(ta, 0, wa, total) || !read_all(tf1, 0, wf1, total) || !read_all(tf2, 0, wf2, total)) {
+        ok = 0;
+        goto done;
+    }
+    {
+        double d2 = 0.0, u2 = 0.0, a2 = 0.0;
+        for (size_t i = 0; i < total; i++) {
+            const double d = (double)wf1[i] - (double)wa[i], u = (double)wa[i] - (double)w0[i];
+            d2 += d * d;
+            u2 += u * u;
+            a2 += (double)wa[i] * (double)wa[i];
+        }
+        wratio = u2 > 0.0 ? sqrt(d2 / u2) : INFINITY;
+        wrel = a2 > 0.0 ? sqrt(d2 / a2) : INFINITY;
+        if (!(wratio <= WEIGHT_BOUND)) {
+            fprintf(stderr, "    weights after %d steps: ||fast - auditable|| / ||auditable - initial|| = %.3g > %.3g\n",
+                    STEPS, wratio, WEIGHT_BOUND);
+            ok = 0;
+        }
+        long d = first_diff(wf1, wf2, total);
+        if (d >= 0) {
+            fprintf(stderr, "    weights of the two fast runs differ at [%ld]: %.9g vs %.9g\n", d, (double)wf1[d],
+                    (double)wf2[d]);
+            ok = 0;
+        }
+    }
+done:
+    printf("%-22s max loss rel diff %.3e (bound %.0e); step-1 grads max rel %.3e (bound %.0e); weights after "
+           "%d steps: diff/update %.3e (bound %.1f), diff/weights %.3e; fast runs bit-identical: checked; "
+           "%.2f s: %s\n",
+           name, worst_loss, LOSS_BOUND, worst_grad, GRAD_BOUND, STEPS, wratio, WEIGHT_BOUND, wrel, now_s() - t0,
+           ok ? "OK" : "FAIL");
+    fflush(stdout);
+    free(w0);
+    free(wa);
+    free(wf1);
+    free(wf2);
+    kiln_trainer_free(ta);
+    kiln_trainer_free(tf1);
+    kiln_trainer_free(tf2);
+    kiln_model_close(m);
+    return ok;
+}
+
+int main(int argc, char **argv) {
+    const char *vocab_dir = getenv("KILN_VOCAB_DIR");
+    char shared[1024];
+    if (!vocab_dir) {
+        const char *env = getenv("KILN_SHARED_DIR");
+        if (env) snprintf(shared, sizeof shared, "%s/testdata/tokenizer-vectors", env);
+        else snprintf(shared, sizeof shared, "%s", KILN_SOURCE_DIR "/../shared/testdata/tokenizer-vectors");
+        vocab_dir = shared;
+    }
+    if (argc > 1) vocab_dir = argv[1];
+    const char *tmp = getenv("TMPDIR");
+    snprintf(g_tmpdir, sizeof g_tmpdir, "%s/kiln-cuda-train-fast-XXXXXX", tmp ? tmp : "/tmp");
+    if (!mkdtemp(g_tmpdir)) {
+        fprintf(stderr, "FAIL: mkdtemp %s\n", g_tmpdir);
+        return 1;
+    }
+
+    /* refusals that need no GPU */
+    char tok[1200], cfg[1200];
+    snprintf(tok, sizeof tok, "%s/ggml-vocab-llama-spm.gguf", vocab_dir);
+    if (access(tok, R_OK) != 0 || !write_config(cfg, sizeof cfg)) {
+        fprintf(stderr, "FAIL: no vocabulary at %s (pass the folder as the argument)\n", tok);
+        rmdir(g_tmpdir);
+        return 1;
+    }
+    kiln_model *m = NULL;
+    int ok = kiln_model_create(cfg, tok, 1, &m) == KILN_OK;
+    remove(cfg);
+    kiln_train_params p = kiln_train_default_params();
+    p.max_seq = 16;
+    ok &= p.fast == 0 && p.device == -1;
+    kiln_trainer *t = NULL;
+    p.fast = 1; /* on the CPU: refused */
+    ok &= m && kiln_trainer_create(m, &p, &t) == KILN_ERR_UNSUPPORTED && t == NULL &&
+          strstr(kiln_last_error(), "fast is a GPU mode") != NULL;
+    if (!ok) {
+        fprintf(stderr, "FAIL: refusals: %s\n", kiln_last_error());
+        kiln_model_close(m);
+        rmdir(g_tmpdir);
+        return 1;
+    }
+    p.device = 0;
+    kiln_status st_fast = kiln_trainer_create(m, &p, &t);
+    kiln_trainer_free(t);
+    t = NULL;
+    p.fast = 0;
+    kiln_status st = kiln_trainer_create(m, &p, &t);
+    kiln_trainer_free(t);
+    kiln_model_close(m);
+    if (st != KILN_OK || st_fast != KILN_OK) {
+        /* no GPU: both must be refused clearly */
+        int refused = st == KILN_ERR_UNSUPPORTED && st_fast == KILN_ERR_UNSUPPORTED &&
+                      strstr(kiln_last_error(), "CUDA") != NULL;
+        fprintf(stderr, "no GPU: trainers on device 0 refused: %s\n", kiln_last_error());
+        rmdir(g_tmpdir);
+        if (!refused) {
+            fprintf(stderr, "FAIL: expected KILN_ERR_UNSUPPORTED naming CUDA for both, got %d (fast) and %d\n",
+                    st_fast, st);
+            return 1;
+        }
+        return 77;
+    }
+
+    int failed = 0;
+    failed += !run_case("llama-fast f32", KILN_STORAGE_F32, vocab_dir);
+    failed += !run_case("llama-fast bf16 master", KILN_STORAGE_BF16_MASTER, vocab_dir);
+    rmdir(g_tmpdir);
+    if (failed) printf("FAILED %d\n", failed);
+    else printf("ALL OK\n");
+    return failed ? 1 : 0;
+}
