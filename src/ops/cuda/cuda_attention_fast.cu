@@ -563,12 +563,12 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
 #define COMBINE_THREADS 128
 #define COMBINE_CHUNK 256 /* split weights staged in shared memory at a time */
 
-static __global__ void __launch_bounds__(COMBINE_THREADS)
+static __global__ void __launch_bounds__(COMBINE_THREADS, 4)
 combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
                const float *__restrict__ ws_ml, int N, int n_past_host,
                const int32_t *__restrict__ d_n_past, int NH, int HS, int nsplit_max,
                int max_T) {
-    __shared__ float sw[COMBINE_CHUNK];
+    __shared__ float sw[COMBINE_CHUNK], sl[COMBINE_CHUNK], sred[COMBINE_THREADS / 32];
     const int n = (int)(blockIdx.x / (unsigned)NH), h = (int)(blockIdx.x % (unsigned)NH);
     const int b = (int)blockIdx.y;
     const int n_past = d_n_past ? d_n_past[b] : n_past_host;
@@ -581,8 +581,15 @@ combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
     const int ns = (int)(last / KILN_ATTN_SPLIT) + 1;
     const int64_t p0 = partial_index(b, 0, n, h, N, NH, nsplit_max);
     const int64_t pstep = (int64_t)N * NH; /* partial index step from split s to s + 1 */
-    float M = -INFINITY;
-    for (int s = 0; s < ns; s++) M = fmaxf(M, ws_ml[2 * (p0 + s * pstep)]);
+    /* M: the exact max, so any order gives it; threads take strided splits, then warps */
+    float mx = -INFINITY;
+    for (int s = threadIdx.x; s < ns; s += COMBINE_THREADS)
+        mx = fmaxf(mx, ws_ml[2 * (p0 + s * pstep)]);
+    mx = warp_max(mx);
+    if ((threadIdx.x & 31) == 0) sred[threadIdx.x >> 5] = mx;
+    __syncthreads();
+    float M = sred[0];
+    for (int w = 1; w < COMBINE_THREADS / 32; w++) M = fmaxf(M, sred[w]);
     float L = 0.0f;
     float a[KILN_ATTN_FAST_MAX_HS / COMBINE_THREADS];
 #pragma unroll
@@ -590,10 +597,12 @@ combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
     for (int s0 = 0; s0 < ns; s0 += COMBINE_CHUNK) {
         const int cn = ns - s0 < COMBINE_CHUNK ? ns - s0 : COMBINE_CHUNK;
         __syncthreads(); /* the previous chunk's weights are no longer read */
-        for (int s = threadIdx.x; s < cn; s += COMBINE_THREADS)
+        for (int s = threadIdx.x; s < cn; s += COMBINE_THREADS) {
             sw[s] = kiln_expf(ws_ml[2 * (p0 + (s0 + s) * pstep)] - M);
+            sl[s] = ws_ml[2 * (p0 + (s0 + s) * pstep) + 1];
+        }
         __syncthreads();
-        for (int s = 0; s < cn; s++) L = fmaf(sw[s], ws_ml[2 * (p0 + (s0 + s) * pstep) + 1], L);
+        for (int s = 0; s < cn; s++) L = fmaf(sw[s], sl[s], L);
 #pragma unroll
         for (int i = 0; i < KILN_ATTN_FAST_MAX_HS / COMBINE_THREADS; i++) {
             const int d = threadIdx.x + i * COMBINE_THREADS;
