@@ -78,7 +78,7 @@ if has tests; then
         test_cuda_ops|test_cuda_backward)
             run_test "$n" "$LOG/$n.log" "$t"
             run_test "$n (seed $seed2)" "$LOG/$n-2.log" "$t" "$seed2" ;;
-        test_cuda_model|test_cuda_train)
+        test_cuda_model|test_cuda_train|test_cuda_train_fast)
             run_test "$n" "$LOG/$n.log" "$t" "$vocab" ;;
         *)
             run_test "$n" "$LOG/$n.log" "$t" ;;

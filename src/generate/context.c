@@ -58,6 +58,8 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
     if (st == KILN_OK) {
         const char *g = getenv("KILN_CUDA_GRAPHS");
         c->graphs = c->fs.d_step != NULL && !(g && strcmp(g, "0") == 0);
+        const char *ds = getenv("KILN_DEVICE_SAMPLING");
+        c->host_sampling = ds && strcmp(ds, "0") == 0;
     }
     if (st == KILN_OK)
         st = kiln_alloc_or_fail((void **)&c->tokens, (size_t)p.n_ctx * sizeof(int32_t), "context token list");
@@ -108,7 +110,7 @@ static kiln_status logits_reserve(kiln_context *c, size_t n) {
 /* One token through the recorded decode graph: upload (id, position), record the step on
  * first use (or after the logits buffer moved), replay it, download the logits. Same bits as
  * kiln_model_forward with N = 1. */
-static kiln_status decode_step_graph(kiln_context *c, int32_t id, float *logits) {
+static kiln_status decode_step_graph(kiln_context *c, int32_t id, float *logits, int on_device) {
     kiln_backend *be = c->be;
     const kiln_model_config *cfg = &c->model->cfg;
     size_t V = (size_t)cfg->n_vocab;
@@ -128,12 +130,17 @@ static kiln_status decode_step_graph(kiln_context *c, int32_t id, float *logits)
         c->graph_logits = c->fs.logits;
     }
     st = be->i->graph_launch(be, c->graph);
-    if (st != KILN_OK) return st;
+    if (st != KILN_OK || on_device) return st; /* on_device: the logits stay in fs.logits */
     return logits ? kiln_backend_download(be, logits, c->fs.logits, V * sizeof(float))
                   : kiln_backend_status(be);
 }
 
-kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logits, float *logits) {
+/* kiln_decode; on_device (device backends, !all_logits): the last token's logits are left in
+ * fs.logits (backend memory) and not downloaded, and a device failure is reported by the next
+ * synchronising call (the tokens are counted as cached: the backend is poisoned then anyway,
+ * so the context is unusable). */
+static kiln_status decode(kiln_context *c, const int32_t *ids, int n, int all_logits, float *logits,
+                          int on_device) {
     if (!c || (!ids && n > 0)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode: NULL argument");
     if (n <= 0) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode: n must be > 0 (got %d)", n);
     const kiln_model *m = c->model;
@@ -147,7 +154,7 @@ kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logi
                           "kiln_decode: %d tokens after %d cached ones exceed the context length %d",
                           n, c->n_past, c->fs.n_ctx);
     if (n == 1 && c->graphs && c->warm) {
-        kiln_status st = decode_step_graph(c, ids[0], logits);
+        kiln_status st = decode_step_graph(c, ids[0], logits, on_device);
         if (st != KILN_OK) return st;
         c->tokens[c->n_past++] = ids[0];
         return KILN_OK;
@@ -167,7 +174,9 @@ kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logi
             dev_out = c->fs.logits;
         }
         kiln_model_forward(m, c->be, &c->fs, ids + done, chunk, c->n_past, all_logits, dev_out);
-        if (!c->fs.host_memory) {
+        if (on_device && last) {
+            /* the caller samples from fs.logits on the device (which synchronises) */
+        } else if (!c->fs.host_memory) {
             /* download waits for the forward and reports a failure that poisoned the backend;
              * then this chunk is not counted as cached */
             kiln_status st = out ? kiln_backend_download(c->be, out, dev_out, rows * (size_t)V * sizeof(float))
@@ -180,4 +189,21 @@ kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logi
         c->warm = 1;
     }
     return KILN_OK;
+}
+
+kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logits, float *logits) {
+    return decode(c, ids, n, all_logits, logits, 0);
+}
+
+kiln_status kiln_decode_and_sample(kiln_context *c, const int32_t *ids, int n, kiln_sampler *smp,
+                                   const int32_t *hist, size_t n_hist, float *logits, int32_t *id) {
+    kiln_backend *be = c->be;
+    if (c->fs.host_memory || !be->i->sample || c->host_sampling) {
+        KILN_TRY(decode(c, ids, n, 0, logits, 0));
+        return kiln_sampler_sample(smp, logits, c->model->cfg.n_vocab, hist, n_hist, id);
+    }
+    /* the logits stay on the device; only the id comes back */
+    float *dummy = logits; /* non-NULL: decode writes the last token's logits to fs.logits */
+    KILN_TRY(decode(c, ids, n, 0, dummy, 1));
+    return be->i->sample(be, c->fs.logits, c->model->cfg.n_vocab, smp, hist, n_hist, id);
 }

@@ -111,15 +111,18 @@ kiln_status kiln_generate(kiln_context *c, const int32_t *prompt, size_t n_promp
     while (keep + 1 < n_prompt && keep < (size_t)c->n_past && c->tokens[keep] == prompt[keep]) keep++;
     c->n_past = (int)keep;
     r.n_prompt_cached = (int)keep;
+    /* the prefill and the first token's sampling (on the device where the backend samples:
+     * only the id comes back); prefill_seconds includes that sampling */
+    int32_t id;
     double t0 = kiln_time_seconds();
-    st = kiln_decode(c, prompt + keep, (int)(n_prompt - keep), 0, logits);
+    if (gp->max_tokens == 0) /* nothing to sample */
+        st = kiln_decode(c, prompt + keep, (int)(n_prompt - keep), 0, logits);
+    else
+        st = kiln_decode_and_sample(c, prompt + keep, (int)(n_prompt - keep), smp, hist, n_hist, logits, &id);
     r.prefill_seconds = kiln_time_seconds() - t0;
     if (st != KILN_OK) goto done;
     t0 = kiln_time_seconds();
     for (int i = 0; i < gp->max_tokens; i++) {
-        int32_t id;
-        st = kiln_sampler_sample(smp, logits, V, hist, n_hist, &id);
-        if (st != KILN_OK) goto done;
         hist[n_hist++] = id;
         r.n_ids++;
         if (!gp->ignore_eos && is_end_token(m, id)) {
@@ -169,8 +172,10 @@ kiln_status kiln_generate(kiln_context *c, const int32_t *prompt, size_t n_promp
             r.stop_reason = "context";
             break;
         }
-        st = kiln_decode(c, &id, 1, 0, logits);
+        int32_t next;
+        st = kiln_decode_and_sample(c, &id, 1, smp, hist, n_hist, logits, &next);
         if (st != KILN_OK) goto done;
+        id = next;
     }
     if (strcmp(r.stop_reason, "stop_string") != 0) { /* flush held bytes */
         char piece[64];

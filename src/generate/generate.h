@@ -20,6 +20,14 @@ struct kiln_context {
     void *graph;
     float *graph_logits;
     int graphs, warm;
+    int host_sampling; /* env KILN_DEVICE_SAMPLING=0: sample on the host even on a device */
 };
+
+/* Decode ids[0..n) and sample the next token from the last one's logits with smp and the
+ * history hist[0..n_hist) (what kiln_decode then kiln_sampler_sample give): on a backend
+ * with a device sampler the logits stay on the device and only the id is read back; else
+ * they go through logits (n_vocab floats of host scratch). Same ids either way. */
+kiln_status kiln_decode_and_sample(kiln_context *c, const int32_t *ids, int n, kiln_sampler *smp,
+                                   const int32_t *hist, size_t n_hist, float *logits, int32_t *id);
 
 #endif

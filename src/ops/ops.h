@@ -14,6 +14,7 @@
 #define KILN_OPS_H
 
 #include "../base/tensor.h"
+#include "kiln.h"
 
 #include <string.h>
 
@@ -162,6 +163,15 @@ typedef struct kiln_backend_i {
     void (*zero)(kiln_backend *be, float *x, size_t n);
     /* x[i] = x[i] * s, one binary32 rounding each (clip_grad_norm_'s scaling). */
     void (*scale)(kiln_backend *be, float *x, float s, size_t n);
+
+    /* ---- sampling on the device (optional) ----
+     * The next token from logits(V) (backend memory) with smp's parameters and stream, and the
+     * host history hist[0..n_hist) (its last repeat_last_n ids are the penalty window): the
+     * id kiln_sampler_sample gives for the same logits, history and stream position
+     * (docs/ARITHMETIC.md "Sampling"), written to *id once known (waits for the work before
+     * it). KILN_ERR_RANGE when the logits hold a NaN. */
+    kiln_status (*sample)(kiln_backend *be, const float *logits, int V, kiln_sampler *smp,
+                          const int32_t *hist, size_t n_hist, int32_t *id);
 } kiln_backend_i;
 
 struct kiln_backend {

@@ -17,8 +17,14 @@
 #include "cuda_internal.h"
 #include "cuda_attention_fast.h"
 #include "cuda_backward.h"
+#include "cuda_backward_fast.h"
 #include "cuda_gemm_fast.h"
 #include "cuda_matvec_fast.h"
+#include "cuda_sampling.h"
+
+extern "C" {
+#include "../../generate/sampler.h"
+}
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -41,6 +47,11 @@ typedef struct cuda_ctx {
     bool fast; /* fast arithmetic (docs/CUDA.md, "Fast mode") instead of auditable */
     kiln_cuda_gemm *gemm; /* fast mode: cuBLASLt state, made on first use */
     kiln_cuda_attn *attn; /* fast mode: split-key decode workspace, made on first use */
+    kiln_cuda_sampler *sampler; /* device sampling: made on first use for vocabulary sampler_V */
+    int sampler_V;
+    int32_t *hist;   /* device copy of the penalty window (cap_hist ids) and the token */
+    size_t cap_hist;
+    int32_t *h_token; /* pinned host: the sampled id */
 } cuda_ctx;
 
 static cuda_ctx *ctx_of(kiln_backend *be) { return (cuda_ctx *)be->ctx; }
@@ -302,6 +313,45 @@ static void cu_scale(kiln_backend *be, float *x, float s, size_t n) {
     after_launch(c, kiln_cuda_scale(c->stream, x, s, n), "scale");
 }
 
+/* ---- sampling ------------------------------------------------------------------------------ */
+
+static kiln_status cu_sample(kiln_backend *be, const float *logits, int V, kiln_sampler *smp,
+                             const int32_t *hist, size_t n_hist, int32_t *id) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return kiln_error(c->err, "%s", c->msg);
+    const kiln_sampler_params *p = kiln_sampler_get_params(smp);
+    /* the penalty window: the last repeat_last_n ids (all with -1); none when it is off */
+    size_t w = p->repeat_penalty == 1.0f ? 0 : n_hist;
+    if (p->repeat_last_n >= 0 && w > (size_t)p->repeat_last_n) w = (size_t)p->repeat_last_n;
+    if (!c->sampler || c->sampler_V < V) {
+        kiln_cuda_sampler_free(c->sampler);
+        c->sampler = NULL;
+        if (!CK(c, kiln_cuda_sampler_create(V, &c->sampler))) return c->err;
+        c->sampler_V = V;
+    }
+    if (!c->h_token && !CK(c, cudaMallocHost((void **)&c->h_token, sizeof(int32_t)))) return c->err;
+    if (w + 1 > c->cap_hist) {
+        size_t cap = w + 1 < 4096 ? 4096 : w + 1;
+        if (c->hist && !CK(c, cudaFree(c->hist))) return c->err;
+        c->hist = NULL;
+        c->cap_hist = 0;
+        if (!CK(c, cudaMalloc((void **)&c->hist, cap * sizeof(int32_t)))) return c->err;
+        c->cap_hist = cap;
+    }
+    if (w && !CK(c, cudaMemcpyAsync(c->hist + 1, hist + (n_hist - w), w * sizeof(int32_t),
+                                    cudaMemcpyHostToDevice, c->stream)))
+        return c->err;
+    *c->h_token = -1;
+    if (!CK(c, kiln_cuda_sample_next(c->sampler, c->stream, smp, logits, V, c->hist + 1, (int)w,
+                                     c->hist, c->h_token)) ||
+        !CK(c, cudaStreamSynchronize(c->stream)))
+        return c->err;
+    if (*c->h_token < 0 || *c->h_token >= V)
+        return kiln_error(KILN_ERR_RANGE, "sampler: the logits hold a NaN (device sampling)");
+    *id = *c->h_token;
+    return KILN_OK;
+}
+
 /* ---- decode graphs ------------------------------------------------------------------------- */
 
 static void cu_kv_store(kiln_backend *be, float *k_cache, float *v_cache, const float *k_row,
@@ -398,6 +448,16 @@ static void cu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *db
     size_t rb = row_bytes_of(W->dtype, C);
     const uint8_t *w = weight_dev(c, W->data, (size_t)R * rb, W->name);
     if (!w) return;
+    if (c->fast) { /* dx and dW on bf16 tensor cores (cuda_backward_fast.h); dbias exact */
+        if (!c->gemm && !CK(c, kiln_cuda_gemm_create(c->device, &c->gemm))) return;
+        cudaError_t e = kiln_cuda_matmul_backward_fast(c->gemm, c->stream, dx, dW, dbias, dy, x, w,
+                                                       rb, W->dtype, R, C, N, accumulate_dx);
+        if (e != cudaSuccess)
+            poison(c, KILN_ERR_INTERNAL, "matmul_backward (fast) '%s' %lld x %lld, %d tokens: %s (%s)",
+                   W->name ? W->name : "?", (long long)R, (long long)C, N,
+                   kiln_cuda_gemm_error(c->gemm), cudaGetErrorName(e));
+        return;
+    }
     after_launch(c, kiln_cuda_matmul_backward(c->stream, dx, dW, dbias, dy, x, w, rb, W->dtype,
                                               R, C, N, accumulate_dx),
                  "matmul_backward");
@@ -534,6 +594,9 @@ static void cu_free(kiln_backend *be) {
         kiln_free(c->weights);
         if (c->ints) cudaFree(c->ints);
         kiln_cuda_gemm_free(c->gemm);
+        kiln_cuda_sampler_free(c->sampler);
+        if (c->hist) cudaFree(c->hist);
+        if (c->h_token) cudaFreeHost(c->h_token);
         kiln_cuda_attn_free(c->attn);
         if (c->stream) cudaStreamDestroy(c->stream);
         kiln_free(c);
@@ -571,6 +634,7 @@ static const kiln_backend_i cuda_iface = {
     /* .graph_free = */ cu_graph_free,
     /* .zero = */ cu_zero,
     /* .scale = */ cu_scale,
+    /* .sample = */ cu_sample,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {
