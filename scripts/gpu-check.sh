@@ -175,7 +175,8 @@ san=()
 if has sanitizer && command -v compute-sanitizer >/dev/null; then
     for spec in "memcheck test_cuda_ops 5" "racecheck test_cuda_ops 6" \
                 "memcheck test_cuda_backward 5" "racecheck test_cuda_backward 6" \
-                "memcheck test_cuda_model $vocab --no-big" "memcheck test_cuda_train $vocab --small"; do
+                "memcheck test_cuda_fast_matvec" "racecheck test_cuda_fast_attention" \
+                "memcheck test_cuda_model $vocab --no-big"; do
         set -- $spec
         tool=$1 bin=$2
         shift 2
