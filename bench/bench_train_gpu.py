@@ -9,17 +9,17 @@ HOW TO RUN (on the GPU machine: python3 with torch and transformers; kiln built 
 
   scripts/gpu-train-bench.sh build-gpu            # everything, about 7-8 minutes on an H200
   python3 bench/bench_train_gpu.py --bin DIR [--parts train,ce,memory] [--models 135m,0.5b]
-      [--seqs 2048,1024] [--batches 16,8] [--steps 3] [--budget 420] [--no-compile]
+      [--seqs 2048,1024] [--batches 16,8] [--steps 3] [--budget 450] [--no-compile]
       [--json OUT.json] [--device cuda|cpu] [--quick]
 
   DIR holds libkiln.so (the Python binding python/kiln loads it through $KILN_LIB, set here)
   and, for the fused-loss part, the program bench_cuda_fused_ce (tests/gpu/, built with the
   GPU tests; gpu-train-bench.sh builds it when DIR is a CMake build folder).
-  --budget S (default 420): seconds for the whole run. Pieces that would not fit are
+  --budget S (default 450): seconds for the whole run. Pieces that would not fit are
   measured with fewer steps or skipped, and say so in their notes. Order: the training part
   (PyTorch eager, kiln fast, kiln auditable per configuration), then torch.compile (a child
   process per model, killed when its share of the budget less --reserve-after (120) seconds
-  is spent: "failed: timed out ..."), then the memory part, then the fused loss.
+  is spent: "failed: timed out ..."), then the fused loss, then the memory part.
   --device cpu --quick: the CPU smoke mode (two tiny models, sequences 64 and 32, batch 2,
   kiln on the CPU, torch on the CPU, no torch.compile): every part's logic runs end to end on
   a machine without a GPU; its figures mean nothing.
@@ -634,10 +634,12 @@ def parse_ce_lines(text):
         d = {}
         for kv in line.split()[1:]:
             k, _, v = kv.partition("=")
-            try:
-                d[k] = float(v) if ("." in v or "e" in v) else int(v)
-            except ValueError:
-                d[k] = v
+            for conv in (int, float, str):  # "nan" / "inf" become floats, words stay strings
+                try:
+                    d[k] = conv(v)
+                    break
+                except ValueError:
+                    pass
         out.append(d)
     return out
 
@@ -695,7 +697,7 @@ def part_ce(args, ce_rows, res):
         cmd = [exe, "--N", str(N), "--H", str(H), "--V", str(V), "--reps", str(args.ce_reps)]
         log("kiln fused CE: " + " ".join(cmd))
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(args.time_left(), 30))
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(args.time_left(), 45))
             text = p.stdout + p.stderr
             log(text.strip()[-3000:])
             found = parse_ce_lines(p.stdout)
@@ -866,7 +868,7 @@ def print_tables(args, info, R, rows, ce_rows, mem_rows, summary, total):
     log("")
     log(f"==== bench_train_gpu: {info.get('gpu', args.device)}, kiln {info['kiln_commit']}, "
         f"torch {torch.__version__}, transformers {info['transformers']}; {total:.0f} s; "
-        f"bf16 matmul {R / 1e12:.1f} TFLOP/s (8192^3, the MFU denominator)")
+        f"bf16 matmul {R / 1e12:.1f} TFLOP/s ({info['matmul_n']}^3, the MFU denominator)")
     if rows:
         log("\n-- training (step = B sequences x T tokens: fwd + loss + bwd + clip + AdamW); "
             "MFU = tok/s x (6N + 6LCT) / bf16 matmul rate; memory in GiB")
@@ -938,7 +940,7 @@ def main():
     ap.add_argument("--reserve-after", type=float, default=120.0,
                     help="seconds the models' torch.compile (run after the training part) "
                          "leaves for the fused-loss and memory parts")
-    ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run")
+    ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-compile", dest="compile", action="store_false", default=None,
                     help="no torch.compile rows (the default in --quick and --device cpu)")
@@ -1012,7 +1014,7 @@ def main():
     R = 2 * n ** 3 / dev_time(args.device, lambda: a @ b, 10, warm=3)
     del a, b
     cleanup(args.device)
-    info["matmul_bf16_TFLOPs"] = R / 1e12
+    info["matmul_bf16_TFLOPs"], info["matmul_n"] = R / 1e12, n
     log(f"bf16 matmul {n}^3: {R / 1e12:.1f} TFLOP/s")
 
     rows, ce_rows, mem_rows, res = [], [], [], {}
@@ -1039,14 +1041,14 @@ def main():
         # torch.compile next (it decides the issue's comparison), keeping --reserve-after
         # seconds for the fused-loss and memory parts that follow
         guarded("compile", lambda: part_compile(args, R, rows, res, folders))
+    if "ce" in args.parts:
+        guarded("ce", lambda: part_ce(args, ce_rows, res))
     if "memory" in args.parts:
         def mem():
             if args.mem_model not in folders:
                 folders[args.mem_model] = make_model(args.mem_model, args.work, args.device)
             part_memory(args, mem_rows, res, folders[args.mem_model])
         guarded("memory", mem)
-    if "ce" in args.parts:
-        guarded("ce", lambda: part_ce(args, ce_rows, res))
     summary = add_ratios(rows)
     res["summary"] = summary
     dump()

@@ -15,7 +15,7 @@
 #       `scripts/gpu-bench.sh prepare`). DIR's unpacked .deb dependencies
 #       (DIR/deps/usr/lib/x86_64-linux-gnu) go on LD_LIBRARY_PATH when present. The log and
 #       the JSON go to $OUT (or DIR). Options, e.g.: --parts train,ce,memory --models 135m,0.5b
-#       --seqs 2048,1024 --budget 420 --no-compile (python3 bench/bench_train_gpu.py --help).
+#       --seqs 2048,1024 --budget 450 --no-compile (python3 bench/bench_train_gpu.py --help).
 # Smoke test without a GPU (a CPU-only or CUDA-without-GPU build of libkiln.so in build-tbench):
 #   PYTHON=~/.cache/kiln-venv/bin/python scripts/gpu-train-bench.sh build-tbench --device cpu --quick
 set -uo pipefail
