@@ -11,6 +11,9 @@
  * Times: CUDA events around R back-to-back calls, the median of 5 such runs, per call (the
  * auditable prefill at N = 4096: one call).
  * Inputs are random in [-2, 2], generated on the device.
+ * Also, for Qwen at ctx 512: the decode's launch (grid, block, dynamic shared memory), the SM
+ * clock, and the per-call time of an empty kernel of the same launch, of decode_dev whose
+ * blocks all return at once, and of the real decode_dev (where a fixed cost goes).
  * Usage: bench_cuda_fast_attention [--quick]   (--quick: prefill 512, decode 512 and 4096)
  */
 #include "ops/cuda/cuda_attention_fast.h"
@@ -46,6 +49,26 @@ static __global__ void fill_kernel(float *x, size_t n, uint64_t seed) {
 static void fill(float *x, size_t n, uint64_t seed) {
     fill_kernel<<<2048, 256>>>(x, n, seed);
     CUDA_OK(cudaGetLastError());
+}
+
+/* An empty kernel: the launch floor of a grid like the decode's (same grid, block and dynamic
+ * shared memory). */
+static __global__ void empty_kernel(int *sink) {
+    extern __shared__ float empty_sm[];
+    if (sink && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0)
+        *sink = (int)empty_sm[0] * 0; /* never runs with sink NULL: keeps the smem declared */
+}
+
+/* SM clock: one thread spins `cycles` clock64 cycles and reports how many nanoseconds of
+ * %globaltimer went by (MHz = cycles * 1000 / ns). */
+static __global__ void clock_kernel(long long cycles, unsigned long long *ns) {
+    unsigned long long t0, t1;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    const long long c0 = clock64();
+    while (clock64() - c0 < cycles) {
+    }
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+    *ns = t1 - t0;
 }
 
 struct model_shape { const char *name; int NH, KVH, HS; };
@@ -126,6 +149,83 @@ int main(int argc, char **argv) {
             CUDA_OK(cudaFree(k));
             CUDA_OK(cudaFree(v));
         }
+
+    /* the decode's launch and where its fixed cost goes, at the smallest shape (Qwen, ctx 512):
+     * SM clock, an empty kernel of the same grid, decode_dev where every block returns at once
+     * (d_n_past = -1: NaN outputs), and the real decode_dev, each as 24 calls in a graph */
+    {
+        const model_shape &m = shapes[0];
+        const int ctx = 512;
+        kiln_cuda_attn_launch li;
+        CUDA_OK(kiln_cuda_attn_decode_launch_info(1, 1, m.NH, m.KVH, m.HS, ctx, &li));
+        printf("\ndecode launch, %s ctx %d: grid (%u, %u, %u) = %u blocks of %u threads, dynamic "
+               "smem %zu B, %s\n", m.name, ctx, li.grid[0], li.grid[1], li.grid[2],
+               li.grid[0] * li.grid[1] * li.grid[2], li.block, li.smem,
+               li.combine ? "+ combine kernel" : "combine fused");
+        unsigned long long *dns;
+        CUDA_OK(cudaMalloc(&dns, sizeof *dns));
+        const long long cyc = 20000000; /* ~10 ms at 2 GHz */
+        clock_kernel<<<1, 1, 0, g_s>>>(cyc, dns); /* warm-up */
+        CUDA_OK(cudaGetLastError());
+        clock_kernel<<<1, 1, 0, g_s>>>(cyc, dns);
+        CUDA_OK(cudaGetLastError());
+        unsigned long long ns = 0;
+        CUDA_OK(cudaMemcpyAsync(&ns, dns, sizeof ns, cudaMemcpyDeviceToHost, g_s));
+        CUDA_OK(cudaStreamSynchronize(g_s));
+        CUDA_OK(cudaFree(dns));
+        printf("SM clock (clock64 vs globaltimer): %.0f MHz\n",
+               ns ? (double)cyc * 1e3 / (double)ns : 0.0);
+
+        const size_t nq = (size_t)m.NH * m.HS, nkv = (size_t)ctx * m.KVH * m.HS;
+        float *q, *out, *kv;
+        int32_t *pos;
+        CUDA_OK(cudaMalloc(&q, nq * 4));
+        CUDA_OK(cudaMalloc(&out, nq * 4));
+        CUDA_OK(cudaMalloc(&kv, 2 * nkv * GRAPH_LAYERS * 4));
+        CUDA_OK(cudaMalloc(&pos, 2 * sizeof(int32_t)));
+        fill(q, nq, 6);
+        fill(kv, 2 * nkv * GRAPH_LAYERS, 7);
+        const int32_t hpos[2] = {ctx - 1, -1}; /* pos: real; pos + 1: every block exits */
+        CUDA_OK(cudaMemcpy(pos, hpos, sizeof hpos, cudaMemcpyHostToDevice));
+        const float scale = 1.0f / sqrtf((float)m.HS);
+        CUDA_OK(kiln_cuda_attn_reserve(a, 1, 1, m.NH, m.HS, ctx));
+        CUDA_OK(cudaFuncSetAttribute(empty_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)li.smem));
+        CUDA_OK(cudaStreamSynchronize(g_s));
+        const char *what[3] = {"empty kernel, same grid/block/smem", "decode_dev, every block "
+                               "exits (n_past -1)", "decode_dev, n_past ctx-1"};
+        for (int w = 0; w < 3; w++) {
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            CUDA_OK(cudaStreamBeginCapture(g_s, cudaStreamCaptureModeThreadLocal));
+            cudaError_t ce = cudaSuccess;
+            for (int l = 0; l < GRAPH_LAYERS && ce == cudaSuccess; l++) {
+                const float *kl = kv + (size_t)l * 2 * nkv;
+                if (w == 0) {
+                    empty_kernel<<<dim3(li.grid[0], li.grid[1], li.grid[2]), li.block, li.smem,
+                                   g_s>>>(NULL);
+                    ce = cudaGetLastError();
+                } else {
+                    ce = kiln_cuda_attention_decode_dev(a, g_s, out, q, kl, kl + nkv, 1, 0,
+                                                        w == 1 ? pos + 1 : pos, ctx, m.NH,
+                                                        m.KVH, m.HS, scale);
+                }
+            }
+            CUDA_OK(cudaStreamEndCapture(g_s, &graph));
+            CUDA_OK(ce);
+            CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+            const double tg = time_ms(quick ? 5 : 20, 5, true, [&](int) {
+                CUDA_OK(cudaGraphLaunch(exec, g_s));
+            }) / GRAPH_LAYERS;
+            printf("  %-40s %8.1f us per call (graph of %d)\n", what[w], tg * 1e3, GRAPH_LAYERS);
+            CUDA_OK(cudaGraphExecDestroy(exec));
+            CUDA_OK(cudaGraphDestroy(graph));
+        }
+        CUDA_OK(cudaFree(q));
+        CUDA_OK(cudaFree(out));
+        CUDA_OK(cudaFree(kv));
+        CUDA_OK(cudaFree(pos));
+    }
 
     printf("\ndecode (N 1, n_past ctx-1): time per call, GB/s of KV read = 8*ctx*KVH*HS / t\n");
     printf("%-14s %6s %7s %6s | %10s %8s | %12s %8s | %7s\n", "shape", "ctx", "KV MB", "copies",

@@ -155,6 +155,29 @@ static void host_checks(void) {
     EXPECT(kiln_cuda_attention_decode_dev(NULL, 0, &dummy, &dummy, &dummy, &dummy, 0, 0, NULL,
                                           1, 4, 2, 64, 1.0f) == cudaSuccess, "B = 0 is a no-op");
     EXPECT(kiln_cuda_attn_reserve(NULL, 1, 1, 4, 64, 10) == cudaErrorInvalidValue, "reserve NULL");
+
+    /* the decode's launch: grid sized by the keys (x = KVH * chunks of 16 rows, y = 64-key
+     * splits, z = B), 256 threads, shared memory of q, K, V, p and the combine's staging */
+    kiln_cuda_attn_launch li;
+    EXPECT(kiln_cuda_attn_decode_launch_info(1, 1, 14, 2, 64, 512, &li) == cudaSuccess &&
+               li.grid[0] == 2 && li.grid[1] == 8 && li.grid[2] == 1 && li.block == 256 &&
+               li.smem == 4 * (16 * 64 + 64 * 68 + 64 * 64 + 16 * 64 + 2 * 16 * 64 + 4 * 16) &&
+               li.combine == 0,
+           "launch Qwen ctx 512: grid (%u, %u, %u) block %u smem %zu combine %d", li.grid[0],
+           li.grid[1], li.grid[2], li.block, li.smem, li.combine);
+    EXPECT(kiln_cuda_attn_decode_launch_info(3, 1, 24, 8, 128, 4097, &li) == cudaSuccess &&
+               li.grid[0] == 8 && li.grid[1] == 65 && li.grid[2] == 3 && li.combine == 1,
+           "launch Llama max_T 4097 B 3: grid (%u, %u, %u) combine %d", li.grid[0], li.grid[1],
+           li.grid[2], li.combine);
+    EXPECT(kiln_cuda_attn_decode_launch_info(1, 8, 16, 1, 64, 4096, &li) == cudaSuccess &&
+               li.grid[0] == 8 && li.grid[1] == 64 && li.combine == 0,
+           "launch N 8 G 16: grid x %u y %u combine %d", li.grid[0], li.grid[1], li.combine);
+    EXPECT(kiln_cuda_attn_decode_launch_info(1, 1, 6, 4, 64, 10, &li) == cudaErrorInvalidValue &&
+               kiln_cuda_attn_decode_launch_info(1, 1, 4, 2, 64, 0, &li) ==
+                   cudaErrorInvalidValue &&
+               kiln_cuda_attn_decode_launch_info(1, 1, 4, 2, 64, 10, NULL) ==
+                   cudaErrorInvalidValue,
+           "launch info rejects bad shapes");
 }
 
 /* ---- GPU cases ---------------------------------------------------------------------------- */

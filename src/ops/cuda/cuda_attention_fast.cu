@@ -248,9 +248,9 @@ static __device__ __forceinline__ void dec_row(int rr, int G, int kvh, int *n, i
  * s, blockIdx.z = sequence b) takes rows r0 .. r0 + nr - 1 of the chunk (16 at most) and keys
  * kb = s * SPLIT .. kb + nk - 1, the split's keys that some row of the chunk sees (none: the
  * block returns at once). Per block:
- *   1. K and V of the split go to shared memory by cp.async (K first, its own group, so the
- *      scores start while V is still arriving; 16-byte copies when VEC, else 4-byte ones),
- *      keys past nk as zeros; q rows by plain loads.
+ *   1. q rows, K and V of the split go to shared memory by cp.async (q and K first, their
+ *      own group, so the scores start while V is still arriving; K, V by 16-byte copies when
+ *      VEC, else 4-byte ones; q by 4-byte ones), keys past nk as zeros.
  *   2. Scores: thread (key j = tid % 64, row group tid / 64) takes rows of its group; per row
  *      four fmaf chains over d = 4c + i (c increasing; chain i takes component i), dot =
  *      (c0 + c1) + (c2 + c3), score = dot * scale, -inf when key > n_past + n.
@@ -323,6 +323,20 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
     const int64_t kv0 = (int64_t)b * (int64_t)kv_seq_stride + (int64_t)kvh * HS +
                         (int64_t)kb * kvstride;
     const float *kbase = k + kv0, *vbase = v + kv0;
+    /* q rows by 4-byte cp.async, in K's group (they were plain loads in a loop of 4-16
+     * trips, each trip waiting for its load before the next could issue: a serial chain of
+     * global round trips in every thread; now all copies are in flight at once); rows past
+     * nr and columns HS .. hs4 - 1 are zeros */
+    for (int e = tid; e < DEC_ROWS * hs4; e += DEC_THREADS) {
+        const int r = e / hs4, d = e - r * hs4;
+        if (r < nr && d < HS) {
+            int n, h;
+            dec_row(r0 + r, G, kvh, &n, &h);
+            __pipeline_memcpy_async(sQ + e, q + ((out_b + n) * NH + h) * HS + d, 4);
+        } else {
+            sQ[e] = 0.0f;
+        }
+    }
     if (VEC) { /* HS % 4 == 0 (so hs4 == HS) and every row start 16-byte aligned */
         const int c4 = HS / 4;
         for (int e = tid; e < S * c4; e += DEC_THREADS) {
@@ -363,18 +377,8 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
         }
         __pipeline_commit();
     }
-    for (int e = tid; e < DEC_ROWS * hs4; e += DEC_THREADS) {
-        const int r = e / hs4, d = e - r * hs4;
-        float x = 0.0f;
-        if (r < nr && d < HS) {
-            int n, h;
-            dec_row(r0 + r, G, kvh, &n, &h);
-            x = q[((out_b + n) * NH + h) * HS + d];
-        }
-        sQ[e] = x;
-    }
-    __pipeline_wait_prior(1); /* this thread's K copies have landed */
-    __syncthreads();          /* everyone's K copies and sQ */
+    __pipeline_wait_prior(1); /* this thread's q and K copies have landed (V may not have) */
+    __syncthreads();          /* everyone's q and K copies, and the zeros */
 
     /* 2. scores */
     {
@@ -440,11 +444,16 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
         pofs[i] = r * S;
         vofs[i] = e < ne ? e - r * HS : 0;
     }
+    /* DEC_ACC (16) is sized for 16 rows of HS 256; a decode chunk of 7 rows of HS 64 has
+     * na = 2, so stop at na rather than issue 16 predicated (load, load, fmaf) per key */
+    const int na = (ne + DEC_THREADS - 1) / DEC_THREADS; /* block-uniform */
     for (int j = 0; j < nk; j++) {
         const float *pj = sP + j, *vj = sV + j * HS;
 #pragma unroll
-        for (int i = 0; i < DEC_ACC; i++)
+        for (int i = 0; i < DEC_ACC; i++) {
+            if (i >= na) break;
             if (tid + i * DEC_THREADS < ne) acc[i] = fmaf(pj[pofs[i]], vj[vofs[i]], acc[i]);
+        }
     }
 
     /* 5. output */
@@ -480,20 +489,26 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
     }
     if (!fuse) return;
 
-    /* the last of the group's nsg blocks to arrive combines ("threadFenceReduction" of the
-     * CUDA samples): every thread's partial writes are made visible device-wide before the
-     * barrier, and thread 0 counts the block in only after the barrier */
-    __threadfence();
+    /* the last of the group's nsg blocks to arrive combines (the arrival pattern of
+     * cooperative groups' grid barrier): the barrier orders every thread's partial writes
+     * before thread 0's fence (cumulative, device scope), which orders them before its
+     * arrival; the last arriver's thread 0 fences after seeing the count, and the barrier
+     * orders that before every thread's reads. One fence per block instead of one per
+     * thread (256 fences, each waiting for its warp's stores to be acknowledged). */
     __syncthreads();
     unsigned *cnt = ws_cnt + (int64_t)b * gridDim.x + blockIdx.x;
     if (tid == 0) {
+        __threadfence();
         const unsigned old = atomicAdd(cnt, 1u);
-        s_last = old == (unsigned)(nsg - 1);
+        const int last = old == (unsigned)(nsg - 1);
+        if (last) {
+            __threadfence(); /* the other blocks' partials, seen through the count, read after */
+            atomicExch(cnt, 0u); /* all nsg blocks have counted: ready for the next call */
+        }
+        s_last = last;
     }
     __syncthreads();
     if (!s_last) return; /* block-uniform */
-    __threadfence(); /* the other blocks' partials, seen through the counter, are read after */
-    if (tid == 0) atomicExch(cnt, 0u); /* all nsg blocks have counted: ready for the next call */
 
     /* the combine (definition above), partials read through L2 (__ldcg: written by other
      * SMs during this kernel) */
@@ -957,6 +972,24 @@ static unsigned split_grid_x(int N, int NH, int KVH) {
     return R > INT_MAX || x > INT_MAX ? 0u : (unsigned)x;
 }
 
+cudaError_t kiln_cuda_attn_decode_launch_info(int B, int N, int NH, int KVH, int HS, int max_T,
+                                              kiln_cuda_attn_launch *info) {
+    if (!info) return cudaErrorInvalidValue;
+    memset(info, 0, sizeof *info);
+    if (B <= 0 || N <= 0 || max_T <= 0 || !shape_ok(NH, KVH, HS)) return cudaErrorInvalidValue;
+    const int64_t nsplit = ((int64_t)max_T + KILN_ATTN_SPLIT - 1) / KILN_ATTN_SPLIT;
+    const unsigned gx = split_grid_x(N, NH, KVH);
+    if (gx == 0 || nsplit > 65535 || B > 65535 || (int64_t)N * NH > INT_MAX)
+        return cudaErrorInvalidConfiguration;
+    info->grid[0] = gx;
+    info->grid[1] = (unsigned)nsplit;
+    info->grid[2] = (unsigned)B;
+    info->block = DEC_THREADS;
+    info->smem = dec_smem(HS);
+    info->combine = nsplit > DEC_FUSE_MAX ? 1 : 0;
+    return cudaSuccess;
+}
+
 /* The split decode of B sequences x N tokens: decode_kernel, then combine_kernel when the
  * grid has more than DEC_FUSE_MAX splits (else decode_kernel combines: one launch). Which
  * way it goes depends on max_T, never the bits (see the combine's definition). */
@@ -965,10 +998,11 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
                                        int N, int n_past_host, const int32_t *d_n_past,
                                        size_t kv_seq_stride, int max_T, int NH, int KVH, int HS,
                                        float scale) {
-    const int64_t nsplit = ((int64_t)max_T + KILN_ATTN_SPLIT - 1) / KILN_ATTN_SPLIT;
-    const unsigned gx = split_grid_x(N, NH, KVH);
-    if (gx == 0 || nsplit > 65535 || B > 65535 || (int64_t)N * NH > INT_MAX)
-        return cudaErrorInvalidConfiguration;
+    kiln_cuda_attn_launch li;
+    cudaError_t le = kiln_cuda_attn_decode_launch_info(B, N, NH, KVH, HS, max_T, &li);
+    if (le != cudaSuccess) return le;
+    const int64_t nsplit = li.grid[1];
+    const unsigned gx = li.grid[0];
     const size_t need = ws_floats(B, N, NH, HS, max_T);
     if (need == 0 || need > a->cap || !a->cnt || (uint64_t)B * gx > (uint64_t)a->cnt_cap)
         return cudaErrorInvalidValue;
@@ -978,14 +1012,14 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
      * depend on it: it only changes how the tiles are copied) */
     const bool vec = HS % 4 == 0 && (((uintptr_t)k | (uintptr_t)v) & 15) == 0 &&
                      (B == 1 || kv_seq_stride % 4 == 0);
-    const int fuse = nsplit <= DEC_FUSE_MAX ? 1 : 0;
-    const dim3 grid(gx, (unsigned)nsplit, (unsigned)B);
+    const int fuse = li.combine ? 0 : 1;
+    const dim3 grid(li.grid[0], li.grid[1], li.grid[2]);
     if (vec)
-        decode_kernel<true><<<grid, DEC_THREADS, dec_smem(HS), s>>>(
+        decode_kernel<true><<<grid, DEC_THREADS, li.smem, s>>>(
             out, ws_acc, ws_ml, a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, NH,
             KVH, HS, scale, (int)nsplit, max_T, fuse);
     else
-        decode_kernel<false><<<grid, DEC_THREADS, dec_smem(HS), s>>>(
+        decode_kernel<false><<<grid, DEC_THREADS, li.smem, s>>>(
             out, ws_acc, ws_ml, a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, NH,
             KVH, HS, scale, (int)nsplit, max_T, fuse);
     cudaError_t e = cudaGetLastError();

@@ -85,4 +85,19 @@ cudaError_t kiln_cuda_attention_decode_dev(kiln_cuda_attn *a, cudaStream_t s, fl
                                            int B, size_t kv_seq_stride, const int32_t *d_n_past,
                                            int max_T, int NH, int KVH, int HS, float scale);
 
+/* The launch of the split decode for B sequences x N tokens over max_T keys, as
+ * kiln_cuda_attention_fast (B = 1, max_T = n_past + N) and decode_dev (N = 1) make it: grid
+ * (x = KVH * chunks of 16 rows, y = splits, z = B), threads per block, dynamic shared memory
+ * in bytes, and whether a combine kernel follows (more than 64 splits). Host only, for
+ * benchmarks and diagnostics; the launchers use it, so it cannot drift from them.
+ * cudaErrorInvalidValue / cudaErrorInvalidConfiguration as the launch would return. */
+typedef struct kiln_cuda_attn_launch {
+    unsigned grid[3];
+    unsigned block;
+    size_t smem;
+    int combine;
+} kiln_cuda_attn_launch;
+cudaError_t kiln_cuda_attn_decode_launch_info(int B, int N, int NH, int KVH, int HS, int max_T,
+                                              kiln_cuda_attn_launch *info);
+
 #endif /* KILN_CUDA_ATTENTION_FAST_H */
