@@ -122,7 +122,7 @@ static kiln_status decode_step_graph(kiln_context *c, int32_t id, float *logits,
     if (!c->graph || c->graph_logits != c->fs.logits) {
         if (c->graph) be->i->graph_free(be, c->graph);
         c->graph = NULL;
-        st = be->i->graph_begin(be, cfg->n_head, cfg->head_dim, c->fs.n_ctx);
+        st = be->i->graph_begin(be, 1, cfg->n_head, cfg->head_dim, c->fs.n_ctx);
         if (st != KILN_OK) return st;
         kiln_model_forward_step(c->model, be, &c->fs, c->fs.logits);
         st = be->i->graph_end(be, &c->graph);

@@ -249,9 +249,9 @@ static void forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *f
         op->rope(be, fs->q, pos, N, NH, HS, fs->rope_cos, fs->rope_sin);
         op->rope(be, k_new, pos, N, KVH, HS, fs->rope_cos, fs->rope_sin);
         if (step) {
-            op->kv_store(be, k_layer, v_layer, k_new, v_new, pos, KD);
-            op->attention_at(be, fs->att, fs->q, k_layer, v_layer, pos, fs->n_ctx, NH, KVH, HS,
-                             scale);
+            op->kv_store(be, k_layer, v_layer, k_new, v_new, pos, 1, 0, KD);
+            op->attention_at(be, fs->att, fs->q, k_layer, v_layer, pos, 1, 0, fs->n_ctx, NH, KVH,
+                             HS, scale);
         } else {
             op->attention(be, fs->att, fs->q, k_layer, v_layer, N, n_past, NH, KVH, HS, scale);
         }

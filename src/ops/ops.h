@@ -139,21 +139,27 @@ typedef struct kiln_backend_i {
      * step (one token) recorded once and replayed for every later token: the ops that depend
      * on the position read it from backend memory, so the recorded launches never change. ---- */
 
-    /* k_cache and v_cache row *pos (pos: backend memory) = k_row / v_row (row_floats each). */
-    void (*kv_store)(kiln_backend *be, float *k_cache, float *v_cache, const float *k_row,
-                     const float *v_row, const int32_t *pos, size_t row_floats);
-    /* attention for one query token at position *pos (backend memory) over keys 0..*pos: the
-     * bits of attention(N = 1, n_past = *pos); max_T >= *pos + 1 bounds every replay. */
+    /* B sequences, one new token each; sequence b's cache starts seq_stride floats after
+     * sequence b-1's, and pos[b] (backend memory) is its token's position.
+     * kv_store: row pos[b] of sequence b's k_cache / v_cache = row b of k_rows / v_rows
+     * (row_floats each). */
+    void (*kv_store)(kiln_backend *be, float *k_cache, float *v_cache, const float *k_rows,
+                     const float *v_rows, const int32_t *pos, int B, size_t seq_stride,
+                     size_t row_floats);
+    /* attention of query row b (q, out: (B, NH, HS)) over keys 0..pos[b] of sequence b's
+     * cache: for each b the bits of attention(N = 1, n_past = pos[b]) on that cache; max_T >=
+     * pos[b] + 1 bounds every replay. */
     void (*attention_at)(kiln_backend *be, float *out, const float *q, const float *k,
-                         const float *v, const int32_t *pos, int max_T, int NH, int KVH, int HS,
-                         float scale);
+                         const float *v, const int32_t *pos, int B, size_t seq_stride, int max_T,
+                         int NH, int KVH, int HS, float scale);
     /* Record the ops submitted between graph_begin and graph_end (nothing runs meanwhile; no
      * op may allocate or synchronise: weights must already be on the device) into *graph;
      * graph_launch replays it in order with later work; graph_free releases it. graph_begin
-     * gets the attention shape so that workspaces are sized before recording. An op that
+     * gets the batch (B sequences) and attention shape so that workspaces are sized before
+     * recording. An op that
      * fails while recording poisons the backend as usual; graph_end then ends the recording
      * and returns that error with no graph. */
-    kiln_status (*graph_begin)(kiln_backend *be, int NH, int HS, int max_T);
+    kiln_status (*graph_begin)(kiln_backend *be, int B, int NH, int HS, int max_T);
     kiln_status (*graph_end)(kiln_backend *be, void **graph);
     kiln_status (*graph_launch)(kiln_backend *be, void *graph);
     void (*graph_free)(kiln_backend *be, void *graph);

@@ -354,17 +354,19 @@ static kiln_status cu_sample(kiln_backend *be, const float *logits, int V, kiln_
 
 /* ---- decode graphs ------------------------------------------------------------------------- */
 
-static void cu_kv_store(kiln_backend *be, float *k_cache, float *v_cache, const float *k_row,
-                        const float *v_row, const int32_t *pos, size_t row_floats) {
+static void cu_kv_store(kiln_backend *be, float *k_cache, float *v_cache, const float *k_rows,
+                        const float *v_rows, const int32_t *pos, int B, size_t seq_stride,
+                        size_t row_floats) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
-    after_launch(c, kiln_cuda_kv_store(c->stream, k_cache, v_cache, k_row, v_row, pos, row_floats),
+    after_launch(c, kiln_cuda_kv_store(c->stream, k_cache, v_cache, k_rows, v_rows, pos, B,
+                                       seq_stride, row_floats),
                  "kv_store");
 }
 
 static void cu_attention_at(kiln_backend *be, float *out, const float *q, const float *k,
-                            const float *v, const int32_t *pos, int max_T, int NH, int KVH,
-                            int HS, float scale) {
+                            const float *v, const int32_t *pos, int B, size_t seq_stride,
+                            int max_T, int NH, int KVH, int HS, float scale) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
     if (!c->fast) {
@@ -372,7 +374,8 @@ static void cu_attention_at(kiln_backend *be, float *out, const float *q, const 
             poison(c, KILN_ERR_UNSUPPORTED, "attention: head size %d > %d", HS, KILN_CUDA_MAX_HS);
             return;
         }
-        after_launch(c, kiln_cuda_attention_at(c->stream, out, q, k, v, pos, NH, KVH, HS, scale),
+        after_launch(c, kiln_cuda_attention_at(c->stream, out, q, k, v, pos, B, seq_stride, NH,
+                                               KVH, HS, scale),
                      "attention_at");
         return;
     }
@@ -380,17 +383,17 @@ static void cu_attention_at(kiln_backend *be, float *out, const float *q, const 
         if (!CK(c, kiln_cuda_attn_create(&c->attn))) return;
     }
     after_launch(c,
-                 kiln_cuda_attention_decode_dev(c->attn, c->stream, out, q, k, v, 1, 0, pos, max_T,
-                                                NH, KVH, HS, scale),
+                 kiln_cuda_attention_decode_dev(c->attn, c->stream, out, q, k, v, B, seq_stride,
+                                                pos, max_T, NH, KVH, HS, scale),
                  "attention_at (fast)");
 }
 
-static kiln_status cu_graph_begin(kiln_backend *be, int NH, int HS, int max_T) {
+static kiln_status cu_graph_begin(kiln_backend *be, int B, int NH, int HS, int max_T) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return kiln_error(c->err, "%s", c->msg);
     if (c->fast) { /* the split-key workspace, sized before recording (no allocation inside) */
         if (!c->attn && !CK(c, kiln_cuda_attn_create(&c->attn))) return c->err;
-        if (!CK(c, kiln_cuda_attn_reserve(c->attn, 1, 1, NH, HS, max_T))) return c->err;
+        if (!CK(c, kiln_cuda_attn_reserve(c->attn, B, 1, NH, HS, max_T))) return c->err;
     }
     if (!CK(c, cudaStreamSynchronize(c->stream)) ||
         !CK(c, cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal)))

@@ -37,14 +37,17 @@ cudaError_t kiln_cuda_rope(cudaStream_t s, float *x, const int32_t *pos, int N, 
 cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, const float *k,
                                 const float *v, int N, int n_past, int NH, int KVH, int HS,
                                 float scale);
-/* attention for one query token at position *d_n_past (device memory): the bits of
- * kiln_cuda_attention with N = 1 and that n_past (decode graphs). */
+/* B sequences (caches seq_stride floats apart), one query each at position d_n_past[b]
+ * (device memory): for each b the bits of kiln_cuda_attention with N = 1 and that n_past on
+ * sequence b's cache (decode graphs, batched decode). */
 cudaError_t kiln_cuda_attention_at(cudaStream_t s, float *out, const float *q, const float *k,
-                                   const float *v, const int32_t *d_n_past, int NH, int KVH,
-                                   int HS, float scale);
-/* k_cache/v_cache row *d_pos (device) = k_row/v_row, row_floats each. */
-cudaError_t kiln_cuda_kv_store(cudaStream_t s, float *k_cache, float *v_cache, const float *k_row,
-                               const float *v_row, const int32_t *d_pos, size_t row_floats);
+                                   const float *v, const int32_t *d_n_past, int B,
+                                   size_t seq_stride, int NH, int KVH, int HS, float scale);
+/* Sequence b's k_cache/v_cache row d_pos[b] (device) = row b of k_rows/v_rows (row_floats
+ * each); caches seq_stride floats apart. */
+cudaError_t kiln_cuda_kv_store(cudaStream_t s, float *k_cache, float *v_cache, const float *k_rows,
+                               const float *v_rows, const int32_t *d_pos, int B,
+                               size_t seq_stride, size_t row_floats);
 /* x[i] = x[i] * sc. */
 cudaError_t kiln_cuda_scale(cudaStream_t s, float *x, float sc, size_t n);
 cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, const float *up,

@@ -240,19 +240,26 @@ cudaError_t kiln_cuda_rope(cudaStream_t s, float *x, const int32_t *pos, int N, 
 static __global__ void __launch_bounds__(ATTN_THREADS)
 attention_kernel(float *__restrict__ out, const float *__restrict__ q,
                  const float *__restrict__ kc, const float *__restrict__ vc, int n_past,
-                 const int32_t *__restrict__ d_n_past, int NH, int KVH, int HS, float scale) {
-    if (d_n_past) n_past = *d_n_past; /* decode graphs: the position lives on the device */
+                 const int32_t *__restrict__ d_n_past, size_t seq_stride, int NH, int KVH,
+                 int HS, float scale) {
+    if (d_n_past) { /* decode graphs: block row i is sequence i, its position on the device */
+        const int b = (int)(blockIdx.x / (unsigned)NH);
+        n_past = d_n_past[b];
+        kc += (size_t)b * seq_stride;
+        vc += (size_t)b * seq_stride;
+    }
     extern __shared__ float sm[];
     float *qs = sm;             /* (HS) */
     float *acc = sm + HS;       /* (HS) */
     __shared__ float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK];
     __shared__ float sh_m_new, sh_alpha, sh_l;
-    const int i = blockIdx.x / NH, h = blockIdx.x % NH;
+    const int i = d_n_past ? 0 : blockIdx.x / NH, h = blockIdx.x % NH;
+    const int row = blockIdx.x / NH; /* q/out row: token i, or sequence b in decode graphs */
     const int kvh = h / (NH / KVH);
     const int64_t stride = (int64_t)KVH * HS;
     const int tid = threadIdx.x, lane = tid & 15, hw = tid >> 4;
     const unsigned mask = half_warp_mask();
-    const float *qrow = q + ((int64_t)i * NH + h) * HS;
+    const float *qrow = q + ((int64_t)row * NH + h) * HS;
     const float *kbase = kc + (int64_t)kvh * HS;
     const float *vbase = vc + (int64_t)kvh * HS;
     for (int d = tid; d < HS; d += ATTN_THREADS) {
@@ -298,7 +305,7 @@ attention_kernel(float *__restrict__ out, const float *__restrict__ q,
     }
     if (tid == 0) sh_l = l;
     __syncthreads();
-    float *o = out + ((int64_t)i * NH + h) * HS;
+    float *o = out + ((int64_t)row * NH + h) * HS;
     for (int d = tid; d < HS; d += ATTN_THREADS) o[d] = acc[d] / sh_l;
 }
 
@@ -309,39 +316,44 @@ cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, cons
     if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0) return cudaErrorInvalidValue;
     size_t smem = (size_t)2 * HS * sizeof(float);
     attention_kernel<<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
-        out, q, k, v, n_past, NULL, NH, KVH, HS, scale);
+        out, q, k, v, n_past, NULL, 0, NH, KVH, HS, scale);
     return cudaGetLastError();
 }
 
 cudaError_t kiln_cuda_attention_at(cudaStream_t s, float *out, const float *q, const float *k,
-                                   const float *v, const int32_t *d_n_past, int NH, int KVH,
-                                   int HS, float scale) {
-    if (NH <= 0 || HS <= 0) return cudaSuccess;
+                                   const float *v, const int32_t *d_n_past, int B,
+                                   size_t seq_stride, int NH, int KVH, int HS, float scale) {
+    if (NH <= 0 || HS <= 0 || B <= 0) return cudaSuccess;
     if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0 || !d_n_past)
         return cudaErrorInvalidValue;
     size_t smem = (size_t)2 * HS * sizeof(float);
-    attention_kernel<<<(unsigned)NH, ATTN_THREADS, smem, s>>>(out, q, k, v, 0, d_n_past, NH, KVH,
-                                                              HS, scale);
+    attention_kernel<<<(unsigned)((int64_t)B * NH), ATTN_THREADS, smem, s>>>(
+        out, q, k, v, 0, d_n_past, seq_stride, NH, KVH, HS, scale);
     return cudaGetLastError();
 }
 
-/* k_cache/v_cache row *pos = k_row/v_row: plain copies (no arithmetic). */
+/* Sequence b (blockIdx.y): its cache row pos[b] = row b of kr/vr: plain copies. */
 static __global__ void kv_store_kernel(float *__restrict__ kc, float *__restrict__ vc,
                                        const float *__restrict__ kr, const float *__restrict__ vr,
-                                       const int32_t *__restrict__ pos, size_t n) {
-    const size_t off = (size_t)*pos * n;
+                                       const int32_t *__restrict__ pos, size_t seq_stride,
+                                       size_t n) {
+    const int b = (int)blockIdx.y;
+    const size_t off = (size_t)b * seq_stride + (size_t)pos[b] * n;
     for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
          u += (size_t)gridDim.x * blockDim.x) {
-        kc[off + u] = kr[u];
-        vc[off + u] = vr[u];
+        kc[off + u] = kr[(size_t)b * n + u];
+        vc[off + u] = vr[(size_t)b * n + u];
     }
 }
 
-cudaError_t kiln_cuda_kv_store(cudaStream_t s, float *k_cache, float *v_cache, const float *k_row,
-                               const float *v_row, const int32_t *d_pos, size_t row_floats) {
-    if (row_floats == 0) return cudaSuccess;
-    unsigned blocks = (unsigned)((row_floats + 255) / 256);
-    kv_store_kernel<<<blocks, 256, 0, s>>>(k_cache, v_cache, k_row, v_row, d_pos, row_floats);
+cudaError_t kiln_cuda_kv_store(cudaStream_t s, float *k_cache, float *v_cache, const float *k_rows,
+                               const float *v_rows, const int32_t *d_pos, int B,
+                               size_t seq_stride, size_t row_floats) {
+    if (row_floats == 0 || B <= 0) return cudaSuccess;
+    if (B > 65535) return cudaErrorInvalidValue;
+    dim3 grid((unsigned)((row_floats + 255) / 256), (unsigned)B);
+    kv_store_kernel<<<grid, 256, 0, s>>>(k_cache, v_cache, k_rows, v_rows, d_pos, seq_stride,
+                                         row_floats);
     return cudaGetLastError();
 }
 
