@@ -262,6 +262,10 @@ typedef struct kiln_context_params {
      * "Fast mode"): not the CPU's bits, but deterministic run to run on one GPU model, with its
      * error against the auditable path measured in bench/RESULTS.md. */
     int fast;
+    /* Independent sequences in the KV cache (default 1): sequence 0 is the one kiln_decode
+     * and kiln_generate use; kiln_decode_seq fills any of them and kiln_decode_batch runs
+     * one token of each of the first B together (batched decode). */
+    int n_seq;
 } kiln_context_params;
 
 KILN_API kiln_context_params kiln_context_default_params(void);
@@ -269,7 +273,7 @@ KILN_API kiln_status kiln_context_create(kiln_model *m, const kiln_context_param
                                          kiln_context **out);
 KILN_API void kiln_context_free(kiln_context *c);
 
-/* Number of tokens currently in the KV cache. */
+/* Number of tokens currently in the KV cache (sequence 0). */
 KILN_API int kiln_context_n_past(const kiln_context *c);
 KILN_API int kiln_context_n_ctx(const kiln_context *c);
 /* Drop cached positions >= n_past (0 resets the context). */
@@ -281,6 +285,20 @@ KILN_API kiln_status kiln_context_truncate(kiln_context *c, int n_past);
  * n_past + n > n_ctx (KILN_ERR_RANGE); the cache is unchanged on error. */
 KILN_API kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logits,
                                  float *logits);
+
+/* Batched decode (kiln_context_params.n_seq > 1). kiln_decode_seq: kiln_decode on sequence
+ * seq in [0, n_seq) (seq 0 is kiln_decode). kiln_decode_batch: one token for each of
+ * sequences 0..B-1 (B <= n_seq and <= n_batch), ids[b] at that sequence's next position, in
+ * one forward; logits NULL or room for B x n_vocab floats (row b = sequence b). In the
+ * auditable arithmetic every row has the bits the sequence would get alone (tested): a
+ * request's tokens do not depend on the rest of the batch. Errors: an id out of range, a
+ * full sequence (KILN_ERR_RANGE); no sequence advances on error. */
+KILN_API kiln_status kiln_decode_seq(kiln_context *c, int seq, const int32_t *ids, int n,
+                                     int all_logits, float *logits);
+KILN_API kiln_status kiln_decode_batch(kiln_context *c, const int32_t *ids, int B, float *logits);
+/* Tokens in sequence seq's cache; drop its positions >= n_past. */
+KILN_API int kiln_context_seq_n_past(const kiln_context *c, int seq);
+KILN_API kiln_status kiln_context_seq_truncate(kiln_context *c, int seq, int n_past);
 
 /* ---------------------------------------------------------------------------------------- */
 /* Sampling and generation                                                                   */

@@ -33,7 +33,7 @@ class _ModelParams(C.Structure):
 class _ContextParams(C.Structure):
     _fields_ = [("n_ctx", C.c_int), ("n_batch", C.c_int), ("n_threads", C.c_int),
                 ("fast_q8_activations", C.c_int), ("device", C.c_int),
-                ("fast", C.c_int)]
+                ("fast", C.c_int), ("n_seq", C.c_int)]
 
 
 class _SamplerParams(C.Structure):
@@ -114,6 +114,10 @@ def load_library(path=None):
         "kiln_context_truncate": (C.c_int, [P, C.c_int]),
         "kiln_context_n_past": (C.c_int, [P]),
         "kiln_decode": (C.c_int, [P, C.POINTER(C.c_int32), C.c_int, C.c_int, C.POINTER(C.c_float)]),
+        "kiln_decode_seq": (C.c_int, [P, C.c_int, C.POINTER(C.c_int32), C.c_int, C.c_int,
+                                      C.POINTER(C.c_float)]),
+        "kiln_decode_batch": (C.c_int, [P, C.POINTER(C.c_int32), C.c_int, C.POINTER(C.c_float)]),
+        "kiln_context_seq_n_past": (C.c_int, [P, C.c_int]),
         "kiln_sampler_default_params": (_SamplerParams, []),
         "kiln_generate_default_params": (_GenerateParams, []),
         "kiln_generate": (C.c_int, [P, C.POINTER(C.c_int32), C.c_size_t,
@@ -261,7 +265,7 @@ class Model(_Handle):
 class Context(_Handle):
     _free = "kiln_context_free"
 
-    def __init__(self, model, n_ctx=0, n_batch=512, n_threads=0, device=-1, fast=False):
+    def __init__(self, model, n_ctx=0, n_batch=512, n_threads=0, device=-1, fast=False, n_seq=1):
         """device: -1 = CPU, N >= 0 = CUDA device N (bit-identical to the CPU unless fast).
         fast: the backend's fast arithmetic (CPU: 8-bit activations; CUDA: bf16 tensor cores)."""
         self._lib = load_library()
@@ -269,6 +273,7 @@ class Context(_Handle):
         p = self._lib.kiln_context_default_params()
         p.n_ctx, p.n_batch, p.n_threads, p.device = n_ctx, n_batch, n_threads, device
         p.fast = 1 if fast else 0
+        p.n_seq = n_seq
         h = C.c_void_p()
         _check(self._lib.kiln_context_create(model._h, C.byref(p), C.byref(h)))
         self._h = h
@@ -290,6 +295,29 @@ class Context(_Handle):
         _check(self._lib.kiln_decode(self._h, arr, len(ids), int(all_logits),
                                      out.ctypes.data_as(C.POINTER(C.c_float))))
         return out if all_logits else out[0]
+
+    def decode_seq(self, seq, ids, all_logits=False):
+        """decode on sequence seq (n_seq > 1); logits as decode."""
+        import numpy as np
+        V = self.model.n_vocab
+        arr = (C.c_int32 * len(ids))(*ids)
+        rows = len(ids) if all_logits else 1
+        out = np.empty((rows, V), dtype=np.float32)
+        _check(self._lib.kiln_decode_seq(self._h, seq, arr, len(ids), int(all_logits),
+                                         out.ctypes.data_as(C.POINTER(C.c_float))))
+        return out if all_logits else out[0]
+
+    def decode_batch(self, ids, logits=True):
+        """One token for each of sequences 0..len(ids)-1 in one forward; (B, V) logits or None."""
+        import numpy as np
+        arr = (C.c_int32 * len(ids))(*ids)
+        out = np.empty((len(ids), self.model.n_vocab), dtype=np.float32) if logits else None
+        ptr = out.ctypes.data_as(C.POINTER(C.c_float)) if logits else None
+        _check(self._lib.kiln_decode_batch(self._h, arr, len(ids), ptr))
+        return out
+
+    def seq_n_past(self, seq):
+        return self._lib.kiln_context_seq_n_past(self._h, seq)
 
     def generate(self, prompt_ids, max_tokens=32, temperature=0.0, top_k=0, top_p=1.0,
                  min_p=0.0, repeat_penalty=1.0, seed=0, stop=None, ignore_eos=False):

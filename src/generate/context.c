@@ -16,6 +16,7 @@ kiln_context_params kiln_context_default_params(void) {
     p.n_batch = 512;
     p.n_threads = 0;
     p.device = -1;
+    p.n_seq = 1;
     return p;
 }
 
@@ -36,6 +37,9 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: device %d: use -1 (CPU) or a CUDA device index >= 0", p.device);
     if (p.device >= 0 && p.fast_q8_activations)
         return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_context_create: fast_q8_activations is a CPU mode; on CUDA (device %d) ask for the GPU's fast arithmetic with fast = 1", p.device);
+    if (p.n_seq == 0) p.n_seq = 1;
+    if (p.n_seq < 1 || p.n_seq > 4096)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: n_seq %d not in [1, 4096]", p.n_seq);
     if (p.n_threads > 256)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: n_threads %d is more than 256", p.n_threads);
     kiln_context *c = kiln_calloc(1, sizeof *c);
@@ -54,10 +58,12 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
     } else {
         st = kiln_backend_cpu_create_mode(p.n_threads, p.fast_q8_activations || p.fast, &c->be);
     }
-    if (st == KILN_OK) st = kiln_forward_state_init(&c->fs, m, c->be, p.n_ctx, p.n_batch);
+    if (st == KILN_OK) st = kiln_forward_state_init_seq(&c->fs, m, c->be, p.n_ctx, p.n_batch, p.n_seq);
+    if (st == KILN_OK) st = kiln_alloc_or_fail((void **)&c->seq_past, (size_t)p.n_seq * sizeof(int), "sequence lengths");
+    if (st == KILN_OK) memset(c->seq_past, 0, (size_t)p.n_seq * sizeof(int));
     if (st == KILN_OK) {
         const char *g = getenv("KILN_CUDA_GRAPHS");
-        c->graphs = c->fs.d_step != NULL && !(g && strcmp(g, "0") == 0);
+        c->graphs = c->fs.d_step != NULL && c->be->i->graph_begin && !(g && strcmp(g, "0") == 0);
         const char *ds = getenv("KILN_DEVICE_SAMPLING");
         c->host_sampling = ds && strcmp(ds, "0") == 0;
     }
@@ -74,6 +80,8 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
 void kiln_context_free(kiln_context *c) {
     if (!c) return;
     if (c->graph) c->be->i->graph_free(c->be, c->graph);
+    if (c->batch_graph) c->be->i->graph_free(c->be, c->batch_graph);
+    kiln_free(c->seq_past);
     kiln_forward_state_free(&c->fs);
     kiln_free(c->tokens);
     kiln_backend_free(c->be);
@@ -139,21 +147,25 @@ static kiln_status decode_step_graph(kiln_context *c, int32_t id, float *logits,
  * fs.logits (backend memory) and not downloaded, and a device failure is reported by the next
  * synchronising call (the tokens are counted as cached: the backend is poisoned then anyway,
  * so the context is unusable). */
-static kiln_status decode(kiln_context *c, const int32_t *ids, int n, int all_logits, float *logits,
-                          int on_device) {
+static kiln_status decode(kiln_context *c, int seq, const int32_t *ids, int n, int all_logits,
+                          float *logits, int on_device) {
     if (!c || (!ids && n > 0)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode: NULL argument");
     if (n <= 0) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode: n must be > 0 (got %d)", n);
+    if (seq < 0 || seq >= c->fs.n_seq)
+        return kiln_error(KILN_ERR_RANGE, "kiln_decode_seq: sequence %d not in [0, %d)", seq, c->fs.n_seq);
+    /* sequence 0 keeps its ids (prefix reuse) and uses the recorded one-token graph */
+    int *past = seq == 0 ? &c->n_past : &c->seq_past[seq];
     const kiln_model *m = c->model;
     int V = m->cfg.n_vocab;
     for (int i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= V)
             return kiln_error(KILN_ERR_RANGE, "kiln_decode: token id %d at index %d is out of range [0, %d)",
                               ids[i], i, V);
-    if (n > c->fs.n_ctx - c->n_past)
+    if (n > c->fs.n_ctx - *past)
         return kiln_error(KILN_ERR_RANGE,
                           "kiln_decode: %d tokens after %d cached ones exceed the context length %d",
-                          n, c->n_past, c->fs.n_ctx);
-    if (n == 1 && c->graphs && c->warm) {
+                          n, *past, c->fs.n_ctx);
+    if (seq == 0 && n == 1 && c->graphs && c->warm) {
         kiln_status st = decode_step_graph(c, ids[0], logits, on_device);
         if (st != KILN_OK) return st;
         c->tokens[c->n_past++] = ids[0];
@@ -173,7 +185,9 @@ static kiln_status decode(kiln_context *c, const int32_t *ids, int n, int all_lo
             if (st != KILN_OK) return st;
             dev_out = c->fs.logits;
         }
-        kiln_model_forward(m, c->be, &c->fs, ids + done, chunk, c->n_past, all_logits, dev_out);
+        c->fs.seq = seq;
+        kiln_model_forward(m, c->be, &c->fs, ids + done, chunk, *past, all_logits, dev_out);
+        c->fs.seq = 0;
         if (on_device && last) {
             /* the caller samples from fs.logits on the device (which synchronises) */
         } else if (!c->fs.host_memory) {
@@ -183,8 +197,8 @@ static kiln_status decode(kiln_context *c, const int32_t *ids, int n, int all_lo
                                  : kiln_backend_status(c->be);
             if (st != KILN_OK) return st;
         }
-        memcpy(c->tokens + c->n_past, ids + done, (size_t)chunk * sizeof(int32_t));
-        c->n_past += chunk;
+        if (seq == 0) memcpy(c->tokens + c->n_past, ids + done, (size_t)chunk * sizeof(int32_t));
+        *past += chunk;
         done += chunk;
         c->warm = 1;
     }
@@ -192,18 +206,106 @@ static kiln_status decode(kiln_context *c, const int32_t *ids, int n, int all_lo
 }
 
 kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logits, float *logits) {
-    return decode(c, ids, n, all_logits, logits, 0);
+    return decode(c, 0, ids, n, all_logits, logits, 0);
+}
+
+kiln_status kiln_decode_seq(kiln_context *c, int seq, const int32_t *ids, int n, int all_logits,
+                            float *logits) {
+    return decode(c, seq, ids, n, all_logits, logits, 0);
+}
+
+int kiln_context_seq_n_past(const kiln_context *c, int seq) {
+    if (!c || seq < 0 || seq >= c->fs.n_seq) return 0;
+    return seq == 0 ? c->n_past : c->seq_past[seq];
+}
+
+kiln_status kiln_context_seq_truncate(kiln_context *c, int seq, int n_past) {
+    if (!c) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_seq_truncate: NULL context");
+    if (seq < 0 || seq >= c->fs.n_seq)
+        return kiln_error(KILN_ERR_RANGE, "kiln_context_seq_truncate: sequence %d not in [0, %d)", seq, c->fs.n_seq);
+    if (seq == 0) return kiln_context_truncate(c, n_past);
+    if (n_past < 0 || n_past > c->seq_past[seq])
+        return kiln_error(KILN_ERR_RANGE, "kiln_context_seq_truncate: n_past %d not in [0, %d]", n_past, c->seq_past[seq]);
+    c->seq_past[seq] = n_past;
+    return KILN_OK;
+}
+
+kiln_status kiln_decode_batch(kiln_context *c, const int32_t *ids, int B, float *logits) {
+    if (!c || !ids) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode_batch: NULL argument");
+    kiln_backend *be = c->be;
+    if (!c->fs.d_step)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_decode_batch: the %s backend has no batched decode", be->i->name);
+    if (B < 1 || B > c->fs.n_seq || B > c->fs.n_batch)
+        return kiln_error(KILN_ERR_RANGE, "kiln_decode_batch: B %d not in [1, min(n_seq %d, n_batch %d)]", B,
+                          c->fs.n_seq, c->fs.n_batch);
+    const kiln_model_config *cfg = &c->model->cfg;
+    int V = cfg->n_vocab;
+    int32_t *step = kiln_malloc(2 * (size_t)B * sizeof(int32_t));
+    if (!step) return kiln_error(KILN_ERR_NOMEM, "kiln_decode_batch: out of memory");
+    kiln_status st = KILN_OK;
+    for (int b = 0; b < B && st == KILN_OK; b++) {
+        int past = b == 0 ? c->n_past : c->seq_past[b];
+        if (ids[b] < 0 || ids[b] >= V)
+            st = kiln_error(KILN_ERR_RANGE, "kiln_decode_batch: token id %d of sequence %d is out of range [0, %d)",
+                            ids[b], b, V);
+        else if (past >= c->fs.n_ctx)
+            st = kiln_error(KILN_ERR_RANGE, "kiln_decode_batch: sequence %d is full (%d tokens)", b, past);
+        step[b] = ids[b];
+        step[B + b] = past;
+    }
+    float *dev_out = logits;
+    if (st == KILN_OK && !c->fs.host_memory) {
+        st = logits_reserve(c, (size_t)B * (size_t)V);
+        dev_out = c->fs.logits;
+    }
+    float *host_tmp = NULL;
+    if (st == KILN_OK && c->fs.host_memory && !logits) { /* the forward always writes logits */
+        host_tmp = kiln_malloc((size_t)B * (size_t)V * sizeof(float));
+        if (!host_tmp) st = kiln_error(KILN_ERR_NOMEM, "kiln_decode_batch: out of memory for logits");
+        dev_out = host_tmp;
+    }
+    if (st == KILN_OK) st = kiln_backend_upload(be, c->fs.d_step, step, 2 * (size_t)B * sizeof(int32_t));
+    if (st == KILN_OK && c->graphs && c->warm) {
+        /* recorded once per batch size (and logits buffer), replayed */
+        if (!c->batch_graph || c->batch_B != B || c->batch_graph_logits != c->fs.logits) {
+            if (c->batch_graph) be->i->graph_free(be, c->batch_graph);
+            c->batch_graph = NULL;
+            st = be->i->graph_begin(be, B, cfg->n_head, cfg->head_dim, c->fs.n_ctx);
+            if (st == KILN_OK) {
+                kiln_model_forward_batch(c->model, be, &c->fs, B, dev_out);
+                st = be->i->graph_end(be, &c->batch_graph);
+            }
+            c->batch_B = B;
+            c->batch_graph_logits = c->fs.logits;
+        }
+        if (st == KILN_OK) st = be->i->graph_launch(be, c->batch_graph);
+    } else if (st == KILN_OK) {
+        kiln_model_forward_batch(c->model, be, &c->fs, B, dev_out);
+    }
+    if (st == KILN_OK && !c->fs.host_memory)
+        st = logits ? kiln_backend_download(be, logits, dev_out, (size_t)B * (size_t)V * sizeof(float))
+                    : kiln_backend_status(be);
+    if (st == KILN_OK) {
+        for (int b = 0; b < B; b++) {
+            if (b == 0) c->tokens[c->n_past++] = ids[0];
+            else c->seq_past[b]++;
+        }
+        c->warm = 1;
+    }
+    kiln_free(host_tmp);
+    kiln_free(step);
+    return st;
 }
 
 kiln_status kiln_decode_and_sample(kiln_context *c, const int32_t *ids, int n, kiln_sampler *smp,
                                    const int32_t *hist, size_t n_hist, float *logits, int32_t *id) {
     kiln_backend *be = c->be;
     if (c->fs.host_memory || !be->i->sample || c->host_sampling) {
-        KILN_TRY(decode(c, ids, n, 0, logits, 0));
+        KILN_TRY(decode(c, 0, ids, n, 0, logits, 0));
         return kiln_sampler_sample(smp, logits, c->model->cfg.n_vocab, hist, n_hist, id);
     }
     /* the logits stay on the device; only the id comes back */
     float *dummy = logits; /* non-NULL: decode writes the last token's logits to fs.logits */
-    KILN_TRY(decode(c, ids, n, 0, dummy, 1));
+    KILN_TRY(decode(c, 0, ids, n, 0, dummy, 1));
     return be->i->sample(be, c->fs.logits, c->model->cfg.n_vocab, smp, hist, n_hist, id);
 }

@@ -21,6 +21,10 @@ struct kiln_context {
     float *graph_logits;
     int graphs, warm;
     int host_sampling; /* env KILN_DEVICE_SAMPLING=0: sample on the host even on a device */
+    int *seq_past;     /* (n_seq) tokens cached per sequence; seq_past[0] is unused (n_past) */
+    void *batch_graph; /* the recorded batched step for batch_B sequences */
+    int batch_B;
+    float *batch_graph_logits;
 };
 
 /* Decode ids[0..n) and sample the next token from the last one's logits with smp and the

@@ -82,6 +82,11 @@ static kiln_status upload_weight_vectors(kiln_forward_state *fs, const kiln_mode
 
 kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be,
                                     int n_ctx, int n_batch) {
+    return kiln_forward_state_init_seq(fs, m, be, n_ctx, n_batch, 1);
+}
+
+kiln_status kiln_forward_state_init_seq(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be,
+                                        int n_ctx, int n_batch, int n_seq) {
     const kiln_model_config *c = &m->cfg;
     memset(fs, 0, sizeof *fs);
     fs->be = be;
@@ -95,10 +100,11 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
     /* sizes in floats, each rounded up to 16 floats (64 bytes) */
     /* a backend with decode graphs also gets the step's id/position (2 int32 in a 16-float
      * slot) and one row of k and v */
-    int graphs = be->i->graph_begin && be->i->kv_store && be->i->attention_at;
-    size_t gk = graphs ? KD : 0, gs = graphs ? 2 : 0;
+    int steps = be->i->kv_store && be->i->attention_at;
+    size_t S = (size_t)(n_seq > 0 ? n_seq : 1);
+    size_t gk = steps ? S * KD : 0, gs = steps ? 2 * S : 0;
     float *step_slot = NULL;
-    size_t sizes[] = {L * T * KD, L * T * KD, T * HS / 2, T * HS / 2, NB * C, NB * C,
+    size_t sizes[] = {S * L * T * KD, S * L * T * KD, T * HS / 2, T * HS / 2, NB * C, NB * C,
                       NB * QD,    NB * QD,    NB * FF,    NB * FF,    NB * tmp_w, gk, gk, gs};
     float **slots[] = {&fs->k_cache, &fs->v_cache, &fs->rope_cos, &fs->rope_sin, &fs->x, &fs->xb,
                        &fs->q,       &fs->att,     &fs->hb,       &fs->hb2,      &fs->tmp,
@@ -132,6 +138,8 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
         off += (sizes[i] + 15) & ~(size_t)15;
     }
     fs->d_step = (int32_t *)(void *)step_slot;
+    fs->n_seq = (int)S;
+    fs->seq_stride = L * T * KD;
     kiln_status st = KILN_OK;
     if (fs->host_memory) {
         kiln_rope_tables_fill(m, n_ctx, fs->rope_cos, fs->rope_sin);
@@ -215,6 +223,8 @@ void kiln_rope_tables_fill(const kiln_model *m, int n_ctx, float *cos_tab, float
 static void forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
                     const int32_t *ids, int N, int n_past, int all_logits, float *logits,
                     int step) {
+    /* step: N = B sequences, one token each (sequence b's cache at b * seq_stride) */
+    const size_t seq_off = step ? 0 : (size_t)fs->seq * fs->seq_stride;
     const kiln_model_config *c = &m->cfg;
     const kiln_backend_i *op = be->i;
     int C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
@@ -223,9 +233,9 @@ static void forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *f
     float scale = (float)(1.0 / sqrt((double)HS));
     const int32_t *pos = fs->pos;
     if (step) {
-        N = 1;
         ids = fs->d_step;
-        pos = fs->d_step + 1;
+        pos = fs->d_step + N;
+        all_logits = 1;
     } else {
         for (int n = 0; n < N; n++) fs->pos[n] = n_past + n;
     }
@@ -233,8 +243,8 @@ static void forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *f
     op->embed(be, fs->x, m->tok_embd, ids, N);
     for (int l = 0; l < c->n_layer; l++) {
         const kiln_layer_weights *w = &fs->layers[l];
-        float *k_layer = fs->k_cache + (size_t)l * fs->n_ctx * KD; /* (n_ctx, KVH, HS) */
-        float *v_layer = fs->v_cache + (size_t)l * fs->n_ctx * KD;
+        float *k_layer = fs->k_cache + seq_off + (size_t)l * fs->n_ctx * KD; /* (n_ctx, KVH, HS) */
+        float *v_layer = fs->v_cache + seq_off + (size_t)l * fs->n_ctx * KD;
         /* (N, KVH, HS) rows of this batch: in the cache, or the step's rows stored below */
         float *k_new = step ? fs->k_row : k_layer + (size_t)n_past * KD;
         float *v_new = step ? fs->v_row : v_layer + (size_t)n_past * KD;
@@ -249,9 +259,9 @@ static void forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *f
         op->rope(be, fs->q, pos, N, NH, HS, fs->rope_cos, fs->rope_sin);
         op->rope(be, k_new, pos, N, KVH, HS, fs->rope_cos, fs->rope_sin);
         if (step) {
-            op->kv_store(be, k_layer, v_layer, k_new, v_new, pos, 1, 0, KD);
-            op->attention_at(be, fs->att, fs->q, k_layer, v_layer, pos, 1, 0, fs->n_ctx, NH, KVH,
-                             HS, scale);
+            op->kv_store(be, k_layer, v_layer, k_new, v_new, pos, N, fs->seq_stride, KD);
+            op->attention_at(be, fs->att, fs->q, k_layer, v_layer, pos, N, fs->seq_stride,
+                             fs->n_ctx, NH, KVH, HS, scale);
         } else {
             op->attention(be, fs->att, fs->q, k_layer, v_layer, N, n_past, NH, KVH, HS, scale);
         }
@@ -285,4 +295,9 @@ void kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_stat
 void kiln_model_forward_step(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
                              float *logits) {
     forward(m, be, fs, NULL, 1, 0, 0, logits, 1);
+}
+
+void kiln_model_forward_batch(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
+                              int B, float *logits) {
+    forward(m, be, fs, NULL, B, 0, 1, logits, 1);
 }

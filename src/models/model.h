@@ -95,6 +95,12 @@ typedef struct kiln_forward_state {
      * cache at that position. NULL when the backend has no graphs. */
     int32_t *d_step;
     float *k_row, *v_row; /* (KVH*HS) each */
+    /* Sequences: the KV cache holds n_seq independent sequences, seq_stride floats apart
+     * (each (L, n_ctx, KVH*HS)); kiln_model_forward works on sequence `seq` (0 unless the
+     * caller sets it). d_step then holds n_seq ids and n_seq positions, k_row / v_row n_seq
+     * rows (backends with kv_store and attention_at). */
+    int n_seq, seq;
+    size_t seq_stride;
 } kiln_forward_state;
 
 /* Allocate the state on backend be (which must outlive it): scratch and KV cache through
@@ -103,6 +109,9 @@ typedef struct kiln_forward_state {
  * the weights are the model's, as before. */
 kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be,
                                     int n_ctx, int n_batch);
+/* The same with n_seq >= 1 sequences in the KV cache (batched decode). */
+kiln_status kiln_forward_state_init_seq(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be,
+                                        int n_ctx, int n_batch, int n_seq);
 void kiln_forward_state_free(kiln_forward_state *fs);
 
 /* Run N <= n_batch tokens at positions n_past.. through the model on fs->be (be must be
@@ -120,6 +129,12 @@ void kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_stat
  * attention_at). */
 void kiln_model_forward_step(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
                              float *logits);
+/* One token for each of sequences 0..B-1 (B <= fs->n_seq): ids in fs->d_step[0..B), positions
+ * in fs->d_step[B..2B) (backend memory); logits (B, V) to logits. Each row has the bits of
+ * that sequence's own one-token kiln_model_forward (auditable backends: every op is
+ * per-row). Needs kv_store and attention_at. */
+void kiln_model_forward_batch(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
+                              int B, float *logits);
 
 /* Fill rope tables for positions [0, n_ctx) per the config (default, linear, llama3,
  * GGUF rope_freqs factors). */
