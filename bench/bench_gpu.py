@@ -63,7 +63,8 @@ decode (batch 1, greedy, --new tokens after the prompt; tok/s = (new - 1) / deco
 batch8 (--batch B sequences of the same length, row 0 the decode prompt, the others random ids):
   - the PyTorch graph step at batch B (eager and compiled): tok/s = B x (new - 1) / time (all
     sequences together; notes: per sequence); roofline = B x bandwidth / (weights + B KV
-    caches); kiln: "n/a (no multi-sequence decode yet)".
+    caches); kiln: kiln_decode_batch through the binding (B sequences in one KV cache, one
+    forward and one CUDA graph per step), auditable and fast; tokens fed, no sampling.
 prefill (--prefill lengths, random ids):
   - kiln auditable / fast: through the binding, a warm context (n_ctx = longest + 16,
     n_batch = longest, so each prompt is one batch; one untimed decode first uploads the
@@ -112,7 +113,7 @@ ALIASES = {"0.5b": "Qwen2.5-0.5B", "1.5b": "Qwen2.5-1.5B", "3b": "Llama-3.2-3B"}
 QUANT_SHAPES = ("Qwen2.5-0.5B", "Qwen2.5-1.5B", "tiny")
 PARTS = ("decode", "prefill", "quant", "batch8")
 PROMPT = "The quick brown fox jumps over the lazy dog."
-KILN_NO_BATCH = "n/a (no multi-sequence decode yet)"
+KILN_NO_BATCH = "n/a"
 
 
 def special_tokens(name):
@@ -889,7 +890,7 @@ def bench_model(name, args, dev_info, env, res, rows):
                                                   args.hf_prefill_reps, warm=1)
                             log(f"transformers sdpa prefill {len(x)}: {len(x) / tp[len(x)]:.0f} tok/s")
                         r["torch_prefill_s"] = tp
-                    bench_graph_steps(name, args, m, prompt_ids, ref_ids, id_hi, r, rows)
+                    bench_graph_steps(name, args, m, prompt_ids, ref_ids, id_hi, r, rows, path)
                     if "decode" in args.parts and not args.quick:
                         if can_afford(args, 20):
                             try:
@@ -932,7 +933,42 @@ def bench_model(name, args, dev_info, env, res, rows):
         bench_quant(name, args, env, r, rows, toks, special, eos, kiln_tps, bw, tag)
 
 
-def bench_graph_steps(name, args, m, prompt_ids, ref_ids, id_hi, r, rows):
+def kiln_batch_decode(args, path, prompts, n_new):
+    """kiln's batched decode through the binding (kiln_decode_batch), auditable and fast: B
+    sequences prefilled one by one (decode_seq), one warm step, then n_new - 1 timed steps of
+    one token per sequence. The tokens fed are each sequence's greedy token of the first step,
+    repeated (no sampling: the logits stay on the device), so the figure is the engine's
+    decode step. Returns {mode: tok/s of all sequences}."""
+    kiln = kiln_binding(args.bin)
+    dev_index = 0 if args.device == "cuda" else -1
+    B = len(prompts)
+    m = kiln.Model(path)
+    out = {}
+    try:
+        for mode, fast in (("auditable", False), ("fast", True)):
+            n = max(len(p) for p in prompts)
+            ctx = kiln.Context(m, n_ctx=n + n_new + 8, n_batch=max(B, n), device=dev_index,
+                               fast=fast, n_seq=B)
+            try:
+                for b, p in enumerate(prompts):
+                    ctx.decode_seq(b, p)
+                first = ctx.decode_batch([int(p[-1]) for p in prompts])
+                ids = [int(x) for x in first.argmax(axis=1)]
+                ctx.decode_batch(ids, logits=False)  # records the graph for this B
+                t0 = time.perf_counter()
+                for _ in range(n_new - 1):
+                    ctx.decode_batch(ids, logits=False)
+                dt = time.perf_counter() - t0
+                out[mode] = B * (n_new - 1) / dt
+                log(f"kiln {mode} batch {B}: {out[mode]:.1f} tok/s")
+            finally:
+                ctx.close()
+    finally:
+        m.close()
+    return out
+
+
+def bench_graph_steps(name, args, m, prompt_ids, ref_ids, id_hi, r, rows, path=None):
     """The PyTorch step at batch 1 (decode part) and at batch --batch (batch8 part), eager and
     (unless --no-compile / --quick) torch.compile'd. Row 0 of a batch is the decode prompt, the
     other rows random ids below id_hi (no special tokens)."""
@@ -954,8 +990,18 @@ def bench_graph_steps(name, args, m, prompt_ids, ref_ids, id_hi, r, rows):
         if B > 1:
             rows.append((name, fig, "roofline", roof, 1.0,
                          f"{(r['weight_bytes'] + B * kv_bytes(name, n + args.new / 2)) / 1e9:.3f} GB/step"))
-            rows.append((name, fig, "kiln", KILN_NO_BATCH, None, ""))
-            log(f"kiln: {KILN_NO_BATCH}")
+            try:
+                kb = kiln_batch_decode(args, path, [list(map(int, x)) for x in prompts.tolist()],
+                                       args.new)
+                r["kiln_batch"] = kb
+                for mode in ("auditable", "fast"):
+                    if mode in kb:
+                        rows.append((name, fig, f"kiln {mode}", kb[mode], kb[mode] / roof,
+                                     f"{kb[mode] / B:.1f} tok/s per sequence; kiln_decode_batch, "
+                                     "one graph per step, tokens fed (no sampling)"))
+            except Exception as e:
+                log(f"kiln batch {B} failed: {e!r}")
+                rows.append((name, fig, "kiln", KILN_NO_BATCH, None, f"failed: {e!r}"[:120]))
         for comp in variants:
             label = ("PyTorch graph step" if dev == "cuda" else "PyTorch step (cpu, no graph)") + \
                 (", torch.compile" if comp else "")
