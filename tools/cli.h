@@ -18,6 +18,8 @@ int cmd_train(int argc, char **argv);
 int cli_fail(const char *cmd, const char *what, kiln_status st);
 /* Print a usage error and return 2. */
 int cli_usage_error(const char *cmd, const char *fmt, ...);
+/* --device's value: cpu -> -1, cuda -> 0, cuda:N -> N; 0, or a usage error's exit code. */
+int cli_parse_device(const char *cmd, const char *v, int *device);
 
 /* Parse a whole-string number; return 0 on success, else print an error naming opt. */
 int cli_parse_int(const char *cmd, const char *opt, const char *s, long lo, long hi, long *out);

@@ -104,3 +104,24 @@ int cli_opt(int argc, char **argv, int *i, const char *name, const char **val, i
     *val = argv[++*i];
     return 1;
 }
+
+/* --device: cpu -> -1, cuda -> 0, cuda:N -> N (N < 1024); else a usage error (exit code). */
+int cli_parse_device(const char *cmd, const char *v, int *device) {
+    if (!strcmp(v, "cpu")) {
+        *device = -1;
+        return 0;
+    }
+    if (!strcmp(v, "cuda")) {
+        *device = 0;
+        return 0;
+    }
+    if (!strncmp(v, "cuda:", 5) && v[5] >= '0' && v[5] <= '9') {
+        char *end = NULL;
+        long n = strtol(v + 5, &end, 10);
+        if (*end == '\0' && n >= 0 && n < 1024) {
+            *device = (int)n;
+            return 0;
+        }
+    }
+    return cli_usage_error(cmd, "--device '%s': expected cpu, cuda or cuda:N", v);
+}

@@ -55,26 +55,6 @@ static const char *chat_help =
     "      --temp, --top-k, --top-p, --min-p, --repeat-penalty, --seed, -t, --ctx, --device as in generate\n";
 
 /* --device: "cpu" -> -1, "cuda" -> 0, "cuda:N" -> N. Returns 0 or the usage error's code. */
-static int parse_device(const char *cmd, const char *v, int *device) {
-    if (!strcmp(v, "cpu")) {
-        *device = -1;
-        return 0;
-    }
-    if (!strcmp(v, "cuda")) {
-        *device = 0;
-        return 0;
-    }
-    if (!strncmp(v, "cuda:", 5) && v[5] >= '0' && v[5] <= '9') {
-        char *end = NULL;
-        long n = strtol(v + 5, &end, 10);
-        if (*end == '\0' && n >= 0 && n < 1024) {
-            *device = (int)n;
-            return 0;
-        }
-    }
-    return cli_usage_error(cmd, "--device '%s': expected cpu, cuda or cuda:N", v);
-}
-
 /* Parse options shared by generate and chat. Returns 0, or the exit code on error / help. */
 static int parse_opts(const char *cmd, int argc, char **argv, gen_opts *o, int *exit_code) {
     memset(o, 0, sizeof *o);
@@ -137,7 +117,7 @@ static int parse_opts(const char *cmd, int argc, char **argv, gen_opts *o, int *
         } else if (!strcmp(a, "--fast")) {
             o->fast = 1;
         } else if (cli_opt(argc, argv, &i, "--device", &v, &err, cmd)) {
-            if (!err) err = parse_device(cmd, v, &o->device);
+            if (!err) err = cli_parse_device(cmd, v, &o->device);
         } else if (!strcmp(a, "--no-mmap")) {
             o->no_mmap = 1;
         } else {

@@ -63,26 +63,6 @@ typedef struct train_opts {
 
 /* --device: "cpu" -> -1, "cuda" -> 0, "cuda:N" -> N, as `kiln generate --device` (a copy of
  * cmd_generate.c's parser: both belong in cli_util.c). Returns 0 or the usage error's code. */
-static int parse_device(const char *cmd, const char *v, int *device) {
-    if (!strcmp(v, "cpu")) {
-        *device = -1;
-        return 0;
-    }
-    if (!strcmp(v, "cuda")) {
-        *device = 0;
-        return 0;
-    }
-    if (!strncmp(v, "cuda:", 5) && v[5] >= '0' && v[5] <= '9') {
-        char *end = NULL;
-        long n = strtol(v + 5, &end, 10);
-        if (*end == '\0' && n >= 0 && n < 1024) {
-            *device = (int)n;
-            return 0;
-        }
-    }
-    return cli_usage_error(cmd, "--device '%s': expected cpu, cuda or cuda:N", v);
-}
-
 static int parse(int argc, char **argv, train_opts *o, int *code) {
     memset(o, 0, sizeof *o);
     o->out = "kiln-run";
@@ -156,7 +136,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
             if (!err && strcmp(v, "f32") && strcmp(v, "q8"))
                 err = cli_usage_error(cmd, "--moments takes f32 or q8, not '%s'", v);
         } else if (OPT("--device")) {
-            if (!err) err = parse_device(cmd, v, &o->device);
+            if (!err) err = cli_parse_device(cmd, v, &o->device);
         } else if (!strcmp(a, "--resume")) o->resume = 1;
         else if (!strcmp(a, "--fast")) o->fast = 1;
         else if (!strcmp(a, "--no-export")) o->export_model = 0;
