@@ -39,20 +39,8 @@
 #include <time.h>
 #include <unistd.h>
 
-static uint64_t g_rng = 0x6b696c6e54524e31ull;
-static uint64_t rnd_u64(void) {
-    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static float rnd_unit(void) { return (float)((double)(rnd_u64() >> 11) * 0x1p-53 * 2.0 - 1.0); }
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
+#define GPU_TEST_SEED 0x6b696c6e54524e31ull
+#include "gpu_test_models.h"
 
 typedef struct model_case {
     const char *name, *arch;
@@ -61,42 +49,9 @@ typedef struct model_case {
     kiln_moment_storage moments;
 } model_case;
 
-static char g_tmpdir[256];
-
 static int write_config(const model_case *mc, char *path, size_t cap) {
-    snprintf(path, cap, "%s/%s.json", g_tmpdir, mc->name);
-    FILE *f = fopen(path, "w");
-    if (!f) return 0;
-    fprintf(f,
-            "{\"architectures\": [\"%s\"], \"model_type\": \"%s\", \"hidden_size\": %d,"
-            " \"num_hidden_layers\": %d, \"num_attention_heads\": %d, \"num_key_value_heads\": %d,"
-            " \"head_dim\": %d, \"intermediate_size\": %d, \"vocab_size\": %d,"
-            " \"max_position_embeddings\": 4096, \"rms_norm_eps\": 1e-6, \"rope_theta\": 1000000.0,"
-            " \"tie_word_embeddings\": %s, \"hidden_act\": \"silu\"}\n",
-            !strcmp(mc->arch, "llama") ? "LlamaForCausalLM"
-            : !strcmp(mc->arch, "qwen2") ? "Qwen2ForCausalLM" : "Qwen3ForCausalLM",
-            mc->arch, mc->C, mc->L, mc->NH, mc->KVH, mc->HS, mc->FF, mc->V, mc->tied ? "true" : "false");
-    return fclose(f) == 0;
-}
-
-/* Norms 1 + 0.2 u, biases 0.05 u (kiln_model_create makes them 1 and 0, which would hide a
- * vector that never reached the device). */
-static void randomise_vectors(kiln_model *m) {
-    const kiln_model_config *c = &m->cfg;
-    size_t C = (size_t)c->n_embd, HS = (size_t)c->head_dim;
-    size_t QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS;
-    for (int l = 0; l < c->n_layer; l++) {
-        kiln_layer_weights *w = &m->layers[l];
-        float *v[] = {(float *)w->attn_norm, (float *)w->mlp_norm, (float *)w->q_norm,
-                      (float *)w->k_norm, (float *)w->bq, (float *)w->bk, (float *)w->bv};
-        size_t n[] = {C, C, HS, HS, QD, KD, KD};
-        for (int i = 0; i < 7; i++) {
-            if (!v[i]) continue;
-            for (size_t j = 0; j < n[i]; j++) v[i][j] = i < 4 ? 1.0f + 0.2f * rnd_unit() : 0.05f * rnd_unit();
-        }
-    }
-    float *fn = (float *)m->final_norm;
-    for (size_t j = 0; j < (size_t)c->n_embd; j++) fn[j] = 1.0f + 0.2f * rnd_unit();
+    return gpu_write_config(mc->name, mc->arch, mc->C, mc->L, mc->NH, mc->KVH, mc->HS, mc->FF,
+                            mc->V, mc->tied, 1000000.0, path, cap);
 }
 
 /* ---- comparisons ----------------------------------------------------------------------------- */
@@ -282,7 +237,7 @@ static int run_case(const model_case *mc, const char *vocab_dir) {
         return 0;
     }
     remove(cfg);
-    randomise_vectors(m);
+    gpu_randomise_vectors(m);
     double t0 = now_s();
     int ok = 1, C = m->cfg.n_embd, V = m->cfg.n_vocab;
     cmp_stats cs = {0};
@@ -388,21 +343,10 @@ static int run_case(const model_case *mc, const char *vocab_dir) {
 }
 
 int main(int argc, char **argv) {
-    const char *vocab_dir = getenv("KILN_VOCAB_DIR");
     char shared[1024];
-    if (!vocab_dir) {
-        const char *env = getenv("KILN_SHARED_DIR");
-        if (env) snprintf(shared, sizeof shared, "%s/testdata/tokenizer-vectors", env);
-        else snprintf(shared, sizeof shared, "%s", KILN_SOURCE_DIR "/../shared/testdata/tokenizer-vectors");
-        vocab_dir = shared;
-    }
+    const char *vocab_dir = gpu_vocab_dir(shared, sizeof shared);
     if (argc > 1) vocab_dir = argv[1];
-    const char *tmp = getenv("TMPDIR");
-    snprintf(g_tmpdir, sizeof g_tmpdir, "%s/kiln-cuda-train-XXXXXX", tmp ? tmp : "/tmp");
-    if (!mkdtemp(g_tmpdir)) {
-        fprintf(stderr, "FAIL: mkdtemp %s\n", g_tmpdir);
-        return 1;
-    }
+    if (!gpu_make_tmpdir("cuda-train")) return 1;
     static const model_case cases[] = {
         {"llama-tiny-f32", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, KILN_STORAGE_F32, KILN_MOMENTS_F32},
         {"llama-tiny-bf16m", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, KILN_STORAGE_BF16_MASTER, KILN_MOMENTS_F32},

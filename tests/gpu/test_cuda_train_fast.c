@@ -59,45 +59,11 @@
 #define LOSS_BOUND 2e-2
 #define WEIGHT_BOUND 0.5
 
-static uint64_t g_rng = 0x6b696c6e46535431ull;
-static uint64_t rnd_u64(void) {
-    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static float rnd_unit(void) { return (float)((double)(rnd_u64() >> 11) * 0x1p-53 * 2.0 - 1.0); }
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static char g_tmpdir[256];
+#define GPU_TEST_SEED 0x6b696c6e46535431ull
+#include "gpu_test_models.h"
 
 static int write_config(char *path, size_t cap) {
-    snprintf(path, cap, "%s/llama-fast.json", g_tmpdir);
-    FILE *f = fopen(path, "w");
-    if (!f) return 0;
-    fprintf(f, "{\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\", \"hidden_size\": 128,"
-               " \"num_hidden_layers\": 2, \"num_attention_heads\": 2, \"num_key_value_heads\": 1,"
-               " \"head_dim\": 64, \"intermediate_size\": 352, \"vocab_size\": 32000,"
-               " \"max_position_embeddings\": 4096, \"rms_norm_eps\": 1e-6, \"rope_theta\": 10000.0,"
-               " \"tie_word_embeddings\": true, \"hidden_act\": \"silu\"}\n");
-    return fclose(f) == 0;
-}
-
-/* Norms 1 + 0.2 u (kiln_model_create makes them 1). */
-static void randomise_norms(kiln_model *m) {
-    const kiln_model_config *c = &m->cfg;
-    for (int l = 0; l < c->n_layer; l++) {
-        float *v[2] = {(float *)m->layers[l].attn_norm, (float *)m->layers[l].mlp_norm};
-        for (int i = 0; i < 2; i++)
-            for (int j = 0; v[i] && j < c->n_embd; j++) v[i][j] = 1.0f + 0.2f * rnd_unit();
-    }
-    float *fn = (float *)m->final_norm;
-    for (int j = 0; j < c->n_embd; j++) fn[j] = 1.0f + 0.2f * rnd_unit();
+    return gpu_write_config("llama-fast", "llama", 128, 2, 2, 1, 64, 352, 32000, 1, 10000.0, path, cap);
 }
 
 /* The batch of step s: a walk over 256 ids (id' = (5 id + 17 + (s % 3)) mod 256, offset 300)
@@ -216,7 +182,7 @@ static int run_case(const char *name, kiln_weight_storage storage, const char *v
         return 0;
     }
     remove(cfg);
-    randomise_norms(m);
+    gpu_randomise_vectors(m);
     const double t0 = now_s();
     kiln_trainer *ta = make_trainer(m, storage, 0), *tf1 = make_trainer(m, storage, 1),
                  *tf2 = make_trainer(m, storage, 1);
@@ -340,21 +306,10 @@ done:
 }
 
 int main(int argc, char **argv) {
-    const char *vocab_dir = getenv("KILN_VOCAB_DIR");
     char shared[1024];
-    if (!vocab_dir) {
-        const char *env = getenv("KILN_SHARED_DIR");
-        if (env) snprintf(shared, sizeof shared, "%s/testdata/tokenizer-vectors", env);
-        else snprintf(shared, sizeof shared, "%s", KILN_SOURCE_DIR "/../shared/testdata/tokenizer-vectors");
-        vocab_dir = shared;
-    }
+    const char *vocab_dir = gpu_vocab_dir(shared, sizeof shared);
     if (argc > 1) vocab_dir = argv[1];
-    const char *tmp = getenv("TMPDIR");
-    snprintf(g_tmpdir, sizeof g_tmpdir, "%s/kiln-cuda-train-fast-XXXXXX", tmp ? tmp : "/tmp");
-    if (!mkdtemp(g_tmpdir)) {
-        fprintf(stderr, "FAIL: mkdtemp %s\n", g_tmpdir);
-        return 1;
-    }
+    if (!gpu_make_tmpdir("cuda-train-fast")) return 1;
 
     /* refusals that need no GPU */
     char tok[1200], cfg[1200];

@@ -1,0 +1,108 @@
+/*
+ * gpu_test_models.h -- setup shared by the whole-model GPU tests (test_cuda_model.c,
+ * test_cuda_train.c, test_cuda_train_fast.c): a seeded splitmix64 stream (the including file
+ * defines GPU_TEST_SEED first, so each test keeps its own numbers), a monotonic clock, the
+ * config.json of a small Llama-family model for kiln_model_create, randomised norms and
+ * biases, the vocabulary folder and a temporary folder. Everything is static inline: one copy
+ * per test, no unused-function warnings.
+ */
+#ifndef KILN_GPU_TEST_MODELS_H
+#define KILN_GPU_TEST_MODELS_H
+
+#include "models/model.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef GPU_TEST_SEED
+#error "define GPU_TEST_SEED before including gpu_test_models.h"
+#endif
+
+static uint64_t g_rng = GPU_TEST_SEED;
+static char g_tmpdir[256];
+
+static inline uint64_t rnd_u64(void) {
+    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in [-1, 1). */
+static inline float rnd_unit(void) {
+    return (float)((double)(rnd_u64() >> 11) * 0x1p-53 * 2.0 - 1.0);
+}
+
+static inline double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* g_tmpdir/<name>.json: the config of a model of architecture arch (llama, qwen2, qwen3);
+ * its path to path. 1 on success. */
+static inline int gpu_write_config(const char *name, const char *arch, int C, int L, int NH,
+                                   int KVH, int HS, int FF, int V, int tied, double rope_theta,
+                                   char *path, size_t cap) {
+    snprintf(path, cap, "%s/%s.json", g_tmpdir, name);
+    FILE *f = fopen(path, "w");
+    if (!f) return 0;
+    fprintf(f,
+            "{\"architectures\": [\"%s\"], \"model_type\": \"%s\", \"hidden_size\": %d,"
+            " \"num_hidden_layers\": %d, \"num_attention_heads\": %d, \"num_key_value_heads\": %d,"
+            " \"head_dim\": %d, \"intermediate_size\": %d, \"vocab_size\": %d,"
+            " \"max_position_embeddings\": 4096, \"rms_norm_eps\": 1e-6, \"rope_theta\": %.1f,"
+            " \"tie_word_embeddings\": %s, \"hidden_act\": \"silu\"}\n",
+            !strcmp(arch, "llama") ? "LlamaForCausalLM"
+            : !strcmp(arch, "qwen2") ? "Qwen2ForCausalLM" : "Qwen3ForCausalLM",
+            arch, C, L, NH, KVH, HS, FF, V, rope_theta, tied ? "true" : "false");
+    return fclose(f) == 0;
+}
+
+/* Norms 1 + 0.2 u, biases 0.05 u, per layer in the order attention norm, MLP norm, q norm,
+ * k norm, q/k/v biases (absent ones skipped), then the final norm: kiln_model_create makes
+ * them 1 and 0, which would hide a vector that never reached the device. */
+static inline void gpu_randomise_vectors(kiln_model *m) {
+    const kiln_model_config *c = &m->cfg;
+    size_t C = (size_t)c->n_embd, HS = (size_t)c->head_dim;
+    size_t QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS;
+    for (int l = 0; l < c->n_layer; l++) {
+        kiln_layer_weights *w = &m->layers[l];
+        float *v[] = {(float *)w->attn_norm, (float *)w->mlp_norm, (float *)w->q_norm,
+                      (float *)w->k_norm, (float *)w->bq, (float *)w->bk, (float *)w->bv};
+        size_t n[] = {C, C, HS, HS, QD, KD, KD};
+        for (int i = 0; i < 7; i++) {
+            if (!v[i]) continue;
+            for (size_t j = 0; j < n[i]; j++)
+                v[i][j] = i < 4 ? 1.0f + 0.2f * rnd_unit() : 0.05f * rnd_unit();
+        }
+    }
+    float *fn = (float *)m->final_norm;
+    for (size_t j = 0; j < C; j++) fn[j] = 1.0f + 0.2f * rnd_unit();
+}
+
+/* The vocabulary folder: $KILN_VOCAB_DIR, $KILN_SHARED_DIR/testdata/tokenizer-vectors, or the
+ * source tree's ../shared/testdata/tokenizer-vectors (buf holds the built path). */
+static inline const char *gpu_vocab_dir(char *buf, size_t cap) {
+    const char *dir = getenv("KILN_VOCAB_DIR");
+    if (dir) return dir;
+    const char *env = getenv("KILN_SHARED_DIR");
+    if (env) snprintf(buf, cap, "%s/testdata/tokenizer-vectors", env);
+    else snprintf(buf, cap, "%s", KILN_SOURCE_DIR "/../shared/testdata/tokenizer-vectors");
+    return buf;
+}
+
+/* g_tmpdir = a new $TMPDIR/kiln-<tag>-XXXXXX. 1 on success (else says why). */
+static inline int gpu_make_tmpdir(const char *tag) {
+    const char *tmp = getenv("TMPDIR");
+    snprintf(g_tmpdir, sizeof g_tmpdir, "%s/kiln-%s-XXXXXX", tmp ? tmp : "/tmp", tag);
+    if (mkdtemp(g_tmpdir)) return 1;
+    fprintf(stderr, "FAIL: mkdtemp %s\n", g_tmpdir);
+    return 0;
+}
+
+#endif /* KILN_GPU_TEST_MODELS_H */
