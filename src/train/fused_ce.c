@@ -20,6 +20,19 @@
  * the row-wise work is cuda_fused_ce.cu, and the per-row loss, its check and the two sums
  * (O(S) scalars) are computed here on the host from the downloaded row statistics, with the
  * very code the CPU path runs (ce_row_losses, the lane-16 sum).
+ *
+ * Fast mode (kiln_cuda_ce_is_fast: the products are bf16 tensor-core GEMMs, not the CPU's
+ * bits) changes three things, each deterministic run to run (ce_pass2_fast):
+ *   - pass 1's row statistics come from a parallel kernel (a tree max, a fixed-order sum);
+ *   - the supervised rows are padded with zero rows to Sp, a multiple of 8 (when the padded
+ *     scratch still fits kiln_fused_ce_scratch_bytes), so the row count is never an odd
+ *     GEMM dimension (an odd K made cuBLASLt fall back to its align-1 kernels); the padding
+ *     rows have zero hidden states and zero gradient factors, so they add exact zeros;
+ *   - pass 2's two products are ONE matmul_backward per chunk: dh_acc(Sp,H) (+)= g @ W_chunk
+ *     and dW[c0:c0+n] += g^T @ hs, with the operands in the layouts the GEMMs take directly:
+ *     no transposes, no partial products, no adds (hT, gT, wpart, dpart and wT are not
+ *     allocated).
+ * The loss, its checks and the reductions are the auditable ones, from the fast statistics.
  */
 #include "fused_ce.h"
 
@@ -104,12 +117,16 @@ typedef struct ce_scratch {
 } ce_scratch;
 
 /* Carve the scratch regions from one block; returns the total bytes (0 on overflow). With
- * base NULL only sizes. Every region starts at a multiple of 64 bytes. */
-static size_t ce_layout(int64_t S, int64_t H, int64_t cn, int with_dh, int with_dw,
-                        uint8_t *base, ce_scratch *sc) {
+ * base NULL only sizes. Every region starts at a multiple of 64 bytes. Sp (>= S): the rows of
+ * hs, z and dh_acc (S except in fast mode's padding); lean: fast mode's pass 2, which needs
+ * none of hT, gT, wpart, dpart and wT (their pointers are NULL). The CPU and auditable layout
+ * is (S, S, ..., lean 0); a lean layout with Sp == S is a subset of it, hence never larger. */
+static size_t ce_layout(int64_t S, int64_t Sp, int64_t H, int64_t cn, int with_dh, int with_dw,
+                        int lean, uint8_t *base, ce_scratch *sc) {
     size_t total = 0;
     int ok = 1;
-    uint64_t uS = (uint64_t)S, uH = (uint64_t)H, uc = (uint64_t)cn;
+    if (Sp < S) return 0;
+    uint64_t uS = (uint64_t)S, uSp = (uint64_t)Sp, uH = (uint64_t)H, uc = (uint64_t)cn;
     uint64_t ones_n = uc > uS ? uc : uS;
 #define CE_REGION(field, type, count, want)                                                    \
     do {                                                                                       \
@@ -123,9 +140,11 @@ static size_t ce_layout(int64_t S, int64_t H, int64_t cn, int with_dh, int with_
         if (base && sc) sc->field = (want) ? (type *)(void *)(base + total) : NULL;            \
         if (kiln_add_overflow(total, bytes_, &total)) ok = 0;                                  \
     } while (0)
-    uint64_t SH, Sc, cH;
+    uint64_t SH, Sc, cH, SpH, Spc;
     if (kiln_mul_overflow_u64(uS, uH, &SH) || kiln_mul_overflow_u64(uS, uc, &Sc) ||
-        kiln_mul_overflow_u64(uc, uH, &cH) || SH > SIZE_MAX || Sc > SIZE_MAX || cH > SIZE_MAX)
+        kiln_mul_overflow_u64(uc, uH, &cH) || kiln_mul_overflow_u64(uSp, uH, &SpH) ||
+        kiln_mul_overflow_u64(uSp, uc, &Spc) || SpH > SIZE_MAX || Spc > SIZE_MAX ||
+        cH > SIZE_MAX)
         return 0;
     CE_REGION(idx, int64_t, uS, 1);
     CE_REGION(m, float, uS, 1);
@@ -133,14 +152,14 @@ static size_t ce_layout(int64_t S, int64_t H, int64_t cn, int with_dh, int with_
     CE_REGION(zt, float, uS, 1);
     CE_REGION(loss, float, uS, 1);
     CE_REGION(ones, float, ones_n, 1);
-    CE_REGION(hs, float, SH, 1);
-    CE_REGION(z, float, Sc, 1);
-    CE_REGION(hT, float, SH, with_dw);
-    CE_REGION(gT, float, Sc, with_dw);
-    CE_REGION(wpart, float, cH, with_dw);
-    CE_REGION(dh_acc, float, SH, with_dh);
-    CE_REGION(dpart, float, SH, with_dh);
-    CE_REGION(wT, float, cH, with_dh);
+    CE_REGION(hs, float, SpH, 1);
+    CE_REGION(z, float, Spc, 1);
+    CE_REGION(hT, float, SH, with_dw && !lean);
+    CE_REGION(gT, float, Sc, with_dw && !lean);
+    CE_REGION(wpart, float, cH, with_dw && !lean);
+    CE_REGION(dh_acc, float, SpH, with_dh);
+    CE_REGION(dpart, float, SH, with_dh && !lean);
+    CE_REGION(wT, float, cH, with_dh && !lean);
 #undef CE_REGION
     return ok ? total : 0;
 }
@@ -150,7 +169,7 @@ size_t kiln_fused_ce_scratch_bytes(int64_t S, int64_t H, int64_t V, int64_t chun
     if (S <= 0 || H <= 0 || V <= 0 || chunk < 0) return 0;
     int64_t cn = chunk == 0 ? KILN_FUSED_CE_DEFAULT_CHUNK : chunk;
     if (cn > V) cn = V;
-    return ce_layout(S, H, cn, with_dh, with_dw, NULL, NULL);
+    return ce_layout(S, S, H, cn, with_dh, with_dw, 0, NULL, NULL);
 }
 
 /* ---- helpers ------------------------------------------------------------------------------ */
@@ -199,9 +218,9 @@ static float lane_sum(const kiln_cpu_kernels *k, const float *v, const float *on
     return kiln_lane16_reduce(acc);
 }
 
-/* z(S, n) = hs(S, H) @ W[c0 : c0+n]^T with the backend's matmul. */
-static void chunk_logits(kiln_backend *be, const kiln_fused_ce_params *p, const float *hs,
-                         int64_t S, int64_t c0, int64_t n, size_t row_bytes, float *z) {
+/* The (n, H) tensor view of the weight rows [c0, c0+n). */
+static kiln_tensor weight_chunk(const kiln_fused_ce_params *p, int64_t c0, int64_t n,
+                                size_t row_bytes) {
     kiln_tensor wc;
     memset(&wc, 0, sizeof wc);
     wc.name = "fused_ce.weight_chunk";
@@ -211,6 +230,13 @@ static void chunk_logits(kiln_backend *be, const kiln_fused_ce_params *p, const 
     wc.shape[1] = p->H;
     wc.data = (const uint8_t *)p->weight + (size_t)c0 * row_bytes;
     wc.nbytes = (size_t)n * row_bytes;
+    return wc;
+}
+
+/* z(S, n) = hs(S, H) @ W[c0 : c0+n]^T with the backend's matmul. */
+static void chunk_logits(kiln_backend *be, const kiln_fused_ce_params *p, const float *hs,
+                         int64_t S, int64_t c0, int64_t n, size_t row_bytes, float *z) {
+    kiln_tensor wc = weight_chunk(p, c0, n, row_bytes);
     be->i->matmul(be, z, hs, &wc, NULL, (int)S);
 }
 
@@ -313,6 +339,40 @@ static float host_sum16(const float *v, int64_t n) {
 
 /* ---- the op on the CUDA backend ----------------------------------------------------------- */
 
+/* Fast mode's rows: S rounded up to a multiple of 8 when the lean layout with them fits the
+ * documented bound kiln_fused_ce_scratch_bytes (always but for tiny H and chunk), else S.
+ * Only pass 2 has products with the rows as an inner dimension, so without dh and dW: S. */
+static int64_t ce_fast_rows(int64_t S, int64_t H, int64_t cn, int with_dh, int with_dw) {
+    if (!with_dh && !with_dw) return S;
+    const int64_t Sp = (S + 7) & ~(int64_t)7;
+    if (Sp > INT32_MAX) return S; /* the products take an int row count */
+    size_t bound = ce_layout(S, S, H, cn, with_dh, with_dw, 0, NULL, NULL);
+    size_t padded = ce_layout(S, Sp, H, cn, with_dh, with_dw, 1, NULL, NULL);
+    return padded != 0 && padded <= bound ? Sp : S;
+}
+
+/* Fast mode's pass 2 (device memory; hs has Sp rows, rows S..Sp-1 zero): per chunk the
+ * logits of the S rows, g in place with its padding rows zeroed, then one matmul_backward:
+ *   dh_acc(Sp, H) = g(Sp, n) @ W_chunk(n, H)      (the first chunk overwrites, later ones add)
+ *   dW[c0 : c0+n] += g^T @ hs(Sp, H)
+ * A failed product poisons the backend: the next kernel entry returns it, or else the
+ * caller's final kiln_backend_status (no synchronisation here). */
+static kiln_status ce_pass2_fast(kiln_backend *be, const kiln_fused_ce_params *p,
+                                 const ce_scratch *sc, int64_t S, int64_t Sp, int64_t cn,
+                                 const int32_t *d_tgt, float gs, size_t row_bytes) {
+    const int64_t H = p->H, V = p->V;
+    for (int64_t c0 = 0; c0 < V; c0 += cn) {
+        int64_t n = V - c0 < cn ? V - c0 : cn;
+        chunk_logits(be, p, sc->hs, S, c0, n, row_bytes, sc->z);
+        KILN_TRY(kiln_cuda_ce_grad_fast(be, sc->z, S, Sp, n, c0, d_tgt, sc->m, sc->l, gs));
+        kiln_tensor wc = weight_chunk(p, c0, n, row_bytes);
+        be->i->matmul_backward(be, p->dhidden ? sc->dh_acc : NULL,
+                               p->dweight ? p->dweight + c0 * H : NULL, NULL, sc->z, sc->hs,
+                               &wc, (int)Sp, c0 > 0);
+    }
+    return KILN_OK;
+}
+
 /* As kiln_fused_ce's CPU body, for S >= 1 validated supervised rows and chunk cn: hidden,
  * weight and the outputs are device memory, targets and mask host memory. The scratch is one
  * kiln_backend_alloc block with ce_layout's regions (so kiln_fused_ce_scratch_bytes bounds it),
@@ -322,6 +382,7 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     const int64_t N = p->N, H = p->H, V = p->V;
     const int with_dh = p->dhidden != NULL, with_dw = p->dweight != NULL;
     const int bf16 = p->weight_dtype == KILN_DTYPE_BF16;
+    const int fast = kiln_cuda_ce_is_fast(be);
     if (!kiln_cuda_train_is_device(p->hidden) || !kiln_cuda_train_is_device(p->weight) ||
         (p->dhidden && !kiln_cuda_train_is_device(p->dhidden)) ||
         (p->dweight && !kiln_cuda_train_is_device(p->dweight)) ||
@@ -332,7 +393,9 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
                           "fused_ce: on the CUDA backend hidden, weight, dhidden, dweight, "
                           "row_loss and row_stats must be device memory (targets and mask stay "
                           "host memory)");
-    size_t bytes = ce_layout(S, H, cn, with_dh, with_dw, NULL, NULL);
+    /* fast: Sp padded rows and the lean layout (<= the auditable one, the documented bound) */
+    const int64_t Sp = fast ? ce_fast_rows(S, H, cn, with_dh, with_dw) : S;
+    size_t bytes = ce_layout(S, Sp, H, cn, with_dh, with_dw, fast, NULL, NULL);
     if (bytes == 0) return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: scratch size overflows");
     /* host: positions, targets, then m, l, zt, loss of the rows */
     int64_t *hidx = kiln_malloc((size_t)S * sizeof(int64_t));
@@ -354,7 +417,7 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
         goto done;
     }
     ce_scratch sc;
-    ce_layout(S, H, cn, with_dh, with_dw, block, &sc);
+    ce_layout(S, Sp, H, cn, with_dh, with_dw, fast, block, &sc);
     int32_t *d_tgt = (int32_t *)(void *)sc.ones;
     const size_t row_bytes = (size_t)H * (bf16 ? 2 : 4);
     for (int64_t n = 0, i = 0; n < N; n++) {
@@ -366,13 +429,19 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     CE_DEV(kiln_backend_upload(be, sc.idx, hidx, (size_t)S * sizeof(int64_t)));
     CE_DEV(kiln_backend_upload(be, d_tgt, htgt, (size_t)S * sizeof(int32_t)));
     CE_DEV(kiln_cuda_ce_gather(be, sc.hs, p->hidden, sc.idx, S, H));
+    if (Sp > S) /* fast mode's padding rows: zero hidden states */
+        CE_DEV(kiln_cuda_train_memset(be, sc.hs + S * H, 0,
+                                      (size_t)(Sp - S) * (size_t)H * sizeof(float)));
     CE_DEV(kiln_cuda_ce_init_rows(be, sc.m, sc.l, sc.zt, p->row_stats_in, sc.idx, S));
 
     /* Pass 1 (skipped with row_stats_in). */
     for (int64_t c0 = 0; !p->row_stats_in && c0 < V; c0 += cn) {
         int64_t n = V - c0 < cn ? V - c0 : cn;
         chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
-        CE_DEV(kiln_cuda_ce_pass1(be, sc.z, S, n, c0, d_tgt, sc.m, sc.l, sc.zt));
+        if (fast)
+            CE_DEV(kiln_cuda_ce_pass1_fast(be, sc.z, S, n, c0, d_tgt, sc.m, sc.l, sc.zt));
+        else
+            CE_DEV(kiln_cuda_ce_pass1(be, sc.z, S, n, c0, d_tgt, sc.m, sc.l, sc.zt));
     }
     if (p->row_stats_out)
         CE_DEV(kiln_cuda_ce_stats_out(be, p->row_stats_out, sc.m, sc.l, sc.zt, sc.idx, S));
@@ -386,7 +455,9 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     ce_reduce(p, hloss, host_sum16(hloss, S), S, &loss, &gs, &loss64);
 
     /* Pass 2. */
-    if (with_dh || with_dw) {
+    if (fast && (with_dh || with_dw))
+        CE_DEV(ce_pass2_fast(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
+    if (!fast && (with_dh || with_dw)) {
         if (with_dw) CE_DEV(kiln_cuda_ce_transpose(be, sc.hT, sc.hs, 0, S, H));
         if (with_dh)
             CE_DEV(kiln_cuda_train_memset(be, sc.dh_acc, 0, (size_t)S * (size_t)H * sizeof(float)));
@@ -470,14 +541,14 @@ kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
     if (is_cuda(be)) return ce_device(be, p, S, cn, out);
     const int with_dh = p->dhidden != NULL, with_dw = p->dweight != NULL;
     ce_scratch sc;
-    size_t bytes = ce_layout(S, H, cn, with_dh, with_dw, NULL, NULL);
+    size_t bytes = ce_layout(S, S, H, cn, with_dh, with_dw, 0, NULL, NULL);
     if (bytes == 0) return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: scratch size overflows");
     uint8_t *block = kiln_malloc(bytes);
     if (!block)
         return kiln_error(KILN_ERR_NOMEM, "fused_ce: out of memory for %zu bytes of scratch "
                           "(%lld supervised rows x chunk %lld)", bytes, (long long)S,
                           (long long)cn);
-    ce_layout(S, H, cn, with_dh, with_dw, block, &sc);
+    ce_layout(S, S, H, cn, with_dh, with_dw, 0, block, &sc);
 
     const kiln_cpu_kernels *k = kernels_of(be);
     const size_t row_bytes = (size_t)H * (p->weight_dtype == KILN_DTYPE_BF16 ? 2 : 4);

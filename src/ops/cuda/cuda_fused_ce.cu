@@ -8,6 +8,17 @@
  *   - the sum of exponentials: the lane-16 sum (one half-warp per row, lane j walking
  *     j, j+16, ... with fmaf(e, 1, acc), then the fixed tree), i.e. the CPU's dot with ones;
  *   - g, the transposes, the adds and the gathers/scatters are one thread per element.
+ *
+ * Fast mode (kiln_cuda_is_fast; fused_ce.c picks the *_fast entry points) replaces two of
+ * them and keeps every other piece above:
+ *   - pass 1 (pass1_fast_kernel): one block of CE_FAST_THREADS threads per row. The max is a
+ *     tree (exact: a max never rounds); the sum of kiln_expf(z - m_new) has its own fixed
+ *     order, written down at the kernel. Run to run the bits are the same; against auditable
+ *     mode only the order of the sum differs (the max, kiln_expf, alpha and the update of l
+ *     are the same operations);
+ *   - g (grad_fast_kernel): the same operations as grad_kernel per element, on a 2-D grid
+ *     (no 64-bit division per element), and zero rows from S to the padded row count, so the
+ *     products see a row count that is a multiple of 8 (fused_ce.c, ce_pass2_fast).
  */
 #include "cuda_common.cuh"
 
@@ -248,4 +259,116 @@ extern "C" kiln_status kiln_cuda_ce_add(kiln_backend *be, float *x, const float 
     if (n == 0) return KILN_OK;
     ce_add_kernel<<<ce_grid((int64_t)n, 256), 256, 0, kiln_cuda_stream(be)>>>(x, y, n);
     return ce_launched(be, "fused_ce add");
+}
+
+/* ---- fast mode ------------------------------------------------------------------------------ */
+
+extern "C" bool kiln_cuda_ce_is_fast(kiln_backend *be) { return kiln_cuda_is_fast(be); }
+
+#define CE_FAST_THREADS 256
+#define CE_FAST_WARPS (CE_FAST_THREADS / 32)
+static_assert(CE_FAST_THREADS % 32 == 0 && CE_FAST_WARPS <= 32, "whole warps, one smem slot each");
+
+/* Pass 1 on one chunk, one block per row (rows grid-strided). Order, fixed for a given n:
+ *   max:  thread t takes fmaxf over z[j], j = t, t + 256, ...; warps combine by the xor
+ *         butterfly (16, 8, 4, 2, 1), then warp 0's lane 0 takes the 8 warp maxima in order;
+ *         a max is exact, so only NaN (ignored by fmaxf; a NaN logit still makes the sum, hence
+ *         the loss, NaN and the call fails as in auditable mode) and the sign of a zero max
+ *         could depend on it, and neither changes exp(z - m);
+ *   m_new = bm > m ? bm : m (as auditable);
+ *   sum:  thread t: acc = 0, acc = acc + kiln_expf(z[j] - m_new) for j = t, t + 256, ...
+ *         ascending; each warp sums its 32 accumulators by the xor butterfly (offsets 16, 8,
+ *         4, 2, 1: both lanes of a pair compute a + b, the same bits); then
+ *         csum = ((w0 + w1) + w2) + ... + w7 over the warp sums in warp order;
+ *   l = l * alpha + csum, alpha = kiln_expf(m - m_new), zt = z[t] (as auditable). */
+static __global__ void __launch_bounds__(CE_FAST_THREADS)
+pass1_fast_kernel(const float *__restrict__ z, int64_t S, int64_t n, int64_t c0,
+                  const int32_t *__restrict__ tgt, float *m, float *l, float *zt) {
+    __shared__ float part[CE_FAST_WARPS];
+    __shared__ float bcast;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int64_t i = blockIdx.x; i < S; i += gridDim.x) { /* uniform per block */
+        const float *zr = z + i * n;
+        float bm = -INFINITY;
+#pragma unroll 4
+        for (int64_t j = tid; j < n; j += CE_FAST_THREADS) bm = fmaxf(bm, zr[j]);
+        for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, o));
+        if (lane == 0) part[warp] = bm;
+        __syncthreads();
+        const float mi = m[i];
+        if (tid == 0) {
+            float b = part[0];
+            for (int w = 1; w < CE_FAST_WARPS; w++) b = fmaxf(b, part[w]);
+            bcast = b > mi ? b : mi;
+        }
+        __syncthreads();
+        const float m_new = bcast;
+        float acc = 0.0f;
+#pragma unroll 4
+        for (int64_t j = tid; j < n; j += CE_FAST_THREADS) acc = acc + kiln_expf(zr[j] - m_new);
+        for (int o = 16; o > 0; o >>= 1) acc = acc + __shfl_xor_sync(0xffffffffu, acc, o);
+        __syncthreads(); /* every thread has read bcast and part (max) before part is reused */
+        if (lane == 0) part[warp] = acc;
+        __syncthreads();
+        if (tid == 0) {
+            float csum = part[0];
+            for (int w = 1; w < CE_FAST_WARPS; w++) csum = csum + part[w];
+            const int64_t t = (int64_t)tgt[i] - c0;
+            if (t >= 0 && t < n) zt[i] = zr[t];
+            const float alpha = kiln_expf(mi - m_new); /* first chunk: exp(-inf) = 0 */
+            l[i] = l[i] * alpha + csum;
+            m[i] = m_new;
+        }
+        __syncthreads(); /* part and bcast are rewritten for the next row */
+    }
+}
+
+extern "C" kiln_status kiln_cuda_ce_pass1_fast(kiln_backend *be, const float *z, int64_t S,
+                                               int64_t n, int64_t c0, const int32_t *tgt,
+                                               float *m, float *l, float *zt) {
+    CE_BEGIN(be);
+    if (S <= 0 || n <= 0) return KILN_OK;
+    const unsigned blocks = (unsigned)(S < (1 << 20) ? S : (1 << 20));
+    pass1_fast_kernel<<<blocks, CE_FAST_THREADS, 0, kiln_cuda_stream(be)>>>(z, S, n, c0, tgt, m,
+                                                                            l, zt);
+    return ce_launched(be, "fused_ce pass 1 (fast)");
+}
+
+/* g in place for rows [0, S) of z(Sp, n) (grad_kernel's operations per element), zeros in rows
+ * [S, Sp). Grid: x over the columns, y over the rows (both grid-strided). */
+static __global__ void __launch_bounds__(CE_FAST_THREADS)
+grad_fast_kernel(float *z, int64_t S, int64_t Sp, int64_t n, int64_t c0,
+                 const int32_t *__restrict__ tgt, const float *__restrict__ m,
+                 const float *__restrict__ l, float gs) {
+    const int64_t j0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t js = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = blockIdx.y; i < Sp; i += gridDim.y) {
+        float *zr = z + i * n;
+        if (i >= S) {
+            for (int64_t j = j0; j < n; j += js) zr[j] = 0.0f;
+            continue;
+        }
+        const float mi = m[i], li = l[i];
+        const int64_t t = (int64_t)tgt[i] - c0;
+        for (int64_t j = j0; j < n; j += js) {
+            const float e = kiln_expf(zr[j] - mi);
+            zr[j] = j == t ? ((e / li) - 1.0f) * gs : (e / li) * gs;
+        }
+    }
+}
+
+extern "C" kiln_status kiln_cuda_ce_grad_fast(kiln_backend *be, float *z, int64_t S, int64_t Sp,
+                                              int64_t n, int64_t c0, const int32_t *tgt,
+                                              const float *m, const float *l, float gs) {
+    CE_BEGIN(be);
+    if (Sp < S)
+        return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG,
+                              "fused_ce gradient (fast): padded rows %lld < rows %lld",
+                              (long long)Sp, (long long)S);
+    if (Sp <= 0 || n <= 0) return KILN_OK;
+    const int64_t gx = (n + CE_FAST_THREADS - 1) / CE_FAST_THREADS;
+    const dim3 grid((unsigned)(gx < 65535 ? gx : 65535), (unsigned)(Sp < 65535 ? Sp : 65535));
+    grad_fast_kernel<<<grid, CE_FAST_THREADS, 0, kiln_cuda_stream(be)>>>(z, S, Sp, n, c0, tgt, m,
+                                                                         l, gs);
+    return ce_launched(be, "fused_ce gradient (fast)");
 }

@@ -107,6 +107,22 @@ kiln_status kiln_cuda_ce_add(kiln_backend *be, float *x, const float *y, size_t 
 kiln_status kiln_cuda_ce_scatter_rows(kiln_backend *be, float *dst, const float *src,
                                       const int64_t *idx, int64_t S, int64_t H, int accumulate);
 
+/* Fast mode (src/train/fused_ce.c runs these when kiln_cuda_ce_is_fast(be); the order of
+ * operations is written down in cuda_fused_ce.cu). */
+/* Whether be runs the fast arithmetic (kiln_backend_cuda_create_mode(device, 1)). */
+bool kiln_cuda_ce_is_fast(kiln_backend *be);
+/* kiln_cuda_ce_pass1 with one block per row: the max is a tree, the sum of the kiln_expf
+ * values a fixed order of its own (deterministic; not the lane-16 sum). */
+kiln_status kiln_cuda_ce_pass1_fast(kiln_backend *be, const float *z, int64_t S, int64_t n,
+                                    int64_t c0, const int32_t *tgt, float *m, float *l,
+                                    float *zt);
+/* kiln_cuda_ce_grad on rows [0, S) of z(Sp, n) (the same operations per element), and rows
+ * [S, Sp) set to 0 (the padding rows of the products). Sp >= S. */
+kiln_status kiln_cuda_ce_grad_fast(kiln_backend *be, float *z, int64_t S, int64_t Sp, int64_t n,
+                                   int64_t c0, const int32_t *tgt, const float *m,
+                                   const float *l, float gs);
+
+
 #ifdef __cplusplus
 }
 #endif

@@ -84,6 +84,23 @@ kiln_status kiln_cuda_ce_scatter_rows(kiln_backend *be, float *dst, const float 
     (void)be; (void)dst; (void)src; (void)idx; (void)S; (void)H; (void)accumulate;
     return no_cuda("kiln_cuda_ce_scatter_rows");
 }
+bool kiln_cuda_ce_is_fast(kiln_backend *be) {
+    (void)be;
+    return false;
+}
+kiln_status kiln_cuda_ce_pass1_fast(kiln_backend *be, const float *z, int64_t S, int64_t n,
+                                    int64_t c0, const int32_t *tgt, float *m, float *l,
+                                    float *zt) {
+    (void)be; (void)z; (void)S; (void)n; (void)c0; (void)tgt; (void)m; (void)l; (void)zt;
+    return no_cuda("kiln_cuda_ce_pass1_fast");
+}
+kiln_status kiln_cuda_ce_grad_fast(kiln_backend *be, float *z, int64_t S, int64_t Sp, int64_t n,
+                                   int64_t c0, const int32_t *tgt, const float *m,
+                                   const float *l, float gs) {
+    (void)be; (void)z; (void)S; (void)Sp; (void)n; (void)c0; (void)tgt; (void)m; (void)l;
+    (void)gs;
+    return no_cuda("kiln_cuda_ce_grad_fast");
+}
 #else
 typedef int kiln_cuda_train_stub_unused; /* ISO C wants a non-empty translation unit */
 #endif

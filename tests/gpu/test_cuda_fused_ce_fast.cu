@@ -1,0 +1,419 @@
+/*
+ * test_cuda_fused_ce_fast.cu -- the fused linear cross-entropy (kiln_fused_ce) on the CUDA
+ * backend's FAST mode against the same call on the auditable CUDA backend (whose bits are the
+ * CPU's: tests/gpu/test_cuda_train_ops.cu), and against itself.
+ *
+ * Cases: N in {1, 7, 2047, 2048} x H in {64, 576, 896} x V in {1000, 49152}, weights f32 and
+ * bf16 (alternating), MEAN and SUM, dhidden overwritten (poisoned with NaN first) or
+ * accumulated, dweight accumulated, targets -1 mixed in (every 5th row; for N = 2048 only the
+ * last row, which gives the odd S = 2047 of a shifted training sequence), one case with a
+ * mask, and extra cases with chunk 300 (several chunks of a width not a multiple of 8).
+ * Per case:
+ *   - the fast call runs three times: twice in full (row_stats_out), once with row_stats_in
+ *     from the first: all three give the same bits (loss, loss_f64, row_loss, row_stats,
+ *     dhidden, dweight);
+ *   - against the auditable call: the loss within a relative 1e-2, and row_loss, dhidden and
+ *     the dweight gradient (output minus its initial value) within a norm-wise relative error
+ *     ||fast - aud|| / ||aud|| <= 1e-2 (bf16 operands: 2^-8 per rounding; the measured figures
+ *     are printed); row_stats' max logit and target logit norm-wise within 1e-2;
+ *   - exact properties: every output element finite, unsupervised rows of row_loss and of an
+ *     overwritten dhidden exactly 0, an accumulated dhidden's unsupervised rows untouched;
+ *     n_supervised equal; scratch_bytes <= kiln_fused_ce_scratch_bytes.
+ * One line per case ("fused_ce fast ... err loss 3.1e-4 row 2.0e-3 dh 2.5e-3 dW 2.7e-3 OK"),
+ * then "ALL OK" or "FAILED n".
+ *
+ * Usage: test_cuda_fused_ce_fast [--quick] [--seed N]   (--quick: V 49152 cases skipped).
+ * Exit 0 all OK, 1 on a failure, 77 without a GPU (after the host-side checks of the error
+ * measure itself).
+ */
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+extern "C" {
+#include "base/tensor.h"
+#include "ops/ops.h"
+#include "train/fused_ce.h"
+}
+
+static int g_fail = 0;
+static uint64_t g_rng = 0xf00dull;
+
+static uint64_t rnd64() {
+    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static float rndu() { return (float)((rnd64() >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f; }
+
+#define FAIL(...)                                                                              \
+    do {                                                                                       \
+        g_fail++;                                                                              \
+        fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                                   \
+        fprintf(stderr, __VA_ARGS__);                                                          \
+        fputc('\n', stderr);                                                                   \
+    } while (0)
+
+#define OK_OR_FAIL(expr)                                                                       \
+    do {                                                                                       \
+        kiln_status s_ = (expr);                                                               \
+        if (s_ != KILN_OK) FAIL("%s: %s: %s", #expr, kiln_status_string(s_), kiln_last_error()); \
+    } while (0)
+
+static const double kTol = 1e-2; /* norm-wise relative, bf16 products */
+
+/* ||a - b|| / ||b|| over n elements, with a[i] - a0[i] and b[i] - a0[i] when a0 is given (the
+ * gradient part of an accumulated output); 0 when both are 0; +inf when a non-finite value
+ * appears in a. *worst: the index of the largest |difference|. */
+static double norm_err(const float *a, const float *b, const float *a0, size_t n, size_t *worst) {
+    double num = 0.0, den = 0.0, big = -1.0;
+    *worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        double x = a[i], y = b[i];
+        if (!std::isfinite(x)) {
+            *worst = i;
+            return INFINITY;
+        }
+        if (a0) {
+            x -= a0[i];
+            y -= a0[i];
+        }
+        double d = x - y;
+        num += d * d;
+        den += y * y;
+        if (std::fabs(d) > big) {
+            big = std::fabs(d);
+            *worst = i;
+        }
+    }
+    if (num == 0.0) return 0.0;
+    return den > 0.0 ? std::sqrt(num / den) : INFINITY;
+}
+
+/* The measure itself (runs without a GPU): equal arrays 0, a known relative perturbation
+ * measured as such, a NaN infinite, the accumulated form subtracting a0. */
+static void check_norm_err() {
+    std::vector<float> a(1000), b(1000), a0(1000);
+    for (size_t i = 0; i < a.size(); i++) {
+        b[i] = rndu();
+        a0[i] = 100.0f * rndu();
+        a[i] = b[i];
+    }
+    size_t w;
+    if (norm_err(a.data(), b.data(), nullptr, a.size(), &w) != 0.0) FAIL("norm_err: equal != 0");
+    for (size_t i = 0; i < a.size(); i++) a[i] = b[i] * 1.001f;
+    double e = norm_err(a.data(), b.data(), nullptr, a.size(), &w);
+    if (!(e > 0.9e-3 && e < 1.1e-3)) FAIL("norm_err: 1e-3 perturbation measured %g", e);
+    a[17] = NAN;
+    if (!std::isinf(norm_err(a.data(), b.data(), nullptr, a.size(), &w)) || w != 17)
+        FAIL("norm_err: NaN not caught");
+    std::vector<float> ga(1000), gb(1000);
+    for (size_t i = 0; i < a.size(); i++) {
+        ga[i] = a0[i] + 2.0f * b[i];
+        gb[i] = a0[i] + b[i]; /* gradient part differs by a factor 2: error 1 */
+    }
+    e = norm_err(ga.data(), gb.data(), a0.data(), ga.size(), &w);
+    if (!(e > 0.99 && e < 1.01)) FAIL("norm_err: accumulated form measured %g, want 1", e);
+}
+
+static void *dalloc(kiln_backend *be, size_t n) {
+    void *p = kiln_backend_alloc(be, n);
+    if (!p) {
+        fprintf(stderr, "device allocation of %zu bytes failed: %s\n", n, kiln_last_error());
+        exit(1);
+    }
+    return p;
+}
+
+struct CeCase {
+    int64_t N, H, V, chunk;
+    kiln_dtype dt;
+    kiln_ce_reduction red;
+    int accumulate; /* dhidden += (else overwritten) */
+    int masked;
+};
+
+/* One backend's device copies of the inputs and outputs of a case. */
+struct Side {
+    kiln_backend *be = nullptr;
+    float *hidden = nullptr, *dh = nullptr, *dw = nullptr, *rl = nullptr, *rs = nullptr;
+    void *w = nullptr;
+    void init(kiln_backend *b, const std::vector<float> &h, const std::vector<uint8_t> &wt,
+              int64_t N, int64_t H, int64_t V) {
+        be = b;
+        hidden = (float *)dalloc(be, h.size() * 4);
+        w = dalloc(be, wt.size());
+        dh = (float *)dalloc(be, (size_t)N * H * 4);
+        dw = (float *)dalloc(be, (size_t)V * H * 4);
+        rl = (float *)dalloc(be, (size_t)N * 4);
+        rs = (float *)dalloc(be, (size_t)N * 12);
+        OK_OR_FAIL(kiln_backend_upload(be, hidden, h.data(), h.size() * 4));
+        OK_OR_FAIL(kiln_backend_upload(be, w, wt.data(), wt.size()));
+    }
+    void release() {
+        for (void *p : {(void *)hidden, w, (void *)dh, (void *)dw, (void *)rl, (void *)rs})
+            if (p) kiln_backend_free_buf(be, p);
+    }
+};
+
+/* Host copies of one call's outputs. */
+struct Outs {
+    kiln_fused_ce_result r;
+    std::vector<float> dh, dw, rl, rs;
+};
+
+/* Reset the outputs (dh: dh0, or NaN when overwritten; dW: dw0; row_loss and, unless
+ * keep_stats, row_stats NaN), run the call, download everything. */
+static bool run_side(Side &s, const kiln_fused_ce_params &base, const CeCase &c,
+                     const std::vector<float> &dh0, const std::vector<float> &dw0, bool stats_in,
+                     Outs &o, const char *tag) {
+    const int64_t N = c.N, H = c.H, V = c.V;
+    std::vector<float> nan_n((size_t)N, NAN), nan_rs((size_t)N * 3, NAN);
+    std::vector<float> nan_dh((size_t)N * H, NAN);
+    OK_OR_FAIL(kiln_backend_upload(s.be, s.dh, c.accumulate ? dh0.data() : nan_dh.data(),
+                                   dh0.size() * 4));
+    OK_OR_FAIL(kiln_backend_upload(s.be, s.dw, dw0.data(), dw0.size() * 4));
+    OK_OR_FAIL(kiln_backend_upload(s.be, s.rl, nan_n.data(), (size_t)N * 4));
+    if (!stats_in) OK_OR_FAIL(kiln_backend_upload(s.be, s.rs, nan_rs.data(), (size_t)N * 12));
+    kiln_fused_ce_params p = base;
+    p.hidden = s.hidden;
+    p.weight = s.w;
+    p.dhidden = s.dh;
+    p.dweight = s.dw;
+    p.row_loss = s.rl;
+    p.row_stats_out = stats_in ? nullptr : s.rs;
+    p.row_stats_in = stats_in ? s.rs : nullptr;
+    memset(&o.r, 0xab, sizeof o.r);
+    kiln_status st = kiln_fused_ce(s.be, &p, &o.r);
+    if (st != KILN_OK) {
+        FAIL("%s: kiln_fused_ce: %s: %s", tag, kiln_status_string(st), kiln_last_error());
+        return false;
+    }
+    o.dh.resize((size_t)N * H);
+    o.dw.resize((size_t)V * H);
+    o.rl.resize((size_t)N);
+    o.rs.resize((size_t)N * 3);
+    OK_OR_FAIL(kiln_backend_download(s.be, o.dh.data(), s.dh, o.dh.size() * 4));
+    OK_OR_FAIL(kiln_backend_download(s.be, o.dw.data(), s.dw, o.dw.size() * 4));
+    OK_OR_FAIL(kiln_backend_download(s.be, o.rl.data(), s.rl, o.rl.size() * 4));
+    OK_OR_FAIL(kiln_backend_download(s.be, o.rs.data(), s.rs, o.rs.size() * 4));
+    return true;
+}
+
+/* Same bytes; names the first differing element. */
+static bool same_bytes(const std::vector<float> &a, const std::vector<float> &b, const char *what,
+                       const char *tag) {
+    if (a.size() == b.size() && memcmp(a.data(), b.data(), a.size() * 4) == 0) return true;
+    size_t i = 0;
+    while (i < a.size() && i < b.size() && memcmp(&a[i], &b[i], 4) == 0) i++;
+    FAIL("%s: %s not bit-identical between fast runs: element %zu: %.9g vs %.9g", tag, what, i,
+         i < a.size() ? (double)a[i] : 0.0, i < b.size() ? (double)b[i] : 0.0);
+    return false;
+}
+
+static void same_run(const Outs &a, const Outs &b, const char *which, const char *tag) {
+    char t[300];
+    snprintf(t, sizeof t, "%s (%s)", tag, which);
+    if (memcmp(&a.r.loss, &b.r.loss, 4) != 0 || memcmp(&a.r.loss_f64, &b.r.loss_f64, 8) != 0)
+        FAIL("%s: loss %.9g / %.17g vs %.9g / %.17g", t, (double)a.r.loss, a.r.loss_f64,
+             (double)b.r.loss, b.r.loss_f64);
+    same_bytes(a.dh, b.dh, "dhidden", t);
+    same_bytes(a.dw, b.dw, "dweight", t);
+    same_bytes(a.rl, b.rl, "row_loss", t);
+    same_bytes(a.rs, b.rs, "row_stats", t);
+}
+
+/* A norm-wise comparison against the auditable result; prints the worst element on failure. */
+static double cmp(const std::vector<float> &f, const std::vector<float> &a, const float *a0,
+                  const char *what, const char *tag) {
+    size_t w;
+    double e = norm_err(f.data(), a.data(), a0, f.size(), &w);
+    if (!(e <= kTol))
+        FAIL("%s: %s: norm-wise relative error %.3g > %.1g (worst element %zu: fast %.9g "
+             "auditable %.9g)", tag, what, e, kTol, w, (double)f[w], (double)a[w]);
+    return e;
+}
+
+static void test_case(kiln_backend *fast_be, kiln_backend *aud_be, const CeCase &c) {
+    const int fails0 = g_fail;
+    const int64_t N = c.N, H = c.H, V = c.V;
+    const int bf16 = c.dt == KILN_DTYPE_BF16;
+    /* logits of order 1: hidden in [-1, 1), weights in [-2, 2) / sqrt(H) */
+    const float wamp = 2.0f / std::sqrt((float)H);
+    std::vector<float> hidden((size_t)N * H);
+    for (auto &x : hidden) x = rndu();
+    std::vector<uint8_t> w((size_t)V * H * (bf16 ? 2 : 4));
+    for (int64_t e = 0; e < V * H; e++) {
+        float x = rndu() * wamp;
+        if (bf16) {
+            uint16_t b = kiln_fp32_to_bf16(x);
+            memcpy(w.data() + 2 * e, &b, 2);
+        } else {
+            memcpy(w.data() + 4 * e, &x, 4);
+        }
+    }
+    std::vector<int32_t> tg((size_t)N);
+    std::vector<uint8_t> mask((size_t)N, 1);
+    for (int64_t n = 0; n < N; n++) {
+        tg[n] = (int32_t)(rnd64() % (uint64_t)V);
+        if (N == 2048) {
+            if (n == N - 1) tg[n] = -1; /* a shifted sequence: S = 2047 */
+        } else if (n % 5 == 3) {
+            tg[n] = -1;
+        }
+        if (c.masked && n % 3 == 1) mask[n] = 0;
+    }
+    if (N == 1) tg[0] = (int32_t)(V - 1); /* the last column: the last chunk */
+    int64_t S = 0;
+    for (int64_t n = 0; n < N; n++) S += (mask[n] && tg[n] >= 0) ? 1 : 0;
+    /* initial dhidden (accumulate) and dweight: of the order of the gradients, so that an
+     * overwrite instead of an accumulation shows in the gradient part */
+    const float gscale = c.red == KILN_CE_REDUCTION_MEAN ? 1.0f / (float)S : 1.0f;
+    std::vector<float> dh0((size_t)N * H), dw0((size_t)V * H);
+    for (auto &x : dh0) x = rndu() * 1e-2f * gscale;
+    for (auto &x : dw0) x = rndu() * 1e-3f * gscale;
+
+    char tag[200];
+    snprintf(tag, sizeof tag, "fused_ce fast %s N=%lld H=%lld V=%lld chunk=%lld S=%lld %s%s%s",
+             bf16 ? "bf16" : "f32", (long long)N, (long long)H, (long long)V, (long long)c.chunk,
+             (long long)S, c.red == KILN_CE_REDUCTION_MEAN ? "MEAN" : "SUM",
+             c.masked ? " mask" : "", c.accumulate ? " dh+=" : " dh=");
+
+    kiln_fused_ce_params base = kiln_fused_ce_default_params();
+    base.N = N;
+    base.H = H;
+    base.V = V;
+    base.weight_dtype = c.dt;
+    base.targets = tg.data();
+    base.mask = c.masked ? mask.data() : nullptr;
+    base.reduction = c.red;
+    base.scale = 0.75f;
+    base.chunk = c.chunk;
+    base.dhidden_accumulate = c.accumulate;
+
+    Side fs, as;
+    fs.init(fast_be, hidden, w, N, H, V);
+    as.init(aud_be, hidden, w, N, H, V);
+    Outs f1, f2, f3, au;
+    bool ok = run_side(fs, base, c, dh0, dw0, false, f1, tag) &&
+              run_side(fs, base, c, dh0, dw0, false, f2, tag) &&
+              run_side(fs, base, c, dh0, dw0, true, f3, tag) &&
+              run_side(as, base, c, dh0, dw0, false, au, tag);
+    double e_loss = 0, e_rl = 0, e_dh = 0, e_dw = 0;
+    if (ok) {
+        same_run(f1, f2, "run 2", tag);
+        same_run(f1, f3, "row_stats_in", tag);
+        if (f1.r.n_supervised != S || au.r.n_supervised != S)
+            FAIL("%s: n_supervised fast %lld auditable %lld, want %lld", tag,
+                 (long long)f1.r.n_supervised, (long long)au.r.n_supervised, (long long)S);
+        size_t bound = kiln_fused_ce_scratch_bytes(S, H, V, c.chunk, 1, 1);
+        if (f1.r.scratch_bytes == 0 || f1.r.scratch_bytes > bound)
+            FAIL("%s: scratch_bytes %zu not in (0, kiln_fused_ce_scratch_bytes %zu]", tag,
+                 f1.r.scratch_bytes, bound);
+        e_loss = std::fabs((double)f1.r.loss - (double)au.r.loss) / std::fabs((double)au.r.loss);
+        if (!(e_loss <= kTol))
+            FAIL("%s: loss fast %.9g auditable %.9g (relative %.3g)", tag, (double)f1.r.loss,
+                 (double)au.r.loss, e_loss);
+        double e64 = std::fabs(f1.r.loss_f64 - au.r.loss_f64) / std::fabs(au.r.loss_f64);
+        if (!(e64 <= kTol)) FAIL("%s: loss_f64 relative error %.3g", tag, e64);
+        /* exact properties of the fast outputs */
+        for (int64_t n = 0; n < N; n++) {
+            bool sup = mask[n] && tg[n] >= 0;
+            if (!sup && f1.rl[n] != 0.0f) FAIL("%s: row_loss[%lld] = %g, want 0", tag, (long long)n, (double)f1.rl[n]);
+            for (int64_t k = 0; k < H && !sup; k++) {
+                float want = c.accumulate ? dh0[(size_t)n * H + k] : 0.0f;
+                float got = f1.dh[(size_t)n * H + k];
+                if (memcmp(&got, &want, 4) != 0) {
+                    FAIL("%s: dhidden[%lld][%lld] = %g at an unsupervised row, want %g", tag,
+                         (long long)n, (long long)k, (double)got, (double)want);
+                    break;
+                }
+            }
+        }
+        e_rl = cmp(f1.rl, au.rl, nullptr, "row_loss", tag);
+        e_dh = cmp(f1.dh, au.dh, c.accumulate ? dh0.data() : nullptr, "dhidden", tag);
+        e_dw = cmp(f1.dw, au.dw, dw0.data(), "dweight", tag);
+        /* row_stats of the supervised rows: max logit and target logit (the sum of
+         * exponentials is covered by row_loss) */
+        std::vector<float> fm, am;
+        for (int64_t n = 0; n < N; n++)
+            if (mask[n] && tg[n] >= 0) {
+                fm.push_back(f1.rs[(size_t)n * 3 + 0]);
+                fm.push_back(f1.rs[(size_t)n * 3 + 2]);
+                am.push_back(au.rs[(size_t)n * 3 + 0]);
+                am.push_back(au.rs[(size_t)n * 3 + 2]);
+            }
+        cmp(fm, am, nullptr, "row_stats (max, target logit)", tag);
+    }
+    fs.release();
+    as.release();
+    printf("%s: err loss %.2e row %.2e dh %.2e dW %.2e %s\n", tag, e_loss, e_rl, e_dh, e_dw,
+           g_fail == fails0 ? "OK" : "FAILED");
+    fflush(stdout);
+}
+
+int main(int argc, char **argv) {
+    bool quick = false;
+    for (int a = 1; a < argc; a++) {
+        if (!strcmp(argv[a], "--quick")) quick = true;
+        else if (!strcmp(argv[a], "--seed") && a + 1 < argc) g_rng = strtoull(argv[++a], 0, 10);
+        else {
+            fprintf(stderr, "usage: %s [--quick] [--seed N]\n", argv[0]);
+            return 2;
+        }
+    }
+    check_norm_err();
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+        printf("no GPU: skipped (%s)\n", g_fail ? "FAILED" : "host checks OK");
+        return g_fail ? 1 : 77;
+    }
+    kiln_backend *fast_be = nullptr, *aud_be = nullptr;
+    if (kiln_backend_cuda_create_mode(0, 1, &fast_be) != KILN_OK) {
+        printf("no usable GPU (%s): skipped\n", kiln_last_error());
+        return 77;
+    }
+    if (kiln_backend_cuda_create_mode(0, 0, &aud_be) != KILN_OK) {
+        printf("auditable backend: %s\n", kiln_last_error());
+        kiln_backend_free(fast_be);
+        return 1;
+    }
+    int k = 0;
+    for (int64_t V : {1000, 49152}) {
+        if (quick && V > 1000) continue;
+        for (int64_t N : {1, 7, 2047, 2048})
+            for (int64_t H : {64, 576, 896}) {
+                CeCase c = {N, H, V, 0, (k % 2) ? KILN_DTYPE_BF16 : KILN_DTYPE_F32,
+                            (k % 3 == 2) ? KILN_CE_REDUCTION_SUM : KILN_CE_REDUCTION_MEAN,
+                            (k / 2) % 2, k == 7};
+                k++;
+                test_case(fast_be, aud_be, c);
+            }
+    }
+    /* several chunks of widths 300 and 100 (not multiples of 8): the online rescaling */
+    for (int64_t N : {7, 2047}) {
+        CeCase c = {N, 64, 1000, 300, KILN_DTYPE_BF16, KILN_CE_REDUCTION_MEAN, 1, 0};
+        test_case(fast_be, aud_be, c);
+        c.dt = KILN_DTYPE_F32;
+        c.accumulate = 0;
+        c.masked = 1;
+        test_case(fast_be, aud_be, c);
+    }
+    OK_OR_FAIL(kiln_backend_status(fast_be));
+    OK_OR_FAIL(kiln_backend_status(aud_be));
+    kiln_backend_free(fast_be);
+    kiln_backend_free(aud_be);
+    if (g_fail) {
+        printf("FAILED %d\n", g_fail);
+        return 1;
+    }
+    printf("ALL OK\n");
+    return 0;
+}
