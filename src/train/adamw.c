@@ -62,11 +62,14 @@ struct kiln_adamw {
     kiln_adamw_memory mem;
     /* device optimizer only (be != NULL): */
     kiln_backend *be;
-    void *dev_scratch;             /* one device block holding the four below */
+    void *dev_scratch;             /* one device block holding the four below and the plan's
+                                    * arrays */
     kiln_cuda_grad_entry *d_table; /* (n_params) {grad, n} */
     uint64_t *d_bad;               /* (n_params) lowest non-finite element */
     float *d_norms;                /* (n_params) per-tensor norms */
     float *d_out;                  /* (4) sq, total, coef */
+    kiln_cuda_norm_plan norm_plan; /* fast mode's chunked norm (cuda_train.h): chunk, first and
+                                    * partial in dev_scratch */
     int64_t max_n;                 /* largest parameter */
 };
 
@@ -396,20 +399,60 @@ kiln_status kiln_adamw_create_on(kiln_backend *be, const kiln_adamw_param *param
 
 /* ---- the device optimizer (CUDA backend): the host side of cuda_adamw.cu ---------------- */
 
+/* Upload fast mode's norm plan (cuda_train.h): chunk (n_chunks entries) followed, at byte
+ * first_off of the same device block, by first (P + 1 entries). */
+static kiln_status dev_upload_norm_plan(kiln_adamw *o, uint8_t *dev, size_t first_off,
+                                        size_t bytes) {
+    const int P = o->n_params;
+    uint8_t *h = kiln_calloc(1, bytes);
+    if (!h) return kiln_error(KILN_ERR_NOMEM, "adamw: out of memory");
+    kiln_cuda_norm_chunk *chunk = (kiln_cuda_norm_chunk *)(void *)h;
+    int32_t *first = (int32_t *)(void *)(h + first_off);
+    int32_t c = 0;
+    for (int i = 0; i < P; i++) {
+        first[i] = c;
+        const int64_t k = (o->p[i].n + KILN_CUDA_NORM_CHUNK - 1) / KILN_CUDA_NORM_CHUNK;
+        for (int64_t j = 0; j < k; j++, c++) {
+            chunk[c].param = i;
+            chunk[c].index = (int32_t)j;
+        }
+    }
+    first[P] = c;
+    kiln_status st = kiln_backend_upload(o->be, dev, h, bytes);
+    kiln_free(h);
+    return st;
+}
+
 static kiln_status dev_init(kiln_adamw *o, size_t state_bytes) {
     kiln_backend *be = o->be;
     const int P = o->n_params;
-    /* scratch: table, bad, norms, out, each 64-aligned */
+    int64_t n_chunks = 0;
+    for (int i = 0; i < P; i++)
+        n_chunks += (o->p[i].n + KILN_CUDA_NORM_CHUNK - 1) / KILN_CUDA_NORM_CHUNK;
+    if (n_chunks > INT32_MAX)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "adamw: %lld norm chunks on the device",
+                          (long long)n_chunks);
+    /* scratch: table, bad, norms, out, then the norm plan's partial, chunk and first, each
+     * 64-aligned (the plan: 16 bytes per KILN_CUDA_NORM_CHUNK elements, 4 per parameter) */
     size_t tb = ((size_t)P * sizeof(kiln_cuda_grad_entry) + 63) & ~(size_t)63;
     size_t bb = ((size_t)P * sizeof(uint64_t) + 63) & ~(size_t)63;
     size_t nb = ((size_t)P * sizeof(float) + 63) & ~(size_t)63;
-    o->dev_scratch = kiln_backend_alloc(be, tb + bb + nb + 64);
+    size_t pb = ((size_t)n_chunks * sizeof(double) + 63) & ~(size_t)63;
+    size_t cb = ((size_t)n_chunks * sizeof(kiln_cuda_norm_chunk) + 63) & ~(size_t)63;
+    size_t fb = ((size_t)(P + 1) * sizeof(int32_t) + 63) & ~(size_t)63;
+    o->dev_scratch = kiln_backend_alloc(be, tb + bb + nb + 64 + pb + cb + fb);
     if (!o->dev_scratch) return kiln_error_prefix(KILN_ERR_NOMEM, "adamw: device scratch");
     uint8_t *base = o->dev_scratch;
     o->d_table = (kiln_cuda_grad_entry *)(void *)base;
     o->d_bad = (uint64_t *)(void *)(base + tb);
     o->d_norms = (float *)(void *)(base + tb + bb);
     o->d_out = (float *)(void *)(base + tb + bb + nb);
+    uint8_t *plan = base + tb + bb + nb + 64;
+    o->norm_plan.partial = (double *)(void *)plan;
+    o->norm_plan.chunk = (const kiln_cuda_norm_chunk *)(void *)(plan + pb);
+    o->norm_plan.first = (const int32_t *)(void *)(plan + pb + cb);
+    o->norm_plan.n_chunks = n_chunks;
+    KILN_TRY(dev_upload_norm_plan(o, plan + pb, cb, cb + fb));
     kiln_cuda_grad_entry *t = kiln_calloc((size_t)P, sizeof *t);
     if (!t) return kiln_error(KILN_ERR_NOMEM, "adamw: out of memory");
     o->max_n = 0;
@@ -960,8 +1003,8 @@ kiln_status kiln_adamw_grad_norm(const kiln_adamw *o, kiln_pool *pool, float *no
     if (!o) return kiln_error(KILN_ERR_INVALID_ARG, "adamw: optimizer is NULL");
     if (o->be) {
         float h[2];
-        KILN_TRY(kiln_cuda_adamw_norms(o->be, o->d_table, o->n_params, o->d_norms, o->d_out, 0,
-                                       0.0f));
+        KILN_TRY(kiln_cuda_adamw_norms(o->be, o->d_table, o->n_params, &o->norm_plan,
+                                       o->d_norms, o->d_out, 0, 0.0f));
         if (norms)
             KILN_TRY(kiln_backend_download(o->be, norms, o->d_norms,
                                            (size_t)o->n_params * sizeof(float)));
@@ -1003,8 +1046,8 @@ kiln_status kiln_adamw_clip_grads(kiln_adamw *o, kiln_pool *pool, double max_nor
         return kiln_error(KILN_ERR_INVALID_ARG, "adamw: max_norm %g must be finite and > 0",
                           max_norm);
     if (o->be) { /* the coefficient stays on the device between the norm and the scaling */
-        KILN_TRY(kiln_cuda_adamw_norms(o->be, o->d_table, o->n_params, o->d_norms, o->d_out, 1,
-                                       (float)max_norm));
+        KILN_TRY(kiln_cuda_adamw_norms(o->be, o->d_table, o->n_params, &o->norm_plan,
+                                       o->d_norms, o->d_out, 1, (float)max_norm));
         KILN_TRY(kiln_cuda_adamw_scale(o->be, o->d_table, o->n_params, o->max_n, o->d_out + 2));
         if (total_norm || coef) {
             float h[3];

@@ -7,7 +7,8 @@
  *     the CPU's `b > a` scan starting from 0, here mapped to 0), which has one answer in any
  *     order;
  *   - the gradient norm: torch's 8-lane order, each lane's chain sequential in one thread
- *     (the order is defined, so only the 8 lanes and the P tensors run in parallel);
+ *     (the order is defined, so only the 8 lanes and the P tensors run in parallel); in fast
+ *     mode (with a plan) a fixed chunked order in double instead, at memory bandwidth;
  *   - the lowest non-finite index: an atomicMin on integers (order-free).
  * Also the generic helpers of cuda_train.h (is_device, memset).
  */
@@ -269,6 +270,89 @@ static __global__ void __launch_bounds__(32) norms_kernel(const kiln_cuda_grad_e
     }
 }
 
+/* Fast mode (cuda_train.h's kiln_cuda_norm_plan). Stage 1: one block per chunk of
+ * KILN_CUDA_NORM_CHUNK elements. In step s of the chunk (NORM_STEP elements), thread t takes
+ * the quads at s + u * NORM_THREADS * 4 + 4 t for u = 0 .. NORM_UNROLL - 1 and adds their
+ * squares, element by element in index order, to its double acc (a float squared is exact in
+ * double, so only the additions round); elements past the end read as 0, which adds nothing
+ * (acc >= +0 or NaN). A 16-byte-aligned grad loads each whole quad as one float4, otherwise
+ * element by element: the same values in the same order, so the bits depend only on the
+ * gradient, not on its address. The threads' sums then go through norm_block_sum's fixed
+ * tree into partial[chunk]. Stage 2: one block per parameter, thread t summing partials
+ * first[p] + t, + t + NORM_THREADS, ... in order, the same tree, norms[p] = (float)sqrt. */
+#define NORM_THREADS 256
+#define NORM_QUADS 4 /* float4 loads in flight per thread and step */
+#define NORM_STEP (NORM_THREADS * 4 * NORM_QUADS)
+static_assert(KILN_CUDA_NORM_CHUNK % NORM_STEP == 0, "a chunk is whole steps");
+static_assert(NORM_THREADS % 32 == 0 && NORM_THREADS <= 1024, "whole warps");
+
+/* The block's sum of v in a fixed order: within each warp shuffles down by 16, 8, 4, 2, 1
+ * (lane 0 ends with its warp's sum), then thread 0 adds the warps' sums in warp order.
+ * Valid in thread 0 only. Every thread of the block must call it (one __syncthreads). */
+static __device__ __forceinline__ double norm_block_sum(double v, double *warp_sum) {
+#pragma unroll
+    for (int d = 16; d >= 1; d >>= 1) v = v + __shfl_down_sync(0xffffffffu, v, d);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_sum[warp] = v;
+    __syncthreads();
+    double s = 0.0;
+    if (threadIdx.x == 0) {
+        s = warp_sum[0];
+        for (int w = 1; w < NORM_THREADS / 32; w++) s = s + warp_sum[w];
+    }
+    return s;
+}
+
+static __global__ void __launch_bounds__(NORM_THREADS)
+norm_partial_kernel(const kiln_cuda_grad_entry *table, const kiln_cuda_norm_chunk *chunk,
+                    double *partial) {
+    __shared__ double warp_sum[NORM_THREADS / 32];
+    const kiln_cuda_norm_chunk ck = chunk[blockIdx.x];
+    const kiln_cuda_grad_entry t = table[ck.param];
+    const float *g = t.grad;
+    const int64_t c0 = (int64_t)ck.index * KILN_CUDA_NORM_CHUNK;
+    const int64_t end = t.n < c0 + KILN_CUDA_NORM_CHUNK ? t.n : c0 + KILN_CUDA_NORM_CHUNK;
+    const bool vec = ((uintptr_t)g & 15u) == 0; /* c0 and every quad start are multiples of 4 */
+    double acc = 0.0;
+    for (int64_t s = c0; s < end; s += NORM_STEP) {
+        float x[NORM_QUADS][4];
+#pragma unroll
+        for (int u = 0; u < NORM_QUADS; u++) {
+            const int64_t q = s + (int64_t)u * (NORM_THREADS * 4) + 4 * (int64_t)threadIdx.x;
+            if (vec && q + 4 <= end) {
+                const float4 v = __ldg((const float4 *)(g + q));
+                x[u][0] = v.x;
+                x[u][1] = v.y;
+                x[u][2] = v.z;
+                x[u][3] = v.w;
+            } else {
+#pragma unroll
+                for (int k = 0; k < 4; k++) x[u][k] = q + k < end ? g[q + k] : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_QUADS; u++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const double d = (double)x[u][k];
+                acc = acc + d * d;
+            }
+    }
+    const double sum = norm_block_sum(acc, warp_sum);
+    if (threadIdx.x == 0) partial[blockIdx.x] = sum;
+}
+
+static __global__ void __launch_bounds__(NORM_THREADS)
+norm_combine_kernel(const int32_t *first, const double *partial, float *norms) {
+    __shared__ double warp_sum[NORM_THREADS / 32];
+    const int p = blockIdx.x;
+    const int32_t b = first[p], e = first[p + 1];
+    double acc = 0.0;
+    for (int32_t c = b + (int32_t)threadIdx.x; c < e; c += NORM_THREADS) acc = acc + partial[c];
+    const double sum = norm_block_sum(acc, warp_sum);
+    if (threadIdx.x == 0) norms[p] = (float)sqrt(sum);
+}
+
 static __global__ void total_kernel(const float *norms, int P, float *out, int clip,
                                     float max_norm_f) {
     const float sq = kiln_adamw_sumsq8(norms, P);
@@ -279,13 +363,30 @@ static __global__ void total_kernel(const float *norms, int P, float *out, int c
 }
 
 extern "C" kiln_status kiln_cuda_adamw_norms(kiln_backend *be, const kiln_cuda_grad_entry *table,
-                                             int P, float *norms, float *out, int clip,
+                                             int P, const kiln_cuda_norm_plan *plan,
+                                             float *norms, float *out, int clip,
                                              float max_norm_f) {
     TR_BEGIN(be);
     if (P <= 0) return KILN_OK;
     cudaStream_t st = kiln_cuda_stream(be);
-    norms_kernel<<<(unsigned)P, 32, 0, st>>>(table, norms);
-    KILN_TRY(tr_launched(be, "adamw norms"));
+    if (plan && kiln_cuda_is_fast(be)) {
+        if (!plan->chunk || !plan->first || !plan->partial || plan->n_chunks < 0 ||
+            plan->n_chunks > INT32_MAX)
+            return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG,
+                                  "adamw norms: invalid plan (%lld chunks)",
+                                  (long long)plan->n_chunks);
+        if (plan->n_chunks > 0) {
+            norm_partial_kernel<<<(unsigned)plan->n_chunks, NORM_THREADS, 0, st>>>(
+                table, plan->chunk, plan->partial);
+            KILN_TRY(tr_launched(be, "adamw norms (fast, chunks)"));
+        }
+        norm_combine_kernel<<<(unsigned)P, NORM_THREADS, 0, st>>>(plan->first, plan->partial,
+                                                                   norms);
+        KILN_TRY(tr_launched(be, "adamw norms (fast, tensors)"));
+    } else {
+        norms_kernel<<<(unsigned)P, 32, 0, st>>>(table, norms);
+        KILN_TRY(tr_launched(be, "adamw norms"));
+    }
     total_kernel<<<1, 1, 0, st>>>(norms, P, out, clip, max_norm_f);
     return tr_launched(be, "adamw total norm");
 }

@@ -66,12 +66,35 @@ typedef struct kiln_cuda_grad_entry {
  * UINT64_MAX. */
 kiln_status kiln_cuda_adamw_nonfinite(kiln_backend *be, const kiln_cuda_grad_entry *table,
                                       int P, int64_t max_n, uint64_t *bad);
-/* norms[p] = sqrtf(torch_sumsq(grad p)) for the P entries (the 8-lane order), then
- * out[0] = torch_sumsq(norms, P) (grad_sq_norm), out[1] = sqrtf(out[0]) (the total norm),
- * and, when clip != 0, out[2] = kiln_adamw_clip_coef(out[1], max_norm_f). norms and out are
- * device arrays (P and 3 floats). */
+/* Fast mode's per-tensor norm plan. Grad p is cut into ceil(n_p / KILN_CUDA_NORM_CHUNK)
+ * chunks (the last one shorter), numbered in parameter order, then element order:
+ * chunk[c] = {parameter, index of the chunk inside it}, first[p] = parameter p's first chunk
+ * (first[0] = 0, first[P] = n_chunks <= INT32_MAX), partial = one double per chunk (scratch,
+ * overwritten by every call). The three arrays are device memory the caller owns; chunk and
+ * first are built on the host once, from the same sizes as the table. */
+#define KILN_CUDA_NORM_CHUNK 65536
+typedef struct kiln_cuda_norm_chunk {
+    int32_t param, index;
+} kiln_cuda_norm_chunk;
+typedef struct kiln_cuda_norm_plan {
+    const kiln_cuda_norm_chunk *chunk; /* (n_chunks) */
+    const int32_t *first;              /* (P + 1) */
+    double *partial;                   /* (n_chunks) */
+    int64_t n_chunks;
+} kiln_cuda_norm_plan;
+
+/* Per-tensor norms, then out[0] = torch_sumsq(norms, P) (grad_sq_norm, the 8-lane order in f32),
+ * out[1] = sqrtf(out[0]) (the total norm), and, when clip != 0,
+ * out[2] = kiln_adamw_clip_coef(out[1], max_norm_f). norms and out are device arrays (P and
+ * 3 floats). The per-tensor norms: auditable backend, or plan NULL: norms[p] =
+ * sqrtf(torch_sumsq(grad p)), the CPU's bits (the 8-lane order). Fast backend with a plan
+ * (host struct, device arrays): a fixed order independent of timing, in double -- each chunk's
+ * squares (each exact in double) summed per thread in element order, then a fixed tree over the
+ * block; each parameter's chunk partials likewise; norms[p] = (float)sqrt(sum) (docs/TRAINING.md,
+ * "Fast mode"). Same bits run to run; a non-finite gradient gives a non-finite norm. */
 kiln_status kiln_cuda_adamw_norms(kiln_backend *be, const kiln_cuda_grad_entry *table, int P,
-                                  float *norms, float *out, int clip, float max_norm_f);
+                                  const kiln_cuda_norm_plan *plan, float *norms, float *out,
+                                  int clip, float max_norm_f);
 /* grad p *= *coef (a device float) for every entry: no host round trip. */
 kiln_status kiln_cuda_adamw_scale(kiln_backend *be, const kiln_cuda_grad_entry *table, int P,
                                   int64_t max_n, const float *coef);

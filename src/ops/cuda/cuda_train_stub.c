@@ -35,8 +35,10 @@ kiln_status kiln_cuda_adamw_nonfinite(kiln_backend *be, const kiln_cuda_grad_ent
     return no_cuda("kiln_cuda_adamw_nonfinite");
 }
 kiln_status kiln_cuda_adamw_norms(kiln_backend *be, const kiln_cuda_grad_entry *table, int P,
-                                  float *norms, float *out, int clip, float max_norm_f) {
-    (void)be; (void)table; (void)P; (void)norms; (void)out; (void)clip; (void)max_norm_f;
+                                  const kiln_cuda_norm_plan *plan, float *norms, float *out,
+                                  int clip, float max_norm_f) {
+    (void)be; (void)table; (void)P; (void)plan; (void)norms; (void)out; (void)clip;
+    (void)max_norm_f;
     return no_cuda("kiln_cuda_adamw_norms");
 }
 kiln_status kiln_cuda_adamw_scale(kiln_backend *be, const kiln_cuda_grad_entry *table, int P,
