@@ -99,8 +99,9 @@ typedef struct kiln_backend_i {
     /* Backward of causal GQA attention with the forward's arguments (q(N,NH,HS), k,v(T,KVH,
      * HS), n_past, scale), its output out(N,NH,HS) and dout(N,NH,HS):
      *   dq(N,NH,HS) overwritten; dk, dv(n_past+N, KVH, HS) overwritten (rows past
-     *   n_past+N untouched). ws: scratch of 3*N*NH floats (softmax statistics, recomputed
-     *   FlashAttention-2 style: memory O(N*NH), never N x N). */
+     *   n_past+N untouched). ws: scratch of kiln_attention_backward_ws_floats(...) floats
+     *   (softmax statistics, recomputed FlashAttention-2 style, and in a fast GPU mode with
+     *   GQA each query head's partial dk, dv: O(N*NH + T*NH*HS), never N x T). */
     void (*attention_backward)(kiln_backend *be, float *dq, float *dk, float *dv,
                                const float *dout, const float *q, const float *k,
                                const float *v, const float *out, float *ws, int N, int n_past,
@@ -225,6 +226,17 @@ static inline kiln_status kiln_backend_download(kiln_backend *be, void *dst, con
     if (be->i->download) return be->i->download(be, dst, src, nbytes);
     if (nbytes) memcpy(dst, src, nbytes);
     return KILN_OK;
+}
+/* Floats of the ws scratch attention_backward takes for these arguments: 3 N NH (the
+ * auditable kernels' statistics), or more where a fast backend keeps per-head partial dk, dv
+ * (2 N NH + 2 (n_past + N) NH HS when NH != KVH). */
+static inline size_t kiln_attention_backward_ws_floats(int N, int n_past, int NH, int KVH, int HS) {
+    size_t nh = (size_t)N * (size_t)NH, w = 3 * nh;
+    if (NH != KVH) {
+        size_t f = 2 * nh + 2 * ((size_t)n_past + (size_t)N) * (size_t)NH * (size_t)HS;
+        if (f > w) w = f;
+    }
+    return w;
 }
 /* KILN_OK, or the error that poisoned the backend; waits for submitted work. */
 static inline kiln_status kiln_backend_status(kiln_backend *be) {

@@ -376,7 +376,8 @@ static kiln_status alloc_activations(kiln_trainer *t) {
                              &t->dgate, &t->dup, &t->dhb, &t->rstd, &t->ws, &t->rope_cos, &t->rope_sin,
                              (float **)&t->pos, (float **)&t->ids};
     size_t sz[N_SCRATCH] = {T * C, T * C, T * C, T * QD, T * QD, qk ? T * QD : 0, T * KD, qk ? T * KD : 0, T * KD,
-                            T * FF, T * FF, T * FF, NHT > T * (size_t)c->n_head_kv ? NHT : T, 3 * NHT,
+                            T * FF, T * FF, T * FF, NHT > T * (size_t)c->n_head_kv ? NHT : T,
+                            kiln_attention_backward_ws_floats((int)T, 0, c->n_head, c->n_head_kv, (int)HS),
                             T * HS / 2, T * HS / 2, ints, ints};
     for (int i = 0; i < N_SCRATCH; i++) {
         slots[k] = sp[i];

@@ -542,10 +542,11 @@ static void test_attention_case(int N, int n_past, int NH, int KVH, int HS, floa
         free(g);
     }
     float *dq = malloc(nq * 4), *dk = malloc(nkv * 4), *dv = malloc(nkv * 4);
-    float *ws = malloc((size_t)N * NH * 3 * 4);
+    size_t nws = kiln_attention_backward_ws_floats(N, n_past, NH, KVH, HS);
+    float *ws = malloc(nws * 4);
     for (int i = 0; i < g_n_be; i++) {
         kiln_backend *be = g_be[i];
-        poison(dq, nq), poison(dk, nkv), poison(dv, nkv), poison(ws, (size_t)N * NH * 3);
+        poison(dq, nq), poison(dk, nkv), poison(dv, nkv), poison(ws, nws);
         be->i->attention_backward(be, dq, dk, dv, dout, q, k, v, out, ws, N, n_past, NH, KVH, HS,
                                   scale);
         CHECK_MSG(same_bits(dq, tq, nq, "dq") && same_bits(dk, tk, nkv, "dk") &&

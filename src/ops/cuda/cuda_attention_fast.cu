@@ -12,6 +12,7 @@
 #include "cuda_attention_fast.h"
 
 #include "cuda_internal.h"
+#include "cuda_mma.cuh"
 
 #include "../../base/kmath.h"
 
@@ -644,58 +645,6 @@ combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
 #define FL_PAD 8       /* bf16 of padding per shared row: row strides = 4 words mod 32 */
 static_assert(FL_BM == 16 * (FL_THREADS / 32), "one m16 tile of rows per warp");
 static_assert(FL_BN % 32 == 0, "the V transpose deals key pairs in runs of 16");
-
-/* ---- mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: D(16x8) = A(16x16) B(16x8) + C.
- * Fragment layout (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"),
- * with g = lane >> 2 (groupID) and t = lane & 3 (threadID_in_group); a .b32 register holds
- * two bf16, the lower-indexed element in the low 16 bits:
- *   A (row-major 16x16), 4 regs: a[0] = A[g][2t..2t+1]     a[1] = A[g+8][2t..2t+1]
- *                                a[2] = A[g][2t+8..2t+9]   a[3] = A[g+8][2t+8..2t+9]
- *   B (16x8, k x n, "col"), 2 regs: b[0] = B[2t..2t+1][g]  b[1] = B[2t+8..2t+9][g]
- *   C, D (16x8 f32), 4 regs:  c[0] = C[g][2t]    c[1] = C[g][2t+1]
- *                             c[2] = C[g+8][2t]  c[3] = C[g+8][2t+1]
- * Every fragment load and every use of an accumulator below goes by this table:
- *   S = Q K^T:  A = Q rows (sQ row-major: pairs along d are contiguous), B[k=d][n=key] =
- *               K[key][d] (sK row-major: pairs along d contiguous), C = S (rows, keys).
- *   O += P V:   A = P: its 16 x 16 block j (keys 16j..16j+15) is exactly the C fragments of
- *               S tiles 2j (keys 16j..+7) and 2j+1 (keys 16j+8..+15): a[0] = S tile 2j
- *               c[0..1], a[1] = tile 2j c[2..3], a[2] = tile 2j+1 c[0..1], a[3] = tile 2j+1
- *               c[2..3], rounded to bf16 pairs; B[k=key][n=d] = V[key][d], so V is stored
- *               transposed (sVt[d][key]: pairs along keys contiguous). */
-static __device__ __forceinline__ void mma_bf16_16816(float c[4], const uint32_t a[4],
-                                                      const uint32_t b[2]) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-/* Two floats rounded to bf16 (nearest even), lo in the low 16 bits. */
-static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    return u;
-}
-
-/* The two bf16 of a pair, widened (exact). */
-static __device__ __forceinline__ float bf16_lo(uint32_t u) { return __uint_as_float(u << 16); }
-static __device__ __forceinline__ float bf16_hi(uint32_t u) {
-    return __uint_as_float(u & 0xffff0000u);
-}
-
-/* A 4-byte aligned pair of bf16 in shared memory. */
-static __device__ __forceinline__ uint32_t ld_pair(const __nv_bfloat16 *p) {
-    return *reinterpret_cast<const uint32_t *>(p);
-}
-
-/* Four floats -> four bf16 at p (8-byte aligned). */
-static __device__ __forceinline__ void st_bf16x4(__nv_bfloat16 *p, float4 x) {
-    uint2 u;
-    u.x = pack_bf16(x.x, x.y);
-    u.y = pack_bf16(x.z, x.w);
-    *reinterpret_cast<uint2 *>(p) = u;
-}
 
 template <int HS>
 static constexpr size_t flash_smem() {

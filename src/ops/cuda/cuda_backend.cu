@@ -15,6 +15,7 @@
  *     status/upload/download return that error with its message until the backend is freed.
  */
 #include "cuda_internal.h"
+#include "cuda_attention_bwd_fast.h"
 #include "cuda_attention_fast.h"
 #include "cuda_backward.h"
 #include "cuda_backward_fast.h"
@@ -492,6 +493,17 @@ static void cu_attention_backward(kiln_backend *be, float *dq, float *dk, float 
                                   int n_past, int NH, int KVH, int HS, float scale) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
+    if (c->fast && kiln_cuda_attention_backward_fast_ok(dq, dk, dv, dout, q, k, v, out, N, n_past,
+                                                        NH, KVH, HS)) {
+        /* ws holds kiln_attention_backward_ws_floats (ops.h's contract) */
+        after_launch(c,
+                     kiln_cuda_attention_backward_fast(
+                         c->stream, dq, dk, dv, dout, q, k, v, out, ws,
+                         kiln_attention_backward_ws_floats(N, n_past, NH, KVH, HS), N, n_past,
+                         NH, KVH, HS, scale),
+                     "attention_backward (fast)");
+        return;
+    }
     after_launch(c, kiln_cuda_attention_backward(c->stream, dq, dk, dv, dout, q, k, v, out, ws,
                                                  N, n_past, NH, KVH, HS, scale),
                  "attention_backward");

@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""profile_train_gpu.py -- where a kiln training step spends its GPU time: one sequence's
+forward + loss + backward, then clip + AdamW, under torch.profiler (CUPTI records every
+kernel of the process, kiln's included), with wall-clock phase times.
+
+  python3 bench/profile_train_gpu.py --bin build-gpu [--models 135m,0.5b] [--seq 2048]
+      [--batch 2] [--top 25] [--auditable]
+
+Models, data and the trainer settings are bench_train_gpu.py's. Prints, per model: the phase
+times (each ends with a device sync), then the top kernels by total GPU time with their share
+of all kernel time, calls and mean microseconds.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_train_gpu as btg  # noqa: E402
+
+
+def phase(name, fn, times):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    r = fn()
+    torch.cuda.synchronize()
+    times.append((name, time.perf_counter() - t0))
+    return r
+
+
+def profile_model(args, name, root):
+    kiln = btg.kiln_mod(args)
+    path = btg.make_model(name, root, "cuda")
+    V = btg.SHAPES[name][6]
+    B, T = args.batch, args.seq
+    batch = btg.make_batches(V, B, T, 1, 1)[0]
+    km = kiln.Model(path)
+    tr = kiln.Trainer(km, max_seq=T, n_threads=0, lr=btg.LR, betas=(0.9, 0.999), eps=1e-8,
+                      weight_decay=btg.WD, device=0, fast=not args.auditable)
+    btg.kiln_step(tr, batch)  # warm
+    times = []
+    from torch.profiler import profile, ProfilerActivity
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for b in range(B):
+            ids = batch[b].tolist()
+            phase("forward+loss", lambda: tr.forward(ids, ids[1:] + [-1], "mean", 1.0 / B), times)
+            phase("backward", lambda: tr.backward(accumulate=b > 0), times)
+        phase("clip", lambda: tr.clip_grads(1.0), times)
+        phase("adamw", lambda: tr.optimizer_step(btg.LR), times)
+    agg = {}
+    for n, t in times:
+        agg.setdefault(n, []).append(t)
+    print(f"\n== {name} T {T} B {B} {'auditable' if args.auditable else 'fast'}: phases (ms) ==")
+    tot = sum(t for _, t in times)
+    for n, ts in agg.items():
+        print(f"  {n:14s} n={len(ts)}  each {1e3 * sum(ts) / len(ts):9.2f}  total {1e3 * sum(ts):9.2f}")
+    print(f"  step {1e3 * tot:.1f} ms = {B * T / tot:.0f} tok/s")
+    ev = prof.key_averages()
+    rows = []
+    for e in ev:
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((t, e.count, e.key))
+    rows.sort(reverse=True)
+    allt = sum(r[0] for r in rows)
+    print(f"  kernels: {allt / 1e3:.1f} ms GPU time in {sum(r[1] for r in rows)} launches")
+    for t, c, k in rows[:args.top]:
+        print(f"  {100 * t / allt:5.1f}%  {t / 1e3:9.2f} ms  {c:6d} x {t / c:9.1f} us  {k[:90]}")
+    del tr, km
+    torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--models", default="135m,0.5b")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--auditable", action="store_true")
+    args = ap.parse_args()
+    args.device = "cuda"
+    args.kiln_device = 0
+    with tempfile.TemporaryDirectory() as root:
+        for m in args.models.split(","):
+            profile_model(args, btg.ALIASES.get(m, m), root)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+/*
+ * cuda_attention_bwd_fast.h -- fast-mode backward of causal grouped-query attention on bf16
+ * tensor cores (issue 5, item 1): FlashAttention-2's backward (Dao 2023, Algorithm 2) made
+ * deterministic. Same contract as ops.h's attention_backward: q(N,NH,HS) are the queries of
+ * positions n_past..n_past+N-1, k,v(T = n_past+N, KVH, HS), out and dout (N,NH,HS); dq
+ * overwritten, dk and dv (T, KVH, HS) overwritten. Device pointers to f32; C++ linkage.
+ *
+ * Three kernels, no atomics, so the bits depend only on the inputs:
+ *   1. stats: a block per (64-query tile, head): D = rowsum(dout * out) (f32, fixed order)
+ *      and the log-sum-exp L of the scaled scores q k^T (online over the key tiles, f32),
+ *      into the workspace;
+ *   2. main: two kinds of blocks in one launch (twice the blocks of either alone):
+ *      - dq, a block per (64-query tile, head): recomputes S = q k^T, P = exp(S * scale - L),
+ *        dP = dout v^T, dS = P (dP - D) and accumulates dq = scale * dS k over the row's keys;
+ *      - dk/dv, a block per (64-key tile, query head): S^T = k q^T, P^T, dP^T = v dout^T over
+ *        the query tiles that see the keys, dv += P^T dout, dk += scale * dS^T q. With GQA
+ *        (NH > KVH) each query head writes its own partial dk, dv to the workspace;
+ *   3. reduce (GQA only): dk, dv of kv head j = the partials of heads jG..jG+G-1 added in
+ *      increasing head order.
+ * Products run on mma.sync m16n8k16 bf16 -> f32: q, k, v and dout are rounded to bf16 as
+ * they are staged; P and dS are rounded to bf16 before the products that take them; the
+ * softmax statistics, D and every accumulator are f32 (exp: __expf). The error against the
+ * exact backward is that of bf16 inputs (tested within 2e-2 of the largest gradient).
+ * Head sizes 64 and 128, 16-byte aligned pointers; kiln_cuda_attention_backward_fast_ok
+ * says whether a call qualifies (the backend falls back to the auditable kernels otherwise).
+ */
+#ifndef KILN_CUDA_ATTENTION_BWD_FAST_H
+#define KILN_CUDA_ATTENTION_BWD_FAST_H
+
+#include <cuda_runtime.h>
+#include <stdbool.h>
+#include <stddef.h>
+
+/* Floats of workspace the fast backward needs: D and L (2 N NH), and with GQA the partial
+ * dk and dv of every query head (2 T NH HS). */
+size_t kiln_cuda_attention_backward_fast_ws(int N, int n_past, int NH, int KVH, int HS);
+
+/* Whether the fast kernels take this call (head size, alignment, sizes). */
+bool kiln_cuda_attention_backward_fast_ok(const float *dq, const float *dk, const float *dv,
+                                          const float *dout, const float *q, const float *k,
+                                          const float *v, const float *out, int N, int n_past,
+                                          int NH, int KVH, int HS);
+
+/* The backward on stream s; ws holds ws_floats >= kiln_cuda_attention_backward_fast_ws(...)
+ * floats. cudaErrorInvalidValue for a call kiln_cuda_attention_backward_fast_ok refuses or a
+ * workspace too small; otherwise the launch status. */
+cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *dk, float *dv,
+                                              const float *dout, const float *q,
+                                              const float *k, const float *v, const float *out,
+                                              float *ws, size_t ws_floats, int N, int n_past,
+                                              int NH, int KVH, int HS, float scale);
+
+#endif /* KILN_CUDA_ATTENTION_BWD_FAST_H */
