@@ -161,12 +161,20 @@ static void bwd_gemm_launch(cudaStream_t s, float *out, int64_t ldo, bool accumu
 
 /* For c < W: lane n % 16 does acc = fmaf(a[n*ld + c], bv, acc) for n ascending, with
  * bv = 1 (b NULL: a plain sum, dbias), b[n*ld + c] (s NULL) or b[n*ld + c] * s[n] (one
- * rounding: rmsnorm's x * r); then out[c] = out[c] + tree. The CPU's col_lanes. A block is
- * 32 columns x 16 lanes: threadIdx.y is the lane, so a warp reads 32 consecutive columns of
- * one row (coalesced); the 16 lanes meet in shared memory and one thread per column applies
- * kiln_lane16_reduce. */
-#define CL_COLS 32
+ * rounding: rmsnorm's x * r); then out[c] = out[c] + tree. The CPU's col_lanes.
+ *
+ * A block is CL_COLS = 8 columns x 16 lanes (128 threads): threadIdx.x the column,
+ * threadIdx.y the lane, so a warp reads 4 lanes' rows of 8 consecutive columns (whole
+ * 32-byte sectors). The chain of a (column, lane) is sequential over n by definition and is
+ * never split; parallelism comes from many blocks (narrow blocks: C = 576 makes 72 blocks
+ * where 32-column blocks made 18, each SM's load bandwidth was the limit) and from loading
+ * CL_AHEAD of the lane's rows (n, n + 16, ...) into registers before their FMAs. The 16 lanes
+ * meet in shared memory and one thread per column applies kiln_lane16_reduce. */
+#define CL_COLS 8
+#define CL_AHEAD 16
 
+/* MODE 0: bv = 1; 1: bv = b; 2: bv = b * s[n]. */
+template <int MODE>
 static __global__ void __launch_bounds__(CL_COLS * 16)
 col_lanes_kernel(float *out, const float *__restrict__ a, const float *__restrict__ b,
                  const float *__restrict__ s, int64_t ld, int N, int64_t W) {
@@ -175,13 +183,22 @@ col_lanes_kernel(float *out, const float *__restrict__ a, const float *__restric
     const int64_t c = (int64_t)blockIdx.x * CL_COLS + tx;
     float acc = 0.0f;
     if (c < W) {
-        for (int64_t n = lane; n < N; n += 16) {
-            const float av = a[n * ld + c];
-            float bv;
-            if (!b) bv = 1.0f;
-            else if (!s) bv = b[n * ld + c];
-            else bv = b[n * ld + c] * s[n];
-            acc = __fmaf_rn(av, bv, acc);
+        for (int64_t n0 = lane; n0 < N; n0 += 16 * CL_AHEAD) {
+            float av[CL_AHEAD], bv[CL_AHEAD];
+#pragma unroll
+            for (int u = 0; u < CL_AHEAD; u++) {
+                const int64_t n = n0 + 16 * u;
+                av[u] = 0.0f;
+                bv[u] = 1.0f;
+                if (n < N) {
+                    av[u] = a[n * ld + c];
+                    if (MODE == 1) bv[u] = b[n * ld + c];
+                    if (MODE == 2) bv[u] = b[n * ld + c] * s[n];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < CL_AHEAD; u++)
+                if (n0 + 16 * u < N) acc = __fmaf_rn(av[u], bv[u], acc);
         }
     }
     part[lane][tx] = acc;
@@ -194,10 +211,14 @@ col_lanes_kernel(float *out, const float *__restrict__ a, const float *__restric
     }
 }
 
+/* Callers check (W + CL_COLS - 1) / CL_COLS <= INT_MAX. */
 static void col_lanes_launch(cudaStream_t s, float *out, const float *a, const float *b,
                              const float *sc, int64_t ld, int N, int64_t W) {
-    col_lanes_kernel<<<(unsigned)((W + CL_COLS - 1) / CL_COLS), dim3(CL_COLS, 16), 0, s>>>(
-        out, a, b, sc, ld, N, W);
+    const unsigned grid = (unsigned)((W + CL_COLS - 1) / CL_COLS);
+    const dim3 block(CL_COLS, 16);
+    if (!b) col_lanes_kernel<0><<<grid, block, 0, s>>>(out, a, b, sc, ld, N, W);
+    else if (!sc) col_lanes_kernel<1><<<grid, block, 0, s>>>(out, a, b, sc, ld, N, W);
+    else col_lanes_kernel<2><<<grid, block, 0, s>>>(out, a, b, sc, ld, N, W);
 }
 
 /* ---- matmul backward ------------------------------------------------------------------------ */
@@ -244,42 +265,180 @@ cudaError_t kiln_cuda_matmul_backward(cudaStream_t s, float *dx, float *dW, floa
 /* ---- rmsnorm backward: one half-warp per row, then dw by column lanes ---------------------- */
 
 /* Row n: r = kiln_rms_scale(dot(x, x)) (the forward's r, written to rstd[n]); g = dy * w (or
- * dy); d = dot(g, x); u = ((d / C) * r) * r; dx = (g - x * u) * r, or dx + that. dx may be dy:
- * each thread reads an element of dy before writing the same element of dx, and the trees
- * (which need every lane) order all of a row's reads for the dots before any write. */
-static __global__ void rmsnorm_bwd_rows_kernel(float *dx, const float *dy, const float *x,
-                                               const float *w, int N, int C, float eps,
-                                               float *rstd, bool accumulate) {
+ * dy); d = dot(g, x); u = ((d / C) * r) * r; dx = (g - x * u) * r, or dx + that.
+ *
+ * One half-warp per row, thread j = lane j of both dots: it owns elements i = j + 16k in
+ * increasing k, exactly the defined lane order. The chains of fmaf are sequential by
+ * definition, so speed comes from memory parallelism: the cached kernel (C <= 16 * E, E a
+ * compile-time bound chosen at launch) loads the lane's x[i] and dy[i], w[i] (g = dy * w is
+ * the reference's own rounding, formed once and kept) into registers before the first FMA,
+ * and reuses them in all three passes; the chunked kernel (larger C) does each pass in
+ * chunks of E elements per lane, loading a chunk before its FMAs. Elements past C are never
+ * used by an fmaf (fmaf(0, 0, -0) would turn an accumulator of -0 into +0).
+ *
+ * Aliasing (cuda_backward.h): dx may be dy, so neither is __restrict__; x, w and rstd never
+ * alias an output. Each element of dx is read (accumulate) and written by the thread that
+ * read the same element of dy, after that read; the trees (which need every lane) order all
+ * of a row's reads for the dots before any write. */
+#define RMS_ROWS_PER_BLOCK 4 /* 64 threads: N = 2048 rows make 512 blocks for 132 SMs */
+#define RMS_THREADS (RMS_ROWS_PER_BLOCK * 16)
+static_assert(RMS_THREADS % 32 == 0, "a half-warp never straddles two blocks' rows");
+
+template <int E>
+static __global__ void __launch_bounds__(RMS_THREADS)
+rmsnorm_bwd_rows_cached_kernel(float *dx, const float *dy, const float *__restrict__ x,
+                               const float *__restrict__ w, int N, int C, float eps,
+                               float *__restrict__ rstd, bool accumulate) {
     const int lane = threadIdx.x & 15;
-    const int64_t n = (int64_t)blockIdx.x * (blockDim.x >> 4) + (threadIdx.x >> 4);
+    const int64_t n = (int64_t)blockIdx.x * RMS_ROWS_PER_BLOCK + (threadIdx.x >> 4);
     if (n >= N) return; /* whole half-warps leave together */
     const unsigned mask = half_warp_mask();
     const float *xr = x + n * C, *dyr = dy + n * C;
     float *dxr = dx + n * C;
+    float xv[E], gv[E];
+#pragma unroll
+    for (int k = 0; k < E; k++) {
+        const int i = lane + 16 * k;
+        xv[k] = i < C ? xr[i] : 0.0f;
+        gv[k] = i < C ? dyr[i] : 0.0f;
+    }
+    if (w) {
+#pragma unroll
+        for (int k = 0; k < E; k++) {
+            const int i = lane + 16 * k;
+            if (i < C) gv[k] = gv[k] * w[i];
+        }
+    }
     float acc = 0.0f;
-    for (int i = lane; i < C; i += 16) acc = __fmaf_rn(xr[i], xr[i], acc);
+#pragma unroll
+    for (int k = 0; k < E; k++)
+        if (lane + 16 * k < C) acc = __fmaf_rn(xv[k], xv[k], acc);
     const float r = kiln_rms_scale(lane16_tree(acc, mask), C, eps);
     if (lane == 0) rstd[n] = r;
     acc = 0.0f;
-    if (w)
-        for (int i = lane; i < C; i += 16) acc = __fmaf_rn(dyr[i] * w[i], xr[i], acc);
-    else
-        for (int i = lane; i < C; i += 16) acc = __fmaf_rn(dyr[i], xr[i], acc);
+#pragma unroll
+    for (int k = 0; k < E; k++)
+        if (lane + 16 * k < C) acc = __fmaf_rn(gv[k], xv[k], acc);
     const float d = lane16_tree(acc, mask);
     const float u = ((d / (float)C) * r) * r;
-    for (int i = lane; i < C; i += 16) {
-        const float g = w ? dyr[i] * w[i] : dyr[i];
-        const float v = (g - xr[i] * u) * r;
-        dxr[i] = accumulate ? dxr[i] + v : v;
+    if (accumulate) {
+        float ov[E];
+#pragma unroll
+        for (int k = 0; k < E; k++) {
+            const int i = lane + 16 * k;
+            ov[k] = i < C ? dxr[i] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < E; k++) {
+            const int i = lane + 16 * k;
+            if (i < C) dxr[i] = ov[k] + (gv[k] - xv[k] * u) * r;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < E; k++) {
+            const int i = lane + 16 * k;
+            if (i < C) dxr[i] = (gv[k] - xv[k] * u) * r;
+        }
     }
+}
+
+/* Any C: each pass in chunks of RMS_CHUNK elements per lane (16 * RMS_CHUNK per row; chunk
+ * starts are multiples of 16, so every element keeps its lane). */
+#define RMS_CHUNK 16
+static __global__ void __launch_bounds__(RMS_THREADS)
+rmsnorm_bwd_rows_chunked_kernel(float *dx, const float *dy, const float *__restrict__ x,
+                                const float *__restrict__ w, int N, int C, float eps,
+                                float *__restrict__ rstd, bool accumulate) {
+    const int lane = threadIdx.x & 15;
+    const int64_t n = (int64_t)blockIdx.x * RMS_ROWS_PER_BLOCK + (threadIdx.x >> 4);
+    if (n >= N) return; /* whole half-warps leave together */
+    const unsigned mask = half_warp_mask();
+    const float *xr = x + n * C, *dyr = dy + n * C;
+    float *dxr = dx + n * C;
+    float xv[RMS_CHUNK], gv[RMS_CHUNK];
+    float acc = 0.0f;
+    for (int c0 = 0; c0 < C; c0 += 16 * RMS_CHUNK) {
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++) {
+            const int i = c0 + lane + 16 * k;
+            xv[k] = i < C ? xr[i] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++)
+            if (c0 + lane + 16 * k < C) acc = __fmaf_rn(xv[k], xv[k], acc);
+    }
+    const float r = kiln_rms_scale(lane16_tree(acc, mask), C, eps);
+    if (lane == 0) rstd[n] = r;
+    acc = 0.0f;
+    for (int c0 = 0; c0 < C; c0 += 16 * RMS_CHUNK) {
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++) {
+            const int i = c0 + lane + 16 * k;
+            xv[k] = i < C ? xr[i] : 0.0f;
+            gv[k] = i < C ? dyr[i] : 0.0f;
+            if (w && i < C) gv[k] = gv[k] * w[i];
+        }
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++)
+            if (c0 + lane + 16 * k < C) acc = __fmaf_rn(gv[k], xv[k], acc);
+    }
+    const float d = lane16_tree(acc, mask);
+    const float u = ((d / (float)C) * r) * r;
+    for (int c0 = 0; c0 < C; c0 += 16 * RMS_CHUNK) {
+        float ov[RMS_CHUNK];
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++) {
+            const int i = c0 + lane + 16 * k;
+            xv[k] = i < C ? xr[i] : 0.0f;
+            gv[k] = i < C ? dyr[i] : 0.0f;
+            if (w && i < C) gv[k] = gv[k] * w[i];
+            ov[k] = accumulate && i < C ? dxr[i] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++) {
+            const int i = c0 + lane + 16 * k;
+            if (i < C) {
+                const float v = (gv[k] - xv[k] * u) * r;
+                dxr[i] = accumulate ? ov[k] + v : v;
+            }
+        }
+    }
+}
+
+template <int E>
+static void rmsnorm_bwd_rows_cached_launch(cudaStream_t s, unsigned grid, float *dx,
+                                           const float *dy, const float *x, const float *w,
+                                           int N, int C, float eps, float *rstd,
+                                           bool accumulate) {
+    rmsnorm_bwd_rows_cached_kernel<E><<<grid, RMS_THREADS, 0, s>>>(dx, dy, x, w, N, C, eps, rstd,
+                                                                   accumulate);
 }
 
 cudaError_t kiln_cuda_rmsnorm_backward(cudaStream_t s, float *dx, float *dw, const float *dy,
                                        const float *x, const float *w, int N, int C, float eps,
                                        float *rstd, bool accumulate_dx) {
     if (N <= 0 || C <= 0) return cudaSuccess;
-    rmsnorm_bwd_rows_kernel<<<(unsigned)((N + 15) / 16), 256, 0, s>>>(dx, dy, x, w, N, C, eps,
-                                                                      rstd, accumulate_dx);
+    const unsigned grid = (unsigned)((N + RMS_ROWS_PER_BLOCK - 1) / RMS_ROWS_PER_BLOCK);
+    const int per_lane = (C + 15) / 16; /* the lane's elements: at most ceil(C / 16) */
+    if (per_lane <= 4)
+        rmsnorm_bwd_rows_cached_launch<4>(s, grid, dx, dy, x, w, N, C, eps, rstd, accumulate_dx);
+    else if (per_lane <= 8)
+        rmsnorm_bwd_rows_cached_launch<8>(s, grid, dx, dy, x, w, N, C, eps, rstd, accumulate_dx);
+    else if (per_lane <= 16)
+        rmsnorm_bwd_rows_cached_launch<16>(s, grid, dx, dy, x, w, N, C, eps, rstd,
+                                           accumulate_dx);
+    else if (per_lane <= 32)
+        rmsnorm_bwd_rows_cached_launch<32>(s, grid, dx, dy, x, w, N, C, eps, rstd,
+                                           accumulate_dx);
+    else if (per_lane <= 48)
+        rmsnorm_bwd_rows_cached_launch<48>(s, grid, dx, dy, x, w, N, C, eps, rstd,
+                                           accumulate_dx);
+    else if (per_lane <= 64)
+        rmsnorm_bwd_rows_cached_launch<64>(s, grid, dx, dy, x, w, N, C, eps, rstd,
+                                           accumulate_dx);
+    else
+        rmsnorm_bwd_rows_chunked_kernel<<<grid, RMS_THREADS, 0, s>>>(dx, dy, x, w, N, C, eps,
+                                                                     rstd, accumulate_dx);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
     if (dw && w) { /* dw[c] += lane-16 over n of fmaf(dy[n,c], x[n,c] * rstd[n], .) */

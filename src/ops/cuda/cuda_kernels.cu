@@ -173,30 +173,114 @@ cudaError_t kiln_cuda_embed(cudaStream_t s, float *out, const uint8_t *table, si
 
 /* ---- rmsnorm: one half-warp per row -------------------------------------------------------- */
 
-/* out may alias x: each thread reads its elements for the dot, the tree (which needs every
- * lane's accumulator) orders all reads before any write, and the final loop reads and writes
- * each element in one thread. */
-static __global__ void rmsnorm_kernel(float *out, const float *x, const float *__restrict__ w,
-                                      int N, int C, float eps) {
+/* Thread j = lane j of the row's dot: it owns elements i = j + 16k in increasing k (the
+ * defined lane order). The chain of fmaf is sequential by definition, so speed comes from
+ * loading all of the lane's x[i] into registers before the first FMA (the cached kernel, for
+ * C <= 16 * E with E a compile-time bound picked at launch) and writing out from those
+ * registers; larger C takes the chunked kernel (chunks of RMS_CHUNK elements per lane,
+ * loaded before their FMAs). Elements past C are never used by an fmaf.
+ *
+ * out may alias x (ops.h), so neither is __restrict__: each thread reads its elements for
+ * the dot, the tree (which needs every lane's accumulator) orders all of a row's reads
+ * before any write, and each element is written by the thread that read it. */
+#define RMS_ROWS_PER_BLOCK 4 /* 64 threads: N = 2048 rows make 512 blocks for 132 SMs */
+#define RMS_THREADS (RMS_ROWS_PER_BLOCK * 16)
+#define RMS_CHUNK 16
+static_assert(RMS_THREADS % 32 == 0, "a half-warp never straddles two blocks' rows");
+
+template <int E>
+static __global__ void __launch_bounds__(RMS_THREADS)
+rmsnorm_cached_kernel(float *out, const float *x, const float *__restrict__ w, int N, int C,
+                      float eps) {
     const int lane = threadIdx.x & 15;
-    const int64_t n = (int64_t)blockIdx.x * (blockDim.x >> 4) + (threadIdx.x >> 4);
-    if (n >= N) return;
+    const int64_t n = (int64_t)blockIdx.x * RMS_ROWS_PER_BLOCK + (threadIdx.x >> 4);
+    if (n >= N) return; /* whole half-warps leave together */
     const unsigned mask = half_warp_mask();
     const float *xr = x + n * C;
+    float xv[E];
+#pragma unroll
+    for (int k = 0; k < E; k++) {
+        const int i = lane + 16 * k;
+        xv[k] = i < C ? xr[i] : 0.0f;
+    }
     float acc = 0.0f;
-    for (int i = lane; i < C; i += 16) acc = __fmaf_rn(xr[i], xr[i], acc);
+#pragma unroll
+    for (int k = 0; k < E; k++)
+        if (lane + 16 * k < C) acc = __fmaf_rn(xv[k], xv[k], acc);
     const float r = kiln_rms_scale(lane16_tree(acc, mask), C, eps);
     float *o = out + n * C;
-    if (w)
-        for (int i = lane; i < C; i += 16) o[i] = (xr[i] * r) * w[i];
-    else
-        for (int i = lane; i < C; i += 16) o[i] = xr[i] * r;
+    if (w) {
+#pragma unroll
+        for (int k = 0; k < E; k++) {
+            const int i = lane + 16 * k;
+            if (i < C) o[i] = (xv[k] * r) * w[i];
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < E; k++) {
+            const int i = lane + 16 * k;
+            if (i < C) o[i] = xv[k] * r;
+        }
+    }
+}
+
+/* Any C: the dot in chunks of RMS_CHUNK elements per lane (chunk starts are multiples of 16,
+ * so every element keeps its lane), then the output loop. */
+static __global__ void __launch_bounds__(RMS_THREADS)
+rmsnorm_chunked_kernel(float *out, const float *x, const float *__restrict__ w, int N, int C,
+                       float eps) {
+    const int lane = threadIdx.x & 15;
+    const int64_t n = (int64_t)blockIdx.x * RMS_ROWS_PER_BLOCK + (threadIdx.x >> 4);
+    if (n >= N) return; /* whole half-warps leave together */
+    const unsigned mask = half_warp_mask();
+    const float *xr = x + n * C;
+    float xv[RMS_CHUNK];
+    float acc = 0.0f;
+    for (int c0 = 0; c0 < C; c0 += 16 * RMS_CHUNK) {
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++) {
+            const int i = c0 + lane + 16 * k;
+            xv[k] = i < C ? xr[i] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++)
+            if (c0 + lane + 16 * k < C) acc = __fmaf_rn(xv[k], xv[k], acc);
+    }
+    const float r = kiln_rms_scale(lane16_tree(acc, mask), C, eps);
+    float *o = out + n * C;
+    for (int c0 = 0; c0 < C; c0 += 16 * RMS_CHUNK) {
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++) {
+            const int i = c0 + lane + 16 * k;
+            xv[k] = i < C ? xr[i] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++) {
+            const int i = c0 + lane + 16 * k;
+            if (i < C) o[i] = w ? (xv[k] * r) * w[i] : xv[k] * r;
+        }
+    }
+}
+
+template <int E>
+static void rmsnorm_cached_launch(cudaStream_t s, unsigned grid, float *out, const float *x,
+                                  const float *w, int N, int C, float eps) {
+    rmsnorm_cached_kernel<E><<<grid, RMS_THREADS, 0, s>>>(out, x, w, N, C, eps);
 }
 
 cudaError_t kiln_cuda_rmsnorm(cudaStream_t s, float *out, const float *x, const float *w, int N,
                               int C, float eps) {
     if (N <= 0 || C <= 0) return cudaSuccess;
-    rmsnorm_kernel<<<(unsigned)((N + 15) / 16), 256, 0, s>>>(out, x, w, N, C, eps);
+    const unsigned grid = (unsigned)((N + RMS_ROWS_PER_BLOCK - 1) / RMS_ROWS_PER_BLOCK);
+    const int per_lane = (C + 15) / 16; /* the lane's elements: at most ceil(C / 16) */
+    if (per_lane <= 4) rmsnorm_cached_launch<4>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 8) rmsnorm_cached_launch<8>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 16) rmsnorm_cached_launch<16>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 32) rmsnorm_cached_launch<32>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 48) rmsnorm_cached_launch<48>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 64) rmsnorm_cached_launch<64>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 128) rmsnorm_cached_launch<128>(s, grid, out, x, w, N, C, eps);
+    else rmsnorm_chunked_kernel<<<grid, RMS_THREADS, 0, s>>>(out, x, w, N, C, eps);
     return cudaGetLastError();
 }
 
