@@ -145,7 +145,6 @@ kiln_status kiln_cuda_ce_grad_fast(kiln_backend *be, float *z, int64_t S, int64_
                                    int64_t c0, const int32_t *tgt, const float *m,
                                    const float *l, float gs);
 
-
 #ifdef __cplusplus
 }
 #endif
