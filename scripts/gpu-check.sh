@@ -12,6 +12,7 @@
 #   KILN_BENCH_QUICK=1: the fast-kernel benchmarks with --quick
 #   KILN_GPU_TESTS="test_cuda_ops ...": only these tests (default every tests/gpu/test_cuda_*)
 #   KILN_SANITIZER_TIMEOUT: seconds per compute-sanitizer run (default 300)
+#   KILN_SANITIZER_ONLY="memcheck:test_cuda_train_fast ...": only these sanitizer runs
 #   KILN_VOCAB_DIR: the vocabulary GGUFs of the whole-model tests (default
 #       ../shared/testdata/tokenizer-vectors, else build-dir/vocab)
 #   KILN_DEFAULT_GGUF: kiln's default model (SmolLM2-135M-Instruct Q4_1) for the cli part
@@ -178,10 +179,18 @@ fi
 
 san=()
 if has sanitizer && command -v compute-sanitizer >/dev/null; then
-    for spec in "memcheck test_cuda_ops 5" "racecheck test_cuda_ops 6" \
-                "memcheck test_cuda_backward 5" "racecheck test_cuda_backward 6" \
-                "memcheck test_cuda_fast_matvec" "memcheck test_cuda_model $vocab --no-big"; do
+    specs=("memcheck test_cuda_ops 5" "racecheck test_cuda_ops 6"
+           "memcheck test_cuda_backward 5" "racecheck test_cuda_backward 6"
+           "memcheck test_cuda_fast_matvec" "memcheck test_cuda_model $vocab --no-big"
+           "memcheck test_cuda_attention_bwd_fast --no-time"
+           "racecheck test_cuda_attention_bwd_fast --no-time"
+           "memcheck test_cuda_train_fast $vocab")
+    for spec in "${specs[@]}"; do
         set -- $spec
+        # KILN_SANITIZER_ONLY="tool:binary ...": only these runs
+        if [ -n "${KILN_SANITIZER_ONLY:-}" ]; then
+            case " $KILN_SANITIZER_ONLY " in *" $1:$2 "*) ;; *) continue ;; esac
+        fi
         tool=$1 bin=$2
         shift 2
         [ -x "$B/$bin" ] || continue
