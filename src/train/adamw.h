@@ -94,7 +94,9 @@ void kiln_adamw_free(kiln_adamw *o); /* NULL is a no-op */
  * grads_finite, grad_norm, clip_grads (the clip coefficient computed on the device, applied
  * without a host round trip), describe, get_moments/master/compensation (downloading),
  * state_size/save/load (download/upload), with the CPU's bits (the per-element arithmetic is
- * adamw_math.h, shared with the kernels). The pool arguments are ignored for a device
+ * adamw_math.h, shared with the kernels) -- except grad_norm and clip_grads' norms on a fast
+ * CUDA backend, which use a fixed chunked order in double (docs/TRAINING.md, "Fast mode";
+ * deterministic, within half an ulp of the exact per-tensor norm). The pool arguments are ignored for a device
  * optimizer; its work is enqueued on the backend's stream (grads_finite, and therefore step,
  * wait for the finite check's result; clip_grads waits only when total_norm or coef is asked
  * for). Weights and grads that are not device memory are refused (KILN_ERR_INVALID_ARG); at
