@@ -42,30 +42,8 @@ extern "C" {
 #include "train/adamw.h"
 }
 
-static int g_fail = 0;
-static uint64_t g_rng = 0x5eed1234ull;
-
-static uint64_t rnd64() {
-    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static float rndu() { return (float)((rnd64() >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f; }
-
-#define FAIL(...)                                                                              \
-    do {                                                                                       \
-        g_fail++;                                                                              \
-        fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                                   \
-        fprintf(stderr, __VA_ARGS__);                                                          \
-        fputc('\n', stderr);                                                                   \
-    } while (0)
-
-#define OK_OR_FAIL(expr)                                                                       \
-    do {                                                                                       \
-        kiln_status s_ = (expr);                                                               \
-        if (s_ != KILN_OK) FAIL("%s: %s: %s", #expr, kiln_status_string(s_), kiln_last_error()); \
-    } while (0)
+#define GPU_TEST_SEED 0x5eed1234ull
+#include "gpu_test_check.h"
 
 #define CUDA_OR_FAIL(expr)                                                                     \
     do {                                                                                       \
