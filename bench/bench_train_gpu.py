@@ -374,17 +374,28 @@ def kiln_sequence(tr, row, B, accumulate):
     return loss
 
 
-def kiln_step(tr, batch):
+def kiln_step(tr, batch, micro=1):
+    """One optimizer step over the batch: sequence by sequence (micro 1), or micro sequences
+    per forward (forward_batch: the micro-batch's mean loss scaled by micro / B -- the same
+    batch mean), gradients accumulated, then clip + AdamW."""
     B = batch.shape[0]
     loss = 0.0
-    for b in range(B):
-        loss += kiln_sequence(tr, batch[b], B, b > 0)
+    if micro > 1:
+        for i in range(0, B, micro):
+            ids = batch[i:i + micro]
+            tg = np.concatenate([ids[:, 1:], -np.ones((ids.shape[0], 1), dtype=ids.dtype)], axis=1)
+            loss += tr.forward_batch(ids, tg, "mean", ids.shape[0] / B)
+            tr.backward(accumulate=i > 0)
+    else:
+        for b in range(B):
+            loss += kiln_sequence(tr, batch[b], B, b > 0)
     tr.clip_grads(1.0)
     tr.optimizer_step(LR)
     return loss
 
 
-def bench_kiln(args, model, batches, fast, steps, storage="f32", moments="f32", one_seq=False):
+def bench_kiln(args, model, batches, fast, steps, storage="f32", moments="f32", one_seq=False,
+               micro=1):
     """kiln training: fast mode runs real steps (1 warm + up to `steps` timed); auditable mode
     (or one_seq) extrapolates a step from single sequences (see the docstring). Returns a
     dict; raises KilnError when the trainer cannot be made."""
@@ -392,7 +403,9 @@ def bench_kiln(args, model, batches, fast, steps, storage="f32", moments="f32", 
     dev = args.device
     B, T = batches[0].shape
     extra = {"fast": True} if fast else {}
-    out = dict(B=B, T=T, fast=fast, storage=storage, moments=moments)
+    if micro > 1:
+        extra["max_batch"] = micro
+    out = dict(B=B, T=T, fast=fast, storage=storage, moments=moments, micro=micro)
     cleanup(dev)
     with DevicePeak(dev) as dp:
         t0 = time.perf_counter()
@@ -401,9 +414,9 @@ def bench_kiln(args, model, batches, fast, steps, storage="f32", moments="f32", 
                           device=args.kiln_device, **extra)
         out["create_s"] = time.perf_counter() - t0
         try:
-            if fast and not one_seq:
+            if (fast or micro > 1) and not one_seq:
                 t0 = time.perf_counter()
-                kiln_step(tr, batches[0])
+                kiln_step(tr, batches[0], micro)
                 sync(dev)
                 tw = time.perf_counter() - t0
                 out["warm_s"] = tw
@@ -412,7 +425,7 @@ def bench_kiln(args, model, batches, fast, steps, storage="f32", moments="f32", 
                 for i in range(n):
                     sync(dev)
                     t0 = time.perf_counter()
-                    out["loss"] = kiln_step(tr, batches[(1 + i) % len(batches)])
+                    out["loss"] = kiln_step(tr, batches[(1 + i) % len(batches)], micro)
                     sync(dev)
                     ts.append(time.perf_counter() - t0)
                 out["step_s"] = ts
@@ -583,6 +596,20 @@ def part_train(args, R, rows, res, folders):
                     r["kiln_fast" if fast else "kiln_auditable"] = x
                     add(eng, x, f"step {median(x['step_s']):.3f} s: {x['how']}; loss {x['loss']:.3f}")
                     log(f"{key} {eng}: {x['tok_s']:.1f} tok/s ({x['how']}); {x['describe']}")
+                    # --micro M: fast mode again (auditable on the CPU, which has no fast mode)
+                    # with M sequences per forward (forward_batch), real steps
+                    if (fast or dev == "cpu") and args.micro > 1 and B % args.micro == 0 \
+                            and args.time_left() > 15:
+                        eng_m = f"kiln {'fast' if fast else 'auditable'}, {args.micro} seqs/forward"
+                        try:
+                            x = bench_kiln(args, km, batches, fast, args.steps, micro=args.micro)
+                            r[f"kiln_fast_micro{args.micro}"] = x
+                            add(eng_m, x, f"step {median(x['step_s']):.3f} s: {x['how']}; "
+                                f"loss {x['loss']:.3f}")
+                            log(f"{key} {eng_m}: {x['tok_s']:.1f} tok/s; {x['describe']}")
+                        except Exception as e:
+                            log(f"{key} {eng_m} failed: {e!r}")
+                            add(eng_m, None, f"failed: {e}"[:200])
         finally:
             km.close()
 
@@ -947,6 +974,9 @@ def main():
     ap.add_argument("--compile", dest="compile", action="store_true",
                     help="torch.compile rows even in --quick / --device cpu")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--micro", type=int, default=0,
+                    help="also run kiln fast with this many sequences per forward (forward_batch; "
+                         "must divide the batch)")
     ap.add_argument("--work", default="/tmp/kiln-train-bench")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -399,6 +399,8 @@ typedef struct kiln_train_params {
                        * forward; not the CPU's bits, deterministic run to run:
                        * docs/TRAINING.md, "Fast mode"). With device -1: KILN_ERR_UNSUPPORTED
                        * (the CPU has no fast training) */
+    int max_batch;    /* most sequences one forward takes (kiln_train_forward_batch; default
+                       * 1, 0 = 1): activations are sized for max_batch x max_seq tokens */
 } kiln_train_params;
 
 KILN_API kiln_train_params kiln_train_default_params(void);
@@ -418,6 +420,17 @@ KILN_API void kiln_trainer_free(kiln_trainer *t);
 KILN_API kiln_status kiln_train_forward(kiln_trainer *t, const int32_t *ids, int n,
                                         const int32_t *targets, kiln_loss_reduction red,
                                         float scale, float *loss);
+/* Forward n_seq sequences of seq tokens each at once (ids and targets: n_seq x seq, back to
+ * back; n_seq <= max_batch, seq <= max_seq), positions restarting at 0 in each, attention
+ * within each sequence. The loss reduces over the supervised positions of all of them (MEAN:
+ * their mean -- for equal target counts, the mean of the sequences' means), and backward
+ * gives the gradient of that loss: PyTorch's batch of n_seq x seq in one step. Each
+ * sequence's activations are those it has alone; the gradient sums run over all rows, so
+ * they are not the bits of n_seq accumulated single-sequence steps (within rounding of
+ * them). kiln_train_forward is this with n_seq = 1. Same errors, per sequence. */
+KILN_API kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *ids, int n_seq, int seq,
+                                              const int32_t *targets, kiln_loss_reduction red,
+                                              float scale, float *loss);
 /* Forward one sequence and write the final-norm hidden states at positions[0..n_pos) to
  * hidden (n_pos x n_embd), for a head of the caller's own; backward then takes their
  * gradient. */

@@ -73,7 +73,7 @@ class _TrainParams(C.Structure):
                 ("lr", C.c_double), ("beta1", C.c_double), ("beta2", C.c_double),
                 ("eps", C.c_double), ("weight_decay", C.c_double),
                 ("weight_storage", C.c_int), ("moment_storage", C.c_int), ("seed", C.c_uint64),
-                ("device", C.c_int), ("fast", C.c_int)]
+                ("device", C.c_int), ("fast", C.c_int), ("max_batch", C.c_int)]
 
 
 class TrainMemory(C.Structure):
@@ -129,6 +129,9 @@ def load_library(path=None):
         "kiln_trainer_free": (None, [P]),
         "kiln_train_forward": (C.c_int, [P, C.POINTER(C.c_int32), C.c_int, C.POINTER(C.c_int32),
                                          C.c_int, C.c_float, C.POINTER(C.c_float)]),
+        "kiln_train_forward_batch": (C.c_int, [P, C.POINTER(C.c_int32), C.c_int, C.c_int,
+                                               C.POINTER(C.c_int32), C.c_int, C.c_float,
+                                               C.POINTER(C.c_float)]),
         "kiln_train_forward_hidden": (C.c_int, [P, C.POINTER(C.c_int32), C.c_int,
                                                 C.POINTER(C.c_int32), C.c_int, C.POINTER(C.c_float)]),
         "kiln_train_backward": (C.c_int, [P, C.POINTER(C.c_float), C.c_int]),
@@ -378,7 +381,7 @@ class Trainer(_Handle):
 
     def __init__(self, model, max_seq=256, n_threads=0, ce_chunk=0, lr=1e-3, betas=(0.9, 0.999),
                  eps=1e-8, weight_decay=0.01, storage="f32", moments="f32", seed=0, device=-1,
-                 fast=False):
+                 fast=False, max_batch=1):
         """device: -1 or "cpu" = CPU; N, "cuda" or "cuda:N" = CUDA device N (the CPU's bits;
         checkpoints move between the two). fast=True (GPU only): matrix products on bf16
         tensor cores, not the CPU's bits but deterministic run to run (docs/TRAINING.md)."""
@@ -390,6 +393,7 @@ class Trainer(_Handle):
         p.weight_storage, p.moment_storage, p.seed = STORAGE[storage], MOMENTS[moments], seed
         p.device = self._device_index(device)
         p.fast = 1 if fast else 0
+        p.max_batch = max_batch  # sequences one forward_batch takes
         h = C.c_void_p()
         _check(self._lib.kiln_trainer_create(model._h, C.byref(p), C.byref(h)))
         self._h = h
@@ -434,6 +438,22 @@ class Trainer(_Handle):
         loss = C.c_float()
         _check(self._lib.kiln_train_forward(self._h, _i32(ids), len(ids), _i32(targets),
                                             0 if reduction == "mean" else 1, scale, C.byref(loss)))
+        return loss.value
+
+    def forward_batch(self, ids, targets, reduction="mean", scale=1.0):
+        """ids, targets: n_seq sequences of equal length (lists or a 2-D array), forwarded at
+        once (kiln_train_forward_batch); the loss reduces over all of them."""
+        import numpy as np
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        targets = np.ascontiguousarray(targets, dtype=np.int32)
+        if ids.ndim != 2 or targets.shape != ids.shape:
+            raise ValueError("forward_batch: ids and targets must be 2-D arrays of one shape")
+        loss = C.c_float()
+        P32 = C.POINTER(C.c_int32)
+        _check(self._lib.kiln_train_forward_batch(self._h, ids.ctypes.data_as(P32), ids.shape[0],
+                                                  ids.shape[1], targets.ctypes.data_as(P32),
+                                                  0 if reduction == "mean" else 1, scale,
+                                                  C.byref(loss)))
         return loss.value
 
     def forward_hidden(self, ids, positions):

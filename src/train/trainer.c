@@ -24,6 +24,7 @@
 #include "fused_ce.h"
 #include "trainer.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -96,7 +97,8 @@ struct kiln_trainer {
 
     /* the pending step */
     int pending;      /* 0 none, 1 loss (targets), 2 hidden */
-    int T, n_pos;
+    int T, n_pos; /* T: rows of the pending step = n_seq x seq tokens */
+    int n_seq, seq; /* sequences of the pending step and their length */
     kiln_loss_reduction red;
     float scale;
     uint64_t peak_step;
@@ -341,7 +343,8 @@ static kiln_status carve(kiln_trainer *t, float ***slots, const size_t *sizes, i
 
 static kiln_status alloc_activations(kiln_trainer *t) {
     const kiln_model_config *c = &t->cfg;
-    size_t T = (size_t)t->p.max_seq, C = (size_t)c->n_embd, FF = (size_t)c->n_ff;
+    /* T: rows (tokens of the largest batch), S: positions of one sequence */
+    size_t S = (size_t)t->p.max_seq, T = S * (size_t)t->p.max_batch, C = (size_t)c->n_embd, FF = (size_t)c->n_ff;
     size_t HS = (size_t)c->head_dim, QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS;
     int L = c->n_layer, qk = c->qk_norm || (t->layers[0].q_norm != NULL);
     t->acts = kiln_calloc((size_t)L, sizeof *t->acts);
@@ -377,8 +380,8 @@ static kiln_status alloc_activations(kiln_trainer *t) {
                              (float **)&t->pos, (float **)&t->ids};
     size_t sz[N_SCRATCH] = {T * C, T * C, T * C, T * QD, T * QD, qk ? T * QD : 0, T * KD, qk ? T * KD : 0, T * KD,
                             T * FF, T * FF, T * FF, NHT > T * (size_t)c->n_head_kv ? NHT : T,
-                            kiln_attention_backward_ws_floats((int)T, 0, c->n_head, c->n_head_kv, (int)HS),
-                            T * HS / 2, T * HS / 2, ints, ints};
+                            kiln_attention_backward_ws_floats((int)S, 0, c->n_head, c->n_head_kv, (int)HS),
+                            S * HS / 2, S * HS / 2, ints, ints};
     for (int i = 0; i < N_SCRATCH; i++) {
         slots[k] = sp[i];
         sizes[k++] = sz[i];
@@ -408,14 +411,14 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     if (!t->ce_stats) return KILN_ERR_NOMEM;
     t->positions = t->targets + T;
     if (t->host) {
-        kiln_rope_tables_fill(t->model, (int)T, t->rope_cos, t->rope_sin);
+        kiln_rope_tables_fill(t->model, (int)S, t->rope_cos, t->rope_sin);
         return KILN_OK;
     }
     /* a device: the rope tables computed on the host and uploaded */
-    size_t tab = T * HS / 2;
+    size_t tab = S * HS / 2;
     float *host = kiln_malloc((tab ? tab : 1) * 2 * sizeof(float));
     if (!host) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for the rope tables");
-    kiln_rope_tables_fill(t->model, (int)T, host, host + tab);
+    kiln_rope_tables_fill(t->model, (int)S, host, host + tab);
     st = kiln_backend_upload(t->be, t->rope_cos, host, tab * sizeof(float));
     if (st == KILN_OK) st = kiln_backend_upload(t->be, t->rope_sin, host + tab, tab * sizeof(float));
     kiln_free(host);
@@ -429,6 +432,7 @@ kiln_train_params kiln_train_default_params(void) {
     kiln_train_params p;
     memset(&p, 0, sizeof p);
     p.max_seq = 256;
+    p.max_batch = 1;
     p.lr = 1e-3;
     p.beta1 = 0.9;
     p.beta2 = 0.999;
@@ -444,6 +448,10 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     if (p.max_seq < 2 || p.max_seq > m->cfg.n_ctx_train)
         return kiln_error(KILN_ERR_RANGE, "kiln_trainer_create: max_seq %d not in [2, %d] (the model's context)",
                           p.max_seq, m->cfg.n_ctx_train);
+    if (p.max_batch == 0) p.max_batch = 1; /* params zeroed by hand: one sequence */
+    if (p.max_batch < 1 || (int64_t)p.max_batch * p.max_seq > INT_MAX / 4)
+        return kiln_error(KILN_ERR_RANGE, "kiln_trainer_create: max_batch %d: need 1 <= max_batch and max_batch x "
+                          "max_seq (%d) tokens to fit an int", p.max_batch, p.max_seq);
     if ((unsigned)p.weight_storage > KILN_STORAGE_BF16_SR || (unsigned)p.moment_storage > KILN_MOMENTS_Q8)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: unknown storage variant");
     if (p.ce_chunk < 0 || p.n_threads < 0)
@@ -584,13 +592,18 @@ void kiln_trainer_free(kiln_trainer *t) {
 
 #define VEC(p) ((p) ? (const float *)(p)->w : NULL)
 
-static void forward(kiln_trainer *t, const int32_t *ids, int T) {
+/* n_seq sequences of seq tokens each, ids (n_seq x seq) back to back: every op but attention
+ * takes the T = n_seq x seq rows at once (each row's result is the one it has alone), attention
+ * runs per sequence, positions restart at 0 in each. */
+static void forward(kiln_trainer *t, const int32_t *ids, int n_seq, int seq) {
     const kiln_model_config *c = &t->cfg;
     kiln_backend *be = t->be;
     const kiln_backend_i *op = be->i;
     int C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
+    int T = n_seq * seq;
+    size_t QD = (size_t)NH * HS, KD = (size_t)KVH * HS;
     float eps = c->rms_eps, scale = (float)(1.0 / sqrt((double)HS));
-    for (int n = 0; n < T; n++) t->pos[n] = n;
+    for (int n = 0; n < T; n++) t->pos[n] = n % seq;
     memcpy(t->ids, ids, (size_t)T * sizeof(int32_t));
     op->embed(be, t->acts[0].x, &t->tok_embd->view, ids, T);
     for (int l = 0; l < c->n_layer; l++) {
@@ -605,7 +618,11 @@ static void forward(kiln_trainer *t, const int32_t *ids, int T) {
         if (w->k_norm) op->rmsnorm(be, a->k, a->kr, VEC(w->k_norm), T * KVH, HS, eps);
         op->rope(be, a->q, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
         op->rope(be, a->k, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
-        op->attention(be, a->att, a->q, a->k, a->v, T, 0, NH, KVH, HS, scale);
+        for (int b = 0; b < n_seq; b++) {
+            size_t r = (size_t)b * seq;
+            op->attention(be, a->att + r * QD, a->q + r * QD, a->k + r * KD, a->v + r * KD, seq, 0, NH, KVH, HS,
+                          scale);
+        }
         /* x_mid = o + x: IEEE addition commutes, so these are the bits of x + o, with no copy */
         op->matmul(be, a->x_mid, a->att, &w->wo->view, VEC(w->bo), T);
         op->add(be, a->x_mid, a->x, (size_t)T * C);
@@ -645,15 +662,25 @@ static void track_peak(kiln_trainer *t) {
 
 kiln_status kiln_train_forward(kiln_trainer *t, const int32_t *ids, int n, const int32_t *targets,
                                kiln_loss_reduction red, float scale, float *loss) {
-    KILN_TRY(check_ready(t, "kiln_train_forward"));
-    KILN_TRY(check_ids(t, ids, n, "kiln_train_forward"));
-    if (!targets || !loss) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_forward: targets and loss must be set");
+    return kiln_train_forward_batch(t, ids, 1, n, targets, red, scale, loss);
+}
+
+kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *ids, int n_seq, int seq, const int32_t *targets,
+                                     kiln_loss_reduction red, float scale, float *loss) {
+    const char *call = n_seq == 1 ? "kiln_train_forward" : "kiln_train_forward_batch";
+    KILN_TRY(check_ready(t, call));
+    if (n_seq < 1 || n_seq > t->p.max_batch)
+        return kiln_error(KILN_ERR_RANGE, "%s: %d sequences not in [1, %d] (max_batch)", call, n_seq, t->p.max_batch);
+    KILN_TRY(check_ids(t, ids, seq, call));
+    for (int b = 1; b < n_seq; b++) KILN_TRY(check_ids(t, ids + (size_t)b * seq, seq, call));
+    int n = n_seq * seq;
+    if (!targets || !loss) return kiln_error(KILN_ERR_INVALID_ARG, "%s: targets and loss must be set", call);
     if (red != KILN_LOSS_MEAN && red != KILN_LOSS_SUM)
-        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_forward: unknown reduction %d", (int)red);
-    if (!isfinite(scale)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_forward: scale is not finite");
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: unknown reduction %d", call, (int)red);
+    if (!isfinite(scale)) return kiln_error(KILN_ERR_INVALID_ARG, "%s: scale is not finite", call);
     kiln_mem_reset_peak();
     t->peak_step = 0;
-    forward(t, ids, n);
+    forward(t, ids, n_seq, seq);
     /* the loss alone (pass 1): errors (no supervised position, target out of range,
      * non-finite loss) leave nothing pending */
     kiln_fused_ce_params cp = kiln_fused_ce_default_params();
@@ -670,11 +697,13 @@ kiln_status kiln_train_forward(kiln_trainer *t, const int32_t *ids, int n, const
     cp.row_stats_out = t->ce_stats; /* backward's loss call skips its pass 1 */
     kiln_fused_ce_result r;
     kiln_status st = kiln_fused_ce(t->be, &cp, &r);
-    if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_forward");
-    KILN_TRY(backend_check(t, "kiln_train_forward"));
+    if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
+    KILN_TRY(backend_check(t, call));
     t->ce_scratch = r.scratch_bytes;
     memcpy(t->targets, targets, (size_t)n * sizeof(int32_t));
     t->T = n;
+    t->n_seq = n_seq;
+    t->seq = seq;
     t->red = red;
     t->scale = scale;
     t->pending = 1;
@@ -699,7 +728,7 @@ kiln_status kiln_train_forward_hidden(kiln_trainer *t, const int32_t *ids, int n
     }
     kiln_mem_reset_peak();
     t->peak_step = 0;
-    forward(t, ids, n);
+    forward(t, ids, 1, n);
     int C = t->cfg.n_embd;
     for (int i = 0; i < n_pos; i++)
         KILN_TRY(kiln_backend_download(t->be, hidden + (size_t)i * C, t->xn + (size_t)positions[i] * C,
@@ -709,6 +738,8 @@ kiln_status kiln_train_forward_hidden(kiln_trainer *t, const int32_t *ids, int n
     memcpy(t->positions, positions, (size_t)n_pos * sizeof(int32_t));
     t->n_pos = n_pos;
     t->T = n;
+    t->n_seq = 1;
+    t->seq = n;
     t->pending = 2;
     track_peak(t);
     return KILN_OK;
@@ -729,6 +760,8 @@ static void backward_layers(kiln_trainer *t) {
     kiln_backend *be = t->be;
     const kiln_backend_i *op = be->i;
     int T = t->T, C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
+    int n_seq = t->n_seq, seq = t->seq;
+    size_t QD = (size_t)NH * HS, KD = (size_t)KVH * HS;
     float eps = c->rms_eps, scale = (float)(1.0 / sqrt((double)HS));
     /* dx = d loss / d x_final, from d xn */
     op->rmsnorm_backward(be, t->dx, GRAD(t->final_norm), t->dxn, t->x_final, VEC(t->final_norm), T, C, eps, t->rstd,
@@ -744,8 +777,12 @@ static void backward_layers(kiln_trainer *t) {
         op->rmsnorm_backward(be, t->dx, w->mlp_norm->g, t->dxb, a->x_mid, VEC(w->mlp_norm), T, C, eps, t->rstd, true);
         /* attention: x_mid = x + o(attention(rope(q), rope(k), v)) */
         op->matmul_backward(be, t->datt, w->wo->g, GRAD(w->bo), t->dx, a->att, &w->wo->view, T, false);
-        op->attention_backward(be, t->dq, t->dk, t->dv, t->datt, a->q, a->k, a->v, a->att, t->ws, T, 0, NH, KVH, HS,
-                               scale);
+        for (int b = 0; b < n_seq; b++) { /* per sequence; ws is reused in stream order */
+            size_t r = (size_t)b * seq;
+            op->attention_backward(be, t->dq + r * QD, t->dk + r * KD, t->dv + r * KD, t->datt + r * QD,
+                                   a->q + r * QD, a->k + r * KD, a->v + r * KD, a->att + r * QD, t->ws, seq, 0, NH,
+                                   KVH, HS, scale);
+        }
         op->rope_backward(be, t->dq, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
         op->rope_backward(be, t->dk, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
         if (w->q_norm)
@@ -1029,7 +1066,7 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
     kiln_adamw_describe(t->opt_vec, db, sizeof db, &b);
     m.optimizer = a.owned + b.owned;
     m.activations = t->act_bytes;
-    m.scratch = kiln_fused_ce_scratch_bytes(t->p.max_seq, t->cfg.n_embd, t->cfg.n_vocab,
+    m.scratch = kiln_fused_ce_scratch_bytes(t->p.max_seq * t->p.max_batch, t->cfg.n_embd, t->cfg.n_vocab,
                                             t->p.ce_chunk ? t->p.ce_chunk : KILN_FUSED_CE_DEFAULT_CHUNK, 1, 1);
     m.peak_step = t->peak_step;
     char dev[32] = "cpu";
@@ -1042,10 +1079,10 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
     m.device = t->host ? -1 : t->p.device;
     if (buf && cap)
         snprintf(buf, cap,
-                 "params %.1f MiB, grads %.1f MiB, optimizer %.1f MiB, activations %.1f MiB (max_seq %d), "
+                 "params %.1f MiB, grads %.1f MiB, optimizer %.1f MiB, activations %.1f MiB (max_seq %d x max_batch %d), "
                  "loss scratch %.1f MiB; matrices: %s; vectors: %s; device: %s",
                  m.params / 1048576.0, m.grads / 1048576.0, m.optimizer / 1048576.0, m.activations / 1048576.0,
-                 t->p.max_seq, m.scratch / 1048576.0, da, db, dev);
+                 t->p.max_seq, t->p.max_batch, m.scratch / 1048576.0, da, db, dev);
     if (mem) *mem = m;
     return KILN_OK;
 }

@@ -8,7 +8,8 @@
  * with bf16 weights + f32 master copy (one extra case: bf16 + Kahan with 8-bit moments).
  * Per case, a CPU trainer and a GPU trainer get the same batches:
  *   steps 1..3: a loss step (kiln_train_step), a second micro-batch accumulated with
- *     kiln_train_forward (SUM, scaled, some targets unsupervised) + backward, and on step 3
+ *     kiln_train_forward (SUM, scaled, some targets unsupervised) + backward, a batch of two
+ *     sequences of 8 through kiln_train_forward_batch (MEAN) + backward, and on step 3
  *     a third through kiln_train_forward_hidden + backward(dhidden); then grad_sq_norm,
  *     clip_grads, optimizer_step. Losses, hidden states, every gradient (before and after
  *     the clip), the norms and the coefficient, and every parameter after AdamW must have
@@ -120,6 +121,7 @@ static int same_f(float a, float b, const char *what) {
 
 typedef struct batch {
     int32_t ids[3][MAX_T], targets[MAX_T], positions[4];
+    int32_t bids[2 * 8], btargets[2 * 8]; /* a batch of 2 sequences of 8 (forward_batch) */
     int n[3], n_pos;
     float dhidden[4 * 256]; /* n_pos x C, C <= 256 */
     int with_hidden;
@@ -134,6 +136,10 @@ static void make_batch(batch *b, int V, int C, int step) {
     }
     for (int i = 0; i < b->n[1]; i++) b->targets[i] = (i % 3 == 1) ? -1 : (int32_t)(rnd_u64() % (uint64_t)V);
     b->targets[0] = (int32_t)(rnd_u64() % (uint64_t)V); /* at least one supervised */
+    for (int i = 0; i < 16; i++) {
+        b->bids[i] = (int32_t)(rnd_u64() % (uint64_t)V);
+        b->btargets[i] = i % 8 == 7 || i % 5 == 2 ? -1 : (int32_t)(rnd_u64() % (uint64_t)V);
+    }
     b->with_hidden = step == 2 || step == 4;
     b->n_pos = b->n[2] < 4 ? b->n[2] : 4;
     for (int i = 0; i < b->n_pos; i++) b->positions[i] = b->n[2] - 1 - 2 * i >= 0 ? b->n[2] - 1 - 2 * i : i;
@@ -144,7 +150,7 @@ static void make_batch(batch *b, int V, int C, int step) {
 }
 
 typedef struct step_out {
-    float loss1, loss2, hidden[4 * 256];
+    float loss1, loss2, loss3, hidden[4 * 256];
     double sq_norm;
     float total, coef;
 } step_out;
@@ -165,6 +171,9 @@ static int run_grads(kiln_trainer *t, const batch *b, int C, step_out *o) {
     TRY(kiln_train_step(t, b->ids[0], b->n[0], &o->loss1), "train_step");
     TRY(kiln_train_forward(t, b->ids[1], b->n[1], b->targets, KILN_LOSS_SUM, 0.25f, &o->loss2), "train_forward");
     TRY(kiln_train_backward(t, NULL, 1), "train_backward (accumulate)");
+    TRY(kiln_train_forward_batch(t, b->bids, 2, 8, b->btargets, KILN_LOSS_MEAN, 0.5f, &o->loss3),
+        "train_forward_batch");
+    TRY(kiln_train_backward(t, NULL, 1), "train_backward (batch, accumulate)");
     if (b->with_hidden) {
         TRY(kiln_train_forward_hidden(t, b->ids[2], b->n[2], b->positions, b->n_pos, o->hidden),
             "train_forward_hidden");
@@ -188,6 +197,8 @@ static int same_outputs(const step_out *a, const step_out *b, const batch *bt, i
     ok &= same_f(a->loss1, b->loss1, w);
     snprintf(w, sizeof w, "%s loss (forward, sum)", when);
     ok &= same_f(a->loss2, b->loss2, w);
+    snprintf(w, sizeof w, "%s loss (forward_batch of 2)", when);
+    ok &= same_f(a->loss3, b->loss3, w);
     if (bt->with_hidden) ok &= same_floats(a->hidden, b->hidden, (size_t)bt->n_pos * C, when, "hidden");
     if (memcmp(&a->sq_norm, &b->sq_norm, sizeof a->sq_norm) != 0) {
         fprintf(stderr, "    %s grad_sq_norm: cpu %.17g gpu %.17g\n", when, a->sq_norm, b->sq_norm);
@@ -199,6 +210,7 @@ static int same_outputs(const step_out *a, const step_out *b, const batch *bt, i
 static kiln_trainer *make_trainer(kiln_model *m, const model_case *mc, int device) {
     kiln_train_params p = kiln_train_default_params();
     p.max_seq = MAX_T;
+    p.max_batch = 2;
     p.n_threads = 2;
     p.ce_chunk = 1000; /* several chunks of the vocabulary, one ragged */
     p.lr = 2e-3;

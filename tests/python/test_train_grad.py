@@ -118,3 +118,48 @@ def test_pending_step_and_bad_inputs(tmp_path, build_dir):
         tr.forward(ids, [m.n_vocab] * len(ids))  # "target ... >= vocabulary size"
     # nothing pending after the failures: a step works
     assert np.isfinite(tr.step(ids))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_batch_of_sequences(tmp_path, build_dir, arch):
+    """forward_batch: n_seq sequences in one forward = PyTorch's batch in one step (loss over
+    all supervised positions, its gradient); each sequence's positions start at 0."""
+    d, ref = build_model(tmp_path, arch)
+    m = kiln.Model(d)
+    B, T = 3, 14
+    tr = kiln.Trainer(m, max_seq=16, n_threads=2, max_batch=4)
+    ids = np.array([rand_ids(T, m.n_vocab, 20 + b) for b in range(B)])
+    tg = np.concatenate([ids[:, 1:], -np.ones((B, 1), dtype=ids.dtype)], axis=1)
+    tg[1, ::4] = -1  # unequal target counts: MEAN is over all supervised positions
+    loss = tr.forward_batch(ids, tg, reduction="mean", scale=0.5)
+    tr.backward()
+    logits = ref(torch.tensor(ids)).logits
+    loss_t = 0.5 * torch.nn.functional.cross_entropy(logits.reshape(B * T, -1), torch.tensor(tg).reshape(-1),
+                                                     ignore_index=-1)
+    loss_t.backward()
+    assert abs(loss - loss_t.item()) <= 1e-5 * abs(loss_t.item()), (loss, loss_t.item())
+    compare_grads(tr, torch_grads(ref), f"{arch} batch of {B}")
+
+    # each sequence's forward is the one it has alone: a batch of one gives forward()'s bits,
+    # and a batch's SUM loss is within rounding of the sum of its sequences' losses
+    one = tr.forward_batch(ids[:1], tg[:1], reduction="sum")
+    tr.discard()
+    assert one == tr.forward(ids[0].tolist(), tg[0].tolist(), reduction="sum")
+    tr.discard()
+    total = tr.forward_batch(ids, tg, reduction="sum")
+    tr.discard()
+    parts = 0.0
+    for b in range(B):
+        parts += tr.forward(ids[b].tolist(), tg[b].tolist(), reduction="sum")
+        tr.discard()
+    assert abs(total - parts) <= 1e-5 * abs(parts), (total, parts)
+
+    with pytest.raises(kiln.KilnError, match="max_batch"):
+        tr.forward_batch(np.tile(ids[:1], (5, 1)), np.tile(tg[:1], (5, 1)))
+    with pytest.raises(kiln.KilnError, match="max_seq"):
+        tr.forward_batch(np.zeros((2, 17), dtype=np.int32), np.zeros((2, 17), dtype=np.int32))
+    bad = ids.copy()
+    bad[2, 5] = m.n_vocab
+    with pytest.raises(kiln.KilnError, match="out of range"):
+        tr.forward_batch(bad, tg)
+    assert np.isfinite(tr.step(ids[0].tolist()))  # nothing pending after the failures
