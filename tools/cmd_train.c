@@ -26,6 +26,9 @@ static const char *train_help =
     "  --batch B            sequences per micro-batch (default 8)\n"
     "  --seq T              tokens per sequence (default 128)\n"
     "  --accum K            micro-batches per step (gradient accumulation, default 1)\n"
+    "  --seqs-per-forward K sequences of a micro-batch forwarded at once (K divides --batch;\n"
+    "                       default 1): larger products, K x the activation memory; the\n"
+    "                       gradients are within rounding of K = 1's, not its bits\n"
     "  --lr LR              peak learning rate (default 1e-3)\n"
     "  --min-lr LR          final learning rate of the decay (default lr/10)\n"
     "  --warmup N           linear warmup steps (default 20)\n"
@@ -53,7 +56,7 @@ typedef struct train_opts {
     const char *model, *config, *tokenizer, *out, *schedule, *storage, *moments;
     const char *data[MAX_SHARDS];
     int n_data;
-    long steps, batch, seq, accum, warmup, eval_every, eval_batches, save_every, keep_last, threads, stop_after;
+    long steps, batch, seq, accum, per_forward, warmup, eval_every, eval_batches, save_every, keep_last, threads, stop_after;
     double lr, min_lr, weight_decay, clip, eval_fraction;
     unsigned long long seed;
     int resume, export_model;
@@ -73,6 +76,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
     o->batch = 8;
     o->seq = 128;
     o->accum = 1;
+    o->per_forward = 1;
     o->warmup = 20;
     o->eval_every = 50;
     o->eval_batches = 4;
@@ -109,6 +113,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
         else if (OPT("--batch")) INT(batch, 1, 65536);
         else if (OPT("--seq")) INT(seq, 1, 1 << 20);
         else if (OPT("--accum")) INT(accum, 1, 65536);
+        else if (OPT("--seqs-per-forward")) INT(per_forward, 1, 65536);
         else if (OPT("--warmup")) INT(warmup, 0, 100000000);
         else if (OPT("--eval-every")) INT(eval_every, 0, 100000000);
         else if (OPT("--eval-batches")) INT(eval_batches, 1, 100000);
@@ -159,6 +164,10 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
     }
     if (o->n_data == 0) {
         *code = cli_usage_error(cmd, "at least one --data SHARD is required (make one with `kiln data`)");
+        return 1;
+    }
+    if (o->batch % o->per_forward != 0) {
+        *code = cli_usage_error(cmd, "--seqs-per-forward %ld does not divide --batch %ld", o->per_forward, o->batch);
         return 1;
     }
     if (o->fast && o->device < 0) {
@@ -229,7 +238,7 @@ int cmd_train(int argc, char **argv) {
     kiln_trainer *tr = NULL;
     kiln_shard *shards[MAX_SHARDS] = {0};
     kiln_batch_sampler *train_s = NULL, *eval_s = NULL;
-    int32_t *buf = NULL;
+    int32_t *buf = NULL, *packed = NULL;
     kiln_metrics *csv = NULL;
     char path[4096], png[4096], ckdir[4096];
     kiln_status st;
@@ -279,6 +288,7 @@ int cmd_train(int argc, char **argv) {
     }
     kiln_train_params tp = kiln_train_default_params();
     tp.max_seq = (int)o.seq;
+    tp.max_batch = (int)o.per_forward;
     tp.n_threads = (int)o.threads;
     tp.lr = o.lr;
     tp.weight_decay = o.weight_decay;
@@ -315,7 +325,9 @@ int cmd_train(int argc, char **argv) {
             (unsigned long long)kiln_batch_sampler_n_tokens(train_s), (unsigned long long)kiln_batch_sampler_n_docs(train_s),
             eval_s ? (unsigned long long)kiln_batch_sampler_n_tokens(eval_s) : 0ULL, o.steps, o.batch * o.accum, o.seq);
     buf = malloc((size_t)o.batch * (size_t)(o.seq + 1) * sizeof *buf);
-    if (!buf) {
+    /* --seqs-per-forward K: K sequences' ids and targets packed back to back */
+    packed = malloc((size_t)2 * (size_t)o.per_forward * (size_t)o.seq * sizeof *packed);
+    if (!buf || !packed) {
         fprintf(stderr, "kiln train: out of memory for the batch\n");
         rc = 1;
         goto out;
@@ -330,9 +342,9 @@ int cmd_train(int argc, char **argv) {
     }
     char run_json[512];
     snprintf(run_json, sizeof run_json,
-             "{\"steps\":%ld,\"batch\":%ld,\"seq\":%ld,\"accum\":%ld,\"lr\":%g,\"min_lr\":%g,\"warmup\":%ld,"
-             "\"schedule\":\"%s\",\"seed\":%llu,\"data_position\":\"step\"}",
-             o.steps, o.batch, o.seq, o.accum, o.lr, o.min_lr, o.warmup, o.schedule, o.seed);
+             "{\"steps\":%ld,\"batch\":%ld,\"seq\":%ld,\"accum\":%ld,\"seqs_per_forward\":%ld,\"lr\":%g,"
+             "\"min_lr\":%g,\"warmup\":%ld,\"schedule\":\"%s\",\"seed\":%llu,\"data_position\":\"step\"}",
+             o.steps, o.batch, o.seq, o.accum, o.per_forward, o.lr, o.min_lr, o.warmup, o.schedule, o.seed);
     int tty = isatty(2);
     char plot_title[256];
     snprintf(plot_title, sizeof plot_title, "kiln train: %s", mi.name);
@@ -343,10 +355,21 @@ int cmd_train(int argc, char **argv) {
         float scale = (float)(1.0 / ((double)o.batch * o.seq * o.accum));
         for (long a = 0; a < o.accum && st == KILN_OK; a++) {
             st = kiln_batch_sampler_get(train_s, (uint64_t)(s * o.accum + a), buf);
-            for (long b = 0; b < o.batch && st == KILN_OK; b++) {
-                const int32_t *ids = buf + b * (o.seq + 1);
+            for (long b = 0; b < o.batch && st == KILN_OK; b += o.per_forward) {
                 float l;
-                st = kiln_train_forward(tr, ids, (int)o.seq, ids + 1, KILN_LOSS_SUM, scale, &l);
+                if (o.per_forward == 1) {
+                    const int32_t *ids = buf + b * (o.seq + 1);
+                    st = kiln_train_forward(tr, ids, (int)o.seq, ids + 1, KILN_LOSS_SUM, scale, &l);
+                } else {
+                    int32_t *pid = packed, *ptg = packed + o.per_forward * o.seq;
+                    for (long k = 0; k < o.per_forward; k++) {
+                        const int32_t *row = buf + (b + k) * (o.seq + 1); /* seq + 1 tokens */
+                        memcpy(pid + k * o.seq, row, (size_t)o.seq * sizeof *pid);
+                        memcpy(ptg + k * o.seq, row + 1, (size_t)o.seq * sizeof *ptg);
+                    }
+                    st = kiln_train_forward_batch(tr, pid, (int)o.per_forward, (int)o.seq, ptg, KILN_LOSS_SUM, scale,
+                                                  &l);
+                }
                 if (st == KILN_OK) st = kiln_train_backward(tr, NULL, a > 0 || b > 0);
                 loss += l;
             }
@@ -430,6 +453,7 @@ int cmd_train(int argc, char **argv) {
 out:
     kiln_metrics_close(csv);
     free(buf);
+    free(packed);
     kiln_batch_sampler_free(train_s);
     kiln_batch_sampler_free(eval_s);
     for (int i = 0; i < o.n_data; i++) kiln_shard_close(shards[i]);

@@ -93,3 +93,21 @@ def test_train_errors(setup, build_dir, tmp_path):
     (tmp_path / "bad.tok").write_bytes(b"KILNTOKS" + b"\0" * 100)
     r = kiln(build_dir, "train", "-m", d, "--data", tmp_path / "bad.tok", "--out", tmp_path / "w", check=False)
     assert r.returncode == 1 and "bad.tok" in r.stderr
+
+
+def test_seqs_per_forward(setup, build_dir):
+    """--seqs-per-forward K: the same run (same batches and steps) with K sequences per forward
+    gives the same losses within rounding (not the same bits: the gradient sums run over all K
+    sequences' rows at once), and a K that does not divide --batch is refused."""
+    base, d = setup
+    one, two = base / "pf1", base / "pf2"
+    args = ["-m", d, "--data", base / "corpus.tok", "--steps", "6", "--threads", "2", *COMMON]
+    kiln(build_dir, "train", *args, "--out", one)
+    kiln(build_dir, "train", *args, "--out", two, "--seqs-per-forward", "2")
+    a, b = losses(one), losses(two)
+    assert len(a) == len(b) == 6
+    assert abs(float(a[0][1]) - float(b[0][1])) <= 1e-5 * abs(float(a[0][1]))  # before any update
+    for (s1, l1, _), (s2, l2, _) in zip(a, b):
+        assert s1 == s2 and abs(float(l1) - float(l2)) <= 1e-3 * abs(float(l1)), (s1, l1, l2)
+    r = kiln(build_dir, "train", *args, "--out", base / "pf3", "--seqs-per-forward", "3", check=False)
+    assert r.returncode == 2 and "does not divide --batch" in r.stderr
