@@ -426,7 +426,7 @@ bwd_stats_kernel(float *__restrict__ wsD, float *__restrict__ wsL, const float *
 template <int HS>
 static __global__ void __launch_bounds__(BW_THREADS)
 bwd_main_kernel(float *__restrict__ dq, float *__restrict__ dk, float *__restrict__ dv,
-                const float *__restrict__ wsD, const float *__restrict__ wsL,
+                float *__restrict__ wsD, float *__restrict__ wsL, /* read only here */
                 const float *__restrict__ dout, const float *__restrict__ q,
                 const float *__restrict__ k, const float *__restrict__ v, int N, int n_past,
                 int NH, int KVH, float scale, int nkt) {
@@ -434,9 +434,8 @@ bwd_main_kernel(float *__restrict__ dq, float *__restrict__ dk, float *__restric
     if (x < nkt)
         dkv_tile<HS>(x, h, dk, dv, wsD, wsL, dout, q, k, v, N, n_past, NH, KVH, scale);
     else
-        dq_tile<HS, false>((int)gridDim.x - 1 - x, h, dq, const_cast<float *>(wsD),
-                           const_cast<float *>(wsL), dout, q, k, v, nullptr, N, n_past, NH, KVH,
-                           scale);
+        dq_tile<HS, false>((int)gridDim.x - 1 - x, h, dq, wsD, wsL, dout, q, k, v, nullptr, N,
+                           n_past, NH, KVH, scale);
 }
 
 /* Kernel 3 (G > 1): dk[key][j][d] = pk[key][jG][d] + pk[key][jG+1][d] + ... in head order. */
