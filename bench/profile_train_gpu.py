@@ -4,7 +4,7 @@ forward + loss + backward, then clip + AdamW, under torch.profiler (CUPTI record
 kernel of the process, kiln's included), with wall-clock phase times.
 
   python3 bench/profile_train_gpu.py --bin build-gpu [--models 135m,0.5b] [--seq 2048]
-      [--batch 2] [--top 25] [--auditable]
+      [--batch 2] [--micro 1] [--top 25] [--auditable]
 
 Models, data and the trainer settings are bench_train_gpu.py's. Prints, per model: the phase
 times (each ends with a device sync), then the top kernels by total GPU time with their share
@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -38,22 +39,33 @@ def profile_model(args, name, root):
     B, T = args.batch, args.seq
     batch = btg.make_batches(V, B, T, 1, 1)[0]
     km = kiln.Model(path)
+    M = max(1, args.micro)
+    if B % M:
+        raise SystemExit(f"--micro {M} must divide --batch {B}")
+    extra = {"max_batch": M} if M > 1 else {}
     tr = kiln.Trainer(km, max_seq=T, n_threads=0, lr=btg.LR, betas=(0.9, 0.999), eps=1e-8,
-                      weight_decay=btg.WD, device=0, fast=not args.auditable)
-    btg.kiln_step(tr, batch)  # warm
+                      weight_decay=btg.WD, device=0, fast=not args.auditable, **extra)
+    btg.kiln_step(tr, batch, M)  # warm
     times = []
     from torch.profiler import profile, ProfilerActivity
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for b in range(B):
-            ids = batch[b].tolist()
-            phase("forward+loss", lambda: tr.forward(ids, ids[1:] + [-1], "mean", 1.0 / B), times)
+        for b in range(0, B, M):
+            if M > 1:
+                ids = batch[b:b + M]
+                tg = np.concatenate([ids[:, 1:], -np.ones((M, 1), dtype=ids.dtype)], axis=1)
+                phase("forward+loss", lambda: tr.forward_batch(ids, tg, "mean", M / B), times)
+            else:
+                ids = batch[b].tolist()
+                phase("forward+loss", lambda: tr.forward(ids, ids[1:] + [-1], "mean", 1.0 / B),
+                      times)
             phase("backward", lambda: tr.backward(accumulate=b > 0), times)
         phase("clip", lambda: tr.clip_grads(1.0), times)
         phase("adamw", lambda: tr.optimizer_step(btg.LR), times)
     agg = {}
     for n, t in times:
         agg.setdefault(n, []).append(t)
-    print(f"\n== {name} T {T} B {B} {'auditable' if args.auditable else 'fast'}: phases (ms) ==")
+    print(f"\n== {name} T {T} B {B} micro {M} {'auditable' if args.auditable else 'fast'}: "
+          f"phases (ms) ==")
     tot = sum(t for _, t in times)
     for n, ts in agg.items():
         print(f"  {n:14s} n={len(ts)}  each {1e3 * sum(ts) / len(ts):9.2f}  total {1e3 * sum(ts):9.2f}")
@@ -83,6 +95,8 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--auditable", action="store_true")
+    ap.add_argument("--micro", type=int, default=1,
+                    help="sequences per forward (forward_batch); must divide --batch")
     args = ap.parse_args()
     args.device = "cuda"
     args.kiln_device = 0

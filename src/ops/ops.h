@@ -227,16 +227,22 @@ static inline kiln_status kiln_backend_download(kiln_backend *be, void *dst, con
     if (nbytes) memcpy(dst, src, nbytes);
     return KILN_OK;
 }
-/* Floats of the ws scratch attention_backward takes for these arguments: 3 N NH (the
- * auditable kernels' statistics), or more where a fast backend keeps per-head partial dk, dv
- * (2 N NH + 2 (n_past + N) NH HS when NH != KVH). */
-static inline size_t kiln_attention_backward_ws_floats(int N, int n_past, int NH, int KVH, int HS) {
-    size_t nh = (size_t)N * (size_t)NH, w = 3 * nh;
-    if (NH != KVH) {
-        size_t f = 2 * nh + 2 * ((size_t)n_past + (size_t)N) * (size_t)NH * (size_t)HS;
-        if (f > w) w = f;
-    }
+/* Floats of the fast CUDA attention backward's workspace (cuda_attention_bwd_fast.h): D and
+ * L (2 NH Npad), the per-head partial dk, dv with GQA (2 T NH HS), and bf16 copies of q, dout
+ * (NH Npad HS each) and k, v (KVH Tpad HS each) -- Npad, Tpad = N, T = n_past + N rounded up
+ * to 64. 0 for a negative count. */
+static inline size_t kiln_attention_backward_fast_ws_floats(int N, int n_past, int NH, int KVH, int HS) {
+    if (N < 0 || n_past < 0 || NH < 0 || KVH < 0 || HS < 0) return 0;
+    size_t T = (size_t)n_past + (size_t)N, Npad = ((size_t)N + 63) / 64 * 64, Tpad = (T + 63) / 64 * 64;
+    size_t w = 2 * (size_t)NH * Npad + ((size_t)NH * Npad + (size_t)KVH * Tpad) * (size_t)HS;
+    if (NH != KVH) w += 2 * T * (size_t)NH * (size_t)HS;
     return w;
+}
+/* Floats of the ws scratch attention_backward takes for these arguments: 3 N NH (the
+ * auditable kernels' statistics), or the fast CUDA kernels' workspace where larger. */
+static inline size_t kiln_attention_backward_ws_floats(int N, int n_past, int NH, int KVH, int HS) {
+    size_t w = 3 * (size_t)N * (size_t)NH, f = kiln_attention_backward_fast_ws_floats(N, n_past, NH, KVH, HS);
+    return f > w ? f : w;
 }
 /* KILN_OK, or the error that poisoned the backend; waits for submitted work. */
 static inline kiln_status kiln_backend_status(kiln_backend *be) {

@@ -272,9 +272,16 @@ int main(int argc, char **argv) {
     EXPECT(!kiln_cuda_attention_backward_fast_ok(a, a, a, a, a, a, a, a, 7, 0, 4, 2, 80), "HS 80");
     EXPECT(!kiln_cuda_attention_backward_fast_ok(a, a, a, a, u, a, a, a, 7, 0, 4, 2, 64), "align");
     EXPECT(!kiln_cuda_attention_backward_fast_ok(a, a, a, a, a, a, a, a, 7, 0, 4, 3, 64), "GQA");
-    EXPECT(kiln_cuda_attention_backward_fast_ws(10, 2, 4, 2, 64) == 2 * 10 * 4 + 2 * 12 * 4 * 64,
+    /* D, L [NH][Npad]; GQA partials 2 T NH HS; bf16 q, dout [NH][Npad][HS], k, v
+     * [KVH][Tpad][HS] (two bf16 a float); Npad = Tpad = 64 here */
+    EXPECT(kiln_cuda_attention_backward_fast_ws(10, 2, 4, 2, 64) ==
+               2 * 4 * 64 + 2 * 12 * 4 * 64 + (4 * 64 + 2 * 64) * 64,
            "ws");
-    EXPECT(kiln_cuda_attention_backward_fast_ws(10, 0, 4, 4, 64) == 2 * 10 * 4, "ws MHA");
+    EXPECT(kiln_cuda_attention_backward_fast_ws(10, 0, 4, 4, 64) == 2 * 4 * 64 + (4 * 64 + 4 * 64) * 64,
+           "ws MHA");
+    EXPECT(kiln_cuda_attention_backward_fast_ws(65, 0, 4, 4, 128) ==
+               2 * 4 * 128 + (4 * 128 + 4 * 128) * 128,
+           "ws padded to 128 rows");
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
         printf("no GPU: host checks %s; skipped\n", g_fail ? "FAILED" : "passed");

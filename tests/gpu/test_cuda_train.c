@@ -118,6 +118,7 @@ static int same_f(float a, float b, const char *what) {
 /* ---- one step on a set of trainers ------------------------------------------------------------ */
 
 #define MAX_T 24
+#define MAX_BATCH 2 /* sequences per forward (the batch-of-two step) */
 
 typedef struct batch {
     int32_t ids[3][MAX_T], targets[MAX_T], positions[4];
@@ -210,7 +211,7 @@ static int same_outputs(const step_out *a, const step_out *b, const batch *bt, i
 static kiln_trainer *make_trainer(kiln_model *m, const model_case *mc, int device) {
     kiln_train_params p = kiln_train_default_params();
     p.max_seq = MAX_T;
-    p.max_batch = 2;
+    p.max_batch = MAX_BATCH;
     p.n_threads = 2;
     p.ce_chunk = 1000; /* several chunks of the vocabulary, one ragged */
     p.lr = 2e-3;
@@ -266,9 +267,10 @@ static int run_case(const model_case *mc, const char *vocab_dir) {
         char da[1024], db[1024];
         ok &= kiln_train_describe(cpu, da, sizeof da, &a) == KILN_OK && kiln_train_describe(gpu, db, sizeof db, &b) == KILN_OK;
         if (ok && (a.params != b.params || a.grads != b.grads || a.optimizer != b.optimizer ||
-                   /* the cpu block also holds the host pos/ids arrays (2 x max_seq ints) */
+                   /* the cpu block also holds the host pos/ids arrays (2 x max_seq x max_batch
+                    * ints, each rounded up to 16) */
                    a.activations < b.activations ||
-                   a.activations - b.activations > (2 * (uint64_t)MAX_T + 32) * sizeof(int32_t) ||
+                   a.activations - b.activations > (2 * (uint64_t)MAX_T * MAX_BATCH + 32) * sizeof(int32_t) ||
                    a.device != -1 || b.device != 0 || !strstr(db, "cuda:0"))) {
             fprintf(stderr, "    describe differs: params %llu/%llu grads %llu/%llu optimizer %llu/%llu "
                     "activations %llu/%llu device %d/%d\n      cpu: %s\n      gpu: %s\n",

@@ -26,6 +26,8 @@ struct kiln_cuda_attn {
     size_t cap;      /* floats buf holds */
     unsigned *cnt;   /* device: arrival counters of the fused combine, all 0 between calls */
     size_t cnt_cap;  /* counters cnt holds */
+    void *pack;      /* device: the flash kernel's bf16 copies of q, k, v (packed heads) */
+    size_t pack_cap; /* bytes pack holds */
 };
 
 /* Floats of the workspace for B sequences x N tokens x NH heads x HS over max_T keys:
@@ -639,40 +641,119 @@ combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
 
 /* ==== flash attention on bf16 tensor cores (HS 64, 128) ====================================== */
 
+/* Packing: src (R, H, HS) f32 rows of H heads -> dst [H][Rpad][HS] bf16 (round to nearest
+ * even), rows R..Rpad-1 zero; a warp per (row, head), HS / 32 elements per lane. With D
+ * (the backward's dout): also d[h * Rpad + r] = sum over i of dout * out in the lane order
+ * then a butterfly (f32; 0 for the padding rows). */
+template <int HS, bool WITH_D>
+static __global__ void pack_heads_kernel(__nv_bfloat16 *__restrict__ dst,
+                                         const float *__restrict__ src,
+                                         const float *__restrict__ out, float *__restrict__ d,
+                                         int R, int Rpad, int H) {
+    constexpr int E = HS / 32; /* 2 or 4 */
+    const int64_t wid = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (wid >= (int64_t)Rpad * H) return;
+    const int h = (int)(wid / Rpad), r = (int)(wid - (int64_t)h * Rpad);
+    float x[E], o[E];
+#pragma unroll
+    for (int i = 0; i < E; i++) x[i] = o[i] = 0.0f;
+    if (r < R) {
+        const float *p = src + ((int64_t)r * H + h) * HS + lane * E;
+        if (E == 2) {
+            const float2 v = *reinterpret_cast<const float2 *>(p);
+            x[0] = v.x;
+            x[1] = v.y;
+        } else {
+            const float4 v = *reinterpret_cast<const float4 *>(p);
+            x[0] = v.x;
+            x[1] = v.y;
+            x[2] = v.z;
+            x[3] = v.w;
+        }
+        if (WITH_D) {
+            const float *po = out + ((int64_t)r * H + h) * HS + lane * E;
+#pragma unroll
+            for (int i = 0; i < E; i++) o[i] = po[i];
+        }
+    }
+    __nv_bfloat16 *q = dst + ((int64_t)h * Rpad + r) * HS + lane * E;
+    if (E == 2) {
+        *reinterpret_cast<uint32_t *>(q) = pack_bf16(x[0], x[1]);
+    } else {
+        uint2 u;
+        u.x = pack_bf16(x[0], x[1]);
+        u.y = pack_bf16(x[2], x[3]);
+        *reinterpret_cast<uint2 *>(q) = u;
+    }
+    if (WITH_D) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < E; i++) s = fmaf(x[i], o[i], s);
+#pragma unroll
+        for (int m = 16; m >= 1; m >>= 1) s = s + __shfl_xor_sync(0xffffffffu, s, m);
+        if (lane == 0) d[(int64_t)h * Rpad + r] = s;
+    }
+}
+
+cudaError_t kiln_cuda_attn_pack_heads(cudaStream_t s, __nv_bfloat16 *dst, const float *src,
+                                      const float *out, float *d, int R, int Rpad, int H,
+                                      int HS) {
+    if (R < 0 || Rpad < R || Rpad % KILN_ATTN_PACK_ROWS != 0 || H <= 0 ||
+        (HS != 64 && HS != 128) || (out != NULL) != (d != NULL))
+        return cudaErrorInvalidValue;
+    const int64_t threads = (int64_t)Rpad * H * 32;
+    if (threads == 0) return cudaSuccess;
+    const int64_t blocks = (threads + 255) / 256;
+    if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+    if (HS == 64) {
+        if (d)
+            pack_heads_kernel<64, true><<<(unsigned)blocks, 256, 0, s>>>(dst, src, out, d, R, Rpad, H);
+        else
+            pack_heads_kernel<64, false><<<(unsigned)blocks, 256, 0, s>>>(dst, src, out, d, R, Rpad, H);
+    } else {
+        if (d)
+            pack_heads_kernel<128, true><<<(unsigned)blocks, 256, 0, s>>>(dst, src, out, d, R, Rpad, H);
+        else
+            pack_heads_kernel<128, false><<<(unsigned)blocks, 256, 0, s>>>(dst, src, out, d, R, Rpad, H);
+    }
+    return cudaGetLastError();
+}
+
 #define FL_THREADS 128 /* 4 warps, 16 query rows each */
 #define FL_BM 64       /* query rows per block */
 #define FL_BN 64       /* keys per tile */
-#define FL_PAD 8       /* bf16 of padding per shared row: row strides = 4 words mod 32 */
+#define FL_PAD 8       /* bf16 of padding per shared row: ldmatrix rows in distinct bank groups */
 static_assert(FL_BM == 16 * (FL_THREADS / 32), "one m16 tile of rows per warp");
-static_assert(FL_BN % 32 == 0, "the V transpose deals key pairs in runs of 16");
+static_assert(FL_BM % KILN_ATTN_PACK_ROWS == 0 && FL_BN % KILN_ATTN_PACK_ROWS == 0,
+              "tiles never read past the packed rows");
 
 template <int HS>
 static constexpr size_t flash_smem() {
-    return sizeof(__nv_bfloat16) *
-           ((size_t)FL_BM * (HS + FL_PAD) + (size_t)FL_BN * (HS + FL_PAD) +
-            (size_t)HS * (FL_BN + FL_PAD));
+    return sizeof(__nv_bfloat16) * (size_t)(HS + FL_PAD) * (FL_BM + 4 * FL_BN);
 }
 
 /* FlashAttention-2 forward (Dao 2023, Algorithm 1) for one (64-row query tile, head): block
  * (gridDim.x - 1 - blockIdx.x, blockIdx.y = h); the last query tiles, which see the most
- * keys, are scheduled first. Key tiles of 64 go in increasing order up to the last key the
- * tile's last row sees; each warp keeps its 16 rows' running max m, per-thread partial sums l
- * and the O accumulator (16 x HS f32) in registers. Masked scores (key > n_past + row, or a
- * padding key/row) are -inf, so p = 0; padding rows/keys are staged as zeros (0 * finite).
- * q, out: (N, NH, HS); k, v: (T, KVH, HS); all 16-byte aligned. */
+ * keys, are scheduled first. Inputs packed to bf16 per head (kiln_cuda_attn_pack_heads): qb
+ * [NH][Npad][HS], kb, vb [KVH][Tpad][HS], padding rows zero. Key tiles of 64 go in increasing
+ * order up to the last key the tile's last row sees, double-buffered: the copy of tile j + 1
+ * (cp.async) runs under the products of tile j. Each warp keeps its 16 rows' running max m,
+ * per-thread partial sums l and the O accumulator (16 x HS f32) in registers; fragments come
+ * from shared memory by ldmatrix (cuda_mma.cuh). Masked scores (key > n_past + row, which
+ * covers the padding keys) are -inf, so p = 0; tiles wholly below the diagonal skip the mask.
+ * out: (N, NH, HS) f32, 8-byte aligned. */
 template <int HS>
 static __global__ void __launch_bounds__(FL_THREADS)
-flash_bf16_kernel(float *__restrict__ out, const float *__restrict__ q,
-                  const float *__restrict__ k, const float *__restrict__ v, int N, int n_past,
-                  int NH, int KVH, float scale) {
+flash_bf16_kernel(float *__restrict__ out, const __nv_bfloat16 *__restrict__ qb,
+                  const __nv_bfloat16 *__restrict__ kb, const __nv_bfloat16 *__restrict__ vb,
+                  int N, int n_past, int NH, int KVH, int Npad, int Tpad, float scale) {
     static_assert(HS % 16 == 0, "HS is a whole number of mma k-steps");
-    constexpr int LDS = HS + FL_PAD;    /* bf16 per row of sQ, sK */
-    constexpr int LDV = FL_BN + FL_PAD; /* bf16 per row of sVt */
-    constexpr int C4 = HS / 4;          /* float4 per row of q, k, v */
+    constexpr int LD = HS + FL_PAD; /* bf16 per shared row */
     extern __shared__ __align__(16) unsigned char flash_sm[];
-    __nv_bfloat16 *sQ = reinterpret_cast<__nv_bfloat16 *>(flash_sm); /* (BM, LDS) */
-    __nv_bfloat16 *sK = sQ + FL_BM * LDS;                             /* (BN, LDS) */
-    __nv_bfloat16 *sVt = sK + FL_BN * LDS;                            /* (HS, LDV) */
+    __nv_bfloat16 *sQ = reinterpret_cast<__nv_bfloat16 *>(flash_sm); /* (BM, LD) */
+    __nv_bfloat16 *sK = sQ + FL_BM * LD;                              /* 2 x (BN, LD) */
+    __nv_bfloat16 *sV = sK + 2 * FL_BN * LD;                          /* 2 x (BN, LD) */
 
     const int qt = (int)(gridDim.x - 1 - blockIdx.x);
     const int h = (int)blockIdx.y, kvh = h / (NH / KVH);
@@ -680,19 +761,16 @@ flash_bf16_kernel(float *__restrict__ out, const float *__restrict__ q,
     const int T = n_past + N;                                /* keys 0..T-1 exist */
     const int rows = N - q0 < FL_BM ? N - q0 : FL_BM;
     const int kend = n_past + q0 + rows;                     /* keys the last row sees */
-    const int64_t kvstride = (int64_t)KVH * HS;
-    const float *kb = k + (int64_t)kvh * HS;
-    const float *vb = v + (int64_t)kvh * HS;
+    const int nkt = (kend + FL_BN - 1) / FL_BN;
+    const __nv_bfloat16 *kh = kb + (int64_t)kvh * Tpad * HS;
+    const __nv_bfloat16 *vh = vb + (int64_t)kvh * Tpad * HS;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
 
-    for (int idx = tid; idx < FL_BM * C4; idx += FL_THREADS) {
-        const int r = idx / C4, c = (idx - r * C4) * 4;
-        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (r < rows)
-            x = *reinterpret_cast<const float4 *>(q + ((int64_t)(q0 + r) * NH + h) * HS + c);
-        st_bf16x4(sQ + r * LDS + c, x);
-    }
+    cp_tile<HS, FL_BM, FL_THREADS>(sQ, LD, qb + ((int64_t)h * Npad + q0) * HS);
+    cp_tile<HS, FL_BN, FL_THREADS>(sK, LD, kh);
+    cp_tile<HS, FL_BN, FL_THREADS>(sV, LD, vh);
+    cp_async_commit();
 
     float o[HS / 8][4];
 #pragma unroll
@@ -703,33 +781,28 @@ flash_bf16_kernel(float *__restrict__ out, const float *__restrict__ q,
     /* last key each row sees; padding rows (>= N) are clamped to real keys */
     const int lim0 = n_past + qr0 < T - 1 ? n_past + qr0 : T - 1;
     const int lim1 = n_past + qr1 < T - 1 ? n_past + qr1 : T - 1;
+    /* the first key a mask can hide from one of the warp's rows */
+    const int wfirst = n_past + q0 + warp * 16;
+    uint32_t qf[HS / 16][4];
 
-    for (int k0 = 0; k0 < kend; k0 += FL_BN) {
-        __syncthreads(); /* the previous tile is no longer read (and sQ is written) */
-        for (int idx = tid; idx < FL_BN * C4; idx += FL_THREADS) {
-            const int r = idx / C4, c = (idx - r * C4) * 4;
-            float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (k0 + r < T) x = *reinterpret_cast<const float4 *>(kb + (k0 + r) * kvstride + c);
-            st_bf16x4(sK + r * LDS + c, x);
-        }
-        /* V transposed: a thread takes keys 2rp, 2rp+1 at d = c..c+3 and writes four bf16
-         * pairs sVt[c+i][2rp..2rp+1]. Lanes 0-15 take 16 consecutive key pairs and lanes
-         * 16-31 the next 4 d's (word address 16*(c/4) + 4i + rp mod 32: no bank conflict). */
-        for (int idx = tid; idx < (FL_BN / 2) * C4; idx += FL_THREADS) {
-            const int rp_lo = idx & 15, c4_lo = (idx >> 4) & 1, rest = idx >> 5;
-            const int rp = (rest % (FL_BN / 32)) * 16 + rp_lo;
-            const int c = ((rest / (FL_BN / 32)) * 2 + c4_lo) * 4;
-            const int key = k0 + 2 * rp;
-            float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
-            if (key < T) x0 = *reinterpret_cast<const float4 *>(vb + key * kvstride + c);
-            if (key + 1 < T) x1 = *reinterpret_cast<const float4 *>(vb + (key + 1) * kvstride + c);
-            __nv_bfloat16 *dst = sVt + c * LDV + 2 * rp;
-            *reinterpret_cast<uint32_t *>(dst) = pack_bf16(x0.x, x1.x);
-            *reinterpret_cast<uint32_t *>(dst + LDV) = pack_bf16(x0.y, x1.y);
-            *reinterpret_cast<uint32_t *>(dst + 2 * LDV) = pack_bf16(x0.z, x1.z);
-            *reinterpret_cast<uint32_t *>(dst + 3 * LDV) = pack_bf16(x0.w, x1.w);
+    for (int j = 0; j < nkt; j++) {
+        const int k0 = j * FL_BN, buf = j & 1;
+        if (j + 1 < nkt) { /* the next tile into the other buffer (read two tiles ago) */
+            cp_tile<HS, FL_BN, FL_THREADS>(sK + (buf ^ 1) * FL_BN * LD, LD,
+                                           kh + (int64_t)(k0 + FL_BN) * HS);
+            cp_tile<HS, FL_BN, FL_THREADS>(sV + (buf ^ 1) * FL_BN * LD, LD,
+                                           vh + (int64_t)(k0 + FL_BN) * HS);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
         __syncthreads();
+        if (j == 0) {
+#pragma unroll
+            for (int kk = 0; kk < HS / 16; kk++) ldsm_a(qf[kk], sQ, LD, warp * 16, kk * 16, lane);
+        }
+        const __nv_bfloat16 *cK = sK + buf * FL_BN * LD, *cV = sV + buf * FL_BN * LD;
 
         /* S = Q K^T for the warp's 16 rows and the tile's 64 keys (8 n-tiles of 8 keys). */
         float sc[FL_BN / 8][4];
@@ -737,26 +810,25 @@ flash_bf16_kernel(float *__restrict__ out, const float *__restrict__ q,
         for (int nt = 0; nt < FL_BN / 8; nt++) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < HS / 16; kk++) {
-            const __nv_bfloat16 *qa = sQ + (warp * 16 + g) * LDS + kk * 16 + 2 * t;
-            const uint32_t a[4] = {ld_pair(qa), ld_pair(qa + 8 * LDS), ld_pair(qa + 8),
-                                   ld_pair(qa + 8 * LDS + 8)};
 #pragma unroll
-            for (int nt = 0; nt < FL_BN / 8; nt++) {
-                const __nv_bfloat16 *kp = sK + (nt * 8 + g) * LDS + kk * 16 + 2 * t;
-                const uint32_t bf[2] = {ld_pair(kp), ld_pair(kp + 8)};
-                mma_bf16_16816(sc[nt], a, bf);
+            for (int np = 0; np < FL_BN / 16; np++) {
+                uint32_t b[4];
+                ldsm_b(b, cK, LD, np * 16, kk * 16, lane);
+                mma_bf16_16816(sc[2 * np], qf[kk], b);
+                mma_bf16_16816(sc[2 * np + 1], qf[kk], b + 2);
             }
         }
 
         /* scale, causal mask, online softmax (rows g: c[0..1], g + 8: c[2..3]) */
+        const bool mask = k0 + FL_BN - 1 > wfirst;
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < FL_BN / 8; nt++) {
             const int key = k0 + nt * 8 + 2 * t;
-            sc[nt][0] = key <= lim0 ? sc[nt][0] * scale : -INFINITY;
-            sc[nt][1] = key + 1 <= lim0 ? sc[nt][1] * scale : -INFINITY;
-            sc[nt][2] = key <= lim1 ? sc[nt][2] * scale : -INFINITY;
-            sc[nt][3] = key + 1 <= lim1 ? sc[nt][3] * scale : -INFINITY;
+            sc[nt][0] = !mask || key <= lim0 ? sc[nt][0] * scale : -INFINITY;
+            sc[nt][1] = !mask || key + 1 <= lim0 ? sc[nt][1] * scale : -INFINITY;
+            sc[nt][2] = !mask || key <= lim1 ? sc[nt][2] * scale : -INFINITY;
+            sc[nt][3] = !mask || key + 1 <= lim1 ? sc[nt][3] * scale : -INFINITY;
             mx0 = fmaxf(mx0, fmaxf(sc[nt][0], sc[nt][1]));
             mx1 = fmaxf(mx1, fmaxf(sc[nt][2], sc[nt][3]));
         }
@@ -791,17 +863,20 @@ flash_bf16_kernel(float *__restrict__ out, const float *__restrict__ q,
             o[dt][3] *= al1;
         }
 
-        /* O += P V: k-steps of 16 keys; P's A fragment is S's C fragments (table above) */
+        /* O += P V: k-steps of 16 keys; P's A fragment is S's C fragments (cuda_mma.cuh) */
 #pragma unroll
-        for (int j = 0; j < FL_BN / 16; j++) {
-            const uint32_t a[4] = {pp[2 * j][0], pp[2 * j][1], pp[2 * j + 1][0], pp[2 * j + 1][1]};
+        for (int jj = 0; jj < FL_BN / 16; jj++) {
+            const uint32_t a[4] = {pp[2 * jj][0], pp[2 * jj][1], pp[2 * jj + 1][0],
+                                   pp[2 * jj + 1][1]};
 #pragma unroll
-            for (int dt = 0; dt < HS / 8; dt++) {
-                const __nv_bfloat16 *vp = sVt + (dt * 8 + g) * LDV + j * 16 + 2 * t;
-                const uint32_t bf[2] = {ld_pair(vp), ld_pair(vp + 8)};
-                mma_bf16_16816(o[dt], a, bf);
+            for (int dp = 0; dp < HS / 16; dp++) {
+                uint32_t b[4];
+                ldsm_bt(b, cV, LD, jj * 16, dp * 16, lane);
+                mma_bf16_16816(o[2 * dp], a, b);
+                mma_bf16_16816(o[2 * dp + 1], a, b + 2);
             }
         }
+        __syncthreads(); /* every warp is done with this buffer before it is refilled */
     }
 
     /* the quad's partial sums (every lane ends with the same bits) */
@@ -857,6 +932,7 @@ void kiln_cuda_attn_free(kiln_cuda_attn *a) {
     if (!a) return;
     if (a->buf) (void)cudaFree(a->buf);
     if (a->cnt) (void)cudaFree(a->cnt);
+    if (a->pack) (void)cudaFree(a->pack);
     kiln_free(a);
 }
 
@@ -994,14 +1070,40 @@ cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *o
     }
     const bool aligned = (((uintptr_t)out | (uintptr_t)q | (uintptr_t)k | (uintptr_t)v) & 15) == 0;
     if (kiln_cuda_attn_fast_is_mma(N, HS) && aligned) {
-        const unsigned gx = (unsigned)((N + FL_BM - 1) / FL_BM);
         if (NH > 65535) return cudaErrorInvalidConfiguration;
+        /* q, k, v packed to bf16 per head in the workspace, then the flash kernel */
+        const int Npad = kiln_cuda_attn_pack_rows(N), Tpad = kiln_cuda_attn_pack_rows(T);
+        if (Npad < 0 || Tpad < 0) return cudaErrorInvalidValue;
+        const uint64_t qn = (uint64_t)NH * (uint64_t)Npad * (uint64_t)HS;
+        const uint64_t kn = (uint64_t)KVH * (uint64_t)Tpad * (uint64_t)HS;
+        const uint64_t need = (qn + 2 * kn) * sizeof(__nv_bfloat16);
+        if (need > (uint64_t)SIZE_MAX / 2) return cudaErrorInvalidValue;
+        if (need > a->pack_cap) { /* grows (synchronising): never inside a graph capture */
+            if (a->pack) {
+                cudaError_t e = cudaFree(a->pack);
+                a->pack = NULL;
+                a->pack_cap = 0;
+                if (e != cudaSuccess) return e;
+            }
+            cudaError_t e = cudaMalloc(&a->pack, (size_t)need);
+            if (e != cudaSuccess) {
+                a->pack = NULL;
+                return e;
+            }
+            a->pack_cap = (size_t)need;
+        }
+        __nv_bfloat16 *qb = (__nv_bfloat16 *)a->pack, *kb = qb + qn, *vb = kb + kn;
+        cudaError_t e = kiln_cuda_attn_pack_heads(s, qb, q, NULL, NULL, N, Npad, NH, HS);
+        if (e == cudaSuccess) e = kiln_cuda_attn_pack_heads(s, kb, k, NULL, NULL, T, Tpad, KVH, HS);
+        if (e == cudaSuccess) e = kiln_cuda_attn_pack_heads(s, vb, v, NULL, NULL, T, Tpad, KVH, HS);
+        if (e != cudaSuccess) return e;
+        const unsigned gx = (unsigned)((N + FL_BM - 1) / FL_BM);
         if (HS == 64)
             flash_bf16_kernel<64><<<dim3(gx, (unsigned)NH), FL_THREADS, flash_smem<64>(), s>>>(
-                out, q, k, v, N, n_past, NH, KVH, scale);
+                out, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
         else
             flash_bf16_kernel<128><<<dim3(gx, (unsigned)NH), FL_THREADS, flash_smem<128>(), s>>>(
-                out, q, k, v, N, n_past, NH, KVH, scale);
+                out, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
         return cudaGetLastError();
     }
     const unsigned gx = split_grid_x(N, NH, KVH);

@@ -22,7 +22,9 @@
  *   - N > 8 and HS 64 or 128 (and q, k, v 16-byte aligned): flash attention on bf16 tensor
  *     cores (FlashAttention-2 style: a block per (64-row query tile, head), 4 warps of 16
  *     rows, key tiles of 64, online softmax in f32 with __expf, mma.sync m16n8k16 bf16 ->
- *     f32). q, k, v are rounded to bf16 as they are staged in shared memory and the softmax
+ *     f32). q, k, v are first rounded to bf16 and packed per head in the workspace
+ *     (kiln_cuda_attn_pack_heads); the kernel copies key tiles with cp.async, double-buffered
+ *     under the products of the previous tile, and reads fragments with ldmatrix. The softmax
  *     weights p are rounded to bf16 before the p.v product (l sums those rounded weights), so
  *     the result is within about 1e-2 * max|v| of the exact attention (tested at 2e-2).
  *   - N > 8 otherwise (HS up to KILN_ATTN_FAST_MAX_HS, e.g. 48, 80, 96, 256; or unaligned
@@ -33,7 +35,9 @@
 #ifndef KILN_CUDA_ATTENTION_FAST_H
 #define KILN_CUDA_ATTENTION_FAST_H
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <limits.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -46,6 +50,24 @@
 #define KILN_ATTN_DECODE_MAX_N 8
 /* Largest head size of the fast attention (the f32 kernels keep 16 rows x HS in registers). */
 #define KILN_ATTN_FAST_MAX_HS 256
+
+/* The flash kernels read q, k, v (and the backward dout) as bf16 copies packed per head,
+ * [H][Rpad][HS] with Rpad = R rounded up to KILN_ATTN_PACK_ROWS and the padding rows zero, so
+ * that every tile is whole and 16-byte aligned. */
+#define KILN_ATTN_PACK_ROWS 64
+/* R rounded up to KILN_ATTN_PACK_ROWS; -1 when R < 0 or it overflows an int. */
+static inline int kiln_cuda_attn_pack_rows(int R) {
+    if (R < 0 || R > INT_MAX - (KILN_ATTN_PACK_ROWS - 1)) return -1;
+    return (R + KILN_ATTN_PACK_ROWS - 1) / KILN_ATTN_PACK_ROWS * KILN_ATTN_PACK_ROWS;
+}
+/* src (R, H, HS) f32 (16-byte aligned for HS 128, 8 for 64) -> dst [H][Rpad][HS] bf16 (round
+ * to nearest even), rows R..Rpad-1 zero. With out and d (both or neither): out has src's
+ * layout and d[h * Rpad + r] = sum over i of src * out (the backward's D = rowsum(dout * out),
+ * f32 in a fixed order; 0 on padding rows). HS 64 or 128; Rpad a multiple of
+ * KILN_ATTN_PACK_ROWS and >= R. Enqueues on s. */
+cudaError_t kiln_cuda_attn_pack_heads(cudaStream_t s, __nv_bfloat16 *dst, const float *src,
+                                      const float *out, float *d, int R, int Rpad, int H,
+                                      int HS);
 
 typedef struct kiln_cuda_attn kiln_cuda_attn; /* workspace for the split partials */
 

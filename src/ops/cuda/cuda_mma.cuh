@@ -63,4 +63,76 @@ static __device__ __forceinline__ void st_bf16x4(__nv_bfloat16 *p, float4 x) {
     *reinterpret_cast<uint2 *>(p) = u;
 }
 
+/* ---- shared-memory fragment loads (ldmatrix) and asynchronous tile copies (cp.async) ------
+ * A tile in shared memory is bf16 rows of LD elements (LD * 2 bytes a multiple of 16, and
+ * LD * 2 mod 128 = 16: the 8 rows an ldmatrix reads fall in 8 different 16-byte bank
+ * groups). ldmatrix.x4 gives a thread one .b32 of each of four 8x8 matrices; lane l gives
+ * the row address of matrix l / 8 (its row l % 8). Mapped onto the mma fragments of the
+ * table above (X a row-major tile in shared memory):
+ *   ldsm_a(X, r0, c0):   the A fragment of X[r0..r0+15][c0..c0+15].
+ *   ldsm_b(X, n0, k0):   B[k][n] = X[n][k] (X's rows are n: K for S = Q K^T): b[0..1] the
+ *                        fragment of n-tile n0..n0+7, b[2..3] of n0+8..n0+15, k0..k0+15.
+ *   ldsm_bt(X, k0, n0):  B[k][n] = X[k][n] (X's rows are k: V for O = P V), .trans: b[0..1]
+ *                        for n-tile n0..n0+7, b[2..3] for n0+8..n0+15, k0..k0+15. */
+static __device__ __forceinline__ uint32_t smem_u32(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+static __device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+static __device__ __forceinline__ void ldsm_a(uint32_t a[4], const __nv_bfloat16 *X, int LD,
+                                              int r0, int c0, int lane) {
+    ldsm_x4(a, smem_u32(X + (r0 + (lane & 15)) * LD + c0 + (lane >> 4) * 8));
+}
+
+static __device__ __forceinline__ void ldsm_b(uint32_t b[4], const __nv_bfloat16 *X, int LD,
+                                              int n0, int k0, int lane) {
+    ldsm_x4(b, smem_u32(X + (n0 + (lane & 7) + ((lane >> 4) & 1) * 8) * LD + k0 +
+                        ((lane >> 3) & 1) * 8));
+}
+
+static __device__ __forceinline__ void ldsm_bt(uint32_t b[4], const __nv_bfloat16 *X, int LD,
+                                               int k0, int n0, int lane) {
+    ldsm_x4_trans(b, smem_u32(X + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + n0 +
+                              ((lane >> 4) & 1) * 8));
+}
+
+/* 16 bytes global -> shared, asynchronous (cp.async.cg: through L2 only); both 16-byte
+ * aligned. Completion: cp_async_commit() closes a group, cp_async_wait<n>() waits until at
+ * most n groups of this thread are pending; then __syncthreads() before other threads read. */
+static __device__ __forceinline__ void cp_async16(void *dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src));
+}
+static __device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N>
+static __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* Copy rows r < R of HS bf16 (global row stride HS: a packed head) into shared rows of LD,
+ * asynchronously, by NT threads. */
+template <int HS, int R, int NT>
+static __device__ __forceinline__ void cp_tile(__nv_bfloat16 *dst, int LD,
+                                               const __nv_bfloat16 *src) {
+    constexpr int CH = HS / 8; /* 16-byte chunks per row */
+    static_assert((R * CH) % NT == 0, "whole chunks per thread");
+#pragma unroll
+    for (int i = 0; i < R * CH / NT; i++) {
+        const int idx = (int)threadIdx.x + i * NT, r = idx / CH, c = (idx - r * CH) * 8;
+        cp_async16(dst + r * LD + c, src + (int64_t)r * HS + c);
+    }
+}
+
 #endif /* KILN_CUDA_MMA_CUH */
