@@ -48,6 +48,8 @@ typedef struct cuda_ctx {
     bool fast; /* fast arithmetic (docs/CUDA.md, "Fast mode") instead of auditable */
     kiln_cuda_gemm *gemm; /* fast mode: cuBLASLt state, made on first use */
     kiln_cuda_attn *attn; /* fast mode: split-key decode workspace, made on first use */
+    double *colsum_ws;    /* fast mode: kiln_cuda_col_sum_fast's partials (rmsnorm dw), */
+    size_t cap_colsum_ws; /* grown on demand; in doubles */
     kiln_cuda_sampler *sampler; /* device sampling: made on first use for vocabulary sampler_V */
     int sampler_V;
     int32_t *hist;   /* device copy of the penalty window (cap_hist ids) and the token */
@@ -452,7 +454,7 @@ static void cu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *db
     size_t rb = row_bytes_of(W->dtype, C);
     const uint8_t *w = weight_dev(c, W->data, (size_t)R * rb, W->name);
     if (!w) return;
-    if (c->fast) { /* dx and dW on bf16 tensor cores (cuda_backward_fast.h); dbias exact */
+    if (c->fast) { /* dx, dW on bf16 tensor cores, dbias the fast column sum (backward_fast.h) */
         if (!c->gemm && !CK(c, kiln_cuda_gemm_create(c->device, &c->gemm))) return;
         cudaError_t e = kiln_cuda_matmul_backward_fast(c->gemm, c->stream, dx, dW, dbias, dy, x, w,
                                                        rb, W->dtype, R, C, N, accumulate_dx);
@@ -467,11 +469,37 @@ static void cu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *db
                  "matmul_backward");
 }
 
+/* The column-sum scratch, at least len doubles (fast mode). Grown outside any graph capture
+ * (training ops are never captured): the old buffer is freed once the stream is idle, so no
+ * queued kernel still reads it. NULL (poisoned) on failure. */
+static double *colsum_scratch(cuda_ctx *c, size_t len) {
+    if (len <= c->cap_colsum_ws) return c->colsum_ws;
+    size_t cap = len < 65536 ? 65536 : len + len / 2;
+    if (c->colsum_ws) {
+        if (!CK(c, cudaStreamSynchronize(c->stream)) || !CK(c, cudaFree(c->colsum_ws)))
+            return NULL;
+    }
+    c->colsum_ws = NULL;
+    c->cap_colsum_ws = 0;
+    if (!CK(c, cudaMalloc((void **)&c->colsum_ws, cap * sizeof(double)))) return NULL;
+    c->cap_colsum_ws = cap;
+    return c->colsum_ws;
+}
+
 static void cu_rmsnorm_backward(kiln_backend *be, float *dx, float *dw, const float *dy,
                                 const float *x, const float *w, int N, int C, float eps,
                                 float *rstd, bool accumulate_dx) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
+    if (c->fast && dw && w) { /* dw in the fast column sum's order (cuda_backward_fast.h) */
+        const size_t len = kiln_cuda_col_sum_fast_scratch_len(N, C);
+        double *ws = colsum_scratch(c, len);
+        if (!ws) return;
+        after_launch(c, kiln_cuda_rmsnorm_backward_fast(c->stream, dx, dw, dy, x, w, N, C, eps,
+                                                        rstd, accumulate_dx, ws, len),
+                     "rmsnorm_backward (fast)");
+        return;
+    }
     after_launch(c, kiln_cuda_rmsnorm_backward(c->stream, dx, dw, dy, x, w, N, C, eps, rstd,
                                                accumulate_dx),
                  "rmsnorm_backward");
@@ -608,6 +636,7 @@ static void cu_free(kiln_backend *be) {
         for (size_t k = 0; k < c->n_weights; k++) cudaFree(c->weights[k].dev);
         kiln_free(c->weights);
         if (c->ints) cudaFree(c->ints);
+        if (c->colsum_ws) cudaFree(c->colsum_ws);
         kiln_cuda_gemm_free(c->gemm);
         kiln_cuda_sampler_free(c->sampler);
         if (c->hist) cudaFree(c->hist);

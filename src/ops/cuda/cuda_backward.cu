@@ -221,6 +221,15 @@ static void col_lanes_launch(cudaStream_t s, float *out, const float *a, const f
     else col_lanes_kernel<2><<<grid, block, 0, s>>>(out, a, b, sc, ld, N, W);
 }
 
+cudaError_t kiln_cuda_col_sum_exact(cudaStream_t s, float *out, const float *a, const float *b,
+                                    const float *sc, int64_t ld, int N, int64_t W) {
+    if (N <= 0 || W <= 0) return cudaSuccess;
+    if (!out || !a || (sc && !b) || ld < W) return cudaErrorInvalidValue;
+    if ((W + CL_COLS - 1) / CL_COLS > INT_MAX) return cudaErrorInvalidConfiguration;
+    col_lanes_launch(s, out, a, b, sc, ld, N, W);
+    return cudaGetLastError();
+}
+
 /* ---- matmul backward ------------------------------------------------------------------------ */
 
 cudaError_t kiln_cuda_matmul_backward(cudaStream_t s, float *dx, float *dW, float *dbias,

@@ -28,6 +28,13 @@ cudaError_t kiln_cuda_matmul_backward(cudaStream_t s, float *dx, float *dW, floa
                                       size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
                                       int N, bool accumulate_dx);
 
+/* The auditable column sum on its own (dbias's and rmsnorm dw's kernel, exported for tests
+ * and timing): for c < W, out[c] = out[c] + lane-16 over rows n < N of fmaf(a[n*ld + c], bv,
+ * .), bv = 1 (b NULL), b[n*ld + c] (sc NULL) or b[n*ld + c] * sc[n]; the CPU's col_lanes
+ * bits. cudaErrorInvalidValue for ld < W, a or out NULL, or sc without b. */
+cudaError_t kiln_cuda_col_sum_exact(cudaStream_t s, float *out, const float *a, const float *b,
+                                    const float *sc, int64_t ld, int N, int64_t W);
+
 /* Over rows x(N,C), weight w(C) (NULL: none), dy(N,C): dx (accumulate_dx: +=), dw(C) +=
  * (skipped when dw or w is NULL), rstd(N) overwritten with each row's r. dx may be dy (the
  * same index is read before it is written). */

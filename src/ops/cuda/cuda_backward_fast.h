@@ -10,16 +10,39 @@
  *     of its own. Per element, against the exact product of the unrounded operands:
  *       |error| <= (2^-7 + K * 2^-24) * sum_k |a_k b_k|   (first order),
  *     K = R for dx, N for dW; then dx (accumulate) and dW add the old value in f32;
- *   - dbias is the auditable column sum (cuda_backward.h's kiln_cuda_matmul_backward with only
- *     dbias): each element one lane-16 dot over the tokens in f32, the CPU's bits.
+ *   - dbias is kiln_cuda_col_sum_fast below (f32 dy, summed in double in a fixed chunked
+ *     order, rounded once): within about half an ulp of the exact sum, not the CPU's bits.
  *
  * Determinism: run to run on one GPU model the results have the same bits. The GEMM module
  * fixes one algorithm per problem (shape, leading dimensions, pointer alignment classes) and
  * never uses an order-dependent reduction; the conversions are elementwise; the dbias sum has
- * a fixed order. The bf16 copies of dy, x and W live in a buffer taken from the stream-ordered
- * allocator (cudaMallocAsync on s, released with cudaFreeAsync on s after the products that
- * read it), placed 256-byte aligned with row strides padded to 8 elements, so the problems
- * the GEMM module sees never depend on where the allocator put the buffer.
+ * a fixed order. The bf16 copies of dy, x and W and the column sum's partials live in a
+ * buffer taken from the stream-ordered allocator (cudaMallocAsync on s, released with
+ * cudaFreeAsync on s after the kernels that read it), placed 256-byte aligned with row
+ * strides padded to 8 elements, so the problems the GEMM module sees never depend on where
+ * the allocator put the buffer.
+ *
+ * Column sums (kiln_cuda_col_sum_fast; fast mode's dbias and RMSNorm dw). The auditable
+ * col_lanes kernel (cuda_backward.cu) must follow the CPU's 16 sequential chains per column,
+ * which caps its parallelism at 16 threads per column (an H200 at N = 8192 rows: W = 896 in
+ * about 95-180 us, a few hundred GB/s). This order cuts the rows into chunks instead; it is
+ * fixed by (N, W) alone, so the bits do not depend on the GPU, the launch, the alignment of
+ * the data or the timing. With the term of row n
+ *     t(n, c) = a[n,c] * bv,  bv = 1, b[n,c], or f32(b[n,c] * s[n])  (the one f32 rounding of
+ *     the auditable path; the product a * bv of two floats is exact in double):
+ *   1. rows are cut into K = ceil(N / RC) chunks of RC rows (RC a multiple of 64, K <= 256, a
+ *      function of N and W only: col_sum_rows_per_chunk in cuda_backward_fast.cu);
+ *   2. in chunk k, row lane j (0..7) sums its rows n = k*RC + j + 8i, i ascending, into a
+ *      double with fma(a, bv, acc) (one rounding per term, acc starts at +0);
+ *   3. the 8 lane sums of a chunk meet in the fixed tree (j, j+4), (j, j+2), (j, j+1) in
+ *      double: the chunk's partial P[k][c];
+ *   4. group g (0..7) adds P[k][c] for k = g, g+8, ... ascending in double (from +0), and the
+ *      8 group sums meet in the same tree: the total T[c];
+ *   5. out[c] = f32(out[c] + T[c]), the addition in double, one rounding to f32.
+ * Error: |out - exact| <= 2^-24 |exact| + (N/8 + 48) 2^-53 (|out_old| + sum_n |t|) (f32
+ * underflow aside): half an f32 ulp of the result plus a double-precision rounding term.
+ * No float atomics; the partials go to a caller-provided scratch (a second kernel combines
+ * them).
  */
 #ifndef KILN_CUDA_BACKWARD_FAST_H
 #define KILN_CUDA_BACKWARD_FAST_H
@@ -29,7 +52,7 @@
 /* For x(N,C) f32, W(R,C) (rows row_bytes apart, dtype dt: F32, BF16 or F16), dy(N,R) f32:
  *   dx(N,C)   = dy @ W     (accumulate_dx: dx += dy @ W); dx NULL: skipped
  *   dW(R,C)  += dy^T @ x   f32 whatever dt; NULL: skipped (x may then be NULL)
- *   dbias(R) += sum over tokens of dy, the auditable fixed-order sum; NULL: skipped
+ *   dbias(R) += sum over tokens of dy, kiln_cuda_col_sum_fast's order; NULL: skipped
  * All pointers are device pointers on g's device, which must be current; outputs must not
  * alias inputs or each other. Only enqueues work on s (calls on one handle must be ordered:
  * one stream). N, R or C <= 0: nothing to do. Returns cudaSuccess; cudaErrorInvalidValue for
@@ -43,5 +66,34 @@ cudaError_t kiln_cuda_matmul_backward_fast(kiln_cuda_gemm *g, cudaStream_t s, fl
                                            const float *x, const uint8_t *w, size_t row_bytes,
                                            kiln_dtype dt, int64_t R, int64_t C, int N,
                                            bool accumulate_dx);
+
+/* Doubles of scratch kiln_cuda_col_sum_fast needs for N rows of W columns: K * W (K the
+ * number of row chunks, at most 256); 0 when N <= 0 or W <= 0. A function of (N, W) only. */
+size_t kiln_cuda_col_sum_fast_scratch_len(int N, int64_t W);
+
+/* For columns c < W, in the order above:
+ *   out[c] = out[c] + sum over rows n < N of a[n*ld + c] * bv,
+ *   bv = 1 (b NULL: a plain sum, dbias), b[n*ld + c] (sc NULL), or b[n*ld + c] * sc[n]
+ *   rounded to f32 once (rmsnorm's dw: a = dy, b = x, sc = rstd).
+ * out(W) is written at columns < W only; a and b are rows ld >= W floats apart; sc(N).
+ * scratch: scratch_len >= kiln_cuda_col_sum_fast_scratch_len(N, W) doubles of device memory,
+ * used by the kernels this call enqueues on s (free for reuse by work enqueued on s after
+ * it). out must not alias a, b, sc or scratch. Only enqueues work on s. N <= 0 or W <= 0:
+ * nothing to do. Returns cudaSuccess, cudaErrorInvalidValue (ld < W, a needed pointer NULL,
+ * sc without b, scratch too small) or the launch's error. */
+cudaError_t kiln_cuda_col_sum_fast(cudaStream_t s, float *out, const float *a, const float *b,
+                                   const float *sc, int64_t ld, int N, int64_t W,
+                                   double *scratch, size_t scratch_len);
+
+/* ops.h's rmsnorm_backward in fast mode: dx and rstd by cuda_backward.h's
+ * kiln_cuda_rmsnorm_backward (the same kernels; the CPU's bits), then, when dw and w are both
+ * given, dw(C) += sum over rows of dy * f32(x * rstd) by kiln_cuda_col_sum_fast (scratch as
+ * there, for N rows of C columns). dx may be dy only when dw is skipped (dw reads dy after dx
+ * is written, as on the CPU). Returns as kiln_cuda_col_sum_fast. */
+cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, float *dw,
+                                            const float *dy, const float *x, const float *w,
+                                            int N, int C, float eps, float *rstd,
+                                            bool accumulate_dx, double *scratch,
+                                            size_t scratch_len);
 
 #endif /* KILN_CUDA_BACKWARD_FAST_H */

@@ -1,0 +1,565 @@
+/*
+ * test_cuda_colsum_fast.cu -- the fast mode's column sums (cuda_backward_fast.h's
+ * kiln_cuda_col_sum_fast: dbias and RMSNorm dw in a chunked order summed in double) and their
+ * two users, against a host double-precision reference.
+ *
+ *   cases: N in {1, 7, 300, 2048, 8193} x W in {1, 33, 576, 896, 4864} x the three modes
+ *   (plain sum; a * b; a * f32(b * s[n])), rows ld = W + 5 apart (padding NaN) for W in
+ *   {33, 896} at odd N, random values of mixed magnitudes added into random old values.
+ *   Per case:
+ *     - every column within the bound of cuda_backward_fast.h, with the host's own rounding
+ *       on top: |got - ref| <= 2^-24 |ref| + (N + 300) 2^-52 S + 1e-37, where ref is the
+ *       sum in double (old + terms in row order) and S = |old| + sum |terms|; the largest
+ *       err / S is printed (the brief's normalised figure; far below 1e-5);
+ *     - out's 64 floats past W keep their NaN-poison bits (never written);
+ *     - a second run (scratch at another address, both scratches filled with NaN bits
+ *       first) gives the same bits, and so does a run on copies of a and b placed 4 bytes
+ *       past 16-byte alignment (scalar loads where the first run used float4 ones);
+ *   integer data (small integers, s a power of two: every sum exact in f32) must give the
+ *   exact result, bit for bit: no row or column lost or counted twice, for N in {7, 8193}
+ *   x W in {33, 896} x the three modes.
+ *   users: kiln_cuda_matmul_backward_fast's dbias (alone, and with dx and dW, whose buffer
+ *   it shares) equals kiln_cuda_col_sum_fast on dy; kiln_cuda_rmsnorm_backward_fast's dx and
+ *   rstd equal kiln_cuda_rmsnorm_backward's bits and its dw equals kiln_cuda_col_sum_fast on
+ *   (dy, x, rstd); through the backend table, a fast backend's rmsnorm_backward and
+ *   matmul_backward (dbias) give those bits, an auditable one the exact kernels' bits.
+ *   argument errors (no GPU needed): ld < W, NULL a or scratch, sc without b, scratch too
+ *   small are refused with cudaErrorInvalidValue; the scratch length is K * W, K <= 256.
+ *   timing (cudaEvent, mean of 20): the exact col_lanes kernel (kiln_cuda_col_sum_exact)
+ *   against the fast sum at N = 8192 for W = 576 (mode 2, RMSNorm dw), 896 and 4864
+ *   (mode 0, dbias), and 114688 rows of 64 (mode 2, per-head q/k norms).
+ *
+ * Usage: test_cuda_colsum_fast [--no-big] [--seed N] (--no-big skips the timing). Exit 0 with
+ * "ALL OK", 1 with "FAILED n", 77 without a GPU (after the checks that need none).
+ */
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "ops/cuda/cuda_backward.h"
+#include "ops/cuda/cuda_backward_fast.h"
+extern "C" {
+#include "base/base.h"
+#include "ops/ops.h"
+}
+
+#define GPU_TEST_SEED 0xc015c015ull
+#include "gpu_test_check.h"
+
+/* A CUDA failure outside the call under test: nothing sensible can follow. */
+#define CUDA_FATAL(expr)                                                                       \
+    do {                                                                                       \
+        cudaError_t e_ = (expr);                                                               \
+        if (e_ != cudaSuccess) {                                                               \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,                      \
+                    cudaGetErrorString(e_));                                                   \
+            printf("FAILED (CUDA error; %d failures before it)\n", g_fail);                    \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+
+static cudaStream_t g_s;
+static double g_worst = 0.0; /* max over the random cases of err / S */
+
+static uint32_t bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+static float nan_poison() {
+    const uint32_t u = 0x7fc0dead;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+template <typename T> static T *dev_upload(const std::vector<T> &h, size_t extra = 0) {
+    T *d = nullptr;
+    CUDA_FATAL(cudaMalloc((void **)&d, (h.size() + extra) * sizeof(T) + 1));
+    if (!h.empty())
+        CUDA_FATAL(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+}
+template <typename T> static std::vector<T> dev_download(const T *d, size_t n) {
+    std::vector<T> h(n);
+    if (n) CUDA_FATAL(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+}
+static bool same_bits(const std::vector<float> &x, const std::vector<float> &y) {
+    return x.size() == y.size() && (x.empty() || !memcmp(x.data(), y.data(), x.size() * 4));
+}
+
+/* ---- one case ------------------------------------------------------------------------------ */
+
+/* Host data of a case: a, b (N rows, ld apart; columns W..ld-1 NaN), s(N), old(W). */
+struct Data {
+    int N = 0, mode = 0;
+    int64_t W = 0, ld = 0;
+    std::vector<float> a, b, s, old;
+};
+
+static void make_data(Data &D, int N, int64_t W, int64_t ld, int mode, bool ints) {
+    D.N = N;
+    D.W = W;
+    D.ld = ld;
+    D.mode = mode;
+    const size_t n = (size_t)N * (size_t)ld;
+    D.a.assign(n, nan_poison());
+    D.b.assign(mode >= 1 ? n : 0, nan_poison());
+    D.s.assign(mode == 2 ? (size_t)N : 0, 0.0f);
+    D.old.resize((size_t)W);
+    for (int r = 0; r < N; r++)
+        for (int64_t c = 0; c < W; c++) {
+            const size_t i = (size_t)r * (size_t)ld + (size_t)c;
+            if (ints) {
+                D.a[i] = (float)((int)(rnd64() % 17) - 8);
+                if (mode >= 1) D.b[i] = (float)((int)(rnd64() % 9) - 4);
+            } else { /* magnitudes 2^-6 .. 2^6, so the terms do not all look alike */
+                D.a[i] = ldexpf(rndu(), (int)(rnd64() % 13) - 6);
+                if (mode >= 1) D.b[i] = ldexpf(rndu(), (int)(rnd64() % 5) - 2);
+            }
+        }
+    for (int r = 0; r < N && mode == 2; r++)
+        D.s[(size_t)r] = ints ? ldexpf(1.0f, (int)(rnd64() % 3) - 1) : 0.25f + fabsf(rndu());
+    for (int64_t c = 0; c < W; c++)
+        D.old[(size_t)c] = ints ? (float)((int)(rnd64() % 201) - 100) : 4.0f * rndu();
+}
+
+/* ref[c] = old[c] + sum over rows in order (double), S[c] = |old| + sum |terms|. The term's
+ * bv is formed in f32 exactly as the contract says (b * s rounded once). */
+static void host_ref(const Data &D, std::vector<double> &ref, std::vector<double> &S) {
+    ref.assign((size_t)D.W, 0.0);
+    S.assign((size_t)D.W, 0.0);
+    for (int64_t c = 0; c < D.W; c++) {
+        ref[(size_t)c] = D.old[(size_t)c];
+        S[(size_t)c] = fabs((double)D.old[(size_t)c]);
+    }
+    for (int r = 0; r < D.N; r++) {
+        const float *ar = D.a.data() + (size_t)r * (size_t)D.ld;
+        const float *br = D.mode >= 1 ? D.b.data() + (size_t)r * (size_t)D.ld : nullptr;
+        for (int64_t c = 0; c < D.W; c++) {
+            float bv = 1.0f;
+            if (D.mode == 1) bv = br[c];
+            if (D.mode == 2) bv = br[c] * D.s[(size_t)r];
+            const double t = (double)ar[c] * (double)bv; /* exact */
+            ref[(size_t)c] += t;
+            S[(size_t)c] += fabs(t);
+        }
+    }
+}
+
+/* Device copies and one call of the fast sum into old + 64 NaN guards; scratch filled with
+ * NaN bits first, placed `shift` doubles into a larger allocation. Returns out(W + 64). */
+struct Dev {
+    float *a = nullptr, *b = nullptr, *s = nullptr;
+};
+static bool run_fast(const Data &D, const Dev &d, int shift, std::vector<float> &got) {
+    std::vector<float> o(D.old);
+    o.resize((size_t)D.W + 64, nan_poison());
+    float *d_out = dev_upload(o);
+    const size_t len = kiln_cuda_col_sum_fast_scratch_len(D.N, D.W);
+    double *d_ws = nullptr;
+    CUDA_FATAL(cudaMalloc((void **)&d_ws, (len + (size_t)shift) * sizeof(double)));
+    CUDA_FATAL(cudaMemset(d_ws, 0xff, (len + (size_t)shift) * sizeof(double)));
+    const cudaError_t e = kiln_cuda_col_sum_fast(g_s, d_out, d.a, d.b, d.s, D.ld, D.N, D.W,
+                                                 d_ws + shift, len);
+    bool ok = e == cudaSuccess;
+    if (!ok) FAIL("kiln_cuda_col_sum_fast: %s", cudaGetErrorString(e));
+    CUDA_FATAL(cudaStreamSynchronize(g_s));
+    got = dev_download(d_out, o.size());
+    CUDA_FATAL(cudaFree(d_out));
+    CUDA_FATAL(cudaFree(d_ws));
+    return ok;
+}
+
+static void test_case(int N, int64_t W, int64_t ld, int mode, bool ints) {
+    Data D;
+    make_data(D, N, W, ld, mode, ints);
+    std::vector<double> ref, S;
+    host_ref(D, ref, S);
+    Dev d;
+    d.a = dev_upload(D.a);
+    if (mode >= 1) d.b = dev_upload(D.b);
+    if (mode == 2) d.s = dev_upload(D.s);
+    /* the same values one float past 16-byte alignment: the scalar loads instead of float4
+     * (where W allows those), which must not change the order */
+    Dev d1;
+    float *shifted[2] = {nullptr, nullptr};
+    for (int k = 0; k < (mode >= 1 ? 2 : 1); k++) {
+        const std::vector<float> &h = k == 0 ? D.a : D.b;
+        CUDA_FATAL(cudaMalloc((void **)&shifted[k], (h.size() + 1) * 4));
+        CUDA_FATAL(cudaMemcpy(shifted[k] + 1, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+    }
+    d1.a = shifted[0] + 1;
+    d1.b = mode >= 1 ? shifted[1] + 1 : nullptr;
+    d1.s = d.s;
+    std::vector<float> got[3];
+    const int fails0 = g_fail;
+    const bool ran =
+        run_fast(D, d, 0, got[0]) && run_fast(D, d, 5, got[1]) && run_fast(D, d1, 0, got[2]);
+    double worst = 0.0;
+    if (ran) {
+        int bad_cols = 0, first_bad = -1;
+        for (int64_t c = 0; c < W; c++) {
+            const double g = got[0][(size_t)c], r = ref[(size_t)c], sc = S[(size_t)c];
+            const double err = fabs(g - r);
+            bool ok;
+            if (ints) {
+                ok = g == r; /* every partial sum is an exact small integer times 2^-1 .. 2 */
+            } else {
+                const double tol = 0x1p-24 * fabs(r) + (double)(N + 300) * 0x1p-52 * sc + 1e-37;
+                ok = err <= tol; /* false for NaN */
+                if (sc > 0.0 && err / sc > worst) worst = err / sc;
+            }
+            if (!ok) {
+                if (first_bad < 0) first_bad = (int)c;
+                bad_cols++;
+            }
+        }
+        if (bad_cols)
+            FAIL("N=%d W=%lld mode %d: %d columns off the %s; first c=%d got %.9g want %.17g "
+                 "(S %.3g)",
+                 N, (long long)W, mode, bad_cols, ints ? "exact sum" : "bound", first_bad,
+                 (double)got[0][(size_t)first_bad], ref[(size_t)first_bad], S[(size_t)first_bad]);
+        for (size_t g = (size_t)W; g < got[0].size(); g++)
+            if (bits(got[0][g]) != bits(nan_poison())) {
+                FAIL("N=%d W=%lld mode %d: out[%zu] past W written", N, (long long)W, mode, g);
+                break;
+            }
+        if (!same_bits(got[0], got[1]))
+            FAIL("N=%d W=%lld mode %d: second run (other scratch address) differs", N,
+                 (long long)W, mode);
+        if (!same_bits(got[0], got[2]))
+            FAIL("N=%d W=%lld mode %d: inputs 4 bytes past alignment give other bits", N,
+                 (long long)W, mode);
+    }
+    if (!ints && worst > g_worst) g_worst = worst;
+    printf("N=%-5d W=%-4lld ld=%-4lld mode %d %s: max err/S %.2e  %s\n", N, (long long)W,
+           (long long)ld, mode, ints ? "integers" : "random  ", worst,
+           g_fail == fails0 ? "OK" : "FAILED");
+    cudaFree(d.a);
+    cudaFree(d.b);
+    cudaFree(d.s);
+    cudaFree(shifted[0]);
+    cudaFree(shifted[1]);
+}
+
+/* ---- the users: matmul_backward_fast's dbias, rmsnorm_backward_fast, the backend table ---- */
+
+/* kiln_cuda_col_sum_fast on device inputs into a copy of old (the expected bits). */
+static std::vector<float> fast_sum_of(const float *a, const float *b, const float *s,
+                                      int64_t ld, int N, int64_t W, const std::vector<float> &old) {
+    float *d_out = dev_upload(old);
+    const size_t len = kiln_cuda_col_sum_fast_scratch_len(N, W);
+    double *d_ws = nullptr;
+    CUDA_FATAL(cudaMalloc((void **)&d_ws, len * sizeof(double) + 8));
+    CUDA_FATAL(kiln_cuda_col_sum_fast(g_s, d_out, a, b, s, ld, N, W, d_ws, len));
+    CUDA_FATAL(cudaStreamSynchronize(g_s));
+    std::vector<float> h = dev_download(d_out, old.size());
+    cudaFree(d_out);
+    cudaFree(d_ws);
+    return h;
+}
+
+static void test_matmul_dbias(kiln_cuda_gemm *g, kiln_backend *fast_be, kiln_backend *aud_be) {
+    const int fails0 = g_fail;
+    const int N = 300;
+    const int64_t R = 896, C = 64;
+    std::vector<float> dy((size_t)N * R), x((size_t)N * C), w((size_t)R * C), db0((size_t)R);
+    for (float &f : dy) f = rndu();
+    for (float &f : x) f = rndu();
+    for (float &f : w) f = rndu();
+    for (float &f : db0) f = rndu();
+    float *d_dy = dev_upload(dy), *d_x = dev_upload(x), *d_w = dev_upload(w);
+    const std::vector<float> want = fast_sum_of(d_dy, nullptr, nullptr, R, N, R, db0);
+
+    /* the launcher: dbias alone, then with dx and dW (the partials share their buffer) */
+    for (int with_products = 0; with_products < 2; with_products++) {
+        float *d_db = dev_upload(db0);
+        float *d_dx = nullptr, *d_dW = nullptr;
+        CUDA_FATAL(cudaMalloc((void **)&d_dx, (size_t)N * C * 4));
+        CUDA_FATAL(cudaMalloc((void **)&d_dW, (size_t)R * C * 4));
+        CUDA_FATAL(cudaMemset(d_dW, 0, (size_t)R * C * 4));
+        const cudaError_t e = kiln_cuda_matmul_backward_fast(
+            g, g_s, with_products ? d_dx : nullptr, with_products ? d_dW : nullptr, d_db, d_dy,
+            d_x, (const uint8_t *)d_w, (size_t)C * 4, KILN_DTYPE_F32, R, C, N, false);
+        if (e != cudaSuccess) FAIL("matmul_backward_fast: %s", cudaGetErrorString(e));
+        CUDA_FATAL(cudaStreamSynchronize(g_s));
+        if (!same_bits(dev_download(d_db, (size_t)R), want))
+            FAIL("matmul_backward_fast%s: dbias is not kiln_cuda_col_sum_fast's bits",
+                 with_products ? " (with dx, dW)" : "");
+        cudaFree(d_db);
+        cudaFree(d_dx);
+        cudaFree(d_dW);
+    }
+
+    /* the backend table, dbias only: fast -> the fast sum, auditable -> the exact kernel */
+    std::vector<float> want_exact;
+    {
+        float *d_db = dev_upload(db0);
+        CUDA_FATAL(kiln_cuda_col_sum_exact(g_s, d_db, d_dy, nullptr, nullptr, R, N, R));
+        CUDA_FATAL(cudaStreamSynchronize(g_s));
+        want_exact = dev_download(d_db, (size_t)R);
+        cudaFree(d_db);
+    }
+    kiln_tensor W;
+    memset(&W, 0, sizeof W);
+    W.name = "W";
+    W.dtype = KILN_DTYPE_F32;
+    W.n_dims = 2;
+    for (int k = 0; k < KILN_MAX_DIMS; k++) W.shape[k] = 1;
+    W.shape[0] = R;
+    W.shape[1] = C;
+    W.data = w.data(); /* host: the backend uploads it */
+    W.nbytes = w.size() * 4;
+    kiln_backend *bes[2] = {fast_be, aud_be};
+    for (int k = 0; k < 2; k++) {
+        float *d_db = dev_upload(db0);
+        bes[k]->i->matmul_backward(bes[k], nullptr, nullptr, d_db, d_dy, d_x, &W, N, false);
+        OK_OR_FAIL(kiln_backend_status(bes[k]));
+        CUDA_FATAL(cudaDeviceSynchronize());
+        if (!same_bits(dev_download(d_db, (size_t)R), k == 0 ? want : want_exact))
+            FAIL("backend matmul_backward (%s): dbias is not the %s bits",
+                 k == 0 ? "fast" : "auditable", k == 0 ? "fast sum's" : "exact kernel's");
+        cudaFree(d_db);
+    }
+    printf("matmul_backward dbias (N=%d R=%lld): launcher and backends  %s\n", N, (long long)R,
+           g_fail == fails0 ? "OK" : "FAILED");
+    cudaFree(d_dy);
+    cudaFree(d_x);
+    cudaFree(d_w);
+}
+
+static void test_rmsnorm(kiln_backend *fast_be, kiln_backend *aud_be) {
+    const int fails0 = g_fail;
+    const int N = 2048, C = 576;
+    const float eps = 1e-6f;
+    std::vector<float> dy((size_t)N * C), x((size_t)N * C), w((size_t)C), dw0((size_t)C),
+        dx0((size_t)N * C);
+    for (float &f : dy) f = rndu();
+    for (float &f : x) f = 3.0f * rndu();
+    for (float &f : w) f = 1.0f + 0.25f * rndu();
+    for (float &f : dw0) f = rndu();
+    for (float &f : dx0) f = rndu();
+    float *d_dy = dev_upload(dy), *d_x = dev_upload(x), *d_w = dev_upload(w);
+    float *d_rstd = nullptr;
+    CUDA_FATAL(cudaMalloc((void **)&d_rstd, (size_t)N * 4));
+
+    /* the exact op: dx, rstd and dw (the CPU's bits) */
+    float *d_dx = dev_upload(dx0), *d_dw = dev_upload(dw0);
+    CUDA_FATAL(kiln_cuda_rmsnorm_backward(g_s, d_dx, d_dw, d_dy, d_x, d_w, N, C, eps, d_rstd,
+                                          true));
+    CUDA_FATAL(cudaStreamSynchronize(g_s));
+    const std::vector<float> ex_dx = dev_download(d_dx, dx0.size()),
+                             ex_dw = dev_download(d_dw, dw0.size()),
+                             ex_rstd = dev_download(d_rstd, (size_t)N);
+    /* the expected fast dw: the fast sum of (dy, x, rstd) into dw0 */
+    const std::vector<float> want_dw = fast_sum_of(d_dy, d_x, d_rstd, C, N, C, dw0);
+    cudaFree(d_dx);
+    cudaFree(d_dw);
+
+    /* the launcher */
+    {
+        float *d_dx2 = dev_upload(dx0), *d_dw2 = dev_upload(dw0);
+        CUDA_FATAL(cudaMemset(d_rstd, 0xff, (size_t)N * 4));
+        const size_t len = kiln_cuda_col_sum_fast_scratch_len(N, C);
+        double *d_ws = nullptr;
+        CUDA_FATAL(cudaMalloc((void **)&d_ws, len * sizeof(double)));
+        if (kiln_cuda_rmsnorm_backward_fast(g_s, d_dx2, d_dw2, d_dy, d_x, d_w, N, C, eps, d_rstd,
+                                            true, d_ws, len - 1) != cudaErrorInvalidValue)
+            FAIL("rmsnorm_backward_fast: a scratch one double short is not refused");
+        const cudaError_t e = kiln_cuda_rmsnorm_backward_fast(g_s, d_dx2, d_dw2, d_dy, d_x, d_w,
+                                                              N, C, eps, d_rstd, true, d_ws, len);
+        if (e != cudaSuccess) FAIL("rmsnorm_backward_fast: %s", cudaGetErrorString(e));
+        CUDA_FATAL(cudaStreamSynchronize(g_s));
+        if (!same_bits(dev_download(d_dx2, dx0.size()), ex_dx))
+            FAIL("rmsnorm_backward_fast: dx is not the exact kernel's bits");
+        if (!same_bits(dev_download(d_rstd, (size_t)N), ex_rstd))
+            FAIL("rmsnorm_backward_fast: rstd is not the exact kernel's bits");
+        if (!same_bits(dev_download(d_dw2, dw0.size()), want_dw))
+            FAIL("rmsnorm_backward_fast: dw is not kiln_cuda_col_sum_fast's bits");
+        cudaFree(d_dx2);
+        cudaFree(d_dw2);
+        cudaFree(d_ws);
+    }
+
+    /* the backend table: fast -> the fast dw, auditable -> the exact dw; dx exact in both */
+    kiln_backend *bes[2] = {fast_be, aud_be};
+    for (int k = 0; k < 2; k++) {
+        float *d_dx2 = dev_upload(dx0), *d_dw2 = dev_upload(dw0);
+        bes[k]->i->rmsnorm_backward(bes[k], d_dx2, d_dw2, d_dy, d_x, d_w, N, C, eps, d_rstd, true);
+        OK_OR_FAIL(kiln_backend_status(bes[k]));
+        CUDA_FATAL(cudaDeviceSynchronize());
+        const char *name = k == 0 ? "fast" : "auditable";
+        if (!same_bits(dev_download(d_dx2, dx0.size()), ex_dx))
+            FAIL("backend rmsnorm_backward (%s): dx is not the exact kernel's bits", name);
+        if (!same_bits(dev_download(d_dw2, dw0.size()), k == 0 ? want_dw : ex_dw))
+            FAIL("backend rmsnorm_backward (%s): dw is not the %s bits", name,
+                 k == 0 ? "fast sum's" : "exact kernel's");
+        cudaFree(d_dx2);
+        cudaFree(d_dw2);
+    }
+    printf("rmsnorm_backward (N=%d C=%d): launcher and backends  %s\n", N, C,
+           g_fail == fails0 ? "OK" : "FAILED");
+    cudaFree(d_dy);
+    cudaFree(d_x);
+    cudaFree(d_w);
+    cudaFree(d_rstd);
+}
+
+/* ---- argument errors (before anything is enqueued: no GPU needed) -------------------------- */
+
+static void host_checks() {
+    float *p = (float *)(uintptr_t)0x1000; /* never dereferenced: every call is refused */
+    double *ws = (double *)(uintptr_t)0x2000;
+    const size_t big = (size_t)1 << 40;
+    struct {
+        const char *what;
+        cudaError_t got;
+    } c[] = {
+        {"ld < W", kiln_cuda_col_sum_fast(0, p, p, nullptr, nullptr, 7, 4, 8, ws, big)},
+        {"a NULL", kiln_cuda_col_sum_fast(0, p, nullptr, nullptr, nullptr, 8, 4, 8, ws, big)},
+        {"out NULL", kiln_cuda_col_sum_fast(0, nullptr, p, nullptr, nullptr, 8, 4, 8, ws, big)},
+        {"scratch NULL", kiln_cuda_col_sum_fast(0, p, p, nullptr, nullptr, 8, 4, 8, nullptr, big)},
+        {"sc without b", kiln_cuda_col_sum_fast(0, p, p, nullptr, p, 8, 4, 8, ws, big)},
+        {"scratch short",
+         kiln_cuda_col_sum_fast(0, p, p, nullptr, nullptr, 8, 4, 8, ws,
+                                kiln_cuda_col_sum_fast_scratch_len(4, 8) - 1)},
+        {"exact: ld < W", kiln_cuda_col_sum_exact(0, p, p, nullptr, nullptr, 7, 4, 8)},
+    };
+    for (const auto &k : c)
+        if (k.got != cudaErrorInvalidValue)
+            FAIL("argument check '%s': got %s, want cudaErrorInvalidValue", k.what,
+                 cudaGetErrorName(k.got));
+    if (kiln_cuda_col_sum_fast(0, p, p, nullptr, nullptr, 8, 0, 8, nullptr, 0) != cudaSuccess ||
+        kiln_cuda_col_sum_fast(0, p, p, nullptr, nullptr, 8, 4, 0, nullptr, 0) != cudaSuccess)
+        FAIL("N = 0 or W = 0 is not a no-op");
+    if (kiln_cuda_col_sum_fast_scratch_len(0, 8) != 0 ||
+        kiln_cuda_col_sum_fast_scratch_len(8, 0) != 0)
+        FAIL("scratch length for an empty problem is not 0");
+    const int Ns[] = {1, 7, 64, 65, 300, 2048, 8193, 114688, 1 << 24};
+    const int64_t Ws[] = {1, 33, 64, 576, 896, 4864, 151936};
+    for (int N : Ns)
+        for (int64_t W : Ws) {
+            const size_t len = kiln_cuda_col_sum_fast_scratch_len(N, W);
+            const size_t K = len / (size_t)W;
+            if (len % (size_t)W != 0 || K < 1 || K > 256 || (N <= 64 && K != 1))
+                FAIL("scratch length %zu for N=%d W=%lld is not K * W with 1 <= K <= 256", len,
+                     N, (long long)W);
+        }
+}
+
+/* ---- timing -------------------------------------------------------------------------------- */
+
+static void time_shape(int N, int64_t W, int mode) {
+    const size_t n = (size_t)N * (size_t)W;
+    float *a = nullptr, *b = nullptr, *s = nullptr, *out = nullptr;
+    double *ws = nullptr;
+    const size_t len = kiln_cuda_col_sum_fast_scratch_len(N, W);
+    CUDA_FATAL(cudaMalloc((void **)&a, n * 4));
+    CUDA_FATAL(cudaMemset(a, 0, n * 4));
+    if (mode >= 1) {
+        CUDA_FATAL(cudaMalloc((void **)&b, n * 4));
+        CUDA_FATAL(cudaMemset(b, 0, n * 4));
+    }
+    if (mode == 2) {
+        CUDA_FATAL(cudaMalloc((void **)&s, (size_t)N * 4));
+        CUDA_FATAL(cudaMemset(s, 0, (size_t)N * 4));
+    }
+    CUDA_FATAL(cudaMalloc((void **)&out, (size_t)W * 4));
+    CUDA_FATAL(cudaMemset(out, 0, (size_t)W * 4));
+    CUDA_FATAL(cudaMalloc((void **)&ws, len * sizeof(double)));
+    cudaEvent_t t0, t1;
+    CUDA_FATAL(cudaEventCreate(&t0));
+    CUDA_FATAL(cudaEventCreate(&t1));
+    const int reps = 20;
+    float ms[2] = {0, 0};
+    for (int which = 0; which < 2; which++) {
+        for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
+            if (r == 0) CUDA_FATAL(cudaEventRecord(t0, g_s));
+            if (which == 0) CUDA_FATAL(kiln_cuda_col_sum_exact(g_s, out, a, b, s, W, N, W));
+            else CUDA_FATAL(kiln_cuda_col_sum_fast(g_s, out, a, b, s, W, N, W, ws, len));
+        }
+        CUDA_FATAL(cudaEventRecord(t1, g_s));
+        CUDA_FATAL(cudaEventSynchronize(t1));
+        CUDA_FATAL(cudaEventElapsedTime(&ms[which], t0, t1));
+    }
+    const double us_ex = 1e3 * ms[0] / reps, us_fa = 1e3 * ms[1] / reps;
+    const double bytes = (double)n * 4.0 * (mode >= 1 ? 2.0 : 1.0);
+    printf("timing N=%d W=%lld mode %d: exact col_lanes %.1f us (%.0f GB/s), fast %.1f us "
+           "(%.0f GB/s, K=%zu chunks), x%.1f\n",
+           N, (long long)W, mode, us_ex, bytes / (us_ex * 1e3), us_fa, bytes / (us_fa * 1e3),
+           len / (size_t)W, us_ex / us_fa);
+    cudaEventDestroy(t0);
+    cudaEventDestroy(t1);
+    cudaFree(a);
+    cudaFree(b);
+    cudaFree(s);
+    cudaFree(out);
+    cudaFree(ws);
+}
+
+/* ---- main ---------------------------------------------------------------------------------- */
+
+int main(int argc, char **argv) {
+    bool big = true;
+    for (int k = 1; k < argc; k++) {
+        if (!strcmp(argv[k], "--no-big")) big = false;
+        else if (!strcmp(argv[k], "--seed") && k + 1 < argc) g_rng = strtoull(argv[++k], 0, 10);
+    }
+    host_checks();
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+        printf("no GPU: skipped (%s)\n", g_fail ? "FAILED" : "host checks OK");
+        return g_fail ? 1 : 77;
+    }
+    kiln_backend *fast_be = nullptr, *aud_be = nullptr;
+    if (kiln_backend_cuda_create_mode(0, 1, &fast_be) != KILN_OK ||
+        kiln_backend_cuda_create_mode(0, 0, &aud_be) != KILN_OK) {
+        printf("no usable GPU (%s): skipped\n", kiln_last_error());
+        return 77;
+    }
+    CUDA_FATAL(cudaSetDevice(0));
+    CUDA_FATAL(cudaStreamCreateWithFlags(&g_s, cudaStreamNonBlocking));
+    kiln_cuda_gemm *gemm = nullptr;
+    CUDA_FATAL(kiln_cuda_gemm_create(0, &gemm));
+
+    const int Ns[] = {1, 7, 300, 2048, 8193};
+    const int64_t Ws[] = {1, 33, 576, 896, 4864};
+    for (int N : Ns)
+        for (int64_t W : Ws)
+            for (int mode = 0; mode < 3; mode++) {
+                const int64_t ld = (W == 33 || W == 896) && N % 2 == 1 ? W + 5 : W;
+                test_case(N, W, ld, mode, false);
+            }
+    for (int N : {7, 8193})
+        for (int64_t W : {(int64_t)33, (int64_t)896})
+            for (int mode = 0; mode < 3; mode++) test_case(N, W, W + (N == 7 ? 5 : 0), mode, true);
+    printf("random cases: max err / (|old| + sum |terms|) = %.2e (stated bound 1e-5)\n", g_worst);
+    if (g_worst > 1e-5) FAIL("the normalised error %.2e exceeds 1e-5", g_worst);
+
+    test_matmul_dbias(gemm, fast_be, aud_be);
+    test_rmsnorm(fast_be, aud_be);
+    if (big) {
+        time_shape(8192, 576, 2);
+        time_shape(8192, 896, 0);
+        time_shape(8192, 4864, 0);
+        time_shape(114688, 64, 2);
+    }
+
+    kiln_cuda_gemm_free(gemm);
+    cudaStreamDestroy(g_s);
+    kiln_backend_free(aud_be);
+    kiln_backend_free(fast_be);
+    if (g_fail) {
+        printf("FAILED %d\n", g_fail);
+        return 1;
+    }
+    printf("ALL OK\n");
+    return 0;
+}
