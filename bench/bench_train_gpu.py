@@ -543,7 +543,7 @@ def part_train(args, R, rows, res, folders):
     dev = args.device
     kiln = kiln_mod(args)
     has_fast = trainer_has_fast(kiln)
-    for name, B in zip(args.models, args.batches):
+    for name, B, micro in zip(args.models, args.batches, args.micro):
         log(f"== {name}: writing the model folder")
         t0 = time.time()
         folders[name] = folder = make_model(name, args.work, dev)
@@ -598,12 +598,12 @@ def part_train(args, R, rows, res, folders):
                     log(f"{key} {eng}: {x['tok_s']:.1f} tok/s ({x['how']}); {x['describe']}")
                     # --micro M: fast mode again (auditable on the CPU, which has no fast mode)
                     # with M sequences per forward (forward_batch), real steps
-                    if (fast or dev == "cpu") and args.micro > 1 and B % args.micro == 0 \
+                    if (fast or dev == "cpu") and micro > 1 and B % micro == 0 \
                             and args.time_left() > 15:
-                        eng_m = f"kiln {'fast' if fast else 'auditable'}, {args.micro} seqs/forward"
+                        eng_m = f"kiln {'fast' if fast else 'auditable'}, {micro} seqs/forward"
                         try:
-                            x = bench_kiln(args, km, batches, fast, args.steps, micro=args.micro)
-                            r[f"kiln_fast_micro{args.micro}"] = x
+                            x = bench_kiln(args, km, batches, fast, args.steps, micro=micro)
+                            r[f"kiln_fast_micro{micro}"] = x
                             add(eng_m, x, f"step {median(x['step_s']):.3f} s: {x['how']}; "
                                 f"loss {x['loss']:.3f}")
                             log(f"{key} {eng_m}: {x['tok_s']:.1f} tok/s; {x['describe']}")
@@ -867,13 +867,14 @@ def add_ratios(rows):
         by[(r["model"], r["T"], r["engine"])] = r
     summary = []
     for r in rows:
-        if r["engine"] != "kiln fast" or not r["tok_s"]:
+        if not r["engine"].startswith("kiln fast") or not r["tok_s"]:
             continue
         k = (r["model"], r["T"])
         aud = by.get(k + ("kiln auditable",))
         comp = by.get(k + ("PyTorch torch.compile",))
         eager = by.get(k + ("PyTorch eager",))
-        s = dict(model=r["model"], T=r["T"], B=r["B"], mfu=r["mfu"])
+        label = r["model"] + r["engine"][len("kiln fast"):]  # ", M seqs/forward" when batched
+        s = dict(model=label, T=r["T"], B=r["B"], mfu=r["mfu"])
         extra = []
         if aud and aud["tok_s"]:
             s["auditable_cost"] = r["tok_s"] / aud["tok_s"]
@@ -974,9 +975,9 @@ def main():
     ap.add_argument("--compile", dest="compile", action="store_true",
                     help="torch.compile rows even in --quick / --device cpu")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--micro", type=int, default=0,
+    ap.add_argument("--micro", default="0",
                     help="also run kiln fast with this many sequences per forward (forward_batch; "
-                         "must divide the batch)")
+                         "must divide the batch): one value, or one per model (4,2)")
     ap.add_argument("--work", default="/tmp/kiln-train-bench")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -1002,6 +1003,11 @@ def main():
         [2 if small else defaults.get(m, 8) for m in args.models]
     if len(args.batches) != len(args.models):
         ap.error("--batches: one per model")
+    args.micro = [int(x) for x in args.micro.split(",") if x]
+    if len(args.micro) == 1:
+        args.micro = args.micro * len(args.models)
+    if len(args.micro) != len(args.models):
+        ap.error("--micro: one value, or one per model")
     args.parts = [p for p in args.parts.split(",") if p]
     if any(p not in PARTS for p in args.parts):
         ap.error(f"--parts: a subset of {','.join(PARTS)}")

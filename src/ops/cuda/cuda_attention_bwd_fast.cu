@@ -269,10 +269,10 @@ static __device__ __forceinline__ void dq_block(const bw_args &A, int qt, int h)
 /* A dk/dv block: key tile kt for query head h. Keys key0 = k0 + 16 warp + g and key1 =
  * key0 + 8 (padding keys >= T are zeros, masked, and write nothing). Writes dk, dv of kv
  * head h / G directly when G = 1, else this head's partials (T, NH, HS). */
-template <int HS>
+template <int HS, bool KV_REGS>
 static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h) {
-    constexpr int QT = BW_TILE(HS), LD = HS + BW_PAD;
-    constexpr bool KV_REGS = HS == 64; /* k, v fragments kept in registers (HS 128: reloaded) */
+    constexpr int QT = BW_TILE(HS), LD = HS + BW_PAD; /* KV_REGS: k, v fragments kept in
+                                                         registers, else reloaded per tile */
     extern __shared__ __align__(16) unsigned char bw_sm[];
     bf16 *sK = reinterpret_cast<bf16 *>(bw_sm); /* (BW_ROWS, LD) */
     bf16 *sV = sK + BW_ROWS * LD;               /* (BW_ROWS, LD) */
@@ -414,11 +414,13 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
 /* Kernel 2: the dk/dv blocks (x < nkt: key tile x, the ones that see the most queries first)
  * and the dq blocks (x >= nkt: query tiles, the longest first) in one launch, so that the GPU
  * holds twice the blocks of either alone; they are independent given D and L. */
-template <int HS>
-static __global__ void __launch_bounds__(BW_THREADS) bwd_main_kernel(bw_args A, int nkt) {
+/* MINB: blocks per SM the registers must allow (__launch_bounds__); at 3 the k, v fragments
+ * of the dk/dv blocks are reloaded from shared memory instead of held in registers. */
+template <int HS, int MINB>
+static __global__ void __launch_bounds__(BW_THREADS, MINB) bwd_main_kernel(bw_args A, int nkt) {
     const int x = (int)blockIdx.x, h = (int)blockIdx.y;
     if (x < nkt)
-        dkv_block<HS>(A, x, h);
+        dkv_block<HS, HS == 64 && MINB < 3>(A, x, h);
     else
         dq_block<HS>(A, (int)gridDim.x - 1 - x, h);
 }
@@ -462,7 +464,7 @@ bool kiln_cuda_attention_backward_fast_ok(const float *dq, const float *dk, cons
     return (a & 15) == 0;
 }
 
-template <int HS>
+template <int HS, int MINB>
 static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, float *dk, float *dv, float *pk,
                               float *pv) {
     constexpr size_t smem = dq_smem<HS>() > dkv_smem<HS>() ? dq_smem<HS>() : dkv_smem<HS>();
@@ -471,15 +473,22 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, float *dk, float
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)stats_smem<HS>());
     if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(bwd_main_kernel<HS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)smem);
+        e = cudaFuncSetAttribute(bwd_main_kernel<HS, MINB>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    /* the whole unified L1 as shared memory: the default carveout left room for only two
+     * blocks of the main kernel per SM (ncu, H200) */
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(bwd_main_kernel<HS, MINB>,
+                                 cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 (int)cudaSharedmemCarveoutMaxShared);
     if (e != cudaSuccess) return e;
     const int T = A.n_past + A.N;
     const int nqt = (A.N + BW_ROWS - 1) / BW_ROWS, nkt = (T + BW_ROWS - 1) / BW_ROWS;
     bwd_stats_kernel<HS><<<dim3((unsigned)nqt, (unsigned)A.NH), BW_THREADS, stats_smem<HS>(), s>>>(A);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
-    bwd_main_kernel<HS><<<dim3((unsigned)(nqt + nkt), (unsigned)A.NH), BW_THREADS, smem, s>>>(A, nkt);
+    bwd_main_kernel<HS, MINB><<<dim3((unsigned)(nqt + nkt), (unsigned)A.NH), BW_THREADS, smem, s>>>(
+        A, nkt);
     if ((e = cudaGetLastError()) != cudaSuccess || A.NH == A.KVH) return e;
     const int64_t total = (int64_t)T * A.KVH * HS;
     int64_t blocks = (total + 255) / 256;
@@ -493,6 +502,17 @@ cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *
                                               const float *k, const float *v, const float *out,
                                               float *ws, size_t ws_floats, int N, int n_past,
                                               int NH, int KVH, int HS, float scale) {
+    return kiln_cuda_attention_backward_fast_variant(s, dq, dk, dv, dout, q, k, v, out, ws,
+                                                     ws_floats, N, n_past, NH, KVH, HS, scale, 0);
+}
+
+cudaError_t kiln_cuda_attention_backward_fast_variant(cudaStream_t s, float *dq, float *dk,
+                                                      float *dv, const float *dout,
+                                                      const float *q, const float *k,
+                                                      const float *v, const float *out,
+                                                      float *ws, size_t ws_floats, int N,
+                                                      int n_past, int NH, int KVH, int HS,
+                                                      float scale, int variant) {
     if (!kiln_cuda_attention_backward_fast_ok(dq, dk, dv, dout, q, k, v, out, N, n_past, NH, KVH,
                                               HS) ||
         !ws || ws_floats < kiln_cuda_attention_backward_fast_ws(N, n_past, NH, KVH, HS) ||
@@ -527,11 +547,14 @@ cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *
     A.dq = dq;
     A.dk = pk;
     A.dv = pv;
-    cudaError_t e = kiln_cuda_attn_pack_heads(s, qb, q, NULL, NULL, N, Npad, NH, HS);
-    if (e == cudaSuccess) e = kiln_cuda_attn_pack_heads(s, ob, dout, out, A.wsD, N, Npad, NH, HS);
-    if (e == cudaSuccess) e = kiln_cuda_attn_pack_heads(s, kb, k, NULL, NULL, T, Tpad, KVH, HS);
-    if (e == cudaSuccess) e = kiln_cuda_attn_pack_heads(s, vb, v, NULL, NULL, T, Tpad, KVH, HS);
+    const kiln_cuda_attn_pack_job jobs[4] = {{qb, q, NULL, NULL, N, Npad, NH},
+                                             {ob, dout, out, A.wsD, N, Npad, NH},
+                                             {kb, k, NULL, NULL, T, Tpad, KVH},
+                                             {vb, v, NULL, NULL, T, Tpad, KVH}};
+    cudaError_t e = kiln_cuda_attn_pack_heads(s, jobs, 4, HS);
     if (e != cudaSuccess) return e;
-    if (HS == 64) return bwd_launch<64>(s, A, dk, dv, pk, pv);
-    return bwd_launch<128>(s, A, dk, dv, pk, pv);
+    if (HS == 64)
+        return variant == 1 ? bwd_launch<64, 3>(s, A, dk, dv, pk, pv)
+                            : bwd_launch<64, 1>(s, A, dk, dv, pk, pv);
+    return bwd_launch<128, 1>(s, A, dk, dv, pk, pv);
 }

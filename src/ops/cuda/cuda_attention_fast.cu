@@ -641,25 +641,26 @@ combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
 
 /* ==== flash attention on bf16 tensor cores (HS 64, 128) ====================================== */
 
-/* Packing: src (R, H, HS) f32 rows of H heads -> dst [H][Rpad][HS] bf16 (round to nearest
- * even), rows R..Rpad-1 zero; a warp per (row, head), HS / 32 elements per lane. With D
- * (the backward's dout): also d[h * Rpad + r] = sum over i of dout * out in the lane order
- * then a butterfly (f32; 0 for the padding rows). */
-template <int HS, bool WITH_D>
-static __global__ void pack_heads_kernel(__nv_bfloat16 *__restrict__ dst,
-                                         const float *__restrict__ src,
-                                         const float *__restrict__ out, float *__restrict__ d,
-                                         int R, int Rpad, int H) {
+/* Packing (kiln_cuda_attn_pack_heads): job blockIdx.y; a warp per (row, head) of its dst,
+ * HS / 32 elements per lane. With D (the backward's dout): also d[h * Rpad + r] = sum over
+ * i of src * out in the lane order then a butterfly (f32; 0 for the padding rows). */
+struct pack_jobs {
+    kiln_cuda_attn_pack_job j[KILN_ATTN_PACK_MAX_JOBS];
+};
+
+template <int HS>
+static __global__ void pack_heads_kernel(pack_jobs jobs) {
     constexpr int E = HS / 32; /* 2 or 4 */
+    const kiln_cuda_attn_pack_job &J = jobs.j[blockIdx.y];
     const int64_t wid = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
-    if (wid >= (int64_t)Rpad * H) return;
-    const int h = (int)(wid / Rpad), r = (int)(wid - (int64_t)h * Rpad);
+    if (wid >= (int64_t)J.Rpad * J.H) return;
+    const int h = (int)(wid / J.Rpad), r = (int)(wid - (int64_t)h * J.Rpad);
     float x[E], o[E];
 #pragma unroll
     for (int i = 0; i < E; i++) x[i] = o[i] = 0.0f;
-    if (r < R) {
-        const float *p = src + ((int64_t)r * H + h) * HS + lane * E;
+    if (r < J.R) {
+        const float *p = J.src + ((int64_t)r * J.H + h) * HS + lane * E;
         if (E == 2) {
             const float2 v = *reinterpret_cast<const float2 *>(p);
             x[0] = v.x;
@@ -671,13 +672,13 @@ static __global__ void pack_heads_kernel(__nv_bfloat16 *__restrict__ dst,
             x[2] = v.z;
             x[3] = v.w;
         }
-        if (WITH_D) {
-            const float *po = out + ((int64_t)r * H + h) * HS + lane * E;
+        if (J.d) {
+            const float *po = J.out + ((int64_t)r * J.H + h) * HS + lane * E;
 #pragma unroll
             for (int i = 0; i < E; i++) o[i] = po[i];
         }
     }
-    __nv_bfloat16 *q = dst + ((int64_t)h * Rpad + r) * HS + lane * E;
+    __nv_bfloat16 *q = J.dst + ((int64_t)h * J.Rpad + r) * HS + lane * E;
     if (E == 2) {
         *reinterpret_cast<uint32_t *>(q) = pack_bf16(x[0], x[1]);
     } else {
@@ -686,37 +687,39 @@ static __global__ void pack_heads_kernel(__nv_bfloat16 *__restrict__ dst,
         u.y = pack_bf16(x[2], x[3]);
         *reinterpret_cast<uint2 *>(q) = u;
     }
-    if (WITH_D) {
-        float s = 0.0f;
+    if (J.d) { /* uniform over the block: every lane of the warp takes this branch */
+        float sum = 0.0f;
 #pragma unroll
-        for (int i = 0; i < E; i++) s = fmaf(x[i], o[i], s);
+        for (int i = 0; i < E; i++) sum = fmaf(x[i], o[i], sum);
 #pragma unroll
-        for (int m = 16; m >= 1; m >>= 1) s = s + __shfl_xor_sync(0xffffffffu, s, m);
-        if (lane == 0) d[(int64_t)h * Rpad + r] = s;
+        for (int m = 16; m >= 1; m >>= 1) sum = sum + __shfl_xor_sync(0xffffffffu, sum, m);
+        if (lane == 0) J.d[(int64_t)h * J.Rpad + r] = sum;
     }
 }
 
-cudaError_t kiln_cuda_attn_pack_heads(cudaStream_t s, __nv_bfloat16 *dst, const float *src,
-                                      const float *out, float *d, int R, int Rpad, int H,
-                                      int HS) {
-    if (R < 0 || Rpad < R || Rpad % KILN_ATTN_PACK_ROWS != 0 || H <= 0 ||
-        (HS != 64 && HS != 128) || (out != NULL) != (d != NULL))
+cudaError_t kiln_cuda_attn_pack_heads(cudaStream_t s, const kiln_cuda_attn_pack_job *jobs,
+                                      int n, int HS) {
+    if (!jobs || n <= 0 || n > KILN_ATTN_PACK_MAX_JOBS || (HS != 64 && HS != 128))
         return cudaErrorInvalidValue;
-    const int64_t threads = (int64_t)Rpad * H * 32;
-    if (threads == 0) return cudaSuccess;
-    const int64_t blocks = (threads + 255) / 256;
-    if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
-    if (HS == 64) {
-        if (d)
-            pack_heads_kernel<64, true><<<(unsigned)blocks, 256, 0, s>>>(dst, src, out, d, R, Rpad, H);
-        else
-            pack_heads_kernel<64, false><<<(unsigned)blocks, 256, 0, s>>>(dst, src, out, d, R, Rpad, H);
-    } else {
-        if (d)
-            pack_heads_kernel<128, true><<<(unsigned)blocks, 256, 0, s>>>(dst, src, out, d, R, Rpad, H);
-        else
-            pack_heads_kernel<128, false><<<(unsigned)blocks, 256, 0, s>>>(dst, src, out, d, R, Rpad, H);
+    pack_jobs pj;
+    int64_t warps = 0;
+    for (int i = 0; i < n; i++) {
+        const kiln_cuda_attn_pack_job &J = jobs[i];
+        if (!J.dst || !J.src || J.R < 0 || J.Rpad < J.R || J.Rpad % KILN_ATTN_PACK_ROWS != 0 ||
+            J.H <= 0 || (J.out != NULL) != (J.d != NULL))
+            return cudaErrorInvalidValue;
+        pj.j[i] = J;
+        const int64_t w = (int64_t)J.Rpad * J.H;
+        if (w > warps) warps = w;
     }
+    if (warps == 0) return cudaSuccess;
+    const int64_t blocks = (warps * 32 + 255) / 256;
+    if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+    const dim3 grid((unsigned)blocks, (unsigned)n);
+    if (HS == 64)
+        pack_heads_kernel<64><<<grid, 256, 0, s>>>(pj);
+    else
+        pack_heads_kernel<128><<<grid, 256, 0, s>>>(pj);
     return cudaGetLastError();
 }
 
@@ -911,6 +914,11 @@ cudaError_t kiln_cuda_attn_create(kiln_cuda_attn **out) {
         e = cudaFuncSetAttribute(flash_bf16_kernel<128>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)flash_smem<128>());
+    /* the whole unified L1 as shared memory, so that the registers' four blocks per SM fit */
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(flash_bf16_kernel<64>,
+                                 cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 (int)cudaSharedmemCarveoutMaxShared);
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(f32_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)f32_smem(KILN_ATTN_FAST_MAX_HS));
@@ -1093,9 +1101,10 @@ cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *o
             a->pack_cap = (size_t)need;
         }
         __nv_bfloat16 *qb = (__nv_bfloat16 *)a->pack, *kb = qb + qn, *vb = kb + kn;
-        cudaError_t e = kiln_cuda_attn_pack_heads(s, qb, q, NULL, NULL, N, Npad, NH, HS);
-        if (e == cudaSuccess) e = kiln_cuda_attn_pack_heads(s, kb, k, NULL, NULL, T, Tpad, KVH, HS);
-        if (e == cudaSuccess) e = kiln_cuda_attn_pack_heads(s, vb, v, NULL, NULL, T, Tpad, KVH, HS);
+        const kiln_cuda_attn_pack_job jobs[3] = {{qb, q, NULL, NULL, N, Npad, NH},
+                                                 {kb, k, NULL, NULL, T, Tpad, KVH},
+                                                 {vb, v, NULL, NULL, T, Tpad, KVH}};
+        cudaError_t e = kiln_cuda_attn_pack_heads(s, jobs, 3, HS);
         if (e != cudaSuccess) return e;
         const unsigned gx = (unsigned)((N + FL_BM - 1) / FL_BM);
         if (HS == 64)

@@ -60,14 +60,22 @@ static inline int kiln_cuda_attn_pack_rows(int R) {
     if (R < 0 || R > INT_MAX - (KILN_ATTN_PACK_ROWS - 1)) return -1;
     return (R + KILN_ATTN_PACK_ROWS - 1) / KILN_ATTN_PACK_ROWS * KILN_ATTN_PACK_ROWS;
 }
-/* src (R, H, HS) f32 (16-byte aligned for HS 128, 8 for 64) -> dst [H][Rpad][HS] bf16 (round
- * to nearest even), rows R..Rpad-1 zero. With out and d (both or neither): out has src's
- * layout and d[h * Rpad + r] = sum over i of src * out (the backward's D = rowsum(dout * out),
- * f32 in a fixed order; 0 on padding rows). HS 64 or 128; Rpad a multiple of
- * KILN_ATTN_PACK_ROWS and >= R. Enqueues on s. */
-cudaError_t kiln_cuda_attn_pack_heads(cudaStream_t s, __nv_bfloat16 *dst, const float *src,
-                                      const float *out, float *d, int R, int Rpad, int H,
-                                      int HS);
+/* One tensor to pack: src (R, H, HS) f32 (16-byte aligned for HS 128, 8 for 64) -> dst
+ * [H][Rpad][HS] bf16 (round to nearest even), rows R..Rpad-1 zero; Rpad a multiple of
+ * KILN_ATTN_PACK_ROWS and >= R. With out and d (both or neither): out has src's layout and
+ * d[h * Rpad + r] = sum over i of src * out (the backward's D = rowsum(dout * out), f32 in a
+ * fixed order; 0 on padding rows). */
+typedef struct {
+    __nv_bfloat16 *dst;
+    const float *src, *out;
+    float *d;
+    int R, Rpad, H;
+} kiln_cuda_attn_pack_job;
+#define KILN_ATTN_PACK_MAX_JOBS 4
+/* Packs n (1..KILN_ATTN_PACK_MAX_JOBS) tensors of head size HS (64 or 128) in one launch on
+ * s. cudaErrorInvalidValue for a job out of contract. */
+cudaError_t kiln_cuda_attn_pack_heads(cudaStream_t s, const kiln_cuda_attn_pack_job *jobs,
+                                      int n, int HS);
 
 typedef struct kiln_cuda_attn kiln_cuda_attn; /* workspace for the split partials */
 

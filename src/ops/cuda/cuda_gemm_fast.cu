@@ -48,23 +48,27 @@ static __device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) {
     return (uint32_t)lo | ((uint32_t)hi << 16); /* little-endian: lo at the lower address */
 }
 
+/* f32 -> bf16: unlike the grid of the other conversions (a block row per matrix row, idle
+ * threads past a narrow row's end), one thread per run of F32_VEC columns of the whole
+ * matrix, numbered row-major (i -> row i / runs, run i % runs), so every thread has work
+ * whatever the width. */
 static __global__ void f32_to_bf16_kernel(uint16_t *__restrict__ dst, int64_t ld_dst,
                                           const float *__restrict__ src, int64_t ld_src,
                                           int64_t rows, int64_t cols) {
-    const int64_t c0 = ((int64_t)blockIdx.x * CONV_THREADS + threadIdx.x) * F32_VEC;
-    if (c0 >= cols) return;
-    for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-        const float *sp = src + r * ld_src + c0;
-        uint16_t *dp = dst + r * ld_dst + c0;
-        if (c0 + F32_VEC <= cols && ((uintptr_t)sp & 15u) == 0 && ((uintptr_t)dp & 7u) == 0) {
-            const float4 v = *(const float4 *)sp;
-            uint2 o;
-            o.x = pack2(bf16_rne(v.x), bf16_rne(v.y));
-            o.y = pack2(bf16_rne(v.z), bf16_rne(v.w));
-            *(uint2 *)dp = o;
-        } else {
-            for (int j = 0; j < F32_VEC && c0 + j < cols; j++) dp[j] = bf16_rne(sp[j]);
-        }
+    const int64_t runs = (cols + F32_VEC - 1) / F32_VEC;
+    const int64_t i = (int64_t)blockIdx.x * CONV_THREADS + threadIdx.x;
+    if (i >= rows * runs) return;
+    const int64_t r = i / runs, c0 = (i - r * runs) * F32_VEC;
+    const float *sp = src + r * ld_src + c0;
+    uint16_t *dp = dst + r * ld_dst + c0;
+    if (c0 + F32_VEC <= cols && ((uintptr_t)sp & 15u) == 0 && ((uintptr_t)dp & 7u) == 0) {
+        const float4 v = *(const float4 *)sp;
+        uint2 o;
+        o.x = pack2(bf16_rne(v.x), bf16_rne(v.y));
+        o.y = pack2(bf16_rne(v.z), bf16_rne(v.w));
+        *(uint2 *)dp = o;
+    } else {
+        for (int j = 0; j < F32_VEC && c0 + j < cols; j++) dp[j] = bf16_rne(sp[j]);
     }
 }
 
@@ -128,11 +132,13 @@ static bool conv_grid(int64_t rows, int64_t cols, int vec, dim3 *grid) {
 cudaError_t kiln_cuda_f32_to_bf16(cudaStream_t s, uint16_t *dst, int64_t ld_dst, const float *src,
                                   int64_t ld_src, int64_t rows, int64_t cols) {
     if (rows <= 0 || cols <= 0) return cudaSuccess;
-    dim3 grid;
-    if (!dst || !src || ld_dst < cols || ld_src < cols ||
-        !conv_grid(rows, cols, F32_VEC, &grid))
-        return cudaErrorInvalidValue;
-    f32_to_bf16_kernel<<<grid, CONV_THREADS, 0, s>>>(dst, ld_dst, src, ld_src, rows, cols);
+    if (!dst || !src || ld_dst < cols || ld_src < cols) return cudaErrorInvalidValue;
+    const int64_t runs = (cols + F32_VEC - 1) / F32_VEC;
+    if (rows > INT64_MAX / runs) return cudaErrorInvalidValue;
+    const int64_t blocks = (rows * runs + CONV_THREADS - 1) / CONV_THREADS;
+    if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+    f32_to_bf16_kernel<<<(unsigned)blocks, CONV_THREADS, 0, s>>>(dst, ld_dst, src, ld_src, rows,
+                                                                 cols);
     return cudaGetLastError();
 }
 
