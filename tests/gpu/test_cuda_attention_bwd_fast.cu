@@ -165,17 +165,10 @@ static void poison(const Dev &d) {
     CUDA_OK(cudaMemset(d.ws, 0xff, d.nws * 4));
 }
 
-/* variant 0: the entry point; 1: kiln_cuda_attention_backward_fast_variant's variant 1
- * (other registers, same bits: the second run of check_case takes it) */
-static void run_fast(const Dev &d, const Case &c, float scale, int variant) {
-    if (variant == 0)
-        CUDA_OK(kiln_cuda_attention_backward_fast(0, d.dq, d.dk, d.dv, d.dout, d.q, d.k, d.v,
-                                                  d.out, d.ws, d.nws, c.N, c.n_past, c.NH, c.KVH,
-                                                  c.HS, scale));
-    else
-        CUDA_OK(kiln_cuda_attention_backward_fast_variant(0, d.dq, d.dk, d.dv, d.dout, d.q, d.k,
-                                                          d.v, d.out, d.ws, d.nws, c.N, c.n_past,
-                                                          c.NH, c.KVH, c.HS, scale, variant));
+static void run_fast(const Dev &d, const Case &c, float scale) {
+    CUDA_OK(kiln_cuda_attention_backward_fast(0, d.dq, d.dk, d.dv, d.dout, d.q, d.k, d.v, d.out,
+                                              d.ws, d.nws, c.N, c.n_past, c.NH, c.KVH, c.HS,
+                                              scale));
     CUDA_OK(cudaDeviceSynchronize());
 }
 
@@ -200,7 +193,7 @@ static void check_case(const Case &c) {
     std::vector<float> gq[2], gk[2], gv[2];
     for (int run = 0; run < 2; run++) {
         poison(d);
-        run_fast(d, c, scale, run);
+        run_fast(d, c, scale);
         gq[run].resize(d.nq);
         gk[run].resize(d.nkv);
         gv[run].resize(d.nkv);
@@ -218,7 +211,7 @@ static void check_case(const Case &c) {
     if (e > g_worst) g_worst = e;
     const bool ok = e <= 2e-2 && same;
     printf("attention_backward fast N=%d n_past=%d NH=%d KVH=%d HS=%d amp=%g: dq %.2e dk %.2e dv "
-           "%.2e, two runs (kernel variants 0, 1) %s %s\n",
+           "%.2e, two runs %s %s\n",
            c.N, c.n_past, c.NH, c.KVH, c.HS, c.amp, e1, e2, e3, same ? "same bits" : "DIFFER",
            ok ? "OK" : "FAILED");
     if (b1 != (size_t)-1 || b2 != (size_t)-1 || b3 != (size_t)-1)
@@ -240,8 +233,8 @@ static void time_case(const Case &c) {
     cudaEvent_t e0, e1;
     CUDA_OK(cudaEventCreate(&e0));
     CUDA_OK(cudaEventCreate(&e1));
-    float ms_fast = 0, ms_aud = 0, ms_var = 0;
-    for (int which = 0; which < 3; which++) { /* fast, auditable, fast variant 1 */
+    float ms_fast = 0, ms_aud = 0;
+    for (int which = 0; which < 2; which++) { /* fast, auditable */
         const int reps = which == 1 ? 2 : 10;
         for (int r = -1; r < reps; r++) {
             if (r == 0) CUDA_OK(cudaEventRecord(e0));
@@ -249,10 +242,6 @@ static void time_case(const Case &c) {
                 CUDA_OK(kiln_cuda_attention_backward_fast(0, d.dq, d.dk, d.dv, d.dout, d.q, d.k,
                                                           d.v, d.out, d.ws, d.nws, c.N, c.n_past,
                                                           c.NH, c.KVH, c.HS, scale));
-            else if (which == 2)
-                CUDA_OK(kiln_cuda_attention_backward_fast_variant(
-                    0, d.dq, d.dk, d.dv, d.dout, d.q, d.k, d.v, d.out, d.ws, d.nws, c.N,
-                    c.n_past, c.NH, c.KVH, c.HS, scale, 1));
             else
                 CUDA_OK(kiln_cuda_attention_backward(0, d.dq, d.dk, d.dv, d.dout, d.q, d.k, d.v,
                                                      d.out, d.ws, c.N, c.n_past, c.NH, c.KVH,
@@ -262,15 +251,14 @@ static void time_case(const Case &c) {
         CUDA_OK(cudaEventSynchronize(e1));
         float ms;
         CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
-        (which == 0 ? ms_fast : which == 1 ? ms_aud : ms_var) = ms / reps;
+        (which == 0 ? ms_fast : ms_aud) = ms / reps;
     }
     /* causal backward: 5 products of N x T/2 x HS per head (S, dP, dq, dk, dv) + the stats
      * pass's S: count the 4 of FlashAttention-2's (2.5 x forward) for TFLOP/s */
     const double flops = 4.0 * 2.0 * c.N * (double)T / 2.0 * c.HS * c.NH;
     printf("time attention_backward N=%d NH=%d KVH=%d HS=%d: fast %.3f ms (%.0f TFLOP/s), "
-           "auditable %.3f ms, %.0fx; fast variant 1 %.3f ms\n",
-           c.N, c.NH, c.KVH, c.HS, ms_fast, flops / ms_fast / 1e9, ms_aud, ms_aud / ms_fast,
-           ms_var);
+           "auditable %.3f ms, %.0fx\n",
+           c.N, c.NH, c.KVH, c.HS, ms_fast, flops / ms_fast / 1e9, ms_aud, ms_aud / ms_fast);
     CUDA_OK(cudaEventDestroy(e0));
     CUDA_OK(cudaEventDestroy(e1));
     dev_free(d);

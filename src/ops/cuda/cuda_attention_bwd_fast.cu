@@ -414,13 +414,14 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
 /* Kernel 2: the dk/dv blocks (x < nkt: key tile x, the ones that see the most queries first)
  * and the dq blocks (x >= nkt: query tiles, the longest first) in one launch, so that the GPU
  * holds twice the blocks of either alone; they are independent given D and L. */
-/* MINB: blocks per SM the registers must allow (__launch_bounds__); at 3 the k, v fragments
- * of the dk/dv blocks are reloaded from shared memory instead of held in registers. */
-template <int HS, int MINB>
-static __global__ void __launch_bounds__(BW_THREADS, MINB) bwd_main_kernel(bw_args A, int nkt) {
+/* HS 64 keeps the dk/dv blocks' k, v fragments in registers (249 registers, 2 blocks per SM
+ * with the shared memory; a 168-register build for 3 blocks per SM, fragments reloaded from
+ * shared memory per tile, measured the same on the H200); HS 128 reloads them. */
+template <int HS>
+static __global__ void __launch_bounds__(BW_THREADS) bwd_main_kernel(bw_args A, int nkt) {
     const int x = (int)blockIdx.x, h = (int)blockIdx.y;
     if (x < nkt)
-        dkv_block<HS, HS == 64 && MINB < 3>(A, x, h);
+        dkv_block<HS, HS == 64>(A, x, h);
     else
         dq_block<HS>(A, (int)gridDim.x - 1 - x, h);
 }
@@ -464,7 +465,7 @@ bool kiln_cuda_attention_backward_fast_ok(const float *dq, const float *dk, cons
     return (a & 15) == 0;
 }
 
-template <int HS, int MINB>
+template <int HS>
 static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, float *dk, float *dv, float *pk,
                               float *pv) {
     constexpr size_t smem = dq_smem<HS>() > dkv_smem<HS>() ? dq_smem<HS>() : dkv_smem<HS>();
@@ -473,12 +474,12 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, float *dk, float
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)stats_smem<HS>());
     if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(bwd_main_kernel<HS, MINB>,
+        e = cudaFuncSetAttribute(bwd_main_kernel<HS>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    /* the whole unified L1 as shared memory: the default carveout left room for only two
-     * blocks of the main kernel per SM (ncu, H200) */
+    /* the whole unified L1 as shared memory (ncu on the H200: the registers and the default
+     * carveout each allowed 2 blocks per SM; with both raised the time was the same) */
     if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(bwd_main_kernel<HS, MINB>,
+        e = cudaFuncSetAttribute(bwd_main_kernel<HS>,
                                  cudaFuncAttributePreferredSharedMemoryCarveout,
                                  (int)cudaSharedmemCarveoutMaxShared);
     if (e != cudaSuccess) return e;
@@ -487,7 +488,7 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, float *dk, float
     bwd_stats_kernel<HS><<<dim3((unsigned)nqt, (unsigned)A.NH), BW_THREADS, stats_smem<HS>(), s>>>(A);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
-    bwd_main_kernel<HS, MINB><<<dim3((unsigned)(nqt + nkt), (unsigned)A.NH), BW_THREADS, smem, s>>>(
+    bwd_main_kernel<HS><<<dim3((unsigned)(nqt + nkt), (unsigned)A.NH), BW_THREADS, smem, s>>>(
         A, nkt);
     if ((e = cudaGetLastError()) != cudaSuccess || A.NH == A.KVH) return e;
     const int64_t total = (int64_t)T * A.KVH * HS;
@@ -502,17 +503,6 @@ cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *
                                               const float *k, const float *v, const float *out,
                                               float *ws, size_t ws_floats, int N, int n_past,
                                               int NH, int KVH, int HS, float scale) {
-    return kiln_cuda_attention_backward_fast_variant(s, dq, dk, dv, dout, q, k, v, out, ws,
-                                                     ws_floats, N, n_past, NH, KVH, HS, scale, 0);
-}
-
-cudaError_t kiln_cuda_attention_backward_fast_variant(cudaStream_t s, float *dq, float *dk,
-                                                      float *dv, const float *dout,
-                                                      const float *q, const float *k,
-                                                      const float *v, const float *out,
-                                                      float *ws, size_t ws_floats, int N,
-                                                      int n_past, int NH, int KVH, int HS,
-                                                      float scale, int variant) {
     if (!kiln_cuda_attention_backward_fast_ok(dq, dk, dv, dout, q, k, v, out, N, n_past, NH, KVH,
                                               HS) ||
         !ws || ws_floats < kiln_cuda_attention_backward_fast_ws(N, n_past, NH, KVH, HS) ||
@@ -553,8 +543,6 @@ cudaError_t kiln_cuda_attention_backward_fast_variant(cudaStream_t s, float *dq,
                                              {vb, v, NULL, NULL, T, Tpad, KVH}};
     cudaError_t e = kiln_cuda_attn_pack_heads(s, jobs, 4, HS);
     if (e != cudaSuccess) return e;
-    if (HS == 64)
-        return variant == 1 ? bwd_launch<64, 3>(s, A, dk, dv, pk, pv)
-                            : bwd_launch<64, 1>(s, A, dk, dv, pk, pv);
-    return bwd_launch<128, 1>(s, A, dk, dv, pk, pv);
+    if (HS == 64) return bwd_launch<64>(s, A, dk, dv, pk, pv);
+    return bwd_launch<128>(s, A, dk, dv, pk, pv);
 }

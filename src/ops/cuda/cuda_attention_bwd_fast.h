@@ -50,15 +50,4 @@ cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *
                                               float *ws, size_t ws_floats, int N, int n_past,
                                               int NH, int KVH, int HS, float scale);
 
-/* For benchmarks: the same backward with a kernel variant (same bits: the variants differ
- * only in register allocation). 0: the default; 1 (HS 64): the main kernel limited to the
- * registers of 3 blocks per SM, k and v fragments reloaded from shared memory per tile. */
-cudaError_t kiln_cuda_attention_backward_fast_variant(cudaStream_t s, float *dq, float *dk,
-                                                      float *dv, const float *dout,
-                                                      const float *q, const float *k,
-                                                      const float *v, const float *out,
-                                                      float *ws, size_t ws_floats, int N,
-                                                      int n_past, int NH, int KVH, int HS,
-                                                      float scale, int variant);
-
 #endif /* KILN_CUDA_ATTENTION_BWD_FAST_H */
