@@ -809,18 +809,7 @@ flash_bf16_kernel(float *__restrict__ out, const __nv_bfloat16 *__restrict__ qb,
 
         /* S = Q K^T for the warp's 16 rows and the tile's 64 keys (8 n-tiles of 8 keys). */
         float sc[FL_BN / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < FL_BN / 8; nt++) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < HS / 16; kk++) {
-#pragma unroll
-            for (int np = 0; np < FL_BN / 16; np++) {
-                uint32_t b[4];
-                ldsm_b(b, cK, LD, np * 16, kk * 16, lane);
-                mma_bf16_16816(sc[2 * np], qf[kk], b);
-                mma_bf16_16816(sc[2 * np + 1], qf[kk], b + 2);
-            }
-        }
+        rows_times_tile<HS, FL_BN>(sc, qf, cK, LD, lane);
 
         /* scale, causal mask, online softmax (rows g: c[0..1], g + 8: c[2..3]) */
         const bool mask = k0 + FL_BN - 1 > wfirst;

@@ -135,4 +135,24 @@ static __device__ __forceinline__ void cp_tile(__nv_bfloat16 *dst, int LD,
     }
 }
 
+/* c[nt] = A(16 x HS, fragments f) x B^T over the NT rows of the shared tile sB (row-major,
+ * rows n, HS along a row): S = q k^T and its kin (the flash forward and the backward). */
+template <int HS, int NT>
+static __device__ __forceinline__ void rows_times_tile(float c[NT / 8][4],
+                                                       const uint32_t f[HS / 16][4],
+                                                       const __nv_bfloat16 *sB, int LD, int lane) {
+#pragma unroll
+    for (int nt = 0; nt < NT / 8; nt++) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; kk++) {
+#pragma unroll
+        for (int np = 0; np < NT / 16; np++) {
+            uint32_t b[4];
+            ldsm_b(b, sB, LD, np * 16, kk * 16, lane);
+            mma_bf16_16816(c[2 * np], f[kk], b);
+            mma_bf16_16816(c[2 * np + 1], f[kk], b + 2);
+        }
+    }
+}
+
 #endif /* KILN_CUDA_MMA_CUH */
