@@ -179,6 +179,29 @@ typedef struct kiln_backend_i {
      * it). KILN_ERR_RANGE when the logits hold a NaN. */
     kiln_status (*sample)(kiln_backend *be, const float *logits, int V, kiln_sampler *smp,
                           const int32_t *hist, size_t n_hist, int32_t *id);
+
+    /* ---- attention over several sequences in one call (training; optional: NULL in a
+     * backend without it, e.g. the CPU, and the caller loops over the sequences) ----
+     * B sequences of N tokens each, rows back to back, each attending causally to its own N
+     * keys only (n_past 0): q, out, dout, dq (B*N, NH, HS); k, v, dk, dv (B*N, KVH, HS).
+     *
+     * attention_seqs: out = the bits of B attention() calls, one per sequence. lse: NULL, or
+     * kiln_attention_lse_floats(B, N, NH) floats in which the backend may save each query
+     * row's softmax statistic for attention_backward_seqs (its own layout; a backend or a
+     * shape that saves none leaves lse untouched).
+     * attention_backward_seqs: dq, dk, dv (overwritten) of the B sequences, given lse as
+     * attention_seqs left it for the same q, k, v, out (or NULL: the statistics are
+     * recomputed). In auditable arithmetic the bits of B attention_backward() calls; in a
+     * fast mode the backend's own deterministic result (the same bits with or without lse
+     * is not promised). ws: kiln_attention_backward_seqs_ws_floats(B, N, NH, KVH, HS). */
+    void (*attention_seqs)(kiln_backend *be, float *out, float *lse, const float *q,
+                           const float *k, const float *v, int B, int N, int NH, int KVH,
+                           int HS, float scale);
+    void (*attention_backward_seqs)(kiln_backend *be, float *dq, float *dk, float *dv,
+                                    const float *dout, const float *q, const float *k,
+                                    const float *v, const float *out, const float *lse,
+                                    float *ws, int B, int N, int NH, int KVH, int HS,
+                                    float scale);
 } kiln_backend_i;
 
 struct kiln_backend {
@@ -243,6 +266,18 @@ static inline size_t kiln_attention_backward_fast_ws_floats(int N, int n_past, i
 static inline size_t kiln_attention_backward_ws_floats(int N, int n_past, int NH, int KVH, int HS) {
     size_t w = 3 * (size_t)N * (size_t)NH, f = kiln_attention_backward_fast_ws_floats(N, n_past, NH, KVH, HS);
     return f > w ? f : w;
+}
+/* Floats of attention_seqs' lse for B sequences of N tokens and NH heads: B NH Npad, Npad = N
+ * rounded up to 64 (the fast CUDA kernels' [B][NH][Npad]); 0 for a negative count. */
+static inline size_t kiln_attention_lse_floats(int B, int N, int NH) {
+    if (B < 0 || N < 0 || NH < 0) return 0;
+    return (size_t)B * (size_t)NH * (((size_t)N + 63) / 64 * 64);
+}
+/* Floats of the ws scratch attention_backward_seqs takes: B times attention_backward's for
+ * one sequence (the fast CUDA kernels run all B at once; a loop reuses the first part). */
+static inline size_t kiln_attention_backward_seqs_ws_floats(int B, int N, int NH, int KVH, int HS) {
+    if (B < 0) return 0;
+    return (size_t)B * kiln_attention_backward_ws_floats(N, 0, NH, KVH, HS);
 }
 /* KILN_OK, or the error that poisoned the backend; waits for submitted work. */
 static inline kiln_status kiln_backend_status(kiln_backend *be) {

@@ -60,6 +60,7 @@ typedef struct layer_acts {
     float *gate;  /* (T,FF) */
     float *up;    /* (T,FF) */
     float *hb;    /* (T,FF) silu(gate)*up */
+    float *lse;   /* attention_seqs' saved statistics (kiln_attention_lse_floats), or NULL */
 } layer_acts;
 
 struct kiln_trainer {
@@ -349,7 +350,15 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     int L = c->n_layer, qk = c->qk_norm || (t->layers[0].q_norm != NULL);
     t->acts = kiln_calloc((size_t)L, sizeof *t->acts);
     if (!t->acts) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    enum { PER_LAYER = 13, N_SCRATCH = 18 };
+    enum { PER_LAYER = 14, N_SCRATCH = 18 };
+    /* a backend with batched attention saves each layer's softmax statistics for the backward */
+    const int seqs = t->be->i->attention_seqs && t->be->i->attention_backward_seqs;
+    size_t lse = seqs ? kiln_attention_lse_floats(t->p.max_batch, (int)S, c->n_head) : 0;
+    size_t ws = kiln_attention_backward_ws_floats((int)S, 0, c->n_head, c->n_head_kv, (int)HS);
+    if (seqs) {
+        size_t wb = kiln_attention_backward_seqs_ws_floats(t->p.max_batch, (int)S, c->n_head, c->n_head_kv, (int)HS);
+        if (wb > ws) ws = wb;
+    }
     int n = L * PER_LAYER + 2 + N_SCRATCH;
     float ***slots = kiln_calloc((size_t)n, sizeof *slots);
     size_t *sizes = kiln_calloc((size_t)n, sizeof *sizes);
@@ -362,9 +371,9 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     for (int l = 0; l < L; l++) {
         layer_acts *a = &t->acts[l];
         float **ps[PER_LAYER] = {&a->x, &a->xb1, &a->qr, &a->kr, &a->q, &a->k, &a->v, &a->att,
-                                 &a->x_mid, &a->xb2, &a->gate, &a->up, &a->hb};
+                                 &a->x_mid, &a->xb2, &a->gate, &a->up, &a->hb, &a->lse};
         size_t ss[PER_LAYER] = {T * C, T * C, qk ? T * QD : 0, qk ? T * KD : 0, T * QD, T * KD, T * KD,
-                                T * QD, T * C, T * C, T * FF, T * FF, T * FF};
+                                T * QD, T * C, T * C, T * FF, T * FF, T * FF, lse};
         for (int i = 0; i < PER_LAYER; i++) {
             slots[k] = ps[i];
             sizes[k++] = ss[i];
@@ -380,7 +389,7 @@ static kiln_status alloc_activations(kiln_trainer *t) {
                              (float **)&t->pos, (float **)&t->ids};
     size_t sz[N_SCRATCH] = {T * C, T * C, T * C, T * QD, T * QD, qk ? T * QD : 0, T * KD, qk ? T * KD : 0, T * KD,
                             T * FF, T * FF, T * FF, NHT > T * (size_t)c->n_head_kv ? NHT : T,
-                            kiln_attention_backward_ws_floats((int)S, 0, c->n_head, c->n_head_kv, (int)HS),
+                            ws,
                             S * HS / 2, S * HS / 2, ints, ints};
     for (int i = 0; i < N_SCRATCH; i++) {
         slots[k] = sp[i];
@@ -396,11 +405,13 @@ static kiln_status alloc_activations(kiln_trainer *t) {
         t->pos = t->ids_pos;
         t->ids = t->ids_pos + T;
     }
-    if (!qk)
-        for (int l = 0; l < L; l++) {
+    for (int l = 0; l < L; l++) {
+        if (!qk) {
             t->acts[l].qr = t->acts[l].q;
             t->acts[l].kr = t->acts[l].k;
         }
+        if (!lse) t->acts[l].lse = NULL;
+    }
     if (!qk) {
         t->dqr = t->dq;
         t->dkr = t->dk;
@@ -592,9 +603,10 @@ void kiln_trainer_free(kiln_trainer *t) {
 
 #define VEC(p) ((p) ? (const float *)(p)->w : NULL)
 
-/* n_seq sequences of seq tokens each, ids (n_seq x seq) back to back: every op but attention
- * takes the T = n_seq x seq rows at once (each row's result is the one it has alone), attention
- * runs per sequence, positions restart at 0 in each. */
+/* n_seq sequences of seq tokens each, ids (n_seq x seq) back to back: every op takes the
+ * T = n_seq x seq rows at once (each row's result is the one it has alone); attention keeps
+ * each sequence to its own keys (attention_seqs where the backend has it, saving the softmax
+ * statistics for the backward; else a call per sequence); positions restart at 0 in each. */
 static void forward(kiln_trainer *t, const int32_t *ids, int n_seq, int seq) {
     const kiln_model_config *c = &t->cfg;
     kiln_backend *be = t->be;
@@ -618,11 +630,14 @@ static void forward(kiln_trainer *t, const int32_t *ids, int n_seq, int seq) {
         if (w->k_norm) op->rmsnorm(be, a->k, a->kr, VEC(w->k_norm), T * KVH, HS, eps);
         op->rope(be, a->q, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
         op->rope(be, a->k, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
-        for (int b = 0; b < n_seq; b++) {
-            size_t r = (size_t)b * seq;
-            op->attention(be, a->att + r * QD, a->q + r * QD, a->k + r * KD, a->v + r * KD, seq, 0, NH, KVH, HS,
-                          scale);
-        }
+        if (op->attention_seqs && op->attention_backward_seqs) /* all sequences at once */
+            op->attention_seqs(be, a->att, a->lse, a->q, a->k, a->v, n_seq, seq, NH, KVH, HS, scale);
+        else
+            for (int b = 0; b < n_seq; b++) {
+                size_t r = (size_t)b * seq;
+                op->attention(be, a->att + r * QD, a->q + r * QD, a->k + r * KD, a->v + r * KD, seq, 0, NH, KVH,
+                              HS, scale);
+            }
         /* x_mid = o + x: IEEE addition commutes, so these are the bits of x + o, with no copy */
         op->matmul(be, a->x_mid, a->att, &w->wo->view, VEC(w->bo), T);
         op->add(be, a->x_mid, a->x, (size_t)T * C);
@@ -777,12 +792,16 @@ static void backward_layers(kiln_trainer *t) {
         op->rmsnorm_backward(be, t->dx, w->mlp_norm->g, t->dxb, a->x_mid, VEC(w->mlp_norm), T, C, eps, t->rstd, true);
         /* attention: x_mid = x + o(attention(rope(q), rope(k), v)) */
         op->matmul_backward(be, t->datt, w->wo->g, GRAD(w->bo), t->dx, a->att, &w->wo->view, T, false);
-        for (int b = 0; b < n_seq; b++) { /* per sequence; ws is reused in stream order */
-            size_t r = (size_t)b * seq;
-            op->attention_backward(be, t->dq + r * QD, t->dk + r * KD, t->dv + r * KD, t->datt + r * QD,
-                                   a->q + r * QD, a->k + r * KD, a->v + r * KD, a->att + r * QD, t->ws, seq, 0, NH,
-                                   KVH, HS, scale);
-        }
+        if (op->attention_seqs && op->attention_backward_seqs)
+            op->attention_backward_seqs(be, t->dq, t->dk, t->dv, t->datt, a->q, a->k, a->v, a->att, a->lse, t->ws,
+                                        n_seq, seq, NH, KVH, HS, scale);
+        else
+            for (int b = 0; b < n_seq; b++) { /* per sequence; ws is reused in stream order */
+                size_t r = (size_t)b * seq;
+                op->attention_backward(be, t->dq + r * QD, t->dk + r * KD, t->dv + r * KD, t->datt + r * QD,
+                                       a->q + r * QD, a->k + r * KD, a->v + r * KD, a->att + r * QD, t->ws, seq, 0,
+                                       NH, KVH, HS, scale);
+            }
         op->rope_backward(be, t->dq, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
         op->rope_backward(be, t->dk, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
         if (w->q_norm)

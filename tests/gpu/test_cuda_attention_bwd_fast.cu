@@ -10,12 +10,19 @@
  * expected; the largest seen is printed. Every run starts from outputs and workspace poisoned
  * with NaN bits and every case runs twice and must give the same bits. Then the timing of the
  * fast backward against the auditable kernels (cuda_backward.h) on training shapes.
+ * The batched entry points (B sequences in one launch, ops.h's attention_seqs and
+ * attention_backward_seqs): the forward's out has the bits of per-sequence calls and its lse
+ * is within 2e-2 of the exact log-sum-exp; the backward with that lse is within the same
+ * 2e-2 of the reference and repeats its bits; without lse each sequence has the bits of a
+ * per-sequence call. Then the batched forward + backward timed against per-sequence calls.
  * Without a GPU: checks the host-side validation, then exits 77.
  * Usage: test_cuda_attention_bwd_fast [--no-time]
  */
 #include "ops/cuda/cuda_attention_bwd_fast.h"
+#include "ops/cuda/cuda_attention_fast.h"
 #include "ops/cuda/cuda_backward.h"
 
+#include <algorithm>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -264,6 +271,189 @@ static void time_case(const Case &c) {
     dev_free(d);
 }
 
+static float *dev_upload(const std::vector<float> &h) {
+    float *p = nullptr;
+    CUDA_OK(cudaMalloc(&p, h.size() * 4 + 16));
+    CUDA_OK(cudaMemcpy(p, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+    return p;
+}
+
+static std::vector<float> dev_download(const float *p, size_t n) {
+    std::vector<float> h(n);
+    CUDA_OK(cudaMemcpy(h.data(), p, n * 4, cudaMemcpyDeviceToHost));
+    return h;
+}
+
+static float *dev_nan(size_t n) {
+    float *p = nullptr;
+    CUDA_OK(cudaMalloc(&p, n * 4 + 16));
+    CUDA_OK(cudaMemset(p, 0xff, n * 4 + 16));
+    return p;
+}
+
+/* B sequences of c.N tokens (c.n_past 0) through the batched entry points. */
+static void check_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
+    const float scale = 1.0f / sqrtf((float)c.HS);
+    const int N = c.N, NH = c.NH, KVH = c.KVH, HS = c.HS, Npad = kiln_cuda_attn_pack_rows(N);
+    const size_t qs = (size_t)N * NH * HS, ks = (size_t)N * KVH * HS, nq = B * qs, nk = B * ks;
+    std::vector<float> q(nq), dout(nq), k(nk), v(nk), out(nq);
+    std::vector<double> rq(nq), rk(nk), rv(nk), rl((size_t)B * NH * N);
+    for (auto &x : q) x = c.amp * urand();
+    for (auto &x : k) x = c.amp * urand();
+    for (auto &x : v) x = urand();
+    for (auto &x : dout) x = urand();
+    for (int b = 0; b < B; b++) { /* the reference per sequence, and its log-sum-exp */
+        std::vector<float> sq(q.begin() + b * qs, q.begin() + (b + 1) * qs),
+            sd(dout.begin() + b * qs, dout.begin() + (b + 1) * qs),
+            sk(k.begin() + b * ks, k.begin() + (b + 1) * ks),
+            sv(v.begin() + b * ks, v.begin() + (b + 1) * ks), so;
+        std::vector<double> dq1, dk1, dv1;
+        reference(sq, sk, sv, sd, c, scale, so, dq1, dk1, dv1);
+        std::copy(so.begin(), so.end(), out.begin() + b * qs);
+        std::copy(dq1.begin(), dq1.end(), rq.begin() + b * qs);
+        std::copy(dk1.begin(), dk1.end(), rk.begin() + b * ks);
+        std::copy(dv1.begin(), dv1.end(), rv.begin() + b * ks);
+        for (int n = 0; n < N; n++)
+            for (int h = 0; h < NH; h++) {
+                double mx = -1e300, sum = 0;
+                std::vector<double> sc(n + 1);
+                for (int j = 0; j <= n; j++) {
+                    double d = 0;
+                    for (int i = 0; i < HS; i++)
+                        d += (double)sq[((size_t)n * NH + h) * HS + i] *
+                             sk[((size_t)j * KVH + h / (NH / KVH)) * HS + i];
+                    sc[j] = d * scale;
+                    mx = fmax(mx, sc[j]);
+                }
+                for (int j = 0; j <= n; j++) sum += exp(sc[j] - mx);
+                rl[((size_t)b * NH + h) * N + n] = mx + log(sum);
+            }
+    }
+    float *d_q = dev_upload(q), *d_k = dev_upload(k), *d_v = dev_upload(v), *d_dout = dev_upload(dout),
+          *dout_ref = dev_upload(out);
+    const size_t nl = (size_t)B * NH * Npad;
+    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS);
+    float *o_b = dev_nan(nq), *o_1 = dev_nan(nq), *lse = dev_nan(nl), *ws = dev_nan(nws);
+    float *gq = dev_nan(nq), *gk = dev_nan(nk), *gv = dev_nan(nk);
+    /* forward: batched (with lse) against per-sequence calls, bit for bit */
+    CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, o_b, lse, d_q, d_k, d_v, B, N, NH, KVH, HS,
+                                          scale));
+    for (int b = 0; b < B; b++)
+        CUDA_OK(kiln_cuda_attention_fast(attn, 0, o_1 + b * qs, d_q + b * qs, d_k + b * ks,
+                                         d_v + b * ks, N, 0, NH, KVH, HS, scale));
+    const std::vector<float> hb = dev_download(o_b, nq), h1 = dev_download(o_1, nq),
+                             hl = dev_download(lse, nl);
+    const bool fwd_same = memcmp(hb.data(), h1.data(), nq * 4) == 0;
+    /* N <= 8 runs the split decode per sequence, which saves no lse (left NaN, ignored) */
+    const bool saved = kiln_cuda_attn_saves_lse(o_b, d_q, d_k, d_v, N, HS);
+    double lerr = 0;
+    for (int b = 0; saved && b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int n = 0; n < N; n++) {
+                const double e = fabs((double)hl[((size_t)b * NH + h) * Npad + n] -
+                                      rl[((size_t)b * NH + h) * N + n]);
+                if (!(e <= lerr)) lerr = isnan(e) ? INFINITY : e;
+            }
+    /* backward with the saved lse (out: the reference's), twice */
+    std::vector<float> g[2][3];
+    for (int run = 0; run < 2; run++) {
+        CUDA_OK(cudaMemset(gq, 0xff, nq * 4));
+        CUDA_OK(cudaMemset(gk, 0xff, nk * 4));
+        CUDA_OK(cudaMemset(gv, 0xff, nk * 4));
+        CUDA_OK(cudaMemset(ws, 0xff, nws * 4));
+        CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, d_q, d_k, d_v, dout_ref,
+                                                       lse, ws, nws, B, N, NH, KVH, HS, scale));
+        g[run][0] = dev_download(gq, nq);
+        g[run][1] = dev_download(gk, nk);
+        g[run][2] = dev_download(gv, nk);
+    }
+    size_t bad[3];
+    const double e1 = norm_err(g[0][0], rq, &bad[0]), e2 = norm_err(g[0][1], rk, &bad[1]),
+                 e3 = norm_err(g[0][2], rv, &bad[2]);
+    bool same = true;
+    for (int i = 0; i < 3; i++)
+        same = same && memcmp(g[0][i].data(), g[1][i].data(), g[0][i].size() * 4) == 0;
+    /* without lse: per sequence, the bits of kiln_cuda_attention_backward_fast */
+    CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, d_q, d_k, d_v, dout_ref,
+                                                   nullptr, ws, nws, B, N, NH, KVH, HS, scale));
+    const std::vector<float> nq_b = dev_download(gq, nq), nk_b = dev_download(gk, nk),
+                             nv_b = dev_download(gv, nk);
+    bool per_seq = true;
+    for (int b = 0; b < B; b++) {
+        CUDA_OK(kiln_cuda_attention_backward_fast(0, gq, gk, gv, d_dout + b * qs, d_q + b * qs,
+                                                  d_k + b * ks, d_v + b * ks, dout_ref + b * qs,
+                                                  ws, nws, N, 0, NH, KVH, HS, scale));
+        const std::vector<float> a = dev_download(gq, qs), bk = dev_download(gk, ks),
+                                 bv = dev_download(gv, ks);
+        per_seq = per_seq && memcmp(a.data(), nq_b.data() + b * qs, qs * 4) == 0 &&
+                  memcmp(bk.data(), nk_b.data() + b * ks, ks * 4) == 0 &&
+                  memcmp(bv.data(), nv_b.data() + b * ks, ks * 4) == 0;
+    }
+    const double e = fmax(e1, fmax(e2, e3));
+    if (e > g_worst) g_worst = e;
+    const bool ok = fwd_same && lerr <= 2e-2 && e <= 2e-2 && same && per_seq;
+    printf("attention seqs B=%d N=%d NH=%d KVH=%d HS=%d: forward %s per-sequence bits, lse err "
+           "%.2e%s; backward with lse dq %.2e dk %.2e dv %.2e, two runs %s; without lse %s "
+           "per-sequence bits %s\n",
+           B, N, NH, KVH, HS, fwd_same ? "=" : "!=", lerr, saved ? "" : " (none saved)", e1, e2, e3,
+           same ? "same bits" : "DIFFER", per_seq ? "=" : "!=", ok ? "OK" : "FAILED");
+    EXPECT(ok, "seqs B=%d N=%d NH=%d KVH=%d HS=%d", B, N, NH, KVH, HS);
+    float *all[] = {d_q, d_k, d_v, d_dout, dout_ref, o_b, o_1, lse, ws, gq, gk, gv};
+    for (float *p : all) CUDA_OK(cudaFree(p));
+}
+
+/* A training layer's attention for B sequences: forward + backward, batched with the saved
+ * lse against per-sequence calls (forward, then backward with its statistics pass). */
+static void time_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
+    const float scale = 1.0f / sqrtf((float)c.HS);
+    const int N = c.N, NH = c.NH, KVH = c.KVH, HS = c.HS;
+    const size_t qs = (size_t)N * NH * HS, ks = (size_t)N * KVH * HS, nq = B * qs, nk = B * ks;
+    std::vector<float> h(nq);
+    for (auto &x : h) x = urand();
+    std::vector<float> hk(h.begin(), h.begin() + nk);
+    float *q = dev_upload(h), *dout = dev_upload(h), *k = dev_upload(hk), *v = dev_upload(hk);
+    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS);
+    float *out = dev_nan(nq), *lse = dev_nan((size_t)B * NH * kiln_cuda_attn_pack_rows(N)),
+          *ws = dev_nan(nws), *gq = dev_nan(nq), *gk = dev_nan(nk), *gv = dev_nan(nk);
+    cudaEvent_t e0, e1;
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    float ms[2];
+    for (int which = 0; which < 2; which++) { /* batched, per sequence */
+        const int reps = 10;
+        for (int r = -1; r < reps; r++) {
+            if (r == 0) CUDA_OK(cudaEventRecord(e0));
+            if (which == 0) {
+                CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, out, lse, q, k, v, B, N, NH, KVH,
+                                                      HS, scale));
+                CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, dout, q, k, v, out,
+                                                               lse, ws, nws, B, N, NH, KVH, HS,
+                                                               scale));
+            } else {
+                for (int b = 0; b < B; b++)
+                    CUDA_OK(kiln_cuda_attention_fast(attn, 0, out + b * qs, q + b * qs,
+                                                     k + b * ks, v + b * ks, N, 0, NH, KVH, HS,
+                                                     scale));
+                for (int b = 0; b < B; b++)
+                    CUDA_OK(kiln_cuda_attention_backward_fast(
+                        0, gq + b * qs, gk + b * ks, gv + b * ks, dout + b * qs, q + b * qs,
+                        k + b * ks, v + b * ks, out + b * qs, ws, nws, N, 0, NH, KVH, HS, scale));
+            }
+        }
+        CUDA_OK(cudaEventRecord(e1));
+        CUDA_OK(cudaEventSynchronize(e1));
+        CUDA_OK(cudaEventElapsedTime(&ms[which], e0, e1));
+        ms[which] /= reps;
+    }
+    printf("time attention fwd+bwd B=%d N=%d NH=%d KVH=%d HS=%d: batched with lse %.3f ms, "
+           "per sequence %.3f ms (%.2fx)\n",
+           B, N, NH, KVH, HS, ms[0], ms[1], ms[1] / ms[0]);
+    CUDA_OK(cudaEventDestroy(e0));
+    CUDA_OK(cudaEventDestroy(e1));
+    float *all[] = {q, dout, k, v, out, lse, ws, gq, gk, gv};
+    for (float *p : all) CUDA_OK(cudaFree(p));
+}
+
 int main(int argc, char **argv) {
     /* --no-time: the checks only; --time-only: the timings only (for a profiler) */
     const bool timing = !(argc > 1 && strcmp(argv[1], "--no-time") == 0);
@@ -295,15 +485,26 @@ int main(int argc, char **argv) {
         {130, 20, 8, 2, 128, 1.5f}, {33, 70, 6, 3, 64, 1.0f},  {31, 0, 2, 2, 128, 3.0f},
         {512, 0, 9, 3, 64, 1.0f},  {300, 0, 16, 8, 128, 1.0f},
     };
-    if (checks)
+    kiln_cuda_attn *attn = nullptr;
+    CUDA_OK(kiln_cuda_attn_create(&attn));
+    if (checks) {
         for (const Case &c : cases) check_case(c);
+        const Case seqs[] = {{200, 0, 4, 2, 64, 1.0f}, {70, 0, 6, 6, 128, 2.0f},
+                             {129, 0, 9, 3, 64, 1.0f}, {9, 0, 2, 1, 64, 1.0f},
+                             {5, 0, 4, 2, 64, 1.0f}};
+        const int Bs[] = {3, 2, 4, 5, 3};
+        for (int i = 0; i < 5; i++) check_seqs(Bs[i], seqs[i], attn);
+    }
     if (timing) {
         const Case shapes[] = {{2048, 0, 9, 3, 64, 1.0f},
                                {2048, 0, 14, 2, 64, 1.0f},
                                {2048, 0, 16, 8, 128, 1.0f},
                                {4096, 0, 32, 8, 128, 1.0f}};
         for (const Case &c : shapes) time_case(c);
+        time_seqs(4, {2048, 0, 9, 3, 64, 1.0f}, attn);
+        time_seqs(2, {2048, 0, 14, 2, 64, 1.0f}, attn);
     }
+    kiln_cuda_attn_free(attn);
     printf("worst normalised error %.3e (bound 2e-2)\n", g_worst);
     if (g_fail) {
         printf("FAILED %d\n", g_fail);

@@ -58,9 +58,10 @@ static __device__ __forceinline__ void tile_times_rows(float acc[HS / 8][4],
 
 /* The packed inputs of one call (device pointers into the workspace). */
 struct bw_args {
-    const bf16 *qb, *ob, *kb, *vb; /* q, dout [NH][Npad][HS]; k, v [KVH][Tpad][HS] */
-    float *wsD, *wsL;              /* [NH][Npad] */
-    float *dq, *dk, *dv;           /* dq (N, NH, HS); dk, dv or the GQA partials */
+    const bf16 *qb, *ob, *kb, *vb; /* q, dout [B][NH][Npad][HS]; k, v [B][KVH][Tpad][HS] */
+    const float *wsD, *wsL;        /* D, L [B][NH][Npad] (L: the forward's lse, or L_out) */
+    float *L_out;                  /* where the statistics kernel writes L */
+    float *dq, *dk, *dv;           /* dq (B*N, NH, HS); dk, dv or the GQA partials (B*T rows) */
     int N, n_past, NH, KVH, Npad, Tpad;
     float scale;
 };
@@ -90,8 +91,10 @@ static __global__ void __launch_bounds__(BW_THREADS) bwd_stats_kernel(bw_args A)
     extern __shared__ __align__(16) unsigned char bw_sm[];
     bf16 *sQ = reinterpret_cast<bf16 *>(bw_sm); /* (BW_ROWS, LD) */
     bf16 *sK = sQ + BW_ROWS * LD;               /* 2 x (KT, LD) */
-    const int qt = (int)(gridDim.x - 1 - blockIdx.x), h = (int)blockIdx.y;
-    const int kvh = h / (A.NH / A.KVH), q0 = qt * BW_ROWS, N = A.N, n_past = A.n_past;
+    const int qt = (int)(gridDim.x - 1 - blockIdx.x), b = (int)blockIdx.z;
+    const int h = b * A.NH + (int)blockIdx.y; /* packed heads: [B][NH] as [B*NH] */
+    const int kvh = b * A.KVH + (int)blockIdx.y / (A.NH / A.KVH);
+    const int q0 = qt * BW_ROWS, N = A.N, n_past = A.n_past;
     const int rows = N - q0 < BW_ROWS ? N - q0 : BW_ROWS;
     const int kend = n_past + q0 + rows, nkt = (kend + KT - 1) / KT;
     const bf16 *kh = A.kb + (int64_t)kvh * A.Tpad * HS;
@@ -155,23 +158,25 @@ static __global__ void __launch_bounds__(BW_THREADS) bwd_stats_kernel(bw_args A)
     l1 = l1 + __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 = l1 + __shfl_xor_sync(0xffffffffu, l1, 2);
     if (t == 0) {
-        float *L = A.wsL + (int64_t)h * A.Npad;
+        float *L = A.L_out + (int64_t)h * A.Npad;
         L[r0] = r0 < N ? m0 + logf(l0) : 0.0f;
         L[r1] = r1 < N ? m1 + logf(l1) : 0.0f;
     }
 }
 
-/* A dq block: query tile qt of head h. Rows r0 = q0 + 16 warp + g and r1 = r0 + 8 (padding
- * rows compute on zeros and write nothing). dq = scale * sum over keys of dS k. */
+/* A dq block: query tile qt of head hl of sequence b. Rows r0 = q0 + 16 warp + g and r1 =
+ * r0 + 8 (padding rows compute on zeros and write nothing). dq = scale * sum over keys of
+ * dS k. */
 template <int HS>
-static __device__ __forceinline__ void dq_block(const bw_args &A, int qt, int h) {
+static __device__ __forceinline__ void dq_block(const bw_args &A, int qt, int hl, int b) {
     constexpr int KT = BW_TILE(HS), LD = HS + BW_PAD;
     extern __shared__ __align__(16) unsigned char bw_sm[];
     bf16 *sQ = reinterpret_cast<bf16 *>(bw_sm); /* (BW_ROWS, LD) */
     bf16 *sO = sQ + BW_ROWS * LD;               /* (BW_ROWS, LD): dout */
     bf16 *sK = sO + BW_ROWS * LD;               /* 2 x (KT, LD) */
     bf16 *sV = sK + 2 * KT * LD;                /* 2 x (KT, LD) */
-    const int kvh = h / (A.NH / A.KVH), q0 = qt * BW_ROWS, N = A.N, n_past = A.n_past;
+    const int h = b * A.NH + hl, kvh = b * A.KVH + hl / (A.NH / A.KVH); /* packed heads */
+    const int q0 = qt * BW_ROWS, N = A.N, n_past = A.n_past;
     const int rows = N - q0 < BW_ROWS ? N - q0 : BW_ROWS;
     const int kend = n_past + q0 + rows, nkt = (kend + KT - 1) / KT;
     const bf16 *kh = A.kb + (int64_t)kvh * A.Tpad * HS, *vh = A.vb + (int64_t)kvh * A.Tpad * HS;
@@ -230,15 +235,16 @@ static __device__ __forceinline__ void dq_block(const bw_args &A, int qt, int h)
         __syncthreads();
     }
     const int64_t qs = (int64_t)A.NH * HS;
+    float *dq = A.dq + (int64_t)b * N * qs; /* sequence b's rows */
     if (r0 < N) {
-        float *p = A.dq + (int64_t)r0 * qs + (int64_t)h * HS + 2 * t;
+        float *p = dq + (int64_t)r0 * qs + (int64_t)hl * HS + 2 * t;
 #pragma unroll
         for (int dt = 0; dt < HS / 8; dt++)
             *reinterpret_cast<float2 *>(p + dt * 8) =
                 make_float2(acc[dt][0] * A.scale, acc[dt][1] * A.scale);
     }
     if (r1 < N) {
-        float *p = A.dq + (int64_t)r1 * qs + (int64_t)h * HS + 2 * t;
+        float *p = dq + (int64_t)r1 * qs + (int64_t)hl * HS + 2 * t;
 #pragma unroll
         for (int dt = 0; dt < HS / 8; dt++)
             *reinterpret_cast<float2 *>(p + dt * 8) =
@@ -246,11 +252,11 @@ static __device__ __forceinline__ void dq_block(const bw_args &A, int qt, int h)
     }
 }
 
-/* A dk/dv block: key tile kt for query head h. Keys key0 = k0 + 16 warp + g and key1 =
- * key0 + 8 (padding keys >= T are zeros, masked, and write nothing). Writes dk, dv of kv
- * head h / G directly when G = 1, else this head's partials (T, NH, HS). */
+/* A dk/dv block: key tile kt for query head hl of sequence b. Keys key0 = k0 + 16 warp + g
+ * and key1 = key0 + 8 (padding keys >= T are zeros, masked, and write nothing). Writes dk,
+ * dv of kv head hl / G directly when G = 1, else this head's partials (T, NH, HS). */
 template <int HS, bool KV_REGS>
-static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h) {
+static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int hl, int b) {
     constexpr int QT = BW_TILE(HS), LD = HS + BW_PAD; /* KV_REGS: k, v fragments kept in
                                                          registers, else reloaded per tile */
     extern __shared__ __align__(16) unsigned char bw_sm[];
@@ -260,7 +266,8 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
     bf16 *sO = sQ + 2 * QT * LD;                /* 2 x (QT, LD): dout */
     float *sL = reinterpret_cast<float *>(sO + 2 * QT * LD); /* 2 x QT */
     float *sD = sL + 2 * QT;                                 /* 2 x QT */
-    const int G = A.NH / A.KVH, kvh = h / G, N = A.N, n_past = A.n_past;
+    const int G = A.NH / A.KVH, N = A.N, n_past = A.n_past;
+    const int h = b * A.NH + hl, kvh = b * A.KVH + hl / G; /* packed heads */
     const int k0 = kt * BW_ROWS, T = n_past + N;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int key0 = k0 + warp * 16 + g, key1 = key0 + 8, wlast = k0 + warp * 16 + 15;
@@ -368,9 +375,10 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
         __syncthreads();
     }
 
-    /* G = 1: this head's are the kv head's gradients; else partials at (key, h) */
+    /* G = 1: this head's are the kv head's gradients; else partials at (key, hl); sequence
+     * b's keys are rows b*T.. */
     const int64_t ks = G == 1 ? (int64_t)A.KVH * HS : (int64_t)A.NH * HS;
-    const int64_t hoff = (int64_t)(G == 1 ? kvh : h) * HS;
+    const int64_t hoff = (int64_t)b * T * ks + (int64_t)(G == 1 ? hl / G : hl) * HS;
     if (key0 < T) {
         float *pk = A.dk + (int64_t)key0 * ks + hoff + 2 * t;
         float *pv = A.dv + (int64_t)key0 * ks + hoff + 2 * t;
@@ -399,11 +407,11 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
  * shared memory per tile, measured the same on the H200); HS 128 reloads them. */
 template <int HS>
 static __global__ void __launch_bounds__(BW_THREADS) bwd_main_kernel(bw_args A, int nkt) {
-    const int x = (int)blockIdx.x, h = (int)blockIdx.y;
+    const int x = (int)blockIdx.x, h = (int)blockIdx.y, b = (int)blockIdx.z;
     if (x < nkt)
-        dkv_block<HS, HS == 64>(A, x, h);
+        dkv_block<HS, HS == 64>(A, x, h, b);
     else
-        dq_block<HS>(A, (int)gridDim.x - 1 - x, h);
+        dq_block<HS>(A, (int)gridDim.x - 1 - x, h, b);
 }
 
 /* Kernel 3 (G > 1): dk[key][j][d] = pk[key][jG][d] + pk[key][jG+1][d] + ... in head order. */
@@ -446,8 +454,8 @@ bool kiln_cuda_attention_backward_fast_ok(const float *dq, const float *dk, cons
 }
 
 template <int HS>
-static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, float *dk, float *dv, float *pk,
-                              float *pv) {
+static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stats, float *dk,
+                              float *dv, float *pk, float *pv) {
     constexpr size_t smem = dq_smem<HS>() > dkv_smem<HS>() ? dq_smem<HS>() : dkv_smem<HS>();
     /* dynamic shared memory above 48 KiB (per device, so on every call: a host-side µs) */
     cudaError_t e = cudaFuncSetAttribute(bwd_stats_kernel<HS>,
@@ -465,17 +473,70 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, float *dk, float
     if (e != cudaSuccess) return e;
     const int T = A.n_past + A.N;
     const int nqt = (A.N + BW_ROWS - 1) / BW_ROWS, nkt = (T + BW_ROWS - 1) / BW_ROWS;
-    bwd_stats_kernel<HS><<<dim3((unsigned)nqt, (unsigned)A.NH), BW_THREADS, stats_smem<HS>(), s>>>(A);
-    e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
-    bwd_main_kernel<HS><<<dim3((unsigned)(nqt + nkt), (unsigned)A.NH), BW_THREADS, smem, s>>>(
-        A, nkt);
+    if (stats) {
+        bwd_stats_kernel<HS><<<dim3((unsigned)nqt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
+                               stats_smem<HS>(), s>>>(A);
+        e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+    }
+    bwd_main_kernel<HS><<<dim3((unsigned)(nqt + nkt), (unsigned)A.NH, (unsigned)B), BW_THREADS,
+                          smem, s>>>(A, nkt);
     if ((e = cudaGetLastError()) != cudaSuccess || A.NH == A.KVH) return e;
-    const int64_t total = (int64_t)T * A.KVH * HS;
+    /* the partials of all B sequences are (B*T, NH, HS): one reduction over B*T keys */
+    const int64_t total = (int64_t)B * T * A.KVH * HS;
     int64_t blocks = (total + 255) / 256;
     if (blocks > 65535) blocks = 65535;
     bwd_reduce_kernel<<<(unsigned)blocks, 256, 0, s>>>(dk, dv, pk, pv, total, A.NH, A.KVH, HS);
     return cudaGetLastError();
+}
+
+/* B sequences of N queries over n_past + N keys each (B > 1 only with n_past 0); lse NULL or
+ * the forward's [B][NH][Npad] log-sum-exp. Arguments checked by the callers. The workspace
+ * (B x kiln_attention_backward_fast_ws_floats for one sequence): D, L [B][NH][Npad]; the GQA
+ * partials pk, pv (B*T, NH, HS); then the bf16 q, dout [B][NH][Npad][HS], k, v
+ * [B][KVH][Tpad][HS]. */
+static cudaError_t bwd_run(cudaStream_t s, float *dq, float *dk, float *dv, const float *dout,
+                           const float *q, const float *k, const float *v, const float *out,
+                           const float *lse, float *ws, int B, int N, int n_past, int NH,
+                           int KVH, int HS, float scale) {
+    const int T = n_past + N;
+    const int Npad = kiln_cuda_attn_pack_rows(N), Tpad = kiln_cuda_attn_pack_rows(T);
+    const size_t nq = (size_t)B * NH * Npad; /* rows of [B][NH][Npad] */
+    bw_args A;
+    A.N = N;
+    A.n_past = n_past;
+    A.NH = NH;
+    A.KVH = KVH;
+    A.Npad = Npad;
+    A.Tpad = Tpad;
+    A.scale = scale;
+    float *wsD = ws, *wsL = ws + nq;
+    A.wsD = wsD;
+    A.wsL = lse ? lse : wsL;
+    A.L_out = wsL;
+    float *after = wsL + nq, *pk = dk, *pv = dv;
+    if (NH != KVH) {
+        pk = after;
+        pv = pk + (size_t)B * T * NH * HS;
+        after = pv + (size_t)B * T * NH * HS;
+    }
+    bf16 *qb = reinterpret_cast<bf16 *>(after), *ob = qb + nq * HS;
+    bf16 *kb = ob + nq * HS, *vb = kb + (size_t)B * KVH * Tpad * HS;
+    A.qb = qb;
+    A.ob = ob;
+    A.kb = kb;
+    A.vb = vb;
+    A.dq = dq;
+    A.dk = pk;
+    A.dv = pv;
+    const kiln_cuda_attn_pack_job jobs[4] = {{qb, q, NULL, NULL, N, Npad, NH, B},
+                                             {ob, dout, out, wsD, N, Npad, NH, B},
+                                             {kb, k, NULL, NULL, T, Tpad, KVH, B},
+                                             {vb, v, NULL, NULL, T, Tpad, KVH, B}};
+    cudaError_t e = kiln_cuda_attn_pack_heads(s, jobs, 4, HS);
+    if (e != cudaSuccess) return e;
+    if (HS == 64) return bwd_launch<64>(s, A, B, lse == NULL, dk, dv, pk, pv);
+    return bwd_launch<128>(s, A, B, lse == NULL, dk, dv, pk, pv);
 }
 
 cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *dk, float *dv,
@@ -488,41 +549,22 @@ cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *
         !ws || ws_floats < kiln_cuda_attention_backward_fast_ws(N, n_past, NH, KVH, HS) ||
         ((uintptr_t)ws & 15) != 0)
         return cudaErrorInvalidValue;
-    /* the workspace (kiln_attention_backward_fast_ws_floats): D, L [NH][Npad]; the GQA
-     * partials pk, pv (T, NH, HS); then the bf16 q, dout [NH][Npad][HS], k, v [KVH][Tpad][HS] */
-    const int T = n_past + N;
-    const int Npad = kiln_cuda_attn_pack_rows(N), Tpad = kiln_cuda_attn_pack_rows(T);
-    bw_args A;
-    A.N = N;
-    A.n_past = n_past;
-    A.NH = NH;
-    A.KVH = KVH;
-    A.Npad = Npad;
-    A.Tpad = Tpad;
-    A.scale = scale;
-    A.wsD = ws;
-    A.wsL = ws + (size_t)NH * Npad;
-    float *after = A.wsL + (size_t)NH * Npad, *pk = dk, *pv = dv;
-    if (NH != KVH) {
-        pk = after;
-        pv = pk + (size_t)T * NH * HS;
-        after = pv + (size_t)T * NH * HS;
-    }
-    bf16 *qb = reinterpret_cast<bf16 *>(after), *ob = qb + (size_t)NH * Npad * HS;
-    bf16 *kb = ob + (size_t)NH * Npad * HS, *vb = kb + (size_t)KVH * Tpad * HS;
-    A.qb = qb;
-    A.ob = ob;
-    A.kb = kb;
-    A.vb = vb;
-    A.dq = dq;
-    A.dk = pk;
-    A.dv = pv;
-    const kiln_cuda_attn_pack_job jobs[4] = {{qb, q, NULL, NULL, N, Npad, NH},
-                                             {ob, dout, out, A.wsD, N, Npad, NH},
-                                             {kb, k, NULL, NULL, T, Tpad, KVH},
-                                             {vb, v, NULL, NULL, T, Tpad, KVH}};
-    cudaError_t e = kiln_cuda_attn_pack_heads(s, jobs, 4, HS);
-    if (e != cudaSuccess) return e;
-    if (HS == 64) return bwd_launch<64>(s, A, dk, dv, pk, pv);
-    return bwd_launch<128>(s, A, dk, dv, pk, pv);
+    return bwd_run(s, dq, dk, dv, dout, q, k, v, out, NULL, ws, 1, N, n_past, NH, KVH, HS, scale);
+}
+
+cudaError_t kiln_cuda_attention_backward_fast_seqs(cudaStream_t s, float *dq, float *dk,
+                                                   float *dv, const float *dout, const float *q,
+                                                   const float *k, const float *v,
+                                                   const float *out, const float *lse, float *ws,
+                                                   size_t ws_floats, int B, int N, int NH,
+                                                   int KVH, int HS, float scale) {
+    if (B <= 0 || B > 65535 || (int64_t)B * N > INT_MAX ||
+        !kiln_cuda_attention_backward_fast_ok(dq, dk, dv, dout, q, k, v, out, N, 0, NH, KVH,
+                                              HS) ||
+        !ws || ws_floats < (size_t)B * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS) ||
+        ((uintptr_t)ws & 15) != 0 || ((uintptr_t)lse & 15) != 0)
+        return cudaErrorInvalidValue;
+    /* a saved lse only where the forward's flash kernel wrote it (the same predicate) */
+    if (!kiln_cuda_attn_saves_lse(out, q, k, v, N, HS)) lse = NULL;
+    return bwd_run(s, dq, dk, dv, dout, q, k, v, out, lse, ws, B, N, 0, NH, KVH, HS, scale);
 }

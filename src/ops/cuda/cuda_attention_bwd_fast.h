@@ -50,4 +50,20 @@ cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *
                                               float *ws, size_t ws_floats, int N, int n_past,
                                               int NH, int KVH, int HS, float scale);
 
+/* ops.h's attention_backward_seqs in fast mode: B sequences of N tokens (rows back to back,
+ * n_past 0) in one set of launches (grid z = sequence). lse: NULL, or what
+ * kiln_cuda_attention_fast_seqs wrote for the same q, k, v, out ([B][NH][Npad], 16-byte
+ * aligned): used as L in place of the statistics kernel when kiln_cuda_attn_saves_lse holds
+ * for these pointers (else ignored). With lse NULL each sequence gets the bits of
+ * kiln_cuda_attention_backward_fast on its rows; with lse, the forward's L (whose l summed
+ * the bf16-rounded weights) replaces the recomputed one. ws_floats >= B x
+ * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS). cudaErrorInvalidValue as
+ * kiln_cuda_attention_backward_fast, or for B outside 1..65535. */
+cudaError_t kiln_cuda_attention_backward_fast_seqs(cudaStream_t s, float *dq, float *dk,
+                                                   float *dv, const float *dout, const float *q,
+                                                   const float *k, const float *v,
+                                                   const float *out, const float *lse, float *ws,
+                                                   size_t ws_floats, int B, int N, int NH,
+                                                   int KVH, int HS, float scale);
+
 #endif /* KILN_CUDA_ATTENTION_BWD_FAST_H */

@@ -653,14 +653,16 @@ static __global__ void pack_heads_kernel(pack_jobs jobs) {
     constexpr int E = HS / 32; /* 2 or 4 */
     const kiln_cuda_attn_pack_job &J = jobs.j[blockIdx.y];
     const int64_t wid = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (wid >= (int64_t)J.Rpad * J.H) return;
-    const int h = (int)(wid / J.Rpad), r = (int)(wid - (int64_t)h * J.Rpad);
+    const int lane = threadIdx.x & 31, b = (int)blockIdx.z;
+    if (wid >= (int64_t)J.Rpad * J.H || b >= J.B) return;
+    const int hl = (int)(wid / J.Rpad), r = (int)(wid - (int64_t)hl * J.Rpad);
+    const int64_t h = (int64_t)b * J.H + hl;     /* the packed head: [B][H] as [B*H] */
+    const int64_t srow = (int64_t)b * J.R + r;   /* the source row: sequence b's row r */
     float x[E], o[E];
 #pragma unroll
     for (int i = 0; i < E; i++) x[i] = o[i] = 0.0f;
     if (r < J.R) {
-        const float *p = J.src + ((int64_t)r * J.H + h) * HS + lane * E;
+        const float *p = J.src + (srow * J.H + hl) * HS + lane * E;
         if (E == 2) {
             const float2 v = *reinterpret_cast<const float2 *>(p);
             x[0] = v.x;
@@ -673,12 +675,12 @@ static __global__ void pack_heads_kernel(pack_jobs jobs) {
             x[3] = v.w;
         }
         if (J.d) {
-            const float *po = J.out + ((int64_t)r * J.H + h) * HS + lane * E;
+            const float *po = J.out + (srow * J.H + hl) * HS + lane * E;
 #pragma unroll
             for (int i = 0; i < E; i++) o[i] = po[i];
         }
     }
-    __nv_bfloat16 *q = J.dst + ((int64_t)h * J.Rpad + r) * HS + lane * E;
+    __nv_bfloat16 *q = J.dst + (h * J.Rpad + r) * HS + lane * E;
     if (E == 2) {
         *reinterpret_cast<uint32_t *>(q) = pack_bf16(x[0], x[1]);
     } else {
@@ -693,7 +695,7 @@ static __global__ void pack_heads_kernel(pack_jobs jobs) {
         for (int i = 0; i < E; i++) sum = fmaf(x[i], o[i], sum);
 #pragma unroll
         for (int m = 16; m >= 1; m >>= 1) sum = sum + __shfl_xor_sync(0xffffffffu, sum, m);
-        if (lane == 0) J.d[(int64_t)h * J.Rpad + r] = sum;
+        if (lane == 0) J.d[h * J.Rpad + r] = sum;
     }
 }
 
@@ -703,19 +705,21 @@ cudaError_t kiln_cuda_attn_pack_heads(cudaStream_t s, const kiln_cuda_attn_pack_
         return cudaErrorInvalidValue;
     pack_jobs pj;
     int64_t warps = 0;
+    int B = 0;
     for (int i = 0; i < n; i++) {
         const kiln_cuda_attn_pack_job &J = jobs[i];
         if (!J.dst || !J.src || J.R < 0 || J.Rpad < J.R || J.Rpad % KILN_ATTN_PACK_ROWS != 0 ||
-            J.H <= 0 || (J.out != NULL) != (J.d != NULL))
+            J.H <= 0 || J.B <= 0 || J.B > 65535 || (J.out != NULL) != (J.d != NULL))
             return cudaErrorInvalidValue;
         pj.j[i] = J;
         const int64_t w = (int64_t)J.Rpad * J.H;
         if (w > warps) warps = w;
+        if (J.B > B) B = J.B;
     }
     if (warps == 0) return cudaSuccess;
     const int64_t blocks = (warps * 32 + 255) / 256;
     if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
-    const dim3 grid((unsigned)blocks, (unsigned)n);
+    const dim3 grid((unsigned)blocks, (unsigned)n, (unsigned)B);
     if (HS == 64)
         pack_heads_kernel<64><<<grid, 256, 0, s>>>(pj);
     else
@@ -736,10 +740,11 @@ static constexpr size_t flash_smem() {
     return sizeof(__nv_bfloat16) * (size_t)(HS + FL_PAD) * (FL_BM + 4 * FL_BN);
 }
 
-/* FlashAttention-2 forward (Dao 2023, Algorithm 1) for one (64-row query tile, head): block
- * (gridDim.x - 1 - blockIdx.x, blockIdx.y = h); the last query tiles, which see the most
- * keys, are scheduled first. Inputs packed to bf16 per head (kiln_cuda_attn_pack_heads): qb
- * [NH][Npad][HS], kb, vb [KVH][Tpad][HS], padding rows zero. Key tiles of 64 go in increasing
+/* FlashAttention-2 forward (Dao 2023, Algorithm 1) for one (64-row query tile, head,
+ * sequence): block (gridDim.x - 1 - blockIdx.x, blockIdx.y = h, blockIdx.z = b); the last
+ * query tiles, which see the most keys, are scheduled first. Inputs packed to bf16 per head
+ * (kiln_cuda_attn_pack_heads): qb [B][NH][Npad][HS], kb, vb [B][KVH][Tpad][HS], padding rows
+ * zero; sequence b's q and out rows are b*N.., its keys b*T.. . Key tiles of 64 go in increasing
  * order up to the last key the tile's last row sees, double-buffered: the copy of tile j + 1
  * (cp.async) runs under the products of tile j. Each warp keeps its 16 rows' running max m,
  * per-thread partial sums l and the O accumulator (16 x HS f32) in registers; fragments come
@@ -748,9 +753,10 @@ static constexpr size_t flash_smem() {
  * out: (N, NH, HS) f32, 8-byte aligned. */
 template <int HS>
 static __global__ void __launch_bounds__(FL_THREADS)
-flash_bf16_kernel(float *__restrict__ out, const __nv_bfloat16 *__restrict__ qb,
-                  const __nv_bfloat16 *__restrict__ kb, const __nv_bfloat16 *__restrict__ vb,
-                  int N, int n_past, int NH, int KVH, int Npad, int Tpad, float scale) {
+flash_bf16_kernel(float *__restrict__ out, float *__restrict__ lse,
+                  const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__restrict__ kb,
+                  const __nv_bfloat16 *__restrict__ vb, int N, int n_past, int NH, int KVH,
+                  int Npad, int Tpad, float scale) {
     static_assert(HS % 16 == 0, "HS is a whole number of mma k-steps");
     constexpr int LD = HS + FL_PAD; /* bf16 per shared row */
     extern __shared__ __align__(16) unsigned char flash_sm[];
@@ -758,8 +764,9 @@ flash_bf16_kernel(float *__restrict__ out, const __nv_bfloat16 *__restrict__ qb,
     __nv_bfloat16 *sK = sQ + FL_BM * LD;                              /* 2 x (BN, LD) */
     __nv_bfloat16 *sV = sK + 2 * FL_BN * LD;                          /* 2 x (BN, LD) */
 
-    const int qt = (int)(gridDim.x - 1 - blockIdx.x);
-    const int h = (int)blockIdx.y, kvh = h / (NH / KVH);
+    const int qt = (int)(gridDim.x - 1 - blockIdx.x), b = (int)blockIdx.z;
+    const int h = (int)blockIdx.y, kvh = b * KVH + h / (NH / KVH); /* kvh: packed head */
+    const int64_t hq = (int64_t)b * NH + h;                         /* packed query head */
     const int q0 = qt * FL_BM;
     const int T = n_past + N;                                /* keys 0..T-1 exist */
     const int rows = N - q0 < FL_BM ? N - q0 : FL_BM;
@@ -770,7 +777,7 @@ flash_bf16_kernel(float *__restrict__ out, const __nv_bfloat16 *__restrict__ qb,
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
 
-    cp_tile<HS, FL_BM, FL_THREADS>(sQ, LD, qb + ((int64_t)h * Npad + q0) * HS);
+    cp_tile<HS, FL_BM, FL_THREADS>(sQ, LD, qb + (hq * Npad + q0) * HS);
     cp_tile<HS, FL_BN, FL_THREADS>(sK, LD, kh);
     cp_tile<HS, FL_BN, FL_THREADS>(sV, LD, vh);
     cp_async_commit();
@@ -876,6 +883,11 @@ flash_bf16_kernel(float *__restrict__ out, const __nv_bfloat16 *__restrict__ qb,
     l0 = l0 + __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 = l1 + __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 = l1 + __shfl_xor_sync(0xffffffffu, l1, 2);
+    if (lse && t == 0) { /* log-sum-exp of the scaled scores, for the backward */
+        lse[hq * Npad + qr0] = qr0 < N ? m0 + logf(l0) : 0.0f;
+        lse[hq * Npad + qr1] = qr1 < N ? m1 + logf(l1) : 0.0f;
+    }
+    out += (int64_t)b * N * NH * HS; /* sequence b's rows */
     if (qr0 < N) {
         float *op = out + ((int64_t)qr0 * NH + h) * HS + 2 * t;
 #pragma unroll
@@ -1051,6 +1063,51 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
     return cudaGetLastError();
 }
 
+/* The flash path for B sequences of N queries over n_past + N keys each (kiln_cuda_attn_saves_lse
+ * holds; B > 1 only with n_past 0): q, k, v packed to bf16 per head into the workspace's pack
+ * buffer (grown on demand, synchronising: never inside a graph capture), then one flash
+ * launch with grid z = B. lse: NULL or [B][NH][Npad]. */
+static cudaError_t flash_launch(kiln_cuda_attn *a, cudaStream_t s, float *out, float *lse,
+                                const float *q, const float *k, const float *v, int B, int N,
+                                int n_past, int NH, int KVH, int HS, float scale) {
+    if (NH > 65535 || B > 65535) return cudaErrorInvalidConfiguration;
+    const int T = n_past + N;
+    const int Npad = kiln_cuda_attn_pack_rows(N), Tpad = kiln_cuda_attn_pack_rows(T);
+    if (Npad < 0 || Tpad < 0) return cudaErrorInvalidValue;
+    const uint64_t qn = (uint64_t)B * (uint64_t)NH * (uint64_t)Npad * (uint64_t)HS;
+    const uint64_t kn = (uint64_t)B * (uint64_t)KVH * (uint64_t)Tpad * (uint64_t)HS;
+    const uint64_t need = (qn + 2 * kn) * sizeof(__nv_bfloat16);
+    if (need > (uint64_t)SIZE_MAX / 2) return cudaErrorInvalidValue;
+    if (need > a->pack_cap) {
+        if (a->pack) {
+            cudaError_t e = cudaFree(a->pack);
+            a->pack = NULL;
+            a->pack_cap = 0;
+            if (e != cudaSuccess) return e;
+        }
+        cudaError_t e = cudaMalloc(&a->pack, (size_t)need);
+        if (e != cudaSuccess) {
+            a->pack = NULL;
+            return e;
+        }
+        a->pack_cap = (size_t)need;
+    }
+    __nv_bfloat16 *qb = (__nv_bfloat16 *)a->pack, *kb = qb + qn, *vb = kb + kn;
+    const kiln_cuda_attn_pack_job jobs[3] = {{qb, q, NULL, NULL, N, Npad, NH, B},
+                                             {kb, k, NULL, NULL, T, Tpad, KVH, B},
+                                             {vb, v, NULL, NULL, T, Tpad, KVH, B}};
+    cudaError_t e = kiln_cuda_attn_pack_heads(s, jobs, 3, HS);
+    if (e != cudaSuccess) return e;
+    const dim3 grid((unsigned)((N + FL_BM - 1) / FL_BM), (unsigned)NH, (unsigned)B);
+    if (HS == 64)
+        flash_bf16_kernel<64><<<grid, FL_THREADS, flash_smem<64>(), s>>>(
+            out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+    else
+        flash_bf16_kernel<128><<<grid, FL_THREADS, flash_smem<128>(), s>>>(
+            out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+    return cudaGetLastError();
+}
+
 cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *out,
                                      const float *q, const float *k, const float *v, int N,
                                      int n_past, int NH, int KVH, int HS, float scale) {
@@ -1065,45 +1122,8 @@ cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *o
         return split_decode_launch(a, s, out, q, k, v, 1, N, n_past, NULL, 0, T, NH, KVH, HS,
                                    scale);
     }
-    const bool aligned = (((uintptr_t)out | (uintptr_t)q | (uintptr_t)k | (uintptr_t)v) & 15) == 0;
-    if (kiln_cuda_attn_fast_is_mma(N, HS) && aligned) {
-        if (NH > 65535) return cudaErrorInvalidConfiguration;
-        /* q, k, v packed to bf16 per head in the workspace, then the flash kernel */
-        const int Npad = kiln_cuda_attn_pack_rows(N), Tpad = kiln_cuda_attn_pack_rows(T);
-        if (Npad < 0 || Tpad < 0) return cudaErrorInvalidValue;
-        const uint64_t qn = (uint64_t)NH * (uint64_t)Npad * (uint64_t)HS;
-        const uint64_t kn = (uint64_t)KVH * (uint64_t)Tpad * (uint64_t)HS;
-        const uint64_t need = (qn + 2 * kn) * sizeof(__nv_bfloat16);
-        if (need > (uint64_t)SIZE_MAX / 2) return cudaErrorInvalidValue;
-        if (need > a->pack_cap) { /* grows (synchronising): never inside a graph capture */
-            if (a->pack) {
-                cudaError_t e = cudaFree(a->pack);
-                a->pack = NULL;
-                a->pack_cap = 0;
-                if (e != cudaSuccess) return e;
-            }
-            cudaError_t e = cudaMalloc(&a->pack, (size_t)need);
-            if (e != cudaSuccess) {
-                a->pack = NULL;
-                return e;
-            }
-            a->pack_cap = (size_t)need;
-        }
-        __nv_bfloat16 *qb = (__nv_bfloat16 *)a->pack, *kb = qb + qn, *vb = kb + kn;
-        const kiln_cuda_attn_pack_job jobs[3] = {{qb, q, NULL, NULL, N, Npad, NH},
-                                                 {kb, k, NULL, NULL, T, Tpad, KVH},
-                                                 {vb, v, NULL, NULL, T, Tpad, KVH}};
-        cudaError_t e = kiln_cuda_attn_pack_heads(s, jobs, 3, HS);
-        if (e != cudaSuccess) return e;
-        const unsigned gx = (unsigned)((N + FL_BM - 1) / FL_BM);
-        if (HS == 64)
-            flash_bf16_kernel<64><<<dim3(gx, (unsigned)NH), FL_THREADS, flash_smem<64>(), s>>>(
-                out, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
-        else
-            flash_bf16_kernel<128><<<dim3(gx, (unsigned)NH), FL_THREADS, flash_smem<128>(), s>>>(
-                out, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
-        return cudaGetLastError();
-    }
+    if (kiln_cuda_attn_saves_lse(out, q, k, v, N, HS))
+        return flash_launch(a, s, out, NULL, q, k, v, 1, N, n_past, NH, KVH, HS, scale);
     const unsigned gx = split_grid_x(N, NH, KVH);
     if (gx == 0) return cudaErrorInvalidConfiguration;
     f32_kernel<<<dim3(gx, 1, 1), F32_THREADS, f32_smem(HS), s>>>(out, q, k, v, N, n_past, NH,
@@ -1120,4 +1140,22 @@ cudaError_t kiln_cuda_attention_decode_dev(kiln_cuda_attn *a, cudaStream_t s, fl
     if (!a || !d_n_past || max_T <= 0 || !shape_ok(NH, KVH, HS)) return cudaErrorInvalidValue;
     return split_decode_launch(a, s, out, q, k, v, B, 1, 0, d_n_past, kv_seq_stride, max_T, NH,
                                KVH, HS, scale);
+}
+
+cudaError_t kiln_cuda_attention_fast_seqs(kiln_cuda_attn *a, cudaStream_t s, float *out,
+                                          float *lse, const float *q, const float *k,
+                                          const float *v, int B, int N, int NH, int KVH, int HS,
+                                          float scale) {
+    if (B < 0 || N < 0 || NH < 0 || HS < 0) return cudaErrorInvalidValue;
+    if (B == 0 || N == 0 || NH == 0 || HS == 0) return cudaSuccess;
+    if (!a || !shape_ok(NH, KVH, HS) || (int64_t)B * N > INT_MAX) return cudaErrorInvalidValue;
+    if (kiln_cuda_attn_saves_lse(out, q, k, v, N, HS))
+        return flash_launch(a, s, out, lse, q, k, v, B, N, 0, NH, KVH, HS, scale);
+    const size_t qs = (size_t)N * NH * HS, ks = (size_t)N * KVH * HS;
+    for (int b = 0; b < B; b++) {
+        cudaError_t e = kiln_cuda_attention_fast(a, s, out + b * qs, q + b * qs, k + b * ks,
+                                                 v + b * ks, N, 0, NH, KVH, HS, scale);
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
 }

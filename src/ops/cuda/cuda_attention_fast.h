@@ -60,16 +60,17 @@ static inline int kiln_cuda_attn_pack_rows(int R) {
     if (R < 0 || R > INT_MAX - (KILN_ATTN_PACK_ROWS - 1)) return -1;
     return (R + KILN_ATTN_PACK_ROWS - 1) / KILN_ATTN_PACK_ROWS * KILN_ATTN_PACK_ROWS;
 }
-/* One tensor to pack: src (R, H, HS) f32 (16-byte aligned for HS 128, 8 for 64) -> dst
- * [H][Rpad][HS] bf16 (round to nearest even), rows R..Rpad-1 zero; Rpad a multiple of
- * KILN_ATTN_PACK_ROWS and >= R. With out and d (both or neither): out has src's layout and
- * d[h * Rpad + r] = sum over i of src * out (the backward's D = rowsum(dout * out), f32 in a
- * fixed order; 0 on padding rows). */
+/* One tensor to pack, for B >= 1 sequences of R rows each: src (B*R, H, HS) f32 (16-byte
+ * aligned for HS 128, 8 for 64) -> dst [B][H][Rpad][HS] bf16 (round to nearest even), rows
+ * R..Rpad-1 of each (sequence, head) zero; Rpad a multiple of KILN_ATTN_PACK_ROWS and >= R.
+ * With out and d (both or neither): out has src's layout and d[(b * H + h) * Rpad + r] = sum
+ * over i of src * out (the backward's D = rowsum(dout * out), f32 in a fixed order; 0 on
+ * padding rows). [B][H] is [B*H]: the kernels index a sequence's head h as b * H + h. */
 typedef struct {
     __nv_bfloat16 *dst;
     const float *src, *out;
     float *d;
-    int R, Rpad, H;
+    int R, Rpad, H, B;
 } kiln_cuda_attn_pack_job;
 #define KILN_ATTN_PACK_MAX_JOBS 4
 /* Packs n (1..KILN_ATTN_PACK_MAX_JOBS) tensors of head size HS (64 or 128) in one launch on
@@ -102,6 +103,24 @@ cudaError_t kiln_cuda_attn_reserve(kiln_cuda_attn *a, int B, int N, int NH, int 
 cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *out,
                                      const float *q, const float *k, const float *v, int N,
                                      int n_past, int NH, int KVH, int HS, float scale);
+/* Whether kiln_cuda_attention_fast_seqs writes lse for these arguments (the flash kernel
+ * runs); the fast backward uses a saved lse only when this holds for the same pointers. */
+static inline bool kiln_cuda_attn_saves_lse(const float *out, const float *q, const float *k,
+                                            const float *v, int N, int HS) {
+    return kiln_cuda_attn_fast_is_mma(N, HS) &&
+           (((uintptr_t)out | (uintptr_t)q | (uintptr_t)k | (uintptr_t)v) & 15) == 0;
+}
+/* ops.h's attention_seqs in fast mode: B sequences of N tokens (rows back to back, n_past 0),
+ * each with the bits of kiln_cuda_attention_fast on its own rows. When
+ * kiln_cuda_attn_saves_lse holds, one pack and one flash launch serve all B (grid z), and
+ * lse (NULL or [B][NH][Npad] floats, Npad = N rounded up to KILN_ATTN_PACK_ROWS) receives
+ * each row's log-sum-exp of the scaled scores, m + log(l) with the forward's own m and l (l
+ * sums the bf16-rounded weights the output used; padding rows 0); otherwise a loop of
+ * kiln_cuda_attention_fast and lse untouched. Errors as kiln_cuda_attention_fast. */
+cudaError_t kiln_cuda_attention_fast_seqs(kiln_cuda_attn *a, cudaStream_t s, float *out,
+                                          float *lse, const float *q, const float *k,
+                                          const float *v, int B, int N, int NH, int KVH, int HS,
+                                          float scale);
 /* Decode of B sequences, one new token each, for CUDA graphs: sequence b's query is
  * q + b*NH*HS, its output out + b*NH*HS, its cache k + b*kv_seq_stride (floats; same for v),
  * its n_past is d_n_past[b] READ ON THE DEVICE (so a captured graph replays for any

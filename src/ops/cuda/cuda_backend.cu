@@ -537,6 +537,53 @@ static void cu_attention_backward(kiln_backend *be, float *dq, float *dk, float 
                  "attention_backward");
 }
 
+/* B sequences of N tokens (ops.h's attention_seqs): fast mode runs them in one set of
+ * launches and saves lse; auditable mode is B attention() calls (lse untouched). */
+static void cu_attention_seqs(kiln_backend *be, float *out, float *lse, const float *q,
+                              const float *k, const float *v, int B, int N, int NH, int KVH,
+                              int HS, float scale) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || B <= 0 || N <= 0) return;
+    const size_t qs = (size_t)N * NH * HS, ks = (size_t)N * KVH * HS;
+    if (!c->fast || HS > KILN_ATTN_FAST_MAX_HS) {
+        for (int b = 0; b < B; b++)
+            cu_attention(be, out + b * qs, q + b * qs, k + b * ks, v + b * ks, N, 0, NH, KVH, HS,
+                         scale);
+        return;
+    }
+    if (!c->attn && !CK(c, kiln_cuda_attn_create(&c->attn))) return;
+    after_launch(c,
+                 kiln_cuda_attention_fast_seqs(c->attn, c->stream, out, lse, q, k, v, B, N, NH,
+                                               KVH, HS, scale),
+                 "attention_seqs (fast)");
+}
+
+/* ops.h's attention_backward_seqs: the fast kernels for all B at once (with the forward's lse)
+ * when they take the shape, else B attention_backward calls (ws reused in stream order). */
+static void cu_attention_backward_seqs(kiln_backend *be, float *dq, float *dk, float *dv,
+                                       const float *dout, const float *q, const float *k,
+                                       const float *v, const float *out, const float *lse,
+                                       float *ws, int B, int N, int NH, int KVH, int HS,
+                                       float scale) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || B <= 0 || N <= 0) return;
+    if (c->fast && B <= 65535 &&
+        kiln_cuda_attention_backward_fast_ok(dq, dk, dv, dout, q, k, v, out, N, 0, NH, KVH, HS)) {
+        after_launch(c,
+                     kiln_cuda_attention_backward_fast_seqs(
+                         c->stream, dq, dk, dv, dout, q, k, v, out, lse, ws,
+                         kiln_attention_backward_seqs_ws_floats(B, N, NH, KVH, HS), B, N, NH,
+                         KVH, HS, scale),
+                     "attention_backward_seqs (fast)");
+        return;
+    }
+    const size_t qs = (size_t)N * NH * HS, ks = (size_t)N * KVH * HS;
+    for (int b = 0; b < B; b++)
+        cu_attention_backward(be, dq + b * qs, dk + b * ks, dv + b * ks, dout + b * qs,
+                              q + b * qs, k + b * ks, v + b * ks, out + b * qs, ws, N, 0, NH,
+                              KVH, HS, scale);
+}
+
 static void cu_swiglu_backward(kiln_backend *be, float *dgate, float *dup, const float *dout,
                                const float *gate, const float *up, size_t n) {
     cuda_ctx *c = ctx_of(be);
@@ -679,6 +726,8 @@ static const kiln_backend_i cuda_iface = {
     /* .zero = */ cu_zero,
     /* .scale = */ cu_scale,
     /* .sample = */ cu_sample,
+    /* .attention_seqs = */ cu_attention_seqs,
+    /* .attention_backward_seqs = */ cu_attention_backward_seqs,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {
