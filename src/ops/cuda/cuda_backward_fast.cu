@@ -2,11 +2,15 @@
  * cuda_backward_fast.cu -- the fast mode's matmul backward (contract and arithmetic:
  * cuda_backward_fast.h): dy, x and W rounded to bf16 once each into a stream-ordered buffer,
  * then dx = dy @ W and dW += dy^T @ x as two bf16 tensor-core products of the GEMM module;
- * dbias and RMSNorm's dw by the chunked fixed-order column sum (kiln_cuda_col_sum_fast).
+ * dbias and RMSNorm's dw by the chunked fixed-order column sum (kiln_cuda_col_sum_fast);
+ * RMSNorm's dx and rstd by a row kernel in f32 with an order of its own (a warp or a block
+ * per row, float4 loads, one read of the row).
  */
 #include "cuda_backward_fast.h"
 
 #include "cuda_backward.h"
+
+#include "../../base/kmath.h"
 
 #include <limits.h>
 
@@ -199,6 +203,300 @@ cudaError_t kiln_cuda_col_sum_fast(cudaStream_t s, float *out, const float *a, c
     return cudaGetLastError();
 }
 
+/* ---- rmsnorm backward rows: lanes of a warp per row up to C = 1024, a block per row past -- */
+
+/* Row n of x(N,C), dy(N,C), w(C) (the order and the error bound: cuda_backward_fast.h). The
+ * row is cut into C4 = ceil(C / 4) slots of 4 consecutive elements (slot j: 4j .. 4j + 3;
+ * elements >= C read as 0 and are never written). T threads own a row: LPR = 8, 16 or 32 lanes
+ * of a warp for C4 <= 256 (several rows per warp, 8 warps per 256-thread block), the whole
+ * 256-thread block past that; thread t owns slots t + T*k, k ascending, and keeps 8 chains,
+ * ss[q] = fmaf(x, x, ss[q]) and dd[q] = fmaf(g, x, dd[q]) over the q-th element of its slots.
+ * Both sums are one pass (d does not need r), so a row is read once when it is cached in
+ * registers (C <= 8192: x and g = dy * w stay in registers, dx is written from them; past
+ * that, a second pass reads x, dy, w again).
+ *
+ * The float4 path (VEC: C % 4 == 0 and x, dy, dx, w 16-byte aligned) and the scalar path load
+ * the same elements into the same slots, so the bits never depend on the alignment; the
+ * variant (LPR and slots per thread V, or block K) is a function of C alone.
+ *
+ * Aliasing: dx may be dy (not __restrict__); each slot of dx is read (accumulate) and written
+ * by the thread that read the same slot of dy, after that read. */
+#define RB_THREADS 256
+#define RB_WARPS (RB_THREADS / 32)
+#define RB_WARP_MAX_C4 256 /* C <= 1024: LPR lanes per row, the row in registers */
+#define RB_BLOCK_MAX_K 8   /* C <= 8192: a block per row, the row in registers */
+#define RB_STREAM_AHEAD 4  /* past that: slots loaded ahead per thread in the second pass */
+static_assert(RB_WARPS == 8, "the block tree below is written for 8 warps");
+
+template <bool VEC>
+static __device__ __forceinline__ float4 rb_load(const float *row, int j, int C) {
+    const int64_t i = 4 * (int64_t)j;
+    if (VEC) return *(const float4 *)(row + i);
+    float4 v;
+    v.x = i < C ? row[i] : 0.0f;
+    v.y = i + 1 < C ? row[i + 1] : 0.0f;
+    v.z = i + 2 < C ? row[i + 2] : 0.0f;
+    v.w = i + 3 < C ? row[i + 3] : 0.0f;
+    return v;
+}
+
+template <bool VEC>
+static __device__ __forceinline__ void rb_store(float *row, int j, int C, float4 v) {
+    const int64_t i = 4 * (int64_t)j;
+    if (VEC) {
+        *(float4 *)(row + i) = v;
+        return;
+    }
+    if (i < C) row[i] = v.x;
+    if (i + 1 < C) row[i + 1] = v.y;
+    if (i + 2 < C) row[i + 2] = v.z;
+    if (i + 3 < C) row[i + 3] = v.w;
+}
+
+/* x and g = dy * w (w NULL: g = dy, no product) of slot j */
+template <bool VEC>
+static __device__ __forceinline__ void rb_load_slot(const float *xr, const float *dyr,
+                                                    const float *w, int j, int C, float4 &xv,
+                                                    float4 &gv) {
+    xv = rb_load<VEC>(xr, j, C);
+    gv = rb_load<VEC>(dyr, j, C);
+    if (w) {
+        const float4 wv = rb_load<VEC>(w, j, C);
+        gv.x = gv.x * wv.x, gv.y = gv.y * wv.y, gv.z = gv.z * wv.z, gv.w = gv.w * wv.w;
+    }
+}
+
+/* one slot into the 8 chains */
+static __device__ __forceinline__ void rb_chain(float4 xv, float4 gv, float ss[4], float dd[4]) {
+    ss[0] = fmaf(xv.x, xv.x, ss[0]), dd[0] = fmaf(gv.x, xv.x, dd[0]);
+    ss[1] = fmaf(xv.y, xv.y, ss[1]), dd[1] = fmaf(gv.y, xv.y, dd[1]);
+    ss[2] = fmaf(xv.z, xv.z, ss[2]), dd[2] = fmaf(gv.z, xv.z, dd[2]);
+    ss[3] = fmaf(xv.w, xv.w, ss[3]), dd[3] = fmaf(gv.w, xv.w, dd[3]);
+}
+
+static __device__ __forceinline__ float rb_quad(const float a[4]) {
+    return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+/* dx of one slot: (g - x u) r, the difference one fmaf; accumulate: old + that */
+static __device__ __forceinline__ float4 rb_dx(float4 xv, float4 gv, float u, float r) {
+    float4 v;
+    v.x = fmaf(-xv.x, u, gv.x) * r;
+    v.y = fmaf(-xv.y, u, gv.y) * r;
+    v.z = fmaf(-xv.z, u, gv.z) * r;
+    v.w = fmaf(-xv.w, u, gv.w) * r;
+    return v;
+}
+static __device__ __forceinline__ float4 rb_add(float4 o, float4 v) {
+    return make_float4(o.x + v.x, o.y + v.y, o.z + v.z, o.w + v.w);
+}
+
+/* LPR lanes per row (32 / LPR rows per warp), V slots per lane: C4 <= LPR * V. */
+template <int LPR, int V, bool VEC>
+static __global__ void __launch_bounds__(RB_THREADS)
+rmsnorm_bwd_fast_warp_kernel(float *dx, const float *dy, const float *__restrict__ x,
+                             const float *__restrict__ w, int N, int C, float eps,
+                             float *__restrict__ rstd, bool accumulate) {
+    constexpr int RPW = 32 / LPR;
+    const int lane = threadIdx.x & 31, t = lane % LPR;
+    const int64_t n =
+        ((int64_t)blockIdx.x * RB_WARPS + (threadIdx.x >> 5)) * RPW + lane / LPR;
+    const bool live = n < N; /* lanes past the last row still take part in the shuffles */
+    const int C4 = (C + 3) / 4;
+    const int64_t off = live ? n * C : 0;
+    float4 xv[V], gv[V];
+    float ss[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        const int j = t + LPR * k;
+        xv[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        gv[k] = xv[k];
+        if (live && j < C4) rb_load_slot<VEC>(x + off, dy + off, w, j, C, xv[k], gv[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < V; k++) rb_chain(xv[k], gv[k], ss, dd);
+    float s = rb_quad(ss), d = rb_quad(dd);
+#pragma unroll
+    for (int h = LPR / 2; h >= 1; h /= 2) { /* xor partners: every lane gets the same bits */
+        s = s + __shfl_xor_sync(0xffffffffu, s, h, LPR);
+        d = d + __shfl_xor_sync(0xffffffffu, d, h, LPR);
+    }
+    if (!live) return;
+    const float r = kiln_rms_scale(s, C, eps);
+    if (t == 0) rstd[n] = r;
+    const float u = ((d / (float)C) * r) * r;
+    float *dxr = dx + off;
+    if (accumulate) {
+        float4 ov[V];
+#pragma unroll
+        for (int k = 0; k < V; k++)
+            if (t + LPR * k < C4) ov[k] = rb_load<VEC>(dxr, t + LPR * k, C);
+#pragma unroll
+        for (int k = 0; k < V; k++)
+            if (t + LPR * k < C4)
+                rb_store<VEC>(dxr, t + LPR * k, C, rb_add(ov[k], rb_dx(xv[k], gv[k], u, r)));
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; k++)
+            if (t + LPR * k < C4) rb_store<VEC>(dxr, t + LPR * k, C, rb_dx(xv[k], gv[k], u, r));
+    }
+}
+
+/* The 8 warps' sums in the fixed tree ((0+1)+(2+3))+((4+5)+(6+7)). */
+static __device__ __forceinline__ float rb_tree8(const float *p) {
+    return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+}
+
+/* A block per row. K > 0: thread t's K slots t + 256k cached (C4 <= 256 K; slots past the row
+ * add zeros); K = 0: any C, the chains over the thread's slots in the same order, then a
+ * second pass that reads x, dy, w again, RB_STREAM_AHEAD slots loaded before their stores. */
+template <int K, bool VEC>
+static __global__ void __launch_bounds__(RB_THREADS)
+rmsnorm_bwd_fast_block_kernel(float *dx, const float *dy, const float *__restrict__ x,
+                              const float *__restrict__ w, int C, float eps,
+                              float *__restrict__ rstd, bool accumulate) {
+    __shared__ float part[2][RB_WARPS];
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int64_t n = blockIdx.x;
+    const int C4 = (C + 3) / 4;
+    const int64_t off = n * C;
+    const float *xr = x + off, *dyr = dy + off;
+    float *dxr = dx + off;
+    constexpr int KC = K > 0 ? K : 1;
+    float4 xv[KC], gv[KC];
+    float ss[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if constexpr (K > 0) {
+#pragma unroll
+        for (int k = 0; k < KC; k++) {
+            const int j = t + RB_THREADS * k;
+            xv[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            gv[k] = xv[k];
+            if (j < C4) rb_load_slot<VEC>(xr, dyr, w, j, C, xv[k], gv[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < KC; k++) rb_chain(xv[k], gv[k], ss, dd);
+    } else {
+#pragma unroll 4
+        for (int j = t; j < C4; j += RB_THREADS) {
+            float4 a, b;
+            rb_load_slot<VEC>(xr, dyr, w, j, C, a, b);
+            rb_chain(a, b, ss, dd);
+        }
+    }
+    float s = rb_quad(ss), d = rb_quad(dd);
+#pragma unroll
+    for (int h = 16; h >= 1; h /= 2) {
+        s = s + __shfl_xor_sync(0xffffffffu, s, h);
+        d = d + __shfl_xor_sync(0xffffffffu, d, h);
+    }
+    if (lane == 0) {
+        part[0][warp] = s;
+        part[1][warp] = d;
+    }
+    __syncthreads();
+    s = rb_tree8(part[0]);
+    d = rb_tree8(part[1]);
+    const float r = kiln_rms_scale(s, C, eps);
+    if (t == 0) rstd[n] = r;
+    const float u = ((d / (float)C) * r) * r;
+    if constexpr (K > 0) {
+        float4 ov[KC];
+        if (accumulate) {
+#pragma unroll
+            for (int k = 0; k < KC; k++)
+                if (t + RB_THREADS * k < C4) ov[k] = rb_load<VEC>(dxr, t + RB_THREADS * k, C);
+        }
+#pragma unroll
+        for (int k = 0; k < KC; k++) {
+            const int j = t + RB_THREADS * k;
+            if (j >= C4) continue;
+            const float4 v = rb_dx(xv[k], gv[k], u, r);
+            rb_store<VEC>(dxr, j, C, accumulate ? rb_add(ov[k], v) : v);
+        }
+    } else {
+        for (int j0 = t; j0 < C4; j0 += RB_THREADS * RB_STREAM_AHEAD) {
+            float4 a[RB_STREAM_AHEAD], b[RB_STREAM_AHEAD], o[RB_STREAM_AHEAD];
+#pragma unroll
+            for (int k = 0; k < RB_STREAM_AHEAD; k++) {
+                const int j = j0 + RB_THREADS * k;
+                if (j >= C4) continue;
+                rb_load_slot<VEC>(xr, dyr, w, j, C, a[k], b[k]);
+                if (accumulate) o[k] = rb_load<VEC>(dxr, j, C);
+            }
+#pragma unroll
+            for (int k = 0; k < RB_STREAM_AHEAD; k++) {
+                const int j = j0 + RB_THREADS * k;
+                if (j >= C4) continue;
+                const float4 v = rb_dx(a[k], b[k], u, r);
+                rb_store<VEC>(dxr, j, C, accumulate ? rb_add(o[k], v) : v);
+            }
+        }
+    }
+}
+
+template <int LPR, int V>
+static void rb_warp_launch(cudaStream_t s, bool vec, float *dx, const float *dy, const float *x,
+                           const float *w, int N, int C, float eps, float *rstd, bool acc) {
+    constexpr int rows_per_block = RB_WARPS * (32 / LPR);
+    const unsigned grid = (unsigned)(((int64_t)N + rows_per_block - 1) / rows_per_block);
+    if (vec)
+        rmsnorm_bwd_fast_warp_kernel<LPR, V, true>
+            <<<grid, RB_THREADS, 0, s>>>(dx, dy, x, w, N, C, eps, rstd, acc);
+    else
+        rmsnorm_bwd_fast_warp_kernel<LPR, V, false>
+            <<<grid, RB_THREADS, 0, s>>>(dx, dy, x, w, N, C, eps, rstd, acc);
+}
+
+template <int K>
+static void rb_block_launch(cudaStream_t s, bool vec, float *dx, const float *dy, const float *x,
+                            const float *w, int N, int C, float eps, float *rstd, bool acc) {
+    if (vec)
+        rmsnorm_bwd_fast_block_kernel<K, true>
+            <<<(unsigned)N, RB_THREADS, 0, s>>>(dx, dy, x, w, C, eps, rstd, acc);
+    else
+        rmsnorm_bwd_fast_block_kernel<K, false>
+            <<<(unsigned)N, RB_THREADS, 0, s>>>(dx, dy, x, w, C, eps, rstd, acc);
+}
+
+/* dx and rstd of the fast rmsnorm backward (cuda_backward_fast.h); N, C >= 1, pointers set.
+ * The variant is chosen from C alone (it fixes the order); vec only picks the loads. */
+static cudaError_t rmsnorm_bwd_rows_fast(cudaStream_t s, float *dx, const float *dy,
+                                         const float *x, const float *w, int N, int C, float eps,
+                                         float *rstd, bool acc) {
+    const int C4 = (int)(((int64_t)C + 3) / 4);
+    const bool vec = C % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)dy % 16 == 0 &&
+                     (uintptr_t)dx % 16 == 0 && (!w || (uintptr_t)w % 16 == 0);
+#define RB_WARP(LPR, V) rb_warp_launch<LPR, V>(s, vec, dx, dy, x, w, N, C, eps, rstd, acc)
+#define RB_BLOCK(K) rb_block_launch<K>(s, vec, dx, dy, x, w, N, C, eps, rstd, acc)
+    if (C4 <= 8) {
+        RB_WARP(8, 1);
+    } else if (C4 <= 16) {
+        RB_WARP(16, 1);
+    } else if (C4 <= RB_WARP_MAX_C4) {
+        switch ((C4 + 31) / 32) {
+        case 1: RB_WARP(32, 1); break;
+        case 2: RB_WARP(32, 2); break;
+        case 3: RB_WARP(32, 3); break;
+        case 4: RB_WARP(32, 4); break;
+        case 5: RB_WARP(32, 5); break;
+        case 6: RB_WARP(32, 6); break;
+        case 7: RB_WARP(32, 7); break;
+        default: RB_WARP(32, 8); break;
+        }
+    } else if (C4 <= RB_THREADS * RB_BLOCK_MAX_K) {
+        const int k = (C4 + RB_THREADS - 1) / RB_THREADS; /* 2 .. 8, padded to even */
+        if (k <= 2) RB_BLOCK(2);
+        else if (k <= 4) RB_BLOCK(4);
+        else if (k <= 6) RB_BLOCK(6);
+        else RB_BLOCK(8);
+    } else {
+        RB_BLOCK(0);
+    }
+#undef RB_WARP
+#undef RB_BLOCK
+    return cudaGetLastError();
+}
+
 cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, float *dw,
                                             const float *dy, const float *x, const float *w,
                                             int N, int C, float eps, float *rstd,
@@ -208,8 +506,8 @@ cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, float *dw
     const bool want_dw = dw && w;
     if (want_dw && (!scratch || scratch_len < kiln_cuda_col_sum_fast_scratch_len(N, C)))
         return cudaErrorInvalidValue; /* refused before anything is enqueued */
-    cudaError_t e = kiln_cuda_rmsnorm_backward(s, dx, NULL, dy, x, w, N, C, eps, rstd,
-                                               accumulate_dx);
+    if (!dx || !dy || !x || !rstd) return cudaErrorInvalidValue;
+    cudaError_t e = rmsnorm_bwd_rows_fast(s, dx, dy, x, w, N, C, eps, rstd, accumulate_dx);
     if (e != cudaSuccess || !want_dw) return e;
     /* dw[c] += sum over n of dy[n,c] * f32(x[n,c] * rstd[n]) */
     return kiln_cuda_col_sum_fast(s, dw, dy, x, rstd, C, N, C, scratch, scratch_len);

@@ -1,7 +1,9 @@
 /*
  * cuda_backward_fast.h -- the fast mode's matmul backward (issue 5, "matrix products in bf16
  * (fast)"): ops.h's matmul_backward with its two products on the bf16 tensor cores through
- * the fast GEMM module (cuda_gemm_fast.h). Included from .cu files only (C++ linkage).
+ * the fast GEMM module (cuda_gemm_fast.h); the column sums of dbias and RMSNorm's dw; and
+ * RMSNorm's backward rows in an f32 order of their own (kiln_cuda_rmsnorm_backward_fast).
+ * Included from .cu files only (C++ linkage).
  *
  * Arithmetic (not the CPU's bits; docs/TRAINING.md, "Fast mode"):
  *   - dy, x and W are each rounded to bf16 (round to nearest even, tensor.c's
@@ -85,11 +87,37 @@ cudaError_t kiln_cuda_col_sum_fast(cudaStream_t s, float *out, const float *a, c
                                    const float *sc, int64_t ld, int N, int64_t W,
                                    double *scratch, size_t scratch_len);
 
-/* ops.h's rmsnorm_backward in fast mode: dx and rstd by cuda_backward.h's
- * kiln_cuda_rmsnorm_backward (the same kernels; the CPU's bits), then, when dw and w are both
- * given, dw(C) += sum over rows of dy * f32(x * rstd) by kiln_cuda_col_sum_fast (scratch as
- * there, for N rows of C columns). dx may be dy only when dw is skipped (dw reads dy after dx
- * is written, as on the CPU). Returns as kiln_cuda_col_sum_fast. */
+/* ops.h's rmsnorm_backward in fast mode. Per row n of x(N,C), dy(N,C), w(C) (w NULL: g = dy,
+ * no product):
+ *   r = 1 / sqrtf(ss / C + eps), ss = sum x^2     (written to rstd[n])
+ *   g = dy * w;  d = sum g x;  u = ((d / C) * r) * r
+ *   dx = fmaf(-x, u, g) * r                        (accumulate_dx: dx = dx + that)
+ * the same formula as the auditable kernel (docs/ARITHMETIC.md, "rmsnorm backward") with the
+ * difference g - x u as one fmaf, and both sums in f32 in an order of this function, not the
+ * CPU's lane-16 dot (so not the CPU's bits):
+ *   - the row is cut into slots of 4 consecutive elements (slot j: 4j .. 4j + 3, elements
+ *     >= C are 0); T threads own a row, thread t the slots t, t + T, t + 2T, ...: T = 8 for
+ *     C <= 32, 16 for C <= 64, 32 (a warp) for C <= 1024, 256 (a block) past that;
+ *   - thread t keeps, for each of the 4 positions q in a slot, one chain per sum:
+ *     ss_q = fmaf(x, x, ss_q), d_q = fmaf(g, x, d_q) over its slots in increasing order, from
+ *     +0 (slots past the row, where a variant pads, add zeros); then (q0 + q1) + (q2 + q3);
+ *   - the T threads meet in the butterfly tree (XOR partners T/2, ..., 2, 1; a block: each
+ *     warp's butterfly, then ((w0 + w1) + (w2 + w3)) + ((w4 + w5) + (w6 + w7)) over its 8
+ *     warps); every thread of the row gets the same bits.
+ * The order depends on C alone: not on N, the grid, the timing, or the alignment (float4 and
+ * scalar loads fill the same slots). No atomics: two runs give the same bits.
+ * Error (first order, u = 2^-24, h the longest path of a term through the sums:
+ * h = ceil(C4 / T) + 2 + log2(T), C4 = ceil(C / 4): at most 15 for C <= 1024, and
+ * ceil(C / 1024) + 10 past that), against r, g = dy w and u* = r^2 d / C computed exactly
+ * from the same f32 inputs:
+ *   |rstd - r| <= (h/2 + 3) u r;
+ *   |dx - r (g - x u*)| <= (5h/2 + 15) u r (|g| + |x| U),  U = r^2 sum |g x| / C >= |u*|,
+ *   plus u |result| for the accumulate's addition (f32 underflow aside).
+ * Then, when dw and w are both given, dw(C) += sum over rows of dy * f32(x * rstd) by
+ * kiln_cuda_col_sum_fast with this function's rstd (scratch as there, for N rows of C
+ * columns). dx may be dy only when dw is skipped (dw reads dy after dx is written, as on the
+ * CPU). Returns cudaErrorInvalidValue for dx, dy, x or rstd NULL or a short scratch (before
+ * anything is enqueued), else as kiln_cuda_col_sum_fast. */
 cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, float *dw,
                                             const float *dy, const float *x, const float *w,
                                             int N, int C, float eps, float *rstd,
