@@ -22,16 +22,34 @@
  * very code the CPU path runs (ce_row_losses, the lane-16 sum).
  *
  * Fast mode (kiln_cuda_ce_is_fast: the products are bf16 tensor-core GEMMs, not the CPU's
- * bits) changes three things, each deterministic run to run (ce_pass2_fast):
+ * bits) changes four things, each deterministic run to run:
  *   - pass 1's row statistics come from a parallel kernel (a tree max, a fixed-order sum);
  *   - the supervised rows are padded with zero rows to Sp, a multiple of 8 (when the padded
  *     scratch still fits kiln_fused_ce_scratch_bytes), so the row count is never an odd
  *     GEMM dimension (an odd K made cuBLASLt fall back to its align-1 kernels); the padding
  *     rows have zero hidden states and zero gradient factors, so they add exact zeros;
- *   - pass 2's two products are ONE matmul_backward per chunk: dh_acc(Sp,H) (+)= g @ W_chunk
- *     and dW[c0:c0+n] += g^T @ hs, with the operands in the layouts the GEMMs take directly:
- *     no transposes, no partial products, no adds (hT, gT, wpart, dpart and wT are not
- *     allocated).
+ *   - the operands are rounded to bf16 once each (ce_pass2_bf16, layout CE_BF16): hs when it
+ *     is gathered (hsb, once per call, reused by every logits GEMM and every dW GEMM); g by
+ *     the gradient kernel itself, which writes bf16 (gb) instead of f32; each W chunk once per
+ *     chunk in pass 2, shared by its logits and dh products (read in place when it is bf16
+ *     with 16-byte aligned rows); pass 1's logits GEMM (and pass 2's without dh) converts
+ *     its W chunk itself (kiln_cuda_gemm_linear_bf16, into the GEMM module's scratch). The
+ *     logits stay f32 (z): pass 1's statistics and g are computed from them as before;
+ *   - pass 2's products, per chunk, are dh_acc(Sp,H) (+)= g @ W_chunk and
+ *     dW[c0:c0+n] += g^T @ hs, straight on those bf16 operands: no transposes, no partial
+ *     products, no adds (hT, gT, wpart, dpart and wT are not allocated).
+ * Every bf16 operand has the leading dimension (padded to 8 elements) and alignment class
+ * (16 bytes or more) of the copies the backend's matmul (kiln_cuda_gemm_linear) and
+ * matmul_backward (kiln_cuda_matmul_backward_fast) make, and the same values
+ * (kiln_fp32_to_bf16), so every product is the same GEMM-module problem as in the
+ * composition of those two ops (ce_pass2_fast, layout CE_LEAN), run by the same cached
+ * algorithm: the results have the composition's bits (tests/gpu/test_cuda_fused_ce_fast.cu
+ * checks it, through kiln_cuda_ce_set_legacy). The composition still runs where the bf16
+ * layout would pass the bound (with dh but not dW, for chunks above about 3 H; tiny H and
+ * chunks) and for S <= 8 rows, whose logits the backend's matmul computes by its f32
+ * matrix-vector kernels; its matmul_backward allocates its bf16 copies with cudaMallocAsync
+ * on every chunk. The bf16 path allocates nothing but the one scratch block (the GEMM
+ * module's scratch belongs to the backend's handle and grows only on a first, larger use).
  * The loss, its checks and the reductions are the auditable ones, from the fast statistics.
  */
 #include "fused_ce.h"
@@ -114,19 +132,38 @@ typedef struct ce_scratch {
     float *dh_acc;   /* (S, H) dh of the supervised rows (dh only) */
     float *dpart;    /* (S, H) this chunk's dh (dh only) */
     float *wT;       /* (H, cn) W chunk transposed, as f32 (dh only) */
+    uint16_t *hsb;   /* (Sp, ld(H)) hs in bf16 (CE_BF16) */
+    uint16_t *gb;    /* (Sp, ld(cn)) g in bf16, ld(n) per chunk (CE_BF16, dh or dW) */
+    uint16_t *wb;    /* (cn, ld(H)) W chunk in bf16 (CE_BF16, dh, W not read in place) */
 } ce_scratch;
 
+/* Which regions a call takes:
+ *   CE_FULL: the CPU and the auditable CUDA path (every f32 region, Sp == S);
+ *   CE_LEAN: fast mode's composition of the backend's matmul and matmul_backward
+ *            (ce_pass2_fast): hs, z and dh_acc with Sp rows, none of hT, gT, wpart, dpart, wT;
+ *   CE_BF16: fast mode on bf16 operands (ce_pass2_bf16): z (S rows, f32: pass 1's statistics
+ *            and g are computed from f32 logits), hsb, gb, wb and dh_acc; no f32 hs. */
+typedef enum ce_kind { CE_FULL, CE_LEAN, CE_BF16 } ce_kind;
+
+/* Leading dimension of a bf16 operand: cols rounded up to 8 elements (16 bytes), as the GEMM
+ * module and kiln_cuda_matmul_backward_fast pad their own copies (padded_ld): a product's
+ * algorithm, hence its bits, depends on the leading dimensions. */
+static int64_t ce_bf16_ld(int64_t cols) { return (cols + 7) & ~(int64_t)7; }
+
 /* Carve the scratch regions from one block; returns the total bytes (0 on overflow). With
- * base NULL only sizes. Every region starts at a multiple of 64 bytes. Sp (>= S): the rows of
- * hs, z and dh_acc (S except in fast mode's padding); lean: fast mode's pass 2, which needs
- * none of hT, gT, wpart, dpart and wT (their pointers are NULL). The CPU and auditable layout
- * is (S, S, ..., lean 0); a lean layout with Sp == S is a subset of it, hence never larger. */
+ * base NULL only sizes. Every region starts at a multiple of 64 bytes (a 16-byte alignment
+ * class for the GEMM module). Sp (>= S): the padded rows of fast mode (S otherwise); w_copy
+ * (CE_BF16): the W chunk is converted into wb. Absent regions have NULL pointers. The CPU
+ * and auditable layout is (S, S, ..., CE_FULL); a CE_LEAN layout with Sp == S is a subset of
+ * it, hence never larger; a CE_BF16 one is used only where it is not larger either. */
 static size_t ce_layout(int64_t S, int64_t Sp, int64_t H, int64_t cn, int with_dh, int with_dw,
-                        int lean, uint8_t *base, ce_scratch *sc) {
+                        ce_kind kind, int w_copy, uint8_t *base, ce_scratch *sc) {
     size_t total = 0;
     int ok = 1;
     if (Sp < S) return 0;
+    const int full = kind == CE_FULL, bf = kind == CE_BF16;
     uint64_t uS = (uint64_t)S, uSp = (uint64_t)Sp, uH = (uint64_t)H, uc = (uint64_t)cn;
+    uint64_t uldH = (uint64_t)ce_bf16_ld(H), uldc = (uint64_t)ce_bf16_ld(cn);
     uint64_t ones_n = uc > uS ? uc : uS;
 #define CE_REGION(field, type, count, want)                                                    \
     do {                                                                                       \
@@ -140,11 +177,13 @@ static size_t ce_layout(int64_t S, int64_t Sp, int64_t H, int64_t cn, int with_d
         if (base && sc) sc->field = (want) ? (type *)(void *)(base + total) : NULL;            \
         if (kiln_add_overflow(total, bytes_, &total)) ok = 0;                                  \
     } while (0)
-    uint64_t SH, Sc, cH, SpH, Spc;
+    uint64_t SH, Sc, cH, SpH, Spc, SpldH, Spldc, cldH;
     if (kiln_mul_overflow_u64(uS, uH, &SH) || kiln_mul_overflow_u64(uS, uc, &Sc) ||
         kiln_mul_overflow_u64(uc, uH, &cH) || kiln_mul_overflow_u64(uSp, uH, &SpH) ||
-        kiln_mul_overflow_u64(uSp, uc, &Spc) || SpH > SIZE_MAX || Spc > SIZE_MAX ||
-        cH > SIZE_MAX)
+        kiln_mul_overflow_u64(uSp, uc, &Spc) || kiln_mul_overflow_u64(uSp, uldH, &SpldH) ||
+        kiln_mul_overflow_u64(uSp, uldc, &Spldc) || kiln_mul_overflow_u64(uc, uldH, &cldH) ||
+        SpH > SIZE_MAX || Spc > SIZE_MAX || cH > SIZE_MAX || SpldH > SIZE_MAX ||
+        Spldc > SIZE_MAX || cldH > SIZE_MAX)
         return 0;
     CE_REGION(idx, int64_t, uS, 1);
     CE_REGION(m, float, uS, 1);
@@ -152,14 +191,17 @@ static size_t ce_layout(int64_t S, int64_t Sp, int64_t H, int64_t cn, int with_d
     CE_REGION(zt, float, uS, 1);
     CE_REGION(loss, float, uS, 1);
     CE_REGION(ones, float, ones_n, 1);
-    CE_REGION(hs, float, SpH, 1);
-    CE_REGION(z, float, Spc, 1);
-    CE_REGION(hT, float, SH, with_dw && !lean);
-    CE_REGION(gT, float, Sc, with_dw && !lean);
-    CE_REGION(wpart, float, cH, with_dw && !lean);
+    CE_REGION(hs, float, SpH, !bf);
+    CE_REGION(z, float, bf ? Sc : Spc, 1);
+    CE_REGION(hsb, uint16_t, SpldH, bf);
+    CE_REGION(gb, uint16_t, Spldc, bf && (with_dh || with_dw));
+    CE_REGION(wb, uint16_t, cldH, bf && with_dh && w_copy);
+    CE_REGION(hT, float, SH, with_dw && full);
+    CE_REGION(gT, float, Sc, with_dw && full);
+    CE_REGION(wpart, float, cH, with_dw && full);
     CE_REGION(dh_acc, float, SpH, with_dh);
-    CE_REGION(dpart, float, SH, with_dh && !lean);
-    CE_REGION(wT, float, cH, with_dh && !lean);
+    CE_REGION(dpart, float, SH, with_dh && full);
+    CE_REGION(wT, float, cH, with_dh && full);
 #undef CE_REGION
     return ok ? total : 0;
 }
@@ -169,7 +211,7 @@ size_t kiln_fused_ce_scratch_bytes(int64_t S, int64_t H, int64_t V, int64_t chun
     if (S <= 0 || H <= 0 || V <= 0 || chunk < 0) return 0;
     int64_t cn = chunk == 0 ? KILN_FUSED_CE_DEFAULT_CHUNK : chunk;
     if (cn > V) cn = V;
-    return ce_layout(S, S, H, cn, with_dh, with_dw, 0, NULL, NULL);
+    return ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, NULL, NULL);
 }
 
 /* ---- helpers ------------------------------------------------------------------------------ */
@@ -346,9 +388,27 @@ static int64_t ce_fast_rows(int64_t S, int64_t H, int64_t cn, int with_dh, int w
     if (!with_dh && !with_dw) return S;
     const int64_t Sp = (S + 7) & ~(int64_t)7;
     if (Sp > INT32_MAX) return S; /* the products take an int row count */
-    size_t bound = ce_layout(S, S, H, cn, with_dh, with_dw, 0, NULL, NULL);
-    size_t padded = ce_layout(S, Sp, H, cn, with_dh, with_dw, 1, NULL, NULL);
+    size_t bound = ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, NULL, NULL);
+    size_t padded = ce_layout(S, Sp, H, cn, with_dh, with_dw, CE_LEAN, 0, NULL, NULL);
     return padded != 0 && padded <= bound ? Sp : S;
+}
+
+/* The backend's fast matmul runs up to this many rows as matrix-vector kernels on f32 hs
+ * (cuda_backend.cu, cu_matmul), not as a GEMM: the bf16 path, whose logits are GEMMs, would
+ * give other bits, so those calls keep the composition. */
+#define CE_MATVEC_ROWS 8
+
+/* Fast mode's layout for S rows padded to Sp (ce_fast_rows, the same for both, so both give
+ * the same products): CE_BF16 when it fits the documented bound and S > CE_MATVEC_ROWS, else
+ * CE_LEAN. With dh but not dW, CE_BF16 needs 2 S cn bytes more than the bound's slack
+ * (6 S H + 2 cn H bytes) for g's bf16 copy, so it fits only for chunks up to about 3 H; the
+ * calls with both gradients or neither always fit but for tiny H and chunk. */
+static ce_kind ce_fast_kind(int64_t S, int64_t Sp, int64_t H, int64_t cn, int with_dh,
+                            int with_dw, int w_copy) {
+    if (kiln_cuda_ce_legacy() || S <= CE_MATVEC_ROWS) return CE_LEAN;
+    size_t bound = ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, NULL, NULL);
+    size_t bf = ce_layout(S, Sp, H, cn, with_dh, with_dw, CE_BF16, w_copy, NULL, NULL);
+    return bf != 0 && bf <= bound ? CE_BF16 : CE_LEAN;
 }
 
 /* Fast mode's pass 2 (device memory; hs has Sp rows, rows S..Sp-1 zero): per chunk the
@@ -373,6 +433,62 @@ static kiln_status ce_pass2_fast(kiln_backend *be, const kiln_fused_ce_params *p
     return KILN_OK;
 }
 
+/* z(S, n) = hsb @ W[c0 : c0+n]^T on bf16 operands: with wb (the chunk in bf16, ldw apart) one
+ * kiln_cuda_gemm_bf16, else kiln_cuda_gemm_linear_bf16, which reads a bf16 W in place or
+ * converts W into the GEMM module's scratch with the same leading dimension -- the one product
+ * either way, and kiln_cuda_gemm_linear's on hs (the module's contract). */
+static kiln_status ce_logits_bf16(kiln_backend *be, const kiln_fused_ce_params *p,
+                                  const ce_scratch *sc, int64_t S, int64_t c0, int64_t n,
+                                  size_t row_bytes, const uint16_t *wb, int64_t ldw) {
+    const int64_t H = p->H, ldH = ce_bf16_ld(H);
+    if (wb) return kiln_cuda_ce_gemm_bf16(be, 0, 1, S, n, H, sc->hsb, ldH, wb, ldw, sc->z, n, 0);
+    return kiln_cuda_ce_linear_bf16(be, sc->z, sc->hsb, ldH,
+                                    (const uint8_t *)p->weight + (size_t)c0 * row_bytes,
+                                    row_bytes, p->weight_dtype, n, H, S);
+}
+
+/* Fast mode's pass 2 on bf16 operands (layout CE_BF16; hsb has Sp rows, rows S..Sp-1 zero),
+ * per chunk, with the operands kiln_cuda_matmul_backward_fast would make (ld(.): ce_bf16_ld):
+ *   wb(n, ld(H))      = W[c0 : c0+n] in bf16 when dh is wanted: read in place when bf16 with
+ *                       16-byte aligned rows, else converted into sc->wb, once for both of
+ *                       this chunk's products that read it;
+ *   z(S, n)           = hsb @ wb^T                          (ce_logits_bf16)
+ *   gb(Sp, ld(n))     = bf16(g), rows S..Sp-1 zero           (one kernel: no f32 g)
+ *   dh_acc(Sp, H)    (+)= gb @ wb                            (the first chunk overwrites)
+ *   dW[c0 : c0+n]     += gb^T @ hsb
+ * A failed product poisons the backend and is returned. */
+static kiln_status ce_pass2_bf16(kiln_backend *be, const kiln_fused_ce_params *p,
+                                 const ce_scratch *sc, int64_t S, int64_t Sp, int64_t cn,
+                                 const int32_t *d_tgt, float gs, size_t row_bytes) {
+    const int64_t H = p->H, V = p->V, ldH = ce_bf16_ld(H);
+    const int in_place = kiln_cuda_ce_weight_in_place(p->weight, row_bytes, p->weight_dtype);
+    for (int64_t c0 = 0; c0 < V; c0 += cn) {
+        const int64_t n = V - c0 < cn ? V - c0 : cn, ldg = ce_bf16_ld(n);
+        const uint8_t *w = (const uint8_t *)p->weight + (size_t)c0 * row_bytes;
+        const uint16_t *wb = NULL;
+        int64_t ldw = 0;
+        if (p->dhidden && in_place) {
+            wb = (const uint16_t *)(const void *)w;
+            ldw = (int64_t)(row_bytes / 2);
+        } else if (p->dhidden) {
+            KILN_TRY(kiln_cuda_ce_weight_bf16(be, sc->wb, ldH, w, row_bytes, p->weight_dtype, n,
+                                              H));
+            wb = sc->wb;
+            ldw = ldH;
+        }
+        KILN_TRY(ce_logits_bf16(be, p, sc, S, c0, n, row_bytes, wb, ldw));
+        KILN_TRY(kiln_cuda_ce_grad_bf16(be, sc->gb, ldg, sc->z, S, Sp, n, c0, d_tgt, sc->m, sc->l,
+                                        gs));
+        if (p->dhidden)
+            KILN_TRY(kiln_cuda_ce_gemm_bf16(be, 0, 0, Sp, H, n, sc->gb, ldg, wb, ldw, sc->dh_acc,
+                                            H, c0 > 0));
+        if (p->dweight)
+            KILN_TRY(kiln_cuda_ce_gemm_bf16(be, 1, 0, n, H, Sp, sc->gb, ldg, sc->hsb, ldH,
+                                            p->dweight + c0 * H, H, 1));
+    }
+    return KILN_OK;
+}
+
 /* As kiln_fused_ce's CPU body, for S >= 1 validated supervised rows and chunk cn: hidden,
  * weight and the outputs are device memory, targets and mask host memory. The scratch is one
  * kiln_backend_alloc block with ce_layout's regions (so kiln_fused_ce_scratch_bytes bounds it),
@@ -393,9 +509,14 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
                           "fused_ce: on the CUDA backend hidden, weight, dhidden, dweight, "
                           "row_loss and row_stats must be device memory (targets and mask stay "
                           "host memory)");
-    /* fast: Sp padded rows and the lean layout (<= the auditable one, the documented bound) */
+    /* fast: Sp padded rows and the bf16 or lean layout (<= the auditable one, the documented
+     * bound) */
+    const size_t row_bytes = (size_t)H * (bf16 ? 2 : 4);
     const int64_t Sp = fast ? ce_fast_rows(S, H, cn, with_dh, with_dw) : S;
-    size_t bytes = ce_layout(S, Sp, H, cn, with_dh, with_dw, fast, NULL, NULL);
+    const int w_copy = !kiln_cuda_ce_weight_in_place(p->weight, row_bytes, p->weight_dtype);
+    const ce_kind kind = !fast ? CE_FULL : ce_fast_kind(S, Sp, H, cn, with_dh, with_dw, w_copy);
+    const int64_t ldH = ce_bf16_ld(H);
+    size_t bytes = ce_layout(S, Sp, H, cn, with_dh, with_dw, kind, w_copy, NULL, NULL);
     if (bytes == 0) return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: scratch size overflows");
     /* host: positions, targets, then m, l, zt, loss of the rows */
     int64_t *hidx = kiln_malloc((size_t)S * sizeof(int64_t));
@@ -417,9 +538,8 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
         goto done;
     }
     ce_scratch sc;
-    ce_layout(S, Sp, H, cn, with_dh, with_dw, fast, block, &sc);
+    ce_layout(S, Sp, H, cn, with_dh, with_dw, kind, w_copy, block, &sc);
     int32_t *d_tgt = (int32_t *)(void *)sc.ones;
-    const size_t row_bytes = (size_t)H * (bf16 ? 2 : 4);
     for (int64_t n = 0, i = 0; n < N; n++) {
         if ((p->mask && !p->mask[n]) || p->targets[n] < 0) continue;
         hidx[i] = n;
@@ -428,16 +548,23 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     }
     CE_DEV(kiln_backend_upload(be, sc.idx, hidx, (size_t)S * sizeof(int64_t)));
     CE_DEV(kiln_backend_upload(be, d_tgt, htgt, (size_t)S * sizeof(int32_t)));
-    CE_DEV(kiln_cuda_ce_gather(be, sc.hs, p->hidden, sc.idx, S, H));
-    if (Sp > S) /* fast mode's padding rows: zero hidden states */
-        CE_DEV(kiln_cuda_train_memset(be, sc.hs + S * H, 0,
-                                      (size_t)(Sp - S) * (size_t)H * sizeof(float)));
+    if (kind == CE_BF16) { /* hs in bf16 once, its padding rows zero */
+        CE_DEV(kiln_cuda_ce_gather_bf16(be, sc.hsb, ldH, p->hidden, sc.idx, S, Sp, H));
+    } else {
+        CE_DEV(kiln_cuda_ce_gather(be, sc.hs, p->hidden, sc.idx, S, H));
+        if (Sp > S) /* fast mode's padding rows: zero hidden states */
+            CE_DEV(kiln_cuda_train_memset(be, sc.hs + S * H, 0,
+                                          (size_t)(Sp - S) * (size_t)H * sizeof(float)));
+    }
     CE_DEV(kiln_cuda_ce_init_rows(be, sc.m, sc.l, sc.zt, p->row_stats_in, sc.idx, S));
 
     /* Pass 1 (skipped with row_stats_in). */
     for (int64_t c0 = 0; !p->row_stats_in && c0 < V; c0 += cn) {
         int64_t n = V - c0 < cn ? V - c0 : cn;
-        chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
+        if (kind == CE_BF16)
+            CE_DEV(ce_logits_bf16(be, p, &sc, S, c0, n, row_bytes, NULL, 0));
+        else
+            chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
         if (fast)
             CE_DEV(kiln_cuda_ce_pass1_fast(be, sc.z, S, n, c0, d_tgt, sc.m, sc.l, sc.zt));
         else
@@ -455,7 +582,9 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     ce_reduce(p, hloss, host_sum16(hloss, S), S, &loss, &gs, &loss64);
 
     /* Pass 2. */
-    if (fast && (with_dh || with_dw))
+    if (kind == CE_BF16 && (with_dh || with_dw))
+        CE_DEV(ce_pass2_bf16(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
+    else if (fast && (with_dh || with_dw))
         CE_DEV(ce_pass2_fast(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
     if (!fast && (with_dh || with_dw)) {
         if (with_dw) CE_DEV(kiln_cuda_ce_transpose(be, sc.hT, sc.hs, 0, S, H));
@@ -541,14 +670,14 @@ kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
     if (is_cuda(be)) return ce_device(be, p, S, cn, out);
     const int with_dh = p->dhidden != NULL, with_dw = p->dweight != NULL;
     ce_scratch sc;
-    size_t bytes = ce_layout(S, S, H, cn, with_dh, with_dw, 0, NULL, NULL);
+    size_t bytes = ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, NULL, NULL);
     if (bytes == 0) return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: scratch size overflows");
     uint8_t *block = kiln_malloc(bytes);
     if (!block)
         return kiln_error(KILN_ERR_NOMEM, "fused_ce: out of memory for %zu bytes of scratch "
                           "(%lld supervised rows x chunk %lld)", bytes, (long long)S,
                           (long long)cn);
-    ce_layout(S, S, H, cn, with_dh, with_dw, 0, block, &sc);
+    ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, block, &sc);
 
     const kiln_cpu_kernels *k = kernels_of(be);
     const size_t row_bytes = (size_t)H * (p->weight_dtype == KILN_DTYPE_BF16 ? 2 : 4);

@@ -39,12 +39,14 @@
  *
  * In the CUDA backend's fast mode (kiln_backend_cuda_create_mode(device, 1)) the results are
  * not the CPU's bits but are the same bits from run to run on one GPU model: the products are
- * bf16 tensor-core GEMMs (pass 2's two as one matmul_backward per chunk), pass 1's sum of
- * exponentials has a fixed order of its own (cuda_fused_ce.cu), and the supervised rows are
- * padded with zero rows to a multiple of 8 (exact zeros in every sum). The scratch is then
- * at most kiln_fused_ce_scratch_bytes (scratch_bytes says how much), plus what the fast
- * products take for their bf16 copies (docs/TRAINING.md, "Fast mode"). row_stats_in must
- * come from a call in the same mode.
+ * bf16 tensor-core GEMMs on operands rounded to bf16 once each (fused_ce.c: hs once per call,
+ * g written in bf16, each W chunk once per chunk and pass), pass 1's sum of exponentials has
+ * a fixed order of its own (cuda_fused_ce.cu), and the supervised rows are padded with zero
+ * rows to a multiple of 8 (exact zeros in every sum). The scratch is then at most
+ * kiln_fused_ce_scratch_bytes (scratch_bytes says how much), plus the GEMM module's own
+ * scratch (the backend's, grown once) and, on the calls that keep the older composition
+ * (fused_ce.c says which), what matmul_backward allocates for its bf16 copies
+ * (docs/TRAINING.md, "Fast mode"). row_stats_in must come from a call in the same mode.
  */
 #ifndef KILN_FUSED_CE_H
 #define KILN_FUSED_CE_H

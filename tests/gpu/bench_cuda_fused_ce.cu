@@ -4,7 +4,10 @@
  * issue-5 benchmark shape: V = 151936, H = 896, N = 8192 rows (Qwen2.5-0.5B's head over
  * 4 x 2048 positions).
  *
- * For each mode (auditable: kiln_backend_cuda_create_mode(0, 0); fast: (0, 1)), each weight
+ * For each mode (auditable: kiln_backend_cuda_create_mode(0, 0); fast: (0, 1), which runs the
+ * bf16 path of fused_ce.c; fast-composition, only when asked for: the fast backend with
+ * kiln_cuda_ce_set_legacy(1), the composition of the backend's matmul and matmul_backward that
+ * the bf16 path replaced, same bits, for comparison), each weight
  * dtype (f32, bf16) and each pass ("fwd": the loss alone, dhidden = dweight = NULL, pass 1
  * only; "fwd+bwd": loss, dhidden (overwritten) and dweight (accumulated), as training calls
  * it), one untimed call and then --reps timed calls, each timed on the host around the call
@@ -27,7 +30,7 @@
  * case ran, every loss finite) or "FAILED n".
  *
  * Usage: bench_cuda_fused_ce [--N 8192] [--H 896] [--V 151936] [--chunk 0] [--reps 3]
- *                            [--modes auditable,fast] [--quick]
+ *                            [--modes auditable,fast[,fast-composition]] [--quick]
  *   --quick: N 1024 and 1 rep. Exit 77 without a GPU (a benchmark: nothing to check here).
  */
 #include <cuda_runtime.h>
@@ -49,6 +52,7 @@ extern "C" {
 #include "ops/ops.h"
 #include "train/fused_ce.h"
 }
+#include "ops/cuda/cuda_train.h" /* kiln_cuda_ce_set_legacy */
 
 static int g_fail = 0;
 
@@ -143,14 +147,17 @@ static double median(std::vector<double> v) {
     return v[v.size() / 2];
 }
 
-/* One mode: every (weight dtype, pass) case; prints a RESULT line each. */
-static void bench_mode(int fast, int64_t N, int64_t H, int64_t V, int64_t chunk, int reps,
-                       const std::vector<int32_t> &targets) {
-    const char *mode = fast ? "fast" : "auditable";
+/* One mode: every (weight dtype, pass) case; prints a RESULT line each. legacy: the fast
+ * backend through the composition (kiln_cuda_ce_set_legacy). */
+static void bench_mode(int fast, int legacy, int64_t N, int64_t H, int64_t V, int64_t chunk,
+                       int reps, const std::vector<int32_t> &targets) {
+    const char *mode = legacy ? "fast-composition" : fast ? "fast" : "auditable";
+    kiln_cuda_ce_set_legacy(legacy);
     kiln_backend *be = nullptr;
     if (kiln_backend_cuda_create_mode(0, fast, &be) != KILN_OK) {
         printf("SKIP mode=%s reason=%s\n", mode, kiln_last_error());
         g_fail++;
+        kiln_cuda_ce_set_legacy(0);
         return;
     }
     Buffers b;
@@ -228,6 +235,7 @@ static void bench_mode(int fast, int64_t N, int64_t H, int64_t V, int64_t chunk,
     kiln_backend_free_buf(be, b.dh);
     kiln_backend_free_buf(be, b.dw);
     kiln_backend_free(be);
+    kiln_cuda_ce_set_legacy(0);
 }
 
 int main(int argc, char **argv) {
@@ -247,7 +255,7 @@ int main(int argc, char **argv) {
             reps = 1;
         } else {
             fprintf(stderr, "usage: %s [--N n] [--H h] [--V v] [--chunk c] [--reps r] "
-                            "[--modes auditable,fast] [--quick]\n", argv[0]);
+                            "[--modes auditable,fast,fast-composition] [--quick]\n", argv[0]);
             return 2;
         }
     }
@@ -277,8 +285,17 @@ int main(int argc, char **argv) {
            "%.2f GiB (f32)\n", prop.name, (long long)N, (long long)H, (long long)V,
            (long long)(chunk ? chunk : KILN_FUSED_CE_DEFAULT_CHUNK), reps,
            (double)N * (double)V * 4.0 / 1073741824.0);
-    for (const char *m : {"auditable", "fast"})
-        if (modes.find(m) != std::string::npos) bench_mode(!strcmp(m, "fast"), N, H, V, chunk, reps, targets);
+    std::vector<std::string> want; /* the comma-separated names, matched whole */
+    for (size_t a = 0; a <= modes.size();) {
+        size_t b = modes.find(',', a);
+        if (b == std::string::npos) b = modes.size();
+        want.push_back(modes.substr(a, b - a));
+        a = b + 1;
+    }
+    for (const char *m : {"auditable", "fast", "fast-composition"})
+        if (std::find(want.begin(), want.end(), m) != want.end())
+            bench_mode(strcmp(m, "auditable") != 0, !strcmp(m, "fast-composition"), N, H, V,
+                       chunk, reps, targets);
     if (g_fail) {
         printf("FAILED %d\n", g_fail);
         return 1;

@@ -19,10 +19,29 @@
  *   - exact properties: every output element finite, unsupervised rows of row_loss and of an
  *     overwritten dhidden exactly 0, an accumulated dhidden's unsupervised rows untouched;
  *     n_supervised equal; scratch_bytes <= kiln_fused_ce_scratch_bytes.
- * One line per case ("fused_ce fast ... err loss 3.1e-4 row 2.0e-3 dh 2.5e-3 dW 2.7e-3 OK"),
- * then "ALL OK" or "FAILED n".
+ * One line per case ("fused_ce fast ... err loss 3.1e-4 row 2.0e-3 dh 2.5e-3 dW 2.7e-3 OK").
  *
- * Usage: test_cuda_fused_ce_fast [--quick] [--seed N]   (--quick: V 49152 cases skipped).
+ * Then the bf16 path (fused_ce.c, ce_pass2_bf16: hs rounded once, g written in bf16, the GEMMs
+ * called directly) against the composition it replaced (the backend's matmul and
+ * matmul_backward per chunk, still reachable through kiln_cuda_ce_set_legacy): the same call
+ * both ways must give the SAME BITS (loss, loss_f64, row_loss, row_stats, dhidden, dweight),
+ * the bf16 path twice in a row too. Cases: odd S (2047, 801, 10), chunks that do not divide V
+ * (last chunks of 848, 7 and 1 columns), H = 100 (leading dimension padded to 104), f32 and
+ * bf16 weights, a bf16 weight 2 bytes off 16-byte alignment (the GEMMs take a copy), dh only,
+ * dW only, the loss alone, pass 2 alone from row_stats_in (the trainer's backward call).
+ * Each case also says which path ran: the two layouts have different scratch sizes, so
+ * scratch_bytes differs between the two calls exactly when the bf16 path ran (expected for
+ * all but S <= 8 and a dh-only call with a chunk far above 3 H, which keep the composition),
+ * and scratch_bytes stays within kiln_fused_ce_scratch_bytes of that call's gradients.
+ * One line per case ("fused_ce bits ... path bf16 OK"). Without --quick, the same comparison
+ * at V 151936, H 896, N 8192 (Qwen2.5-0.5B's head over 4 x 2048 positions), with a timing
+ * line per weight dtype:
+ *   "fused_ce fast timing N=8192 H=896 V=151936 f32 fwd+bwd: bf16 path 12.34 ms, composition
+ *    31.40 ms per call (median of 5)".
+ * Then "ALL OK" or "FAILED n".
+ *
+ * Usage: test_cuda_fused_ce_fast [--quick] [--seed N]   (--quick: V 49152 and 151936 cases
+ * skipped).
  * Exit 0 all OK, 1 on a failure, 77 without a GPU (after the host-side checks of the error
  * measure itself).
  */
@@ -41,6 +60,10 @@ extern "C" {
 #include "ops/ops.h"
 #include "train/fused_ce.h"
 }
+#include "ops/cuda/cuda_train.h" /* kiln_cuda_ce_set_legacy (C linkage by its own guard) */
+
+#include <algorithm>
+#include <chrono>
 
 #define GPU_TEST_SEED 0xf00dull
 #include "gpu_test_check.h"
@@ -122,18 +145,20 @@ struct CeCase {
 struct Side {
     kiln_backend *be = nullptr;
     float *hidden = nullptr, *dh = nullptr, *dw = nullptr, *rl = nullptr, *rs = nullptr;
-    void *w = nullptr;
+    void *w = nullptr;  /* the allocation */
+    void *wp = nullptr; /* the weight: w + w_off bytes */
     void init(kiln_backend *b, const std::vector<float> &h, const std::vector<uint8_t> &wt,
-              int64_t N, int64_t H, int64_t V) {
+              int64_t N, int64_t H, int64_t V, size_t w_off = 0) {
         be = b;
         hidden = (float *)dalloc(be, h.size() * 4);
-        w = dalloc(be, wt.size());
+        w = dalloc(be, wt.size() + 16);
+        wp = (uint8_t *)w + w_off;
         dh = (float *)dalloc(be, (size_t)N * H * 4);
         dw = (float *)dalloc(be, (size_t)V * H * 4);
         rl = (float *)dalloc(be, (size_t)N * 4);
         rs = (float *)dalloc(be, (size_t)N * 12);
         OK_OR_FAIL(kiln_backend_upload(be, hidden, h.data(), h.size() * 4));
-        OK_OR_FAIL(kiln_backend_upload(be, w, wt.data(), wt.size()));
+        OK_OR_FAIL(kiln_backend_upload(be, wp, wt.data(), wt.size()));
     }
     void release() {
         for (void *p : {(void *)hidden, w, (void *)dh, (void *)dw, (void *)rl, (void *)rs})
@@ -162,7 +187,7 @@ static bool run_side(Side &s, const kiln_fused_ce_params &base, const CeCase &c,
     if (!stats_in) OK_OR_FAIL(kiln_backend_upload(s.be, s.rs, nan_rs.data(), (size_t)N * 12));
     kiln_fused_ce_params p = base;
     p.hidden = s.hidden;
-    p.weight = s.w;
+    p.weight = s.wp;
     p.dhidden = s.dh;
     p.dweight = s.dw;
     p.row_loss = s.rl;
@@ -191,7 +216,7 @@ static bool same_bytes(const std::vector<float> &a, const std::vector<float> &b,
     if (a.size() == b.size() && memcmp(a.data(), b.data(), a.size() * 4) == 0) return true;
     size_t i = 0;
     while (i < a.size() && i < b.size() && memcmp(&a[i], &b[i], 4) == 0) i++;
-    FAIL("%s: %s not bit-identical between fast runs: element %zu: %.9g vs %.9g", tag, what, i,
+    FAIL("%s: %s not bit-identical: element %zu: %.9g vs %.9g", tag, what, i,
          i < a.size() ? (double)a[i] : 0.0, i < b.size() ? (double)b[i] : 0.0);
     return false;
 }
@@ -337,6 +362,184 @@ static void test_case(kiln_backend *fast_be, kiln_backend *aud_be, const CeCase 
     fflush(stdout);
 }
 
+/* ---- the bf16 path against the composition ------------------------------------------------ */
+
+struct BitCase {
+    int64_t N, H, V, chunk;
+    kiln_dtype dt;
+    int dh, dw;      /* which gradients are asked for */
+    int stats_in;    /* a loss-only call with row_stats_out, then pass 2 alone from it */
+    int w_misalign;  /* the weight 2 bytes past a 16-byte boundary */
+    int masked;      /* every 3rd row masked out */
+    int expect_bf16; /* the bf16 path runs (else both calls run the composition) */
+};
+
+/* One fast call (legacy: through the composition), its outputs reset first (dhidden NaN and
+ * overwritten, dweight dw0 and accumulated, row_loss and row_stats NaN), downloaded after.
+ * stats_in: a loss-only call writes row_stats first, then the gradient call reads them.
+ * *ms (when not NULL): the median time of `reps` more calls of the gradient call. */
+static bool run_bits(Side &s, const kiln_fused_ce_params &base, const BitCase &c,
+                     const std::vector<float> &dw0, int legacy, Outs &o, const char *tag,
+                     int reps, double *ms) {
+    const int64_t N = c.N, H = c.H, V = c.V;
+    std::vector<float> nan_n((size_t)N, NAN), nan_rs((size_t)N * 3, NAN);
+    std::vector<float> nan_dh((size_t)N * H, NAN);
+    OK_OR_FAIL(kiln_backend_upload(s.be, s.dh, nan_dh.data(), nan_dh.size() * 4));
+    OK_OR_FAIL(kiln_backend_upload(s.be, s.dw, dw0.data(), dw0.size() * 4));
+    OK_OR_FAIL(kiln_backend_upload(s.be, s.rl, nan_n.data(), (size_t)N * 4));
+    OK_OR_FAIL(kiln_backend_upload(s.be, s.rs, nan_rs.data(), (size_t)N * 12));
+    kiln_cuda_ce_set_legacy(legacy);
+    kiln_fused_ce_params p = base;
+    p.hidden = s.hidden;
+    p.weight = s.wp;
+    p.row_loss = s.rl;
+    kiln_status st = KILN_OK;
+    if (c.stats_in) {
+        p.row_stats_out = s.rs;
+        st = kiln_fused_ce(s.be, &p, &o.r);
+        p.row_stats_out = nullptr;
+        p.row_stats_in = s.rs;
+    } else {
+        p.row_stats_out = s.rs;
+    }
+    p.dhidden = c.dh ? s.dh : nullptr;
+    p.dweight = c.dw ? s.dw : nullptr;
+    memset(&o.r, 0xab, sizeof o.r);
+    if (st == KILN_OK) st = kiln_fused_ce(s.be, &p, &o.r);
+    std::vector<double> t;
+    for (int i = 0; i < reps && st == KILN_OK; i++) { /* dweight keeps accumulating: fine */
+        if (cudaDeviceSynchronize() != cudaSuccess) break;
+        auto t0 = std::chrono::steady_clock::now();
+        kiln_fused_ce_result r2;
+        st = kiln_fused_ce(s.be, &p, &r2);
+        auto t1 = std::chrono::steady_clock::now();
+        t.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    }
+    kiln_cuda_ce_set_legacy(0);
+    if (st != KILN_OK) {
+        FAIL("%s (%s): kiln_fused_ce: %s: %s", tag, legacy ? "composition" : "bf16 path",
+             kiln_status_string(st), kiln_last_error());
+        return false;
+    }
+    if (ms && !t.empty()) {
+        std::sort(t.begin(), t.end());
+        *ms = t[t.size() / 2];
+    }
+    if (reps > 0) return true; /* timed: the outputs moved on, nothing to compare */
+    o.dh.resize((size_t)N * H);
+    o.dw.resize((size_t)V * H);
+    o.rl.resize((size_t)N);
+    o.rs.resize((size_t)N * 3);
+    OK_OR_FAIL(kiln_backend_download(s.be, o.dh.data(), s.dh, o.dh.size() * 4));
+    OK_OR_FAIL(kiln_backend_download(s.be, o.dw.data(), s.dw, o.dw.size() * 4));
+    OK_OR_FAIL(kiln_backend_download(s.be, o.rl.data(), s.rl, o.rl.size() * 4));
+    OK_OR_FAIL(kiln_backend_download(s.be, o.rs.data(), s.rs, o.rs.size() * 4));
+    return true;
+}
+
+/* The case's call through the bf16 path (twice) and through the composition: the same bits.
+ * reps > 0: then time `reps` calls of each and print the timing line. */
+static void test_bits(kiln_backend *be, const BitCase &c, int reps) {
+    const int fails0 = g_fail;
+    const int64_t N = c.N, H = c.H, V = c.V;
+    const int bf16 = c.dt == KILN_DTYPE_BF16;
+    const float wamp = 2.0f / std::sqrt((float)H);
+    std::vector<float> hidden((size_t)N * H);
+    for (auto &x : hidden) x = rndu();
+    std::vector<uint8_t> w((size_t)V * H * (bf16 ? 2 : 4));
+    for (int64_t e = 0; e < V * H; e++) {
+        float x = rndu() * wamp;
+        if (bf16) {
+            uint16_t b = kiln_fp32_to_bf16(x);
+            memcpy(w.data() + 2 * e, &b, 2);
+        } else {
+            memcpy(w.data() + 4 * e, &x, 4);
+        }
+    }
+    std::vector<int32_t> tg((size_t)N);
+    std::vector<uint8_t> mask((size_t)N, 1);
+    for (int64_t n = 0; n < N; n++) {
+        tg[n] = (int32_t)(rnd64() % (uint64_t)V);
+        if (N % 1024 == 0) {
+            if (n == N - 1 && N < 8192) tg[n] = -1; /* a shifted sequence: odd S */
+        } else if (n % 5 == 3) {
+            tg[n] = -1;
+        }
+        if (c.masked && n % 3 == 1) mask[n] = 0;
+    }
+    tg[0] = (int32_t)(V - 1); /* the last column: the last (partial) chunk */
+    int64_t S = 0;
+    for (int64_t n = 0; n < N; n++) S += (mask[n] && tg[n] >= 0) ? 1 : 0;
+    std::vector<float> dw0((size_t)V * H);
+    for (auto &x : dw0) x = rndu() * 1e-3f / (float)S;
+
+    char tag[220];
+    snprintf(tag, sizeof tag,
+             "fused_ce bits %s N=%lld H=%lld V=%lld chunk=%lld S=%lld%s%s%s%s%s",
+             bf16 ? "bf16" : "f32", (long long)N, (long long)H, (long long)V, (long long)c.chunk,
+             (long long)S,
+             c.dh && c.dw ? " dh+dW" : c.dh ? " dh only" : c.dw ? " dW only" : " loss only",
+             c.stats_in ? " stats_in" : "", c.w_misalign ? " w+2B" : "", c.masked ? " mask" : "",
+             reps > 0 ? " (timed)" : "");
+
+    kiln_fused_ce_params base = kiln_fused_ce_default_params();
+    base.N = N;
+    base.H = H;
+    base.V = V;
+    base.weight_dtype = c.dt;
+    base.targets = tg.data();
+    base.mask = c.masked ? mask.data() : nullptr;
+    base.reduction = KILN_CE_REDUCTION_MEAN;
+    base.scale = 0.75f;
+    base.chunk = c.chunk;
+
+    Side s;
+    s.init(be, hidden, w, N, H, V, c.w_misalign ? 2 : 0);
+    Outs nb1, nb2, leg;
+    bool ok = run_bits(s, base, c, dw0, 0, nb1, tag, 0, nullptr) &&
+              run_bits(s, base, c, dw0, 1, leg, tag, 0, nullptr) &&
+              run_bits(s, base, c, dw0, 0, nb2, tag, 0, nullptr);
+    bool ran_bf16 = false;
+    if (ok) {
+        same_run(nb1, leg, "bf16 path vs composition", tag);
+        same_run(nb1, nb2, "bf16 path twice", tag);
+        if (!std::isfinite(nb1.r.loss)) FAIL("%s: loss %g", tag, (double)nb1.r.loss);
+        for (size_t e = 0; c.dh && e < nb1.dh.size(); e++) /* overwritten: no NaN left */
+            if (!std::isfinite(nb1.dh[e])) {
+                FAIL("%s: dhidden[%zu] = %g", tag, e, (double)nb1.dh[e]);
+                break;
+            }
+        size_t moved = 0; /* the gradient reached dweight (not a vacuous comparison) */
+        for (size_t e = 0; e < nb1.dw.size(); e++) moved += nb1.dw[e] != dw0[e];
+        if (c.dw && moved == 0) FAIL("%s: dweight unchanged", tag);
+        if (!c.dw && moved != 0) FAIL("%s: dweight written without being asked for", tag);
+        ran_bf16 = nb1.r.scratch_bytes != leg.r.scratch_bytes;
+        if (ran_bf16 != (c.expect_bf16 != 0))
+            FAIL("%s: the %s ran (scratch %zu, composition %zu), expected the %s", tag,
+                 ran_bf16 ? "bf16 path" : "composition", nb1.r.scratch_bytes,
+                 leg.r.scratch_bytes, c.expect_bf16 ? "bf16 path" : "composition");
+        size_t bound = kiln_fused_ce_scratch_bytes(S, H, V, c.chunk, c.dh, c.dw);
+        if (nb1.r.scratch_bytes == 0 || nb1.r.scratch_bytes > bound ||
+            leg.r.scratch_bytes > bound)
+            FAIL("%s: scratch_bytes %zu (composition %zu) not in (0, %zu]", tag,
+                 nb1.r.scratch_bytes, leg.r.scratch_bytes, bound);
+    }
+    double ms_new = 0.0, ms_old = 0.0;
+    if (ok && reps > 0) {
+        Outs tmp;
+        run_bits(s, base, c, dw0, 0, tmp, tag, reps, &ms_new);
+        run_bits(s, base, c, dw0, 1, tmp, tag, reps, &ms_old);
+    }
+    s.release();
+    printf("%s: path %s, scratch %zu bytes %s\n", tag, ran_bf16 ? "bf16" : "composition",
+           ok ? nb1.r.scratch_bytes : (size_t)0, g_fail == fails0 ? "OK" : "FAILED");
+    if (reps > 0)
+        printf("fused_ce fast timing N=%lld H=%lld V=%lld %s %s: bf16 path %.2f ms, composition "
+               "%.2f ms per call (median of %d)\n", (long long)N, (long long)H, (long long)V,
+               bf16 ? "bf16" : "f32", c.dh || c.dw ? "fwd+bwd" : "fwd", ms_new, ms_old, reps);
+    fflush(stdout);
+}
+
 int main(int argc, char **argv) {
     bool quick = false;
     for (int a = 1; a < argc; a++) {
@@ -384,6 +587,30 @@ int main(int argc, char **argv) {
         c.masked = 1;
         test_case(fast_be, aud_be, c);
     }
+    /* the bf16 path against the composition: {N, H, V, chunk, dtype, dh, dw, stats_in,
+     * w_misalign, masked, expect_bf16} */
+    const BitCase bit_cases[] = {
+        {2048, 896, 49152, 0, KILN_DTYPE_F32, 1, 1, 0, 0, 0, 1},    /* S 2047 -> Sp 2048 */
+        {2048, 896, 49152, 0, KILN_DTYPE_BF16, 1, 1, 1, 0, 0, 1},   /* the trainer's calls */
+        {2047, 576, 50000, 4096, KILN_DTYPE_BF16, 1, 1, 0, 1, 1, 1}, /* copy of W, last 848 */
+        {1001, 100, 3001, 1000, KILN_DTYPE_BF16, 1, 1, 0, 0, 0, 1}, /* ld 104, last chunk 1 */
+        {1001, 100, 3001, 1000, KILN_DTYPE_F32, 1, 1, 1, 0, 1, 1},
+        {2048, 896, 10007, 1000, KILN_DTYPE_F32, 1, 0, 0, 0, 0, 1}, /* dh only, last 7 */
+        {2048, 896, 49152, 8192, KILN_DTYPE_F32, 1, 0, 0, 0, 0, 0}, /* dh only: too big */
+        {2047, 576, 49152, 0, KILN_DTYPE_BF16, 0, 1, 0, 0, 0, 1},   /* dW only */
+        {2048, 896, 49152, 0, KILN_DTYPE_F32, 0, 0, 0, 0, 0, 1},    /* the loss alone */
+        {12, 64, 1000, 300, KILN_DTYPE_F32, 1, 1, 0, 0, 0, 1},      /* S 10 -> Sp 16 */
+        {7, 64, 1000, 300, KILN_DTYPE_BF16, 1, 1, 0, 0, 0, 0},      /* S 6: matvec logits */
+    };
+    for (const BitCase &c : bit_cases) {
+        if (quick && c.V > 10007) continue;
+        test_bits(fast_be, c, 0);
+    }
+    if (!quick) /* the benchmark shape, checked and timed, f32 and bf16 weights */
+        for (kiln_dtype dt : {KILN_DTYPE_F32, KILN_DTYPE_BF16}) {
+            BitCase c = {8192, 896, 151936, 0, dt, 1, 1, 0, 0, 0, 1};
+            test_bits(fast_be, c, 5);
+        }
     OK_OR_FAIL(kiln_backend_status(fast_be));
     OK_OR_FAIL(kiln_backend_status(aud_be));
     kiln_backend_free(fast_be);

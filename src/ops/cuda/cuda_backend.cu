@@ -784,3 +784,14 @@ extern "C" kiln_status kiln_backend_cuda_create_mode(int device, int fast, kiln_
     *out = be;
     return KILN_OK;
 }
+
+/* ---- for cuda_fused_ce.cu (declared there) ------------------------------------------------- */
+
+/* The GEMM handle the fast matmul uses, made on first use; NULL when poisoned. */
+kiln_cuda_gemm *kiln_cuda_backend_gemm(kiln_backend *be);
+kiln_cuda_gemm *kiln_cuda_backend_gemm(kiln_backend *be) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return NULL;
+    if (!c->gemm && !CK(c, kiln_cuda_gemm_create(c->device, &c->gemm))) return NULL;
+    return c->gemm;
+}

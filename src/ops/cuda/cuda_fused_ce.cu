@@ -19,12 +19,24 @@
  *   - g (grad_fast_kernel): the same operations as grad_kernel per element, on a 2-D grid
  *     (no 64-bit division per element), and zero rows from S to the padded row count, so the
  *     products see a row count that is a multiple of 8 (fused_ce.c, ce_pass2_fast).
+ * and its bf16 path (fused_ce.c, ce_pass2_bf16) adds the bf16 operands of the products: the
+ * gathered hidden rows rounded once per call (gather_bf16_kernel), g written in bf16 by the
+ * gradient kernel itself (grad_bf16_kernel: grad_fast_kernel's value, then the rounding), and
+ * thin entry points that run the GEMM module (cuda_gemm_fast.h) on the backend's handle.
  */
 #include "cuda_common.cuh"
+#include "cuda_gemm_fast.h"
+
+#include <atomic>
 
 extern "C" {
 #include "cuda_train.h"
 }
+
+/* The backend's GEMM handle, made on first use as the fast matmul makes it; NULL when the
+ * backend is poisoned or the handle cannot be made (which poisons it). Defined at the end of
+ * cuda_backend.cu for this file. */
+kiln_cuda_gemm *kiln_cuda_backend_gemm(kiln_backend *be);
 
 #define CE_BEGIN(be)                                                                           \
     do {                                                                                       \
@@ -334,6 +346,13 @@ extern "C" kiln_status kiln_cuda_ce_pass1_fast(kiln_backend *be, const float *z,
     return ce_launched(be, "fused_ce pass 1 (fast)");
 }
 
+/* One element of g: grad_kernel's operations (is_t: the target's column). */
+static __device__ __forceinline__ float ce_grad_value(float z, float mi, float li, float gs,
+                                                      bool is_t) {
+    const float e = kiln_expf(z - mi);
+    return is_t ? ((e / li) - 1.0f) * gs : (e / li) * gs;
+}
+
 /* g in place for rows [0, S) of z(Sp, n) (grad_kernel's operations per element), zeros in rows
  * [S, Sp). Grid: x over the columns, y over the rows (both grid-strided). */
 static __global__ void __launch_bounds__(CE_FAST_THREADS)
@@ -350,10 +369,7 @@ grad_fast_kernel(float *z, int64_t S, int64_t Sp, int64_t n, int64_t c0,
         }
         const float mi = m[i], li = l[i];
         const int64_t t = (int64_t)tgt[i] - c0;
-        for (int64_t j = j0; j < n; j += js) {
-            const float e = kiln_expf(zr[j] - mi);
-            zr[j] = j == t ? ((e / li) - 1.0f) * gs : (e / li) * gs;
-        }
+        for (int64_t j = j0; j < n; j += js) zr[j] = ce_grad_value(zr[j], mi, li, gs, j == t);
     }
 }
 
@@ -372,3 +388,181 @@ extern "C" kiln_status kiln_cuda_ce_grad_fast(kiln_backend *be, float *z, int64_
                                                                          l, gs);
     return ce_launched(be, "fused_ce gradient (fast)");
 }
+
+/* ---- fast mode on bf16 operands -------------------------------------------------------------- */
+
+/* tensor.c's kiln_fp32_to_bf16 (and the GEMM module's conversions), operation for operation:
+ * round to nearest even; a NaN keeps its sign and top payload bits and is made quiet. */
+static __device__ __forceinline__ uint16_t ce_bf16(float f) {
+    const uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)(((uint64_t)u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The bf16 kernels below give each thread a run of CE_RUN = 4 columns of one row and store it
+ * as one 8-byte word: the destination's leading dimension is a multiple of 8 elements and its
+ * start 16-byte aligned, so a run starting at a multiple of 4 never leaves its row's padded
+ * width. Columns past the matrix's width inside the last run are written as zeros (padding the
+ * products never read). Grid: x over the runs of a row, y over the rows (strided). */
+#define CE_RUN 4
+
+static __device__ __forceinline__ void ce_store_run(uint16_t *dst, const uint16_t v[CE_RUN]) {
+    uint2 o;
+    o.x = (uint32_t)v[0] | ((uint32_t)v[1] << 16); /* little-endian: column j at the lower */
+    o.y = (uint32_t)v[2] | ((uint32_t)v[3] << 16); /* address */
+    *(uint2 *)dst = o;
+}
+
+static __global__ void __launch_bounds__(CE_FAST_THREADS)
+gather_bf16_kernel(uint16_t *__restrict__ hsb, int64_t ld, const float *__restrict__ hidden,
+                   const int64_t *__restrict__ idx, int64_t S, int64_t Sp, int64_t H) {
+    const int64_t j0 = ((int64_t)blockIdx.x * CE_FAST_THREADS + threadIdx.x) * CE_RUN;
+    if (j0 >= H) return;
+    for (int64_t i = blockIdx.y; i < Sp; i += gridDim.y) {
+        uint16_t v[CE_RUN] = {0, 0, 0, 0};
+        if (i < S) {
+            const float *src = hidden + idx[i] * H;
+#pragma unroll
+            for (int q = 0; q < CE_RUN; q++)
+                if (j0 + q < H) v[q] = ce_bf16(src[j0 + q]);
+        }
+        ce_store_run(hsb + i * ld + j0, v);
+    }
+}
+
+/* The grid of the bf16 kernels for rows x cols; false when cols is too wide. */
+static bool ce_run_grid(int64_t rows, int64_t cols, dim3 *grid) {
+    const int64_t per_block = (int64_t)CE_FAST_THREADS * CE_RUN;
+    const int64_t gx = (cols + per_block - 1) / per_block;
+    if (gx > 0x7fffffff) return false;
+    *grid = dim3((unsigned)gx, (unsigned)(rows < 65535 ? rows : 65535));
+    return true;
+}
+
+/* The destination's contract for the bf16 kernels (see CE_RUN). */
+static bool ce_run_dst_ok(const uint16_t *dst, int64_t ld, int64_t cols) {
+    return dst && ld >= cols && ld % 8 == 0 && ((uintptr_t)dst & 15u) == 0;
+}
+
+extern "C" kiln_status kiln_cuda_ce_gather_bf16(kiln_backend *be, uint16_t *hsb, int64_t ld,
+                                                const float *hidden, const int64_t *idx,
+                                                int64_t S, int64_t Sp, int64_t H) {
+    CE_BEGIN(be);
+    dim3 grid;
+    if (Sp < S || !ce_run_dst_ok(hsb, ld, H) || !ce_run_grid(Sp, H, &grid))
+        return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG,
+                              "fused_ce gather (bf16): rows %lld, padded %lld, H %lld, ld %lld",
+                              (long long)S, (long long)Sp, (long long)H, (long long)ld);
+    if (Sp <= 0 || H <= 0) return KILN_OK;
+    gather_bf16_kernel<<<grid, CE_FAST_THREADS, 0, kiln_cuda_stream(be)>>>(hsb, ld, hidden, idx,
+                                                                           S, Sp, H);
+    return ce_launched(be, "fused_ce gather (bf16)");
+}
+
+/* g(Sp, ldg) in bf16 from z(S, n): the value of grad_fast_kernel, rounded once. float4 loads
+ * where the run is whole and 16-byte aligned (the same values either way). */
+static __global__ void __launch_bounds__(CE_FAST_THREADS)
+grad_bf16_kernel(uint16_t *__restrict__ g, int64_t ldg, const float *__restrict__ z, int64_t S,
+                 int64_t Sp, int64_t n, int64_t c0, const int32_t *__restrict__ tgt,
+                 const float *__restrict__ m, const float *__restrict__ l, float gs) {
+    const int64_t j0 = ((int64_t)blockIdx.x * CE_FAST_THREADS + threadIdx.x) * CE_RUN;
+    if (j0 >= n) return;
+    for (int64_t i = blockIdx.y; i < Sp; i += gridDim.y) {
+        uint16_t v[CE_RUN] = {0, 0, 0, 0};
+        if (i < S) {
+            const float mi = m[i], li = l[i];
+            const int64_t t = (int64_t)tgt[i] - c0;
+            const float *zr = z + i * n + j0;
+            float x[CE_RUN];
+            if (j0 + CE_RUN <= n && ((uintptr_t)zr & 15u) == 0) {
+                const float4 x4 = *(const float4 *)zr;
+                x[0] = x4.x, x[1] = x4.y, x[2] = x4.z, x[3] = x4.w;
+            } else {
+#pragma unroll
+                for (int q = 0; q < CE_RUN; q++) x[q] = j0 + q < n ? zr[q] : 0.0f;
+            }
+#pragma unroll
+            for (int q = 0; q < CE_RUN; q++)
+                if (j0 + q < n) v[q] = ce_bf16(ce_grad_value(x[q], mi, li, gs, j0 + q == t));
+        }
+        ce_store_run(g + i * ldg + j0, v);
+    }
+}
+
+extern "C" kiln_status kiln_cuda_ce_grad_bf16(kiln_backend *be, uint16_t *g, int64_t ldg,
+                                              const float *z, int64_t S, int64_t Sp, int64_t n,
+                                              int64_t c0, const int32_t *tgt, const float *m,
+                                              const float *l, float gs) {
+    CE_BEGIN(be);
+    dim3 grid;
+    if (Sp < S || !ce_run_dst_ok(g, ldg, n) || !ce_run_grid(Sp, n, &grid))
+        return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG,
+                              "fused_ce gradient (bf16): rows %lld, padded %lld, n %lld, ld %lld",
+                              (long long)S, (long long)Sp, (long long)n, (long long)ldg);
+    if (Sp <= 0 || n <= 0) return KILN_OK;
+    grad_bf16_kernel<<<grid, CE_FAST_THREADS, 0, kiln_cuda_stream(be)>>>(g, ldg, z, S, Sp, n, c0,
+                                                                         tgt, m, l, gs);
+    return ce_launched(be, "fused_ce gradient (bf16)");
+}
+
+/* The GEMM module's rule (bf16_in_place in cuda_gemm_fast.cu and cuda_backward_fast.cu): rows
+ * that start 16-byte aligned are read in place; a copy would have other alignments and leading
+ * dimension, hence possibly another algorithm and other bits. */
+extern "C" bool kiln_cuda_ce_weight_in_place(const void *w, size_t row_bytes, kiln_dtype dt) {
+    return dt == KILN_DTYPE_BF16 && ((uintptr_t)w & 15u) == 0 && row_bytes % 16 == 0;
+}
+
+/* A failed GEMM-module call: poison the backend with the module's message. */
+static kiln_status ce_gemm_failed(kiln_backend *be, kiln_cuda_gemm *g, cudaError_t e,
+                                  const char *what) {
+    return kiln_cuda_fail(be, KILN_ERR_INTERNAL, "fused_ce %s (fast gemm): %s (%s)", what,
+                          kiln_cuda_gemm_error(g), cudaGetErrorName(e));
+}
+
+extern "C" kiln_status kiln_cuda_ce_weight_bf16(kiln_backend *be, uint16_t *dst, int64_t ld,
+                                                const void *w, size_t row_bytes, kiln_dtype dt,
+                                                int64_t n, int64_t H) {
+    CE_BEGIN(be);
+    if (n <= 0 || H <= 0) return KILN_OK;
+    if (!ce_run_dst_ok(dst, ld, H) || (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_BF16))
+        return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG,
+                              "fused_ce weight (bf16): dtype %d, H %lld, ld %lld", (int)dt,
+                              (long long)H, (long long)ld);
+    cudaError_t e = kiln_cuda_weights_to_bf16(kiln_cuda_stream(be), dst, ld, (const uint8_t *)w,
+                                              row_bytes, dt, n, H);
+    if (!kiln_cuda_check(be, e, "fused_ce weight (bf16)")) return kiln_backend_status(be);
+    return KILN_OK;
+}
+
+extern "C" kiln_status kiln_cuda_ce_linear_bf16(kiln_backend *be, float *z, const uint16_t *hsb,
+                                                int64_t ldh, const void *w, size_t row_bytes,
+                                                kiln_dtype dt, int64_t n, int64_t H, int64_t S) {
+    CE_BEGIN(be);
+    if (S > 0x7fffffff)
+        return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG, "fused_ce logits (bf16): %lld rows",
+                              (long long)S);
+    kiln_cuda_gemm *g = kiln_cuda_backend_gemm(be);
+    if (!g) return kiln_backend_status(be);
+    cudaError_t e = kiln_cuda_gemm_linear_bf16(g, kiln_cuda_stream(be), z, hsb, ldh,
+                                               (const uint8_t *)w, row_bytes, dt, n, H, NULL,
+                                               (int)S, 0);
+    return e == cudaSuccess ? KILN_OK : ce_gemm_failed(be, g, e, "logits");
+}
+
+extern "C" kiln_status kiln_cuda_ce_gemm_bf16(kiln_backend *be, int trans_a, int trans_b,
+                                              int64_t M, int64_t N, int64_t K, const uint16_t *A,
+                                              int64_t lda, const uint16_t *B, int64_t ldb,
+                                              float *D, int64_t ldd, int accumulate) {
+    CE_BEGIN(be);
+    kiln_cuda_gemm *g = kiln_cuda_backend_gemm(be);
+    if (!g) return kiln_backend_status(be);
+    cudaError_t e = kiln_cuda_gemm_bf16(g, kiln_cuda_stream(be), trans_a, trans_b, M, N, K, A,
+                                        lda, B, ldb, D, ldd, accumulate);
+    return e == cudaSuccess ? KILN_OK : ce_gemm_failed(be, g, e, "product");
+}
+
+static std::atomic<int> g_ce_legacy{0};
+
+extern "C" void kiln_cuda_ce_set_legacy(int on) { g_ce_legacy.store(on != 0); }
+
+extern "C" int kiln_cuda_ce_legacy(void) { return g_ce_legacy.load(); }

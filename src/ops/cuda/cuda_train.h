@@ -145,6 +145,49 @@ kiln_status kiln_cuda_ce_grad_fast(kiln_backend *be, float *z, int64_t S, int64_
                                    int64_t c0, const int32_t *tgt, const float *m,
                                    const float *l, float gs);
 
+/* Fast mode on bf16 operands (fused_ce.c's ce_pass2_bf16): hs is rounded to bf16 once per
+ * call and g is written in bf16 by the gradient kernel, then the products are the GEMM
+ * module's (cuda_gemm_fast.h) on the backend's handle, with the operands laid out as
+ * kiln_cuda_gemm_linear and kiln_cuda_matmul_backward_fast lay out their own copies (leading
+ * dimensions padded to a multiple of 8 elements, 16-byte aligned starts), so every product has
+ * the bits of the matmul / matmul_backward composition (kiln_cuda_ce_set_legacy). The bf16
+ * values are tensor.c's kiln_fp32_to_bf16 of the f32 ones (round to nearest even). */
+/* hsb(Sp, ld) bf16: row i < S = the bf16 of hidden row idx[i] (H columns), rows [S, Sp) zero.
+ * ld >= H, a multiple of 8; hsb 16-byte aligned. */
+kiln_status kiln_cuda_ce_gather_bf16(kiln_backend *be, uint16_t *hsb, int64_t ld,
+                                     const float *hidden, const int64_t *idx, int64_t S,
+                                     int64_t Sp, int64_t H);
+/* g(Sp, ldg) bf16: rows [0, S) = the bf16 of kiln_cuda_ce_grad_fast's values on z(S, n)
+ * (z itself is not written), rows [S, Sp) zero. ldg >= n, a multiple of 8; g 16-byte
+ * aligned. */
+kiln_status kiln_cuda_ce_grad_bf16(kiln_backend *be, uint16_t *g, int64_t ldg, const float *z,
+                                   int64_t S, int64_t Sp, int64_t n, int64_t c0,
+                                   const int32_t *tgt, const float *m, const float *l, float gs);
+/* Whether the GEMMs read weight rows w (row_bytes apart, dtype dt) in place: bf16 with
+ * 16-byte aligned rows (the GEMM module's rule); otherwise they take a bf16 copy. */
+bool kiln_cuda_ce_weight_in_place(const void *w, size_t row_bytes, kiln_dtype dt);
+/* dst(n, ld) bf16 = the n weight rows w (H columns, row_bytes apart, f32 or bf16) rounded to
+ * bf16 (kiln_cuda_weights_to_bf16). ld >= H, a multiple of 8. */
+kiln_status kiln_cuda_ce_weight_bf16(kiln_backend *be, uint16_t *dst, int64_t ld, const void *w,
+                                     size_t row_bytes, kiln_dtype dt, int64_t n, int64_t H);
+/* z(S, n) = hsb(S, ldh) @ W(n, H)^T by kiln_cuda_gemm_linear_bf16 (W: n rows row_bytes apart,
+ * converted into the GEMM module's own scratch unless read in place). 1 <= S <= INT32_MAX. */
+kiln_status kiln_cuda_ce_linear_bf16(kiln_backend *be, float *z, const uint16_t *hsb,
+                                     int64_t ldh, const void *w, size_t row_bytes, kiln_dtype dt,
+                                     int64_t n, int64_t H, int64_t S);
+/* kiln_cuda_gemm_bf16 on the backend's handle and stream: D(M, N; ldd) (+)= A'(M, K) B'(K, N)
+ * with A' = A or A^T (trans_a), B' = B or B^T (trans_b), bf16 operands used in place. */
+kiln_status kiln_cuda_ce_gemm_bf16(kiln_backend *be, int trans_a, int trans_b, int64_t M,
+                                   int64_t N, int64_t K, const uint16_t *A, int64_t lda,
+                                   const uint16_t *B, int64_t ldb, float *D, int64_t ldd,
+                                   int accumulate);
+/* For the tests and benchmarks: on != 0 makes every later fast-mode kiln_fused_ce (any backend,
+ * this process) take the composition it ran before the bf16 path -- the backend's matmul for
+ * the logits and one matmul_backward per chunk (fused_ce.c, ce_pass2_fast) -- which the bf16
+ * path must match bit for bit. Not synchronised with calls running on other threads. */
+void kiln_cuda_ce_set_legacy(int on);
+int kiln_cuda_ce_legacy(void);
+
 #ifdef __cplusplus
 }
 #endif

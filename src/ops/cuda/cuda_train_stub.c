@@ -103,6 +103,45 @@ kiln_status kiln_cuda_ce_grad_fast(kiln_backend *be, float *z, int64_t S, int64_
     (void)gs;
     return no_cuda("kiln_cuda_ce_grad_fast");
 }
+kiln_status kiln_cuda_ce_gather_bf16(kiln_backend *be, uint16_t *hsb, int64_t ld,
+                                     const float *hidden, const int64_t *idx, int64_t S,
+                                     int64_t Sp, int64_t H) {
+    (void)be; (void)hsb; (void)ld; (void)hidden; (void)idx; (void)S; (void)Sp; (void)H;
+    return no_cuda("kiln_cuda_ce_gather_bf16");
+}
+kiln_status kiln_cuda_ce_grad_bf16(kiln_backend *be, uint16_t *g, int64_t ldg, const float *z,
+                                   int64_t S, int64_t Sp, int64_t n, int64_t c0,
+                                   const int32_t *tgt, const float *m, const float *l, float gs) {
+    (void)be; (void)g; (void)ldg; (void)z; (void)S; (void)Sp; (void)n; (void)c0; (void)tgt;
+    (void)m; (void)l; (void)gs;
+    return no_cuda("kiln_cuda_ce_grad_bf16");
+}
+bool kiln_cuda_ce_weight_in_place(const void *w, size_t row_bytes, kiln_dtype dt) {
+    (void)w; (void)row_bytes; (void)dt;
+    return false;
+}
+kiln_status kiln_cuda_ce_weight_bf16(kiln_backend *be, uint16_t *dst, int64_t ld, const void *w,
+                                     size_t row_bytes, kiln_dtype dt, int64_t n, int64_t H) {
+    (void)be; (void)dst; (void)ld; (void)w; (void)row_bytes; (void)dt; (void)n; (void)H;
+    return no_cuda("kiln_cuda_ce_weight_bf16");
+}
+kiln_status kiln_cuda_ce_linear_bf16(kiln_backend *be, float *z, const uint16_t *hsb,
+                                     int64_t ldh, const void *w, size_t row_bytes, kiln_dtype dt,
+                                     int64_t n, int64_t H, int64_t S) {
+    (void)be; (void)z; (void)hsb; (void)ldh; (void)w; (void)row_bytes; (void)dt; (void)n;
+    (void)H; (void)S;
+    return no_cuda("kiln_cuda_ce_linear_bf16");
+}
+kiln_status kiln_cuda_ce_gemm_bf16(kiln_backend *be, int trans_a, int trans_b, int64_t M,
+                                   int64_t N, int64_t K, const uint16_t *A, int64_t lda,
+                                   const uint16_t *B, int64_t ldb, float *D, int64_t ldd,
+                                   int accumulate) {
+    (void)be; (void)trans_a; (void)trans_b; (void)M; (void)N; (void)K; (void)A; (void)lda;
+    (void)B; (void)ldb; (void)D; (void)ldd; (void)accumulate;
+    return no_cuda("kiln_cuda_ce_gemm_bf16");
+}
+void kiln_cuda_ce_set_legacy(int on) { (void)on; }
+int kiln_cuda_ce_legacy(void) { return 0; }
 #else
 typedef int kiln_cuda_train_stub_unused; /* ISO C wants a non-empty translation unit */
 #endif
