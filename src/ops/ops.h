@@ -202,7 +202,25 @@ typedef struct kiln_backend_i {
                                     const float *v, const float *out, const float *lse,
                                     float *ws, int B, int N, int NH, int KVH, int HS,
                                     float scale);
+
+    /* ---- several products of one input (optional: NULL, and the caller makes one call
+     * each). n in 1..KILN_MATMUL_MULTI_MAX; weights as for matmul / matmul_backward.
+     * matmul_multi: out[i](N, R_i) = x(N,C) @ W[i]^T + bias[i] (bias NULL or bias[i] NULL:
+     * none) for i < n: the bits of n matmul calls (a fast mode rounds x to bf16 once).
+     * matmul_backward_multi: for i < n with dy[i](N, R_i): dW[i] += dy[i]^T @ x, dbias[i] +=
+     * sums of dy[i] (dW[i], dbias[i] NULL, or the array NULL: skipped) and dx(N,C) = the sum
+     * of dy[i] @ W[i] in order i = 0..n-1 (accumulate_dx: added to dx; dx NULL: skipped):
+     * the bits of n matmul_backward calls, the first with accumulate_dx, the rest
+     * accumulating (a fast mode rounds x to bf16 once). ---- */
+    void (*matmul_multi)(kiln_backend *be, int n, float *const *out, const float *x,
+                         const kiln_tensor *const *W, const float *const *bias, int N);
+    void (*matmul_backward_multi)(kiln_backend *be, int n, float *dx, float *const *dW,
+                                  float *const *dbias, const float *const *dy, const float *x,
+                                  const kiln_tensor *const *W, int N, bool accumulate_dx);
 } kiln_backend_i;
+
+/* The most products one matmul_multi / matmul_backward_multi call takes. */
+#define KILN_MATMUL_MULTI_MAX 4
 
 struct kiln_backend {
     const kiln_backend_i *i;

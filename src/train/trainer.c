@@ -602,6 +602,41 @@ void kiln_trainer_free(kiln_trainer *t) {
 /* ---- forward ------------------------------------------------------------------------------- */
 
 #define VEC(p) ((p) ? (const float *)(p)->w : NULL)
+#define GRAD(p) ((p) ? (p)->g : NULL)
+
+/* n products of one input, out[i] = x @ W[i]^T + bias[i]: one matmul_multi call where the
+ * backend has it (the same bits), else n matmul calls. */
+static void matmul_n(kiln_backend *be, int n, float *const *out, const float *x, const train_param *const *W,
+                     const train_param *const *bias, int N) {
+    const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
+    const float *bv[KILN_MATMUL_MULTI_MAX];
+    for (int i = 0; i < n; i++) {
+        wv[i] = &W[i]->view;
+        bv[i] = VEC(bias[i]);
+    }
+    if (be->i->matmul_multi)
+        be->i->matmul_multi(be, n, out, x, wv, bv, N);
+    else
+        for (int i = 0; i < n; i++) be->i->matmul(be, out[i], x, wv[i], bv[i], N);
+}
+
+/* The backward of matmul_n: dx (+)= sum of dy[i] @ W[i] in order, each W[i]'s and bias[i]'s
+ * gradients accumulated: one matmul_backward_multi call where the backend has it (the same
+ * bits), else n matmul_backward calls (the first with accumulate_dx). */
+static void matmul_backward_n(kiln_backend *be, int n, float *dx, const float *const *dy, const float *x,
+                              const train_param *const *W, const train_param *const *bias, int N, bool accumulate_dx) {
+    const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
+    float *dw[KILN_MATMUL_MULTI_MAX], *db[KILN_MATMUL_MULTI_MAX];
+    for (int i = 0; i < n; i++) {
+        wv[i] = &W[i]->view;
+        dw[i] = W[i]->g;
+        db[i] = GRAD(bias[i]);
+    }
+    if (be->i->matmul_backward_multi)
+        be->i->matmul_backward_multi(be, n, dx, dw, db, dy, x, wv, N, accumulate_dx);
+    else
+        for (int i = 0; i < n; i++) be->i->matmul_backward(be, dx, dw[i], db[i], dy[i], x, wv[i], N, i > 0 || accumulate_dx);
+}
 
 /* n_seq sequences of seq tokens each, ids (n_seq x seq) back to back: every op takes the
  * T = n_seq x seq rows at once (each row's result is the one it has alone); attention keeps
@@ -623,9 +658,9 @@ static void forward(kiln_trainer *t, const int32_t *ids, int n_seq, int seq) {
         layer_acts *a = &t->acts[l];
         float *x_next = l + 1 < c->n_layer ? t->acts[l + 1].x : t->x_final;
         op->rmsnorm(be, a->xb1, a->x, VEC(w->attn_norm), T, C, eps);
-        op->matmul(be, a->qr, a->xb1, &w->wq->view, VEC(w->bq), T);
-        op->matmul(be, a->kr, a->xb1, &w->wk->view, VEC(w->bk), T);
-        op->matmul(be, a->v, a->xb1, &w->wv->view, VEC(w->bv), T);
+        float *qkv[3] = {a->qr, a->kr, a->v};
+        const train_param *wqkv[3] = {w->wq, w->wk, w->wv}, *bqkv[3] = {w->bq, w->bk, w->bv};
+        matmul_n(be, 3, qkv, a->xb1, wqkv, bqkv, T);
         if (w->q_norm) op->rmsnorm(be, a->q, a->qr, VEC(w->q_norm), T * NH, HS, eps);
         if (w->k_norm) op->rmsnorm(be, a->k, a->kr, VEC(w->k_norm), T * KVH, HS, eps);
         op->rope(be, a->q, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
@@ -642,8 +677,9 @@ static void forward(kiln_trainer *t, const int32_t *ids, int n_seq, int seq) {
         op->matmul(be, a->x_mid, a->att, &w->wo->view, VEC(w->bo), T);
         op->add(be, a->x_mid, a->x, (size_t)T * C);
         op->rmsnorm(be, a->xb2, a->x_mid, VEC(w->mlp_norm), T, C, eps);
-        op->matmul(be, a->gate, a->xb2, &w->gate->view, NULL, T);
-        op->matmul(be, a->up, a->xb2, &w->up->view, NULL, T);
+        float *gu[2] = {a->gate, a->up};
+        const train_param *wgu[2] = {w->gate, w->up}, *nob[2] = {NULL, NULL};
+        matmul_n(be, 2, gu, a->xb2, wgu, nob, T);
         op->swiglu(be, a->hb, a->gate, a->up, (size_t)T * FF);
         op->matmul(be, x_next, a->hb, &w->down->view, NULL, T);
         op->add(be, x_next, a->x_mid, (size_t)T * C);
@@ -768,7 +804,6 @@ kiln_status kiln_train_discard(kiln_trainer *t) {
 
 /* ---- backward ------------------------------------------------------------------------------ */
 
-#define GRAD(p) ((p) ? (p)->g : NULL)
 
 static void backward_layers(kiln_trainer *t) {
     const kiln_model_config *c = &t->cfg;
@@ -787,8 +822,9 @@ static void backward_layers(kiln_trainer *t) {
         /* MLP: x_next = x_mid + down(silu(gate) * up) */
         op->matmul_backward(be, t->dhb, w->down->g, NULL, t->dx, a->hb, &w->down->view, T, false);
         op->swiglu_backward(be, t->dgate, t->dup, t->dhb, a->gate, a->up, (size_t)T * FF);
-        op->matmul_backward(be, t->dxb, w->gate->g, NULL, t->dgate, a->xb2, &w->gate->view, T, false);
-        op->matmul_backward(be, t->dxb, w->up->g, NULL, t->dup, a->xb2, &w->up->view, T, true);
+        const float *dgu[2] = {t->dgate, t->dup};
+        const train_param *wgu[2] = {w->gate, w->up}, *nob[2] = {NULL, NULL};
+        matmul_backward_n(be, 2, t->dxb, dgu, a->xb2, wgu, nob, T, false);
         op->rmsnorm_backward(be, t->dx, w->mlp_norm->g, t->dxb, a->x_mid, VEC(w->mlp_norm), T, C, eps, t->rstd, true);
         /* attention: x_mid = x + o(attention(rope(q), rope(k), v)) */
         op->matmul_backward(be, t->datt, w->wo->g, GRAD(w->bo), t->dx, a->att, &w->wo->view, T, false);
@@ -808,9 +844,9 @@ static void backward_layers(kiln_trainer *t) {
             op->rmsnorm_backward(be, t->dqr, w->q_norm->g, t->dq, a->qr, VEC(w->q_norm), T * NH, HS, eps, t->rstd, false);
         if (w->k_norm)
             op->rmsnorm_backward(be, t->dkr, w->k_norm->g, t->dk, a->kr, VEC(w->k_norm), T * KVH, HS, eps, t->rstd, false);
-        op->matmul_backward(be, t->dxb, w->wq->g, GRAD(w->bq), t->dqr, a->xb1, &w->wq->view, T, false);
-        op->matmul_backward(be, t->dxb, w->wk->g, GRAD(w->bk), t->dkr, a->xb1, &w->wk->view, T, true);
-        op->matmul_backward(be, t->dxb, w->wv->g, GRAD(w->bv), t->dv, a->xb1, &w->wv->view, T, true);
+        const float *dqkv[3] = {t->dqr, t->dkr, t->dv};
+        const train_param *wqkv[3] = {w->wq, w->wk, w->wv}, *bqkv[3] = {w->bq, w->bk, w->bv};
+        matmul_backward_n(be, 3, t->dxb, dqkv, a->xb1, wqkv, bqkv, T, false);
         op->rmsnorm_backward(be, t->dx, w->attn_norm->g, t->dxb, a->x, VEC(w->attn_norm), T, C, eps, t->rstd, true);
     }
     op->embed_backward(be, t->tok_embd->g, t->dx, t->ids, T, c->n_vocab, C);

@@ -255,6 +255,44 @@ static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_t
     }
 }
 
+/* ops.h's matmul_multi: fast mode with N > 8 rounds x to bf16 once for all n products
+ * (kiln_cuda_gemm_linear_multi: the bits of n separate calls); otherwise n cu_matmul calls. */
+static void cu_matmul_multi(kiln_backend *be, int n, float *const *out, const float *x,
+                            const kiln_tensor *const *W, const float *const *bias, int N) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    if (n < 1 || n > KILN_MATMUL_MULTI_MAX || n > KILN_GEMM_MULTI_MAX) {
+        poison(c, KILN_ERR_INVALID_ARG, "matmul_multi: %d products (1..%d)", n, KILN_MATMUL_MULTI_MAX);
+        return;
+    }
+    bool one_call = c->fast && N > 8;
+    int64_t C = W[0]->shape[W[0]->n_dims - 1];
+    for (int i = 0; i < n; i++)
+        one_call = one_call && kiln_cuda_dtype_supported(W[i]->dtype) &&
+                   W[i]->shape[W[i]->n_dims - 1] == C;
+    if (!one_call) {
+        for (int i = 0; i < n; i++) cu_matmul(be, out[i], x, W[i], bias ? bias[i] : NULL, N);
+        return;
+    }
+    const uint8_t *w[KILN_GEMM_MULTI_MAX];
+    size_t rb[KILN_GEMM_MULTI_MAX];
+    kiln_dtype dt[KILN_GEMM_MULTI_MAX];
+    int64_t R[KILN_GEMM_MULTI_MAX];
+    for (int i = 0; i < n; i++) {
+        R[i] = C > 0 ? kiln_tensor_nelements(W[i]) / C : 0;
+        rb[i] = row_bytes_of(W[i]->dtype, C);
+        dt[i] = W[i]->dtype;
+        if (!(w[i] = weight_dev(c, W[i]->data, (size_t)R[i] * rb[i], W[i]->name))) return;
+    }
+    if (!c->gemm && !CK(c, kiln_cuda_gemm_create(c->device, &c->gemm))) return;
+    cudaError_t e = kiln_cuda_gemm_linear_multi(c->gemm, c->stream, n, out, x, w, rb, dt, R, C,
+                                                bias, N);
+    if (e != cudaSuccess)
+        poison(c, KILN_ERR_INTERNAL, "matmul_multi (fast gemm) '%s' and %d more, %d tokens: %s (%s)",
+               W[0]->name ? W[0]->name : "?", n - 1, N, kiln_cuda_gemm_error(c->gemm),
+               cudaGetErrorName(e));
+}
+
 static void cu_rope(kiln_backend *be, float *x, const int32_t *pos, int N, int H, int HS,
                     const float *cos_tab, const float *sin_tab) {
     cuda_ctx *c = ctx_of(be);
@@ -467,6 +505,51 @@ static void cu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *db
     after_launch(c, kiln_cuda_matmul_backward(c->stream, dx, dW, dbias, dy, x, w, rb, W->dtype,
                                               R, C, N, accumulate_dx),
                  "matmul_backward");
+}
+
+/* ops.h's matmul_backward_multi: fast mode rounds x to bf16 once for all n products
+ * (kiln_cuda_matmul_backward_fast_multi: the bits of n separate calls); auditable mode is n
+ * cu_matmul_backward calls. */
+static void cu_matmul_backward_multi(kiln_backend *be, int n, float *dx, float *const *dW,
+                                     float *const *dbias, const float *const *dy, const float *x,
+                                     const kiln_tensor *const *W, int N, bool accumulate_dx) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    if (n < 1 || n > KILN_MATMUL_MULTI_MAX || n > KILN_CUDA_MB_MAX) {
+        poison(c, KILN_ERR_INVALID_ARG, "matmul_backward_multi: %d products (1..%d)", n,
+               KILN_MATMUL_MULTI_MAX);
+        return;
+    }
+    bool one_call = c->fast;
+    int64_t C = W[0]->shape[W[0]->n_dims - 1];
+    for (int i = 0; i < n; i++)
+        one_call = one_call && kiln_cuda_backward_dtype_supported(W[i]->dtype) &&
+                   W[i]->shape[W[i]->n_dims - 1] == C;
+    if (!one_call) {
+        for (int i = 0; i < n; i++)
+            cu_matmul_backward(be, dx, dW ? dW[i] : NULL, dbias ? dbias[i] : NULL, dy[i], x, W[i],
+                               N, i > 0 || accumulate_dx);
+        return;
+    }
+    kiln_cuda_mb_item it[KILN_CUDA_MB_MAX];
+    for (int i = 0; i < n; i++) {
+        it[i].R = C > 0 ? kiln_tensor_nelements(W[i]) / C : 0;
+        it[i].row_bytes = row_bytes_of(W[i]->dtype, C);
+        it[i].dt = W[i]->dtype;
+        it[i].dW = dW ? dW[i] : NULL;
+        it[i].dbias = dbias ? dbias[i] : NULL;
+        it[i].dy = dy[i];
+        if (!(it[i].w = weight_dev(c, W[i]->data, (size_t)it[i].R * it[i].row_bytes, W[i]->name)))
+            return;
+    }
+    if (!c->gemm && !CK(c, kiln_cuda_gemm_create(c->device, &c->gemm))) return;
+    cudaError_t e = kiln_cuda_matmul_backward_fast_multi(c->gemm, c->stream, n, it, dx, x, C, N,
+                                                         accumulate_dx);
+    if (e != cudaSuccess)
+        poison(c, KILN_ERR_INTERNAL,
+               "matmul_backward_multi (fast) '%s' and %d more, %d tokens: %s (%s)",
+               W[0]->name ? W[0]->name : "?", n - 1, N, kiln_cuda_gemm_error(c->gemm),
+               cudaGetErrorName(e));
 }
 
 /* The column-sum scratch, at least len doubles (fast mode). Grown outside any graph capture
@@ -728,6 +811,8 @@ static const kiln_backend_i cuda_iface = {
     /* .sample = */ cu_sample,
     /* .attention_seqs = */ cu_attention_seqs,
     /* .attention_backward_seqs = */ cu_attention_backward_seqs,
+    /* .matmul_multi = */ cu_matmul_multi,
+    /* .matmul_backward_multi = */ cu_matmul_backward_multi,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {

@@ -534,72 +534,79 @@ static bool bf16_in_place(kiln_dtype dt, const uint8_t *w, size_t row_bytes) {
     return dt == KILN_DTYPE_BF16 && ((uintptr_t)w & 15u) == 0 && row_bytes % 16 == 0;
 }
 
-/* The bf16 operands in buf (256-byte aligned): dyb(N, ldR) at 0, xb(N, ldC) at x_off (when dW),
- * W's copy (R, ldC) at w_off (when dx and W is not read in place); then the two products.
- * Arguments already checked; N, R, C >= 1. */
-static cudaError_t run_products(kiln_cuda_gemm *g, cudaStream_t s, uint8_t *buf, size_t x_off,
-                                size_t w_off, float *dx, float *dW, const float *dy,
-                                const float *x, const uint8_t *w, size_t row_bytes, kiln_dtype dt,
-                                int64_t R, int64_t C, int N, bool accumulate_dx) {
-    const int64_t ldR = padded_ld(R), ldC = padded_ld(C);
-    uint16_t *dyb = (uint16_t *)buf;
-    cudaError_t e = kiln_cuda_f32_to_bf16(s, dyb, ldR, dy, R, N, R);
-    if (e != cudaSuccess) return e;
+/* The products of one item: dyb(N, ldR) already bf16; W converted into wcopy unless read in
+ * place; xb (N, ldC) converted by the caller when dW. Arguments already checked. */
+static cudaError_t item_products(kiln_cuda_gemm *g, cudaStream_t s, const kiln_cuda_mb_item &it,
+                                 const uint16_t *dyb, const uint16_t *xb, uint16_t *wcopy,
+                                 float *dx, int64_t C, int N, bool accumulate_dx) {
+    const int64_t ldR = padded_ld(it.R), ldC = padded_ld(C);
+    cudaError_t e = cudaSuccess;
     if (dx) { /* dx(N,C) (+)= dy(N,R) @ W(R,C): M = N, N = C, K = R */
         const uint16_t *wb;
         int64_t ldw;
-        if (bf16_in_place(dt, w, row_bytes)) {
-            wb = (const uint16_t *)w;
-            ldw = (int64_t)(row_bytes / 2);
+        if (bf16_in_place(it.dt, it.w, it.row_bytes)) {
+            wb = (const uint16_t *)it.w;
+            ldw = (int64_t)(it.row_bytes / 2);
         } else {
-            uint16_t *dst = (uint16_t *)(buf + w_off);
-            e = kiln_cuda_weights_to_bf16(s, dst, ldC, w, row_bytes, dt, R, C);
+            e = kiln_cuda_weights_to_bf16(s, wcopy, ldC, it.w, it.row_bytes, it.dt, it.R, C);
             if (e != cudaSuccess) return e;
-            wb = dst;
+            wb = wcopy;
             ldw = ldC;
         }
-        e = kiln_cuda_gemm_bf16(g, s, 0, 0, N, C, R, dyb, ldR, wb, ldw, dx, C,
+        e = kiln_cuda_gemm_bf16(g, s, 0, 0, N, C, it.R, dyb, ldR, wb, ldw, dx, C,
                                 accumulate_dx ? 1 : 0);
         if (e != cudaSuccess) return e;
     }
-    if (dW) { /* dW(R,C) += dy^T(R,N) @ x(N,C): A = dy stored (N,R), trans_a; K = N */
-        uint16_t *xb = (uint16_t *)(buf + x_off);
-        e = kiln_cuda_f32_to_bf16(s, xb, ldC, x, C, N, C);
-        if (e != cudaSuccess) return e;
-        e = kiln_cuda_gemm_bf16(g, s, 1, 0, R, C, N, dyb, ldR, xb, ldC, dW, C, 1);
-        if (e != cudaSuccess) return e;
-    }
-    return cudaSuccess;
+    if (it.dW) /* dW(R,C) += dy^T(R,N) @ x(N,C): A = dy stored (N,R), trans_a; K = N */
+        e = kiln_cuda_gemm_bf16(g, s, 1, 0, it.R, C, N, dyb, ldR, xb, ldC, it.dW, C, 1);
+    return e;
 }
 
-cudaError_t kiln_cuda_matmul_backward_fast(kiln_cuda_gemm *g, cudaStream_t s, float *dx,
-                                           float *dW, float *dbias, const float *dy,
-                                           const float *x, const uint8_t *w, size_t row_bytes,
-                                           kiln_dtype dt, int64_t R, int64_t C, int N,
-                                           bool accumulate_dx) {
-    if (!g) return cudaErrorInvalidValue;
-    if (N <= 0 || R <= 0 || C <= 0) return cudaSuccess;
-    if (!kiln_cuda_backward_dtype_supported(dt)) return cudaErrorInvalidValue;
-    if (!dx && !dW && !dbias) return cudaSuccess;
-    if (!dy || (dx && !w) || (dW && !x)) return cudaErrorInvalidValue;
-    const size_t es = dt == KILN_DTYPE_F32 ? 4u : 2u;
-    if (dx && (row_bytes % es != 0 || row_bytes / es < (size_t)C || ((uintptr_t)w % es) != 0))
-        return cudaErrorInvalidValue;
-
-    /* the buffer: dyb, then xb (dW), then W's copy (dx, unless read in place), then the
-     * column sum's partials (dbias) */
-    const bool products = dx || dW;
-    size_t dy_bytes = 0, x_bytes = 0, w_bytes = 0, part_bytes = 0, part_len = 0;
-    if (products &&
-        (!region_bytes(N, padded_ld(R), &dy_bytes) ||
-         (dW && !region_bytes(N, padded_ld(C), &x_bytes)) ||
-         (dx && !bf16_in_place(dt, w, row_bytes) && !region_bytes(R, padded_ld(C), &w_bytes))))
-        return cudaErrorInvalidValue;
-    if (dbias) {
-        part_len = kiln_cuda_col_sum_fast_scratch_len(N, R);
-        part_bytes = (part_len * sizeof(double) + 255u) & ~(size_t)255u;
+cudaError_t kiln_cuda_matmul_backward_fast_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
+                                                 const kiln_cuda_mb_item *items, float *dx,
+                                                 const float *x, int64_t C, int N,
+                                                 bool accumulate_dx) {
+    if (!g || n < 1 || n > KILN_CUDA_MB_MAX || !items) return cudaErrorInvalidValue;
+    if (N <= 0 || C <= 0) return cudaSuccess;
+    /* every item checked before anything is enqueued; the buffer: each dyb_i, then xb (any
+     * dW), then one W copy region (the largest needed), then the column sums' partials (the
+     * largest) -- every region 256-byte aligned, as in a single call, so the GEMM problems
+     * (shapes, leading dimensions, alignment classes) are those of n single calls */
+    size_t dy_off[KILN_CUDA_MB_MAX], off = 0, x_bytes = 0, w_bytes = 0, part_len = 0;
+    bool any = false, any_dW = false;
+    for (int i = 0; i < n; i++) {
+        const kiln_cuda_mb_item &it = items[i];
+        dy_off[i] = off;
+        if (it.R <= 0) continue;
+        if (!kiln_cuda_backward_dtype_supported(it.dt)) return cudaErrorInvalidValue;
+        const bool products = dx || it.dW;
+        if (!products && !it.dbias) continue;
+        if (!it.dy || (dx && !it.w) || (it.dW && !x)) return cudaErrorInvalidValue;
+        const size_t es = it.dt == KILN_DTYPE_F32 ? 4u : 2u;
+        if (dx && (it.row_bytes % es != 0 || it.row_bytes / es < (size_t)C ||
+                   ((uintptr_t)it.w % es) != 0))
+            return cudaErrorInvalidValue;
+        any = true;
+        size_t b = 0;
+        if (products) {
+            if (!region_bytes(N, padded_ld(it.R), &b)) return cudaErrorInvalidValue;
+            off += b;
+        }
+        if (dx && !bf16_in_place(it.dt, it.w, it.row_bytes)) {
+            if (!region_bytes(it.R, padded_ld(C), &b)) return cudaErrorInvalidValue;
+            if (b > w_bytes) w_bytes = b;
+        }
+        if (it.dW) any_dW = true;
+        if (it.dbias) {
+            const size_t pl = kiln_cuda_col_sum_fast_scratch_len(N, it.R);
+            if (pl > part_len) part_len = pl;
+        }
     }
-    const size_t total = dy_bytes + x_bytes + w_bytes + part_bytes + 256; /* + room to align */
+    if (!any) return cudaSuccess;
+    if (any_dW && !region_bytes(N, padded_ld(C), &x_bytes)) return cudaErrorInvalidValue;
+    const size_t x_off = off, w_off = x_off + x_bytes, part_off = w_off + w_bytes;
+    const size_t part_bytes = (part_len * sizeof(double) + 255u) & ~(size_t)255u;
+    const size_t total = part_off + part_bytes + 256; /* + room to align */
     void *base = NULL;
     bool pooled = true;
     cudaError_t e = cudaMallocAsync(&base, total, s);
@@ -610,13 +617,23 @@ cudaError_t kiln_cuda_matmul_backward_fast(kiln_cuda_gemm *g, cudaStream_t s, fl
     }
     if (e != cudaSuccess) return e;
     uint8_t *buf = (uint8_t *)(((uintptr_t)base + 255u) & ~(uintptr_t)255u);
-    if (dbias) { /* dbias(R) += column sums of dy(N,R), kiln_cuda_col_sum_fast's order */
-        double *part = (double *)(buf + dy_bytes + x_bytes + w_bytes);
-        e = kiln_cuda_col_sum_fast(s, dbias, dy, NULL, NULL, R, N, R, part, part_len);
+    uint16_t *xb = (uint16_t *)(buf + x_off), *wcopy = (uint16_t *)(buf + w_off);
+    double *part = (double *)(buf + part_off);
+    if (any_dW) e = kiln_cuda_f32_to_bf16(s, xb, padded_ld(C), x, C, N, C);
+    bool dx_started = false; /* dx: the first product with accumulate_dx, the rest add */
+    for (int i = 0; i < n && e == cudaSuccess; i++) {
+        const kiln_cuda_mb_item &it = items[i];
+        if (it.R <= 0) continue;
+        if (it.dbias) /* dbias(R) += column sums of dy(N,R), kiln_cuda_col_sum_fast's order */
+            e = kiln_cuda_col_sum_fast(s, it.dbias, it.dy, NULL, NULL, it.R, N, it.R, part,
+                                       kiln_cuda_col_sum_fast_scratch_len(N, it.R));
+        if (e != cudaSuccess || (!dx && !it.dW)) continue;
+        uint16_t *dyb = (uint16_t *)(buf + dy_off[i]);
+        e = kiln_cuda_f32_to_bf16(s, dyb, padded_ld(it.R), it.dy, it.R, N, it.R);
+        if (e == cudaSuccess)
+            e = item_products(g, s, it, dyb, xb, wcopy, dx, C, N, dx_started || accumulate_dx);
+        dx_started = dx_started || dx != NULL;
     }
-    if (e == cudaSuccess && products)
-        e = run_products(g, s, buf, dy_bytes, dy_bytes + x_bytes, dx, dW, dy, x, w, row_bytes,
-                         dt, R, C, N, accumulate_dx);
     /* released after everything enqueued above has read it (stream order; the plain
      * allocation waits for the stream first) */
     cudaError_t ef;
@@ -628,4 +645,15 @@ cudaError_t kiln_cuda_matmul_backward_fast(kiln_cuda_gemm *g, cudaStream_t s, fl
         if (ef == cudaSuccess) ef = e2;
     }
     return e != cudaSuccess ? e : ef;
+}
+
+cudaError_t kiln_cuda_matmul_backward_fast(kiln_cuda_gemm *g, cudaStream_t s, float *dx,
+                                           float *dW, float *dbias, const float *dy,
+                                           const float *x, const uint8_t *w, size_t row_bytes,
+                                           kiln_dtype dt, int64_t R, int64_t C, int N,
+                                           bool accumulate_dx) {
+    if (!g) return cudaErrorInvalidValue;
+    if (N <= 0 || R <= 0 || C <= 0) return cudaSuccess;
+    const kiln_cuda_mb_item it = {dW, dbias, dy, w, row_bytes, dt, R};
+    return kiln_cuda_matmul_backward_fast_multi(g, s, 1, &it, dx, x, C, N, accumulate_dx);
 }

@@ -69,6 +69,29 @@ cudaError_t kiln_cuda_matmul_backward_fast(kiln_cuda_gemm *g, cudaStream_t s, fl
                                            kiln_dtype dt, int64_t R, int64_t C, int N,
                                            bool accumulate_dx);
 
+/* One product of kiln_cuda_matmul_backward_fast_multi: dy(N,R), W (R rows of dtype dt,
+ * row_bytes apart) and its outputs dW(R,C), dbias(R) (NULL: skipped). R <= 0: skipped. */
+typedef struct kiln_cuda_mb_item {
+    float *dW, *dbias;
+    const float *dy;
+    const uint8_t *w;
+    size_t row_bytes;
+    kiln_dtype dt;
+    int64_t R;
+} kiln_cuda_mb_item;
+#define KILN_CUDA_MB_MAX 4
+/* n (1..KILN_CUDA_MB_MAX) products of one x(N,C): for each item i, dW_i += dy_i^T @ x, dbias_i
+ * += column sums of dy_i, and dx (NULL: skipped) = sum over i of dy_i @ W_i in increasing i
+ * (accumulate_dx: added to the old dx), each as kiln_cuda_matmul_backward_fast computes it:
+ * x is rounded to bf16 once, each dy_i once, and the operands sit at the same alignment
+ * classes, so the bits are those of n kiln_cuda_matmul_backward_fast calls (the first with
+ * accumulate_dx, the others accumulating). One stream-ordered allocation for all. Errors as
+ * kiln_cuda_matmul_backward_fast (every item checked before anything is enqueued). */
+cudaError_t kiln_cuda_matmul_backward_fast_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
+                                                 const kiln_cuda_mb_item *items, float *dx,
+                                                 const float *x, int64_t C, int N,
+                                                 bool accumulate_dx);
+
 /* Doubles of scratch kiln_cuda_col_sum_fast needs for N rows of W columns: K * W (K the
  * number of row chunks, at most 256); 0 when N <= 0 or W <= 0. A function of (N, W) only. */
 size_t kiln_cuda_col_sum_fast_scratch_len(int N, int64_t W);

@@ -708,6 +708,48 @@ cudaError_t kiln_cuda_gemm_linear_bf16(kiln_cuda_gemm *g, cudaStream_t s, float 
     return linear_run(g, s, out, xb, ldx, w, row_bytes, dt, R, C, bias, N, accumulate, 0);
 }
 
+cudaError_t kiln_cuda_gemm_linear_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
+                                        float *const *out, const float *x,
+                                        const uint8_t *const *w, const size_t *row_bytes,
+                                        const kiln_dtype *dt, const int64_t *R, int64_t C,
+                                        const float *const *bias, int N) {
+    if (!g) return cudaErrorInvalidValue;
+    if (n < 1 || n > KILN_GEMM_MULTI_MAX || !out || !w || !row_bytes || !dt || !R) {
+        set_err(g, "linear_multi: n = %d or a NULL array", n);
+        return cudaErrorInvalidValue;
+    }
+    if (N <= 0) return cudaSuccess;
+    const int64_t ldx = padded_ld(C);
+    size_t x_bytes = 0, w_max = 0;
+    for (int i = 0; i < n; i++) { /* every argument checked before anything is enqueued */
+        if (R[i] <= 0) continue;
+        cudaError_t e = linear_check(g, out[i], x, w[i], row_bytes[i], dt[i], C, N);
+        if (e != cudaSuccess) return e;
+        size_t wb = 0;
+        if (!bf16_in_place(dt[i], w[i], row_bytes[i]) && !region_bytes(R[i], padded_ld(C), &wb)) {
+            set_err(g, "linear_multi: shape too large (R %lld, C %lld)", (long long)R[i],
+                    (long long)C);
+            return cudaErrorInvalidValue;
+        }
+        if (wb > w_max) w_max = wb;
+    }
+    if (!region_bytes(N, ldx, &x_bytes)) {
+        set_err(g, "linear_multi: shape too large (N %d, C %lld)", N, (long long)C);
+        return cudaErrorInvalidValue;
+    }
+    if (!device_ok(g)) return cudaErrorInvalidDevice;
+    cudaError_t e = scratch_reserve(g, s, x_bytes + w_max);
+    if (e != cudaSuccess) return e;
+    uint16_t *xb = (uint16_t *)g->scratch; /* where kiln_cuda_gemm_linear puts it */
+    e = kiln_cuda_f32_to_bf16(s, xb, ldx, x, C, N, C);
+    if (!cuda_ok(g, e, "linear_multi: f32_to_bf16(x)")) return e;
+    for (int i = 0; i < n && e == cudaSuccess; i++)
+        if (R[i] > 0)
+            e = linear_run(g, s, out[i], xb, ldx, w[i], row_bytes[i], dt[i], R[i], C,
+                           bias ? bias[i] : NULL, N, 0, x_bytes);
+    return e;
+}
+
 /* The checks shared by the two general products. */
 static cudaError_t gemm_check(kiln_cuda_gemm *g, int trans_a, int trans_b, int64_t M, int64_t N,
                               int64_t K, const void *A, int64_t lda, const void *B, int64_t ldb,

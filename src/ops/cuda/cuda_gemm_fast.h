@@ -92,6 +92,20 @@ cudaError_t kiln_cuda_gemm_linear_bf16(kiln_cuda_gemm *g, cudaStream_t s, float 
                                        size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
                                        const float *bias, int N, int accumulate);
 
+/* n (1..KILN_GEMM_MULTI_MAX) linears of one x: out[i](N,R[i]) = x(N,C) @ W_i(R[i],C)^T
+ * (+ bias[i], which may be NULL), W_i at w[i] with row_bytes[i] and dtype dt[i] as in
+ * kiln_cuda_gemm_linear. x is rounded to bf16 once, into the same place of the scratch as
+ * kiln_cuda_gemm_linear puts it (so the problems, hence the bits, are those of n separate
+ * kiln_cuda_gemm_linear calls); each W_i is converted in turn (or used in place). out[i] must
+ * not alias x or any W. Errors as kiln_cuda_gemm_linear (nothing enqueued on a bad argument
+ * of any i). */
+#define KILN_GEMM_MULTI_MAX 4
+cudaError_t kiln_cuda_gemm_linear_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
+                                        float *const *out, const float *x,
+                                        const uint8_t *const *w, const size_t *row_bytes,
+                                        const kiln_dtype *dt, const int64_t *R, int64_t C,
+                                        const float *const *bias, int N);
+
 /* General row-major f32 product on bf16 tensor cores, for the backward (issue 5):
  * D(M,N) = A'(M,K) @ B'(K,N) (+ D when accumulate), where A' = A (stored (M,K), lda >= K) or,
  * when trans_a, A^T (A stored (K,M), lda >= M); B' = B (stored (K,N), ldb >= N) or, when

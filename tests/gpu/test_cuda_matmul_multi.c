@@ -1,0 +1,208 @@
+/*
+ * test_cuda_matmul_multi.c -- ops.h's matmul_multi and matmul_backward_multi on the CUDA
+ * backend give, bit for bit, what n separate matmul / matmul_backward calls give (the first
+ * backward call with accumulate_dx, the others accumulating), in fast mode (x rounded to bf16
+ * once, one stream-ordered buffer for all products) and in auditable mode. Shapes of a
+ * training layer (q, k, v of different widths with biases; gate and up without), f32 and
+ * bf16 weights, a token count that takes the GEMMs (N 300) and one that takes the fast
+ * matrix-vector kernels (N 5), dx accumulated or not, dx or dW skipped. Every output starts
+ * as NaN bits (overwritten outputs) or the same random values (accumulated ones).
+ * Without a usable GPU it exits 77.
+ */
+#include "base/base.h"
+#include "base/tensor.h"
+#include "ops/ops.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static uint64_t g_rng = 0x6d756c74694d4d31ull;
+static float rnd_unit(void) {
+    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (float)((double)(z >> 11) * 0x1p-53 * 2.0 - 1.0);
+}
+
+static int g_failed, g_cases;
+
+static void *dev(kiln_backend *be, size_t nbytes) {
+    void *p = kiln_backend_alloc(be, nbytes);
+    if (!p) {
+        fprintf(stderr, "alloc: %s\n", kiln_last_error());
+        exit(1);
+    }
+    return p;
+}
+
+static float *dev_floats(kiln_backend *be, const float *h, size_t n) {
+    float *p = dev(be, n * sizeof(float));
+    if (kiln_backend_upload(be, p, h, n * sizeof(float)) != KILN_OK) exit(1);
+    return p;
+}
+
+static float *dev_nan(kiln_backend *be, size_t n) {
+    float *h = malloc(n * sizeof(float));
+    memset(h, 0xff, n * sizeof(float));
+    float *p = dev_floats(be, h, n);
+    free(h);
+    return p;
+}
+
+/* Download a and b (n floats each) and compare their bits. */
+static void same(kiln_backend *be, const char *ctx, const char *what, const float *a,
+                 const float *b, size_t n) {
+    float *ha = malloc(n * sizeof(float)), *hb = malloc(n * sizeof(float));
+    if (kiln_backend_download(be, ha, a, n * sizeof(float)) != KILN_OK ||
+        kiln_backend_download(be, hb, b, n * sizeof(float)) != KILN_OK) {
+        fprintf(stderr, "FAIL %s %s: %s\n", ctx, what, kiln_last_error());
+        g_failed++;
+    } else {
+        size_t bad = 0, first = 0;
+        for (size_t i = 0; i < n; i++)
+            if (memcmp(&ha[i], &hb[i], 4) != 0 && !bad++) first = i;
+        /* NaN bits never written would also compare equal: require every element finite */
+        size_t nonfinite = 0;
+        for (size_t i = 0; i < n; i++) nonfinite += ha[i] != ha[i];
+        if (bad || nonfinite) {
+            fprintf(stderr, "FAIL %s %s: %zu of %zu differ (first [%zu] %.9g vs %.9g), %zu NaN\n",
+                    ctx, what, bad, n, first, ha[first], hb[first], nonfinite);
+            g_failed++;
+        }
+    }
+    free(ha);
+    free(hb);
+}
+
+enum { NMAX = 3 };
+
+/* n weights of widths R[i] (dtype dt) over C columns, biases where bias_on. */
+static void run_case(kiln_backend *be, const char *mode, kiln_dtype dt, int n, const int *R,
+                     int C, int N, int bias_on, int acc, int want_dx, int want_dw) {
+    char ctx[160];
+    snprintf(ctx, sizeof ctx, "%s %s n=%d N=%d C=%d%s%s%s%s", mode, kiln_dtype_name(dt), n, N, C,
+             bias_on ? " bias" : "", acc ? " acc" : "", want_dx ? "" : " no-dx",
+             want_dw ? "" : " no-dW");
+    g_cases++;
+    size_t nx = (size_t)N * C;
+    float *hx = malloc(nx * sizeof(float));
+    for (size_t i = 0; i < nx; i++) hx[i] = rnd_unit();
+    float *x = dev_floats(be, hx, nx);
+    kiln_tensor Wt[NMAX];
+    const kiln_tensor *W[NMAX];
+    void *wdata[NMAX];
+    float *bias[NMAX], *dy[NMAX], *out_m[NMAX], *out_s[NMAX];
+    float *dW_m[NMAX], *dW_s[NMAX], *db_m[NMAX], *db_s[NMAX];
+    for (int i = 0; i < n; i++) {
+        size_t nw = (size_t)R[i] * C, es = dt == KILN_DTYPE_F32 ? 4 : 2;
+        uint8_t *hw = malloc(nw * es);
+        for (size_t j = 0; j < nw; j++) {
+            float f = rnd_unit() * 0.2f;
+            if (es == 4)
+                memcpy(hw + 4 * j, &f, 4);
+            else {
+                uint16_t b = kiln_fp32_to_bf16(f);
+                memcpy(hw + 2 * j, &b, 2);
+            }
+        }
+        wdata[i] = dev(be, nw * es);
+        if (kiln_backend_upload(be, wdata[i], hw, nw * es) != KILN_OK) exit(1);
+        free(hw);
+        kiln_tensor t = {"w", dt, 2, {R[i], C, 1, 1}, wdata[i], nw * es};
+        Wt[i] = t;
+        W[i] = &Wt[i];
+        float *hb = malloc((size_t)R[i] * sizeof(float)), *hd = malloc((size_t)N * R[i] * sizeof(float));
+        for (int j = 0; j < R[i]; j++) hb[j] = rnd_unit();
+        for (size_t j = 0; j < (size_t)N * R[i]; j++) hd[j] = rnd_unit();
+        bias[i] = bias_on ? dev_floats(be, hb, (size_t)R[i]) : NULL;
+        dy[i] = dev_floats(be, hd, (size_t)N * R[i]);
+        out_m[i] = dev_nan(be, (size_t)N * R[i]);
+        out_s[i] = dev_nan(be, (size_t)N * R[i]);
+        /* accumulated outputs: the same starting values for both */
+        float *hg = malloc(nw * sizeof(float));
+        for (size_t j = 0; j < nw; j++) hg[j] = rnd_unit();
+        dW_m[i] = dev_floats(be, hg, nw);
+        dW_s[i] = dev_floats(be, hg, nw);
+        db_m[i] = dev_floats(be, hb, (size_t)R[i]);
+        db_s[i] = dev_floats(be, hb, (size_t)R[i]);
+        free(hg);
+        free(hb);
+        free(hd);
+    }
+    /* forward */
+    be->i->matmul_multi(be, n, out_m, x, W, (const float *const *)bias, N);
+    for (int i = 0; i < n; i++) be->i->matmul(be, out_s[i], x, W[i], bias[i], N);
+    if (kiln_backend_status(be) != KILN_OK) {
+        fprintf(stderr, "FAIL %s forward: %s\n", ctx, kiln_last_error());
+        g_failed++;
+    }
+    for (int i = 0; i < n; i++) same(be, ctx, "out", out_m[i], out_s[i], (size_t)N * R[i]);
+    /* backward */
+    float *hdx = malloc(nx * sizeof(float));
+    for (size_t i = 0; i < nx; i++) hdx[i] = rnd_unit();
+    float *dx_m = acc ? dev_floats(be, hdx, nx) : dev_nan(be, nx);
+    float *dx_s = acc ? dev_floats(be, hdx, nx) : dev_nan(be, nx);
+    be->i->matmul_backward_multi(be, n, want_dx ? dx_m : NULL, want_dw ? dW_m : NULL,
+                                 bias_on ? db_m : NULL, (const float *const *)dy, x, W, N,
+                                 acc != 0);
+    for (int i = 0; i < n; i++)
+        be->i->matmul_backward(be, want_dx ? dx_s : NULL, want_dw ? dW_s[i] : NULL,
+                               bias_on ? db_s[i] : NULL, dy[i], x, W[i], N, i > 0 || acc);
+    if (kiln_backend_status(be) != KILN_OK) {
+        fprintf(stderr, "FAIL %s backward: %s\n", ctx, kiln_last_error());
+        g_failed++;
+    }
+    if (want_dx) same(be, ctx, "dx", dx_m, dx_s, nx);
+    for (int i = 0; i < n; i++) {
+        same(be, ctx, "dW", dW_m[i], dW_s[i], (size_t)R[i] * C);
+        same(be, ctx, "dbias", db_m[i], db_s[i], (size_t)R[i]);
+    }
+    free(hx);
+    free(hdx);
+    kiln_backend_free_buf(be, x);
+    kiln_backend_free_buf(be, dx_m);
+    kiln_backend_free_buf(be, dx_s);
+    for (int i = 0; i < n; i++) {
+        void *ps[] = {wdata[i], bias[i], dy[i], out_m[i], out_s[i], dW_m[i], dW_s[i], db_m[i], db_s[i]};
+        for (size_t j = 0; j < sizeof ps / sizeof ps[0]; j++) kiln_backend_free_buf(be, ps[j]);
+    }
+}
+
+int main(void) {
+    kiln_backend *fast = NULL, *aud = NULL;
+    if (kiln_backend_cuda_create_mode(0, 1, &fast) != KILN_OK ||
+        kiln_backend_cuda_create_mode(0, 0, &aud) != KILN_OK) {
+        printf("no usable GPU (%s): skipped\n", kiln_last_error());
+        return 77;
+    }
+    if (!fast->i->matmul_multi || !fast->i->matmul_backward_multi) {
+        printf("FAILED: the CUDA backend has no matmul_multi\n");
+        return 1;
+    }
+    const int qkv[3] = {576, 192, 192}, gu[2] = {1536, 1536}, odd[3] = {100, 7, 33};
+    kiln_backend *bes[2] = {fast, aud};
+    const char *names[2] = {"fast", "auditable"};
+    for (int b = 0; b < 2; b++) {
+        kiln_backend *be = bes[b];
+        const int Ns[2] = {300, 5};
+        for (int k = 0; k < 2; k++) {
+            int N = Ns[k];
+            run_case(be, names[b], KILN_DTYPE_F32, 3, qkv, 576, N, 1, 0, 1, 1);
+            run_case(be, names[b], KILN_DTYPE_F32, 2, gu, 576, N, 0, 1, 1, 1);
+            run_case(be, names[b], KILN_DTYPE_BF16, 3, qkv, 576, N, 1, 1, 1, 1);
+            run_case(be, names[b], KILN_DTYPE_F32, 3, odd, 72, N, 1, 0, 0, 1);
+            run_case(be, names[b], KILN_DTYPE_F32, 3, odd, 72, N, 0, 1, 1, 0);
+        }
+    }
+    kiln_backend_free(fast);
+    kiln_backend_free(aud);
+    printf("matmul_multi / matmul_backward_multi: %d cases against separate calls\n", g_cases);
+    if (g_failed) {
+        printf("FAILED %d\n", g_failed);
+        return 1;
+    }
+    printf("ALL OK\n");
+    return 0;
+}
