@@ -48,7 +48,7 @@ def profile_model(args, name, root):
     btg.kiln_step(tr, batch, M)  # warm
     times = []
     from torch.profiler import profile, ProfilerActivity
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for b in range(0, B, M):
             if M > 1:
                 ids = batch[b:b + M]
@@ -83,6 +83,31 @@ def profile_model(args, name, root):
     print(f"  kernels: {allt / 1e3:.1f} ms GPU time in {sum(r[1] for r in rows)} launches")
     for t, c, k in rows[:args.top]:
         print(f"  {100 * t / allt:5.1f}%  {t / 1e3:9.2f} ms  {c:6d} x {t / c:9.1f} us  {k[:90]}")
+    # Host side: the CUDA runtime / driver calls kineto saw (CUPTI), by total host time; and
+    # where the GPU sat idle: gaps between consecutive kernels, by the kernel that ended each.
+    api = sorted(((e.cpu_time_total, e.count, e.key) for e in ev
+                  if e.cpu_time_total > 0 and e.key.startswith("cu")), reverse=True)
+    if api:
+        print(f"  host API calls: {sum(a[0] for a in api) / 1e3:.1f} ms in "
+              f"{sum(a[1] for a in api)} calls")
+        for t, c, k in api[:6]:
+            print(f"    {t / 1e3:8.2f} ms  {c:6d} x {t / c:7.1f} us  {k[:60]}")
+    from torch.autograd import DeviceType
+    ks = sorted((e.time_range.start, e.time_range.end, e.key) for e in prof.events()
+                if e.device_type == DeviceType.CUDA)
+    gaps, end, last = {}, None, None
+    for a, b, k in ks:
+        if end is not None and a > end:
+            g = gaps.setdefault(last[:50], [0.0, 0])
+            g[0] += a - end
+            g[1] += 1
+        if end is None or b > end:
+            end, last = b, k
+    tot_gap = sum(g[0] for g in gaps.values())
+    print(f"  GPU idle between kernels: {tot_gap / 1e3:.1f} ms in {sum(g[1] for g in gaps.values())}"
+          f" gaps; largest totals after:")
+    for k, (t, c) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:6]:
+        print(f"    {t / 1e3:8.2f} ms  {c:6d} gaps  after {k}")
     del tr, km
     torch.cuda.empty_cache()
 

@@ -217,6 +217,10 @@ typedef struct kiln_backend_i {
     void (*matmul_backward_multi)(kiln_backend *be, int n, float *dx, float *const *dW,
                                   float *const *dbias, const float *const *dy, const float *x,
                                   const kiln_tensor *const *W, int N, bool accumulate_dx);
+
+    /* dst[i] = kiln_fp32_to_bf16(src[i]) for i < n (round to nearest even; the bf16 copies
+     * a fast mode keeps of f32 weights). Optional: NULL in a backend without it. */
+    void (*to_bf16)(kiln_backend *be, uint16_t *dst, const float *src, size_t n);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

@@ -37,7 +37,8 @@ typedef struct train_param {
     kiln_dtype dtype; /* F32, or BF16 for matrices under the bf16 storages */
     void *w;          /* (n) weights the model computes with; backend memory */
     float *g;         /* (n) gradient; backend memory */
-    kiln_tensor view; /* tensor view of w for the ops */
+    kiln_tensor view;   /* tensor view of w for the ops */
+    kiln_tensor view16; /* fast mode with f32 weights: the bf16 copy's view (t->shadow) */
 } train_param;
 
 typedef struct train_layer {
@@ -75,6 +76,14 @@ struct kiln_trainer {
     train_param *tok_embd, *final_norm, *lm_head;
     train_layer *layers;
     void *param_block; /* weights of every parameter */
+    size_t param_bytes; /* bytes of param_block */
+    /* Fast mode with f32 weights: a bf16 copy of param_block (element for element, so each
+     * parameter's copy is at half its byte offset), which the matrix products take in place of
+     * rounding every weight to bf16 on every use; the same values (round to nearest even).
+     * Refreshed before a forward when stale: after create, an optimizer step, a load or a
+     * write of the weights. NULL otherwise. */
+    uint16_t *shadow;
+    int shadow_stale;
     float *grad_block;  /* (n_grad) every gradient, each 16-float aligned */
     size_t n_grad;      /* floats in grad_block (a multiple of 16) */
 
@@ -537,6 +546,19 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
             goff += ((size_t)q->n + 15) & ~(size_t)15;
             bind_views(q);
         }
+        t->param_bytes = wbytes;
+        if (st == KILN_OK && p.fast && !t->host && p.weight_storage == KILN_STORAGE_F32 && t->be->i->to_bf16) {
+            t->shadow = bmem_alloc(t, wbytes / 2, "the bf16 copies of the weights");
+            if (!t->shadow) st = KILN_ERR_NOMEM;
+            for (int i = 0; st == KILN_OK && i < t->n_params; i++) {
+                train_param *q = &t->params[i];
+                q->view16 = q->view;
+                q->view16.dtype = KILN_DTYPE_BF16;
+                q->view16.data = (uint8_t *)t->shadow + ((uint8_t *)q->w - (uint8_t *)t->param_block) / 2;
+                q->view16.nbytes = (size_t)q->n * 2;
+            }
+            t->shadow_stale = 1;
+        }
         /* weights from the model */
 #define LOAD(param, src_t, src_v)                                                              \
     do {                                                                                       \
@@ -590,6 +612,7 @@ void kiln_trainer_free(kiln_trainer *t) {
     bmem_free(t, t->act_block);
     kiln_free(t->acts);
     bmem_free(t, t->param_block);
+    bmem_free(t, t->shadow);
     bmem_free(t, t->grad_block);
     kiln_free(t->mat_index);
     kiln_free(t->vec_index);
@@ -604,14 +627,20 @@ void kiln_trainer_free(kiln_trainer *t) {
 #define VEC(p) ((p) ? (const float *)(p)->w : NULL)
 #define GRAD(p) ((p) ? (p)->g : NULL)
 
+/* The weight view a matrix product takes: the bf16 copy where the trainer keeps one. */
+static const kiln_tensor *mat_view(const kiln_trainer *t, const train_param *p) {
+    return t->shadow ? &p->view16 : &p->view;
+}
+
 /* n products of one input, out[i] = x @ W[i]^T + bias[i]: one matmul_multi call where the
  * backend has it (the same bits), else n matmul calls. */
-static void matmul_n(kiln_backend *be, int n, float *const *out, const float *x, const train_param *const *W,
+static void matmul_n(const kiln_trainer *t, int n, float *const *out, const float *x, const train_param *const *W,
                      const train_param *const *bias, int N) {
+    kiln_backend *be = t->be;
     const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
     const float *bv[KILN_MATMUL_MULTI_MAX];
     for (int i = 0; i < n; i++) {
-        wv[i] = &W[i]->view;
+        wv[i] = mat_view(t, W[i]);
         bv[i] = VEC(bias[i]);
     }
     if (be->i->matmul_multi)
@@ -623,12 +652,13 @@ static void matmul_n(kiln_backend *be, int n, float *const *out, const float *x,
 /* The backward of matmul_n: dx (+)= sum of dy[i] @ W[i] in order, each W[i]'s and bias[i]'s
  * gradients accumulated: one matmul_backward_multi call where the backend has it (the same
  * bits), else n matmul_backward calls (the first with accumulate_dx). */
-static void matmul_backward_n(kiln_backend *be, int n, float *dx, const float *const *dy, const float *x,
+static void matmul_backward_n(const kiln_trainer *t, int n, float *dx, const float *const *dy, const float *x,
                               const train_param *const *W, const train_param *const *bias, int N, bool accumulate_dx) {
+    kiln_backend *be = t->be;
     const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
     float *dw[KILN_MATMUL_MULTI_MAX], *db[KILN_MATMUL_MULTI_MAX];
     for (int i = 0; i < n; i++) {
-        wv[i] = &W[i]->view;
+        wv[i] = mat_view(t, W[i]);
         dw[i] = W[i]->g;
         db[i] = GRAD(bias[i]);
     }
@@ -646,6 +676,10 @@ static void forward(kiln_trainer *t, const int32_t *ids, int n_seq, int seq) {
     const kiln_model_config *c = &t->cfg;
     kiln_backend *be = t->be;
     const kiln_backend_i *op = be->i;
+    if (t->shadow && t->shadow_stale) { /* one conversion of every weight (f32 block -> bf16) */
+        op->to_bf16(be, t->shadow, (const float *)t->param_block, t->param_bytes / sizeof(float));
+        t->shadow_stale = 0;
+    }
     int C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
     int T = n_seq * seq;
     size_t QD = (size_t)NH * HS, KD = (size_t)KVH * HS;
@@ -660,7 +694,7 @@ static void forward(kiln_trainer *t, const int32_t *ids, int n_seq, int seq) {
         op->rmsnorm(be, a->xb1, a->x, VEC(w->attn_norm), T, C, eps);
         float *qkv[3] = {a->qr, a->kr, a->v};
         const train_param *wqkv[3] = {w->wq, w->wk, w->wv}, *bqkv[3] = {w->bq, w->bk, w->bv};
-        matmul_n(be, 3, qkv, a->xb1, wqkv, bqkv, T);
+        matmul_n(t, 3, qkv, a->xb1, wqkv, bqkv, T);
         if (w->q_norm) op->rmsnorm(be, a->q, a->qr, VEC(w->q_norm), T * NH, HS, eps);
         if (w->k_norm) op->rmsnorm(be, a->k, a->kr, VEC(w->k_norm), T * KVH, HS, eps);
         op->rope(be, a->q, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
@@ -674,14 +708,14 @@ static void forward(kiln_trainer *t, const int32_t *ids, int n_seq, int seq) {
                               HS, scale);
             }
         /* x_mid = o + x: IEEE addition commutes, so these are the bits of x + o, with no copy */
-        op->matmul(be, a->x_mid, a->att, &w->wo->view, VEC(w->bo), T);
+        op->matmul(be, a->x_mid, a->att, mat_view(t, w->wo), VEC(w->bo), T);
         op->add(be, a->x_mid, a->x, (size_t)T * C);
         op->rmsnorm(be, a->xb2, a->x_mid, VEC(w->mlp_norm), T, C, eps);
         float *gu[2] = {a->gate, a->up};
         const train_param *wgu[2] = {w->gate, w->up}, *nob[2] = {NULL, NULL};
-        matmul_n(be, 2, gu, a->xb2, wgu, nob, T);
+        matmul_n(t, 2, gu, a->xb2, wgu, nob, T);
         op->swiglu(be, a->hb, a->gate, a->up, (size_t)T * FF);
-        op->matmul(be, x_next, a->hb, &w->down->view, NULL, T);
+        op->matmul(be, x_next, a->hb, mat_view(t, w->down), NULL, T);
         op->add(be, x_next, a->x_mid, (size_t)T * C);
     }
     op->rmsnorm(be, t->xn, t->x_final, VEC(t->final_norm), T, C, eps);
@@ -739,8 +773,8 @@ kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *ids, int n_
     cp.H = t->cfg.n_embd;
     cp.V = t->cfg.n_vocab;
     cp.hidden = t->xn;
-    cp.weight = t->lm_head->w;
-    cp.weight_dtype = t->lm_head->dtype;
+    cp.weight = mat_view(t, t->lm_head)->data;
+    cp.weight_dtype = mat_view(t, t->lm_head)->dtype;
     cp.targets = targets;
     cp.reduction = red == KILN_LOSS_SUM ? KILN_CE_REDUCTION_SUM : KILN_CE_REDUCTION_MEAN;
     cp.scale = scale;
@@ -820,14 +854,14 @@ static void backward_layers(kiln_trainer *t) {
         const train_layer *w = &t->layers[l];
         const layer_acts *a = &t->acts[l];
         /* MLP: x_next = x_mid + down(silu(gate) * up) */
-        op->matmul_backward(be, t->dhb, w->down->g, NULL, t->dx, a->hb, &w->down->view, T, false);
+        op->matmul_backward(be, t->dhb, w->down->g, NULL, t->dx, a->hb, mat_view(t, w->down), T, false);
         op->swiglu_backward(be, t->dgate, t->dup, t->dhb, a->gate, a->up, (size_t)T * FF);
         const float *dgu[2] = {t->dgate, t->dup};
         const train_param *wgu[2] = {w->gate, w->up}, *nob[2] = {NULL, NULL};
-        matmul_backward_n(be, 2, t->dxb, dgu, a->xb2, wgu, nob, T, false);
+        matmul_backward_n(t, 2, t->dxb, dgu, a->xb2, wgu, nob, T, false);
         op->rmsnorm_backward(be, t->dx, w->mlp_norm->g, t->dxb, a->x_mid, VEC(w->mlp_norm), T, C, eps, t->rstd, true);
         /* attention: x_mid = x + o(attention(rope(q), rope(k), v)) */
-        op->matmul_backward(be, t->datt, w->wo->g, GRAD(w->bo), t->dx, a->att, &w->wo->view, T, false);
+        op->matmul_backward(be, t->datt, w->wo->g, GRAD(w->bo), t->dx, a->att, mat_view(t, w->wo), T, false);
         if (op->attention_seqs && op->attention_backward_seqs)
             op->attention_backward_seqs(be, t->dq, t->dk, t->dv, t->datt, a->q, a->k, a->v, a->att, a->lse, t->ws,
                                         n_seq, seq, NH, KVH, HS, scale);
@@ -846,7 +880,7 @@ static void backward_layers(kiln_trainer *t) {
             op->rmsnorm_backward(be, t->dkr, w->k_norm->g, t->dk, a->kr, VEC(w->k_norm), T * KVH, HS, eps, t->rstd, false);
         const float *dqkv[3] = {t->dqr, t->dkr, t->dv};
         const train_param *wqkv[3] = {w->wq, w->wk, w->wv}, *bqkv[3] = {w->bq, w->bk, w->bv};
-        matmul_backward_n(be, 3, t->dxb, dqkv, a->xb1, wqkv, bqkv, T, false);
+        matmul_backward_n(t, 3, t->dxb, dqkv, a->xb1, wqkv, bqkv, T, false);
         op->rmsnorm_backward(be, t->dx, w->attn_norm->g, t->dxb, a->x, VEC(w->attn_norm), T, C, eps, t->rstd, true);
     }
     op->embed_backward(be, t->tok_embd->g, t->dx, t->ids, T, c->n_vocab, C);
@@ -874,8 +908,8 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
         cp.H = C;
         cp.V = t->cfg.n_vocab;
         cp.hidden = t->xn;
-        cp.weight = t->lm_head->w;
-        cp.weight_dtype = t->lm_head->dtype;
+        cp.weight = mat_view(t, t->lm_head)->data;
+        cp.weight_dtype = mat_view(t, t->lm_head)->dtype;
         cp.targets = t->targets;
         cp.reduction = t->red == KILN_LOSS_SUM ? KILN_CE_REDUCTION_SUM : KILN_CE_REDUCTION_MEAN;
         cp.scale = t->scale;
@@ -987,6 +1021,7 @@ kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr) {
     if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_optimizer_step: refused, weights untouched");
     kiln_adamw_set_lr(t->opt_mat, lr);
     kiln_adamw_set_lr(t->opt_vec, lr);
+    t->shadow_stale = 1;
     KILN_TRY(kiln_adamw_step(t->opt_mat, NULL));
     KILN_TRY(kiln_adamw_step(t->opt_vec, NULL));
     return backend_check(t, "kiln_train_optimizer_step");
@@ -1043,6 +1078,7 @@ kiln_status kiln_train_get_param(const kiln_trainer *t, const char *name, float 
 /* Write f32 values into a parameter (already validated): bf16 storage rounds them (RNE). */
 static kiln_status write_param(kiln_trainer *t, const train_param *p, const float *in) {
     size_t n = (size_t)p->n;
+    t->shadow_stale = 1;
     if (p->dtype == KILN_DTYPE_F32) return kiln_backend_upload(t->be, p->w, in, n * sizeof(float));
     if (t->host) {
         for (size_t i = 0; i < n; i++) ((uint16_t *)p->w)[i] = kiln_fp32_to_bf16(in[i]);
@@ -1115,6 +1151,7 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
         m.params += (uint64_t)t->params[i].n * (t->params[i].dtype == KILN_DTYPE_F32 ? 4 : 2);
         m.grads += (uint64_t)t->params[i].n * 4;
     }
+    if (t->shadow) m.params += t->param_bytes / 2; /* fast mode's bf16 copies of the weights */
     kiln_adamw_memory a, b;
     char da[256] = "", db[256] = "";
     kiln_adamw_describe(t->opt_mat, da, sizeof da, &a);
@@ -1302,6 +1339,7 @@ kiln_status kiln_train_load(kiln_trainer *t, const char *dir, uint64_t *step, ch
         }
     }
     if (st == KILN_OK) {
+        t->shadow_stale = 1;
         for (int i = 0; st == KILN_OK && i < t->n_params; i++)
             st = kiln_backend_upload(t->be, t->params[i].w, ps[i]->data, (size_t)ps[i]->size);
     }

@@ -29,7 +29,10 @@
  *     gradient gives about 1.4, a sign error 2; AdamW's updates of elements whose gradient is
  *     near zero can flip sign under bf16 rounding, which is why this cannot be tight);
  *   - determinism: F1 and F2 have the same bits for every loss, every step-1 gradient, the
- *     clip norms, and every parameter after 20 steps.
+ *     clip norms, and every parameter after 20 steps;
+ *   - resume: a fourth fast trainer loads F1's checkpoint of step 10 and replays steps 11-20
+ *     with the same batches: every loss and every final parameter has F1's bits (with f32
+ *     weights the bf16 copies the products take are remade from the loaded weights).
  * The maxima seen are printed, so the bounds can be tightened from a run on the target GPU.
  *
  * Without a usable GPU: checks that fast = 1 with device = -1 is refused with
@@ -185,12 +188,21 @@ static int run_case(const char *name, kiln_weight_storage storage, const char *v
     gpu_randomise_vectors(m);
     const double t0 = now_s();
     kiln_trainer *ta = make_trainer(m, storage, 0), *tf1 = make_trainer(m, storage, 1),
-                 *tf2 = make_trainer(m, storage, 1);
+                 *tf2 = make_trainer(m, storage, 1), *tr = make_trainer(m, storage, 1);
+    /* resume: tf1 is saved after step HALF; tr loads that checkpoint and replays the later
+     * steps, which must give tf1's losses and weights bit for bit (in fast mode the bf16
+     * copies of f32 weights are remade from the loaded ones) */
+    enum { HALF = STEPS / 2 };
+    float lf1s[STEPS];
+    int32_t batches[STEPS][SEQ]; /* make_batch draws from the test's stream: kept to replay */
+    char ckpt[400];
+    snprintf(ckpt, sizeof ckpt, "%s/resume-%s", g_tmpdir, name);
+    int resumed_same = 0;
     float *w0 = NULL, *wa = NULL, *wf1 = NULL, *wf2 = NULL;
     size_t total = 0;
     double worst_loss = 0.0, worst_grad = 0.0, wratio = 0.0, wrel = 0.0;
     int grad_bad = 0;
-    if (!ta || !tf1 || !tf2) {
+    if (!ta || !tf1 || !tf2 || !tr) {
         ok = 0;
         goto done;
     }
@@ -221,6 +233,7 @@ static int run_case(const char *name, kiln_weight_storage storage, const char *v
     for (int s = 0; s < STEPS; s++) {
         int32_t ids[SEQ];
         make_batch(ids, s);
+        memcpy(batches[s], ids, sizeof ids);
         float la = NAN, lf1 = NAN, lf2 = NAN, ta_norm, tf1_norm, tf2_norm, ca, cf1, cf2;
         TRY(kiln_train_step(ta, ids, SEQ, &la), "train_step (auditable)");
         TRY(kiln_train_step(tf1, ids, SEQ, &lf1), "train_step (fast)");
@@ -246,6 +259,8 @@ static int run_case(const char *name, kiln_weight_storage storage, const char *v
         TRY(kiln_train_optimizer_step(ta, LR), "adamw (auditable)");
         TRY(kiln_train_optimizer_step(tf1, LR), "adamw (fast)");
         TRY(kiln_train_optimizer_step(tf2, LR), "adamw (fast, run 2)");
+        lf1s[s] = lf1;
+        if (s + 1 == HALF) TRY(kiln_train_save(tf1, ckpt, (uint64_t)HALF, NULL, 1), "save (fast)");
         const double rel = fabs((double)lf1 - (double)la) / fabs((double)la);
         const int same = memcmp(&lf1, &lf2, 4) == 0 && memcmp(&tf1_norm, &tf2_norm, 4) == 0 &&
                          memcmp(&cf1, &cf2, 4) == 0;
@@ -264,6 +279,32 @@ static int run_case(const char *name, kiln_weight_storage storage, const char *v
     if (!read_all(ta, 0, wa, total) || !read_all(tf1, 0, wf1, total) || !read_all(tf2, 0, wf2, total)) {
         ok = 0;
         goto done;
+    }
+    { /* resume from step HALF and replay the rest */
+        uint64_t at = 0;
+        TRY(kiln_train_load(tr, ckpt, &at, NULL), "load (fast)");
+        resumed_same = at == HALF;
+        for (int s = HALF; s < STEPS; s++) {
+            float l = NAN, nrm, cf;
+            TRY(kiln_train_step(tr, batches[s], SEQ, &l), "train_step (fast, resumed)");
+            TRY(kiln_train_clip_grads(tr, 1.0, &nrm, &cf), "clip (fast, resumed)");
+            TRY(kiln_train_optimizer_step(tr, LR), "adamw (fast, resumed)");
+            if (memcmp(&l, &lf1s[s], 4) != 0) {
+                fprintf(stderr, "    resumed step %d: loss %.9g, uninterrupted %.9g\n", s + 1, (double)l,
+                        (double)lf1s[s]);
+                resumed_same = 0;
+            }
+        }
+        float *wr = malloc(total * sizeof(float));
+        if (!wr || !read_all(tr, 0, wr, total) || first_diff(wr, wf1, total) >= 0) {
+            fprintf(stderr, "    resumed weights differ from the uninterrupted run's\n");
+            resumed_same = 0;
+        }
+        free(wr);
+        if (!resumed_same) ok = 0;
+        char cmd[600];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", ckpt);
+        if (system(cmd) != 0) fprintf(stderr, "    could not remove %s\n", ckpt);
     }
     {
         double d2 = 0.0, u2 = 0.0, a2 = 0.0;
@@ -290,8 +331,9 @@ static int run_case(const char *name, kiln_weight_storage storage, const char *v
 done:
     printf("%-22s max loss rel diff %.3e (bound %.0e); step-1 grads max rel %.3e (bound %.0e); weights after "
            "%d steps: diff/update %.3e (bound %.1f), diff/weights %.3e; fast runs bit-identical: checked; "
-           "%.2f s: %s\n",
-           name, worst_loss, LOSS_BOUND, worst_grad, GRAD_BOUND, STEPS, wratio, WEIGHT_BOUND, wrel, now_s() - t0,
+           "resumed from step %d: %s; %.2f s: %s\n",
+           name, worst_loss, LOSS_BOUND, worst_grad, GRAD_BOUND, STEPS, wratio, WEIGHT_BOUND, wrel, (int)HALF,
+           resumed_same ? "same bits" : "DIFFERS", now_s() - t0,
            ok ? "OK" : "FAIL");
     fflush(stdout);
     free(w0);
@@ -301,6 +343,7 @@ done:
     kiln_trainer_free(ta);
     kiln_trainer_free(tf1);
     kiln_trainer_free(tf2);
+    kiln_trainer_free(tr);
     kiln_model_close(m);
     return ok;
 }

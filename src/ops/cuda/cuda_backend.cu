@@ -552,6 +552,13 @@ static void cu_matmul_backward_multi(kiln_backend *be, int n, float *dx, float *
                cudaGetErrorName(e));
 }
 
+static void cu_to_bf16(kiln_backend *be, uint16_t *dst, const float *src, size_t n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || n == 0) return;
+    after_launch(c, kiln_cuda_f32_to_bf16(c->stream, dst, (int64_t)n, src, (int64_t)n, 1, (int64_t)n),
+                 "to_bf16");
+}
+
 /* The column-sum scratch, at least len doubles (fast mode). Grown outside any graph capture
  * (training ops are never captured): the old buffer is freed once the stream is idle, so no
  * queued kernel still reads it. NULL (poisoned) on failure. */
@@ -813,6 +820,7 @@ static const kiln_backend_i cuda_iface = {
     /* .attention_backward_seqs = */ cu_attention_backward_seqs,
     /* .matmul_multi = */ cu_matmul_multi,
     /* .matmul_backward_multi = */ cu_matmul_backward_multi,
+    /* .to_bf16 = */ cu_to_bf16,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {
