@@ -54,16 +54,9 @@ extern "C" {
 }
 #include "ops/cuda/cuda_train.h" /* kiln_cuda_ce_set_legacy */
 
-static int g_fail = 0;
+#include "gpu_test_cuda_check.h"
 
-#define CUDA_OK(call)                                                                          \
-    do {                                                                                       \
-        cudaError_t e_ = (call);                                                               \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
+static int g_fail = 0;
 
 static __device__ uint32_t hash32(uint64_t x) {
     x ^= x >> 33;

@@ -22,14 +22,7 @@ extern "C" {
 #include "base/tensor.h"
 }
 
-#define CUDA_OK(call)                                                                          \
-    do {                                                                                       \
-        cudaError_t e_ = (call);                                                               \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
+#include "gpu_test_cuda_check.h"
 
 static __device__ uint32_t hash32(uint64_t x) {
     x ^= x >> 33;

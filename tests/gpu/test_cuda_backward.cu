@@ -25,6 +25,9 @@
 #include <time.h>
 #include <vector>
 
+#define GPU_TEST_FAILS g_failed /* CUDA_FATAL's count */
+#include "gpu_test_cuda_check.h"
+
 /* ---- random numbers (splitmix64) ---------------------------------------------------------- */
 
 static uint64_t g_rng = 0x6b696c6e42574421ull;
@@ -52,17 +55,6 @@ static void poison(float *v, size_t n) {
 
 static int g_failed;
 static long g_cases, g_elems;
-
-#define CUDA_OK(call)                                                                          \
-    do {                                                                                       \
-        cudaError_t e_ = (call);                                                               \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                      \
-                    cudaGetErrorString(e_));                                                   \
-            printf("FAILED (CUDA error; %d failures before it)\n", g_failed);                  \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
 
 /* Compare n floats bit for bit; report the first difference. Returns 1 when they differ. */
 static int compare(const char *ctx, const char *what, const float *want, const float *got,
@@ -96,27 +88,27 @@ static std::vector<void *> g_dev;
 
 static void *dev_alloc(size_t nbytes) {
     void *p = NULL;
-    CUDA_OK(cudaMalloc(&p, nbytes ? nbytes : 4));
+    CUDA_FATAL(cudaMalloc(&p, nbytes ? nbytes : 4));
     g_dev.push_back(p);
     return p;
 }
 static float *dev_copy(const float *h, size_t n) {
     float *d = (float *)dev_alloc(n * sizeof(float));
-    CUDA_OK(cudaMemcpy(d, h, n * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_FATAL(cudaMemcpy(d, h, n * sizeof(float), cudaMemcpyHostToDevice));
     return d;
 }
 static void *dev_copy_bytes(const void *h, size_t nbytes) {
     void *d = dev_alloc(nbytes);
-    CUDA_OK(cudaMemcpy(d, h, nbytes, cudaMemcpyHostToDevice));
+    CUDA_FATAL(cudaMemcpy(d, h, nbytes, cudaMemcpyHostToDevice));
     return d;
 }
 static std::vector<float> to_host(const float *d, size_t n) {
     std::vector<float> h(n);
-    CUDA_OK(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost));
+    CUDA_FATAL(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost));
     return h;
 }
 static void dev_free_all(void) {
-    for (void *p : g_dev) CUDA_OK(cudaFree(p));
+    for (void *p : g_dev) CUDA_FATAL(cudaFree(p));
     g_dev.clear();
 }
 
@@ -129,7 +121,7 @@ static void run_and_sync(cudaError_t launch, const char *ctx) {
         printf("FAILED (launch error)\n");
         exit(1);
     }
-    CUDA_OK(cudaStreamSynchronize(g_s));
+    CUDA_FATAL(cudaStreamSynchronize(g_s));
 }
 
 /* ---- matmul backward ----------------------------------------------------------------------- */
@@ -375,19 +367,19 @@ static void case_embed(int N, int V, int C) {
 /* Median of 5 runs of f (each after one warm-up), in ms. */
 template <typename F> static float time_ms(F f) {
     cudaEvent_t a, b;
-    CUDA_OK(cudaEventCreate(&a));
-    CUDA_OK(cudaEventCreate(&b));
+    CUDA_FATAL(cudaEventCreate(&a));
+    CUDA_FATAL(cudaEventCreate(&b));
     float t[5];
     run_and_sync(f(), "timing warm-up");
     for (int r = 0; r < 5; r++) {
-        CUDA_OK(cudaEventRecord(a, g_s));
+        CUDA_FATAL(cudaEventRecord(a, g_s));
         cudaError_t e = f();
-        CUDA_OK(cudaEventRecord(b, g_s));
+        CUDA_FATAL(cudaEventRecord(b, g_s));
         run_and_sync(e, "timing");
-        CUDA_OK(cudaEventElapsedTime(&t[r], a, b));
+        CUDA_FATAL(cudaEventElapsedTime(&t[r], a, b));
     }
-    CUDA_OK(cudaEventDestroy(a));
-    CUDA_OK(cudaEventDestroy(b));
+    CUDA_FATAL(cudaEventDestroy(a));
+    CUDA_FATAL(cudaEventDestroy(b));
     for (int i = 1; i < 5; i++)
         for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
             float x = t[j];
@@ -514,8 +506,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "cpu backend: %s\n", kiln_last_error());
         return 1;
     }
-    CUDA_OK(cudaSetDevice(0));
-    CUDA_OK(cudaStreamCreateWithFlags(&g_s, cudaStreamNonBlocking));
+    CUDA_FATAL(cudaSetDevice(0));
+    CUDA_FATAL(cudaStreamCreateWithFlags(&g_s, cudaStreamNonBlocking));
     clock_t t0 = clock();
 
     /* matmul_backward: every dtype x N x R x C; the variant (accumulate, NULL outputs) cycles
@@ -565,7 +557,7 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sizeof emb / sizeof emb[0]; i++) case_embed(emb[i][0], emb[i][1], emb[i][2]);
 
     timings();
-    CUDA_OK(cudaStreamDestroy(g_s));
+    CUDA_FATAL(cudaStreamDestroy(g_s));
     kiln_backend_free(g_cpu);
     printf("%ld cases, %ld elements compared, %.1f s CPU time\n", g_cases, g_elems,
            (double)(clock() - t0) / CLOCKS_PER_SEC);

@@ -38,16 +38,8 @@
 #include <string.h>
 #include <vector>
 
-#define CUDA_OK(call)                                                                          \
-    do {                                                                                       \
-        cudaError_t e_ = (call);                                                               \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                      \
-                    cudaGetErrorString(e_));                                                   \
-            printf("FAILED (CUDA error; %d failures before it)\n", g_failed);                  \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
+#define GPU_TEST_FAILS g_failed /* CUDA_FATAL's count */
+#include "gpu_test_cuda_check.h"
 
 static int g_failed;
 static kiln_cuda_gemm *g_gemm;
@@ -82,13 +74,13 @@ static std::vector<void *> g_dev;
 
 static void *dev_alloc(size_t nbytes) {
     void *p = NULL;
-    CUDA_OK(cudaMalloc(&p, nbytes ? nbytes : 4));
+    CUDA_FATAL(cudaMalloc(&p, nbytes ? nbytes : 4));
     g_dev.push_back(p);
     return p;
 }
 static void up(void *d, const void *h, size_t nbytes) {
-    CUDA_OK(cudaMemcpyAsync(d, h, nbytes, cudaMemcpyHostToDevice, g_s));
-    CUDA_OK(cudaStreamSynchronize(g_s));
+    CUDA_FATAL(cudaMemcpyAsync(d, h, nbytes, cudaMemcpyHostToDevice, g_s));
+    CUDA_FATAL(cudaStreamSynchronize(g_s));
 }
 static float *dev_copy(const std::vector<float> &h) {
     float *d = (float *)dev_alloc(h.size() * sizeof(float));
@@ -97,13 +89,13 @@ static float *dev_copy(const std::vector<float> &h) {
 }
 static std::vector<float> to_host(const float *d, size_t n) {
     std::vector<float> h(n);
-    CUDA_OK(cudaStreamSynchronize(g_s));
-    CUDA_OK(cudaMemcpyAsync(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost, g_s));
-    CUDA_OK(cudaStreamSynchronize(g_s));
+    CUDA_FATAL(cudaStreamSynchronize(g_s));
+    CUDA_FATAL(cudaMemcpyAsync(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost, g_s));
+    CUDA_FATAL(cudaStreamSynchronize(g_s));
     return h;
 }
 static void dev_free_all(void) {
-    for (void *p : g_dev) CUDA_OK(cudaFree(p));
+    for (void *p : g_dev) CUDA_FATAL(cudaFree(p));
     g_dev.clear();
 }
 
@@ -260,10 +252,10 @@ static void case_matmul(kiln_dtype dt, int N, int64_t R, int64_t C, bool acc, bo
     const size_t rb = (size_t)C * es, drb = (variant & V_PAD_ROWS) ? rb + 3 * es : rb;
     const size_t woff = (variant & V_MISALIGNED) ? 2 : 0;
     uint8_t *d_wbuf = (uint8_t *)dev_alloc(drb * (size_t)R + 16);
-    CUDA_OK(cudaMemsetAsync(d_wbuf, 0xff, drb * (size_t)R + 16, g_s)); /* padding: NaN bits */
-    CUDA_OK(cudaMemcpy2DAsync(d_wbuf + woff, drb, wb.data(), rb, rb, (size_t)R,
-                              cudaMemcpyHostToDevice, g_s));
-    CUDA_OK(cudaStreamSynchronize(g_s));
+    CUDA_FATAL(cudaMemsetAsync(d_wbuf, 0xff, drb * (size_t)R + 16, g_s)); /* padding: NaN bits */
+    CUDA_FATAL(cudaMemcpy2DAsync(d_wbuf + woff, drb, wb.data(), rb, rb, (size_t)R,
+                                 cudaMemcpyHostToDevice, g_s));
+    CUDA_FATAL(cudaStreamSynchronize(g_s));
     const uint8_t *d_w = d_wbuf + woff;
     float *d_x = dev_copy(x), *d_dy = dev_copy(dy);
 
@@ -366,7 +358,7 @@ static void argument_checks(void) {
                     cudaGetErrorName(c[i].got), cudaGetErrorName(c[i].want));
             bad++;
         }
-    CUDA_OK(cudaStreamSynchronize(g_s));
+    CUDA_FATAL(cudaStreamSynchronize(g_s));
     printf("argument checks: %s\n", bad ? "FAILED" : "OK");
     g_failed += bad;
     dev_free_all();
@@ -383,25 +375,25 @@ static void timing(int N, int64_t R, int64_t C, kiln_dtype dt) {
     uint8_t *w = (uint8_t *)dev_alloc((size_t)R * C * es);
     up(dy, h.data(), (size_t)N * R * 4);
     up(x, h.data(), (size_t)N * C * 4);
-    CUDA_OK(cudaMemsetAsync(w, 0x3c, (size_t)R * C * es, g_s)); /* small finite values */
-    CUDA_OK(cudaMemsetAsync(dW, 0, (size_t)R * C * 4, g_s));
+    CUDA_FATAL(cudaMemsetAsync(w, 0x3c, (size_t)R * C * es, g_s)); /* small finite values */
+    CUDA_FATAL(cudaMemsetAsync(dW, 0, (size_t)R * C * 4, g_s));
     cudaEvent_t a, b;
-    CUDA_OK(cudaEventCreate(&a));
-    CUDA_OK(cudaEventCreate(&b));
+    CUDA_FATAL(cudaEventCreate(&a));
+    CUDA_FATAL(cudaEventCreate(&b));
     float ms[2] = {0, 0};
     for (int mode = 0; mode < 2; mode++) {
         for (int it = 0; it < 4; it++) { /* 1 warm-up, then 3 timed */
-            if (it == 1) CUDA_OK(cudaEventRecord(a, g_s));
+            if (it == 1) CUDA_FATAL(cudaEventRecord(a, g_s));
             cudaError_t e = mode ? kiln_cuda_matmul_backward_fast(g_gemm, g_s, dx, dW, NULL, dy, x,
                                                                   w, (size_t)C * es, dt, R, C, N,
                                                                   false)
                                  : kiln_cuda_matmul_backward(g_s, dx, dW, NULL, dy, x, w,
                                                              (size_t)C * es, dt, R, C, N, false);
-            CUDA_OK(e);
+            CUDA_FATAL(e);
         }
-        CUDA_OK(cudaEventRecord(b, g_s));
-        CUDA_OK(cudaEventSynchronize(b));
-        CUDA_OK(cudaEventElapsedTime(&ms[mode], a, b));
+        CUDA_FATAL(cudaEventRecord(b, g_s));
+        CUDA_FATAL(cudaEventSynchronize(b));
+        CUDA_FATAL(cudaEventElapsedTime(&ms[mode], a, b));
         ms[mode] /= 3.0f;
     }
     const double flop = 4.0 * N * (double)R * (double)C;
@@ -409,8 +401,8 @@ static void timing(int N, int64_t R, int64_t C, kiln_dtype dt) {
            "%.3f ms (%.1f TFLOP/s)\n",
            dt_name(dt), N, (long long)R, (long long)C, ms[0], flop / ms[0] * 1e-9, ms[1],
            flop / ms[1] * 1e-9);
-    CUDA_OK(cudaEventDestroy(a));
-    CUDA_OK(cudaEventDestroy(b));
+    CUDA_FATAL(cudaEventDestroy(a));
+    CUDA_FATAL(cudaEventDestroy(b));
     dev_free_all();
 }
 
@@ -431,9 +423,9 @@ int main(int argc, char **argv) {
         fprintf(stderr, "cpu backend: %s\n", kiln_last_error());
         return 1;
     }
-    CUDA_OK(cudaSetDevice(0));
-    CUDA_OK(cudaStreamCreateWithFlags(&g_s, cudaStreamNonBlocking));
-    CUDA_OK(kiln_cuda_gemm_create(0, &g_gemm));
+    CUDA_FATAL(cudaSetDevice(0));
+    CUDA_FATAL(cudaStreamCreateWithFlags(&g_s, cudaStreamNonBlocking));
+    CUDA_FATAL(kiln_cuda_gemm_create(0, &g_gemm));
 
     argument_checks();
     static const kiln_dtype dts[3] = {KILN_DTYPE_F32, KILN_DTYPE_BF16, KILN_DTYPE_F16};
@@ -463,7 +455,7 @@ int main(int argc, char **argv) {
     timing(2048, 896, 896, KILN_DTYPE_F32);
 
     kiln_cuda_gemm_free(g_gemm);
-    CUDA_OK(cudaStreamDestroy(g_s));
+    CUDA_FATAL(cudaStreamDestroy(g_s));
     kiln_backend_free(g_cpu);
     if (g_failed) printf("FAILED %d\n", g_failed);
     else printf("ALL OK\n");

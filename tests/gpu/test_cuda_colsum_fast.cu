@@ -65,17 +65,7 @@ extern "C" {
 #define GPU_TEST_SEED 0xc015c015ull
 #include "gpu_test_check.h"
 
-/* A CUDA failure outside the call under test: nothing sensible can follow. */
-#define CUDA_FATAL(expr)                                                                       \
-    do {                                                                                       \
-        cudaError_t e_ = (expr);                                                               \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,                      \
-                    cudaGetErrorString(e_));                                                   \
-            printf("FAILED (CUDA error; %d failures before it)\n", g_fail);                    \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
+#include "gpu_test_cuda_check.h"
 
 static cudaStream_t g_s;
 static double g_worst = 0.0; /* max over the random cases of err / S */

@@ -40,16 +40,9 @@ extern "C" {
 #include <stdlib.h>
 #include <string.h>
 
-static int g_failed, g_cases;
+#include "gpu_test_cuda_check.h"
 
-#define CUDA_OK(call)                                                                          \
-    do {                                                                                       \
-        cudaError_t e_ = (call);                                                               \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
+static int g_failed, g_cases;
 
 /* ---- random numbers (splitmix64) ---------------------------------------------------------- */
 
