@@ -665,7 +665,8 @@ static void matmul_backward_n(const kiln_trainer *t, int n, float *dx, const flo
     if (be->i->matmul_backward_multi)
         be->i->matmul_backward_multi(be, n, dx, dw, db, dy, x, wv, N, accumulate_dx);
     else
-        for (int i = 0; i < n; i++) be->i->matmul_backward(be, dx, dw[i], db[i], dy[i], x, wv[i], N, i > 0 || accumulate_dx);
+        for (int i = 0; i < n; i++)
+            be->i->matmul_backward(be, dx, dw[i], db[i], dy[i], x, wv[i], N, i > 0 || accumulate_dx);
 }
 
 /* n_seq sequences of seq tokens each, ids (n_seq x seq) back to back: every op takes the

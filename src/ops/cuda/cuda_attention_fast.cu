@@ -23,9 +23,9 @@
 
 struct kiln_cuda_attn {
     float *buf;      /* device: partial acc (P, HS) then partial (m, l) (P, 2) */
-    size_t cap;      /* floats buf holds */
+    size_t cap;      /* bytes buf holds */
     unsigned *cnt;   /* device: arrival counters of the fused combine, all 0 between calls */
-    size_t cnt_cap;  /* counters cnt holds */
+    size_t cnt_cap;  /* bytes cnt holds */
     void *pack;      /* device: the flash kernel's bf16 copies of q, k, v (packed heads) */
     size_t pack_cap; /* bytes pack holds */
 };
@@ -945,6 +945,26 @@ void kiln_cuda_attn_free(kiln_cuda_attn *a) {
     kiln_free(a);
 }
 
+/* Make *p hold at least need bytes (*cap bytes now): freed and reallocated when smaller
+ * (cudaFree waits for the work still using it, so never inside a graph capture); the contents
+ * are not kept. On failure *p is NULL and *cap 0. */
+static cudaError_t grow_dev(void **p, size_t *cap, size_t need) {
+    if (need <= *cap) return cudaSuccess;
+    if (*p) {
+        cudaError_t e = cudaFree(*p);
+        *p = NULL;
+        *cap = 0;
+        if (e != cudaSuccess) return e;
+    }
+    cudaError_t e = cudaMalloc(p, need);
+    if (e != cudaSuccess) {
+        *p = NULL;
+        return e;
+    }
+    *cap = need;
+    return cudaSuccess;
+}
+
 cudaError_t kiln_cuda_attn_reserve(kiln_cuda_attn *a, int B, int N, int NH, int HS, int max_T) {
     if (!a || B <= 0 || N <= 0 || NH <= 0 || HS <= 0 || max_T <= 0) return cudaErrorInvalidValue;
     const size_t need = ws_floats(B, N, NH, HS, max_T);
@@ -952,32 +972,13 @@ cudaError_t kiln_cuda_attn_reserve(kiln_cuda_attn *a, int B, int N, int NH, int 
     /* counters: one per (sequence, kv head, chunk of rows) <= B * N * NH */
     const uint64_t ncnt = (uint64_t)B * (uint64_t)N * (uint64_t)NH;
     if (ncnt > (uint64_t)SIZE_MAX / sizeof(unsigned)) return cudaErrorInvalidValue;
-    if (need > a->cap) {
-        if (a->buf) {
-            cudaError_t e = cudaFree(a->buf); /* cudaFree waits for work still using it */
-            a->buf = NULL;
-            a->cap = 0;
-            if (e != cudaSuccess) return e;
-        }
-        cudaError_t e = cudaMalloc((void **)&a->buf, need * sizeof(float));
-        if (e != cudaSuccess) {
-            a->buf = NULL;
-            return e;
-        }
-        a->cap = need;
+    if (need > a->cap / sizeof(float)) {
+        cudaError_t e = grow_dev((void **)&a->buf, &a->cap, need * sizeof(float));
+        if (e != cudaSuccess) return e;
     }
-    if (ncnt > a->cnt_cap) {
-        if (a->cnt) {
-            cudaError_t e = cudaFree(a->cnt);
-            a->cnt = NULL;
-            a->cnt_cap = 0;
-            if (e != cudaSuccess) return e;
-        }
-        cudaError_t e = cudaMalloc((void **)&a->cnt, (size_t)ncnt * sizeof(unsigned));
-        if (e != cudaSuccess) {
-            a->cnt = NULL;
-            return e;
-        }
+    if (ncnt > a->cnt_cap / sizeof(unsigned)) {
+        cudaError_t e = grow_dev((void **)&a->cnt, &a->cnt_cap, (size_t)ncnt * sizeof(unsigned));
+        if (e != cudaSuccess) return e;
         /* zero before any kernel can use them: cudaMemset runs on the legacy stream, which
          * the caller's (possibly non-blocking) stream does not wait for, so wait here */
         e = cudaMemset(a->cnt, 0, (size_t)ncnt * sizeof(unsigned));
@@ -985,9 +986,9 @@ cudaError_t kiln_cuda_attn_reserve(kiln_cuda_attn *a, int B, int N, int NH, int 
         if (e != cudaSuccess) {
             (void)cudaFree(a->cnt);
             a->cnt = NULL;
+            a->cnt_cap = 0;
             return e;
         }
-        a->cnt_cap = (size_t)ncnt;
     }
     return cudaSuccess;
 }
@@ -1038,7 +1039,8 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
     const int64_t nsplit = li.grid[1];
     const unsigned gx = li.grid[0];
     const size_t need = ws_floats(B, N, NH, HS, max_T);
-    if (need == 0 || need > a->cap || !a->cnt || (uint64_t)B * gx > (uint64_t)a->cnt_cap)
+    if (need == 0 || need > a->cap / sizeof(float) || !a->cnt ||
+        (uint64_t)B * gx > (uint64_t)(a->cnt_cap / sizeof(unsigned)))
         return cudaErrorInvalidValue;
     const int64_t P = (int64_t)B * nsplit * N * NH;
     float *ws_acc = a->buf, *ws_ml = a->buf + P * HS;
@@ -1078,25 +1080,13 @@ static cudaError_t flash_launch(kiln_cuda_attn *a, cudaStream_t s, float *out, f
     const uint64_t kn = (uint64_t)B * (uint64_t)KVH * (uint64_t)Tpad * (uint64_t)HS;
     const uint64_t need = (qn + 2 * kn) * sizeof(__nv_bfloat16);
     if (need > (uint64_t)SIZE_MAX / 2) return cudaErrorInvalidValue;
-    if (need > a->pack_cap) {
-        if (a->pack) {
-            cudaError_t e = cudaFree(a->pack);
-            a->pack = NULL;
-            a->pack_cap = 0;
-            if (e != cudaSuccess) return e;
-        }
-        cudaError_t e = cudaMalloc(&a->pack, (size_t)need);
-        if (e != cudaSuccess) {
-            a->pack = NULL;
-            return e;
-        }
-        a->pack_cap = (size_t)need;
-    }
+    cudaError_t e = grow_dev(&a->pack, &a->pack_cap, (size_t)need);
+    if (e != cudaSuccess) return e;
     __nv_bfloat16 *qb = (__nv_bfloat16 *)a->pack, *kb = qb + qn, *vb = kb + kn;
     const kiln_cuda_attn_pack_job jobs[3] = {{qb, q, NULL, NULL, N, Npad, NH, B},
                                              {kb, k, NULL, NULL, T, Tpad, KVH, B},
                                              {vb, v, NULL, NULL, T, Tpad, KVH, B}};
-    cudaError_t e = kiln_cuda_attn_pack_heads(s, jobs, 3, HS);
+    e = kiln_cuda_attn_pack_heads(s, jobs, 3, HS);
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((N + FL_BM - 1) / FL_BM), (unsigned)NH, (unsigned)B);
     if (HS == 64)

@@ -262,7 +262,8 @@ static void cu_matmul_multi(kiln_backend *be, int n, float *const *out, const fl
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
     if (n < 1 || n > KILN_MATMUL_MULTI_MAX || n > KILN_GEMM_MULTI_MAX) {
-        poison(c, KILN_ERR_INVALID_ARG, "matmul_multi: %d products (1..%d)", n, KILN_MATMUL_MULTI_MAX);
+        poison(c, KILN_ERR_INVALID_ARG, "matmul_multi: %d products (1..%d)", n,
+               KILN_MATMUL_MULTI_MAX);
         return;
     }
     bool one_call = c->fast && N > 8;
@@ -288,7 +289,8 @@ static void cu_matmul_multi(kiln_backend *be, int n, float *const *out, const fl
     cudaError_t e = kiln_cuda_gemm_linear_multi(c->gemm, c->stream, n, out, x, w, rb, dt, R, C,
                                                 bias, N);
     if (e != cudaSuccess)
-        poison(c, KILN_ERR_INTERNAL, "matmul_multi (fast gemm) '%s' and %d more, %d tokens: %s (%s)",
+        poison(c, KILN_ERR_INTERNAL,
+               "matmul_multi (fast gemm) '%s' and %d more, %d tokens: %s (%s)",
                W[0]->name ? W[0]->name : "?", n - 1, N, kiln_cuda_gemm_error(c->gemm),
                cudaGetErrorName(e));
 }
@@ -555,8 +557,8 @@ static void cu_matmul_backward_multi(kiln_backend *be, int n, float *dx, float *
 static void cu_to_bf16(kiln_backend *be, uint16_t *dst, const float *src, size_t n) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || n == 0) return;
-    after_launch(c, kiln_cuda_f32_to_bf16(c->stream, dst, (int64_t)n, src, (int64_t)n, 1, (int64_t)n),
-                 "to_bf16");
+    const int64_t m = (int64_t)n; /* one row of n */
+    after_launch(c, kiln_cuda_f32_to_bf16(c->stream, dst, m, src, m, 1, m), "to_bf16");
 }
 
 /* The column-sum scratch, at least len doubles (fast mode). Grown outside any graph capture
