@@ -839,7 +839,6 @@ kiln_status kiln_train_discard(kiln_trainer *t) {
 
 /* ---- backward ------------------------------------------------------------------------------ */
 
-
 static void backward_layers(kiln_trainer *t) {
     const kiln_model_config *c = &t->cfg;
     kiln_backend *be = t->be;
