@@ -244,15 +244,14 @@ static double cmp(const std::vector<float> &f, const std::vector<float> &a, cons
     return e;
 }
 
-static void test_case(kiln_backend *fast_be, kiln_backend *aud_be, const CeCase &c) {
-    const int fails0 = g_fail;
-    const int64_t N = c.N, H = c.H, V = c.V;
-    const int bf16 = c.dt == KILN_DTYPE_BF16;
-    /* logits of order 1: hidden in [-1, 1), weights in [-2, 2) / sqrt(H) */
+/* The random hidden states (N, H) and weights (V, H), drawn in that order: logits of order 1,
+ * hidden in [-1, 1), weights in [-2, 2) / sqrt(H), stored as f32 or (bf16) rounded. */
+static void random_inputs(int64_t N, int64_t H, int64_t V, int bf16, std::vector<float> &hidden,
+                          std::vector<uint8_t> &w) {
     const float wamp = 2.0f / std::sqrt((float)H);
-    std::vector<float> hidden((size_t)N * H);
+    hidden.resize((size_t)N * H);
     for (auto &x : hidden) x = rndu();
-    std::vector<uint8_t> w((size_t)V * H * (bf16 ? 2 : 4));
+    w.resize((size_t)V * H * (bf16 ? 2 : 4));
     for (int64_t e = 0; e < V * H; e++) {
         float x = rndu() * wamp;
         if (bf16) {
@@ -262,6 +261,15 @@ static void test_case(kiln_backend *fast_be, kiln_backend *aud_be, const CeCase 
             memcpy(w.data() + 4 * e, &x, 4);
         }
     }
+}
+
+static void test_case(kiln_backend *fast_be, kiln_backend *aud_be, const CeCase &c) {
+    const int fails0 = g_fail;
+    const int64_t N = c.N, H = c.H, V = c.V;
+    const int bf16 = c.dt == KILN_DTYPE_BF16;
+    std::vector<float> hidden;
+    std::vector<uint8_t> w;
+    random_inputs(N, H, V, bf16, hidden, w);
     std::vector<int32_t> tg((size_t)N);
     std::vector<uint8_t> mask((size_t)N, 1);
     for (int64_t n = 0; n < N; n++) {
@@ -443,19 +451,9 @@ static void test_bits(kiln_backend *be, const BitCase &c, int reps) {
     const int fails0 = g_fail;
     const int64_t N = c.N, H = c.H, V = c.V;
     const int bf16 = c.dt == KILN_DTYPE_BF16;
-    const float wamp = 2.0f / std::sqrt((float)H);
-    std::vector<float> hidden((size_t)N * H);
-    for (auto &x : hidden) x = rndu();
-    std::vector<uint8_t> w((size_t)V * H * (bf16 ? 2 : 4));
-    for (int64_t e = 0; e < V * H; e++) {
-        float x = rndu() * wamp;
-        if (bf16) {
-            uint16_t b = kiln_fp32_to_bf16(x);
-            memcpy(w.data() + 2 * e, &b, 2);
-        } else {
-            memcpy(w.data() + 4 * e, &x, 4);
-        }
-    }
+    std::vector<float> hidden;
+    std::vector<uint8_t> w;
+    random_inputs(N, H, V, bf16, hidden, w);
     std::vector<int32_t> tg((size_t)N);
     std::vector<uint8_t> mask((size_t)N, 1);
     for (int64_t n = 0; n < N; n++) {
