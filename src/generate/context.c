@@ -127,17 +127,22 @@ static kiln_status decode_step_graph(kiln_context *c, int32_t id, float *logits,
     int32_t step[2] = {id, c->n_past};
     st = kiln_backend_upload(be, c->fs.d_step, step, sizeof step);
     if (st != KILN_OK) return st;
-    if (!c->graph || c->graph_logits != c->fs.logits) {
-        if (c->graph) be->i->graph_free(be, c->graph);
+    for (int attempt = 0; attempt < 2; attempt++) {
+        if (!c->graph || c->graph_logits != c->fs.logits) {
+            if (c->graph) be->i->graph_free(be, c->graph);
+            c->graph = NULL;
+            st = be->i->graph_begin(be, 1, cfg->n_head, cfg->head_dim, c->fs.n_ctx);
+            if (st != KILN_OK) return st;
+            kiln_model_forward_step(c->model, be, &c->fs, c->fs.logits);
+            st = be->i->graph_end(be, &c->graph);
+            if (st != KILN_OK) return st;
+            c->graph_logits = c->fs.logits;
+        }
+        st = be->i->graph_launch(be, c->graph);
+        if (st != KILN_ERR_STATE) break;
+        be->i->graph_free(be, c->graph); /* stale: a workspace grew since; record again */
         c->graph = NULL;
-        st = be->i->graph_begin(be, 1, cfg->n_head, cfg->head_dim, c->fs.n_ctx);
-        if (st != KILN_OK) return st;
-        kiln_model_forward_step(c->model, be, &c->fs, c->fs.logits);
-        st = be->i->graph_end(be, &c->graph);
-        if (st != KILN_OK) return st;
-        c->graph_logits = c->fs.logits;
     }
-    st = be->i->graph_launch(be, c->graph);
     if (st != KILN_OK || on_device) return st; /* on_device: the logits stay in fs.logits */
     return logits ? kiln_backend_download(be, logits, c->fs.logits, V * sizeof(float))
                   : kiln_backend_status(be);
@@ -267,18 +272,25 @@ kiln_status kiln_decode_batch(kiln_context *c, const int32_t *ids, int B, float 
     if (st == KILN_OK) st = kiln_backend_upload(be, c->fs.d_step, step, 2 * (size_t)B * sizeof(int32_t));
     if (st == KILN_OK && c->graphs && c->warm) {
         /* recorded once per batch size (and logits buffer), replayed */
-        if (!c->batch_graph || c->batch_B != B || c->batch_graph_logits != c->fs.logits) {
-            if (c->batch_graph) be->i->graph_free(be, c->batch_graph);
-            c->batch_graph = NULL;
-            st = be->i->graph_begin(be, B, cfg->n_head, cfg->head_dim, c->fs.n_ctx);
-            if (st == KILN_OK) {
-                kiln_model_forward_batch(c->model, be, &c->fs, B, dev_out);
-                st = be->i->graph_end(be, &c->batch_graph);
+        for (int attempt = 0; attempt < 2 && st == KILN_OK; attempt++) {
+            if (!c->batch_graph || c->batch_B != B || c->batch_graph_logits != c->fs.logits) {
+                if (c->batch_graph) be->i->graph_free(be, c->batch_graph);
+                c->batch_graph = NULL;
+                st = be->i->graph_begin(be, B, cfg->n_head, cfg->head_dim, c->fs.n_ctx);
+                if (st == KILN_OK) {
+                    kiln_model_forward_batch(c->model, be, &c->fs, B, dev_out);
+                    st = be->i->graph_end(be, &c->batch_graph);
+                }
+                c->batch_B = B;
+                c->batch_graph_logits = c->fs.logits;
             }
-            c->batch_B = B;
-            c->batch_graph_logits = c->fs.logits;
+            if (st != KILN_OK) break;
+            st = be->i->graph_launch(be, c->batch_graph);
+            if (st != KILN_ERR_STATE || attempt == 1) break;
+            be->i->graph_free(be, c->batch_graph); /* stale: a workspace grew since */
+            c->batch_graph = NULL;
+            st = KILN_OK;
         }
-        if (st == KILN_OK) st = be->i->graph_launch(be, c->batch_graph);
     } else if (st == KILN_OK) {
         kiln_model_forward_batch(c->model, be, &c->fs, B, dev_out);
     }

@@ -154,12 +154,15 @@ typedef struct kiln_backend_i {
                          const float *v, const int32_t *pos, int B, size_t seq_stride, int max_T,
                          int NH, int KVH, int HS, float scale);
     /* Record the ops submitted between graph_begin and graph_end (nothing runs meanwhile; no
-     * op may allocate or synchronise: weights must already be on the device) into *graph;
+     * op may allocate or synchronise: weights must already be on the device, and ops whose
+     * workspaces grow on demand must have run at these shapes before) into *graph;
      * graph_launch replays it in order with later work; graph_free releases it. graph_begin
-     * gets the batch (B sequences) and attention shape so that workspaces are sized before
-     * recording. An op that
-     * fails while recording poisons the backend as usual; graph_end then ends the recording
-     * and returns that error with no graph. */
+     * gets the decode batch (B sequences) and attention shape so that the decode workspace is
+     * sized before recording; B = 0 reserves nothing (a training step's recording). An op
+     * that fails while recording poisons the backend as usual; graph_end then ends the
+     * recording and returns that error with no graph. graph_launch returns KILN_ERR_STATE,
+     * without poisoning the backend, when a workspace the graph uses has been reallocated
+     * since it was recorded (a larger call in between): free it and record again. */
     kiln_status (*graph_begin)(kiln_backend *be, int B, int NH, int HS, int max_T);
     kiln_status (*graph_end)(kiln_backend *be, void **graph);
     kiln_status (*graph_launch)(kiln_backend *be, void *graph);
@@ -221,6 +224,29 @@ typedef struct kiln_backend_i {
     /* dst[i] = kiln_fp32_to_bf16(src[i]) for i < n (round to nearest even; the bf16 copies
      * a fast mode keeps of f32 weights). Optional: NULL in a backend without it. */
     void (*to_bf16)(kiln_backend *be, uint16_t *dst, const float *src, size_t n);
+
+    /* ---- bf16 activations (optional, fast modes only: NULL in a backend without them, and
+     * the caller keeps those activations in f32). A fast mode rounds every matrix product's
+     * input x to bf16 anyway; where the producer writes x in bf16 once, the rounding is not
+     * redone by every product that reads it (forward and backward) and the saved activation
+     * takes half the memory. x16 / out16: bf16 bit patterns, rows of C values back to back,
+     * 16-byte aligned.
+     * rmsnorm_bf16: out16 = kiln_fp32_to_bf16 of what rmsnorm writes for these arguments.
+     * swiglu_bf16: out16[i] = kiln_fp32_to_bf16 of swiglu's out[i].
+     * matmul_multi_bf16x / matmul_backward_multi_bf16x: matmul_multi / matmul_backward_multi
+     * with x given as x16, its bf16 rounding. With C a multiple of 8 and N > 8, the bits of
+     * the f32 entries on any x that rounds to x16; otherwise the same arithmetic (products of
+     * the same bf16 values summed in f32) whose bits may differ. ---- */
+    void (*rmsnorm_bf16)(kiln_backend *be, uint16_t *out16, const float *x, const float *w,
+                         int N, int C, float eps);
+    void (*swiglu_bf16)(kiln_backend *be, uint16_t *out16, const float *gate, const float *up,
+                        size_t n);
+    void (*matmul_multi_bf16x)(kiln_backend *be, int n, float *const *out, const uint16_t *x16,
+                               const kiln_tensor *const *W, const float *const *bias, int N);
+    void (*matmul_backward_multi_bf16x)(kiln_backend *be, int n, float *dx, float *const *dW,
+                                        float *const *dbias, const float *const *dy,
+                                        const uint16_t *x16, const kiln_tensor *const *W, int N,
+                                        bool accumulate_dx);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

@@ -27,6 +27,7 @@
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef struct train_param {
@@ -62,6 +63,9 @@ typedef struct layer_acts {
     float *up;    /* (T,FF) */
     float *hb;    /* (T,FF) silu(gate)*up */
     float *lse;   /* attention_seqs' saved statistics (kiln_attention_lse_floats), or NULL */
+    /* with bf16 activations (t->acts16) xb1, xb2 and hb are kept only in bf16, here (they are
+     * read by matrix products alone), and the f32 pointers above are NULL */
+    uint16_t *xb1_16, *xb2_16, *hb16;
 } layer_acts;
 
 struct kiln_trainer {
@@ -95,13 +99,30 @@ struct kiln_trainer {
     /* activations, sized for max_seq */
     layer_acts *acts;
     float *x_final, *xn; /* (T,C) */
+    /* fast mode on a backend with the bf16-activation ops (ops.h rmsnorm_bf16, ...), C and FF
+     * multiples of 8: the inputs of the matrix products written in bf16 by their producers
+     * (the values the products would round them to; the same bits) */
+    int acts16;
     float *act_block;
     size_t act_bytes;
     /* backward scratch */
     float *dx, *dxb, *dxn, *datt, *dq, *dqr, *dk, *dkr, *dv, *dgate, *dup, *dhb, *rstd, *ws;
     float *rope_cos, *rope_sin; /* (max_seq, HS/2) */
-    int32_t *pos, *ids, *targets, *positions; /* host arrays (max_seq) */
-    int32_t *ids_pos; /* device backends: the host block of pos and ids */
+    int32_t *pos, *ids; /* (T) the rows' positions and token ids, in backend memory */
+    int32_t *targets, *positions; /* host arrays (T) */
+    int32_t *pos_host; /* device backends: the host copy of pos */
+    int pos_seq, pos_rows; /* pos holds n % pos_seq for rows n < pos_rows (0: nothing yet) */
+
+    /* Fast mode on a device with graphs (ops.h graph_begin; KILN_CUDA_GRAPHS=0 turns them
+     * off): a forward's layer work (embed .. final norm) and a backward's (the layers, down to
+     * the embedding's gradient) are recorded once per shape, after one plain run at that shape
+     * has grown the backend's workspaces, then replayed: the same launches with the same
+     * arguments, so the same bits, without the host's launch cost and most of the GPU's idle
+     * time between kernels. */
+    int graphs;
+    int g_nseq, g_seq;          /* the shape the graphs below are for */
+    int g_fwd_runs, g_bwd_runs; /* plain runs at that shape */
+    void *g_fwd, *g_bwd;
     float *ce_stats; /* (max_seq, 3) the fused loss's pass-1 statistics, forward -> backward */
     uint64_t ce_scratch; /* the largest fused-loss scratch of the last step (devices) */
 
@@ -359,9 +380,14 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     int L = c->n_layer, qk = c->qk_norm || (t->layers[0].q_norm != NULL);
     t->acts = kiln_calloc((size_t)L, sizeof *t->acts);
     if (!t->acts) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    enum { PER_LAYER = 14, N_SCRATCH = 18 };
+    enum { PER_LAYER = 17, N_SCRATCH = 18 };
     /* a backend with batched attention saves each layer's softmax statistics for the backward */
-    const int seqs = t->be->i->attention_seqs && t->be->i->attention_backward_seqs;
+    const kiln_backend_i *op = t->be->i;
+    const int seqs = op->attention_seqs && op->attention_backward_seqs;
+    const char *e16 = getenv("KILN_BF16_ACTS"); /* "0": keep them in f32 (A/B checks) */
+    t->acts16 = t->p.fast && !t->host && op->rmsnorm_bf16 && op->swiglu_bf16 && op->matmul_multi_bf16x &&
+                op->matmul_backward_multi_bf16x && C % 8 == 0 && FF % 8 == 0 && !(e16 && strcmp(e16, "0") == 0);
+    const size_t f32_in = t->acts16 ? 0 : 1, b16_in = t->acts16 ? 1 : 0; /* where xb1, xb2, hb live */
     size_t lse = seqs ? kiln_attention_lse_floats(t->p.max_batch, (int)S, c->n_head) : 0;
     size_t ws = kiln_attention_backward_ws_floats((int)S, 0, c->n_head, c->n_head_kv, (int)HS);
     if (seqs) {
@@ -379,10 +405,13 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     int k = 0;
     for (int l = 0; l < L; l++) {
         layer_acts *a = &t->acts[l];
-        float **ps[PER_LAYER] = {&a->x, &a->xb1, &a->qr, &a->kr, &a->q, &a->k, &a->v, &a->att,
-                                 &a->x_mid, &a->xb2, &a->gate, &a->up, &a->hb, &a->lse};
-        size_t ss[PER_LAYER] = {T * C, T * C, qk ? T * QD : 0, qk ? T * KD : 0, T * QD, T * KD, T * KD,
-                                T * QD, T * C, T * C, T * FF, T * FF, T * FF, lse};
+        float **ps[PER_LAYER] = {&a->x,     &a->xb1,  &a->qr,   &a->kr, &a->q,
+                                 &a->k,     &a->v,    &a->att,  &a->x_mid, &a->xb2,
+                                 &a->gate,  &a->up,   &a->hb,   &a->lse,
+                                 (float **)&a->xb1_16, (float **)&a->xb2_16, (float **)&a->hb16};
+        size_t ss[PER_LAYER] = {T * C, f32_in * T * C, qk ? T * QD : 0, qk ? T * KD : 0, T * QD, T * KD, T * KD,
+                                T * QD, T * C, f32_in * T * C, T * FF, T * FF, f32_in * T * FF, lse,
+                                b16_in * T * C / 2, b16_in * T * C / 2, b16_in * T * FF / 2};
         for (int i = 0; i < PER_LAYER; i++) {
             slots[k] = ps[i];
             sizes[k++] = ss[i];
@@ -391,8 +420,8 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     slots[k] = &t->x_final, sizes[k++] = T * C;
     slots[k] = &t->xn, sizes[k++] = T * C;
     size_t NHT = T * (size_t)c->n_head;
-    /* pos and ids are host arrays: in the block on the cpu backend, their own block on a device */
-    size_t ints = t->host ? T : 0;
+    /* pos and ids: in the block (backend memory); a device fills them by uploads */
+    size_t ints = T;
     float **sp[N_SCRATCH] = {&t->dx, &t->dxb, &t->dxn, &t->datt, &t->dq, &t->dqr, &t->dk, &t->dkr, &t->dv,
                              &t->dgate, &t->dup, &t->dhb, &t->rstd, &t->ws, &t->rope_cos, &t->rope_sin,
                              (float **)&t->pos, (float **)&t->ids};
@@ -409,10 +438,8 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     kiln_free(sizes);
     if (st != KILN_OK) return st;
     if (!t->host) {
-        t->ids_pos = kiln_calloc(2 * T, sizeof(int32_t));
-        if (!t->ids_pos) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-        t->pos = t->ids_pos;
-        t->ids = t->ids_pos + T;
+        t->pos_host = kiln_calloc(T, sizeof(int32_t));
+        if (!t->pos_host) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
     }
     for (int l = 0; l < L; l++) {
         if (!qk) {
@@ -420,6 +447,11 @@ static kiln_status alloc_activations(kiln_trainer *t) {
             t->acts[l].kr = t->acts[l].k;
         }
         if (!lse) t->acts[l].lse = NULL;
+        if (t->acts16) {
+            t->acts[l].xb1 = t->acts[l].xb2 = t->acts[l].hb = NULL;
+        } else {
+            t->acts[l].xb1_16 = t->acts[l].xb2_16 = t->acts[l].hb16 = NULL;
+        }
     }
     if (!qk) {
         t->dqr = t->dq;
@@ -504,6 +536,10 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
         st = kiln_backend_cpu_create(p.n_threads, &t->be);
     }
     if (st == KILN_OK) t->host = strcmp(t->be->i->name, "cpu") == 0;
+    if (st == KILN_OK && !t->host && p.fast && t->be->i->graph_begin) {
+        const char *g = getenv("KILN_CUDA_GRAPHS");
+        t->graphs = !(g && strcmp(g, "0") == 0);
+    }
     if (st == KILN_OK && !t->host)
         st = check_backend_ops(t, p.weight_storage != KILN_STORAGE_F32 ? KILN_DTYPE_BF16 : KILN_DTYPE_F32);
     int max_params = 2 + 3 + 15 * t->cfg.n_layer;
@@ -607,7 +643,9 @@ void kiln_trainer_free(kiln_trainer *t) {
     kiln_adamw_free(t->opt_mat);
     kiln_adamw_free(t->opt_vec);
     kiln_free(t->targets);
-    kiln_free(t->ids_pos);
+    kiln_free(t->pos_host);
+    if (t->g_fwd) t->be->i->graph_free(t->be, t->g_fwd);
+    if (t->g_bwd) t->be->i->graph_free(t->be, t->g_bwd);
     bmem_free(t, t->ce_stats);
     bmem_free(t, t->act_block);
     kiln_free(t->acts);
@@ -632,10 +670,11 @@ static const kiln_tensor *mat_view(const kiln_trainer *t, const train_param *p) 
     return t->shadow ? &p->view16 : &p->view;
 }
 
-/* n products of one input, out[i] = x @ W[i]^T + bias[i]: one matmul_multi call where the
- * backend has it (the same bits), else n matmul calls. */
-static void matmul_n(const kiln_trainer *t, int n, float *const *out, const float *x, const train_param *const *W,
-                     const train_param *const *bias, int N) {
+/* n products of one input, out[i] = x @ W[i]^T + bias[i], the input in f32 (x) or bf16 (x16,
+ * x NULL): one matmul_multi(_bf16x) call where the backend has it (the same bits), else n
+ * matmul calls. */
+static void matmul_n(const kiln_trainer *t, int n, float *const *out, const float *x, const uint16_t *x16,
+                     const train_param *const *W, const train_param *const *bias, int N) {
     kiln_backend *be = t->be;
     const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
     const float *bv[KILN_MATMUL_MULTI_MAX];
@@ -643,7 +682,9 @@ static void matmul_n(const kiln_trainer *t, int n, float *const *out, const floa
         wv[i] = mat_view(t, W[i]);
         bv[i] = VEC(bias[i]);
     }
-    if (be->i->matmul_multi)
+    if (x16)
+        be->i->matmul_multi_bf16x(be, n, out, x16, wv, bv, N);
+    else if (be->i->matmul_multi)
         be->i->matmul_multi(be, n, out, x, wv, bv, N);
     else
         for (int i = 0; i < n; i++) be->i->matmul(be, out[i], x, wv[i], bv[i], N);
@@ -653,7 +694,8 @@ static void matmul_n(const kiln_trainer *t, int n, float *const *out, const floa
  * gradients accumulated: one matmul_backward_multi call where the backend has it (the same
  * bits), else n matmul_backward calls (the first with accumulate_dx). */
 static void matmul_backward_n(const kiln_trainer *t, int n, float *dx, const float *const *dy, const float *x,
-                              const train_param *const *W, const train_param *const *bias, int N, bool accumulate_dx) {
+                              const uint16_t *x16, const train_param *const *W, const train_param *const *bias, int N,
+                              bool accumulate_dx) {
     kiln_backend *be = t->be;
     const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
     float *dw[KILN_MATMUL_MULTI_MAX], *db[KILN_MATMUL_MULTI_MAX];
@@ -662,40 +704,40 @@ static void matmul_backward_n(const kiln_trainer *t, int n, float *dx, const flo
         dw[i] = W[i]->g;
         db[i] = GRAD(bias[i]);
     }
-    if (be->i->matmul_backward_multi)
+    if (x16)
+        be->i->matmul_backward_multi_bf16x(be, n, dx, dw, db, dy, x16, wv, N, accumulate_dx);
+    else if (be->i->matmul_backward_multi)
         be->i->matmul_backward_multi(be, n, dx, dw, db, dy, x, wv, N, accumulate_dx);
     else
         for (int i = 0; i < n; i++)
             be->i->matmul_backward(be, dx, dw[i], db[i], dy[i], x, wv[i], N, i > 0 || accumulate_dx);
 }
 
-/* n_seq sequences of seq tokens each, ids (n_seq x seq) back to back: every op takes the
- * T = n_seq x seq rows at once (each row's result is the one it has alone); attention keeps
- * each sequence to its own keys (attention_seqs where the backend has it, saving the softmax
- * statistics for the backward; else a call per sequence); positions restart at 0 in each. */
-static void forward(kiln_trainer *t, const int32_t *ids, int n_seq, int seq) {
+/* The layer work of a forward (ids and pos in place): n_seq sequences of seq tokens each,
+ * back to back: every op takes the T = n_seq x seq rows at once (each row's result is the one
+ * it has alone); attention keeps each sequence to its own keys (attention_seqs where the
+ * backend has it, saving the softmax statistics for the backward; else a call per sequence);
+ * positions restart at 0 in each. */
+static void forward_layers(kiln_trainer *t, int n_seq, int seq) {
     const kiln_model_config *c = &t->cfg;
     kiln_backend *be = t->be;
     const kiln_backend_i *op = be->i;
-    if (t->shadow && t->shadow_stale) { /* one conversion of every weight (f32 block -> bf16) */
-        op->to_bf16(be, t->shadow, (const float *)t->param_block, t->param_bytes / sizeof(float));
-        t->shadow_stale = 0;
-    }
     int C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
     int T = n_seq * seq;
     size_t QD = (size_t)NH * HS, KD = (size_t)KVH * HS;
     float eps = c->rms_eps, scale = (float)(1.0 / sqrt((double)HS));
-    for (int n = 0; n < T; n++) t->pos[n] = n % seq;
-    memcpy(t->ids, ids, (size_t)T * sizeof(int32_t));
-    op->embed(be, t->acts[0].x, &t->tok_embd->view, ids, T);
+    op->embed(be, t->acts[0].x, &t->tok_embd->view, t->ids, T);
     for (int l = 0; l < c->n_layer; l++) {
         const train_layer *w = &t->layers[l];
         layer_acts *a = &t->acts[l];
         float *x_next = l + 1 < c->n_layer ? t->acts[l + 1].x : t->x_final;
-        op->rmsnorm(be, a->xb1, a->x, VEC(w->attn_norm), T, C, eps);
+        if (t->acts16)
+            op->rmsnorm_bf16(be, a->xb1_16, a->x, VEC(w->attn_norm), T, C, eps);
+        else
+            op->rmsnorm(be, a->xb1, a->x, VEC(w->attn_norm), T, C, eps);
         float *qkv[3] = {a->qr, a->kr, a->v};
         const train_param *wqkv[3] = {w->wq, w->wk, w->wv}, *bqkv[3] = {w->bq, w->bk, w->bv};
-        matmul_n(t, 3, qkv, a->xb1, wqkv, bqkv, T);
+        matmul_n(t, 3, qkv, a->xb1, a->xb1_16, wqkv, bqkv, T);
         if (w->q_norm) op->rmsnorm(be, a->q, a->qr, VEC(w->q_norm), T * NH, HS, eps);
         if (w->k_norm) op->rmsnorm(be, a->k, a->kr, VEC(w->k_norm), T * KVH, HS, eps);
         op->rope(be, a->q, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
@@ -711,15 +753,94 @@ static void forward(kiln_trainer *t, const int32_t *ids, int n_seq, int seq) {
         /* x_mid = o + x: IEEE addition commutes, so these are the bits of x + o, with no copy */
         op->matmul(be, a->x_mid, a->att, mat_view(t, w->wo), VEC(w->bo), T);
         op->add(be, a->x_mid, a->x, (size_t)T * C);
-        op->rmsnorm(be, a->xb2, a->x_mid, VEC(w->mlp_norm), T, C, eps);
+        if (t->acts16)
+            op->rmsnorm_bf16(be, a->xb2_16, a->x_mid, VEC(w->mlp_norm), T, C, eps);
+        else
+            op->rmsnorm(be, a->xb2, a->x_mid, VEC(w->mlp_norm), T, C, eps);
         float *gu[2] = {a->gate, a->up};
         const train_param *wgu[2] = {w->gate, w->up}, *nob[2] = {NULL, NULL};
-        matmul_n(t, 2, gu, a->xb2, wgu, nob, T);
-        op->swiglu(be, a->hb, a->gate, a->up, (size_t)T * FF);
-        op->matmul(be, x_next, a->hb, mat_view(t, w->down), NULL, T);
+        matmul_n(t, 2, gu, a->xb2, a->xb2_16, wgu, nob, T);
+        if (t->acts16) {
+            op->swiglu_bf16(be, a->hb16, a->gate, a->up, (size_t)T * FF);
+            const train_param *wd[1] = {w->down};
+            matmul_n(t, 1, &x_next, NULL, a->hb16, wd, nob, T);
+        } else {
+            op->swiglu(be, a->hb, a->gate, a->up, (size_t)T * FF);
+            op->matmul(be, x_next, a->hb, mat_view(t, w->down), NULL, T);
+        }
         op->add(be, x_next, a->x_mid, (size_t)T * C);
     }
     op->rmsnorm(be, t->xn, t->x_final, VEC(t->final_norm), T, C, eps);
+}
+
+static void backward_layers(kiln_trainer *t, int n_seq, int seq);
+
+static void drop_graphs(kiln_trainer *t) {
+    if (t->g_fwd) t->be->i->graph_free(t->be, t->g_fwd);
+    if (t->g_bwd) t->be->i->graph_free(t->be, t->g_bwd);
+    t->g_fwd = t->g_bwd = NULL;
+    t->g_fwd_runs = t->g_bwd_runs = 0;
+    t->g_nseq = t->g_seq = 0;
+}
+
+/* work(t, n_seq, seq): plainly, or (t->graphs) through the graph *graph of this shape, which
+ * is recorded on the second call at the shape (*runs counts the plain ones) and replayed from
+ * then on; recorded again when the backend says a workspace it used was reallocated. */
+static kiln_status run_layers(kiln_trainer *t, void **graph, int *runs, void (*work)(kiln_trainer *, int, int),
+                              int n_seq, int seq) {
+    kiln_backend *be = t->be;
+    if (!t->graphs) {
+        work(t, n_seq, seq);
+        return KILN_OK;
+    }
+    if (t->g_nseq != n_seq || t->g_seq != seq) { /* a new shape: start over */
+        drop_graphs(t);
+        t->g_nseq = n_seq;
+        t->g_seq = seq;
+    }
+    if (!*graph && (*runs)++ == 0) { /* the first run at a shape grows the workspaces */
+        work(t, n_seq, seq);
+        return KILN_OK;
+    }
+    kiln_status st = KILN_OK;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        if (!*graph) {
+            KILN_TRY(be->i->graph_begin(be, 0, 0, 0, 0));
+            work(t, n_seq, seq);
+            KILN_TRY(be->i->graph_end(be, graph));
+        }
+        st = be->i->graph_launch(be, *graph);
+        if (st != KILN_ERR_STATE) break;
+        be->i->graph_free(be, *graph); /* stale: a larger call in between grew a workspace */
+        *graph = NULL;
+    }
+    return st;
+}
+
+/* A forward of n_seq sequences of seq tokens, ids (n_seq x seq) back to back: the bf16 weight
+ * copy refreshed when stale, ids and positions put in place, then the layer work. */
+static kiln_status forward(kiln_trainer *t, const int32_t *ids, int n_seq, int seq) {
+    kiln_backend *be = t->be;
+    const kiln_backend_i *op = be->i;
+    if (t->shadow && t->shadow_stale) { /* one conversion of every weight (f32 block -> bf16) */
+        op->to_bf16(be, t->shadow, (const float *)t->param_block, t->param_bytes / sizeof(float));
+        t->shadow_stale = 0;
+    }
+    int T = n_seq * seq;
+    if (t->host) {
+        for (int n = 0; n < T; n++) t->pos[n] = n % seq;
+        memcpy(t->ids, ids, (size_t)T * sizeof(int32_t));
+    } else {
+        if (t->pos_seq != seq || t->pos_rows < T) { /* positions depend on seq alone */
+            for (int n = 0; n < T; n++) t->pos_host[n] = n % seq;
+            t->pos_seq = 0;
+            KILN_TRY(kiln_backend_upload(be, t->pos, t->pos_host, (size_t)T * sizeof(int32_t)));
+            t->pos_seq = seq;
+            t->pos_rows = T;
+        }
+        KILN_TRY(kiln_backend_upload(be, t->ids, ids, (size_t)T * sizeof(int32_t)));
+    }
+    return run_layers(t, &t->g_fwd, &t->g_fwd_runs, forward_layers, n_seq, seq);
 }
 
 static kiln_status check_ready(kiln_trainer *t, const char *call) {
@@ -766,7 +887,8 @@ kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *ids, int n_
     if (!isfinite(scale)) return kiln_error(KILN_ERR_INVALID_ARG, "%s: scale is not finite", call);
     kiln_mem_reset_peak();
     t->peak_step = 0;
-    forward(t, ids, n_seq, seq);
+    kiln_status fst = forward(t, ids, n_seq, seq);
+    if (fst != KILN_OK) return kiln_error_prefix(fst, "%s", call);
     /* the loss alone (pass 1): errors (no supervised position, target out of range,
      * non-finite loss) leave nothing pending */
     kiln_fused_ce_params cp = kiln_fused_ce_default_params();
@@ -814,7 +936,8 @@ kiln_status kiln_train_forward_hidden(kiln_trainer *t, const int32_t *ids, int n
     }
     kiln_mem_reset_peak();
     t->peak_step = 0;
-    forward(t, ids, 1, n);
+    kiln_status fst = forward(t, ids, 1, n);
+    if (fst != KILN_OK) return kiln_error_prefix(fst, "kiln_train_forward_hidden");
     int C = t->cfg.n_embd;
     for (int i = 0; i < n_pos; i++)
         KILN_TRY(kiln_backend_download(t->be, hidden + (size_t)i * C, t->xn + (size_t)positions[i] * C,
@@ -839,12 +962,13 @@ kiln_status kiln_train_discard(kiln_trainer *t) {
 
 /* ---- backward ------------------------------------------------------------------------------ */
 
-static void backward_layers(kiln_trainer *t) {
+/* The layer work of a backward, from d loss / d xn (dxn) down to the embedding's gradient,
+ * for the pending step's n_seq sequences of seq tokens. */
+static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
     const kiln_model_config *c = &t->cfg;
     kiln_backend *be = t->be;
     const kiln_backend_i *op = be->i;
-    int T = t->T, C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
-    int n_seq = t->n_seq, seq = t->seq;
+    int T = n_seq * seq, C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
     size_t QD = (size_t)NH * HS, KD = (size_t)KVH * HS;
     float eps = c->rms_eps, scale = (float)(1.0 / sqrt((double)HS));
     /* dx = d loss / d x_final, from d xn */
@@ -854,11 +978,18 @@ static void backward_layers(kiln_trainer *t) {
         const train_layer *w = &t->layers[l];
         const layer_acts *a = &t->acts[l];
         /* MLP: x_next = x_mid + down(silu(gate) * up) */
-        op->matmul_backward(be, t->dhb, w->down->g, NULL, t->dx, a->hb, mat_view(t, w->down), T, false);
+        const train_param *nob[2] = {NULL, NULL};
+        if (t->acts16) {
+            const float *dxs[1] = {t->dx};
+            const train_param *wd[1] = {w->down};
+            matmul_backward_n(t, 1, t->dhb, dxs, NULL, a->hb16, wd, nob, T, false);
+        } else {
+            op->matmul_backward(be, t->dhb, w->down->g, NULL, t->dx, a->hb, mat_view(t, w->down), T, false);
+        }
         op->swiglu_backward(be, t->dgate, t->dup, t->dhb, a->gate, a->up, (size_t)T * FF);
         const float *dgu[2] = {t->dgate, t->dup};
-        const train_param *wgu[2] = {w->gate, w->up}, *nob[2] = {NULL, NULL};
-        matmul_backward_n(t, 2, t->dxb, dgu, a->xb2, wgu, nob, T, false);
+        const train_param *wgu[2] = {w->gate, w->up};
+        matmul_backward_n(t, 2, t->dxb, dgu, a->xb2, a->xb2_16, wgu, nob, T, false);
         op->rmsnorm_backward(be, t->dx, w->mlp_norm->g, t->dxb, a->x_mid, VEC(w->mlp_norm), T, C, eps, t->rstd, true);
         /* attention: x_mid = x + o(attention(rope(q), rope(k), v)) */
         op->matmul_backward(be, t->datt, w->wo->g, GRAD(w->bo), t->dx, a->att, mat_view(t, w->wo), T, false);
@@ -880,7 +1011,7 @@ static void backward_layers(kiln_trainer *t) {
             op->rmsnorm_backward(be, t->dkr, w->k_norm->g, t->dk, a->kr, VEC(w->k_norm), T * KVH, HS, eps, t->rstd, false);
         const float *dqkv[3] = {t->dqr, t->dkr, t->dv};
         const train_param *wqkv[3] = {w->wq, w->wk, w->wv}, *bqkv[3] = {w->bq, w->bk, w->bv};
-        matmul_backward_n(t, 3, t->dxb, dqkv, a->xb1, wqkv, bqkv, T, false);
+        matmul_backward_n(t, 3, t->dxb, dqkv, a->xb1, a->xb1_16, wqkv, bqkv, T, false);
         op->rmsnorm_backward(be, t->dx, w->attn_norm->g, t->dxb, a->x, VEC(w->attn_norm), T, C, eps, t->rstd, true);
     }
     op->embed_backward(be, t->tok_embd->g, t->dx, t->ids, T, c->n_vocab, C);
@@ -941,8 +1072,9 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
             }
         }
     }
-    backward_layers(t);
+    kiln_status bst = run_layers(t, &t->g_bwd, &t->g_bwd_runs, backward_layers, t->n_seq, t->seq);
     t->pending = 0;
+    if (bst != KILN_OK) return kiln_error_prefix(bst, "kiln_train_backward");
     track_peak(t);
     return backend_check(t, "kiln_train_backward");
 }
@@ -1161,9 +1293,11 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
     m.scratch = kiln_fused_ce_scratch_bytes(t->p.max_seq * t->p.max_batch, t->cfg.n_embd, t->cfg.n_vocab,
                                             t->p.ce_chunk ? t->p.ce_chunk : KILN_FUSED_CE_DEFAULT_CHUNK, 1, 1);
     m.peak_step = t->peak_step;
-    char dev[32] = "cpu";
+    char dev[64] = "cpu";
     if (!t->host) {
-        snprintf(dev, sizeof dev, "%s:%d%s", t->be->i->name, t->p.device, t->p.fast ? " (fast)" : "");
+        snprintf(dev, sizeof dev, "%s:%d%s%s", t->be->i->name, t->p.device,
+                 !t->p.fast ? "" : !t->graphs ? " (fast)" : " (fast, step graphs",
+                 !t->graphs ? "" : t->g_fwd && t->g_bwd ? " recorded)" : ")");
         /* every device buffer is allocated at create except the fused loss's scratch: the
          * peak of a step is their sum plus the largest scratch of the last step */
         m.peak_step = m.params + m.grads + m.optimizer + m.activations + t->ce_scratch;

@@ -7,6 +7,10 @@
  * bf16 weights, a token count that takes the GEMMs (N 300) and one that takes the fast
  * matrix-vector kernels (N 5), dx accumulated or not, dx or dW skipped. Every output starts
  * as NaN bits (overwritten outputs) or the same random values (accumulated ones).
+ * Fast mode's bf16 activations too: matmul_multi_bf16x / matmul_backward_multi_bf16x on x's
+ * bf16 rounding (to_bf16) give the bits of the f32 entries where ops.h promises them (C a
+ * multiple of 8, N > 8), and rmsnorm_bf16 / swiglu_bf16 write the bf16 rounding of rmsnorm /
+ * swiglu's f32 results (odd widths included).
  * Without a usable GPU it exits 77.
  */
 #include "base/base.h"
@@ -93,8 +97,10 @@ static void run_case(kiln_backend *be, const char *mode, kiln_dtype dt, int n, c
     kiln_tensor Wt[NMAX];
     const kiln_tensor *W[NMAX];
     void *wdata[NMAX];
-    float *bias[NMAX], *dy[NMAX], *out_m[NMAX], *out_s[NMAX];
-    float *dW_m[NMAX], *dW_s[NMAX], *db_m[NMAX], *db_s[NMAX];
+    float *bias[NMAX], *dy[NMAX], *out_m[NMAX], *out_s[NMAX], *out_b[NMAX];
+    float *dW_m[NMAX], *dW_s[NMAX], *db_m[NMAX], *db_s[NMAX], *dW_b[NMAX], *db_b[NMAX];
+    /* the bf16-input entries: fast mode, where they promise the f32 entries' bits */
+    const int b16 = strcmp(mode, "fast") == 0 && C % 8 == 0 && N > 8;
     for (int i = 0; i < n; i++) {
         size_t nw = (size_t)R[i] * C, es = dt == KILN_DTYPE_F32 ? 4 : 2;
         uint8_t *hw = malloc(nw * es);
@@ -120,11 +126,14 @@ static void run_case(kiln_backend *be, const char *mode, kiln_dtype dt, int n, c
         dy[i] = dev_floats(be, hd, (size_t)N * R[i]);
         out_m[i] = dev_nan(be, (size_t)N * R[i]);
         out_s[i] = dev_nan(be, (size_t)N * R[i]);
+        out_b[i] = dev_nan(be, (size_t)N * R[i]);
         /* accumulated outputs: the same starting values for both */
         float *hg = malloc(nw * sizeof(float));
         for (size_t j = 0; j < nw; j++) hg[j] = rnd_unit();
         dW_m[i] = dev_floats(be, hg, nw);
         dW_s[i] = dev_floats(be, hg, nw);
+        dW_b[i] = dev_floats(be, hg, nw);
+        db_b[i] = dev_floats(be, hb, (size_t)R[i]);
         db_m[i] = dev_floats(be, hb, (size_t)R[i]);
         db_s[i] = dev_floats(be, hb, (size_t)R[i]);
         free(hg);
@@ -134,16 +143,29 @@ static void run_case(kiln_backend *be, const char *mode, kiln_dtype dt, int n, c
     /* forward */
     be->i->matmul_multi(be, n, out_m, x, W, (const float *const *)bias, N);
     for (int i = 0; i < n; i++) be->i->matmul(be, out_s[i], x, W[i], bias[i], N);
+    uint16_t *x16 = dev(be, nx * sizeof(uint16_t));
+    if (b16) {
+        be->i->to_bf16(be, x16, x, nx);
+        be->i->matmul_multi_bf16x(be, n, out_b, x16, W, (const float *const *)bias, N);
+    }
     if (kiln_backend_status(be) != KILN_OK) {
         fprintf(stderr, "FAIL %s forward: %s\n", ctx, kiln_last_error());
         g_failed++;
     }
-    for (int i = 0; i < n; i++) same(be, ctx, "out", out_m[i], out_s[i], (size_t)N * R[i]);
+    for (int i = 0; i < n; i++) {
+        same(be, ctx, "out", out_m[i], out_s[i], (size_t)N * R[i]);
+        if (b16) same(be, ctx, "out (bf16 x)", out_b[i], out_s[i], (size_t)N * R[i]);
+    }
     /* backward */
     float *hdx = malloc(nx * sizeof(float));
     for (size_t i = 0; i < nx; i++) hdx[i] = rnd_unit();
     float *dx_m = acc ? dev_floats(be, hdx, nx) : dev_nan(be, nx);
     float *dx_s = acc ? dev_floats(be, hdx, nx) : dev_nan(be, nx);
+    float *dx_b = acc ? dev_floats(be, hdx, nx) : dev_nan(be, nx);
+    if (b16)
+        be->i->matmul_backward_multi_bf16x(be, n, want_dx ? dx_b : NULL, want_dw ? dW_b : NULL,
+                                           bias_on ? db_b : NULL, (const float *const *)dy, x16, W,
+                                           N, acc != 0);
     be->i->matmul_backward_multi(be, n, want_dx ? dx_m : NULL, want_dw ? dW_m : NULL,
                                  bias_on ? db_m : NULL, (const float *const *)dy, x, W, N,
                                  acc != 0);
@@ -155,19 +177,72 @@ static void run_case(kiln_backend *be, const char *mode, kiln_dtype dt, int n, c
         g_failed++;
     }
     if (want_dx) same(be, ctx, "dx", dx_m, dx_s, nx);
+    if (want_dx && b16) same(be, ctx, "dx (bf16 x)", dx_b, dx_s, nx);
     for (int i = 0; i < n; i++) {
         same(be, ctx, "dW", dW_m[i], dW_s[i], (size_t)R[i] * C);
         same(be, ctx, "dbias", db_m[i], db_s[i], (size_t)R[i]);
+        if (b16) {
+            same(be, ctx, "dW (bf16 x)", dW_b[i], dW_s[i], (size_t)R[i] * C);
+            same(be, ctx, "dbias (bf16 x)", db_b[i], db_s[i], (size_t)R[i]);
+        }
     }
     free(hx);
     free(hdx);
     kiln_backend_free_buf(be, x);
     kiln_backend_free_buf(be, dx_m);
     kiln_backend_free_buf(be, dx_s);
+    kiln_backend_free_buf(be, dx_b);
+    kiln_backend_free_buf(be, x16);
     for (int i = 0; i < n; i++) {
-        void *ps[] = {wdata[i], bias[i], dy[i], out_m[i], out_s[i], dW_m[i], dW_s[i], db_m[i], db_s[i]};
+        void *ps[] = {wdata[i], bias[i], dy[i], out_m[i], out_s[i], out_b[i],
+                      dW_m[i],  dW_s[i], db_m[i], db_s[i], dW_b[i],  db_b[i]};
         for (size_t j = 0; j < sizeof ps / sizeof ps[0]; j++) kiln_backend_free_buf(be, ps[j]);
     }
+}
+
+/* rmsnorm_bf16 / swiglu_bf16 against to_bf16 of rmsnorm / swiglu (fast backend), N rows of C. */
+static void bf16_producers(kiln_backend *be, int N, int C) {
+    char ctx[96];
+    snprintf(ctx, sizeof ctx, "bf16 producers N=%d C=%d", N, C);
+    g_cases++;
+    size_t n = (size_t)N * C;
+    float *h = malloc(n * sizeof(float)), *hw = malloc((size_t)C * sizeof(float));
+    for (size_t i = 0; i < n; i++) h[i] = rnd_unit() * 3.0f;
+    for (int i = 0; i < C; i++) hw[i] = rnd_unit();
+    float *x = dev_floats(be, h, n), *w = dev_floats(be, hw, (size_t)C), *f = dev_nan(be, n);
+    for (size_t i = 0; i < n; i++) h[i] = rnd_unit() * 2.0f;
+    float *up = dev_floats(be, h, n);
+    uint16_t *a = dev(be, n * 2), *b = dev(be, n * 2);
+    uint16_t *ha = malloc(n * 2), *hb = malloc(n * 2);
+    for (int k = 0; k < 2; k++) {
+        if (k == 0) {
+            be->i->rmsnorm(be, f, x, w, N, C, 1e-5f);
+            be->i->rmsnorm_bf16(be, b, x, w, N, C, 1e-5f);
+        } else {
+            be->i->swiglu(be, f, x, up, n);
+            be->i->swiglu_bf16(be, b, x, up, n);
+        }
+        be->i->to_bf16(be, a, f, n);
+        if (kiln_backend_status(be) != KILN_OK || kiln_backend_download(be, ha, a, n * 2) != KILN_OK ||
+            kiln_backend_download(be, hb, b, n * 2) != KILN_OK) {
+            fprintf(stderr, "FAIL %s: %s\n", ctx, kiln_last_error());
+            g_failed++;
+            break;
+        }
+        for (size_t i = 0; i < n; i++)
+            if (ha[i] != hb[i]) {
+                fprintf(stderr, "FAIL %s %s [%zu]: 0x%04x, want 0x%04x\n", ctx, k ? "swiglu" : "rmsnorm", i, hb[i],
+                        ha[i]);
+                g_failed++;
+                break;
+            }
+    }
+    free(h);
+    free(hw);
+    free(ha);
+    free(hb);
+    void *ps[] = {x, w, f, up, a, b};
+    for (size_t j = 0; j < sizeof ps / sizeof ps[0]; j++) kiln_backend_free_buf(be, ps[j]);
 }
 
 int main(void) {
@@ -196,6 +271,10 @@ int main(void) {
             run_case(be, names[b], KILN_DTYPE_F32, 3, odd, 72, N, 0, 1, 1, 0);
         }
     }
+    bf16_producers(fast, 300, 576);
+    bf16_producers(fast, 37, 4864);
+    bf16_producers(fast, 5, 72);
+    bf16_producers(fast, 3, 2100); /* the chunked rmsnorm kernel (more than 16 x 128 columns) */
     kiln_backend_free(fast);
     kiln_backend_free(aud);
     printf("matmul_multi / matmul_backward_multi: %d cases against separate calls\n", g_cases);

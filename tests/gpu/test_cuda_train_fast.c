@@ -29,7 +29,11 @@
  *     gradient gives about 1.4, a sign error 2; AdamW's updates of elements whose gradient is
  *     near zero can flip sign under bf16 rounding, which is why this cannot be tight);
  *   - determinism: F1 and F2 have the same bits for every loss, every step-1 gradient, the
- *     clip norms, and every parameter after 20 steps;
+ *     clip norms, and every parameter after 20 steps; F1 records its step graphs at step 2
+ *     and replays them (describe() says so) and has its products' inputs written in bf16 by
+ *     their producers (fewer activation bytes), F2 runs with KILN_CUDA_GRAPHS=0 and
+ *     KILN_BF16_ACTS=0, so this also checks that a replayed step is the step and that the
+ *     bf16 activations are the values the products rounded to before;
  *   - resume: a fourth fast trainer loads F1's checkpoint of step 10 and replays steps 11-20
  *     with the same batches: every loss and every final parameter has F1's bits (with f32
  *     weights the bf16 copies the products take are remade from the loaded weights).
@@ -187,8 +191,16 @@ static int run_case(const char *name, kiln_weight_storage storage, const char *v
     remove(cfg);
     gpu_randomise_vectors(m);
     const double t0 = now_s();
-    kiln_trainer *ta = make_trainer(m, storage, 0), *tf1 = make_trainer(m, storage, 1),
-                 *tf2 = make_trainer(m, storage, 1), *tr = make_trainer(m, storage, 1);
+    /* F2 launches every op itself (KILN_CUDA_GRAPHS=0) and keeps every activation in f32
+     * (KILN_BF16_ACTS=0); F1 and the resumed run replay the step graphs they record at their
+     * second step, with the products' inputs written in bf16 by their producers: the bits
+     * must not change */
+    kiln_trainer *ta = make_trainer(m, storage, 0), *tf1 = make_trainer(m, storage, 1), *tr = make_trainer(m, storage, 1);
+    setenv("KILN_CUDA_GRAPHS", "0", 1);
+    setenv("KILN_BF16_ACTS", "0", 1);
+    kiln_trainer *tf2 = make_trainer(m, storage, 1);
+    unsetenv("KILN_CUDA_GRAPHS");
+    unsetenv("KILN_BF16_ACTS");
     /* resume: tf1 is saved after step HALF; tr loads that checkpoint and replays the later
      * steps, which must give tf1's losses and weights bit for bit (in fast mode the bf16
      * copies of f32 weights are remade from the loaded ones) */
@@ -279,6 +291,22 @@ static int run_case(const char *name, kiln_weight_storage storage, const char *v
     if (!read_all(ta, 0, wa, total) || !read_all(tf1, 0, wf1, total) || !read_all(tf2, 0, wf2, total)) {
         ok = 0;
         goto done;
+    }
+    { /* F1 replayed recorded steps and kept bf16 activations; F2 neither */
+        char d1[1024], d2[1024];
+        kiln_train_memory m1, m2;
+        if (kiln_train_describe(tf1, d1, sizeof d1, &m1) != KILN_OK || !strstr(d1, "step graphs recorded") ||
+            kiln_train_describe(tf2, d2, sizeof d2, &m2) != KILN_OK || strstr(d2, "graphs")) {
+            fprintf(stderr, "    step graphs: F1 should have recorded them, F2 not: F1 '%s', F2 '%s'\n", d1, d2);
+            ok = 0;
+        } else if (!(m1.activations < m2.activations)) {
+            fprintf(stderr, "    bf16 activations: F1 holds %llu bytes of activations, F2 (f32) %llu\n",
+                    (unsigned long long)m1.activations, (unsigned long long)m2.activations);
+            ok = 0;
+        } else {
+            printf("  activations: %.2f MiB with bf16 products' inputs, %.2f MiB in f32\n", m1.activations / 1048576.0,
+                   m2.activations / 1048576.0);
+        }
     }
     { /* resume from step HALF and replay the rest */
         uint64_t at = 0;

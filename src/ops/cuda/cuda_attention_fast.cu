@@ -28,6 +28,8 @@ struct kiln_cuda_attn {
     size_t cnt_cap;  /* bytes cnt holds */
     void *pack;      /* device: the flash kernel's bf16 copies of q, k, v (packed heads) */
     size_t pack_cap; /* bytes pack holds */
+    uint64_t gen;    /* bumped whenever a buffer above is reallocated (graphs recorded before
+                      * then read freed memory: kiln_cuda_attn_generation) */
 };
 
 /* Floats of the workspace for B sequences x N tokens x NH heads x HS over max_T keys:
@@ -945,11 +947,13 @@ void kiln_cuda_attn_free(kiln_cuda_attn *a) {
     kiln_free(a);
 }
 
-/* Make *p hold at least need bytes (*cap bytes now): freed and reallocated when smaller
- * (cudaFree waits for the work still using it, so never inside a graph capture); the contents
- * are not kept. On failure *p is NULL and *cap 0. */
-static cudaError_t grow_dev(void **p, size_t *cap, size_t need) {
+/* Make *p (one of a's buffers) hold at least need bytes (*cap bytes now): freed and
+ * reallocated when smaller (cudaFree waits for the work still using it, so never inside a
+ * graph capture), which bumps a->gen; the contents are not kept. On failure *p is NULL and
+ * *cap 0. */
+static cudaError_t grow_dev(kiln_cuda_attn *a, void **p, size_t *cap, size_t need) {
     if (need <= *cap) return cudaSuccess;
+    a->gen++;
     if (*p) {
         cudaError_t e = cudaFree(*p);
         *p = NULL;
@@ -965,6 +969,8 @@ static cudaError_t grow_dev(void **p, size_t *cap, size_t need) {
     return cudaSuccess;
 }
 
+uint64_t kiln_cuda_attn_generation(const kiln_cuda_attn *a) { return a ? a->gen : 0; }
+
 cudaError_t kiln_cuda_attn_reserve(kiln_cuda_attn *a, int B, int N, int NH, int HS, int max_T) {
     if (!a || B <= 0 || N <= 0 || NH <= 0 || HS <= 0 || max_T <= 0) return cudaErrorInvalidValue;
     const size_t need = ws_floats(B, N, NH, HS, max_T);
@@ -973,11 +979,11 @@ cudaError_t kiln_cuda_attn_reserve(kiln_cuda_attn *a, int B, int N, int NH, int 
     const uint64_t ncnt = (uint64_t)B * (uint64_t)N * (uint64_t)NH;
     if (ncnt > (uint64_t)SIZE_MAX / sizeof(unsigned)) return cudaErrorInvalidValue;
     if (need > a->cap / sizeof(float)) {
-        cudaError_t e = grow_dev((void **)&a->buf, &a->cap, need * sizeof(float));
+        cudaError_t e = grow_dev(a, (void **)&a->buf, &a->cap, need * sizeof(float));
         if (e != cudaSuccess) return e;
     }
     if (ncnt > a->cnt_cap / sizeof(unsigned)) {
-        cudaError_t e = grow_dev((void **)&a->cnt, &a->cnt_cap, (size_t)ncnt * sizeof(unsigned));
+        cudaError_t e = grow_dev(a, (void **)&a->cnt, &a->cnt_cap, (size_t)ncnt * sizeof(unsigned));
         if (e != cudaSuccess) return e;
         /* zero before any kernel can use them: cudaMemset runs on the legacy stream, which
          * the caller's (possibly non-blocking) stream does not wait for, so wait here */
@@ -1080,7 +1086,7 @@ static cudaError_t flash_launch(kiln_cuda_attn *a, cudaStream_t s, float *out, f
     const uint64_t kn = (uint64_t)B * (uint64_t)KVH * (uint64_t)Tpad * (uint64_t)HS;
     const uint64_t need = (qn + 2 * kn) * sizeof(__nv_bfloat16);
     if (need > (uint64_t)SIZE_MAX / 2) return cudaErrorInvalidValue;
-    cudaError_t e = grow_dev(&a->pack, &a->pack_cap, (size_t)need);
+    cudaError_t e = grow_dev(a, &a->pack, &a->pack_cap, (size_t)need);
     if (e != cudaSuccess) return e;
     __nv_bfloat16 *qb = (__nv_bfloat16 *)a->pack, *kb = qb + qn, *vb = kb + kn;
     const kiln_cuda_attn_pack_job jobs[3] = {{qb, q, NULL, NULL, N, Npad, NH, B},

@@ -96,6 +96,9 @@ void kiln_cuda_attn_free(kiln_cuda_attn *a);
  * (grows; call outside CUDA-graph capture; synchronises the device when it grows).
  * cudaErrorInvalidValue on a non-positive size. The workspace serves one stream at a time. */
 cudaError_t kiln_cuda_attn_reserve(kiln_cuda_attn *a, int B, int N, int NH, int HS, int max_T);
+/* A count that changes whenever the workspace reallocates one of its buffers (0 for NULL): a
+ * graph recorded at another generation reads freed memory and must be recorded again. */
+uint64_t kiln_cuda_attn_generation(const kiln_cuda_attn *a);
 /* The op: any N >= 1 (split decode for N <= 8, flash kernel above: see the top of this file).
  * May grow the workspace (so not inside graph capture when it must grow). Enqueues on s only.
  * cudaErrorInvalidValue when HS is outside 1..KILN_ATTN_FAST_MAX_HS, KVH does not divide NH,

@@ -55,7 +55,14 @@ typedef struct cuda_ctx {
     int32_t *hist;   /* device copy of the penalty window (cap_hist ids) and the token */
     size_t cap_hist;
     int32_t *h_token; /* pinned host: the sampled id */
+    uint64_t gen;     /* bumped when ints or colsum_ws is reallocated (graph_generation) */
 } cuda_ctx;
+
+/* A recorded graph and the buffer generation it was recorded at. */
+typedef struct cu_graph {
+    cudaGraphExec_t exec;
+    uint64_t gen;
+} cu_graph;
 
 static cuda_ctx *ctx_of(kiln_backend *be) { return (cuda_ctx *)be->ctx; }
 
@@ -144,6 +151,7 @@ static const int32_t *ints_dev(cuda_ctx *c, const int32_t *p, size_t n) {
     if (is_device_ptr(p)) return p;
     if (n > c->cap_ints) {
         size_t cap = n < 4096 ? 4096 : n;
+        c->gen++;
         if (c->ints && !CK(c, cudaFree(c->ints))) return NULL;
         c->ints = NULL;
         c->cap_ints = 0;
@@ -257,8 +265,11 @@ static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_t
 
 /* ops.h's matmul_multi: fast mode with N > 8 rounds x to bf16 once for all n products
  * (kiln_cuda_gemm_linear_multi: the bits of n separate calls); otherwise n cu_matmul calls. */
-static void cu_matmul_multi(kiln_backend *be, int n, float *const *out, const float *x,
-                            const kiln_tensor *const *W, const float *const *bias, int N) {
+/* ops.h's matmul_multi (x f32) and matmul_multi_bf16x (x16 bf16, x NULL: fast mode only, always
+ * one GEMM call). */
+static void matmul_multi(kiln_backend *be, int n, float *const *out, const float *x,
+                         const uint16_t *x16, const kiln_tensor *const *W,
+                         const float *const *bias, int N) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
     if (n < 1 || n > KILN_MATMUL_MULTI_MAX || n > KILN_GEMM_MULTI_MAX) {
@@ -266,11 +277,16 @@ static void cu_matmul_multi(kiln_backend *be, int n, float *const *out, const fl
                KILN_MATMUL_MULTI_MAX);
         return;
     }
-    bool one_call = c->fast && N > 8;
+    bool one_call = c->fast && (N > 8 || x16);
     int64_t C = W[0]->shape[W[0]->n_dims - 1];
     for (int i = 0; i < n; i++)
         one_call = one_call && kiln_cuda_dtype_supported(W[i]->dtype) &&
                    W[i]->shape[W[i]->n_dims - 1] == C;
+    if (!one_call && x16) {
+        poison(c, KILN_ERR_UNSUPPORTED, "matmul_multi_bf16x: '%s': needs fast mode and weights "
+               "of one width and a supported dtype", W[0]->name ? W[0]->name : "?");
+        return;
+    }
     if (!one_call) {
         for (int i = 0; i < n; i++) cu_matmul(be, out[i], x, W[i], bias ? bias[i] : NULL, N);
         return;
@@ -286,13 +302,25 @@ static void cu_matmul_multi(kiln_backend *be, int n, float *const *out, const fl
         if (!(w[i] = weight_dev(c, W[i]->data, (size_t)R[i] * rb[i], W[i]->name))) return;
     }
     if (!c->gemm && !CK(c, kiln_cuda_gemm_create(c->device, &c->gemm))) return;
-    cudaError_t e = kiln_cuda_gemm_linear_multi(c->gemm, c->stream, n, out, x, w, rb, dt, R, C,
-                                                bias, N);
+    cudaError_t e =
+        x16 ? kiln_cuda_gemm_linear_multi_bf16(c->gemm, c->stream, n, out, x16, C, w, rb, dt, R, C,
+                                               bias, N)
+            : kiln_cuda_gemm_linear_multi(c->gemm, c->stream, n, out, x, w, rb, dt, R, C, bias, N);
     if (e != cudaSuccess)
         poison(c, KILN_ERR_INTERNAL,
                "matmul_multi (fast gemm) '%s' and %d more, %d tokens: %s (%s)",
                W[0]->name ? W[0]->name : "?", n - 1, N, kiln_cuda_gemm_error(c->gemm),
                cudaGetErrorName(e));
+}
+
+static void cu_matmul_multi(kiln_backend *be, int n, float *const *out, const float *x,
+                            const kiln_tensor *const *W, const float *const *bias, int N) {
+    matmul_multi(be, n, out, x, NULL, W, bias, N);
+}
+
+static void cu_matmul_multi_bf16x(kiln_backend *be, int n, float *const *out, const uint16_t *x16,
+                                  const kiln_tensor *const *W, const float *const *bias, int N) {
+    matmul_multi(be, n, out, NULL, x16, W, bias, N);
 }
 
 static void cu_rope(kiln_backend *be, float *x, const int32_t *pos, int N, int H, int HS,
@@ -336,6 +364,20 @@ static void cu_swiglu(kiln_backend *be, float *out, const float *gate, const flo
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
     after_launch(c, kiln_cuda_swiglu(c->stream, out, gate, up, n), "swiglu");
+}
+
+static void cu_rmsnorm_bf16(kiln_backend *be, uint16_t *out, const float *x, const float *w,
+                            int N, int C, float eps) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_rmsnorm_bf16(c->stream, out, x, w, N, C, eps), "rmsnorm_bf16");
+}
+
+static void cu_swiglu_bf16(kiln_backend *be, uint16_t *out, const float *gate, const float *up,
+                           size_t n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_swiglu_bf16(c->stream, out, gate, up, n), "swiglu_bf16");
 }
 
 static void cu_add(kiln_backend *be, float *x, const float *y, size_t n) {
@@ -431,10 +473,17 @@ static void cu_attention_at(kiln_backend *be, float *out, const float *q, const 
                  "attention_at (fast)");
 }
 
+/* Everything a recorded graph may point into that can be reallocated: this context's staging
+ * and column-sum buffers and the attention workspace (the GEMM module keeps outgrown scratch
+ * until it is freed, so its pointers never dangle). Each count only grows, so does the sum. */
+static uint64_t graph_generation(const cuda_ctx *c) {
+    return c->gen + kiln_cuda_attn_generation(c->attn);
+}
+
 static kiln_status cu_graph_begin(kiln_backend *be, int B, int NH, int HS, int max_T) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return kiln_error(c->err, "%s", c->msg);
-    if (c->fast) { /* the split-key workspace, sized before recording (no allocation inside) */
+    if (c->fast && B > 0) { /* the split-key workspace, sized before recording */
         if (!c->attn && !CK(c, kiln_cuda_attn_create(&c->attn))) return c->err;
         if (!CK(c, kiln_cuda_attn_reserve(c->attn, B, 1, NH, HS, max_T))) return c->err;
     }
@@ -454,18 +503,30 @@ static kiln_status cu_graph_end(kiln_backend *be, void **graph) {
         return kiln_error(c->err, "%s", c->msg);
     }
     if (!check(c, e, "cudaStreamEndCapture")) return c->err;
-    cudaGraphExec_t x = NULL;
-    e = cudaGraphInstantiate(&x, g, 0);
+    cu_graph *r = (cu_graph *)kiln_calloc(1, sizeof *r);
+    if (!r) {
+        cudaGraphDestroy(g);
+        return kiln_error(KILN_ERR_NOMEM, "cuda backend: out of host memory for a graph");
+    }
+    e = cudaGraphInstantiate(&r->exec, g, 0);
     cudaGraphDestroy(g);
-    if (!check(c, e, "cudaGraphInstantiate")) return c->err;
-    *graph = (void *)x;
+    if (!check(c, e, "cudaGraphInstantiate")) {
+        kiln_free(r);
+        return c->err;
+    }
+    r->gen = graph_generation(c);
+    *graph = (void *)r;
     return KILN_OK;
 }
 
 static kiln_status cu_graph_launch(kiln_backend *be, void *graph) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return kiln_error(c->err, "%s", c->msg);
-    if (!CK(c, cudaGraphLaunch((cudaGraphExec_t)graph, c->stream))) return c->err;
+    const cu_graph *r = (const cu_graph *)graph;
+    if (r->gen != graph_generation(c)) /* not an error of the backend: record it again */
+        return kiln_error(KILN_ERR_STATE, "cuda backend: the graph is stale (a workspace it uses "
+                                          "was reallocated since it was recorded): record it again");
+    if (!CK(c, cudaGraphLaunch(r->exec, c->stream))) return c->err;
     return KILN_OK;
 }
 
@@ -474,7 +535,8 @@ static void cu_graph_free(kiln_backend *be, void *graph) {
     if (!graph) return;
     cudaSetDevice(c->device);
     cudaStreamSynchronize(c->stream);
-    cudaGraphExecDestroy((cudaGraphExec_t)graph);
+    cudaGraphExecDestroy(((cu_graph *)graph)->exec);
+    kiln_free(graph);
 }
 
 /* ---- backward ops (auditable: the CPU's bits; cuda_backward.cu) ------------------------------ */
@@ -512,9 +574,10 @@ static void cu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *db
 /* ops.h's matmul_backward_multi: fast mode rounds x to bf16 once for all n products
  * (kiln_cuda_matmul_backward_fast_multi: the bits of n separate calls); auditable mode is n
  * cu_matmul_backward calls. */
-static void cu_matmul_backward_multi(kiln_backend *be, int n, float *dx, float *const *dW,
-                                     float *const *dbias, const float *const *dy, const float *x,
-                                     const kiln_tensor *const *W, int N, bool accumulate_dx) {
+static void matmul_backward_multi(kiln_backend *be, int n, float *dx, float *const *dW,
+                                  float *const *dbias, const float *const *dy, const float *x,
+                                  const uint16_t *x16, const kiln_tensor *const *W, int N,
+                                  bool accumulate_dx) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
     if (n < 1 || n > KILN_MATMUL_MULTI_MAX || n > KILN_CUDA_MB_MAX) {
@@ -527,6 +590,11 @@ static void cu_matmul_backward_multi(kiln_backend *be, int n, float *dx, float *
     for (int i = 0; i < n; i++)
         one_call = one_call && kiln_cuda_backward_dtype_supported(W[i]->dtype) &&
                    W[i]->shape[W[i]->n_dims - 1] == C;
+    if (!one_call && x16) {
+        poison(c, KILN_ERR_UNSUPPORTED, "matmul_backward_multi_bf16x: '%s': needs fast mode and "
+               "weights of one width and a supported dtype", W[0]->name ? W[0]->name : "?");
+        return;
+    }
     if (!one_call) {
         for (int i = 0; i < n; i++)
             cu_matmul_backward(be, dx, dW ? dW[i] : NULL, dbias ? dbias[i] : NULL, dy[i], x, W[i],
@@ -545,13 +613,29 @@ static void cu_matmul_backward_multi(kiln_backend *be, int n, float *dx, float *
             return;
     }
     if (!c->gemm && !CK(c, kiln_cuda_gemm_create(c->device, &c->gemm))) return;
-    cudaError_t e = kiln_cuda_matmul_backward_fast_multi(c->gemm, c->stream, n, it, dx, x, C, N,
-                                                         accumulate_dx);
+    cudaError_t e =
+        x16 ? kiln_cuda_matmul_backward_fast_multi_bf16(c->gemm, c->stream, n, it, dx, x16, C, C,
+                                                        N, accumulate_dx)
+            : kiln_cuda_matmul_backward_fast_multi(c->gemm, c->stream, n, it, dx, x, C, N,
+                                                   accumulate_dx);
     if (e != cudaSuccess)
         poison(c, KILN_ERR_INTERNAL,
                "matmul_backward_multi (fast) '%s' and %d more, %d tokens: %s (%s)",
                W[0]->name ? W[0]->name : "?", n - 1, N, kiln_cuda_gemm_error(c->gemm),
                cudaGetErrorName(e));
+}
+
+static void cu_matmul_backward_multi(kiln_backend *be, int n, float *dx, float *const *dW,
+                                     float *const *dbias, const float *const *dy, const float *x,
+                                     const kiln_tensor *const *W, int N, bool accumulate_dx) {
+    matmul_backward_multi(be, n, dx, dW, dbias, dy, x, NULL, W, N, accumulate_dx);
+}
+
+static void cu_matmul_backward_multi_bf16x(kiln_backend *be, int n, float *dx, float *const *dW,
+                                           float *const *dbias, const float *const *dy,
+                                           const uint16_t *x16, const kiln_tensor *const *W,
+                                           int N, bool accumulate_dx) {
+    matmul_backward_multi(be, n, dx, dW, dbias, dy, NULL, x16, W, N, accumulate_dx);
 }
 
 static void cu_to_bf16(kiln_backend *be, uint16_t *dst, const float *src, size_t n) {
@@ -562,11 +646,13 @@ static void cu_to_bf16(kiln_backend *be, uint16_t *dst, const float *src, size_t
 }
 
 /* The column-sum scratch, at least len doubles (fast mode). Grown outside any graph capture
- * (training ops are never captured): the old buffer is freed once the stream is idle, so no
- * queued kernel still reads it. NULL (poisoned) on failure. */
+ * (a recorded training step has run its shapes once before): the old buffer is freed once the
+ * stream is idle, so no queued kernel still reads it, and graphs recorded before go stale
+ * (c->gen). NULL (poisoned) on failure. */
 static double *colsum_scratch(cuda_ctx *c, size_t len) {
     if (len <= c->cap_colsum_ws) return c->colsum_ws;
     size_t cap = len < 65536 ? 65536 : len + len / 2;
+    c->gen++;
     if (c->colsum_ws) {
         if (!CK(c, cudaStreamSynchronize(c->stream)) || !CK(c, cudaFree(c->colsum_ws)))
             return NULL;
@@ -823,6 +909,10 @@ static const kiln_backend_i cuda_iface = {
     /* .matmul_multi = */ cu_matmul_multi,
     /* .matmul_backward_multi = */ cu_matmul_backward_multi,
     /* .to_bf16 = */ cu_to_bf16,
+    /* .rmsnorm_bf16 = */ cu_rmsnorm_bf16,
+    /* .swiglu_bf16 = */ cu_swiglu_bf16,
+    /* .matmul_multi_bf16x = */ cu_matmul_multi_bf16x,
+    /* .matmul_backward_multi_bf16x = */ cu_matmul_backward_multi_bf16x,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {

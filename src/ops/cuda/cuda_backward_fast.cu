@@ -537,8 +537,9 @@ static bool bf16_in_place(kiln_dtype dt, const uint8_t *w, size_t row_bytes) {
 /* The products of one item: dyb(N, ldR) already bf16; W converted into wcopy unless read in
  * place; xb (N, ldC) converted by the caller when dW. Arguments already checked. */
 static cudaError_t item_products(kiln_cuda_gemm *g, cudaStream_t s, const kiln_cuda_mb_item &it,
-                                 const uint16_t *dyb, const uint16_t *xb, uint16_t *wcopy,
-                                 float *dx, int64_t C, int N, bool accumulate_dx) {
+                                 const uint16_t *dyb, const uint16_t *xb, int64_t ldx,
+                                 uint16_t *wcopy, float *dx, int64_t C, int N,
+                                 bool accumulate_dx) {
     const int64_t ldR = padded_ld(it.R), ldC = padded_ld(C);
     cudaError_t e = cudaSuccess;
     if (dx) { /* dx(N,C) (+)= dy(N,R) @ W(R,C): M = N, N = C, K = R */
@@ -558,16 +559,19 @@ static cudaError_t item_products(kiln_cuda_gemm *g, cudaStream_t s, const kiln_c
         if (e != cudaSuccess) return e;
     }
     if (it.dW) /* dW(R,C) += dy^T(R,N) @ x(N,C): A = dy stored (N,R), trans_a; K = N */
-        e = kiln_cuda_gemm_bf16(g, s, 1, 0, it.R, C, N, dyb, ldR, xb, ldC, it.dW, C, 1);
+        e = kiln_cuda_gemm_bf16(g, s, 1, 0, it.R, C, N, dyb, ldR, xb, ldx, it.dW, C, 1);
     return e;
 }
 
-cudaError_t kiln_cuda_matmul_backward_fast_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
-                                                 const kiln_cuda_mb_item *items, float *dx,
-                                                 const float *x, int64_t C, int N,
-                                                 bool accumulate_dx) {
+/* kiln_cuda_matmul_backward_fast_multi (x f32, rounded into the buffer) or, with x NULL,
+ * its _bf16 twin (xb16 at ldx16 used in place; no x region in the buffer). */
+static cudaError_t mb_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
+                            const kiln_cuda_mb_item *items, float *dx, const float *x,
+                            const uint16_t *xb16, int64_t ldx16, int64_t C, int N,
+                            bool accumulate_dx) {
     if (!g || n < 1 || n > KILN_CUDA_MB_MAX || !items) return cudaErrorInvalidValue;
     if (N <= 0 || C <= 0) return cudaSuccess;
+    if (!x && xb16 && ldx16 < C) return cudaErrorInvalidValue;
     /* every item checked before anything is enqueued; the buffer: each dyb_i, then xb (any
      * dW), then one W copy region (the largest needed), then the column sums' partials (the
      * largest) -- every region 256-byte aligned, as in a single call, so the GEMM problems
@@ -581,7 +585,7 @@ cudaError_t kiln_cuda_matmul_backward_fast_multi(kiln_cuda_gemm *g, cudaStream_t
         if (!kiln_cuda_backward_dtype_supported(it.dt)) return cudaErrorInvalidValue;
         const bool products = dx || it.dW;
         if (!products && !it.dbias) continue;
-        if (!it.dy || (dx && !it.w) || (it.dW && !x)) return cudaErrorInvalidValue;
+        if (!it.dy || (dx && !it.w) || (it.dW && !x && !xb16)) return cudaErrorInvalidValue;
         const size_t es = it.dt == KILN_DTYPE_F32 ? 4u : 2u;
         if (dx && (it.row_bytes % es != 0 || it.row_bytes / es < (size_t)C ||
                    ((uintptr_t)it.w % es) != 0))
@@ -603,7 +607,7 @@ cudaError_t kiln_cuda_matmul_backward_fast_multi(kiln_cuda_gemm *g, cudaStream_t
         }
     }
     if (!any) return cudaSuccess;
-    if (any_dW && !region_bytes(N, padded_ld(C), &x_bytes)) return cudaErrorInvalidValue;
+    if (any_dW && x && !region_bytes(N, padded_ld(C), &x_bytes)) return cudaErrorInvalidValue;
     const size_t x_off = off, w_off = x_off + x_bytes, part_off = w_off + w_bytes;
     const size_t part_bytes = (part_len * sizeof(double) + 255u) & ~(size_t)255u;
     const size_t total = part_off + part_bytes + 256; /* + room to align */
@@ -617,9 +621,15 @@ cudaError_t kiln_cuda_matmul_backward_fast_multi(kiln_cuda_gemm *g, cudaStream_t
     }
     if (e != cudaSuccess) return e;
     uint8_t *buf = (uint8_t *)(((uintptr_t)base + 255u) & ~(uintptr_t)255u);
-    uint16_t *xb = (uint16_t *)(buf + x_off), *wcopy = (uint16_t *)(buf + w_off);
+    uint16_t *wcopy = (uint16_t *)(buf + w_off);
+    const uint16_t *xb = xb16;
+    const int64_t ldx = x ? padded_ld(C) : ldx16;
     double *part = (double *)(buf + part_off);
-    if (any_dW) e = kiln_cuda_f32_to_bf16(s, xb, padded_ld(C), x, C, N, C);
+    if (any_dW && x) {
+        uint16_t *dst = (uint16_t *)(buf + x_off);
+        e = kiln_cuda_f32_to_bf16(s, dst, ldx, x, C, N, C);
+        xb = dst;
+    }
     bool dx_started = false; /* dx: the first product with accumulate_dx, the rest add */
     for (int i = 0; i < n && e == cudaSuccess; i++) {
         const kiln_cuda_mb_item &it = items[i];
@@ -631,7 +641,8 @@ cudaError_t kiln_cuda_matmul_backward_fast_multi(kiln_cuda_gemm *g, cudaStream_t
         uint16_t *dyb = (uint16_t *)(buf + dy_off[i]);
         e = kiln_cuda_f32_to_bf16(s, dyb, padded_ld(it.R), it.dy, it.R, N, it.R);
         if (e == cudaSuccess)
-            e = item_products(g, s, it, dyb, xb, wcopy, dx, C, N, dx_started || accumulate_dx);
+            e = item_products(g, s, it, dyb, xb, ldx, wcopy, dx, C, N,
+                              dx_started || accumulate_dx);
         dx_started = dx_started || dx != NULL;
     }
     /* released after everything enqueued above has read it (stream order; the plain
@@ -645,6 +656,21 @@ cudaError_t kiln_cuda_matmul_backward_fast_multi(kiln_cuda_gemm *g, cudaStream_t
         if (ef == cudaSuccess) ef = e2;
     }
     return e != cudaSuccess ? e : ef;
+}
+
+cudaError_t kiln_cuda_matmul_backward_fast_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
+                                                 const kiln_cuda_mb_item *items, float *dx,
+                                                 const float *x, int64_t C, int N,
+                                                 bool accumulate_dx) {
+    return mb_multi(g, s, n, items, dx, x, NULL, 0, C, N, accumulate_dx);
+}
+
+cudaError_t kiln_cuda_matmul_backward_fast_multi_bf16(kiln_cuda_gemm *g, cudaStream_t s, int n,
+                                                      const kiln_cuda_mb_item *items, float *dx,
+                                                      const uint16_t *xb, int64_t ldx,
+                                                      int64_t C, int N, bool accumulate_dx) {
+    if (!xb) return cudaErrorInvalidValue;
+    return mb_multi(g, s, n, items, dx, NULL, xb, ldx, C, N, accumulate_dx);
 }
 
 cudaError_t kiln_cuda_matmul_backward_fast(kiln_cuda_gemm *g, cudaStream_t s, float *dx,

@@ -91,6 +91,13 @@ cudaError_t kiln_cuda_matmul_backward_fast_multi(kiln_cuda_gemm *g, cudaStream_t
                                                  const kiln_cuda_mb_item *items, float *dx,
                                                  const float *x, int64_t C, int N,
                                                  bool accumulate_dx);
+/* The same with x already in bf16 (N rows of C values, ldx >= C elements apart, 16-byte
+ * aligned), used in place: with xb = kiln_cuda_f32_to_bf16(x) and ldx = C rounded up to a
+ * multiple of 8, the bits of kiln_cuda_matmul_backward_fast_multi on x. */
+cudaError_t kiln_cuda_matmul_backward_fast_multi_bf16(kiln_cuda_gemm *g, cudaStream_t s, int n,
+                                                      const kiln_cuda_mb_item *items, float *dx,
+                                                      const uint16_t *xb, int64_t ldx,
+                                                      int64_t C, int N, bool accumulate_dx);
 
 /* Doubles of scratch kiln_cuda_col_sum_fast needs for N rows of W columns: K * W (K the
  * number of row chunks, at most 256); 0 when N <= 0 or W <= 0. A function of (N, W) only. */

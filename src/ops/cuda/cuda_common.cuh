@@ -28,6 +28,17 @@ static __device__ __forceinline__ unsigned half_warp_mask() {
     return (threadIdx.x & 16) ? 0xffff0000u : 0x0000ffffu;
 }
 
+/* ---- f32 -> bf16 ------------------------------------------------------------------------ */
+
+/* tensor.c's kiln_fp32_to_bf16, operation for operation: round to nearest even; a NaN keeps
+ * its sign and top payload bits and is made quiet. Every fast-mode rounding to bf16 (the GEMM
+ * module's conversions, the fused loss, the bf16 activations) is this one. */
+static __device__ __forceinline__ uint16_t kiln_bf16_rne(float f) {
+    const uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)(((uint64_t)u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* ---- dequantization of one element: tensor.c's formulas, operation for operation -------- */
 
 static __device__ __forceinline__ uint32_t rd_u16(const uint8_t *p) {

@@ -391,13 +391,6 @@ extern "C" kiln_status kiln_cuda_ce_grad_fast(kiln_backend *be, float *z, int64_
 
 /* ---- fast mode on bf16 operands -------------------------------------------------------------- */
 
-/* tensor.c's kiln_fp32_to_bf16 (and the GEMM module's conversions), operation for operation:
- * round to nearest even; a NaN keeps its sign and top payload bits and is made quiet. */
-static __device__ __forceinline__ uint16_t ce_bf16(float f) {
-    const uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)(((uint64_t)u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* The bf16 kernels below give each thread a run of CE_RUN = 4 columns of one row and store it
  * as one 8-byte word: the destination's leading dimension is a multiple of 8 elements and its
@@ -424,7 +417,7 @@ gather_bf16_kernel(uint16_t *__restrict__ hsb, int64_t ld, const float *__restri
             const float *src = hidden + idx[i] * H;
 #pragma unroll
             for (int q = 0; q < CE_RUN; q++)
-                if (j0 + q < H) v[q] = ce_bf16(src[j0 + q]);
+                if (j0 + q < H) v[q] = kiln_bf16_rne(src[j0 + q]);
         }
         ce_store_run(hsb + i * ld + j0, v);
     }
@@ -483,7 +476,7 @@ grad_bf16_kernel(uint16_t *__restrict__ g, int64_t ldg, const float *__restrict_
             }
 #pragma unroll
             for (int q = 0; q < CE_RUN; q++)
-                if (j0 + q < n) v[q] = ce_bf16(ce_grad_value(x[q], mi, li, gs, j0 + q == t));
+                if (j0 + q < n) v[q] = kiln_bf16_rne(ce_grad_value(x[q], mi, li, gs, j0 + q == t));
         }
         ce_store_run(g + i * ldg + j0, v);
     }

@@ -29,13 +29,6 @@
 
 /* ---- device side: conversions and the bias kernel ----------------------------------------- */
 
-/* tensor.c's kiln_fp32_to_bf16, operation for operation: round to nearest even; a NaN keeps
- * its sign and top payload bits and is made quiet. */
-static __device__ __forceinline__ uint16_t bf16_rne(float f) {
-    const uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)(((uint64_t)u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* The conversions are elementwise (so vectorising cannot change a bit). Thread t of block
  * (bx, by) converts the run of VEC columns starting at c0 = (bx * CONV_THREADS + t) * VEC in
@@ -64,11 +57,11 @@ static __global__ void f32_to_bf16_kernel(uint16_t *__restrict__ dst, int64_t ld
     if (c0 + F32_VEC <= cols && ((uintptr_t)sp & 15u) == 0 && ((uintptr_t)dp & 7u) == 0) {
         const float4 v = *(const float4 *)sp;
         uint2 o;
-        o.x = pack2(bf16_rne(v.x), bf16_rne(v.y));
-        o.y = pack2(bf16_rne(v.z), bf16_rne(v.w));
+        o.x = pack2(kiln_bf16_rne(v.x), kiln_bf16_rne(v.y));
+        o.y = pack2(kiln_bf16_rne(v.z), kiln_bf16_rne(v.w));
         *(uint2 *)dp = o;
     } else {
-        for (int j = 0; j < F32_VEC && c0 + j < cols; j++) dp[j] = bf16_rne(sp[j]);
+        for (int j = 0; j < F32_VEC && c0 + j < cols; j++) dp[j] = kiln_bf16_rne(sp[j]);
     }
 }
 
@@ -90,7 +83,7 @@ static __global__ void weights_to_bf16_kernel(uint16_t *__restrict__ dst, int64_
             uint16_t v[W_VEC];
 #pragma unroll
             for (int j = 0; j < W_VEC; j++)
-                v[j] = bf16_rne(deq_blk<DT>(b, e0 + j)); /* plain: b = row + c0*TS, e0 = 0 */
+                v[j] = kiln_bf16_rne(deq_blk<DT>(b, e0 + j)); /* plain: b = row + c0*TS, e0 = 0 */
             if (((uintptr_t)dp & 15u) == 0) {
                 uint4 o;
                 o.x = pack2(v[0], v[1]);
@@ -103,7 +96,7 @@ static __global__ void weights_to_bf16_kernel(uint16_t *__restrict__ dst, int64_
                 for (int j = 0; j < W_VEC; j++) dp[j] = v[j];
             }
         } else { /* the tail of a plain-type row */
-            for (int j = 0; j < W_VEC && c0 + j < C; j++) dp[j] = bf16_rne(deq<DT>(row, c0 + j));
+            for (int j = 0; j < W_VEC && c0 + j < C; j++) dp[j] = kiln_bf16_rne(deq<DT>(row, c0 + j));
         }
     }
 }
@@ -708,22 +701,30 @@ cudaError_t kiln_cuda_gemm_linear_bf16(kiln_cuda_gemm *g, cudaStream_t s, float 
     return linear_run(g, s, out, xb, ldx, w, row_bytes, dt, R, C, bias, N, accumulate, 0);
 }
 
-cudaError_t kiln_cuda_gemm_linear_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
-                                        float *const *out, const float *x,
-                                        const uint8_t *const *w, const size_t *row_bytes,
-                                        const kiln_dtype *dt, const int64_t *R, int64_t C,
-                                        const float *const *bias, int N) {
+/* kiln_cuda_gemm_linear_multi (x f32, rounded into the scratch's start) or, with x NULL,
+ * kiln_cuda_gemm_linear_multi_bf16 (xb16 bf16 at ldx16, used in place; the W copies start
+ * the scratch). */
+static cudaError_t linear_multi(kiln_cuda_gemm *g, cudaStream_t s, int n, float *const *out,
+                                const float *x, const uint16_t *xb16, int64_t ldx16,
+                                const uint8_t *const *w, const size_t *row_bytes,
+                                const kiln_dtype *dt, const int64_t *R, int64_t C,
+                                const float *const *bias, int N) {
     if (!g) return cudaErrorInvalidValue;
     if (n < 1 || n > KILN_GEMM_MULTI_MAX || !out || !w || !row_bytes || !dt || !R) {
         set_err(g, "linear_multi: n = %d or a NULL array", n);
         return cudaErrorInvalidValue;
     }
     if (N <= 0) return cudaSuccess;
-    const int64_t ldx = padded_ld(C);
+    if (!x && ldx16 < C) {
+        set_err(g, "linear_multi_bf16: ldx %lld < C %lld", (long long)ldx16, (long long)C);
+        return cudaErrorInvalidValue;
+    }
+    const int64_t ldx = x ? padded_ld(C) : ldx16;
     size_t x_bytes = 0, w_max = 0;
     for (int i = 0; i < n; i++) { /* every argument checked before anything is enqueued */
         if (R[i] <= 0) continue;
-        cudaError_t e = linear_check(g, out[i], x, w[i], row_bytes[i], dt[i], C, N);
+        cudaError_t e = linear_check(g, out[i], x ? (const void *)x : (const void *)xb16, w[i],
+                                     row_bytes[i], dt[i], C, N);
         if (e != cudaSuccess) return e;
         size_t wb = 0;
         if (!bf16_in_place(dt[i], w[i], row_bytes[i]) && !region_bytes(R[i], padded_ld(C), &wb)) {
@@ -733,21 +734,49 @@ cudaError_t kiln_cuda_gemm_linear_multi(kiln_cuda_gemm *g, cudaStream_t s, int n
         }
         if (wb > w_max) w_max = wb;
     }
-    if (!region_bytes(N, ldx, &x_bytes)) {
+    if (x && !region_bytes(N, ldx, &x_bytes)) {
         set_err(g, "linear_multi: shape too large (N %d, C %lld)", N, (long long)C);
         return cudaErrorInvalidValue;
     }
     if (!device_ok(g)) return cudaErrorInvalidDevice;
-    cudaError_t e = scratch_reserve(g, s, x_bytes + w_max);
+    cudaError_t e = x_bytes + w_max ? scratch_reserve(g, s, x_bytes + w_max) : cudaSuccess;
     if (e != cudaSuccess) return e;
-    uint16_t *xb = (uint16_t *)g->scratch; /* where kiln_cuda_gemm_linear puts it */
-    e = kiln_cuda_f32_to_bf16(s, xb, ldx, x, C, N, C);
-    if (!cuda_ok(g, e, "linear_multi: f32_to_bf16(x)")) return e;
+    const uint16_t *xb = xb16;
+    if (x) {
+        uint16_t *dst = (uint16_t *)g->scratch; /* where kiln_cuda_gemm_linear puts it */
+        e = kiln_cuda_f32_to_bf16(s, dst, ldx, x, C, N, C);
+        if (!cuda_ok(g, e, "linear_multi: f32_to_bf16(x)")) return e;
+        xb = dst;
+    }
     for (int i = 0; i < n && e == cudaSuccess; i++)
         if (R[i] > 0)
             e = linear_run(g, s, out[i], xb, ldx, w[i], row_bytes[i], dt[i], R[i], C,
                            bias ? bias[i] : NULL, N, 0, x_bytes);
     return e;
+}
+
+cudaError_t kiln_cuda_gemm_linear_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
+                                        float *const *out, const float *x,
+                                        const uint8_t *const *w, const size_t *row_bytes,
+                                        const kiln_dtype *dt, const int64_t *R, int64_t C,
+                                        const float *const *bias, int N) {
+    if (g && !x && N > 0) {
+        set_err(g, "linear_multi: NULL x");
+        return cudaErrorInvalidValue;
+    }
+    return linear_multi(g, s, n, out, x, NULL, 0, w, row_bytes, dt, R, C, bias, N);
+}
+
+cudaError_t kiln_cuda_gemm_linear_multi_bf16(kiln_cuda_gemm *g, cudaStream_t s, int n,
+                                             float *const *out, const uint16_t *xb, int64_t ldx,
+                                             const uint8_t *const *w, const size_t *row_bytes,
+                                             const kiln_dtype *dt, const int64_t *R, int64_t C,
+                                             const float *const *bias, int N) {
+    if (g && !xb && N > 0) {
+        set_err(g, "linear_multi_bf16: NULL x");
+        return cudaErrorInvalidValue;
+    }
+    return linear_multi(g, s, n, out, NULL, xb, ldx, w, row_bytes, dt, R, C, bias, N);
 }
 
 /* The checks shared by the two general products. */

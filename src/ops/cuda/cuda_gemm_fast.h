@@ -105,6 +105,14 @@ cudaError_t kiln_cuda_gemm_linear_multi(kiln_cuda_gemm *g, cudaStream_t s, int n
                                         const uint8_t *const *w, const size_t *row_bytes,
                                         const kiln_dtype *dt, const int64_t *R, int64_t C,
                                         const float *const *bias, int N);
+/* The same with x already in bf16 (N rows of C values, ldx >= C elements apart, 16-byte
+ * aligned), used in place: with xb = kiln_cuda_f32_to_bf16(x) and ldx = C rounded up to a
+ * multiple of 8, the bits of kiln_cuda_gemm_linear_multi on x. */
+cudaError_t kiln_cuda_gemm_linear_multi_bf16(kiln_cuda_gemm *g, cudaStream_t s, int n,
+                                             float *const *out, const uint16_t *xb, int64_t ldx,
+                                             const uint8_t *const *w, const size_t *row_bytes,
+                                             const kiln_dtype *dt, const int64_t *R, int64_t C,
+                                             const float *const *bias, int N);
 
 /* General row-major f32 product on bf16 tensor cores, for the backward (issue 5):
  * D(M,N) = A'(M,K) @ B'(K,N) (+ D when accumulate), where A' = A (stored (M,K), lda >= K) or,

@@ -32,6 +32,9 @@ cudaError_t kiln_cuda_embed(cudaStream_t s, float *out, const uint8_t *table, si
                             kiln_dtype dt, int64_t C, const int32_t *ids, int N);
 cudaError_t kiln_cuda_rmsnorm(cudaStream_t s, float *out, const float *x, const float *w, int N,
                               int C, float eps);
+/* The same rows with each output rounded to bf16 (kiln_fp32_to_bf16 of the f32 result). */
+cudaError_t kiln_cuda_rmsnorm_bf16(cudaStream_t s, uint16_t *out, const float *x, const float *w,
+                                   int N, int C, float eps);
 cudaError_t kiln_cuda_rope(cudaStream_t s, float *x, const int32_t *pos, int N, int H, int HS,
                            const float *cos_tab, const float *sin_tab);
 cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, const float *k,
@@ -52,6 +55,9 @@ cudaError_t kiln_cuda_kv_store(cudaStream_t s, float *k_cache, float *v_cache, c
 cudaError_t kiln_cuda_scale(cudaStream_t s, float *x, float sc, size_t n);
 cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, const float *up,
                              size_t n);
+/* The same elements rounded to bf16 (kiln_fp32_to_bf16 of the f32 result). */
+cudaError_t kiln_cuda_swiglu_bf16(cudaStream_t s, uint16_t *out, const float *gate,
+                                  const float *up, size_t n);
 cudaError_t kiln_cuda_add(cudaStream_t s, float *x, const float *y, size_t n);
 
 /* Whether the matmul/embed kernels handle dtype dt. */

@@ -188,9 +188,14 @@ cudaError_t kiln_cuda_embed(cudaStream_t s, float *out, const uint8_t *table, si
 #define RMS_CHUNK 16
 static_assert(RMS_THREADS % 32 == 0, "a half-warp never straddles two blocks' rows");
 
-template <int E>
+/* The output element: f32, or its bf16 rounding (a fast mode's bf16 activations; the same
+ * f32 value first, so the bits are those of the f32 kernel followed by a conversion). */
+static __device__ __forceinline__ void store_out(float *p, float v) { *p = v; }
+static __device__ __forceinline__ void store_out(uint16_t *p, float v) { *p = kiln_bf16_rne(v); }
+
+template <typename O, int E>
 static __global__ void __launch_bounds__(RMS_THREADS)
-rmsnorm_cached_kernel(float *out, const float *x, const float *__restrict__ w, int N, int C,
+rmsnorm_cached_kernel(O *out, const float *x, const float *__restrict__ w, int N, int C,
                       float eps) {
     const int lane = threadIdx.x & 15;
     const int64_t n = (int64_t)blockIdx.x * RMS_ROWS_PER_BLOCK + (threadIdx.x >> 4);
@@ -208,26 +213,27 @@ rmsnorm_cached_kernel(float *out, const float *x, const float *__restrict__ w, i
     for (int k = 0; k < E; k++)
         if (lane + 16 * k < C) acc = __fmaf_rn(xv[k], xv[k], acc);
     const float r = kiln_rms_scale(lane16_tree(acc, mask), C, eps);
-    float *o = out + n * C;
+    O *o = out + n * C;
     if (w) {
 #pragma unroll
         for (int k = 0; k < E; k++) {
             const int i = lane + 16 * k;
-            if (i < C) o[i] = (xv[k] * r) * w[i];
+            if (i < C) store_out(o + i, (xv[k] * r) * w[i]);
         }
     } else {
 #pragma unroll
         for (int k = 0; k < E; k++) {
             const int i = lane + 16 * k;
-            if (i < C) o[i] = xv[k] * r;
+            if (i < C) store_out(o + i, xv[k] * r);
         }
     }
 }
 
 /* Any C: the dot in chunks of RMS_CHUNK elements per lane (chunk starts are multiples of 16,
  * so every element keeps its lane), then the output loop. */
+template <typename O>
 static __global__ void __launch_bounds__(RMS_THREADS)
-rmsnorm_chunked_kernel(float *out, const float *x, const float *__restrict__ w, int N, int C,
+rmsnorm_chunked_kernel(O *out, const float *x, const float *__restrict__ w, int N, int C,
                        float eps) {
     const int lane = threadIdx.x & 15;
     const int64_t n = (int64_t)blockIdx.x * RMS_ROWS_PER_BLOCK + (threadIdx.x >> 4);
@@ -247,7 +253,7 @@ rmsnorm_chunked_kernel(float *out, const float *x, const float *__restrict__ w, 
             if (c0 + lane + 16 * k < C) acc = __fmaf_rn(xv[k], xv[k], acc);
     }
     const float r = kiln_rms_scale(lane16_tree(acc, mask), C, eps);
-    float *o = out + n * C;
+    O *o = out + n * C;
     for (int c0 = 0; c0 < C; c0 += 16 * RMS_CHUNK) {
 #pragma unroll
         for (int k = 0; k < RMS_CHUNK; k++) {
@@ -257,31 +263,42 @@ rmsnorm_chunked_kernel(float *out, const float *x, const float *__restrict__ w, 
 #pragma unroll
         for (int k = 0; k < RMS_CHUNK; k++) {
             const int i = c0 + lane + 16 * k;
-            if (i < C) o[i] = w ? (xv[k] * r) * w[i] : xv[k] * r;
+            if (i < C) store_out(o + i, w ? (xv[k] * r) * w[i] : xv[k] * r);
         }
     }
 }
 
-template <int E>
-static void rmsnorm_cached_launch(cudaStream_t s, unsigned grid, float *out, const float *x,
+template <typename O, int E>
+static void rmsnorm_cached_launch(cudaStream_t s, unsigned grid, O *out, const float *x,
                                   const float *w, int N, int C, float eps) {
-    rmsnorm_cached_kernel<E><<<grid, RMS_THREADS, 0, s>>>(out, x, w, N, C, eps);
+    rmsnorm_cached_kernel<O, E><<<grid, RMS_THREADS, 0, s>>>(out, x, w, N, C, eps);
+}
+
+template <typename O>
+static cudaError_t rmsnorm_launch(cudaStream_t s, O *out, const float *x, const float *w, int N,
+                                  int C, float eps) {
+    if (N <= 0 || C <= 0) return cudaSuccess;
+    const unsigned grid = (unsigned)((N + RMS_ROWS_PER_BLOCK - 1) / RMS_ROWS_PER_BLOCK);
+    const int per_lane = (C + 15) / 16; /* the lane's elements: at most ceil(C / 16) */
+    if (per_lane <= 4) rmsnorm_cached_launch<O, 4>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 8) rmsnorm_cached_launch<O, 8>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 16) rmsnorm_cached_launch<O, 16>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 32) rmsnorm_cached_launch<O, 32>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 48) rmsnorm_cached_launch<O, 48>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 64) rmsnorm_cached_launch<O, 64>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 128) rmsnorm_cached_launch<O, 128>(s, grid, out, x, w, N, C, eps);
+    else rmsnorm_chunked_kernel<O><<<grid, RMS_THREADS, 0, s>>>(out, x, w, N, C, eps);
+    return cudaGetLastError();
 }
 
 cudaError_t kiln_cuda_rmsnorm(cudaStream_t s, float *out, const float *x, const float *w, int N,
                               int C, float eps) {
-    if (N <= 0 || C <= 0) return cudaSuccess;
-    const unsigned grid = (unsigned)((N + RMS_ROWS_PER_BLOCK - 1) / RMS_ROWS_PER_BLOCK);
-    const int per_lane = (C + 15) / 16; /* the lane's elements: at most ceil(C / 16) */
-    if (per_lane <= 4) rmsnorm_cached_launch<4>(s, grid, out, x, w, N, C, eps);
-    else if (per_lane <= 8) rmsnorm_cached_launch<8>(s, grid, out, x, w, N, C, eps);
-    else if (per_lane <= 16) rmsnorm_cached_launch<16>(s, grid, out, x, w, N, C, eps);
-    else if (per_lane <= 32) rmsnorm_cached_launch<32>(s, grid, out, x, w, N, C, eps);
-    else if (per_lane <= 48) rmsnorm_cached_launch<48>(s, grid, out, x, w, N, C, eps);
-    else if (per_lane <= 64) rmsnorm_cached_launch<64>(s, grid, out, x, w, N, C, eps);
-    else if (per_lane <= 128) rmsnorm_cached_launch<128>(s, grid, out, x, w, N, C, eps);
-    else rmsnorm_chunked_kernel<<<grid, RMS_THREADS, 0, s>>>(out, x, w, N, C, eps);
-    return cudaGetLastError();
+    return rmsnorm_launch(s, out, x, w, N, C, eps);
+}
+
+cudaError_t kiln_cuda_rmsnorm_bf16(cudaStream_t s, uint16_t *out, const float *x, const float *w,
+                                   int N, int C, float eps) {
+    return rmsnorm_launch(s, out, x, w, N, C, eps);
 }
 
 /* ---- rope: one thread per rotated pair ------------------------------------------------------ */
@@ -443,10 +460,11 @@ cudaError_t kiln_cuda_kv_store(cudaStream_t s, float *k_cache, float *v_cache, c
 
 /* ---- elementwise ----------------------------------------------------------------------------- */
 
-static __global__ void swiglu_kernel(float *out, const float *gate, const float *up, size_t n) {
+template <typename O>
+static __global__ void swiglu_kernel(O *out, const float *gate, const float *up, size_t n) {
     for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
          u += (size_t)gridDim.x * blockDim.x)
-        out[u] = kiln_swiglu(gate[u], up[u]);
+        store_out(out + u, kiln_swiglu(gate[u], up[u]));
 }
 
 static __global__ void scale_kernel(float *x, float sc, size_t n) {
@@ -470,7 +488,14 @@ static __global__ void add_kernel(float *x, const float *y, size_t n) {
 cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, const float *up,
                              size_t n) {
     if (n == 0) return cudaSuccess;
-    swiglu_kernel<<<grid_for((int64_t)n, 256), 256, 0, s>>>(out, gate, up, n);
+    swiglu_kernel<float><<<grid_for((int64_t)n, 256), 256, 0, s>>>(out, gate, up, n);
+    return cudaGetLastError();
+}
+
+cudaError_t kiln_cuda_swiglu_bf16(cudaStream_t s, uint16_t *out, const float *gate,
+                                  const float *up, size_t n) {
+    if (n == 0) return cudaSuccess;
+    swiglu_kernel<uint16_t><<<grid_for((int64_t)n, 256), 256, 0, s>>>(out, gate, up, n);
     return cudaGetLastError();
 }
 
