@@ -233,10 +233,15 @@ typedef struct kiln_backend_i {
      * 16-byte aligned.
      * rmsnorm_bf16: out16 = kiln_fp32_to_bf16 of what rmsnorm writes for these arguments.
      * swiglu_bf16: out16[i] = kiln_fp32_to_bf16 of swiglu's out[i].
+     * swiglu_backward_bf16: dgate16, dup16 = kiln_fp32_to_bf16 of what swiglu_backward writes
+     * (no aliasing).
      * matmul_multi_bf16x / matmul_backward_multi_bf16x: matmul_multi / matmul_backward_multi
-     * with x given as x16, its bf16 rounding. With C a multiple of 8 and N > 8, the bits of
-     * the f32 entries on any x that rounds to x16; otherwise the same arithmetic (products of
-     * the same bf16 values summed in f32) whose bits may differ. ---- */
+     * with x given as x16, its bf16 rounding; in the backward, dy16 NULL or dy16[i] NULL takes
+     * dy[i] (f32), else dy16[i] is dy[i]'s bf16 rounding (R_i values a row) and dy[i] may be
+     * NULL unless dbias[i] is wanted. With C and every R_i given in bf16 a multiple of 8 and
+     * N > 8, the bits of the f32 entries on any x (dy) that rounds to x16 (dy16); otherwise
+     * the same arithmetic (products of the same bf16 values summed in f32) whose bits may
+     * differ. ---- */
     void (*rmsnorm_bf16)(kiln_backend *be, uint16_t *out16, const float *x, const float *w,
                          int N, int C, float eps);
     void (*swiglu_bf16)(kiln_backend *be, uint16_t *out16, const float *gate, const float *up,
@@ -245,8 +250,11 @@ typedef struct kiln_backend_i {
                                const kiln_tensor *const *W, const float *const *bias, int N);
     void (*matmul_backward_multi_bf16x)(kiln_backend *be, int n, float *dx, float *const *dW,
                                         float *const *dbias, const float *const *dy,
-                                        const uint16_t *x16, const kiln_tensor *const *W, int N,
-                                        bool accumulate_dx);
+                                        const uint16_t *const *dy16, const uint16_t *x16,
+                                        const kiln_tensor *const *W, int N, bool accumulate_dx);
+    void (*swiglu_backward_bf16)(kiln_backend *be, uint16_t *dgate16, uint16_t *dup16,
+                                 const float *dout, const float *gate, const float *up,
+                                 size_t n);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

@@ -523,6 +523,7 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     int32_t *htgt = kiln_malloc((size_t)S * sizeof(int32_t));
     float *hrow = kiln_malloc(4 * (size_t)S * sizeof(float));
     uint8_t *block = NULL;
+    int own = 1; /* block is this call's allocation (not the caller's scratch) */
     kiln_status st = KILN_OK;
 #define CE_DEV(call)                                                                               do {                                                                                               st = (call);                                                                                   if (st != KILN_OK) goto done;                                                              } while (0)
     if (!hidx || !htgt || !hrow) {
@@ -530,7 +531,8 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
                         (long long)S);
         goto done;
     }
-    block = kiln_backend_alloc(be, bytes);
+    own = !(p->scratch && p->scratch_cap >= bytes && ((uintptr_t)p->scratch & 255u) == 0);
+    block = own ? kiln_backend_alloc(be, bytes) : (uint8_t *)p->scratch;
     if (!block) {
         st = kiln_error(KILN_ERR_NOMEM, "fused_ce: out of device memory for %zu bytes of "
                         "scratch (%lld supervised rows x chunk %lld)", bytes, (long long)S,
@@ -633,7 +635,7 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     }
 done:
 #undef CE_DEV
-    if (block) {
+    if (block && own) {
         /* the scratch may still be in use by enqueued work after an error: wait first */
         (void)kiln_backend_status(be);
         kiln_backend_free_buf(be, block);

@@ -86,13 +86,20 @@ typedef struct kiln_fused_ce_params {
      * training), which then gives the same bits as recomputing them. */
     float *row_stats_out;
     const float *row_stats_in;
+    /* Device backends: scratch the caller owns (backend memory, scratch_cap bytes, 256-byte
+     * aligned), used when it holds what the call needs (result.scratch_bytes says how much),
+     * so that repeated calls need no allocation (which waits for the device); NULL or too
+     * small: the call allocates its own and frees it before returning. Ignored on the CPU. */
+    void *scratch;
+    size_t scratch_cap;
 } kiln_fused_ce_params;
 
 typedef struct kiln_fused_ce_result {
     float loss;            /* the reduced, scaled loss (f32, defined order) */
     double loss_f64;       /* the same from the f32 row losses summed in float64 */
     int64_t n_supervised;  /* S */
-    size_t scratch_bytes;  /* bytes of scratch this call allocated (all freed on return) */
+    size_t scratch_bytes;  /* bytes of scratch this call needed (its own allocation, freed on
+                            * return, unless the caller's scratch held them) */
 } kiln_fused_ce_result;
 
 /* Defaults: everything zero/NULL, weight F32, MEAN, scale 1, chunk 0 (= 4096). */

@@ -125,6 +125,8 @@ struct kiln_trainer {
     void *g_fwd, *g_bwd;
     float *ce_stats; /* (max_seq, 3) the fused loss's pass-1 statistics, forward -> backward */
     uint64_t ce_scratch; /* the largest fused-loss scratch of the last step (devices) */
+    void *ce_buf;        /* devices: the fused loss's scratch, kept from call to call */
+    size_t ce_buf_cap;   /* its bytes: the most a call has needed */
 
     /* the pending step */
     int pending;      /* 0 none, 1 loss (targets), 2 hidden */
@@ -386,7 +388,8 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     const int seqs = op->attention_seqs && op->attention_backward_seqs;
     const char *e16 = getenv("KILN_BF16_ACTS"); /* "0": keep them in f32 (A/B checks) */
     t->acts16 = t->p.fast && !t->host && op->rmsnorm_bf16 && op->swiglu_bf16 && op->matmul_multi_bf16x &&
-                op->matmul_backward_multi_bf16x && C % 8 == 0 && FF % 8 == 0 && !(e16 && strcmp(e16, "0") == 0);
+                op->matmul_backward_multi_bf16x && op->swiglu_backward_bf16 && C % 8 == 0 && FF % 8 == 0 &&
+                !(e16 && strcmp(e16, "0") == 0);
     const size_t f32_in = t->acts16 ? 0 : 1, b16_in = t->acts16 ? 1 : 0; /* where xb1, xb2, hb live */
     size_t lse = seqs ? kiln_attention_lse_floats(t->p.max_batch, (int)S, c->n_head) : 0;
     size_t ws = kiln_attention_backward_ws_floats((int)S, 0, c->n_head, c->n_head_kv, (int)HS);
@@ -644,6 +647,7 @@ void kiln_trainer_free(kiln_trainer *t) {
     kiln_adamw_free(t->opt_vec);
     kiln_free(t->targets);
     kiln_free(t->pos_host);
+    if (t->ce_buf) bmem_free(t, t->ce_buf);
     if (t->g_fwd) t->be->i->graph_free(t->be, t->g_fwd);
     if (t->g_bwd) t->be->i->graph_free(t->be, t->g_bwd);
     bmem_free(t, t->ce_stats);
@@ -693,9 +697,9 @@ static void matmul_n(const kiln_trainer *t, int n, float *const *out, const floa
 /* The backward of matmul_n: dx (+)= sum of dy[i] @ W[i] in order, each W[i]'s and bias[i]'s
  * gradients accumulated: one matmul_backward_multi call where the backend has it (the same
  * bits), else n matmul_backward calls (the first with accumulate_dx). */
-static void matmul_backward_n(const kiln_trainer *t, int n, float *dx, const float *const *dy, const float *x,
-                              const uint16_t *x16, const train_param *const *W, const train_param *const *bias, int N,
-                              bool accumulate_dx) {
+static void matmul_backward_n(const kiln_trainer *t, int n, float *dx, const float *const *dy,
+                              const uint16_t *const *dy16, const float *x, const uint16_t *x16,
+                              const train_param *const *W, const train_param *const *bias, int N, bool accumulate_dx) {
     kiln_backend *be = t->be;
     const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
     float *dw[KILN_MATMUL_MULTI_MAX], *db[KILN_MATMUL_MULTI_MAX];
@@ -705,7 +709,7 @@ static void matmul_backward_n(const kiln_trainer *t, int n, float *dx, const flo
         db[i] = GRAD(bias[i]);
     }
     if (x16)
-        be->i->matmul_backward_multi_bf16x(be, n, dx, dw, db, dy, x16, wv, N, accumulate_dx);
+        be->i->matmul_backward_multi_bf16x(be, n, dx, dw, db, dy, dy16, x16, wv, N, accumulate_dx);
     else if (be->i->matmul_backward_multi)
         be->i->matmul_backward_multi(be, n, dx, dw, db, dy, x, wv, N, accumulate_dx);
     else
@@ -861,6 +865,24 @@ static kiln_status check_ids(kiln_trainer *t, const int32_t *ids, int n, const c
     return KILN_OK;
 }
 
+/* kiln_fused_ce with the trainer's kept scratch (devices): a call that needed more than it
+ * holds allocated its own; the kept one then grows to that size for the next calls. */
+static kiln_status fused_ce_call(kiln_trainer *t, kiln_fused_ce_params *cp, kiln_fused_ce_result *r) {
+    if (!t->host) {
+        cp->scratch = t->ce_buf;
+        cp->scratch_cap = t->ce_buf_cap;
+    }
+    kiln_status st = kiln_fused_ce(t->be, cp, r);
+    if (st == KILN_OK && !t->host && r->scratch_bytes > t->ce_buf_cap) {
+        if (t->ce_buf) bmem_free(t, t->ce_buf);
+        t->ce_buf_cap = 0;
+        t->ce_buf = bmem_alloc(t, r->scratch_bytes, "the fused loss's scratch");
+        if (!t->ce_buf) return KILN_ERR_NOMEM;
+        t->ce_buf_cap = r->scratch_bytes;
+    }
+    return st;
+}
+
 static void track_peak(kiln_trainer *t) {
     kiln_mem_stats s;
     kiln_mem_get_stats(&s);
@@ -904,7 +926,7 @@ kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *ids, int n_
     cp.chunk = t->p.ce_chunk;
     cp.row_stats_out = t->ce_stats; /* backward's loss call skips its pass 1 */
     kiln_fused_ce_result r;
-    kiln_status st = kiln_fused_ce(t->be, &cp, &r);
+    kiln_status st = fused_ce_call(t, &cp, &r);
     if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
     KILN_TRY(backend_check(t, call));
     t->ce_scratch = r.scratch_bytes;
@@ -982,14 +1004,21 @@ static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
         if (t->acts16) {
             const float *dxs[1] = {t->dx};
             const train_param *wd[1] = {w->down};
-            matmul_backward_n(t, 1, t->dhb, dxs, NULL, a->hb16, wd, nob, T, false);
+            matmul_backward_n(t, 1, t->dhb, dxs, NULL, NULL, a->hb16, wd, nob, T, false);
         } else {
             op->matmul_backward(be, t->dhb, w->down->g, NULL, t->dx, a->hb, mat_view(t, w->down), T, false);
         }
-        op->swiglu_backward(be, t->dgate, t->dup, t->dhb, a->gate, a->up, (size_t)T * FF);
-        const float *dgu[2] = {t->dgate, t->dup};
         const train_param *wgu[2] = {w->gate, w->up};
-        matmul_backward_n(t, 2, t->dxb, dgu, a->xb2, a->xb2_16, wgu, nob, T, false);
+        if (t->acts16) { /* dgate, dup in bf16 (in the f32 buffers' memory): only products read them */
+            uint16_t *dg16 = (uint16_t *)t->dgate, *du16 = (uint16_t *)t->dup;
+            op->swiglu_backward_bf16(be, dg16, du16, t->dhb, a->gate, a->up, (size_t)T * FF);
+            const uint16_t *dgu16[2] = {dg16, du16};
+            matmul_backward_n(t, 2, t->dxb, NULL, dgu16, NULL, a->xb2_16, wgu, nob, T, false);
+        } else {
+            op->swiglu_backward(be, t->dgate, t->dup, t->dhb, a->gate, a->up, (size_t)T * FF);
+            const float *dgu[2] = {t->dgate, t->dup};
+            matmul_backward_n(t, 2, t->dxb, dgu, NULL, a->xb2, NULL, wgu, nob, T, false);
+        }
         op->rmsnorm_backward(be, t->dx, w->mlp_norm->g, t->dxb, a->x_mid, VEC(w->mlp_norm), T, C, eps, t->rstd, true);
         /* attention: x_mid = x + o(attention(rope(q), rope(k), v)) */
         op->matmul_backward(be, t->datt, w->wo->g, GRAD(w->bo), t->dx, a->att, mat_view(t, w->wo), T, false);
@@ -1011,7 +1040,7 @@ static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
             op->rmsnorm_backward(be, t->dkr, w->k_norm->g, t->dk, a->kr, VEC(w->k_norm), T * KVH, HS, eps, t->rstd, false);
         const float *dqkv[3] = {t->dqr, t->dkr, t->dv};
         const train_param *wqkv[3] = {w->wq, w->wk, w->wv}, *bqkv[3] = {w->bq, w->bk, w->bv};
-        matmul_backward_n(t, 3, t->dxb, dqkv, a->xb1, a->xb1_16, wqkv, bqkv, T, false);
+        matmul_backward_n(t, 3, t->dxb, dqkv, NULL, a->xb1, a->xb1_16, wqkv, bqkv, T, false);
         op->rmsnorm_backward(be, t->dx, w->attn_norm->g, t->dxb, a->x, VEC(w->attn_norm), T, C, eps, t->rstd, true);
     }
     op->embed_backward(be, t->tok_embd->g, t->dx, t->ids, T, c->n_vocab, C);
@@ -1049,7 +1078,7 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
         cp.dweight = t->lm_head->g;
         cp.row_stats_in = t->ce_stats; /* from the forward: same inputs, same bits */
         kiln_fused_ce_result r;
-        kiln_status st = kiln_fused_ce(t->be, &cp, &r);
+        kiln_status st = fused_ce_call(t, &cp, &r);
         if (st != KILN_OK) {
             t->pending = 0;
             return kiln_error_prefix(st, "kiln_train_backward");

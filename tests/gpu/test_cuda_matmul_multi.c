@@ -8,9 +8,10 @@
  * matrix-vector kernels (N 5), dx accumulated or not, dx or dW skipped. Every output starts
  * as NaN bits (overwritten outputs) or the same random values (accumulated ones).
  * Fast mode's bf16 activations too: matmul_multi_bf16x / matmul_backward_multi_bf16x on x's
- * bf16 rounding (to_bf16) give the bits of the f32 entries where ops.h promises them (C a
- * multiple of 8, N > 8), and rmsnorm_bf16 / swiglu_bf16 write the bf16 rounding of rmsnorm /
- * swiglu's f32 results (odd widths included).
+ * (and, without biases, on every dy whose width is a multiple of 8) bf16 rounding (to_bf16)
+ * give the bits of the f32 entries where ops.h promises them (C a multiple of 8, N > 8), and
+ * rmsnorm_bf16 / swiglu_bf16 / swiglu_backward_bf16 write the bf16 rounding of rmsnorm /
+ * swiglu / swiglu_backward's f32 results (odd widths included).
  * Without a usable GPU it exits 77.
  */
 #include "base/base.h"
@@ -162,10 +163,18 @@ static void run_case(kiln_backend *be, const char *mode, kiln_dtype dt, int n, c
     float *dx_m = acc ? dev_floats(be, hdx, nx) : dev_nan(be, nx);
     float *dx_s = acc ? dev_floats(be, hdx, nx) : dev_nan(be, nx);
     float *dx_b = acc ? dev_floats(be, hdx, nx) : dev_nan(be, nx);
-    if (b16)
+    /* dy in bf16 too where it may be (no dbias wanted, R a multiple of 8): the rest in f32 */
+    uint16_t *dy16[NMAX] = {NULL};
+    if (b16) {
+        for (int i = 0; i < n; i++)
+            if (!bias_on && R[i] % 8 == 0) {
+                dy16[i] = dev(be, (size_t)N * R[i] * sizeof(uint16_t));
+                be->i->to_bf16(be, dy16[i], dy[i], (size_t)N * R[i]);
+            }
         be->i->matmul_backward_multi_bf16x(be, n, want_dx ? dx_b : NULL, want_dw ? dW_b : NULL,
-                                           bias_on ? db_b : NULL, (const float *const *)dy, x16, W,
-                                           N, acc != 0);
+                                           bias_on ? db_b : NULL, (const float *const *)dy,
+                                           (const uint16_t *const *)dy16, x16, W, N, acc != 0);
+    }
     be->i->matmul_backward_multi(be, n, want_dx ? dx_m : NULL, want_dw ? dW_m : NULL,
                                  bias_on ? db_m : NULL, (const float *const *)dy, x, W, N,
                                  acc != 0);
@@ -195,7 +204,7 @@ static void run_case(kiln_backend *be, const char *mode, kiln_dtype dt, int n, c
     kiln_backend_free_buf(be, x16);
     for (int i = 0; i < n; i++) {
         void *ps[] = {wdata[i], bias[i], dy[i], out_m[i], out_s[i], out_b[i],
-                      dW_m[i],  dW_s[i], db_m[i], db_s[i], dW_b[i],  db_b[i]};
+                      dW_m[i],  dW_s[i], db_m[i], db_s[i], dW_b[i],  db_b[i], dy16[i]};
         for (size_t j = 0; j < sizeof ps / sizeof ps[0]; j++) kiln_backend_free_buf(be, ps[j]);
     }
 }
@@ -214,13 +223,25 @@ static void bf16_producers(kiln_backend *be, int N, int C) {
     float *up = dev_floats(be, h, n);
     uint16_t *a = dev(be, n * 2), *b = dev(be, n * 2);
     uint16_t *ha = malloc(n * 2), *hb = malloc(n * 2);
-    for (int k = 0; k < 2; k++) {
+    float *f2 = dev_nan(be, n);
+    uint16_t *b2 = dev(be, n * 2);
+    for (int k = 0; k < 4; k++) {
         if (k == 0) {
             be->i->rmsnorm(be, f, x, w, N, C, 1e-5f);
             be->i->rmsnorm_bf16(be, b, x, w, N, C, 1e-5f);
-        } else {
+        } else if (k == 1) {
             be->i->swiglu(be, f, x, up, n);
             be->i->swiglu_bf16(be, b, x, up, n);
+        } else if (k == 2) { /* dout = up: dgate (k 2) and dup (k 3) of the same call */
+            be->i->swiglu_backward(be, f, f2, up, x, up, n);
+            be->i->swiglu_backward_bf16(be, b, b2, up, x, up, n);
+        } else {
+            float *tf = f;
+            f = f2;
+            f2 = tf;
+            uint16_t *tb = b;
+            b = b2;
+            b2 = tb;
         }
         be->i->to_bf16(be, a, f, n);
         if (kiln_backend_status(be) != KILN_OK || kiln_backend_download(be, ha, a, n * 2) != KILN_OK ||
@@ -231,8 +252,8 @@ static void bf16_producers(kiln_backend *be, int N, int C) {
         }
         for (size_t i = 0; i < n; i++)
             if (ha[i] != hb[i]) {
-                fprintf(stderr, "FAIL %s %s [%zu]: 0x%04x, want 0x%04x\n", ctx, k ? "swiglu" : "rmsnorm", i, hb[i],
-                        ha[i]);
+                static const char *what[4] = {"rmsnorm", "swiglu", "swiglu_backward dgate", "swiglu_backward dup"};
+                fprintf(stderr, "FAIL %s %s [%zu]: 0x%04x, want 0x%04x\n", ctx, what[k], i, hb[i], ha[i]);
                 g_failed++;
                 break;
             }
@@ -241,7 +262,7 @@ static void bf16_producers(kiln_backend *be, int N, int C) {
     free(hw);
     free(ha);
     free(hb);
-    void *ps[] = {x, w, f, up, a, b};
+    void *ps[] = {x, w, f, f2, up, a, b, b2};
     for (size_t j = 0; j < sizeof ps / sizeof ps[0]; j++) kiln_backend_free_buf(be, ps[j]);
 }
 

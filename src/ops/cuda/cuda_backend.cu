@@ -575,7 +575,8 @@ static void cu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *db
  * (kiln_cuda_matmul_backward_fast_multi: the bits of n separate calls); auditable mode is n
  * cu_matmul_backward calls. */
 static void matmul_backward_multi(kiln_backend *be, int n, float *dx, float *const *dW,
-                                  float *const *dbias, const float *const *dy, const float *x,
+                                  float *const *dbias, const float *const *dy,
+                                  const uint16_t *const *dy16, const float *x,
                                   const uint16_t *x16, const kiln_tensor *const *W, int N,
                                   bool accumulate_dx) {
     cuda_ctx *c = ctx_of(be);
@@ -608,7 +609,8 @@ static void matmul_backward_multi(kiln_backend *be, int n, float *dx, float *con
         it[i].dt = W[i]->dtype;
         it[i].dW = dW ? dW[i] : NULL;
         it[i].dbias = dbias ? dbias[i] : NULL;
-        it[i].dy = dy[i];
+        it[i].dy = dy ? dy[i] : NULL;
+        it[i].dy16 = dy16 ? dy16[i] : NULL;
         if (!(it[i].w = weight_dev(c, W[i]->data, (size_t)it[i].R * it[i].row_bytes, W[i]->name)))
             return;
     }
@@ -628,14 +630,24 @@ static void matmul_backward_multi(kiln_backend *be, int n, float *dx, float *con
 static void cu_matmul_backward_multi(kiln_backend *be, int n, float *dx, float *const *dW,
                                      float *const *dbias, const float *const *dy, const float *x,
                                      const kiln_tensor *const *W, int N, bool accumulate_dx) {
-    matmul_backward_multi(be, n, dx, dW, dbias, dy, x, NULL, W, N, accumulate_dx);
+    matmul_backward_multi(be, n, dx, dW, dbias, dy, NULL, x, NULL, W, N, accumulate_dx);
 }
 
 static void cu_matmul_backward_multi_bf16x(kiln_backend *be, int n, float *dx, float *const *dW,
                                            float *const *dbias, const float *const *dy,
-                                           const uint16_t *x16, const kiln_tensor *const *W,
-                                           int N, bool accumulate_dx) {
-    matmul_backward_multi(be, n, dx, dW, dbias, dy, NULL, x16, W, N, accumulate_dx);
+                                           const uint16_t *const *dy16, const uint16_t *x16,
+                                           const kiln_tensor *const *W, int N,
+                                           bool accumulate_dx) {
+    matmul_backward_multi(be, n, dx, dW, dbias, dy, dy16, NULL, x16, W, N, accumulate_dx);
+}
+
+static void cu_swiglu_backward_bf16(kiln_backend *be, uint16_t *dgate16, uint16_t *dup16,
+                                    const float *dout, const float *gate, const float *up,
+                                    size_t n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_swiglu_backward_bf16(c->stream, dgate16, dup16, dout, gate, up, n),
+                 "swiglu_backward_bf16");
 }
 
 static void cu_to_bf16(kiln_backend *be, uint16_t *dst, const float *src, size_t n) {
@@ -913,6 +925,7 @@ static const kiln_backend_i cuda_iface = {
     /* .swiglu_bf16 = */ cu_swiglu_bf16,
     /* .matmul_multi_bf16x = */ cu_matmul_multi_bf16x,
     /* .matmul_backward_multi_bf16x = */ cu_matmul_backward_multi_bf16x,
+    /* .swiglu_backward_bf16 = */ cu_swiglu_backward_bf16,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {

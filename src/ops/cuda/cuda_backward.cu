@@ -695,8 +695,9 @@ cudaError_t kiln_cuda_attention_backward(cudaStream_t s, float *dq, float *dk, f
 /* e = kiln_expf(-g); den = 1 + e; s = 1 / den; silu = g / den (the forward's silu);
  * dup = dout * silu; dgate = (dout * u) * (s * (1 + g * (1 - s))). All three inputs are read
  * before either output is written, so the outputs may alias inputs at the same index. */
-static __global__ void swiglu_bwd_kernel(float *dgate, float *dup, const float *dout,
-                                         const float *gate, const float *up, size_t n) {
+template <typename O>
+static __global__ void swiglu_bwd_kernel(O *dgate, O *dup, const float *dout, const float *gate,
+                                         const float *up, size_t n) {
     for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
          u += (size_t)gridDim.x * blockDim.x) {
         const float g = gate[u], uv = up[u], dov = dout[u];
@@ -706,8 +707,8 @@ static __global__ void swiglu_bwd_kernel(float *dgate, float *dup, const float *
         const float silu = g / den;
         const float r_up = dov * silu;
         const float r_gate = (dov * uv) * (sg * (1.0f + g * (1.0f - sg)));
-        dup[u] = r_up;
-        dgate[u] = r_gate;
+        store_out(dup + u, r_up);
+        store_out(dgate + u, r_gate);
     }
 }
 
@@ -715,7 +716,17 @@ cudaError_t kiln_cuda_swiglu_backward(cudaStream_t s, float *dgate, float *dup,
                                       const float *dout, const float *gate, const float *up,
                                       size_t n) {
     if (n == 0) return cudaSuccess;
-    swiglu_bwd_kernel<<<grid_for((int64_t)n, 256), 256, 0, s>>>(dgate, dup, dout, gate, up, n);
+    swiglu_bwd_kernel<float><<<grid_for((int64_t)n, 256), 256, 0, s>>>(dgate, dup, dout, gate,
+                                                                        up, n);
+    return cudaGetLastError();
+}
+
+cudaError_t kiln_cuda_swiglu_backward_bf16(cudaStream_t s, uint16_t *dgate, uint16_t *dup,
+                                           const float *dout, const float *gate, const float *up,
+                                           size_t n) {
+    if (n == 0) return cudaSuccess;
+    swiglu_bwd_kernel<uint16_t><<<grid_for((int64_t)n, 256), 256, 0, s>>>(dgate, dup, dout, gate,
+                                                                           up, n);
     return cudaGetLastError();
 }
 

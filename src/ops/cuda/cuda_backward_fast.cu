@@ -537,10 +537,10 @@ static bool bf16_in_place(kiln_dtype dt, const uint8_t *w, size_t row_bytes) {
 /* The products of one item: dyb(N, ldR) already bf16; W converted into wcopy unless read in
  * place; xb (N, ldC) converted by the caller when dW. Arguments already checked. */
 static cudaError_t item_products(kiln_cuda_gemm *g, cudaStream_t s, const kiln_cuda_mb_item &it,
-                                 const uint16_t *dyb, const uint16_t *xb, int64_t ldx,
-                                 uint16_t *wcopy, float *dx, int64_t C, int N,
+                                 const uint16_t *dyb, int64_t ldR, const uint16_t *xb,
+                                 int64_t ldx, uint16_t *wcopy, float *dx, int64_t C, int N,
                                  bool accumulate_dx) {
-    const int64_t ldR = padded_ld(it.R), ldC = padded_ld(C);
+    const int64_t ldC = padded_ld(C);
     cudaError_t e = cudaSuccess;
     if (dx) { /* dx(N,C) (+)= dy(N,R) @ W(R,C): M = N, N = C, K = R */
         const uint16_t *wb;
@@ -585,14 +585,16 @@ static cudaError_t mb_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
         if (!kiln_cuda_backward_dtype_supported(it.dt)) return cudaErrorInvalidValue;
         const bool products = dx || it.dW;
         if (!products && !it.dbias) continue;
-        if (!it.dy || (dx && !it.w) || (it.dW && !x && !xb16)) return cudaErrorInvalidValue;
+        if ((!it.dy && !it.dy16) || (it.dbias && !it.dy) || (dx && !it.w) ||
+            (it.dW && !x && !xb16))
+            return cudaErrorInvalidValue;
         const size_t es = it.dt == KILN_DTYPE_F32 ? 4u : 2u;
         if (dx && (it.row_bytes % es != 0 || it.row_bytes / es < (size_t)C ||
                    ((uintptr_t)it.w % es) != 0))
             return cudaErrorInvalidValue;
         any = true;
         size_t b = 0;
-        if (products) {
+        if (products && !it.dy16) {
             if (!region_bytes(N, padded_ld(it.R), &b)) return cudaErrorInvalidValue;
             off += b;
         }
@@ -638,10 +640,15 @@ static cudaError_t mb_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
             e = kiln_cuda_col_sum_fast(s, it.dbias, it.dy, NULL, NULL, it.R, N, it.R, part,
                                        kiln_cuda_col_sum_fast_scratch_len(N, it.R));
         if (e != cudaSuccess || (!dx && !it.dW)) continue;
-        uint16_t *dyb = (uint16_t *)(buf + dy_off[i]);
-        e = kiln_cuda_f32_to_bf16(s, dyb, padded_ld(it.R), it.dy, it.R, N, it.R);
+        const uint16_t *dyb = it.dy16;
+        const int64_t ldy = it.dy16 ? it.R : padded_ld(it.R);
+        if (!it.dy16) {
+            uint16_t *dst = (uint16_t *)(buf + dy_off[i]);
+            e = kiln_cuda_f32_to_bf16(s, dst, ldy, it.dy, it.R, N, it.R);
+            dyb = dst;
+        }
         if (e == cudaSuccess)
-            e = item_products(g, s, it, dyb, xb, ldx, wcopy, dx, C, N,
+            e = item_products(g, s, it, dyb, ldy, xb, ldx, wcopy, dx, C, N,
                               dx_started || accumulate_dx);
         dx_started = dx_started || dx != NULL;
     }

@@ -70,7 +70,10 @@ cudaError_t kiln_cuda_matmul_backward_fast(kiln_cuda_gemm *g, cudaStream_t s, fl
                                            bool accumulate_dx);
 
 /* One product of kiln_cuda_matmul_backward_fast_multi: dy(N,R), W (R rows of dtype dt,
- * row_bytes apart) and its outputs dW(R,C), dbias(R) (NULL: skipped). R <= 0: skipped. */
+ * row_bytes apart) and its outputs dW(R,C), dbias(R) (NULL: skipped). R <= 0: skipped.
+ * dy16: NULL, or dy already in bf16 (N rows of R values back to back, 16-byte aligned), used
+ * in place of rounding dy (which may then be NULL unless dbias is wanted); with R a multiple
+ * of 8 the bits are those of passing the f32 dy it rounds. */
 typedef struct kiln_cuda_mb_item {
     float *dW, *dbias;
     const float *dy;
@@ -78,6 +81,7 @@ typedef struct kiln_cuda_mb_item {
     size_t row_bytes;
     kiln_dtype dt;
     int64_t R;
+    const uint16_t *dy16;
 } kiln_cuda_mb_item;
 #define KILN_CUDA_MB_MAX 4
 /* n (1..KILN_CUDA_MB_MAX) products of one x(N,C): for each item i, dW_i += dy_i^T @ x, dbias_i

@@ -39,6 +39,11 @@ static __device__ __forceinline__ uint16_t kiln_bf16_rne(float f) {
     return (uint16_t)(((uint64_t)u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* An output element: f32, or its bf16 rounding (a fast mode's bf16 activations: the same f32
+ * value first, so the bits are those of the f32 kernel followed by a conversion). */
+static __device__ __forceinline__ void store_out(float *p, float v) { *p = v; }
+static __device__ __forceinline__ void store_out(uint16_t *p, float v) { *p = kiln_bf16_rne(v); }
+
 /* ---- dequantization of one element: tensor.c's formulas, operation for operation -------- */
 
 static __device__ __forceinline__ uint32_t rd_u16(const uint8_t *p) {

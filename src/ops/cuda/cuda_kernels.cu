@@ -188,11 +188,6 @@ cudaError_t kiln_cuda_embed(cudaStream_t s, float *out, const uint8_t *table, si
 #define RMS_CHUNK 16
 static_assert(RMS_THREADS % 32 == 0, "a half-warp never straddles two blocks' rows");
 
-/* The output element: f32, or its bf16 rounding (a fast mode's bf16 activations; the same
- * f32 value first, so the bits are those of the f32 kernel followed by a conversion). */
-static __device__ __forceinline__ void store_out(float *p, float v) { *p = v; }
-static __device__ __forceinline__ void store_out(uint16_t *p, float v) { *p = kiln_bf16_rne(v); }
-
 template <typename O, int E>
 static __global__ void __launch_bounds__(RMS_THREADS)
 rmsnorm_cached_kernel(O *out, const float *x, const float *__restrict__ w, int N, int C,
