@@ -447,14 +447,16 @@ int main(int argc, char **argv) {
     EXPECT(!kiln_cuda_attention_backward_fast_ok(a, a, a, a, u, a, a, a, 7, 0, 4, 2, 64), "align");
     EXPECT(!kiln_cuda_attention_backward_fast_ok(a, a, a, a, a, a, a, a, 7, 0, 4, 3, 64), "GQA");
     /* D, L [NH][Npad]; GQA partials 2 T NH HS; bf16 q, dout [NH][Npad][HS], k, v
-     * [KVH][Tpad][HS] (two bf16 a float); Npad = Tpad = 64 here */
+     * [KVH][Tpad][HS] (two bf16 a float); the fused dq's counters NH Npad / 32 + 4; Npad =
+     * Tpad = 64 here */
     EXPECT(kiln_cuda_attention_backward_fast_ws(10, 2, 4, 2, 64) ==
-               2 * 4 * 64 + 2 * 12 * 4 * 64 + (4 * 64 + 2 * 64) * 64,
+               2 * 4 * 64 + 2 * 12 * 4 * 64 + (4 * 64 + 2 * 64) * 64 + 4 * 64 / 32 + 4,
            "ws");
-    EXPECT(kiln_cuda_attention_backward_fast_ws(10, 0, 4, 4, 64) == 2 * 4 * 64 + (4 * 64 + 4 * 64) * 64,
+    EXPECT(kiln_cuda_attention_backward_fast_ws(10, 0, 4, 4, 64) ==
+               2 * 4 * 64 + (4 * 64 + 4 * 64) * 64 + 4 * 64 / 32 + 4,
            "ws MHA");
     EXPECT(kiln_cuda_attention_backward_fast_ws(65, 0, 4, 4, 128) ==
-               2 * 4 * 128 + (4 * 128 + 4 * 128) * 128,
+               2 * 4 * 128 + (4 * 128 + 4 * 128) * 128 + 4 * 128 / 32 + 4,
            "ws padded to 128 rows");
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
@@ -469,23 +471,31 @@ int main(int argc, char **argv) {
     };
     kiln_cuda_attn *attn = nullptr;
     CUDA_OK(kiln_cuda_attn_create(&attn));
-    if (checks) {
-        for (const Case &c : cases) check_case(c);
-        const Case seqs[] = {{200, 0, 4, 2, 64, 1.0f}, {70, 0, 6, 6, 128, 2.0f},
-                             {129, 0, 9, 3, 64, 1.0f}, {9, 0, 2, 1, 64, 1.0f},
-                             {5, 0, 4, 2, 64, 1.0f}};
-        const int Bs[] = {3, 2, 4, 5, 3};
-        for (int i = 0; i < 5; i++) check_seqs(Bs[i], seqs[i], attn);
+    /* HS 64 runs the fused kernel (dq added in order by the dk/dv blocks) by default; every
+     * check and the HS 64 timings also run the split one (KILN_ATTN_BWD_SPLIT=1) */
+    for (int split = 0; split < 2; split++) {
+        setenv("KILN_ATTN_BWD_SPLIT", split ? "1" : "0", 1);
+        printf("== %s kernel for HS 64 ==\n", split ? "split (dq blocks)" : "fused (ordered dq)");
+        if (checks) {
+            for (const Case &c : cases) check_case(c);
+            const Case seqs[] = {{200, 0, 4, 2, 64, 1.0f}, {70, 0, 6, 6, 128, 2.0f},
+                                 {129, 0, 9, 3, 64, 1.0f}, {9, 0, 2, 1, 64, 1.0f},
+                                 {5, 0, 4, 2, 64, 1.0f}};
+            const int Bs[] = {3, 2, 4, 5, 3};
+            for (int i = 0; i < 5; i++) check_seqs(Bs[i], seqs[i], attn);
+        }
+        if (timing) {
+            const Case shapes[] = {{2048, 0, 9, 3, 64, 1.0f},
+                                   {2048, 0, 14, 2, 64, 1.0f},
+                                   {2048, 0, 16, 8, 128, 1.0f},
+                                   {4096, 0, 32, 8, 128, 1.0f}};
+            for (const Case &c : shapes)
+                if (!split || c.HS == 64) time_case(c);
+            time_seqs(4, {2048, 0, 9, 3, 64, 1.0f}, attn);
+            time_seqs(2, {2048, 0, 14, 2, 64, 1.0f}, attn);
+        }
     }
-    if (timing) {
-        const Case shapes[] = {{2048, 0, 9, 3, 64, 1.0f},
-                               {2048, 0, 14, 2, 64, 1.0f},
-                               {2048, 0, 16, 8, 128, 1.0f},
-                               {4096, 0, 32, 8, 128, 1.0f}};
-        for (const Case &c : shapes) time_case(c);
-        time_seqs(4, {2048, 0, 9, 3, 64, 1.0f}, attn);
-        time_seqs(2, {2048, 0, 14, 2, 64, 1.0f}, attn);
-    }
+    unsetenv("KILN_ATTN_BWD_SPLIT");
     kiln_cuda_attn_free(attn);
     printf("worst normalised error %.3e (bound 2e-2)\n", g_worst);
     if (g_fail) {

@@ -24,6 +24,8 @@
 
 #include <limits.h>
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 typedef __nv_bfloat16 bf16;
 
@@ -62,9 +64,21 @@ struct bw_args {
     const float *wsD, *wsL;        /* D, L [B][NH][Npad] (L: the forward's lse, or L_out) */
     float *L_out;                  /* where the statistics kernel writes L */
     float *dq, *dk, *dv;           /* dq (B*N, NH, HS); dk, dv or the GQA partials (B*T rows) */
+    int *dq_sem;                   /* fused dq: [B][NH][nqt] counters, 0 at launch */
     int N, n_past, NH, KVH, Npad, Tpad;
     float scale;
 };
+
+/* The fused dq's ordered additions: a counter read with acquire and written with release
+ * semantics at GPU scope. */
+static __device__ __forceinline__ int ld_acquire(const int *p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+static __device__ __forceinline__ void st_release(int *p, int v) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
 
 template <int HS>
 static constexpr size_t stats_smem() {
@@ -80,6 +94,12 @@ template <int HS>
 static constexpr size_t dkv_smem() {
     return sizeof(bf16) * (size_t)(HS + BW_PAD) * (2 * BW_ROWS + 4 * BW_TILE(HS)) +
            sizeof(float) * 4 * BW_TILE(HS);
+}
+
+/* + the fused dq's dS^T tile (BW_ROWS keys x QT queries, bf16) */
+template <int HS>
+static constexpr size_t dkv_fused_smem() {
+    return dkv_smem<HS>() + sizeof(bf16) * (size_t)BW_ROWS * (BW_TILE(HS) + BW_PAD);
 }
 
 /* Kernel 1: L, the log-sum-exp of the scaled scores, for a block per (64-query tile, head)
@@ -254,8 +274,16 @@ static __device__ __forceinline__ void dq_block(const bw_args &A, int qt, int hl
 
 /* A dk/dv block: key tile kt for query head hl of sequence b. Keys key0 = k0 + 16 warp + g
  * and key1 = key0 + 8 (padding keys >= T are zeros, masked, and write nothing). Writes dk,
- * dv of kv head hl / G directly when G = 1, else this head's partials (T, NH, HS). */
-template <int HS, bool KV_REGS>
+ * dv of kv head hl / G directly when G = 1, else this head's partials (T, NH, HS).
+ * FUSED_DQ (HS 64): also dq, without dq blocks. Per query tile the block puts dS^T (the bf16
+ * values its dk product takes) in shared memory, takes dq_part = scale * dS k (keys of this
+ * tile, in mma order) for the tile's queries, and adds it to dq in a fixed order: the key
+ * tiles that see a query tile are 0..k, and tile kt adds only once its counter says kt
+ * (tile 0 writes, the others read-add-write through L2, then count on). The blocks walk
+ * their query tiles from the last down, so the key tiles of a head reach a query tile at
+ * about the same time; a block only waits for blocks of lower x in the same grid row
+ * (launched before it), so the waits end. The bits depend only on the inputs. */
+template <int HS, bool KV_REGS, bool FUSED_DQ>
 static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int hl, int b) {
     constexpr int QT = BW_TILE(HS), LD = HS + BW_PAD; /* KV_REGS: k, v fragments kept in
                                                          registers, else reloaded per tile */
@@ -266,6 +294,9 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
     bf16 *sO = sQ + 2 * QT * LD;                /* 2 x (QT, LD): dout */
     float *sL = reinterpret_cast<float *>(sO + 2 * QT * LD); /* 2 x QT */
     float *sD = sL + 2 * QT;                                 /* 2 x QT */
+    constexpr int LDS = QT + BW_PAD;
+    bf16 *sS = reinterpret_cast<bf16 *>(sD + 2 * QT); /* FUSED_DQ: (BW_ROWS, LDS) dS^T */
+    static_assert(!FUSED_DQ || QT == 16 * (BW_THREADS / 32), "one m16 tile of queries per warp");
     const int G = A.NH / A.KVH, N = A.N, n_past = A.n_past;
     const int h = b * A.NH + hl, kvh = b * A.KVH + hl / G; /* packed heads */
     const int k0 = kt * BW_ROWS, T = n_past + N;
@@ -288,7 +319,7 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
     };
     cp_tile<HS, BW_ROWS, BW_THREADS>(sK, LD, A.kb + ((int64_t)kvh * A.Tpad + k0) * HS);
     cp_tile<HS, BW_ROWS, BW_THREADS>(sV, LD, A.vb + ((int64_t)kvh * A.Tpad + k0) * HS);
-    if (nqt > 0) copy_queries(qbeg, 0);
+    if (nqt > 0) copy_queries(FUSED_DQ ? qbeg + (nqt - 1) * QT : qbeg, 0);
     cp_async_commit();
 
     uint32_t kf[KV_REGS ? HS / 16 : 1][4], vf[KV_REGS ? HS / 16 : 1][4];
@@ -298,17 +329,18 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
         ak[dt][0] = ak[dt][1] = ak[dt][2] = ak[dt][3] = 0.0f;
         av[dt][0] = av[dt][1] = av[dt][2] = av[dt][3] = 0.0f;
     }
-    for (int i = 0; i < nqt; i++) {
-        const int q0 = qbeg + i * QT, buf = i & 1;
-        if (i + 1 < nqt) {
-            copy_queries(q0 + QT, buf ^ 1);
+    for (int it = 0; it < nqt; it++) {
+        const int i = FUSED_DQ ? nqt - 1 - it : it; /* fused: the last query tile first */
+        const int q0 = qbeg + i * QT, buf = it & 1;
+        if (it + 1 < nqt) {
+            copy_queries(FUSED_DQ ? q0 - QT : q0 + QT, buf ^ 1);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
         __syncthreads();
-        if (KV_REGS && i == 0) {
+        if (KV_REGS && it == 0) {
 #pragma unroll
             for (int kk = 0; kk < (KV_REGS ? HS / 16 : 1); kk++) {
                 ldsm_a(kf[kk], sK, LD, warp * 16, kk * 16, lane);
@@ -372,6 +404,61 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
         }
         tile_times_rows<HS, QT>(av, st, cO, LD, lane);  /* dv += P^T dout */
         tile_times_rows<HS, QT>(ak, dpt, cQ, LD, lane); /* dk += dS^T q */
+        if (FUSED_DQ) {
+            /* dS^T rows (the warp's keys), bf16 as the dk product rounded them */
+#pragma unroll
+            for (int nt = 0; nt < QT / 8; nt++) {
+                const int qi = nt * 8 + 2 * t;
+                *reinterpret_cast<uint32_t *>(sS + (warp * 16 + g) * LDS + qi) =
+                    pack_bf16(dpt[nt][0], dpt[nt][1]);
+                *reinterpret_cast<uint32_t *>(sS + (warp * 16 + g + 8) * LDS + qi) =
+                    pack_bf16(dpt[nt][2], dpt[nt][3]);
+            }
+            __syncthreads();
+            /* the warp's 16 queries x HS: dS (queries x the block's keys) k */
+            float aq[HS / 8][4];
+#pragma unroll
+            for (int dt = 0; dt < HS / 8; dt++) aq[dt][0] = aq[dt][1] = aq[dt][2] = aq[dt][3] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < BW_ROWS / 16; ks++) {
+                uint32_t a[4];
+                ldsm_at(a, sS, LDS, ks * 16, warp * 16, lane);
+#pragma unroll
+                for (int dp = 0; dp < HS / 16; dp++) {
+                    uint32_t bk[4];
+                    ldsm_bt(bk, sK, LD, ks * 16, dp * 16, lane);
+                    mma_bf16_16816(aq[2 * dp], a, bk);
+                    mma_bf16_16816(aq[2 * dp + 1], a, bk + 2);
+                }
+            }
+            /* the ordered addition into dq (rows past N: none) */
+            int *sem = A.dq_sem + ((int64_t)b * A.NH + hl) * (A.Npad / QT) + q0 / QT;
+            if (threadIdx.x == 0)
+                while (ld_acquire(sem) != kt) {
+                }
+            __syncthreads();
+            __threadfence();
+            const int64_t qs = (int64_t)A.NH * HS;
+            float *dqb = A.dq + (int64_t)b * N * qs + (int64_t)hl * HS + 2 * t;
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                const int qr = q0 + warp * 16 + g + 8 * half;
+                if (qr >= N) continue;
+                float *p = dqb + (int64_t)qr * qs;
+#pragma unroll
+                for (int dt = 0; dt < HS / 8; dt++) {
+                    float2 v = make_float2(aq[dt][2 * half] * A.scale, aq[dt][2 * half + 1] * A.scale);
+                    if (kt > 0) {
+                        const float2 o = __ldcg(reinterpret_cast<const float2 *>(p + dt * 8));
+                        v = make_float2(o.x + v.x, o.y + v.y);
+                    }
+                    __stcg(reinterpret_cast<float2 *>(p + dt * 8), v);
+                }
+            }
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) st_release(sem, kt + 1);
+        }
         __syncthreads();
     }
 
@@ -409,9 +496,23 @@ template <int HS>
 static __global__ void __launch_bounds__(BW_THREADS) bwd_main_kernel(bw_args A, int nkt) {
     const int x = (int)blockIdx.x, h = (int)blockIdx.y, b = (int)blockIdx.z;
     if (x < nkt)
-        dkv_block<HS, HS == 64>(A, x, h, b);
+        dkv_block<HS, HS == 64, false>(A, x, h, b);
     else
         dq_block<HS>(A, (int)gridDim.x - 1 - x, h, b);
+}
+
+/* Kernel 2, fused (HS 64): only dk/dv blocks, each adding its share of dq in order (x = key
+ * tile, the ones that see the most queries first: see dkv_block). */
+static __global__ void __launch_bounds__(BW_THREADS) bwd_fused_kernel(bw_args A) {
+    dkv_block<64, true, true>(A, (int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z);
+}
+
+/* Whether the backward takes the fused kernel (HS 64; KILN_ATTN_BWD_SPLIT=1: the split
+ * dq / dk-dv kernel, for A/B measurements). */
+static bool fused_dq(int HS) {
+    if (HS != 64) return false;
+    const char *e = getenv("KILN_ATTN_BWD_SPLIT"); /* read per call: the tests switch it */
+    return !(e && strcmp(e, "1") == 0);
 }
 
 /* Kernel 3 (G > 1): dk[key][j][d] = pk[key][jG][d] + pk[key][jG+1][d] + ... in head order. */
@@ -457,10 +558,14 @@ template <int HS>
 static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stats, float *dk,
                               float *dv, float *pk, float *pv) {
     constexpr size_t smem = dq_smem<HS>() > dkv_smem<HS>() ? dq_smem<HS>() : dkv_smem<HS>();
+    const bool fused = fused_dq(HS);
     /* dynamic shared memory above 48 KiB (per device, so on every call: a host-side µs) */
     cudaError_t e = cudaFuncSetAttribute(bwd_stats_kernel<HS>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)stats_smem<HS>());
+    if (e == cudaSuccess && fused)
+        e = cudaFuncSetAttribute(bwd_fused_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)dkv_fused_smem<64>());
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(bwd_main_kernel<HS>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -479,8 +584,15 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
         e = cudaGetLastError();
         if (e != cudaSuccess) return e;
     }
-    bwd_main_kernel<HS><<<dim3((unsigned)(nqt + nkt), (unsigned)A.NH, (unsigned)B), BW_THREADS,
-                          smem, s>>>(A, nkt);
+    if (fused) {
+        e = cudaMemsetAsync(A.dq_sem, 0, (size_t)B * A.NH * (A.Npad / BW_TILE(64)) * sizeof(int), s);
+        if (e != cudaSuccess) return e;
+        bwd_fused_kernel<<<dim3((unsigned)nkt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
+                           dkv_fused_smem<64>(), s>>>(A);
+    } else {
+        bwd_main_kernel<HS><<<dim3((unsigned)(nqt + nkt), (unsigned)A.NH, (unsigned)B), BW_THREADS,
+                              smem, s>>>(A, nkt);
+    }
     if ((e = cudaGetLastError()) != cudaSuccess || A.NH == A.KVH) return e;
     /* the partials of all B sequences are (B*T, NH, HS): one reduction over B*T keys */
     const int64_t total = (int64_t)B * T * A.KVH * HS;
@@ -494,7 +606,7 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
  * the forward's [B][NH][Npad] log-sum-exp. Arguments checked by the callers. The workspace
  * (B x kiln_attention_backward_fast_ws_floats for one sequence): D, L [B][NH][Npad]; the GQA
  * partials pk, pv (B*T, NH, HS); then the bf16 q, dout [B][NH][Npad][HS], k, v
- * [B][KVH][Tpad][HS]. */
+ * [B][KVH][Tpad][HS]; then the fused dq's counters [B][NH][Npad / 64]. */
 static cudaError_t bwd_run(cudaStream_t s, float *dq, float *dk, float *dv, const float *dout,
                            const float *q, const float *k, const float *v, const float *out,
                            const float *lse, float *ws, int B, int N, int n_past, int NH,
@@ -522,6 +634,9 @@ static cudaError_t bwd_run(cudaStream_t s, float *dq, float *dk, float *dv, cons
     }
     bf16 *qb = reinterpret_cast<bf16 *>(after), *ob = qb + nq * HS;
     bf16 *kb = ob + nq * HS, *vb = kb + (size_t)B * KVH * Tpad * HS;
+    /* the fused dq's counters, after v, 16-byte aligned (ops.h counts 4 floats for it) */
+    const uintptr_t se = (uintptr_t)(vb + (size_t)B * KVH * Tpad * HS);
+    A.dq_sem = reinterpret_cast<int *>((se + 15) & ~(uintptr_t)15);
     A.qb = qb;
     A.ob = ob;
     A.kb = kb;

@@ -101,6 +101,15 @@ static __device__ __forceinline__ void ldsm_b(uint32_t b[4], const __nv_bfloat16
                         ((lane >> 3) & 1) * 8));
 }
 
+/* ldsm_at(Y, k0, m0): the A fragment of A[m][k] = Y[k][m] (Y stored k-major: A transposed),
+ * m0..m0+15 x k0..k0+15, with .trans: matrix j of the x4 is Y rows k0 + 8 (j >> 1), columns
+ * m0 + 8 (j & 1), which .trans turns into a[j]. */
+static __device__ __forceinline__ void ldsm_at(uint32_t a[4], const __nv_bfloat16 *Y, int LD,
+                                               int k0, int m0, int lane) {
+    ldsm_x4_trans(a, smem_u32(Y + (k0 + (lane & 7) + ((lane >> 4) & 1) * 8) * LD + m0 +
+                              ((lane >> 3) & 1) * 8));
+}
+
 static __device__ __forceinline__ void ldsm_bt(uint32_t b[4], const __nv_bfloat16 *X, int LD,
                                                int k0, int n0, int lane) {
     ldsm_x4_trans(b, smem_u32(X + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + n0 +
