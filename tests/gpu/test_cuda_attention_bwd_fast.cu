@@ -447,16 +447,16 @@ int main(int argc, char **argv) {
     EXPECT(!kiln_cuda_attention_backward_fast_ok(a, a, a, a, u, a, a, a, 7, 0, 4, 2, 64), "align");
     EXPECT(!kiln_cuda_attention_backward_fast_ok(a, a, a, a, a, a, a, a, 7, 0, 4, 3, 64), "GQA");
     /* D, L [NH][Npad]; GQA partials 2 T NH HS; bf16 q, dout [NH][Npad][HS], k, v
-     * [KVH][Tpad][HS] (two bf16 a float); the fused dq's counters NH Npad / 32 + 4; Npad =
+     * [KVH][Tpad][HS] (two bf16 a float); HS 64: dS^T in bf16, NH Tpad Npad / 2; + 4; Npad =
      * Tpad = 64 here */
     EXPECT(kiln_cuda_attention_backward_fast_ws(10, 2, 4, 2, 64) ==
-               2 * 4 * 64 + 2 * 12 * 4 * 64 + (4 * 64 + 2 * 64) * 64 + 4 * 64 / 32 + 4,
+               2 * 4 * 64 + 2 * 12 * 4 * 64 + (4 * 64 + 2 * 64) * 64 + 4 * 64 * 64 / 2 + 4,
            "ws");
     EXPECT(kiln_cuda_attention_backward_fast_ws(10, 0, 4, 4, 64) ==
-               2 * 4 * 64 + (4 * 64 + 4 * 64) * 64 + 4 * 64 / 32 + 4,
+               2 * 4 * 64 + (4 * 64 + 4 * 64) * 64 + 4 * 64 * 64 / 2 + 4,
            "ws MHA");
     EXPECT(kiln_cuda_attention_backward_fast_ws(65, 0, 4, 4, 128) ==
-               2 * 4 * 128 + (4 * 128 + 4 * 128) * 128 + 4 * 128 / 32 + 4,
+               2 * 4 * 128 + (4 * 128 + 4 * 128) * 128 + 4,
            "ws padded to 128 rows");
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
@@ -471,11 +471,12 @@ int main(int argc, char **argv) {
     };
     kiln_cuda_attn *attn = nullptr;
     CUDA_OK(kiln_cuda_attn_create(&attn));
-    /* HS 64 runs the fused kernel (dq added in order by the dk/dv blocks) by default; every
-     * check and the HS 64 timings also run the split one (KILN_ATTN_BWD_SPLIT=1) */
+    /* HS 64 runs the two-pass backward (dk/dv blocks store dS, dq blocks take one product a
+     * tile) by default; every check and the HS 64 timings also run the one-launch kernel whose
+     * dq blocks recompute S and dP (KILN_ATTN_BWD_SPLIT=1) */
     for (int split = 0; split < 2; split++) {
         setenv("KILN_ATTN_BWD_SPLIT", split ? "1" : "0", 1);
-        printf("== %s kernel for HS 64 ==\n", split ? "split (dq blocks)" : "fused (ordered dq)");
+        printf("== %s for HS 64 ==\n", split ? "one launch, dq recomputed" : "two passes, dq from stored dS");
         if (checks) {
             for (const Case &c : cases) check_case(c);
             const Case seqs[] = {{200, 0, 4, 2, 64, 1.0f}, {70, 0, 6, 6, 128, 2.0f},

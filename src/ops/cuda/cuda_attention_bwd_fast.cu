@@ -64,21 +64,12 @@ struct bw_args {
     const float *wsD, *wsL;        /* D, L [B][NH][Npad] (L: the forward's lse, or L_out) */
     float *L_out;                  /* where the statistics kernel writes L */
     float *dq, *dk, *dv;           /* dq (B*N, NH, HS); dk, dv or the GQA partials (B*T rows) */
-    int *dq_sem;                   /* fused dq: [B][NH][nqt] counters, 0 at launch */
+    bf16 *dsT;                     /* dS in bf16 (HS 64, two-pass): [B][NH][Tpad][Npad], keys x
+                                    * queries; only the tiles a dk/dv block visits are written */
     int N, n_past, NH, KVH, Npad, Tpad;
     float scale;
 };
 
-/* The fused dq's ordered additions: a counter read with acquire and written with release
- * semantics at GPU scope. */
-static __device__ __forceinline__ int ld_acquire(const int *p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-static __device__ __forceinline__ void st_release(int *p, int v) {
-    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
 
 template <int HS>
 static constexpr size_t stats_smem() {
@@ -96,11 +87,8 @@ static constexpr size_t dkv_smem() {
            sizeof(float) * 4 * BW_TILE(HS);
 }
 
-/* + the fused dq's dS^T tile (BW_ROWS keys x QT queries, bf16) */
-template <int HS>
-static constexpr size_t dkv_fused_smem() {
-    return dkv_smem<HS>() + sizeof(bf16) * (size_t)BW_ROWS * (BW_TILE(HS) + BW_PAD);
-}
+/* The dq-from-dS blocks (HS 64): q rows... 2 x (dS^T tile of 64 keys x 64 queries, k tile) */
+static constexpr size_t dq_ds_smem() { return sizeof(bf16) * (size_t)(64 + BW_PAD) * 4 * 64; }
 
 /* Kernel 1: L, the log-sum-exp of the scaled scores, for a block per (64-query tile, head)
  * (the longest rows first): online over the key tiles like the forward, f32. Rows past N
@@ -275,15 +263,10 @@ static __device__ __forceinline__ void dq_block(const bw_args &A, int qt, int hl
 /* A dk/dv block: key tile kt for query head hl of sequence b. Keys key0 = k0 + 16 warp + g
  * and key1 = key0 + 8 (padding keys >= T are zeros, masked, and write nothing). Writes dk,
  * dv of kv head hl / G directly when G = 1, else this head's partials (T, NH, HS).
- * FUSED_DQ (HS 64): also dq, without dq blocks. Per query tile the block puts dS^T (the bf16
- * values its dk product takes) in shared memory, takes dq_part = scale * dS k (keys of this
- * tile, in mma order) for the tile's queries, and adds it to dq in a fixed order: the key
- * tiles that see a query tile are 0..k, and tile kt adds only once its counter says kt
- * (tile 0 writes, the others read-add-write through L2, then count on). The blocks walk
- * their query tiles from the last down, so the key tiles of a head reach a query tile at
- * about the same time; a block only waits for blocks of lower x in the same grid row
- * (launched before it), so the waits end. The bits depend only on the inputs. */
-template <int HS, bool KV_REGS, bool FUSED_DQ>
+ * STORE_DS (HS 64, the two-pass backward): also writes dS^T, in bf16 as the dk product
+ * rounds it, to A.dsT for the dq pass (dq_ds_block) instead of the dq blocks recomputing S
+ * and dP. */
+template <int HS, bool KV_REGS, bool STORE_DS>
 static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int hl, int b) {
     constexpr int QT = BW_TILE(HS), LD = HS + BW_PAD; /* KV_REGS: k, v fragments kept in
                                                          registers, else reloaded per tile */
@@ -294,9 +277,6 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
     bf16 *sO = sQ + 2 * QT * LD;                /* 2 x (QT, LD): dout */
     float *sL = reinterpret_cast<float *>(sO + 2 * QT * LD); /* 2 x QT */
     float *sD = sL + 2 * QT;                                 /* 2 x QT */
-    constexpr int LDS = QT + BW_PAD;
-    bf16 *sS = reinterpret_cast<bf16 *>(sD + 2 * QT); /* FUSED_DQ: (BW_ROWS, LDS) dS^T */
-    static_assert(!FUSED_DQ || QT == 16 * (BW_THREADS / 32), "one m16 tile of queries per warp");
     const int G = A.NH / A.KVH, N = A.N, n_past = A.n_past;
     const int h = b * A.NH + hl, kvh = b * A.KVH + hl / G; /* packed heads */
     const int k0 = kt * BW_ROWS, T = n_past + N;
@@ -319,7 +299,7 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
     };
     cp_tile<HS, BW_ROWS, BW_THREADS>(sK, LD, A.kb + ((int64_t)kvh * A.Tpad + k0) * HS);
     cp_tile<HS, BW_ROWS, BW_THREADS>(sV, LD, A.vb + ((int64_t)kvh * A.Tpad + k0) * HS);
-    if (nqt > 0) copy_queries(FUSED_DQ ? qbeg + (nqt - 1) * QT : qbeg, 0);
+    if (nqt > 0) copy_queries(qbeg, 0);
     cp_async_commit();
 
     uint32_t kf[KV_REGS ? HS / 16 : 1][4], vf[KV_REGS ? HS / 16 : 1][4];
@@ -330,10 +310,9 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
         av[dt][0] = av[dt][1] = av[dt][2] = av[dt][3] = 0.0f;
     }
     for (int it = 0; it < nqt; it++) {
-        const int i = FUSED_DQ ? nqt - 1 - it : it; /* fused: the last query tile first */
-        const int q0 = qbeg + i * QT, buf = it & 1;
+        const int q0 = qbeg + it * QT, buf = it & 1;
         if (it + 1 < nqt) {
-            copy_queries(FUSED_DQ ? q0 - QT : q0 + QT, buf ^ 1);
+            copy_queries(q0 + QT, buf ^ 1);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -404,60 +383,14 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
         }
         tile_times_rows<HS, QT>(av, st, cO, LD, lane);  /* dv += P^T dout */
         tile_times_rows<HS, QT>(ak, dpt, cQ, LD, lane); /* dk += dS^T q */
-        if (FUSED_DQ) {
-            /* dS^T rows (the warp's keys), bf16 as the dk product rounded them */
+        if (STORE_DS) { /* dS^T rows (this warp's keys) x the tile's queries, bf16 pairs */
+            bf16 *ds = A.dsT + ((int64_t)h * A.Tpad + k0 + warp * 16 + g) * A.Npad + q0 + 2 * t;
 #pragma unroll
             for (int nt = 0; nt < QT / 8; nt++) {
-                const int qi = nt * 8 + 2 * t;
-                *reinterpret_cast<uint32_t *>(sS + (warp * 16 + g) * LDS + qi) =
-                    pack_bf16(dpt[nt][0], dpt[nt][1]);
-                *reinterpret_cast<uint32_t *>(sS + (warp * 16 + g + 8) * LDS + qi) =
+                *reinterpret_cast<uint32_t *>(ds + nt * 8) = pack_bf16(dpt[nt][0], dpt[nt][1]);
+                *reinterpret_cast<uint32_t *>(ds + 8 * (int64_t)A.Npad + nt * 8) =
                     pack_bf16(dpt[nt][2], dpt[nt][3]);
             }
-            __syncthreads();
-            /* the warp's 16 queries x HS: dS (queries x the block's keys) k */
-            float aq[HS / 8][4];
-#pragma unroll
-            for (int dt = 0; dt < HS / 8; dt++) aq[dt][0] = aq[dt][1] = aq[dt][2] = aq[dt][3] = 0.0f;
-#pragma unroll
-            for (int ks = 0; ks < BW_ROWS / 16; ks++) {
-                uint32_t a[4];
-                ldsm_at(a, sS, LDS, ks * 16, warp * 16, lane);
-#pragma unroll
-                for (int dp = 0; dp < HS / 16; dp++) {
-                    uint32_t bk[4];
-                    ldsm_bt(bk, sK, LD, ks * 16, dp * 16, lane);
-                    mma_bf16_16816(aq[2 * dp], a, bk);
-                    mma_bf16_16816(aq[2 * dp + 1], a, bk + 2);
-                }
-            }
-            /* the ordered addition into dq (rows past N: none) */
-            int *sem = A.dq_sem + ((int64_t)b * A.NH + hl) * (A.Npad / QT) + q0 / QT;
-            if (threadIdx.x == 0)
-                while (ld_acquire(sem) != kt) {
-                }
-            __syncthreads();
-            __threadfence();
-            const int64_t qs = (int64_t)A.NH * HS;
-            float *dqb = A.dq + (int64_t)b * N * qs + (int64_t)hl * HS + 2 * t;
-#pragma unroll
-            for (int half = 0; half < 2; half++) {
-                const int qr = q0 + warp * 16 + g + 8 * half;
-                if (qr >= N) continue;
-                float *p = dqb + (int64_t)qr * qs;
-#pragma unroll
-                for (int dt = 0; dt < HS / 8; dt++) {
-                    float2 v = make_float2(aq[dt][2 * half] * A.scale, aq[dt][2 * half + 1] * A.scale);
-                    if (kt > 0) {
-                        const float2 o = __ldcg(reinterpret_cast<const float2 *>(p + dt * 8));
-                        v = make_float2(o.x + v.x, o.y + v.y);
-                    }
-                    __stcg(reinterpret_cast<float2 *>(p + dt * 8), v);
-                }
-            }
-            __threadfence();
-            __syncthreads();
-            if (threadIdx.x == 0) st_release(sem, kt + 1);
         }
         __syncthreads();
     }
@@ -501,15 +434,93 @@ static __global__ void __launch_bounds__(BW_THREADS) bwd_main_kernel(bw_args A, 
         dq_block<HS>(A, (int)gridDim.x - 1 - x, h, b);
 }
 
-/* Kernel 2, fused (HS 64): only dk/dv blocks, each adding its share of dq in order (x = key
- * tile, the ones that see the most queries first: see dkv_block). */
-static __global__ void __launch_bounds__(BW_THREADS) bwd_fused_kernel(bw_args A) {
+/* The two-pass backward (HS 64). Pass 1: the dk/dv blocks alone (x = key tile, the ones
+ * that see the most queries first), each also writing its dS^T tiles. */
+static __global__ void __launch_bounds__(BW_THREADS) bwd_dkv_ds_kernel(bw_args A) {
     dkv_block<64, true, true>(A, (int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z);
 }
 
-/* Whether the backward takes the fused kernel (HS 64; KILN_ATTN_BWD_SPLIT=1: the split
- * dq / dk-dv kernel, for A/B measurements). */
-static bool fused_dq(int HS) {
+/* Pass 2: a dq block per (64-query tile, head, sequence), the longest first: dq = scale *
+ * sum over the key tiles that see it of dS k, one product per tile (dS^T tiles and k tiles
+ * double-buffered with cp.async; A = dS through ldmatrix.trans of the k-major dS^T). A key
+ * tile the dk/dv block did not visit is wholly masked (zero) and skipped. */
+static __global__ void __launch_bounds__(BW_THREADS) bwd_dq_ds_kernel(bw_args A) {
+    constexpr int HS = 64, KT = 64, LD = HS + BW_PAD, LDS = 64 + BW_PAD;
+    extern __shared__ __align__(16) unsigned char bw_sm[];
+    bf16 *sS = reinterpret_cast<bf16 *>(bw_sm); /* 2 x (KT keys, LDS): dS^T */
+    bf16 *sK = sS + 2 * KT * LDS;               /* 2 x (KT, LD) */
+    const int qt = (int)(gridDim.x - 1 - blockIdx.x), hl = (int)blockIdx.y, b = (int)blockIdx.z;
+    const int h = b * A.NH + hl, kvh = b * A.KVH + hl / (A.NH / A.KVH);
+    const int q0 = qt * BW_ROWS, N = A.N, n_past = A.n_past;
+    const int rows = N - q0 < BW_ROWS ? N - q0 : BW_ROWS;
+    /* key tiles 0..nkt-1 see the tile; tile kt was visited (written) when the first query
+     * that sees its first key lies in a query tile <= qt */
+    int nkt = (n_past + q0 + rows + KT - 1) / KT;
+    while (nkt > 0) {
+        const int k0 = (nkt - 1) * KT, first = k0 - n_past > 0 ? k0 - n_past : 0;
+        if (first / BW_ROWS * BW_ROWS <= q0) break;
+        nkt--;
+    }
+    const bf16 *kh = A.kb + (int64_t)kvh * A.Tpad * HS;
+    const bf16 *dsh = A.dsT + (int64_t)h * A.Tpad * A.Npad + q0;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    auto copy_tile = [&](int kt, int buf) {
+        bf16 *d = sS + buf * KT * LDS;
+        const bf16 *src = dsh + (int64_t)kt * KT * A.Npad;
+#pragma unroll
+        for (int i = 0; i < KT * 8 / BW_THREADS; i++) { /* 64 rows x 8 chunks of 16 bytes */
+            const int idx = (int)threadIdx.x + i * BW_THREADS, r = idx >> 3, c = (idx & 7) * 8;
+            cp_async16(d + r * LDS + c, src + (int64_t)r * A.Npad + c);
+        }
+        cp_tile<HS, KT, BW_THREADS>(sK + buf * KT * LD, LD, kh + (int64_t)kt * KT * HS);
+    };
+    float acc[HS / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < HS / 8; dt++) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
+    if (nkt > 0) copy_tile(0, 0);
+    cp_async_commit();
+    for (int j = 0; j < nkt; j++) {
+        const int buf = j & 1;
+        if (j + 1 < nkt) {
+            copy_tile(j + 1, buf ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const bf16 *cS = sS + buf * KT * LDS, *cK = sK + buf * KT * LD;
+#pragma unroll
+        for (int ks = 0; ks < KT / 16; ks++) {
+            uint32_t a[4];
+            ldsm_at(a, cS, LDS, ks * 16, warp * 16, lane);
+#pragma unroll
+            for (int dp = 0; dp < HS / 16; dp++) {
+                uint32_t bk[4];
+                ldsm_bt(bk, cK, LD, ks * 16, dp * 16, lane);
+                mma_bf16_16816(acc[2 * dp], a, bk);
+                mma_bf16_16816(acc[2 * dp + 1], a, bk + 2);
+            }
+        }
+        __syncthreads();
+    }
+    const int64_t qs = (int64_t)A.NH * HS;
+    float *dq = A.dq + (int64_t)b * N * qs + (int64_t)hl * HS + 2 * t;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int r = q0 + warp * 16 + g + 8 * half;
+        if (r >= N) continue;
+        float *p = dq + (int64_t)r * qs;
+#pragma unroll
+        for (int dt = 0; dt < HS / 8; dt++)
+            *reinterpret_cast<float2 *>(p + dt * 8) =
+                make_float2(acc[dt][2 * half] * A.scale, acc[dt][2 * half + 1] * A.scale);
+    }
+}
+
+/* Whether the backward takes the two passes (HS 64; KILN_ATTN_BWD_SPLIT=1: the one-launch
+ * kernel with dq blocks that recompute S and dP, for A/B measurements). */
+static bool two_pass(int HS) {
     if (HS != 64) return false;
     const char *e = getenv("KILN_ATTN_BWD_SPLIT"); /* read per call: the tests switch it */
     return !(e && strcmp(e, "1") == 0);
@@ -558,14 +569,17 @@ template <int HS>
 static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stats, float *dk,
                               float *dv, float *pk, float *pv) {
     constexpr size_t smem = dq_smem<HS>() > dkv_smem<HS>() ? dq_smem<HS>() : dkv_smem<HS>();
-    const bool fused = fused_dq(HS);
+    const bool fused = two_pass(HS);
     /* dynamic shared memory above 48 KiB (per device, so on every call: a host-side µs) */
     cudaError_t e = cudaFuncSetAttribute(bwd_stats_kernel<HS>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)stats_smem<HS>());
     if (e == cudaSuccess && fused)
-        e = cudaFuncSetAttribute(bwd_fused_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)dkv_fused_smem<64>());
+        e = cudaFuncSetAttribute(bwd_dkv_ds_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)dkv_smem<64>());
+    if (e == cudaSuccess && fused)
+        e = cudaFuncSetAttribute(bwd_dq_ds_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)dq_ds_smem());
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(bwd_main_kernel<HS>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -585,10 +599,11 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
         if (e != cudaSuccess) return e;
     }
     if (fused) {
-        e = cudaMemsetAsync(A.dq_sem, 0, (size_t)B * A.NH * (A.Npad / BW_TILE(64)) * sizeof(int), s);
-        if (e != cudaSuccess) return e;
-        bwd_fused_kernel<<<dim3((unsigned)nkt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
-                           dkv_fused_smem<64>(), s>>>(A);
+        bwd_dkv_ds_kernel<<<dim3((unsigned)nkt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
+                            dkv_smem<64>(), s>>>(A);
+        if ((e = cudaGetLastError()) != cudaSuccess) return e;
+        bwd_dq_ds_kernel<<<dim3((unsigned)nqt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
+                           dq_ds_smem(), s>>>(A);
     } else {
         bwd_main_kernel<HS><<<dim3((unsigned)(nqt + nkt), (unsigned)A.NH, (unsigned)B), BW_THREADS,
                               smem, s>>>(A, nkt);
@@ -606,7 +621,7 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
  * the forward's [B][NH][Npad] log-sum-exp. Arguments checked by the callers. The workspace
  * (B x kiln_attention_backward_fast_ws_floats for one sequence): D, L [B][NH][Npad]; the GQA
  * partials pk, pv (B*T, NH, HS); then the bf16 q, dout [B][NH][Npad][HS], k, v
- * [B][KVH][Tpad][HS]; then the fused dq's counters [B][NH][Npad / 64]. */
+ * [B][KVH][Tpad][HS]; then (HS 64) dS^T in bf16 [B][NH][Tpad][Npad]. */
 static cudaError_t bwd_run(cudaStream_t s, float *dq, float *dk, float *dv, const float *dout,
                            const float *q, const float *k, const float *v, const float *out,
                            const float *lse, float *ws, int B, int N, int n_past, int NH,
@@ -634,9 +649,9 @@ static cudaError_t bwd_run(cudaStream_t s, float *dq, float *dk, float *dv, cons
     }
     bf16 *qb = reinterpret_cast<bf16 *>(after), *ob = qb + nq * HS;
     bf16 *kb = ob + nq * HS, *vb = kb + (size_t)B * KVH * Tpad * HS;
-    /* the fused dq's counters, after v, 16-byte aligned (ops.h counts 4 floats for it) */
+    /* dS^T after v, 16-byte aligned (ops.h counts 4 floats for the alignment) */
     const uintptr_t se = (uintptr_t)(vb + (size_t)B * KVH * Tpad * HS);
-    A.dq_sem = reinterpret_cast<int *>((se + 15) & ~(uintptr_t)15);
+    A.dsT = reinterpret_cast<bf16 *>((se + 15) & ~(uintptr_t)15);
     A.qb = qb;
     A.ob = ob;
     A.kb = kb;
