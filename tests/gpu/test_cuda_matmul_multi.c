@@ -296,6 +296,7 @@ int main(void) {
     bf16_producers(fast, 37, 4864);
     bf16_producers(fast, 5, 72);
     bf16_producers(fast, 3, 2100); /* the chunked rmsnorm kernel (more than 16 x 128 columns) */
+    bf16_producers(fast, 3, 2101); /* n % 4 = 3: the element-wise kernels' scalar tail */
     kiln_backend_free(fast);
     kiln_backend_free(aud);
     printf("matmul_multi / matmul_backward_multi: %d cases against separate calls\n", g_cases);

@@ -695,20 +695,43 @@ cudaError_t kiln_cuda_attention_backward(cudaStream_t s, float *dq, float *dk, f
 /* e = kiln_expf(-g); den = 1 + e; s = 1 / den; silu = g / den (the forward's silu);
  * dup = dout * silu; dgate = (dout * u) * (s * (1 + g * (1 - s))). All three inputs are read
  * before either output is written, so the outputs may alias inputs at the same index. */
+static __device__ __forceinline__ void swiglu_bwd_elem(float g, float uv, float dov,
+                                                       float *r_gate, float *r_up) {
+    const float e = kiln_expf(-g);
+    const float den = 1.0f + e;
+    const float sg = 1.0f / den;
+    const float silu = g / den;
+    *r_up = dov * silu;
+    *r_gate = (dov * uv) * (sg * (1.0f + g * (1.0f - sg)));
+}
+
 template <typename O>
 static __global__ void swiglu_bwd_kernel(O *dgate, O *dup, const float *dout, const float *gate,
                                          const float *up, size_t n) {
     for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
          u += (size_t)gridDim.x * blockDim.x) {
-        const float g = gate[u], uv = up[u], dov = dout[u];
-        const float e = kiln_expf(-g);
-        const float den = 1.0f + e;
-        const float sg = 1.0f / den;
-        const float silu = g / den;
-        const float r_up = dov * silu;
-        const float r_gate = (dov * uv) * (sg * (1.0f + g * (1.0f - sg)));
+        float r_gate, r_up;
+        swiglu_bwd_elem(gate[u], up[u], dout[u], &r_gate, &r_up);
         store_out(dup + u, r_up);
         store_out(dgate + u, r_gate);
+    }
+}
+
+/* bf16 outputs 4 elements a thread (float4 loads, 8-byte stores), each element as above. */
+static __global__ void swiglu_bwd_bf16x4_kernel(uint2 *dgate, uint2 *dup, const float4 *dout,
+                                                const float4 *gate, const float4 *up, size_t n4) {
+    for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n4;
+         u += (size_t)gridDim.x * blockDim.x) {
+        const float4 g = gate[u], v = up[u], d = dout[u];
+        float a0, a1, a2, a3, b0, b1, b2, b3; /* dgate, dup */
+        swiglu_bwd_elem(g.x, v.x, d.x, &a0, &b0);
+        swiglu_bwd_elem(g.y, v.y, d.y, &a1, &b1);
+        swiglu_bwd_elem(g.z, v.z, d.z, &a2, &b2);
+        swiglu_bwd_elem(g.w, v.w, d.w, &a3, &b3);
+        dgate[u] = make_uint2((uint32_t)kiln_bf16_rne(a0) | ((uint32_t)kiln_bf16_rne(a1) << 16),
+                              (uint32_t)kiln_bf16_rne(a2) | ((uint32_t)kiln_bf16_rne(a3) << 16));
+        dup[u] = make_uint2((uint32_t)kiln_bf16_rne(b0) | ((uint32_t)kiln_bf16_rne(b1) << 16),
+                            (uint32_t)kiln_bf16_rne(b2) | ((uint32_t)kiln_bf16_rne(b3) << 16));
     }
 }
 
@@ -725,8 +748,19 @@ cudaError_t kiln_cuda_swiglu_backward_bf16(cudaStream_t s, uint16_t *dgate, uint
                                            const float *dout, const float *gate, const float *up,
                                            size_t n) {
     if (n == 0) return cudaSuccess;
-    swiglu_bwd_kernel<uint16_t><<<grid_for((int64_t)n, 256), 256, 0, s>>>(dgate, dup, dout, gate,
-                                                                           up, n);
+    size_t done = 0;
+    if ((((uintptr_t)dout | (uintptr_t)gate | (uintptr_t)up) & 15) == 0 &&
+        (((uintptr_t)dgate | (uintptr_t)dup) & 7) == 0 && n >= 4) {
+        const size_t n4 = n / 4;
+        swiglu_bwd_bf16x4_kernel<<<grid_for((int64_t)n4, 256), 256, 0, s>>>(
+            reinterpret_cast<uint2 *>(dgate), reinterpret_cast<uint2 *>(dup),
+            reinterpret_cast<const float4 *>(dout), reinterpret_cast<const float4 *>(gate),
+            reinterpret_cast<const float4 *>(up), n4);
+        done = 4 * n4;
+    }
+    if (done < n)
+        swiglu_bwd_kernel<uint16_t><<<grid_for((int64_t)(n - done), 256), 256, 0, s>>>(
+            dgate + done, dup + done, dout + done, gate + done, up + done, n - done);
     return cudaGetLastError();
 }
 

@@ -487,10 +487,36 @@ cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, cons
     return cudaGetLastError();
 }
 
+/* The bf16 output 4 elements a thread (float4 loads, one 8-byte store; each element as
+ * swiglu_kernel computes it, so the same bits): n4 groups of 4. */
+static __global__ void swiglu_bf16x4_kernel(uint2 *out, const float4 *gate, const float4 *up,
+                                            size_t n4) {
+    for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n4;
+         u += (size_t)gridDim.x * blockDim.x) {
+        const float4 g = gate[u], v = up[u];
+        uint2 o;
+        o.x = (uint32_t)kiln_bf16_rne(kiln_swiglu(g.x, v.x)) |
+              ((uint32_t)kiln_bf16_rne(kiln_swiglu(g.y, v.y)) << 16);
+        o.y = (uint32_t)kiln_bf16_rne(kiln_swiglu(g.z, v.z)) |
+              ((uint32_t)kiln_bf16_rne(kiln_swiglu(g.w, v.w)) << 16);
+        out[u] = o;
+    }
+}
+
 cudaError_t kiln_cuda_swiglu_bf16(cudaStream_t s, uint16_t *out, const float *gate,
                                   const float *up, size_t n) {
     if (n == 0) return cudaSuccess;
-    swiglu_kernel<uint16_t><<<grid_for((int64_t)n, 256), 256, 0, s>>>(out, gate, up, n);
+    size_t done = 0;
+    if ((((uintptr_t)gate | (uintptr_t)up) & 15) == 0 && ((uintptr_t)out & 7) == 0 && n >= 4) {
+        const size_t n4 = n / 4;
+        swiglu_bf16x4_kernel<<<grid_for((int64_t)n4, 256), 256, 0, s>>>(
+            reinterpret_cast<uint2 *>(out), reinterpret_cast<const float4 *>(gate),
+            reinterpret_cast<const float4 *>(up), n4);
+        done = 4 * n4;
+    }
+    if (done < n)
+        swiglu_kernel<uint16_t><<<grid_for((int64_t)(n - done), 256), 256, 0, s>>>(
+            out + done, gate + done, up + done, n - done);
     return cudaGetLastError();
 }
 
