@@ -460,7 +460,8 @@ def bench_kiln(args, model, batches, fast, steps, storage="f32", moments="f32", 
                               f" sequence(s) ({t_seq:.3f} s) + clip/AdamW ({t_opt:.3f} s)")
             desc, mem = tr.describe()
             out["describe"], out["mem"] = desc, mem
-            if fast and "(fast)" not in desc:  # a libkiln.so older than the binding ignores p.fast
+            # "(fast)" or "(fast, step graphs...)"; a libkiln.so older than the binding ignores p.fast
+            if fast and "(fast" not in desc:
                 out["how"] = "WARNING: describe() does not say (fast): stale libkiln.so? " + out["how"]
         finally:
             tr.close()

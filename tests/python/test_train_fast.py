@@ -50,7 +50,8 @@ def test_fast_on_gpu_refused_or_deterministic(tiny):
         return
     b = kiln.Trainer(m, max_seq=32, device=0, fast=True)
     ref = kiln.Trainer(m, max_seq=32, device=0)
-    assert "(fast)" in a.describe()[0] and "(fast)" not in ref.describe()[0]
+    # "(fast)", or "(fast, step graphs ...)" where the GPU records a step's launches
+    assert "(fast" in a.describe()[0] and "(fast" not in ref.describe()[0]
     for _ in range(3):
         la, lb, lr = a.step(ids), b.step(ids), ref.step(ids)
         assert np.float32(la).tobytes() == np.float32(lb).tobytes()
