@@ -48,13 +48,7 @@ static __device__ __forceinline__ void tile_times_rows(float acc[HS / 8][4],
                                pack_bf16(p[2 * j][2], p[2 * j][3]),
                                pack_bf16(p[2 * j + 1][0], p[2 * j + 1][1]),
                                pack_bf16(p[2 * j + 1][2], p[2 * j + 1][3])};
-#pragma unroll
-        for (int dp = 0; dp < HS / 16; dp++) {
-            uint32_t b[4];
-            ldsm_bt(b, sB, LD, j * 16, dp * 16, lane);
-            mma_bf16_16816(acc[2 * dp], a, b);
-            mma_bf16_16816(acc[2 * dp + 1], a, b + 2);
-        }
+        frag_times_rows<HS>(acc, a, sB, LD, j * 16, lane);
     }
 }
 
@@ -494,13 +488,7 @@ static __global__ void __launch_bounds__(BW_THREADS) bwd_dq_ds_kernel(bw_args A)
         for (int ks = 0; ks < KT / 16; ks++) {
             uint32_t a[4];
             ldsm_at(a, cS, LDS, ks * 16, warp * 16, lane);
-#pragma unroll
-            for (int dp = 0; dp < HS / 16; dp++) {
-                uint32_t bk[4];
-                ldsm_bt(bk, cK, LD, ks * 16, dp * 16, lane);
-                mma_bf16_16816(acc[2 * dp], a, bk);
-                mma_bf16_16816(acc[2 * dp + 1], a, bk + 2);
-            }
+            frag_times_rows<HS>(acc, a, cK, LD, ks * 16, lane);
         }
         __syncthreads();
     }

@@ -869,13 +869,7 @@ flash_bf16_kernel(float *__restrict__ out, float *__restrict__ lse,
         for (int jj = 0; jj < FL_BN / 16; jj++) {
             const uint32_t a[4] = {pp[2 * jj][0], pp[2 * jj][1], pp[2 * jj + 1][0],
                                    pp[2 * jj + 1][1]};
-#pragma unroll
-            for (int dp = 0; dp < HS / 16; dp++) {
-                uint32_t b[4];
-                ldsm_bt(b, cV, LD, jj * 16, dp * 16, lane);
-                mma_bf16_16816(o[2 * dp], a, b);
-                mma_bf16_16816(o[2 * dp + 1], a, b + 2);
-            }
+            frag_times_rows<HS>(o, a, cV, LD, jj * 16, lane);
         }
         __syncthreads(); /* every warp is done with this buffer before it is refilled */
     }

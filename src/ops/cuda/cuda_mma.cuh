@@ -144,6 +144,21 @@ static __device__ __forceinline__ void cp_tile(__nv_bfloat16 *dst, int LD,
     }
 }
 
+/* acc(16 x HS) += A x B, A one 16 x 16 fragment a, B rows k0..k0+15 of the shared tile sB
+ * (row-major, rows k, HS along a row): O += P V, dq += dS k and their kin. */
+template <int HS>
+static __device__ __forceinline__ void frag_times_rows(float acc[HS / 8][4], const uint32_t a[4],
+                                                       const __nv_bfloat16 *sB, int LD, int k0,
+                                                       int lane) {
+#pragma unroll
+    for (int dp = 0; dp < HS / 16; dp++) {
+        uint32_t b[4];
+        ldsm_bt(b, sB, LD, k0, dp * 16, lane);
+        mma_bf16_16816(acc[2 * dp], a, b);
+        mma_bf16_16816(acc[2 * dp + 1], a, b + 2);
+    }
+}
+
 /* c[nt] = A(16 x HS, fragments f) x B^T over the NT rows of the shared tile sB (row-major,
  * rows n, HS along a row): S = q k^T and its kin (the flash forward and the backward). */
 template <int HS, int NT>
