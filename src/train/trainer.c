@@ -408,13 +408,14 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     int k = 0;
     for (int l = 0; l < L; l++) {
         layer_acts *a = &t->acts[l];
-        float **ps[PER_LAYER] = {&a->x,     &a->xb1,  &a->qr,   &a->kr, &a->q,
-                                 &a->k,     &a->v,    &a->att,  &a->x_mid, &a->xb2,
-                                 &a->gate,  &a->up,   &a->hb,   &a->lse,
-                                 (float **)&a->xb1_16, (float **)&a->xb2_16, (float **)&a->hb16};
-        size_t ss[PER_LAYER] = {T * C, f32_in * T * C, qk ? T * QD : 0, qk ? T * KD : 0, T * QD, T * KD, T * KD,
-                                T * QD, T * C, f32_in * T * C, T * FF, T * FF, f32_in * T * FF, lse,
-                                b16_in * T * C / 2, b16_in * T * C / 2, b16_in * T * FF / 2};
+        /* the bf16 ones in floats: C and FF are multiples of 8 when they are used */
+        float **ps[PER_LAYER] = {&a->x, &a->xb1, &a->qr, &a->kr, &a->q, &a->k, &a->v, &a->att, &a->x_mid, &a->xb2,
+                                 &a->gate, &a->up, &a->hb, &a->lse, (float **)&a->xb1_16, (float **)&a->xb2_16,
+                                 (float **)&a->hb16};
+        size_t ss[PER_LAYER] = {T * C,  f32_in * T * C,  qk ? T * QD : 0,   qk ? T * KD : 0,   T * QD,  T * KD,
+                                T * KD, T * QD,          T * C,             f32_in * T * C,    T * FF,  T * FF,
+                                f32_in * T * FF,         lse,               b16_in * T * C / 2, b16_in * T * C / 2,
+                                b16_in * T * FF / 2};
         for (int i = 0; i < PER_LAYER; i++) {
             slots[k] = ps[i];
             sizes[k++] = ss[i];
