@@ -81,7 +81,7 @@ static constexpr size_t dkv_smem() {
            sizeof(float) * 4 * BW_TILE(HS);
 }
 
-/* The dq-from-dS blocks (HS 64): q rows... 2 x (dS^T tile of 64 keys x 64 queries, k tile) */
+/* The dq-from-dS blocks (HS 64): 2 x (a dS^T tile of 64 keys x 64 queries, a k tile of 64 keys) */
 static constexpr size_t dq_ds_smem() { return sizeof(bf16) * (size_t)(64 + BW_PAD) * 4 * 64; }
 
 /* Kernel 1: L, the log-sum-exp of the scaled scores, for a block per (64-query tile, head)
@@ -557,15 +557,15 @@ template <int HS>
 static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stats, float *dk,
                               float *dv, float *pk, float *pv) {
     constexpr size_t smem = dq_smem<HS>() > dkv_smem<HS>() ? dq_smem<HS>() : dkv_smem<HS>();
-    const bool fused = two_pass(HS);
+    const bool two = two_pass(HS); /* HS 64: dk/dv with dS stored, then dq from it */
     /* dynamic shared memory above 48 KiB (per device, so on every call: a host-side µs) */
     cudaError_t e = cudaFuncSetAttribute(bwd_stats_kernel<HS>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)stats_smem<HS>());
-    if (e == cudaSuccess && fused)
+    if (e == cudaSuccess && two)
         e = cudaFuncSetAttribute(bwd_dkv_ds_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)dkv_smem<64>());
-    if (e == cudaSuccess && fused)
+    if (e == cudaSuccess && two)
         e = cudaFuncSetAttribute(bwd_dq_ds_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)dq_ds_smem());
     if (e == cudaSuccess)
@@ -586,7 +586,7 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
         e = cudaGetLastError();
         if (e != cudaSuccess) return e;
     }
-    if (fused) {
+    if (two) {
         bwd_dkv_ds_kernel<<<dim3((unsigned)nkt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
                             dkv_smem<64>(), s>>>(A);
         if ((e = cudaGetLastError()) != cudaSuccess) return e;
