@@ -524,8 +524,9 @@ static kiln_status cu_graph_launch(kiln_backend *be, void *graph) {
     if (!op_begin(c)) return kiln_error(c->err, "%s", c->msg);
     const cu_graph *r = (const cu_graph *)graph;
     if (r->gen != graph_generation(c)) /* not an error of the backend: record it again */
-        return kiln_error(KILN_ERR_STATE, "cuda backend: the graph is stale (a workspace it uses "
-                                          "was reallocated since it was recorded): record it again");
+        return kiln_error(KILN_ERR_STATE,
+                          "cuda backend: the graph is stale (a workspace it uses was "
+                          "reallocated since it was recorded): record it again");
     if (!CK(c, cudaGraphLaunch(r->exec, c->stream))) return c->err;
     return KILN_OK;
 }

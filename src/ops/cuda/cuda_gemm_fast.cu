@@ -96,7 +96,8 @@ static __global__ void weights_to_bf16_kernel(uint16_t *__restrict__ dst, int64_
                 for (int j = 0; j < W_VEC; j++) dp[j] = v[j];
             }
         } else { /* the tail of a plain-type row */
-            for (int j = 0; j < W_VEC && c0 + j < C; j++) dp[j] = kiln_bf16_rne(deq<DT>(row, c0 + j));
+            for (int j = 0; j < W_VEC && c0 + j < C; j++)
+                dp[j] = kiln_bf16_rne(deq<DT>(row, c0 + j));
         }
     }
 }
