@@ -172,6 +172,19 @@ struct Outs {
     std::vector<float> dh, dw, rl, rs;
 };
 
+/* Download the side's outputs (dh (N,H), dW (V,H), row_loss (N), row_stats (N,3)) into o. */
+static bool download_outs(Side &s, int64_t N, int64_t H, int64_t V, Outs &o) {
+    o.dh.resize((size_t)N * H);
+    o.dw.resize((size_t)V * H);
+    o.rl.resize((size_t)N);
+    o.rs.resize((size_t)N * 3);
+    OK_OR_FAIL(kiln_backend_download(s.be, o.dh.data(), s.dh, o.dh.size() * 4));
+    OK_OR_FAIL(kiln_backend_download(s.be, o.dw.data(), s.dw, o.dw.size() * 4));
+    OK_OR_FAIL(kiln_backend_download(s.be, o.rl.data(), s.rl, o.rl.size() * 4));
+    OK_OR_FAIL(kiln_backend_download(s.be, o.rs.data(), s.rs, o.rs.size() * 4));
+    return true;
+}
+
 /* Reset the outputs (dh: dh0, or NaN when overwritten; dW: dw0; row_loss and, unless
  * keep_stats, row_stats NaN), run the call, download everything. */
 static bool run_side(Side &s, const kiln_fused_ce_params &base, const CeCase &c,
@@ -199,15 +212,7 @@ static bool run_side(Side &s, const kiln_fused_ce_params &base, const CeCase &c,
         FAIL("%s: kiln_fused_ce: %s: %s", tag, kiln_status_string(st), kiln_last_error());
         return false;
     }
-    o.dh.resize((size_t)N * H);
-    o.dw.resize((size_t)V * H);
-    o.rl.resize((size_t)N);
-    o.rs.resize((size_t)N * 3);
-    OK_OR_FAIL(kiln_backend_download(s.be, o.dh.data(), s.dh, o.dh.size() * 4));
-    OK_OR_FAIL(kiln_backend_download(s.be, o.dw.data(), s.dw, o.dw.size() * 4));
-    OK_OR_FAIL(kiln_backend_download(s.be, o.rl.data(), s.rl, o.rl.size() * 4));
-    OK_OR_FAIL(kiln_backend_download(s.be, o.rs.data(), s.rs, o.rs.size() * 4));
-    return true;
+    return download_outs(s, N, H, V, o);
 }
 
 /* Same bytes; names the first differing element. */
@@ -434,15 +439,7 @@ static bool run_bits(Side &s, const kiln_fused_ce_params &base, const BitCase &c
         *ms = t[t.size() / 2];
     }
     if (reps > 0) return true; /* timed: the outputs moved on, nothing to compare */
-    o.dh.resize((size_t)N * H);
-    o.dw.resize((size_t)V * H);
-    o.rl.resize((size_t)N);
-    o.rs.resize((size_t)N * 3);
-    OK_OR_FAIL(kiln_backend_download(s.be, o.dh.data(), s.dh, o.dh.size() * 4));
-    OK_OR_FAIL(kiln_backend_download(s.be, o.dw.data(), s.dw, o.dw.size() * 4));
-    OK_OR_FAIL(kiln_backend_download(s.be, o.rl.data(), s.rl, o.rl.size() * 4));
-    OK_OR_FAIL(kiln_backend_download(s.be, o.rs.data(), s.rs, o.rs.size() * 4));
-    return true;
+    return download_outs(s, N, H, V, o);
 }
 
 /* The case's call through the bf16 path (twice) and through the composition: the same bits.

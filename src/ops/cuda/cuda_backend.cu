@@ -265,6 +265,28 @@ static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_t
 
 /* ops.h's matmul_multi: fast mode with N > 8 rounds x to bf16 once for all n products
  * (kiln_cuda_gemm_linear_multi: the bits of n separate calls); otherwise n cu_matmul calls. */
+/* The checks the multi-product entries share (op names the entry in messages). n outside
+ * 1..max: poisoned, -1. Otherwise 1 when one fast call takes all n products (fast_ok, every
+ * W of one width *C and a dtype dtype_ok accepts), else 0 (separate calls) -- or, with x16
+ * (the input only in bf16, which separate calls cannot take), poisoned, -1. */
+static int multi_plan(cuda_ctx *c, const char *op, int n, int max, const kiln_tensor *const *W,
+                      bool fast_ok, bool (*dtype_ok)(kiln_dtype), bool x16, int64_t *C) {
+    if (n < 1 || n > max) {
+        poison(c, KILN_ERR_INVALID_ARG, "%s: %d products (1..%d)", op, n, KILN_MATMUL_MULTI_MAX);
+        return -1;
+    }
+    bool one_call = c->fast && fast_ok;
+    *C = W[0]->shape[W[0]->n_dims - 1];
+    for (int i = 0; i < n; i++)
+        one_call = one_call && dtype_ok(W[i]->dtype) && W[i]->shape[W[i]->n_dims - 1] == *C;
+    if (!one_call && x16) {
+        poison(c, KILN_ERR_UNSUPPORTED, "%s_bf16x: '%s': needs fast mode and weights of one "
+               "width and a supported dtype", op, W[0]->name ? W[0]->name : "?");
+        return -1;
+    }
+    return one_call ? 1 : 0;
+}
+
 /* ops.h's matmul_multi (x f32) and matmul_multi_bf16x (x16 bf16, x NULL: fast mode only, always
  * one GEMM call). */
 static void matmul_multi(kiln_backend *be, int n, float *const *out, const float *x,
@@ -272,22 +294,13 @@ static void matmul_multi(kiln_backend *be, int n, float *const *out, const float
                          const float *const *bias, int N) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
-    if (n < 1 || n > KILN_MATMUL_MULTI_MAX || n > KILN_GEMM_MULTI_MAX) {
-        poison(c, KILN_ERR_INVALID_ARG, "matmul_multi: %d products (1..%d)", n,
-               KILN_MATMUL_MULTI_MAX);
-        return;
-    }
-    bool one_call = c->fast && (N > 8 || x16);
-    int64_t C = W[0]->shape[W[0]->n_dims - 1];
-    for (int i = 0; i < n; i++)
-        one_call = one_call && kiln_cuda_dtype_supported(W[i]->dtype) &&
-                   W[i]->shape[W[i]->n_dims - 1] == C;
-    if (!one_call && x16) {
-        poison(c, KILN_ERR_UNSUPPORTED, "matmul_multi_bf16x: '%s': needs fast mode and weights "
-               "of one width and a supported dtype", W[0]->name ? W[0]->name : "?");
-        return;
-    }
-    if (!one_call) {
+    const int max = KILN_MATMUL_MULTI_MAX < KILN_GEMM_MULTI_MAX ? KILN_MATMUL_MULTI_MAX
+                                                                : KILN_GEMM_MULTI_MAX;
+    int64_t C = 0;
+    const int plan = multi_plan(c, "matmul_multi", n, max, W, N > 8 || x16,
+                                kiln_cuda_dtype_supported, x16 != NULL, &C);
+    if (plan < 0) return;
+    if (plan == 0) {
         for (int i = 0; i < n; i++) cu_matmul(be, out[i], x, W[i], bias ? bias[i] : NULL, N);
         return;
     }
@@ -582,22 +595,13 @@ static void matmul_backward_multi(kiln_backend *be, int n, float *dx, float *con
                                   bool accumulate_dx) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
-    if (n < 1 || n > KILN_MATMUL_MULTI_MAX || n > KILN_CUDA_MB_MAX) {
-        poison(c, KILN_ERR_INVALID_ARG, "matmul_backward_multi: %d products (1..%d)", n,
-               KILN_MATMUL_MULTI_MAX);
-        return;
-    }
-    bool one_call = c->fast;
-    int64_t C = W[0]->shape[W[0]->n_dims - 1];
-    for (int i = 0; i < n; i++)
-        one_call = one_call && kiln_cuda_backward_dtype_supported(W[i]->dtype) &&
-                   W[i]->shape[W[i]->n_dims - 1] == C;
-    if (!one_call && x16) {
-        poison(c, KILN_ERR_UNSUPPORTED, "matmul_backward_multi_bf16x: '%s': needs fast mode and "
-               "weights of one width and a supported dtype", W[0]->name ? W[0]->name : "?");
-        return;
-    }
-    if (!one_call) {
+    const int max = KILN_MATMUL_MULTI_MAX < KILN_CUDA_MB_MAX ? KILN_MATMUL_MULTI_MAX
+                                                             : KILN_CUDA_MB_MAX;
+    int64_t C = 0;
+    const int plan = multi_plan(c, "matmul_backward_multi", n, max, W, true,
+                                kiln_cuda_backward_dtype_supported, x16 != NULL, &C);
+    if (plan < 0) return;
+    if (plan == 0) {
         for (int i = 0; i < n; i++)
             cu_matmul_backward(be, dx, dW ? dW[i] : NULL, dbias ? dbias[i] : NULL, dy[i], x, W[i],
                                N, i > 0 || accumulate_dx);
