@@ -4,11 +4,13 @@ forward + loss + backward, then clip + AdamW, under torch.profiler (CUPTI record
 kernel of the process, kiln's included), with wall-clock phase times.
 
   python3 bench/profile_train_gpu.py --bin build-gpu [--models 135m,0.5b] [--seq 2048]
-      [--batch 2] [--micro 1] [--top 25] [--auditable]
+      [--batch 2] [--micro 1] [--top 25] [--auditable] [--torch]
 
 Models, data and the trainer settings are bench_train_gpu.py's. Prints, per model: the phase
 times (each ends with a device sync), then the top kernels by total GPU time with their share
-of all kernel time, calls and mean microseconds.
+of all kernel time, calls and mean microseconds. --torch also profiles PyTorch eager (the
+benchmark's f32 parameters + bf16 autocast + fused AdamW, micro-batches of --micro) on the
+same model and batch: its step time and top kernels, for a kernel-by-kernel comparison.
 """
 import argparse
 import os
@@ -71,6 +73,35 @@ def profile_model(args, name, root):
     for n, ts in agg.items():
         print(f"  {n:14s} n={len(ts)}  each {1e3 * sum(ts) / len(ts):9.2f}  total {1e3 * sum(ts):9.2f}")
     print(f"  step {1e3 * tot:.1f} ms = {B * T / tot:.0f} tok/s")
+    print_kernels(args, prof)
+    del tr, km
+    torch.cuda.empty_cache()
+    if args.torch:
+        profile_torch(args, path, batch, M)
+
+
+def profile_torch(args, path, batch, M):
+    model = btg.load_torch(path, "cuda")
+    opt, _ = btg.make_adamw(model)
+    x = torch.tensor(batch, dtype=torch.long, device="cuda")
+    for _ in range(2):
+        btg.torch_step(model, model, opt, x, "cuda", True, M)
+    torch.cuda.synchronize()
+    from torch.profiler import profile, ProfilerActivity
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        btg.torch_step(model, model, opt, x, "cuda", True, M)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    B, T = batch.shape
+    print(f"\n== PyTorch eager (autocast bf16, fused AdamW, micro {M}): step {1e3 * dt:.1f} ms = "
+          f"{B * T / dt:.0f} tok/s (under the profiler) ==")
+    print_kernels(args, prof)
+    del model, opt
+    torch.cuda.empty_cache()
+
+
+def print_kernels(args, prof):
     ev = prof.key_averages()
     rows = []
     for e in ev:
@@ -109,8 +140,6 @@ def profile_model(args, name, root):
           f" gaps; largest totals after:")
     for k, (t, c) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:6]:
         print(f"    {t / 1e3:8.2f} ms  {c:6d} gaps  after {k}")
-    del tr, km
-    torch.cuda.empty_cache()
 
 
 def main():
@@ -123,6 +152,8 @@ def main():
     ap.add_argument("--auditable", action="store_true")
     ap.add_argument("--micro", type=int, default=1,
                     help="sequences per forward (forward_batch); must divide --batch")
+    ap.add_argument("--torch", action="store_true",
+                    help="also profile PyTorch eager on the same model and batch")
     args = ap.parse_args()
     args.device = "cuda"
     args.kiln_device = 0

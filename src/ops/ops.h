@@ -191,20 +191,24 @@ typedef struct kiln_backend_i {
      * attention_seqs: out = the bits of B attention() calls, one per sequence. lse: NULL, or
      * kiln_attention_lse_floats(B, N, NH) floats in which the backend may save each query
      * row's softmax statistic for attention_backward_seqs (its own layout; a backend or a
-     * shape that saves none leaves lse untouched).
+     * shape that saves none leaves lse untouched). out16 (fast modes; out NULL then): the
+     * output in bf16 instead, each value the kiln_fp32_to_bf16 of what out would hold (16-byte
+     * aligned); a backend or shape that cannot fails the call (KILN_ERR_UNSUPPORTED).
      * attention_backward_seqs: dq, dk, dv (overwritten) of the B sequences, given lse as
      * attention_seqs left it for the same q, k, v, out (or NULL: the statistics are
-     * recomputed). In auditable arithmetic the bits of B attention_backward() calls; in a
-     * fast mode the backend's own deterministic result (the same bits with or without lse
-     * is not promised). ws: kiln_attention_backward_seqs_ws_floats(B, N, NH, KVH, HS). */
-    void (*attention_seqs)(kiln_backend *be, float *out, float *lse, const float *q,
-                           const float *k, const float *v, int B, int N, int NH, int KVH,
-                           int HS, float scale);
+     * recomputed), and the forward's output as out (f32) or out16 (bf16, then out NULL: what
+     * the backward takes of it is its widened values). In auditable arithmetic the bits of B
+     * attention_backward() calls; in a fast mode the backend's own deterministic result (the
+     * same bits with or without lse is not promised). ws:
+     * kiln_attention_backward_seqs_ws_floats(B, N, NH, KVH, HS). */
+    void (*attention_seqs)(kiln_backend *be, float *out, uint16_t *out16, float *lse,
+                           const float *q, const float *k, const float *v, int B, int N, int NH,
+                           int KVH, int HS, float scale);
     void (*attention_backward_seqs)(kiln_backend *be, float *dq, float *dk, float *dv,
                                     const float *dout, const float *q, const float *k,
-                                    const float *v, const float *out, const float *lse,
-                                    float *ws, int B, int N, int NH, int KVH, int HS,
-                                    float scale);
+                                    const float *v, const float *out, const uint16_t *out16,
+                                    const float *lse, float *ws, int B, int N, int NH, int KVH,
+                                    int HS, float scale);
 
     /* ---- several products of one input (optional: NULL, and the caller makes one call
      * each). n in 1..KILN_MATMUL_MULTI_MAX; weights as for matmul / matmul_backward.
@@ -229,32 +233,45 @@ typedef struct kiln_backend_i {
      * the caller keeps those activations in f32). A fast mode rounds every matrix product's
      * input x to bf16 anyway; where the producer writes x in bf16 once, the rounding is not
      * redone by every product that reads it (forward and backward) and the saved activation
-     * takes half the memory. x16 / out16: bf16 bit patterns, rows of C values back to back,
-     * 16-byte aligned.
+     * takes half the memory. Some products may also write their result in bf16, as PyTorch's
+     * bf16 autocast does (that changes what later ops read: a mixed-precision mode of its
+     * own). x16 / out16 / gate16 ...: bf16 bit patterns, rows back to back, 16-byte aligned.
      * rmsnorm_bf16: out16 = kiln_fp32_to_bf16 of what rmsnorm writes for these arguments.
-     * swiglu_bf16: out16[i] = kiln_fp32_to_bf16 of swiglu's out[i].
-     * swiglu_backward_bf16: dgate16, dup16 = kiln_fp32_to_bf16 of what swiglu_backward writes
-     * (no aliasing).
+     * swiglu_bf16: out16[i] = kiln_fp32_to_bf16 of swiglu's out[i] on the widened gate16[i],
+     * up16[i].
+     * swiglu_backward_bf16: dgate16, dup16 = kiln_fp32_to_bf16 of what swiglu_backward
+     * writes on dout and the widened gate16, up16 (no aliasing).
+     * rmsnorm_backward_bf16: rmsnorm_backward, and dx16 = kiln_fp32_to_bf16 of the dx it
+     * leaves (after accumulate_dx: the products of the next layer down read it).
      * matmul_multi_bf16x / matmul_backward_multi_bf16x: matmul_multi / matmul_backward_multi
      * with x given as x16, its bf16 rounding; in the backward, dy16 NULL or dy16[i] NULL takes
      * dy[i] (f32), else dy16[i] is dy[i]'s bf16 rounding (R_i values a row) and dy[i] may be
      * NULL unless dbias[i] is wanted. With C and every R_i given in bf16 a multiple of 8 and
      * N > 8, the bits of the f32 entries on any x (dy) that rounds to x16 (dy16); otherwise
      * the same arithmetic (products of the same bf16 values summed in f32) whose bits may
-     * differ. ---- */
+     * differ. In the forward, per product i: out16 (NULL, or out16[i] NULL: out[i] f32)
+     * receives the result in bf16 (the rounding of the f32 result; no bias[i], no add[i]);
+     * add (NULL, or add[i] NULL: none) is an f32 (N, R_i) matrix added to out[i] in the
+     * product's own epilogue: out[i] = add[i] + x W[i]^T (+ bias[i]) in f32, add[i] may be
+     * out[i] (the residual of a block; bits not promised equal to a separate add). ---- */
     void (*rmsnorm_bf16)(kiln_backend *be, uint16_t *out16, const float *x, const float *w,
                          int N, int C, float eps);
-    void (*swiglu_bf16)(kiln_backend *be, uint16_t *out16, const float *gate, const float *up,
-                        size_t n);
-    void (*matmul_multi_bf16x)(kiln_backend *be, int n, float *const *out, const uint16_t *x16,
-                               const kiln_tensor *const *W, const float *const *bias, int N);
+    void (*swiglu_bf16)(kiln_backend *be, uint16_t *out16, const uint16_t *gate16,
+                        const uint16_t *up16, size_t n);
+    void (*matmul_multi_bf16x)(kiln_backend *be, int n, float *const *out,
+                               uint16_t *const *out16, const float *const *add,
+                               const uint16_t *x16, const kiln_tensor *const *W,
+                               const float *const *bias, int N);
     void (*matmul_backward_multi_bf16x)(kiln_backend *be, int n, float *dx, float *const *dW,
                                         float *const *dbias, const float *const *dy,
                                         const uint16_t *const *dy16, const uint16_t *x16,
                                         const kiln_tensor *const *W, int N, bool accumulate_dx);
     void (*swiglu_backward_bf16)(kiln_backend *be, uint16_t *dgate16, uint16_t *dup16,
-                                 const float *dout, const float *gate, const float *up,
-                                 size_t n);
+                                 const float *dout, const uint16_t *gate16,
+                                 const uint16_t *up16, size_t n);
+    void (*rmsnorm_backward_bf16)(kiln_backend *be, float *dx, uint16_t *dx16, float *dw,
+                                  const float *dy, const float *x, const float *w, int N, int C,
+                                  float eps, float *rstd, bool accumulate_dx);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

@@ -63,9 +63,10 @@ typedef struct layer_acts {
     float *up;    /* (T,FF) */
     float *hb;    /* (T,FF) silu(gate)*up */
     float *lse;   /* attention_seqs' saved statistics (kiln_attention_lse_floats), or NULL */
-    /* with bf16 activations (t->acts16) xb1, xb2 and hb are kept only in bf16, here (they are
-     * read by matrix products alone), and the f32 pointers above are NULL */
-    uint16_t *xb1_16, *xb2_16, *hb16;
+    /* with bf16 activations (t->acts16) xb1, xb2, hb, gate and up are kept only in bf16, here,
+     * and att too when the backend's attention writes it (att16); the f32 pointers above are
+     * then NULL */
+    uint16_t *xb1_16, *xb2_16, *hb16, *gate16, *up16, *att16;
 } layer_acts;
 
 struct kiln_trainer {
@@ -99,10 +100,16 @@ struct kiln_trainer {
     /* activations, sized for max_seq */
     layer_acts *acts;
     float *x_final, *xn; /* (T,C) */
-    /* fast mode on a backend with the bf16-activation ops (ops.h rmsnorm_bf16, ...), C and FF
-     * multiples of 8: the inputs of the matrix products written in bf16 by their producers
-     * (the values the products would round them to; the same bits) */
+    /* Fast mode on a backend with the bf16-activation ops (ops.h rmsnorm_bf16, ...), C and FF
+     * multiples of 8 (KILN_BF16_ACTS=0 turns it off): mixed precision as PyTorch's bf16
+     * autocast keeps it. The products' inputs are written in bf16 by their producers (the
+     * values the products would round them to); the gate/up products write their results in
+     * bf16 and SwiGLU reads those; the attention output is bf16 (att16) where the backend's
+     * attention can write it; the residual adds run in the products' epilogues; the backward
+     * norms hand the next products a bf16 copy of dx (dx16). The residual stream, q, k, v
+     * and every gradient stay f32. */
     int acts16;
+    uint16_t *dx16; /* acts16: (T,C) the bf16 copy of dx */
     float *act_block;
     size_t act_bytes;
     /* backward scratch */
@@ -382,15 +389,19 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     int L = c->n_layer, qk = c->qk_norm || (t->layers[0].q_norm != NULL);
     t->acts = kiln_calloc((size_t)L, sizeof *t->acts);
     if (!t->acts) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    enum { PER_LAYER = 17, N_SCRATCH = 18 };
+    enum { PER_LAYER = 20, N_SCRATCH = 19 };
     /* a backend with batched attention saves each layer's softmax statistics for the backward */
     const kiln_backend_i *op = t->be->i;
     const int seqs = op->attention_seqs && op->attention_backward_seqs;
     const char *e16 = getenv("KILN_BF16_ACTS"); /* "0": keep them in f32 (A/B checks) */
     t->acts16 = t->p.fast && !t->host && op->rmsnorm_bf16 && op->swiglu_bf16 && op->matmul_multi_bf16x &&
-                op->matmul_backward_multi_bf16x && op->swiglu_backward_bf16 && C % 8 == 0 && FF % 8 == 0 &&
-                !(e16 && strcmp(e16, "0") == 0);
+                op->matmul_backward_multi_bf16x && op->swiglu_backward_bf16 && op->rmsnorm_backward_bf16 &&
+                C % 8 == 0 && FF % 8 == 0 && !(e16 && strcmp(e16, "0") == 0);
     const size_t f32_in = t->acts16 ? 0 : 1, b16_in = t->acts16 ? 1 : 0; /* where xb1, xb2, hb live */
+    /* the attention output in bf16: the batched attention's flash kernels (head size 64 or
+     * 128, ops.h attention_seqs' out16; a shape a backend refuses would fail the step) */
+    const int att16 = t->acts16 && seqs && (HS == 64 || HS == 128) && QD % 8 == 0;
+    const size_t att_f32 = att16 ? 0 : 1, att_b16 = att16 ? 1 : 0;
     size_t lse = seqs ? kiln_attention_lse_floats(t->p.max_batch, (int)S, c->n_head) : 0;
     size_t ws = kiln_attention_backward_ws_floats((int)S, 0, c->n_head, c->n_head_kv, (int)HS);
     if (seqs) {
@@ -409,13 +420,15 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     for (int l = 0; l < L; l++) {
         layer_acts *a = &t->acts[l];
         /* the bf16 ones in floats: C and FF are multiples of 8 when they are used */
-        float **ps[PER_LAYER] = {&a->x, &a->xb1, &a->qr, &a->kr, &a->q, &a->k, &a->v, &a->att, &a->x_mid, &a->xb2,
-                                 &a->gate, &a->up, &a->hb, &a->lse, (float **)&a->xb1_16, (float **)&a->xb2_16,
-                                 (float **)&a->hb16};
-        size_t ss[PER_LAYER] = {T * C,  f32_in * T * C,  qk ? T * QD : 0,   qk ? T * KD : 0,   T * QD,  T * KD,
-                                T * KD, T * QD,          T * C,             f32_in * T * C,    T * FF,  T * FF,
-                                f32_in * T * FF,         lse,               b16_in * T * C / 2, b16_in * T * C / 2,
-                                b16_in * T * FF / 2};
+        float **ps[PER_LAYER] = {&a->x,   &a->xb1, &a->qr, &a->kr, &a->q,   &a->k,   &a->v,
+                                 &a->att, &a->x_mid, &a->xb2, &a->gate, &a->up, &a->hb, &a->lse,
+                                 (float **)&a->xb1_16, (float **)&a->xb2_16, (float **)&a->hb16,
+                                 (float **)&a->gate16, (float **)&a->up16, (float **)&a->att16};
+        size_t ss[PER_LAYER] = {T * C,               f32_in * T * C,      qk ? T * QD : 0,     qk ? T * KD : 0,
+                                T * QD,              T * KD,              T * KD,              att_f32 * T * QD,
+                                T * C,               f32_in * T * C,      f32_in * T * FF,     f32_in * T * FF,
+                                f32_in * T * FF,     lse,                 b16_in * T * C / 2,  b16_in * T * C / 2,
+                                b16_in * T * FF / 2, b16_in * T * FF / 2, b16_in * T * FF / 2, att_b16 * T * QD / 2};
         for (int i = 0; i < PER_LAYER; i++) {
             slots[k] = ps[i];
             sizes[k++] = ss[i];
@@ -426,13 +439,15 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     size_t NHT = T * (size_t)c->n_head;
     /* pos and ids: in the block (backend memory); a device fills them by uploads */
     size_t ints = T;
+    /* with acts16, dgate and dup hold bf16 (half the floats) */
+    const size_t dgu = t->acts16 ? T * FF / 2 : T * FF;
     float **sp[N_SCRATCH] = {&t->dx, &t->dxb, &t->dxn, &t->datt, &t->dq, &t->dqr, &t->dk, &t->dkr, &t->dv,
                              &t->dgate, &t->dup, &t->dhb, &t->rstd, &t->ws, &t->rope_cos, &t->rope_sin,
-                             (float **)&t->pos, (float **)&t->ids};
+                             (float **)&t->pos, (float **)&t->ids, (float **)&t->dx16};
     size_t sz[N_SCRATCH] = {T * C, T * C, T * C, T * QD, T * QD, qk ? T * QD : 0, T * KD, qk ? T * KD : 0, T * KD,
-                            T * FF, T * FF, T * FF, NHT > T * (size_t)c->n_head_kv ? NHT : T,
+                            dgu, dgu, T * FF, NHT > T * (size_t)c->n_head_kv ? NHT : T,
                             ws,
-                            S * HS / 2, S * HS / 2, ints, ints};
+                            S * HS / 2, S * HS / 2, ints, ints, b16_in * T * C / 2};
     for (int i = 0; i < N_SCRATCH; i++) {
         slots[k] = sp[i];
         sizes[k++] = sz[i];
@@ -451,12 +466,18 @@ static kiln_status alloc_activations(kiln_trainer *t) {
             t->acts[l].kr = t->acts[l].k;
         }
         if (!lse) t->acts[l].lse = NULL;
+        layer_acts *a = &t->acts[l];
         if (t->acts16) {
-            t->acts[l].xb1 = t->acts[l].xb2 = t->acts[l].hb = NULL;
+            a->xb1 = a->xb2 = a->hb = a->gate = a->up = NULL;
         } else {
-            t->acts[l].xb1_16 = t->acts[l].xb2_16 = t->acts[l].hb16 = NULL;
+            a->xb1_16 = a->xb2_16 = a->hb16 = a->gate16 = a->up16 = NULL;
         }
+        if (att16)
+            a->att = NULL;
+        else
+            a->att16 = NULL;
     }
+    if (!t->acts16) t->dx16 = NULL;
     if (!qk) {
         t->dqr = t->dq;
         t->dkr = t->dk;
@@ -688,11 +709,26 @@ static void matmul_n(const kiln_trainer *t, int n, float *const *out, const floa
         bv[i] = VEC(bias[i]);
     }
     if (x16)
-        be->i->matmul_multi_bf16x(be, n, out, x16, wv, bv, N);
+        be->i->matmul_multi_bf16x(be, n, out, NULL, NULL, x16, wv, bv, N);
     else if (be->i->matmul_multi)
         be->i->matmul_multi(be, n, out, x, wv, bv, N);
     else
         for (int i = 0; i < n; i++) be->i->matmul(be, out[i], x, wv[i], bv[i], N);
+}
+
+/* bf16 activations (t->acts16): n products of x16, each into out16[i] (bf16; out16 NULL:
+ * out[i] f32) and plus add[i] (f32, NULL: none; ops.h matmul_multi_bf16x). */
+static void matmul_n16(const kiln_trainer *t, int n, float *const *out, uint16_t *const *out16,
+                       const float *const *add, const uint16_t *x16, const train_param *const *W,
+                       const train_param *const *bias, int N) {
+    kiln_backend *be = t->be;
+    const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
+    const float *bv[KILN_MATMUL_MULTI_MAX];
+    for (int i = 0; i < n; i++) {
+        wv[i] = mat_view(t, W[i]);
+        bv[i] = VEC(bias[i]);
+    }
+    be->i->matmul_multi_bf16x(be, n, out, out16, add, x16, wv, bv, N);
 }
 
 /* The backward of matmul_n: dx (+)= sum of dy[i] @ W[i] in order, each W[i]'s and bias[i]'s
@@ -748,32 +784,41 @@ static void forward_layers(kiln_trainer *t, int n_seq, int seq) {
         op->rope(be, a->q, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
         op->rope(be, a->k, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
         if (op->attention_seqs && op->attention_backward_seqs) /* all sequences at once */
-            op->attention_seqs(be, a->att, a->lse, a->q, a->k, a->v, n_seq, seq, NH, KVH, HS, scale);
+            op->attention_seqs(be, a->att, a->att16, a->lse, a->q, a->k, a->v, n_seq, seq, NH, KVH, HS, scale);
         else
             for (int b = 0; b < n_seq; b++) {
                 size_t r = (size_t)b * seq;
                 op->attention(be, a->att + r * QD, a->q + r * QD, a->k + r * KD, a->v + r * KD, seq, 0, NH, KVH,
                               HS, scale);
             }
-        /* x_mid = o + x: IEEE addition commutes, so these are the bits of x + o, with no copy */
-        op->matmul(be, a->x_mid, a->att, mat_view(t, w->wo), VEC(w->bo), T);
-        op->add(be, a->x_mid, a->x, (size_t)T * C);
+        const train_param *nob[2] = {NULL, NULL};
+        if (a->att16) { /* x_mid = x + o, the add in the product's epilogue */
+            const train_param *wo[1] = {w->wo}, *bo[1] = {w->bo};
+            const float *res[1] = {a->x};
+            matmul_n16(t, 1, &a->x_mid, NULL, res, a->att16, wo, bo, T);
+        } else { /* x_mid = o + x: IEEE addition commutes, so the bits of x + o, with no copy */
+            op->matmul(be, a->x_mid, a->att, mat_view(t, w->wo), VEC(w->bo), T);
+            op->add(be, a->x_mid, a->x, (size_t)T * C);
+        }
         if (t->acts16)
             op->rmsnorm_bf16(be, a->xb2_16, a->x_mid, VEC(w->mlp_norm), T, C, eps);
         else
             op->rmsnorm(be, a->xb2, a->x_mid, VEC(w->mlp_norm), T, C, eps);
-        float *gu[2] = {a->gate, a->up};
-        const train_param *wgu[2] = {w->gate, w->up}, *nob[2] = {NULL, NULL};
-        matmul_n(t, 2, gu, a->xb2, a->xb2_16, wgu, nob, T);
-        if (t->acts16) {
-            op->swiglu_bf16(be, a->hb16, a->gate, a->up, (size_t)T * FF);
+        const train_param *wgu[2] = {w->gate, w->up};
+        if (t->acts16) { /* gate, up in bf16; x_next = x_mid + down(h) in the epilogue */
+            uint16_t *gu16[2] = {a->gate16, a->up16};
+            matmul_n16(t, 2, NULL, gu16, NULL, a->xb2_16, wgu, nob, T);
+            op->swiglu_bf16(be, a->hb16, a->gate16, a->up16, (size_t)T * FF);
             const train_param *wd[1] = {w->down};
-            matmul_n(t, 1, &x_next, NULL, a->hb16, wd, nob, T);
+            const float *res[1] = {a->x_mid};
+            matmul_n16(t, 1, &x_next, NULL, res, a->hb16, wd, nob, T);
         } else {
+            float *gu[2] = {a->gate, a->up};
+            matmul_n(t, 2, gu, a->xb2, NULL, wgu, nob, T);
             op->swiglu(be, a->hb, a->gate, a->up, (size_t)T * FF);
             op->matmul(be, x_next, a->hb, mat_view(t, w->down), NULL, T);
+            op->add(be, x_next, a->x_mid, (size_t)T * C);
         }
-        op->add(be, x_next, a->x_mid, (size_t)T * C);
     }
     op->rmsnorm(be, t->xn, t->x_final, VEC(t->final_norm), T, C, eps);
 }
@@ -994,25 +1039,31 @@ static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
     int T = n_seq * seq, C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
     size_t QD = (size_t)NH * HS, KD = (size_t)KVH * HS;
     float eps = c->rms_eps, scale = (float)(1.0 / sqrt((double)HS));
-    /* dx = d loss / d x_final, from d xn */
-    op->rmsnorm_backward(be, t->dx, GRAD(t->final_norm), t->dxn, t->x_final, VEC(t->final_norm), T, C, eps, t->rstd,
-                         false);
+    /* dx = d loss / d x_final, from d xn (acts16: and its bf16 copy dx16, which the products
+     * take as dy) */
+    if (t->acts16)
+        op->rmsnorm_backward_bf16(be, t->dx, t->dx16, GRAD(t->final_norm), t->dxn, t->x_final, VEC(t->final_norm),
+                                  T, C, eps, t->rstd, false);
+    else
+        op->rmsnorm_backward(be, t->dx, GRAD(t->final_norm), t->dxn, t->x_final, VEC(t->final_norm), T, C, eps,
+                             t->rstd, false);
     for (int l = c->n_layer - 1; l >= 0; l--) {
         const train_layer *w = &t->layers[l];
         const layer_acts *a = &t->acts[l];
         /* MLP: x_next = x_mid + down(silu(gate) * up) */
         const train_param *nob[2] = {NULL, NULL};
+        const uint16_t *dx16s[1] = {t->dx16};
         if (t->acts16) {
             const float *dxs[1] = {t->dx};
             const train_param *wd[1] = {w->down};
-            matmul_backward_n(t, 1, t->dhb, dxs, NULL, NULL, a->hb16, wd, nob, T, false);
+            matmul_backward_n(t, 1, t->dhb, dxs, dx16s, NULL, a->hb16, wd, nob, T, false);
         } else {
             op->matmul_backward(be, t->dhb, w->down->g, NULL, t->dx, a->hb, mat_view(t, w->down), T, false);
         }
         const train_param *wgu[2] = {w->gate, w->up};
         if (t->acts16) { /* dgate, dup in bf16 (in the f32 buffers' memory): only products read them */
             uint16_t *dg16 = (uint16_t *)t->dgate, *du16 = (uint16_t *)t->dup;
-            op->swiglu_backward_bf16(be, dg16, du16, t->dhb, a->gate, a->up, (size_t)T * FF);
+            op->swiglu_backward_bf16(be, dg16, du16, t->dhb, a->gate16, a->up16, (size_t)T * FF);
             const uint16_t *dgu16[2] = {dg16, du16};
             matmul_backward_n(t, 2, t->dxb, NULL, dgu16, NULL, a->xb2_16, wgu, nob, T, false);
         } else {
@@ -1020,12 +1071,23 @@ static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
             const float *dgu[2] = {t->dgate, t->dup};
             matmul_backward_n(t, 2, t->dxb, dgu, NULL, a->xb2, NULL, wgu, nob, T, false);
         }
-        op->rmsnorm_backward(be, t->dx, w->mlp_norm->g, t->dxb, a->x_mid, VEC(w->mlp_norm), T, C, eps, t->rstd, true);
+        if (t->acts16)
+            op->rmsnorm_backward_bf16(be, t->dx, t->dx16, w->mlp_norm->g, t->dxb, a->x_mid, VEC(w->mlp_norm), T, C,
+                                      eps, t->rstd, true);
+        else
+            op->rmsnorm_backward(be, t->dx, w->mlp_norm->g, t->dxb, a->x_mid, VEC(w->mlp_norm), T, C, eps, t->rstd,
+                                 true);
         /* attention: x_mid = x + o(attention(rope(q), rope(k), v)) */
-        op->matmul_backward(be, t->datt, w->wo->g, GRAD(w->bo), t->dx, a->att, mat_view(t, w->wo), T, false);
+        if (a->att16) {
+            const float *dxs[1] = {t->dx};
+            const train_param *wo[1] = {w->wo}, *bo[1] = {w->bo};
+            matmul_backward_n(t, 1, t->datt, dxs, dx16s, NULL, a->att16, wo, bo, T, false);
+        } else {
+            op->matmul_backward(be, t->datt, w->wo->g, GRAD(w->bo), t->dx, a->att, mat_view(t, w->wo), T, false);
+        }
         if (op->attention_seqs && op->attention_backward_seqs)
-            op->attention_backward_seqs(be, t->dq, t->dk, t->dv, t->datt, a->q, a->k, a->v, a->att, a->lse, t->ws,
-                                        n_seq, seq, NH, KVH, HS, scale);
+            op->attention_backward_seqs(be, t->dq, t->dk, t->dv, t->datt, a->q, a->k, a->v, a->att, a->att16, a->lse,
+                                        t->ws, n_seq, seq, NH, KVH, HS, scale);
         else
             for (int b = 0; b < n_seq; b++) { /* per sequence; ws is reused in stream order */
                 size_t r = (size_t)b * seq;
@@ -1042,7 +1104,12 @@ static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
         const float *dqkv[3] = {t->dqr, t->dkr, t->dv};
         const train_param *wqkv[3] = {w->wq, w->wk, w->wv}, *bqkv[3] = {w->bq, w->bk, w->bv};
         matmul_backward_n(t, 3, t->dxb, dqkv, NULL, a->xb1, a->xb1_16, wqkv, bqkv, T, false);
-        op->rmsnorm_backward(be, t->dx, w->attn_norm->g, t->dxb, a->x, VEC(w->attn_norm), T, C, eps, t->rstd, true);
+        if (t->acts16 && l > 0) /* layer 0's dx goes to the embedding alone */
+            op->rmsnorm_backward_bf16(be, t->dx, t->dx16, w->attn_norm->g, t->dxb, a->x, VEC(w->attn_norm), T, C,
+                                      eps, t->rstd, true);
+        else
+            op->rmsnorm_backward(be, t->dx, w->attn_norm->g, t->dxb, a->x, VEC(w->attn_norm), T, C, eps, t->rstd,
+                                 true);
     }
     op->embed_backward(be, t->tok_embd->g, t->dx, t->ids, T, c->n_vocab, C);
 }

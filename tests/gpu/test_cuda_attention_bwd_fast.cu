@@ -14,13 +14,21 @@
  * attention_backward_seqs): the forward's out has the bits of per-sequence calls and its lse
  * is within 2e-2 of the exact log-sum-exp; the backward with that lse is within the same
  * 2e-2 of the reference and repeats its bits; without lse each sequence has the bits of a
- * per-sequence call. Then the batched forward + backward timed against per-sequence calls.
+ * per-sequence call. The bf16 output (out16): the forward's bits are kiln_fp32_to_bf16 of the
+ * f32 forward's (lse too is the same), or cudaErrorNotSupported off the flash path; the
+ * backward given out16 has the bits of the backward given an f32 out holding the widened
+ * out16, with and without lse; both or neither of out, out16: cudaErrorInvalidValue. Then the
+ * batched forward + backward timed against per-sequence calls.
  * Without a GPU: checks the host-side validation, then exits 77.
  * Usage: test_cuda_attention_bwd_fast [--no-time]
  */
 #include "ops/cuda/cuda_attention_bwd_fast.h"
 #include "ops/cuda/cuda_attention_fast.h"
 #include "ops/cuda/cuda_backward.h"
+
+extern "C" {
+#include "base/tensor.h" /* kiln_fp32_to_bf16, kiln_bf16_to_fp32: the host's RNE and widening */
+}
 
 #include <algorithm>
 #include <math.h>
@@ -273,6 +281,102 @@ static float *dev_nan(size_t n) {
     return p;
 }
 
+/* The backward's three gradients after a call, for bit comparisons. */
+struct Grads {
+    std::vector<float> g[3];
+    bool operator==(const Grads &o) const {
+        for (int i = 0; i < 3; i++)
+            if (g[i].size() != o.g[i].size() ||
+                memcmp(g[i].data(), o.g[i].data(), g[i].size() * 4) != 0)
+                return false;
+        return true;
+    }
+};
+
+/* The forward's out as bf16 (out16) against the f32 forward's o_f32 and lse_f32 (already on
+ * the host), and the backward with out16 against the backward with an f32 out holding the
+ * widened out16 (with the saved lse, and without). Returns whether every check held. */
+static bool check_seqs_bf16(int B, const Case &c, kiln_cuda_attn *attn, const float *d_q,
+                            const float *d_k, const float *d_v, const float *d_dout,
+                            const std::vector<float> &out_ref, const std::vector<float> &o_f32,
+                            const std::vector<float> &lse_f32, const float *lse, float *ws,
+                            size_t nws, float *gq, float *gk, float *gv) {
+    const float scale = 1.0f / sqrtf((float)c.HS);
+    const int N = c.N, NH = c.NH, KVH = c.KVH, HS = c.HS;
+    const size_t nq = (size_t)B * N * NH * HS, nk = (size_t)B * N * KVH * HS;
+    const size_t nl = (size_t)B * NH * kiln_cuda_attn_pack_rows(N);
+    uint16_t *o16 = nullptr;
+    CUDA_OK(cudaMalloc(&o16, nq * 2 + 16));
+    CUDA_OK(cudaMemset(o16, 0xff, nq * 2 + 16));
+    float *lse16 = dev_nan(nl);
+    /* forward: RNE of the f32 forward's bits, on the flash path only */
+    const bool flash = kiln_cuda_attn_saves_lse(o16, d_q, d_k, d_v, N, HS);
+    const cudaError_t fe = kiln_cuda_attention_fast_seqs(attn, 0, nullptr, o16, lse16, d_q, d_k,
+                                                         d_v, B, N, NH, KVH, HS, scale);
+    bool fwd = fe == (flash ? cudaSuccess : cudaErrorNotSupported);
+    if (flash) /* out16 not 16-byte aligned: off the flash path */
+        fwd = fwd && kiln_cuda_attention_fast_seqs(attn, 0, nullptr, o16 + 1, nullptr, d_q, d_k,
+                                                   d_v, B, N, NH, KVH, HS,
+                                                   scale) == cudaErrorNotSupported;
+    if (flash && fe == cudaSuccess) {
+        std::vector<uint16_t> h16(nq);
+        CUDA_OK(cudaMemcpy(h16.data(), o16, nq * 2, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < nq && fwd; i++) fwd = h16[i] == kiln_fp32_to_bf16(o_f32[i]);
+        const std::vector<float> hl = dev_download(lse16, nl);
+        fwd = fwd && memcmp(hl.data(), lse_f32.data(), nl * 4) == 0;
+    }
+    /* both or neither of out, out16 */
+    float *of = dev_nan(nq);
+    const bool refused =
+        kiln_cuda_attention_fast_seqs(attn, 0, of, o16, nullptr, d_q, d_k, d_v, B, N, NH, KVH,
+                                      HS, scale) == cudaErrorInvalidValue &&
+        kiln_cuda_attention_fast_seqs(attn, 0, nullptr, nullptr, nullptr, d_q, d_k, d_v, B, N,
+                                      NH, KVH, HS, scale) == cudaErrorInvalidValue &&
+        kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, d_q, d_k, d_v, of, o16,
+                                               lse, ws, nws, B, N, NH, KVH, HS,
+                                               scale) == cudaErrorInvalidValue &&
+        kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, d_q, d_k, d_v, nullptr,
+                                               nullptr, lse, ws, nws, B, N, NH, KVH, HS,
+                                               scale) == cudaErrorInvalidValue;
+    /* backward: out16 = the reference out in bf16, of = its widened values */
+    std::vector<uint16_t> h16(nq);
+    std::vector<float> hw(nq);
+    for (size_t i = 0; i < nq; i++) {
+        h16[i] = kiln_fp32_to_bf16(out_ref[i]);
+        hw[i] = kiln_bf16_to_fp32(h16[i]);
+    }
+    CUDA_OK(cudaMemcpy(o16, h16.data(), nq * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(of, hw.data(), nq * 4, cudaMemcpyHostToDevice));
+    bool bwd = true;
+    for (int with_lse = 0; with_lse < 2; with_lse++) {
+        Grads g[2]; /* [0] out16, [1] f32 of */
+        for (int i = 0; i < 2; i++) {
+            CUDA_OK(cudaMemset(gq, 0xff, nq * 4));
+            CUDA_OK(cudaMemset(gk, 0xff, nk * 4));
+            CUDA_OK(cudaMemset(gv, 0xff, nk * 4));
+            CUDA_OK(cudaMemset(ws, 0xff, nws * 4));
+            CUDA_OK(kiln_cuda_attention_backward_fast_seqs(
+                0, gq, gk, gv, d_dout, d_q, d_k, d_v, i ? of : nullptr, i ? nullptr : o16,
+                with_lse ? lse : nullptr, ws, nws, B, N, NH, KVH, HS, scale));
+            g[i].g[0] = dev_download(gq, nq);
+            g[i].g[1] = dev_download(gk, nk);
+            g[i].g[2] = dev_download(gv, nk);
+        }
+        bwd = bwd && g[0] == g[1];
+    }
+    const bool ok = fwd && refused && bwd;
+    printf("attention seqs bf16 out B=%d N=%d NH=%d KVH=%d HS=%d: forward %s; both/neither of "
+           "out, out16 %s; backward with out16 (lse, none) %s f32 out of its values %s\n",
+           B, N, NH, KVH, HS,
+           !flash ? (fwd ? "not supported off the flash path" : "NOT REFUSED")
+                  : (fwd ? "= RNE of the f32 bits, same lse" : "!= RNE of the f32 bits"),
+           refused ? "refused" : "NOT REFUSED", bwd ? "=" : "!=", ok ? "OK" : "FAILED");
+    float *all[] = {lse16, of};
+    for (float *p : all) CUDA_OK(cudaFree(p));
+    CUDA_OK(cudaFree(o16));
+    return ok;
+}
+
 /* B sequences of c.N tokens (c.n_past 0) through the batched entry points. */
 static void check_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
     const float scale = 1.0f / sqrtf((float)c.HS);
@@ -318,8 +422,8 @@ static void check_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
     float *o_b = dev_nan(nq), *o_1 = dev_nan(nq), *lse = dev_nan(nl), *ws = dev_nan(nws);
     float *gq = dev_nan(nq), *gk = dev_nan(nk), *gv = dev_nan(nk);
     /* forward: batched (with lse) against per-sequence calls, bit for bit */
-    CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, o_b, lse, d_q, d_k, d_v, B, N, NH, KVH, HS,
-                                          scale));
+    CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, o_b, nullptr, lse, d_q, d_k, d_v, B, N, NH,
+                                          KVH, HS, scale));
     for (int b = 0; b < B; b++)
         CUDA_OK(kiln_cuda_attention_fast(attn, 0, o_1 + b * qs, d_q + b * qs, d_k + b * ks,
                                          d_v + b * ks, N, 0, NH, KVH, HS, scale));
@@ -343,8 +447,9 @@ static void check_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
         CUDA_OK(cudaMemset(gk, 0xff, nk * 4));
         CUDA_OK(cudaMemset(gv, 0xff, nk * 4));
         CUDA_OK(cudaMemset(ws, 0xff, nws * 4));
-        CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, d_q, d_k, d_v, dout_ref,
-                                                       lse, ws, nws, B, N, NH, KVH, HS, scale));
+        CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, d_q, d_k, d_v,
+                                                       dout_ref, nullptr, lse, ws, nws, B, N, NH,
+                                                       KVH, HS, scale));
         g[run][0] = dev_download(gq, nq);
         g[run][1] = dev_download(gk, nk);
         g[run][2] = dev_download(gv, nk);
@@ -356,8 +461,9 @@ static void check_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
     for (int i = 0; i < 3; i++)
         same = same && memcmp(g[0][i].data(), g[1][i].data(), g[0][i].size() * 4) == 0;
     /* without lse: per sequence, the bits of kiln_cuda_attention_backward_fast */
-    CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, d_q, d_k, d_v, dout_ref,
-                                                   nullptr, ws, nws, B, N, NH, KVH, HS, scale));
+    CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, d_q, d_k, d_v,
+                                                   dout_ref, nullptr, nullptr, ws, nws, B, N, NH,
+                                                   KVH, HS, scale));
     const std::vector<float> nq_b = dev_download(gq, nq), nk_b = dev_download(gk, nk),
                              nv_b = dev_download(gv, nk);
     bool per_seq = true;
@@ -380,6 +486,9 @@ static void check_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
            B, N, NH, KVH, HS, fwd_same ? "=" : "!=", lerr, saved ? "" : " (none saved)", e1, e2, e3,
            same ? "same bits" : "DIFFER", per_seq ? "=" : "!=", ok ? "OK" : "FAILED");
     EXPECT(ok, "seqs B=%d N=%d NH=%d KVH=%d HS=%d", B, N, NH, KVH, HS);
+    const bool ok16 = check_seqs_bf16(B, c, attn, d_q, d_k, d_v, d_dout, out, hb, hl, lse, ws,
+                                      nws, gq, gk, gv);
+    EXPECT(ok16, "seqs bf16 out B=%d N=%d NH=%d KVH=%d HS=%d", B, N, NH, KVH, HS);
     float *all[] = {d_q, d_k, d_v, d_dout, dout_ref, o_b, o_1, lse, ws, gq, gk, gv};
     for (float *p : all) CUDA_OK(cudaFree(p));
 }
@@ -406,11 +515,11 @@ static void time_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
         for (int r = -1; r < reps; r++) {
             if (r == 0) CUDA_OK(cudaEventRecord(e0));
             if (which == 0) {
-                CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, out, lse, q, k, v, B, N, NH, KVH,
-                                                      HS, scale));
+                CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, out, nullptr, lse, q, k, v, B, N,
+                                                      NH, KVH, HS, scale));
                 CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, dout, q, k, v, out,
-                                                               lse, ws, nws, B, N, NH, KVH, HS,
-                                                               scale));
+                                                               nullptr, lse, ws, nws, B, N, NH,
+                                                               KVH, HS, scale));
             } else {
                 for (int b = 0; b < B; b++)
                     CUDA_OK(kiln_cuda_attention_fast(attn, 0, out + b * qs, q + b * qs,
@@ -481,9 +590,9 @@ int main(int argc, char **argv) {
             for (const Case &c : cases) check_case(c);
             const Case seqs[] = {{200, 0, 4, 2, 64, 1.0f}, {70, 0, 6, 6, 128, 2.0f},
                                  {129, 0, 9, 3, 64, 1.0f}, {9, 0, 2, 1, 64, 1.0f},
-                                 {5, 0, 4, 2, 64, 1.0f}};
-            const int Bs[] = {3, 2, 4, 5, 3};
-            for (int i = 0; i < 5; i++) check_seqs(Bs[i], seqs[i], attn);
+                                 {5, 0, 4, 2, 64, 1.0f},   {100, 0, 8, 2, 128, 1.0f}};
+            const int Bs[] = {3, 2, 4, 5, 3, 2};
+            for (int i = 0; i < 6; i++) check_seqs(Bs[i], seqs[i], attn);
         }
         if (timing) {
             const Case shapes[] = {{2048, 0, 9, 3, 64, 1.0f},

@@ -59,6 +59,7 @@
 #include "ops/cuda/cuda_backward_fast.h"
 extern "C" {
 #include "base/base.h"
+#include "base/tensor.h"
 #include "ops/ops.h"
 }
 
@@ -423,7 +424,9 @@ static float *rms_buf(const std::vector<float> &h, int shift, float **base) {
 
 /* One kiln_cuda_rmsnorm_backward_fast call with dw skipped. alias: dx is dy's buffer (which
  * then starts as dy); else dx starts as old (acc) or NaN (every element must be written).
- * rstd starts NaN. Returns dx and rstd with their 64 guards. */
+ * rstd starts NaN. Returns dx and rstd with their 64 guards. Unless alias, the call also
+ * writes dx16 (shifted like dx, so both load paths run), which must be the bf16 rounding of
+ * every dx element, its guards untouched. */
 static bool rms_run(const RmsData &R, bool use_w, bool acc, bool alias, int shift,
                     std::vector<float> &dx, std::vector<float> &rstd) {
     const size_t n = (size_t)R.N * R.C;
@@ -433,13 +436,30 @@ static bool rms_run(const RmsData &R, bool use_w, bool acc, bool alias, int shif
     float *d_dx = alias ? d_dy
                         : rms_buf(acc ? R.old : std::vector<float>(n, nan_poison()), shift, &bdx);
     float *d_rstd = rms_buf(std::vector<float>((size_t)R.N, nan_poison()), 0, &brs);
+    uint16_t *b16 = nullptr, *d16 = nullptr;
+    if (!alias) { /* n + 64 guards, 0xffff everywhere, at shift elements */
+        CUDA_FATAL(cudaMalloc((void **)&b16, (n + 64 + (size_t)shift) * 2));
+        CUDA_FATAL(cudaMemset(b16, 0xff, (n + 64 + (size_t)shift) * 2));
+        d16 = b16 + shift;
+    }
     const cudaError_t e = kiln_cuda_rmsnorm_backward_fast(
-        g_s, d_dx, nullptr, d_dy, d_x, d_w, R.N, R.C, kRmsEps, d_rstd, acc, nullptr, 0);
+        g_s, d_dx, d16, nullptr, d_dy, d_x, d_w, R.N, R.C, kRmsEps, d_rstd, acc, nullptr, 0);
     if (e != cudaSuccess) FAIL("rmsnorm_backward_fast N=%d C=%d: %s", R.N, R.C,
                                cudaGetErrorString(e));
     CUDA_FATAL(cudaStreamSynchronize(g_s));
     dx = dev_download(d_dx, n + 64);
     rstd = dev_download(d_rstd, (size_t)R.N + 64);
+    if (d16) {
+        std::vector<uint16_t> h16(n + 64);
+        CUDA_FATAL(cudaMemcpy(h16.data(), d16, (n + 64) * 2, cudaMemcpyDeviceToHost));
+        size_t bad = 0;
+        for (size_t i = 0; i < n + 64; i++)
+            bad += h16[i] != (i < n ? kiln_fp32_to_bf16(dx[i]) : (uint16_t)0xffff);
+        if (bad)
+            FAIL("rmsnorm_backward_fast N=%d C=%d shift %d: %zu dx16 values are not the bf16 of "
+                 "dx (or a guard was written)", R.N, R.C, shift, bad);
+        cudaFree(b16);
+    }
     cudaFree(bx);
     cudaFree(bdy);
     cudaFree(bw);
@@ -567,8 +587,8 @@ static void test_rmsnorm(kiln_backend *fast_be, kiln_backend *aud_be) {
                              ex_dw = dev_download(d_dw, dw0.size());
     /* the fast rows alone: dx and rstd; the expected fast dw from that rstd */
     CUDA_FATAL(cudaMemcpy(d_dx, dx0.data(), dx0.size() * 4, cudaMemcpyHostToDevice));
-    CUDA_FATAL(kiln_cuda_rmsnorm_backward_fast(g_s, d_dx, nullptr, d_dy, d_x, d_w, N, C, eps,
-                                               d_rstd, true, nullptr, 0));
+    CUDA_FATAL(kiln_cuda_rmsnorm_backward_fast(g_s, d_dx, nullptr, nullptr, d_dy, d_x, d_w, N, C,
+                                               eps, d_rstd, true, nullptr, 0));
     CUDA_FATAL(cudaStreamSynchronize(g_s));
     const std::vector<float> fa_dx = dev_download(d_dx, dx0.size()),
                              fa_rstd = dev_download(d_rstd, (size_t)N);
@@ -583,11 +603,12 @@ static void test_rmsnorm(kiln_backend *fast_be, kiln_backend *aud_be) {
         const size_t len = kiln_cuda_col_sum_fast_scratch_len(N, C);
         double *d_ws = nullptr;
         CUDA_FATAL(cudaMalloc((void **)&d_ws, len * sizeof(double)));
-        if (kiln_cuda_rmsnorm_backward_fast(g_s, d_dx2, d_dw2, d_dy, d_x, d_w, N, C, eps, d_rstd,
-                                            true, d_ws, len - 1) != cudaErrorInvalidValue)
+        if (kiln_cuda_rmsnorm_backward_fast(g_s, d_dx2, nullptr, d_dw2, d_dy, d_x, d_w, N, C, eps,
+                                            d_rstd, true, d_ws, len - 1) != cudaErrorInvalidValue)
             FAIL("rmsnorm_backward_fast: a scratch one double short is not refused");
-        const cudaError_t e = kiln_cuda_rmsnorm_backward_fast(g_s, d_dx2, d_dw2, d_dy, d_x, d_w,
-                                                              N, C, eps, d_rstd, true, d_ws, len);
+        const cudaError_t e = kiln_cuda_rmsnorm_backward_fast(g_s, d_dx2, nullptr, d_dw2, d_dy,
+                                                              d_x, d_w, N, C, eps, d_rstd, true,
+                                                              d_ws, len);
         if (e != cudaSuccess) FAIL("rmsnorm_backward_fast: %s", cudaGetErrorString(e));
         CUDA_FATAL(cudaStreamSynchronize(g_s));
         if (!same_bits(dev_download(d_dx2, dx0.size()), fa_dx))
@@ -645,12 +666,14 @@ static void host_checks() {
          kiln_cuda_col_sum_fast(0, p, p, nullptr, nullptr, 8, 4, 8, ws,
                                 kiln_cuda_col_sum_fast_scratch_len(4, 8) - 1)},
         {"exact: ld < W", kiln_cuda_col_sum_exact(0, p, p, nullptr, nullptr, 7, 4, 8)},
-        {"rmsnorm: dx NULL", kiln_cuda_rmsnorm_backward_fast(0, nullptr, nullptr, p, p, p, 4, 8,
-                                                             1e-6f, p, false, nullptr, 0)},
-        {"rmsnorm: rstd NULL", kiln_cuda_rmsnorm_backward_fast(0, p, nullptr, p, p, p, 4, 8,
-                                                               1e-6f, nullptr, false, nullptr, 0)},
-        {"rmsnorm: dw without scratch", kiln_cuda_rmsnorm_backward_fast(
-                                            0, p, p, p, p, p, 4, 8, 1e-6f, p, false, nullptr, 0)},
+        {"rmsnorm: dx NULL", kiln_cuda_rmsnorm_backward_fast(0, nullptr, nullptr, nullptr, p, p, p,
+                                                             4, 8, 1e-6f, p, false, nullptr, 0)},
+        {"rmsnorm: rstd NULL", kiln_cuda_rmsnorm_backward_fast(0, p, nullptr, nullptr, p, p, p, 4,
+                                                               8, 1e-6f, nullptr, false, nullptr,
+                                                               0)},
+        {"rmsnorm: dw without scratch",
+         kiln_cuda_rmsnorm_backward_fast(0, p, nullptr, p, p, p, p, 4, 8, 1e-6f, p, false, nullptr,
+                                         0)},
     };
     for (const auto &k : c)
         if (k.got != cudaErrorInvalidValue)
@@ -750,8 +773,8 @@ static void time_rms_rows(int N, int C, bool acc) {
                 CUDA_FATAL(kiln_cuda_rmsnorm_backward(g_s, dx, nullptr, dy, x, w, N, C, 1e-6f, rs,
                                                       acc));
             else
-                CUDA_FATAL(kiln_cuda_rmsnorm_backward_fast(g_s, dx, nullptr, dy, x, w, N, C,
-                                                           1e-6f, rs, acc, nullptr, 0));
+                CUDA_FATAL(kiln_cuda_rmsnorm_backward_fast(g_s, dx, nullptr, nullptr, dy, x, w, N,
+                                                           C, 1e-6f, rs, acc, nullptr, 0));
         }
         CUDA_FATAL(cudaEventRecord(t1, g_s));
         CUDA_FATAL(cudaEventSynchronize(t1));

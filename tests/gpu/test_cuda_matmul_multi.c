@@ -9,15 +9,21 @@
  * as NaN bits (overwritten outputs) or the same random values (accumulated ones).
  * Fast mode's bf16 activations too: matmul_multi_bf16x / matmul_backward_multi_bf16x on x's
  * (and, without biases, on every dy whose width is a multiple of 8) bf16 rounding (to_bf16)
- * give the bits of the f32 entries where ops.h promises them (C a multiple of 8, N > 8), and
- * rmsnorm_bf16 / swiglu_bf16 / swiglu_backward_bf16 write the bf16 rounding of rmsnorm /
- * swiglu / swiglu_backward's f32 results (odd widths included).
+ * give the bits of the f32 entries where ops.h promises them (C a multiple of 8, N > 8); their
+ * bf16 outputs (out16) and epilogue residuals (add, in place and not) are the f32 entries'
+ * results rounded / plus the residual within a stated bound (another cuBLASLt problem, so
+ * not promised the same bits: |got - want| <= 2^-8 |want| + 2^-10 for bf16 outputs, 2^-20
+ * |want| + 2^-10 for residuals, against sums of about 30 |a b| per element); and
+ * rmsnorm_bf16 / swiglu_bf16 / swiglu_backward_bf16 / rmsnorm_backward_bf16 write the bf16
+ * rounding of rmsnorm / swiglu / swiglu_backward / rmsnorm_backward's f32 results (the
+ * SwiGLU ones on bf16 gate and up; odd widths included).
  * Without a usable GPU it exits 77.
  */
 #include "base/base.h"
 #include "base/tensor.h"
 #include "ops/ops.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -79,6 +85,37 @@ static void same(kiln_backend *be, const char *ctx, const char *what, const floa
     }
     free(ha);
     free(hb);
+}
+
+/* Download got (n floats, or n bf16 when got16) and want (n floats) and require
+ * |got - want| <= rel |want| + abs_tol for every element (NaN fails). */
+static void near(kiln_backend *be, const char *ctx, const char *what, const void *got, int got16,
+                 const float *want, size_t n, double rel, double abs_tol) {
+    float *hg = malloc(n * sizeof(float)), *hw = malloc(n * sizeof(float));
+    uint16_t *h16 = malloc(n * sizeof(uint16_t));
+    kiln_status st = got16 ? kiln_backend_download(be, h16, got, n * 2) : kiln_backend_download(be, hg, got, n * 4);
+    if (st == KILN_OK) st = kiln_backend_download(be, hw, want, n * sizeof(float));
+    if (st != KILN_OK) {
+        fprintf(stderr, "FAIL %s %s: %s\n", ctx, what, kiln_last_error());
+        g_failed++;
+    } else {
+        size_t bad = 0, first = 0;
+        double worst = 0.0;
+        for (size_t i = 0; i < n; i++) {
+            const double g = got16 ? (double)kiln_bf16_to_fp32(h16[i]) : (double)hg[i], w = hw[i];
+            const double err = fabs(g - w), tol = rel * fabs(w) + abs_tol;
+            if (!(err <= tol) && !bad++) first = i;
+            if (err / tol > worst) worst = err / tol;
+        }
+        if (bad) {
+            fprintf(stderr, "FAIL %s %s: %zu of %zu off the bound (first [%zu] want %.9g), worst err/tol %.3g\n",
+                    ctx, what, bad, n, first, (double)hw[first], worst);
+            g_failed++;
+        }
+    }
+    free(hg);
+    free(hw);
+    free(h16);
 }
 
 enum { NMAX = 3 };
@@ -147,7 +184,30 @@ static void run_case(kiln_backend *be, const char *mode, kiln_dtype dt, int n, c
     uint16_t *x16 = dev(be, nx * sizeof(uint16_t));
     if (b16) {
         be->i->to_bf16(be, x16, x, nx);
-        be->i->matmul_multi_bf16x(be, n, out_b, x16, W, (const float *const *)bias, N);
+        be->i->matmul_multi_bf16x(be, n, out_b, NULL, NULL, x16, W, (const float *const *)bias, N);
+    }
+    /* b16: bf16 outputs (without biases) and residuals added in the epilogue (product 0 in
+     * place: out[0] holds the residual; the others from their own buffers) */
+    uint16_t *o16[NMAX] = {NULL};
+    float *res[NMAX] = {NULL}, *out_r[NMAX] = {NULL}, *want_r[NMAX] = {NULL};
+    if (b16) {
+        for (int i = 0; i < n; i++) {
+            size_t m = (size_t)N * R[i];
+            float *h = malloc(m * sizeof(float));
+            for (size_t j = 0; j < m; j++) h[j] = rnd_unit();
+            res[i] = dev_floats(be, h, m);
+            out_r[i] = i == 0 ? dev_floats(be, h, m) : dev_nan(be, m);
+            free(h);
+            want_r[i] = dev_nan(be, m); /* out_s + res, in f32 */
+            be->i->zero(be, want_r[i], m);
+            be->i->add(be, want_r[i], out_s[i], m);
+            be->i->add(be, want_r[i], res[i], m);
+            if (!bias_on) o16[i] = dev(be, m * sizeof(uint16_t));
+        }
+        const float *adds[NMAX];
+        for (int i = 0; i < n; i++) adds[i] = i == 0 ? out_r[0] : res[i];
+        be->i->matmul_multi_bf16x(be, n, out_r, NULL, adds, x16, W, (const float *const *)bias, N);
+        if (!bias_on) be->i->matmul_multi_bf16x(be, n, NULL, o16, NULL, x16, W, NULL, N);
     }
     if (kiln_backend_status(be) != KILN_OK) {
         fprintf(stderr, "FAIL %s forward: %s\n", ctx, kiln_last_error());
@@ -156,6 +216,9 @@ static void run_case(kiln_backend *be, const char *mode, kiln_dtype dt, int n, c
     for (int i = 0; i < n; i++) {
         same(be, ctx, "out", out_m[i], out_s[i], (size_t)N * R[i]);
         if (b16) same(be, ctx, "out (bf16 x)", out_b[i], out_s[i], (size_t)N * R[i]);
+        if (b16) near(be, ctx, i == 0 ? "out + residual (in place)" : "out + residual", out_r[i], 0, want_r[i],
+                      (size_t)N * R[i], 0x1p-20, 0x1p-10);
+        if (o16[i]) near(be, ctx, "out16", o16[i], 1, out_s[i], (size_t)N * R[i], 0x1p-8, 0x1p-10);
     }
     /* backward */
     float *hdx = malloc(nx * sizeof(float));
@@ -203,38 +266,50 @@ static void run_case(kiln_backend *be, const char *mode, kiln_dtype dt, int n, c
     kiln_backend_free_buf(be, dx_b);
     kiln_backend_free_buf(be, x16);
     for (int i = 0; i < n; i++) {
-        void *ps[] = {wdata[i], bias[i], dy[i], out_m[i], out_s[i], out_b[i],
-                      dW_m[i],  dW_s[i], db_m[i], db_s[i], dW_b[i],  db_b[i], dy16[i]};
+        void *ps[] = {wdata[i], bias[i], dy[i], out_m[i], out_s[i], out_b[i], dW_m[i], dW_s[i],
+                      db_m[i],  db_s[i], dW_b[i], db_b[i], dy16[i], o16[i], res[i], out_r[i], want_r[i]};
         for (size_t j = 0; j < sizeof ps / sizeof ps[0]; j++) kiln_backend_free_buf(be, ps[j]);
     }
 }
 
-/* rmsnorm_bf16 / swiglu_bf16 against to_bf16 of rmsnorm / swiglu (fast backend), N rows of C. */
+/* rmsnorm_bf16 / swiglu_bf16 / swiglu_backward_bf16 / rmsnorm_backward_bf16 against to_bf16 of
+ * rmsnorm / swiglu / swiglu_backward / rmsnorm_backward (fast backend), N rows of C. x and up
+ * hold bf16 values (so x16, up16 are exactly them for the SwiGLU ones). */
 static void bf16_producers(kiln_backend *be, int N, int C) {
     char ctx[96];
     snprintf(ctx, sizeof ctx, "bf16 producers N=%d C=%d", N, C);
     g_cases++;
     size_t n = (size_t)N * C;
     float *h = malloc(n * sizeof(float)), *hw = malloc((size_t)C * sizeof(float));
-    for (size_t i = 0; i < n; i++) h[i] = rnd_unit() * 3.0f;
+    for (size_t i = 0; i < n; i++) h[i] = kiln_bf16_to_fp32(kiln_fp32_to_bf16(rnd_unit() * 3.0f));
     for (int i = 0; i < C; i++) hw[i] = rnd_unit();
     float *x = dev_floats(be, h, n), *w = dev_floats(be, hw, (size_t)C), *f = dev_nan(be, n);
-    for (size_t i = 0; i < n; i++) h[i] = rnd_unit() * 2.0f;
+    for (size_t i = 0; i < n; i++) h[i] = kiln_bf16_to_fp32(kiln_fp32_to_bf16(rnd_unit() * 2.0f));
     float *up = dev_floats(be, h, n);
     uint16_t *a = dev(be, n * 2), *b = dev(be, n * 2);
     uint16_t *ha = malloc(n * 2), *hb = malloc(n * 2);
-    float *f2 = dev_nan(be, n);
-    uint16_t *b2 = dev(be, n * 2);
-    for (int k = 0; k < 4; k++) {
+    float *f2 = dev_nan(be, n), *dw1 = dev_nan(be, (size_t)C), *dw2 = dev_nan(be, (size_t)C);
+    float *rs = dev_nan(be, (size_t)N);
+    uint16_t *b2 = dev(be, n * 2), *x16 = dev(be, n * 2), *up16 = dev(be, n * 2);
+    be->i->to_bf16(be, x16, x, n);
+    be->i->to_bf16(be, up16, up, n);
+    for (int k = 0; k < 5; k++) {
         if (k == 0) {
             be->i->rmsnorm(be, f, x, w, N, C, 1e-5f);
             be->i->rmsnorm_bf16(be, b, x, w, N, C, 1e-5f);
         } else if (k == 1) {
             be->i->swiglu(be, f, x, up, n);
-            be->i->swiglu_bf16(be, b, x, up, n);
+            be->i->swiglu_bf16(be, b, x16, up16, n);
         } else if (k == 2) { /* dout = up: dgate (k 2) and dup (k 3) of the same call */
             be->i->swiglu_backward(be, f, f2, up, x, up, n);
-            be->i->swiglu_backward_bf16(be, b, b2, up, x, up, n);
+            be->i->swiglu_backward_bf16(be, b, b2, up, x16, up16, n);
+        } else if (k == 4) { /* dy = up; f2 = dx of the bf16 entry, which must be f's bits */
+            be->i->zero(be, dw1, (size_t)C);
+            be->i->zero(be, dw2, (size_t)C);
+            be->i->rmsnorm_backward(be, f, dw1, up, x, w, N, C, 1e-5f, rs, false);
+            be->i->rmsnorm_backward_bf16(be, f2, b, dw2, up, x, w, N, C, 1e-5f, rs, false);
+            same(be, ctx, "rmsnorm_backward_bf16 dx", f2, f, n);
+            same(be, ctx, "rmsnorm_backward_bf16 dw", dw2, dw1, (size_t)C);
         } else {
             float *tf = f;
             f = f2;
@@ -252,7 +327,8 @@ static void bf16_producers(kiln_backend *be, int N, int C) {
         }
         for (size_t i = 0; i < n; i++)
             if (ha[i] != hb[i]) {
-                static const char *what[4] = {"rmsnorm", "swiglu", "swiglu_backward dgate", "swiglu_backward dup"};
+                static const char *what[5] = {"rmsnorm", "swiglu", "swiglu_backward dgate", "swiglu_backward dup",
+                                              "rmsnorm_backward dx16"};
                 fprintf(stderr, "FAIL %s %s [%zu]: 0x%04x, want 0x%04x\n", ctx, what[k], i, hb[i], ha[i]);
                 g_failed++;
                 break;
@@ -262,7 +338,7 @@ static void bf16_producers(kiln_backend *be, int N, int C) {
     free(hw);
     free(ha);
     free(hb);
-    void *ps[] = {x, w, f, f2, up, a, b, b2};
+    void *ps[] = {x, w, f, f2, up, a, b, b2, dw1, dw2, rs, x16, up16};
     for (size_t j = 0; j < sizeof ps / sizeof ps[0]; j++) kiln_backend_free_buf(be, ps[j]);
 }
 

@@ -3,7 +3,8 @@
  * tensor cores (issue 5, item 1): FlashAttention-2's backward (Dao 2023, Algorithm 2) made
  * deterministic. Same contract as ops.h's attention_backward: q(N,NH,HS) are the queries of
  * positions n_past..n_past+N-1, k,v(T = n_past+N, KVH, HS), out and dout (N,NH,HS); dq
- * overwritten, dk and dv (T, KVH, HS) overwritten. Device pointers to f32; C++ linkage.
+ * overwritten, dk and dv (T, KVH, HS) overwritten. Device pointers to f32 (the batched entry
+ * point also takes out as bf16 bits); C++ linkage.
  *
  * Three kernels, no atomics, so the bits depend only on the inputs:
  *   1. stats: a block per (64-query tile, head): D = rowsum(dout * out) (f32, fixed order)
@@ -30,15 +31,18 @@
 #include <cuda_runtime.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 /* Floats of workspace the fast backward needs: D and L (2 N NH), and with GQA the partial
  * dk and dv of every query head (2 T NH HS). */
 size_t kiln_cuda_attention_backward_fast_ws(int N, int n_past, int NH, int KVH, int HS);
 
-/* Whether the fast kernels take this call (head size, alignment, sizes). */
+/* Whether the fast kernels take this call (head size, alignment, sizes). out is only checked
+ * for 16-byte alignment: the f32 out, or the bf16 out16 of
+ * kiln_cuda_attention_backward_fast_seqs. */
 bool kiln_cuda_attention_backward_fast_ok(const float *dq, const float *dk, const float *dv,
                                           const float *dout, const float *q, const float *k,
-                                          const float *v, const float *out, int N, int n_past,
+                                          const float *v, const void *out, int N, int n_past,
                                           int NH, int KVH, int HS);
 
 /* The backward on stream s; ws holds ws_floats >= kiln_cuda_attention_backward_fast_ws(...)
@@ -51,18 +55,23 @@ cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *
                                               int NH, int KVH, int HS, float scale);
 
 /* ops.h's attention_backward_seqs in fast mode: B sequences of N tokens (rows back to back,
- * n_past 0) in one set of launches (grid z = sequence). lse: NULL, or what
- * kiln_cuda_attention_fast_seqs wrote for the same q, k, v, out ([B][NH][Npad], 16-byte
- * aligned): used as L in place of the statistics kernel when kiln_cuda_attn_saves_lse holds
- * for these pointers (else ignored). With lse NULL each sequence gets the bits of
- * kiln_cuda_attention_backward_fast on its rows; with lse, the forward's L (whose l summed
- * the bf16-rounded weights) replaces the recomputed one. ws_floats >= B x
- * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS). cudaErrorInvalidValue as
- * kiln_cuda_attention_backward_fast, or for B outside 1..65535. */
+ * n_past 0) in one set of launches (grid z = sequence). The forward's output comes as exactly
+ * one of out (f32) and out16 (bf16 bits, as kiln_cuda_attention_fast_seqs writes it); it only
+ * enters D = rowsum(dout * out), which with out16 takes the widened (exact) values in the
+ * same f32 operations, so the result has the bits of a call whose out holds those values.
+ * lse: NULL, or what kiln_cuda_attention_fast_seqs wrote for the same q, k, v and output
+ * pointer ([B][NH][Npad], 16-byte aligned): used as L in place of the statistics kernel when
+ * kiln_cuda_attn_saves_lse holds for these pointers (out16's when given; else ignored). With
+ * lse NULL each sequence gets the bits of kiln_cuda_attention_backward_fast on its rows; with
+ * lse, the forward's L (whose l summed the bf16-rounded weights) replaces the recomputed one.
+ * ws_floats >= B x kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS).
+ * cudaErrorInvalidValue as kiln_cuda_attention_backward_fast (with out16 in out's place), for
+ * B outside 1..65535, or when both or neither of out, out16 are given. */
 cudaError_t kiln_cuda_attention_backward_fast_seqs(cudaStream_t s, float *dq, float *dk,
                                                    float *dv, const float *dout, const float *q,
                                                    const float *k, const float *v,
-                                                   const float *out, const float *lse, float *ws,
+                                                   const float *out, const uint16_t *out16,
+                                                   const float *lse, float *ws,
                                                    size_t ws_floats, int B, int N, int NH,
                                                    int KVH, int HS, float scale);
 

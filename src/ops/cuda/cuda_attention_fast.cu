@@ -11,6 +11,7 @@
  */
 #include "cuda_attention_fast.h"
 
+#include "cuda_common.cuh"
 #include "cuda_internal.h"
 #include "cuda_mma.cuh"
 
@@ -645,7 +646,9 @@ combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
 
 /* Packing (kiln_cuda_attn_pack_heads): job blockIdx.y; a warp per (row, head) of its dst,
  * HS / 32 elements per lane. With D (the backward's dout): also d[h * Rpad + r] = sum over
- * i of src * out in the lane order then a butterfly (f32; 0 for the padding rows). */
+ * i of src * out in the lane order then a butterfly (f32; 0 for the padding rows), out read
+ * from the job's f32 out or widened (exactly) from its bf16 out16: the same operations on
+ * the same values either way. */
 struct pack_jobs {
     kiln_cuda_attn_pack_job j[KILN_ATTN_PACK_MAX_JOBS];
 };
@@ -676,7 +679,20 @@ static __global__ void pack_heads_kernel(pack_jobs jobs) {
             x[2] = v.z;
             x[3] = v.w;
         }
-        if (J.d) {
+        if (J.out16) { /* uniform over the block; E bf16 in one 4- or 8-byte load */
+            const uint16_t *po = J.out16 + (srow * J.H + hl) * HS + lane * E;
+            if (E == 2) {
+                const uint32_t u = *reinterpret_cast<const uint32_t *>(po);
+                o[0] = bf16_lo(u);
+                o[1] = bf16_hi(u);
+            } else {
+                const uint2 u = *reinterpret_cast<const uint2 *>(po);
+                o[0] = bf16_lo(u.x);
+                o[1] = bf16_hi(u.x);
+                o[2] = bf16_lo(u.y);
+                o[3] = bf16_hi(u.y);
+            }
+        } else if (J.d) {
             const float *po = J.out + (srow * J.H + hl) * HS + lane * E;
 #pragma unroll
             for (int i = 0; i < E; i++) o[i] = po[i];
@@ -711,7 +727,8 @@ cudaError_t kiln_cuda_attn_pack_heads(cudaStream_t s, const kiln_cuda_attn_pack_
     for (int i = 0; i < n; i++) {
         const kiln_cuda_attn_pack_job &J = jobs[i];
         if (!J.dst || !J.src || J.R < 0 || J.Rpad < J.R || J.Rpad % KILN_ATTN_PACK_ROWS != 0 ||
-            J.H <= 0 || J.B <= 0 || J.B > 65535 || (J.out != NULL) != (J.d != NULL))
+            J.H <= 0 || J.B <= 0 || J.B > 65535 || (J.out && J.out16) ||
+            (J.out != NULL || J.out16 != NULL) != (J.d != NULL) || ((uintptr_t)J.out16 & 7) != 0)
             return cudaErrorInvalidValue;
         pj.j[i] = J;
         const int64_t w = (int64_t)J.Rpad * J.H;
@@ -742,6 +759,17 @@ static constexpr size_t flash_smem() {
     return sizeof(__nv_bfloat16) * (size_t)(HS + FL_PAD) * (FL_BM + 4 * FL_BN);
 }
 
+/* The flash kernel's output of two adjacent elements p[0], p[1] (p 8-byte aligned for f32,
+ * 4-byte for bf16): a float2, or the two bf16 roundings as one 32-bit word (p[0] in the low
+ * half: little-endian, as the elements lie in memory). */
+static __device__ __forceinline__ void flash_store_pair(float *p, float x, float y) {
+    *reinterpret_cast<float2 *>(p) = make_float2(x, y);
+}
+static __device__ __forceinline__ void flash_store_pair(uint16_t *p, float x, float y) {
+    *reinterpret_cast<uint32_t *>(p) = (uint32_t)kiln_bf16_rne(x) |
+                                       (uint32_t)kiln_bf16_rne(y) << 16;
+}
+
 /* FlashAttention-2 forward (Dao 2023, Algorithm 1) for one (64-row query tile, head,
  * sequence): block (gridDim.x - 1 - blockIdx.x, blockIdx.y = h, blockIdx.z = b); the last
  * query tiles, which see the most keys, are scheduled first. Inputs packed to bf16 per head
@@ -752,10 +780,12 @@ static constexpr size_t flash_smem() {
  * per-thread partial sums l and the O accumulator (16 x HS f32) in registers; fragments come
  * from shared memory by ldmatrix (cuda_mma.cuh). Masked scores (key > n_past + row, which
  * covers the padding keys) are -inf, so p = 0; tiles wholly below the diagonal skip the mask.
- * out: (N, NH, HS) f32, 8-byte aligned. */
-template <int HS>
+ * out: (B*N, NH, HS) of Out, float (8-byte aligned) or uint16_t (bf16 bits, each the
+ * kiln_bf16_rne of the float the f32 instantiation stores; 4-byte aligned): flash_store_pair.
+ * The instantiations differ in the stores only. */
+template <int HS, typename Out>
 static __global__ void __launch_bounds__(FL_THREADS)
-flash_bf16_kernel(float *__restrict__ out, float *__restrict__ lse,
+flash_bf16_kernel(Out *__restrict__ out, float *__restrict__ lse,
                   const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__restrict__ kb,
                   const __nv_bfloat16 *__restrict__ vb, int N, int n_past, int NH, int KVH,
                   int Npad, int Tpad, float scale) {
@@ -885,37 +915,46 @@ flash_bf16_kernel(float *__restrict__ out, float *__restrict__ lse,
     }
     out += (int64_t)b * N * NH * HS; /* sequence b's rows */
     if (qr0 < N) {
-        float *op = out + ((int64_t)qr0 * NH + h) * HS + 2 * t;
+        Out *op = out + ((int64_t)qr0 * NH + h) * HS + 2 * t;
 #pragma unroll
         for (int dt = 0; dt < HS / 8; dt++)
-            *reinterpret_cast<float2 *>(op + dt * 8) = make_float2(o[dt][0] / l0, o[dt][1] / l0);
+            flash_store_pair(op + dt * 8, o[dt][0] / l0, o[dt][1] / l0);
     }
     if (qr1 < N) {
-        float *op = out + ((int64_t)qr1 * NH + h) * HS + 2 * t;
+        Out *op = out + ((int64_t)qr1 * NH + h) * HS + 2 * t;
 #pragma unroll
         for (int dt = 0; dt < HS / 8; dt++)
-            *reinterpret_cast<float2 *>(op + dt * 8) = make_float2(o[dt][2] / l1, o[dt][3] / l1);
+            flash_store_pair(op + dt * 8, o[dt][2] / l1, o[dt][3] / l1);
     }
 }
 
 /* ==== workspace and entry points ============================================================== */
 
-cudaError_t kiln_cuda_attn_create(kiln_cuda_attn **out) {
-    if (!out) return cudaErrorInvalidValue;
-    *out = NULL;
-    /* dynamic shared memory above the default 48 KiB, set once here (outside any capture) */
-    cudaError_t e = cudaFuncSetAttribute(flash_bf16_kernel<64>,
+/* The flash kernels' attributes for output type Out (kiln_cuda_attn_create). */
+template <typename Out>
+static cudaError_t flash_attributes() {
+    cudaError_t e = cudaFuncSetAttribute(flash_bf16_kernel<64, Out>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)flash_smem<64>());
     if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(flash_bf16_kernel<128>,
+        e = cudaFuncSetAttribute(flash_bf16_kernel<128, Out>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)flash_smem<128>());
-    /* the whole unified L1 as shared memory, so that the registers' four blocks per SM fit */
     if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(flash_bf16_kernel<64>,
+        e = cudaFuncSetAttribute(flash_bf16_kernel<64, Out>,
                                  cudaFuncAttributePreferredSharedMemoryCarveout,
                                  (int)cudaSharedmemCarveoutMaxShared);
+    return e;
+}
+
+cudaError_t kiln_cuda_attn_create(kiln_cuda_attn **out) {
+    if (!out) return cudaErrorInvalidValue;
+    *out = NULL;
+    /* dynamic shared memory above the default 48 KiB, set once here (outside any capture); the
+     * whole unified L1 as shared memory for HS 64, so that the registers' four blocks per SM
+     * fit. The same for the f32 and the bf16 output. */
+    cudaError_t e = flash_attributes<float>();
+    if (e == cudaSuccess) e = flash_attributes<uint16_t>();
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(f32_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)f32_smem(KILN_ATTN_FAST_MAX_HS));
@@ -1068,10 +1107,11 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
 /* The flash path for B sequences of N queries over n_past + N keys each (kiln_cuda_attn_saves_lse
  * holds; B > 1 only with n_past 0): q, k, v packed to bf16 per head into the workspace's pack
  * buffer (grown on demand, synchronising: never inside a graph capture), then one flash
- * launch with grid z = B. lse: NULL or [B][NH][Npad]. */
-static cudaError_t flash_launch(kiln_cuda_attn *a, cudaStream_t s, float *out, float *lse,
-                                const float *q, const float *k, const float *v, int B, int N,
-                                int n_past, int NH, int KVH, int HS, float scale) {
+ * launch with grid z = B, writing out (f32) or, when out16 is given, out16 (bf16 bits; out
+ * then NULL). lse: NULL or [B][NH][Npad]. */
+static cudaError_t flash_launch(kiln_cuda_attn *a, cudaStream_t s, float *out, uint16_t *out16,
+                                float *lse, const float *q, const float *k, const float *v,
+                                int B, int N, int n_past, int NH, int KVH, int HS, float scale) {
     if (NH > 65535 || B > 65535) return cudaErrorInvalidConfiguration;
     const int T = n_past + N;
     const int Npad = kiln_cuda_attn_pack_rows(N), Tpad = kiln_cuda_attn_pack_rows(T);
@@ -1083,17 +1123,23 @@ static cudaError_t flash_launch(kiln_cuda_attn *a, cudaStream_t s, float *out, f
     cudaError_t e = grow_dev(a, &a->pack, &a->pack_cap, (size_t)need);
     if (e != cudaSuccess) return e;
     __nv_bfloat16 *qb = (__nv_bfloat16 *)a->pack, *kb = qb + qn, *vb = kb + kn;
-    const kiln_cuda_attn_pack_job jobs[3] = {{qb, q, NULL, NULL, N, Npad, NH, B},
-                                             {kb, k, NULL, NULL, T, Tpad, KVH, B},
-                                             {vb, v, NULL, NULL, T, Tpad, KVH, B}};
+    const kiln_cuda_attn_pack_job jobs[3] = {{qb, q, NULL, NULL, NULL, N, Npad, NH, B},
+                                             {kb, k, NULL, NULL, NULL, T, Tpad, KVH, B},
+                                             {vb, v, NULL, NULL, NULL, T, Tpad, KVH, B}};
     e = kiln_cuda_attn_pack_heads(s, jobs, 3, HS);
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((N + FL_BM - 1) / FL_BM), (unsigned)NH, (unsigned)B);
-    if (HS == 64)
-        flash_bf16_kernel<64><<<grid, FL_THREADS, flash_smem<64>(), s>>>(
+    if (HS == 64 && out16)
+        flash_bf16_kernel<64, uint16_t><<<grid, FL_THREADS, flash_smem<64>(), s>>>(
+            out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+    else if (HS == 64)
+        flash_bf16_kernel<64, float><<<grid, FL_THREADS, flash_smem<64>(), s>>>(
             out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+    else if (out16)
+        flash_bf16_kernel<128, uint16_t><<<grid, FL_THREADS, flash_smem<128>(), s>>>(
+            out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
     else
-        flash_bf16_kernel<128><<<grid, FL_THREADS, flash_smem<128>(), s>>>(
+        flash_bf16_kernel<128, float><<<grid, FL_THREADS, flash_smem<128>(), s>>>(
             out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
     return cudaGetLastError();
 }
@@ -1113,7 +1159,7 @@ cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *o
                                    scale);
     }
     if (kiln_cuda_attn_saves_lse(out, q, k, v, N, HS))
-        return flash_launch(a, s, out, NULL, q, k, v, 1, N, n_past, NH, KVH, HS, scale);
+        return flash_launch(a, s, out, NULL, NULL, q, k, v, 1, N, n_past, NH, KVH, HS, scale);
     const unsigned gx = split_grid_x(N, NH, KVH);
     if (gx == 0) return cudaErrorInvalidConfiguration;
     f32_kernel<<<dim3(gx, 1, 1), F32_THREADS, f32_smem(HS), s>>>(out, q, k, v, N, n_past, NH,
@@ -1133,14 +1179,16 @@ cudaError_t kiln_cuda_attention_decode_dev(kiln_cuda_attn *a, cudaStream_t s, fl
 }
 
 cudaError_t kiln_cuda_attention_fast_seqs(kiln_cuda_attn *a, cudaStream_t s, float *out,
-                                          float *lse, const float *q, const float *k,
-                                          const float *v, int B, int N, int NH, int KVH, int HS,
-                                          float scale) {
-    if (B < 0 || N < 0 || NH < 0 || HS < 0) return cudaErrorInvalidValue;
+                                          uint16_t *out16, float *lse, const float *q,
+                                          const float *k, const float *v, int B, int N, int NH,
+                                          int KVH, int HS, float scale) {
+    if ((out == NULL) == (out16 == NULL) || B < 0 || N < 0 || NH < 0 || HS < 0)
+        return cudaErrorInvalidValue;
     if (B == 0 || N == 0 || NH == 0 || HS == 0) return cudaSuccess;
     if (!a || !shape_ok(NH, KVH, HS) || (int64_t)B * N > INT_MAX) return cudaErrorInvalidValue;
-    if (kiln_cuda_attn_saves_lse(out, q, k, v, N, HS))
-        return flash_launch(a, s, out, lse, q, k, v, B, N, 0, NH, KVH, HS, scale);
+    if (kiln_cuda_attn_saves_lse(out16 ? (const void *)out16 : (const void *)out, q, k, v, N, HS))
+        return flash_launch(a, s, out, out16, lse, q, k, v, B, N, 0, NH, KVH, HS, scale);
+    if (out16) return cudaErrorNotSupported; /* only the flash kernel stores bf16 */
     const size_t qs = (size_t)N * NH * HS, ks = (size_t)N * KVH * HS;
     for (int b = 0; b < B; b++) {
         cudaError_t e = kiln_cuda_attention_fast(a, s, out + b * qs, q + b * qs, k + b * ks,

@@ -3,7 +3,8 @@
  * 3). Same semantics as ops.h's attention op: q(N,NH,HS) are the queries of positions
  * n_past..n_past+N-1; k,v(T,KVH,HS) hold positions 0..n_past+N-1; query head h reads kv head
  * h / (NH/KVH); out(N,NH,HS) = softmax(q.k * scale) v over keys 0..n_past+n (causal).
- * All pointers are device pointers to f32. Included from .cu files only (C++ linkage).
+ * All pointers are device pointers to f32 (but out16, bf16 bit patterns). Included from .cu
+ * files only (C++ linkage).
  *
  * Which kernel runs (kiln_cuda_attention_fast; the switch is kiln_cuda_attn_fast_is_mma):
  *   - N <= KILN_ATTN_DECODE_MAX_N (8): the split decode. The keys are cut into fixed splits
@@ -26,7 +27,8 @@
  *     (kiln_cuda_attn_pack_heads); the kernel copies key tiles with cp.async, double-buffered
  *     under the products of the previous tile, and reads fragments with ldmatrix. The softmax
  *     weights p are rounded to bf16 before the p.v product (l sums those rounded weights), so
- *     the result is within about 1e-2 * max|v| of the exact attention (tested at 2e-2).
+ *     the result is within about 1e-2 * max|v| of the exact attention (tested at 2e-2). The
+ *     batched entry point can have it store the output as bf16 instead (out16).
  *   - N > 8 otherwise (HS up to KILN_ATTN_FAST_MAX_HS, e.g. 48, 80, 96, 256; or unaligned
  *     pointers): the split kernel's code run as one split over all of a row's keys, writing
  *     out directly (plain f32, kiln_expf).
@@ -63,13 +65,16 @@ static inline int kiln_cuda_attn_pack_rows(int R) {
 /* One tensor to pack, for B >= 1 sequences of R rows each: src (B*R, H, HS) f32 (16-byte
  * aligned for HS 128, 8 for 64) -> dst [B][H][Rpad][HS] bf16 (round to nearest even), rows
  * R..Rpad-1 of each (sequence, head) zero; Rpad a multiple of KILN_ATTN_PACK_ROWS and >= R.
- * With out and d (both or neither): out has src's layout and d[(b * H + h) * Rpad + r] = sum
- * over i of src * out (the backward's D = rowsum(dout * out), f32 in a fixed order; 0 on
- * padding rows). [B][H] is [B*H]: the kernels index a sequence's head h as b * H + h. */
+ * With d and one of out (f32) or out16 (bf16 bits, 8-byte aligned), both with src's layout:
+ * d[(b * H + h) * Rpad + r] = sum over i of src * out (the backward's D = rowsum(dout * out),
+ * f32 in a fixed order; 0 on padding rows). out16's values are widened to f32 (exact) and
+ * then take the same operations, so d has the bits of an f32 out holding those values.
+ * [B][H] is [B*H]: the kernels index a sequence's head h as b * H + h. */
 typedef struct {
     __nv_bfloat16 *dst;
-    const float *src, *out;
-    float *d;
+    const float *src, *out; /* out: NULL, or (B*R, H, HS) f32 */
+    const uint16_t *out16;  /* NULL, or (B*R, H, HS) bf16 bits; never with out */
+    float *d;               /* NULL exactly when out and out16 are */
     int R, Rpad, H, B;
 } kiln_cuda_attn_pack_job;
 #define KILN_ATTN_PACK_MAX_JOBS 4
@@ -106,9 +111,10 @@ uint64_t kiln_cuda_attn_generation(const kiln_cuda_attn *a);
 cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *out,
                                      const float *q, const float *k, const float *v, int N,
                                      int n_past, int NH, int KVH, int HS, float scale);
-/* Whether kiln_cuda_attention_fast_seqs writes lse for these arguments (the flash kernel
- * runs); the fast backward uses a saved lse only when this holds for the same pointers. */
-static inline bool kiln_cuda_attn_saves_lse(const float *out, const float *q, const float *k,
+/* Whether kiln_cuda_attention_fast_seqs runs the one-launch flash path, hence writes lse,
+ * for these arguments; out is the output it writes (the f32 out, or out16 when that is the
+ * one given). The fast backward uses a saved lse only when this holds for the same pointers. */
+static inline bool kiln_cuda_attn_saves_lse(const void *out, const float *q, const float *k,
                                             const float *v, int N, int HS) {
     return kiln_cuda_attn_fast_is_mma(N, HS) &&
            (((uintptr_t)out | (uintptr_t)q | (uintptr_t)k | (uintptr_t)v) & 15) == 0;
@@ -119,11 +125,17 @@ static inline bool kiln_cuda_attn_saves_lse(const float *out, const float *q, co
  * lse (NULL or [B][NH][Npad] floats, Npad = N rounded up to KILN_ATTN_PACK_ROWS) receives
  * each row's log-sum-exp of the scaled scores, m + log(l) with the forward's own m and l (l
  * sums the bf16-rounded weights the output used; padding rows 0); otherwise a loop of
- * kiln_cuda_attention_fast and lse untouched. Errors as kiln_cuda_attention_fast. */
+ * kiln_cuda_attention_fast and lse untouched.
+ * The output (B*N, NH, HS) goes to exactly one of out (f32) and out16 (bf16 bits: each value
+ * the round-to-nearest-even bf16 of the f32 that out would hold, tensor.c's
+ * kiln_fp32_to_bf16; lse as with out). out16 is taken only by the flash path
+ * (kiln_cuda_attn_saves_lse(out16, q, k, v, N, HS)): cudaErrorNotSupported otherwise, nothing
+ * enqueued. cudaErrorInvalidValue when both or neither of out, out16 are given; other errors
+ * as kiln_cuda_attention_fast. */
 cudaError_t kiln_cuda_attention_fast_seqs(kiln_cuda_attn *a, cudaStream_t s, float *out,
-                                          float *lse, const float *q, const float *k,
-                                          const float *v, int B, int N, int NH, int KVH, int HS,
-                                          float scale);
+                                          uint16_t *out16, float *lse, const float *q,
+                                          const float *k, const float *v, int B, int N, int NH,
+                                          int KVH, int HS, float scale);
 /* Decode of B sequences, one new token each, for CUDA graphs: sequence b's query is
  * q + b*NH*HS, its output out + b*NH*HS, its cache k + b*kv_seq_stride (floats; same for v),
  * its n_past is d_n_past[b] READ ON THE DEVICE (so a captured graph replays for any

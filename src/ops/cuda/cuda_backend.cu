@@ -288,10 +288,10 @@ static int multi_plan(cuda_ctx *c, const char *op, int n, int max, const kiln_te
 }
 
 /* ops.h's matmul_multi (x f32) and matmul_multi_bf16x (x16 bf16, x NULL: fast mode only, always
- * one GEMM call). */
-static void matmul_multi(kiln_backend *be, int n, float *const *out, const float *x,
-                         const uint16_t *x16, const kiln_tensor *const *W,
-                         const float *const *bias, int N) {
+ * one GEMM call; out16 / add as ops.h says, NULL with x). */
+static void matmul_multi(kiln_backend *be, int n, float *const *out, uint16_t *const *out16,
+                         const float *const *add, const float *x, const uint16_t *x16,
+                         const kiln_tensor *const *W, const float *const *bias, int N) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
     const int max = KILN_MATMUL_MULTI_MAX < KILN_GEMM_MULTI_MAX ? KILN_MATMUL_MULTI_MAX
@@ -316,8 +316,8 @@ static void matmul_multi(kiln_backend *be, int n, float *const *out, const float
     }
     if (!c->gemm && !CK(c, kiln_cuda_gemm_create(c->device, &c->gemm))) return;
     cudaError_t e =
-        x16 ? kiln_cuda_gemm_linear_multi_bf16(c->gemm, c->stream, n, out, x16, C, w, rb, dt, R, C,
-                                               bias, N)
+        x16 ? kiln_cuda_gemm_linear_multi_bf16(c->gemm, c->stream, n, out, out16, add, x16, C, w,
+                                               rb, dt, R, C, bias, N)
             : kiln_cuda_gemm_linear_multi(c->gemm, c->stream, n, out, x, w, rb, dt, R, C, bias, N);
     if (e != cudaSuccess)
         poison(c, KILN_ERR_INTERNAL,
@@ -328,12 +328,14 @@ static void matmul_multi(kiln_backend *be, int n, float *const *out, const float
 
 static void cu_matmul_multi(kiln_backend *be, int n, float *const *out, const float *x,
                             const kiln_tensor *const *W, const float *const *bias, int N) {
-    matmul_multi(be, n, out, x, NULL, W, bias, N);
+    matmul_multi(be, n, out, NULL, NULL, x, NULL, W, bias, N);
 }
 
-static void cu_matmul_multi_bf16x(kiln_backend *be, int n, float *const *out, const uint16_t *x16,
-                                  const kiln_tensor *const *W, const float *const *bias, int N) {
-    matmul_multi(be, n, out, NULL, x16, W, bias, N);
+static void cu_matmul_multi_bf16x(kiln_backend *be, int n, float *const *out,
+                                  uint16_t *const *out16, const float *const *add,
+                                  const uint16_t *x16, const kiln_tensor *const *W,
+                                  const float *const *bias, int N) {
+    matmul_multi(be, n, out, out16, add, NULL, x16, W, bias, N);
 }
 
 static void cu_rope(kiln_backend *be, float *x, const int32_t *pos, int N, int H, int HS,
@@ -386,8 +388,8 @@ static void cu_rmsnorm_bf16(kiln_backend *be, uint16_t *out, const float *x, con
     after_launch(c, kiln_cuda_rmsnorm_bf16(c->stream, out, x, w, N, C, eps), "rmsnorm_bf16");
 }
 
-static void cu_swiglu_bf16(kiln_backend *be, uint16_t *out, const float *gate, const float *up,
-                           size_t n) {
+static void cu_swiglu_bf16(kiln_backend *be, uint16_t *out, const uint16_t *gate,
+                           const uint16_t *up, size_t n) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
     after_launch(c, kiln_cuda_swiglu_bf16(c->stream, out, gate, up, n), "swiglu_bf16");
@@ -647,7 +649,7 @@ static void cu_matmul_backward_multi_bf16x(kiln_backend *be, int n, float *dx, f
 }
 
 static void cu_swiglu_backward_bf16(kiln_backend *be, uint16_t *dgate16, uint16_t *dup16,
-                                    const float *dout, const float *gate, const float *up,
+                                    const float *dout, const uint16_t *gate, const uint16_t *up,
                                     size_t n) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
@@ -681,23 +683,41 @@ static double *colsum_scratch(cuda_ctx *c, size_t len) {
     return c->colsum_ws;
 }
 
-static void cu_rmsnorm_backward(kiln_backend *be, float *dx, float *dw, const float *dy,
-                                const float *x, const float *w, int N, int C, float eps,
-                                float *rstd, bool accumulate_dx) {
+/* ops.h's rmsnorm_backward and (dx16 non-NULL: fast mode with dw and w only)
+ * rmsnorm_backward_bf16. */
+static void rmsnorm_backward(kiln_backend *be, float *dx, uint16_t *dx16, float *dw,
+                             const float *dy, const float *x, const float *w, int N, int C,
+                             float eps, float *rstd, bool accumulate_dx) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
     if (c->fast && dw && w) { /* dw in the fast column sum's order (cuda_backward_fast.h) */
         const size_t len = kiln_cuda_col_sum_fast_scratch_len(N, C);
         double *ws = colsum_scratch(c, len);
         if (!ws) return;
-        after_launch(c, kiln_cuda_rmsnorm_backward_fast(c->stream, dx, dw, dy, x, w, N, C, eps,
-                                                        rstd, accumulate_dx, ws, len),
+        after_launch(c, kiln_cuda_rmsnorm_backward_fast(c->stream, dx, dx16, dw, dy, x, w, N, C,
+                                                        eps, rstd, accumulate_dx, ws, len),
                      "rmsnorm_backward (fast)");
+        return;
+    }
+    if (dx16) {
+        poison(c, KILN_ERR_UNSUPPORTED, "rmsnorm_backward_bf16: needs fast mode, dw and w");
         return;
     }
     after_launch(c, kiln_cuda_rmsnorm_backward(c->stream, dx, dw, dy, x, w, N, C, eps, rstd,
                                                accumulate_dx),
                  "rmsnorm_backward");
+}
+
+static void cu_rmsnorm_backward(kiln_backend *be, float *dx, float *dw, const float *dy,
+                                const float *x, const float *w, int N, int C, float eps,
+                                float *rstd, bool accumulate_dx) {
+    rmsnorm_backward(be, dx, NULL, dw, dy, x, w, N, C, eps, rstd, accumulate_dx);
+}
+
+static void cu_rmsnorm_backward_bf16(kiln_backend *be, float *dx, uint16_t *dx16, float *dw,
+                                     const float *dy, const float *x, const float *w, int N,
+                                     int C, float eps, float *rstd, bool accumulate_dx) {
+    rmsnorm_backward(be, dx, dx16, dw, dy, x, w, N, C, eps, rstd, accumulate_dx);
 }
 
 static void cu_rope_backward(kiln_backend *be, float *d, const int32_t *pos, int N, int H,
@@ -734,12 +754,18 @@ static void cu_attention_backward(kiln_backend *be, float *dq, float *dk, float 
 
 /* B sequences of N tokens (ops.h's attention_seqs): fast mode runs them in one set of
  * launches and saves lse; auditable mode is B attention() calls (lse untouched). */
-static void cu_attention_seqs(kiln_backend *be, float *out, float *lse, const float *q,
-                              const float *k, const float *v, int B, int N, int NH, int KVH,
-                              int HS, float scale) {
+static void cu_attention_seqs(kiln_backend *be, float *out, uint16_t *out16, float *lse,
+                              const float *q, const float *k, const float *v, int B, int N,
+                              int NH, int KVH, int HS, float scale) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || B <= 0 || N <= 0) return;
     const size_t qs = (size_t)N * NH * HS, ks = (size_t)N * KVH * HS;
+    if (out16 && (!c->fast || out || !kiln_cuda_attn_saves_lse(out16, q, k, v, N, HS))) {
+        poison(c, KILN_ERR_UNSUPPORTED, "attention_seqs: a bf16 output needs fast mode, the "
+               "flash kernels' head sizes (64, 128), 16-byte alignment and no f32 output "
+               "(head size %d, N %d)", HS, N);
+        return;
+    }
     if (!c->fast || HS > KILN_ATTN_FAST_MAX_HS) {
         for (int b = 0; b < B; b++)
             cu_attention(be, out + b * qs, q + b * qs, k + b * ks, v + b * ks, N, 0, NH, KVH, HS,
@@ -748,8 +774,8 @@ static void cu_attention_seqs(kiln_backend *be, float *out, float *lse, const fl
     }
     if (!c->attn && !CK(c, kiln_cuda_attn_create(&c->attn))) return;
     after_launch(c,
-                 kiln_cuda_attention_fast_seqs(c->attn, c->stream, out, lse, q, k, v, B, N, NH,
-                                               KVH, HS, scale),
+                 kiln_cuda_attention_fast_seqs(c->attn, c->stream, out, out16, lse, q, k, v, B, N,
+                                               NH, KVH, HS, scale),
                  "attention_seqs (fast)");
 }
 
@@ -757,19 +783,25 @@ static void cu_attention_seqs(kiln_backend *be, float *out, float *lse, const fl
  * when they take the shape, else B attention_backward calls (ws reused in stream order). */
 static void cu_attention_backward_seqs(kiln_backend *be, float *dq, float *dk, float *dv,
                                        const float *dout, const float *q, const float *k,
-                                       const float *v, const float *out, const float *lse,
-                                       float *ws, int B, int N, int NH, int KVH, int HS,
-                                       float scale) {
+                                       const float *v, const float *out, const uint16_t *out16,
+                                       const float *lse, float *ws, int B, int N, int NH, int KVH,
+                                       int HS, float scale) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || B <= 0 || N <= 0) return;
+    const void *o = out16 ? (const void *)out16 : (const void *)out;
     if (c->fast && B <= 65535 &&
-        kiln_cuda_attention_backward_fast_ok(dq, dk, dv, dout, q, k, v, out, N, 0, NH, KVH, HS)) {
+        kiln_cuda_attention_backward_fast_ok(dq, dk, dv, dout, q, k, v, o, N, 0, NH, KVH, HS)) {
         after_launch(c,
                      kiln_cuda_attention_backward_fast_seqs(
-                         c->stream, dq, dk, dv, dout, q, k, v, out, lse, ws,
+                         c->stream, dq, dk, dv, dout, q, k, v, out, out16, lse, ws,
                          kiln_attention_backward_seqs_ws_floats(B, N, NH, KVH, HS), B, N, NH,
                          KVH, HS, scale),
                      "attention_backward_seqs (fast)");
+        return;
+    }
+    if (out16) {
+        poison(c, KILN_ERR_UNSUPPORTED, "attention_backward_seqs: a bf16 output needs fast mode "
+               "and the fast kernels' shapes (head size %d, N %d)", HS, N);
         return;
     }
     const size_t qs = (size_t)N * NH * HS, ks = (size_t)N * KVH * HS;
@@ -931,6 +963,7 @@ static const kiln_backend_i cuda_iface = {
     /* .matmul_multi_bf16x = */ cu_matmul_multi_bf16x,
     /* .matmul_backward_multi_bf16x = */ cu_matmul_backward_multi_bf16x,
     /* .swiglu_backward_bf16 = */ cu_swiglu_backward_bf16,
+    /* .rmsnorm_backward_bf16 = */ cu_rmsnorm_backward_bf16,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {

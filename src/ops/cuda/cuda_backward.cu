@@ -705,33 +705,32 @@ static __device__ __forceinline__ void swiglu_bwd_elem(float g, float uv, float 
     *r_gate = (dov * uv) * (sg * (1.0f + g * (1.0f - sg)));
 }
 
-template <typename O>
-static __global__ void swiglu_bwd_kernel(O *dgate, O *dup, const float *dout, const float *gate,
-                                         const float *up, size_t n) {
+template <typename O, typename I>
+static __global__ void swiglu_bwd_kernel(O *dgate, O *dup, const float *dout, const I *gate,
+                                         const I *up, size_t n) {
     for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
          u += (size_t)gridDim.x * blockDim.x) {
         float r_gate, r_up;
-        swiglu_bwd_elem(gate[u], up[u], dout[u], &r_gate, &r_up);
+        swiglu_bwd_elem(load_in(gate + u), load_in(up + u), dout[u], &r_gate, &r_up);
         store_out(dup + u, r_up);
         store_out(dgate + u, r_gate);
     }
 }
 
-/* bf16 outputs 4 elements a thread (float4 loads, 8-byte stores), each element as above. */
+/* bf16 gate, up in and dgate, dup out, 4 elements a thread (float4 dout, 8-byte bf16 loads
+ * and stores), each element as above. */
 static __global__ void swiglu_bwd_bf16x4_kernel(uint2 *dgate, uint2 *dup, const float4 *dout,
-                                                const float4 *gate, const float4 *up, size_t n4) {
+                                                const uint2 *gate, const uint2 *up, size_t n4) {
     for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n4;
          u += (size_t)gridDim.x * blockDim.x) {
-        const float4 g = gate[u], v = up[u], d = dout[u];
+        const float4 g = bf16x4_f32(gate[u]), v = bf16x4_f32(up[u]), d = dout[u];
         float a0, a1, a2, a3, b0, b1, b2, b3; /* dgate, dup */
         swiglu_bwd_elem(g.x, v.x, d.x, &a0, &b0);
         swiglu_bwd_elem(g.y, v.y, d.y, &a1, &b1);
         swiglu_bwd_elem(g.z, v.z, d.z, &a2, &b2);
         swiglu_bwd_elem(g.w, v.w, d.w, &a3, &b3);
-        dgate[u] = make_uint2((uint32_t)kiln_bf16_rne(a0) | ((uint32_t)kiln_bf16_rne(a1) << 16),
-                              (uint32_t)kiln_bf16_rne(a2) | ((uint32_t)kiln_bf16_rne(a3) << 16));
-        dup[u] = make_uint2((uint32_t)kiln_bf16_rne(b0) | ((uint32_t)kiln_bf16_rne(b1) << 16),
-                            (uint32_t)kiln_bf16_rne(b2) | ((uint32_t)kiln_bf16_rne(b3) << 16));
+        dgate[u] = f32x4_bf16(a0, a1, a2, a3);
+        dup[u] = f32x4_bf16(b0, b1, b2, b3);
     }
 }
 
@@ -739,27 +738,28 @@ cudaError_t kiln_cuda_swiglu_backward(cudaStream_t s, float *dgate, float *dup,
                                       const float *dout, const float *gate, const float *up,
                                       size_t n) {
     if (n == 0) return cudaSuccess;
-    swiglu_bwd_kernel<float><<<grid_for((int64_t)n, 256), 256, 0, s>>>(dgate, dup, dout, gate,
-                                                                        up, n);
+    swiglu_bwd_kernel<float, float><<<grid_for((int64_t)n, 256), 256, 0, s>>>(dgate, dup, dout,
+                                                                               gate, up, n);
     return cudaGetLastError();
 }
 
 cudaError_t kiln_cuda_swiglu_backward_bf16(cudaStream_t s, uint16_t *dgate, uint16_t *dup,
-                                           const float *dout, const float *gate, const float *up,
-                                           size_t n) {
+                                           const float *dout, const uint16_t *gate,
+                                           const uint16_t *up, size_t n) {
     if (n == 0) return cudaSuccess;
     size_t done = 0;
-    if ((((uintptr_t)dout | (uintptr_t)gate | (uintptr_t)up) & 15) == 0 &&
-        (((uintptr_t)dgate | (uintptr_t)dup) & 7) == 0 && n >= 4) {
+    if (((uintptr_t)dout & 15) == 0 &&
+        (((uintptr_t)dgate | (uintptr_t)dup | (uintptr_t)gate | (uintptr_t)up) & 7) == 0 &&
+        n >= 4) {
         const size_t n4 = n / 4;
         swiglu_bwd_bf16x4_kernel<<<grid_for((int64_t)n4, 256), 256, 0, s>>>(
             reinterpret_cast<uint2 *>(dgate), reinterpret_cast<uint2 *>(dup),
-            reinterpret_cast<const float4 *>(dout), reinterpret_cast<const float4 *>(gate),
-            reinterpret_cast<const float4 *>(up), n4);
+            reinterpret_cast<const float4 *>(dout), reinterpret_cast<const uint2 *>(gate),
+            reinterpret_cast<const uint2 *>(up), n4);
         done = 4 * n4;
     }
     if (done < n)
-        swiglu_bwd_kernel<uint16_t><<<grid_for((int64_t)(n - done), 256), 256, 0, s>>>(
+        swiglu_bwd_kernel<uint16_t, uint16_t><<<grid_for((int64_t)(n - done), 256), 256, 0, s>>>(
             dgate + done, dup + done, dout + done, gate + done, up + done, n - done);
     return cudaGetLastError();
 }

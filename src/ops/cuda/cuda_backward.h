@@ -59,11 +59,11 @@ cudaError_t kiln_cuda_attention_backward(cudaStream_t s, float *dq, float *dk, f
 cudaError_t kiln_cuda_swiglu_backward(cudaStream_t s, float *dgate, float *dup,
                                       const float *dout, const float *gate, const float *up,
                                       size_t n);
-/* The same with dgate and dup rounded to bf16 (a fast mode's inputs of the gate/up products'
- * backward); they alias nothing. */
+/* The same on bf16 gate, up (widened) with dgate and dup rounded to bf16 (a fast mode's
+ * saved gate/up products and the inputs of their backward); they alias nothing. */
 cudaError_t kiln_cuda_swiglu_backward_bf16(cudaStream_t s, uint16_t *dgate, uint16_t *dup,
-                                           const float *dout, const float *gate, const float *up,
-                                           size_t n);
+                                           const float *dout, const uint16_t *gate,
+                                           const uint16_t *up, size_t n);
 
 /* dtable(V,C) += dy rows: row v gets the rows of the tokens with ids[n] == v in increasing
  * n. ids(N) device memory, in [0, V) (an id outside is skipped, never written through). */

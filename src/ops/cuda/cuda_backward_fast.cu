@@ -8,6 +8,8 @@
  */
 #include "cuda_backward_fast.h"
 
+#include "cuda_common.cuh"
+
 #include "cuda_backward.h"
 
 #include "../../base/kmath.h"
@@ -253,6 +255,30 @@ static __device__ __forceinline__ void rb_store(float *row, int j, int C, float4
     if (i + 3 < C) row[i + 3] = v.w;
 }
 
+/* The bf16 copy of a stored slot (dx16: rmsnorm_backward_bf16), rounded as kiln_bf16_rne. */
+template <bool VEC>
+static __device__ __forceinline__ void rb_store16(uint16_t *row, int j, int C, float4 v) {
+    const int64_t i = 4 * (int64_t)j;
+    if (VEC) {
+        *(uint2 *)(row + i) =
+            make_uint2((uint32_t)kiln_bf16_rne(v.x) | ((uint32_t)kiln_bf16_rne(v.y) << 16),
+                       (uint32_t)kiln_bf16_rne(v.z) | ((uint32_t)kiln_bf16_rne(v.w) << 16));
+        return;
+    }
+    if (i < C) row[i] = kiln_bf16_rne(v.x);
+    if (i + 1 < C) row[i + 1] = kiln_bf16_rne(v.y);
+    if (i + 2 < C) row[i + 2] = kiln_bf16_rne(v.z);
+    if (i + 3 < C) row[i + 3] = kiln_bf16_rne(v.w);
+}
+
+/* rb_store, and the bf16 copy when dx16r is set */
+template <bool VEC>
+static __device__ __forceinline__ void rb_store2(float *row, uint16_t *dx16r, int j, int C,
+                                                 float4 v) {
+    rb_store<VEC>(row, j, C, v);
+    if (dx16r) rb_store16<VEC>(dx16r, j, C, v);
+}
+
 /* x and g = dy * w (w NULL: g = dy, no product) of slot j */
 template <bool VEC>
 static __device__ __forceinline__ void rb_load_slot(const float *xr, const float *dyr,
@@ -294,9 +320,9 @@ static __device__ __forceinline__ float4 rb_add(float4 o, float4 v) {
 /* LPR lanes per row (32 / LPR rows per warp), V slots per lane: C4 <= LPR * V. */
 template <int LPR, int V, bool VEC>
 static __global__ void __launch_bounds__(RB_THREADS)
-rmsnorm_bwd_fast_warp_kernel(float *dx, const float *dy, const float *__restrict__ x,
-                             const float *__restrict__ w, int N, int C, float eps,
-                             float *__restrict__ rstd, bool accumulate) {
+rmsnorm_bwd_fast_warp_kernel(float *dx, uint16_t *__restrict__ dx16, const float *dy,
+                             const float *__restrict__ x, const float *__restrict__ w, int N,
+                             int C, float eps, float *__restrict__ rstd, bool accumulate) {
     constexpr int RPW = 32 / LPR;
     const int lane = threadIdx.x & 31, t = lane % LPR;
     const int64_t n =
@@ -326,6 +352,7 @@ rmsnorm_bwd_fast_warp_kernel(float *dx, const float *dy, const float *__restrict
     if (t == 0) rstd[n] = r;
     const float u = ((d / (float)C) * r) * r;
     float *dxr = dx + off;
+    uint16_t *d16 = dx16 ? dx16 + off : NULL;
     if (accumulate) {
         float4 ov[V];
 #pragma unroll
@@ -334,11 +361,12 @@ rmsnorm_bwd_fast_warp_kernel(float *dx, const float *dy, const float *__restrict
 #pragma unroll
         for (int k = 0; k < V; k++)
             if (t + LPR * k < C4)
-                rb_store<VEC>(dxr, t + LPR * k, C, rb_add(ov[k], rb_dx(xv[k], gv[k], u, r)));
+                rb_store2<VEC>(dxr, d16, t + LPR * k, C, rb_add(ov[k], rb_dx(xv[k], gv[k], u, r)));
     } else {
 #pragma unroll
         for (int k = 0; k < V; k++)
-            if (t + LPR * k < C4) rb_store<VEC>(dxr, t + LPR * k, C, rb_dx(xv[k], gv[k], u, r));
+            if (t + LPR * k < C4)
+                rb_store2<VEC>(dxr, d16, t + LPR * k, C, rb_dx(xv[k], gv[k], u, r));
     }
 }
 
@@ -352,9 +380,9 @@ static __device__ __forceinline__ float rb_tree8(const float *p) {
  * second pass that reads x, dy, w again, RB_STREAM_AHEAD slots loaded before their stores. */
 template <int K, bool VEC>
 static __global__ void __launch_bounds__(RB_THREADS)
-rmsnorm_bwd_fast_block_kernel(float *dx, const float *dy, const float *__restrict__ x,
-                              const float *__restrict__ w, int C, float eps,
-                              float *__restrict__ rstd, bool accumulate) {
+rmsnorm_bwd_fast_block_kernel(float *dx, uint16_t *__restrict__ dx16, const float *dy,
+                              const float *__restrict__ x, const float *__restrict__ w, int C,
+                              float eps, float *__restrict__ rstd, bool accumulate) {
     __shared__ float part[2][RB_WARPS];
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const int64_t n = blockIdx.x;
@@ -362,6 +390,7 @@ rmsnorm_bwd_fast_block_kernel(float *dx, const float *dy, const float *__restric
     const int64_t off = n * C;
     const float *xr = x + off, *dyr = dy + off;
     float *dxr = dx + off;
+    uint16_t *d16 = dx16 ? dx16 + off : NULL;
     constexpr int KC = K > 0 ? K : 1;
     float4 xv[KC], gv[KC];
     float ss[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -411,7 +440,7 @@ rmsnorm_bwd_fast_block_kernel(float *dx, const float *dy, const float *__restric
             const int j = t + RB_THREADS * k;
             if (j >= C4) continue;
             const float4 v = rb_dx(xv[k], gv[k], u, r);
-            rb_store<VEC>(dxr, j, C, accumulate ? rb_add(ov[k], v) : v);
+            rb_store2<VEC>(dxr, d16, j, C, accumulate ? rb_add(ov[k], v) : v);
         }
     } else {
         for (int j0 = t; j0 < C4; j0 += RB_THREADS * RB_STREAM_AHEAD) {
@@ -428,46 +457,49 @@ rmsnorm_bwd_fast_block_kernel(float *dx, const float *dy, const float *__restric
                 const int j = j0 + RB_THREADS * k;
                 if (j >= C4) continue;
                 const float4 v = rb_dx(a[k], b[k], u, r);
-                rb_store<VEC>(dxr, j, C, accumulate ? rb_add(o[k], v) : v);
+                rb_store2<VEC>(dxr, d16, j, C, accumulate ? rb_add(o[k], v) : v);
             }
         }
     }
 }
 
 template <int LPR, int V>
-static void rb_warp_launch(cudaStream_t s, bool vec, float *dx, const float *dy, const float *x,
-                           const float *w, int N, int C, float eps, float *rstd, bool acc) {
+static void rb_warp_launch(cudaStream_t s, bool vec, float *dx, uint16_t *dx16, const float *dy,
+                           const float *x, const float *w, int N, int C, float eps, float *rstd,
+                           bool acc) {
     constexpr int rows_per_block = RB_WARPS * (32 / LPR);
     const unsigned grid = (unsigned)(((int64_t)N + rows_per_block - 1) / rows_per_block);
     if (vec)
         rmsnorm_bwd_fast_warp_kernel<LPR, V, true>
-            <<<grid, RB_THREADS, 0, s>>>(dx, dy, x, w, N, C, eps, rstd, acc);
+            <<<grid, RB_THREADS, 0, s>>>(dx, dx16, dy, x, w, N, C, eps, rstd, acc);
     else
         rmsnorm_bwd_fast_warp_kernel<LPR, V, false>
-            <<<grid, RB_THREADS, 0, s>>>(dx, dy, x, w, N, C, eps, rstd, acc);
+            <<<grid, RB_THREADS, 0, s>>>(dx, dx16, dy, x, w, N, C, eps, rstd, acc);
 }
 
 template <int K>
-static void rb_block_launch(cudaStream_t s, bool vec, float *dx, const float *dy, const float *x,
-                            const float *w, int N, int C, float eps, float *rstd, bool acc) {
+static void rb_block_launch(cudaStream_t s, bool vec, float *dx, uint16_t *dx16, const float *dy,
+                            const float *x, const float *w, int N, int C, float eps, float *rstd,
+                            bool acc) {
     if (vec)
         rmsnorm_bwd_fast_block_kernel<K, true>
-            <<<(unsigned)N, RB_THREADS, 0, s>>>(dx, dy, x, w, C, eps, rstd, acc);
+            <<<(unsigned)N, RB_THREADS, 0, s>>>(dx, dx16, dy, x, w, C, eps, rstd, acc);
     else
         rmsnorm_bwd_fast_block_kernel<K, false>
-            <<<(unsigned)N, RB_THREADS, 0, s>>>(dx, dy, x, w, C, eps, rstd, acc);
+            <<<(unsigned)N, RB_THREADS, 0, s>>>(dx, dx16, dy, x, w, C, eps, rstd, acc);
 }
 
 /* dx and rstd of the fast rmsnorm backward (cuda_backward_fast.h); N, C >= 1, pointers set.
  * The variant is chosen from C alone (it fixes the order); vec only picks the loads. */
-static cudaError_t rmsnorm_bwd_rows_fast(cudaStream_t s, float *dx, const float *dy,
-                                         const float *x, const float *w, int N, int C, float eps,
-                                         float *rstd, bool acc) {
+static cudaError_t rmsnorm_bwd_rows_fast(cudaStream_t s, float *dx, uint16_t *dx16,
+                                         const float *dy, const float *x, const float *w, int N,
+                                         int C, float eps, float *rstd, bool acc) {
     const int C4 = (int)(((int64_t)C + 3) / 4);
     const bool vec = C % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)dy % 16 == 0 &&
-                     (uintptr_t)dx % 16 == 0 && (!w || (uintptr_t)w % 16 == 0);
-#define RB_WARP(LPR, V) rb_warp_launch<LPR, V>(s, vec, dx, dy, x, w, N, C, eps, rstd, acc)
-#define RB_BLOCK(K) rb_block_launch<K>(s, vec, dx, dy, x, w, N, C, eps, rstd, acc)
+                     (uintptr_t)dx % 16 == 0 && (!w || (uintptr_t)w % 16 == 0) &&
+                     (uintptr_t)dx16 % 8 == 0;
+#define RB_WARP(LPR, V) rb_warp_launch<LPR, V>(s, vec, dx, dx16, dy, x, w, N, C, eps, rstd, acc)
+#define RB_BLOCK(K) rb_block_launch<K>(s, vec, dx, dx16, dy, x, w, N, C, eps, rstd, acc)
     if (C4 <= 8) {
         RB_WARP(8, 1);
     } else if (C4 <= 16) {
@@ -497,7 +529,7 @@ static cudaError_t rmsnorm_bwd_rows_fast(cudaStream_t s, float *dx, const float 
     return cudaGetLastError();
 }
 
-cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, float *dw,
+cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, uint16_t *dx16, float *dw,
                                             const float *dy, const float *x, const float *w,
                                             int N, int C, float eps, float *rstd,
                                             bool accumulate_dx, double *scratch,
@@ -507,7 +539,7 @@ cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, float *dw
     if (want_dw && (!scratch || scratch_len < kiln_cuda_col_sum_fast_scratch_len(N, C)))
         return cudaErrorInvalidValue; /* refused before anything is enqueued */
     if (!dx || !dy || !x || !rstd) return cudaErrorInvalidValue;
-    cudaError_t e = rmsnorm_bwd_rows_fast(s, dx, dy, x, w, N, C, eps, rstd, accumulate_dx);
+    cudaError_t e = rmsnorm_bwd_rows_fast(s, dx, dx16, dy, x, w, N, C, eps, rstd, accumulate_dx);
     if (e != cudaSuccess || !want_dw) return e;
     /* dw[c] += sum over n of dy[n,c] * f32(x[n,c] * rstd[n]) */
     return kiln_cuda_col_sum_fast(s, dw, dy, x, rstd, C, N, C, scratch, scratch_len);

@@ -150,9 +150,11 @@ cudaError_t kiln_cuda_col_sum_fast(cudaStream_t s, float *out, const float *a, c
  * Then, when dw and w are both given, dw(C) += sum over rows of dy * f32(x * rstd) by
  * kiln_cuda_col_sum_fast with this function's rstd (scratch as there, for N rows of C
  * columns). dx may be dy only when dw is skipped (dw reads dy after dx is written, as on the
- * CPU). Returns cudaErrorInvalidValue for dx, dy, x or rstd NULL or a short scratch (before
- * anything is enqueued), else as kiln_cuda_col_sum_fast. */
-cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, float *dw,
+ * CPU). dx16: NULL, or also the bf16 rounding (kiln_bf16_rne) of every dx value written
+ * (after the accumulate; (N, C) back to back, no alias of another argument). Returns
+ * cudaErrorInvalidValue for dx, dy, x or rstd NULL or a short scratch (before anything is
+ * enqueued), else as kiln_cuda_col_sum_fast. */
+cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, uint16_t *dx16, float *dw,
                                             const float *dy, const float *x, const float *w,
                                             int N, int C, float eps, float *rstd,
                                             bool accumulate_dx, double *scratch,

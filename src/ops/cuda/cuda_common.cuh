@@ -44,6 +44,22 @@ static __device__ __forceinline__ uint16_t kiln_bf16_rne(float f) {
 static __device__ __forceinline__ void store_out(float *p, float v) { *p = v; }
 static __device__ __forceinline__ void store_out(uint16_t *p, float v) { *p = kiln_bf16_rne(v); }
 
+/* An input element: f32 as is, bf16 widened (exact). */
+static __device__ __forceinline__ float load_in(const float *p) { return *p; }
+static __device__ __forceinline__ float load_in(const uint16_t *p) {
+    return __uint_as_float((uint32_t)*p << 16);
+}
+/* 4 bf16 (8 bytes) widened. */
+static __device__ __forceinline__ float4 bf16x4_f32(uint2 v) {
+    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                       __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+}
+/* 4 values rounded to bf16 (kiln_bf16_rne), packed in 8 bytes, the first at the lowest. */
+static __device__ __forceinline__ uint2 f32x4_bf16(float a, float b, float c, float d) {
+    return make_uint2((uint32_t)kiln_bf16_rne(a) | ((uint32_t)kiln_bf16_rne(b) << 16),
+                      (uint32_t)kiln_bf16_rne(c) | ((uint32_t)kiln_bf16_rne(d) << 16));
+}
+
 /* ---- dequantization of one element: tensor.c's formulas, operation for operation -------- */
 
 static __device__ __forceinline__ uint32_t rd_u16(const uint8_t *p) {

@@ -167,12 +167,14 @@ typedef struct gemm_key {
     int64_t align_a, align_b, align_d; /* alignment class of the pointers (bytes, <= 16) */
     int64_t align_bias;        /* the bias pointer's class; 0: no bias */
     int64_t bias_kernel;       /* the handle's forced bias-kernel mode (tests) */
+    int64_t d_bf16;            /* D (and C) bf16 rather than f32 */
+    int64_t align_c;           /* C's class when C is not D (a residual added); 0: C is D */
 } gemm_key;
 
 typedef struct gemm_plan {
     gemm_key key;
     cublasLtMatmulDesc_t desc;
-    cublasLtMatrixLayout_t la, lb, ld; /* C and D share ld (in place: C == D) */
+    cublasLtMatrixLayout_t la, lb, ld; /* C and D share ld (C is D, or a residual of D's shape) */
     cublasLtMatmulAlgo_t algo;
     bool epilogue_bias; /* bias added by cuBLASLt's epilogue; false with a bias: by add_bias */
 } gemm_plan;
@@ -354,7 +356,8 @@ static bool key_equal(const gemm_key *a, const gemm_key *b) {
     return a->op_a == b->op_a && a->op_b == b->op_b && a->m == b->m && a->n == b->n &&
            a->k == b->k && a->lda == b->lda && a->ldb == b->ldb && a->ldd == b->ldd &&
            a->align_a == b->align_a && a->align_b == b->align_b && a->align_d == b->align_d &&
-           a->align_bias == b->align_bias && a->bias_kernel == b->bias_kernel;
+           a->align_bias == b->align_bias && a->bias_kernel == b->bias_kernel &&
+           a->d_bf16 == b->d_bf16 && a->align_c == b->align_c;
 }
 
 /* Ask the heuristic (best first) for problem p under preference pref; take the first result
@@ -416,8 +419,8 @@ static cudaError_t plan_create(kiln_cuda_gemm *g, const gemm_key *k, gemm_plan *
                "cublasLtMatrixLayoutCreate(A)");
         LT_TRY(cublasLtMatrixLayoutCreate(&p->lb, CUDA_R_16BF, rb, cb, k->ldb),
                "cublasLtMatrixLayoutCreate(B)");
-        LT_TRY(cublasLtMatrixLayoutCreate(&p->ld, CUDA_R_32F, (uint64_t)k->m, (uint64_t)k->n,
-                                          k->ldd),
+        LT_TRY(cublasLtMatrixLayoutCreate(&p->ld, k->d_bf16 ? CUDA_R_16BF : CUDA_R_32F,
+                                          (uint64_t)k->m, (uint64_t)k->n, k->ldd),
                "cublasLtMatrixLayoutCreate(D)");
 
         const uint64_t ws = GEMM_WORKSPACE_BYTES;
@@ -425,7 +428,8 @@ static cudaError_t plan_create(kiln_cuda_gemm *g, const gemm_key *k, gemm_plan *
         const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE |
                                  CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
         const uint32_t al_a = (uint32_t)k->align_a, al_b = (uint32_t)k->align_b,
-                       al_d = (uint32_t)k->align_d;
+                       al_d = (uint32_t)k->align_d,
+                       al_c = (uint32_t)(k->align_c ? k->align_c : k->align_d);
         LT_TRY(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
         LT_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                     &ws, sizeof ws),
@@ -440,7 +444,7 @@ static cudaError_t plan_create(kiln_cuda_gemm *g, const gemm_key *k, gemm_plan *
                                                     &al_b, sizeof al_b),
                "set MIN_ALIGNMENT_B_BYTES");
         LT_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                                    &al_d, sizeof al_d),
+                                                    &al_c, sizeof al_c),
                "set MIN_ALIGNMENT_C_BYTES");
         LT_TRY(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                                                     &al_d, sizeof al_d),
@@ -488,9 +492,10 @@ static cudaError_t plan_create(kiln_cuda_gemm *g, const gemm_key *k, gemm_plan *
             if (failed) goto fail;
         }
         if (!found) {
-            set_err(g, "cuBLASLt: no algorithm for bf16 x bf16 -> f32 m=%lld n=%lld k=%lld "
+            set_err(g, "cuBLASLt: no algorithm for bf16 x bf16 -> %s m=%lld n=%lld k=%lld "
                        "ops %d/%d ld %lld/%lld/%lld alignments %lld/%lld/%lld",
-                    (long long)k->m, (long long)k->n, (long long)k->k, op_a, op_b,
+                    k->d_bf16 ? "bf16" : "f32", (long long)k->m, (long long)k->n,
+                    (long long)k->k, op_a, op_b,
                     (long long)k->lda, (long long)k->ldb, (long long)k->ldd,
                     (long long)k->align_a, (long long)k->align_b, (long long)k->align_d);
             goto fail;
@@ -532,12 +537,32 @@ static cudaError_t plan_get(kiln_cuda_gemm *g, const gemm_key *k, gemm_plan **ou
 
 /* ---- the product ------------------------------------------------------------------------------ */
 
+/* Where a product's result goes: D (f32, or bf16 when d_bf16: the RNE rounding of the f32
+ * result, cuBLASLt's epilogue conversion), and what is added to it in the epilogue: with
+ * accumulate, D's old value; else add (NULL: nothing), an f32 matrix of D's shape and leading
+ * dimension (D = add + A'B', one f32 rounding of the sum; add may be D). bf16 D takes
+ * neither. */
+typedef struct gemm_out {
+    void *D;
+    bool d_bf16;
+    const float *add;
+    int accumulate;
+} gemm_out;
+
+static gemm_out out_f32(float *D, int accumulate) {
+    gemm_out o = {D, false, NULL, accumulate};
+    return o;
+}
+
 /* Row-major D(M,N) (+)= A'(M,K) B'(K,N) (+ bias(N) per row of D) on bf16 operands (layout
- * mapping: file comment). Arguments already checked; M, N, K >= 1. */
+ * mapping: file comment), D and the added matrix as o says. Arguments already checked; M, N,
+ * K >= 1. */
 static cudaError_t gemm_rowmajor(kiln_cuda_gemm *g, cudaStream_t s, int trans_a, int trans_b,
                                  int64_t M, int64_t N, int64_t K, const uint16_t *A,
-                                 int64_t lda, const uint16_t *B, int64_t ldb, float *D,
-                                 int64_t ldd, int accumulate, const float *bias) {
+                                 int64_t lda, const uint16_t *B, int64_t ldb, gemm_out o,
+                                 int64_t ldd, const float *bias) {
+    void *D = o.D;
+    const void *Cm = o.add && !o.accumulate ? (const void *)o.add : (const void *)D;
     gemm_key k;
     memset(&k, 0, sizeof k);
     k.op_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N; /* cuBLASLt's A is kiln's B */
@@ -553,6 +578,8 @@ static cudaError_t gemm_rowmajor(kiln_cuda_gemm *g, cudaStream_t s, int trans_a,
     k.align_d = align_class(D);
     k.align_bias = align_class(bias);
     k.bias_kernel = bias ? g->force_bias_kernel : 0;
+    k.d_bf16 = o.d_bf16;
+    k.align_c = Cm != D ? align_class(Cm) : 0;
     gemm_plan *p = NULL;
     cudaError_t e = plan_get(g, &k, &p);
     if (e != cudaSuccess) return e;
@@ -561,20 +588,21 @@ static cudaError_t gemm_rowmajor(kiln_cuda_gemm *g, cudaStream_t s, int trans_a,
                                                  &bias, sizeof bias),
                "set BIAS_POINTER"))
         return cudaErrorUnknown;
-    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-    /* C = D (same pointer, same layout): in place when accumulating; with beta = 0 cuBLASLt
-     * does not read C. */
-    if (!lt_ok(g, cublasLtMatmul(g->lt, p->desc, &alpha, B, p->la, A, p->lb, &beta, D, p->ld, D,
+    const float alpha = 1.0f, beta = o.accumulate || o.add ? 1.0f : 0.0f;
+    /* C: D itself when accumulating (in place), the residual o.add, or (beta = 0, not read)
+     * D; C and D share a layout. */
+    if (!lt_ok(g, cublasLtMatmul(g->lt, p->desc, &alpha, B, p->la, A, p->lb, &beta, Cm, p->ld, D,
                                  p->ld, &p->algo, g->workspace, GEMM_WORKSPACE_BYTES, s),
                "cublasLtMatmul"))
         return cudaErrorUnknown;
-    if (bias && !p->epilogue_bias) {
+    if (bias && !p->epilogue_bias) { /* f32 D only (a bf16 D takes no bias) */
+        float *Df = (float *)D;
         dim3 grid;
         if (!conv_grid(M, N, 1, &grid)) {
             set_err(g, "bias: bad shape %lld x %lld", (long long)M, (long long)N);
             return cudaErrorInvalidValue;
         }
-        add_bias_kernel<<<grid, CONV_THREADS, 0, s>>>(D, ldd, bias, M, N);
+        add_bias_kernel<<<grid, CONV_THREADS, 0, s>>>(Df, ldd, bias, M, N);
         e = cudaGetLastError();
         if (!cuda_ok(g, e, "add_bias launch")) return e;
     }
@@ -595,7 +623,7 @@ static bool region_bytes(int64_t rows, int64_t ld, size_t *out) {
 static int64_t padded_ld(int64_t cols) { return (cols + 7) & ~(int64_t)7; }
 
 /* The checks shared by the two linear entries (x: f32 or bf16, only tested for NULL). */
-static cudaError_t linear_check(kiln_cuda_gemm *g, float *out, const void *x, const uint8_t *w,
+static cudaError_t linear_check(kiln_cuda_gemm *g, const void *out, const void *x, const uint8_t *w,
                                 size_t row_bytes, kiln_dtype dt, int64_t C, int N) {
     const kiln_dtype_traits *tr = kiln_dtype_get_traits(dt);
     if (!out || !x || !w) {
@@ -631,12 +659,11 @@ static bool bf16_in_place(kiln_dtype dt, const uint8_t *w, size_t row_bytes) {
     return dt == KILN_DTYPE_BF16 && ((uintptr_t)w & 15u) == 0 && row_bytes % 16 == 0;
 }
 
-/* The linear after x is bf16 at xb (ldx): W converted into scratch at w_off unless it is
- * bf16 used in place. */
-static cudaError_t linear_run(kiln_cuda_gemm *g, cudaStream_t s, float *out, const uint16_t *xb,
+/* The linear after x is bf16 at xb (ldx), into out (gemm_out): W converted into scratch at
+ * w_off unless it is bf16 used in place. */
+static cudaError_t linear_run(kiln_cuda_gemm *g, cudaStream_t s, gemm_out out, const uint16_t *xb,
                               int64_t ldx, const uint8_t *w, size_t row_bytes, kiln_dtype dt,
-                              int64_t R, int64_t C, const float *bias, int N, int accumulate,
-                              size_t w_off) {
+                              int64_t R, int64_t C, const float *bias, int N, size_t w_off) {
     const uint16_t *wb;
     int64_t ldw;
     if (bf16_in_place(dt, w, row_bytes)) {
@@ -649,7 +676,7 @@ static cudaError_t linear_run(kiln_cuda_gemm *g, cudaStream_t s, float *out, con
         if (!cuda_ok(g, e, "linear: weights_to_bf16")) return e;
         wb = dst;
     }
-    return gemm_rowmajor(g, s, 0, 1, N, R, C, xb, ldx, wb, ldw, out, R, accumulate, bias);
+    return gemm_rowmajor(g, s, 0, 1, N, R, C, xb, ldx, wb, ldw, out, R, bias);
 }
 
 cudaError_t kiln_cuda_gemm_linear(kiln_cuda_gemm *g, cudaStream_t s, float *out, const float *x,
@@ -673,7 +700,8 @@ cudaError_t kiln_cuda_gemm_linear(kiln_cuda_gemm *g, cudaStream_t s, float *out,
     uint16_t *xb = (uint16_t *)g->scratch;
     e = kiln_cuda_f32_to_bf16(s, xb, ldx, x, C, N, C);
     if (!cuda_ok(g, e, "linear: f32_to_bf16(x)")) return e;
-    return linear_run(g, s, out, xb, ldx, w, row_bytes, dt, R, C, bias, N, accumulate, x_bytes);
+    return linear_run(g, s, out_f32(out, accumulate), xb, ldx, w, row_bytes, dt, R, C, bias, N,
+                      x_bytes);
 }
 
 cudaError_t kiln_cuda_gemm_linear_bf16(kiln_cuda_gemm *g, cudaStream_t s, float *out,
@@ -699,21 +727,40 @@ cudaError_t kiln_cuda_gemm_linear_bf16(kiln_cuda_gemm *g, cudaStream_t s, float 
         e = scratch_reserve(g, s, w_bytes);
         if (e != cudaSuccess) return e;
     }
-    return linear_run(g, s, out, xb, ldx, w, row_bytes, dt, R, C, bias, N, accumulate, 0);
+    return linear_run(g, s, out_f32(out, accumulate), xb, ldx, w, row_bytes, dt, R, C, bias, N, 0);
 }
 
 /* kiln_cuda_gemm_linear_multi (x f32, rounded into the scratch's start) or, with x NULL,
  * kiln_cuda_gemm_linear_multi_bf16 (xb16 bf16 at ldx16, used in place; the W copies start
- * the scratch). */
+ * the scratch; out16 / add as it says, NULL for the f32 entry). */
 static cudaError_t linear_multi(kiln_cuda_gemm *g, cudaStream_t s, int n, float *const *out,
+                                uint16_t *const *out16, const float *const *add,
                                 const float *x, const uint16_t *xb16, int64_t ldx16,
                                 const uint8_t *const *w, const size_t *row_bytes,
                                 const kiln_dtype *dt, const int64_t *R, int64_t C,
                                 const float *const *bias, int N) {
     if (!g) return cudaErrorInvalidValue;
-    if (n < 1 || n > KILN_GEMM_MULTI_MAX || !out || !w || !row_bytes || !dt || !R) {
+    if (n < 1 || n > KILN_GEMM_MULTI_MAX || (!out && !out16) || !w || !row_bytes || !dt || !R) {
         set_err(g, "linear_multi: n = %d or a NULL array", n);
         return cudaErrorInvalidValue;
+    }
+    gemm_out o[KILN_GEMM_MULTI_MAX];
+    for (int i = 0; i < n; i++) {
+        uint16_t *o16 = out16 ? out16[i] : NULL;
+        const float *ad = add ? add[i] : NULL;
+        if (o16 && (ad || (bias && bias[i]))) {
+            set_err(g, "linear_multi_bf16: product %d: a bf16 output takes no %s", i,
+                    ad ? "residual" : "bias");
+            return cudaErrorInvalidValue;
+        }
+        o[i].D = o16 ? (void *)o16 : (void *)(out ? out[i] : NULL);
+        o[i].d_bf16 = o16 != NULL;
+        o[i].add = ad;
+        o[i].accumulate = 0;
+        if (o16 && ((uintptr_t)o16 & 15u) != 0) {
+            set_err(g, "linear_multi_bf16: product %d: bf16 output not 16-byte aligned", i);
+            return cudaErrorInvalidValue;
+        }
     }
     if (N <= 0) return cudaSuccess;
     if (!x && ldx16 < C) {
@@ -724,7 +771,7 @@ static cudaError_t linear_multi(kiln_cuda_gemm *g, cudaStream_t s, int n, float 
     size_t x_bytes = 0, w_max = 0;
     for (int i = 0; i < n; i++) { /* every argument checked before anything is enqueued */
         if (R[i] <= 0) continue;
-        cudaError_t e = linear_check(g, out[i], x ? (const void *)x : (const void *)xb16, w[i],
+        cudaError_t e = linear_check(g, o[i].D, x ? (const void *)x : (const void *)xb16, w[i],
                                      row_bytes[i], dt[i], C, N);
         if (e != cudaSuccess) return e;
         size_t wb = 0;
@@ -751,8 +798,8 @@ static cudaError_t linear_multi(kiln_cuda_gemm *g, cudaStream_t s, int n, float 
     }
     for (int i = 0; i < n && e == cudaSuccess; i++)
         if (R[i] > 0)
-            e = linear_run(g, s, out[i], xb, ldx, w[i], row_bytes[i], dt[i], R[i], C,
-                           bias ? bias[i] : NULL, N, 0, x_bytes);
+            e = linear_run(g, s, o[i], xb, ldx, w[i], row_bytes[i], dt[i], R[i], C,
+                           bias ? bias[i] : NULL, N, x_bytes);
     return e;
 }
 
@@ -765,11 +812,13 @@ cudaError_t kiln_cuda_gemm_linear_multi(kiln_cuda_gemm *g, cudaStream_t s, int n
         set_err(g, "linear_multi: NULL x");
         return cudaErrorInvalidValue;
     }
-    return linear_multi(g, s, n, out, x, NULL, 0, w, row_bytes, dt, R, C, bias, N);
+    return linear_multi(g, s, n, out, NULL, NULL, x, NULL, 0, w, row_bytes, dt, R, C, bias, N);
 }
 
 cudaError_t kiln_cuda_gemm_linear_multi_bf16(kiln_cuda_gemm *g, cudaStream_t s, int n,
-                                             float *const *out, const uint16_t *xb, int64_t ldx,
+                                             float *const *out, uint16_t *const *out16,
+                                             const float *const *add, const uint16_t *xb,
+                                             int64_t ldx,
                                              const uint8_t *const *w, const size_t *row_bytes,
                                              const kiln_dtype *dt, const int64_t *R, int64_t C,
                                              const float *const *bias, int N) {
@@ -777,7 +826,8 @@ cudaError_t kiln_cuda_gemm_linear_multi_bf16(kiln_cuda_gemm *g, cudaStream_t s, 
         set_err(g, "linear_multi_bf16: NULL x");
         return cudaErrorInvalidValue;
     }
-    return linear_multi(g, s, n, out, NULL, xb, ldx, w, row_bytes, dt, R, C, bias, N);
+    return linear_multi(g, s, n, out, out16, add, NULL, xb, ldx, w, row_bytes, dt, R, C, bias,
+                        N);
 }
 
 /* The checks shared by the two general products. */
@@ -812,8 +862,8 @@ cudaError_t kiln_cuda_gemm_bf16(kiln_cuda_gemm *g, cudaStream_t s, int trans_a, 
     cudaError_t e = gemm_check(g, trans_a, trans_b, M, N, K, A, lda, B, ldb, D, ldd);
     if (e != cudaSuccess) return e;
     if (!device_ok(g)) return cudaErrorInvalidDevice;
-    return gemm_rowmajor(g, s, trans_a != 0, trans_b != 0, M, N, K, A, lda, B, ldb, D, ldd,
-                         accumulate, NULL);
+    return gemm_rowmajor(g, s, trans_a != 0, trans_b != 0, M, N, K, A, lda, B, ldb,
+                         out_f32(D, accumulate), ldd, NULL);
 }
 
 cudaError_t kiln_cuda_gemm_f32(kiln_cuda_gemm *g, cudaStream_t s, int trans_a, int trans_b,
@@ -841,6 +891,6 @@ cudaError_t kiln_cuda_gemm_f32(kiln_cuda_gemm *g, cudaStream_t s, int trans_a, i
     if (!cuda_ok(g, e, "gemm_f32: f32_to_bf16(A)")) return e;
     e = kiln_cuda_f32_to_bf16(s, bb, ldb2, B, ldb, b_rows, b_cols);
     if (!cuda_ok(g, e, "gemm_f32: f32_to_bf16(B)")) return e;
-    return gemm_rowmajor(g, s, trans_a != 0, trans_b != 0, M, N, K, ab, lda2, bb, ldb2, D, ldd,
-                         accumulate, NULL);
+    return gemm_rowmajor(g, s, trans_a != 0, trans_b != 0, M, N, K, ab, lda2, bb, ldb2,
+                         out_f32(D, accumulate), ldd, NULL);
 }

@@ -107,9 +107,20 @@ cudaError_t kiln_cuda_gemm_linear_multi(kiln_cuda_gemm *g, cudaStream_t s, int n
                                         const float *const *bias, int N);
 /* The same with x already in bf16 (N rows of C values, ldx >= C elements apart, 16-byte
  * aligned), used in place: with xb = kiln_cuda_f32_to_bf16(x) and ldx = C rounded up to a
- * multiple of 8, the bits of kiln_cuda_gemm_linear_multi on x. */
+ * multiple of 8, the bits of kiln_cuda_gemm_linear_multi on x. Per product i, where the
+ * result goes:
+ *   - out16 non-NULL and out16[i] non-NULL: bf16 (16-byte aligned, rows of R[i] values), the
+ *     round-to-nearest-even of the f32 result (cuBLASLt's epilogue); no bias[i], no add[i];
+ *   - else out[i] (f32), and with add non-NULL and add[i] non-NULL, add[i] (N, R[i]) f32 is
+ *     added in cuBLASLt's epilogue: out[i] = add[i] + x W_i^T (+ bias[i]) in f32 (add[i]
+ *     may be out[i]). The problem, hence possibly the algorithm, differs from the product
+ *     alone, so the bits of the product followed by an add are not promised; deterministic
+ *     like every product here.
+ * out may be NULL when every product has a bf16 output. */
 cudaError_t kiln_cuda_gemm_linear_multi_bf16(kiln_cuda_gemm *g, cudaStream_t s, int n,
-                                             float *const *out, const uint16_t *xb, int64_t ldx,
+                                             float *const *out, uint16_t *const *out16,
+                                             const float *const *add, const uint16_t *xb,
+                                             int64_t ldx,
                                              const uint8_t *const *w, const size_t *row_bytes,
                                              const kiln_dtype *dt, const int64_t *R, int64_t C,
                                              const float *const *bias, int N);

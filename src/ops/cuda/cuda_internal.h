@@ -55,9 +55,10 @@ cudaError_t kiln_cuda_kv_store(cudaStream_t s, float *k_cache, float *v_cache, c
 cudaError_t kiln_cuda_scale(cudaStream_t s, float *x, float sc, size_t n);
 cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, const float *up,
                              size_t n);
-/* The same elements rounded to bf16 (kiln_fp32_to_bf16 of the f32 result). */
-cudaError_t kiln_cuda_swiglu_bf16(cudaStream_t s, uint16_t *out, const float *gate,
-                                  const float *up, size_t n);
+/* bf16 gate, up (widened) -> bf16 out: kiln_fp32_to_bf16 of swiglu's f32 result on the
+ * widened values. */
+cudaError_t kiln_cuda_swiglu_bf16(cudaStream_t s, uint16_t *out, const uint16_t *gate,
+                                  const uint16_t *up, size_t n);
 cudaError_t kiln_cuda_add(cudaStream_t s, float *x, const float *y, size_t n);
 
 /* Whether the matmul/embed kernels handle dtype dt. */

@@ -455,11 +455,11 @@ cudaError_t kiln_cuda_kv_store(cudaStream_t s, float *k_cache, float *v_cache, c
 
 /* ---- elementwise ----------------------------------------------------------------------------- */
 
-template <typename O>
-static __global__ void swiglu_kernel(O *out, const float *gate, const float *up, size_t n) {
+template <typename O, typename I>
+static __global__ void swiglu_kernel(O *out, const I *gate, const I *up, size_t n) {
     for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
          u += (size_t)gridDim.x * blockDim.x)
-        store_out(out + u, kiln_swiglu(gate[u], up[u]));
+        store_out(out + u, kiln_swiglu(load_in(gate + u), load_in(up + u)));
 }
 
 static __global__ void scale_kernel(float *x, float sc, size_t n) {
@@ -483,39 +483,35 @@ static __global__ void add_kernel(float *x, const float *y, size_t n) {
 cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, const float *up,
                              size_t n) {
     if (n == 0) return cudaSuccess;
-    swiglu_kernel<float><<<grid_for((int64_t)n, 256), 256, 0, s>>>(out, gate, up, n);
+    swiglu_kernel<float, float><<<grid_for((int64_t)n, 256), 256, 0, s>>>(out, gate, up, n);
     return cudaGetLastError();
 }
 
-/* The bf16 output 4 elements a thread (float4 loads, one 8-byte store; each element as
- * swiglu_kernel computes it, so the same bits): n4 groups of 4. */
-static __global__ void swiglu_bf16x4_kernel(uint2 *out, const float4 *gate, const float4 *up,
+/* bf16 in and out, 4 elements a thread (8-byte loads and store; each element as swiglu_kernel
+ * computes it, so the same bits): n4 groups of 4. */
+static __global__ void swiglu_bf16x4_kernel(uint2 *out, const uint2 *gate, const uint2 *up,
                                             size_t n4) {
     for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n4;
          u += (size_t)gridDim.x * blockDim.x) {
-        const float4 g = gate[u], v = up[u];
-        uint2 o;
-        o.x = (uint32_t)kiln_bf16_rne(kiln_swiglu(g.x, v.x)) |
-              ((uint32_t)kiln_bf16_rne(kiln_swiglu(g.y, v.y)) << 16);
-        o.y = (uint32_t)kiln_bf16_rne(kiln_swiglu(g.z, v.z)) |
-              ((uint32_t)kiln_bf16_rne(kiln_swiglu(g.w, v.w)) << 16);
-        out[u] = o;
+        const float4 g = bf16x4_f32(gate[u]), v = bf16x4_f32(up[u]);
+        out[u] = f32x4_bf16(kiln_swiglu(g.x, v.x), kiln_swiglu(g.y, v.y), kiln_swiglu(g.z, v.z),
+                            kiln_swiglu(g.w, v.w));
     }
 }
 
-cudaError_t kiln_cuda_swiglu_bf16(cudaStream_t s, uint16_t *out, const float *gate,
-                                  const float *up, size_t n) {
+cudaError_t kiln_cuda_swiglu_bf16(cudaStream_t s, uint16_t *out, const uint16_t *gate,
+                                  const uint16_t *up, size_t n) {
     if (n == 0) return cudaSuccess;
     size_t done = 0;
-    if ((((uintptr_t)gate | (uintptr_t)up) & 15) == 0 && ((uintptr_t)out & 7) == 0 && n >= 4) {
+    if ((((uintptr_t)gate | (uintptr_t)up | (uintptr_t)out) & 7) == 0 && n >= 4) {
         const size_t n4 = n / 4;
         swiglu_bf16x4_kernel<<<grid_for((int64_t)n4, 256), 256, 0, s>>>(
-            reinterpret_cast<uint2 *>(out), reinterpret_cast<const float4 *>(gate),
-            reinterpret_cast<const float4 *>(up), n4);
+            reinterpret_cast<uint2 *>(out), reinterpret_cast<const uint2 *>(gate),
+            reinterpret_cast<const uint2 *>(up), n4);
         done = 4 * n4;
     }
     if (done < n)
-        swiglu_kernel<uint16_t><<<grid_for((int64_t)(n - done), 256), 256, 0, s>>>(
+        swiglu_kernel<uint16_t, uint16_t><<<grid_for((int64_t)(n - done), 256), 256, 0, s>>>(
             out + done, gate + done, up + done, n - done);
     return cudaGetLastError();
 }
