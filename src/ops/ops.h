@@ -194,21 +194,32 @@ typedef struct kiln_backend_i {
      * shape that saves none leaves lse untouched). out16 (fast modes; out NULL then): the
      * output in bf16 instead, each value the kiln_fp32_to_bf16 of what out would hold (16-byte
      * aligned); a backend or shape that cannot fails the call (KILN_ERR_UNSUPPORTED).
+     * keep (fast modes, with out16): NULL, or kiln_attention_keep_bytes(B, N, NH, KVH, HS)
+     * bytes of backend memory (256-byte aligned) in which the backend keeps its own copy of
+     * q, k, v for attention_backward_seqs, which then takes keep in place of them (the caller
+     * need not keep q, k, v). rope_pos (with keep; NULL: none): q and k are given before RoPE
+     * and the attention rotates them first, exactly as rope(q, rope_pos, B*N, NH, HS,
+     * rope_cos, rope_sin) and the same for k would (the caller never writes the rotated
+     * q, k). A backend or shape that cannot take keep or rope_pos fails the call
+     * (KILN_ERR_UNSUPPORTED).
      * attention_backward_seqs: dq, dk, dv (overwritten) of the B sequences, given lse as
      * attention_seqs left it for the same q, k, v, out (or NULL: the statistics are
-     * recomputed), and the forward's output as out (f32) or out16 (bf16, then out NULL: what
-     * the backward takes of it is its widened values). In auditable arithmetic the bits of B
+     * recomputed), the forward's output as out (f32) or out16 (bf16, then out NULL: what
+     * the backward takes of it is its widened values), and keep as the forward left it (then
+     * q, k, v are not read and may be NULL; else keep NULL). In auditable arithmetic the bits
+     * of B
      * attention_backward() calls; in a fast mode the backend's own deterministic result (the
-     * same bits with or without lse is not promised). ws:
+     * same bits with or without lse is not promised; the same with or without keep). ws:
      * kiln_attention_backward_seqs_ws_floats(B, N, NH, KVH, HS). */
     void (*attention_seqs)(kiln_backend *be, float *out, uint16_t *out16, float *lse,
-                           const float *q, const float *k, const float *v, int B, int N, int NH,
-                           int KVH, int HS, float scale);
+                           void *keep, const int32_t *rope_pos, const float *rope_cos,
+                           const float *rope_sin, const float *q, const float *k,
+                           const float *v, int B, int N, int NH, int KVH, int HS, float scale);
     void (*attention_backward_seqs)(kiln_backend *be, float *dq, float *dk, float *dv,
                                     const float *dout, const float *q, const float *k,
                                     const float *v, const float *out, const uint16_t *out16,
-                                    const float *lse, float *ws, int B, int N, int NH, int KVH,
-                                    int HS, float scale);
+                                    const float *lse, const void *keep, float *ws, int B, int N,
+                                    int NH, int KVH, int HS, float scale);
 
     /* ---- several products of one input (optional: NULL, and the caller makes one call
      * each). n in 1..KILN_MATMUL_MULTI_MAX; weights as for matmul / matmul_backward.
@@ -236,7 +247,9 @@ typedef struct kiln_backend_i {
      * takes half the memory. Some products may also write their result in bf16, as PyTorch's
      * bf16 autocast does (that changes what later ops read: a mixed-precision mode of its
      * own). x16 / out16 / gate16 ...: bf16 bit patterns, rows back to back, 16-byte aligned.
-     * rmsnorm_bf16: out16 = kiln_fp32_to_bf16 of what rmsnorm writes for these arguments.
+     * rmsnorm_bf16: out16 = kiln_fp32_to_bf16 of RMSNorm of these arguments, its row sum in
+     * an order of the backend's own (a fast mode's: within one bf16 rounding flip of
+     * kiln_fp32_to_bf16 of what rmsnorm writes).
      * swiglu_bf16: out16[i] = kiln_fp32_to_bf16 of swiglu's out[i] on the widened gate16[i],
      * up16[i].
      * swiglu_backward_bf16: dgate16, dup16 = kiln_fp32_to_bf16 of what swiglu_backward
@@ -348,6 +361,16 @@ static inline size_t kiln_attention_backward_ws_floats(int N, int n_past, int NH
 static inline size_t kiln_attention_lse_floats(int B, int N, int NH) {
     if (B < 0 || N < 0 || NH < 0) return 0;
     return (size_t)B * (size_t)NH * (((size_t)N + 63) / 64 * 64);
+}
+/* Bytes of attention_seqs' keep: q (B, NH) and k, v (B, KVH) heads of N rows rounded up to
+ * 64, HS values of 2 bytes each, every region 256-byte aligned (the CUDA backend's packed
+ * bf16 tiles). 0 on a negative size or overflow. */
+static inline size_t kiln_attention_keep_bytes(int B, int N, int NH, int KVH, int HS) {
+    if (B < 0 || N < 0 || NH < 0 || KVH < 0 || HS < 0 || N > 0x7fffffc0) return 0;
+    const size_t npad = ((size_t)N + 63) / 64 * 64, head = npad * (size_t)HS * 2;
+    const size_t q = (size_t)B * (size_t)NH, kv = (size_t)B * (size_t)KVH;
+    if (head && (q > SIZE_MAX / 4 / head || kv > SIZE_MAX / 4 / head)) return 0;
+    return (q * head + 255) / 256 * 256 + 2 * ((kv * head + 255) / 256 * 256);
 }
 /* Floats of the ws scratch attention_backward_seqs takes: B times attention_backward's for
  * one sequence (the fast CUDA kernels run all B at once; a loop reuses the first part). */

@@ -67,6 +67,10 @@ typedef struct layer_acts {
      * and att too when the backend's attention writes it (att16); the f32 pointers above are
      * then NULL */
     uint16_t *xb1_16, *xb2_16, *hb16, *gate16, *up16, *att16;
+    /* with att16: the attention's own copy of q, k, v for the backward (ops.h attention_seqs'
+     * keep, kiln_attention_keep_bytes), RoPE applied by the attention; q, k, v then point at
+     * the trainer's shared scratch (qs, ks, vs), which holds them only until the attention */
+    void *keep;
 } layer_acts;
 
 struct kiln_trainer {
@@ -110,6 +114,7 @@ struct kiln_trainer {
      * and every gradient stay f32. */
     int acts16;
     uint16_t *dx16; /* acts16: (T,C) the bf16 copy of dx */
+    float *qs, *ks, *vs; /* with kept attention inputs: (T,QD), (T,KD), (T,KD) scratch */
     float *act_block;
     size_t act_bytes;
     /* backward scratch */
@@ -358,13 +363,13 @@ static kiln_status create_optimizers(kiln_trainer *t) {
 
 /* ---- arenas ------------------------------------------------------------------------------ */
 
-/* Carve sizes[i] floats (64-byte aligned each) from one zeroed block of backend memory;
- * slots[i] receive pointers. */
+/* Carve sizes[i] floats (256-byte aligned each: ops.h attention_seqs' keep) from one zeroed
+ * block of backend memory; slots[i] receive pointers. */
 static kiln_status carve(kiln_trainer *t, float ***slots, const size_t *sizes, int n, float **block, size_t *bytes,
                          const char *what) {
     size_t total = 0;
     for (int i = 0; i < n; i++) {
-        size_t s = (sizes[i] + 15) & ~(size_t)15;
+        size_t s = (sizes[i] + 63) & ~(size_t)63;
         if (kiln_add_overflow(total, s, &total)) return kiln_error(KILN_ERR_RANGE, "trainer: %s too large", what);
     }
     size_t b;
@@ -374,7 +379,7 @@ static kiln_status carve(kiln_trainer *t, float ***slots, const size_t *sizes, i
     size_t off = 0;
     for (int i = 0; i < n; i++) {
         *slots[i] = blk + off;
-        off += (sizes[i] + 15) & ~(size_t)15;
+        off += (sizes[i] + 63) & ~(size_t)63;
     }
     *block = blk;
     *bytes = b;
@@ -389,7 +394,7 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     int L = c->n_layer, qk = c->qk_norm || (t->layers[0].q_norm != NULL);
     t->acts = kiln_calloc((size_t)L, sizeof *t->acts);
     if (!t->acts) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    enum { PER_LAYER = 20, N_SCRATCH = 19 };
+    enum { PER_LAYER = 21, N_SCRATCH = 22 };
     /* a backend with batched attention saves each layer's softmax statistics for the backward */
     const kiln_backend_i *op = t->be->i;
     const int seqs = op->attention_seqs && op->attention_backward_seqs;
@@ -402,6 +407,12 @@ static kiln_status alloc_activations(kiln_trainer *t) {
      * 128, ops.h attention_seqs' out16; a shape a backend refuses would fail the step) */
     const int att16 = t->acts16 && seqs && (HS == 64 || HS == 128) && QD % 8 == 0;
     const size_t att_f32 = att16 ? 0 : 1, att_b16 = att16 ? 1 : 0;
+    /* and then the attention keeps its own copy of q, k, v (RoPE applied by it): the trainer
+     * holds them in scratch only until the attention has run */
+    const size_t keep = att16 ? (kiln_attention_keep_bytes(t->p.max_batch, (int)S, c->n_head, c->n_head_kv, (int)HS) +
+                                 3) / 4
+                              : 0;
+    const size_t qkv_saved = keep ? 0 : 1;
     size_t lse = seqs ? kiln_attention_lse_floats(t->p.max_batch, (int)S, c->n_head) : 0;
     size_t ws = kiln_attention_backward_ws_floats((int)S, 0, c->n_head, c->n_head_kv, (int)HS);
     if (seqs) {
@@ -423,12 +434,14 @@ static kiln_status alloc_activations(kiln_trainer *t) {
         float **ps[PER_LAYER] = {&a->x,   &a->xb1, &a->qr, &a->kr, &a->q,   &a->k,   &a->v,
                                  &a->att, &a->x_mid, &a->xb2, &a->gate, &a->up, &a->hb, &a->lse,
                                  (float **)&a->xb1_16, (float **)&a->xb2_16, (float **)&a->hb16,
-                                 (float **)&a->gate16, (float **)&a->up16, (float **)&a->att16};
+                                 (float **)&a->gate16, (float **)&a->up16, (float **)&a->att16,
+                                 (float **)&a->keep};
         size_t ss[PER_LAYER] = {T * C,               f32_in * T * C,      qk ? T * QD : 0,     qk ? T * KD : 0,
-                                T * QD,              T * KD,              T * KD,              att_f32 * T * QD,
+                                qkv_saved * T * QD,  qkv_saved * T * KD,  qkv_saved * T * KD,  att_f32 * T * QD,
                                 T * C,               f32_in * T * C,      f32_in * T * FF,     f32_in * T * FF,
                                 f32_in * T * FF,     lse,                 b16_in * T * C / 2,  b16_in * T * C / 2,
-                                b16_in * T * FF / 2, b16_in * T * FF / 2, b16_in * T * FF / 2, att_b16 * T * QD / 2};
+                                b16_in * T * FF / 2, b16_in * T * FF / 2, b16_in * T * FF / 2, att_b16 * T * QD / 2,
+                                keep};
         for (int i = 0; i < PER_LAYER; i++) {
             slots[k] = ps[i];
             sizes[k++] = ss[i];
@@ -443,11 +456,12 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     const size_t dgu = t->acts16 ? T * FF / 2 : T * FF;
     float **sp[N_SCRATCH] = {&t->dx, &t->dxb, &t->dxn, &t->datt, &t->dq, &t->dqr, &t->dk, &t->dkr, &t->dv,
                              &t->dgate, &t->dup, &t->dhb, &t->rstd, &t->ws, &t->rope_cos, &t->rope_sin,
-                             (float **)&t->pos, (float **)&t->ids, (float **)&t->dx16};
+                             (float **)&t->pos, (float **)&t->ids, (float **)&t->dx16, &t->qs, &t->ks, &t->vs};
     size_t sz[N_SCRATCH] = {T * C, T * C, T * C, T * QD, T * QD, qk ? T * QD : 0, T * KD, qk ? T * KD : 0, T * KD,
                             dgu, dgu, T * FF, NHT > T * (size_t)c->n_head_kv ? NHT : T,
                             ws,
-                            S * HS / 2, S * HS / 2, ints, ints, b16_in * T * C / 2};
+                            S * HS / 2, S * HS / 2, ints, ints, b16_in * T * C / 2, (1 - qkv_saved) * T * QD,
+                            (1 - qkv_saved) * T * KD, (1 - qkv_saved) * T * KD};
     for (int i = 0; i < N_SCRATCH; i++) {
         slots[k] = sp[i];
         sizes[k++] = sz[i];
@@ -476,8 +490,20 @@ static kiln_status alloc_activations(kiln_trainer *t) {
             a->att = NULL;
         else
             a->att16 = NULL;
+        if (keep) { /* q, k, v in the shared scratch (qr, kr: q, k without q/k norms) */
+            a->q = t->qs;
+            a->k = t->ks;
+            a->v = t->vs;
+            if (!qk) {
+                a->qr = a->q;
+                a->kr = a->k;
+            }
+        } else {
+            a->keep = NULL;
+        }
     }
     if (!t->acts16) t->dx16 = NULL;
+    if (!keep) t->qs = t->ks = t->vs = NULL;
     if (!qk) {
         t->dqr = t->dq;
         t->dkr = t->dk;
@@ -781,10 +807,13 @@ static void forward_layers(kiln_trainer *t, int n_seq, int seq) {
         matmul_n(t, 3, qkv, a->xb1, a->xb1_16, wqkv, bqkv, T);
         if (w->q_norm) op->rmsnorm(be, a->q, a->qr, VEC(w->q_norm), T * NH, HS, eps);
         if (w->k_norm) op->rmsnorm(be, a->k, a->kr, VEC(w->k_norm), T * KVH, HS, eps);
-        op->rope(be, a->q, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
-        op->rope(be, a->k, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
+        if (!a->keep) { /* else the attention applies RoPE as it keeps its copy of q, k, v */
+            op->rope(be, a->q, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
+            op->rope(be, a->k, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
+        }
         if (op->attention_seqs && op->attention_backward_seqs) /* all sequences at once */
-            op->attention_seqs(be, a->att, a->att16, a->lse, a->q, a->k, a->v, n_seq, seq, NH, KVH, HS, scale);
+            op->attention_seqs(be, a->att, a->att16, a->lse, a->keep, a->keep ? t->pos : NULL, t->rope_cos,
+                               t->rope_sin, a->q, a->k, a->v, n_seq, seq, NH, KVH, HS, scale);
         else
             for (int b = 0; b < n_seq; b++) {
                 size_t r = (size_t)b * seq;
@@ -1086,8 +1115,9 @@ static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
             op->matmul_backward(be, t->datt, w->wo->g, GRAD(w->bo), t->dx, a->att, mat_view(t, w->wo), T, false);
         }
         if (op->attention_seqs && op->attention_backward_seqs)
-            op->attention_backward_seqs(be, t->dq, t->dk, t->dv, t->datt, a->q, a->k, a->v, a->att, a->att16, a->lse,
-                                        t->ws, n_seq, seq, NH, KVH, HS, scale);
+            op->attention_backward_seqs(be, t->dq, t->dk, t->dv, t->datt, a->keep ? NULL : a->q,
+                                        a->keep ? NULL : a->k, a->keep ? NULL : a->v, a->att, a->att16, a->lse,
+                                        a->keep, t->ws, n_seq, seq, NH, KVH, HS, scale);
         else
             for (int b = 0; b < n_seq; b++) { /* per sequence; ws is reused in stream order */
                 size_t r = (size_t)b * seq;

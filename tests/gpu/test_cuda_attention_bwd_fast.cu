@@ -17,14 +17,22 @@
  * per-sequence call. The bf16 output (out16): the forward's bits are kiln_fp32_to_bf16 of the
  * f32 forward's (lse too is the same), or cudaErrorNotSupported off the flash path; the
  * backward given out16 has the bits of the backward given an f32 out holding the widened
- * out16, with and without lse; both or neither of out, out16: cudaErrorInvalidValue. Then the
- * batched forward + backward timed against per-sequence calls.
+ * out16, with and without lse; both or neither of out, out16: cudaErrorInvalidValue.
+ * keep and rope (f32 and bf16 outputs, HS 64 and 128, GQA and MHA): the forward with keep has
+ * the bits of the forward without, and the backward from keep (q, k, v NULL) those of the
+ * backward from q, k, v (with the saved lse and without); the forward with keep and RoPE
+ * fused into its packing, on un-rotated q, k, has the bits of kiln_cuda_rope then the forward
+ * (output, lse and the packed tiles), and its backward from keep those of the backward from
+ * the rotated f32 q, k; rope without keep, keep misaligned or off the flash path are refused
+ * with nothing enqueued. Then the batched forward + backward timed against per-sequence
+ * calls, with keep, and with RoPE as a separate pass against RoPE fused with keep.
  * Without a GPU: checks the host-side validation, then exits 77.
  * Usage: test_cuda_attention_bwd_fast [--no-time]
  */
 #include "ops/cuda/cuda_attention_bwd_fast.h"
 #include "ops/cuda/cuda_attention_fast.h"
 #include "ops/cuda/cuda_backward.h"
+#include "ops/cuda/cuda_internal.h" /* kiln_cuda_rope */
 
 extern "C" {
 #include "base/tensor.h" /* kiln_fp32_to_bf16, kiln_bf16_to_fp32: the host's RNE and widening */
@@ -311,12 +319,12 @@ static bool check_seqs_bf16(int B, const Case &c, kiln_cuda_attn *attn, const fl
     float *lse16 = dev_nan(nl);
     /* forward: RNE of the f32 forward's bits, on the flash path only */
     const bool flash = kiln_cuda_attn_saves_lse(o16, d_q, d_k, d_v, N, HS);
-    const cudaError_t fe = kiln_cuda_attention_fast_seqs(attn, 0, nullptr, o16, lse16, d_q, d_k,
-                                                         d_v, B, N, NH, KVH, HS, scale);
+    const cudaError_t fe = kiln_cuda_attention_fast_seqs(
+        attn, 0, nullptr, o16, lse16, nullptr, nullptr, d_q, d_k, d_v, B, N, NH, KVH, HS, scale);
     bool fwd = fe == (flash ? cudaSuccess : cudaErrorNotSupported);
     if (flash) /* out16 not 16-byte aligned: off the flash path */
-        fwd = fwd && kiln_cuda_attention_fast_seqs(attn, 0, nullptr, o16 + 1, nullptr, d_q, d_k,
-                                                   d_v, B, N, NH, KVH, HS,
+        fwd = fwd && kiln_cuda_attention_fast_seqs(attn, 0, nullptr, o16 + 1, nullptr, nullptr,
+                                                   nullptr, d_q, d_k, d_v, B, N, NH, KVH, HS,
                                                    scale) == cudaErrorNotSupported;
     if (flash && fe == cudaSuccess) {
         std::vector<uint16_t> h16(nq);
@@ -328,15 +336,16 @@ static bool check_seqs_bf16(int B, const Case &c, kiln_cuda_attn *attn, const fl
     /* both or neither of out, out16 */
     float *of = dev_nan(nq);
     const bool refused =
-        kiln_cuda_attention_fast_seqs(attn, 0, of, o16, nullptr, d_q, d_k, d_v, B, N, NH, KVH,
-                                      HS, scale) == cudaErrorInvalidValue &&
-        kiln_cuda_attention_fast_seqs(attn, 0, nullptr, nullptr, nullptr, d_q, d_k, d_v, B, N,
-                                      NH, KVH, HS, scale) == cudaErrorInvalidValue &&
-        kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, d_q, d_k, d_v, of, o16,
-                                               lse, ws, nws, B, N, NH, KVH, HS,
+        kiln_cuda_attention_fast_seqs(attn, 0, of, o16, nullptr, nullptr, nullptr, d_q, d_k, d_v, B,
+                                      N, NH, KVH, HS, scale) == cudaErrorInvalidValue &&
+        kiln_cuda_attention_fast_seqs(attn, 0, nullptr, nullptr, nullptr, nullptr, nullptr, d_q,
+                                      d_k, d_v, B, N, NH, KVH, HS,
+                                      scale) == cudaErrorInvalidValue &&
+        kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, d_q, d_k, d_v, of, o16, lse,
+                                               nullptr, ws, nws, B, N, NH, KVH, HS,
                                                scale) == cudaErrorInvalidValue &&
         kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, d_q, d_k, d_v, nullptr,
-                                               nullptr, lse, ws, nws, B, N, NH, KVH, HS,
+                                               nullptr, lse, nullptr, ws, nws, B, N, NH, KVH, HS,
                                                scale) == cudaErrorInvalidValue;
     /* backward: out16 = the reference out in bf16, of = its widened values */
     std::vector<uint16_t> h16(nq);
@@ -357,7 +366,7 @@ static bool check_seqs_bf16(int B, const Case &c, kiln_cuda_attn *attn, const fl
             CUDA_OK(cudaMemset(ws, 0xff, nws * 4));
             CUDA_OK(kiln_cuda_attention_backward_fast_seqs(
                 0, gq, gk, gv, d_dout, d_q, d_k, d_v, i ? of : nullptr, i ? nullptr : o16,
-                with_lse ? lse : nullptr, ws, nws, B, N, NH, KVH, HS, scale));
+                with_lse ? lse : nullptr, nullptr, ws, nws, B, N, NH, KVH, HS, scale));
             g[i].g[0] = dev_download(gq, nq);
             g[i].g[1] = dev_download(gk, nk);
             g[i].g[2] = dev_download(gv, nk);
@@ -422,8 +431,8 @@ static void check_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
     float *o_b = dev_nan(nq), *o_1 = dev_nan(nq), *lse = dev_nan(nl), *ws = dev_nan(nws);
     float *gq = dev_nan(nq), *gk = dev_nan(nk), *gv = dev_nan(nk);
     /* forward: batched (with lse) against per-sequence calls, bit for bit */
-    CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, o_b, nullptr, lse, d_q, d_k, d_v, B, N, NH,
-                                          KVH, HS, scale));
+    CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, o_b, nullptr, lse, nullptr, nullptr, d_q, d_k,
+                                          d_v, B, N, NH, KVH, HS, scale));
     for (int b = 0; b < B; b++)
         CUDA_OK(kiln_cuda_attention_fast(attn, 0, o_1 + b * qs, d_q + b * qs, d_k + b * ks,
                                          d_v + b * ks, N, 0, NH, KVH, HS, scale));
@@ -448,8 +457,8 @@ static void check_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
         CUDA_OK(cudaMemset(gv, 0xff, nk * 4));
         CUDA_OK(cudaMemset(ws, 0xff, nws * 4));
         CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, d_q, d_k, d_v,
-                                                       dout_ref, nullptr, lse, ws, nws, B, N, NH,
-                                                       KVH, HS, scale));
+                                                       dout_ref, nullptr, lse, nullptr, ws, nws, B,
+                                                       N, NH, KVH, HS, scale));
         g[run][0] = dev_download(gq, nq);
         g[run][1] = dev_download(gk, nk);
         g[run][2] = dev_download(gv, nk);
@@ -461,8 +470,8 @@ static void check_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
     for (int i = 0; i < 3; i++)
         same = same && memcmp(g[0][i].data(), g[1][i].data(), g[0][i].size() * 4) == 0;
     /* without lse: per sequence, the bits of kiln_cuda_attention_backward_fast */
-    CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, d_q, d_k, d_v,
-                                                   dout_ref, nullptr, nullptr, ws, nws, B, N, NH,
+    CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, d_q, d_k, d_v, dout_ref,
+                                                   nullptr, nullptr, nullptr, ws, nws, B, N, NH,
                                                    KVH, HS, scale));
     const std::vector<float> nq_b = dev_download(gq, nq), nk_b = dev_download(gk, nk),
                              nv_b = dev_download(gv, nk);
@@ -493,8 +502,228 @@ static void check_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
     for (float *p : all) CUDA_OK(cudaFree(p));
 }
 
+/* RoPE for B sequences of N rows: positions pos[b * N + n] = n + offset(b) (offsets 0..49,
+ * so sequences start at different positions), tables (P = N + 50, HS/2) of the usual angles
+ * p * 10000^(-2i/HS), cos and sin computed in double and rounded to f32. d: the device copy
+ * (what kiln_cuda_rope and kiln_cuda_attention_fast_seqs take). */
+struct Rope {
+    kiln_cuda_attn_rope d;
+};
+
+static Rope rope_upload(int B, int N, int HS) {
+    const int P = N + 50, half = HS / 2;
+    std::vector<int32_t> pos((size_t)B * N);
+    std::vector<float> ct((size_t)P * half), st(ct.size());
+    for (int b = 0; b < B; b++)
+        for (int n = 0; n < N; n++) pos[(size_t)b * N + n] = n + (b * 37 + 11) % 50;
+    for (int p = 0; p < P; p++)
+        for (int i = 0; i < half; i++) {
+            const double a = p * pow(10000.0, -2.0 * i / HS);
+            ct[(size_t)p * half + i] = (float)cos(a);
+            st[(size_t)p * half + i] = (float)sin(a);
+        }
+    int32_t *d_pos = nullptr;
+    CUDA_OK(cudaMalloc(&d_pos, pos.size() * 4));
+    CUDA_OK(cudaMemcpy(d_pos, pos.data(), pos.size() * 4, cudaMemcpyHostToDevice));
+    Rope r;
+    r.d.pos = d_pos;
+    r.d.cos_tab = dev_upload(ct);
+    r.d.sin_tab = dev_upload(st);
+    return r;
+}
+
+static void rope_free(const Rope &r) {
+    CUDA_OK(cudaFree((void *)r.d.pos));
+    CUDA_OK(cudaFree((void *)r.d.cos_tab));
+    CUDA_OK(cudaFree((void *)r.d.sin_tab));
+}
+
+/* One forward (keep, rope as given; the output f32 or, with use16, bf16), NaN-poisoned
+ * outputs first; returns the output's and lse's bits. */
+struct Fwd {
+    std::vector<uint8_t> out, lse;
+    bool operator==(const Fwd &o) const { return out == o.out && lse == o.lse; }
+};
+
+static Fwd fwd_bits(kiln_cuda_attn *attn, void *o, float *lse, void *keep,
+                    const kiln_cuda_attn_rope *rope, const float *q, const float *k,
+                    const float *v, int B, const Case &c, bool use16) {
+    const size_t nq = (size_t)B * c.N * c.NH * c.HS;
+    const size_t nl = (size_t)B * c.NH * kiln_cuda_attn_pack_rows(c.N);
+    const size_t ob = nq * (use16 ? 2 : 4);
+    CUDA_OK(cudaMemset(o, 0xff, ob));
+    CUDA_OK(cudaMemset(lse, 0xff, nl * 4));
+    CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, use16 ? nullptr : (float *)o,
+                                          use16 ? (uint16_t *)o : nullptr, lse, keep, rope, q, k,
+                                          v, B, c.N, c.NH, c.KVH, c.HS,
+                                          1.0f / sqrtf((float)c.HS)));
+    Fwd f;
+    f.out.resize(ob);
+    f.lse.resize(nl * 4);
+    CUDA_OK(cudaMemcpy(f.out.data(), o, ob, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(f.lse.data(), lse, nl * 4, cudaMemcpyDeviceToHost));
+    return f;
+}
+
+/* One backward (keep as given; q, k, v NULL with keep), NaN-poisoned outputs and workspace
+ * first; returns the gradients. */
+static Grads bwd_bits(float *gq, float *gk, float *gv, float *ws, size_t nws, const float *dout,
+                      const float *q, const float *k, const float *v, const void *o,
+                      const float *lse, const void *keep, int B, const Case &c, bool use16) {
+    const size_t nq = (size_t)B * c.N * c.NH * c.HS, nk = (size_t)B * c.N * c.KVH * c.HS;
+    CUDA_OK(cudaMemset(gq, 0xff, nq * 4));
+    CUDA_OK(cudaMemset(gk, 0xff, nk * 4));
+    CUDA_OK(cudaMemset(gv, 0xff, nk * 4));
+    CUDA_OK(cudaMemset(ws, 0xff, nws * 4));
+    CUDA_OK(kiln_cuda_attention_backward_fast_seqs(
+        0, gq, gk, gv, dout, keep ? nullptr : q, keep ? nullptr : k, keep ? nullptr : v,
+        use16 ? nullptr : (const float *)o, use16 ? (const uint16_t *)o : nullptr, lse, keep, ws,
+        nws, B, c.N, c.NH, c.KVH, c.HS, 1.0f / sqrtf((float)c.HS)));
+    Grads g;
+    g.g[0] = dev_download(gq, nq);
+    g.g[1] = dev_download(gk, nk);
+    g.g[2] = dev_download(gv, nk);
+    return g;
+}
+
+/* keep and rope of the batched entry points, B sequences of c.N tokens (the flash path), the
+ * output f32 or (use16) bf16:
+ *   - the forward with keep has the bits (output, lse) of the forward without; the backward
+ *     from that keep with q, k, v NULL has the bits of the backward from q, k, v, with the
+ *     saved lse and without;
+ *   - the forward with keep and rope on the un-rotated q, k has the bits of kiln_cuda_rope on
+ *     q and k and then the forward without rope (output, lse, and the packed tiles in keep);
+ *     the backward from that keep has the bits of the backward from the rotated f32 q, k.
+ * Returns whether every check held. */
+static bool check_keep(int B, const Case &c, kiln_cuda_attn *attn, bool use16) {
+    const int N = c.N, NH = c.NH, KVH = c.KVH, HS = c.HS;
+    const size_t nq = (size_t)B * N * NH * HS, nk = (size_t)B * N * KVH * HS;
+    const size_t nl = (size_t)B * NH * kiln_cuda_attn_pack_rows(N);
+    std::vector<float> q(nq), dout(nq), k(nk), v(nk);
+    for (auto &x : q) x = c.amp * urand();
+    for (auto &x : k) x = c.amp * urand();
+    for (auto &x : v) x = urand();
+    for (auto &x : dout) x = urand();
+    float *d_q = dev_upload(q), *d_k = dev_upload(k), *d_v = dev_upload(v);
+    float *d_dout = dev_upload(dout), *q_rot = dev_upload(q), *k_rot = dev_upload(k);
+    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS);
+    float *o = dev_nan(nq), *lse = dev_nan(nl), *ws = dev_nan(nws);
+    float *gq = dev_nan(nq), *gk = dev_nan(nk), *gv = dev_nan(nk);
+    const size_t kb = kiln_cuda_attn_keep_bytes(B, N, NH, KVH, HS);
+    void *keep = nullptr, *keep2 = nullptr;
+    CUDA_OK(cudaMalloc(&keep, kb));
+    CUDA_OK(cudaMalloc(&keep2, kb));
+
+    /* keep alone */
+    const Fwd f0 = fwd_bits(attn, o, lse, nullptr, nullptr, d_q, d_k, d_v, B, c, use16);
+    const Fwd f1 = fwd_bits(attn, o, lse, keep, nullptr, d_q, d_k, d_v, B, c, use16);
+    const bool fwd_keep = f0 == f1;
+    bool bwd_keep = true;
+    for (int with_lse = 0; with_lse < 2; with_lse++) {
+        const float *l = with_lse ? lse : nullptr; /* lse holds f1's (= f0's) */
+        const Grads g0 =
+            bwd_bits(gq, gk, gv, ws, nws, d_dout, d_q, d_k, d_v, o, l, nullptr, B, c, use16);
+        const Grads g1 =
+            bwd_bits(gq, gk, gv, ws, nws, d_dout, d_q, d_k, d_v, o, l, keep, B, c, use16);
+        bwd_keep = bwd_keep && g0 == g1;
+    }
+
+    /* rope: kiln_cuda_rope then the forward, against the rotation in the forward's packing */
+    const Rope rope = rope_upload(B, N, HS);
+    CUDA_OK(kiln_cuda_rope(0, q_rot, rope.d.pos, B * N, NH, HS, rope.d.cos_tab, rope.d.sin_tab));
+    CUDA_OK(kiln_cuda_rope(0, k_rot, rope.d.pos, B * N, KVH, HS, rope.d.cos_tab, rope.d.sin_tab));
+    CUDA_OK(cudaMemset(keep, 0x5a, kb));
+    CUDA_OK(cudaMemset(keep2, 0x5a, kb));
+    const Fwd r0 = fwd_bits(attn, o, lse, keep2, nullptr, q_rot, k_rot, d_v, B, c, use16);
+    const Fwd r1 = fwd_bits(attn, o, lse, keep, &rope.d, d_q, d_k, d_v, B, c, use16);
+    std::vector<uint8_t> h0(kb), h1(kb);
+    CUDA_OK(cudaMemcpy(h0.data(), keep2, kb, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(h1.data(), keep, kb, cudaMemcpyDeviceToHost));
+    const bool fwd_rope = r0 == r1 && h0 == h1 && !(r0 == f0); /* and the rotation did act */
+    /* lse and o hold r1's (= r0's) */
+    const Grads g0 =
+        bwd_bits(gq, gk, gv, ws, nws, d_dout, q_rot, k_rot, d_v, o, lse, nullptr, B, c, use16);
+    const Grads g1 =
+        bwd_bits(gq, gk, gv, ws, nws, d_dout, nullptr, nullptr, nullptr, o, lse, keep, B, c,
+                 use16);
+    const bool bwd_rope = g0 == g1;
+
+    const bool ok = fwd_keep && bwd_keep && fwd_rope && bwd_rope;
+    printf("attention seqs keep B=%d N=%d NH=%d KVH=%d HS=%d %s out: forward with keep %s "
+           "without; backward from keep (q, k, v NULL; lse, none) %s from q, k, v; forward "
+           "with keep + rope %s rope + forward (out, lse, keep); its backward %s from the rotated "
+           "q, k %s\n",
+           B, N, NH, KVH, HS, use16 ? "bf16" : "f32", fwd_keep ? "=" : "!=",
+           bwd_keep ? "=" : "!=", fwd_rope ? "=" : "!=", bwd_rope ? "=" : "!=",
+           ok ? "OK" : "FAILED");
+    rope_free(rope);
+    CUDA_OK(cudaFree(keep));
+    CUDA_OK(cudaFree(keep2));
+    float *all[] = {d_q, d_k, d_v, d_dout, q_rot, k_rot, o, lse, ws, gq, gk, gv};
+    for (float *p : all) CUDA_OK(cudaFree(p));
+    return ok;
+}
+
+/* The refusals of keep and rope: rope without keep, or with a NULL table ->
+ * cudaErrorInvalidValue; keep misaligned -> cudaErrorInvalidValue; keep where the flash path
+ * does not run (N <= 8: the split decode; an unaligned q) -> cudaErrorNotSupported, the
+ * output untouched; the backward with keep for a shape the flash forward does not take, or
+ * without keep and q NULL -> cudaErrorInvalidValue. Returns whether all held. */
+static bool check_keep_refusals(kiln_cuda_attn *attn) {
+    const int B = 2, N = 5, NH = 4, KVH = 2, HS = 64, N2 = 70;
+    const float scale = 0.125f;
+    const size_t nq = (size_t)B * N2 * NH * HS, nk = (size_t)B * N2 * KVH * HS;
+    std::vector<float> h(nq);
+    for (auto &x : h) x = urand();
+    float *q = dev_upload(h), *k = dev_upload(h), *v = dev_upload(h), *o = dev_nan(nq);
+    float *lse = dev_nan((size_t)B * NH * 128);
+    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws(N2, 0, NH, KVH, HS);
+    float *ws = dev_nan(nws), *gq = dev_nan(nq), *gk = dev_nan(nk), *gv = dev_nan(nk);
+    void *keep = nullptr;
+    CUDA_OK(cudaMalloc(&keep, kiln_cuda_attn_keep_bytes(B, N2, NH, KVH, HS) + 256));
+    const Rope rope = rope_upload(B, N2, HS);
+    kiln_cuda_attn_rope no_sin = rope.d;
+    no_sin.sin_tab = nullptr;
+    bool ok = true;
+    /* rope without keep; rope with a NULL table; keep off its 256-byte alignment */
+    ok = ok && kiln_cuda_attention_fast_seqs(attn, 0, o, nullptr, lse, nullptr, &rope.d, q, k, v,
+                                             B, N2, NH, KVH, HS, scale) == cudaErrorInvalidValue;
+    ok = ok && kiln_cuda_attention_fast_seqs(attn, 0, o, nullptr, lse, keep, &no_sin, q, k, v, B,
+                                             N2, NH, KVH, HS, scale) == cudaErrorInvalidValue;
+    ok = ok && kiln_cuda_attention_fast_seqs(attn, 0, o, nullptr, lse, (char *)keep + 16, nullptr,
+                                             q, k, v, B, N2, NH, KVH, HS,
+                                             scale) == cudaErrorInvalidValue;
+    /* keep off the flash path: N = 5 (split decode), q not 16-byte aligned (f32 kernel) */
+    ok = ok && kiln_cuda_attention_fast_seqs(attn, 0, o, nullptr, lse, keep, nullptr, q, k, v, B,
+                                             N, NH, KVH, HS, scale) == cudaErrorNotSupported;
+    ok = ok && kiln_cuda_attention_fast_seqs(attn, 0, o, nullptr, lse, keep, &rope.d, q, k, v, B,
+                                             N, NH, KVH, HS, scale) == cudaErrorNotSupported;
+    ok = ok && kiln_cuda_attention_fast_seqs(attn, 0, o, nullptr, lse, keep, nullptr, q + 1, k,
+                                             v, B, N2, NH, KVH, HS,
+                                             scale) == cudaErrorNotSupported;
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<float> ho = dev_download(o, nq);
+    for (size_t i = 0; i < nq && ok; i++) ok = isnan(ho[i]); /* nothing was enqueued */
+    /* the backward: keep with N = 5 (no flash forward); no keep and q NULL */
+    ok = ok && kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, q, nullptr, nullptr, nullptr,
+                                                      o, nullptr, lse, keep, ws, nws, B, N, NH,
+                                                      KVH, HS, scale) == cudaErrorInvalidValue;
+    ok = ok && kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, q, nullptr, k, v, o,
+                                                      nullptr, lse, nullptr, ws, nws, B, N2, NH,
+                                                      KVH, HS, scale) == cudaErrorInvalidValue;
+    printf("attention seqs keep/rope refusals: %s\n", ok ? "OK" : "FAILED");
+    rope_free(rope);
+    CUDA_OK(cudaFree(keep));
+    float *all[] = {q, k, v, o, lse, ws, gq, gk, gv};
+    for (float *p : all) CUDA_OK(cudaFree(p));
+    return ok;
+}
+
 /* A training layer's attention for B sequences: forward + backward, batched with the saved
- * lse against per-sequence calls (forward, then backward with its statistics pass). */
+ * lse against per-sequence calls (forward, then backward with its statistics pass); and the
+ * batched calls with keep (the backward packs only dout), and as training runs them with
+ * RoPE: kiln_cuda_rope on q and k then the batched calls, against RoPE fused into the
+ * forward's packing with keep. */
 static void time_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
     const float scale = 1.0f / sqrtf((float)c.HS);
     const int N = c.N, NH = c.NH, KVH = c.KVH, HS = c.HS;
@@ -506,20 +735,37 @@ static void time_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
     const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS);
     float *out = dev_nan(nq), *lse = dev_nan((size_t)B * NH * kiln_cuda_attn_pack_rows(N)),
           *ws = dev_nan(nws), *gq = dev_nan(nq), *gk = dev_nan(nk), *gv = dev_nan(nk);
+    void *keep = nullptr;
+    CUDA_OK(cudaMalloc(&keep, kiln_cuda_attn_keep_bytes(B, N, NH, KVH, HS)));
+    const Rope rope = rope_upload(B, N, HS);
     cudaEvent_t e0, e1;
     CUDA_OK(cudaEventCreate(&e0));
     CUDA_OK(cudaEventCreate(&e1));
-    float ms[2];
-    for (int which = 0; which < 2; which++) { /* batched, per sequence */
+    /* batched; batched with keep; rope + batched; batched with keep + fused rope; per sequence */
+    float ms[5];
+    for (int which = 0; which < 5; which++) {
         const int reps = 10;
         for (int r = -1; r < reps; r++) {
             if (r == 0) CUDA_OK(cudaEventRecord(e0));
-            if (which == 0) {
-                CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, out, nullptr, lse, q, k, v, B, N,
-                                                      NH, KVH, HS, scale));
+            if (which == 2) { /* rotates q, k again on every repetition: a timing only */
+                CUDA_OK(kiln_cuda_rope(0, q, rope.d.pos, B * N, NH, HS, rope.d.cos_tab,
+                                       rope.d.sin_tab));
+                CUDA_OK(kiln_cuda_rope(0, k, rope.d.pos, B * N, KVH, HS, rope.d.cos_tab,
+                                       rope.d.sin_tab));
+            }
+            if (which == 0 || which == 2) {
+                CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, out, nullptr, lse, nullptr, nullptr,
+                                                      q, k, v, B, N, NH, KVH, HS, scale));
                 CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, dout, q, k, v, out,
-                                                               nullptr, lse, ws, nws, B, N, NH,
-                                                               KVH, HS, scale));
+                                                               nullptr, lse, nullptr, ws, nws, B, N,
+                                                               NH, KVH, HS, scale));
+            } else if (which == 1 || which == 3) {
+                CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, out, nullptr, lse, keep,
+                                                      which == 3 ? &rope.d : nullptr, q, k, v, B,
+                                                      N, NH, KVH, HS, scale));
+                CUDA_OK(kiln_cuda_attention_backward_fast_seqs(
+                    0, gq, gk, gv, dout, nullptr, nullptr, nullptr, out, nullptr, lse, keep, ws,
+                    nws, B, N, NH, KVH, HS, scale));
             } else {
                 for (int b = 0; b < B; b++)
                     CUDA_OK(kiln_cuda_attention_fast(attn, 0, out + b * qs, q + b * qs,
@@ -537,10 +783,14 @@ static void time_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
         ms[which] /= reps;
     }
     printf("time attention fwd+bwd B=%d N=%d NH=%d KVH=%d HS=%d: batched with lse %.3f ms, "
-           "per sequence %.3f ms (%.2fx)\n",
-           B, N, NH, KVH, HS, ms[0], ms[1], ms[1] / ms[0]);
+           "with keep %.3f ms (%.2fx); rope + batched %.3f ms, keep + fused rope %.3f ms "
+           "(%.2fx); per sequence %.3f ms (%.2fx of batched)\n",
+           B, N, NH, KVH, HS, ms[0], ms[1], ms[0] / ms[1], ms[2], ms[3], ms[2] / ms[3], ms[4],
+           ms[4] / ms[0]);
     CUDA_OK(cudaEventDestroy(e0));
     CUDA_OK(cudaEventDestroy(e1));
+    rope_free(rope);
+    CUDA_OK(cudaFree(keep));
     float *all[] = {q, dout, k, v, out, lse, ws, gq, gk, gv};
     for (float *p : all) CUDA_OK(cudaFree(p));
 }
@@ -567,6 +817,26 @@ int main(int argc, char **argv) {
     EXPECT(kiln_cuda_attention_backward_fast_ws(65, 0, 4, 4, 128) ==
                2 * 4 * 128 + (4 * 128 + 4 * 128) * 128 + 4,
            "ws padded to 128 rows");
+    /* keep: q [B][NH][Npad][HS] then k, v [B][KVH][Npad][HS] in bf16, regions 256-aligned;
+     * ops.h's count for the backend interface is the same */
+    EXPECT(kiln_cuda_attn_keep_bytes(2, 100, 4, 2, 64) == 2 * 4 * 128 * 64 * 2 +
+                                                             2 * (2 * 2 * 128 * 64 * 2),
+           "keep bytes");
+    EXPECT(kiln_cuda_attn_keep_bytes(1, 1, 1, 1, 3) == 512 + 2 * 512, "keep regions aligned");
+    EXPECT(kiln_cuda_attn_keep_bytes(1, 1, 3, 2, 64) == 0 &&
+               kiln_cuda_attn_keep_bytes(0, 1, 2, 2, 64) == 0 &&
+               kiln_cuda_attn_keep_bytes(1, INT_MAX, 2, 2, 64) == 0 &&
+               kiln_cuda_attn_keep_bytes(65535, 1 << 30, 65535, 65535, 128) == 0,
+           "keep bytes refused");
+    {
+        const int shapes[][5] = {{4, 2048, 9, 3, 64}, {3, 200, 4, 2, 64}, {2, 129, 14, 2, 64},
+                                 {2, 70, 6, 6, 128}, {1, 1, 1, 1, 3}};
+        for (const auto &x : shapes)
+            EXPECT(kiln_cuda_attn_keep_bytes(x[0], x[1], x[2], x[3], x[4]) ==
+                       kiln_attention_keep_bytes(x[0], x[1], x[2], x[3], x[4]),
+                   "keep bytes = ops.h's for B=%d N=%d NH=%d KVH=%d HS=%d", x[0], x[1], x[2],
+                   x[3], x[4]);
+    }
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
         printf("no GPU: host checks %s; skipped\n", g_fail ? "FAILED" : "passed");
@@ -593,6 +863,11 @@ int main(int argc, char **argv) {
                                  {5, 0, 4, 2, 64, 1.0f},   {100, 0, 8, 2, 128, 1.0f}};
             const int Bs[] = {3, 2, 4, 5, 3, 2};
             for (int i = 0; i < 6; i++) check_seqs(Bs[i], seqs[i], attn);
+            EXPECT(check_keep(3, {200, 0, 4, 2, 64, 1.0f}, attn, false), "keep HS 64");
+            EXPECT(check_keep(2, {129, 0, 9, 3, 64, 1.0f}, attn, true), "keep HS 64 bf16");
+            EXPECT(check_keep(2, {100, 0, 8, 2, 128, 2.0f}, attn, true), "keep HS 128 bf16");
+            EXPECT(check_keep(2, {70, 0, 6, 6, 128, 1.0f}, attn, false), "keep HS 128 MHA");
+            if (!split) EXPECT(check_keep_refusals(attn), "keep refusals");
         }
         if (timing) {
             const Case shapes[] = {{2048, 0, 9, 3, 64, 1.0f},

@@ -14,9 +14,10 @@
  * results rounded / plus the residual within a stated bound (another cuBLASLt problem, so
  * not promised the same bits: |got - want| <= 2^-8 |want| + 2^-10 for bf16 outputs, 2^-20
  * |want| + 2^-10 for residuals, against sums of about 30 |a b| per element); and
- * rmsnorm_bf16 / swiglu_bf16 / swiglu_backward_bf16 / rmsnorm_backward_bf16 write the bf16
- * rounding of rmsnorm / swiglu / swiglu_backward / rmsnorm_backward's f32 results (the
- * SwiGLU ones on bf16 gate and up; odd widths included).
+ * swiglu_bf16 / swiglu_backward_bf16 / rmsnorm_backward_bf16 write the bf16 rounding of
+ * swiglu / swiglu_backward / rmsnorm_backward's f32 results (the SwiGLU ones on bf16 gate and
+ * up; odd widths included), and rmsnorm_bf16 that of rmsnorm's within one rounding flip (its
+ * own row-sum order in fast mode; no more than 1 in 1000 elements may flip).
  * Without a usable GPU it exits 77.
  */
 #include "base/base.h"
@@ -272,7 +273,15 @@ static void run_case(kiln_backend *be, const char *mode, kiln_dtype dt, int n, c
     }
 }
 
-/* rmsnorm_bf16 / swiglu_bf16 / swiglu_backward_bf16 / rmsnorm_backward_bf16 against to_bf16 of
+/* Whether bf16 values a and b (finite) are neighbours: RMSNorm's fast row sum may flip a
+ * rounding (ops.h rmsnorm_bf16). */
+static int one_ulp(uint16_t a, uint16_t b) {
+    if ((a ^ b) & 0x8000u) return 0; /* signs differ */
+    return (a > b ? a - b : b - a) == 1 && (a & 0x7f80u) != 0x7f80u && (b & 0x7f80u) != 0x7f80u;
+}
+
+/* rmsnorm_bf16 (within one rounding flip) / swiglu_bf16 / swiglu_backward_bf16 /
+ * rmsnorm_backward_bf16 (bit for bit) against to_bf16 of
  * rmsnorm / swiglu / swiglu_backward / rmsnorm_backward (fast backend), N rows of C. x and up
  * hold bf16 values (so x16, up16 are exactly them for the SwiGLU ones). */
 static void bf16_producers(kiln_backend *be, int N, int C) {
@@ -325,14 +334,23 @@ static void bf16_producers(kiln_backend *be, int N, int C) {
             g_failed++;
             break;
         }
-        for (size_t i = 0; i < n; i++)
-            if (ha[i] != hb[i]) {
-                static const char *what[5] = {"rmsnorm", "swiglu", "swiglu_backward dgate", "swiglu_backward dup",
-                                              "rmsnorm_backward dx16"};
-                fprintf(stderr, "FAIL %s %s [%zu]: 0x%04x, want 0x%04x\n", ctx, what[k], i, hb[i], ha[i]);
-                g_failed++;
-                break;
+        static const char *what[5] = {"rmsnorm", "swiglu", "swiglu_backward dgate", "swiglu_backward dup",
+                                      "rmsnorm_backward dx16"};
+        size_t flips = 0;
+        for (size_t i = 0; i < n; i++) {
+            if (ha[i] == hb[i]) continue;
+            if (k == 0 && one_ulp(ha[i], hb[i])) {
+                flips++;
+                continue;
             }
+            fprintf(stderr, "FAIL %s %s [%zu]: 0x%04x, want 0x%04x\n", ctx, what[k], i, hb[i], ha[i]);
+            g_failed++;
+            break;
+        }
+        if (flips > n / 1000 + 1) {
+            fprintf(stderr, "FAIL %s rmsnorm: %zu of %zu values a rounding flip apart\n", ctx, flips, n);
+            g_failed++;
+        }
     }
     free(h);
     free(hw);

@@ -274,8 +274,8 @@ static int run_case(const model_case *mc, const char *vocab_dir) {
         uint64_t lse = kiln_attention_lse_floats(MAX_BATCH, MAX_T, c->n_head);
         uint64_t ws1 = kiln_attention_backward_ws_floats(MAX_T, 0, c->n_head, c->n_head_kv, c->head_dim);
         uint64_t wsb = kiln_attention_backward_seqs_ws_floats(MAX_BATCH, MAX_T, c->n_head, c->n_head_kv, c->head_dim);
-        uint64_t gpu_extra = ((uint64_t)c->n_layer * ((lse + 15) & ~(uint64_t)15) + ((wsb + 15) & ~(uint64_t)15) -
-                              ((ws1 + 15) & ~(uint64_t)15)) * sizeof(float);
+        uint64_t gpu_extra = ((uint64_t)c->n_layer * ((lse + 63) & ~(uint64_t)63) + ((wsb + 63) & ~(uint64_t)63) -
+                              ((ws1 + 63) & ~(uint64_t)63)) * sizeof(float); /* slots of 64 floats */
         uint64_t cpu_extra = 0;
         if (ok && (a.params != b.params || a.grads != b.grads || a.optimizer != b.optimizer ||
                    a.activations - cpu_extra != b.activations - gpu_extra ||

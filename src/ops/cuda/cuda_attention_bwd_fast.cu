@@ -4,14 +4,14 @@
  *
  * The inputs are first packed to bf16 per head in the workspace (kiln_cuda_attn_pack_heads:
  * q, dout [NH][Npad][HS], k, v [KVH][Tpad][HS], padding rows zero; D = rowsum(dout * out)
- * comes out of dout's packing, with out f32 or bf16), so every tile is whole: blocks copy
- * tiles with cp.async, double-buffered under the products of the previous tile, and take
- * fragments with ldmatrix (cuda_mma.cuh: ldsm_a for A operands, ldsm_b where B's n runs along
- * a tile's rows, ldsm_bt where B's k does -- no transposed copies). Tiles: 4 warps of 16
- * rows. The dq blocks' rows are 64 queries and they walk the keys in tiles of BW_TILE(HS) (64
- * for HS 64, 32 for HS 128, which keeps a thread under 255 registers); the dk/dv blocks' rows
- * are 64 keys and they walk the queries in tiles of BW_TILE(HS). D and L live in the
- * workspace as [NH][Npad].
+ * comes out of dout's packing, with out f32 or bf16; with keep, q, k, v come packed by the
+ * forward and only dout is packed), so every tile is whole: blocks copy tiles with cp.async,
+ * double-buffered under the products of the previous tile, and take fragments with ldmatrix
+ * (cuda_mma.cuh: ldsm_a for A operands, ldsm_b where B's n runs along a tile's rows, ldsm_bt
+ * where B's k does -- no transposed copies). Tiles: 4 warps of 16 rows. The dq blocks' rows
+ * are 64 queries and they walk the keys in tiles of BW_TILE(HS) (64 for HS 64, 32 for HS 128,
+ * which keeps a thread under 255 registers); the dk/dv blocks' rows are 64 keys and they walk
+ * the queries in tiles of BW_TILE(HS). D and L live in the workspace as [NH][Npad].
  *
  * Compiled with the CUDA backend's flags (--fmad=false): the products are mma.sync, the
  * few other FMAs are written (fmaf).
@@ -608,14 +608,16 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
 
 /* B sequences of N queries over n_past + N keys each (B > 1 only with n_past 0); the forward's
  * output in out (f32) or out16 (bf16 bits), the other NULL; lse NULL or the forward's
- * [B][NH][Npad] log-sum-exp. Arguments checked by the callers. The workspace
- * (B x kiln_attention_backward_fast_ws_floats for one sequence): D, L [B][NH][Npad]; the GQA
+ * [B][NH][Npad] log-sum-exp; keep NULL or the forward's packed q, k, v (n_past 0; then q, k,
+ * v are not read). Arguments checked by the callers. The workspace (B x
+ * kiln_attention_backward_fast_ws_floats for one sequence): D, L [B][NH][Npad]; the GQA
  * partials pk, pv (B*T, NH, HS); then the bf16 q, dout [B][NH][Npad][HS], k, v
- * [B][KVH][Tpad][HS]; then (HS 64) dS^T in bf16 [B][NH][Tpad][Npad]. */
+ * [B][KVH][Tpad][HS] (q, k, v unused with keep); then (HS 64) dS^T in bf16
+ * [B][NH][Tpad][Npad]. */
 static cudaError_t bwd_run(cudaStream_t s, float *dq, float *dk, float *dv, const float *dout,
                            const float *q, const float *k, const float *v, const float *out,
-                           const uint16_t *out16, const float *lse, float *ws, int B, int N,
-                           int n_past, int NH, int KVH, int HS, float scale) {
+                           const uint16_t *out16, const float *lse, const void *keep, float *ws,
+                           int B, int N, int n_past, int NH, int KVH, int HS, float scale) {
     const int T = n_past + N;
     const int Npad = kiln_cuda_attn_pack_rows(N), Tpad = kiln_cuda_attn_pack_rows(T);
     const size_t nq = (size_t)B * NH * Npad; /* rows of [B][NH][Npad] */
@@ -642,18 +644,30 @@ static cudaError_t bwd_run(cudaStream_t s, float *dq, float *dk, float *dv, cons
     /* dS^T after v, 16-byte aligned (ops.h counts 4 floats for the alignment) */
     const uintptr_t se = (uintptr_t)(vb + (size_t)B * KVH * Tpad * HS);
     A.dsT = reinterpret_cast<bf16 *>((se + 15) & ~(uintptr_t)15);
-    A.qb = qb;
     A.ob = ob;
-    A.kb = kb;
-    A.vb = vb;
     A.dq = dq;
     A.dk = pk;
     A.dv = pv;
-    const kiln_cuda_attn_pack_job jobs[4] = {{qb, q, NULL, NULL, NULL, N, Npad, NH, B},
-                                             {ob, dout, out, out16, wsD, N, Npad, NH, B},
-                                             {kb, k, NULL, NULL, NULL, T, Tpad, KVH, B},
-                                             {vb, v, NULL, NULL, NULL, T, Tpad, KVH, B}};
-    cudaError_t e = kiln_cuda_attn_pack_heads(s, jobs, 4, HS);
+    const kiln_cuda_attn_rope none = {NULL, NULL, NULL};
+    const kiln_cuda_attn_pack_job dout_job = {ob, dout, out, out16, wsD, N, Npad, NH, B, none};
+    cudaError_t e;
+    if (keep) { /* the forward's packing, laid out as kiln_cuda_attn_keep_bytes counts it */
+        const size_t qr = kiln_cuda_attn_keep_region(nq * HS * sizeof(bf16));
+        const size_t kr = kiln_cuda_attn_keep_region((size_t)B * KVH * Tpad * HS * sizeof(bf16));
+        A.qb = static_cast<const bf16 *>(keep);
+        A.kb = reinterpret_cast<const bf16 *>(static_cast<const char *>(keep) + qr);
+        A.vb = reinterpret_cast<const bf16 *>(static_cast<const char *>(keep) + qr + kr);
+        e = kiln_cuda_attn_pack_heads(s, &dout_job, 1, HS);
+    } else {
+        A.qb = qb;
+        A.kb = kb;
+        A.vb = vb;
+        const kiln_cuda_attn_pack_job jobs[4] = {{qb, q, NULL, NULL, NULL, N, Npad, NH, B, none},
+                                                 dout_job,
+                                                 {kb, k, NULL, NULL, NULL, T, Tpad, KVH, B, none},
+                                                 {vb, v, NULL, NULL, NULL, T, Tpad, KVH, B, none}};
+        e = kiln_cuda_attn_pack_heads(s, jobs, 4, HS);
+    }
     if (e != cudaSuccess) return e;
     if (HS == 64) return bwd_launch<64>(s, A, B, lse == NULL, dk, dv, pk, pv);
     return bwd_launch<128>(s, A, B, lse == NULL, dk, dv, pk, pv);
@@ -669,15 +683,15 @@ cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *
         !ws || ws_floats < kiln_cuda_attention_backward_fast_ws(N, n_past, NH, KVH, HS) ||
         ((uintptr_t)ws & 15) != 0)
         return cudaErrorInvalidValue;
-    return bwd_run(s, dq, dk, dv, dout, q, k, v, out, NULL, NULL, ws, 1, N, n_past, NH, KVH, HS,
-                   scale);
+    return bwd_run(s, dq, dk, dv, dout, q, k, v, out, NULL, NULL, NULL, ws, 1, N, n_past, NH, KVH,
+                   HS, scale);
 }
 
 cudaError_t kiln_cuda_attention_backward_fast_seqs(cudaStream_t s, float *dq, float *dk,
                                                    float *dv, const float *dout, const float *q,
                                                    const float *k, const float *v,
                                                    const float *out, const uint16_t *out16,
-                                                   const float *lse, float *ws,
+                                                   const float *lse, const void *keep, float *ws,
                                                    size_t ws_floats, int B, int N, int NH,
                                                    int KVH, int HS, float scale) {
     /* the forward's output: whichever of out, out16 is given (exactly one) */
@@ -687,8 +701,15 @@ cudaError_t kiln_cuda_attention_backward_fast_seqs(cudaStream_t s, float *dq, fl
         !ws || ws_floats < (size_t)B * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS) ||
         ((uintptr_t)ws & 15) != 0 || ((uintptr_t)lse & 15) != 0)
         return cudaErrorInvalidValue;
-    /* a saved lse only where the forward's flash kernel wrote it (the same predicate) */
-    if (!kiln_cuda_attn_saves_lse(o, q, k, v, N, HS)) lse = NULL;
-    return bwd_run(s, dq, dk, dv, dout, q, k, v, out, out16, lse, ws, B, N, 0, NH, KVH, HS,
+    if (keep) { /* only the flash forward fills keep: it ran, so its lse (if given) is used */
+        if (((uintptr_t)keep & (KILN_ATTN_KEEP_ALIGN - 1)) != 0 ||
+            !kiln_cuda_attn_fast_is_mma(N, HS) || kiln_cuda_attn_keep_bytes(B, N, NH, KVH, HS) == 0)
+            return cudaErrorInvalidValue;
+    } else if (!q || !k || !v) {
+        return cudaErrorInvalidValue;
+    } else if (!kiln_cuda_attn_saves_lse(o, q, k, v, N, HS)) {
+        lse = NULL; /* a saved lse only where the forward's flash kernel wrote it */
+    }
+    return bwd_run(s, dq, dk, dv, dout, q, k, v, out, out16, lse, keep, ws, B, N, 0, NH, KVH, HS,
                    scale);
 }

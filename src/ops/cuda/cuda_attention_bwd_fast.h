@@ -39,7 +39,8 @@ size_t kiln_cuda_attention_backward_fast_ws(int N, int n_past, int NH, int KVH, 
 
 /* Whether the fast kernels take this call (head size, alignment, sizes). out is only checked
  * for 16-byte alignment: the f32 out, or the bf16 out16 of
- * kiln_cuda_attention_backward_fast_seqs. */
+ * kiln_cuda_attention_backward_fast_seqs. Pointers are only checked for alignment, so NULL
+ * passes (kiln_cuda_attention_backward_fast_seqs with keep takes NULL q, k, v). */
 bool kiln_cuda_attention_backward_fast_ok(const float *dq, const float *dk, const float *dv,
                                           const float *dout, const float *q, const float *k,
                                           const float *v, const void *out, int N, int n_past,
@@ -64,14 +65,22 @@ cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *
  * kiln_cuda_attn_saves_lse holds for these pointers (out16's when given; else ignored). With
  * lse NULL each sequence gets the bits of kiln_cuda_attention_backward_fast on its rows; with
  * lse, the forward's L (whose l summed the bf16-rounded weights) replaces the recomputed one.
- * ws_floats >= B x kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS).
+ * keep: NULL, or what kiln_cuda_attention_fast_seqs left in its keep for the same B, N, NH,
+ * KVH, HS (KILN_ATTN_KEEP_ALIGN-byte aligned): the packed q, k, v are taken from there and
+ * only dout is packed (with D); q, k, v are not read and may be NULL. The forward's flash
+ * path has then run (only it fills keep), so lse, when given, is used whatever q, k, v are.
+ * The result has the bits of the same call with keep NULL and the q, k, v the forward packed
+ * (rotated, when the forward applied rope): the packing is exact and deterministic.
+ * ws_floats >= B x kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS) (with keep too).
  * cudaErrorInvalidValue as kiln_cuda_attention_backward_fast (with out16 in out's place), for
- * B outside 1..65535, or when both or neither of out, out16 are given. */
+ * B outside 1..65535, when both or neither of out, out16 are given, without keep for a NULL
+ * q, k or v, or with keep misaligned or for a shape the flash forward does not take
+ * (kiln_cuda_attn_fast_is_mma false). */
 cudaError_t kiln_cuda_attention_backward_fast_seqs(cudaStream_t s, float *dq, float *dk,
                                                    float *dv, const float *dout, const float *q,
                                                    const float *k, const float *v,
                                                    const float *out, const uint16_t *out16,
-                                                   const float *lse, float *ws,
+                                                   const float *lse, const void *keep, float *ws,
                                                    size_t ws_floats, int B, int N, int NH,
                                                    int KVH, int HS, float scale);
 

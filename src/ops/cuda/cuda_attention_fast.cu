@@ -645,10 +645,13 @@ combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
 /* ==== flash attention on bf16 tensor cores (HS 64, 128) ====================================== */
 
 /* Packing (kiln_cuda_attn_pack_heads): job blockIdx.y; a warp per (row, head) of its dst,
- * HS / 32 elements per lane. With D (the backward's dout): also d[h * Rpad + r] = sum over
- * i of src * out in the lane order then a butterfly (f32; 0 for the padding rows), out read
- * from the job's f32 out or widened (exactly) from its bf16 out16: the same operations on
- * the same values either way. */
+ * HS / 32 elements per lane. With rope: lanes 0..15 hold the pairs' first elements (i <
+ * HS/2), lanes 16..31 their partners (i + HS/2); each lane gets the other half of its pairs
+ * by a shuffle and keeps its own half of kiln_rope_pair (the same f32 operations on the same
+ * values as kiln_cuda_rope's kernel). With D (the backward's dout): also d[h * Rpad + r] =
+ * sum over i of src * out in the lane order then a butterfly (f32; 0 for the padding rows),
+ * out read from the job's f32 out or widened (exactly) from its bf16 out16: the same
+ * operations on the same values either way. */
 struct pack_jobs {
     kiln_cuda_attn_pack_job j[KILN_ATTN_PACK_MAX_JOBS];
 };
@@ -678,6 +681,19 @@ static __global__ void pack_heads_kernel(pack_jobs jobs) {
             x[1] = v.y;
             x[2] = v.z;
             x[3] = v.w;
+        }
+        if (J.rope.pos) { /* uniform over the block; the warp's row and head, so whole warps */
+            constexpr int half = HS / 2; /* elements of the first halves: lanes 0..15 */
+            const int64_t t = (int64_t)J.rope.pos[srow] * half + (lane & 15) * E;
+            const bool first = lane < 16;
+#pragma unroll
+            for (int i = 0; i < E; i++) {
+                const float y = __shfl_xor_sync(0xffffffffu, x[i], 16); /* the pair's other */
+                const float c = J.rope.cos_tab[t + i], sn = J.rope.sin_tab[t + i];
+                const float2 rr = first ? kiln_rope_pair(x[i], y, c, sn)
+                                        : kiln_rope_pair(y, x[i], c, sn);
+                x[i] = first ? rr.x : rr.y;
+            }
         }
         if (J.out16) { /* uniform over the block; E bf16 in one 4- or 8-byte load */
             const uint16_t *po = J.out16 + (srow * J.H + hl) * HS + lane * E;
@@ -728,7 +744,8 @@ cudaError_t kiln_cuda_attn_pack_heads(cudaStream_t s, const kiln_cuda_attn_pack_
         const kiln_cuda_attn_pack_job &J = jobs[i];
         if (!J.dst || !J.src || J.R < 0 || J.Rpad < J.R || J.Rpad % KILN_ATTN_PACK_ROWS != 0 ||
             J.H <= 0 || J.B <= 0 || J.B > 65535 || (J.out && J.out16) ||
-            (J.out != NULL || J.out16 != NULL) != (J.d != NULL) || ((uintptr_t)J.out16 & 7) != 0)
+            (J.out != NULL || J.out16 != NULL) != (J.d != NULL) || ((uintptr_t)J.out16 & 7) != 0 ||
+            (J.rope.pos && (!J.rope.cos_tab || !J.rope.sin_tab || J.d)))
             return cudaErrorInvalidValue;
         pj.j[i] = J;
         const int64_t w = (int64_t)J.Rpad * J.H;
@@ -1105,28 +1122,43 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
 }
 
 /* The flash path for B sequences of N queries over n_past + N keys each (kiln_cuda_attn_saves_lse
- * holds; B > 1 only with n_past 0): q, k, v packed to bf16 per head into the workspace's pack
- * buffer (grown on demand, synchronising: never inside a graph capture), then one flash
- * launch with grid z = B, writing out (f32) or, when out16 is given, out16 (bf16 bits; out
- * then NULL). lse: NULL or [B][NH][Npad]. */
+ * holds; B > 1 only with n_past 0): q, k, v packed to bf16 per head (rotated first when rope
+ * is given, NULL otherwise) into keep when given (n_past 0; kiln_cuda_attn_keep_bytes), else
+ * into the workspace's pack buffer (grown on demand, synchronising: never inside a graph
+ * capture), then one flash launch with grid z = B, writing out (f32) or, when out16 is given,
+ * out16 (bf16 bits; out then NULL). lse: NULL or [B][NH][Npad]. */
 static cudaError_t flash_launch(kiln_cuda_attn *a, cudaStream_t s, float *out, uint16_t *out16,
-                                float *lse, const float *q, const float *k, const float *v,
-                                int B, int N, int n_past, int NH, int KVH, int HS, float scale) {
+                                float *lse, void *keep, const kiln_cuda_attn_rope *rope,
+                                const float *q, const float *k, const float *v, int B, int N,
+                                int n_past, int NH, int KVH, int HS, float scale) {
     if (NH > 65535 || B > 65535) return cudaErrorInvalidConfiguration;
     const int T = n_past + N;
     const int Npad = kiln_cuda_attn_pack_rows(N), Tpad = kiln_cuda_attn_pack_rows(T);
     if (Npad < 0 || Tpad < 0) return cudaErrorInvalidValue;
     const uint64_t qn = (uint64_t)B * (uint64_t)NH * (uint64_t)Npad * (uint64_t)HS;
     const uint64_t kn = (uint64_t)B * (uint64_t)KVH * (uint64_t)Tpad * (uint64_t)HS;
-    const uint64_t need = (qn + 2 * kn) * sizeof(__nv_bfloat16);
-    if (need > (uint64_t)SIZE_MAX / 2) return cudaErrorInvalidValue;
-    cudaError_t e = grow_dev(a, &a->pack, &a->pack_cap, (size_t)need);
-    if (e != cudaSuccess) return e;
-    __nv_bfloat16 *qb = (__nv_bfloat16 *)a->pack, *kb = qb + qn, *vb = kb + kn;
-    const kiln_cuda_attn_pack_job jobs[3] = {{qb, q, NULL, NULL, NULL, N, Npad, NH, B},
-                                             {kb, k, NULL, NULL, NULL, T, Tpad, KVH, B},
-                                             {vb, v, NULL, NULL, NULL, T, Tpad, KVH, B}};
-    e = kiln_cuda_attn_pack_heads(s, jobs, 3, HS);
+    __nv_bfloat16 *qb, *kb, *vb;
+    if (keep) { /* regions as kiln_cuda_attn_keep_bytes counts them (Tpad = Npad) */
+        if (kiln_cuda_attn_keep_bytes(B, N, NH, KVH, HS) == 0) return cudaErrorInvalidValue;
+        const size_t kr = kiln_cuda_attn_keep_region((size_t)kn * sizeof(__nv_bfloat16));
+        qb = (__nv_bfloat16 *)keep;
+        kb = (__nv_bfloat16 *)((char *)keep +
+                               kiln_cuda_attn_keep_region((size_t)qn * sizeof(__nv_bfloat16)));
+        vb = (__nv_bfloat16 *)((char *)kb + kr);
+    } else {
+        const uint64_t need = (qn + 2 * kn) * sizeof(__nv_bfloat16);
+        if (need > (uint64_t)SIZE_MAX / 2) return cudaErrorInvalidValue;
+        cudaError_t e = grow_dev(a, &a->pack, &a->pack_cap, (size_t)need);
+        if (e != cudaSuccess) return e;
+        qb = (__nv_bfloat16 *)a->pack;
+        kb = qb + qn;
+        vb = kb + kn;
+    }
+    const kiln_cuda_attn_rope none = {NULL, NULL, NULL}, rp = rope ? *rope : none;
+    const kiln_cuda_attn_pack_job jobs[3] = {{qb, q, NULL, NULL, NULL, N, Npad, NH, B, rp},
+                                             {kb, k, NULL, NULL, NULL, T, Tpad, KVH, B, rp},
+                                             {vb, v, NULL, NULL, NULL, T, Tpad, KVH, B, none}};
+    cudaError_t e = kiln_cuda_attn_pack_heads(s, jobs, 3, HS);
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((N + FL_BM - 1) / FL_BM), (unsigned)NH, (unsigned)B);
     if (HS == 64 && out16)
@@ -1159,7 +1191,8 @@ cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *o
                                    scale);
     }
     if (kiln_cuda_attn_saves_lse(out, q, k, v, N, HS))
-        return flash_launch(a, s, out, NULL, NULL, q, k, v, 1, N, n_past, NH, KVH, HS, scale);
+        return flash_launch(a, s, out, NULL, NULL, NULL, NULL, q, k, v, 1, N, n_past, NH, KVH,
+                            HS, scale);
     const unsigned gx = split_grid_x(N, NH, KVH);
     if (gx == 0) return cudaErrorInvalidConfiguration;
     f32_kernel<<<dim3(gx, 1, 1), F32_THREADS, f32_smem(HS), s>>>(out, q, k, v, N, n_past, NH,
@@ -1179,16 +1212,21 @@ cudaError_t kiln_cuda_attention_decode_dev(kiln_cuda_attn *a, cudaStream_t s, fl
 }
 
 cudaError_t kiln_cuda_attention_fast_seqs(kiln_cuda_attn *a, cudaStream_t s, float *out,
-                                          uint16_t *out16, float *lse, const float *q,
+                                          uint16_t *out16, float *lse, void *keep,
+                                          const kiln_cuda_attn_rope *rope, const float *q,
                                           const float *k, const float *v, int B, int N, int NH,
                                           int KVH, int HS, float scale) {
-    if ((out == NULL) == (out16 == NULL) || B < 0 || N < 0 || NH < 0 || HS < 0)
+    if ((out == NULL) == (out16 == NULL) || B < 0 || N < 0 || NH < 0 || HS < 0 ||
+        (rope && (!keep || !rope->pos || !rope->cos_tab || !rope->sin_tab)) ||
+        ((uintptr_t)keep & (KILN_ATTN_KEEP_ALIGN - 1)) != 0)
         return cudaErrorInvalidValue;
     if (B == 0 || N == 0 || NH == 0 || HS == 0) return cudaSuccess;
     if (!a || !shape_ok(NH, KVH, HS) || (int64_t)B * N > INT_MAX) return cudaErrorInvalidValue;
     if (kiln_cuda_attn_saves_lse(out16 ? (const void *)out16 : (const void *)out, q, k, v, N, HS))
-        return flash_launch(a, s, out, out16, lse, q, k, v, B, N, 0, NH, KVH, HS, scale);
-    if (out16) return cudaErrorNotSupported; /* only the flash kernel stores bf16 */
+        return flash_launch(a, s, out, out16, lse, keep, rope, q, k, v, B, N, 0, NH, KVH, HS,
+                            scale);
+    /* only the flash kernel stores bf16, and only it packs (keep, hence rope) */
+    if (out16 || keep) return cudaErrorNotSupported;
     const size_t qs = (size_t)N * NH * HS, ks = (size_t)N * KVH * HS;
     for (int b = 0; b < B; b++) {
         cudaError_t e = kiln_cuda_attention_fast(a, s, out + b * qs, q + b * qs, k + b * ks,

@@ -28,7 +28,9 @@
  *     under the products of the previous tile, and reads fragments with ldmatrix. The softmax
  *     weights p are rounded to bf16 before the p.v product (l sums those rounded weights), so
  *     the result is within about 1e-2 * max|v| of the exact attention (tested at 2e-2). The
- *     batched entry point can have it store the output as bf16 instead (out16).
+ *     batched entry point can have it store the output as bf16 instead (out16), pack into
+ *     caller memory that the backward then reads in place of packing q, k, v again (keep),
+ *     and apply RoPE to q and k as it packs them (rope, with keep).
  *   - N > 8 otherwise (HS up to KILN_ATTN_FAST_MAX_HS, e.g. 48, 80, 96, 256; or unaligned
  *     pointers): the split kernel's code run as one split over all of a row's keys, writing
  *     out directly (plain f32, kiln_expf).
@@ -62,9 +64,22 @@ static inline int kiln_cuda_attn_pack_rows(int R) {
     if (R < 0 || R > INT_MAX - (KILN_ATTN_PACK_ROWS - 1)) return -1;
     return (R + KILN_ATTN_PACK_ROWS - 1) / KILN_ATTN_PACK_ROWS * KILN_ATTN_PACK_ROWS;
 }
+/* RoPE applied by the packing (kiln_cuda_attention_fast_seqs' rope, a pack job's rope), with
+ * kiln_cuda_rope's arguments and arithmetic: pos (device) holds the position of each of the
+ * B*R source rows (pos[b * R + r] for sequence b's row r); cos_tab, sin_tab (device) are
+ * (max_pos, HS/2) f32, the angle of pair i (elements i and i + HS/2 of a head) at position p
+ * at [p * HS/2 + i]. Positions are not checked (as kiln_cuda_rope). */
+typedef struct {
+    const int32_t *pos;
+    const float *cos_tab, *sin_tab;
+} kiln_cuda_attn_rope;
+
 /* One tensor to pack, for B >= 1 sequences of R rows each: src (B*R, H, HS) f32 (16-byte
  * aligned for HS 128, 8 for 64) -> dst [B][H][Rpad][HS] bf16 (round to nearest even), rows
  * R..Rpad-1 of each (sequence, head) zero; Rpad a multiple of KILN_ATTN_PACK_ROWS and >= R.
+ * With rope.pos: every pair of src is first rotated with kiln_cuda_rope's f32 operations
+ * (cuda_common.cuh's kiln_rope_pair), so dst has the bits of kiln_cuda_rope on src followed
+ * by the packing; never with d.
  * With d and one of out (f32) or out16 (bf16 bits, 8-byte aligned), both with src's layout:
  * d[(b * H + h) * Rpad + r] = sum over i of src * out (the backward's D = rowsum(dout * out),
  * f32 in a fixed order; 0 on padding rows). out16's values are widened to f32 (exact) and
@@ -72,10 +87,11 @@ static inline int kiln_cuda_attn_pack_rows(int R) {
  * [B][H] is [B*H]: the kernels index a sequence's head h as b * H + h. */
 typedef struct {
     __nv_bfloat16 *dst;
-    const float *src, *out; /* out: NULL, or (B*R, H, HS) f32 */
-    const uint16_t *out16;  /* NULL, or (B*R, H, HS) bf16 bits; never with out */
-    float *d;               /* NULL exactly when out and out16 are */
+    const float *src, *out;   /* out: NULL, or (B*R, H, HS) f32 */
+    const uint16_t *out16;    /* NULL, or (B*R, H, HS) bf16 bits; never with out */
+    float *d;                 /* NULL exactly when out and out16 are */
     int R, Rpad, H, B;
+    kiln_cuda_attn_rope rope; /* pos NULL: none; else all three given */
 } kiln_cuda_attn_pack_job;
 #define KILN_ATTN_PACK_MAX_JOBS 4
 /* Packs n (1..KILN_ATTN_PACK_MAX_JOBS) tensors of head size HS (64 or 128) in one launch on
@@ -113,11 +129,37 @@ cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *o
                                      int n_past, int NH, int KVH, int HS, float scale);
 /* Whether kiln_cuda_attention_fast_seqs runs the one-launch flash path, hence writes lse,
  * for these arguments; out is the output it writes (the f32 out, or out16 when that is the
- * one given). The fast backward uses a saved lse only when this holds for the same pointers. */
+ * one given). The fast backward uses a saved lse only when this holds for the same pointers
+ * or when it is given keep (which only this path fills). */
 static inline bool kiln_cuda_attn_saves_lse(const void *out, const float *q, const float *k,
                                             const float *v, int N, int HS) {
     return kiln_cuda_attn_fast_is_mma(N, HS) &&
            (((uintptr_t)out | (uintptr_t)q | (uintptr_t)k | (uintptr_t)v) & 15) == 0;
+}
+/* Alignment of kiln_cuda_attention_fast_seqs' keep and of each region in it. */
+#define KILN_ATTN_KEEP_ALIGN 256
+/* bytes rounded up to KILN_ATTN_KEEP_ALIGN: a region's size in keep (0 on overflow). */
+static inline size_t kiln_cuda_attn_keep_region(size_t bytes) {
+    if (bytes > SIZE_MAX - (KILN_ATTN_KEEP_ALIGN - 1)) return 0;
+    return (bytes + KILN_ATTN_KEEP_ALIGN - 1) / KILN_ATTN_KEEP_ALIGN * KILN_ATTN_KEEP_ALIGN;
+}
+/* Bytes of kiln_cuda_attention_fast_seqs' keep for these shapes: the bf16 packed q
+ * [B][NH][Npad][HS], then k and v [B][KVH][Npad][HS] (Npad = kiln_cuda_attn_pack_rows(N)),
+ * each region starting and ending on a KILN_ATTN_KEEP_ALIGN boundary of the buffer (so the
+ * same count as ops.h's kiln_attention_keep_bytes). 0 when a count is not positive, KVH does
+ * not divide NH, or the size overflows. */
+static inline size_t kiln_cuda_attn_keep_bytes(int B, int N, int NH, int KVH, int HS) {
+    if (B <= 0 || N <= 0 || NH <= 0 || KVH <= 0 || HS <= 0 || NH % KVH != 0) return 0;
+    const int Npad = kiln_cuda_attn_pack_rows(N);
+    if (Npad < 0) return 0;
+    /* a head is Npad * HS * 2 bytes < 2^63; a region of q or of k is heads * head */
+    const uint64_t head = (uint64_t)Npad * (uint64_t)HS * sizeof(__nv_bfloat16);
+    const uint64_t qh = (uint64_t)B * (uint64_t)NH, kh = (uint64_t)B * (uint64_t)KVH;
+    const uint64_t lim = (uint64_t)SIZE_MAX / 4;
+    if (qh > lim / head || kh > lim / head) return 0;
+    const size_t qr = kiln_cuda_attn_keep_region((size_t)(qh * head));
+    const size_t kr = kiln_cuda_attn_keep_region((size_t)(kh * head));
+    return qr + 2 * kr; /* each under SIZE_MAX / 4 + 255: no overflow */
 }
 /* ops.h's attention_seqs in fast mode: B sequences of N tokens (rows back to back, n_past 0),
  * each with the bits of kiln_cuda_attention_fast on its own rows. When
@@ -130,10 +172,26 @@ static inline bool kiln_cuda_attn_saves_lse(const void *out, const float *q, con
  * the round-to-nearest-even bf16 of the f32 that out would hold, tensor.c's
  * kiln_fp32_to_bf16; lse as with out). out16 is taken only by the flash path
  * (kiln_cuda_attn_saves_lse(out16, q, k, v, N, HS)): cudaErrorNotSupported otherwise, nothing
- * enqueued. cudaErrorInvalidValue when both or neither of out, out16 are given; other errors
- * as kiln_cuda_attention_fast. */
+ * enqueued.
+ * keep: NULL, or kiln_cuda_attn_keep_bytes(B, N, NH, KVH, HS) bytes of device memory
+ * (KILN_ATTN_KEEP_ALIGN-byte aligned) that the forward packs q, k, v into (in place of the
+ * workspace, which then does not grow) and leaves for kiln_cuda_attention_backward_fast_seqs
+ * (its keep): q [B][NH][Npad][HS] at byte 0, k [B][KVH][Npad][HS] at
+ * kiln_cuda_attn_keep_region(q's bytes), v after k's region, as kiln_cuda_attn_pack_heads
+ * writes them. Only the flash path takes keep (kiln_cuda_attn_saves_lse for the output
+ * pointer): cudaErrorNotSupported otherwise, nothing enqueued. out and lse are the same bits
+ * with or without keep.
+ * rope: NULL, or (host pointer, read during the call) RoPE to apply to q and k (not v) as
+ * they are packed: q and k are then the un-rotated values, and out, lse and keep have the
+ * bits of kiln_cuda_rope(q, rope->pos, B*N, NH, HS, rope->cos_tab, rope->sin_tab) and the
+ * same on k (KVH heads) followed by this call without rope. rope requires keep (the backward
+ * cannot pack the rotated q, k again without it).
+ * cudaErrorInvalidValue when both or neither of out, out16 are given, for rope without keep
+ * or with a NULL pointer, or keep not KILN_ATTN_KEEP_ALIGN-byte aligned; other errors as
+ * kiln_cuda_attention_fast. */
 cudaError_t kiln_cuda_attention_fast_seqs(kiln_cuda_attn *a, cudaStream_t s, float *out,
-                                          uint16_t *out16, float *lse, const float *q,
+                                          uint16_t *out16, float *lse, void *keep,
+                                          const kiln_cuda_attn_rope *rope, const float *q,
                                           const float *k, const float *v, int B, int N, int NH,
                                           int KVH, int HS, float scale);
 /* Decode of B sequences, one new token each, for CUDA graphs: sequence b's query is

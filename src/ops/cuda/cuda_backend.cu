@@ -385,7 +385,11 @@ static void cu_rmsnorm_bf16(kiln_backend *be, uint16_t *out, const float *x, con
                             int N, int C, float eps) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
-    after_launch(c, kiln_cuda_rmsnorm_bf16(c->stream, out, x, w, N, C, eps), "rmsnorm_bf16");
+    /* fast mode: the fast rows' order (cuda_backward_fast.h); auditable: rmsnorm's bits */
+    after_launch(c,
+                 c->fast ? kiln_cuda_rmsnorm_fast_bf16(c->stream, out, x, w, N, C, eps)
+                         : kiln_cuda_rmsnorm_bf16(c->stream, out, x, w, N, C, eps),
+                 "rmsnorm_bf16");
 }
 
 static void cu_swiglu_bf16(kiln_backend *be, uint16_t *out, const uint16_t *gate,
@@ -755,10 +759,24 @@ static void cu_attention_backward(kiln_backend *be, float *dq, float *dk, float 
 /* B sequences of N tokens (ops.h's attention_seqs): fast mode runs them in one set of
  * launches and saves lse; auditable mode is B attention() calls (lse untouched). */
 static void cu_attention_seqs(kiln_backend *be, float *out, uint16_t *out16, float *lse,
-                              const float *q, const float *k, const float *v, int B, int N,
-                              int NH, int KVH, int HS, float scale) {
+                              void *keep, const int32_t *rope_pos, const float *rope_cos,
+                              const float *rope_sin, const float *q, const float *k,
+                              const float *v, int B, int N, int NH, int KVH, int HS,
+                              float scale) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || B <= 0 || N <= 0) return;
+    if ((keep || rope_pos) && (!out16 || (rope_pos && (!keep || !rope_cos || !rope_sin)))) {
+        poison(c, KILN_ERR_UNSUPPORTED, "attention_seqs: keep needs a bf16 output, rope_pos "
+               "keep and both tables");
+        return;
+    }
+    /* ops.h's keep size must hold this backend's packed copy */
+    if (keep && kiln_cuda_attn_keep_bytes(B, N, NH, KVH, HS) >
+                    kiln_attention_keep_bytes(B, N, NH, KVH, HS)) {
+        poison(c, KILN_ERR_INTERNAL, "attention_seqs: the packed copy outgrows "
+               "kiln_attention_keep_bytes (B %d, N %d, NH %d, KVH %d, HS %d)", B, N, NH, KVH, HS);
+        return;
+    }
     const size_t qs = (size_t)N * NH * HS, ks = (size_t)N * KVH * HS;
     if (out16 && (!c->fast || out || !kiln_cuda_attn_saves_lse(out16, q, k, v, N, HS))) {
         poison(c, KILN_ERR_UNSUPPORTED, "attention_seqs: a bf16 output needs fast mode, the "
@@ -773,9 +791,12 @@ static void cu_attention_seqs(kiln_backend *be, float *out, uint16_t *out16, flo
         return;
     }
     if (!c->attn && !CK(c, kiln_cuda_attn_create(&c->attn))) return;
+    kiln_cuda_attn_rope rope = {NULL, rope_cos, rope_sin};
+    if (rope_pos && !(rope.pos = ints_dev(c, rope_pos, (size_t)B * (size_t)N))) return;
     after_launch(c,
-                 kiln_cuda_attention_fast_seqs(c->attn, c->stream, out, out16, lse, q, k, v, B, N,
-                                               NH, KVH, HS, scale),
+                 kiln_cuda_attention_fast_seqs(c->attn, c->stream, out, out16, lse, keep,
+                                               rope_pos ? &rope : NULL, q, k, v, B, N, NH, KVH,
+                                               HS, scale),
                  "attention_seqs (fast)");
 }
 
@@ -784,8 +805,8 @@ static void cu_attention_seqs(kiln_backend *be, float *out, uint16_t *out16, flo
 static void cu_attention_backward_seqs(kiln_backend *be, float *dq, float *dk, float *dv,
                                        const float *dout, const float *q, const float *k,
                                        const float *v, const float *out, const uint16_t *out16,
-                                       const float *lse, float *ws, int B, int N, int NH, int KVH,
-                                       int HS, float scale) {
+                                       const float *lse, const void *keep, float *ws, int B,
+                                       int N, int NH, int KVH, int HS, float scale) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || B <= 0 || N <= 0) return;
     const void *o = out16 ? (const void *)out16 : (const void *)out;
@@ -793,15 +814,15 @@ static void cu_attention_backward_seqs(kiln_backend *be, float *dq, float *dk, f
         kiln_cuda_attention_backward_fast_ok(dq, dk, dv, dout, q, k, v, o, N, 0, NH, KVH, HS)) {
         after_launch(c,
                      kiln_cuda_attention_backward_fast_seqs(
-                         c->stream, dq, dk, dv, dout, q, k, v, out, out16, lse, ws,
+                         c->stream, dq, dk, dv, dout, q, k, v, out, out16, lse, keep, ws,
                          kiln_attention_backward_seqs_ws_floats(B, N, NH, KVH, HS), B, N, NH,
                          KVH, HS, scale),
                      "attention_backward_seqs (fast)");
         return;
     }
-    if (out16) {
-        poison(c, KILN_ERR_UNSUPPORTED, "attention_backward_seqs: a bf16 output needs fast mode "
-               "and the fast kernels' shapes (head size %d, N %d)", HS, N);
+    if (out16 || keep) {
+        poison(c, KILN_ERR_UNSUPPORTED, "attention_backward_seqs: a bf16 output or keep needs "
+               "fast mode and the fast kernels' shapes (head size %d, N %d)", HS, N);
         return;
     }
     const size_t qs = (size_t)N * NH * HS, ks = (size_t)N * KVH * HS;

@@ -370,6 +370,50 @@ rmsnorm_bwd_fast_warp_kernel(float *dx, uint16_t *__restrict__ dx16, const float
     }
 }
 
+/* The fast forward (kiln_cuda_rmsnorm_fast_bf16): the same rows, lanes, slots and chains as
+ * the backward above for the sum of squares (so its r has the backward's bits for the same
+ * x), then out = bf16((x r) w), rmsnorm's formula. */
+template <int LPR, int V, bool VEC>
+static __global__ void __launch_bounds__(RB_THREADS)
+rmsnorm_fwd_fast_warp_kernel(uint16_t *__restrict__ out, const float *__restrict__ x,
+                             const float *__restrict__ w, int N, int C, float eps) {
+    constexpr int RPW = 32 / LPR;
+    const int lane = threadIdx.x & 31, t = lane % LPR;
+    const int64_t n =
+        ((int64_t)blockIdx.x * RB_WARPS + (threadIdx.x >> 5)) * RPW + lane / LPR;
+    const bool live = n < N;
+    const int C4 = (C + 3) / 4;
+    const int64_t off = live ? n * C : 0;
+    float4 xv[V];
+    float ss[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        const int j = t + LPR * k;
+        xv[k] = live && j < C4 ? rb_load<VEC>(x + off, j, C) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int k = 0; k < V; k++) { /* rb_chain's ss half */
+        ss[0] = fmaf(xv[k].x, xv[k].x, ss[0]);
+        ss[1] = fmaf(xv[k].y, xv[k].y, ss[1]);
+        ss[2] = fmaf(xv[k].z, xv[k].z, ss[2]);
+        ss[3] = fmaf(xv[k].w, xv[k].w, ss[3]);
+    }
+    float s = rb_quad(ss);
+#pragma unroll
+    for (int h = LPR / 2; h >= 1; h /= 2) s = s + __shfl_xor_sync(0xffffffffu, s, h, LPR);
+    if (!live) return;
+    const float r = kiln_rms_scale(s, C, eps);
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        const int j = t + LPR * k;
+        if (j >= C4) continue;
+        const float4 wv = w ? rb_load<VEC>(w, j, C) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+        float4 v = make_float4(xv[k].x * r, xv[k].y * r, xv[k].z * r, xv[k].w * r);
+        if (w) v = make_float4(v.x * wv.x, v.y * wv.y, v.z * wv.z, v.w * wv.w);
+        rb_store16<VEC>(out + off, j, C, v);
+    }
+}
+
 /* The 8 warps' sums in the fixed tree ((0+1)+(2+3))+((4+5)+(6+7)). */
 static __device__ __forceinline__ float rb_tree8(const float *p) {
     return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
@@ -489,6 +533,64 @@ static void rb_block_launch(cudaStream_t s, bool vec, float *dx, uint16_t *dx16,
             <<<(unsigned)N, RB_THREADS, 0, s>>>(dx, dx16, dy, x, w, C, eps, rstd, acc);
 }
 
+/* The warp variant (LPR lanes a row, V slots a lane) for C4 = ceil(C / 4) <= RB_WARP_MAX_C4,
+ * a function of C alone (it fixes the order): f.template run<LPR, V>(). */
+template <typename F>
+static void rb_warp_variant(int C4, const F &f) {
+    if (C4 <= 8) {
+        f.template run<8, 1>();
+    } else if (C4 <= 16) {
+        f.template run<16, 1>();
+    } else {
+        switch ((C4 + 31) / 32) {
+        case 1: f.template run<32, 1>(); break;
+        case 2: f.template run<32, 2>(); break;
+        case 3: f.template run<32, 3>(); break;
+        case 4: f.template run<32, 4>(); break;
+        case 5: f.template run<32, 5>(); break;
+        case 6: f.template run<32, 6>(); break;
+        case 7: f.template run<32, 7>(); break;
+        default: f.template run<32, 8>(); break;
+        }
+    }
+}
+
+struct rb_bwd_launch {
+    cudaStream_t s;
+    bool vec;
+    float *dx;
+    uint16_t *dx16;
+    const float *dy, *x, *w;
+    int N, C;
+    float eps;
+    float *rstd;
+    bool acc;
+    template <int LPR, int V>
+    void run() const {
+        rb_warp_launch<LPR, V>(s, vec, dx, dx16, dy, x, w, N, C, eps, rstd, acc);
+    }
+};
+
+struct rb_fwd_launch {
+    cudaStream_t s;
+    bool vec;
+    uint16_t *out;
+    const float *x, *w;
+    int N, C;
+    float eps;
+    template <int LPR, int V>
+    void run() const {
+        constexpr int rows_per_block = RB_WARPS * (32 / LPR);
+        const unsigned grid = (unsigned)(((int64_t)N + rows_per_block - 1) / rows_per_block);
+        if (vec)
+            rmsnorm_fwd_fast_warp_kernel<LPR, V, true>
+                <<<grid, RB_THREADS, 0, s>>>(out, x, w, N, C, eps);
+        else
+            rmsnorm_fwd_fast_warp_kernel<LPR, V, false>
+                <<<grid, RB_THREADS, 0, s>>>(out, x, w, N, C, eps);
+    }
+};
+
 /* dx and rstd of the fast rmsnorm backward (cuda_backward_fast.h); N, C >= 1, pointers set.
  * The variant is chosen from C alone (it fixes the order); vec only picks the loads. */
 static cudaError_t rmsnorm_bwd_rows_fast(cudaStream_t s, float *dx, uint16_t *dx16,
@@ -498,23 +600,9 @@ static cudaError_t rmsnorm_bwd_rows_fast(cudaStream_t s, float *dx, uint16_t *dx
     const bool vec = C % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)dy % 16 == 0 &&
                      (uintptr_t)dx % 16 == 0 && (!w || (uintptr_t)w % 16 == 0) &&
                      (uintptr_t)dx16 % 8 == 0;
-#define RB_WARP(LPR, V) rb_warp_launch<LPR, V>(s, vec, dx, dx16, dy, x, w, N, C, eps, rstd, acc)
 #define RB_BLOCK(K) rb_block_launch<K>(s, vec, dx, dx16, dy, x, w, N, C, eps, rstd, acc)
-    if (C4 <= 8) {
-        RB_WARP(8, 1);
-    } else if (C4 <= 16) {
-        RB_WARP(16, 1);
-    } else if (C4 <= RB_WARP_MAX_C4) {
-        switch ((C4 + 31) / 32) {
-        case 1: RB_WARP(32, 1); break;
-        case 2: RB_WARP(32, 2); break;
-        case 3: RB_WARP(32, 3); break;
-        case 4: RB_WARP(32, 4); break;
-        case 5: RB_WARP(32, 5); break;
-        case 6: RB_WARP(32, 6); break;
-        case 7: RB_WARP(32, 7); break;
-        default: RB_WARP(32, 8); break;
-        }
+    if (C4 <= RB_WARP_MAX_C4) {
+        rb_warp_variant(C4, rb_bwd_launch{s, vec, dx, dx16, dy, x, w, N, C, eps, rstd, acc});
     } else if (C4 <= RB_THREADS * RB_BLOCK_MAX_K) {
         const int k = (C4 + RB_THREADS - 1) / RB_THREADS; /* 2 .. 8, padded to even */
         if (k <= 2) RB_BLOCK(2);
@@ -524,7 +612,6 @@ static cudaError_t rmsnorm_bwd_rows_fast(cudaStream_t s, float *dx, uint16_t *dx
     } else {
         RB_BLOCK(0);
     }
-#undef RB_WARP
 #undef RB_BLOCK
     return cudaGetLastError();
 }
@@ -721,4 +808,16 @@ cudaError_t kiln_cuda_matmul_backward_fast(kiln_cuda_gemm *g, cudaStream_t s, fl
     if (N <= 0 || R <= 0 || C <= 0) return cudaSuccess;
     const kiln_cuda_mb_item it = {dW, dbias, dy, w, row_bytes, dt, R};
     return kiln_cuda_matmul_backward_fast_multi(g, s, 1, &it, dx, x, C, N, accumulate_dx);
+}
+
+cudaError_t kiln_cuda_rmsnorm_fast_bf16(cudaStream_t s, uint16_t *out, const float *x,
+                                        const float *w, int N, int C, float eps) {
+    if (N <= 0 || C <= 0) return cudaSuccess;
+    if (!out || !x) return cudaErrorInvalidValue;
+    const int C4 = (int)(((int64_t)C + 3) / 4);
+    if (C4 > RB_WARP_MAX_C4) return kiln_cuda_rmsnorm_bf16(s, out, x, w, N, C, eps);
+    const bool vec = C % 4 == 0 && (uintptr_t)x % 16 == 0 && (!w || (uintptr_t)w % 16 == 0) &&
+                     (uintptr_t)out % 8 == 0;
+    rb_warp_variant(C4, rb_fwd_launch{s, vec, out, x, w, N, C, eps});
+    return cudaGetLastError();
 }

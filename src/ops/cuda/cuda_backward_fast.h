@@ -160,4 +160,14 @@ cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, uint16_t 
                                             bool accumulate_dx, double *scratch,
                                             size_t scratch_len);
 
+/* The fast mode's RMSNorm forward with bf16 output (ops.h rmsnorm_bf16 on a fast backend):
+ * out(N,C) = bf16 round to nearest even of (x * r) * w (w NULL: x * r), r =
+ * kiln_rms_scale(sum of x^2, C, eps) with the sum of squares in the order of
+ * kiln_cuda_rmsnorm_backward_fast's rows above (so r has the bits the backward recomputes),
+ * for C <= 1024; past that, kiln_cuda_rmsnorm_bf16 (the auditable order). |r - exact| <= (h/2
+ * + 3) 2^-24 r as above, so the output differs from the auditable rmsnorm's rounded to bf16 at
+ * most by a rounding flip (one bf16 ulp). cudaErrorInvalidValue for out or x NULL. */
+cudaError_t kiln_cuda_rmsnorm_fast_bf16(cudaStream_t s, uint16_t *out, const float *x,
+                                        const float *w, int N, int C, float eps);
+
 #endif /* KILN_CUDA_BACKWARD_FAST_H */

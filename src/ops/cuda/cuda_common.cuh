@@ -1,9 +1,9 @@
 /*
  * cuda_common.cuh -- device helpers every CUDA kernel file shares: the lane-16 tree of the
- * defined dot, and per-element dequantization of every GGUF block type with tensor.c's
- * formulas, operation for operation (so a dequantized weight has the CPU's bits in both
- * modes), and the runtime-dtype dispatch macro. Included from .cu files only; everything is
- * static (one copy per translation unit, inlined).
+ * defined dot, the bf16 rounding, the RoPE rotation of a pair, per-element dequantization of
+ * every GGUF block type with tensor.c's formulas, operation for operation (so a dequantized
+ * weight has the CPU's bits in both modes), and the runtime-dtype dispatch macro. Included
+ * from .cu files only; everything is static (one copy per translation unit, inlined).
  */
 #ifndef KILN_CUDA_COMMON_CUH
 #define KILN_CUDA_COMMON_CUH
@@ -58,6 +58,17 @@ static __device__ __forceinline__ float4 bf16x4_f32(uint2 v) {
 static __device__ __forceinline__ uint2 f32x4_bf16(float a, float b, float c, float d) {
     return make_uint2((uint32_t)kiln_bf16_rne(a) | ((uint32_t)kiln_bf16_rne(b) << 16),
                       (uint32_t)kiln_bf16_rne(c) | ((uint32_t)kiln_bf16_rne(d) << 16));
+}
+
+/* ---- RoPE ------------------------------------------------------------------------------- */
+
+/* The rotation of one pair (a, b) = (x[i], x[i + HS/2]) of a head by the angle whose cosine
+ * and sine are c, sn: (a c - b sn, b c + a sn), each product rounded, then the sum (no FMA:
+ * the files are compiled with --fmad=false). THE definition of RoPE's bits on the GPU:
+ * kiln_cuda_rope's kernel and the fast attention's packing (kiln_cuda_attn_rope) both take
+ * it, so a pair rotated by either has the same bits. */
+static __device__ __forceinline__ float2 kiln_rope_pair(float a, float b, float c, float sn) {
+    return make_float2(a * c - b * sn, b * c + a * sn);
 }
 
 /* ---- dequantization of one element: tensor.c's formulas, operation for operation -------- */

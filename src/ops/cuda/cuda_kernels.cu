@@ -310,9 +310,9 @@ static __global__ void rope_kernel(float *x, const int32_t *__restrict__ pos, in
         float *v = x + nh * HS;
         const float c = cos_tab[(int64_t)pos[n] * half + i];
         const float sn = sin_tab[(int64_t)pos[n] * half + i];
-        const float a = v[i], b = v[i + half];
-        v[i] = a * c - b * sn;
-        v[i + half] = b * c + a * sn;
+        const float2 r = kiln_rope_pair(v[i], v[i + half], c, sn);
+        v[i] = r.x;
+        v[i + half] = r.y;
     }
 }
 
