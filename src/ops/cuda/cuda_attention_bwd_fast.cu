@@ -194,7 +194,8 @@ static __device__ __forceinline__ void dq_block(const bw_args &A, int qt, int hl
     cp_tile<HS, KT, BW_THREADS>(sV, LD, vh);
     cp_async_commit();
     const float D0 = A.wsD[hrow + r0], D1 = A.wsD[hrow + r1];
-    const float L0 = A.wsL[hrow + r0], L1 = A.wsL[hrow + r1];
+    const float nL0 = -A.wsL[hrow + r0] * KILN_LOG2E, nL1 = -A.wsL[hrow + r1] * KILN_LOG2E;
+    const float c = A.scale * KILN_LOG2E;
     uint32_t qf[HS / 16][4], of[HS / 16][4];
     float acc[HS / 8][4];
 #pragma unroll
@@ -225,10 +226,11 @@ static __device__ __forceinline__ void dq_block(const bw_args &A, int qt, int hl
 #pragma unroll
         for (int nt = 0; nt < KT / 8; nt++) {
             const int key = k0 + nt * 8 + 2 * t;
-            const float p00 = !mask || key <= lim0 ? __expf(sc[nt][0] * A.scale - L0) : 0.0f;
-            const float p01 = !mask || key + 1 <= lim0 ? __expf(sc[nt][1] * A.scale - L0) : 0.0f;
-            const float p10 = !mask || key <= lim1 ? __expf(sc[nt][2] * A.scale - L1) : 0.0f;
-            const float p11 = !mask || key + 1 <= lim1 ? __expf(sc[nt][3] * A.scale - L1) : 0.0f;
+            /* p = exp(s scale - L) = 2^(s c - L log2 e) */
+            const float p00 = !mask || key <= lim0 ? ex2_approx(fmaf(sc[nt][0], c, nL0)) : 0.0f;
+            const float p01 = !mask || key + 1 <= lim0 ? ex2_approx(fmaf(sc[nt][1], c, nL0)) : 0.0f;
+            const float p10 = !mask || key <= lim1 ? ex2_approx(fmaf(sc[nt][2], c, nL1)) : 0.0f;
+            const float p11 = !mask || key + 1 <= lim1 ? ex2_approx(fmaf(sc[nt][3], c, nL1)) : 0.0f;
             sc[nt][0] = p00 * (dp[nt][0] - D0); /* dS */
             sc[nt][1] = p01 * (dp[nt][1] - D0);
             sc[nt][2] = p10 * (dp[nt][2] - D1);
@@ -277,6 +279,7 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
     const int k0 = kt * BW_ROWS, T = n_past + N;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int key0 = k0 + warp * 16 + g, key1 = key0 + 8, wlast = k0 + warp * 16 + 15;
+    const float c = A.scale * KILN_LOG2E;
     const int64_t hrow = (int64_t)h * A.Npad;
     const bf16 *qh = A.qb + hrow * HS, *oh = A.ob + hrow * HS;
     const int first = k0 - n_past > 0 ? k0 - n_past : 0; /* the first query that sees key k0 */
@@ -362,11 +365,15 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
         for (int nt = 0; nt < QT / 8; nt++) {
             const int qi = nt * 8 + 2 * t, qa = n_past + q0 + qi; /* qa: the query's position */
             const bool in0 = q0 + qi < N, in1 = q0 + qi + 1 < N;
-            const float L0 = cL[qi], L1 = cL[qi + 1], D0 = cD[qi], D1 = cD[qi + 1];
-            const float p00 = !mask || (in0 && qa >= key0) ? __expf(st[nt][0] * A.scale - L0) : 0.0f;
-            const float p01 = !mask || (in1 && qa + 1 >= key0) ? __expf(st[nt][1] * A.scale - L1) : 0.0f;
-            const float p10 = !mask || (in0 && qa >= key1) ? __expf(st[nt][2] * A.scale - L0) : 0.0f;
-            const float p11 = !mask || (in1 && qa + 1 >= key1) ? __expf(st[nt][3] * A.scale - L1) : 0.0f;
+            /* p = exp(s scale - L) = 2^(s c - L log2 e) */
+            const float nL0 = -cL[qi] * KILN_LOG2E, nL1 = -cL[qi + 1] * KILN_LOG2E;
+            const float D0 = cD[qi], D1 = cD[qi + 1];
+            const bool v00 = !mask || (in0 && qa >= key0), v01 = !mask || (in1 && qa + 1 >= key0);
+            const bool v10 = !mask || (in0 && qa >= key1), v11 = !mask || (in1 && qa + 1 >= key1);
+            const float p00 = v00 ? ex2_approx(fmaf(st[nt][0], c, nL0)) : 0.0f;
+            const float p01 = v01 ? ex2_approx(fmaf(st[nt][1], c, nL1)) : 0.0f;
+            const float p10 = v10 ? ex2_approx(fmaf(st[nt][2], c, nL0)) : 0.0f;
+            const float p11 = v11 ? ex2_approx(fmaf(st[nt][3], c, nL1)) : 0.0f;
             dpt[nt][0] = p00 * (dpt[nt][0] - D0);
             dpt[nt][1] = p01 * (dpt[nt][1] - D1);
             dpt[nt][2] = p10 * (dpt[nt][2] - D0);

@@ -64,7 +64,7 @@ cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *
  * pointer ([B][NH][Npad], 16-byte aligned): used as L in place of the statistics kernel when
  * kiln_cuda_attn_saves_lse holds for these pointers (out16's when given; else ignored). With
  * lse NULL each sequence gets the bits of kiln_cuda_attention_backward_fast on its rows; with
- * lse, the forward's L (whose l summed the bf16-rounded weights) replaces the recomputed one.
+ * lse, the forward's L replaces the recomputed one.
  * keep: NULL, or what kiln_cuda_attention_fast_seqs left in its keep for the same B, N, NH,
  * KVH, HS (KILN_ATTN_KEEP_ALIGN-byte aligned): the packed q, k, v are taken from there and
  * only dout is packed (with D); q, k, v are not read and may be NULL. The forward's flash

@@ -794,14 +794,16 @@ static __device__ __forceinline__ void flash_store_pair(uint16_t *p, float x, fl
  * zero; sequence b's q and out rows are b*N.., its keys b*T.. . Key tiles of 64 go in increasing
  * order up to the last key the tile's last row sees, double-buffered: the copy of tile j + 1
  * (cp.async) runs under the products of tile j. Each warp keeps its 16 rows' running max m,
- * per-thread partial sums l and the O accumulator (16 x HS f32) in registers; fragments come
+ * per-thread partial sums l (of the f32 weights) and the O accumulator (16 x HS f32) in
+ * registers; the max is of the raw scores and a weight is 2^(s c - m c), c = scale log2 e (one
+ * FMA and the MUFU); fragments come
  * from shared memory by ldmatrix (cuda_mma.cuh). Masked scores (key > n_past + row, which
  * covers the padding keys) are -inf, so p = 0; tiles wholly below the diagonal skip the mask.
  * out: (B*N, NH, HS) of Out, float (8-byte aligned) or uint16_t (bf16 bits, each the
  * kiln_bf16_rne of the float the f32 instantiation stores; 4-byte aligned): flash_store_pair.
  * The instantiations differ in the stores only. */
 template <int HS, typename Out>
-static __global__ void __launch_bounds__(FL_THREADS)
+static __global__ void __launch_bounds__(FL_THREADS, HS == 64 ? 4 : 1)
 flash_bf16_kernel(Out *__restrict__ out, float *__restrict__ lse,
                   const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__restrict__ kb,
                   const __nv_bfloat16 *__restrict__ vb, int N, int n_past, int NH, int KVH,
@@ -843,6 +845,7 @@ flash_bf16_kernel(Out *__restrict__ out, float *__restrict__ lse,
     /* the first key a mask can hide from one of the warp's rows */
     const int wfirst = n_past + q0 + warp * 16;
     uint32_t qf[HS / 16][4];
+    const float c = scale * KILN_LOG2E;
 
     for (int j = 0; j < nkt; j++) {
         const int k0 = j * FL_BN, buf = j & 1;
@@ -867,16 +870,22 @@ flash_bf16_kernel(Out *__restrict__ out, float *__restrict__ lse,
         float sc[FL_BN / 8][4];
         rows_times_tile<HS, FL_BN>(sc, qf, cK, LD, lane);
 
-        /* scale, causal mask, online softmax (rows g: c[0..1], g + 8: c[2..3]) */
-        const bool mask = k0 + FL_BN - 1 > wfirst;
+        /* causal mask (tiles that reach past a row's last key), online softmax in units of the
+         * raw scores: m is the raw max, and a weight is exp(scale (s - m)) = 2^(s c - m c),
+         * c = scale log2 e (rows g: c[0..1], g + 8: c[2..3]) */
+        if (k0 + FL_BN - 1 > wfirst) {
+#pragma unroll
+            for (int nt = 0; nt < FL_BN / 8; nt++) {
+                const int key = k0 + nt * 8 + 2 * t;
+                if (key > lim0) sc[nt][0] = -INFINITY;
+                if (key + 1 > lim0) sc[nt][1] = -INFINITY;
+                if (key > lim1) sc[nt][2] = -INFINITY;
+                if (key + 1 > lim1) sc[nt][3] = -INFINITY;
+            }
+        }
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < FL_BN / 8; nt++) {
-            const int key = k0 + nt * 8 + 2 * t;
-            sc[nt][0] = !mask || key <= lim0 ? sc[nt][0] * scale : -INFINITY;
-            sc[nt][1] = !mask || key + 1 <= lim0 ? sc[nt][1] * scale : -INFINITY;
-            sc[nt][2] = !mask || key <= lim1 ? sc[nt][2] * scale : -INFINITY;
-            sc[nt][3] = !mask || key + 1 <= lim1 ? sc[nt][3] * scale : -INFINITY;
             mx0 = fmaxf(mx0, fmaxf(sc[nt][0], sc[nt][1]));
             mx1 = fmaxf(mx1, fmaxf(sc[nt][2], sc[nt][3]));
         }
@@ -886,20 +895,24 @@ flash_bf16_kernel(Out *__restrict__ out, float *__restrict__ lse,
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
         const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-        const float base0 = mn0 == -INFINITY ? 0.0f : mn0; /* no key yet: exp(-inf) = 0 */
-        const float base1 = mn1 == -INFINITY ? 0.0f : mn1;
-        const float al0 = __expf(m0 - base0), al1 = __expf(m1 - base1);
+        /* no key yet (the max -inf): every weight 2^-inf = 0 */
+        const float nb0 = mn0 == -INFINITY ? 0.0f : -mn0 * c, nb1 = mn1 == -INFINITY ? 0.0f : -mn1 * c;
+        const float al0 = ex2_approx(fmaf(m0, c, nb0)), al1 = ex2_approx(fmaf(m1, c, nb1));
         m0 = mn0;
         m1 = mn1;
         uint32_t pp[FL_BN / 8][2]; /* p as bf16 pairs: [nt][0] row g, [nt][1] row g + 8 */
         float ps0 = 0.0f, ps1 = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < FL_BN / 8; nt++) {
-            pp[nt][0] = pack_bf16(__expf(sc[nt][0] - base0), __expf(sc[nt][1] - base0));
-            pp[nt][1] = pack_bf16(__expf(sc[nt][2] - base1), __expf(sc[nt][3] - base1));
-            /* l sums the weights the p.v product uses: the bf16 ones */
-            ps0 = ps0 + (bf16_lo(pp[nt][0]) + bf16_hi(pp[nt][0]));
-            ps1 = ps1 + (bf16_lo(pp[nt][1]) + bf16_hi(pp[nt][1]));
+            const float p0 = ex2_approx(fmaf(sc[nt][0], c, nb0));
+            const float p1 = ex2_approx(fmaf(sc[nt][1], c, nb0));
+            const float p2 = ex2_approx(fmaf(sc[nt][2], c, nb1));
+            const float p3 = ex2_approx(fmaf(sc[nt][3], c, nb1));
+            pp[nt][0] = pack_bf16(p0, p1);
+            pp[nt][1] = pack_bf16(p2, p3);
+            /* l sums the f32 weights (the p.v product takes them rounded to bf16) */
+            ps0 = ps0 + (p0 + p1);
+            ps1 = ps1 + (p2 + p3);
         }
         l0 = l0 * al0 + ps0;
         l1 = l1 * al1 + ps1;
@@ -927,8 +940,8 @@ flash_bf16_kernel(Out *__restrict__ out, float *__restrict__ lse,
     l1 = l1 + __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 = l1 + __shfl_xor_sync(0xffffffffu, l1, 2);
     if (lse && t == 0) { /* log-sum-exp of the scaled scores, for the backward */
-        lse[hq * Npad + qr0] = qr0 < N ? m0 + logf(l0) : 0.0f;
-        lse[hq * Npad + qr1] = qr1 < N ? m1 + logf(l1) : 0.0f;
+        lse[hq * Npad + qr0] = qr0 < N ? m0 * scale + logf(l0) : 0.0f;
+        lse[hq * Npad + qr1] = qr1 < N ? m1 * scale + logf(l1) : 0.0f;
     }
     out += (int64_t)b * N * NH * HS; /* sequence b's rows */
     if (qr0 < N) {

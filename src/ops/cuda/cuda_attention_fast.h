@@ -22,11 +22,12 @@
  *     of this call with N = 1 (tested).
  *   - N > 8 and HS 64 or 128 (and q, k, v 16-byte aligned): flash attention on bf16 tensor
  *     cores (FlashAttention-2 style: a block per (64-row query tile, head), 4 warps of 16
- *     rows, key tiles of 64, online softmax in f32 with __expf, mma.sync m16n8k16 bf16 ->
+ *     rows, key tiles of 64, online softmax in f32 over the raw scores, each weight one FMA
+ *     and the MUFU's 2^x (ex2.approx), mma.sync m16n8k16 bf16 ->
  *     f32). q, k, v are first rounded to bf16 and packed per head in the workspace
  *     (kiln_cuda_attn_pack_heads); the kernel copies key tiles with cp.async, double-buffered
  *     under the products of the previous tile, and reads fragments with ldmatrix. The softmax
- *     weights p are rounded to bf16 before the p.v product (l sums those rounded weights), so
+ *     weights p are rounded to bf16 before the p.v product (l sums the f32 weights), so
  *     the result is within about 1e-2 * max|v| of the exact attention (tested at 2e-2). The
  *     batched entry point can have it store the output as bf16 instead (out16), pack into
  *     caller memory that the backward then reads in place of packing q, k, v again (keep),
@@ -165,8 +166,8 @@ static inline size_t kiln_cuda_attn_keep_bytes(int B, int N, int NH, int KVH, in
  * each with the bits of kiln_cuda_attention_fast on its own rows. When
  * kiln_cuda_attn_saves_lse holds, one pack and one flash launch serve all B (grid z), and
  * lse (NULL or [B][NH][Npad] floats, Npad = N rounded up to KILN_ATTN_PACK_ROWS) receives
- * each row's log-sum-exp of the scaled scores, m + log(l) with the forward's own m and l (l
- * sums the bf16-rounded weights the output used; padding rows 0); otherwise a loop of
+ * each row's log-sum-exp of the scaled scores, m scale + log(l) with the forward's own raw
+ * max m and sum l (padding rows 0); otherwise a loop of
  * kiln_cuda_attention_fast and lse untouched.
  * The output (B*N, NH, HS) goes to exactly one of out (f32) and out16 (bf16 bits: each value
  * the round-to-nearest-even bf16 of the f32 that out would hold, tensor.c's
