@@ -7,7 +7,10 @@
  * An optimizer made by kiln_adamw_create_on with the CUDA backend ("device optimizer") keeps
  * the same slots, but weights, grads and every state array are device memory: each entry point
  * below starts with `if (o->be)` and runs the device twin (the dev_* functions), which
- * enqueues the same element-wise arithmetic on the backend's stream.
+ * enqueues the same element-wise arithmetic on the backend's stream. A device step is one launch
+ * over every parameter (kiln_cuda_adamw_step_multi, with the tensor table uploaded at create and
+ * at load), or, with the environment variable KILN_ADAMW_MULTI=0 (read at every step, for A/B
+ * checks), one launch per parameter (kiln_cuda_adamw_step); the two give the same bits.
  */
 #include "adamw.h"
 
@@ -18,6 +21,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Elements per task of a step (a multiple of KILN_ADAMW_Q8_BLOCK so that every 8-bit block
@@ -70,6 +74,9 @@ struct kiln_adamw {
     float *d_out;                  /* (4) sq, total, coef */
     kiln_cuda_norm_plan norm_plan; /* fast mode's chunked norm (cuda_train.h): chunk, first and
                                     * partial in dev_scratch */
+    kiln_cuda_adamw_plan step_plan; /* the multi-tensor step (cuda_train.h): its table and
+                                     * chunks in dev_scratch */
+    kiln_cuda_adamw_param *d_step_table; /* (n_params) step_plan.table, for the uploads */
     int64_t max_n;                 /* largest parameter */
 };
 
@@ -423,24 +430,77 @@ static kiln_status dev_upload_norm_plan(kiln_adamw *o, uint8_t *dev, size_t firs
     return st;
 }
 
+/* Parameter i as the CUDA step takes it, with decay as given. */
+static kiln_cuda_adamw_param dev_param(const kiln_adamw *o, int i, int decay) {
+    const adamw_slot *s = &o->p[i];
+    kiln_cuda_adamw_param q;
+    memset(&q, 0, sizeof q);
+    q.n = s->n;
+    q.param_index = i;
+    q.weights_kind = (int)o->cfg.weights;
+    q.q8 = o->cfg.moments == KILN_ADAMW_MOMENTS_Q8;
+    q.decay = decay;
+    q.weights = s->weights;
+    q.grad = s->grad;
+    q.m = s->m;
+    q.v = s->v;
+    q.mq = s->mq;
+    q.vq = s->vq;
+    q.ms = s->ms;
+    q.vs = s->vs;
+    q.master = s->master;
+    q.comp = s->comp;
+    return q;
+}
+
+/* Upload the multi-tensor step's table (step_plan.table): every parameter with its own decay
+ * flag (the kernel ands it with use_wd); and, when chunk_dev is not NULL, its step_plan.n_chunks
+ * chunks there. At create (both), and at load, which restores the flags (the table only). */
+static kiln_status dev_upload_step_plan(kiln_adamw *o, kiln_cuda_adamw_chunk *chunk_dev) {
+    const int P = o->n_params;
+    kiln_cuda_adamw_param *t = kiln_calloc((size_t)P, sizeof *t);
+    if (!t) return kiln_error(KILN_ERR_NOMEM, "adamw: out of memory");
+    for (int i = 0; i < P; i++) t[i] = dev_param(o, i, o->p[i].decay);
+    kiln_status st = kiln_backend_upload(o->be, o->d_step_table, t, (size_t)P * sizeof *t);
+    if (st == KILN_OK && chunk_dev) {
+        const size_t cb = (size_t)o->step_plan.n_chunks * sizeof(kiln_cuda_adamw_chunk);
+        kiln_cuda_adamw_chunk *c = kiln_malloc(cb ? cb : 1);
+        if (!c) {
+            st = kiln_error(KILN_ERR_NOMEM, "adamw: out of memory");
+        } else {
+            kiln_cuda_adamw_chunks(t, P, c);
+            st = kiln_backend_upload(o->be, chunk_dev, c, cb);
+        }
+        kiln_free(c);
+    }
+    kiln_free(t);
+    return st;
+}
+
 static kiln_status dev_init(kiln_adamw *o, size_t state_bytes) {
     kiln_backend *be = o->be;
     const int P = o->n_params;
-    int64_t n_chunks = 0;
-    for (int i = 0; i < P; i++)
+    int64_t n_chunks = 0, n_step_chunks = 0;
+    for (int i = 0; i < P; i++) {
         n_chunks += (o->p[i].n + KILN_CUDA_NORM_CHUNK - 1) / KILN_CUDA_NORM_CHUNK;
-    if (n_chunks > INT32_MAX)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "adamw: %lld norm chunks on the device",
-                          (long long)n_chunks);
-    /* scratch: table, bad, norms, out, then the norm plan's partial, chunk and first, each
-     * 64-aligned (the plan: 16 bytes per KILN_CUDA_NORM_CHUNK elements, 4 per parameter) */
+        n_step_chunks += (o->p[i].n + KILN_CUDA_ADAMW_CHUNK - 1) / KILN_CUDA_ADAMW_CHUNK;
+    }
+    if (n_chunks > INT32_MAX || n_step_chunks > INT32_MAX)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "adamw: %lld norm chunks, %lld step chunks on the device",
+                          (long long)n_chunks, (long long)n_step_chunks);
+    /* scratch: table, bad, norms, out, then the norm plan's partial, chunk and first, then the
+     * step plan's table and chunks, each 64-aligned (the norm plan: 16 bytes per
+     * KILN_CUDA_NORM_CHUNK elements, 4 per parameter; the step plan: 8 bytes per
+     * KILN_CUDA_ADAMW_CHUNK elements, one kiln_cuda_adamw_param per parameter) */
     size_t tb = ((size_t)P * sizeof(kiln_cuda_grad_entry) + 63) & ~(size_t)63;
     size_t bb = ((size_t)P * sizeof(uint64_t) + 63) & ~(size_t)63;
     size_t nb = ((size_t)P * sizeof(float) + 63) & ~(size_t)63;
     size_t pb = ((size_t)n_chunks * sizeof(double) + 63) & ~(size_t)63;
     size_t cb = ((size_t)n_chunks * sizeof(kiln_cuda_norm_chunk) + 63) & ~(size_t)63;
     size_t fb = ((size_t)(P + 1) * sizeof(int32_t) + 63) & ~(size_t)63;
-    o->dev_scratch = kiln_backend_alloc(be, tb + bb + nb + 64 + pb + cb + fb);
+    size_t sb = ((size_t)P * sizeof(kiln_cuda_adamw_param) + 63) & ~(size_t)63;
+    size_t kb = ((size_t)n_step_chunks * sizeof(kiln_cuda_adamw_chunk) + 63) & ~(size_t)63;
+    o->dev_scratch = kiln_backend_alloc(be, tb + bb + nb + 64 + pb + cb + fb + sb + kb);
     if (!o->dev_scratch) return kiln_error_prefix(KILN_ERR_NOMEM, "adamw: device scratch");
     uint8_t *base = o->dev_scratch;
     o->d_table = (kiln_cuda_grad_entry *)(void *)base;
@@ -453,6 +513,14 @@ static kiln_status dev_init(kiln_adamw *o, size_t state_bytes) {
     o->norm_plan.first = (const int32_t *)(void *)(plan + pb + cb);
     o->norm_plan.n_chunks = n_chunks;
     KILN_TRY(dev_upload_norm_plan(o, plan + pb, cb, cb + fb));
+    uint8_t *step = plan + pb + cb + fb;
+    o->d_step_table = (kiln_cuda_adamw_param *)(void *)step;
+    o->step_plan.table = o->d_step_table;
+    o->step_plan.chunk = (const kiln_cuda_adamw_chunk *)(void *)(step + sb);
+    o->step_plan.n_chunks = n_step_chunks;
+    o->step_plan.weights_kind = (int)o->cfg.weights;
+    o->step_plan.q8 = o->cfg.moments == KILN_ADAMW_MOMENTS_Q8;
+    KILN_TRY(dev_upload_step_plan(o, (kiln_cuda_adamw_chunk *)(void *)(step + sb)));
     kiln_cuda_grad_entry *t = kiln_calloc((size_t)P, sizeof *t);
     if (!t) return kiln_error(KILN_ERR_NOMEM, "adamw: out of memory");
     o->max_n = 0;
@@ -491,26 +559,12 @@ static kiln_status dev_grads_finite(const kiln_adamw *o) {
     return KILN_OK;
 }
 
+/* One launch over the table, or with KILN_ADAMW_MULTI=0 one per parameter: the same bits. */
 static kiln_status dev_step(kiln_adamw *o, const adamw_scalars *sc) {
+    const char *e = getenv("KILN_ADAMW_MULTI"); /* read per step: the tests switch it */
+    if (!(e && strcmp(e, "0") == 0)) return kiln_cuda_adamw_step_multi(o->be, &o->step_plan, sc);
     for (int i = 0; i < o->n_params; i++) {
-        const adamw_slot *s = &o->p[i];
-        kiln_cuda_adamw_param q;
-        memset(&q, 0, sizeof q);
-        q.n = s->n;
-        q.param_index = i;
-        q.weights_kind = (int)o->cfg.weights;
-        q.q8 = o->cfg.moments == KILN_ADAMW_MOMENTS_Q8;
-        q.decay = s->decay && sc->use_wd;
-        q.weights = s->weights;
-        q.grad = s->grad;
-        q.m = s->m;
-        q.v = s->v;
-        q.mq = s->mq;
-        q.vq = s->vq;
-        q.ms = s->ms;
-        q.vs = s->vs;
-        q.master = s->master;
-        q.comp = s->comp;
+        const kiln_cuda_adamw_param q = dev_param(o, i, o->p[i].decay && sc->use_wd);
         KILN_TRY(kiln_cuda_adamw_step(o->be, &q, sc));
     }
     return KILN_OK;
@@ -970,6 +1024,7 @@ kiln_status kiln_adamw_load(kiln_adamw *o, const void *data, size_t size) {
             get(&r, o->be ? NULL : ptr[j], (size_t)bytes[j]);
         }
     }
+    if (o->be) KILN_TRY(dev_upload_step_plan(o, NULL)); /* the restored decay flags */
     o->cfg.lr = hc.lr;
     o->cfg.beta1 = hc.beta1;
     o->cfg.beta2 = hc.beta2;

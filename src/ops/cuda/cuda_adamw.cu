@@ -2,7 +2,12 @@
  * cuda_adamw.cu -- AdamW, the gradient norm and clipping on the CUDA backend (cuda_train.h),
  * with the CPU's bits: the per-element arithmetic is src/train/adamw_math.h, the same source
  * adamw.c runs, and every element is updated alone, as on the CPU, so the thread split cannot
- * change a bit. The only reductions are
+ * change a bit. The step runs per tensor (kiln_cuda_adamw_step, one launch per parameter) or
+ * over an optimizer's whole tensor table (kiln_cuda_adamw_step_multi, one launch: blocks take
+ * (tensor, chunk) pairs from a chunk table uploaded once, f32 moments in quads of 4 elements
+ * with 16-byte loads where aligned); both run update_vals on every element, so they agree bit
+ * for bit with each other and with the CPU, whatever the split, load width or grid. The only
+ * reductions are
  *   - the 8-bit block absmax: a max of non-negative, non-NaN values (a NaN |m| is skipped by
  *     the CPU's `b > a` scan starting from 0, here mapped to 0), which has one answer in any
  *     order;
@@ -59,37 +64,113 @@ extern "C" kiln_status kiln_cuda_train_memset(kiln_backend *be, void *p, int byt
 
 /* ---- the step ------------------------------------------------------------------------------ */
 
-/* Element e of the parameter: adamw.c's update_range body for weight storage W, with the
- * element's f32 moments at *m, *v (global memory, or the dequantized registers of an 8-bit
- * block). key: mix64(sr_key + param index) (stochastic rounding only). */
+/* Element e of a parameter on its values: adamw.c's update_range body for weight storage W.
+ * w32 is the f32 weight (F32), w16 the bf16 weight (the bf16 variants), master the f32 master
+ * (BF16_MASTER), comp the bf16 compensation (BF16_KAHAN); the arguments W does not use are
+ * neither read nor written. g the gradient, *m, *v the f32 moments. key: mix64(sr_key + param
+ * index) (stochastic rounding only). decay: already and-ed with use_wd. */
+template <int W>
+static __device__ __forceinline__ void update_vals(const kiln_adamw_scalars &s, int decay,
+                                                   uint64_t key, int64_t e, float g, float &w32,
+                                                   uint16_t &w16, float &master, uint16_t &comp,
+                                                   float *m, float *v) {
+    if (W == KILN_ADAMW_F32) {
+        w32 = kiln_adamw_update(&s, decay, w32, g, m, v);
+    } else if (W == KILN_ADAMW_BF16_MASTER) {
+        const float x = kiln_adamw_update(&s, decay, master, g, m, v);
+        master = x;
+        w16 = kiln_adamw_f32_bf16(x);
+    } else if (W == KILN_ADAMW_BF16_KAHAN) {
+        float x = kiln_adamw_bf16_f32(w16) + kiln_adamw_bf16_f32(comp);
+        x = kiln_adamw_update(&s, decay, x, g, m, v);
+        const uint16_t nw = kiln_adamw_f32_bf16(x);
+        w16 = nw;
+        comp = kiln_adamw_f32_bf16(x - kiln_adamw_bf16_f32(nw));
+    } else { /* KILN_ADAMW_BF16_SR */
+        const float x = kiln_adamw_update(&s, decay, kiln_adamw_bf16_f32(w16), g, m, v);
+        w16 = kiln_adamw_bf16_stochastic(x, kiln_adamw_sr_bits(key, (uint64_t)e));
+    }
+}
+
+/* Element e of the parameter p (p.decay already and-ed with use_wd), with its f32 moments at
+ * *m, *v (global memory, or the dequantized registers of an 8-bit block). */
 template <int W>
 static __device__ __forceinline__ void update_elem(const kiln_adamw_scalars &s,
                                                    const kiln_cuda_adamw_param &p, uint64_t key,
                                                    int64_t e, float *m, float *v) {
-    const float g = p.grad[e];
-    if (W == KILN_ADAMW_F32) {
-        float *w = (float *)p.weights;
-        w[e] = kiln_adamw_update(&s, p.decay, w[e], g, m, v);
-    } else if (W == KILN_ADAMW_BF16_MASTER) {
-        uint16_t *w = (uint16_t *)p.weights;
-        const float x = kiln_adamw_update(&s, p.decay, p.master[e], g, m, v);
-        p.master[e] = x;
-        w[e] = kiln_adamw_f32_bf16(x);
-    } else if (W == KILN_ADAMW_BF16_KAHAN) {
-        uint16_t *w = (uint16_t *)p.weights;
-        float x = kiln_adamw_bf16_f32(w[e]) + kiln_adamw_bf16_f32(p.comp[e]);
-        x = kiln_adamw_update(&s, p.decay, x, g, m, v);
-        const uint16_t nw = kiln_adamw_f32_bf16(x);
-        w[e] = nw;
-        p.comp[e] = kiln_adamw_f32_bf16(x - kiln_adamw_bf16_f32(nw));
-    } else { /* KILN_ADAMW_BF16_SR */
-        uint16_t *w = (uint16_t *)p.weights;
-        const float x = kiln_adamw_update(&s, p.decay, kiln_adamw_bf16_f32(w[e]), g, m, v);
-        w[e] = kiln_adamw_bf16_stochastic(x, kiln_adamw_sr_bits(key, (uint64_t)e));
-    }
+    float w32 = 0.0f, master = 0.0f;
+    uint16_t w16 = 0, comp = 0;
+    if (W == KILN_ADAMW_F32) w32 = ((const float *)p.weights)[e];
+    else if (W != KILN_ADAMW_BF16_MASTER) w16 = ((const uint16_t *)p.weights)[e];
+    if (W == KILN_ADAMW_BF16_MASTER) master = p.master[e];
+    if (W == KILN_ADAMW_BF16_KAHAN) comp = p.comp[e];
+    update_vals<W>(s, p.decay, key, e, p.grad[e], w32, w16, master, comp, m, v);
+    if (W == KILN_ADAMW_F32) ((float *)p.weights)[e] = w32;
+    else ((uint16_t *)p.weights)[e] = w16;
+    if (W == KILN_ADAMW_BF16_MASTER) p.master[e] = master;
+    if (W == KILN_ADAMW_BF16_KAHAN) p.comp[e] = comp;
 }
 
-/* f32 moments: one thread per element. */
+/* Whether the arrays of p (f32 moments) that storage W touches allow quad loads: the f32 ones
+ * 16-byte aligned, the bf16 ones 8-byte aligned (quads start at multiples of 4). */
+template <int W>
+static __device__ __forceinline__ bool quad_aligned(const kiln_cuda_adamw_param &p) {
+    uintptr_t a16 = (uintptr_t)p.grad | (uintptr_t)p.m | (uintptr_t)p.v, a8 = 0;
+    if (W == KILN_ADAMW_F32) a16 |= (uintptr_t)p.weights;
+    else a8 |= (uintptr_t)p.weights;
+    if (W == KILN_ADAMW_BF16_MASTER) a16 |= (uintptr_t)p.master;
+    if (W == KILN_ADAMW_BF16_KAHAN) a8 |= (uintptr_t)p.comp;
+    return (a16 & 15u) == 0 && (a8 & 7u) == 0;
+}
+
+/* Elements q .. q + 3 of p with f32 moments (quad_aligned(p), q a multiple of 4, q + 3 < n):
+ * one 16-byte (f32) or 8-byte (bf16) load and store per array, then update_vals on each
+ * element in order -- the same operations on the same values as update_elem. The loads and
+ * stores are streaming (ld/st.global.cs): every byte is touched once per step. */
+template <int W>
+static __device__ __forceinline__ void update_quad(const kiln_adamw_scalars &s,
+                                                   const kiln_cuda_adamw_param &p, uint64_t key,
+                                                   int64_t q) {
+    const float4 g4 = __ldcs((const float4 *)(p.grad + q));
+    const float4 m4 = __ldcs((const float4 *)(p.m + q)), v4 = __ldcs((const float4 *)(p.v + q));
+    const float g[4] = {g4.x, g4.y, g4.z, g4.w};
+    float m[4] = {m4.x, m4.y, m4.z, m4.w}, v[4] = {v4.x, v4.y, v4.z, v4.w};
+    float w32[4] = {0.0f, 0.0f, 0.0f, 0.0f}, master[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint16_t w16[4] = {0, 0, 0, 0}, comp[4] = {0, 0, 0, 0};
+    float *const wf = (float *)p.weights;
+    uint16_t *const wh = (uint16_t *)p.weights;
+    if (W == KILN_ADAMW_F32) {
+        const float4 x = __ldcs((const float4 *)(wf + q));
+        w32[0] = x.x, w32[1] = x.y, w32[2] = x.z, w32[3] = x.w;
+    } else if (W != KILN_ADAMW_BF16_MASTER) { /* the master's update does not read them */
+        const ushort4 x = __ldcs((const ushort4 *)(wh + q));
+        w16[0] = x.x, w16[1] = x.y, w16[2] = x.z, w16[3] = x.w;
+    }
+    if (W == KILN_ADAMW_BF16_MASTER) {
+        const float4 x = __ldcs((const float4 *)(p.master + q));
+        master[0] = x.x, master[1] = x.y, master[2] = x.z, master[3] = x.w;
+    }
+    if (W == KILN_ADAMW_BF16_KAHAN) {
+        const ushort4 x = __ldcs((const ushort4 *)(p.comp + q));
+        comp[0] = x.x, comp[1] = x.y, comp[2] = x.z, comp[3] = x.w;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        update_vals<W>(s, p.decay, key, q + k, g[k], w32[k], w16[k], master[k], comp[k], &m[k],
+                       &v[k]);
+    __stcs((float4 *)(p.m + q), make_float4(m[0], m[1], m[2], m[3]));
+    __stcs((float4 *)(p.v + q), make_float4(v[0], v[1], v[2], v[3]));
+    if (W == KILN_ADAMW_F32)
+        __stcs((float4 *)(wf + q), make_float4(w32[0], w32[1], w32[2], w32[3]));
+    else
+        __stcs((ushort4 *)(wh + q), make_ushort4(w16[0], w16[1], w16[2], w16[3]));
+    if (W == KILN_ADAMW_BF16_MASTER)
+        __stcs((float4 *)(p.master + q), make_float4(master[0], master[1], master[2], master[3]));
+    if (W == KILN_ADAMW_BF16_KAHAN)
+        __stcs((ushort4 *)(p.comp + q), make_ushort4(comp[0], comp[1], comp[2], comp[3]));
+}
+
+/* f32 moments, per tensor: one thread per element. */
 template <int W>
 static __global__ void adamw_f32_kernel(kiln_cuda_adamw_param p, kiln_adamw_scalars s,
                                         uint64_t key) {
@@ -98,63 +179,130 @@ static __global__ void adamw_f32_kernel(kiln_cuda_adamw_param p, kiln_adamw_scal
         update_elem<W>(s, p, key, e, &p.m[e], &p.v[e]);
 }
 
+/* The table entry of a multi-tensor chunk, its decay and-ed with use_wd, and its key. */
+static __device__ __forceinline__ kiln_cuda_adamw_param multi_entry(
+    const kiln_cuda_adamw_param *table, int32_t param, const kiln_adamw_scalars &s,
+    uint64_t *key) {
+    kiln_cuda_adamw_param p = table[param];
+    p.decay = p.decay && s.use_wd;
+    *key = kiln_adamw_mix64(s.sr_key + (uint64_t)p.param_index);
+    return p;
+}
+
+/* f32 moments, every tensor of a plan: block b takes chunks b, b + gridDim.x, ...; in a chunk,
+ * thread t the quads at 4 t, 4 t + 4 MULTI_THREADS, ... from its start (update_quad when the
+ * entry is quad_aligned and the quad whole, else update_elem on its elements). */
+#define MULTI_THREADS 256
+static_assert(KILN_CUDA_ADAMW_CHUNK % (4 * MULTI_THREADS) == 0, "a chunk is whole sweeps");
+
+template <int W>
+static __global__ void __launch_bounds__(MULTI_THREADS)
+adamw_f32_multi_kernel(const kiln_cuda_adamw_param *table, const kiln_cuda_adamw_chunk *chunk,
+                       int64_t n_chunks, kiln_adamw_scalars s) {
+    for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        const kiln_cuda_adamw_chunk ck = chunk[c];
+        uint64_t key;
+        const kiln_cuda_adamw_param p = multi_entry(table, ck.param, s, &key);
+        const int64_t c0 = (int64_t)ck.index * KILN_CUDA_ADAMW_CHUNK;
+        const int64_t end = p.n < c0 + KILN_CUDA_ADAMW_CHUNK ? p.n : c0 + KILN_CUDA_ADAMW_CHUNK;
+        const bool vec = quad_aligned<W>(p);
+        for (int64_t q = c0 + 4 * (int64_t)threadIdx.x; q < end; q += 4 * MULTI_THREADS) {
+            if (vec && q + 4 <= end) {
+                update_quad<W>(s, p, key, q);
+            } else {
+                for (int64_t e = q; e < q + 4 && e < end; e++)
+                    update_elem<W>(s, p, key, e, &p.m[e], &p.v[e]);
+            }
+        }
+    }
+}
+
 /* 8-bit moments: one 256-thread block per block of 256 elements (thread i: element i).
  * Dequantize, update in f32, take the block's absmax of the new m and v (warp shuffles, then
  * the 8 warps' maxima in shared memory), requantize -- adamw.c's step_task, element for
  * element. */
 #define Q8_THREADS KILN_ADAMW_Q8_BLOCK
 static_assert(Q8_THREADS == 256, "one thread per element of an 8-bit block");
+static_assert(KILN_CUDA_ADAMW_CHUNK % KILN_ADAMW_Q8_BLOCK == 0, "8-bit blocks inside chunks");
+#define Q8_PER_CHUNK (KILN_CUDA_ADAMW_CHUNK / KILN_ADAMW_Q8_BLOCK)
 
 static __device__ __forceinline__ float max_nonneg(float a, float b) { return b > a ? b : a; }
+
+struct q8_shared {
+    float wm[Q8_THREADS / 32], wv[Q8_THREADS / 32]; /* the warps' maxima */
+    float bm, bv;                                   /* the block's */
+};
+
+/* 8-bit block b of p (every thread of the block calls it; p.decay already and-ed). */
+template <int W>
+static __device__ __forceinline__ void q8_block(const kiln_adamw_scalars &s,
+                                                const kiln_cuda_adamw_param &p, uint64_t key,
+                                                int64_t b, q8_shared &sh) {
+    const int i = threadIdx.x, warp = i >> 5, lane = i & 31;
+    const int64_t b0 = b * KILN_ADAMW_Q8_BLOCK;
+    const int len = (int)(p.n - b0 < KILN_ADAMW_Q8_BLOCK ? p.n - b0 : KILN_ADAMW_Q8_BLOCK);
+    const int64_t e = b0 + i;
+    float m = 0.0f, v = 0.0f;
+    if (i < len) {
+        m = kiln_adamw_q8_m(p.mq[e], p.ms[b]);
+        v = kiln_adamw_q8_v(p.vq[e], p.vs[b]);
+        update_elem<W>(s, p, key, e, &m, &v);
+    }
+    /* |m|, |v| with NaN (and the absent tail) as 0: the CPU's scan from 0 skips NaN */
+    float am = fabsf(m), av = fabsf(v);
+    am = am > 0.0f ? am : 0.0f;
+    av = av > 0.0f ? av : 0.0f;
+#pragma unroll
+    for (int d = 16; d >= 1; d >>= 1) {
+        am = max_nonneg(am, __shfl_xor_sync(0xffffffffu, am, d));
+        av = max_nonneg(av, __shfl_xor_sync(0xffffffffu, av, d));
+    }
+    if (lane == 0) {
+        sh.wm[warp] = am;
+        sh.wv[warp] = av;
+    }
+    __syncthreads(); /* also orders every read of ms[b], vs[b] before thread 0 writes */
+    if (i == 0) {
+        float a = 0.0f, c = 0.0f;
+        for (int k = 0; k < Q8_THREADS / 32; k++) {
+            a = max_nonneg(a, sh.wm[k]);
+            c = max_nonneg(c, sh.wv[k]);
+        }
+        sh.bm = a;
+        sh.bv = c;
+        p.ms[b] = a;
+        p.vs[b] = c;
+    }
+    __syncthreads();
+    if (i < len) {
+        p.mq[e] = kiln_adamw_q8_mcode(m, sh.bm);
+        p.vq[e] = kiln_adamw_q8_vcode(v, sh.bv);
+    }
+    __syncthreads(); /* wm, wv, bm, bv are rewritten by the next block */
+}
 
 template <int W>
 static __global__ void __launch_bounds__(Q8_THREADS)
 adamw_q8_kernel(kiln_cuda_adamw_param p, kiln_adamw_scalars s, uint64_t key) {
-    __shared__ float wm[Q8_THREADS / 32], wv[Q8_THREADS / 32];
-    __shared__ float bm, bv;
-    const int i = threadIdx.x, warp = i >> 5, lane = i & 31;
+    __shared__ q8_shared sh;
     const int64_t nb = (p.n + KILN_ADAMW_Q8_BLOCK - 1) / KILN_ADAMW_Q8_BLOCK;
-    for (int64_t b = blockIdx.x; b < nb; b += gridDim.x) {
-        const int64_t b0 = b * KILN_ADAMW_Q8_BLOCK;
-        const int len = (int)(p.n - b0 < KILN_ADAMW_Q8_BLOCK ? p.n - b0 : KILN_ADAMW_Q8_BLOCK);
-        const int64_t e = b0 + i;
-        float m = 0.0f, v = 0.0f;
-        if (i < len) {
-            m = kiln_adamw_q8_m(p.mq[e], p.ms[b]);
-            v = kiln_adamw_q8_v(p.vq[e], p.vs[b]);
-            update_elem<W>(s, p, key, e, &m, &v);
-        }
-        /* |m|, |v| with NaN (and the absent tail) as 0: the CPU's scan from 0 skips NaN */
-        float am = fabsf(m), av = fabsf(v);
-        am = am > 0.0f ? am : 0.0f;
-        av = av > 0.0f ? av : 0.0f;
-#pragma unroll
-        for (int d = 16; d >= 1; d >>= 1) {
-            am = max_nonneg(am, __shfl_xor_sync(0xffffffffu, am, d));
-            av = max_nonneg(av, __shfl_xor_sync(0xffffffffu, av, d));
-        }
-        if (lane == 0) {
-            wm[warp] = am;
-            wv[warp] = av;
-        }
-        __syncthreads(); /* also orders every read of ms[b], vs[b] before thread 0 writes */
-        if (i == 0) {
-            float a = 0.0f, c = 0.0f;
-            for (int k = 0; k < Q8_THREADS / 32; k++) {
-                a = max_nonneg(a, wm[k]);
-                c = max_nonneg(c, wv[k]);
-            }
-            bm = a;
-            bv = c;
-            p.ms[b] = a;
-            p.vs[b] = c;
-        }
-        __syncthreads();
-        if (i < len) {
-            p.mq[e] = kiln_adamw_q8_mcode(m, bm);
-            p.vq[e] = kiln_adamw_q8_vcode(v, bv);
-        }
-        __syncthreads(); /* wm, wv, bm, bv are rewritten by the next block */
+    for (int64_t b = blockIdx.x; b < nb; b += gridDim.x) q8_block<W>(s, p, key, b, sh);
+}
+
+/* 8-bit moments, every tensor of a plan: unit u = chunk u / Q8_PER_CHUNK, 8-bit block
+ * u % Q8_PER_CHUNK inside it (units past a parameter's end do nothing); block x takes units
+ * x, x + gridDim.x, ... (the skip is the same for every thread of the block). */
+template <int W>
+static __global__ void __launch_bounds__(Q8_THREADS)
+adamw_q8_multi_kernel(const kiln_cuda_adamw_param *table, const kiln_cuda_adamw_chunk *chunk,
+                      int64_t n_units, kiln_adamw_scalars s) {
+    __shared__ q8_shared sh;
+    for (int64_t u = blockIdx.x; u < n_units; u += gridDim.x) {
+        const kiln_cuda_adamw_chunk ck = chunk[u / Q8_PER_CHUNK];
+        uint64_t key;
+        const kiln_cuda_adamw_param p = multi_entry(table, ck.param, s, &key);
+        const int64_t b = (int64_t)ck.index * Q8_PER_CHUNK + u % Q8_PER_CHUNK;
+        if (b * KILN_ADAMW_Q8_BLOCK < p.n) q8_block<W>(s, p, key, b, sh);
     }
 }
 
@@ -166,6 +314,19 @@ static void adamw_launch(cudaStream_t st, const kiln_cuda_adamw_param &p,
         adamw_q8_kernel<W><<<tr_grid(nb, 1, 1 << 20), Q8_THREADS, 0, st>>>(p, s, key);
     } else {
         adamw_f32_kernel<W><<<tr_grid(p.n, 256, 1 << 20), 256, 0, st>>>(p, s, key);
+    }
+}
+
+template <int W>
+static void adamw_multi_launch(cudaStream_t st, const kiln_cuda_adamw_plan &pl,
+                               const kiln_adamw_scalars &s) {
+    if (pl.q8) {
+        const int64_t units = pl.n_chunks * Q8_PER_CHUNK;
+        adamw_q8_multi_kernel<W><<<tr_grid(units, 1, 1 << 20), Q8_THREADS, 0, st>>>(
+            pl.table, pl.chunk, units, s);
+    } else {
+        adamw_f32_multi_kernel<W><<<tr_grid(pl.n_chunks, 1, 1 << 20), MULTI_THREADS, 0, st>>>(
+            pl.table, pl.chunk, pl.n_chunks, s);
     }
 }
 
@@ -190,6 +351,27 @@ extern "C" kiln_status kiln_cuda_adamw_step(kiln_backend *be, const kiln_cuda_ad
                               p->weights_kind);
     }
     return tr_launched(be, "adamw step");
+}
+
+extern "C" kiln_status kiln_cuda_adamw_step_multi(kiln_backend *be,
+                                                  const kiln_cuda_adamw_plan *plan,
+                                                  const kiln_adamw_scalars *s) {
+    TR_BEGIN(be);
+    if (!plan || plan->n_chunks < 0 || plan->n_chunks > INT32_MAX ||
+        (plan->n_chunks > 0 && (!plan->table || !plan->chunk)))
+        return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG, "adamw multi-tensor step: invalid plan");
+    if (plan->n_chunks == 0) return KILN_OK;
+    cudaStream_t st = kiln_cuda_stream(be);
+    switch (plan->weights_kind) {
+    case KILN_ADAMW_F32: adamw_multi_launch<KILN_ADAMW_F32>(st, *plan, *s); break;
+    case KILN_ADAMW_BF16_MASTER: adamw_multi_launch<KILN_ADAMW_BF16_MASTER>(st, *plan, *s); break;
+    case KILN_ADAMW_BF16_KAHAN: adamw_multi_launch<KILN_ADAMW_BF16_KAHAN>(st, *plan, *s); break;
+    case KILN_ADAMW_BF16_SR: adamw_multi_launch<KILN_ADAMW_BF16_SR>(st, *plan, *s); break;
+    default:
+        return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG,
+                              "adamw multi-tensor step: weight storage %d", plan->weights_kind);
+    }
+    return tr_launched(be, "adamw multi-tensor step");
 }
 
 static __global__ void widen_bf16_kernel(float *master, const uint16_t *w, int64_t n) {

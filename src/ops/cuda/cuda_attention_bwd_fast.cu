@@ -257,6 +257,42 @@ static __device__ __forceinline__ void dq_block(const bw_args &A, int qt, int hl
     }
 }
 
+/* The weights of one dk/dv tile, in place, for the thread's entries c[0] (key0, qi), c[1]
+ * (key0, qi + 1), c[2] (key1, qi), c[3] (key1, qi + 1), qi = 8 nt + 2 t: st <- P^T = exp(s
+ * scale - L) = 2^(s c - L log2 e), dpt <- dS^T = P^T (dP^T - D), with cL, cD the tile's L, D.
+ * MASK: an entry whose query (position qpos0 + qi) comes before its key, or is a padding row
+ * (q0 + qi >= N), is 0; without MASK no entry is (the caller's test is uniform per tile). */
+template <int QT, bool MASK>
+static __device__ __forceinline__ void dkv_weights(float (&st)[QT / 8][4], float (&dpt)[QT / 8][4],
+                                                   const float *cL, const float *cD, float c,
+                                                   int t, int q0, int qpos0, int N, int key0,
+                                                   int key1) {
+#pragma unroll
+    for (int nt = 0; nt < QT / 8; nt++) {
+        const int qi = nt * 8 + 2 * t;
+        const float nL0 = -cL[qi] * KILN_LOG2E, nL1 = -cL[qi + 1] * KILN_LOG2E;
+        const float D0 = cD[qi], D1 = cD[qi + 1];
+        float p00 = ex2_approx(fmaf(st[nt][0], c, nL0)), p01 = ex2_approx(fmaf(st[nt][1], c, nL1));
+        float p10 = ex2_approx(fmaf(st[nt][2], c, nL0)), p11 = ex2_approx(fmaf(st[nt][3], c, nL1));
+        if (MASK) {
+            const int qa = qpos0 + qi;
+            const bool in0 = q0 + qi < N, in1 = q0 + qi + 1 < N;
+            p00 = in0 && qa >= key0 ? p00 : 0.0f;
+            p01 = in1 && qa + 1 >= key0 ? p01 : 0.0f;
+            p10 = in0 && qa >= key1 ? p10 : 0.0f;
+            p11 = in1 && qa + 1 >= key1 ? p11 : 0.0f;
+        }
+        dpt[nt][0] = p00 * (dpt[nt][0] - D0);
+        dpt[nt][1] = p01 * (dpt[nt][1] - D1);
+        dpt[nt][2] = p10 * (dpt[nt][2] - D0);
+        dpt[nt][3] = p11 * (dpt[nt][3] - D1);
+        st[nt][0] = p00;
+        st[nt][1] = p01;
+        st[nt][2] = p10;
+        st[nt][3] = p11;
+    }
+}
+
 /* A dk/dv block: key tile kt for query head hl of sequence b. Keys key0 = k0 + 16 warp + g
  * and key1 = key0 + 8 (padding keys >= T are zeros, masked, and write nothing). Writes dk,
  * dv of kv head hl / G directly when G = 1, else this head's partials (T, NH, HS).
@@ -358,40 +394,31 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
                 mma_bf16_16816(dpt[2 * np + 1], a_v, bo + 2);
             }
         }
-        /* P^T and dS^T: c[0] (key0, qi), c[1] (key0, qi+1), c[2] (key1, qi), c[3] (key1, qi+1);
-         * a tile with a query before one of the warp's keys, or padding queries, is masked */
-        const bool mask = n_past + q0 < wlast || q0 + QT > N;
+        /* P^T and dS^T (a tile with a query before one of the warp's keys, or padding
+         * queries, is masked); dS^T rounded to bf16 once, for the dk product and the store */
+        if (n_past + q0 < wlast || q0 + QT > N)
+            dkv_weights<QT, true>(st, dpt, cL, cD, c, t, q0, n_past + q0, N, key0, key1);
+        else
+            dkv_weights<QT, false>(st, dpt, cL, cD, c, t, q0, n_past + q0, N, key0, key1);
+        tile_times_rows<HS, QT>(av, st, cO, LD, lane); /* dv += P^T dout */
+        uint32_t dsp[QT / 8][2];                       /* dS^T pairs: [nt][0] key0, [1] key1 */
 #pragma unroll
         for (int nt = 0; nt < QT / 8; nt++) {
-            const int qi = nt * 8 + 2 * t, qa = n_past + q0 + qi; /* qa: the query's position */
-            const bool in0 = q0 + qi < N, in1 = q0 + qi + 1 < N;
-            /* p = exp(s scale - L) = 2^(s c - L log2 e) */
-            const float nL0 = -cL[qi] * KILN_LOG2E, nL1 = -cL[qi + 1] * KILN_LOG2E;
-            const float D0 = cD[qi], D1 = cD[qi + 1];
-            const bool v00 = !mask || (in0 && qa >= key0), v01 = !mask || (in1 && qa + 1 >= key0);
-            const bool v10 = !mask || (in0 && qa >= key1), v11 = !mask || (in1 && qa + 1 >= key1);
-            const float p00 = v00 ? ex2_approx(fmaf(st[nt][0], c, nL0)) : 0.0f;
-            const float p01 = v01 ? ex2_approx(fmaf(st[nt][1], c, nL1)) : 0.0f;
-            const float p10 = v10 ? ex2_approx(fmaf(st[nt][2], c, nL0)) : 0.0f;
-            const float p11 = v11 ? ex2_approx(fmaf(st[nt][3], c, nL1)) : 0.0f;
-            dpt[nt][0] = p00 * (dpt[nt][0] - D0);
-            dpt[nt][1] = p01 * (dpt[nt][1] - D1);
-            dpt[nt][2] = p10 * (dpt[nt][2] - D0);
-            dpt[nt][3] = p11 * (dpt[nt][3] - D1);
-            st[nt][0] = p00;
-            st[nt][1] = p01;
-            st[nt][2] = p10;
-            st[nt][3] = p11;
+            dsp[nt][0] = pack_bf16(dpt[nt][0], dpt[nt][1]);
+            dsp[nt][1] = pack_bf16(dpt[nt][2], dpt[nt][3]);
         }
-        tile_times_rows<HS, QT>(av, st, cO, LD, lane);  /* dv += P^T dout */
-        tile_times_rows<HS, QT>(ak, dpt, cQ, LD, lane); /* dk += dS^T q */
+#pragma unroll
+        for (int j = 0; j < QT / 16; j++) { /* dk += dS^T q (tile_times_rows on dsp) */
+            const uint32_t a[4] = {dsp[2 * j][0], dsp[2 * j][1], dsp[2 * j + 1][0],
+                                   dsp[2 * j + 1][1]};
+            frag_times_rows<HS>(ak, a, cQ, LD, j * 16, lane);
+        }
         if (STORE_DS) { /* dS^T rows (this warp's keys) x the tile's queries, bf16 pairs */
             bf16 *ds = A.dsT + ((int64_t)h * A.Tpad + k0 + warp * 16 + g) * A.Npad + q0 + 2 * t;
 #pragma unroll
             for (int nt = 0; nt < QT / 8; nt++) {
-                *reinterpret_cast<uint32_t *>(ds + nt * 8) = pack_bf16(dpt[nt][0], dpt[nt][1]);
-                *reinterpret_cast<uint32_t *>(ds + 8 * (int64_t)A.Npad + nt * 8) =
-                    pack_bf16(dpt[nt][2], dpt[nt][3]);
+                *reinterpret_cast<uint32_t *>(ds + nt * 8) = dsp[nt][0];
+                *reinterpret_cast<uint32_t *>(ds + 8 * (int64_t)A.Npad + nt * 8) = dsp[nt][1];
             }
         }
         __syncthreads();

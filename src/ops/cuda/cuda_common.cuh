@@ -44,6 +44,19 @@ static __device__ __forceinline__ uint16_t kiln_bf16_rne(float f) {
 static __device__ __forceinline__ void store_out(float *p, float v) { *p = v; }
 static __device__ __forceinline__ void store_out(uint16_t *p, float v) { *p = kiln_bf16_rne(v); }
 
+/* ---- fast-mode exponentials ---------------------------------------------------------- */
+
+/* 2^x, the MUFU approximation (ex2.approx.ftz: about 2 ulp; what __expf is built on). */
+static __device__ __forceinline__ float ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+/* log2(e): exp(x) = 2^(x log2 e), so exp(s * scale - m) = ex2_approx(fmaf(s, c, -m log2 e))
+ * with c = scale log2 e: one FMA and the MUFU per softmax weight (the fast
+ * attention and the fast fused loss; auditable code uses kiln_expf). */
+#define KILN_LOG2E 1.4426950408889634f
+
 /* An input element: f32 as is, bf16 widened (exact). */
 static __device__ __forceinline__ float load_in(const float *p) { return *p; }
 static __device__ __forceinline__ float load_in(const uint16_t *p) {

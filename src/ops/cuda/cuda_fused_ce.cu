@@ -11,14 +11,18 @@
  *
  * Fast mode (kiln_cuda_is_fast; fused_ce.c picks the *_fast entry points) replaces two of
  * them and keeps every other piece above:
+ *   - the exponentials are the MUFU's 2^x of one FMA (ex2_approx(fmaf(z, log2 e, -m log2 e)),
+ *     cuda_common.cuh; relative error about 2^-22 against auditable mode's kiln_expf), which
+ *     leaves these kernels bound by memory rather than by kiln_expf's arithmetic;
  *   - pass 1 (pass1_fast_kernel): one block of CE_FAST_THREADS threads per row. The max is a
- *     tree (exact: a max never rounds); the sum of kiln_expf(z - m_new) has its own fixed
- *     order, written down at the kernel. Run to run the bits are the same; against auditable
- *     mode only the order of the sum differs (the max, kiln_expf, alpha and the update of l
+ *     tree (exact: a max never rounds); the sum of the exponentials has its own fixed order,
+ *     written down at the kernel. Run to run the bits are the same; against auditable mode the
+ *     exponential and the order of the sum differ (the max, alpha's form and the update of l
  *     are the same operations);
- *   - g (grad_fast_kernel): the same operations as grad_kernel per element, on a 2-D grid
- *     (no 64-bit division per element), and zero rows from S to the padded row count, so the
- *     products see a row count that is a multiple of 8 (fused_ce.c, ce_pass2_fast).
+ *   - g (grad_fast_kernel): per element (e / l - [j = t]) gs as grad_kernel, but e as above
+ *     and e / l as e * (1 / l), on a 2-D grid (no 64-bit division per element), and zero rows
+ *     from S to the padded row count, so the products see a row count that is a multiple of 8
+ *     (fused_ce.c, ce_pass2_fast).
  * and its bf16 path (fused_ce.c, ce_pass2_bf16) adds the bf16 operands of the products: the
  * gathered hidden rows rounded once per call (gather_bf16_kernel), g written in bf16 by the
  * gradient kernel itself (grad_bf16_kernel: grad_fast_kernel's value, then the rounding), and
@@ -288,11 +292,12 @@ static_assert(CE_FAST_THREADS % 32 == 0 && CE_FAST_WARPS <= 32, "whole warps, on
  *         the loss, NaN and the call fails as in auditable mode) and the sign of a zero max
  *         could depend on it, and neither changes exp(z - m);
  *   m_new = bm > m ? bm : m (as auditable);
- *   sum:  thread t: acc = 0, acc = acc + kiln_expf(z[j] - m_new) for j = t, t + 256, ...
+ *   sum:  thread t: acc = 0, acc = acc + e(z[j]) for j = t, t + 256, ..., e(z) =
+ *         ex2_approx(fmaf(z, log2 e, -m_new log2 e)),
  *         ascending; each warp sums its 32 accumulators by the xor butterfly (offsets 16, 8,
  *         4, 2, 1: both lanes of a pair compute a + b, the same bits); then
  *         csum = ((w0 + w1) + w2) + ... + w7 over the warp sums in warp order;
- *   l = l * alpha + csum, alpha = kiln_expf(m - m_new), zt = z[t] (as auditable). */
+ *   l = l * alpha + csum, alpha = ex2_approx((m - m_new) log2 e), zt = z[t] (as auditable). */
 static __global__ void __launch_bounds__(CE_FAST_THREADS)
 pass1_fast_kernel(const float *__restrict__ z, int64_t S, int64_t n, int64_t c0,
                   const int32_t *__restrict__ tgt, float *m, float *l, float *zt) {
@@ -314,10 +319,11 @@ pass1_fast_kernel(const float *__restrict__ z, int64_t S, int64_t n, int64_t c0,
             bcast = b > mi ? b : mi;
         }
         __syncthreads();
-        const float m_new = bcast;
+        const float m_new = bcast, nm = -m_new * KILN_LOG2E;
         float acc = 0.0f;
 #pragma unroll 4
-        for (int64_t j = tid; j < n; j += CE_FAST_THREADS) acc = acc + kiln_expf(zr[j] - m_new);
+        for (int64_t j = tid; j < n; j += CE_FAST_THREADS)
+            acc = acc + ex2_approx(fmaf(zr[j], KILN_LOG2E, nm));
         for (int o = 16; o > 0; o >>= 1) acc = acc + __shfl_xor_sync(0xffffffffu, acc, o);
         __syncthreads(); /* every thread has read bcast and part (max) before part is reused */
         if (lane == 0) part[warp] = acc;
@@ -327,7 +333,8 @@ pass1_fast_kernel(const float *__restrict__ z, int64_t S, int64_t n, int64_t c0,
             for (int w = 1; w < CE_FAST_WARPS; w++) csum = csum + part[w];
             const int64_t t = (int64_t)tgt[i] - c0;
             if (t >= 0 && t < n) zt[i] = zr[t];
-            const float alpha = kiln_expf(mi - m_new); /* first chunk: exp(-inf) = 0 */
+            /* first chunk: 2^-inf = 0 */
+            const float alpha = ex2_approx((mi - m_new) * KILN_LOG2E);
             l[i] = l[i] * alpha + csum;
             m[i] = m_new;
         }
@@ -346,14 +353,15 @@ extern "C" kiln_status kiln_cuda_ce_pass1_fast(kiln_backend *be, const float *z,
     return ce_launched(be, "fused_ce pass 1 (fast)");
 }
 
-/* One element of g: grad_kernel's operations (is_t: the target's column). */
-static __device__ __forceinline__ float ce_grad_value(float z, float mi, float li, float gs,
+/* One element of g, fast mode (file comment; is_t: the target's column). */
+/* g of one logit z of row i: nm = -m_i log2 e, rl = 1 / l_i (each once per row). */
+static __device__ __forceinline__ float ce_grad_value(float z, float nm, float rl, float gs,
                                                       bool is_t) {
-    const float e = kiln_expf(z - mi);
-    return is_t ? ((e / li) - 1.0f) * gs : (e / li) * gs;
+    const float p = ex2_approx(fmaf(z, KILN_LOG2E, nm)) * rl;
+    return is_t ? (p - 1.0f) * gs : p * gs;
 }
 
-/* g in place for rows [0, S) of z(Sp, n) (grad_kernel's operations per element), zeros in rows
+/* g in place for rows [0, S) of z(Sp, n) (ce_grad_value per element), zeros in rows
  * [S, Sp). Grid: x over the columns, y over the rows (both grid-strided). */
 static __global__ void __launch_bounds__(CE_FAST_THREADS)
 grad_fast_kernel(float *z, int64_t S, int64_t Sp, int64_t n, int64_t c0,
@@ -367,9 +375,9 @@ grad_fast_kernel(float *z, int64_t S, int64_t Sp, int64_t n, int64_t c0,
             for (int64_t j = j0; j < n; j += js) zr[j] = 0.0f;
             continue;
         }
-        const float mi = m[i], li = l[i];
+        const float nm = -m[i] * KILN_LOG2E, rl = 1.0f / l[i];
         const int64_t t = (int64_t)tgt[i] - c0;
-        for (int64_t j = j0; j < n; j += js) zr[j] = ce_grad_value(zr[j], mi, li, gs, j == t);
+        for (int64_t j = j0; j < n; j += js) zr[j] = ce_grad_value(zr[j], nm, rl, gs, j == t);
     }
 }
 
@@ -463,7 +471,7 @@ grad_bf16_kernel(uint16_t *__restrict__ g, int64_t ldg, const float *__restrict_
     for (int64_t i = blockIdx.y; i < Sp; i += gridDim.y) {
         uint16_t v[CE_RUN] = {0, 0, 0, 0};
         if (i < S) {
-            const float mi = m[i], li = l[i];
+            const float nm = -m[i] * KILN_LOG2E, rl = 1.0f / l[i];
             const int64_t t = (int64_t)tgt[i] - c0;
             const float *zr = z + i * n + j0;
             float x[CE_RUN];
@@ -476,7 +484,7 @@ grad_bf16_kernel(uint16_t *__restrict__ g, int64_t ldg, const float *__restrict_
             }
 #pragma unroll
             for (int q = 0; q < CE_RUN; q++)
-                if (j0 + q < n) v[q] = kiln_bf16_rne(ce_grad_value(x[q], mi, li, gs, j0 + q == t));
+                if (j0 + q < n) v[q] = kiln_bf16_rne(ce_grad_value(x[q], nm, rl, gs, j0 + q == t));
         }
         ce_store_run(g + i * ldg + j0, v);
     }

@@ -7,6 +7,8 @@
 #ifndef KILN_CUDA_MMA_CUH
 #define KILN_CUDA_MMA_CUH
 
+#include "cuda_common.cuh"
+
 #include <cuda_bf16.h>
 #include <stdint.h>
 #include <string.h>
@@ -43,16 +45,6 @@ static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     memcpy(&u, &v, sizeof u);
     return u;
 }
-
-/* 2^x, the MUFU approximation (ex2.approx.ftz: about 2 ulp; what __expf is built on). */
-static __device__ __forceinline__ float ex2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-/* log2(e): exp(x) = 2^(x log2 e), so exp(s * scale - m) = ex2_approx(fmaf(s, c, -m log2 e))
- * with c = scale log2 e: one FMA and the MUFU per softmax weight. */
-#define KILN_LOG2E 1.4426950408889634f
 
 /* The two bf16 of a pair, widened (exact). */
 static __device__ __forceinline__ float bf16_lo(uint32_t u) { return __uint_as_float(u << 16); }

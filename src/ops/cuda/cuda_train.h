@@ -48,9 +48,64 @@ typedef struct kiln_cuda_adamw_param {
 } kiln_cuda_adamw_param;
 
 /* One AdamW update of the parameter (adamw.c's update_range / step_task on every element;
- * 8-bit moments: one thread block per block of 256). */
+ * 8-bit moments: one thread block per block of 256). One launch per call: the per-tensor
+ * path, which kiln_cuda_adamw_step_multi must match bit for bit. */
 kiln_status kiln_cuda_adamw_step(kiln_backend *be, const kiln_cuda_adamw_param *p,
                                  const kiln_adamw_scalars *s);
+
+/* The multi-tensor step: every parameter of an optimizer in one launch.
+ *
+ * The parameters are cut into chunks of KILN_CUDA_ADAMW_CHUNK elements (the last one of each
+ * parameter shorter), numbered in parameter order, then element order: chunk[c] = {parameter,
+ * index of the chunk inside it}. The chunk is a multiple of KILN_ADAMW_Q8_BLOCK (and of 4), so
+ * every 8-bit block lies in one chunk and every chunk starts on a 16-byte boundary of an
+ * aligned array. */
+#define KILN_CUDA_ADAMW_CHUNK 16384
+typedef struct kiln_cuda_adamw_chunk {
+    int32_t param, index;
+} kiln_cuda_adamw_chunk;
+
+/* An optimizer's tensor table: table[p] = parameter p's arrays as kiln_cuda_adamw_step takes
+ * them (every entry complete: the arrays its weights_kind and q8 need), with two differences:
+ * every entry has the plan's weights_kind and q8, and decay is the parameter's own flag --
+ * the kernel ands it with s->use_wd, so the table holds nothing that changes per step.
+ * table and chunk are device memory the caller owns, built on the host (the chunks by
+ * kiln_cuda_adamw_chunks) and uploaded when the optimizer is created, again only when an
+ * entry changes (a restored decay flag); the plan struct itself is host memory. */
+typedef struct kiln_cuda_adamw_plan {
+    const kiln_cuda_adamw_param *table; /* (P) device */
+    const kiln_cuda_adamw_chunk *chunk; /* (n_chunks) device */
+    int64_t n_chunks;                   /* <= INT32_MAX */
+    int weights_kind;                   /* every entry's (a kiln_adamw_weights value) */
+    int q8;                             /* every entry's */
+} kiln_cuda_adamw_plan;
+
+/* Host helper: the chunks of the P parameters of table (a host array; only n is read) written
+ * to chunk (NULL: count only). Returns n_chunks. */
+static inline int64_t kiln_cuda_adamw_chunks(const kiln_cuda_adamw_param *table, int P,
+                                             kiln_cuda_adamw_chunk *chunk) {
+    int64_t c = 0;
+    for (int p = 0; p < P; p++)
+        for (int64_t j = 0; j * KILN_CUDA_ADAMW_CHUNK < table[p].n; j++, c++)
+            if (chunk) {
+                chunk[c].param = p;
+                chunk[c].index = (int32_t)j;
+            }
+    return c;
+}
+
+/* One AdamW update of every parameter of the plan: the elements, and their bits, of
+ * kiln_cuda_adamw_step on each entry in turn (decay and-ed with s->use_wd; stochastic
+ * rounding keyed by mix64(s->sr_key + param_index) per entry, as there), in one launch whatever
+ * the number of parameters, no allocation and no host synchronisation (it can be captured in
+ * a CUDA graph; the scalars are kernel arguments). f32 moments: one block of 256 threads per
+ * chunk, each thread taking 4 consecutive elements at a time -- one 16-byte load per array
+ * when the entry's arrays are aligned for it (f32 arrays 16 bytes, bf16 ones 8), else element
+ * by element; the per-element operations are the same either way. 8-bit moments: one block
+ * per 8-bit block, as kiln_cuda_adamw_step. Nothing is checked on the device: the entries
+ * must be valid. */
+kiln_status kiln_cuda_adamw_step_multi(kiln_backend *be, const kiln_cuda_adamw_plan *plan,
+                                       const kiln_adamw_scalars *s);
 /* master(n) = weights(n) bf16 widened. */
 kiln_status kiln_cuda_adamw_widen_bf16(kiln_backend *be, float *master, const uint16_t *w,
                                        int64_t n);

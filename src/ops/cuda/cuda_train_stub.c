@@ -24,6 +24,11 @@ kiln_status kiln_cuda_adamw_step(kiln_backend *be, const kiln_cuda_adamw_param *
     (void)be; (void)p; (void)s;
     return no_cuda("kiln_cuda_adamw_step");
 }
+kiln_status kiln_cuda_adamw_step_multi(kiln_backend *be, const kiln_cuda_adamw_plan *plan,
+                                       const kiln_adamw_scalars *s) {
+    (void)be; (void)plan; (void)s;
+    return no_cuda("kiln_cuda_adamw_step_multi");
+}
 kiln_status kiln_cuda_adamw_widen_bf16(kiln_backend *be, float *master, const uint16_t *w,
                                        int64_t n) {
     (void)be; (void)master; (void)w; (void)n;
