@@ -722,24 +722,13 @@ static const kiln_tensor *mat_view(const kiln_trainer *t, const train_param *p) 
     return t->shadow ? &p->view16 : &p->view;
 }
 
-/* n products of one input, out[i] = x @ W[i]^T + bias[i], the input in f32 (x) or bf16 (x16,
- * x NULL): one matmul_multi(_bf16x) call where the backend has it (the same bits), else n
- * matmul calls. */
-static void matmul_n(const kiln_trainer *t, int n, float *const *out, const float *x, const uint16_t *x16,
-                     const train_param *const *W, const train_param *const *bias, int N) {
-    kiln_backend *be = t->be;
-    const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
-    const float *bv[KILN_MATMUL_MULTI_MAX];
+/* The ops' views of n weights and biases (bias[i] NULL: none). */
+static void product_views(const kiln_trainer *t, int n, const train_param *const *W, const train_param *const *bias,
+                          const kiln_tensor **wv, const float **bv) {
     for (int i = 0; i < n; i++) {
         wv[i] = mat_view(t, W[i]);
         bv[i] = VEC(bias[i]);
     }
-    if (x16)
-        be->i->matmul_multi_bf16x(be, n, out, NULL, NULL, x16, wv, bv, N);
-    else if (be->i->matmul_multi)
-        be->i->matmul_multi(be, n, out, x, wv, bv, N);
-    else
-        for (int i = 0; i < n; i++) be->i->matmul(be, out[i], x, wv[i], bv[i], N);
 }
 
 /* bf16 activations (t->acts16): n products of x16, each into out16[i] (bf16; out16 NULL:
@@ -747,14 +736,29 @@ static void matmul_n(const kiln_trainer *t, int n, float *const *out, const floa
 static void matmul_n16(const kiln_trainer *t, int n, float *const *out, uint16_t *const *out16,
                        const float *const *add, const uint16_t *x16, const train_param *const *W,
                        const train_param *const *bias, int N) {
+    const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
+    const float *bv[KILN_MATMUL_MULTI_MAX];
+    product_views(t, n, W, bias, wv, bv);
+    t->be->i->matmul_multi_bf16x(t->be, n, out, out16, add, x16, wv, bv, N);
+}
+
+/* n products of one input, out[i] = x @ W[i]^T + bias[i], the input in f32 (x) or bf16 (x16,
+ * x NULL): one matmul_multi(_bf16x) call where the backend has it (the same bits), else n
+ * matmul calls. */
+static void matmul_n(const kiln_trainer *t, int n, float *const *out, const float *x, const uint16_t *x16,
+                     const train_param *const *W, const train_param *const *bias, int N) {
+    if (x16) {
+        matmul_n16(t, n, out, NULL, NULL, x16, W, bias, N);
+        return;
+    }
     kiln_backend *be = t->be;
     const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
     const float *bv[KILN_MATMUL_MULTI_MAX];
-    for (int i = 0; i < n; i++) {
-        wv[i] = mat_view(t, W[i]);
-        bv[i] = VEC(bias[i]);
-    }
-    be->i->matmul_multi_bf16x(be, n, out, out16, add, x16, wv, bv, N);
+    product_views(t, n, W, bias, wv, bv);
+    if (be->i->matmul_multi)
+        be->i->matmul_multi(be, n, out, x, wv, bv, N);
+    else
+        for (int i = 0; i < n; i++) be->i->matmul(be, out[i], x, wv[i], bv[i], N);
 }
 
 /* The backward of matmul_n: dx (+)= sum of dy[i] @ W[i] in order, each W[i]'s and bias[i]'s
