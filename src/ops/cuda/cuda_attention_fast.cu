@@ -896,7 +896,8 @@ flash_bf16_kernel(Out *__restrict__ out, float *__restrict__ lse,
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
         const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
         /* no key yet (the max -inf): every weight 2^-inf = 0 */
-        const float nb0 = mn0 == -INFINITY ? 0.0f : -mn0 * c, nb1 = mn1 == -INFINITY ? 0.0f : -mn1 * c;
+        const float nb0 = mn0 == -INFINITY ? 0.0f : -mn0 * c;
+        const float nb1 = mn1 == -INFINITY ? 0.0f : -mn1 * c;
         const float al0 = ex2_approx(fmaf(m0, c, nb0)), al1 = ex2_approx(fmaf(m1, c, nb1));
         m0 = mn0;
         m1 = mn1;
