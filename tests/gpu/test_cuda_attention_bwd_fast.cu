@@ -26,6 +26,8 @@
  * the rotated f32 q, k; rope without keep, keep misaligned or off the flash path are refused
  * with nothing enqueued. Then the batched forward + backward timed against per-sequence
  * calls, with keep, and with RoPE as a separate pass against RoPE fused with keep.
+ * On an sm_90a device all of it runs three times: the wgmma kernels (the default there), the
+ * mma.sync kernels (KILN_WGMMA=0) and the one-launch backward (KILN_ATTN_BWD_SPLIT=1).
  * Without a GPU: checks the host-side validation, then exits 77.
  * Usage: test_cuda_attention_bwd_fast [--no-time]
  */
@@ -33,6 +35,7 @@
 #include "ops/cuda/cuda_attention_fast.h"
 #include "ops/cuda/cuda_backward.h"
 #include "ops/cuda/cuda_internal.h" /* kiln_cuda_rope */
+#include "ops/cuda/cuda_wgmma.h"   /* kiln_cuda_wgmma_usable */
 
 extern "C" {
 #include "base/tensor.h" /* kiln_fp32_to_bf16, kiln_bf16_to_fp32: the host's RNE and widening */
@@ -851,11 +854,18 @@ int main(int argc, char **argv) {
     kiln_cuda_attn *attn = nullptr;
     CUDA_OK(kiln_cuda_attn_create(&attn));
     /* HS 64 runs the two-pass backward (dk/dv blocks store dS, dq blocks take one product a
-     * tile) by default; every check and the HS 64 timings also run the one-launch kernel whose
-     * dq blocks recompute S and dP (KILN_ATTN_BWD_SPLIT=1) */
-    for (int split = 0; split < 2; split++) {
+     * tile) by default, and on an sm_90a device its passes and the flash forward run on wgmma
+     * (cuda_wgmma.h); every check and the HS 64 timings also run the mma.sync kernels
+     * (KILN_WGMMA=0) and the one-launch kernel whose dq blocks recompute S and dP
+     * (KILN_ATTN_BWD_SPLIT=1, on mma.sync) */
+    const bool wg = kiln_cuda_wgmma_usable(0);
+    for (int mode = wg ? 0 : 1; mode < 3; mode++) {
+        const bool split = mode == 2;
         setenv("KILN_ATTN_BWD_SPLIT", split ? "1" : "0", 1);
-        printf("== %s for HS 64 ==\n", split ? "one launch, dq recomputed" : "two passes, dq from stored dS");
+        setenv("KILN_WGMMA", mode == 0 ? "1" : "0", 1);
+        printf("== %s for HS 64 ==\n", mode == 0   ? "two passes on wgmma (sm_90a), dq from stored dS"
+                                       : mode == 1 ? "two passes on mma.sync, dq from stored dS"
+                                                   : "one launch, dq recomputed");
         if (checks) {
             for (const Case &c : cases) check_case(c);
             const Case seqs[] = {{200, 0, 4, 2, 64, 1.0f}, {70, 0, 6, 6, 128, 2.0f},
@@ -881,6 +891,7 @@ int main(int argc, char **argv) {
         }
     }
     unsetenv("KILN_ATTN_BWD_SPLIT");
+    unsetenv("KILN_WGMMA");
     kiln_cuda_attn_free(attn);
     printf("worst normalised error %.3e (bound 2e-2)\n", g_worst);
     if (g_fail) {

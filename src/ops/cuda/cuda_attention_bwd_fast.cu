@@ -19,7 +19,8 @@
 #include "cuda_attention_bwd_fast.h"
 
 #include "cuda_attention_fast.h"
-#include "cuda_mma.cuh"
+#include "cuda_wgmma.cuh"
+#include "cuda_wgmma.h"
 
 #include "../ops.h"
 
@@ -167,6 +168,41 @@ static __global__ void __launch_bounds__(BW_THREADS) bwd_stats_kernel(bw_args A)
     }
 }
 
+/* A dq block's results (rows q0 + 16 warp + g and + 8, the thread's entries as in
+ * dq_block; rows >= N write nothing): dq = scale * acc, at (row, head hl) of sequence b. */
+template <int HS>
+static __device__ __forceinline__ void dq_store(const bw_args &A, const float (&acc)[HS / 8][4],
+                                                int q0, int hl, int b) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int64_t qs = (int64_t)A.NH * HS;
+    float *dq = A.dq + (int64_t)b * A.N * qs + (int64_t)hl * HS + 2 * t;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int r = q0 + warp * 16 + g + 8 * half;
+        if (r >= A.N) continue;
+        float *p = dq + (int64_t)r * qs;
+#pragma unroll
+        for (int dt = 0; dt < HS / 8; dt++)
+            *reinterpret_cast<float2 *>(p + dt * 8) =
+                make_float2(acc[dt][2 * half] * A.scale, acc[dt][2 * half + 1] * A.scale);
+    }
+}
+
+/* The two-pass dq block of query tile q0 reads key tiles 0..n-1 of dS^T (64 keys each): those
+ * that see the tile and that a dk/dv block visited (wrote), i.e. the first query that sees
+ * the key tile's first key lies in a query tile <= q0's; a key tile not visited is wholly
+ * masked (zero). */
+static __device__ __forceinline__ int dq_visited_tiles(const bw_args &A, int q0) {
+    const int rows = A.N - q0 < BW_ROWS ? A.N - q0 : BW_ROWS;
+    int nkt = (A.n_past + q0 + rows + 63) / 64;
+    while (nkt > 0) {
+        const int k0 = (nkt - 1) * 64, first = k0 - A.n_past > 0 ? k0 - A.n_past : 0;
+        if (first / BW_ROWS * BW_ROWS <= q0) break;
+        nkt--;
+    }
+    return nkt;
+}
+
 /* A dq block: query tile qt of head hl of sequence b. Rows r0 = q0 + 16 warp + g and r1 =
  * r0 + 8 (padding rows compute on zeros and write nothing). dq = scale * sum over keys of
  * dS k. */
@@ -239,39 +275,55 @@ static __device__ __forceinline__ void dq_block(const bw_args &A, int qt, int hl
         tile_times_rows<HS, KT>(acc, sc, cK, LD, lane); /* dq += dS k */
         __syncthreads();
     }
-    const int64_t qs = (int64_t)A.NH * HS;
-    float *dq = A.dq + (int64_t)b * N * qs; /* sequence b's rows */
-    if (r0 < N) {
-        float *p = dq + (int64_t)r0 * qs + (int64_t)hl * HS + 2 * t;
+    dq_store<HS>(A, acc, q0, hl, b);
+}
+
+/* A dk/dv block's results for its keys key0, key1 (thread entries as in dkv_block): G = 1:
+ * this head's are the kv head's gradients; else partials at (key, hl); sequence b's keys are
+ * rows b*T.. . dk gets the scale here. Keys >= T (padding) write nothing. */
+template <int HS>
+static __device__ __forceinline__ void dkv_store(const bw_args &A, const float (&ak)[HS / 8][4],
+                                                 const float (&av)[HS / 8][4], int hl, int b,
+                                                 int G, int T, int key0, int key1, int t) {
+    const int64_t ks = G == 1 ? (int64_t)A.KVH * HS : (int64_t)A.NH * HS;
+    const int64_t hoff = (int64_t)b * T * ks + (int64_t)(G == 1 ? hl / G : hl) * HS;
+    if (key0 < T) {
+        float *pk = A.dk + (int64_t)key0 * ks + hoff + 2 * t;
+        float *pv = A.dv + (int64_t)key0 * ks + hoff + 2 * t;
 #pragma unroll
-        for (int dt = 0; dt < HS / 8; dt++)
-            *reinterpret_cast<float2 *>(p + dt * 8) =
-                make_float2(acc[dt][0] * A.scale, acc[dt][1] * A.scale);
+        for (int dt = 0; dt < HS / 8; dt++) {
+            *reinterpret_cast<float2 *>(pk + dt * 8) =
+                make_float2(ak[dt][0] * A.scale, ak[dt][1] * A.scale);
+            *reinterpret_cast<float2 *>(pv + dt * 8) = make_float2(av[dt][0], av[dt][1]);
+        }
     }
-    if (r1 < N) {
-        float *p = dq + (int64_t)r1 * qs + (int64_t)hl * HS + 2 * t;
+    if (key1 < T) {
+        float *pk = A.dk + (int64_t)key1 * ks + hoff + 2 * t;
+        float *pv = A.dv + (int64_t)key1 * ks + hoff + 2 * t;
 #pragma unroll
-        for (int dt = 0; dt < HS / 8; dt++)
-            *reinterpret_cast<float2 *>(p + dt * 8) =
-                make_float2(acc[dt][2] * A.scale, acc[dt][3] * A.scale);
+        for (int dt = 0; dt < HS / 8; dt++) {
+            *reinterpret_cast<float2 *>(pk + dt * 8) =
+                make_float2(ak[dt][2] * A.scale, ak[dt][3] * A.scale);
+            *reinterpret_cast<float2 *>(pv + dt * 8) = make_float2(av[dt][2], av[dt][3]);
+        }
     }
 }
 
 /* The weights of one dk/dv tile, in place, for the thread's entries c[0] (key0, qi), c[1]
- * (key0, qi + 1), c[2] (key1, qi), c[3] (key1, qi + 1), qi = 8 nt + 2 t: st <- P^T = exp(s
- * scale - L) = 2^(s c - L log2 e), dpt <- dS^T = P^T (dP^T - D), with cL, cD the tile's L, D.
- * MASK: an entry whose query (position qpos0 + qi) comes before its key, or is a padding row
- * (q0 + qi >= N), is 0; without MASK no entry is (the caller's test is uniform per tile). */
+ * (key0, qi + 1), c[2] (key1, qi), c[3] (key1, qi + 1), qi = 8 nt + 2 t, in two steps (the
+ * wgmma kernel runs a product between them): dkv_probs: st <- P^T = exp(s scale - L) =
+ * 2^(s c - L log2 e), cL the tile's L; MASK: an entry whose query (position qpos0 + qi) comes
+ * before its key, or is a padding row (q0 + qi >= N), is 0; without MASK no entry is (the
+ * caller's test is uniform per tile). dkv_dsoft: dpt <- dS^T = P^T (dP^T - D), cD the
+ * tile's D. dkv_weights: both. */
 template <int QT, bool MASK>
-static __device__ __forceinline__ void dkv_weights(float (&st)[QT / 8][4], float (&dpt)[QT / 8][4],
-                                                   const float *cL, const float *cD, float c,
-                                                   int t, int q0, int qpos0, int N, int key0,
-                                                   int key1) {
+static __device__ __forceinline__ void dkv_probs(float (&st)[QT / 8][4], const float *cL, float c,
+                                                 int t, int q0, int qpos0, int N, int key0,
+                                                 int key1) {
 #pragma unroll
     for (int nt = 0; nt < QT / 8; nt++) {
         const int qi = nt * 8 + 2 * t;
         const float nL0 = -cL[qi] * KILN_LOG2E, nL1 = -cL[qi + 1] * KILN_LOG2E;
-        const float D0 = cD[qi], D1 = cD[qi + 1];
         float p00 = ex2_approx(fmaf(st[nt][0], c, nL0)), p01 = ex2_approx(fmaf(st[nt][1], c, nL1));
         float p10 = ex2_approx(fmaf(st[nt][2], c, nL0)), p11 = ex2_approx(fmaf(st[nt][3], c, nL1));
         if (MASK) {
@@ -282,15 +334,35 @@ static __device__ __forceinline__ void dkv_weights(float (&st)[QT / 8][4], float
             p10 = in0 && qa >= key1 ? p10 : 0.0f;
             p11 = in1 && qa + 1 >= key1 ? p11 : 0.0f;
         }
-        dpt[nt][0] = p00 * (dpt[nt][0] - D0);
-        dpt[nt][1] = p01 * (dpt[nt][1] - D1);
-        dpt[nt][2] = p10 * (dpt[nt][2] - D0);
-        dpt[nt][3] = p11 * (dpt[nt][3] - D1);
         st[nt][0] = p00;
         st[nt][1] = p01;
         st[nt][2] = p10;
         st[nt][3] = p11;
     }
+}
+
+template <int QT>
+static __device__ __forceinline__ void dkv_dsoft(float (&dpt)[QT / 8][4],
+                                                 const float (&st)[QT / 8][4], const float *cD,
+                                                 int t) {
+#pragma unroll
+    for (int nt = 0; nt < QT / 8; nt++) {
+        const int qi = nt * 8 + 2 * t;
+        const float D0 = cD[qi], D1 = cD[qi + 1];
+        dpt[nt][0] = st[nt][0] * (dpt[nt][0] - D0);
+        dpt[nt][1] = st[nt][1] * (dpt[nt][1] - D1);
+        dpt[nt][2] = st[nt][2] * (dpt[nt][2] - D0);
+        dpt[nt][3] = st[nt][3] * (dpt[nt][3] - D1);
+    }
+}
+
+template <int QT, bool MASK>
+static __device__ __forceinline__ void dkv_weights(float (&st)[QT / 8][4], float (&dpt)[QT / 8][4],
+                                                   const float *cL, const float *cD, float c,
+                                                   int t, int q0, int qpos0, int N, int key0,
+                                                   int key1) {
+    dkv_probs<QT, MASK>(st, cL, c, t, q0, qpos0, N, key0, key1);
+    dkv_dsoft<QT>(dpt, st, cD, t);
 }
 
 /* A dk/dv block: key tile kt for query head hl of sequence b. Keys key0 = k0 + 16 warp + g
@@ -424,28 +496,7 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
         __syncthreads();
     }
 
-    /* G = 1: this head's are the kv head's gradients; else partials at (key, hl); sequence
-     * b's keys are rows b*T.. */
-    const int64_t ks = G == 1 ? (int64_t)A.KVH * HS : (int64_t)A.NH * HS;
-    const int64_t hoff = (int64_t)b * T * ks + (int64_t)(G == 1 ? hl / G : hl) * HS;
-    if (key0 < T) {
-        float *pk = A.dk + (int64_t)key0 * ks + hoff + 2 * t;
-        float *pv = A.dv + (int64_t)key0 * ks + hoff + 2 * t;
-#pragma unroll
-        for (int dt = 0; dt < HS / 8; dt++) {
-            *reinterpret_cast<float2 *>(pk + dt * 8) = make_float2(ak[dt][0] * A.scale, ak[dt][1] * A.scale);
-            *reinterpret_cast<float2 *>(pv + dt * 8) = make_float2(av[dt][0], av[dt][1]);
-        }
-    }
-    if (key1 < T) {
-        float *pk = A.dk + (int64_t)key1 * ks + hoff + 2 * t;
-        float *pv = A.dv + (int64_t)key1 * ks + hoff + 2 * t;
-#pragma unroll
-        for (int dt = 0; dt < HS / 8; dt++) {
-            *reinterpret_cast<float2 *>(pk + dt * 8) = make_float2(ak[dt][2] * A.scale, ak[dt][3] * A.scale);
-            *reinterpret_cast<float2 *>(pv + dt * 8) = make_float2(av[dt][2], av[dt][3]);
-        }
-    }
+    dkv_store<HS>(A, ak, av, hl, b, G, T, key0, key1, t);
 }
 
 /* Kernel 2: the dk/dv blocks (x < nkt: key tile x, the ones that see the most queries first)
@@ -480,19 +531,11 @@ static __global__ void __launch_bounds__(BW_THREADS) bwd_dq_ds_kernel(bw_args A)
     bf16 *sK = sS + 2 * KT * LDS;               /* 2 x (KT, LD) */
     const int qt = (int)(gridDim.x - 1 - blockIdx.x), hl = (int)blockIdx.y, b = (int)blockIdx.z;
     const int h = b * A.NH + hl, kvh = b * A.KVH + hl / (A.NH / A.KVH);
-    const int q0 = qt * BW_ROWS, N = A.N, n_past = A.n_past;
-    const int rows = N - q0 < BW_ROWS ? N - q0 : BW_ROWS;
-    /* key tiles 0..nkt-1 see the tile; tile kt was visited (written) when the first query
-     * that sees its first key lies in a query tile <= qt */
-    int nkt = (n_past + q0 + rows + KT - 1) / KT;
-    while (nkt > 0) {
-        const int k0 = (nkt - 1) * KT, first = k0 - n_past > 0 ? k0 - n_past : 0;
-        if (first / BW_ROWS * BW_ROWS <= q0) break;
-        nkt--;
-    }
+    const int q0 = qt * BW_ROWS;
+    const int nkt = dq_visited_tiles(A, q0);
     const bf16 *kh = A.kb + (int64_t)kvh * A.Tpad * HS;
     const bf16 *dsh = A.dsT + (int64_t)h * A.Tpad * A.Npad + q0;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     auto copy_tile = [&](int kt, int buf) {
         bf16 *d = sS + buf * KT * LDS;
         const bf16 *src = dsh + (int64_t)kt * KT * A.Npad;
@@ -527,18 +570,206 @@ static __global__ void __launch_bounds__(BW_THREADS) bwd_dq_ds_kernel(bw_args A)
         }
         __syncthreads();
     }
-    const int64_t qs = (int64_t)A.NH * HS;
-    float *dq = A.dq + (int64_t)b * N * qs + (int64_t)hl * HS + 2 * t;
+    dq_store<HS>(A, acc, q0, hl, b);
+}
+
+/* ==== the two passes on Hopper's warpgroup products (sm_90a; cuda_wgmma.cuh) ================
+ * The same blocks, grids, tiles, arithmetic and outputs as bwd_dkv_ds_kernel and
+ * bwd_dq_ds_kernel, with the products on wgmma m64n64k16 instead of mma.sync: the block's
+ * four warps are one warpgroup, its 64 rows the product's M, and each warp's accumulator
+ * entries are the m16n8 C fragments the mma.sync kernels hold (cuda_wgmma.cuh), so
+ * dkv_weights, the dS^T stores and the dk, dv, dq stores are shared. Tiles are SW128 (64 bf16
+ * a row, 128-byte swizzle) and every B operand, and in the dq pass A too, is read by the
+ * product straight from shared memory (no ldmatrix): k, v, q, dout and dS^T tiles are each
+ * K-major for one product and MN-major for another. Only the f32 sums inside a product may
+ * group differently from mma.sync, so the results are within the fast bound, not the
+ * mma.sync kernels' bits (deterministic all the same). */
+#define WG_TILE 4096 /* bf16 of a 64 x 64 SW128 tile (8 KiB) */
+
+static constexpr size_t dkv_wg_smem() {
+    return sizeof(bf16) * 6 * WG_TILE + sizeof(float) * 4 * 64 + KILN_SW128_ALIGN;
+}
+static constexpr size_t dq_wg_smem() { return sizeof(bf16) * 4 * WG_TILE + KILN_SW128_ALIGN; }
+
+#if KILN_WGMMA_DEVICE
+/* The dynamic shared memory's first 1024-byte boundary (the kernels ask for 1 KiB more). */
+static __device__ __forceinline__ bf16 *wg_tiles(unsigned char *sm) {
+    return reinterpret_cast<bf16 *>(((uintptr_t)sm + KILN_SW128_ALIGN - 1) &
+                                    ~(uintptr_t)(KILN_SW128_ALIGN - 1));
+}
+#endif
+
+/* Pass 1 (dkv_block<64, true, true>'s work): per query tile, S^T = k q^T and dP^T = v dout^T
+ * (A = the k, v tiles, B = the q, dout tiles, all K-major), then dv += P^T dout and dk +=
+ * dS^T q (A = P^T, dS^T from registers as bf16, B = the dout, q tiles read MN-major). */
+static __global__ void __launch_bounds__(BW_THREADS) bwd_dkv_ds_wgmma_kernel(bw_args A) {
+#if KILN_WGMMA_DEVICE
+    constexpr int HS = 64, QT = 64;
+    extern __shared__ __align__(16) unsigned char bw_sm[];
+    bf16 *sK = wg_tiles(bw_sm), *sV = sK + WG_TILE;
+    bf16 *sQ = sV + WG_TILE, *sO = sQ + 2 * WG_TILE; /* 2 tiles each */
+    float *sL = reinterpret_cast<float *>(sO + 2 * WG_TILE), *sD = sL + 2 * QT;
+    const int kt = (int)blockIdx.x, hl = (int)blockIdx.y, b = (int)blockIdx.z;
+    const int G = A.NH / A.KVH, N = A.N, n_past = A.n_past;
+    const int h = b * A.NH + hl, kvh = b * A.KVH + hl / G; /* packed heads */
+    const int k0 = kt * BW_ROWS, T = n_past + N;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int key0 = k0 + warp * 16 + g, key1 = key0 + 8, wlast = k0 + warp * 16 + 15;
+    const float c = A.scale * KILN_LOG2E;
+    const int64_t hrow = (int64_t)h * A.Npad;
+    const bf16 *qh = A.qb + hrow * HS, *oh = A.ob + hrow * HS;
+    const int first = k0 - n_past > 0 ? k0 - n_past : 0; /* the first query that sees key k0 */
+    const int qbeg = first / QT * QT, nqt = (N - qbeg + QT - 1) / QT;
+
+    auto copy_queries = [&](int q0, int buf) {
+        cp_tile_sw128<QT, BW_THREADS>(sQ + buf * WG_TILE, qh + (int64_t)q0 * HS, HS);
+        cp_tile_sw128<QT, BW_THREADS>(sO + buf * WG_TILE, oh + (int64_t)q0 * HS, HS);
+        const int ci = (int)threadIdx.x;
+        if (ci < QT / 4)
+            cp_async16(sL + buf * QT + 4 * ci, A.wsL + hrow + q0 + 4 * ci);
+        else if (ci < QT / 2)
+            cp_async16(sD + buf * QT + 4 * (ci - QT / 4), A.wsD + hrow + q0 + 4 * (ci - QT / 4));
+    };
+    cp_tile_sw128<BW_ROWS, BW_THREADS>(sK, A.kb + ((int64_t)kvh * A.Tpad + k0) * HS, HS);
+    cp_tile_sw128<BW_ROWS, BW_THREADS>(sV, A.vb + ((int64_t)kvh * A.Tpad + k0) * HS, HS);
+    if (nqt > 0) copy_queries(qbeg, 0);
+    cp_async_commit();
+
+    float ak[HS / 8][4], av[HS / 8][4], st[QT / 8][4], dpt[QT / 8][4];
 #pragma unroll
-    for (int half = 0; half < 2; half++) {
-        const int r = q0 + warp * 16 + g + 8 * half;
-        if (r >= N) continue;
-        float *p = dq + (int64_t)r * qs;
+    for (int i = 0; i < HS / 8; i++)
 #pragma unroll
-        for (int dt = 0; dt < HS / 8; dt++)
-            *reinterpret_cast<float2 *>(p + dt * 8) =
-                make_float2(acc[dt][2 * half] * A.scale, acc[dt][2 * half + 1] * A.scale);
+        for (int r = 0; r < 4; r++) ak[i][r] = av[i][r] = st[i][r] = dpt[i][r] = 0.0f;
+    const uint64_t dK = sw128_desc(sK), dV = sw128_desc(sV);
+    for (int it = 0; it < nqt; it++) {
+        const int q0 = qbeg + it * QT, buf = it & 1;
+        if (it + 1 < nqt) {
+            copy_queries(q0 + QT, buf ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        wgmma_proxy_fence();
+        __syncthreads();
+        const uint64_t dQ = sw128_desc(sQ + buf * WG_TILE), dO = sw128_desc(sO + buf * WG_TILE);
+        const float *cL = sL + buf * QT, *cD = sD + buf * QT;
+
+        /* S^T = k q^T, then dP^T = v dout^T (64 keys x 64 queries; accumulate 0 overwrites),
+         * two groups: P^T is computed while dP^T's product runs, dS^T while dv's does */
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HS / 16; kk++)
+            wgmma_ss<0, 0>(&st[0][0], dK + SW128_KSTEP_K * kk, dQ + SW128_KSTEP_K * kk, kk > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < HS / 16; kk++)
+            wgmma_ss<0, 0>(&dpt[0][0], dV + SW128_KSTEP_K * kk, dO + SW128_KSTEP_K * kk, kk > 0);
+        wgmma_commit();
+        wgmma_wait<1>(); /* S^T */
+        wgmma_fence_operands(&st[0][0]);
+        const bool mask = n_past + q0 < wlast || q0 + QT > N;
+        if (mask)
+            dkv_probs<QT, true>(st, cL, c, t, q0, n_past + q0, N, key0, key1);
+        else
+            dkv_probs<QT, false>(st, cL, c, t, q0, n_past + q0, N, key0, key1);
+        uint32_t pp[QT / 8][2], dsp[QT / 8][2]; /* P^T, dS^T pairs: [nt][0] key0, [1] key1 */
+#pragma unroll
+        for (int nt = 0; nt < QT / 8; nt++) {
+            pp[nt][0] = pack_bf16(st[nt][0], st[nt][1]);
+            pp[nt][1] = pack_bf16(st[nt][2], st[nt][3]);
+        }
+        wgmma_fence(); /* dv += P^T dout: k-steps of 16 queries */
+#pragma unroll
+        for (int j = 0; j < QT / 16; j++) {
+            const uint32_t a[4] = {pp[2 * j][0], pp[2 * j][1], pp[2 * j + 1][0], pp[2 * j + 1][1]};
+            wgmma_rs<1>(&av[0][0], a, dO + SW128_KSTEP_MN * j, 1);
+        }
+        wgmma_commit();
+        wgmma_wait<1>(); /* dP^T */
+        wgmma_fence_operands(&dpt[0][0]);
+        dkv_dsoft<QT>(dpt, st, cD, t);
+#pragma unroll
+        for (int nt = 0; nt < QT / 8; nt++) {
+            dsp[nt][0] = pack_bf16(dpt[nt][0], dpt[nt][1]);
+            dsp[nt][1] = pack_bf16(dpt[nt][2], dpt[nt][3]);
+        }
+        wgmma_fence(); /* dk += dS^T q */
+#pragma unroll
+        for (int j = 0; j < QT / 16; j++) {
+            const uint32_t a[4] = {dsp[2 * j][0], dsp[2 * j][1], dsp[2 * j + 1][0],
+                                   dsp[2 * j + 1][1]};
+            wgmma_rs<1>(&ak[0][0], a, dQ + SW128_KSTEP_MN * j, 1);
+        }
+        wgmma_commit();
+        { /* dS^T rows (this warp's keys) x the tile's queries, while the products run */
+            bf16 *ds = A.dsT + ((int64_t)h * A.Tpad + k0 + warp * 16 + g) * A.Npad + q0 + 2 * t;
+#pragma unroll
+            for (int nt = 0; nt < QT / 8; nt++) {
+                *reinterpret_cast<uint32_t *>(ds + nt * 8) = dsp[nt][0];
+                *reinterpret_cast<uint32_t *>(ds + 8 * (int64_t)A.Npad + nt * 8) = dsp[nt][1];
+            }
+        }
+        wgmma_wait<0>();
+        wgmma_fence_operands(&av[0][0]);
+        wgmma_fence_operands(&ak[0][0]);
+        __syncthreads();
     }
+    dkv_store<HS>(A, ak, av, hl, b, G, T, key0, key1, t);
+#else
+    (void)A;
+    __trap(); /* launched only where kiln_cuda_wgmma_usable: the sm_90a code */
+#endif
+}
+
+/* Pass 2 (bwd_dq_ds_kernel's work): dq += dS k per key tile, A = dS read MN-major from the
+ * dS^T tile (keys x queries), B = the k tile read MN-major. */
+static __global__ void __launch_bounds__(BW_THREADS) bwd_dq_ds_wgmma_kernel(bw_args A) {
+#if KILN_WGMMA_DEVICE
+    constexpr int HS = 64, KT = 64;
+    extern __shared__ __align__(16) unsigned char bw_sm[];
+    bf16 *sS = wg_tiles(bw_sm), *sK = sS + 2 * WG_TILE; /* 2 tiles each */
+    const int qt = (int)(gridDim.x - 1 - blockIdx.x), hl = (int)blockIdx.y, b = (int)blockIdx.z;
+    const int h = b * A.NH + hl, kvh = b * A.KVH + hl / (A.NH / A.KVH);
+    const int q0 = qt * BW_ROWS;
+    const int nkt = dq_visited_tiles(A, q0);
+    const bf16 *kh = A.kb + (int64_t)kvh * A.Tpad * HS;
+    const bf16 *dsh = A.dsT + (int64_t)h * A.Tpad * A.Npad + q0;
+    auto copy_tile = [&](int kt, int buf) {
+        cp_tile_sw128<KT, BW_THREADS>(sS + buf * WG_TILE, dsh + (int64_t)kt * KT * A.Npad, A.Npad);
+        cp_tile_sw128<KT, BW_THREADS>(sK + buf * WG_TILE, kh + (int64_t)kt * KT * HS, HS);
+    };
+    float acc[HS / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < HS / 8; dt++) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
+    if (nkt > 0) copy_tile(0, 0);
+    cp_async_commit();
+    for (int j = 0; j < nkt; j++) {
+        const int buf = j & 1;
+        if (j + 1 < nkt) {
+            copy_tile(j + 1, buf ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        wgmma_proxy_fence();
+        __syncthreads();
+        const uint64_t dS = sw128_desc(sS + buf * WG_TILE), dK = sw128_desc(sK + buf * WG_TILE);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < KT / 16; ks++)
+            wgmma_ss<1, 1>(&acc[0][0], dS + SW128_KSTEP_MN * ks, dK + SW128_KSTEP_MN * ks, 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(&acc[0][0]);
+        __syncthreads();
+    }
+    dq_store<HS>(A, acc, q0, hl, b);
+#else
+    (void)A;
+    __trap();
+#endif
 }
 
 /* Whether the backward takes the two passes (HS 64; KILN_ATTN_BWD_SPLIT=1: the one-launch
@@ -593,13 +824,17 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
                               float *dv, float *pk, float *pv) {
     constexpr size_t smem = dq_smem<HS>() > dkv_smem<HS>() ? dq_smem<HS>() : dkv_smem<HS>();
     const bool two = two_pass(HS); /* HS 64: dk/dv with dS stored, then dq from it */
+    const bool wg = two && kiln_cuda_wgmma_usable(s); /* the two passes on wgmma (sm_90a) */
     /* dynamic shared memory above 48 KiB (per device, so on every call: a host-side µs) */
     cudaError_t e = cudaFuncSetAttribute(bwd_stats_kernel<HS>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)stats_smem<HS>());
-    if (e == cudaSuccess && two)
+    if (e == cudaSuccess && two && !wg)
         e = cudaFuncSetAttribute(bwd_dkv_ds_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)dkv_smem<64>());
+    if (e == cudaSuccess && wg)
+        e = cudaFuncSetAttribute(bwd_dkv_ds_wgmma_kernel,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dkv_wg_smem());
     if (e == cudaSuccess && two)
         e = cudaFuncSetAttribute(bwd_dq_ds_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)dq_ds_smem());
@@ -621,7 +856,13 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
         e = cudaGetLastError();
         if (e != cudaSuccess) return e;
     }
-    if (two) {
+    if (wg) {
+        bwd_dkv_ds_wgmma_kernel<<<dim3((unsigned)nkt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
+                                  dkv_wg_smem(), s>>>(A);
+        if ((e = cudaGetLastError()) != cudaSuccess) return e;
+        bwd_dq_ds_wgmma_kernel<<<dim3((unsigned)nqt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
+                                 dq_wg_smem(), s>>>(A);
+    } else if (two) {
         bwd_dkv_ds_kernel<<<dim3((unsigned)nkt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
                             dkv_smem<64>(), s>>>(A);
         if ((e = cudaGetLastError()) != cudaSuccess) return e;

@@ -13,7 +13,8 @@
 
 #include "cuda_common.cuh"
 #include "cuda_internal.h"
-#include "cuda_mma.cuh"
+#include "cuda_wgmma.cuh"
+#include "cuda_wgmma.h"
 
 #include "../../base/kmath.h"
 
@@ -787,6 +788,106 @@ static __device__ __forceinline__ void flash_store_pair(uint16_t *p, float x, fl
                                        (uint32_t)kiln_bf16_rne(y) << 16;
 }
 
+/* One key tile (keys k0.., scores sc of the warp's rows g: sc[nt][0..1], g + 8: sc[nt][2..3])
+ * of the flash forward's online softmax, for the thread's share of rows g and g + 8: masks
+ * (mask: the tile reaches past a row's last key, lim0 / lim1), updates the raw maxima m0, m1
+ * and the partial sums l0, l1, rescales the accumulator o, and leaves the weights in pp as
+ * bf16 pairs ([nt][0] row g, [nt][1] row g + 8: the A fragments of P V). */
+template <int HS>
+static __device__ __forceinline__ void flash_softmax_tile(float (&sc)[FL_BN / 8][4],
+                                                          uint32_t (&pp)[FL_BN / 8][2],
+                                                          float (&o)[HS / 8][4], float &m0,
+                                                          float &m1, float &l0, float &l1,
+                                                          float c, bool mask, int k0, int t,
+                                                          int lim0, int lim1) {
+    /* causal mask (tiles that reach past a row's last key), online softmax in units of the
+     * raw scores: m is the raw max, and a weight is exp(scale (s - m)) = 2^(s c - m c),
+     * c = scale log2 e (rows g: c[0..1], g + 8: c[2..3]) */
+    if (mask) {
+#pragma unroll
+        for (int nt = 0; nt < FL_BN / 8; nt++) {
+            const int key = k0 + nt * 8 + 2 * t;
+            if (key > lim0) sc[nt][0] = -INFINITY;
+            if (key + 1 > lim0) sc[nt][1] = -INFINITY;
+            if (key > lim1) sc[nt][2] = -INFINITY;
+            if (key + 1 > lim1) sc[nt][3] = -INFINITY;
+        }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < FL_BN / 8; nt++) {
+        mx0 = fmaxf(mx0, fmaxf(sc[nt][0], sc[nt][1]));
+        mx1 = fmaxf(mx1, fmaxf(sc[nt][2], sc[nt][3]));
+    }
+    /* a row's 64 scores are spread over the 4 threads of its quad (lanes 4g..4g+3) */
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    /* no key yet (the max -inf): every weight 2^-inf = 0 */
+    const float nb0 = mn0 == -INFINITY ? 0.0f : -mn0 * c;
+    const float nb1 = mn1 == -INFINITY ? 0.0f : -mn1 * c;
+    const float al0 = ex2_approx(fmaf(m0, c, nb0)), al1 = ex2_approx(fmaf(m1, c, nb1));
+    m0 = mn0;
+    m1 = mn1;
+    float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < FL_BN / 8; nt++) {
+        const float p0 = ex2_approx(fmaf(sc[nt][0], c, nb0));
+        const float p1 = ex2_approx(fmaf(sc[nt][1], c, nb0));
+        const float p2 = ex2_approx(fmaf(sc[nt][2], c, nb1));
+        const float p3 = ex2_approx(fmaf(sc[nt][3], c, nb1));
+        pp[nt][0] = pack_bf16(p0, p1);
+        pp[nt][1] = pack_bf16(p2, p3);
+        /* l sums the f32 weights (the p.v product takes them rounded to bf16) */
+        ps0 = ps0 + (p0 + p1);
+        ps1 = ps1 + (p2 + p3);
+    }
+    l0 = l0 * al0 + ps0;
+    l1 = l1 * al1 + ps1;
+#pragma unroll
+    for (int dt = 0; dt < HS / 8; dt++) {
+        o[dt][0] *= al0;
+        o[dt][1] *= al0;
+        o[dt][2] *= al1;
+        o[dt][3] *= al1;
+    }
+}
+
+/* The flash forward's end for the thread's rows qr0 = row g, qr1 = g + 8 of packed query head
+ * hq (head h of sequence b): the quads' sums l, the log-sum-exp (lse, when given) and the
+ * output rows o / l (flash_store_pair); rows >= N store nothing but an lse of 0. */
+template <int HS, typename Out>
+static __device__ __forceinline__ void flash_finish(Out *__restrict__ out, float *__restrict__ lse,
+                                                    const float (&o)[HS / 8][4], float m0,
+                                                    float m1, float l0, float l1, float scale,
+                                                    int64_t hq, int Npad, int b, int h, int N,
+                                                    int NH, int qr0, int qr1, int t) {
+    /* the quad's partial sums (every lane ends with the same bits) */
+    l0 = l0 + __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 = l0 + __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 = l1 + __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 = l1 + __shfl_xor_sync(0xffffffffu, l1, 2);
+    if (lse && t == 0) { /* log-sum-exp of the scaled scores, for the backward */
+        lse[hq * Npad + qr0] = qr0 < N ? m0 * scale + logf(l0) : 0.0f;
+        lse[hq * Npad + qr1] = qr1 < N ? m1 * scale + logf(l1) : 0.0f;
+    }
+    out += (int64_t)b * N * NH * HS; /* sequence b's rows */
+    if (qr0 < N) {
+        Out *op = out + ((int64_t)qr0 * NH + h) * HS + 2 * t;
+#pragma unroll
+        for (int dt = 0; dt < HS / 8; dt++)
+            flash_store_pair(op + dt * 8, o[dt][0] / l0, o[dt][1] / l0);
+    }
+    if (qr1 < N) {
+        Out *op = out + ((int64_t)qr1 * NH + h) * HS + 2 * t;
+#pragma unroll
+        for (int dt = 0; dt < HS / 8; dt++)
+            flash_store_pair(op + dt * 8, o[dt][2] / l1, o[dt][3] / l1);
+    }
+}
+
 /* FlashAttention-2 forward (Dao 2023, Algorithm 1) for one (64-row query tile, head,
  * sequence): block (gridDim.x - 1 - blockIdx.x, blockIdx.y = h, blockIdx.z = b); the last
  * query tiles, which see the most keys, are scheduled first. Inputs packed to bf16 per head
@@ -870,60 +971,9 @@ flash_bf16_kernel(Out *__restrict__ out, float *__restrict__ lse,
         float sc[FL_BN / 8][4];
         rows_times_tile<HS, FL_BN>(sc, qf, cK, LD, lane);
 
-        /* causal mask (tiles that reach past a row's last key), online softmax in units of the
-         * raw scores: m is the raw max, and a weight is exp(scale (s - m)) = 2^(s c - m c),
-         * c = scale log2 e (rows g: c[0..1], g + 8: c[2..3]) */
-        if (k0 + FL_BN - 1 > wfirst) {
-#pragma unroll
-            for (int nt = 0; nt < FL_BN / 8; nt++) {
-                const int key = k0 + nt * 8 + 2 * t;
-                if (key > lim0) sc[nt][0] = -INFINITY;
-                if (key + 1 > lim0) sc[nt][1] = -INFINITY;
-                if (key > lim1) sc[nt][2] = -INFINITY;
-                if (key + 1 > lim1) sc[nt][3] = -INFINITY;
-            }
-        }
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < FL_BN / 8; nt++) {
-            mx0 = fmaxf(mx0, fmaxf(sc[nt][0], sc[nt][1]));
-            mx1 = fmaxf(mx1, fmaxf(sc[nt][2], sc[nt][3]));
-        }
-        /* a row's 64 scores are spread over the 4 threads of its quad (lanes 4g..4g+3) */
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-        /* no key yet (the max -inf): every weight 2^-inf = 0 */
-        const float nb0 = mn0 == -INFINITY ? 0.0f : -mn0 * c;
-        const float nb1 = mn1 == -INFINITY ? 0.0f : -mn1 * c;
-        const float al0 = ex2_approx(fmaf(m0, c, nb0)), al1 = ex2_approx(fmaf(m1, c, nb1));
-        m0 = mn0;
-        m1 = mn1;
         uint32_t pp[FL_BN / 8][2]; /* p as bf16 pairs: [nt][0] row g, [nt][1] row g + 8 */
-        float ps0 = 0.0f, ps1 = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < FL_BN / 8; nt++) {
-            const float p0 = ex2_approx(fmaf(sc[nt][0], c, nb0));
-            const float p1 = ex2_approx(fmaf(sc[nt][1], c, nb0));
-            const float p2 = ex2_approx(fmaf(sc[nt][2], c, nb1));
-            const float p3 = ex2_approx(fmaf(sc[nt][3], c, nb1));
-            pp[nt][0] = pack_bf16(p0, p1);
-            pp[nt][1] = pack_bf16(p2, p3);
-            /* l sums the f32 weights (the p.v product takes them rounded to bf16) */
-            ps0 = ps0 + (p0 + p1);
-            ps1 = ps1 + (p2 + p3);
-        }
-        l0 = l0 * al0 + ps0;
-        l1 = l1 * al1 + ps1;
-#pragma unroll
-        for (int dt = 0; dt < HS / 8; dt++) {
-            o[dt][0] *= al0;
-            o[dt][1] *= al0;
-            o[dt][2] *= al1;
-            o[dt][3] *= al1;
-        }
+        flash_softmax_tile<HS>(sc, pp, o, m0, m1, l0, l1, c, k0 + FL_BN - 1 > wfirst, k0, t, lim0,
+                               lim1);
 
         /* O += P V: k-steps of 16 keys; P's A fragment is S's C fragments (cuda_mma.cuh) */
 #pragma unroll
@@ -935,31 +985,125 @@ flash_bf16_kernel(Out *__restrict__ out, float *__restrict__ lse,
         __syncthreads(); /* every warp is done with this buffer before it is refilled */
     }
 
-    /* the quad's partial sums (every lane ends with the same bits) */
-    l0 = l0 + __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 = l0 + __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 = l1 + __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 = l1 + __shfl_xor_sync(0xffffffffu, l1, 2);
-    if (lse && t == 0) { /* log-sum-exp of the scaled scores, for the backward */
-        lse[hq * Npad + qr0] = qr0 < N ? m0 * scale + logf(l0) : 0.0f;
-        lse[hq * Npad + qr1] = qr1 < N ? m1 * scale + logf(l1) : 0.0f;
-    }
-    out += (int64_t)b * N * NH * HS; /* sequence b's rows */
-    if (qr0 < N) {
-        Out *op = out + ((int64_t)qr0 * NH + h) * HS + 2 * t;
-#pragma unroll
-        for (int dt = 0; dt < HS / 8; dt++)
-            flash_store_pair(op + dt * 8, o[dt][0] / l0, o[dt][1] / l0);
-    }
-    if (qr1 < N) {
-        Out *op = out + ((int64_t)qr1 * NH + h) * HS + 2 * t;
-#pragma unroll
-        for (int dt = 0; dt < HS / 8; dt++)
-            flash_store_pair(op + dt * 8, o[dt][2] / l1, o[dt][3] / l1);
-    }
+    flash_finish<HS>(out, lse, o, m0, m1, l0, l1, scale, hq, Npad, b, h, N, NH, qr0, qr1, t);
 }
 
-/* ==== workspace and entry points ============================================================== */
+/* The flash forward on Hopper's warpgroup products (HS 64, sm_90a; cuda_wgmma.cuh): the same
+ * blocks, tiles, online softmax (flash_softmax_tile) and end (flash_finish) as
+ * flash_bf16_kernel, with S = Q K^T read by the product from the q and k tiles (both
+ * K-major) and O += P V from P's registers and the v tile (MN-major); tiles are SW128, no
+ * ldmatrix. The block's 4 warps are one warpgroup whose accumulator entries are the mma.sync
+ * kernel's C fragments, so only the grouping of the f32 sums inside a product may differ. */
+#define FL_WG_TILE 4096 /* bf16 of a 64 x 64 SW128 tile */
+static constexpr size_t flash_wgmma_smem() {
+    return sizeof(__nv_bfloat16) * 5 * FL_WG_TILE + KILN_SW128_ALIGN;
+}
+
+template <typename Out>
+static __global__ void __launch_bounds__(FL_THREADS)
+flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
+                   const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__restrict__ kb,
+                   const __nv_bfloat16 *__restrict__ vb, int N, int n_past, int NH, int KVH,
+                   int Npad, int Tpad, float scale) {
+#if KILN_WGMMA_DEVICE
+    constexpr int HS = 64;
+    static_assert(FL_BM == 64 && FL_BN == 64, "one m64n64 product per tile");
+    extern __shared__ __align__(16) unsigned char flash_sm[];
+    __nv_bfloat16 *sQ = reinterpret_cast<__nv_bfloat16 *>(
+        ((uintptr_t)flash_sm + KILN_SW128_ALIGN - 1) & ~(uintptr_t)(KILN_SW128_ALIGN - 1));
+    __nv_bfloat16 *sK = sQ + FL_WG_TILE, *sV = sK + 2 * FL_WG_TILE; /* 2 tiles each */
+
+    const int qt = (int)(gridDim.x - 1 - blockIdx.x), b = (int)blockIdx.z;
+    const int h = (int)blockIdx.y, kvh = b * KVH + h / (NH / KVH);
+    const int64_t hq = (int64_t)b * NH + h;
+    const int q0 = qt * FL_BM;
+    const int T = n_past + N;
+    const int rows = N - q0 < FL_BM ? N - q0 : FL_BM;
+    const int kend = n_past + q0 + rows;
+    const int nkt = (kend + FL_BN - 1) / FL_BN;
+    const __nv_bfloat16 *kh = kb + (int64_t)kvh * Tpad * HS;
+    const __nv_bfloat16 *vh = vb + (int64_t)kvh * Tpad * HS;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+
+    cp_tile_sw128<FL_BM, FL_THREADS>(sQ, qb + (hq * Npad + q0) * HS, HS);
+    cp_tile_sw128<FL_BN, FL_THREADS>(sK, kh, HS);
+    cp_tile_sw128<FL_BN, FL_THREADS>(sV, vh, HS);
+    cp_async_commit();
+
+    float o[HS / 8][4], sc[FL_BN / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < HS / 8; dt++)
+        o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = sc[dt][0] = sc[dt][1] = sc[dt][2] =
+            sc[dt][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY;
+    float l0 = 0.0f, l1 = 0.0f;
+    const int qr0 = q0 + warp * 16 + g, qr1 = qr0 + 8;
+    const int lim0 = n_past + qr0 < T - 1 ? n_past + qr0 : T - 1;
+    const int lim1 = n_past + qr1 < T - 1 ? n_past + qr1 : T - 1;
+    const int wfirst = n_past + q0 + warp * 16;
+    const float c = scale * KILN_LOG2E;
+    const uint64_t dQ = sw128_desc(sQ);
+
+    for (int j = 0; j < nkt; j++) {
+        const int k0 = j * FL_BN, buf = j & 1;
+        if (j + 1 < nkt) {
+            cp_tile_sw128<FL_BN, FL_THREADS>(sK + (buf ^ 1) * FL_WG_TILE,
+                                             kh + (int64_t)(k0 + FL_BN) * HS, HS);
+            cp_tile_sw128<FL_BN, FL_THREADS>(sV + (buf ^ 1) * FL_WG_TILE,
+                                             vh + (int64_t)(k0 + FL_BN) * HS, HS);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        wgmma_proxy_fence();
+        __syncthreads();
+        const uint64_t dK = sw128_desc(sK + buf * FL_WG_TILE);
+        const uint64_t dV = sw128_desc(sV + buf * FL_WG_TILE);
+
+        wgmma_fence(); /* S = Q K^T (accumulate 0 overwrites sc) */
+#pragma unroll
+        for (int kk = 0; kk < HS / 16; kk++)
+            wgmma_ss<0, 0>(&sc[0][0], dQ + SW128_KSTEP_K * kk, dK + SW128_KSTEP_K * kk, kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(&sc[0][0]);
+
+        uint32_t pp[FL_BN / 8][2];
+        flash_softmax_tile<HS>(sc, pp, o, m0, m1, l0, l1, c, k0 + FL_BN - 1 > wfirst, k0, t, lim0,
+                               lim1);
+
+        wgmma_fence(); /* O += P V: k-steps of 16 keys */
+#pragma unroll
+        for (int jj = 0; jj < FL_BN / 16; jj++) {
+            const uint32_t a[4] = {pp[2 * jj][0], pp[2 * jj][1], pp[2 * jj + 1][0],
+                                   pp[2 * jj + 1][1]};
+            wgmma_rs<1>(&o[0][0], a, dV + SW128_KSTEP_MN * jj, 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(&o[0][0]);
+        __syncthreads(); /* every warp is done with this buffer before it is refilled */
+    }
+
+    flash_finish<HS>(out, lse, o, m0, m1, l0, l1, scale, hq, Npad, b, h, N, NH, qr0, qr1, t);
+#else
+    (void)out;
+    (void)lse;
+    (void)qb;
+    (void)kb;
+    (void)vb;
+    (void)N;
+    (void)n_past;
+    (void)NH;
+    (void)KVH;
+    (void)Npad;
+    (void)Tpad;
+    (void)scale;
+    __trap(); /* launched only where kiln_cuda_wgmma_usable: the sm_90a code */
+#endif
+}
 
 /* The flash kernels' attributes for output type Out (kiln_cuda_attn_create). */
 template <typename Out>
@@ -967,6 +1111,10 @@ static cudaError_t flash_attributes() {
     cudaError_t e = cudaFuncSetAttribute(flash_bf16_kernel<64, Out>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)flash_smem<64>());
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(flash_wgmma_kernel<Out>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)flash_wgmma_smem());
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(flash_bf16_kernel<128, Out>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1175,7 +1323,14 @@ static cudaError_t flash_launch(kiln_cuda_attn *a, cudaStream_t s, float *out, u
     cudaError_t e = kiln_cuda_attn_pack_heads(s, jobs, 3, HS);
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((N + FL_BM - 1) / FL_BM), (unsigned)NH, (unsigned)B);
-    if (HS == 64 && out16)
+    if (HS == 64 && kiln_cuda_wgmma_usable(s)) { /* sm_90a */
+        if (out16)
+            flash_wgmma_kernel<uint16_t><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
+                out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+        else
+            flash_wgmma_kernel<float><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
+                out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+    } else if (HS == 64 && out16)
         flash_bf16_kernel<64, uint16_t><<<grid, FL_THREADS, flash_smem<64>(), s>>>(
             out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
     else if (HS == 64)

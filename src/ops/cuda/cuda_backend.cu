@@ -22,6 +22,7 @@
 #include "cuda_gemm_fast.h"
 #include "cuda_matvec_fast.h"
 #include "cuda_sampling.h"
+#include "cuda_wgmma.h"
 
 extern "C" {
 #include "../../generate/sampler.h"
@@ -1038,6 +1039,9 @@ extern "C" kiln_status kiln_backend_cuda_create_mode(int device, int fast, kiln_
         cu_free(be);
         return st;
     }
+    /* fast mode: settle now, outside any graph capture, whether the attention kernels take
+     * their wgmma variants (cuda_wgmma.h: a self-check on first use per device) */
+    if (c->fast) (void)kiln_cuda_wgmma_usable(c->stream);
     *out = be;
     return KILN_OK;
 }
