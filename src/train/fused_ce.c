@@ -357,15 +357,16 @@ static kiln_status ce_row_losses(const int64_t *idx, const float *m, const float
  * lane-16 sum. */
 static void ce_reduce(const kiln_fused_ce_params *p, const float *row_loss, float sum, int64_t S,
                       float *loss, float *gs, double *loss64) {
+    const int mean = p->reduction == KILN_CE_REDUCTION_MEAN;
+    *gs = mean ? p->scale / (float)S : p->scale;
+    if (!row_loss) return; /* gs alone: it does not depend on the losses */
     double sum64 = 0.0;
     for (int64_t i = 0; i < S; i++) sum64 += (double)row_loss[i];
-    if (p->reduction == KILN_CE_REDUCTION_MEAN) {
+    if (mean) {
         *loss = (sum / (float)S) * p->scale;
-        *gs = p->scale / (float)S;
         *loss64 = sum64 / (double)S * (double)p->scale;
     } else {
         *loss = sum * p->scale;
-        *gs = p->scale;
         *loss64 = sum64 * (double)p->scale;
     }
 }
@@ -521,7 +522,9 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     /* host: positions, targets, then m, l, zt, loss of the rows */
     int64_t *hidx = kiln_malloc((size_t)S * sizeof(int64_t));
     int32_t *htgt = kiln_malloc((size_t)S * sizeof(int32_t));
-    float *hrow = kiln_malloc(4 * (size_t)S * sizeof(float));
+    /* hrow: the rows' losses, then m, l, zt as they lie in the scratch (ce_layout's regions,
+     * consecutive, each padded to 64 bytes) */
+    float *hrow = kiln_malloc((4 * (size_t)S + 48) * sizeof(float));
     uint8_t *block = NULL;
     int own = 1; /* block is this call's allocation (not the caller's scratch) */
     kiln_status st = KILN_OK;
@@ -574,19 +577,38 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     }
     if (p->row_stats_out)
         CE_DEV(kiln_cuda_ce_stats_out(be, p->row_stats_out, sc.m, sc.l, sc.zt, sc.idx, S));
-    float *hm = hrow, *hl = hrow + S, *hzt = hrow + 2 * S, *hloss = hrow + 3 * S;
-    CE_DEV(kiln_backend_download(be, hm, sc.m, (size_t)S * sizeof(float)));
-    CE_DEV(kiln_backend_download(be, hl, sc.l, (size_t)S * sizeof(float)));
-    CE_DEV(kiln_backend_download(be, hzt, sc.zt, (size_t)S * sizeof(float)));
-    CE_DEV(ce_row_losses(hidx, hm, hl, hzt, hloss, S));
-    float loss, gs;
-    double loss64;
-    ce_reduce(p, hloss, host_sum16(hloss, S), S, &loss, &gs, &loss64);
+    /* gs, the gradient's factor, depends on S and the reduction only (ce_reduce); the loss
+     * needs the statistics on the host. With row_stats_in they were checked by the call that
+     * made them, so the fast pass 2 is enqueued before the download and the device works
+     * while the host waits for it; otherwise the download and the loss's check come first,
+     * so that a non-finite loss leaves dhidden and dweight untouched. */
+    float loss = 0.0f, gs;
+    double loss64 = 0.0;
+    ce_reduce(p, NULL, 0.0f, S, NULL, &gs, NULL);
+    const int early = p->row_stats_in != NULL && fast && (with_dh || with_dw);
+    if (early && kind == CE_BF16)
+        CE_DEV(ce_pass2_bf16(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
+    else if (early)
+        CE_DEV(ce_pass2_fast(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
+    /* no_wait: nothing below waits for the device (the stats were checked when made) */
+    const int no_wait = p->no_wait && early && !own && !p->row_loss;
+    float *hloss = hrow;
+    if (no_wait) {
+        loss = NAN;
+        loss64 = NAN;
+    } else {
+        const size_t off_l = (size_t)((char *)sc.l - (char *)sc.m) / sizeof(float);
+        const size_t off_zt = (size_t)((char *)sc.zt - (char *)sc.m) / sizeof(float);
+        float *hm = hrow + S, *hl = hm + off_l, *hzt = hm + off_zt;
+        CE_DEV(kiln_backend_download(be, hm, sc.m, (off_zt + (size_t)S) * sizeof(float)));
+        CE_DEV(ce_row_losses(hidx, hm, hl, hzt, hloss, S));
+        ce_reduce(p, hloss, host_sum16(hloss, S), S, &loss, &gs, &loss64);
+    }
 
     /* Pass 2. */
-    if (kind == CE_BF16 && (with_dh || with_dw))
+    if (!early && kind == CE_BF16 && (with_dh || with_dw))
         CE_DEV(ce_pass2_bf16(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
-    else if (fast && (with_dh || with_dw))
+    else if (!early && fast && (with_dh || with_dw))
         CE_DEV(ce_pass2_fast(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
     if (!fast && (with_dh || with_dw)) {
         if (with_dw) CE_DEV(kiln_cuda_ce_transpose(be, sc.hT, sc.hs, 0, S, H));
@@ -626,7 +648,7 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
         CE_DEV(kiln_cuda_ce_scatter_rows(be, p->dhidden, sc.dh_acc, sc.idx, S, H,
                                          p->dhidden_accumulate));
     }
-    CE_DEV(kiln_backend_status(be));
+    if (!no_wait) CE_DEV(kiln_backend_status(be));
     if (out) {
         out->loss = loss;
         out->loss_f64 = loss64;
@@ -736,8 +758,8 @@ kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
         kiln_free(block);
         return lst;
     }
-    float loss, gs;
-    double loss64;
+    float loss = 0.0f, gs;
+    double loss64 = 0.0;
     ce_reduce(p, sc.loss, lane_sum(k, sc.loss, sc.ones, S), S, &loss, &gs, &loss64);
 
     /* Pass 2: g = (softmax - onehot) * gs per chunk, into dh and dW. */

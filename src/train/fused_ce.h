@@ -92,6 +92,13 @@ typedef struct kiln_fused_ce_params {
      * small: the call allocates its own and frees it before returning. Ignored on the CPU. */
     void *scratch;
     size_t scratch_cap;
+    /* Device backends in fast mode, with row_stats_in, the caller's scratch and no row_loss:
+     * the call only enqueues its work and returns without waiting for the device (no loss:
+     * result.loss and loss_f64 are NaN; an error of the device work surfaces at the backend's
+     * next status or download). The backward half of training uses it so that the host
+     * launches the layers' backward while the device runs the loss's gradient. Otherwise
+     * ignored. */
+    int no_wait;
 } kiln_fused_ce_params;
 
 typedef struct kiln_fused_ce_result {

@@ -1179,6 +1179,7 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
         cp.dhidden = t->dxn;
         cp.dweight = t->lm_head->g;
         cp.row_stats_in = t->ce_stats; /* from the forward: same inputs, same bits */
+        cp.no_wait = 1; /* the loss is the forward's; errors: backend_check at the end */
         kiln_fused_ce_result r;
         kiln_status st = fused_ce_call(t, &cp, &r);
         if (st != KILN_OK) {

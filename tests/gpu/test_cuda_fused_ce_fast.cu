@@ -11,7 +11,8 @@
  * Per case:
  *   - the fast call runs three times: twice in full (row_stats_out), once with row_stats_in
  *     from the first: all three give the same bits (loss, loss_f64, row_loss, row_stats,
- *     dhidden, dweight);
+ *     dhidden, dweight); a fourth run, with row_stats_in, no_wait and the caller's scratch
+ *     (the trainer's backward call), gives the third's dhidden and dweight and a NaN loss;
  *   - against the auditable call: the loss within a relative 1e-2, and row_loss, dhidden and
  *     the dweight gradient (output minus its initial value) within a norm-wise relative error
  *     ||fast - aud|| / ||aud|| <= 1e-2 (bf16 operands: 2^-8 per rounding; the measured figures
@@ -189,7 +190,8 @@ static bool download_outs(Side &s, int64_t N, int64_t H, int64_t V, Outs &o) {
  * keep_stats, row_stats NaN), run the call, download everything. */
 static bool run_side(Side &s, const kiln_fused_ce_params &base, const CeCase &c,
                      const std::vector<float> &dh0, const std::vector<float> &dw0, bool stats_in,
-                     Outs &o, const char *tag) {
+                     Outs &o, const char *tag, void *no_wait_scratch = nullptr,
+                     size_t no_wait_cap = 0) {
     const int64_t N = c.N, H = c.H, V = c.V;
     std::vector<float> nan_n((size_t)N, NAN), nan_rs((size_t)N * 3, NAN);
     std::vector<float> nan_dh((size_t)N * H, NAN);
@@ -206,6 +208,12 @@ static bool run_side(Side &s, const kiln_fused_ce_params &base, const CeCase &c,
     p.row_loss = s.rl;
     p.row_stats_out = stats_in ? nullptr : s.rs;
     p.row_stats_in = stats_in ? s.rs : nullptr;
+    if (no_wait_scratch) { /* the trainer's backward call: enqueue only, no loss */
+        p.row_loss = nullptr;
+        p.scratch = no_wait_scratch;
+        p.scratch_cap = no_wait_cap;
+        p.no_wait = 1;
+    }
     memset(&o.r, 0xab, sizeof o.r);
     kiln_status st = kiln_fused_ce(s.be, &p, &o.r);
     if (st != KILN_OK) {
@@ -326,6 +334,20 @@ static void test_case(kiln_backend *fast_be, kiln_backend *aud_be, const CeCase 
     if (ok) {
         same_run(f1, f2, "run 2", tag);
         same_run(f1, f3, "row_stats_in", tag);
+        /* no_wait with the caller's scratch: the same gradients' bits, a NaN loss */
+        void *scr = kiln_backend_alloc(fast_be, f1.r.scratch_bytes);
+        Outs f4;
+        if (!scr) {
+            FAIL("%s: no_wait: kiln_backend_alloc %zu bytes", tag, f1.r.scratch_bytes);
+        } else if (run_side(fs, base, c, dh0, dw0, true, f4, tag, scr, f1.r.scratch_bytes)) {
+            char t4[300];
+            snprintf(t4, sizeof t4, "%s (no_wait)", tag);
+            same_bytes(f3.dh, f4.dh, "dhidden", t4);
+            same_bytes(f3.dw, f4.dw, "dweight", t4);
+            if (!std::isnan(f4.r.loss) || !std::isnan(f4.r.loss_f64))
+                FAIL("%s: loss %.9g, want NaN", t4, (double)f4.r.loss);
+        }
+        kiln_backend_free_buf(fast_be, scr);
         if (f1.r.n_supervised != S || au.r.n_supervised != S)
             FAIL("%s: n_supervised fast %lld auditable %lld, want %lld", tag,
                  (long long)f1.r.n_supervised, (long long)au.r.n_supervised, (long long)S);
