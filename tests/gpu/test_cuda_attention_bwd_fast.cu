@@ -26,8 +26,9 @@
  * the rotated f32 q, k; rope without keep, keep misaligned or off the flash path are refused
  * with nothing enqueued. Then the batched forward + backward timed against per-sequence
  * calls, with keep, and with RoPE as a separate pass against RoPE fused with keep.
- * On an sm_90a device all of it runs three times: the wgmma kernels (the default there), the
- * mma.sync kernels (KILN_WGMMA=0) and the one-launch backward (KILN_ATTN_BWD_SPLIT=1).
+ * All of it runs for both forms of the HS 64 backward (one launch, the default, and two
+ * passes with KILN_ATTN_BWD=two-pass), and on an sm_90a device both on the wgmma kernels
+ * (the default there) and on mma.sync (KILN_WGMMA=0).
  * Without a GPU: checks the host-side validation, then exits 77.
  * Usage: test_cuda_attention_bwd_fast [--no-time]
  */
@@ -853,19 +854,18 @@ int main(int argc, char **argv) {
     };
     kiln_cuda_attn *attn = nullptr;
     CUDA_OK(kiln_cuda_attn_create(&attn));
-    /* HS 64 runs the two-pass backward (dk/dv blocks store dS, dq blocks take one product a
-     * tile) by default, and on an sm_90a device its passes and the flash forward run on wgmma
-     * (cuda_wgmma.h); every check and the HS 64 timings also run the mma.sync kernels
-     * (KILN_WGMMA=0) and the one-launch kernel whose dq blocks recompute S and dP
-     * (KILN_ATTN_BWD_SPLIT=1, on mma.sync) */
+    /* HS 64 runs the one-launch backward (dq blocks recompute S and dP) by default, and on an
+     * sm_90a device the flash forward and the backward run on wgmma (cuda_wgmma.h); every
+     * check and the HS 64 timings also run the two passes (dk/dv blocks store dS, dq blocks
+     * take one product a tile: KILN_ATTN_BWD=two-pass), and both forms on the mma.sync
+     * kernels (KILN_WGMMA=0) */
     const bool wg = kiln_cuda_wgmma_usable(0);
-    for (int mode = wg ? 0 : 1; mode < 3; mode++) {
-        const bool split = mode == 2;
-        setenv("KILN_ATTN_BWD_SPLIT", split ? "1" : "0", 1);
-        setenv("KILN_WGMMA", mode == 0 ? "1" : "0", 1);
-        printf("== %s for HS 64 ==\n", mode == 0   ? "two passes on wgmma (sm_90a), dq from stored dS"
-                                       : mode == 1 ? "two passes on mma.sync, dq from stored dS"
-                                                   : "one launch, dq recomputed");
+    for (int mode = wg ? 0 : 2; mode < 4; mode++) {
+        const bool split = mode & 1, on_wgmma = mode < 2; /* split: the one launch */
+        setenv("KILN_ATTN_BWD", split ? "one-launch" : "two-pass", 1);
+        setenv("KILN_WGMMA", on_wgmma ? "1" : "0", 1);
+        printf("== %s, %s for HS 64 ==\n", on_wgmma ? "wgmma (sm_90a)" : "mma.sync",
+               split ? "one launch, dq recomputed" : "two passes, dq from stored dS");
         if (checks) {
             for (const Case &c : cases) check_case(c);
             const Case seqs[] = {{200, 0, 4, 2, 64, 1.0f}, {70, 0, 6, 6, 128, 2.0f},
@@ -890,7 +890,7 @@ int main(int argc, char **argv) {
             time_seqs(2, {2048, 0, 14, 2, 64, 1.0f}, attn);
         }
     }
-    unsetenv("KILN_ATTN_BWD_SPLIT");
+    unsetenv("KILN_ATTN_BWD");
     unsetenv("KILN_WGMMA");
     kiln_cuda_attn_free(attn);
     printf("worst normalised error %.3e (bound 2e-2)\n", g_worst);

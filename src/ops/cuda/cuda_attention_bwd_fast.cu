@@ -203,6 +203,36 @@ static __device__ __forceinline__ int dq_visited_tiles(const bw_args &A, int q0)
     return nkt;
 }
 
+/* A dq block's weights for the thread's entries of one key tile (keys k0 + 8 nt + 2 t and
+ * + 1; rows g: [nt][0..1], g + 8: [nt][2..3]), in two steps (the wgmma kernel runs a product
+ * between them): dq_probs: sc <- P = exp(s scale - L) = 2^(s c - L log2 e), nL = -L log2 e;
+ * with mask, a key past the row's last (lim0, lim1) is 0. dq_dsoft: sc <- dS = P (dP - D). */
+template <int KT>
+static __device__ __forceinline__ void dq_probs(float (&sc)[KT / 8][4], bool mask, int k0, int t,
+                                                int lim0, int lim1, float c, float nL0,
+                                                float nL1) {
+#pragma unroll
+    for (int nt = 0; nt < KT / 8; nt++) {
+        const int key = k0 + nt * 8 + 2 * t;
+        sc[nt][0] = !mask || key <= lim0 ? ex2_approx(fmaf(sc[nt][0], c, nL0)) : 0.0f;
+        sc[nt][1] = !mask || key + 1 <= lim0 ? ex2_approx(fmaf(sc[nt][1], c, nL0)) : 0.0f;
+        sc[nt][2] = !mask || key <= lim1 ? ex2_approx(fmaf(sc[nt][2], c, nL1)) : 0.0f;
+        sc[nt][3] = !mask || key + 1 <= lim1 ? ex2_approx(fmaf(sc[nt][3], c, nL1)) : 0.0f;
+    }
+}
+
+template <int KT>
+static __device__ __forceinline__ void dq_dsoft(float (&sc)[KT / 8][4],
+                                                const float (&dp)[KT / 8][4], float D0, float D1) {
+#pragma unroll
+    for (int nt = 0; nt < KT / 8; nt++) {
+        sc[nt][0] = sc[nt][0] * (dp[nt][0] - D0);
+        sc[nt][1] = sc[nt][1] * (dp[nt][1] - D0);
+        sc[nt][2] = sc[nt][2] * (dp[nt][2] - D1);
+        sc[nt][3] = sc[nt][3] * (dp[nt][3] - D1);
+    }
+}
+
 /* A dq block: query tile qt of head hl of sequence b. Rows r0 = q0 + 16 warp + g and r1 =
  * r0 + 8 (padding rows compute on zeros and write nothing). dq = scale * sum over keys of
  * dS k. */
@@ -258,20 +288,8 @@ static __device__ __forceinline__ void dq_block(const bw_args &A, int qt, int hl
         float sc[KT / 8][4], dp[KT / 8][4];
         rows_times_tile<HS, KT>(sc, qf, cK, LD, lane);
         rows_times_tile<HS, KT>(dp, of, cV, LD, lane);
-        const bool mask = k0 + KT - 1 > wfirst;
-#pragma unroll
-        for (int nt = 0; nt < KT / 8; nt++) {
-            const int key = k0 + nt * 8 + 2 * t;
-            /* p = exp(s scale - L) = 2^(s c - L log2 e) */
-            const float p00 = !mask || key <= lim0 ? ex2_approx(fmaf(sc[nt][0], c, nL0)) : 0.0f;
-            const float p01 = !mask || key + 1 <= lim0 ? ex2_approx(fmaf(sc[nt][1], c, nL0)) : 0.0f;
-            const float p10 = !mask || key <= lim1 ? ex2_approx(fmaf(sc[nt][2], c, nL1)) : 0.0f;
-            const float p11 = !mask || key + 1 <= lim1 ? ex2_approx(fmaf(sc[nt][3], c, nL1)) : 0.0f;
-            sc[nt][0] = p00 * (dp[nt][0] - D0); /* dS */
-            sc[nt][1] = p01 * (dp[nt][1] - D0);
-            sc[nt][2] = p10 * (dp[nt][2] - D1);
-            sc[nt][3] = p11 * (dp[nt][3] - D1);
-        }
+        dq_probs<KT>(sc, k0 + KT - 1 > wfirst, k0, t, lim0, lim1, c, nL0, nL1);
+        dq_dsoft<KT>(sc, dp, D0, D1);
         tile_times_rows<HS, KT>(acc, sc, cK, LD, lane); /* dq += dS k */
         __syncthreads();
     }
@@ -590,6 +608,8 @@ static constexpr size_t dkv_wg_smem() {
     return sizeof(bf16) * 6 * WG_TILE + sizeof(float) * 4 * 64 + KILN_SW128_ALIGN;
 }
 static constexpr size_t dq_wg_smem() { return sizeof(bf16) * 4 * WG_TILE + KILN_SW128_ALIGN; }
+static_assert(dkv_wg_smem() >= sizeof(bf16) * 6 * WG_TILE + KILN_SW128_ALIGN,
+              "the one-launch kernel's dq blocks (6 tiles) fit the dk/dv blocks' shared memory");
 
 #if KILN_WGMMA_DEVICE
 /* The dynamic shared memory's first 1024-byte boundary (the kernels ask for 1 KiB more). */
@@ -602,14 +622,14 @@ static __device__ __forceinline__ bf16 *wg_tiles(unsigned char *sm) {
 /* Pass 1 (dkv_block<64, true, true>'s work): per query tile, S^T = k q^T and dP^T = v dout^T
  * (A = the k, v tiles, B = the q, dout tiles, all K-major), then dv += P^T dout and dk +=
  * dS^T q (A = P^T, dS^T from registers as bf16, B = the dout, q tiles read MN-major). */
-static __global__ void __launch_bounds__(BW_THREADS) bwd_dkv_ds_wgmma_kernel(bw_args A) {
 #if KILN_WGMMA_DEVICE
+template <bool STORE_DS>
+static __device__ __forceinline__ void dkv_wgmma_block(const bw_args &A, int kt, int hl, int b) {
     constexpr int HS = 64, QT = 64;
     extern __shared__ __align__(16) unsigned char bw_sm[];
     bf16 *sK = wg_tiles(bw_sm), *sV = sK + WG_TILE;
     bf16 *sQ = sV + WG_TILE, *sO = sQ + 2 * WG_TILE; /* 2 tiles each */
     float *sL = reinterpret_cast<float *>(sO + 2 * WG_TILE), *sD = sL + 2 * QT;
-    const int kt = (int)blockIdx.x, hl = (int)blockIdx.y, b = (int)blockIdx.z;
     const int G = A.NH / A.KVH, N = A.N, n_past = A.n_past;
     const int h = b * A.NH + hl, kvh = b * A.KVH + hl / G; /* packed heads */
     const int k0 = kt * BW_ROWS, T = n_past + N;
@@ -702,7 +722,7 @@ static __global__ void __launch_bounds__(BW_THREADS) bwd_dkv_ds_wgmma_kernel(bw_
             wgmma_rs<1>(&ak[0][0], a, dQ + SW128_KSTEP_MN * j, 1);
         }
         wgmma_commit();
-        { /* dS^T rows (this warp's keys) x the tile's queries, while the products run */
+        if (STORE_DS) { /* dS^T rows (this warp's keys) x the tile's queries, under dk's product */
             bf16 *ds = A.dsT + ((int64_t)h * A.Tpad + k0 + warp * 16 + g) * A.Npad + q0 + 2 * t;
 #pragma unroll
             for (int nt = 0; nt < QT / 8; nt++) {
@@ -716,9 +736,112 @@ static __global__ void __launch_bounds__(BW_THREADS) bwd_dkv_ds_wgmma_kernel(bw_
         __syncthreads();
     }
     dkv_store<HS>(A, ak, av, hl, b, G, T, key0, key1, t);
+}
+
+/* A dq block recomputing S and dP (dq_block's work, the one-launch backward): per key tile,
+ * S = q k^T and dP = dout v^T (A = the q, dout tiles, B = the k, v tiles, all K-major), P
+ * computed while dP's product runs, then dq += dS k (A = dS from registers, B = the k tile
+ * read MN-major). */
+static __device__ __forceinline__ void dq_wgmma_block(const bw_args &A, int qt, int hl, int b) {
+    constexpr int HS = 64, KT = 64;
+    extern __shared__ __align__(16) unsigned char bw_sm[];
+    bf16 *sQ = wg_tiles(bw_sm), *sO = sQ + WG_TILE;
+    bf16 *sK = sO + WG_TILE, *sV = sK + 2 * WG_TILE; /* 2 tiles each */
+    const int h = b * A.NH + hl, kvh = b * A.KVH + hl / (A.NH / A.KVH); /* packed heads */
+    const int q0 = qt * BW_ROWS, N = A.N, n_past = A.n_past;
+    const int rows = N - q0 < BW_ROWS ? N - q0 : BW_ROWS;
+    const int kend = n_past + q0 + rows, nkt = (kend + KT - 1) / KT;
+    const bf16 *kh = A.kb + (int64_t)kvh * A.Tpad * HS, *vh = A.vb + (int64_t)kvh * A.Tpad * HS;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
+    const int lim0 = n_past + r0, lim1 = n_past + r1, wfirst = n_past + q0 + warp * 16;
+    const int64_t hrow = (int64_t)h * A.Npad;
+
+    cp_tile_sw128<BW_ROWS, BW_THREADS>(sQ, A.qb + (hrow + q0) * HS, HS);
+    cp_tile_sw128<BW_ROWS, BW_THREADS>(sO, A.ob + (hrow + q0) * HS, HS);
+    cp_tile_sw128<KT, BW_THREADS>(sK, kh, HS);
+    cp_tile_sw128<KT, BW_THREADS>(sV, vh, HS);
+    cp_async_commit();
+    const float D0 = A.wsD[hrow + r0], D1 = A.wsD[hrow + r1];
+    const float nL0 = -A.wsL[hrow + r0] * KILN_LOG2E, nL1 = -A.wsL[hrow + r1] * KILN_LOG2E;
+    const float c = A.scale * KILN_LOG2E;
+    float acc[HS / 8][4], sc[KT / 8][4], dp[KT / 8][4];
+#pragma unroll
+    for (int i = 0; i < KT / 8; i++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) acc[i][r] = sc[i][r] = dp[i][r] = 0.0f;
+    const uint64_t dQ = sw128_desc(sQ), dO = sw128_desc(sO);
+    for (int j = 0; j < nkt; j++) {
+        const int k0 = j * KT, buf = j & 1;
+        if (j + 1 < nkt) {
+            cp_tile_sw128<KT, BW_THREADS>(sK + (buf ^ 1) * WG_TILE, kh + (int64_t)(k0 + KT) * HS, HS);
+            cp_tile_sw128<KT, BW_THREADS>(sV + (buf ^ 1) * WG_TILE, vh + (int64_t)(k0 + KT) * HS, HS);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        wgmma_proxy_fence();
+        __syncthreads();
+        const uint64_t dK = sw128_desc(sK + buf * WG_TILE), dV = sw128_desc(sV + buf * WG_TILE);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HS / 16; kk++)
+            wgmma_ss<0, 0>(&sc[0][0], dQ + SW128_KSTEP_K * kk, dK + SW128_KSTEP_K * kk, kk > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < HS / 16; kk++)
+            wgmma_ss<0, 0>(&dp[0][0], dO + SW128_KSTEP_K * kk, dV + SW128_KSTEP_K * kk, kk > 0);
+        wgmma_commit();
+        wgmma_wait<1>(); /* S */
+        wgmma_fence_operands(&sc[0][0]);
+        dq_probs<KT>(sc, k0 + KT - 1 > wfirst, k0, t, lim0, lim1, c, nL0, nL1);
+        wgmma_wait<0>(); /* dP */
+        wgmma_fence_operands(&dp[0][0]);
+        dq_dsoft<KT>(sc, dp, D0, D1);
+        uint32_t da[KT / 16][4]; /* dS's A fragments, all made before the products */
+#pragma unroll
+        for (int jj = 0; jj < KT / 16; jj++) {
+            da[jj][0] = pack_bf16(sc[2 * jj][0], sc[2 * jj][1]);
+            da[jj][1] = pack_bf16(sc[2 * jj][2], sc[2 * jj][3]);
+            da[jj][2] = pack_bf16(sc[2 * jj + 1][0], sc[2 * jj + 1][1]);
+            da[jj][3] = pack_bf16(sc[2 * jj + 1][2], sc[2 * jj + 1][3]);
+        }
+        wgmma_fence(); /* dq += dS k: k-steps of 16 keys */
+#pragma unroll
+        for (int jj = 0; jj < KT / 16; jj++)
+            wgmma_rs<1>(&acc[0][0], da[jj], dK + SW128_KSTEP_MN * jj, 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(&acc[0][0]);
+        __syncthreads();
+    }
+    dq_store<HS>(A, acc, q0, hl, b);
+}
+#endif /* KILN_WGMMA_DEVICE */
+
+static __global__ void __launch_bounds__(BW_THREADS) bwd_dkv_ds_wgmma_kernel(bw_args A) {
+#if KILN_WGMMA_DEVICE
+    dkv_wgmma_block<true>(A, (int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z);
 #else
     (void)A;
     __trap(); /* launched only where kiln_cuda_wgmma_usable: the sm_90a code */
+#endif
+}
+
+/* The one-launch backward on wgmma (bwd_main_kernel's split: x < nkt dk/dv blocks without
+ * the dS^T store, the rest dq blocks recomputing S and dP, longest first). */
+static __global__ void __launch_bounds__(BW_THREADS) bwd_main_wgmma_kernel(bw_args A, int nkt) {
+#if KILN_WGMMA_DEVICE
+    const int x = (int)blockIdx.x, h = (int)blockIdx.y, b = (int)blockIdx.z;
+    if (x < nkt)
+        dkv_wgmma_block<false>(A, x, h, b);
+    else
+        dq_wgmma_block(A, (int)gridDim.x - 1 - x, h, b);
+#else
+    (void)A;
+    (void)nkt;
+    __trap();
 #endif
 }
 
@@ -772,12 +895,14 @@ static __global__ void __launch_bounds__(BW_THREADS) bwd_dq_ds_wgmma_kernel(bw_a
 #endif
 }
 
-/* Whether the backward takes the two passes (HS 64; KILN_ATTN_BWD_SPLIT=1: the one-launch
- * kernel with dq blocks that recompute S and dP, for A/B measurements). */
+/* Whether the backward takes the two passes (HS 64 only, with KILN_ATTN_BWD=two-pass) rather
+ * than the one launch whose dq blocks recompute S and dP (the default since session 8: on
+ * the H200 it is the faster form both on wgmma, 0.125 vs 0.151 ms for the 135M shape, and on
+ * mma.sync, 0.145 vs 0.163 ms). Read per call: the tests switch it. */
 static bool two_pass(int HS) {
     if (HS != 64) return false;
-    const char *e = getenv("KILN_ATTN_BWD_SPLIT"); /* read per call: the tests switch it */
-    return !(e && strcmp(e, "1") == 0);
+    const char *e = getenv("KILN_ATTN_BWD");
+    return e && strcmp(e, "two-pass") == 0;
 }
 
 /* Kernel 3 (G > 1): dk[key][j][d] = pk[key][jG][d] + pk[key][jG+1][d] + ... in head order. */
@@ -824,7 +949,8 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
                               float *dv, float *pk, float *pv) {
     constexpr size_t smem = dq_smem<HS>() > dkv_smem<HS>() ? dq_smem<HS>() : dkv_smem<HS>();
     const bool two = two_pass(HS); /* HS 64: dk/dv with dS stored, then dq from it */
-    const bool wg = two && kiln_cuda_wgmma_usable(s); /* the two passes on wgmma (sm_90a) */
+    /* HS 64 on an sm_90a device: either form on wgmma */
+    const bool wg = HS == 64 && kiln_cuda_wgmma_usable(s);
     /* dynamic shared memory above 48 KiB (per device, so on every call: a host-side µs) */
     cudaError_t e = cudaFuncSetAttribute(bwd_stats_kernel<HS>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -832,8 +958,11 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
     if (e == cudaSuccess && two && !wg)
         e = cudaFuncSetAttribute(bwd_dkv_ds_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)dkv_smem<64>());
-    if (e == cudaSuccess && wg)
+    if (e == cudaSuccess && wg && two)
         e = cudaFuncSetAttribute(bwd_dkv_ds_wgmma_kernel,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dkv_wg_smem());
+    if (e == cudaSuccess && wg && !two) /* dkv_wg_smem: the larger of its two kinds of blocks */
+        e = cudaFuncSetAttribute(bwd_main_wgmma_kernel,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dkv_wg_smem());
     if (e == cudaSuccess && two)
         e = cudaFuncSetAttribute(bwd_dq_ds_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -856,7 +985,10 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
         e = cudaGetLastError();
         if (e != cudaSuccess) return e;
     }
-    if (wg) {
+    if (wg && !two) {
+        bwd_main_wgmma_kernel<<<dim3((unsigned)(nqt + nkt), (unsigned)A.NH, (unsigned)B),
+                                BW_THREADS, dkv_wg_smem(), s>>>(A, nkt);
+    } else if (wg) {
         bwd_dkv_ds_wgmma_kernel<<<dim3((unsigned)nkt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
                                   dkv_wg_smem(), s>>>(A);
         if ((e = cudaGetLastError()) != cudaSuccess) return e;
