@@ -18,6 +18,10 @@
  *        (NH > KVH) each query head writes its own partial dk, dv to the workspace;
  *   3. reduce (GQA only): dk, dv of kv head j = the partials of heads jG..jG+G-1 added in
  *      increasing head order.
+ * Head size 64 has two more forms: KILN_ATTN_BWD=two-pass runs the dk/dv blocks alone, storing
+ * dS^T in bf16, then dq blocks that take one product a tile from it; and on an sm_90a device
+ * (cuda_wgmma.h: kiln_cuda_wgmma_usable) both forms run on wgmma instead of mma.sync, with
+ * the same blocks, arithmetic and outputs. The one launch is the default everywhere.
  * Products run on mma.sync m16n8k16 bf16 -> f32: q, k, v and dout are rounded to bf16 as
  * they are staged; P and dS are rounded to bf16 before the products that take them; the
  * softmax statistics, D and every accumulator are f32 (exp: __expf). The error against the
