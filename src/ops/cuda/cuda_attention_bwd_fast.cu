@@ -932,6 +932,14 @@ size_t kiln_cuda_attention_backward_fast_ws(int N, int n_past, int NH, int KVH, 
     return kiln_attention_backward_fast_ws_floats(N, n_past, NH, KVH, HS);
 }
 
+size_t kiln_cuda_attention_backward_fast_ws_two_pass(int N, int n_past, int NH, int KVH, int HS) {
+    const size_t w = kiln_attention_backward_fast_ws_floats(N, n_past, NH, KVH, HS);
+    if (w == 0 || HS != 64) return w;
+    const size_t Npad = (size_t)kiln_cuda_attn_pack_rows(N);
+    const size_t Tpad = (size_t)kiln_cuda_attn_pack_rows(n_past + N);
+    return w + (size_t)NH * Npad * Tpad / 2 + 4; /* dS^T in bf16, 16-byte aligned */
+}
+
 bool kiln_cuda_attention_backward_fast_ok(const float *dq, const float *dk, const float *dv,
                                           const float *dout, const float *q, const float *k,
                                           const float *v, const void *out, int N, int n_past,
@@ -945,10 +953,11 @@ bool kiln_cuda_attention_backward_fast_ok(const float *dq, const float *dk, cons
 }
 
 template <int HS>
-static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stats, float *dk,
-                              float *dv, float *pk, float *pv) {
+static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stats, bool room_ds,
+                              float *dk, float *dv, float *pk, float *pv) {
     constexpr size_t smem = dq_smem<HS>() > dkv_smem<HS>() ? dq_smem<HS>() : dkv_smem<HS>();
-    const bool two = two_pass(HS); /* HS 64: dk/dv with dS stored, then dq from it */
+    /* HS 64 with room for dS^T: dk/dv with dS stored, then dq from it */
+    const bool two = room_ds && two_pass(HS);
     /* HS 64 on an sm_90a device: either form on wgmma */
     const bool wg = HS == 64 && kiln_cuda_wgmma_usable(s);
     /* dynamic shared memory above 48 KiB (per device, so on every call: a host-side µs) */
@@ -1019,12 +1028,14 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
  * v are not read). Arguments checked by the callers. The workspace (B x
  * kiln_attention_backward_fast_ws_floats for one sequence): D, L [B][NH][Npad]; the GQA
  * partials pk, pv (B*T, NH, HS); then the bf16 q, dout [B][NH][Npad][HS], k, v
- * [B][KVH][Tpad][HS] (q, k, v unused with keep); then (HS 64) dS^T in bf16
+ * [B][KVH][Tpad][HS] (q, k, v unused with keep); then, only when room_ds (the workspace
+ * holds B x kiln_cuda_attention_backward_fast_ws_two_pass), the two passes' dS^T in bf16
  * [B][NH][Tpad][Npad]. */
 static cudaError_t bwd_run(cudaStream_t s, float *dq, float *dk, float *dv, const float *dout,
                            const float *q, const float *k, const float *v, const float *out,
                            const uint16_t *out16, const float *lse, const void *keep, float *ws,
-                           int B, int N, int n_past, int NH, int KVH, int HS, float scale) {
+                           int B, int N, int n_past, int NH, int KVH, int HS, float scale,
+                           bool room_ds) {
     const int T = n_past + N;
     const int Npad = kiln_cuda_attn_pack_rows(N), Tpad = kiln_cuda_attn_pack_rows(T);
     const size_t nq = (size_t)B * NH * Npad; /* rows of [B][NH][Npad] */
@@ -1048,7 +1059,8 @@ static cudaError_t bwd_run(cudaStream_t s, float *dq, float *dk, float *dv, cons
     }
     bf16 *qb = reinterpret_cast<bf16 *>(after), *ob = qb + nq * HS;
     bf16 *kb = ob + nq * HS, *vb = kb + (size_t)B * KVH * Tpad * HS;
-    /* dS^T after v, 16-byte aligned (ops.h counts 4 floats for the alignment) */
+    /* dS^T after v, 16-byte aligned (used only with room_ds: the two-pass size counts 4 floats
+     * for the alignment) */
     const uintptr_t se = (uintptr_t)(vb + (size_t)B * KVH * Tpad * HS);
     A.dsT = reinterpret_cast<bf16 *>((se + 15) & ~(uintptr_t)15);
     A.ob = ob;
@@ -1076,8 +1088,8 @@ static cudaError_t bwd_run(cudaStream_t s, float *dq, float *dk, float *dv, cons
         e = kiln_cuda_attn_pack_heads(s, jobs, 4, HS);
     }
     if (e != cudaSuccess) return e;
-    if (HS == 64) return bwd_launch<64>(s, A, B, lse == NULL, dk, dv, pk, pv);
-    return bwd_launch<128>(s, A, B, lse == NULL, dk, dv, pk, pv);
+    if (HS == 64) return bwd_launch<64>(s, A, B, lse == NULL, room_ds, dk, dv, pk, pv);
+    return bwd_launch<128>(s, A, B, lse == NULL, false, dk, dv, pk, pv);
 }
 
 cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *dk, float *dv,
@@ -1090,8 +1102,10 @@ cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *
         !ws || ws_floats < kiln_cuda_attention_backward_fast_ws(N, n_past, NH, KVH, HS) ||
         ((uintptr_t)ws & 15) != 0)
         return cudaErrorInvalidValue;
+    const bool room_ds =
+        ws_floats >= kiln_cuda_attention_backward_fast_ws_two_pass(N, n_past, NH, KVH, HS);
     return bwd_run(s, dq, dk, dv, dout, q, k, v, out, NULL, NULL, NULL, ws, 1, N, n_past, NH, KVH,
-                   HS, scale);
+                   HS, scale, room_ds);
 }
 
 cudaError_t kiln_cuda_attention_backward_fast_seqs(cudaStream_t s, float *dq, float *dk,
@@ -1117,6 +1131,8 @@ cudaError_t kiln_cuda_attention_backward_fast_seqs(cudaStream_t s, float *dq, fl
     } else if (!kiln_cuda_attn_saves_lse(o, q, k, v, N, HS)) {
         lse = NULL; /* a saved lse only where the forward's flash kernel wrote it */
     }
+    const bool room_ds =
+        ws_floats / (size_t)B >= kiln_cuda_attention_backward_fast_ws_two_pass(N, 0, NH, KVH, HS);
     return bwd_run(s, dq, dk, dv, dout, q, k, v, out, out16, lse, keep, ws, B, N, 0, NH, KVH, HS,
-                   scale);
+                   scale, room_ds);
 }

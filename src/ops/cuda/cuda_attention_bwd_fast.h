@@ -37,9 +37,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Floats of workspace the fast backward needs: D and L (2 N NH), and with GQA the partial
- * dk and dv of every query head (2 T NH HS). */
+/* Floats of workspace the fast backward needs (ops.h kiln_attention_backward_fast_ws_floats:
+ * D and L, with GQA the partial dk and dv of every query head, the bf16 copies of q, dout, k,
+ * v). _two_pass: what the two-pass form (HS 64, KILN_ATTN_BWD=two-pass) needs on top of it,
+ * dS^T in bf16 (NH Tpad Npad / 2 floats, + 4 to align it); with a smaller workspace the call
+ * runs the one launch whatever the environment says. */
 size_t kiln_cuda_attention_backward_fast_ws(int N, int n_past, int NH, int KVH, int HS);
+size_t kiln_cuda_attention_backward_fast_ws_two_pass(int N, int n_past, int NH, int KVH, int HS);
 
 /* Whether the fast kernels take this call (head size, alignment, sizes). out is only checked
  * for 16-byte alignment: the f32 out, or the bf16 out16 of
