@@ -93,13 +93,6 @@ wgmma_check_kernel(float *r, int *present, const bf16 *a, const bf16 *at, const 
 #endif
 }
 
-static uint16_t small_bf16(int v) { /* an integer in [-8, 8]: exact in bf16 */
-    const float f = (float)v;
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)(u >> 16);
-}
-
 int kiln_cuda_wgmma_selfcheck(char *msg, size_t cap) {
     if (msg && cap) msg[0] = '\0';
     int dev = 0;
@@ -118,7 +111,7 @@ int kiln_cuda_wgmma_selfcheck(char *msg, size_t cap) {
     cudaError_t e = cudaErrorMemoryAllocation;
     if (!h || !hr || !ai) goto out;
     {
-        int *A = ai, *Bm = ai + E; /* A[m][k], B[k][n] */
+        int *A = ai, *Bm = ai + E; /* A[m][k], B[k][n]: integers in [-8, 8], exact in bf16 */
         uint32_t s = 12345u;
         for (int i = 0; i < 2 * E; i++) {
             s = s * 1664525u + 1013904223u;
@@ -127,10 +120,10 @@ int kiln_cuda_wgmma_selfcheck(char *msg, size_t cap) {
         uint16_t *ha = h, *hat = h + E, *hb = h + 2 * E, *hbt = h + 3 * E;
         for (int i = 0; i < 64; i++)
             for (int j = 0; j < 64; j++) {
-                ha[i * 64 + j] = small_bf16(A[i * 64 + j]);
-                hat[j * 64 + i] = small_bf16(A[i * 64 + j]);
-                hb[i * 64 + j] = small_bf16(Bm[i * 64 + j]);
-                hbt[j * 64 + i] = small_bf16(Bm[i * 64 + j]);
+                ha[i * 64 + j] = kiln_fp32_to_bf16((float)A[i * 64 + j]);
+                hat[j * 64 + i] = kiln_fp32_to_bf16((float)A[i * 64 + j]);
+                hb[i * 64 + j] = kiln_fp32_to_bf16((float)Bm[i * 64 + j]);
+                hbt[j * 64 + i] = kiln_fp32_to_bf16((float)Bm[i * 64 + j]);
             }
         const size_t in_bytes = 4 * E * sizeof(uint16_t), out_bytes = 4 * E * sizeof(float);
         if ((e = cudaMalloc(&dmem, in_bytes + out_bytes + 16)) != cudaSuccess) goto out;
