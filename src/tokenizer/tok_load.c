@@ -513,6 +513,14 @@ static kiln_status hf_build(kiln_tokenizer **out, const cJSON *root, const cJSON
         if ((int64_t)id->valuedouble > max_id) max_id = (int64_t)id->valuedouble;
     }
     if (max_id < 0) return kiln_error(KILN_ERR_FORMAT, "%s: model.vocab: empty", label);
+    /* The id space is allocated whole (several tables of max_id + 1 entries), so a sparse one
+     * is refused: a few holes are normal, a 60M id in a 10-token file is a hostile input that
+     * would cost gigabytes for nothing. */
+    int64_t n_entries = (int64_t)cJSON_GetArraySize(vocab) + (int64_t)cJSON_GetArraySize(added);
+    if (max_id + 1 > 2 * n_entries + 4096)
+        return kiln_error(KILN_ERR_FORMAT,
+                          "%s: model.vocab: ids too sparse (largest id %lld for %lld tokens)", label,
+                          (long long)max_id, (long long)n_entries);
     kiln_tokenizer *t;
     KILN_TRY(tok_alloc(&t, (int32_t)(max_id + 1), label));
     kiln_status st = KILN_OK;

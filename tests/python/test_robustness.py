@@ -53,6 +53,20 @@ def test_broken_folders(build_dir, tiny, tmp_path):
         kiln.Model(bad)
 
 
+def test_sparse_tokenizer_ids(tiny, tmp_path):
+    """One huge id in a small vocabulary is refused before the id-indexed tables are allocated
+    (the fuzzer's input: a 60M id in a 10-token file cost more than 2 GB)."""
+    import kiln
+    bad = tmp_path / "sparse"
+    shutil.copytree(tiny, bad)
+    tok = json.loads((bad / "tokenizer.json").read_text())
+    first = next(iter(tok["model"]["vocab"]))
+    tok["model"]["vocab"][first] = 60_000_000
+    (bad / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(kiln.KilnError, match="too sparse"):
+        kiln.Model(bad)
+
+
 def test_cli_generate_json(build_dir, tiny):
     r = run(build_dir, "generate", "-m", tiny, "-p", "The quick brown fox", "-n", "8", "--temp", "0",
             "--ignore-eos", "--json", "--threads", "2")
