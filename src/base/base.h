@@ -64,6 +64,23 @@ static inline bool kiln_add_overflow_u64(uint64_t a, uint64_t b, uint64_t *r) {
     return __builtin_add_overflow(a, b, r);
 }
 
+/* ---- little-endian fields (GGUF, safetensors, checkpoints, shards) ----------------------- */
+
+/* Byte by byte, so the files read and write the same on any host; compilers turn these into
+ * single loads and stores on little-endian machines. p need not be aligned. */
+static inline uint32_t kiln_le32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+static inline uint64_t kiln_le64(const uint8_t *p) {
+    return (uint64_t)kiln_le32(p) | ((uint64_t)kiln_le32(p + 4) << 32);
+}
+static inline void kiln_put_le32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void kiln_put_le64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
 /* ---- files ------------------------------------------------------------------------------- */
 
 typedef struct kiln_file_map {

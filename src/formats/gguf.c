@@ -64,21 +64,16 @@ static kiln_status cur_need(cursor *c, uint64_t n, const char *what) {
     return KILN_OK;
 }
 
-static uint32_t ld_u32(const uint8_t *p) {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
-}
-static uint64_t ld_u64(const uint8_t *p) { return ld_u32(p) | ((uint64_t)ld_u32(p + 4) << 32); }
-
 static kiln_status cur_u32(cursor *c, uint32_t *v, const char *what) {
     KILN_TRY(cur_need(c, 4, what));
-    *v = ld_u32(c->p + c->off);
+    *v = kiln_le32(c->p + c->off);
     c->off += 4;
     return KILN_OK;
 }
 
 static kiln_status cur_u64(cursor *c, uint64_t *v, const char *what) {
     KILN_TRY(cur_need(c, 8, what));
-    *v = ld_u64(c->p + c->off);
+    *v = kiln_le64(c->p + c->off);
     c->off += 8;
     return KILN_OK;
 }
@@ -172,10 +167,10 @@ static void load_int(const uint8_t *p, uint32_t t, int64_t *sv, uint64_t *uv, bo
     case KILN_GGUF_INT8: s = (int8_t)p[0]; break;
     case KILN_GGUF_UINT16: u = (uint16_t)(p[0] | (p[1] << 8)), is_signed = false; break;
     case KILN_GGUF_INT16: s = (int16_t)(uint16_t)(p[0] | (p[1] << 8)); break;
-    case KILN_GGUF_UINT32: u = ld_u32(p), is_signed = false; break;
-    case KILN_GGUF_INT32: s = (int32_t)ld_u32(p); break;
-    case KILN_GGUF_UINT64: u = ld_u64(p), is_signed = false; break;
-    case KILN_GGUF_INT64: s = (int64_t)ld_u64(p); break;
+    case KILN_GGUF_UINT32: u = kiln_le32(p), is_signed = false; break;
+    case KILN_GGUF_INT32: s = (int32_t)kiln_le32(p); break;
+    case KILN_GGUF_UINT64: u = kiln_le64(p), is_signed = false; break;
+    case KILN_GGUF_INT64: s = (int64_t)kiln_le64(p); break;
     default: break;
     }
     if (is_signed) {
@@ -566,12 +561,12 @@ static kiln_status parse_header(kiln_gguf *g) {
         return kiln_error(KILN_ERR_FORMAT,
                           "%s: file is %zu bytes, too small for a GGUF header (24 bytes)",
                           g->label, g->size);
-    uint32_t magic = ld_u32(g->data);
+    uint32_t magic = kiln_le32(g->data);
     if (magic != GGUF_MAGIC)
         return kiln_error(KILN_ERR_FORMAT,
                           "%s: offset 0: bad magic 0x%08x (expected \"GGUF\"): not a GGUF file",
                           g->label, magic);
-    uint32_t version = ld_u32(g->data + 4);
+    uint32_t version = kiln_le32(g->data + 4);
     if (version == 1)
         return kiln_error(KILN_ERR_UNSUPPORTED,
                           "%s: offset 4: GGUF version 1 is not supported (only versions 2 and 3); "
@@ -589,7 +584,7 @@ static kiln_status parse_header(kiln_gguf *g) {
                           "%s: offset 4: GGUF version %u is newer than this reader supports (3)",
                           g->label, version);
     g->version = version;
-    uint64_t n_tensors = ld_u64(g->data + 8), n_kv = ld_u64(g->data + 16);
+    uint64_t n_tensors = kiln_le64(g->data + 8), n_kv = kiln_le64(g->data + 16);
     c.off = 24;
     /* refuse counts that cannot fit before anything is sized from them */
     if (n_kv > cur_left(&c) / GGUF_MIN_KV_BYTES)
@@ -790,10 +785,10 @@ kiln_status kiln_gguf_get_f32(const kiln_gguf *g, const char *key, float *out, i
     if (!kv) return KILN_OK;
     float v;
     if (kv->type == KILN_GGUF_FLOAT32) {
-        uint32_t u = ld_u32(kv->value);
+        uint32_t u = kiln_le32(kv->value);
         memcpy(&v, &u, 4);
     } else if (kv->type == KILN_GGUF_FLOAT64) { /* narrowed, rounding to nearest */
-        uint64_t u = ld_u64(kv->value);
+        uint64_t u = kiln_le64(kv->value);
         double dv;
         memcpy(&dv, &u, 8);
         v = (float)dv;
@@ -823,7 +818,7 @@ kiln_status kiln_gguf_get_str(const kiln_gguf *g, const char *key, kiln_gguf_str
     if (kv->type != KILN_GGUF_STRING) return wrong_type(g, kv, "string");
     if (out) {
         out->ptr = (const char *)kv->value;
-        out->len = ld_u64(kv->value - 8);
+        out->len = kiln_le64(kv->value - 8);
     }
     if (found) *found = 1;
     return KILN_OK;
@@ -839,13 +834,13 @@ static double arr_elem(const kiln_gguf_kv *kv, uint64_t i, bool *is_int, int64_t
     const uint8_t *p = kv->value + i * es;
     if (kv->arr_type == KILN_GGUF_FLOAT32) {
         float f;
-        uint32_t u = ld_u32(p);
+        uint32_t u = kiln_le32(p);
         memcpy(&f, &u, 4);
         return f;
     }
     if (kv->arr_type == KILN_GGUF_FLOAT64) {
         double d;
-        uint64_t u = ld_u64(p);
+        uint64_t u = kiln_le64(p);
         memcpy(&d, &u, 8);
         return d;
     }

@@ -284,8 +284,7 @@ static kiln_status st_parse(const uint8_t *data, size_t size, st_part *p) {
         return kiln_error(KILN_ERR_FORMAT,
                           "%s: file is %zu bytes, too short for the 8-byte header length", label,
                           size);
-    uint64_t hlen = 0;
-    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | data[i];
+    uint64_t hlen = kiln_le64(data);
     if (hlen > ST_HEADER_CAP)
         return kiln_error(KILN_ERR_FORMAT,
                           "%s: header length %llu is larger than the %u-byte cap", label,

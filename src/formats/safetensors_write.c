@@ -241,8 +241,7 @@ static kiln_status stw_write_body(stw_file *f, const stw_entry *e, int n, const 
         free(json);
         return kiln_error(KILN_ERR_NOMEM, "%s: out of memory (header)", f->path);
     }
-    uint64_t hl = padded;
-    memcpy(hdr, &hl, 8); /* little-endian host */
+    kiln_put_le64(hdr, padded);
     memcpy(hdr + 8, json, jlen);
     memset(hdr + 8 + jlen, ' ', padded - jlen);
     free(json);

@@ -86,21 +86,6 @@ void kiln_ckpt_sha256_hex(const uint8_t d[32], char hex[65]) {
     hex[64] = 0;
 }
 
-/* ---- little-endian fields --------------------------------------------------------------------- */
-
-static void put_u32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
-static void put_u64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
-static uint32_t get_u32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-static uint64_t get_u64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-    return v;
-}
-
 static int all_zero(const uint8_t *p, size_t n) {
     for (size_t i = 0; i < n; i++)
         if (p[i]) return 0;
@@ -526,7 +511,7 @@ kiln_status kiln_ckpt_add_section(kiln_ckpt_writer *w, const char *name, kiln_ck
 
 kiln_status kiln_ckpt_add_u64(kiln_ckpt_writer *w, const char *name, uint64_t value) {
     uint8_t b[8];
-    put_u64(b, value);
+    kiln_put_le64(b, value);
     return kiln_ckpt_add_section(w, name, KILN_CKPT_U64, b, 8);
 }
 
@@ -559,12 +544,12 @@ void kiln_ckpt_abort(kiln_ckpt_writer *w) {
 static void encode_entry(const entry *en, uint8_t *b) {
     memset(b, 0, ENTRY_SIZE);
     memcpy(b, en->name, strlen(en->name));
-    put_u32(b + 128, en->type);
-    put_u32(b + 132, en->dtype);
-    put_u32(b + 136, en->n_dims);
-    for (int i = 0; i < KILN_CKPT_MAX_DIMS; i++) put_u64(b + 144 + 8 * i, (uint64_t)en->shape[i]);
-    put_u64(b + 176, en->offset);
-    put_u64(b + 184, en->size);
+    kiln_put_le32(b + 128, en->type);
+    kiln_put_le32(b + 132, en->dtype);
+    kiln_put_le32(b + 136, en->n_dims);
+    for (int i = 0; i < KILN_CKPT_MAX_DIMS; i++) kiln_put_le64(b + 144 + 8 * i, (uint64_t)en->shape[i]);
+    kiln_put_le64(b + 176, en->offset);
+    kiln_put_le64(b + 184, en->size);
     memcpy(b + 192, en->sha, 32);
 }
 
@@ -665,13 +650,13 @@ kiln_status kiln_ckpt_commit(kiln_ckpt_writer *w, char **warning) {
     if ((st = writer_write(w, table, table_bytes)) != KILN_OK) goto fail;
 
     memcpy(hdr, KILN_CKPT_MAGIC, 8);
-    put_u32(hdr + 8, KILN_CKPT_VERSION);
-    put_u32(hdr + 12, HDR_SIZE);
-    put_u64(hdr + 16, w->step);
-    put_u32(hdr + 24, (uint32_t)w->n_entries);
-    put_u32(hdr + 28, ENTRY_SIZE);
-    put_u64(hdr + 32, table_offset);
-    put_u64(hdr + 40, w->pos);
+    kiln_put_le32(hdr + 8, KILN_CKPT_VERSION);
+    kiln_put_le32(hdr + 12, HDR_SIZE);
+    kiln_put_le64(hdr + 16, w->step);
+    kiln_put_le32(hdr + 24, (uint32_t)w->n_entries);
+    kiln_put_le32(hdr + 28, ENTRY_SIZE);
+    kiln_put_le64(hdr + 32, table_offset);
+    kiln_put_le64(hdr + 40, w->pos);
     if ((st = kiln_ckpt_sha256(table, table_bytes, hdr + 48)) != KILN_OK) goto fail;
     if ((st = kiln_ckpt_sha256(hdr, HDR_HASHED, hdr + 96)) != KILN_OK) goto fail;
     if (lseek(w->fd, 0, SEEK_SET) != 0) {
@@ -804,21 +789,21 @@ static kiln_status parse_file(kiln_ckpt *c) {
         return FMT_ERR("%s: %llu bytes, shorter than the %d-byte header (truncated?)", path,
                        (unsigned long long)fsize, HDR_SIZE);
     if (memcmp(d, KILN_CKPT_MAGIC, 8) != 0) return FMT_ERR("%s: bad magic (not a kiln checkpoint)", path);
-    uint32_t version = get_u32(d + 8);
+    uint32_t version = kiln_le32(d + 8);
     if (version != KILN_CKPT_VERSION)
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: checkpoint version %u (this kiln reads version %u)",
                           path, version, KILN_CKPT_VERSION);
     uint8_t sha[32];
     KILN_TRY(kiln_ckpt_sha256(d, HDR_HASHED, sha));
     if (memcmp(sha, d + 96, 32) != 0) return FMT_ERR("%s: header checksum mismatch (corrupt header)", path);
-    if (get_u32(d + 12) != HDR_SIZE) return FMT_ERR("%s: header_size %u, expected %d", path, get_u32(d + 12), HDR_SIZE);
-    if (get_u32(d + 28) != ENTRY_SIZE)
-        return FMT_ERR("%s: entry_size %u, expected %d", path, get_u32(d + 28), ENTRY_SIZE);
+    if (kiln_le32(d + 12) != HDR_SIZE) return FMT_ERR("%s: header_size %u, expected %d", path, kiln_le32(d + 12), HDR_SIZE);
+    if (kiln_le32(d + 28) != ENTRY_SIZE)
+        return FMT_ERR("%s: entry_size %u, expected %d", path, kiln_le32(d + 28), ENTRY_SIZE);
     if (!all_zero(d + 80, 16)) return FMT_ERR("%s: reserved header bytes are not zero", path);
-    c->step = get_u64(d + 16);
+    c->step = kiln_le64(d + 16);
     memcpy(c->header_sha, d + 96, 32);
-    uint64_t n = get_u32(d + 24);
-    uint64_t table_offset = get_u64(d + 32), file_size = get_u64(d + 40);
+    uint64_t n = kiln_le32(d + 24);
+    uint64_t table_offset = kiln_le64(d + 32), file_size = kiln_le64(d + 40);
     if (file_size != fsize)
         return FMT_ERR("%s: header says %llu bytes, file has %llu (truncated or extended)", path,
                        (unsigned long long)file_size, (unsigned long long)fsize);
@@ -861,9 +846,9 @@ static kiln_status parse_file(kiln_ckpt *c) {
         sorted[i] = name;
         kiln_ckpt_section *s = &c->sections[i];
         s->name = name;
-        uint32_t type = get_u32(e + 128), dtype = get_u32(e + 132), n_dims = get_u32(e + 136);
-        uint64_t off = get_u64(e + 176), size = get_u64(e + 184), end;
-        if (get_u32(e + 140) || !all_zero(e + 224, 32)) {
+        uint32_t type = kiln_le32(e + 128), dtype = kiln_le32(e + 132), n_dims = kiln_le32(e + 136);
+        uint64_t off = kiln_le64(e + 176), size = kiln_le64(e + 184), end;
+        if (kiln_le32(e + 140) || !all_zero(e + 224, 32)) {
             st = FMT_ERR("%s: section '%s': reserved bytes are not zero", path, name);
             break;
         }
@@ -886,7 +871,7 @@ static kiln_status parse_file(kiln_ckpt *c) {
             break;
         }
         prev_end = end;
-        for (int k = 0; k < KILN_CKPT_MAX_DIMS; k++) s->shape[k] = (int64_t)get_u64(e + 144 + 8 * k);
+        for (int k = 0; k < KILN_CKPT_MAX_DIMS; k++) s->shape[k] = (int64_t)kiln_le64(e + 144 + 8 * k);
         if (type == KILN_CKPT_TENSOR) {
             if (dtype >= KILN_DTYPE_COUNT || n_dims < 1 || n_dims > KILN_CKPT_MAX_DIMS) {
                 st = FMT_ERR("%s: tensor '%s': dtype %u / n_dims %u out of range", path, name, dtype, n_dims);
@@ -1070,6 +1055,6 @@ kiln_status kiln_ckpt_find(const kiln_ckpt *c, const char *name, kiln_ckpt_type 
 kiln_status kiln_ckpt_get_u64(const kiln_ckpt *c, const char *name, uint64_t *out) {
     const kiln_ckpt_section *s;
     KILN_TRY(kiln_ckpt_find(c, name, KILN_CKPT_U64, &s));
-    *out = get_u64(s->data);
+    *out = kiln_le64(s->data);
     return KILN_OK;
 }

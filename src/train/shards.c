@@ -48,19 +48,6 @@ static uint64_t mulhi64(uint64_t a, uint64_t b) {
     return (uint64_t)(((unsigned __int128)a * b) >> 64);
 }
 
-static void put_u32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
-static void put_u64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
-static uint32_t get_u32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-static uint64_t get_u64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-    return v;
-}
-
 static uint32_t token_bytes_for(uint32_t vocab) { return vocab <= 65536u ? 2u : 4u; }
 
 /* ---- writer ---------------------------------------------------------------------------------- */
@@ -218,17 +205,17 @@ kiln_status kiln_shard_writer_commit(kiln_shard_writer *w) {
     uint8_t hdr[SH_HDR] = {0};
     if (st == KILN_OK) {
         memcpy(hdr, KILN_SHARD_MAGIC, 8);
-        put_u32(hdr + 8, KILN_SHARD_VERSION);
-        put_u32(hdr + 12, SH_HDR);
-        put_u32(hdr + 16, w->vocab);
-        put_u32(hdr + 20, w->tb);
-        put_u32(hdr + 24, w->eos);
-        put_u32(hdr + 28, 0);
-        put_u64(hdr + 32, w->n_tokens);
-        put_u64(hdr + 40, w->n_docs);
-        put_u64(hdr + 48, SH_HDR);
-        put_u64(hdr + 56, offsets_offset);
-        put_u64(hdr + 64, w->file_pos);
+        kiln_put_le32(hdr + 8, KILN_SHARD_VERSION);
+        kiln_put_le32(hdr + 12, SH_HDR);
+        kiln_put_le32(hdr + 16, w->vocab);
+        kiln_put_le32(hdr + 20, w->tb);
+        kiln_put_le32(hdr + 24, w->eos);
+        kiln_put_le32(hdr + 28, 0);
+        kiln_put_le64(hdr + 32, w->n_tokens);
+        kiln_put_le64(hdr + 40, w->n_docs);
+        kiln_put_le64(hdr + 48, SH_HDR);
+        kiln_put_le64(hdr + 56, offsets_offset);
+        kiln_put_le64(hdr + 64, w->file_pos);
         memcpy(hdr + 72, w->fingerprint, 32);
         kiln_sha256_ctx *c = w->sha;
         w->sha = NULL;
@@ -280,10 +267,10 @@ static inline uint32_t tok_at(const kiln_shard *s, uint64_t i) {
         memcpy(&v, s->tokens + 2 * i, 2);
         return v;
     }
-    return get_u32(s->tokens + 4 * i);
+    return kiln_le32(s->tokens + 4 * i);
 }
 
-static inline uint64_t off_at(const kiln_shard *s, uint64_t d) { return get_u64(s->offsets + 8 * d); }
+static inline uint64_t off_at(const kiln_shard *s, uint64_t d) { return kiln_le64(s->offsets + 8 * d); }
 
 #define SFMT(...) kiln_error(KILN_ERR_FORMAT, __VA_ARGS__)
 
@@ -294,7 +281,7 @@ static kiln_status shard_validate(kiln_shard *s, int flags) {
     if (fsize < SH_HDR)
         return SFMT("%s: %llu bytes, shorter than the 256-byte header (truncated?)", path, (unsigned long long)fsize);
     if (memcmp(d, KILN_SHARD_MAGIC, 8) != 0) return SFMT("%s: bad magic (not a kiln token shard)", path);
-    uint32_t version = get_u32(d + 8);
+    uint32_t version = kiln_le32(d + 8);
     if (version != KILN_SHARD_VERSION)
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: shard version %u (this kiln reads version %u)", path,
                           version, KILN_SHARD_VERSION);
@@ -302,14 +289,14 @@ static kiln_status shard_validate(kiln_shard *s, int flags) {
     KILN_TRY(kiln_ckpt_sha256(d, SH_HASHED, sha));
     if (memcmp(sha, d + SH_HASHED, 32) != 0) return SFMT("%s: header checksum mismatch (corrupt header)", path);
     kiln_shard_info *in = &s->info;
-    in->vocab_size = get_u32(d + 16);
-    in->token_bytes = get_u32(d + 20);
-    in->eos_id = get_u32(d + 24);
-    in->n_tokens = get_u64(d + 32);
-    in->n_docs = get_u64(d + 40);
+    in->vocab_size = kiln_le32(d + 16);
+    in->token_bytes = kiln_le32(d + 20);
+    in->eos_id = kiln_le32(d + 24);
+    in->n_tokens = kiln_le64(d + 32);
+    in->n_docs = kiln_le64(d + 40);
     memcpy(in->fingerprint, d + 72, 32);
-    uint64_t tokens_offset = get_u64(d + 48), offsets_offset = get_u64(d + 56), file_size = get_u64(d + 64);
-    if (get_u32(d + 12) != SH_HDR) return SFMT("%s: header_size %u, expected 256", path, get_u32(d + 12));
+    uint64_t tokens_offset = kiln_le64(d + 48), offsets_offset = kiln_le64(d + 56), file_size = kiln_le64(d + 64);
+    if (kiln_le32(d + 12) != SH_HDR) return SFMT("%s: header_size %u, expected 256", path, kiln_le32(d + 12));
     if (in->vocab_size == 0 || in->vocab_size > (1u << 31))
         return SFMT("%s: vocab_size %u not in 1..2^31", path, in->vocab_size);
     if (in->token_bytes != token_bytes_for(in->vocab_size))
@@ -317,7 +304,7 @@ static kiln_status shard_validate(kiln_shard *s, int flags) {
                     token_bytes_for(in->vocab_size), in->vocab_size);
     if (in->eos_id != KILN_SHARD_NO_EOS && in->eos_id >= in->vocab_size)
         return SFMT("%s: eos_id %u >= vocab_size %u", path, in->eos_id, in->vocab_size);
-    if (get_u32(d + 28) != 0) return SFMT("%s: unknown flags 0x%x", path, get_u32(d + 28));
+    if (kiln_le32(d + 28) != 0) return SFMT("%s: unknown flags 0x%x", path, kiln_le32(d + 28));
     for (int i = 136; i < SH_HASHED; i++)
         if (d[i]) return SFMT("%s: reserved header byte %d is not zero", path, i);
     if (file_size != fsize)
