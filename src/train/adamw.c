@@ -14,6 +14,7 @@
  */
 #include "adamw.h"
 
+#include "../base/cpu_features.h"
 #include "../base/kmath.h"
 #include "../base/tensor.h"
 #include "../ops/cuda/cuda_train.h"
@@ -679,15 +680,18 @@ kiln_status kiln_adamw_grads_finite(const kiln_adamw *o, kiln_pool *pool) {
 
 /* ---- step -------------------------------------------------------------------------------- */
 
-typedef struct step_ctx {
-    kiln_adamw *o;
-    adamw_scalars s;
-} step_ctx;
-
 /* Update elements [start, start + len) of one parameter whose moments are f32 values m, v
- * (indexed from start). */
-static void update_range(const kiln_adamw *o, const adamw_scalars *sc, int pi, int64_t start,
-                         int64_t len, float *m, float *v) {
+ * (indexed from start). The body is compiled twice: plain (the portable path, where fmaf is
+ * a libm call) and, on x86-64, for AVX2 + FMA, where fmaf is one vfmadd and the loops
+ * vectorize. Every operation is an IEEE one, correctly rounded (fmaf, sqrtf, +, *, /; no
+ * contraction: -ffp-contract=off), so both give the same bits (tests/c/test_adamw.c checks
+ * it); the AVX2 one is chosen by kiln_cpu_select_path, as the backend's kernels are. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define ADAMW_HAVE_AVX2 1
+#endif
+static inline __attribute__((always_inline)) void update_range_body(
+    const kiln_adamw *o, const adamw_scalars *sc, int pi, int64_t start, int64_t len, float *m,
+    float *v) {
     const adamw_slot *s = &o->p[pi];
     const int decay = s->decay && sc->use_wd;
     const float *g = s->grad + start;
@@ -731,6 +735,36 @@ static void update_range(const kiln_adamw *o, const adamw_scalars *sc, int pi, i
     }
 }
 
+static void update_range_plain(const kiln_adamw *o, const adamw_scalars *sc, int pi,
+                               int64_t start, int64_t len, float *m, float *v) {
+    update_range_body(o, sc, pi, start, len, m, v);
+}
+
+#ifdef ADAMW_HAVE_AVX2
+__attribute__((target("avx2,fma"))) static void update_range_avx2(
+    const kiln_adamw *o, const adamw_scalars *sc, int pi, int64_t start, int64_t len, float *m,
+    float *v) {
+    update_range_body(o, sc, pi, start, len, m, v);
+}
+#endif
+
+typedef void (*update_range_fn)(const kiln_adamw *o, const adamw_scalars *sc, int pi,
+                                int64_t start, int64_t len, float *m, float *v);
+
+/* The body for this CPU (and KILN_CPU_PATH). */
+static update_range_fn update_range_for_cpu(void) {
+#ifdef ADAMW_HAVE_AVX2
+    if (kiln_cpu_select_path() >= KILN_CPU_PATH_AVX2) return update_range_avx2;
+#endif
+    return update_range_plain;
+}
+
+typedef struct step_ctx {
+    kiln_adamw *o;
+    adamw_scalars s;
+    update_range_fn update_range;
+} step_ctx;
+
 static void step_task(void *vctx, int task, int thread) {
     (void)thread;
     step_ctx *ctx = vctx;
@@ -738,7 +772,7 @@ static void step_task(void *vctx, int task, int thread) {
     const adamw_chunk *ch = &o->chunks[task];
     adamw_slot *s = &o->p[ch->param];
     if (o->cfg.moments == KILN_ADAMW_MOMENTS_F32) {
-        update_range(o, &ctx->s, ch->param, ch->start, ch->len, s->m + ch->start,
+        ctx->update_range(o, &ctx->s, ch->param, ch->start, ch->len, s->m + ch->start,
                      s->v + ch->start);
         return;
     }
@@ -748,7 +782,7 @@ static void step_task(void *vctx, int task, int thread) {
         int len = (int)(s->n - b0 < KILN_ADAMW_Q8_BLOCK ? s->n - b0 : KILN_ADAMW_Q8_BLOCK);
         int64_t b = b0 / KILN_ADAMW_Q8_BLOCK;
         q8_dequant_block(s->mq + b0, s->vq + b0, s->ms[b], s->vs[b], m, v, len);
-        update_range(o, &ctx->s, ch->param, b0, len, m, v);
+        ctx->update_range(o, &ctx->s, ch->param, b0, len, m, v);
         q8_quant_block(m, v, s->mq + b0, s->vq + b0, &s->ms[b], &s->vs[b], len);
     }
 }
@@ -763,6 +797,7 @@ kiln_status kiln_adamw_step(kiln_adamw *o, kiln_pool *pool) {
     step_ctx ctx;
     memset(&ctx, 0, sizeof ctx);
     ctx.o = o;
+    ctx.update_range = update_range_for_cpu();
     adamw_scalars *s = &ctx.s;
     s->use_wd = c->weight_decay != 0.0;
     s->wd_mul = (float)(1.0 - c->lr * c->weight_decay);

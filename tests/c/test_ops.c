@@ -303,6 +303,11 @@ static void test_matmul(void) {
                 }
     }
     CHECK(!g_be[0]->i->supports_op(g_be[0], KILN_OP_MATMUL, KILN_DTYPE_I32));
+    /* rows longer than the AVX2 tile's step block (HALF_KBLOCK, 768): the sums wait between
+     * blocks; a tail in the last block, several token tiles and row remainders */
+    test_matmul_case(KILN_DTYPE_F32, 70, 7, 1000, 1);
+    test_matmul_case(KILN_DTYPE_BF16, 9, 5, 1537, 0);
+    test_matmul_case(KILN_DTYPE_F16, 4, 4, 2048, 1);
     /* one bigger case across the thread split (several 4-row chunks per thread) */
     test_matmul_case(KILN_DTYPE_Q4_1, 2, 203, 576, 0);
     test_matmul_case(KILN_DTYPE_Q8_0, 5, 97, 192, 1);

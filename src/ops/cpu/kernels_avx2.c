@@ -254,6 +254,85 @@ DEFINE_PLAIN_TILE(tile_f32, ld_f32)
 DEFINE_PLAIN_TILE(tile_f16, ld_f16)
 DEFINE_PLAIN_TILE(tile_bf16, ld_bf16)
 
+/* Eight lanes of a plain-type row from element i, n elements left from i (n <= 0: zeros),
+ * the values of the low or high half of the LOAD16 functions above. */
+TGT_INLINE __m256 ld8_f32(const uint8_t *row, int64_t i, int64_t n) {
+    const float *p = (const float *)row + i;
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, mask8(n));
+}
+
+TGT_INLINE __m256 ld8_f16(const uint8_t *row, int64_t i, int64_t n) {
+    const uint16_t *p = (const uint16_t *)row + i;
+    return _mm256_cvtph_ps(n >= 8 ? _mm_loadu_si128((const __m128i *)p) : ld16_tail(p, n));
+}
+
+TGT_INLINE __m256 ld8_bf16(const uint8_t *row, int64_t i, int64_t n) {
+    const uint16_t *p = (const uint16_t *)row + i;
+    __m128i h = n >= 8 ? _mm_loadu_si128((const __m128i *)p) : ld16_tail(p, n);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* The plain tile of many tokens, RB <= 3 rows by TB <= 3 tokens, in two half passes: the
+ * 16 lanes of an output's dot are two independent groups of 8 (lanes 0-7 take the elements
+ * i0 .. i0+7 of each 16-element step i0, lanes 8-15 the elements i0+8 .. i0+15), so the low
+ * group's sum runs first and the high group's after it, each lane with the same vfmadd231ps
+ * sequence (same steps, same masked zeros in the tail) as DEFINE_PLAIN_TILE: the same bits.
+ * Half the accumulators are live at a time, so 3 x 3 outputs (9 sums, 3 weight vectors, one
+ * x vector, row pointers hoisted) fit the 16 ymm registers with room to spare: 6 loads for
+ * 9 FMAs, where the 1 x 4 tile above needs 10 loads for 8. (3 x 4 spilled two sums to the
+ * stack under gcc 12; 2 x 4 and 4 x 2 measured slower than 3 x 3.)
+ * The steps i0 in [k0, k1) (k0 a multiple of 16; the caller walks the blocks in order) run
+ * here: a first block starts the sums at zero, a later one continues them from P, and a last
+ * one reduces them into out; the others leave them in P. Slot (h, rr) of token t + tt is
+ * P + (tt * 6 + h * 3 + rr) * 8. Blocking the steps keeps the rows' and tokens' pieces in L1
+ * for long rows; each lane still sees its FMAs in increasing k. */
+#define DEFINE_HALF_TILE(NAME, LOAD8)                                                          \
+    TGT_INLINE void NAME(const kiln_mm_args *a, int64_t r, int t, const int RB, const int TB, \
+                         int64_t k0, int64_t k1, float *P, int first, int last) {              \
+        __m256 half[2][3][3];                                                                  \
+        for (int h = 0; h < 2; h++) {                                                          \
+            __m256 acc[3][3];                                                                  \
+            for (int rr = 0; rr < RB; rr++)                                                    \
+                for (int tt = 0; tt < TB; tt++)                                                \
+                    acc[rr][tt] = first ? _mm256_setzero_ps()                                  \
+                                        : _mm256_loadu_ps(P + (tt * 6 + h * 3 + rr) * 8);      \
+            const uint8_t *wr[3];                                                              \
+            const float *xr[3];                                                                \
+            for (int rr = 0; rr < RB; rr++) wr[rr] = a->w + (size_t)(r + rr) * a->row_bytes;   \
+            for (int tt = 0; tt < TB; tt++) xr[tt] = a->x + (int64_t)(t + tt) * a->ldx;        \
+            const int64_t C = a->C;                                                            \
+            for (int64_t i0 = k0; i0 < k1; i0 += 16) {                                         \
+                const int64_t i = i0 + 8 * h, n = C - i;                                       \
+                __m256 w[3];                                                                   \
+                for (int rr = 0; rr < RB; rr++) w[rr] = LOAD8(wr[rr], i, n);                   \
+                for (int tt = 0; tt < TB; tt++) {                                              \
+                    const __m256 x = n >= 8 ? _mm256_loadu_ps(xr[tt] + i)                      \
+                                            : _mm256_maskload_ps(xr[tt] + i, mask8(n));        \
+                    for (int rr = 0; rr < RB; rr++)                                            \
+                        acc[rr][tt] = _mm256_fmadd_ps(w[rr], x, acc[rr][tt]);                  \
+                }                                                                              \
+            }                                                                                  \
+            for (int rr = 0; rr < RB; rr++)                                                    \
+                for (int tt = 0; tt < TB; tt++) {                                              \
+                    if (last)                                                                  \
+                        half[h][rr][tt] = acc[rr][tt];                                         \
+                    else                                                                       \
+                        _mm256_storeu_ps(P + (tt * 6 + h * 3 + rr) * 8, acc[rr][tt]);          \
+                }                                                                              \
+        }                                                                                      \
+        if (!last) return;                                                                     \
+        for (int rr = 0; rr < RB; rr++)                                                        \
+            for (int tt = 0; tt < TB; tt++) {                                                  \
+                float s = reduce16(half[0][rr][tt], half[1][rr][tt]);                          \
+                if (a->bias) s = s + a->bias[r + rr];                                          \
+                a->out[(int64_t)(t + tt) * a->ldo + r + rr] = s;                               \
+            }                                                                                  \
+    }
+
+DEFINE_HALF_TILE(half_f32, ld8_f32)
+DEFINE_HALF_TILE(half_f16, ld8_f16)
+DEFINE_HALF_TILE(half_bf16, ld8_bf16)
+
 /* Token tiles of 64 keep x in L2 while each row's blocks are reused from L1 by 4 tokens at a
  * time; with fewer than 4 tokens, 4 rows at a time give the independent FMA chains. */
 #define TOKEN_TILE 64
@@ -280,9 +359,55 @@ DEFINE_PLAIN_TILE(tile_bf16, ld_bf16)
 DEFINE_ROWS(rows_q8_0, tile_q8_0)
 DEFINE_ROWS(rows_q4_1, tile_q4_1)
 DEFINE_ROWS(rows_q4_0, tile_q4_0)
-DEFINE_ROWS(rows_f32, tile_f32)
-DEFINE_ROWS(rows_f16, tile_f16)
-DEFINE_ROWS(rows_bf16, tile_bf16)
+
+/* Plain types with 4 tokens or more: DEFINE_HALF_TILE's 3 x 3 tiles over the token tile
+ * (the last rows and tokens in smaller ones of the same kind), the steps in blocks of
+ * HALF_KBLOCK elements: 3 rows' and 3 tokens' blocks (18 KiB of f32) stay in L1 while the
+ * token tile's groups pass, the partial sums wait in parts between blocks. 1.5x the 1 x 4
+ * tiles at SmolLM2-135M's prefill and training shapes on one Zen 3 core (bench/RESULTS.md). */
+#define HALF_KBLOCK 768
+#define DEFINE_PLAIN_ROWS(NAME, TILE, HALF)                                                    \
+    TGT static void NAME(const kiln_mm_args *a, int64_t r0, int64_t r1) {                      \
+        if (a->N < 4) {                                                                        \
+            for (int t = 0; t < a->N; t++) {                                                   \
+                int64_t r = r0;                                                                \
+                for (; r + 4 <= r1; r += 4) TILE(a, r, t, 4, 1);                               \
+                for (; r < r1; r++) TILE(a, r, t, 1, 1);                                       \
+            }                                                                                  \
+            return;                                                                            \
+        }                                                                                      \
+        float parts[TOKEN_TILE * 6 * 8];                                                       \
+        for (int t0 = 0; t0 < a->N; t0 += TOKEN_TILE) {                                        \
+            int t1 = a->N - t0 < TOKEN_TILE ? a->N : t0 + TOKEN_TILE;                          \
+            for (int64_t r = r0; r < r1;) {                                                    \
+                const int rb = r1 - r >= 3 ? 3 : 1;                                            \
+                for (int64_t k0 = 0; k0 < a->C; k0 += HALF_KBLOCK) {                           \
+                    const int64_t k1 = a->C - k0 < HALF_KBLOCK ? a->C : k0 + HALF_KBLOCK;      \
+                    const int first = k0 == 0, last = k1 == a->C;                              \
+                    int t = t0;                                                                \
+                    for (; t + 3 <= t1; t += 3) {                                              \
+                        float *P = parts + (t - t0) * 6 * 8;                                   \
+                        if (rb == 3)                                                           \
+                            HALF(a, r, t, 3, 3, k0, k1, P, first, last);                       \
+                        else                                                                   \
+                            HALF(a, r, t, 1, 3, k0, k1, P, first, last);                       \
+                    }                                                                          \
+                    for (; t < t1; t++) {                                                      \
+                        float *P = parts + (t - t0) * 6 * 8;                                   \
+                        if (rb == 3)                                                           \
+                            HALF(a, r, t, 3, 1, k0, k1, P, first, last);                       \
+                        else                                                                   \
+                            HALF(a, r, t, 1, 1, k0, k1, P, first, last);                       \
+                    }                                                                          \
+                }                                                                              \
+                r += rb;                                                                       \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+DEFINE_PLAIN_ROWS(rows_f32, tile_f32, half_f32)
+DEFINE_PLAIN_ROWS(rows_f16, tile_f16, half_f16)
+DEFINE_PLAIN_ROWS(rows_bf16, tile_bf16, half_bf16)
 
 static int a_matmul_rows(const kiln_mm_args *a, int64_t r0, int64_t r1) {
     switch (a->dtype) {
