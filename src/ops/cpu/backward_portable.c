@@ -40,6 +40,20 @@ static float lanes_reduce(const float *p, int64_t stride) {
     return kiln_lane16_reduce(acc);
 }
 
+/* v[c] = lanes_reduce(p + c, stride) for c < nc (nc <= KILN_BWD_NC): kiln_lane16_reduce's
+ * tree applied column by column, the same additions in the same order for each column, in
+ * loops over c that the compiler vectorizes. */
+static void lanes_reduce_cols(float *v, const float *p, int64_t stride, int nc) {
+    float s8[8][KILN_BWD_NC], s4[4][KILN_BWD_NC], s2[2][KILN_BWD_NC];
+    for (int j = 0; j < 8; j++)
+        for (int c = 0; c < nc; c++) s8[j][c] = p[j * stride + c] + p[(j + 8) * stride + c];
+    for (int j = 0; j < 4; j++)
+        for (int c = 0; c < nc; c++) s4[j][c] = s8[j][c] + s8[j + 4][c];
+    for (int j = 0; j < 2; j++)
+        for (int c = 0; c < nc; c++) s2[j][c] = s4[j][c] + s4[j + 2][c];
+    for (int c = 0; c < nc; c++) v[c] = s2[0][c] + s2[1][c];
+}
+
 /* ---- the portable kernel table ---------------------------------------------------------- */
 
 static void p_tile(float *P, const float *A, int64_t asi, int64_t ask, const kiln_bwd_b *B,
@@ -98,11 +112,12 @@ static void bwd_gemm_rows(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t
                     bk->tile(P, A, g->asi, g->ask, &g->B, c0, k0, k1, mi, nc);
                 }
                 for (int i = 0; i < mi; i++) {
-                    float *o = g->out + (it + i) * g->ldo + c0;
-                    for (int c = 0; c < nc; c++) {
-                        float v = lanes_reduce(P + i * KILN_BWD_NC + c, lane_stride);
-                        o[c] = g->accumulate ? o[c] + v : v;
-                    }
+                    float *o = g->out + (it + i) * g->ldo + c0, v[KILN_BWD_NC];
+                    lanes_reduce_cols(v, P + i * KILN_BWD_NC, lane_stride, nc);
+                    if (g->accumulate)
+                        for (int c = 0; c < nc; c++) o[c] = o[c] + v[c];
+                    else
+                        for (int c = 0; c < nc; c++) o[c] = v[c];
                 }
             }
         }
