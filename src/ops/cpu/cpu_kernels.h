@@ -26,6 +26,16 @@ typedef struct kiln_mm_args {
     int N;
 } kiln_mm_args;
 
+/* The matmul tile drivers' path for fewer than 4 tokens (inside a function of a, r0, r1):
+ * per token, 4 rows at a time (independent FMA chains), then the last rows one by one. TILE
+ * is the SIMD file's tile(a, r, t, rows, tokens). */
+#define KILN_FEW_TOKEN_ROWS(TILE)                                                              \
+    for (int t = 0; t < a->N; t++) {                                                           \
+        int64_t r = r0;                                                                        \
+        for (; r + 4 <= r1; r += 4) TILE(a, r, t, 4, 1);                                       \
+        for (; r < r1; r++) TILE(a, r, t, 1, 1);                                               \
+    }
+
 typedef struct kiln_cpu_kernels {
     kiln_cpu_path path;
     /* Continue the 16 lane accumulators over a[0..n) * b[0..n) (kiln_dot_accum_ref). */

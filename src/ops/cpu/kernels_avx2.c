@@ -29,6 +29,13 @@ TGT_INLINE __m256i mask8(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), iota);
 }
 
+/* out[t][r] of a matmul from its 16 lanes (lo: 0-7, hi: 8-15): the tree, then the bias. */
+TGT_INLINE void put_out(const kiln_mm_args *a, int64_t r, int t, __m256 lo, __m256 hi) {
+    float s = reduce16(lo, hi);
+    if (a->bias) s = s + a->bias[r];
+    a->out[(int64_t)t * a->ldo + r] = s;
+}
+
 TGT static void a_dot_accum(float acc[KILN_DOT_LANES], const float *a, const float *b,
                             int64_t n) {
     __m256 lo = _mm256_loadu_ps(acc), hi = _mm256_loadu_ps(acc + 8);
@@ -161,11 +168,8 @@ TGT_INLINE blk32 deq_q4_0(const uint8_t *b) {
             }                                                                                  \
         }                                                                                      \
         for (int rr = 0; rr < RB; rr++)                                                        \
-            for (int tt = 0; tt < TB; tt++) {                                                  \
-                float s = reduce16(lo[rr][tt], hi[rr][tt]);                                    \
-                if (a->bias) s = s + a->bias[r + rr];                                          \
-                a->out[(int64_t)(t + tt) * a->ldo + r + rr] = s;                               \
-            }                                                                                  \
+            for (int tt = 0; tt < TB; tt++)                                                    \
+                put_out(a, r + rr, t + tt, lo[rr][tt], hi[rr][tt]);                            \
     }
 
 DEFINE_Q32_TILE(tile_q8_0, deq_q8_0, 34)
@@ -243,11 +247,8 @@ TGT_INLINE void ld_bf16(const uint8_t *row, int64_t i, int64_t n, __m256 *v0, __
             }                                                                                  \
         }                                                                                      \
         for (int rr = 0; rr < RB; rr++)                                                        \
-            for (int tt = 0; tt < TB; tt++) {                                                  \
-                float s = reduce16(lo[rr][tt], hi[rr][tt]);                                    \
-                if (a->bias) s = s + a->bias[r + rr];                                          \
-                a->out[(int64_t)(t + tt) * a->ldo + r + rr] = s;                               \
-            }                                                                                  \
+            for (int tt = 0; tt < TB; tt++)                                                    \
+                put_out(a, r + rr, t + tt, lo[rr][tt], hi[rr][tt]);                            \
     }
 
 DEFINE_PLAIN_TILE(tile_f32, ld_f32)
@@ -322,11 +323,8 @@ TGT_INLINE __m256 ld8_bf16(const uint8_t *row, int64_t i, int64_t n) {
         }                                                                                      \
         if (!last) return;                                                                     \
         for (int rr = 0; rr < RB; rr++)                                                        \
-            for (int tt = 0; tt < TB; tt++) {                                                  \
-                float s = reduce16(half[0][rr][tt], half[1][rr][tt]);                          \
-                if (a->bias) s = s + a->bias[r + rr];                                          \
-                a->out[(int64_t)(t + tt) * a->ldo + r + rr] = s;                               \
-            }                                                                                  \
+            for (int tt = 0; tt < TB; tt++)                                                    \
+                put_out(a, r + rr, t + tt, half[0][rr][tt], half[1][rr][tt]);                  \
     }
 
 DEFINE_HALF_TILE(half_f32, ld8_f32)
@@ -339,11 +337,7 @@ DEFINE_HALF_TILE(half_bf16, ld8_bf16)
 #define DEFINE_ROWS(NAME, TILE)                                                                \
     TGT static void NAME(const kiln_mm_args *a, int64_t r0, int64_t r1) {                      \
         if (a->N < 4) {                                                                        \
-            for (int t = 0; t < a->N; t++) {                                                   \
-                int64_t r = r0;                                                                \
-                for (; r + 4 <= r1; r += 4) TILE(a, r, t, 4, 1);                               \
-                for (; r < r1; r++) TILE(a, r, t, 1, 1);                                       \
-            }                                                                                  \
+            KILN_FEW_TOKEN_ROWS(TILE);                                                         \
             return;                                                                            \
         }                                                                                      \
         for (int t0 = 0; t0 < a->N; t0 += TOKEN_TILE) {                                        \
@@ -369,11 +363,7 @@ DEFINE_ROWS(rows_q4_0, tile_q4_0)
 #define DEFINE_PLAIN_ROWS(NAME, TILE, HALF)                                                    \
     TGT static void NAME(const kiln_mm_args *a, int64_t r0, int64_t r1) {                      \
         if (a->N < 4) {                                                                        \
-            for (int t = 0; t < a->N; t++) {                                                   \
-                int64_t r = r0;                                                                \
-                for (; r + 4 <= r1; r += 4) TILE(a, r, t, 4, 1);                               \
-                for (; r < r1; r++) TILE(a, r, t, 1, 1);                                       \
-            }                                                                                  \
+            KILN_FEW_TOKEN_ROWS(TILE);                                                         \
             return;                                                                            \
         }                                                                                      \
         float parts[TOKEN_TILE * 6 * 8];                                                       \

@@ -180,11 +180,7 @@ DEFINE_PLAIN_TILE(tile_bf16, zld_bf16)
 #define DEFINE_ROWS(NAME, TILE)                                                                \
     TGT static void NAME(const kiln_mm_args *a, int64_t r0, int64_t r1) {                      \
         if (a->N < 4) {                                                                        \
-            for (int t = 0; t < a->N; t++) {                                                   \
-                int64_t r = r0;                                                                \
-                for (; r + 4 <= r1; r += 4) TILE(a, r, t, 4, 1);                               \
-                for (; r < r1; r++) TILE(a, r, t, 1, 1);                                       \
-            }                                                                                  \
+            KILN_FEW_TOKEN_ROWS(TILE);                                                         \
             return;                                                                            \
         }                                                                                      \
         for (int t0 = 0; t0 < a->N; t0 += TOKEN_TILE) {                                        \
