@@ -245,8 +245,10 @@ static void test_matmul_backward(void) {
     test_matmul_case(13, 50, 32, KILN_DTYPE_F32, 1, 0);
     test_matmul_case(20, 37, 40, KILN_DTYPE_BF16, 1, 1);
     test_matmul_case(9, 21, 48, KILN_DTYPE_F16, 1, 0);
-    /* crosses the 6-row tiles, 48-row blocks, 256-k chunks and the 16-column tail */
+    /* crosses the 6-row tiles, 48-row blocks and the 16-column tail */
     test_matmul_case(70, 300, 80, KILN_DTYPE_F32, 0, 1);
+    /* K past one 512-k chunk (BWD_KC) for both products: R for dx, N for dW */
+    test_matmul_case(540, 530, 24, KILN_DTYPE_F32, 0, 1);
     test_matmul_case(100, 64, 35, KILN_DTYPE_BF16, 0, 0);
     test_matmul_case(290, 19, 64, KILN_DTYPE_F32, 0, 0);
     kiln_backend *be = g_be[0];

@@ -31,10 +31,10 @@ typedef struct kiln_bwd_kernels {
     /* The lane partial sums of a tile of mi <= MR rows by nc <= NC columns over k in
      * [k0, k1), k0 a multiple of 16: for every j < 16, i < mi, c < nc, in increasing k with
      * k % 16 == j:  P[(j*MR + i)*NC + c] = fmaf(A[i*asi + k*ask], B(k, c), P[...]).
-     * P holds the partials so far (+0 at the start). Elements of P outside i < mi, c < nc
-     * are unspecified afterwards. */
+     * P holds the partials so far; first: the partials start at +0 instead (P's contents
+     * are not read). Elements of P outside i < mi, c < nc are unspecified afterwards. */
     void (*tile)(float *P, const float *A, int64_t asi, int64_t ask, const kiln_bwd_b *B,
-                 int64_t c0, int64_t k0, int64_t k1, int mi, int nc);
+                 int64_t c0, int64_t k0, int64_t k1, int mi, int nc, int first);
     /* Column lanes over rows n in [n0, n1), n0 a multiple of 16, for c < w:
      * acc[(n % 16)*w + c] = fmaf(a[n*ld + c], bv, acc[...]) with bv = b[n*ld + c] * s[n]
      * (s NULL: bv = b[n*ld + c]; b NULL: bv = 1, i.e. a plain sum of a). */
@@ -70,7 +70,8 @@ static inline float kiln_bwd_b_at(const kiln_bwd_b *B, int64_t k, int64_t c) {
  * (for tails), so fmaf becomes one instruction there. */
 static inline void kiln_bwd_tile_generic(float *P, const float *A, int64_t asi, int64_t ask,
                                          const kiln_bwd_b *B, int64_t c0, int64_t k0,
-                                         int64_t k1, int mi, int nc) {
+                                         int64_t k1, int mi, int nc, int first) {
+    if (first) memset(P, 0, sizeof(float) * KILN_DOT_LANES * KILN_BWD_MR * KILN_BWD_NC);
     float brow[KILN_BWD_NC];
     for (int64_t k = k0; k < k1; k++) {
         int j = (int)(k % 16);

@@ -37,7 +37,7 @@ TGT_INLINE void load_b16(const uint8_t *row, kiln_dtype dt, __m256 *b0, __m256 *
 #define NC KILN_BWD_NC
 
 TGT_INLINE void tile16(float *P, const float *A, int64_t asi, int64_t ask, const kiln_bwd_b *B,
-                       int64_t c0, int64_t k0, int64_t k1, int mi, kiln_dtype dt) {
+                       int64_t c0, int64_t k0, int64_t k1, int mi, kiln_dtype dt, int first) {
     /* rows past mi repeat row mi-1: computed, never reported */
     const float *a[MR];
     for (int i = 0; i < MR; i++) a[i] = A + (i < mi ? i : mi - 1) * asi;
@@ -45,12 +45,18 @@ TGT_INLINE void tile16(float *P, const float *A, int64_t asi, int64_t ask, const
     const uint8_t *bcol = B->b + (size_t)c0 * esize;
     for (int j = 0; j < 16; j++) {
         float *p = P + (int64_t)j * MR * NC;
-        __m256 c00 = _mm256_loadu_ps(p + 0 * NC), c01 = _mm256_loadu_ps(p + 0 * NC + 8);
-        __m256 c10 = _mm256_loadu_ps(p + 1 * NC), c11 = _mm256_loadu_ps(p + 1 * NC + 8);
-        __m256 c20 = _mm256_loadu_ps(p + 2 * NC), c21 = _mm256_loadu_ps(p + 2 * NC + 8);
-        __m256 c30 = _mm256_loadu_ps(p + 3 * NC), c31 = _mm256_loadu_ps(p + 3 * NC + 8);
-        __m256 c40 = _mm256_loadu_ps(p + 4 * NC), c41 = _mm256_loadu_ps(p + 4 * NC + 8);
-        __m256 c50 = _mm256_loadu_ps(p + 5 * NC), c51 = _mm256_loadu_ps(p + 5 * NC + 8);
+        __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+        if (first) {
+            c00 = c01 = c10 = c11 = c20 = c21 = _mm256_setzero_ps();
+            c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
+        } else {
+            c00 = _mm256_loadu_ps(p + 0 * NC), c01 = _mm256_loadu_ps(p + 0 * NC + 8);
+            c10 = _mm256_loadu_ps(p + 1 * NC), c11 = _mm256_loadu_ps(p + 1 * NC + 8);
+            c20 = _mm256_loadu_ps(p + 2 * NC), c21 = _mm256_loadu_ps(p + 2 * NC + 8);
+            c30 = _mm256_loadu_ps(p + 3 * NC), c31 = _mm256_loadu_ps(p + 3 * NC + 8);
+            c40 = _mm256_loadu_ps(p + 4 * NC), c41 = _mm256_loadu_ps(p + 4 * NC + 8);
+            c50 = _mm256_loadu_ps(p + 5 * NC), c51 = _mm256_loadu_ps(p + 5 * NC + 8);
+        }
         for (int64_t k = k0 + j; k < k1; k += 16) {
             __m256 b0, b1, av;
             load_b16(bcol + (size_t)k * B->row_bytes, dt, &b0, &b1);
@@ -78,17 +84,17 @@ TGT_INLINE void tile16(float *P, const float *A, int64_t asi, int64_t ask, const
 }
 
 TGT static void a_tile(float *P, const float *A, int64_t asi, int64_t ask, const kiln_bwd_b *B,
-                       int64_t c0, int64_t k0, int64_t k1, int mi, int nc) {
+                       int64_t c0, int64_t k0, int64_t k1, int mi, int nc, int first) {
     if (nc != NC || mi < 1) {
-        kiln_bwd_tile_generic(P, A, asi, ask, B, c0, k0, k1, mi, nc);
+        kiln_bwd_tile_generic(P, A, asi, ask, B, c0, k0, k1, mi, nc, first);
         return;
     }
     /* one specialisation per dtype, so the loop has no branch */
     switch (B->dtype) {
-    case KILN_DTYPE_F32: tile16(P, A, asi, ask, B, c0, k0, k1, mi, KILN_DTYPE_F32); break;
-    case KILN_DTYPE_BF16: tile16(P, A, asi, ask, B, c0, k0, k1, mi, KILN_DTYPE_BF16); break;
-    case KILN_DTYPE_F16: tile16(P, A, asi, ask, B, c0, k0, k1, mi, KILN_DTYPE_F16); break;
-    default: kiln_bwd_tile_generic(P, A, asi, ask, B, c0, k0, k1, mi, nc); break;
+    case KILN_DTYPE_F32: tile16(P, A, asi, ask, B, c0, k0, k1, mi, KILN_DTYPE_F32, first); break;
+    case KILN_DTYPE_BF16: tile16(P, A, asi, ask, B, c0, k0, k1, mi, KILN_DTYPE_BF16, first); break;
+    case KILN_DTYPE_F16: tile16(P, A, asi, ask, B, c0, k0, k1, mi, KILN_DTYPE_F16, first); break;
+    default: kiln_bwd_tile_generic(P, A, asi, ask, B, c0, k0, k1, mi, nc, first); break;
     }
 }
 

@@ -57,8 +57,8 @@ static void lanes_reduce_cols(float *v, const float *p, int64_t stride, int nc) 
 /* ---- the portable kernel table ---------------------------------------------------------- */
 
 static void p_tile(float *P, const float *A, int64_t asi, int64_t ask, const kiln_bwd_b *B,
-                   int64_t c0, int64_t k0, int64_t k1, int mi, int nc) {
-    kiln_bwd_tile_generic(P, A, asi, ask, B, c0, k0, k1, mi, nc);
+                   int64_t c0, int64_t k0, int64_t k1, int mi, int nc, int first) {
+    kiln_bwd_tile_generic(P, A, asi, ask, B, c0, k0, k1, mi, nc, first);
 }
 
 static void p_col_lanes(float *acc, const float *a, const float *b, const float *s, int64_t ld,
@@ -105,11 +105,10 @@ static void bwd_gemm_rows(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t
             int nc = (int)(g->NCOL - c0 < KILN_BWD_NC ? g->NCOL - c0 : KILN_BWD_NC);
             for (int64_t it = ib0; it < ib1; it += KILN_BWD_MR) {
                 int mi = (int)(ib1 - it < KILN_BWD_MR ? ib1 - it : KILN_BWD_MR);
-                memset(P, 0, sizeof P);
                 const float *A = g->A + it * g->asi;
-                for (int64_t k0 = 0; k0 < g->K; k0 += BWD_KC) {
+                for (int64_t k0 = 0; k0 < g->K; k0 += BWD_KC) { /* K >= 1: P is written */
                     int64_t k1 = k0 + BWD_KC < g->K ? k0 + BWD_KC : g->K;
-                    bk->tile(P, A, g->asi, g->ask, &g->B, c0, k0, k1, mi, nc);
+                    bk->tile(P, A, g->asi, g->ask, &g->B, c0, k0, k1, mi, nc, k0 == 0);
                 }
                 for (int i = 0; i < mi; i++) {
                     float *o = g->out + (it + i) * g->ldo + c0, v[KILN_BWD_NC];
