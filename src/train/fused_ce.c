@@ -55,6 +55,7 @@
 #include "fused_ce.h"
 
 #include "../base/kmath.h"
+#include "../base/threadpool.h"
 #include "../ops/cpu/cpu_kernels.h"
 #include "../ops/cuda/cuda_train.h"
 
@@ -217,25 +218,32 @@ size_t kiln_fused_ce_scratch_bytes(int64_t S, int64_t H, int64_t V, int64_t chun
 /* ---- helpers ------------------------------------------------------------------------------ */
 
 /* dst(C, R) = src(R, C)^T, in 32 x 32 tiles (a copy: no arithmetic). */
-static void transpose_f32(float *dst, const float *src, int64_t R, int64_t C) {
-    for (int64_t r0 = 0; r0 < R; r0 += 32)
+/* Rows [rlo, rhi) of that transpose (the parallel pieces of transpose_f32). */
+static void transpose_f32_rows(float *dst, const float *src, int64_t R, int64_t C, int64_t rlo,
+                               int64_t rhi) {
+    for (int64_t r0 = rlo; r0 < rhi; r0 += 32)
         for (int64_t c0 = 0; c0 < C; c0 += 32) {
-            int64_t r1 = r0 + 32 < R ? r0 + 32 : R, c1 = c0 + 32 < C ? c0 + 32 : C;
+            int64_t r1 = r0 + 32 < rhi ? r0 + 32 : rhi, c1 = c0 + 32 < C ? c0 + 32 : C;
             for (int64_t r = r0; r < r1; r++)
                 for (int64_t c = c0; c < c1; c++) dst[c * R + r] = src[r * C + c];
         }
 }
 
-/* dst(H, n) = W rows [0, n) transposed and widened to f32 (exact for bf16). */
-static void transpose_weight(float *dst, const void *w, kiln_dtype dt, int64_t n, int64_t H) {
+static void transpose_f32(float *dst, const float *src, int64_t R, int64_t C) {
+    transpose_f32_rows(dst, src, R, C, 0, R);
+}
+
+/* dst(H, n) = W rows [rlo, rhi) of [0, n) transposed and widened to f32 (exact for bf16). */
+static void transpose_weight_rows(float *dst, const void *w, kiln_dtype dt, int64_t n, int64_t H,
+                                  int64_t rlo, int64_t rhi) {
     if (dt == KILN_DTYPE_F32) {
-        transpose_f32(dst, (const float *)w, n, H);
+        transpose_f32_rows(dst, (const float *)w, n, H, rlo, rhi);
         return;
     }
     const uint16_t *b = (const uint16_t *)w;
-    for (int64_t r0 = 0; r0 < n; r0 += 32)
+    for (int64_t r0 = rlo; r0 < rhi; r0 += 32)
         for (int64_t c0 = 0; c0 < H; c0 += 32) {
-            int64_t r1 = r0 + 32 < n ? r0 + 32 : n, c1 = c0 + 32 < H ? c0 + 32 : H;
+            int64_t r1 = r0 + 32 < rhi ? r0 + 32 : rhi, c1 = c0 + 32 < H ? c0 + 32 : H;
             for (int64_t r = r0; r < r1; r++)
                 for (int64_t c = c0; c < c1; c++) dst[c * n + r] = kiln_bf16_to_fp32(b[r * H + c]);
         }
@@ -378,6 +386,104 @@ static float host_sum16(const float *v, int64_t n) {
     for (int64_t i = 0; i < n; i++)
         acc[i % KILN_DOT_LANES] = fmaf(v[i], 1.0f, acc[i % KILN_DOT_LANES]);
     return kiln_lane16_reduce(acc);
+}
+
+/* ---- the CPU path's row work on the backend's pool ----------------------------------------- */
+
+/* Every piece below computes outputs of its own (rows of z and of the row statistics, rows of
+ * a transpose, a range of a sum) in the serial code's order, so the split changes no bit. */
+typedef struct ce_cpu_job {
+    const kiln_fused_ce_params *p;
+    ce_scratch *sc;
+    const kiln_cpu_kernels *k;
+    int64_t c0, n;    /* the chunk: columns [c0, c0 + n) */
+    float gs;         /* the gradient's factor (pass 2) */
+    float *dst;       /* transposes and sums: the destination */
+    const float *src; /* ... and the source */
+    const void *w;    /* the weight chunk's first row (its transpose) */
+    int64_t rows, cols;
+} ce_cpu_job;
+
+typedef void (*ce_range_fn)(const ce_cpu_job *j, int64_t lo, int64_t hi);
+
+typedef struct ce_par {
+    ce_range_fn fn;
+    const ce_cpu_job *j;
+    int64_t n, grain;
+    int tasks;
+} ce_par;
+
+static void ce_par_task(void *arg, int task, int thread) {
+    (void)thread;
+    const ce_par *q = arg;
+    int64_t per = (q->n + q->tasks - 1) / q->tasks;
+    per = (per + q->grain - 1) / q->grain * q->grain;
+    int64_t lo = (int64_t)task * per, hi = lo + per < q->n ? lo + per : q->n;
+    if (lo < hi) q->fn(q->j, lo, hi);
+}
+
+/* fn over [0, n) in pieces that start at multiples of grain: on the pool when there is one
+ * with several threads, else on the calling thread. */
+static void ce_parallel(kiln_pool *pool, int64_t n, int64_t grain, ce_range_fn fn,
+                        const ce_cpu_job *j) {
+    int nt = pool ? kiln_pool_n_threads(pool) : 1;
+    int64_t tasks = n / (grain * 8) + 1;
+    if (tasks > 4 * (int64_t)nt) tasks = 4 * (int64_t)nt;
+    if (nt <= 1 || tasks <= 1) {
+        fn(j, 0, n);
+        return;
+    }
+    ce_par q = {fn, j, n, grain, (int)tasks};
+    kiln_pool_run(pool, (int)tasks, ce_par_task, &q);
+}
+
+/* Pass 1 on rows [lo, hi) of one chunk: the target's logit, the chunk's max, the online
+ * rescale and the lane sum of the exponentials. */
+static void ce_pass1_rows(const ce_cpu_job *j, int64_t lo, int64_t hi) {
+    ce_scratch *sc = j->sc;
+    const int64_t n = j->n;
+    for (int64_t i = lo; i < hi; i++) {
+        float *zr = sc->z + i * n;
+        int64_t t = j->p->targets[sc->idx[i]] - j->c0;
+        if (t >= 0 && t < n) sc->zt[i] = zr[t];
+        float bm = zr[0];
+        for (int64_t c = 1; c < n; c++) bm = zr[c] > bm ? zr[c] : bm;
+        float m_new = bm > sc->m[i] ? bm : sc->m[i];
+        float alpha = kiln_expf(sc->m[i] - m_new); /* first chunk: exp(-inf) = 0 */
+        j->k->exp_sub(zr, zr, m_new, (int)n);
+        float csum = lane_sum(j->k, zr, sc->ones, n);
+        sc->l[i] = sc->l[i] * alpha + csum;
+        sc->m[i] = m_new;
+    }
+}
+
+/* Pass 2 on rows [lo, hi) of one chunk: g = (softmax - onehot) * gs in place. */
+static void ce_pass2_rows(const ce_cpu_job *j, int64_t lo, int64_t hi) {
+    ce_scratch *sc = j->sc;
+    const int64_t n = j->n;
+    const float gs = j->gs;
+    for (int64_t i = lo; i < hi; i++) {
+        float *zr = sc->z + i * n;
+        float li = sc->l[i];
+        int64_t t = j->p->targets[sc->idx[i]] - j->c0;
+        j->k->exp_sub(zr, zr, sc->m[i], (int)n);
+        float et = (t >= 0 && t < n) ? zr[t] : 0.0f;
+        for (int64_t c = 0; c < n; c++) zr[c] = (zr[c] / li) * gs;
+        if (t >= 0 && t < n) zr[t] = ((et / li) - 1.0f) * gs;
+    }
+}
+
+static void ce_transpose_rows(const ce_cpu_job *j, int64_t lo, int64_t hi) {
+    transpose_f32_rows(j->dst, j->src, j->rows, j->cols, lo, hi);
+}
+
+/* The W chunk (n rows from src) transposed into dst(H, n), rows [lo, hi) of the chunk. */
+static void ce_weight_t_rows(const ce_cpu_job *j, int64_t lo, int64_t hi) {
+    transpose_weight_rows(j->dst, j->w, j->p->weight_dtype, j->n, j->p->H, lo, hi);
+}
+
+static void ce_add_range(const ce_cpu_job *j, int64_t lo, int64_t hi) {
+    j->k->add(j->dst + lo, j->src + lo, (size_t)(hi - lo));
 }
 
 /* ---- the op on the CUDA backend ----------------------------------------------------------- */
@@ -704,6 +810,7 @@ kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
     ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, block, &sc);
 
     const kiln_cpu_kernels *k = kernels_of(be);
+    kiln_pool *pool = kiln_backend_cpu_pool(be);
     const size_t row_bytes = (size_t)H * (p->weight_dtype == KILN_DTYPE_BF16 ? 2 : 4);
     int64_t ones_n = cn > S ? cn : S;
     for (int64_t j = 0; j < ones_n; j++) sc.ones[j] = 1.0f;
@@ -729,22 +836,13 @@ kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
             sc.l[i] = rs[1];
             sc.zt[i] = rs[2];
         }
+    ce_cpu_job job = {p, &sc, k, 0, 0, 0.0f, NULL, NULL, NULL, 0, 0};
     for (int64_t c0 = 0; !p->row_stats_in && c0 < V; c0 += cn) {
         int64_t n = V - c0 < cn ? V - c0 : cn;
         chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
-        for (int64_t i = 0; i < S; i++) {
-            float *zr = sc.z + i * n;
-            int64_t t = p->targets[sc.idx[i]] - c0;
-            if (t >= 0 && t < n) sc.zt[i] = zr[t];
-            float bm = zr[0];
-            for (int64_t j = 1; j < n; j++) bm = zr[j] > bm ? zr[j] : bm;
-            float m_new = bm > sc.m[i] ? bm : sc.m[i];
-            float alpha = kiln_expf(sc.m[i] - m_new); /* first chunk: exp(-inf) = 0 */
-            k->exp_sub(zr, zr, m_new, (int)n);
-            float csum = lane_sum(k, zr, sc.ones, n);
-            sc.l[i] = sc.l[i] * alpha + csum;
-            sc.m[i] = m_new;
-        }
+        job.c0 = c0;
+        job.n = n;
+        ce_parallel(pool, S, 1, ce_pass1_rows, &job);
     }
     if (p->row_stats_out)
         for (int64_t i = 0; i < S; i++) {
@@ -766,30 +864,34 @@ kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
     if (with_dh || with_dw) {
         if (with_dw) transpose_f32(sc.hT, sc.hs, S, H);
         if (with_dh) memset(sc.dh_acc, 0, (size_t)S * (size_t)H * sizeof(float));
+        job.gs = gs;
         for (int64_t c0 = 0; c0 < V; c0 += cn) {
             int64_t n = V - c0 < cn ? V - c0 : cn;
             chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
-            for (int64_t i = 0; i < S; i++) {
-                float *zr = sc.z + i * n;
-                float li = sc.l[i];
-                int64_t t = p->targets[sc.idx[i]] - c0;
-                k->exp_sub(zr, zr, sc.m[i], (int)n);
-                float et = (t >= 0 && t < n) ? zr[t] : 0.0f;
-                for (int64_t j = 0; j < n; j++) zr[j] = (zr[j] / li) * gs;
-                if (t >= 0 && t < n) zr[t] = ((et / li) - 1.0f) * gs;
-            }
+            job.c0 = c0;
+            job.n = n;
+            ce_parallel(pool, S, 1, ce_pass2_rows, &job);
             if (with_dh) {
-                transpose_weight(sc.wT, (const uint8_t *)p->weight + (size_t)c0 * row_bytes,
-                                 p->weight_dtype, n, H);
+                job.dst = sc.wT;
+                job.w = (const uint8_t *)p->weight + (size_t)c0 * row_bytes;
+                ce_parallel(pool, n, 32, ce_weight_t_rows, &job);
                 kiln_tensor wt = f32_view("fused_ce.weight_chunk_t", sc.wT, H, n);
                 be->i->matmul(be, sc.dpart, sc.z, &wt, NULL, (int)S);
-                k->add(sc.dh_acc, sc.dpart, (size_t)S * (size_t)H);
+                job.dst = sc.dh_acc;
+                job.src = sc.dpart;
+                ce_parallel(pool, S * H, 4096, ce_add_range, &job);
             }
             if (with_dw) {
-                transpose_f32(sc.gT, sc.z, S, n);
+                job.dst = sc.gT;
+                job.src = sc.z;
+                job.rows = S;
+                job.cols = n;
+                ce_parallel(pool, S, 32, ce_transpose_rows, &job);
                 kiln_tensor ht = f32_view("fused_ce.hidden_t", sc.hT, H, S);
                 be->i->matmul(be, sc.wpart, sc.gT, &ht, NULL, (int)n);
-                k->add(p->dweight + c0 * H, sc.wpart, (size_t)n * (size_t)H);
+                job.dst = p->dweight + c0 * H;
+                job.src = sc.wpart;
+                ce_parallel(pool, n * H, 4096, ce_add_range, &job);
             }
         }
     }

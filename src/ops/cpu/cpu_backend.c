@@ -547,3 +547,5 @@ kiln_status kiln_backend_cpu_create_mode(int n_threads, int fast_q8, kiln_backen
 kiln_cpu_path kiln_backend_cpu_path(const kiln_backend *be) {
     return ((const cpu_ctx *)be->ctx)->k->path;
 }
+
+kiln_pool *kiln_backend_cpu_pool(kiln_backend *be) { return ctx_of(be)->pool; }

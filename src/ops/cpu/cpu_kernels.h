@@ -69,5 +69,8 @@ extern const kiln_cpu_kernels kiln_cpu_kernels_avx512;
 /* The SIMD path a CPU backend (from kiln_backend_cpu_create) uses: for tests, benchmarks. */
 struct kiln_backend;
 kiln_cpu_path kiln_backend_cpu_path(const struct kiln_backend *be);
+/* The CPU backend's thread pool (for work that runs beside its ops, e.g. the fused loss's row
+ * work); be must be a CPU backend. */
+struct kiln_pool *kiln_backend_cpu_pool(struct kiln_backend *be);
 
 #endif /* KILN_CPU_KERNELS_H */
