@@ -12,8 +12,9 @@
  *                       dW[c0:c0+n] += g^T @ hs               (matmul on g and hs transposed)
  *
  * Everything a thread computes is one output element in a fixed order (the backend's matmul
- * guarantees it for the products; the row-wise work here runs on the calling thread), so the
- * results are the same bits for any thread count.
+ * guarantees it for the products; the row work, transposes and sums here are split over the
+ * backend's pool by rows or ranges, each output one task's: ce_parallel), so the results are
+ * the same bits for any thread count.
  *
  * On the CUDA backend (ce_device below) the same steps run on the device in the same order:
  * the products are the backend's matmul (the auditable kernel gives the CPU matmul's bits),
