@@ -35,6 +35,11 @@ typedef struct kiln_bwd_kernels {
      * are not read). Elements of P outside i < mi, c < nc are unspecified afterwards. */
     void (*tile)(float *P, const float *A, int64_t asi, int64_t ask, const kiln_bwd_b *B,
                  int64_t c0, int64_t k0, int64_t k1, int mi, int nc, int first);
+    /* tile's arithmetic (nc = 16) on a packed panel instead of B: pk holds B(k, 0..15) as f32
+     * for k in [k0, k1), lane by lane: row k at pk + ((k - k0) % 16 * mstride + (k - k0) / 16)
+     * * 16, so each lane's rows are consecutive. NULL in a table without it. */
+    void (*tile_packed)(float *P, const float *A, int64_t asi, int64_t ask, const float *pk,
+                        int64_t mstride, int64_t k0, int64_t k1, int mi, int first);
     /* Column lanes over rows n in [n0, n1), n0 a multiple of 16, for c < w:
      * acc[(n % 16)*w + c] = fmaf(a[n*ld + c], bv, acc[...]) with bv = b[n*ld + c] * s[n]
      * (s NULL: bv = b[n*ld + c]; b NULL: bv = 1, i.e. a plain sum of a). */

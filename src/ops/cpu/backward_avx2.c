@@ -83,6 +83,53 @@ TGT_INLINE void tile16(float *P, const float *A, int64_t asi, int64_t ask, const
     }
 }
 
+/* tile16 on the lane-grouped panel (kiln_bwd_kernels.tile_packed): the same FMAs in the same
+ * order, the B rows of one lane read consecutively. */
+TGT static void a_tile_packed(float *P, const float *A, int64_t asi, int64_t ask,
+                              const float *pk, int64_t mstride, int64_t k0, int64_t k1, int mi,
+                              int first) {
+    const float *a[MR];
+    for (int i = 0; i < MR; i++) a[i] = A + (i < mi ? i : mi - 1) * asi;
+    for (int j = 0; j < 16; j++) {
+        float *p = P + (int64_t)j * MR * NC;
+        const float *bj = pk + (int64_t)j * mstride * 16;
+        __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+        if (first) {
+            c00 = c01 = c10 = c11 = c20 = c21 = _mm256_setzero_ps();
+            c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
+        } else {
+            c00 = _mm256_loadu_ps(p + 0 * NC), c01 = _mm256_loadu_ps(p + 0 * NC + 8);
+            c10 = _mm256_loadu_ps(p + 1 * NC), c11 = _mm256_loadu_ps(p + 1 * NC + 8);
+            c20 = _mm256_loadu_ps(p + 2 * NC), c21 = _mm256_loadu_ps(p + 2 * NC + 8);
+            c30 = _mm256_loadu_ps(p + 3 * NC), c31 = _mm256_loadu_ps(p + 3 * NC + 8);
+            c40 = _mm256_loadu_ps(p + 4 * NC), c41 = _mm256_loadu_ps(p + 4 * NC + 8);
+            c50 = _mm256_loadu_ps(p + 5 * NC), c51 = _mm256_loadu_ps(p + 5 * NC + 8);
+        }
+        for (int64_t k = k0 + j; k < k1; k += 16, bj += 16) {
+            const __m256 b0 = _mm256_loadu_ps(bj), b1 = _mm256_loadu_ps(bj + 8);
+            const int64_t ko = k * ask;
+            __m256 av = _mm256_broadcast_ss(a[0] + ko);
+            c00 = _mm256_fmadd_ps(av, b0, c00), c01 = _mm256_fmadd_ps(av, b1, c01);
+            av = _mm256_broadcast_ss(a[1] + ko);
+            c10 = _mm256_fmadd_ps(av, b0, c10), c11 = _mm256_fmadd_ps(av, b1, c11);
+            av = _mm256_broadcast_ss(a[2] + ko);
+            c20 = _mm256_fmadd_ps(av, b0, c20), c21 = _mm256_fmadd_ps(av, b1, c21);
+            av = _mm256_broadcast_ss(a[3] + ko);
+            c30 = _mm256_fmadd_ps(av, b0, c30), c31 = _mm256_fmadd_ps(av, b1, c31);
+            av = _mm256_broadcast_ss(a[4] + ko);
+            c40 = _mm256_fmadd_ps(av, b0, c40), c41 = _mm256_fmadd_ps(av, b1, c41);
+            av = _mm256_broadcast_ss(a[5] + ko);
+            c50 = _mm256_fmadd_ps(av, b0, c50), c51 = _mm256_fmadd_ps(av, b1, c51);
+        }
+        _mm256_storeu_ps(p + 0 * NC, c00), _mm256_storeu_ps(p + 0 * NC + 8, c01);
+        _mm256_storeu_ps(p + 1 * NC, c10), _mm256_storeu_ps(p + 1 * NC + 8, c11);
+        _mm256_storeu_ps(p + 2 * NC, c20), _mm256_storeu_ps(p + 2 * NC + 8, c21);
+        _mm256_storeu_ps(p + 3 * NC, c30), _mm256_storeu_ps(p + 3 * NC + 8, c31);
+        _mm256_storeu_ps(p + 4 * NC, c40), _mm256_storeu_ps(p + 4 * NC + 8, c41);
+        _mm256_storeu_ps(p + 5 * NC, c50), _mm256_storeu_ps(p + 5 * NC + 8, c51);
+    }
+}
+
 TGT static void a_tile(float *P, const float *A, int64_t asi, int64_t ask, const kiln_bwd_b *B,
                        int64_t c0, int64_t k0, int64_t k1, int mi, int nc, int first) {
     if (nc != NC || mi < 1) {
@@ -105,6 +152,7 @@ TGT static void a_col_lanes(float *acc, const float *a, const float *b, const fl
     kiln_bwd_col_lanes_generic(acc, a, b, s, ld, n0, n1, w);
 }
 
-const kiln_bwd_kernels kiln_bwd_kernels_avx2 = {.tile = a_tile, .col_lanes = a_col_lanes};
+const kiln_bwd_kernels kiln_bwd_kernels_avx2 = {.tile = a_tile, .tile_packed = a_tile_packed,
+                                                .col_lanes = a_col_lanes};
 
 #endif /* __x86_64__ */

@@ -95,13 +95,64 @@ typedef struct bwd_gemm {
 #define BWD_KC 512 /* k per chunk: A rows and the B panel of a chunk stay in L1/L2 over 16 lanes */
 #define BWD_IB 48  /* rows per block: A's block stays in L2 while the c tiles sweep it */
 
+/* The panel of B's columns [c0, c0 + 16) for k in [k0, k1), as f32, lane by lane (the layout
+ * of kiln_bwd_kernels.tile_packed, mstride = ceil((k1 - k0) / 16)). */
+static void bwd_pack_panel(float *pk, const kiln_bwd_b *B, int64_t c0, int64_t k0, int64_t k1) {
+    const int64_t ms = (k1 - k0 + 15) / 16;
+    for (int64_t k = k0; k < k1; k++) {
+        float *d = pk + ((k - k0) % 16 * ms + (k - k0) / 16) * 16;
+        if (B->dtype == KILN_DTYPE_F32)
+            memcpy(d, B->b + (size_t)k * B->row_bytes + (size_t)c0 * 4, 16 * sizeof(float));
+        else
+            for (int c = 0; c < 16; c++) d[c] = kiln_bwd_b_at(B, k, c0 + c);
+    }
+}
+
+/* Whole 16-column panels with a packed tile: per row block and panel, each k chunk of B is
+ * packed once (bwd_pack_panel) and every 6-row tile of the block runs on it; the tiles' lane
+ * partials wait in Ps between chunks. */
+static void bwd_gemm_rows_packed(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t i0,
+                                 int64_t i1, int64_t c0) {
+    enum { TILES = (BWD_IB + KILN_BWD_MR - 1) / KILN_BWD_MR };
+    float Ps[TILES][KILN_DOT_LANES * KILN_BWD_MR * KILN_BWD_NC];
+    float pk[BWD_KC * KILN_BWD_NC];
+    const int64_t lane_stride = KILN_BWD_MR * KILN_BWD_NC;
+    for (int64_t ib0 = i0; ib0 < i1; ib0 += BWD_IB) {
+        int64_t ib1 = ib0 + BWD_IB < i1 ? ib0 + BWD_IB : i1;
+        for (int64_t k0 = 0; k0 < g->K; k0 += BWD_KC) { /* K >= 1: every Ps is written */
+            int64_t k1 = k0 + BWD_KC < g->K ? k0 + BWD_KC : g->K;
+            bwd_pack_panel(pk, &g->B, c0, k0, k1);
+            for (int64_t it = ib0; it < ib1; it += KILN_BWD_MR) {
+                int mi = (int)(ib1 - it < KILN_BWD_MR ? ib1 - it : KILN_BWD_MR);
+                bk->tile_packed(Ps[(it - ib0) / KILN_BWD_MR], g->A + it * g->asi, g->asi, g->ask,
+                                pk, (k1 - k0 + 15) / 16, k0, k1, mi, k0 == 0);
+            }
+        }
+        for (int64_t it = ib0; it < ib1; it += KILN_BWD_MR) {
+            int mi = (int)(ib1 - it < KILN_BWD_MR ? ib1 - it : KILN_BWD_MR);
+            const float *P = Ps[(it - ib0) / KILN_BWD_MR];
+            for (int i = 0; i < mi; i++) {
+                float *o = g->out + (it + i) * g->ldo + c0, v[KILN_BWD_NC];
+                lanes_reduce_cols(v, P + i * KILN_BWD_NC, lane_stride, KILN_BWD_NC);
+                if (g->accumulate)
+                    for (int c = 0; c < KILN_BWD_NC; c++) o[c] = o[c] + v[c];
+                else
+                    for (int c = 0; c < KILN_BWD_NC; c++) o[c] = v[c];
+            }
+        }
+    }
+}
+
 static void bwd_gemm_rows(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t i0,
                           int64_t i1) {
+    int64_t full = bk->tile_packed ? g->NCOL / KILN_BWD_NC * KILN_BWD_NC : 0;
+    for (int64_t c0 = 0; c0 < full; c0 += KILN_BWD_NC) bwd_gemm_rows_packed(bk, g, i0, i1, c0);
+    if (full == g->NCOL) return;
     float P[KILN_DOT_LANES * KILN_BWD_MR * KILN_BWD_NC];
     const int64_t lane_stride = KILN_BWD_MR * KILN_BWD_NC;
     for (int64_t ib0 = i0; ib0 < i1; ib0 += BWD_IB) {
         int64_t ib1 = ib0 + BWD_IB < i1 ? ib0 + BWD_IB : i1;
-        for (int64_t c0 = 0; c0 < g->NCOL; c0 += KILN_BWD_NC) {
+        for (int64_t c0 = full; c0 < g->NCOL; c0 += KILN_BWD_NC) {
             int nc = (int)(g->NCOL - c0 < KILN_BWD_NC ? g->NCOL - c0 : KILN_BWD_NC);
             for (int64_t it = ib0; it < ib1; it += KILN_BWD_MR) {
                 int mi = (int)(ib1 - it < KILN_BWD_MR ? ib1 - it : KILN_BWD_MR);
