@@ -95,6 +95,20 @@ typedef struct bwd_gemm {
 #define BWD_KC 512 /* k per chunk: A rows and the B panel of a chunk stay in L1/L2 over 16 lanes */
 #define BWD_IB 48  /* rows per block: A's block stays in L2 while the c tiles sweep it */
 
+/* A tile's outputs from its lane partials P: rows it .. it+mi-1, columns c0 .. c0+nc-1, each
+ * the tree over its 16 lanes, written or added (g->accumulate). */
+static void bwd_store_tile(const bwd_gemm *g, const float *P, int64_t it, int64_t c0, int mi,
+                           int nc) {
+    for (int i = 0; i < mi; i++) {
+        float *o = g->out + (it + i) * g->ldo + c0, v[KILN_BWD_NC];
+        lanes_reduce_cols(v, P + i * KILN_BWD_NC, KILN_BWD_MR * KILN_BWD_NC, nc);
+        if (g->accumulate)
+            for (int c = 0; c < nc; c++) o[c] = o[c] + v[c];
+        else
+            for (int c = 0; c < nc; c++) o[c] = v[c];
+    }
+}
+
 /* The panel of B's columns [c0, c0 + 16) for k in [k0, k1), as f32, lane by lane (the layout
  * of kiln_bwd_kernels.tile_packed, mstride = ceil((k1 - k0) / 16)). */
 static void bwd_pack_panel(float *pk, const kiln_bwd_b *B, int64_t c0, int64_t k0, int64_t k1) {
@@ -116,7 +130,6 @@ static void bwd_gemm_rows_packed(const kiln_bwd_kernels *bk, const bwd_gemm *g, 
     enum { TILES = (BWD_IB + KILN_BWD_MR - 1) / KILN_BWD_MR };
     float Ps[TILES][KILN_DOT_LANES * KILN_BWD_MR * KILN_BWD_NC];
     float pk[BWD_KC * KILN_BWD_NC];
-    const int64_t lane_stride = KILN_BWD_MR * KILN_BWD_NC;
     for (int64_t ib0 = i0; ib0 < i1; ib0 += BWD_IB) {
         int64_t ib1 = ib0 + BWD_IB < i1 ? ib0 + BWD_IB : i1;
         for (int64_t k0 = 0; k0 < g->K; k0 += BWD_KC) { /* K >= 1: every Ps is written */
@@ -130,15 +143,7 @@ static void bwd_gemm_rows_packed(const kiln_bwd_kernels *bk, const bwd_gemm *g, 
         }
         for (int64_t it = ib0; it < ib1; it += KILN_BWD_MR) {
             int mi = (int)(ib1 - it < KILN_BWD_MR ? ib1 - it : KILN_BWD_MR);
-            const float *P = Ps[(it - ib0) / KILN_BWD_MR];
-            for (int i = 0; i < mi; i++) {
-                float *o = g->out + (it + i) * g->ldo + c0, v[KILN_BWD_NC];
-                lanes_reduce_cols(v, P + i * KILN_BWD_NC, lane_stride, KILN_BWD_NC);
-                if (g->accumulate)
-                    for (int c = 0; c < KILN_BWD_NC; c++) o[c] = o[c] + v[c];
-                else
-                    for (int c = 0; c < KILN_BWD_NC; c++) o[c] = v[c];
-            }
+            bwd_store_tile(g, Ps[(it - ib0) / KILN_BWD_MR], it, c0, mi, KILN_BWD_NC);
         }
     }
 }
@@ -149,7 +154,6 @@ static void bwd_gemm_rows(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t
     for (int64_t c0 = 0; c0 < full; c0 += KILN_BWD_NC) bwd_gemm_rows_packed(bk, g, i0, i1, c0);
     if (full == g->NCOL) return;
     float P[KILN_DOT_LANES * KILN_BWD_MR * KILN_BWD_NC];
-    const int64_t lane_stride = KILN_BWD_MR * KILN_BWD_NC;
     for (int64_t ib0 = i0; ib0 < i1; ib0 += BWD_IB) {
         int64_t ib1 = ib0 + BWD_IB < i1 ? ib0 + BWD_IB : i1;
         for (int64_t c0 = full; c0 < g->NCOL; c0 += KILN_BWD_NC) {
@@ -161,14 +165,7 @@ static void bwd_gemm_rows(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t
                     int64_t k1 = k0 + BWD_KC < g->K ? k0 + BWD_KC : g->K;
                     bk->tile(P, A, g->asi, g->ask, &g->B, c0, k0, k1, mi, nc, k0 == 0);
                 }
-                for (int i = 0; i < mi; i++) {
-                    float *o = g->out + (it + i) * g->ldo + c0, v[KILN_BWD_NC];
-                    lanes_reduce_cols(v, P + i * KILN_BWD_NC, lane_stride, nc);
-                    if (g->accumulate)
-                        for (int c = 0; c < nc; c++) o[c] = o[c] + v[c];
-                    else
-                        for (int c = 0; c < nc; c++) o[c] = v[c];
-                }
+                bwd_store_tile(g, P, it, c0, mi, nc);
             }
         }
     }
