@@ -383,8 +383,12 @@ int main(int argc, char **argv) {
     /* refusals that need no GPU */
     char tok[1200], cfg[1200];
     snprintf(tok, sizeof tok, "%s/ggml-vocab-llama-spm.gguf", vocab_dir);
-    if (access(tok, R_OK) != 0 || !write_config(&cases[0], cfg, sizeof cfg)) {
-        fprintf(stderr, "FAIL: no vocabulary at %s (pass the folder as the argument)\n", tok);
+    if (access(tok, R_OK) != 0) {
+        rmdir(g_tmpdir);
+        return gpu_missing_vocab_status(tok);
+    }
+    if (!write_config(&cases[0], cfg, sizeof cfg)) {
+        fprintf(stderr, "FAIL: cannot write a config into %s\n", g_tmpdir);
         rmdir(g_tmpdir);
         return 1;
     }
