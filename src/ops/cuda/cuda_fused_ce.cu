@@ -14,11 +14,11 @@
  *   - the exponentials are the MUFU's 2^x of one FMA (ex2_approx(fmaf(z, log2 e, -m log2 e)),
  *     cuda_common.cuh; relative error about 2^-22 against auditable mode's kiln_expf), which
  *     leaves these kernels bound by memory rather than by kiln_expf's arithmetic;
- *   - pass 1 (pass1_fast_kernel): one block of CE_FAST_THREADS threads per row. The max is a
- *     tree (exact: a max never rounds); the sum of the exponentials has its own fixed order,
- *     written down at the kernel. Run to run the bits are the same; against auditable mode the
- *     exponential and the order of the sum differ (the max, alpha's form and the update of l
- *     are the same operations);
+ *   - pass 1 (pass1_fast_kernel): one block of CE_FAST_THREADS threads per row, one read of
+ *     the row: each thread keeps a running max and the sum of exponentials relative to it,
+ *     rescaled when the max grows (online softmax), and the threads' pairs merge in a fixed
+ *     tree. Run to run the bits are the same; against auditable mode the exponentials, the
+ *     rescales and the order of the sum differ (the max itself is exact either way);
  *   - g (grad_fast_kernel): per element (e / l - [j = t]) gs as grad_kernel, but e as above
  *     and e / l as e * (1 / l), on a 2-D grid (no 64-bit division per element), and zero rows
  *     from S to the padded row count, so the products see a row count that is a multiple of 8
@@ -285,60 +285,106 @@ extern "C" bool kiln_cuda_ce_is_fast(kiln_backend *be) { return kiln_cuda_is_fas
 #define CE_FAST_WARPS (CE_FAST_THREADS / 32)
 static_assert(CE_FAST_THREADS % 32 == 0 && CE_FAST_WARPS <= 32, "whole warps, one smem slot each");
 
-/* Pass 1 on one chunk, one block per row (rows grid-strided). Order, fixed for a given n:
- *   max:  thread t takes fmaxf over z[j], j = t, t + 256, ...; warps combine by the xor
- *         butterfly (16, 8, 4, 2, 1), then warp 0's lane 0 takes the 8 warp maxima in order;
- *         a max is exact, so only NaN (ignored by fmaxf; a NaN logit still makes the sum, hence
- *         the loss, NaN and the call fails as in auditable mode) and the sign of a zero max
- *         could depend on it, and neither changes exp(z - m);
- *   m_new = bm > m ? bm : m (as auditable);
- *   sum:  thread t: acc = 0, acc = acc + e(z[j]) for j = t, t + 256, ..., e(z) =
- *         ex2_approx(fmaf(z, log2 e, -m_new log2 e)),
- *         ascending; each warp sums its 32 accumulators by the xor butterfly (offsets 16, 8,
- *         4, 2, 1: both lanes of a pair compute a + b, the same bits); then
- *         csum = ((w0 + w1) + w2) + ... + w7 over the warp sums in warp order;
- *   l = l * alpha + csum, alpha = ex2_approx((m - m_new) log2 e), zt = z[t] (as auditable). */
+/* Pass 1 on one chunk, one block per row (rows grid-strided), reading the row once. Order,
+ * fixed for a given n and the vector choice (z 16-byte aligned and n % 4 == 0: float4 slots,
+ * else single elements; a function of the call's arguments, never of the timing):
+ *   thread t walks its slots j = t, t + 256, ... (a slot: 4 consecutive columns, or one) in
+ *   groups of CE_P1_GROUP slots, ascending (the row's last group padded with -inf values,
+ *   whose terms are exact zeros), keeping (mt, st): the running max and the sum of
+ *   e(z) = ex2_approx(fmaf(z, log2 e, -mt log2 e)) relative to it. Per group: gm = the fmaxf of
+ *   its values in slot order; when gm > mt, st = st * ce_rescale(mt, gm) and mt = gm; then st
+ *   = st + e(v) for each value in slot order (skipped while mt is -inf: every value so far was
+ *   -inf, contributing 0);
+ *   (mt, st) pairs combine as ce_merge: m = fmaxf, s = sa * ce_rescale(ma, m) + sb *
+ *   ce_rescale(mb, m) (symmetric in its operands, bit for bit, so both lanes of a butterfly
+ *   pair hold the same result): each warp by the xor butterfly (16, 8, 4, 2, 1), then thread 0
+ *   takes the 8 warps in order from warp 0;
+ *   with the row's (M, L) so far, m_new = M > m ? M : m (as auditable) and l = l * ce_rescale(m,
+ *   m_new) + L * ce_rescale(M, m_new); zt = z[t] (as auditable).
+ * A NaN logit makes the sum, hence the loss, NaN (the call then fails as in auditable mode);
+ * a max never rounds, so the only roundings are the exponentials, the rescales and the sums.
+ * One read of the row (the earlier kernel read it twice, max then sum): with four float4 loads
+ * in flight per thread the kernel runs near the memory's rate. */
+#define CE_P1_GROUP 4
+
+/* 2^((m_old - m_new) log2 e), exactly 1 when m_old == m_new (also both -inf: no NaN from
+ * -inf - -inf) and 0 for m_old = -inf < m_new. */
+static __device__ __forceinline__ float ce_rescale(float m_old, float m_new) {
+    return m_old == m_new ? 1.0f : ex2_approx((m_old - m_new) * KILN_LOG2E);
+}
+
+static __device__ __forceinline__ void ce_merge(float &m, float &s, float mo, float so) {
+    const float mn = fmaxf(m, mo);
+    s = s * ce_rescale(m, mn) + so * ce_rescale(mo, mn);
+    m = mn;
+}
+
+/* One group of K values (slot order) into the thread's (mt, st). */
+template <int K>
+static __device__ __forceinline__ void ce_p1_group(float &mt, float &st, const float (&v)[K]) {
+    float gm = v[0];
+#pragma unroll
+    for (int q = 1; q < K; q++) gm = fmaxf(gm, v[q]);
+    if (gm > mt) {
+        st = st * ce_rescale(mt, gm);
+        mt = gm;
+    }
+    if (mt == -INFINITY) return;
+    const float nm = -mt * KILN_LOG2E;
+#pragma unroll
+    for (int q = 0; q < K; q++) st = st + ex2_approx(fmaf(v[q], KILN_LOG2E, nm));
+}
+
+template <bool VEC>
 static __global__ void __launch_bounds__(CE_FAST_THREADS)
 pass1_fast_kernel(const float *__restrict__ z, int64_t S, int64_t n, int64_t c0,
                   const int32_t *__restrict__ tgt, float *m, float *l, float *zt) {
-    __shared__ float part[CE_FAST_WARPS];
-    __shared__ float bcast;
+    __shared__ float part_m[CE_FAST_WARPS], part_s[CE_FAST_WARPS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    constexpr int W = VEC ? 4 : 1;          /* columns per slot */
+    constexpr int G = CE_P1_GROUP;          /* slots per group */
+    constexpr int64_t STEP = (int64_t)CE_FAST_THREADS * G;
+    const int64_t slots = n / W;            /* VEC: n % 4 == 0 */
     for (int64_t i = blockIdx.x; i < S; i += gridDim.x) { /* uniform per block */
         const float *zr = z + i * n;
-        float bm = -INFINITY;
-#pragma unroll 4
-        for (int64_t j = tid; j < n; j += CE_FAST_THREADS) bm = fmaxf(bm, zr[j]);
-        for (int o = 16; o > 0; o >>= 1) bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, o));
-        if (lane == 0) part[warp] = bm;
-        __syncthreads();
-        const float mi = m[i];
-        if (tid == 0) {
-            float b = part[0];
-            for (int w = 1; w < CE_FAST_WARPS; w++) b = fmaxf(b, part[w]);
-            bcast = b > mi ? b : mi;
+        float mt = -INFINITY, st = 0.0f;
+        for (int64_t j0 = tid; j0 < slots; j0 += STEP) {
+            float v[G * W]; /* slots past the row: -inf, whose e(z) adds an exact 0 */
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                const int64_t j = j0 + (int64_t)g * CE_FAST_THREADS;
+                if (VEC) {
+                    float4 x4 = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+                    if (j < slots) x4 = __ldg(reinterpret_cast<const float4 *>(zr) + j);
+                    v[4 * g] = x4.x, v[4 * g + 1] = x4.y;
+                    v[4 * g + 2] = x4.z, v[4 * g + 3] = x4.w;
+                } else {
+                    v[g] = j < slots ? __ldg(zr + j) : -INFINITY;
+                }
+            }
+            ce_p1_group<G * W>(mt, st, v);
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float mo = __shfl_xor_sync(0xffffffffu, mt, o);
+            const float so = __shfl_xor_sync(0xffffffffu, st, o);
+            ce_merge(mt, st, mo, so);
+        }
+        if (lane == 0) {
+            part_m[warp] = mt;
+            part_s[warp] = st;
         }
         __syncthreads();
-        const float m_new = bcast, nm = -m_new * KILN_LOG2E;
-        float acc = 0.0f;
-#pragma unroll 4
-        for (int64_t j = tid; j < n; j += CE_FAST_THREADS)
-            acc = acc + ex2_approx(fmaf(zr[j], KILN_LOG2E, nm));
-        for (int o = 16; o > 0; o >>= 1) acc = acc + __shfl_xor_sync(0xffffffffu, acc, o);
-        __syncthreads(); /* every thread has read bcast and part (max) before part is reused */
-        if (lane == 0) part[warp] = acc;
-        __syncthreads();
         if (tid == 0) {
-            float csum = part[0];
-            for (int w = 1; w < CE_FAST_WARPS; w++) csum = csum + part[w];
+            float bm = part_m[0], bs = part_s[0];
+            for (int w = 1; w < CE_FAST_WARPS; w++) ce_merge(bm, bs, part_m[w], part_s[w]);
+            const float mi = m[i];
+            const float m_new = bm > mi ? bm : mi;
             const int64_t t = (int64_t)tgt[i] - c0;
             if (t >= 0 && t < n) zt[i] = zr[t];
-            /* first chunk: 2^-inf = 0 */
-            const float alpha = ex2_approx((mi - m_new) * KILN_LOG2E);
-            l[i] = l[i] * alpha + csum;
+            l[i] = l[i] * ce_rescale(mi, m_new) + bs * ce_rescale(bm, m_new);
             m[i] = m_new;
         }
-        __syncthreads(); /* part and bcast are rewritten for the next row */
+        __syncthreads(); /* part_* are rewritten for the next row */
     }
 }
 
@@ -348,8 +394,13 @@ extern "C" kiln_status kiln_cuda_ce_pass1_fast(kiln_backend *be, const float *z,
     CE_BEGIN(be);
     if (S <= 0 || n <= 0) return KILN_OK;
     const unsigned blocks = (unsigned)(S < (1 << 20) ? S : (1 << 20));
-    pass1_fast_kernel<<<blocks, CE_FAST_THREADS, 0, kiln_cuda_stream(be)>>>(z, S, n, c0, tgt, m,
-                                                                            l, zt);
+    const bool vec = n % 4 == 0 && ((uintptr_t)z & 15u) == 0;
+    if (vec)
+        pass1_fast_kernel<true><<<blocks, CE_FAST_THREADS, 0, kiln_cuda_stream(be)>>>(
+            z, S, n, c0, tgt, m, l, zt);
+    else
+        pass1_fast_kernel<false><<<blocks, CE_FAST_THREADS, 0, kiln_cuda_stream(be)>>>(
+            z, S, n, c0, tgt, m, l, zt);
     return ce_launched(be, "fused_ce pass 1 (fast)");
 }
 
@@ -400,18 +451,22 @@ extern "C" kiln_status kiln_cuda_ce_grad_fast(kiln_backend *be, float *z, int64_
 /* ---- fast mode on bf16 operands -------------------------------------------------------------- */
 
 
-/* The bf16 kernels below give each thread a run of CE_RUN = 4 columns of one row and store it
- * as one 8-byte word: the destination's leading dimension is a multiple of 8 elements and its
- * start 16-byte aligned, so a run starting at a multiple of 4 never leaves its row's padded
+/* The bf16 kernels below give each thread a run of CE_RUN = 8 columns of one row and store it
+ * as one 16-byte word: the destination's leading dimension is a multiple of 8 elements and its
+ * start 16-byte aligned, so a run starting at a multiple of 8 never leaves its row's padded
  * width. Columns past the matrix's width inside the last run are written as zeros (padding the
- * products never read). Grid: x over the runs of a row, y over the rows (strided). */
-#define CE_RUN 4
+ * products never read). Grid: x over the runs of a row, y over the rows (strided). Eight
+ * columns a thread (two float4 loads in flight, against one with runs of four, which left the
+ * gradient kernel at about 2.5 TB/s on the H200). */
+#define CE_RUN 8
 
 static __device__ __forceinline__ void ce_store_run(uint16_t *dst, const uint16_t v[CE_RUN]) {
-    uint2 o;
-    o.x = (uint32_t)v[0] | ((uint32_t)v[1] << 16); /* little-endian: column j at the lower */
-    o.y = (uint32_t)v[2] | ((uint32_t)v[3] << 16); /* address */
-    *(uint2 *)dst = o;
+    uint4 o; /* little-endian: column j at the lower address */
+    o.x = (uint32_t)v[0] | ((uint32_t)v[1] << 16);
+    o.y = (uint32_t)v[2] | ((uint32_t)v[3] << 16);
+    o.z = (uint32_t)v[4] | ((uint32_t)v[5] << 16);
+    o.w = (uint32_t)v[6] | ((uint32_t)v[7] << 16);
+    *(uint4 *)dst = o;
 }
 
 static __global__ void __launch_bounds__(CE_FAST_THREADS)
@@ -420,7 +475,7 @@ gather_bf16_kernel(uint16_t *__restrict__ hsb, int64_t ld, const float *__restri
     const int64_t j0 = ((int64_t)blockIdx.x * CE_FAST_THREADS + threadIdx.x) * CE_RUN;
     if (j0 >= H) return;
     for (int64_t i = blockIdx.y; i < Sp; i += gridDim.y) {
-        uint16_t v[CE_RUN] = {0, 0, 0, 0};
+        uint16_t v[CE_RUN] = {0, 0, 0, 0, 0, 0, 0, 0};
         if (i < S) {
             const float *src = hidden + idx[i] * H;
 #pragma unroll
@@ -460,8 +515,8 @@ extern "C" kiln_status kiln_cuda_ce_gather_bf16(kiln_backend *be, uint16_t *hsb,
     return ce_launched(be, "fused_ce gather (bf16)");
 }
 
-/* g(Sp, ldg) in bf16 from z(S, n): the value of grad_fast_kernel, rounded once. float4 loads
- * where the run is whole and 16-byte aligned (the same values either way). */
+/* g(Sp, ldg) in bf16 from z(S, n): the value of grad_fast_kernel, rounded once. Two float4
+ * loads where the run is whole and 16-byte aligned (the same values either way). */
 static __global__ void __launch_bounds__(CE_FAST_THREADS)
 grad_bf16_kernel(uint16_t *__restrict__ g, int64_t ldg, const float *__restrict__ z, int64_t S,
                  int64_t Sp, int64_t n, int64_t c0, const int32_t *__restrict__ tgt,
@@ -469,15 +524,16 @@ grad_bf16_kernel(uint16_t *__restrict__ g, int64_t ldg, const float *__restrict_
     const int64_t j0 = ((int64_t)blockIdx.x * CE_FAST_THREADS + threadIdx.x) * CE_RUN;
     if (j0 >= n) return;
     for (int64_t i = blockIdx.y; i < Sp; i += gridDim.y) {
-        uint16_t v[CE_RUN] = {0, 0, 0, 0};
+        uint16_t v[CE_RUN] = {0, 0, 0, 0, 0, 0, 0, 0};
         if (i < S) {
             const float nm = -m[i] * KILN_LOG2E, rl = 1.0f / l[i];
             const int64_t t = (int64_t)tgt[i] - c0;
             const float *zr = z + i * n + j0;
             float x[CE_RUN];
             if (j0 + CE_RUN <= n && ((uintptr_t)zr & 15u) == 0) {
-                const float4 x4 = *(const float4 *)zr;
-                x[0] = x4.x, x[1] = x4.y, x[2] = x4.z, x[3] = x4.w;
+                const float4 a = __ldg((const float4 *)zr), b = __ldg((const float4 *)zr + 1);
+                x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+                x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
             } else {
 #pragma unroll
                 for (int q = 0; q < CE_RUN; q++) x[q] = j0 + q < n ? zr[q] : 0.0f;
