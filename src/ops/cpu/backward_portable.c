@@ -90,6 +90,9 @@ typedef struct bwd_gemm {
     int64_t asi, ask;
     kiln_bwd_b B;
     int64_t M, NCOL, K;
+    /* B's whole 16-column panels packed once for every task (bwd_pack_all), panel p's chunk
+     * j at pk + (p * bwd_chunks(K) + j) * BWD_KC * 16; NULL: each task packs its own */
+    const float *pk;
 } bwd_gemm;
 
 #define BWD_KC 512 /* k per chunk: A rows and the B panel of a chunk stay in L1/L2 over 16 lanes */
@@ -122,23 +125,61 @@ static void bwd_pack_panel(float *pk, const kiln_bwd_b *B, int64_t c0, int64_t k
     }
 }
 
-/* Whole 16-column panels with a packed tile: per row block and panel, each k chunk of B is
- * packed once (bwd_pack_panel) and every 6-row tile of the block runs on it; the tiles' lane
- * partials wait in Ps between chunks. */
+/* Chunks of BWD_KC in K (the last one partial). */
+static int64_t bwd_chunks(int64_t K) { return (K + BWD_KC - 1) / BWD_KC; }
+
+/* Rows [k_lo, k_hi) of B into the packed panels of bwd_gemm.pk (every whole panel of the
+ * first `full` columns): each row is read once, front to back, and its 16-column pieces go
+ * to their panels at bwd_pack_panel's places. */
+static void bwd_pack_rows(float *pk, const kiln_bwd_b *B, int64_t K, int64_t full, int64_t k_lo,
+                          int64_t k_hi) {
+    const int64_t nch = bwd_chunks(K);
+    for (int64_t k = k_lo; k < k_hi; k++) {
+        const int64_t j = k / BWD_KC, k0 = j * BWD_KC, k1 = k0 + BWD_KC < K ? k0 + BWD_KC : K;
+        const int64_t ms = (k1 - k0 + 15) / 16;
+        const int64_t at = ((k - k0) % 16 * ms + (k - k0) / 16) * 16;
+        for (int64_t c0 = 0; c0 < full; c0 += KILN_BWD_NC) {
+            float *d = pk + ((c0 / KILN_BWD_NC) * nch + j) * (BWD_KC * KILN_BWD_NC) + at;
+            if (B->dtype == KILN_DTYPE_F32)
+                memcpy(d, B->b + (size_t)k * B->row_bytes + (size_t)c0 * 4, 16 * sizeof(float));
+            else
+                for (int c = 0; c < 16; c++) d[c] = kiln_bwd_b_at(B, k, c0 + c);
+        }
+    }
+}
+
+/* Whole 16-column panels with a packed tile, on the panel's chunks at pk (chunk j at pk + j *
+ * BWD_KC * 16): packed already (bwd_gemm.pk), or packed here first when `pack`, or, with pk
+ * NULL, again for each row block into a stack buffer (the same values either way, so the
+ * same bits). Every 6-row tile of a row block runs on them, its lane partials waiting in Ps
+ * between chunks. With 4 tasks a thread, a task has one or two row blocks: packing per task
+ * repeated the panels of W once per task, about a sixth of a 135M training step on a Sapphire
+ * Rapids core; bwd_gemm.pk packs them once per call. */
 static void bwd_gemm_rows_packed(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t i0,
-                                 int64_t i1, int64_t c0) {
+                                 int64_t i1, int64_t c0, float *pk, int pack) {
     enum { TILES = (BWD_IB + KILN_BWD_MR - 1) / KILN_BWD_MR };
     float Ps[TILES][KILN_DOT_LANES * KILN_BWD_MR * KILN_BWD_NC];
-    float pk[BWD_KC * KILN_BWD_NC];
+    float chunk[BWD_KC * KILN_BWD_NC];
+    if (pk && pack)
+        for (int64_t k0 = 0; k0 < g->K; k0 += BWD_KC) {
+            int64_t k1 = k0 + BWD_KC < g->K ? k0 + BWD_KC : g->K;
+            bwd_pack_panel(pk + k0 * KILN_BWD_NC, &g->B, c0, k0, k1);
+        }
     for (int64_t ib0 = i0; ib0 < i1; ib0 += BWD_IB) {
         int64_t ib1 = ib0 + BWD_IB < i1 ? ib0 + BWD_IB : i1;
+        /* the block's 64-byte pieces of the output, read by bwd_store_tile when accumulating:
+         * one per row, a stride the hardware prefetchers do not follow, asked for now so that
+         * they arrive while the tiles compute (no effect on any value) */
+        if (g->accumulate)
+            for (int64_t i = ib0; i < ib1; i++) __builtin_prefetch(g->out + i * g->ldo + c0, 1);
         for (int64_t k0 = 0; k0 < g->K; k0 += BWD_KC) { /* K >= 1: every Ps is written */
             int64_t k1 = k0 + BWD_KC < g->K ? k0 + BWD_KC : g->K;
-            bwd_pack_panel(pk, &g->B, c0, k0, k1);
+            const float *pc = pk ? pk + k0 * KILN_BWD_NC : chunk;
+            if (!pk) bwd_pack_panel(chunk, &g->B, c0, k0, k1);
             for (int64_t it = ib0; it < ib1; it += KILN_BWD_MR) {
                 int mi = (int)(ib1 - it < KILN_BWD_MR ? ib1 - it : KILN_BWD_MR);
                 bk->tile_packed(Ps[(it - ib0) / KILN_BWD_MR], g->A + it * g->asi, g->asi, g->ask,
-                                pk, (k1 - k0 + 15) / 16, k0, k1, mi, k0 == 0);
+                                pc, (k1 - k0 + 15) / 16, k0, k1, mi, k0 == 0);
             }
         }
         for (int64_t it = ib0; it < ib1; it += KILN_BWD_MR) {
@@ -151,7 +192,18 @@ static void bwd_gemm_rows_packed(const kiln_bwd_kernels *bk, const bwd_gemm *g, 
 static void bwd_gemm_rows(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t i0,
                           int64_t i1) {
     int64_t full = bk->tile_packed ? g->NCOL / KILN_BWD_NC * KILN_BWD_NC : 0;
-    for (int64_t c0 = 0; c0 < full; c0 += KILN_BWD_NC) bwd_gemm_rows_packed(bk, g, i0, i1, c0);
+    if (full > 0 && i1 > i0 && g->pk) {
+        const int64_t per_panel = bwd_chunks(g->K) * BWD_KC * KILN_BWD_NC;
+        for (int64_t c0 = 0; c0 < full; c0 += KILN_BWD_NC)
+            bwd_gemm_rows_packed(bk, g, i0, i1, c0,
+                                 (float *)g->pk + (c0 / KILN_BWD_NC) * per_panel, 0);
+    } else if (full > 0 && i1 > i0) {
+        /* this task's own copy of one panel (NULL: bwd_gemm_rows_packed packs per block) */
+        float *pk = kiln_malloc((size_t)bwd_chunks(g->K) * BWD_KC * KILN_BWD_NC * sizeof(float));
+        for (int64_t c0 = 0; c0 < full; c0 += KILN_BWD_NC)
+            bwd_gemm_rows_packed(bk, g, i0, i1, c0, pk, 1);
+        kiln_free(pk);
+    }
     if (full == g->NCOL) return;
     float P[KILN_DOT_LANES * KILN_BWD_MR * KILN_BWD_NC];
     for (int64_t ib0 = i0; ib0 < i1; ib0 += BWD_IB) {
@@ -206,6 +258,33 @@ static void mm_bwd_task(void *arg, int task, int thread) {
     }
 }
 
+/* The packing of both products' B before their tasks run: tasks [0, t[0]) take row ranges
+ * of g[0]'s B, the others g[1]'s. */
+typedef struct bwd_pack_job {
+    bwd_gemm *g[2];
+    float *pk[2];
+    int t[2];
+} bwd_pack_job;
+
+static void bwd_pack_task(void *arg, int task, int thread) {
+    (void)thread;
+    const bwd_pack_job *p = arg;
+    const int w = task < p->t[0] ? 0 : 1;
+    const bwd_gemm *g = p->g[w];
+    int64_t lo, hi;
+    bwd_split(g->K, p->t[w], w ? task - p->t[0] : task, 1, &lo, &hi);
+    bwd_pack_rows(p->pk[w], &g->B, g->K, g->NCOL / KILN_BWD_NC * KILN_BWD_NC, lo, hi);
+}
+
+/* Packs g's B for all its tasks (bwd_gemm.pk) when it has whole panels and the memory is
+ * there; returns the buffer to free (NULL: the tasks pack their own). */
+static float *bwd_pack_alloc(const kiln_bwd_kernels *bk, const bwd_gemm *g, int wanted) {
+    const int64_t full = g->NCOL / KILN_BWD_NC * KILN_BWD_NC;
+    if (!wanted || !bk->tile_packed || full == 0 || g->K <= 0) return NULL;
+    return kiln_malloc((size_t)(full / KILN_BWD_NC) * (size_t)bwd_chunks(g->K) * BWD_KC *
+                       KILN_BWD_NC * sizeof(float));
+}
+
 void kiln_cpu_matmul_backward(kiln_pool *pool, const kiln_cpu_kernels *k, float *dx, float *dW,
                               float *dbias, const float *dy, const float *x,
                               const kiln_tensor *W, int N, bool accumulate_dx) {
@@ -220,9 +299,9 @@ void kiln_cpu_matmul_backward(kiln_pool *pool, const kiln_cpu_kernels *k, float 
     memset(&j, 0, sizeof j);
     j.bk = kiln_bwd_kernels_for(k->path);
     j.gx = (bwd_gemm){dx, C, accumulate_dx, dy, R, 1,
-                      {(const uint8_t *)W->data, (size_t)C * esize, W->dtype}, N, C, R};
+                      {(const uint8_t *)W->data, (size_t)C * esize, W->dtype}, N, C, R, NULL};
     j.gw = (bwd_gemm){dW, C, true, dy, 1, R,
-                      {(const uint8_t *)x, (size_t)C * 4, KILN_DTYPE_F32}, R, C, N};
+                      {(const uint8_t *)x, (size_t)C * 4, KILN_DTYPE_F32}, R, C, N, NULL};
     j.dbias = dbias;
     j.dy = dy;
     j.R = R;
@@ -231,7 +310,21 @@ void kiln_cpu_matmul_backward(kiln_pool *pool, const kiln_cpu_kernels *k, float 
     j.tx = dx ? bwd_n_tasks(pool, work, 65536, (N + KILN_BWD_MR - 1) / KILN_BWD_MR) : 0;
     j.tw = (dW || dbias) ? bwd_n_tasks(pool, work, 65536, (R + KILN_BWD_MR - 1) / KILN_BWD_MR)
                          : 0;
+    /* B packed once when several tasks would each pack it (the same values: the same bits) */
+    float *pkx = bwd_pack_alloc(j.bk, &j.gx, dx != NULL && j.tx > 1);
+    float *pkw = bwd_pack_alloc(j.bk, &j.gw, dW != NULL && j.tw > 1);
+    if (pkx || pkw) {
+        bwd_pack_job pj = {{&j.gx, &j.gw}, {pkx, pkw}, {0, 0}};
+        const int nt = 2 * kiln_pool_n_threads(pool);
+        pj.t[0] = pkx ? nt : 0;
+        pj.t[1] = pkw ? nt : 0;
+        kiln_pool_run(pool, pj.t[0] + pj.t[1], bwd_pack_task, &pj);
+        j.gx.pk = pkx;
+        j.gw.pk = pkw;
+    }
     kiln_pool_run(pool, j.tx + j.tw, mm_bwd_task, &j);
+    kiln_free(pkx);
+    kiln_free(pkw);
 }
 
 /* ---- rmsnorm backward ------------------------------------------------------------------- */
