@@ -40,6 +40,12 @@ typedef struct kiln_bwd_kernels {
      * * 16, so each lane's rows are consecutive. NULL in a table without it. */
     void (*tile_packed)(float *P, const float *A, int64_t asi, int64_t ask, const float *pk,
                         int64_t mstride, int64_t k0, int64_t k1, int mi, int first);
+    /* tile_packed on two panels at once (columns c0 .. c0 + 31): P0 and P1 as tile_packed's P
+     * for the panels at pk0 and pk1 (the same layout and mstride). NULL in a table without
+     * it. */
+    void (*tile_packed2)(float *P0, float *P1, const float *A, int64_t asi, int64_t ask,
+                         const float *pk0, const float *pk1, int64_t mstride, int64_t k0,
+                         int64_t k1, int mi, int first);
     /* Column lanes over rows n in [n0, n1), n0 a multiple of 16, for c < w:
      * acc[(n % 16)*w + c] = fmaf(a[n*ld + c], bv, acc[...]) with bv = b[n*ld + c] * s[n]
      * (s NULL: bv = b[n*ld + c]; b NULL: bv = 1, i.e. a plain sum of a). */
@@ -50,6 +56,7 @@ typedef struct kiln_bwd_kernels {
 extern const kiln_bwd_kernels kiln_bwd_kernels_portable;
 #if defined(__x86_64__)
 extern const kiln_bwd_kernels kiln_bwd_kernels_avx2;
+extern const kiln_bwd_kernels kiln_bwd_kernels_avx512;
 #endif
 
 /* B(k, c) as f32 (exact widening). */

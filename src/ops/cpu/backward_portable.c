@@ -70,7 +70,8 @@ const kiln_bwd_kernels kiln_bwd_kernels_portable = {.tile = p_tile, .col_lanes =
 
 const kiln_bwd_kernels *kiln_bwd_kernels_for(kiln_cpu_path p) {
 #if defined(__x86_64__)
-    if (p == KILN_CPU_PATH_AVX2 || p == KILN_CPU_PATH_AVX512) return &kiln_bwd_kernels_avx2;
+    if (p == KILN_CPU_PATH_AVX512) return &kiln_bwd_kernels_avx512;
+    if (p == KILN_CPU_PATH_AVX2) return &kiln_bwd_kernels_avx2;
 #else
     (void)p;
 #endif
@@ -189,12 +190,50 @@ static void bwd_gemm_rows_packed(const kiln_bwd_kernels *bk, const bwd_gemm *g, 
     }
 }
 
+/* Two adjacent panels at c0 and c0 + 16, both packed already (bwd_gemm.pk, panel pitch
+ * per_panel), with the table's tile_packed2: bwd_gemm_rows_packed's loops, each tile of a
+ * row block computing both panels' outputs. */
+static void bwd_gemm_rows_packed2(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t i0,
+                                  int64_t i1, int64_t c0, int64_t per_panel) {
+    enum { TILES = (BWD_IB + KILN_BWD_MR - 1) / KILN_BWD_MR };
+    float Ps[2][TILES][KILN_DOT_LANES * KILN_BWD_MR * KILN_BWD_NC];
+    const float *pk0 = g->pk + (c0 / KILN_BWD_NC) * per_panel, *pk1 = pk0 + per_panel;
+    for (int64_t ib0 = i0; ib0 < i1; ib0 += BWD_IB) {
+        int64_t ib1 = ib0 + BWD_IB < i1 ? ib0 + BWD_IB : i1;
+        if (g->accumulate) /* as bwd_gemm_rows_packed: both panels' 64-byte pieces */
+            for (int64_t i = ib0; i < ib1; i++) {
+                __builtin_prefetch(g->out + i * g->ldo + c0, 1);
+                __builtin_prefetch(g->out + i * g->ldo + c0 + KILN_BWD_NC, 1);
+            }
+        for (int64_t k0 = 0; k0 < g->K; k0 += BWD_KC) { /* K >= 1: every Ps is written */
+            int64_t k1 = k0 + BWD_KC < g->K ? k0 + BWD_KC : g->K;
+            for (int64_t it = ib0; it < ib1; it += KILN_BWD_MR) {
+                int mi = (int)(ib1 - it < KILN_BWD_MR ? ib1 - it : KILN_BWD_MR);
+                bk->tile_packed2(Ps[0][(it - ib0) / KILN_BWD_MR], Ps[1][(it - ib0) / KILN_BWD_MR],
+                                 g->A + it * g->asi, g->asi, g->ask, pk0 + k0 * KILN_BWD_NC,
+                                 pk1 + k0 * KILN_BWD_NC, (k1 - k0 + 15) / 16, k0, k1, mi,
+                                 k0 == 0);
+            }
+        }
+        for (int64_t it = ib0; it < ib1; it += KILN_BWD_MR) {
+            int mi = (int)(ib1 - it < KILN_BWD_MR ? ib1 - it : KILN_BWD_MR);
+            bwd_store_tile(g, Ps[0][(it - ib0) / KILN_BWD_MR], it, c0, mi, KILN_BWD_NC);
+            bwd_store_tile(g, Ps[1][(it - ib0) / KILN_BWD_MR], it, c0 + KILN_BWD_NC, mi,
+                           KILN_BWD_NC);
+        }
+    }
+}
+
 static void bwd_gemm_rows(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t i0,
                           int64_t i1) {
     int64_t full = bk->tile_packed ? g->NCOL / KILN_BWD_NC * KILN_BWD_NC : 0;
     if (full > 0 && i1 > i0 && g->pk) {
         const int64_t per_panel = bwd_chunks(g->K) * BWD_KC * KILN_BWD_NC;
-        for (int64_t c0 = 0; c0 < full; c0 += KILN_BWD_NC)
+        int64_t c0 = 0;
+        if (bk->tile_packed2)
+            for (; c0 + 2 * KILN_BWD_NC <= full; c0 += 2 * KILN_BWD_NC)
+                bwd_gemm_rows_packed2(bk, g, i0, i1, c0, per_panel);
+        for (; c0 < full; c0 += KILN_BWD_NC)
             bwd_gemm_rows_packed(bk, g, i0, i1, c0,
                                  (float *)g->pk + (c0 / KILN_BWD_NC) * per_panel, 0);
     } else if (full > 0 && i1 > i0) {
@@ -310,9 +349,11 @@ void kiln_cpu_matmul_backward(kiln_pool *pool, const kiln_cpu_kernels *k, float 
     j.tx = dx ? bwd_n_tasks(pool, work, 65536, (N + KILN_BWD_MR - 1) / KILN_BWD_MR) : 0;
     j.tw = (dW || dbias) ? bwd_n_tasks(pool, work, 65536, (R + KILN_BWD_MR - 1) / KILN_BWD_MR)
                          : 0;
-    /* B packed once when several tasks would each pack it (the same values: the same bits) */
-    float *pkx = bwd_pack_alloc(j.bk, &j.gx, dx != NULL && j.tx > 1);
-    float *pkw = bwd_pack_alloc(j.bk, &j.gw, dW != NULL && j.tw > 1);
+    /* B packed once when several tasks would each pack it, or for the two-panel tile (the
+     * same values: the same bits) */
+    const int share = j.bk->tile_packed2 != NULL;
+    float *pkx = bwd_pack_alloc(j.bk, &j.gx, dx != NULL && (j.tx > 1 || share));
+    float *pkw = bwd_pack_alloc(j.bk, &j.gw, dW != NULL && (j.tw > 1 || share));
     if (pkx || pkw) {
         bwd_pack_job pj = {{&j.gx, &j.gw}, {pkx, pkw}, {0, 0}};
         const int nt = 2 * kiln_pool_n_threads(pool);
