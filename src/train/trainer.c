@@ -17,7 +17,9 @@
  * zeroing and clip scaling run as backend ops (zero_floats, scale_grads), so a step makes
  * no host round trip of a large buffer.
  */
+#include "../base/threadpool.h"
 #include "../models/model.h"
+#include "../ops/cpu/cpu_kernels.h"
 #include "../tokenizer/tokenizer.h"
 #include "adamw.h"
 #include "checkpoint.h"
@@ -1226,11 +1228,29 @@ kiln_status kiln_train_step(kiln_trainer *t, const int32_t *ids, int n, float *l
 
 /* ---- gradients, optimizer ---------------------------------------------------------------- */
 
-/* norms[i] = torch's f32 2-norm of parameter i's gradient (n_params floats): on the host, or
- * by the device optimizers (their per-tensor norms have the CPU's bits), downloaded. */
+/* The CPU backend's thread pool for the trainer's host-side loops (NULL on a device: the
+ * device optimizers ignore it). Every loop given it is elementwise or per tensor, so its
+ * bits do not depend on the thread count. */
+static kiln_pool *host_pool(kiln_trainer *t) { return t->host ? kiln_backend_cpu_pool(t->be) : NULL; }
+
+typedef struct norms_job {
+    kiln_trainer *t;
+    float *norms;
+} norms_job;
+
+static void norms_task(void *arg, int task, int thread) {
+    (void)thread;
+    const norms_job *j = arg;
+    j->norms[task] = kiln_grad_norm_torch(j->t->params[task].g, j->t->params[task].n);
+}
+
+/* norms[i] = torch's f32 2-norm of parameter i's gradient (n_params floats): on the host (a
+ * task per tensor on the backend's pool), or by the device optimizers (their per-tensor norms
+ * have the CPU's bits), downloaded. */
 static kiln_status param_norms(kiln_trainer *t, float *norms) {
     if (t->host) {
-        for (int i = 0; i < t->n_params; i++) norms[i] = kiln_grad_norm_torch(t->params[i].g, t->params[i].n);
+        norms_job j = {t, norms};
+        kiln_pool_run(host_pool(t), t->n_params, norms_task, &j);
         return KILN_OK;
     }
     float *part = kiln_malloc((size_t)t->n_params * sizeof(float));
@@ -1280,14 +1300,15 @@ kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr) {
     KILN_TRY(check_ready(t, "kiln_train_optimizer_step"));
     if (!(lr >= 0) || !isfinite(lr)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_optimizer_step: lr must be finite and >= 0");
     /* both halves are checked before either is updated */
-    kiln_status st = kiln_adamw_grads_finite(t->opt_mat, NULL);
-    if (st == KILN_OK) st = kiln_adamw_grads_finite(t->opt_vec, NULL);
+    kiln_pool *pool = host_pool(t);
+    kiln_status st = kiln_adamw_grads_finite(t->opt_mat, pool);
+    if (st == KILN_OK) st = kiln_adamw_grads_finite(t->opt_vec, pool);
     if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_optimizer_step: refused, weights untouched");
     kiln_adamw_set_lr(t->opt_mat, lr);
     kiln_adamw_set_lr(t->opt_vec, lr);
     t->shadow_stale = 1;
-    KILN_TRY(kiln_adamw_step(t->opt_mat, NULL));
-    KILN_TRY(kiln_adamw_step(t->opt_vec, NULL));
+    KILN_TRY(kiln_adamw_step(t->opt_mat, pool));
+    KILN_TRY(kiln_adamw_step(t->opt_vec, pool));
     return backend_check(t, "kiln_train_optimizer_step");
 }
 

@@ -7,8 +7,8 @@
  * exactly lane j's fmaf of the defined dot; the 16 lanes are stored to P and the fixed tree
  * is applied by the caller. B's 16 columns come packed lane by lane as f32 (the caller's
  * bwd_pack_panel), so a lane's rows are consecutive. Tiles narrower than 16 columns use the
- * generic body compiled for this target. The AVX-512 path uses this table too (an AVX-512 CPU has AVX2): same
- * bits, and no AVX-512 machine is at hand to test a separate version.
+ * generic body compiled for this target. The AVX-512 path has its own table
+ * (backward_avx512.c), with the same bits.
  */
 #include "backward.h"
 
