@@ -798,6 +798,11 @@ static void step_task(void *vctx, int task, int thread) {
 kiln_status kiln_adamw_step(kiln_adamw *o, kiln_pool *pool) {
     if (!o) return kiln_error(KILN_ERR_INVALID_ARG, "adamw: optimizer is NULL");
     KILN_TRY(kiln_adamw_grads_finite(o, pool));
+    return kiln_adamw_step_checked(o, pool);
+}
+
+kiln_status kiln_adamw_step_checked(kiln_adamw *o, kiln_pool *pool) {
+    if (!o) return kiln_error(KILN_ERR_INVALID_ARG, "adamw: optimizer is NULL");
     const kiln_adamw_config *c = &o->cfg;
     const int64_t step = o->step + 1;
     /* torch keeps state["step"] as a float32 tensor: exact up to 2^24 */

@@ -121,6 +121,11 @@ kiln_status kiln_adamw_grads_finite(const kiln_adamw *o, kiln_pool *pool);
  * non-finite gradient nothing (weights, moments, step) is touched. */
 kiln_status kiln_adamw_step(kiln_adamw *o, kiln_pool *pool);
 
+/* kiln_adamw_step without its check, for a caller that has just had KILN_OK from
+ * kiln_adamw_grads_finite on the same gradients (the trainer checks both of its optimizers
+ * before updating either): the check reads every gradient once more. */
+kiln_status kiln_adamw_step_checked(kiln_adamw *o, kiln_pool *pool);
+
 /* A line such as "adamw: bf16 weights + f32 master, 8-bit moments: ..." with the memory of
  * each part (written to buf when buf != NULL, truncated to cap) and the figures in *mem
  * (when mem != NULL). */

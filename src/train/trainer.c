@@ -1307,8 +1307,8 @@ kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr) {
     kiln_adamw_set_lr(t->opt_mat, lr);
     kiln_adamw_set_lr(t->opt_vec, lr);
     t->shadow_stale = 1;
-    KILN_TRY(kiln_adamw_step(t->opt_mat, pool));
-    KILN_TRY(kiln_adamw_step(t->opt_vec, pool));
+    KILN_TRY(kiln_adamw_step_checked(t->opt_mat, pool)); /* both checked above */
+    KILN_TRY(kiln_adamw_step_checked(t->opt_vec, pool));
     return backend_check(t, "kiln_train_optimizer_step");
 }
 
