@@ -206,32 +206,10 @@ DEFINE_PLAIN_TILE(tile_f32, zld_f32)
 DEFINE_PLAIN_TILE(tile_f16, zld_f16)
 DEFINE_PLAIN_TILE(tile_bf16, zld_bf16)
 
-/* With 32 registers: 2 rows x 4 tokens (8 accumulators) for batches, 4 rows for N < 4. */
 #define TOKEN_TILE 64
+/* With 32 registers: 4 rows x 4 tokens (16 accumulators) for batches, then 2-row and 1-row
+ * tails; 4 rows x 1 token for N < 4. */
 #define DEFINE_ROWS(NAME, TILE)                                                                \
-    TGT static void NAME(const kiln_mm_args *a, int64_t r0, int64_t r1) {                      \
-        if (a->N < 4) {                                                                        \
-            KILN_FEW_TOKEN_ROWS(TILE);                                                         \
-            return;                                                                            \
-        }                                                                                      \
-        for (int t0 = 0; t0 < a->N; t0 += TOKEN_TILE) {                                        \
-            int t1 = a->N - t0 < TOKEN_TILE ? a->N : t0 + TOKEN_TILE;                          \
-            int64_t r = r0;                                                                    \
-            for (; r + 2 <= r1; r += 2) {                                                      \
-                int t = t0;                                                                    \
-                for (; t + 4 <= t1; t += 4) TILE(a, r, t, 2, 4);                               \
-                for (; t < t1; t++) TILE(a, r, t, 2, 1);                                       \
-            }                                                                                  \
-            for (; r < r1; r++) {                                                              \
-                int t = t0;                                                                    \
-                for (; t + 4 <= t1; t += 4) TILE(a, r, t, 1, 4);                               \
-                for (; t < t1; t++) TILE(a, r, t, 1, 1);                                       \
-            }                                                                                  \
-        }                                                                                      \
-    }
-
-/* The plain types: 4 rows x 4 tokens (16 accumulators), then 2-row and 1-row tails. */
-#define DEFINE_ROWS_PLAIN(NAME, TILE)                                                          \
     TGT static void NAME(const kiln_mm_args *a, int64_t r0, int64_t r1) {                      \
         if (a->N < 4) {                                                                        \
             KILN_FEW_TOKEN_ROWS(TILE);                                                         \
@@ -261,9 +239,9 @@ DEFINE_PLAIN_TILE(tile_bf16, zld_bf16)
 DEFINE_ROWS(rows_q8_0, tile_q8_0)
 DEFINE_ROWS(rows_q4_1, tile_q4_1)
 DEFINE_ROWS(rows_q4_0, tile_q4_0)
-DEFINE_ROWS_PLAIN(rows_f32, tile_f32)
-DEFINE_ROWS_PLAIN(rows_f16, tile_f16)
-DEFINE_ROWS_PLAIN(rows_bf16, tile_bf16)
+DEFINE_ROWS(rows_f32, tile_f32)
+DEFINE_ROWS(rows_f16, tile_f16)
+DEFINE_ROWS(rows_bf16, tile_bf16)
 
 static int z_matmul_rows(const kiln_mm_args *a, int64_t r0, int64_t r1) {
     switch (a->dtype) {
