@@ -150,22 +150,17 @@ static void bwd_pack_rows(float *pk, const kiln_bwd_b *B, int64_t K, int64_t ful
 }
 
 /* Whole 16-column panels with a packed tile, on the panel's chunks at pk (chunk j at pk + j *
- * BWD_KC * 16): packed already (bwd_gemm.pk), or packed here first when `pack`, or, with pk
- * NULL, again for each row block into a stack buffer (the same values either way, so the
+ * BWD_KC * 16), packed once per call for every task (bwd_gemm.pk); with pk NULL (no memory
+ * for that), packed again for each row block into a stack buffer (the same values, so the
  * same bits). Every 6-row tile of a row block runs on them, its lane partials waiting in Ps
- * between chunks. With 4 tasks a thread, a task has one or two row blocks: packing per task
- * repeated the panels of W once per task, about a sixth of a 135M training step on a Sapphire
- * Rapids core; bwd_gemm.pk packs them once per call. */
+ * between chunks. With 4 tasks a thread, a task has one or two row blocks: packing per block
+ * repeated W's panels in every task, about a sixth of a 135M training step on a Sapphire
+ * Rapids core. */
 static void bwd_gemm_rows_packed(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t i0,
-                                 int64_t i1, int64_t c0, float *pk, int pack) {
+                                 int64_t i1, int64_t c0, const float *pk) {
     enum { TILES = (BWD_IB + KILN_BWD_MR - 1) / KILN_BWD_MR };
     float Ps[TILES][KILN_DOT_LANES * KILN_BWD_MR * KILN_BWD_NC];
     float chunk[BWD_KC * KILN_BWD_NC];
-    if (pk && pack)
-        for (int64_t k0 = 0; k0 < g->K; k0 += BWD_KC) {
-            int64_t k1 = k0 + BWD_KC < g->K ? k0 + BWD_KC : g->K;
-            bwd_pack_panel(pk + k0 * KILN_BWD_NC, &g->B, c0, k0, k1);
-        }
     for (int64_t ib0 = i0; ib0 < i1; ib0 += BWD_IB) {
         int64_t ib1 = ib0 + BWD_IB < i1 ? ib0 + BWD_IB : i1;
         /* the block's 64-byte pieces of the output, read by bwd_store_tile when accumulating:
@@ -234,14 +229,10 @@ static void bwd_gemm_rows(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t
             for (; c0 + 2 * KILN_BWD_NC <= full; c0 += 2 * KILN_BWD_NC)
                 bwd_gemm_rows_packed2(bk, g, i0, i1, c0, per_panel);
         for (; c0 < full; c0 += KILN_BWD_NC)
-            bwd_gemm_rows_packed(bk, g, i0, i1, c0,
-                                 (float *)g->pk + (c0 / KILN_BWD_NC) * per_panel, 0);
-    } else if (full > 0 && i1 > i0) {
-        /* this task's own copy of one panel (NULL: bwd_gemm_rows_packed packs per block) */
-        float *pk = kiln_malloc((size_t)bwd_chunks(g->K) * BWD_KC * KILN_BWD_NC * sizeof(float));
+            bwd_gemm_rows_packed(bk, g, i0, i1, c0, g->pk + (c0 / KILN_BWD_NC) * per_panel);
+    } else if (full > 0 && i1 > i0) { /* no memory for the packed panels: per row block */
         for (int64_t c0 = 0; c0 < full; c0 += KILN_BWD_NC)
-            bwd_gemm_rows_packed(bk, g, i0, i1, c0, pk, 1);
-        kiln_free(pk);
+            bwd_gemm_rows_packed(bk, g, i0, i1, c0, NULL);
     }
     if (full == g->NCOL) return;
     float P[KILN_DOT_LANES * KILN_BWD_MR * KILN_BWD_NC];
@@ -349,11 +340,9 @@ void kiln_cpu_matmul_backward(kiln_pool *pool, const kiln_cpu_kernels *k, float 
     j.tx = dx ? bwd_n_tasks(pool, work, 65536, (N + KILN_BWD_MR - 1) / KILN_BWD_MR) : 0;
     j.tw = (dW || dbias) ? bwd_n_tasks(pool, work, 65536, (R + KILN_BWD_MR - 1) / KILN_BWD_MR)
                          : 0;
-    /* B packed once when several tasks would each pack it, or for the two-panel tile (the
-     * same values: the same bits) */
-    const int share = j.bk->tile_packed2 != NULL;
-    float *pkx = bwd_pack_alloc(j.bk, &j.gx, dx != NULL && (j.tx > 1 || share));
-    float *pkw = bwd_pack_alloc(j.bk, &j.gw, dW != NULL && (j.tw > 1 || share));
+    /* B's panels packed once for all tasks (the same values: the same bits) */
+    float *pkx = bwd_pack_alloc(j.bk, &j.gx, dx != NULL);
+    float *pkw = bwd_pack_alloc(j.bk, &j.gw, dW != NULL);
     if (pkx || pkw) {
         bwd_pack_job pj = {{&j.gx, &j.gw}, {pkx, pkw}, {0, 0}};
         const int nt = 2 * kiln_pool_n_threads(pool);
