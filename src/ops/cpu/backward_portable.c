@@ -91,8 +91,8 @@ typedef struct bwd_gemm {
     int64_t asi, ask;
     kiln_bwd_b B;
     int64_t M, NCOL, K;
-    /* B's whole 16-column panels packed once for every task (bwd_pack_all), panel p's chunk
-     * j at pk + (p * bwd_chunks(K) + j) * BWD_KC * 16; NULL: each task packs its own */
+    /* B's whole 16-column panels packed once for every task (bwd_pack_rows), panel p's chunk
+     * j at pk + (p * bwd_chunks(K) + j) * BWD_KC * 16; NULL: packed per row block */
     const float *pk;
 } bwd_gemm;
 
@@ -149,72 +149,49 @@ static void bwd_pack_rows(float *pk, const kiln_bwd_b *B, int64_t K, int64_t ful
     }
 }
 
-/* Whole 16-column panels with a packed tile, on the panel's chunks at pk (chunk j at pk + j *
- * BWD_KC * 16), packed once per call for every task (bwd_gemm.pk); with pk NULL (no memory
- * for that), packed again for each row block into a stack buffer (the same values, so the
- * same bits). Every 6-row tile of a row block runs on them, its lane partials waiting in Ps
- * between chunks. With 4 tasks a thread, a task has one or two row blocks: packing per block
- * repeated W's panels in every task, about a sixth of a 135M training step on a Sapphire
- * Rapids core. */
+/* np (1 or 2) whole 16-column panels from c0 with the packed tiles, on the panels' chunks
+ * at pk (chunk j at pk + j * BWD_KC * 16, the second panel per_panel floats further), packed
+ * once per call for every task (bwd_gemm.pk); with pk NULL (no memory for that; np 1), packed
+ * again for each row block into a stack buffer (the same values, so the same bits). Every
+ * 6-row tile of a row block runs on them (np 2: tile_packed2, both panels at once), its lane
+ * partials waiting in Ps between chunks. With 4 tasks a thread, a task has one or two row
+ * blocks: packing per block repeated W's panels in every task, about a sixth of a 135M
+ * training step on a Sapphire Rapids core. */
 static void bwd_gemm_rows_packed(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t i0,
-                                 int64_t i1, int64_t c0, const float *pk) {
+                                 int64_t i1, int64_t c0, const float *pk, int np,
+                                 int64_t per_panel) {
     enum { TILES = (BWD_IB + KILN_BWD_MR - 1) / KILN_BWD_MR };
-    float Ps[TILES][KILN_DOT_LANES * KILN_BWD_MR * KILN_BWD_NC];
+    float Ps[2][TILES][KILN_DOT_LANES * KILN_BWD_MR * KILN_BWD_NC];
     float chunk[BWD_KC * KILN_BWD_NC];
     for (int64_t ib0 = i0; ib0 < i1; ib0 += BWD_IB) {
         int64_t ib1 = ib0 + BWD_IB < i1 ? ib0 + BWD_IB : i1;
         /* the block's 64-byte pieces of the output, read by bwd_store_tile when accumulating:
-         * one per row, a stride the hardware prefetchers do not follow, asked for now so that
-         * they arrive while the tiles compute (no effect on any value) */
+         * one per row and panel, a stride the hardware prefetchers do not follow, asked for
+         * now so that they arrive while the tiles compute (no effect on any value) */
         if (g->accumulate)
-            for (int64_t i = ib0; i < ib1; i++) __builtin_prefetch(g->out + i * g->ldo + c0, 1);
+            for (int64_t i = ib0; i < ib1; i++)
+                for (int q = 0; q < np; q++)
+                    __builtin_prefetch(g->out + i * g->ldo + c0 + q * KILN_BWD_NC, 1);
         for (int64_t k0 = 0; k0 < g->K; k0 += BWD_KC) { /* K >= 1: every Ps is written */
             int64_t k1 = k0 + BWD_KC < g->K ? k0 + BWD_KC : g->K;
             const float *pc = pk ? pk + k0 * KILN_BWD_NC : chunk;
             if (!pk) bwd_pack_panel(chunk, &g->B, c0, k0, k1);
             for (int64_t it = ib0; it < ib1; it += KILN_BWD_MR) {
                 int mi = (int)(ib1 - it < KILN_BWD_MR ? ib1 - it : KILN_BWD_MR);
-                bk->tile_packed(Ps[(it - ib0) / KILN_BWD_MR], g->A + it * g->asi, g->asi, g->ask,
-                                pc, (k1 - k0 + 15) / 16, k0, k1, mi, k0 == 0);
+                float *P0 = Ps[0][(it - ib0) / KILN_BWD_MR], *P1 = Ps[1][(it - ib0) / KILN_BWD_MR];
+                if (np == 2)
+                    bk->tile_packed2(P0, P1, g->A + it * g->asi, g->asi, g->ask, pc,
+                                     pc + per_panel, (k1 - k0 + 15) / 16, k0, k1, mi, k0 == 0);
+                else
+                    bk->tile_packed(P0, g->A + it * g->asi, g->asi, g->ask, pc,
+                                    (k1 - k0 + 15) / 16, k0, k1, mi, k0 == 0);
             }
         }
         for (int64_t it = ib0; it < ib1; it += KILN_BWD_MR) {
             int mi = (int)(ib1 - it < KILN_BWD_MR ? ib1 - it : KILN_BWD_MR);
-            bwd_store_tile(g, Ps[(it - ib0) / KILN_BWD_MR], it, c0, mi, KILN_BWD_NC);
-        }
-    }
-}
-
-/* Two adjacent panels at c0 and c0 + 16, both packed already (bwd_gemm.pk, panel pitch
- * per_panel), with the table's tile_packed2: bwd_gemm_rows_packed's loops, each tile of a
- * row block computing both panels' outputs. */
-static void bwd_gemm_rows_packed2(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t i0,
-                                  int64_t i1, int64_t c0, int64_t per_panel) {
-    enum { TILES = (BWD_IB + KILN_BWD_MR - 1) / KILN_BWD_MR };
-    float Ps[2][TILES][KILN_DOT_LANES * KILN_BWD_MR * KILN_BWD_NC];
-    const float *pk0 = g->pk + (c0 / KILN_BWD_NC) * per_panel, *pk1 = pk0 + per_panel;
-    for (int64_t ib0 = i0; ib0 < i1; ib0 += BWD_IB) {
-        int64_t ib1 = ib0 + BWD_IB < i1 ? ib0 + BWD_IB : i1;
-        if (g->accumulate) /* as bwd_gemm_rows_packed: both panels' 64-byte pieces */
-            for (int64_t i = ib0; i < ib1; i++) {
-                __builtin_prefetch(g->out + i * g->ldo + c0, 1);
-                __builtin_prefetch(g->out + i * g->ldo + c0 + KILN_BWD_NC, 1);
-            }
-        for (int64_t k0 = 0; k0 < g->K; k0 += BWD_KC) { /* K >= 1: every Ps is written */
-            int64_t k1 = k0 + BWD_KC < g->K ? k0 + BWD_KC : g->K;
-            for (int64_t it = ib0; it < ib1; it += KILN_BWD_MR) {
-                int mi = (int)(ib1 - it < KILN_BWD_MR ? ib1 - it : KILN_BWD_MR);
-                bk->tile_packed2(Ps[0][(it - ib0) / KILN_BWD_MR], Ps[1][(it - ib0) / KILN_BWD_MR],
-                                 g->A + it * g->asi, g->asi, g->ask, pk0 + k0 * KILN_BWD_NC,
-                                 pk1 + k0 * KILN_BWD_NC, (k1 - k0 + 15) / 16, k0, k1, mi,
-                                 k0 == 0);
-            }
-        }
-        for (int64_t it = ib0; it < ib1; it += KILN_BWD_MR) {
-            int mi = (int)(ib1 - it < KILN_BWD_MR ? ib1 - it : KILN_BWD_MR);
-            bwd_store_tile(g, Ps[0][(it - ib0) / KILN_BWD_MR], it, c0, mi, KILN_BWD_NC);
-            bwd_store_tile(g, Ps[1][(it - ib0) / KILN_BWD_MR], it, c0 + KILN_BWD_NC, mi,
-                           KILN_BWD_NC);
+            for (int q = 0; q < np; q++)
+                bwd_store_tile(g, Ps[q][(it - ib0) / KILN_BWD_MR], it, c0 + q * KILN_BWD_NC, mi,
+                               KILN_BWD_NC);
         }
     }
 }
@@ -225,14 +202,15 @@ static void bwd_gemm_rows(const kiln_bwd_kernels *bk, const bwd_gemm *g, int64_t
     if (full > 0 && i1 > i0 && g->pk) {
         const int64_t per_panel = bwd_chunks(g->K) * BWD_KC * KILN_BWD_NC;
         int64_t c0 = 0;
-        if (bk->tile_packed2)
-            for (; c0 + 2 * KILN_BWD_NC <= full; c0 += 2 * KILN_BWD_NC)
-                bwd_gemm_rows_packed2(bk, g, i0, i1, c0, per_panel);
-        for (; c0 < full; c0 += KILN_BWD_NC)
-            bwd_gemm_rows_packed(bk, g, i0, i1, c0, g->pk + (c0 / KILN_BWD_NC) * per_panel);
+        for (; c0 < full;) {
+            const int np = bk->tile_packed2 && c0 + 2 * KILN_BWD_NC <= full ? 2 : 1;
+            bwd_gemm_rows_packed(bk, g, i0, i1, c0, g->pk + (c0 / KILN_BWD_NC) * per_panel, np,
+                                 per_panel);
+            c0 += np * KILN_BWD_NC;
+        }
     } else if (full > 0 && i1 > i0) { /* no memory for the packed panels: per row block */
         for (int64_t c0 = 0; c0 < full; c0 += KILN_BWD_NC)
-            bwd_gemm_rows_packed(bk, g, i0, i1, c0, NULL);
+            bwd_gemm_rows_packed(bk, g, i0, i1, c0, NULL, 1, 0);
     }
     if (full == g->NCOL) return;
     float P[KILN_DOT_LANES * KILN_BWD_MR * KILN_BWD_NC];
@@ -306,8 +284,8 @@ static void bwd_pack_task(void *arg, int task, int thread) {
     bwd_pack_rows(p->pk[w], &g->B, g->K, g->NCOL / KILN_BWD_NC * KILN_BWD_NC, lo, hi);
 }
 
-/* Packs g's B for all its tasks (bwd_gemm.pk) when it has whole panels and the memory is
- * there; returns the buffer to free (NULL: the tasks pack their own). */
+/* The buffer for g's packed panels (bwd_gemm.pk) when it has whole panels and the memory is
+ * there; NULL otherwise (the tasks then pack per row block). */
 static float *bwd_pack_alloc(const kiln_bwd_kernels *bk, const bwd_gemm *g, int wanted) {
     const int64_t full = g->NCOL / KILN_BWD_NC * KILN_BWD_NC;
     if (!wanted || !bk->tile_packed || full == 0 || g->K <= 0) return NULL;
