@@ -285,6 +285,13 @@ typedef struct kiln_backend_i {
     void (*rmsnorm_backward_bf16)(kiln_backend *be, float *dx, uint16_t *dx16, float *dw,
                                   const float *dy, const float *x, const float *w, int N, int C,
                                   float eps, float *rstd, bool accumulate_dx);
+    /* rope_backward, its results rounded (kiln_fp32_to_bf16) into d16 (N rows of H x HS);
+     * d gets them too when keep_f32, else keeps its values (the caller reads d16 only). The
+     * q and k gradients' last step before their products, fused with the rounding the
+     * products would do. */
+    void (*rope_backward_bf16)(kiln_backend *be, float *d, uint16_t *d16, bool keep_f32,
+                               const int32_t *pos, int N, int H, int HS, const float *cos_tab,
+                               const float *sin_tab);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

@@ -62,6 +62,7 @@ struct kiln_adamw {
     int64_t *bad;          /* (n_chunks) scratch of grads_finite */
     float *norms;          /* (n_params) scratch of grad_norm */
     int64_t step;
+    float grad_scale;      /* kiln_adamw_set_grad_scale's coefficient; 1: none */
     void *state;           /* one allocation holding every state array (device memory for a
                             * device optimizer) */
     kiln_adamw_memory mem;
@@ -273,6 +274,7 @@ static kiln_status create_impl(kiln_backend *dev, const kiln_adamw_param *params
     kiln_adamw *o = kiln_calloc(1, sizeof *o);
     if (!o) return kiln_error(KILN_ERR_NOMEM, "adamw: out of memory");
     o->cfg = *cfg;
+    o->grad_scale = 1.0f;
     o->cfg.decay_map = NULL;
     o->cfg.n_decay_map = 0;
     o->n_params = n_params;
@@ -801,6 +803,15 @@ kiln_status kiln_adamw_step(kiln_adamw *o, kiln_pool *pool) {
     return kiln_adamw_step_checked(o, pool);
 }
 
+kiln_status kiln_adamw_set_grad_scale(kiln_adamw *o, float coef) {
+    if (!o) return kiln_error(KILN_ERR_INVALID_ARG, "adamw: optimizer is NULL");
+    if (!(coef >= 0.0f && coef <= 1.0f))
+        return kiln_error(KILN_ERR_INVALID_ARG, "adamw: gradient scale %g is not in [0, 1]",
+                          (double)coef);
+    o->grad_scale = coef;
+    return KILN_OK;
+}
+
 kiln_status kiln_adamw_step_checked(kiln_adamw *o, kiln_pool *pool) {
     if (!o) return kiln_error(KILN_ERR_INVALID_ARG, "adamw: optimizer is NULL");
     const kiln_adamw_config *c = &o->cfg;
@@ -826,6 +837,8 @@ kiln_status kiln_adamw_step_checked(kiln_adamw *o, kiln_pool *pool) {
     s->eps = (float)c->eps;
     s->neg_step_size = (float)(-step_size);
     s->sr_key = kiln_adamw_mix64(kiln_adamw_mix64(c->seed) + (uint64_t)step);
+    s->scale_grad = o->grad_scale != 1.0f;
+    s->grad_scale = o->grad_scale;
     if (o->be)
         KILN_TRY(dev_step(o, s));
     else
@@ -1111,9 +1124,11 @@ kiln_status kiln_adamw_grad_norm(const kiln_adamw *o, kiln_pool *pool, float *no
         if (norms)
             KILN_TRY(kiln_backend_download(o->be, norms, o->d_norms,
                                            (size_t)o->n_params * sizeof(float)));
-        KILN_TRY(kiln_backend_download(o->be, h, o->d_out, sizeof h));
-        if (sq_norm) *sq_norm = h[0];
-        if (total) *total = h[1];
+        if (sq_norm || total || !norms) { /* one download (a wait) fewer when unasked */
+            KILN_TRY(kiln_backend_download(o->be, h, o->d_out, sizeof h));
+            if (sq_norm) *sq_norm = h[0];
+            if (total) *total = h[1];
+        }
         return KILN_OK;
     }
     norm_ctx c = {o, o->norms};

@@ -126,6 +126,13 @@ kiln_status kiln_adamw_step(kiln_adamw *o, kiln_pool *pool);
  * before updating either): the check reads every gradient once more. */
 kiln_status kiln_adamw_step_checked(kiln_adamw *o, kiln_pool *pool);
 
+/* The following steps use coef * g for each stored gradient g (one f32 product: the bits of
+ * multiplying the gradients first, as clip_grads does), leaving the stored gradients as they
+ * are; coef 1 (the default) turns it off. For a caller that defers a clip coefficient: coef
+ * must be in [0, 1] (so that coef * g is finite exactly where g is, and grads_finite's
+ * answer holds for the products); else KILN_ERR_INVALID_ARG and nothing changes. */
+kiln_status kiln_adamw_set_grad_scale(kiln_adamw *o, float coef);
+
 /* A line such as "adamw: bf16 weights + f32 master, 8-bit moments: ..." with the memory of
  * each part (written to buf when buf != NULL, truncated to cap) and the figures in *mem
  * (when mem != NULL). */

@@ -24,12 +24,15 @@ typedef struct kiln_adamw_scalars {
     float neg_step_size; /* float(-(lr / (1 - beta1^step))) */
     int use_wd;          /* weight_decay != 0 */
     uint64_t sr_key;     /* mix64(mix64(seed) + step) */
+    int scale_grad;      /* each gradient is first multiplied by grad_scale (a clip */
+    float grad_scale;    /* coefficient not yet applied to the stored gradients) */
 } kiln_adamw_scalars;
 
 /* torch's update of one element: param.mul_, exp_avg.lerp_, exp_avg_sq.mul_().addcmul_(),
  * denom = sqrt(v) / bc2_sqrt + eps, param.addcdiv_(m, denom, value=-step_size). */
 static inline KILN_HD float kiln_adamw_update(const kiln_adamw_scalars *s, int decay, float p,
                                               float g, float *m, float *v) {
+    if (s->scale_grad) g = g * s->grad_scale; /* the bits of scaling the stored g first */
     if (decay) p = p * s->wd_mul;
     float mm = *m;
     /* lerp(start=mm, end=g, w): w < 0.5 ? fma(w, end - start, start)

@@ -142,6 +142,16 @@ struct kiln_trainer {
     void *ce_buf;        /* devices: the fused loss's scratch, kept from call to call */
     size_t ce_buf_cap;   /* its bytes: the most a call has needed */
 
+    /* The gradients' state. On a device, clip_grads leaves its coefficient pending (grad_coef,
+     * in [0, 1]; 1: none) instead of a pass over every gradient: the logical gradients are
+     * grad_coef x the stored ones, and the optimizers multiply by it as they read them (the
+     * same f32 products, so the same bits). Whatever else reads or adds to the gradients
+     * applies it first (apply_grad_coef), get_grad on the copy it returns. grads_finite: the
+     * stored gradients are known to be finite (every per-tensor norm of the last norm pass
+     * was finite, and nothing has changed them since), so optimizer_step skips its check. */
+    float grad_coef;
+    int grads_finite;
+
     /* the pending step */
     int pending;      /* 0 none, 1 loss (targets), 2 hidden */
     int T, n_pos; /* T: rows of the pending step = n_seq x seq tokens */
@@ -198,6 +208,20 @@ static kiln_status scale_grads(kiln_trainer *t, float coef) {
     }
     t->be->i->scale(t->be, t->grad_block, coef, t->n_grad);
     return KILN_OK;
+}
+
+static int all_finite(const float *x, int n) {
+    for (int i = 0; i < n; i++)
+        if (!isfinite(x[i])) return 0;
+    return 1;
+}
+
+/* Multiply the stored gradients by a pending clip coefficient (see grad_coef). */
+static kiln_status apply_grad_coef(kiln_trainer *t) {
+    if (t->grad_coef == 1.0f) return KILN_OK;
+    const float coef = t->grad_coef;
+    t->grad_coef = 1.0f;
+    return scale_grads(t, coef);
 }
 
 /* KILN_OK, or the error that poisoned a device backend during the work of `call`. */
@@ -575,6 +599,7 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     t->model = m;
     t->cfg = m->cfg;
     t->p = p;
+    t->grad_coef = 1.0f;
     kiln_status st;
     if (p.device >= 0) {
         /* fast: bf16 tensor-core products forward and backward (docs/TRAINING.md, "Fast mode") */
@@ -1131,15 +1156,32 @@ static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
                                        a->q + r * QD, a->k + r * KD, a->v + r * KD, a->att + r * QD, t->ws, seq, 0,
                                        NH, KVH, HS, scale);
             }
-        op->rope_backward(be, t->dq, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
-        op->rope_backward(be, t->dk, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
-        if (w->q_norm)
-            op->rmsnorm_backward(be, t->dqr, w->q_norm->g, t->dq, a->qr, VEC(w->q_norm), T * NH, HS, eps, t->rstd, false);
-        if (w->k_norm)
-            op->rmsnorm_backward(be, t->dkr, w->k_norm->g, t->dk, a->kr, VEC(w->k_norm), T * KVH, HS, eps, t->rstd, false);
-        const float *dqkv[3] = {t->dqr, t->dkr, t->dv};
         const train_param *wqkv[3] = {w->wq, w->wk, w->wv}, *bqkv[3] = {w->bq, w->bk, w->bv};
-        matmul_backward_n(t, 3, t->dxb, dqkv, NULL, a->xb1, a->xb1_16, wqkv, bqkv, T, false);
+        if (t->acts16 && op->rope_backward_bf16 && op->to_bf16 && !w->q_norm && !w->k_norm && QD <= (size_t)FF &&
+            2 * KD <= (size_t)FF) {
+            /* the rotation and the products' bf16 rounding in one pass (f32 kept for a bias's
+             * sum), in the MLP's dgate / dup memory (T x FF bf16 each), free until the next
+             * layer's MLP: the bits of rope_backward, then the products rounding dq, dk, dv */
+            uint16_t *dq16 = (uint16_t *)t->dgate, *dk16 = (uint16_t *)t->dup;
+            uint16_t *dv16 = dk16 + (size_t)T * KD;
+            op->rope_backward_bf16(be, t->dq, dq16, w->bq != NULL, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
+            op->rope_backward_bf16(be, t->dk, dk16, w->bk != NULL, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
+            op->to_bf16(be, dv16, t->dv, (size_t)T * KD);
+            const float *dqkv[3] = {t->dq, t->dk, t->dv};
+            const uint16_t *dqkv16[3] = {dq16, dk16, dv16};
+            matmul_backward_n(t, 3, t->dxb, dqkv, dqkv16, a->xb1, a->xb1_16, wqkv, bqkv, T, false);
+        } else {
+            op->rope_backward(be, t->dq, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
+            op->rope_backward(be, t->dk, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
+            if (w->q_norm)
+                op->rmsnorm_backward(be, t->dqr, w->q_norm->g, t->dq, a->qr, VEC(w->q_norm), T * NH, HS, eps, t->rstd,
+                                     false);
+            if (w->k_norm)
+                op->rmsnorm_backward(be, t->dkr, w->k_norm->g, t->dk, a->kr, VEC(w->k_norm), T * KVH, HS, eps, t->rstd,
+                                     false);
+            const float *dqkv[3] = {t->dqr, t->dkr, t->dv};
+            matmul_backward_n(t, 3, t->dxb, dqkv, NULL, a->xb1, a->xb1_16, wqkv, bqkv, T, false);
+        }
         if (t->acts16 && l > 0) /* layer 0's dx goes to the embedding alone */
             op->rmsnorm_backward_bf16(be, t->dx, t->dx16, w->attn_norm->g, t->dxb, a->x, VEC(w->attn_norm), T, C,
                                       eps, t->rstd, true);
@@ -1165,7 +1207,17 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
     if (t->pending == 1 && dhidden)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_backward: the step computed its own loss: dhidden must be NULL");
     int C = t->cfg.n_embd, T = t->T;
-    if (!accumulate) zero_grads(t);
+    t->grads_finite = 0;
+    if (!accumulate) {
+        zero_grads(t);
+        t->grad_coef = 1.0f;
+    } else {
+        kiln_status ast = apply_grad_coef(t);
+        if (ast != KILN_OK) {
+            t->pending = 0;
+            return kiln_error_prefix(ast, "kiln_train_backward");
+        }
+    }
     if (t->pending == 1) {
         kiln_fused_ce_params cp = kiln_fused_ce_default_params();
         cp.N = T;
@@ -1267,9 +1319,11 @@ kiln_status kiln_train_grad_sq_norm(kiln_trainer *t, double *out) {
     KILN_TRY(check_ready(t, "kiln_train_grad_sq_norm"));
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_grad_sq_norm: out is NULL");
     /* torch's order: per-tensor norms in named_parameters() order, then their norm */
+    KILN_TRY(apply_grad_coef(t));
     float *norms = kiln_malloc((size_t)t->n_params * sizeof(float));
     if (!norms) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
     kiln_status st = param_norms(t, norms);
+    if (st == KILN_OK) t->grads_finite = all_finite(norms, t->n_params);
     double sum = 0.0;
     for (int i = 0; st == KILN_OK && i < t->n_params; i++) sum += (double)norms[i] * (double)norms[i];
     kiln_free(norms);
@@ -1282,14 +1336,22 @@ kiln_status kiln_train_clip_grads(kiln_trainer *t, double max_norm, float *total
     KILN_TRY(check_ready(t, "kiln_train_clip_grads"));
     if (!(max_norm > 0)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_clip_grads: max_norm must be > 0");
     /* torch: total = ||stack(per-tensor norms)||, over every parameter in order */
+    KILN_TRY(apply_grad_coef(t));
     float *norms = kiln_malloc((size_t)t->n_params * sizeof(float));
     if (!norms) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
     kiln_status st = param_norms(t, norms);
+    if (st == KILN_OK) t->grads_finite = all_finite(norms, t->n_params);
     float total = st == KILN_OK ? kiln_grad_norm_torch(norms, t->n_params) : 0.0f;
     kiln_free(norms);
     if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_clip_grads");
     float cc = kiln_clip_coef(total, max_norm);
-    KILN_TRY(scale_grads(t, cc));
+    /* A finite g times cc in [0, 1] stays finite, a non-finite one stays non-finite, so
+     * grads_finite holds for the products too. On a device the product is left to the
+     * optimizer's read (grad_coef); a NaN cc (a non-finite gradient) is applied now. */
+    if (!t->host && cc >= 0.0f && cc <= 1.0f)
+        t->grad_coef = cc;
+    else
+        KILN_TRY(scale_grads(t, cc));
     KILN_TRY(backend_check(t, "kiln_train_clip_grads"));
     if (total_norm) *total_norm = total;
     if (coef) *coef = cc;
@@ -1301,9 +1363,15 @@ kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr) {
     if (!(lr >= 0) || !isfinite(lr)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_optimizer_step: lr must be finite and >= 0");
     /* both halves are checked before either is updated */
     kiln_pool *pool = host_pool(t);
-    kiln_status st = kiln_adamw_grads_finite(t->opt_mat, pool);
-    if (st == KILN_OK) st = kiln_adamw_grads_finite(t->opt_vec, pool);
-    if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_optimizer_step: refused, weights untouched");
+    kiln_status st = KILN_OK;
+    if (!t->grads_finite) { /* else known from the last norm pass (see grads_finite) */
+        st = kiln_adamw_grads_finite(t->opt_mat, pool);
+        if (st == KILN_OK) st = kiln_adamw_grads_finite(t->opt_vec, pool);
+        if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_optimizer_step: refused, weights untouched");
+        t->grads_finite = 1;
+    }
+    KILN_TRY(kiln_adamw_set_grad_scale(t->opt_mat, t->grad_coef));
+    KILN_TRY(kiln_adamw_set_grad_scale(t->opt_vec, t->grad_coef));
     kiln_adamw_set_lr(t->opt_mat, lr);
     kiln_adamw_set_lr(t->opt_vec, lr);
     t->shadow_stale = 1;
@@ -1381,7 +1449,10 @@ kiln_status kiln_train_get_grad(const kiln_trainer *t, const char *name, float *
     if (!t || !name || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_get_grad: NULL argument");
     const train_param *p = find_param(t, name, n, "kiln_train_get_grad");
     if (!p) return KILN_ERR_INVALID_ARG;
-    return kiln_backend_download(t->be, out, p->g, (size_t)n * sizeof(float));
+    KILN_TRY(kiln_backend_download(t->be, out, p->g, (size_t)n * sizeof(float)));
+    if (t->grad_coef != 1.0f) /* the product the optimizer would read (see grad_coef) */
+        for (int64_t i = 0; i < n; i++) out[i] = out[i] * t->grad_coef;
+    return KILN_OK;
 }
 
 kiln_status kiln_train_set_param(kiln_trainer *t, const char *name, const float *in, int64_t n) {

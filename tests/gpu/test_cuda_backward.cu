@@ -246,9 +246,27 @@ static void case_rope(int N, int H, int HS) {
     float *d_d = dev_copy(d.data(), n), *d_ct = dev_copy(ct.data(), nt);
     float *d_st = dev_copy(st.data(), nt);
     const int32_t *d_pos = (const int32_t *)dev_copy_bytes(pos.data(), pos.size() * 4);
+    float *d_d2 = dev_copy(d.data(), n), *d_d3 = dev_copy(d.data(), n);
+    uint16_t *d16 = (uint16_t *)dev_alloc(n * 2), *d16b = (uint16_t *)dev_alloc(n * 2);
+    const std::vector<float> d0 = d;
     g_cpu->i->rope_backward(g_cpu, d.data(), pos.data(), N, H, HS, ct.data(), st.data());
     run_and_sync(kiln_cuda_rope_backward(g_s, d_d, d_pos, N, H, HS, d_ct, d_st), ctx);
-    report(ctx, compare(ctx, "d", d.data(), to_host(d_d, n).data(), n));
+    int bad = compare(ctx, "d", d.data(), to_host(d_d, n).data(), n);
+    /* the bf16 form: the CPU's results rounded; f32 kept or left alone */
+    run_and_sync(kiln_cuda_rope_backward_bf16(g_s, d_d2, d16, 1, d_pos, N, H, HS, d_ct, d_st), ctx);
+    run_and_sync(kiln_cuda_rope_backward_bf16(g_s, d_d3, d16b, 0, d_pos, N, H, HS, d_ct, d_st), ctx);
+    bad += compare(ctx, "d (bf16 form, kept)", d.data(), to_host(d_d2, n).data(), n);
+    bad += compare(ctx, "d (bf16 form, not kept)", d0.data(), to_host(d_d3, n).data(), n);
+    std::vector<uint16_t> h16(n), h16b(n);
+    CUDA_FATAL(cudaMemcpy(h16.data(), d16, n * 2, cudaMemcpyDeviceToHost));
+    CUDA_FATAL(cudaMemcpy(h16b.data(), d16b, n * 2, cudaMemcpyDeviceToHost));
+    size_t b16 = 0;
+    for (size_t i = 0; i < n; i++) {
+        const uint16_t want = kiln_fp32_to_bf16(d[i]);
+        b16 += (h16[i] != want) + (h16b[i] != want);
+    }
+    if (b16) fprintf(stderr, "%s: %zu bf16 values differ from the rounded CPU results\n", ctx, b16);
+    report(ctx, bad + (b16 != 0));
     dev_free_all();
 }
 
@@ -343,7 +361,7 @@ static void case_swiglu(size_t n, int alias) {
 
 /* ---- embed backward ------------------------------------------------------------------------ */
 
-static void case_embed(int N, int V, int C) {
+static void case_embed(int N, int V, int C, bool all_same = false) {
     char ctx[160];
     snprintf(ctx, sizeof ctx, "embed_backward N=%d V=%d C=%d", N, V, C);
     const size_t nt = (size_t)V * C, ny = (size_t)N * C;
@@ -354,12 +372,38 @@ static void case_embed(int N, int V, int C) {
     /* repeated ids: half the tokens from a few hot rows */
     int hot = V < 4 ? V : 4;
     for (int i = 0; i < N; i++) ids[i] = (rnd_u64() & 1) ? rnd_int(0, hot - 1) : rnd_int(0, V - 1);
+    if (all_same)
+        for (int i = 0; i < N; i++) ids[i] = V - 1;
     float *d_table = dev_copy(table.data(), nt), *d_dy = dev_copy(dy.data(), ny);
+    float *d_table2 = dev_copy(table.data(), nt);
     const int32_t *d_ids = (const int32_t *)dev_copy_bytes(ids.data(), ids.size() * 4);
+    /* the plan path (host grouping), with the same bits */
+    std::vector<int32_t> plan(3 * (size_t)N + 1), counts(V, 12345);
+    const int G = kiln_embed_plan(ids.data(), N, V, plan.data(), counts.data());
+    const int32_t *d_plan = (const int32_t *)dev_copy_bytes(plan.data(), plan.size() * 4);
     g_cpu->i->embed_backward(g_cpu, table.data(), dy.data(), ids.data(), N, V, C);
     run_and_sync(kiln_cuda_embed_backward(g_s, d_table, d_dy, d_ids, N, V, C), ctx);
-    report(ctx, compare(ctx, "dtable", table.data(), to_host(d_table, nt).data(), nt));
+    int bad = compare(ctx, "dtable", table.data(), to_host(d_table, nt).data(), nt);
+    run_and_sync(kiln_cuda_embed_backward_plan(g_s, d_table2, d_dy, d_plan, G, C), ctx);
+    bad += compare(ctx, "dtable (plan)", table.data(), to_host(d_table2, nt).data(), nt);
+    report(ctx, bad);
     dev_free_all();
+}
+
+/* kiln_embed_plan itself: groups in first-occurrence order, positions increasing, ids outside
+ * [0, V) left out. */
+static void case_embed_plan(void) {
+    const int32_t ids[] = {3, -1, 5, 3, 7, 5, 3, 9, 0};
+    const int N = 9, V = 8;
+    std::vector<int32_t> plan(3 * N + 1, -7), counts(V, 99);
+    const int G = kiln_embed_plan(ids, N, V, plan.data(), counts.data());
+    const int32_t want[] = {3, 5, 7, 0, /* starts */ 0, 3, 5, 6, 7,
+                            /* positions */ 0, 3, 6, 2, 5, 4, 8};
+    int bad = G != 4;
+    for (size_t i = 0; !bad && i < sizeof want / sizeof want[0]; i++) bad |= plan[i] != want[i];
+    if (bad) fprintf(stderr, "embed plan: G %d, got %d %d %d %d ...\n", G, plan[0], plan[1],
+                     plan[2], plan[3]);
+    report("kiln_embed_plan groups and order", bad);
 }
 
 /* ---- timings (GPU only, informative: not compared) ------------------------------------------ */
@@ -434,6 +478,13 @@ static void timings(void) {
     float t_em = time_ms([&] {
         return kiln_cuda_embed_backward(g_s, dt, dx, d_ids, N, 151936 / 4, (int)C);
     });
+    std::vector<int32_t> plan(3 * (size_t)N + 1), counts(151936 / 4);
+    const int G = kiln_embed_plan(ids.data(), N, 151936 / 4, plan.data(), counts.data());
+    const int32_t *d_plan = (const int32_t *)dev_copy_bytes(plan.data(), plan.size() * 4);
+    float t_emp = time_ms([&] {
+        return kiln_cuda_embed_backward_plan(g_s, dt, dx, d_plan, G, (int)C);
+    });
+    printf("time embed_backward from a plan (%d groups): %.3f ms\n", G, t_emp);
     float *rstd = dev_rand((size_t)N, 1.0f), *nw = dev_rand((size_t)C, 1.0f);
     float *dnw = dev_rand((size_t)C, 1.0f);
     float t_rms = time_ms([&] {
@@ -555,6 +606,9 @@ int main(int argc, char **argv) {
         {600, 3, 100}, {64, 1, 5}, {17, 1000, 300}, {257, 2, 257},
     };
     for (size_t i = 0; i < sizeof emb / sizeof emb[0]; i++) case_embed(emb[i][0], emb[i][1], emb[i][2]);
+    case_embed(5000, 50, 96, true); /* one group of 5000 tokens: the unrolled loop's tail */
+    case_embed(4099, 100000, 200);   /* mostly distinct ids */
+    case_embed_plan();
 
     timings();
     CUDA_FATAL(cudaStreamDestroy(g_s));

@@ -57,6 +57,13 @@ typedef struct cuda_ctx {
     size_t cap_hist;
     int32_t *h_token; /* pinned host: the sampled id */
     uint64_t gen;     /* bumped when ints or colsum_ws is reallocated (graph_generation) */
+    /* embed_backward from host ids: the grouping (kiln_embed_plan) made on the host in a
+     * pinned buffer and copied to d_plan without blocking the host; plan_ev marks the end of
+     * the last copy (the pinned buffer is rewritten only after it). counts: V host ints. */
+    int32_t *h_plan, *d_plan, *counts;
+    size_t cap_plan, cap_counts;
+    cudaEvent_t plan_ev;
+    bool plan_pending;
 } cuda_ctx;
 
 /* A recorded graph and the buffer generation it was recorded at. */
@@ -735,6 +742,18 @@ static void cu_rope_backward(kiln_backend *be, float *d, const int32_t *pos, int
                  "rope_backward");
 }
 
+static void cu_rope_backward_bf16(kiln_backend *be, float *d, uint16_t *d16, bool keep_f32,
+                                  const int32_t *pos, int N, int H, int HS,
+                                  const float *cos_tab, const float *sin_tab) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    const int32_t *d_pos = ints_dev(c, pos, (size_t)N);
+    if (!d_pos) return;
+    after_launch(c, kiln_cuda_rope_backward_bf16(c->stream, d, d16, keep_f32 ? 1 : 0, d_pos, N,
+                                                 H, HS, cos_tab, sin_tab),
+                 "rope_backward_bf16");
+}
+
 static void cu_attention_backward(kiln_backend *be, float *dq, float *dk, float *dv,
                                   const float *dout, const float *q, const float *k,
                                   const float *v, const float *out, float *ws, int N,
@@ -841,10 +860,55 @@ static void cu_swiglu_backward(kiln_backend *be, float *dgate, float *dup, const
                  "swiglu_backward");
 }
 
+/* embed_backward's plan path: host ids, stream not capturing (the copy reads the pinned
+ * buffer when it runs, so it must not be recorded into a graph). False: not taken (nothing
+ * enqueued, the backend not poisoned) or failed (poisoned: check c->err). */
+static bool embed_backward_planned(cuda_ctx *c, float *dtable, const float *dy,
+                                   const int32_t *ids, int N, int V, int C) {
+    cudaStreamCaptureStatus cs;
+    if (is_device_ptr(ids) || cudaStreamIsCapturing(c->stream, &cs) != cudaSuccess ||
+        cs != cudaStreamCaptureStatusNone)
+        return false;
+    const size_t need = 3 * (size_t)N + 1;
+    if (c->plan_pending && !CK(c, cudaEventSynchronize(c->plan_ev))) return false;
+    c->plan_pending = false;
+    if (!c->plan_ev && !CK(c, cudaEventCreateWithFlags(&c->plan_ev, cudaEventDisableTiming)))
+        return false;
+    if (need > c->cap_plan) {
+        if (c->h_plan && !CK(c, cudaFreeHost(c->h_plan))) return false;
+        if (c->d_plan && !CK(c, cudaFree(c->d_plan))) return false; /* waits for its readers */
+        c->h_plan = c->d_plan = NULL;
+        c->cap_plan = 0;
+        if (!CK(c, cudaMallocHost((void **)&c->h_plan, need * sizeof(int32_t)))) return false;
+        if (!CK(c, cudaMalloc((void **)&c->d_plan, need * sizeof(int32_t)))) return false;
+        c->cap_plan = need;
+    }
+    if ((size_t)V > c->cap_counts) {
+        int32_t *nc = (int32_t *)kiln_realloc(c->counts, (size_t)V * sizeof(int32_t));
+        if (!nc) {
+            poison(c, KILN_ERR_NOMEM, "embed_backward: out of host memory (%d ids)", V);
+            return false;
+        }
+        c->counts = nc;
+        c->cap_counts = (size_t)V;
+    }
+    const int G = kiln_embed_plan(ids, N, V, c->h_plan, c->counts);
+    const size_t used = 2 * (size_t)G + 1 + (size_t)c->h_plan[2 * G];
+    if (!CK(c, cudaMemcpyAsync(c->d_plan, c->h_plan, used * sizeof(int32_t),
+                               cudaMemcpyHostToDevice, c->stream)) ||
+        !CK(c, cudaEventRecord(c->plan_ev, c->stream)))
+        return false;
+    c->plan_pending = true;
+    after_launch(c, kiln_cuda_embed_backward_plan(c->stream, dtable, dy, c->d_plan, G, C),
+                 "embed_backward");
+    return true;
+}
+
 static void cu_embed_backward(kiln_backend *be, float *dtable, const float *dy,
                               const int32_t *ids, int N, int V, int C) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
+    if (embed_backward_planned(c, dtable, dy, ids, N, V, C) || c->err != KILN_OK) return;
     const int32_t *d_ids = ints_dev(c, ids, (size_t)N);
     if (!d_ids) return;
     after_launch(c, kiln_cuda_embed_backward(c->stream, dtable, dy, d_ids, N, V, C),
@@ -932,6 +996,10 @@ static void cu_free(kiln_backend *be) {
         for (size_t k = 0; k < c->n_weights; k++) cudaFree(c->weights[k].dev);
         kiln_free(c->weights);
         if (c->ints) cudaFree(c->ints);
+        if (c->h_plan) cudaFreeHost(c->h_plan);
+        if (c->d_plan) cudaFree(c->d_plan);
+        if (c->plan_ev) cudaEventDestroy(c->plan_ev);
+        kiln_free(c->counts);
         if (c->colsum_ws) cudaFree(c->colsum_ws);
         kiln_cuda_gemm_free(c->gemm);
         kiln_cuda_sampler_free(c->sampler);
@@ -986,6 +1054,7 @@ static const kiln_backend_i cuda_iface = {
     /* .matmul_backward_multi_bf16x = */ cu_matmul_backward_multi_bf16x,
     /* .swiglu_backward_bf16 = */ cu_swiglu_backward_bf16,
     /* .rmsnorm_backward_bf16 = */ cu_rmsnorm_backward_bf16,
+    /* .rope_backward_bf16 = */ cu_rope_backward_bf16,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {

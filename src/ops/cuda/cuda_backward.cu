@@ -477,6 +477,42 @@ static __global__ void rope_bwd_kernel(float *d, const int32_t *__restrict__ pos
     }
 }
 
+/* The same pairs, each result also (or only) stored as its bf16 rounding into d16. */
+static __global__ void rope_bwd_bf16_kernel(float *d, uint16_t *__restrict__ d16, int keep_f32,
+                                            const int32_t *__restrict__ pos, int H, int HS,
+                                            const float *__restrict__ cos_tab,
+                                            const float *__restrict__ sin_tab, int64_t total) {
+    const int half = HS / 2;
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total;
+         u += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t nh = u / half;
+        const int i = (int)(u - nh * half);
+        const int64_t n = nh / H;
+        float *v = d + nh * HS;
+        uint16_t *v16 = d16 + nh * HS;
+        const float c = cos_tab[(int64_t)pos[n] * half + i];
+        const float sn = sin_tab[(int64_t)pos[n] * half + i];
+        const float a = v[i], b = v[i + half];
+        const float ra = a * c + b * sn, rb = b * c - a * sn;
+        v16[i] = kiln_bf16_rne(ra);
+        v16[i + half] = kiln_bf16_rne(rb);
+        if (keep_f32) {
+            v[i] = ra;
+            v[i + half] = rb;
+        }
+    }
+}
+
+cudaError_t kiln_cuda_rope_backward_bf16(cudaStream_t s, float *d, uint16_t *d16, int keep_f32,
+                                         const int32_t *pos, int N, int H, int HS,
+                                         const float *cos_tab, const float *sin_tab) {
+    const int64_t total = (int64_t)N * H * (HS / 2);
+    if (N <= 0 || H <= 0 || total <= 0) return cudaSuccess;
+    rope_bwd_bf16_kernel<<<grid_for(total, 256), 256, 0, s>>>(d, d16, keep_f32, pos, H, HS,
+                                                              cos_tab, sin_tab, total);
+    return cudaGetLastError();
+}
+
 cudaError_t kiln_cuda_rope_backward(cudaStream_t s, float *d, const int32_t *pos, int N, int H,
                                     int HS, const float *cos_tab, const float *sin_tab) {
     const int64_t total = (int64_t)N * H * (HS / 2);
@@ -804,6 +840,77 @@ embed_bwd_kernel(float *dtable, const float *__restrict__ dy, const int32_t *__r
         __syncthreads(); /* hits is rewritten by the next chunk */
     }
     if (c < C) row[c] = val;
+}
+
+int kiln_embed_plan(const int32_t *ids, int N, int V, int32_t *plan, int32_t *counts) {
+    /* counts[v]: the number of tokens with id v; then -(g + 1) once v is group g; then the
+     * next free slot of group g's positions. While the groups are found, group g's count is
+     * parked at plan[N + 1 + g] (G <= N, so plan[G + g], written next, never reaches a
+     * parked count not yet read). */
+    for (int n = 0; n < N; n++)
+        if (ids[n] >= 0 && ids[n] < V) counts[ids[n]] = 0;
+    for (int n = 0; n < N; n++)
+        if (ids[n] >= 0 && ids[n] < V) counts[ids[n]]++;
+    int G = 0;
+    for (int n = 0; n < N; n++) {
+        const int v = ids[n];
+        if (v < 0 || v >= V || counts[v] < 0) continue;
+        plan[G] = v;
+        plan[N + 1 + G] = counts[v];
+        counts[v] = -(G + 1);
+        G++;
+    }
+    int32_t *start = plan + G, *pos = plan + 2 * G + 1;
+    int32_t acc = 0;
+    for (int g = 0; g < G; g++) {
+        const int32_t cnt = plan[N + 1 + g];
+        start[g] = acc;
+        acc += cnt;
+    }
+    start[G] = acc;
+    for (int g = 0; g < G; g++) counts[plan[g]] = start[g];
+    for (int n = 0; n < N; n++)
+        if (ids[n] >= 0 && ids[n] < V) pos[counts[ids[n]]++] = n;
+    return G;
+}
+
+#define EBP_THREADS 128
+#define EBP_UNROLL 8
+
+/* Block (g, y): columns [y*128, y*128 + 128) of group g's row. The adds are the old kernel's
+ * (row, then each token's row in increasing n, one float add at a time); the loads of 8
+ * tokens are issued before their adds. */
+static __global__ void __launch_bounds__(EBP_THREADS)
+embed_bwd_plan_kernel(float *dtable, const float *__restrict__ dy,
+                      const int32_t *__restrict__ plan, int G, int C) {
+    const int g = blockIdx.x;
+    const int64_t c = (int64_t)blockIdx.y * EBP_THREADS + threadIdx.x;
+    if (c >= C) return;
+    const int v = plan[g];
+    const int32_t *pos = plan + 2 * G + 1;
+    const int b = plan[G + g], e = plan[G + g + 1];
+    float *row = dtable + (int64_t)v * C;
+    float val = row[c];
+    int i = b;
+    for (; i + EBP_UNROLL <= e; i += EBP_UNROLL) {
+        float t[EBP_UNROLL];
+#pragma unroll
+        for (int u = 0; u < EBP_UNROLL; u++) t[u] = dy[(int64_t)pos[i + u] * C + c];
+#pragma unroll
+        for (int u = 0; u < EBP_UNROLL; u++) val = val + t[u];
+    }
+    for (; i < e; i++) val = val + dy[(int64_t)pos[i] * C + c];
+    row[c] = val;
+}
+
+cudaError_t kiln_cuda_embed_backward_plan(cudaStream_t s, float *dtable, const float *dy,
+                                          const int32_t *plan, int G, int C) {
+    if (G <= 0 || C <= 0) return cudaSuccess;
+    const int64_t gy = ((int64_t)C + EBP_THREADS - 1) / EBP_THREADS;
+    if (gy > 65535) return cudaErrorInvalidConfiguration;
+    embed_bwd_plan_kernel<<<dim3((unsigned)G, (unsigned)gy), EBP_THREADS, 0, s>>>(dtable, dy,
+                                                                                 plan, G, C);
+    return cudaGetLastError();
 }
 
 cudaError_t kiln_cuda_embed_backward(cudaStream_t s, float *dtable, const float *dy,

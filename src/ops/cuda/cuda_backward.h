@@ -45,6 +45,12 @@ cudaError_t kiln_cuda_rmsnorm_backward(cudaStream_t s, float *dx, float *dw, con
 /* In place on d(N,H,HS): the transpose of rope's rotation; pos(N) device memory. */
 cudaError_t kiln_cuda_rope_backward(cudaStream_t s, float *d, const int32_t *pos, int N, int H,
                                     int HS, const float *cos_tab, const float *sin_tab);
+/* The same rotation, the results rounded to bf16 (kiln_fp32_to_bf16) into d16(N,H,HS); d gets
+ * the f32 results too when keep_f32, else is left as it was. Same bits as
+ * kiln_cuda_rope_backward followed by kiln_cuda_f32_to_bf16. */
+cudaError_t kiln_cuda_rope_backward_bf16(cudaStream_t s, float *d, uint16_t *d16, int keep_f32,
+                                         const int32_t *pos, int N, int H, int HS,
+                                         const float *cos_tab, const float *sin_tab);
 
 /* Causal GQA attention backward: dq(N,NH,HS) overwritten; dk, dv rows 0..n_past+N-1 of
  * (T,KVH,HS) overwritten, later rows untouched; ws: 3*N*NH floats of scratch. HS at most
@@ -69,5 +75,21 @@ cudaError_t kiln_cuda_swiglu_backward_bf16(cudaStream_t s, uint16_t *dgate, uint
  * n. ids(N) device memory, in [0, V) (an id outside is skipped, never written through). */
 cudaError_t kiln_cuda_embed_backward(cudaStream_t s, float *dtable, const float *dy,
                                      const int32_t *ids, int N, int V, int C);
+
+/* The same from host ids, in O(N) work instead of O(N^2) and with the same bits: the host
+ * groups the tokens by id (kiln_embed_plan), the device sums each group's rows in token
+ * order, one block of columns a group.
+ *
+ * kiln_embed_plan writes plan[0 .. 2G+1+N) for ids[0..N) and returns G, the number of
+ * distinct ids in [0, V) (ids outside are left out, as above):
+ *   plan[g]              the id of group g (groups in order of first occurrence),
+ *   plan[G + g]          where group g's positions start in the position list, and
+ *   plan[G + G]          their end (the number of tokens kept),
+ *   plan[2G + 1 + i]     the position list: each group's token positions, increasing.
+ * plan must hold 3N + 1 ints. counts: V ints of host scratch (any contents; overwritten). */
+int kiln_embed_plan(const int32_t *ids, int N, int V, int32_t *plan, int32_t *counts);
+/* dtable += the rows of dy grouped by a plan (device memory) of G groups, C columns. */
+cudaError_t kiln_cuda_embed_backward_plan(cudaStream_t s, float *dtable, const float *dy,
+                                          const int32_t *plan, int G, int C);
 
 #endif /* KILN_CUDA_BACKWARD_H */
