@@ -292,6 +292,18 @@ typedef struct kiln_backend_i {
     void (*rope_backward_bf16)(kiln_backend *be, float *d, uint16_t *d16, bool keep_f32,
                                const int32_t *pos, int N, int H, int HS, const float *cos_tab,
                                const float *sin_tab);
+    /* matmul_backward_dx16: one product's backward from bf16 dy16 (N rows of R) and x16 (N
+     * rows of C), W (R, C): dx16 (N rows of C) = dy @ W rounded to bf16 by the product
+     * itself (fast mode's GEMM: not the f32 dx's bits rounded), dW (NULL: skipped) += dy^T @ x
+     * as matmul_backward_multi_bf16x computes it. For a dx whose only reader takes bf16 (the
+     * MLP's down projection: swiglu's backward).
+     * swiglu_backward_bf16_d16: swiglu_backward_bf16 with dout in bf16 (widened exactly). */
+    void (*matmul_backward_dx16)(kiln_backend *be, uint16_t *dx16, float *dW,
+                                 const uint16_t *dy16, const uint16_t *x16, const kiln_tensor *W,
+                                 int N);
+    void (*swiglu_backward_bf16_d16)(kiln_backend *be, uint16_t *dgate16, uint16_t *dup16,
+                                     const uint16_t *dout16, const uint16_t *gate16,
+                                     const uint16_t *up16, size_t n);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

@@ -125,6 +125,8 @@ struct kiln_trainer {
     int32_t *pos, *ids; /* (T) the rows' positions and token ids, in backend memory */
     int32_t *targets, *positions; /* host arrays (T) */
     int32_t *pos_host; /* device backends: the host copy of pos */
+    int32_t *ids_host; /* device backends: the host copy of the pending step's ids (the
+                        * embedding's backward groups its rows on the host) */
     int pos_seq, pos_rows; /* pos holds n % pos_seq for rows n < pos_rows (0: nothing yet) */
 
     /* Fast mode on a device with graphs (ops.h graph_begin; KILN_CUDA_GRAPHS=0 turns them
@@ -498,7 +500,8 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     if (st != KILN_OK) return st;
     if (!t->host) {
         t->pos_host = kiln_calloc(T, sizeof(int32_t));
-        if (!t->pos_host) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+        t->ids_host = kiln_calloc(T, sizeof(int32_t));
+        if (!t->pos_host || !t->ids_host) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
     }
     for (int l = 0; l < L; l++) {
         if (!qk) {
@@ -722,6 +725,7 @@ void kiln_trainer_free(kiln_trainer *t) {
     kiln_adamw_free(t->opt_vec);
     kiln_free(t->targets);
     kiln_free(t->pos_host);
+    kiln_free(t->ids_host);
     if (t->ce_buf) bmem_free(t, t->ce_buf);
     if (t->g_fwd) t->be->i->graph_free(t->be, t->g_fwd);
     if (t->g_bwd) t->be->i->graph_free(t->be, t->g_bwd);
@@ -949,6 +953,7 @@ static kiln_status forward(kiln_trainer *t, const int32_t *ids, int n_seq, int s
             t->pos_rows = T;
         }
         KILN_TRY(kiln_backend_upload(be, t->ids, ids, (size_t)T * sizeof(int32_t)));
+        memcpy(t->ids_host, ids, (size_t)T * sizeof(int32_t));
     }
     return run_layers(t, &t->g_fwd, &t->g_fwd_runs, forward_layers, n_seq, seq);
 }
@@ -1113,7 +1118,11 @@ static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
         /* MLP: x_next = x_mid + down(silu(gate) * up) */
         const train_param *nob[2] = {NULL, NULL};
         const uint16_t *dx16s[1] = {t->dx16};
-        if (t->acts16) {
+        const bool mlp16 = t->acts16 && op->matmul_backward_dx16 && op->swiglu_backward_bf16_d16;
+        uint16_t *dhb16 = (uint16_t *)t->dhb; /* mlp16: the down projection's dx in bf16 */
+        if (mlp16) {
+            op->matmul_backward_dx16(be, dhb16, w->down->g, t->dx16, a->hb16, mat_view(t, w->down), T);
+        } else if (t->acts16) {
             const float *dxs[1] = {t->dx};
             const train_param *wd[1] = {w->down};
             matmul_backward_n(t, 1, t->dhb, dxs, dx16s, NULL, a->hb16, wd, nob, T, false);
@@ -1123,7 +1132,10 @@ static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
         const train_param *wgu[2] = {w->gate, w->up};
         if (t->acts16) { /* dgate, dup in bf16 (in the f32 buffers' memory): only products read them */
             uint16_t *dg16 = (uint16_t *)t->dgate, *du16 = (uint16_t *)t->dup;
-            op->swiglu_backward_bf16(be, dg16, du16, t->dhb, a->gate16, a->up16, (size_t)T * FF);
+            if (mlp16)
+                op->swiglu_backward_bf16_d16(be, dg16, du16, dhb16, a->gate16, a->up16, (size_t)T * FF);
+            else
+                op->swiglu_backward_bf16(be, dg16, du16, t->dhb, a->gate16, a->up16, (size_t)T * FF);
             const uint16_t *dgu16[2] = {dg16, du16};
             matmul_backward_n(t, 2, t->dxb, NULL, dgu16, NULL, a->xb2_16, wgu, nob, T, false);
         } else {
@@ -1189,7 +1201,7 @@ static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
             op->rmsnorm_backward(be, t->dx, w->attn_norm->g, t->dxb, a->x, VEC(w->attn_norm), T, C, eps, t->rstd,
                                  true);
     }
-    op->embed_backward(be, t->tok_embd->g, t->dx, t->ids, T, c->n_vocab, C);
+    /* the embedding's backward follows, outside the recorded graph (kiln_train_backward) */
 }
 
 static void zero_grads(kiln_trainer *t) {
@@ -1259,6 +1271,10 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
         }
     }
     kiln_status bst = run_layers(t, &t->g_bwd, &t->g_bwd_runs, backward_layers, t->n_seq, t->seq);
+    /* Outside the graph, from host ids: a device backend groups the tokens by id on the host
+     * (an O(T) plan it uploads each call) instead of searching the ids on the device. */
+    if (bst == KILN_OK)
+        t->be->i->embed_backward(t->be, t->tok_embd->g, t->dx, t->host ? t->ids : t->ids_host, T, t->cfg.n_vocab, C);
     t->pending = 0;
     if (bst != KILN_OK) return kiln_error_prefix(bst, "kiln_train_backward");
     track_peak(t);

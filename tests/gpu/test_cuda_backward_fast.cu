@@ -299,6 +299,129 @@ static void case_matmul(kiln_dtype dt, int N, int64_t R, int64_t C, bool acc, bo
     dev_free_all();
 }
 
+/* ---- dx in bf16 (the MLP's down projection) and swiglu's backward on a bf16 dout ------------- */
+
+static std::vector<uint16_t> to_bf16(std::vector<float> &v) { /* rounds v in place too */
+    std::vector<uint16_t> b(v.size());
+    for (size_t i = 0; i < v.size(); i++) {
+        b[i] = kiln_fp32_to_bf16(v[i]);
+        v[i] = kiln_bf16_to_fp32(b[i]);
+    }
+    return b;
+}
+
+static void case_dx16(kiln_dtype dt, int N, int64_t R, int64_t C) {
+    char ctx[200];
+    snprintf(ctx, sizeof ctx, "backward_fast dx16 %s N=%d R=%lld C=%lld", dt_name(dt), N,
+             (long long)R, (long long)C);
+    const size_t nx = (size_t)N * C, ny = (size_t)N * R, nw = (size_t)R * C;
+    std::vector<float> x(nx), dy(ny), wf(nw), dW0(nw), cdx(nx, 0.0f);
+    fill_rand(x, 1.0f);
+    fill_rand(dy, 1.0f);
+    fill_rand(wf, 1.0f);
+    fill_rand(dW0, 2.0f);
+    const std::vector<uint16_t> x16 = to_bf16(x), dy16 = to_bf16(dy); /* exact inputs */
+    std::vector<uint8_t> wb = encode_w(dt, wf, false), wabs = encode_w(dt, wf, true);
+    kiln_tensor W = make_tensor(dt, R, C, wb), Wabs = make_tensor(dt, R, C, wabs);
+    g_cpu->i->matmul_backward(g_cpu, cdx.data(), NULL, NULL, dy.data(), x.data(), &W, N, false);
+    std::vector<float> ady(dy), ax(x), Sdx(nx, 0.0f);
+    for (float &f : ady) f = fabsf(f);
+    for (float &f : ax) f = fabsf(f);
+    g_cpu->i->matmul_backward(g_cpu, Sdx.data(), NULL, NULL, ady.data(), ax.data(), &Wabs, N,
+                              false);
+    const size_t rb = (size_t)C * (dt == KILN_DTYPE_F32 ? 4 : 2);
+    uint8_t *d_w = (uint8_t *)dev_alloc(rb * (size_t)R);
+    up(d_w, wb.data(), rb * (size_t)R);
+    uint16_t *d_x16 = (uint16_t *)dev_alloc(nx * 2), *d_dy16 = (uint16_t *)dev_alloc(ny * 2);
+    up(d_x16, x16.data(), nx * 2);
+    up(d_dy16, dy16.data(), ny * 2);
+    std::vector<float> got[2], gotW[2], refW;
+    int bad = 0;
+    for (int k = 0; k < 3 && !bad; k++) {
+        float *d_dW = dev_copy(dW0);
+        kiln_cuda_mb_item it;
+        memset(&it, 0, sizeof it);
+        it.dW = d_dW;
+        it.dy16 = d_dy16;
+        it.w = d_w;
+        it.row_bytes = rb;
+        it.dt = dt;
+        it.R = R;
+        cudaError_t e;
+        uint16_t *d_dx16 = (uint16_t *)dev_alloc(nx * 2);
+        if (k < 2) {
+            e = kiln_cuda_matmul_backward_fast_dx16(g_gemm, g_s, &it, d_dx16, d_x16, C, C, N);
+        } else { /* the f32-dx form: dW must have the same bits */
+            float *d_dx = (float *)dev_alloc(nx * 4);
+            e = kiln_cuda_matmul_backward_fast_multi_bf16(g_gemm, g_s, 1, &it, d_dx, d_x16, C, C,
+                                                          N, false);
+        }
+        if (e == cudaSuccess) e = cudaStreamSynchronize(g_s);
+        if (e != cudaSuccess) {
+            fprintf(stderr, "FAIL %s: %s (gemm: %s)\n", ctx, cudaGetErrorString(e),
+                    kiln_cuda_gemm_error(g_gemm));
+            bad = 1;
+            break;
+        }
+        if (k < 2) {
+            std::vector<uint16_t> h(nx);
+            CUDA_FATAL(cudaMemcpy(h.data(), d_dx16, nx * 2, cudaMemcpyDeviceToHost));
+            got[k].resize(nx);
+            for (size_t i = 0; i < nx; i++) got[k][i] = kiln_bf16_to_fp32(h[i]);
+            gotW[k] = to_host(d_dW, nw);
+        } else {
+            refW = to_host(d_dW, nw);
+        }
+    }
+    if (!bad) {
+        printf("%s\n", ctx);
+        /* the product's f32 bound plus the bf16 rounding of the result (<= 2^-9 |dx| <= 2^-9 S) */
+        std::vector<float> S2(Sdx);
+        for (float &f : S2) f = f * (1.0f + 0x1p-2f);
+        bad |= within_bound(ctx, "dx16", cdx, got[0], S2, NULL, (double)R, &g_worst_dx);
+        bad |= same_bits(ctx, "dx16 run 2", got[0], got[1]);
+        bad |= same_bits(ctx, "dW (dx16 form vs f32 dx form)", refW, gotW[0]);
+        bad |= same_bits(ctx, "dW run 2", gotW[0], gotW[1]);
+    }
+    printf("  -> %s\n", bad ? "FAILED" : "OK");
+    if (bad) g_failed++;
+    dev_free_all();
+}
+
+/* kiln_cuda_swiglu_backward_bf16_d16 against kiln_cuda_swiglu_backward_bf16 on the widened
+ * dout: the same bits (both the 4-wide kernel and the tail). */
+static void case_swiglu_d16(size_t n, size_t off) {
+    char ctx[120];
+    snprintf(ctx, sizeof ctx, "swiglu_backward_bf16_d16 n=%zu offset=%zu", n, off);
+    std::vector<float> g(n + off), u(n + off), d(n + off);
+    fill_rand(g, 4.0f);
+    fill_rand(u, 2.0f);
+    fill_rand(d, 1.0f);
+    const std::vector<uint16_t> g16 = to_bf16(g), u16 = to_bf16(u), d16 = to_bf16(d);
+    uint16_t *dg = (uint16_t *)dev_alloc((n + off) * 2), *du = (uint16_t *)dev_alloc((n + off) * 2);
+    uint16_t *dd = (uint16_t *)dev_alloc((n + off) * 2);
+    up(dg, g16.data(), (n + off) * 2);
+    up(du, u16.data(), (n + off) * 2);
+    up(dd, d16.data(), (n + off) * 2);
+    float *df = dev_copy(d); /* the widened dout, f32 */
+    uint16_t *o[4];
+    for (int i = 0; i < 4; i++) o[i] = (uint16_t *)dev_alloc((n + off) * 2);
+    CUDA_FATAL(kiln_cuda_swiglu_backward_bf16_d16(g_s, o[0] + off, o[1] + off, dd + off, dg + off,
+                                                  du + off, n));
+    CUDA_FATAL(kiln_cuda_swiglu_backward_bf16(g_s, o[2] + off, o[3] + off, df + off, dg + off,
+                                              du + off, n));
+    CUDA_FATAL(cudaStreamSynchronize(g_s));
+    std::vector<uint16_t> h[4];
+    for (int i = 0; i < 4; i++) {
+        h[i].resize(n);
+        CUDA_FATAL(cudaMemcpy(h[i].data(), o[i] + off, n * 2, cudaMemcpyDeviceToHost));
+    }
+    const int bad = h[0] != h[2] || h[1] != h[3];
+    printf("%s -> %s\n", ctx, bad ? "FAILED" : "OK");
+    if (bad) g_failed++;
+    dev_free_all();
+}
+
 /* ---- argument errors -------------------------------------------------------------------------- */
 
 static int host_checks(void) {
@@ -448,6 +571,13 @@ int main(int argc, char **argv) {
     case_matmul(KILN_DTYPE_BF16, 64, 4864, 896, true, true, true, true, V_PACKED);
     case_matmul(KILN_DTYPE_F32, 130, 896, 4864, false, true, true, false, V_PACKED);
     case_matmul(KILN_DTYPE_F32, 1024, 136, 72, false, true, true, true, V_PACKED);
+    /* dx in bf16: the down projection's shapes (R = C_model, C = FF) and odd ones */
+    case_dx16(KILN_DTYPE_BF16, 64, 896, 4864);
+    case_dx16(KILN_DTYPE_F32, 130, 576, 1536);
+    case_dx16(KILN_DTYPE_BF16, 17, 96, 100);
+    case_dx16(KILN_DTYPE_F16, 3, 8, 64);
+    for (size_t n : {(size_t)1, (size_t)7, (size_t)1000, (size_t)100003})
+        for (size_t off : {(size_t)0, (size_t)1}) case_swiglu_d16(n, off);
 
     printf("worst err/S: dx %.3g, dW %.3g (bound's leading term 2^-7 = %.3g)\n", g_worst_dx,
            g_worst_dw, 0x1p-7);

@@ -660,6 +660,41 @@ static void cu_matmul_backward_multi_bf16x(kiln_backend *be, int n, float *dx, f
     matmul_backward_multi(be, n, dx, dW, dbias, dy, dy16, NULL, x16, W, N, accumulate_dx);
 }
 
+static void cu_matmul_backward_dx16(kiln_backend *be, uint16_t *dx16, float *dW,
+                                    const uint16_t *dy16, const uint16_t *x16,
+                                    const kiln_tensor *W, int N) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    int64_t C = 0;
+    if (multi_plan(c, "matmul_backward_dx16", 1, 1, &W, true,
+                   kiln_cuda_backward_dtype_supported, true, &C) < 0)
+        return;
+    kiln_cuda_mb_item it;
+    memset(&it, 0, sizeof it);
+    it.R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
+    it.row_bytes = row_bytes_of(W->dtype, C);
+    it.dt = W->dtype;
+    it.dW = dW;
+    it.dy16 = dy16;
+    if (!(it.w = weight_dev(c, W->data, (size_t)it.R * it.row_bytes, W->name))) return;
+    if (!c->gemm && !CK(c, kiln_cuda_gemm_create(c->device, &c->gemm))) return;
+    cudaError_t e = kiln_cuda_matmul_backward_fast_dx16(c->gemm, c->stream, &it, dx16, x16, C,
+                                                         C, N);
+    if (e != cudaSuccess)
+        poison(c, KILN_ERR_INTERNAL, "matmul_backward_dx16 (fast) '%s', %d tokens: %s (%s)",
+               W->name ? W->name : "?", N, kiln_cuda_gemm_error(c->gemm), cudaGetErrorName(e));
+}
+
+static void cu_swiglu_backward_bf16_d16(kiln_backend *be, uint16_t *dgate16, uint16_t *dup16,
+                                        const uint16_t *dout16, const uint16_t *gate,
+                                        const uint16_t *up, size_t n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_swiglu_backward_bf16_d16(c->stream, dgate16, dup16, dout16, gate,
+                                                       up, n),
+                 "swiglu_backward_bf16_d16");
+}
+
 static void cu_swiglu_backward_bf16(kiln_backend *be, uint16_t *dgate16, uint16_t *dup16,
                                     const float *dout, const uint16_t *gate, const uint16_t *up,
                                     size_t n) {
@@ -1055,6 +1090,8 @@ static const kiln_backend_i cuda_iface = {
     /* .swiglu_backward_bf16 = */ cu_swiglu_backward_bf16,
     /* .rmsnorm_backward_bf16 = */ cu_rmsnorm_backward_bf16,
     /* .rope_backward_bf16 = */ cu_rope_backward_bf16,
+    /* .matmul_backward_dx16 = */ cu_matmul_backward_dx16,
+    /* .swiglu_backward_bf16_d16 = */ cu_swiglu_backward_bf16_d16,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {

@@ -503,11 +503,53 @@ static __global__ void rope_bwd_bf16_kernel(float *d, uint16_t *__restrict__ d16
     }
 }
 
+/* The same for half = HALF (head sizes 64 and 128), a thread per two neighbouring pairs
+ * (i, i + 1 and i + HALF, i + HALF + 1: 8-byte loads, a 4-byte bf16 store each), 32-bit
+ * indices, the division by the pairs a row a shift: the same operations on each element. */
+template <int HALF>
+static __global__ void rope_bwd_bf16_vec_kernel(float *d, uint16_t *__restrict__ d16, int keep_f32,
+                                                const int32_t *__restrict__ pos, unsigned H,
+                                                const float *__restrict__ cos_tab,
+                                                const float *__restrict__ sin_tab, unsigned total) {
+    constexpr unsigned Q = HALF / 2; /* items a (token, head) row */
+    for (unsigned u = blockIdx.x * blockDim.x + threadIdx.x; u < total;
+         u += gridDim.x * blockDim.x) {
+        const unsigned nh = u / Q, i = 2 * (u - nh * Q), n = nh / H;
+        float *v = d + (size_t)nh * (2 * HALF);
+        const size_t t = (size_t)pos[n] * HALF + i;
+        const float2 c = *(const float2 *)(cos_tab + t), sn = *(const float2 *)(sin_tab + t);
+        const float2 a = *(const float2 *)(v + i), b = *(const float2 *)(v + i + HALF);
+        const float ra0 = a.x * c.x + b.x * sn.x, rb0 = b.x * c.x - a.x * sn.x;
+        const float ra1 = a.y * c.y + b.y * sn.y, rb1 = b.y * c.y - a.y * sn.y;
+        uint16_t *v16 = d16 + (size_t)nh * (2 * HALF);
+        *(uint32_t *)(v16 + i) = (uint32_t)kiln_bf16_rne(ra0) | ((uint32_t)kiln_bf16_rne(ra1) << 16);
+        *(uint32_t *)(v16 + i + HALF) =
+            (uint32_t)kiln_bf16_rne(rb0) | ((uint32_t)kiln_bf16_rne(rb1) << 16);
+        if (keep_f32) {
+            *(float2 *)(v + i) = make_float2(ra0, ra1);
+            *(float2 *)(v + i + HALF) = make_float2(rb0, rb1);
+        }
+    }
+}
+
 cudaError_t kiln_cuda_rope_backward_bf16(cudaStream_t s, float *d, uint16_t *d16, int keep_f32,
                                          const int32_t *pos, int N, int H, int HS,
                                          const float *cos_tab, const float *sin_tab) {
     const int64_t total = (int64_t)N * H * (HS / 2);
     if (N <= 0 || H <= 0 || total <= 0) return cudaSuccess;
+    const bool vec = (HS == 64 || HS == 128) && total / 2 < (int64_t)1 << 31 &&
+                     ((uintptr_t)d & 7u) == 0 && ((uintptr_t)d16 & 3u) == 0 &&
+                     ((uintptr_t)cos_tab & 7u) == 0 && ((uintptr_t)sin_tab & 7u) == 0;
+    if (vec) {
+        const unsigned items = (unsigned)(total / 2);
+        if (HS == 64)
+            rope_bwd_bf16_vec_kernel<32><<<grid_for(items, 256), 256, 0, s>>>(
+                d, d16, keep_f32, pos, (unsigned)H, cos_tab, sin_tab, items);
+        else
+            rope_bwd_bf16_vec_kernel<64><<<grid_for(items, 256), 256, 0, s>>>(
+                d, d16, keep_f32, pos, (unsigned)H, cos_tab, sin_tab, items);
+        return cudaGetLastError();
+    }
     rope_bwd_bf16_kernel<<<grid_for(total, 256), 256, 0, s>>>(d, d16, keep_f32, pos, H, HS,
                                                               cos_tab, sin_tab, total);
     return cudaGetLastError();
@@ -741,13 +783,13 @@ static __device__ __forceinline__ void swiglu_bwd_elem(float g, float uv, float 
     *r_gate = (dov * uv) * (sg * (1.0f + g * (1.0f - sg)));
 }
 
-template <typename O, typename I>
-static __global__ void swiglu_bwd_kernel(O *dgate, O *dup, const float *dout, const I *gate,
+template <typename O, typename I, typename D = float>
+static __global__ void swiglu_bwd_kernel(O *dgate, O *dup, const D *dout, const I *gate,
                                          const I *up, size_t n) {
     for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
          u += (size_t)gridDim.x * blockDim.x) {
         float r_gate, r_up;
-        swiglu_bwd_elem(load_in(gate + u), load_in(up + u), dout[u], &r_gate, &r_up);
+        swiglu_bwd_elem(load_in(gate + u), load_in(up + u), load_in(dout + u), &r_gate, &r_up);
         store_out(dup + u, r_up);
         store_out(dgate + u, r_gate);
     }
@@ -755,11 +797,15 @@ static __global__ void swiglu_bwd_kernel(O *dgate, O *dup, const float *dout, co
 
 /* bf16 gate, up in and dgate, dup out, 4 elements a thread (float4 dout, 8-byte bf16 loads
  * and stores), each element as above. */
-static __global__ void swiglu_bwd_bf16x4_kernel(uint2 *dgate, uint2 *dup, const float4 *dout,
+static __device__ __forceinline__ float4 dout_x4(float4 d) { return d; }
+static __device__ __forceinline__ float4 dout_x4(uint2 d) { return bf16x4_f32(d); }
+
+template <typename D4> /* float4: f32 dout; uint2: bf16 dout, widened */
+static __global__ void swiglu_bwd_bf16x4_kernel(uint2 *dgate, uint2 *dup, const D4 *dout,
                                                 const uint2 *gate, const uint2 *up, size_t n4) {
     for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n4;
          u += (size_t)gridDim.x * blockDim.x) {
-        const float4 g = bf16x4_f32(gate[u]), v = bf16x4_f32(up[u]), d = dout[u];
+        const float4 g = bf16x4_f32(gate[u]), v = bf16x4_f32(up[u]), d = dout_x4(dout[u]);
         float a0, a1, a2, a3, b0, b1, b2, b3; /* dgate, dup */
         swiglu_bwd_elem(g.x, v.x, d.x, &a0, &b0);
         swiglu_bwd_elem(g.y, v.y, d.y, &a1, &b1);
@@ -797,6 +843,28 @@ cudaError_t kiln_cuda_swiglu_backward_bf16(cudaStream_t s, uint16_t *dgate, uint
     if (done < n)
         swiglu_bwd_kernel<uint16_t, uint16_t><<<grid_for((int64_t)(n - done), 256), 256, 0, s>>>(
             dgate + done, dup + done, dout + done, gate + done, up + done, n - done);
+    return cudaGetLastError();
+}
+
+cudaError_t kiln_cuda_swiglu_backward_bf16_d16(cudaStream_t s, uint16_t *dgate, uint16_t *dup,
+                                               const uint16_t *dout, const uint16_t *gate,
+                                               const uint16_t *up, size_t n) {
+    if (n == 0) return cudaSuccess;
+    size_t done = 0;
+    if ((((uintptr_t)dout | (uintptr_t)dgate | (uintptr_t)dup | (uintptr_t)gate |
+          (uintptr_t)up) & 7) == 0 && n >= 4) {
+        const size_t n4 = n / 4;
+        swiglu_bwd_bf16x4_kernel<<<grid_for((int64_t)n4, 256), 256, 0, s>>>(
+            reinterpret_cast<uint2 *>(dgate), reinterpret_cast<uint2 *>(dup),
+            reinterpret_cast<const uint2 *>(dout), reinterpret_cast<const uint2 *>(gate),
+            reinterpret_cast<const uint2 *>(up), n4);
+        done = 4 * n4;
+    }
+    if (done < n)
+        swiglu_bwd_kernel<uint16_t, uint16_t, uint16_t>
+            <<<grid_for((int64_t)(n - done), 256), 256, 0, s>>>(dgate + done, dup + done,
+                                                                dout + done, gate + done,
+                                                                up + done, n - done);
     return cudaGetLastError();
 }
 

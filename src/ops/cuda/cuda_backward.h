@@ -71,6 +71,12 @@ cudaError_t kiln_cuda_swiglu_backward_bf16(cudaStream_t s, uint16_t *dgate, uint
                                            const float *dout, const uint16_t *gate,
                                            const uint16_t *up, size_t n);
 
+/* The same with dout in bf16 too (widened exactly): the bits of
+ * kiln_cuda_swiglu_backward_bf16 on the widened dout. */
+cudaError_t kiln_cuda_swiglu_backward_bf16_d16(cudaStream_t s, uint16_t *dgate, uint16_t *dup,
+                                               const uint16_t *dout, const uint16_t *gate,
+                                               const uint16_t *up, size_t n);
+
 /* dtable(V,C) += dy rows: row v gets the rows of the tokens with ids[n] == v in increasing
  * n. ids(N) device memory, in [0, V) (an id outside is skipped, never written through). */
 cudaError_t kiln_cuda_embed_backward(cudaStream_t s, float *dtable, const float *dy,

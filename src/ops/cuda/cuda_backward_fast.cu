@@ -654,14 +654,15 @@ static bool bf16_in_place(kiln_dtype dt, const uint8_t *w, size_t row_bytes) {
 }
 
 /* The products of one item: dyb(N, ldR) already bf16; W converted into wcopy unless read in
- * place; xb (N, ldC) converted by the caller when dW. Arguments already checked. */
+ * place; xb (N, ldC) converted by the caller when dW. dx16 (then dx is NULL): dx in bf16,
+ * not accumulated. Arguments already checked. */
 static cudaError_t item_products(kiln_cuda_gemm *g, cudaStream_t s, const kiln_cuda_mb_item &it,
                                  const uint16_t *dyb, int64_t ldR, const uint16_t *xb,
-                                 int64_t ldx, uint16_t *wcopy, float *dx, int64_t C, int N,
-                                 bool accumulate_dx) {
+                                 int64_t ldx, uint16_t *wcopy, float *dx, uint16_t *dx16,
+                                 int64_t C, int N, bool accumulate_dx) {
     const int64_t ldC = padded_ld(C);
     cudaError_t e = cudaSuccess;
-    if (dx) { /* dx(N,C) (+)= dy(N,R) @ W(R,C): M = N, N = C, K = R */
+    if (dx || dx16) { /* dx(N,C) (+)= dy(N,R) @ W(R,C): M = N, N = C, K = R */
         const uint16_t *wb;
         int64_t ldw;
         if (bf16_in_place(it.dt, it.w, it.row_bytes)) {
@@ -673,8 +674,9 @@ static cudaError_t item_products(kiln_cuda_gemm *g, cudaStream_t s, const kiln_c
             wb = wcopy;
             ldw = ldC;
         }
-        e = kiln_cuda_gemm_bf16(g, s, 0, 0, N, C, it.R, dyb, ldR, wb, ldw, dx, C,
-                                accumulate_dx ? 1 : 0);
+        e = dx16 ? kiln_cuda_gemm_bf16_out16(g, s, 0, 0, N, C, it.R, dyb, ldR, wb, ldw, dx16, C)
+                 : kiln_cuda_gemm_bf16(g, s, 0, 0, N, C, it.R, dyb, ldR, wb, ldw, dx, C,
+                                       accumulate_dx ? 1 : 0);
         if (e != cudaSuccess) return e;
     }
     if (it.dW) /* dW(R,C) += dy^T(R,N) @ x(N,C): A = dy stored (N,R), trans_a; K = N */
@@ -685,10 +687,11 @@ static cudaError_t item_products(kiln_cuda_gemm *g, cudaStream_t s, const kiln_c
 /* kiln_cuda_matmul_backward_fast_multi (x f32, rounded into the buffer) or, with x NULL,
  * its _bf16 twin (xb16 at ldx16 used in place; no x region in the buffer). */
 static cudaError_t mb_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
-                            const kiln_cuda_mb_item *items, float *dx, const float *x,
-                            const uint16_t *xb16, int64_t ldx16, int64_t C, int N,
-                            bool accumulate_dx) {
+                            const kiln_cuda_mb_item *items, float *dx, uint16_t *dx16,
+                            const float *x, const uint16_t *xb16, int64_t ldx16, int64_t C,
+                            int N, bool accumulate_dx) {
     if (!g || n < 1 || n > KILN_CUDA_MB_MAX || !items) return cudaErrorInvalidValue;
+    if (dx16 && (n != 1 || dx || accumulate_dx)) return cudaErrorInvalidValue;
     if (N <= 0 || C <= 0) return cudaSuccess;
     if (!x && xb16 && ldx16 < C) return cudaErrorInvalidValue;
     /* every item checked before anything is enqueued; the buffer: each dyb_i, then xb (any
@@ -702,13 +705,13 @@ static cudaError_t mb_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
         dy_off[i] = off;
         if (it.R <= 0) continue;
         if (!kiln_cuda_backward_dtype_supported(it.dt)) return cudaErrorInvalidValue;
-        const bool products = dx || it.dW;
+        const bool products = dx || dx16 || it.dW;
         if (!products && !it.dbias) continue;
-        if ((!it.dy && !it.dy16) || (it.dbias && !it.dy) || (dx && !it.w) ||
+        if ((!it.dy && !it.dy16) || (it.dbias && !it.dy) || ((dx || dx16) && !it.w) ||
             (it.dW && !x && !xb16))
             return cudaErrorInvalidValue;
         const size_t es = it.dt == KILN_DTYPE_F32 ? 4u : 2u;
-        if (dx && (it.row_bytes % es != 0 || it.row_bytes / es < (size_t)C ||
+        if ((dx || dx16) && (it.row_bytes % es != 0 || it.row_bytes / es < (size_t)C ||
                    ((uintptr_t)it.w % es) != 0))
             return cudaErrorInvalidValue;
         any = true;
@@ -717,7 +720,7 @@ static cudaError_t mb_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
             if (!region_bytes(N, padded_ld(it.R), &b)) return cudaErrorInvalidValue;
             off += b;
         }
-        if (dx && !bf16_in_place(it.dt, it.w, it.row_bytes)) {
+        if ((dx || dx16) && !bf16_in_place(it.dt, it.w, it.row_bytes)) {
             if (!region_bytes(it.R, padded_ld(C), &b)) return cudaErrorInvalidValue;
             if (b > w_bytes) w_bytes = b;
         }
@@ -758,7 +761,7 @@ static cudaError_t mb_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
         if (it.dbias) /* dbias(R) += column sums of dy(N,R), kiln_cuda_col_sum_fast's order */
             e = kiln_cuda_col_sum_fast(s, it.dbias, it.dy, NULL, NULL, it.R, N, it.R, part,
                                        kiln_cuda_col_sum_fast_scratch_len(N, it.R));
-        if (e != cudaSuccess || (!dx && !it.dW)) continue;
+        if (e != cudaSuccess || (!dx && !dx16 && !it.dW)) continue;
         const uint16_t *dyb = it.dy16;
         const int64_t ldy = it.dy16 ? it.R : padded_ld(it.R);
         if (!it.dy16) {
@@ -767,7 +770,7 @@ static cudaError_t mb_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
             dyb = dst;
         }
         if (e == cudaSuccess)
-            e = item_products(g, s, it, dyb, ldy, xb, ldx, wcopy, dx, C, N,
+            e = item_products(g, s, it, dyb, ldy, xb, ldx, wcopy, dx, dx16, C, N,
                               dx_started || accumulate_dx);
         dx_started = dx_started || dx != NULL;
     }
@@ -788,7 +791,7 @@ cudaError_t kiln_cuda_matmul_backward_fast_multi(kiln_cuda_gemm *g, cudaStream_t
                                                  const kiln_cuda_mb_item *items, float *dx,
                                                  const float *x, int64_t C, int N,
                                                  bool accumulate_dx) {
-    return mb_multi(g, s, n, items, dx, x, NULL, 0, C, N, accumulate_dx);
+    return mb_multi(g, s, n, items, dx, NULL, x, NULL, 0, C, N, accumulate_dx);
 }
 
 cudaError_t kiln_cuda_matmul_backward_fast_multi_bf16(kiln_cuda_gemm *g, cudaStream_t s, int n,
@@ -796,7 +799,15 @@ cudaError_t kiln_cuda_matmul_backward_fast_multi_bf16(kiln_cuda_gemm *g, cudaStr
                                                       const uint16_t *xb, int64_t ldx,
                                                       int64_t C, int N, bool accumulate_dx) {
     if (!xb) return cudaErrorInvalidValue;
-    return mb_multi(g, s, n, items, dx, NULL, xb, ldx, C, N, accumulate_dx);
+    return mb_multi(g, s, n, items, dx, NULL, NULL, xb, ldx, C, N, accumulate_dx);
+}
+
+cudaError_t kiln_cuda_matmul_backward_fast_dx16(kiln_cuda_gemm *g, cudaStream_t s,
+                                                const kiln_cuda_mb_item *item, uint16_t *dx16,
+                                                const uint16_t *xb, int64_t ldx, int64_t C,
+                                                int N) {
+    if (!xb || !dx16) return cudaErrorInvalidValue;
+    return mb_multi(g, s, 1, item, NULL, dx16, NULL, xb, ldx, C, N, false);
 }
 
 cudaError_t kiln_cuda_matmul_backward_fast(kiln_cuda_gemm *g, cudaStream_t s, float *dx,

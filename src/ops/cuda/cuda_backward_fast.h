@@ -103,6 +103,14 @@ cudaError_t kiln_cuda_matmul_backward_fast_multi_bf16(kiln_cuda_gemm *g, cudaStr
                                                       const uint16_t *xb, int64_t ldx,
                                                       int64_t C, int N, bool accumulate_dx);
 
+/* One item with dx in bf16: dx16(N,C) = the RNE rounding of dy @ W, cuBLASLt's epilogue (not
+ * the f32 result's bits rounded: a problem of its own), and dW += dy^T @ x with the bits of
+ * kiln_cuda_matmul_backward_fast_multi_bf16; xb as there. */
+cudaError_t kiln_cuda_matmul_backward_fast_dx16(kiln_cuda_gemm *g, cudaStream_t s,
+                                                const kiln_cuda_mb_item *item, uint16_t *dx16,
+                                                const uint16_t *xb, int64_t ldx, int64_t C,
+                                                int N);
+
 /* Doubles of scratch kiln_cuda_col_sum_fast needs for N rows of W columns: K * W (K the
  * number of row chunks, at most 256); 0 when N <= 0 or W <= 0. A function of (N, W) only. */
 size_t kiln_cuda_col_sum_fast_scratch_len(int N, int64_t W);

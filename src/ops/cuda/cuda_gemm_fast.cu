@@ -833,7 +833,7 @@ cudaError_t kiln_cuda_gemm_linear_multi_bf16(kiln_cuda_gemm *g, cudaStream_t s, 
 /* The checks shared by the two general products. */
 static cudaError_t gemm_check(kiln_cuda_gemm *g, int trans_a, int trans_b, int64_t M, int64_t N,
                               int64_t K, const void *A, int64_t lda, const void *B, int64_t ldb,
-                              const float *D, int64_t ldd) {
+                              const void *D, int64_t ldd) {
     if (!A || !B || !D) {
         set_err(g, "gemm: NULL %s", !A ? "A" : !B ? "B" : "D");
         return cudaErrorInvalidValue;
@@ -864,6 +864,19 @@ cudaError_t kiln_cuda_gemm_bf16(kiln_cuda_gemm *g, cudaStream_t s, int trans_a, 
     if (!device_ok(g)) return cudaErrorInvalidDevice;
     return gemm_rowmajor(g, s, trans_a != 0, trans_b != 0, M, N, K, A, lda, B, ldb,
                          out_f32(D, accumulate), ldd, NULL);
+}
+
+cudaError_t kiln_cuda_gemm_bf16_out16(kiln_cuda_gemm *g, cudaStream_t s, int trans_a,
+                                      int trans_b, int64_t M, int64_t N, int64_t K,
+                                      const uint16_t *A, int64_t lda, const uint16_t *B,
+                                      int64_t ldb, uint16_t *D, int64_t ldd) {
+    if (!g) return cudaErrorInvalidValue;
+    if (M <= 0 || N <= 0) return cudaSuccess;
+    cudaError_t e = gemm_check(g, trans_a, trans_b, M, N, K, A, lda, B, ldb, D, ldd);
+    if (e != cudaSuccess) return e;
+    if (!device_ok(g)) return cudaErrorInvalidDevice;
+    gemm_out o = {D, true, NULL, 0};
+    return gemm_rowmajor(g, s, trans_a != 0, trans_b != 0, M, N, K, A, lda, B, ldb, o, ldd, NULL);
 }
 
 cudaError_t kiln_cuda_gemm_f32(kiln_cuda_gemm *g, cudaStream_t s, int trans_a, int trans_b,

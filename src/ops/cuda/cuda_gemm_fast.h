@@ -141,6 +141,14 @@ cudaError_t kiln_cuda_gemm_bf16(kiln_cuda_gemm *g, cudaStream_t s, int trans_a, 
                                 const uint16_t *B, int64_t ldb, float *D, int64_t ldd,
                                 int accumulate);
 
+/* The same product with D in bf16: the RNE rounding of the f32 result, in cuBLASLt's
+ * epilogue (the problem differs from the f32 one, so its f32 sums may be grouped otherwise;
+ * deterministic like every product here). No accumulate. */
+cudaError_t kiln_cuda_gemm_bf16_out16(kiln_cuda_gemm *g, cudaStream_t s, int trans_a,
+                                      int trans_b, int64_t M, int64_t N, int64_t K,
+                                      const uint16_t *A, int64_t lda, const uint16_t *B,
+                                      int64_t ldb, uint16_t *D, int64_t ldd);
+
 /* ---- the conversions (launchers; exposed for the tests, which check them bit for bit) ---- */
 
 /* dst(rows, cols; ld_dst) = RNE bf16 of src(rows, cols; ld_src), tensor.c's kiln_fp32_to_bf16
