@@ -129,7 +129,10 @@ typedef struct kiln_backend_i {
     /* Free a buffer from alloc; NULL is a no-op. */
     void (*free_buf)(kiln_backend *be, void *p);
     /* Copy nbytes host -> backend memory (upload) or backend -> host (download), after all
-     * work submitted before; returns when the copy is complete. */
+     * work submitted before and before all work submitted after. download returns when the
+     * copy is complete. upload returns once src may be reused: a device backend may stage a
+     * small copy and finish it later, in order (the CUDA backend: up to 4 MiB through pinned
+     * slots; a failure then poisons the backend and shows in the next status). */
     kiln_status (*upload)(kiln_backend *be, void *dst, const void *src, size_t nbytes);
     kiln_status (*download)(kiln_backend *be, void *dst, const void *src, size_t nbytes);
     /* Wait for all submitted work; KILN_OK, or the error that poisoned the backend (a failed

@@ -35,9 +35,11 @@ static float rnd_unit(void) { return (float)((double)(rnd_u64() >> 11) * 0x1p-53
 
 /* ---- results ------------------------------------------------------------------------------- */
 
-enum { R_EMBED, R_RMSNORM, R_MATMUL, R_ROPE, R_ATTENTION, R_SWIGLU, R_ADD, R_POISON, R_COUNT };
-static const char *g_names[R_COUNT] = {"embed", "rmsnorm", "matmul", "rope", "attention",
-                                       "swiglu", "add", "poison contract"};
+enum { R_EMBED, R_RMSNORM, R_MATMUL, R_ROPE, R_ATTENTION, R_SWIGLU, R_ADD, R_POISON, R_UPLOAD,
+       R_COUNT };
+static const char *g_names[R_COUNT] = {"embed",  "rmsnorm", "matmul",          "rope",
+                                       "attention", "swiglu", "add", "poison contract",
+                                       "staged uploads"};
 static long g_cases[R_COUNT], g_elems[R_COUNT], g_bad[R_COUNT];
 static int g_failed;
 
@@ -367,6 +369,48 @@ static void test_add(size_t n) {
     kiln_free(x), kiln_free(y), kiln_free(want), kiln_free(got);
 }
 
+/* Uploads return before their copies run (pinned staging slots): the source is rewritten at
+ * once, the slots are reused many times over while a long kernel queue is ahead of them, and
+ * one upload is too large to be staged; every buffer must hold what was uploaded into it. */
+static void test_staged_uploads(void) {
+    enum { NB = 40, LEN = 1000 };
+    float *buf[NB + 1] = {0};
+    static float h[LEN];
+    int ok = 1;
+    for (int b = 0; b < NB && ok; b++) ok = (buf[b] = kiln_backend_alloc(g_gpu, LEN * 4)) != NULL;
+    const size_t big = ((size_t)5 << 20) / 4; /* over the 4 MiB staged size */
+    float *hb = malloc(big * 4);
+    ok = ok && hb && (buf[NB] = kiln_backend_alloc(g_gpu, big * 4)) != NULL;
+    for (int r = 0; r < 200 && ok; r++) /* a queue of work ahead of the uploads */
+        g_gpu->i->add(g_gpu, buf[0], buf[0], LEN);
+    for (int b = 0; b < NB && ok; b++) {
+        for (int i = 0; i < LEN; i++) h[i] = (float)(b * LEN + i);
+        ok = kiln_backend_upload(g_gpu, buf[b], h, sizeof h) == KILN_OK;
+        for (int i = 0; i < LEN; i++) h[i] = -1.0f; /* the caller's buffer is free at once */
+    }
+    if (ok) {
+        for (size_t i = 0; i < big; i++) hb[i] = (float)i;
+        ok = kiln_backend_upload(g_gpu, buf[NB], hb, big * 4) == KILN_OK;
+    }
+    for (int b = 0; b < NB && ok; b++) {
+        ok = kiln_backend_download(g_gpu, h, buf[b], sizeof h) == KILN_OK;
+        for (int i = 0; i < LEN && ok; i++) ok = h[i] == (float)(b * LEN + i);
+    }
+    if (ok) {
+        memset(hb, 0, big * 4);
+        ok = kiln_backend_download(g_gpu, hb, buf[NB], big * 4) == KILN_OK;
+        for (size_t i = 0; i < big && ok; i++) ok = hb[i] == (float)i;
+    }
+    for (int b = 0; b <= NB; b++) kiln_backend_free_buf(g_gpu, buf[b]);
+    free(hb);
+    g_cases[R_UPLOAD]++;
+    if (!ok) {
+        fprintf(stderr, "FAIL staged uploads (last error: %s)\n", kiln_last_error());
+        g_bad[R_UPLOAD]++;
+        g_failed = 1;
+    }
+}
+
 /* A refused op poisons the backend: status reports it, later ops do nothing, later status
  * calls still report it. */
 static void test_poison(void) {
@@ -458,6 +502,7 @@ int main(int argc, char **argv) {
         test_add(ns[rep]);
     }
     test_poison();
+    test_staged_uploads();
 
     kiln_backend_free(g_gpu);
     kiln_backend_free(g_cpu);

@@ -37,6 +37,18 @@ typedef struct weight_entry {
     uint8_t *dev;
 } weight_entry;
 
+/* A pinned staging slot for small uploads (cu_upload): the source is copied into buf and the
+ * device copy enqueued from there, so the caller's buffer is free at return without waiting
+ * for the stream; ev marks the copy's end, before which buf is not rewritten. */
+#define UPLOAD_SLOTS 8
+#define UPLOAD_STAGED_MAX ((size_t)4 << 20)
+typedef struct upload_slot {
+    void *buf;
+    size_t cap;
+    cudaEvent_t ev;
+    bool pending;
+} upload_slot;
+
 typedef struct cuda_ctx {
     int device;
     cudaStream_t stream;
@@ -64,6 +76,8 @@ typedef struct cuda_ctx {
     size_t cap_plan, cap_counts;
     cudaEvent_t plan_ev;
     bool plan_pending;
+    upload_slot up[UPLOAD_SLOTS]; /* cu_upload's staging, used in turn */
+    int up_next;
 } cuda_ctx;
 
 /* A recorded graph and the buffer generation it was recorded at. */
@@ -988,8 +1002,37 @@ static kiln_status cu_copy(kiln_backend *be, void *dst, const void *src, size_t 
     return KILN_OK;
 }
 
+/* Small uploads from pageable host memory go through a pinned slot and return without
+ * waiting for the stream (a plain pageable copy waits for every kernel queued before it, and
+ * the device then idles while the host launches the next work). Large ones, and any while
+ * the stream is being captured, are copied and waited for. */
 static kiln_status cu_upload(kiln_backend *be, void *dst, const void *src, size_t nbytes) {
-    return cu_copy(be, dst, src, nbytes, cudaMemcpyHostToDevice, "upload");
+    cuda_ctx *c = ctx_of(be);
+    cudaStreamCaptureStatus cs;
+    if (nbytes == 0 || nbytes > UPLOAD_STAGED_MAX || c->err != KILN_OK ||
+        cudaStreamIsCapturing(c->stream, &cs) != cudaSuccess ||
+        cs != cudaStreamCaptureStatusNone || is_device_ptr(src))
+        return cu_copy(be, dst, src, nbytes, cudaMemcpyHostToDevice, "upload");
+    if (!op_begin(c)) return kiln_error(c->err, "%s", c->msg);
+    upload_slot *u = &c->up[c->up_next];
+    c->up_next = (c->up_next + 1) % UPLOAD_SLOTS;
+    if (u->pending && !CK(c, cudaEventSynchronize(u->ev))) return c->err;
+    u->pending = false;
+    if (!u->ev && !CK(c, cudaEventCreateWithFlags(&u->ev, cudaEventDisableTiming))) return c->err;
+    if (nbytes > u->cap) {
+        if (u->buf && !CK(c, cudaFreeHost(u->buf))) return c->err;
+        u->buf = NULL;
+        u->cap = 0;
+        size_t cap = nbytes < 65536 ? 65536 : nbytes;
+        if (!CK(c, cudaMallocHost(&u->buf, cap))) return c->err;
+        u->cap = cap;
+    }
+    memcpy(u->buf, src, nbytes);
+    if (!CK(c, cudaMemcpyAsync(dst, u->buf, nbytes, cudaMemcpyHostToDevice, c->stream)) ||
+        !CK(c, cudaEventRecord(u->ev, c->stream)))
+        return c->err;
+    u->pending = true;
+    return KILN_OK;
 }
 
 static kiln_status cu_download(kiln_backend *be, void *dst, const void *src, size_t nbytes) {
@@ -1034,6 +1077,10 @@ static void cu_free(kiln_backend *be) {
         if (c->h_plan) cudaFreeHost(c->h_plan);
         if (c->d_plan) cudaFree(c->d_plan);
         if (c->plan_ev) cudaEventDestroy(c->plan_ev);
+        for (int k = 0; k < UPLOAD_SLOTS; k++) {
+            if (c->up[k].buf) cudaFreeHost(c->up[k].buf);
+            if (c->up[k].ev) cudaEventDestroy(c->up[k].ev);
+        }
         kiln_free(c->counts);
         if (c->colsum_ws) cudaFree(c->colsum_ws);
         kiln_cuda_gemm_free(c->gemm);
