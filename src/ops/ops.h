@@ -288,25 +288,32 @@ typedef struct kiln_backend_i {
     void (*rmsnorm_backward_bf16)(kiln_backend *be, float *dx, uint16_t *dx16, float *dw,
                                   const float *dy, const float *x, const float *w, int N, int C,
                                   float eps, float *rstd, bool accumulate_dx);
-    /* rope_backward, its results rounded (kiln_fp32_to_bf16) into d16 (N rows of H x HS);
-     * d gets them too when keep_f32, else keeps its values (the caller reads d16 only). The
-     * q and k gradients' last step before their products, fused with the rounding the
-     * products would do. */
-    void (*rope_backward_bf16)(kiln_backend *be, float *d, uint16_t *d16, bool keep_f32,
-                               const int32_t *pos, int N, int H, int HS, const float *cos_tab,
-                               const float *sin_tab);
+    /* rope_backward, its results rounded (kiln_fp32_to_bf16) into d16 (N rows of H x HS
+     * values, ld16 >= H x HS apart: a column block of a wider matrix when larger); d gets them
+     * too when keep_f32, else keeps its values (the caller reads d16 only). The q and k
+     * gradients' last step before their products, fused with the rounding the products
+     * would do.
+     * to_bf16_2d: dst (rows x cols, ld_dst apart) = kiln_fp32_to_bf16 of src (ld_src). */
+    void (*rope_backward_bf16)(kiln_backend *be, float *d, uint16_t *d16, int64_t ld16,
+                               bool keep_f32, const int32_t *pos, int N, int H, int HS,
+                               const float *cos_tab, const float *sin_tab);
+    void (*to_bf16_2d)(kiln_backend *be, uint16_t *dst, int64_t ld_dst, const float *src,
+                       int64_t ld_src, int64_t rows, int64_t cols);
     /* matmul_backward_dx16: one product's backward from bf16 dy16 (N rows of R) and x16 (N
      * rows of C), W (R, C): dx16 (N rows of C) = dy @ W rounded to bf16 by the product
      * itself (fast mode's GEMM: not the f32 dx's bits rounded), dW (NULL: skipped) += dy^T @ x
      * as matmul_backward_multi_bf16x computes it. For a dx whose only reader takes bf16 (the
      * MLP's down projection: swiglu's backward).
-     * swiglu_backward_bf16_d16: swiglu_backward_bf16 with dout in bf16 (widened exactly). */
+     * swiglu_backward_bf16_d16: swiglu_backward_bf16 with dout in bf16 (widened exactly),
+     * all rows x cols, dgate16 and dup16 rows ld16 >= cols apart (column blocks of one matrix
+     * when the caller stacks the gate and up products). */
     void (*matmul_backward_dx16)(kiln_backend *be, uint16_t *dx16, float *dW,
                                  const uint16_t *dy16, const uint16_t *x16, const kiln_tensor *W,
                                  int N);
     void (*swiglu_backward_bf16_d16)(kiln_backend *be, uint16_t *dgate16, uint16_t *dup16,
-                                     const uint16_t *dout16, const uint16_t *gate16,
-                                     const uint16_t *up16, size_t n);
+                                     int64_t ld16, const uint16_t *dout16,
+                                     const uint16_t *gate16, const uint16_t *up16, int64_t rows,
+                                     int64_t cols);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

@@ -480,13 +480,14 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     size_t NHT = T * (size_t)c->n_head;
     /* pos and ids: in the block (backend memory); a device fills them by uploads */
     size_t ints = T;
-    /* with acts16, dgate and dup hold bf16 (half the floats) */
-    const size_t dgu = t->acts16 ? T * FF / 2 : T * FF;
+    /* with acts16, dgate holds T x 2FF bf16 (the gate and up gradients, side by side or one
+     * after the other; the q, k, v products' dy in the attention's backward) and dup nothing */
+    const size_t dg_n = T * FF, du_n = t->acts16 ? 0 : T * FF;
     float **sp[N_SCRATCH] = {&t->dx, &t->dxb, &t->dxn, &t->datt, &t->dq, &t->dqr, &t->dk, &t->dkr, &t->dv,
                              &t->dgate, &t->dup, &t->dhb, &t->rstd, &t->ws, &t->rope_cos, &t->rope_sin,
                              (float **)&t->pos, (float **)&t->ids, (float **)&t->dx16, &t->qs, &t->ks, &t->vs};
     size_t sz[N_SCRATCH] = {T * C, T * C, T * C, T * QD, T * QD, qk ? T * QD : 0, T * KD, qk ? T * KD : 0, T * KD,
-                            dgu, dgu, T * FF, NHT > T * (size_t)c->n_head_kv ? NHT : T,
+                            dg_n, du_n, T * FF, NHT > T * (size_t)c->n_head_kv ? NHT : T,
                             ws,
                             S * HS / 2, S * HS / 2, ints, ints, b16_in * T * C / 2, (1 - qkv_saved) * T * QD,
                             (1 - qkv_saved) * T * KD, (1 - qkv_saved) * T * KD};
@@ -751,6 +752,30 @@ void kiln_trainer_free(kiln_trainer *t) {
 /* The weight view a matrix product takes: the bf16 copy where the trainer keeps one. */
 static const kiln_tensor *mat_view(const kiln_trainer *t, const train_param *p) {
     return t->shadow ? &p->view16 : &p->view;
+}
+
+/* The n matrices P[i] as one product (backward): their weight views lie back to back in one
+ * dtype with one width C, and their gradients too, so one GEMM of sum(rows) x C does the
+ * work of n (fewer, larger products). *out: the stacked view (P[0]'s name); false: not so
+ * laid out (the caller runs n products). */
+static bool stacked_view(const kiln_trainer *t, const train_param *const *P, int n, kiln_tensor *out) {
+    const kiln_tensor *v0 = mat_view(t, P[0]);
+    if (v0->n_dims != 2 || (v0->dtype != KILN_DTYPE_BF16 && v0->dtype != KILN_DTYPE_F32)) return false;
+    const int64_t C = v0->shape[1];
+    const size_t es = v0->dtype == KILN_DTYPE_BF16 ? 2 : 4;
+    int64_t rows = 0;
+    for (int i = 0; i < n; i++) {
+        const kiln_tensor *v = mat_view(t, P[i]);
+        if (v->n_dims != 2 || v->dtype != v0->dtype || v->shape[1] != C ||
+            (const uint8_t *)v->data != (const uint8_t *)v0->data + (size_t)rows * (size_t)C * es ||
+            P[i]->g != P[0]->g + rows * C)
+            return false;
+        rows += v->shape[0];
+    }
+    *out = *v0;
+    out->shape[0] = rows;
+    out->nbytes = (size_t)rows * (size_t)C * es;
+    return true;
 }
 
 /* The ops' views of n weights and biases (bias[i] NULL: none). */
@@ -1130,10 +1155,19 @@ static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
             op->matmul_backward(be, t->dhb, w->down->g, NULL, t->dx, a->hb, mat_view(t, w->down), T, false);
         }
         const train_param *wgu[2] = {w->gate, w->up};
-        if (t->acts16) { /* dgate, dup in bf16 (in the f32 buffers' memory): only products read them */
-            uint16_t *dg16 = (uint16_t *)t->dgate, *du16 = (uint16_t *)t->dup;
+        kiln_tensor gu;
+        if (mlp16 && stacked_view(t, wgu, 2, &gu)) {
+            /* dgate | dup side by side, rows of 2FF: the dy of the stacked gate/up product */
+            uint16_t *dgu = (uint16_t *)t->dgate;
+            op->swiglu_backward_bf16_d16(be, dgu, dgu + FF, 2 * (int64_t)FF, dhb16, a->gate16, a->up16, T, FF);
+            const kiln_tensor *wv[1] = {&gu};
+            float *dw[1] = {w->gate->g}, *db[1] = {NULL};
+            const uint16_t *dy16[1] = {dgu};
+            op->matmul_backward_multi_bf16x(be, 1, t->dxb, dw, db, NULL, dy16, a->xb2_16, wv, T, false);
+        } else if (t->acts16) { /* dgate, dup in bf16, one after the other: only products read them */
+            uint16_t *dg16 = (uint16_t *)t->dgate, *du16 = dg16 + (size_t)T * FF;
             if (mlp16)
-                op->swiglu_backward_bf16_d16(be, dg16, du16, dhb16, a->gate16, a->up16, (size_t)T * FF);
+                op->swiglu_backward_bf16_d16(be, dg16, du16, FF, dhb16, a->gate16, a->up16, T, FF);
             else
                 op->swiglu_backward_bf16(be, dg16, du16, t->dhb, a->gate16, a->up16, (size_t)T * FF);
             const uint16_t *dgu16[2] = {dg16, du16};
@@ -1169,19 +1203,41 @@ static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
                                        NH, KVH, HS, scale);
             }
         const train_param *wqkv[3] = {w->wq, w->wk, w->wv}, *bqkv[3] = {w->bq, w->bk, w->bv};
-        if (t->acts16 && op->rope_backward_bf16 && op->to_bf16 && !w->q_norm && !w->k_norm && QD <= (size_t)FF &&
-            2 * KD <= (size_t)FF) {
+        kiln_tensor qkv;
+        if (t->acts16 && op->rope_backward_bf16 && op->to_bf16_2d && !w->q_norm && !w->k_norm &&
+            QD + 2 * KD <= 2 * (size_t)FF) {
             /* the rotation and the products' bf16 rounding in one pass (f32 kept for a bias's
-             * sum), in the MLP's dgate / dup memory (T x FF bf16 each), free until the next
-             * layer's MLP: the bits of rope_backward, then the products rounding dq, dk, dv */
-            uint16_t *dq16 = (uint16_t *)t->dgate, *dk16 = (uint16_t *)t->dup;
-            uint16_t *dv16 = dk16 + (size_t)T * KD;
-            op->rope_backward_bf16(be, t->dq, dq16, w->bq != NULL, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
-            op->rope_backward_bf16(be, t->dk, dk16, w->bk != NULL, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
-            op->to_bf16(be, dv16, t->dv, (size_t)T * KD);
-            const float *dqkv[3] = {t->dq, t->dk, t->dv};
-            const uint16_t *dqkv16[3] = {dq16, dk16, dv16};
-            matmul_backward_n(t, 3, t->dxb, dqkv, dqkv16, a->xb1, a->xb1_16, wqkv, bqkv, T, false);
+             * sum), in the MLP's dgate memory (T x 2FF bf16), free until the next layer's MLP:
+             * the bits of rope_backward, then the products rounding dq, dk, dv. With the three
+             * weights (and gradients) back to back, dq | dk | dv side by side (rows of QD + 2KD)
+             * are the dy of one stacked product; else one after the other, three products. */
+            const bool stack = stacked_view(t, wqkv, 3, &qkv);
+            const int64_t ld = stack ? (int64_t)(QD + 2 * KD) : 0;
+            uint16_t *dq16 = (uint16_t *)t->dgate;
+            uint16_t *dk16 = stack ? dq16 + QD : dq16 + (size_t)T * QD;
+            uint16_t *dv16 = stack ? dk16 + KD : dk16 + (size_t)T * KD;
+            op->rope_backward_bf16(be, t->dq, dq16, stack ? ld : (int64_t)QD, w->bq != NULL, t->pos, T, NH, HS,
+                                   t->rope_cos, t->rope_sin);
+            op->rope_backward_bf16(be, t->dk, dk16, stack ? ld : (int64_t)KD, w->bk != NULL, t->pos, T, KVH, HS,
+                                   t->rope_cos, t->rope_sin);
+            op->to_bf16_2d(be, dv16, stack ? ld : (int64_t)KD, t->dv, KD, T, KD);
+            if (stack) {
+                const kiln_tensor *wv[1] = {&qkv};
+                float *dw[1] = {w->wq->g}, *db[1] = {NULL};
+                const uint16_t *dy16[1] = {dq16};
+                op->matmul_backward_multi_bf16x(be, 1, t->dxb, dw, db, NULL, dy16, a->xb1_16, wv, T, false);
+                if (w->bq || w->bk || w->bv) { /* the biases' sums alone, from the f32 gradients */
+                    const kiln_tensor *bw[3] = {mat_view(t, w->wq), mat_view(t, w->wk), mat_view(t, w->wv)};
+                    float *nodw[3] = {NULL, NULL, NULL};
+                    float *dbs[3] = {GRAD(w->bq), GRAD(w->bk), GRAD(w->bv)};
+                    const float *dys[3] = {t->dq, t->dk, t->dv};
+                    op->matmul_backward_multi_bf16x(be, 3, NULL, nodw, dbs, dys, NULL, a->xb1_16, bw, T, false);
+                }
+            } else {
+                const float *dqkv[3] = {t->dq, t->dk, t->dv};
+                const uint16_t *dqkv16[3] = {dq16, dk16, dv16};
+                matmul_backward_n(t, 3, t->dxb, dqkv, dqkv16, a->xb1, a->xb1_16, wqkv, bqkv, T, false);
+            }
         } else {
             op->rope_backward(be, t->dq, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
             op->rope_backward(be, t->dk, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);

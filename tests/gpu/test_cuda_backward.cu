@@ -247,19 +247,23 @@ static void case_rope(int N, int H, int HS) {
     float *d_st = dev_copy(st.data(), nt);
     const int32_t *d_pos = (const int32_t *)dev_copy_bytes(pos.data(), pos.size() * 4);
     float *d_d2 = dev_copy(d.data(), n), *d_d3 = dev_copy(d.data(), n);
-    uint16_t *d16 = (uint16_t *)dev_alloc(n * 2), *d16b = (uint16_t *)dev_alloc(n * 2);
+    const size_t ldb = (size_t)H * HS + 8; /* d16b: a column block of a wider matrix */
+    uint16_t *d16 = (uint16_t *)dev_alloc(n * 2), *d16b = (uint16_t *)dev_alloc((size_t)N * ldb * 2);
     const std::vector<float> d0 = d;
     g_cpu->i->rope_backward(g_cpu, d.data(), pos.data(), N, H, HS, ct.data(), st.data());
     run_and_sync(kiln_cuda_rope_backward(g_s, d_d, d_pos, N, H, HS, d_ct, d_st), ctx);
     int bad = compare(ctx, "d", d.data(), to_host(d_d, n).data(), n);
     /* the bf16 form: the CPU's results rounded; f32 kept or left alone */
-    run_and_sync(kiln_cuda_rope_backward_bf16(g_s, d_d2, d16, 1, d_pos, N, H, HS, d_ct, d_st), ctx);
-    run_and_sync(kiln_cuda_rope_backward_bf16(g_s, d_d3, d16b, 0, d_pos, N, H, HS, d_ct, d_st), ctx);
+    run_and_sync(kiln_cuda_rope_backward_bf16(g_s, d_d2, d16, (int64_t)H * HS, 1, d_pos, N, H, HS,
+                                              d_ct, d_st), ctx);
+    run_and_sync(kiln_cuda_rope_backward_bf16(g_s, d_d3, d16b, (int64_t)ldb, 0, d_pos, N, H, HS,
+                                              d_ct, d_st), ctx);
     bad += compare(ctx, "d (bf16 form, kept)", d.data(), to_host(d_d2, n).data(), n);
     bad += compare(ctx, "d (bf16 form, not kept)", d0.data(), to_host(d_d3, n).data(), n);
     std::vector<uint16_t> h16(n), h16b(n);
     CUDA_FATAL(cudaMemcpy(h16.data(), d16, n * 2, cudaMemcpyDeviceToHost));
-    CUDA_FATAL(cudaMemcpy(h16b.data(), d16b, n * 2, cudaMemcpyDeviceToHost));
+    CUDA_FATAL(cudaMemcpy2D(h16b.data(), (size_t)H * HS * 2, d16b, ldb * 2, (size_t)H * HS * 2, N,
+                            cudaMemcpyDeviceToHost));
     size_t b16 = 0;
     for (size_t i = 0; i < n; i++) {
         const uint16_t want = kiln_fp32_to_bf16(d[i]);

@@ -406,8 +406,8 @@ static void case_swiglu_d16(size_t n, size_t off) {
     float *df = dev_copy(d); /* the widened dout, f32 */
     uint16_t *o[4];
     for (int i = 0; i < 4; i++) o[i] = (uint16_t *)dev_alloc((n + off) * 2);
-    CUDA_FATAL(kiln_cuda_swiglu_backward_bf16_d16(g_s, o[0] + off, o[1] + off, dd + off, dg + off,
-                                                  du + off, n));
+    CUDA_FATAL(kiln_cuda_swiglu_backward_bf16_d16(g_s, o[0] + off, o[1] + off, (int64_t)n,
+                                                  dd + off, dg + off, du + off, 1, (int64_t)n));
     CUDA_FATAL(kiln_cuda_swiglu_backward_bf16(g_s, o[2] + off, o[3] + off, df + off, dg + off,
                                               du + off, n));
     CUDA_FATAL(cudaStreamSynchronize(g_s));
@@ -417,6 +417,47 @@ static void case_swiglu_d16(size_t n, size_t off) {
         CUDA_FATAL(cudaMemcpy(h[i].data(), o[i] + off, n * 2, cudaMemcpyDeviceToHost));
     }
     const int bad = h[0] != h[2] || h[1] != h[3];
+    printf("%s -> %s\n", ctx, bad ? "FAILED" : "OK");
+    if (bad) g_failed++;
+    dev_free_all();
+}
+
+/* The 2-D form: rows of cols written ld apart (dgate and dup as column blocks of one matrix,
+ * as the stacked gate/up product takes them), against the flat form row by row. */
+static void case_swiglu_d16_2d(int64_t rows, int64_t cols, int64_t ld) {
+    char ctx[120];
+    snprintf(ctx, sizeof ctx, "swiglu_backward_bf16_d16 rows=%lld cols=%lld ld=%lld",
+             (long long)rows, (long long)cols, (long long)ld);
+    const size_t n = (size_t)(rows * cols), nm = (size_t)(rows * ld);
+    std::vector<float> g(n), u(n), d(n);
+    fill_rand(g, 4.0f);
+    fill_rand(u, 2.0f);
+    fill_rand(d, 1.0f);
+    const std::vector<uint16_t> g16 = to_bf16(g), u16 = to_bf16(u), d16 = to_bf16(d);
+    uint16_t *dg = (uint16_t *)dev_alloc(n * 2), *du = (uint16_t *)dev_alloc(n * 2);
+    uint16_t *dd = (uint16_t *)dev_alloc(n * 2), *m = (uint16_t *)dev_alloc(nm * 2);
+    uint16_t *fg = (uint16_t *)dev_alloc(n * 2), *fu = (uint16_t *)dev_alloc(n * 2);
+    up(dg, g16.data(), n * 2);
+    up(du, u16.data(), n * 2);
+    up(dd, d16.data(), n * 2);
+    CUDA_FATAL(cudaMemset(m, 0xff, nm * 2));
+    const int64_t half = ld / 2; /* dgate at column 0, dup at column ld / 2 */
+    CUDA_FATAL(kiln_cuda_swiglu_backward_bf16_d16(g_s, m, m + half, ld, dd, dg, du, rows, cols));
+    CUDA_FATAL(kiln_cuda_swiglu_backward_bf16_d16(g_s, fg, fu, cols, dd, dg, du, rows, cols));
+    CUDA_FATAL(cudaStreamSynchronize(g_s));
+    std::vector<uint16_t> hm(nm), hg(n), hu(n);
+    CUDA_FATAL(cudaMemcpy(hm.data(), m, nm * 2, cudaMemcpyDeviceToHost));
+    CUDA_FATAL(cudaMemcpy(hg.data(), fg, n * 2, cudaMemcpyDeviceToHost));
+    CUDA_FATAL(cudaMemcpy(hu.data(), fu, n * 2, cudaMemcpyDeviceToHost));
+    int bad = 0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < ld; c++) {
+            const uint16_t got = hm[(size_t)(r * ld + c)];
+            uint16_t want = 0xffff; /* untouched */
+            if (c < cols) want = hg[(size_t)(r * cols + c)];
+            else if (c >= half && c < half + cols) want = hu[(size_t)(r * cols + c - half)];
+            bad |= got != want;
+        }
     printf("%s -> %s\n", ctx, bad ? "FAILED" : "OK");
     if (bad) g_failed++;
     dev_free_all();
@@ -578,6 +619,9 @@ int main(int argc, char **argv) {
     case_dx16(KILN_DTYPE_F16, 3, 8, 64);
     for (size_t n : {(size_t)1, (size_t)7, (size_t)1000, (size_t)100003})
         for (size_t off : {(size_t)0, (size_t)1}) case_swiglu_d16(n, off);
+    case_swiglu_d16_2d(3, 8, 20);      /* 4-wide kernel */
+    case_swiglu_d16_2d(5, 7, 18);      /* one element a thread */
+    case_swiglu_d16_2d(64, 1536, 3072); /* the 135M shape's stacked gate/up */
 
     printf("worst err/S: dx %.3g, dW %.3g (bound's leading term 2^-7 = %.3g)\n", g_worst_dx,
            g_worst_dw, 0x1p-7);

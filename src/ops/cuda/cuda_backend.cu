@@ -700,13 +700,22 @@ static void cu_matmul_backward_dx16(kiln_backend *be, uint16_t *dx16, float *dW,
 }
 
 static void cu_swiglu_backward_bf16_d16(kiln_backend *be, uint16_t *dgate16, uint16_t *dup16,
-                                        const uint16_t *dout16, const uint16_t *gate,
-                                        const uint16_t *up, size_t n) {
+                                        int64_t ld16, const uint16_t *dout16,
+                                        const uint16_t *gate, const uint16_t *up, int64_t rows,
+                                        int64_t cols) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
-    after_launch(c, kiln_cuda_swiglu_backward_bf16_d16(c->stream, dgate16, dup16, dout16, gate,
-                                                       up, n),
+    after_launch(c, kiln_cuda_swiglu_backward_bf16_d16(c->stream, dgate16, dup16, ld16, dout16,
+                                                       gate, up, rows, cols),
                  "swiglu_backward_bf16_d16");
+}
+
+static void cu_to_bf16_2d(kiln_backend *be, uint16_t *dst, int64_t ld_dst, const float *src,
+                          int64_t ld_src, int64_t rows, int64_t cols) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || rows <= 0 || cols <= 0) return;
+    after_launch(c, kiln_cuda_f32_to_bf16(c->stream, dst, ld_dst, src, ld_src, rows, cols),
+                 "to_bf16_2d");
 }
 
 static void cu_swiglu_backward_bf16(kiln_backend *be, uint16_t *dgate16, uint16_t *dup16,
@@ -791,15 +800,15 @@ static void cu_rope_backward(kiln_backend *be, float *d, const int32_t *pos, int
                  "rope_backward");
 }
 
-static void cu_rope_backward_bf16(kiln_backend *be, float *d, uint16_t *d16, bool keep_f32,
-                                  const int32_t *pos, int N, int H, int HS,
+static void cu_rope_backward_bf16(kiln_backend *be, float *d, uint16_t *d16, int64_t ld16,
+                                  bool keep_f32, const int32_t *pos, int N, int H, int HS,
                                   const float *cos_tab, const float *sin_tab) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
     const int32_t *d_pos = ints_dev(c, pos, (size_t)N);
     if (!d_pos) return;
-    after_launch(c, kiln_cuda_rope_backward_bf16(c->stream, d, d16, keep_f32 ? 1 : 0, d_pos, N,
-                                                 H, HS, cos_tab, sin_tab),
+    after_launch(c, kiln_cuda_rope_backward_bf16(c->stream, d, d16, ld16, keep_f32 ? 1 : 0, d_pos,
+                                                 N, H, HS, cos_tab, sin_tab),
                  "rope_backward_bf16");
 }
 
@@ -1137,6 +1146,7 @@ static const kiln_backend_i cuda_iface = {
     /* .swiglu_backward_bf16 = */ cu_swiglu_backward_bf16,
     /* .rmsnorm_backward_bf16 = */ cu_rmsnorm_backward_bf16,
     /* .rope_backward_bf16 = */ cu_rope_backward_bf16,
+    /* .to_bf16_2d = */ cu_to_bf16_2d,
     /* .matmul_backward_dx16 = */ cu_matmul_backward_dx16,
     /* .swiglu_backward_bf16_d16 = */ cu_swiglu_backward_bf16_d16,
 };

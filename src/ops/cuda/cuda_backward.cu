@@ -477,10 +477,11 @@ static __global__ void rope_bwd_kernel(float *d, const int32_t *__restrict__ pos
     }
 }
 
-/* The same pairs, each result also (or only) stored as its bf16 rounding into d16. */
-static __global__ void rope_bwd_bf16_kernel(float *d, uint16_t *__restrict__ d16, int keep_f32,
-                                            const int32_t *__restrict__ pos, int H, int HS,
-                                            const float *__restrict__ cos_tab,
+/* The same pairs, each result also (or only) stored as its bf16 rounding into d16 (token n's
+ * row at d16 + n * ld16). */
+static __global__ void rope_bwd_bf16_kernel(float *d, uint16_t *__restrict__ d16, int64_t ld16,
+                                            int keep_f32, const int32_t *__restrict__ pos, int H,
+                                            int HS, const float *__restrict__ cos_tab,
                                             const float *__restrict__ sin_tab, int64_t total) {
     const int half = HS / 2;
     for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total;
@@ -489,7 +490,7 @@ static __global__ void rope_bwd_bf16_kernel(float *d, uint16_t *__restrict__ d16
         const int i = (int)(u - nh * half);
         const int64_t n = nh / H;
         float *v = d + nh * HS;
-        uint16_t *v16 = d16 + nh * HS;
+        uint16_t *v16 = d16 + n * ld16 + (nh - n * H) * HS;
         const float c = cos_tab[(int64_t)pos[n] * half + i];
         const float sn = sin_tab[(int64_t)pos[n] * half + i];
         const float a = v[i], b = v[i + half];
@@ -507,7 +508,8 @@ static __global__ void rope_bwd_bf16_kernel(float *d, uint16_t *__restrict__ d16
  * (i, i + 1 and i + HALF, i + HALF + 1: 8-byte loads, a 4-byte bf16 store each), 32-bit
  * indices, the division by the pairs a row a shift: the same operations on each element. */
 template <int HALF>
-static __global__ void rope_bwd_bf16_vec_kernel(float *d, uint16_t *__restrict__ d16, int keep_f32,
+static __global__ void rope_bwd_bf16_vec_kernel(float *d, uint16_t *__restrict__ d16,
+                                                size_t ld16, int keep_f32,
                                                 const int32_t *__restrict__ pos, unsigned H,
                                                 const float *__restrict__ cos_tab,
                                                 const float *__restrict__ sin_tab, unsigned total) {
@@ -521,7 +523,7 @@ static __global__ void rope_bwd_bf16_vec_kernel(float *d, uint16_t *__restrict__
         const float2 a = *(const float2 *)(v + i), b = *(const float2 *)(v + i + HALF);
         const float ra0 = a.x * c.x + b.x * sn.x, rb0 = b.x * c.x - a.x * sn.x;
         const float ra1 = a.y * c.y + b.y * sn.y, rb1 = b.y * c.y - a.y * sn.y;
-        uint16_t *v16 = d16 + (size_t)nh * (2 * HALF);
+        uint16_t *v16 = d16 + (size_t)n * ld16 + (size_t)(nh - n * H) * (2 * HALF);
         *(uint32_t *)(v16 + i) = (uint32_t)kiln_bf16_rne(ra0) | ((uint32_t)kiln_bf16_rne(ra1) << 16);
         *(uint32_t *)(v16 + i + HALF) =
             (uint32_t)kiln_bf16_rne(rb0) | ((uint32_t)kiln_bf16_rne(rb1) << 16);
@@ -532,25 +534,26 @@ static __global__ void rope_bwd_bf16_vec_kernel(float *d, uint16_t *__restrict__
     }
 }
 
-cudaError_t kiln_cuda_rope_backward_bf16(cudaStream_t s, float *d, uint16_t *d16, int keep_f32,
-                                         const int32_t *pos, int N, int H, int HS,
+cudaError_t kiln_cuda_rope_backward_bf16(cudaStream_t s, float *d, uint16_t *d16, int64_t ld16,
+                                         int keep_f32, const int32_t *pos, int N, int H, int HS,
                                          const float *cos_tab, const float *sin_tab) {
     const int64_t total = (int64_t)N * H * (HS / 2);
     if (N <= 0 || H <= 0 || total <= 0) return cudaSuccess;
+    if (ld16 < (int64_t)H * HS) return cudaErrorInvalidValue;
     const bool vec = (HS == 64 || HS == 128) && total / 2 < (int64_t)1 << 31 &&
-                     ((uintptr_t)d & 7u) == 0 && ((uintptr_t)d16 & 3u) == 0 &&
+                     ((uintptr_t)d & 7u) == 0 && ((uintptr_t)d16 & 3u) == 0 && ld16 % 2 == 0 &&
                      ((uintptr_t)cos_tab & 7u) == 0 && ((uintptr_t)sin_tab & 7u) == 0;
     if (vec) {
         const unsigned items = (unsigned)(total / 2);
         if (HS == 64)
             rope_bwd_bf16_vec_kernel<32><<<grid_for(items, 256), 256, 0, s>>>(
-                d, d16, keep_f32, pos, (unsigned)H, cos_tab, sin_tab, items);
+                d, d16, (size_t)ld16, keep_f32, pos, (unsigned)H, cos_tab, sin_tab, items);
         else
             rope_bwd_bf16_vec_kernel<64><<<grid_for(items, 256), 256, 0, s>>>(
-                d, d16, keep_f32, pos, (unsigned)H, cos_tab, sin_tab, items);
+                d, d16, (size_t)ld16, keep_f32, pos, (unsigned)H, cos_tab, sin_tab, items);
         return cudaGetLastError();
     }
-    rope_bwd_bf16_kernel<<<grid_for(total, 256), 256, 0, s>>>(d, d16, keep_f32, pos, H, HS,
+    rope_bwd_bf16_kernel<<<grid_for(total, 256), 256, 0, s>>>(d, d16, ld16, keep_f32, pos, H, HS,
                                                               cos_tab, sin_tab, total);
     return cudaGetLastError();
 }
@@ -783,13 +786,13 @@ static __device__ __forceinline__ void swiglu_bwd_elem(float g, float uv, float 
     *r_gate = (dov * uv) * (sg * (1.0f + g * (1.0f - sg)));
 }
 
-template <typename O, typename I, typename D = float>
-static __global__ void swiglu_bwd_kernel(O *dgate, O *dup, const D *dout, const I *gate,
+template <typename O, typename I>
+static __global__ void swiglu_bwd_kernel(O *dgate, O *dup, const float *dout, const I *gate,
                                          const I *up, size_t n) {
     for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
          u += (size_t)gridDim.x * blockDim.x) {
         float r_gate, r_up;
-        swiglu_bwd_elem(load_in(gate + u), load_in(up + u), load_in(dout + u), &r_gate, &r_up);
+        swiglu_bwd_elem(load_in(gate + u), load_in(up + u), dout[u], &r_gate, &r_up);
         store_out(dup + u, r_up);
         store_out(dgate + u, r_gate);
     }
@@ -797,15 +800,11 @@ static __global__ void swiglu_bwd_kernel(O *dgate, O *dup, const D *dout, const 
 
 /* bf16 gate, up in and dgate, dup out, 4 elements a thread (float4 dout, 8-byte bf16 loads
  * and stores), each element as above. */
-static __device__ __forceinline__ float4 dout_x4(float4 d) { return d; }
-static __device__ __forceinline__ float4 dout_x4(uint2 d) { return bf16x4_f32(d); }
-
-template <typename D4> /* float4: f32 dout; uint2: bf16 dout, widened */
-static __global__ void swiglu_bwd_bf16x4_kernel(uint2 *dgate, uint2 *dup, const D4 *dout,
+static __global__ void swiglu_bwd_bf16x4_kernel(uint2 *dgate, uint2 *dup, const float4 *dout,
                                                 const uint2 *gate, const uint2 *up, size_t n4) {
     for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n4;
          u += (size_t)gridDim.x * blockDim.x) {
-        const float4 g = bf16x4_f32(gate[u]), v = bf16x4_f32(up[u]), d = dout_x4(dout[u]);
+        const float4 g = bf16x4_f32(gate[u]), v = bf16x4_f32(up[u]), d = dout[u];
         float a0, a1, a2, a3, b0, b1, b2, b3; /* dgate, dup */
         swiglu_bwd_elem(g.x, v.x, d.x, &a0, &b0);
         swiglu_bwd_elem(g.y, v.y, d.y, &a1, &b1);
@@ -846,25 +845,58 @@ cudaError_t kiln_cuda_swiglu_backward_bf16(cudaStream_t s, uint16_t *dgate, uint
     return cudaGetLastError();
 }
 
-cudaError_t kiln_cuda_swiglu_backward_bf16_d16(cudaStream_t s, uint16_t *dgate, uint16_t *dup,
-                                               const uint16_t *dout, const uint16_t *gate,
-                                               const uint16_t *up, size_t n) {
-    if (n == 0) return cudaSuccess;
-    size_t done = 0;
-    if ((((uintptr_t)dout | (uintptr_t)dgate | (uintptr_t)dup | (uintptr_t)gate |
-          (uintptr_t)up) & 7) == 0 && n >= 4) {
-        const size_t n4 = n / 4;
-        swiglu_bwd_bf16x4_kernel<<<grid_for((int64_t)n4, 256), 256, 0, s>>>(
-            reinterpret_cast<uint2 *>(dgate), reinterpret_cast<uint2 *>(dup),
-            reinterpret_cast<const uint2 *>(dout), reinterpret_cast<const uint2 *>(gate),
-            reinterpret_cast<const uint2 *>(up), n4);
-        done = 4 * n4;
+/* bf16 dout too, dgate and dup written as rows of cols values ld apart (column blocks of a
+ * wider matrix): a thread per 4 elements of a row (cols % 4 == 0), or one per element. */
+static __global__ void swiglu_bwd_d16_x4_kernel(uint16_t *dgate, uint16_t *dup, size_t ld,
+                                                const uint2 *dout, const uint2 *gate,
+                                                const uint2 *up, unsigned q_row, unsigned nq) {
+    for (unsigned u = blockIdx.x * blockDim.x + threadIdx.x; u < nq;
+         u += gridDim.x * blockDim.x) {
+        const float4 g = bf16x4_f32(gate[u]), v = bf16x4_f32(up[u]), d = bf16x4_f32(dout[u]);
+        float a0, a1, a2, a3, b0, b1, b2, b3; /* dgate, dup */
+        swiglu_bwd_elem(g.x, v.x, d.x, &a0, &b0);
+        swiglu_bwd_elem(g.y, v.y, d.y, &a1, &b1);
+        swiglu_bwd_elem(g.z, v.z, d.z, &a2, &b2);
+        swiglu_bwd_elem(g.w, v.w, d.w, &a3, &b3);
+        const unsigned r = u / q_row;
+        const size_t o = (size_t)r * ld + (size_t)(u - r * q_row) * 4;
+        *reinterpret_cast<uint2 *>(dgate + o) = f32x4_bf16(a0, a1, a2, a3);
+        *reinterpret_cast<uint2 *>(dup + o) = f32x4_bf16(b0, b1, b2, b3);
     }
-    if (done < n)
-        swiglu_bwd_kernel<uint16_t, uint16_t, uint16_t>
-            <<<grid_for((int64_t)(n - done), 256), 256, 0, s>>>(dgate + done, dup + done,
-                                                                dout + done, gate + done,
-                                                                up + done, n - done);
+}
+
+static __global__ void swiglu_bwd_d16_kernel(uint16_t *dgate, uint16_t *dup, int64_t ld,
+                                             const uint16_t *dout, const uint16_t *gate,
+                                             const uint16_t *up, int64_t cols, int64_t n) {
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
+         u += (int64_t)gridDim.x * blockDim.x) {
+        float r_gate, r_up;
+        swiglu_bwd_elem(load_in(gate + u), load_in(up + u), load_in(dout + u), &r_gate, &r_up);
+        const int64_t r = u / cols, o = r * ld + (u - r * cols);
+        store_out(dup + o, r_up);
+        store_out(dgate + o, r_gate);
+    }
+}
+
+cudaError_t kiln_cuda_swiglu_backward_bf16_d16(cudaStream_t s, uint16_t *dgate, uint16_t *dup,
+                                               int64_t ld, const uint16_t *dout,
+                                               const uint16_t *gate, const uint16_t *up,
+                                               int64_t rows, int64_t cols) {
+    if (rows <= 0 || cols <= 0) return cudaSuccess;
+    if (ld < cols) return cudaErrorInvalidValue;
+    const int64_t n = rows * cols;
+    if (cols % 4 == 0 && ld % 4 == 0 && n / 4 < ((int64_t)1 << 32) &&
+        (((uintptr_t)dout | (uintptr_t)dgate | (uintptr_t)dup | (uintptr_t)gate |
+          (uintptr_t)up) & 7) == 0) {
+        const unsigned nq = (unsigned)(n / 4);
+        swiglu_bwd_d16_x4_kernel<<<grid_for((int64_t)nq, 256), 256, 0, s>>>(
+            dgate, dup, (size_t)ld, reinterpret_cast<const uint2 *>(dout),
+            reinterpret_cast<const uint2 *>(gate), reinterpret_cast<const uint2 *>(up),
+            (unsigned)(cols / 4), nq);
+    } else {
+        swiglu_bwd_d16_kernel<<<grid_for(n, 256), 256, 0, s>>>(dgate, dup, ld, dout, gate, up,
+                                                               cols, n);
+    }
     return cudaGetLastError();
 }
 

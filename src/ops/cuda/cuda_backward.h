@@ -45,11 +45,12 @@ cudaError_t kiln_cuda_rmsnorm_backward(cudaStream_t s, float *dx, float *dw, con
 /* In place on d(N,H,HS): the transpose of rope's rotation; pos(N) device memory. */
 cudaError_t kiln_cuda_rope_backward(cudaStream_t s, float *d, const int32_t *pos, int N, int H,
                                     int HS, const float *cos_tab, const float *sin_tab);
-/* The same rotation, the results rounded to bf16 (kiln_fp32_to_bf16) into d16(N,H,HS); d gets
- * the f32 results too when keep_f32, else is left as it was. Same bits as
+/* The same rotation, the results rounded to bf16 (kiln_fp32_to_bf16) into d16: token n's H x HS
+ * values at d16 + n * ld16 (ld16 >= H * HS: H * HS packed, more for a column block of a wider
+ * matrix); d gets the f32 results too when keep_f32, else is left as it was. Same bits as
  * kiln_cuda_rope_backward followed by kiln_cuda_f32_to_bf16. */
-cudaError_t kiln_cuda_rope_backward_bf16(cudaStream_t s, float *d, uint16_t *d16, int keep_f32,
-                                         const int32_t *pos, int N, int H, int HS,
+cudaError_t kiln_cuda_rope_backward_bf16(cudaStream_t s, float *d, uint16_t *d16, int64_t ld16,
+                                         int keep_f32, const int32_t *pos, int N, int H, int HS,
                                          const float *cos_tab, const float *sin_tab);
 
 /* Causal GQA attention backward: dq(N,NH,HS) overwritten; dk, dv rows 0..n_past+N-1 of
@@ -72,10 +73,13 @@ cudaError_t kiln_cuda_swiglu_backward_bf16(cudaStream_t s, uint16_t *dgate, uint
                                            const uint16_t *up, size_t n);
 
 /* The same with dout in bf16 too (widened exactly): the bits of
- * kiln_cuda_swiglu_backward_bf16 on the widened dout. */
+ * kiln_cuda_swiglu_backward_bf16 on the widened dout. dout, gate, up: rows x cols packed;
+ * dgate, dup: rows of cols values ld >= cols apart (both may be column blocks of one matrix:
+ * the stacked gate/up products' dy). */
 cudaError_t kiln_cuda_swiglu_backward_bf16_d16(cudaStream_t s, uint16_t *dgate, uint16_t *dup,
-                                               const uint16_t *dout, const uint16_t *gate,
-                                               const uint16_t *up, size_t n);
+                                               int64_t ld, const uint16_t *dout,
+                                               const uint16_t *gate, const uint16_t *up,
+                                               int64_t rows, int64_t cols);
 
 /* dtable(V,C) += dy rows: row v gets the rows of the tokens with ids[n] == v in increasing
  * n. ids(N) device memory, in [0, V) (an id outside is skipped, never written through). */
