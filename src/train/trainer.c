@@ -656,14 +656,20 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
             tmp16 = t->host ? NULL : kiln_malloc((size_t)max_n * sizeof(uint16_t));
             if (!tmp || (!t->host && !tmp16)) st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
         }
-        for (int i = 0; st == KILN_OK && i < t->n_params; i++) {
-            train_param *q = &t->params[i];
-            q->w = (uint8_t *)t->param_block + woff;
-            q->g = t->grad_block + goff;
-            woff += (((size_t)q->n * (q->dtype == KILN_DTYPE_F32 ? 4 : 2)) + 63) & ~(size_t)63;
-            goff += ((size_t)q->n + 15) & ~(size_t)15;
-            bind_views(q);
-        }
+        /* The matrices first (in parameter order), then the vectors: a layer's q, k, v
+         * weights (and gate, up) lie back to back, with their gradients, even where biases
+         * come between them in the parameter list, so the backward can run each group as one
+         * stacked product (stacked_view). */
+        for (int pass = 0; pass < 2; pass++)
+            for (int i = 0; st == KILN_OK && i < t->n_params; i++) {
+                train_param *q = &t->params[i];
+                if ((q->n_dims == 2) != (pass == 0)) continue;
+                q->w = (uint8_t *)t->param_block + woff;
+                q->g = t->grad_block + goff;
+                woff += (((size_t)q->n * (q->dtype == KILN_DTYPE_F32 ? 4 : 2)) + 63) & ~(size_t)63;
+                goff += ((size_t)q->n + 15) & ~(size_t)15;
+                bind_views(q);
+            }
         t->param_bytes = wbytes;
         if (st == KILN_OK && p.fast && !t->host && p.weight_storage == KILN_STORAGE_F32 && t->be->i->to_bf16) {
             t->shadow = bmem_alloc(t, wbytes / 2, "the bf16 copies of the weights");

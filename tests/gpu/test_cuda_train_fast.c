@@ -71,8 +71,10 @@
 #define GPU_TEST_SEED 0x6b696c6e46535431ull
 #include "gpu_test_models.h"
 
-static int write_config(char *path, size_t cap) {
-    return gpu_write_config("llama-fast", "llama", 128, 2, 2, 1, 64, 352, 32000, 1, 10000.0, path, cap);
+/* arch "llama", or "qwen2" (q, k, v biases: the stacked q/k/v backward with its separate
+ * bias sums) */
+static int write_config(const char *arch, char *path, size_t cap) {
+    return gpu_write_config("llama-fast", arch, 128, 2, 2, 1, 64, 352, 32000, 1, 10000.0, path, cap);
 }
 
 /* The batch of step s: a walk over 256 ids (id' = (5 id + 17 + (s % 3)) mod 256, offset 300)
@@ -176,10 +178,11 @@ static double grad_ratios(kiln_trainer *t, const float *ga, const float *gf, int
     return worst;
 }
 
-static int run_case(const char *name, kiln_weight_storage storage, const char *vocab_dir) {
+static int run_case(const char *name, const char *arch, kiln_weight_storage storage,
+                    const char *vocab_dir) {
     char cfg[1200], tok[1200];
     int ok = 1;
-    if (!write_config(cfg, sizeof cfg)) {
+    if (!write_config(arch, cfg, sizeof cfg)) {
         fprintf(stderr, "FAIL %s: cannot write %s\n", name, cfg);
         return 0;
     }
@@ -414,7 +417,7 @@ int main(int argc, char **argv) {
         rmdir(g_tmpdir);
         return gpu_missing_vocab_status(tok);
     }
-    if (!write_config(cfg, sizeof cfg)) {
+    if (!write_config("llama", cfg, sizeof cfg)) {
         fprintf(stderr, "FAIL: cannot write a config into %s\n", g_tmpdir);
         rmdir(g_tmpdir);
         return 1;
@@ -458,8 +461,9 @@ int main(int argc, char **argv) {
     }
 
     int failed = 0;
-    failed += !run_case("llama-fast f32", KILN_STORAGE_F32, vocab_dir);
-    failed += !run_case("llama-fast bf16 master", KILN_STORAGE_BF16_MASTER, vocab_dir);
+    failed += !run_case("llama-fast f32", "llama", KILN_STORAGE_F32, vocab_dir);
+    failed += !run_case("llama-fast bf16 master", "llama", KILN_STORAGE_BF16_MASTER, vocab_dir);
+    failed += !run_case("qwen2-fast f32", "qwen2", KILN_STORAGE_F32, vocab_dir);
     rmdir(g_tmpdir);
     if (failed) printf("FAILED %d\n", failed);
     else printf("ALL OK\n");
