@@ -68,7 +68,8 @@ COLUMNS of the training table:
   peak alloc allocator accounting: PyTorch torch.cuda.max_memory_allocated() over the run
              (above what was allocated before); kiln describe()'s peak_step (its own
              accounting: parameters, gradients, optimizer state, saved activations, scratch,
-             and the fused loss's scratch of the step). kiln's cudaMalloc is invisible to
+             the fused loss's scratch of the step, and since session 11 the backend's own
+             workspaces and the peak of its short-lived allocations). kiln's cudaMalloc is invisible to
              torch's counters, so these come from each engine's own books.
   device     the device's view, the same method for both: a thread polls
              torch.cuda.mem_get_info every 2 ms; (largest used memory seen) - (used memory

@@ -476,10 +476,15 @@ KILN_API kiln_status kiln_train_set_params(kiln_trainer *t, int count, const cha
 
 /* Memory by kiln's own accounting, in bytes. */
 typedef struct kiln_train_memory {
-    uint64_t params, grads, optimizer, activations, scratch;
+    uint64_t params, grads, optimizer, activations;
+    uint64_t scratch;   /* the fused loss's scratch at max_seq x max_batch rows; on a GPU plus
+                         * what the backend holds for its own work (GEMM workspace and operand
+                         * copies, column-sum partials, staging) */
     uint64_t peak_step; /* peak of live bytes during the last step (forward + backward); on a
-                         * GPU the peak of the trainer's device memory (all of the above
-                         * allocated at create, plus the fused loss's scratch of the step) */
+                         * GPU the peak of the device memory kiln accounts for: the trainer's
+                         * buffers (allocated at create), the fused loss's scratch of the step,
+                         * what the backend holds, and the most its short-lived stream-ordered
+                         * and graph allocations have held at once */
     int device;         /* where the figures live: -1 host (CPU), N: CUDA device N */
 } kiln_train_memory;
 /* A one-line description of the storage and the figures. buf may be NULL. */

@@ -314,6 +314,13 @@ typedef struct kiln_backend_i {
                                      int64_t ld16, const uint16_t *dout16,
                                      const uint16_t *gate16, const uint16_t *up16, int64_t rows,
                                      int64_t cols);
+
+    /* Optional: device memory the backend holds for its own work (workspaces and scratch it
+     * grows, staging: not the buffers callers allocate, not the weights it caches) in *held,
+     * and in *transient_peak the most its short-lived stream-ordered allocations (and those of
+     * recorded graphs) have held at once since the process began. For a caller's accounting
+     * of peak memory (kiln_train_describe). */
+    void (*own_memory)(kiln_backend *be, uint64_t *held, uint64_t *transient_peak);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

@@ -1592,25 +1592,36 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
     kiln_adamw_describe(t->opt_vec, db, sizeof db, &b);
     m.optimizer = a.owned + b.owned;
     m.activations = t->act_bytes;
-    m.scratch = kiln_fused_ce_scratch_bytes(t->p.max_seq * t->p.max_batch, t->cfg.n_embd, t->cfg.n_vocab,
-                                            t->p.ce_chunk ? t->p.ce_chunk : KILN_FUSED_CE_DEFAULT_CHUNK, 1, 1);
+    const uint64_t loss_scratch =
+        kiln_fused_ce_scratch_bytes(t->p.max_seq * t->p.max_batch, t->cfg.n_embd, t->cfg.n_vocab,
+                                    t->p.ce_chunk ? t->p.ce_chunk : KILN_FUSED_CE_DEFAULT_CHUNK, 1, 1);
+    m.scratch = loss_scratch;
     m.peak_step = t->peak_step;
-    char dev[64] = "cpu";
+    char dev[64] = "cpu", own[96] = "";
     if (!t->host) {
         snprintf(dev, sizeof dev, "%s:%d%s%s", t->be->i->name, t->p.device,
                  !t->p.fast ? "" : !t->graphs ? " (fast)" : " (fast, step graphs",
                  !t->graphs ? "" : t->g_fwd && t->g_bwd ? " recorded)" : ")");
-        /* every device buffer is allocated at create except the fused loss's scratch: the
-         * peak of a step is their sum plus the largest scratch of the last step */
-        m.peak_step = m.params + m.grads + m.optimizer + m.activations + t->ce_scratch;
+        /* every trainer buffer is allocated at create except the fused loss's scratch; the
+         * backend holds workspaces and scratch of its own (GEMM workspace and bf16 operand
+         * copies, column-sum partials, staging) and makes short-lived stream-ordered copies
+         * (the fast backward's operands, graph memory): the peak of a step is the sum of the
+         * trainer's buffers, the largest loss scratch of the last step, what the backend
+         * holds and the most its short-lived allocations have held at once */
+        uint64_t held = 0, transient = 0;
+        if (t->be->i->own_memory) t->be->i->own_memory(t->be, &held, &transient);
+        m.scratch += held;
+        m.peak_step = m.params + m.grads + m.optimizer + m.activations + t->ce_scratch + held + transient;
+        snprintf(own, sizeof own, ", backend scratch %.1f MiB (short-lived peak %.1f MiB)", held / 1048576.0,
+                 transient / 1048576.0);
     }
     m.device = t->host ? -1 : t->p.device;
     if (buf && cap)
         snprintf(buf, cap,
                  "params %.1f MiB, grads %.1f MiB, optimizer %.1f MiB, activations %.1f MiB (max_seq %d x max_batch %d), "
-                 "loss scratch %.1f MiB; matrices: %s; vectors: %s; device: %s",
+                 "loss scratch %.1f MiB%s; matrices: %s; vectors: %s; device: %s",
                  m.params / 1048576.0, m.grads / 1048576.0, m.optimizer / 1048576.0, m.activations / 1048576.0,
-                 t->p.max_seq, t->p.max_batch, m.scratch / 1048576.0, da, db, dev);
+                 t->p.max_seq, t->p.max_batch, loss_scratch / 1048576.0, own, da, db, dev);
     if (mem) *mem = m;
     return KILN_OK;
 }

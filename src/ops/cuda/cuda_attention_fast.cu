@@ -1151,6 +1151,10 @@ cudaError_t kiln_cuda_attn_create(kiln_cuda_attn **out) {
     return cudaSuccess;
 }
 
+size_t kiln_cuda_attn_device_bytes(const kiln_cuda_attn *a) {
+    return a ? a->cap + a->cnt_cap + a->pack_cap : 0;
+}
+
 void kiln_cuda_attn_free(kiln_cuda_attn *a) {
     if (!a) return;
     if (a->buf) (void)cudaFree(a->buf);

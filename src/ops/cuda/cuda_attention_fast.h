@@ -114,6 +114,8 @@ static inline bool kiln_cuda_attn_fast_is_mma(int N, int HS) {
 cudaError_t kiln_cuda_attn_create(kiln_cuda_attn **out);
 /* Frees the workspace (waits for the device to finish with it); NULL is a no-op. */
 void kiln_cuda_attn_free(kiln_cuda_attn *a);
+/* Device bytes its buffers hold (0 for NULL). */
+size_t kiln_cuda_attn_device_bytes(const kiln_cuda_attn *a);
 /* Make sure the workspace holds B sequences x N query tokens x NH heads x HS over max_T keys
  * (grows; call outside CUDA-graph capture; synchronises the device when it grows).
  * cudaErrorInvalidValue on a non-positive size. The workspace serves one stream at a time. */

@@ -1044,6 +1044,28 @@ static kiln_status cu_upload(kiln_backend *be, void *dst, const void *src, size_
     return KILN_OK;
 }
 
+static void cu_own_memory(kiln_backend *be, uint64_t *held, uint64_t *transient_peak) {
+    cuda_ctx *c = ctx_of(be);
+    uint64_t h = (uint64_t)c->cap_ints * 4 + (uint64_t)c->cap_colsum_ws * 8 +
+                 (uint64_t)c->cap_plan * 4 + (uint64_t)c->cap_hist * 4 +
+                 kiln_cuda_gemm_device_bytes(c->gemm) + kiln_cuda_attn_device_bytes(c->attn);
+    uint64_t tp = 0;
+    if (cudaSetDevice(c->device) == cudaSuccess) {
+        cudaMemPool_t pool;
+        unsigned long long v = 0; /* the attributes are 64-bit counts */
+        if (cudaDeviceGetDefaultMemPool(&pool, c->device) == cudaSuccess &&
+            cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v) == cudaSuccess)
+            tp += v;
+        v = 0;
+        if (cudaDeviceGetGraphMemAttribute(c->device, cudaGraphMemAttrUsedMemHigh, &v) ==
+            cudaSuccess)
+            tp += v;
+    }
+    (void)cudaGetLastError(); /* an unsupported attribute is not an error of the backend */
+    if (held) *held = h;
+    if (transient_peak) *transient_peak = tp;
+}
+
 static kiln_status cu_download(kiln_backend *be, void *dst, const void *src, size_t nbytes) {
     return cu_copy(be, dst, src, nbytes, cudaMemcpyDeviceToHost, "download");
 }
@@ -1149,6 +1171,7 @@ static const kiln_backend_i cuda_iface = {
     /* .to_bf16_2d = */ cu_to_bf16_2d,
     /* .matmul_backward_dx16 = */ cu_matmul_backward_dx16,
     /* .swiglu_backward_bf16_d16 = */ cu_swiglu_backward_bf16_d16,
+    /* .own_memory = */ cu_own_memory,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {

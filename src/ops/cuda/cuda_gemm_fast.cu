@@ -187,6 +187,7 @@ struct kiln_cuda_gemm {
     size_t scratch_bytes;
     void **old_scratch;         /* (n_old) outgrown scratch buffers, freed with the handle */
     int n_old, cap_old;
+    size_t old_bytes;           /* their bytes */
     gemm_plan **plans;          /* (n_plans) the algorithm cache */
     int n_plans, cap_plans;
     int force_bias_kernel;
@@ -264,6 +265,10 @@ static void plan_destroy(gemm_plan *p) {
     kiln_free(p);
 }
 
+size_t kiln_cuda_gemm_device_bytes(const kiln_cuda_gemm *g) {
+    return g ? (g->workspace ? GEMM_WORKSPACE_BYTES : 0) + g->scratch_bytes + g->old_bytes : 0;
+}
+
 void kiln_cuda_gemm_free(kiln_cuda_gemm *g) {
     if (!g) return;
     int prev = 0;
@@ -333,7 +338,10 @@ static cudaError_t scratch_reserve(kiln_cuda_gemm *g, cudaStream_t s, size_t nby
         set_err(g, "scratch: cudaMalloc of %zu bytes: %s", want, cudaGetErrorString(e));
         return e;
     }
-    if (g->scratch) g->old_scratch[g->n_old++] = g->scratch;
+    if (g->scratch) {
+        g->old_scratch[g->n_old++] = g->scratch;
+        g->old_bytes += g->scratch_bytes;
+    }
     g->scratch = (uint8_t *)p;
     g->scratch_bytes = want;
     return cudaSuccess;

@@ -67,6 +67,10 @@ cudaError_t kiln_cuda_gemm_create(int device, kiln_cuda_gemm **out);
  * kept from earlier growth included). NULL is a no-op. */
 void kiln_cuda_gemm_free(kiln_cuda_gemm *g);
 
+/* Device bytes the handle holds: its workspace, its scratch and the outgrown scratch buffers
+ * it keeps (0 for NULL). */
+size_t kiln_cuda_gemm_device_bytes(const kiln_cuda_gemm *g);
+
 /* The last failure's message (which call, cuBLASLt status names included), "" when none (and
  * for g == NULL). Valid until the next call on g. */
 const char *kiln_cuda_gemm_error(const kiln_cuda_gemm *g);
