@@ -401,6 +401,10 @@ typedef struct kiln_train_params {
                        * (the CPU has no fast training) */
     int max_batch;    /* most sequences one forward takes (kiln_train_forward_batch; default
                        * 1, 0 = 1): activations are sized for max_batch x max_seq tokens */
+    int ce_keep_mib;  /* CPU: MiB the fused loss may use to keep its forward's logits for the
+                       * backward (the vocabulary chunks that fit, from the first; each kept
+                       * chunk saves the backward one of its three products, same bits);
+                       * default 64, 0: none. A GPU trainer keeps none. */
 } kiln_train_params;
 
 KILN_API kiln_train_params kiln_train_default_params(void);

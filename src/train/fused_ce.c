@@ -398,6 +398,7 @@ typedef struct ce_cpu_job {
     ce_scratch *sc;
     const kiln_cpu_kernels *k;
     int64_t c0, n;    /* the chunk: columns [c0, c0 + n) */
+    float *z;         /* the chunk's logits (S, n): sc->z, or its slot in p->keep */
     float gs;         /* the gradient's factor (pass 2) */
     float *dst;       /* transposes and sums: the destination */
     const float *src; /* ... and the source */
@@ -444,15 +445,16 @@ static void ce_pass1_rows(const ce_cpu_job *j, int64_t lo, int64_t hi) {
     ce_scratch *sc = j->sc;
     const int64_t n = j->n;
     for (int64_t i = lo; i < hi; i++) {
-        float *zr = sc->z + i * n;
+        const float *zr = j->z + i * n; /* the logits: left as they are when kept */
+        float *er = sc->z + i * n;      /* their exponentials (in place when not kept) */
         int64_t t = j->p->targets[sc->idx[i]] - j->c0;
         if (t >= 0 && t < n) sc->zt[i] = zr[t];
         float bm = zr[0];
         for (int64_t c = 1; c < n; c++) bm = zr[c] > bm ? zr[c] : bm;
         float m_new = bm > sc->m[i] ? bm : sc->m[i];
         float alpha = kiln_expf(sc->m[i] - m_new); /* first chunk: exp(-inf) = 0 */
-        j->k->exp_sub(zr, zr, m_new, (int)n);
-        float csum = lane_sum(j->k, zr, sc->ones, n);
+        j->k->exp_sub(er, zr, m_new, (int)n);
+        float csum = lane_sum(j->k, er, sc->ones, n);
         sc->l[i] = sc->l[i] * alpha + csum;
         sc->m[i] = m_new;
     }
@@ -464,7 +466,7 @@ static void ce_pass2_rows(const ce_cpu_job *j, int64_t lo, int64_t hi) {
     const int64_t n = j->n;
     const float gs = j->gs;
     for (int64_t i = lo; i < hi; i++) {
-        float *zr = sc->z + i * n;
+        float *zr = j->z + i * n;
         float li = sc->l[i];
         int64_t t = j->p->targets[sc->idx[i]] - j->c0;
         j->k->exp_sub(zr, zr, sc->m[i], (int)n);
@@ -837,10 +839,14 @@ kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
             sc.l[i] = rs[1];
             sc.zt[i] = rs[2];
         }
-    ce_cpu_job job = {p, &sc, k, 0, 0, 0.0f, NULL, NULL, NULL, 0, 0};
+    ce_cpu_job job = {p, &sc, k, 0, 0, sc.z, 0.0f, NULL, NULL, NULL, 0, 0};
+    /* the chunks whose logits p->keep holds: the first kept_chunks */
+    const int64_t slot = S * cn;
+    const int64_t kept_chunks = p->keep ? (int64_t)(p->keep_floats / (size_t)slot) : 0;
     for (int64_t c0 = 0; !p->row_stats_in && c0 < V; c0 += cn) {
         int64_t n = V - c0 < cn ? V - c0 : cn;
-        chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
+        job.z = c0 / cn < kept_chunks ? p->keep + (c0 / cn) * slot : sc.z;
+        chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, job.z);
         job.c0 = c0;
         job.n = n;
         ce_parallel(pool, S, 1, ce_pass1_rows, &job);
@@ -868,7 +874,9 @@ kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
         job.gs = gs;
         for (int64_t c0 = 0; c0 < V; c0 += cn) {
             int64_t n = V - c0 < cn ? V - c0 : cn;
-            chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
+            float *g = c0 / cn < kept_chunks ? p->keep + (c0 / cn) * slot : sc.z;
+            if (g == sc.z) chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
+            job.z = g;
             job.c0 = c0;
             job.n = n;
             ce_parallel(pool, S, 1, ce_pass2_rows, &job);
@@ -877,14 +885,14 @@ kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
                 job.w = (const uint8_t *)p->weight + (size_t)c0 * row_bytes;
                 ce_parallel(pool, n, 32, ce_weight_t_rows, &job);
                 kiln_tensor wt = f32_view("fused_ce.weight_chunk_t", sc.wT, H, n);
-                be->i->matmul(be, sc.dpart, sc.z, &wt, NULL, (int)S);
+                be->i->matmul(be, sc.dpart, g, &wt, NULL, (int)S);
                 job.dst = sc.dh_acc;
                 job.src = sc.dpart;
                 ce_parallel(pool, S * H, 4096, ce_add_range, &job);
             }
             if (with_dw) {
                 job.dst = sc.gT;
-                job.src = sc.z;
+                job.src = g;
                 job.rows = S;
                 job.cols = n;
                 ce_parallel(pool, S, 32, ce_transpose_rows, &job);

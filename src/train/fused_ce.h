@@ -86,6 +86,15 @@ typedef struct kiln_fused_ce_params {
      * training), which then gives the same bits as recomputing them. */
     float *row_stats_out;
     const float *row_stats_in;
+    /* CPU backend: pass 1's logits kept for pass 2 (the chunks that fit keep_floats floats,
+     * from the first: chunk j's S x n logits at keep + j x S x chunk, S the supervised rows),
+     * so pass 2 reads them instead of computing them again (one product of three saved per
+     * kept chunk; the same values, hence the same bits). A call that runs pass 1 writes them;
+     * a call with row_stats_in reads them, and they must then come from the call that made
+     * row_stats_in with the same keep and keep_floats. Pass 2 overwrites them with the
+     * gradient. NULL or too small for one chunk: nothing kept. Device backends ignore it. */
+    float *keep;
+    size_t keep_floats;
     /* Device backends: scratch the caller owns (backend memory, scratch_cap bytes, 256-byte
      * aligned), used when it holds what the call needs (result.scratch_bytes says how much),
      * so that repeated calls need no allocation (which waits for the device); NULL or too

@@ -140,6 +140,9 @@ struct kiln_trainer {
     int g_fwd_runs, g_bwd_runs; /* plain runs at that shape */
     void *g_fwd, *g_bwd;
     float *ce_stats; /* (max_seq, 3) the fused loss's pass-1 statistics, forward -> backward */
+    float *ce_keep;  /* CPU: the forward's logits the backward reuses (ce_keep_floats floats;
+                      * kiln_train_params.ce_keep_mib), NULL: none */
+    size_t ce_keep_floats;
     uint64_t ce_scratch; /* the largest fused-loss scratch of the last step (devices) */
     void *ce_buf;        /* devices: the fused loss's scratch, kept from call to call */
     size_t ce_buf_cap;   /* its bytes: the most a call has needed */
@@ -542,6 +545,14 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     if (!t->targets) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
     t->ce_stats = bmem_alloc(t, 3 * T * sizeof(float), "the loss statistics");
     if (!t->ce_stats) return KILN_ERR_NOMEM;
+    if (t->host && t->p.ce_keep_mib > 0) {
+        /* no more than the loss's whole logits (every row, every column) */
+        size_t want = (size_t)t->p.ce_keep_mib << 18, all = T * (size_t)c->n_vocab;
+        t->ce_keep_floats = want < all ? want : all;
+        t->ce_keep = kiln_malloc(t->ce_keep_floats * sizeof(float));
+        if (!t->ce_keep) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for %d MiB of kept logits",
+                                           t->p.ce_keep_mib);
+    }
     t->positions = t->targets + T;
     if (t->host) {
         kiln_rope_tables_fill(t->model, (int)S, t->rope_cos, t->rope_sin);
@@ -572,6 +583,7 @@ kiln_train_params kiln_train_default_params(void) {
     p.eps = 1e-8;
     p.weight_decay = 0.01;
     p.device = -1;
+    p.ce_keep_mib = 64;
     return p;
 }
 
@@ -737,6 +749,7 @@ void kiln_trainer_free(kiln_trainer *t) {
     if (t->g_fwd) t->be->i->graph_free(t->be, t->g_fwd);
     if (t->g_bwd) t->be->i->graph_free(t->be, t->g_bwd);
     bmem_free(t, t->ce_stats);
+    kiln_free(t->ce_keep);
     bmem_free(t, t->act_block);
     kiln_free(t->acts);
     bmem_free(t, t->param_block);
@@ -1067,6 +1080,8 @@ kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *ids, int n_
     cp.scale = scale;
     cp.chunk = t->p.ce_chunk;
     cp.row_stats_out = t->ce_stats; /* backward's loss call skips its pass 1 */
+    cp.keep = t->ce_keep;            /* ... and its first logits products (CPU) */
+    cp.keep_floats = t->ce_keep_floats;
     kiln_fused_ce_result r;
     kiln_status st = fused_ce_call(t, &cp, &r);
     if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
@@ -1307,6 +1322,8 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
         cp.dhidden = t->dxn;
         cp.dweight = t->lm_head->g;
         cp.row_stats_in = t->ce_stats; /* from the forward: same inputs, same bits */
+        cp.keep = t->ce_keep;          /* the forward's kept logits (CPU) */
+        cp.keep_floats = t->ce_keep_floats;
         cp.no_wait = 1; /* the loss is the forward's; errors: backend_check at the end */
         kiln_fused_ce_result r;
         kiln_status st = fused_ce_call(t, &cp, &r);
@@ -1596,6 +1613,7 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
         kiln_fused_ce_scratch_bytes(t->p.max_seq * t->p.max_batch, t->cfg.n_embd, t->cfg.n_vocab,
                                     t->p.ce_chunk ? t->p.ce_chunk : KILN_FUSED_CE_DEFAULT_CHUNK, 1, 1);
     m.scratch = loss_scratch;
+    if (t->ce_keep) m.scratch += (uint64_t)t->ce_keep_floats * sizeof(float); /* kept logits */
     m.peak_step = t->peak_step;
     char dev[64] = "cpu", own[96] = "";
     if (!t->host) {
@@ -1614,6 +1632,8 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
         m.peak_step = m.params + m.grads + m.optimizer + m.activations + t->ce_scratch + held + transient;
         snprintf(own, sizeof own, ", backend scratch %.1f MiB (short-lived peak %.1f MiB)", held / 1048576.0,
                  transient / 1048576.0);
+    } else if (t->ce_keep) {
+        snprintf(own, sizeof own, ", kept logits %.1f MiB", t->ce_keep_floats * 4 / 1048576.0);
     }
     m.device = t->host ? -1 : t->p.device;
     if (buf && cap)

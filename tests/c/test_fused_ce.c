@@ -425,6 +425,54 @@ static void test_accumulate(void) {
     problem_free(&pr);
 }
 
+/* Kept logits (p.keep): none, some and all of the chunks kept, in one call and across the
+ * loss-then-gradient pair, on every backend: the bits of recomputing them. */
+static void test_keep(void) {
+    problem pr = problem_make(23, 20, 37, 1.0f, 1, 1, 0);
+    const int64_t N = pr.N, H = pr.H, V = pr.V, cn = 8, chunks = (V + cn - 1) / cn;
+    float *rdh = malloc((size_t)(N * H) * 4), *rdw = calloc((size_t)(V * H), 4);
+    kiln_fused_ce_params p = params_of(&pr, KILN_CE_REDUCTION_MEAN, 0.5f, cn);
+    p.dhidden = rdh;
+    p.dweight = rdw;
+    kiln_fused_ce_result r0;
+    CHECK(kiln_fused_ce(g_be[0], &p, &r0) == KILN_OK);
+    const int64_t S = r0.n_supervised;
+    const int64_t kinds[4] = {0, 1, 2, chunks}; /* chunks kept */
+    float *keep = malloc((size_t)(chunks * S * cn + 5) * 4);
+    float *stats = malloc((size_t)N * 3 * 4);
+    float *dh = malloc((size_t)(N * H) * 4), *dw = malloc((size_t)(V * H) * 4);
+    for (int b = 0; b < g_n_be; b++)
+        for (int kk = 0; kk < 4; kk++)
+            for (int split = 0; split < 2; split++) {
+                /* room for kinds[kk] chunks and a little (not another chunk) */
+                const size_t floats = (size_t)(kinds[kk] * S * cn) + (kinds[kk] ? 5 : 0);
+                for (size_t i = 0; i < floats; i++) keep[i] = NAN;
+                memset(dw, 0, (size_t)(V * H) * 4);
+                kiln_fused_ce_params q = params_of(&pr, KILN_CE_REDUCTION_MEAN, 0.5f, cn);
+                q.keep = keep;
+                q.keep_floats = floats;
+                kiln_fused_ce_result r1, r2;
+                if (split) { /* the trainer's pattern: loss, then the gradient */
+                    q.row_stats_out = stats;
+                    CHECK(kiln_fused_ce(g_be[b], &q, &r1) == KILN_OK);
+                    q.row_stats_out = NULL;
+                    q.row_stats_in = stats;
+                }
+                q.dhidden = dh;
+                q.dweight = dw;
+                CHECK(kiln_fused_ce(g_be[b], &q, &r2) == KILN_OK);
+                char what[96];
+                snprintf(what, sizeof what, "kept logits: %s, %lld chunks, %s", g_be_name[b],
+                         (long long)kinds[kk], split ? "loss then gradient" : "one call");
+                CHECK_MSG(bits(r2.loss) == bits(r0.loss) && (!split || bits(r1.loss) == bits(r0.loss)),
+                          "%s: loss", what);
+                CHECK(same_bits(dh, rdh, (size_t)(N * H), what));
+                CHECK(same_bits(dw, rdw, (size_t)(V * H), what));
+            }
+    free(keep); free(stats); free(dh); free(dw); free(rdh); free(rdw);
+    problem_free(&pr);
+}
+
 /* ---- errors ---------------------------------------------------------------------------- */
 
 static int all_bits(const float *v, size_t n, float x) {
@@ -674,6 +722,7 @@ int main(void) {
     test_logf();
     test_correctness();
     test_accumulate();
+    test_keep();
     test_errors();
     test_nomem();
     test_memory();

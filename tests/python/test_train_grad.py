@@ -51,11 +51,16 @@ def test_loss_and_gradients(tmp_path, build_dir, arch):
     assert abs(loss - out.loss.item()) <= 1e-5 * abs(out.loss.item()), (loss, out.loss.item())
     compare_grads(tr, torch_grads(ref), arch)
 
-    # thread-count invariance of every gradient
+    # thread-count invariance of every gradient; and the fused loss's kept logits (the
+    # default keeps them all here) give the bits of recomputing them (ce_keep_mib=0)
     tr1 = kiln.Trainer(m, max_seq=64, n_threads=1)
-    assert tr1.step(ids) == loss
+    tr0 = kiln.Trainer(m, max_seq=64, n_threads=2, ce_keep_mib=0)
+    assert tr1.step(ids) == loss and tr0.step(ids) == loss
     for name, n, _ in tr.params():
-        assert np.array_equal(tr.get_grad(name, n).view(np.uint32), tr1.get_grad(name, n).view(np.uint32)), name
+        g = tr.get_grad(name, n).view(np.uint32)
+        assert np.array_equal(g, tr1.get_grad(name, n).view(np.uint32)), name
+        assert np.array_equal(g, tr0.get_grad(name, n).view(np.uint32)), f"{name} (no kept logits)"
+    assert "kept logits" in tr.describe()[0] and "kept logits" not in tr0.describe()[0]
 
 
 def test_mask_scale_and_accumulate(tmp_path, build_dir):
