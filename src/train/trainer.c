@@ -147,7 +147,7 @@ struct kiln_trainer {
     void *ce_buf;        /* devices: the fused loss's scratch, kept from call to call */
     size_t ce_buf_cap;   /* its bytes: the most a call has needed */
 
-    /* The gradients' state. On a device, clip_grads leaves its coefficient pending (grad_coef,
+    /* The gradients' state. clip_grads leaves its coefficient pending (grad_coef,
      * in [0, 1]; 1: none) instead of a pass over every gradient: the logical gradients are
      * grad_coef x the stored ones, and the optimizers multiply by it as they read them (the
      * same f32 products, so the same bits). Whatever else reads or adds to the gradients
@@ -1441,9 +1441,9 @@ kiln_status kiln_train_clip_grads(kiln_trainer *t, double max_norm, float *total
     if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_clip_grads");
     float cc = kiln_clip_coef(total, max_norm);
     /* A finite g times cc in [0, 1] stays finite, a non-finite one stays non-finite, so
-     * grads_finite holds for the products too. On a device the product is left to the
-     * optimizer's read (grad_coef); a NaN cc (a non-finite gradient) is applied now. */
-    if (!t->host && cc >= 0.0f && cc <= 1.0f)
+     * grads_finite holds for the products too. The product is left to the optimizer's
+     * read (grad_coef); a NaN cc (a non-finite gradient) is applied now. */
+    if (cc >= 0.0f && cc <= 1.0f)
         t->grad_coef = cc;
     else
         KILN_TRY(scale_grads(t, cc));

@@ -168,3 +168,28 @@ def test_batch_of_sequences(tmp_path, build_dir, arch):
     with pytest.raises(kiln.KilnError, match="out of range"):
         tr.forward_batch(bad, tg)
     assert np.isfinite(tr.step(ids[0].tolist()))  # nothing pending after the failures
+
+
+def test_clip_coefficient_applied_in_the_optimizer(tmp_path, build_dir):
+    """clip_grads leaves its coefficient for AdamW to apply as it reads each gradient: the
+    weights must have the bits of scaling the stored gradients first (forced here by
+    grad_sq_norm, which applies a pending coefficient), and get_grad must return the clipped
+    gradients either way."""
+    d, _ = build_model(tmp_path, "qwen2")
+    m = kiln.Model(d)
+    ids = rand_ids(24, m.n_vocab, 5)
+    a = kiln.Trainer(m, max_seq=32, n_threads=2, lr=1e-2)
+    b = kiln.Trainer(m, max_seq=32, n_threads=2, lr=1e-2)
+    for step in range(3):
+        assert a.step(ids) == b.step(ids)
+        na = a.clip_grads(0.05)
+        nb = b.clip_grads(0.05)
+        assert na == nb and 0.0 < na[1] < 1.0, na  # a real clip
+        b.grad_sq_norm()  # applies b's pending coefficient to its stored gradients
+        for name, n, _ in a.params():
+            assert np.array_equal(a.get_grad(name, n).view(np.uint32), b.get_grad(name, n).view(np.uint32)), name
+        a.optimizer_step(1e-2)
+        b.optimizer_step(1e-2)
+        for name, n, _ in a.params():
+            assert np.array_equal(a.get_param(name, n).view(np.uint32), b.get_param(name, n).view(np.uint32)), \
+                f"step {step}: {name}"
