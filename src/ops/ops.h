@@ -318,9 +318,11 @@ typedef struct kiln_backend_i {
     /* Optional: device memory the backend holds for its own work (workspaces and scratch it
      * grows, staging: not the buffers callers allocate, not the weights it caches) in *held,
      * and in *transient_peak the most its short-lived stream-ordered allocations (and those of
-     * recorded graphs) have held at once since the process began. For a caller's accounting
-     * of peak memory (kiln_train_describe). */
-    void (*own_memory)(kiln_backend *be, uint64_t *held, uint64_t *transient_peak);
+     * recorded graphs) have held at once since the last reset_peak (or the process began);
+     * reset_peak then restarts that count from what they hold now. Either pointer may be
+     * NULL. For a caller's accounting of peak memory (kiln_train_describe: a step's peak). */
+    void (*own_memory)(kiln_backend *be, uint64_t *held, uint64_t *transient_peak,
+                       bool reset_peak);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

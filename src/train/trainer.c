@@ -1038,6 +1038,14 @@ static kiln_status fused_ce_call(kiln_trainer *t, kiln_fused_ce_params *cp, kiln
     return st;
 }
 
+/* A step's peak starts here: kiln's host allocations, and on a device the backend's
+ * short-lived allocations (own_memory), counted from what they hold now. */
+static void step_peak_reset(kiln_trainer *t) {
+    kiln_mem_reset_peak();
+    t->peak_step = 0;
+    if (!t->host && t->be->i->own_memory) t->be->i->own_memory(t->be, NULL, NULL, true);
+}
+
 static void track_peak(kiln_trainer *t) {
     kiln_mem_stats s;
     kiln_mem_get_stats(&s);
@@ -1062,8 +1070,7 @@ kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *ids, int n_
     if (red != KILN_LOSS_MEAN && red != KILN_LOSS_SUM)
         return kiln_error(KILN_ERR_INVALID_ARG, "%s: unknown reduction %d", call, (int)red);
     if (!isfinite(scale)) return kiln_error(KILN_ERR_INVALID_ARG, "%s: scale is not finite", call);
-    kiln_mem_reset_peak();
-    t->peak_step = 0;
+    step_peak_reset(t);
     kiln_status fst = forward(t, ids, n_seq, seq);
     if (fst != KILN_OK) return kiln_error_prefix(fst, "%s", call);
     /* the loss alone (pass 1): errors (no supervised position, target out of range,
@@ -1113,8 +1120,7 @@ kiln_status kiln_train_forward_hidden(kiln_trainer *t, const int32_t *ids, int n
             if (positions[j] == positions[i])
                 return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_forward_hidden: position %d given twice", positions[i]);
     }
-    kiln_mem_reset_peak();
-    t->peak_step = 0;
+    step_peak_reset(t);
     kiln_status fst = forward(t, ids, 1, n);
     if (fst != KILN_OK) return kiln_error_prefix(fst, "kiln_train_forward_hidden");
     int C = t->cfg.n_embd;
@@ -1627,7 +1633,7 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
          * trainer's buffers, the largest loss scratch of the last step, what the backend
          * holds and the most its short-lived allocations have held at once */
         uint64_t held = 0, transient = 0;
-        if (t->be->i->own_memory) t->be->i->own_memory(t->be, &held, &transient);
+        if (t->be->i->own_memory) t->be->i->own_memory(t->be, &held, &transient, false);
         m.scratch += held;
         m.peak_step = m.params + m.grads + m.optimizer + m.activations + t->ce_scratch + held + transient;
         snprintf(own, sizeof own, ", backend scratch %.1f MiB (short-lived peak %.1f MiB)", held / 1048576.0,

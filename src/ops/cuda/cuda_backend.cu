@@ -1044,7 +1044,8 @@ static kiln_status cu_upload(kiln_backend *be, void *dst, const void *src, size_
     return KILN_OK;
 }
 
-static void cu_own_memory(kiln_backend *be, uint64_t *held, uint64_t *transient_peak) {
+static void cu_own_memory(kiln_backend *be, uint64_t *held, uint64_t *transient_peak,
+                          bool reset_peak) {
     cuda_ctx *c = ctx_of(be);
     uint64_t h = (uint64_t)c->cap_ints * 4 + (uint64_t)c->cap_colsum_ws * 8 +
                  (uint64_t)c->cap_plan * 4 + (uint64_t)c->cap_hist * 4 +
@@ -1053,13 +1054,18 @@ static void cu_own_memory(kiln_backend *be, uint64_t *held, uint64_t *transient_
     if (cudaSetDevice(c->device) == cudaSuccess) {
         cudaMemPool_t pool;
         unsigned long long v = 0; /* the attributes are 64-bit counts */
-        if (cudaDeviceGetDefaultMemPool(&pool, c->device) == cudaSuccess &&
-            cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v) == cudaSuccess)
+        const bool have_pool = cudaDeviceGetDefaultMemPool(&pool, c->device) == cudaSuccess;
+        if (have_pool && cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v) == cudaSuccess)
             tp += v;
         v = 0;
         if (cudaDeviceGetGraphMemAttribute(c->device, cudaGraphMemAttrUsedMemHigh, &v) ==
             cudaSuccess)
             tp += v;
+        if (reset_peak) { /* 0 is the only value these attributes take: "the current use" */
+            unsigned long long zero = 0;
+            if (have_pool) (void)cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero);
+            (void)cudaDeviceSetGraphMemAttribute(c->device, cudaGraphMemAttrUsedMemHigh, &zero);
+        }
     }
     (void)cudaGetLastError(); /* an unsupported attribute is not an error of the backend */
     if (held) *held = h;
