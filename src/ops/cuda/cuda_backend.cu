@@ -69,13 +69,10 @@ typedef struct cuda_ctx {
     size_t cap_hist;
     int32_t *h_token; /* pinned host: the sampled id */
     uint64_t gen;     /* bumped when ints or colsum_ws is reallocated (graph_generation) */
-    /* embed_backward from host ids: the grouping (kiln_embed_plan) made on the host in a
-     * pinned buffer and copied to d_plan without blocking the host; plan_ev marks the end of
-     * the last copy (the pinned buffer is rewritten only after it). counts: V host ints. */
-    int32_t *h_plan, *d_plan, *counts;
-    size_t cap_plan, cap_counts;
-    cudaEvent_t plan_ev;
-    bool plan_pending;
+    /* embed_backward from host ids: the grouping (kiln_embed_plan) made on the host in h_plan
+     * (the plan, then V counts; cap_h_plan ints) and uploaded to d_plan (cap_plan ints) */
+    int32_t *h_plan, *d_plan;
+    size_t cap_h_plan, cap_plan;
     upload_slot up[UPLOAD_SLOTS]; /* cu_upload's staging, used in turn */
     int up_next;
 } cuda_ctx;
@@ -918,45 +915,40 @@ static void cu_swiglu_backward(kiln_backend *be, float *dgate, float *dup, const
                  "swiglu_backward");
 }
 
-/* embed_backward's plan path: host ids, stream not capturing (the copy reads the pinned
- * buffer when it runs, so it must not be recorded into a graph). False: not taken (nothing
- * enqueued, the backend not poisoned) or failed (poisoned: check c->err). */
-static bool embed_backward_planned(cuda_ctx *c, float *dtable, const float *dy,
+static kiln_status cu_upload(kiln_backend *be, void *dst, const void *src, size_t nbytes);
+
+/* embed_backward's plan path: host ids, stream not capturing (the plan changes every call,
+ * so it must not be recorded into a graph). The plan is made in host memory and copied to
+ * d_plan by upload (staged: the host does not wait for the queue). False: not taken
+ * (nothing enqueued, the backend not poisoned) or failed (poisoned: check c->err). */
+static bool embed_backward_planned(kiln_backend *be, float *dtable, const float *dy,
                                    const int32_t *ids, int N, int V, int C) {
+    cuda_ctx *c = ctx_of(be);
     cudaStreamCaptureStatus cs;
     if (is_device_ptr(ids) || cudaStreamIsCapturing(c->stream, &cs) != cudaSuccess ||
         cs != cudaStreamCaptureStatusNone)
         return false;
     const size_t need = 3 * (size_t)N + 1;
-    if (c->plan_pending && !CK(c, cudaEventSynchronize(c->plan_ev))) return false;
-    c->plan_pending = false;
-    if (!c->plan_ev && !CK(c, cudaEventCreateWithFlags(&c->plan_ev, cudaEventDisableTiming)))
-        return false;
     if (need > c->cap_plan) {
-        if (c->h_plan && !CK(c, cudaFreeHost(c->h_plan))) return false;
         if (c->d_plan && !CK(c, cudaFree(c->d_plan))) return false; /* waits for its readers */
-        c->h_plan = c->d_plan = NULL;
+        c->d_plan = NULL;
         c->cap_plan = 0;
-        if (!CK(c, cudaMallocHost((void **)&c->h_plan, need * sizeof(int32_t)))) return false;
         if (!CK(c, cudaMalloc((void **)&c->d_plan, need * sizeof(int32_t)))) return false;
         c->cap_plan = need;
     }
-    if ((size_t)V > c->cap_counts) {
-        int32_t *nc = (int32_t *)kiln_realloc(c->counts, (size_t)V * sizeof(int32_t));
-        if (!nc) {
-            poison(c, KILN_ERR_NOMEM, "embed_backward: out of host memory (%d ids)", V);
+    if (need + (size_t)V > c->cap_h_plan) { /* the host plan, then V counts */
+        int32_t *h = (int32_t *)kiln_realloc(c->h_plan, (need + (size_t)V) * sizeof(int32_t));
+        if (!h) {
+            poison(c, KILN_ERR_NOMEM, "embed_backward: out of host memory (%d tokens, %d ids)",
+                   N, V);
             return false;
         }
-        c->counts = nc;
-        c->cap_counts = (size_t)V;
+        c->h_plan = h;
+        c->cap_h_plan = need + (size_t)V;
     }
-    const int G = kiln_embed_plan(ids, N, V, c->h_plan, c->counts);
+    const int G = kiln_embed_plan(ids, N, V, c->h_plan, c->h_plan + need);
     const size_t used = 2 * (size_t)G + 1 + (size_t)c->h_plan[2 * G];
-    if (!CK(c, cudaMemcpyAsync(c->d_plan, c->h_plan, used * sizeof(int32_t),
-                               cudaMemcpyHostToDevice, c->stream)) ||
-        !CK(c, cudaEventRecord(c->plan_ev, c->stream)))
-        return false;
-    c->plan_pending = true;
+    if (cu_upload(be, c->d_plan, c->h_plan, used * sizeof(int32_t)) != KILN_OK) return false;
     after_launch(c, kiln_cuda_embed_backward_plan(c->stream, dtable, dy, c->d_plan, G, C),
                  "embed_backward");
     return true;
@@ -966,7 +958,7 @@ static void cu_embed_backward(kiln_backend *be, float *dtable, const float *dy,
                               const int32_t *ids, int N, int V, int C) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
-    if (embed_backward_planned(c, dtable, dy, ids, N, V, C) || c->err != KILN_OK) return;
+    if (embed_backward_planned(be, dtable, dy, ids, N, V, C) || c->err != KILN_OK) return;
     const int32_t *d_ids = ints_dev(c, ids, (size_t)N);
     if (!d_ids) return;
     after_launch(c, kiln_cuda_embed_backward(c->stream, dtable, dy, d_ids, N, V, C),
@@ -1111,14 +1103,12 @@ static void cu_free(kiln_backend *be) {
         for (size_t k = 0; k < c->n_weights; k++) cudaFree(c->weights[k].dev);
         kiln_free(c->weights);
         if (c->ints) cudaFree(c->ints);
-        if (c->h_plan) cudaFreeHost(c->h_plan);
+        kiln_free(c->h_plan);
         if (c->d_plan) cudaFree(c->d_plan);
-        if (c->plan_ev) cudaEventDestroy(c->plan_ev);
         for (int k = 0; k < UPLOAD_SLOTS; k++) {
             if (c->up[k].buf) cudaFreeHost(c->up[k].buf);
             if (c->up[k].ev) cudaEventDestroy(c->up[k].ev);
         }
-        kiln_free(c->counts);
         if (c->colsum_ws) cudaFree(c->colsum_ws);
         kiln_cuda_gemm_free(c->gemm);
         kiln_cuda_sampler_free(c->sampler);
