@@ -385,8 +385,11 @@ def kiln_step(tr, batch, micro=1):
         for i in range(0, B, micro):
             ids = batch[i:i + micro]
             tg = np.concatenate([ids[:, 1:], -np.ones((ids.shape[0], 1), dtype=ids.dtype)], axis=1)
-            loss += tr.forward_batch(ids, tg, "mean", ids.shape[0] / B)
-            tr.backward(accumulate=i > 0)
+            if hasattr(tr, "step_batch"):  # one call: no wait between forward and backward
+                loss += tr.step_batch(ids, tg, "mean", ids.shape[0] / B, accumulate=i > 0)
+            else:
+                loss += tr.forward_batch(ids, tg, "mean", ids.shape[0] / B)
+                tr.backward(accumulate=i > 0)
     else:
         for b in range(B):
             loss += kiln_sequence(tr, batch[b], B, b > 0)

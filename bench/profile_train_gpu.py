@@ -4,7 +4,7 @@ forward + loss + backward, then clip + AdamW, under torch.profiler (CUPTI record
 kernel of the process, kiln's included), with wall-clock phase times.
 
   python3 bench/profile_train_gpu.py --bin build-gpu [--models 135m,0.5b] [--seq 2048]
-      [--batch 2] [--micro 1] [--top 25] [--auditable] [--torch]
+      [--batch 2] [--micro 1] [--top 25] [--auditable] [--torch] [--split]
 
 Models, data and the trainer settings are bench_train_gpu.py's. Prints, per model: the phase
 times (each ends with a device sync), then the top kernels by total GPU time with their share
@@ -56,7 +56,12 @@ def profile_model(args, name, root):
             if M > 1:
                 ids = batch[b:b + M]
                 tg = np.concatenate([ids[:, 1:], -np.ones((M, 1), dtype=ids.dtype)], axis=1)
-                phase("forward+loss", lambda: tr.forward_batch(ids, tg, "mean", M / B), times)
+                if args.split:
+                    phase("forward+loss", lambda: tr.forward_batch(ids, tg, "mean", M / B), times)
+                else:  # the benchmark's call: forward + backward without a wait between
+                    phase("step_batch", lambda: tr.step_batch(ids, tg, "mean", M / B,
+                                                              accumulate=b > 0), times)
+                    continue
             else:
                 ids = batch[b].tolist()
                 phase("forward+loss", lambda: tr.forward(ids, ids[1:] + [-1], "mean", 1.0 / B),
@@ -150,6 +155,8 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--auditable", action="store_true")
+    ap.add_argument("--split", action="store_true",
+                    help="micro-batches as forward_batch + backward (two phases) instead of step_batch")
     ap.add_argument("--micro", type=int, default=1,
                     help="sequences per forward (forward_batch); must divide --batch")
     ap.add_argument("--torch", action="store_true",

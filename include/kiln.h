@@ -435,6 +435,17 @@ KILN_API kiln_status kiln_train_forward(kiln_trainer *t, const int32_t *ids, int
 KILN_API kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *ids, int n_seq, int seq,
                                               const int32_t *targets, kiln_loss_reduction red,
                                               float scale, float *loss);
+/* forward_batch + backward(NULL, accumulate) in one call, with the same results (loss and
+ * gradients: the same bits). On a GPU in fast mode the host does not wait between the two
+ * halves: the loss's gradient is enqueued behind its first pass and the layers' backward
+ * behind that, and the call waits only for the loss's statistics, so the device stays busy
+ * (docs/TRAINING.md, "One-call steps"). Errors as forward_batch's, before anything changes;
+ * except a non-finite loss, which on that path is known only after the gradient work was
+ * enqueued: the error says so, and the gradients are then unusable (clip and optimizer_step
+ * refuse them) until a step that does not accumulate. */
+KILN_API kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq, int seq,
+                                           const int32_t *targets, kiln_loss_reduction red, float scale,
+                                           int accumulate, float *loss);
 /* Forward one sequence and write the final-norm hidden states at positions[0..n_pos) to
  * hidden (n_pos x n_embd), for a head of the caller's own; backward then takes their
  * gradient. */

@@ -133,6 +133,9 @@ def load_library(path=None):
         "kiln_train_forward_batch": (C.c_int, [P, C.POINTER(C.c_int32), C.c_int, C.c_int,
                                                C.POINTER(C.c_int32), C.c_int, C.c_float,
                                                C.POINTER(C.c_float)]),
+        "kiln_train_step_batch": (C.c_int, [P, C.POINTER(C.c_int32), C.c_int, C.c_int,
+                                            C.POINTER(C.c_int32), C.c_int, C.c_float, C.c_int,
+                                            C.POINTER(C.c_float)]),
         "kiln_train_forward_hidden": (C.c_int, [P, C.POINTER(C.c_int32), C.c_int,
                                                 C.POINTER(C.c_int32), C.c_int, C.POINTER(C.c_float)]),
         "kiln_train_backward": (C.c_int, [P, C.POINTER(C.c_float), C.c_int]),
@@ -459,6 +462,23 @@ class Trainer(_Handle):
                                                   ids.shape[1], targets.ctypes.data_as(P32),
                                                   0 if reduction == "mean" else 1, scale,
                                                   C.byref(loss)))
+        return loss.value
+
+    def step_batch(self, ids, targets, reduction="mean", scale=1.0, accumulate=False):
+        """forward_batch + backward(accumulate=accumulate) in one call (kiln_train_step_batch):
+        the same loss and gradients; on a GPU in fast mode the host does not wait between the
+        forward and the backward. Returns the loss."""
+        import numpy as np
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        targets = np.ascontiguousarray(targets, dtype=np.int32)
+        if ids.ndim != 2 or targets.shape != ids.shape:
+            raise ValueError("step_batch: ids and targets must be 2-D arrays of one shape")
+        loss = C.c_float()
+        P32 = C.POINTER(C.c_int32)
+        _check(self._lib.kiln_train_step_batch(self._h, ids.ctypes.data_as(P32), ids.shape[0],
+                                               ids.shape[1], targets.ctypes.data_as(P32),
+                                               0 if reduction == "mean" else 1, scale,
+                                               int(accumulate), C.byref(loss)))
         return loss.value
 
     def forward_hidden(self, ids, positions):

@@ -323,6 +323,16 @@ typedef struct kiln_backend_i {
      * NULL. For a caller's accounting of peak memory (kiln_train_describe: a step's peak). */
     void (*own_memory)(kiln_backend *be, uint64_t *held, uint64_t *transient_peak,
                        bool reset_peak);
+
+    /* Optional: a download the host need not wait for at once. download_begin enqueues the
+     * copy of nbytes of backend memory src (after all work submitted before it, before all
+     * work submitted after) into the backend's own host staging and returns without waiting;
+     * download_end then waits for that copy alone (not for the work submitted after the
+     * begin) and copies its nbytes (<= the begin's) into dst. One at a time: a begin while
+     * one is open, or an end without one, is KILN_ERR_STATE; a failure poisons the backend
+     * as download's does (the end returns it). Not inside a graph capture. */
+    kiln_status (*download_begin)(kiln_backend *be, const void *src, size_t nbytes);
+    kiln_status (*download_end)(kiln_backend *be, void *dst, size_t nbytes);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

@@ -694,7 +694,8 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     float loss = 0.0f, gs;
     double loss64 = 0.0;
     ce_reduce(p, NULL, 0.0f, S, NULL, &gs, NULL);
-    const int early = p->row_stats_in != NULL && fast && (with_dh || with_dw);
+    const int early = fast && (with_dh || with_dw) &&
+                      (p->row_stats_in != NULL || (p->no_wait && p->row_stats_out != NULL));
     if (early && kind == CE_BF16)
         CE_DEV(ce_pass2_bf16(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
     else if (early)
@@ -763,6 +764,7 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
         out->loss_f64 = loss64;
         out->n_supervised = S;
         out->scratch_bytes = bytes;
+        out->loss_pending = no_wait;
     }
 done:
 #undef CE_DEV
@@ -928,4 +930,50 @@ kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
     }
     kiln_free(block);
     return KILN_OK;
+}
+
+kiln_status kiln_fused_ce_loss_from_stats(const kiln_fused_ce_params *p, const float *row_stats,
+                                          kiln_fused_ce_result *out) {
+    if (out) memset(out, 0, sizeof *out);
+    if (!p || !row_stats || !p->targets || p->N < 1)
+        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce_loss_from_stats: NULL parameters or no rows");
+    const int64_t N = p->N;
+    int64_t S = 0;
+    for (int64_t n = 0; n < N; n++) {
+        if ((p->mask && !p->mask[n]) || p->targets[n] < 0) continue;
+        if (p->targets[n] >= p->V)
+            return kiln_error(KILN_ERR_RANGE, "fused_ce: position %lld: target %d >= vocabulary size %lld",
+                              (long long)n, (int)p->targets[n], (long long)p->V);
+        S++;
+    }
+    if (S == 0)
+        return kiln_error(KILN_ERR_INVALID_ARG,
+                          "fused_ce: no supervised positions (the mask and targets select none of the %lld "
+                          "positions)", (long long)N);
+    /* the device path's arrays: positions, then m, l, zt and the row losses, supervised order */
+    int64_t *idx = kiln_malloc((size_t)S * sizeof(int64_t));
+    float *f = kiln_malloc(4 * (size_t)S * sizeof(float));
+    if (!idx || !f) {
+        kiln_free(idx);
+        kiln_free(f);
+        return kiln_error(KILN_ERR_NOMEM, "fused_ce: out of host memory for %lld rows", (long long)S);
+    }
+    float *m = f, *l = f + S, *zt = f + 2 * S, *loss_rows = f + 3 * S;
+    for (int64_t n = 0, i = 0; n < N; n++) {
+        if ((p->mask && !p->mask[n]) || p->targets[n] < 0) continue;
+        idx[i] = n;
+        m[i] = row_stats[3 * n];
+        l[i] = row_stats[3 * n + 1];
+        zt[i] = row_stats[3 * n + 2];
+        i++;
+    }
+    kiln_status st = ce_row_losses(idx, m, l, zt, loss_rows, S);
+    if (st == KILN_OK && out) {
+        float gs;
+        ce_reduce(p, loss_rows, host_sum16(loss_rows, S), S, &out->loss, &gs, &out->loss_f64);
+        out->n_supervised = S;
+    }
+    kiln_free(idx);
+    kiln_free(f);
+    return st;
 }

@@ -103,10 +103,18 @@ typedef struct kiln_fused_ce_params {
     size_t scratch_cap;
     /* Device backends in fast mode, with row_stats_in, the caller's scratch and no row_loss:
      * the call only enqueues its work and returns without waiting for the device (no loss:
-     * result.loss and loss_f64 are NaN; an error of the device work surfaces at the backend's
-     * next status or download). The backward half of training uses it so that the host
-     * launches the layers' backward while the device runs the loss's gradient. Otherwise
-     * ignored. */
+     * result.loss and loss_f64 are NaN, result.loss_pending is 1; an error of the device
+     * work surfaces at the backend's next status or download). The backward half of
+     * training uses it so that the host launches the layers' backward while the device runs
+     * the loss's gradient.
+     * With row_stats_out instead of row_stats_in (and dhidden or dweight), the same call runs
+     * pass 1 and enqueues pass 2 right behind it, before the loss is known: the caller
+     * downloads row_stats_out when it likes and gets the loss from
+     * kiln_fused_ce_loss_from_stats (the bits this call would have returned). Then a
+     * non-finite loss leaves dhidden and dweight UNSPECIFIED (not untouched): a training
+     * step in one call (kiln_train_step_batch), which discards such a step's gradients.
+     * Without the caller's scratch it still enqueues pass 2 first but then waits and returns
+     * the loss. Otherwise ignored. */
     int no_wait;
 } kiln_fused_ce_params;
 
@@ -116,6 +124,7 @@ typedef struct kiln_fused_ce_result {
     int64_t n_supervised;  /* S */
     size_t scratch_bytes;  /* bytes of scratch this call needed (its own allocation, freed on
                             * return, unless the caller's scratch held them) */
+    int loss_pending;      /* 1: no_wait took effect: loss and loss_f64 are NaN (see no_wait) */
 } kiln_fused_ce_result;
 
 /* Defaults: everything zero/NULL, weight F32, MEAN, scale 1, chunk 0 (= 4096). */
@@ -131,6 +140,14 @@ kiln_fused_ce_params kiln_fused_ce_default_params(void);
  * position; scratch allocation failure -> KILN_ERR_NOMEM. */
 kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
                           kiln_fused_ce_result *out);
+
+/* The loss of a call that left it pending (no_wait with row_stats_out), from its row
+ * statistics copied to HOST memory (row_stats: N x 3 floats as row_stats_out lays them out)
+ * and the call's parameters (N, targets, mask, reduction, scale): out gets loss, loss_f64 and
+ * n_supervised with the bits the call would have returned. Errors as kiln_fused_ce's for the
+ * rows (no supervised position, a target >= V, a non-finite row loss naming the position). */
+kiln_status kiln_fused_ce_loss_from_stats(const kiln_fused_ce_params *p, const float *row_stats,
+                                          kiln_fused_ce_result *out);
 
 /* The scratch bytes kiln_fused_ce allocates for S supervised rows (the whole bound: the
  * products themselves allocate nothing). with_dh / with_dw: whether dhidden / dweight are

@@ -140,6 +140,7 @@ struct kiln_trainer {
     int g_fwd_runs, g_bwd_runs; /* plain runs at that shape */
     void *g_fwd, *g_bwd;
     float *ce_stats; /* (max_seq, 3) the fused loss's pass-1 statistics, forward -> backward */
+    float *ce_stats_host; /* kiln_train_step_batch on a device: their host copy (3 x rows) */
     float *ce_keep;  /* CPU: the forward's logits the backward reuses (ce_keep_floats floats;
                       * kiln_train_params.ce_keep_mib), NULL: none */
     size_t ce_keep_floats;
@@ -156,6 +157,10 @@ struct kiln_trainer {
      * was finite, and nothing has changed them since), so optimizer_step skips its check. */
     float grad_coef;
     int grads_finite;
+    /* grads_unusable: a one-call step (kiln_train_step_batch) found its loss non-finite after
+     * its gradient work was enqueued, so the stored gradients are not the logical ones; the
+     * optimizer and the clip refuse them until a step that does not accumulate zeroes them */
+    int grads_unusable;
 
     /* the pending step */
     int pending;      /* 0 none, 1 loss (targets), 2 hidden */
@@ -749,6 +754,7 @@ void kiln_trainer_free(kiln_trainer *t) {
     if (t->g_fwd) t->be->i->graph_free(t->be, t->g_fwd);
     if (t->g_bwd) t->be->i->graph_free(t->be, t->g_bwd);
     bmem_free(t, t->ce_stats);
+    kiln_free(t->ce_stats_host);
     kiln_free(t->ce_keep);
     bmem_free(t, t->act_block);
     kiln_free(t->acts);
@@ -1057,26 +1063,27 @@ kiln_status kiln_train_forward(kiln_trainer *t, const int32_t *ids, int n, const
     return kiln_train_forward_batch(t, ids, 1, n, targets, red, scale, loss);
 }
 
-kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *ids, int n_seq, int seq, const int32_t *targets,
-                                     kiln_loss_reduction red, float scale, float *loss) {
-    const char *call = n_seq == 1 ? "kiln_train_forward" : "kiln_train_forward_batch";
+/* The checks of a loss step over n_seq x seq ids with targets (forward_batch, step_batch):
+ * KILN_OK or the error naming what is wrong, before anything is touched. */
+static kiln_status check_loss_step(kiln_trainer *t, const char *call, const int32_t *ids, int n_seq, int seq,
+                                   const int32_t *targets, kiln_loss_reduction red, float scale, const float *loss) {
     KILN_TRY(check_ready(t, call));
     if (n_seq < 1 || n_seq > t->p.max_batch)
         return kiln_error(KILN_ERR_RANGE, "%s: %d sequences not in [1, %d] (max_batch)", call, n_seq, t->p.max_batch);
     KILN_TRY(check_ids(t, ids, seq, call));
     for (int b = 1; b < n_seq; b++) KILN_TRY(check_ids(t, ids + (size_t)b * seq, seq, call));
-    int n = n_seq * seq;
     if (!targets || !loss) return kiln_error(KILN_ERR_INVALID_ARG, "%s: targets and loss must be set", call);
     if (red != KILN_LOSS_MEAN && red != KILN_LOSS_SUM)
         return kiln_error(KILN_ERR_INVALID_ARG, "%s: unknown reduction %d", call, (int)red);
     if (!isfinite(scale)) return kiln_error(KILN_ERR_INVALID_ARG, "%s: scale is not finite", call);
-    step_peak_reset(t);
-    kiln_status fst = forward(t, ids, n_seq, seq);
-    if (fst != KILN_OK) return kiln_error_prefix(fst, "%s", call);
-    /* the loss alone (pass 1): errors (no supervised position, target out of range,
-     * non-finite loss) leave nothing pending */
+    return KILN_OK;
+}
+
+/* The fused loss's parameters for the T rows of the current forward (t->xn) and targets. */
+static kiln_fused_ce_params loss_params(kiln_trainer *t, int T, const int32_t *targets, kiln_loss_reduction red,
+                                        float scale) {
     kiln_fused_ce_params cp = kiln_fused_ce_default_params();
-    cp.N = n;
+    cp.N = T;
     cp.H = t->cfg.n_embd;
     cp.V = t->cfg.n_vocab;
     cp.hidden = t->xn;
@@ -1086,6 +1093,20 @@ kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *ids, int n_
     cp.reduction = red == KILN_LOSS_SUM ? KILN_CE_REDUCTION_SUM : KILN_CE_REDUCTION_MEAN;
     cp.scale = scale;
     cp.chunk = t->p.ce_chunk;
+    return cp;
+}
+
+kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *ids, int n_seq, int seq, const int32_t *targets,
+                                     kiln_loss_reduction red, float scale, float *loss) {
+    const char *call = n_seq == 1 ? "kiln_train_forward" : "kiln_train_forward_batch";
+    KILN_TRY(check_loss_step(t, call, ids, n_seq, seq, targets, red, scale, loss));
+    int n = n_seq * seq;
+    step_peak_reset(t);
+    kiln_status fst = forward(t, ids, n_seq, seq);
+    if (fst != KILN_OK) return kiln_error_prefix(fst, "%s", call);
+    /* the loss alone (pass 1): errors (no supervised position, target out of range,
+     * non-finite loss) leave nothing pending */
+    kiln_fused_ce_params cp = loss_params(t, n, targets, red, scale);
     cp.row_stats_out = t->ce_stats; /* backward's loss call skips its pass 1 */
     cp.keep = t->ce_keep;            /* ... and its first logits products (CPU) */
     cp.keep_floats = t->ce_keep_floats;
@@ -1288,6 +1309,7 @@ static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
 }
 
 static void zero_grads(kiln_trainer *t) {
+    t->grads_unusable = 0;
     if (t->host)
         for (int i = 0; i < t->n_params; i++) memset(t->params[i].g, 0, (size_t)t->params[i].n * sizeof(float));
     else
@@ -1314,17 +1336,7 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
         }
     }
     if (t->pending == 1) {
-        kiln_fused_ce_params cp = kiln_fused_ce_default_params();
-        cp.N = T;
-        cp.H = C;
-        cp.V = t->cfg.n_vocab;
-        cp.hidden = t->xn;
-        cp.weight = mat_view(t, t->lm_head)->data;
-        cp.weight_dtype = mat_view(t, t->lm_head)->dtype;
-        cp.targets = t->targets;
-        cp.reduction = t->red == KILN_LOSS_SUM ? KILN_CE_REDUCTION_SUM : KILN_CE_REDUCTION_MEAN;
-        cp.scale = t->scale;
-        cp.chunk = t->p.ce_chunk;
+        kiln_fused_ce_params cp = loss_params(t, T, t->targets, t->red, t->scale);
         cp.dhidden = t->dxn;
         cp.dweight = t->lm_head->g;
         cp.row_stats_in = t->ce_stats; /* from the forward: same inputs, same bits */
@@ -1364,6 +1376,95 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
     if (bst != KILN_OK) return kiln_error_prefix(bst, "kiln_train_backward");
     track_peak(t);
     return backend_check(t, "kiln_train_backward");
+}
+
+/* A loss step in one call. On a device in fast mode with a detached download, nothing waits
+ * between the forward and the backward: the loss's gradient is enqueued right behind its
+ * pass 1 (fused_ce's no_wait with row_stats_out), the statistics' download is begun behind
+ * them, the layers' backward and the embedding's are enqueued, and only then does the host
+ * wait -- for the download alone, so the device is still busy with the backward when this
+ * returns the loss. The same products on the same operands as forward_batch + backward, so
+ * the same bits. Elsewhere it is forward_batch + backward. */
+kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq, int seq, const int32_t *targets,
+                                  kiln_loss_reduction red, float scale, int accumulate, float *loss) {
+    const char *call = "kiln_train_step_batch";
+    KILN_TRY(check_loss_step(t, call, ids, n_seq, seq, targets, red, scale, loss));
+    const kiln_backend_i *op = t->be->i;
+    if (t->host || !t->p.fast || !op->download_begin || !op->download_end) {
+        KILN_TRY(kiln_train_forward_batch(t, ids, n_seq, seq, targets, red, scale, loss));
+        return kiln_train_backward(t, NULL, accumulate);
+    }
+    const int n = n_seq * seq;
+    /* the loss's own checks first, so that an error leaves the gradients as they were */
+    int supervised = 0;
+    for (int i = 0; i < n; i++) {
+        if (targets[i] < 0) continue;
+        if (targets[i] >= t->cfg.n_vocab)
+            return kiln_error(KILN_ERR_RANGE, "%s: target %d at position %d is out of range [0, %d)", call,
+                              targets[i], i, t->cfg.n_vocab);
+        supervised++;
+    }
+    if (!supervised) return kiln_error(KILN_ERR_INVALID_ARG, "%s: no supervised positions (every target < 0)", call);
+    if (!t->ce_stats_host) {
+        t->ce_stats_host = kiln_malloc((size_t)3 * (size_t)t->p.max_seq * (size_t)t->p.max_batch * sizeof(float));
+        if (!t->ce_stats_host) return kiln_error(KILN_ERR_NOMEM, "%s: out of host memory", call);
+    }
+    step_peak_reset(t);
+    kiln_status st = forward(t, ids, n_seq, seq);
+    if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
+    t->grads_finite = 0;
+    if (!accumulate) {
+        zero_grads(t);
+        t->grad_coef = 1.0f;
+    } else {
+        st = apply_grad_coef(t);
+        if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
+    }
+    memcpy(t->targets, targets, (size_t)n * sizeof(int32_t));
+    t->T = n;
+    t->n_seq = n_seq;
+    t->seq = seq;
+    t->red = red;
+    t->scale = scale;
+    kiln_fused_ce_params cp = loss_params(t, n, t->targets, red, scale);
+    cp.dhidden = t->dxn;
+    cp.dweight = t->lm_head->g;
+    cp.row_stats_out = t->ce_stats;
+    cp.no_wait = 1; /* pass 2 behind pass 1; the loss from the statistics below */
+    kiln_fused_ce_result r;
+    st = fused_ce_call(t, &cp, &r);
+    if (st != KILN_OK) {
+        /* the loss checked in the call (its first, own-scratch call): non-finite */
+        t->grads_unusable = 1;
+        return kiln_error_prefix(st, "%s (the step's gradients are discarded: the next step must not accumulate)",
+                                 call);
+    }
+    if (r.scratch_bytes > t->ce_scratch) t->ce_scratch = r.scratch_bytes;
+    const size_t stats_bytes = (size_t)3 * (size_t)n * sizeof(float);
+    if (r.loss_pending) {
+        st = op->download_begin(t->be, t->ce_stats, stats_bytes);
+        if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
+    }
+    st = run_layers(t, &t->g_bwd, &t->g_bwd_runs, backward_layers, n_seq, seq);
+    if (st == KILN_OK) op->embed_backward(t->be, t->tok_embd->g, t->dx, t->ids_host, n, t->cfg.n_vocab, t->cfg.n_embd);
+    kiln_status dst = r.loss_pending ? op->download_end(t->be, t->ce_stats_host, st == KILN_OK ? stats_bytes : 0)
+                                     : KILN_OK;
+    if (st == KILN_OK) st = dst;
+    if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
+    if (r.loss_pending) {
+        kiln_fused_ce_result lr;
+        st = kiln_fused_ce_loss_from_stats(&cp, t->ce_stats_host, &lr);
+        if (st != KILN_OK) {
+            t->grads_unusable = 1;
+            return kiln_error_prefix(st, "%s (the step's gradients are discarded: the next step must not accumulate)",
+                                     call);
+        }
+        *loss = lr.loss;
+    } else {
+        *loss = r.loss;
+    }
+    track_peak(t);
+    return backend_check(t, call);
 }
 
 kiln_status kiln_train_step(kiln_trainer *t, const int32_t *ids, int n, float *loss) {
@@ -1435,6 +1536,9 @@ kiln_status kiln_train_grad_sq_norm(kiln_trainer *t, double *out) {
 
 kiln_status kiln_train_clip_grads(kiln_trainer *t, double max_norm, float *total_norm, float *coef) {
     KILN_TRY(check_ready(t, "kiln_train_clip_grads"));
+    if (t->grads_unusable)
+        return kiln_error(KILN_ERR_STATE, "kiln_train_clip_grads: the gradients are unusable (a step_batch's loss was "
+                                          "not finite): run a step that does not accumulate first");
     if (!(max_norm > 0)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_clip_grads: max_norm must be > 0");
     /* torch: total = ||stack(per-tensor norms)||, over every parameter in order */
     KILN_TRY(apply_grad_coef(t));
@@ -1461,6 +1565,10 @@ kiln_status kiln_train_clip_grads(kiln_trainer *t, double max_norm, float *total
 
 kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr) {
     KILN_TRY(check_ready(t, "kiln_train_optimizer_step"));
+    if (t->grads_unusable)
+        return kiln_error(KILN_ERR_STATE, "kiln_train_optimizer_step: refused, weights untouched: the gradients are "
+                                          "unusable (a step_batch's loss was not finite): run a step that does not "
+                                          "accumulate first");
     if (!(lr >= 0) || !isfinite(lr)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_optimizer_step: lr must be finite and >= 0");
     /* both halves are checked before either is updated */
     kiln_pool *pool = host_pool(t);

@@ -420,6 +420,25 @@ static void test_accumulate(void) {
     CHECK(bits(r4.loss) == bits(r1.loss) && bits(r5.loss) == bits(r1.loss));
     CHECK(same_bits(sdh, fdh, (size_t)(N * H), "dh from saved statistics"));
     CHECK(same_bits(sdw, fdw, (size_t)(V * H), "dW from saved statistics"));
+    /* the loss from downloaded statistics (a no_wait call's pending loss): the call's bits,
+     * MEAN and SUM; the rows' errors named */
+    kiln_fused_ce_result r6;
+    CHECK(kiln_fused_ce_loss_from_stats(&a, stats, &r6) == KILN_OK);
+    CHECK(bits(r6.loss) == bits(r4.loss) && r6.loss_f64 == r4.loss_f64 && r6.n_supervised == r4.n_supervised);
+    kiln_fused_ce_params am = params_of(&pr, KILN_CE_REDUCTION_MEAN, 0.5f, 8);
+    am.row_stats_out = stats;
+    CHECK(kiln_fused_ce(g_be[0], &am, &r4) == KILN_OK);
+    CHECK(kiln_fused_ce_loss_from_stats(&am, stats, &r6) == KILN_OK);
+    CHECK(bits(r6.loss) == bits(r4.loss) && r6.loss_f64 == r4.loss_f64);
+    int64_t first = 0;
+    while (!supervised(&pr, first)) first++;
+    stats[3 * first + 1] = INFINITY; /* a sum of exponentials past the float range */
+    CHECK_ERR(kiln_fused_ce_loss_from_stats(&am, stats, &r6), KILN_ERR_RANGE, "not finite");
+    int32_t *none = malloc((size_t)N * sizeof(int32_t));
+    for (int64_t n = 0; n < N; n++) none[n] = -1;
+    am.targets = none;
+    CHECK_ERR(kiln_fused_ce_loss_from_stats(&am, stats, &r6), KILN_ERR_INVALID_ARG, "no supervised");
+    free(none);
     free(stats); free(sdh); free(sdw);
     free(dh0); free(dh); free(dw0); free(dw); free(fdh); free(fdw);
     problem_free(&pr);

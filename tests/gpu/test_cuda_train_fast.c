@@ -404,6 +404,136 @@ done:
     return ok;
 }
 
+/* kiln_train_step_batch (the one-call step: no wait between the forward and the backward)
+ * against forward_batch + backward on two fast trainers from the same weights: every loss,
+ * every gradient after each optimizer step, and the weights after them, bit for bit, over
+ * SB_STEPS steps of two micro-batches of 2 sequences (the second accumulating), so that the
+ * step graphs are recorded and replayed on both paths. Then a non-finite loss (the final
+ * norm's weight set to 1e38, so that the logits overflow): step_batch must fail naming the loss, clip and optimizer_step
+ * must refuse the gradients (KILN_ERR_STATE), and after the weight is restored a step that
+ * does not accumulate must work again, with forward_batch + backward's loss bits. */
+#define SB_STEPS 4
+static int run_step_batch_case(const char *vocab_dir) {
+    char cfg[1200], tok[1200];
+    int ok = 1;
+    if (!write_config("llama", cfg, sizeof cfg)) return 0;
+    snprintf(tok, sizeof tok, "%s/ggml-vocab-llama-spm.gguf", vocab_dir);
+    kiln_model *m = NULL;
+    if (kiln_model_create(cfg, tok, 99, &m) != KILN_OK) {
+        fprintf(stderr, "FAIL step_batch: kiln_model_create: %s\n", kiln_last_error());
+        remove(cfg);
+        return 0;
+    }
+    remove(cfg);
+    gpu_randomise_vectors(m);
+    kiln_trainer *ts = NULL, *tb = NULL; /* split (forward_batch + backward), one call */
+    kiln_train_params p = kiln_train_default_params();
+    p.max_seq = SEQ;
+    p.max_batch = 2;
+    p.n_threads = 2;
+    p.lr = LR;
+    p.weight_decay = 0.1;
+    p.device = 0;
+    p.fast = 1;
+    float *a = NULL, *b = NULL, *nan_w = NULL, *norm_w = NULL;
+    size_t total = 0;
+    int steps_same = 1;
+    if (kiln_trainer_create(m, &p, &ts) != KILN_OK || kiln_trainer_create(m, &p, &tb) != KILN_OK) {
+        fprintf(stderr, "    trainers: %s\n", kiln_last_error());
+        ok = 0;
+        goto done;
+    }
+    total = total_floats(ts);
+    a = malloc(total * sizeof(float));
+    b = malloc(total * sizeof(float));
+    nan_w = malloc(128 * sizeof(float));
+    norm_w = malloc(128 * sizeof(float));
+    if (!total || !a || !b || !nan_w || !norm_w) {
+        ok = 0;
+        goto done;
+    }
+    int32_t ids[2][2 * SEQ], tg[2][2 * SEQ];
+    for (int s = 0; s < SB_STEPS; s++) {
+        for (int mb = 0; mb < 2; mb++)
+            for (int q = 0; q < 2; q++) {
+                make_batch(ids[mb] + q * SEQ, s + mb + q);
+                for (int i = 0; i < SEQ; i++) tg[mb][q * SEQ + i] = i + 1 < SEQ ? ids[mb][q * SEQ + i + 1] : -1;
+            }
+        for (int mb = 0; mb < 2; mb++) {
+            float ls = NAN, lb = NAN;
+            TRY(kiln_train_forward_batch(ts, ids[mb], 2, SEQ, tg[mb], KILN_LOSS_MEAN, 0.5f, &ls), "forward_batch");
+            TRY(kiln_train_backward(ts, NULL, mb > 0), "backward");
+            TRY(kiln_train_step_batch(tb, ids[mb], 2, SEQ, tg[mb], KILN_LOSS_MEAN, 0.5f, mb > 0, &lb), "step_batch");
+            if (memcmp(&ls, &lb, 4) != 0) {
+                fprintf(stderr, "    step %d micro %d: loss %.9g (forward_batch + backward) vs %.9g (step_batch)\n",
+                        s + 1, mb, (double)ls, (double)lb);
+                steps_same = 0;
+            }
+        }
+        if (!read_all(ts, 1, a, total) || !read_all(tb, 1, b, total)) {
+            ok = 0;
+            goto done;
+        }
+        long d = first_diff(a, b, total);
+        if (d >= 0) {
+            fprintf(stderr, "    step %d: gradients differ at [%ld]: %.9g vs %.9g\n", s + 1, d, (double)a[d],
+                    (double)b[d]);
+            steps_same = 0;
+        }
+        float n1, n2, c1, c2;
+        TRY(kiln_train_clip_grads(ts, 1.0, &n1, &c1), "clip (split)");
+        TRY(kiln_train_clip_grads(tb, 1.0, &n2, &c2), "clip (step_batch)");
+        TRY(kiln_train_optimizer_step(ts, LR), "adamw (split)");
+        TRY(kiln_train_optimizer_step(tb, LR), "adamw (step_batch)");
+    }
+    if (!read_all(ts, 0, a, total) || !read_all(tb, 0, b, total) || first_diff(a, b, total) >= 0) {
+        fprintf(stderr, "    weights after %d steps differ (or could not be read)\n", SB_STEPS);
+        steps_same = 0;
+    }
+    if (!steps_same) ok = 0;
+    { /* a non-finite loss */
+        const char *nm = "model.norm.weight";
+        float l = 0.0f, nrm, cf;
+        for (int i = 0; i < 128; i++) nan_w[i] = 1e38f; /* set_param refuses NaN: logits overflow instead */
+        TRY(kiln_train_get_param(tb, nm, norm_w, 128), "get norm weight");
+        TRY(kiln_train_set_param(tb, nm, nan_w, 128), "set norm weight");
+        kiln_status st = kiln_train_step_batch(tb, ids[0], 2, SEQ, tg[0], KILN_LOSS_MEAN, 0.5f, 0, &l);
+        const int named = st == KILN_ERR_RANGE && strstr(kiln_last_error(), "not finite") != NULL &&
+                          strstr(kiln_last_error(), "discarded") != NULL;
+        if (!named) {
+            fprintf(stderr, "    non-finite loss: status %d, '%s' (want KILN_ERR_RANGE naming it)\n", (int)st,
+                    kiln_last_error());
+            ok = 0;
+        }
+        if (kiln_train_optimizer_step(tb, LR) != KILN_ERR_STATE || kiln_train_clip_grads(tb, 1.0, &nrm, &cf) != KILN_ERR_STATE) {
+            fprintf(stderr, "    after a non-finite loss the optimizer / clip took the gradients: %s\n",
+                    kiln_last_error());
+            ok = 0;
+        }
+        TRY(kiln_train_set_param(tb, nm, norm_w, 128), "restore norm weight");
+        float ls = NAN, lb = NAN;
+        TRY(kiln_train_forward_batch(ts, ids[0], 2, SEQ, tg[0], KILN_LOSS_MEAN, 0.5f, &ls), "forward_batch (after)");
+        TRY(kiln_train_backward(ts, NULL, 0), "backward (after)");
+        TRY(kiln_train_step_batch(tb, ids[0], 2, SEQ, tg[0], KILN_LOSS_MEAN, 0.5f, 0, &lb), "step_batch (after)");
+        TRY(kiln_train_clip_grads(tb, 1.0, &nrm, &cf), "clip (after)");
+        if (memcmp(&ls, &lb, 4) != 0) {
+            fprintf(stderr, "    after the restore: loss %.9g vs %.9g\n", (double)ls, (double)lb);
+            ok = 0;
+        }
+    }
+done:
+    printf("%-22s step_batch vs forward_batch + backward over %d steps x 2 micro-batches: %s; non-finite loss "
+           "refused: %s\n", "step_batch (fast)", SB_STEPS, steps_same ? "same bits" : "DIFFER", ok ? "OK" : "FAIL");
+    free(a);
+    free(b);
+    free(nan_w);
+    free(norm_w);
+    kiln_trainer_free(ts);
+    kiln_trainer_free(tb);
+    kiln_model_close(m);
+    return ok;
+}
+
 int main(int argc, char **argv) {
     char shared[1024];
     const char *vocab_dir = gpu_vocab_dir(shared, sizeof shared);
@@ -464,6 +594,7 @@ int main(int argc, char **argv) {
     failed += !run_case("llama-fast f32", "llama", KILN_STORAGE_F32, vocab_dir);
     failed += !run_case("llama-fast bf16 master", "llama", KILN_STORAGE_BF16_MASTER, vocab_dir);
     failed += !run_case("qwen2-fast f32", "qwen2", KILN_STORAGE_F32, vocab_dir);
+    failed += !run_step_batch_case(vocab_dir);
     rmdir(g_tmpdir);
     if (failed) printf("FAILED %d\n", failed);
     else printf("ALL OK\n");

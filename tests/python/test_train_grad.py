@@ -170,6 +170,38 @@ def test_batch_of_sequences(tmp_path, build_dir, arch):
     assert np.isfinite(tr.step(ids[0].tolist()))  # nothing pending after the failures
 
 
+def test_step_batch_is_forward_batch_then_backward(tmp_path, build_dir):
+    """step_batch (one call: forward_batch + backward) gives forward_batch + backward's loss
+    and gradient bits, accumulating or not; its input errors come before anything changes."""
+    d, _ = build_model(tmp_path, "llama")
+    m = kiln.Model(d)
+    B, T = 2, 12
+    a = kiln.Trainer(m, max_seq=16, n_threads=2, max_batch=2)
+    b = kiln.Trainer(m, max_seq=16, n_threads=2, max_batch=2)
+    batches = [np.array([rand_ids(T, m.n_vocab, 40 + 2 * k + j) for j in range(B)]) for k in range(2)]
+    for k, ids in enumerate(batches):
+        tg = np.concatenate([ids[:, 1:], -np.ones((B, 1), dtype=ids.dtype)], axis=1)
+        la = a.forward_batch(ids, tg, "mean", 0.5)
+        a.backward(accumulate=k > 0)
+        lb = b.step_batch(ids, tg, "mean", 0.5, accumulate=k > 0)
+        assert np.float32(la).view(np.uint32) == np.float32(lb).view(np.uint32), (k, la, lb)
+    for name, n, _ in a.params():
+        assert np.array_equal(a.get_grad(name, n).view(np.uint32), b.get_grad(name, n).view(np.uint32)), name
+    before = {name: b.get_grad(name, n).copy() for name, n, _ in b.params()}
+    ids = batches[0]
+    bad_tg = np.full_like(ids, -1)
+    with pytest.raises(kiln.KilnError, match="no supervised"):
+        b.step_batch(ids, bad_tg, accumulate=True)
+    bad = ids.copy()
+    bad[1, 3] = m.n_vocab
+    with pytest.raises(kiln.KilnError, match="out of range"):
+        b.step_batch(bad, bad_tg, accumulate=True)
+    for name, n, _ in b.params():  # the failed calls changed nothing
+        assert np.array_equal(before[name].view(np.uint32), b.get_grad(name, n).view(np.uint32)), name
+    b.clip_grads(1.0)
+    b.optimizer_step(1e-3)
+
+
 def test_clip_coefficient_applied_in_the_optimizer(tmp_path, build_dir):
     """clip_grads leaves its coefficient for AdamW to apply as it reads each gradient: the
     weights must have the bits of scaling the stored gradients first (forced here by

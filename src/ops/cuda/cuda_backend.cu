@@ -75,6 +75,11 @@ typedef struct cuda_ctx {
     size_t cap_h_plan, cap_plan;
     upload_slot up[UPLOAD_SLOTS]; /* cu_upload's staging, used in turn */
     int up_next;
+    /* download_begin / download_end: pinned staging, its event, the open copy's size */
+    void *down_buf;
+    size_t down_cap, down_open;
+    cudaEvent_t down_ev;
+    bool down_pending;
 } cuda_ctx;
 
 /* A recorded graph and the buffer generation it was recorded at. */
@@ -1068,6 +1073,50 @@ static kiln_status cu_download(kiln_backend *be, void *dst, const void *src, siz
     return cu_copy(be, dst, src, nbytes, cudaMemcpyDeviceToHost, "download");
 }
 
+/* The copy lands in pinned memory behind an event: download_end waits for the event, so the
+ * work enqueued after the begin keeps the device busy while the host takes the bytes. */
+static kiln_status cu_download_begin(kiln_backend *be, const void *src, size_t nbytes) {
+    cuda_ctx *c = ctx_of(be);
+    if (c->down_pending)
+        return kiln_error(KILN_ERR_STATE, "cuda backend: download_begin while a download is open");
+    cudaStreamCaptureStatus cs;
+    if (!op_begin(c)) return kiln_error(c->err, "%s", c->msg);
+    if (!CK(c, cudaStreamIsCapturing(c->stream, &cs))) return c->err;
+    if (cs != cudaStreamCaptureStatusNone)
+        return kiln_error(KILN_ERR_STATE, "cuda backend: download_begin inside a graph capture");
+    if (!c->down_ev && !CK(c, cudaEventCreateWithFlags(&c->down_ev, cudaEventDisableTiming)))
+        return c->err;
+    if (nbytes > c->down_cap) {
+        if (c->down_buf && !CK(c, cudaFreeHost(c->down_buf))) return c->err;
+        c->down_buf = NULL;
+        c->down_cap = 0;
+        size_t cap = nbytes < 65536 ? 65536 : nbytes;
+        if (!CK(c, cudaMallocHost(&c->down_buf, cap))) return c->err;
+        c->down_cap = cap;
+    }
+    if (nbytes &&
+        (!CK(c, cudaMemcpyAsync(c->down_buf, src, nbytes, cudaMemcpyDeviceToHost, c->stream)) ||
+         !CK(c, cudaEventRecord(c->down_ev, c->stream))))
+        return c->err;
+    c->down_open = nbytes;
+    c->down_pending = true;
+    return KILN_OK;
+}
+
+static kiln_status cu_download_end(kiln_backend *be, void *dst, size_t nbytes) {
+    cuda_ctx *c = ctx_of(be);
+    if (!c->down_pending)
+        return kiln_error(KILN_ERR_STATE, "cuda backend: download_end without download_begin");
+    c->down_pending = false;
+    if (nbytes > c->down_open)
+        return kiln_error(KILN_ERR_INVALID_ARG, "cuda backend: download_end of %zu bytes, %zu begun",
+                          nbytes, c->down_open);
+    if (!op_begin(c)) return kiln_error(c->err, "%s", c->msg);
+    if (c->down_open && !CK(c, cudaEventSynchronize(c->down_ev))) return c->err;
+    if (nbytes) memcpy(dst, c->down_buf, nbytes);
+    return KILN_OK;
+}
+
 static kiln_status cu_status(kiln_backend *be) {
     cuda_ctx *c = ctx_of(be);
     if (op_begin(c)) CK(c, cudaStreamSynchronize(c->stream));
@@ -1109,6 +1158,8 @@ static void cu_free(kiln_backend *be) {
             if (c->up[k].buf) cudaFreeHost(c->up[k].buf);
             if (c->up[k].ev) cudaEventDestroy(c->up[k].ev);
         }
+        if (c->down_buf) cudaFreeHost(c->down_buf);
+        if (c->down_ev) cudaEventDestroy(c->down_ev);
         if (c->colsum_ws) cudaFree(c->colsum_ws);
         kiln_cuda_gemm_free(c->gemm);
         kiln_cuda_sampler_free(c->sampler);
@@ -1168,6 +1219,8 @@ static const kiln_backend_i cuda_iface = {
     /* .matmul_backward_dx16 = */ cu_matmul_backward_dx16,
     /* .swiglu_backward_bf16_d16 = */ cu_swiglu_backward_bf16_d16,
     /* .own_memory = */ cu_own_memory,
+    /* .download_begin = */ cu_download_begin,
+    /* .download_end = */ cu_download_end,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {
