@@ -357,9 +357,10 @@ int cmd_train(int argc, char **argv) {
             st = kiln_batch_sampler_get(train_s, (uint64_t)(s * o.accum + a), buf);
             for (long b = 0; b < o.batch && st == KILN_OK; b += o.per_forward) {
                 float l;
+                const int acc = a > 0 || b > 0; /* forward + backward in one call: step_batch */
                 if (o.per_forward == 1) {
                     const int32_t *ids = buf + b * (o.seq + 1);
-                    st = kiln_train_forward(tr, ids, (int)o.seq, ids + 1, KILN_LOSS_SUM, scale, &l);
+                    st = kiln_train_step_batch(tr, ids, 1, (int)o.seq, ids + 1, KILN_LOSS_SUM, scale, acc, &l);
                 } else {
                     int32_t *pid = packed, *ptg = packed + o.per_forward * o.seq;
                     for (long k = 0; k < o.per_forward; k++) {
@@ -367,10 +368,9 @@ int cmd_train(int argc, char **argv) {
                         memcpy(pid + k * o.seq, row, (size_t)o.seq * sizeof *pid);
                         memcpy(ptg + k * o.seq, row + 1, (size_t)o.seq * sizeof *ptg);
                     }
-                    st = kiln_train_forward_batch(tr, pid, (int)o.per_forward, (int)o.seq, ptg, KILN_LOSS_SUM, scale,
-                                                  &l);
+                    st = kiln_train_step_batch(tr, pid, (int)o.per_forward, (int)o.seq, ptg, KILN_LOSS_SUM, scale,
+                                               acc, &l);
                 }
-                if (st == KILN_OK) st = kiln_train_backward(tr, NULL, a > 0 || b > 0);
                 loss += l;
             }
         }
