@@ -257,6 +257,9 @@ typedef struct kiln_backend_i {
      * up16[i].
      * swiglu_backward_bf16: dgate16, dup16 = kiln_fp32_to_bf16 of what swiglu_backward
      * writes on dout and the widened gate16, up16 (no aliasing).
+     * A fast-mode backend may compute both SwiGLU ones with a faster sigmoid (the CUDA
+     * backend's: the MUFU's 2^x and reciprocal): then each output is within one bf16
+     * rounding flip of those bits (no more than 1 in 100 elements may flip).
      * rmsnorm_backward_bf16: rmsnorm_backward, and dx16 = kiln_fp32_to_bf16 of the dx it
      * leaves (after accumulate_dx: the products of the next layer down read it).
      * matmul_multi_bf16x / matmul_backward_multi_bf16x: matmul_multi / matmul_backward_multi

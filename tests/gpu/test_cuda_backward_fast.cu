@@ -31,6 +31,7 @@
  */
 #include "ops/cuda/cuda_backward.h"
 #include "ops/cuda/cuda_backward_fast.h"
+#include "ops/cuda/cuda_internal.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -389,10 +390,12 @@ static void case_dx16(kiln_dtype dt, int N, int64_t R, int64_t C) {
 }
 
 /* kiln_cuda_swiglu_backward_bf16_d16 against kiln_cuda_swiglu_backward_bf16 on the widened
- * dout: the same bits (both the 4-wide kernel and the tail). */
-static void case_swiglu_d16(size_t n, size_t off) {
+ * dout: the same bits (exact: the 4-wide kernel and the tail; fast: the 8-wide kernel and the
+ * one-element kernel). */
+static void case_swiglu_d16(size_t n, size_t off, bool fast) {
     char ctx[120];
-    snprintf(ctx, sizeof ctx, "swiglu_backward_bf16_d16 n=%zu offset=%zu", n, off);
+    snprintf(ctx, sizeof ctx, "swiglu_backward_bf16_d16%s n=%zu offset=%zu", fast ? " (fast)" : "",
+             n, off);
     std::vector<float> g(n + off), u(n + off), d(n + off);
     fill_rand(g, 4.0f);
     fill_rand(u, 2.0f);
@@ -407,9 +410,10 @@ static void case_swiglu_d16(size_t n, size_t off) {
     uint16_t *o[4];
     for (int i = 0; i < 4; i++) o[i] = (uint16_t *)dev_alloc((n + off) * 2);
     CUDA_FATAL(kiln_cuda_swiglu_backward_bf16_d16(g_s, o[0] + off, o[1] + off, (int64_t)n,
-                                                  dd + off, dg + off, du + off, 1, (int64_t)n));
+                                                  dd + off, dg + off, du + off, 1, (int64_t)n,
+                                                  fast));
     CUDA_FATAL(kiln_cuda_swiglu_backward_bf16(g_s, o[2] + off, o[3] + off, df + off, dg + off,
-                                              du + off, n));
+                                              du + off, n, fast));
     CUDA_FATAL(cudaStreamSynchronize(g_s));
     std::vector<uint16_t> h[4];
     for (int i = 0; i < 4; i++) {
@@ -424,10 +428,10 @@ static void case_swiglu_d16(size_t n, size_t off) {
 
 /* The 2-D form: rows of cols written ld apart (dgate and dup as column blocks of one matrix,
  * as the stacked gate/up product takes them), against the flat form row by row. */
-static void case_swiglu_d16_2d(int64_t rows, int64_t cols, int64_t ld) {
+static void case_swiglu_d16_2d(int64_t rows, int64_t cols, int64_t ld, bool fast) {
     char ctx[120];
-    snprintf(ctx, sizeof ctx, "swiglu_backward_bf16_d16 rows=%lld cols=%lld ld=%lld",
-             (long long)rows, (long long)cols, (long long)ld);
+    snprintf(ctx, sizeof ctx, "swiglu_backward_bf16_d16%s rows=%lld cols=%lld ld=%lld",
+             fast ? " (fast)" : "", (long long)rows, (long long)cols, (long long)ld);
     const size_t n = (size_t)(rows * cols), nm = (size_t)(rows * ld);
     std::vector<float> g(n), u(n), d(n);
     fill_rand(g, 4.0f);
@@ -442,8 +446,10 @@ static void case_swiglu_d16_2d(int64_t rows, int64_t cols, int64_t ld) {
     up(dd, d16.data(), n * 2);
     CUDA_FATAL(cudaMemset(m, 0xff, nm * 2));
     const int64_t half = ld / 2; /* dgate at column 0, dup at column ld / 2 */
-    CUDA_FATAL(kiln_cuda_swiglu_backward_bf16_d16(g_s, m, m + half, ld, dd, dg, du, rows, cols));
-    CUDA_FATAL(kiln_cuda_swiglu_backward_bf16_d16(g_s, fg, fu, cols, dd, dg, du, rows, cols));
+    CUDA_FATAL(kiln_cuda_swiglu_backward_bf16_d16(g_s, m, m + half, ld, dd, dg, du, rows, cols,
+                                                  fast));
+    CUDA_FATAL(kiln_cuda_swiglu_backward_bf16_d16(g_s, fg, fu, cols, dd, dg, du, rows, cols,
+                                                  fast));
     CUDA_FATAL(cudaStreamSynchronize(g_s));
     std::vector<uint16_t> hm(nm), hg(n), hu(n);
     CUDA_FATAL(cudaMemcpy(hm.data(), m, nm * 2, cudaMemcpyDeviceToHost));
@@ -460,6 +466,114 @@ static void case_swiglu_d16_2d(int64_t rows, int64_t cols, int64_t ld) {
         }
     printf("%s -> %s\n", ctx, bad ? "FAILED" : "OK");
     if (bad) g_failed++;
+    dev_free_all();
+}
+
+/* Fast mode's SwiGLU kernels (kiln_fast_swiglu, kiln_fast_swiglu_bwd: the MUFU's 2^x and
+ * reciprocal) against the exact formula in double on the same bf16 inputs: every output must
+ * be within one bf16 ulp of the exact value (the rounding of a few f32 ulps of error can land
+ * on the other neighbour, never further), and the exact kernels' bits (kiln_fp32_to_bf16 of
+ * kiln_swiglu's f32 result) must differ in at most 1% of the elements (the count is printed).
+ * g spans [-12, 12] so the sigmoid's tails and the 1 - sigmoid cancellation are covered; n
+ * (not a multiple of 8) runs the 8-wide kernels and the one-element tail. */
+static double bf16_ulp(double y) {
+    const double a = fabs(y);
+    if (a < 0x1p-126) return 0x1p-133; /* bf16's subnormal step */
+    return ldexp(1.0, ilogb(a) - 7);
+}
+static void case_swiglu_fast_error(size_t n) {
+    char ctx[120];
+    snprintf(ctx, sizeof ctx, "swiglu fast vs exact n=%zu", n);
+    std::vector<float> g(n), u(n), d(n);
+    fill_rand(g, 12.0f);
+    fill_rand(u, 2.0f);
+    fill_rand(d, 1.0f);
+    const std::vector<uint16_t> g16 = to_bf16(g), u16 = to_bf16(u), d16 = to_bf16(d);
+    uint16_t *dg = (uint16_t *)dev_alloc(n * 2), *du = (uint16_t *)dev_alloc(n * 2);
+    uint16_t *dd = (uint16_t *)dev_alloc(n * 2);
+    up(dg, g16.data(), n * 2);
+    up(du, u16.data(), n * 2);
+    up(dd, d16.data(), n * 2);
+    float *df = dev_copy(d);
+    uint16_t *o[10];
+    for (int i = 0; i < 10; i++) o[i] = (uint16_t *)dev_alloc(n * 2);
+    /* [0] fwd fast, [1] fwd exact; [2,3] bwd d16 fast (dgate, dup), [4,5] bwd f32-dout fast,
+     * [6,7] bwd d16 exact */
+    CUDA_FATAL(kiln_cuda_swiglu_bf16(g_s, o[0], dg, du, n, true));
+    CUDA_FATAL(kiln_cuda_swiglu_bf16(g_s, o[1], dg, du, n, false));
+    CUDA_FATAL(kiln_cuda_swiglu_backward_bf16_d16(g_s, o[2], o[3], (int64_t)n, dd, dg, du, 1,
+                                                  (int64_t)n, true));
+    CUDA_FATAL(kiln_cuda_swiglu_backward_bf16(g_s, o[4], o[5], df, dg, du, n, true));
+    CUDA_FATAL(kiln_cuda_swiglu_backward_bf16_d16(g_s, o[6], o[7], (int64_t)n, dd, dg, du, 1,
+                                                  (int64_t)n, false));
+    CUDA_FATAL(cudaStreamSynchronize(g_s));
+    std::vector<uint16_t> h[8];
+    for (int i = 0; i < 8; i++) {
+        h[i].resize(n);
+        CUDA_FATAL(cudaMemcpy(h[i].data(), o[i], n * 2, cudaMemcpyDeviceToHost));
+    }
+    auto val = [](uint16_t b) { return (double)kiln_bf16_to_fp32(b); };
+    size_t far = 0, flips[3] = {0, 0, 0}, first_far = n;
+    for (size_t i = 0; i < n; i++) {
+        const double G = g[i], U = u[i], D = d[i]; /* the bf16 values (to_bf16 rounded them) */
+        const double sg = 1.0 / (1.0 + exp(-G)), silu = G * sg;
+        const double y = silu * U, yup = D * silu, ygate = (D * U) * (sg * (1.0 + G * (1.0 - sg)));
+        const double want[3] = {y, ygate, yup};
+        const uint16_t got[3] = {h[0][i], h[2][i], h[3][i]}, exact[3] = {h[1][i], h[6][i], h[7][i]};
+        for (int k = 0; k < 3; k++) {
+            if (!(fabs(val(got[k]) - want[k]) <= bf16_ulp(want[k]))) {
+                if (far++ == 0) first_far = i;
+            }
+            if (got[k] != exact[k]) flips[k]++;
+        }
+        if (h[4][i] != h[2][i] || h[5][i] != h[3][i]) { /* the f32-dout form: the same bits */
+            if (far++ == 0) first_far = i;
+        }
+    }
+    const int bad = far > 0 || flips[0] > n / 100 || flips[1] > n / 100 || flips[2] > n / 100;
+    if (far)
+        printf("  first off by more than one bf16 ulp (or f32-dout form differing) at [%zu]: g %.6g u "
+               "%.6g d %.6g\n", first_far, (double)g[first_far], (double)u[first_far],
+               (double)d[first_far]);
+    printf("%s: beyond one ulp %zu; differing from the exact kernels' bits: swiglu %zu, dgate %zu, "
+           "dup %zu of %zu -> %s\n", ctx, far, flips[0], flips[1], flips[2], n, bad ? "FAILED" : "OK");
+    if (bad) g_failed++;
+    dev_free_all();
+}
+
+/* The SwiGLU kernels' time, exact and fast, at a training shape (informative). */
+static void timing_swiglu(int64_t rows, int64_t cols) {
+    const size_t n = (size_t)(rows * cols);
+    uint16_t *b[6];
+    for (int i = 0; i < 6; i++) {
+        b[i] = (uint16_t *)dev_alloc(n * 2);
+        CUDA_FATAL(cudaMemsetAsync(b[i], 0x3c, n * 2, g_s));
+    }
+    cudaEvent_t a, e;
+    CUDA_FATAL(cudaEventCreate(&a));
+    CUDA_FATAL(cudaEventCreate(&e));
+    float ms[4];
+    for (int mode = 0; mode < 4; mode++) {
+        const bool fast = mode & 1;
+        for (int it = 0; it < 6; it++) { /* 1 warm-up, then 5 timed */
+            if (it == 1) CUDA_FATAL(cudaEventRecord(a, g_s));
+            if (mode < 2)
+                CUDA_FATAL(kiln_cuda_swiglu_bf16(g_s, b[0], b[1], b[2], n, fast));
+            else
+                CUDA_FATAL(kiln_cuda_swiglu_backward_bf16_d16(g_s, b[3], b[4], cols, b[0], b[1],
+                                                              b[2], rows, cols, fast));
+        }
+        CUDA_FATAL(cudaEventRecord(e, g_s));
+        CUDA_FATAL(cudaEventSynchronize(e));
+        CUDA_FATAL(cudaEventElapsedTime(&ms[mode], a, e));
+        ms[mode] /= 5.0f;
+    }
+    printf("time swiglu %lldx%lld: forward exact %.1f us, fast %.1f us (%.2f TB/s); backward (bf16 "
+           "dout) exact %.1f us, fast %.1f us (%.2f TB/s)\n",
+           (long long)rows, (long long)cols, ms[0] * 1e3, ms[1] * 1e3, 6.0 * n / (ms[1] * 1e9),
+           ms[2] * 1e3, ms[3] * 1e3, 10.0 * n / (ms[3] * 1e9));
+    CUDA_FATAL(cudaEventDestroy(a));
+    CUDA_FATAL(cudaEventDestroy(e));
     dev_free_all();
 }
 
@@ -618,10 +732,17 @@ int main(int argc, char **argv) {
     case_dx16(KILN_DTYPE_BF16, 17, 96, 100);
     case_dx16(KILN_DTYPE_F16, 3, 8, 64);
     for (size_t n : {(size_t)1, (size_t)7, (size_t)1000, (size_t)100003})
-        for (size_t off : {(size_t)0, (size_t)1}) case_swiglu_d16(n, off);
-    case_swiglu_d16_2d(3, 8, 20);      /* 4-wide kernel */
-    case_swiglu_d16_2d(5, 7, 18);      /* one element a thread */
-    case_swiglu_d16_2d(64, 1536, 3072); /* the 135M shape's stacked gate/up */
+        for (size_t off : {(size_t)0, (size_t)1})
+            for (bool fast : {false, true}) case_swiglu_d16(n, off, fast);
+    for (bool fast : {false, true}) {
+        case_swiglu_d16_2d(3, 8, 20, fast);       /* 4-wide exact kernel; fast: one a thread */
+        case_swiglu_d16_2d(5, 7, 18, fast);       /* one element a thread */
+        case_swiglu_d16_2d(3, 16, 40, fast);      /* fast: 8-wide, 2 items a row */
+        case_swiglu_d16_2d(64, 1536, 3072, fast); /* the 135M shape's stacked gate/up */
+    }
+    case_swiglu_fast_error(1000003);
+    case_swiglu_fast_error(8);
+    timing_swiglu(8192, 4864); /* the 0.5B shape's MLP at 4 x 2048 tokens */
 
     printf("worst err/S: dx %.3g, dW %.3g (bound's leading term 2^-7 = %.3g)\n", g_worst_dx,
            g_worst_dw, 0x1p-7);

@@ -420,7 +420,7 @@ static void cu_swiglu_bf16(kiln_backend *be, uint16_t *out, const uint16_t *gate
                            const uint16_t *up, size_t n) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
-    after_launch(c, kiln_cuda_swiglu_bf16(c->stream, out, gate, up, n), "swiglu_bf16");
+    after_launch(c, kiln_cuda_swiglu_bf16(c->stream, out, gate, up, n, c->fast), "swiglu_bf16");
 }
 
 static void cu_add(kiln_backend *be, float *x, const float *y, size_t n) {
@@ -708,7 +708,7 @@ static void cu_swiglu_backward_bf16_d16(kiln_backend *be, uint16_t *dgate16, uin
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
     after_launch(c, kiln_cuda_swiglu_backward_bf16_d16(c->stream, dgate16, dup16, ld16, dout16,
-                                                       gate, up, rows, cols),
+                                                       gate, up, rows, cols, c->fast),
                  "swiglu_backward_bf16_d16");
 }
 
@@ -725,7 +725,8 @@ static void cu_swiglu_backward_bf16(kiln_backend *be, uint16_t *dgate16, uint16_
                                     size_t n) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
-    after_launch(c, kiln_cuda_swiglu_backward_bf16(c->stream, dgate16, dup16, dout, gate, up, n),
+    after_launch(c, kiln_cuda_swiglu_backward_bf16(c->stream, dgate16, dup16, dout, gate, up, n,
+                                                   c->fast),
                  "swiglu_backward_bf16");
 }
 

@@ -824,10 +824,91 @@ cudaError_t kiln_cuda_swiglu_backward(cudaStream_t s, float *dgate, float *dup,
     return cudaGetLastError();
 }
 
+/* Fast mode (kiln_fast_swiglu_bwd), one element a thread: any alignment, any tail. dout in
+ * f32 (DI float) or bf16 (DI uint16_t); dgate, dup rows of cols values ld apart. */
+template <typename DI>
+static __global__ void swiglu_bwd_fast_kernel(uint16_t *dgate, uint16_t *dup, int64_t ld,
+                                              const DI *dout, const uint16_t *gate,
+                                              const uint16_t *up, int64_t cols, int64_t n) {
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
+         u += (int64_t)gridDim.x * blockDim.x) {
+        float r_gate, r_up;
+        kiln_fast_swiglu_bwd(load_in(gate + u), load_in(up + u), load_in(dout + u), &r_gate,
+                             &r_up);
+        const int64_t r = u / cols, o = r * ld + (u - r * cols);
+        dup[o] = kiln_bf16_rne(r_up);
+        dgate[o] = kiln_bf16_rne(r_gate);
+    }
+}
+
+/* 8 values of dout at item u: 16 bytes of bf16, or 32 bytes of f32 */
+static __device__ __forceinline__ void load8(const uint16_t *d, size_t u, float *f) {
+    bf16x8_f32(reinterpret_cast<const uint4 *>(d)[u], f);
+}
+static __device__ __forceinline__ void load8(const float *d, size_t u, float *f) {
+    const float4 a = reinterpret_cast<const float4 *>(d)[2 * u];
+    const float4 b = reinterpret_cast<const float4 *>(d)[2 * u + 1];
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+
+/* Fast mode, 8 elements an item (16-byte loads and stores), two items a thread with their
+ * loads first; q_row items a row (cols / 8), rows ld apart in dgate, dup; nq items. */
+template <typename DI>
+static __global__ void swiglu_bwd_fast_x8_kernel(uint16_t *dgate, uint16_t *dup, size_t ld,
+                                                 const DI *dout, const uint4 *gate,
+                                                 const uint4 *up, size_t q_row, size_t nq) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < nq; u += 2 * stride) {
+        size_t it[2] = {u, u + stride};
+        const int m = it[1] < nq ? 2 : 1;
+        float g[2][8], v[2][8], d[2][8];
+#pragma unroll
+        for (int k = 0; k < 2; k++)
+            if (k < m) {
+                bf16x8_f32(gate[it[k]], g[k]);
+                bf16x8_f32(up[it[k]], v[k]);
+                load8(dout, it[k], d[k]);
+            }
+#pragma unroll
+        for (int k = 0; k < 2; k++)
+            if (k < m) {
+                float a[8], b[8]; /* dgate, dup */
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    kiln_fast_swiglu_bwd(g[k][i], v[k][i], d[k][i], &a[i], &b[i]);
+                const size_t r = it[k] / q_row, o = r * ld + (it[k] - r * q_row) * 8;
+                *reinterpret_cast<uint4 *>(dgate + o) = f32x8_bf16(a);
+                *reinterpret_cast<uint4 *>(dup + o) = f32x8_bf16(b);
+            }
+    }
+}
+
+/* The fast kernels for rows x cols: 8-wide where cols, ld and every pointer allow it. */
+template <typename DI>
+static cudaError_t swiglu_bwd_fast_launch(cudaStream_t s, uint16_t *dgate, uint16_t *dup,
+                                          int64_t ld, const DI *dout, const uint16_t *gate,
+                                          const uint16_t *up, int64_t rows, int64_t cols) {
+    const int64_t n = rows * cols;
+    if (cols % 8 == 0 && ld % 8 == 0 &&
+        (((uintptr_t)dout | (uintptr_t)dgate | (uintptr_t)dup | (uintptr_t)gate |
+          (uintptr_t)up) & 15) == 0) {
+        const size_t nq = (size_t)(n / 8);
+        swiglu_bwd_fast_x8_kernel<DI><<<grid_for((int64_t)((nq + 1) / 2), 256), 256, 0, s>>>(
+            dgate, dup, (size_t)ld, dout, reinterpret_cast<const uint4 *>(gate),
+            reinterpret_cast<const uint4 *>(up), (size_t)(cols / 8), nq);
+    } else {
+        swiglu_bwd_fast_kernel<DI><<<grid_for(n, 256), 256, 0, s>>>(dgate, dup, ld, dout, gate,
+                                                                    up, cols, n);
+    }
+    return cudaGetLastError();
+}
+
 cudaError_t kiln_cuda_swiglu_backward_bf16(cudaStream_t s, uint16_t *dgate, uint16_t *dup,
                                            const float *dout, const uint16_t *gate,
-                                           const uint16_t *up, size_t n) {
+                                           const uint16_t *up, size_t n, bool fast) {
     if (n == 0) return cudaSuccess;
+    if (fast)
+        return swiglu_bwd_fast_launch<float>(s, dgate, dup, (int64_t)n, dout, gate, up, 1, (int64_t)n);
     size_t done = 0;
     if (((uintptr_t)dout & 15) == 0 &&
         (((uintptr_t)dgate | (uintptr_t)dup | (uintptr_t)gate | (uintptr_t)up) & 7) == 0 &&
@@ -881,9 +962,10 @@ static __global__ void swiglu_bwd_d16_kernel(uint16_t *dgate, uint16_t *dup, int
 cudaError_t kiln_cuda_swiglu_backward_bf16_d16(cudaStream_t s, uint16_t *dgate, uint16_t *dup,
                                                int64_t ld, const uint16_t *dout,
                                                const uint16_t *gate, const uint16_t *up,
-                                               int64_t rows, int64_t cols) {
+                                               int64_t rows, int64_t cols, bool fast) {
     if (rows <= 0 || cols <= 0) return cudaSuccess;
     if (ld < cols) return cudaErrorInvalidValue;
+    if (fast) return swiglu_bwd_fast_launch<uint16_t>(s, dgate, dup, ld, dout, gate, up, rows, cols);
     const int64_t n = rows * cols;
     if (cols % 4 == 0 && ld % 4 == 0 && n / 4 < ((int64_t)1 << 32) &&
         (((uintptr_t)dout | (uintptr_t)dgate | (uintptr_t)dup | (uintptr_t)gate |

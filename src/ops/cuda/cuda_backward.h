@@ -67,19 +67,21 @@ cudaError_t kiln_cuda_swiglu_backward(cudaStream_t s, float *dgate, float *dup,
                                       const float *dout, const float *gate, const float *up,
                                       size_t n);
 /* The same on bf16 gate, up (widened) with dgate and dup rounded to bf16 (a fast mode's
- * saved gate/up products and the inputs of their backward); they alias nothing. */
+ * saved gate/up products and the inputs of their backward); they alias nothing. fast: with
+ * the fast sigmoid (cuda_common.cuh kiln_fast_swiglu_bwd: one rounding flip from the exact
+ * formula's bits in a small fraction of elements). */
 cudaError_t kiln_cuda_swiglu_backward_bf16(cudaStream_t s, uint16_t *dgate, uint16_t *dup,
                                            const float *dout, const uint16_t *gate,
-                                           const uint16_t *up, size_t n);
+                                           const uint16_t *up, size_t n, bool fast);
 
 /* The same with dout in bf16 too (widened exactly): the bits of
- * kiln_cuda_swiglu_backward_bf16 on the widened dout. dout, gate, up: rows x cols packed;
+ * kiln_cuda_swiglu_backward_bf16 on the widened dout (with the same fast). dout, gate, up: rows x cols packed;
  * dgate, dup: rows of cols values ld >= cols apart (both may be column blocks of one matrix:
  * the stacked gate/up products' dy). */
 cudaError_t kiln_cuda_swiglu_backward_bf16_d16(cudaStream_t s, uint16_t *dgate, uint16_t *dup,
                                                int64_t ld, const uint16_t *dout,
                                                const uint16_t *gate, const uint16_t *up,
-                                               int64_t rows, int64_t cols);
+                                               int64_t rows, int64_t cols, bool fast);
 
 /* dtable(V,C) += dy rows: row v gets the rows of the tokens with ids[n] == v in increasing
  * n. ids(N) device memory, in [0, V) (an id outside is skipped, never written through). */

@@ -73,6 +73,41 @@ static __device__ __forceinline__ uint2 f32x4_bf16(float a, float b, float c, fl
                       (uint32_t)kiln_bf16_rne(c) | ((uint32_t)kiln_bf16_rne(d) << 16));
 }
 
+/* 8 bf16 (16 bytes) widened to f32 / 8 values rounded to bf16 (kiln_bf16_rne) and packed. */
+static __device__ __forceinline__ void bf16x8_f32(uint4 v, float *f) {
+    const float4 a = bf16x4_f32(make_uint2(v.x, v.y)), b = bf16x4_f32(make_uint2(v.z, v.w));
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+static __device__ __forceinline__ uint4 f32x8_bf16(const float *f) {
+    const uint2 a = f32x4_bf16(f[0], f[1], f[2], f[3]), b = f32x4_bf16(f[4], f[5], f[6], f[7]);
+    return make_uint4(a.x, a.y, b.x, b.y);
+}
+
+/* ---- fast mode's SwiGLU (the bf16 mixed-precision kernels of a fast-mode backend) ---------
+ * sigmoid(g) = 1 / (1 + 2^(-g log2 e)) with the MUFU's 2^x and reciprocal (ex2.approx,
+ * rcp.approx: a few f32 ulps) instead of kiln_expf and IEEE divisions: about 15 instructions
+ * an element instead of about 60, so the kernels run at the copy rate. The results are
+ * rounded to bf16 next, so they differ from the exact formula's rounding by one bf16 ulp in
+ * a small fraction of elements (tests/gpu/test_cuda_backward_fast.cu measures it); the same
+ * bits from run to run. silu(g) = g * sigmoid(g); swiglu = silu(g) * u. */
+static __device__ __forceinline__ float kiln_fast_sigmoid(float g) {
+    float e, r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+    return r;
+}
+static __device__ __forceinline__ float kiln_fast_swiglu(float g, float u) {
+    return (g * kiln_fast_sigmoid(g)) * u;
+}
+/* d/dgate and d/dup of swiglu (dov the output's gradient), with the fast sigmoid: the exact
+ * kernel's formula (cuda_backward.cu swiglu_bwd_elem) with its sigmoid */
+static __device__ __forceinline__ void kiln_fast_swiglu_bwd(float g, float uv, float dov,
+                                                            float *r_gate, float *r_up) {
+    const float sg = kiln_fast_sigmoid(g);
+    *r_up = dov * (g * sg);
+    *r_gate = (dov * uv) * (sg * (1.0f + g * (1.0f - sg)));
+}
+
 /* ---- RoPE ------------------------------------------------------------------------------- */
 
 /* The rotation of one pair (a, b) = (x[i], x[i + HS/2]) of a head by the angle whose cosine

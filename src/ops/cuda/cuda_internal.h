@@ -56,9 +56,10 @@ cudaError_t kiln_cuda_scale(cudaStream_t s, float *x, float sc, size_t n);
 cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, const float *up,
                              size_t n);
 /* bf16 gate, up (widened) -> bf16 out: kiln_fp32_to_bf16 of swiglu's f32 result on the
- * widened values. */
+ * widened values; with fast, of kiln_fast_swiglu's (cuda_common.cuh: one rounding flip from
+ * those bits in a small fraction of elements). */
 cudaError_t kiln_cuda_swiglu_bf16(cudaStream_t s, uint16_t *out, const uint16_t *gate,
-                                  const uint16_t *up, size_t n);
+                                  const uint16_t *up, size_t n, bool fast);
 cudaError_t kiln_cuda_add(cudaStream_t s, float *x, const float *y, size_t n);
 
 /* Whether the matmul/embed kernels handle dtype dt. */

@@ -499,10 +499,60 @@ static __global__ void swiglu_bf16x4_kernel(uint2 *out, const uint2 *gate, const
     }
 }
 
+/* Fast mode (kiln_fast_swiglu): 8 elements an item (16-byte loads and store), two items a
+ * thread with both loads issued first; n8 groups of 8. */
+static __global__ void swiglu_fast_bf16x8_kernel(uint4 *out, const uint4 *gate, const uint4 *up,
+                                                 size_t n8) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n8; u += 2 * stride) {
+        const size_t u1 = u + stride;
+        const bool two = u1 < n8;
+        const uint4 g0 = gate[u], v0 = up[u];
+        uint4 g1 = g0, v1 = v0;
+        if (two) {
+            g1 = gate[u1];
+            v1 = up[u1];
+        }
+        float g[8], v[8], o[8];
+        bf16x8_f32(g0, g);
+        bf16x8_f32(v0, v);
+#pragma unroll
+        for (int i = 0; i < 8; i++) o[i] = kiln_fast_swiglu(g[i], v[i]);
+        out[u] = f32x8_bf16(o);
+        if (two) {
+            bf16x8_f32(g1, g);
+            bf16x8_f32(v1, v);
+#pragma unroll
+            for (int i = 0; i < 8; i++) o[i] = kiln_fast_swiglu(g[i], v[i]);
+            out[u1] = f32x8_bf16(o);
+        }
+    }
+}
+
+static __global__ void swiglu_fast_bf16_kernel(uint16_t *out, const uint16_t *gate,
+                                               const uint16_t *up, size_t n) {
+    for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
+         u += (size_t)gridDim.x * blockDim.x)
+        out[u] = kiln_bf16_rne(kiln_fast_swiglu(load_in(gate + u), load_in(up + u)));
+}
+
 cudaError_t kiln_cuda_swiglu_bf16(cudaStream_t s, uint16_t *out, const uint16_t *gate,
-                                  const uint16_t *up, size_t n) {
+                                  const uint16_t *up, size_t n, bool fast) {
     if (n == 0) return cudaSuccess;
     size_t done = 0;
+    if (fast) {
+        if ((((uintptr_t)gate | (uintptr_t)up | (uintptr_t)out) & 15) == 0 && n >= 8) {
+            const size_t n8 = n / 8;
+            swiglu_fast_bf16x8_kernel<<<grid_for((int64_t)((n8 + 1) / 2), 256), 256, 0, s>>>(
+                reinterpret_cast<uint4 *>(out), reinterpret_cast<const uint4 *>(gate),
+                reinterpret_cast<const uint4 *>(up), n8);
+            done = 8 * n8;
+        }
+        if (done < n)
+            swiglu_fast_bf16_kernel<<<grid_for((int64_t)(n - done), 256), 256, 0, s>>>(
+                out + done, gate + done, up + done, n - done);
+        return cudaGetLastError();
+    }
     if ((((uintptr_t)gate | (uintptr_t)up | (uintptr_t)out) & 7) == 0 && n >= 4) {
         const size_t n4 = n / 4;
         swiglu_bf16x4_kernel<<<grid_for((int64_t)n4, 256), 256, 0, s>>>(
