@@ -824,6 +824,110 @@ static void time_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
     for (float *p : all) CUDA_OK(cudaFree(p));
 }
 
+/* The packing's HS 64 kernels: the half-warp one with 16-byte loads (the default where the
+ * pointers allow) against the one-warp one (KILN_PACK_VEC=0), bit for bit: RoPE'd and plain
+ * jobs, D with a bf16 and an f32 out, B sequences of R rows (padding rows included), in one
+ * launch; then with src 8 bytes past alignment (the one-warp kernel either way). Also timed at
+ * the 135M shape's forward packing (8 x 2048 rows, 9 + 3 + 3 heads, RoPE on q and k). */
+static bool check_pack_vec(int B, int R, int NH, int KVH, int max_pos, bool timing) {
+    const int HS = 64, Rpad = kiln_cuda_attn_pack_rows(R);
+    const size_t rows = (size_t)B * R, nq = rows * NH * HS, nk = rows * KVH * HS;
+    const size_t pq = (size_t)B * NH * Rpad * HS, pk = (size_t)B * KVH * Rpad * HS;
+    std::vector<float> h(nq + 4), cs((size_t)max_pos * HS / 2), sn(cs.size());
+    for (auto &v : h) v = urand() * 3.0f;
+    for (size_t i = 0; i < cs.size(); i++) cs[i] = cosf(0.01f * (float)i), sn[i] = sinf(0.01f * (float)i);
+    std::vector<int32_t> pos(rows);
+    for (size_t i = 0; i < rows; i++) pos[i] = (int32_t)((i * 7 + 3) % (size_t)max_pos);
+    std::vector<uint16_t> o16(nq);
+    for (size_t i = 0; i < nq; i++) o16[i] = kiln_fp32_to_bf16(urand());
+    float *q, *k, *out, *dq, *dk, *tc, *ts;
+    uint16_t *out16;
+    int32_t *dpos;
+    __nv_bfloat16 *dst[2];
+    CUDA_OK(cudaMalloc(&q, (nq + 4) * 4));
+    CUDA_OK(cudaMalloc(&k, nk * 4));
+    CUDA_OK(cudaMalloc(&out, nq * 4));
+    CUDA_OK(cudaMalloc(&out16, nq * 2));
+    CUDA_OK(cudaMalloc(&dq, (size_t)B * NH * Rpad * 4 * 2));
+    CUDA_OK(cudaMalloc(&dk, (size_t)B * NH * Rpad * 4 * 2));
+    CUDA_OK(cudaMalloc(&tc, cs.size() * 4));
+    CUDA_OK(cudaMalloc(&ts, cs.size() * 4));
+    CUDA_OK(cudaMalloc(&dpos, rows * 4));
+    for (int i = 0; i < 2; i++) CUDA_OK(cudaMalloc(&dst[i], (3 * pq + 2 * pk) * 2));
+    CUDA_OK(cudaMemcpy(q, h.data(), (nq + 4) * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(k, h.data(), nk * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(out, h.data() + 1, nq * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(out16, o16.data(), nq * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(tc, cs.data(), cs.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(ts, sn.data(), cs.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dpos, pos.data(), rows * 4, cudaMemcpyHostToDevice));
+    const kiln_cuda_attn_rope rp = {dpos, tc, ts}, none = {NULL, NULL, NULL};
+    bool ok = true;
+    for (int misalign = 0; misalign < 2; misalign++) {
+        std::vector<uint16_t> got[2];
+        std::vector<float> dgot[2];
+        for (int form = 0; form < 2; form++) { /* 0: one warp (KILN_PACK_VEC=0), 1: default */
+            if (form == 0) setenv("KILN_PACK_VEC", "0", 1);
+            else unsetenv("KILN_PACK_VEC");
+            __nv_bfloat16 *d = dst[form];
+            CUDA_OK(cudaMemset(d, 0xff, (3 * pq + 2 * pk) * 2));
+            const float *src = q + (misalign ? 2 : 0);
+            const kiln_cuda_attn_pack_job fwd[3] = {{d, src, NULL, NULL, NULL, R, Rpad, NH, B, rp},
+                                                    {d + pq, k, NULL, NULL, NULL, R, Rpad, KVH, B, rp},
+                                                    {d + pq + pk, k, NULL, NULL, NULL, R, Rpad, KVH, B, none}};
+            const kiln_cuda_attn_pack_job bwd[2] = {
+                {d + pq + 2 * pk, src, NULL, out16, dq + (size_t)form * B * NH * Rpad, R, Rpad, NH, B, none},
+                {d + 2 * pq + 2 * pk, src, out, NULL, dk + (size_t)form * B * NH * Rpad, R, Rpad, NH, B, none}};
+            CUDA_OK(kiln_cuda_attn_pack_heads(0, fwd, 3, HS));
+            CUDA_OK(kiln_cuda_attn_pack_heads(0, bwd, 2, HS));
+            CUDA_OK(cudaDeviceSynchronize());
+            got[form].resize(3 * pq + 2 * pk);
+            CUDA_OK(cudaMemcpy(got[form].data(), d, got[form].size() * 2, cudaMemcpyDeviceToHost));
+            dgot[form].resize((size_t)B * NH * Rpad * 2);
+            CUDA_OK(cudaMemcpy(dgot[form].data(), dq + (size_t)form * B * NH * Rpad,
+                               (size_t)B * NH * Rpad * 4, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(dgot[form].data() + (size_t)B * NH * Rpad, dk + (size_t)form * B * NH * Rpad,
+                               (size_t)B * NH * Rpad * 4, cudaMemcpyDeviceToHost));
+        }
+        const bool same = got[0] == got[1] &&
+                          memcmp(dgot[0].data(), dgot[1].data(), dgot[0].size() * 4) == 0;
+        printf("pack HS 64 B=%d R=%d heads %d/%d%s: half-warp kernel vs one-warp kernel: %s\n", B, R,
+               NH, KVH, misalign ? " (src misaligned)" : "", same ? "same bits" : "DIFFER");
+        ok &= same;
+    }
+    unsetenv("KILN_PACK_VEC");
+    if (timing) {
+        cudaEvent_t a, e;
+        CUDA_OK(cudaEventCreate(&a));
+        CUDA_OK(cudaEventCreate(&e));
+        float ms[2];
+        for (int form = 0; form < 2; form++) {
+            if (form == 0) setenv("KILN_PACK_VEC", "0", 1);
+            else unsetenv("KILN_PACK_VEC");
+            const kiln_cuda_attn_pack_job fwd[3] = {{dst[0], q, NULL, NULL, NULL, R, Rpad, NH, B, rp},
+                                                    {dst[0] + pq, k, NULL, NULL, NULL, R, Rpad, KVH, B, rp},
+                                                    {dst[0] + pq + pk, k, NULL, NULL, NULL, R, Rpad, KVH, B, none}};
+            for (int it = 0; it < 6; it++) {
+                if (it == 1) CUDA_OK(cudaEventRecord(a, 0));
+                CUDA_OK(kiln_cuda_attn_pack_heads(0, fwd, 3, HS));
+            }
+            CUDA_OK(cudaEventRecord(e, 0));
+            CUDA_OK(cudaEventSynchronize(e));
+            CUDA_OK(cudaEventElapsedTime(&ms[form], a, e));
+            ms[form] /= 5.0f;
+        }
+        unsetenv("KILN_PACK_VEC");
+        const double bytes = (double)(nq + 2 * nk) * 6.0;
+        printf("time pack (forward: q, k with RoPE, v) B=%d R=%d: one warp %.1f us, half-warp %.1f us "
+               "(%.2f TB/s)\n", B, R, ms[0] * 1e3, ms[1] * 1e3, bytes / (ms[1] * 1e9));
+        CUDA_OK(cudaEventDestroy(a));
+        CUDA_OK(cudaEventDestroy(e));
+    }
+    cudaFree(q), cudaFree(k), cudaFree(out), cudaFree(out16), cudaFree(dq), cudaFree(dk);
+    cudaFree(tc), cudaFree(ts), cudaFree(dpos), cudaFree(dst[0]), cudaFree(dst[1]);
+    return ok;
+}
+
 int main(int argc, char **argv) {
     /* --no-time: the checks only; --time-only: the timings only (for a profiler) */
     const bool timing = !(argc > 1 && strcmp(argv[1], "--no-time") == 0);
@@ -886,6 +990,11 @@ int main(int argc, char **argv) {
         {130, 20, 8, 2, 128, 1.5f}, {33, 70, 6, 3, 64, 1.0f},  {31, 0, 2, 2, 128, 3.0f},
         {512, 0, 9, 3, 64, 1.0f},  {300, 0, 16, 8, 128, 1.0f},
     };
+    if (checks) {
+        EXPECT(check_pack_vec(2, 70, 9, 3, 300, false), "pack HS 64");
+        EXPECT(check_pack_vec(3, 1, 4, 4, 8, false), "pack HS 64, one row");
+    }
+    if (timing) EXPECT(check_pack_vec(8, 2048, 9, 3, 2048, true), "pack HS 64 (135M shape)");
     kiln_cuda_attn *attn = nullptr;
     CUDA_OK(kiln_cuda_attn_create(&attn));
     /* HS 64 runs the one-launch backward (dq blocks recompute S and dP) by default, and on an

@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 #include <cuda_pipeline.h>
 #include <limits.h>
+#include <stdlib.h>
 #include <string.h>
 
 struct kiln_cuda_attn {
@@ -734,6 +735,97 @@ static __global__ void pack_heads_kernel(pack_jobs jobs) {
     }
 }
 
+/* HS 64 with 16-byte loads: a half-warp per (row, head), 4 consecutive elements a lane (a
+ * float4 of src, of out, of each rope table), two items a half-warp with every load issued
+ * before the arithmetic. The same bits as pack_heads_kernel<64>:
+ *   - RoPE: lane l < 8 holds elements 4l..4l+3 (< HS/2) and lane l + 8 their partners, fetched
+ *     by one shuffle; each element takes kiln_rope_pair as there;
+ *   - D: pack_heads_kernel<64>'s lane L sums its two elements (2L, 2L+1) by fmaf from 0, then
+ *     a butterfly over 32 lanes (xor 16, 8, 4, 2, 1, own value first). Here lane l holds old
+ *     lanes 2l (a) and 2l+1 (b): old xor 16, 8, 4, 2 pair old lanes 2l and 2(l ^ 8, 4, 2, 1),
+ *     so a and b each take xor 8, 4, 2, 1 within the half-warp, and old xor 1 is a + b: the
+ *     same additions of the same values in the same order. */
+#define PACK64_ITEMS 2
+static __global__ void __launch_bounds__(256) pack_heads64_vec_kernel(pack_jobs jobs) {
+    constexpr int HS = 64;
+    const kiln_cuda_attn_pack_job &J = jobs.j[blockIdx.y];
+    const int64_t hw = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 4; /* half-warp */
+    const int lane = threadIdx.x & 15, b = (int)blockIdx.z;
+    const unsigned mask = (threadIdx.x & 16) ? 0xffff0000u : 0x0000ffffu;
+    const int64_t total = (int64_t)J.Rpad * J.H, it0 = hw * PACK64_ITEMS;
+    if (it0 >= total || b >= J.B) return; /* uniform over the half-warp */
+    float x[PACK64_ITEMS][4], o[PACK64_ITEMS][4], c[PACK64_ITEMS][4], sn[PACK64_ITEMS][4];
+    int64_t h[PACK64_ITEMS];
+    int r[PACK64_ITEMS];
+#pragma unroll
+    for (int k = 0; k < PACK64_ITEMS; k++) {
+        const int64_t it = it0 + k;
+        const int hl = (int)(it / J.Rpad);
+        r[k] = (int)(it - (int64_t)hl * J.Rpad);
+        h[k] = (int64_t)b * J.H + hl;
+        const int64_t srow = (int64_t)b * J.R + r[k];
+#pragma unroll
+        for (int i = 0; i < 4; i++) x[k][i] = o[k][i] = 0.0f, c[k][i] = 1.0f, sn[k][i] = 0.0f;
+        if (it >= total || r[k] >= J.R) continue;
+        const int64_t e = (srow * J.H + hl) * HS + lane * 4;
+        const float4 v = *reinterpret_cast<const float4 *>(J.src + e);
+        x[k][0] = v.x, x[k][1] = v.y, x[k][2] = v.z, x[k][3] = v.w;
+        if (J.rope.pos) {
+            const int64_t t = (int64_t)J.rope.pos[srow] * (HS / 2) + (lane & 7) * 4;
+            const float4 cv = *reinterpret_cast<const float4 *>(J.rope.cos_tab + t);
+            const float4 sv = *reinterpret_cast<const float4 *>(J.rope.sin_tab + t);
+            c[k][0] = cv.x, c[k][1] = cv.y, c[k][2] = cv.z, c[k][3] = cv.w;
+            sn[k][0] = sv.x, sn[k][1] = sv.y, sn[k][2] = sv.z, sn[k][3] = sv.w;
+        }
+        if (J.out16) {
+            const uint2 u = *reinterpret_cast<const uint2 *>(J.out16 + e);
+            o[k][0] = bf16_lo(u.x), o[k][1] = bf16_hi(u.x), o[k][2] = bf16_lo(u.y), o[k][3] = bf16_hi(u.y);
+        } else if (J.d) {
+            const float4 u = *reinterpret_cast<const float4 *>(J.out + e);
+            o[k][0] = u.x, o[k][1] = u.y, o[k][2] = u.z, o[k][3] = u.w;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < PACK64_ITEMS; k++) {
+        if (it0 + k >= total) break; /* uniform over the half-warp */
+        if (J.rope.pos) { /* uniform over the block; whole half-warps */
+            const bool first = lane < 8;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float y = __shfl_xor_sync(mask, x[k][i], 8, 16); /* the pair's other */
+                const float2 rr = first ? kiln_rope_pair(x[k][i], y, c[k][i], sn[k][i])
+                                        : kiln_rope_pair(y, x[k][i], c[k][i], sn[k][i]);
+                x[k][i] = first ? rr.x : rr.y;
+            }
+        }
+        uint2 u;
+        u.x = pack_bf16(x[k][0], x[k][1]);
+        u.y = pack_bf16(x[k][2], x[k][3]);
+        *reinterpret_cast<uint2 *>(J.dst + (h[k] * J.Rpad + r[k]) * HS + lane * 4) = u;
+        if (J.d) { /* uniform over the block */
+            float a = fmaf(x[k][1], o[k][1], fmaf(x[k][0], o[k][0], 0.0f));
+            float bb = fmaf(x[k][3], o[k][3], fmaf(x[k][2], o[k][2], 0.0f));
+#pragma unroll
+            for (int m = 8; m >= 1; m >>= 1) {
+                a = a + __shfl_xor_sync(mask, a, m, 16);
+                bb = bb + __shfl_xor_sync(mask, bb, m, 16);
+            }
+            if (lane == 0) J.d[h[k] * J.Rpad + r[k]] = a + bb;
+        }
+    }
+}
+
+/* Whether every job allows pack_heads64_vec_kernel's 16-byte loads. */
+static bool pack64_vec_ok(const pack_jobs &pj, int n) {
+    for (int i = 0; i < n; i++) {
+        const kiln_cuda_attn_pack_job &J = pj.j[i];
+        uintptr_t a = (uintptr_t)J.src | (uintptr_t)J.out;
+        if (J.rope.pos) a |= (uintptr_t)J.rope.cos_tab | (uintptr_t)J.rope.sin_tab;
+        if ((a & 15) != 0) return false;
+    }
+    return true;
+}
+
 cudaError_t kiln_cuda_attn_pack_heads(cudaStream_t s, const kiln_cuda_attn_pack_job *jobs,
                                       int n, int HS) {
     if (!jobs || n <= 0 || n > KILN_ATTN_PACK_MAX_JOBS || (HS != 64 && HS != 128))
@@ -754,6 +846,14 @@ cudaError_t kiln_cuda_attn_pack_heads(cudaStream_t s, const kiln_cuda_attn_pack_
         if (J.B > B) B = J.B;
     }
     if (warps == 0) return cudaSuccess;
+    const char *ev = getenv("KILN_PACK_VEC"); /* "0": the one-warp kernel (A/B checks) */
+    if (HS == 64 && pack64_vec_ok(pj, n) && !(ev && strcmp(ev, "0") == 0)) {
+        const int64_t halves = (warps + PACK64_ITEMS - 1) / PACK64_ITEMS; /* warps = items */
+        const int64_t vblocks = (halves * 16 + 255) / 256;
+        if (vblocks > INT_MAX) return cudaErrorInvalidConfiguration;
+        pack_heads64_vec_kernel<<<dim3((unsigned)vblocks, (unsigned)n, (unsigned)B), 256, 0, s>>>(pj);
+        return cudaGetLastError();
+    }
     const int64_t blocks = (warps * 32 + 255) / 256;
     if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
     const dim3 grid((unsigned)blocks, (unsigned)n, (unsigned)B);
