@@ -448,14 +448,20 @@ class Trainer(_Handle):
                                             0 if reduction == "mean" else 1, scale, C.byref(loss)))
         return loss.value
 
-    def forward_batch(self, ids, targets, reduction="mean", scale=1.0):
-        """ids, targets: n_seq sequences of equal length (lists or a 2-D array), forwarded at
-        once (kiln_train_forward_batch); the loss reduces over all of them."""
+    @staticmethod
+    def _batch(what, ids, targets):
+        """ids, targets as contiguous int32 2-D arrays of one shape (ValueError otherwise)."""
         import numpy as np
         ids = np.ascontiguousarray(ids, dtype=np.int32)
         targets = np.ascontiguousarray(targets, dtype=np.int32)
         if ids.ndim != 2 or targets.shape != ids.shape:
-            raise ValueError("forward_batch: ids and targets must be 2-D arrays of one shape")
+            raise ValueError(f"{what}: ids and targets must be 2-D arrays of one shape")
+        return ids, targets
+
+    def forward_batch(self, ids, targets, reduction="mean", scale=1.0):
+        """ids, targets: n_seq sequences of equal length (lists or a 2-D array), forwarded at
+        once (kiln_train_forward_batch); the loss reduces over all of them."""
+        ids, targets = self._batch("forward_batch", ids, targets)
         loss = C.c_float()
         P32 = C.POINTER(C.c_int32)
         _check(self._lib.kiln_train_forward_batch(self._h, ids.ctypes.data_as(P32), ids.shape[0],
@@ -468,11 +474,7 @@ class Trainer(_Handle):
         """forward_batch + backward(accumulate=accumulate) in one call (kiln_train_step_batch):
         the same loss and gradients; on a GPU in fast mode the host does not wait between the
         forward and the backward. Returns the loss."""
-        import numpy as np
-        ids = np.ascontiguousarray(ids, dtype=np.int32)
-        targets = np.ascontiguousarray(targets, dtype=np.int32)
-        if ids.ndim != 2 or targets.shape != ids.shape:
-            raise ValueError("step_batch: ids and targets must be 2-D arrays of one shape")
+        ids, targets = self._batch("step_batch", ids, targets)
         loss = C.c_float()
         P32 = C.POINTER(C.c_int32)
         _check(self._lib.kiln_train_step_batch(self._h, ids.ctypes.data_as(P32), ids.shape[0],

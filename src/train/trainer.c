@@ -1079,6 +1079,18 @@ static kiln_status check_loss_step(kiln_trainer *t, const char *call, const int3
     return KILN_OK;
 }
 
+/* What the backward of a loss step over n_seq x seq rows needs to know of it. */
+static void keep_step(kiln_trainer *t, const int32_t *targets, int n_seq, int seq, kiln_loss_reduction red,
+                      float scale) {
+    const int n = n_seq * seq;
+    memcpy(t->targets, targets, (size_t)n * sizeof(int32_t));
+    t->T = n;
+    t->n_seq = n_seq;
+    t->seq = seq;
+    t->red = red;
+    t->scale = scale;
+}
+
 /* The fused loss's parameters for the T rows of the current forward (t->xn) and targets. */
 static kiln_fused_ce_params loss_params(kiln_trainer *t, int T, const int32_t *targets, kiln_loss_reduction red,
                                         float scale) {
@@ -1115,12 +1127,7 @@ kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *ids, int n_
     if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
     KILN_TRY(backend_check(t, call));
     t->ce_scratch = r.scratch_bytes;
-    memcpy(t->targets, targets, (size_t)n * sizeof(int32_t));
-    t->T = n;
-    t->n_seq = n_seq;
-    t->seq = seq;
-    t->red = red;
-    t->scale = scale;
+    keep_step(t, targets, n_seq, seq, red, scale);
     t->pending = 1;
     *loss = r.loss;
     track_peak(t);
@@ -1316,6 +1323,16 @@ static void zero_grads(kiln_trainer *t) {
         zero_floats(t, t->grad_block, t->n_grad); /* the padding too: it stays 0 */
 }
 
+/* A backward's start: the gradients zeroed (not accumulate: the pending clip coefficient
+ * dropped with them) or brought to their logical values (a pending coefficient applied). */
+static kiln_status begin_grads(kiln_trainer *t, int accumulate) {
+    t->grads_finite = 0;
+    if (accumulate) return apply_grad_coef(t);
+    zero_grads(t);
+    t->grad_coef = 1.0f;
+    return KILN_OK;
+}
+
 kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accumulate) {
     if (!t) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_backward: NULL trainer");
     if (!t->pending) return kiln_error(KILN_ERR_STATE, "kiln_train_backward: no pending step (call a forward first)");
@@ -1324,16 +1341,10 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
     if (t->pending == 1 && dhidden)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_backward: the step computed its own loss: dhidden must be NULL");
     int C = t->cfg.n_embd, T = t->T;
-    t->grads_finite = 0;
-    if (!accumulate) {
-        zero_grads(t);
-        t->grad_coef = 1.0f;
-    } else {
-        kiln_status ast = apply_grad_coef(t);
-        if (ast != KILN_OK) {
-            t->pending = 0;
-            return kiln_error_prefix(ast, "kiln_train_backward");
-        }
+    kiln_status ast = begin_grads(t, accumulate);
+    if (ast != KILN_OK) {
+        t->pending = 0;
+        return kiln_error_prefix(ast, "kiln_train_backward");
     }
     if (t->pending == 1) {
         kiln_fused_ce_params cp = loss_params(t, T, t->targets, t->red, t->scale);
@@ -1412,20 +1423,9 @@ kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq
     step_peak_reset(t);
     kiln_status st = forward(t, ids, n_seq, seq);
     if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
-    t->grads_finite = 0;
-    if (!accumulate) {
-        zero_grads(t);
-        t->grad_coef = 1.0f;
-    } else {
-        st = apply_grad_coef(t);
-        if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
-    }
-    memcpy(t->targets, targets, (size_t)n * sizeof(int32_t));
-    t->T = n;
-    t->n_seq = n_seq;
-    t->seq = seq;
-    t->red = red;
-    t->scale = scale;
+    st = begin_grads(t, accumulate);
+    if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
+    keep_step(t, targets, n_seq, seq, red, scale);
     kiln_fused_ce_params cp = loss_params(t, n, t->targets, red, scale);
     cp.dhidden = t->dxn;
     cp.dweight = t->lm_head->g;
