@@ -441,8 +441,9 @@ KILN_API kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *id
  * behind that, and the call waits only for the loss's statistics, so the device stays busy
  * (docs/TRAINING.md, "One-call steps"). Errors as forward_batch's, before anything changes;
  * except a non-finite loss, which on that path is known only after the gradient work was
- * enqueued: the error says so, and the gradients are then unusable (clip and optimizer_step
- * refuse them) until a step that does not accumulate. */
+ * enqueued, and any failure after that work began: the error says so, and the gradients are
+ * then unusable (clip and optimizer_step refuse them with KILN_ERR_STATE) until a step that
+ * does not accumulate. */
 KILN_API kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq, int seq,
                                            const int32_t *targets, kiln_loss_reduction red, float scale,
                                            int accumulate, float *loss);

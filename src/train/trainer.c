@@ -157,9 +157,10 @@ struct kiln_trainer {
      * was finite, and nothing has changed them since), so optimizer_step skips its check. */
     float grad_coef;
     int grads_finite;
-    /* grads_unusable: a one-call step (kiln_train_step_batch) found its loss non-finite after
-     * its gradient work was enqueued, so the stored gradients are not the logical ones; the
-     * optimizer and the clip refuse them until a step that does not accumulate zeroes them */
+    /* grads_unusable: a one-call step (kiln_train_step_batch) failed after its gradient work
+     * began (a non-finite loss is found only then), so the stored gradients are not the
+     * logical ones; the optimizer and the clip refuse them until a step that does not
+     * accumulate zeroes them */
     int grads_unusable;
 
     /* the pending step */
@@ -1425,6 +1426,7 @@ kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq
     if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
     st = begin_grads(t, accumulate);
     if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
+    /* from here on a failure leaves the gradients partly updated: they are marked unusable */
     keep_step(t, targets, n_seq, seq, red, scale);
     kiln_fused_ce_params cp = loss_params(t, n, t->targets, red, scale);
     cp.dhidden = t->dxn;
@@ -1432,39 +1434,31 @@ kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq
     cp.row_stats_out = t->ce_stats;
     cp.no_wait = 1; /* pass 2 behind pass 1; the loss from the statistics below */
     kiln_fused_ce_result r;
-    st = fused_ce_call(t, &cp, &r);
-    if (st != KILN_OK) {
-        /* the loss checked in the call (its first, own-scratch call): non-finite */
-        t->grads_unusable = 1;
-        return kiln_error_prefix(st, "%s (the step's gradients are discarded: the next step must not accumulate)",
-                                 call);
-    }
+    st = fused_ce_call(t, &cp, &r); /* a call that waited checked its loss: a non-finite one fails here */
+    if (st != KILN_OK) goto unusable;
     if (r.scratch_bytes > t->ce_scratch) t->ce_scratch = r.scratch_bytes;
     const size_t stats_bytes = (size_t)3 * (size_t)n * sizeof(float);
-    if (r.loss_pending) {
-        st = op->download_begin(t->be, t->ce_stats, stats_bytes);
-        if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
-    }
+    if (r.loss_pending && (st = op->download_begin(t->be, t->ce_stats, stats_bytes)) != KILN_OK) goto unusable;
     st = run_layers(t, &t->g_bwd, &t->g_bwd_runs, backward_layers, n_seq, seq);
     if (st == KILN_OK) op->embed_backward(t->be, t->tok_embd->g, t->dx, t->ids_host, n, t->cfg.n_vocab, t->cfg.n_embd);
-    kiln_status dst = r.loss_pending ? op->download_end(t->be, t->ce_stats_host, st == KILN_OK ? stats_bytes : 0)
-                                     : KILN_OK;
-    if (st == KILN_OK) st = dst;
-    if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
     if (r.loss_pending) {
+        kiln_status dst = op->download_end(t->be, t->ce_stats_host, st == KILN_OK ? stats_bytes : 0);
+        if (st == KILN_OK) st = dst;
+        if (st != KILN_OK) goto unusable;
         kiln_fused_ce_result lr;
-        st = kiln_fused_ce_loss_from_stats(&cp, t->ce_stats_host, &lr);
-        if (st != KILN_OK) {
-            t->grads_unusable = 1;
-            return kiln_error_prefix(st, "%s (the step's gradients are discarded: the next step must not accumulate)",
-                                     call);
-        }
+        st = kiln_fused_ce_loss_from_stats(&cp, t->ce_stats_host, &lr); /* a non-finite loss fails here */
+        if (st != KILN_OK) goto unusable;
         *loss = lr.loss;
     } else {
+        if (st != KILN_OK) goto unusable;
         *loss = r.loss;
     }
     track_peak(t);
-    return backend_check(t, call);
+    st = backend_check(t, call);
+    if (st == KILN_OK) return KILN_OK;
+unusable:
+    t->grads_unusable = 1;
+    return kiln_error_prefix(st, "%s (the step's gradients are discarded: the next step must not accumulate)", call);
 }
 
 kiln_status kiln_train_step(kiln_trainer *t, const int32_t *ids, int n, float *loss) {
@@ -1537,8 +1531,9 @@ kiln_status kiln_train_grad_sq_norm(kiln_trainer *t, double *out) {
 kiln_status kiln_train_clip_grads(kiln_trainer *t, double max_norm, float *total_norm, float *coef) {
     KILN_TRY(check_ready(t, "kiln_train_clip_grads"));
     if (t->grads_unusable)
-        return kiln_error(KILN_ERR_STATE, "kiln_train_clip_grads: the gradients are unusable (a step_batch's loss was "
-                                          "not finite): run a step that does not accumulate first");
+        return kiln_error(KILN_ERR_STATE, "kiln_train_clip_grads: the gradients are unusable (a step_batch failed "
+                                          "after its gradient work began, e.g. on a non-finite loss): run a step "
+                                          "that does not accumulate first");
     if (!(max_norm > 0)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_clip_grads: max_norm must be > 0");
     /* torch: total = ||stack(per-tensor norms)||, over every parameter in order */
     KILN_TRY(apply_grad_coef(t));
@@ -1567,8 +1562,8 @@ kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr) {
     KILN_TRY(check_ready(t, "kiln_train_optimizer_step"));
     if (t->grads_unusable)
         return kiln_error(KILN_ERR_STATE, "kiln_train_optimizer_step: refused, weights untouched: the gradients are "
-                                          "unusable (a step_batch's loss was not finite): run a step that does not "
-                                          "accumulate first");
+                                          "unusable (a step_batch failed after its gradient work began, e.g. on a "
+                                          "non-finite loss): run a step that does not accumulate first");
     if (!(lr >= 0) || !isfinite(lr)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_optimizer_step: lr must be finite and >= 0");
     /* both halves are checked before either is updated */
     kiln_pool *pool = host_pool(t);
