@@ -1433,11 +1433,11 @@ kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq
     cp.dweight = t->lm_head->g;
     cp.row_stats_out = t->ce_stats;
     cp.no_wait = 1; /* pass 2 behind pass 1; the loss from the statistics below */
-    kiln_fused_ce_result r;
+    kiln_fused_ce_result r, lr;
+    const size_t stats_bytes = (size_t)3 * (size_t)n * sizeof(float);
     st = fused_ce_call(t, &cp, &r); /* a call that waited checked its loss: a non-finite one fails here */
     if (st != KILN_OK) goto unusable;
     if (r.scratch_bytes > t->ce_scratch) t->ce_scratch = r.scratch_bytes;
-    const size_t stats_bytes = (size_t)3 * (size_t)n * sizeof(float);
     if (r.loss_pending && (st = op->download_begin(t->be, t->ce_stats, stats_bytes)) != KILN_OK) goto unusable;
     st = run_layers(t, &t->g_bwd, &t->g_bwd_runs, backward_layers, n_seq, seq);
     if (st == KILN_OK) op->embed_backward(t->be, t->tok_embd->g, t->dx, t->ids_host, n, t->cfg.n_vocab, t->cfg.n_embd);
@@ -1445,7 +1445,6 @@ kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq
         kiln_status dst = op->download_end(t->be, t->ce_stats_host, st == KILN_OK ? stats_bytes : 0);
         if (st == KILN_OK) st = dst;
         if (st != KILN_OK) goto unusable;
-        kiln_fused_ce_result lr;
         st = kiln_fused_ce_loss_from_stats(&cp, t->ce_stats_host, &lr); /* a non-finite loss fails here */
         if (st != KILN_OK) goto unusable;
         *loss = lr.loss;
