@@ -779,26 +779,33 @@ done:
     return st;
 }
 
+kiln_status kiln_fused_ce_supervised(const kiln_fused_ce_params *p, int64_t *S_out) {
+    /* Supervised rows: mask (or all) and target >= 0. Their targets must be < V. */
+    int64_t S = 0;
+    for (int64_t n = 0; n < p->N; n++) {
+        if ((p->mask && !p->mask[n]) || p->targets[n] < 0) continue;
+        if (p->targets[n] >= p->V)
+            return kiln_error(KILN_ERR_RANGE,
+                              "fused_ce: position %lld: target %d >= vocabulary size %lld",
+                              (long long)n, (int)p->targets[n], (long long)p->V);
+        S++;
+    }
+    if (S == 0)
+        return kiln_error(KILN_ERR_INVALID_ARG,
+                          "fused_ce: no supervised positions (the mask and targets select none "
+                          "of the %lld positions)", (long long)p->N);
+    *S_out = S;
+    return KILN_OK;
+}
+
 kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
                           kiln_fused_ce_result *out) {
     if (out) memset(out, 0, sizeof *out);
     KILN_TRY(check_params(be, p));
     const int64_t N = p->N, H = p->H, V = p->V;
 
-    /* Supervised rows: mask (or all) and target >= 0. Their targets must be < V. */
     int64_t S = 0;
-    for (int64_t n = 0; n < N; n++) {
-        if ((p->mask && !p->mask[n]) || p->targets[n] < 0) continue;
-        if (p->targets[n] >= V)
-            return kiln_error(KILN_ERR_RANGE,
-                              "fused_ce: position %lld: target %d >= vocabulary size %lld",
-                              (long long)n, (int)p->targets[n], (long long)V);
-        S++;
-    }
-    if (S == 0)
-        return kiln_error(KILN_ERR_INVALID_ARG,
-                          "fused_ce: no supervised positions (the mask and targets select none "
-                          "of the %lld positions)", (long long)N);
+    KILN_TRY(kiln_fused_ce_supervised(p, &S));
 
     int64_t cn = p->chunk == 0 ? KILN_FUSED_CE_DEFAULT_CHUNK : p->chunk;
     if (cn > V) cn = V;
@@ -939,17 +946,7 @@ kiln_status kiln_fused_ce_loss_from_stats(const kiln_fused_ce_params *p, const f
         return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce_loss_from_stats: NULL parameters or no rows");
     const int64_t N = p->N;
     int64_t S = 0;
-    for (int64_t n = 0; n < N; n++) {
-        if ((p->mask && !p->mask[n]) || p->targets[n] < 0) continue;
-        if (p->targets[n] >= p->V)
-            return kiln_error(KILN_ERR_RANGE, "fused_ce: position %lld: target %d >= vocabulary size %lld",
-                              (long long)n, (int)p->targets[n], (long long)p->V);
-        S++;
-    }
-    if (S == 0)
-        return kiln_error(KILN_ERR_INVALID_ARG,
-                          "fused_ce: no supervised positions (the mask and targets select none of the %lld "
-                          "positions)", (long long)N);
+    KILN_TRY(kiln_fused_ce_supervised(p, &S));
     /* the device path's arrays: positions, then m, l, zt and the row losses, supervised order */
     int64_t *idx = kiln_malloc((size_t)S * sizeof(int64_t));
     float *f = kiln_malloc(4 * (size_t)S * sizeof(float));

@@ -141,6 +141,11 @@ kiln_fused_ce_params kiln_fused_ce_default_params(void);
 kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
                           kiln_fused_ce_result *out);
 
+/* The number of supervised positions of p (mask, targets >= 0) in *S, after checking that
+ * their targets are < V: kiln_fused_ce's own row checks, with its errors (a target >= V ->
+ * KILN_ERR_RANGE naming the position; none supervised -> KILN_ERR_INVALID_ARG). */
+kiln_status kiln_fused_ce_supervised(const kiln_fused_ce_params *p, int64_t *S);
+
 /* The loss of a call that left it pending (no_wait with row_stats_out), from its row
  * statistics copied to HOST memory (row_stats: N x 3 floats as row_stats_out lays them out)
  * and the call's parameters (N, targets, mask, reduction, scale): out gets loss, loss_f64 and

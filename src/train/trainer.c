@@ -1407,16 +1407,12 @@ kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq
         return kiln_train_backward(t, NULL, accumulate);
     }
     const int n = n_seq * seq;
-    /* the loss's own checks first, so that an error leaves the gradients as they were */
-    int supervised = 0;
-    for (int i = 0; i < n; i++) {
-        if (targets[i] < 0) continue;
-        if (targets[i] >= t->cfg.n_vocab)
-            return kiln_error(KILN_ERR_RANGE, "%s: target %d at position %d is out of range [0, %d)", call,
-                              targets[i], i, t->cfg.n_vocab);
-        supervised++;
+    { /* the loss's own row checks first, so that an error leaves the gradients as they were */
+        kiln_fused_ce_params chk = loss_params(t, n, targets, red, scale);
+        int64_t supervised;
+        kiln_status cst = kiln_fused_ce_supervised(&chk, &supervised);
+        if (cst != KILN_OK) return kiln_error_prefix(cst, "%s", call);
     }
-    if (!supervised) return kiln_error(KILN_ERR_INVALID_ARG, "%s: no supervised positions (every target < 0)", call);
     if (!t->ce_stats_host) {
         t->ce_stats_host = kiln_malloc((size_t)3 * (size_t)t->p.max_seq * (size_t)t->p.max_batch * sizeof(float));
         if (!t->ce_stats_host) return kiln_error(KILN_ERR_NOMEM, "%s: out of host memory", call);
