@@ -174,7 +174,8 @@ static void col_sum_partial_launch(cudaStream_t s, bool vec, int64_t K, double *
     const dim3 block(CS_TX, CS_LANES);
     if (vec) {
         const dim3 grid((unsigned)((W + 4 * CS_TX - 1) / (4 * CS_TX)), (unsigned)K);
-        col_sum_partial_kernel<MODE, 4, 2><<<grid, block, 0, s>>>(part, a, b, sc, ld, N, W, rc);
+        /* 4 rows ahead (session 12; 2 before): more loads in flight, the same order */
+        col_sum_partial_kernel<MODE, 4, 4><<<grid, block, 0, s>>>(part, a, b, sc, ld, N, W, rc);
     } else {
         const dim3 grid((unsigned)((W + CS_TX - 1) / CS_TX), (unsigned)K);
         col_sum_partial_kernel<MODE, 1, 8><<<grid, block, 0, s>>>(part, a, b, sc, ld, N, W, rc);
