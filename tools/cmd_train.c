@@ -50,6 +50,9 @@ static const char *train_help =
     "                       checkpoints resume on either)\n"
     "  --fast               with --device cuda: matrix products (forward and backward) on bf16\n"
     "                       tensor cores; approximate but deterministic (docs/TRAINING.md)\n"
+    "  --loss-row-block N   with --fast: the loss walks the rows in blocks of N, each block's\n"
+    "                       logits (N x vocabulary f32) made once (default 2048; 0: the\n"
+    "                       vocabulary walk, one product more, less memory)\n"
     "  --no-export          do not write OUT/model at the end\n";
 
 typedef struct train_opts {
@@ -57,6 +60,7 @@ typedef struct train_opts {
     const char *data[MAX_SHARDS];
     int n_data;
     long steps, batch, seq, accum, per_forward, warmup, eval_every, eval_batches, save_every, keep_last, threads, stop_after;
+    long loss_row_block; /* --loss-row-block; -1: the library's default */
     double lr, min_lr, weight_decay, clip, eval_fraction;
     unsigned long long seed;
     int resume, export_model;
@@ -90,6 +94,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
     o->seed = 1;
     o->export_model = 1;
     o->device = -1;
+    o->loss_row_block = -1;
     const char *cmd = "train";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = NULL;
@@ -121,6 +126,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
         else if (OPT("--keep-last")) INT(keep_last, 0, 100000);
         else if (OPT("--threads")) INT(threads, 1, 256);
         else if (OPT("--stop-after")) INT(stop_after, 1, 100000000);
+        else if (OPT("--loss-row-block")) INT(loss_row_block, 0, 1 << 20);
         else if (OPT("--lr")) DBL(lr, 0, 10);
         else if (OPT("--min-lr")) DBL(min_lr, 0, 10);
         else if (OPT("--weight-decay")) DBL(weight_decay, 0, 10);
@@ -300,6 +306,7 @@ int cmd_train(int argc, char **argv) {
     tp.moment_storage = !strcmp(o.moments, "q8") ? KILN_MOMENTS_Q8 : KILN_MOMENTS_F32;
     tp.device = o.device;
     tp.fast = o.fast;
+    if (o.loss_row_block >= 0) tp.ce_row_block = (int)o.loss_row_block;
     st = kiln_trainer_create(m, &tp, &tr);
     if (st != KILN_OK) {
         rc = cli_fail("train", "trainer", st);

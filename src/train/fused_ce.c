@@ -144,8 +144,10 @@ typedef struct ce_scratch {
  *   CE_LEAN: fast mode's composition of the backend's matmul and matmul_backward
  *            (ce_pass2_fast): hs, z and dh_acc with Sp rows, none of hT, gT, wpart, dpart, wT;
  *   CE_BF16: fast mode on bf16 operands (ce_pass2_bf16): z (S rows, f32: pass 1's statistics
- *            and g are computed from f32 logits), hsb, gb, wb and dh_acc; no f32 hs. */
-typedef enum ce_kind { CE_FULL, CE_LEAN, CE_BF16 } ce_kind;
+ *            and g are computed from f32 logits), hsb, gb, wb and dh_acc; no f32 hs;
+ *   CE_ROWS: fast mode's row-block walk (ce_rows_bf16): hsb, dh_acc and z with rb rows of
+ *            cn = ld(V) columns (a block's whole logits, then its g in place); no gb, wb. */
+typedef enum ce_kind { CE_FULL, CE_LEAN, CE_BF16, CE_ROWS } ce_kind;
 
 /* Leading dimension of a bf16 operand: cols rounded up to 8 elements (16 bytes), as the GEMM
  * module and kiln_cuda_matmul_backward_fast pad their own copies (padded_ld): a product's
@@ -159,11 +161,13 @@ static int64_t ce_bf16_ld(int64_t cols) { return (cols + 7) & ~(int64_t)7; }
  * and auditable layout is (S, S, ..., CE_FULL); a CE_LEAN layout with Sp == S is a subset of
  * it, hence never larger; a CE_BF16 one is used only where it is not larger either. */
 static size_t ce_layout(int64_t S, int64_t Sp, int64_t H, int64_t cn, int with_dh, int with_dw,
-                        ce_kind kind, int w_copy, uint8_t *base, ce_scratch *sc) {
+                        ce_kind kind, int w_copy, int64_t rb, uint8_t *base, ce_scratch *sc) {
     size_t total = 0;
     int ok = 1;
-    if (Sp < S) return 0;
-    const int full = kind == CE_FULL, bf = kind == CE_BF16;
+    if (Sp < S || (kind == CE_ROWS && (rb < 1 || rb > Sp))) return 0;
+    const int full = kind == CE_FULL, bf = kind == CE_BF16, rows = kind == CE_ROWS;
+    /* z's rows: Sp, S (CE_BF16) or rb (CE_ROWS) */
+    const uint64_t uz = (uint64_t)(rows ? rb : bf ? S : Sp);
     uint64_t uS = (uint64_t)S, uSp = (uint64_t)Sp, uH = (uint64_t)H, uc = (uint64_t)cn;
     uint64_t uldH = (uint64_t)ce_bf16_ld(H), uldc = (uint64_t)ce_bf16_ld(cn);
     uint64_t ones_n = uc > uS ? uc : uS;
@@ -179,8 +183,9 @@ static size_t ce_layout(int64_t S, int64_t Sp, int64_t H, int64_t cn, int with_d
         if (base && sc) sc->field = (want) ? (type *)(void *)(base + total) : NULL;            \
         if (kiln_add_overflow(total, bytes_, &total)) ok = 0;                                  \
     } while (0)
-    uint64_t SH, Sc, cH, SpH, Spc, SpldH, Spldc, cldH;
+    uint64_t SH, Sc, cH, SpH, Spc, SpldH, Spldc, cldH, zc;
     if (kiln_mul_overflow_u64(uS, uH, &SH) || kiln_mul_overflow_u64(uS, uc, &Sc) ||
+        kiln_mul_overflow_u64(uz, uc, &zc) || zc > SIZE_MAX ||
         kiln_mul_overflow_u64(uc, uH, &cH) || kiln_mul_overflow_u64(uSp, uH, &SpH) ||
         kiln_mul_overflow_u64(uSp, uc, &Spc) || kiln_mul_overflow_u64(uSp, uldH, &SpldH) ||
         kiln_mul_overflow_u64(uSp, uldc, &Spldc) || kiln_mul_overflow_u64(uc, uldH, &cldH) ||
@@ -193,9 +198,9 @@ static size_t ce_layout(int64_t S, int64_t Sp, int64_t H, int64_t cn, int with_d
     CE_REGION(zt, float, uS, 1);
     CE_REGION(loss, float, uS, 1);
     CE_REGION(ones, float, ones_n, 1);
-    CE_REGION(hs, float, SpH, !bf);
-    CE_REGION(z, float, bf ? Sc : Spc, 1);
-    CE_REGION(hsb, uint16_t, SpldH, bf);
+    CE_REGION(hs, float, SpH, !bf && !rows);
+    CE_REGION(z, float, zc, 1);
+    CE_REGION(hsb, uint16_t, SpldH, bf || rows);
     CE_REGION(gb, uint16_t, Spldc, bf && (with_dh || with_dw));
     CE_REGION(wb, uint16_t, cldH, bf && with_dh && w_copy);
     CE_REGION(hT, float, SH, with_dw && full);
@@ -213,7 +218,21 @@ size_t kiln_fused_ce_scratch_bytes(int64_t S, int64_t H, int64_t V, int64_t chun
     if (S <= 0 || H <= 0 || V <= 0 || chunk < 0) return 0;
     int64_t cn = chunk == 0 ? KILN_FUSED_CE_DEFAULT_CHUNK : chunk;
     if (cn > V) cn = V;
-    return ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, NULL, NULL);
+    return ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, 0, NULL, NULL);
+}
+
+/* The row-block walk's rows per block: row_block (> 0) rounded up to 8, at most Sp (a multiple
+ * of 8). */
+static int64_t ce_rows_of(int64_t row_block, int64_t Sp) {
+    return row_block > Sp ? Sp : (row_block + 7) & ~(int64_t)7;
+}
+
+size_t kiln_fused_ce_row_block_bytes(int64_t S, int64_t H, int64_t V, int64_t row_block,
+                                     int with_dh, int with_dw) {
+    if (S <= 0 || H <= 0 || V <= 0 || row_block <= 0 || S > INT32_MAX) return 0;
+    const int64_t Sp = (S + 7) & ~(int64_t)7;
+    return ce_layout(S, Sp, H, ce_bf16_ld(V), with_dh, with_dw, CE_ROWS, 0, ce_rows_of(row_block, Sp),
+                     NULL, NULL);
 }
 
 /* ---- helpers ------------------------------------------------------------------------------ */
@@ -335,6 +354,9 @@ static kiln_status check_params(const kiln_backend *be, const kiln_fused_ce_para
                           (double)p->scale);
     if (p->chunk < 0)
         return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: chunk %lld < 0", (long long)p->chunk);
+    if (p->row_block < 0)
+        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: row_block %lld < 0",
+                          (long long)p->row_block);
     size_t tmp;
     if (kiln_mul_overflow((size_t)p->N, (size_t)p->H, &tmp) ||
         kiln_mul_overflow(tmp, sizeof(float), &tmp) ||
@@ -498,8 +520,8 @@ static int64_t ce_fast_rows(int64_t S, int64_t H, int64_t cn, int with_dh, int w
     if (!with_dh && !with_dw) return S;
     const int64_t Sp = (S + 7) & ~(int64_t)7;
     if (Sp > INT32_MAX) return S; /* the products take an int row count */
-    size_t bound = ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, NULL, NULL);
-    size_t padded = ce_layout(S, Sp, H, cn, with_dh, with_dw, CE_LEAN, 0, NULL, NULL);
+    size_t bound = ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, 0, NULL, NULL);
+    size_t padded = ce_layout(S, Sp, H, cn, with_dh, with_dw, CE_LEAN, 0, 0, NULL, NULL);
     return padded != 0 && padded <= bound ? Sp : S;
 }
 
@@ -516,8 +538,8 @@ static int64_t ce_fast_rows(int64_t S, int64_t H, int64_t cn, int with_dh, int w
 static ce_kind ce_fast_kind(int64_t S, int64_t Sp, int64_t H, int64_t cn, int with_dh,
                             int with_dw, int w_copy) {
     if (kiln_cuda_ce_legacy() || S <= CE_MATVEC_ROWS) return CE_LEAN;
-    size_t bound = ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, NULL, NULL);
-    size_t bf = ce_layout(S, Sp, H, cn, with_dh, with_dw, CE_BF16, w_copy, NULL, NULL);
+    size_t bound = ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, 0, NULL, NULL);
+    size_t bf = ce_layout(S, Sp, H, cn, with_dh, with_dw, CE_BF16, w_copy, 0, NULL, NULL);
     return bf != 0 && bf <= bound ? CE_BF16 : CE_LEAN;
 }
 
@@ -599,6 +621,53 @@ static kiln_status ce_pass2_bf16(kiln_backend *be, const kiln_fused_ce_params *p
     return KILN_OK;
 }
 
+/* Rows per block of fast mode's row-block walk for this call (kiln_fused_ce_params.row_block,
+ * rounded up to 8 and at most Sp8, S rounded up to 8), or 0 for the vocabulary walk: the call
+ * must be in the one-call form (no_wait with row_stats_out, no row_stats_in), want a gradient,
+ * read a bf16 weight in place, and have more than CE_MATVEC_ROWS rows. */
+static int64_t ce_row_block(const kiln_fused_ce_params *p, int64_t S, int fast,
+                            size_t row_bytes) {
+    const int64_t Sp8 = (S + 7) & ~(int64_t)7;
+    if (!fast || p->row_block <= 0 || (!p->dhidden && !p->dweight) || !p->no_wait ||
+        !p->row_stats_out || p->row_stats_in || kiln_cuda_ce_legacy() || S <= CE_MATVEC_ROWS ||
+        Sp8 > INT32_MAX || !kiln_cuda_ce_weight_in_place(p->weight, row_bytes, p->weight_dtype))
+        return 0;
+    return ce_rows_of(p->row_block, Sp8);
+}
+
+/* Fast mode's row-block walk (layout CE_ROWS; hsb has Sp rows, a multiple of 8, rows S..Sp-1
+ * zero; the weight is bf16, read in place, ldw = row_bytes / 2), per block of R <= rb rows
+ * [r0, r0+R) (a multiple of 8; only the last holds padding rows):
+ *   z(R, ld(V))       = hsb[r0 : r0+R] @ W^T                  (the block's whole logits)
+ *   m, l, zt[r0 ...]  = its rows' statistics; g(R, 2 ld(V)) = bf16 gradient, in place in z
+ *                       (kiln_cuda_ce_rows_fast; the padding rows' g zero)
+ *   dh_acc[r0 ...]    = g @ W                                 (R x H, overwritten)
+ *   dW               += g^T @ hsb[r0 : r0+R]
+ * A failed product poisons the backend and is returned. */
+static kiln_status ce_rows_bf16(kiln_backend *be, const kiln_fused_ce_params *p,
+                                const ce_scratch *sc, int64_t S, int64_t Sp, int64_t rb,
+                                const int32_t *d_tgt, float gs, size_t row_bytes) {
+    const int64_t H = p->H, V = p->V, ldH = ce_bf16_ld(H), ldz = ce_bf16_ld(V);
+    const uint16_t *w = (const uint16_t *)p->weight;
+    const int64_t ldw = (int64_t)(row_bytes / 2);
+    const uint16_t *g = (const uint16_t *)(const void *)sc->z;
+    for (int64_t r0 = 0; r0 < Sp; r0 += rb) {
+        const int64_t R = Sp - r0 < rb ? Sp - r0 : rb;
+        const int64_t Rs = S - r0 < R ? S - r0 : R; /* >= 1: r0 <= Sp - 8 < S */
+        const uint16_t *hb = sc->hsb + r0 * ldH;
+        KILN_TRY(kiln_cuda_ce_gemm_bf16(be, 0, 1, R, V, H, hb, ldH, w, ldw, sc->z, ldz, 0));
+        KILN_TRY(kiln_cuda_ce_rows_fast(be, sc->z, ldz, R, Rs, V, d_tgt + r0, sc->m + r0,
+                                        sc->l + r0, sc->zt + r0, gs));
+        if (p->dhidden)
+            KILN_TRY(kiln_cuda_ce_gemm_bf16(be, 0, 0, R, H, V, g, 2 * ldz, w, ldw,
+                                            sc->dh_acc + r0 * H, H, 0));
+        if (p->dweight)
+            KILN_TRY(kiln_cuda_ce_gemm_bf16(be, 1, 0, V, H, R, g, 2 * ldz, hb, ldH, p->dweight,
+                                            H, 1));
+    }
+    return KILN_OK;
+}
+
 /* As kiln_fused_ce's CPU body, for S >= 1 validated supervised rows and chunk cn: hidden,
  * weight and the outputs are device memory, targets and mask host memory. The scratch is one
  * kiln_backend_alloc block with ce_layout's regions (so kiln_fused_ce_scratch_bytes bounds it),
@@ -622,11 +691,13 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     /* fast: Sp padded rows and the bf16 or lean layout (<= the auditable one, the documented
      * bound) */
     const size_t row_bytes = (size_t)H * (bf16 ? 2 : 4);
-    const int64_t Sp = fast ? ce_fast_rows(S, H, cn, with_dh, with_dw) : S;
+    /* fast mode's row-block walk (rb > 0: CE_ROWS, z's columns ld(V)) */
+    const int64_t rb = ce_row_block(p, S, fast, row_bytes);
+    const int64_t Sp = rb ? (S + 7) & ~(int64_t)7 : fast ? ce_fast_rows(S, H, cn, with_dh, with_dw) : S;
     const int w_copy = !kiln_cuda_ce_weight_in_place(p->weight, row_bytes, p->weight_dtype);
-    const ce_kind kind = !fast ? CE_FULL : ce_fast_kind(S, Sp, H, cn, with_dh, with_dw, w_copy);
-    const int64_t ldH = ce_bf16_ld(H);
-    size_t bytes = ce_layout(S, Sp, H, cn, with_dh, with_dw, kind, w_copy, NULL, NULL);
+    const ce_kind kind = rb ? CE_ROWS : !fast ? CE_FULL : ce_fast_kind(S, Sp, H, cn, with_dh, with_dw, w_copy);
+    const int64_t ldH = ce_bf16_ld(H), lcn = rb ? ce_bf16_ld(V) : cn; /* z's columns */
+    size_t bytes = ce_layout(S, Sp, H, lcn, with_dh, with_dw, kind, w_copy, rb, NULL, NULL);
     if (bytes == 0) return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: scratch size overflows");
     /* host: positions, targets, then m, l, zt, loss of the rows */
     int64_t *hidx = kiln_malloc((size_t)S * sizeof(int64_t));
@@ -652,7 +723,7 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
         goto done;
     }
     ce_scratch sc;
-    ce_layout(S, Sp, H, cn, with_dh, with_dw, kind, w_copy, block, &sc);
+    ce_layout(S, Sp, H, lcn, with_dh, with_dw, kind, w_copy, rb, block, &sc);
     int32_t *d_tgt = (int32_t *)(void *)sc.ones;
     for (int64_t n = 0, i = 0; n < N; n++) {
         if ((p->mask && !p->mask[n]) || p->targets[n] < 0) continue;
@@ -662,7 +733,7 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     }
     CE_DEV(kiln_backend_upload(be, sc.idx, hidx, (size_t)S * sizeof(int64_t)));
     CE_DEV(kiln_backend_upload(be, d_tgt, htgt, (size_t)S * sizeof(int32_t)));
-    if (kind == CE_BF16) { /* hs in bf16 once, its padding rows zero */
+    if (kind == CE_BF16 || kind == CE_ROWS) { /* hs in bf16 once, its padding rows zero */
         CE_DEV(kiln_cuda_ce_gather_bf16(be, sc.hsb, ldH, p->hidden, sc.idx, S, Sp, H));
     } else {
         CE_DEV(kiln_cuda_ce_gather(be, sc.hs, p->hidden, sc.idx, S, H));
@@ -670,10 +741,17 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
             CE_DEV(kiln_cuda_train_memset(be, sc.hs + S * H, 0,
                                           (size_t)(Sp - S) * (size_t)H * sizeof(float)));
     }
-    CE_DEV(kiln_cuda_ce_init_rows(be, sc.m, sc.l, sc.zt, p->row_stats_in, sc.idx, S));
+    /* gs, the gradient's factor, depends on S and the reduction only (ce_reduce) */
+    float loss = 0.0f, gs;
+    double loss64 = 0.0;
+    ce_reduce(p, NULL, 0.0f, S, NULL, &gs, NULL);
+    if (kind == CE_ROWS) /* statistics and gradients, block by block */
+        CE_DEV(ce_rows_bf16(be, p, &sc, S, Sp, rb, d_tgt, gs, row_bytes));
+    else
+        CE_DEV(kiln_cuda_ce_init_rows(be, sc.m, sc.l, sc.zt, p->row_stats_in, sc.idx, S));
 
-    /* Pass 1 (skipped with row_stats_in). */
-    for (int64_t c0 = 0; !p->row_stats_in && c0 < V; c0 += cn) {
+    /* Pass 1 (skipped with row_stats_in, and by the row-block walk). */
+    for (int64_t c0 = 0; kind != CE_ROWS && !p->row_stats_in && c0 < V; c0 += cn) {
         int64_t n = V - c0 < cn ? V - c0 : cn;
         if (kind == CE_BF16)
             CE_DEV(ce_logits_bf16(be, p, &sc, S, c0, n, row_bytes, NULL, 0));
@@ -686,19 +764,16 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     }
     if (p->row_stats_out)
         CE_DEV(kiln_cuda_ce_stats_out(be, p->row_stats_out, sc.m, sc.l, sc.zt, sc.idx, S));
-    /* gs, the gradient's factor, depends on S and the reduction only (ce_reduce); the loss
-     * needs the statistics on the host. With row_stats_in they were checked by the call that
-     * made them, so the fast pass 2 is enqueued before the download and the device works
-     * while the host waits for it; otherwise the download and the loss's check come first,
-     * so that a non-finite loss leaves dhidden and dweight untouched. */
-    float loss = 0.0f, gs;
-    double loss64 = 0.0;
-    ce_reduce(p, NULL, 0.0f, S, NULL, &gs, NULL);
+    /* The loss needs the statistics on the host. With row_stats_in they were checked by the
+     * call that made them, so the fast pass 2 is enqueued before the download and the device
+     * works while the host waits for it; otherwise the download and the loss's check come
+     * first, so that a non-finite loss leaves dhidden and dweight untouched (but in the
+     * one-call form, no_wait with row_stats_out, and the row-block walk, which is only that). */
     const int early = fast && (with_dh || with_dw) &&
                       (p->row_stats_in != NULL || (p->no_wait && p->row_stats_out != NULL));
-    if (early && kind == CE_BF16)
+    if (early && kind == CE_BF16) /* (CE_ROWS: done above) */
         CE_DEV(ce_pass2_bf16(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
-    else if (early)
+    else if (early && kind != CE_ROWS)
         CE_DEV(ce_pass2_fast(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
     /* no_wait: nothing below waits for the device (the stats were checked when made) */
     const int no_wait = p->no_wait && early && !own && !p->row_loss;
@@ -812,14 +887,14 @@ kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
     if (is_cuda(be)) return ce_device(be, p, S, cn, out);
     const int with_dh = p->dhidden != NULL, with_dw = p->dweight != NULL;
     ce_scratch sc;
-    size_t bytes = ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, NULL, NULL);
+    size_t bytes = ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, 0, NULL, NULL);
     if (bytes == 0) return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: scratch size overflows");
     uint8_t *block = kiln_malloc(bytes);
     if (!block)
         return kiln_error(KILN_ERR_NOMEM, "fused_ce: out of memory for %zu bytes of scratch "
                           "(%lld supervised rows x chunk %lld)", bytes, (long long)S,
                           (long long)cn);
-    ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, block, &sc);
+    ce_layout(S, S, H, cn, with_dh, with_dw, CE_FULL, 0, 0, block, &sc);
 
     const kiln_cpu_kernels *k = kernels_of(be);
     kiln_pool *pool = kiln_backend_cpu_pool(be);

@@ -116,6 +116,18 @@ typedef struct kiln_fused_ce_params {
      * Without the caller's scratch it still enqueues pass 2 first but then waits and returns
      * the loss. Otherwise ignored. */
     int no_wait;
+    /* Device backends in fast mode, in that one-call form (no_wait with row_stats_out, not
+     * row_stats_in; dhidden or dweight) with a bf16 weight read in place (16-byte aligned
+     * rows): > 0 walks the supervised rows in blocks of row_block (rounded up to 8) instead
+     * of the vocabulary in chunks. Each block's whole logits (rows x V f32, in the scratch:
+     * result.scratch_bytes grows by about 4 x row_block x V bytes) are made once, its
+     * statistics and gradient come from them in one kernel (the gradient in bf16, in place),
+     * then dh = g @ W and dW += g^T @ hs: three products a row instead of the vocabulary
+     * walk's four (its pass 2 makes every logit again). The results are defined for a given
+     * row_block and differ from the vocabulary walk's in the last bits (the order of the
+     * statistics' sums, dW summed block by block); deterministic run to run. 0 (the
+     * default), or a call not in that form: the vocabulary walk. < 0: KILN_ERR_INVALID_ARG. */
+    int64_t row_block;
 } kiln_fused_ce_params;
 
 typedef struct kiln_fused_ce_result {
@@ -159,6 +171,11 @@ kiln_status kiln_fused_ce_loss_from_stats(const kiln_fused_ce_params *p, const f
  * requested. 0 when the size overflows. */
 size_t kiln_fused_ce_scratch_bytes(int64_t S, int64_t H, int64_t V, int64_t chunk, int with_dh,
                                    int with_dw);
+
+/* The same for the row-block walk (params.row_block > 0 where it applies) with blocks of
+ * row_block rows: about 4 x min(row_block, S) x V bytes more than the vocabulary walk's. */
+size_t kiln_fused_ce_row_block_bytes(int64_t S, int64_t H, int64_t V, int64_t row_block,
+                                     int with_dh, int with_dw);
 
 /* kiln's log for the loss: finite x > 0 (the row sums of exponentials, >= 1); defined in
  * docs/ARITHMETIC.md. Exposed for the accuracy test. */

@@ -590,6 +590,7 @@ kiln_train_params kiln_train_default_params(void) {
     p.weight_decay = 0.01;
     p.device = -1;
     p.ce_keep_mib = 64;
+    p.ce_row_block = 2048;
     return p;
 }
 
@@ -605,8 +606,9 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
                           "max_seq (%d) tokens to fit an int", p.max_batch, p.max_seq);
     if ((unsigned)p.weight_storage > KILN_STORAGE_BF16_SR || (unsigned)p.moment_storage > KILN_MOMENTS_Q8)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: unknown storage variant");
-    if (p.ce_chunk < 0 || p.n_threads < 0)
-        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: ce_chunk and n_threads must be >= 0");
+    if (p.ce_chunk < 0 || p.n_threads < 0 || p.ce_row_block < 0)
+        return kiln_error(KILN_ERR_INVALID_ARG,
+                          "kiln_trainer_create: ce_chunk, n_threads and ce_row_block must be >= 0");
     if (p.device < -1)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: device %d: use -1 (CPU) or a CUDA device index >= 0",
                           p.device);
@@ -1395,8 +1397,11 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
  * pass 1 (fused_ce's no_wait with row_stats_out), the statistics' download is begun behind
  * them, the layers' backward and the embedding's are enqueued, and only then does the host
  * wait -- for the download alone, so the device is still busy with the backward when this
- * returns the loss. The same products on the same operands as forward_batch + backward, so
- * the same bits. Elsewhere it is forward_batch + backward. */
+ * returns the loss. With ce_row_block 0 these are the products of forward_batch + backward on
+ * the same operands, so the same bits; with ce_row_block > 0 (the default) the loss walks the
+ * rows in blocks (fused_ce's row_block: one logits product fewer; the loss's statistics and
+ * the head's gradients differ in the last bits, deterministic run to run). Elsewhere it is
+ * forward_batch + backward. */
 kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq, int seq, const int32_t *targets,
                                   kiln_loss_reduction red, float scale, int accumulate, float *loss) {
     const char *call = "kiln_train_step_batch";
@@ -1429,6 +1434,7 @@ kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq
     cp.dweight = t->lm_head->g;
     cp.row_stats_out = t->ce_stats;
     cp.no_wait = 1; /* pass 2 behind pass 1; the loss from the statistics below */
+    cp.row_block = t->p.ce_row_block; /* or the row-block walk, in one pass */
     kiln_fused_ce_result r, lr;
     const size_t stats_bytes = (size_t)3 * (size_t)n * sizeof(float);
     st = fused_ce_call(t, &cp, &r); /* a call that waited checked its loss: a non-finite one fails here */
@@ -1713,9 +1719,13 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
     kiln_adamw_describe(t->opt_vec, db, sizeof db, &b);
     m.optimizer = a.owned + b.owned;
     m.activations = t->act_bytes;
-    const uint64_t loss_scratch =
-        kiln_fused_ce_scratch_bytes(t->p.max_seq * t->p.max_batch, t->cfg.n_embd, t->cfg.n_vocab,
-                                    t->p.ce_chunk ? t->p.ce_chunk : KILN_FUSED_CE_DEFAULT_CHUNK, 1, 1);
+    const int64_t rows = (int64_t)t->p.max_seq * t->p.max_batch;
+    uint64_t loss_scratch = kiln_fused_ce_scratch_bytes(
+        rows, t->cfg.n_embd, t->cfg.n_vocab, t->p.ce_chunk ? t->p.ce_chunk : KILN_FUSED_CE_DEFAULT_CHUNK, 1, 1);
+    if (!t->host && t->p.fast && t->p.ce_row_block > 0) { /* step_batch's row-block walk */
+        const uint64_t rb = kiln_fused_ce_row_block_bytes(rows, t->cfg.n_embd, t->cfg.n_vocab, t->p.ce_row_block, 1, 1);
+        if (rb > loss_scratch) loss_scratch = rb;
+    }
     m.scratch = loss_scratch;
     if (t->ce_keep) m.scratch += (uint64_t)t->ce_keep_floats * sizeof(float); /* kept logits */
     m.peak_step = t->peak_step;

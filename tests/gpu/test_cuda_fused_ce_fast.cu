@@ -39,6 +39,16 @@
  * line per weight dtype:
  *   "fused_ce fast timing N=8192 H=896 V=151936 f32 fwd+bwd: bf16 path 12.34 ms, composition
  *    31.40 ms per call (median of 5)".
+ * Then the row-block walk (kiln_fused_ce_params.row_block, the one-call form) against the
+ * vocabulary walk and the auditable call: the same bits twice; the loss within 1e-4, the row
+ * statistics within 1e-5 and the gradients within 2e-3 norm-wise of the vocabulary walk, and
+ * within 1e-2 of auditable mode; calls the walk does not take (f32 or misaligned weight, S <= 8)
+ * give the vocabulary walk's bits (the walk reads the weight in place: bf16 rows of a multiple
+ * of 16 bytes, 16-byte aligned). Cases: blocks of 512 with a padding row, V % 4 == 1, blocks
+ * rounded up to 8, dh only, dW only, one block, a mask. Without --quick the 0.5B head
+ * (N 8192, V 151936, blocks of 2048), timed against the vocabulary walk:
+ *   "fused_ce fast timing N=8192 H=896 V=151936 one-call fwd+bwd: row-block walk (2048 rows)
+ *    ... ms, vocabulary walk ... ms per call (median of 5)".
  * Then "ALL OK" or "FAILED n".
  *
  * Usage: test_cuda_fused_ce_fast [--quick] [--seed N]   (--quick: V 49152 and 151936 cases
@@ -557,6 +567,215 @@ static void test_bits(kiln_backend *be, const BitCase &c, int reps) {
     fflush(stdout);
 }
 
+/* ---- the row-block walk against the vocabulary walk ------------------------------------------ */
+
+struct RowCase {
+    int64_t N, H, V, row_block;
+    kiln_dtype dt;
+    int dh, dw;     /* which gradients are asked for */
+    int masked;     /* every 3rd row masked out */
+    int w_misalign; /* the weight 2 bytes past a 16-byte boundary (no walk: a copy of W) */
+    int expect_rows; /* the row-block walk runs (else the call keeps the vocabulary walk) */
+};
+
+/* The one-call form (no_wait, row_stats_out, the caller's scratch of cap bytes) with
+ * row_block rb; outputs reset first (dhidden NaN, overwritten; dweight dw0; row_stats NaN),
+ * then downloaded, and the loss made from the downloaded statistics
+ * (kiln_fused_ce_loss_from_stats) into o.r.loss / loss_f64. *ms (when not NULL): the median
+ * time of `reps` more calls, each waited for. */
+static bool run_rows(Side &s, const kiln_fused_ce_params &base, const RowCase &c, int64_t rb,
+                     const std::vector<float> &dw0, void *scr, size_t cap, Outs &o,
+                     const char *tag, int reps, double *ms) {
+    const int64_t N = c.N, H = c.H, V = c.V;
+    std::vector<float> nan_rs((size_t)N * 3, NAN), nan_dh((size_t)N * H, NAN), zero_n((size_t)N, 0);
+    OK_OR_FAIL(kiln_backend_upload(s.be, s.dh, nan_dh.data(), nan_dh.size() * 4));
+    OK_OR_FAIL(kiln_backend_upload(s.be, s.dw, dw0.data(), dw0.size() * 4));
+    OK_OR_FAIL(kiln_backend_upload(s.be, s.rl, zero_n.data(), (size_t)N * 4));
+    OK_OR_FAIL(kiln_backend_upload(s.be, s.rs, nan_rs.data(), (size_t)N * 12));
+    kiln_fused_ce_params p = base;
+    p.hidden = s.hidden;
+    p.weight = s.wp;
+    p.dhidden = c.dh ? s.dh : nullptr;
+    p.dweight = c.dw ? s.dw : nullptr;
+    p.row_stats_out = s.rs;
+    p.no_wait = 1;
+    p.scratch = scr;
+    p.scratch_cap = cap;
+    p.row_block = rb;
+    memset(&o.r, 0xab, sizeof o.r);
+    kiln_status st = kiln_fused_ce(s.be, &p, &o.r);
+    if (st == KILN_OK && !o.r.loss_pending) {
+        FAIL("%s (row_block %lld): the loss was not left pending", tag, (long long)rb);
+        return false;
+    }
+    std::vector<double> t;
+    for (int i = 0; i < reps && st == KILN_OK; i++) { /* dweight keeps accumulating: fine */
+        if (cudaDeviceSynchronize() != cudaSuccess) break;
+        auto t0 = std::chrono::steady_clock::now();
+        kiln_fused_ce_result r2;
+        st = kiln_fused_ce(s.be, &p, &r2);
+        if (st == KILN_OK) st = kiln_backend_status(s.be);
+        auto t1 = std::chrono::steady_clock::now();
+        t.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    }
+    if (st != KILN_OK) {
+        FAIL("%s (row_block %lld): kiln_fused_ce: %s: %s", tag, (long long)rb,
+             kiln_status_string(st), kiln_last_error());
+        return false;
+    }
+    if (ms && !t.empty()) {
+        std::sort(t.begin(), t.end());
+        *ms = t[t.size() / 2];
+    }
+    if (reps > 0) return true;
+    if (!download_outs(s, N, H, V, o)) return false;
+    kiln_fused_ce_result lr;
+    st = kiln_fused_ce_loss_from_stats(&p, o.rs.data(), &lr);
+    if (st != KILN_OK) {
+        FAIL("%s (row_block %lld): loss_from_stats: %s", tag, (long long)rb, kiln_last_error());
+        return false;
+    }
+    o.r.loss = lr.loss;
+    o.r.loss_f64 = lr.loss_f64;
+    return true;
+}
+
+/* The case through the row-block walk (twice: the same bits), the vocabulary walk (row_block
+ * 0) and the auditable backend: loss within 1e-4 relative of the vocabulary walk, row
+ * statistics, dhidden and dweight's gradient within kRowTol norm-wise of it (the statistics'
+ * sums in another order, hence some bf16 roundings of g on the other side; dW summed block by
+ * block), and within kTol of the auditable result. reps > 0: then both walks are timed. */
+static const double kRowTol = 2e-3;
+
+static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, int reps) {
+    const int fails0 = g_fail;
+    const int64_t N = c.N, H = c.H, V = c.V;
+    const int bf16 = c.dt == KILN_DTYPE_BF16;
+    std::vector<float> hidden;
+    std::vector<uint8_t> w;
+    random_inputs(N, H, V, bf16, hidden, w);
+    std::vector<int32_t> tg((size_t)N);
+    std::vector<uint8_t> mask((size_t)N, 1);
+    for (int64_t n = 0; n < N; n++) {
+        tg[n] = (int32_t)(rnd64() % (uint64_t)V);
+        if (N % 1024 == 0) {
+            if (n == N - 1) tg[n] = -1; /* a shifted sequence: odd S */
+        } else if (n % 5 == 3) {
+            tg[n] = -1;
+        }
+        if (c.masked && n % 3 == 1) mask[n] = 0;
+    }
+    tg[0] = (int32_t)(V - 1); /* the last column: the last slot of a row, maybe partial */
+    tg[1] = 0;
+    int64_t S = 0;
+    for (int64_t n = 0; n < N; n++) S += (mask[n] && tg[n] >= 0) ? 1 : 0;
+    std::vector<float> dw0((size_t)V * H);
+    for (auto &x : dw0) x = rndu() * 1e-3f / (float)S;
+
+    char tag[220];
+    snprintf(tag, sizeof tag, "fused_ce rows %s N=%lld H=%lld V=%lld row_block=%lld S=%lld%s%s%s%s",
+             bf16 ? "bf16" : "f32", (long long)N, (long long)H, (long long)V,
+             (long long)c.row_block, (long long)S,
+             c.dh && c.dw ? " dh+dW" : c.dh ? " dh only" : " dW only",
+             c.w_misalign ? " w+2B" : "", c.masked ? " mask" : "", reps > 0 ? " (timed)" : "");
+    kiln_fused_ce_params base = kiln_fused_ce_default_params();
+    base.N = N;
+    base.H = H;
+    base.V = V;
+    base.weight_dtype = c.dt;
+    base.targets = tg.data();
+    base.mask = c.masked ? mask.data() : nullptr;
+    base.reduction = KILN_CE_REDUCTION_MEAN;
+    base.scale = 0.75f;
+
+    const size_t want = kiln_fused_ce_row_block_bytes(S, H, V, c.row_block, c.dh, c.dw);
+    const size_t vocab = kiln_fused_ce_scratch_bytes(S, H, V, 0, c.dh, c.dw);
+    const size_t cap = want > vocab ? want : vocab;
+    void *scr = kiln_backend_alloc(be, cap);
+    Side s, as;
+    s.init(be, hidden, w, N, H, V, c.w_misalign ? 2 : 0);
+    as.init(aud_be, hidden, w, N, H, V);
+    Outs r1, r2, vw, au;
+    bool ok = scr != nullptr;
+    if (!scr) FAIL("%s: kiln_backend_alloc %zu bytes", tag, cap);
+    ok = ok && run_rows(s, base, c, c.row_block, dw0, scr, cap, r1, tag, 0, nullptr) &&
+         run_rows(s, base, c, c.row_block, dw0, scr, cap, r2, tag, 0, nullptr) &&
+         run_rows(s, base, c, 0, dw0, scr, cap, vw, tag, 0, nullptr);
+    if (ok) { /* the auditable reference: a plain call with both gradients */
+        CeCase ac = {N, H, V, 0, c.dt, KILN_CE_REDUCTION_MEAN, 0, c.masked};
+        std::vector<float> dh0((size_t)N * H, 0.0f);
+        ok = run_side(as, base, ac, dh0, dw0, false, au, tag);
+    }
+    double e_loss = 0, e_rs = 0, e_dh = 0, e_dw = 0, a_dh = 0, a_dw = 0;
+    bool ran_rows = false;
+    if (ok) {
+        same_run(r1, r2, "row-block walk twice", tag);
+        ran_rows = r1.r.scratch_bytes == want && want != vw.r.scratch_bytes;
+        if (ran_rows != (c.expect_rows != 0))
+            FAIL("%s: the %s ran (scratch %zu; row walk %zu, vocabulary walk %zu), expected "
+                 "the %s", tag, ran_rows ? "row-block walk" : "vocabulary walk",
+                 r1.r.scratch_bytes, want, vw.r.scratch_bytes,
+                 c.expect_rows ? "row-block walk" : "vocabulary walk");
+        if (!ran_rows) same_run(r1, vw, "no walk: the vocabulary walk's bits", tag);
+        e_loss = std::fabs((double)r1.r.loss - (double)vw.r.loss) / std::fabs((double)vw.r.loss);
+        if (!(e_loss <= 1e-4))
+            FAIL("%s: loss row walk %.9g vocabulary walk %.9g (relative %.3g)", tag,
+                 (double)r1.r.loss, (double)vw.r.loss, e_loss);
+        std::vector<float> fm, vm;
+        for (int64_t n = 0; n < N; n++)
+            if (mask[n] && tg[n] >= 0)
+                for (int q = 0; q < 3; q++) {
+                    fm.push_back(r1.rs[(size_t)n * 3 + q]);
+                    vm.push_back(vw.rs[(size_t)n * 3 + q]);
+                }
+        size_t wi;
+        e_rs = norm_err(fm.data(), vm.data(), nullptr, fm.size(), &wi);
+        if (!(e_rs <= 1e-5)) FAIL("%s: row_stats norm-wise %.3g > 1e-5", tag, e_rs);
+        if (c.dh) {
+            e_dh = norm_err(r1.dh.data(), vw.dh.data(), nullptr, r1.dh.size(), &wi);
+            if (!(e_dh <= kRowTol)) FAIL("%s: dhidden vs vocabulary walk %.3g > %.1g", tag, e_dh, kRowTol);
+            a_dh = cmp(r1.dh, au.dh, nullptr, "dhidden vs auditable", tag);
+            for (int64_t n = 0; n < N; n++) /* overwritten: unsupervised rows exactly 0 */
+                if (!(mask[n] && tg[n] >= 0))
+                    for (int64_t k = 0; k < H; k++)
+                        if (r1.dh[(size_t)n * H + k] != 0.0f || std::signbit(r1.dh[(size_t)n * H + k])) {
+                            FAIL("%s: dhidden[%lld][%lld] = %g at an unsupervised row", tag,
+                                 (long long)n, (long long)k, (double)r1.dh[(size_t)n * H + k]);
+                            n = N;
+                            break;
+                        }
+        }
+        if (c.dw) {
+            e_dw = norm_err(r1.dw.data(), vw.dw.data(), dw0.data(), r1.dw.size(), &wi);
+            if (!(e_dw <= kRowTol)) FAIL("%s: dweight vs vocabulary walk %.3g > %.1g", tag, e_dw, kRowTol);
+            a_dw = cmp(r1.dw, au.dw, dw0.data(), "dweight vs auditable", tag);
+        } else if (memcmp(r1.dw.data(), dw0.data(), dw0.size() * 4) != 0) {
+            FAIL("%s: dweight written without being asked for", tag);
+        }
+        double ea = std::fabs((double)r1.r.loss - (double)au.r.loss) / std::fabs((double)au.r.loss);
+        if (!(ea <= kTol)) FAIL("%s: loss vs auditable relative %.3g", tag, ea);
+    }
+    double ms_rows = 0.0, ms_vocab = 0.0;
+    if (ok && reps > 0) {
+        Outs tmp;
+        run_rows(s, base, c, c.row_block, dw0, scr, cap, tmp, tag, reps, &ms_rows);
+        run_rows(s, base, c, 0, dw0, scr, cap, tmp, tag, reps, &ms_vocab);
+    }
+    s.release();
+    as.release();
+    if (scr) kiln_backend_free_buf(be, scr);
+    printf("%s: path %s; vs vocabulary walk: loss %.2e stats %.2e dh %.2e dW %.2e; vs auditable "
+           "dh %.2e dW %.2e %s\n", tag, ran_rows ? "rows" : "vocabulary", e_loss, e_rs, e_dh,
+           e_dw, a_dh, a_dw, g_fail == fails0 ? "OK" : "FAILED");
+    if (reps > 0)
+        printf("fused_ce fast timing N=%lld H=%lld V=%lld one-call fwd+bwd: row-block walk "
+               "(%lld rows) %.2f ms, vocabulary walk %.2f ms per call (median of %d); scratch "
+               "%.1f vs %.1f MiB\n", (long long)N, (long long)H, (long long)V,
+               (long long)c.row_block, ms_rows, ms_vocab, reps, want / 1048576.0,
+               vocab / 1048576.0);
+    fflush(stdout);
+}
+
 int main(int argc, char **argv) {
     bool quick = false;
     for (int a = 1; a < argc; a++) {
@@ -628,6 +847,28 @@ int main(int argc, char **argv) {
             BitCase c = {8192, 896, 151936, 0, dt, 1, 1, 0, 0, 0, 1};
             test_bits(fast_be, c, 5);
         }
+    /* the row-block walk: {N, H, V, row_block, dtype, dh, dw, masked, w_misalign,
+     * expect_rows} */
+    const RowCase row_cases[] = {
+        {2048, 896, 49152, 512, KILN_DTYPE_BF16, 1, 1, 0, 0, 1}, /* S 2047: 4 blocks, 1 pad */
+        {1001, 96, 3001, 256, KILN_DTYPE_BF16, 1, 1, 1, 0, 1},   /* V % 4 == 1: ld(V) 3008 */
+        {1001, 96, 3001, 60, KILN_DTYPE_BF16, 0, 1, 0, 0, 1},    /* blocks of 64, dW only */
+        {1001, 96, 3002, 100, KILN_DTYPE_BF16, 1, 0, 0, 0, 1},   /* blocks of 104, dh only */
+        {1001, 100, 3001, 256, KILN_DTYPE_BF16, 1, 1, 0, 0, 0},  /* 200-byte rows: a copy */
+        {2048, 576, 49152, 1 << 20, KILN_DTYPE_BF16, 1, 1, 1, 0, 1}, /* one block */
+        {12, 64, 1000, 8, KILN_DTYPE_BF16, 1, 1, 0, 0, 1},       /* S 10: blocks 8 + 8 */
+        {7, 64, 1000, 8, KILN_DTYPE_BF16, 1, 1, 0, 0, 0},        /* S 6: matvec logits */
+        {1001, 100, 3001, 256, KILN_DTYPE_F32, 1, 1, 0, 0, 0},   /* f32 weight */
+        {1001, 96, 3001, 256, KILN_DTYPE_BF16, 1, 1, 0, 1, 0},   /* misaligned weight */
+    };
+    for (const RowCase &c : row_cases) {
+        if (quick && c.V > 10007) continue;
+        test_rows(fast_be, aud_be, c, 0);
+    }
+    if (!quick) { /* the benchmark shape, checked and timed */
+        RowCase c = {8192, 896, 151936, 2048, KILN_DTYPE_BF16, 1, 1, 0, 0, 1};
+        test_rows(fast_be, aud_be, c, 5);
+    }
     OK_OR_FAIL(kiln_backend_status(fast_be));
     OK_OR_FAIL(kiln_backend_status(aud_be));
     kiln_backend_free(fast_be);

@@ -435,6 +435,7 @@ static int run_step_batch_case(const char *vocab_dir) {
     p.weight_decay = 0.1;
     p.device = 0;
     p.fast = 1;
+    p.ce_row_block = 0; /* the vocabulary walk: forward_batch + backward's products */
     float *a = NULL, *b = NULL, *nan_w = NULL, *norm_w = NULL;
     size_t total = 0;
     int steps_same = 1;
@@ -534,6 +535,120 @@ done:
     return ok;
 }
 
+/* step_batch with the loss's row-block walk (ce_row_block, the default 2048: one block here)
+ * against forward_batch + backward (the vocabulary walk) over SB_STEPS steps of two
+ * micro-batches: two row-walk trainers give the same bits for every loss, every gradient and
+ * the weights after each step; against the split trainer step 1's losses within 1e-5 relative
+ * (the same weights: the statistics' sums run in another order; later ones within 1e-3, as
+ * the weights drift apart), step 1's gradients per tensor within GRAD_BOUND
+ * (the same bound as fast against auditable; printed), and the weights after SB_STEPS steps
+ * within WEIGHT_BOUND of the distance travelled. */
+static int run_row_block_case(const char *vocab_dir) {
+    char cfg[1200], tok[1200];
+    int ok = 1;
+    if (!write_config("llama", cfg, sizeof cfg)) return 0;
+    snprintf(tok, sizeof tok, "%s/ggml-vocab-llama-spm.gguf", vocab_dir);
+    kiln_model *m = NULL;
+    if (kiln_model_create(cfg, tok, 99, &m) != KILN_OK) {
+        fprintf(stderr, "FAIL row block: kiln_model_create: %s\n", kiln_last_error());
+        remove(cfg);
+        return 0;
+    }
+    remove(cfg);
+    gpu_randomise_vectors(m);
+    kiln_trainer *ts = NULL, *r1 = NULL, *r2 = NULL;
+    kiln_train_params p = kiln_train_default_params();
+    p.max_seq = SEQ;
+    p.max_batch = 2;
+    p.n_threads = 2;
+    p.lr = LR;
+    p.weight_decay = 0.1;
+    p.device = 0;
+    p.fast = 1;
+    float *a = NULL, *b = NULL, *c = NULL, *w0 = NULL;
+    size_t total = 0;
+    double worst_loss = 0.0, worst_grad = 0.0, wdiff = 0.0, wmove = 0.0;
+    int same = 1, bad = 0, loss_bad = 0;
+    if (p.ce_row_block != 2048 || kiln_trainer_create(m, &p, &ts) != KILN_OK ||
+        kiln_trainer_create(m, &p, &r1) != KILN_OK || kiln_trainer_create(m, &p, &r2) != KILN_OK) {
+        fprintf(stderr, "    trainers (default ce_row_block %d): %s\n", p.ce_row_block, kiln_last_error());
+        ok = 0;
+        goto done;
+    }
+    total = total_floats(ts);
+    a = malloc(total * sizeof(float));
+    b = malloc(total * sizeof(float));
+    c = malloc(total * sizeof(float));
+    w0 = malloc(total * sizeof(float));
+    if (!total || !a || !b || !c || !w0 || !read_all(ts, 0, w0, total)) {
+        ok = 0;
+        goto done;
+    }
+    int32_t ids[2][2 * SEQ], tg[2][2 * SEQ];
+    for (int s = 0; s < SB_STEPS; s++) {
+        for (int mb = 0; mb < 2; mb++)
+            for (int q = 0; q < 2; q++) {
+                make_batch(ids[mb] + q * SEQ, 7 * s + mb + q);
+                for (int i = 0; i < SEQ; i++) tg[mb][q * SEQ + i] = i + 1 < SEQ ? ids[mb][q * SEQ + i + 1] : -1;
+            }
+        for (int mb = 0; mb < 2; mb++) {
+            float ls = NAN, l1 = NAN, l2 = NAN;
+            TRY(kiln_train_forward_batch(ts, ids[mb], 2, SEQ, tg[mb], KILN_LOSS_MEAN, 0.5f, &ls), "forward_batch");
+            TRY(kiln_train_backward(ts, NULL, mb > 0), "backward");
+            TRY(kiln_train_step_batch(r1, ids[mb], 2, SEQ, tg[mb], KILN_LOSS_MEAN, 0.5f, mb > 0, &l1), "step_batch 1");
+            TRY(kiln_train_step_batch(r2, ids[mb], 2, SEQ, tg[mb], KILN_LOSS_MEAN, 0.5f, mb > 0, &l2), "step_batch 2");
+            if (memcmp(&l1, &l2, 4) != 0) {
+                fprintf(stderr, "    step %d micro %d: row walk losses %.9g vs %.9g\n", s + 1, mb, (double)l1,
+                        (double)l2);
+                same = 0;
+            }
+            const double e = fabs((double)l1 - (double)ls) / fabs((double)ls);
+            /* step 1: the same weights, only the statistics' order differs; later the
+             * trajectories drift apart as in fast against auditable */
+            if (!(e <= (s == 0 ? 1e-5 : 1e-3))) loss_bad = 1; /* a NaN too */
+            if (e > worst_loss) worst_loss = e;
+        }
+        if (!read_all(ts, 1, a, total) || !read_all(r1, 1, b, total) || !read_all(r2, 1, c, total)) {
+            ok = 0;
+            goto done;
+        }
+        if (first_diff(b, c, total) >= 0) same = 0;
+        if (s == 0) worst_grad = grad_ratios(ts, a, b, &bad);
+        float n0, n1, n2, c0, c1, c2;
+        TRY(kiln_train_clip_grads(ts, 1.0, &n0, &c0), "clip (split)");
+        TRY(kiln_train_clip_grads(r1, 1.0, &n1, &c1), "clip (row walk 1)");
+        TRY(kiln_train_clip_grads(r2, 1.0, &n2, &c2), "clip (row walk 2)");
+        TRY(kiln_train_optimizer_step(ts, LR), "adamw (split)");
+        TRY(kiln_train_optimizer_step(r1, LR), "adamw (row walk 1)");
+        TRY(kiln_train_optimizer_step(r2, LR), "adamw (row walk 2)");
+    }
+    if (!read_all(ts, 0, a, total) || !read_all(r1, 0, b, total) || !read_all(r2, 0, c, total)) {
+        ok = 0;
+        goto done;
+    }
+    if (first_diff(b, c, total) >= 0) same = 0;
+    for (size_t i = 0; i < total; i++) {
+        wdiff += ((double)b[i] - a[i]) * ((double)b[i] - a[i]);
+        wmove += ((double)a[i] - w0[i]) * ((double)a[i] - w0[i]);
+    }
+    wdiff = wmove > 0 ? sqrt(wdiff / wmove) : INFINITY;
+    if (!same || loss_bad || bad || !(wdiff <= WEIGHT_BOUND)) ok = 0;
+done:
+    printf("%-22s row walk twice: %s; vs forward_batch + backward over %d steps: max loss rel diff %.3e (bound "
+           "1e-5 at step 1, 1e-3 after), step-1 grads max rel %.3e (bound %.0e), weights diff/update %.3e (bound %.1f): %s\n",
+           "step_batch row walk", same ? "same bits" : "DIFFER", SB_STEPS, worst_loss, worst_grad, GRAD_BOUND,
+           wdiff, WEIGHT_BOUND, ok ? "OK" : "FAIL");
+    free(a);
+    free(b);
+    free(c);
+    free(w0);
+    kiln_trainer_free(ts);
+    kiln_trainer_free(r1);
+    kiln_trainer_free(r2);
+    kiln_model_close(m);
+    return ok;
+}
+
 int main(int argc, char **argv) {
     char shared[1024];
     const char *vocab_dir = gpu_vocab_dir(shared, sizeof shared);
@@ -595,6 +710,7 @@ int main(int argc, char **argv) {
     failed += !run_case("llama-fast bf16 master", "llama", KILN_STORAGE_BF16_MASTER, vocab_dir);
     failed += !run_case("qwen2-fast f32", "qwen2", KILN_STORAGE_F32, vocab_dir);
     failed += !run_step_batch_case(vocab_dir);
+    failed += !run_row_block_case(vocab_dir);
     rmdir(g_tmpdir);
     if (failed) printf("FAILED %d\n", failed);
     else printf("ALL OK\n");

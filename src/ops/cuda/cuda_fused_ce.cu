@@ -562,6 +562,123 @@ extern "C" kiln_status kiln_cuda_ce_grad_bf16(kiln_backend *be, uint16_t *g, int
     return ce_launched(be, "fused_ce gradient (bf16)");
 }
 
+/* ---- fast mode's row-block walk ---------------------------------------------------------------- */
+
+/* One row of a row block (fused_ce.c, ce_rows_bf16): z(R, ldz) f32 holds the block's whole
+ * logits (columns [0, V), ldz % 8 == 0, 16-byte aligned rows); one block of CE_FAST_THREADS
+ * threads per row (rows grid-strided) makes the row's statistics and then its gradient, which
+ * it writes in bf16 IN PLACE, as g(R, 2 ldz): row i's bf16 values start at row i's own f32
+ * bytes, so a row's gradient never touches another row.
+ *   Statistics (rows < Rs, the supervised ones): pass1_fast_kernel's order on the float4 slots
+ *   of the row (its VEC form, the columns >= V of the last slot as -inf), from m = -inf, l = 0:
+ *   m = the block's max, l = its sum, zt = z[t]; written to m, l, zt[i].
+ *   Gradient: ce_grad_value per column < V, rounded once (grad_bf16_kernel's values for those
+ *   statistics); columns [V, 4 ceil(V/4)) and every column of the padding rows [Rs, R) zero.
+ * In place: the walk reads the row in tiles of STEP = CE_FAST_THREADS x CE_P1_GROUP slots;
+ * tile k's slots are [k STEP, (k+1) STEP), and its bf16 values land on bytes [8 k STEP,
+ * 8 (k+1) STEP) of the row, i.e. on the f32 slots below (k+1) STEP / 2, all read by then. A
+ * barrier between a tile's loads and its stores keeps every thread's loads ahead of every
+ * store into them (the loop count is the same for every thread of the block). Plain loads
+ * (no __ldg): the kernel writes what it reads. */
+static __global__ void __launch_bounds__(CE_FAST_THREADS)
+rows_fast_kernel(float *z, int64_t ldz, int64_t R, int64_t Rs, int64_t V,
+                 const int32_t *__restrict__ tgt, float *__restrict__ m, float *__restrict__ l,
+                 float *__restrict__ zt, float gs) {
+    __shared__ float part_m[CE_FAST_WARPS], part_s[CE_FAST_WARPS];
+    __shared__ float row_nm, row_rl;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    constexpr int G = CE_P1_GROUP;
+    constexpr int64_t STEP = (int64_t)CE_FAST_THREADS * G;
+    const int64_t slots = (V + 3) / 4;
+    for (int64_t i = blockIdx.x; i < R; i += gridDim.x) { /* uniform per block */
+        float *zr = z + i * ldz;
+        uint2 *gr = reinterpret_cast<uint2 *>(zr); /* slot j's four bf16 values: gr[j] */
+        if (i >= Rs) {                              /* a padding row: zeros */
+            for (int64_t j = tid; j < slots; j += CE_FAST_THREADS) gr[j] = make_uint2(0u, 0u);
+            continue;
+        }
+        float mt = -INFINITY, st = 0.0f;
+        for (int64_t j0 = tid; j0 < slots; j0 += STEP) {
+            float v[G * 4];
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                const int64_t j = j0 + (int64_t)g * CE_FAST_THREADS;
+                float4 x4 = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+                if (j < slots) x4 = reinterpret_cast<const float4 *>(zr)[j];
+                const int64_t c = 4 * j; /* the last slot's columns >= V: -inf */
+                v[4 * g] = x4.x;
+                v[4 * g + 1] = c + 1 < V ? x4.y : -INFINITY;
+                v[4 * g + 2] = c + 2 < V ? x4.z : -INFINITY;
+                v[4 * g + 3] = c + 3 < V ? x4.w : -INFINITY;
+            }
+            ce_p1_group<G * 4>(mt, st, v);
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float mo = __shfl_xor_sync(0xffffffffu, mt, o);
+            const float so = __shfl_xor_sync(0xffffffffu, st, o);
+            ce_merge(mt, st, mo, so);
+        }
+        if (lane == 0) {
+            part_m[warp] = mt;
+            part_s[warp] = st;
+        }
+        __syncthreads();
+        const int64_t t = tgt[i];
+        if (tid == 0) {
+            float bm = part_m[0], bs = part_s[0];
+            for (int w = 1; w < CE_FAST_WARPS; w++) ce_merge(bm, bs, part_m[w], part_s[w]);
+            /* pass1_fast_kernel's update from m = -inf, l = 0 gives exactly m = bm, l = bs */
+            m[i] = bm;
+            l[i] = bs;
+            zt[i] = zr[t]; /* read before any store of this row (the barrier below) */
+            row_nm = -bm * KILN_LOG2E;
+            row_rl = 1.0f / bs;
+        }
+        __syncthreads();
+        const float nm = row_nm, rl = row_rl;
+        for (int64_t base = 0; base < slots; base += STEP) {
+            float4 x[G];
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                const int64_t j = base + tid + (int64_t)g * CE_FAST_THREADS;
+                x[g] = j < slots ? reinterpret_cast<const float4 *>(zr)[j] : make_float4(0, 0, 0, 0);
+            }
+            __syncthreads(); /* every load of this tile before any store into it */
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                const int64_t j = base + tid + (int64_t)g * CE_FAST_THREADS;
+                if (j >= slots) continue;
+                const int64_t c = 4 * j;
+                const float xs[4] = {x[g].x, x[g].y, x[g].z, x[g].w};
+                uint16_t b[4];
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    b[q] = c + q < V ? kiln_bf16_rne(ce_grad_value(xs[q], nm, rl, gs, c + q == t))
+                                     : (uint16_t)0;
+                gr[j] = make_uint2((uint32_t)b[0] | ((uint32_t)b[1] << 16),
+                                   (uint32_t)b[2] | ((uint32_t)b[3] << 16));
+            }
+        }
+        __syncthreads(); /* part_*, row_* are rewritten for the next row */
+    }
+}
+
+extern "C" kiln_status kiln_cuda_ce_rows_fast(kiln_backend *be, float *z, int64_t ldz,
+                                              int64_t R, int64_t Rs, int64_t V,
+                                              const int32_t *tgt, float *m, float *l, float *zt,
+                                              float gs) {
+    CE_BEGIN(be);
+    if (Rs < 0 || Rs > R || V <= 0 || ldz < V || ldz % 8 != 0 || ((uintptr_t)z & 15u) != 0)
+        return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG,
+                              "fused_ce row block (fast): rows %lld of %lld, V %lld, ld %lld",
+                              (long long)Rs, (long long)R, (long long)V, (long long)ldz);
+    if (R <= 0) return KILN_OK;
+    const unsigned blocks = (unsigned)(R < (1 << 20) ? R : (1 << 20));
+    rows_fast_kernel<<<blocks, CE_FAST_THREADS, 0, kiln_cuda_stream(be)>>>(z, ldz, R, Rs, V, tgt,
+                                                                          m, l, zt, gs);
+    return ce_launched(be, "fused_ce row block (fast)");
+}
+
 /* The GEMM module's rule (bf16_in_place in cuda_gemm_fast.cu and cuda_backward_fast.cu): rows
  * that start 16-byte aligned are read in place; a copy would have other alignments and leading
  * dimension, hence possibly another algorithm and other bits. */

@@ -218,6 +218,16 @@ kiln_status kiln_cuda_ce_gather_bf16(kiln_backend *be, uint16_t *hsb, int64_t ld
 kiln_status kiln_cuda_ce_grad_bf16(kiln_backend *be, uint16_t *g, int64_t ldg, const float *z,
                                    int64_t S, int64_t Sp, int64_t n, int64_t c0,
                                    const int32_t *tgt, const float *m, const float *l, float gs);
+/* Fast mode's row-block walk (fused_ce.c, ce_rows_bf16): z(R, ldz) f32 holds a block's whole
+ * logits, columns [0, V) (ldz >= V, a multiple of 8; z 16-byte aligned). Per row i < Rs:
+ * m[i], l[i], zt[i] = the row's max, sum of exponentials and target logit (pass1_fast's order
+ * over the whole row, from m = -inf, l = 0), then the gradient (grad_bf16's values) written
+ * in bf16 IN PLACE as g(R, 2 ldz): row i's values at (uint16_t *)(z + i ldz); rows [Rs, R)
+ * and the columns from V to the next multiple of 4 are zeros. tgt, m, l, zt: the block's rows.
+ * Afterwards z no longer holds the logits. */
+kiln_status kiln_cuda_ce_rows_fast(kiln_backend *be, float *z, int64_t ldz, int64_t R,
+                                   int64_t Rs, int64_t V, const int32_t *tgt, float *m,
+                                   float *l, float *zt, float gs);
 /* Whether the GEMMs read weight rows w (row_bytes apart, dtype dt) in place: bf16 with
  * 16-byte aligned rows (the GEMM module's rule); otherwise they take a bf16 copy. */
 bool kiln_cuda_ce_weight_in_place(const void *w, size_t row_bytes, kiln_dtype dt);

@@ -121,6 +121,13 @@ kiln_status kiln_cuda_ce_grad_bf16(kiln_backend *be, uint16_t *g, int64_t ldg, c
     (void)m; (void)l; (void)gs;
     return no_cuda("kiln_cuda_ce_grad_bf16");
 }
+kiln_status kiln_cuda_ce_rows_fast(kiln_backend *be, float *z, int64_t ldz, int64_t R,
+                                   int64_t Rs, int64_t V, const int32_t *tgt, float *m,
+                                   float *l, float *zt, float gs) {
+    (void)be; (void)z; (void)ldz; (void)R; (void)Rs; (void)V; (void)tgt; (void)m; (void)l;
+    (void)zt; (void)gs;
+    return no_cuda("kiln_cuda_ce_rows_fast");
+}
 bool kiln_cuda_ce_weight_in_place(const void *w, size_t row_bytes, kiln_dtype dt) {
     (void)w; (void)row_bytes; (void)dt;
     return false;
