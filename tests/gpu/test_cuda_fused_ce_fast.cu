@@ -640,13 +640,64 @@ static bool run_rows(Side &s, const kiln_fused_ce_params &base, const RowCase &c
     return true;
 }
 
-/* The case through the row-block walk (twice: the same bits), the vocabulary walk (row_block
- * 0) and the auditable backend: loss within 1e-4 relative of the vocabulary walk, row
- * statistics, dhidden and dweight's gradient within kRowTol norm-wise of it (the statistics'
- * sums in another order, hence some bf16 roundings of g on the other side; dW summed block by
- * block), and within kTol of the auditable result. reps > 0: then both walks are timed. */
+/* The row walk's outputs r against the vocabulary walk's vw (loss within 1e-4 relative,
+ * row statistics within 1e-5 and the gradients within kRowTol norm-wise: the statistics' sums
+ * run in another order, hence some bf16 roundings of g fall on the other side, and dW is
+ * summed block by block) and the auditable au (within kTol); the exact properties (an
+ * overwritten dhidden's unsupervised rows exactly +0, dweight untouched when not asked for).
+ * e[4]: loss, stats, dh, dW against vw; a[2]: dh, dW against au. */
 static const double kRowTol = 2e-3;
 
+static void cmp_rows(const Outs &r, const Outs &vw, const Outs &au, const RowCase &c,
+                     const std::vector<int32_t> &tg, const std::vector<uint8_t> &mask,
+                     const std::vector<float> &dw0, const char *tag, double e[4], double a[2]) {
+    const int64_t N = c.N, H = c.H;
+    e[0] = e[1] = e[2] = e[3] = a[0] = a[1] = 0.0;
+    e[0] = std::fabs((double)r.r.loss - (double)vw.r.loss) / std::fabs((double)vw.r.loss);
+    if (!(e[0] <= 1e-4))
+        FAIL("%s: loss row walk %.9g vocabulary walk %.9g (relative %.3g)", tag,
+             (double)r.r.loss, (double)vw.r.loss, e[0]);
+    std::vector<float> fm, vm;
+    for (int64_t n = 0; n < N; n++)
+        if (mask[n] && tg[n] >= 0)
+            for (int q = 0; q < 3; q++) {
+                fm.push_back(r.rs[(size_t)n * 3 + q]);
+                vm.push_back(vw.rs[(size_t)n * 3 + q]);
+            }
+    size_t wi;
+    e[1] = norm_err(fm.data(), vm.data(), nullptr, fm.size(), &wi);
+    if (!(e[1] <= 1e-5)) FAIL("%s: row_stats norm-wise %.3g > 1e-5", tag, e[1]);
+    if (c.dh) {
+        e[2] = norm_err(r.dh.data(), vw.dh.data(), nullptr, r.dh.size(), &wi);
+        if (!(e[2] <= kRowTol)) FAIL("%s: dhidden vs vocabulary walk %.3g > %.1g", tag, e[2], kRowTol);
+        a[0] = cmp(r.dh, au.dh, nullptr, "dhidden vs auditable", tag);
+        for (int64_t n = 0; n < N; n++) /* overwritten: unsupervised rows exactly +0 */
+            if (!(mask[n] && tg[n] >= 0))
+                for (int64_t k = 0; k < H; k++) {
+                    const float x = r.dh[(size_t)n * H + k];
+                    if (x != 0.0f || std::signbit(x)) {
+                        FAIL("%s: dhidden[%lld][%lld] = %g at an unsupervised row", tag,
+                             (long long)n, (long long)k, (double)x);
+                        n = N;
+                        break;
+                    }
+                }
+    }
+    if (c.dw) {
+        e[3] = norm_err(r.dw.data(), vw.dw.data(), dw0.data(), r.dw.size(), &wi);
+        if (!(e[3] <= kRowTol)) FAIL("%s: dweight vs vocabulary walk %.3g > %.1g", tag, e[3], kRowTol);
+        a[1] = cmp(r.dw, au.dw, dw0.data(), "dweight vs auditable", tag);
+    } else if (memcmp(r.dw.data(), dw0.data(), dw0.size() * 4) != 0) {
+        FAIL("%s: dweight written without being asked for", tag);
+    }
+    double ea = std::fabs((double)r.r.loss - (double)au.r.loss) / std::fabs((double)au.r.loss);
+    if (!(ea <= kTol)) FAIL("%s: loss vs auditable relative %.3g", tag, ea);
+}
+
+/* The case through the row-block walk twice (the same bits), once more with the one-block-
+ * a-row kernel (KILN_CE_ROWS_CLUSTER=0), through the vocabulary walk (row_block 0) and on the
+ * auditable backend; both row kernels within cmp_rows' bounds. reps > 0: then the three are
+ * timed. */
 static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, int reps) {
     const int fails0 = g_fail;
     const int64_t N = c.N, H = c.H, V = c.V;
@@ -672,12 +723,13 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
     std::vector<float> dw0((size_t)V * H);
     for (auto &x : dw0) x = rndu() * 1e-3f / (float)S;
 
-    char tag[220];
+    char tag[220], tag1[260];
     snprintf(tag, sizeof tag, "fused_ce rows %s N=%lld H=%lld V=%lld row_block=%lld S=%lld%s%s%s%s",
              bf16 ? "bf16" : "f32", (long long)N, (long long)H, (long long)V,
              (long long)c.row_block, (long long)S,
              c.dh && c.dw ? " dh+dW" : c.dh ? " dh only" : " dW only",
              c.w_misalign ? " w+2B" : "", c.masked ? " mask" : "", reps > 0 ? " (timed)" : "");
+    snprintf(tag1, sizeof tag1, "%s [one block a row]", tag);
     kiln_fused_ce_params base = kiln_fused_ce_default_params();
     base.N = N;
     base.H = H;
@@ -695,18 +747,21 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
     Side s, as;
     s.init(be, hidden, w, N, H, V, c.w_misalign ? 2 : 0);
     as.init(aud_be, hidden, w, N, H, V);
-    Outs r1, r2, vw, au;
+    Outs r1, r2, r3, vw, au;
     bool ok = scr != nullptr;
     if (!scr) FAIL("%s: kiln_backend_alloc %zu bytes", tag, cap);
     ok = ok && run_rows(s, base, c, c.row_block, dw0, scr, cap, r1, tag, 0, nullptr) &&
-         run_rows(s, base, c, c.row_block, dw0, scr, cap, r2, tag, 0, nullptr) &&
-         run_rows(s, base, c, 0, dw0, scr, cap, vw, tag, 0, nullptr);
+         run_rows(s, base, c, c.row_block, dw0, scr, cap, r2, tag, 0, nullptr);
+    setenv("KILN_CE_ROWS_CLUSTER", "0", 1);
+    ok = ok && run_rows(s, base, c, c.row_block, dw0, scr, cap, r3, tag1, 0, nullptr);
+    unsetenv("KILN_CE_ROWS_CLUSTER");
+    ok = ok && run_rows(s, base, c, 0, dw0, scr, cap, vw, tag, 0, nullptr);
     if (ok) { /* the auditable reference: a plain call with both gradients */
         CeCase ac = {N, H, V, 0, c.dt, KILN_CE_REDUCTION_MEAN, 0, c.masked};
         std::vector<float> dh0((size_t)N * H, 0.0f);
         ok = run_side(as, base, ac, dh0, dw0, false, au, tag);
     }
-    double e_loss = 0, e_rs = 0, e_dh = 0, e_dw = 0, a_dh = 0, a_dw = 0;
+    double e[4] = {0}, a[2] = {0}, e1[4] = {0}, a1[2] = {0};
     bool ran_rows = false;
     if (ok) {
         same_run(r1, r2, "row-block walk twice", tag);
@@ -716,63 +771,35 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
                  "the %s", tag, ran_rows ? "row-block walk" : "vocabulary walk",
                  r1.r.scratch_bytes, want, vw.r.scratch_bytes,
                  c.expect_rows ? "row-block walk" : "vocabulary walk");
-        if (!ran_rows) same_run(r1, vw, "no walk: the vocabulary walk's bits", tag);
-        e_loss = std::fabs((double)r1.r.loss - (double)vw.r.loss) / std::fabs((double)vw.r.loss);
-        if (!(e_loss <= 1e-4))
-            FAIL("%s: loss row walk %.9g vocabulary walk %.9g (relative %.3g)", tag,
-                 (double)r1.r.loss, (double)vw.r.loss, e_loss);
-        std::vector<float> fm, vm;
-        for (int64_t n = 0; n < N; n++)
-            if (mask[n] && tg[n] >= 0)
-                for (int q = 0; q < 3; q++) {
-                    fm.push_back(r1.rs[(size_t)n * 3 + q]);
-                    vm.push_back(vw.rs[(size_t)n * 3 + q]);
-                }
-        size_t wi;
-        e_rs = norm_err(fm.data(), vm.data(), nullptr, fm.size(), &wi);
-        if (!(e_rs <= 1e-5)) FAIL("%s: row_stats norm-wise %.3g > 1e-5", tag, e_rs);
-        if (c.dh) {
-            e_dh = norm_err(r1.dh.data(), vw.dh.data(), nullptr, r1.dh.size(), &wi);
-            if (!(e_dh <= kRowTol)) FAIL("%s: dhidden vs vocabulary walk %.3g > %.1g", tag, e_dh, kRowTol);
-            a_dh = cmp(r1.dh, au.dh, nullptr, "dhidden vs auditable", tag);
-            for (int64_t n = 0; n < N; n++) /* overwritten: unsupervised rows exactly 0 */
-                if (!(mask[n] && tg[n] >= 0))
-                    for (int64_t k = 0; k < H; k++)
-                        if (r1.dh[(size_t)n * H + k] != 0.0f || std::signbit(r1.dh[(size_t)n * H + k])) {
-                            FAIL("%s: dhidden[%lld][%lld] = %g at an unsupervised row", tag,
-                                 (long long)n, (long long)k, (double)r1.dh[(size_t)n * H + k]);
-                            n = N;
-                            break;
-                        }
+        if (!ran_rows) {
+            same_run(r1, vw, "no walk: the vocabulary walk's bits", tag);
+            same_run(r3, vw, "no walk: the vocabulary walk's bits", tag1);
         }
-        if (c.dw) {
-            e_dw = norm_err(r1.dw.data(), vw.dw.data(), dw0.data(), r1.dw.size(), &wi);
-            if (!(e_dw <= kRowTol)) FAIL("%s: dweight vs vocabulary walk %.3g > %.1g", tag, e_dw, kRowTol);
-            a_dw = cmp(r1.dw, au.dw, dw0.data(), "dweight vs auditable", tag);
-        } else if (memcmp(r1.dw.data(), dw0.data(), dw0.size() * 4) != 0) {
-            FAIL("%s: dweight written without being asked for", tag);
-        }
-        double ea = std::fabs((double)r1.r.loss - (double)au.r.loss) / std::fabs((double)au.r.loss);
-        if (!(ea <= kTol)) FAIL("%s: loss vs auditable relative %.3g", tag, ea);
+        cmp_rows(r1, vw, au, c, tg, mask, dw0, tag, e, a);
+        cmp_rows(r3, vw, au, c, tg, mask, dw0, tag1, e1, a1);
     }
-    double ms_rows = 0.0, ms_vocab = 0.0;
+    double ms_rows = 0.0, ms_one = 0.0, ms_vocab = 0.0;
     if (ok && reps > 0) {
         Outs tmp;
         run_rows(s, base, c, c.row_block, dw0, scr, cap, tmp, tag, reps, &ms_rows);
+        setenv("KILN_CE_ROWS_CLUSTER", "0", 1);
+        run_rows(s, base, c, c.row_block, dw0, scr, cap, tmp, tag1, reps, &ms_one);
+        unsetenv("KILN_CE_ROWS_CLUSTER");
         run_rows(s, base, c, 0, dw0, scr, cap, tmp, tag, reps, &ms_vocab);
     }
     s.release();
     as.release();
     if (scr) kiln_backend_free_buf(be, scr);
-    printf("%s: path %s; vs vocabulary walk: loss %.2e stats %.2e dh %.2e dW %.2e; vs auditable "
-           "dh %.2e dW %.2e %s\n", tag, ran_rows ? "rows" : "vocabulary", e_loss, e_rs, e_dh,
-           e_dw, a_dh, a_dw, g_fail == fails0 ? "OK" : "FAILED");
+    printf("%s: path %s; vs vocabulary walk: loss %.2e stats %.2e dh %.2e dW %.2e (one block a "
+           "row: %.2e %.2e %.2e %.2e); vs auditable dh %.2e dW %.2e %s\n", tag,
+           ran_rows ? "rows" : "vocabulary", e[0], e[1], e[2], e[3], e1[0], e1[1], e1[2], e1[3],
+           a[0], a[1], g_fail == fails0 ? "OK" : "FAILED");
     if (reps > 0)
         printf("fused_ce fast timing N=%lld H=%lld V=%lld one-call fwd+bwd: row-block walk "
-               "(%lld rows) %.2f ms, vocabulary walk %.2f ms per call (median of %d); scratch "
-               "%.1f vs %.1f MiB\n", (long long)N, (long long)H, (long long)V,
-               (long long)c.row_block, ms_rows, ms_vocab, reps, want / 1048576.0,
-               vocab / 1048576.0);
+               "(%lld rows) %.2f ms (one block a row: %.2f ms), vocabulary walk %.2f ms per call "
+               "(median of %d); scratch %.1f vs %.1f MiB\n", (long long)N, (long long)H,
+               (long long)V, (long long)c.row_block, ms_rows, ms_one, ms_vocab, reps,
+               want / 1048576.0, vocab / 1048576.0);
     fflush(stdout);
 }
 

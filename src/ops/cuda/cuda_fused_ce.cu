@@ -32,6 +32,10 @@
 #include "cuda_gemm_fast.h"
 
 #include <atomic>
+#include <cooperative_groups.h>
+#include <cstdlib>
+
+namespace cg = cooperative_groups;
 
 extern "C" {
 #include "cuda_train.h"
@@ -663,6 +667,123 @@ rows_fast_kernel(float *z, int64_t ldz, int64_t R, int64_t Rs, int64_t V,
     }
 }
 
+/* The same work, one CLUSTER of CE_CL blocks per row (Hopper's thread-block clusters): block
+ * q of the cluster takes the row's float4 slots [q per, (q+1) per) and keeps them in its shared
+ * memory, so the row is read from memory once, not twice (rows_fast_kernel's second read of a
+ * row of 600 KB misses the L2). Order, fixed for a given V:
+ *   each block: pass1_fast_kernel's walk of its own slots (thread t: slots t, t + 256, ... of
+ *   the slice, in groups of CE_P1_GROUP, -inf past V), the xor butterfly, then thread 0 merges
+ *   the 8 warps in order: the block's (m, s);
+ *   every block's thread 0 then merges the CE_CL blocks' pairs in rank order 0, 1, ... through
+ *   distributed shared memory (the same operations in every block, so the same row m, l);
+ *   rank 0 writes m, l; the block holding the target's slot writes zt from its copy;
+ *   g per slot from the shared copy (ce_grad_value, rounded once), stored in bf16 in place.
+ * The first cluster barrier orders every block's loads before any store of the row (a store
+ * of slot j lands on slot j / 2's bytes, another block's); the second keeps each block's (m,
+ * s) alive until every block of the cluster has read them. */
+#define CE_CL 8
+/* largest slice (float4 slots) a block keeps in shared memory: 200 KiB */
+#define CE_CL_MAX_SLOTS (200 * 1024 / 16)
+
+static __global__ void __cluster_dims__(CE_CL, 1, 1) __launch_bounds__(CE_FAST_THREADS)
+rows_cluster_kernel(float *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
+                    const int32_t *__restrict__ tgt, float *__restrict__ m,
+                    float *__restrict__ l, float *__restrict__ zt, float gs) {
+    extern __shared__ float4 slice[]; /* per slots */
+    __shared__ float part_m[CE_FAST_WARPS], part_s[CE_FAST_WARPS];
+    __shared__ float blk_m, blk_s, row_nm, row_rl;
+    cg::cluster_group cluster = cg::this_cluster();
+    const int rank = (int)cluster.block_rank();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    constexpr int G = CE_P1_GROUP;
+    constexpr int64_t STEP = (int64_t)CE_FAST_THREADS * G;
+    const int64_t i = blockIdx.x / CE_CL; /* the row: uniform per cluster */
+    const int64_t slots = (V + 3) / 4;
+    const int64_t s0 = rank * per < slots ? rank * per : slots;
+    const int64_t s1 = s0 + per < slots ? s0 + per : slots, ns = s1 - s0;
+    float *zr = z + i * ldz;
+    uint2 *gr = reinterpret_cast<uint2 *>(zr);
+    if (i >= Rs) { /* a padding row: zeros (nothing reads its logits) */
+        for (int64_t j = s0 + tid; j < s1; j += CE_FAST_THREADS) gr[j] = make_uint2(0u, 0u);
+        return;
+    }
+    float mt = -INFINITY, st = 0.0f;
+    for (int64_t k0 = tid; k0 < ns; k0 += STEP) {
+        float v[G * 4];
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const int64_t k = k0 + (int64_t)g * CE_FAST_THREADS;
+            float4 x4 = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+            if (k < ns) {
+                x4 = reinterpret_cast<const float4 *>(zr)[s0 + k];
+                slice[k] = x4;
+            }
+            const int64_t c = 4 * (s0 + k); /* the last slot's columns >= V: -inf */
+            v[4 * g] = x4.x;
+            v[4 * g + 1] = c + 1 < V ? x4.y : -INFINITY;
+            v[4 * g + 2] = c + 2 < V ? x4.z : -INFINITY;
+            v[4 * g + 3] = c + 3 < V ? x4.w : -INFINITY;
+        }
+        ce_p1_group<G * 4>(mt, st, v);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float mo = __shfl_xor_sync(0xffffffffu, mt, o);
+        const float so = __shfl_xor_sync(0xffffffffu, st, o);
+        ce_merge(mt, st, mo, so);
+    }
+    if (lane == 0) {
+        part_m[warp] = mt;
+        part_s[warp] = st;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float bm = part_m[0], bs = part_s[0];
+        for (int w = 1; w < CE_FAST_WARPS; w++) ce_merge(bm, bs, part_m[w], part_s[w]);
+        blk_m = bm;
+        blk_s = bs;
+    }
+    cluster.sync(); /* every block's slice loaded and its (m, s) written */
+    if (tid == 0) {
+        float bm = *cluster.map_shared_rank(&blk_m, 0), bs = *cluster.map_shared_rank(&blk_s, 0);
+        for (int q = 1; q < CE_CL; q++)
+            ce_merge(bm, bs, *cluster.map_shared_rank(&blk_m, q),
+                     *cluster.map_shared_rank(&blk_s, q));
+        if (rank == 0) {
+            m[i] = bm;
+            l[i] = bs;
+        }
+        const int64_t t = tgt[i], ts = t / 4;
+        if (ts >= s0 && ts < s1) {
+            const float4 x = slice[ts - s0];
+            const int q = (int)(t % 4);
+            zt[i] = q == 0 ? x.x : q == 1 ? x.y : q == 2 ? x.z : x.w;
+        }
+        row_nm = -bm * KILN_LOG2E;
+        row_rl = 1.0f / bs;
+    }
+    cluster.sync(); /* every remote read done; row_nm, row_rl visible to the block */
+    const float nm = row_nm, rl = row_rl;
+    const int64_t t = tgt[i];
+    for (int64_t k = tid; k < ns; k += CE_FAST_THREADS) {
+        const float4 x = slice[k];
+        const int64_t j = s0 + k, c = 4 * j;
+        const float xs[4] = {x.x, x.y, x.z, x.w};
+        uint16_t b[4];
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+            b[q] = c + q < V ? kiln_bf16_rne(ce_grad_value(xs[q], nm, rl, gs, c + q == t))
+                             : (uint16_t)0;
+        gr[j] = make_uint2((uint32_t)b[0] | ((uint32_t)b[1] << 16),
+                           (uint32_t)b[2] | ((uint32_t)b[3] << 16));
+    }
+}
+
+/* KILN_CE_ROWS_CLUSTER=0 keeps rows_fast_kernel (for comparisons; read on every call). */
+static bool ce_rows_cluster_wanted(void) {
+    const char *e = getenv("KILN_CE_ROWS_CLUSTER");
+    return !(e && e[0] == '0');
+}
+
 extern "C" kiln_status kiln_cuda_ce_rows_fast(kiln_backend *be, float *z, int64_t ldz,
                                               int64_t R, int64_t Rs, int64_t V,
                                               const int32_t *tgt, float *m, float *l, float *zt,
@@ -673,6 +794,19 @@ extern "C" kiln_status kiln_cuda_ce_rows_fast(kiln_backend *be, float *z, int64_
                               "fused_ce row block (fast): rows %lld of %lld, V %lld, ld %lld",
                               (long long)Rs, (long long)R, (long long)V, (long long)ldz);
     if (R <= 0) return KILN_OK;
+    const int64_t slots = (V + 3) / 4, per = (slots + CE_CL - 1) / CE_CL;
+    if (per <= CE_CL_MAX_SLOTS && R <= (int64_t)0x7fffffff / CE_CL && ce_rows_cluster_wanted()) {
+        const size_t smem = (size_t)per * sizeof(float4);
+        if (smem > 48 * 1024 &&
+            !kiln_cuda_check(be, cudaFuncSetAttribute(rows_cluster_kernel,
+                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                      (int)smem),
+                             "fused_ce row block (fast): shared memory"))
+            return kiln_backend_status(be);
+        rows_cluster_kernel<<<(unsigned)(R * CE_CL), CE_FAST_THREADS, smem,
+                              kiln_cuda_stream(be)>>>(z, ldz, Rs, V, per, tgt, m, l, zt, gs);
+        return ce_launched(be, "fused_ce row block (fast, clusters)");
+    }
     const unsigned blocks = (unsigned)(R < (1 << 20) ? R : (1 << 20));
     rows_fast_kernel<<<blocks, CE_FAST_THREADS, 0, kiln_cuda_stream(be)>>>(z, ldz, R, Rs, V, tgt,
                                                                           m, l, zt, gs);
