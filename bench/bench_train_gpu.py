@@ -10,7 +10,8 @@ HOW TO RUN (on the GPU machine: python3 with torch and transformers; kiln built 
   scripts/gpu-train-bench.sh build-gpu            # everything, about 7-8 minutes on an H200
   python3 bench/bench_train_gpu.py --bin DIR [--parts train,ce,memory] [--models 135m,0.5b]
       [--seqs 2048,1024] [--batches 16,8] [--steps 3] [--budget 450] [--no-compile]
-      [--json OUT.json] [--device cuda|cpu] [--quick]
+      [--json OUT.json] [--device cuda|cpu] [--quick] [--micro 8,4]
+      [--kiln-variants 'vocabulary walk:ce_row_block=0;q8 moments:moments=q8']
 
   DIR holds libkiln.so (the Python binding python/kiln loads it through $KILN_LIB, set here)
   and, for the fused-loss part, the program bench_cuda_fused_ce (tests/gpu/, built with the
