@@ -671,9 +671,9 @@ rows_fast_kernel(float *z, int64_t ldz, int64_t R, int64_t Rs, int64_t V,
  * q of the cluster takes the row's float4 slots [q per, (q+1) per) and keeps them in its shared
  * memory, so the row is read from memory once, not twice (rows_fast_kernel's second read of a
  * row of 600 KB misses the L2). Order, fixed for a given V:
- *   each block: pass1_fast_kernel's walk of its own slots (thread t: slots t, t + 256, ... of
- *   the slice, in groups of CE_P1_GROUP, -inf past V), the xor butterfly, then thread 0 merges
- *   the 8 warps in order: the block's (m, s);
+ *   each block (CE_CL_THREADS threads): pass1_fast_kernel's walk of its own slots (thread t:
+ *   slots t, t + CE_CL_THREADS, ... of the slice, in groups of CE_P1_GROUP, -inf past V), the
+ *   xor butterfly, then thread 0 merges the warps in order: the block's (m, s);
  *   every block's thread 0 then merges the CE_CL blocks' pairs in rank order 0, 1, ... through
  *   distributed shared memory (the same operations in every block, so the same row m, l);
  *   rank 0 writes m, l; the block holding the target's slot writes zt from its copy;
@@ -684,19 +684,24 @@ rows_fast_kernel(float *z, int64_t ldz, int64_t R, int64_t Rs, int64_t V,
 #define CE_CL 8
 /* largest slice (float4 slots) a block keeps in shared memory: 200 KiB */
 #define CE_CL_MAX_SLOTS (200 * 1024 / 16)
+/* threads a block: two blocks of 76 KB fit an SM at V 151,936, so 512 threads each keep
+ * enough loads in flight (256 reached 2.5 TB/s) */
+#define CE_CL_THREADS 512
+#define CE_CL_WARPS (CE_CL_THREADS / 32)
+static_assert(CE_CL_THREADS % 32 == 0 && CE_CL_WARPS <= 32, "whole warps, one smem slot each");
 
-static __global__ void __cluster_dims__(CE_CL, 1, 1) __launch_bounds__(CE_FAST_THREADS)
+static __global__ void __cluster_dims__(CE_CL, 1, 1) __launch_bounds__(CE_CL_THREADS, 2)
 rows_cluster_kernel(float *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
                     const int32_t *__restrict__ tgt, float *__restrict__ m,
                     float *__restrict__ l, float *__restrict__ zt, float gs) {
     extern __shared__ float4 slice[]; /* per slots */
-    __shared__ float part_m[CE_FAST_WARPS], part_s[CE_FAST_WARPS];
+    __shared__ float part_m[CE_CL_WARPS], part_s[CE_CL_WARPS];
     __shared__ float blk_m, blk_s, row_nm, row_rl;
     cg::cluster_group cluster = cg::this_cluster();
     const int rank = (int)cluster.block_rank();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     constexpr int G = CE_P1_GROUP;
-    constexpr int64_t STEP = (int64_t)CE_FAST_THREADS * G;
+    constexpr int64_t STEP = (int64_t)CE_CL_THREADS * G;
     const int64_t i = blockIdx.x / CE_CL; /* the row: uniform per cluster */
     const int64_t slots = (V + 3) / 4;
     const int64_t s0 = rank * per < slots ? rank * per : slots;
@@ -704,7 +709,7 @@ rows_cluster_kernel(float *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
     float *zr = z + i * ldz;
     uint2 *gr = reinterpret_cast<uint2 *>(zr);
     if (i >= Rs) { /* a padding row: zeros (nothing reads its logits) */
-        for (int64_t j = s0 + tid; j < s1; j += CE_FAST_THREADS) gr[j] = make_uint2(0u, 0u);
+        for (int64_t j = s0 + tid; j < s1; j += CE_CL_THREADS) gr[j] = make_uint2(0u, 0u);
         return;
     }
     float mt = -INFINITY, st = 0.0f;
@@ -712,7 +717,7 @@ rows_cluster_kernel(float *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
         float v[G * 4];
 #pragma unroll
         for (int g = 0; g < G; g++) {
-            const int64_t k = k0 + (int64_t)g * CE_FAST_THREADS;
+            const int64_t k = k0 + (int64_t)g * CE_CL_THREADS;
             float4 x4 = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
             if (k < ns) {
                 x4 = reinterpret_cast<const float4 *>(zr)[s0 + k];
@@ -738,7 +743,7 @@ rows_cluster_kernel(float *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
     __syncthreads();
     if (tid == 0) {
         float bm = part_m[0], bs = part_s[0];
-        for (int w = 1; w < CE_FAST_WARPS; w++) ce_merge(bm, bs, part_m[w], part_s[w]);
+        for (int w = 1; w < CE_CL_WARPS; w++) ce_merge(bm, bs, part_m[w], part_s[w]);
         blk_m = bm;
         blk_s = bs;
     }
@@ -764,7 +769,7 @@ rows_cluster_kernel(float *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
     cluster.sync(); /* every remote read done; row_nm, row_rl visible to the block */
     const float nm = row_nm, rl = row_rl;
     const int64_t t = tgt[i];
-    for (int64_t k = tid; k < ns; k += CE_FAST_THREADS) {
+    for (int64_t k = tid; k < ns; k += CE_CL_THREADS) {
         const float4 x = slice[k];
         const int64_t j = s0 + k, c = 4 * j;
         const float xs[4] = {x.x, x.y, x.z, x.w};
@@ -803,7 +808,7 @@ extern "C" kiln_status kiln_cuda_ce_rows_fast(kiln_backend *be, float *z, int64_
                                                       (int)smem),
                              "fused_ce row block (fast): shared memory"))
             return kiln_backend_status(be);
-        rows_cluster_kernel<<<(unsigned)(R * CE_CL), CE_FAST_THREADS, smem,
+        rows_cluster_kernel<<<(unsigned)(R * CE_CL), CE_CL_THREADS, smem,
                               kiln_cuda_stream(be)>>>(z, ldz, Rs, V, per, tgt, m, l, zt, gs);
         return ce_launched(be, "fused_ce row block (fast, clusters)");
     }
