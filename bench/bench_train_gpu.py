@@ -10,7 +10,8 @@ HOW TO RUN (on the GPU machine: python3 with torch and transformers; kiln built 
   scripts/gpu-train-bench.sh build-gpu            # everything, about 7-8 minutes on an H200
   python3 bench/bench_train_gpu.py --bin DIR [--parts train,ce,memory] [--models 135m,0.5b]
       [--seqs 2048,1024] [--batches 16,8] [--steps 3] [--budget 450] [--no-compile]
-      [--json OUT.json] [--device cuda|cpu] [--quick]
+      [--json OUT.json] [--device cuda|cpu] [--quick] [--micro 8,4]
+      [--kiln-variants 'vocabulary walk:ce_row_block=0;q8 moments:moments=q8']
 
   DIR holds libkiln.so (the Python binding python/kiln loads it through $KILN_LIB, set here)
   and, for the fused-loss part, the program bench_cuda_fused_ce (tests/gpu/, built with the
@@ -399,16 +400,18 @@ def kiln_step(tr, batch, micro=1):
 
 
 def bench_kiln(args, model, batches, fast, steps, storage="f32", moments="f32", one_seq=False,
-               micro=1):
+               micro=1, trainer_kw=None):
     """kiln training: fast mode runs real steps (1 warm + up to `steps` timed); auditable mode
-    (or one_seq) extrapolates a step from single sequences (see the docstring). Returns a
-    dict; raises KilnError when the trainer cannot be made."""
+    (or one_seq) extrapolates a step from single sequences (see the docstring). trainer_kw:
+    more kiln.Trainer arguments (--kiln-variants). Returns a dict; raises KilnError when the
+    trainer cannot be made."""
     kiln = kiln_mod(args)
     dev = args.device
     B, T = batches[0].shape
     extra = {"fast": True} if fast else {}
     if micro > 1:
         extra["max_batch"] = micro
+    extra.update(trainer_kw or {})
     out = dict(B=B, T=T, fast=fast, storage=storage, moments=moments, micro=micro)
     cleanup(dev)
     with DevicePeak(dev) as dp:
@@ -542,6 +545,24 @@ def run_compile_worker(args, name, folder, B, timeout):
 
 # ---- the parts -------------------------------------------------------------------------------
 
+def parse_variants(ap, spec):
+    """--kiln-variants 'LABEL:k=v,k=v;...' -> [(label, {k: v})]; ints where they parse."""
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(";"))):
+        label, _, kvs = item.partition(":")
+        kw = {}
+        for kv in filter(None, (x.strip() for x in kvs.split(","))):
+            k, eq, v = kv.partition("=")
+            if not eq or k not in ("ce_row_block", "moments", "storage"):
+                ap.error(f"--kiln-variants: '{kv}': expected ce_row_block=N, moments=M or "
+                         "storage=S")
+            kw[k] = int(v) if k == "ce_row_block" else v
+        if not label.strip() or not kw:
+            ap.error(f"--kiln-variants: '{item}': expected LABEL:key=value[,key=value]")
+        out.append((label.strip(), kw))
+    return out
+
+
 def part_train(args, R, rows, res, folders):
     """PyTorch eager, kiln fast and kiln auditable for each model and length; fills folders
     {name: model folder} for the later parts."""
@@ -615,6 +636,25 @@ def part_train(args, R, rows, res, folders):
                         except Exception as e:
                             log(f"{key} {eng_m} failed: {e!r}")
                             add(eng_m, None, f"failed: {e}"[:200])
+                    # --kiln-variants: the same fast step with other trainer settings
+                    for label, kw in (args.kiln_variants if fast else []):
+                        m = micro if micro > 1 and B % micro == 0 else 1
+                        eng_v = f"kiln fast{f', {m} seqs/forward' if m > 1 else ''}, {label}"
+                        if args.time_left() < 15:
+                            add(eng_v, None, "skipped (--budget)")
+                            continue
+                        try:
+                            x = bench_kiln(args, km, batches, True, args.steps, micro=m,
+                                           storage=kw.get("storage", "f32"),
+                                           moments=kw.get("moments", "f32"),
+                                           trainer_kw={k: v for k, v in kw.items()
+                                                       if k not in ("storage", "moments")})
+                            add(eng_v, x, f"step {median(x['step_s']):.3f} s: {x['how']}; "
+                                f"loss {x['loss']:.3f}")
+                            log(f"{key} {eng_v}: {x['tok_s']:.1f} tok/s; {x['describe']}")
+                        except Exception as e:
+                            log(f"{key} {eng_v} failed: {e!r}")
+                            add(eng_v, None, f"failed: {e}"[:200])
         finally:
             km.close()
 
@@ -983,6 +1023,11 @@ def main():
     ap.add_argument("--micro", default="0",
                     help="also run kiln fast with this many sequences per forward (forward_batch; "
                          "must divide the batch): one value, or one per model (4,2)")
+    ap.add_argument("--kiln-variants", default="",
+                    help="more kiln fast rows, each with --micro's sequences a forward and other "
+                         "trainer settings: 'LABEL:key=value,key=value;LABEL2:...' with keys "
+                         "ce_row_block, moments, storage (e.g. 'vocabulary walk:ce_row_block=0;"
+                         "q8 moments:moments=q8')")
     ap.add_argument("--work", default="/tmp/kiln-train-bench")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -990,6 +1035,7 @@ def main():
     ap.add_argument("--worker-model", help=argparse.SUPPRESS)
     ap.add_argument("--worker-batch", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.kiln_variants = parse_variants(ap, args.kiln_variants)
     small = args.quick or args.device == "cpu"
     args.seqs = [int(x) for x in (args.seqs or ("64,32" if small else "2048,1024")).split(",") if x]
     if args.worker:

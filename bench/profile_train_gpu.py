@@ -45,6 +45,8 @@ def profile_model(args, name, root):
     if B % M:
         raise SystemExit(f"--micro {M} must divide --batch {B}")
     extra = {"max_batch": M} if M > 1 else {}
+    if args.ce_row_block is not None:
+        extra["ce_row_block"] = args.ce_row_block
     tr = kiln.Trainer(km, max_seq=T, n_threads=0, lr=btg.LR, betas=(0.9, 0.999), eps=1e-8,
                       weight_decay=btg.WD, device=0, fast=not args.auditable, **extra)
     for _ in range(2):  # warm: the second step records the step graphs (fast mode)
@@ -155,6 +157,9 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--auditable", action="store_true")
+    ap.add_argument("--ce-row-block", type=int, default=None,
+                    help="the trainer's ce_row_block (default: the library's; 0: the loss's "
+                         "vocabulary walk)")
     ap.add_argument("--split", action="store_true",
                     help="micro-batches as forward_batch + backward (two phases) instead of step_batch")
     ap.add_argument("--micro", type=int, default=1,

@@ -478,7 +478,8 @@ class Trainer(_Handle):
     def step_batch(self, ids, targets, reduction="mean", scale=1.0, accumulate=False):
         """forward_batch + backward(accumulate=accumulate) in one call (kiln_train_step_batch):
         the same loss and gradients; on a GPU in fast mode the host does not wait between the
-        forward and the backward. Returns the loss."""
+        forward and the backward, and the loss walks the rows in blocks (ce_row_block; 0: the
+        vocabulary walk, the same bits as the two calls). Returns the loss."""
         ids, targets = self._batch("step_batch", ids, targets)
         loss = C.c_float()
         P32 = C.POINTER(C.c_int32)

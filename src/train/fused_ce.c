@@ -52,6 +52,12 @@
  * on every chunk. The bf16 path allocates nothing but the one scratch block (the GEMM
  * module's scratch belongs to the backend's handle and grows only on a first, larger use).
  * The loss, its checks and the reductions are the auditable ones, from the fast statistics.
+ *
+ * Fast mode's row-block walk (params.row_block, the one-call form only: ce_row_block and
+ * ce_rows_bf16 below) walks the supervised rows instead of the vocabulary: per block of rows,
+ * the block's whole logits in one product, the statistics and the bf16 gradient from them in
+ * one kernel (written over the logits), then dh and dW -- three products instead of four,
+ * since nothing needs the loss before the gradient there.
  */
 #include "fused_ce.h"
 
@@ -183,13 +189,13 @@ static size_t ce_layout(int64_t S, int64_t Sp, int64_t H, int64_t cn, int with_d
         if (base && sc) sc->field = (want) ? (type *)(void *)(base + total) : NULL;            \
         if (kiln_add_overflow(total, bytes_, &total)) ok = 0;                                  \
     } while (0)
-    uint64_t SH, Sc, cH, SpH, Spc, SpldH, Spldc, cldH, zc;
+    uint64_t SH, Sc, cH, SpH, SpldH, Spldc, cldH, zc;
     if (kiln_mul_overflow_u64(uS, uH, &SH) || kiln_mul_overflow_u64(uS, uc, &Sc) ||
         kiln_mul_overflow_u64(uz, uc, &zc) || zc > SIZE_MAX ||
         kiln_mul_overflow_u64(uc, uH, &cH) || kiln_mul_overflow_u64(uSp, uH, &SpH) ||
-        kiln_mul_overflow_u64(uSp, uc, &Spc) || kiln_mul_overflow_u64(uSp, uldH, &SpldH) ||
+        kiln_mul_overflow_u64(uSp, uldH, &SpldH) ||
         kiln_mul_overflow_u64(uSp, uldc, &Spldc) || kiln_mul_overflow_u64(uc, uldH, &cldH) ||
-        SpH > SIZE_MAX || Spc > SIZE_MAX || cH > SIZE_MAX || SpldH > SIZE_MAX ||
+        SpH > SIZE_MAX || cH > SIZE_MAX || SpldH > SIZE_MAX ||
         Spldc > SIZE_MAX || cldH > SIZE_MAX)
         return 0;
     CE_REGION(idx, int64_t, uS, 1);

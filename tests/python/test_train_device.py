@@ -84,6 +84,31 @@ def test_negative_device_rejected(tiny):
         kiln.Trainer(m, max_seq=32, device=-2)
 
 
+def test_row_block_param(tiny, build_dir):
+    """ce_row_block (GPU fast mode's loss walk): a negative value is refused naming it; on the
+    CPU it changes nothing (the same bits with 0, the default and another size), and the CLI's
+    --loss-row-block takes 0.. and refuses a negative value."""
+    base, d = tiny
+    m = kiln.Model(d)
+    with pytest.raises(kiln.KilnError, match="ce_row_block"):
+        kiln.Trainer(m, max_seq=32, ce_row_block=-1)
+    import numpy as np
+    ids = np.arange(2 * 16, dtype=np.int32).reshape(2, 16) % 50
+    tg = np.roll(ids, -1, axis=1)
+    tg[:, -1] = -1
+    got = []
+    for rb in (None, 0, 8):
+        tr = kiln.Trainer(m, max_seq=16, max_batch=2, ce_row_block=rb)
+        loss = tr.step_batch(ids, tg)
+        name, n, _ = tr.params()[0]
+        got.append((np.float32(loss).tobytes(), tr.get_grad(name, n).tobytes()))
+    assert got[0] == got[1] == got[2]
+    data = ["-m", d, "--data", base / "corpus.tok", *ARGS]
+    r = run_kiln(build_dir, "train", *data, "--out", base / "rb", "--loss-row-block", "-1", check=False)
+    assert r.returncode == 2 and "--loss-row-block" in r.stderr
+    run_kiln(build_dir, "train", *data, "--out", base / "rb0", "--loss-row-block", "0")
+
+
 ARGS = ["--steps", "3", "--batch", "2", "--seq", "16", "--warmup", "1", "--eval-every", "0",
         "--eval-fraction", "0", "--save-every", "0", "--no-export", "--threads", "1"]
 
