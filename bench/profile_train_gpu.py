@@ -5,6 +5,7 @@ kernel of the process, kiln's included), with wall-clock phase times.
 
   python3 bench/profile_train_gpu.py --bin build-gpu [--models 135m,0.5b] [--seq 2048]
       [--batch 2] [--micro 1] [--top 25] [--auditable] [--torch] [--split]
+      [--ce-row-block N] [--moments f32|q8]
 
 Models, data and the trainer settings are bench_train_gpu.py's. Prints, per model: the phase
 times (each ends with a device sync), then the top kernels by total GPU time with their share
@@ -47,6 +48,8 @@ def profile_model(args, name, root):
     extra = {"max_batch": M} if M > 1 else {}
     if args.ce_row_block is not None:
         extra["ce_row_block"] = args.ce_row_block
+    if args.moments:
+        extra["moments"] = args.moments
     tr = kiln.Trainer(km, max_seq=T, n_threads=0, lr=btg.LR, betas=(0.9, 0.999), eps=1e-8,
                       weight_decay=btg.WD, device=0, fast=not args.auditable, **extra)
     for _ in range(2):  # warm: the second step records the step graphs (fast mode)
@@ -160,6 +163,8 @@ def main():
     ap.add_argument("--ce-row-block", type=int, default=None,
                     help="the trainer's ce_row_block (default: the library's; 0: the loss's "
                          "vocabulary walk)")
+    ap.add_argument("--moments", default=None, choices=["f32", "q8"],
+                    help="the optimizer's moments (default: the library's, f32)")
     ap.add_argument("--split", action="store_true",
                     help="micro-batches as forward_batch + backward (two phases) instead of step_batch")
     ap.add_argument("--micro", type=int, default=1,

@@ -92,24 +92,43 @@ static __device__ __forceinline__ void update_vals(const kiln_adamw_scalars &s, 
     }
 }
 
-/* Element e of the parameter p (p.decay already and-ed with use_wd), with its f32 moments at
- * *m, *v (global memory, or the dequantized registers of an 8-bit block). */
+/* Element e of the parameter p's arrays that storage W reads (the gradient, the weight, and
+ * the master or compensation), into registers; the rest stay zero. */
 template <int W>
-static __device__ __forceinline__ void update_elem(const kiln_adamw_scalars &s,
-                                                   const kiln_cuda_adamw_param &p, uint64_t key,
-                                                   int64_t e, float *m, float *v) {
-    float w32 = 0.0f, master = 0.0f;
-    uint16_t w16 = 0, comp = 0;
+static __device__ __forceinline__ void load_elem(const kiln_cuda_adamw_param &p, int64_t e,
+                                                 float &g, float &w32, uint16_t &w16,
+                                                 float &master, uint16_t &comp) {
+    g = p.grad[e];
+    w32 = 0.0f, master = 0.0f, w16 = 0, comp = 0;
     if (W == KILN_ADAMW_F32) w32 = ((const float *)p.weights)[e];
     else if (W != KILN_ADAMW_BF16_MASTER) w16 = ((const uint16_t *)p.weights)[e];
     if (W == KILN_ADAMW_BF16_MASTER) master = p.master[e];
     if (W == KILN_ADAMW_BF16_KAHAN) comp = p.comp[e];
-    update_vals<W>(s, p.decay, key, e, p.grad[e], w32, w16, master, comp, m, v);
+}
+
+/* Element e's updated weight (and the bf16 copy w16, the master or the compensation) back. */
+template <int W>
+static __device__ __forceinline__ void store_elem(const kiln_cuda_adamw_param &p, int64_t e,
+                                                  float w32, uint16_t w16, float master,
+                                                  uint16_t comp) {
     if (W == KILN_ADAMW_F32) ((float *)p.weights)[e] = w32;
     else ((uint16_t *)p.weights)[e] = w16;
     if (W == KILN_ADAMW_F32 && p.w16) p.w16[e] = kiln_bf16_rne(w32);
     if (W == KILN_ADAMW_BF16_MASTER) p.master[e] = master;
     if (W == KILN_ADAMW_BF16_KAHAN) p.comp[e] = comp;
+}
+
+/* Element e of the parameter p (p.decay already and-ed with use_wd), with its f32 moments at
+ * *m, *v (global memory). */
+template <int W>
+static __device__ __forceinline__ void update_elem(const kiln_adamw_scalars &s,
+                                                   const kiln_cuda_adamw_param &p, uint64_t key,
+                                                   int64_t e, float *m, float *v) {
+    float g, w32, master;
+    uint16_t w16, comp;
+    load_elem<W>(p, e, g, w32, w16, master, comp);
+    update_vals<W>(s, p.decay, key, e, g, w32, w16, master, comp, m, v);
+    store_elem<W>(p, e, w32, w16, master, comp);
 }
 
 /* Whether the arrays of p (f32 moments) that storage W touches allow quad loads: the f32 ones
@@ -222,92 +241,108 @@ adamw_f32_multi_kernel(const kiln_cuda_adamw_param *table, const kiln_cuda_adamw
     }
 }
 
-/* 8-bit moments: one 256-thread block per block of 256 elements (thread i: element i).
- * Dequantize, update in f32, take the block's absmax of the new m and v (warp shuffles, then
- * the 8 warps' maxima in shared memory), requantize -- adamw.c's step_task, element for
- * element. */
-#define Q8_THREADS KILN_ADAMW_Q8_BLOCK
-static_assert(Q8_THREADS == 256, "one thread per element of an 8-bit block");
+/* 8-bit moments: one WARP per block of KILN_ADAMW_Q8_BLOCK elements (lane l: elements l, l +
+ * 32, ... of the block, coalesced), 8 warps a thread block. Each lane loads all of its
+ * elements first (so they are in flight together), dequantizes and updates them in f32, the
+ * block's absmax of the new m and v comes from the warp's shuffles, then the lane requantizes
+ * -- adamw.c's step_task, element for element. The absmax is a max of non-negative non-NaN
+ * values, exact in any order, so the codes and scales are the CPU's. (It was a 256-thread
+ * block per 8-bit block with three barriers, a third slower than the f32 moments it shrinks.) */
+#define Q8_THREADS 256
+#define Q8_WARPS (Q8_THREADS / 32)
+#define Q8_PER_LANE (KILN_ADAMW_Q8_BLOCK / 32)
+static_assert(KILN_ADAMW_Q8_BLOCK % 32 == 0, "whole lanes per 8-bit block");
 static_assert(KILN_CUDA_ADAMW_CHUNK % KILN_ADAMW_Q8_BLOCK == 0, "8-bit blocks inside chunks");
 #define Q8_PER_CHUNK (KILN_CUDA_ADAMW_CHUNK / KILN_ADAMW_Q8_BLOCK)
 
 static __device__ __forceinline__ float max_nonneg(float a, float b) { return b > a ? b : a; }
 
-struct q8_shared {
-    float wm[Q8_THREADS / 32], wv[Q8_THREADS / 32]; /* the warps' maxima */
-    float bm, bv;                                   /* the block's */
-};
-
-/* 8-bit block b of p (every thread of the block calls it; p.decay already and-ed). */
+/* 8-bit block b of p by the calling warp (p.decay already and-ed). */
 template <int W>
 static __device__ __forceinline__ void q8_block(const kiln_adamw_scalars &s,
                                                 const kiln_cuda_adamw_param &p, uint64_t key,
-                                                int64_t b, q8_shared &sh) {
-    const int i = threadIdx.x, warp = i >> 5, lane = i & 31;
+                                                int64_t b) {
+    const int lane = threadIdx.x & 31;
     const int64_t b0 = b * KILN_ADAMW_Q8_BLOCK;
     const int len = (int)(p.n - b0 < KILN_ADAMW_Q8_BLOCK ? p.n - b0 : KILN_ADAMW_Q8_BLOCK);
-    const int64_t e = b0 + i;
-    float m = 0.0f, v = 0.0f;
-    if (i < len) {
-        m = kiln_adamw_q8_m(p.mq[e], p.ms[b]);
-        v = kiln_adamw_q8_v(p.vq[e], p.vs[b]);
-        update_elem<W>(s, p, key, e, &m, &v);
+    const float sm = p.ms[b], sv = p.vs[b];
+    float g[Q8_PER_LANE], w32[Q8_PER_LANE], master[Q8_PER_LANE];
+    float m[Q8_PER_LANE], v[Q8_PER_LANE];
+    uint16_t w16[Q8_PER_LANE], comp[Q8_PER_LANE];
+    uint8_t mc[Q8_PER_LANE], vc[Q8_PER_LANE];
+#pragma unroll
+    for (int k = 0; k < Q8_PER_LANE; k++) {
+        const int i = lane + 32 * k;
+        mc[k] = vc[k] = 0;
+        g[k] = w32[k] = master[k] = 0.0f, w16[k] = comp[k] = 0;
+        if (i < len) {
+            load_elem<W>(p, b0 + i, g[k], w32[k], w16[k], master[k], comp[k]);
+            mc[k] = p.mq[b0 + i];
+            vc[k] = p.vq[b0 + i];
+        }
     }
-    /* |m|, |v| with NaN (and the absent tail) as 0: the CPU's scan from 0 skips NaN */
-    float am = fabsf(m), av = fabsf(v);
-    am = am > 0.0f ? am : 0.0f;
-    av = av > 0.0f ? av : 0.0f;
+    float am = 0.0f, av = 0.0f;
+#pragma unroll
+    for (int k = 0; k < Q8_PER_LANE; k++) {
+        const int i = lane + 32 * k;
+        m[k] = v[k] = 0.0f;
+        if (i < len) {
+            m[k] = kiln_adamw_q8_m(mc[k], sm);
+            v[k] = kiln_adamw_q8_v(vc[k], sv);
+            update_vals<W>(s, p.decay, key, b0 + i, g[k], w32[k], w16[k], master[k], comp[k],
+                           &m[k], &v[k]);
+            store_elem<W>(p, b0 + i, w32[k], w16[k], master[k], comp[k]);
+        }
+        /* |m|, |v| with NaN (and the absent tail) as 0: the CPU's scan from 0 skips NaN */
+        const float a = fabsf(m[k]), c = fabsf(v[k]);
+        am = max_nonneg(am, a > 0.0f ? a : 0.0f);
+        av = max_nonneg(av, c > 0.0f ? c : 0.0f);
+    }
 #pragma unroll
     for (int d = 16; d >= 1; d >>= 1) {
         am = max_nonneg(am, __shfl_xor_sync(0xffffffffu, am, d));
         av = max_nonneg(av, __shfl_xor_sync(0xffffffffu, av, d));
     }
+    /* every lane read ms[b], vs[b] above, before the shuffles that lane 0 waited on */
     if (lane == 0) {
-        sh.wm[warp] = am;
-        sh.wv[warp] = av;
+        p.ms[b] = am;
+        p.vs[b] = av;
     }
-    __syncthreads(); /* also orders every read of ms[b], vs[b] before thread 0 writes */
-    if (i == 0) {
-        float a = 0.0f, c = 0.0f;
-        for (int k = 0; k < Q8_THREADS / 32; k++) {
-            a = max_nonneg(a, sh.wm[k]);
-            c = max_nonneg(c, sh.wv[k]);
+#pragma unroll
+    for (int k = 0; k < Q8_PER_LANE; k++) {
+        const int i = lane + 32 * k;
+        if (i < len) {
+            p.mq[b0 + i] = kiln_adamw_q8_mcode(m[k], am);
+            p.vq[b0 + i] = kiln_adamw_q8_vcode(v[k], av);
         }
-        sh.bm = a;
-        sh.bv = c;
-        p.ms[b] = a;
-        p.vs[b] = c;
     }
-    __syncthreads();
-    if (i < len) {
-        p.mq[e] = kiln_adamw_q8_mcode(m, sh.bm);
-        p.vq[e] = kiln_adamw_q8_vcode(v, sh.bv);
-    }
-    __syncthreads(); /* wm, wv, bm, bv are rewritten by the next block */
 }
 
+/* 8-bit moments, per tensor: warp w of block x takes 8-bit blocks x Q8_WARPS + w, then that
+ * plus gridDim.x Q8_WARPS, ... */
 template <int W>
 static __global__ void __launch_bounds__(Q8_THREADS)
 adamw_q8_kernel(kiln_cuda_adamw_param p, kiln_adamw_scalars s, uint64_t key) {
-    __shared__ q8_shared sh;
     const int64_t nb = (p.n + KILN_ADAMW_Q8_BLOCK - 1) / KILN_ADAMW_Q8_BLOCK;
-    for (int64_t b = blockIdx.x; b < nb; b += gridDim.x) q8_block<W>(s, p, key, b, sh);
+    for (int64_t b = (int64_t)blockIdx.x * Q8_WARPS + (threadIdx.x >> 5); b < nb;
+         b += (int64_t)gridDim.x * Q8_WARPS)
+        q8_block<W>(s, p, key, b);
 }
 
 /* 8-bit moments, every tensor of a plan: unit u = chunk u / Q8_PER_CHUNK, 8-bit block
- * u % Q8_PER_CHUNK inside it (units past a parameter's end do nothing); block x takes units
- * x, x + gridDim.x, ... (the skip is the same for every thread of the block). */
+ * u % Q8_PER_CHUNK inside it (units past a parameter's end do nothing); warp w of block x
+ * takes units x Q8_WARPS + w, then that plus gridDim.x Q8_WARPS, ... (uniform per warp). */
 template <int W>
 static __global__ void __launch_bounds__(Q8_THREADS)
 adamw_q8_multi_kernel(const kiln_cuda_adamw_param *table, const kiln_cuda_adamw_chunk *chunk,
                       int64_t n_units, kiln_adamw_scalars s) {
-    __shared__ q8_shared sh;
-    for (int64_t u = blockIdx.x; u < n_units; u += gridDim.x) {
+    for (int64_t u = (int64_t)blockIdx.x * Q8_WARPS + (threadIdx.x >> 5); u < n_units;
+         u += (int64_t)gridDim.x * Q8_WARPS) {
         const kiln_cuda_adamw_chunk ck = chunk[u / Q8_PER_CHUNK];
         uint64_t key;
         const kiln_cuda_adamw_param p = multi_entry(table, ck.param, s, &key);
         const int64_t b = (int64_t)ck.index * Q8_PER_CHUNK + u % Q8_PER_CHUNK;
-        if (b * KILN_ADAMW_Q8_BLOCK < p.n) q8_block<W>(s, p, key, b, sh);
+        if (b * KILN_ADAMW_Q8_BLOCK < p.n) q8_block<W>(s, p, key, b);
     }
 }
 
@@ -316,7 +351,7 @@ static void adamw_launch(cudaStream_t st, const kiln_cuda_adamw_param &p,
                          const kiln_adamw_scalars &s, uint64_t key) {
     if (p.q8) {
         const int64_t nb = (p.n + KILN_ADAMW_Q8_BLOCK - 1) / KILN_ADAMW_Q8_BLOCK;
-        adamw_q8_kernel<W><<<tr_grid(nb, 1, 1 << 20), Q8_THREADS, 0, st>>>(p, s, key);
+        adamw_q8_kernel<W><<<tr_grid(nb, Q8_WARPS, 1 << 20), Q8_THREADS, 0, st>>>(p, s, key);
     } else {
         adamw_f32_kernel<W><<<tr_grid(p.n, 256, 1 << 20), 256, 0, st>>>(p, s, key);
     }
@@ -327,7 +362,7 @@ static void adamw_multi_launch(cudaStream_t st, const kiln_cuda_adamw_plan &pl,
                                const kiln_adamw_scalars &s) {
     if (pl.q8) {
         const int64_t units = pl.n_chunks * Q8_PER_CHUNK;
-        adamw_q8_multi_kernel<W><<<tr_grid(units, 1, 1 << 20), Q8_THREADS, 0, st>>>(
+        adamw_q8_multi_kernel<W><<<tr_grid(units, Q8_WARPS, 1 << 20), Q8_THREADS, 0, st>>>(
             pl.table, pl.chunk, units, s);
     } else {
         adamw_f32_multi_kernel<W><<<tr_grid(pl.n_chunks, 1, 1 << 20), MULTI_THREADS, 0, st>>>(
