@@ -82,19 +82,19 @@ static inline KILN_HD uint32_t kiln_adamw_sr_bits(uint64_t key, uint64_t e) {
 /* ---- 8-bit log codes --------------------------------------------------------------------- */
 
 /* 2^(j/8) and the geometric midpoints 2^((j+0.5)/8), j = 0..7, rounded to float (literals:
- * both compilers round a decimal literal correctly; a switch rather than a table so that
- * device code needs no __constant__ copy). */
+ * both compilers round a decimal literal correctly; selects and switches with constant
+ * operands rather than a table, so that device code needs no __constant__ copy). */
 static inline KILN_HD float kiln_adamw_q8_level(int j) {
-    switch (j) {
-    case 0: return 1.0f;
-    case 1: return 1.09050773266525765921f;
-    case 2: return 1.18920711500272106672f;
-    case 3: return 1.29683955465100966593f;
-    case 4: return 1.41421356237309504880f;
-    case 5: return 1.54221082540794082361f;
-    case 6: return 1.68179283050742908606f;
-    default: return 1.83400808640934246349f;
-    }
+    /* selects, not a switch: j differs lane to lane on the GPU, where a switch branches */
+    float x = 1.0f;
+    x = j == 1 ? 1.09050773266525765921f : x;
+    x = j == 2 ? 1.18920711500272106672f : x;
+    x = j == 3 ? 1.29683955465100966593f : x;
+    x = j == 4 ? 1.41421356237309504880f : x;
+    x = j == 5 ? 1.54221082540794082361f : x;
+    x = j == 6 ? 1.68179283050742908606f : x;
+    x = j >= 7 ? 1.83400808640934246349f : x;
+    return x;
 }
 static inline KILN_HD float kiln_adamw_q8_mid(int j) {
     switch (j) {
@@ -119,8 +119,10 @@ static inline KILN_HD int kiln_adamw_q8_code(float r, int max_code, int floor_co
     int e = (int)((u >> 23) & 0xffu);
     if (e == 0) return floor_code; /* subnormal: far below the range */
     float f = kiln_bits_f32((u & 0x7fffffu) | 0x3f800000u); /* [1, 2) */
+    /* j = the number of midpoints <= f (they increase: the first j of them), counted without
+     * branches, which costs the GPU's warps far less than a loop that stops early */
     int j = 0;
-    while (j < 8 && f >= kiln_adamw_q8_mid(j)) j++;
+    for (int k = 0; k < 8; k++) j += f >= kiln_adamw_q8_mid(k);
     int level = 8 * (e - 127) + j;
     int code = max_code + level;
     if (code < 1) return floor_code;
