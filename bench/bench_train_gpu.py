@@ -11,7 +11,8 @@ HOW TO RUN (on the GPU machine: python3 with torch and transformers; kiln built 
   python3 bench/bench_train_gpu.py --bin DIR [--parts train,ce,memory] [--models 135m,0.5b]
       [--seqs 2048,1024] [--batches 16,8] [--steps 3] [--budget 450] [--no-compile]
       [--json OUT.json] [--device cuda|cpu] [--quick] [--micro 8,4]
-      [--kiln-variants 'vocabulary walk:ce_row_block=0;q8 moments:moments=q8']
+      [--kiln-variants 'vocabulary walk:ce_row_block=0;q8 moments:moments=q8;
+                        attn 3 blocks:env.KILN_ATTN_BWD_BLOCKS=3']
 
   DIR holds libkiln.so (the Python binding python/kiln loads it through $KILN_LIB, set here)
   and, for the fused-loss part, the program bench_cuda_fused_ce (tests/gpu/, built with the
@@ -546,16 +547,19 @@ def run_compile_worker(args, name, folder, B, timeout):
 # ---- the parts -------------------------------------------------------------------------------
 
 def parse_variants(ap, spec):
-    """--kiln-variants 'LABEL:k=v,k=v;...' -> [(label, {k: v})]; ints where they parse."""
+    """--kiln-variants 'LABEL:k=v,k=v;...' -> [(label, {k: v})]; ints where they parse. A key
+    env.KILN_X sets that environment variable (kiln's kernel choices, read on each call)
+    while the variant runs."""
     out = []
     for item in filter(None, (x.strip() for x in spec.split(";"))):
         label, _, kvs = item.partition(":")
         kw = {}
         for kv in filter(None, (x.strip() for x in kvs.split(","))):
             k, eq, v = kv.partition("=")
-            if not eq or k not in ("ce_row_block", "moments", "storage"):
-                ap.error(f"--kiln-variants: '{kv}': expected ce_row_block=N, moments=M or "
-                         "storage=S")
+            env_ok = k.startswith("env.KILN_") and len(k) > len("env.KILN_")
+            if not eq or not (env_ok or k in ("ce_row_block", "moments", "storage")):
+                ap.error(f"--kiln-variants: '{kv}': expected ce_row_block=N, moments=M, "
+                         "storage=S or env.KILN_NAME=value")
             kw[k] = int(v) if k == "ce_row_block" else v
         if not label.strip() or not kw:
             ap.error(f"--kiln-variants: '{item}': expected LABEL:key=value[,key=value]")
@@ -651,10 +655,21 @@ def part_train(args, R, rows, res, folders):
                         if args.time_left() < 15:
                             add(eng_v, None, "skipped (--budget)")
                             continue
-                        steps_row(eng_v, True, micro=m, storage=kw.get("storage", "f32"),
-                                  moments=kw.get("moments", "f32"),
-                                  trainer_kw={k: v for k, v in kw.items()
-                                              if k not in ("storage", "moments")})
+                        env = {k[4:]: v for k, v in kw.items() if k.startswith("env.")}
+                        saved = {k: os.environ.get(k) for k in env}
+                        os.environ.update(env)
+                        try:
+                            steps_row(eng_v, True, micro=m, storage=kw.get("storage", "f32"),
+                                      moments=kw.get("moments", "f32"),
+                                      trainer_kw={k: v for k, v in kw.items()
+                                                  if k not in ("storage", "moments")
+                                                  and not k.startswith("env.")})
+                        finally:
+                            for k, v in saved.items():
+                                if v is None:
+                                    os.environ.pop(k, None)
+                                else:
+                                    os.environ[k] = v
         finally:
             km.close()
 
@@ -1026,8 +1041,10 @@ def main():
     ap.add_argument("--kiln-variants", default="",
                     help="more kiln fast rows, each with --micro's sequences a forward and other "
                          "trainer settings: 'LABEL:key=value,key=value;LABEL2:...' with keys "
-                         "ce_row_block, moments, storage (e.g. 'vocabulary walk:ce_row_block=0;"
-                         "q8 moments:moments=q8')")
+                         "ce_row_block, moments, storage, or env.KILN_NAME (an environment "
+                         "variable set while the row runs; e.g. 'vocabulary walk:"
+                         "ce_row_block=0;q8 moments:moments=q8;attn 3 blocks:"
+                         "env.KILN_ATTN_BWD_BLOCKS=3')")
     ap.add_argument("--work", default="/tmp/kiln-train-bench")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
