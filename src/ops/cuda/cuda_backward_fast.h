@@ -157,7 +157,9 @@ cudaError_t kiln_cuda_col_sum_fast(cudaStream_t s, float *out, const float *a, c
  *   plus u |result| for the accumulate's addition (f32 underflow aside).
  * Then, when dw and w are both given, dw(C) += sum over rows of dy * f32(x * rstd) by
  * kiln_cuda_col_sum_fast with this function's rstd (scratch as there, for N rows of C
- * columns). dx may be dy only when dw is skipped (dw reads dy after dx is written, as on the
+ * columns). For 64 < C <= 1024 both run as one pass over the rows (the column sums' partials
+ * made while the row is in registers, then their combine: the same bits, dy and x read once;
+ * KILN_RB_FUSED_DW=0 keeps the two kernels). dx may be dy only when dw is skipped (dw reads dy after dx is written, as on the
  * CPU). dx16: NULL, or also the bf16 rounding (kiln_bf16_rne) of every dx value written
  * (after the accumulate; (N, C) back to back, no alias of another argument). Returns
  * cudaErrorInvalidValue for dx, dy, x or rstd NULL or a short scratch (before anything is
