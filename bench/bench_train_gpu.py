@@ -590,6 +590,20 @@ def part_train(args, R, rows, res, folders):
                                      peak_alloc=x.get("peak_alloc") if x else None,
                                      device_peak=x.get("device_peak") if x else None,
                                      notes=note))
+                def steps_row(eng, fast, **kw):
+                    """A kiln row of real steps (bench_kiln with kw), added to the table and
+                    returned; on a failure a 'failed' row and None."""
+                    try:
+                        x = bench_kiln(args, km, batches, fast, args.steps, **kw)
+                    except Exception as e:
+                        log(f"{key} {eng} failed: {e!r}")
+                        add(eng, None, f"failed: {e}"[:200])
+                        return None
+                    add(eng, x, f"step {median(x['step_s']):.3f} s: {x['how']}; "
+                        f"loss {x['loss']:.3f}")
+                    log(f"{key} {eng}: {x['tok_s']:.1f} tok/s; {x['describe']}")
+                    return x
+
                 # PyTorch eager
                 if args.time_left() > 20:
                     try:
@@ -627,15 +641,9 @@ def part_train(args, R, rows, res, folders):
                     if (fast or dev == "cpu") and micro > 1 and B % micro == 0 \
                             and args.time_left() > 15:
                         eng_m = f"kiln {'fast' if fast else 'auditable'}, {micro} seqs/forward"
-                        try:
-                            x = bench_kiln(args, km, batches, fast, args.steps, micro=micro)
+                        x = steps_row(eng_m, fast, micro=micro)
+                        if x:
                             r[f"kiln_fast_micro{micro}"] = x
-                            add(eng_m, x, f"step {median(x['step_s']):.3f} s: {x['how']}; "
-                                f"loss {x['loss']:.3f}")
-                            log(f"{key} {eng_m}: {x['tok_s']:.1f} tok/s; {x['describe']}")
-                        except Exception as e:
-                            log(f"{key} {eng_m} failed: {e!r}")
-                            add(eng_m, None, f"failed: {e}"[:200])
                     # --kiln-variants: the same fast step with other trainer settings
                     for label, kw in (args.kiln_variants if fast else []):
                         m = micro if micro > 1 and B % micro == 0 else 1
@@ -643,18 +651,10 @@ def part_train(args, R, rows, res, folders):
                         if args.time_left() < 15:
                             add(eng_v, None, "skipped (--budget)")
                             continue
-                        try:
-                            x = bench_kiln(args, km, batches, True, args.steps, micro=m,
-                                           storage=kw.get("storage", "f32"),
-                                           moments=kw.get("moments", "f32"),
-                                           trainer_kw={k: v for k, v in kw.items()
-                                                       if k not in ("storage", "moments")})
-                            add(eng_v, x, f"step {median(x['step_s']):.3f} s: {x['how']}; "
-                                f"loss {x['loss']:.3f}")
-                            log(f"{key} {eng_v}: {x['tok_s']:.1f} tok/s; {x['describe']}")
-                        except Exception as e:
-                            log(f"{key} {eng_v} failed: {e!r}")
-                            add(eng_v, None, f"failed: {e}"[:200])
+                        steps_row(eng_v, True, micro=m, storage=kw.get("storage", "f32"),
+                                  moments=kw.get("moments", "f32"),
+                                  trainer_kw={k: v for k, v in kw.items()
+                                              if k not in ("storage", "moments")})
         finally:
             km.close()
 

@@ -38,6 +38,7 @@ typedef struct adamw_slot {
     int64_t n;
     void *weights;   /* (n) f32 or bf16: the caller's */
     float *grad;     /* (n) the caller's */
+    uint16_t *w16;   /* (n) the caller's bf16 copy the device step writes, or NULL */
     int decay;       /* weight decay applies (before the weight_decay != 0 test) */
     float *m, *v;    /* (n) f32 moments, or NULL */
     int8_t *mq;      /* (n) 8-bit first moment: sign * code, code in [0, 127] */
@@ -252,10 +253,15 @@ static kiln_status create_impl(kiln_backend *dev, const kiln_adamw_param *params
             return kiln_error(KILN_ERR_INVALID_ARG,
                               "adamw: parameter %d ('%s'): needs a name, n >= 1, weights and grad",
                               i, q->name ? q->name : "(null)");
-        if (dev && (!kiln_cuda_train_is_device(q->weights) || !kiln_cuda_train_is_device(q->grad)))
+        if (dev && (!kiln_cuda_train_is_device(q->weights) || !kiln_cuda_train_is_device(q->grad) ||
+                    (q->w16 && !kiln_cuda_train_is_device(q->w16))))
             return kiln_error(KILN_ERR_INVALID_ARG,
-                              "adamw: parameter %d ('%s'): weights and grad must be device memory "
-                              "of the CUDA backend", i, q->name);
+                              "adamw: parameter %d ('%s'): weights, grad and w16 must be device "
+                              "memory of the CUDA backend", i, q->name);
+        if (q->w16 && (!dev || cfg->weights != KILN_ADAMW_F32))
+            return kiln_error(KILN_ERR_UNSUPPORTED,
+                              "adamw: parameter %d ('%s'): w16 (a bf16 copy written by the step) "
+                              "needs a device optimizer with f32 weights", i, q->name);
         for (int j = 0; j < i; j++)
             if (strcmp(params[j].name, q->name) == 0)
                 return kiln_error(KILN_ERR_INVALID_ARG, "adamw: parameter '%s' listed twice",
@@ -344,6 +350,7 @@ static kiln_status create_impl(kiln_backend *dev, const kiln_adamw_param *params
         s->n = q->n;
         s->weights = q->weights;
         s->grad = q->grad;
+        s->w16 = q->w16;
         s->decay = kiln_adamw_default_decay(q->name);
         for (int k = 0; k < cfg->n_decay_map; k++)
             if (strcmp(cfg->decay_map[k].name, q->name) == 0) s->decay = cfg->decay_map[k].decay != 0;
@@ -445,6 +452,7 @@ static kiln_cuda_adamw_param dev_param(const kiln_adamw *o, int i, int decay) {
     q.decay = decay;
     q.weights = s->weights;
     q.grad = s->grad;
+    q.w16 = s->w16;
     q.m = s->m;
     q.v = s->v;
     q.mq = s->mq;

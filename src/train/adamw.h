@@ -44,6 +44,11 @@ typedef struct kiln_adamw_param {
     int64_t n;          /* elements, >= 1 */
     void *weights;      /* (n) float for KILN_ADAMW_F32, else (n) uint16_t bf16; caller's */
     float *grad;        /* (n) the caller's; step reads it, clip scales it */
+    uint16_t *w16;      /* NULL, or (n) bf16: a device optimizer with f32 weights also writes
+                         * the updated weights rounded to bf16 (to nearest even) here, in the
+                         * same pass (fast mode's bf16 copy of the weights, which a separate
+                         * conversion would read all the weights again to make); elsewhere
+                         * KILN_ERR_UNSUPPORTED */
 } kiln_adamw_param;
 
 /* One entry of an explicit weight-decay map: parameters not named in the map decay. */

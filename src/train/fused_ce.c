@@ -52,6 +52,12 @@
  * on every chunk. The bf16 path allocates nothing but the one scratch block (the GEMM
  * module's scratch belongs to the backend's handle and grows only on a first, larger use).
  * The loss, its checks and the reductions are the auditable ones, from the fast statistics.
+ *
+ * Fast mode's row-block walk (params.row_block, the one-call form only: ce_row_block and
+ * ce_rows_bf16 below) walks the supervised rows instead of the vocabulary: per block of rows,
+ * the block's whole logits in one product, the statistics and the bf16 gradient from them in
+ * one kernel (written over the logits), then dh and dW -- three products instead of four,
+ * since nothing needs the loss before the gradient there.
  */
 #include "fused_ce.h"
 

@@ -95,6 +95,7 @@ struct kiln_trainer {
      * write of the weights. NULL otherwise. */
     uint16_t *shadow;
     int shadow_stale;
+    int step_writes_shadow; /* every parameter's optimizer step writes its bf16 copy (w16) */
     float *grad_block;  /* (n_grad) every gradient, each 16-float aligned */
     size_t n_grad;      /* floats in grad_block (a multiple of 16) */
 
@@ -367,9 +368,14 @@ static kiln_status create_optimizers(kiln_trainer *t) {
     kiln_adamw_param *vp = kiln_calloc((size_t)t->n_params, sizeof *vp);
     kiln_status st = (mp && vp) ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
     t->n_mat = t->n_vec = 0;
+    t->step_writes_shadow = t->shadow != NULL;
     for (int i = 0; st == KILN_OK && i < t->n_params; i++) {
         train_param *p = &t->params[i];
-        kiln_adamw_param a = {p->name, p->n, p->w, p->g};
+        kiln_adamw_param a = {p->name, p->n, p->w, p->g, NULL};
+        if (t->shadow && p->dtype == KILN_DTYPE_F32) /* the step writes the bf16 copy too */
+            a.w16 = (uint16_t *)(void *)p->view16.data;
+        else
+            t->step_writes_shadow = 0;
         if (p->n_dims == 2) {
             t->mat_index[t->n_mat] = i;
             mp[t->n_mat++] = a;
@@ -1582,7 +1588,11 @@ kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr) {
     t->shadow_stale = 1;
     KILN_TRY(kiln_adamw_step_checked(t->opt_mat, pool)); /* both checked above */
     KILN_TRY(kiln_adamw_step_checked(t->opt_vec, pool));
-    return backend_check(t, "kiln_train_optimizer_step");
+    KILN_TRY(backend_check(t, "kiln_train_optimizer_step"));
+    /* the steps wrote the bf16 copy of every weight as they updated it (create_optimizers
+     * gave them their w16): the bits to_bf16 would make, so no conversion pass */
+    if (t->step_writes_shadow) t->shadow_stale = 0;
+    return KILN_OK;
 }
 
 /* ---- parameters by name ------------------------------------------------------------------ */

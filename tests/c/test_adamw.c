@@ -49,6 +49,7 @@ static void model_init(model *m, int bf16, uint64_t seed) {
         m->p[i].n = SIZES[i];
         m->p[i].weights = m->w[i];
         m->p[i].grad = m->g[i];
+        m->p[i].w16 = NULL;
     }
 }
 
@@ -333,9 +334,9 @@ static void test_nonfinite(void) {
 static void test_decay_map(void) {
     /* one element per parameter, grad 0: the step changes a weight only through decay */
     float w[3] = {1.0f, 1.0f, 1.0f}, g[3] = {0, 0, 0};
-    kiln_adamw_param p[3] = {{"a.weight", 1, &w[0], &g[0]},
-                             {"a.bias", 1, &w[1], &g[1]},
-                             {"b.weight", 1, &w[2], &g[2]}};
+    kiln_adamw_param p[3] = {{"a.weight", 1, &w[0], &g[0], NULL},
+                             {"a.bias", 1, &w[1], &g[1], NULL},
+                             {"b.weight", 1, &w[2], &g[2], NULL}};
     kiln_adamw_decay_rule map[2] = {{"a.bias", 1}, {"b.weight", 0}};
     kiln_adamw_config c = cfg_of(KILN_ADAMW_F32, KILN_ADAMW_MOMENTS_F32);
     c.decay_map = map;
@@ -372,8 +373,8 @@ static void test_sr_rule(kiln_pool *pool) {
         g[i] = gf;
     }
     wf = 0.71875f;
-    kiln_adamw_param p = {"x.weight", N, w, g};
-    kiln_adamw_param pf = {"x.weight", 1, &wf, &gf};
+    kiln_adamw_param p = {"x.weight", N, w, g, NULL};
+    kiln_adamw_param pf = {"x.weight", 1, &wf, &gf, NULL};
     kiln_adamw_config c = cfg_of(KILN_ADAMW_BF16_SR, KILN_ADAMW_MOMENTS_F32);
     c.lr = 1e-3; /* far below the bf16 spacing 2^-8 at 0.72 */
     kiln_adamw_config cf = cfg_of(KILN_ADAMW_F32, KILN_ADAMW_MOMENTS_F32);

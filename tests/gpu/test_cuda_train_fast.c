@@ -413,20 +413,24 @@ done:
  * must refuse the gradients (KILN_ERR_STATE), and after the weight is restored a step that
  * does not accumulate must work again, with forward_batch + backward's loss bits. */
 #define SB_STEPS 4
-static int run_step_batch_case(const char *vocab_dir) {
+
+/* The tiny llama of the one-call cases (seed 99, vectors randomised), or NULL (said why). */
+static kiln_model *sb_model(const char *vocab_dir, const char *what) {
     char cfg[1200], tok[1200];
-    int ok = 1;
-    if (!write_config("llama", cfg, sizeof cfg)) return 0;
+    if (!write_config("llama", cfg, sizeof cfg)) return NULL;
     snprintf(tok, sizeof tok, "%s/ggml-vocab-llama-spm.gguf", vocab_dir);
     kiln_model *m = NULL;
     if (kiln_model_create(cfg, tok, 99, &m) != KILN_OK) {
-        fprintf(stderr, "FAIL step_batch: kiln_model_create: %s\n", kiln_last_error());
-        remove(cfg);
-        return 0;
+        fprintf(stderr, "FAIL %s: kiln_model_create: %s\n", what, kiln_last_error());
+        m = NULL;
     }
     remove(cfg);
-    gpu_randomise_vectors(m);
-    kiln_trainer *ts = NULL, *tb = NULL; /* split (forward_batch + backward), one call */
+    if (m) gpu_randomise_vectors(m);
+    return m;
+}
+
+/* Their fast trainers' parameters: 2 sequences of SEQ a forward, on device 0. */
+static kiln_train_params sb_params(void) {
     kiln_train_params p = kiln_train_default_params();
     p.max_seq = SEQ;
     p.max_batch = 2;
@@ -435,6 +439,15 @@ static int run_step_batch_case(const char *vocab_dir) {
     p.weight_decay = 0.1;
     p.device = 0;
     p.fast = 1;
+    return p;
+}
+
+static int run_step_batch_case(const char *vocab_dir) {
+    int ok = 1;
+    kiln_model *m = sb_model(vocab_dir, "step_batch");
+    if (!m) return 0;
+    kiln_trainer *ts = NULL, *tb = NULL; /* split (forward_batch + backward), one call */
+    kiln_train_params p = sb_params();
     p.ce_row_block = 0; /* the vocabulary walk: forward_batch + backward's products */
     float *a = NULL, *b = NULL, *nan_w = NULL, *norm_w = NULL;
     size_t total = 0;
@@ -544,27 +557,11 @@ done:
  * (the same bound as fast against auditable; printed), and the weights after SB_STEPS steps
  * within WEIGHT_BOUND of the distance travelled. */
 static int run_row_block_case(const char *vocab_dir) {
-    char cfg[1200], tok[1200];
     int ok = 1;
-    if (!write_config("llama", cfg, sizeof cfg)) return 0;
-    snprintf(tok, sizeof tok, "%s/ggml-vocab-llama-spm.gguf", vocab_dir);
-    kiln_model *m = NULL;
-    if (kiln_model_create(cfg, tok, 99, &m) != KILN_OK) {
-        fprintf(stderr, "FAIL row block: kiln_model_create: %s\n", kiln_last_error());
-        remove(cfg);
-        return 0;
-    }
-    remove(cfg);
-    gpu_randomise_vectors(m);
+    kiln_model *m = sb_model(vocab_dir, "row block");
+    if (!m) return 0;
     kiln_trainer *ts = NULL, *r1 = NULL, *r2 = NULL;
-    kiln_train_params p = kiln_train_default_params();
-    p.max_seq = SEQ;
-    p.max_batch = 2;
-    p.n_threads = 2;
-    p.lr = LR;
-    p.weight_decay = 0.1;
-    p.device = 0;
-    p.fast = 1;
+    kiln_train_params p = sb_params();
     float *a = NULL, *b = NULL, *c = NULL, *w0 = NULL;
     size_t total = 0;
     double worst_loss = 0.0, worst_grad = 0.0, wdiff = 0.0, wmove = 0.0;

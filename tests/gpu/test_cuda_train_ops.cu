@@ -426,6 +426,11 @@ static void test_adamw_multi_case(kiln_adamw_weights wk, kiln_adamw_moments mk, 
     }
     uint8_t *dw[2] = {(uint8_t *)dalloc(hw.size()), (uint8_t *)dalloc(hw.size())};
     float *dg = (float *)dalloc(hg.size() * 4);
+    /* f32 weights: each GPU optimizer also writes a bf16 copy (w16), laid out as the weights
+     * (so misaligned where they are: both the quad and the element path write it) */
+    uint16_t *d16[2] = {nullptr, nullptr};
+    if (!bf16)
+        for (int k = 0; k < 2; k++) d16[k] = (uint16_t *)dalloc((size_t)wt * 2);
     up(dw[0], hw.data(), hw.size());
     up(dw[1], hw.data(), hw.size());
     up(dg, hg.data(), hg.size() * 4);
@@ -438,11 +443,12 @@ static void test_adamw_multi_case(kiln_adamw_weights wk, kiln_adamw_moments mk, 
     cfg.seed = 777;
     std::vector<kiln_adamw_param> pc(P), pd[2];
     for (int i = 0; i < P; i++) {
-        pc[i] = {cnames[i], n[i], hw.data() + (size_t)woff[i] * we, hg.data() + goff[i]};
+        pc[i] = {cnames[i], n[i], hw.data() + (size_t)woff[i] * we, hg.data() + goff[i], nullptr};
         for (int k = 0; k < 2; k++) {
             pd[k].push_back(pc[i]);
             pd[k][i].weights = dw[k] + (size_t)woff[i] * we;
             pd[k][i].grad = dg + goff[i];
+            pd[k][i].w16 = d16[k] ? d16[k] + woff[i] : nullptr;
         }
     }
     /* the CPU optimizer's decay map flips two defaults; the GPU ones get the flags by load */
@@ -491,11 +497,24 @@ static void test_adamw_multi_case(kiln_adamw_weights wk, kiln_adamw_moments mk, 
             if (sg.size() != sc.size()) FAIL("%s: %zu vs %zu bytes", what, sg.size(), sc.size());
             else same_bytes(sg.data(), sc.data(), sg.size(), 1, what);
             down(gw.data(), dw[k], gw.size());
+            std::vector<uint16_t> g16(d16[k] ? (size_t)wt : 0);
+            if (d16[k]) down(g16.data(), d16[k], g16.size() * 2);
             for (int i = 0; i < P && g_fail == fails0; i++) {
                 const size_t o = (size_t)woff[i] * we, b = (size_t)n[i] * we;
                 snprintf(what, sizeof what, "%s step %d %s: weights of '%s' (n %lld)", tag, step,
                          side[k], cnames[i], (long long)n[i]);
                 same_bytes(gw.data() + o, hw.data() + o, b, we, what);
+                if (d16[k]) { /* w16: the bf16 (RNE) of the CPU's weights, bit for bit */
+                    std::vector<uint16_t> want((size_t)n[i]);
+                    for (int64_t e = 0; e < n[i]; e++) {
+                        float x;
+                        memcpy(&x, hw.data() + o + 4 * (size_t)e, 4);
+                        want[(size_t)e] = kiln_fp32_to_bf16(x);
+                    }
+                    snprintf(what, sizeof what, "%s step %d %s: w16 of '%s' (n %lld)", tag, step,
+                             side[k], cnames[i], (long long)n[i]);
+                    same_bytes(g16.data() + woff[i], want.data(), (size_t)n[i] * 2, 2, what);
+                }
                 std::vector<float> gm(n[i]), gv(n[i]), cm(n[i]), cv(n[i]);
                 OK_OR_FAIL(kiln_adamw_get_moments(gpu[k], i, gm.data(), gv.data()));
                 OK_OR_FAIL(kiln_adamw_get_moments(cpu, i, cm.data(), cv.data()));
@@ -529,6 +548,8 @@ static void test_adamw_multi_case(kiln_adamw_weights wk, kiln_adamw_moments mk, 
     kiln_adamw_free(gpu[1]);
     kiln_backend_free_buf(g_gpu, dw[0]);
     kiln_backend_free_buf(g_gpu, dw[1]);
+    for (uint16_t *p16 : d16)
+        if (p16) kiln_backend_free_buf(g_gpu, p16);
     kiln_backend_free_buf(g_gpu, dg);
     printf("%s: 300 params (1..200003, misaligned ones), 3 steps, per-tensor == multi == CPU: "
            "%s\n", tag, g_fail == fails0 ? "OK" : "FAILED");
@@ -972,11 +993,18 @@ int main(int argc, char **argv) {
     /* without a GPU: the CPU entry of create_on, then skip */
     {
         float wv[3] = {1, 2, 3}, gv[3] = {0.1f, 0.2f, 0.3f};
-        kiln_adamw_param q = {"w", 3, wv, gv};
+        kiln_adamw_param q = {"w", 3, wv, gv, nullptr};
         kiln_adamw_config cfg = kiln_adamw_default_config();
         kiln_adamw *o = nullptr;
         OK_OR_FAIL(kiln_adamw_create_on(nullptr, &q, 1, &cfg, &o));
         if (o) OK_OR_FAIL(kiln_adamw_step(o, nullptr));
+        kiln_adamw_free(o);
+        uint16_t w16[3]; /* the step's bf16 copy is a device optimizer's option */
+        q.w16 = w16;
+        o = nullptr;
+        if (kiln_adamw_create_on(nullptr, &q, 1, &cfg, &o) != KILN_ERR_UNSUPPORTED ||
+            !strstr(kiln_last_error(), "w16"))
+            FAIL("a CPU optimizer with w16: %s", kiln_last_error());
         kiln_adamw_free(o);
     }
     int count = 0;

@@ -107,6 +107,7 @@ static __device__ __forceinline__ void update_elem(const kiln_adamw_scalars &s,
     update_vals<W>(s, p.decay, key, e, p.grad[e], w32, w16, master, comp, m, v);
     if (W == KILN_ADAMW_F32) ((float *)p.weights)[e] = w32;
     else ((uint16_t *)p.weights)[e] = w16;
+    if (W == KILN_ADAMW_F32 && p.w16) p.w16[e] = kiln_bf16_rne(w32);
     if (W == KILN_ADAMW_BF16_MASTER) p.master[e] = master;
     if (W == KILN_ADAMW_BF16_KAHAN) p.comp[e] = comp;
 }
@@ -116,7 +117,7 @@ static __device__ __forceinline__ void update_elem(const kiln_adamw_scalars &s,
 template <int W>
 static __device__ __forceinline__ bool quad_aligned(const kiln_cuda_adamw_param &p) {
     uintptr_t a16 = (uintptr_t)p.grad | (uintptr_t)p.m | (uintptr_t)p.v, a8 = 0;
-    if (W == KILN_ADAMW_F32) a16 |= (uintptr_t)p.weights;
+    if (W == KILN_ADAMW_F32) a16 |= (uintptr_t)p.weights, a8 |= (uintptr_t)p.w16;
     else a8 |= (uintptr_t)p.weights;
     if (W == KILN_ADAMW_BF16_MASTER) a16 |= (uintptr_t)p.master;
     if (W == KILN_ADAMW_BF16_KAHAN) a8 |= (uintptr_t)p.comp;
@@ -164,6 +165,10 @@ static __device__ __forceinline__ void update_quad(const kiln_adamw_scalars &s,
         __stcs((float4 *)(wf + q), make_float4(w32[0], w32[1], w32[2], w32[3]));
     else
         __stcs((ushort4 *)(wh + q), make_ushort4(w16[0], w16[1], w16[2], w16[3]));
+    if (W == KILN_ADAMW_F32 && p.w16) /* the caller's bf16 copy (quad_aligned checked it) */
+        __stcs((ushort4 *)(p.w16 + q),
+               make_ushort4(kiln_bf16_rne(w32[0]), kiln_bf16_rne(w32[1]), kiln_bf16_rne(w32[2]),
+                            kiln_bf16_rne(w32[3])));
     if (W == KILN_ADAMW_BF16_MASTER)
         __stcs((float4 *)(p.master + q), make_float4(master[0], master[1], master[2], master[3]));
     if (W == KILN_ADAMW_BF16_KAHAN)

@@ -339,12 +339,46 @@ static __device__ __forceinline__ void ce_p1_group(float &mt, float &st, const f
     for (int q = 0; q < K; q++) st = st + ex2_approx(fmaf(v[q], KILN_LOG2E, nm));
 }
 
+/* The block's (m, s) from every thread's (mt, st): the xor butterfly (16, 8, 4, 2, 1) in
+ * each warp, then thread 0 merges the WARPS warps in order from warp 0 (ce_merge), into bm,
+ * bs (thread 0 only). part_m, part_s: WARPS floats of shared memory; the barrier between the
+ * warps' writes and thread 0's reads is inside, the one before their next use is the
+ * caller's. */
+template <int WARPS>
+static __device__ __forceinline__ void ce_block_pair(float mt, float st, float *part_m,
+                                                     float *part_s, float &bm, float &bs) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float mo = __shfl_xor_sync(0xffffffffu, mt, o);
+        const float so = __shfl_xor_sync(0xffffffffu, st, o);
+        ce_merge(mt, st, mo, so);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        part_m[threadIdx.x >> 5] = mt;
+        part_s[threadIdx.x >> 5] = st;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        bm = part_m[0], bs = part_s[0];
+        for (int w = 1; w < WARPS; w++) ce_merge(bm, bs, part_m[w], part_s[w]);
+    }
+}
+
+/* Slot j (4 columns) of a row of V logits, for the row kernels' statistics: x4 (loaded by the
+ * caller, -inf past the row's slots) with its columns >= V as -inf, into v[0..3]. */
+static __device__ __forceinline__ void ce_slot_vals(float4 x4, int64_t j, int64_t V, float *v) {
+    const int64_t c = 4 * j;
+    v[0] = x4.x;
+    v[1] = c + 1 < V ? x4.y : -INFINITY;
+    v[2] = c + 2 < V ? x4.z : -INFINITY;
+    v[3] = c + 3 < V ? x4.w : -INFINITY;
+}
+
 template <bool VEC>
 static __global__ void __launch_bounds__(CE_FAST_THREADS)
 pass1_fast_kernel(const float *__restrict__ z, int64_t S, int64_t n, int64_t c0,
                   const int32_t *__restrict__ tgt, float *m, float *l, float *zt) {
     __shared__ float part_m[CE_FAST_WARPS], part_s[CE_FAST_WARPS];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     constexpr int W = VEC ? 4 : 1;          /* columns per slot */
     constexpr int G = CE_P1_GROUP;          /* slots per group */
     constexpr int64_t STEP = (int64_t)CE_FAST_THREADS * G;
@@ -368,19 +402,9 @@ pass1_fast_kernel(const float *__restrict__ z, int64_t S, int64_t n, int64_t c0,
             }
             ce_p1_group<G * W>(mt, st, v);
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float mo = __shfl_xor_sync(0xffffffffu, mt, o);
-            const float so = __shfl_xor_sync(0xffffffffu, st, o);
-            ce_merge(mt, st, mo, so);
-        }
-        if (lane == 0) {
-            part_m[warp] = mt;
-            part_s[warp] = st;
-        }
-        __syncthreads();
+        float bm, bs;
+        ce_block_pair<CE_FAST_WARPS>(mt, st, part_m, part_s, bm, bs);
         if (tid == 0) {
-            float bm = part_m[0], bs = part_s[0];
-            for (int w = 1; w < CE_FAST_WARPS; w++) ce_merge(bm, bs, part_m[w], part_s[w]);
             const float mi = m[i];
             const float m_new = bm > mi ? bm : mi;
             const int64_t t = (int64_t)tgt[i] - c0;
@@ -568,6 +592,21 @@ extern "C" kiln_status kiln_cuda_ce_grad_bf16(kiln_backend *be, uint16_t *g, int
 
 /* ---- fast mode's row-block walk ---------------------------------------------------------------- */
 
+/* The four bf16 gradient values of slot j (columns 4j .. 4j+3) from its logits x: ce_grad_value
+ * rounded once for the columns < V, zeros past them; packed as stored (column 4j lowest). */
+static __device__ __forceinline__ uint2 ce_grad_slot(float4 x, int64_t j, int64_t V, int64_t t,
+                                                     float nm, float rl, float gs) {
+    const int64_t c = 4 * j;
+    const float xs[4] = {x.x, x.y, x.z, x.w};
+    uint16_t b[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+        b[q] = c + q < V ? kiln_bf16_rne(ce_grad_value(xs[q], nm, rl, gs, c + q == t))
+                         : (uint16_t)0;
+    return make_uint2((uint32_t)b[0] | ((uint32_t)b[1] << 16),
+                      (uint32_t)b[2] | ((uint32_t)b[3] << 16));
+}
+
 /* One row of a row block (fused_ce.c, ce_rows_bf16): z(R, ldz) f32 holds the block's whole
  * logits (columns [0, V), ldz % 8 == 0, 16-byte aligned rows); one block of CE_FAST_THREADS
  * threads per row (rows grid-strided) makes the row's statistics and then its gradient, which
@@ -590,7 +629,7 @@ rows_fast_kernel(float *z, int64_t ldz, int64_t R, int64_t Rs, int64_t V,
                  float *__restrict__ zt, float gs) {
     __shared__ float part_m[CE_FAST_WARPS], part_s[CE_FAST_WARPS];
     __shared__ float row_nm, row_rl;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     constexpr int G = CE_P1_GROUP;
     constexpr int64_t STEP = (int64_t)CE_FAST_THREADS * G;
     const int64_t slots = (V + 3) / 4;
@@ -609,28 +648,14 @@ rows_fast_kernel(float *z, int64_t ldz, int64_t R, int64_t Rs, int64_t V,
                 const int64_t j = j0 + (int64_t)g * CE_FAST_THREADS;
                 float4 x4 = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
                 if (j < slots) x4 = reinterpret_cast<const float4 *>(zr)[j];
-                const int64_t c = 4 * j; /* the last slot's columns >= V: -inf */
-                v[4 * g] = x4.x;
-                v[4 * g + 1] = c + 1 < V ? x4.y : -INFINITY;
-                v[4 * g + 2] = c + 2 < V ? x4.z : -INFINITY;
-                v[4 * g + 3] = c + 3 < V ? x4.w : -INFINITY;
+                ce_slot_vals(x4, j, V, v + 4 * g);
             }
             ce_p1_group<G * 4>(mt, st, v);
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float mo = __shfl_xor_sync(0xffffffffu, mt, o);
-            const float so = __shfl_xor_sync(0xffffffffu, st, o);
-            ce_merge(mt, st, mo, so);
-        }
-        if (lane == 0) {
-            part_m[warp] = mt;
-            part_s[warp] = st;
-        }
-        __syncthreads();
+        float bm, bs;
+        ce_block_pair<CE_FAST_WARPS>(mt, st, part_m, part_s, bm, bs);
         const int64_t t = tgt[i];
         if (tid == 0) {
-            float bm = part_m[0], bs = part_s[0];
-            for (int w = 1; w < CE_FAST_WARPS; w++) ce_merge(bm, bs, part_m[w], part_s[w]);
             /* pass1_fast_kernel's update from m = -inf, l = 0 gives exactly m = bm, l = bs */
             m[i] = bm;
             l[i] = bs;
@@ -652,15 +677,7 @@ rows_fast_kernel(float *z, int64_t ldz, int64_t R, int64_t Rs, int64_t V,
             for (int g = 0; g < G; g++) {
                 const int64_t j = base + tid + (int64_t)g * CE_FAST_THREADS;
                 if (j >= slots) continue;
-                const int64_t c = 4 * j;
-                const float xs[4] = {x[g].x, x[g].y, x[g].z, x[g].w};
-                uint16_t b[4];
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    b[q] = c + q < V ? kiln_bf16_rne(ce_grad_value(xs[q], nm, rl, gs, c + q == t))
-                                     : (uint16_t)0;
-                gr[j] = make_uint2((uint32_t)b[0] | ((uint32_t)b[1] << 16),
-                                   (uint32_t)b[2] | ((uint32_t)b[3] << 16));
+                gr[j] = ce_grad_slot(x[g], j, V, t, nm, rl, gs);
             }
         }
         __syncthreads(); /* part_*, row_* are rewritten for the next row */
@@ -671,9 +688,9 @@ rows_fast_kernel(float *z, int64_t ldz, int64_t R, int64_t Rs, int64_t V,
  * q of the cluster takes the row's float4 slots [q per, (q+1) per) and keeps them in its shared
  * memory, so the row is read from memory once, not twice (rows_fast_kernel's second read of a
  * row of 600 KB misses the L2). Order, fixed for a given V:
- *   each block: pass1_fast_kernel's walk of its own slots (thread t: slots t, t + 256, ... of
- *   the slice, in groups of CE_P1_GROUP, -inf past V), the xor butterfly, then thread 0 merges
- *   the 8 warps in order: the block's (m, s);
+ *   each block (CE_CL_THREADS threads): pass1_fast_kernel's walk of its own slots (thread t:
+ *   slots t, t + CE_CL_THREADS, ... of the slice, in groups of CE_P1_GROUP, -inf past V), the
+ *   xor butterfly, then thread 0 merges the warps in order: the block's (m, s);
  *   every block's thread 0 then merges the CE_CL blocks' pairs in rank order 0, 1, ... through
  *   distributed shared memory (the same operations in every block, so the same row m, l);
  *   rank 0 writes m, l; the block holding the target's slot writes zt from its copy;
@@ -684,19 +701,24 @@ rows_fast_kernel(float *z, int64_t ldz, int64_t R, int64_t Rs, int64_t V,
 #define CE_CL 8
 /* largest slice (float4 slots) a block keeps in shared memory: 200 KiB */
 #define CE_CL_MAX_SLOTS (200 * 1024 / 16)
+/* threads a block: two blocks of 76 KB fit an SM at V 151,936, so 512 threads each keep
+ * enough loads in flight (256 reached 2.5 TB/s) */
+#define CE_CL_THREADS 512
+#define CE_CL_WARPS (CE_CL_THREADS / 32)
+static_assert(CE_CL_THREADS % 32 == 0 && CE_CL_WARPS <= 32, "whole warps, one smem slot each");
 
-static __global__ void __cluster_dims__(CE_CL, 1, 1) __launch_bounds__(CE_FAST_THREADS)
+static __global__ void __cluster_dims__(CE_CL, 1, 1) __launch_bounds__(CE_CL_THREADS, 2)
 rows_cluster_kernel(float *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
                     const int32_t *__restrict__ tgt, float *__restrict__ m,
                     float *__restrict__ l, float *__restrict__ zt, float gs) {
     extern __shared__ float4 slice[]; /* per slots */
-    __shared__ float part_m[CE_FAST_WARPS], part_s[CE_FAST_WARPS];
+    __shared__ float part_m[CE_CL_WARPS], part_s[CE_CL_WARPS];
     __shared__ float blk_m, blk_s, row_nm, row_rl;
     cg::cluster_group cluster = cg::this_cluster();
     const int rank = (int)cluster.block_rank();
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     constexpr int G = CE_P1_GROUP;
-    constexpr int64_t STEP = (int64_t)CE_FAST_THREADS * G;
+    constexpr int64_t STEP = (int64_t)CE_CL_THREADS * G;
     const int64_t i = blockIdx.x / CE_CL; /* the row: uniform per cluster */
     const int64_t slots = (V + 3) / 4;
     const int64_t s0 = rank * per < slots ? rank * per : slots;
@@ -704,7 +726,7 @@ rows_cluster_kernel(float *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
     float *zr = z + i * ldz;
     uint2 *gr = reinterpret_cast<uint2 *>(zr);
     if (i >= Rs) { /* a padding row: zeros (nothing reads its logits) */
-        for (int64_t j = s0 + tid; j < s1; j += CE_FAST_THREADS) gr[j] = make_uint2(0u, 0u);
+        for (int64_t j = s0 + tid; j < s1; j += CE_CL_THREADS) gr[j] = make_uint2(0u, 0u);
         return;
     }
     float mt = -INFINITY, st = 0.0f;
@@ -712,33 +734,19 @@ rows_cluster_kernel(float *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
         float v[G * 4];
 #pragma unroll
         for (int g = 0; g < G; g++) {
-            const int64_t k = k0 + (int64_t)g * CE_FAST_THREADS;
+            const int64_t k = k0 + (int64_t)g * CE_CL_THREADS;
             float4 x4 = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
             if (k < ns) {
                 x4 = reinterpret_cast<const float4 *>(zr)[s0 + k];
                 slice[k] = x4;
             }
-            const int64_t c = 4 * (s0 + k); /* the last slot's columns >= V: -inf */
-            v[4 * g] = x4.x;
-            v[4 * g + 1] = c + 1 < V ? x4.y : -INFINITY;
-            v[4 * g + 2] = c + 2 < V ? x4.z : -INFINITY;
-            v[4 * g + 3] = c + 3 < V ? x4.w : -INFINITY;
+            ce_slot_vals(x4, s0 + k, V, v + 4 * g);
         }
         ce_p1_group<G * 4>(mt, st, v);
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        const float mo = __shfl_xor_sync(0xffffffffu, mt, o);
-        const float so = __shfl_xor_sync(0xffffffffu, st, o);
-        ce_merge(mt, st, mo, so);
-    }
-    if (lane == 0) {
-        part_m[warp] = mt;
-        part_s[warp] = st;
-    }
-    __syncthreads();
+    float bm, bs;
+    ce_block_pair<CE_CL_WARPS>(mt, st, part_m, part_s, bm, bs);
     if (tid == 0) {
-        float bm = part_m[0], bs = part_s[0];
-        for (int w = 1; w < CE_FAST_WARPS; w++) ce_merge(bm, bs, part_m[w], part_s[w]);
         blk_m = bm;
         blk_s = bs;
     }
@@ -764,18 +772,8 @@ rows_cluster_kernel(float *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
     cluster.sync(); /* every remote read done; row_nm, row_rl visible to the block */
     const float nm = row_nm, rl = row_rl;
     const int64_t t = tgt[i];
-    for (int64_t k = tid; k < ns; k += CE_FAST_THREADS) {
-        const float4 x = slice[k];
-        const int64_t j = s0 + k, c = 4 * j;
-        const float xs[4] = {x.x, x.y, x.z, x.w};
-        uint16_t b[4];
-#pragma unroll
-        for (int q = 0; q < 4; q++)
-            b[q] = c + q < V ? kiln_bf16_rne(ce_grad_value(xs[q], nm, rl, gs, c + q == t))
-                             : (uint16_t)0;
-        gr[j] = make_uint2((uint32_t)b[0] | ((uint32_t)b[1] << 16),
-                           (uint32_t)b[2] | ((uint32_t)b[3] << 16));
-    }
+    for (int64_t k = tid; k < ns; k += CE_CL_THREADS)
+        gr[s0 + k] = ce_grad_slot(slice[k], s0 + k, V, t, nm, rl, gs);
 }
 
 /* KILN_CE_ROWS_CLUSTER=0 keeps rows_fast_kernel (for comparisons; read on every call). */
@@ -803,7 +801,7 @@ extern "C" kiln_status kiln_cuda_ce_rows_fast(kiln_backend *be, float *z, int64_
                                                       (int)smem),
                              "fused_ce row block (fast): shared memory"))
             return kiln_backend_status(be);
-        rows_cluster_kernel<<<(unsigned)(R * CE_CL), CE_FAST_THREADS, smem,
+        rows_cluster_kernel<<<(unsigned)(R * CE_CL), CE_CL_THREADS, smem,
                               kiln_cuda_stream(be)>>>(z, ldz, Rs, V, per, tgt, m, l, zt, gs);
         return ce_launched(be, "fused_ce row block (fast, clusters)");
     }

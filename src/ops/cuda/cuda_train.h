@@ -45,6 +45,7 @@ typedef struct kiln_cuda_adamw_param {
     float *ms, *vs;      /* (ceil(n / 256)) */
     float *master;       /* (n) BF16_MASTER only */
     uint16_t *comp;      /* (n) BF16_KAHAN only */
+    uint16_t *w16;       /* (n) F32 only, or NULL: bf16 (RNE) of the updated weights */
 } kiln_cuda_adamw_param;
 
 /* One AdamW update of the parameter (adamw.c's update_range / step_task on every element;
