@@ -392,6 +392,62 @@ static __device__ __forceinline__ float4 rb_g(float4 yv, const float *w, int sj,
     return yv;
 }
 
+/* Row n's slots into registers (zeros past the row): rmsnorm_bwd_dw_fast_kernel's loads. */
+template <int V, bool VEC>
+static __device__ __forceinline__ void rb_dw_load(const float *x, const float *dy, int64_t n,
+                                                  int C, int C4, int t, float4 (&xv)[V],
+                                                  float4 (&yv)[V]) {
+    const int64_t off = n * C;
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        const int sj = t + 32 * k;
+        xv[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        yv[k] = xv[k];
+        if (sj < C4) rb_load_slot<VEC>(x + off, dy + off, NULL, sj, C, xv[k], yv[k]);
+    }
+}
+
+/* Row n from its registers: rstd, dx (and dx16), and its terms added to the warp's column
+ * sums acc (one fma per column, in the caller's row order). */
+template <int V, bool VEC>
+static __device__ __forceinline__ void rb_dw_row(float *dx, uint16_t *dx16, const float *w,
+                                                 int64_t n, int C, int C4, int t, float eps,
+                                                 float *rstd, bool accumulate,
+                                                 const float4 (&xv)[V], const float4 (&yv)[V],
+                                                 double (&acc)[V][4]) {
+    const int64_t off = n * C;
+    float ss[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int k = 0; k < V; k++) rb_chain(xv[k], rb_g<VEC>(yv[k], w, t + 32 * k, C4, C), ss, dd);
+    float s = rb_quad(ss), d = rb_quad(dd);
+#pragma unroll
+    for (int h = 16; h >= 1; h /= 2) {
+        s = s + __shfl_xor_sync(0xffffffffu, s, h, 32);
+        d = d + __shfl_xor_sync(0xffffffffu, d, h, 32);
+    }
+    const float r = kiln_rms_scale(s, C, eps);
+    if (t == 0) rstd[n] = r;
+    const float u = ((d / (float)C) * r) * r;
+    float *dxr = dx + off;
+    uint16_t *d16 = dx16 ? dx16 + off : NULL;
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        const int sj = t + 32 * k;
+        if (sj >= C4) continue;
+        float4 v = rb_dx(xv[k], rb_g<VEC>(yv[k], w, sj, C4, C), u, r);
+        if (accumulate) v = rb_add(rb_load<VEC>(dxr, sj, C), v);
+        rb_store2<VEC>(dxr, d16, sj, C, v);
+        /* dw: elements past C are 0 in x and dy, fma(0, 0, acc) = acc, never written */
+        acc[k][0] = fma((double)yv[k].x, (double)(xv[k].x * r), acc[k][0]);
+        acc[k][1] = fma((double)yv[k].y, (double)(xv[k].y * r), acc[k][1]);
+        acc[k][2] = fma((double)yv[k].z, (double)(xv[k].z * r), acc[k][2]);
+        acc[k][3] = fma((double)yv[k].w, (double)(xv[k].w * r), acc[k][3]);
+    }
+}
+
+/* Two rows of the warp in flight at once (rows n and n + RB_WARPS loaded before either is
+ * used): the grid is the column sums' chunks (about one block of 8 warps an SM), too few
+ * warps to hide a row's loads one row at a time. The rows still enter acc in order. */
 template <int V, bool VEC>
 static __global__ void __launch_bounds__(RB_THREADS)
 rmsnorm_bwd_dw_fast_kernel(float *dx, uint16_t *__restrict__ dx16, const float *dy,
@@ -406,43 +462,15 @@ rmsnorm_bwd_dw_fast_kernel(float *dx, uint16_t *__restrict__ dx16, const float *
     double acc[V][4];
 #pragma unroll
     for (int k = 0; k < V; k++) acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.0;
-    for (int64_t n = n_lo + j; n < n_hi; n += RB_WARPS) { /* uniform per warp */
-        const int64_t off = n * C;
-        float4 xv[V], yv[V];
-        float ss[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int k = 0; k < V; k++) {
-            const int sj = t + 32 * k;
-            xv[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            yv[k] = xv[k];
-            if (sj < C4) rb_load_slot<VEC>(x + off, dy + off, NULL, sj, C, xv[k], yv[k]);
-        }
-#pragma unroll
-        for (int k = 0; k < V; k++) rb_chain(xv[k], rb_g<VEC>(yv[k], w, t + 32 * k, C4, C), ss, dd);
-        float s = rb_quad(ss), d = rb_quad(dd);
-#pragma unroll
-        for (int h = 16; h >= 1; h /= 2) {
-            s = s + __shfl_xor_sync(0xffffffffu, s, h, 32);
-            d = d + __shfl_xor_sync(0xffffffffu, d, h, 32);
-        }
-        const float r = kiln_rms_scale(s, C, eps);
-        if (t == 0) rstd[n] = r;
-        const float u = ((d / (float)C) * r) * r;
-        float *dxr = dx + off;
-        uint16_t *d16 = dx16 ? dx16 + off : NULL;
-#pragma unroll
-        for (int k = 0; k < V; k++) {
-            const int sj = t + 32 * k;
-            if (sj >= C4) continue;
-            float4 v = rb_dx(xv[k], rb_g<VEC>(yv[k], w, sj, C4, C), u, r);
-            if (accumulate) v = rb_add(rb_load<VEC>(dxr, sj, C), v);
-            rb_store2<VEC>(dxr, d16, sj, C, v);
-            /* dw: elements past C are 0 in x and dy, fma(0, 0, acc) = acc, never written */
-            acc[k][0] = fma((double)yv[k].x, (double)(xv[k].x * r), acc[k][0]);
-            acc[k][1] = fma((double)yv[k].y, (double)(xv[k].y * r), acc[k][1]);
-            acc[k][2] = fma((double)yv[k].z, (double)(xv[k].z * r), acc[k][2]);
-            acc[k][3] = fma((double)yv[k].w, (double)(xv[k].w * r), acc[k][3]);
-        }
+    for (int64_t n = n_lo + j; n < n_hi; n += 2 * RB_WARPS) { /* uniform per warp */
+        const bool two = n + RB_WARPS < n_hi;
+        float4 xa[V], ya[V], xb[V], yb[V];
+        rb_dw_load<V, VEC>(x, dy, n, C, C4, t, xa, ya);
+        if (two) rb_dw_load<V, VEC>(x, dy, n + RB_WARPS, C, C4, t, xb, yb);
+        rb_dw_row<V, VEC>(dx, dx16, w, n, C, C4, t, eps, rstd, accumulate, xa, ya, acc);
+        if (two)
+            rb_dw_row<V, VEC>(dx, dx16, w, n + RB_WARPS, C, C4, t, eps, rstd, accumulate, xb,
+                              yb, acc);
     }
     /* lane8_tree over the warps: h = 4, 2, 1; warp j >= h hands its sums to warp j - h */
     const int cols = 4 * 32 * V; /* this warp's columns: 4 (t + 32 k) + q */
