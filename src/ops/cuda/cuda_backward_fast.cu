@@ -161,6 +161,7 @@ col_sum_combine_kernel(float *__restrict__ out, const double *__restrict__ part,
     const int64_t c = (int64_t)blockIdx.x * CS_TX + tx;
     double t = 0.0;
     if (c < W)
+#pragma unroll 8
         for (int k = g; k < K; k += CS_LANES) t = t + part[(int64_t)k * W + c];
     groups[g][tx] = t;
     __syncthreads();
@@ -373,16 +374,28 @@ rmsnorm_bwd_fast_warp_kernel(float *dx, uint16_t *__restrict__ dx16, const float
 }
 
 /* The rows with dw in one pass (C4 in (16, 256]: a warp a row, V slots a lane): the warp
- * kernel above for dx and rstd, and, while the row is in registers, the column sums of
- * dw: block k takes kiln_cuda_col_sum_fast's row chunk k, [k rc, (k+1) rc) (rc =
- * col_sum_rows_per_chunk(N, C)), and its warp j the rows k rc + j + 8i, i ascending -- the
- * rows of that chunk's row lane j -- with acc = fma((double)dy, (double)f32(x * r), acc) per
- * column, as col_sum_partial_kernel's MODE 2 (b = x, s = rstd) does them; the 8 warps meet in
- * lane8_tree's order (v[j] + v[j+4], v[j] + v[j+2], v[j] + v[j+1]) through shared memory
- * (dynamic: 4 x 4 C4 doubles), and block k writes part[k * C + c]: the partials of
- * kiln_cuda_col_sum_fast on (dy, x, rstd), bit for bit, without reading dy and x again. The
- * combine is col_sum_combine_kernel. dy is kept apart from g = dy * w (g recomputed from
- * both where needed: the same product, the same bits). */
+ * kernel above for dx and rstd, and, while the row is in registers, the column sums of dw in
+ * chunks of their own: block k takes rows [k rc, (k+1) rc) (rc = rb_dw_rows_per_chunk(N):
+ * RB_DW_ROWS, more only past RB_DW_MAX_CHUNKS chunks), its warp j the rows k rc + j + 8i, i
+ * ascending, with acc = fma((double)dy, (double)f32(x * r), acc) per column (the column sums'
+ * MODE 2 product: b = x, s = rstd). Each lane's sums live in shared memory, its own 4 x V
+ * doubles per warp (registers would cap the kernel at one block an SM); the 8 warps then meet
+ * in lane8_tree's order (v[j] + v[j+4], v[j] + v[j+2], v[j] + v[j+1]) and block k writes
+ * part[k * C + c]; the combine is col_sum_combine_kernel's. The order depends on (N, C) only.
+ * It is not kiln_cuda_col_sum_fast's order (whose chunks are 4-8 times longer and whose
+ * grid, a block per chunk, would leave most SMs idle here): the products are exact in double
+ * and the sums round only past 2^53, so dw rarely differs from the two kernels' in its last
+ * bit (test_cuda_colsum_fast counts it). dx, dx16 and rstd are the two kernels' bits. dy is
+ * kept apart from g = dy * w (g recomputed from both where needed: the same product). */
+#define RB_DW_ROWS 16          /* rows a chunk: 2 a warp (0.5B: 512 blocks, two waves of 2 an SM) */
+#define RB_DW_MAX_CHUNKS 1024  /* bounds the scratch and the combine's chains */
+
+static int64_t rb_dw_rows_per_chunk(int N) {
+    const int64_t need = ((int64_t)N + RB_DW_MAX_CHUNKS - 1) / RB_DW_MAX_CHUNKS;
+    if (need <= RB_DW_ROWS) return RB_DW_ROWS;
+    return (need + RB_WARPS - 1) / RB_WARPS * RB_WARPS;
+}
+
 /* g = dy * w of slot sj (rb_load_slot's product; w NULL or sj past the row: dy itself) */
 template <bool VEC>
 static __device__ __forceinline__ float4 rb_g(float4 yv, const float *w, int sj, int C4, int C) {
@@ -392,103 +405,73 @@ static __device__ __forceinline__ float4 rb_g(float4 yv, const float *w, int sj,
     return yv;
 }
 
-/* Row n's slots into registers (zeros past the row): rmsnorm_bwd_dw_fast_kernel's loads. */
-template <int V, bool VEC>
-static __device__ __forceinline__ void rb_dw_load(const float *x, const float *dy, int64_t n,
-                                                  int C, int C4, int t, float4 (&xv)[V],
-                                                  float4 (&yv)[V]) {
-    const int64_t off = n * C;
-#pragma unroll
-    for (int k = 0; k < V; k++) {
-        const int sj = t + 32 * k;
-        xv[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        yv[k] = xv[k];
-        if (sj < C4) rb_load_slot<VEC>(x + off, dy + off, NULL, sj, C, xv[k], yv[k]);
-    }
-}
-
-/* Row n from its registers: rstd, dx (and dx16), and its terms added to the warp's column
- * sums acc (one fma per column, in the caller's row order). */
-template <int V, bool VEC>
-static __device__ __forceinline__ void rb_dw_row(float *dx, uint16_t *dx16, const float *w,
-                                                 int64_t n, int C, int C4, int t, float eps,
-                                                 float *rstd, bool accumulate,
-                                                 const float4 (&xv)[V], const float4 (&yv)[V],
-                                                 double (&acc)[V][4]) {
-    const int64_t off = n * C;
-    float ss[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int k = 0; k < V; k++) rb_chain(xv[k], rb_g<VEC>(yv[k], w, t + 32 * k, C4, C), ss, dd);
-    float s = rb_quad(ss), d = rb_quad(dd);
-#pragma unroll
-    for (int h = 16; h >= 1; h /= 2) {
-        s = s + __shfl_xor_sync(0xffffffffu, s, h, 32);
-        d = d + __shfl_xor_sync(0xffffffffu, d, h, 32);
-    }
-    const float r = kiln_rms_scale(s, C, eps);
-    if (t == 0) rstd[n] = r;
-    const float u = ((d / (float)C) * r) * r;
-    float *dxr = dx + off;
-    uint16_t *d16 = dx16 ? dx16 + off : NULL;
-#pragma unroll
-    for (int k = 0; k < V; k++) {
-        const int sj = t + 32 * k;
-        if (sj >= C4) continue;
-        float4 v = rb_dx(xv[k], rb_g<VEC>(yv[k], w, sj, C4, C), u, r);
-        if (accumulate) v = rb_add(rb_load<VEC>(dxr, sj, C), v);
-        rb_store2<VEC>(dxr, d16, sj, C, v);
-        /* dw: elements past C are 0 in x and dy, fma(0, 0, acc) = acc, never written */
-        acc[k][0] = fma((double)yv[k].x, (double)(xv[k].x * r), acc[k][0]);
-        acc[k][1] = fma((double)yv[k].y, (double)(xv[k].y * r), acc[k][1]);
-        acc[k][2] = fma((double)yv[k].z, (double)(xv[k].z * r), acc[k][2]);
-        acc[k][3] = fma((double)yv[k].w, (double)(xv[k].w * r), acc[k][3]);
-    }
-}
-
-/* Two rows of the warp in flight at once (rows n and n + RB_WARPS loaded before either is
- * used): the grid is the column sums' chunks (about one block of 8 warps an SM), too few
- * warps to hide a row's loads one row at a time. The rows still enter acc in order. */
 template <int V, bool VEC>
 static __global__ void __launch_bounds__(RB_THREADS)
 rmsnorm_bwd_dw_fast_kernel(float *dx, uint16_t *__restrict__ dx16, const float *dy,
                            const float *__restrict__ x, const float *__restrict__ w, int N,
                            int C, float eps, float *__restrict__ rstd, bool accumulate,
                            double *__restrict__ part, int64_t rc) {
-    extern __shared__ double stage[]; /* (4, 4 * 32 * V): the warps handing their sums down */
+    /* (RB_WARPS, V, 4, 32) doubles: warp j's sum of column 4 (t + 32 k) + q at
+     * [j][k][q][t], so the 32 lanes of a warp touch 32 consecutive doubles */
+    extern __shared__ double sums[];
     const int t = threadIdx.x & 31, j = threadIdx.x >> 5;
     const int C4 = (C + 3) / 4;
     const int64_t n_lo = (int64_t)blockIdx.x * rc;
     const int64_t n_hi = n_lo + rc < N ? n_lo + rc : N;
-    double acc[V][4];
+    double *mine = sums + (int64_t)j * V * 128;
 #pragma unroll
-    for (int k = 0; k < V; k++) acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.0;
-    for (int64_t n = n_lo + j; n < n_hi; n += 2 * RB_WARPS) { /* uniform per warp */
-        const bool two = n + RB_WARPS < n_hi;
-        float4 xa[V], ya[V], xb[V], yb[V];
-        rb_dw_load<V, VEC>(x, dy, n, C, C4, t, xa, ya);
-        if (two) rb_dw_load<V, VEC>(x, dy, n + RB_WARPS, C, C4, t, xb, yb);
-        rb_dw_row<V, VEC>(dx, dx16, w, n, C, C4, t, eps, rstd, accumulate, xa, ya, acc);
-        if (two)
-            rb_dw_row<V, VEC>(dx, dx16, w, n + RB_WARPS, C, C4, t, eps, rstd, accumulate, xb,
-                              yb, acc);
+    for (int e = 0; e < 4 * V; e++) mine[e * 32 + t] = 0.0;
+    for (int64_t n = n_lo + j; n < n_hi; n += RB_WARPS) { /* uniform per warp */
+        const int64_t off = n * C;
+        float4 xv[V], yv[V];
+        float ss[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int k = 0; k < V; k++) {
+            const int sj = t + 32 * k;
+            xv[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            yv[k] = xv[k];
+            if (sj < C4) rb_load_slot<VEC>(x + off, dy + off, NULL, sj, C, xv[k], yv[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < V; k++) rb_chain(xv[k], rb_g<VEC>(yv[k], w, t + 32 * k, C4, C), ss, dd);
+        float s = rb_quad(ss), d = rb_quad(dd);
+#pragma unroll
+        for (int h = 16; h >= 1; h /= 2) {
+            s = s + __shfl_xor_sync(0xffffffffu, s, h, 32);
+            d = d + __shfl_xor_sync(0xffffffffu, d, h, 32);
+        }
+        const float r = kiln_rms_scale(s, C, eps);
+        if (t == 0) rstd[n] = r;
+        const float u = ((d / (float)C) * r) * r;
+        float *dxr = dx + off;
+        uint16_t *d16 = dx16 ? dx16 + off : NULL;
+#pragma unroll
+        for (int k = 0; k < V; k++) {
+            const int sj = t + 32 * k;
+            if (sj >= C4) continue;
+            float4 v = rb_dx(xv[k], rb_g<VEC>(yv[k], w, sj, C4, C), u, r);
+            if (accumulate) v = rb_add(rb_load<VEC>(dxr, sj, C), v);
+            rb_store2<VEC>(dxr, d16, sj, C, v);
+        }
+        /* dw: elements past C are 0 in x and dy, fma(0, 0, acc) = acc, never written */
+#pragma unroll
+        for (int k = 0; k < V; k++) {
+            double *m = mine + k * 128 + t;
+            m[0] = fma((double)yv[k].x, (double)(xv[k].x * r), m[0]);
+            m[32] = fma((double)yv[k].y, (double)(xv[k].y * r), m[32]);
+            m[64] = fma((double)yv[k].z, (double)(xv[k].z * r), m[64]);
+            m[96] = fma((double)yv[k].w, (double)(xv[k].w * r), m[96]);
+        }
     }
-    /* lane8_tree over the warps: h = 4, 2, 1; warp j >= h hands its sums to warp j - h */
-    const int cols = 4 * 32 * V; /* this warp's columns: 4 (t + 32 k) + q */
+    /* lane8_tree over the warps: h = 4, 2, 1; warp j < h adds warp j + h's sums to its own */
 #pragma unroll
     for (int h = RB_WARPS / 2; h >= 1; h /= 2) {
-        if (j >= h && j < 2 * h)
-#pragma unroll
-            for (int k = 0; k < V; k++)
-#pragma unroll
-                for (int q = 0; q < 4; q++) stage[(j - h) * cols + 4 * (t + 32 * k) + q] = acc[k][q];
         __syncthreads();
-        if (j < h)
+        if (j < h) {
+            const double *theirs = sums + (int64_t)(j + h) * V * 128;
 #pragma unroll
-            for (int k = 0; k < V; k++)
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    acc[k][q] = acc[k][q] + stage[j * cols + 4 * (t + 32 * k) + q];
-        __syncthreads();
+            for (int e = 0; e < 4 * V; e++) mine[e * 32 + t] = mine[e * 32 + t] + theirs[e * 32 + t];
+        }
     }
     if (j == 0)
 #pragma unroll
@@ -496,7 +479,7 @@ rmsnorm_bwd_dw_fast_kernel(float *dx, uint16_t *__restrict__ dx16, const float *
 #pragma unroll
             for (int q = 0; q < 4; q++) {
                 const int64_t c = 4 * (int64_t)(t + 32 * k) + q;
-                if (c < C) part[(int64_t)blockIdx.x * C + c] = acc[k][q];
+                if (c < C) part[(int64_t)blockIdx.x * C + c] = mine[(k * 4 + q) * 32 + t];
             }
 }
 
@@ -747,19 +730,37 @@ static cudaError_t rmsnorm_bwd_rows_fast(cudaStream_t s, float *dx, uint16_t *dx
 }
 
 /* Whether the rows with dw run as one pass (rmsnorm_bwd_dw_fast_kernel): a warp a row
- * (16 < C4 <= 256), unless KILN_RB_FUSED_DW=0 (the two kernels, for comparisons; the same
- * bits either way). */
-static bool rb_dw_fused(int C) {
+ * (16 < C4 <= 256), unless KILN_RB_FUSED_DW=0 (the two kernels, for comparisons: the same dx,
+ * dx16 and rstd, dw in the column sums' order). */
+static bool rb_dw_fusable(int C) {
     const int C4 = (int)(((int64_t)C + 3) / 4);
+    return C4 > 16 && C4 <= RB_WARP_MAX_C4;
+}
+static bool rb_dw_fused(int C) {
     const char *e = getenv("KILN_RB_FUSED_DW");
-    return C4 > 16 && C4 <= RB_WARP_MAX_C4 && !(e && e[0] == '0');
+    return rb_dw_fusable(C) && !(e && e[0] == '0');
+}
+
+/* Either path's scratch (not KILN_RB_FUSED_DW's choice: a caller's buffer suits both). */
+size_t kiln_cuda_rmsnorm_backward_fast_scratch_len(int N, int C) {
+    const size_t two = kiln_cuda_col_sum_fast_scratch_len(N, C);
+    if (N <= 0 || C <= 0 || !rb_dw_fusable(C)) return two;
+    const int64_t rc = rb_dw_rows_per_chunk(N), K = ((int64_t)N + rc - 1) / rc;
+    const size_t one = (size_t)K * (size_t)C;
+    return one > two ? one : two;
 }
 
 template <int V>
 static void rb_dw_launch(cudaStream_t s, bool vec, unsigned K, float *dx, uint16_t *dx16,
                          const float *dy, const float *x, const float *w, int N, int C, float eps,
                          float *rstd, bool acc, double *part, int64_t rc) {
-    const size_t smem = (size_t)4 * 4 * 32 * V * sizeof(double);
+    const size_t smem = (size_t)RB_WARPS * V * 128 * sizeof(double); /* 8 KiB x V */
+    if (smem > 48 * 1024) {
+        (void)cudaFuncSetAttribute(rmsnorm_bwd_dw_fast_kernel<V, true>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        (void)cudaFuncSetAttribute(rmsnorm_bwd_dw_fast_kernel<V, false>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    }
     if (vec)
         rmsnorm_bwd_dw_fast_kernel<V, true>
             <<<K, RB_THREADS, smem, s>>>(dx, dx16, dy, x, w, N, C, eps, rstd, acc, part, rc);
@@ -769,15 +770,14 @@ static void rb_dw_launch(cudaStream_t s, bool vec, unsigned K, float *dx, uint16
 }
 
 /* dx, rstd and dw in one pass over the rows plus the combine (rb_dw_fused(C); scratch checked
- * by the caller): kiln_cuda_col_sum_fast's chunks, partials and combine, so the same bits as
- * the rows kernel followed by the column sums. */
+ * by the caller against kiln_cuda_rmsnorm_backward_fast_scratch_len). */
 static cudaError_t rmsnorm_bwd_dw_fused(cudaStream_t s, float *dx, uint16_t *dx16, float *dw,
                                         const float *dy, const float *x, const float *w, int N,
                                         int C, float eps, float *rstd, bool acc,
                                         double *scratch) {
-    const int64_t rc = col_sum_rows_per_chunk(N, C);
+    const int64_t rc = rb_dw_rows_per_chunk(N);
     const int64_t K = ((int64_t)N + rc - 1) / rc;
-    if (K > CS_MAX_CHUNKS) return cudaErrorInvalidConfiguration;
+    if (K > RB_DW_MAX_CHUNKS) return cudaErrorInvalidConfiguration;
     const bool vec = C % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)dy % 16 == 0 &&
                      (uintptr_t)dx % 16 == 0 && (!w || (uintptr_t)w % 16 == 0) &&
                      (uintptr_t)dx16 % 8 == 0;
@@ -809,7 +809,7 @@ cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, uint16_t 
                                             size_t scratch_len) {
     if (N <= 0 || C <= 0) return cudaSuccess;
     const bool want_dw = dw && w;
-    if (want_dw && (!scratch || scratch_len < kiln_cuda_col_sum_fast_scratch_len(N, C)))
+    if (want_dw && (!scratch || scratch_len < kiln_cuda_rmsnorm_backward_fast_scratch_len(N, C)))
         return cudaErrorInvalidValue; /* refused before anything is enqueued */
     if (!dx || !dy || !x || !rstd) return cudaErrorInvalidValue;
     if (want_dw && rb_dw_fused(C))
