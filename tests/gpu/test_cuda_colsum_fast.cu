@@ -34,6 +34,10 @@
  *   kiln_cuda_col_sum_fast on (dy, x, that rstd); through the backend table, a fast backend's
  *   rmsnorm_backward and matmul_backward (dbias) give those bits, an auditable one the exact
  *   kernels' bits.
+ *   dw in one pass (rmsnorm_bwd_dw_fast_kernel, KILN_RB_FUSED_DW=0 for the two kernels):
+ *   dx, dx16, rstd and dw bit for bit the two kernels', for C in {65, 576, 896, 1000, 1024,
+ *   899} x N in {7, 300, 2048, 8193} x {accumulate, not} x {dx16, none}, aligned and one float
+ *   past; timed against the two kernels at 8192 x 896 and 16384 x 576.
  *   argument errors (no GPU needed): ld < W, NULL a or scratch, sc without b, scratch too
  *   small are refused with cudaErrorInvalidValue; the scratch length is K * W, K <= 256;
  *   rmsnorm_backward_fast refuses dx or rstd NULL and dw without scratch.
@@ -97,6 +101,23 @@ template <typename T> static std::vector<T> dev_download(const T *d, size_t n) {
 }
 static bool same_bits(const std::vector<float> &x, const std::vector<float> &y) {
     return x.size() == y.size() && (x.empty() || !memcmp(x.data(), y.data(), x.size() * 4));
+}
+
+/* Two column sums of the same exact double products in two orders: the same but for rare
+ * last bits. Returns the number of elements that differ (-1: a size differs, or one differs
+ * by more than one f32 ulp, or is not finite where the other is). */
+static long dw_differences(const std::vector<float> &x, const std::vector<float> &y) {
+    if (x.size() != y.size()) return -1;
+    long n = 0;
+    for (size_t i = 0; i < x.size(); i++) {
+        if (!memcmp(&x[i], &y[i], 4)) continue;
+        if (!std::isfinite(x[i]) || !std::isfinite(y[i])) return -1;
+        if (fabs((double)x[i] - (double)y[i]) > (double)nextafterf(fabsf(y[i]), INFINITY) -
+                                                     (double)fabsf(y[i]))
+            return -1;
+        n++;
+    }
+    return n;
 }
 
 /* ---- one case ------------------------------------------------------------------------------ */
@@ -561,8 +582,9 @@ static void test_rms_rows(int C) {
 }
 
 /* The whole op with dw (N = 2048, C = 576): dx and rstd are the rows kernel's bits (the call
- * with dw skipped), dw is kiln_cuda_col_sum_fast on (dy, x, that rstd); through the backend
- * table the fast backend gives those bits, the auditable one the exact kernel's. */
+ * with dw skipped), dw is kiln_cuda_col_sum_fast on (dy, x, that rstd) but for rare last bits
+ * (the one-pass kernel's order); through the backend table the fast backend gives those, the
+ * auditable one the exact kernel's bits. */
 static void test_rmsnorm(kiln_backend *fast_be, kiln_backend *aud_be) {
     const int fails0 = g_fail;
     const int N = 2048, C = 576;
@@ -600,7 +622,7 @@ static void test_rmsnorm(kiln_backend *fast_be, kiln_backend *aud_be) {
     {
         float *d_dx2 = dev_upload(dx0), *d_dw2 = dev_upload(dw0);
         CUDA_FATAL(cudaMemset(d_rstd, 0xff, (size_t)N * 4));
-        const size_t len = kiln_cuda_col_sum_fast_scratch_len(N, C);
+        const size_t len = kiln_cuda_rmsnorm_backward_fast_scratch_len(N, C);
         double *d_ws = nullptr;
         CUDA_FATAL(cudaMalloc((void **)&d_ws, len * sizeof(double)));
         if (kiln_cuda_rmsnorm_backward_fast(g_s, d_dx2, nullptr, d_dw2, d_dy, d_x, d_w, N, C, eps,
@@ -615,8 +637,9 @@ static void test_rmsnorm(kiln_backend *fast_be, kiln_backend *aud_be) {
             FAIL("rmsnorm_backward_fast: dx with dw is not the rows kernel's bits");
         if (!same_bits(dev_download(d_rstd, (size_t)N), fa_rstd))
             FAIL("rmsnorm_backward_fast: rstd with dw is not the rows kernel's bits");
-        if (!same_bits(dev_download(d_dw2, dw0.size()), want_dw))
-            FAIL("rmsnorm_backward_fast: dw is not kiln_cuda_col_sum_fast's bits");
+        if (dw_differences(dev_download(d_dw2, dw0.size()), want_dw) < 0)
+            FAIL("rmsnorm_backward_fast: dw is not kiln_cuda_col_sum_fast's sums (to the last "
+                 "bit)");
         cudaFree(d_dx2);
         cudaFree(d_dw2);
         cudaFree(d_ws);
@@ -633,9 +656,10 @@ static void test_rmsnorm(kiln_backend *fast_be, kiln_backend *aud_be) {
         if (!same_bits(dev_download(d_dx2, dx0.size()), k == 0 ? fa_dx : ex_dx))
             FAIL("backend rmsnorm_backward (%s): dx is not the %s bits", name,
                  k == 0 ? "fast rows kernel's" : "exact kernel's");
-        if (!same_bits(dev_download(d_dw2, dw0.size()), k == 0 ? want_dw : ex_dw))
-            FAIL("backend rmsnorm_backward (%s): dw is not the %s bits", name,
-                 k == 0 ? "fast sum's" : "exact kernel's");
+        const std::vector<float> got_dw = dev_download(d_dw2, dw0.size());
+        if (k == 0 ? dw_differences(got_dw, want_dw) < 0 : !same_bits(got_dw, ex_dw))
+            FAIL("backend rmsnorm_backward (%s): dw is not the %s", name,
+                 k == 0 ? "fast sum's (to the last bit)" : "exact kernel's bits");
         cudaFree(d_dx2);
         cudaFree(d_dw2);
     }
@@ -645,6 +669,156 @@ static void test_rmsnorm(kiln_backend *fast_be, kiln_backend *aud_be) {
     cudaFree(d_x);
     cudaFree(d_w);
     cudaFree(d_rstd);
+}
+
+/* ---- dw in one pass: the fused rows + column sums against the two kernels --------------------- */
+
+/* One launcher call with dw (KILN_RB_FUSED_DW as fused says); outputs downloaded. shift 1:
+ * every input and output one float past 16-byte alignment (the scalar loads). */
+struct DwOut {
+    std::vector<float> dx, rstd, dw;
+    std::vector<uint16_t> dx16;
+};
+static bool dw_run(int N, int C, bool acc, bool with16, int shift, bool fused,
+                   const std::vector<float> &dy, const std::vector<float> &x,
+                   const std::vector<float> &w, const std::vector<float> &dx0,
+                   const std::vector<float> &dw0, DwOut &o) {
+    const size_t n = (size_t)N * C;
+    float *bdy = nullptr, *bx = nullptr, *bw = nullptr, *bdx = nullptr, *bdw = nullptr, *brs = nullptr;
+    uint16_t *b16 = nullptr;
+    CUDA_FATAL(cudaMalloc((void **)&bdy, (n + 4) * 4));
+    CUDA_FATAL(cudaMalloc((void **)&bx, (n + 4) * 4));
+    CUDA_FATAL(cudaMalloc((void **)&bw, ((size_t)C + 4) * 4));
+    CUDA_FATAL(cudaMalloc((void **)&bdx, (n + 4) * 4));
+    CUDA_FATAL(cudaMalloc((void **)&bdw, ((size_t)C + 4) * 4));
+    CUDA_FATAL(cudaMalloc((void **)&brs, ((size_t)N + 4) * 4));
+    CUDA_FATAL(cudaMalloc((void **)&b16, (n + 8) * 2));
+    float *d_dy = bdy + shift, *d_x = bx + shift, *d_w = bw + shift, *d_dx = bdx + shift;
+    float *d_dw = bdw + shift, *d_rs = brs + shift;
+    uint16_t *d16 = with16 ? b16 + 4 * shift : nullptr; /* 8 bytes past: the scalar stores */
+    CUDA_FATAL(cudaMemcpy(d_dy, dy.data(), n * 4, cudaMemcpyHostToDevice));
+    CUDA_FATAL(cudaMemcpy(d_x, x.data(), n * 4, cudaMemcpyHostToDevice));
+    CUDA_FATAL(cudaMemcpy(d_w, w.data(), (size_t)C * 4, cudaMemcpyHostToDevice));
+    CUDA_FATAL(cudaMemcpy(d_dx, dx0.data(), n * 4, cudaMemcpyHostToDevice));
+    CUDA_FATAL(cudaMemcpy(d_dw, dw0.data(), (size_t)C * 4, cudaMemcpyHostToDevice));
+    CUDA_FATAL(cudaMemset(brs, 0xff, ((size_t)N + 4) * 4));
+    CUDA_FATAL(cudaMemset(b16, 0xff, (n + 8) * 2));
+    const size_t len = kiln_cuda_rmsnorm_backward_fast_scratch_len(N, C);
+    double *ws = nullptr;
+    CUDA_FATAL(cudaMalloc((void **)&ws, len * sizeof(double)));
+    CUDA_FATAL(cudaMemset(ws, 0xff, len * sizeof(double)));
+    setenv("KILN_RB_FUSED_DW", fused ? "1" : "0", 1);
+    const cudaError_t e = kiln_cuda_rmsnorm_backward_fast(g_s, d_dx, d16, d_dw, d_dy, d_x, d_w, N,
+                                                          C, kRmsEps, d_rs, acc, ws, len);
+    unsetenv("KILN_RB_FUSED_DW");
+    bool ok = e == cudaSuccess;
+    if (!ok) FAIL("rmsnorm dw N=%d C=%d (%s): %s", N, C, fused ? "fused" : "two kernels",
+                  cudaGetErrorString(e));
+    CUDA_FATAL(cudaStreamSynchronize(g_s));
+    if (ok) {
+        o.dx = dev_download(d_dx, n);
+        o.rstd = dev_download(d_rs, (size_t)N);
+        o.dw = dev_download(d_dw, (size_t)C);
+        o.dx16 = with16 ? dev_download(d16, n) : std::vector<uint16_t>();
+    }
+    for (void *p : {(void *)bdy, (void *)bx, (void *)bw, (void *)bdx, (void *)bdw, (void *)brs,
+                    (void *)b16, (void *)ws})
+        cudaFree(p);
+    return ok;
+}
+
+/* The fused pass (rmsnorm_bwd_dw_fast_kernel + the combine) against the two kernels, for C in
+ * {65 (one slot a lane, scalar), 576, 896, 1000, 1024, 899 (scalar)} x N in {7, 300, 2048,
+ * 8193, 40000 (chunks of more than 16 rows)} x {accumulate or not} x {dx16 or not} x
+ * {aligned, one float past}: dx, its bf16 copy and rstd the same bits; dw the same sums but
+ * for rare last bits (another order of the same exact double products; counted); the fused
+ * pass twice the same bits. The calls it does not take (C <= 64, C > 1024) are unchanged. */
+static void test_rms_dw_fused() {
+    const int fails0 = g_fail;
+    int cases = 0;
+    long dw_diff = 0, dw_total = 0;
+    for (int C : {65, 576, 896, 1000, 1024, 899})
+        for (int N : {7, 300, 2048, 8193, 40000}) {
+            if (N == 40000 && C != 896) continue;
+            const size_t n = (size_t)N * C;
+            std::vector<float> dy(n), x(n), w((size_t)C), dx0(n), dw0((size_t)C);
+            for (float &f : dy) f = rndu();
+            for (float &f : x) f = 3.0f * rndu();
+            for (float &f : w) f = 1.0f + 0.25f * rndu();
+            for (float &f : dx0) f = rndu();
+            for (float &f : dw0) f = rndu();
+            for (int v = 0; v < 4; v++) {
+                const bool acc = v & 1, with16 = (v & 2) != 0;
+                const int shift = (N + v) % 3 == 0 ? 1 : 0;
+                DwOut a, a2, b;
+                if (!dw_run(N, C, acc, with16, shift, true, dy, x, w, dx0, dw0, a) ||
+                    !dw_run(N, C, acc, with16, shift, true, dy, x, w, dx0, dw0, a2) ||
+                    !dw_run(N, C, acc, with16, shift, false, dy, x, w, dx0, dw0, b))
+                    continue;
+                cases++;
+                const char *what = nullptr;
+                const long d = dw_differences(a.dw, b.dw);
+                if (!same_bits(a.dx, b.dx)) what = "dx is not the two kernels' bits";
+                else if (!same_bits(a.rstd, b.rstd)) what = "rstd is not the two kernels' bits";
+                else if (a.dx16 != b.dx16) what = "dx16 is not the two kernels' bits";
+                else if (d < 0) what = "dw differs from the two kernels' by more than an ulp";
+                else if (!same_bits(a.dx, a2.dx) || !same_bits(a.dw, a2.dw) ||
+                         !same_bits(a.rstd, a2.rstd) || a.dx16 != a2.dx16)
+                    what = "two runs differ";
+                if (what)
+                    FAIL("rmsnorm dw fused N=%d C=%d acc %d dx16 %d shift %d: %s", N, C, (int)acc,
+                         (int)with16, shift, what);
+                if (d > 0) dw_diff += d;
+                dw_total += C;
+            }
+        }
+    printf("rmsnorm backward with dw in one pass: %d cases; dx, dx16, rstd the two kernels' "
+           "bits, twice the same bits; dw %ld of %ld values one ulp off the two kernels' %s\n",
+           cases, dw_diff, dw_total, g_fail == fails0 ? "OK" : "FAILED");
+}
+
+/* The launcher with dw at N x C, fused and as two kernels (cudaEvent, mean of 20). */
+static void time_rms_dw(int N, int C) {
+    const size_t n = (size_t)N * (size_t)C;
+    float *x = nullptr, *dy = nullptr, *dx = nullptr, *w = nullptr, *rs = nullptr, *dw = nullptr;
+    uint16_t *d16 = nullptr;
+    CUDA_FATAL(cudaMalloc((void **)&x, n * 4));
+    CUDA_FATAL(cudaMalloc((void **)&dy, n * 4));
+    CUDA_FATAL(cudaMalloc((void **)&dx, n * 4));
+    CUDA_FATAL(cudaMalloc((void **)&d16, n * 2));
+    CUDA_FATAL(cudaMalloc((void **)&w, (size_t)C * 4));
+    CUDA_FATAL(cudaMalloc((void **)&dw, (size_t)C * 4));
+    CUDA_FATAL(cudaMalloc((void **)&rs, (size_t)N * 4));
+    for (float *p : {x, dy, dx}) CUDA_FATAL(cudaMemset(p, 0, n * 4));
+    CUDA_FATAL(cudaMemset(w, 0, (size_t)C * 4));
+    CUDA_FATAL(cudaMemset(dw, 0, (size_t)C * 4));
+    const size_t len = kiln_cuda_rmsnorm_backward_fast_scratch_len(N, C);
+    double *ws = nullptr;
+    CUDA_FATAL(cudaMalloc((void **)&ws, len * sizeof(double)));
+    cudaEvent_t t0, t1;
+    CUDA_FATAL(cudaEventCreate(&t0));
+    CUDA_FATAL(cudaEventCreate(&t1));
+    const int reps = 20;
+    float ms[2] = {0, 0};
+    for (int which = 0; which < 2; which++) {
+        setenv("KILN_RB_FUSED_DW", which == 0 ? "0" : "1", 1);
+        for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
+            if (r == 0) CUDA_FATAL(cudaEventRecord(t0, g_s));
+            CUDA_FATAL(kiln_cuda_rmsnorm_backward_fast(g_s, dx, d16, dw, dy, x, w, N, C, 1e-6f, rs,
+                                                       true, ws, len));
+        }
+        CUDA_FATAL(cudaEventRecord(t1, g_s));
+        CUDA_FATAL(cudaEventSynchronize(t1));
+        CUDA_FATAL(cudaEventElapsedTime(&ms[which], t0, t1));
+    }
+    unsetenv("KILN_RB_FUSED_DW");
+    printf("timing rmsnorm backward with dw N=%d C=%d acc + dx16: two kernels %.1f us, one pass "
+           "%.1f us, x%.2f\n", N, C, 1e3 * ms[0] / reps, 1e3 * ms[1] / reps, ms[0] / ms[1]);
+    cudaEventDestroy(t0);
+    cudaEventDestroy(t1);
+    for (void *p : {(void *)x, (void *)dy, (void *)dx, (void *)d16, (void *)w, (void *)dw,
+                    (void *)rs, (void *)ws})
+        cudaFree(p);
 }
 
 /* ---- argument errors (before anything is enqueued: no GPU needed) -------------------------- */
@@ -842,7 +1016,10 @@ int main(int argc, char **argv) {
            "(5h/2 + 15))\n",
            g_rms_worst, g_rms_units);
     test_rmsnorm(fast_be, aud_be);
+    test_rms_dw_fused();
     if (big) {
+        time_rms_dw(8192, 896);
+        time_rms_dw(16384, 576);
         time_shape(8192, 576, 2);
         time_shape(8192, 896, 0);
         time_shape(8192, 4864, 0);

@@ -764,7 +764,7 @@ static void rmsnorm_backward(kiln_backend *be, float *dx, uint16_t *dx16, float 
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
     if (c->fast && dw && w) { /* dw in the fast column sum's order (cuda_backward_fast.h) */
-        const size_t len = kiln_cuda_col_sum_fast_scratch_len(N, C);
+        const size_t len = kiln_cuda_rmsnorm_backward_fast_scratch_len(N, C);
         double *ws = colsum_scratch(c, len);
         if (!ws) return;
         after_launch(c, kiln_cuda_rmsnorm_backward_fast(c->stream, dx, dx16, dw, dy, x, w, N, C,

@@ -15,6 +15,7 @@
 #include "../../base/kmath.h"
 
 #include <limits.h>
+#include <stdlib.h>
 
 /* ---- column sums: row chunks of RC rows, partials in double, then a fixed combine ---------- */
 
@@ -160,6 +161,7 @@ col_sum_combine_kernel(float *__restrict__ out, const double *__restrict__ part,
     const int64_t c = (int64_t)blockIdx.x * CS_TX + tx;
     double t = 0.0;
     if (c < W)
+#pragma unroll 8
         for (int k = g; k < K; k += CS_LANES) t = t + part[(int64_t)k * W + c];
     groups[g][tx] = t;
     __syncthreads();
@@ -369,6 +371,116 @@ rmsnorm_bwd_fast_warp_kernel(float *dx, uint16_t *__restrict__ dx16, const float
             if (t + LPR * k < C4)
                 rb_store2<VEC>(dxr, d16, t + LPR * k, C, rb_dx(xv[k], gv[k], u, r));
     }
+}
+
+/* The rows with dw in one pass (C4 in (16, 256]: a warp a row, V slots a lane): the warp
+ * kernel above for dx and rstd, and, while the row is in registers, the column sums of dw in
+ * chunks of their own: block k takes rows [k rc, (k+1) rc) (rc = rb_dw_rows_per_chunk(N):
+ * RB_DW_ROWS, more only past RB_DW_MAX_CHUNKS chunks), its warp j the rows k rc + j + 8i, i
+ * ascending, with acc = fma((double)dy, (double)f32(x * r), acc) per column (the column sums'
+ * MODE 2 product: b = x, s = rstd). Each lane's sums live in shared memory, its own 4 x V
+ * doubles per warp (registers would cap the kernel at one block an SM); the 8 warps then meet
+ * in lane8_tree's order (v[j] + v[j+4], v[j] + v[j+2], v[j] + v[j+1]) and block k writes
+ * part[k * C + c]; the combine is col_sum_combine_kernel's. The order depends on (N, C) only.
+ * It is not kiln_cuda_col_sum_fast's order (whose chunks are 4-8 times longer and whose
+ * grid, a block per chunk, would leave most SMs idle here): the products are exact in double
+ * and the sums round only past 2^53, so dw rarely differs from the two kernels' in its last
+ * bit (test_cuda_colsum_fast counts it). dx, dx16 and rstd are the two kernels' bits. dy is
+ * kept apart from g = dy * w (g recomputed from both where needed: the same product). */
+#define RB_DW_ROWS 16          /* rows a chunk: 2 a warp (0.5B: 512 blocks, two waves of 2 an SM) */
+#define RB_DW_MAX_CHUNKS 1024  /* bounds the scratch and the combine's chains */
+
+static int64_t rb_dw_rows_per_chunk(int N) {
+    const int64_t need = ((int64_t)N + RB_DW_MAX_CHUNKS - 1) / RB_DW_MAX_CHUNKS;
+    if (need <= RB_DW_ROWS) return RB_DW_ROWS;
+    return (need + RB_WARPS - 1) / RB_WARPS * RB_WARPS;
+}
+
+/* g = dy * w of slot sj (rb_load_slot's product; w NULL or sj past the row: dy itself) */
+template <bool VEC>
+static __device__ __forceinline__ float4 rb_g(float4 yv, const float *w, int sj, int C4, int C) {
+    if (!w || sj >= C4) return yv;
+    const float4 wv = rb_load<VEC>(w, sj, C);
+    yv.x = yv.x * wv.x, yv.y = yv.y * wv.y, yv.z = yv.z * wv.z, yv.w = yv.w * wv.w;
+    return yv;
+}
+
+template <int V, bool VEC>
+static __global__ void __launch_bounds__(RB_THREADS)
+rmsnorm_bwd_dw_fast_kernel(float *dx, uint16_t *__restrict__ dx16, const float *dy,
+                           const float *__restrict__ x, const float *__restrict__ w, int N,
+                           int C, float eps, float *__restrict__ rstd, bool accumulate,
+                           double *__restrict__ part, int64_t rc) {
+    /* (RB_WARPS, V, 4, 32) doubles: warp j's sum of column 4 (t + 32 k) + q at
+     * [j][k][q][t], so the 32 lanes of a warp touch 32 consecutive doubles */
+    extern __shared__ double sums[];
+    const int t = threadIdx.x & 31, j = threadIdx.x >> 5;
+    const int C4 = (C + 3) / 4;
+    const int64_t n_lo = (int64_t)blockIdx.x * rc;
+    const int64_t n_hi = n_lo + rc < N ? n_lo + rc : N;
+    double *mine = sums + (int64_t)j * V * 128;
+#pragma unroll
+    for (int e = 0; e < 4 * V; e++) mine[e * 32 + t] = 0.0;
+    for (int64_t n = n_lo + j; n < n_hi; n += RB_WARPS) { /* uniform per warp */
+        const int64_t off = n * C;
+        float4 xv[V], yv[V];
+        float ss[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int k = 0; k < V; k++) {
+            const int sj = t + 32 * k;
+            xv[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            yv[k] = xv[k];
+            if (sj < C4) rb_load_slot<VEC>(x + off, dy + off, NULL, sj, C, xv[k], yv[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < V; k++) rb_chain(xv[k], rb_g<VEC>(yv[k], w, t + 32 * k, C4, C), ss, dd);
+        float s = rb_quad(ss), d = rb_quad(dd);
+#pragma unroll
+        for (int h = 16; h >= 1; h /= 2) {
+            s = s + __shfl_xor_sync(0xffffffffu, s, h, 32);
+            d = d + __shfl_xor_sync(0xffffffffu, d, h, 32);
+        }
+        const float r = kiln_rms_scale(s, C, eps);
+        if (t == 0) rstd[n] = r;
+        const float u = ((d / (float)C) * r) * r;
+        float *dxr = dx + off;
+        uint16_t *d16 = dx16 ? dx16 + off : NULL;
+#pragma unroll
+        for (int k = 0; k < V; k++) {
+            const int sj = t + 32 * k;
+            if (sj >= C4) continue;
+            float4 v = rb_dx(xv[k], rb_g<VEC>(yv[k], w, sj, C4, C), u, r);
+            if (accumulate) v = rb_add(rb_load<VEC>(dxr, sj, C), v);
+            rb_store2<VEC>(dxr, d16, sj, C, v);
+        }
+        /* dw: elements past C are 0 in x and dy, fma(0, 0, acc) = acc, never written */
+#pragma unroll
+        for (int k = 0; k < V; k++) {
+            double *m = mine + k * 128 + t;
+            m[0] = fma((double)yv[k].x, (double)(xv[k].x * r), m[0]);
+            m[32] = fma((double)yv[k].y, (double)(xv[k].y * r), m[32]);
+            m[64] = fma((double)yv[k].z, (double)(xv[k].z * r), m[64]);
+            m[96] = fma((double)yv[k].w, (double)(xv[k].w * r), m[96]);
+        }
+    }
+    /* lane8_tree over the warps: h = 4, 2, 1; warp j < h adds warp j + h's sums to its own */
+#pragma unroll
+    for (int h = RB_WARPS / 2; h >= 1; h /= 2) {
+        __syncthreads();
+        if (j < h) {
+            const double *theirs = sums + (int64_t)(j + h) * V * 128;
+#pragma unroll
+            for (int e = 0; e < 4 * V; e++) mine[e * 32 + t] = mine[e * 32 + t] + theirs[e * 32 + t];
+        }
+    }
+    if (j == 0)
+#pragma unroll
+        for (int k = 0; k < V; k++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int64_t c = 4 * (int64_t)(t + 32 * k) + q;
+                if (c < C) part[(int64_t)blockIdx.x * C + c] = mine[(k * 4 + q) * 32 + t];
+            }
 }
 
 /* The fast forward (kiln_cuda_rmsnorm_fast_bf16): the same rows, lanes, slots and chains as
@@ -617,6 +729,79 @@ static cudaError_t rmsnorm_bwd_rows_fast(cudaStream_t s, float *dx, uint16_t *dx
     return cudaGetLastError();
 }
 
+/* Whether the rows with dw run as one pass (rmsnorm_bwd_dw_fast_kernel): a warp a row
+ * (16 < C4 <= 256), unless KILN_RB_FUSED_DW=0 (the two kernels, for comparisons: the same dx,
+ * dx16 and rstd, dw in the column sums' order). */
+static bool rb_dw_fusable(int C) {
+    const int C4 = (int)(((int64_t)C + 3) / 4);
+    return C4 > 16 && C4 <= RB_WARP_MAX_C4;
+}
+static bool rb_dw_fused(int C) {
+    const char *e = getenv("KILN_RB_FUSED_DW");
+    return rb_dw_fusable(C) && !(e && e[0] == '0');
+}
+
+/* Either path's scratch (not KILN_RB_FUSED_DW's choice: a caller's buffer suits both). */
+size_t kiln_cuda_rmsnorm_backward_fast_scratch_len(int N, int C) {
+    const size_t two = kiln_cuda_col_sum_fast_scratch_len(N, C);
+    if (N <= 0 || C <= 0 || !rb_dw_fusable(C)) return two;
+    const int64_t rc = rb_dw_rows_per_chunk(N), K = ((int64_t)N + rc - 1) / rc;
+    const size_t one = (size_t)K * (size_t)C;
+    return one > two ? one : two;
+}
+
+template <int V>
+static void rb_dw_launch(cudaStream_t s, bool vec, unsigned K, float *dx, uint16_t *dx16,
+                         const float *dy, const float *x, const float *w, int N, int C, float eps,
+                         float *rstd, bool acc, double *part, int64_t rc) {
+    const size_t smem = (size_t)RB_WARPS * V * 128 * sizeof(double); /* 8 KiB x V */
+    if (smem > 48 * 1024) {
+        (void)cudaFuncSetAttribute(rmsnorm_bwd_dw_fast_kernel<V, true>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        (void)cudaFuncSetAttribute(rmsnorm_bwd_dw_fast_kernel<V, false>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    }
+    if (vec)
+        rmsnorm_bwd_dw_fast_kernel<V, true>
+            <<<K, RB_THREADS, smem, s>>>(dx, dx16, dy, x, w, N, C, eps, rstd, acc, part, rc);
+    else
+        rmsnorm_bwd_dw_fast_kernel<V, false>
+            <<<K, RB_THREADS, smem, s>>>(dx, dx16, dy, x, w, N, C, eps, rstd, acc, part, rc);
+}
+
+/* dx, rstd and dw in one pass over the rows plus the combine (rb_dw_fused(C); scratch checked
+ * by the caller against kiln_cuda_rmsnorm_backward_fast_scratch_len). */
+static cudaError_t rmsnorm_bwd_dw_fused(cudaStream_t s, float *dx, uint16_t *dx16, float *dw,
+                                        const float *dy, const float *x, const float *w, int N,
+                                        int C, float eps, float *rstd, bool acc,
+                                        double *scratch) {
+    const int64_t rc = rb_dw_rows_per_chunk(N);
+    const int64_t K = ((int64_t)N + rc - 1) / rc;
+    if (K > RB_DW_MAX_CHUNKS) return cudaErrorInvalidConfiguration;
+    const bool vec = C % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)dy % 16 == 0 &&
+                     (uintptr_t)dx % 16 == 0 && (!w || (uintptr_t)w % 16 == 0) &&
+                     (uintptr_t)dx16 % 8 == 0;
+    const int C4 = (int)(((int64_t)C + 3) / 4);
+    const unsigned k = (unsigned)K;
+#define RB_DW(V) rb_dw_launch<V>(s, vec, k, dx, dx16, dy, x, w, N, C, eps, rstd, acc, scratch, rc)
+    switch ((C4 + 31) / 32) {
+    case 1: RB_DW(1); break;
+    case 2: RB_DW(2); break;
+    case 3: RB_DW(3); break;
+    case 4: RB_DW(4); break;
+    case 5: RB_DW(5); break;
+    case 6: RB_DW(6); break;
+    case 7: RB_DW(7); break;
+    default: RB_DW(8); break;
+    }
+#undef RB_DW
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    const dim3 grid((unsigned)((C + CS_TX - 1) / CS_TX)), block(CS_TX, CS_LANES);
+    col_sum_combine_kernel<<<grid, block, 0, s>>>(dw, scratch, C, (int)K);
+    return cudaGetLastError();
+}
+
 cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, uint16_t *dx16, float *dw,
                                             const float *dy, const float *x, const float *w,
                                             int N, int C, float eps, float *rstd,
@@ -624,9 +809,12 @@ cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, uint16_t 
                                             size_t scratch_len) {
     if (N <= 0 || C <= 0) return cudaSuccess;
     const bool want_dw = dw && w;
-    if (want_dw && (!scratch || scratch_len < kiln_cuda_col_sum_fast_scratch_len(N, C)))
+    if (want_dw && (!scratch || scratch_len < kiln_cuda_rmsnorm_backward_fast_scratch_len(N, C)))
         return cudaErrorInvalidValue; /* refused before anything is enqueued */
     if (!dx || !dy || !x || !rstd) return cudaErrorInvalidValue;
+    if (want_dw && rb_dw_fused(C))
+        return rmsnorm_bwd_dw_fused(s, dx, dx16, dw, dy, x, w, N, C, eps, rstd, accumulate_dx,
+                                    scratch);
     cudaError_t e = rmsnorm_bwd_rows_fast(s, dx, dx16, dy, x, w, N, C, eps, rstd, accumulate_dx);
     if (e != cudaSuccess || !want_dw) return e;
     /* dw[c] += sum over n of dy[n,c] * f32(x[n,c] * rstd[n]) */

@@ -155,13 +155,20 @@ cudaError_t kiln_cuda_col_sum_fast(cudaStream_t s, float *out, const float *a, c
  *   |rstd - r| <= (h/2 + 3) u r;
  *   |dx - r (g - x u*)| <= (5h/2 + 15) u r (|g| + |x| U),  U = r^2 sum |g x| / C >= |u*|,
  *   plus u |result| for the accumulate's addition (f32 underflow aside).
- * Then, when dw and w are both given, dw(C) += sum over rows of dy * f32(x * rstd) by
- * kiln_cuda_col_sum_fast with this function's rstd (scratch as there, for N rows of C
- * columns). dx may be dy only when dw is skipped (dw reads dy after dx is written, as on the
- * CPU). dx16: NULL, or also the bf16 rounding (kiln_bf16_rne) of every dx value written
+ * Then, when dw and w are both given, dw(C) += sum over rows of dy * f32(x * rstd), each
+ * product in double and exact, summed in double in a fixed order that depends on (N, C) only,
+ * rounded to f32 once when added to dw. For 64 < C <= 1024 that happens in the same pass over
+ * the rows (chunks of 16 rows, their partials made while the row is in registers, then
+ * kiln_cuda_col_sum_fast's combine; dy and x read once); otherwise, or with
+ * KILN_RB_FUSED_DW=0, by kiln_cuda_col_sum_fast with this function's rstd. The two orders
+ * give the same dw but in rare last bits (the double sums round only past 2^53 of range).
+ * scratch: scratch_len >= kiln_cuda_rmsnorm_backward_fast_scratch_len(N, C) doubles of
+ * device memory. dx may be dy only when dw is skipped (dw reads dy after dx is written, as on
+ * the CPU). dx16: NULL, or also the bf16 rounding (kiln_bf16_rne) of every dx value written
  * (after the accumulate; (N, C) back to back, no alias of another argument). Returns
  * cudaErrorInvalidValue for dx, dy, x or rstd NULL or a short scratch (before anything is
  * enqueued), else as kiln_cuda_col_sum_fast. */
+size_t kiln_cuda_rmsnorm_backward_fast_scratch_len(int N, int C);
 cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, uint16_t *dx16, float *dw,
                                             const float *dy, const float *x, const float *w,
                                             int N, int C, float eps, float *rstd,
