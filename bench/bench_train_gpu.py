@@ -557,10 +557,11 @@ def parse_variants(ap, spec):
         for kv in filter(None, (x.strip() for x in kvs.split(","))):
             k, eq, v = kv.partition("=")
             env_ok = k.startswith("env.KILN_") and len(k) > len("env.KILN_")
-            if not eq or not (env_ok or k in ("ce_row_block", "moments", "storage")):
-                ap.error(f"--kiln-variants: '{kv}': expected ce_row_block=N, moments=M, "
-                         "storage=S or env.KILN_NAME=value")
-            kw[k] = int(v) if k == "ce_row_block" else v
+            if not eq or not (env_ok or k in ("ce_row_block", "ce_logits_f32", "moments",
+                                              "storage")):
+                ap.error(f"--kiln-variants: '{kv}': expected ce_row_block=N, ce_logits_f32=0|1, "
+                         "moments=M, storage=S or env.KILN_NAME=value")
+            kw[k] = int(v) if k in ("ce_row_block", "ce_logits_f32") else v
         if not label.strip() or not kw:
             ap.error(f"--kiln-variants: '{item}': expected LABEL:key=value[,key=value]")
         out.append((label.strip(), kw))
@@ -1041,7 +1042,7 @@ def main():
     ap.add_argument("--kiln-variants", default="",
                     help="more kiln fast rows, each with --micro's sequences a forward and other "
                          "trainer settings: 'LABEL:key=value,key=value;LABEL2:...' with keys "
-                         "ce_row_block, moments, storage, or env.KILN_NAME (an environment "
+                         "ce_row_block, ce_logits_f32, moments, storage, or env.KILN_NAME (an environment "
                          "variable set while the row runs; e.g. 'vocabulary walk:"
                          "ce_row_block=0;q8 moments:moments=q8;attn 3 blocks:"
                          "env.KILN_ATTN_BWD_BLOCKS=3')")

@@ -5,7 +5,7 @@ kernel of the process, kiln's included), with wall-clock phase times.
 
   python3 bench/profile_train_gpu.py --bin build-gpu [--models 135m,0.5b] [--seq 2048]
       [--batch 2] [--micro 1] [--top 25] [--auditable] [--torch] [--split]
-      [--ce-row-block N] [--moments f32|q8]
+      [--ce-row-block N] [--ce-logits-f32] [--moments f32|q8]
 
 Models, data and the trainer settings are bench_train_gpu.py's. Prints, per model: the phase
 times (each ends with a device sync), then the top kernels by total GPU time with their share
@@ -48,6 +48,8 @@ def profile_model(args, name, root):
     extra = {"max_batch": M} if M > 1 else {}
     if args.ce_row_block is not None:
         extra["ce_row_block"] = args.ce_row_block
+    if args.ce_logits_f32:
+        extra["ce_logits_f32"] = True
     if args.moments:
         extra["moments"] = args.moments
     tr = kiln.Trainer(km, max_seq=T, n_threads=0, lr=btg.LR, betas=(0.9, 0.999), eps=1e-8,
@@ -163,6 +165,9 @@ def main():
     ap.add_argument("--ce-row-block", type=int, default=None,
                     help="the trainer's ce_row_block (default: the library's; 0: the loss's "
                          "vocabulary walk)")
+    ap.add_argument("--ce-logits-f32", action="store_true",
+                    help="the row walk keeps the loss's logits in f32 (the trainer's "
+                         "ce_logits_f32; default bf16)")
     ap.add_argument("--moments", default=None, choices=["f32", "q8"],
                     help="the optimizer's moments (default: the library's, f32)")
     ap.add_argument("--split", action="store_true",

@@ -411,6 +411,10 @@ typedef struct kiln_train_params {
                        * instead of the vocabulary walk's four (docs/TRAINING.md, "Fast
                        * mode"). Default 2048; 0: the vocabulary walk (the bits of
                        * forward_batch + backward); < 0: KILN_ERR_INVALID_ARG */
+    int ce_logits_f32; /* GPU fast mode, the row walk above: 0 (the default) keeps each block's
+                        * logits in bf16, as PyTorch's autocast makes the head's output (half
+                        * the loss's scratch and traffic; the statistics and gradient in f32
+                        * from them); non-zero keeps them in f32 (docs/TRAINING.md) */
 } kiln_train_params;
 
 KILN_API kiln_train_params kiln_train_default_params(void);

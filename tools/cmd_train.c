@@ -51,8 +51,10 @@ static const char *train_help =
     "  --fast               with --device cuda: matrix products (forward and backward) on bf16\n"
     "                       tensor cores; approximate but deterministic (docs/TRAINING.md)\n"
     "  --loss-row-block N   with --fast: the loss walks the rows in blocks of N, each block's\n"
-    "                       logits (N x vocabulary f32) made once (default 2048; 0: the\n"
+    "                       logits (N x vocabulary, bf16) made once (default 2048; 0: the\n"
     "                       vocabulary walk, one product more, less memory)\n"
+    "  --loss-logits-f32    with --fast: that walk keeps the logits in f32 (twice the memory;\n"
+    "                       the default bf16 is autocast's head output)\n"
     "  --no-export          do not write OUT/model at the end\n";
 
 typedef struct train_opts {
@@ -61,6 +63,7 @@ typedef struct train_opts {
     int n_data;
     long steps, batch, seq, accum, per_forward, warmup, eval_every, eval_batches, save_every, keep_last, threads, stop_after;
     long loss_row_block; /* --loss-row-block; -1: the library's default */
+    int loss_logits_f32; /* --loss-logits-f32 */
     double lr, min_lr, weight_decay, clip, eval_fraction;
     unsigned long long seed;
     int resume, export_model;
@@ -150,6 +153,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
             if (!err) err = cli_parse_device(cmd, v, &o->device);
         } else if (!strcmp(a, "--resume")) o->resume = 1;
         else if (!strcmp(a, "--fast")) o->fast = 1;
+        else if (!strcmp(a, "--loss-logits-f32")) o->loss_logits_f32 = 1;
         else if (!strcmp(a, "--no-export")) o->export_model = 0;
         else err = cli_usage_error(cmd, "unknown option '%s'", a);
 #undef OPT
@@ -307,6 +311,7 @@ int cmd_train(int argc, char **argv) {
     tp.device = o.device;
     tp.fast = o.fast;
     if (o.loss_row_block >= 0) tp.ce_row_block = (int)o.loss_row_block;
+    tp.ce_logits_f32 = o.loss_logits_f32;
     st = kiln_trainer_create(m, &tp, &tr);
     if (st != KILN_OK) {
         rc = cli_fail("train", "trainer", st);

@@ -74,7 +74,7 @@ class _TrainParams(C.Structure):
                 ("eps", C.c_double), ("weight_decay", C.c_double),
                 ("weight_storage", C.c_int), ("moment_storage", C.c_int), ("seed", C.c_uint64),
                 ("device", C.c_int), ("fast", C.c_int), ("max_batch", C.c_int),
-                ("ce_keep_mib", C.c_int), ("ce_row_block", C.c_int)]
+                ("ce_keep_mib", C.c_int), ("ce_row_block", C.c_int), ("ce_logits_f32", C.c_int)]
 
 
 class TrainMemory(C.Structure):
@@ -385,7 +385,8 @@ class Trainer(_Handle):
 
     def __init__(self, model, max_seq=256, n_threads=0, ce_chunk=0, lr=1e-3, betas=(0.9, 0.999),
                  eps=1e-8, weight_decay=0.01, storage="f32", moments="f32", seed=0, device=-1,
-                 fast=False, max_batch=1, ce_keep_mib=None, ce_row_block=None):
+                 fast=False, max_batch=1, ce_keep_mib=None, ce_row_block=None,
+                 ce_logits_f32=False):
         """device: -1 or "cpu" = CPU; N, "cuda" or "cuda:N" = CUDA device N (the CPU's bits;
         checkpoints move between the two). fast=True (GPU only): matrix products on bf16
         tensor cores, not the CPU's bits but deterministic run to run (docs/TRAINING.md).
@@ -393,7 +394,8 @@ class Trainer(_Handle):
         backward (None: the library's default, 64; 0: none); the same bits either way.
         ce_row_block (GPU fast mode, step_batch): rows per block of the fused loss's row walk
         (None: the library's default, 2048; 0: the vocabulary walk, the bits of
-        forward_batch + backward)."""
+        forward_batch + backward). ce_logits_f32: that walk keeps each block's logits in f32
+        (default False: bf16, as autocast's head output; half the loss's scratch)."""
         self._lib = load_library()
         self.model = model
         p = self._lib.kiln_train_default_params()
@@ -407,6 +409,7 @@ class Trainer(_Handle):
             p.ce_keep_mib = ce_keep_mib
         if ce_row_block is not None:
             p.ce_row_block = ce_row_block
+        p.ce_logits_f32 = 1 if ce_logits_f32 else 0
         h = C.c_void_p()
         _check(self._lib.kiln_trainer_create(model._h, C.byref(p), C.byref(h)))
         self._h = h

@@ -57,7 +57,11 @@
  * ce_rows_bf16 below) walks the supervised rows instead of the vocabulary: per block of rows,
  * the block's whole logits in one product, the statistics and the bf16 gradient from them in
  * one kernel (written over the logits), then dh and dW -- three products instead of four,
- * since nothing needs the loss before the gradient there.
+ * since nothing needs the loss before the gradient there. The block's logits are bf16 by
+ * default (the f32 product rounded once by the GEMM's epilogue, as PyTorch's autocast head
+ * output, whose loss upcasts them): half the scratch and half the traffic of the statistics
+ * kernel; params.row_logits_f32 keeps them f32. tests/gpu/test_cuda_fused_ce_fast.cu measures
+ * both against the vocabulary walk and auditable mode.
  */
 #include "fused_ce.h"
 
@@ -152,7 +156,8 @@ typedef struct ce_scratch {
  *   CE_BF16: fast mode on bf16 operands (ce_pass2_bf16): z (S rows, f32: pass 1's statistics
  *            and g are computed from f32 logits), hsb, gb, wb and dh_acc; no f32 hs;
  *   CE_ROWS: fast mode's row-block walk (ce_rows_bf16): hsb, dh_acc and z with rb rows of
- *            cn = ld(V) columns (a block's whole logits, then its g in place); no gb, wb. */
+ *            cn = ld(V) floats (a block's whole f32 logits, then its g in place) or ld(V) / 2
+ *            (its bf16 logits: ce_rows_zcols); no gb, wb. */
 typedef enum ce_kind { CE_FULL, CE_LEAN, CE_BF16, CE_ROWS } ce_kind;
 
 /* Leading dimension of a bf16 operand: cols rounded up to 8 elements (16 bytes), as the GEMM
@@ -233,12 +238,24 @@ static int64_t ce_rows_of(int64_t row_block, int64_t Sp) {
     return row_block > Sp ? Sp : (row_block + 7) & ~(int64_t)7;
 }
 
+/* Whether the row-block walk keeps its logits in bf16: unless the caller asks for f32
+ * (params.row_logits_f32) or V is past the bf16 row kernel's bound. */
+static int ce_rows_z16(int64_t V, int logits_f32) {
+    return !logits_f32 && V <= KILN_CUDA_CE_ROWS16_MAX_V;
+}
+
+/* The row-block walk's z columns, in floats (ce_layout's unit): ld(V) f32 logits, or ld(V)
+ * bf16 ones in half as many floats (ld(V) is even). */
+static int64_t ce_rows_zcols(int64_t V, int z16) {
+    return z16 ? ce_bf16_ld(V) / 2 : ce_bf16_ld(V);
+}
+
 size_t kiln_fused_ce_row_block_bytes(int64_t S, int64_t H, int64_t V, int64_t row_block,
-                                     int with_dh, int with_dw) {
+                                     int with_dh, int with_dw, int logits_f32) {
     if (S <= 0 || H <= 0 || V <= 0 || row_block <= 0 || S > INT32_MAX) return 0;
     const int64_t Sp = (S + 7) & ~(int64_t)7;
-    return ce_layout(S, Sp, H, ce_bf16_ld(V), with_dh, with_dw, CE_ROWS, 0, ce_rows_of(row_block, Sp),
-                     NULL, NULL);
+    return ce_layout(S, Sp, H, ce_rows_zcols(V, ce_rows_z16(V, logits_f32)), with_dh, with_dw,
+                     CE_ROWS, 0, ce_rows_of(row_block, Sp), NULL, NULL);
 }
 
 /* ---- helpers ------------------------------------------------------------------------------ */
@@ -644,32 +661,38 @@ static int64_t ce_row_block(const kiln_fused_ce_params *p, int64_t S, int fast,
 /* Fast mode's row-block walk (layout CE_ROWS; hsb has Sp rows, a multiple of 8, rows S..Sp-1
  * zero; the weight is bf16, read in place, ldw = row_bytes / 2), per block of R <= rb rows
  * [r0, r0+R) (a multiple of 8; only the last holds padding rows):
- *   z(R, ld(V))       = hsb[r0 : r0+R] @ W^T                  (the block's whole logits)
- *   m, l, zt[r0 ...]  = its rows' statistics; g(R, 2 ld(V)) = bf16 gradient, in place in z
+ *   z(R, ld(V))       = hsb[r0 : r0+R] @ W^T                  (the block's whole logits, in
+ *                       bf16 when z16 -- the f32 product rounded once, as autocast's head
+ *                       output -- else f32)
+ *   m, l, zt[r0 ...]  = its rows' statistics; g = bf16 gradient, in place in z: g(R, ld(V))
+ *                       over bf16 logits, g(R, 2 ld(V)) over f32 ones
  *                       (kiln_cuda_ce_rows_fast; the padding rows' g zero)
  *   dh_acc[r0 ...]    = g @ W                                 (R x H, overwritten)
  *   dW               += g^T @ hsb[r0 : r0+R]
  * A failed product poisons the backend and is returned. */
 static kiln_status ce_rows_bf16(kiln_backend *be, const kiln_fused_ce_params *p,
-                                const ce_scratch *sc, int64_t S, int64_t Sp, int64_t rb,
+                                const ce_scratch *sc, int64_t S, int64_t Sp, int64_t rb, int z16,
                                 const int32_t *d_tgt, float gs, size_t row_bytes) {
     const int64_t H = p->H, V = p->V, ldH = ce_bf16_ld(H), ldz = ce_bf16_ld(V);
     const uint16_t *w = (const uint16_t *)p->weight;
-    const int64_t ldw = (int64_t)(row_bytes / 2);
-    const uint16_t *g = (const uint16_t *)(const void *)sc->z;
+    const int64_t ldw = (int64_t)(row_bytes / 2), ldg = z16 ? ldz : 2 * ldz;
+    uint16_t *z16p = (uint16_t *)(void *)sc->z;
+    const uint16_t *g = z16p;
     for (int64_t r0 = 0; r0 < Sp; r0 += rb) {
         const int64_t R = Sp - r0 < rb ? Sp - r0 : rb;
         const int64_t Rs = S - r0 < R ? S - r0 : R; /* >= 1: r0 <= Sp - 8 < S */
         const uint16_t *hb = sc->hsb + r0 * ldH;
-        KILN_TRY(kiln_cuda_ce_gemm_bf16(be, 0, 1, R, V, H, hb, ldH, w, ldw, sc->z, ldz, 0));
-        KILN_TRY(kiln_cuda_ce_rows_fast(be, sc->z, ldz, R, Rs, V, d_tgt + r0, sc->m + r0,
+        if (z16)
+            KILN_TRY(kiln_cuda_ce_gemm_bf16_out16(be, 0, 1, R, V, H, hb, ldH, w, ldw, z16p, ldz));
+        else
+            KILN_TRY(kiln_cuda_ce_gemm_bf16(be, 0, 1, R, V, H, hb, ldH, w, ldw, sc->z, ldz, 0));
+        KILN_TRY(kiln_cuda_ce_rows_fast(be, sc->z, ldz, R, Rs, V, z16, d_tgt + r0, sc->m + r0,
                                         sc->l + r0, sc->zt + r0, gs));
         if (p->dhidden)
-            KILN_TRY(kiln_cuda_ce_gemm_bf16(be, 0, 0, R, H, V, g, 2 * ldz, w, ldw,
+            KILN_TRY(kiln_cuda_ce_gemm_bf16(be, 0, 0, R, H, V, g, ldg, w, ldw,
                                             sc->dh_acc + r0 * H, H, 0));
         if (p->dweight)
-            KILN_TRY(kiln_cuda_ce_gemm_bf16(be, 1, 0, V, H, R, g, 2 * ldz, hb, ldH, p->dweight,
-                                            H, 1));
+            KILN_TRY(kiln_cuda_ce_gemm_bf16(be, 1, 0, V, H, R, g, ldg, hb, ldH, p->dweight, H, 1));
     }
     return KILN_OK;
 }
@@ -702,7 +725,8 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     const int64_t Sp = rb ? (S + 7) & ~(int64_t)7 : fast ? ce_fast_rows(S, H, cn, with_dh, with_dw) : S;
     const int w_copy = !kiln_cuda_ce_weight_in_place(p->weight, row_bytes, p->weight_dtype);
     const ce_kind kind = rb ? CE_ROWS : !fast ? CE_FULL : ce_fast_kind(S, Sp, H, cn, with_dh, with_dw, w_copy);
-    const int64_t ldH = ce_bf16_ld(H), lcn = rb ? ce_bf16_ld(V) : cn; /* z's columns */
+    const int z16 = rb && ce_rows_z16(V, p->row_logits_f32); /* the walk's logits in bf16 */
+    const int64_t ldH = ce_bf16_ld(H), lcn = rb ? ce_rows_zcols(V, z16) : cn; /* z's columns, floats */
     size_t bytes = ce_layout(S, Sp, H, lcn, with_dh, with_dw, kind, w_copy, rb, NULL, NULL);
     if (bytes == 0) return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: scratch size overflows");
     /* host: positions, targets, then m, l, zt, loss of the rows */
@@ -752,7 +776,7 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     double loss64 = 0.0;
     ce_reduce(p, NULL, 0.0f, S, NULL, &gs, NULL);
     if (kind == CE_ROWS) /* statistics and gradients, block by block */
-        CE_DEV(ce_rows_bf16(be, p, &sc, S, Sp, rb, d_tgt, gs, row_bytes));
+        CE_DEV(ce_rows_bf16(be, p, &sc, S, Sp, rb, z16, d_tgt, gs, row_bytes));
     else
         CE_DEV(kiln_cuda_ce_init_rows(be, sc.m, sc.l, sc.zt, p->row_stats_in, sc.idx, S));
 

@@ -119,8 +119,8 @@ typedef struct kiln_fused_ce_params {
     /* Device backends in fast mode, in that one-call form (no_wait with row_stats_out, not
      * row_stats_in; dhidden or dweight) with a bf16 weight read in place (16-byte aligned
      * rows): > 0 walks the supervised rows in blocks of row_block (rounded up to 8) instead
-     * of the vocabulary in chunks. Each block's whole logits (rows x V f32, in the scratch:
-     * result.scratch_bytes grows by about 4 x row_block x V bytes) are made once, its
+     * of the vocabulary in chunks. Each block's whole logits (rows x V, bf16 or f32:
+     * row_logits_f32 below; in the scratch) are made once, its
      * statistics and gradient come from them in one kernel (the gradient in bf16, in place),
      * then dh = g @ W and dW += g^T @ hs: three products a row instead of the vocabulary
      * walk's four (its pass 2 makes every logit again). The results are defined for a given
@@ -128,6 +128,13 @@ typedef struct kiln_fused_ce_params {
      * statistics' sums, dW summed block by block); deterministic run to run. 0 (the
      * default), or a call not in that form: the vocabulary walk. < 0: KILN_ERR_INVALID_ARG. */
     int64_t row_block;
+    /* The row-block walk's logits: 0 (the default) keeps each block's logits in bf16 (the
+     * f32 product rounded once, as PyTorch's autocast makes the head's output; the
+     * statistics and gradient are computed in f32 from those values): scratch of about
+     * 2 x row_block x V bytes, and the statistics kernel moves half the bytes; non-zero keeps
+     * them in f32 (4 x row_block x V bytes). V above KILN_CUDA_CE_ROWS16_MAX_V (819,200)
+     * always takes f32. Ignored by the vocabulary walk. */
+    int row_logits_f32;
 } kiln_fused_ce_params;
 
 typedef struct kiln_fused_ce_result {
@@ -173,9 +180,10 @@ size_t kiln_fused_ce_scratch_bytes(int64_t S, int64_t H, int64_t V, int64_t chun
                                    int with_dw);
 
 /* The same for the row-block walk (params.row_block > 0 where it applies) with blocks of
- * row_block rows: about 4 x min(row_block, S) x V bytes more than the vocabulary walk's. */
+ * row_block rows and logits_f32 as params.row_logits_f32: about 2 (bf16 logits) or 4 (f32)
+ * x min(row_block, S) x V bytes more than the vocabulary walk's. */
 size_t kiln_fused_ce_row_block_bytes(int64_t S, int64_t H, int64_t V, int64_t row_block,
-                                     int with_dh, int with_dw);
+                                     int with_dh, int with_dw, int logits_f32);
 
 /* kiln's log for the loss: finite x > 0 (the row sums of exponentials, >= 1); defined in
  * docs/ARITHMETIC.md. Exposed for the accuracy test. */

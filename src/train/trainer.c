@@ -1441,6 +1441,7 @@ kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq
     cp.row_stats_out = t->ce_stats;
     cp.no_wait = 1; /* pass 2 behind pass 1; the loss from the statistics below */
     cp.row_block = t->p.ce_row_block; /* or the row-block walk, in one pass */
+    cp.row_logits_f32 = t->p.ce_logits_f32;
     kiln_fused_ce_result r, lr;
     const size_t stats_bytes = (size_t)3 * (size_t)n * sizeof(float);
     st = fused_ce_call(t, &cp, &r); /* a call that waited checked its loss: a non-finite one fails here */
@@ -1733,7 +1734,8 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
     uint64_t loss_scratch = kiln_fused_ce_scratch_bytes(
         rows, t->cfg.n_embd, t->cfg.n_vocab, t->p.ce_chunk ? t->p.ce_chunk : KILN_FUSED_CE_DEFAULT_CHUNK, 1, 1);
     if (!t->host && t->p.fast && t->p.ce_row_block > 0) { /* step_batch's row-block walk */
-        const uint64_t rb = kiln_fused_ce_row_block_bytes(rows, t->cfg.n_embd, t->cfg.n_vocab, t->p.ce_row_block, 1, 1);
+        const uint64_t rb = kiln_fused_ce_row_block_bytes(rows, t->cfg.n_embd, t->cfg.n_vocab, t->p.ce_row_block, 1, 1,
+                                                          t->p.ce_logits_f32);
         if (rb > loss_scratch) loss_scratch = rb;
     }
     m.scratch = loss_scratch;

@@ -40,15 +40,19 @@
  *   "fused_ce fast timing N=8192 H=896 V=151936 f32 fwd+bwd: bf16 path 12.34 ms, composition
  *    31.40 ms per call (median of 5)".
  * Then the row-block walk (kiln_fused_ce_params.row_block, the one-call form) against the
- * vocabulary walk and the auditable call: the same bits twice; the loss within 1e-4, the row
- * statistics within 1e-5 and the gradients within 2e-3 norm-wise of the vocabulary walk, and
- * within 1e-2 of auditable mode; calls the walk does not take (f32 or misaligned weight, S <= 8)
- * give the vocabulary walk's bits (the walk reads the weight in place: bf16 rows of a multiple
- * of 16 bytes, 16-byte aligned). Cases: blocks of 512 with a padding row, V % 4 == 1, blocks
- * rounded up to 8, dh only, dW only, one block, a mask. Without --quick the 0.5B head
- * (N 8192, V 151936, blocks of 2048), timed against the vocabulary walk:
+ * vocabulary walk and the auditable call, with bf16 logits (the default) and f32 logits
+ * (row_logits_f32; in clusters and with the one-block-a-row kernel): the same bits twice;
+ * with f32 logits the loss within 1e-4, the row statistics within 1e-5 and the gradients
+ * within 2e-3 norm-wise of the vocabulary walk; with bf16 logits within 1e-3, 5e-3 and 1e-2
+ * (each logit rounded once more); each within 1e-2 of auditable mode; calls the walk does not
+ * take (f32 or misaligned weight, S <= 8) give the vocabulary walk's bits (the walk reads the
+ * weight in place: bf16 rows of a multiple of 16 bytes, 16-byte aligned), whatever the
+ * logits setting. Cases: blocks of 512 with a padding row, V % 8 == 1 and 2, blocks rounded
+ * up to 8, dh only, dW only, one block, a mask. Without --quick the 0.5B head (N 8192,
+ * V 151936, blocks of 2048), timed against the vocabulary walk:
  *   "fused_ce fast timing N=8192 H=896 V=151936 one-call fwd+bwd: row-block walk (2048 rows)
- *    ... ms, vocabulary walk ... ms per call (median of 5)".
+ *    ... ms with bf16 logits (f32 logits: ... ms; f32, one block a row: ... ms), vocabulary
+ *    walk ... ms per call (median of 5)".
  * Then "ALL OK" or "FAILED n".
  *
  * Usage: test_cuda_fused_ce_fast [--quick] [--seed N]   (--quick: V 49152 and 151936 cases
@@ -584,8 +588,8 @@ struct RowCase {
  * (kiln_fused_ce_loss_from_stats) into o.r.loss / loss_f64. *ms (when not NULL): the median
  * time of `reps` more calls, each waited for. */
 static bool run_rows(Side &s, const kiln_fused_ce_params &base, const RowCase &c, int64_t rb,
-                     const std::vector<float> &dw0, void *scr, size_t cap, Outs &o,
-                     const char *tag, int reps, double *ms) {
+                     int logits_f32, const std::vector<float> &dw0, void *scr, size_t cap,
+                     Outs &o, const char *tag, int reps, double *ms) {
     const int64_t N = c.N, H = c.H, V = c.V;
     std::vector<float> nan_rs((size_t)N * 3, NAN), nan_dh((size_t)N * H, NAN), zero_n((size_t)N, 0);
     OK_OR_FAIL(kiln_backend_upload(s.be, s.dh, nan_dh.data(), nan_dh.size() * 4));
@@ -602,6 +606,7 @@ static bool run_rows(Side &s, const kiln_fused_ce_params &base, const RowCase &c
     p.scratch = scr;
     p.scratch_cap = cap;
     p.row_block = rb;
+    p.row_logits_f32 = logits_f32;
     memset(&o.r, 0xab, sizeof o.r);
     kiln_status st = kiln_fused_ce(s.be, &p, &o.r);
     if (st == KILN_OK && !o.r.loss_pending) {
@@ -640,23 +645,31 @@ static bool run_rows(Side &s, const kiln_fused_ce_params &base, const RowCase &c
     return true;
 }
 
-/* The row walk's outputs r against the vocabulary walk's vw (loss within 1e-4 relative,
- * row statistics within 1e-5 and the gradients within kRowTol norm-wise: the statistics' sums
- * run in another order, hence some bf16 roundings of g fall on the other side, and dW is
- * summed block by block) and the auditable au (within kTol); the exact properties (an
- * overwritten dhidden's unsupervised rows exactly +0, dweight untouched when not asked for).
- * e[4]: loss, stats, dh, dW against vw; a[2]: dh, dW against au. */
-static const double kRowTol = 2e-3;
+/* The row walk's outputs r against the vocabulary walk's vw (within a RowTol: loss relative,
+ * row statistics and the gradients norm-wise) and the auditable au (within kTol); the exact
+ * properties (an overwritten dhidden's unsupervised rows exactly +0, dweight untouched when
+ * not asked for). e[4]: loss, stats, dh, dW against vw; a[2]: dh, dW against au.
+ * With f32 logits (kRowsF32) the statistics' sums run in another order, hence some bf16
+ * roundings of g fall on the other side, and dW is summed block by block. With bf16 logits
+ * (kRowsBf16, the default) each logit is also rounded once to bf16 (relative 2^-9, about
+ * 2e-3 at these inputs' logits of order 1): the statistics and each probability move by
+ * about that much. */
+struct RowTol {
+    double loss, stats, grad;
+};
+static const RowTol kRowsF32 = {1e-4, 1e-5, 2e-3};
+static const RowTol kRowsBf16 = {1e-3, 5e-3, 1e-2};
 
 static void cmp_rows(const Outs &r, const Outs &vw, const Outs &au, const RowCase &c,
-                     const std::vector<int32_t> &tg, const std::vector<uint8_t> &mask,
-                     const std::vector<float> &dw0, const char *tag, double e[4], double a[2]) {
+                     const RowTol &tol, const std::vector<int32_t> &tg,
+                     const std::vector<uint8_t> &mask, const std::vector<float> &dw0,
+                     const char *tag, double e[4], double a[2]) {
     const int64_t N = c.N, H = c.H;
     e[0] = e[1] = e[2] = e[3] = a[0] = a[1] = 0.0;
     e[0] = std::fabs((double)r.r.loss - (double)vw.r.loss) / std::fabs((double)vw.r.loss);
-    if (!(e[0] <= 1e-4))
-        FAIL("%s: loss row walk %.9g vocabulary walk %.9g (relative %.3g)", tag,
-             (double)r.r.loss, (double)vw.r.loss, e[0]);
+    if (!(e[0] <= tol.loss))
+        FAIL("%s: loss row walk %.9g vocabulary walk %.9g (relative %.3g > %.1g)", tag,
+             (double)r.r.loss, (double)vw.r.loss, e[0], tol.loss);
     std::vector<float> fm, vm;
     for (int64_t n = 0; n < N; n++)
         if (mask[n] && tg[n] >= 0)
@@ -666,10 +679,10 @@ static void cmp_rows(const Outs &r, const Outs &vw, const Outs &au, const RowCas
             }
     size_t wi;
     e[1] = norm_err(fm.data(), vm.data(), nullptr, fm.size(), &wi);
-    if (!(e[1] <= 1e-5)) FAIL("%s: row_stats norm-wise %.3g > 1e-5", tag, e[1]);
+    if (!(e[1] <= tol.stats)) FAIL("%s: row_stats norm-wise %.3g > %.1g", tag, e[1], tol.stats);
     if (c.dh) {
         e[2] = norm_err(r.dh.data(), vw.dh.data(), nullptr, r.dh.size(), &wi);
-        if (!(e[2] <= kRowTol)) FAIL("%s: dhidden vs vocabulary walk %.3g > %.1g", tag, e[2], kRowTol);
+        if (!(e[2] <= tol.grad)) FAIL("%s: dhidden vs vocabulary walk %.3g > %.1g", tag, e[2], tol.grad);
         a[0] = cmp(r.dh, au.dh, nullptr, "dhidden vs auditable", tag);
         for (int64_t n = 0; n < N; n++) /* overwritten: unsupervised rows exactly +0 */
             if (!(mask[n] && tg[n] >= 0))
@@ -685,7 +698,7 @@ static void cmp_rows(const Outs &r, const Outs &vw, const Outs &au, const RowCas
     }
     if (c.dw) {
         e[3] = norm_err(r.dw.data(), vw.dw.data(), dw0.data(), r.dw.size(), &wi);
-        if (!(e[3] <= kRowTol)) FAIL("%s: dweight vs vocabulary walk %.3g > %.1g", tag, e[3], kRowTol);
+        if (!(e[3] <= tol.grad)) FAIL("%s: dweight vs vocabulary walk %.3g > %.1g", tag, e[3], tol.grad);
         a[1] = cmp(r.dw, au.dw, dw0.data(), "dweight vs auditable", tag);
     } else if (memcmp(r.dw.data(), dw0.data(), dw0.size() * 4) != 0) {
         FAIL("%s: dweight written without being asked for", tag);
@@ -694,9 +707,10 @@ static void cmp_rows(const Outs &r, const Outs &vw, const Outs &au, const RowCas
     if (!(ea <= kTol)) FAIL("%s: loss vs auditable relative %.3g", tag, ea);
 }
 
-/* The case through the row-block walk twice (the same bits), once more with the one-block-
- * a-row kernel (KILN_CE_ROWS_CLUSTER=0), through the vocabulary walk (row_block 0) and on the
- * auditable backend; both row kernels within cmp_rows' bounds. reps > 0: then the three are
+/* The case through the row-block walk with bf16 logits (the default) twice (the same bits),
+ * with f32 logits (row_logits_f32) in clusters and with the one-block-a-row kernel
+ * (KILN_CE_ROWS_CLUSTER=0), through the vocabulary walk (row_block 0) and on the auditable
+ * backend; each row walk within cmp_rows' bounds for its logits. reps > 0: then the four are
  * timed. */
 static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, int reps) {
     const int fails0 = g_fail;
@@ -723,13 +737,14 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
     std::vector<float> dw0((size_t)V * H);
     for (auto &x : dw0) x = rndu() * 1e-3f / (float)S;
 
-    char tag[220], tag1[260];
+    char tag[220], tag32[260], tag1[260];
     snprintf(tag, sizeof tag, "fused_ce rows %s N=%lld H=%lld V=%lld row_block=%lld S=%lld%s%s%s%s",
              bf16 ? "bf16" : "f32", (long long)N, (long long)H, (long long)V,
              (long long)c.row_block, (long long)S,
              c.dh && c.dw ? " dh+dW" : c.dh ? " dh only" : " dW only",
              c.w_misalign ? " w+2B" : "", c.masked ? " mask" : "", reps > 0 ? " (timed)" : "");
-    snprintf(tag1, sizeof tag1, "%s [one block a row]", tag);
+    snprintf(tag32, sizeof tag32, "%s [f32 logits]", tag);
+    snprintf(tag1, sizeof tag1, "%s [f32 logits, one block a row]", tag);
     kiln_fused_ce_params base = kiln_fused_ce_default_params();
     base.N = N;
     base.H = H;
@@ -740,28 +755,32 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
     base.reduction = KILN_CE_REDUCTION_MEAN;
     base.scale = 0.75f;
 
-    const size_t want = kiln_fused_ce_row_block_bytes(S, H, V, c.row_block, c.dh, c.dw);
+    const size_t want = kiln_fused_ce_row_block_bytes(S, H, V, c.row_block, c.dh, c.dw, 0);
+    const size_t want32 = kiln_fused_ce_row_block_bytes(S, H, V, c.row_block, c.dh, c.dw, 1);
     const size_t vocab = kiln_fused_ce_scratch_bytes(S, H, V, 0, c.dh, c.dw);
-    const size_t cap = want > vocab ? want : vocab;
+    const size_t cap = want32 > vocab ? want32 : vocab;
+    if (!(want < want32)) FAIL("%s: scratch with bf16 logits %zu, f32 %zu", tag, want, want32);
     void *scr = kiln_backend_alloc(be, cap);
     Side s, as;
     s.init(be, hidden, w, N, H, V, c.w_misalign ? 2 : 0);
     as.init(aud_be, hidden, w, N, H, V);
-    Outs r1, r2, r3, vw, au;
+    Outs r1, r2, r3, r4, vw, au;
     bool ok = scr != nullptr;
     if (!scr) FAIL("%s: kiln_backend_alloc %zu bytes", tag, cap);
-    ok = ok && run_rows(s, base, c, c.row_block, dw0, scr, cap, r1, tag, 0, nullptr) &&
-         run_rows(s, base, c, c.row_block, dw0, scr, cap, r2, tag, 0, nullptr);
+    const int64_t rb = c.row_block;
+    ok = ok && run_rows(s, base, c, rb, 0, dw0, scr, cap, r1, tag, 0, nullptr) &&
+         run_rows(s, base, c, rb, 0, dw0, scr, cap, r2, tag, 0, nullptr) &&
+         run_rows(s, base, c, rb, 1, dw0, scr, cap, r3, tag32, 0, nullptr);
     setenv("KILN_CE_ROWS_CLUSTER", "0", 1);
-    ok = ok && run_rows(s, base, c, c.row_block, dw0, scr, cap, r3, tag1, 0, nullptr);
+    ok = ok && run_rows(s, base, c, rb, 1, dw0, scr, cap, r4, tag1, 0, nullptr);
     unsetenv("KILN_CE_ROWS_CLUSTER");
-    ok = ok && run_rows(s, base, c, 0, dw0, scr, cap, vw, tag, 0, nullptr);
+    ok = ok && run_rows(s, base, c, 0, 0, dw0, scr, cap, vw, tag, 0, nullptr);
     if (ok) { /* the auditable reference: a plain call with both gradients */
         CeCase ac = {N, H, V, 0, c.dt, KILN_CE_REDUCTION_MEAN, 0, c.masked};
         std::vector<float> dh0((size_t)N * H, 0.0f);
         ok = run_side(as, base, ac, dh0, dw0, false, au, tag);
     }
-    double e[4] = {0}, a[2] = {0}, e1[4] = {0}, a1[2] = {0};
+    double e[4] = {0}, a[2] = {0}, e3[4] = {0}, a3[2] = {0}, e4[4] = {0}, a4[2] = {0};
     bool ran_rows = false;
     if (ok) {
         same_run(r1, r2, "row-block walk twice", tag);
@@ -771,35 +790,43 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
                  "the %s", tag, ran_rows ? "row-block walk" : "vocabulary walk",
                  r1.r.scratch_bytes, want, vw.r.scratch_bytes,
                  c.expect_rows ? "row-block walk" : "vocabulary walk");
+        if (ran_rows && r3.r.scratch_bytes != want32)
+            FAIL("%s: scratch %zu, expected %zu", tag32, r3.r.scratch_bytes, want32);
         if (!ran_rows) {
             same_run(r1, vw, "no walk: the vocabulary walk's bits", tag);
-            same_run(r3, vw, "no walk: the vocabulary walk's bits", tag1);
+            same_run(r3, vw, "no walk: the vocabulary walk's bits", tag32);
+            same_run(r4, vw, "no walk: the vocabulary walk's bits", tag1);
         }
-        cmp_rows(r1, vw, au, c, tg, mask, dw0, tag, e, a);
-        cmp_rows(r3, vw, au, c, tg, mask, dw0, tag1, e1, a1);
+        cmp_rows(r1, vw, au, c, kRowsBf16, tg, mask, dw0, tag, e, a);
+        cmp_rows(r3, vw, au, c, kRowsF32, tg, mask, dw0, tag32, e3, a3);
+        cmp_rows(r4, vw, au, c, kRowsF32, tg, mask, dw0, tag1, e4, a4);
     }
-    double ms_rows = 0.0, ms_one = 0.0, ms_vocab = 0.0;
+    double ms_rows = 0.0, ms_f32 = 0.0, ms_one = 0.0, ms_vocab = 0.0;
     if (ok && reps > 0) {
         Outs tmp;
-        run_rows(s, base, c, c.row_block, dw0, scr, cap, tmp, tag, reps, &ms_rows);
+        run_rows(s, base, c, rb, 0, dw0, scr, cap, tmp, tag, reps, &ms_rows);
+        run_rows(s, base, c, rb, 1, dw0, scr, cap, tmp, tag32, reps, &ms_f32);
         setenv("KILN_CE_ROWS_CLUSTER", "0", 1);
-        run_rows(s, base, c, c.row_block, dw0, scr, cap, tmp, tag1, reps, &ms_one);
+        run_rows(s, base, c, rb, 1, dw0, scr, cap, tmp, tag1, reps, &ms_one);
         unsetenv("KILN_CE_ROWS_CLUSTER");
-        run_rows(s, base, c, 0, dw0, scr, cap, tmp, tag, reps, &ms_vocab);
+        run_rows(s, base, c, 0, 0, dw0, scr, cap, tmp, tag, reps, &ms_vocab);
     }
     s.release();
     as.release();
     if (scr) kiln_backend_free_buf(be, scr);
-    printf("%s: path %s; vs vocabulary walk: loss %.2e stats %.2e dh %.2e dW %.2e (one block a "
-           "row: %.2e %.2e %.2e %.2e); vs auditable dh %.2e dW %.2e %s\n", tag,
-           ran_rows ? "rows" : "vocabulary", e[0], e[1], e[2], e[3], e1[0], e1[1], e1[2], e1[3],
-           a[0], a[1], g_fail == fails0 ? "OK" : "FAILED");
+    printf("%s: path %s; vs vocabulary walk: bf16 logits loss %.2e stats %.2e dh %.2e dW %.2e "
+           "(f32 logits: %.2e %.2e %.2e %.2e; one block a row: %.2e %.2e %.2e %.2e); vs "
+           "auditable dh %.2e dW %.2e (f32 logits %.2e %.2e) %s\n", tag,
+           ran_rows ? "rows" : "vocabulary", e[0], e[1], e[2], e[3], e3[0], e3[1], e3[2], e3[3],
+           e4[0], e4[1], e4[2], e4[3], a[0], a[1], a3[0], a3[1],
+           g_fail == fails0 ? "OK" : "FAILED");
     if (reps > 0)
         printf("fused_ce fast timing N=%lld H=%lld V=%lld one-call fwd+bwd: row-block walk "
-               "(%lld rows) %.2f ms (one block a row: %.2f ms), vocabulary walk %.2f ms per call "
-               "(median of %d); scratch %.1f vs %.1f MiB\n", (long long)N, (long long)H,
-               (long long)V, (long long)c.row_block, ms_rows, ms_one, ms_vocab, reps,
-               want / 1048576.0, vocab / 1048576.0);
+               "(%lld rows) %.2f ms with bf16 logits (f32 logits: %.2f ms; f32, one block a row: "
+               "%.2f ms), vocabulary walk %.2f ms per call (median of %d); scratch %.1f (f32 "
+               "logits %.1f) vs %.1f MiB\n", (long long)N, (long long)H, (long long)V,
+               (long long)c.row_block, ms_rows, ms_f32, ms_one, ms_vocab, reps, want / 1048576.0,
+               want32 / 1048576.0, vocab / 1048576.0);
     fflush(stdout);
 }
 

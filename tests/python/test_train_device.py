@@ -32,8 +32,8 @@ def test_default_params_layout(build_dir):
     # the C defaults, field by field: a layout mismatch would shift them
     assert (p.max_seq, p.n_threads, p.ce_chunk, p.lr, p.beta1, p.beta2, p.eps, p.weight_decay,
             p.weight_storage, p.moment_storage, p.seed, p.device, p.fast, p.max_batch,
-            p.ce_keep_mib, p.ce_row_block) == \
-        (256, 0, 0, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0, 0, 0, -1, 0, 1, 64, 2048)
+            p.ce_keep_mib, p.ce_row_block, p.ce_logits_f32) == \
+        (256, 0, 0, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0, 0, 0, -1, 0, 1, 64, 2048, 0)
 
 
 def test_device_argument_parsing():

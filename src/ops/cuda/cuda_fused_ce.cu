@@ -685,65 +685,125 @@ rows_fast_kernel(float *z, int64_t ldz, int64_t R, int64_t Rs, int64_t V,
 }
 
 /* The same work, one CLUSTER of CE_CL blocks per row (Hopper's thread-block clusters): block
- * q of the cluster takes the row's float4 slots [q per, (q+1) per) and keeps them in its shared
+ * q of the cluster takes the row's slots [q per, (q+1) per) and keeps them in its shared
  * memory, so the row is read from memory once, not twice (rows_fast_kernel's second read of a
- * row of 600 KB misses the L2). Order, fixed for a given V:
+ * row of 600 KB misses the L2). A slot is Slot::W consecutive columns, one vector load: f32
+ * logits (ce_slot_f32: 4 columns, a float4) or bf16 logits (ce_slot_bf16: 8 columns, 16
+ * bytes; kiln_fused_ce_params.row_logits_f32 == 0). Order, fixed for a given V and Slot:
  *   each block (CE_CL_THREADS threads): pass1_fast_kernel's walk of its own slots (thread t:
- *   slots t, t + CE_CL_THREADS, ... of the slice, in groups of CE_P1_GROUP, -inf past V), the
- *   xor butterfly, then thread 0 merges the warps in order: the block's (m, s);
+ *   slots t, t + CE_CL_THREADS, ... of the slice, in groups of Slot::G slots, 16 values, -inf
+ *   past V), the xor butterfly, then thread 0 merges the warps in order: the block's (m, s);
  *   every block's thread 0 then merges the CE_CL blocks' pairs in rank order 0, 1, ... through
  *   distributed shared memory (the same operations in every block, so the same row m, l);
  *   rank 0 writes m, l; the block holding the target's slot writes zt from its copy;
  *   g per slot from the shared copy (ce_grad_value, rounded once), stored in bf16 in place.
- * The first cluster barrier orders every block's loads before any store of the row (a store
- * of slot j lands on slot j / 2's bytes, another block's); the second keeps each block's (m,
- * s) alive until every block of the cluster has read them. */
+ * The first cluster barrier orders every block's loads before any store of the row (with f32
+ * logits a store of slot j lands on slot j / 2's bytes, another block's; with bf16 logits on
+ * slot j's own bytes) and makes the blocks' (m, s) visible; the second keeps them alive until
+ * every block of the cluster has read them. */
 #define CE_CL 8
-/* largest slice (float4 slots) a block keeps in shared memory: 200 KiB */
+/* largest slice (16-byte slots) a block keeps in shared memory: 200 KiB */
 #define CE_CL_MAX_SLOTS (200 * 1024 / 16)
-/* threads a block: two blocks of 76 KB fit an SM at V 151,936. 512 rather than 256 for more
- * loads in flight; on the H200 the gain was within the noise (the fused loss 13.96 -> 13.70
- * ms), and the kernel streams at about 2.2-2.5 TB/s either way */
+static_assert(KILN_CUDA_CE_ROWS16_MAX_V == (int64_t)8 * CE_CL * CE_CL_MAX_SLOTS,
+              "bf16 logits: every V up to the bound fits the clusters' slices");
+/* threads a block: two blocks of 76 KB fit an SM at V 151,936 with f32 logits. 512 rather
+ * than 256 for more loads in flight; on the H200 the gain was within the noise (the fused loss
+ * 13.96 -> 13.70 ms), and the kernel streams at about 2.2-2.5 TB/s either way */
 #define CE_CL_THREADS 512
 #define CE_CL_WARPS (CE_CL_THREADS / 32)
 static_assert(CE_CL_THREADS % 32 == 0 && CE_CL_WARPS <= 32, "whole warps, one smem slot each");
 
-static __global__ void __cluster_dims__(CE_CL, 1, 1) __launch_bounds__(CE_CL_THREADS, 2)
-rows_cluster_kernel(float *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
+/* f32 logits: a float4 slot; its bf16 gradient at slot j of the row's bf16 view (g(R, 2 ldz):
+ * the row's first half) */
+struct ce_slot_f32 {
+    typedef float elem;
+    typedef float4 raw;
+    static constexpr int W = 4;
+    static constexpr int G = CE_P1_GROUP; /* slots a statistics group */
+    static constexpr int MIN_BLOCKS = 2;  /* two slices of 76 KB an SM at V 151,936 */
+    static __device__ __forceinline__ raw load(const elem *zr, int64_t j) {
+        return reinterpret_cast<const float4 *>(zr)[j];
+    }
+    static __device__ __forceinline__ void vals(raw x, float *v) {
+        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+    }
+    static __device__ __forceinline__ void grad_store(elem *zr, int64_t j, raw x, int64_t V,
+                                                      int64_t t, float nm, float rl, float gs) {
+        reinterpret_cast<uint2 *>(zr)[j] = ce_grad_slot(x, j, V, t, nm, rl, gs);
+    }
+    static __device__ __forceinline__ void zero_store(elem *zr, int64_t j) {
+        reinterpret_cast<uint2 *>(zr)[j] = make_uint2(0u, 0u);
+    }
+};
+
+/* bf16 logits: 8 columns in 16 bytes; the gradient in bf16 over the same bytes (g(R, ldz)) */
+struct ce_slot_bf16 {
+    typedef uint16_t elem;
+    typedef uint4 raw;
+    static constexpr int W = 8;
+    static constexpr int G = 2;          /* 16 values a group, as f32's 4 slots */
+    static constexpr int MIN_BLOCKS = 3; /* slices of 38 KB: three blocks an SM */
+    static __device__ __forceinline__ raw load(const elem *zr, int64_t j) {
+        return reinterpret_cast<const uint4 *>(zr)[j];
+    }
+    static __device__ __forceinline__ void vals(raw x, float *v) { bf16x8_f32(x, v); }
+    static __device__ __forceinline__ void grad_store(elem *zr, int64_t j, raw x, int64_t V,
+                                                      int64_t t, float nm, float rl, float gs) {
+        float v[8];
+        bf16x8_f32(x, v);
+        const int64_t c = 8 * j;
+#pragma unroll
+        for (int q = 0; q < 8; q++)
+            v[q] = c + q < V ? ce_grad_value(v[q], nm, rl, gs, c + q == t) : 0.0f;
+        reinterpret_cast<uint4 *>(zr)[j] = f32x8_bf16(v); /* zeros stay +0 */
+    }
+    static __device__ __forceinline__ void zero_store(elem *zr, int64_t j) {
+        reinterpret_cast<uint4 *>(zr)[j] = make_uint4(0u, 0u, 0u, 0u);
+    }
+};
+
+template <class Slot>
+static __global__ void __cluster_dims__(CE_CL, 1, 1) __launch_bounds__(CE_CL_THREADS,
+                                                                       Slot::MIN_BLOCKS)
+rows_cluster_kernel(typename Slot::elem *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
                     const int32_t *__restrict__ tgt, float *__restrict__ m,
                     float *__restrict__ l, float *__restrict__ zt, float gs) {
-    extern __shared__ float4 slice[]; /* per slots */
+    typedef typename Slot::raw raw;
+    constexpr int W = Slot::W;
+    extern __shared__ uint4 slice_mem[];
+    raw *slice = reinterpret_cast<raw *>(slice_mem); /* per slots */
     __shared__ float part_m[CE_CL_WARPS], part_s[CE_CL_WARPS];
     __shared__ float blk_m, blk_s, row_nm, row_rl;
     cg::cluster_group cluster = cg::this_cluster();
     const int rank = (int)cluster.block_rank();
     const int tid = threadIdx.x;
-    constexpr int G = CE_P1_GROUP;
+    constexpr int G = Slot::G;
     constexpr int64_t STEP = (int64_t)CE_CL_THREADS * G;
     const int64_t i = blockIdx.x / CE_CL; /* the row: uniform per cluster */
-    const int64_t slots = (V + 3) / 4;
+    const int64_t slots = (V + W - 1) / W;
     const int64_t s0 = rank * per < slots ? rank * per : slots;
     const int64_t s1 = s0 + per < slots ? s0 + per : slots, ns = s1 - s0;
-    float *zr = z + i * ldz;
-    uint2 *gr = reinterpret_cast<uint2 *>(zr);
+    typename Slot::elem *zr = z + i * ldz;
     if (i >= Rs) { /* a padding row: zeros (nothing reads its logits) */
-        for (int64_t j = s0 + tid; j < s1; j += CE_CL_THREADS) gr[j] = make_uint2(0u, 0u);
+        for (int64_t j = s0 + tid; j < s1; j += CE_CL_THREADS) Slot::zero_store(zr, j);
         return;
     }
     float mt = -INFINITY, st = 0.0f;
     for (int64_t k0 = tid; k0 < ns; k0 += STEP) {
-        float v[G * 4];
+        float v[G * W];
 #pragma unroll
         for (int g = 0; g < G; g++) {
-            const int64_t k = k0 + (int64_t)g * CE_CL_THREADS;
-            float4 x4 = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+            const int64_t k = k0 + (int64_t)g * CE_CL_THREADS, c = (s0 + k) * W;
             if (k < ns) {
-                x4 = reinterpret_cast<const float4 *>(zr)[s0 + k];
-                slice[k] = x4;
+                const raw x = Slot::load(zr, s0 + k);
+                slice[k] = x;
+                Slot::vals(x, v + W * g);
             }
-            ce_slot_vals(x4, s0 + k, V, v + 4 * g);
+#pragma unroll
+            for (int q = 0; q < W; q++) /* past the slice or the row: -inf, exact zero terms */
+                if (k >= ns || c + q >= V) v[W * g + q] = -INFINITY;
         }
-        ce_p1_group<G * 4>(mt, st, v);
+        ce_p1_group<G * W>(mt, st, v);
     }
     float bm, bs;
     ce_block_pair<CE_CL_WARPS>(mt, st, part_m, part_s, bm, bs);
@@ -761,11 +821,15 @@ rows_cluster_kernel(float *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
             m[i] = bm;
             l[i] = bs;
         }
-        const int64_t t = tgt[i], ts = t / 4;
+        const int64_t t = tgt[i], ts = t / W;
         if (ts >= s0 && ts < s1) {
-            const float4 x = slice[ts - s0];
-            const int q = (int)(t % 4);
-            zt[i] = q == 0 ? x.x : q == 1 ? x.y : q == 2 ? x.z : x.w;
+            float v[W];
+            Slot::vals(slice[ts - s0], v);
+            float x = v[0];
+#pragma unroll
+            for (int q = 1; q < W; q++) /* selects: no local-memory index */
+                x = (int)(t % W) == q ? v[q] : x;
+            zt[i] = x;
         }
         row_nm = -bm * KILN_LOG2E;
         row_rl = 1.0f / bs;
@@ -774,7 +838,7 @@ rows_cluster_kernel(float *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
     const float nm = row_nm, rl = row_rl;
     const int64_t t = tgt[i];
     for (int64_t k = tid; k < ns; k += CE_CL_THREADS)
-        gr[s0 + k] = ce_grad_slot(slice[k], s0 + k, V, t, nm, rl, gs);
+        Slot::grad_store(zr, s0 + k, slice[k], V, t, nm, rl, gs);
 }
 
 /* KILN_CE_ROWS_CLUSTER=0 keeps rows_fast_kernel (for comparisons; read on every call). */
@@ -783,32 +847,52 @@ static bool ce_rows_cluster_wanted(void) {
     return !(e && e[0] == '0');
 }
 
-extern "C" kiln_status kiln_cuda_ce_rows_fast(kiln_backend *be, float *z, int64_t ldz,
-                                              int64_t R, int64_t Rs, int64_t V,
+/* One cluster of CE_CL blocks a row, slices of per slots. */
+template <class Slot>
+static kiln_status ce_rows_cluster_launch(kiln_backend *be, typename Slot::elem *z, int64_t ldz,
+                                          int64_t R, int64_t Rs, int64_t V, int64_t per,
+                                          const int32_t *tgt, float *m, float *l, float *zt,
+                                          float gs) {
+    const size_t smem = (size_t)per * sizeof(typename Slot::raw);
+    if (smem > 48 * 1024 &&
+        !kiln_cuda_check(be, cudaFuncSetAttribute(rows_cluster_kernel<Slot>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  (int)smem),
+                         "fused_ce row block (fast): shared memory"))
+        return kiln_backend_status(be);
+    rows_cluster_kernel<Slot><<<(unsigned)(R * CE_CL), CE_CL_THREADS, smem,
+                                kiln_cuda_stream(be)>>>(z, ldz, Rs, V, per, tgt, m, l, zt, gs);
+    return ce_launched(be, "fused_ce row block (fast, clusters)");
+}
+
+extern "C" kiln_status kiln_cuda_ce_rows_fast(kiln_backend *be, void *z, int64_t ldz,
+                                              int64_t R, int64_t Rs, int64_t V, int z16,
                                               const int32_t *tgt, float *m, float *l, float *zt,
                                               float gs) {
     CE_BEGIN(be);
-    if (Rs < 0 || Rs > R || V <= 0 || ldz < V || ldz % 8 != 0 || ((uintptr_t)z & 15u) != 0)
+    if (Rs < 0 || Rs > R || V <= 0 || ldz < V || ldz % 8 != 0 || ((uintptr_t)z & 15u) != 0 ||
+        (z16 && V > KILN_CUDA_CE_ROWS16_MAX_V))
         return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG,
-                              "fused_ce row block (fast): rows %lld of %lld, V %lld, ld %lld",
-                              (long long)Rs, (long long)R, (long long)V, (long long)ldz);
+                              "fused_ce row block (fast): rows %lld of %lld, V %lld, ld %lld%s",
+                              (long long)Rs, (long long)R, (long long)V, (long long)ldz,
+                              z16 ? ", bf16 logits" : "");
     if (R <= 0) return KILN_OK;
-    const int64_t slots = (V + 3) / 4, per = (slots + CE_CL - 1) / CE_CL;
-    if (per <= CE_CL_MAX_SLOTS && R <= (int64_t)0x7fffffff / CE_CL && ce_rows_cluster_wanted()) {
-        const size_t smem = (size_t)per * sizeof(float4);
-        if (smem > 48 * 1024 &&
-            !kiln_cuda_check(be, cudaFuncSetAttribute(rows_cluster_kernel,
-                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                      (int)smem),
-                             "fused_ce row block (fast): shared memory"))
-            return kiln_backend_status(be);
-        rows_cluster_kernel<<<(unsigned)(R * CE_CL), CE_CL_THREADS, smem,
-                              kiln_cuda_stream(be)>>>(z, ldz, Rs, V, per, tgt, m, l, zt, gs);
-        return ce_launched(be, "fused_ce row block (fast, clusters)");
+    const bool clusters_fit = R <= (int64_t)0x7fffffff / CE_CL; /* the grid's blocks */
+    if (z16 && !clusters_fit)
+        return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG,
+                              "fused_ce row block (fast): %lld rows, bf16 logits", (long long)R);
+    if (z16) { /* 8 columns a slot; V <= KILN_CUDA_CE_ROWS16_MAX_V keeps per within the cap */
+        const int64_t per = ((V + 7) / 8 + CE_CL - 1) / CE_CL;
+        return ce_rows_cluster_launch<ce_slot_bf16>(be, (uint16_t *)z, ldz, R, Rs, V, per, tgt, m,
+                                                    l, zt, gs);
     }
+    const int64_t slots = (V + 3) / 4, per = (slots + CE_CL - 1) / CE_CL;
+    if (per <= CE_CL_MAX_SLOTS && clusters_fit && ce_rows_cluster_wanted())
+        return ce_rows_cluster_launch<ce_slot_f32>(be, (float *)z, ldz, R, Rs, V, per, tgt, m, l,
+                                                   zt, gs);
     const unsigned blocks = (unsigned)(R < (1 << 20) ? R : (1 << 20));
-    rows_fast_kernel<<<blocks, CE_FAST_THREADS, 0, kiln_cuda_stream(be)>>>(z, ldz, R, Rs, V, tgt,
-                                                                          m, l, zt, gs);
+    rows_fast_kernel<<<blocks, CE_FAST_THREADS, 0, kiln_cuda_stream(be)>>>(
+        (float *)z, ldz, R, Rs, V, tgt, m, l, zt, gs);
     return ce_launched(be, "fused_ce row block (fast)");
 }
 
@@ -866,6 +950,19 @@ extern "C" kiln_status kiln_cuda_ce_gemm_bf16(kiln_backend *be, int trans_a, int
     cudaError_t e = kiln_cuda_gemm_bf16(g, kiln_cuda_stream(be), trans_a, trans_b, M, N, K, A,
                                         lda, B, ldb, D, ldd, accumulate);
     return e == cudaSuccess ? KILN_OK : ce_gemm_failed(be, g, e, "product");
+}
+
+extern "C" kiln_status kiln_cuda_ce_gemm_bf16_out16(kiln_backend *be, int trans_a, int trans_b,
+                                                    int64_t M, int64_t N, int64_t K,
+                                                    const uint16_t *A, int64_t lda,
+                                                    const uint16_t *B, int64_t ldb, uint16_t *D,
+                                                    int64_t ldd) {
+    CE_BEGIN(be);
+    kiln_cuda_gemm *g = kiln_cuda_backend_gemm(be);
+    if (!g) return kiln_backend_status(be);
+    cudaError_t e = kiln_cuda_gemm_bf16_out16(g, kiln_cuda_stream(be), trans_a, trans_b, M, N, K,
+                                              A, lda, B, ldb, D, ldd);
+    return e == cudaSuccess ? KILN_OK : ce_gemm_failed(be, g, e, "product (bf16 out)");
 }
 
 static std::atomic<int> g_ce_legacy{0};

@@ -219,15 +219,18 @@ kiln_status kiln_cuda_ce_gather_bf16(kiln_backend *be, uint16_t *hsb, int64_t ld
 kiln_status kiln_cuda_ce_grad_bf16(kiln_backend *be, uint16_t *g, int64_t ldg, const float *z,
                                    int64_t S, int64_t Sp, int64_t n, int64_t c0,
                                    const int32_t *tgt, const float *m, const float *l, float gs);
-/* Fast mode's row-block walk (fused_ce.c, ce_rows_bf16): z(R, ldz) f32 holds a block's whole
- * logits, columns [0, V) (ldz >= V, a multiple of 8; z 16-byte aligned). Per row i < Rs:
- * m[i], l[i], zt[i] = the row's max, sum of exponentials and target logit (pass1_fast's order
- * over the whole row, from m = -inf, l = 0), then the gradient (grad_bf16's values) written
- * in bf16 IN PLACE as g(R, 2 ldz): row i's values at (uint16_t *)(z + i ldz); rows [Rs, R)
- * and the columns from V to the next multiple of 4 are zeros. tgt, m, l, zt: the block's rows.
- * Afterwards z no longer holds the logits. */
-kiln_status kiln_cuda_ce_rows_fast(kiln_backend *be, float *z, int64_t ldz, int64_t R,
-                                   int64_t Rs, int64_t V, const int32_t *tgt, float *m,
+/* Fast mode's row-block walk (fused_ce.c, ce_rows_bf16): z(R, ldz) holds a block's whole
+ * logits, columns [0, V) (ldz >= V, a multiple of 8; z 16-byte aligned), in f32 (z16 == 0) or
+ * bf16 (z16 != 0; V <= KILN_CUDA_CE_ROWS16_MAX_V). Per row i < Rs: m[i], l[i], zt[i] = the
+ * row's max, sum of exponentials and target logit (pass1_fast's order over the whole row, in
+ * slots of 4 (f32) or 8 (bf16) columns, from m = -inf, l = 0), then the gradient (grad_bf16's
+ * values) written in bf16 IN PLACE: with f32 logits as g(R, 2 ldz), row i's values at
+ * (uint16_t *)(z + i ldz); with bf16 logits as g(R, ldz) over the logits themselves. Rows
+ * [Rs, R) and the columns from V to the next slot boundary are zeros. tgt, m, l, zt: the
+ * block's rows. Afterwards z no longer holds the logits. */
+#define KILN_CUDA_CE_ROWS16_MAX_V ((int64_t)8 * 8 * (200 * 1024 / 16))
+kiln_status kiln_cuda_ce_rows_fast(kiln_backend *be, void *z, int64_t ldz, int64_t R,
+                                   int64_t Rs, int64_t V, int z16, const int32_t *tgt, float *m,
                                    float *l, float *zt, float gs);
 /* Whether the GEMMs read weight rows w (row_bytes apart, dtype dt) in place: bf16 with
  * 16-byte aligned rows (the GEMM module's rule); otherwise they take a bf16 copy. */
@@ -247,6 +250,12 @@ kiln_status kiln_cuda_ce_gemm_bf16(kiln_backend *be, int trans_a, int trans_b, i
                                    int64_t N, int64_t K, const uint16_t *A, int64_t lda,
                                    const uint16_t *B, int64_t ldb, float *D, int64_t ldd,
                                    int accumulate);
+/* The same product with D in bf16 (kiln_cuda_gemm_bf16_out16: the RNE rounding of the f32
+ * result; no accumulate). */
+kiln_status kiln_cuda_ce_gemm_bf16_out16(kiln_backend *be, int trans_a, int trans_b, int64_t M,
+                                         int64_t N, int64_t K, const uint16_t *A, int64_t lda,
+                                         const uint16_t *B, int64_t ldb, uint16_t *D,
+                                         int64_t ldd);
 /* For the tests and benchmarks: on != 0 makes every later fast-mode kiln_fused_ce (any backend,
  * this process) take the composition it ran before the bf16 path -- the backend's matmul for
  * the logits and one matmul_backward per chunk (fused_ce.c, ce_pass2_fast) -- which the bf16

@@ -121,10 +121,10 @@ kiln_status kiln_cuda_ce_grad_bf16(kiln_backend *be, uint16_t *g, int64_t ldg, c
     (void)m; (void)l; (void)gs;
     return no_cuda("kiln_cuda_ce_grad_bf16");
 }
-kiln_status kiln_cuda_ce_rows_fast(kiln_backend *be, float *z, int64_t ldz, int64_t R,
-                                   int64_t Rs, int64_t V, const int32_t *tgt, float *m,
+kiln_status kiln_cuda_ce_rows_fast(kiln_backend *be, void *z, int64_t ldz, int64_t R,
+                                   int64_t Rs, int64_t V, int z16, const int32_t *tgt, float *m,
                                    float *l, float *zt, float gs) {
-    (void)be; (void)z; (void)ldz; (void)R; (void)Rs; (void)V; (void)tgt; (void)m; (void)l;
+    (void)be; (void)z; (void)ldz; (void)R; (void)Rs; (void)V; (void)z16; (void)tgt; (void)m; (void)l;
     (void)zt; (void)gs;
     return no_cuda("kiln_cuda_ce_rows_fast");
 }
@@ -151,6 +151,14 @@ kiln_status kiln_cuda_ce_gemm_bf16(kiln_backend *be, int trans_a, int trans_b, i
     (void)be; (void)trans_a; (void)trans_b; (void)M; (void)N; (void)K; (void)A; (void)lda;
     (void)B; (void)ldb; (void)D; (void)ldd; (void)accumulate;
     return no_cuda("kiln_cuda_ce_gemm_bf16");
+}
+kiln_status kiln_cuda_ce_gemm_bf16_out16(kiln_backend *be, int trans_a, int trans_b, int64_t M,
+                                         int64_t N, int64_t K, const uint16_t *A, int64_t lda,
+                                         const uint16_t *B, int64_t ldb, uint16_t *D,
+                                         int64_t ldd) {
+    (void)be; (void)trans_a; (void)trans_b; (void)M; (void)N; (void)K; (void)A; (void)lda;
+    (void)B; (void)ldb; (void)D; (void)ldd;
+    return no_cuda("kiln_cuda_ce_gemm_bf16_out16");
 }
 void kiln_cuda_ce_set_legacy(int on) { (void)on; }
 int kiln_cuda_ce_legacy(void) { return 0; }
