@@ -43,7 +43,7 @@
  * vocabulary walk and the auditable call, with bf16 logits (the default) and f32 logits
  * (row_logits_f32; in clusters and with the one-block-a-row kernel): the same bits twice;
  * with f32 logits the loss within 1e-4, the row statistics within 1e-5 and the gradients
- * within 2e-3 norm-wise of the vocabulary walk; with bf16 logits within 1e-3, 5e-3 and 1e-2
+ * within 2e-3 norm-wise of the vocabulary walk; with bf16 logits within 1e-3, 2e-2 and 1e-2
  * (each logit rounded once more); each within 1e-2 of auditable mode; calls the walk does not
  * take (f32 or misaligned weight, S <= 8) give the vocabulary walk's bits (the walk reads the
  * weight in place: bf16 rows of a multiple of 16 bytes, 16-byte aligned), whatever the
@@ -652,13 +652,15 @@ static bool run_rows(Side &s, const kiln_fused_ce_params &base, const RowCase &c
  * With f32 logits (kRowsF32) the statistics' sums run in another order, hence some bf16
  * roundings of g fall on the other side, and dW is summed block by block. With bf16 logits
  * (kRowsBf16, the default) each logit is also rounded once to bf16 (relative 2^-9, about
- * 2e-3 at these inputs' logits of order 1): the statistics and each probability move by
- * about that much. */
+ * 2e-3 at these inputs' logits of order 1): each probability moves by about that much; the
+ * statistics more, as the row's max m moves by its rounding and the sum l by the factor
+ * e^(that), together (m + log l hardly moves: the loss's error is 1e-7 to 7e-5 on the H200,
+ * the statistics' 4.3e-3 to 4.7e-3). */
 struct RowTol {
     double loss, stats, grad;
 };
 static const RowTol kRowsF32 = {1e-4, 1e-5, 2e-3};
-static const RowTol kRowsBf16 = {1e-3, 5e-3, 1e-2};
+static const RowTol kRowsBf16 = {1e-3, 2e-2, 1e-2};
 
 static void cmp_rows(const Outs &r, const Outs &vw, const Outs &au, const RowCase &c,
                      const RowTol &tol, const std::vector<int32_t> &tg,

@@ -33,6 +33,7 @@
 
 #include <atomic>
 #include <cooperative_groups.h>
+#include <cuda_bf16.h>
 #include <cstdlib>
 
 namespace cg = cooperative_groups;
@@ -736,7 +737,18 @@ struct ce_slot_f32 {
     }
 };
 
-/* bf16 logits: 8 columns in 16 bytes; the gradient in bf16 over the same bytes (g(R, ldz)) */
+/* Two values rounded to bf16 by the hardware's conversion (cvt.rn.bf16x2.f32: round to
+ * nearest even, as kiln_bf16_rne for every finite value; NaN would come out as the canonical
+ * NaN, but a NaN logit fails the loss and leaves the gradient unspecified), the first in the
+ * low half: one instruction for two values instead of about a dozen integer operations. */
+static __device__ __forceinline__ uint32_t ce_bf16x2_rn(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&h);
+}
+
+/* bf16 logits: 8 columns in 16 bytes; the gradient in bf16 over the same bytes (g(R, ldz)).
+ * A whole slot without the target (every slot but the row's last one or two) takes the
+ * straight path: ce_grad_value's arithmetic with no per-column tests. */
 struct ce_slot_bf16 {
     typedef uint16_t elem;
     typedef uint4 raw;
@@ -752,10 +764,16 @@ struct ce_slot_bf16 {
         float v[8];
         bf16x8_f32(x, v);
         const int64_t c = 8 * j;
+        if (c + 8 <= V && (t < c || t >= c + 8)) {
 #pragma unroll
-        for (int q = 0; q < 8; q++)
-            v[q] = c + q < V ? ce_grad_value(v[q], nm, rl, gs, c + q == t) : 0.0f;
-        reinterpret_cast<uint4 *>(zr)[j] = f32x8_bf16(v); /* zeros stay +0 */
+            for (int q = 0; q < 8; q++) v[q] = ce_grad_value(v[q], nm, rl, gs, false);
+        } else {
+#pragma unroll
+            for (int q = 0; q < 8; q++)
+                v[q] = c + q < V ? ce_grad_value(v[q], nm, rl, gs, c + q == t) : 0.0f;
+        }
+        reinterpret_cast<uint4 *>(zr)[j] = make_uint4(ce_bf16x2_rn(v[0], v[1]), ce_bf16x2_rn(v[2], v[3]),
+                                                      ce_bf16x2_rn(v[4], v[5]), ce_bf16x2_rn(v[6], v[7]));
     }
     static __device__ __forceinline__ void zero_store(elem *zr, int64_t j) {
         reinterpret_cast<uint4 *>(zr)[j] = make_uint4(0u, 0u, 0u, 0u);
@@ -799,9 +817,11 @@ rows_cluster_kernel(typename Slot::elem *z, int64_t ldz, int64_t Rs, int64_t V, 
                 slice[k] = x;
                 Slot::vals(x, v + W * g);
             }
+            if (k >= ns || c + W > V) { /* past the slice or the row: -inf, exact zero terms */
 #pragma unroll
-            for (int q = 0; q < W; q++) /* past the slice or the row: -inf, exact zero terms */
-                if (k >= ns || c + q >= V) v[W * g + q] = -INFINITY;
+                for (int q = 0; q < W; q++)
+                    if (k >= ns || c + q >= V) v[W * g + q] = -INFINITY;
+            }
         }
         ce_p1_group<G * W>(mt, st, v);
     }
