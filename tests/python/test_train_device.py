@@ -85,9 +85,10 @@ def test_negative_device_rejected(tiny):
 
 
 def test_row_block_param(tiny, build_dir):
-    """ce_row_block (GPU fast mode's loss walk): a negative value is refused naming it; on the
-    CPU it changes nothing (the same bits with 0, the default and another size), and the CLI's
-    --loss-row-block takes 0.. and refuses a negative value."""
+    """ce_row_block and ce_logits_f32 (GPU fast mode's loss walk and its logits): a negative
+    row block is refused naming it; on the CPU neither changes anything (the same bits with 0,
+    the default and another size, bf16 or f32 logits), and the CLI's --loss-row-block takes
+    0.. and refuses a negative value; --loss-logits-f32 is taken."""
     base, d = tiny
     m = kiln.Model(d)
     with pytest.raises(kiln.KilnError, match="ce_row_block"):
@@ -97,16 +98,17 @@ def test_row_block_param(tiny, build_dir):
     tg = np.roll(ids, -1, axis=1)
     tg[:, -1] = -1
     got = []
-    for rb in (None, 0, 8):
-        tr = kiln.Trainer(m, max_seq=16, max_batch=2, ce_row_block=rb)
+    for rb, f32 in ((None, False), (0, False), (8, False), (8, True)):
+        tr = kiln.Trainer(m, max_seq=16, max_batch=2, ce_row_block=rb, ce_logits_f32=f32)
         loss = tr.step_batch(ids, tg)
         name, n, _ = tr.params()[0]
         got.append((np.float32(loss).tobytes(), tr.get_grad(name, n).tobytes()))
-    assert got[0] == got[1] == got[2]
+    assert got[0] == got[1] == got[2] == got[3]
     data = ["-m", d, "--data", base / "corpus.tok", *ARGS]
     r = run_kiln(build_dir, "train", *data, "--out", base / "rb", "--loss-row-block", "-1", check=False)
     assert r.returncode == 2 and "--loss-row-block" in r.stderr
     run_kiln(build_dir, "train", *data, "--out", base / "rb0", "--loss-row-block", "0")
+    run_kiln(build_dir, "train", *data, "--out", base / "lf32", "--loss-logits-f32")
 
 
 ARGS = ["--steps", "3", "--batch", "2", "--seq", "16", "--warmup", "1", "--eval-every", "0",
