@@ -777,6 +777,27 @@ static void test_rms_dw_fused() {
            cases, dw_diff, dw_total, g_fail == fails0 ? "OK" : "FAILED");
 }
 
+/* The two variants' times in ms[0], ms[1] (cudaEvent around reps launches on g_s, after one
+ * warm-up launch): setup(which) once before each variant's launches, run(which) per launch. */
+template <class Setup, class Run>
+static void time_two(int reps, float ms[2], Setup setup, Run run) {
+    cudaEvent_t t0, t1;
+    CUDA_FATAL(cudaEventCreate(&t0));
+    CUDA_FATAL(cudaEventCreate(&t1));
+    for (int which = 0; which < 2; which++) {
+        setup(which);
+        for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
+            if (r == 0) CUDA_FATAL(cudaEventRecord(t0, g_s));
+            run(which);
+        }
+        CUDA_FATAL(cudaEventRecord(t1, g_s));
+        CUDA_FATAL(cudaEventSynchronize(t1));
+        CUDA_FATAL(cudaEventElapsedTime(&ms[which], t0, t1));
+    }
+    cudaEventDestroy(t0);
+    cudaEventDestroy(t1);
+}
+
 /* The launcher with dw at N x C, fused and as two kernels (cudaEvent, mean of 20). */
 static void time_rms_dw(int N, int C) {
     const size_t n = (size_t)N * (size_t)C;
@@ -795,27 +816,17 @@ static void time_rms_dw(int N, int C) {
     const size_t len = kiln_cuda_rmsnorm_backward_fast_scratch_len(N, C);
     double *ws = nullptr;
     CUDA_FATAL(cudaMalloc((void **)&ws, len * sizeof(double)));
-    cudaEvent_t t0, t1;
-    CUDA_FATAL(cudaEventCreate(&t0));
-    CUDA_FATAL(cudaEventCreate(&t1));
     const int reps = 20;
     float ms[2] = {0, 0};
-    for (int which = 0; which < 2; which++) {
-        setenv("KILN_RB_FUSED_DW", which == 0 ? "0" : "1", 1);
-        for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
-            if (r == 0) CUDA_FATAL(cudaEventRecord(t0, g_s));
-            CUDA_FATAL(kiln_cuda_rmsnorm_backward_fast(g_s, dx, d16, dw, dy, x, w, N, C, 1e-6f, rs,
-                                                       true, ws, len));
-        }
-        CUDA_FATAL(cudaEventRecord(t1, g_s));
-        CUDA_FATAL(cudaEventSynchronize(t1));
-        CUDA_FATAL(cudaEventElapsedTime(&ms[which], t0, t1));
-    }
+    time_two(
+        reps, ms, [](int which) { setenv("KILN_RB_FUSED_DW", which == 0 ? "0" : "1", 1); },
+        [&](int) {
+            CUDA_FATAL(kiln_cuda_rmsnorm_backward_fast(g_s, dx, d16, dw, dy, x, w, N, C, 1e-6f,
+                                                       rs, true, ws, len));
+        });
     unsetenv("KILN_RB_FUSED_DW");
     printf("timing rmsnorm backward with dw N=%d C=%d acc + dx16: two kernels %.1f us, one pass "
            "%.1f us, x%.2f\n", N, C, 1e3 * ms[0] / reps, 1e3 * ms[1] / reps, ms[0] / ms[1]);
-    cudaEventDestroy(t0);
-    cudaEventDestroy(t1);
     for (void *p : {(void *)x, (void *)dy, (void *)dx, (void *)d16, (void *)w, (void *)dw,
                     (void *)rs, (void *)ws})
         cudaFree(p);
@@ -891,29 +902,18 @@ static void time_shape(int N, int64_t W, int mode) {
     CUDA_FATAL(cudaMalloc((void **)&out, (size_t)W * 4));
     CUDA_FATAL(cudaMemset(out, 0, (size_t)W * 4));
     CUDA_FATAL(cudaMalloc((void **)&ws, len * sizeof(double)));
-    cudaEvent_t t0, t1;
-    CUDA_FATAL(cudaEventCreate(&t0));
-    CUDA_FATAL(cudaEventCreate(&t1));
     const int reps = 20;
     float ms[2] = {0, 0};
-    for (int which = 0; which < 2; which++) {
-        for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
-            if (r == 0) CUDA_FATAL(cudaEventRecord(t0, g_s));
-            if (which == 0) CUDA_FATAL(kiln_cuda_col_sum_exact(g_s, out, a, b, s, W, N, W));
-            else CUDA_FATAL(kiln_cuda_col_sum_fast(g_s, out, a, b, s, W, N, W, ws, len));
-        }
-        CUDA_FATAL(cudaEventRecord(t1, g_s));
-        CUDA_FATAL(cudaEventSynchronize(t1));
-        CUDA_FATAL(cudaEventElapsedTime(&ms[which], t0, t1));
-    }
+    time_two(reps, ms, [](int) {}, [&](int which) {
+        if (which == 0) CUDA_FATAL(kiln_cuda_col_sum_exact(g_s, out, a, b, s, W, N, W));
+        else CUDA_FATAL(kiln_cuda_col_sum_fast(g_s, out, a, b, s, W, N, W, ws, len));
+    });
     const double us_ex = 1e3 * ms[0] / reps, us_fa = 1e3 * ms[1] / reps;
     const double bytes = (double)n * 4.0 * (mode >= 1 ? 2.0 : 1.0);
     printf("timing N=%d W=%lld mode %d: exact col_lanes %.1f us (%.0f GB/s), fast %.1f us "
            "(%.0f GB/s, K=%zu chunks), x%.1f\n",
            N, (long long)W, mode, us_ex, bytes / (us_ex * 1e3), us_fa, bytes / (us_fa * 1e3),
            len / (size_t)W, us_ex / us_fa);
-    cudaEventDestroy(t0);
-    cudaEventDestroy(t1);
     cudaFree(a);
     cudaFree(b);
     cudaFree(s);
@@ -935,33 +935,22 @@ static void time_rms_rows(int N, int C, bool acc) {
     CUDA_FATAL(cudaMemset(dy, 0, n * 4));
     CUDA_FATAL(cudaMemset(dx, 0, n * 4));
     CUDA_FATAL(cudaMemset(w, 0, (size_t)C * 4));
-    cudaEvent_t t0, t1;
-    CUDA_FATAL(cudaEventCreate(&t0));
-    CUDA_FATAL(cudaEventCreate(&t1));
     const int reps = 20;
     float ms[2] = {0, 0};
-    for (int which = 0; which < 2; which++) {
-        for (int r = -1; r < reps; r++) { /* r = -1: warm-up */
-            if (r == 0) CUDA_FATAL(cudaEventRecord(t0, g_s));
-            if (which == 0)
-                CUDA_FATAL(kiln_cuda_rmsnorm_backward(g_s, dx, nullptr, dy, x, w, N, C, 1e-6f, rs,
-                                                      acc));
-            else
-                CUDA_FATAL(kiln_cuda_rmsnorm_backward_fast(g_s, dx, nullptr, nullptr, dy, x, w, N,
-                                                           C, 1e-6f, rs, acc, nullptr, 0));
-        }
-        CUDA_FATAL(cudaEventRecord(t1, g_s));
-        CUDA_FATAL(cudaEventSynchronize(t1));
-        CUDA_FATAL(cudaEventElapsedTime(&ms[which], t0, t1));
-    }
+    time_two(reps, ms, [](int) {}, [&](int which) {
+        if (which == 0)
+            CUDA_FATAL(kiln_cuda_rmsnorm_backward(g_s, dx, nullptr, dy, x, w, N, C, 1e-6f, rs,
+                                                  acc));
+        else
+            CUDA_FATAL(kiln_cuda_rmsnorm_backward_fast(g_s, dx, nullptr, nullptr, dy, x, w, N, C,
+                                                       1e-6f, rs, acc, nullptr, 0));
+    });
     const double us_ex = 1e3 * ms[0] / reps, us_fa = 1e3 * ms[1] / reps;
     const double bytes = (double)n * 4.0 * (acc ? 4.0 : 3.0) + 4.0 * ((double)N + C);
     printf("timing rmsnorm rows N=%d C=%d%s: exact %.1f us (%.0f GB/s), fast %.1f us "
            "(%.0f GB/s), x%.1f\n",
            N, C, acc ? " acc" : "", us_ex, bytes / (us_ex * 1e3), us_fa, bytes / (us_fa * 1e3),
            us_ex / us_fa);
-    cudaEventDestroy(t0);
-    cudaEventDestroy(t1);
     cudaFree(x);
     cudaFree(dy);
     cudaFree(dx);
