@@ -478,31 +478,66 @@ static bool run_bits(Side &s, const kiln_fused_ce_params &base, const BitCase &c
     return download_outs(s, N, H, V, o);
 }
 
+/* A case's random inputs, drawn in this order: hidden and weights (random_inputs), then the
+ * targets (N % 1024 == 0: every row supervised but the last, a shifted sequence's, while N <
+ * shift_below; otherwise every 5th row from row 3 unsupervised), the mask (masked: every 3rd
+ * row from row 1 out), then tg[0] = V - 1 (the last column: the last, maybe partial, chunk or
+ * slot) and, with col0, tg[1] = 0; S the supervised rows; dw0 (V x H) dweight's start. */
+struct CaseInputs {
+    std::vector<float> hidden, dw0;
+    std::vector<uint8_t> w, mask;
+    std::vector<int32_t> tg;
+    int64_t S = 0;
+};
+
+static void case_inputs(int64_t N, int64_t H, int64_t V, int bf16, int masked,
+                        int64_t shift_below, bool col0, CaseInputs &in) {
+    random_inputs(N, H, V, bf16, in.hidden, in.w);
+    in.tg.assign((size_t)N, 0);
+    in.mask.assign((size_t)N, 1);
+    for (int64_t n = 0; n < N; n++) {
+        in.tg[n] = (int32_t)(rnd64() % (uint64_t)V);
+        if (N % 1024 == 0) {
+            if (n == N - 1 && N < shift_below) in.tg[n] = -1; /* a shifted sequence: odd S */
+        } else if (n % 5 == 3) {
+            in.tg[n] = -1;
+        }
+        if (masked && n % 3 == 1) in.mask[n] = 0;
+    }
+    in.tg[0] = (int32_t)(V - 1);
+    if (col0) in.tg[1] = 0;
+    in.S = 0;
+    for (int64_t n = 0; n < N; n++) in.S += (in.mask[n] && in.tg[n] >= 0) ? 1 : 0;
+    in.dw0.resize((size_t)V * H);
+    for (auto &x : in.dw0) x = rndu() * 1e-3f / (float)in.S;
+}
+
+/* The parameters every call of a case shares (targets and mask from in). */
+static kiln_fused_ce_params case_params(int64_t N, int64_t H, int64_t V, kiln_dtype dt,
+                                        int masked, const CaseInputs &in) {
+    kiln_fused_ce_params base = kiln_fused_ce_default_params();
+    base.N = N;
+    base.H = H;
+    base.V = V;
+    base.weight_dtype = dt;
+    base.targets = in.tg.data();
+    base.mask = masked ? in.mask.data() : nullptr;
+    base.reduction = KILN_CE_REDUCTION_MEAN;
+    base.scale = 0.75f;
+    return base;
+}
+
 /* The case's call through the bf16 path (twice) and through the composition: the same bits.
  * reps > 0: then time `reps` calls of each and print the timing line. */
 static void test_bits(kiln_backend *be, const BitCase &c, int reps) {
     const int fails0 = g_fail;
     const int64_t N = c.N, H = c.H, V = c.V;
     const int bf16 = c.dt == KILN_DTYPE_BF16;
-    std::vector<float> hidden;
-    std::vector<uint8_t> w;
-    random_inputs(N, H, V, bf16, hidden, w);
-    std::vector<int32_t> tg((size_t)N);
-    std::vector<uint8_t> mask((size_t)N, 1);
-    for (int64_t n = 0; n < N; n++) {
-        tg[n] = (int32_t)(rnd64() % (uint64_t)V);
-        if (N % 1024 == 0) {
-            if (n == N - 1 && N < 8192) tg[n] = -1; /* a shifted sequence: odd S */
-        } else if (n % 5 == 3) {
-            tg[n] = -1;
-        }
-        if (c.masked && n % 3 == 1) mask[n] = 0;
-    }
-    tg[0] = (int32_t)(V - 1); /* the last column: the last (partial) chunk */
-    int64_t S = 0;
-    for (int64_t n = 0; n < N; n++) S += (mask[n] && tg[n] >= 0) ? 1 : 0;
-    std::vector<float> dw0((size_t)V * H);
-    for (auto &x : dw0) x = rndu() * 1e-3f / (float)S;
+    CaseInputs in;
+    case_inputs(N, H, V, bf16, c.masked, 8192, false, in);
+    const std::vector<float> &hidden = in.hidden, &dw0 = in.dw0;
+    const std::vector<uint8_t> &w = in.w;
+    const int64_t S = in.S;
 
     char tag[220];
     snprintf(tag, sizeof tag,
@@ -513,15 +548,7 @@ static void test_bits(kiln_backend *be, const BitCase &c, int reps) {
              c.stats_in ? " stats_in" : "", c.w_misalign ? " w+2B" : "", c.masked ? " mask" : "",
              reps > 0 ? " (timed)" : "");
 
-    kiln_fused_ce_params base = kiln_fused_ce_default_params();
-    base.N = N;
-    base.H = H;
-    base.V = V;
-    base.weight_dtype = c.dt;
-    base.targets = tg.data();
-    base.mask = c.masked ? mask.data() : nullptr;
-    base.reduction = KILN_CE_REDUCTION_MEAN;
-    base.scale = 0.75f;
+    kiln_fused_ce_params base = case_params(N, H, V, c.dt, c.masked, in);
     base.chunk = c.chunk;
 
     Side s;
@@ -718,26 +745,12 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
     const int fails0 = g_fail;
     const int64_t N = c.N, H = c.H, V = c.V;
     const int bf16 = c.dt == KILN_DTYPE_BF16;
-    std::vector<float> hidden;
-    std::vector<uint8_t> w;
-    random_inputs(N, H, V, bf16, hidden, w);
-    std::vector<int32_t> tg((size_t)N);
-    std::vector<uint8_t> mask((size_t)N, 1);
-    for (int64_t n = 0; n < N; n++) {
-        tg[n] = (int32_t)(rnd64() % (uint64_t)V);
-        if (N % 1024 == 0) {
-            if (n == N - 1) tg[n] = -1; /* a shifted sequence: odd S */
-        } else if (n % 5 == 3) {
-            tg[n] = -1;
-        }
-        if (c.masked && n % 3 == 1) mask[n] = 0;
-    }
-    tg[0] = (int32_t)(V - 1); /* the last column: the last slot of a row, maybe partial */
-    tg[1] = 0;
-    int64_t S = 0;
-    for (int64_t n = 0; n < N; n++) S += (mask[n] && tg[n] >= 0) ? 1 : 0;
-    std::vector<float> dw0((size_t)V * H);
-    for (auto &x : dw0) x = rndu() * 1e-3f / (float)S;
+    CaseInputs in;
+    case_inputs(N, H, V, bf16, c.masked, INT64_MAX, true, in);
+    const std::vector<float> &hidden = in.hidden, &dw0 = in.dw0;
+    const std::vector<uint8_t> &w = in.w, &mask = in.mask;
+    const std::vector<int32_t> &tg = in.tg;
+    const int64_t S = in.S;
 
     char tag[220], tag32[260], tag1[260];
     snprintf(tag, sizeof tag, "fused_ce rows %s N=%lld H=%lld V=%lld row_block=%lld S=%lld%s%s%s%s",
@@ -747,15 +760,7 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
              c.w_misalign ? " w+2B" : "", c.masked ? " mask" : "", reps > 0 ? " (timed)" : "");
     snprintf(tag32, sizeof tag32, "%s [f32 logits]", tag);
     snprintf(tag1, sizeof tag1, "%s [f32 logits, one block a row]", tag);
-    kiln_fused_ce_params base = kiln_fused_ce_default_params();
-    base.N = N;
-    base.H = H;
-    base.V = V;
-    base.weight_dtype = c.dt;
-    base.targets = tg.data();
-    base.mask = c.masked ? mask.data() : nullptr;
-    base.reduction = KILN_CE_REDUCTION_MEAN;
-    base.scale = 0.75f;
+    const kiln_fused_ce_params base = case_params(N, H, V, c.dt, c.masked, in);
 
     const size_t want = kiln_fused_ce_row_block_bytes(S, H, V, c.row_block, c.dh, c.dw, 0);
     const size_t want32 = kiln_fused_ce_row_block_bytes(S, H, V, c.row_block, c.dh, c.dw, 1);
