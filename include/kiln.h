@@ -406,8 +406,9 @@ typedef struct kiln_train_params {
                        * chunk saves the backward one of its three products, same bits);
                        * default 64, 0: none. A GPU trainer keeps none. */
     int ce_row_block; /* GPU fast mode, kiln_train_step_batch: the fused loss walks the rows in
-                       * blocks of this many, each block's whole logits (rows x vocabulary
-                       * f32) made once and turned into its gradient in place: three products
+                       * blocks of this many, each block's whole logits (rows x vocabulary,
+                       * bf16 unless ce_logits_f32) made once and turned into its gradient in
+                       * place: three products
                        * instead of the vocabulary walk's four (docs/TRAINING.md, "Fast
                        * mode"). Default 2048; 0: the vocabulary walk (the bits of
                        * forward_batch + backward); < 0: KILN_ERR_INVALID_ARG */

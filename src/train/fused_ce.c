@@ -676,14 +676,13 @@ static kiln_status ce_rows_bf16(kiln_backend *be, const kiln_fused_ce_params *p,
     const int64_t H = p->H, V = p->V, ldH = ce_bf16_ld(H), ldz = ce_bf16_ld(V);
     const uint16_t *w = (const uint16_t *)p->weight;
     const int64_t ldw = (int64_t)(row_bytes / 2), ldg = z16 ? ldz : 2 * ldz;
-    uint16_t *z16p = (uint16_t *)(void *)sc->z;
-    const uint16_t *g = z16p;
+    uint16_t *g = (uint16_t *)(void *)sc->z; /* the bf16 logits, then the gradient */
     for (int64_t r0 = 0; r0 < Sp; r0 += rb) {
         const int64_t R = Sp - r0 < rb ? Sp - r0 : rb;
         const int64_t Rs = S - r0 < R ? S - r0 : R; /* >= 1: r0 <= Sp - 8 < S */
         const uint16_t *hb = sc->hsb + r0 * ldH;
         if (z16)
-            KILN_TRY(kiln_cuda_ce_gemm_bf16_out16(be, 0, 1, R, V, H, hb, ldH, w, ldw, z16p, ldz));
+            KILN_TRY(kiln_cuda_ce_gemm_bf16_out16(be, 0, 1, R, V, H, hb, ldH, w, ldw, g, ldz));
         else
             KILN_TRY(kiln_cuda_ce_gemm_bf16(be, 0, 1, R, V, H, hb, ldH, w, ldw, sc->z, ldz, 0));
         KILN_TRY(kiln_cuda_ce_rows_fast(be, sc->z, ldz, R, Rs, V, z16, d_tgt + r0, sc->m + r0,

@@ -423,6 +423,29 @@ struct BitCase {
     int expect_bf16; /* the bf16 path runs (else both calls run the composition) */
 };
 
+/* reps more calls of p, each timed from a synchronized device to its return (with
+ * wait_status, to the backend's status: the end of the work a no_wait call only enqueued);
+ * their median in *ms (ms not NULL, reps > 0). The first failure's status, else KILN_OK. */
+static kiln_status time_calls(kiln_backend *be, const kiln_fused_ce_params &p, int reps,
+                              bool wait_status, double *ms) {
+    kiln_status st = KILN_OK;
+    std::vector<double> t;
+    for (int i = 0; i < reps && st == KILN_OK; i++) { /* dweight keeps accumulating: fine */
+        if (cudaDeviceSynchronize() != cudaSuccess) break;
+        auto t0 = std::chrono::steady_clock::now();
+        kiln_fused_ce_result r2;
+        st = kiln_fused_ce(be, &p, &r2);
+        if (st == KILN_OK && wait_status) st = kiln_backend_status(be);
+        auto t1 = std::chrono::steady_clock::now();
+        t.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    }
+    if (st == KILN_OK && ms && !t.empty()) {
+        std::sort(t.begin(), t.end());
+        *ms = t[t.size() / 2];
+    }
+    return st;
+}
+
 /* One fast call (legacy: through the composition), its outputs reset first (dhidden NaN and
  * overwritten, dweight dw0 and accumulated, row_loss and row_stats NaN), downloaded after.
  * stats_in: a loss-only call writes row_stats first, then the gradient call reads them.
@@ -455,24 +478,12 @@ static bool run_bits(Side &s, const kiln_fused_ce_params &base, const BitCase &c
     p.dweight = c.dw ? s.dw : nullptr;
     memset(&o.r, 0xab, sizeof o.r);
     if (st == KILN_OK) st = kiln_fused_ce(s.be, &p, &o.r);
-    std::vector<double> t;
-    for (int i = 0; i < reps && st == KILN_OK; i++) { /* dweight keeps accumulating: fine */
-        if (cudaDeviceSynchronize() != cudaSuccess) break;
-        auto t0 = std::chrono::steady_clock::now();
-        kiln_fused_ce_result r2;
-        st = kiln_fused_ce(s.be, &p, &r2);
-        auto t1 = std::chrono::steady_clock::now();
-        t.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-    }
+    if (st == KILN_OK) st = time_calls(s.be, p, reps, false, ms);
     kiln_cuda_ce_set_legacy(0);
     if (st != KILN_OK) {
         FAIL("%s (%s): kiln_fused_ce: %s: %s", tag, legacy ? "composition" : "bf16 path",
              kiln_status_string(st), kiln_last_error());
         return false;
-    }
-    if (ms && !t.empty()) {
-        std::sort(t.begin(), t.end());
-        *ms = t[t.size() / 2];
     }
     if (reps > 0) return true; /* timed: the outputs moved on, nothing to compare */
     return download_outs(s, N, H, V, o);
@@ -640,24 +651,11 @@ static bool run_rows(Side &s, const kiln_fused_ce_params &base, const RowCase &c
         FAIL("%s (row_block %lld): the loss was not left pending", tag, (long long)rb);
         return false;
     }
-    std::vector<double> t;
-    for (int i = 0; i < reps && st == KILN_OK; i++) { /* dweight keeps accumulating: fine */
-        if (cudaDeviceSynchronize() != cudaSuccess) break;
-        auto t0 = std::chrono::steady_clock::now();
-        kiln_fused_ce_result r2;
-        st = kiln_fused_ce(s.be, &p, &r2);
-        if (st == KILN_OK) st = kiln_backend_status(s.be);
-        auto t1 = std::chrono::steady_clock::now();
-        t.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-    }
+    if (st == KILN_OK) st = time_calls(s.be, p, reps, true, ms);
     if (st != KILN_OK) {
         FAIL("%s (row_block %lld): kiln_fused_ce: %s: %s", tag, (long long)rb,
              kiln_status_string(st), kiln_last_error());
         return false;
-    }
-    if (ms && !t.empty()) {
-        std::sort(t.begin(), t.end());
-        *ms = t[t.size() / 2];
     }
     if (reps > 0) return true;
     if (!download_outs(s, N, H, V, o)) return false;

@@ -905,44 +905,28 @@ static bool two_pass(int HS) {
     return e && strcmp(e, "two-pass") == 0;
 }
 
-/* Kernel 3 (G > 1): dk[key][j][d] = pk[key][jG][d] + pk[key][jG+1][d] + ... in head order. */
-static __global__ void bwd_reduce_kernel(float *__restrict__ dk, float *__restrict__ dv,
-                                         const float *__restrict__ pk,
-                                         const float *__restrict__ pv, int64_t total, int NH,
-                                         int KVH, int HS) {
+/* Kernel 3 (G > 1): dk[key][j][d] = pk[key][jG][d] + pk[key][jG+1][d] + ... in head order,
+ * one element (T float, HSv = HS) or four (T float4: HS % 4 == 0, pointers 16-byte aligned,
+ * HSv = HS / 4, total in float4s) a thread: the same additions in the same order. */
+static __device__ __forceinline__ float red_add(float a, float b) { return a + b; }
+static __device__ __forceinline__ float4 red_add(float4 a, float4 b) {
+    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+template <typename T>
+static __global__ void bwd_reduce_kernel(T *__restrict__ dk, T *__restrict__ dv,
+                                         const T *__restrict__ pk, const T *__restrict__ pv,
+                                         int64_t total, int NH, int KVH, int HSv) {
     const int G = NH / KVH;
     for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total;
          u += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t key = u / ((int64_t)KVH * HS);
-        const int rem = (int)(u - key * KVH * HS), j = rem / HS, d = rem - j * HS;
-        const int64_t base = (key * NH + (int64_t)j * G) * HS + d;
-        float sk = pk[base], sv = pv[base];
+        const int64_t key = u / ((int64_t)KVH * HSv);
+        const int rem = (int)(u - key * KVH * HSv), j = rem / HSv, d = rem - j * HSv;
+        const int64_t base = (key * NH + (int64_t)j * G) * HSv + d;
+        T sk = pk[base], sv = pv[base];
         for (int gi = 1; gi < G; gi++) {
-            sk = sk + pk[base + (int64_t)gi * HS];
-            sv = sv + pv[base + (int64_t)gi * HS];
-        }
-        dk[u] = sk;
-        dv[u] = sv;
-    }
-}
-
-/* bwd_reduce_kernel four elements a thread (float4 loads and stores; HS % 4 == 0 and the
- * pointers 16-byte aligned): the same additions in the same order. total4 = total / 4. */
-static __global__ void bwd_reduce4_kernel(float4 *__restrict__ dk, float4 *__restrict__ dv,
-                                          const float4 *__restrict__ pk,
-                                          const float4 *__restrict__ pv, int64_t total4, int NH,
-                                          int KVH, int HS4) {
-    const int G = NH / KVH;
-    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total4;
-         u += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t key = u / ((int64_t)KVH * HS4);
-        const int rem = (int)(u - key * KVH * HS4), j = rem / HS4, d = rem - j * HS4;
-        const int64_t base = (key * NH + (int64_t)j * G) * HS4 + d;
-        float4 sk = pk[base], sv = pv[base];
-        for (int gi = 1; gi < G; gi++) {
-            const float4 a = pk[base + (int64_t)gi * HS4], b = pv[base + (int64_t)gi * HS4];
-            sk.x = sk.x + a.x, sk.y = sk.y + a.y, sk.z = sk.z + a.z, sk.w = sk.w + a.w;
-            sv.x = sv.x + b.x, sv.y = sv.y + b.y, sv.z = sv.z + b.z, sv.w = sv.w + b.w;
+            sk = red_add(sk, pk[base + (int64_t)gi * HSv]);
+            sv = red_add(sv, pv[base + (int64_t)gi * HSv]);
         }
         dk[u] = sk;
         dv[u] = sv;
@@ -1042,7 +1026,7 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
     if (((uintptr_t)dk | (uintptr_t)dv | (uintptr_t)pk | (uintptr_t)pv) % 16 == 0) {
         int64_t blocks = (total / 4 + 255) / 256;
         if (blocks > 65535) blocks = 65535;
-        bwd_reduce4_kernel<<<(unsigned)blocks, 256, 0, s>>>(
+        bwd_reduce_kernel<float4><<<(unsigned)blocks, 256, 0, s>>>(
             reinterpret_cast<float4 *>(dk), reinterpret_cast<float4 *>(dv),
             reinterpret_cast<const float4 *>(pk), reinterpret_cast<const float4 *>(pv), total / 4,
             A.NH, A.KVH, HS / 4);
@@ -1050,7 +1034,8 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
     }
     int64_t blocks = (total + 255) / 256;
     if (blocks > 65535) blocks = 65535;
-    bwd_reduce_kernel<<<(unsigned)blocks, 256, 0, s>>>(dk, dv, pk, pv, total, A.NH, A.KVH, HS);
+    bwd_reduce_kernel<float><<<(unsigned)blocks, 256, 0, s>>>(dk, dv, pk, pv, total, A.NH, A.KVH,
+                                                           HS);
     return cudaGetLastError();
 }
 
