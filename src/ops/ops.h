@@ -38,6 +38,17 @@ typedef enum kiln_op {
 
 typedef struct kiln_backend kiln_backend;
 
+/* Where attention_backward_seqs16 leaves the gradients of q, k, v in bf16 (see there). */
+typedef struct kiln_attn_grad16 {
+    uint16_t *dq16, *dk16, *dv16; /* B*N token rows, ld16 apart (column blocks of a wider
+                                   * matrix when ld16 exceeds a head set's width) */
+    int64_t ld16;
+    bool keep_f32;                /* also leave the f32 results in dq, dk, dv */
+    const int32_t *pos;           /* the B*N positions q and k were rotated at (host or backend
+                                   * memory, as rope_backward's) */
+    const float *cos_tab, *sin_tab; /* rope_backward's tables */
+} kiln_attn_grad16;
+
 typedef struct kiln_backend_i {
     const char *name; /* "cpu", "cuda" */
     void (*free)(kiln_backend *be);
@@ -336,6 +347,20 @@ typedef struct kiln_backend_i {
      * as download's does (the end returns it). Not inside a graph capture. */
     kiln_status (*download_begin)(kiln_backend *be, const void *src, size_t nbytes);
     kiln_status (*download_end)(kiln_backend *be, void *dst, size_t nbytes);
+
+    /* Optional (NULL: the caller makes the calls it stands for): the attention backward's
+     * last steps before the q, k, v products, in the backward's own kernels where the backend
+     * can. The bits of attention_backward_seqs(dq, dk, dv, ...) followed by
+     * rope_backward_bf16(dq, g->dq16, g->ld16, g->keep_f32, g->pos, B*N, NH, HS, g->cos_tab,
+     * g->sin_tab), the same for dk (KVH heads) into g->dk16, and to_bf16_2d(g->dv16, g->ld16,
+     * dv, KVH*HS, B*N, KVH*HS). Without g->keep_f32, dq, dk and dv are scratch afterwards
+     * (their contents unspecified: the fused kernels need not write them). */
+    void (*attention_backward_seqs16)(kiln_backend *be, float *dq, float *dk, float *dv,
+                                      const kiln_attn_grad16 *g, const float *dout,
+                                      const float *q, const float *k, const float *v,
+                                      const float *out, const uint16_t *out16, const float *lse,
+                                      const void *keep, float *ws, int B, int N, int NH, int KVH,
+                                      int HS, float scale);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

@@ -1255,36 +1255,49 @@ static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
         } else {
             op->matmul_backward(be, t->datt, w->wo->g, GRAD(w->bo), t->dx, a->att, mat_view(t, w->wo), T, false);
         }
-        if (op->attention_seqs && op->attention_backward_seqs)
-            op->attention_backward_seqs(be, t->dq, t->dk, t->dv, t->datt, a->keep ? NULL : a->q,
-                                        a->keep ? NULL : a->k, a->keep ? NULL : a->v, a->att, a->att16, a->lse,
-                                        a->keep, t->ws, n_seq, seq, NH, KVH, HS, scale);
-        else
-            for (int b = 0; b < n_seq; b++) { /* per sequence; ws is reused in stream order */
-                size_t r = (size_t)b * seq;
-                op->attention_backward(be, t->dq + r * QD, t->dk + r * KD, t->dv + r * KD, t->datt + r * QD,
-                                       a->q + r * QD, a->k + r * KD, a->v + r * KD, a->att + r * QD, t->ws, seq, 0,
-                                       NH, KVH, HS, scale);
-            }
         const train_param *wqkv[3] = {w->wq, w->wk, w->wv}, *bqkv[3] = {w->bq, w->bk, w->bv};
         kiln_tensor qkv;
-        if (t->acts16 && op->rope_backward_bf16 && op->to_bf16_2d && !w->q_norm && !w->k_norm &&
-            QD + 2 * KD <= 2 * (size_t)FF) {
-            /* the rotation and the products' bf16 rounding in one pass (f32 kept for a bias's
-             * sum), in the MLP's dgate memory (T x 2FF bf16), free until the next layer's MLP:
-             * the bits of rope_backward, then the products rounding dq, dk, dv. With the three
-             * weights (and gradients) back to back, dq | dk | dv side by side (rows of QD + 2KD)
-             * are the dy of one stacked product; else one after the other, three products. */
-            const bool stack = stacked_view(t, wqkv, 3, &qkv);
-            const int64_t ld = stack ? (int64_t)(QD + 2 * KD) : 0;
-            uint16_t *dq16 = (uint16_t *)t->dgate;
-            uint16_t *dk16 = stack ? dq16 + QD : dq16 + (size_t)T * QD;
-            uint16_t *dv16 = stack ? dk16 + KD : dk16 + (size_t)T * KD;
-            op->rope_backward_bf16(be, t->dq, dq16, stack ? ld : (int64_t)QD, w->bq != NULL, t->pos, T, NH, HS,
-                                   t->rope_cos, t->rope_sin);
-            op->rope_backward_bf16(be, t->dk, dk16, stack ? ld : (int64_t)KD, w->bk != NULL, t->pos, T, KVH, HS,
-                                   t->rope_cos, t->rope_sin);
-            op->to_bf16_2d(be, dv16, stack ? ld : (int64_t)KD, t->dv, KD, T, KD);
+        /* the rotation and the products' bf16 rounding in one pass (f32 kept for a bias's
+         * sum), in the MLP's dgate memory (T x 2FF bf16), free until the next layer's MLP:
+         * the bits of rope_backward, then the products rounding dq, dk, dv. With the three
+         * weights (and gradients) back to back, dq | dk | dv side by side (rows of QD + 2KD)
+         * are the dy of one stacked product; else one after the other, three products. */
+        const bool grad16 = t->acts16 && op->rope_backward_bf16 && op->to_bf16_2d && !w->q_norm && !w->k_norm &&
+                            QD + 2 * KD <= 2 * (size_t)FF;
+        const bool stack = grad16 && stacked_view(t, wqkv, 3, &qkv);
+        uint16_t *dq16 = (uint16_t *)t->dgate;
+        uint16_t *dk16 = stack ? dq16 + QD : dq16 + (size_t)T * QD;
+        uint16_t *dv16 = stack ? dk16 + KD : dk16 + (size_t)T * KD;
+        const bool keep_f32 = w->bq || w->bk || w->bv; /* the biases' sums read the f32 values */
+        if (grad16 && op->attention_seqs && op->attention_backward_seqs16 && stack) {
+            /* the attention's own stores do the rotation and the rounding (the same bits) */
+            const kiln_attn_grad16 g = {dq16, dk16, dv16, (int64_t)(QD + 2 * KD), keep_f32, t->pos, t->rope_cos,
+                                        t->rope_sin};
+            op->attention_backward_seqs16(be, t->dq, t->dk, t->dv, &g, t->datt, a->keep ? NULL : a->q,
+                                          a->keep ? NULL : a->k, a->keep ? NULL : a->v, a->att, a->att16, a->lse,
+                                          a->keep, t->ws, n_seq, seq, NH, KVH, HS, scale);
+        } else {
+            if (op->attention_seqs && op->attention_backward_seqs)
+                op->attention_backward_seqs(be, t->dq, t->dk, t->dv, t->datt, a->keep ? NULL : a->q,
+                                            a->keep ? NULL : a->k, a->keep ? NULL : a->v, a->att, a->att16, a->lse,
+                                            a->keep, t->ws, n_seq, seq, NH, KVH, HS, scale);
+            else
+                for (int b = 0; b < n_seq; b++) { /* per sequence; ws is reused in stream order */
+                    size_t r = (size_t)b * seq;
+                    op->attention_backward(be, t->dq + r * QD, t->dk + r * KD, t->dv + r * KD, t->datt + r * QD,
+                                           a->q + r * QD, a->k + r * KD, a->v + r * KD, a->att + r * QD, t->ws, seq,
+                                           0, NH, KVH, HS, scale);
+                }
+            if (grad16) {
+                const int64_t ld = stack ? (int64_t)(QD + 2 * KD) : 0;
+                op->rope_backward_bf16(be, t->dq, dq16, stack ? ld : (int64_t)QD, w->bq != NULL, t->pos, T, NH, HS,
+                                       t->rope_cos, t->rope_sin);
+                op->rope_backward_bf16(be, t->dk, dk16, stack ? ld : (int64_t)KD, w->bk != NULL, t->pos, T, KVH,
+                                       HS, t->rope_cos, t->rope_sin);
+                op->to_bf16_2d(be, dv16, stack ? ld : (int64_t)KD, t->dv, KD, T, KD);
+            }
+        }
+        if (grad16) {
             if (stack) {
                 const kiln_tensor *wv[1] = {&qkv};
                 float *dw[1] = {w->wq->g}, *db[1] = {NULL};

@@ -36,6 +36,7 @@
 #include "ops/cuda/cuda_attention_bwd_fast.h"
 #include "ops/cuda/cuda_attention_fast.h"
 #include "ops/cuda/cuda_backward.h"
+#include "ops/cuda/cuda_gemm_fast.h" /* kiln_cuda_f32_to_bf16 */
 #include "ops/cuda/cuda_internal.h" /* kiln_cuda_rope */
 #include "ops/cuda/cuda_wgmma.h"   /* kiln_cuda_wgmma_usable */
 
@@ -824,6 +825,117 @@ static void time_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
     for (float *p : all) CUDA_OK(cudaFree(p));
 }
 
+/* The fused epilogue (kiln_cuda_attention_backward_fast_seqs16, the trainer's call: the
+ * forward's keep, RoPE and lse, a bf16 output) against the calls it stands for: the backward,
+ * kiln_cuda_rope_backward_bf16 on dq and dk, kiln_cuda_f32_to_bf16 on dv, into one stacked
+ * bf16 matrix (token rows of NH HS + 2 KVH HS: dq | dk | dv, as the trainer lays them out for
+ * one product), bit for bit, NaN-poisoned first; with keep_f32 the f32 dq, dk, dv too. With
+ * timing, both forms timed (the backward and its epilogue, the forward not counted). */
+static bool check_grad16(int B, const Case &c, kiln_cuda_attn *attn, bool keep_f32,
+                         bool timing) {
+    const int N = c.N, NH = c.NH, KVH = c.KVH, HS = c.HS, T = B * N;
+    const float scale = 1.0f / sqrtf((float)HS);
+    const size_t nq = (size_t)T * NH * HS, nk = (size_t)T * KVH * HS;
+    const int64_t ld = (int64_t)(NH + 2 * KVH) * HS;
+    const size_t n16 = (size_t)T * (size_t)ld;
+    std::vector<float> q(nq), dout(nq), k(nk), v(nk);
+    for (auto &x : q) x = c.amp * urand();
+    for (auto &x : k) x = c.amp * urand();
+    for (auto &x : v) x = urand();
+    for (auto &x : dout) x = urand();
+    float *d_q = dev_upload(q), *d_k = dev_upload(k), *d_v = dev_upload(v);
+    float *d_dout = dev_upload(dout);
+    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS);
+    const size_t nl = (size_t)B * NH * kiln_cuda_attn_pack_rows(N);
+    float *o = dev_nan(nq / 2 + 4), *lse = dev_nan(nl), *ws = dev_nan(nws);
+    float *gq = dev_nan(nq), *gk = dev_nan(nk), *gv = dev_nan(nk);
+    uint16_t *s16[2] = {nullptr, nullptr};
+    for (auto &p : s16) CUDA_OK(cudaMalloc(&p, n16 * 2));
+    void *keep = nullptr;
+    CUDA_OK(cudaMalloc(&keep, kiln_cuda_attn_keep_bytes(B, N, NH, KVH, HS)));
+    const Rope rope = rope_upload(B, N, HS);
+    uint16_t *o16 = reinterpret_cast<uint16_t *>(o);
+    CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, nullptr, o16, lse, keep, &rope.d, d_q, d_k,
+                                          d_v, B, N, NH, KVH, HS, scale));
+    auto separate = [&](uint16_t *d16) {
+        CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, nullptr, nullptr,
+                                                       nullptr, nullptr, o16, lse, keep, ws, nws,
+                                                       B, N, NH, KVH, HS, scale));
+        CUDA_OK(kiln_cuda_rope_backward_bf16(0, gq, d16, ld, keep_f32, rope.d.pos, T, NH, HS,
+                                             rope.d.cos_tab, rope.d.sin_tab));
+        CUDA_OK(kiln_cuda_rope_backward_bf16(0, gk, d16 + NH * HS, ld, keep_f32, rope.d.pos, T,
+                                             KVH, HS, rope.d.cos_tab, rope.d.sin_tab));
+        CUDA_OK(kiln_cuda_f32_to_bf16(0, d16 + (NH + KVH) * HS, ld, gv, (int64_t)KVH * HS, T,
+                                      (int64_t)KVH * HS));
+    };
+    const kiln_attn_grad16 g = {s16[1], s16[1] + NH * HS, s16[1] + (NH + KVH) * HS, ld,
+                                keep_f32, rope.d.pos, rope.d.cos_tab, rope.d.sin_tab};
+    auto fused = [&]() {
+        CUDA_OK(kiln_cuda_attention_backward_fast_seqs16(0, gq, gk, gv, &g, d_dout, nullptr,
+                                                         nullptr, nullptr, nullptr, o16, lse,
+                                                         keep, ws, nws, B, N, NH, KVH, HS,
+                                                         scale));
+    };
+    std::vector<uint16_t> h16[2];
+    std::vector<float> f32[2][3];
+    for (int form = 0; form < 2; form++) {
+        CUDA_OK(cudaMemset(s16[form], 0xff, n16 * 2));
+        CUDA_OK(cudaMemset(gq, 0xff, nq * 4));
+        CUDA_OK(cudaMemset(gk, 0xff, nk * 4));
+        CUDA_OK(cudaMemset(gv, 0xff, nk * 4));
+        if (form == 0) separate(s16[0]);
+        else fused();
+        CUDA_OK(cudaDeviceSynchronize());
+        h16[form].resize(n16);
+        CUDA_OK(cudaMemcpy(h16[form].data(), s16[form], n16 * 2, cudaMemcpyDeviceToHost));
+        f32[form][0] = dev_download(gq, nq);
+        f32[form][1] = dev_download(gk, nk);
+        f32[form][2] = dev_download(gv, nk);
+    }
+    size_t nan16 = 0, diff16 = 0, diff32 = 0;
+    for (size_t i = 0; i < n16; i++) {
+        nan16 += (h16[0][i] & 0x7f80) == 0x7f80 && (h16[0][i] & 0x7f) != 0;
+        diff16 += h16[0][i] != h16[1][i];
+    }
+    if (keep_f32)
+        for (int t = 0; t < 3; t++)
+            diff32 += memcmp(f32[0][t].data(), f32[1][t].data(), f32[0][t].size() * 4) != 0;
+    const bool ok = nan16 == 0 && diff16 == 0 && diff32 == 0;
+    printf("attention backward + rope/bf16 epilogue B=%d N=%d NH=%d KVH=%d HS=%d keep_f32 %d: "
+           "fused %s separate (%zu of %zu bf16 differ, %zu NaN; f32 %s) %s\n",
+           B, N, NH, KVH, HS, (int)keep_f32, ok ? "=" : "!=", diff16, n16, nan16,
+           keep_f32 ? (diff32 ? "DIFFER" : "same") : "not kept", ok ? "OK" : "FAILED");
+    if (timing) {
+        cudaEvent_t e0, e1;
+        CUDA_OK(cudaEventCreate(&e0));
+        CUDA_OK(cudaEventCreate(&e1));
+        float ms[2];
+        for (int form = 0; form < 2; form++) {
+            const int reps = 20;
+            for (int r = -2; r < reps; r++) {
+                if (r == 0) CUDA_OK(cudaEventRecord(e0));
+                if (form == 0) separate(s16[0]);
+                else fused();
+            }
+            CUDA_OK(cudaEventRecord(e1));
+            CUDA_OK(cudaEventSynchronize(e1));
+            CUDA_OK(cudaEventElapsedTime(&ms[form], e0, e1));
+            ms[form] /= reps;
+        }
+        printf("time attention backward + rope/bf16 epilogue B=%d N=%d NH=%d KVH=%d HS=%d "
+               "keep_f32 %d: separate %.3f ms, fused %.3f ms (%.2fx)\n",
+               B, N, NH, KVH, HS, (int)keep_f32, ms[0], ms[1], ms[0] / ms[1]);
+        CUDA_OK(cudaEventDestroy(e0));
+        CUDA_OK(cudaEventDestroy(e1));
+    }
+    rope_free(rope);
+    CUDA_OK(cudaFree(keep));
+    for (auto p : s16) CUDA_OK(cudaFree(p));
+    float *all[] = {d_q, d_k, d_v, d_dout, o, lse, ws, gq, gk, gv};
+    for (float *p : all) CUDA_OK(cudaFree(p));
+    return ok;
+}
+
 /* The packing's HS 64 kernels: the half-warp one with 16-byte loads (the default where the
  * pointers allow) against the one-warp one (KILN_PACK_VEC=0), bit for bit: RoPE'd and plain
  * jobs, D with a bf16 and an f32 out, B sequences of R rows (padding rows included), in one
@@ -979,6 +1091,24 @@ int main(int argc, char **argv) {
                    "keep bytes = ops.h's for B=%d N=%d NH=%d KVH=%d HS=%d", x[0], x[1], x[2],
                    x[3], x[4]);
     }
+    {
+        /* the fused epilogue's arguments: HS 64, 4-byte aligned bf16 rows, an even ld16 wide
+         * enough for the query heads, 8-byte aligned tables */
+        uint16_t *h = (uint16_t *)(uintptr_t)4096;
+        const int32_t *pp = (const int32_t *)(uintptr_t)4096;
+        const kiln_attn_grad16 g = {h, h + 256, h + 384, 512, false, pp, a, a};
+        kiln_attn_grad16 bad[5] = {g, g, g, g, g};
+        bad[0].dk16 = h + 1;
+        bad[1].ld16 = 511;
+        bad[2].ld16 = 4 * 64 - 2;
+        bad[3].sin_tab = u;
+        bad[4].pos = nullptr;
+        EXPECT(kiln_cuda_attention_grad16_ok(&g, 4, 2, 64), "epilogue ok");
+        EXPECT(!kiln_cuda_attention_grad16_ok(&g, 4, 2, 128), "epilogue HS 128");
+        EXPECT(!kiln_cuda_attention_grad16_ok(nullptr, 4, 2, 64), "epilogue NULL");
+        for (int i = 0; i < 5; i++)
+            EXPECT(!kiln_cuda_attention_grad16_ok(&bad[i], 4, 2, 64), "epilogue refusal %d", i);
+    }
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
         printf("no GPU: host checks %s; skipped\n", g_fail ? "FAILED" : "passed");
@@ -1021,6 +1151,14 @@ int main(int argc, char **argv) {
             EXPECT(check_keep(2, {100, 0, 8, 2, 128, 2.0f}, attn, true), "keep HS 128 bf16");
             EXPECT(check_keep(2, {70, 0, 6, 6, 128, 1.0f}, attn, false), "keep HS 128 MHA");
             if (!split) EXPECT(check_keep_refusals(attn), "keep refusals");
+            const Case g16[] = {{200, 0, 4, 2, 64, 1.0f}, {129, 0, 6, 6, 64, 2.0f},
+                                {130, 0, 14, 2, 64, 1.0f}, {77, 0, 9, 3, 64, 1.0f}};
+            const int gB[] = {3, 2, 2, 3};
+            for (int i = 0; i < 4; i++)
+                for (int kf = 0; kf < 2; kf++)
+                    EXPECT(check_grad16(gB[i], g16[i], attn, kf, false),
+                           "rope/bf16 epilogue B=%d N=%d NH=%d KVH=%d keep_f32 %d", gB[i],
+                           g16[i].N, g16[i].NH, g16[i].KVH, kf);
         }
         if (timing) {
             const Case shapes[] = {{2048, 0, 9, 3, 64, 1.0f},
@@ -1031,6 +1169,12 @@ int main(int argc, char **argv) {
                 if (!split || c.HS == 64) time_case(c);
             time_seqs(4, {2048, 0, 9, 3, 64, 1.0f}, attn);
             time_seqs(2, {2048, 0, 14, 2, 64, 1.0f}, attn);
+            if (on_wgmma && split) { /* the trainer's shapes (the 0.5B with its biases) */
+                EXPECT(check_grad16(4, {2048, 0, 14, 2, 64, 1.0f}, attn, true, true),
+                       "rope/bf16 epilogue, 0.5B shape");
+                EXPECT(check_grad16(8, {2048, 0, 9, 3, 64, 1.0f}, attn, false, true),
+                       "rope/bf16 epilogue, 135M shape");
+            }
         }
     }
     unsetenv("KILN_ATTN_BWD");

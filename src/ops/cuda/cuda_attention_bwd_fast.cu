@@ -64,8 +64,59 @@ struct bw_args {
                                     * queries; only the tiles a dk/dv block visits are written */
     int N, n_past, NH, KVH, Npad, Tpad;
     float scale;
+    /* the fused epilogue (kiln_cuda_attention_backward_fast_seqs16; dq16 NULL: none): the
+     * stores write dq, and without GQA dk, dv, rotated back (RoPE's backward, the bits of
+     * kiln_cuda_rope_backward_bf16) and rounded into dq16, dk16, dv16 (token rows ld16
+     * apart), the f32 values too only with keep_f32; with GQA the reduction does it for dk,
+     * dv. pos: the B*N tokens' positions (device). */
+    uint16_t *dq16, *dk16, *dv16;
+    int64_t ld16;
+    int keep_f32;
+    const int32_t *pos;
+    const float *cos_tab, *sin_tab;
 };
 
+/* RoPE's backward on the pairs (a[j], b[j]), j < 2 (elements i + j and i + j + HS/2 of one
+ * token's head, i even), at position p: kiln_cuda_rope_backward_bf16's f32 operations (no
+ * contraction: the file is compiled with --fmad=false). */
+template <int HS>
+static __device__ __forceinline__ void rope_bwd_pairs(float (&a)[2], float (&b)[2],
+                                                      const bw_args &A, int p, int i) {
+    const size_t t = (size_t)p * (HS / 2) + i;
+    const float2 c = *reinterpret_cast<const float2 *>(A.cos_tab + t);
+    const float2 sn = *reinterpret_cast<const float2 *>(A.sin_tab + t);
+    const float ra0 = a[0] * c.x + b[0] * sn.x, rb0 = b[0] * c.x - a[0] * sn.x;
+    const float ra1 = a[1] * c.y + b[1] * sn.y, rb1 = b[1] * c.y - a[1] * sn.y;
+    a[0] = ra0;
+    a[1] = ra1;
+    b[0] = rb0;
+    b[1] = rb1;
+}
+
+static __device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
+    return (uint32_t)kiln_bf16_rne(lo) | ((uint32_t)kiln_bf16_rne(hi) << 16);
+}
+
+/* One token's values of one head in the fused epilogue: v(dt, j) gives element 8 dt + 2t + j
+ * (dt < HS/8, j < 2), rotated back when rope (pairs dt and dt + HS/16), stored to d16 (bf16)
+ * and, with keep_f32, f (f32); both point at the head's element 0 of the row. A pair at a
+ * time, so the caller's accumulators are read in place (no copy to hold in registers). */
+template <int HS, typename V>
+static __device__ __forceinline__ void store_row16(const bw_args &A, V v, bool rope, int p, int t,
+                                                   uint16_t *d16, float *f) {
+#pragma unroll
+    for (int dt = 0; dt < HS / 16; dt++) {
+        float a[2] = {v(dt, 0), v(dt, 1)}, b[2] = {v(dt + HS / 16, 0), v(dt + HS / 16, 1)};
+        if (rope) rope_bwd_pairs<HS>(a, b, A, p, 8 * dt + 2 * t);
+        const int ca = 8 * dt + 2 * t, cb = ca + HS / 2;
+        *reinterpret_cast<uint32_t *>(d16 + ca) = bf16_pair(a[0], a[1]);
+        *reinterpret_cast<uint32_t *>(d16 + cb) = bf16_pair(b[0], b[1]);
+        if (A.keep_f32) {
+            *reinterpret_cast<float2 *>(f + ca) = make_float2(a[0], a[1]);
+            *reinterpret_cast<float2 *>(f + cb) = make_float2(b[0], b[1]);
+        }
+    }
+}
 
 template <int HS>
 static constexpr size_t stats_smem() {
@@ -175,6 +226,18 @@ static __device__ __forceinline__ void dq_store(const bw_args &A, const float (&
                                                 int q0, int hl, int b) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int64_t qs = (int64_t)A.NH * HS;
+    if (HS == 64 && A.dq16) { /* HS 128 (mma.sync, 242 registers) would spill */
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int r = q0 + warp * 16 + g + 8 * half;
+            if (r >= A.N) continue;
+            const int64_t tok = (int64_t)b * A.N + r;
+            auto v = [&](int dt, int j) { return acc[dt][2 * half + j] * A.scale; };
+            store_row16<HS>(A, v, true, A.pos[tok], t, A.dq16 + tok * A.ld16 + (int64_t)hl * HS,
+                            A.dq + tok * qs + (int64_t)hl * HS);
+        }
+        return;
+    }
     float *dq = A.dq + (int64_t)b * A.N * qs + (int64_t)hl * HS + 2 * t;
 #pragma unroll
     for (int half = 0; half < 2; half++) {
@@ -305,6 +368,19 @@ static __device__ __forceinline__ void dkv_store(const bw_args &A, const float (
                                                  int G, int T, int key0, int key1, int t) {
     const int64_t ks = G == 1 ? (int64_t)A.KVH * HS : (int64_t)A.NH * HS;
     const int64_t hoff = (int64_t)b * T * ks + (int64_t)(G == 1 ? hl / G : hl) * HS;
+    if (HS == 64 && G == 1 && A.dq16) { /* the final dk, dv: rotated (dk) and rounded here */
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int key = half ? key1 : key0;
+            if (key >= T) continue;
+            const int64_t tok = (int64_t)b * T + key, o16 = tok * A.ld16 + (int64_t)hl * HS;
+            auto vk = [&](int dt, int j) { return ak[dt][2 * half + j] * A.scale; };
+            auto vv = [&](int dt, int j) { return av[dt][2 * half + j]; };
+            store_row16<HS>(A, vk, true, A.pos[tok], t, A.dk16 + o16, A.dk + tok * ks + hl * HS);
+            store_row16<HS>(A, vv, false, 0, t, A.dv16 + o16, A.dv + tok * ks + hl * HS);
+        }
+        return;
+    }
     if (key0 < T) {
         float *pk = A.dk + (int64_t)key0 * ks + hoff + 2 * t;
         float *pv = A.dv + (int64_t)key0 * ks + hoff + 2 * t;
@@ -933,6 +1009,52 @@ static __global__ void bwd_reduce_kernel(T *__restrict__ dk, T *__restrict__ dv,
     }
 }
 
+/* Kernel 3 with the fused epilogue (A.dq16): a thread per (key token, kv head, i = 2u for
+ * u < HS/4) sums elements i, i + 1, i + HS/2 and i + HS/2 + 1 of the G partials as
+ * bwd_reduce_kernel does (each element the same additions in the same order), then dk's
+ * pairs are rotated back and both are stored as store_row16 does: dk16, dv16 (bf16) and,
+ * with keep_f32, dk, dv (B*T, KVH, HS). */
+template <int HS>
+static __global__ void bwd_reduce16_kernel(bw_args A, float *__restrict__ dk,
+                                           float *__restrict__ dv, const float *__restrict__ pk,
+                                           const float *__restrict__ pv, int64_t total) {
+    constexpr int Q = HS / 4, H2 = HS / 2;
+    const int G = A.NH / A.KVH;
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total;
+         u += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = u / Q, tok = row / A.KVH; /* row: token * KVH + kv head */
+        const int i = 2 * (int)(u - row * Q), j = (int)(row - tok * A.KVH);
+        const float *ck = pk + (tok * A.NH + (int64_t)j * G) * HS + i;
+        const float *cv = pv + (tok * A.NH + (int64_t)j * G) * HS + i;
+        float2 k0 = *reinterpret_cast<const float2 *>(ck), k1 = *reinterpret_cast<const float2 *>(ck + H2);
+        float2 v0 = *reinterpret_cast<const float2 *>(cv), v1 = *reinterpret_cast<const float2 *>(cv + H2);
+        for (int gi = 1; gi < G; gi++) {
+            const float2 a0 = *reinterpret_cast<const float2 *>(ck + (int64_t)gi * HS);
+            const float2 a1 = *reinterpret_cast<const float2 *>(ck + (int64_t)gi * HS + H2);
+            const float2 b0 = *reinterpret_cast<const float2 *>(cv + (int64_t)gi * HS);
+            const float2 b1 = *reinterpret_cast<const float2 *>(cv + (int64_t)gi * HS + H2);
+            k0 = make_float2(k0.x + a0.x, k0.y + a0.y);
+            k1 = make_float2(k1.x + a1.x, k1.y + a1.y);
+            v0 = make_float2(v0.x + b0.x, v0.y + b0.y);
+            v1 = make_float2(v1.x + b1.x, v1.y + b1.y);
+        }
+        float a[2] = {k0.x, k0.y}, b[2] = {k1.x, k1.y};
+        rope_bwd_pairs<HS>(a, b, A, A.pos[tok], i);
+        const int64_t o16 = tok * A.ld16 + (int64_t)j * HS + i;
+        *reinterpret_cast<uint32_t *>(A.dk16 + o16) = bf16_pair(a[0], a[1]);
+        *reinterpret_cast<uint32_t *>(A.dk16 + o16 + H2) = bf16_pair(b[0], b[1]);
+        *reinterpret_cast<uint32_t *>(A.dv16 + o16) = bf16_pair(v0.x, v0.y);
+        *reinterpret_cast<uint32_t *>(A.dv16 + o16 + H2) = bf16_pair(v1.x, v1.y);
+        if (A.keep_f32) {
+            const int64_t o = row * HS + i; /* (token, kv head) rows of HS */
+            *reinterpret_cast<float2 *>(dk + o) = make_float2(a[0], a[1]);
+            *reinterpret_cast<float2 *>(dk + o + H2) = make_float2(b[0], b[1]);
+            *reinterpret_cast<float2 *>(dv + o) = v0;
+            *reinterpret_cast<float2 *>(dv + o + H2) = v1;
+        }
+    }
+}
+
 /* ==== entry points ============================================================================ */
 
 size_t kiln_cuda_attention_backward_fast_ws(int N, int n_past, int NH, int KVH, int HS) {
@@ -1023,6 +1145,12 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
     if ((e = cudaGetLastError()) != cudaSuccess || A.NH == A.KVH) return e;
     /* the partials of all B sequences are (B*T, NH, HS): one reduction over B*T keys */
     const int64_t total = (int64_t)B * T * A.KVH * HS;
+    if (HS == 64 && A.dq16) {
+        int64_t blocks = (total / 4 + 255) / 256;
+        if (blocks > 65535) blocks = 65535;
+        bwd_reduce16_kernel<HS><<<(unsigned)blocks, 256, 0, s>>>(A, dk, dv, pk, pv, total / 4);
+        return cudaGetLastError();
+    }
     if (((uintptr_t)dk | (uintptr_t)dv | (uintptr_t)pk | (uintptr_t)pv) % 16 == 0) {
         int64_t blocks = (total / 4 + 255) / 256;
         if (blocks > 65535) blocks = 65535;
@@ -1052,7 +1180,7 @@ static cudaError_t bwd_run(cudaStream_t s, float *dq, float *dk, float *dv, cons
                            const float *q, const float *k, const float *v, const float *out,
                            const uint16_t *out16, const float *lse, const void *keep, float *ws,
                            int B, int N, int n_past, int NH, int KVH, int HS, float scale,
-                           bool room_ds) {
+                           bool room_ds, const kiln_attn_grad16 *g16) {
     const int T = n_past + N;
     const int Npad = kiln_cuda_attn_pack_rows(N), Tpad = kiln_cuda_attn_pack_rows(T);
     const size_t nq = (size_t)B * NH * Npad; /* rows of [B][NH][Npad] */
@@ -1064,6 +1192,14 @@ static cudaError_t bwd_run(cudaStream_t s, float *dq, float *dk, float *dv, cons
     A.Npad = Npad;
     A.Tpad = Tpad;
     A.scale = scale;
+    A.dq16 = g16 ? g16->dq16 : NULL;
+    A.dk16 = g16 ? g16->dk16 : NULL;
+    A.dv16 = g16 ? g16->dv16 : NULL;
+    A.ld16 = g16 ? g16->ld16 : 0;
+    A.keep_f32 = g16 ? (int)g16->keep_f32 : 1;
+    A.pos = g16 ? g16->pos : NULL;
+    A.cos_tab = g16 ? g16->cos_tab : NULL;
+    A.sin_tab = g16 ? g16->sin_tab : NULL;
     float *wsD = ws, *wsL = ws + nq;
     A.wsD = wsD;
     A.wsL = lse ? lse : wsL;
@@ -1122,7 +1258,17 @@ cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *
     const bool room_ds =
         ws_floats >= kiln_cuda_attention_backward_fast_ws_two_pass(N, n_past, NH, KVH, HS);
     return bwd_run(s, dq, dk, dv, dout, q, k, v, out, NULL, NULL, NULL, ws, 1, N, n_past, NH, KVH,
-                   HS, scale, room_ds);
+                   HS, scale, room_ds, NULL);
+}
+
+bool kiln_cuda_attention_grad16_ok(const kiln_attn_grad16 *g, int NH, int KVH, int HS) {
+    if (!g || !g->dq16 || !g->dk16 || !g->dv16 || !g->pos || !g->cos_tab || !g->sin_tab)
+        return false;
+    if (HS != 64) return false; /* the stores' epilogue is compiled for HS 64 only */
+    const uintptr_t a16 = (uintptr_t)g->dq16 | (uintptr_t)g->dk16 | (uintptr_t)g->dv16;
+    const uintptr_t a32 = (uintptr_t)g->cos_tab | (uintptr_t)g->sin_tab;
+    return (a16 & 3) == 0 && (a32 & 7) == 0 && g->ld16 % 2 == 0 &&
+           g->ld16 >= (int64_t)NH * HS && g->ld16 >= (int64_t)KVH * HS;
 }
 
 cudaError_t kiln_cuda_attention_backward_fast_seqs(cudaStream_t s, float *dq, float *dk,
@@ -1132,6 +1278,20 @@ cudaError_t kiln_cuda_attention_backward_fast_seqs(cudaStream_t s, float *dq, fl
                                                    const float *lse, const void *keep, float *ws,
                                                    size_t ws_floats, int B, int N, int NH,
                                                    int KVH, int HS, float scale) {
+    return kiln_cuda_attention_backward_fast_seqs16(s, dq, dk, dv, NULL, dout, q, k, v, out,
+                                                    out16, lse, keep, ws, ws_floats, B, N, NH,
+                                                    KVH, HS, scale);
+}
+
+cudaError_t kiln_cuda_attention_backward_fast_seqs16(cudaStream_t s, float *dq, float *dk,
+                                                     float *dv, const kiln_attn_grad16 *g16,
+                                                     const float *dout, const float *q,
+                                                     const float *k, const float *v,
+                                                     const float *out, const uint16_t *out16,
+                                                     const float *lse, const void *keep,
+                                                     float *ws, size_t ws_floats, int B, int N,
+                                                     int NH, int KVH, int HS, float scale) {
+    if (g16 && !kiln_cuda_attention_grad16_ok(g16, NH, KVH, HS)) return cudaErrorInvalidValue;
     /* the forward's output: whichever of out, out16 is given (exactly one) */
     const void *o = out16 ? (const void *)out16 : (const void *)out;
     if ((out == NULL) == (out16 == NULL) || B <= 0 || B > 65535 || (int64_t)B * N > INT_MAX ||
@@ -1151,5 +1311,5 @@ cudaError_t kiln_cuda_attention_backward_fast_seqs(cudaStream_t s, float *dq, fl
     const bool room_ds =
         ws_floats / (size_t)B >= kiln_cuda_attention_backward_fast_ws_two_pass(N, 0, NH, KVH, HS);
     return bwd_run(s, dq, dk, dv, dout, q, k, v, out, out16, lse, keep, ws, B, N, 0, NH, KVH, HS,
-                   scale, room_ds);
+                   scale, room_ds, g16);
 }

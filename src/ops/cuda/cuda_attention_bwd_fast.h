@@ -92,4 +92,25 @@ cudaError_t kiln_cuda_attention_backward_fast_seqs(cudaStream_t s, float *dq, fl
                                                    size_t ws_floats, int B, int N, int NH,
                                                    int KVH, int HS, float scale);
 
+/* The same with the attention backward's last steps before the q, k, v products fused into
+ * its stores (ops.h's attention_backward_seqs16; g16 NULL: kiln_cuda_attention_backward_fast_
+ * seqs): dq, and without GQA dk and dv, are rotated back and rounded to bf16 by the stores
+ * of the dq and dk/dv blocks, with GQA dk and dv by the reduction, so the f32 gradients are
+ * written only with g16->keep_f32. The bits of the unfused call followed by
+ * kiln_cuda_rope_backward_bf16 on dq and dk and kiln_cuda_f32_to_bf16 on dv (the same f32
+ * operations on the same values). g16->pos is device memory (B*N positions).
+ * kiln_cuda_attention_grad16_ok: whether the epilogue takes g16 (HS 64, 4-byte aligned bf16
+ * destinations, an even ld16 >= NH HS, 8-byte aligned tables); the call is
+ * cudaErrorInvalidValue when it refuses. */
+struct kiln_attn_grad16;
+bool kiln_cuda_attention_grad16_ok(const struct kiln_attn_grad16 *g16, int NH, int KVH, int HS);
+cudaError_t kiln_cuda_attention_backward_fast_seqs16(cudaStream_t s, float *dq, float *dk,
+                                                     float *dv, const struct kiln_attn_grad16 *g16,
+                                                     const float *dout, const float *q,
+                                                     const float *k, const float *v,
+                                                     const float *out, const uint16_t *out16,
+                                                     const float *lse, const void *keep,
+                                                     float *ws, size_t ws_floats, int B, int N,
+                                                     int NH, int KVH, int HS, float scale);
+
 #endif /* KILN_CUDA_ATTENTION_BWD_FAST_H */

@@ -30,6 +30,8 @@ extern "C" {
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 typedef struct weight_entry {
     const uint8_t *host; /* host range [host, host + nbytes) */
@@ -913,6 +915,51 @@ static void cu_attention_backward_seqs(kiln_backend *be, float *dq, float *dk, f
                               KVH, HS, scale);
 }
 
+static void cu_rope_backward_bf16(kiln_backend *be, float *d, uint16_t *d16, int64_t ld16,
+                                  bool keep_f32, const int32_t *pos, int N, int H, int HS,
+                                  const float *cos_tab, const float *sin_tab);
+static void cu_to_bf16_2d(kiln_backend *be, uint16_t *dst, int64_t ld_dst, const float *src,
+                          int64_t ld_src, int64_t rows, int64_t cols);
+
+/* ops.h's attention_backward_seqs16: the fast kernels with the epilogue in their stores when
+ * they take the call, else the calls it stands for (the same bits either way). */
+static void cu_attention_backward_seqs16(kiln_backend *be, float *dq, float *dk, float *dv,
+                                         const kiln_attn_grad16 *g, const float *dout,
+                                         const float *q, const float *k, const float *v,
+                                         const float *out, const uint16_t *out16,
+                                         const float *lse, const void *keep, float *ws, int B,
+                                         int N, int NH, int KVH, int HS, float scale) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || B <= 0 || N <= 0) return;
+    if (!g) {
+        poison(c, KILN_ERR_INVALID_ARG, "attention_backward_seqs16: no destination (g NULL)");
+        return;
+    }
+    const void *o = out16 ? (const void *)out16 : (const void *)out;
+    const int64_t T = (int64_t)B * N;
+    const char *env = getenv("KILN_ATTN_GRAD16"); /* "0": the separate calls (for A/B timing) */
+    if (c->fast && B <= 65535 && !(env && strcmp(env, "0") == 0) &&
+        kiln_cuda_attention_backward_fast_ok(dq, dk, dv, dout, q, k, v, o, N, 0, NH, KVH, HS) &&
+        kiln_cuda_attention_grad16_ok(g, NH, KVH, HS)) {
+        kiln_attn_grad16 gd = *g;
+        if (!(gd.pos = ints_dev(c, g->pos, (size_t)T))) return;
+        after_launch(c,
+                     kiln_cuda_attention_backward_fast_seqs16(
+                         c->stream, dq, dk, dv, &gd, dout, q, k, v, out, out16, lse, keep, ws,
+                         kiln_attention_backward_seqs_ws_floats(B, N, NH, KVH, HS), B, N, NH,
+                         KVH, HS, scale),
+                     "attention_backward_seqs16 (fast)");
+        return;
+    }
+    cu_attention_backward_seqs(be, dq, dk, dv, dout, q, k, v, out, out16, lse, keep, ws, B, N, NH,
+                               KVH, HS, scale);
+    cu_rope_backward_bf16(be, dq, g->dq16, g->ld16, g->keep_f32, g->pos, (int)T, NH, HS,
+                          g->cos_tab, g->sin_tab);
+    cu_rope_backward_bf16(be, dk, g->dk16, g->ld16, g->keep_f32, g->pos, (int)T, KVH, HS,
+                          g->cos_tab, g->sin_tab);
+    cu_to_bf16_2d(be, g->dv16, g->ld16, dv, (int64_t)KVH * HS, T, (int64_t)KVH * HS);
+}
+
 static void cu_swiglu_backward(kiln_backend *be, float *dgate, float *dup, const float *dout,
                                const float *gate, const float *up, size_t n) {
     cuda_ctx *c = ctx_of(be);
@@ -1222,6 +1269,7 @@ static const kiln_backend_i cuda_iface = {
     /* .own_memory = */ cu_own_memory,
     /* .download_begin = */ cu_download_begin,
     /* .download_end = */ cu_download_end,
+    /* .attention_backward_seqs16 = */ cu_attention_backward_seqs16,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {
