@@ -845,7 +845,8 @@ static bool check_grad16(int B, const Case &c, kiln_cuda_attn *attn, bool keep_f
     for (auto &x : dout) x = urand();
     float *d_q = dev_upload(q), *d_k = dev_upload(k), *d_v = dev_upload(v);
     float *d_dout = dev_upload(dout);
-    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS);
+    /* room for the two passes' dS^T: KILN_ATTN_BWD=two-pass takes them (their dq stores) */
+    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws_two_pass(N, 0, NH, KVH, HS);
     const size_t nl = (size_t)B * NH * kiln_cuda_attn_pack_rows(N);
     float *o = dev_nan(nq / 2 + 4), *lse = dev_nan(nl), *ws = dev_nan(nws);
     float *gq = dev_nan(nq), *gk = dev_nan(nk), *gv = dev_nan(nk);
