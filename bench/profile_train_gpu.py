@@ -152,6 +152,16 @@ def print_kernels(args, prof):
           f" gaps; largest totals after:")
     for k, (t, c) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:6]:
         print(f"    {t / 1e3:8.2f} ms  {c:6d} gaps  after {k}")
+    if args.neighbours:  # what runs just before and after the events named so (who asks for them)
+        pairs = {}
+        for i, (_, _, k) in enumerate(ks):
+            if args.neighbours in k:
+                prev = ks[i - 1][2][:45] if i > 0 else "-"
+                nxt = ks[i + 1][2][:45] if i + 1 < len(ks) else "-"
+                pairs[(prev, nxt)] = pairs.get((prev, nxt), 0) + 1
+        print(f"  neighbours of '{args.neighbours}' (before -> after), by count:")
+        for (a, b), c in sorted(pairs.items(), key=lambda kv: -kv[1])[:8]:
+            print(f"    {c:5d} x  {a}  ->  {b}")
 
 
 def main():
@@ -174,6 +184,8 @@ def main():
                     help="micro-batches as forward_batch + backward (two phases) instead of step_batch")
     ap.add_argument("--micro", type=int, default=1,
                     help="sequences per forward (forward_batch); must divide --batch")
+    ap.add_argument("--neighbours", default=None,
+                    help="list the kernels just before and after each one whose name holds this")
     ap.add_argument("--torch", action="store_true",
                     help="also profile PyTorch eager on the same model and batch")
     args = ap.parse_args()
