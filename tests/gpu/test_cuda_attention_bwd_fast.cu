@@ -616,6 +616,22 @@ static Grads bwd_bits(float *gq, float *gk, float *gv, float *ws, size_t nws, co
     return g;
 }
 
+/* Random inputs of nq query and nk key values: q and k in [-amp, amp), v and dout in [-1, 1),
+ * drawn in the order q, k, v, dout. */
+struct Qkvd {
+    std::vector<float> q, k, v, dout;
+};
+
+static Qkvd draw_qkvd(size_t nq, size_t nk, float amp) {
+    Qkvd in{std::vector<float>(nq), std::vector<float>(nk), std::vector<float>(nk),
+            std::vector<float>(nq)};
+    for (auto &x : in.q) x = amp * urand();
+    for (auto &x : in.k) x = amp * urand();
+    for (auto &x : in.v) x = urand();
+    for (auto &x : in.dout) x = urand();
+    return in;
+}
+
 /* keep and rope of the batched entry points, B sequences of c.N tokens (the flash path), the
  * output f32 or (use16) bf16:
  *   - the forward with keep has the bits (output, lse) of the forward without; the backward
@@ -629,11 +645,8 @@ static bool check_keep(int B, const Case &c, kiln_cuda_attn *attn, bool use16) {
     const int N = c.N, NH = c.NH, KVH = c.KVH, HS = c.HS;
     const size_t nq = (size_t)B * N * NH * HS, nk = (size_t)B * N * KVH * HS;
     const size_t nl = (size_t)B * NH * kiln_cuda_attn_pack_rows(N);
-    std::vector<float> q(nq), dout(nq), k(nk), v(nk);
-    for (auto &x : q) x = c.amp * urand();
-    for (auto &x : k) x = c.amp * urand();
-    for (auto &x : v) x = urand();
-    for (auto &x : dout) x = urand();
+    const Qkvd in = draw_qkvd(nq, nk, c.amp);
+    const std::vector<float> &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
     float *d_q = dev_upload(q), *d_k = dev_upload(k), *d_v = dev_upload(v);
     float *d_dout = dev_upload(dout), *q_rot = dev_upload(q), *k_rot = dev_upload(k);
     const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws_two_pass(N, 0, NH, KVH, HS);
@@ -749,6 +762,26 @@ static bool check_keep_refusals(kiln_cuda_attn *attn) {
     return ok;
 }
 
+/* Milliseconds a call of fn (work enqueued on stream 0) over reps calls, after warm untimed
+ * ones. */
+template <typename F>
+static float time_ms(int warm, int reps, F fn) {
+    cudaEvent_t e0, e1;
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    for (int r = -warm; r < reps; r++) {
+        if (r == 0) CUDA_OK(cudaEventRecord(e0));
+        fn();
+    }
+    CUDA_OK(cudaEventRecord(e1));
+    CUDA_OK(cudaEventSynchronize(e1));
+    float ms = 0.0f;
+    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+    CUDA_OK(cudaEventDestroy(e0));
+    CUDA_OK(cudaEventDestroy(e1));
+    return ms / (float)reps;
+}
+
 /* A training layer's attention for B sequences: forward + backward, batched with the saved
  * lse against per-sequence calls (forward, then backward with its statistics pass); and the
  * batched calls with keep (the backward packs only dout), and as training runs them with
@@ -768,15 +801,10 @@ static void time_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
     void *keep = nullptr;
     CUDA_OK(cudaMalloc(&keep, kiln_cuda_attn_keep_bytes(B, N, NH, KVH, HS)));
     const Rope rope = rope_upload(B, N, HS);
-    cudaEvent_t e0, e1;
-    CUDA_OK(cudaEventCreate(&e0));
-    CUDA_OK(cudaEventCreate(&e1));
     /* batched; batched with keep; rope + batched; batched with keep + fused rope; per sequence */
     float ms[5];
     for (int which = 0; which < 5; which++) {
-        const int reps = 10;
-        for (int r = -1; r < reps; r++) {
-            if (r == 0) CUDA_OK(cudaEventRecord(e0));
+        ms[which] = time_ms(1, 10, [&]() {
             if (which == 2) { /* rotates q, k again on every repetition: a timing only */
                 CUDA_OK(kiln_cuda_rope(0, q, rope.d.pos, B * N, NH, HS, rope.d.cos_tab,
                                        rope.d.sin_tab));
@@ -806,19 +834,13 @@ static void time_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
                         0, gq + b * qs, gk + b * ks, gv + b * ks, dout + b * qs, q + b * qs,
                         k + b * ks, v + b * ks, out + b * qs, ws, nws, N, 0, NH, KVH, HS, scale));
             }
-        }
-        CUDA_OK(cudaEventRecord(e1));
-        CUDA_OK(cudaEventSynchronize(e1));
-        CUDA_OK(cudaEventElapsedTime(&ms[which], e0, e1));
-        ms[which] /= reps;
+        });
     }
     printf("time attention fwd+bwd B=%d N=%d NH=%d KVH=%d HS=%d: batched with lse %.3f ms, "
            "with keep %.3f ms (%.2fx); rope + batched %.3f ms, keep + fused rope %.3f ms "
            "(%.2fx); per sequence %.3f ms (%.2fx of batched)\n",
            B, N, NH, KVH, HS, ms[0], ms[1], ms[0] / ms[1], ms[2], ms[3], ms[2] / ms[3], ms[4],
            ms[4] / ms[0]);
-    CUDA_OK(cudaEventDestroy(e0));
-    CUDA_OK(cudaEventDestroy(e1));
     rope_free(rope);
     CUDA_OK(cudaFree(keep));
     float *all[] = {q, dout, k, v, out, lse, ws, gq, gk, gv};
@@ -838,11 +860,8 @@ static bool check_grad16(int B, const Case &c, kiln_cuda_attn *attn, bool keep_f
     const size_t nq = (size_t)T * NH * HS, nk = (size_t)T * KVH * HS;
     const int64_t ld = (int64_t)(NH + 2 * KVH) * HS;
     const size_t n16 = (size_t)T * (size_t)ld;
-    std::vector<float> q(nq), dout(nq), k(nk), v(nk);
-    for (auto &x : q) x = c.amp * urand();
-    for (auto &x : k) x = c.amp * urand();
-    for (auto &x : v) x = urand();
-    for (auto &x : dout) x = urand();
+    const Qkvd in = draw_qkvd(nq, nk, c.amp);
+    const std::vector<float> &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
     float *d_q = dev_upload(q), *d_k = dev_upload(k), *d_v = dev_upload(v);
     float *d_dout = dev_upload(dout);
     /* room for the two passes' dS^T: KILN_ATTN_BWD=two-pass takes them (their dq stores) */
@@ -907,27 +926,10 @@ static bool check_grad16(int B, const Case &c, kiln_cuda_attn *attn, bool keep_f
            B, N, NH, KVH, HS, (int)keep_f32, ok ? "=" : "!=", diff16, n16, nan16,
            keep_f32 ? (diff32 ? "DIFFER" : "same") : "not kept", ok ? "OK" : "FAILED");
     if (timing) {
-        cudaEvent_t e0, e1;
-        CUDA_OK(cudaEventCreate(&e0));
-        CUDA_OK(cudaEventCreate(&e1));
-        float ms[2];
-        for (int form = 0; form < 2; form++) {
-            const int reps = 20;
-            for (int r = -2; r < reps; r++) {
-                if (r == 0) CUDA_OK(cudaEventRecord(e0));
-                if (form == 0) separate(s16[0]);
-                else fused();
-            }
-            CUDA_OK(cudaEventRecord(e1));
-            CUDA_OK(cudaEventSynchronize(e1));
-            CUDA_OK(cudaEventElapsedTime(&ms[form], e0, e1));
-            ms[form] /= reps;
-        }
+        const float ms[2] = {time_ms(2, 20, [&]() { separate(s16[0]); }), time_ms(2, 20, fused)};
         printf("time attention backward + rope/bf16 epilogue B=%d N=%d NH=%d KVH=%d HS=%d "
                "keep_f32 %d: separate %.3f ms, fused %.3f ms (%.2fx)\n",
                B, N, NH, KVH, HS, (int)keep_f32, ms[0], ms[1], ms[0] / ms[1]);
-        CUDA_OK(cudaEventDestroy(e0));
-        CUDA_OK(cudaEventDestroy(e1));
     }
     rope_free(rope);
     CUDA_OK(cudaFree(keep));
