@@ -21,6 +21,7 @@
 #include <cublasLt.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define GEMM_WORKSPACE_BYTES ((size_t)32 << 20)
@@ -368,9 +369,19 @@ static bool key_equal(const gemm_key *a, const gemm_key *b) {
            a->d_bf16 == b->d_bf16 && a->align_c == b->align_c;
 }
 
+/* KILN_GEMM_HEUR_SKIP=k (a diagnostic, read when a plan is made): pass over the heuristic's
+ * first k usable results (the last usable one when there are fewer), to see in a profile
+ * what the next algorithms cost and whether they ask for the memsets the first ones do. */
+static int heur_skip(void) {
+    const char *e = getenv("KILN_GEMM_HEUR_SKIP");
+    const int k = e ? atoi(e) : 0;
+    return k < 0 ? 0 : k > 7 ? 7 : k;
+}
+
 /* Ask the heuristic (best first) for problem p under preference pref; take the first result
- * that succeeded and fits the workspace. false (no message) when there is none; a failing
- * call other than "not supported" sets the message and *failed. */
+ * that succeeded and fits the workspace (or, with KILN_GEMM_HEUR_SKIP, a later one). false (no
+ * message) when there is none; a failing call other than "not supported" sets the message and
+ * *failed. */
 static bool heuristic_pick(kiln_cuda_gemm *g, gemm_plan *p, cublasLtMatmulPreference_t pref,
                            bool *failed) {
     cublasLtMatmulHeuristicResult_t res[8];
@@ -383,12 +394,15 @@ static bool heuristic_pick(kiln_cuda_gemm *g, gemm_plan *p, cublasLtMatmulPrefer
         *failed = true;
         return false;
     }
+    int skip = heur_skip(), last = -1;
     for (int i = 0; i < n && i < 8; i++)
         if (res[i].state == CUBLAS_STATUS_SUCCESS && res[i].workspaceSize <= GEMM_WORKSPACE_BYTES) {
-            p->algo = res[i].algo;
-            return true;
+            last = i;
+            if (skip-- == 0) break;
         }
-    return false;
+    if (last < 0) return false;
+    p->algo = res[last].algo;
+    return true;
 }
 
 #define LT_TRY(call, what)                                                                    \
