@@ -939,9 +939,9 @@ static bool check_grad16(int B, const Case &c, kiln_cuda_attn *attn, bool keep_f
     return ok;
 }
 
-/* The dq blocks' pipelined walk (the default: the next key tile's products issued before
- * this tile's dq product is waited for) against the plain walk (KILN_ATTN_BWD_PIPE=0), bit
- * for bit: the batched backward from the forward's keep and lse, NaN-poisoned outputs first.
+/* The pipelined walk (the default: each block issues its next tile's first products before
+ * waiting for this tile's last one) against the plain walk (KILN_ATTN_BWD_PIPE=0), bit for
+ * bit: the batched backward from the forward's keep and lse, NaN-poisoned outputs first.
  * With timing, both walks timed. */
 static bool check_pipe(int B, const Case &c, kiln_cuda_attn *attn, bool timing) {
     const int N = c.N, NH = c.NH, KVH = c.KVH, HS = c.HS;
@@ -982,12 +982,12 @@ static bool check_pipe(int B, const Case &c, kiln_cuda_attn *attn, bool timing) 
     size_t nan = 0;
     for (float x : g[1].g[0]) nan += x != x;
     const bool ok = g[0] == g[1] && nan == 0;
-    printf("attention backward, pipelined dq walk B=%d N=%d NH=%d KVH=%d HS=%d: %s plain walk's "
+    printf("attention backward, pipelined walk B=%d N=%d NH=%d KVH=%d HS=%d: %s plain walk's "
            "bits (%zu NaN) %s\n",
            B, N, NH, KVH, HS, g[0] == g[1] ? "=" : "!=", nan, ok ? "OK" : "FAILED");
     if (timing)
         printf("time attention backward B=%d N=%d NH=%d KVH=%d HS=%d: plain walk %.3f ms, "
-               "pipelined dq walk %.3f ms (%.2fx)\n",
+               "pipelined walk %.3f ms (%.2fx)\n",
                B, N, NH, KVH, HS, ms[0], ms[1], ms[0] / ms[1]);
     CUDA_OK(cudaFree(keep));
     float *all[] = {d_q, d_k, d_v, d_dout, o, lse, ws, gq, gk, gv};
@@ -1214,7 +1214,7 @@ int main(int argc, char **argv) {
                                 {130, 0, 14, 2, 64, 1.0f}, {77, 0, 9, 3, 64, 1.0f}};
             const int gB[] = {3, 2, 2, 3};
             for (int i = 0; i < 4; i++)
-                EXPECT(check_pipe(gB[i], g16[i], attn, false), "pipelined dq walk B=%d N=%d",
+                EXPECT(check_pipe(gB[i], g16[i], attn, false), "pipelined walk B=%d N=%d",
                        gB[i], g16[i].N);
             for (int i = 0; i < 4; i++)
                 for (int kf = 0; kf < 2; kf++)
@@ -1237,9 +1237,9 @@ int main(int argc, char **argv) {
                 EXPECT(check_grad16(8, {2048, 0, 9, 3, 64, 1.0f}, attn, false, true),
                        "rope/bf16 epilogue, 135M shape");
                 EXPECT(check_pipe(4, {2048, 0, 14, 2, 64, 1.0f}, attn, true),
-                       "pipelined dq walk, 0.5B shape");
+                       "pipelined walk, 0.5B shape");
                 EXPECT(check_pipe(8, {2048, 0, 9, 3, 64, 1.0f}, attn, true),
-                       "pipelined dq walk, 135M shape");
+                       "pipelined walk, 135M shape");
             }
         }
     }
