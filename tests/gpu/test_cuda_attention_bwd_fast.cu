@@ -939,10 +939,10 @@ static bool check_grad16(int B, const Case &c, kiln_cuda_attn *attn, bool keep_f
     return ok;
 }
 
-/* The pipelined walk (the default: each block issues its next tile's first products before
- * waiting for this tile's last one) against the plain walk (KILN_ATTN_BWD_PIPE=0), bit for
- * bit: the batched backward from the forward's keep and lse, NaN-poisoned outputs first.
- * With timing, both walks timed. */
+/* The pipelined walks (the default: each block issues its next tile's first products before
+ * waiting for this tile's last one) against the plain walks, bit for bit: the forward with
+ * keep (KILN_ATTN_FWD_PIPE=0: output and lse) and the batched backward from its keep and lse
+ * (KILN_ATTN_BWD_PIPE=0), NaN-poisoned outputs first. With timing, all four timed. */
 static bool check_pipe(int B, const Case &c, kiln_cuda_attn *attn, bool timing) {
     const int N = c.N, NH = c.NH, KVH = c.KVH, HS = c.HS;
     const float scale = 1.0f / sqrtf((float)HS);
@@ -957,8 +957,20 @@ static bool check_pipe(int B, const Case &c, kiln_cuda_attn *attn, bool timing) 
     void *keep = nullptr;
     CUDA_OK(cudaMalloc(&keep, kiln_cuda_attn_keep_bytes(B, N, NH, KVH, HS)));
     uint16_t *o16 = reinterpret_cast<uint16_t *>(o);
-    CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, nullptr, o16, lse, keep, nullptr, d_q, d_k,
-                                          d_v, B, N, NH, KVH, HS, scale));
+    /* the forward's two walks first (KILN_ATTN_FWD_PIPE), the pipelined one's results kept */
+    Fwd f[2];
+    float fms[2] = {0.0f, 0.0f};
+    for (int form = 0; form < 2; form++) {
+        setenv("KILN_ATTN_FWD_PIPE", form ? "1" : "0", 1);
+        f[form] = fwd_bits(attn, o, lse, keep, nullptr, d_q, d_k, d_v, B, c, true);
+        if (timing)
+            fms[form] = time_ms(2, 20, [&]() {
+                CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, nullptr, o16, lse, keep, nullptr,
+                                                      d_q, d_k, d_v, B, N, NH, KVH, HS, scale));
+            });
+    }
+    unsetenv("KILN_ATTN_FWD_PIPE");
+    const bool fwd_same = f[0] == f[1];
     auto run = [&]() {
         CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, nullptr, nullptr,
                                                        nullptr, nullptr, o16, lse, keep, ws, nws,
@@ -981,14 +993,15 @@ static bool check_pipe(int B, const Case &c, kiln_cuda_attn *attn, bool timing) 
     unsetenv("KILN_ATTN_BWD_PIPE");
     size_t nan = 0;
     for (float x : g[1].g[0]) nan += x != x;
-    const bool ok = g[0] == g[1] && nan == 0;
-    printf("attention backward, pipelined walk B=%d N=%d NH=%d KVH=%d HS=%d: %s plain walk's "
-           "bits (%zu NaN) %s\n",
-           B, N, NH, KVH, HS, g[0] == g[1] ? "=" : "!=", nan, ok ? "OK" : "FAILED");
+    const bool ok = fwd_same && g[0] == g[1] && nan == 0;
+    printf("attention, pipelined walks B=%d N=%d NH=%d KVH=%d HS=%d: forward %s, backward %s "
+           "the plain walks' bits (%zu NaN) %s\n",
+           B, N, NH, KVH, HS, fwd_same ? "=" : "!=", g[0] == g[1] ? "=" : "!=", nan,
+           ok ? "OK" : "FAILED");
     if (timing)
-        printf("time attention backward B=%d N=%d NH=%d KVH=%d HS=%d: plain walk %.3f ms, "
-               "pipelined walk %.3f ms (%.2fx)\n",
-               B, N, NH, KVH, HS, ms[0], ms[1], ms[0] / ms[1]);
+        printf("time attention B=%d N=%d NH=%d KVH=%d HS=%d: forward plain %.3f ms, pipelined "
+               "%.3f ms (%.2fx); backward plain %.3f ms, pipelined %.3f ms (%.2fx)\n",
+               B, N, NH, KVH, HS, fms[0], fms[1], fms[0] / fms[1], ms[0], ms[1], ms[0] / ms[1]);
     CUDA_OK(cudaFree(keep));
     float *all[] = {d_q, d_k, d_v, d_dout, o, lse, ws, gq, gk, gv};
     for (float *p : all) CUDA_OK(cudaFree(p));
