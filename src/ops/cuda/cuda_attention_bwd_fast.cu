@@ -699,7 +699,7 @@ static __device__ __forceinline__ bf16 *wg_tiles(unsigned char *sm) {
  * (A = the k, v tiles, B = the q, dout tiles, all K-major), then dv += P^T dout and dk +=
  * dS^T q (A = P^T, dS^T from registers as bf16, B = the dout, q tiles read MN-major). */
 #if KILN_WGMMA_DEVICE
-template <bool STORE_DS, bool PIPE>
+template <bool STORE_DS>
 static __device__ __forceinline__ void dkv_wgmma_block(const bw_args &A, int kt, int hl, int b) {
     constexpr int HS = 64, QT = 64;
     extern __shared__ __align__(16) unsigned char bw_sm[];
@@ -730,10 +730,6 @@ static __device__ __forceinline__ void dkv_wgmma_block(const bw_args &A, int kt,
     cp_tile_sw128<BW_ROWS, BW_THREADS>(sV, A.vb + ((int64_t)kvh * A.Tpad + k0) * HS, HS);
     if (nqt > 0) copy_queries(qbeg, 0);
     cp_async_commit();
-    if (PIPE) { /* the pipelined walk keeps two query tiles in flight from the start */
-        if (nqt > 1) copy_queries(qbeg + QT, 1);
-        cp_async_commit();
-    }
 
     float ak[HS / 8][4], av[HS / 8][4], st[QT / 8][4], dpt[QT / 8][4];
 #pragma unroll
@@ -741,57 +737,33 @@ static __device__ __forceinline__ void dkv_wgmma_block(const bw_args &A, int kt,
 #pragma unroll
         for (int r = 0; r < 4; r++) ak[i][r] = av[i][r] = st[i][r] = dpt[i][r] = 0.0f;
     const uint64_t dK = sw128_desc(sK), dV = sw128_desc(sV);
-    /* S^T = k q^T for the query tile in buf (64 keys x 64 queries; accumulate 0 overwrites) */
-    auto issue_st = [&](int buf) {
-        const uint64_t dQ = sw128_desc(sQ + buf * WG_TILE);
+    for (int it = 0; it < nqt; it++) {
+        const int q0 = qbeg + it * QT, buf = it & 1;
+        if (it + 1 < nqt) {
+            copy_queries(q0 + QT, buf ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        wgmma_proxy_fence();
+        __syncthreads();
+        const uint64_t dQ = sw128_desc(sQ + buf * WG_TILE), dO = sw128_desc(sO + buf * WG_TILE);
+        const float *cL = sL + buf * QT, *cD = sD + buf * QT;
+
+        /* S^T = k q^T, then dP^T = v dout^T (64 keys x 64 queries; accumulate 0 overwrites),
+         * two groups: P^T is computed while dP^T's product runs, dS^T while dv's does */
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HS / 16; kk++)
             wgmma_ss<0, 0>(&st[0][0], dK + SW128_KSTEP_K * kk, dQ + SW128_KSTEP_K * kk, kk > 0);
         wgmma_commit();
-    };
-    if (PIPE && nqt > 0) {
-        cp_async_wait<1>(); /* tile 0 (tile 1 may still be in flight) */
-        wgmma_proxy_fence();
-        __syncthreads();
-        issue_st(0);
-    }
-    for (int it = 0; it < nqt; it++) {
-        const int q0 = qbeg + it * QT, buf = it & 1;
-        if (!PIPE) {
-            if (it + 1 < nqt) {
-                copy_queries(q0 + QT, buf ^ 1);
-                cp_async_commit();
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-            wgmma_proxy_fence();
-            __syncthreads();
-        }
-        const uint64_t dQ = sw128_desc(sQ + buf * WG_TILE), dO = sw128_desc(sO + buf * WG_TILE);
-        const float *cL = sL + buf * QT, *cD = sD + buf * QT;
-
-        /* S^T, then dP^T = v dout^T, two groups: P^T is computed while dP^T's product runs,
-         * dS^T while dv's does. Pipelined, S^T was issued a tile ago (under the previous
-         * tile's dk product) and is waited for whole before dP^T starts: a product started
-         * while the previous iteration's group is still pending made ptxas serialize every
-         * wgmma of the kernel (C7515). */
-        if (PIPE) {
-            wgmma_wait<0>(); /* S^T */
-            wgmma_fence_operands(&st[0][0]);
-            wgmma_fence();
-        } else {
-            issue_st(buf);
-        }
 #pragma unroll
         for (int kk = 0; kk < HS / 16; kk++)
             wgmma_ss<0, 0>(&dpt[0][0], dV + SW128_KSTEP_K * kk, dO + SW128_KSTEP_K * kk, kk > 0);
         wgmma_commit();
-        if (!PIPE) {
-            wgmma_wait<1>(); /* S^T */
-            wgmma_fence_operands(&st[0][0]);
-        }
+        wgmma_wait<1>(); /* S^T */
+        wgmma_fence_operands(&st[0][0]);
         const bool mask = n_past + q0 < wlast || q0 + QT > N;
         if (mask)
             dkv_probs<QT, true>(st, cL, c, t, q0, n_past + q0, N, key0, key1);
@@ -834,22 +806,10 @@ static __device__ __forceinline__ void dkv_wgmma_block(const bw_args &A, int kt,
                 *reinterpret_cast<uint32_t *>(ds + 8 * (int64_t)A.Npad + nt * 8) = dsp[nt][1];
             }
         }
-        if (PIPE && it + 1 < nqt) { /* the next tile's S^T under dk's product */
-            cp_async_wait<0>(); /* tile it + 1, copied into buf ^ 1 a tile ago */
-            wgmma_proxy_fence();
-            __syncthreads();
-            issue_st(buf ^ 1);
-            wgmma_wait<1>(); /* dv's and dk's products (no operand fence here: C7515) */
-        } else {
-            wgmma_wait<0>();
-            wgmma_fence_operands(&av[0][0]);
-            wgmma_fence_operands(&ak[0][0]);
-        }
-        __syncthreads(); /* every warp is done with buf */
-        if (PIPE && it + 2 < nqt) {
-            copy_queries(q0 + 2 * QT, buf);
-            cp_async_commit();
-        }
+        wgmma_wait<0>();
+        wgmma_fence_operands(&av[0][0]);
+        wgmma_fence_operands(&ak[0][0]);
+        __syncthreads();
     }
     dkv_store<HS>(A, ak, av, hl, b, G, T, key0, key1, t);
 }
@@ -988,47 +948,31 @@ static __device__ __forceinline__ void dq_wgmma_block(const bw_args &A, int qt, 
 
 static __global__ void __launch_bounds__(BW_THREADS) bwd_dkv_ds_wgmma_kernel(bw_args A) {
 #if KILN_WGMMA_DEVICE
-    dkv_wgmma_block<true, false>(A, (int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z);
+    dkv_wgmma_block<true>(A, (int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z);
 #else
     (void)A;
     __trap(); /* launched only where kiln_cuda_wgmma_usable: the sm_90a code */
 #endif
 }
 
-#if KILN_WGMMA_DEVICE
-/* The pipelined blocks as functions of their own: inlined together into one kernel, ptxas
- * serialized every wgmma of it (C7515) though each alone compiled without; analysed apart,
- * neither is. About 25 more registers (206-210 a thread: still two blocks an SM). */
-static __device__ __noinline__ void dkv_wgmma_block_pipe(const bw_args &A, int kt, int hl,
-                                                         int b) {
-    dkv_wgmma_block<false, true>(A, kt, hl, b);
-}
-static __device__ __noinline__ void dq_wgmma_block_pipe(const bw_args &A, int qt, int hl, int b) {
-    dq_wgmma_block<true>(A, qt, hl, b);
-}
-#endif
-
 /* The one-launch backward on wgmma (bwd_main_kernel's split: x < nkt dk/dv blocks without
  * the dS^T store, the rest dq blocks recomputing S and dP, longest first). PIPE (the default;
- * KILN_ATTN_BWD_PIPE=0 the plain walk): each block issues its next tile's first products
- * before waiting for this tile's last one -- the dq blocks the next key tile's S and dP under
- * the dq product, the dk/dv blocks the next query tile's S^T under the dk product -- so they
- * run under that product's tail and the barrier. The same products of the same values in the
- * same order: the same bits. */
+ * KILN_ATTN_BWD_PIPE=0 the plain walk): the dq blocks issue the next key tile's S and dP
+ * products before waiting for this tile's dq product, so they run under its tail and the
+ * barrier; the same products of the same values in the same order, so the same bits (H200:
+ * 0.344 -> 0.331 ms for the 0.5B shape's B 4 x 2048, 0.430 -> 0.412 for the 135M shape's
+ * B 8). The dk/dv blocks keep the plain walk: pipelined too (the next S^T under the dk
+ * product; dP^T could not be issued early, nor the two kinds inlined into one kernel,
+ * without ptxas serializing every wgmma: C7515), as noinline functions, the backward was
+ * slower (0.343 -> 0.410 ms: 210 registers, the arguments copied to the stack). */
 template <bool PIPE>
 static __global__ void __launch_bounds__(BW_THREADS) bwd_main_wgmma_kernel(bw_args A, int nkt) {
 #if KILN_WGMMA_DEVICE
     const int x = (int)blockIdx.x, h = (int)blockIdx.y, b = (int)blockIdx.z;
-    if (PIPE) {
-        if (x < nkt)
-            dkv_wgmma_block_pipe(A, x, h, b);
-        else
-            dq_wgmma_block_pipe(A, (int)gridDim.x - 1 - x, h, b);
-    } else if (x < nkt) {
-        dkv_wgmma_block<false, false>(A, x, h, b);
-    } else {
-        dq_wgmma_block<false>(A, (int)gridDim.x - 1 - x, h, b);
-    }
+    if (x < nkt)
+        dkv_wgmma_block<false>(A, x, h, b);
+    else
+        dq_wgmma_block<PIPE>(A, (int)gridDim.x - 1 - x, h, b);
 #else
     (void)A;
     (void)nkt;
