@@ -939,6 +939,75 @@ static bool check_grad16(int B, const Case &c, kiln_cuda_attn *attn, bool keep_f
     return ok;
 }
 
+/* The pipelined walks (the default: each block issues its next tile's first products before
+ * waiting for this tile's last one) against the plain walks, bit for bit: the forward with
+ * keep (KILN_ATTN_FWD_PIPE=0: output and lse) and the batched backward from its keep and lse
+ * (KILN_ATTN_BWD_PIPE=0), NaN-poisoned outputs first. With timing, all four timed. */
+static bool check_pipe(int B, const Case &c, kiln_cuda_attn *attn, bool timing) {
+    const int N = c.N, NH = c.NH, KVH = c.KVH, HS = c.HS;
+    const float scale = 1.0f / sqrtf((float)HS);
+    const size_t nq = (size_t)B * N * NH * HS, nk = (size_t)B * N * KVH * HS;
+    const Qkvd in = draw_qkvd(nq, nk, c.amp);
+    float *d_q = dev_upload(in.q), *d_k = dev_upload(in.k), *d_v = dev_upload(in.v);
+    float *d_dout = dev_upload(in.dout);
+    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS);
+    const size_t nl = (size_t)B * NH * kiln_cuda_attn_pack_rows(N);
+    float *o = dev_nan(nq / 2 + 4), *lse = dev_nan(nl), *ws = dev_nan(nws);
+    float *gq = dev_nan(nq), *gk = dev_nan(nk), *gv = dev_nan(nk);
+    void *keep = nullptr;
+    CUDA_OK(cudaMalloc(&keep, kiln_cuda_attn_keep_bytes(B, N, NH, KVH, HS)));
+    uint16_t *o16 = reinterpret_cast<uint16_t *>(o);
+    /* the forward's two walks first (KILN_ATTN_FWD_PIPE), the pipelined one's results kept */
+    Fwd f[2];
+    float fms[2] = {0.0f, 0.0f};
+    for (int form = 0; form < 2; form++) {
+        setenv("KILN_ATTN_FWD_PIPE", form ? "1" : "0", 1);
+        f[form] = fwd_bits(attn, o, lse, keep, nullptr, d_q, d_k, d_v, B, c, true);
+        if (timing)
+            fms[form] = time_ms(2, 20, [&]() {
+                CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, nullptr, o16, lse, keep, nullptr,
+                                                      d_q, d_k, d_v, B, N, NH, KVH, HS, scale));
+            });
+    }
+    unsetenv("KILN_ATTN_FWD_PIPE");
+    const bool fwd_same = f[0] == f[1];
+    auto run = [&]() {
+        CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, nullptr, nullptr,
+                                                       nullptr, nullptr, o16, lse, keep, ws, nws,
+                                                       B, N, NH, KVH, HS, scale));
+    };
+    Grads g[2];
+    float ms[2] = {0.0f, 0.0f};
+    for (int form = 0; form < 2; form++) { /* 0: plain, 1: pipelined */
+        setenv("KILN_ATTN_BWD_PIPE", form ? "1" : "0", 1);
+        CUDA_OK(cudaMemset(gq, 0xff, nq * 4));
+        CUDA_OK(cudaMemset(gk, 0xff, nk * 4));
+        CUDA_OK(cudaMemset(gv, 0xff, nk * 4));
+        run();
+        CUDA_OK(cudaDeviceSynchronize());
+        g[form].g[0] = dev_download(gq, nq);
+        g[form].g[1] = dev_download(gk, nk);
+        g[form].g[2] = dev_download(gv, nk);
+        if (timing) ms[form] = time_ms(2, 20, run);
+    }
+    unsetenv("KILN_ATTN_BWD_PIPE");
+    size_t nan = 0;
+    for (float x : g[1].g[0]) nan += x != x;
+    const bool ok = fwd_same && g[0] == g[1] && nan == 0;
+    printf("attention, pipelined walks B=%d N=%d NH=%d KVH=%d HS=%d: forward %s, backward %s "
+           "the plain walks' bits (%zu NaN) %s\n",
+           B, N, NH, KVH, HS, fwd_same ? "=" : "!=", g[0] == g[1] ? "=" : "!=", nan,
+           ok ? "OK" : "FAILED");
+    if (timing)
+        printf("time attention B=%d N=%d NH=%d KVH=%d HS=%d: forward plain %.3f ms, pipelined "
+               "%.3f ms (%.2fx); backward plain %.3f ms, pipelined %.3f ms (%.2fx)\n",
+               B, N, NH, KVH, HS, fms[0], fms[1], fms[0] / fms[1], ms[0], ms[1], ms[0] / ms[1]);
+    CUDA_OK(cudaFree(keep));
+    float *all[] = {d_q, d_k, d_v, d_dout, o, lse, ws, gq, gk, gv};
+    for (float *p : all) CUDA_OK(cudaFree(p));
+    return ok;
+}
+
 /* The packing's HS 64 kernels: the half-warp one with 16-byte loads (the default where the
  * pointers allow) against the one-warp one (KILN_PACK_VEC=0), bit for bit: RoPE'd and plain
  * jobs, D with a bf16 and an f32 out, B sequences of R rows (padding rows included), in one
@@ -1158,6 +1227,9 @@ int main(int argc, char **argv) {
                                 {130, 0, 14, 2, 64, 1.0f}, {77, 0, 9, 3, 64, 1.0f}};
             const int gB[] = {3, 2, 2, 3};
             for (int i = 0; i < 4; i++)
+                EXPECT(check_pipe(gB[i], g16[i], attn, false), "pipelined walk B=%d N=%d",
+                       gB[i], g16[i].N);
+            for (int i = 0; i < 4; i++)
                 for (int kf = 0; kf < 2; kf++)
                     EXPECT(check_grad16(gB[i], g16[i], attn, kf, false),
                            "rope/bf16 epilogue B=%d N=%d NH=%d KVH=%d keep_f32 %d", gB[i],
@@ -1177,6 +1249,10 @@ int main(int argc, char **argv) {
                        "rope/bf16 epilogue, 0.5B shape");
                 EXPECT(check_grad16(8, {2048, 0, 9, 3, 64, 1.0f}, attn, false, true),
                        "rope/bf16 epilogue, 135M shape");
+                EXPECT(check_pipe(4, {2048, 0, 14, 2, 64, 1.0f}, attn, true),
+                       "pipelined walk, 0.5B shape");
+                EXPECT(check_pipe(8, {2048, 0, 9, 3, 64, 1.0f}, attn, true),
+                       "pipelined walk, 135M shape");
             }
         }
     }

@@ -818,6 +818,7 @@ static __device__ __forceinline__ void dkv_wgmma_block(const bw_args &A, int kt,
  * S = q k^T and dP = dout v^T (A = the q, dout tiles, B = the k, v tiles, all K-major), P
  * computed while dP's product runs, then dq += dS k (A = dS from registers, B = the k tile
  * read MN-major). */
+template <bool PIPE>
 static __device__ __forceinline__ void dq_wgmma_block(const bw_args &A, int qt, int hl, int b) {
     constexpr int HS = 64, KT = 64;
     extern __shared__ __align__(16) unsigned char bw_sm[];
@@ -833,11 +834,18 @@ static __device__ __forceinline__ void dq_wgmma_block(const bw_args &A, int qt, 
     const int lim0 = n_past + r0, lim1 = n_past + r1, wfirst = n_past + q0 + warp * 16;
     const int64_t hrow = (int64_t)h * A.Npad;
 
+    auto copy_keys = [&](int j, int buf) {
+        cp_tile_sw128<KT, BW_THREADS>(sK + buf * WG_TILE, kh + (int64_t)j * KT * HS, HS);
+        cp_tile_sw128<KT, BW_THREADS>(sV + buf * WG_TILE, vh + (int64_t)j * KT * HS, HS);
+    };
     cp_tile_sw128<BW_ROWS, BW_THREADS>(sQ, A.qb + (hrow + q0) * HS, HS);
     cp_tile_sw128<BW_ROWS, BW_THREADS>(sO, A.ob + (hrow + q0) * HS, HS);
-    cp_tile_sw128<KT, BW_THREADS>(sK, kh, HS);
-    cp_tile_sw128<KT, BW_THREADS>(sV, vh, HS);
+    copy_keys(0, 0);
     cp_async_commit();
+    if (PIPE) { /* the pipelined walk keeps two key tiles in flight from the start */
+        if (nkt > 1) copy_keys(1, 1);
+        cp_async_commit();
+    }
     const float D0 = A.wsD[hrow + r0], D1 = A.wsD[hrow + r1];
     const float nL0 = -A.wsL[hrow + r0] * KILN_LOG2E, nL1 = -A.wsL[hrow + r1] * KILN_LOG2E;
     const float c = A.scale * KILN_LOG2E;
@@ -847,18 +855,9 @@ static __device__ __forceinline__ void dq_wgmma_block(const bw_args &A, int qt, 
 #pragma unroll
         for (int r = 0; r < 4; r++) acc[i][r] = sc[i][r] = dp[i][r] = 0.0f;
     const uint64_t dQ = sw128_desc(sQ), dO = sw128_desc(sO);
-    for (int j = 0; j < nkt; j++) {
-        const int k0 = j * KT, buf = j & 1;
-        if (j + 1 < nkt) {
-            cp_tile_sw128<KT, BW_THREADS>(sK + (buf ^ 1) * WG_TILE, kh + (int64_t)(k0 + KT) * HS, HS);
-            cp_tile_sw128<KT, BW_THREADS>(sV + (buf ^ 1) * WG_TILE, vh + (int64_t)(k0 + KT) * HS, HS);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        wgmma_proxy_fence();
-        __syncthreads();
+
+    /* S = q k^T, then dP = dout v^T for the key tile in buf: two groups */
+    auto issue_scores = [&](int buf) {
         const uint64_t dK = sw128_desc(sK + buf * WG_TILE), dV = sw128_desc(sV + buf * WG_TILE);
         wgmma_fence();
 #pragma unroll
@@ -869,6 +868,12 @@ static __device__ __forceinline__ void dq_wgmma_block(const bw_args &A, int qt, 
         for (int kk = 0; kk < HS / 16; kk++)
             wgmma_ss<0, 0>(&dp[0][0], dO + SW128_KSTEP_K * kk, dV + SW128_KSTEP_K * kk, kk > 0);
         wgmma_commit();
+    };
+    /* With key tile j's S and dP the two groups in flight: P while dP's product runs, dS, then
+     * dq += dS k (left in flight: the caller waits for it). */
+    auto finish_tile = [&](int j, int buf) {
+        const int k0 = j * KT;
+        const uint64_t dK = sw128_desc(sK + buf * WG_TILE);
         wgmma_wait<1>(); /* S */
         wgmma_fence_operands(&sc[0][0]);
         dq_probs<KT>(sc, k0 + KT - 1 > wfirst, k0, t, lim0, lim1, c, nL0, nL1);
@@ -888,9 +893,54 @@ static __device__ __forceinline__ void dq_wgmma_block(const bw_args &A, int qt, 
         for (int jj = 0; jj < KT / 16; jj++)
             wgmma_rs<1>(&acc[0][0], da[jj], dK + SW128_KSTEP_MN * jj, 1);
         wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operands(&acc[0][0]);
-        __syncthreads();
+    };
+
+    if (!PIPE) {
+        for (int j = 0; j < nkt; j++) {
+            const int buf = j & 1;
+            if (j + 1 < nkt) {
+                copy_keys(j + 1, buf ^ 1);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            wgmma_proxy_fence();
+            __syncthreads();
+            issue_scores(buf);
+            finish_tile(j, buf);
+            wgmma_wait<0>();
+            wgmma_fence_operands(&acc[0][0]);
+            __syncthreads();
+        }
+    } else { /* as the dk/dv blocks: the next tile's S and dP under this tile's dq product */
+        if (nkt > 0) {
+            cp_async_wait<1>(); /* q, dout and key tile 0 */
+            wgmma_proxy_fence();
+            __syncthreads();
+            issue_scores(0);
+        }
+        for (int j = 0; j < nkt; j++) {
+            const int buf = j & 1;
+            finish_tile(j, buf);
+            if (j + 1 < nkt) {
+                cp_async_wait<0>(); /* key tile j + 1 */
+                wgmma_proxy_fence();
+                __syncthreads();
+                issue_scores(buf ^ 1);
+                wgmma_wait<2>(); /* dq's product of tile j */
+            } else {
+                wgmma_wait<0>();
+                /* only here: an operand fence while products are in flight makes ptxas
+                 * serialize every wgmma of the kernel (C7515) */
+                wgmma_fence_operands(&acc[0][0]);
+            }
+            __syncthreads(); /* every warp is done with buf: key tile j + 2 may land there */
+            if (j + 2 < nkt) {
+                copy_keys(j + 2, buf);
+                cp_async_commit();
+            }
+        }
     }
     dq_store<HS>(A, acc, q0, hl, b);
 }
@@ -906,14 +956,23 @@ static __global__ void __launch_bounds__(BW_THREADS) bwd_dkv_ds_wgmma_kernel(bw_
 }
 
 /* The one-launch backward on wgmma (bwd_main_kernel's split: x < nkt dk/dv blocks without
- * the dS^T store, the rest dq blocks recomputing S and dP, longest first). */
+ * the dS^T store, the rest dq blocks recomputing S and dP, longest first). PIPE (the default;
+ * KILN_ATTN_BWD_PIPE=0 the plain walk): the dq blocks issue the next key tile's S and dP
+ * products before waiting for this tile's dq product, so they run under its tail and the
+ * barrier; the same products of the same values in the same order, so the same bits (H200:
+ * 0.344 -> 0.331 ms for the 0.5B shape's B 4 x 2048, 0.430 -> 0.412 for the 135M shape's
+ * B 8). The dk/dv blocks keep the plain walk: pipelined too (the next S^T under the dk
+ * product; dP^T could not be issued early, nor the two kinds inlined into one kernel,
+ * without ptxas serializing every wgmma: C7515), as noinline functions, the backward was
+ * slower (0.343 -> 0.410 ms: 210 registers, the arguments copied to the stack). */
+template <bool PIPE>
 static __global__ void __launch_bounds__(BW_THREADS) bwd_main_wgmma_kernel(bw_args A, int nkt) {
 #if KILN_WGMMA_DEVICE
     const int x = (int)blockIdx.x, h = (int)blockIdx.y, b = (int)blockIdx.z;
     if (x < nkt)
         dkv_wgmma_block<false>(A, x, h, b);
     else
-        dq_wgmma_block(A, (int)gridDim.x - 1 - x, h, b);
+        dq_wgmma_block<PIPE>(A, (int)gridDim.x - 1 - x, h, b);
 #else
     (void)A;
     (void)nkt;
@@ -979,6 +1038,13 @@ static bool two_pass(int HS) {
     if (HS != 64) return false;
     const char *e = getenv("KILN_ATTN_BWD");
     return e && strcmp(e, "two-pass") == 0;
+}
+
+/* Whether the one-launch wgmma backward walks its tiles pipelined (KILN_ATTN_BWD_PIPE=0: the
+ * plain walk, for the test's comparison and A/B timing). Read per call. */
+static bool bwd_pipelined(void) {
+    const char *e = getenv("KILN_ATTN_BWD_PIPE");
+    return !(e && e[0] == '0');
 }
 
 /* Kernel 3 (G > 1): dk[key][j][d] = pk[key][jG][d] + pk[key][jG+1][d] + ... in head order,
@@ -1099,8 +1165,9 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
     if (e == cudaSuccess && wg && two)
         e = cudaFuncSetAttribute(bwd_dkv_ds_wgmma_kernel,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dkv_wg_smem());
+    const bool pipe = bwd_pipelined();
     if (e == cudaSuccess && wg && !two) /* dkv_wg_smem: the larger of its two kinds of blocks */
-        e = cudaFuncSetAttribute(bwd_main_wgmma_kernel,
+        e = cudaFuncSetAttribute(pipe ? bwd_main_wgmma_kernel<true> : bwd_main_wgmma_kernel<false>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dkv_wg_smem());
     if (e == cudaSuccess && two)
         e = cudaFuncSetAttribute(bwd_dq_ds_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1124,8 +1191,11 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
         if (e != cudaSuccess) return e;
     }
     if (wg && !two) {
-        bwd_main_wgmma_kernel<<<dim3((unsigned)(nqt + nkt), (unsigned)A.NH, (unsigned)B),
-                                BW_THREADS, dkv_wg_smem(), s>>>(A, nkt);
+        const dim3 grid((unsigned)(nqt + nkt), (unsigned)A.NH, (unsigned)B);
+        if (pipe)
+            bwd_main_wgmma_kernel<true><<<grid, BW_THREADS, dkv_wg_smem(), s>>>(A, nkt);
+        else
+            bwd_main_wgmma_kernel<false><<<grid, BW_THREADS, dkv_wg_smem(), s>>>(A, nkt);
     } else if (wg) {
         bwd_dkv_ds_wgmma_kernel<<<dim3((unsigned)nkt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
                                   dkv_wg_smem(), s>>>(A);

@@ -1099,7 +1099,7 @@ static constexpr size_t flash_wgmma_smem() {
     return sizeof(__nv_bfloat16) * 5 * FL_WG_TILE + KILN_SW128_ALIGN;
 }
 
-template <typename Out>
+template <typename Out, bool PIPE>
 static __global__ void __launch_bounds__(FL_THREADS)
 flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
                    const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__restrict__ kb,
@@ -1126,10 +1126,17 @@ flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
 
+    auto copy_keys = [&](int j, int buf) {
+        cp_tile_sw128<FL_BN, FL_THREADS>(sK + buf * FL_WG_TILE, kh + (int64_t)j * FL_BN * HS, HS);
+        cp_tile_sw128<FL_BN, FL_THREADS>(sV + buf * FL_WG_TILE, vh + (int64_t)j * FL_BN * HS, HS);
+    };
     cp_tile_sw128<FL_BM, FL_THREADS>(sQ, qb + (hq * Npad + q0) * HS, HS);
-    cp_tile_sw128<FL_BN, FL_THREADS>(sK, kh, HS);
-    cp_tile_sw128<FL_BN, FL_THREADS>(sV, vh, HS);
+    copy_keys(0, 0);
     cp_async_commit();
+    if (PIPE) { /* the pipelined walk keeps two key tiles in flight from the start */
+        if (nkt > 1) copy_keys(1, 1);
+        cp_async_commit();
+    }
 
     float o[HS / 8][4], sc[FL_BN / 8][4];
 #pragma unroll
@@ -1145,29 +1152,37 @@ flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
     const float c = scale * KILN_LOG2E;
     const uint64_t dQ = sw128_desc(sQ);
 
-    for (int j = 0; j < nkt; j++) {
-        const int k0 = j * FL_BN, buf = j & 1;
-        if (j + 1 < nkt) {
-            cp_tile_sw128<FL_BN, FL_THREADS>(sK + (buf ^ 1) * FL_WG_TILE,
-                                             kh + (int64_t)(k0 + FL_BN) * HS, HS);
-            cp_tile_sw128<FL_BN, FL_THREADS>(sV + (buf ^ 1) * FL_WG_TILE,
-                                             vh + (int64_t)(k0 + FL_BN) * HS, HS);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        wgmma_proxy_fence();
-        __syncthreads();
+    /* S = Q K^T for the key tile in buf (accumulate 0 overwrites sc) */
+    auto issue_s = [&](int buf) {
         const uint64_t dK = sw128_desc(sK + buf * FL_WG_TILE);
-        const uint64_t dV = sw128_desc(sV + buf * FL_WG_TILE);
-
-        wgmma_fence(); /* S = Q K^T (accumulate 0 overwrites sc) */
+        wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HS / 16; kk++)
             wgmma_ss<0, 0>(&sc[0][0], dQ + SW128_KSTEP_K * kk, dK + SW128_KSTEP_K * kk, kk > 0);
         wgmma_commit();
-        wgmma_wait<0>();
+    };
+    if (PIPE && nkt > 0) {
+        cp_async_wait<1>(); /* q and key tile 0 (tile 1 may still be in flight) */
+        wgmma_proxy_fence();
+        __syncthreads();
+        issue_s(0);
+    }
+    for (int j = 0; j < nkt; j++) {
+        const int k0 = j * FL_BN, buf = j & 1;
+        if (!PIPE) {
+            if (j + 1 < nkt) {
+                copy_keys(j + 1, buf ^ 1);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            wgmma_proxy_fence();
+            __syncthreads();
+            issue_s(buf);
+        }
+        const uint64_t dV = sw128_desc(sV + buf * FL_WG_TILE);
+        wgmma_wait<0>(); /* S (pipelined: issued a tile ago, under the previous P V) */
         wgmma_fence_operands(&sc[0][0]);
 
         uint32_t pp[FL_BN / 8][2];
@@ -1182,9 +1197,22 @@ flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
             wgmma_rs<1>(&o[0][0], a, dV + SW128_KSTEP_MN * jj, 1);
         }
         wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operands(&o[0][0]);
+        if (PIPE && j + 1 < nkt) { /* the next tile's S under this P V (no operand fence here:
+                                    * one between the waits made ptxas serialize, C7515) */
+            cp_async_wait<0>(); /* key tile j + 1, copied into buf ^ 1 a tile ago */
+            wgmma_proxy_fence();
+            __syncthreads();
+            issue_s(buf ^ 1);
+            wgmma_wait<1>(); /* P V: the next softmax rescales o */
+        } else {
+            wgmma_wait<0>();
+            wgmma_fence_operands(&o[0][0]);
+        }
         __syncthreads(); /* every warp is done with this buffer before it is refilled */
+        if (PIPE && j + 2 < nkt) {
+            copy_keys(j + 2, buf);
+            cp_async_commit();
+        }
     }
 
     flash_finish<HS>(out, lse, o, m0, m1, l0, l1, scale, hq, Npad, b, h, N, NH, qr0, qr1, t);
@@ -1212,7 +1240,11 @@ static cudaError_t flash_attributes() {
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)flash_smem<64>());
     if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(flash_wgmma_kernel<Out>,
+        e = cudaFuncSetAttribute(flash_wgmma_kernel<Out, true>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)flash_wgmma_smem());
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(flash_wgmma_kernel<Out, false>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)flash_wgmma_smem());
     if (e == cudaSuccess)
@@ -1428,11 +1460,20 @@ static cudaError_t flash_launch(kiln_cuda_attn *a, cudaStream_t s, float *out, u
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((N + FL_BM - 1) / FL_BM), (unsigned)NH, (unsigned)B);
     if (HS == 64 && kiln_cuda_wgmma_usable(s)) { /* sm_90a */
-        if (out16)
-            flash_wgmma_kernel<uint16_t><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
+        /* KILN_ATTN_FWD_PIPE=0: the plain walk (the same bits; for the test and A/B) */
+        const char *pe = getenv("KILN_ATTN_FWD_PIPE");
+        const bool pipe = !(pe && pe[0] == '0');
+        if (out16 && pipe)
+            flash_wgmma_kernel<uint16_t, true><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
                 out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+        else if (out16)
+            flash_wgmma_kernel<uint16_t, false><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
+                out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+        else if (pipe)
+            flash_wgmma_kernel<float, true><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
+                out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
         else
-            flash_wgmma_kernel<float><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
+            flash_wgmma_kernel<float, false><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
                 out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
     } else if (HS == 64 && out16)
         flash_bf16_kernel<64, uint16_t><<<grid, FL_THREADS, flash_smem<64>(), s>>>(
