@@ -739,15 +739,7 @@ static __device__ __forceinline__ void dkv_wgmma_block(const bw_args &A, int kt,
     const uint64_t dK = sw128_desc(sK), dV = sw128_desc(sV);
     for (int it = 0; it < nqt; it++) {
         const int q0 = qbeg + it * QT, buf = it & 1;
-        if (it + 1 < nqt) {
-            copy_queries(q0 + QT, buf ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        wgmma_proxy_fence();
-        __syncthreads();
+        tile_walk_step(it, nqt, [&](int i, int b2) { copy_queries(qbeg + i * QT, b2); });
         const uint64_t dQ = sw128_desc(sQ + buf * WG_TILE), dO = sw128_desc(sO + buf * WG_TILE);
         const float *cL = sL + buf * QT, *cD = sD + buf * QT;
 
@@ -898,15 +890,7 @@ static __device__ __forceinline__ void dq_wgmma_block(const bw_args &A, int qt, 
     if (!PIPE) {
         for (int j = 0; j < nkt; j++) {
             const int buf = j & 1;
-            if (j + 1 < nkt) {
-                copy_keys(j + 1, buf ^ 1);
-                cp_async_commit();
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-            wgmma_proxy_fence();
-            __syncthreads();
+            tile_walk_step(j, nkt, copy_keys);
             issue_scores(buf);
             finish_tile(j, buf);
             wgmma_wait<0>();
@@ -1004,15 +988,7 @@ static __global__ void __launch_bounds__(BW_THREADS) bwd_dq_ds_wgmma_kernel(bw_a
     cp_async_commit();
     for (int j = 0; j < nkt; j++) {
         const int buf = j & 1;
-        if (j + 1 < nkt) {
-            copy_tile(j + 1, buf ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        wgmma_proxy_fence();
-        __syncthreads();
+        tile_walk_step(j, nkt, copy_tile);
         const uint64_t dS = sw128_desc(sS + buf * WG_TILE), dK = sw128_desc(sK + buf * WG_TILE);
         wgmma_fence();
 #pragma unroll

@@ -1170,15 +1170,7 @@ flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
     for (int j = 0; j < nkt; j++) {
         const int k0 = j * FL_BN, buf = j & 1;
         if (!PIPE) {
-            if (j + 1 < nkt) {
-                copy_keys(j + 1, buf ^ 1);
-                cp_async_commit();
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-            wgmma_proxy_fence();
-            __syncthreads();
+            tile_walk_step(j, nkt, copy_keys);
             issue_s(buf);
         }
         const uint64_t dV = sw128_desc(sV + buf * FL_WG_TILE);

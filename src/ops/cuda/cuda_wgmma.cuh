@@ -95,6 +95,22 @@ static __device__ __forceinline__ void wgmma_wait() {
 static __device__ __forceinline__ void wgmma_proxy_fence() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+/* Step j of a double-buffered walk over n tiles: starts copying tile j + 1 into the other
+ * buffer (copy(j + 1, buffer), then commits it) and waits for tile j's copies, then makes
+ * them visible to the products and to every thread of the block. */
+template <typename Copy>
+static __device__ __forceinline__ void tile_walk_step(int j, int n, Copy copy) {
+    if (j + 1 < n) {
+        copy(j + 1, (j & 1) ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    wgmma_proxy_fence();
+    __syncthreads();
+}
+
 /* The accumulators d[0..31] are (re)defined here as far as the compiler knows. */
 static __device__ __forceinline__ void wgmma_fence_operands(float *d) {
 #pragma unroll
