@@ -10,6 +10,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #if defined(__GNUC__)
 #define KILN_PRINTF(a, b) __attribute__((format(printf, a, b)))
@@ -20,6 +21,16 @@
 #define KILN_LIKELY(x) (x)
 #define KILN_UNLIKELY(x) (x)
 #endif
+
+/* ---- switches ------------------------------------------------------------------------- */
+
+/* Whether environment variable name is set to exactly "0": how kiln's A/B switches
+ * (KILN_CUDA_GRAPHS=0, KILN_ATTN_BWD_PIPE=0, ...) turn a default path off. Read where the
+ * choice is made, so tests may switch them between calls. */
+static inline bool kiln_env_off(const char *name) {
+    const char *v = getenv(name);
+    return v && v[0] == '0' && v[1] == '\0';
+}
 
 /* ---- errors ---------------------------------------------------------------------------- */
 

@@ -62,10 +62,8 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
     if (st == KILN_OK) st = kiln_alloc_or_fail((void **)&c->seq_past, (size_t)p.n_seq * sizeof(int), "sequence lengths");
     if (st == KILN_OK) memset(c->seq_past, 0, (size_t)p.n_seq * sizeof(int));
     if (st == KILN_OK) {
-        const char *g = getenv("KILN_CUDA_GRAPHS");
-        c->graphs = c->fs.d_step != NULL && c->be->i->graph_begin && !(g && strcmp(g, "0") == 0);
-        const char *ds = getenv("KILN_DEVICE_SAMPLING");
-        c->host_sampling = ds && strcmp(ds, "0") == 0;
+        c->graphs = c->fs.d_step != NULL && c->be->i->graph_begin && !kiln_env_off("KILN_CUDA_GRAPHS");
+        c->host_sampling = kiln_env_off("KILN_DEVICE_SAMPLING");
     }
     if (st == KILN_OK)
         st = kiln_alloc_or_fail((void **)&c->tokens, (size_t)p.n_ctx * sizeof(int32_t), "context token list");

@@ -572,8 +572,7 @@ static kiln_status dev_grads_finite(const kiln_adamw *o) {
 
 /* One launch over the table, or with KILN_ADAMW_MULTI=0 one per parameter: the same bits. */
 static kiln_status dev_step(kiln_adamw *o, const adamw_scalars *sc) {
-    const char *e = getenv("KILN_ADAMW_MULTI"); /* read per step: the tests switch it */
-    if (!(e && strcmp(e, "0") == 0)) return kiln_cuda_adamw_step_multi(o->be, &o->step_plan, sc);
+    if (!kiln_env_off("KILN_ADAMW_MULTI")) return kiln_cuda_adamw_step_multi(o->be, &o->step_plan, sc);
     for (int i = 0; i < o->n_params; i++) {
         const kiln_cuda_adamw_param q = dev_param(o, i, o->p[i].decay && sc->use_wd);
         KILN_TRY(kiln_cuda_adamw_step(o->be, &q, sc));

@@ -441,10 +441,10 @@ static kiln_status alloc_activations(kiln_trainer *t) {
     /* a backend with batched attention saves each layer's softmax statistics for the backward */
     const kiln_backend_i *op = t->be->i;
     const int seqs = op->attention_seqs && op->attention_backward_seqs;
-    const char *e16 = getenv("KILN_BF16_ACTS"); /* "0": keep them in f32 (A/B checks) */
+    /* KILN_BF16_ACTS=0: keep them in f32 (A/B checks) */
     t->acts16 = t->p.fast && !t->host && op->rmsnorm_bf16 && op->swiglu_bf16 && op->matmul_multi_bf16x &&
                 op->matmul_backward_multi_bf16x && op->swiglu_backward_bf16 && op->rmsnorm_backward_bf16 &&
-                C % 8 == 0 && FF % 8 == 0 && !(e16 && strcmp(e16, "0") == 0);
+                C % 8 == 0 && FF % 8 == 0 && !kiln_env_off("KILN_BF16_ACTS");
     const size_t f32_in = t->acts16 ? 0 : 1, b16_in = t->acts16 ? 1 : 0; /* where xb1, xb2, hb live */
     /* the attention output in bf16: the batched attention's flash kernels (head size 64 or
      * 128, ops.h attention_seqs' out16; a shape a backend refuses would fail the step) */
@@ -645,8 +645,7 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     }
     if (st == KILN_OK) t->host = strcmp(t->be->i->name, "cpu") == 0;
     if (st == KILN_OK && !t->host && p.fast && t->be->i->graph_begin) {
-        const char *g = getenv("KILN_CUDA_GRAPHS");
-        t->graphs = !(g && strcmp(g, "0") == 0);
+        t->graphs = !kiln_env_off("KILN_CUDA_GRAPHS");
     }
     if (st == KILN_OK && !t->host)
         st = check_backend_ops(t, p.weight_storage != KILN_STORAGE_F32 ? KILN_DTYPE_BF16 : KILN_DTYPE_F32);

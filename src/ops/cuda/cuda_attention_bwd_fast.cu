@@ -1019,8 +1019,7 @@ static bool two_pass(int HS) {
 /* Whether the one-launch wgmma backward walks its tiles pipelined (KILN_ATTN_BWD_PIPE=0: the
  * plain walk, for the test's comparison and A/B timing). Read per call. */
 static bool bwd_pipelined(void) {
-    const char *e = getenv("KILN_ATTN_BWD_PIPE");
-    return !(e && e[0] == '0');
+    return !kiln_env_off("KILN_ATTN_BWD_PIPE");
 }
 
 /* Kernel 3 (G > 1): dk[key][j][d] = pk[key][jG][d] + pk[key][jG+1][d] + ... in head order,
@@ -1194,7 +1193,7 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
     if (HS == 64 && A.dq16) {
         int64_t blocks = (total / 4 + 255) / 256;
         if (blocks > 65535) blocks = 65535;
-        bwd_reduce16_kernel<HS><<<(unsigned)blocks, 256, 0, s>>>(A, dk, dv, pk, pv, total / 4);
+        bwd_reduce16_kernel<64><<<(unsigned)blocks, 256, 0, s>>>(A, dk, dv, pk, pv, total / 4);
         return cudaGetLastError();
     }
     if (((uintptr_t)dk | (uintptr_t)dv | (uintptr_t)pk | (uintptr_t)pv) % 16 == 0) {

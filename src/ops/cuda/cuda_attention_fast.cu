@@ -846,8 +846,8 @@ cudaError_t kiln_cuda_attn_pack_heads(cudaStream_t s, const kiln_cuda_attn_pack_
         if (J.B > B) B = J.B;
     }
     if (warps == 0) return cudaSuccess;
-    const char *ev = getenv("KILN_PACK_VEC"); /* "0": the one-warp kernel (A/B checks) */
-    if (HS == 64 && pack64_vec_ok(pj, n) && !(ev && strcmp(ev, "0") == 0)) {
+    /* KILN_PACK_VEC=0: the one-warp kernel (A/B checks) */
+    if (HS == 64 && pack64_vec_ok(pj, n) && !kiln_env_off("KILN_PACK_VEC")) {
         const int64_t halves = (warps + PACK64_ITEMS - 1) / PACK64_ITEMS; /* warps = items */
         const int64_t vblocks = (halves * 16 + 255) / 256;
         if (vblocks > INT_MAX) return cudaErrorInvalidConfiguration;
@@ -1453,8 +1453,7 @@ static cudaError_t flash_launch(kiln_cuda_attn *a, cudaStream_t s, float *out, u
     const dim3 grid((unsigned)((N + FL_BM - 1) / FL_BM), (unsigned)NH, (unsigned)B);
     if (HS == 64 && kiln_cuda_wgmma_usable(s)) { /* sm_90a */
         /* KILN_ATTN_FWD_PIPE=0: the plain walk (the same bits; for the test and A/B) */
-        const char *pe = getenv("KILN_ATTN_FWD_PIPE");
-        const bool pipe = !(pe && pe[0] == '0');
+        const bool pipe = !kiln_env_off("KILN_ATTN_FWD_PIPE");
         if (out16 && pipe)
             flash_wgmma_kernel<uint16_t, true><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
                 out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);

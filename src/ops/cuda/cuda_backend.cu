@@ -915,12 +915,6 @@ static void cu_attention_backward_seqs(kiln_backend *be, float *dq, float *dk, f
                               KVH, HS, scale);
 }
 
-static void cu_rope_backward_bf16(kiln_backend *be, float *d, uint16_t *d16, int64_t ld16,
-                                  bool keep_f32, const int32_t *pos, int N, int H, int HS,
-                                  const float *cos_tab, const float *sin_tab);
-static void cu_to_bf16_2d(kiln_backend *be, uint16_t *dst, int64_t ld_dst, const float *src,
-                          int64_t ld_src, int64_t rows, int64_t cols);
-
 /* ops.h's attention_backward_seqs16: the fast kernels with the epilogue in their stores when
  * they take the call, else the calls it stands for (the same bits either way). */
 static void cu_attention_backward_seqs16(kiln_backend *be, float *dq, float *dk, float *dv,
@@ -937,8 +931,8 @@ static void cu_attention_backward_seqs16(kiln_backend *be, float *dq, float *dk,
     }
     const void *o = out16 ? (const void *)out16 : (const void *)out;
     const int64_t T = (int64_t)B * N;
-    const char *env = getenv("KILN_ATTN_GRAD16"); /* "0": the separate calls (for A/B timing) */
-    if (c->fast && B <= 65535 && !(env && strcmp(env, "0") == 0) &&
+    /* KILN_ATTN_GRAD16=0: the separate calls (for A/B timing) */
+    if (c->fast && B <= 65535 && !kiln_env_off("KILN_ATTN_GRAD16") &&
         kiln_cuda_attention_backward_fast_ok(dq, dk, dv, dout, q, k, v, o, N, 0, NH, KVH, HS) &&
         kiln_cuda_attention_grad16_ok(g, NH, KVH, HS)) {
         kiln_attn_grad16 gd = *g;

@@ -177,8 +177,7 @@ out:
 static int wg_state[WG_MAX_DEVICES]; /* 0 unknown, 1 usable, 2 not usable */
 
 bool kiln_cuda_wgmma_usable(cudaStream_t s) {
-    const char *env = getenv("KILN_WGMMA");
-    if (env && strcmp(env, "0") == 0) return false;
+    if (kiln_env_off("KILN_WGMMA")) return false;
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= WG_MAX_DEVICES) return false;
     int st = __atomic_load_n(&wg_state[dev], __ATOMIC_ACQUIRE);
