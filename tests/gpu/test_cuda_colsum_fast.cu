@@ -361,6 +361,101 @@ static void test_matmul_dbias(kiln_cuda_gemm *g, kiln_backend *fast_be, kiln_bac
     cudaFree(d_w);
 }
 
+/* kiln_cuda_col_sum_fast_multi: each job the bits of its single call (vector and scalar
+ * loads, odd widths and leading dimensions, 1..4 jobs), the multi launcher's biases (q, k, v
+ * alone: one call, the bits of three), and the refusals. */
+static void test_col_sum_multi(kiln_cuda_gemm *g) {
+    const int fails0 = g_fail;
+    struct Set {
+        int N, n, shift; /* shift: a[0] starts this many floats in (scalar loads) */
+        int64_t W[4], pad;
+    } sets[] = {{8192, 3, 0, {896, 128, 128}, 0}, {300, 3, 0, {33, 576, 7}, 5},
+                {1, 2, 0, {64, 896}, 0},          {2048, 4, 0, {4864, 128, 128, 896}, 0},
+                {1000, 3, 1, {896, 128, 128}, 0}, {8193, 1, 0, {896}, 0}};
+    int cases = 0;
+    for (const Set &S : sets) {
+        float *out[4], *a_base[4];
+        const float *a[4];
+        int64_t ld[4];
+        std::vector<float> old[4], want[4];
+        for (int i = 0; i < S.n; i++) {
+            ld[i] = S.W[i] + S.pad;
+            std::vector<float> h((size_t)S.N * ld[i] + 4), o((size_t)S.W[i]);
+            for (float &f : h) f = rndu();
+            for (float &f : o) f = rndu();
+            a_base[i] = dev_upload(h);
+            a[i] = a_base[i] + (i == 0 ? S.shift : 0);
+            old[i] = o;
+            want[i] = fast_sum_of(a[i], nullptr, nullptr, ld[i], S.N, S.W[i], o);
+            out[i] = dev_upload(o);
+        }
+        const size_t len = kiln_cuda_col_sum_fast_multi_scratch_len(S.n, S.W, S.N);
+        double *ws = nullptr;
+        CUDA_FATAL(cudaMalloc((void **)&ws, len * sizeof(double) + 8));
+        const cudaError_t e = kiln_cuda_col_sum_fast_multi(g_s, S.n, out, a, ld, S.W, S.N, ws, len);
+        if (e != cudaSuccess) FAIL("col_sum_fast_multi: %s", cudaGetErrorString(e));
+        CUDA_FATAL(cudaStreamSynchronize(g_s));
+        for (int i = 0; i < S.n; i++) {
+            if (!same_bits(dev_download(out[i], (size_t)S.W[i]), want[i]))
+                FAIL("col_sum_fast_multi N=%d job %d (W %lld ld %lld): not the single call's bits",
+                     S.N, i, (long long)S.W[i], (long long)ld[i]);
+            cases++;
+        }
+        /* the launcher: bias sums alone (no products), one multi call for all items */
+        if (S.pad == 0 && S.shift == 0) {
+            kiln_cuda_mb_item it[4];
+            float *db[4];
+            memset(it, 0, sizeof it);
+            for (int i = 0; i < S.n; i++) {
+                db[i] = dev_upload(old[i]);
+                it[i].dbias = db[i];
+                it[i].dy = a[i];
+                it[i].dt = KILN_DTYPE_F32;
+                it[i].R = S.W[i];
+            }
+            const cudaError_t e2 = kiln_cuda_matmul_backward_fast_multi(g, g_s, S.n, it, nullptr,
+                                                                        nullptr, 64, S.N, false);
+            if (e2 != cudaSuccess) FAIL("matmul_backward_fast_multi (biases): %s", cudaGetErrorString(e2));
+            CUDA_FATAL(cudaStreamSynchronize(g_s));
+            for (int i = 0; i < S.n; i++) {
+                if (!same_bits(dev_download(db[i], (size_t)S.W[i]), want[i]))
+                    FAIL("matmul_backward_fast_multi N=%d bias %d: not the single sum's bits", S.N, i);
+                cudaFree(db[i]);
+            }
+        }
+        for (int i = 0; i < S.n; i++) {
+            cudaFree(a_base[i]);
+            cudaFree(out[i]);
+        }
+        cudaFree(ws);
+    }
+    /* refusals (nothing launched) */
+    {
+        float *o[5] = {nullptr};
+        const float *a[5] = {nullptr};
+        int64_t ld[5] = {8, 8, 8, 8, 8}, W[5] = {8, 8, 8, 8, 8};
+        double *ws = nullptr;
+        CUDA_FATAL(cudaMalloc((void **)&ws, 4096));
+        float *d = nullptr;
+        CUDA_FATAL(cudaMalloc((void **)&d, 4096));
+        for (int i = 0; i < 5; i++) o[i] = d, a[i] = d;
+        if (kiln_cuda_col_sum_fast_multi(g_s, 0, o, a, ld, W, 8, ws, 512) != cudaErrorInvalidValue ||
+            kiln_cuda_col_sum_fast_multi(g_s, 5, o, a, ld, W, 8, ws, 512) != cudaErrorInvalidValue)
+            FAIL("col_sum_fast_multi: job counts 0 and 5 not refused");
+        ld[1] = 7;
+        if (kiln_cuda_col_sum_fast_multi(g_s, 2, o, a, ld, W, 8, ws, 512) != cudaErrorInvalidValue)
+            FAIL("col_sum_fast_multi: ld < W not refused");
+        ld[1] = 8;
+        if (kiln_cuda_col_sum_fast_multi(g_s, 2, o, a, ld, W, 8, ws, 15) != cudaErrorInvalidValue)
+            FAIL("col_sum_fast_multi: a short scratch not refused");
+        cudaFree(ws);
+        cudaFree(d);
+    }
+    printf("column sums of several matrices in one launch: %d jobs the single calls' bits, the "
+           "launcher's biases too, refusals  %s\n",
+           cases, g_fail == fails0 ? "OK" : "FAILED");
+}
+
 /* ---- rmsnorm backward (fast): the rows kernel against float64, then dw and the table ------ */
 
 /* The header's h (cuda_backward_fast.h): the longest path of a term through the row sums. */
@@ -798,6 +893,44 @@ static void time_two(int reps, float ms[2], Setup setup, Run run) {
     cudaEventDestroy(t1);
 }
 
+/* q, k, v's bias sums at the 0.5B shape (N 8192; 896, 128, 128 columns): three single calls
+ * against one multi call (cudaEvent, mean of 50). */
+static void time_bias_multi() {
+    const int N = 8192, n = 3;
+    const int64_t W[3] = {896, 128, 128};
+    float *out[3], *av[3];
+    const float *a[3];
+    for (int i = 0; i < n; i++) {
+        std::vector<float> h((size_t)N * W[i]), o((size_t)W[i], 0.0f);
+        for (float &f : h) f = rndu();
+        av[i] = dev_upload(h);
+        a[i] = av[i];
+        out[i] = dev_upload(o);
+    }
+    const size_t len = kiln_cuda_col_sum_fast_multi_scratch_len(n, W, N);
+    double *ws = nullptr;
+    CUDA_FATAL(cudaMalloc((void **)&ws, len * sizeof(double) + 8));
+    const int reps = 50;
+    float ms[2];
+    time_two(
+        reps, ms, [](int) {},
+        [&](int which) {
+            if (which == 0)
+                for (int i = 0; i < n; i++)
+                    CUDA_FATAL(kiln_cuda_col_sum_fast(g_s, out[i], a[i], nullptr, nullptr, W[i],
+                                                      N, W[i], ws, len));
+            else
+                CUDA_FATAL(kiln_cuda_col_sum_fast_multi(g_s, n, out, a, W, W, N, ws, len));
+        });
+    printf("time bias sums N=%d (896, 128, 128): three calls %.1f us, one multi call %.1f us\n", N,
+           1e3 * ms[0] / reps, 1e3 * ms[1] / reps);
+    for (int i = 0; i < n; i++) {
+        cudaFree(av[i]);
+        cudaFree(out[i]);
+    }
+    cudaFree(ws);
+}
+
 /* The launcher with dw at N x C, fused and as two kernels (cudaEvent, mean of 20). */
 static void time_rms_dw(int N, int C) {
     const size_t n = (size_t)N * (size_t)C;
@@ -998,6 +1131,7 @@ int main(int argc, char **argv) {
     if (g_worst > 1e-5) FAIL("the normalised error %.2e exceeds 1e-5", g_worst);
 
     test_matmul_dbias(gemm, fast_be, aud_be);
+    test_col_sum_multi(gemm);
     for (int C : {1, 3, 4, 32, 33, 63, 64, 128, 129, 576, 577, 896, 1024, 1025, 2048, 5000, 8192,
                   8196, 12289})
         test_rms_rows(C);
@@ -1008,6 +1142,7 @@ int main(int argc, char **argv) {
     test_rms_dw_fused();
     if (big) {
         time_rms_dw(8192, 896);
+        time_bias_multi();
         time_rms_dw(16384, 576);
         time_shape(8192, 576, 2);
         time_shape(8192, 896, 0);

@@ -16,6 +16,7 @@
 
 #include <limits.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* ---- column sums: row chunks of RC rows, partials in double, then a fixed combine ---------- */
 
@@ -86,17 +87,19 @@ static __device__ __forceinline__ void lane8_tree(double (*v)[COLS]) {
 
 /* MODE 0: bv = 1; 1: bv = b; 2: bv = f32(b * s[n]). CPT columns per thread (1, or 4 with
  * float4 loads: W, ld multiples of 4 and a, b 16-byte aligned, checked by the launcher).
- * Grid (strips of 32 * CPT columns, K chunks); rows [n_lo, n_hi) of chunk blockIdx.y. */
+ * Block (bx, by) of the partial kernel's grid: strip bx, chunk by. */
 template <int MODE, int CPT, int AHEAD>
-static __global__ void __launch_bounds__(CS_TX *CS_LANES)
-col_sum_partial_kernel(double *__restrict__ part, const float *__restrict__ a,
-                       const float *__restrict__ b, const float *__restrict__ s, int64_t ld,
-                       int N, int64_t W, int64_t rc) {
+static __device__ __forceinline__ void col_sum_partial_block(double *__restrict__ part,
+                                                             const float *__restrict__ a,
+                                                             const float *__restrict__ b,
+                                                             const float *__restrict__ s,
+                                                             int64_t ld, int N, int64_t W,
+                                                             int64_t rc, int64_t bx, int64_t by) {
     constexpr int COLS = CS_TX * CPT;
     __shared__ double lanes[CS_LANES][COLS];
     const int tx = threadIdx.x, j = threadIdx.y;
-    const int64_t c0 = (int64_t)blockIdx.x * COLS + tx * CPT; /* this thread's first column */
-    const int64_t n_lo = (int64_t)blockIdx.y * rc;
+    const int64_t c0 = bx * COLS + tx * CPT; /* this thread's first column */
+    const int64_t n_lo = by * rc;
     const int64_t n_hi = n_lo + rc < N ? n_lo + rc : N;
     double acc[CPT];
 #pragma unroll
@@ -145,20 +148,29 @@ col_sum_partial_kernel(double *__restrict__ part, const float *__restrict__ a,
     __syncthreads();
     lane8_tree<COLS>(lanes);
     for (int e = j * CS_TX + tx; e < COLS; e += CS_TX * CS_LANES) {
-        const int64_t c = (int64_t)blockIdx.x * COLS + e;
-        if (c < W) part[(int64_t)blockIdx.y * W + c] = lanes[0][e];
+        const int64_t c = bx * COLS + e;
+        if (c < W) part[by * W + c] = lanes[0][e];
     }
+}
+
+/* Grid (strips of 32 * CPT columns, K chunks); rows [n_lo, n_hi) of chunk blockIdx.y. */
+template <int MODE, int CPT, int AHEAD>
+static __global__ void __launch_bounds__(CS_TX *CS_LANES)
+col_sum_partial_kernel(double *__restrict__ part, const float *__restrict__ a,
+                       const float *__restrict__ b, const float *__restrict__ s, int64_t ld,
+                       int N, int64_t W, int64_t rc) {
+    col_sum_partial_block<MODE, CPT, AHEAD>(part, a, b, s, ld, N, W, rc, blockIdx.x, blockIdx.y);
 }
 
 /* Column c = blockIdx.x * 32 + threadIdx.x; group g = threadIdx.y adds P[k][c] for k = g,
  * g + 8, ... ascending (from +0), the groups meet in the tree, and
  * out[c] = f32(out[c] + total) (the addition in double, one rounding). */
-static __global__ void __launch_bounds__(CS_TX *CS_LANES)
-col_sum_combine_kernel(float *__restrict__ out, const double *__restrict__ part, int64_t W,
-                       int K) {
+static __device__ __forceinline__ void col_sum_combine_block(float *__restrict__ out,
+                                                             const double *__restrict__ part,
+                                                             int64_t W, int K, int64_t bx) {
     __shared__ double groups[CS_LANES][CS_TX];
     const int tx = threadIdx.x, g = threadIdx.y;
-    const int64_t c = (int64_t)blockIdx.x * CS_TX + tx;
+    const int64_t c = bx * CS_TX + tx;
     double t = 0.0;
     if (c < W)
 #pragma unroll 8
@@ -167,6 +179,40 @@ col_sum_combine_kernel(float *__restrict__ out, const double *__restrict__ part,
     __syncthreads();
     lane8_tree<CS_TX>(groups);
     if (g == 0 && c < W) out[c] = (float)((double)out[c] + groups[0][tx]);
+}
+
+static __global__ void __launch_bounds__(CS_TX *CS_LANES)
+col_sum_combine_kernel(float *__restrict__ out, const double *__restrict__ part, int64_t W,
+                       int K) {
+    col_sum_combine_block(out, part, W, K, blockIdx.x);
+}
+
+/* Plain column sums of up to KILN_CUDA_COL_SUM_MULTI_MAX matrices in one launch of each
+ * kernel (kiln_cuda_col_sum_fast_multi): grid z is the job, x and y cover the largest job,
+ * and a block past its own job's strips or chunks leaves at once (the whole block). Job z's
+ * partials lie at part + off[z]; each job's chunks, order and combine are its single call's. */
+struct cs_jobs {
+    float *out[KILN_CUDA_COL_SUM_MULTI_MAX];
+    const float *a[KILN_CUDA_COL_SUM_MULTI_MAX];
+    int64_t ld[KILN_CUDA_COL_SUM_MULTI_MAX], W[KILN_CUDA_COL_SUM_MULTI_MAX];
+    int64_t rc[KILN_CUDA_COL_SUM_MULTI_MAX], off[KILN_CUDA_COL_SUM_MULTI_MAX];
+    int K[KILN_CUDA_COL_SUM_MULTI_MAX];
+};
+
+template <int CPT, int AHEAD>
+static __global__ void __launch_bounds__(CS_TX *CS_LANES)
+col_sum_partial_multi_kernel(double *__restrict__ part, const cs_jobs J, int N) {
+    const int z = (int)blockIdx.z;
+    if ((int64_t)blockIdx.x * (CS_TX * CPT) >= J.W[z] || (int)blockIdx.y >= J.K[z]) return;
+    col_sum_partial_block<0, CPT, AHEAD>(part + J.off[z], J.a[z], NULL, NULL, J.ld[z], N, J.W[z],
+                                         J.rc[z], blockIdx.x, blockIdx.y);
+}
+
+static __global__ void __launch_bounds__(CS_TX *CS_LANES)
+col_sum_combine_multi_kernel(const double *__restrict__ part, const cs_jobs J) {
+    const int z = (int)blockIdx.z;
+    if ((int64_t)blockIdx.x * CS_TX >= J.W[z]) return;
+    col_sum_combine_block(J.out[z], part + J.off[z], J.W[z], J.K[z], blockIdx.x);
 }
 
 template <int MODE>
@@ -205,6 +251,59 @@ cudaError_t kiln_cuda_col_sum_fast(cudaStream_t s, float *out, const float *a, c
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((W + CS_TX - 1) / CS_TX)), block(CS_TX, CS_LANES);
     col_sum_combine_kernel<<<grid, block, 0, s>>>(out, scratch, W, (int)K);
+    return cudaGetLastError();
+}
+
+size_t kiln_cuda_col_sum_fast_multi_scratch_len(int n, const int64_t *W, int N) {
+    size_t len = 0;
+    for (int i = 0; i < n && W; i++) len += kiln_cuda_col_sum_fast_scratch_len(N, W[i]);
+    return len;
+}
+
+cudaError_t kiln_cuda_col_sum_fast_multi(cudaStream_t s, int n, float *const *out,
+                                         const float *const *a, const int64_t *ld,
+                                         const int64_t *W, int N, double *scratch,
+                                         size_t scratch_len) {
+    if (n < 1 || n > KILN_CUDA_COL_SUM_MULTI_MAX || !out || !a || !ld || !W)
+        return cudaErrorInvalidValue;
+    if (N <= 0) return cudaSuccess;
+    cs_jobs J;
+    memset(&J, 0, sizeof J);
+    int64_t max_w = 0, max_k = 0, off = 0;
+    bool vec = true;
+    for (int i = 0; i < n; i++) {
+        if (W[i] <= 0 || !out[i] || !a[i] || ld[i] < W[i] || !scratch)
+            return cudaErrorInvalidValue;
+        const int64_t rc = col_sum_rows_per_chunk(N, W[i]), K = ((int64_t)N + rc - 1) / rc;
+        if ((W[i] + CS_TX - 1) / CS_TX > INT_MAX || K > CS_MAX_CHUNKS)
+            return cudaErrorInvalidConfiguration;
+        J.out[i] = out[i];
+        J.a[i] = a[i];
+        J.ld[i] = ld[i];
+        J.W[i] = W[i];
+        J.rc[i] = rc;
+        J.K[i] = (int)K;
+        J.off[i] = off;
+        off += K * W[i];
+        if (W[i] > max_w) max_w = W[i];
+        if (K > max_k) max_k = K;
+        /* float4 loads only when every job allows them (the order is the same either way) */
+        vec = vec && W[i] % 4 == 0 && ld[i] % 4 == 0 && (uintptr_t)a[i] % 16 == 0;
+    }
+    if (scratch_len < (size_t)off) return cudaErrorInvalidValue;
+    const dim3 block(CS_TX, CS_LANES);
+    if (vec)
+        col_sum_partial_multi_kernel<4, 4>
+            <<<dim3((unsigned)((max_w + 4 * CS_TX - 1) / (4 * CS_TX)), (unsigned)max_k, (unsigned)n),
+               block, 0, s>>>(scratch, J, N);
+    else
+        col_sum_partial_multi_kernel<1, 8>
+            <<<dim3((unsigned)((max_w + CS_TX - 1) / CS_TX), (unsigned)max_k, (unsigned)n), block,
+               0, s>>>(scratch, J, N);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    col_sum_combine_multi_kernel<<<dim3((unsigned)((max_w + CS_TX - 1) / CS_TX), 1, (unsigned)n),
+                                   block, 0, s>>>(scratch, J);
     return cudaGetLastError();
 }
 
@@ -888,6 +987,8 @@ static cudaError_t mb_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
      * largest) -- every region 256-byte aligned, as in a single call, so the GEMM problems
      * (shapes, leading dimensions, alignment classes) are those of n single calls */
     size_t dy_off[KILN_CUDA_MB_MAX], off = 0, x_bytes = 0, w_bytes = 0, part_len = 0;
+    size_t part_sum = 0; /* the biases' sums in one launch when two or more ask for them */
+    int n_bias = 0;
     bool any = false, any_dW = false;
     for (int i = 0; i < n; i++) {
         const kiln_cuda_mb_item &it = items[i];
@@ -917,9 +1018,14 @@ static cudaError_t mb_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
         if (it.dbias) {
             const size_t pl = kiln_cuda_col_sum_fast_scratch_len(N, it.R);
             if (pl > part_len) part_len = pl;
+            part_sum += pl;
+            n_bias++;
         }
     }
     if (!any) return cudaSuccess;
+    static_assert(KILN_CUDA_MB_MAX <= KILN_CUDA_COL_SUM_MULTI_MAX, "every item's bias in one call");
+    const bool bias_multi = n_bias >= 2;
+    if (bias_multi) part_len = part_sum;
     if (any_dW && x && !region_bytes(N, padded_ld(C), &x_bytes)) return cudaErrorInvalidValue;
     const size_t x_off = off, w_off = x_off + x_bytes, part_off = w_off + w_bytes;
     const size_t part_bytes = (part_len * sizeof(double) + 255u) & ~(size_t)255u;
@@ -943,11 +1049,26 @@ static cudaError_t mb_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
         e = kiln_cuda_f32_to_bf16(s, dst, ldx, x, C, N, C);
         xb = dst;
     }
+    if (bias_multi && e == cudaSuccess) { /* every bias's sums first, one launch each kernel */
+        float *bo[KILN_CUDA_COL_SUM_MULTI_MAX];
+        const float *ba[KILN_CUDA_COL_SUM_MULTI_MAX];
+        int64_t bld[KILN_CUDA_COL_SUM_MULTI_MAX], bw[KILN_CUDA_COL_SUM_MULTI_MAX];
+        int nb = 0;
+        for (int i = 0; i < n; i++)
+            if (items[i].R > 0 && items[i].dbias) {
+                bo[nb] = items[i].dbias;
+                ba[nb] = items[i].dy;
+                bld[nb] = bw[nb] = items[i].R;
+                nb++;
+            }
+        e = kiln_cuda_col_sum_fast_multi(s, nb, bo, ba, bld, bw, N, part, part_len);
+    }
     bool dx_started = false; /* dx: the first product with accumulate_dx, the rest add */
     for (int i = 0; i < n && e == cudaSuccess; i++) {
         const kiln_cuda_mb_item &it = items[i];
         if (it.R <= 0) continue;
-        if (it.dbias) /* dbias(R) += column sums of dy(N,R), kiln_cuda_col_sum_fast's order */
+        /* dbias(R) += column sums of dy(N,R), kiln_cuda_col_sum_fast's order */
+        if (it.dbias && !bias_multi)
             e = kiln_cuda_col_sum_fast(s, it.dbias, it.dy, NULL, NULL, it.R, N, it.R, part,
                                        kiln_cuda_col_sum_fast_scratch_len(N, it.R));
         if (e != cudaSuccess || (!dx && !dx16 && !it.dW)) continue;

@@ -129,6 +129,20 @@ cudaError_t kiln_cuda_col_sum_fast(cudaStream_t s, float *out, const float *a, c
                                    const float *sc, int64_t ld, int N, int64_t W,
                                    double *scratch, size_t scratch_len);
 
+/* Plain column sums (b NULL) of n (1..KILN_CUDA_COL_SUM_MULTI_MAX) matrices in one launch of
+ * each of the two kernels: out[i][c] += sum over rows of a[i][n*ld[i] + c] for c < W[i], each
+ * with the bits of kiln_cuda_col_sum_fast(out[i], a[i], NULL, NULL, ld[i], N, W[i]) (its row
+ * chunks, order and combine; the loads' width may differ, the additions do not). scratch:
+ * kiln_cuda_col_sum_fast_multi_scratch_len doubles (the n single lengths added). For q, k
+ * and v's bias sums: three launches a layer fewer. cudaErrorInvalidValue as the single call
+ * for any job, or n out of range. */
+#define KILN_CUDA_COL_SUM_MULTI_MAX 4
+size_t kiln_cuda_col_sum_fast_multi_scratch_len(int n, const int64_t *W, int N);
+cudaError_t kiln_cuda_col_sum_fast_multi(cudaStream_t s, int n, float *const *out,
+                                         const float *const *a, const int64_t *ld,
+                                         const int64_t *W, int N, double *scratch,
+                                         size_t scratch_len);
+
 /* ops.h's rmsnorm_backward in fast mode. Per row n of x(N,C), dy(N,C), w(C) (w NULL: g = dy,
  * no product):
  *   r = 1 / sqrtf(ss / C + eps), ss = sum x^2     (written to rstd[n])
