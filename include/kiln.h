@@ -449,8 +449,10 @@ KILN_API kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *id
 /* forward_batch + backward(NULL, accumulate) in one call, with the same results (loss and
  * gradients: the same bits). On a GPU in fast mode the host does not wait between the two
  * halves: the loss's gradient is enqueued behind its first pass and the layers' backward
- * behind that, and the call waits only for the loss's statistics, so the device stays busy
- * (docs/TRAINING.md, "One-call steps"). Errors as forward_batch's, before anything changes;
+ * behind that, and the call waits only for the loss's statistics: it returns while the
+ * backward still runs, so the host queues the next work behind it and the device stays busy
+ * (docs/TRAINING.md, "One-call steps"). A device fault in that work is reported by the next
+ * call that waits for it (clip_grads, optimizer_step, a forward's loss). Errors as forward_batch's, before anything changes;
  * except a non-finite loss, which on that path is known only after the gradient work was
  * enqueued, and any failure after that work began: the error says so, and the gradients are
  * then unusable (clip and optimizer_step refuse them with KILN_ERR_STATE) until a step that
@@ -481,7 +483,8 @@ KILN_API kiln_status kiln_train_grad_sq_norm(kiln_trainer *t, double *out);
 KILN_API kiln_status kiln_train_clip_grads(kiln_trainer *t, double max_norm, float *total_norm,
                                            float *coef);
 /* One AdamW update with learning rate lr. A non-finite gradient is refused before any
- * weight changes. */
+ * weight changes. On a device it returns once the update is enqueued (the next step queues
+ * behind it; anything that reads the weights waits for it). */
 KILN_API kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr);
 
 /* Parameters by transformers' names. */

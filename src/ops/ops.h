@@ -361,6 +361,12 @@ typedef struct kiln_backend_i {
                                       const float *out, const uint16_t *out16, const float *lse,
                                       const void *keep, float *ws, int B, int N, int NH, int KVH,
                                       int HS, float scale);
+
+    /* Optional (NULL: status, which waits): the error that poisoned the backend, or one the
+     * device has already reported, without waiting for the submitted work. A fault in work
+     * still running shows in a later status, poll or download. For a caller that wants the
+     * device to stay busy while it prepares the next work (kiln_train_step_batch). */
+    kiln_status (*poll)(kiln_backend *be);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */
@@ -456,6 +462,10 @@ static inline size_t kiln_attention_backward_seqs_ws_floats(int B, int N, int NH
 /* KILN_OK, or the error that poisoned the backend; waits for submitted work. */
 static inline kiln_status kiln_backend_status(kiln_backend *be) {
     return be && be->i->status ? be->i->status(be) : KILN_OK;
+}
+/* The same without waiting where the backend can (poll), else kiln_backend_status. */
+static inline kiln_status kiln_backend_poll(kiln_backend *be) {
+    return be && be->i->poll ? be->i->poll(be) : kiln_backend_status(be);
 }
 
 #endif /* KILN_OPS_H */

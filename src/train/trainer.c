@@ -242,6 +242,13 @@ static kiln_status backend_check(kiln_trainer *t, const char *call) {
     return st == KILN_OK ? KILN_OK : kiln_error_prefix(st, "%s: %s backend", call, t->be->i->name);
 }
 
+/* backend_check without waiting for the submitted work (ops.h poll): for the calls that
+ * leave the device busy on purpose. A fault in that work shows in the next call that waits. */
+static kiln_status backend_poll(kiln_trainer *t, const char *call) {
+    kiln_status st = kiln_backend_poll(t->be);
+    return st == KILN_OK ? KILN_OK : kiln_error_prefix(st, "%s: %s backend", call, t->be->i->name);
+}
+
 /* A device backend must run every op of a training step for the weights' dtype (wt); the
  * f32 ops zero_floats and the tied/untied heads use are EMBED / MATMUL with F32. */
 static kiln_status check_backend_ops(kiln_trainer *t, kiln_dtype wt) {
@@ -1474,7 +1481,7 @@ kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq
         *loss = r.loss;
     }
     track_peak(t);
-    st = backend_check(t, call);
+    st = backend_poll(t, call); /* the backward still runs: the next step is queued behind it */
     if (st == KILN_OK) return KILN_OK;
 unusable:
     t->grads_unusable = 1;
@@ -1601,7 +1608,7 @@ kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr) {
     t->shadow_stale = 1;
     KILN_TRY(kiln_adamw_step_checked(t->opt_mat, pool)); /* both checked above */
     KILN_TRY(kiln_adamw_step_checked(t->opt_vec, pool));
-    KILN_TRY(backend_check(t, "kiln_train_optimizer_step"));
+    KILN_TRY(backend_poll(t, "kiln_train_optimizer_step")); /* the next step queues behind it */
     /* the steps wrote the bf16 copy of every weight as they updated it (create_optimizers
      * gave them their w16): the bits to_bf16 would make, so no conversion pass */
     if (t->step_writes_shadow) t->shadow_stale = 0;

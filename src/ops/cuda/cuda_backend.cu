@@ -1166,6 +1166,21 @@ static kiln_status cu_status(kiln_backend *be) {
     return KILN_OK;
 }
 
+/* cu_status without the wait: cudaStreamQuery says "not ready" while work runs, and returns
+ * a fault the device has already reported (sticky: every later call would see it too). */
+static kiln_status cu_poll(kiln_backend *be) {
+    cuda_ctx *c = ctx_of(be);
+    if (op_begin(c)) {
+        const cudaError_t e = cudaStreamQuery(c->stream);
+        if (e != cudaErrorNotReady)
+            check(c, e, "cudaStreamQuery");
+        else if (cudaPeekAtLastError() == cudaErrorNotReady)
+            (void)cudaGetLastError(); /* "not ready" is an answer, not an error to keep */
+    }
+    if (c->err != KILN_OK) return kiln_error(c->err, "%s", c->msg);
+    return KILN_OK;
+}
+
 /* ---- the table ----------------------------------------------------------------------------- */
 
 static bool cu_supports_op(const kiln_backend *be, kiln_op op, kiln_dtype wtype) {
@@ -1264,6 +1279,7 @@ static const kiln_backend_i cuda_iface = {
     /* .download_begin = */ cu_download_begin,
     /* .download_end = */ cu_download_end,
     /* .attention_backward_seqs16 = */ cu_attention_backward_seqs16,
+    /* .poll = */ cu_poll,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {
