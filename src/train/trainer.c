@@ -243,8 +243,10 @@ static kiln_status backend_check(kiln_trainer *t, const char *call) {
 }
 
 /* backend_check without waiting for the submitted work (ops.h poll): for the calls that
- * leave the device busy on purpose. A fault in that work shows in the next call that waits. */
+ * leave the device busy on purpose. A fault in that work shows in the next call that waits.
+ * KILN_STEP_POLL=0 waits as backend_check does (an A/B switch for the benchmarks). */
 static kiln_status backend_poll(kiln_trainer *t, const char *call) {
+    if (kiln_env_off("KILN_STEP_POLL")) return backend_check(t, call);
     kiln_status st = kiln_backend_poll(t->be);
     return st == KILN_OK ? KILN_OK : kiln_error_prefix(st, "%s: %s backend", call, t->be->i->name);
 }
