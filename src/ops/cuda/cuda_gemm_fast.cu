@@ -378,6 +378,20 @@ static int heur_skip(void) {
     return k < 0 ? 0 : k > 7 ? 7 : k;
 }
 
+/* KILN_GEMM_AVOID_WS=1 (an experiment, read when a plan is made): when the pick asks for a
+ * workspace, take instead the first of the next two usable results that asks for none (the
+ * products whose algorithms use the workspace come with a memset before each launch: session
+ * 16's profiles). KILN_GEMM_LOG=1: a line a plan on stderr, each result's workspace and the
+ * pick. */
+static bool heur_avoid_ws(void) {
+    const char *e = getenv("KILN_GEMM_AVOID_WS");
+    return e && e[0] == '1' && e[1] == '\0';
+}
+static bool heur_log(void) {
+    const char *e = getenv("KILN_GEMM_LOG");
+    return e && e[0] == '1' && e[1] == '\0';
+}
+
 /* Ask the heuristic (best first) for problem p under preference pref; take the first result
  * that succeeded and fits the workspace (or, with KILN_GEMM_HEUR_SKIP, a later one). false (no
  * message) when there is none; a failing call other than "not supported" sets the message and
@@ -400,6 +414,27 @@ static bool heuristic_pick(kiln_cuda_gemm *g, gemm_plan *p, cublasLtMatmulPrefer
             last = i;
             if (skip-- == 0) break;
         }
+    if (last >= 0 && heur_avoid_ws() && res[last].workspaceSize > 0)
+        for (int i = last + 1, seen = 1; i < n && i < 8 && seen < 3; i++) {
+            if (res[i].state != CUBLAS_STATUS_SUCCESS || res[i].workspaceSize > GEMM_WORKSPACE_BYTES)
+                continue;
+            seen++;
+            if (res[i].workspaceSize == 0) {
+                last = i;
+                break;
+            }
+        }
+    if (heur_log()) {
+        const gemm_key *k = &p->key;
+        fprintf(stderr, "kiln gemm plan: m %lld n %lld k %lld ops %lld/%lld out %s bias %lld; "
+                        "workspace of each result (* the pick):",
+                (long long)k->m, (long long)k->n, (long long)k->k, (long long)k->op_a,
+                (long long)k->op_b, k->d_bf16 ? "bf16" : "f32", (long long)k->align_bias);
+        for (int i = 0; i < n && i < 8; i++)
+            fprintf(stderr, " %zu%s%s", res[i].workspaceSize, i == last ? "*" : "",
+                    res[i].state == CUBLAS_STATUS_SUCCESS ? "" : "(failed)");
+        fprintf(stderr, "\n");
+    }
     if (last < 0) return false;
     p->algo = res[last].algo;
     return true;
