@@ -378,15 +378,9 @@ static int heur_skip(void) {
     return k < 0 ? 0 : k > 7 ? 7 : k;
 }
 
-/* KILN_GEMM_AVOID_WS=1 (an experiment, read when a plan is made): when the pick asks for a
- * workspace, take instead the first of the next two usable results that asks for none (the
- * products whose algorithms use the workspace come with a memset before each launch: session
- * 16's profiles). KILN_GEMM_LOG=1: a line a plan on stderr, each result's workspace and the
- * pick. */
-static bool heur_avoid_ws(void) {
-    const char *e = getenv("KILN_GEMM_AVOID_WS");
-    return e && e[0] == '1' && e[1] == '\0';
-}
+/* KILN_GEMM_LOG=1 (a diagnostic): a line a plan on stderr, each result's workspace and the
+ * pick. Session 17 found with it that every candidate of the products cuBLASLt precedes with a
+ * memset asks for a 4-byte workspace (a counter it zeroes): no pick avoids those memsets. */
 static bool heur_log(void) {
     const char *e = getenv("KILN_GEMM_LOG");
     return e && e[0] == '1' && e[1] == '\0';
@@ -413,16 +407,6 @@ static bool heuristic_pick(kiln_cuda_gemm *g, gemm_plan *p, cublasLtMatmulPrefer
         if (res[i].state == CUBLAS_STATUS_SUCCESS && res[i].workspaceSize <= GEMM_WORKSPACE_BYTES) {
             last = i;
             if (skip-- == 0) break;
-        }
-    if (last >= 0 && heur_avoid_ws() && res[last].workspaceSize > 0)
-        for (int i = last + 1, seen = 1; i < n && i < 8 && seen < 3; i++) {
-            if (res[i].state != CUBLAS_STATUS_SUCCESS || res[i].workspaceSize > GEMM_WORKSPACE_BYTES)
-                continue;
-            seen++;
-            if (res[i].workspaceSize == 0) {
-                last = i;
-                break;
-            }
         }
     if (heur_log()) {
         const gemm_key *k = &p->key;
