@@ -965,6 +965,88 @@ static void time_rms_dw(int N, int C) {
         cudaFree(p);
 }
 
+/* KILN_RB_DW_CFG's experiment (session 17): the one-pass kernel capped for three blocks an SM
+ * and/or with more rows a chunk. dx, dx16 and rstd must keep the default's bits, dw too at the
+ * default's 16 rows a chunk and within one ulp at others; then each form's time (cudaEvent,
+ * mean of 20; the same zeroed buffers as time_rms_dw). */
+static const char *const kDwCfgs[] = {nullptr, "3,16", "1,24", "3,24", "1,32", "3,32"};
+
+static void check_rms_dw_cfgs(int N, int C) {
+    const int fails0 = g_fail;
+    const size_t n = (size_t)N * C;
+    std::vector<float> dy(n), x(n), w((size_t)C), dx0(n), dw0((size_t)C);
+    for (float &f : dy) f = rndu();
+    for (float &f : x) f = 3.0f * rndu();
+    for (float &f : w) f = 1.0f + 0.25f * rndu();
+    for (float &f : dx0) f = rndu();
+    for (float &f : dw0) f = rndu();
+    DwOut ref;
+    if (!dw_run(N, C, true, true, 0, true, dy, x, w, dx0, dw0, ref)) return;
+    long ulps = 0;
+    for (const char *cfg : kDwCfgs) {
+        if (!cfg) continue;
+        DwOut o;
+        setenv("KILN_RB_DW_CFG", cfg, 1);
+        const bool ran = dw_run(N, C, true, true, 0, true, dy, x, w, dx0, dw0, o);
+        unsetenv("KILN_RB_DW_CFG");
+        if (!ran) continue;
+        const bool rows16 = strcmp(cfg + 2, "16") == 0;
+        const long d = dw_differences(o.dw, ref.dw);
+        const char *what = nullptr;
+        if (!same_bits(o.dx, ref.dx)) what = "dx is not the default's bits";
+        else if (!same_bits(o.rstd, ref.rstd)) what = "rstd is not the default's bits";
+        else if (o.dx16 != ref.dx16) what = "dx16 is not the default's bits";
+        else if (rows16 ? !same_bits(o.dw, ref.dw) : d < 0)
+            what = rows16 ? "dw is not the default's bits" : "dw differs by more than an ulp";
+        if (what) FAIL("rmsnorm dw KILN_RB_DW_CFG=%s N=%d C=%d: %s", cfg, N, C, what);
+        if (d > 0) ulps += d;
+    }
+    printf("rmsnorm dw forms (KILN_RB_DW_CFG) N=%d C=%d: dx, dx16, rstd the default's bits, dw "
+           "too at 16 rows a chunk (%ld values one ulp off at others) %s\n",
+           N, C, ulps, g_fail == fails0 ? "OK" : "FAILED");
+}
+
+static void time_rms_dw_cfgs(int N, int C) {
+    const size_t n = (size_t)N * (size_t)C;
+    float *x = nullptr, *dy = nullptr, *dx = nullptr, *w = nullptr, *rs = nullptr, *dw = nullptr;
+    uint16_t *d16 = nullptr;
+    CUDA_FATAL(cudaMalloc((void **)&x, n * 4));
+    CUDA_FATAL(cudaMalloc((void **)&dy, n * 4));
+    CUDA_FATAL(cudaMalloc((void **)&dx, n * 4));
+    CUDA_FATAL(cudaMalloc((void **)&d16, n * 2));
+    CUDA_FATAL(cudaMalloc((void **)&w, (size_t)C * 4));
+    CUDA_FATAL(cudaMalloc((void **)&dw, (size_t)C * 4));
+    CUDA_FATAL(cudaMalloc((void **)&rs, (size_t)N * 4));
+    for (float *p : {x, dy, dx}) CUDA_FATAL(cudaMemset(p, 0, n * 4));
+    CUDA_FATAL(cudaMemset(w, 0, (size_t)C * 4));
+    CUDA_FATAL(cudaMemset(dw, 0, (size_t)C * 4));
+    const size_t len = kiln_cuda_rmsnorm_backward_fast_scratch_len(N, C);
+    double *ws = nullptr;
+    CUDA_FATAL(cudaMalloc((void **)&ws, len * sizeof(double)));
+    const int reps = 20;
+    printf("timing rmsnorm backward with dw N=%d C=%d acc + dx16 by KILN_RB_DW_CFG (minb,rows):", N, C);
+    for (int round = 0; round < 2; round++) /* twice over: the lease's drift shows */
+        for (const char *cfg : kDwCfgs) {
+            float ms[2] = {0, 0};
+            time_two(
+                reps, ms,
+                [&](int) {
+                    if (cfg) setenv("KILN_RB_DW_CFG", cfg, 1);
+                    else unsetenv("KILN_RB_DW_CFG");
+                },
+                [&](int) {
+                    CUDA_FATAL(kiln_cuda_rmsnorm_backward_fast(g_s, dx, d16, dw, dy, x, w, N, C,
+                                                               1e-6f, rs, true, ws, len));
+                });
+            printf(" %s %.1f/%.1f us;", cfg ? cfg : "default", 1e3 * ms[0] / reps, 1e3 * ms[1] / reps);
+        }
+    unsetenv("KILN_RB_DW_CFG");
+    printf("\n");
+    for (void *p : {(void *)x, (void *)dy, (void *)dx, (void *)d16, (void *)w, (void *)dw,
+                    (void *)rs, (void *)ws})
+        cudaFree(p);
+}
+
 /* ---- argument errors (before anything is enqueued: no GPU needed) -------------------------- */
 
 static void host_checks() {
@@ -1140,7 +1222,11 @@ int main(int argc, char **argv) {
            g_rms_worst, g_rms_units);
     test_rmsnorm(fast_be, aud_be);
     test_rms_dw_fused();
+    check_rms_dw_cfgs(8193, 896);
+    check_rms_dw_cfgs(2048, 576);
     if (big) {
+        time_rms_dw_cfgs(8192, 896);
+        time_rms_dw_cfgs(16384, 576);
         time_rms_dw(8192, 896);
         time_bias_multi();
         time_rms_dw(16384, 576);

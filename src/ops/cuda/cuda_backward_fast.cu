@@ -15,6 +15,7 @@
 #include "../../base/kmath.h"
 
 #include <limits.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -489,10 +490,28 @@ rmsnorm_bwd_fast_warp_kernel(float *dx, uint16_t *__restrict__ dx16, const float
 #define RB_DW_ROWS 16          /* rows a chunk: 2 a warp (0.5B: 512 blocks, two waves of 2 an SM) */
 #define RB_DW_MAX_CHUNKS 1024  /* bounds the scratch and the combine's chains */
 
-static int64_t rb_dw_rows_per_chunk(int N) {
+/* rows: the chunk's rows before the RB_DW_MAX_CHUNKS bound (RB_DW_ROWS, or rb_dw_cfg's) */
+static int64_t rb_dw_rows_per_chunk(int N, int rows) {
     const int64_t need = ((int64_t)N + RB_DW_MAX_CHUNKS - 1) / RB_DW_MAX_CHUNKS;
-    if (need <= RB_DW_ROWS) return RB_DW_ROWS;
+    if (need <= rows) return rows;
     return (need + RB_WARPS - 1) / RB_WARPS * RB_WARPS;
+}
+
+/* KILN_RB_DW_CFG="minb,rows" (an experiment, session 17; read at each call): the one-pass
+ * kernel's register cap (minb 3: capped for three blocks an SM; 1: ptxas's choice) and its rows a
+ * chunk (a multiple of RB_WARPS, at least RB_DW_ROWS: never more chunks, so never more
+ * scratch, than the default). Unset or malformed: 1, RB_DW_ROWS. dx, dx16 and rstd keep their
+ * bits whatever the choice; dw keeps them for the same rows a chunk. */
+static void rb_dw_cfg(int *minb, int *rows) {
+    *minb = 1;
+    *rows = RB_DW_ROWS;
+    const char *e = getenv("KILN_RB_DW_CFG");
+    int a = 0, b = 0;
+    if (e && sscanf(e, "%d,%d", &a, &b) == 2 && (a == 1 || a == 3) && b >= RB_DW_ROWS &&
+        b % RB_WARPS == 0 && b <= 256) {
+        *minb = a;
+        *rows = b;
+    }
 }
 
 /* g = dy * w of slot sj (rb_load_slot's product; w NULL or sj past the row: dy itself) */
@@ -505,11 +524,11 @@ static __device__ __forceinline__ float4 rb_g(float4 yv, const float *w, int sj,
 }
 
 template <int V, bool VEC>
-static __global__ void __launch_bounds__(RB_THREADS)
-rmsnorm_bwd_dw_fast_kernel(float *dx, uint16_t *__restrict__ dx16, const float *dy,
-                           const float *__restrict__ x, const float *__restrict__ w, int N,
-                           int C, float eps, float *__restrict__ rstd, bool accumulate,
-                           double *__restrict__ part, int64_t rc) {
+static __device__ __forceinline__ void
+rmsnorm_bwd_dw_fast_body(float *dx, uint16_t *__restrict__ dx16, const float *dy,
+                         const float *__restrict__ x, const float *__restrict__ w, int N, int C,
+                         float eps, float *__restrict__ rstd, bool accumulate,
+                         double *__restrict__ part, int64_t rc) {
     /* (RB_WARPS, V, 4, 32) doubles: warp j's sum of column 4 (t + 32 k) + q at
      * [j][k][q][t], so the 32 lanes of a warp touch 32 consecutive doubles */
     extern __shared__ double sums[];
@@ -581,6 +600,22 @@ rmsnorm_bwd_dw_fast_kernel(float *dx, uint16_t *__restrict__ dx16, const float *
                 if (c < C) part[(int64_t)blockIdx.x * C + c] = mine[(k * 4 + q) * 32 + t];
             }
 }
+
+/* The one-pass kernel: ptxas's own register choice (MINB 0), or capped for MINB blocks an SM
+ * (rb_dw_cfg's experiment). The same body, so the same arithmetic. */
+#define RB_DW_ARGS                                                                            \
+    float *dx, uint16_t *__restrict__ dx16, const float *dy, const float *__restrict__ x,     \
+        const float *__restrict__ w, int N, int C, float eps, float *__restrict__ rstd,       \
+        bool accumulate, double *__restrict__ part, int64_t rc
+template <int V, bool VEC>
+static __global__ void __launch_bounds__(RB_THREADS) rmsnorm_bwd_dw_fast_kernel(RB_DW_ARGS) {
+    rmsnorm_bwd_dw_fast_body<V, VEC>(dx, dx16, dy, x, w, N, C, eps, rstd, accumulate, part, rc);
+}
+template <int V, bool VEC>
+static __global__ void __launch_bounds__(RB_THREADS, 3) rmsnorm_bwd_dw_fast3_kernel(RB_DW_ARGS) {
+    rmsnorm_bwd_dw_fast_body<V, VEC>(dx, dx16, dy, x, w, N, C, eps, rstd, accumulate, part, rc);
+}
+#undef RB_DW_ARGS
 
 /* The fast forward (kiln_cuda_rmsnorm_fast_bf16): the same rows, lanes, slots and chains as
  * the backward above for the sum of squares (so its r has the backward's bits for the same
@@ -844,28 +879,25 @@ static bool rb_dw_fused(int C) {
 size_t kiln_cuda_rmsnorm_backward_fast_scratch_len(int N, int C) {
     const size_t two = kiln_cuda_col_sum_fast_scratch_len(N, C);
     if (N <= 0 || C <= 0 || !rb_dw_fusable(C)) return two;
-    const int64_t rc = rb_dw_rows_per_chunk(N), K = ((int64_t)N + rc - 1) / rc;
+    const int64_t rc = rb_dw_rows_per_chunk(N, RB_DW_ROWS), K = ((int64_t)N + rc - 1) / rc;
     const size_t one = (size_t)K * (size_t)C;
     return one > two ? one : two;
 }
 
+/* minb 3: the kernel capped for three blocks an SM (at most 85 registers a thread); else
+ * ptxas's own choice */
 template <int V>
 static void rb_dw_launch(cudaStream_t s, bool vec, unsigned K, float *dx, uint16_t *dx16,
                          const float *dy, const float *x, const float *w, int N, int C, float eps,
-                         float *rstd, bool acc, double *part, int64_t rc) {
+                         float *rstd, bool acc, double *part, int64_t rc, int minb) {
     const size_t smem = (size_t)RB_WARPS * V * 128 * sizeof(double); /* 8 KiB x V */
+    auto kt = rmsnorm_bwd_dw_fast_kernel<V, true>, kf = rmsnorm_bwd_dw_fast_kernel<V, false>;
+    if (minb == 3) kt = rmsnorm_bwd_dw_fast3_kernel<V, true>, kf = rmsnorm_bwd_dw_fast3_kernel<V, false>;
     if (smem > 48 * 1024) {
-        (void)cudaFuncSetAttribute(rmsnorm_bwd_dw_fast_kernel<V, true>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        (void)cudaFuncSetAttribute(rmsnorm_bwd_dw_fast_kernel<V, false>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        (void)cudaFuncSetAttribute(kt, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        (void)cudaFuncSetAttribute(kf, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     }
-    if (vec)
-        rmsnorm_bwd_dw_fast_kernel<V, true>
-            <<<K, RB_THREADS, smem, s>>>(dx, dx16, dy, x, w, N, C, eps, rstd, acc, part, rc);
-    else
-        rmsnorm_bwd_dw_fast_kernel<V, false>
-            <<<K, RB_THREADS, smem, s>>>(dx, dx16, dy, x, w, N, C, eps, rstd, acc, part, rc);
+    (vec ? kt : kf)<<<K, RB_THREADS, smem, s>>>(dx, dx16, dy, x, w, N, C, eps, rstd, acc, part, rc);
 }
 
 /* dx, rstd and dw in one pass over the rows plus the combine (rb_dw_fused(C); scratch checked
@@ -874,7 +906,9 @@ static cudaError_t rmsnorm_bwd_dw_fused(cudaStream_t s, float *dx, uint16_t *dx1
                                         const float *dy, const float *x, const float *w, int N,
                                         int C, float eps, float *rstd, bool acc,
                                         double *scratch) {
-    const int64_t rc = rb_dw_rows_per_chunk(N);
+    int minb, rows;
+    rb_dw_cfg(&minb, &rows);
+    const int64_t rc = rb_dw_rows_per_chunk(N, rows);
     const int64_t K = ((int64_t)N + rc - 1) / rc;
     if (K > RB_DW_MAX_CHUNKS) return cudaErrorInvalidConfiguration;
     const bool vec = C % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)dy % 16 == 0 &&
@@ -882,7 +916,8 @@ static cudaError_t rmsnorm_bwd_dw_fused(cudaStream_t s, float *dx, uint16_t *dx1
                      (uintptr_t)dx16 % 8 == 0;
     const int C4 = (int)(((int64_t)C + 3) / 4);
     const unsigned k = (unsigned)K;
-#define RB_DW(V) rb_dw_launch<V>(s, vec, k, dx, dx16, dy, x, w, N, C, eps, rstd, acc, scratch, rc)
+#define RB_DW(V) \
+    rb_dw_launch<V>(s, vec, k, dx, dx16, dy, x, w, N, C, eps, rstd, acc, scratch, rc, minb)
     switch ((C4 + 31) / 32) {
     case 1: RB_DW(1); break;
     case 2: RB_DW(2); break;
