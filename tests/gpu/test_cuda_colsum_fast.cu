@@ -965,11 +965,12 @@ static void time_rms_dw(int N, int C) {
         cudaFree(p);
 }
 
-/* KILN_RB_DW_CFG's experiment (session 17): the one-pass kernel capped for three blocks an SM
- * and/or with more rows a chunk. dx, dx16 and rstd must keep the default's bits, dw too at the
- * default's 16 rows a chunk and within one ulp at others; then each form's time (cudaEvent,
- * mean of 20; the same zeroed buffers as time_rms_dw). */
-static const char *const kDwCfgs[] = {nullptr, "3,16", "1,24", "3,24", "1,32", "3,32"};
+/* The one-pass kernel's forms (KILN_RB_DW_CFG, session 17): capped for three blocks an SM
+ * and/or more rows a chunk, and the default (nullptr: 32 rows a chunk where that still makes
+ * 256 chunks). Against "1,16" (session 16's form) dx, dx16 and rstd must keep their bits, dw
+ * too at 16 rows a chunk and within one ulp at others; then each form's time (cudaEvent, mean
+ * of 20; the same zeroed buffers as time_rms_dw). */
+static const char *const kDwCfgs[] = {"1,16", nullptr, "3,16", "1,24", "3,24", "1,32", "3,32"};
 
 static void check_rms_dw_cfgs(int N, int C) {
     const int fails0 = g_fail;
@@ -981,27 +982,31 @@ static void check_rms_dw_cfgs(int N, int C) {
     for (float &f : dx0) f = rndu();
     for (float &f : dw0) f = rndu();
     DwOut ref;
-    if (!dw_run(N, C, true, true, 0, true, dy, x, w, dx0, dw0, ref)) return;
+    setenv("KILN_RB_DW_CFG", kDwCfgs[0], 1);
+    const bool ref_ran = dw_run(N, C, true, true, 0, true, dy, x, w, dx0, dw0, ref);
+    unsetenv("KILN_RB_DW_CFG");
+    if (!ref_ran) return;
     long ulps = 0;
     for (const char *cfg : kDwCfgs) {
-        if (!cfg) continue;
+        if (cfg == kDwCfgs[0]) continue;
         DwOut o;
-        setenv("KILN_RB_DW_CFG", cfg, 1);
+        if (cfg) setenv("KILN_RB_DW_CFG", cfg, 1);
         const bool ran = dw_run(N, C, true, true, 0, true, dy, x, w, dx0, dw0, o);
         unsetenv("KILN_RB_DW_CFG");
         if (!ran) continue;
-        const bool rows16 = strcmp(cfg + 2, "16") == 0;
+        const bool rows16 = cfg && strcmp(cfg + 2, "16") == 0;
         const long d = dw_differences(o.dw, ref.dw);
         const char *what = nullptr;
-        if (!same_bits(o.dx, ref.dx)) what = "dx is not the default's bits";
-        else if (!same_bits(o.rstd, ref.rstd)) what = "rstd is not the default's bits";
-        else if (o.dx16 != ref.dx16) what = "dx16 is not the default's bits";
+        if (!same_bits(o.dx, ref.dx)) what = "dx is not the 1,16 form's bits";
+        else if (!same_bits(o.rstd, ref.rstd)) what = "rstd is not the 1,16 form's bits";
+        else if (o.dx16 != ref.dx16) what = "dx16 is not the 1,16 form's bits";
         else if (rows16 ? !same_bits(o.dw, ref.dw) : d < 0)
-            what = rows16 ? "dw is not the default's bits" : "dw differs by more than an ulp";
-        if (what) FAIL("rmsnorm dw KILN_RB_DW_CFG=%s N=%d C=%d: %s", cfg, N, C, what);
+            what = rows16 ? "dw is not the 1,16 form's bits" : "dw differs by more than an ulp";
+        if (what)
+            FAIL("rmsnorm dw KILN_RB_DW_CFG=%s N=%d C=%d: %s", cfg ? cfg : "(default)", N, C, what);
         if (d > 0) ulps += d;
     }
-    printf("rmsnorm dw forms (KILN_RB_DW_CFG) N=%d C=%d: dx, dx16, rstd the default's bits, dw "
+    printf("rmsnorm dw forms (KILN_RB_DW_CFG) N=%d C=%d: dx, dx16, rstd the 1,16 form's bits, dw "
            "too at 16 rows a chunk (%ld values one ulp off at others) %s\n",
            N, C, ulps, g_fail == fails0 ? "OK" : "FAILED");
 }

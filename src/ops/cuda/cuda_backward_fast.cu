@@ -475,8 +475,8 @@ rmsnorm_bwd_fast_warp_kernel(float *dx, uint16_t *__restrict__ dx16, const float
 
 /* The rows with dw in one pass (C4 in (16, 256]: a warp a row, V slots a lane): the warp
  * kernel above for dx and rstd, and, while the row is in registers, the column sums of dw in
- * chunks of their own: block k takes rows [k rc, (k+1) rc) (rc = rb_dw_rows_per_chunk(N):
- * RB_DW_ROWS, more only past RB_DW_MAX_CHUNKS chunks), its warp j the rows k rc + j + 8i, i
+ * chunks of their own: block k takes rows [k rc, (k+1) rc) (rc = rb_dw_rows_per_chunk(N, rows):
+ * rb_dw_cfg's rows, more only past RB_DW_MAX_CHUNKS chunks), its warp j the rows k rc + j + 8i, i
  * ascending, with acc = fma((double)dy, (double)f32(x * r), acc) per column (the column sums'
  * MODE 2 product: b = x, s = rstd). Each lane's sums live in shared memory, its own 4 x V
  * doubles per warp (registers would cap the kernel at one block an SM); the 8 warps then meet
@@ -487,7 +487,7 @@ rmsnorm_bwd_fast_warp_kernel(float *dx, uint16_t *__restrict__ dx16, const float
  * and the sums round only past 2^53, so dw rarely differs from the two kernels' in its last
  * bit (test_cuda_colsum_fast counts it). dx, dx16 and rstd are the two kernels' bits. dy is
  * kept apart from g = dy * w (g recomputed from both where needed: the same product). */
-#define RB_DW_ROWS 16          /* rows a chunk: 2 a warp (0.5B: 512 blocks, two waves of 2 an SM) */
+#define RB_DW_ROWS 16          /* rows a chunk at least: 2 a warp (more: rb_dw_cfg) */
 #define RB_DW_MAX_CHUNKS 1024  /* bounds the scratch and the combine's chains */
 
 /* rows: the chunk's rows before the RB_DW_MAX_CHUNKS bound (RB_DW_ROWS, or rb_dw_cfg's) */
@@ -497,14 +497,20 @@ static int64_t rb_dw_rows_per_chunk(int N, int rows) {
     return (need + RB_WARPS - 1) / RB_WARPS * RB_WARPS;
 }
 
-/* KILN_RB_DW_CFG="minb,rows" (an experiment, session 17; read at each call): the one-pass
- * kernel's register cap (minb 3: capped for three blocks an SM; 1: ptxas's choice) and its rows a
- * chunk (a multiple of RB_WARPS, at least RB_DW_ROWS: never more chunks, so never more
- * scratch, than the default). Unset or malformed: 1, RB_DW_ROWS. dx, dx16 and rstd keep their
- * bits whatever the choice; dw keeps them for the same rows a chunk. */
-static void rb_dw_cfg(int *minb, int *rows) {
+/* The one-pass kernel's form for N rows: ptxas's own register choice (minb 1), and 32 rows a
+ * chunk where that still makes at least 256 chunks, else RB_DW_ROWS (so the order depends on
+ * (N, C) only). At N 8192 the 256 chunks are about one wave of two blocks an SM of an H200
+ * where 512 were 1.94: session 17's test_cuda_colsum_fast, 56.4 -> 50.6 us at N 8192 x C 896
+ * (the 0.5B shape), 71.4 -> 70.6 us at N 16384 x C 576 (135M).
+ * KILN_RB_DW_CFG="minb,rows" (for experiments; read at each call) sets both: minb 3 caps the
+ * kernel for three blocks an SM (85 registers; at C 896 it spills), rows is a multiple of
+ * RB_WARPS and at least RB_DW_ROWS (never more chunks, so never more scratch, than
+ * kiln_cuda_rmsnorm_backward_fast_scratch_len's RB_DW_ROWS). dx, dx16 and rstd keep their bits
+ * whatever the form; dw keeps them for the same rows a chunk, else it may differ in a rare
+ * last bit (the same exact products summed in other chunks). */
+static void rb_dw_cfg(int N, int *minb, int *rows) {
     *minb = 1;
-    *rows = RB_DW_ROWS;
+    *rows = N / 32 >= 256 ? 32 : RB_DW_ROWS;
     const char *e = getenv("KILN_RB_DW_CFG");
     int a = 0, b = 0;
     if (e && sscanf(e, "%d,%d", &a, &b) == 2 && (a == 1 || a == 3) && b >= RB_DW_ROWS &&
@@ -907,7 +913,7 @@ static cudaError_t rmsnorm_bwd_dw_fused(cudaStream_t s, float *dx, uint16_t *dx1
                                         int C, float eps, float *rstd, bool acc,
                                         double *scratch) {
     int minb, rows;
-    rb_dw_cfg(&minb, &rows);
+    rb_dw_cfg(N, &minb, &rows);
     const int64_t rc = rb_dw_rows_per_chunk(N, rows);
     const int64_t K = ((int64_t)N + rc - 1) / rc;
     if (K > RB_DW_MAX_CHUNKS) return cudaErrorInvalidConfiguration;
