@@ -236,10 +236,14 @@ static kiln_status apply_grad_coef(kiln_trainer *t) {
     return scale_grads(t, coef);
 }
 
+/* st with the message prefixed by the call and the backend's name (KILN_OK stays KILN_OK). */
+static kiln_status backend_error(kiln_trainer *t, kiln_status st, const char *call) {
+    return st == KILN_OK ? KILN_OK : kiln_error_prefix(st, "%s: %s backend", call, t->be->i->name);
+}
+
 /* KILN_OK, or the error that poisoned a device backend during the work of `call`. */
 static kiln_status backend_check(kiln_trainer *t, const char *call) {
-    kiln_status st = kiln_backend_status(t->be);
-    return st == KILN_OK ? KILN_OK : kiln_error_prefix(st, "%s: %s backend", call, t->be->i->name);
+    return backend_error(t, kiln_backend_status(t->be), call);
 }
 
 /* backend_check without waiting for the submitted work (ops.h poll): for the calls that
@@ -247,8 +251,7 @@ static kiln_status backend_check(kiln_trainer *t, const char *call) {
  * KILN_STEP_POLL=0 waits as backend_check does (an A/B switch for the benchmarks). */
 static kiln_status backend_poll(kiln_trainer *t, const char *call) {
     if (kiln_env_off("KILN_STEP_POLL")) return backend_check(t, call);
-    kiln_status st = kiln_backend_poll(t->be);
-    return st == KILN_OK ? KILN_OK : kiln_error_prefix(st, "%s: %s backend", call, t->be->i->name);
+    return backend_error(t, kiln_backend_poll(t->be), call);
 }
 
 /* A device backend must run every op of a training step for the weights' dtype (wt); the
