@@ -828,6 +828,24 @@ static bool dw_run(int N, int C, bool acc, bool with16, int shift, bool fused,
  * {aligned, one float past}: dx, its bf16 copy and rstd the same bits; dw the same sums but
  * for rare last bits (another order of the same exact double products; counted); the fused
  * pass twice the same bits. The calls it does not take (C <= 64, C > 1024) are unchanged. */
+/* Random inputs of an N x C case: dy, x (3x wider), w near 1, the old dx and dw. */
+struct DwIn {
+    std::vector<float> dy, x, w, dx0, dw0;
+    DwIn(int N, int C) {
+        const size_t n = (size_t)N * C;
+        dy.resize(n), x.resize(n), w.resize((size_t)C), dx0.resize(n), dw0.resize((size_t)C);
+        for (float &f : dy) f = rndu();
+        for (float &f : x) f = 3.0f * rndu();
+        for (float &f : w) f = 1.0f + 0.25f * rndu();
+        for (float &f : dx0) f = rndu();
+        for (float &f : dw0) f = rndu();
+    }
+};
+static bool dw_run(int N, int C, bool acc, bool with16, int shift, bool fused, const DwIn &in,
+                   DwOut &o) {
+    return dw_run(N, C, acc, with16, shift, fused, in.dy, in.x, in.w, in.dx0, in.dw0, o);
+}
+
 static void test_rms_dw_fused() {
     const int fails0 = g_fail;
     int cases = 0;
@@ -835,20 +853,14 @@ static void test_rms_dw_fused() {
     for (int C : {65, 576, 896, 1000, 1024, 899})
         for (int N : {7, 300, 2048, 8193, 40000}) {
             if (N == 40000 && C != 896) continue;
-            const size_t n = (size_t)N * C;
-            std::vector<float> dy(n), x(n), w((size_t)C), dx0(n), dw0((size_t)C);
-            for (float &f : dy) f = rndu();
-            for (float &f : x) f = 3.0f * rndu();
-            for (float &f : w) f = 1.0f + 0.25f * rndu();
-            for (float &f : dx0) f = rndu();
-            for (float &f : dw0) f = rndu();
+            const DwIn in(N, C);
             for (int v = 0; v < 4; v++) {
                 const bool acc = v & 1, with16 = (v & 2) != 0;
                 const int shift = (N + v) % 3 == 0 ? 1 : 0;
                 DwOut a, a2, b;
-                if (!dw_run(N, C, acc, with16, shift, true, dy, x, w, dx0, dw0, a) ||
-                    !dw_run(N, C, acc, with16, shift, true, dy, x, w, dx0, dw0, a2) ||
-                    !dw_run(N, C, acc, with16, shift, false, dy, x, w, dx0, dw0, b))
+                if (!dw_run(N, C, acc, with16, shift, true, in, a) ||
+                    !dw_run(N, C, acc, with16, shift, true, in, a2) ||
+                    !dw_run(N, C, acc, with16, shift, false, in, b))
                     continue;
                 cases++;
                 const char *what = nullptr;
@@ -931,38 +943,51 @@ static void time_bias_multi() {
     cudaFree(ws);
 }
 
-/* The launcher with dw at N x C, fused and as two kernels (cudaEvent, mean of 20). */
-static void time_rms_dw(int N, int C) {
-    const size_t n = (size_t)N * (size_t)C;
+/* Zeroed device buffers of an N x C RMSNorm backward with dw (for the timings): run() makes
+ * one launcher call (accumulating dx, with dx16). */
+struct RmsDwBufs {
+    int N, C;
     float *x = nullptr, *dy = nullptr, *dx = nullptr, *w = nullptr, *rs = nullptr, *dw = nullptr;
     uint16_t *d16 = nullptr;
-    CUDA_FATAL(cudaMalloc((void **)&x, n * 4));
-    CUDA_FATAL(cudaMalloc((void **)&dy, n * 4));
-    CUDA_FATAL(cudaMalloc((void **)&dx, n * 4));
-    CUDA_FATAL(cudaMalloc((void **)&d16, n * 2));
-    CUDA_FATAL(cudaMalloc((void **)&w, (size_t)C * 4));
-    CUDA_FATAL(cudaMalloc((void **)&dw, (size_t)C * 4));
-    CUDA_FATAL(cudaMalloc((void **)&rs, (size_t)N * 4));
-    for (float *p : {x, dy, dx}) CUDA_FATAL(cudaMemset(p, 0, n * 4));
-    CUDA_FATAL(cudaMemset(w, 0, (size_t)C * 4));
-    CUDA_FATAL(cudaMemset(dw, 0, (size_t)C * 4));
-    const size_t len = kiln_cuda_rmsnorm_backward_fast_scratch_len(N, C);
     double *ws = nullptr;
-    CUDA_FATAL(cudaMalloc((void **)&ws, len * sizeof(double)));
+    size_t len = 0;
+    RmsDwBufs(int n_rows, int cols) : N(n_rows), C(cols) {
+        const size_t n = (size_t)N * (size_t)C;
+        CUDA_FATAL(cudaMalloc((void **)&x, n * 4));
+        CUDA_FATAL(cudaMalloc((void **)&dy, n * 4));
+        CUDA_FATAL(cudaMalloc((void **)&dx, n * 4));
+        CUDA_FATAL(cudaMalloc((void **)&d16, n * 2));
+        CUDA_FATAL(cudaMalloc((void **)&w, (size_t)C * 4));
+        CUDA_FATAL(cudaMalloc((void **)&dw, (size_t)C * 4));
+        CUDA_FATAL(cudaMalloc((void **)&rs, (size_t)N * 4));
+        for (float *p : {x, dy, dx}) CUDA_FATAL(cudaMemset(p, 0, n * 4));
+        CUDA_FATAL(cudaMemset(w, 0, (size_t)C * 4));
+        CUDA_FATAL(cudaMemset(dw, 0, (size_t)C * 4));
+        len = kiln_cuda_rmsnorm_backward_fast_scratch_len(N, C);
+        CUDA_FATAL(cudaMalloc((void **)&ws, len * sizeof(double)));
+    }
+    ~RmsDwBufs() {
+        for (void *p : {(void *)x, (void *)dy, (void *)dx, (void *)d16, (void *)w, (void *)dw,
+                        (void *)rs, (void *)ws})
+            cudaFree(p);
+    }
+    void run() const {
+        CUDA_FATAL(kiln_cuda_rmsnorm_backward_fast(g_s, dx, d16, dw, dy, x, w, N, C, 1e-6f, rs,
+                                                   true, ws, len));
+    }
+};
+
+/* The launcher with dw at N x C, fused and as two kernels (cudaEvent, mean of 20). */
+static void time_rms_dw(int N, int C) {
+    const RmsDwBufs b(N, C);
     const int reps = 20;
     float ms[2] = {0, 0};
     time_two(
         reps, ms, [](int which) { setenv("KILN_RB_FUSED_DW", which == 0 ? "0" : "1", 1); },
-        [&](int) {
-            CUDA_FATAL(kiln_cuda_rmsnorm_backward_fast(g_s, dx, d16, dw, dy, x, w, N, C, 1e-6f,
-                                                       rs, true, ws, len));
-        });
+        [&](int) { b.run(); });
     unsetenv("KILN_RB_FUSED_DW");
     printf("timing rmsnorm backward with dw N=%d C=%d acc + dx16: two kernels %.1f us, one pass "
            "%.1f us, x%.2f\n", N, C, 1e3 * ms[0] / reps, 1e3 * ms[1] / reps, ms[0] / ms[1]);
-    for (void *p : {(void *)x, (void *)dy, (void *)dx, (void *)d16, (void *)w, (void *)dw,
-                    (void *)rs, (void *)ws})
-        cudaFree(p);
 }
 
 /* The one-pass kernel's forms (KILN_RB_DW_CFG, session 17): capped for three blocks an SM
@@ -974,16 +999,10 @@ static const char *const kDwCfgs[] = {"1,16", nullptr, "3,16", "1,24", "3,24", "
 
 static void check_rms_dw_cfgs(int N, int C) {
     const int fails0 = g_fail;
-    const size_t n = (size_t)N * C;
-    std::vector<float> dy(n), x(n), w((size_t)C), dx0(n), dw0((size_t)C);
-    for (float &f : dy) f = rndu();
-    for (float &f : x) f = 3.0f * rndu();
-    for (float &f : w) f = 1.0f + 0.25f * rndu();
-    for (float &f : dx0) f = rndu();
-    for (float &f : dw0) f = rndu();
+    const DwIn in(N, C);
     DwOut ref;
     setenv("KILN_RB_DW_CFG", kDwCfgs[0], 1);
-    const bool ref_ran = dw_run(N, C, true, true, 0, true, dy, x, w, dx0, dw0, ref);
+    const bool ref_ran = dw_run(N, C, true, true, 0, true, in, ref);
     unsetenv("KILN_RB_DW_CFG");
     if (!ref_ran) return;
     long ulps = 0;
@@ -991,7 +1010,7 @@ static void check_rms_dw_cfgs(int N, int C) {
         if (cfg == kDwCfgs[0]) continue;
         DwOut o;
         if (cfg) setenv("KILN_RB_DW_CFG", cfg, 1);
-        const bool ran = dw_run(N, C, true, true, 0, true, dy, x, w, dx0, dw0, o);
+        const bool ran = dw_run(N, C, true, true, 0, true, in, o);
         unsetenv("KILN_RB_DW_CFG");
         if (!ran) continue;
         const bool rows16 = cfg && strcmp(cfg + 2, "16") == 0;
@@ -1012,22 +1031,7 @@ static void check_rms_dw_cfgs(int N, int C) {
 }
 
 static void time_rms_dw_cfgs(int N, int C) {
-    const size_t n = (size_t)N * (size_t)C;
-    float *x = nullptr, *dy = nullptr, *dx = nullptr, *w = nullptr, *rs = nullptr, *dw = nullptr;
-    uint16_t *d16 = nullptr;
-    CUDA_FATAL(cudaMalloc((void **)&x, n * 4));
-    CUDA_FATAL(cudaMalloc((void **)&dy, n * 4));
-    CUDA_FATAL(cudaMalloc((void **)&dx, n * 4));
-    CUDA_FATAL(cudaMalloc((void **)&d16, n * 2));
-    CUDA_FATAL(cudaMalloc((void **)&w, (size_t)C * 4));
-    CUDA_FATAL(cudaMalloc((void **)&dw, (size_t)C * 4));
-    CUDA_FATAL(cudaMalloc((void **)&rs, (size_t)N * 4));
-    for (float *p : {x, dy, dx}) CUDA_FATAL(cudaMemset(p, 0, n * 4));
-    CUDA_FATAL(cudaMemset(w, 0, (size_t)C * 4));
-    CUDA_FATAL(cudaMemset(dw, 0, (size_t)C * 4));
-    const size_t len = kiln_cuda_rmsnorm_backward_fast_scratch_len(N, C);
-    double *ws = nullptr;
-    CUDA_FATAL(cudaMalloc((void **)&ws, len * sizeof(double)));
+    const RmsDwBufs b(N, C);
     const int reps = 20;
     printf("timing rmsnorm backward with dw N=%d C=%d acc + dx16 by KILN_RB_DW_CFG (minb,rows):", N, C);
     for (int round = 0; round < 2; round++) /* twice over: the lease's drift shows */
@@ -1039,17 +1043,11 @@ static void time_rms_dw_cfgs(int N, int C) {
                     if (cfg) setenv("KILN_RB_DW_CFG", cfg, 1);
                     else unsetenv("KILN_RB_DW_CFG");
                 },
-                [&](int) {
-                    CUDA_FATAL(kiln_cuda_rmsnorm_backward_fast(g_s, dx, d16, dw, dy, x, w, N, C,
-                                                               1e-6f, rs, true, ws, len));
-                });
+                [&](int) { b.run(); });
             printf(" %s %.1f/%.1f us;", cfg ? cfg : "default", 1e3 * ms[0] / reps, 1e3 * ms[1] / reps);
         }
     unsetenv("KILN_RB_DW_CFG");
     printf("\n");
-    for (void *p : {(void *)x, (void *)dy, (void *)dx, (void *)d16, (void *)w, (void *)dw,
-                    (void *)rs, (void *)ws})
-        cudaFree(p);
 }
 
 /* ---- argument errors (before anything is enqueued: no GPU needed) -------------------------- */
