@@ -452,11 +452,11 @@ KILN_API kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *id
  * behind that, and the call waits only for the loss's statistics: it returns while the
  * backward still runs, so the host queues the next work behind it and the device stays busy
  * (docs/TRAINING.md, "One-call steps"). A device fault in that work is reported by the next
- * call that waits for it (clip_grads, optimizer_step, a forward's loss). Errors as forward_batch's, before anything changes;
- * except a non-finite loss, which on that path is known only after the gradient work was
- * enqueued, and any failure after that work began: the error says so, and the gradients are
- * then unusable (clip and optimizer_step refuse them with KILN_ERR_STATE) until a step that
- * does not accumulate. */
+ * call that waits for it (clip_grads, a download, the next step's loss). Errors as
+ * forward_batch's, before anything changes; except a non-finite loss, which on that path is
+ * known only after the gradient work was enqueued, and any failure after that work began: the
+ * error says so, and the gradients are then unusable (clip and optimizer_step refuse them with
+ * KILN_ERR_STATE) until a step that does not accumulate. */
 KILN_API kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq, int seq,
                                            const int32_t *targets, kiln_loss_reduction red, float scale,
                                            int accumulate, float *loss);

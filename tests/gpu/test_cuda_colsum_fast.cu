@@ -1033,7 +1033,8 @@ static void check_rms_dw_cfgs(int N, int C) {
 static void time_rms_dw_cfgs(int N, int C) {
     const RmsDwBufs b(N, C);
     const int reps = 20;
-    printf("timing rmsnorm backward with dw N=%d C=%d acc + dx16 by KILN_RB_DW_CFG (minb,rows):", N, C);
+    printf("timing rmsnorm backward with dw N=%d C=%d acc + dx16 by KILN_RB_DW_CFG (minb,rows):",
+           N, C);
     for (int round = 0; round < 2; round++) /* twice over: the lease's drift shows */
         for (const char *cfg : kDwCfgs) {
             float ms[2] = {0, 0};
@@ -1044,7 +1045,8 @@ static void time_rms_dw_cfgs(int N, int C) {
                     else unsetenv("KILN_RB_DW_CFG");
                 },
                 [&](int) { b.run(); });
-            printf(" %s %.1f/%.1f us;", cfg ? cfg : "default", 1e3 * ms[0] / reps, 1e3 * ms[1] / reps);
+            printf(" %s %.1f/%.1f us;", cfg ? cfg : "default", 1e3 * ms[0] / reps,
+                   1e3 * ms[1] / reps);
         }
     unsetenv("KILN_RB_DW_CFG");
     printf("\n");

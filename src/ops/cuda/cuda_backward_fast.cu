@@ -607,8 +607,8 @@ rmsnorm_bwd_dw_fast_body(float *dx, uint16_t *__restrict__ dx16, const float *dy
             }
 }
 
-/* The one-pass kernel: ptxas's own register choice (MINB 0), or capped for MINB blocks an SM
- * (rb_dw_cfg's experiment). The same body, so the same arithmetic. */
+/* The one-pass kernel: ptxas's own register choice, or (fast3) capped for three blocks an SM
+ * (rb_dw_cfg's minb 3). The same body, so the same arithmetic. */
 #define RB_DW_ARGS                                                                            \
     float *dx, uint16_t *__restrict__ dx16, const float *dy, const float *__restrict__ x,     \
         const float *__restrict__ w, int N, int C, float eps, float *__restrict__ rstd,       \
@@ -898,7 +898,10 @@ static void rb_dw_launch(cudaStream_t s, bool vec, unsigned K, float *dx, uint16
                          float *rstd, bool acc, double *part, int64_t rc, int minb) {
     const size_t smem = (size_t)RB_WARPS * V * 128 * sizeof(double); /* 8 KiB x V */
     auto kt = rmsnorm_bwd_dw_fast_kernel<V, true>, kf = rmsnorm_bwd_dw_fast_kernel<V, false>;
-    if (minb == 3) kt = rmsnorm_bwd_dw_fast3_kernel<V, true>, kf = rmsnorm_bwd_dw_fast3_kernel<V, false>;
+    if (minb == 3) {
+        kt = rmsnorm_bwd_dw_fast3_kernel<V, true>;
+        kf = rmsnorm_bwd_dw_fast3_kernel<V, false>;
+    }
     if (smem > 48 * 1024) {
         (void)cudaFuncSetAttribute(kt, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         (void)cudaFuncSetAttribute(kf, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
