@@ -4,7 +4,7 @@
  * dtype, weights in host memory (the backend's upload cache) and in device memory, with
  * every output poisoned with NaN before each run so an unwritten element cannot pass.
  * Also: the poisoning contract (a failed op poisons the backend and every later status says
- * so). Without a usable GPU it checks that kiln_backend_cuda_create refuses with
+ * so), staged uploads, and poll (no wait, and its "not ready" not kept as an error). Without a usable GPU it checks that kiln_backend_cuda_create refuses with
  * KILN_ERR_UNSUPPORTED and a message, then exits 77 (skipped).
  *
  * Prints a table last: op, cases, elements compared, elements whose bits differ.
@@ -15,6 +15,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <time.h>
 
 /* The load-ahead depth of the CUDA N = 1 matmul (cuda_kernels.cu): same bits for any. */
 extern int kiln_cuda_matmul_step;
@@ -36,10 +37,10 @@ static float rnd_unit(void) { return (float)((double)(rnd_u64() >> 11) * 0x1p-53
 /* ---- results ------------------------------------------------------------------------------- */
 
 enum { R_EMBED, R_RMSNORM, R_MATMUL, R_ROPE, R_ATTENTION, R_SWIGLU, R_ADD, R_POISON, R_UPLOAD,
-       R_COUNT };
+       R_POLL, R_COUNT };
 static const char *g_names[R_COUNT] = {"embed",  "rmsnorm", "matmul",          "rope",
                                        "attention", "swiglu", "add", "poison contract",
-                                       "staged uploads"};
+                                       "staged uploads", "poll"};
 static long g_cases[R_COUNT], g_elems[R_COUNT], g_bad[R_COUNT];
 static int g_failed;
 
@@ -411,6 +412,51 @@ static void test_staged_uploads(void) {
     }
 }
 
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* poll (ops.h) answers without waiting for the queued work, and its "not ready" is not kept
+ * as an error: a queue of adds is ahead of it, then one more add must still run and status
+ * (which waits) must still say KILN_OK; the values must be right. When the queue outlasts
+ * 5 ms, poll must have taken under half of the time status waited. */
+static void test_poll(void) {
+    enum { LEN = 1 << 24, REPS = 400 }; /* about 20 ms of adds on an H200 */
+    float *a = kiln_backend_alloc(g_gpu, (size_t)LEN * 4), *b = kiln_backend_alloc(g_gpu, 64 * 4);
+    float h[64];
+    int ok = a && b;
+    for (int i = 0; i < 64; i++) h[i] = 1.0f;
+    if (ok) g_gpu->i->zero(g_gpu, a, LEN);
+    ok = ok && kiln_backend_upload(g_gpu, b, h, sizeof h) == KILN_OK;
+    ok = ok && kiln_backend_status(g_gpu) == KILN_OK;
+    for (int r = 0; r < REPS && ok; r++) g_gpu->i->add(g_gpu, a, a, LEN); /* 0 + 0: stays 0 */
+    const double t0 = now_s();
+    const kiln_status polled = kiln_backend_poll(g_gpu);
+    const double t1 = now_s();
+    g_gpu->i->add(g_gpu, b, b, 64); /* launched after a "not ready" answer */
+    const kiln_status waited = kiln_backend_status(g_gpu);
+    const double t2 = now_s();
+    ok = ok && polled == KILN_OK && waited == KILN_OK;
+    ok = ok && kiln_backend_download(g_gpu, h, b, sizeof h) == KILN_OK;
+    for (int i = 0; i < 64 && ok; i++) ok = h[i] == 2.0f;
+    if (ok && t2 - t0 > 5e-3 && t1 - t0 > 0.5 * (t2 - t0)) {
+        fprintf(stderr, "FAIL poll waited: %.2f ms of the queue's %.2f ms\n", 1e3 * (t1 - t0),
+                1e3 * (t2 - t0));
+        ok = 0;
+    }
+    printf("poll: %.3f ms with %.2f ms of work queued\n", 1e3 * (t1 - t0), 1e3 * (t2 - t0));
+    kiln_backend_free_buf(g_gpu, a);
+    kiln_backend_free_buf(g_gpu, b);
+    g_cases[R_POLL]++;
+    if (!ok) {
+        fprintf(stderr, "FAIL poll (last error: %s)\n", kiln_last_error());
+        g_bad[R_POLL]++;
+        g_failed = 1;
+    }
+}
+
 /* A refused op poisons the backend: status reports it, later ops do nothing, later status
  * calls still report it. */
 static void test_poison(void) {
@@ -432,6 +478,7 @@ static void test_poison(void) {
     ok &= st == KILN_ERR_UNSUPPORTED && strstr(kiln_last_error(), "i32") != NULL;
     be->i->add(be, buf, buf, 64); /* must do nothing */
     ok &= kiln_backend_status(be) == KILN_ERR_UNSUPPORTED;
+    ok &= kiln_backend_poll(be) == KILN_ERR_UNSUPPORTED; /* poll reports it too */
     ok &= kiln_backend_download(be, h, buf, sizeof h) == KILN_ERR_UNSUPPORTED;
     kiln_backend_free_buf(be, buf);
     kiln_backend_free(be);
@@ -503,6 +550,7 @@ int main(int argc, char **argv) {
     }
     test_poison();
     test_staged_uploads();
+    test_poll();
 
     kiln_backend_free(g_gpu);
     kiln_backend_free(g_cpu);
