@@ -380,7 +380,7 @@ static int heur_skip(void) {
 
 /* KILN_GEMM_LOG=1 (a diagnostic): a line a plan on stderr, each result's workspace and the
  * pick. Session 17 found with it that every candidate of the products cuBLASLt precedes with a
- * memset asks for a 4-byte workspace (a counter it zeroes): no pick avoids those memsets. */
+ * memset asks for a 4-byte workspace (presumably the counter it zeroes): no pick avoids them. */
 static bool heur_log(void) {
     const char *e = getenv("KILN_GEMM_LOG");
     return e && e[0] == '1' && e[1] == '\0';
