@@ -118,6 +118,7 @@ import argparse
 import inspect
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -549,12 +550,13 @@ def run_compile_worker(args, name, folder, B, timeout):
 def parse_variants(ap, spec):
     """--kiln-variants 'LABEL:k=v,k=v;...' -> [(label, {k: v})]; ints where they parse. A key
     env.KILN_X sets that environment variable (kiln's kernel choices, read on each call)
-    while the variant runs."""
+    while the variant runs; a comma splits settings only where a key follows, so an env value
+    may hold commas (env.KILN_RB_DW_CFG=1,16)."""
     out = []
     for item in filter(None, (x.strip() for x in spec.split(";"))):
         label, _, kvs = item.partition(":")
         kw = {}
-        for kv in filter(None, (x.strip() for x in kvs.split(","))):
+        for kv in filter(None, (x.strip() for x in re.split(r",(?=\s*[A-Za-z_.]+=)", kvs))):
             k, eq, v = kv.partition("=")
             env_ok = k.startswith("env.KILN_") and len(k) > len("env.KILN_")
             if not eq or not (env_ok or k in ("ce_row_block", "ce_logits_f32", "moments",

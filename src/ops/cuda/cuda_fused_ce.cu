@@ -30,6 +30,7 @@
  */
 #include "cuda_common.cuh"
 #include "cuda_gemm_fast.h"
+#include "cuda_mma.cuh"
 
 #include <atomic>
 #include <cooperative_groups.h>
@@ -780,43 +781,30 @@ struct ce_slot_bf16 {
     }
 };
 
-template <class Slot>
-static __global__ void __cluster_dims__(CE_CL, 1, 1) __launch_bounds__(CE_CL_THREADS,
-                                                                       Slot::MIN_BLOCKS)
-rows_cluster_kernel(typename Slot::elem *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
-                    const int32_t *__restrict__ tgt, float *__restrict__ m,
-                    float *__restrict__ l, float *__restrict__ zt, float gs) {
-    typedef typename Slot::raw raw;
-    constexpr int W = Slot::W;
-    extern __shared__ uint4 slice_mem[];
-    raw *slice = reinterpret_cast<raw *>(slice_mem); /* per slots */
-    __shared__ float part_m[CE_CL_WARPS], part_s[CE_CL_WARPS];
-    __shared__ float blk_m, blk_s, row_nm, row_rl;
-    cg::cluster_group cluster = cg::this_cluster();
-    const int rank = (int)cluster.block_rank();
-    const int tid = threadIdx.x;
-    constexpr int G = Slot::G;
+/* A block's shared scalars for one row: the warps' pairs, the block's pair (read by the
+ * cluster's other blocks) and the row's -m log2 e and 1 / l. */
+struct ce_row_shared {
+    float part_m[CE_CL_WARPS], part_s[CE_CL_WARPS];
+    float blk_m, blk_s, row_nm, row_rl;
+};
+
+/* The thread's (mt, st) over its slots of the block's slice [0, ns) (slice slot k is the row's
+ * slot s0 + k): slots tid, tid + CE_CL_THREADS, ... in groups of Slot::G, -inf past the slice
+ * or the row. load(k) gives slice slot k. Only slots k = tid (mod CE_CL_THREADS) are touched,
+ * here and in ce_row_finish: a thread's slice slots are its own. */
+template <class Slot, class Load>
+static __device__ __forceinline__ void ce_slice_stats(int64_t ns, int64_t s0, int64_t V,
+                                                      Load load, float &mt, float &st) {
+    constexpr int W = Slot::W, G = Slot::G;
     constexpr int64_t STEP = (int64_t)CE_CL_THREADS * G;
-    const int64_t i = blockIdx.x / CE_CL; /* the row: uniform per cluster */
-    const int64_t slots = (V + W - 1) / W;
-    const int64_t s0 = rank * per < slots ? rank * per : slots;
-    const int64_t s1 = s0 + per < slots ? s0 + per : slots, ns = s1 - s0;
-    typename Slot::elem *zr = z + i * ldz;
-    if (i >= Rs) { /* a padding row: zeros (nothing reads its logits) */
-        for (int64_t j = s0 + tid; j < s1; j += CE_CL_THREADS) Slot::zero_store(zr, j);
-        return;
-    }
-    float mt = -INFINITY, st = 0.0f;
-    for (int64_t k0 = tid; k0 < ns; k0 += STEP) {
+    mt = -INFINITY;
+    st = 0.0f;
+    for (int64_t k0 = threadIdx.x; k0 < ns; k0 += STEP) {
         float v[G * W];
 #pragma unroll
         for (int g = 0; g < G; g++) {
             const int64_t k = k0 + (int64_t)g * CE_CL_THREADS, c = (s0 + k) * W;
-            if (k < ns) {
-                const raw x = Slot::load(zr, s0 + k);
-                slice[k] = x;
-                Slot::vals(x, v + W * g);
-            }
+            if (k < ns) Slot::vals(load(k), v + W * g);
             if (k >= ns || c + W > V) { /* past the slice or the row: -inf, exact zero terms */
 #pragma unroll
                 for (int q = 0; q < W; q++)
@@ -825,24 +813,45 @@ rows_cluster_kernel(typename Slot::elem *z, int64_t ldz, int64_t Rs, int64_t V, 
         }
         ce_p1_group<G * W>(mt, st, v);
     }
+}
+
+/* Row i's merge and gradient, once every thread of the cluster has its (mt, st) and its slice
+ * slots [s0, s0 + ns) of the row in `slice`: the block's pair, the cluster's pairs merged in
+ * rank order through distributed shared memory, m, l and zt written, then g stored in place
+ * from the slice. The first cluster barrier orders every block's loads of the row before any
+ * store to it (with f32 logits a store of slot j lands on slot j / 2's bytes, another block's;
+ * with bf16 logits on slot j's own bytes) and makes the blocks' pairs visible; the second keeps
+ * them alive until every block has read them, and orders this row's reads of `sh` before the
+ * next row's writes. */
+template <class Slot>
+static __device__ __forceinline__ void ce_row_finish(ce_row_shared &sh, int64_t i,
+                                                     const typename Slot::raw *slice, int64_t s0,
+                                                     int64_t ns, int64_t V,
+                                                     typename Slot::elem *zr, int64_t t,
+                                                     float *m, float *l, float *zt, float gs,
+                                                     float mt, float st) {
+    constexpr int W = Slot::W;
+    cg::cluster_group cluster = cg::this_cluster();
+    const int rank = (int)cluster.block_rank(), tid = threadIdx.x;
     float bm, bs;
-    ce_block_pair<CE_CL_WARPS>(mt, st, part_m, part_s, bm, bs);
+    ce_block_pair<CE_CL_WARPS>(mt, st, sh.part_m, sh.part_s, bm, bs);
     if (tid == 0) {
-        blk_m = bm;
-        blk_s = bs;
+        sh.blk_m = bm;
+        sh.blk_s = bs;
     }
     cluster.sync(); /* every block's slice loaded and its (m, s) written */
     if (tid == 0) {
-        float bm = *cluster.map_shared_rank(&blk_m, 0), bs = *cluster.map_shared_rank(&blk_s, 0);
+        float bm = *cluster.map_shared_rank(&sh.blk_m, 0);
+        float bs = *cluster.map_shared_rank(&sh.blk_s, 0);
         for (int q = 1; q < CE_CL; q++)
-            ce_merge(bm, bs, *cluster.map_shared_rank(&blk_m, q),
-                     *cluster.map_shared_rank(&blk_s, q));
+            ce_merge(bm, bs, *cluster.map_shared_rank(&sh.blk_m, q),
+                     *cluster.map_shared_rank(&sh.blk_s, q));
         if (rank == 0) {
             m[i] = bm;
             l[i] = bs;
         }
-        const int64_t t = tgt[i], ts = t / W;
-        if (ts >= s0 && ts < s1) {
+        const int64_t ts = t / W;
+        if (ts >= s0 && ts < s0 + ns) {
             float v[W];
             Slot::vals(slice[ts - s0], v);
             float x = v[0];
@@ -851,14 +860,98 @@ rows_cluster_kernel(typename Slot::elem *z, int64_t ldz, int64_t Rs, int64_t V, 
                 x = (int)(t % W) == q ? v[q] : x;
             zt[i] = x;
         }
-        row_nm = -bm * KILN_LOG2E;
-        row_rl = 1.0f / bs;
+        sh.row_nm = -bm * KILN_LOG2E;
+        sh.row_rl = 1.0f / bs;
     }
     cluster.sync(); /* every remote read done; row_nm, row_rl visible to the block */
-    const float nm = row_nm, rl = row_rl;
-    const int64_t t = tgt[i];
+    const float nm = sh.row_nm, rl = sh.row_rl;
     for (int64_t k = tid; k < ns; k += CE_CL_THREADS)
         Slot::grad_store(zr, s0 + k, slice[k], V, t, nm, rl, gs);
+}
+
+/* The block's slice of the row's slots: [s0, s0 + ns). */
+static __device__ __forceinline__ void ce_slice_range(int rank, int64_t per, int64_t slots,
+                                                      int64_t &s0, int64_t &ns) {
+    s0 = rank * per < slots ? rank * per : slots;
+    const int64_t s1 = s0 + per < slots ? s0 + per : slots;
+    ns = s1 - s0;
+}
+
+/* One cluster a row (grid: R clusters); the slice is loaded by the statistics' walk itself.
+ * KILN_CE_ROWS_PIPE=0 (for comparisons) or where rows_pipe_kernel's two slices do not fit. */
+template <class Slot>
+static __global__ void __cluster_dims__(CE_CL, 1, 1) __launch_bounds__(CE_CL_THREADS,
+                                                                       Slot::MIN_BLOCKS)
+rows_cluster_kernel(typename Slot::elem *z, int64_t ldz, int64_t Rs, int64_t V, int64_t per,
+                    const int32_t *__restrict__ tgt, float *__restrict__ m,
+                    float *__restrict__ l, float *__restrict__ zt, float gs) {
+    typedef typename Slot::raw raw;
+    extern __shared__ uint4 slice_mem[];
+    raw *slice = reinterpret_cast<raw *>(slice_mem); /* per slots */
+    __shared__ ce_row_shared sh;
+    const int rank = (int)cg::this_cluster().block_rank();
+    const int64_t i = blockIdx.x / CE_CL; /* the row: uniform per cluster */
+    int64_t s0, ns;
+    ce_slice_range(rank, per, (V + Slot::W - 1) / Slot::W, s0, ns);
+    typename Slot::elem *zr = z + i * ldz;
+    if (i >= Rs) { /* a padding row: zeros (nothing reads its logits) */
+        for (int64_t k = threadIdx.x; k < ns; k += CE_CL_THREADS) Slot::zero_store(zr, s0 + k);
+        return;
+    }
+    float mt, st;
+    ce_slice_stats<Slot>(ns, s0, V, [&](int64_t k) {
+        const raw x = Slot::load(zr, s0 + k);
+        slice[k] = x;
+        return x;
+    }, mt, st);
+    ce_row_finish<Slot>(sh, i, slice, s0, ns, V, zr, tgt[i], m, l, zt, gs, mt, st);
+}
+
+/* The same rows and arithmetic, each row's bits as rows_cluster_kernel's, by persistent
+ * clusters (grid: as many clusters as fit the GPU at once, cluster c taking rows c, c + nc,
+ * ...) that load the next row's slice while working on this one: rows_cluster_kernel spent
+ * most of a row waiting (the slice's loads, then the two cluster barriers and the merge with
+ * nothing in flight), about 2.5 TB/s. Two slices a block (buffers b, b ^ 1): each thread
+ * copies its own slice slots by cp.async (16 bytes each, through L2) one row ahead, so no
+ * barrier guards the buffers (a thread's slots are its own; see ce_slice_stats). */
+template <class Slot>
+static __global__ void __cluster_dims__(CE_CL, 1, 1) __launch_bounds__(CE_CL_THREADS, 2)
+rows_pipe_kernel(typename Slot::elem *z, int64_t ldz, int64_t R, int64_t Rs, int64_t V,
+                 int64_t per, const int32_t *__restrict__ tgt, float *__restrict__ m,
+                 float *__restrict__ l, float *__restrict__ zt, float gs) {
+    typedef typename Slot::raw raw;
+    extern __shared__ uint4 slice_mem[];
+    raw *slices = reinterpret_cast<raw *>(slice_mem); /* 2 x per slots */
+    __shared__ ce_row_shared sh;
+    const int rank = (int)cg::this_cluster().block_rank();
+    const int64_t nc = gridDim.x / CE_CL, c = blockIdx.x / CE_CL;
+    int64_t s0, ns;
+    ce_slice_range(rank, per, (V + Slot::W - 1) / Slot::W, s0, ns);
+    auto prefetch = [&](int64_t i, int buf) { /* row i's slice into buffer buf, one group */
+        if (i < Rs) {
+            const raw *src = reinterpret_cast<const raw *>(z + i * ldz) + s0;
+            raw *dst = slices + buf * per;
+            for (int64_t k = threadIdx.x; k < ns; k += CE_CL_THREADS) cp_async16(dst + k, src + k);
+        }
+        cp_async_commit();
+    };
+    prefetch(c, 0);
+    int buf = 0;
+    for (int64_t i = c; i < R; i += nc, buf ^= 1) {
+        prefetch(i + nc, buf ^ 1); /* buf ^ 1's slots were last read by this thread, a row ago */
+        typename Slot::elem *zr = z + i * ldz;
+        if (i >= Rs) { /* a padding row (uniform per cluster): zeros */
+            for (int64_t k = threadIdx.x; k < ns; k += CE_CL_THREADS)
+                Slot::zero_store(zr, s0 + k);
+            continue;
+        }
+        cp_async_wait<1>(); /* row i's slots of this thread have landed */
+        const raw *slice = slices + buf * per;
+        float mt, st;
+        ce_slice_stats<Slot>(ns, s0, V, [&](int64_t k) { return slice[k]; }, mt, st);
+        ce_row_finish<Slot>(sh, i, slice, s0, ns, V, zr, tgt[i], m, l, zt, gs, mt, st);
+    }
+    cp_async_wait<0>();
 }
 
 /* KILN_CE_ROWS_CLUSTER=0 keeps rows_fast_kernel (for comparisons; read on every call). */
@@ -867,19 +960,72 @@ static bool ce_rows_cluster_wanted(void) {
     return !(e && e[0] == '0');
 }
 
-/* One cluster of CE_CL blocks a row, slices of per slots. */
+/* KILN_CE_ROWS_PIPE=0 keeps rows_cluster_kernel (one cluster a row; the same bits), read on
+ * every call. */
+static bool ce_rows_pipe_wanted(void) {
+    const char *e = getenv("KILN_CE_ROWS_PIPE");
+    return !(e && e[0] == '0');
+}
+
+/* Lets kernel ask for smem bytes of dynamic shared memory (over the default 48 KiB). */
+template <class K>
+static bool ce_smem_attr(kiln_backend *be, K kernel, size_t smem) {
+    return smem <= 48 * 1024 ||
+           kiln_cuda_check(be, cudaFuncSetAttribute(kernel,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    (int)smem),
+                           "fused_ce row block (fast): shared memory");
+}
+
+/* How many clusters of rows_pipe_kernel<Slot> with smem bytes of slices a block the current
+ * device runs at once (0: none, or the query failed: the caller keeps rows_cluster_kernel).
+ * Asked once per (device, smem) and remembered. */
+template <class Slot>
+static int ce_rows_pipe_clusters(size_t smem) {
+    static std::atomic<long long> memo{-1}; /* device << 40 | smem << 8 | clusters (< 256) */
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    const long long key = ((long long)dev << 40) | ((long long)smem << 8);
+    const long long got = memo.load();
+    if (got >= 0 && (got & ~0xffLL) == key) return (int)(got & 0xff);
+    int n = 0, maxsm = 0;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(CE_CL, 1, 1);
+    cfg.blockDim = dim3(CE_CL_THREADS, 1, 1);
+    cfg.dynamicSmemBytes = smem;
+    if (cudaDeviceGetAttribute(&maxsm, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+            cudaSuccess ||
+        smem > (size_t)maxsm ||
+        cudaFuncSetAttribute(rows_pipe_kernel<Slot>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&n, rows_pipe_kernel<Slot>, &cfg) != cudaSuccess) {
+        (void)cudaGetLastError(); /* not an error of the stream: the other kernel runs instead */
+        n = 0;
+    }
+    n = n < 0 ? 0 : n > 255 ? 255 : n;
+    memo.store(key | n);
+    return n;
+}
+
+/* The rows in clusters of CE_CL blocks, slices of per slots: rows_pipe_kernel's persistent
+ * clusters where two slices a block fit, else one cluster a row. */
 template <class Slot>
 static kiln_status ce_rows_cluster_launch(kiln_backend *be, typename Slot::elem *z, int64_t ldz,
                                           int64_t R, int64_t Rs, int64_t V, int64_t per,
                                           const int32_t *tgt, float *m, float *l, float *zt,
                                           float gs) {
     const size_t smem = (size_t)per * sizeof(typename Slot::raw);
-    if (smem > 48 * 1024 &&
-        !kiln_cuda_check(be, cudaFuncSetAttribute(rows_cluster_kernel<Slot>,
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  (int)smem),
-                         "fused_ce row block (fast): shared memory"))
-        return kiln_backend_status(be);
+    const int nc = ce_rows_pipe_wanted() ? ce_rows_pipe_clusters<Slot>(2 * smem) : 0;
+    if (nc > 0) {
+        const int64_t grid = (R < nc ? R : nc) * CE_CL;
+        rows_pipe_kernel<Slot><<<(unsigned)grid, CE_CL_THREADS, 2 * smem, kiln_cuda_stream(be)>>>(
+            z, ldz, R, Rs, V, per, tgt, m, l, zt, gs);
+        return ce_launched(be, "fused_ce row block (fast, persistent clusters)");
+    }
+    if (!ce_smem_attr(be, rows_cluster_kernel<Slot>, smem)) return kiln_backend_status(be);
     rows_cluster_kernel<Slot><<<(unsigned)(R * CE_CL), CE_CL_THREADS, smem,
                                 kiln_cuda_stream(be)>>>(z, ldz, Rs, V, per, tgt, m, l, zt, gs);
     return ce_launched(be, "fused_ce row block (fast, clusters)");
