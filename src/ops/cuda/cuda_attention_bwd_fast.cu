@@ -1096,6 +1096,71 @@ static __global__ void bwd_reduce16_kernel(bw_args A, float *__restrict__ dk,
     }
 }
 
+/* bwd_reduce16_kernel's sums and stores, 4 elements a thread (i = 4u for u < HS/8: elements
+ * i..i+3 and i+HS/2..i+HS/2+3) with G = GC known at compile time (2..8). The kernel is its
+ * loads' round trips: bwd_reduce16_kernel's SASS keeps about four 8-byte loads of a thread in
+ * flight (ptxas interleaves the additions with the loads, whatever the source's order), so
+ * each thread here first copies its 2 GC float4 of dk's partials into shared memory by
+ * cp.async (its own slots: no barrier), all in flight at once, adds them in order from there,
+ * then the same for dv. Each element: the same additions in the same order, the same rotation
+ * and rounding, so the same bits (KILN_ATTN_REDUCE_X4=0: bwd_reduce16_kernel). */
+#define RED_X4_THREADS 128
+template <int HS, int GC>
+static __global__ void __launch_bounds__(RED_X4_THREADS)
+bwd_reduce16x4_kernel(bw_args A, float *__restrict__ dk, float *__restrict__ dv,
+                      const float *__restrict__ pk, const float *__restrict__ pv, int64_t total) {
+    constexpr int Q = HS / 8, H2 = HS / 2;
+    __shared__ float4 stage[GC][2][RED_X4_THREADS]; /* [partial][low, high half][thread] */
+    const int tid = threadIdx.x;
+    /* the sums of elements i.. (lo) and i + HS/2.. (hi) of the GC partials at p */
+    auto sum = [&](const float *p, float4 &lo, float4 &hi) {
+#pragma unroll
+        for (int gi = 0; gi < GC; gi++) {
+            cp_async16(&stage[gi][0][tid], p + gi * HS);
+            cp_async16(&stage[gi][1][tid], p + gi * HS + H2);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        lo = stage[0][0][tid];
+        hi = stage[0][1][tid];
+#pragma unroll
+        for (int gi = 1; gi < GC; gi++) {
+            const float4 a = stage[gi][0][tid], b = stage[gi][1][tid];
+            lo = make_float4(lo.x + a.x, lo.y + a.y, lo.z + a.z, lo.w + a.w);
+            hi = make_float4(hi.x + b.x, hi.y + b.y, hi.z + b.z, hi.w + b.w);
+        }
+    };
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + tid; u < total;
+         u += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = u / Q, tok = row / A.KVH; /* row: token * KVH + kv head */
+        const int i = 4 * (int)(u - row * Q), j = (int)(row - tok * A.KVH);
+        const int64_t p0 = (tok * A.NH + (int64_t)j * GC) * HS + i;
+        float4 k0, k1, v0, v1;
+        sum(pk + p0, k0, k1);
+        sum(pv + p0, v0, v1);
+        float ka[2] = {k0.x, k0.y}, kb[2] = {k1.x, k1.y}, kc[2] = {k0.z, k0.w}, kd[2] = {k1.z, k1.w};
+        const int p = A.pos[tok];
+        rope_bwd_pairs<HS>(ka, kb, A, p, i);
+        rope_bwd_pairs<HS>(kc, kd, A, p, i + 2);
+        const int64_t o16 = tok * A.ld16 + (int64_t)j * HS + i;
+        *reinterpret_cast<uint2 *>(A.dk16 + o16) =
+            make_uint2(bf16_pair(ka[0], ka[1]), bf16_pair(kc[0], kc[1]));
+        *reinterpret_cast<uint2 *>(A.dk16 + o16 + H2) =
+            make_uint2(bf16_pair(kb[0], kb[1]), bf16_pair(kd[0], kd[1]));
+        *reinterpret_cast<uint2 *>(A.dv16 + o16) =
+            make_uint2(bf16_pair(v0.x, v0.y), bf16_pair(v0.z, v0.w));
+        *reinterpret_cast<uint2 *>(A.dv16 + o16 + H2) =
+            make_uint2(bf16_pair(v1.x, v1.y), bf16_pair(v1.z, v1.w));
+        if (A.keep_f32) {
+            const int64_t o = row * HS + i; /* (token, kv head) rows of HS */
+            *reinterpret_cast<float4 *>(dk + o) = make_float4(ka[0], ka[1], kc[0], kc[1]);
+            *reinterpret_cast<float4 *>(dk + o + H2) = make_float4(kb[0], kb[1], kd[0], kd[1]);
+            *reinterpret_cast<float4 *>(dv + o) = v0;
+            *reinterpret_cast<float4 *>(dv + o + H2) = v1;
+        }
+    }
+}
+
 /* ==== entry points ============================================================================ */
 
 size_t kiln_cuda_attention_backward_fast_ws(int N, int n_past, int NH, int KVH, int HS) {
@@ -1193,7 +1258,22 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
     if (HS == 64 && A.dq16) {
         int64_t blocks = (total / 4 + 255) / 256;
         if (blocks > 65535) blocks = 65535;
-        bwd_reduce16_kernel<64><<<(unsigned)blocks, 256, 0, s>>>(A, dk, dv, pk, pv, total / 4);
+        const int G = A.NH / A.KVH;
+        const bool x4 = G >= 2 && G <= 8 && !kiln_env_off("KILN_ATTN_REDUCE_X4") &&
+                        (((uintptr_t)dk | (uintptr_t)dv | (uintptr_t)pk | (uintptr_t)pv) % 16 == 0);
+        if (!x4) {
+            bwd_reduce16_kernel<64><<<(unsigned)blocks, 256, 0, s>>>(A, dk, dv, pk, pv, total / 4);
+            return cudaGetLastError();
+        }
+        blocks = (total / 8 + RED_X4_THREADS - 1) / RED_X4_THREADS;
+        if (blocks > 65535) blocks = 65535;
+        const dim3 g((unsigned)blocks), t(RED_X4_THREADS);
+        switch (G) {
+#define RED16X4(GC)                                                                            \
+    case GC: bwd_reduce16x4_kernel<64, GC><<<g, t, 0, s>>>(A, dk, dv, pk, pv, total / 8); break;
+            RED16X4(2) RED16X4(3) RED16X4(4) RED16X4(5) RED16X4(6) RED16X4(7) RED16X4(8)
+#undef RED16X4
+        }
         return cudaGetLastError();
     }
     if (((uintptr_t)dk | (uintptr_t)dv | (uintptr_t)pk | (uintptr_t)pv) % 16 == 0) {

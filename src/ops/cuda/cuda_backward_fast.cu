@@ -165,17 +165,34 @@ col_sum_partial_kernel(double *__restrict__ part, const float *__restrict__ a,
 
 /* Column c = blockIdx.x * 32 + threadIdx.x; group g = threadIdx.y adds P[k][c] for k = g,
  * g + 8, ... ascending (from +0), the groups meet in the tree, and
- * out[c] = f32(out[c] + total) (the addition in double, one rounding). */
+ * out[c] = f32(out[c] + total) (the addition in double, one rounding). The kernel is a few
+ * blocks (W / 32) whose time is the partials' round trips: compiled as plain loads, ptxas kept
+ * about 7 of a thread's in flight (SASS), so each thread first copies the partials it will add
+ * (its own: no barrier) into shared memory by cp.async, CS_COMBINE_ROUND rows a round, all in
+ * flight at once, then adds them in order from there. */
+#define CS_COMBINE_ROUND 128 /* rows of 32 partials staged a round: 32 KiB */
+static_assert(CS_COMBINE_ROUND % CS_LANES == 0, "a group's rows stay its own across rounds");
+static __device__ __forceinline__ void cp_async8(void *dst, const void *src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(
+                     (uint32_t)__cvta_generic_to_shared(dst)), "l"(src));
+}
 static __device__ __forceinline__ void col_sum_combine_block(float *__restrict__ out,
                                                              const double *__restrict__ part,
                                                              int64_t W, int K, int64_t bx) {
     __shared__ double groups[CS_LANES][CS_TX];
+    __shared__ double stage[CS_COMBINE_ROUND][CS_TX];
     const int tx = threadIdx.x, g = threadIdx.y;
     const int64_t c = bx * CS_TX + tx;
     double t = 0.0;
     if (c < W)
-#pragma unroll 8
-        for (int k = g; k < K; k += CS_LANES) t = t + part[(int64_t)k * W + c];
+        for (int k0 = 0; k0 < K; k0 += CS_COMBINE_ROUND) {
+            const int n = K - k0 < CS_COMBINE_ROUND ? K - k0 : CS_COMBINE_ROUND;
+            for (int i = g; i < n; i += CS_LANES)
+                cp_async8(&stage[i][tx], part + (int64_t)(k0 + i) * W + c);
+            asm volatile("cp.async.commit_group;\n" ::);
+            asm volatile("cp.async.wait_group 0;\n" ::);
+            for (int i = g; i < n; i += CS_LANES) t = t + stage[i][tx];
+        }
     groups[g][tx] = t;
     __syncthreads();
     lane8_tree<CS_TX>(groups);

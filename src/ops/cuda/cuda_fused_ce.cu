@@ -781,11 +781,12 @@ struct ce_slot_bf16 {
     }
 };
 
-/* A block's shared scalars for one row: the warps' pairs, the block's pair (read by the
- * cluster's other blocks) and the row's -m log2 e and 1 / l. */
+/* A block's shared scalars: the warps' pairs, the block's pair (read by the cluster's other
+ * blocks) and the row's -m log2 e and 1 / l. The persistent kernel alternates two of the
+ * block pair by row parity (ce_row_finish). */
 struct ce_row_shared {
     float part_m[CE_CL_WARPS], part_s[CE_CL_WARPS];
-    float blk_m, blk_s, row_nm, row_rl;
+    float blk_m[2], blk_s[2], row_nm, row_rl;
 };
 
 /* The thread's (mt, st) over its slots of the block's slice [0, ns) (slice slot k is the row's
@@ -817,53 +818,66 @@ static __device__ __forceinline__ void ce_slice_stats(int64_t ns, int64_t s0, in
 
 /* Row i's merge and gradient, once every thread of the cluster has its (mt, st) and its slice
  * slots [s0, s0 + ns) of the row in `slice`: the block's pair, the cluster's pairs merged in
- * rank order through distributed shared memory, m, l and zt written, then g stored in place
- * from the slice. The first cluster barrier orders every block's loads of the row before any
- * store to it (with f32 logits a store of slot j lands on slot j / 2's bytes, another block's;
- * with bf16 logits on slot j's own bytes) and makes the blocks' pairs visible; the second keeps
- * them alive until every block has read them, and orders this row's reads of `sh` before the
- * next row's writes. */
-template <class Slot>
-static __device__ __forceinline__ void ce_row_finish(ce_row_shared &sh, int64_t i,
+ * rank order (lanes q < CE_CL of warp 0 each read rank q's pair through distributed shared
+ * memory, one round trip, then every lane merges them from rank 0 up: the same operations in
+ * every block, so the same row m, l), m, l and zt written, then g stored in place from the
+ * slice. The cluster barrier orders every block's loads of the row before any store to it
+ * (with f32 logits a store of slot j lands on slot j / 2's bytes, another block's; with bf16
+ * logits on slot j's own bytes) and makes the blocks' pairs visible.
+ * PERSIST (rows_pipe_kernel, rows of one parity par in turn): the block pair lives in
+ * blk_*[par], which no block rewrites before every block has passed the next row's barrier,
+ * hence finished reading this one, so a block barrier suffices for row_nm, row_rl (the caller
+ * ends with a cluster barrier after its last row). Else (one row, then the block exits) a second
+ * cluster barrier keeps the pairs alive until every block has read them. */
+template <class Slot, bool PERSIST>
+static __device__ __forceinline__ void ce_row_finish(ce_row_shared &sh, int par, int64_t i,
                                                      const typename Slot::raw *slice, int64_t s0,
                                                      int64_t ns, int64_t V,
                                                      typename Slot::elem *zr, int64_t t,
                                                      float *m, float *l, float *zt, float gs,
                                                      float mt, float st) {
     constexpr int W = Slot::W;
+    static_assert(CE_CL <= 32, "one lane of warp 0 a block of the cluster");
     cg::cluster_group cluster = cg::this_cluster();
     const int rank = (int)cluster.block_rank(), tid = threadIdx.x;
     float bm, bs;
     ce_block_pair<CE_CL_WARPS>(mt, st, sh.part_m, sh.part_s, bm, bs);
     if (tid == 0) {
-        sh.blk_m = bm;
-        sh.blk_s = bs;
+        sh.blk_m[par] = bm;
+        sh.blk_s[par] = bs;
     }
     cluster.sync(); /* every block's slice loaded and its (m, s) written */
-    if (tid == 0) {
-        float bm = *cluster.map_shared_rank(&sh.blk_m, 0);
-        float bs = *cluster.map_shared_rank(&sh.blk_s, 0);
-        for (int q = 1; q < CE_CL; q++)
-            ce_merge(bm, bs, *cluster.map_shared_rank(&sh.blk_m, q),
-                     *cluster.map_shared_rank(&sh.blk_s, q));
-        if (rank == 0) {
-            m[i] = bm;
-            l[i] = bs;
-        }
-        const int64_t ts = t / W;
-        if (ts >= s0 && ts < s0 + ns) {
-            float v[W];
-            Slot::vals(slice[ts - s0], v);
-            float x = v[0];
+    if (tid < 32) {
+        const int q = tid < CE_CL ? tid : 0;
+        const float qm = *cluster.map_shared_rank(&sh.blk_m[par], q);
+        const float qs = *cluster.map_shared_rank(&sh.blk_s[par], q);
+        float bm = __shfl_sync(0xffffffffu, qm, 0), bs = __shfl_sync(0xffffffffu, qs, 0);
 #pragma unroll
-            for (int q = 1; q < W; q++) /* selects: no local-memory index */
-                x = (int)(t % W) == q ? v[q] : x;
-            zt[i] = x;
+        for (int r = 1; r < CE_CL; r++)
+            ce_merge(bm, bs, __shfl_sync(0xffffffffu, qm, r), __shfl_sync(0xffffffffu, qs, r));
+        if (tid == 0) {
+            if (rank == 0) {
+                m[i] = bm;
+                l[i] = bs;
+            }
+            const int64_t ts = t / W;
+            if (ts >= s0 && ts < s0 + ns) {
+                float v[W];
+                Slot::vals(slice[ts - s0], v);
+                float x = v[0];
+#pragma unroll
+                for (int q = 1; q < W; q++) /* selects: no local-memory index */
+                    x = (int)(t % W) == q ? v[q] : x;
+                zt[i] = x;
+            }
+            sh.row_nm = -bm * KILN_LOG2E;
+            sh.row_rl = 1.0f / bs;
         }
-        sh.row_nm = -bm * KILN_LOG2E;
-        sh.row_rl = 1.0f / bs;
     }
-    cluster.sync(); /* every remote read done; row_nm, row_rl visible to the block */
+    if (PERSIST)
+        __syncthreads(); /* row_nm, row_rl visible to the block */
+    else
+        cluster.sync(); /* every remote read done; row_nm, row_rl visible to the block */
     const float nm = sh.row_nm, rl = sh.row_rl;
     for (int64_t k = tid; k < ns; k += CE_CL_THREADS)
         Slot::grad_store(zr, s0 + k, slice[k], V, t, nm, rl, gs);
@@ -904,16 +918,20 @@ rows_cluster_kernel(typename Slot::elem *z, int64_t ldz, int64_t Rs, int64_t V, 
         slice[k] = x;
         return x;
     }, mt, st);
-    ce_row_finish<Slot>(sh, i, slice, s0, ns, V, zr, tgt[i], m, l, zt, gs, mt, st);
+    ce_row_finish<Slot, false>(sh, 0, i, slice, s0, ns, V, zr, tgt[i], m, l, zt, gs, mt, st);
 }
 
 /* The same rows and arithmetic, each row's bits as rows_cluster_kernel's, by persistent
  * clusters (grid: as many clusters as fit the GPU at once, cluster c taking rows c, c + nc,
- * ...) that load the next row's slice while working on this one: rows_cluster_kernel spent
- * most of a row waiting (the slice's loads, then the two cluster barriers and the merge with
- * nothing in flight), about 2.5 TB/s. Two slices a block (buffers b, b ^ 1): each thread
- * copies its own slice slots by cp.async (16 bytes each, through L2) one row ahead, so no
- * barrier guards the buffers (a thread's slots are its own; see ce_slice_stats). */
+ * ...) that load the next row's slice while working on this one, with one cluster barrier a
+ * row (ce_row_finish, PERSIST). A cluster's row is a chain of waits: the slice's loads, the
+ * block's merge, the cluster barrier, the cluster's merge, the gradient; rows_cluster_kernel
+ * moved about 2.5 TB/s. Loading one row ahead alone took 519 -> 501 us a block of 2048 rows
+ * at V 151,936 (H200, session 18), so the loads were not the chain's long part; the merge's
+ * remote reads in one round trip and one barrier fewer a row shorten the rest. Two slices a
+ * block (buffers b, b ^ 1): each thread copies its own slice slots by cp.async (16 bytes
+ * each, through L2), so no barrier guards the buffers (a thread's slots are its own; see
+ * ce_slice_stats). */
 template <class Slot>
 static __global__ void __cluster_dims__(CE_CL, 1, 1) __launch_bounds__(CE_CL_THREADS, 2)
 rows_pipe_kernel(typename Slot::elem *z, int64_t ldz, int64_t R, int64_t Rs, int64_t V,
@@ -936,7 +954,7 @@ rows_pipe_kernel(typename Slot::elem *z, int64_t ldz, int64_t R, int64_t Rs, int
         cp_async_commit();
     };
     prefetch(c, 0);
-    int buf = 0;
+    int buf = 0, par = 0; /* par: the block pair's parity, one step a merged row */
     for (int64_t i = c; i < R; i += nc, buf ^= 1) {
         prefetch(i + nc, buf ^ 1); /* buf ^ 1's slots were last read by this thread, a row ago */
         typename Slot::elem *zr = z + i * ldz;
@@ -949,9 +967,12 @@ rows_pipe_kernel(typename Slot::elem *z, int64_t ldz, int64_t R, int64_t Rs, int
         const raw *slice = slices + buf * per;
         float mt, st;
         ce_slice_stats<Slot>(ns, s0, V, [&](int64_t k) { return slice[k]; }, mt, st);
-        ce_row_finish<Slot>(sh, i, slice, s0, ns, V, zr, tgt[i], m, l, zt, gs, mt, st);
+        ce_row_finish<Slot, true>(sh, par, i, slice, s0, ns, V, zr, tgt[i], m, l, zt, gs, mt,
+                                  st);
+        par ^= 1;
     }
     cp_async_wait<0>();
+    cg::this_cluster().sync(); /* the last row's pairs stay until every block has read them */
 }
 
 /* KILN_CE_ROWS_CLUSTER=0 keeps rows_fast_kernel (for comparisons; read on every call). */
