@@ -42,8 +42,9 @@
  * Then the row-block walk (kiln_fused_ce_params.row_block, the one-call form) against the
  * vocabulary walk and the auditable call, with bf16 logits (the default) and f32 logits
  * (row_logits_f32; in clusters and with the one-block-a-row kernel): the same bits twice,
- * and the same bits by the persistent clusters (the default) and by one cluster a row
- * (KILN_CE_ROWS_PIPE=0), with either logits;
+ * and the same bits by the persistent clusters (the default), by one cluster a row
+ * (KILN_CE_ROWS_PIPE=0), with either logits, and with three slices a block
+ * (KILN_CE_ROWS_PIPE=3, bf16 logits);
  * with f32 logits the loss within 1e-4, the row statistics within 1e-5 and the gradients
  * within 2e-3 norm-wise of the vocabulary walk; with bf16 logits within 1e-3, 2e-2 and 1e-2
  * (each logit rounded once more); each within 1e-2 of auditable mode; calls the walk does not
@@ -53,8 +54,8 @@
  * up to 8, dh only, dW only, one block, a mask. Without --quick the 0.5B head (N 8192,
  * V 151936, blocks of 2048), timed against the vocabulary walk:
  *   "fused_ce fast timing N=8192 H=896 V=151936 one-call fwd+bwd: row-block walk (2048 rows)
- *    ... ms with bf16 logits (one cluster a row: ... ms; f32 logits: ... ms; f32, one block a
- *    row: ... ms), vocabulary
+ *    ... ms with bf16 logits (one cluster a row: ... ms; three slices a block: ... ms; f32
+ *    logits: ... ms; f32, one block a row: ... ms), vocabulary
  *    walk ... ms per call (median of 5)".
  * Then "ALL OK" or "FAILED n".
  *
@@ -772,7 +773,7 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
     Side s, as;
     s.init(be, hidden, w, N, H, V, c.w_misalign ? 2 : 0);
     as.init(aud_be, hidden, w, N, H, V);
-    Outs r1, r2, r3, r4, r5, r6, vw, au;
+    Outs r1, r2, r3, r4, r5, r6, r7, vw, au;
     bool ok = scr != nullptr;
     if (!scr) FAIL("%s: kiln_backend_alloc %zu bytes", tag, cap);
     const int64_t rb = c.row_block;
@@ -782,6 +783,8 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
     setenv("KILN_CE_ROWS_PIPE", "0", 1); /* one cluster a row: the same bits */
     ok = ok && run_rows(s, base, c, rb, 0, dw0, scr, cap, r5, tag, 0, nullptr) &&
          run_rows(s, base, c, rb, 1, dw0, scr, cap, r6, tag32, 0, nullptr);
+    setenv("KILN_CE_ROWS_PIPE", "3", 1); /* three slices a block where they fit */
+    ok = ok && run_rows(s, base, c, rb, 0, dw0, scr, cap, r7, tag, 0, nullptr);
     unsetenv("KILN_CE_ROWS_PIPE");
     setenv("KILN_CE_ROWS_CLUSTER", "0", 1);
     ok = ok && run_rows(s, base, c, rb, 1, dw0, scr, cap, r4, tag1, 0, nullptr);
@@ -798,6 +801,7 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
         same_run(r1, r2, "row-block walk twice", tag);
         same_run(r1, r5, "persistent clusters against one cluster a row", tag);
         same_run(r3, r6, "persistent clusters against one cluster a row", tag32);
+        same_run(r1, r7, "three slices a block against two", tag);
         ran_rows = r1.r.scratch_bytes == want && want != vw.r.scratch_bytes;
         if (ran_rows != (c.expect_rows != 0))
             FAIL("%s: the %s ran (scratch %zu; row walk %zu, vocabulary walk %zu), expected "
@@ -815,13 +819,16 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
         cmp_rows(r3, vw, au, c, kRowsF32, tg, mask, dw0, tag32, e3, a3);
         cmp_rows(r4, vw, au, c, kRowsF32, tg, mask, dw0, tag1, e4, a4);
     }
-    double ms_rows = 0.0, ms_f32 = 0.0, ms_one = 0.0, ms_vocab = 0.0, ms_row_cl = 0.0;
+    double ms_rows = 0.0, ms_f32 = 0.0, ms_one = 0.0, ms_vocab = 0.0, ms_row_cl = 0.0,
+           ms_row3 = 0.0;
     if (ok && reps > 0) {
         Outs tmp;
         run_rows(s, base, c, rb, 0, dw0, scr, cap, tmp, tag, reps, &ms_rows);
         run_rows(s, base, c, rb, 1, dw0, scr, cap, tmp, tag32, reps, &ms_f32);
         setenv("KILN_CE_ROWS_PIPE", "0", 1);
         run_rows(s, base, c, rb, 0, dw0, scr, cap, tmp, tag, reps, &ms_row_cl);
+        setenv("KILN_CE_ROWS_PIPE", "3", 1);
+        run_rows(s, base, c, rb, 0, dw0, scr, cap, tmp, tag, reps, &ms_row3);
         unsetenv("KILN_CE_ROWS_PIPE");
         setenv("KILN_CE_ROWS_CLUSTER", "0", 1);
         run_rows(s, base, c, rb, 1, dw0, scr, cap, tmp, tag1, reps, &ms_one);
@@ -839,11 +846,11 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
            g_fail == fails0 ? "OK" : "FAILED");
     if (reps > 0)
         printf("fused_ce fast timing N=%lld H=%lld V=%lld one-call fwd+bwd: row-block walk "
-               "(%lld rows) %.2f ms with bf16 logits (one cluster a row: %.2f ms; f32 logits: "
-               "%.2f ms; f32, one block a row: %.2f ms), vocabulary walk %.2f ms per call "
-               "(median of %d); scratch %.1f (f32 logits %.1f) vs %.1f MiB\n", (long long)N,
-               (long long)H, (long long)V, (long long)c.row_block, ms_rows, ms_row_cl, ms_f32,
-               ms_one, ms_vocab, reps, want / 1048576.0,
+               "(%lld rows) %.2f ms with bf16 logits (one cluster a row: %.2f ms; three slices a "
+               "block: %.2f ms; f32 logits: %.2f ms; f32, one block a row: %.2f ms), vocabulary "
+               "walk %.2f ms per call (median of %d); scratch %.1f (f32 logits %.1f) vs %.1f "
+               "MiB\n", (long long)N, (long long)H, (long long)V, (long long)c.row_block, ms_rows,
+               ms_row_cl, ms_row3, ms_f32, ms_one, ms_vocab, reps, want / 1048576.0,
                want32 / 1048576.0, vocab / 1048576.0);
     fflush(stdout);
 }

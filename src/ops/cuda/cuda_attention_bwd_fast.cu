@@ -1259,8 +1259,10 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
         int64_t blocks = (total / 4 + 255) / 256;
         if (blocks > 65535) blocks = 65535;
         const int G = A.NH / A.KVH;
+        /* float4 loads (and f32 stores), 8-byte bf16 stores */
         const bool x4 = G >= 2 && G <= 8 && !kiln_env_off("KILN_ATTN_REDUCE_X4") &&
-                        (((uintptr_t)dk | (uintptr_t)dv | (uintptr_t)pk | (uintptr_t)pv) % 16 == 0);
+                        (((uintptr_t)dk | (uintptr_t)dv | (uintptr_t)pk | (uintptr_t)pv) % 16 == 0) &&
+                        ((uintptr_t)A.dk16 | (uintptr_t)A.dv16) % 8 == 0 && A.ld16 % 4 == 0;
         if (!x4) {
             bwd_reduce16_kernel<64><<<(unsigned)blocks, 256, 0, s>>>(A, dk, dv, pk, pv, total / 4);
             return cudaGetLastError();

@@ -929,17 +929,19 @@ rows_cluster_kernel(typename Slot::elem *z, int64_t ldz, int64_t Rs, int64_t V, 
  * moved about 2.5 TB/s. Loading one row ahead alone took 519 -> 501 us a block of 2048 rows
  * at V 151,936 (H200, session 18), so the loads were not the chain's long part; the merge's
  * remote reads in one round trip and one barrier fewer a row shorten the rest. Two slices a
- * block (buffers b, b ^ 1): each thread copies its own slice slots by cp.async (16 bytes
- * each, through L2), so no barrier guards the buffers (a thread's slots are its own; see
- * ce_slice_stats). */
-template <class Slot>
+ * block (NBUF 2, the default) or three (NBUF 3, `KILN_CE_ROWS_PIPE=3`: two rows ahead, where
+ * two such blocks fit an SM; not yet measured): each thread copies its own slice slots by
+ * cp.async (16 bytes each, through L2), so no barrier guards the buffers (a thread's slots
+ * are its own; see ce_slice_stats). */
+template <class Slot, int NBUF>
 static __global__ void __cluster_dims__(CE_CL, 1, 1) __launch_bounds__(CE_CL_THREADS, 2)
 rows_pipe_kernel(typename Slot::elem *z, int64_t ldz, int64_t R, int64_t Rs, int64_t V,
                  int64_t per, const int32_t *__restrict__ tgt, float *__restrict__ m,
                  float *__restrict__ l, float *__restrict__ zt, float gs) {
+    static_assert(NBUF == 2 || NBUF == 3, "one or two rows ahead");
     typedef typename Slot::raw raw;
     extern __shared__ uint4 slice_mem[];
-    raw *slices = reinterpret_cast<raw *>(slice_mem); /* 2 x per slots */
+    raw *slices = reinterpret_cast<raw *>(slice_mem); /* NBUF x per slots */
     __shared__ ce_row_shared sh;
     const int rank = (int)cg::this_cluster().block_rank();
     const int64_t nc = gridDim.x / CE_CL, c = blockIdx.x / CE_CL;
@@ -953,17 +955,19 @@ rows_pipe_kernel(typename Slot::elem *z, int64_t ldz, int64_t R, int64_t Rs, int
         }
         cp_async_commit();
     };
-    prefetch(c, 0);
+#pragma unroll
+    for (int b = 0; b < NBUF - 1; b++) prefetch(c + b * nc, b);
     int buf = 0, par = 0; /* par: the block pair's parity, one step a merged row */
-    for (int64_t i = c; i < R; i += nc, buf ^= 1) {
-        prefetch(i + nc, buf ^ 1); /* buf ^ 1's slots were last read by this thread, a row ago */
+    for (int64_t i = c; i < R; i += nc, buf = buf + 1 < NBUF ? buf + 1 : 0) {
+        /* the buffer before buf: its slots were last read by this thread, a row ago */
+        prefetch(i + (NBUF - 1) * nc, buf > 0 ? buf - 1 : NBUF - 1);
         typename Slot::elem *zr = z + i * ldz;
         if (i >= Rs) { /* a padding row (uniform per cluster): zeros */
             for (int64_t k = threadIdx.x; k < ns; k += CE_CL_THREADS)
                 Slot::zero_store(zr, s0 + k);
             continue;
         }
-        cp_async_wait<1>(); /* row i's slots of this thread have landed */
+        cp_async_wait<NBUF - 1>(); /* row i's slots of this thread have landed */
         const raw *slice = slices + buf * per;
         float mt, st;
         ce_slice_stats<Slot>(ns, s0, V, [&](int64_t k) { return slice[k]; }, mt, st);
@@ -981,11 +985,11 @@ static bool ce_rows_cluster_wanted(void) {
     return !(e && e[0] == '0');
 }
 
-/* KILN_CE_ROWS_PIPE=0 keeps rows_cluster_kernel (one cluster a row; the same bits), read on
- * every call. */
-static bool ce_rows_pipe_wanted(void) {
+/* KILN_CE_ROWS_PIPE: 0 keeps rows_cluster_kernel (one cluster a row), 3 asks for three slices
+ * a block, else two (all the same bits); read on every call. */
+static int ce_rows_pipe_bufs(void) {
     const char *e = getenv("KILN_CE_ROWS_PIPE");
-    return !(e && e[0] == '0');
+    return e && e[0] == '0' ? 0 : e && e[0] == '3' ? 3 : 2;
 }
 
 /* Lets kernel ask for smem bytes of dynamic shared memory (over the default 48 KiB). */
@@ -998,10 +1002,10 @@ static bool ce_smem_attr(kiln_backend *be, K kernel, size_t smem) {
                            "fused_ce row block (fast): shared memory");
 }
 
-/* How many clusters of rows_pipe_kernel<Slot> with smem bytes of slices a block the current
- * device runs at once (0: none, or the query failed: the caller keeps rows_cluster_kernel).
- * Asked once per (device, smem) and remembered. */
-template <class Slot>
+/* How many clusters of rows_pipe_kernel<Slot, NBUF> with smem bytes of slices a block the
+ * current device runs at once (0: none, or the query failed: the caller keeps
+ * rows_cluster_kernel). Asked once per (device, smem) and remembered. */
+template <class Slot, int NBUF>
 static int ce_rows_pipe_clusters(size_t smem) {
     static std::atomic<long long> memo{-1}; /* device << 40 | smem << 8 | clusters (< 256) */
     int dev = 0;
@@ -1020,9 +1024,9 @@ static int ce_rows_pipe_clusters(size_t smem) {
     if (cudaDeviceGetAttribute(&maxsm, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
             cudaSuccess ||
         smem > (size_t)maxsm ||
-        cudaFuncSetAttribute(rows_pipe_kernel<Slot>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int)smem) != cudaSuccess ||
-        cudaOccupancyMaxActiveClusters(&n, rows_pipe_kernel<Slot>, &cfg) != cudaSuccess) {
+        cudaFuncSetAttribute(rows_pipe_kernel<Slot, NBUF>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&n, rows_pipe_kernel<Slot, NBUF>, &cfg) != cudaSuccess) {
         (void)cudaGetLastError(); /* not an error of the stream: the other kernel runs instead */
         n = 0;
     }
@@ -1032,18 +1036,27 @@ static int ce_rows_pipe_clusters(size_t smem) {
 }
 
 /* The rows in clusters of CE_CL blocks, slices of per slots: rows_pipe_kernel's persistent
- * clusters where two slices a block fit, else one cluster a row. */
+ * clusters where two slices a block fit (three with KILN_CE_ROWS_PIPE=3 where that keeps as
+ * many clusters at once), else one cluster a row. */
 template <class Slot>
 static kiln_status ce_rows_cluster_launch(kiln_backend *be, typename Slot::elem *z, int64_t ldz,
                                           int64_t R, int64_t Rs, int64_t V, int64_t per,
                                           const int32_t *tgt, float *m, float *l, float *zt,
                                           float gs) {
     const size_t smem = (size_t)per * sizeof(typename Slot::raw);
-    const int nc = ce_rows_pipe_wanted() ? ce_rows_pipe_clusters<Slot>(2 * smem) : 0;
+    const int bufs = ce_rows_pipe_bufs();
+    const int nc = bufs > 0 ? ce_rows_pipe_clusters<Slot, 2>(2 * smem) : 0;
+    const int nc3 = bufs == 3 && nc > 0 ? ce_rows_pipe_clusters<Slot, 3>(3 * smem) : 0;
     if (nc > 0) {
         const int64_t grid = (R < nc ? R : nc) * CE_CL;
-        rows_pipe_kernel<Slot><<<(unsigned)grid, CE_CL_THREADS, 2 * smem, kiln_cuda_stream(be)>>>(
-            z, ldz, R, Rs, V, per, tgt, m, l, zt, gs);
+        if (nc3 >= nc)
+            rows_pipe_kernel<Slot, 3><<<(unsigned)grid, CE_CL_THREADS, 3 * smem,
+                                        kiln_cuda_stream(be)>>>(z, ldz, R, Rs, V, per, tgt, m,
+                                                                l, zt, gs);
+        else
+            rows_pipe_kernel<Slot, 2><<<(unsigned)grid, CE_CL_THREADS, 2 * smem,
+                                        kiln_cuda_stream(be)>>>(z, ldz, R, Rs, V, per, tgt, m,
+                                                                l, zt, gs);
         return ce_launched(be, "fused_ce row block (fast, persistent clusters)");
     }
     if (!ce_smem_attr(be, rows_cluster_kernel<Slot>, smem)) return kiln_backend_status(be);
