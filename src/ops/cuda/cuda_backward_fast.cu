@@ -9,6 +9,7 @@
 #include "cuda_backward_fast.h"
 
 #include "cuda_common.cuh"
+#include "cuda_mma.cuh"
 
 #include "cuda_backward.h"
 
@@ -172,10 +173,6 @@ col_sum_partial_kernel(double *__restrict__ part, const float *__restrict__ a,
  * flight at once, then adds them in order from there. */
 #define CS_COMBINE_ROUND 128 /* rows of 32 partials staged a round: 32 KiB */
 static_assert(CS_COMBINE_ROUND % CS_LANES == 0, "a group's rows stay its own across rounds");
-static __device__ __forceinline__ void cp_async8(void *dst, const void *src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(
-                     (uint32_t)__cvta_generic_to_shared(dst)), "l"(src));
-}
 static __device__ __forceinline__ void col_sum_combine_block(float *__restrict__ out,
                                                              const double *__restrict__ part,
                                                              int64_t W, int K, int64_t bx) {
@@ -189,8 +186,8 @@ static __device__ __forceinline__ void col_sum_combine_block(float *__restrict__
             const int n = K - k0 < CS_COMBINE_ROUND ? K - k0 : CS_COMBINE_ROUND;
             for (int i = g; i < n; i += CS_LANES)
                 cp_async8(&stage[i][tx], part + (int64_t)(k0 + i) * W + c);
-            asm volatile("cp.async.commit_group;\n" ::);
-            asm volatile("cp.async.wait_group 0;\n" ::);
+            cp_async_commit();
+            cp_async_wait<0>();
             for (int i = g; i < n; i += CS_LANES) t = t + stage[i][tx];
         }
     groups[g][tx] = t;
