@@ -1050,6 +1050,32 @@ static __global__ void bwd_reduce_kernel(T *__restrict__ dk, T *__restrict__ dv,
     }
 }
 
+/* The GQA reduction's epilogue for elements i, i + 1 (i even) and their partners i + HS/2,
+ * i + HS/2 + 1 of (token tok, kv head j), row = tok * KVH + j: dk's sums k0 (low), k1 (high)
+ * rotated back (RoPE's backward), then dk and dv's sums v0, v1 rounded into dk16, dv16 and, with
+ * keep_f32, stored in f32 to dk, dv (B*T, KVH, HS). */
+template <int HS>
+static __device__ __forceinline__ void reduce16_store(const bw_args &A, float *__restrict__ dk,
+                                                      float *__restrict__ dv, int64_t row,
+                                                      int64_t tok, int j, int i, float2 k0,
+                                                      float2 k1, float2 v0, float2 v1) {
+    constexpr int H2 = HS / 2;
+    float a[2] = {k0.x, k0.y}, b[2] = {k1.x, k1.y};
+    rope_bwd_pairs<HS>(a, b, A, A.pos[tok], i);
+    const int64_t o16 = tok * A.ld16 + (int64_t)j * HS + i;
+    *reinterpret_cast<uint32_t *>(A.dk16 + o16) = bf16_pair(a[0], a[1]);
+    *reinterpret_cast<uint32_t *>(A.dk16 + o16 + H2) = bf16_pair(b[0], b[1]);
+    *reinterpret_cast<uint32_t *>(A.dv16 + o16) = bf16_pair(v0.x, v0.y);
+    *reinterpret_cast<uint32_t *>(A.dv16 + o16 + H2) = bf16_pair(v1.x, v1.y);
+    if (A.keep_f32) {
+        const int64_t o = row * HS + i; /* (token, kv head) rows of HS */
+        *reinterpret_cast<float2 *>(dk + o) = make_float2(a[0], a[1]);
+        *reinterpret_cast<float2 *>(dk + o + H2) = make_float2(b[0], b[1]);
+        *reinterpret_cast<float2 *>(dv + o) = v0;
+        *reinterpret_cast<float2 *>(dv + o + H2) = v1;
+    }
+}
+
 /* Kernel 3 with the fused epilogue (A.dq16): a thread per (key token, kv head, i = 2u for
  * u < HS/4) sums elements i, i + 1, i + HS/2 and i + HS/2 + 1 of the G partials as
  * bwd_reduce_kernel does (each element the same additions in the same order), then dk's
@@ -1079,20 +1105,7 @@ static __global__ void bwd_reduce16_kernel(bw_args A, float *__restrict__ dk,
             v0 = make_float2(v0.x + b0.x, v0.y + b0.y);
             v1 = make_float2(v1.x + b1.x, v1.y + b1.y);
         }
-        float a[2] = {k0.x, k0.y}, b[2] = {k1.x, k1.y};
-        rope_bwd_pairs<HS>(a, b, A, A.pos[tok], i);
-        const int64_t o16 = tok * A.ld16 + (int64_t)j * HS + i;
-        *reinterpret_cast<uint32_t *>(A.dk16 + o16) = bf16_pair(a[0], a[1]);
-        *reinterpret_cast<uint32_t *>(A.dk16 + o16 + H2) = bf16_pair(b[0], b[1]);
-        *reinterpret_cast<uint32_t *>(A.dv16 + o16) = bf16_pair(v0.x, v0.y);
-        *reinterpret_cast<uint32_t *>(A.dv16 + o16 + H2) = bf16_pair(v1.x, v1.y);
-        if (A.keep_f32) {
-            const int64_t o = row * HS + i; /* (token, kv head) rows of HS */
-            *reinterpret_cast<float2 *>(dk + o) = make_float2(a[0], a[1]);
-            *reinterpret_cast<float2 *>(dk + o + H2) = make_float2(b[0], b[1]);
-            *reinterpret_cast<float2 *>(dv + o) = v0;
-            *reinterpret_cast<float2 *>(dv + o + H2) = v1;
-        }
+        reduce16_store<HS>(A, dk, dv, row, tok, j, i, k0, k1, v0, v1);
     }
 }
 
@@ -1103,7 +1116,8 @@ static __global__ void bwd_reduce16_kernel(bw_args A, float *__restrict__ dk,
  * each thread here first copies its 2 GC float4 of dk's partials into shared memory by
  * cp.async (its own slots: no barrier), all in flight at once, adds them in order from there,
  * then the same for dv. Each element: the same additions in the same order, the same rotation
- * and rounding, so the same bits (KILN_ATTN_REDUCE_X4=0: bwd_reduce16_kernel). */
+ * and rounding (reduce16_store), so the same bits (KILN_ATTN_REDUCE_X4=0:
+ * bwd_reduce16_kernel). */
 #define RED_X4_THREADS 128
 template <int HS, int GC>
 static __global__ void __launch_bounds__(RED_X4_THREADS)
@@ -1138,26 +1152,13 @@ bwd_reduce16x4_kernel(bw_args A, float *__restrict__ dk, float *__restrict__ dv,
         float4 k0, k1, v0, v1;
         sum(pk + p0, k0, k1);
         sum(pv + p0, v0, v1);
-        float ka[2] = {k0.x, k0.y}, kb[2] = {k1.x, k1.y}, kc[2] = {k0.z, k0.w}, kd[2] = {k1.z, k1.w};
-        const int p = A.pos[tok];
-        rope_bwd_pairs<HS>(ka, kb, A, p, i);
-        rope_bwd_pairs<HS>(kc, kd, A, p, i + 2);
-        const int64_t o16 = tok * A.ld16 + (int64_t)j * HS + i;
-        *reinterpret_cast<uint2 *>(A.dk16 + o16) =
-            make_uint2(bf16_pair(ka[0], ka[1]), bf16_pair(kc[0], kc[1]));
-        *reinterpret_cast<uint2 *>(A.dk16 + o16 + H2) =
-            make_uint2(bf16_pair(kb[0], kb[1]), bf16_pair(kd[0], kd[1]));
-        *reinterpret_cast<uint2 *>(A.dv16 + o16) =
-            make_uint2(bf16_pair(v0.x, v0.y), bf16_pair(v0.z, v0.w));
-        *reinterpret_cast<uint2 *>(A.dv16 + o16 + H2) =
-            make_uint2(bf16_pair(v1.x, v1.y), bf16_pair(v1.z, v1.w));
-        if (A.keep_f32) {
-            const int64_t o = row * HS + i; /* (token, kv head) rows of HS */
-            *reinterpret_cast<float4 *>(dk + o) = make_float4(ka[0], ka[1], kc[0], kc[1]);
-            *reinterpret_cast<float4 *>(dk + o + H2) = make_float4(kb[0], kb[1], kd[0], kd[1]);
-            *reinterpret_cast<float4 *>(dv + o) = v0;
-            *reinterpret_cast<float4 *>(dv + o + H2) = v1;
-        }
+        /* elements i, i + 1 then i + 2, i + 3 (and partners): reduce16_store's pairs */
+        reduce16_store<HS>(A, dk, dv, row, tok, j, i, make_float2(k0.x, k0.y),
+                           make_float2(k1.x, k1.y), make_float2(v0.x, v0.y),
+                           make_float2(v1.x, v1.y));
+        reduce16_store<HS>(A, dk, dv, row, tok, j, i + 2, make_float2(k0.z, k0.w),
+                           make_float2(k1.z, k1.w), make_float2(v0.z, v0.w),
+                           make_float2(v1.z, v1.w));
     }
 }
 
@@ -1259,10 +1260,8 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
         int64_t blocks = (total / 4 + 255) / 256;
         if (blocks > 65535) blocks = 65535;
         const int G = A.NH / A.KVH;
-        /* float4 loads (and f32 stores), 8-byte bf16 stores */
         const bool x4 = G >= 2 && G <= 8 && !kiln_env_off("KILN_ATTN_REDUCE_X4") &&
-                        (((uintptr_t)dk | (uintptr_t)dv | (uintptr_t)pk | (uintptr_t)pv) % 16 == 0) &&
-                        ((uintptr_t)A.dk16 | (uintptr_t)A.dv16) % 8 == 0 && A.ld16 % 4 == 0;
+                        (((uintptr_t)pk | (uintptr_t)pv) % 16 == 0); /* float4 cp.async */
         if (!x4) {
             bwd_reduce16_kernel<64><<<(unsigned)blocks, 256, 0, s>>>(A, dk, dv, pk, pv, total / 4);
             return cudaGetLastError();
