@@ -31,7 +31,9 @@
  * passes with KILN_ATTN_BWD=two-pass), and on an sm_90a device both on the wgmma kernels
  * (the default there) and on mma.sync (KILN_WGMMA=0).
  * Without a GPU: checks the host-side validation, then exits 77.
- * Usage: test_cuda_attention_bwd_fast [--no-time]
+ * Usage: test_cuda_attention_bwd_fast [--no-time | --time-only | --time-seqs B N NH KVH]
+ * (--time-seqs: only the batched timing of one HS 64 shape in the default kernel form, for a
+ * profiler such as ncu)
  */
 #include "ops/cuda/cuda_attention_bwd_fast.h"
 #include "ops/cuda/cuda_attention_fast.h"
@@ -1120,6 +1122,21 @@ int main(int argc, char **argv) {
     /* --no-time: the checks only; --time-only: the timings only (for a profiler) */
     const bool timing = !(argc > 1 && strcmp(argv[1], "--no-time") == 0);
     const bool checks = !(argc > 1 && strcmp(argv[1], "--time-only") == 0);
+    if (argc > 1 && strcmp(argv[1], "--time-seqs") == 0) {
+        int s[4] = {0, 0, 0, 0};
+        for (int i = 0; i < 4; i++) s[i] = argc > 2 + i ? atoi(argv[2 + i]) : 0;
+        if (s[0] < 1 || s[1] < 1 || s[2] < 1 || s[3] < 1 || s[2] % s[3] != 0) {
+            fprintf(stderr, "--time-seqs B N NH KVH: four positive integers, KVH dividing NH\n");
+            return 2;
+        }
+        int n = 0;
+        if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return 77;
+        kiln_cuda_attn *attn = nullptr;
+        CUDA_OK(kiln_cuda_attn_create(&attn));
+        time_seqs(s[0], {s[1], 0, s[2], s[3], 64, 1.0f}, attn);
+        kiln_cuda_attn_free(attn);
+        return 0;
+    }
     /* host-side validation */
     float *a = (float *)(uintptr_t)4096, *u = (float *)(uintptr_t)4100;
     EXPECT(kiln_cuda_attention_backward_fast_ok(a, a, a, a, a, a, a, a, 7, 0, 4, 2, 64), "ok");
