@@ -270,18 +270,29 @@ static __device__ __forceinline__ int dq_visited_tiles(const bw_args &A, int q0)
  * + 1; rows g: [nt][0..1], g + 8: [nt][2..3]), in two steps (the wgmma kernel runs a product
  * between them): dq_probs: sc <- P = exp(s scale - L) = 2^(s c - L log2 e), nL = -L log2 e;
  * with mask, a key past the row's last (lim0, lim1) is 0. dq_dsoft: sc <- dS = P (dP - D). */
+template <int KT, bool MASK>
+static __device__ __forceinline__ void dq_probs_t(float (&sc)[KT / 8][4], int k0, int t, int lim0,
+                                                  int lim1, float c, float nL0, float nL1) {
+#pragma unroll
+    for (int nt = 0; nt < KT / 8; nt++) {
+        const int key = k0 + nt * 8 + 2 * t;
+        sc[nt][0] = !MASK || key <= lim0 ? ex2_approx(fmaf(sc[nt][0], c, nL0)) : 0.0f;
+        sc[nt][1] = !MASK || key + 1 <= lim0 ? ex2_approx(fmaf(sc[nt][1], c, nL0)) : 0.0f;
+        sc[nt][2] = !MASK || key <= lim1 ? ex2_approx(fmaf(sc[nt][2], c, nL1)) : 0.0f;
+        sc[nt][3] = !MASK || key + 1 <= lim1 ? ex2_approx(fmaf(sc[nt][3], c, nL1)) : 0.0f;
+    }
+}
+
+/* mask is uniform over a warp (its rows against the tile's keys): the unmasked form, most
+ * tiles, has no comparisons or predicated exponentials (the same values either way) */
 template <int KT>
 static __device__ __forceinline__ void dq_probs(float (&sc)[KT / 8][4], bool mask, int k0, int t,
                                                 int lim0, int lim1, float c, float nL0,
                                                 float nL1) {
-#pragma unroll
-    for (int nt = 0; nt < KT / 8; nt++) {
-        const int key = k0 + nt * 8 + 2 * t;
-        sc[nt][0] = !mask || key <= lim0 ? ex2_approx(fmaf(sc[nt][0], c, nL0)) : 0.0f;
-        sc[nt][1] = !mask || key + 1 <= lim0 ? ex2_approx(fmaf(sc[nt][1], c, nL0)) : 0.0f;
-        sc[nt][2] = !mask || key <= lim1 ? ex2_approx(fmaf(sc[nt][2], c, nL1)) : 0.0f;
-        sc[nt][3] = !mask || key + 1 <= lim1 ? ex2_approx(fmaf(sc[nt][3], c, nL1)) : 0.0f;
-    }
+    if (mask)
+        dq_probs_t<KT, true>(sc, k0, t, lim0, lim1, c, nL0, nL1);
+    else
+        dq_probs_t<KT, false>(sc, k0, t, lim0, lim1, c, nL0, nL1);
 }
 
 template <int KT>
@@ -417,7 +428,8 @@ static __device__ __forceinline__ void dkv_probs(float (&st)[QT / 8][4], const f
 #pragma unroll
     for (int nt = 0; nt < QT / 8; nt++) {
         const int qi = nt * 8 + 2 * t;
-        const float nL0 = -cL[qi] * KILN_LOG2E, nL1 = -cL[qi + 1] * KILN_LOG2E;
+        const float2 L = *reinterpret_cast<const float2 *>(cL + qi); /* qi even: 8-byte aligned */
+        const float nL0 = -L.x * KILN_LOG2E, nL1 = -L.y * KILN_LOG2E;
         float p00 = ex2_approx(fmaf(st[nt][0], c, nL0)), p01 = ex2_approx(fmaf(st[nt][1], c, nL1));
         float p10 = ex2_approx(fmaf(st[nt][2], c, nL0)), p11 = ex2_approx(fmaf(st[nt][3], c, nL1));
         if (MASK) {
@@ -442,7 +454,8 @@ static __device__ __forceinline__ void dkv_dsoft(float (&dpt)[QT / 8][4],
 #pragma unroll
     for (int nt = 0; nt < QT / 8; nt++) {
         const int qi = nt * 8 + 2 * t;
-        const float D0 = cD[qi], D1 = cD[qi + 1];
+        const float2 D = *reinterpret_cast<const float2 *>(cD + qi);
+        const float D0 = D.x, D1 = D.y;
         dpt[nt][0] = st[nt][0] * (dpt[nt][0] - D0);
         dpt[nt][1] = st[nt][1] * (dpt[nt][1] - D1);
         dpt[nt][2] = st[nt][2] * (dpt[nt][2] - D0);
@@ -687,14 +700,6 @@ static constexpr size_t dq_wg_smem() { return sizeof(bf16) * 4 * WG_TILE + KILN_
 static_assert(dkv_wg_smem() >= sizeof(bf16) * 6 * WG_TILE + KILN_SW128_ALIGN,
               "the one-launch kernel's dq blocks (6 tiles) fit the dk/dv blocks' shared memory");
 
-#if KILN_WGMMA_DEVICE
-/* The dynamic shared memory's first 1024-byte boundary (the kernels ask for 1 KiB more). */
-static __device__ __forceinline__ bf16 *wg_tiles(unsigned char *sm) {
-    return reinterpret_cast<bf16 *>(((uintptr_t)sm + KILN_SW128_ALIGN - 1) &
-                                    ~(uintptr_t)(KILN_SW128_ALIGN - 1));
-}
-#endif
-
 /* Pass 1 (dkv_block<64, true, true>'s work): per query tile, S^T = k q^T and dP^T = v dout^T
  * (A = the k, v tiles, B = the q, dout tiles, all K-major), then dv += P^T dout and dk +=
  * dS^T q (A = P^T, dS^T from registers as bf16, B = the dout, q tiles read MN-major). */
@@ -703,7 +708,7 @@ template <bool STORE_DS>
 static __device__ __forceinline__ void dkv_wgmma_block(const bw_args &A, int kt, int hl, int b) {
     constexpr int HS = 64, QT = 64;
     extern __shared__ __align__(16) unsigned char bw_sm[];
-    bf16 *sK = wg_tiles(bw_sm), *sV = sK + WG_TILE;
+    bf16 *sK = sw128_tiles(bw_sm), *sV = sK + WG_TILE;
     bf16 *sQ = sV + WG_TILE, *sO = sQ + 2 * WG_TILE; /* 2 tiles each */
     float *sL = reinterpret_cast<float *>(sO + 2 * WG_TILE), *sD = sL + 2 * QT;
     const int G = A.NH / A.KVH, N = A.N, n_past = A.n_past;
@@ -814,7 +819,7 @@ template <bool PIPE>
 static __device__ __forceinline__ void dq_wgmma_block(const bw_args &A, int qt, int hl, int b) {
     constexpr int HS = 64, KT = 64;
     extern __shared__ __align__(16) unsigned char bw_sm[];
-    bf16 *sQ = wg_tiles(bw_sm), *sO = sQ + WG_TILE;
+    bf16 *sQ = sw128_tiles(bw_sm), *sO = sQ + WG_TILE;
     bf16 *sK = sO + WG_TILE, *sV = sK + 2 * WG_TILE; /* 2 tiles each */
     const int h = b * A.NH + hl, kvh = b * A.KVH + hl / (A.NH / A.KVH); /* packed heads */
     const int q0 = qt * BW_ROWS, N = A.N, n_past = A.n_past;
@@ -970,7 +975,7 @@ static __global__ void __launch_bounds__(BW_THREADS) bwd_dq_ds_wgmma_kernel(bw_a
 #if KILN_WGMMA_DEVICE
     constexpr int HS = 64, KT = 64;
     extern __shared__ __align__(16) unsigned char bw_sm[];
-    bf16 *sS = wg_tiles(bw_sm), *sK = sS + 2 * WG_TILE; /* 2 tiles each */
+    bf16 *sS = sw128_tiles(bw_sm), *sK = sS + 2 * WG_TILE; /* 2 tiles each */
     const int qt = (int)(gridDim.x - 1 - blockIdx.x), hl = (int)blockIdx.y, b = (int)blockIdx.z;
     const int h = b * A.NH + hl, kvh = b * A.KVH + hl / (A.NH / A.KVH);
     const int q0 = qt * BW_ROWS;

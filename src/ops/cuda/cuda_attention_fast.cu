@@ -1109,8 +1109,7 @@ flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
     constexpr int HS = 64;
     static_assert(FL_BM == 64 && FL_BN == 64, "one m64n64 product per tile");
     extern __shared__ __align__(16) unsigned char flash_sm[];
-    __nv_bfloat16 *sQ = reinterpret_cast<__nv_bfloat16 *>(
-        ((uintptr_t)flash_sm + KILN_SW128_ALIGN - 1) & ~(uintptr_t)(KILN_SW128_ALIGN - 1));
+    __nv_bfloat16 *sQ = sw128_tiles(flash_sm);
     __nv_bfloat16 *sK = sQ + FL_WG_TILE, *sV = sK + 2 * FL_WG_TILE; /* 2 tiles each */
 
     const int qt = (int)(gridDim.x - 1 - blockIdx.x), b = (int)blockIdx.z;

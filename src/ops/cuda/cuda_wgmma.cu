@@ -30,9 +30,7 @@ wgmma_check_kernel(float *r, int *present, const bf16 *a, const bf16 *at, const 
                    const bf16 *bt) {
 #if KILN_WGMMA_DEVICE
     extern __shared__ unsigned char wg_sm[];
-    const uintptr_t base = ((uintptr_t)wg_sm + KILN_SW128_ALIGN - 1) &
-                           ~(uintptr_t)(KILN_SW128_ALIGN - 1);
-    bf16 *tA = reinterpret_cast<bf16 *>(base), *tAt = tA + 4096;
+    bf16 *tA = sw128_tiles(wg_sm), *tAt = tA + 4096;
     bf16 *tB = tAt + 4096, *tBt = tB + 4096;
     cp_tile_sw128<64, 128>(tA, a, 64);
     cp_tile_sw128<64, 128>(tAt, at, 64);

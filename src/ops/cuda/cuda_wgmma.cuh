@@ -52,23 +52,37 @@
 
 #define KILN_SW128_ALIGN 1024 /* bytes: a SW128 tile's start */
 
+/* The first 1024-byte boundary of the dynamic shared memory sm (kernels ask for
+ * KILN_SW128_ALIGN bytes more), as an offset from sm rather than through an integer, so that
+ * the compiler still knows the pointer is shared memory: through an integer, reads by C++
+ * pointers derived from it were generic 64-bit loads (LD.E) with their address arithmetic
+ * (ncu, session 19: the attention backward's reads of L and D). */
+static __device__ __forceinline__ __nv_bfloat16 *sw128_tiles(unsigned char *sm) {
+    const uintptr_t g = (uintptr_t)sm;
+    const uintptr_t off = ((g + KILN_SW128_ALIGN - 1) & ~(uintptr_t)(KILN_SW128_ALIGN - 1)) - g;
+    return reinterpret_cast<__nv_bfloat16 *>(sm + off);
+}
+
 /* The byte offset of element (r, col) of a SW128 tile (col < 64). */
 static __device__ __forceinline__ uint32_t sw128_offset(int r, int col) {
     return (uint32_t)(r * 128 + ((((col >> 3) ^ (r & 7)) << 4) | ((col & 7) << 1)));
 }
 
 /* Copy rows r < R of 64 bf16 (global row stride ld elements, rows 16-byte aligned) into the
- * SW128 tile dst, asynchronously (cp.async), by NT threads. */
+ * SW128 tile dst, asynchronously (cp.async), by NT threads (threadIdx.x < NT). Thread x copies
+ * chunk x & 7 of rows x / 8 + i NT / 8; as NT / 8 is a multiple of 8 its swizzle is the same
+ * in every row it copies, so its addresses are one base each plus constant steps (no 64-bit
+ * arithmetic per chunk). */
 template <int R, int NT>
 static __device__ __forceinline__ void cp_tile_sw128(__nv_bfloat16 *dst,
                                                      const __nv_bfloat16 *src, int64_t ld) {
-    static_assert((R * 8) % NT == 0, "whole chunks per thread");
-    unsigned char *d = reinterpret_cast<unsigned char *>(dst);
+    static_assert((R * 8) % NT == 0 && NT % 64 == 0, "whole chunks per thread, same swizzle");
+    const int r0 = (int)threadIdx.x >> 3, c = (int)threadIdx.x & 7;
+    unsigned char *d = reinterpret_cast<unsigned char *>(dst) + r0 * 128 + ((c ^ (r0 & 7)) << 4);
+    const __nv_bfloat16 *s = src + (int64_t)r0 * ld + c * 8;
 #pragma unroll
-    for (int i = 0; i < R * 8 / NT; i++) {
-        const int idx = (int)threadIdx.x + i * NT, r = idx >> 3, c = idx & 7;
-        cp_async16(d + r * 128 + ((c ^ (r & 7)) << 4), src + (int64_t)r * ld + c * 8);
-    }
+    for (int i = 0; i < R * 8 / NT; i++)
+        cp_async16(d + i * (NT / 8) * 128, s + (int64_t)i * (NT / 8) * ld);
 }
 
 /* The descriptor of a SW128 tile at shared address p (1024-byte aligned): start address,
