@@ -953,14 +953,9 @@ static __global__ void __launch_bounds__(BW_THREADS) bwd_dkv_ds_wgmma_kernel(bw_
  * B 8). The dk/dv blocks keep the plain walk: pipelined too (the next S^T under the dk
  * product; dP^T could not be issued early, nor the two kinds inlined into one kernel,
  * without ptxas serializing every wgmma: C7515), as noinline functions, the backward was
- * slower (0.343 -> 0.410 ms: 210 registers, the arguments copied to the stack).
- * MINB: the blocks an SM must hold (__launch_bounds__). 1 lets ptxas take 170 registers, so 2
- * blocks (8 warps) an SM; 3 (KILN_ATTN_BWD_BLOCKS=3) caps it at 168, 12 warps an SM to hide
- * one block's waits under another's work (ncu, session 19: issue-bound at 2 warps a
- * scheduler). The same arithmetic in the same order, so the same bits. */
-template <bool PIPE, int MINB>
-static __global__ void __launch_bounds__(BW_THREADS, MINB) bwd_main_wgmma_kernel(bw_args A,
-                                                                                 int nkt) {
+ * slower (0.343 -> 0.410 ms: 210 registers, the arguments copied to the stack). */
+template <bool PIPE>
+static __global__ void __launch_bounds__(BW_THREADS) bwd_main_wgmma_kernel(bw_args A, int nkt) {
 #if KILN_WGMMA_DEVICE
     const int x = (int)blockIdx.x, h = (int)blockIdx.y, b = (int)blockIdx.z;
     if (x < nkt)
@@ -1030,17 +1025,6 @@ static bool two_pass(int HS) {
  * plain walk, for the test's comparison and A/B timing). Read per call. */
 static bool bwd_pipelined(void) {
     return !kiln_env_off("KILN_ATTN_BWD_PIPE");
-}
-
-/* The one-launch wgmma kernel in the form the environment asks for (read on every call):
- * KILN_ATTN_BWD_PIPE (above), KILN_ATTN_BWD_BLOCKS=3 (three blocks an SM; else two). */
-typedef void (*bwd_main_fn)(bw_args, int);
-static bwd_main_fn bwd_main_wgmma_pick(bool *three) {
-    const char *e = getenv("KILN_ATTN_BWD_BLOCKS");
-    *three = e && e[0] == '3' && e[1] == 0;
-    if (bwd_pipelined())
-        return *three ? bwd_main_wgmma_kernel<true, 3> : bwd_main_wgmma_kernel<true, 1>;
-    return *three ? bwd_main_wgmma_kernel<false, 3> : bwd_main_wgmma_kernel<false, 1>;
 }
 
 /* Kernel 3 (G > 1): dk[key][j][d] = pk[key][jG][d] + pk[key][jG+1][d] + ... in head order,
@@ -1257,14 +1241,10 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
     if (e == cudaSuccess && wg && two)
         e = cudaFuncSetAttribute(bwd_dkv_ds_wgmma_kernel,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dkv_wg_smem());
-    bool three = false;
-    const bwd_main_fn main_wg = bwd_main_wgmma_pick(&three);
+    const bool pipe = bwd_pipelined();
     if (e == cudaSuccess && wg && !two) /* dkv_wg_smem: the larger of its two kinds of blocks */
-        e = cudaFuncSetAttribute(main_wg, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)dkv_wg_smem());
-    if (e == cudaSuccess && wg && !two && three) /* three blocks' shared memory (150 KiB) */
-        e = cudaFuncSetAttribute(main_wg, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                 (int)cudaSharedmemCarveoutMaxShared);
+        e = cudaFuncSetAttribute(pipe ? bwd_main_wgmma_kernel<true> : bwd_main_wgmma_kernel<false>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dkv_wg_smem());
     if (e == cudaSuccess && two)
         e = cudaFuncSetAttribute(bwd_dq_ds_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)dq_ds_smem());
@@ -1288,7 +1268,10 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
     }
     if (wg && !two) {
         const dim3 grid((unsigned)(nqt + nkt), (unsigned)A.NH, (unsigned)B);
-        main_wg<<<grid, BW_THREADS, dkv_wg_smem(), s>>>(A, nkt);
+        if (pipe)
+            bwd_main_wgmma_kernel<true><<<grid, BW_THREADS, dkv_wg_smem(), s>>>(A, nkt);
+        else
+            bwd_main_wgmma_kernel<false><<<grid, BW_THREADS, dkv_wg_smem(), s>>>(A, nkt);
     } else if (wg) {
         bwd_dkv_ds_wgmma_kernel<<<dim3((unsigned)nkt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
                                   dkv_wg_smem(), s>>>(A);
