@@ -853,8 +853,9 @@ static void time_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
  * forward's keep, RoPE and lse, a bf16 output) against the calls it stands for: the backward,
  * kiln_cuda_rope_backward_bf16 on dq and dk, kiln_cuda_f32_to_bf16 on dv, into one stacked
  * bf16 matrix (token rows of NH HS + 2 KVH HS: dq | dk | dv, as the trainer lays them out for
- * one product), bit for bit, NaN-poisoned first; with keep_f32 the f32 dq, dk, dv too. With
- * timing, both forms timed (the backward and its epilogue, the forward not counted). */
+ * one product, plus pad columns), bit for bit, NaN-poisoned first; with keep_f32 the f32 dq,
+ * dk, dv too. With timing, both forms timed (the backward and its epilogue, the forward not
+ * counted). */
 static bool check_grad16(int B, const Case &c, kiln_cuda_attn *attn, bool keep_f32,
                          bool timing, int pad = 0) {
     const int N = c.N, NH = c.NH, KVH = c.KVH, HS = c.HS, T = B * N;
@@ -926,8 +927,8 @@ static bool check_grad16(int B, const Case &c, kiln_cuda_attn *attn, bool keep_f
         for (int t = 0; t < 3; t++)
             diff32 += memcmp(f32[0][t].data(), f32[1][t].data(), f32[0][t].size() * 4) != 0;
     const bool ok = nan16 == 0 && diff16 == 0 && diff32 == 0;
-    printf("attention backward + rope/bf16 epilogue B=%d N=%d NH=%d KVH=%d HS=%d keep_f32 %d pad %d: "
-           "fused %s separate (%zu of %zu bf16 differ, %zu NaN; f32 %s) %s\n",
+    printf("attention backward + rope/bf16 epilogue B=%d N=%d NH=%d KVH=%d HS=%d keep_f32 %d "
+           "pad %d: fused %s separate (%zu of %zu bf16 differ, %zu NaN; f32 %s) %s\n",
            B, N, NH, KVH, HS, (int)keep_f32, pad, ok ? "=" : "!=", diff16, n16, nan16,
            keep_f32 ? (diff32 ? "DIFFER" : "same") : "not kept", ok ? "OK" : "FAILED");
     if (timing) {
