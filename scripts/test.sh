@@ -2,7 +2,8 @@
 # kiln's whole test suite, from a fresh machine: dependencies, the oracle venv, the default
 # model, a -Werror build, the C tests (ctest), the Python parity tests (pytest against
 # transformers / tokenizers / gguf-py), the parser tests again under ASan+UBSan, each
-# libFuzzer target for a bounded time, and a compile of the CUDA code when nvcc is present.
+# libFuzzer target for a bounded time, and a compile of the CUDA code when nvcc is present
+# (with ctest's check that ptxas keeps the wgmma kernels' products pipelined).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$here"
