@@ -52,7 +52,11 @@ def sm90a_command(entry, out):
 
 
 def ptxas_report(cmd, cwd):
-    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    try:
+        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    except OSError as e:  # the build's nvcc gone since it configured
+        print(f"check_wgmma_pipelines: cannot run {cmd[0]}: {e}; skipped")
+        raise SystemExit(77)
     if r.returncode != 0:
         sys.stderr.write(r.stdout + r.stderr)
         raise SystemExit(f"check_wgmma_pipelines: the compile failed: {' '.join(cmd)}")
@@ -79,7 +83,11 @@ def main():
         entries = json.load(f)
     src_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     cuda = [e for e in entries if e["file"].endswith(".cu") and "/src/ops/cuda/" in e["file"]]
-    wg = [e for e in cuda if "cuda_wgmma.cuh" in open(e["file"]).read()]
+    wg = []
+    for e in cuda:
+        with open(e["file"]) as f:
+            if "cuda_wgmma.cuh" in f.read():
+                wg.append(e)
     if not wg:
         print("check_wgmma_pipelines: no wgmma sources in the build; skipped")
         return 77
@@ -89,6 +97,9 @@ def main():
         fixture = os.path.abspath(os.path.join(src_dir, "tests/cuda_checks/wgmma_serialized.cu"))
         cmd = sm90a_command(planted, os.path.join(tmp, "planted.o"))
         cmd = [fixture if a == planted["file"] else a for a in cmd]
+        if fixture not in cmd:
+            print(f"check_wgmma_pipelines: cannot find {planted['file']} in its compile command")
+            return 1
         hits = SERIALIZED.findall(ptxas_report(cmd, planted["directory"]))
         if not any("wgmma_serialized_kernel" in name for _, name in hits):
             print("check_wgmma_pipelines: ptxas did not report the planted serialized kernel "
