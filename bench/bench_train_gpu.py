@@ -87,13 +87,17 @@ THE FUSED LOSS (--parts ce) at V 151936, H 896, N 8192 rows (quick/cpu: V 1024, 
   - kiln: the program bench_cuda_fused_ce (kiln_fused_ce on a CUDA backend,
     kiln_backend_cuda_create_mode(0, fast), on device buffers; the Python binding does not
     expose the loss on its own), auditable and fast, f32 and bf16 weight, "fwd" (the loss
-    alone: pass 1) and "fwd+bwd" (loss, dh, dW: what training calls); median of 3 calls.
+    alone: pass 1) and "fwd+bwd" (loss, dh, dW); median of 3 calls. In fast mode also
+    "kiln fast, row walk": the row-block walk (params.row_block 2048, bf16 weight, the
+    one-call form with the caller's scratch: what the training step calls), each call waited
+    for; its memory is kiln's accounting only (the scratch is allocated before the calls).
   - PyTorch: F.cross_entropy((h @ W.T).float(), t) on materialised logits, h and W in bf16 or
     f32 (f32: true f32 matmuls, TF32 off, torch's default), eager and torch.compile'd;
     "fwd" under no_grad, "fwd+bwd" = loss.backward() into h.grad, W.grad; CUDA events, median.
   COLUMNS: ms; TFLOP/s of the model FLOPs (fwd 2NVH, fwd+bwd 6NVH; kiln's backward
-  recomputes the logits, 8NVH done, not counted); "peak above inputs" = the memory beyond h,
-  W and the targets, outputs (dh, dW) included: PyTorch max_memory_allocated - allocated
+  recomputes the logits, 8NVH done, not counted; the row walk makes them once, 6NVH);
+  "peak above inputs" = the memory beyond h, W and the targets, outputs (dh, dW) included:
+  PyTorch max_memory_allocated - allocated
   before; kiln scratch_bytes (its accounting) + the f32 dh and dW it writes; notes: kiln's
   device view (free memory polled every 100 us inside the program) and the logits' size.
 
@@ -796,12 +800,17 @@ def part_ce(args, ce_rows, res):
                 bwd = d["pass"] == "fwd+bwd"
                 io_out = (N * H + V * H) * 4 if bwd else 0  # the f32 dh and dW it writes
                 ms = d["ms"]
+                rows_walk = d.get("walk") == "rows"  # the training step's one-call form
+                walk = (f"row-block walk, {d.get('row_block')} rows a block, bf16 logits, the "
+                        f"caller's scratch" if rows_walk else f"chunk {d['chunk']}")
+                view = ("" if rows_walk else
+                        f"; device view +{mib(d['dev_extra_bytes'])} during the calls")
                 ce_rows.append(dict(
-                    engine=f"kiln {d['mode']}", weights=d["wdtype"], pass_=d["pass"], ms=ms,
+                    engine=f"kiln {d['mode']}" + (", row walk" if rows_walk else ""),
+                    weights=d["wdtype"], pass_=d["pass"], ms=ms,
                     tflops=(fb if bwd else fw) / (ms * 1e-3) / 1e12 if ms > 0 else None,
                     peak=d["scratch_bytes"] + io_out,
-                    notes=f"scratch {mib(d['scratch_bytes'])} (kiln accounting); device view "
-                          f"+{mib(d['dev_extra_bytes'])} during the calls; chunk {d['chunk']}; "
+                    notes=f"scratch {mib(d['scratch_bytes'])} (kiln accounting){view}; {walk}; "
                           f"loss {d['loss']:.4f}"))
             for line in p.stdout.splitlines():
                 if line.startswith("SKIP"):

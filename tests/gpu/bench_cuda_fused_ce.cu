@@ -23,9 +23,13 @@
  * their device bytes. Data: hidden uniform in [-1, 1), weight uniform in [-1/32, 1/32)
  * (logits of order 1), targets uniform in [0, V), all from a fixed hash (seeded).
  *
+ * In fast mode one more case: the row-block walk (bench_rows below; walk=rows), the form the
+ * training step calls, which bench_train_gpu.py sets beside PyTorch's.
+ *
  * One line per case, parsed by bench/bench_train_gpu.py:
- *   RESULT mode=fast wdtype=bf16 pass=fwd+bwd N=8192 H=896 V=151936 chunk=4096 ms=12.345
- *          scratch_bytes=... dev_extra_bytes=... io_bytes=... loss=...
+ *   RESULT mode=fast wdtype=bf16 pass=fwd+bwd walk=vocab N=8192 H=896 V=151936 chunk=4096
+ *          ms=12.345 scratch_bytes=... dev_extra_bytes=... io_bytes=... loss=...
+ *   RESULT mode=fast wdtype=bf16 pass=fwd+bwd walk=rows ... chunk=0 row_block=2048 ...
  * (one line each), "SKIP mode=... reason=..." when a mode cannot run, then "ALL OK" (every
  * case ran, every loss finite) or "FAILED n".
  *
@@ -140,6 +144,79 @@ static double median(std::vector<double> v) {
     return v[v.size() / 2];
 }
 
+/* Fast mode's row-block walk (kiln_fused_ce_params.row_block), in the one form that takes it:
+ * the training step's one call (no_wait with row_stats_out, the caller's scratch; bf16 weight
+ * read in place; dhidden and dweight). Each timed call is waited for (kiln_backend_status);
+ * the loss comes from the downloaded row statistics (kiln_fused_ce_loss_from_stats). The
+ * scratch is the caller's here, so the device view sees no allocation: the memory figure is
+ * kiln's accounting (scratch_bytes), which must equal kiln_fused_ce_row_block_bytes, else the
+ * call did not take the row walk and the case is a failure. */
+#define BENCH_ROW_BLOCK 2048
+static void bench_rows(kiln_backend *be, const Buffers &b, int64_t N, int64_t H, int64_t V,
+                       int reps, const std::vector<int32_t> &targets) {
+    const size_t want = kiln_fused_ce_row_block_bytes(N, H, V, BENCH_ROW_BLOCK, 1, 1, 0);
+    float *rs = (float *)kiln_backend_alloc(be, (size_t)N * 3 * 4);
+    void *scr = want ? kiln_backend_alloc(be, want) : nullptr;
+    if (!rs || !scr) {
+        printf("SKIP mode=fast wdtype=bf16 pass=fwd+bwd walk=rows reason=%s\n",
+               want ? "scratch allocation failed" : "no row-block scratch size for this shape");
+        g_fail++;
+        if (rs) kiln_backend_free_buf(be, rs);
+        if (scr) kiln_backend_free_buf(be, scr);
+        return;
+    }
+    kiln_fused_ce_params p = kiln_fused_ce_default_params();
+    p.N = N;
+    p.H = H;
+    p.V = V;
+    p.hidden = b.hidden;
+    p.weight = b.w16;
+    p.weight_dtype = KILN_DTYPE_BF16;
+    p.targets = targets.data();
+    p.reduction = KILN_CE_REDUCTION_MEAN;
+    p.scale = 1.0f;
+    p.dhidden = b.dh;
+    p.dweight = b.dw;
+    p.row_stats_out = rs;
+    p.no_wait = 1;
+    p.scratch = scr;
+    p.scratch_cap = want;
+    p.row_block = BENCH_ROW_BLOCK;
+    std::vector<double> ms;
+    kiln_fused_ce_result r;
+    memset(&r, 0, sizeof r);
+    kiln_status st = KILN_OK;
+    for (int i = 0; i <= reps && st == KILN_OK; i++) { /* i == 0: untimed */
+        CUDA_OK(cudaDeviceSynchronize());
+        auto t0 = std::chrono::steady_clock::now();
+        st = kiln_fused_ce(be, &p, &r);
+        if (st == KILN_OK) st = kiln_backend_status(be); /* the end of the enqueued work */
+        auto t1 = std::chrono::steady_clock::now();
+        if (i > 0) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    }
+    std::vector<float> hs((size_t)N * 3);
+    kiln_fused_ce_result lr;
+    memset(&lr, 0, sizeof lr);
+    if (st == KILN_OK) st = kiln_backend_download(be, hs.data(), rs, hs.size() * 4);
+    if (st == KILN_OK) st = kiln_fused_ce_loss_from_stats(&p, hs.data(), &lr);
+    if (st != KILN_OK || !r.loss_pending || r.scratch_bytes != want) {
+        printf("SKIP mode=fast wdtype=bf16 pass=fwd+bwd walk=rows reason=%s\n",
+               st != KILN_OK ? kiln_last_error()
+                             : "the call did not take the row-block walk (scratch or pending loss)");
+        g_fail++;
+    } else {
+        if (!std::isfinite(lr.loss)) g_fail++;
+        printf("RESULT mode=fast wdtype=bf16 pass=fwd+bwd walk=rows N=%lld H=%lld V=%lld "
+               "chunk=0 row_block=%d ms=%.3f scratch_bytes=%zu dev_extra_bytes=0 io_bytes=%zu "
+               "loss=%.6f\n",
+               (long long)N, (long long)H, (long long)V, BENCH_ROW_BLOCK, median(ms),
+               r.scratch_bytes, (size_t)N * H * 8 + (size_t)V * H * 6, (double)lr.loss);
+        fflush(stdout);
+    }
+    kiln_backend_free_buf(be, rs);
+    kiln_backend_free_buf(be, scr);
+}
+
 /* One mode: every (weight dtype, pass) case; prints a RESULT line each. legacy: the fast
  * backend through the composition (kiln_cuda_ce_set_legacy). */
 static void bench_mode(int fast, int legacy, int64_t N, int64_t H, int64_t V, int64_t chunk,
@@ -215,13 +292,14 @@ static void bench_mode(int fast, int legacy, int64_t N, int64_t H, int64_t V, in
         size_t minf = poll.min_free.load();
         size_t extra = minf < free0 ? free0 - minf : 0;
         if (!std::isfinite(r.loss)) g_fail++;
-        printf("RESULT mode=%s wdtype=%s pass=%s N=%lld H=%lld V=%lld chunk=%lld ms=%.3f "
+        printf("RESULT mode=%s wdtype=%s pass=%s walk=vocab N=%lld H=%lld V=%lld chunk=%lld ms=%.3f "
                "scratch_bytes=%zu dev_extra_bytes=%zu io_bytes=%zu loss=%.6f\n",
                mode, c.wdtype, c.backward ? "fwd+bwd" : "fwd", (long long)N, (long long)H,
                (long long)V, (long long)(chunk ? chunk : KILN_FUSED_CE_DEFAULT_CHUNK), median(ms),
                r.scratch_bytes, extra, io, (double)r.loss);
         fflush(stdout);
     }
+    if (fast && !legacy) bench_rows(be, b, N, H, V, reps, targets);
     kiln_backend_free_buf(be, b.hidden);
     kiln_backend_free_buf(be, b.w32);
     kiln_backend_free_buf(be, b.w16);
