@@ -144,6 +144,27 @@ static double median(std::vector<double> v) {
     return v[v.size() / 2];
 }
 
+/* One untimed call of kiln_fused_ce, then reps timed ones, each timed on the host after a
+ * cudaDeviceSynchronize; wait: each call also waits for the work it enqueued
+ * (kiln_backend_status: a no_wait call returns before it ends). *r: the last call's result;
+ * *ms: the median (left unset when a call fails). */
+static kiln_status timed_calls(kiln_backend *be, const kiln_fused_ce_params &p, int reps,
+                               bool wait, kiln_fused_ce_result *r, double *ms) {
+    std::vector<double> t;
+    memset(r, 0, sizeof *r);
+    kiln_status st = KILN_OK;
+    for (int i = 0; i <= reps && st == KILN_OK; i++) { /* i == 0: untimed */
+        CUDA_OK(cudaDeviceSynchronize());
+        auto t0 = std::chrono::steady_clock::now();
+        st = kiln_fused_ce(be, &p, r);
+        if (st == KILN_OK && wait) st = kiln_backend_status(be);
+        auto t1 = std::chrono::steady_clock::now();
+        if (i > 0) t.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    }
+    if (st == KILN_OK) *ms = median(t);
+    return st;
+}
+
 /* Fast mode's row-block walk (kiln_fused_ce_params.row_block), in the one form that takes it:
  * the training step's one call (no_wait with row_stats_out, the caller's scratch; bf16 weight
  * read in place; dhidden and dweight). Each timed call is waited for (kiln_backend_status);
@@ -187,18 +208,9 @@ static void bench_rows(kiln_backend *be, const Buffers &b, int64_t N, int64_t H,
     p.scratch = scr;
     p.scratch_cap = want;
     p.row_block = BENCH_ROW_BLOCK;
-    std::vector<double> ms;
+    double ms = 0.0;
     kiln_fused_ce_result r;
-    memset(&r, 0, sizeof r);
-    kiln_status st = KILN_OK;
-    for (int i = 0; i <= reps && st == KILN_OK; i++) { /* i == 0: untimed */
-        CUDA_OK(cudaDeviceSynchronize());
-        auto t0 = std::chrono::steady_clock::now();
-        st = kiln_fused_ce(be, &p, &r);
-        if (st == KILN_OK) st = kiln_backend_status(be); /* the end of the enqueued work */
-        auto t1 = std::chrono::steady_clock::now();
-        if (i > 0) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-    }
+    kiln_status st = timed_calls(be, p, reps, true, &r, &ms);
     std::vector<float> hs((size_t)N * 3);
     kiln_fused_ce_result lr;
     memset(&lr, 0, sizeof lr);
@@ -214,7 +226,7 @@ static void bench_rows(kiln_backend *be, const Buffers &b, int64_t N, int64_t H,
         printf("RESULT mode=fast wdtype=bf16 pass=fwd+bwd walk=rows N=%lld H=%lld V=%lld "
                "chunk=0 row_block=%d ms=%.3f scratch_bytes=%zu dev_extra_bytes=0 io_bytes=%zu "
                "loss=%.6f\n",
-               (long long)N, (long long)H, (long long)V, BENCH_ROW_BLOCK, median(ms),
+               (long long)N, (long long)H, (long long)V, BENCH_ROW_BLOCK, ms,
                r.scratch_bytes, (size_t)N * H * 8 + (size_t)V * H * 6, (double)lr.loss);
         fflush(stdout);
     }
@@ -275,17 +287,9 @@ static void bench_mode(int fast, int legacy, int64_t N, int64_t H, int64_t V, in
         CUDA_OK(cudaMemGetInfo(&free0, &total));
         FreePoller poll;
         poll.start();
-        std::vector<double> ms;
+        double ms = 0.0;
         kiln_fused_ce_result r;
-        memset(&r, 0, sizeof r);
-        kiln_status st = KILN_OK;
-        for (int i = 0; i <= reps && st == KILN_OK; i++) { /* i == 0: untimed */
-            CUDA_OK(cudaDeviceSynchronize());
-            auto t0 = std::chrono::steady_clock::now();
-            st = kiln_fused_ce(be, &p, &r);
-            auto t1 = std::chrono::steady_clock::now();
-            if (i > 0) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-        }
+        kiln_status st = timed_calls(be, p, reps, false, &r, &ms);
         poll.stop();
         if (st == KILN_OK) st = kiln_backend_status(be);
         if (st != KILN_OK) {
@@ -300,7 +304,7 @@ static void bench_mode(int fast, int legacy, int64_t N, int64_t H, int64_t V, in
         printf("RESULT mode=%s wdtype=%s pass=%s walk=vocab N=%lld H=%lld V=%lld chunk=%lld ms=%.3f "
                "scratch_bytes=%zu dev_extra_bytes=%zu io_bytes=%zu loss=%.6f\n",
                mode, c.wdtype, c.backward ? "fwd+bwd" : "fwd", (long long)N, (long long)H,
-               (long long)V, (long long)(chunk ? chunk : KILN_FUSED_CE_DEFAULT_CHUNK), median(ms),
+               (long long)V, (long long)(chunk ? chunk : KILN_FUSED_CE_DEFAULT_CHUNK), ms,
                r.scratch_bytes, extra, io, (double)r.loss);
         fflush(stdout);
     }
