@@ -539,6 +539,82 @@ KILN_API kiln_status kiln_train_save(kiln_trainer *t, const char *dir, uint64_t 
  * step; *run_json (may be NULL) a copy of the run configuration (free with kiln_string_free). */
 KILN_API kiln_status kiln_train_load(kiln_trainer *t, const char *dir, uint64_t *step,
                                      char **run_json);
+/* ---------------------------------------------------------------------------------------- */
+/* The fused linear cross-entropy on the caller's buffers (CPU, or a CUDA GPU)               */
+/* ---------------------------------------------------------------------------------------- */
+
+/* For hidden states h (N, H), an LM head W (V, H) and targets (N):
+ *   loss_n = logsumexp_v(h_n . W_v) - h_n . W_{t_n}     at every supervised position n
+ *   loss   = scale * sum_n loss_n / S  (KILN_LOSS_MEAN)  or  scale * sum_n loss_n  (SUM)
+ * with S the supervised positions (targets[n] >= 0 and mask[n] != 0), and the gradients
+ * dh = d loss / d h and dW = d loss / d W, without ever holding the N x V logits: the
+ * vocabulary is walked in chunks (docs/TRAINING.md, "Fused linear cross-entropy"). It is the
+ * trainer's own loss, offered on its own.
+ *
+ * A kiln_linear_ce holds a compute device. device -1: the CPU, every buffer in host memory.
+ * device N >= 0: CUDA device N, with hidden, weight, dhidden, dweight and row_loss in DEVICE
+ * memory the caller owns (a framework's CUDA tensors, say; host pointers are refused), while
+ * targets and mask stay in HOST memory (the supervised rows are chosen and checked on the
+ * host). On CUDA the work runs on kiln's own stream: the caller must have finished writing
+ * the inputs (e.g. torch.cuda.synchronize()) before the call; the call returns once its
+ * outputs are complete. A handle serves one thread at a time.
+ *
+ * Arithmetic: fast = 0 gives the CPU's bits on either device, run to run and for any thread
+ * count (docs/ARITHMETIC.md); the results are defined for a given chunk. fast != 0 (CUDA
+ * only) runs the products on bf16 tensor cores with f32 sums: not the CPU's bits, the same
+ * bits run to run on one GPU model (docs/TRAINING.md, "Fast mode"). */
+typedef struct kiln_linear_ce kiln_linear_ce;
+
+typedef struct kiln_linear_ce_params {
+    int64_t N, H, V;         /* positions, hidden size, vocabulary size */
+    const float *hidden;     /* (N, H) f32, rows contiguous */
+    const void *weight;      /* (V, H): f32, or bf16 bit patterns with weight_bf16 */
+    int weight_bf16;
+    const int32_t *targets;  /* (N), HOST memory; < 0 (e.g. -100): not supervised */
+    const uint8_t *mask;     /* (N), HOST memory, or NULL (all ones); 0: not supervised */
+    kiln_loss_reduction reduction; /* default KILN_LOSS_MEAN */
+    float scale;             /* multiplies the loss and every gradient (default 1) */
+    float *dhidden;          /* (N, H) f32 or NULL: overwritten (unsupervised rows 0), or with
+                              * dhidden_accumulate added to (unsupervised rows untouched) */
+    int dhidden_accumulate;
+    float *dweight;          /* (V, H) f32 or NULL: d loss / d W is ADDED to it */
+    float *row_loss;         /* (N) f32 or NULL: each position's loss, unscaled; 0 where not
+                              * supervised */
+    int64_t chunk;           /* vocabulary columns per chunk; 0 = 4096 */
+    int64_t row_block;       /* CUDA fast mode, with a bf16 weight whose rows are 16-byte
+                              * aligned, dhidden or dweight, and no row_loss: > 0 walks the
+                              * supervised rows in blocks of row_block (rounded up to 8)
+                              * instead of the vocabulary, each block's logits (bf16, about
+                              * 2 x row_block x V bytes of scratch) made once: three products
+                              * instead of four, as the trainer's steps do (docs/TRAINING.md).
+                              * Its results differ from the vocabulary walk's in the last bits
+                              * (defined for a given row_block). Then a non-finite loss leaves
+                              * dhidden and dweight UNSPECIFIED. 0 (the default): the
+                              * vocabulary walk. Ignored where it does not apply. */
+} kiln_linear_ce_params;
+
+typedef struct kiln_linear_ce_result {
+    float loss;             /* the reduced, scaled loss */
+    double loss_f64;        /* the same from the f32 row losses summed in float64 */
+    int64_t n_supervised;   /* S */
+    size_t scratch_bytes;   /* the scratch the call used (device memory on CUDA) */
+} kiln_linear_ce_result;
+
+/* Defaults: sizes and pointers 0 / NULL, f32 weight, KILN_LOSS_MEAN, scale 1, chunk 0,
+ * row_block 0. */
+KILN_API kiln_linear_ce_params kiln_linear_ce_default_params(void);
+/* device and fast as above. KILN_ERR_UNSUPPORTED naming why when the device cannot be used
+ * (kiln built without CUDA, no such GPU, fast on the CPU). */
+KILN_API kiln_status kiln_linear_ce_create(int device, int fast, kiln_linear_ce **out);
+KILN_API void kiln_linear_ce_free(kiln_linear_ce *c);
+/* The loss of p into *out (may be NULL) and the gradients p asks for. Errors, each with
+ * nothing the caller passed written (but the row walk's non-finite loss above): NULL or
+ * inconsistent parameters, host pointers on CUDA -> KILN_ERR_INVALID_ARG; no supervised
+ * position -> KILN_ERR_INVALID_ARG; a supervised target >= V, or a non-finite row loss ->
+ * KILN_ERR_RANGE naming the position; out of memory -> KILN_ERR_NOMEM. */
+KILN_API kiln_status kiln_linear_ce_compute(kiln_linear_ce *c, const kiln_linear_ce_params *p,
+                                            kiln_linear_ce_result *out);
+
 /* Free a string kiln returned. */
 KILN_API void kiln_string_free(char *s);
 

@@ -90,6 +90,18 @@ if has tests; then
             run_test "$n" "$LOG/$n.log" "$t" ;;
         esac
     done
+    # the binding's GPU cases: the public fused loss on torch CUDA tensors
+    # (tests/python/test_linear_ce_api.py -k cuda), where python3 has pytest, numpy and torch
+    case " ${KILN_GPU_TESTS:-test_linear_ce_api} " in
+    *" test_linear_ce_api "*)
+        if python3 -c "import pytest, numpy, torch" 2>/dev/null; then
+            run_test "test_linear_ce_api (pytest -k cuda)" "$LOG/test_linear_ce_api.log" \
+                env KILN_BUILD_DIR="$B" python3 -m pytest -q -p no:cacheprovider -k cuda \
+                tests/python/test_linear_ce_api.py
+        else
+            echo "test_linear_ce_api: not run (python3 lacks pytest, numpy or torch)"
+        fi ;;
+    esac
 fi
 
 # compare_runs LABEL JSON_A JSON_B...: greedy ids of the first equal to each other's? one line

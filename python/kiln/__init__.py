@@ -7,7 +7,8 @@ import ctypes as C
 import os
 from pathlib import Path
 
-__all__ = ["KilnError", "Model", "Context", "Tokenizer", "load_library"]
+__all__ = ["KilnError", "Model", "Context", "Tokenizer", "Trainer", "LinearCrossEntropy",
+           "load_library"]
 
 _lib = None
 
@@ -83,6 +84,20 @@ class TrainMemory(C.Structure):
                 ("device", C.c_int)]
 
 
+class _LinearCEParams(C.Structure):
+    _fields_ = [("N", C.c_int64), ("H", C.c_int64), ("V", C.c_int64),
+                ("hidden", C.c_void_p), ("weight", C.c_void_p), ("weight_bf16", C.c_int),
+                ("targets", C.c_void_p), ("mask", C.c_void_p), ("reduction", C.c_int),
+                ("scale", C.c_float), ("dhidden", C.c_void_p), ("dhidden_accumulate", C.c_int),
+                ("dweight", C.c_void_p), ("row_loss", C.c_void_p), ("chunk", C.c_int64),
+                ("row_block", C.c_int64)]
+
+
+class _LinearCEResult(C.Structure):
+    _fields_ = [("loss", C.c_float), ("loss_f64", C.c_double), ("n_supervised", C.c_int64),
+                ("scratch_bytes", C.c_size_t)]
+
+
 class MemStats(C.Structure):
     _fields_ = [("live_bytes", C.c_size_t), ("peak_bytes", C.c_size_t),
                 ("live_blocks", C.c_size_t), ("n_allocs", C.c_uint64)]
@@ -156,6 +171,11 @@ def load_library(path=None):
         "kiln_train_save": (C.c_int, [P, C.c_char_p, C.c_uint64, C.c_char_p, C.c_int]),
         "kiln_train_load": (C.c_int, [P, C.c_char_p, C.POINTER(C.c_uint64), C.POINTER(C.c_void_p)]),
         "kiln_string_free": (None, [C.c_void_p]),
+        "kiln_linear_ce_default_params": (_LinearCEParams, []),
+        "kiln_linear_ce_create": (C.c_int, [C.c_int, C.c_int, C.POINTER(P)]),
+        "kiln_linear_ce_free": (None, [P]),
+        "kiln_linear_ce_compute": (C.c_int, [P, C.POINTER(_LinearCEParams),
+                                             C.POINTER(_LinearCEResult)]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -548,3 +568,107 @@ class Trainer(_Handle):
             self._lib.kiln_string_free(run)
         return step.value, text
 
+
+class LinearCrossEntropy(_Handle):
+    """The fused linear cross-entropy (kiln_linear_ce_*): the loss of hidden states (N, H)
+    through an LM head (V, H) against targets (N), and its gradients, without the N x V
+    logits. device -1 / "cpu": numpy arrays (or CPU torch tensors); N / "cuda" / "cuda:N":
+    torch CUDA tensors on that device (kiln reads and writes them in place; targets and mask
+    may live anywhere, they are copied to the host). fast=True (CUDA only): bf16 tensor-core
+    products, deterministic run to run, not the CPU's bits."""
+
+    _free = "kiln_linear_ce_free"
+
+    def __init__(self, device=-1, fast=False):
+        self._lib = load_library()
+        self.device = Trainer._device_index(device)
+        h = C.c_void_p()
+        _check(self._lib.kiln_linear_ce_create(self.device, 1 if fast else 0, C.byref(h)))
+        self._h = h
+
+    def _buf(self, name, a, shape, dtypes, writable=False):
+        """(address, dtype name) of array a: C-contiguous, of this shape, one of dtypes (names
+        such as "float32", "bfloat16", "uint16"), where this handle's device can read it."""
+        if hasattr(a, "data_ptr"):  # a torch tensor
+            dt = str(a.dtype).replace("torch.", "")
+            where = -1 if a.device.type == "cpu" else (a.device.index or 0) if a.device.type == "cuda" else None
+            contiguous = a.is_contiguous()
+            addr = a.data_ptr()
+        else:
+            import numpy as np
+            if not isinstance(a, np.ndarray):
+                raise TypeError(f"{name}: a numpy array or a torch tensor, not {type(a).__name__}")
+            dt, where, contiguous = str(a.dtype), -1, a.flags["C_CONTIGUOUS"]
+            addr = a.ctypes.data
+            if writable and not a.flags["WRITEABLE"]:
+                raise ValueError(f"{name}: read-only array")
+        if tuple(a.shape) != tuple(shape):
+            raise ValueError(f"{name}: shape {tuple(a.shape)}, expected {tuple(shape)}")
+        if dt not in dtypes:
+            raise ValueError(f"{name}: dtype {dt}, expected {' or '.join(dtypes)}")
+        if not contiguous:
+            raise ValueError(f"{name}: not contiguous")
+        if where != self.device:
+            want = "host memory" if self.device < 0 else f"CUDA device {self.device}"
+            raise ValueError(f"{name}: not in {want}")
+        return addr, dt
+
+    @staticmethod
+    def _host(a, dtype):
+        """targets / mask as a contiguous host numpy array of dtype (from numpy, a list or any
+        torch tensor)."""
+        import numpy as np
+        if hasattr(a, "detach"):
+            a = a.detach().cpu().numpy()
+        return np.ascontiguousarray(a, dtype=dtype)
+
+    def __call__(self, hidden, weight, targets, mask=None, reduction="mean", scale=1.0,
+                 dhidden=None, dweight=None, dhidden_accumulate=False, row_loss=None, chunk=0,
+                 row_block=0):
+        """The loss (a float); dhidden (N, H) f32 is overwritten (or added to with
+        dhidden_accumulate), dweight (V, H) f32 added to, row_loss (N) f32 written, when given.
+        weight: f32, or bf16 (a torch bfloat16 tensor, or uint16 bit patterns). targets < 0 and
+        mask == 0 mark positions not supervised. chunk: vocabulary columns per chunk (0 =
+        4096); row_block > 0 (CUDA fast mode, bf16 weight, a gradient, no row_loss): the
+        row walk, as the trainer's steps (include/kiln.h). Also sets self.last: loss_f64,
+        n_supervised, scratch_bytes."""
+        import numpy as np
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction {reduction!r}: 'mean' or 'sum'")
+        if len(hidden.shape) != 2 or len(weight.shape) != 2 or weight.shape[1] != hidden.shape[1]:
+            raise ValueError(f"shapes {tuple(hidden.shape)} and {tuple(weight.shape)}: hidden "
+                             "(N, H) and weight (V, H) expected")
+        (N, H), V = hidden.shape, weight.shape[0]
+        p = self._lib.kiln_linear_ce_default_params()
+        p.N, p.H, p.V = N, H, V
+        p.hidden, _ = self._buf("hidden", hidden, (N, H), ("float32",))
+        p.weight, wdt = self._buf("weight", weight, (V, H), ("float32", "bfloat16", "uint16"))
+        p.weight_bf16 = 0 if wdt == "float32" else 1
+        t = self._host(targets, np.int32)
+        if t.shape != (N,):
+            raise ValueError(f"targets: shape {t.shape}, expected ({N},)")
+        p.targets = t.ctypes.data
+        m = None
+        if mask is not None:
+            m = self._host(mask, np.uint8)
+            if m.shape != (N,):
+                raise ValueError(f"mask: shape {m.shape}, expected ({N},)")
+            p.mask = m.ctypes.data
+        p.reduction = 0 if reduction == "mean" else 1
+        p.scale = scale
+        if dhidden is not None:
+            p.dhidden, _ = self._buf("dhidden", dhidden, (N, H), ("float32",), writable=True)
+        p.dhidden_accumulate = 1 if dhidden_accumulate else 0
+        if dweight is not None:
+            p.dweight, _ = self._buf("dweight", dweight, (V, H), ("float32",), writable=True)
+        if row_loss is not None:
+            p.row_loss, _ = self._buf("row_loss", row_loss, (N,), ("float32",), writable=True)
+        p.chunk, p.row_block = chunk, row_block
+        if self.device >= 0:  # kiln runs on its own stream: torch's writes must be done
+            import torch
+            torch.cuda.synchronize(self.device)
+        r = _LinearCEResult()
+        _check(self._lib.kiln_linear_ce_compute(self._h, C.byref(p), C.byref(r)))
+        self.last = {"loss_f64": r.loss_f64, "n_supervised": r.n_supervised,
+                     "scratch_bytes": r.scratch_bytes}
+        return r.loss
