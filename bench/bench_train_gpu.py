@@ -85,8 +85,9 @@ COLUMNS of the training table:
 
 THE FUSED LOSS (--parts ce) at V 151936, H 896, N 8192 rows (quick/cpu: V 1024, H 64, N 256):
   - kiln: the program bench_cuda_fused_ce (kiln_fused_ce on a CUDA backend,
-    kiln_backend_cuda_create_mode(0, fast), on device buffers; the Python binding does not
-    expose the loss on its own), auditable and fast, f32 and bf16 weight, "fwd" (the loss
+    kiln_backend_cuda_create_mode(0, fast), on device buffers; the binding's
+    kiln.LinearCrossEntropy wraps the same call), auditable and fast, f32 and bf16 weight,
+    "fwd" (the loss
     alone: pass 1) and "fwd+bwd" (loss, dh, dW); median of 3 calls. In fast mode also
     "kiln fast, row walk": the row-block walk (params.row_block 2048, bf16 weight, the
     one-call form with the caller's scratch: what the training step calls), each call waited
@@ -97,9 +98,9 @@ THE FUSED LOSS (--parts ce) at V 151936, H 896, N 8192 rows (quick/cpu: V 1024, 
   COLUMNS: ms; TFLOP/s of the model FLOPs (fwd 2NVH, fwd+bwd 6NVH; kiln's backward
   recomputes the logits, 8NVH done, not counted; the row walk makes them once, 6NVH);
   "peak above inputs" = the memory beyond h, W and the targets, outputs (dh, dW) included:
-  PyTorch max_memory_allocated - allocated
-  before; kiln scratch_bytes (its accounting) + the f32 dh and dW it writes; notes: kiln's
-  device view (free memory polled every 100 us inside the program) and the logits' size.
+  PyTorch max_memory_allocated - allocated before; kiln scratch_bytes (its accounting) + the
+  f32 dh and dW it writes; notes: kiln's device view (free memory polled every 100 us inside
+  the program) and the logits' size.
 
 MEMORY OF A FULL STEP (--parts memory), the Qwen2.5-0.5B shape at T 2048, batch 8 (quick/cpu:
 the tiny qwen2, T 64, batch 2):

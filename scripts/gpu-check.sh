@@ -4,7 +4,8 @@
 # apt-get, or carried .deb files), build kiln with CUDA (Release, -Werror), run every GPU test
 # (tests/gpu/test_cuda_*: auditable ops and backward ops bit for bit against the CPU, the fast
 # kernels within their stated error, sampling, the optimizer and fused loss, whole models,
-# training), compute-sanitizer memcheck and racecheck on small runs, the kernel benchmarks
+# training; with pytest, the binding's CUDA cases of tests/python/test_linear_ce_api.py),
+# compute-sanitizer memcheck and racecheck on small runs, the kernel benchmarks
 # (tests/gpu/bench_cuda_*), `kiln generate --device cuda` against `--device cpu`, and print a
 # short table last.
 #   scripts/gpu-check.sh [build-dir]      (default build-gpu; logs under $OUT or build-dir)
