@@ -19,8 +19,9 @@
 #   KILN_DEFAULT_GGUF: kiln's default model (SmolLM2-135M-Instruct Q4_1) for the cli part
 #       (default ~/.cache/kiln/models/SmolLM2-135M-Instruct.Q4_1.gguf; scripts/fetch-model.sh)
 #   cli also writes a random Qwen2.5-0.5B-shaped Hugging Face folder (bf16, python3 with torch
-#   and transformers; KILN_CLI_SHAPE=C,L,NH,KVH,FF) with the tokenizer of $KILN_CLI_TOKENIZER
-#   (default build-dir/tok: a 151,936-token tokenizer.json) and compares cpu and cuda greedy ids.
+#   and transformers; KILN_CLI_SHAPE=C,L,NH,KVH,FF) with the tokenizer.json of
+#   $KILN_CLI_TOKENIZER (default build-dir/tok; where it has none, a synthetic 151,936-token
+#   byte-level BPE written with `tokenizers`) and compares cpu and cuda greedy ids.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 B=${1:-build-gpu}
@@ -155,7 +156,7 @@ if has cli; then
     rm -rf "$M"
     if python3 - "$M" "${KILN_CLI_TOKENIZER:-$B/tok}" "${KILN_CLI_SHAPE:-896,24,14,2,4864}" \
         >"$LOG/cli-make.log" 2>&1 <<'PY'
-import shutil, sys
+import json, os, shutil, sys
 import torch, transformers as tf
 out, tok = sys.argv[1], sys.argv[2]
 C, L, NH, KVH, FF = (int(x) for x in sys.argv[3].split(","))
@@ -170,8 +171,27 @@ with torch.no_grad():  # norms and biases away from 1 and 0 so that they matter
         if "norm" in n or n.endswith(".bias"):
             p.add_(torch.randn_like(p) * 0.1)
 m.save_pretrained(out)
-for f in ("tokenizer.json", "tokenizer_config.json"):
-    shutil.copy(f"{tok}/{f}", out)
+if os.path.isfile(f"{tok}/tokenizer.json"):
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tok}/{f}", out)
+else:  # a synthetic byte-level BPE of exactly 151,936 tokens: the 256 byte symbols, every
+    # pair of them, then pairs followed by a byte, each merge ranked in that order
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    alpha = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab, merges = {c: i for i, c in enumerate(alpha)}, []
+    lefts = iter(alpha + [a + b for a in alpha for b in alpha])
+    while len(vocab) < 151936:
+        a = next(lefts)
+        for b in alpha:
+            if len(vocab) == 151936:
+                break
+            vocab[a + b] = len(vocab)
+            merges.append((a, b))
+    t = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.save(f"{out}/tokenizer.json")
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, open(f"{out}/tokenizer_config.json", "w"))
 PY
     then
         runs=()

@@ -14,7 +14,7 @@ static void usage(FILE *f) {
             "  detokenize  token ids to text\n"
             "  info        architecture, parameters, tensors, tokenizer, template\n"
             "  data        text files to a token shard for training\n"
-            "  train       train or fine-tune a model on the CPU\n\n"
+            "  train       train or fine-tune a model on the CPU or a CUDA GPU\n\n"
             "MODEL is a .gguf file or a Hugging Face folder. 'kiln <command> --help' for options.\n",
             kiln_version());
 }
