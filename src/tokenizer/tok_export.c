@@ -192,6 +192,9 @@ static kiln_status tx_model(tx *x, const kiln_tokenizer *t, cJSON **out) {
     tx_bool(x, model, "ignore_merges", t->ignore_merges);
     cJSON *vocab = tx_add(x, model, "vocab", tx_obj(x));
     kiln_status st = KILN_OK;
+    if (t->n_alias > 0)
+        st = kiln_error(KILN_ERR_UNSUPPORTED, "%s: %d vocabulary strings share an id with another "
+                        "string; kiln does not write such a vocabulary", t->label, t->n_alias);
     for (int32_t id = 0; vocab && id < t->n_vocab && st == KILN_OK; id++) {
         if (!t->piece[id] || (t->attr[id] & TOK_ATTR_UNUSED)) continue;
         if (tok_find(t, t->piece[id], t->piece_len[id]) != id) {

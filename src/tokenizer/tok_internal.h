@@ -24,6 +24,8 @@ enum {
     TOK_ATTR_LSTRIP = 16,  /* added token absorbs whitespace on its left */
     TOK_ATTR_RSTRIP = 32,  /* added token absorbs whitespace on its right */
     TOK_ATTR_UNUSED = 64,  /* a hole in the id space (no string) */
+    TOK_ATTR_NOT_MODEL = 128, /* tokenizer.json: an added token absent from model.vocab (merges
+                               * may not name it) */
 };
 
 typedef enum tok_merge_mode {
@@ -87,7 +89,16 @@ struct kiln_tokenizer {
     uint8_t *attr;            /* [n_vocab] TOK_ATTR_* */
     char *strings;            /* one buffer holding every piece */
 
-    /* vocab hash: open addressing over piece strings, value = id, -1 empty */
+    /* tokenizer.json: model.vocab strings that share their id with another string (HF's vocab
+     * maps strings to ids, so two strings may name one id; an added token given an id that
+     * model.vocab also uses takes piece[id]). They encode to alias_id; piece[] decodes it. */
+    char **alias;             /* [n_alias] pointers into strings */
+    uint32_t *alias_len;      /* [n_alias] */
+    int32_t *alias_id;        /* [n_alias] */
+    int32_t n_alias;
+
+    /* vocab hash: open addressing over piece strings, value = id, or n_vocab + alias index;
+     * -1 empty */
     int32_t *vhash;
     size_t vhash_mask;
 
@@ -135,13 +146,21 @@ struct tok_merge {
 /* ---- tokenizer.c: building --------------------------------------------------------------- */
 
 kiln_status tok_alloc(kiln_tokenizer **out, int32_t n_vocab, const char *label);
-/* Copy all piece strings (lens[i]; strs[i] may be NULL) into one buffer and build the hash. */
-kiln_status tok_set_pieces(kiln_tokenizer *t, const char *const *strs, const uint32_t *lens);
+/* Copy all piece strings (lens[i]; strs[i] may be NULL) and the n_alias aliases (strings
+ * naming alias_ids[i]; NULL, NULL, NULL, 0 for none) into one buffer and build the hash. */
+kiln_status tok_set_pieces(kiln_tokenizer *t, const char *const *strs, const uint32_t *lens,
+                           const char *const *alias_strs, const uint32_t *alias_lens,
+                           const int32_t *alias_ids, int32_t n_alias);
+/* The id of a string (a piece or an alias), or -1. */
 int32_t tok_find(const kiln_tokenizer *t, const char *s, size_t len);
-/* Add merge "a b" (piece strings) with the given rank; silently skipped if a piece is absent. */
+/* As tok_find, but only strings of the model's vocabulary (not TOK_ATTR_NOT_MODEL tokens). */
+int32_t tok_find_model(const kiln_tokenizer *t, const char *s, size_t len);
 kiln_status tok_merges_reserve(kiln_tokenizer *t, size_t n);
-void tok_merge_add(kiln_tokenizer *t, const char *a, size_t alen, const char *b, size_t blen,
-                   int32_t rank);
+/* Add merge "a b" (piece strings) with the given rank. Returns 0 when added (or a duplicate
+ * pair), 1 when a is absent, 2 when b is absent, 3 when a+b is absent (the merge is not
+ * added), -1 out of memory. model_only: look the strings up with tok_find_model. */
+int tok_merge_add(kiln_tokenizer *t, const char *a, size_t alen, const char *b, size_t blen,
+                  int32_t rank, int model_only);
 /* After pieces, attributes and byte_level / byte_fallback are set. */
 kiln_status tok_finish(kiln_tokenizer *t);
 /* Compile a pre-tokenizer regex (PCRE2_UTF | PCRE2_UCP; literal: the pattern is a string). */
@@ -164,6 +183,19 @@ int tok_utf8_invalid_len(const uint8_t *s, size_t n);
 int tok_utf8_encode(uint32_t cp, char *out);
 /* 1 when s[0..n) is an incomplete but so far valid sequence. */
 int tok_utf8_incomplete(const uint8_t *s, size_t n);
+
+/* ---- tok_json.c: tokenizer.json text checks ---------------------------------------------- */
+/* Check a JSON text for what serde_json refuses and cJSON accepts (invalid UTF-8, raw control
+ * characters in strings; with check_ids, a non-u32 literal at model.vocab[*] or
+ * added_tokens[*].id) and copy it into *out (kiln_malloc'd, NUL-terminated) with each
+ * "\u0000" escape rewritten to the bytes C0 80, which cJSON carries through. */
+kiln_status tok_json_prepare(const char *text, size_t len, const char *label, int check_ids,
+                             char **out, size_t *out_len);
+/* 1 when a string parsed from tok_json_prepare's output holds an escaped NUL. */
+int tok_json_has_nul(const char *s);
+/* Turn each C0 80 in s back into a NUL, in place; returns the new length. Call it once per
+ * string: afterwards s holds NULs and strlen no longer gives its length. */
+size_t tok_json_nul_decode(char *s);
 
 /* ---- loaders (tok_load.c) ---------------------------------------------------------------- */
 kiln_status tok_load_hf_json(const char *json, size_t len, const char *config, size_t config_len,

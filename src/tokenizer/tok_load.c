@@ -5,6 +5,7 @@
 #include "tok_internal.h"
 
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -131,7 +132,7 @@ static kiln_status gguf_fill(kiln_tokenizer *t, const kiln_gguf *g, const kiln_g
         strs[i] = tokens->arr_strs[i].ptr;
         lens[i] = (uint32_t)tokens->arr_strs[i].len;
     }
-    if (st == KILN_OK) st = tok_set_pieces(t, strs, lens);
+    if (st == KILN_OK) st = tok_set_pieces(t, strs, lens, NULL, NULL, NULL, 0);
     kiln_free(strs);
     kiln_free(lens);
     KILN_TRY(st);
@@ -172,7 +173,9 @@ static kiln_status gguf_fill(kiln_tokenizer *t, const kiln_gguf *g, const kiln_g
                 return kiln_error(KILN_ERR_FORMAT, "%s: tokenizer.ggml.merges[%llu]: no space "
                                   "separator", L, (unsigned long long)i);
             size_t al = (size_t)(sp - m->ptr);
-            tok_merge_add(t, m->ptr, al, sp + 1, (size_t)m->len - al - 1, (int32_t)i);
+            /* a merge naming absent tokens is skipped (kept as before; llama.cpp keeps it) */
+            if (tok_merge_add(t, m->ptr, al, sp + 1, (size_t)m->len - al - 1, (int32_t)i, 0) < 0)
+                return kiln_error(KILN_ERR_NOMEM, "%s: out of memory (merges)", L);
         }
     }
     return KILN_OK;
@@ -484,98 +487,420 @@ static kiln_status hf_post(kiln_tokenizer *t, const cJSON *n) {
     return KILN_OK;
 }
 
+/* ---- tokenizer.json: what `tokenizers` refuses ------------------------------------------- */
+
+/* Boolean fields of the pipeline's steps: serde_json refuses any other type (null included). */
+static const char *const HF_STEP_BOOLS[] = {
+    "add_prefix_space", "trim_offsets", "use_regex", "individual_digits", "invert", "split",
+    "lowercase", "strip_accents", "clean_text", "handle_chinese_chars", NULL,
+};
+
+/* Walk a normalizer / pre_tokenizer / decoder subtree: a known boolean field that is not a
+ * boolean is refused (as `tokenizers` does), and so is a string holding an escaped NUL: kiln
+ * keeps these strings as C strings (`tokenizers` accepts the NUL; kiln says so rather than
+ * cut the string). path: the subtree's JSON path, for the message. */
+static kiln_status hf_check_steps(const char *label, const cJSON *n, const char *path, int depth) {
+    if (!n || depth > 32) return KILN_OK;
+    if (cJSON_IsString(n) && tok_json_has_nul(n->valuestring))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: %s: string holds a NUL byte (\\u0000); kiln "
+                          "keeps pipeline strings as C strings and does not support it", label, path);
+    if (!cJSON_IsObject(n) && !cJSON_IsArray(n)) return KILN_OK;
+    const cJSON *e;
+    int i = 0;
+    cJSON_ArrayForEach(e, n) {
+        char sub[256];
+        if (cJSON_IsObject(n)) {
+            snprintf(sub, sizeof sub, "%s.%.40s", path, e->string);
+            for (const char *const *k = HF_STEP_BOOLS; *k; k++)
+                if (!strcmp(e->string, *k) && !cJSON_IsBool(e))
+                    return kiln_error(KILN_ERR_FORMAT, "%s: %s: not a boolean", label, sub);
+        } else {
+            snprintf(sub, sizeof sub, "%s[%d]", path, i);
+        }
+        KILN_TRY(hf_check_steps(label, e, sub, depth + 1));
+        i++;
+    }
+    return KILN_OK;
+}
+
+/* obj[k] must be a boolean when present (null too, with null_ok). */
+static kiln_status hf_check_bool(const char *label, const cJSON *obj, const char *k, int null_ok,
+                                 const char *fmt_path, int index) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, k);
+    if (!v || cJSON_IsBool(v) || (null_ok && cJSON_IsNull(v))) return KILN_OK;
+    char path[64];
+    snprintf(path, sizeof path, fmt_path, index);
+    return kiln_error(KILN_ERR_FORMAT, "%s: %s.%s: not a boolean", label, path, k);
+}
+
+/* A small string -> id map for the added tokens' contents (tokenizers gives a repeated
+ * content the first one's id). Open addressing, FNV-1a. */
+typedef struct hf_strmap {
+    const char **s;
+    size_t *len;
+    int32_t *id;
+    size_t mask;
+} hf_strmap;
+
+static size_t hf_strmap_slot(const hf_strmap *m, const char *s, size_t len) {
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < len; i++) h = (h ^ (uint8_t)s[i]) * 1099511628211ull;
+    size_t i = (size_t)h & m->mask;
+    while (m->s[i] && !(m->len[i] == len && !memcmp(m->s[i], s, len))) i = (i + 1) & m->mask;
+    return i;
+}
+
+/* What one tokenizer.json string becomes: bytes and length (escaped NULs decoded). */
+typedef struct hf_piece {
+    const char *s;
+    uint32_t len;
+} hf_piece;
+
+static kiln_status hf_piece_of(const char *label, char *s, const char *what, hf_piece *out) {
+    size_t n = tok_json_nul_decode(s);
+    if (n > 65536)
+        return kiln_error(KILN_ERR_FORMAT, "%s: %s: token of %zu bytes too long", label, what, n);
+    out->s = s;
+    out->len = (uint32_t)n;
+    return KILN_OK;
+}
+
+/* model.vocab and added_tokens -> the id table, as `tokenizers` builds it:
+ *   - a vocab id must be an integer in 0..2^32-1 (tok_json_prepare checked the literal);
+ *   - two vocab strings may share an id: both encode to it (the later one in the file is the
+ *     piece that decodes, the others are aliases);
+ *   - an added token's id in the file is not used: `tokenizers` gives it the id of the same
+ *     content among earlier added tokens, else its model.vocab id, else the next free one
+ *     (AddedVocabulary::add_tokens: the vocab size when no added token lies at or past it,
+ *     else the largest added id + 1). For a file `tokenizers` wrote, that is the file's id.
+ *     An added token landing on an id model.vocab also uses takes the piece; the vocab
+ *     string stays an alias. */
+static kiln_status hf_vocab(const char *label, const cJSON *vocab, const cJSON *added,
+                            kiln_tokenizer **out) {
+    const cJSON *e;
+    int64_t n_keys = cJSON_GetArraySize(vocab), n_added = cJSON_GetArraySize(added);
+    int64_t max_id = -1;
+    cJSON_ArrayForEach(e, vocab) {
+        double v = cJSON_IsNumber(e) ? e->valuedouble : -1;
+        if (v < 0 || v != floor(v) || v > 4294967295.0)
+            return kiln_error(KILN_ERR_FORMAT, "%s: model.vocab[\"%.64s\"]: id is not an integer "
+                              "in 0..4294967295", label, e->string);
+        if (v >= (1 << 26))
+            return kiln_error(KILN_ERR_FORMAT, "%s: model.vocab[\"%.64s\"]: id %.0f past kiln's "
+                              "limit of 2^26 tokens", label, e->string, v);
+        if ((int64_t)v > max_id) max_id = (int64_t)v;
+    }
+    int i = 0;
+    cJSON_ArrayForEach(e, added) {
+        const cJSON *id = cJSON_GetObjectItemCaseSensitive(e, "id");
+        double v = cJSON_IsNumber(id) ? id->valuedouble : -1;
+        if (v < 0 || v != floor(v) || v > 4294967295.0)
+            return kiln_error(KILN_ERR_FORMAT, "%s: added_tokens[%d].id: not an integer in "
+                              "0..4294967295", label, i);
+        if (!cJSON_IsString(cJSON_GetObjectItemCaseSensitive(e, "content")))
+            return kiln_error(KILN_ERR_FORMAT, "%s: added_tokens[%d].content: not a string", label, i);
+        static const char *const bools[] = {"special", "lstrip", "rstrip", "single_word", "normalized"};
+        for (size_t k = 0; k < sizeof bools / sizeof bools[0]; k++)
+            KILN_TRY(hf_check_bool(label, e, bools[k], 0, "added_tokens[%d]", i));
+        i++;
+    }
+    /* The id space is allocated whole (several tables of max_id + 1 entries), so a sparse one
+     * is refused: a few holes are normal, a 60M id in a 10-token file is a hostile input that
+     * would cost gigabytes for nothing. Added tokens land at most n_added past the vocab. */
+    if (max_id + 1 > 2 * (n_keys + n_added) + 4096)
+        return kiln_error(KILN_ERR_FORMAT,
+                          "%s: model.vocab: ids too sparse (largest id %lld for %lld tokens)", label,
+                          (long long)max_id, (long long)(n_keys + n_added));
+
+    /* model.vocab alone first, to look the added tokens' contents up in it */
+    kiln_status st = KILN_OK;
+    size_t n_ids = (size_t)(max_id + 1) + (size_t)n_added + 1;
+    hf_piece *piece = kiln_calloc(n_ids, sizeof *piece);
+    hf_piece *alias = kiln_calloc((size_t)n_keys + (size_t)n_added + 1, sizeof *alias);
+    int32_t *alias_id = kiln_calloc((size_t)n_keys + (size_t)n_added + 1, sizeof *alias_id);
+    int32_t *added_id = kiln_calloc((size_t)n_added + 1, sizeof *added_id);
+    uint32_t *added_len = kiln_calloc((size_t)n_added + 1, sizeof *added_len);
+    uint8_t *added_new = kiln_calloc((size_t)n_added + 1, 1);
+    hf_strmap am = {0};
+    size_t cap = 16;
+    while (cap < (size_t)n_added * 2 + 16) cap <<= 1;
+    am.s = kiln_calloc(cap, sizeof *am.s);
+    am.len = kiln_calloc(cap, sizeof *am.len);
+    am.id = kiln_calloc(cap, sizeof *am.id);
+    am.mask = cap - 1;
+    kiln_tokenizer *v0 = NULL, *t = NULL;
+    int32_t n_alias = 0;
+    if (!piece || !alias || !alias_id || !added_id || !added_len || !added_new || !am.s || !am.len || !am.id)
+        st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory (vocabulary)", label);
+    if (st == KILN_OK) {
+        cJSON_ArrayForEach(e, vocab) {
+            int32_t id = (int32_t)e->valuedouble;
+            if (piece[id].s) {
+                alias[n_alias] = piece[id];
+                alias_id[n_alias++] = id;
+            }
+            st = hf_piece_of(label, e->string, "model.vocab", &piece[id]);
+            if (st != KILN_OK) break;
+        }
+    }
+    const char **strs = NULL;
+    uint32_t *lens = NULL;
+    if (st == KILN_OK) {
+        strs = kiln_calloc(n_ids, sizeof *strs);
+        lens = kiln_calloc(n_ids, sizeof *lens);
+        if (!strs || !lens) st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory (vocabulary)", label);
+    }
+    for (size_t k = 0; st == KILN_OK && k < (size_t)(max_id + 1); k++) {
+        strs[k] = piece[k].s;
+        lens[k] = piece[k].len;
+    }
+    if (st == KILN_OK) st = tok_alloc(&v0, (int32_t)(max_id + 1), label);
+    if (st == KILN_OK) {
+        const char **as = kiln_calloc((size_t)n_alias + 1, sizeof *as);
+        uint32_t *al = kiln_calloc((size_t)n_alias + 1, sizeof *al);
+        if (!as || !al) st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory (vocabulary)", label);
+        for (int32_t k = 0; st == KILN_OK && k < n_alias; k++) {
+            as[k] = alias[k].s;
+            al[k] = alias[k].len;
+        }
+        if (st == KILN_OK) st = tok_set_pieces(v0, strs, lens, as, al, alias_id, n_alias);
+        kiln_free(as);
+        kiln_free(al);
+    }
+    /* added tokens: tokenizers' id assignment */
+    int64_t n_model = n_keys, max_added = -1, n_total = max_id + 1;
+    i = 0;
+    if (st == KILN_OK) {
+        cJSON_ArrayForEach(e, added) {
+            hf_piece c;
+            st = hf_piece_of(label, cJSON_GetObjectItemCaseSensitive(e, "content")->valuestring,
+                             "added_tokens.content", &c);
+            if (st != KILN_OK) break;
+            size_t slot = hf_strmap_slot(&am, c.s, c.len);
+            int32_t id;
+            if (am.s[slot]) {
+                id = am.id[slot];
+                added_new[i] = 2; /* a repeat: the first one's attributes stand */
+            } else if ((id = tok_find(v0, c.s, c.len)) >= 0) {
+                added_new[i] = 0;
+            } else {
+                id = (int32_t)(max_added < 0 ? n_model
+                               : (max_added >= n_model || n_model == 0) ? max_added + 1 : n_model);
+                added_new[i] = 1;
+            }
+            if (!am.s[slot]) {
+                am.s[slot] = c.s;
+                am.len[slot] = c.len;
+                am.id[slot] = id;
+            }
+            if (id > max_added) max_added = id;
+            if (id + 1 > n_total) n_total = id + 1;
+            added_len[i] = c.len;
+            added_id[i++] = id;
+        }
+    }
+    if (st == KILN_OK) st = tok_alloc(&t, (int32_t)n_total, label);
+    i = 0;
+    if (st == KILN_OK) {
+        cJSON_ArrayForEach(e, added) {
+            int32_t id = added_id[i];
+            if (added_new[i] == 1) {
+                const char *c = cJSON_GetObjectItemCaseSensitive(e, "content")->valuestring;
+                if ((size_t)id <= (size_t)max_id && strs[id]) { /* the vocab string stays an alias */
+                    alias[n_alias].s = strs[id];
+                    alias[n_alias].len = lens[id];
+                    alias_id[n_alias++] = id;
+                }
+                strs[id] = c;
+                lens[id] = added_len[i]; /* the content was decoded in place above */
+                t->attr[id] |= TOK_ATTR_NOT_MODEL;
+            }
+            if (added_new[i] != 2) {
+                t->attr[id] |= TOK_ATTR_ADDED;
+                if (jbool(e, "special", 0)) t->attr[id] |= TOK_ATTR_SPECIAL;
+                if (jbool(e, "lstrip", 0)) t->attr[id] |= TOK_ATTR_LSTRIP;
+                if (jbool(e, "rstrip", 0)) t->attr[id] |= TOK_ATTR_RSTRIP;
+            }
+            i++;
+        }
+        const char **as = kiln_calloc((size_t)n_alias + 1, sizeof *as);
+        uint32_t *al = kiln_calloc((size_t)n_alias + 1, sizeof *al);
+        if (!as || !al) st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory (vocabulary)", label);
+        for (int32_t k = 0; st == KILN_OK && k < n_alias; k++) {
+            as[k] = alias[k].s;
+            al[k] = alias[k].len;
+        }
+        if (st == KILN_OK) st = tok_set_pieces(t, strs, lens, as, al, alias_id, n_alias);
+        kiln_free(as);
+        kiln_free(al);
+    }
+    kiln_tokenizer_free(v0);
+    kiln_free(piece);
+    kiln_free(alias);
+    kiln_free(alias_id);
+    kiln_free(added_id);
+    kiln_free(added_len);
+    kiln_free(added_new);
+    kiln_free(am.s);
+    kiln_free(am.len);
+    kiln_free(am.id);
+    kiln_free(strs);
+    kiln_free(lens);
+    if (st != KILN_OK) {
+        kiln_tokenizer_free(t);
+        return st;
+    }
+    *out = t;
+    return KILN_OK;
+}
+
+/* model.merges: "a b" strings (exactly one space: `tokenizers` splits on ' ' and wants two
+ * parts) or [a, b] pairs, not both in one list; a, b and a+b must all be model.vocab strings. */
+static kiln_status hf_merges(kiln_tokenizer *t, const cJSON *merges, const char *label) {
+    if (!cJSON_IsArray(merges))
+        return kiln_error(KILN_ERR_FORMAT, "%s: model.merges: missing or not a list", label);
+    KILN_TRY(tok_merges_reserve(t, (size_t)cJSON_GetArraySize(merges)));
+    int32_t rank = 0;
+    const cJSON *e;
+    int strings = cJSON_IsString(cJSON_GetArrayItem(merges, 0));
+    cJSON_ArrayForEach(e, merges) {
+        hf_piece a, b;
+        if (cJSON_IsString(e) != strings)
+            return kiln_error(KILN_ERR_FORMAT, "%s: model.merges[%d]: \"a b\" strings and [a, b] "
+                              "lists mixed in one list", label, rank);
+        if (cJSON_IsString(e)) {
+            hf_piece m;
+            KILN_TRY(hf_piece_of(label, e->valuestring, "model.merges", &m));
+            const char *sp = memchr(m.s, ' ', m.len);
+            if (!sp || memchr(sp + 1, ' ', m.len - (size_t)(sp - m.s) - 1))
+                return kiln_error(KILN_ERR_FORMAT, "%s: model.merges[%d]: \"%.64s\" is not two tokens "
+                                  "separated by one space", label, rank, m.s);
+            a.s = m.s;
+            a.len = (uint32_t)(sp - m.s);
+            b.s = sp + 1;
+            b.len = m.len - a.len - 1;
+        } else if (cJSON_IsArray(e) && cJSON_GetArraySize(e) == 2 &&
+                   cJSON_IsString(cJSON_GetArrayItem(e, 0)) && cJSON_IsString(cJSON_GetArrayItem(e, 1))) {
+            KILN_TRY(hf_piece_of(label, cJSON_GetArrayItem(e, 0)->valuestring, "model.merges", &a));
+            KILN_TRY(hf_piece_of(label, cJSON_GetArrayItem(e, 1)->valuestring, "model.merges", &b));
+        } else {
+            return kiln_error(KILN_ERR_FORMAT, "%s: model.merges[%d]: not a \"a b\" string or a "
+                              "list of two strings", label, rank);
+        }
+        int r = tok_merge_add(t, a.s, a.len, b.s, b.len, rank, 1);
+        if (r < 0) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory (merges)", label);
+        if (r > 0) {
+            char ab[160];
+            snprintf(ab, sizeof ab, "%.*s%.*s", (int)(a.len > 64 ? 64 : a.len), a.s,
+                     (int)(b.len > 64 ? 64 : b.len), b.s);
+            const hf_piece *p = r == 1 ? &a : &b;
+            return kiln_error(KILN_ERR_FORMAT, "%s: model.merges[%d]: token \"%.*s\" is not in "
+                              "model.vocab", label, rank, r == 3 ? (int)strlen(ab)
+                              : (int)(p->len > 64 ? 64 : p->len), r == 3 ? ab : p->s);
+        }
+        rank++;
+    }
+    return KILN_OK;
+}
+
+/* tokenizer_config.json: the special tokens (string or {content}), add_bos_token /
+ * add_eos_token (booleans; true needs the token in the vocabulary: transformers refuses
+ * add_bos_token without a bos_token), the chat template. */
+static kiln_status hf_config(kiln_tokenizer *t, const cJSON *cfg, const char *label) {
+    const char *names[] = {"bos_token", "eos_token", "unk_token", "pad_token"};
+    int32_t *dst[] = {&t->bos_id, &t->eos_id, &t->unk_id, &t->pad_id};
+    const char *given[4] = {NULL, NULL, NULL, NULL};
+    for (int i = 0; i < 4; i++) {
+        char *s = (char *)jtoken(cfg, names[i]);
+        if (!s) continue;
+        given[i] = s;
+        hf_piece p;
+        KILN_TRY(hf_piece_of(label, s, names[i], &p));
+        int32_t id = tok_find(t, p.s, p.len);
+        if (id >= 0) *dst[i] = id;
+    }
+    const char *flags[] = {"add_bos_token", "add_eos_token"};
+    const cJSON *fv[2];
+    for (int i = 0; i < 2; i++) {
+        fv[i] = cJSON_GetObjectItemCaseSensitive(cfg, flags[i]);
+        if (fv[i] && !cJSON_IsBool(fv[i]) && !cJSON_IsNull(fv[i]))
+            return kiln_error(KILN_ERR_FORMAT, "%s: tokenizer_config.json: %s: not a boolean", label,
+                              flags[i]);
+        if (cJSON_IsTrue(fv[i]) && *dst[i] < 0) {
+            if (given[i])
+                return kiln_error(KILN_ERR_FORMAT, "%s: tokenizer_config.json: %s is true but "
+                                  "%s \"%.64s\" is not in the vocabulary", label, flags[i],
+                                  names[i], given[i]);
+            return kiln_error(KILN_ERR_FORMAT, "%s: tokenizer_config.json: %s is true but there is "
+                              "no %s", label, flags[i], names[i]);
+        }
+    }
+    const cJSON *ab = fv[0], *ae = fv[1];
+    if (cJSON_IsBool(ab) || cJSON_IsBool(ae)) {
+        /* transformers rebuilds the post-processor from these flags */
+        int tb = t->use_template_processing ? t->n_prefix > 0 : 0;
+        int te = t->use_template_processing ? t->n_suffix > 0 : 0;
+        t->add_bos = cJSON_IsBool(ab) ? cJSON_IsTrue(ab) : tb;
+        t->add_eos = cJSON_IsBool(ae) ? cJSON_IsTrue(ae) : te;
+        t->use_template_processing = 0;
+    }
+    const cJSON *ct = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template");
+    const char *tmpl = cJSON_IsString(ct) ? ct->valuestring : NULL;
+    if (cJSON_IsArray(ct)) {
+        const cJSON *e;
+        cJSON_ArrayForEach(e, ct) {
+            const char *nm = jstr(e, "name");
+            if (nm && !strcmp(nm, "default")) tmpl = jstr(e, "template");
+        }
+    }
+    if (tmpl && tok_json_has_nul(tmpl))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: tokenizer_config.json: chat_template: holds a "
+                          "NUL byte (\\u0000)", label);
+    if (tmpl) {
+        t->chat_template = kiln_strdup(tmpl);
+        if (!t->chat_template) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", label);
+    }
+    return KILN_OK;
+}
+
 static kiln_status hf_build(kiln_tokenizer **out, const cJSON *root, const cJSON *cfg,
                             const char *label) {
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
-    const char *mtype = jstr(model, "type");
+    const cJSON *mtype_v = cJSON_GetObjectItemCaseSensitive(model, "type");
     const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(model, "vocab");
-    if (!model || !cJSON_IsObject(vocab))
+    if (!cJSON_IsObject(model) || !cJSON_IsObject(vocab))
         return kiln_error(KILN_ERR_FORMAT, "%s: model.vocab: missing or not an object", label);
+    if (mtype_v && !cJSON_IsString(mtype_v))
+        return kiln_error(KILN_ERR_FORMAT, "%s: model.type: not a string", label);
+    const char *mtype = jstr(model, "type");
     if (mtype && strcmp(mtype, "BPE") != 0)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: model.type '%s' not supported (BPE only)", label, mtype);
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: model.type '%.64s' not supported (BPE only)",
+                          label, mtype);
     const char *cont = jstr(model, "continuing_subword_prefix"), *eow = jstr(model, "end_of_word_suffix");
     if ((cont && cont[0]) || (eow && eow[0]))
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: model: subword prefix/suffix not supported", label);
+    static const char *const model_bools[] = {"byte_fallback", "ignore_merges", "fuse_unk"};
+    for (size_t k = 0; k < sizeof model_bools / sizeof model_bools[0]; k++)
+        KILN_TRY(hf_check_bool(label, model, model_bools[k], 1, "model", 0));
     const cJSON *added = cJSON_GetObjectItemCaseSensitive(root, "added_tokens");
-    /* id space: the largest id of vocab and added tokens */
-    int64_t max_id = -1;
-    const cJSON *e;
-    cJSON_ArrayForEach(e, vocab) {
-        if (!cJSON_IsNumber(e) || e->valuedouble < 0 || e->valuedouble >= (1 << 26))
-            return kiln_error(KILN_ERR_FORMAT, "%s: model.vocab['%.64s']: bad id", label, e->string);
-        if ((int64_t)e->valuedouble > max_id) max_id = (int64_t)e->valuedouble;
-    }
-    cJSON_ArrayForEach(e, added) {
-        const cJSON *id = cJSON_GetObjectItemCaseSensitive(e, "id");
-        if (!cJSON_IsNumber(id) || id->valuedouble < 0 || id->valuedouble >= (1 << 26) ||
-            !jstr(e, "content"))
-            return kiln_error(KILN_ERR_FORMAT, "%s: added_tokens: entry without a valid id/content", label);
-        if ((int64_t)id->valuedouble > max_id) max_id = (int64_t)id->valuedouble;
-    }
-    if (max_id < 0) return kiln_error(KILN_ERR_FORMAT, "%s: model.vocab: empty", label);
-    /* The id space is allocated whole (several tables of max_id + 1 entries), so a sparse one
-     * is refused: a few holes are normal, a 60M id in a 10-token file is a hostile input that
-     * would cost gigabytes for nothing. */
-    int64_t n_entries = (int64_t)cJSON_GetArraySize(vocab) + (int64_t)cJSON_GetArraySize(added);
-    if (max_id + 1 > 2 * n_entries + 4096)
-        return kiln_error(KILN_ERR_FORMAT,
-                          "%s: model.vocab: ids too sparse (largest id %lld for %lld tokens)", label,
-                          (long long)max_id, (long long)n_entries);
+    if (added && !cJSON_IsNull(added) && !cJSON_IsArray(added))
+        return kiln_error(KILN_ERR_FORMAT, "%s: added_tokens: not a list", label);
+    const char *parts[] = {"normalizer", "pre_tokenizer", "decoder"};
+    for (int k = 0; k < 3; k++)
+        KILN_TRY(hf_check_steps(label, cJSON_GetObjectItemCaseSensitive(root, parts[k]), parts[k], 0));
     kiln_tokenizer *t;
-    KILN_TRY(tok_alloc(&t, (int32_t)(max_id + 1), label));
+    KILN_TRY(hf_vocab(label, vocab, added, &t));
     kiln_status st = KILN_OK;
-    const char **strs = kiln_calloc((size_t)t->n_vocab, sizeof *strs);
-    uint32_t *lens = kiln_calloc((size_t)t->n_vocab, sizeof *lens);
-    if (!strs || !lens) st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory", label);
-    if (st == KILN_OK) {
-        cJSON_ArrayForEach(e, vocab) {
-            int id = (int)e->valuedouble;
-            strs[id] = e->string;
-            lens[id] = (uint32_t)strlen(e->string);
-        }
-        cJSON_ArrayForEach(e, added) {
-            int id = (int)cJSON_GetObjectItemCaseSensitive(e, "id")->valuedouble;
-            strs[id] = jstr(e, "content");
-            lens[id] = (uint32_t)strlen(strs[id]);
-            t->attr[id] |= TOK_ATTR_ADDED;
-            if (jbool(e, "special", 0)) t->attr[id] |= TOK_ATTR_SPECIAL;
-            if (jbool(e, "lstrip", 0)) t->attr[id] |= TOK_ATTR_LSTRIP;
-            if (jbool(e, "rstrip", 0)) t->attr[id] |= TOK_ATTR_RSTRIP;
-        }
-        st = tok_set_pieces(t, strs, lens);
-    }
-    kiln_free(strs);
-    kiln_free(lens);
     t->merge_mode = TOK_MERGE_RANK;
     t->byte_fallback = jbool(model, "byte_fallback", 0);
     t->ignore_merges = jbool(model, "ignore_merges", 0);
-    const char *unk = jstr(model, "unk_token");
-    if (st == KILN_OK && unk) t->unk_id = t->model_unk_id = tok_find(t, unk, strlen(unk));
-    const cJSON *merges = cJSON_GetObjectItemCaseSensitive(model, "merges");
-    if (st == KILN_OK) st = tok_merges_reserve(t, (size_t)cJSON_GetArraySize(merges));
-    int32_t rank = 0;
-    if (st == KILN_OK) {
-        cJSON_ArrayForEach(e, merges) {
-            if (cJSON_IsString(e)) {
-                const char *s = e->valuestring;
-                const char *sp = s[0] ? strchr(s + 1, ' ') : NULL;
-                if (!sp) {
-                    st = kiln_error(KILN_ERR_FORMAT, "%s: model.merges[%d]: no space separator", label, rank);
-                    break;
-                }
-                tok_merge_add(t, s, (size_t)(sp - s), sp + 1, strlen(sp + 1), rank);
-            } else if (cJSON_IsArray(e) && cJSON_GetArraySize(e) == 2 &&
-                       cJSON_IsString(cJSON_GetArrayItem(e, 0)) && cJSON_IsString(cJSON_GetArrayItem(e, 1))) {
-                const char *a = cJSON_GetArrayItem(e, 0)->valuestring;
-                const char *b = cJSON_GetArrayItem(e, 1)->valuestring;
-                tok_merge_add(t, a, strlen(a), b, strlen(b), rank);
-            } else {
-                st = kiln_error(KILN_ERR_FORMAT, "%s: model.merges[%d]: not a string or pair", label, rank);
-                break;
-            }
-            rank++;
-        }
+    const cJSON *unk_v = cJSON_GetObjectItemCaseSensitive(model, "unk_token");
+    if (cJSON_IsString(unk_v)) {
+        hf_piece u;
+        st = hf_piece_of(label, unk_v->valuestring, "model.unk_token", &u);
+        if (st == KILN_OK) t->unk_id = t->model_unk_id = tok_find(t, u.s, u.len);
     }
+    if (st == KILN_OK) st = hf_merges(t, cJSON_GetObjectItemCaseSensitive(model, "merges"), label);
     if (st == KILN_OK) st = hf_normalizer(t, cJSON_GetObjectItemCaseSensitive(root, "normalizer"));
     if (st == KILN_OK) st = hf_pre(t, cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer"));
     const cJSON *dec = cJSON_GetObjectItemCaseSensitive(root, "decoder");
@@ -589,40 +914,7 @@ static kiln_status hf_build(kiln_tokenizer **out, const cJSON *root, const cJSON
         t->type = t->byte_level ? "bpe" : spm_like || t->byte_fallback ? "spm" : "bpe";
         if (!t->pre[0]) snprintf(t->pre, sizeof t->pre, "%s", t->n_norm ? "spm" : "none");
     }
-    /* tokenizer_config.json: special tokens, add_bos/add_eos, chat template */
-    if (st == KILN_OK && cfg) {
-        const char *names[] = {"bos_token", "eos_token", "unk_token", "pad_token"};
-        int32_t *dst[] = {&t->bos_id, &t->eos_id, &t->unk_id, &t->pad_id};
-        for (int i = 0; i < 4; i++) {
-            const char *s = jtoken(cfg, names[i]);
-            if (s) {
-                int32_t id = tok_find(t, s, strlen(s));
-                if (id >= 0) *dst[i] = id;
-            }
-        }
-        const cJSON *ab = cJSON_GetObjectItemCaseSensitive(cfg, "add_bos_token");
-        const cJSON *ae = cJSON_GetObjectItemCaseSensitive(cfg, "add_eos_token");
-        if (cJSON_IsBool(ab) || cJSON_IsBool(ae)) {
-            /* transformers rebuilds the post-processor from these flags */
-            int tb = t->use_template_processing ? t->n_prefix > 0 : 0;
-            int te = t->use_template_processing ? t->n_suffix > 0 : 0;
-            t->add_bos = cJSON_IsBool(ab) ? cJSON_IsTrue(ab) : tb;
-            t->add_eos = cJSON_IsBool(ae) ? cJSON_IsTrue(ae) : te;
-            t->use_template_processing = 0;
-        }
-        const cJSON *ct = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template");
-        const char *tmpl = cJSON_IsString(ct) ? ct->valuestring : NULL;
-        if (cJSON_IsArray(ct)) {
-            cJSON_ArrayForEach(e, ct) {
-                const char *nm = jstr(e, "name");
-                if (nm && !strcmp(nm, "default")) tmpl = jstr(e, "template");
-            }
-        }
-        if (tmpl) {
-            t->chat_template = kiln_strdup(tmpl);
-            if (!t->chat_template) st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory", label);
-        }
-    }
+    if (st == KILN_OK && cfg) st = hf_config(t, cfg, label);
     if (st == KILN_OK && t->use_template_processing) {
         /* derive add_bos/add_eos for get_info from the template */
         t->add_bos = t->n_prefix > 0;
@@ -645,25 +937,44 @@ kiln_status kiln_tokenizer_from_hf_json(const char *tokenizer_json, size_t len,
     if (!tokenizer_json || !out)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_tokenizer_from_hf_json: NULL argument");
     if (!label) label = "tokenizer.json";
-    cJSON *root = cJSON_ParseWithLength(tokenizer_json, len);
+    /* serde_json's refusals that cJSON does not make, and NULs kept through cJSON */
+    char *text = NULL, *ctext = NULL;
+    size_t tlen = 0, clen = 0;
+    KILN_TRY(tok_json_prepare(tokenizer_json, len, label, 1, &text, &tlen));
+    if (config_json) {
+        char clabel[600];
+        snprintf(clabel, sizeof clabel, "%s: tokenizer_config.json", label);
+        kiln_status cst = tok_json_prepare(config_json, config_len, clabel, 0, &ctext, &clen);
+        if (cst != KILN_OK) {
+            kiln_free(text);
+            return cst;
+        }
+    }
+    cJSON *root = cJSON_ParseWithLength(text, tlen);
     if (!root || !cJSON_IsObject(root)) {
         const char *ep = cJSON_GetErrorPtr();
-        long off = (ep && ep >= tokenizer_json && ep <= tokenizer_json + len) ? (long)(ep - tokenizer_json) : -1;
+        long off = (ep && ep >= text && ep <= text + tlen) ? (long)(ep - text) : -1;
         cJSON_Delete(root);
+        kiln_free(text);
+        kiln_free(ctext);
         return kiln_error(KILN_ERR_FORMAT, "%s: invalid JSON near byte %ld", label, off);
     }
     cJSON *cfg = NULL;
-    if (config_json) {
-        cfg = cJSON_ParseWithLength(config_json, config_len);
+    if (ctext) {
+        cfg = cJSON_ParseWithLength(ctext, clen);
         if (!cfg || !cJSON_IsObject(cfg)) {
             cJSON_Delete(cfg);
             cJSON_Delete(root);
+            kiln_free(text);
+            kiln_free(ctext);
             return kiln_error(KILN_ERR_FORMAT, "%s: tokenizer_config.json: invalid JSON", label);
         }
     }
     kiln_status st = hf_build(out, root, cfg, label);
     cJSON_Delete(cfg);
     cJSON_Delete(root);
+    kiln_free(text);
+    kiln_free(ctext);
     return st;
 }
 

@@ -10,15 +10,17 @@
 /* ---- building ----------------------------------------------------------------------------- */
 
 kiln_status tok_alloc(kiln_tokenizer **out, int32_t n_vocab, const char *label) {
-    if (n_vocab <= 0 || n_vocab > (1 << 26))
+    /* 0 is allowed: tokenizers loads an empty model.vocab (every text encodes to no ids) */
+    if (n_vocab < 0 || n_vocab > (1 << 26))
         return kiln_error(KILN_ERR_FORMAT, "%s: vocabulary size %d out of range", label, n_vocab);
     kiln_tokenizer *t = kiln_calloc(1, sizeof *t);
     if (!t) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory (tokenizer)", label);
     t->n_vocab = n_vocab;
     t->label = kiln_strdup(label ? label : "tokenizer");
-    t->piece = kiln_calloc((size_t)n_vocab, sizeof *t->piece);
-    t->piece_len = kiln_calloc((size_t)n_vocab, sizeof *t->piece_len);
-    t->attr = kiln_calloc((size_t)n_vocab, sizeof *t->attr);
+    size_t n_alloc = n_vocab ? (size_t)n_vocab : 1;
+    t->piece = kiln_calloc(n_alloc, sizeof *t->piece);
+    t->piece_len = kiln_calloc(n_alloc, sizeof *t->piece_len);
+    t->attr = kiln_calloc(n_alloc, sizeof *t->attr);
     t->type = "bpe";
     t->bos_id = t->eos_id = t->eot_id = t->eom_id = t->pad_id = t->unk_id = t->model_unk_id = -1;
     for (int i = 0; i < 256; i++) t->byte_id[i] = -1;
@@ -39,29 +41,90 @@ static uint64_t tok_hash(const char *s, size_t n) {
     return h;
 }
 
-int32_t tok_find(const kiln_tokenizer *t, const char *s, size_t len) {
+/* The string, length and id of vhash entry v: a piece (v < n_vocab) or an alias. */
+static void tok_entry(const kiln_tokenizer *t, int32_t v, const char **s, uint32_t *len,
+                      int32_t *id) {
+    if (v < t->n_vocab) {
+        *s = t->piece[v];
+        *len = t->piece_len[v];
+        *id = v;
+    } else {
+        *s = t->alias[v - t->n_vocab];
+        *len = t->alias_len[v - t->n_vocab];
+        *id = t->alias_id[v - t->n_vocab];
+    }
+}
+
+/* The vhash entry holding s[0..len), or -1. */
+static int32_t tok_find_entry(const kiln_tokenizer *t, const char *s, size_t len) {
     if (!t->vhash) return -1;
     size_t i = (size_t)tok_hash(s, len) & t->vhash_mask;
     for (;;) {
-        int32_t id = t->vhash[i];
-        if (id < 0) return -1;
-        if (t->piece_len[id] == len && memcmp(t->piece[id], s, len) == 0) return id;
+        int32_t v = t->vhash[i];
+        if (v < 0) return -1;
+        const char *es;
+        uint32_t el;
+        int32_t id;
+        tok_entry(t, v, &es, &el, &id);
+        if (el == len && memcmp(es, s, len) == 0) return v;
         i = (i + 1) & t->vhash_mask;
     }
 }
 
-kiln_status tok_set_pieces(kiln_tokenizer *t, const char *const *strs, const uint32_t *lens) {
+int32_t tok_find(const kiln_tokenizer *t, const char *s, size_t len) {
+    int32_t v = tok_find_entry(t, s, len);
+    if (v < 0) return -1;
+    return v < t->n_vocab ? v : t->alias_id[v - t->n_vocab];
+}
+
+int32_t tok_find_model(const kiln_tokenizer *t, const char *s, size_t len) {
+    int32_t v = tok_find_entry(t, s, len);
+    if (v < 0) return -1;
+    if (v >= t->n_vocab) return t->alias_id[v - t->n_vocab];
+    return (t->attr[v] & TOK_ATTR_NOT_MODEL) ? -1 : v;
+}
+
+/* Insert entry v unless its string is already there (the first entry wins for duplicate
+ * strings, as HF's and llama.cpp's maps keep one). */
+static void tok_hash_insert(kiln_tokenizer *t, int32_t v) {
+    const char *s;
+    uint32_t len;
+    int32_t id;
+    tok_entry(t, v, &s, &len, &id);
+    size_t h = (size_t)tok_hash(s, len) & t->vhash_mask;
+    while (t->vhash[h] >= 0) {
+        const char *os;
+        uint32_t ol;
+        int32_t oid;
+        tok_entry(t, t->vhash[h], &os, &ol, &oid);
+        if (ol == len && memcmp(os, s, len) == 0) return;
+        h = (h + 1) & t->vhash_mask;
+    }
+    t->vhash[h] = v;
+}
+
+kiln_status tok_set_pieces(kiln_tokenizer *t, const char *const *strs, const uint32_t *lens,
+                           const char *const *alias_strs, const uint32_t *alias_lens,
+                           const int32_t *alias_ids, int32_t n_alias) {
     size_t total = 0;
     for (int32_t i = 0; i < t->n_vocab; i++) {
         if (!strs[i]) continue;
         if (kiln_add_overflow(total, (size_t)lens[i] + 1, &total))
             return kiln_error(KILN_ERR_FORMAT, "%s: vocabulary strings too large", t->label);
     }
+    for (int32_t i = 0; i < n_alias; i++)
+        if (kiln_add_overflow(total, (size_t)alias_lens[i] + 1, &total))
+            return kiln_error(KILN_ERR_FORMAT, "%s: vocabulary strings too large", t->label);
     t->strings = kiln_malloc(total ? total : 1);
     size_t cap = 16;
-    while (cap < (size_t)t->n_vocab * 2) cap <<= 1;
+    while (cap < ((size_t)t->n_vocab + (size_t)n_alias) * 2) cap <<= 1;
     t->vhash = kiln_malloc(cap * sizeof *t->vhash);
-    if (!t->strings || !t->vhash)
+    if (n_alias > 0) {
+        t->alias = kiln_calloc((size_t)n_alias, sizeof *t->alias);
+        t->alias_len = kiln_calloc((size_t)n_alias, sizeof *t->alias_len);
+        t->alias_id = kiln_calloc((size_t)n_alias, sizeof *t->alias_id);
+    }
+    if (!t->strings || !t->vhash || (n_alias > 0 && (!t->alias || !t->alias_len || !t->alias_id)))
         return kiln_error(KILN_ERR_NOMEM, "%s: out of memory (vocabulary strings)", t->label);
     t->vhash_mask = cap - 1;
     memset(t->vhash, 0xff, cap * sizeof *t->vhash);
@@ -79,18 +142,18 @@ kiln_status tok_set_pieces(kiln_tokenizer *t, const char *const *strs, const uin
         t->piece[i] = p;
         t->piece_len[i] = lens[i];
         off += (size_t)lens[i] + 1;
-        /* First id wins for duplicate strings, as HF's and llama.cpp's maps keep one. */
-        size_t h = (size_t)tok_hash(p, lens[i]) & t->vhash_mask;
-        int dup = 0;
-        while (t->vhash[h] >= 0) {
-            int32_t o = t->vhash[h];
-            if (t->piece_len[o] == lens[i] && memcmp(t->piece[o], p, lens[i]) == 0) {
-                dup = 1;
-                break;
-            }
-            h = (h + 1) & t->vhash_mask;
-        }
-        if (!dup) t->vhash[h] = i;
+        tok_hash_insert(t, i);
+    }
+    for (int32_t i = 0; i < n_alias; i++) {
+        char *p = t->strings + off;
+        memcpy(p, alias_strs[i], alias_lens[i]);
+        p[alias_lens[i]] = 0;
+        t->alias[i] = p;
+        t->alias_len[i] = alias_lens[i];
+        t->alias_id[i] = alias_ids[i];
+        off += (size_t)alias_lens[i] + 1;
+        t->n_alias = i + 1;
+        tok_hash_insert(t, t->n_vocab + i);
     }
     return KILN_OK;
 }
@@ -112,21 +175,27 @@ static size_t tok_merge_slot(const kiln_tokenizer *t, uint64_t key) {
     return i;
 }
 
-void tok_merge_add(kiln_tokenizer *t, const char *a, size_t alen, const char *b, size_t blen,
-                   int32_t rank) {
-    int32_t ia = tok_find(t, a, alen), ib = tok_find(t, b, blen);
-    if (ia < 0 || ib < 0 || alen + blen > 4096) return;
-    char buf[4096];
+int tok_merge_add(kiln_tokenizer *t, const char *a, size_t alen, const char *b, size_t blen,
+                  int32_t rank, int model_only) {
+    int32_t (*find)(const kiln_tokenizer *, const char *, size_t) = model_only ? tok_find_model : tok_find;
+    int32_t ia = find(t, a, alen), ib = find(t, b, blen);
+    if (ia < 0) return 1;
+    if (ib < 0) return 2;
+    char small[512];
+    char *buf = alen + blen <= sizeof small ? small : kiln_malloc(alen + blen);
+    if (!buf) return -1;
     memcpy(buf, a, alen);
     memcpy(buf + alen, b, blen);
-    int32_t m = tok_find(t, buf, alen + blen);
-    if (m < 0) return;
+    int32_t m = find(t, buf, alen + blen);
+    if (buf != small) kiln_free(buf);
+    if (m < 0) return 3;
     uint64_t key = ((uint64_t)(uint32_t)ia << 32) | (uint32_t)ib;
     size_t s = tok_merge_slot(t, key);
-    if (t->mhash[s].key == key) return; /* the first (best) rank of a duplicate pair wins */
+    if (t->mhash[s].key == key) return 0; /* the first (best) rank of a duplicate pair wins */
     t->mhash[s].key = key;
     t->mhash[s].rank = rank;
     t->mhash[s].id = m;
+    return 0;
 }
 
 static const struct tok_merge *tok_merge_find(const kiln_tokenizer *t, int32_t a, int32_t b) {
@@ -223,6 +292,9 @@ void kiln_tokenizer_free(kiln_tokenizer *t) {
     kiln_free(t->attr);
     kiln_free(t->strings);
     kiln_free(t->vhash);
+    kiln_free(t->alias);
+    kiln_free(t->alias_len);
+    kiln_free(t->alias_id);
     kiln_free(t->mhash);
     for (int i = 0; i < t->n_norm; i++) {
         kiln_free(t->norm[i].a);
