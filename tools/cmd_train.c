@@ -4,8 +4,10 @@
 #include "base/base.h"
 #include "train/metrics.h"
 #include "train/shards.h"
+#include "train/trainer.h"
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -42,7 +44,10 @@ static const char *train_help =
     "  --eval-batches K     batches per evaluation (default 4)\n"
     "  --save-every N       checkpoint every N steps; 0 = only at the end (default 100)\n"
     "  --keep-last N        checkpoints kept (default 2)\n"
-    "  --resume             continue from the newest checkpoint in OUT/checkpoints\n"
+    "  --resume             continue from the newest checkpoint in OUT/checkpoints; the\n"
+    "                       settings that shape training must be the checkpoint's\n"
+    "  --override-hparams   with --resume: accept other settings from the checkpoint's step on\n"
+    "                       (printed, and recorded in the next checkpoint)\n"
     "  --stop-after N       stop (with a checkpoint) after N steps of this run\n"
     "  --seed S             data order and initialisation (default 1)\n"
     "  --threads N          CPU threads (default: all cores)\n"
@@ -67,6 +72,7 @@ typedef struct train_opts {
     double lr, min_lr, weight_decay, clip, eval_fraction;
     unsigned long long seed;
     int resume, export_model;
+    int override_hparams; /* --override-hparams: resume with settings other than the checkpoint's */
     int device; /* -1 = CPU, N >= 0 = CUDA device N */
     int fast;   /* --fast: the CUDA backend's fast arithmetic (GPU only) */
 } train_opts;
@@ -152,6 +158,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
         } else if (OPT("--device")) {
             if (!err) err = cli_parse_device(cmd, v, &o->device);
         } else if (!strcmp(a, "--resume")) o->resume = 1;
+        else if (!strcmp(a, "--override-hparams")) o->override_hparams = 1;
         else if (!strcmp(a, "--fast")) o->fast = 1;
         else if (!strcmp(a, "--loss-logits-f32")) o->loss_logits_f32 = 1;
         else if (!strcmp(a, "--no-export")) o->export_model = 0;
@@ -182,6 +189,10 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
     }
     if (o->fast && o->device < 0) {
         *code = cli_usage_error(cmd, "--fast is a GPU mode: use it with --device cuda or cuda:N");
+        return 1;
+    }
+    if (o->override_hparams && !o->resume) {
+        *code = cli_usage_error(cmd, "--override-hparams goes with --resume");
         return 1;
     }
     if (o->min_lr < 0) o->min_lr = o->lr / 10;
@@ -236,6 +247,153 @@ static int train_finish(kiln_trainer *tr, const train_opts *o) {
     }
     fprintf(stderr, "[kiln train] metrics: %s/metrics.csv, plot: %s/loss.png, checkpoints: %s/checkpoints\n", o->out,
             o->out, o->out);
+    return 0;
+}
+
+/* ---- resume: the run's settings against the checkpoint's ------------------------------- */
+
+/* The value text of "key" in a flat JSON object as run_json_write makes it (numbers, and
+ * strings without escapes) into buf; 0 when the key is absent. */
+static int run_value(const char *json, const char *key, char *buf, size_t cap) {
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *p = json ? strstr(json, pat) : NULL;
+    if (!p) return 0;
+    p += strlen(pat);
+    size_t n = 0;
+    if (*p == '"') {
+        p++;
+        while (p[n] && p[n] != '"') n++;
+    } else {
+        while (p[n] && p[n] != ',' && p[n] != '}') n++;
+    }
+    if (n >= cap) n = cap - 1;
+    memcpy(buf, p, n);
+    buf[n] = 0;
+    return 1;
+}
+
+/* The settings that decide the bits of the steps still to run (docs/TRAINING.md, "Resuming a
+ * run"): the data order and batches (seed, batch, seq, accum, eval_fraction, which splits the
+ * documents), the forward's grouping (seqs_per_forward: within rounding, not the same bits),
+ * the update (lr schedule, weight decay, clip) and fast mode. --steps only counts when the
+ * schedule decays over it. Threads, device (CPU and GPU give the same bits), evaluation and
+ * checkpoint cadence do not change the run. Storage and moments are in the checkpoint's
+ * config and refused by kiln_train_load. */
+enum { SET_INT, SET_REAL, SET_TEXT };
+typedef struct run_setting {
+    const char *key, *flag;
+    int kind;
+    char now[64]; /* this run's value as run_json_write writes it */
+} run_setting;
+
+static void setting_add(run_setting *v, int *n, const char *key, const char *flag, int kind, const char *fmt, ...) {
+    run_setting *r = &v[(*n)++];
+    r->key = key;
+    r->flag = flag;
+    r->kind = kind;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(r->now, sizeof r->now, fmt, ap);
+    va_end(ap);
+}
+
+/* The shortest "%.Ng" text that reads back as x exactly. */
+static const char *real_text(double x, char *buf, size_t cap) {
+    for (int p = 1; p <= 17; p++) {
+        snprintf(buf, cap, "%.*g", p, x);
+        if (strtod(buf, NULL) == x) break;
+    }
+    return buf;
+}
+
+/* This run's settings into v (room for 16); returns their number. */
+static int run_settings(const train_opts *o, run_setting *v) {
+    int n = 0;
+    char rt[32];
+    setting_add(v, &n, "steps", "--steps", SET_INT, "%ld", o->steps);
+    setting_add(v, &n, "batch", "--batch", SET_INT, "%ld", o->batch);
+    setting_add(v, &n, "seq", "--seq", SET_INT, "%ld", o->seq);
+    setting_add(v, &n, "accum", "--accum", SET_INT, "%ld", o->accum);
+    setting_add(v, &n, "seqs_per_forward", "--seqs-per-forward", SET_INT, "%ld", o->per_forward);
+    setting_add(v, &n, "lr", "--lr", SET_REAL, "%s", real_text(o->lr, rt, sizeof rt));
+    setting_add(v, &n, "min_lr", "--min-lr", SET_REAL, "%s", real_text(o->min_lr, rt, sizeof rt));
+    setting_add(v, &n, "warmup", "--warmup", SET_INT, "%ld", o->warmup);
+    setting_add(v, &n, "schedule", "--schedule", SET_TEXT, "%s", o->schedule);
+    setting_add(v, &n, "seed", "--seed", SET_INT, "%llu", o->seed);
+    setting_add(v, &n, "weight_decay", "--weight-decay", SET_REAL, "%s", real_text(o->weight_decay, rt, sizeof rt));
+    setting_add(v, &n, "clip", "--clip", SET_REAL, "%s", real_text(o->clip, rt, sizeof rt));
+    setting_add(v, &n, "eval_fraction", "--eval-fraction", SET_REAL, "%s", real_text(o->eval_fraction, rt, sizeof rt));
+    setting_add(v, &n, "fast", "--fast", SET_INT, "%d", o->fast);
+    return n;
+}
+
+/* The run configuration saved with each checkpoint: the settings, the data position, and the
+ * history of --override-hparams (a text, newest last). Returns 0, or -1 if cap is too small. */
+static int run_json_write(const train_opts *o, const char *overridden, char *out, size_t cap) {
+    run_setting v[16];
+    int n = run_settings(o, v);
+    size_t len = (size_t)snprintf(out, cap, "{");
+    for (int i = 0; i < n && len < cap; i++)
+        len += (size_t)snprintf(out + len, cap - len, v[i].kind == SET_TEXT ? "\"%s\":\"%s\"," : "\"%s\":%s,",
+                                v[i].key, v[i].now);
+    if (len < cap && overridden && overridden[0])
+        len += (size_t)snprintf(out + len, cap - len, "\"overridden\":\"%s\",", overridden);
+    if (len < cap) len += (size_t)snprintf(out + len, cap - len, "\"data_position\":\"step\"}");
+    return len < cap ? 0 : -1;
+}
+
+/* Whether a recorded value equals this run's (reals: as doubles, or as the "%g" text older
+ * checkpoints wrote). */
+static int setting_equal(const run_setting *v, const char *saved) {
+    if (v->kind == SET_TEXT || v->kind == SET_INT) return !strcmp(saved, v->now);
+    char *end;
+    double a = strtod(saved, &end), b = strtod(v->now, NULL);
+    if (*end == 0 && a == b) return 1;
+    char g[64];
+    snprintf(g, sizeof g, "%g", b);
+    return !strcmp(saved, g);
+}
+
+/* Compare this run's settings with the checkpoint's run json (NULL: not recorded). On a
+ * difference: refused (returns 1) naming each setting with both values, unless
+ * --override-hparams, then printed and appended to *history ("at step k: flag a -> b, ...").
+ * history (cap bytes) starts as the checkpoint's own override history. */
+static int check_resume_settings(const train_opts *o, const char *run, long start, char *history, size_t cap) {
+    history[0] = 0;
+    if (!run) {
+        fprintf(stderr, "[kiln train] note: the checkpoint records no run settings; they are not checked\n");
+        return 0;
+    }
+    run_value(run, "overridden", history, cap);
+    run_setting v[16];
+    int n = run_settings(o, v), n_diff = 0;
+    char diff[2048] = "", saved[64];
+    size_t dl = 0;
+    for (int i = 0; i < n; i++) {
+        if (!run_value(run, v[i].key, saved, sizeof saved)) { /* an older kiln's checkpoint */
+            fprintf(stderr, "[kiln train] note: the checkpoint does not record %s; not checked\n", v[i].flag);
+            continue;
+        }
+        if (setting_equal(&v[i], saved)) continue;
+        /* --steps moves only a decaying schedule's learning rate: a constant one may be extended */
+        if (!strcmp(v[i].key, "steps") && !strcmp(o->schedule, "constant")) continue;
+        const char *why = !strcmp(v[i].key, "steps") ? " (the learning rate of the remaining steps decays over --steps)" : "";
+        if (!o->override_hparams) fprintf(stderr, "  %s: checkpoint %s, now %s%s\n", v[i].flag, saved, v[i].now, why);
+        else fprintf(stderr, "[kiln train] --override-hparams: %s %s -> %s from step %ld\n", v[i].flag, saved, v[i].now, start);
+        if (dl < sizeof diff)
+            dl += (size_t)snprintf(diff + dl, sizeof diff - dl, "%s%s %s -> %s", n_diff ? ", " : "", v[i].flag, saved, v[i].now);
+        n_diff++;
+    }
+    if (!n_diff) return 0;
+    if (!o->override_hparams) {
+        fprintf(stderr, "kiln train: --resume: %d setting%s above differ%s from the checkpoint's; resuming with them "
+                        "would not continue the same run. Pass the checkpoint's values, or --override-hparams to "
+                        "change them from step %ld on\n", n_diff, n_diff > 1 ? "s" : "", n_diff > 1 ? "" : "s", start);
+        return 1;
+    }
+    size_t hl = strlen(history);
+    snprintf(history + hl, cap - hl, "%sat step %ld: %s", hl ? "; " : "", start, diff);
     return 0;
 }
 
@@ -318,16 +476,37 @@ int cmd_train(int argc, char **argv) {
         goto out;
     }
     long start = 0;
+    char overridden[4096] = ""; /* --override-hparams history, kept in every checkpoint's run json */
     if (o.resume) {
         uint64_t k = 0;
-        char *run = NULL;
-        st = kiln_train_load(tr, ckdir, &k, &run);
+        char *run = NULL, *notes = NULL;
+        st = kiln_train_load_ex(tr, ckdir, &k, &run, &notes);
         if (st != KILN_OK) {
             rc = cli_fail("train", "--resume", st);
             goto out;
         }
-        kiln_string_free(run);
+        /* newer checkpoints passed over (and set aside when complete): say which and why */
+        for (const char *line = notes; line && *line;) {
+            const char *nl = strchr(line, '\n');
+            int len = nl ? (int)(nl - line) : (int)strlen(line);
+            fprintf(stderr, "[kiln train] warning: passed over a newer checkpoint: %.*s\n", len, line);
+            line += len + (nl != NULL);
+        }
+        kiln_string_free(notes);
         start = (long)k;
+        if (k > (uint64_t)o.steps) {
+            fprintf(stderr, "kiln train: --resume: the checkpoint is at step %llu, past --steps %ld\n",
+                    (unsigned long long)k, o.steps);
+            kiln_string_free(run);
+            rc = 1;
+            goto out;
+        }
+        int refused = check_resume_settings(&o, run, start, overridden, sizeof overridden);
+        kiln_string_free(run);
+        if (refused) {
+            rc = 1;
+            goto out;
+        }
         fprintf(stderr, "[kiln train] resumed from %s at step %ld\n", ckdir, start);
     }
     char desc[1024];
@@ -352,11 +531,12 @@ int cmd_train(int argc, char **argv) {
         rc = cli_fail("train", path, st);
         goto out;
     }
-    char run_json[512];
-    snprintf(run_json, sizeof run_json,
-             "{\"steps\":%ld,\"batch\":%ld,\"seq\":%ld,\"accum\":%ld,\"seqs_per_forward\":%ld,\"lr\":%g,"
-             "\"min_lr\":%g,\"warmup\":%ld,\"schedule\":\"%s\",\"seed\":%llu,\"data_position\":\"step\"}",
-             o.steps, o.batch, o.seq, o.accum, o.per_forward, o.lr, o.min_lr, o.warmup, o.schedule, o.seed);
+    char run_json[8192];
+    if (run_json_write(&o, overridden, run_json, sizeof run_json) != 0) {
+        fprintf(stderr, "kiln train: the run configuration does not fit %zu bytes\n", sizeof run_json);
+        rc = 1;
+        goto out;
+    }
     int tty = isatty(2);
     char plot_title[256];
     snprintf(plot_title, sizeof plot_title, "kiln train: %s", mi.name);

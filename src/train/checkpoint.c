@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -358,6 +359,9 @@ kiln_status kiln_ckpt_begin(const char *dir, uint64_t step, const kiln_ckpt_save
     *out = NULL;
     if (params && params->keep_last < 0)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_begin: keep_last %d < 0", params->keep_last);
+    if (step > KILN_CKPT_MAX_STEP)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_begin: step %llu is past the largest step %lld",
+                          (unsigned long long)step, (long long)KILN_CKPT_MAX_STEP);
     int e = fault(KILN_CKPT_IO_MKDIR, dir);
     if (!e && mkdir(dir, 0755) != 0 && errno != EEXIST) e = errno;
     if (e) return kiln_error(KILN_ERR_IO, "%s: cannot create checkpoint directory: %s", dir, strerror(e));
@@ -801,6 +805,9 @@ static kiln_status parse_file(kiln_ckpt *c) {
         return FMT_ERR("%s: entry_size %u, expected %d", path, kiln_le32(d + 28), ENTRY_SIZE);
     if (!all_zero(d + 80, 16)) return FMT_ERR("%s: reserved header bytes are not zero", path);
     c->step = kiln_le64(d + 16);
+    if (c->step > KILN_CKPT_MAX_STEP)
+        return FMT_ERR("%s: header step %llu is out of range (largest %lld)", path, (unsigned long long)c->step,
+                       (long long)KILN_CKPT_MAX_STEP);
     memcpy(c->header_sha, d + 96, 32);
     uint64_t n = kiln_le32(d + 24);
     uint64_t table_offset = kiln_le64(d + 32), file_size = kiln_le64(d + 40);
@@ -965,6 +972,10 @@ static kiln_status open_step_dir(const char *dir, uint64_t step, kiln_ckpt **out
     }
     size_t len = 0;
     if ((st = kiln_read_text_file(mpath, 4096, &text, &len)) != KILN_OK) goto done;
+    if (!kiln_path_is_file(fpath)) {
+        st = kiln_error(KILN_ERR_FORMAT, "%s: marked complete but %s is missing", sdir, KILN_CKPT_FILE);
+        goto done;
+    }
     if ((st = kiln_ckpt_open_file(fpath, &c)) != KILN_OK) goto done;
     char hex[65], want[160];
     kiln_ckpt_sha256_hex(c->header_sha, hex);
@@ -996,8 +1007,93 @@ kiln_status kiln_ckpt_open_step(const char *dir, uint64_t step, kiln_ckpt **out)
     return open_step_dir(dir, step, out);
 }
 
-kiln_status kiln_ckpt_open_latest(const char *dir, kiln_ckpt **out) {
-    if (!dir || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_open_latest: NULL argument");
+/* Append "line\n" to a kiln_malloc'd text (bounded at 64 KiB; best effort). */
+static void text_add(char **text, size_t *len, const char *line) {
+    size_t ml = strlen(line);
+    if (*len + ml + 2 > 64 * 1024) return;
+    char *nr = kiln_realloc(*text, *len + ml + 2);
+    if (!nr) return;
+    *text = nr;
+    memcpy(nr + *len, line, ml);
+    *len += ml;
+    nr[(*len)++] = '\n';
+    nr[*len] = 0;
+}
+
+kiln_status kiln_ckpt_set_aside(const char *dir, uint64_t step, const char *reason, char **new_path) {
+    if (new_path) *new_path = NULL;
+    if (!dir || !reason) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_set_aside: NULL argument");
+    char *sdir = path_printf("step-%llu", dir, step, -1);
+    char *rpath = sdir ? path_join(sdir, KILN_CKPT_REASON) : NULL;
+    char *to = NULL;
+    kiln_status st = KILN_OK;
+    int fd = -1;
+    if (!sdir || !rpath) {
+        st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory", dir);
+        goto done;
+    }
+    if (!kiln_path_is_dir(sdir)) {
+        st = kiln_error(KILN_ERR_IO, "%s: no such checkpoint directory to set aside", sdir);
+        goto done;
+    }
+    time_t now = time(NULL);
+    struct tm tmv;
+    char stamp[32] = "0";
+    if (gmtime_r(&now, &tmv)) strftime(stamp, sizeof stamp, "%Y%m%dT%H%M%SZ", &tmv);
+    /* the REASON file first: the set-aside directory always says why it is there */
+    fd = open(rpath, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        st = kiln_error(KILN_ERR_IO, "%s: cannot create: %s", rpath, strerror(errno));
+        goto done;
+    }
+    char head[256];
+    int hl = snprintf(head, sizeof head,
+                      "kiln set checkpoint step %llu aside at %s: it carried its %s marker but failed "
+                      "verification, so a resumed run could not save this step again.\n",
+                      (unsigned long long)step, stamp, KILN_CKPT_MARKER);
+    if ((st = write_all(fd, rpath, 0, head, (size_t)hl)) != KILN_OK ||
+        (st = write_all(fd, rpath, (uint64_t)hl, reason, strlen(reason))) != KILN_OK ||
+        (st = write_all(fd, rpath, (uint64_t)hl + strlen(reason), "\n", 1)) != KILN_OK)
+        goto done;
+    if (fsync(fd) != 0) {
+        st = kiln_error(KILN_ERR_IO, "%s: fsync failed: %s", rpath, strerror(errno));
+        goto done;
+    }
+    /* step-<k>.rejected-<UTC time>[-n]: a name the listing and housekeeping never match */
+    char name[96];
+    for (int n = 0; n < 1000; n++) {
+        if (n == 0) snprintf(name, sizeof name, "step-%llu.rejected-%s", (unsigned long long)step, stamp);
+        else snprintf(name, sizeof name, "step-%llu.rejected-%s-%d", (unsigned long long)step, stamp, n);
+        kiln_free(to);
+        to = path_join(dir, name);
+        if (!to) {
+            st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory", dir);
+            goto done;
+        }
+        struct stat sb;
+        if (lstat(to, &sb) != 0 && errno == ENOENT) break;
+        if (n == 999) {
+            st = kiln_error(KILN_ERR_IO, "%s: no free name to set step %llu aside", dir, (unsigned long long)step);
+            goto done;
+        }
+    }
+    if ((st = do_rename(sdir, to)) != KILN_OK) goto done;
+    fsync_path(dir, 1); /* best effort: a lost rename only means the next resume does it again */
+    if (new_path) {
+        *new_path = to;
+        to = NULL;
+    }
+done:
+    if (fd >= 0) close(fd);
+    if (st != KILN_OK) kiln_error_prefix(st, "checkpoint step %llu not set aside", (unsigned long long)step);
+    kiln_free(sdir);
+    kiln_free(rpath);
+    kiln_free(to);
+    return st;
+}
+
+/* kiln_ckpt_open_latest (set_aside 0) and kiln_ckpt_open_for_resume (set_aside 1). */
+static kiln_status open_latest(const char *dir, int set_aside, kiln_ckpt **out) {
     *out = NULL;
     uint64_t *steps = NULL;
     size_t n = 0;
@@ -1008,33 +1104,74 @@ kiln_status kiln_ckpt_open_latest(const char *dir, kiln_ckpt **out) {
     }
     char *rej = NULL;
     size_t rej_len = 0;
-    for (size_t i = n; i-- > 0;) {
-        kiln_ckpt *c = NULL;
-        if (open_step_dir(dir, steps[i], &c) == KILN_OK) {
-            c->rejected = rej;
-            kiln_free(steps);
-            kiln_error_clear();
-            *out = c;
-            return KILN_OK;
-        }
-        const char *msg = kiln_last_error();
-        size_t ml = strlen(msg);
-        if (rej_len + ml + 2 <= 64 * 1024) {
-            char *nr = kiln_realloc(rej, rej_len + ml + 2);
-            if (nr) {
-                rej = nr;
-                memcpy(rej + rej_len, msg, ml);
-                rej_len += ml;
-                rej[rej_len++] = '\n';
-                rej[rej_len] = 0;
+    /* complete-but-invalid candidates newer than the one loaded: set aside once one loads */
+    uint64_t *bad = kiln_calloc(n, sizeof *bad);
+    char **why = kiln_calloc(n, sizeof *why);
+    size_t n_bad = 0;
+    kiln_ckpt *c = NULL;
+    kiln_status st = bad && why ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "%s: out of memory", dir);
+    for (size_t i = n; st == KILN_OK && i-- > 0;) {
+        kiln_status r = open_step_dir(dir, steps[i], &c);
+        if (r == KILN_OK) break;
+        char msg[2048]; /* a copy: the next kiln_error reuses the thread's message buffer */
+        snprintf(msg, sizeof msg, "%s", kiln_last_error());
+        if (set_aside && step_dir_has_marker(dir, steps[i])) {
+            if (r != KILN_ERR_FORMAT) {
+                /* an I/O error, a newer format, no memory: perhaps passing, perhaps the
+                 * checkpoint is fine; falling back past it would wedge the run */
+                st = kiln_error(r, "%s: cannot resume: the complete checkpoint step-%llu could not be "
+                                   "read (%s); it is not set aside: fix the cause or move it away",
+                                dir, (unsigned long long)steps[i], msg);
+                break;
             }
+            bad[n_bad] = steps[i];
+            why[n_bad++] = kiln_strdup(msg);
+        } else {
+            text_add(&rej, &rej_len, msg);
         }
     }
+    if (st == KILN_OK && !c) {
+        for (size_t b = 0; b < n_bad; b++) text_add(&rej, &rej_len, why[b] ? why[b] : "(out of memory)");
+        st = kiln_error(KILN_ERR_FORMAT, "%s: no valid checkpoint among %zu: %s", dir, n, rej ? rej : "");
+    }
+    for (size_t b = 0; st == KILN_OK && b < n_bad; b++) {
+        char *to = NULL;
+        const char *reason = why[b] ? why[b] : "(the reason could not be kept: out of memory)";
+        st = kiln_ckpt_set_aside(dir, bad[b], reason, &to);
+        if (st == KILN_OK) {
+            size_t ll = strlen(reason) + strlen(to) + 64;
+            char *line = kiln_malloc(ll);
+            if (line) {
+                snprintf(line, ll, "%s [set aside as %s]", reason, to);
+                text_add(&rej, &rej_len, line);
+            }
+            kiln_free(line);
+        }
+        kiln_free(to);
+    }
+    for (size_t b = 0; b < n_bad; b++) kiln_free(why[b]);
+    kiln_free(bad);
+    kiln_free(why);
     kiln_free(steps);
-    kiln_status st = kiln_error(KILN_ERR_FORMAT, "%s: no valid checkpoint among %zu: %s", dir, n,
-                                rej ? rej : "");
-    kiln_free(rej);
-    return st;
+    if (st != KILN_OK) {
+        kiln_ckpt_close(c);
+        kiln_free(rej);
+        return st;
+    }
+    kiln_error_clear();
+    c->rejected = rej;
+    *out = c;
+    return KILN_OK;
+}
+
+kiln_status kiln_ckpt_open_latest(const char *dir, kiln_ckpt **out) {
+    if (!dir || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_open_latest: NULL argument");
+    return open_latest(dir, 0, out);
+}
+
+kiln_status kiln_ckpt_open_for_resume(const char *dir, kiln_ckpt **out) {
+    if (!dir || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_open_for_resume: NULL argument");
+    return open_latest(dir, 1, out);
 }
 
 kiln_status kiln_ckpt_find(const kiln_ckpt *c, const char *name, kiln_ckpt_type type,

@@ -29,7 +29,8 @@
  * Loading (kiln_ckpt_open_latest) lists step-<k> directories, newest first, and returns the
  * first whose marker matches and whose state.kiln validates completely; tmp directories are
  * never considered. The reasons newer candidates were rejected are kept
- * (kiln_ckpt_rejected()) so a caller can warn.
+ * (kiln_ckpt_rejected()) so a caller can warn. Resuming (kiln_ckpt_open_for_resume) also sets
+ * aside each newer checkpoint that is complete but invalid, so the run can save its step again.
  *
  * Errors follow kiln's convention: a kiln_status and a thread-local message naming the path,
  * the section, the field and the offset.
@@ -49,6 +50,8 @@
 #define KILN_CKPT_MAX_DIMS 4         /* == KILN_MAX_DIMS */
 #define KILN_CKPT_FILE "state.kiln"
 #define KILN_CKPT_MARKER "COMPLETE"
+#define KILN_CKPT_REASON "REASON"    /* in a set-aside directory: why (kiln_ckpt_set_aside) */
+#define KILN_CKPT_MAX_STEP INT64_MAX /* steps fit a signed 64-bit count; the reader refuses more */
 
 /* What a section holds. Stored as a u32; readers reject unknown values. */
 typedef enum kiln_ckpt_type {
@@ -83,7 +86,7 @@ kiln_ckpt_save_params kiln_ckpt_default_save_params(void);
 
 typedef struct kiln_ckpt_writer kiln_ckpt_writer;
 
-/* Start saving step `step` into dir (created if missing, one level). Creates
+/* Start saving step `step` (<= KILN_CKPT_MAX_STEP) into dir (created if missing, one level). Creates
  * <dir>/step-<step>.tmp-<pid>/ and opens state.kiln there. Refuses (KILN_ERR_STATE) when a
  * complete checkpoint of that step already exists; an incomplete step-<step> directory (a
  * crash between rename and marker) is replaced. params may be NULL (defaults).
@@ -154,6 +157,21 @@ typedef struct kiln_ckpt_section {
  * verified. KILN_ERR_IO if dir cannot be read or holds no checkpoint at all; KILN_ERR_FORMAT
  * if checkpoints exist but none validates (the message lists each rejection). */
 kiln_status kiln_ckpt_open_latest(const char *dir, kiln_ckpt **out);
+/* kiln_ckpt_open_latest for a run that will continue and save again. A checkpoint newer than
+ * the one returned that carries its COMPLETE marker but fails verification (KILN_ERR_FORMAT:
+ * a damaged file, a stale marker) would refuse that later save of its step forever, so it is
+ * set aside (kiln_ckpt_set_aside) - only once an older valid checkpoint was found; nothing is
+ * moved when none validates. kiln_ckpt_rejected() names each one and where it went. A complete
+ * candidate that fails otherwise (I/O error, unsupported version, no memory) stops the resume
+ * with that error instead of being passed over. Unmarked directories are passed over as by
+ * kiln_ckpt_open_latest (the next save of their step replaces them). */
+kiln_status kiln_ckpt_open_for_resume(const char *dir, kiln_ckpt **out);
+/* Move <dir>/step-<step> out of the way, never deleting it: writes <step dir>/REASON (a line
+ * saying when and why, then `reason`), then renames the directory to
+ * <dir>/step-<step>.rejected-<UTC yyyymmddThhmmssZ>[-n], a name the listing, the loader and
+ * housekeeping ignore. *new_path (may be NULL) gets the new path (kiln_malloc'd). On failure
+ * (KILN_ERR_IO with path and errno text) the directory stays where it was. */
+kiln_status kiln_ckpt_set_aside(const char *dir, uint64_t step, const char *reason, char **new_path);
 /* Exactly step `step` of dir (must be complete and valid). */
 kiln_status kiln_ckpt_open_step(const char *dir, uint64_t step, kiln_ckpt **out);
 /* One state.kiln file, verified alone (no marker involved). */
@@ -162,7 +180,8 @@ void kiln_ckpt_close(kiln_ckpt *c); /* NULL is a no-op */
 
 uint64_t kiln_ckpt_step(const kiln_ckpt *c);     /* the step recorded in the header */
 const char *kiln_ckpt_path(const kiln_ckpt *c);  /* the state.kiln path opened */
-/* Why newer checkpoints were passed over by kiln_ckpt_open_latest ("" if none). */
+/* Why newer checkpoints were passed over by kiln_ckpt_open_latest / _open_for_resume, one line
+ * each, "[set aside as PATH]" after those set aside ("" if none). */
 const char *kiln_ckpt_rejected(const kiln_ckpt *c);
 
 int kiln_ckpt_section_count(const kiln_ckpt *c);

@@ -1899,11 +1899,43 @@ kiln_status kiln_train_save(kiln_trainer *t, const char *dir, uint64_t step, con
     return st;
 }
 
+/* "(a, b)" of a shape, for messages. */
+static void shape_text(char *buf, size_t cap, int n_dims, const int64_t *shape) {
+    size_t n = (size_t)snprintf(buf, cap, "(");
+    for (int i = 0; i < n_dims && n < cap; i++)
+        n += (size_t)snprintf(buf + n, cap - n, "%s%lld", i ? ", " : "", (long long)shape[i]);
+    if (n < cap) snprintf(buf + n, cap - n, ")");
+}
+
+/* A checkpoint's parameter section against the trainer's parameter: dtype, shape, size. */
+static kiln_status check_param_section(const char *name, const kiln_ckpt_section *s,
+                                       const train_param *p) {
+    uint64_t want = (uint64_t)p->n * (p->dtype == KILN_DTYPE_F32 ? 4 : 2);
+    if (s->dtype != p->dtype || s->size != want)
+        return kiln_error(KILN_ERR_FORMAT, "section '%s' is %s, %llu bytes; the model's is %s, %llu bytes", name, kiln_dtype_name(s->dtype), (unsigned long long)s->size,
+                          kiln_dtype_name(p->dtype), (unsigned long long)want);
+    int same = s->n_dims == p->n_dims;
+    for (int k = 0; same && k < p->n_dims; k++) same = s->shape[k] == p->shape[k];
+    if (!same) {
+        char got[128], exp[128];
+        shape_text(got, sizeof got, s->n_dims, s->shape);
+        shape_text(exp, sizeof exp, p->n_dims, p->shape);
+        return kiln_error(KILN_ERR_FORMAT, "section '%s' has shape %s; the model's is %s", name, got, exp);
+    }
+    return KILN_OK;
+}
+
 kiln_status kiln_train_load(kiln_trainer *t, const char *dir, uint64_t *step, char **run_json) {
+    return kiln_train_load_ex(t, dir, step, run_json, NULL);
+}
+
+kiln_status kiln_train_load_ex(kiln_trainer *t, const char *dir, uint64_t *step, char **run_json, char **notes) {
+    if (notes) *notes = NULL;
     KILN_TRY(check_ready(t, "kiln_train_load"));
     if (!dir || !step) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_load: dir and step must be set");
     kiln_ckpt *c = NULL;
-    KILN_TRY(kiln_ckpt_open_latest(dir, &c));
+    /* a resume: a damaged newer checkpoint is set aside, else saving its step would fail */
+    KILN_TRY(kiln_ckpt_open_for_resume(dir, &c));
     const kiln_ckpt_section *sec = NULL;
     char *cfg = config_json(t);
     kiln_status st = cfg ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "kiln_train_load: out of memory");
@@ -1923,15 +1955,20 @@ kiln_status kiln_train_load(kiln_trainer *t, const char *dir, uint64_t *step, ch
         char name[128];
         snprintf(name, sizeof name, "param/%s", t->params[i].name);
         st = kiln_ckpt_find(c, name, KILN_CKPT_TENSOR, &ps[i]);
-        if (st == KILN_OK && (ps[i]->dtype != t->params[i].dtype ||
-                              ps[i]->size != (uint64_t)t->params[i].n * (t->params[i].dtype == KILN_DTYPE_F32 ? 4 : 2)))
-            st = kiln_error(KILN_ERR_FORMAT, "kiln_train_load: %s: '%s' has another type or size", kiln_ckpt_path(c), name);
+        if (st == KILN_OK) st = check_param_section(name, ps[i], &t->params[i]);
     }
     const kiln_ckpt_section *om = NULL, *ov = NULL;
     uint64_t k = 0;
     if (st == KILN_OK) st = kiln_ckpt_find(c, "optimizer/matrices", KILN_CKPT_RAW, &om);
     if (st == KILN_OK) st = kiln_ckpt_find(c, "optimizer/vectors", KILN_CKPT_RAW, &ov);
     if (st == KILN_OK) st = kiln_ckpt_get_u64(c, "step", &k);
+    /* the container checks the header's step; the section must say the same */
+    if (st == KILN_OK && k > KILN_CKPT_MAX_STEP)
+        st = kiln_error(KILN_ERR_FORMAT, "section 'step' holds %llu, out of range (largest %lld)",
+                        (unsigned long long)k, (long long)KILN_CKPT_MAX_STEP);
+    if (st == KILN_OK && k != kiln_ckpt_step(c))
+        st = kiln_error(KILN_ERR_FORMAT, "section 'step' holds %llu but the header's step is %llu",
+                        (unsigned long long)k, (unsigned long long)kiln_ckpt_step(c));
     char *run = NULL;
     if (st == KILN_OK && run_json && kiln_ckpt_find(c, "run", KILN_CKPT_JSON, &sec) == KILN_OK) {
         run = kiln_strndup(sec->data, (size_t)sec->size);
@@ -1966,6 +2003,7 @@ kiln_status kiln_train_load(kiln_trainer *t, const char *dir, uint64_t *step, ch
             *run_json = run;
             run = NULL;
         }
+        if (notes && kiln_ckpt_rejected(c)[0]) *notes = kiln_strdup(kiln_ckpt_rejected(c));
     } else {
         kiln_error_prefix(st, "kiln_train_load: %s", kiln_ckpt_path(c));
     }

@@ -7,4 +7,9 @@
 /* The model the trainer was created from (config, architecture, tokenizer). */
 const kiln_model *kiln_trainer_model(const kiln_trainer *t);
 
+/* kiln_train_load, and *notes (may be NULL) gets why newer checkpoints were passed over and
+ * which were set aside (kiln_ckpt_open_for_resume; kiln_malloc'd text, one line each, or NULL
+ * when none was), for the caller to show. */
+kiln_status kiln_train_load_ex(kiln_trainer *t, const char *dir, uint64_t *step, char **run_json, char **notes);
+
 #endif

@@ -343,6 +343,123 @@ static void test_marker_and_retention(void) {
     CHECK_ERR(kiln_ckpt_open_latest(dir, &c), KILN_ERR_FORMAT, "no valid checkpoint among 1");
 }
 
+/* The name of the one "step-<step>.rejected-*" entry of dir in out (0 if none; -1 if several). */
+static int find_set_aside(const char *dir, uint64_t step, char *out, size_t cap) {
+    char prefix[64];
+    snprintf(prefix, sizeof prefix, "step-%llu.rejected-", (unsigned long long)step);
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    struct dirent *de;
+    int n = 0;
+    while ((de = readdir(d)) != NULL)
+        if (!strncmp(de->d_name, prefix, strlen(prefix))) {
+            snprintf(out, cap, "%s/%s", dir, de->d_name);
+            n++;
+        }
+    closedir(d);
+    return n > 1 ? -1 : n;
+}
+
+/* Issue 34 item 1: a newest checkpoint that is complete but damaged is set aside on resume
+ * (with a REASON file), so the run can save that step again; issue 34 item 6: the header's
+ * step is range-checked. */
+static void test_set_aside(void) {
+    char dir[512], path[600], aside[700], p[800];
+    mkdir_fresh(dir, sizeof dir, "aside");
+    CHECK(save_std(dir, 1, 0) == KILN_OK);
+    CHECK(save_std(dir, 2, 0) == KILN_OK);
+    snprintf(path, sizeof path, "%s/step-2/state.kiln", dir);
+    size_t n;
+    uint8_t *orig = read_file(path, &n);
+    uint8_t *b = malloc(n);
+    memcpy(b, orig, n);
+    b[200] ^= 0x04; /* inside section 0's data */
+    write_file(path, b, n);
+    /* the read-only loader passes over it and leaves it: the wedge this fixes */
+    kiln_ckpt *c = NULL;
+    CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 1);
+    kiln_ckpt_close(c);
+    kiln_ckpt_writer *w;
+    CHECK_ERR(kiln_ckpt_begin(dir, 2, NULL, &w), KILN_ERR_STATE, "already exists");
+    /* resuming sets it aside, says so, and the save of step 2 then succeeds */
+    c = NULL;
+    CHECK(kiln_ckpt_open_for_resume(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 1);
+    if (c) {
+        CHECK(strstr(kiln_ckpt_rejected(c), "checksum mismatch") != NULL);
+        CHECK(strstr(kiln_ckpt_rejected(c), "[set aside as ") != NULL);
+    }
+    kiln_ckpt_close(c);
+    CHECK(find_set_aside(dir, 2, aside, sizeof aside) == 1);
+    snprintf(p, sizeof p, "%s/REASON", aside);
+    size_t rn = 0;
+    char *reason = (char *)read_file(p, &rn);
+    CHECK(reason != NULL);
+    if (reason) {
+        reason[rn] = 0;
+        CHECK(strstr(reason, "checksum mismatch") && strstr(reason, "step 2 aside"));
+    }
+    free(reason);
+    snprintf(p, sizeof p, "%s/state.kiln", aside); /* kept, not deleted */
+    CHECK(access(p, F_OK) == 0);
+    uint64_t *steps;
+    size_t ns;
+    CHECK(kiln_ckpt_list(dir, &steps, &ns) == KILN_OK && ns == 1 && steps[0] == 1);
+    kiln_free(steps);
+    CHECK(save_std(dir, 2, 1) == KILN_OK); /* housekeeping keeps the set-aside directory too */
+    c = NULL;
+    CHECK(kiln_ckpt_open_for_resume(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 2);
+    if (c) CHECK(strcmp(kiln_ckpt_rejected(c), "") == 0);
+    kiln_ckpt_close(c);
+    CHECK(find_set_aside(dir, 2, aside, sizeof aside) == 1);
+
+    /* a stale marker is set aside too; an unmarked directory is only passed over */
+    CHECK(save_std(dir, 3, 0) == KILN_OK);
+    CHECK(save_std(dir, 4, 0) == KILN_OK);
+    snprintf(p, sizeof p, "%s/step-4/COMPLETE", dir);
+    unlink(p);
+    snprintf(p, sizeof p, "%s/step-3/COMPLETE", dir);
+    write_file(p, (const uint8_t *)"KILNCKPT-COMPLETE step 3 header-sha256 00\n", 42);
+    c = NULL;
+    CHECK(kiln_ckpt_open_for_resume(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 2);
+    if (c) CHECK(strstr(kiln_ckpt_rejected(c), "no COMPLETE marker") && strstr(kiln_ckpt_rejected(c), "stale"));
+    kiln_ckpt_close(c);
+    CHECK(find_set_aside(dir, 3, aside, sizeof aside) == 1 && find_set_aside(dir, 4, aside, sizeof aside) == 0);
+    snprintf(p, sizeof p, "%s/step-4", dir);
+    CHECK(access(p, F_OK) == 0);
+
+    /* a newer version is not "damaged": the resume stops and nothing moves */
+    mkdir_fresh(dir, sizeof dir, "aside2");
+    CHECK(save_std(dir, 1, 0) == KILN_OK);
+    CHECK(save_std(dir, 2, 0) == KILN_OK);
+    snprintf(path, sizeof path, "%s/step-2/state.kiln", dir);
+    memcpy(b, orig, n);
+    b[8] = 2;
+    write_file(path, b, n);
+    CHECK_ERR(kiln_ckpt_open_for_resume(dir, &c), KILN_ERR_UNSUPPORTED, "cannot resume");
+    CHECK(strstr(kiln_last_error(), "version 2") != NULL);
+    CHECK(find_set_aside(dir, 2, aside, sizeof aside) == 0);
+    /* nothing valid at all: the error lists why, nothing is moved */
+    memcpy(b, orig, n);
+    b[200] ^= 0x04;
+    write_file(path, b, n);
+    snprintf(p, sizeof p, "%s/step-1/state.kiln", dir);
+    write_file(p, b, 100);
+    CHECK_ERR(kiln_ckpt_open_for_resume(dir, &c), KILN_ERR_FORMAT, "no valid checkpoint among 2");
+    CHECK(find_set_aside(dir, 2, aside, sizeof aside) == 0 && find_set_aside(dir, 1, aside, sizeof aside) == 0);
+    CHECK_ERR(kiln_ckpt_set_aside(dir, 9, "x", NULL), KILN_ERR_IO, "no such checkpoint directory");
+
+    /* the header's step is range-checked on read and on write */
+    memcpy(b, orig, n);
+    uint64_t huge = UINT64_MAX;
+    memcpy(b + 16, &huge, 8);
+    kiln_ckpt_sha256(b, 96, b + 96);
+    write_file(path, b, n);
+    CHECK_ERR(kiln_ckpt_open_file(path, &c), KILN_ERR_FORMAT, "header step 18446744073709551615 is out of range");
+    CHECK_ERR(kiln_ckpt_begin(dir, UINT64_MAX, NULL, &w), KILN_ERR_INVALID_ARG, "past the largest step");
+    free(orig);
+    free(b);
+}
+
 /* ---- write failures ----------------------------------------------------------------------- */
 
 static int g_fail_at, g_calls, g_fail_errno;
@@ -413,6 +530,7 @@ int main(void) {
     test_round_trip();
     test_corruption();
     test_marker_and_retention();
+    test_set_aside();
     test_fault_sweep();
     test_tmpfs_enospc();
     if (!t_failures) sh("rm -rf '%s'", g_root);
