@@ -491,8 +491,7 @@ static kiln_status hf_post(kiln_tokenizer *t, const cJSON *n) {
 
 /* Boolean fields of the pipeline's steps: serde_json refuses any other type (null included). */
 static const char *const HF_STEP_BOOLS[] = {
-    "add_prefix_space", "trim_offsets", "use_regex", "individual_digits", "invert", "split",
-    "lowercase", "strip_accents", "clean_text", "handle_chinese_chars", NULL,
+    "add_prefix_space", "trim_offsets", "use_regex", "individual_digits", "invert", "split", NULL,
 };
 
 /* Walk a normalizer / pre_tokenizer / decoder subtree: a known boolean field that is not a
@@ -697,6 +696,23 @@ static kiln_status hf_vocab(const char *label, const cJSON *vocab, const cJSON *
             if (id + 1 > n_total) n_total = id + 1;
             added_len[i] = c.len;
             added_id[i++] = id;
+        }
+    }
+    /* new ids start at the count of vocab strings, which shared ids can put past max_id */
+    if (st == KILN_OK && (size_t)n_total > n_ids) {
+        const char **s2 = kiln_calloc((size_t)n_total, sizeof *s2);
+        uint32_t *l2 = kiln_calloc((size_t)n_total, sizeof *l2);
+        if (!s2 || !l2) {
+            kiln_free(s2);
+            kiln_free(l2);
+            st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory (vocabulary)", label);
+        } else {
+            memcpy(s2, strs, n_ids * sizeof *s2);
+            memcpy(l2, lens, n_ids * sizeof *l2);
+            kiln_free(strs);
+            kiln_free(lens);
+            strs = s2;
+            lens = l2;
         }
     }
     if (st == KILN_OK) st = tok_alloc(&t, (int32_t)n_total, label);

@@ -218,6 +218,13 @@ def test_two_vocab_strings_share_an_id(build_dir, tmp_path):
     _same(build_dir, tmp_path, d, ["o", "x", "ox", TEXT, "<s>", "Hellx"])
 
 
+def test_many_vocab_strings_share_one_id(build_dir, tmp_path):
+    """Shared ids put the added tokens' ids (counted from the number of vocab strings) past
+    the largest vocab id."""
+    d = doc(lambda d: d["model"].update(vocab={c: 0 for c in "abcdefghijklmnop"}, merges=[]))
+    _same(build_dir, tmp_path, d, ["abc", "<s>", "a<s>p"])
+
+
 @pytest.mark.parametrize("added", [
     [_added(3, "<s>")],                                   # collides with vocab "o"
     [_added(6, "<a>"), _added(9, "<b>"), _added(2, "<c>")],  # ids out of order, one collides
