@@ -27,8 +27,12 @@ int cli_parse_float(const char *cmd, const char *opt, const char *s, double lo, 
                     double *out);
 int cli_parse_u64(const char *cmd, const char *opt, const char *s, unsigned long long *out);
 
-/* Read a whole file (or "-" for stdin) into a NUL-terminated malloc'd buffer. */
-char *cli_read_file(const char *path, size_t *len);
+/* Read a whole file (or "-" for stdin) into a NUL-terminated malloc'd buffer, refusing more
+ * than max_bytes (it stops reading one byte past the limit, so an endless input such as
+ * /dev/zero is refused, not slurped). On failure prints "kiln <cmd>: ..." naming the path and
+ * the reason, and returns NULL. */
+#define CLI_READ_MAX ((size_t)256 << 20) /* inputs that are not bounded by something tighter */
+char *cli_read_file(const char *cmd, const char *path, size_t max_bytes, size_t *len);
 
 /* 1 when argv[*i] equals name; then *val = argv[++*i] (error when missing). */
 int cli_opt(int argc, char **argv, int *i, const char *name, const char **val, int *err,

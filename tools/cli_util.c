@@ -62,11 +62,18 @@ int cli_parse_float(const char *cmd, const char *opt, const char *s, double lo, 
     return 0;
 }
 
-char *cli_read_file(const char *path, size_t *len) {
-    FILE *f = strcmp(path, "-") ? fopen(path, "rb") : stdin;
-    if (!f) return NULL;
+char *cli_read_file(const char *cmd, const char *path, size_t max_bytes, size_t *len) {
+    int is_stdin = !strcmp(path, "-");
+    FILE *f = is_stdin ? stdin : fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "kiln %s: cannot read '%s': %s\n", cmd, path, strerror(errno));
+        return NULL;
+    }
+    /* Read at most max_bytes + 1 bytes: one byte past the limit proves the input too long
+     * without reading the rest of it (/dev/zero, an endless pipe). */
     size_t cap = 4096, n = 0;
     char *buf = malloc(cap);
+    int too_long = 0;
     while (buf) {
         if (n + 1 >= cap) {
             char *nb = realloc(buf, cap * 2);
@@ -78,13 +85,24 @@ char *cli_read_file(const char *path, size_t *len) {
             buf = nb;
             cap *= 2;
         }
-        size_t r = fread(buf + n, 1, cap - n - 1, f);
+        size_t want = cap - n - 1;
+        if (want > max_bytes + 1 - n) want = max_bytes + 1 - n;
+        size_t r = fread(buf + n, 1, want, f);
         n += r;
+        if (n > max_bytes) {
+            too_long = 1;
+            break;
+        }
         if (r == 0) break;
     }
     int bad = ferror(f);
-    if (f != stdin) fclose(f);
-    if (!buf || bad) {
+    int e = errno;
+    if (!is_stdin) fclose(f);
+    if (!buf || bad || too_long) {
+        if (!buf) fprintf(stderr, "kiln %s: '%s': out of memory reading it\n", cmd, path);
+        else if (too_long)
+            fprintf(stderr, "kiln %s: '%s' is longer than the %zu bytes allowed here\n", cmd, path, max_bytes);
+        else fprintf(stderr, "kiln %s: cannot read '%s': %s\n", cmd, path, strerror(e));
         free(buf);
         return NULL;
     }

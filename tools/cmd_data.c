@@ -1,11 +1,14 @@
 /* cmd_data.c -- `kiln data`: text files -> a token shard file (docs/TRAINING_FORMATS.md). */
+#define _GNU_SOURCE /* memmem */
 #include "cli.h"
 
 #include "train/checkpoint.h"
 #include "train/shards.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 static const char *data_help =
     "usage: kiln data -m TOKENIZER -o OUT.tok [--split-on blank|file|line] [--no-eos] FILE...\n\n"
@@ -14,30 +17,6 @@ static const char *data_help =
     "(default), one per file, or one per line; the tokenizer's end-of-text token follows\n"
     "each document unless --no-eos. The held-out split is chosen at training time, by\n"
     "document, so it never mixes a document into both splits.\n";
-
-/* SHA-256 over every token piece, NUL-separated: two shards are compatible iff equal. */
-static kiln_status tokenizer_fingerprint(const kiln_tokenizer *tok, int n_vocab, uint8_t out[32]) {
-    size_t cap = 1 << 20, n = 0;
-    char *buf = malloc(cap);
-    if (!buf) return KILN_ERR_NOMEM;
-    for (int i = 0; i < n_vocab; i++) {
-        const char *p = kiln_token_piece(tok, i);
-        size_t l = p ? strlen(p) + 1 : 1;
-        if (n + l > cap) {
-            char *nb = realloc(buf, cap *= 2);
-            if (!nb) {
-                free(buf);
-                return KILN_ERR_NOMEM;
-            }
-            buf = nb;
-        }
-        memcpy(buf + n, p ? p : "", l);
-        n += l;
-    }
-    kiln_status st = kiln_ckpt_sha256(buf, n, out);
-    free(buf);
-    return st;
-}
 
 static kiln_status add_text(kiln_shard_writer *w, const kiln_tokenizer *tok, const char *text, size_t len,
                             uint64_t *n_docs, uint64_t *n_tokens) {
@@ -58,6 +37,92 @@ static kiln_status add_text(kiln_shard_writer *w, const kiln_tokenizer *tok, con
         *n_tokens += need;
     }
     return st;
+}
+
+#define DATA_MAX_DOC ((size_t)64 << 20) /* one document's text; a corpus has no limit */
+#define DATA_CHUNK ((size_t)1 << 20)
+
+/* Split one file (or "-", stdin) into documents at sep ("\n\n" or "\n"; the newlines that
+ * follow a separator belong to neither document) and add each, reading DATA_CHUNK bytes at a
+ * time: memory holds one document, never the corpus. Returns 1 after printing an I/O or
+ * size error, 0 otherwise (*st carries a kiln error). */
+static int stream_docs(const char *path, const char *sep, kiln_shard_writer *w, const kiln_tokenizer *tok,
+                       uint64_t *n_docs, uint64_t *n_tokens, kiln_status *st) {
+    int is_stdin = !strcmp(path, "-");
+    FILE *f = is_stdin ? stdin : fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "kiln data: cannot read '%s': %s\n", path, strerror(errno));
+        return 1;
+    }
+    size_t sl = strlen(sep), cap = 2 * DATA_CHUNK, len = 0, start = 0, scanned = 0;
+    char *buf = malloc(cap);
+    int rc = 0, eof = 0, skip_nl = 0;
+    if (!buf) {
+        fprintf(stderr, "kiln data: out of memory\n");
+        rc = 1;
+    }
+    while (!rc && *st == KILN_OK) {
+        if (skip_nl) { /* the newlines after a separator, possibly across reads */
+            while (start < len && buf[start] == '\n') start++;
+            if (start < len) skip_nl = 0;
+        }
+        if (scanned < start) scanned = start;
+        /* a separator that starts before `scanned` was looked for already (it may straddle) */
+        const char *hit = len - scanned >= sl ? memmem(buf + scanned, len - scanned, sep, sl) : NULL;
+        if (hit || (eof && start < len)) {
+            size_t end = hit ? (size_t)(hit - buf) : len;
+            *st = add_text(w, tok, buf + start, end - start, n_docs, n_tokens);
+            start = hit ? end + sl : len;
+            scanned = start;
+            skip_nl = hit != NULL;
+            continue;
+        }
+        if (eof) break;
+        scanned = len >= sl ? len - sl + 1 : 0;
+        if (scanned < start) scanned = start;
+        if (start > 0) { /* drop what is done */
+            memmove(buf, buf + start, len - start);
+            len -= start;
+            scanned -= start;
+            start = 0;
+        }
+        if (len >= DATA_MAX_DOC) {
+            fprintf(stderr,
+                    "kiln data: '%s': a document runs past %zu bytes without a separator (--split-on %s);"
+                    " split the file or use --split-on line\n",
+                    path, DATA_MAX_DOC, sl == 1 ? "line" : "blank");
+            rc = 1;
+            break;
+        }
+        if (cap - len < DATA_CHUNK) {
+            char *nb = realloc(buf, cap * 2);
+            if (!nb) {
+                fprintf(stderr, "kiln data: out of memory\n");
+                rc = 1;
+                break;
+            }
+            buf = nb;
+            cap *= 2;
+        }
+        size_t r = fread(buf + len, 1, DATA_CHUNK, f);
+        len += r;
+        if (r < DATA_CHUNK) {
+            if (ferror(f)) {
+                fprintf(stderr, "kiln data: cannot read '%s': %s\n", path, strerror(errno));
+                rc = 1;
+            }
+            eof = 1;
+        }
+    }
+    free(buf);
+    if (!is_stdin) fclose(f);
+    return rc;
+}
+
+/* 1 when a and b name the same existing file (after links). */
+static int same_file(const char *a, const char *b) {
+    struct stat sa, sb;
+    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
 }
 
 int cmd_data(int argc, char **argv) {
@@ -96,6 +161,17 @@ int cmd_data(int argc, char **argv) {
         free(files);
         return cli_usage_error("data", "need -m TOKENIZER, -o OUT and at least one input file");
     }
+    for (int f = 0; f < n_files; f++) {
+        if (same_file(files[f], out) || (!strcmp(files[f], "-") && same_file("/dev/stdin", out))) {
+            int rc = cli_usage_error("data", "-o %s is the input file '%s': the shard would replace it", out, files[f]);
+            free(files);
+            return rc;
+        }
+    }
+    if (same_file(model, out)) {
+        free(files);
+        return cli_usage_error("data", "-o %s is the tokenizer file: the shard would replace it", out);
+    }
     kiln_tokenizer *tok = NULL;
     kiln_status st = kiln_tokenizer_open(model, &tok);
     if (st != KILN_OK) {
@@ -112,32 +188,20 @@ int cmd_data(int argc, char **argv) {
     }
     uint8_t fp[32];
     kiln_shard_writer *w = NULL;
-    st = tokenizer_fingerprint(tok, ti.n_vocab, fp);
+    st = kiln_shard_tokenizer_fingerprint(tok, fp);
     if (st == KILN_OK) st = kiln_shard_writer_create(out, (uint32_t)ti.n_vocab, eos ? (uint32_t)eos_id : KILN_SHARD_NO_EOS, fp, &w);
     uint64_t n_docs = 0, n_tokens = 0;
     int rc = 0;
-    for (int f = 0; st == KILN_OK && f < n_files; f++) {
-        size_t len = 0;
-        char *text = cli_read_file(files[f], &len);
-        if (!text) {
-            fprintf(stderr, "kiln data: cannot read '%s'\n", files[f]);
-            rc = 1;
-            break;
-        }
+    for (int f = 0; st == KILN_OK && !rc && f < n_files; f++) {
         if (!strcmp(split_on, "file")) {
-            st = add_text(w, tok, text, len, &n_docs, &n_tokens);
+            size_t len = 0;
+            char *text = cli_read_file("data", files[f], DATA_MAX_DOC, &len);
+            if (!text) rc = 1;
+            else st = add_text(w, tok, text, len, &n_docs, &n_tokens);
+            free(text);
         } else {
-            const char *sep = !strcmp(split_on, "line") ? "\n" : "\n\n";
-            size_t sl = strlen(sep), start = 0;
-            while (st == KILN_OK && start < len) {
-                const char *hit = strstr(text + start, sep);
-                size_t end = hit ? (size_t)(hit - text) : len;
-                st = add_text(w, tok, text + start, end - start, &n_docs, &n_tokens);
-                start = end + sl;
-                while (hit && start < len && text[start] == '\n') start++;
-            }
+            rc = stream_docs(files[f], !strcmp(split_on, "line") ? "\n" : "\n\n", w, tok, &n_docs, &n_tokens, &st);
         }
-        free(text);
     }
     if (st != KILN_OK || rc) {
         if (!rc) rc = cli_fail("data", out, st);

@@ -156,6 +156,23 @@ static kiln_status open_model(const gen_opts *o, kiln_model **m, kiln_context **
     return st;
 }
 
+/* The longest text that could still fit a context of n_ctx tokens: no token's piece is
+ * shorter than the text it stands for (byte-level pieces spell a byte in 1-2 bytes,
+ * SentencePiece's U+2581 spells a space in 3, byte fallback <0xNN> one byte in 6), and a
+ * normalizer shrinks text by at most a few times; a prompt file past this bound is refused
+ * before it is read to its end. */
+static size_t prompt_max_bytes(const kiln_tokenizer *tok, int n_ctx) {
+    size_t longest = 1;
+    kiln_tokenizer_info ti;
+    if (kiln_tokenizer_get_info(tok, &ti) != KILN_OK) ti.n_vocab = 0;
+    for (int i = 0; i < ti.n_vocab; i++) {
+        const char *p = kiln_token_piece(tok, i);
+        size_t l = p ? strlen(p) : 0;
+        if (l > longest) longest = l;
+    }
+    return (size_t)(n_ctx > 0 ? n_ctx : 1) * longest * 4 + 65536;
+}
+
 /* Render msgs with the template (if chat) and tokenize. *ids is malloc'd. */
 static kiln_status encode_prompt(const kiln_tokenizer *tok, const char *text, int chat,
                                  const kiln_chat_message *msgs, size_t n_msgs, int32_t **ids,
@@ -212,22 +229,20 @@ int cmd_generate(int argc, char **argv) {
     if (!!o.prompt == !!o.prompt_file)
         return cli_usage_error("generate", "give exactly one of -p PROMPT or -f FILE");
     char *file_text = NULL;
+    kiln_model *m = NULL;
+    kiln_context *ctx = NULL;
+    kiln_status st = open_model(&o, &m, &ctx);
+    if (st != KILN_OK) return cli_fail("generate", o.model, st);
+    const kiln_tokenizer *tok = kiln_model_get_tokenizer(m);
     if (o.prompt_file) {
-        file_text = cli_read_file(o.prompt_file, NULL);
+        file_text = cli_read_file("generate", o.prompt_file, prompt_max_bytes(tok, kiln_context_n_ctx(ctx)), NULL);
         if (!file_text) {
-            fprintf(stderr, "kiln generate: cannot read prompt file '%s'\n", o.prompt_file);
+            kiln_context_free(ctx);
+            kiln_model_close(m);
             return 1;
         }
         o.prompt = file_text;
     }
-    kiln_model *m = NULL;
-    kiln_context *ctx = NULL;
-    kiln_status st = open_model(&o, &m, &ctx);
-    if (st != KILN_OK) {
-        free(file_text);
-        return cli_fail("generate", o.model, st);
-    }
-    const kiln_tokenizer *tok = kiln_model_get_tokenizer(m);
     kiln_chat_message msgs[2];
     size_t n_msgs = 0;
     if (o.system) msgs[n_msgs++] = (kiln_chat_message){"system", o.system};

@@ -1,6 +1,8 @@
 /* cmd_tokenize.c -- `kiln tokenize` and `kiln detokenize`. */
 #include "cli.h"
 
+#include <errno.h>
+
 #include <cjson/cJSON.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,11 +49,8 @@ int cmd_tokenize(int argc, char **argv) {
     size_t len = text ? strlen(text) : 0;
     char *buf = NULL;
     if (file) {
-        buf = cli_read_file(file, &len);
-        if (!buf) {
-            fprintf(stderr, "kiln tokenize: cannot read '%s'\n", file);
-            return 1;
-        }
+        buf = cli_read_file("tokenize", file, CLI_READ_MAX, &len);
+        if (!buf) return 1;
         text = buf;
     }
     kiln_tokenizer *tok = NULL;
@@ -134,11 +133,18 @@ int cmd_detokenize(int argc, char **argv) {
     }
     if (!rc && !model) rc = cli_usage_error("detokenize", "a model is required (-m MODEL)");
     if (!rc && n == 0) { /* ids from stdin, separated by spaces, commas or brackets */
-        stdin_text = cli_read_file("-", NULL);
+        stdin_text = cli_read_file("detokenize", "-", CLI_READ_MAX, NULL);
+        if (!stdin_text) rc = 1;
         for (char *p = stdin_text; p && *p && !rc;) {
             if ((*p >= '0' && *p <= '9') || *p == '-') {
                 char *end;
+                errno = 0;
                 long id = strtol(p, &end, 10);
+                if (errno || end == p || id < -2147483647L || id > 2147483647L) {
+                    rc = cli_usage_error("detokenize", "'%.*s' on standard input is not a token id",
+                                         (int)(end > p && end - p < 40 ? end - p : 1), p);
+                    break;
+                }
                 if (n == cap) {
                     int32_t *m = realloc(ids, 2 * cap * sizeof *ids);
                     if (!m) rc = 1;

@@ -100,6 +100,10 @@ typedef struct kiln_file_map {
     int mapped;          /* 1: mmap'd (munmap on close); 0: read into kiln_malloc'd memory */
 } kiln_file_map;
 
+/* open(path, flags | O_CLOEXEC, mode) that never blocks on a FIFO: one with no other end is
+ * refused (ENXIO for writing; for reading it is no regular file). regular_only: refuse
+ * anything but a regular file (a FIFO, a device, a socket, a folder) naming what it is. */
+kiln_status kiln_open_file(const char *path, int flags, int mode, int regular_only, int *fd_out);
 /* Map (use_mmap) or read a whole file. Errors name the path and the errno text. */
 kiln_status kiln_file_map_open(const char *path, int use_mmap, kiln_file_map *out);
 void kiln_file_map_close(kiln_file_map *m);
@@ -119,6 +123,13 @@ kiln_status kiln_fsync_parent_dir(const char *path);
 /* 1 if path exists and is a directory / a regular file. */
 int kiln_path_is_dir(const char *path);
 int kiln_path_is_file(const char *path);
+/* KILN_OK if path names a regular file (after symlinks); else KILN_ERR_IO naming what it is
+ * instead ("no such file or directory", "is a FIFO (named pipe), not a regular file", ...). */
+kiln_status kiln_path_check_file(const char *path);
+/* For a file that may be absent: *present = 0 and KILN_OK when nothing is at path, 1 when a
+ * regular file is; anything else there (a FIFO, a folder, a dangling link's target that cannot
+ * be read) is an error naming what it is, never skipped as absent. */
+kiln_status kiln_path_optional_file(const char *path, int *present);
 
 /* ---- misc -------------------------------------------------------------------------------- */
 

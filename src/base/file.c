@@ -10,19 +10,79 @@
 #include <time.h>
 #include <unistd.h>
 
-kiln_status kiln_file_map_open(const char *path, int use_mmap, kiln_file_map *out) {
-    if (!path || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_file_map_open: NULL argument");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return kiln_error(KILN_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+/* What a stat mode is, for messages about files that are not regular. */
+static const char *file_kind(mode_t mode) {
+    if (S_ISDIR(mode)) return "a folder";
+    if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+    if (S_ISCHR(mode)) return "a character device";
+    if (S_ISBLK(mode)) return "a block device";
+    if (S_ISSOCK(mode)) return "a socket";
+    return "not a regular file";
+}
+
+kiln_status kiln_path_check_file(const char *path) {
+    struct stat st;
+    if (!path) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_path_check_file: NULL path");
+    if (stat(path, &st) != 0)
+        return kiln_error(KILN_ERR_IO, "%s: %s", path, errno == ENOENT ? "no such file or folder" : strerror(errno));
+    if (!S_ISREG(st.st_mode))
+        return kiln_error(KILN_ERR_IO, "%s: is %s, not a regular file", path, file_kind(st.st_mode));
+    return KILN_OK;
+}
+
+kiln_status kiln_path_optional_file(const char *path, int *present) {
+    struct stat st;
+    *present = 0;
+    if (!path) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_path_optional_file: NULL path");
+    if (stat(path, &st) != 0) {
+        if (errno == ENOENT) return KILN_OK;
+        return kiln_error(KILN_ERR_IO, "%s: %s", path, strerror(errno));
+    }
+    if (!S_ISREG(st.st_mode))
+        return kiln_error(KILN_ERR_IO, "%s: is %s, not a regular file", path, file_kind(st.st_mode));
+    *present = 1;
+    return KILN_OK;
+}
+
+kiln_status kiln_open_file(const char *path, int flags, int mode, int regular_only, int *fd_out) {
+    *fd_out = -1;
+    /* O_NONBLOCK: opening a FIFO would otherwise wait for the other end forever (for writing
+     * with no reader it fails with ENXIO instead); it is cleared again once open. */
+    int fd = open(path, flags | O_CLOEXEC | O_NONBLOCK | O_NOCTTY, mode);
+    if (fd < 0) {
+        int e = errno;
+        if (e == ENXIO) return kiln_error(KILN_ERR_IO, "%s: is a FIFO with no reader (or a device that is absent)", path);
+        return kiln_error(KILN_ERR_IO, "%s: cannot open: %s", path, strerror(e));
+    }
     struct stat st;
     if (fstat(fd, &st) != 0) {
         int e = errno;
         close(fd);
         return kiln_error(KILN_ERR_IO, "%s: cannot stat: %s", path, strerror(e));
     }
-    if (!S_ISREG(st.st_mode)) {
+    if (regular_only && !S_ISREG(st.st_mode)) {
         close(fd);
-        return kiln_error(KILN_ERR_IO, "%s: not a regular file", path);
+        return kiln_error(KILN_ERR_IO, "%s: is %s, not a regular file", path, file_kind(st.st_mode));
+    }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+        int e = errno;
+        close(fd);
+        return kiln_error(KILN_ERR_IO, "%s: fcntl: %s", path, strerror(e));
+    }
+    *fd_out = fd;
+    return KILN_OK;
+}
+
+kiln_status kiln_file_map_open(const char *path, int use_mmap, kiln_file_map *out) {
+    if (!path || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_file_map_open: NULL argument");
+    int fd;
+    KILN_TRY(kiln_open_file(path, O_RDONLY, 0, 1, &fd));
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
+        close(fd);
+        return kiln_error(KILN_ERR_IO, "%s: cannot stat: %s", path, strerror(e));
     }
     size_t size = (size_t)st.st_size;
     kiln_file_map m = {0};

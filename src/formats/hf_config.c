@@ -503,7 +503,9 @@ kiln_status kiln_hf_config_load_dir(const char *dir, kiln_model_config *out) {
 
     path = hf_path_join(dir, "generation_config.json");
     if (!path) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", dir);
-    if (kiln_path_is_file(path)) {
+    int present = 0;
+    st = kiln_path_optional_file(path, &present);
+    if (st == KILN_OK && present) {
         st = hf_merge_generation_config(path, &c);
         if (st == KILN_OK) st = kiln_model_config_validate(&c, path);
     }

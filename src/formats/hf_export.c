@@ -269,7 +269,9 @@ static kiln_status hx_copy_if_present(const char *src_dir, const char *dir, cons
     *copied = 0;
     char *src = hx_join(src_dir, name), *dst = hx_join(dir, name);
     kiln_status st = (!src || !dst) ? kiln_error(KILN_ERR_NOMEM, "%s: out of memory", dir) : KILN_OK;
-    if (st == KILN_OK && kiln_path_is_file(src)) {
+    int present = 0;
+    if (st == KILN_OK) st = kiln_path_optional_file(src, &present);
+    if (st == KILN_OK && present) {
         kiln_file_map m;
         st = kiln_file_map_open(src, 0, &m);
         if (st == KILN_OK) {

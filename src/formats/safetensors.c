@@ -689,17 +689,19 @@ kiln_status kiln_safetensors_open_dir(const char *dir, int use_mmap, kiln_safete
     /* transformers looks for the single file first, then the index. */
     char *single = st_path_join(dir, "model.safetensors");
     if (!single) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", dir);
-    if (kiln_path_is_file(single)) {
-        kiln_status st = kiln_safetensors_open(single, use_mmap, out);
+    int present = 0;
+    kiln_status st = kiln_path_optional_file(single, &present);
+    if (st != KILN_OK || present) {
+        if (st == KILN_OK) st = kiln_safetensors_open(single, use_mmap, out);
         kiln_free(single);
         return st;
     }
     kiln_free(single);
     char *index = st_path_join(dir, "model.safetensors.index.json");
     if (!index) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", dir);
-    kiln_status st;
-    if (kiln_path_is_file(index)) st = st_open_index(dir, index, use_mmap, out);
-    else
+    st = kiln_path_optional_file(index, &present);
+    if (st == KILN_OK && present) st = st_open_index(dir, index, use_mmap, out);
+    else if (st == KILN_OK)
         st = kiln_error(KILN_ERR_IO, "%s: no model.safetensors or model.safetensors.index.json",
                         dir);
     kiln_free(index);

@@ -471,8 +471,7 @@ kiln_status kiln_model_open(const char *path, const kiln_model_params *params, k
     kiln_status st = m->path ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "%s: out of memory", path);
     if (st == KILN_OK) {
         if (kiln_path_is_dir(path)) st = model_open_hf(m);
-        else if (kiln_path_is_file(path)) st = model_open_gguf(m);
-        else st = kiln_error(KILN_ERR_IO, "%s: no such file or folder", path);
+        else if ((st = kiln_path_check_file(path)) == KILN_OK) st = model_open_gguf(m);
     }
     if (st == KILN_OK) st = kiln_model_config_validate(&m->cfg, path);
     if (st == KILN_OK && kiln_tokenizer_n_vocab(m->tok) > m->cfg.n_vocab)

@@ -659,8 +659,9 @@ static kiln_status metrics_new(const char *path, int fd, kiln_metrics **out) {
 kiln_status kiln_metrics_open(const char *path, kiln_metrics **out) {
     if (!path || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_metrics_open: NULL argument");
     *out = NULL;
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
-    if (fd < 0) return kiln_error(KILN_ERR_IO, "%s: cannot create metrics CSV: %s", path, strerror(errno));
+    int fd;
+    kiln_status st0 = kiln_open_file(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0644, 0, &fd);
+    if (st0 != KILN_OK) return kiln_error_prefix(st0, "metrics CSV");
     kiln_status st = kiln_write_all(fd, KILN_METRICS_HEADER "\n", sizeof KILN_METRICS_HEADER, path);
     if (st != KILN_OK) {
         close(fd);
@@ -737,6 +738,7 @@ kiln_status kiln_metrics_open_resume(const char *path, uint64_t resume_step, kil
         if (errno == ENOENT) return kiln_metrics_open(path, out);
         return kiln_error(KILN_ERR_IO, "%s: cannot stat metrics CSV: %s", path, strerror(errno));
     }
+    if (!S_ISREG(sb.st_mode)) return kiln_path_check_file(path); /* never block on a FIFO */
     if (sb.st_size == 0) return kiln_metrics_open(path, out);
     char *buf;
     size_t len;
@@ -769,8 +771,8 @@ kiln_status kiln_metrics_open_resume(const char *path, uint64_t resume_step, kil
     }
     kiln_free(buf);
     if (st != KILN_OK) return st;
-    int fd = open(path, O_WRONLY | O_APPEND | O_CLOEXEC);
-    if (fd < 0) return kiln_error(KILN_ERR_IO, "%s: cannot open metrics CSV to append: %s", path, strerror(errno));
+    int fd;
+    KILN_TRY(kiln_open_file(path, O_WRONLY | O_APPEND, 0, 1, &fd));
     if (cut < len && ftruncate(fd, (off_t)cut) != 0) {
         st = kiln_error(KILN_ERR_IO, "%s: cannot truncate to %zu bytes: %s", path, cut, strerror(errno));
         close(fd);

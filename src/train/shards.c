@@ -361,6 +361,24 @@ static kiln_status shard_validate(kiln_shard *s, int flags) {
     return KILN_OK;
 }
 
+kiln_status kiln_shard_tokenizer_fingerprint(const kiln_tokenizer *tok, uint8_t out[32]) {
+    if (!tok || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_shard_tokenizer_fingerprint: NULL argument");
+    kiln_tokenizer_info ti;
+    KILN_TRY(kiln_tokenizer_get_info(tok, &ti));
+    kiln_sha256_ctx *c = NULL;
+    KILN_TRY(kiln_ckpt_sha256_init(&c));
+    kiln_status st = KILN_OK;
+    for (int i = 0; i < ti.n_vocab && st == KILN_OK; i++) {
+        const char *p = kiln_token_piece(tok, i);
+        st = kiln_ckpt_sha256_update(c, p ? p : "", (p ? strlen(p) : 0) + 1); /* with its NUL */
+    }
+    if (st != KILN_OK) {
+        kiln_ckpt_sha256_free(c);
+        return st;
+    }
+    return kiln_ckpt_sha256_final(c, out);
+}
+
 kiln_status kiln_shard_open(const char *path, int flags, kiln_shard **out) {
     if (!path || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_shard_open: NULL argument");
     *out = NULL;

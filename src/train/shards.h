@@ -23,6 +23,7 @@
 #define KILN_TRAIN_SHARDS_H
 
 #include "../base/base.h"
+#include "../tokenizer/tokenizer.h"
 
 #include <stdint.h>
 
@@ -62,6 +63,13 @@ kiln_status kiln_shard_writer_add_doc(kiln_shard_writer *w, const int32_t *ids, 
  * w; on failure the tmp file is removed and nothing exists at path that was not there. */
 kiln_status kiln_shard_writer_commit(kiln_shard_writer *w);
 void kiln_shard_writer_abort(kiln_shard_writer *w); /* removes the tmp file; NULL is a no-op */
+
+/* The tokenizer fingerprint `kiln data` writes and `kiln train` compares: SHA-256 over every
+ * token piece of tok (ids 0..n_vocab-1, kiln_token_piece, an absent piece as ""), each
+ * followed by a NUL byte. Two tokenizers with the same pieces in the same order give the
+ * same ids for the same text only if they also share their pre-tokenizer and merges, so the
+ * fingerprint catches the common mistake (another vocabulary), not every difference. */
+kiln_status kiln_shard_tokenizer_fingerprint(const kiln_tokenizer *tok, uint8_t out[32]);
 
 /* ---- reader --------------------------------------------------------------------------------- */
 
