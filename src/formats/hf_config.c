@@ -27,6 +27,7 @@
  * file with duplicates would mean different things to kiln and to transformers.
  */
 #include "hf_config.h"
+#include "json_text.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -441,6 +442,7 @@ kiln_status kiln_hf_config_parse(const char *json, size_t len, const char *label
     if (!label) label = "config.json";
     if ((!json && len) || !out)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_hf_config_parse: NULL argument");
+    KILN_TRY(kiln_json_check_no_nul(json, len, label));
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(json ? json : "", len, &end, 0);
     if (!root) {
@@ -475,6 +477,11 @@ static kiln_status hf_merge_generation_config(const char *path, kiln_model_confi
     char *text = NULL;
     size_t len = 0;
     KILN_TRY(kiln_read_text_file(path, HF_CONFIG_CAP, &text, &len));
+    kiln_status st0 = kiln_json_check_no_nul(text, len, path);
+    if (st0 != KILN_OK) {
+        kiln_free(text);
+        return st0;
+    }
     cJSON *root = cJSON_ParseWithLengthOpts(text, len + 1, NULL, 1); /* text ends in NUL */
     kiln_free(text);
     if (!root) return kiln_error(KILN_ERR_FORMAT, "%s: not valid JSON", path);

@@ -18,6 +18,7 @@
  * deleted before returning.
  */
 #include "safetensors.h"
+#include "json_text.h"
 
 #include <cjson/cJSON.h>
 #include <stdio.h>
@@ -297,6 +298,7 @@ static kiln_status st_parse(const uint8_t *data, size_t size, st_part *p) {
     const uint8_t *dsec = data + 8 + hlen;
     uint64_t data_size = size - 8 - hlen;
 
+    KILN_TRY(kiln_json_check_no_nul(hdr, (size_t)hlen, label));
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(hdr, (size_t)hlen, &end, 0);
     if (!root) {
@@ -550,7 +552,11 @@ static kiln_status st_open_index(const char *dir, const char *index_path, int us
     char *text = NULL;
     size_t len = 0;
     KILN_TRY(kiln_read_text_file(index_path, ST_INDEX_CAP, &text, &len));
-    kiln_status st = KILN_OK;
+    kiln_status st = kiln_json_check_no_nul(text, len, index_path);
+    if (st != KILN_OK) {
+        kiln_free(text);
+        return st;
+    }
     /* text is NUL-terminated: require the document to end there (no trailing garbage) */
     cJSON *root = cJSON_ParseWithLengthOpts(text, len + 1, NULL, 1);
     kiln_free(text);

@@ -318,6 +318,12 @@ static kiln_status bind_weights(kiln_model *m) {
     KILN_TRY(bind_matrix(m, ROLE_TOK_EMBD, 0, V, C, 0, &m->tok_embd));
     KILN_TRY(bind_vector(m, ROLE_OUTPUT_NORM, 0, C, 0, &m->final_norm));
     KILN_TRY(bind_matrix(m, ROLE_OUTPUT, 0, V, C, 1, &m->lm_head));
+    if (!m->lm_head && m->st && !c->tie_embeddings)
+        return kiln_error(KILN_ERR_FORMAT,
+                          "%s: config.json has tie_word_embeddings false (or absent, which means false) but the "
+                          "weights have no lm_head.weight: the output layer is missing (set "
+                          "tie_word_embeddings to true if the model shares it with embed_tokens)",
+                          m->path);
     if (!m->lm_head) {
         m->lm_head = m->tok_embd;
         m->cfg.tie_embeddings = 1;

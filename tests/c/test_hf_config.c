@@ -10,6 +10,7 @@
  * (run with the oracle venv's python) is the comment at the end of this file.
  */
 #include "formats/hf_config.h"
+#include "formats/json_text.h"
 #include "test_util.h"
 
 #include <math.h>
@@ -427,6 +428,16 @@ static void test_malformed(void) {
     CHECK_ERR(kiln_hf_config_parse("[]", 2, "config.json", &c), KILN_ERR_FORMAT, "not a JSON object");
     CHECK_ERR(kiln_hf_config_parse("{} {}", 5, "config.json", &c), KILN_ERR_FORMAT, "trailing bytes");
     CHECK_ERR(kiln_hf_config_parse(NULL, 0, "config.json", NULL), KILN_ERR_INVALID_ARG, "NULL");
+    /* an escaped NUL would cut "llama\u0000junk" to "llama": refused with where it is */
+    static const char nul_type[] = "{\n  \"model_type\": \"llama\\u0000junk\"}";
+    CHECK_ERR(kiln_hf_config_parse(nul_type, sizeof nul_type - 1, "config.json", &c), KILN_ERR_FORMAT,
+              "config.json: line 2, column 18: a JSON string holds an escaped NUL (\\u0000) after \"llama\"");
+    static const char raw_nul[] = "{\"a\": 1}\0";
+    CHECK_ERR(kiln_hf_config_parse(raw_nul, sizeof raw_nul - 1, "config.json", &c), KILN_ERR_FORMAT, "a NUL byte");
+    /* an escaped backslash followed by u0000 is six characters, not a NUL */
+    static const char escaped_bs[] = "{\"x\\\\u0000\": 1, \"q\": \"\\\"\\u0000\"}";
+    CHECK(kiln_json_check_no_nul(escaped_bs, 16, "t") == KILN_OK); /* {"x\\u0000": 1 */
+    CHECK_ERR(kiln_json_check_no_nul(escaped_bs, sizeof escaped_bs - 1, "t"), KILN_ERR_FORMAT, "after \"\\\"\"");
 
     /* model type */
     CHECK_ERR(parse_cfg(&c, "\"gpt2\"", "64", "2", "4", "256", ""), KILN_ERR_UNSUPPORTED,

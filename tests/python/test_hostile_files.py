@@ -230,3 +230,58 @@ def test_shard_from_another_tokenizer_is_refused(build_dir, tiny, tmp_path):
     r = run(build_dir, "train", "-m", tiny, "--data", good, "--out", tmp_path / "run2", "--steps", "1",
             "--batch", "1", "--seq", "8", "--threads", "1", "--eval-fraction", "0")
     assert r.returncode == 0, r.stderr
+
+
+# ---- names with NULs, a missing output layer ---------------------------------------------------
+
+def rewrite_safetensors_header(path, edit):
+    """Rewrite a safetensors file's JSON header through edit(dict) -> dict; data unchanged."""
+    b = path.read_bytes()
+    n = struct.unpack_from("<Q", b, 0)[0]
+    hdr = edit(json.loads(b[8:8 + n]))
+    raw = json.dumps(hdr).encode()  # json.dumps writes a NUL as the escape \u0000
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b[8 + n:])
+
+
+def test_escaped_nul_in_model_type(build_dir, tiny, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = cfg["model_type"] + "\u0000junk"
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert "\\u0000" in (d / "config.json").read_text()
+    r = run(build_dir, "info", "-m", d)
+    assert r.returncode != 0 and "config.json" in r.stderr and "escaped NUL" in r.stderr, r.stderr
+
+
+def test_escaped_nul_in_tensor_name(build_dir, tiny, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny, d)
+
+    def edit(h):
+        h["model.norm.weight\u0000junk"] = h.pop("model.norm.weight")
+        return h
+    rewrite_safetensors_header(d / "model.safetensors", edit)
+    r = run(build_dir, "info", "-m", d)
+    assert r.returncode != 0 and "model.safetensors" in r.stderr and "escaped NUL" in r.stderr, r.stderr
+
+
+def test_untied_model_without_lm_head(build_dir, tiny, tmp_path):
+    """tie_word_embeddings false (transformers would give the model a random output layer) and
+    no lm_head.weight: refused, not tied behind the user's back."""
+    d = tmp_path / "m"
+    shutil.copytree(tiny, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (d / "config.json").write_text(json.dumps(cfg))
+
+    def edit(h):
+        h.pop("lm_head.weight", None)
+        return h
+    rewrite_safetensors_header(d / "model.safetensors", edit)
+    r = run(build_dir, "info", "-m", d)
+    assert r.returncode != 0 and "lm_head.weight" in r.stderr and "tie_word_embeddings" in r.stderr, r.stderr
+    cfg["tie_word_embeddings"] = True  # said so: the embedding is the output layer
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = run(build_dir, "info", "-m", d)
+    assert r.returncode == 0, r.stderr
