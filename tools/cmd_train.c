@@ -2,6 +2,7 @@
 #include "cli.h"
 
 #include "base/base.h"
+#include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/shards.h"
 #include "train/trainer.h"
@@ -250,6 +251,36 @@ static int train_finish(kiln_trainer *tr, const train_opts *o) {
     return 0;
 }
 
+/* A shard's ids mean something only under the tokenizer that made it: refuse one made by
+ * another tokenizer (its fingerprint, kiln_shard_tokenizer_fingerprint) or a larger
+ * vocabulary. A shard written without a fingerprint (all zeros) is let through with a
+ * warning. Returns 0, or 1 after printing why. */
+static int check_shard_tokenizer(const char *path, const kiln_shard_info *si, const kiln_model_info *mi,
+                                 const uint8_t model_fp[32]) {
+    if ((int64_t)si->vocab_size > mi->n_vocab) {
+        fprintf(stderr, "kiln train: %s was made with a vocabulary of %u tokens, the model has %d\n", path,
+                si->vocab_size, mi->n_vocab);
+        return 1;
+    }
+    static const uint8_t zero[32];
+    if (!memcmp(si->fingerprint, zero, 32)) {
+        fprintf(stderr, "[kiln train] warning: %s has no tokenizer fingerprint; its tokenizer is not checked\n", path);
+        return 0;
+    }
+    if (memcmp(si->fingerprint, model_fp, 32) != 0) {
+        char a[65], b[65];
+        kiln_ckpt_sha256_hex(si->fingerprint, a);
+        kiln_ckpt_sha256_hex(model_fp, b);
+        fprintf(stderr,
+                "kiln train: %s was made by another tokenizer than the model's (tokenizer fingerprint %.16s..., "
+                "the model's %.16s...): its token ids would mean other words; remake it with "
+                "kiln data -m <this model>\n",
+                path, a, b);
+        return 1;
+    }
+    return 0;
+}
+
 /* ---- resume: the run's settings against the checkpoint's ------------------------------- */
 
 /* The value text of "key" in a flat JSON object as run_json_write makes it (numbers, and
@@ -424,19 +455,21 @@ int cmd_train(int argc, char **argv) {
         kiln_model_close(m);
         return cli_usage_error("train", "--seq %ld exceeds the model's context length %d", o.seq, mi.n_ctx_train);
     }
+    uint8_t model_fp[32];
+    st = kiln_shard_tokenizer_fingerprint(kiln_model_get_tokenizer(m), model_fp);
+    if (st != KILN_OK) {
+        rc = cli_fail("train", "tokenizer", st);
+        goto out;
+    }
     for (int i = 0; i < o.n_data; i++) {
-        st = kiln_shard_open(o.data[i], 0, &shards[i]);
+        /* every byte checked against the shard's SHA-256 (one streaming pass, at about the
+         * disk's speed): a flipped token that stays a valid id must not train silently */
+        st = kiln_shard_open(o.data[i], KILN_SHARD_VERIFY_CHECKSUM, &shards[i]);
         if (st != KILN_OK) {
             rc = cli_fail("train", o.data[i], st);
             goto out;
         }
-        const kiln_shard_info *sinfo = kiln_shard_get_info(shards[i]);
-        if ((int64_t)sinfo->vocab_size > mi.n_vocab) {
-            fprintf(stderr, "kiln train: %s was made with a vocabulary of %u tokens, the model has %d\n", o.data[i],
-                    sinfo->vocab_size, mi.n_vocab);
-            rc = 1;
-            goto out;
-        }
+        if ((rc = check_shard_tokenizer(o.data[i], kiln_shard_get_info(shards[i]), &mi, model_fp))) goto out;
     }
     kiln_batch_sampler_params sp = kiln_batch_sampler_default_params();
     sp.seed = o.seed;
