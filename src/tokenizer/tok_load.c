@@ -509,12 +509,12 @@ static kiln_status hf_check_steps(const char *label, const cJSON *n, const char 
     cJSON_ArrayForEach(e, n) {
         char sub[256];
         if (cJSON_IsObject(n)) {
-            snprintf(sub, sizeof sub, "%s.%.40s", path, e->string);
+            snprintf(sub, sizeof sub, "%.200s.%.40s", path, e->string);
             for (const char *const *k = HF_STEP_BOOLS; *k; k++)
                 if (!strcmp(e->string, *k) && !cJSON_IsBool(e))
                     return kiln_error(KILN_ERR_FORMAT, "%s: %s: not a boolean", label, sub);
         } else {
-            snprintf(sub, sizeof sub, "%s[%d]", path, i);
+            snprintf(sub, sizeof sub, "%.200s[%d]", path, i);
         }
         KILN_TRY(hf_check_steps(label, e, sub, depth + 1));
         i++;
@@ -557,6 +557,8 @@ typedef struct hf_piece {
 
 static kiln_status hf_piece_of(const char *label, char *s, const char *what, hf_piece *out) {
     size_t n = tok_json_nul_decode(s);
+    out->s = s; /* set on every path: callers read it only after KILN_OK */
+    out->len = 0;
     if (n > 65536)
         return kiln_error(KILN_ERR_FORMAT, "%s: %s: token of %zu bytes too long", label, what, n);
     out->s = s;
@@ -904,7 +906,7 @@ static kiln_status hf_build(kiln_tokenizer **out, const cJSON *root, const cJSON
     const char *parts[] = {"normalizer", "pre_tokenizer", "decoder"};
     for (int k = 0; k < 3; k++)
         KILN_TRY(hf_check_steps(label, cJSON_GetObjectItemCaseSensitive(root, parts[k]), parts[k], 0));
-    kiln_tokenizer *t;
+    kiln_tokenizer *t = NULL;
     KILN_TRY(hf_vocab(label, vocab, added, &t));
     kiln_status st = KILN_OK;
     t->merge_mode = TOK_MERGE_RANK;
@@ -1007,13 +1009,15 @@ static kiln_status load_hf_files(const char *json_path, const char *dir, kiln_to
     char *json = NULL, *cfg = NULL, *jinja = NULL;
     size_t jlen = 0, clen = 0, jjlen = 0;
     KILN_TRY(kiln_read_text_file(json_path, (size_t)1 << 30, &json, &jlen));
+    int present = 0;
     kiln_status st = path_join(cpath, sizeof cpath, dir, "tokenizer_config.json");
-    if (st == KILN_OK && kiln_path_is_file(cpath))
-        st = kiln_read_text_file(cpath, (size_t)64 << 20, &cfg, &clen);
+    if (st == KILN_OK) st = kiln_path_optional_file(cpath, &present);
+    if (st == KILN_OK && present) st = kiln_read_text_file(cpath, (size_t)64 << 20, &cfg, &clen);
     if (st == KILN_OK) st = kiln_tokenizer_from_hf_json(json, jlen, cfg, clen, json_path, out);
     if (st == KILN_OK && !(*out)->chat_template &&
-        path_join(cpath, sizeof cpath, dir, "chat_template.jinja") == KILN_OK && kiln_path_is_file(cpath)) {
-        st = kiln_read_text_file(cpath, (size_t)16 << 20, &jinja, &jjlen);
+        path_join(cpath, sizeof cpath, dir, "chat_template.jinja") == KILN_OK &&
+        ((st = kiln_path_optional_file(cpath, &present)) != KILN_OK || present)) {
+        if (st == KILN_OK) st = kiln_read_text_file(cpath, (size_t)16 << 20, &jinja, &jjlen);
         if (st == KILN_OK) {
             (*out)->chat_template = jinja;
             jinja = NULL;
@@ -1033,8 +1037,9 @@ kiln_status kiln_tokenizer_from_hf_dir(const char *dir, kiln_tokenizer **out) {
     if (!dir || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_tokenizer_from_hf_dir: NULL argument");
     char path[4096];
     KILN_TRY(path_join(path, sizeof path, dir, "tokenizer.json"));
-    if (!kiln_path_is_file(path))
-        return kiln_error(KILN_ERR_IO, "%s: no tokenizer.json (kiln reads HF fast-tokenizer files)", dir);
+    int present = 0;
+    KILN_TRY(kiln_path_optional_file(path, &present));
+    if (!present) return kiln_error(KILN_ERR_IO, "%s: no tokenizer.json (kiln reads HF fast-tokenizer files)", dir);
     return load_hf_files(path, dir, out);
 }
 
@@ -1043,7 +1048,7 @@ kiln_status kiln_tokenizer_from_hf_dir(const char *dir, kiln_tokenizer **out) {
 KILN_API kiln_status kiln_tokenizer_open(const char *path, kiln_tokenizer **out) {
     if (!path || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_tokenizer_open: NULL argument");
     if (kiln_path_is_dir(path)) return kiln_tokenizer_from_hf_dir(path, out);
-    if (!kiln_path_is_file(path)) return kiln_error(KILN_ERR_IO, "%s: no such file or folder", path);
+    KILN_TRY(kiln_path_check_file(path)); /* says what is there instead, or that nothing is */
     size_t n = strlen(path);
     int is_gguf = n >= 5 && !strcmp(path + n - 5, ".gguf");
     if (!is_gguf) {

@@ -56,7 +56,8 @@ def test_missing_model_path(build_dir, tmp_path):
     assert r.returncode != 0 and "no such file or folder" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "model.safetensors"])
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                                  "tokenizer_config.json"])
 def test_fifo_in_model_folder(build_dir, tiny, tmp_path, name):
     d = tmp_path / "m"
     shutil.copytree(tiny, d)
