@@ -1,5 +1,5 @@
 /* fuzz_checkpoint.c -- libFuzzer target for the KILNCKPT reader (src/train/checkpoint.h):
- * arbitrary bytes are written to a file and opened with kiln_ckpt_open_file; when accepted,
+ * arbitrary bytes are written to a file in memory (fuzz_file.h) and opened with kiln_ckpt_open_file; when accepted,
  * every section is looked up by name and read end to end and its fields are checked against
  * the format's rules, so a table entry or pointer the reader lets through that is not inside
  * the file shows up under ASan.
@@ -9,6 +9,7 @@
  * mutations reach the table and field checks behind the checksums instead of stopping at
  * "header checksum mismatch". Seeds: tests/fuzz/corpus_checkpoint/ (make_corpus_checkpoint.py).
  * KILN_FUZZ_VERBOSE=1 prints each input's verdict (to check the seeds). */
+#include "fuzz_file.h"
 #include "train/checkpoint.h"
 
 #include <stdint.h>
@@ -18,7 +19,6 @@
 #include <unistd.h>
 
 static volatile uint64_t g_sink; /* keeps the reads from being optimized away */
-static char g_path[64];
 
 static uint64_t rd64(const uint8_t *p) {
     uint64_t v;
@@ -83,22 +83,16 @@ static void touch(const kiln_ckpt *c, const kiln_ckpt_section *s) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 1) return 0;
-    if (!g_path[0]) {
-        snprintf(g_path, sizeof g_path, "/tmp/kiln_fuzz_ckpt_%ld.kiln", (long)getpid());
-    }
     int mode = data[0];
     data++, size--;
     uint8_t *b = malloc(size ? size : 1);
     if (!b) return 0;
     memcpy(b, data, size);
     if (mode & 1) reseal(b, size);
-    FILE *f = fopen(g_path, "wb");
-    if (!f) abort();
-    if (size && fwrite(b, 1, size, f) != size) abort();
-    fclose(f);
+    const char *path = fuzz_file_write("kiln_fuzz_ckpt", b, size);
     free(b);
     kiln_ckpt *c = NULL;
-    kiln_status st = kiln_ckpt_open_file(g_path, &c);
+    kiln_status st = kiln_ckpt_open_file(path, &c);
     if (getenv("KILN_FUZZ_VERBOSE")) fprintf(stderr, "fuzz_checkpoint: %s\n", st == KILN_OK ? "accepted" : kiln_last_error());
     if (st != KILN_OK) {
         if (c) abort(); /* output untouched on failure */
