@@ -27,6 +27,17 @@ def test_alloc_failure_sweep(build_dir, tiny):
     assert " 0 failed" in r.stdout
 
 
+def test_alloc_failure_sweep_training(build_dir, tiny, tmp_path):
+    """Every allocation of trainer creation, one training step and a checkpoint load failed
+    in turn: each run returns a clean out-of-memory error and leaves nothing allocated."""
+    r = subprocess.run([str(build_dir / "alloc_fail_load"), "--train", str(tiny), str(tmp_path / "ckpt")],
+                       capture_output=True, text=True, timeout=900)
+    print(r.stdout, r.stderr[-2000:])
+    assert r.returncode == 0, r.stderr[-2000:]
+    runs, failed = r.stdout.split(" runs, ")
+    assert int(runs) > 50 and failed.startswith("0 failed")
+
+
 def test_broken_folders(build_dir, tiny, tmp_path):
     import kiln
     with pytest.raises(kiln.KilnError, match="no such file"):
