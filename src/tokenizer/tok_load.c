@@ -576,6 +576,23 @@ static kiln_status hf_piece_of(const char *label, char *s, const char *what, hf_
  *     else the largest added id + 1). For a file `tokenizers` wrote, that is the file's id.
  *     An added token landing on an id model.vocab also uses takes the piece; the vocab
  *     string stays an alias. */
+/* tok_set_pieces with the aliases (strings sharing an id with another) given as hf_pieces. */
+static kiln_status hf_set_pieces(kiln_tokenizer *t, const char *const *strs, const uint32_t *lens,
+                                 const hf_piece *alias, const int32_t *alias_id, int32_t n_alias,
+                                 const char *label) {
+    const char **as = kiln_calloc((size_t)n_alias + 1, sizeof *as);
+    uint32_t *al = kiln_calloc((size_t)n_alias + 1, sizeof *al);
+    kiln_status st = (!as || !al) ? kiln_error(KILN_ERR_NOMEM, "%s: out of memory (vocabulary)", label) : KILN_OK;
+    for (int32_t k = 0; st == KILN_OK && k < n_alias; k++) {
+        as[k] = alias[k].s;
+        al[k] = alias[k].len;
+    }
+    if (st == KILN_OK) st = tok_set_pieces(t, strs, lens, as, al, alias_id, n_alias);
+    kiln_free(as);
+    kiln_free(al);
+    return st;
+}
+
 static kiln_status hf_vocab(const char *label, const cJSON *vocab, const cJSON *added,
                             kiln_tokenizer **out) {
     const cJSON *e;
@@ -657,16 +674,7 @@ static kiln_status hf_vocab(const char *label, const cJSON *vocab, const cJSON *
     }
     if (st == KILN_OK) st = tok_alloc(&v0, (int32_t)(max_id + 1), label);
     if (st == KILN_OK) {
-        const char **as = kiln_calloc((size_t)n_alias + 1, sizeof *as);
-        uint32_t *al = kiln_calloc((size_t)n_alias + 1, sizeof *al);
-        if (!as || !al) st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory (vocabulary)", label);
-        for (int32_t k = 0; st == KILN_OK && k < n_alias; k++) {
-            as[k] = alias[k].s;
-            al[k] = alias[k].len;
-        }
-        if (st == KILN_OK) st = tok_set_pieces(v0, strs, lens, as, al, alias_id, n_alias);
-        kiln_free(as);
-        kiln_free(al);
+        st = hf_set_pieces(v0, strs, lens, alias, alias_id, n_alias, label);
     }
     /* added tokens: tokenizers' id assignment */
     int64_t n_model = n_keys, max_added = -1, n_total = max_id + 1;
@@ -741,16 +749,7 @@ static kiln_status hf_vocab(const char *label, const cJSON *vocab, const cJSON *
             }
             i++;
         }
-        const char **as = kiln_calloc((size_t)n_alias + 1, sizeof *as);
-        uint32_t *al = kiln_calloc((size_t)n_alias + 1, sizeof *al);
-        if (!as || !al) st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory (vocabulary)", label);
-        for (int32_t k = 0; st == KILN_OK && k < n_alias; k++) {
-            as[k] = alias[k].s;
-            al[k] = alias[k].len;
-        }
-        if (st == KILN_OK) st = tok_set_pieces(t, strs, lens, as, al, alias_id, n_alias);
-        kiln_free(as);
-        kiln_free(al);
+        st = hf_set_pieces(t, strs, lens, alias, alias_id, n_alias, label);
     }
     kiln_tokenizer_free(v0);
     kiln_free(piece);
