@@ -536,7 +536,10 @@ KILN_API kiln_status kiln_train_save(kiln_trainer *t, const char *dir, uint64_t 
                                      const char *run_json, int keep_last);
 /* Restore the newest complete checkpoint of dir. A checkpoint of another architecture, shape,
  * parameter list or storage configuration is refused with nothing changed. *step gets its
- * step; *run_json (may be NULL) a copy of the run configuration (free with kiln_string_free). */
+ * step; *run_json (may be NULL) a copy of the run configuration (free with kiln_string_free).
+ * A newer checkpoint that is marked complete but fails verification is set aside once an
+ * older one has loaded: renamed to step-<k>.rejected-<UTC time> with a REASON file inside,
+ * never deleted (docs/TRAINING.md, "Resuming a run"), so the run can save step k again. */
 KILN_API kiln_status kiln_train_load(kiln_trainer *t, const char *dir, uint64_t *step,
                                      char **run_json);
 /* ---------------------------------------------------------------------------------------- */
