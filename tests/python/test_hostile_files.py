@@ -1,13 +1,12 @@
 """Inputs that once made kiln hang, grow without bound or silently damage its output, run as
 real processes: FIFOs and devices where a file belongs, endless inputs, a shard written over
 its own input, shards that are damaged or come from another tokenizer."""
-import hashlib
 import json
 import os
-import resource
 import shutil
 import struct
 import subprocess
+import time
 
 import pytest
 
@@ -29,8 +28,27 @@ def run(build_dir, *args, input=None, cwd=None):
                           input=input, timeout=LIMIT_S, cwd=cwd)
 
 
-def children_max_rss_mb():
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+def run_rss(build_dir, *args):
+    """run() that also gives the process's own peak resident memory in MB (wait4's rusage:
+    RUSAGE_CHILDREN would include every earlier child of the test process)."""
+    import tempfile
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        p = subprocess.Popen([str(build_dir / "kiln"), *map(str, args)], stdout=out, stderr=err)
+        deadline = time.monotonic() + LIMIT_S
+        while True:
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                p.kill()
+                pid, status, ru = os.wait4(p.pid, 0)
+                raise AssertionError(f"kiln {args[0]} ran past {LIMIT_S} s")
+            time.sleep(0.05)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        r = subprocess.CompletedProcess(p.args, p.returncode, out.read().decode(), err.read().decode(errors="replace"))
+    return r, ru.ru_maxrss / 1024
 
 
 def fifo(path):
@@ -97,11 +115,10 @@ def test_fifo_metrics_csv(build_dir, tiny, tmp_path):
 # ---- endless inputs are refused with bounded memory -----------------------------------------
 
 def test_generate_prompt_from_dev_zero(build_dir, tiny):
-    before = children_max_rss_mb()
-    r = run(build_dir, "generate", "-m", tiny, "-f", "/dev/zero", "-n", "1")
+    r, rss_mb = run_rss(build_dir, "generate", "-m", tiny, "-f", "/dev/zero", "-n", "1")
     assert r.returncode != 0 and "longer than" in r.stderr, r.stderr
     # the bound is the context's worth of text; the process never holds gigabytes
-    assert max(before, children_max_rss_mb()) < 1024
+    assert rss_mb < 1024
 
 
 def test_generate_prompt_bounded_by_context(build_dir, tiny, tmp_path):
@@ -118,10 +135,9 @@ def test_generate_prompt_bounded_by_context(build_dir, tiny, tmp_path):
 
 
 def test_data_from_dev_zero(build_dir, tiny, tmp_path):
-    before = children_max_rss_mb()
-    r = run(build_dir, "data", "-m", tiny, "-o", tmp_path / "z.tok", "/dev/zero")
+    r, rss_mb = run_rss(build_dir, "data", "-m", tiny, "-o", tmp_path / "z.tok", "/dev/zero")
     assert r.returncode != 0 and "without a separator" in r.stderr, r.stderr
-    assert max(before, children_max_rss_mb()) < 1024
+    assert rss_mb < 1024
     assert not list(tmp_path.glob("z.tok*")), "a refused shard leaves nothing behind"
 
 
