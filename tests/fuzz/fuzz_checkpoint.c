@@ -82,15 +82,9 @@ static void touch(const kiln_ckpt *c, const kiln_ckpt_section *s) {
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    if (size < 1) return 0;
-    int mode = data[0];
-    data++, size--;
-    uint8_t *b = malloc(size ? size : 1);
-    if (!b) return 0;
-    memcpy(b, data, size);
-    if (mode & 1) reseal(b, size);
-    const char *path = fuzz_file_write("kiln_fuzz_ckpt", b, size);
-    free(b);
+    int mode = 0;
+    const char *path = fuzz_file_with_mode("kiln_fuzz_ckpt", data, size, &mode, reseal);
+    if (!path) return 0;
     kiln_ckpt *c = NULL;
     kiln_status st = kiln_ckpt_open_file(path, &c);
     if (getenv("KILN_FUZZ_VERBOSE")) fprintf(stderr, "fuzz_checkpoint: %s\n", st == KILN_OK ? "accepted" : kiln_last_error());

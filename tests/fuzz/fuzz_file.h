@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -21,6 +22,24 @@ static const char *fuzz_file_write(const char *name, const uint8_t *data, size_t
         snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
     }
     if (ftruncate(fd, 0) != 0 || (size && pwrite(fd, data, size, 0) != (ssize_t)size)) abort();
+    return path;
+}
+
+/* The input of a target whose first byte is a mode: *mode = data[0]; the rest, passed through
+ * reseal (when mode bit 0 is set and reseal is not NULL: it recomputes the format's checksums
+ * in place, inside the n bytes it is given), becomes the file whose path is returned. NULL for
+ * an empty input or when memory runs out. */
+static const char *fuzz_file_with_mode(const char *name, const uint8_t *data, size_t size, int *mode,
+                                       void (*reseal)(uint8_t *b, size_t n)) {
+    if (size < 1) return NULL;
+    *mode = data[0];
+    data++, size--;
+    uint8_t *b = malloc(size ? size : 1);
+    if (!b) return NULL;
+    memcpy(b, data, size);
+    if ((*mode & 1) && reseal) reseal(b, size);
+    const char *path = fuzz_file_write(name, b, size);
+    free(b);
     return path;
 }
 

@@ -74,15 +74,9 @@ static void walk(kiln_shard *s) {
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    if (size < 1) return 0;
-    int mode = data[0];
-    data++, size--;
-    uint8_t *b = malloc(size ? size : 1);
-    if (!b) return 0;
-    memcpy(b, data, size);
-    if (mode & 1) reseal(b, size);
-    const char *path = fuzz_file_write("kiln_fuzz_shard", b, size);
-    free(b);
+    int mode = 0;
+    const char *path = fuzz_file_with_mode("kiln_fuzz_shard", data, size, &mode, reseal);
+    if (!path) return 0;
     kiln_shard *s = NULL;
     kiln_status st = kiln_shard_open(path, (mode & 2) ? KILN_SHARD_VERIFY_CHECKSUM : 0, &s);
     if (getenv("KILN_FUZZ_VERBOSE")) fprintf(stderr, "fuzz_shard: %s\n", st == KILN_OK ? "accepted" : kiln_last_error());
