@@ -13,6 +13,7 @@
 #include "../formats/gguf.h"
 #include "../formats/safetensors.h"
 #include "../ops/ops.h"
+#include "arch.h"
 #include "config.h"
 
 typedef struct kiln_layer_weights {
@@ -32,6 +33,7 @@ typedef struct kiln_layer_weights {
 
 struct kiln_model {
     kiln_model_config cfg;
+    const kiln_arch_desc *arch; /* its roles table and forward */
     char *path;
     char *arch_name;          /* "llama", "qwen2", ... */
     char *name;               /* general.name or folder name */
@@ -42,7 +44,7 @@ struct kiln_model {
     const kiln_tensor *tok_embd; /* (V, C) */
     const float *final_norm;     /* (C) */
     const kiln_tensor *lm_head;  /* (V, C), == tok_embd when tied */
-    kiln_layer_weights *layers;  /* (L) */
+    kiln_layer_weights *layers;  /* (L), arch->layer_size bytes each */
     const float *rope_freq_factors; /* (HS/2) divisors of inv_freq from GGUF rope_freqs, or NULL */
 
     /* storage the model owns: converted vectors, re-laid tensors (a chunk list) */
@@ -57,6 +59,17 @@ struct kiln_model {
     uint64_t n_params, weight_bytes;
     kiln_model_params params;
 };
+
+/* Where role r's weight is bound: in layer `layer` of a layer table (arch->layer_size bytes a
+ * layer), or in the model (per-model roles; layer ignored). The slot holds a
+ * const kiln_tensor * (matrix roles) or a const float * (vector roles), NULL when absent. */
+static inline void *kiln_layer_role_slot(void *layers, const kiln_arch_desc *a, const kiln_param_role *r,
+                                         int layer) {
+    return (char *)layers + (size_t)layer * a->layer_size + r->offset;
+}
+static inline void *kiln_model_role_slot(kiln_model *m, const kiln_param_role *r, int layer) {
+    return r->per_layer ? kiln_layer_role_slot(m->layers, m->arch, r, layer) : (char *)m + r->offset;
+}
 
 /* Per-context scratch for the forward pass, sized for n_batch tokens, and the KV cache.
  * Every float * below is memory of the backend the state was made for (docs/CUDA.md,

@@ -61,37 +61,48 @@ static float *take(init_ctx *c, int64_t n) {
     return p;
 }
 
-static const kiln_tensor *new_matrix(init_ctx *c, const char *name, int64_t rows, int64_t cols) {
-    kiln_tensor *t = &c->tensors[c->n_tensors++];
-    float *data = take(c, rows * cols);
-    fill_normal(data, rows * cols, 0.02f, &c->rng);
-    char *nm = (char *)take(c, 32); /* names live in the block too: 128 bytes */
-    snprintf(nm, 128, "%s", name);
-    t->name = nm;
-    t->dtype = KILN_DTYPE_F32;
-    t->n_dims = 2;
-    t->shape[0] = rows;
-    t->shape[1] = cols;
-    t->shape[2] = t->shape[3] = 1;
-    t->data = data;
-    t->nbytes = (size_t)(rows * cols) * sizeof(float);
-    return t;
-}
-
-static const float *new_ones(init_ctx *c, const char *name, int64_t n) {
+/* A tensor for role r of layer `layer`, named as transformers names it, initialised per the
+ * role, its pointer stored where the role binds it. Matrices draw from the stream in the walk's
+ * order (vectors draw nothing), so a seed gives the same weights whatever vector roles come
+ * between. */
+static kiln_status new_role(void *ctx, const kiln_param_role *r, int layer) {
+    init_ctx *c = ctx;
+    const kiln_model_config *k = &c->m->cfg;
+    if (!kiln_role_wanted(r, k)) return KILN_OK;
+    int64_t rows = kiln_dim_value(k, r->rows), cols = kiln_dim_value(k, r->cols), n = rows * cols;
     kiln_tensor *t = &c->tensors[c->n_tensors++];
     float *data = take(c, n);
-    for (int64_t i = 0; i < n; i++) data[i] = 1.0f;
-    char *nm = (char *)take(c, 32);
-    snprintf(nm, 128, "%s", name);
+    char *nm = (char *)take(c, 32); /* names live in the block too: 128 bytes */
+    if (!data || !nm) return kiln_error(KILN_ERR_INTERNAL, "kiln_model_create: weight block sized too small");
+    if (r->init == KILN_INIT_NORMAL) fill_normal(data, n, 0.02f, &c->rng);
+    else if (r->init == KILN_INIT_ONES)
+        for (int64_t i = 0; i < n; i++) data[i] = 1.0f;
+    /* KILN_INIT_ZEROS: the block is calloc'd (transformers zeroes Linear biases) */
+    kiln_role_name(r, false, layer, nm, 128);
     t->name = nm;
     t->dtype = KILN_DTYPE_F32;
-    t->n_dims = 1;
-    t->shape[0] = n;
-    t->shape[1] = t->shape[2] = t->shape[3] = 1;
+    t->n_dims = r->cols == KILN_DIM_ONE ? 1 : 2;
+    t->shape[0] = rows;
+    t->shape[1] = r->cols == KILN_DIM_ONE ? 1 : cols;
+    t->shape[2] = t->shape[3] = 1;
     t->data = data;
     t->nbytes = (size_t)n * sizeof(float);
-    return data;
+    void *slot = kiln_model_role_slot(c->m, r, layer);
+    if (r->cols == KILN_DIM_ONE) *(const float **)slot = data;
+    else *(const kiln_tensor **)slot = t;
+    return KILN_OK;
+}
+
+/* Floats and tensors the walk will take: every wanted role, its 32 floats of name, each
+ * rounded up to 16 floats. */
+static kiln_status size_role(void *ctx, const kiln_param_role *r, int layer) {
+    init_ctx *c = ctx;
+    (void)layer;
+    if (!kiln_role_wanted(r, &c->m->cfg)) return KILN_OK;
+    int64_t n = kiln_dim_value(&c->m->cfg, r->rows) * kiln_dim_value(&c->m->cfg, r->cols);
+    c->cap += (((size_t)n + 15) & ~(size_t)15) + 32;
+    c->cap_tensors++;
+    return KILN_OK;
 }
 
 static kiln_status config_by_name(const char *name, kiln_model_config *c) {
@@ -152,56 +163,22 @@ kiln_status kiln_model_create(const char *config, const char *tokenizer_path, ui
         st = kiln_error(KILN_ERR_UNSUPPORTED, "kiln_model_create: o_proj/MLP biases and sliding windows are not supported here");
     m->path = kiln_strdup(config);
     m->name = kiln_strdup(config);
-    static const char *const arch_names[] = {"llama", "mistral", "qwen2", "qwen3"};
-    m->arch_name = kiln_strdup(arch_names[m->cfg.arch]);
+    m->arch = kiln_arch_get(m->cfg.arch);
+    if (st == KILN_OK && !m->arch) st = kiln_error(KILN_ERR_INTERNAL, "kiln_model_create: architecture %d has no description", (int)m->cfg.arch);
+    m->arch_name = kiln_strdup(m->arch ? m->arch->name : "?");
     if (st == KILN_OK && (!m->path || !m->name || !m->arch_name)) st = kiln_error(KILN_ERR_NOMEM, "kiln_model_create: out of memory");
     init_ctx c = {0};
     c.m = m;
     c.rng = seed;
+    if (st == KILN_OK) st = kiln_arch_walk(m->arch, m->cfg.n_layer, size_role, &c);
     if (st == KILN_OK) {
-        const kiln_model_config *k = &m->cfg;
-        int64_t C = k->n_embd, V = k->n_vocab, FF = k->n_ff, HS = k->head_dim;
-        int64_t QD = (int64_t)k->n_head * HS, KD = (int64_t)k->n_head_kv * HS;
-        int qkb = k->arch == KILN_ARCH_QWEN2 || k->attn_bias, qkn = k->arch == KILN_ARCH_QWEN3 || k->qk_norm;
-        /* floats: matrices, vectors, and 32 floats of name per tensor, each rounded to 16 */
-        size_t per_layer = (size_t)(2 * QD * C + 2 * KD * C + 3 * FF * C + 2 * C + 2 * HS + QD + 2 * KD) + 16 * 16 + 15 * 32;
-        c.cap = (size_t)(V * C * 2 + C) + (size_t)k->n_layer * per_layer + 64 * 16 + 3 * 48;
-        c.cap_tensors = 15 * k->n_layer + 4;
-        c.block = kiln_calloc(c.cap, sizeof(float));
-        c.tensors = kiln_calloc((size_t)c.cap_tensors, sizeof *c.tensors);
-        m->layers = kiln_calloc((size_t)k->n_layer, sizeof *m->layers);
+        c.block = kiln_calloc(c.cap ? c.cap : 1, sizeof(float));
+        c.tensors = kiln_calloc((size_t)(c.cap_tensors ? c.cap_tensors : 1), sizeof *c.tensors);
+        m->layers = kiln_calloc((size_t)m->cfg.n_layer, m->arch->layer_size);
         if (!c.block || !c.tensors || !m->layers) st = kiln_error(KILN_ERR_NOMEM, "kiln_model_create: out of memory for weights");
-        if (st == KILN_OK) {
-            char nm[128];
-            m->tok_embd = new_matrix(&c, "model.embed_tokens.weight", V, C);
-            for (int l = 0; l < k->n_layer; l++) {
-                kiln_layer_weights *w = &m->layers[l];
-#define NM(s) (snprintf(nm, sizeof nm, "model.layers.%d.%s", l, s), nm)
-                w->wq = new_matrix(&c, NM("self_attn.q_proj.weight"), QD, C);
-                w->wk = new_matrix(&c, NM("self_attn.k_proj.weight"), KD, C);
-                w->wv = new_matrix(&c, NM("self_attn.v_proj.weight"), KD, C);
-                w->wo = new_matrix(&c, NM("self_attn.o_proj.weight"), C, QD);
-                if (qkb) { /* biases start at 0 (transformers zeroes Linear biases) */
-                    float *b = take(&c, QD + 2 * KD);
-                    w->bq = b;
-                    w->bk = b + QD;
-                    w->bv = b + QD + KD;
-                }
-                if (qkn) {
-                    w->q_norm = new_ones(&c, NM("self_attn.q_norm.weight"), HS);
-                    w->k_norm = new_ones(&c, NM("self_attn.k_norm.weight"), HS);
-                }
-                w->w_gate = new_matrix(&c, NM("mlp.gate_proj.weight"), FF, C);
-                w->w_up = new_matrix(&c, NM("mlp.up_proj.weight"), FF, C);
-                w->w_down = new_matrix(&c, NM("mlp.down_proj.weight"), C, FF);
-                w->attn_norm = new_ones(&c, NM("input_layernorm.weight"), C);
-                w->mlp_norm = new_ones(&c, NM("post_attention_layernorm.weight"), C);
-#undef NM
-            }
-            m->final_norm = new_ones(&c, "model.norm.weight", C);
-            m->lm_head = k->tie_embeddings ? m->tok_embd : new_matrix(&c, "lm_head.weight", V, C);
-        }
     }
+    if (st == KILN_OK) st = kiln_arch_walk(m->arch, m->cfg.n_layer, new_role, &c);
+    if (st == KILN_OK && m->cfg.tie_embeddings) m->lm_head = m->tok_embd;
     if (st == KILN_OK) {
         /* the block and the tensor table are the model's own storage */
         m->chunks = NULL;

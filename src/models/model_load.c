@@ -7,6 +7,7 @@
 #include "../formats/hf_config.h"
 #include "../tokenizer/tokenizer.h"
 
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -34,86 +35,20 @@ static kiln_tensor *model_new_tensor(kiln_model *m) {
     return &m->owned_tensors[m->n_owned_tensors++];
 }
 
-/* ---- tensor lookup across the two formats --------------------------------------------------- */
-
-typedef enum weight_role {
-    ROLE_TOK_EMBD,
-    ROLE_OUTPUT_NORM,
-    ROLE_OUTPUT,
-    ROLE_ATTN_NORM,
-    ROLE_WQ,
-    ROLE_WK,
-    ROLE_WV,
-    ROLE_WO,
-    ROLE_BQ,
-    ROLE_BK,
-    ROLE_BV,
-    ROLE_BO,
-    ROLE_Q_NORM,
-    ROLE_K_NORM,
-    ROLE_MLP_NORM,
-    ROLE_GATE,
-    ROLE_UP,
-    ROLE_DOWN,
-    ROLE_B_GATE,
-    ROLE_B_UP,
-    ROLE_B_DOWN,
-} weight_role;
-
-/* GGUF and Hugging Face names of each role; %d is the layer. */
-static const char *const gguf_names[] = {
-    [ROLE_TOK_EMBD] = "token_embd.weight",     [ROLE_OUTPUT_NORM] = "output_norm.weight",
-    [ROLE_OUTPUT] = "output.weight",           [ROLE_ATTN_NORM] = "blk.%d.attn_norm.weight",
-    [ROLE_WQ] = "blk.%d.attn_q.weight",        [ROLE_WK] = "blk.%d.attn_k.weight",
-    [ROLE_WV] = "blk.%d.attn_v.weight",        [ROLE_WO] = "blk.%d.attn_output.weight",
-    [ROLE_BQ] = "blk.%d.attn_q.bias",          [ROLE_BK] = "blk.%d.attn_k.bias",
-    [ROLE_BV] = "blk.%d.attn_v.bias",          [ROLE_BO] = "blk.%d.attn_output.bias",
-    [ROLE_Q_NORM] = "blk.%d.attn_q_norm.weight", [ROLE_K_NORM] = "blk.%d.attn_k_norm.weight",
-    [ROLE_MLP_NORM] = "blk.%d.ffn_norm.weight", [ROLE_GATE] = "blk.%d.ffn_gate.weight",
-    [ROLE_UP] = "blk.%d.ffn_up.weight",        [ROLE_DOWN] = "blk.%d.ffn_down.weight",
-    [ROLE_B_GATE] = "blk.%d.ffn_gate.bias",    [ROLE_B_UP] = "blk.%d.ffn_up.bias",
-    [ROLE_B_DOWN] = "blk.%d.ffn_down.bias",
-};
-static const char *const hf_names[] = {
-    [ROLE_TOK_EMBD] = "model.embed_tokens.weight",
-    [ROLE_OUTPUT_NORM] = "model.norm.weight",
-    [ROLE_OUTPUT] = "lm_head.weight",
-    [ROLE_ATTN_NORM] = "model.layers.%d.input_layernorm.weight",
-    [ROLE_WQ] = "model.layers.%d.self_attn.q_proj.weight",
-    [ROLE_WK] = "model.layers.%d.self_attn.k_proj.weight",
-    [ROLE_WV] = "model.layers.%d.self_attn.v_proj.weight",
-    [ROLE_WO] = "model.layers.%d.self_attn.o_proj.weight",
-    [ROLE_BQ] = "model.layers.%d.self_attn.q_proj.bias",
-    [ROLE_BK] = "model.layers.%d.self_attn.k_proj.bias",
-    [ROLE_BV] = "model.layers.%d.self_attn.v_proj.bias",
-    [ROLE_BO] = "model.layers.%d.self_attn.o_proj.bias",
-    [ROLE_Q_NORM] = "model.layers.%d.self_attn.q_norm.weight",
-    [ROLE_K_NORM] = "model.layers.%d.self_attn.k_norm.weight",
-    [ROLE_MLP_NORM] = "model.layers.%d.post_attention_layernorm.weight",
-    [ROLE_GATE] = "model.layers.%d.mlp.gate_proj.weight",
-    [ROLE_UP] = "model.layers.%d.mlp.up_proj.weight",
-    [ROLE_DOWN] = "model.layers.%d.mlp.down_proj.weight",
-    [ROLE_B_GATE] = "model.layers.%d.mlp.gate_proj.bias",
-    [ROLE_B_UP] = "model.layers.%d.mlp.up_proj.bias",
-    [ROLE_B_DOWN] = "model.layers.%d.mlp.down_proj.bias",
-};
-
-static const kiln_tensor *find_role(const kiln_model *m, weight_role role, int layer,
-                                    char *name_out, size_t cap) {
-    const char *fmt = m->gguf ? gguf_names[role] : hf_names[role];
-    snprintf(name_out, cap, fmt, layer);
-    return m->gguf ? kiln_gguf_find_tensor(m->gguf, name_out) : kiln_safetensors_find(m->st, name_out);
-}
+/* ---- binding one role ---------------------------------------------------------------------- */
 
 static bool dtype_is_matrix_ok(kiln_dtype t) {
     return t != KILN_DTYPE_I32 && t != KILN_DTYPE_I64 && t < KILN_DTYPE_COUNT;
 }
 
+static const kiln_tensor *find_tensor(const kiln_model *m, const char *name) {
+    return m->gguf ? kiln_gguf_find_tensor(m->gguf, name) : kiln_safetensors_find(m->st, name);
+}
+
 /* Bind a matrix of shape (rows, cols); required unless optional. */
-static kiln_status bind_matrix(kiln_model *m, weight_role role, int layer, int64_t rows,
-                               int64_t cols, int optional, const kiln_tensor **out) {
-    char name[128];
-    const kiln_tensor *t = find_role(m, role, layer, name, sizeof name);
+static kiln_status bind_matrix(kiln_model *m, const char *name, int64_t rows, int64_t cols, int optional,
+                               const kiln_tensor **out) {
+    const kiln_tensor *t = find_tensor(m, name);
     if (!t) {
         if (optional) {
             *out = NULL;
@@ -135,10 +70,8 @@ static kiln_status bind_matrix(kiln_model *m, weight_role role, int layer, int64
 }
 
 /* Bind a vector of n elements, widened to f32 (optional ones may be absent -> NULL). */
-static kiln_status bind_vector(kiln_model *m, weight_role role, int layer, int64_t n,
-                               int optional, const float **out) {
-    char name[128];
-    const kiln_tensor *t = find_role(m, role, layer, name, sizeof name);
+static kiln_status bind_vector(kiln_model *m, const char *name, int64_t n, int optional, const float **out) {
+    const kiln_tensor *t = find_tensor(m, name);
     if (!t) {
         if (optional) {
             *out = NULL;
@@ -253,14 +186,13 @@ static kiln_status config_from_gguf(kiln_model *m) {
     m->arch_name = kiln_strndup(s.ptr, (size_t)s.len);
     if (!m->arch_name) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", m->path);
     const char *arch = m->arch_name;
-    if (!strcmp(arch, "llama")) c->arch = KILN_ARCH_LLAMA;
-    else if (!strcmp(arch, "mistral")) c->arch = KILN_ARCH_MISTRAL;
-    else if (!strcmp(arch, "qwen2")) c->arch = KILN_ARCH_QWEN2;
-    else if (!strcmp(arch, "qwen3")) c->arch = KILN_ARCH_QWEN3;
-    else
-        return kiln_error(KILN_ERR_UNSUPPORTED,
-                          "%s: architecture '%s' is not supported (llama, mistral, qwen2, qwen3)",
-                          m->path, arch);
+    m->arch = kiln_arch_by_name(s.ptr, (size_t)s.len);
+    if (!m->arch)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: architecture '%s' is not supported (%s)", m->path, arch,
+                          kiln_arch_names());
+    c->arch = m->arch->id;
+    c->attn_bias = m->arch->always_qkv_bias;
+    c->qk_norm = m->arch->always_qk_norm;
     KILN_TRY(kiln_gguf_get_str(g, "general.name", &s, &found));
     if (found) m->name = kiln_strndup(s.ptr, (size_t)s.len);
 
@@ -308,81 +240,63 @@ static kiln_status config_from_gguf(kiln_model *m) {
 
 /* ---- binding -------------------------------------------------------------------------------- */
 
-static kiln_status bind_weights(kiln_model *m) {
+/* Bind one role (arch.h) of layer `layer`. A role the config calls for is required (the
+ * output head: see bind_weights); any other is bound when the file holds it. GGUF q/k rows of
+ * a permuting architecture are re-laid; KILN_WEIGHTS_F32 widens every matrix. */
+static kiln_status bind_role(void *ctx, const kiln_param_role *r, int layer) {
+    kiln_model *m = ctx;
     const kiln_model_config *c = &m->cfg;
-    int64_t C = c->n_embd, V = c->n_vocab, FF = c->n_ff, HS = c->head_dim;
-    int64_t QD = (int64_t)c->n_head * HS, KD = (int64_t)c->n_head_kv * HS;
-    int permuted = m->gguf && (c->arch == KILN_ARCH_LLAMA || c->arch == KILN_ARCH_MISTRAL);
-    int widen = m->params.weight_mode == KILN_WEIGHTS_F32;
+    char name[128];
+    kiln_role_name(r, m->gguf != NULL, layer, name, sizeof name);
+    int optional = !kiln_role_wanted(r, c) || r->cond == KILN_COND_UNTIED;
+    int64_t rows = kiln_dim_value(c, r->rows);
+    void *slot = kiln_model_role_slot(m, r, layer);
+    int permute = m->gguf && m->arch->gguf_qk_permuted && r->rope_heads != KILN_DIM_ONE;
+    int heads = (int)kiln_dim_value(c, r->rope_heads);
+    if (r->cols == KILN_DIM_ONE) {
+        const float **v = slot;
+        KILN_TRY(bind_vector(m, name, rows, optional, v));
+        if (*v && permute) KILN_TRY(unpermute_vector(m, v, rows, heads));
+        return KILN_OK;
+    }
+    const kiln_tensor **t = slot;
+    KILN_TRY(bind_matrix(m, name, rows, kiln_dim_value(c, r->cols), optional, t));
+    if (*t && permute) KILN_TRY(unpermute_rows(m, t, heads));
+    if (*t && m->params.weight_mode == KILN_WEIGHTS_F32) KILN_TRY(widen_matrix(m, t));
+    return KILN_OK;
+}
 
-    KILN_TRY(bind_matrix(m, ROLE_TOK_EMBD, 0, V, C, 0, &m->tok_embd));
-    KILN_TRY(bind_vector(m, ROLE_OUTPUT_NORM, 0, C, 0, &m->final_norm));
-    KILN_TRY(bind_matrix(m, ROLE_OUTPUT, 0, V, C, 1, &m->lm_head));
+/* Whether any layer binds the role at this offset of the layer struct. */
+static int any_layer_has(const kiln_model *m, size_t offset) {
+    for (int l = 0; l < m->cfg.n_layer; l++)
+        if (*(const void *const *)((const char *)m->layers + (size_t)l * m->arch->layer_size + offset)) return 1;
+    return 0;
+}
+
+static kiln_status bind_weights(kiln_model *m) {
+    kiln_model_config *c = &m->cfg;
+    m->layers = kiln_calloc((size_t)c->n_layer, m->arch->layer_size);
+    if (!m->layers) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", m->path);
+    KILN_TRY(kiln_arch_walk(m->arch, c->n_layer, bind_role, m));
+    /* The output head: a Hugging Face folder says whether it is tied; a GGUF file holds
+     * output.weight or shares token_embd.weight. */
     if (!m->lm_head && m->st && !c->tie_embeddings)
         return kiln_error(KILN_ERR_FORMAT,
                           "%s: config.json has tie_word_embeddings false (or absent, which means false) but the "
                           "weights have no lm_head.weight: the output layer is missing (set "
                           "tie_word_embeddings to true if the model shares it with embed_tokens)",
                           m->path);
-    if (!m->lm_head) {
-        m->lm_head = m->tok_embd;
-        m->cfg.tie_embeddings = 1;
-    } else if (m->st) {
-        m->cfg.tie_embeddings = 0;
-    }
-    if (widen) {
-        KILN_TRY(widen_matrix(m, &m->tok_embd));
-        if (m->cfg.tie_embeddings) m->lm_head = m->tok_embd;
-        else KILN_TRY(widen_matrix(m, &m->lm_head));
-    }
-    m->layers = kiln_calloc((size_t)c->n_layer, sizeof *m->layers);
-    if (!m->layers) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", m->path);
-    int need_bias = c->arch == KILN_ARCH_QWEN2 || c->attn_bias;
-    for (int l = 0; l < c->n_layer; l++) {
-        kiln_layer_weights *w = &m->layers[l];
-        KILN_TRY(bind_vector(m, ROLE_ATTN_NORM, l, C, 0, &w->attn_norm));
-        KILN_TRY(bind_matrix(m, ROLE_WQ, l, QD, C, 0, &w->wq));
-        KILN_TRY(bind_matrix(m, ROLE_WK, l, KD, C, 0, &w->wk));
-        KILN_TRY(bind_matrix(m, ROLE_WV, l, KD, C, 0, &w->wv));
-        KILN_TRY(bind_matrix(m, ROLE_WO, l, C, QD, 0, &w->wo));
-        /* Biases: required where the config says so (HF); GGUF has no flag, so optional. */
-        int bias_optional = m->gguf ? 1 : !need_bias;
-        KILN_TRY(bind_vector(m, ROLE_BQ, l, QD, bias_optional, &w->bq));
-        KILN_TRY(bind_vector(m, ROLE_BK, l, KD, bias_optional, &w->bk));
-        KILN_TRY(bind_vector(m, ROLE_BV, l, KD, bias_optional, &w->bv));
-        KILN_TRY(bind_vector(m, ROLE_BO, l, C, m->gguf ? 1 : !c->attn_out_bias, &w->bo));
-        int qk_optional = m->gguf ? 1 : !c->qk_norm;
-        KILN_TRY(bind_vector(m, ROLE_Q_NORM, l, HS, qk_optional, &w->q_norm));
-        KILN_TRY(bind_vector(m, ROLE_K_NORM, l, HS, qk_optional, &w->k_norm));
-        if (c->arch == KILN_ARCH_QWEN3 && (!w->q_norm || !w->k_norm))
-            return kiln_error(KILN_ERR_FORMAT, "%s: qwen3 layer %d lacks q/k norm weights", m->path, l);
-        KILN_TRY(bind_vector(m, ROLE_MLP_NORM, l, C, 0, &w->mlp_norm));
-        KILN_TRY(bind_matrix(m, ROLE_GATE, l, FF, C, 0, &w->w_gate));
-        KILN_TRY(bind_matrix(m, ROLE_UP, l, FF, C, 0, &w->w_up));
-        KILN_TRY(bind_matrix(m, ROLE_DOWN, l, C, FF, 0, &w->w_down));
-        int mlp_optional = m->gguf ? 1 : !c->mlp_bias;
-        KILN_TRY(bind_vector(m, ROLE_B_GATE, l, FF, mlp_optional, &w->b_gate));
-        KILN_TRY(bind_vector(m, ROLE_B_UP, l, FF, mlp_optional, &w->b_up));
-        KILN_TRY(bind_vector(m, ROLE_B_DOWN, l, C, mlp_optional, &w->b_down));
-        if (permuted) {
-            KILN_TRY(unpermute_rows(m, &w->wq, c->n_head));
-            KILN_TRY(unpermute_rows(m, &w->wk, c->n_head_kv));
-            if (w->bq) KILN_TRY(unpermute_vector(m, &w->bq, QD, c->n_head));
-            if (w->bk) KILN_TRY(unpermute_vector(m, &w->bk, KD, c->n_head_kv));
-        }
-        if (widen) {
-            KILN_TRY(widen_matrix(m, &w->wq));
-            KILN_TRY(widen_matrix(m, &w->wk));
-            KILN_TRY(widen_matrix(m, &w->wv));
-            KILN_TRY(widen_matrix(m, &w->wo));
-            KILN_TRY(widen_matrix(m, &w->w_gate));
-            KILN_TRY(widen_matrix(m, &w->w_up));
-            KILN_TRY(widen_matrix(m, &w->w_down));
-        }
-    }
+    c->tie_embeddings = m->lm_head == NULL;
+    if (!m->lm_head) m->lm_head = m->tok_embd;
+    /* The flags say what the weights hold (a GGUF file has no flags of its own). */
+    c->attn_bias = any_layer_has(m, offsetof(kiln_layer_weights, bq));
+    c->attn_out_bias = any_layer_has(m, offsetof(kiln_layer_weights, bo));
+    c->mlp_bias = any_layer_has(m, offsetof(kiln_layer_weights, b_gate));
+    c->qk_norm = any_layer_has(m, offsetof(kiln_layer_weights, q_norm));
     /* Llama 3.1-style GGUFs carry the frequency factors as a tensor. */
     if (m->gguf) {
         const kiln_tensor *rf = kiln_gguf_find_tensor(m->gguf, "rope_freqs.weight");
+        int64_t HS = c->head_dim;
         if (rf) {
             if (rf->n_dims != 1 || rf->shape[0] != HS / 2 || rf->dtype != KILN_DTYPE_F32)
                 return kiln_error(KILN_ERR_FORMAT, "%s: tensor 'rope_freqs.weight' must be f32 (%lld)",
@@ -407,16 +321,6 @@ static kiln_status list_file_tensors(kiln_model *m) {
         m->weight_bytes += t->nbytes;
     }
     return KILN_OK;
-}
-
-static const char *arch_name_of(kiln_arch a) {
-    switch (a) {
-    case KILN_ARCH_LLAMA: return "llama";
-    case KILN_ARCH_MISTRAL: return "mistral";
-    case KILN_ARCH_QWEN2: return "qwen2";
-    case KILN_ARCH_QWEN3: return "qwen3";
-    }
-    return "?";
 }
 
 static kiln_status model_open_gguf(kiln_model *m) {
@@ -449,7 +353,9 @@ static char *basename_dup(const char *path) {
 
 static kiln_status model_open_hf(kiln_model *m) {
     KILN_TRY(kiln_hf_config_load_dir(m->path, &m->cfg));
-    m->arch_name = kiln_strdup(arch_name_of(m->cfg.arch));
+    m->arch = kiln_arch_get(m->cfg.arch);
+    if (!m->arch) return kiln_error(KILN_ERR_INTERNAL, "%s: architecture %d has no description", m->path, (int)m->cfg.arch);
+    m->arch_name = kiln_strdup(m->arch->name);
     m->name = basename_dup(m->path);
     if (!m->arch_name || !m->name) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", m->path);
     KILN_TRY(kiln_safetensors_open_dir(m->path, m->params.use_mmap, &m->st));
@@ -484,8 +390,11 @@ kiln_status kiln_model_open(const char *path, const kiln_model_params *params, k
         st = kiln_error(KILN_ERR_FORMAT, "%s: tokenizer has %d tokens but the embedding only %d rows",
                         path, kiln_tokenizer_n_vocab(m->tok), m->cfg.n_vocab);
     if (st == KILN_OK) {
-        /* per layer: 2 re-laid (Q, K) and 7 widened matrices; plus the two embeddings */
-        m->cap_owned_tensors = 9 * m->cfg.n_layer + 2;
+        /* each matrix role may be re-laid (GGUF q/k) and widened (KILN_WEIGHTS_F32) */
+        int per_model = 0, per_layer = 0;
+        for (int r = 0; r < m->arch->n_roles; r++)
+            if (m->arch->roles[r].cols != KILN_DIM_ONE) *(m->arch->roles[r].per_layer ? &per_layer : &per_model) += 1;
+        m->cap_owned_tensors = 2 * (per_model + per_layer * m->cfg.n_layer);
         m->owned_tensors = kiln_calloc((size_t)m->cap_owned_tensors, sizeof *m->owned_tensors);
         if (!m->owned_tensors) st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory", path);
     }

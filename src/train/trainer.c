@@ -27,6 +27,7 @@
 #include "trainer.h"
 
 #include <limits.h>
+#include <stddef.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -303,44 +304,69 @@ static train_param *add_param(kiln_trainer *t, const char *name, int64_t rows, i
     return p;
 }
 
-/* The parameter list of the architecture, in transformers' named_parameters() order. */
-static void declare_params(kiln_trainer *t, int count_only) {
-    const kiln_model_config *c = &t->cfg;
-    const kiln_model *m = t->model;
-    int64_t C = c->n_embd, V = c->n_vocab, FF = c->n_ff, HS = c->head_dim;
-    int64_t QD = (int64_t)c->n_head * HS, KD = (int64_t)c->n_head_kv * HS;
+/* Where each per-layer role (by its place in the model's layer struct) goes in train_layer. */
+static const struct { size_t model, train; } g_layer_slots[] = {
+    {offsetof(kiln_layer_weights, attn_norm), offsetof(train_layer, attn_norm)},
+    {offsetof(kiln_layer_weights, wq), offsetof(train_layer, wq)},
+    {offsetof(kiln_layer_weights, wk), offsetof(train_layer, wk)},
+    {offsetof(kiln_layer_weights, wv), offsetof(train_layer, wv)},
+    {offsetof(kiln_layer_weights, wo), offsetof(train_layer, wo)},
+    {offsetof(kiln_layer_weights, bq), offsetof(train_layer, bq)},
+    {offsetof(kiln_layer_weights, bk), offsetof(train_layer, bk)},
+    {offsetof(kiln_layer_weights, bv), offsetof(train_layer, bv)},
+    {offsetof(kiln_layer_weights, bo), offsetof(train_layer, bo)},
+    {offsetof(kiln_layer_weights, q_norm), offsetof(train_layer, q_norm)},
+    {offsetof(kiln_layer_weights, k_norm), offsetof(train_layer, k_norm)},
+    {offsetof(kiln_layer_weights, mlp_norm), offsetof(train_layer, mlp_norm)},
+    {offsetof(kiln_layer_weights, w_gate), offsetof(train_layer, gate)},
+    {offsetof(kiln_layer_weights, w_up), offsetof(train_layer, up)},
+    {offsetof(kiln_layer_weights, w_down), offsetof(train_layer, down)},
+};
+
+/* The trainer's parameters are the model's roles (models/arch.h) that it binds, in the walk's
+ * order (transformers' named_parameters()); a tied output head is the embedding's parameter.
+ * count: only count them (t->params not yet allocated). */
+typedef struct declare_ctx {
+    kiln_trainer *t;
+    int count;
+    int n;
+} declare_ctx;
+
+static kiln_status declare_role(void *ctx, const kiln_param_role *r, int layer) {
+    declare_ctx *d = ctx;
+    kiln_trainer *t = d->t;
+    if (!*(const void **)kiln_model_role_slot(t->model, r, layer)) return KILN_OK; /* absent */
+    if (!r->per_layer && r->offset == offsetof(struct kiln_model, lm_head) && t->cfg.tie_embeddings) return KILN_OK;
+    if (!r->trainable)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: '%s' is not a trainable role", r->hf);
+    d->n++;
+    if (d->count) return KILN_OK;
     char nm[96];
-    t->n_params = 0;
-    t->tok_embd = add_param(t, "model.embed_tokens.weight", V, C, 1);
-    for (int l = 0; l < c->n_layer; l++) {
-        const kiln_layer_weights *w = &m->layers[l];
-        train_layer *L = count_only ? NULL : &t->layers[l];
-        train_param *pp;
-#define P(field, suffix, rows, cols, matrix)                                                   \
-    do {                                                                                       \
-        snprintf(nm, sizeof nm, "model.layers.%d.%s", l, suffix);                             \
-        pp = add_param(t, nm, rows, cols, matrix);                                             \
-        if (L) L->field = pp;                                                                  \
-    } while (0)
-        P(wq, "self_attn.q_proj.weight", QD, C, 1);
-        if (w->bq) P(bq, "self_attn.q_proj.bias", QD, 1, 0);
-        P(wk, "self_attn.k_proj.weight", KD, C, 1);
-        if (w->bk) P(bk, "self_attn.k_proj.bias", KD, 1, 0);
-        P(wv, "self_attn.v_proj.weight", KD, C, 1);
-        if (w->bv) P(bv, "self_attn.v_proj.bias", KD, 1, 0);
-        P(wo, "self_attn.o_proj.weight", C, QD, 1);
-        if (w->bo) P(bo, "self_attn.o_proj.bias", C, 1, 0);
-        if (w->q_norm) P(q_norm, "self_attn.q_norm.weight", HS, 1, 0);
-        if (w->k_norm) P(k_norm, "self_attn.k_norm.weight", HS, 1, 0);
-        P(gate, "mlp.gate_proj.weight", FF, C, 1);
-        P(up, "mlp.up_proj.weight", FF, C, 1);
-        P(down, "mlp.down_proj.weight", C, FF, 1);
-        P(attn_norm, "input_layernorm.weight", C, 1, 0);
-        P(mlp_norm, "post_attention_layernorm.weight", C, 1, 0);
-#undef P
+    kiln_role_name(r, false, layer, nm, sizeof nm);
+    const int matrix = r->cols != KILN_DIM_ONE;
+    train_param *p = add_param(t, nm, kiln_dim_value(&t->cfg, r->rows), kiln_dim_value(&t->cfg, r->cols), matrix);
+    train_param **dst = NULL;
+    if (!r->per_layer) {
+        if (r->offset == offsetof(struct kiln_model, tok_embd)) dst = &t->tok_embd;
+        else if (r->offset == offsetof(struct kiln_model, final_norm)) dst = &t->final_norm;
+        else if (r->offset == offsetof(struct kiln_model, lm_head)) dst = &t->lm_head;
+    } else {
+        for (size_t i = 0; i < sizeof g_layer_slots / sizeof g_layer_slots[0]; i++)
+            if (g_layer_slots[i].model == r->offset)
+                dst = (train_param **)(void *)((char *)&t->layers[layer] + g_layer_slots[i].train);
     }
-    t->final_norm = add_param(t, "model.norm.weight", C, 1, 0);
-    t->lm_head = c->tie_embeddings ? t->tok_embd : add_param(t, "lm_head.weight", V, C, 1);
+    if (!dst) return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: the trainer has no place for '%s'", nm);
+    *dst = p;
+    return KILN_OK;
+}
+
+static kiln_status declare_params(kiln_trainer *t, int count, int *n) {
+    declare_ctx d = {t, count, 0};
+    if (!count) t->n_params = 0;
+    KILN_TRY(kiln_arch_walk(t->model->arch, t->cfg.n_layer, declare_role, &d));
+    if (!count && t->cfg.tie_embeddings) t->lm_head = t->tok_embd;
+    if (n) *n = d.n;
+    return KILN_OK;
 }
 
 /* Copy the model's weights (any dtype, dequantized) into the parameters. tmp: max_n floats
@@ -359,6 +385,25 @@ static kiln_status load_from_model(kiln_trainer *t, train_param *p, const kiln_t
     if (t->host) return KILN_OK;
     if (p->dtype == KILN_DTYPE_BF16) return kiln_backend_upload(t->be, p->w, tmp16, (size_t)p->n * sizeof(uint16_t));
     return kiln_backend_upload(t->be, p->w, tmp, (size_t)p->n * sizeof(float));
+}
+
+typedef struct load_ctx {
+    kiln_trainer *t;
+    float *tmp;
+    uint16_t *tmp16;
+    int next; /* the next parameter (declare_role's order) */
+} load_ctx;
+
+static kiln_status load_role(void *ctx, const kiln_param_role *r, int layer) {
+    load_ctx *c = ctx;
+    kiln_trainer *t = c->t;
+    const void *src = *(const void **)kiln_model_role_slot(t->model, r, layer);
+    if (!src) return KILN_OK;
+    if (!r->per_layer && r->offset == offsetof(struct kiln_model, lm_head) && t->cfg.tie_embeddings) return KILN_OK;
+    if (c->next >= t->n_params) return kiln_error(KILN_ERR_INTERNAL, "trainer: more roles than parameters");
+    train_param *p = &t->params[c->next++];
+    if (r->cols == KILN_DIM_ONE) return load_from_model(t, p, NULL, src, c->tmp, c->tmp16);
+    return load_from_model(t, p, src, NULL, c->tmp, c->tmp16);
 }
 
 static void bind_views(train_param *p) {
@@ -661,7 +706,8 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     }
     if (st == KILN_OK && !t->host)
         st = check_backend_ops(t, p.weight_storage != KILN_STORAGE_F32 ? KILN_DTYPE_BF16 : KILN_DTYPE_F32);
-    int max_params = 2 + 3 + 15 * t->cfg.n_layer;
+    int max_params = 0;
+    if (st == KILN_OK) st = declare_params(t, 1, &max_params);
     if (st == KILN_OK) {
         t->params = kiln_calloc((size_t)max_params, sizeof *t->params);
         t->layers = kiln_calloc((size_t)t->cfg.n_layer, sizeof *t->layers);
@@ -670,8 +716,8 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
         if (!t->params || !t->layers || !t->mat_index || !t->vec_index)
             st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
     }
+    if (st == KILN_OK) st = declare_params(t, 0, NULL);
     if (st == KILN_OK) {
-        declare_params(t, 0);
         size_t wbytes = 0, n_all = 0;
         for (int i = 0; i < t->n_params; i++) {
             train_param *q = &t->params[i];
@@ -720,36 +766,9 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
             }
             t->shadow_stale = 1;
         }
-        /* weights from the model */
-#define LOAD(param, src_t, src_v)                                                              \
-    do {                                                                                       \
-        if (st == KILN_OK) st = load_from_model(t, param, src_t, src_v, tmp, tmp16);           \
-    } while (0)
-        if (st == KILN_OK) {
-            LOAD(t->tok_embd, m->tok_embd, NULL);
-            if (t->lm_head != t->tok_embd) LOAD(t->lm_head, m->lm_head, NULL);
-            LOAD(t->final_norm, NULL, m->final_norm);
-            for (int l = 0; l < t->cfg.n_layer; l++) {
-                const kiln_layer_weights *w = &m->layers[l];
-                train_layer *L = &t->layers[l];
-                LOAD(L->wq, w->wq, NULL);
-                LOAD(L->wk, w->wk, NULL);
-                LOAD(L->wv, w->wv, NULL);
-                LOAD(L->wo, w->wo, NULL);
-                LOAD(L->gate, w->w_gate, NULL);
-                LOAD(L->up, w->w_up, NULL);
-                LOAD(L->down, w->w_down, NULL);
-                LOAD(L->attn_norm, NULL, w->attn_norm);
-                LOAD(L->mlp_norm, NULL, w->mlp_norm);
-                if (L->bq) LOAD(L->bq, NULL, w->bq);
-                if (L->bk) LOAD(L->bk, NULL, w->bk);
-                if (L->bv) LOAD(L->bv, NULL, w->bv);
-                if (L->bo) LOAD(L->bo, NULL, w->bo);
-                if (L->q_norm) LOAD(L->q_norm, NULL, w->q_norm);
-                if (L->k_norm) LOAD(L->k_norm, NULL, w->k_norm);
-            }
-        }
-#undef LOAD
+        /* weights from the model, role by role in the order they were declared */
+        load_ctx lc = {t, tmp, tmp16, 0};
+        if (st == KILN_OK) st = kiln_arch_walk(m->arch, t->cfg.n_layer, load_role, &lc);
         kiln_free(tmp);
         kiln_free(tmp16);
     }

@@ -1,18 +1,11 @@
 /*
- * llama_forward.c -- the Llama-family decoder forward pass, written with backend ops.
- *
- *   x = embed(ids)
- *   for each layer:
- *       h = rmsnorm(x) ; q, k, v = h Wq^T + bq, h Wk^T + bk, h Wv^T + bv
- *       (Qwen3) q, k = rmsnorm_per_head(q), rmsnorm_per_head(k)
- *       q, k = rope(q), rope(k) ; append k, v to the cache
- *       x = x + attention(q, K, V) Wo^T
- *       h = rmsnorm(x) ; x = x + (silu(h Wg^T) * (h Wu^T)) Wd^T
- *   logits = rmsnorm(x) Wlm^T
+ * forward_state.c -- the scratch, KV cache and rope tables a forward runs in, on a backend,
+ * for any architecture (the weight vectors it uploads are those its roles table binds).
  */
 #include "model.h"
 
 #include <math.h>
+#include <stddef.h>
 #include <string.h>
 
 /* Zero nbytes (a multiple of 4) of backend memory at p: the backend's zero op, or uploads of a
@@ -35,47 +28,50 @@ static kiln_status backend_zero(kiln_backend *be, void *p, size_t nbytes) {
     return st;
 }
 
-/* A device backend: copy the model's layer table and put every f32 vector it points to
- * (norms, biases, q/k norms, the final norm) into one backend block. */
-static kiln_status upload_weight_vectors(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be) {
-    const kiln_model_config *c = &m->cfg;
-    size_t C = (size_t)c->n_embd, HS = (size_t)c->head_dim, FF = (size_t)c->n_ff;
-    size_t QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS, L = (size_t)c->n_layer;
-    fs->layers_owned = kiln_calloc(L ? L : 1, sizeof *fs->layers_owned);
-    if (!fs->layers_owned) return kiln_error(KILN_ERR_NOMEM, "forward state: out of memory for the layer table");
-    memcpy(fs->layers_owned, m->layers, L * sizeof *fs->layers_owned);
-    size_t total = (C + 15) & ~(size_t)15; /* final norm first */
-    for (int pass = 0; pass < 2; pass++) {
-        size_t off = 0;
-        if (pass == 1) {
-            fs->wblock = kiln_backend_alloc(be, total * sizeof(float));
-            if (!fs->wblock) return kiln_error(KILN_ERR_NOMEM, "forward state: cannot allocate %zu bytes of backend memory for norms and biases", total * sizeof(float));
-            kiln_status st = kiln_backend_upload(be, fs->wblock, m->final_norm, C * sizeof(float));
-            if (st != KILN_OK) return st;
-            fs->final_norm = (const float *)fs->wblock;
-            off = (C + 15) & ~(size_t)15;
-        }
-        for (size_t l = 0; l < L; l++) {
-            kiln_layer_weights *w = &fs->layers_owned[l];
-            /* each vector's slot in the copy and its length in floats */
-            const float **slot[11] = {&w->attn_norm, &w->bq, &w->bk, &w->bv, &w->bo, &w->q_norm,
-                                      &w->k_norm, &w->mlp_norm, &w->b_gate, &w->b_up, &w->b_down};
-            const size_t len[11] = {C, QD, KD, KD, C, HS, HS, C, FF, FF, C};
-            for (int i = 0; i < 11; i++) {
-                if (!*slot[i]) continue;
-                size_t r = (len[i] + 15) & ~(size_t)15;
-                if (pass == 0) {
-                    total += r;
-                } else {
-                    float *dst = (float *)fs->wblock + off;
-                    kiln_status st = kiln_backend_upload(be, dst, *slot[i], len[i] * sizeof(float));
-                    if (st != KILN_OK) return st;
-                    *slot[i] = dst;
-                    off += r;
-                }
-            }
-        }
+/* A device backend: copy the model's layer table and put every f32 vector its roles bind
+ * (norms, biases, q/k norms; kiln_arch's vector roles) into one backend block. */
+typedef struct vec_upload {
+    kiln_forward_state *fs;
+    const kiln_model *m;
+    kiln_backend *be;
+    size_t off; /* floats into wblock */
+    int pass;   /* 0: size the block, 1: upload */
+} vec_upload;
+
+static kiln_status upload_vector_role(void *ctx, const kiln_param_role *r, int layer) {
+    vec_upload *u = ctx;
+    if (r->cols != KILN_DIM_ONE || !r->per_layer) return KILN_OK; /* per-model: the final norm, below */
+    const float **slot = (const float **)kiln_layer_role_slot(u->fs->layers_owned, u->m->arch, r, layer);
+    if (!*slot) return KILN_OK;
+    size_t len = (size_t)kiln_dim_value(&u->m->cfg, r->rows), rounded = (len + 15) & ~(size_t)15;
+    if (u->pass == 1) {
+        float *dst = (float *)u->fs->wblock + u->off;
+        KILN_TRY(kiln_backend_upload(u->be, dst, *slot, len * sizeof(float)));
+        *slot = dst;
     }
+    u->off += rounded;
+    return KILN_OK;
+}
+
+/* The per-layer vectors go after the final norm, which every architecture has (the only
+ * per-model vector role). */
+static kiln_status upload_weight_vectors(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be) {
+    size_t L = (size_t)m->cfg.n_layer, lsz = m->arch->layer_size, C = (size_t)m->cfg.n_embd;
+    fs->layers_owned = kiln_calloc(L ? L : 1, lsz);
+    if (!fs->layers_owned) return kiln_error(KILN_ERR_NOMEM, "forward state: out of memory for the layer table");
+    memcpy(fs->layers_owned, m->layers, L * lsz);
+    const size_t head = (C + 15) & ~(size_t)15;
+    vec_upload u = {fs, m, be, head, 0};
+    KILN_TRY(kiln_arch_walk(m->arch, m->cfg.n_layer, upload_vector_role, &u));
+    fs->wblock = kiln_backend_alloc(be, u.off * sizeof(float));
+    if (!fs->wblock)
+        return kiln_error(KILN_ERR_NOMEM, "forward state: cannot allocate %zu bytes of backend memory for norms and biases",
+                          u.off * sizeof(float));
+    KILN_TRY(kiln_backend_upload(be, fs->wblock, m->final_norm, C * sizeof(float)));
+    fs->final_norm = (const float *)fs->wblock;
+    u.off = head;
+    u.pass = 1;
+    KILN_TRY(kiln_arch_walk(m->arch, m->cfg.n_layer, upload_vector_role, &u));
     fs->layers = fs->layers_owned;
     return KILN_OK;
 }
@@ -216,88 +212,3 @@ void kiln_rope_tables_fill(const kiln_model *m, int n_ctx, float *cos_tab, float
     }
 }
 
-/* The forward of N tokens at positions n_past.. (step == 0), or of the one token whose id and
- * position are in backend memory (step != 0: ids and n_past unused; k and v go through
- * fs->k_row / v_row into the cache with kv_store, attention reads the position with
- * attention_at), which gives the same bits. */
-static void forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
-                    const int32_t *ids, int N, int n_past, int all_logits, float *logits,
-                    int step) {
-    /* step: N = B sequences, one token each (sequence b's cache at b * seq_stride) */
-    const size_t seq_off = step ? 0 : (size_t)fs->seq * fs->seq_stride;
-    const kiln_model_config *c = &m->cfg;
-    const kiln_backend_i *op = be->i;
-    int C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
-    size_t QD = (size_t)NH * HS, KD = (size_t)KVH * HS;
-    float eps = c->rms_eps;
-    float scale = (float)(1.0 / sqrt((double)HS));
-    const int32_t *pos = fs->pos;
-    if (step) {
-        ids = fs->d_step;
-        pos = fs->d_step + N;
-        all_logits = 1;
-    } else {
-        for (int n = 0; n < N; n++) fs->pos[n] = n_past + n;
-    }
-
-    op->embed(be, fs->x, m->tok_embd, ids, N);
-    for (int l = 0; l < c->n_layer; l++) {
-        const kiln_layer_weights *w = &fs->layers[l];
-        float *k_layer = fs->k_cache + seq_off + (size_t)l * fs->n_ctx * KD; /* (n_ctx, KVH, HS) */
-        float *v_layer = fs->v_cache + seq_off + (size_t)l * fs->n_ctx * KD;
-        /* (N, KVH, HS) rows of this batch: in the cache, or the step's rows stored below */
-        float *k_new = step ? fs->k_row : k_layer + (size_t)n_past * KD;
-        float *v_new = step ? fs->v_row : v_layer + (size_t)n_past * KD;
-
-        /* attention block */
-        op->rmsnorm(be, fs->xb, fs->x, w->attn_norm, N, C, eps);
-        op->matmul(be, fs->q, fs->xb, w->wq, w->bq, N);
-        op->matmul(be, k_new, fs->xb, w->wk, w->bk, N);
-        op->matmul(be, v_new, fs->xb, w->wv, w->bv, N);
-        if (w->q_norm) op->rmsnorm(be, fs->q, fs->q, w->q_norm, N * NH, HS, eps);
-        if (w->k_norm) op->rmsnorm(be, k_new, k_new, w->k_norm, N * KVH, HS, eps);
-        op->rope(be, fs->q, pos, N, NH, HS, fs->rope_cos, fs->rope_sin);
-        op->rope(be, k_new, pos, N, KVH, HS, fs->rope_cos, fs->rope_sin);
-        if (step) {
-            op->kv_store(be, k_layer, v_layer, k_new, v_new, pos, N, fs->seq_stride, KD);
-            op->attention_at(be, fs->att, fs->q, k_layer, v_layer, pos, N, fs->seq_stride,
-                             fs->n_ctx, NH, KVH, HS, scale);
-        } else {
-            op->attention(be, fs->att, fs->q, k_layer, v_layer, N, n_past, NH, KVH, HS, scale);
-        }
-        op->matmul(be, fs->tmp, fs->att, w->wo, w->bo, N);
-        op->add(be, fs->x, fs->tmp, (size_t)N * C);
-
-        /* MLP block */
-        op->rmsnorm(be, fs->xb, fs->x, w->mlp_norm, N, C, eps);
-        op->matmul(be, fs->hb, fs->xb, w->w_gate, w->b_gate, N);
-        op->matmul(be, fs->hb2, fs->xb, w->w_up, w->b_up, N);
-        op->swiglu(be, fs->hb, fs->hb, fs->hb2, (size_t)N * FF);
-        op->matmul(be, fs->tmp, fs->hb, w->w_down, w->b_down, N);
-        op->add(be, fs->x, fs->tmp, (size_t)N * C);
-    }
-    (void)QD;
-    if (!logits) return;
-    if (all_logits) {
-        op->rmsnorm(be, fs->xb, fs->x, fs->final_norm, N, C, eps);
-        op->matmul(be, logits, fs->xb, m->lm_head, NULL, N);
-    } else {
-        op->rmsnorm(be, fs->xb, fs->x + (size_t)(N - 1) * C, fs->final_norm, 1, C, eps);
-        op->matmul(be, logits, fs->xb, m->lm_head, NULL, 1);
-    }
-}
-
-void kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
-                        const int32_t *ids, int N, int n_past, int all_logits, float *logits) {
-    forward(m, be, fs, ids, N, n_past, all_logits, logits, 0);
-}
-
-void kiln_model_forward_step(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
-                             float *logits) {
-    forward(m, be, fs, NULL, 1, 0, 0, logits, 1);
-}
-
-void kiln_model_forward_batch(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
-                              int B, float *logits) {
-    forward(m, be, fs, NULL, B, 0, 1, logits, 1);
-}
