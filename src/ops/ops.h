@@ -49,6 +49,27 @@ typedef struct kiln_attn_grad16 {
     const float *cos_tab, *sin_tab; /* rope_backward's tables */
 } kiln_attn_grad16;
 
+/* A paged KV cache as the attention ops see it. One layer's cache is a pool of blocks of
+ * block_size rows (positions), each row KVH*HS floats; sequence s's position p lives in pool
+ * row
+ *     block_table[s * max_blocks + p / block_size] * block_size + p % block_size.
+ * block_size is a positive multiple of KILN_ATTN_BLOCK (64), so each key block of the online
+ * softmax (docs/ARITHMETIC.md) lies inside one cache block: attention over a paged cache has
+ * the bits of attention over the same keys stored densely. A dense per-sequence cache is the
+ * case where each sequence's blocks follow one another. block_table: backend memory. */
+typedef struct kiln_kv_pages {
+    int block_size;
+    int max_blocks;              /* block_table entries per sequence */
+    const int32_t *block_table;  /* (n_seq, max_blocks) */
+} kiln_kv_pages;
+
+/* A run of a batch: n consecutive tokens (from token `first`) of one sequence at consecutive
+ * positions pos0, pos0+1, ... (a prefill chunk, or one decode token). Host memory. */
+typedef struct kiln_batch_run {
+    int first, n;
+    int seq, pos0;
+} kiln_batch_run;
+
 typedef struct kiln_backend_i {
     const char *name; /* "cpu", "cuda" */
     void (*free)(kiln_backend *be);
@@ -367,6 +388,33 @@ typedef struct kiln_backend_i {
      * still running shows in a later status, poll or download. For a caller that wants the
      * device to stay busy while it prepares the next work (kiln_train_step_batch). */
     kiln_status (*poll)(kiln_backend *be);
+
+    /* ---- batches of many sequences over a paged KV cache (kiln_kv_pages) ----
+     * A batch of N tokens may mix prefill chunks and decode tokens of different sequences;
+     * every array is indexed by token and lives in backend memory unless stated.
+     *
+     * kv_store_rows: pool row slots[n] of k_pool / v_pool = row n of k_rows / v_rows
+     * (row_floats each), n < N.
+     * attention_paged: for each token n, q and out rows (N, NH, HS): causal grouped-query
+     * attention over positions 0..pos[n] of sequence seq[n] in the pool (whose rows up to
+     * pos[n] the caller has stored), with the bits of attention(N = 1, n_past = pos[n]) over
+     * those keys stored densely: in auditable arithmetic a token's output never depends on
+     * the other tokens of the batch. max_T >= pos[n] + 1 for every n (a bound for sizing
+     * launches and workspaces; a recorded graph replays with it). runs (host memory, NULL
+     * when the batch's layout is known only on the device, as in a recorded decode graph:
+     * then treat each token on its own) lists the batch as n_runs runs in token order; a
+     * fast-mode backend may take a run's tokens together (its prefill kernels), within its
+     * own deterministic arithmetic.
+     * get_rows: out row i (C floats) = x row idx[i] (idx host memory), i < n. out must not
+     * alias x. */
+    void (*kv_store_rows)(kiln_backend *be, float *k_pool, float *v_pool, const float *k_rows,
+                          const float *v_rows, const int32_t *slots, int N, size_t row_floats);
+    void (*attention_paged)(kiln_backend *be, float *out, const float *q, const float *k_pool,
+                            const float *v_pool, const kiln_kv_pages *pg, const int32_t *seq,
+                            const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N,
+                            int max_T, int NH, int KVH, int HS, float scale);
+    void (*get_rows)(kiln_backend *be, float *out, const float *x, const int32_t *idx, int n,
+                     int C);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

@@ -251,7 +251,20 @@ typedef struct attn_job {
     const float *q, *kc, *vc;
     int N, n_past, NH, KVH, HS, n_tasks;
     float scale;
+    /* a paged cache (attention_paged): token i is at position pos[i] of sequence seq[i], its
+     * keys found through pg; NULL: a dense cache, token i at n_past + i */
+    const kiln_kv_pages *pg;
+    const int32_t *seq, *pos;
 } attn_job;
+
+/* Offset in rows of the key block starting at position kb (a multiple of KILN_ATTN_BLOCK) of
+ * token i's sequence. */
+static int64_t attn_block_row(const attn_job *j, int i, int kb) {
+    if (!j->pg) return kb;
+    const kiln_kv_pages *pg = j->pg;
+    const int32_t block = pg->block_table[(int64_t)j->seq[i] * pg->max_blocks + kb / pg->block_size];
+    return (int64_t)block * pg->block_size + kb % pg->block_size;
+}
 
 /* One (token i, head h): the online softmax over key blocks of KILN_ATTN_BLOCK
  * (docs/ARITHMETIC.md). The output row doubles as the accumulator. */
@@ -262,13 +275,14 @@ static void attn_one(const attn_job *j, int i, int h) {
     const int64_t stride = (int64_t)j->KVH * HS;
     const float *q = j->q + ((int64_t)i * j->NH + h) * HS;
     float *acc = j->out + ((int64_t)i * j->NH + h) * HS;
-    const int T = j->n_past + i + 1; /* causal: keys 0..n_past+i */
+    const int T = (j->pg ? j->pos[i] : j->n_past + i) + 1; /* causal: keys 0..its position */
     float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK];
     float m = -INFINITY, l = 0.0f;
     for (int d = 0; d < HS; d++) acc[d] = 0.0f;
     for (int kb = 0; kb < T; kb += KILN_ATTN_BLOCK) {
         int nk = T - kb < KILN_ATTN_BLOCK ? T - kb : KILN_ATTN_BLOCK;
-        k->dots(s, q, j->kc + (int64_t)kb * stride + (int64_t)kvh * HS, stride, nk, HS);
+        const int64_t row = attn_block_row(j, i, kb);
+        k->dots(s, q, j->kc + row * stride + (int64_t)kvh * HS, stride, nk, HS);
         float bm = -INFINITY;
         for (int t = 0; t < nk; t++) {
             s[t] = s[t] * j->scale;
@@ -279,8 +293,7 @@ static void attn_one(const attn_job *j, int i, int h) {
         k->exp_sub(p, s, m_new, nk);
         l = l * alpha;
         for (int t = 0; t < nk; t++) l = l + p[t];
-        k->attn_pv(acc, alpha, p, j->vc + (int64_t)kb * stride + (int64_t)kvh * HS, stride, nk,
-                   HS);
+        k->attn_pv(acc, alpha, p, j->vc + row * stride + (int64_t)kvh * HS, stride, nk, HS);
         m = m_new;
     }
     for (int d = 0; d < HS; d++) acc[d] = acc[d] / l;
@@ -297,7 +310,7 @@ static void cpu_attention(kiln_backend *be, float *out, const float *q, const fl
                           const float *v, int N, int n_past, int NH, int KVH, int HS,
                           float scale) {
     cpu_ctx *c = ctx_of(be);
-    attn_job j = {c->k, out, q, k, v, N, n_past, NH, KVH, HS, 0, scale};
+    attn_job j = {c->k, out, q, k, v, N, n_past, NH, KVH, HS, 0, scale, NULL, NULL, NULL};
     double work = (double)N * NH * HS * (n_past + N);
     j.n_tasks = n_tasks_for(c, work, 16384, (int64_t)N * NH);
     kiln_pool_run(c->pool, j.n_tasks, attn_task, &j);
@@ -469,6 +482,35 @@ static void cpu_attention_at(kiln_backend *be, float *out, const float *q, const
                       v + (size_t)b * seq_stride, 1, pos[b], NH, KVH, HS, scale);
 }
 
+/* ops.h's batch ops on host memory. */
+static void cpu_kv_store_rows(kiln_backend *be, float *k_pool, float *v_pool, const float *k_rows,
+                              const float *v_rows, const int32_t *slots, int N, size_t row_floats) {
+    (void)be;
+    for (int n = 0; n < N; n++) {
+        size_t off = (size_t)slots[n] * row_floats;
+        memcpy(k_pool + off, k_rows + (size_t)n * row_floats, row_floats * sizeof(float));
+        memcpy(v_pool + off, v_rows + (size_t)n * row_floats, row_floats * sizeof(float));
+    }
+}
+
+static void cpu_attention_paged(kiln_backend *be, float *out, const float *q, const float *k_pool,
+                                const float *v_pool, const kiln_kv_pages *pg, const int32_t *seq,
+                                const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N,
+                                int max_T, int NH, int KVH, int HS, float scale) {
+    cpu_ctx *c = ctx_of(be);
+    (void)runs;
+    (void)n_runs;
+    attn_job j = {c->k, out, q, k_pool, v_pool, N, 0, NH, KVH, HS, 0, scale, pg, seq, pos};
+    double work = (double)N * NH * HS * max_T;
+    j.n_tasks = n_tasks_for(c, work, 16384, (int64_t)N * NH);
+    kiln_pool_run(c->pool, j.n_tasks, attn_task, &j);
+}
+
+static void cpu_get_rows(kiln_backend *be, float *out, const float *x, const int32_t *idx, int n, int C) {
+    (void)be;
+    for (int i = 0; i < n; i++) memcpy(out + (size_t)i * C, x + (size_t)idx[i] * C, (size_t)C * sizeof(float));
+}
+
 static const kiln_backend_i cpu_iface = {
     .name = "cpu",
     .free = cpu_free,
@@ -493,6 +535,9 @@ static const kiln_backend_i cpu_iface = {
     .status = cpu_status,
     .kv_store = cpu_kv_store,
     .attention_at = cpu_attention_at,
+    .kv_store_rows = cpu_kv_store_rows,
+    .attention_paged = cpu_attention_paged,
+    .get_rows = cpu_get_rows,
     .zero = cpu_zero,
     .scale = cpu_scale,
 };
