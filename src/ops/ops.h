@@ -61,6 +61,8 @@ typedef struct kiln_kv_pages {
     int block_size;
     int max_blocks;              /* block_table entries per sequence */
     const int32_t *block_table;  /* (n_seq, max_blocks) */
+    const int32_t *host_table;   /* the same table in host memory (what the device holds when
+                                  * the op runs), or NULL (inside a recorded graph) */
 } kiln_kv_pages;
 
 /* A run of a batch: n consecutive tokens (from token `first`) of one sequence at consecutive
