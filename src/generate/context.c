@@ -58,15 +58,18 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
     } else {
         st = kiln_backend_cpu_create_mode(p.n_threads, p.fast_q8_activations || p.fast, &c->be);
     }
-    if (st == KILN_OK) st = kiln_forward_state_init_seq(&c->fs, m, c->be, p.n_ctx, p.n_batch, p.n_seq);
+    if (st == KILN_OK) st = kiln_forward_state_init(&c->fs, m, c->be, p.n_ctx, p.n_batch, p.n_seq);
     if (st == KILN_OK) st = kiln_alloc_or_fail((void **)&c->seq_past, (size_t)p.n_seq * sizeof(int), "sequence lengths");
     if (st == KILN_OK) memset(c->seq_past, 0, (size_t)p.n_seq * sizeof(int));
     if (st == KILN_OK) {
-        c->graphs = c->fs.d_step != NULL && c->be->i->graph_begin && !kiln_env_off("KILN_CUDA_GRAPHS");
+        c->graphs = c->be->i->graph_begin && !kiln_env_off("KILN_CUDA_GRAPHS");
         c->host_sampling = kiln_env_off("KILN_DEVICE_SAMPLING");
     }
     if (st == KILN_OK)
         st = kiln_alloc_or_fail((void **)&c->tokens, (size_t)p.n_ctx * sizeof(int32_t), "context token list");
+    if (st == KILN_OK)
+        st = kiln_alloc_or_fail((void **)&c->b_pos, 2 * (size_t)p.n_batch * sizeof(int32_t), "batch positions");
+    if (st == KILN_OK) c->b_seq = c->b_pos + p.n_batch;
     if (st != KILN_OK) {
         kiln_context_free(c);
         return st;
@@ -78,7 +81,7 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
 void kiln_context_free(kiln_context *c) {
     if (!c) return;
     if (c->graph) c->be->i->graph_free(c->be, c->graph);
-    if (c->batch_graph) c->be->i->graph_free(c->be, c->batch_graph);
+    kiln_free(c->b_pos);
     kiln_free(c->seq_past);
     kiln_forward_state_free(&c->fs);
     kiln_free(c->tokens);
@@ -113,27 +116,23 @@ static kiln_status logits_reserve(kiln_context *c, size_t n) {
     return KILN_OK;
 }
 
-/* One token through the recorded decode graph: upload (id, position), record the step on
- * first use (or after the logits buffer moved), replay it, download the logits. Same bits as
- * kiln_model_forward with N = 1. */
-static kiln_status decode_step_graph(kiln_context *c, int32_t id, float *logits, int on_device) {
+/* Replay the recorded decode step for the B tokens staged in fs.d_batch (recording it first,
+ * or again after the logits buffer moved or a workspace it uses grew); logits (B, V) in
+ * fs.logits. Same bits as kiln_model_forward on that batch. */
+static kiln_status decode_graph(kiln_context *c, int B) {
     kiln_backend *be = c->be;
     const kiln_model_config *cfg = &c->model->cfg;
-    size_t V = (size_t)cfg->n_vocab;
-    kiln_status st = logits_reserve(c, V);
-    if (st != KILN_OK) return st;
-    int32_t step[2] = {id, c->n_past};
-    st = kiln_backend_upload(be, c->fs.d_step, step, sizeof step);
-    if (st != KILN_OK) return st;
+    kiln_status st = KILN_OK;
     for (int attempt = 0; attempt < 2; attempt++) {
-        if (!c->graph || c->graph_logits != c->fs.logits) {
+        if (!c->graph || c->graph_B != B || c->graph_logits != c->fs.logits) {
             if (c->graph) be->i->graph_free(be, c->graph);
             c->graph = NULL;
-            st = be->i->graph_begin(be, 1, cfg->n_head, cfg->head_dim, c->fs.n_ctx);
+            st = be->i->graph_begin(be, B, cfg->n_head, cfg->head_dim, c->fs.n_ctx);
             if (st != KILN_OK) return st;
-            kiln_model_forward_step(c->model, be, &c->fs, c->fs.logits);
+            kiln_model_forward_dev(c->model, be, &c->fs, B, c->fs.logits);
             st = be->i->graph_end(be, &c->graph);
             if (st != KILN_OK) return st;
+            c->graph_B = B;
             c->graph_logits = c->fs.logits;
         }
         st = be->i->graph_launch(be, c->graph);
@@ -141,9 +140,30 @@ static kiln_status decode_step_graph(kiln_context *c, int32_t id, float *logits,
         be->i->graph_free(be, c->graph); /* stale: a workspace grew since; record again */
         c->graph = NULL;
     }
+    return st;
+}
+
+/* One token of sequence seq at position pos through the decode graph; logits downloaded
+ * unless on_device. */
+static kiln_status decode_step_graph(kiln_context *c, int32_t seq, int32_t pos, int32_t id, float *logits,
+                                     int on_device) {
+    size_t V = (size_t)c->model->cfg.n_vocab;
+    KILN_TRY(logits_reserve(c, V));
+    kiln_batch b = {1, &id, &pos, &seq, NULL, 0};
+    KILN_TRY(kiln_forward_stage(&c->fs, &b));
+    kiln_status st = decode_graph(c, 1);
     if (st != KILN_OK || on_device) return st; /* on_device: the logits stay in fs.logits */
-    return logits ? kiln_backend_download(be, logits, c->fs.logits, V * sizeof(float))
-                  : kiln_backend_status(be);
+    return logits ? kiln_backend_download(c->be, logits, c->fs.logits, V * sizeof(float))
+                  : kiln_backend_status(c->be);
+}
+
+/* The positions and sequence of n tokens of sequence seq after past cached ones, in
+ * c->b_pos / c->b_seq (n <= n_batch). */
+static void batch_fill(kiln_context *c, int seq, int n, int past) {
+    for (int i = 0; i < n; i++) {
+        c->b_pos[i] = past + i;
+        c->b_seq[i] = seq;
+    }
 }
 
 /* kiln_decode; on_device (device backends, !all_logits): the last token's logits are left in
@@ -156,7 +176,7 @@ static kiln_status decode(kiln_context *c, int seq, const int32_t *ids, int n, i
     if (n <= 0) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode: n must be > 0 (got %d)", n);
     if (seq < 0 || seq >= c->fs.n_seq)
         return kiln_error(KILN_ERR_RANGE, "kiln_decode_seq: sequence %d not in [0, %d)", seq, c->fs.n_seq);
-    /* sequence 0 keeps its ids (prefix reuse) and uses the recorded one-token graph */
+    /* sequence 0 keeps its ids (prefix reuse) */
     int *past = seq == 0 ? &c->n_past : &c->seq_past[seq];
     const kiln_model *m = c->model;
     int V = m->cfg.n_vocab;
@@ -168,10 +188,11 @@ static kiln_status decode(kiln_context *c, int seq, const int32_t *ids, int n, i
         return kiln_error(KILN_ERR_RANGE,
                           "kiln_decode: %d tokens after %d cached ones exceed the context length %d",
                           n, *past, c->fs.n_ctx);
-    if (seq == 0 && n == 1 && c->graphs && c->warm) {
-        kiln_status st = decode_step_graph(c, ids[0], logits, on_device);
+    if (n == 1 && c->graphs && c->warm) {
+        kiln_status st = decode_step_graph(c, seq, *past, ids[0], logits, on_device);
         if (st != KILN_OK) return st;
-        c->tokens[c->n_past++] = ids[0];
+        if (seq == 0) c->tokens[c->n_past] = ids[0];
+        *past += 1;
         return KILN_OK;
     }
     for (int done = 0; done < n;) {
@@ -188,16 +209,18 @@ static kiln_status decode(kiln_context *c, int seq, const int32_t *ids, int n, i
             if (st != KILN_OK) return st;
             dev_out = c->fs.logits;
         }
-        c->fs.seq = seq;
-        kiln_model_forward(m, c->be, &c->fs, ids + done, chunk, *past, all_logits, dev_out);
-        c->fs.seq = 0;
+        batch_fill(c, seq, chunk, *past);
+        int32_t last_row = chunk - 1;
+        kiln_batch b = {chunk, ids + done, c->b_pos, c->b_seq, all_logits ? NULL : &last_row, 1};
+        kiln_status st = kiln_model_forward(m, c->be, &c->fs, &b, dev_out);
+        if (st != KILN_OK) return st;
         if (on_device && last) {
             /* the caller samples from fs.logits on the device (which synchronises) */
         } else if (!c->fs.host_memory) {
             /* download waits for the forward and reports a failure that poisoned the backend;
              * then this chunk is not counted as cached */
-            kiln_status st = out ? kiln_backend_download(c->be, out, dev_out, rows * (size_t)V * sizeof(float))
-                                 : kiln_backend_status(c->be);
+            st = out ? kiln_backend_download(c->be, out, dev_out, rows * (size_t)V * sizeof(float))
+                     : kiln_backend_status(c->be);
             if (st != KILN_OK) return st;
         }
         if (seq == 0) memcpy(c->tokens + c->n_past, ids + done, (size_t)chunk * sizeof(int32_t));
@@ -236,15 +259,11 @@ kiln_status kiln_context_seq_truncate(kiln_context *c, int seq, int n_past) {
 kiln_status kiln_decode_batch(kiln_context *c, const int32_t *ids, int B, float *logits) {
     if (!c || !ids) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode_batch: NULL argument");
     kiln_backend *be = c->be;
-    if (!c->fs.d_step)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_decode_batch: the %s backend has no batched decode", be->i->name);
     if (B < 1 || B > c->fs.n_seq || B > c->fs.n_batch)
         return kiln_error(KILN_ERR_RANGE, "kiln_decode_batch: B %d not in [1, min(n_seq %d, n_batch %d)]", B,
                           c->fs.n_seq, c->fs.n_batch);
     const kiln_model_config *cfg = &c->model->cfg;
     int V = cfg->n_vocab;
-    int32_t *step = kiln_malloc(2 * (size_t)B * sizeof(int32_t));
-    if (!step) return kiln_error(KILN_ERR_NOMEM, "kiln_decode_batch: out of memory");
     kiln_status st = KILN_OK;
     for (int b = 0; b < B && st == KILN_OK; b++) {
         int past = b == 0 ? c->n_past : c->seq_past[b];
@@ -253,8 +272,8 @@ kiln_status kiln_decode_batch(kiln_context *c, const int32_t *ids, int B, float 
                             ids[b], b, V);
         else if (past >= c->fs.n_ctx)
             st = kiln_error(KILN_ERR_RANGE, "kiln_decode_batch: sequence %d is full (%d tokens)", b, past);
-        step[b] = ids[b];
-        step[B + b] = past;
+        c->b_pos[b] = past;
+        c->b_seq[b] = b;
     }
     float *dev_out = logits;
     if (st == KILN_OK && !c->fs.host_memory) {
@@ -267,30 +286,13 @@ kiln_status kiln_decode_batch(kiln_context *c, const int32_t *ids, int B, float 
         if (!host_tmp) st = kiln_error(KILN_ERR_NOMEM, "kiln_decode_batch: out of memory for logits");
         dev_out = host_tmp;
     }
-    if (st == KILN_OK) st = kiln_backend_upload(be, c->fs.d_step, step, 2 * (size_t)B * sizeof(int32_t));
+    kiln_batch batch = {B, ids, c->b_pos, c->b_seq, NULL, 0};
     if (st == KILN_OK && c->graphs && c->warm) {
         /* recorded once per batch size (and logits buffer), replayed */
-        for (int attempt = 0; attempt < 2 && st == KILN_OK; attempt++) {
-            if (!c->batch_graph || c->batch_B != B || c->batch_graph_logits != c->fs.logits) {
-                if (c->batch_graph) be->i->graph_free(be, c->batch_graph);
-                c->batch_graph = NULL;
-                st = be->i->graph_begin(be, B, cfg->n_head, cfg->head_dim, c->fs.n_ctx);
-                if (st == KILN_OK) {
-                    kiln_model_forward_batch(c->model, be, &c->fs, B, dev_out);
-                    st = be->i->graph_end(be, &c->batch_graph);
-                }
-                c->batch_B = B;
-                c->batch_graph_logits = c->fs.logits;
-            }
-            if (st != KILN_OK) break;
-            st = be->i->graph_launch(be, c->batch_graph);
-            if (st != KILN_ERR_STATE || attempt == 1) break;
-            be->i->graph_free(be, c->batch_graph); /* stale: a workspace grew since */
-            c->batch_graph = NULL;
-            st = KILN_OK;
-        }
+        st = kiln_forward_stage(&c->fs, &batch);
+        if (st == KILN_OK) st = decode_graph(c, B);
     } else if (st == KILN_OK) {
-        kiln_model_forward_batch(c->model, be, &c->fs, B, dev_out);
+        st = kiln_model_forward(c->model, be, &c->fs, &batch, dev_out);
     }
     if (st == KILN_OK && !c->fs.host_memory)
         st = logits ? kiln_backend_download(be, logits, dev_out, (size_t)B * (size_t)V * sizeof(float))
@@ -303,7 +305,6 @@ kiln_status kiln_decode_batch(kiln_context *c, const int32_t *ids, int B, float 
         c->warm = 1;
     }
     kiln_free(host_tmp);
-    kiln_free(step);
     return st;
 }
 

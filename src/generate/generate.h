@@ -13,18 +13,18 @@ struct kiln_context {
     kiln_forward_state fs;
     int n_past;      /* tokens in the KV cache */
     int32_t *tokens; /* (n_ctx) the ids in the cache, for prefix reuse */
-    /* Decode graph (a backend with graphs, docs/CUDA.md): the one-token step recorded once
-     * and replayed; graph_logits is the logits buffer it writes (re-recorded if that buffer
-     * is regrown). graphs: whether to use them (env KILN_CUDA_GRAPHS=0 turns them off);
-     * warm: a forward has completed, so every weight is on the device. */
+    /* Decode graph (a backend with graphs, docs/CUDA.md): the step of graph_B tokens (one per
+     * sequence) recorded once and replayed; graph_logits is the logits buffer it writes
+     * (re-recorded if that buffer is regrown or B changes). graphs: whether to use them (env
+     * KILN_CUDA_GRAPHS=0 turns them off); warm: a forward has completed, so every weight is
+     * on the device. */
     void *graph;
     float *graph_logits;
+    int graph_B;
     int graphs, warm;
     int host_sampling; /* env KILN_DEVICE_SAMPLING=0: sample on the host even on a device */
     int *seq_past;     /* (n_seq) tokens cached per sequence; seq_past[0] is unused (n_past) */
-    void *batch_graph; /* the recorded batched step for batch_B sequences */
-    int batch_B;
-    float *batch_graph_logits;
+    int32_t *b_pos, *b_seq; /* (n_batch) each: the positions and sequences of a batch */
 };
 
 /* Decode ids[0..n) and sample the next token from the last one's logits with smp and the

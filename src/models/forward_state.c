@@ -77,34 +77,36 @@ static kiln_status upload_weight_vectors(kiln_forward_state *fs, const kiln_mode
 }
 
 kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be,
-                                    int n_ctx, int n_batch) {
-    return kiln_forward_state_init_seq(fs, m, be, n_ctx, n_batch, 1);
-}
-
-kiln_status kiln_forward_state_init_seq(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be,
-                                        int n_ctx, int n_batch, int n_seq) {
+                                    int n_ctx, int n_batch, int n_seq) {
     const kiln_model_config *c = &m->cfg;
     memset(fs, 0, sizeof *fs);
     fs->be = be;
+    if (!be->i->kv_store_rows || !be->i->attention_paged || !be->i->get_rows)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "forward state: the %s backend lacks the batch ops "
+                          "(kv_store_rows, attention_paged, get_rows)", be->i->name);
+    if (n_ctx < 1 || n_batch < 1 || n_seq < 1)
+        return kiln_error(KILN_ERR_INVALID_ARG, "forward state: n_ctx %d, n_batch %d, n_seq %d must be >= 1",
+                          n_ctx, n_batch, n_seq);
     /* the cpu backend's memory is host memory: keep the model's pointers, write logits to
      * the caller's array */
     fs->host_memory = strcmp(be->i->name, "cpu") == 0;
     size_t C = (size_t)c->n_embd, HS = (size_t)c->head_dim, L = (size_t)c->n_layer;
     size_t QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS, FF = (size_t)c->n_ff;
-    size_t NB = (size_t)n_batch, T = (size_t)n_ctx;
-    size_t tmp_w = C > KD ? C : KD;
-    /* sizes in floats, each rounded up to 16 floats (64 bytes) */
-    /* a backend with decode graphs also gets the step's id/position (2 int32 in a 16-float
-     * slot) and one row of k and v */
-    int steps = be->i->kv_store && be->i->attention_at;
-    size_t S = (size_t)(n_seq > 0 ? n_seq : 1);
-    size_t gk = steps ? S * KD : 0, gs = steps ? 2 * S : 0;
-    float *step_slot = NULL;
-    size_t sizes[] = {S * L * T * KD, S * L * T * KD, T * HS / 2, T * HS / 2, NB * C, NB * C,
-                      NB * QD,    NB * QD,    NB * FF,    NB * FF,    NB * tmp_w, gk, gk, gs};
-    float **slots[] = {&fs->k_cache, &fs->v_cache, &fs->rope_cos, &fs->rope_sin, &fs->x, &fs->xb,
-                       &fs->q,       &fs->att,     &fs->hb,       &fs->hb2,      &fs->tmp,
-                       &fs->k_row,   &fs->v_row,   &step_slot};
+    size_t NB = (size_t)n_batch, T = (size_t)n_ctx, S = (size_t)n_seq;
+    size_t max_blocks = (T + KILN_KV_BLOCK - 1) / KILN_KV_BLOCK, n_blocks = S * max_blocks;
+    if (n_blocks > INT32_MAX / KILN_KV_BLOCK)
+        return kiln_error(KILN_ERR_RANGE, "context of %d sequences of %d tokens is too large", n_seq, n_ctx);
+    size_t pool = 0; /* floats of one of k_cache, v_cache */
+    if (kiln_mul_overflow(L * n_blocks * KILN_KV_BLOCK, KD, &pool))
+        return kiln_error(KILN_ERR_RANGE, "context of %d sequences of %d tokens is too large", n_seq, n_ctx);
+    /* sizes in floats, each rounded up to 16 floats (64 bytes); the batch's ints and the block
+     * table are int32, as many as floats */
+    float *d_batch = NULL, *table = NULL;
+    size_t sizes[] = {pool,    pool,    T * HS / 2, T * HS / 2, NB * C,  NB * C,  NB * QD,
+                      NB * QD, NB * FF, NB * FF,    NB * C,     NB * KD, NB * KD, 4 * NB, S * max_blocks};
+    float **slots[] = {&fs->k_cache, &fs->v_cache, &fs->rope_cos, &fs->rope_sin, &fs->x,
+                       &fs->xb,      &fs->q,       &fs->att,      &fs->hb,       &fs->hb2,
+                       &fs->tmp,     &fs->k_new,   &fs->v_new,    &d_batch,      &table};
     size_t total = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         size_t s = (sizes[i] + 15) & ~(size_t)15;
@@ -114,8 +116,13 @@ kiln_status kiln_forward_state_init_seq(kiln_forward_state *fs, const kiln_model
     size_t bytes;
     if (kiln_mul_overflow(total, sizeof(float), &bytes))
         return kiln_error(KILN_ERR_RANGE, "context of %d tokens is too large", n_ctx);
-    fs->pos = kiln_calloc(NB ? NB : 1, sizeof(int32_t));
-    if (!fs->pos) return kiln_error(KILN_ERR_NOMEM, "out of memory for a %d-token batch", n_batch);
+    fs->host_table = kiln_malloc(S * max_blocks * sizeof(int32_t));
+    fs->h_batch = fs->host_memory ? NULL : kiln_malloc(4 * NB * sizeof(int32_t));
+    fs->runs = kiln_malloc(NB * sizeof *fs->runs);
+    if (!fs->host_table || !fs->runs || (!fs->host_memory && !fs->h_batch)) {
+        kiln_forward_state_free(fs);
+        return kiln_error(KILN_ERR_NOMEM, "out of memory for a %d-token batch", n_batch);
+    }
     /* cpu: kiln_calloc (what kiln_backend_alloc is there, zeroed lazily by the OS); device:
      * backend memory, zeroed explicitly so no stale bits are ever read */
     float *block = fs->host_memory ? kiln_calloc(1, bytes) : kiln_backend_alloc(be, bytes);
@@ -133,17 +140,26 @@ kiln_status kiln_forward_state_init_seq(kiln_forward_state *fs, const kiln_model
         *slots[i] = sizes[i] ? block + off : NULL;
         off += (sizes[i] + 15) & ~(size_t)15;
     }
-    fs->d_step = (int32_t *)(void *)step_slot;
+    fs->d_batch = (int32_t *)(void *)d_batch;
+    if (fs->host_memory) fs->h_batch = fs->d_batch;
     fs->n_seq = (int)S;
-    fs->seq_stride = L * T * KD;
+    fs->max_blocks = (int)max_blocks;
+    fs->n_blocks = (int)n_blocks;
+    for (size_t i = 0; i < S * max_blocks; i++) fs->host_table[i] = (int32_t)i;
+    fs->pages.block_size = KILN_KV_BLOCK;
+    fs->pages.max_blocks = (int)max_blocks;
+    fs->pages.block_table = (const int32_t *)(void *)table;
+    fs->pages.host_table = fs->host_table;
     kiln_status st = KILN_OK;
     if (fs->host_memory) {
+        memcpy(table, fs->host_table, S * max_blocks * sizeof(int32_t));
         kiln_rope_tables_fill(m, n_ctx, fs->rope_cos, fs->rope_sin);
         fs->layers = m->layers;
         fs->final_norm = m->final_norm;
         return KILN_OK;
     }
     st = backend_zero(be, block, bytes);
+    if (st == KILN_OK) st = kiln_backend_upload(be, table, fs->host_table, S * max_blocks * sizeof(int32_t));
     if (st == KILN_OK) {
         size_t tab = T * HS / 2;
         float *host = kiln_malloc((tab ? tab : 1) * 2 * sizeof(float));
@@ -169,10 +185,25 @@ void kiln_forward_state_free(kiln_forward_state *fs) {
         kiln_backend_free_buf(fs->be, fs->block);
         kiln_backend_free_buf(fs->be, fs->wblock);
         kiln_backend_free_buf(fs->be, fs->logits);
+        kiln_free(fs->h_batch);
     }
     kiln_free(fs->layers_owned);
-    kiln_free(fs->pos);
+    kiln_free(fs->host_table);
+    kiln_free(fs->runs);
     memset(fs, 0, sizeof *fs);
+}
+
+kiln_status kiln_forward_stage(kiln_forward_state *fs, const kiln_batch *b) {
+    const int n = b->n;
+    int32_t *h = fs->h_batch;
+    for (int i = 0; i < n; i++) {
+        h[i] = b->ids[i];
+        h[n + i] = b->pos[i];
+        h[2 * n + i] = b->seq[i];
+        h[3 * n + i] = kiln_forward_slot(fs, b->seq[i], b->pos[i]);
+    }
+    if (fs->host_memory) return KILN_OK;
+    return kiln_backend_upload(fs->be, fs->d_batch, h, 4 * (size_t)n * sizeof(int32_t));
 }
 
 /* Inverse frequencies as transformers computes them in float32:

@@ -89,55 +89,38 @@ const kiln_arch_desc kiln_arch_qwen3 =
 
 /* ---- the forward ------------------------------------------------------------------------ */
 
-/* The forward of N tokens at positions n_past.. (step == 0), or of the one token whose id and
- * position are in backend memory (step != 0: ids and n_past unused; k and v go through
- * fs->k_row / v_row into the cache with kv_store, attention reads the position with
- * attention_at), which gives the same bits. */
-static void forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
-                    const int32_t *ids, int N, int n_past, int all_logits, float *logits,
-                    int step) {
-    /* step: N = B sequences, one token each (sequence b's cache at b * seq_stride) */
-    const size_t seq_off = step ? 0 : (size_t)fs->seq * fs->seq_stride;
+/* The forward of N tokens whose ids, positions, sequences and cache rows are in backend memory
+ * (fs->d_batch, N each). runs / n_runs: the batch's runs (host memory), or NULL (each token
+ * on its own, as in a recorded graph); max_T bounds every position + 1. Logits of the tokens
+ * out[0..n_out) (host token indices), or of all N when out is NULL. */
+static void forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int N,
+                    const kiln_batch_run *runs, int n_runs, int max_T, const int32_t *out,
+                    int n_out, float *logits) {
     const kiln_model_config *c = &m->cfg;
     const kiln_backend_i *op = be->i;
     int C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
-    size_t QD = (size_t)NH * HS, KD = (size_t)KVH * HS;
+    size_t KD = (size_t)KVH * HS, pool = (size_t)fs->n_blocks * KILN_KV_BLOCK * KD;
     float eps = c->rms_eps;
     float scale = (float)(1.0 / sqrt((double)HS));
-    const int32_t *pos = fs->pos;
-    if (step) {
-        ids = fs->d_step;
-        pos = fs->d_step + N;
-        all_logits = 1;
-    } else {
-        for (int n = 0; n < N; n++) fs->pos[n] = n_past + n;
-    }
+    const int32_t *ids = fs->d_batch, *pos = ids + N, *seq = ids + 2 * N, *slots = ids + 3 * N;
 
     op->embed(be, fs->x, m->tok_embd, ids, N);
     for (int l = 0; l < c->n_layer; l++) {
         const kiln_layer_weights *w = &fs->layers[l];
-        float *k_layer = fs->k_cache + seq_off + (size_t)l * fs->n_ctx * KD; /* (n_ctx, KVH, HS) */
-        float *v_layer = fs->v_cache + seq_off + (size_t)l * fs->n_ctx * KD;
-        /* (N, KVH, HS) rows of this batch: in the cache, or the step's rows stored below */
-        float *k_new = step ? fs->k_row : k_layer + (size_t)n_past * KD;
-        float *v_new = step ? fs->v_row : v_layer + (size_t)n_past * KD;
+        float *k_pool = fs->k_cache + (size_t)l * pool, *v_pool = fs->v_cache + (size_t)l * pool;
 
         /* attention block */
         op->rmsnorm(be, fs->xb, fs->x, w->attn_norm, N, C, eps);
         op->matmul(be, fs->q, fs->xb, w->wq, w->bq, N);
-        op->matmul(be, k_new, fs->xb, w->wk, w->bk, N);
-        op->matmul(be, v_new, fs->xb, w->wv, w->bv, N);
+        op->matmul(be, fs->k_new, fs->xb, w->wk, w->bk, N);
+        op->matmul(be, fs->v_new, fs->xb, w->wv, w->bv, N);
         if (w->q_norm) op->rmsnorm(be, fs->q, fs->q, w->q_norm, N * NH, HS, eps);
-        if (w->k_norm) op->rmsnorm(be, k_new, k_new, w->k_norm, N * KVH, HS, eps);
+        if (w->k_norm) op->rmsnorm(be, fs->k_new, fs->k_new, w->k_norm, N * KVH, HS, eps);
         op->rope(be, fs->q, pos, N, NH, HS, fs->rope_cos, fs->rope_sin);
-        op->rope(be, k_new, pos, N, KVH, HS, fs->rope_cos, fs->rope_sin);
-        if (step) {
-            op->kv_store(be, k_layer, v_layer, k_new, v_new, pos, N, fs->seq_stride, KD);
-            op->attention_at(be, fs->att, fs->q, k_layer, v_layer, pos, N, fs->seq_stride,
-                             fs->n_ctx, NH, KVH, HS, scale);
-        } else {
-            op->attention(be, fs->att, fs->q, k_layer, v_layer, N, n_past, NH, KVH, HS, scale);
-        }
+        op->rope(be, fs->k_new, pos, N, KVH, HS, fs->rope_cos, fs->rope_sin);
+        op->kv_store_rows(be, k_pool, v_pool, fs->k_new, fs->v_new, slots, N, KD);
+        op->attention_paged(be, fs->att, fs->q, k_pool, v_pool, &fs->pages, seq, pos, runs, n_runs, N,
+                            max_T, NH, KVH, HS, scale);
         op->matmul(be, fs->tmp, fs->att, w->wo, w->bo, N);
         op->add(be, fs->x, fs->tmp, (size_t)N * C);
 
@@ -149,28 +132,52 @@ static void forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *f
         op->matmul(be, fs->tmp, fs->hb, w->w_down, w->b_down, N);
         op->add(be, fs->x, fs->tmp, (size_t)N * C);
     }
-    (void)QD;
     if (!logits) return;
-    if (all_logits) {
-        op->rmsnorm(be, fs->xb, fs->x, fs->final_norm, N, C, eps);
-        op->matmul(be, logits, fs->xb, m->lm_head, NULL, N);
-    } else {
-        op->rmsnorm(be, fs->xb, fs->x + (size_t)(N - 1) * C, fs->final_norm, 1, C, eps);
-        op->matmul(be, logits, fs->xb, m->lm_head, NULL, 1);
+    /* the rows whose logits are wanted: all, one contiguous range, or gathered */
+    const float *h = fs->x;
+    int rows = N;
+    if (out) {
+        rows = n_out;
+        if (n_out > 0 && out[n_out - 1] - out[0] == n_out - 1) {
+            h = fs->x + (size_t)out[0] * C;
+        } else {
+            op->get_rows(be, fs->tmp, fs->x, out, n_out, C);
+            h = fs->tmp;
+        }
     }
+    if (rows <= 0) return;
+    op->rmsnorm(be, fs->xb, h, fs->final_norm, rows, C, eps);
+    op->matmul(be, logits, fs->xb, m->lm_head, NULL, rows);
 }
 
-void kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
-                        const int32_t *ids, int N, int n_past, int all_logits, float *logits) {
-    forward(m, be, fs, ids, N, n_past, all_logits, logits, 0);
+/* The runs of batch b (consecutive tokens of one sequence at consecutive positions) into
+ * runs[0..), at most b->n; their count. */
+static int batch_runs(const kiln_batch *b, kiln_batch_run *runs) {
+    int n_runs = 0;
+    for (int i = 0; i < b->n; i++) {
+        kiln_batch_run *r = n_runs ? &runs[n_runs - 1] : NULL;
+        if (r && b->seq[i] == r->seq && b->pos[i] == r->pos0 + r->n) {
+            r->n++;
+            continue;
+        }
+        runs[n_runs++] = (kiln_batch_run){i, 1, b->seq[i], b->pos[i]};
+    }
+    return n_runs;
 }
 
-void kiln_model_forward_step(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
-                             float *logits) {
-    forward(m, be, fs, NULL, 1, 0, 0, logits, 1);
+kiln_status kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
+                               const kiln_batch *b, float *logits) {
+    if (b->n < 1 || b->n > fs->n_batch)
+        return kiln_error(KILN_ERR_RANGE, "forward: %d tokens not in [1, %d]", b->n, fs->n_batch);
+    KILN_TRY(kiln_forward_stage(fs, b));
+    int n_runs = batch_runs(b, fs->runs), max_T = 0;
+    for (int r = 0; r < n_runs; r++)
+        if (fs->runs[r].pos0 + fs->runs[r].n > max_T) max_T = fs->runs[r].pos0 + fs->runs[r].n;
+    forward(m, be, fs, b->n, fs->runs, n_runs, max_T, b->out, b->out ? b->n_out : b->n, logits);
+    return KILN_OK;
 }
 
-void kiln_model_forward_batch(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
-                              int B, float *logits) {
-    forward(m, be, fs, NULL, B, 0, 1, logits, 1);
+void kiln_model_forward_dev(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int B,
+                            float *logits) {
+    forward(m, be, fs, B, NULL, 0, fs->n_ctx, NULL, B, logits);
 }

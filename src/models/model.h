@@ -71,13 +71,36 @@ static inline void *kiln_model_role_slot(kiln_model *m, const kiln_param_role *r
     return r->per_layer ? kiln_layer_role_slot(m->layers, m->arch, r, layer) : (char *)m + r->offset;
 }
 
+/* The block size of a forward state's KV cache (ops.h kiln_kv_pages): a multiple of
+ * KILN_ATTN_BLOCK. */
+#define KILN_KV_BLOCK 64
+
+/* A batch for the forward (host memory): n tokens, token i at position pos[i] of sequence
+ * seq[i], as ops.h's attention_paged takes them; the tokens of one sequence come in the
+ * order of their positions, and a sequence's cache holds its positions below each of its
+ * tokens (stored by earlier forwards or earlier in this batch). Logits: of the n_out tokens
+ * out[0..n_out) (token indices, increasing), or of every token when out is NULL. */
+typedef struct kiln_batch {
+    int n;
+    const int32_t *ids, *pos, *seq;
+    const int32_t *out;
+    int n_out;
+} kiln_batch;
+
 /* Per-context scratch for the forward pass, sized for n_batch tokens, and the KV cache.
  * Every float * below is memory of the backend the state was made for (docs/CUDA.md,
- * "Memory contract"); pos is host memory (ops accept host positions). */
+ * "Memory contract"). */
 typedef struct kiln_forward_state {
     kiln_backend *be; /* the backend the buffers belong to (not owned) */
     int n_ctx, n_batch;
-    float *k_cache, *v_cache;   /* (L, n_ctx, KVH*HS) each */
+    /* The KV cache: per layer a pool of n_blocks blocks of KILN_KV_BLOCK positions, each
+     * position KVH*HS floats (layer l's pool at l * n_blocks * KILN_KV_BLOCK * KVH*HS), found
+     * through pages (ops.h). Sequence s owns blocks s*max_blocks .. (s+1)*max_blocks-1: a
+     * dense cache of n_seq sequences of n_ctx positions, as a block table. */
+    float *k_cache, *v_cache;
+    int n_seq, n_blocks, max_blocks;
+    int32_t *host_table; /* (n_seq, max_blocks) */
+    kiln_kv_pages pages;
     float *rope_cos, *rope_sin; /* (n_ctx, HS/2) */
     float *x;    /* (n_batch, C) residual stream */
     float *xb;   /* (n_batch, C) normed input */
@@ -85,9 +108,13 @@ typedef struct kiln_forward_state {
     float *att;  /* (n_batch, NH*HS) */
     float *hb;   /* (n_batch, FF) gate, then silu(gate)*up */
     float *hb2;  /* (n_batch, FF) up */
-    float *tmp;  /* (n_batch, max(C, KVH*HS)) projection outputs before residual / cache */
-    int32_t *pos; /* (n_batch) host memory */
-    void *block;  /* the single backend allocation all of the above (but pos) is carved from */
+    float *tmp;  /* (n_batch, C) projection outputs before the residual add */
+    float *k_new, *v_new; /* (n_batch, KVH*HS) this batch's k and v before they are stored */
+    /* The batch in backend memory, for n tokens: ids, positions, sequences and cache rows
+     * (slots) back to back, each n int32 (d_batch[0..4n)); h_batch is its host staging. */
+    int32_t *d_batch, *h_batch;
+    kiln_batch_run *runs; /* (n_batch) host scratch: the runs of the batch */
+    void *block;  /* the single backend allocation all of the above (but host arrays) is carved from */
     size_t bytes;
     /* The weights the forward reads: the model's layers with their f32 vectors (norms,
      * biases, q/k norms) and the final norm in backend memory. On a host-memory backend
@@ -103,51 +130,40 @@ typedef struct kiln_forward_state {
     float *logits;
     size_t logits_cap;
     int host_memory; /* the backend's buffers are host memory (the cpu backend) */
-    /* Decode graphs (a backend with graph_begin): the step's token id and position in backend
-     * memory (d_step[0], d_step[1]), and one row of k and v before they are stored in the
-     * cache at that position. NULL when the backend has no graphs. */
-    int32_t *d_step;
-    float *k_row, *v_row; /* (KVH*HS) each */
-    /* Sequences: the KV cache holds n_seq independent sequences, seq_stride floats apart
-     * (each (L, n_ctx, KVH*HS)); kiln_model_forward works on sequence `seq` (0 unless the
-     * caller sets it). d_step then holds n_seq ids and n_seq positions, k_row / v_row n_seq
-     * rows (backends with kv_store and attention_at). */
-    int n_seq, seq;
-    size_t seq_stride;
 } kiln_forward_state;
 
-/* Allocate the state on backend be (which must outlive it): scratch and KV cache through
- * kiln_backend_alloc, zeroed; rope tables computed on the host and uploaded; the f32 weight
- * vectors uploaded (device backends). On the cpu backend the memory is one kiln_calloc and
- * the weights are the model's, as before. */
+/* Allocate the state on backend be (which must outlive it) for n_seq >= 1 sequences of up to
+ * n_ctx positions and batches of up to n_batch tokens: scratch and KV cache through
+ * kiln_backend_alloc, zeroed; the block table and rope tables computed on the host and
+ * uploaded; the f32 weight vectors uploaded (device backends). The backend must have the
+ * batch ops (kv_store_rows, attention_paged, get_rows). */
 kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be,
-                                    int n_ctx, int n_batch);
-/* The same with n_seq >= 1 sequences in the KV cache (batched decode). */
-kiln_status kiln_forward_state_init_seq(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be,
-                                        int n_ctx, int n_batch, int n_seq);
+                                    int n_ctx, int n_batch, int n_seq);
 void kiln_forward_state_free(kiln_forward_state *fs);
 
-/* Run N <= n_batch tokens at positions n_past.. through the model on fs->be (be must be
- * fs->be); writes logits of the last token (all_logits = 0) or of every token (N x V) to
- * logits (may be NULL), which is backend memory. The caller has checked ids and lengths;
- * a device backend's failure is reported by kiln_backend_status(be) afterwards. */
-void kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
-                        const int32_t *ids, int N, int n_past, int all_logits, float *logits);
+/* The cache row of position pos of sequence seq (its block table's). */
+static inline int32_t kiln_forward_slot(const kiln_forward_state *fs, int seq, int pos) {
+    int32_t block = fs->host_table[(size_t)seq * fs->max_blocks + pos / KILN_KV_BLOCK];
+    return block * KILN_KV_BLOCK + pos % KILN_KV_BLOCK;
+}
 
-/* The one-token decode step whose token id and position are read from backend memory
- * (fs->d_step[0], fs->d_step[1]) rather than passed: the ops it submits do not depend on the
- * position, so a backend can record them once as a graph (ops.h "decode graphs") and replay
- * them for every token. Same bits as kiln_model_forward(N = 1, n_past = d_step[1]); logits of
- * the token to logits (backend memory). Needs fs->d_step (a backend with kv_store and
- * attention_at). */
-void kiln_model_forward_step(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
-                             float *logits);
-/* One token for each of sequences 0..B-1 (B <= fs->n_seq): ids in fs->d_step[0..B), positions
- * in fs->d_step[B..2B) (backend memory); logits (B, V) to logits. Each row has the bits of
- * that sequence's own one-token kiln_model_forward (auditable backends: every op is
- * per-row). Needs kv_store and attention_at. */
-void kiln_model_forward_batch(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
-                              int B, float *logits);
+/* Run batch b (1 <= b->n <= n_batch tokens; ids, positions and sequences checked by the
+ * caller) through the model on fs->be: logits (b->n_out or b->n rows of V) to logits (backend
+ * memory; may be NULL: none). The runs of the batch are found on the host and handed to the
+ * attention. KILN_OK, or the error staging the batch met; a device backend's failure in the
+ * forward itself is reported by kiln_backend_status(be) afterwards. */
+kiln_status kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
+                               const kiln_batch *b, float *logits);
+/* The forward of a batch of B tokens already in backend memory (fs->d_batch: ids, positions,
+ * sequences and slots, B each), every token's logits (B, V) to logits: the ops it submits do
+ * not depend on the tokens, so a backend can record them once as a graph (ops.h "decode
+ * graphs") and replay them for every step after uploading the next batch. Each token is its
+ * own run (a decode step); the bits of kiln_model_forward on the same batch. */
+void kiln_model_forward_dev(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int B,
+                            float *logits);
+/* Stage batch b in fs->h_batch (ids, positions, sequences, slots) and upload it to
+ * fs->d_batch (on a host-memory backend the two are one buffer). */
+kiln_status kiln_forward_stage(kiln_forward_state *fs, const kiln_batch *b);
 
 /* Fill rope tables for positions [0, n_ctx) per the config (default, linear, llama3,
  * GGUF rope_freqs factors). */

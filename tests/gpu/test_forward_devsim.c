@@ -82,6 +82,40 @@ static void ds_attention(kiln_backend *be, float *out, const float *q, const flo
     need(v, F((size_t)(n_past + N) * KVH * HS), "attention v");
     g_cpu->i->attention(g_cpu, out, q, k, v, N, n_past, NH, KVH, HS, scale);
 }
+static void ds_kv_store_rows(kiln_backend *be, float *kp, float *vp, const float *kr, const float *vr,
+                             const int32_t *slots, int N, size_t row) {
+    (void)be;
+    need(slots, sizeof(int32_t) * (size_t)N, "kv_store_rows slots");
+    need(kr, F((size_t)N * row), "kv_store_rows k rows");
+    need(vr, F((size_t)N * row), "kv_store_rows v rows");
+    for (int n = 0; n < N; n++) {
+        need(kp + (size_t)slots[n] * row, F(row), "kv_store_rows k pool row");
+        need(vp + (size_t)slots[n] * row, F(row), "kv_store_rows v pool row");
+    }
+    g_cpu->i->kv_store_rows(g_cpu, kp, vp, kr, vr, slots, N, row);
+}
+static void ds_attention_paged(kiln_backend *be, float *out, const float *q, const float *kp,
+                               const float *vp, const kiln_kv_pages *pg, const int32_t *seq,
+                               const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N,
+                               int max_T, int NH, int KVH, int HS, float scale) {
+    (void)be;
+    need(out, F((size_t)N * NH * HS), "attention_paged out");
+    need(q, F((size_t)N * NH * HS), "attention_paged q");
+    need(seq, sizeof(int32_t) * (size_t)N, "attention_paged seq");
+    need(pos, sizeof(int32_t) * (size_t)N, "attention_paged pos");
+    need(pg->block_table, sizeof(int32_t), "attention_paged block table");
+    for (int n = 0; n < N; n++) {
+        int32_t row = pg->block_table[(size_t)seq[n] * pg->max_blocks] * pg->block_size;
+        need(kp + (size_t)row * KVH * HS, F((size_t)KVH * HS), "attention_paged k pool");
+        need(vp + (size_t)row * KVH * HS, F((size_t)KVH * HS), "attention_paged v pool");
+    }
+    g_cpu->i->attention_paged(g_cpu, out, q, kp, vp, pg, seq, pos, runs, n_runs, N, max_T, NH, KVH, HS, scale);
+}
+static void ds_get_rows(kiln_backend *be, float *out, const float *x, const int32_t *idx, int n, int C) {
+    (void)be;
+    need(out, F((size_t)n * C), "get_rows out");
+    g_cpu->i->get_rows(g_cpu, out, x, idx, n, C);
+}
 static void ds_swiglu(kiln_backend *be, float *out, const float *g, const float *u, size_t n) {
     (void)be;
     need(out, F(n), "swiglu out");
@@ -156,6 +190,9 @@ static const kiln_backend_i ds_iface = {
     .upload = ds_upload,
     .download = ds_download,
     .status = ds_status,
+    .kv_store_rows = ds_kv_store_rows,
+    .attention_paged = ds_attention_paged,
+    .get_rows = ds_get_rows,
 };
 
 /* ---- the test ------------------------------------------------------------------------------- */
@@ -217,18 +254,22 @@ static int run(const char *dir, const char *arch, const char *vocab, int tied, i
 
     kiln_backend ds = {.i = &ds_iface, .n_threads = 1, .ctx = NULL};
     kiln_forward_state fs;
-    ok &= kiln_forward_state_init(&fs, m, &ds, 32, n_batch) == KILN_OK && !fs.host_memory;
+    ok &= kiln_forward_state_init(&fs, m, &ds, 32, n_batch, 1) == KILN_OK && !fs.host_memory;
     float *dl = kiln_backend_alloc(&ds, sizeof(float) * (size_t)N * V);
     ok &= dl != NULL;
     if (ok) {
         /* prefill in n_batch chunks with every row, then two decode steps (last row only) */
+        int32_t pos[32], seq[32] = {0};
+        for (int i = 0; i < 32; i++) pos[i] = i;
         for (int done = 0; done < N; done += n_batch) {
             int k = N - done < n_batch ? N - done : n_batch;
-            kiln_model_forward(m, &ds, &fs, ids + done, k, done, 1, dl + (size_t)done * V);
+            kiln_batch b = {k, ids + done, pos + done, seq, NULL, 0};
+            ok &= kiln_model_forward(m, &ds, &fs, &b, dl + (size_t)done * V) == KILN_OK;
         }
         ok &= kiln_backend_download(&ds, got, dl, sizeof(float) * (size_t)N * V) == KILN_OK;
         for (int s = 0; s < 2; s++) {
-            kiln_model_forward(m, &ds, &fs, ids + N + s, 1, N + s, 0, dl);
+            kiln_batch b = {1, ids + N + s, pos + N + s, seq, NULL, 0};
+            ok &= kiln_model_forward(m, &ds, &fs, &b, dl) == KILN_OK;
             ok &= kiln_backend_download(&ds, got + (size_t)(N + s) * V, dl, sizeof(float) * V) == KILN_OK;
         }
         size_t diff = 0;
@@ -251,7 +292,9 @@ static int run(const char *dir, const char *arch, const char *vocab, int tied, i
         dc->params = cp;
         dc->be = dsp;
         dc->tokens = kiln_calloc(32, sizeof(int32_t));
-        ok &= dc->tokens && kiln_forward_state_init(&dc->fs, m, dsp, 32, n_batch) == KILN_OK;
+        dc->b_pos = kiln_calloc(2 * (size_t)n_batch, sizeof(int32_t));
+        dc->b_seq = dc->b_pos ? dc->b_pos + n_batch : NULL;
+        ok &= dc->tokens && dc->b_pos && kiln_forward_state_init(&dc->fs, m, dsp, 32, n_batch, 1) == KILN_OK;
         for (size_t i = 0; i < (size_t)(N + 2) * V; i++) got[i] = 0.0f;
         ok &= kiln_decode(dc, ids, N, 1, got) == KILN_OK;
         ok &= kiln_decode(dc, ids + N, 1, 0, got + (size_t)N * V) == KILN_OK;
