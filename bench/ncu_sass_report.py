@@ -14,8 +14,8 @@ For each kernel in the CSV (or those whose name matches --kernel):
     regions at the block count. Each with its instructions, count and share of the samples;
   - the instructions with the most samples, with their largest stall reason;
   - the opcode mix: each opcode's share of the samples and of the executed instructions.
-(Session 19 found this way that the attention backward's dk/dv loop read L and D through
-generic 64-bit loads: docs/CUDA.md.)
+(This is how the attention backward's dk/dv loop was found reading L and D through generic
+64-bit loads: docs/CUDA.md, "The wgmma tiles' addressing".)
 """
 import argparse
 import collections

@@ -10,7 +10,7 @@ only as an "info" line under -Xptxas -v:
     (C7515) ... serialized due to non wgmma instructions defining accumulator registers ...
 
 The build prints none of that, so a change to an attention kernel can quietly cost it its overlap
-(docs/CUDA.md, session 19). This check recompiles, for sm_90a alone and with -Xptxas -v, every
+(docs/CUDA.md, "A check that ptxas keeps the wgmma products pipelined"). This check recompiles, for sm_90a alone and with -Xptxas -v, every
 CUDA source of kiln that includes cuda_wgmma.cuh, with the build's own flags (the build directory's
 compile_commands.json), and fails naming each kernel ptxas serialized. Injected waits (C7517) are
 reported but allowed. First it compiles tests/cuda_checks/wgmma_serialized.cu, a kernel that reads

@@ -22,6 +22,11 @@
 #   and transformers; KILN_CLI_SHAPE=C,L,NH,KVH,FF) with the tokenizer.json of
 #   $KILN_CLI_TOKENIZER (default build-dir/tok; where it has none, a synthetic 151,936-token
 #   byte-level BPE written with `tokenizers`) and compares cpu and cuda greedy ids.
+# Skips: a GPU is visible when `nvidia-smi -L` lists one (without nvidia-smi, when
+# /proc/driver/nvidia/gpus has an entry). Where one is, every test and sanitizer run must run:
+# one that exits 77 (skipped), or a pytest run that reports a skipped test, fails the check,
+# named in the summary (CUDA_VISIBLE_DEVICES hiding the GPUs from the tests fails it too). Where
+# none is, exit 77 stays a skip, listed as such, and does not fail the check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 B=${1:-build-gpu}
@@ -32,6 +37,15 @@ gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ') || gpus=0
+if [ "$gpus" -eq 0 ] && [ -d /proc/driver/nvidia/gpus ]; then
+    gpus=$(find /proc/driver/nvidia/gpus -mindepth 1 -maxdepth 1 | wc -l)
+fi
+if [ "$gpus" -gt 0 ]; then
+    echo "GPUs visible: $gpus (a skipped test, exit 77 or a pytest skip, fails the check)"
+else
+    echo "no GPU visible: a test that exits 77 is skipped, not failed"
+fi
 echo "kiln $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 t0=$(date +%s)
 # shellcheck source=scripts/gpu-deps.sh
@@ -55,6 +69,17 @@ vocab=${KILN_VOCAB_DIR:-../shared/testdata/tokenizer-vectors}
 [ -d "$vocab" ] || vocab=$B/vocab
 export KILN_VOCAB_DIR=$vocab
 summary=()
+skipped=() # runs that exited 77 (or a pytest run with a skipped test)
+
+# skip NAME LOG: a run exited 77; with a GPU visible that fails the check, saying which
+skip() {
+    skipped+=("$1")
+    if [ "$gpus" -gt 0 ]; then
+        status=1
+        echo "---- $1 skipped (rc=77) with $gpus GPU(s) visible: a failure here"
+        grep -m 5 -i "skip" "$2"
+    fi
+}
 
 # run NAME LOGFILE CMD...: run a test, keep its rc and last line for the table
 run_test() {
@@ -68,11 +93,28 @@ run_test() {
     last=$(grep -v '^\s*$' "$log" | tail -1 | cut -c1-110)
     summary+=("$(printf '%-34s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - ts ))" "$last")")
     echo "${summary[${#summary[@]}-1]}"
-    if [ $rc -ne 0 ] && [ $rc -ne 77 ]; then
+    if [ $rc -eq 77 ]; then
+        skip "$name" "$log"
+    elif [ $rc -ne 0 ]; then
         status=1
         echo "---- $name failed (rc=$rc): first failures"
         grep -m 15 -i "fail\|mismatch\|error" "$log"
     fi
+}
+
+# pytest_run CMD...: run pytest; exit 77 where it passed but skipped a test (pytest exits 0
+# then), so that run_test counts the skip; -rs puts the skip reasons in the log
+# shellcheck disable=SC2317  # called through run_test
+pytest_run() {
+    local out rc
+    out=$("$@" 2>&1)
+    rc=$?
+    printf '%s\n' "$out"
+    if [ "$rc" -eq 0 ] && printf '%s\n' "$out" | grep -v '^\s*$' | tail -1 |
+        grep -qE '(^|[ ,=])[0-9]+ skipped'; then
+        return 77
+    fi
+    return "$rc"
 }
 
 if has tests; then
@@ -98,10 +140,11 @@ if has tests; then
     *" test_linear_ce_api "*)
         if python3 -c "import pytest, numpy, torch" 2>/dev/null; then
             run_test "test_linear_ce_api (pytest -k cuda)" "$LOG/test_linear_ce_api.log" \
-                env KILN_BUILD_DIR="$B" python3 -m pytest -q -p no:cacheprovider -k cuda \
-                tests/python/test_linear_ce_api.py
+                pytest_run env KILN_BUILD_DIR="$B" python3 -m pytest -q -rs -p no:cacheprovider \
+                -k cuda tests/python/test_linear_ce_api.py
         else
-            echo "test_linear_ce_api: not run (python3 lacks pytest, numpy or torch)"
+            summary+=("test_linear_ce_api: not run (python3 lacks pytest, numpy or torch)")
+            echo "${summary[${#summary[@]}-1]}"
         fi ;;
     esac
 fi
@@ -233,7 +276,11 @@ if has sanitizer && command -v compute-sanitizer >/dev/null; then
         rc=$?
         san+=("$(printf '%-10s %-22s rc=%-3s %s' "$tool" "$bin" "$rc" \
             "$(grep -o 'ERROR SUMMARY.*\|RACECHECK SUMMARY.*' "$LOG/san-$tool-$bin.log" | head -1)")")
-        [ $rc -eq 0 ] || [ $rc -eq 77 ] || status=1
+        if [ $rc -eq 77 ]; then
+            skip "$tool $bin" "$LOG/san-$tool-$bin.log"
+        elif [ $rc -ne 0 ]; then
+            status=1
+        fi
     done
 fi
 
@@ -257,5 +304,12 @@ done
 has cli && { echo "-- kiln generate"; printf '%s\n' "${cli_lines[@]}"; }
 echo "-- tests (rc 77 = skipped)"
 printf '%s\n' "${summary[@]}"
+if [ ${#skipped[@]} -gt 0 ]; then
+    if [ "$gpus" -gt 0 ]; then
+        echo "-- skipped with $gpus GPU(s) visible, each a failure: ${skipped[*]}"
+    else
+        echo "-- skipped (no GPU visible): ${skipped[*]}"
+    fi
+fi
 [ $status -eq 0 ] && echo "GPU CHECK PASSED" || echo "GPU CHECK FAILED"
 exit $status

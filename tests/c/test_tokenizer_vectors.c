@@ -204,9 +204,9 @@ int main(void) {
     char probe[1100];
     snprintf(probe, sizeof probe, "%s/ggml-vocab-gpt-2.gguf", dir);
     FILE *f = fopen(probe, "rb");
-    if (!f) {
+    if (!f) { /* 77: ctest's SKIP_RETURN_CODE, so the run reports it skipped, not passed */
         printf("SKIPPED: tokenizer vectors not found at %s\n", dir);
-        return 0;
+        return 77;
     }
     fclose(f);
     run_vocab(dir, "llama-bpe", 0);
