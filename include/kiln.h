@@ -10,6 +10,10 @@
  *     The library never calls exit() or abort() on any input.
  *   - Handles are opaque. Freeing NULL is a no-op. A handle is used from the thread that made
  *     it unless a function says otherwise.
+ *   - Contexts, trainers and losses on the same device (the CPU with the same thread count,
+ *     or one GPU) in the same arithmetic share one backend: its weight cache, stream and
+ *     workspaces (a teacher and a student on one GPU hold one copy of each weight). Such
+ *     handles are used from one thread at a time, one call after another.
  *   - Every allocation goes through the allocator set with kiln_set_allocator().
  *   - Output parameters are written only on success.
  */

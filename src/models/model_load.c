@@ -408,8 +408,19 @@ kiln_status kiln_model_open(const char *path, const kiln_model_params *params, k
     return KILN_OK;
 }
 
+/* A device backend may hold a copy of a matrix (its weight cache): drop it before the host
+ * memory goes. */
+static kiln_status forget_role(void *ctx, const kiln_param_role *r, int layer) {
+    kiln_model *m = ctx;
+    if (r->cols == KILN_DIM_ONE) return KILN_OK;
+    const kiln_tensor *t = *(const kiln_tensor **)kiln_model_role_slot(m, r, layer);
+    if (t) kiln_backends_forget(t->data, t->nbytes);
+    return KILN_OK;
+}
+
 void kiln_model_close(kiln_model *m) {
     if (!m) return;
+    if (m->arch && m->layers) (void)kiln_arch_walk(m->arch, m->cfg.n_layer, forget_role, m);
     kiln_tokenizer_free(m->tok);
     kiln_gguf_close(m->gguf);
     kiln_safetensors_close(m->st);

@@ -417,6 +417,10 @@ typedef struct kiln_backend_i {
                             int max_T, int NH, int KVH, int HS, float scale);
     void (*get_rows)(kiln_backend *be, float *out, const float *x, const int32_t *idx, int n,
                      int C);
+
+    /* Optional (NULL: nothing cached): drop every cached copy of host memory overlapping
+     * [host, host + nbytes) (kiln_backends_forget). */
+    void (*forget)(kiln_backend *be, const void *host, size_t nbytes);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */
@@ -447,6 +451,20 @@ kiln_status kiln_backend_cuda_create(int device, kiln_backend **out);
  * (docs/CUDA.md, "Fast mode"): not the CPU's bits, but deterministic from run to run on one
  * GPU model. */
 kiln_status kiln_backend_cuda_create_mode(int device, int fast, kiln_backend **out);
+
+/* The process's backend for a device (-1: the CPU with n_threads workers, 0 = all cores;
+ * >= 0: that CUDA device) in a mode (the CPU: fast_q8; CUDA: fast), shared by every engine
+ * that asks for the same one and reference counted: each acquire is paired with one
+ * kiln_backend_release, and the backend is freed with the last. A poisoned backend is not
+ * shared further (a new one is made). Engines that share a backend use it from one thread at
+ * a time (kiln.h: contexts, trainers and losses on one device are not used concurrently).
+ * kiln_backend_release of a backend that was not acquired frees it (kiln_backend_free). */
+kiln_status kiln_backend_acquire(int device, int mode, int n_threads, kiln_backend **out);
+void kiln_backend_release(kiln_backend *be);
+/* Every shared backend drops what it cached of host memory [host, host + nbytes) (a device
+ * backend's weight copies): called when that memory goes away (a model closes), so a later
+ * allocation at the same address is never mistaken for it. */
+void kiln_backends_forget(const void *host, size_t nbytes);
 
 /* The table's memory entries, with host-memory defaults for a backend that has none. */
 static inline void *kiln_backend_alloc(kiln_backend *be, size_t nbytes) {

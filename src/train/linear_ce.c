@@ -49,8 +49,7 @@ kiln_status kiln_linear_ce_create(int device, int fast, kiln_linear_ce **out) {
     if (!c) return kiln_error(KILN_ERR_NOMEM, "kiln_linear_ce_create: out of memory");
     c->device = device;
     c->fast = fast ? 1 : 0;
-    kiln_status st = device < 0 ? kiln_backend_cpu_create(0, &c->be)
-                                : kiln_backend_cuda_create_mode(device, c->fast, &c->be);
+    kiln_status st = kiln_backend_acquire(device, c->fast, 0, &c->be);
     if (st != KILN_OK) {
         kiln_free(c);
         return st; /* the backend named why */
@@ -63,7 +62,7 @@ void kiln_linear_ce_free(kiln_linear_ce *c) {
     if (!c) return;
     if (c->stats) kiln_backend_free_buf(c->be, c->stats);
     if (c->scratch) kiln_backend_free_buf(c->be, c->scratch);
-    kiln_backend_free(c->be);
+    kiln_backend_release(c->be);
     kiln_free(c);
 }
 

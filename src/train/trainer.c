@@ -690,7 +690,7 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     kiln_status st;
     if (p.device >= 0) {
         /* fast: bf16 tensor-core products forward and backward (docs/TRAINING.md, "Fast mode") */
-        st = kiln_backend_cuda_create_mode(p.device, p.fast ? 1 : 0, &t->be);
+        st = kiln_backend_acquire(p.device, p.fast ? 1 : 0, 0, &t->be);
         if (st != KILN_OK) { /* say which setting asked for CUDA, keep the backend's reason */
             char why[512];
             snprintf(why, sizeof why, "%s", kiln_last_error());
@@ -698,7 +698,7 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
             return kiln_error(st, "kiln_trainer_create: device %d (CUDA) unavailable: %s", p.device, why);
         }
     } else {
-        st = kiln_backend_cpu_create(p.n_threads, &t->be);
+        st = kiln_backend_acquire(-1, 0, p.n_threads, &t->be);
     }
     if (st == KILN_OK) t->host = strcmp(t->be->i->name, "cpu") == 0;
     if (st == KILN_OK && !t->host && p.fast && t->be->i->graph_begin) {
@@ -804,7 +804,7 @@ void kiln_trainer_free(kiln_trainer *t) {
     kiln_free(t->vec_index);
     kiln_free(t->layers);
     kiln_free(t->params);
-    kiln_backend_free(t->be);
+    kiln_backend_release(t->be);
     kiln_free(t);
 }
 

@@ -1,0 +1,86 @@
+/*
+ * backend_shared.c -- one backend per device and arithmetic per process, shared by every
+ * engine that uses it (contexts, trainers, losses; a teacher and a student), reference
+ * counted (ops.h kiln_backend_acquire).
+ *
+ * Sharing a device backend shares its weight cache, stream and workspaces: a teacher's and a
+ * student's forwards on one GPU hold one copy of each weight and run in order on one stream.
+ * A backend that a GPU failure has poisoned is not handed to new engines (they get a fresh
+ * one); its current users keep seeing the error, as the poisoning contract says.
+ */
+#include "ops.h"
+
+#include <pthread.h>
+
+typedef struct shared_backend {
+    struct shared_backend *next;
+    kiln_backend *be;
+    int device, mode, n_threads;
+    int refs;
+} shared_backend;
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static shared_backend *g_shared;
+
+kiln_status kiln_backend_acquire(int device, int mode, int n_threads, kiln_backend **out) {
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_acquire: out is NULL");
+    *out = NULL;
+    if (device < -1)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_acquire: device %d: use -1 (CPU) or a CUDA device index >= 0",
+                          device);
+    if (device >= 0) n_threads = 0; /* a GPU's backend has no thread pool of its own */
+    else if (n_threads <= 0) n_threads = kiln_cpu_count();
+    mode = mode ? 1 : 0;
+    pthread_mutex_lock(&g_lock);
+    for (shared_backend *s = g_shared; s; s = s->next) {
+        if (s->device != device || s->mode != mode || s->n_threads != n_threads) continue;
+        if (kiln_backend_poll(s->be) != KILN_OK) continue; /* poisoned: its users keep it */
+        s->refs++;
+        *out = s->be;
+        pthread_mutex_unlock(&g_lock);
+        return KILN_OK;
+    }
+    shared_backend *s = kiln_calloc(1, sizeof *s);
+    kiln_status st = s ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "kiln_backend_acquire: out of memory");
+    if (st == KILN_OK)
+        st = device >= 0 ? kiln_backend_cuda_create_mode(device, mode, &s->be)
+                         : kiln_backend_cpu_create_mode(n_threads, mode, &s->be);
+    if (st == KILN_OK) {
+        s->device = device;
+        s->mode = mode;
+        s->n_threads = n_threads;
+        s->refs = 1;
+        s->next = g_shared;
+        g_shared = s;
+        *out = s->be;
+    } else {
+        kiln_free(s);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
+void kiln_backend_release(kiln_backend *be) {
+    if (!be) return;
+    pthread_mutex_lock(&g_lock);
+    for (shared_backend **p = &g_shared; *p; p = &(*p)->next) {
+        shared_backend *s = *p;
+        if (s->be != be) continue;
+        if (--s->refs == 0) {
+            *p = s->next;
+            kiln_backend_free(s->be);
+            kiln_free(s);
+        }
+        pthread_mutex_unlock(&g_lock);
+        return;
+    }
+    pthread_mutex_unlock(&g_lock);
+    kiln_backend_free(be); /* not shared: its own */
+}
+
+void kiln_backends_forget(const void *host, size_t nbytes) {
+    pthread_mutex_lock(&g_lock);
+    for (shared_backend *s = g_shared; s; s = s->next)
+        if (s->be->i->forget) s->be->i->forget(s->be, host, nbytes);
+    pthread_mutex_unlock(&g_lock);
+}
