@@ -12,9 +12,10 @@
  * (norm weights, biases). A role may be conditional on a config flag (biases, q/k norms, an
  * untied head): a Hugging Face folder must then hold it exactly when the flag is set; a GGUF
  * file, which has no flags, may hold it or not, and the loader derives the flag from what it
- * finds. Where the role's weight is bound: `offset` bytes into the architecture's layer struct
- * (per-layer roles) or into struct kiln_model (per-model roles), a `const kiln_tensor *` for a
- * matrix and a `const float *` for a vector. A role that is absent is bound to NULL.
+ * finds. A role's weight is bound in a kiln_wref (a matrix's tensor or a vector's values, and a
+ * trainer's gradient): the model, a forward state's device copy and a trainer each hold one
+ * array of them, per-model roles by their index in the table and per-layer roles by layer and
+ * index (kiln_wref_of). A role that is absent has a kiln_wref of NULLs.
  *
  * Order: the table lists roles in transformers' named_parameters() order (per-model roles
  * before the layers, then each layer's roles, then the rest), which kiln_arch_walk expands
@@ -25,6 +26,7 @@
 #ifndef KILN_MODELS_ARCH_H
 #define KILN_MODELS_ARCH_H
 
+#include "../ops/ops.h"
 #include "config.h"
 
 /* A dimension of a parameter, from the config (models/config.h's names). */
@@ -69,8 +71,40 @@ typedef struct kiln_param_role {
      * within each of rope_heads heads (KILN_DIM_NH or KILN_DIM_KVH) for llama.cpp's
      * interleaved RoPE; the loader undoes it. KILN_DIM_ONE: not permuted. */
     kiln_dim rope_heads;
-    size_t offset;         /* where the bound pointer lives (see the file comment) */
 } kiln_param_role;
+
+/* One parameter as a forward and a backward read it. */
+typedef struct kiln_wref {
+    const kiln_tensor *mat; /* a matrix role: the weights the products take; NULL: absent */
+    const float *vec;       /* a vector role: f32 values in the backend's memory; NULL: absent */
+    float *grad;            /* training: its gradient (backend memory, f32, added to by the
+                             * backward); NULL: none (inference, or a frozen weight) */
+} kiln_wref;
+
+/* What a training forward and backward work in (kiln_arch_desc's train_* hooks). The caller
+ * (the trainer) sets the fields above the line and calls train_init, which allocates the
+ * activations for max_batch sequences of max_seq tokens in backend memory and fills the rest;
+ * before each forward the caller writes the rows' token ids and positions into ids and pos. */
+typedef struct kiln_train_io {
+    kiln_backend *be;
+    const struct kiln_model *model; /* the config, rope tables */
+    const kiln_wref *refs;          /* per-model roles, by role index */
+    const kiln_wref *layer_refs;    /* (L, n_layer_roles) */
+    int max_seq, max_batch;
+    int fast;                       /* the backend's fast arithmetic (bf16 activations where
+                                     * the backend has the ops) */
+    /* ---- filled by train_init ---- */
+    int32_t *ids, *pos;             /* (T) backend memory: the rows' token ids and positions */
+    float *xn;                      /* (T, C) the forward's output: the final norm's */
+    float *dxn;                     /* (T, C) the backward's input: d loss / d xn */
+    float *dx;                      /* (T, C) the backward's output: d loss / d embedding rows */
+    size_t bytes;                   /* backend memory held */
+    void *priv;                     /* the architecture's own state */
+} kiln_train_io;
+
+struct kiln_model;
+struct kiln_forward_state;
+struct kiln_batch;
 
 typedef struct kiln_arch_desc {
     kiln_arch id;
@@ -82,8 +116,25 @@ typedef struct kiln_arch_desc {
     bool always_qk_norm;       /* ... q/k RMSNorms (Qwen3) */
     const kiln_param_role *roles;
     int n_roles;
-    size_t layer_size;         /* bytes of one layer's weights struct (model.h) */
+    int first_layer_role, n_layer_roles; /* the per-layer roles: [first, first + n) */
+    int role_embed, role_final_norm, role_head; /* the per-model roles every architecture has */
+    /* Training: allocate io's activations, run the forward of n_seq sequences of seq tokens
+     * (io->ids, io->pos filled; output io->xn), its backward (input io->dxn; gradients added
+     * to the refs' grad; output io->dx, the embedding's gradient left to the caller), free. */
+    kiln_status (*train_init)(kiln_train_io *io);
+    void (*train_forward)(kiln_train_io *io, int n_seq, int seq);
+    void (*train_backward)(kiln_train_io *io, int n_seq, int seq);
+    void (*train_free)(kiln_train_io *io);
 } kiln_arch_desc;
+
+/* The kiln_wref of role r in layer `layer` (ignored for per-model roles): refs holds the
+ * per-model roles by role index, layer_refs the per-layer ones, n_layer_roles a layer. */
+static inline kiln_wref *kiln_wref_of(const kiln_arch_desc *a, kiln_wref *refs, kiln_wref *layer_refs,
+                                      const kiln_param_role *r, int layer) {
+    int i = (int)(r - a->roles);
+    if (!r->per_layer) return &refs[i];
+    return &layer_refs[(size_t)layer * (size_t)a->n_layer_roles + (size_t)(i - a->first_layer_role)];
+}
 
 /* The architecture of an id, or NULL. */
 const kiln_arch_desc *kiln_arch_get(kiln_arch id);

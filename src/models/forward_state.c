@@ -41,7 +41,7 @@ typedef struct vec_upload {
 static kiln_status upload_vector_role(void *ctx, const kiln_param_role *r, int layer) {
     vec_upload *u = ctx;
     if (r->cols != KILN_DIM_ONE || !r->per_layer) return KILN_OK; /* per-model: the final norm, below */
-    const float **slot = (const float **)kiln_layer_role_slot(u->fs->layers_owned, u->m->arch, r, layer);
+    const float **slot = &kiln_wref_of(u->m->arch, NULL, u->fs->layer_refs_owned, r, layer)->vec;
     if (!*slot) return KILN_OK;
     size_t len = (size_t)kiln_dim_value(&u->m->cfg, r->rows), rounded = (len + 15) & ~(size_t)15;
     if (u->pass == 1) {
@@ -56,10 +56,10 @@ static kiln_status upload_vector_role(void *ctx, const kiln_param_role *r, int l
 /* The per-layer vectors go after the final norm, which every architecture has (the only
  * per-model vector role). */
 static kiln_status upload_weight_vectors(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be) {
-    size_t L = (size_t)m->cfg.n_layer, lsz = m->arch->layer_size, C = (size_t)m->cfg.n_embd;
-    fs->layers_owned = kiln_calloc(L ? L : 1, lsz);
-    if (!fs->layers_owned) return kiln_error(KILN_ERR_NOMEM, "forward state: out of memory for the layer table");
-    memcpy(fs->layers_owned, m->layers, L * lsz);
+    size_t n = (size_t)m->cfg.n_layer * (size_t)m->arch->n_layer_roles, C = (size_t)m->cfg.n_embd;
+    fs->layer_refs_owned = kiln_calloc(n ? n : 1, sizeof *fs->layer_refs_owned);
+    if (!fs->layer_refs_owned) return kiln_error(KILN_ERR_NOMEM, "forward state: out of memory for the layer table");
+    memcpy(fs->layer_refs_owned, m->layer_refs, n * sizeof *fs->layer_refs_owned);
     const size_t head = (C + 15) & ~(size_t)15;
     vec_upload u = {fs, m, be, head, 0};
     KILN_TRY(kiln_arch_walk(m->arch, m->cfg.n_layer, upload_vector_role, &u));
@@ -72,7 +72,7 @@ static kiln_status upload_weight_vectors(kiln_forward_state *fs, const kiln_mode
     u.off = head;
     u.pass = 1;
     KILN_TRY(kiln_arch_walk(m->arch, m->cfg.n_layer, upload_vector_role, &u));
-    fs->layers = fs->layers_owned;
+    fs->layer_refs = fs->layer_refs_owned;
     return KILN_OK;
 }
 
@@ -154,7 +154,7 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
     if (fs->host_memory) {
         memcpy(table, fs->host_table, S * max_blocks * sizeof(int32_t));
         kiln_rope_tables_fill(m, n_ctx, fs->rope_cos, fs->rope_sin);
-        fs->layers = m->layers;
+        fs->layer_refs = m->layer_refs;
         fs->final_norm = m->final_norm;
         return KILN_OK;
     }
@@ -187,7 +187,7 @@ void kiln_forward_state_free(kiln_forward_state *fs) {
         kiln_backend_free_buf(fs->be, fs->logits);
         kiln_free(fs->h_batch);
     }
-    kiln_free(fs->layers_owned);
+    kiln_free(fs->layer_refs_owned);
     kiln_free(fs->host_table);
     kiln_free(fs->runs);
     memset(fs, 0, sizeof *fs);

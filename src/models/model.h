@@ -1,6 +1,6 @@
 /*
- * model.h -- a loaded Llama-family model: its description (config), its weights bound by
- * role, its tokenizer, and the forward pass.
+ * model.h -- a loaded model: its description (config, architecture), its weights bound by
+ * role (arch.h), its tokenizer, and the forward pass.
  *
  * Weights stay where the file put them (mapped GGUF or safetensors), except what must be
  * changed: small vectors (norms, biases) are widened to f32 once, Q/K rows of GGUF "llama"
@@ -16,21 +16,6 @@
 #include "arch.h"
 #include "config.h"
 
-typedef struct kiln_layer_weights {
-    const float *attn_norm;        /* (C) */
-    const kiln_tensor *wq;         /* (NH*HS, C) */
-    const kiln_tensor *wk;         /* (KVH*HS, C) */
-    const kiln_tensor *wv;         /* (KVH*HS, C) */
-    const kiln_tensor *wo;         /* (C, NH*HS) */
-    const float *bq, *bk, *bv, *bo; /* (NH*HS), (KVH*HS), (KVH*HS), (C), or NULL */
-    const float *q_norm, *k_norm;  /* (HS) Qwen3, or NULL */
-    const float *mlp_norm;         /* (C) */
-    const kiln_tensor *w_gate;     /* (FF, C) */
-    const kiln_tensor *w_up;       /* (FF, C) */
-    const kiln_tensor *w_down;     /* (C, FF) */
-    const float *b_gate, *b_up, *b_down; /* or NULL */
-} kiln_layer_weights;
-
 struct kiln_model {
     kiln_model_config cfg;
     const kiln_arch_desc *arch; /* its roles table and forward */
@@ -41,10 +26,11 @@ struct kiln_model {
     kiln_safetensors *st;
     kiln_tokenizer *tok;
 
-    const kiln_tensor *tok_embd; /* (V, C) */
-    const float *final_norm;     /* (C) */
+    kiln_wref *refs;        /* (arch->n_roles) the per-model roles' weights, by role index */
+    kiln_wref *layer_refs;  /* (L, arch->n_layer_roles) the per-layer roles' */
+    const kiln_tensor *tok_embd; /* (V, C) refs[role_embed].mat */
+    const float *final_norm;     /* (C) refs[role_final_norm].vec */
     const kiln_tensor *lm_head;  /* (V, C), == tok_embd when tied */
-    kiln_layer_weights *layers;  /* (L), arch->layer_size bytes each */
     const float *rope_freq_factors; /* (HS/2) divisors of inv_freq from GGUF rope_freqs, or NULL */
 
     /* storage the model owns: converted vectors, re-laid tensors (a chunk list) */
@@ -60,15 +46,12 @@ struct kiln_model {
     kiln_model_params params;
 };
 
-/* Where role r's weight is bound: in layer `layer` of a layer table (arch->layer_size bytes a
- * layer), or in the model (per-model roles; layer ignored). The slot holds a
- * const kiln_tensor * (matrix roles) or a const float * (vector roles), NULL when absent. */
-static inline void *kiln_layer_role_slot(void *layers, const kiln_arch_desc *a, const kiln_param_role *r,
-                                         int layer) {
-    return (char *)layers + (size_t)layer * a->layer_size + r->offset;
-}
-static inline void *kiln_model_role_slot(kiln_model *m, const kiln_param_role *r, int layer) {
-    return r->per_layer ? kiln_layer_role_slot(m->layers, m->arch, r, layer) : (char *)m + r->offset;
+/* Allocate m->refs and m->layer_refs (zeroed: every role absent) for m->arch and m->cfg. */
+kiln_status kiln_model_refs_alloc(kiln_model *m);
+
+/* The model's kiln_wref of role r in layer `layer` (ignored for per-model roles). */
+static inline kiln_wref *kiln_model_ref(kiln_model *m, const kiln_param_role *r, int layer) {
+    return kiln_wref_of(m->arch, m->refs, m->layer_refs, r, layer);
 }
 
 /* The block size of a forward state's KV cache (ops.h kiln_kv_pages): a multiple of
@@ -80,17 +63,18 @@ static inline void *kiln_model_role_slot(kiln_model *m, const kiln_param_role *r
  * order of their positions, and a sequence's cache holds its positions below each of its
  * tokens (stored by earlier forwards or earlier in this batch). Logits: of the n_out tokens
  * out[0..n_out) (token indices, increasing), or of every token when out is NULL. */
-typedef struct kiln_batch {
+struct kiln_batch {
     int n;
     const int32_t *ids, *pos, *seq;
     const int32_t *out;
     int n_out;
-} kiln_batch;
+};
+typedef struct kiln_batch kiln_batch;
 
 /* Per-context scratch for the forward pass, sized for n_batch tokens, and the KV cache.
  * Every float * below is memory of the backend the state was made for (docs/CUDA.md,
  * "Memory contract"). */
-typedef struct kiln_forward_state {
+struct kiln_forward_state {
     kiln_backend *be; /* the backend the buffers belong to (not owned) */
     int n_ctx, n_batch;
     /* The KV cache: per layer a pool of n_blocks blocks of KILN_KV_BLOCK positions, each
@@ -119,18 +103,19 @@ typedef struct kiln_forward_state {
     /* The weights the forward reads: the model's layers with their f32 vectors (norms,
      * biases, q/k norms) and the final norm in backend memory. On a host-memory backend
      * (cpu) these are the model's own pointers; on a device backend a copy owned here
-     * (layers_owned, vectors in wblock). The matrices stay the model's kiln_tensors (a device
+     * (layer_refs_owned, vectors in wblock). The matrices stay the model's kiln_tensors (a device
      * backend uploads and caches them on first use). */
-    const kiln_layer_weights *layers; /* (L) */
-    const float *final_norm;          /* (C) */
-    kiln_layer_weights *layers_owned;
+    const kiln_wref *layer_refs; /* (L, n_layer_roles) */
+    const float *final_norm;     /* (C) */
+    kiln_wref *layer_refs_owned;
     void *wblock;
     /* A device backend's logits buffer (backend memory, logits_cap floats), grown on demand
      * by the context; NULL on a host-memory backend, where logits go to the caller's array. */
     float *logits;
     size_t logits_cap;
     int host_memory; /* the backend's buffers are host memory (the cpu backend) */
-} kiln_forward_state;
+};
+typedef struct kiln_forward_state kiln_forward_state;
 
 /* Allocate the state on backend be (which must outlive it) for n_seq >= 1 sequences of up to
  * n_ctx positions and batches of up to n_batch tokens: scratch and KV cache through

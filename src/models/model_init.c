@@ -87,9 +87,9 @@ static kiln_status new_role(void *ctx, const kiln_param_role *r, int layer) {
     t->shape[2] = t->shape[3] = 1;
     t->data = data;
     t->nbytes = (size_t)n * sizeof(float);
-    void *slot = kiln_model_role_slot(c->m, r, layer);
-    if (r->cols == KILN_DIM_ONE) *(const float **)slot = data;
-    else *(const kiln_tensor **)slot = t;
+    kiln_wref *ref = kiln_model_ref(c->m, r, layer);
+    if (r->cols == KILN_DIM_ONE) ref->vec = data;
+    else ref->mat = t;
     return KILN_OK;
 }
 
@@ -159,8 +159,8 @@ kiln_status kiln_model_create(const char *config, const char *tokenizer_path, ui
                             tv, m->cfg.n_vocab);
     }
     if (st == KILN_OK) st = kiln_model_config_validate(&m->cfg, config);
-    if (st == KILN_OK && (m->cfg.attn_out_bias || m->cfg.mlp_bias || m->cfg.sliding_window))
-        st = kiln_error(KILN_ERR_UNSUPPORTED, "kiln_model_create: o_proj/MLP biases and sliding windows are not supported here");
+    if (st == KILN_OK && (m->cfg.mlp_bias || m->cfg.sliding_window))
+        st = kiln_error(KILN_ERR_UNSUPPORTED, "kiln_model_create: MLP biases and sliding windows are not supported here");
     m->path = kiln_strdup(config);
     m->name = kiln_strdup(config);
     m->arch = kiln_arch_get(m->cfg.arch);
@@ -174,11 +174,15 @@ kiln_status kiln_model_create(const char *config, const char *tokenizer_path, ui
     if (st == KILN_OK) {
         c.block = kiln_calloc(c.cap ? c.cap : 1, sizeof(float));
         c.tensors = kiln_calloc((size_t)(c.cap_tensors ? c.cap_tensors : 1), sizeof *c.tensors);
-        m->layers = kiln_calloc((size_t)m->cfg.n_layer, m->arch->layer_size);
-        if (!c.block || !c.tensors || !m->layers) st = kiln_error(KILN_ERR_NOMEM, "kiln_model_create: out of memory for weights");
+        if (!c.block || !c.tensors) st = kiln_error(KILN_ERR_NOMEM, "kiln_model_create: out of memory for weights");
     }
+    if (st == KILN_OK) st = kiln_model_refs_alloc(m);
     if (st == KILN_OK) st = kiln_arch_walk(m->arch, m->cfg.n_layer, new_role, &c);
-    if (st == KILN_OK && m->cfg.tie_embeddings) m->lm_head = m->tok_embd;
+    if (st == KILN_OK) {
+        m->tok_embd = m->refs[m->arch->role_embed].mat;
+        m->final_norm = m->refs[m->arch->role_final_norm].vec;
+        m->lm_head = m->cfg.tie_embeddings ? m->tok_embd : m->refs[m->arch->role_head].mat;
+    }
     if (st == KILN_OK) {
         /* the block and the tensor table are the model's own storage */
         m->chunks = NULL;

@@ -37,6 +37,14 @@ static kiln_tensor *model_new_tensor(kiln_model *m) {
 
 /* ---- binding one role ---------------------------------------------------------------------- */
 
+kiln_status kiln_model_refs_alloc(kiln_model *m) {
+    const kiln_arch_desc *a = m->arch;
+    m->refs = kiln_calloc((size_t)a->n_roles, sizeof *m->refs);
+    m->layer_refs = kiln_calloc((size_t)m->cfg.n_layer * (size_t)a->n_layer_roles + 1, sizeof *m->layer_refs);
+    if (!m->refs || !m->layer_refs) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory for the weight table", m->path);
+    return KILN_OK;
+}
+
 static bool dtype_is_matrix_ok(kiln_dtype t) {
     return t != KILN_DTYPE_I32 && t != KILN_DTYPE_I64 && t < KILN_DTYPE_COUNT;
 }
@@ -250,34 +258,48 @@ static kiln_status bind_role(void *ctx, const kiln_param_role *r, int layer) {
     kiln_role_name(r, m->gguf != NULL, layer, name, sizeof name);
     int optional = !kiln_role_wanted(r, c) || r->cond == KILN_COND_UNTIED;
     int64_t rows = kiln_dim_value(c, r->rows);
-    void *slot = kiln_model_role_slot(m, r, layer);
+    kiln_wref *ref = kiln_model_ref(m, r, layer);
     int permute = m->gguf && m->arch->gguf_qk_permuted && r->rope_heads != KILN_DIM_ONE;
     int heads = (int)kiln_dim_value(c, r->rope_heads);
     if (r->cols == KILN_DIM_ONE) {
-        const float **v = slot;
+        const float **v = &ref->vec;
         KILN_TRY(bind_vector(m, name, rows, optional, v));
         if (*v && permute) KILN_TRY(unpermute_vector(m, v, rows, heads));
         return KILN_OK;
     }
-    const kiln_tensor **t = slot;
+    const kiln_tensor **t = &ref->mat;
     KILN_TRY(bind_matrix(m, name, rows, kiln_dim_value(c, r->cols), optional, t));
     if (*t && permute) KILN_TRY(unpermute_rows(m, t, heads));
     if (*t && m->params.weight_mode == KILN_WEIGHTS_F32) KILN_TRY(widen_matrix(m, t));
     return KILN_OK;
 }
 
-/* Whether any layer binds the role at this offset of the layer struct. */
-static int any_layer_has(const kiln_model *m, size_t offset) {
-    for (int l = 0; l < m->cfg.n_layer; l++)
-        if (*(const void *const *)((const char *)m->layers + (size_t)l * m->arch->layer_size + offset)) return 1;
+/* Whether any layer binds a role of condition cond. */
+static int any_layer_has(const kiln_model *m, kiln_role_cond cond) {
+    const kiln_arch_desc *a = m->arch;
+    for (int i = a->first_layer_role; i < a->first_layer_role + a->n_layer_roles; i++) {
+        if (a->roles[i].cond != cond) continue;
+        for (int l = 0; l < m->cfg.n_layer; l++) {
+            const kiln_wref *w = kiln_model_ref((kiln_model *)m, &a->roles[i], l);
+            if (w->mat || w->vec) return 1;
+        }
+    }
     return 0;
+}
+
+/* The per-model roles every architecture has, as the model's convenience pointers. */
+static void bind_model_roles(kiln_model *m) {
+    const kiln_arch_desc *a = m->arch;
+    m->tok_embd = m->refs[a->role_embed].mat;
+    m->final_norm = m->refs[a->role_final_norm].vec;
+    m->lm_head = m->refs[a->role_head].mat;
 }
 
 static kiln_status bind_weights(kiln_model *m) {
     kiln_model_config *c = &m->cfg;
-    m->layers = kiln_calloc((size_t)c->n_layer, m->arch->layer_size);
-    if (!m->layers) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", m->path);
+    KILN_TRY(kiln_model_refs_alloc(m));
     KILN_TRY(kiln_arch_walk(m->arch, c->n_layer, bind_role, m));
+    bind_model_roles(m);
     /* The output head: a Hugging Face folder says whether it is tied; a GGUF file holds
      * output.weight or shares token_embd.weight. */
     if (!m->lm_head && m->st && !c->tie_embeddings)
@@ -289,10 +311,10 @@ static kiln_status bind_weights(kiln_model *m) {
     c->tie_embeddings = m->lm_head == NULL;
     if (!m->lm_head) m->lm_head = m->tok_embd;
     /* The flags say what the weights hold (a GGUF file has no flags of its own). */
-    c->attn_bias = any_layer_has(m, offsetof(kiln_layer_weights, bq));
-    c->attn_out_bias = any_layer_has(m, offsetof(kiln_layer_weights, bo));
-    c->mlp_bias = any_layer_has(m, offsetof(kiln_layer_weights, b_gate));
-    c->qk_norm = any_layer_has(m, offsetof(kiln_layer_weights, q_norm));
+    c->attn_bias = any_layer_has(m, KILN_COND_ATTN_BIAS);
+    c->attn_out_bias = any_layer_has(m, KILN_COND_OUT_BIAS);
+    c->mlp_bias = any_layer_has(m, KILN_COND_MLP_BIAS);
+    c->qk_norm = any_layer_has(m, KILN_COND_QK_NORM);
     /* Llama 3.1-style GGUFs carry the frequency factors as a tensor. */
     if (m->gguf) {
         const kiln_tensor *rf = kiln_gguf_find_tensor(m->gguf, "rope_freqs.weight");
@@ -412,15 +434,14 @@ kiln_status kiln_model_open(const char *path, const kiln_model_params *params, k
  * memory goes. */
 static kiln_status forget_role(void *ctx, const kiln_param_role *r, int layer) {
     kiln_model *m = ctx;
-    if (r->cols == KILN_DIM_ONE) return KILN_OK;
-    const kiln_tensor *t = *(const kiln_tensor **)kiln_model_role_slot(m, r, layer);
+    const kiln_tensor *t = kiln_model_ref(m, r, layer)->mat;
     if (t) kiln_backends_forget(t->data, t->nbytes);
     return KILN_OK;
 }
 
 void kiln_model_close(kiln_model *m) {
     if (!m) return;
-    if (m->arch && m->layers) (void)kiln_arch_walk(m->arch, m->cfg.n_layer, forget_role, m);
+    if (m->arch && m->refs && m->layer_refs) (void)kiln_arch_walk(m->arch, m->cfg.n_layer, forget_role, m);
     kiln_tokenizer_free(m->tok);
     kiln_gguf_close(m->gguf);
     kiln_safetensors_close(m->st);
@@ -431,7 +452,8 @@ void kiln_model_close(kiln_model *m) {
     }
     kiln_free(m->owned_tensors);
     kiln_free(m->init_block);
-    kiln_free(m->layers);
+    kiln_free(m->refs);
+    kiln_free(m->layer_refs);
     kiln_free(m->file_tensors);
     kiln_free(m->arch_name);
     kiln_free(m->name);
@@ -456,8 +478,8 @@ kiln_status kiln_model_get_info(const kiln_model *m, kiln_model_info *out) {
     i.rms_norm_eps = c->rms_eps;
     i.rope_theta = c->rope_theta;
     i.tied_embeddings = c->tie_embeddings;
-    i.attn_bias = m->layers && m->layers[0].bq != NULL;
-    i.qk_norm = m->layers && m->layers[0].q_norm != NULL;
+    i.attn_bias = c->attn_bias;
+    i.qk_norm = c->qk_norm;
     i.n_params = m->n_params;
     i.weight_bytes = m->weight_bytes;
     i.n_tensors = m->n_file_tensors;

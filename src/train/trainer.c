@@ -45,37 +45,6 @@ typedef struct train_param {
     kiln_tensor view16; /* fast mode with f32 weights: the bf16 copy's view (t->shadow) */
 } train_param;
 
-typedef struct train_layer {
-    train_param *attn_norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *bo, *q_norm, *k_norm;
-    train_param *mlp_norm, *gate, *up, *down;
-} train_layer;
-
-/* Saved activations of one layer, each (T, width). */
-typedef struct layer_acts {
-    float *x;     /* (T,C) layer input */
-    float *xb1;   /* (T,C) attn norm out */
-    float *qr;    /* (T,QD) q before the q norm (== q without one) */
-    float *kr;    /* (T,KD) */
-    float *q;     /* (T,QD) q after norm and rope */
-    float *k;     /* (T,KD) */
-    float *v;     /* (T,KD) */
-    float *att;   /* (T,QD) attention output */
-    float *x_mid; /* (T,C) residual after attention */
-    float *xb2;   /* (T,C) mlp norm out */
-    float *gate;  /* (T,FF) */
-    float *up;    /* (T,FF) */
-    float *hb;    /* (T,FF) silu(gate)*up */
-    float *lse;   /* attention_seqs' saved statistics (kiln_attention_lse_floats), or NULL */
-    /* with bf16 activations (t->acts16) xb1, xb2, hb, gate and up are kept only in bf16, here,
-     * and att too when the backend's attention writes it (att16); the f32 pointers above are
-     * then NULL */
-    uint16_t *xb1_16, *xb2_16, *hb16, *gate16, *up16, *att16;
-    /* with att16: the attention's own copy of q, k, v for the backward (ops.h attention_seqs'
-     * keep, kiln_attention_keep_bytes), RoPE applied by the attention; q, k, v then point at
-     * the trainer's shared scratch (qs, ks, vs), which holds them only until the attention */
-    void *keep;
-} layer_acts;
-
 struct kiln_trainer {
     kiln_model *model;
     kiln_model_config cfg;
@@ -86,7 +55,10 @@ struct kiln_trainer {
     train_param *params; /* (n_params) in transformers' named_parameters() order */
     int n_params;
     train_param *tok_embd, *final_norm, *lm_head;
-    train_layer *layers;
+    /* the parameters as the architecture's forward and backward read them (models/arch.h):
+     * per-model roles by role index, per-layer roles (L, n_layer_roles); a matrix's view is
+     * the bf16 copy where the trainer keeps one (shadow) */
+    kiln_wref *refs, *layer_refs;
     void *param_block; /* weights of every parameter */
     size_t param_bytes; /* bytes of param_block */
     /* Fast mode with f32 weights: a bf16 copy of param_block (element for element, so each
@@ -105,26 +77,9 @@ struct kiln_trainer {
     int *mat_index, *vec_index; /* param index of each optimizer slot */
     int n_mat, n_vec;
 
-    /* activations, sized for max_seq */
-    layer_acts *acts;
-    float *x_final, *xn; /* (T,C) */
-    /* Fast mode on a backend with the bf16-activation ops (ops.h rmsnorm_bf16, ...), C and FF
-     * multiples of 8 (KILN_BF16_ACTS=0 turns it off): mixed precision as PyTorch's bf16
-     * autocast keeps it. The products' inputs are written in bf16 by their producers (the
-     * values the products would round them to); the gate/up products write their results in
-     * bf16 and SwiGLU reads those; the attention output is bf16 (att16) where the backend's
-     * attention can write it; the residual adds run in the products' epilogues; the backward
-     * norms hand the next products a bf16 copy of dx (dx16). The residual stream, q, k, v
-     * and every gradient stay f32. */
-    int acts16;
-    uint16_t *dx16; /* acts16: (T,C) the bf16 copy of dx */
-    float *qs, *ks, *vs; /* with kept attention inputs: (T,QD), (T,KD), (T,KD) scratch */
-    float *act_block;
-    size_t act_bytes;
-    /* backward scratch */
-    float *dx, *dxb, *dxn, *datt, *dq, *dqr, *dk, *dkr, *dv, *dgate, *dup, *dhb, *rstd, *ws;
-    float *rope_cos, *rope_sin; /* (max_seq, HS/2) */
-    int32_t *pos, *ids; /* (T) the rows' positions and token ids, in backend memory */
+    /* the architecture's activations and backward scratch, sized for max_batch x max_seq rows
+     * (models/arch.h): ids, pos, xn, dxn, dx */
+    kiln_train_io io;
     int32_t *targets, *positions; /* host arrays (T) */
     int32_t *pos_host; /* device backends: the host copy of pos */
     int32_t *ids_host; /* device backends: the host copy of the pending step's ids (the
@@ -304,25 +259,6 @@ static train_param *add_param(kiln_trainer *t, const char *name, int64_t rows, i
     return p;
 }
 
-/* Where each per-layer role (by its place in the model's layer struct) goes in train_layer. */
-static const struct { size_t model, train; } g_layer_slots[] = {
-    {offsetof(kiln_layer_weights, attn_norm), offsetof(train_layer, attn_norm)},
-    {offsetof(kiln_layer_weights, wq), offsetof(train_layer, wq)},
-    {offsetof(kiln_layer_weights, wk), offsetof(train_layer, wk)},
-    {offsetof(kiln_layer_weights, wv), offsetof(train_layer, wv)},
-    {offsetof(kiln_layer_weights, wo), offsetof(train_layer, wo)},
-    {offsetof(kiln_layer_weights, bq), offsetof(train_layer, bq)},
-    {offsetof(kiln_layer_weights, bk), offsetof(train_layer, bk)},
-    {offsetof(kiln_layer_weights, bv), offsetof(train_layer, bv)},
-    {offsetof(kiln_layer_weights, bo), offsetof(train_layer, bo)},
-    {offsetof(kiln_layer_weights, q_norm), offsetof(train_layer, q_norm)},
-    {offsetof(kiln_layer_weights, k_norm), offsetof(train_layer, k_norm)},
-    {offsetof(kiln_layer_weights, mlp_norm), offsetof(train_layer, mlp_norm)},
-    {offsetof(kiln_layer_weights, w_gate), offsetof(train_layer, gate)},
-    {offsetof(kiln_layer_weights, w_up), offsetof(train_layer, up)},
-    {offsetof(kiln_layer_weights, w_down), offsetof(train_layer, down)},
-};
-
 /* The trainer's parameters are the model's roles (models/arch.h) that it binds, in the walk's
  * order (transformers' named_parameters()); a tied output head is the embedding's parameter.
  * count: only count them (t->params not yet allocated). */
@@ -335,8 +271,11 @@ typedef struct declare_ctx {
 static kiln_status declare_role(void *ctx, const kiln_param_role *r, int layer) {
     declare_ctx *d = ctx;
     kiln_trainer *t = d->t;
-    if (!*(const void **)kiln_model_role_slot(t->model, r, layer)) return KILN_OK; /* absent */
-    if (!r->per_layer && r->offset == offsetof(struct kiln_model, lm_head) && t->cfg.tie_embeddings) return KILN_OK;
+    const kiln_arch_desc *a = t->model->arch;
+    const kiln_wref *src = kiln_model_ref(t->model, r, layer);
+    if (!src->mat && !src->vec) return KILN_OK; /* absent */
+    const int role = (int)(r - a->roles);
+    if (role == a->role_head && t->cfg.tie_embeddings) return KILN_OK;
     if (!r->trainable)
         return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: '%s' is not a trainable role", r->hf);
     d->n++;
@@ -345,19 +284,45 @@ static kiln_status declare_role(void *ctx, const kiln_param_role *r, int layer) 
     kiln_role_name(r, false, layer, nm, sizeof nm);
     const int matrix = r->cols != KILN_DIM_ONE;
     train_param *p = add_param(t, nm, kiln_dim_value(&t->cfg, r->rows), kiln_dim_value(&t->cfg, r->cols), matrix);
-    train_param **dst = NULL;
-    if (!r->per_layer) {
-        if (r->offset == offsetof(struct kiln_model, tok_embd)) dst = &t->tok_embd;
-        else if (r->offset == offsetof(struct kiln_model, final_norm)) dst = &t->final_norm;
-        else if (r->offset == offsetof(struct kiln_model, lm_head)) dst = &t->lm_head;
-    } else {
-        for (size_t i = 0; i < sizeof g_layer_slots / sizeof g_layer_slots[0]; i++)
-            if (g_layer_slots[i].model == r->offset)
-                dst = (train_param **)(void *)((char *)&t->layers[layer] + g_layer_slots[i].train);
-    }
-    if (!dst) return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: the trainer has no place for '%s'", nm);
-    *dst = p;
+    if (role == a->role_embed) t->tok_embd = p;
+    else if (role == a->role_final_norm) t->final_norm = p;
+    else if (role == a->role_head) t->lm_head = p;
     return KILN_OK;
+}
+
+/* The kiln_wref of each parameter (bind_refs, after the parameters have memory), in the
+ * order declare_role made them. */
+static kiln_status ref_role(void *ctx, const kiln_param_role *r, int layer) {
+    declare_ctx *d = ctx;
+    kiln_trainer *t = d->t;
+    const kiln_arch_desc *a = t->model->arch;
+    const kiln_wref *src = kiln_model_ref(t->model, r, layer);
+    if (!src->mat && !src->vec) return KILN_OK;
+    const int role = (int)(r - a->roles);
+    kiln_wref *dst = kiln_wref_of(a, t->refs, t->layer_refs, r, layer);
+    if (role == a->role_head && t->cfg.tie_embeddings) { /* the embedding's parameter */
+        *dst = t->refs[a->role_embed];
+        return KILN_OK;
+    }
+    train_param *p = &t->params[d->n++];
+    if (r->cols == KILN_DIM_ONE) {
+        dst->vec = (const float *)p->w;
+    } else {
+        /* the embedding is a table lookup (its f32 or bf16 storage); products take the bf16
+         * copy where there is one */
+        dst->mat = t->shadow && role != a->role_embed ? &p->view16 : &p->view;
+    }
+    dst->grad = p->g;
+    return KILN_OK;
+}
+
+static kiln_status bind_refs(kiln_trainer *t) {
+    const kiln_arch_desc *a = t->model->arch;
+    t->refs = kiln_calloc((size_t)a->n_roles, sizeof *t->refs);
+    t->layer_refs = kiln_calloc((size_t)t->cfg.n_layer * (size_t)a->n_layer_roles + 1, sizeof *t->layer_refs);
+    if (!t->refs || !t->layer_refs) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    declare_ctx d = {t, 0, 0};
+    return kiln_arch_walk(a, t->cfg.n_layer, ref_role, &d);
 }
 
 static kiln_status declare_params(kiln_trainer *t, int count, int *n) {
@@ -397,13 +362,12 @@ typedef struct load_ctx {
 static kiln_status load_role(void *ctx, const kiln_param_role *r, int layer) {
     load_ctx *c = ctx;
     kiln_trainer *t = c->t;
-    const void *src = *(const void **)kiln_model_role_slot(t->model, r, layer);
-    if (!src) return KILN_OK;
-    if (!r->per_layer && r->offset == offsetof(struct kiln_model, lm_head) && t->cfg.tie_embeddings) return KILN_OK;
+    const kiln_wref *ref = kiln_model_ref(t->model, r, layer);
+    if (!ref->mat && !ref->vec) return KILN_OK;
+    if ((int)(r - t->model->arch->roles) == t->model->arch->role_head && t->cfg.tie_embeddings) return KILN_OK;
     if (c->next >= t->n_params) return kiln_error(KILN_ERR_INTERNAL, "trainer: more roles than parameters");
     train_param *p = &t->params[c->next++];
-    if (r->cols == KILN_DIM_ONE) return load_from_model(t, p, NULL, src, c->tmp, c->tmp16);
-    return load_from_model(t, p, src, NULL, c->tmp, c->tmp16);
+    return load_from_model(t, p, ref->mat, ref->vec, c->tmp, c->tmp16);
 }
 
 static void bind_views(train_param *p) {
@@ -463,152 +427,23 @@ static kiln_status create_optimizers(kiln_trainer *t) {
 
 /* ---- arenas ------------------------------------------------------------------------------ */
 
-/* Carve sizes[i] floats (256-byte aligned each: ops.h attention_seqs' keep) from one zeroed
- * block of backend memory; slots[i] receive pointers. */
-static kiln_status carve(kiln_trainer *t, float ***slots, const size_t *sizes, int n, float **block, size_t *bytes,
-                         const char *what) {
-    size_t total = 0;
-    for (int i = 0; i < n; i++) {
-        size_t s = (sizes[i] + 63) & ~(size_t)63;
-        if (kiln_add_overflow(total, s, &total)) return kiln_error(KILN_ERR_RANGE, "trainer: %s too large", what);
-    }
-    size_t b;
-    if (kiln_mul_overflow(total, sizeof(float), &b)) return kiln_error(KILN_ERR_RANGE, "trainer: %s too large", what);
-    float *blk = bmem_alloc(t, b, what);
-    if (!blk) return KILN_ERR_NOMEM;
-    size_t off = 0;
-    for (int i = 0; i < n; i++) {
-        *slots[i] = blk + off;
-        off += (sizes[i] + 63) & ~(size_t)63;
-    }
-    *block = blk;
-    *bytes = b;
-    return KILN_OK;
-}
-
+/* The architecture's activations (models/arch.h train_init) and the trainer's own step
+ * arrays: targets and positions, the loss's statistics, the CPU's kept logits. */
 static kiln_status alloc_activations(kiln_trainer *t) {
     const kiln_model_config *c = &t->cfg;
-    /* T: rows (tokens of the largest batch), S: positions of one sequence */
-    size_t S = (size_t)t->p.max_seq, T = S * (size_t)t->p.max_batch, C = (size_t)c->n_embd, FF = (size_t)c->n_ff;
-    size_t HS = (size_t)c->head_dim, QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS;
-    int L = c->n_layer, qk = c->qk_norm || (t->layers[0].q_norm != NULL);
-    t->acts = kiln_calloc((size_t)L, sizeof *t->acts);
-    if (!t->acts) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    enum { PER_LAYER = 21, N_SCRATCH = 22 };
-    /* a backend with batched attention saves each layer's softmax statistics for the backward */
-    const kiln_backend_i *op = t->be->i;
-    const int seqs = op->attention_seqs && op->attention_backward_seqs;
-    /* KILN_BF16_ACTS=0: keep them in f32 (A/B checks) */
-    t->acts16 = t->p.fast && !t->host && op->rmsnorm_bf16 && op->swiglu_bf16 && op->matmul_multi_bf16x &&
-                op->matmul_backward_multi_bf16x && op->swiglu_backward_bf16 && op->rmsnorm_backward_bf16 &&
-                C % 8 == 0 && FF % 8 == 0 && !kiln_env_off("KILN_BF16_ACTS");
-    const size_t f32_in = t->acts16 ? 0 : 1, b16_in = t->acts16 ? 1 : 0; /* where xb1, xb2, hb live */
-    /* the attention output in bf16: the batched attention's flash kernels (head size 64 or
-     * 128, ops.h attention_seqs' out16; a shape a backend refuses would fail the step) */
-    const int att16 = t->acts16 && seqs && (HS == 64 || HS == 128) && QD % 8 == 0;
-    const size_t att_f32 = att16 ? 0 : 1, att_b16 = att16 ? 1 : 0;
-    /* and then the attention keeps its own copy of q, k, v (RoPE applied by it): the trainer
-     * holds them in scratch only until the attention has run */
-    const size_t keep = att16 ? (kiln_attention_keep_bytes(t->p.max_batch, (int)S, c->n_head, c->n_head_kv, (int)HS) +
-                                 3) / 4
-                              : 0;
-    const size_t qkv_saved = keep ? 0 : 1;
-    size_t lse = seqs ? kiln_attention_lse_floats(t->p.max_batch, (int)S, c->n_head) : 0;
-    size_t ws = kiln_attention_backward_ws_floats((int)S, 0, c->n_head, c->n_head_kv, (int)HS);
-    if (seqs) {
-        size_t wb = kiln_attention_backward_seqs_ws_floats(t->p.max_batch, (int)S, c->n_head, c->n_head_kv, (int)HS);
-        if (wb > ws) ws = wb;
-    }
-    int n = L * PER_LAYER + 2 + N_SCRATCH;
-    float ***slots = kiln_calloc((size_t)n, sizeof *slots);
-    size_t *sizes = kiln_calloc((size_t)n, sizeof *sizes);
-    if (!slots || !sizes) {
-        kiln_free(slots);
-        kiln_free(sizes);
-        return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    }
-    int k = 0;
-    for (int l = 0; l < L; l++) {
-        layer_acts *a = &t->acts[l];
-        /* the bf16 ones in floats: C and FF are multiples of 8 when they are used */
-        float **ps[PER_LAYER] = {&a->x,   &a->xb1, &a->qr, &a->kr, &a->q,   &a->k,   &a->v,
-                                 &a->att, &a->x_mid, &a->xb2, &a->gate, &a->up, &a->hb, &a->lse,
-                                 (float **)&a->xb1_16, (float **)&a->xb2_16, (float **)&a->hb16,
-                                 (float **)&a->gate16, (float **)&a->up16, (float **)&a->att16,
-                                 (float **)&a->keep};
-        size_t ss[PER_LAYER] = {T * C,               f32_in * T * C,      qk ? T * QD : 0,     qk ? T * KD : 0,
-                                qkv_saved * T * QD,  qkv_saved * T * KD,  qkv_saved * T * KD,  att_f32 * T * QD,
-                                T * C,               f32_in * T * C,      f32_in * T * FF,     f32_in * T * FF,
-                                f32_in * T * FF,     lse,                 b16_in * T * C / 2,  b16_in * T * C / 2,
-                                b16_in * T * FF / 2, b16_in * T * FF / 2, b16_in * T * FF / 2, att_b16 * T * QD / 2,
-                                keep};
-        for (int i = 0; i < PER_LAYER; i++) {
-            slots[k] = ps[i];
-            sizes[k++] = ss[i];
-        }
-    }
-    slots[k] = &t->x_final, sizes[k++] = T * C;
-    slots[k] = &t->xn, sizes[k++] = T * C;
-    size_t NHT = T * (size_t)c->n_head;
-    /* pos and ids: in the block (backend memory); a device fills them by uploads */
-    size_t ints = T;
-    /* with acts16, dgate holds T x 2FF bf16 (the gate and up gradients, side by side or one
-     * after the other; the q, k, v products' dy in the attention's backward) and dup nothing */
-    const size_t dg_n = T * FF, du_n = t->acts16 ? 0 : T * FF;
-    float **sp[N_SCRATCH] = {&t->dx, &t->dxb, &t->dxn, &t->datt, &t->dq, &t->dqr, &t->dk, &t->dkr, &t->dv,
-                             &t->dgate, &t->dup, &t->dhb, &t->rstd, &t->ws, &t->rope_cos, &t->rope_sin,
-                             (float **)&t->pos, (float **)&t->ids, (float **)&t->dx16, &t->qs, &t->ks, &t->vs};
-    size_t sz[N_SCRATCH] = {T * C, T * C, T * C, T * QD, T * QD, qk ? T * QD : 0, T * KD, qk ? T * KD : 0, T * KD,
-                            dg_n, du_n, T * FF, NHT > T * (size_t)c->n_head_kv ? NHT : T,
-                            ws,
-                            S * HS / 2, S * HS / 2, ints, ints, b16_in * T * C / 2, (1 - qkv_saved) * T * QD,
-                            (1 - qkv_saved) * T * KD, (1 - qkv_saved) * T * KD};
-    for (int i = 0; i < N_SCRATCH; i++) {
-        slots[k] = sp[i];
-        sizes[k++] = sz[i];
-    }
-    kiln_status st = carve(t, slots, sizes, k, &t->act_block, &t->act_bytes, "activations");
-    kiln_free(slots);
-    kiln_free(sizes);
-    if (st != KILN_OK) return st;
+    size_t T = (size_t)t->p.max_seq * (size_t)t->p.max_batch;
+    t->io.be = t->be;
+    t->io.model = t->model;
+    t->io.refs = t->refs;
+    t->io.layer_refs = t->layer_refs;
+    t->io.max_seq = t->p.max_seq;
+    t->io.max_batch = t->p.max_batch;
+    t->io.fast = t->p.fast;
+    KILN_TRY(t->model->arch->train_init(&t->io));
     if (!t->host) {
         t->pos_host = kiln_calloc(T, sizeof(int32_t));
         t->ids_host = kiln_calloc(T, sizeof(int32_t));
         if (!t->pos_host || !t->ids_host) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    }
-    for (int l = 0; l < L; l++) {
-        if (!qk) {
-            t->acts[l].qr = t->acts[l].q;
-            t->acts[l].kr = t->acts[l].k;
-        }
-        if (!lse) t->acts[l].lse = NULL;
-        layer_acts *a = &t->acts[l];
-        if (t->acts16) {
-            a->xb1 = a->xb2 = a->hb = a->gate = a->up = NULL;
-        } else {
-            a->xb1_16 = a->xb2_16 = a->hb16 = a->gate16 = a->up16 = NULL;
-        }
-        if (att16)
-            a->att = NULL;
-        else
-            a->att16 = NULL;
-        if (keep) { /* q, k, v in the shared scratch (qr, kr: q, k without q/k norms) */
-            a->q = t->qs;
-            a->k = t->ks;
-            a->v = t->vs;
-            if (!qk) {
-                a->qr = a->q;
-                a->kr = a->k;
-            }
-        } else {
-            a->keep = NULL;
-        }
-    }
-    if (!t->acts16) t->dx16 = NULL;
-    if (!keep) t->qs = t->ks = t->vs = NULL;
-    if (!qk) {
-        t->dqr = t->dq;
-        t->dkr = t->dk;
     }
     t->targets = kiln_calloc(2 * T, sizeof(int32_t));
     if (!t->targets) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
@@ -623,23 +458,8 @@ static kiln_status alloc_activations(kiln_trainer *t) {
                                            t->p.ce_keep_mib);
     }
     t->positions = t->targets + T;
-    if (t->host) {
-        kiln_rope_tables_fill(t->model, (int)S, t->rope_cos, t->rope_sin);
-        return KILN_OK;
-    }
-    /* a device: the rope tables computed on the host and uploaded */
-    size_t tab = S * HS / 2;
-    float *host = kiln_malloc((tab ? tab : 1) * 2 * sizeof(float));
-    if (!host) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for the rope tables");
-    kiln_rope_tables_fill(t->model, (int)S, host, host + tab);
-    st = kiln_backend_upload(t->be, t->rope_cos, host, tab * sizeof(float));
-    if (st == KILN_OK) st = kiln_backend_upload(t->be, t->rope_sin, host + tab, tab * sizeof(float));
-    kiln_free(host);
-    if (st != KILN_OK) return st;
-return KILN_OK;
+    return KILN_OK;
 }
-
-/* ---- create / free ----------------------------------------------------------------------- */
 
 kiln_train_params kiln_train_default_params(void) {
     kiln_train_params p;
@@ -678,9 +498,8 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     if (p.fast && p.device < 0)
         return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: fast is a GPU mode (the CPU has no fast training): "
                                                 "set device to a CUDA device index >= 0, or fast to 0");
-    for (int l = 0; l < m->cfg.n_layer; l++)
-        if (m->layers[l].b_gate || m->layers[l].b_up || m->layers[l].b_down)
-            return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: MLP biases (mlp_bias) are not trainable yet");
+    if (m->cfg.mlp_bias)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: MLP biases (mlp_bias) are not trainable yet");
     kiln_trainer *t = kiln_calloc(1, sizeof *t);
     if (!t) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
     t->model = m;
@@ -710,10 +529,9 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     if (st == KILN_OK) st = declare_params(t, 1, &max_params);
     if (st == KILN_OK) {
         t->params = kiln_calloc((size_t)max_params, sizeof *t->params);
-        t->layers = kiln_calloc((size_t)t->cfg.n_layer, sizeof *t->layers);
         t->mat_index = kiln_calloc((size_t)max_params, sizeof(int));
         t->vec_index = kiln_calloc((size_t)max_params, sizeof(int));
-        if (!t->params || !t->layers || !t->mat_index || !t->vec_index)
+        if (!t->params || !t->mat_index || !t->vec_index)
             st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
     }
     if (st == KILN_OK) st = declare_params(t, 0, NULL);
@@ -772,6 +590,7 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
         kiln_free(tmp);
         kiln_free(tmp16);
     }
+    if (st == KILN_OK) st = bind_refs(t);
     if (st == KILN_OK) st = alloc_activations(t);
     if (st == KILN_OK) st = create_optimizers(t);
     if (st != KILN_OK) {
@@ -795,14 +614,14 @@ void kiln_trainer_free(kiln_trainer *t) {
     bmem_free(t, t->ce_stats);
     kiln_free(t->ce_stats_host);
     kiln_free(t->ce_keep);
-    bmem_free(t, t->act_block);
-    kiln_free(t->acts);
+    if (t->model && t->model->arch->train_free) t->model->arch->train_free(&t->io);
+    kiln_free(t->refs);
+    kiln_free(t->layer_refs);
     bmem_free(t, t->param_block);
     bmem_free(t, t->shadow);
     bmem_free(t, t->grad_block);
     kiln_free(t->mat_index);
     kiln_free(t->vec_index);
-    kiln_free(t->layers);
     kiln_free(t->params);
     kiln_backend_release(t->be);
     kiln_free(t);
@@ -810,173 +629,10 @@ void kiln_trainer_free(kiln_trainer *t) {
 
 /* ---- forward ------------------------------------------------------------------------------- */
 
-#define VEC(p) ((p) ? (const float *)(p)->w : NULL)
-#define GRAD(p) ((p) ? (p)->g : NULL)
-
 /* The weight view a matrix product takes: the bf16 copy where the trainer keeps one. */
 static const kiln_tensor *mat_view(const kiln_trainer *t, const train_param *p) {
     return t->shadow ? &p->view16 : &p->view;
 }
-
-/* The n matrices P[i] as one product (backward): their weight views lie back to back in one
- * dtype with one width C, and their gradients too, so one GEMM of sum(rows) x C does the
- * work of n (fewer, larger products). *out: the stacked view (P[0]'s name); false: not so
- * laid out (the caller runs n products). */
-static bool stacked_view(const kiln_trainer *t, const train_param *const *P, int n, kiln_tensor *out) {
-    const kiln_tensor *v0 = mat_view(t, P[0]);
-    if (v0->n_dims != 2 || (v0->dtype != KILN_DTYPE_BF16 && v0->dtype != KILN_DTYPE_F32)) return false;
-    const int64_t C = v0->shape[1];
-    const size_t es = v0->dtype == KILN_DTYPE_BF16 ? 2 : 4;
-    int64_t rows = 0;
-    for (int i = 0; i < n; i++) {
-        const kiln_tensor *v = mat_view(t, P[i]);
-        if (v->n_dims != 2 || v->dtype != v0->dtype || v->shape[1] != C ||
-            (const uint8_t *)v->data != (const uint8_t *)v0->data + (size_t)rows * (size_t)C * es ||
-            P[i]->g != P[0]->g + rows * C)
-            return false;
-        rows += v->shape[0];
-    }
-    *out = *v0;
-    out->shape[0] = rows;
-    out->nbytes = (size_t)rows * (size_t)C * es;
-    return true;
-}
-
-/* The ops' views of n weights and biases (bias[i] NULL: none). */
-static void product_views(const kiln_trainer *t, int n, const train_param *const *W, const train_param *const *bias,
-                          const kiln_tensor **wv, const float **bv) {
-    for (int i = 0; i < n; i++) {
-        wv[i] = mat_view(t, W[i]);
-        bv[i] = VEC(bias[i]);
-    }
-}
-
-/* bf16 activations (t->acts16): n products of x16, each into out16[i] (bf16; out16 NULL:
- * out[i] f32) and plus add[i] (f32, NULL: none; ops.h matmul_multi_bf16x). */
-static void matmul_n16(const kiln_trainer *t, int n, float *const *out, uint16_t *const *out16,
-                       const float *const *add, const uint16_t *x16, const train_param *const *W,
-                       const train_param *const *bias, int N) {
-    const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
-    const float *bv[KILN_MATMUL_MULTI_MAX];
-    product_views(t, n, W, bias, wv, bv);
-    t->be->i->matmul_multi_bf16x(t->be, n, out, out16, add, x16, wv, bv, N);
-}
-
-/* n products of one input, out[i] = x @ W[i]^T + bias[i], the input in f32 (x) or bf16 (x16,
- * x NULL): one matmul_multi(_bf16x) call where the backend has it (the same bits), else n
- * matmul calls. */
-static void matmul_n(const kiln_trainer *t, int n, float *const *out, const float *x, const uint16_t *x16,
-                     const train_param *const *W, const train_param *const *bias, int N) {
-    if (x16) {
-        matmul_n16(t, n, out, NULL, NULL, x16, W, bias, N);
-        return;
-    }
-    kiln_backend *be = t->be;
-    const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
-    const float *bv[KILN_MATMUL_MULTI_MAX];
-    product_views(t, n, W, bias, wv, bv);
-    if (be->i->matmul_multi)
-        be->i->matmul_multi(be, n, out, x, wv, bv, N);
-    else
-        for (int i = 0; i < n; i++) be->i->matmul(be, out[i], x, wv[i], bv[i], N);
-}
-
-/* The backward of matmul_n: dx (+)= sum of dy[i] @ W[i] in order, each W[i]'s and bias[i]'s
- * gradients accumulated: one matmul_backward_multi call where the backend has it (the same
- * bits), else n matmul_backward calls (the first with accumulate_dx). */
-static void matmul_backward_n(const kiln_trainer *t, int n, float *dx, const float *const *dy,
-                              const uint16_t *const *dy16, const float *x, const uint16_t *x16,
-                              const train_param *const *W, const train_param *const *bias, int N, bool accumulate_dx) {
-    kiln_backend *be = t->be;
-    const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
-    float *dw[KILN_MATMUL_MULTI_MAX], *db[KILN_MATMUL_MULTI_MAX];
-    for (int i = 0; i < n; i++) {
-        wv[i] = mat_view(t, W[i]);
-        dw[i] = W[i]->g;
-        db[i] = GRAD(bias[i]);
-    }
-    if (x16)
-        be->i->matmul_backward_multi_bf16x(be, n, dx, dw, db, dy, dy16, x16, wv, N, accumulate_dx);
-    else if (be->i->matmul_backward_multi)
-        be->i->matmul_backward_multi(be, n, dx, dw, db, dy, x, wv, N, accumulate_dx);
-    else
-        for (int i = 0; i < n; i++)
-            be->i->matmul_backward(be, dx, dw[i], db[i], dy[i], x, wv[i], N, i > 0 || accumulate_dx);
-}
-
-/* The layer work of a forward (ids and pos in place): n_seq sequences of seq tokens each,
- * back to back: every op takes the T = n_seq x seq rows at once (each row's result is the one
- * it has alone); attention keeps each sequence to its own keys (attention_seqs where the
- * backend has it, saving the softmax statistics for the backward; else a call per sequence);
- * positions restart at 0 in each. */
-static void forward_layers(kiln_trainer *t, int n_seq, int seq) {
-    const kiln_model_config *c = &t->cfg;
-    kiln_backend *be = t->be;
-    const kiln_backend_i *op = be->i;
-    int C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
-    int T = n_seq * seq;
-    size_t QD = (size_t)NH * HS, KD = (size_t)KVH * HS;
-    float eps = c->rms_eps, scale = (float)(1.0 / sqrt((double)HS));
-    op->embed(be, t->acts[0].x, &t->tok_embd->view, t->ids, T);
-    for (int l = 0; l < c->n_layer; l++) {
-        const train_layer *w = &t->layers[l];
-        layer_acts *a = &t->acts[l];
-        float *x_next = l + 1 < c->n_layer ? t->acts[l + 1].x : t->x_final;
-        if (t->acts16)
-            op->rmsnorm_bf16(be, a->xb1_16, a->x, VEC(w->attn_norm), T, C, eps);
-        else
-            op->rmsnorm(be, a->xb1, a->x, VEC(w->attn_norm), T, C, eps);
-        float *qkv[3] = {a->qr, a->kr, a->v};
-        const train_param *wqkv[3] = {w->wq, w->wk, w->wv}, *bqkv[3] = {w->bq, w->bk, w->bv};
-        matmul_n(t, 3, qkv, a->xb1, a->xb1_16, wqkv, bqkv, T);
-        if (w->q_norm) op->rmsnorm(be, a->q, a->qr, VEC(w->q_norm), T * NH, HS, eps);
-        if (w->k_norm) op->rmsnorm(be, a->k, a->kr, VEC(w->k_norm), T * KVH, HS, eps);
-        if (!a->keep) { /* else the attention applies RoPE as it keeps its copy of q, k, v */
-            op->rope(be, a->q, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
-            op->rope(be, a->k, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
-        }
-        if (op->attention_seqs && op->attention_backward_seqs) /* all sequences at once */
-            op->attention_seqs(be, a->att, a->att16, a->lse, a->keep, a->keep ? t->pos : NULL, t->rope_cos,
-                               t->rope_sin, a->q, a->k, a->v, n_seq, seq, NH, KVH, HS, scale);
-        else
-            for (int b = 0; b < n_seq; b++) {
-                size_t r = (size_t)b * seq;
-                op->attention(be, a->att + r * QD, a->q + r * QD, a->k + r * KD, a->v + r * KD, seq, 0, NH, KVH,
-                              HS, scale);
-            }
-        const train_param *nob[2] = {NULL, NULL};
-        if (a->att16) { /* x_mid = x + o, the add in the product's epilogue */
-            const train_param *wo[1] = {w->wo}, *bo[1] = {w->bo};
-            const float *res[1] = {a->x};
-            matmul_n16(t, 1, &a->x_mid, NULL, res, a->att16, wo, bo, T);
-        } else { /* x_mid = o + x: IEEE addition commutes, so the bits of x + o, with no copy */
-            op->matmul(be, a->x_mid, a->att, mat_view(t, w->wo), VEC(w->bo), T);
-            op->add(be, a->x_mid, a->x, (size_t)T * C);
-        }
-        if (t->acts16)
-            op->rmsnorm_bf16(be, a->xb2_16, a->x_mid, VEC(w->mlp_norm), T, C, eps);
-        else
-            op->rmsnorm(be, a->xb2, a->x_mid, VEC(w->mlp_norm), T, C, eps);
-        const train_param *wgu[2] = {w->gate, w->up};
-        if (t->acts16) { /* gate, up in bf16; x_next = x_mid + down(h) in the epilogue */
-            uint16_t *gu16[2] = {a->gate16, a->up16};
-            matmul_n16(t, 2, NULL, gu16, NULL, a->xb2_16, wgu, nob, T);
-            op->swiglu_bf16(be, a->hb16, a->gate16, a->up16, (size_t)T * FF);
-            const train_param *wd[1] = {w->down};
-            const float *res[1] = {a->x_mid};
-            matmul_n16(t, 1, &x_next, NULL, res, a->hb16, wd, nob, T);
-        } else {
-            float *gu[2] = {a->gate, a->up};
-            matmul_n(t, 2, gu, a->xb2, NULL, wgu, nob, T);
-            op->swiglu(be, a->hb, a->gate, a->up, (size_t)T * FF);
-            op->matmul(be, x_next, a->hb, mat_view(t, w->down), NULL, T);
-            op->add(be, x_next, a->x_mid, (size_t)T * C);
-        }
-    }
-    op->rmsnorm(be, t->xn, t->x_final, VEC(t->final_norm), T, C, eps);
-}
-
-static void backward_layers(kiln_trainer *t, int n_seq, int seq);
 
 static void drop_graphs(kiln_trainer *t) {
     if (t->g_fwd) t->be->i->graph_free(t->be, t->g_fwd);
@@ -989,6 +645,10 @@ static void drop_graphs(kiln_trainer *t) {
 /* work(t, n_seq, seq): plainly, or (t->graphs) through the graph *graph of this shape, which
  * is recorded on the second call at the shape (*runs counts the plain ones) and replayed from
  * then on; recorded again when the backend says a workspace it used was reallocated. */
+/* The architecture's layer work of a forward and a backward (models/arch.h). */
+static void forward_layers(kiln_trainer *t, int n_seq, int seq) { t->model->arch->train_forward(&t->io, n_seq, seq); }
+static void backward_layers(kiln_trainer *t, int n_seq, int seq) { t->model->arch->train_backward(&t->io, n_seq, seq); }
+
 static kiln_status run_layers(kiln_trainer *t, void **graph, int *runs, void (*work)(kiln_trainer *, int, int),
                               int n_seq, int seq) {
     kiln_backend *be = t->be;
@@ -1031,17 +691,17 @@ static kiln_status forward(kiln_trainer *t, const int32_t *ids, int n_seq, int s
     }
     int T = n_seq * seq;
     if (t->host) {
-        for (int n = 0; n < T; n++) t->pos[n] = n % seq;
-        memcpy(t->ids, ids, (size_t)T * sizeof(int32_t));
+        for (int n = 0; n < T; n++) t->io.pos[n] = n % seq;
+        memcpy(t->io.ids, ids, (size_t)T * sizeof(int32_t));
     } else {
         if (t->pos_seq != seq || t->pos_rows < T) { /* positions depend on seq alone */
             for (int n = 0; n < T; n++) t->pos_host[n] = n % seq;
             t->pos_seq = 0;
-            KILN_TRY(kiln_backend_upload(be, t->pos, t->pos_host, (size_t)T * sizeof(int32_t)));
+            KILN_TRY(kiln_backend_upload(be, t->io.pos, t->pos_host, (size_t)T * sizeof(int32_t)));
             t->pos_seq = seq;
             t->pos_rows = T;
         }
-        KILN_TRY(kiln_backend_upload(be, t->ids, ids, (size_t)T * sizeof(int32_t)));
+        KILN_TRY(kiln_backend_upload(be, t->io.ids, ids, (size_t)T * sizeof(int32_t)));
         memcpy(t->ids_host, ids, (size_t)T * sizeof(int32_t));
     }
     return run_layers(t, &t->g_fwd, &t->g_fwd_runs, forward_layers, n_seq, seq);
@@ -1130,14 +790,14 @@ static void keep_step(kiln_trainer *t, const int32_t *targets, int n_seq, int se
     t->scale = scale;
 }
 
-/* The fused loss's parameters for the T rows of the current forward (t->xn) and targets. */
+/* The fused loss's parameters for the T rows of the current forward (t->io.xn) and targets. */
 static kiln_fused_ce_params loss_params(kiln_trainer *t, int T, const int32_t *targets, kiln_loss_reduction red,
                                         float scale) {
     kiln_fused_ce_params cp = kiln_fused_ce_default_params();
     cp.N = T;
     cp.H = t->cfg.n_embd;
     cp.V = t->cfg.n_vocab;
-    cp.hidden = t->xn;
+    cp.hidden = t->io.xn;
     cp.weight = mat_view(t, t->lm_head)->data;
     cp.weight_dtype = mat_view(t, t->lm_head)->dtype;
     cp.targets = targets;
@@ -1192,7 +852,7 @@ kiln_status kiln_train_forward_hidden(kiln_trainer *t, const int32_t *ids, int n
     if (fst != KILN_OK) return kiln_error_prefix(fst, "kiln_train_forward_hidden");
     int C = t->cfg.n_embd;
     for (int i = 0; i < n_pos; i++)
-        KILN_TRY(kiln_backend_download(t->be, hidden + (size_t)i * C, t->xn + (size_t)positions[i] * C,
+        KILN_TRY(kiln_backend_download(t->be, hidden + (size_t)i * C, t->io.xn + (size_t)positions[i] * C,
                                        (size_t)C * sizeof(float)));
     KILN_TRY(backend_check(t, "kiln_train_forward_hidden"));
     t->ce_scratch = 0;
@@ -1210,161 +870,6 @@ kiln_status kiln_train_discard(kiln_trainer *t) {
     if (!t) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_discard: NULL trainer");
     t->pending = 0;
     return KILN_OK;
-}
-
-/* ---- backward ------------------------------------------------------------------------------ */
-
-/* The layer work of a backward, from d loss / d xn (dxn) down to the embedding's gradient,
- * for the pending step's n_seq sequences of seq tokens. */
-static void backward_layers(kiln_trainer *t, int n_seq, int seq) {
-    const kiln_model_config *c = &t->cfg;
-    kiln_backend *be = t->be;
-    const kiln_backend_i *op = be->i;
-    int T = n_seq * seq, C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
-    size_t QD = (size_t)NH * HS, KD = (size_t)KVH * HS;
-    float eps = c->rms_eps, scale = (float)(1.0 / sqrt((double)HS));
-    /* dx = d loss / d x_final, from d xn (acts16: and its bf16 copy dx16, which the products
-     * take as dy) */
-    if (t->acts16)
-        op->rmsnorm_backward_bf16(be, t->dx, t->dx16, GRAD(t->final_norm), t->dxn, t->x_final, VEC(t->final_norm),
-                                  T, C, eps, t->rstd, false);
-    else
-        op->rmsnorm_backward(be, t->dx, GRAD(t->final_norm), t->dxn, t->x_final, VEC(t->final_norm), T, C, eps,
-                             t->rstd, false);
-    for (int l = c->n_layer - 1; l >= 0; l--) {
-        const train_layer *w = &t->layers[l];
-        const layer_acts *a = &t->acts[l];
-        /* MLP: x_next = x_mid + down(silu(gate) * up) */
-        const train_param *nob[2] = {NULL, NULL};
-        const uint16_t *dx16s[1] = {t->dx16};
-        const bool mlp16 = t->acts16 && op->matmul_backward_dx16 && op->swiglu_backward_bf16_d16;
-        uint16_t *dhb16 = (uint16_t *)t->dhb; /* mlp16: the down projection's dx in bf16 */
-        if (mlp16) {
-            op->matmul_backward_dx16(be, dhb16, w->down->g, t->dx16, a->hb16, mat_view(t, w->down), T);
-        } else if (t->acts16) {
-            const float *dxs[1] = {t->dx};
-            const train_param *wd[1] = {w->down};
-            matmul_backward_n(t, 1, t->dhb, dxs, dx16s, NULL, a->hb16, wd, nob, T, false);
-        } else {
-            op->matmul_backward(be, t->dhb, w->down->g, NULL, t->dx, a->hb, mat_view(t, w->down), T, false);
-        }
-        const train_param *wgu[2] = {w->gate, w->up};
-        kiln_tensor gu;
-        if (mlp16 && stacked_view(t, wgu, 2, &gu)) {
-            /* dgate | dup side by side, rows of 2FF: the dy of the stacked gate/up product */
-            uint16_t *dgu = (uint16_t *)t->dgate;
-            op->swiglu_backward_bf16_d16(be, dgu, dgu + FF, 2 * (int64_t)FF, dhb16, a->gate16, a->up16, T, FF);
-            const kiln_tensor *wv[1] = {&gu};
-            float *dw[1] = {w->gate->g}, *db[1] = {NULL};
-            const uint16_t *dy16[1] = {dgu};
-            op->matmul_backward_multi_bf16x(be, 1, t->dxb, dw, db, NULL, dy16, a->xb2_16, wv, T, false);
-        } else if (t->acts16) { /* dgate, dup in bf16, one after the other: only products read them */
-            uint16_t *dg16 = (uint16_t *)t->dgate, *du16 = dg16 + (size_t)T * FF;
-            if (mlp16)
-                op->swiglu_backward_bf16_d16(be, dg16, du16, FF, dhb16, a->gate16, a->up16, T, FF);
-            else
-                op->swiglu_backward_bf16(be, dg16, du16, t->dhb, a->gate16, a->up16, (size_t)T * FF);
-            const uint16_t *dgu16[2] = {dg16, du16};
-            matmul_backward_n(t, 2, t->dxb, NULL, dgu16, NULL, a->xb2_16, wgu, nob, T, false);
-        } else {
-            op->swiglu_backward(be, t->dgate, t->dup, t->dhb, a->gate, a->up, (size_t)T * FF);
-            const float *dgu[2] = {t->dgate, t->dup};
-            matmul_backward_n(t, 2, t->dxb, dgu, NULL, a->xb2, NULL, wgu, nob, T, false);
-        }
-        if (t->acts16)
-            op->rmsnorm_backward_bf16(be, t->dx, t->dx16, w->mlp_norm->g, t->dxb, a->x_mid, VEC(w->mlp_norm), T, C,
-                                      eps, t->rstd, true);
-        else
-            op->rmsnorm_backward(be, t->dx, w->mlp_norm->g, t->dxb, a->x_mid, VEC(w->mlp_norm), T, C, eps, t->rstd,
-                                 true);
-        /* attention: x_mid = x + o(attention(rope(q), rope(k), v)) */
-        if (a->att16) {
-            const float *dxs[1] = {t->dx};
-            const train_param *wo[1] = {w->wo}, *bo[1] = {w->bo};
-            matmul_backward_n(t, 1, t->datt, dxs, dx16s, NULL, a->att16, wo, bo, T, false);
-        } else {
-            op->matmul_backward(be, t->datt, w->wo->g, GRAD(w->bo), t->dx, a->att, mat_view(t, w->wo), T, false);
-        }
-        const train_param *wqkv[3] = {w->wq, w->wk, w->wv}, *bqkv[3] = {w->bq, w->bk, w->bv};
-        kiln_tensor qkv;
-        /* the rotation and the products' bf16 rounding in one pass (f32 kept for a bias's
-         * sum), in the MLP's dgate memory (T x 2FF bf16), free until the next layer's MLP:
-         * the bits of rope_backward, then the products rounding dq, dk, dv. With the three
-         * weights (and gradients) back to back, dq | dk | dv side by side (rows of QD + 2KD)
-         * are the dy of one stacked product; else one after the other, three products. */
-        const bool grad16 = t->acts16 && op->rope_backward_bf16 && op->to_bf16_2d && !w->q_norm && !w->k_norm &&
-                            QD + 2 * KD <= 2 * (size_t)FF;
-        const bool stack = grad16 && stacked_view(t, wqkv, 3, &qkv);
-        uint16_t *dq16 = (uint16_t *)t->dgate;
-        uint16_t *dk16 = stack ? dq16 + QD : dq16 + (size_t)T * QD;
-        uint16_t *dv16 = stack ? dk16 + KD : dk16 + (size_t)T * KD;
-        const bool keep_f32 = w->bq || w->bk || w->bv; /* the biases' sums read the f32 values */
-        if (grad16 && op->attention_seqs && op->attention_backward_seqs16 && stack) {
-            /* the attention's own stores do the rotation and the rounding (the same bits) */
-            const kiln_attn_grad16 g = {dq16, dk16, dv16, (int64_t)(QD + 2 * KD), keep_f32, t->pos, t->rope_cos,
-                                        t->rope_sin};
-            op->attention_backward_seqs16(be, t->dq, t->dk, t->dv, &g, t->datt, a->keep ? NULL : a->q,
-                                          a->keep ? NULL : a->k, a->keep ? NULL : a->v, a->att, a->att16, a->lse,
-                                          a->keep, t->ws, n_seq, seq, NH, KVH, HS, scale);
-        } else {
-            if (op->attention_seqs && op->attention_backward_seqs)
-                op->attention_backward_seqs(be, t->dq, t->dk, t->dv, t->datt, a->keep ? NULL : a->q,
-                                            a->keep ? NULL : a->k, a->keep ? NULL : a->v, a->att, a->att16, a->lse,
-                                            a->keep, t->ws, n_seq, seq, NH, KVH, HS, scale);
-            else
-                for (int b = 0; b < n_seq; b++) { /* per sequence; ws is reused in stream order */
-                    size_t r = (size_t)b * seq;
-                    op->attention_backward(be, t->dq + r * QD, t->dk + r * KD, t->dv + r * KD, t->datt + r * QD,
-                                           a->q + r * QD, a->k + r * KD, a->v + r * KD, a->att + r * QD, t->ws, seq,
-                                           0, NH, KVH, HS, scale);
-                }
-            if (grad16) {
-                const int64_t ld = stack ? (int64_t)(QD + 2 * KD) : 0;
-                op->rope_backward_bf16(be, t->dq, dq16, stack ? ld : (int64_t)QD, w->bq != NULL, t->pos, T, NH, HS,
-                                       t->rope_cos, t->rope_sin);
-                op->rope_backward_bf16(be, t->dk, dk16, stack ? ld : (int64_t)KD, w->bk != NULL, t->pos, T, KVH,
-                                       HS, t->rope_cos, t->rope_sin);
-                op->to_bf16_2d(be, dv16, stack ? ld : (int64_t)KD, t->dv, KD, T, KD);
-            }
-        }
-        if (grad16) {
-            if (stack) {
-                const kiln_tensor *wv[1] = {&qkv};
-                float *dw[1] = {w->wq->g}, *db[1] = {NULL};
-                const uint16_t *dy16[1] = {dq16};
-                op->matmul_backward_multi_bf16x(be, 1, t->dxb, dw, db, NULL, dy16, a->xb1_16, wv, T, false);
-                if (w->bq || w->bk || w->bv) { /* the biases' sums alone, from the f32 gradients */
-                    const kiln_tensor *bw[3] = {mat_view(t, w->wq), mat_view(t, w->wk), mat_view(t, w->wv)};
-                    float *nodw[3] = {NULL, NULL, NULL};
-                    float *dbs[3] = {GRAD(w->bq), GRAD(w->bk), GRAD(w->bv)};
-                    const float *dys[3] = {t->dq, t->dk, t->dv};
-                    op->matmul_backward_multi_bf16x(be, 3, NULL, nodw, dbs, dys, NULL, a->xb1_16, bw, T, false);
-                }
-            } else {
-                const float *dqkv[3] = {t->dq, t->dk, t->dv};
-                const uint16_t *dqkv16[3] = {dq16, dk16, dv16};
-                matmul_backward_n(t, 3, t->dxb, dqkv, dqkv16, a->xb1, a->xb1_16, wqkv, bqkv, T, false);
-            }
-        } else {
-            op->rope_backward(be, t->dq, t->pos, T, NH, HS, t->rope_cos, t->rope_sin);
-            op->rope_backward(be, t->dk, t->pos, T, KVH, HS, t->rope_cos, t->rope_sin);
-            if (w->q_norm)
-                op->rmsnorm_backward(be, t->dqr, w->q_norm->g, t->dq, a->qr, VEC(w->q_norm), T * NH, HS, eps, t->rstd,
-                                     false);
-            if (w->k_norm)
-                op->rmsnorm_backward(be, t->dkr, w->k_norm->g, t->dk, a->kr, VEC(w->k_norm), T * KVH, HS, eps, t->rstd,
-                                     false);
-            const float *dqkv[3] = {t->dqr, t->dkr, t->dv};
-            matmul_backward_n(t, 3, t->dxb, dqkv, NULL, a->xb1, a->xb1_16, wqkv, bqkv, T, false);
-        }
-        if (t->acts16 && l > 0) /* layer 0's dx goes to the embedding alone */
-            op->rmsnorm_backward_bf16(be, t->dx, t->dx16, w->attn_norm->g, t->dxb, a->x, VEC(w->attn_norm), T, C,
-                                      eps, t->rstd, true);
-        else
-            op->rmsnorm_backward(be, t->dx, w->attn_norm->g, t->dxb, a->x, VEC(w->attn_norm), T, C, eps, t->rstd,
-                                 true);
-    }
-    /* the embedding's backward follows, outside the recorded graph (kiln_train_backward) */
 }
 
 static void zero_grads(kiln_trainer *t) {
@@ -1400,7 +905,7 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
     }
     if (t->pending == 1) {
         kiln_fused_ce_params cp = loss_params(t, T, t->targets, t->red, t->scale);
-        cp.dhidden = t->dxn;
+        cp.dhidden = t->io.dxn;
         cp.dweight = t->lm_head->g;
         cp.row_stats_in = t->ce_stats; /* from the forward: same inputs, same bits */
         cp.keep = t->ce_keep;          /* the forward's kept logits (CPU) */
@@ -1420,9 +925,9 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
                 if (!isfinite(src[j]))
                     return kiln_error(KILN_ERR_RANGE, "kiln_train_backward: dhidden[%d][%d] is not finite", i, j);
         }
-        zero_floats(t, t->dxn, (size_t)T * C);
+        zero_floats(t, t->io.dxn, (size_t)T * C);
         for (int i = 0; i < t->n_pos; i++) {
-            kiln_status st = kiln_backend_upload(t->be, t->dxn + (size_t)t->positions[i] * C, dhidden + (size_t)i * C,
+            kiln_status st = kiln_backend_upload(t->be, t->io.dxn + (size_t)t->positions[i] * C, dhidden + (size_t)i * C,
                                                  (size_t)C * sizeof(float));
             if (st != KILN_OK) {
                 t->pending = 0;
@@ -1434,7 +939,7 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
     /* Outside the graph, from host ids: a device backend groups the tokens by id on the host
      * (an O(T) plan it uploads each call) instead of searching the ids on the device. */
     if (bst == KILN_OK)
-        t->be->i->embed_backward(t->be, t->tok_embd->g, t->dx, t->host ? t->ids : t->ids_host, T, t->cfg.n_vocab, C);
+        t->be->i->embed_backward(t->be, t->tok_embd->g, t->io.dx, t->host ? t->io.ids : t->ids_host, T, t->cfg.n_vocab, C);
     t->pending = 0;
     if (bst != KILN_OK) return kiln_error_prefix(bst, "kiln_train_backward");
     track_peak(t);
@@ -1479,7 +984,7 @@ kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq
     /* from here on a failure leaves the gradients partly updated: they are marked unusable */
     keep_step(t, targets, n_seq, seq, red, scale);
     kiln_fused_ce_params cp = loss_params(t, n, t->targets, red, scale);
-    cp.dhidden = t->dxn;
+    cp.dhidden = t->io.dxn;
     cp.dweight = t->lm_head->g;
     cp.row_stats_out = t->ce_stats;
     cp.no_wait = 1; /* pass 2 behind pass 1; the loss from the statistics below */
@@ -1492,7 +997,7 @@ kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq
     if (r.scratch_bytes > t->ce_scratch) t->ce_scratch = r.scratch_bytes;
     if (r.loss_pending && (st = op->download_begin(t->be, t->ce_stats, stats_bytes)) != KILN_OK) goto unusable;
     st = run_layers(t, &t->g_bwd, &t->g_bwd_runs, backward_layers, n_seq, seq);
-    if (st == KILN_OK) op->embed_backward(t->be, t->tok_embd->g, t->dx, t->ids_host, n, t->cfg.n_vocab, t->cfg.n_embd);
+    if (st == KILN_OK) op->embed_backward(t->be, t->tok_embd->g, t->io.dx, t->ids_host, n, t->cfg.n_vocab, t->cfg.n_embd);
     if (r.loss_pending) {
         kiln_status dst = op->download_end(t->be, t->ce_stats_host, st == KILN_OK ? stats_bytes : 0);
         if (st == KILN_OK) st = dst;
@@ -1772,7 +1277,7 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
     kiln_adamw_describe(t->opt_mat, da, sizeof da, &a);
     kiln_adamw_describe(t->opt_vec, db, sizeof db, &b);
     m.optimizer = a.owned + b.owned;
-    m.activations = t->act_bytes;
+    m.activations = t->io.bytes;
     const int64_t rows = (int64_t)t->p.max_seq * t->p.max_batch;
     uint64_t loss_scratch = kiln_fused_ce_scratch_bytes(
         rows, t->cfg.n_embd, t->cfg.n_vocab, t->p.ce_chunk ? t->p.ce_chunk : KILN_FUSED_CE_DEFAULT_CHUNK, 1, 1);

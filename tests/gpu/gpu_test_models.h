@@ -63,26 +63,20 @@ static inline int gpu_write_config(const char *name, const char *arch, int C, in
     return fclose(f) == 0;
 }
 
-/* Norms 1 + 0.2 u, biases 0.05 u, per layer in the order attention norm, MLP norm, q norm,
- * k norm, q/k/v biases (absent ones skipped), then the final norm: kiln_model_create makes
- * them 1 and 0, which would hide a vector that never reached the device. */
+/* Norms 1 + 0.2 u, biases 0.05 u (every vector role, in the roles table's walk order, the
+ * final norm included): kiln_model_create makes them 1 and 0, which would hide a vector that
+ * never reached the device. */
+static inline kiln_status gpu_randomise_role(void *ctx, const kiln_param_role *r, int layer) {
+    kiln_model *m = ctx;
+    kiln_wref *w = kiln_model_ref(m, r, layer);
+    if (r->cols != KILN_DIM_ONE || !w->vec) return KILN_OK;
+    float *v = (float *)w->vec;
+    int64_t n = kiln_dim_value(&m->cfg, r->rows);
+    for (int64_t j = 0; j < n; j++) v[j] = r->init == KILN_INIT_ONES ? 1.0f + 0.2f * rnd_unit() : 0.05f * rnd_unit();
+    return KILN_OK;
+}
 static inline void gpu_randomise_vectors(kiln_model *m) {
-    const kiln_model_config *c = &m->cfg;
-    size_t C = (size_t)c->n_embd, HS = (size_t)c->head_dim;
-    size_t QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS;
-    for (int l = 0; l < c->n_layer; l++) {
-        kiln_layer_weights *w = &m->layers[l];
-        float *v[] = {(float *)w->attn_norm, (float *)w->mlp_norm, (float *)w->q_norm,
-                      (float *)w->k_norm, (float *)w->bq, (float *)w->bk, (float *)w->bv};
-        size_t n[] = {C, C, HS, HS, QD, KD, KD};
-        for (int i = 0; i < 7; i++) {
-            if (!v[i]) continue;
-            for (size_t j = 0; j < n[i]; j++)
-                v[i][j] = i < 4 ? 1.0f + 0.2f * rnd_unit() : 0.05f * rnd_unit();
-        }
-    }
-    float *fn = (float *)m->final_norm;
-    for (size_t j = 0; j < C; j++) fn[j] = 1.0f + 0.2f * rnd_unit();
+    (void)kiln_arch_walk(m->arch, m->cfg.n_layer, gpu_randomise_role, m);
 }
 
 /* The vocabulary folder: $KILN_VOCAB_DIR, $KILN_SHARED_DIR/testdata/tokenizer-vectors, or the

@@ -123,17 +123,15 @@ static int run_case(const model_case *mc, const char *vocab_dir, result *r) {
     }
     gpu_randomise_vectors(m);
     /* converted layer matrices (freed after the model and the contexts) */
-    int L = m->cfg.n_layer, nconv = 0;
-    void **bufs = calloc((size_t)L * 7 + 1, sizeof *bufs);
-    kiln_tensor **convs = calloc((size_t)L * 7 + 1, sizeof *convs);
-    if (mc->wtype != KILN_DTYPE_F32) {
-        for (int l = 0; l < L; l++) {
-            kiln_layer_weights *w = &m->layers[l];
-            const kiln_tensor **ts[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w_gate, &w->w_up, &w->w_down};
-            for (int i = 0; i < 7; i++) {
-                convs[nconv] = convert(*ts[i], mc->wtype, &bufs[nconv]);
-                *ts[i] = convs[nconv++];
-            }
+    int L = m->cfg.n_layer, nconv = 0, NR = m->arch->n_layer_roles;
+    void **bufs = calloc((size_t)L * NR + 1, sizeof *bufs);
+    kiln_tensor **convs = calloc((size_t)L * NR + 1, sizeof *convs);
+    if (mc->wtype != KILN_DTYPE_F32) { /* every layer matrix */
+        for (int i = 0; i < L * NR; i++) {
+            kiln_wref *w = &m->layer_refs[i];
+            if (!w->mat) continue;
+            convs[nconv] = convert(w->mat, mc->wtype, &bufs[nconv]);
+            w->mat = convs[nconv++];
         }
     }
     fprintf(stderr, "%s: model made in %.1f s\n", mc->name, now_s() - t0);

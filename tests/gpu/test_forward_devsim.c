@@ -206,6 +206,16 @@ static float rnd_unit(void) {
     return (float)((double)(z >> 11) * 0x1p-53 * 2.0 - 1.0);
 }
 
+static kiln_status randomise_role(void *ctx, const kiln_param_role *r, int layer) {
+    kiln_model *m = ctx;
+    kiln_wref *w = kiln_model_ref(m, r, layer);
+    if (r->cols != KILN_DIM_ONE || !w->vec) return KILN_OK;
+    float *v = (float *)w->vec;
+    for (int64_t j = 0; j < kiln_dim_value(&m->cfg, r->rows); j++)
+        v[j] = r->init == KILN_INIT_ONES ? 1.0f + 0.2f * rnd_unit() : 0.05f * rnd_unit();
+    return KILN_OK;
+}
+
 static int run(const char *dir, const char *arch, const char *vocab, int tied, int n_batch) {
     char cfg[1200], tok[1200];
     snprintf(cfg, sizeof cfg, "%s/devsim-%s.json", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", arch);
@@ -227,16 +237,7 @@ static int run(const char *dir, const char *arch, const char *vocab, int tied, i
     remove(cfg);
     /* norms and biases away from 1 and 0 */
     const kiln_model_config *c = &m->cfg;
-    for (int l = 0; l < c->n_layer; l++) {
-        kiln_layer_weights *w = &m->layers[l];
-        float *v[] = {(float *)w->attn_norm, (float *)w->mlp_norm, (float *)w->q_norm,
-                      (float *)w->k_norm, (float *)w->bq, (float *)w->bk, (float *)w->bv};
-        int n[] = {c->n_embd, c->n_embd, c->head_dim, c->head_dim, c->n_head * c->head_dim,
-                   c->n_head_kv * c->head_dim, c->n_head_kv * c->head_dim};
-        for (int i = 0; i < 7; i++)
-            for (int j = 0; v[i] && j < n[i]; j++) v[i][j] = i < 4 ? 1.0f + 0.2f * rnd_unit() : 0.05f * rnd_unit();
-    }
-    for (int j = 0; j < c->n_embd; j++) ((float *)m->final_norm)[j] = 1.0f + 0.2f * rnd_unit();
+    (void)kiln_arch_walk(m->arch, c->n_layer, randomise_role, m);
 
     int V = c->n_vocab, N = 11, ok = 1;
     int32_t ids[16];
