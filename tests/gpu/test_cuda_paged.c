@@ -175,8 +175,9 @@ static pcase make_case(int NH, int KVH, int HS, int bs, int n_seq, int decode_on
     pcase c;
     memset(&c, 0, sizeof c);
     c.NH = NH, c.KVH = KVH, c.HS = HS, c.bs = bs, c.n_seq = n_seq;
-    int *n = kiln_malloc(sizeof(int) * (size_t)n_seq), *pos0 = kiln_malloc(sizeof(int) * (size_t)n_seq);
-    int *order = kiln_malloc(sizeof(int) * (size_t)n_seq), *cons = kiln_malloc(sizeof(int) * (size_t)n_seq);
+    const size_t ns = sizeof(int) * (size_t)n_seq;
+    int *n = kiln_malloc(ns), *pos0 = kiln_malloc(ns), *order = kiln_malloc(ns);
+    int *cons = kiln_malloc(ns);
     static const int lens[] = {2, 3, 5, 8, 9, 16, 17, 40, 64, 65, 100};
     int nb_max = 1, total_nb = 0;
     for (int s = 0; s < n_seq; s++) {
@@ -607,9 +608,9 @@ int main(int argc, char **argv) {
     for (int rep = 0; rep < (n_mixed < 6 ? n_mixed : 6); rep++) {
         const int *h = heads[rep % 6];
         const int ctx = rep < 4 ? 400 : 5000;
-        test_graph(g_gpu, R_GRAPH, h[0], h[1], HSs[rep % 3], rep & 1 ? 128 : 64, rnd_int(1, 5), ctx);
-        test_graph(g_fast, R_F_GRAPH, h[0], h[1], HSs[rep % 3], rep & 1 ? 128 : 64, rnd_int(1, 5),
-                   ctx);
+        const int bs = rep & 1 ? 128 : 64;
+        test_graph(g_gpu, R_GRAPH, h[0], h[1], HSs[rep % 3], bs, rnd_int(1, 5), ctx);
+        test_graph(g_fast, R_F_GRAPH, h[0], h[1], HSs[rep % 3], bs, rnd_int(1, 5), ctx);
     }
     static const int Cs[] = {1, 7, 64, 896, 1001};
     for (int rep = 0; rep < 5; rep++) test_get_rows(rnd_int(1, 50), rnd_int(1, 40), Cs[rep]);
