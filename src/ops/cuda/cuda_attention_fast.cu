@@ -275,14 +275,17 @@ static __device__ __forceinline__ void dec_row(int rr, int G, int kvh, int *n, i
  * max_T) has the bits of attention_fast with N = 1. A sequence whose keys pass max_T (or a
  * negative n_past) reads nothing; its rows get NaN (from split 0 when fuse, else from the
  * combine). q, out: (B, N, NH, HS); k, v: sequence b at b * kv_seq_stride, (T, KVH, HS);
+ * paged (pg.table; N = 1): b is a decode token of a batch and its split's rows are found
+ * through the block table (kiln_cuda_attn_pages), nothing else changes;
  * ws_cnt: B * gridDim.x counters, all 0 on entry and on exit. */
 template <bool VEC>
 static __global__ void __launch_bounds__(DEC_THREADS, 2)
 decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws_cnt,
               const float *__restrict__ q, const float *__restrict__ k,
               const float *__restrict__ v, int N, int n_past_host,
-              const int32_t *__restrict__ d_n_past, size_t kv_seq_stride, int NH, int KVH,
-              int HS, float scale, int nsplit_max, int max_T, int fuse) {
+              const int32_t *__restrict__ d_n_past, size_t kv_seq_stride,
+              kiln_cuda_attn_pages pg, int NH, int KVH, int HS, float scale, int nsplit_max,
+              int max_T, int fuse) {
     constexpr int S = KILN_ATTN_SPLIT;
     extern __shared__ __align__(16) float dec_sm[];
     __shared__ int s_last;
@@ -291,13 +294,18 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
     const int kvh = (int)(blockIdx.x % (unsigned)KVH);
     const int chunk = (int)(blockIdx.x / (unsigned)KVH);
     const int split = (int)blockIdx.y, b = (int)blockIdx.z;
-    const int n_past = d_n_past ? d_n_past[b] : n_past_host;
+    /* paged: b is a decode token (N = 1), batch token pg.tok[b] (b without tok) */
+    const int tok = pg.table ? (pg.tok ? pg.tok[b] : b) : 0;
+    const int n_past = pg.table ? pg.pos[tok] : d_n_past ? d_n_past[b] : n_past_host;
     const int r0 = chunk * DEC_ROWS;
     const int nr = R - r0 < DEC_ROWS ? R - r0 : DEC_ROWS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int64_t out_b = (int64_t)b * N; /* token index base of sequence b in q, out */
+    /* token index base of sequence b in q, out */
+    const int64_t out_b = pg.table ? (int64_t)tok : (int64_t)b * N;
 
-    if (n_past < 0 || (int64_t)n_past + N > max_T) { /* keys past max_T: nothing to read */
+    /* keys past max_T or past the block table: nothing to read */
+    if (n_past < 0 || (int64_t)n_past + N > max_T ||
+        (pg.table && n_past / pg.block_size >= pg.max_blocks)) {
         if (fuse && split == 0)
             for (int e = tid; e < nr * HS; e += DEC_THREADS) {
                 const int r = e / HS, d = e - r * HS;
@@ -328,8 +336,14 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
 
     /* 1. staging */
     const int64_t kvstride = (int64_t)KVH * HS;
-    const int64_t kv0 = (int64_t)b * (int64_t)kv_seq_stride + (int64_t)kvh * HS +
-                        (int64_t)kb * kvstride;
+    /* the split's first cache row: paged, its block's pool row (a split of 64 keys never
+     * straddles a block: block_size % 64 == 0) */
+    const int64_t krow =
+        pg.table ? (int64_t)pg.table[(int64_t)pg.seq[tok] * pg.max_blocks + kb / pg.block_size] *
+                           pg.block_size + kb % pg.block_size
+                 : kb;
+    const int64_t kv0 = (pg.table ? 0 : (int64_t)b * (int64_t)kv_seq_stride) +
+                        (int64_t)kvh * HS + krow * kvstride;
     const float *kbase = k + kv0, *vbase = v + kv0;
     /* q rows by 4-byte cp.async, in K's group (they were plain loads in a loop of 4-16
      * trips, each trip waiting for its load before the next could issue: a serial chain of
@@ -582,22 +596,25 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
  *   M = max m_s;  w_s = kiln_expf(m_s - M);  L = fmaf(w_s, l_s, L);  a(d) = fmaf(w_s,
  *   acc_s(d), a);  out(d) = a(d) / L.
  * A sequence whose keys pass max_T (n_past + N > max_T, or n_past < 0: a d_n_past beyond
- * decode_dev's max_T) gets NaN, as decode_kernel computed nothing for it. */
+ * decode_dev's max_T) gets NaN, as decode_kernel computed nothing for it. Paged (pg.table):
+ * b is a decode token as in decode_kernel (its position pg.pos[tok], its q/out row tok). */
 #define COMBINE_THREADS 128
 #define COMBINE_CHUNK 256 /* split weights staged in shared memory at a time */
 
 static __global__ void __launch_bounds__(COMBINE_THREADS, 4)
 combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
                const float *__restrict__ ws_ml, int N, int n_past_host,
-               const int32_t *__restrict__ d_n_past, int NH, int HS, int nsplit_max,
-               int max_T) {
+               const int32_t *__restrict__ d_n_past, kiln_cuda_attn_pages pg, int NH,
+               int HS, int nsplit_max, int max_T) {
     __shared__ float sw[COMBINE_CHUNK], sl[COMBINE_CHUNK], sred[COMBINE_THREADS / 32];
     const int n = (int)(blockIdx.x / (unsigned)NH), h = (int)(blockIdx.x % (unsigned)NH);
     const int b = (int)blockIdx.y;
-    const int n_past = d_n_past ? d_n_past[b] : n_past_host;
-    float *o = out + (((int64_t)b * N + n) * NH + h) * HS;
+    const int tok = pg.table ? (pg.tok ? pg.tok[b] : b) : 0;
+    const int n_past = pg.table ? pg.pos[tok] : d_n_past ? d_n_past[b] : n_past_host;
+    float *o = out + (((pg.table ? (int64_t)tok : (int64_t)b * N) + n) * NH + h) * HS;
     const int64_t last = (int64_t)n_past + n;
-    if (n_past < 0 || (int64_t)n_past + N > max_T) {
+    if (n_past < 0 || (int64_t)n_past + N > max_T ||
+        (pg.table && n_past / pg.block_size >= pg.max_blocks)) {
         for (int d = threadIdx.x; d < HS; d += COMBINE_THREADS) o[d] = NAN;
         return;
     }
@@ -1376,8 +1393,8 @@ cudaError_t kiln_cuda_attn_decode_launch_info(int B, int N, int NH, int KVH, int
 static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float *out,
                                        const float *q, const float *k, const float *v, int B,
                                        int N, int n_past_host, const int32_t *d_n_past,
-                                       size_t kv_seq_stride, int max_T, int NH, int KVH, int HS,
-                                       float scale) {
+                                       size_t kv_seq_stride, const kiln_cuda_attn_pages *pages,
+                                       int max_T, int NH, int KVH, int HS, float scale) {
     kiln_cuda_attn_launch li;
     cudaError_t le = kiln_cuda_attn_decode_launch_info(B, N, NH, KVH, HS, max_T, &li);
     if (le != cudaSuccess) return le;
@@ -1392,21 +1409,23 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
     /* 16-byte copies when every row start of k and v is 16-byte aligned (the bits do not
      * depend on it: it only changes how the tiles are copied) */
     const bool vec = HS % 4 == 0 && (((uintptr_t)k | (uintptr_t)v) & 15) == 0 &&
-                     (B == 1 || kv_seq_stride % 4 == 0);
+                     (B == 1 || pages || kv_seq_stride % 4 == 0);
+    const kiln_cuda_attn_pages none = {NULL, NULL, NULL, NULL, 0, 0};
+    const kiln_cuda_attn_pages pg = pages ? *pages : none;
     const int fuse = li.combine ? 0 : 1;
     const dim3 grid(li.grid[0], li.grid[1], li.grid[2]);
     if (vec)
         decode_kernel<true><<<grid, DEC_THREADS, li.smem, s>>>(
-            out, ws_acc, ws_ml, a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, NH,
-            KVH, HS, scale, (int)nsplit, max_T, fuse);
+            out, ws_acc, ws_ml, a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, pg,
+            NH, KVH, HS, scale, (int)nsplit, max_T, fuse);
     else
         decode_kernel<false><<<grid, DEC_THREADS, li.smem, s>>>(
-            out, ws_acc, ws_ml, a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, NH,
-            KVH, HS, scale, (int)nsplit, max_T, fuse);
+            out, ws_acc, ws_ml, a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, pg,
+            NH, KVH, HS, scale, (int)nsplit, max_T, fuse);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess || fuse) return e;
     combine_kernel<<<dim3((unsigned)(N * NH), (unsigned)B), COMBINE_THREADS, 0, s>>>(
-        out, ws_acc, ws_ml, N, n_past_host, d_n_past, NH, HS, (int)nsplit, max_T);
+        out, ws_acc, ws_ml, N, n_past_host, d_n_past, pg, NH, HS, (int)nsplit, max_T);
     return cudaGetLastError();
 }
 
@@ -1491,8 +1510,8 @@ cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *o
     if (N <= KILN_ATTN_DECODE_MAX_N) {
         cudaError_t e = kiln_cuda_attn_reserve(a, 1, N, NH, HS, T);
         if (e != cudaSuccess) return e;
-        return split_decode_launch(a, s, out, q, k, v, 1, N, n_past, NULL, 0, T, NH, KVH, HS,
-                                   scale);
+        return split_decode_launch(a, s, out, q, k, v, 1, N, n_past, NULL, 0, NULL, T, NH, KVH,
+                                   HS, scale);
     }
     if (kiln_cuda_attn_saves_lse(out, q, k, v, N, HS))
         return flash_launch(a, s, out, NULL, NULL, NULL, NULL, q, k, v, 1, N, n_past, NH, KVH,
@@ -1511,8 +1530,23 @@ cudaError_t kiln_cuda_attention_decode_dev(kiln_cuda_attn *a, cudaStream_t s, fl
     if (B < 0 || NH < 0 || HS < 0) return cudaErrorInvalidValue;
     if (B == 0 || NH == 0 || HS == 0) return cudaSuccess;
     if (!a || !d_n_past || max_T <= 0 || !shape_ok(NH, KVH, HS)) return cudaErrorInvalidValue;
-    return split_decode_launch(a, s, out, q, k, v, B, 1, 0, d_n_past, kv_seq_stride, max_T, NH,
-                               KVH, HS, scale);
+    return split_decode_launch(a, s, out, q, k, v, B, 1, 0, d_n_past, kv_seq_stride, NULL,
+                               max_T, NH, KVH, HS, scale);
+}
+
+cudaError_t kiln_cuda_attention_decode_paged(kiln_cuda_attn *a, cudaStream_t s, float *out,
+                                             const float *q, const float *k_pool,
+                                             const float *v_pool, const kiln_cuda_attn_pages *pg,
+                                             int B, int max_T, int NH, int KVH, int HS,
+                                             float scale) {
+    if (B < 0 || NH < 0 || HS < 0) return cudaErrorInvalidValue;
+    if (B == 0 || NH == 0 || HS == 0) return cudaSuccess;
+    if (!a || !pg || !pg->seq || !pg->pos || !pg->table || pg->block_size <= 0 ||
+        pg->block_size % KILN_ATTN_SPLIT != 0 || pg->max_blocks <= 0 || max_T <= 0 ||
+        !shape_ok(NH, KVH, HS))
+        return cudaErrorInvalidValue;
+    return split_decode_launch(a, s, out, q, k_pool, v_pool, B, 1, 0, NULL, 0, pg, max_T, NH, KVH,
+                               HS, scale);
 }
 
 cudaError_t kiln_cuda_attention_fast_seqs(kiln_cuda_attn *a, cudaStream_t s, float *out,

@@ -210,6 +210,30 @@ cudaError_t kiln_cuda_attention_decode_dev(kiln_cuda_attn *a, cudaStream_t s, fl
                                            int B, size_t kv_seq_stride, const int32_t *d_n_past,
                                            int max_T, int NH, int KVH, int HS, float scale);
 
+/* A paged KV cache as the split decode reads it (ops.h's kiln_kv_pages; all device memory):
+ * decode token b (0 <= b < B) is batch token t = tok[b] (t = b when tok is NULL), its query q
+ * + t*NH*HS and output out + t*NH*HS, at position pos[t] of sequence seq[t], whose key p
+ * lives in pool row table[seq[t] * max_blocks + p / block_size] * block_size + p %
+ * block_size; block_size a positive multiple of KILN_ATTN_SPLIT, so a split lies in one
+ * block. */
+typedef struct kiln_cuda_attn_pages {
+    const int32_t *seq, *pos; /* per batch token */
+    const int32_t *tok;       /* (B) batch token of each decode token, or NULL */
+    const int32_t *table;     /* (n_seq, max_blocks) */
+    int block_size, max_blocks;
+} kiln_cuda_attn_pages;
+/* decode_dev over a paged pool: for each decode token the bits of kiln_cuda_attention_fast
+ * with N = 1, n_past = pos[t] over its sequence's keys stored densely (the same split decode:
+ * only where a split's rows are read from differs). Positions on the device, no allocation,
+ * no host synchronisation (graph capture): the workspace must already hold (B, 1, NH, HS,
+ * max_T), else cudaErrorInvalidValue. A token whose pos[t] + 1 > max_T, pos[t] < 0 or
+ * pos[t] past its table row gets NaN outputs. */
+cudaError_t kiln_cuda_attention_decode_paged(kiln_cuda_attn *a, cudaStream_t s, float *out,
+                                             const float *q, const float *k_pool,
+                                             const float *v_pool, const kiln_cuda_attn_pages *pg,
+                                             int B, int max_T, int NH, int KVH, int HS,
+                                             float scale);
+
 /* The launch of the split decode for B sequences x N tokens over max_T keys, as
  * kiln_cuda_attention_fast (B = 1, max_T = n_past + N) and decode_dev (N = 1) make it: grid
  * (x = KVH * chunks of 16 rows, y = splits, z = B), threads per block, dynamic shared memory

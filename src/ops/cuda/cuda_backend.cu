@@ -28,6 +28,7 @@ extern "C" {
 #include "../../generate/sampler.h"
 }
 
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -82,6 +83,10 @@ typedef struct cuda_ctx {
     size_t down_cap, down_open;
     cudaEvent_t down_ev;
     bool down_pending;
+    /* fast attention_paged: the K then V rows of a prefill run's sequence whose blocks are not
+     * consecutive in the pool, gathered dense (cap_gather floats; grown outside graphs) */
+    float *gather;
+    size_t cap_gather;
 } cuda_ctx;
 
 /* A recorded graph and the buffer generation it was recorded at. */
@@ -1088,7 +1093,8 @@ static void cu_own_memory(kiln_backend *be, uint64_t *held, uint64_t *transient_
     cuda_ctx *c = ctx_of(be);
     uint64_t h = (uint64_t)c->cap_ints * 4 + (uint64_t)c->cap_colsum_ws * 8 +
                  (uint64_t)c->cap_plan * 4 + (uint64_t)c->cap_hist * 4 +
-                 kiln_cuda_gemm_device_bytes(c->gemm) + kiln_cuda_attn_device_bytes(c->attn);
+                 (uint64_t)c->cap_gather * 4 + kiln_cuda_gemm_device_bytes(c->gemm) +
+                 kiln_cuda_attn_device_bytes(c->attn);
     uint64_t tp = 0;
     if (cudaSetDevice(c->device) == cudaSuccess) {
         cudaMemPool_t pool;
@@ -1181,6 +1187,225 @@ static kiln_status cu_poll(kiln_backend *be) {
     return KILN_OK;
 }
 
+/* ---- batches over a paged KV cache (ops.h: kv_store_rows, attention_paged, get_rows) ------ */
+
+static void cu_kv_store_rows(kiln_backend *be, float *k_pool, float *v_pool, const float *k_rows,
+                             const float *v_rows, const int32_t *slots, int N,
+                             size_t row_floats) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_kv_store_rows(c->stream, k_pool, v_pool, k_rows, v_rows, slots, N,
+                                            row_floats),
+                 "kv_store_rows");
+}
+
+static void cu_get_rows(kiln_backend *be, float *out, const float *x, const int32_t *idx, int n,
+                        int C) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || n <= 0) return;
+    const int32_t *d_idx = ints_dev(c, idx, (size_t)n);
+    if (!d_idx) return;
+    after_launch(c, kiln_cuda_get_rows(c->stream, out, x, d_idx, n, C), "get_rows");
+}
+
+/* The gather scratch, at least len floats (fast attention_paged). Grown outside graph
+ * captures only (poisoned inside one): the old buffer is freed once the stream is idle, and
+ * graphs recorded before go stale (c->gen), as colsum_scratch. NULL when poisoned. */
+static float *gather_scratch(cuda_ctx *c, size_t len) {
+    if (len <= c->cap_gather) return c->gather;
+    cudaStreamCaptureStatus cs;
+    if (!CK(c, cudaStreamIsCapturing(c->stream, &cs))) return NULL;
+    if (cs != cudaStreamCaptureStatusNone) {
+        poison(c, KILN_ERR_STATE, "attention_paged (fast): the gather scratch must grow to %zu "
+               "floats inside a graph capture (run the batch once before recording it)", len);
+        return NULL;
+    }
+    c->gen++;
+    if (c->gather) {
+        if (!CK(c, cudaStreamSynchronize(c->stream)) || !CK(c, cudaFree(c->gather))) return NULL;
+    }
+    c->gather = NULL;
+    c->cap_gather = 0;
+    if (!CK(c, cudaMalloc((void **)&c->gather, len * sizeof(float)))) return NULL;
+    c->cap_gather = len;
+    return c->gather;
+}
+
+/* Whether run r of a fast batch goes to the prefill kernels: more than one token, and the
+ * host copy of the block table to choose between the pool rows and a gather. Otherwise its
+ * tokens are decode tokens (the split decode, each on its own). */
+static bool paged_prefill_run(const kiln_kv_pages *pg, const kiln_batch_run *r) {
+    return r->n > 1 && pg->host_table != NULL;
+}
+
+/* Whether sequence seq's first nb blocks follow one another in the pool (host table). */
+static bool paged_consecutive(const kiln_kv_pages *pg, int seq, int nb) {
+    const int32_t *row = pg->host_table + (int64_t)seq * pg->max_blocks;
+    for (int j = 1; j < nb; j++)
+        if (row[j] != row[0] + j) return false;
+    return true;
+}
+
+/* Fast attention_paged. Decode tokens (every token when runs or host_table is NULL, else the
+ * tokens of runs of one) go to one launch of the split decode over the block table
+ * (kiln_cuda_attention_decode_paged: positions read on the device, graph-safe). A prefill run
+ * (paged_prefill_run) goes to kiln_cuda_attention_fast as a dense call of n queries at
+ * n_past = pos0 over its sequence's keys 0..pos0+n-1: the pool rows themselves when those
+ * keys' blocks are consecutive (no copy), else a gather of them into c->gather. */
+static void attention_paged_fast(cuda_ctx *c, float *out, const float *q, const float *k_pool,
+                                 const float *v_pool, const kiln_kv_pages *pg,
+                                 const int32_t *seq, const int32_t *pos,
+                                 const kiln_batch_run *runs, int n_runs, int N, int max_T, int NH,
+                                 int KVH, int HS, float scale) {
+    if (HS > KILN_ATTN_FAST_MAX_HS) {
+        poison(c, KILN_ERR_UNSUPPORTED, "attention_paged (fast): head size %d > %d", HS,
+               KILN_ATTN_FAST_MAX_HS);
+        return;
+    }
+    const size_t qrow = (size_t)NH * HS, kvrow = (size_t)KVH * HS;
+    int n_dec = N, n_pre = 0;
+    size_t gather_need = 0;
+    if (runs) {
+        n_dec = 0;
+        for (int r = 0; r < n_runs; r++) {
+            const kiln_batch_run *u = &runs[r];
+            if (u->first < 0 || u->n < 1 || u->first > N - u->n || u->pos0 < 0 ||
+                u->pos0 > INT_MAX - u->n || u->seq < 0) {
+                poison(c, KILN_ERR_INVALID_ARG, "attention_paged: run %d (first %d, n %d, seq "
+                       "%d, pos0 %d) outside the batch of %d tokens", r, u->first, u->n, u->seq,
+                       u->pos0, N);
+                return;
+            }
+            if (!paged_prefill_run(pg, u)) {
+                n_dec += u->n;
+                continue;
+            }
+            n_pre++;
+            const int T = u->pos0 + u->n, nb = (T - 1) / pg->block_size + 1;
+            if (nb > pg->max_blocks) {
+                poison(c, KILN_ERR_INVALID_ARG, "attention_paged: run %d reaches position %d, "
+                       "past %d blocks of %d", r, T - 1, pg->max_blocks, pg->block_size);
+                return;
+            }
+            if (!paged_consecutive(pg, u->seq, nb) && 2 * (size_t)T * kvrow > gather_need)
+                gather_need = 2 * (size_t)T * kvrow;
+        }
+        if (n_pre == 0) n_dec = N; /* every token on its own, as without runs */
+    }
+    if (!c->attn && !CK(c, kiln_cuda_attn_create(&c->attn))) return;
+    cudaStreamCaptureStatus cs;
+    if (!CK(c, cudaStreamIsCapturing(c->stream, &cs))) return;
+    /* workspaces first, so that no launch below finds one reallocated under an earlier one;
+     * inside a capture graph_begin has sized the decode's (and a prefill there must fit) */
+    if (cs == cudaStreamCaptureStatusNone) {
+        if (n_dec > 0 && !CK(c, kiln_cuda_attn_reserve(c->attn, n_dec, 1, NH, HS, max_T)))
+            return;
+        for (int r = 0; r < n_runs && n_pre; r++)
+            if (paged_prefill_run(pg, &runs[r]) && runs[r].n <= KILN_ATTN_DECODE_MAX_N &&
+                !CK(c, kiln_cuda_attn_reserve(c->attn, 1, runs[r].n, NH, HS,
+                                              runs[r].pos0 + runs[r].n)))
+                return;
+    }
+    float *gk = NULL;
+    if (gather_need && !(gk = gather_scratch(c, gather_need))) return;
+
+    if (n_dec > 0) {
+        /* the decode tokens: all N, one range of the batch, or a list uploaded */
+        kiln_cuda_attn_pages dp = {seq, pos, NULL, pg->block_table, pg->block_size,
+                                   pg->max_blocks};
+        int lo = 0;
+        int32_t *list = NULL;
+        if (n_pre) {
+            list = (int32_t *)kiln_malloc((size_t)n_dec * sizeof(int32_t));
+            if (!list) {
+                poison(c, KILN_ERR_NOMEM, "attention_paged: out of host memory");
+                return;
+            }
+            int k = 0;
+            for (int r = 0; r < n_runs; r++)
+                if (!paged_prefill_run(pg, &runs[r]))
+                    for (int t = 0; t < runs[r].n; t++) list[k++] = runs[r].first + t;
+            lo = list[0];
+            if (list[n_dec - 1] - lo == n_dec - 1) { /* one range: no list to upload */
+                kiln_free(list);
+                list = NULL;
+            }
+        }
+        if (list) {
+            lo = 0;
+            dp.tok = ints_dev(c, list, (size_t)n_dec);
+            kiln_free(list); /* ints_dev has consumed it */
+            if (!dp.tok) return;
+        }
+        dp.seq += lo;
+        dp.pos += lo;
+        after_launch(c,
+                     kiln_cuda_attention_decode_paged(c->attn, c->stream, out + lo * qrow,
+                                                      q + lo * qrow, k_pool, v_pool, &dp, n_dec,
+                                                      max_T, NH, KVH, HS, scale),
+                     "attention_paged (fast decode)");
+        if (c->err != KILN_OK) return;
+    }
+    for (int r = 0; r < n_runs && n_pre; r++) {
+        const kiln_batch_run *u = &runs[r];
+        if (!paged_prefill_run(pg, u)) continue;
+        const int T = u->pos0 + u->n, nb = (T - 1) / pg->block_size + 1;
+        const float *kp, *vp;
+        if (paged_consecutive(pg, u->seq, nb)) { /* the pool rows in place */
+            const size_t row0 =
+                (size_t)pg->host_table[(int64_t)u->seq * pg->max_blocks] * pg->block_size;
+            kp = k_pool + row0 * kvrow;
+            vp = v_pool + row0 * kvrow;
+        } else {
+            float *gv = gk + (size_t)T * kvrow;
+            after_launch(c,
+                         kiln_cuda_gather_pages(c->stream, gk, gv, k_pool, v_pool,
+                                                pg->block_table + (int64_t)u->seq * pg->max_blocks,
+                                                pg->block_size, T, kvrow),
+                         "attention_paged (gather)");
+            kp = gk;
+            vp = gv;
+        }
+        after_launch(c,
+                     kiln_cuda_attention_fast(c->attn, c->stream, out + u->first * qrow,
+                                              q + u->first * qrow, kp, vp, u->n, u->pos0, NH, KVH,
+                                              HS, scale),
+                     "attention_paged (fast prefill)");
+        if (c->err != KILN_OK) return;
+    }
+}
+
+static void cu_attention_paged(kiln_backend *be, float *out, const float *q, const float *k_pool,
+                               const float *v_pool, const kiln_kv_pages *pg, const int32_t *seq,
+                               const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N,
+                               int max_T, int NH, int KVH, int HS, float scale) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    if (!pg || pg->block_size <= 0 || pg->block_size % KILN_ATTN_BLOCK != 0 ||
+        pg->max_blocks <= 0) {
+        poison(c, KILN_ERR_INVALID_ARG, "attention_paged: block_size %d (a positive multiple of "
+               "%d) and max_blocks %d", pg ? pg->block_size : 0, KILN_ATTN_BLOCK,
+               pg ? pg->max_blocks : 0);
+        return;
+    }
+    if (c->fast) {
+        attention_paged_fast(c, out, q, k_pool, v_pool, pg, seq, pos, runs, runs ? n_runs : 0, N,
+                             max_T, NH, KVH, HS, scale);
+        return;
+    }
+    if (HS > KILN_CUDA_MAX_HS) {
+        poison(c, KILN_ERR_UNSUPPORTED, "attention_paged: head size %d > %d", HS,
+               KILN_CUDA_MAX_HS);
+        return;
+    }
+    /* each token on its own, whatever the runs: a token's bits never depend on the batch */
+    after_launch(c,
+                 kiln_cuda_attention_paged(c->stream, out, q, k_pool, v_pool, pg->block_table,
+                                           pg->block_size, pg->max_blocks, seq, pos, N, NH, KVH,
+                                           HS, scale),
+                 "attention_paged");
+}
+
 /* ---- the table ----------------------------------------------------------------------------- */
 
 static bool cu_supports_op(const kiln_backend *be, kiln_op op, kiln_dtype wtype) {
@@ -1218,6 +1443,7 @@ static void cu_free(kiln_backend *be) {
         if (c->down_buf) cudaFreeHost(c->down_buf);
         if (c->down_ev) cudaEventDestroy(c->down_ev);
         if (c->colsum_ws) cudaFree(c->colsum_ws);
+        if (c->gather) cudaFree(c->gather);
         kiln_cuda_gemm_free(c->gemm);
         kiln_cuda_sampler_free(c->sampler);
         if (c->hist) cudaFree(c->hist);
@@ -1280,6 +1506,9 @@ static const kiln_backend_i cuda_iface = {
     /* .download_end = */ cu_download_end,
     /* .attention_backward_seqs16 = */ cu_attention_backward_seqs16,
     /* .poll = */ cu_poll,
+    /* .kv_store_rows = */ cu_kv_store_rows,
+    /* .attention_paged = */ cu_attention_paged,
+    /* .get_rows = */ cu_get_rows,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {

@@ -51,6 +51,31 @@ cudaError_t kiln_cuda_attention_at(cudaStream_t s, float *out, const float *q, c
 cudaError_t kiln_cuda_kv_store(cudaStream_t s, float *k_cache, float *v_cache, const float *k_rows,
                                const float *v_rows, const int32_t *d_pos, int B,
                                size_t seq_stride, size_t row_floats);
+/* ops.h's attention_paged in the auditable arithmetic: token n (q, out rows (N, NH, HS))
+ * attends to positions 0..d_pos[n] of sequence d_seq[n] of the paged pool (block_table
+ * (n_seq, max_blocks), block_size a positive multiple of KILN_ATTN_BLOCK; all device memory),
+ * with the bits of kiln_cuda_attention(N = 1, n_past = d_pos[n]) over those keys stored
+ * densely. A token whose position is negative or past the table gets NaN. No allocation,
+ * no host synchronisation (graph capture). */
+cudaError_t kiln_cuda_attention_paged(cudaStream_t s, float *out, const float *q,
+                                      const float *k_pool, const float *v_pool,
+                                      const int32_t *block_table, int block_size, int max_blocks,
+                                      const int32_t *d_seq, const int32_t *d_pos, int N, int NH,
+                                      int KVH, int HS, float scale);
+/* Pool row d_slots[n] (device) of k_pool/v_pool = row n of k_rows/v_rows (row_floats each). */
+cudaError_t kiln_cuda_kv_store_rows(cudaStream_t s, float *k_pool, float *v_pool,
+                                    const float *k_rows, const float *v_rows,
+                                    const int32_t *d_slots, int N, size_t row_floats);
+/* out row i (C floats) = x row d_idx[i] (device), i < n. */
+cudaError_t kiln_cuda_get_rows(cudaStream_t s, float *out, const float *x, const int32_t *d_idx,
+                               int n, int C);
+/* One paged sequence's first T rows made dense: k_out/v_out row p = pool row
+ * d_table_row[p / block_size] * block_size + p % block_size (d_table_row: the sequence's row
+ * of the block table, device memory). */
+cudaError_t kiln_cuda_gather_pages(cudaStream_t s, float *k_out, float *v_out,
+                                   const float *k_pool, const float *v_pool,
+                                   const int32_t *d_table_row, int block_size, int T,
+                                   size_t row_floats);
 /* x[i] = x[i] * sc. */
 cudaError_t kiln_cuda_scale(cudaStream_t s, float *x, float sc, size_t n);
 cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, const float *up,

@@ -12,6 +12,8 @@
 
 #include "../../base/kmath.h"
 
+#include <limits.h>
+
 bool kiln_cuda_dtype_supported(kiln_dtype dt) {
     switch (dt) {
     case KILN_DTYPE_F32: case KILN_DTYPE_F16: case KILN_DTYPE_BF16: case KILN_DTYPE_Q8_0:
@@ -333,23 +335,47 @@ cudaError_t kiln_cuda_rope(cudaStream_t s, float *x, const int32_t *pos, int N, 
  * the accumulator is split over d, each d walking the keys in order. */
 #define ATTN_THREADS 128
 
+/* Where a block's keys are, beyond the dense layout (k, v rows 0.. of one cache; the query of
+ * block row i at n_past + i). d_n_past: decode graphs, block row b is sequence b (its cache
+ * seq_stride floats after sequence b-1's) at position d_n_past[b]. pos: a paged cache
+ * (ops.h's kiln_kv_pages), block row n is a token of sequence seq[n] at position pos[n], the
+ * 64 keys from position kb at pool row table[seq[n] * max_blocks + kb / block_size] *
+ * block_size + kb % block_size. All device memory; NULL when unused. */
+struct attn_where {
+    const int32_t *d_n_past;
+    size_t seq_stride;
+    const int32_t *seq, *pos, *table;
+    int block_size, max_blocks;
+};
+
 static __global__ void __launch_bounds__(ATTN_THREADS)
 attention_kernel(float *__restrict__ out, const float *__restrict__ q,
                  const float *__restrict__ kc, const float *__restrict__ vc, int n_past,
-                 const int32_t *__restrict__ d_n_past, size_t seq_stride, int NH, int KVH,
-                 int HS, float scale) {
+                 attn_where wh, int NH, int KVH, int HS, float scale) {
+    const int32_t *d_n_past = wh.d_n_past;
     if (d_n_past) { /* decode graphs: block row i is sequence i, its position on the device */
         const int b = (int)(blockIdx.x / (unsigned)NH);
         n_past = d_n_past[b];
-        kc += (size_t)b * seq_stride;
-        vc += (size_t)b * seq_stride;
+        kc += (size_t)b * wh.seq_stride;
+        vc += (size_t)b * wh.seq_stride;
+    }
+    const int32_t *btab = NULL; /* paged: the token's row of the block table */
+    if (wh.pos) {
+        const int n = (int)(blockIdx.x / (unsigned)NH);
+        n_past = wh.pos[n];
+        btab = wh.table + (int64_t)wh.seq[n] * wh.max_blocks;
+        if (n_past < 0 || n_past / wh.block_size >= wh.max_blocks) { /* off the table */
+            float *o = out + ((int64_t)n * NH + blockIdx.x % (unsigned)NH) * HS;
+            for (int d = threadIdx.x; d < HS; d += ATTN_THREADS) o[d] = NAN;
+            return; /* block-uniform, before any barrier */
+        }
     }
     extern __shared__ float sm[];
     float *qs = sm;             /* (HS) */
     float *acc = sm + HS;       /* (HS) */
     __shared__ float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK];
     __shared__ float sh_m_new, sh_alpha, sh_l;
-    const int i = d_n_past ? 0 : blockIdx.x / NH, h = blockIdx.x % NH;
+    const int i = d_n_past || btab ? 0 : blockIdx.x / NH, h = blockIdx.x % NH;
     const int row = blockIdx.x / NH; /* q/out row: token i, or sequence b in decode graphs */
     const int kvh = h / (NH / KVH);
     const int64_t stride = (int64_t)KVH * HS;
@@ -367,8 +393,12 @@ attention_kernel(float *__restrict__ out, const float *__restrict__ q,
     __syncthreads();
     for (int kb = 0; kb < T; kb += KILN_ATTN_BLOCK) {
         const int nk = T - kb < KILN_ATTN_BLOCK ? T - kb : KILN_ATTN_BLOCK;
+        /* the cache row of key kb: the block never straddles a page (block_size % 64 == 0) */
+        const int64_t kr = btab ? (int64_t)btab[kb / wh.block_size] * wh.block_size +
+                                      kb % wh.block_size
+                                : kb;
         for (int j = hw; j < nk; j += ATTN_THREADS / 16) {
-            const float *kj = kbase + (int64_t)(kb + j) * stride;
+            const float *kj = kbase + (kr + j) * stride;
             float a = 0.0f;
             for (int d = lane; d < HS; d += 16) a = __fmaf_rn(qs[d], kj[d], a);
             a = lane16_tree(a, mask);
@@ -392,7 +422,7 @@ attention_kernel(float *__restrict__ out, const float *__restrict__ q,
         }
         for (int d = tid; d < HS; d += ATTN_THREADS) {
             float a = acc[d] * alpha;
-            const float *vd = vbase + (int64_t)kb * stride + d;
+            const float *vd = vbase + kr * stride + d;
             for (int t = 0; t < nk; t++) a = __fmaf_rn(p[t], vd[(int64_t)t * stride], a);
             acc[d] = a;
         }
@@ -411,8 +441,9 @@ cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, cons
     if (N <= 0 || NH <= 0 || HS <= 0) return cudaSuccess;
     if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0) return cudaErrorInvalidValue;
     size_t smem = (size_t)2 * HS * sizeof(float);
+    const attn_where dense = {NULL, 0, NULL, NULL, NULL, 0, 0};
     attention_kernel<<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
-        out, q, k, v, n_past, NULL, 0, NH, KVH, HS, scale);
+        out, q, k, v, n_past, dense, NH, KVH, HS, scale);
     return cudaGetLastError();
 }
 
@@ -423,8 +454,26 @@ cudaError_t kiln_cuda_attention_at(cudaStream_t s, float *out, const float *q, c
     if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0 || !d_n_past)
         return cudaErrorInvalidValue;
     size_t smem = (size_t)2 * HS * sizeof(float);
+    const attn_where at = {d_n_past, seq_stride, NULL, NULL, NULL, 0, 0};
     attention_kernel<<<(unsigned)((int64_t)B * NH), ATTN_THREADS, smem, s>>>(
-        out, q, k, v, 0, d_n_past, seq_stride, NH, KVH, HS, scale);
+        out, q, k, v, 0, at, NH, KVH, HS, scale);
+    return cudaGetLastError();
+}
+
+cudaError_t kiln_cuda_attention_paged(cudaStream_t s, float *out, const float *q,
+                                      const float *k_pool, const float *v_pool,
+                                      const int32_t *block_table, int block_size, int max_blocks,
+                                      const int32_t *d_seq, const int32_t *d_pos, int N, int NH,
+                                      int KVH, int HS, float scale) {
+    if (N <= 0 || NH <= 0 || HS <= 0) return cudaSuccess;
+    if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0 || !block_table || !d_seq ||
+        !d_pos || block_size <= 0 || block_size % KILN_ATTN_BLOCK != 0 || max_blocks <= 0 ||
+        (int64_t)N * NH > INT_MAX)
+        return cudaErrorInvalidValue;
+    size_t smem = (size_t)2 * HS * sizeof(float);
+    const attn_where pg = {NULL, 0, d_seq, d_pos, block_table, block_size, max_blocks};
+    attention_kernel<<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
+        out, q, k_pool, v_pool, 0, pg, NH, KVH, HS, scale);
     return cudaGetLastError();
 }
 
@@ -450,6 +499,79 @@ cudaError_t kiln_cuda_kv_store(cudaStream_t s, float *k_cache, float *v_cache, c
     dim3 grid((unsigned)((row_floats + 255) / 256), (unsigned)B);
     kv_store_kernel<<<grid, 256, 0, s>>>(k_cache, v_cache, k_rows, v_rows, d_pos, seq_stride,
                                          row_floats);
+    return cudaGetLastError();
+}
+
+/* Paged caches (ops.h's kv_store_rows): token t (blockIdx.y, then every gridDim.y-th) goes to
+ * pool row slots[t]: plain copies. */
+static __global__ void kv_store_rows_kernel(float *__restrict__ kp, float *__restrict__ vp,
+                                            const float *__restrict__ kr,
+                                            const float *__restrict__ vr,
+                                            const int32_t *__restrict__ slots, int N, size_t n) {
+    for (int t = (int)blockIdx.y; t < N; t += (int)gridDim.y) {
+        const size_t off = (size_t)slots[t] * n, src = (size_t)t * n;
+        for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
+             u += (size_t)gridDim.x * blockDim.x) {
+            kp[off + u] = kr[src + u];
+            vp[off + u] = vr[src + u];
+        }
+    }
+}
+
+/* Grid for copying `rows` rows of n floats, 256 threads a block: x covers a row (at most 1024
+ * blocks, the rest by striding), y the rows (at most 65535, the rest by striding). */
+static dim3 rows_grid(int64_t rows, size_t n) {
+    const size_t gx = (n + 255) / 256;
+    return dim3((unsigned)(gx < 1024 ? gx : 1024), (unsigned)(rows < 65535 ? rows : 65535));
+}
+
+cudaError_t kiln_cuda_kv_store_rows(cudaStream_t s, float *k_pool, float *v_pool,
+                                    const float *k_rows, const float *v_rows,
+                                    const int32_t *d_slots, int N, size_t row_floats) {
+    if (row_floats == 0 || N <= 0) return cudaSuccess;
+    if (!d_slots) return cudaErrorInvalidValue;
+    kv_store_rows_kernel<<<rows_grid(N, row_floats), 256, 0, s>>>(k_pool, v_pool, k_rows, v_rows,
+                                                                  d_slots, N, row_floats);
+    return cudaGetLastError();
+}
+
+/* out row i = x row idx[i] (get_rows), or, with table (the gather of a paged sequence), out
+ * row i = x row table[i / block_size] * block_size + i % block_size, for two tensors at once
+ * when x2 is given (k and v). */
+static __global__ void gather_rows_kernel(float *__restrict__ out, const float *__restrict__ x,
+                                          float *__restrict__ out2, const float *__restrict__ x2,
+                                          const int32_t *__restrict__ idx,
+                                          const int32_t *__restrict__ table, int block_size,
+                                          int rows, size_t n) {
+    for (int i = (int)blockIdx.y; i < rows; i += (int)gridDim.y) {
+        const int64_t r = table ? (int64_t)table[i / block_size] * block_size + i % block_size
+                                : (int64_t)idx[i];
+        const size_t src = (size_t)r * n, dst = (size_t)i * n;
+        for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
+             u += (size_t)gridDim.x * blockDim.x) {
+            out[dst + u] = x[src + u];
+            if (x2) out2[dst + u] = x2[src + u];
+        }
+    }
+}
+
+cudaError_t kiln_cuda_get_rows(cudaStream_t s, float *out, const float *x, const int32_t *d_idx,
+                               int n, int C) {
+    if (n <= 0 || C <= 0) return cudaSuccess;
+    if (!d_idx) return cudaErrorInvalidValue;
+    gather_rows_kernel<<<rows_grid(n, (size_t)C), 256, 0, s>>>(out, x, NULL, NULL, d_idx, NULL,
+                                                               1, n, (size_t)C);
+    return cudaGetLastError();
+}
+
+cudaError_t kiln_cuda_gather_pages(cudaStream_t s, float *k_out, float *v_out,
+                                   const float *k_pool, const float *v_pool,
+                                   const int32_t *d_table_row, int block_size, int T,
+                                   size_t row_floats) {
+    if (T <= 0 || row_floats == 0) return cudaSuccess;
+    if (!d_table_row || block_size <= 0) return cudaErrorInvalidValue;
+    gather_rows_kernel<<<rows_grid(T, row_floats), 256, 0, s>>>(
+        k_out, k_pool, v_out, v_pool, NULL, d_table_row, block_size, T, row_floats);
     return cudaGetLastError();
 }
 
