@@ -91,6 +91,11 @@ typedef struct kiln_mem_stats {
 KILN_API void kiln_mem_get_stats(kiln_mem_stats *out);
 KILN_API void kiln_mem_reset_peak(void);
 
+/* Memory of a device: -1 the host (available and installed physical memory), N >= 0 CUDA
+ * device N (free and total, as the driver reports them). KILN_ERR_UNSUPPORTED for a CUDA
+ * device in a build without CUDA or on a machine without that GPU. */
+KILN_API kiln_status kiln_device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes);
+
 /* ---------------------------------------------------------------------------------------- */
 /* Numbers                                                                                   */
 /* ---------------------------------------------------------------------------------------- */

@@ -29,9 +29,12 @@ static const char *train_help =
     "  --batch B            sequences per micro-batch (default 8)\n"
     "  --seq T              tokens per sequence (default 128)\n"
     "  --accum K            micro-batches per step (gradient accumulation, default 1)\n"
-    "  --seqs-per-forward K sequences of a micro-batch forwarded at once (K divides --batch;\n"
-    "                       default 1): larger products, K x the activation memory; the\n"
-    "                       gradients are within rounding of K = 1's, not its bits\n"
+    "  --seqs-per-forward K sequences of a micro-batch forwarded at once (K divides --batch):\n"
+    "                       larger products, K x the activation memory; the gradients are\n"
+    "                       within rounding of K = 1's, not its bits. Default: with --fast\n"
+    "                       on a GPU the largest K whose activations fit in half the free\n"
+    "                       memory; else 1 (the same bits on the CPU and the GPU); on\n"
+    "                       --resume the checkpoint's\n"
     "  --lr LR              peak learning rate (default 1e-3)\n"
     "  --min-lr LR          final learning rate of the decay (default lr/10)\n"
     "  --warmup N           linear warmup steps (default 20)\n"
@@ -90,7 +93,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
     o->batch = 8;
     o->seq = 128;
     o->accum = 1;
-    o->per_forward = 1;
+    o->per_forward = 0; /* chosen in cmd_train (choose_per_forward) */
     o->warmup = 20;
     o->eval_every = 50;
     o->eval_batches = 4;
@@ -184,7 +187,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
         *code = cli_usage_error(cmd, "at least one --data SHARD is required (make one with `kiln data`)");
         return 1;
     }
-    if (o->batch % o->per_forward != 0) {
+    if (o->per_forward > 0 && o->batch % o->per_forward != 0) {
         *code = cli_usage_error(cmd, "--seqs-per-forward %ld does not divide --batch %ld", o->per_forward, o->batch);
         return 1;
     }
@@ -428,6 +431,53 @@ static int check_resume_settings(const train_opts *o, const char *run, long star
     return 0;
 }
 
+/* The trainer for o's settings, o->per_forward sequences a forward. */
+static kiln_status make_trainer(kiln_model *m, const train_opts *o_, kiln_trainer **tr) {
+    const train_opts o = *o_;
+    kiln_train_params tp = kiln_train_default_params();
+    tp.max_seq = (int)o.seq;
+    tp.max_batch = (int)o.per_forward;
+    tp.n_threads = (int)o.threads;
+    tp.lr = o.lr;
+    tp.weight_decay = o.weight_decay;
+    tp.seed = o.seed;
+    tp.weight_storage = !strcmp(o.storage, "f32") ? KILN_STORAGE_F32
+                        : !strcmp(o.storage, "bf16_master") ? KILN_STORAGE_BF16_MASTER
+                        : !strcmp(o.storage, "bf16_kahan") ? KILN_STORAGE_BF16_KAHAN
+                                                           : KILN_STORAGE_BF16_SR;
+    tp.moment_storage = !strcmp(o.moments, "q8") ? KILN_MOMENTS_Q8 : KILN_MOMENTS_F32;
+    tp.device = o.device;
+    tp.fast = o.fast;
+    if (o.loss_row_block >= 0) tp.ce_row_block = (int)o.loss_row_block;
+    tp.ce_logits_f32 = o.loss_logits_f32;
+    return kiln_trainer_create(m, &tp, tr);
+}
+
+/* --seqs-per-forward left to kiln, fast mode on a GPU: the largest divisor K of --batch whose
+ * activations and loss scratch (K x a one-sequence trainer's) fit in half the device memory
+ * left free with the one-sequence trainer made. *tr is that trainer on entry and the chosen
+ * one on return (remade when K > 1). */
+static kiln_status choose_per_forward(kiln_model *m, train_opts *o, kiln_trainer **tr) {
+    kiln_train_memory mem;
+    uint64_t free_b = 0, total_b = 0;
+    KILN_TRY(kiln_train_describe(*tr, NULL, 0, &mem));
+    if (kiln_device_memory(o->device, &free_b, &total_b) != KILN_OK) return KILN_OK; /* keep 1 */
+    const uint64_t per_seq = mem.activations + mem.scratch;
+    long k = 1;
+    for (long d = o->batch; d > 1; d--)
+        if (o->batch % d == 0 && per_seq && (uint64_t)(d - 1) <= free_b / 2 / per_seq) {
+            k = d;
+            break;
+        }
+    fprintf(stderr, "[kiln train] --seqs-per-forward %ld: a sequence's activations take %.1f MiB, %.1f GiB of the "
+                    "GPU are free (pass the flag to choose)\n", k, (double)per_seq / 1048576.0, (double)free_b / 1073741824.0);
+    if (k == 1) return KILN_OK;
+    kiln_trainer_free(*tr);
+    *tr = NULL;
+    o->per_forward = k;
+    return make_trainer(m, o, tr);
+}
+
 int cmd_train(int argc, char **argv) {
     train_opts o;
     int code = 0;
@@ -487,23 +537,14 @@ int cmd_train(int argc, char **argv) {
         rc = cli_fail("train", "data", st);
         goto out;
     }
-    kiln_train_params tp = kiln_train_default_params();
-    tp.max_seq = (int)o.seq;
-    tp.max_batch = (int)o.per_forward;
-    tp.n_threads = (int)o.threads;
-    tp.lr = o.lr;
-    tp.weight_decay = o.weight_decay;
-    tp.seed = o.seed;
-    tp.weight_storage = !strcmp(o.storage, "f32") ? KILN_STORAGE_F32
-                        : !strcmp(o.storage, "bf16_master") ? KILN_STORAGE_BF16_MASTER
-                        : !strcmp(o.storage, "bf16_kahan") ? KILN_STORAGE_BF16_KAHAN
-                                                           : KILN_STORAGE_BF16_SR;
-    tp.moment_storage = !strcmp(o.moments, "q8") ? KILN_MOMENTS_Q8 : KILN_MOMENTS_F32;
-    tp.device = o.device;
-    tp.fast = o.fast;
-    if (o.loss_row_block >= 0) tp.ce_row_block = (int)o.loss_row_block;
-    tp.ce_logits_f32 = o.loss_logits_f32;
-    st = kiln_trainer_create(m, &tp, &tr);
+    const int auto_pf = o.per_forward == 0;
+    if (auto_pf) o.per_forward = 1;
+    st = make_trainer(m, &o, &tr);
+    if (st != KILN_OK) {
+        rc = cli_fail("train", "trainer", st);
+        goto out;
+    }
+    if (auto_pf && o.fast && o.device >= 0 && !o.resume) st = choose_per_forward(m, &o, &tr);
     if (st != KILN_OK) {
         rc = cli_fail("train", "trainer", st);
         goto out;
@@ -533,6 +574,22 @@ int cmd_train(int argc, char **argv) {
             kiln_string_free(run);
             rc = 1;
             goto out;
+        }
+        char saved_pf[64];
+        long pf = 0;
+        if (auto_pf && run && run_value(run, "seqs_per_forward", saved_pf, sizeof saved_pf) &&
+            (pf = strtol(saved_pf, NULL, 10)) > 1 && pf <= o.batch && o.batch % pf == 0 && pf != o.per_forward) {
+            /* the run's own grouping (its bits): the trainer remade for it, the checkpoint again */
+            kiln_trainer_free(tr);
+            tr = NULL;
+            o.per_forward = pf;
+            st = make_trainer(m, &o, &tr);
+            if (st == KILN_OK) st = kiln_train_load_ex(tr, ckdir, &k, NULL, NULL);
+            if (st != KILN_OK) {
+                kiln_string_free(run);
+                rc = cli_fail("train", "--resume", st);
+                goto out;
+            }
         }
         int refused = check_resume_settings(&o, run, start, overridden, sizeof overridden);
         kiln_string_free(run);

@@ -11,6 +11,7 @@
 #include "ops.h"
 
 #include <pthread.h>
+#include <unistd.h>
 
 typedef struct shared_backend {
     struct shared_backend *next;
@@ -76,6 +77,17 @@ void kiln_backend_release(kiln_backend *be) {
     }
     pthread_mutex_unlock(&g_lock);
     kiln_backend_free(be); /* not shared: its own */
+}
+
+kiln_status kiln_device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes) {
+    if (!free_bytes || !total_bytes) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_device_memory: NULL argument");
+    if (device < -1) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_device_memory: device %d", device);
+    if (device >= 0) return kiln_cuda_device_memory(device, free_bytes, total_bytes);
+    long page = sysconf(_SC_PAGESIZE), avail = sysconf(_SC_AVPHYS_PAGES), phys = sysconf(_SC_PHYS_PAGES);
+    if (page <= 0 || avail < 0 || phys <= 0) return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_device_memory: host memory unknown");
+    *free_bytes = (uint64_t)avail * (uint64_t)page;
+    *total_bytes = (uint64_t)phys * (uint64_t)page;
+    return KILN_OK;
 }
 
 void kiln_backends_forget(const void *host, size_t nbytes) {

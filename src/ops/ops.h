@@ -174,22 +174,10 @@ typedef struct kiln_backend_i {
     kiln_status (*status)(kiln_backend *be);
 
     /* ---- decode graphs (optional; NULL in a backend without them, e.g. the CPU). A decode
-     * step (one token) recorded once and replayed for every later token: the ops that depend
-     * on the position read it from backend memory, so the recorded launches never change. ---- */
+     * step of B tokens recorded once and replayed for every later step: the ops read the
+     * tokens' ids, positions, sequences and cache rows from backend memory (attention_paged
+     * with runs NULL), so the recorded launches never change. ---- */
 
-    /* B sequences, one new token each; sequence b's cache starts seq_stride floats after
-     * sequence b-1's, and pos[b] (backend memory) is its token's position.
-     * kv_store: row pos[b] of sequence b's k_cache / v_cache = row b of k_rows / v_rows
-     * (row_floats each). */
-    void (*kv_store)(kiln_backend *be, float *k_cache, float *v_cache, const float *k_rows,
-                     const float *v_rows, const int32_t *pos, int B, size_t seq_stride,
-                     size_t row_floats);
-    /* attention of query row b (q, out: (B, NH, HS)) over keys 0..pos[b] of sequence b's
-     * cache: for each b the bits of attention(N = 1, n_past = pos[b]) on that cache; max_T >=
-     * pos[b] + 1 bounds every replay. */
-    void (*attention_at)(kiln_backend *be, float *out, const float *q, const float *k,
-                         const float *v, const int32_t *pos, int B, size_t seq_stride, int max_T,
-                         int NH, int KVH, int HS, float scale);
     /* Record the ops submitted between graph_begin and graph_end (nothing runs meanwhile; no
      * op may allocate or synchronise: weights must already be on the device, and ops whose
      * workspaces grow on demand must have run at these shapes before) into *graph;
@@ -451,6 +439,8 @@ kiln_status kiln_backend_cuda_create(int device, kiln_backend **out);
  * (docs/CUDA.md, "Fast mode"): not the CPU's bits, but deterministic from run to run on one
  * GPU model. */
 kiln_status kiln_backend_cuda_create_mode(int device, int fast, kiln_backend **out);
+/* Free and total memory of CUDA device `device` (kiln.h kiln_device_memory). */
+kiln_status kiln_cuda_device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes);
 
 /* The process's backend for a device (-1: the CPU with n_threads workers, 0 = all cores;
  * >= 0: that CUDA device) in a mode (the CPU: fast_q8; CUDA: fast), shared by every engine

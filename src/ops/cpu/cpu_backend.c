@@ -459,29 +459,6 @@ static void cpu_scale(kiln_backend *be, float *x, float s, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] = x[i] * s;
 }
 
-/* Batched decode on host memory: sequence b's cache row pos[b] = row b; attention of each
- * sequence's one query over its own cache (the bits of attention with N = 1). */
-static void cpu_kv_store(kiln_backend *be, float *k_cache, float *v_cache, const float *k_rows,
-                         const float *v_rows, const int32_t *pos, int B, size_t seq_stride,
-                         size_t row_floats) {
-    (void)be;
-    for (int b = 0; b < B; b++) {
-        size_t off = (size_t)b * seq_stride + (size_t)pos[b] * row_floats;
-        memcpy(k_cache + off, k_rows + (size_t)b * row_floats, row_floats * sizeof(float));
-        memcpy(v_cache + off, v_rows + (size_t)b * row_floats, row_floats * sizeof(float));
-    }
-}
-
-static void cpu_attention_at(kiln_backend *be, float *out, const float *q, const float *k,
-                             const float *v, const int32_t *pos, int B, size_t seq_stride,
-                             int max_T, int NH, int KVH, int HS, float scale) {
-    (void)max_T;
-    size_t row = (size_t)NH * HS;
-    for (int b = 0; b < B; b++)
-        cpu_attention(be, out + (size_t)b * row, q + (size_t)b * row, k + (size_t)b * seq_stride,
-                      v + (size_t)b * seq_stride, 1, pos[b], NH, KVH, HS, scale);
-}
-
 /* ops.h's batch ops on host memory. */
 static void cpu_kv_store_rows(kiln_backend *be, float *k_pool, float *v_pool, const float *k_rows,
                               const float *v_rows, const int32_t *slots, int N, size_t row_floats) {
@@ -533,8 +510,6 @@ static const kiln_backend_i cpu_iface = {
     .upload = cpu_copy,
     .download = cpu_copy,
     .status = cpu_status,
-    .kv_store = cpu_kv_store,
-    .attention_at = cpu_attention_at,
     .kv_store_rows = cpu_kv_store_rows,
     .attention_paged = cpu_attention_paged,
     .get_rows = cpu_get_rows,

@@ -489,40 +489,6 @@ static kiln_status cu_sample(kiln_backend *be, const float *logits, int V, kiln_
 
 /* ---- decode graphs ------------------------------------------------------------------------- */
 
-static void cu_kv_store(kiln_backend *be, float *k_cache, float *v_cache, const float *k_rows,
-                        const float *v_rows, const int32_t *pos, int B, size_t seq_stride,
-                        size_t row_floats) {
-    cuda_ctx *c = ctx_of(be);
-    if (!op_begin(c)) return;
-    after_launch(c, kiln_cuda_kv_store(c->stream, k_cache, v_cache, k_rows, v_rows, pos, B,
-                                       seq_stride, row_floats),
-                 "kv_store");
-}
-
-static void cu_attention_at(kiln_backend *be, float *out, const float *q, const float *k,
-                            const float *v, const int32_t *pos, int B, size_t seq_stride,
-                            int max_T, int NH, int KVH, int HS, float scale) {
-    cuda_ctx *c = ctx_of(be);
-    if (!op_begin(c)) return;
-    if (!c->fast) {
-        if (HS > KILN_CUDA_MAX_HS) {
-            poison(c, KILN_ERR_UNSUPPORTED, "attention: head size %d > %d", HS, KILN_CUDA_MAX_HS);
-            return;
-        }
-        after_launch(c, kiln_cuda_attention_at(c->stream, out, q, k, v, pos, B, seq_stride, NH,
-                                               KVH, HS, scale),
-                     "attention_at");
-        return;
-    }
-    if (!c->attn) { /* graph_begin makes it; outside a graph make it now */
-        if (!CK(c, kiln_cuda_attn_create(&c->attn))) return;
-    }
-    after_launch(c,
-                 kiln_cuda_attention_decode_dev(c->attn, c->stream, out, q, k, v, B, seq_stride,
-                                                pos, max_T, NH, KVH, HS, scale),
-                 "attention_at (fast)");
-}
-
 /* Everything a recorded graph may point into that can be reallocated: this context's staging
  * and column-sum buffers and the attention workspace (the GEMM module keeps outgrown scratch
  * until it is freed, so its pointers never dangle). Each count only grows, so does the sum. */
@@ -1455,6 +1421,29 @@ static void cu_free(kiln_backend *be) {
     kiln_free(be);
 }
 
+/* ops.h forget: drop the cached copies of weights overlapping [host, host + nbytes) (their
+ * host memory is going away). Waits for the work that may read them. */
+static void cu_forget(kiln_backend *be, const void *host, size_t nbytes) {
+    cuda_ctx *c = ctx_of(be);
+    cudaSetDevice(c->device);
+    const uint8_t *lo = (const uint8_t *)host, *hi = lo + nbytes;
+    size_t kept = 0;
+    int synced = 0;
+    for (size_t k = 0; k < c->n_weights; k++) {
+        weight_entry *e = &c->weights[k];
+        if (e->host < hi && lo < e->host + e->nbytes) {
+            if (!synced) {
+                (void)cudaStreamSynchronize(c->stream);
+                synced = 1;
+            }
+            cudaFree(e->dev);
+            continue;
+        }
+        c->weights[kept++] = *e;
+    }
+    c->n_weights = kept;
+}
+
 static const kiln_backend_i cuda_iface = {
     /* .name = */ "cuda",
     /* .free = */ cu_free,
@@ -1477,8 +1466,6 @@ static const kiln_backend_i cuda_iface = {
     /* .upload = */ cu_upload,
     /* .download = */ cu_download,
     /* .status = */ cu_status,
-    /* .kv_store = */ cu_kv_store,
-    /* .attention_at = */ cu_attention_at,
     /* .graph_begin = */ cu_graph_begin,
     /* .graph_end = */ cu_graph_end,
     /* .graph_launch = */ cu_graph_launch,
@@ -1509,7 +1496,29 @@ static const kiln_backend_i cuda_iface = {
     /* .kv_store_rows = */ cu_kv_store_rows,
     /* .attention_paged = */ cu_attention_paged,
     /* .get_rows = */ cu_get_rows,
+    /* .forget = */ cu_forget,
 };
+
+extern "C" kiln_status kiln_cuda_device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+        (void)cudaGetLastError();
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_device_memory: no CUDA device %d (%d present)", device, count);
+    }
+    int prev = 0;
+    size_t f = 0, t = 0;
+    cudaGetDevice(&prev);
+    cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess) e = cudaMemGetInfo(&f, &t);
+    cudaSetDevice(prev);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_device_memory: device %d: %s", device, cudaGetErrorString(e));
+    }
+    *free_bytes = f;
+    *total_bytes = t;
+    return KILN_OK;
+}
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {
     return kiln_backend_cuda_create_mode(device, 0, out);

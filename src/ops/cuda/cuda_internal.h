@@ -40,17 +40,6 @@ cudaError_t kiln_cuda_rope(cudaStream_t s, float *x, const int32_t *pos, int N, 
 cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, const float *k,
                                 const float *v, int N, int n_past, int NH, int KVH, int HS,
                                 float scale);
-/* B sequences (caches seq_stride floats apart), one query each at position d_n_past[b]
- * (device memory): for each b the bits of kiln_cuda_attention with N = 1 and that n_past on
- * sequence b's cache (decode graphs, batched decode). */
-cudaError_t kiln_cuda_attention_at(cudaStream_t s, float *out, const float *q, const float *k,
-                                   const float *v, const int32_t *d_n_past, int B,
-                                   size_t seq_stride, int NH, int KVH, int HS, float scale);
-/* Sequence b's k_cache/v_cache row d_pos[b] (device) = row b of k_rows/v_rows (row_floats
- * each); caches seq_stride floats apart. */
-cudaError_t kiln_cuda_kv_store(cudaStream_t s, float *k_cache, float *v_cache, const float *k_rows,
-                               const float *v_rows, const int32_t *d_pos, int B,
-                               size_t seq_stride, size_t row_floats);
 /* ops.h's attention_paged in the auditable arithmetic: token n (q, out rows (N, NH, HS))
  * attends to positions 0..d_pos[n] of sequence d_seq[n] of the paged pool (block_table
  * (n_seq, max_blocks), block_size a positive multiple of KILN_ATTN_BLOCK; all device memory),

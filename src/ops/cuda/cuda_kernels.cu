@@ -336,14 +336,11 @@ cudaError_t kiln_cuda_rope(cudaStream_t s, float *x, const int32_t *pos, int N, 
 #define ATTN_THREADS 128
 
 /* Where a block's keys are, beyond the dense layout (k, v rows 0.. of one cache; the query of
- * block row i at n_past + i). d_n_past: decode graphs, block row b is sequence b (its cache
- * seq_stride floats after sequence b-1's) at position d_n_past[b]. pos: a paged cache
+ * block row i at n_past + i). pos: a paged cache
  * (ops.h's kiln_kv_pages), block row n is a token of sequence seq[n] at position pos[n], the
  * 64 keys from position kb at pool row table[seq[n] * max_blocks + kb / block_size] *
  * block_size + kb % block_size. All device memory; NULL when unused. */
 struct attn_where {
-    const int32_t *d_n_past;
-    size_t seq_stride;
     const int32_t *seq, *pos, *table;
     int block_size, max_blocks;
 };
@@ -352,13 +349,6 @@ static __global__ void __launch_bounds__(ATTN_THREADS)
 attention_kernel(float *__restrict__ out, const float *__restrict__ q,
                  const float *__restrict__ kc, const float *__restrict__ vc, int n_past,
                  attn_where wh, int NH, int KVH, int HS, float scale) {
-    const int32_t *d_n_past = wh.d_n_past;
-    if (d_n_past) { /* decode graphs: block row i is sequence i, its position on the device */
-        const int b = (int)(blockIdx.x / (unsigned)NH);
-        n_past = d_n_past[b];
-        kc += (size_t)b * wh.seq_stride;
-        vc += (size_t)b * wh.seq_stride;
-    }
     const int32_t *btab = NULL; /* paged: the token's row of the block table */
     if (wh.pos) {
         const int n = (int)(blockIdx.x / (unsigned)NH);
@@ -375,8 +365,8 @@ attention_kernel(float *__restrict__ out, const float *__restrict__ q,
     float *acc = sm + HS;       /* (HS) */
     __shared__ float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK];
     __shared__ float sh_m_new, sh_alpha, sh_l;
-    const int i = d_n_past || btab ? 0 : blockIdx.x / NH, h = blockIdx.x % NH;
-    const int row = blockIdx.x / NH; /* q/out row: token i, or sequence b in decode graphs */
+    const int i = btab ? 0 : blockIdx.x / NH, h = blockIdx.x % NH;
+    const int row = blockIdx.x / NH; /* q/out row: token i */
     const int kvh = h / (NH / KVH);
     const int64_t stride = (int64_t)KVH * HS;
     const int tid = threadIdx.x, lane = tid & 15, hw = tid >> 4;
@@ -441,22 +431,9 @@ cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, cons
     if (N <= 0 || NH <= 0 || HS <= 0) return cudaSuccess;
     if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0) return cudaErrorInvalidValue;
     size_t smem = (size_t)2 * HS * sizeof(float);
-    const attn_where dense = {NULL, 0, NULL, NULL, NULL, 0, 0};
+    const attn_where dense = {NULL, NULL, NULL, 0, 0};
     attention_kernel<<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
         out, q, k, v, n_past, dense, NH, KVH, HS, scale);
-    return cudaGetLastError();
-}
-
-cudaError_t kiln_cuda_attention_at(cudaStream_t s, float *out, const float *q, const float *k,
-                                   const float *v, const int32_t *d_n_past, int B,
-                                   size_t seq_stride, int NH, int KVH, int HS, float scale) {
-    if (NH <= 0 || HS <= 0 || B <= 0) return cudaSuccess;
-    if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0 || !d_n_past)
-        return cudaErrorInvalidValue;
-    size_t smem = (size_t)2 * HS * sizeof(float);
-    const attn_where at = {d_n_past, seq_stride, NULL, NULL, NULL, 0, 0};
-    attention_kernel<<<(unsigned)((int64_t)B * NH), ATTN_THREADS, smem, s>>>(
-        out, q, k, v, 0, at, NH, KVH, HS, scale);
     return cudaGetLastError();
 }
 
@@ -471,34 +448,9 @@ cudaError_t kiln_cuda_attention_paged(cudaStream_t s, float *out, const float *q
         (int64_t)N * NH > INT_MAX)
         return cudaErrorInvalidValue;
     size_t smem = (size_t)2 * HS * sizeof(float);
-    const attn_where pg = {NULL, 0, d_seq, d_pos, block_table, block_size, max_blocks};
+    const attn_where pg = {d_seq, d_pos, block_table, block_size, max_blocks};
     attention_kernel<<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
         out, q, k_pool, v_pool, 0, pg, NH, KVH, HS, scale);
-    return cudaGetLastError();
-}
-
-/* Sequence b (blockIdx.y): its cache row pos[b] = row b of kr/vr: plain copies. */
-static __global__ void kv_store_kernel(float *__restrict__ kc, float *__restrict__ vc,
-                                       const float *__restrict__ kr, const float *__restrict__ vr,
-                                       const int32_t *__restrict__ pos, size_t seq_stride,
-                                       size_t n) {
-    const int b = (int)blockIdx.y;
-    const size_t off = (size_t)b * seq_stride + (size_t)pos[b] * n;
-    for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
-         u += (size_t)gridDim.x * blockDim.x) {
-        kc[off + u] = kr[(size_t)b * n + u];
-        vc[off + u] = vr[(size_t)b * n + u];
-    }
-}
-
-cudaError_t kiln_cuda_kv_store(cudaStream_t s, float *k_cache, float *v_cache, const float *k_rows,
-                               const float *v_rows, const int32_t *d_pos, int B,
-                               size_t seq_stride, size_t row_floats) {
-    if (row_floats == 0 || B <= 0) return cudaSuccess;
-    if (B > 65535) return cudaErrorInvalidValue;
-    dim3 grid((unsigned)((row_floats + 255) / 256), (unsigned)B);
-    kv_store_kernel<<<grid, 256, 0, s>>>(k_cache, v_cache, k_rows, v_rows, d_pos, seq_stride,
-                                         row_floats);
     return cudaGetLastError();
 }
 

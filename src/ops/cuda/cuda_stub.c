@@ -18,6 +18,13 @@ kiln_status kiln_backend_cuda_create_mode(int device, int fast, kiln_backend **o
     (void)fast;
     return kiln_backend_cuda_create(device, out);
 }
+
+kiln_status kiln_cuda_device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes) {
+    (void)device;
+    (void)free_bytes;
+    (void)total_bytes;
+    return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_device_memory: this kiln was built without CUDA");
+}
 #else
 typedef int kiln_cuda_stub_unused; /* ISO C wants a non-empty translation unit */
 #endif
