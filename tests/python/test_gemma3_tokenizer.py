@@ -135,7 +135,7 @@ def test_gemma3_vocabulary(gemma3, gemma3_path):
     assert (info.add_bos, info.add_eos) == (1, 0)
     assert hf.convert_ids_to_tokens([2, 1, 105, 106]) == ["<bos>", "<eos>", "<start_of_turn>",
                                                           "<end_of_turn>"]
-    # generation stops at either (Gemma 3's generation_config: eos_token_id [1, 106])
+    # generation stops at either
     assert info.eot_id == 106
 
 
