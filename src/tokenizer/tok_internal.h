@@ -106,6 +106,10 @@ struct kiln_tokenizer {
     struct tok_merge *mhash;
     size_t mhash_mask;
     tok_merge_mode merge_mode;
+    int merge_by_id;          /* TOK_MERGE_SCORE: the merged piece's id replaces its score (lower
+                               * id first) and of two splits of one piece the one with the longer
+                               * left part goes first: the merge order transformers derives for a
+                               * Gemma GGUF (generate_merges with the file position as score) */
 
     int byte_level;           /* pieces are GPT-2 byte-to-unicode encoded */
     int byte_fallback;        /* unknown characters become <0xXX> tokens */
@@ -135,6 +139,10 @@ struct kiln_tokenizer {
 
     char *chat_template;
     const char *chat_template_name;
+    /* A Gemma GGUF without tokenizer.chat_template (general.architecture gemma, gemma2,
+     * gemma3) renders with the "gemma" template; gemma3 also folds a system message into the
+     * first user turn, as Gemma 3's own template does (Gemma 1 and 2 refuse one). */
+    int chat_gemma_system;
 };
 
 struct tok_merge {

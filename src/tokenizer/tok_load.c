@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+#include <utf8proc.h>
 
 /* ---- pre-tokenizer regexes ------------------------------------------------------------------ */
 
@@ -111,18 +112,51 @@ static kiln_status gguf_get_id(const kiln_gguf *g, const char *key, int32_t *out
     return KILN_OK;
 }
 
+/* Python's str.isspace() code points (bidi class WS, B or S, or category Zs). */
+static int py_isspace(utf8proc_int32_t c) {
+    return (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x20) || c == 0x85 || c == 0xa0 ||
+           c == 0x1680 || (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 ||
+           c == 0x202f || c == 0x205f || c == 0x3000;
+}
+
+/* Gemma's GGUF files store the whitespace-run tokens ("  ", "   ", ...) with real spaces, as
+ * user-defined tokens, where Gemma's tokenizer.json has them as ordinary pieces spelled with ▁.
+ * transformers (integrations/gguf/gguf_tokenizer_mapping.py, gemma_tokenizer) respells every
+ * token that holds a ' ' and nothing but whitespace as one ▁ per code point and merges them like
+ * any other piece; so does kiln. Returns the number of code points when s[0..n) is such a token
+ * (valid UTF-8, all Python whitespace, at least one ' '), else 0. */
+static size_t gemma_space_run(const char *s, size_t n) {
+    size_t i = 0, cps = 0;
+    int space = 0;
+    while (i < n) {
+        utf8proc_int32_t c;
+        utf8proc_ssize_t k = utf8proc_iterate((const utf8proc_uint8_t *)s + i,
+                                              (utf8proc_ssize_t)(n - i), &c);
+        if (k <= 0 || !py_isspace(c)) return 0;
+        space |= c == ' ';
+        i += (size_t)k;
+        cps++;
+    }
+    return space ? cps : 0;
+}
+
+/* gemma: the vocabulary of a Gemma GGUF (general.architecture gemma, gemma2, gemma3), built as
+ * transformers builds it from the file: whitespace runs respelled (gemma_space_run) and merge
+ * priority by position in the file (see kiln_tokenizer_from_gguf). */
 static kiln_status gguf_fill(kiln_tokenizer *t, const kiln_gguf *g, const kiln_gguf_kv *tokens,
-                             int spm) {
+                             int spm, int gemma) {
     const char *L = t->label;
     int64_t n = (int64_t)tokens->arr_len;
     const char **strs = kiln_calloc((size_t)n, sizeof *strs);
     uint32_t *lens = kiln_calloc((size_t)n, sizeof *lens);
+    char *spelled = NULL; /* the respelled strings, back to back */
     if (!strs || !lens) {
         kiln_free(strs);
         kiln_free(lens);
         return kiln_error(KILN_ERR_NOMEM, "%s: out of memory (tokens)", L);
     }
     kiln_status st = KILN_OK;
+    size_t spelled_len = 0;
     for (int64_t i = 0; i < n; i++) {
         if (tokens->arr_strs[i].len > 65536) {
             st = kiln_error(KILN_ERR_FORMAT, "%s: tokenizer.ggml.tokens[%lld]: length %llu too long",
@@ -131,10 +165,26 @@ static kiln_status gguf_fill(kiln_tokenizer *t, const kiln_gguf *g, const kiln_g
         }
         strs[i] = tokens->arr_strs[i].ptr;
         lens[i] = (uint32_t)tokens->arr_strs[i].len;
+        /* 3 bytes per code point of a token of at most 65536 bytes: no overflow */
+        if (gemma) spelled_len += 3 * gemma_space_run(strs[i], lens[i]);
+    }
+    if (st == KILN_OK && spelled_len) {
+        spelled = kiln_malloc(spelled_len);
+        if (!spelled) st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory (tokens)", L);
+        size_t off = 0;
+        for (int64_t i = 0; st == KILN_OK && i < n; i++) {
+            size_t cps = gemma_space_run(strs[i], lens[i]);
+            if (!cps) continue;
+            for (size_t k = 0; k < cps; k++) memcpy(spelled + off + 3 * k, "\xe2\x96\x81", 3);
+            strs[i] = spelled + off;
+            lens[i] = (uint32_t)(3 * cps);
+            off += 3 * cps;
+        }
     }
     if (st == KILN_OK) st = tok_set_pieces(t, strs, lens, NULL, NULL, NULL, 0);
     kiln_free(strs);
     kiln_free(lens);
+    kiln_free(spelled);
     KILN_TRY(st);
 
     const kiln_gguf_kv *types = kiln_gguf_find(g, "tokenizer.ggml.token_type");
@@ -145,7 +195,10 @@ static kiln_status gguf_fill(kiln_tokenizer *t, const kiln_gguf *g, const kiln_g
                               L, (long long)n);
         for (int64_t i = 0; i < n; i++) {
             int32_t ty = kiln_gguf_arr_i32(types, (uint64_t)i);
-            /* 1 normal, 2 unknown, 3 control, 4 user defined, 5 unused, 6 byte */
+            /* 1 normal, 2 unknown, 3 control, 4 user defined, 5 unused, 6 byte; a respelled
+             * Gemma whitespace run is an ordinary piece whatever its type says */
+            if (gemma && gemma_space_run(tokens->arr_strs[i].ptr, (size_t)tokens->arr_strs[i].len))
+                continue;
             if (ty == 2 || ty == 3) t->attr[i] |= TOK_ATTR_SPECIAL | TOK_ATTR_ADDED;
             else if (ty == 4) t->attr[i] |= TOK_ATTR_ADDED;
         }
@@ -159,6 +212,10 @@ static kiln_status gguf_fill(kiln_tokenizer *t, const kiln_gguf *g, const kiln_g
         t->score = kiln_malloc((size_t)n * sizeof *t->score);
         if (!t->score) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory (scores)", L);
         for (int64_t i = 0; i < n; i++) t->score[i] = kiln_gguf_arr_f32(scores, (uint64_t)i);
+        /* Gemma's file gives its whitespace runs (and every user-defined piece) the score
+         * -1000, out of line with the order the pieces were learned in; transformers orders
+         * the merges by the merged piece's position in the file instead */
+        t->merge_by_id = gemma;
     } else {
         const kiln_gguf_kv *merges = kiln_gguf_find(g, "tokenizer.ggml.merges");
         if (!merges || merges->type != KILN_GGUF_ARRAY || merges->arr_type != KILN_GGUF_STRING)
@@ -181,6 +238,15 @@ static kiln_status gguf_fill(kiln_tokenizer *t, const kiln_gguf *g, const kiln_g
     return KILN_OK;
 }
 
+/* general.architecture of the Gemma text models whose vocabulary transformers builds with
+ * its Gemma rules (gemma, gemma2, gemma3). */
+static int gguf_str_is_gemma(kiln_gguf_str a) {
+    static const char *const names[] = {"gemma", "gemma2", "gemma3"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (a.len == strlen(names[i]) && !memcmp(a.ptr, names[i], a.len)) return 1;
+    return 0;
+}
+
 kiln_status kiln_tokenizer_from_gguf(const kiln_gguf *g, kiln_tokenizer **out) {
     if (!g || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_tokenizer_from_gguf: NULL argument");
     const char *L = "gguf";
@@ -201,9 +267,14 @@ kiln_status kiln_tokenizer_from_gguf(const kiln_gguf *g, kiln_tokenizer **out) {
         tokens->arr_len == 0 || tokens->arr_len > (1u << 26))
         return kiln_error(KILN_ERR_FORMAT, "%s: tokenizer.ggml.tokens: missing, empty or not a "
                           "string array", L);
+    /* Gemma's SentencePiece vocabularies are read as transformers reads them (gguf_fill) */
+    kiln_gguf_str arch = {0};
+    int found_arch = 0;
+    KILN_TRY(kiln_gguf_get_str(g, "general.architecture", &arch, &found_arch));
+    int gemma = spm && found_arch && gguf_str_is_gemma(arch);
     kiln_tokenizer *t;
     KILN_TRY(tok_alloc(&t, (int32_t)tokens->arr_len, L));
-    kiln_status st = gguf_fill(t, g, tokens, spm);
+    kiln_status st = gguf_fill(t, g, tokens, spm, gemma);
     if (st == KILN_OK) {
         st = gguf_get_id(g, "tokenizer.ggml.bos_token_id", &t->bos_id);
         if (st == KILN_OK) st = gguf_get_id(g, "tokenizer.ggml.eos_token_id", &t->eos_id);
@@ -265,6 +336,11 @@ kiln_status kiln_tokenizer_from_gguf(const kiln_gguf *g, kiln_tokenizer **out) {
         st = add_dec(t, TOK_DEC_BYTELEVEL, NULL, NULL, 0, 0);
     }
     if (st == KILN_OK) st = tok_finish(t);
+    if (st == KILN_OK && gemma && !t->chat_template) {
+        /* this file carries no template (e.g. Gemma 3 270M's GGUF): the family's */
+        t->chat_template_name = "gemma";
+        t->chat_gemma_system = arch.len == 6 && !memcmp(arch.ptr, "gemma3", 6);
+    }
     if (st != KILN_OK) {
         kiln_tokenizer_free(t);
         return st;

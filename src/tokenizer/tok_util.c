@@ -105,8 +105,9 @@ kiln_status tok_compile_regex(const char *pattern, size_t len, int literal, cons
                               pcre2_code **out) {
     int err = 0;
     PCRE2_SIZE erroff = 0;
-    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, len, PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0), &err, &erroff,
-                                   NULL);
+    /* PCRE2 refuses PCRE2_UCP next to PCRE2_LITERAL (it has no character classes to affect) */
+    uint32_t opts = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);
+    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, len, opts, &err, &erroff, NULL);
     if (!re) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(err, msg, sizeof msg);

@@ -331,8 +331,9 @@ typedef struct tok_sym {
 } tok_sym;
 
 typedef struct tok_pair {
-    double prio; /* lower first */
-    int32_t left, right, id;
+    double prio;   /* lower first */
+    uint32_t tie;  /* then lower first (merge_by_id: 2^32-1 - bytes of the left part) */
+    int32_t left, right, id; /* then the leftmost */
     uint32_t size;
 } tok_pair;
 
@@ -400,6 +401,7 @@ static void ws_free(tok_ws *w) {
 
 static int pair_less(const tok_pair *a, const tok_pair *b) {
     if (a->prio != b->prio) return a->prio < b->prio;
+    if (a->tie != b->tie) return a->tie < b->tie;
     return a->left < b->left;
 }
 
@@ -451,7 +453,15 @@ static kiln_status try_pair(const kiln_tokenizer *t, tok_ws *w, const char *text
         if (id < 0 || (t->attr[id] & (TOK_ATTR_SPECIAL | TOK_ATTR_ADDED | TOK_ATTR_BYTE |
                                       TOK_ATTR_UNUSED)))
             return KILN_OK;
-        p.prio = -(double)t->score[id];
+        if (t->merge_by_id) {
+            /* transformers' merges pair two vocabulary pieces; a character outside the
+             * vocabulary is already byte-fallback tokens there */
+            if (a->id < 0 || b->id < 0) return KILN_OK;
+            p.prio = id;
+            p.tie = UINT32_MAX - a->len;
+        } else {
+            p.prio = -(double)t->score[id];
+        }
         p.id = id;
     }
     return heap_push(w, p);

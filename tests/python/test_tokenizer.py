@@ -355,6 +355,30 @@ def test_trained_bytelevel_bpe(lib, tmp_path):
         kt.close()
 
 
+@pytest.mark.parametrize("behavior", ["isolated", "removed", "merged_with_previous",
+                                      "merged_with_next"])
+@pytest.mark.parametrize("pattern", [" ", "▁", ", "])
+def test_split_string_pattern(lib, tmp_path, behavior, pattern):
+    """Split with a String pattern (a literal, not a regex: Gemma's tokenizer.json splits on
+    " " after a Replace(" ", "▁") normalizer) matches HF for every behaviour."""
+    hf = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    hf.normalizer = normalizers.Replace(" ", "▁")
+    hf.pre_tokenizer = pre_tokenizers.Split(pattern, behavior=behavior)
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                    decoders.Fuse()])
+    byte_toks = [f"<0x{b:02X}>" for b in range(256)]
+    tr = trainers.BpeTrainer(vocab_size=700, special_tokens=["<unk>"] + byte_toks,
+                             show_progress=False)
+    hf.train_from_iterator(_train_corpus()[:40], tr)
+    p = tmp_path / "tokenizer.json"
+    hf.save(str(p))
+    kt = KTok(lib, p)
+    try:
+        _check_corpus(kt, hf, CORPUS + ["a, b,, c , ,d", "▁x ▁ y"])
+    finally:
+        kt.close()
+
+
 @pytest.mark.parametrize("scheme,split", [("always", True), ("first", False)])
 def test_trained_metaspace_bytefallback(lib, tmp_path, scheme, split):
     hf = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
