@@ -121,6 +121,28 @@ static inline KILN_HD float kiln_expf(float x) {
 static inline KILN_HD float kiln_silu(float g) { return g / (1.0f + kiln_expf(-g)); }
 static inline KILN_HD float kiln_swiglu(float g, float u) { return kiln_silu(g) * u; }
 
+/* tanh(z) (docs/ARITHMETIC.md, "tanh and GELU"): 1 - 2 / (e^(2|z|) + 1) with z's sign, and
+ * below |z| < 2^-4, where that form cancels, the odd Taylor polynomial z - z^3/3 + 2z^5/15.
+ * NaN stays NaN; +-inf gives +-1. */
+static inline KILN_HD float kiln_tanhf(float z) {
+    const float a = z < 0.0f ? -z : z;
+    float t;
+    if (a < 0.0625f) {
+        const float a2 = a * a;
+        t = a * (1.0f - a2 * (0.333333343f - a2 * 0.133333340f));
+    } else {
+        t = 1.0f - 2.0f / (kiln_expf(2.0f * a) + 1.0f);
+    }
+    return z < 0.0f ? -t : t;
+}
+/* GELU with the tanh approximation (PyTorch's gelu(approximate="tanh")):
+ * 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in this order of f32 operations. */
+static inline KILN_HD float kiln_gelu_tanh(float x) {
+    const float inner = 0.797884583473205566f * (x + 0.044715f * (x * x * x));
+    return 0.5f * x * (1.0f + kiln_tanhf(inner));
+}
+static inline KILN_HD float kiln_geglu(float g, float u) { return kiln_gelu_tanh(g) * u; }
+
 /* rmsnorm's scale for a row with sum of squares ss (the defined dot of x with itself):
  * 1 / sqrt(ss / C + eps), three correctly rounded operations and one division. */
 static inline KILN_HD float kiln_rms_scale(float ss, int C, float eps) {

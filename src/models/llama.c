@@ -312,7 +312,7 @@ static void llama_layers(const llama_run *R) {
             float *k_pool = fs->k_cache + (size_t)l * pool, *v_pool = fs->v_cache + (size_t)l * pool;
             op->kv_store_rows(be, k_pool, v_pool, a->k, a->v, R->slots, T, KD);
             op->attention_paged(be, a->att, a->q, k_pool, v_pool, &fs->pages, R->seq_ids, R->pos, R->runs,
-                                R->n_runs, T, R->max_T, NH, KVH, HS, scale);
+                                R->n_runs, T, R->max_T, NH, KVH, HS, scale, 0);
         } else if (op->attention_seqs && op->attention_backward_seqs) { /* all sequences at once */
             op->attention_seqs(be, a->att, a->att16, a->lse, a->keep, a->keep ? R->pos : NULL, R->rope_cos,
                                R->rope_sin, a->q, a->k, a->v, n_seq, seq, NH, KVH, HS, scale);

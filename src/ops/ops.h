@@ -389,7 +389,10 @@ typedef struct kiln_backend_i {
      * attention over positions 0..pos[n] of sequence seq[n] in the pool (whose rows up to
      * pos[n] the caller has stored), with the bits of attention(N = 1, n_past = pos[n]) over
      * those keys stored densely: in auditable arithmetic a token's output never depends on
-     * the other tokens of the batch. max_T >= pos[n] + 1 for every n (a bound for sizing
+     * the other tokens of the batch. window > 0 (a sliding window, Gemma's): only positions
+     * pos[n] - window < p <= pos[n] (window keys, the token's own included); the online
+     * softmax still walks the KILN_ATTN_BLOCK-aligned key blocks, the first one cut to start
+     * at the window (docs/ARITHMETIC.md, "Sliding window"). window 0: every earlier key. max_T >= pos[n] + 1 for every n (a bound for sizing
      * launches and workspaces; a recorded graph replays with it). runs (host memory, NULL
      * when the batch's layout is known only on the device, as in a recorded decode graph:
      * then treat each token on its own) lists the batch as n_runs runs in token order; a
@@ -402,13 +405,18 @@ typedef struct kiln_backend_i {
     void (*attention_paged)(kiln_backend *be, float *out, const float *q, const float *k_pool,
                             const float *v_pool, const kiln_kv_pages *pg, const int32_t *seq,
                             const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N,
-                            int max_T, int NH, int KVH, int HS, float scale);
+                            int max_T, int NH, int KVH, int HS, float scale, int window);
     void (*get_rows)(kiln_backend *be, float *out, const float *x, const int32_t *idx, int n,
                      int C);
 
     /* Optional (NULL: nothing cached): drop every cached copy of host memory overlapping
      * [host, host + nbytes) (kiln_backends_forget). */
     void (*forget)(kiln_backend *be, const void *host, size_t nbytes);
+
+    /* out[i] = kiln_geglu(gate[i], up[i]) = gelu_tanh(gate[i]) * up[i] (base/kmath.h) for
+     * i < n; out may alias gate. Optional (NULL: the backend has no GeGLU; an architecture
+     * that needs it refuses the backend). */
+    void (*geglu)(kiln_backend *be, float *out, const float *gate, const float *up, size_t n);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

@@ -335,7 +335,7 @@ static void gpu_attention(kiln_backend *be, const pcase *c, const dcase *d, int 
     be->i->attention_paged(be, d->out, d->q, dense ? d->k_dense : d->k_pool,
                            dense ? d->v_dense : d->v_pool, &pg, d->seq, d->pos,
                            with_runs ? c->runs : NULL, with_runs ? c->n_runs : 0, c->N, c->max_T,
-                           c->NH, c->KVH, c->HS, scale_of(c->HS));
+                           c->NH, c->KVH, c->HS, scale_of(c->HS), 0);
     status_ok(be, "attention_paged");
     down(be, out, d->out, nout * 4);
 }
@@ -360,7 +360,7 @@ static void test_mixed(int NH, int KVH, int HS, int bs, int n_seq, int max_ctx) 
     float *want = host_nan(nout);
     kiln_kv_pages cpg = {bs, c.max_blocks, c.table, c.table};
     g_cpu->i->attention_paged(g_cpu, want, c.q, c.k_pool, c.v_pool, &cpg, c.seq, c.pos, c.runs,
-                              c.n_runs, c.N, c.max_T, NH, KVH, HS, scale_of(HS));
+                              c.n_runs, c.N, c.max_T, NH, KVH, HS, scale_of(HS), 0);
 
     /* kv_store_rows */
     g_gpu->i->kv_store_rows(g_gpu, d.k_pool, d.v_pool, d.k_new, d.v_new, d.slots, c.N, rf);
@@ -392,7 +392,7 @@ static void test_mixed(int NH, int KVH, int HS, int bs, int n_seq, int max_ctx) 
             kiln_batch_run run = {0, 1, c.seq[t], c.pos[t]};
             g_gpu->i->attention_paged(g_gpu, d.out, d.q + t * row, d.k_pool, d.v_pool, &pg,
                                       d.seq + t, d.pos + t, &run, 1, 1, c.pos[t] + 1, NH, KVH, HS,
-                                      scale_of(HS));
+                                      scale_of(HS), 0);
             status_ok(g_gpu, "attention_paged (alone)");
             float *h = kiln_malloc(row * 4);
             down(g_gpu, h, d.out, row * 4);
@@ -466,7 +466,7 @@ static void test_graph(kiln_backend *be, int row_id, int NH, int KVH, int HS, in
     do {                                                                                       \
         be->i->kv_store_rows(be, d.k_pool, d.v_pool, d.k_new, d.v_new, d.slots, c.N, rf);       \
         be->i->attention_paged(be, d.out, d.q, d.k_pool, d.v_pool, &pg, d.seq, d.pos, NULL, 0,  \
-                               c.N, max_T, NH, KVH, HS, scale);                                \
+                               c.N, max_T, NH, KVH, HS, scale, 0);                             \
     } while (0)
     /* the direct calls first: they size any workspace outside the capture */
     STEP();
@@ -512,7 +512,7 @@ static void test_graph(kiln_backend *be, int row_id, int NH, int KVH, int HS, in
             kiln_kv_pages cpg = {bs, c.max_blocks, c.table, c.table};
             g_cpu->i->kv_store_rows(g_cpu, kp, vp, c.k_new, c.v_new, c.slots, c.N, rf);
             g_cpu->i->attention_paged(g_cpu, cpu, c.q, kp, vp, &cpg, c.seq, c.pos, NULL, 0, c.N,
-                                      max_T, NH, KVH, HS, scale);
+                                      max_T, NH, KVH, HS, scale, 0);
             compare(R_ATTN, ctx, cpu, got, nout);
             compare(R_STORE, ctx, kp, pool_got, npool);
             kiln_free(cpu), kiln_free(kp), kiln_free(vp);

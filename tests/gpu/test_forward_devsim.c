@@ -97,7 +97,7 @@ static void ds_kv_store_rows(kiln_backend *be, float *kp, float *vp, const float
 static void ds_attention_paged(kiln_backend *be, float *out, const float *q, const float *kp,
                                const float *vp, const kiln_kv_pages *pg, const int32_t *seq,
                                const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N,
-                               int max_T, int NH, int KVH, int HS, float scale) {
+                               int max_T, int NH, int KVH, int HS, float scale, int window) {
     (void)be;
     need(out, F((size_t)N * NH * HS), "attention_paged out");
     need(q, F((size_t)N * NH * HS), "attention_paged q");
@@ -109,7 +109,8 @@ static void ds_attention_paged(kiln_backend *be, float *out, const float *q, con
         need(kp + (size_t)row * KVH * HS, F((size_t)KVH * HS), "attention_paged k pool");
         need(vp + (size_t)row * KVH * HS, F((size_t)KVH * HS), "attention_paged v pool");
     }
-    g_cpu->i->attention_paged(g_cpu, out, q, kp, vp, pg, seq, pos, runs, n_runs, N, max_T, NH, KVH, HS, scale);
+    g_cpu->i->attention_paged(g_cpu, out, q, kp, vp, pg, seq, pos, runs, n_runs, N, max_T, NH, KVH, HS, scale,
+                              window);
 }
 static void ds_get_rows(kiln_backend *be, float *out, const float *x, const int32_t *idx, int n, int C) {
     (void)be;

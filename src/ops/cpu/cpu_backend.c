@@ -255,6 +255,7 @@ typedef struct attn_job {
      * keys found through pg; NULL: a dense cache, token i at n_past + i */
     const kiln_kv_pages *pg;
     const int32_t *seq, *pos;
+    int window; /* > 0: only the last window positions (the token's own included) */
 } attn_job;
 
 /* Offset in rows of the key block starting at position kb (a multiple of KILN_ATTN_BLOCK) of
@@ -276,12 +277,15 @@ static void attn_one(const attn_job *j, int i, int h) {
     const float *q = j->q + ((int64_t)i * j->NH + h) * HS;
     float *acc = j->out + ((int64_t)i * j->NH + h) * HS;
     const int T = (j->pg ? j->pos[i] : j->n_past + i) + 1; /* causal: keys 0..its position */
+    /* a sliding window: keys from lo on, the blocks still aligned at multiples of 64 */
+    const int lo = j->window > 0 && T > j->window ? T - j->window : 0;
     float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK];
     float m = -INFINITY, l = 0.0f;
     for (int d = 0; d < HS; d++) acc[d] = 0.0f;
-    for (int kb = 0; kb < T; kb += KILN_ATTN_BLOCK) {
-        int nk = T - kb < KILN_ATTN_BLOCK ? T - kb : KILN_ATTN_BLOCK;
-        const int64_t row = attn_block_row(j, i, kb);
+    for (int kb0 = lo / KILN_ATTN_BLOCK * KILN_ATTN_BLOCK; kb0 < T; kb0 += KILN_ATTN_BLOCK) {
+        const int kb = kb0 > lo ? kb0 : lo; /* the block's first key */
+        int nk = T - kb0 < KILN_ATTN_BLOCK ? T - kb : kb0 + KILN_ATTN_BLOCK - kb;
+        const int64_t row = attn_block_row(j, i, kb0) + (kb - kb0);
         k->dots(s, q, j->kc + row * stride + (int64_t)kvh * HS, stride, nk, HS);
         float bm = -INFINITY;
         for (int t = 0; t < nk; t++) {
@@ -310,7 +314,7 @@ static void cpu_attention(kiln_backend *be, float *out, const float *q, const fl
                           const float *v, int N, int n_past, int NH, int KVH, int HS,
                           float scale) {
     cpu_ctx *c = ctx_of(be);
-    attn_job j = {c->k, out, q, k, v, N, n_past, NH, KVH, HS, 0, scale, NULL, NULL, NULL};
+    attn_job j = {c->k, out, q, k, v, N, n_past, NH, KVH, HS, 0, scale, NULL, NULL, NULL, 0};
     double work = (double)N * NH * HS * (n_past + N);
     j.n_tasks = n_tasks_for(c, work, 16384, (int64_t)N * NH);
     kiln_pool_run(c->pool, j.n_tasks, attn_task, &j);
@@ -473,14 +477,29 @@ static void cpu_kv_store_rows(kiln_backend *be, float *k_pool, float *v_pool, co
 static void cpu_attention_paged(kiln_backend *be, float *out, const float *q, const float *k_pool,
                                 const float *v_pool, const kiln_kv_pages *pg, const int32_t *seq,
                                 const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N,
-                                int max_T, int NH, int KVH, int HS, float scale) {
+                                int max_T, int NH, int KVH, int HS, float scale, int window) {
     cpu_ctx *c = ctx_of(be);
     (void)runs;
     (void)n_runs;
-    attn_job j = {c->k, out, q, k_pool, v_pool, N, 0, NH, KVH, HS, 0, scale, pg, seq, pos};
+    attn_job j = {c->k, out, q, k_pool, v_pool, N, 0, NH, KVH, HS, 0, scale, pg, seq, pos, window};
     double work = (double)N * NH * HS * max_T;
     j.n_tasks = n_tasks_for(c, work, 16384, (int64_t)N * NH);
     kiln_pool_run(c->pool, j.n_tasks, attn_task, &j);
+}
+
+static void geglu_task(void *arg, int task, int thread) {
+    const ew_job *j = arg;
+    (void)thread;
+    int64_t lo, hi;
+    split_range((int64_t)j->n, j->n_tasks, task, 64, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) j->out[i] = kiln_geglu(j->a[i], j->b[i]);
+}
+
+static void cpu_geglu(kiln_backend *be, float *out, const float *gate, const float *up, size_t n) {
+    cpu_ctx *c = ctx_of(be);
+    ew_job j = {c->k, out, gate, up, n, 0};
+    j.n_tasks = n_tasks_for(c, (double)n * 16, 65536, (int64_t)(n / 64 + 1));
+    kiln_pool_run(c->pool, j.n_tasks, geglu_task, &j);
 }
 
 static void cpu_get_rows(kiln_backend *be, float *out, const float *x, const int32_t *idx, int n, int C) {
@@ -513,6 +532,7 @@ static const kiln_backend_i cpu_iface = {
     .kv_store_rows = cpu_kv_store_rows,
     .attention_paged = cpu_attention_paged,
     .get_rows = cpu_get_rows,
+    .geglu = cpu_geglu,
     .zero = cpu_zero,
     .scale = cpu_scale,
 };

@@ -1344,9 +1344,14 @@ static void attention_paged_fast(cuda_ctx *c, float *out, const float *q, const 
 static void cu_attention_paged(kiln_backend *be, float *out, const float *q, const float *k_pool,
                                const float *v_pool, const kiln_kv_pages *pg, const int32_t *seq,
                                const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N,
-                               int max_T, int NH, int KVH, int HS, float scale) {
+                               int max_T, int NH, int KVH, int HS, float scale, int window) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
+    if (window > 0) {
+        poison(c, KILN_ERR_UNSUPPORTED, "attention_paged: a sliding window (%d) is not implemented on CUDA yet",
+               window);
+        return;
+    }
     if (!pg || pg->block_size <= 0 || pg->block_size % KILN_ATTN_BLOCK != 0 ||
         pg->max_blocks <= 0) {
         poison(c, KILN_ERR_INVALID_ARG, "attention_paged: block_size %d (a positive multiple of "
