@@ -23,6 +23,14 @@
  * rope_parameters, a theta inside the dict wins over the top-level one, and llama3's
  * original_max_position_embeddings defaults to max_position_embeddings.
  *
+ * Gemma 3 text (model_type gemma3_text, Gemma3TextConfig of transformers 5.24): defaults NH/KVH
+ * 8/4, head_dim 256, max_position_embeddings 131072, bos 2, eos 1, tied head, GELU (tanh),
+ * query_pre_attn_scalar 256, sliding_window 4096 on the layers layer_types marks (absent: every
+ * layer but each sliding_window_pattern-th, default 6). RoPE per layer kind: rope_parameters
+ * {"full_attention": {...}, "sliding_attention": {...}}, or the older rope_theta (full, default
+ * 1e6), rope_local_base_freq (sliding, default 1e4) and rope_scaling (full layers only). A
+ * final logit soft-cap, bidirectional attention and attention biases are refused.
+ *
  * Duplicate keys are refused: Python's json keeps the last one and cJSON finds the first, so a
  * file with duplicates would mean different things to kiln and to transformers.
  */
@@ -191,13 +199,15 @@ typedef struct hf_arch_defaults {
     int head_dim;     /* -1: = hidden_size / num_attention_heads */
     int n_ctx_train;
     int bos_id, eos_id;
+    int tied;         /* tie_word_embeddings when absent */
 } hf_arch_defaults;
 
 static const hf_arch_defaults hf_archs[] = {
-    {"llama", "LlamaForCausalLM", KILN_ARCH_LLAMA, -1, -1, 2048, 1, 2},
-    {"mistral", "MistralForCausalLM", KILN_ARCH_MISTRAL, 8, -1, 4096 * 32, 1, 2},
-    {"qwen2", "Qwen2ForCausalLM", KILN_ARCH_QWEN2, 32, -1, 32768, -1, -1},
-    {"qwen3", "Qwen3ForCausalLM", KILN_ARCH_QWEN3, 32, 128, 32768, -1, -1},
+    {"llama", "LlamaForCausalLM", KILN_ARCH_LLAMA, -1, -1, 2048, 1, 2, 0},
+    {"mistral", "MistralForCausalLM", KILN_ARCH_MISTRAL, 8, -1, 4096 * 32, 1, 2, 0},
+    {"qwen2", "Qwen2ForCausalLM", KILN_ARCH_QWEN2, 32, -1, 32768, -1, -1, 0},
+    {"qwen3", "Qwen3ForCausalLM", KILN_ARCH_QWEN3, 32, 128, 32768, -1, -1, 0},
+    {"gemma3_text", "Gemma3ForCausalLM", KILN_ARCH_GEMMA3, 4, 256, 131072, 2, 1, 1},
 };
 
 static kiln_status hf_find_arch(const cJSON *root, const char *label, const hf_arch_defaults **out) {
@@ -213,7 +223,7 @@ static kiln_status hf_find_arch(const cJSON *root, const char *label, const hf_a
             }
         return kiln_error(KILN_ERR_UNSUPPORTED,
                           "%s: model_type '%.100s' is not supported (kiln reads llama, mistral, "
-                          "qwen2, qwen3)", label, mt->valuestring);
+                          "qwen2, qwen3, gemma3_text)", label, mt->valuestring);
     }
     /* No model_type: fall back on the class name, as old folders sometimes need. */
     const cJSON *arr = cJSON_GetObjectItemCaseSensitive(root, "architectures");
@@ -308,6 +318,105 @@ static kiln_status hf_parse_rope(const cJSON *root, const char *label, kiln_mode
                       label, where, type);
 }
 
+/* One Gemma 3 layer kind's RoPE dict (rope_parameters["full_attention"] or
+ * ["sliding_attention"]; NULL: absent): its theta (default def) and, for the full layers, a
+ * linear scaling; other kinds refused. */
+static kiln_status hf_gemma3_rope_kind(const cJSON *r, const char *label, const char *where, float def,
+                                       int full, float *theta, kiln_model_config *c) {
+    *theta = def;
+    if (!r || cJSON_IsNull(r)) return KILN_OK;
+    if (!cJSON_IsObject(r))
+        return kiln_error(KILN_ERR_FORMAT, "%s: %s: expected an object, got %s", label, where, hf_type_name(r));
+    KILN_TRY(hf_check_unique_keys(r, label, where));
+    char w[96];
+    snprintf(w, sizeof w, "%s.", where);
+    KILN_TRY(hf_get_pos_float(r, "rope_theta", label, w, 0, def, theta));
+    const cJSON *ty = cJSON_GetObjectItemCaseSensitive(r, "rope_type");
+    if (!ty || cJSON_IsNull(ty)) ty = cJSON_GetObjectItemCaseSensitive(r, "type");
+    const char *type = ty && cJSON_IsString(ty) ? ty->valuestring : "default";
+    if (ty && !cJSON_IsNull(ty) && !cJSON_IsString(ty))
+        return kiln_error(KILN_ERR_FORMAT, "%s: %s.rope_type: expected a string, got %s", label, where, hf_type_name(ty));
+    if (!strcmp(type, "default")) return KILN_OK;
+    if (full && !strcmp(type, "linear")) {
+        c->rope_scaling = KILN_ROPE_SCALING_LINEAR;
+        return hf_get_pos_float(r, "factor", label, w, 1, 1.0f, &c->rope_factor);
+    }
+    return kiln_error(KILN_ERR_UNSUPPORTED, "%s: %s.rope_type '%.60s' is not supported (default%s)", label, where,
+                      type, full ? ", linear" : "");
+}
+
+/* Gemma 3's RoPE, sliding layers and the rest of its config (the file comment). */
+static kiln_status hf_parse_gemma3(const cJSON *root, const char *label, kiln_model_config *c) {
+    const cJSON *act = cJSON_GetObjectItemCaseSensitive(root, "hidden_activation");
+    if (act && !cJSON_IsNull(act) && !(cJSON_IsString(act) && strcmp(act->valuestring, "gelu_pytorch_tanh") == 0))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: hidden_activation: only \"gelu_pytorch_tanh\" is supported", label);
+    const cJSON *cap = cJSON_GetObjectItemCaseSensitive(root, "final_logit_softcapping");
+    if (cap && !cJSON_IsNull(cap))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: final_logit_softcapping: a logit soft-cap is not supported", label);
+    int bidir = 0, bias = 0;
+    KILN_TRY(hf_get_bool(root, "use_bidirectional_attention", label, 0, &bidir));
+    if (bidir) return kiln_error(KILN_ERR_UNSUPPORTED, "%s: use_bidirectional_attention: only causal attention is supported", label);
+    KILN_TRY(hf_get_bool(root, "attention_bias", label, 0, &bias));
+    if (bias) return kiln_error(KILN_ERR_UNSUPPORTED, "%s: attention_bias: Gemma 3 with attention biases is not supported", label);
+    KILN_TRY(hf_get_pos_float(root, "query_pre_attn_scalar", label, "", 0, 256.0f, &c->query_pre_attn_scalar));
+    c->qk_norm = 1;
+
+    /* RoPE per layer kind */
+    const cJSON *rp = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters");
+    const cJSON *rs = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
+    if (rp && !cJSON_IsNull(rp) && !cJSON_IsObject(rp))
+        return kiln_error(KILN_ERR_FORMAT, "%s: rope_parameters: expected an object or null, got %s", label, hf_type_name(rp));
+    float top_full, top_local;
+    KILN_TRY(hf_get_pos_float(root, "rope_theta", label, "", 0, 1000000.0f, &top_full));
+    KILN_TRY(hf_get_pos_float(root, "rope_local_base_freq", label, "", 0, 10000.0f, &top_local));
+    c->rope_scaling = KILN_ROPE_SCALING_NONE;
+    c->rope_factor = 1.0f;
+    const cJSON *full = cJSON_IsObject(rp) ? cJSON_GetObjectItemCaseSensitive(rp, "full_attention") : NULL;
+    const cJSON *slid = cJSON_IsObject(rp) ? cJSON_GetObjectItemCaseSensitive(rp, "sliding_attention") : NULL;
+    if (cJSON_IsObject(rp)) KILN_TRY(hf_check_unique_keys(rp, label, "rope_parameters."));
+    if (rs && !cJSON_IsNull(rs)) full = rs; /* the older layout: rope_scaling is the full layers' */
+    KILN_TRY(hf_gemma3_rope_kind(full, label, rs && !cJSON_IsNull(rs) ? "rope_scaling" : "rope_parameters.full_attention",
+                                 top_full, 1, &c->rope_theta, c));
+    KILN_TRY(hf_gemma3_rope_kind(slid, label, "rope_parameters.sliding_attention", top_local, 0, &c->rope_theta_local, c));
+
+    /* which layers slide */
+    int window;
+    KILN_TRY(hf_get_int(root, "sliding_window", label, 1, 0, 4096, &window));
+    const cJSON *swn = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
+    if (swn && cJSON_IsNull(swn)) window = 0;
+    memset(c->sliding_layers, 0, sizeof c->sliding_layers);
+    c->sliding_window = window;
+    if (c->n_layer > KILN_MAX_LAYER_KINDS)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: num_hidden_layers %d: at most %d layers with sliding windows",
+                          label, c->n_layer, KILN_MAX_LAYER_KINDS);
+    const cJSON *lt = cJSON_GetObjectItemCaseSensitive(root, "layer_types");
+    if (lt && !cJSON_IsNull(lt)) {
+        if (!cJSON_IsArray(lt))
+            return kiln_error(KILN_ERR_FORMAT, "%s: layer_types: expected a list, got %s", label, hf_type_name(lt));
+        if (cJSON_GetArraySize(lt) != c->n_layer)
+            return kiln_error(KILN_ERR_FORMAT, "%s: layer_types: %d entries for num_hidden_layers = %d", label,
+                              cJSON_GetArraySize(lt), c->n_layer);
+        int i = 0;
+        for (const cJSON *e = lt->child; e; e = e->next, i++) {
+            if (cJSON_IsString(e) && strcmp(e->valuestring, "full_attention") == 0) continue;
+            if (cJSON_IsString(e) && strcmp(e->valuestring, "sliding_attention") == 0) {
+                c->sliding_layers[i / 8] |= (uint8_t)(1u << (i % 8));
+                continue;
+            }
+            return kiln_error(KILN_ERR_UNSUPPORTED,
+                              "%s: layer_types[%d]: expected \"full_attention\" or \"sliding_attention\"", label, i);
+        }
+    } else {
+        int pattern;
+        const char *pk = cJSON_GetObjectItemCaseSensitive(root, "sliding_window_pattern") ? "sliding_window_pattern"
+                                                                                          : "_sliding_window_pattern";
+        KILN_TRY(hf_get_int(root, pk, label, 1, 0, 6, &pattern));
+        for (int i = 0; i < c->n_layer; i++)
+            if ((i + 1) % pattern != 0) c->sliding_layers[i / 8] |= (uint8_t)(1u << (i % 8));
+    }
+    return KILN_OK;
+}
+
 /* Qwen2/Qwen3 use a sliding window only with use_sliding_window, and then only on the layers
  * that layer_types (or, when absent, i >= max_window_layers) marks; kiln has one window for
  * all layers, so a mix is refused. Mistral's sliding_window applies to every layer. */
@@ -376,7 +485,8 @@ static kiln_status hf_parse_root(const cJSON *root, const char *label, kiln_mode
                           "%s: quantization_config: pre-quantized checkpoints are not supported",
                           label);
     const cJSON *act = cJSON_GetObjectItemCaseSensitive(root, "hidden_act");
-    if (act && !cJSON_IsNull(act) && !(cJSON_IsString(act) && strcmp(act->valuestring, "silu") == 0))
+    if (c->arch != KILN_ARCH_GEMMA3 && act && !cJSON_IsNull(act) &&
+        !(cJSON_IsString(act) && strcmp(act->valuestring, "silu") == 0))
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: hidden_act: only \"silu\" is supported", label);
 
     KILN_TRY(hf_get_int(root, "hidden_size", label, 1, 1, 0, &c->n_embd));
@@ -394,8 +504,8 @@ static kiln_status hf_parse_root(const cJSON *root, const char *label, kiln_mode
     KILN_TRY(hf_get_int(root, "max_position_embeddings", label, 1, 0, ad->n_ctx_train,
                         &c->n_ctx_train));
     KILN_TRY(hf_get_pos_float(root, "rms_norm_eps", label, "", 0, 1e-6f, &c->rms_eps));
-    KILN_TRY(hf_parse_rope(root, label, c));
-    KILN_TRY(hf_get_bool(root, "tie_word_embeddings", label, 0, &c->tie_embeddings));
+    if (c->arch != KILN_ARCH_GEMMA3) KILN_TRY(hf_parse_rope(root, label, c));
+    KILN_TRY(hf_get_bool(root, "tie_word_embeddings", label, ad->tied, &c->tie_embeddings));
 
     int attention_bias = 0, mlp_bias = 0;
     KILN_TRY(hf_get_bool(root, "attention_bias", label, 0, &attention_bias));
@@ -414,8 +524,11 @@ static kiln_status hf_parse_root(const cJSON *root, const char *label, kiln_mode
         break;
     case KILN_ARCH_MISTRAL:
         break;
+    case KILN_ARCH_GEMMA3:
+        KILN_TRY(hf_parse_gemma3(root, label, c));
+        break;
     }
-    KILN_TRY(hf_parse_sliding(root, label, c));
+    if (c->arch != KILN_ARCH_GEMMA3) KILN_TRY(hf_parse_sliding(root, label, c));
 
     /* Token ids: absent takes the type's default; null means none. */
     const cJSON *bos = cJSON_GetObjectItemCaseSensitive(root, "bos_token_id");

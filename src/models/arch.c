@@ -8,12 +8,14 @@
 
 /* Each architecture's file defines its descriptors (llama.c: the Llama family). */
 extern const kiln_arch_desc kiln_arch_llama, kiln_arch_mistral, kiln_arch_qwen2, kiln_arch_qwen3;
+extern const kiln_arch_desc kiln_arch_gemma3; /* gemma3.c */
 
 static const kiln_arch_desc *const g_archs[] = {
     &kiln_arch_llama,
     &kiln_arch_mistral,
     &kiln_arch_qwen2,
     &kiln_arch_qwen3,
+    &kiln_arch_gemma3,
 };
 #define N_ARCHS (sizeof g_archs / sizeof g_archs[0])
 

@@ -71,6 +71,9 @@ typedef struct kiln_param_role {
      * within each of rope_heads heads (KILN_DIM_NH or KILN_DIM_KVH) for llama.cpp's
      * interleaved RoPE; the loader undoes it. KILN_DIM_ONE: not permuted. */
     kiln_dim rope_heads;
+    /* A norm weight w that the forward uses as 1 + w (Gemma): the model binds the
+     * multiplier, f32(1 + w) from a Hugging Face file; a GGUF file stores 1 + w already. */
+    bool plus_one;
 } kiln_param_role;
 
 /* One parameter as a forward and a backward read it. */
@@ -104,6 +107,7 @@ typedef struct kiln_train_io {
 
 struct kiln_model;
 struct kiln_forward_state;
+struct kiln_gguf;
 struct kiln_batch;
 
 typedef struct kiln_arch_desc {
@@ -118,7 +122,17 @@ typedef struct kiln_arch_desc {
     int n_roles;
     int first_layer_role, n_layer_roles; /* the per-layer roles: [first, first + n) */
     int role_embed, role_final_norm, role_head; /* the per-model roles every architecture has */
-    /* Training: allocate io's activations, run the forward of n_seq sequences of seq tokens
+    /* Generation: the forward of N tokens staged in fs->d_batch (ids, positions, sequences,
+     * cache rows); runs (host, or NULL in a recorded graph) and max_T as ops.h's
+     * attention_paged takes them; logits of the tokens out[0..n_out) (host indices), or of
+     * all N when out is NULL, to logits (backend memory; NULL: none). */
+    void (*forward)(const struct kiln_model *m, kiln_backend *be, struct kiln_forward_state *fs, int N,
+                    const kiln_batch_run *runs, int n_runs, int max_T, const int32_t *out, int n_out,
+                    float *logits);
+    /* The architecture's own GGUF metadata beyond the family's common keys (NULL: none). */
+    kiln_status (*gguf_config)(const struct kiln_gguf *g, const char *path, kiln_model_config *c);
+    bool uses_geglu; /* its MLP needs the backend's geglu op */
+    /* Training (NULL: the architecture is not trainable yet): allocate io's activations, run the forward of n_seq sequences of seq tokens
      * (io->ids, io->pos filled; output io->xn), its backward (input io->dxn; gradients added
      * to the refs' grad; output io->dx, the embedding's gradient left to the caller), free. */
     kiln_status (*train_init)(kiln_train_io *io);

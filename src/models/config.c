@@ -45,7 +45,7 @@ static kiln_status cfg_token(const char *label, const char *name, int32_t id, in
 kiln_status kiln_model_config_validate(const kiln_model_config *c, const char *label) {
     if (!label) label = "model config";
     if (!c) return kiln_error(KILN_ERR_INVALID_ARG, "%s: NULL config", label);
-    if ((int)c->arch < KILN_ARCH_LLAMA || (int)c->arch > KILN_ARCH_QWEN3)
+    if ((int)c->arch < KILN_ARCH_LLAMA || (int)c->arch > KILN_ARCH_GEMMA3)
         return kiln_error(KILN_ERR_FORMAT, "%s: arch = %d is not a known architecture", label,
                           (int)c->arch);
     KILN_TRY(cfg_range(label, "n_layer (num_hidden_layers, block_count)", c->n_layer, 1, CFG_MAX_LAYER));
@@ -73,6 +73,10 @@ kiln_status kiln_model_config_validate(const kiln_model_config *c, const char *l
                        c->n_ctx_train, 1, CFG_MAX_CTX));
     KILN_TRY(cfg_float(label, "rms_eps (rms_norm_eps)", c->rms_eps, 0.0f, 1.0f));
     KILN_TRY(cfg_float(label, "rope_theta", c->rope_theta, 0.0f, INFINITY));
+    if (c->rope_theta_local != 0.0f)
+        KILN_TRY(cfg_float(label, "rope_theta_local (rope_local_base_freq)", c->rope_theta_local, 0.0f, INFINITY));
+    if (c->query_pre_attn_scalar != 0.0f)
+        KILN_TRY(cfg_float(label, "query_pre_attn_scalar", c->query_pre_attn_scalar, 0.0f, INFINITY));
 
     switch (c->rope_scaling) {
     case KILN_ROPE_SCALING_NONE: break;

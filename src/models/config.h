@@ -15,7 +15,11 @@ typedef enum kiln_arch {
     KILN_ARCH_MISTRAL,
     KILN_ARCH_QWEN2,     /* + q/k/v biases */
     KILN_ARCH_QWEN3,     /* + per-head RMSNorm on q and k */
+    KILN_ARCH_GEMMA3,    /* Gemma 3 text: GeGLU, pre- and post-norms of (1 + w), sliding layers */
 } kiln_arch;
+
+/* The most layers whose attention kind (sliding or full) a config can tell apart. */
+#define KILN_MAX_LAYER_KINDS 1024
 
 typedef enum kiln_rope_scaling {
     KILN_ROPE_SCALING_NONE = 0,
@@ -46,10 +50,22 @@ typedef struct kiln_model_config {
     int mlp_bias;        /* gate/up/down have biases */
     int qk_norm;         /* Qwen3: RMSNorm over HS on q and k before RoPE */
     int sliding_window;  /* 0 = none (Mistral's window is refused if < context used) */
+    /* Gemma 3: layer l attends within sliding_window when bit l is set (else to every earlier
+     * key), with rope_theta_local as its RoPE base (0: rope_theta); attention scores are
+     * scaled by query_pre_attn_scalar^-1/2 (0: head_dim^-1/2). */
+    uint8_t sliding_layers[KILN_MAX_LAYER_KINDS / 8];
+    float rope_theta_local;
+    float query_pre_attn_scalar;
     int32_t bos_id, eos_id; /* from config (-1 absent); generation_config may add more EOS */
     int32_t eos_ids[8];     /* all end-of-generation ids */
     int n_eos_ids;
 } kiln_model_config;
+
+/* Whether layer l attends within a sliding window (c->sliding_window keys). */
+static inline int kiln_layer_slides(const kiln_model_config *c, int l) {
+    return c->sliding_window > 0 && l >= 0 && l < KILN_MAX_LAYER_KINDS &&
+           ((c->sliding_layers[l / 8] >> (l % 8)) & 1);
+}
 
 /* Check a filled config for consistency (positive dims, NH % KVH == 0, HS even, ...).
  * Errors name the field and the source label. */

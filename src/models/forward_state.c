@@ -84,6 +84,9 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
     if (!be->i->kv_store_rows || !be->i->attention_paged || !be->i->get_rows)
         return kiln_error(KILN_ERR_UNSUPPORTED, "forward state: the %s backend lacks the batch ops "
                           "(kv_store_rows, attention_paged, get_rows)", be->i->name);
+    if (m->arch->uses_geglu && !be->i->geglu)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "forward state: %s needs GeGLU, which the %s backend lacks",
+                          m->arch->name, be->i->name);
     if (n_ctx < 1 || n_batch < 1 || n_seq < 1)
         return kiln_error(KILN_ERR_INVALID_ARG, "forward state: n_ctx %d, n_batch %d, n_seq %d must be >= 1",
                           n_ctx, n_batch, n_seq);
@@ -102,11 +105,14 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
     /* sizes in floats, each rounded up to 16 floats (64 bytes); the batch's ints and the block
      * table are int32, as many as floats */
     float *d_batch = NULL, *table = NULL;
+    const size_t local = c->rope_theta_local > 0.0f ? T * HS / 2 : 0; /* the sliding layers' tables */
     size_t sizes[] = {pool,    pool,    T * HS / 2, T * HS / 2, NB * C,  NB * C,  NB * QD,
-                      NB * QD, NB * FF, NB * FF,    NB * C,     NB * KD, NB * KD, 4 * NB, S * max_blocks};
+                      NB * QD, NB * FF, NB * FF,    NB * C,     NB * KD, NB * KD, 4 * NB, S * max_blocks,
+                      local,   local};
     float **slots[] = {&fs->k_cache, &fs->v_cache, &fs->rope_cos, &fs->rope_sin, &fs->x,
                        &fs->xb,      &fs->q,       &fs->att,      &fs->hb,       &fs->hb2,
-                       &fs->tmp,     &fs->k_new,   &fs->v_new,    &d_batch,      &table};
+                       &fs->tmp,     &fs->k_new,   &fs->v_new,    &d_batch,      &table,
+                       &fs->rope_cos_local, &fs->rope_sin_local};
     size_t total = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         size_t s = (sizes[i] + 15) & ~(size_t)15;
@@ -154,6 +160,7 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
     if (fs->host_memory) {
         memcpy(table, fs->host_table, S * max_blocks * sizeof(int32_t));
         kiln_rope_tables_fill(m, n_ctx, fs->rope_cos, fs->rope_sin);
+        if (local) kiln_rope_tables_fill_kind(m, n_ctx, 1, fs->rope_cos_local, fs->rope_sin_local);
         fs->layer_refs = m->layer_refs;
         fs->final_norm = m->final_norm;
         return KILN_OK;
@@ -169,6 +176,11 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
             kiln_rope_tables_fill(m, n_ctx, host, host + tab);
             st = kiln_backend_upload(be, fs->rope_cos, host, tab * sizeof(float));
             if (st == KILN_OK) st = kiln_backend_upload(be, fs->rope_sin, host + tab, tab * sizeof(float));
+            if (st == KILN_OK && local) {
+                kiln_rope_tables_fill_kind(m, n_ctx, 1, host, host + tab);
+                st = kiln_backend_upload(be, fs->rope_cos_local, host, tab * sizeof(float));
+                if (st == KILN_OK) st = kiln_backend_upload(be, fs->rope_sin_local, host + tab, tab * sizeof(float));
+            }
             kiln_free(host);
         }
     }
@@ -206,13 +218,47 @@ kiln_status kiln_forward_stage(kiln_forward_state *fs, const kiln_batch *b) {
     return kiln_backend_upload(fs->be, fs->d_batch, h, 4 * (size_t)n * sizeof(int32_t));
 }
 
+/* ---- the forward through the model's architecture ---------------------------------------- */
+
+/* The runs of batch b (consecutive tokens of one sequence at consecutive positions) into
+ * runs[0..), at most b->n; their count. */
+static int batch_runs(const kiln_batch *b, kiln_batch_run *runs) {
+    int n_runs = 0;
+    for (int i = 0; i < b->n; i++) {
+        kiln_batch_run *r = n_runs ? &runs[n_runs - 1] : NULL;
+        if (r && b->seq[i] == r->seq && b->pos[i] == r->pos0 + r->n) {
+            r->n++;
+            continue;
+        }
+        runs[n_runs++] = (kiln_batch_run){i, 1, b->seq[i], b->pos[i]};
+    }
+    return n_runs;
+}
+
+kiln_status kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
+                               const kiln_batch *b, float *logits) {
+    if (b->n < 1 || b->n > fs->n_batch)
+        return kiln_error(KILN_ERR_RANGE, "forward: %d tokens not in [1, %d]", b->n, fs->n_batch);
+    KILN_TRY(kiln_forward_stage(fs, b));
+    int n_runs = batch_runs(b, fs->runs), max_T = 0;
+    for (int r = 0; r < n_runs; r++)
+        if (fs->runs[r].pos0 + fs->runs[r].n > max_T) max_T = fs->runs[r].pos0 + fs->runs[r].n;
+    m->arch->forward(m, be, fs, b->n, fs->runs, n_runs, max_T, b->out, b->out ? b->n_out : b->n, logits);
+    return KILN_OK;
+}
+
+void kiln_model_forward_dev(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int B,
+                            float *logits) {
+    m->arch->forward(m, be, fs, B, NULL, 0, fs->n_ctx, NULL, B, logits);
+}
 /* Inverse frequencies as transformers computes them in float32:
  *   inv_freq[i] = 1 / theta^((2i)/HS), then the rope_type's adjustment. */
-static float rope_inv_freq(const kiln_model *m, int i) {
+static float rope_inv_freq(const kiln_model *m, int i, int local) {
     const kiln_model_config *c = &m->cfg;
     float e = (float)(2 * i) / (float)c->head_dim;
-    float p = (float)pow((double)c->rope_theta, (double)e);
+    float p = (float)pow((double)(local ? c->rope_theta_local : c->rope_theta), (double)e);
     float inv = 1.0f / p;
+    if (local) return inv; /* the sliding layers' base: no scaling (Gemma 3) */
     if (m->rope_freq_factors) inv = inv / m->rope_freq_factors[i];
     if (c->rope_scaling == KILN_ROPE_SCALING_LINEAR) {
         inv = inv / c->rope_factor;
@@ -232,9 +278,13 @@ static float rope_inv_freq(const kiln_model *m, int i) {
 }
 
 void kiln_rope_tables_fill(const kiln_model *m, int n_ctx, float *cos_tab, float *sin_tab) {
+    kiln_rope_tables_fill_kind(m, n_ctx, 0, cos_tab, sin_tab);
+}
+
+void kiln_rope_tables_fill_kind(const kiln_model *m, int n_ctx, int local, float *cos_tab, float *sin_tab) {
     int half = m->cfg.head_dim / 2;
     for (int i = 0; i < half; i++) {
-        float inv = rope_inv_freq(m, i);
+        float inv = rope_inv_freq(m, i, local);
         for (int p = 0; p < n_ctx; p++) {
             float f = (float)p * inv; /* one float32 product, as torch's matmul of (HS/2,1)x(1,T) */
             cos_tab[(size_t)p * half + i] = (float)cos((double)f);

@@ -80,10 +80,17 @@ static void llama_train_forward(kiln_train_io *io, int n_seq, int seq);
 static void llama_train_backward(kiln_train_io *io, int n_seq, int seq);
 static void llama_train_free(kiln_train_io *io);
 
+static void llama_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int N,
+                          const kiln_batch_run *runs, int n_runs, int max_T, const int32_t *out, int n_out,
+                          float *logits);
+
 #define LLAMA_FAMILY(id_, name_, type_, cls_, permuted_, qkv_bias_, qk_norm_)                    \
-    {id_, name_, type_, cls_, permuted_, qkv_bias_, qk_norm_, llama_roles, LL_N, LL_WQ, LL_N_LAYER, \
-     LL_EMBED, LL_NORM, LL_HEAD, llama_train_init, llama_train_forward, llama_train_backward,     \
-     llama_train_free}
+    {.id = id_, .name = name_, .hf_model_type = type_, .hf_class = cls_, .gguf_qk_permuted = permuted_, \
+     .always_qkv_bias = qkv_bias_, .always_qk_norm = qk_norm_, .roles = llama_roles, .n_roles = LL_N,   \
+     .first_layer_role = LL_WQ, .n_layer_roles = LL_N_LAYER, .role_embed = LL_EMBED,                  \
+     .role_final_norm = LL_NORM, .role_head = LL_HEAD, .forward = llama_forward,                      \
+     .train_init = llama_train_init, .train_forward = llama_train_forward,                           \
+     .train_backward = llama_train_backward, .train_free = llama_train_free}
 /* GGUF "llama" and "mistral" files store q/k rows permuted for llama.cpp's interleaved RoPE
  * (convert_hf_to_gguf's permute); "qwen2" and "qwen3" keep Hugging Face's rotate-half rows. */
 const kiln_arch_desc kiln_arch_llama =
@@ -356,13 +363,11 @@ static void llama_layers(const llama_run *R) {
 
 /* ---- generation ------------------------------------------------------------------------- */
 
-/* The forward of N tokens whose ids, positions, sequences and cache rows are in backend memory
- * (fs->d_batch, N each). runs / n_runs: the batch's runs (host memory), or NULL (each token
- * on its own, as in a recorded graph); max_T bounds every position + 1. Logits of the tokens
- * out[0..n_out) (host token indices), or of all N when out is NULL. */
-static void forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int N,
-                    const kiln_batch_run *runs, int n_runs, int max_T, const int32_t *out,
-                    int n_out, float *logits) {
+/* arch.h's forward: N tokens staged in fs->d_batch through llama_layers in the forward
+ * state's scratch, then the final norm and the head on the rows whose logits are wanted. */
+static void llama_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int N,
+                          const kiln_batch_run *runs, int n_runs, int max_T, const int32_t *out, int n_out,
+                          float *logits) {
     const kiln_model_config *c = &m->cfg;
     const kiln_backend_i *op = be->i;
     const int C = c->n_embd;
@@ -415,37 +420,6 @@ static void forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *f
     op->matmul(be, logits, fs->xb, m->lm_head, NULL, rows);
 }
 
-/* The runs of batch b (consecutive tokens of one sequence at consecutive positions) into
- * runs[0..), at most b->n; their count. */
-static int batch_runs(const kiln_batch *b, kiln_batch_run *runs) {
-    int n_runs = 0;
-    for (int i = 0; i < b->n; i++) {
-        kiln_batch_run *r = n_runs ? &runs[n_runs - 1] : NULL;
-        if (r && b->seq[i] == r->seq && b->pos[i] == r->pos0 + r->n) {
-            r->n++;
-            continue;
-        }
-        runs[n_runs++] = (kiln_batch_run){i, 1, b->seq[i], b->pos[i]};
-    }
-    return n_runs;
-}
-
-kiln_status kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
-                               const kiln_batch *b, float *logits) {
-    if (b->n < 1 || b->n > fs->n_batch)
-        return kiln_error(KILN_ERR_RANGE, "forward: %d tokens not in [1, %d]", b->n, fs->n_batch);
-    KILN_TRY(kiln_forward_stage(fs, b));
-    int n_runs = batch_runs(b, fs->runs), max_T = 0;
-    for (int r = 0; r < n_runs; r++)
-        if (fs->runs[r].pos0 + fs->runs[r].n > max_T) max_T = fs->runs[r].pos0 + fs->runs[r].n;
-    forward(m, be, fs, b->n, fs->runs, n_runs, max_T, b->out, b->out ? b->n_out : b->n, logits);
-    return KILN_OK;
-}
-
-void kiln_model_forward_dev(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int B,
-                            float *logits) {
-    forward(m, be, fs, B, NULL, 0, fs->n_ctx, NULL, B, logits);
-}
 /* ---- training: the activations ------------------------------------------------------------ */
 
 /* nbytes of zeroed backend memory (kiln_calloc on a host-memory backend). NULL with the error

@@ -86,6 +86,7 @@ struct kiln_forward_state {
     int32_t *host_table; /* (n_seq, max_blocks) */
     kiln_kv_pages pages;
     float *rope_cos, *rope_sin; /* (n_ctx, HS/2) */
+    float *rope_cos_local, *rope_sin_local; /* (n_ctx, HS/2) with rope_theta_local, or NULL */
     float *x;    /* (n_batch, C) residual stream */
     float *xb;   /* (n_batch, C) normed input */
     float *q;    /* (n_batch, NH*HS) */
@@ -153,5 +154,8 @@ kiln_status kiln_forward_stage(kiln_forward_state *fs, const kiln_batch *b);
 /* Fill rope tables for positions [0, n_ctx) per the config (default, linear, llama3,
  * GGUF rope_freqs factors). */
 void kiln_rope_tables_fill(const kiln_model *m, int n_ctx, float *cos_tab, float *sin_tab);
+/* The same for the full layers (local 0) or, local 1, the sliding layers' base
+ * (cfg.rope_theta_local, unscaled). */
+void kiln_rope_tables_fill_kind(const kiln_model *m, int n_ctx, int local, float *cos_tab, float *sin_tab);
 
 #endif /* KILN_MODEL_H */

@@ -78,7 +78,8 @@ static kiln_status bind_matrix(kiln_model *m, const char *name, int64_t rows, in
 }
 
 /* Bind a vector of n elements, widened to f32 (optional ones may be absent -> NULL). */
-static kiln_status bind_vector(kiln_model *m, const char *name, int64_t n, int optional, const float **out) {
+static kiln_status bind_vector(kiln_model *m, const char *name, int64_t n, int optional, int plus_one,
+                               const float **out) {
     const kiln_tensor *t = find_tensor(m, name);
     if (!t) {
         if (optional) {
@@ -94,13 +95,16 @@ static kiln_status bind_vector(kiln_model *m, const char *name, int64_t n, int o
     if (t->dtype != KILN_DTYPE_F32 && t->dtype != KILN_DTYPE_F16 && t->dtype != KILN_DTYPE_BF16)
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: vector '%s' has type %s (f32/f16/bf16 expected)",
                           m->path, name, kiln_dtype_name(t->dtype));
-    if (t->dtype == KILN_DTYPE_F32 && ((uintptr_t)t->data % sizeof(float)) == 0) {
+    if (t->dtype == KILN_DTYPE_F32 && ((uintptr_t)t->data % sizeof(float)) == 0 && !plus_one) {
         *out = t->data;
         return KILN_OK;
     }
     float *v = model_alloc(m, (size_t)n * sizeof(float));
     if (!v) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory converting '%s'", m->path, name);
     kiln_dequantize(t->dtype, t->data, v, n);
+    /* the multiplier 1 + w, rounded once in f32 as transformers' (1.0 + w.float()) */
+    if (plus_one)
+        for (int64_t i = 0; i < n; i++) v[i] = 1.0f + v[i];
     *out = v;
     return KILN_OK;
 }
@@ -243,6 +247,7 @@ static kiln_status config_from_gguf(kiln_model *m) {
         }
     }
     c->bos_id = c->eos_id = -1;
+    if (m->arch->gguf_config) KILN_TRY(m->arch->gguf_config(g, m->path, c));
     return KILN_OK;
 }
 
@@ -263,7 +268,8 @@ static kiln_status bind_role(void *ctx, const kiln_param_role *r, int layer) {
     int heads = (int)kiln_dim_value(c, r->rope_heads);
     if (r->cols == KILN_DIM_ONE) {
         const float **v = &ref->vec;
-        KILN_TRY(bind_vector(m, name, rows, optional, v));
+        /* a GGUF stores Gemma's norm multipliers as 1 + w already */
+        KILN_TRY(bind_vector(m, name, rows, optional, r->plus_one && !m->gguf, v));
         if (*v && permute) KILN_TRY(unpermute_vector(m, v, rows, heads));
         return KILN_OK;
     }
@@ -274,17 +280,24 @@ static kiln_status bind_role(void *ctx, const kiln_param_role *r, int layer) {
     return KILN_OK;
 }
 
-/* Whether any layer binds a role of condition cond. */
+/* Whether any layer binds a role of condition cond: 1 or 0; -1 when the architecture has no
+ * such conditional role (the flag is then the architecture's own). */
 static int any_layer_has(const kiln_model *m, kiln_role_cond cond) {
     const kiln_arch_desc *a = m->arch;
+    int has_role = 0;
     for (int i = a->first_layer_role; i < a->first_layer_role + a->n_layer_roles; i++) {
         if (a->roles[i].cond != cond) continue;
+        has_role = 1;
         for (int l = 0; l < m->cfg.n_layer; l++) {
             const kiln_wref *w = kiln_model_ref((kiln_model *)m, &a->roles[i], l);
             if (w->mat || w->vec) return 1;
         }
     }
-    return 0;
+    return has_role ? 0 : -1;
+}
+
+static void derive_flag(int *flag, int has) {
+    if (has >= 0) *flag = has;
 }
 
 /* The per-model roles every architecture has, as the model's convenience pointers. */
@@ -311,10 +324,10 @@ static kiln_status bind_weights(kiln_model *m) {
     c->tie_embeddings = m->lm_head == NULL;
     if (!m->lm_head) m->lm_head = m->tok_embd;
     /* The flags say what the weights hold (a GGUF file has no flags of its own). */
-    c->attn_bias = any_layer_has(m, KILN_COND_ATTN_BIAS);
-    c->attn_out_bias = any_layer_has(m, KILN_COND_OUT_BIAS);
-    c->mlp_bias = any_layer_has(m, KILN_COND_MLP_BIAS);
-    c->qk_norm = any_layer_has(m, KILN_COND_QK_NORM);
+    derive_flag(&c->attn_bias, any_layer_has(m, KILN_COND_ATTN_BIAS));
+    derive_flag(&c->attn_out_bias, any_layer_has(m, KILN_COND_OUT_BIAS));
+    derive_flag(&c->mlp_bias, any_layer_has(m, KILN_COND_MLP_BIAS));
+    derive_flag(&c->qk_norm, any_layer_has(m, KILN_COND_QK_NORM));
     /* Llama 3.1-style GGUFs carry the frequency factors as a tensor. */
     if (m->gguf) {
         const kiln_tensor *rf = kiln_gguf_find_tensor(m->gguf, "rope_freqs.weight");

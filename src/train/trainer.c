@@ -498,6 +498,9 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     if (p.fast && p.device < 0)
         return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: fast is a GPU mode (the CPU has no fast training): "
                                                 "set device to a CUDA device index >= 0, or fast to 0");
+    if (!m->arch->train_init)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: training %s models is not implemented yet",
+                          m->arch->name);
     if (m->cfg.mlp_bias)
         return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: MLP biases (mlp_bias) are not trainable yet");
     kiln_trainer *t = kiln_calloc(1, sizeof *t);
