@@ -1138,7 +1138,7 @@ static kiln_status open_latest(const char *dir, int set_aside, kiln_ckpt **out) 
         char *to = NULL;
         const char *reason = why[b] ? why[b] : "(the reason could not be kept: out of memory)";
         st = kiln_ckpt_set_aside(dir, bad[b], reason, &to);
-        if (st == KILN_OK) {
+        if (st == KILN_OK && to) {
             size_t ll = strlen(reason) + strlen(to) + 64;
             char *line = kiln_malloc(ll);
             if (line) {
