@@ -43,7 +43,8 @@ static inline double now_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* g_tmpdir/<name>.json: the config of a model of architecture arch (llama, qwen2, qwen3);
+/* g_tmpdir/<name>.json: the config of a model of architecture arch (llama, qwen2, qwen3,
+ * gemma3_text);
  * its path to path. 1 on success. */
 static inline int gpu_write_config(const char *name, const char *arch, int C, int L, int NH,
                                    int KVH, int HS, int FF, int V, int tied, double rope_theta,
@@ -51,6 +52,18 @@ static inline int gpu_write_config(const char *name, const char *arch, int C, in
     snprintf(path, cap, "%s/%s.json", g_tmpdir, name);
     FILE *f = fopen(path, "w");
     if (!f) return 0;
+    if (!strcmp(arch, "gemma3_text")) { /* a window of 8 (prompts cross it), one full layer in three */
+        fprintf(f,
+                "{\"architectures\": [\"Gemma3ForCausalLM\"], \"model_type\": \"gemma3_text\","
+                " \"hidden_size\": %d, \"num_hidden_layers\": %d, \"num_attention_heads\": %d,"
+                " \"num_key_value_heads\": %d, \"head_dim\": %d, \"intermediate_size\": %d,"
+                " \"vocab_size\": %d, \"max_position_embeddings\": 4096, \"rms_norm_eps\": 1e-6,"
+                " \"sliding_window\": 8, \"sliding_window_pattern\": 3, \"query_pre_attn_scalar\": 24,"
+                " \"rope_theta\": %.1f, \"rope_local_base_freq\": 10000.0,"
+                " \"tie_word_embeddings\": %s}\n",
+                C, L, NH, KVH, HS, FF, V, rope_theta, tied ? "true" : "false");
+        return fclose(f) == 0;
+    }
     fprintf(f,
             "{\"architectures\": [\"%s\"], \"model_type\": \"%s\", \"hidden_size\": %d,"
             " \"num_hidden_layers\": %d, \"num_attention_heads\": %d, \"num_key_value_heads\": %d,"
