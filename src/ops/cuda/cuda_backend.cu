@@ -430,6 +430,13 @@ static void cu_swiglu_bf16(kiln_backend *be, uint16_t *out, const uint16_t *gate
     after_launch(c, kiln_cuda_swiglu_bf16(c->stream, out, gate, up, n, c->fast), "swiglu_bf16");
 }
 
+/* ops.h geglu: kiln_geglu per element, the CPU's bits in both modes (out may alias gate). */
+static void cu_geglu(kiln_backend *be, float *out, const float *gate, const float *up, size_t n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_geglu(c->stream, out, gate, up, n), "geglu");
+}
+
 static void cu_add(kiln_backend *be, float *x, const float *y, size_t n) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
@@ -1502,6 +1509,7 @@ static const kiln_backend_i cuda_iface = {
     /* .attention_paged = */ cu_attention_paged,
     /* .get_rows = */ cu_get_rows,
     /* .forget = */ cu_forget,
+    /* .geglu = */ cu_geglu,
 };
 
 extern "C" kiln_status kiln_cuda_device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes) {

@@ -69,6 +69,9 @@ cudaError_t kiln_cuda_gather_pages(cudaStream_t s, float *k_out, float *v_out,
 cudaError_t kiln_cuda_scale(cudaStream_t s, float *x, float sc, size_t n);
 cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, const float *up,
                              size_t n);
+/* out[i] = kiln_geglu(gate[i], up[i]) (kmath.h), the CPU's bits; out may alias gate. */
+cudaError_t kiln_cuda_geglu(cudaStream_t s, float *out, const float *gate, const float *up,
+                            size_t n);
 /* bf16 gate, up (widened) -> bf16 out: kiln_fp32_to_bf16 of swiglu's f32 result on the
  * widened values; with fast, of kiln_fast_swiglu's (cuda_common.cuh: one rounding flip from
  * those bits in a small fraction of elements). */

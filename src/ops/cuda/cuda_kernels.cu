@@ -536,6 +536,14 @@ static __global__ void swiglu_kernel(O *out, const I *gate, const I *up, size_t 
         store_out(out + u, kiln_swiglu(load_in(gate + u), load_in(up + u)));
 }
 
+/* out[i] = kiln_geglu(gate[i], up[i]) (kmath.h: GELU's tanh form, kiln_tanhf), the CPU's
+ * bits; out may alias gate (each element is read before it is written, by its own thread). */
+static __global__ void geglu_kernel(float *out, const float *gate, const float *up, size_t n) {
+    for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
+         u += (size_t)gridDim.x * blockDim.x)
+        out[u] = kiln_geglu(gate[u], up[u]);
+}
+
 static __global__ void scale_kernel(float *x, float sc, size_t n) {
     for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
          u += (size_t)gridDim.x * blockDim.x)
@@ -558,6 +566,13 @@ cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, cons
                              size_t n) {
     if (n == 0) return cudaSuccess;
     swiglu_kernel<float, float><<<grid_for((int64_t)n, 256), 256, 0, s>>>(out, gate, up, n);
+    return cudaGetLastError();
+}
+
+cudaError_t kiln_cuda_geglu(cudaStream_t s, float *out, const float *gate, const float *up,
+                            size_t n) {
+    if (n == 0) return cudaSuccess;
+    geglu_kernel<<<grid_for((int64_t)n, 256), 256, 0, s>>>(out, gate, up, n);
     return cudaGetLastError();
 }
 
