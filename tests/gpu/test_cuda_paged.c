@@ -9,6 +9,11 @@
  * position 0 or after a context) with single decode tokens in a random order. Pool rows that
  * hold no stored position are NaN, so a kernel that reads outside its sequence's keys cannot
  * pass; every output is NaN before each run, so an unwritten element cannot pass.
+ * Every check runs without a window and with sliding windows (ops.h attention_paged's window:
+ * 1, 8, 64, 100, 509, 512 keys, sequences and runs longer than the window, runs up to 257
+ * tokens). In a windowed mixed case the rows of each sequence below its first batch token's
+ * window are NaN and the table entries of blocks wholly below it name a block that holds
+ * only NaN, so a kernel that reads a key or a table entry below the window cannot pass.
  *
  * Checked:
  *   - auditable mode (the default): kv_store_rows, attention_paged and get_rows give the
@@ -21,8 +26,10 @@
  *     paths: the split decode and the f32 kernels; tests/gpu/test_cuda_fast_attention.cu
  *     states why); two runs give the same bits; a batch over shuffled blocks (prefill runs
  *     gathered) gives the bits of the same batch over a pool where every sequence is
- *     consecutive (prefill runs read in place); the graph replay equals the direct call.
- * Without a usable GPU: exits 77 (skipped). Prints a table last.
+ *     consecutive (prefill runs read in place); the graph replay equals the direct call and
+ *     is within the decode bound of the CPU.
+ * Without a usable GPU: exits 77 (skipped). Prints a table last, one row per check and window
+ * kind (none / sliding).
  * Usage: test_cuda_paged [seed [mixed-cases]]   (mixed-cases: default 30; fewer for
  * compute-sanitizer runs)
  */
@@ -57,8 +64,10 @@ static const char *g_names[R_COUNT] = {
     "fast: prefill (bf16 mma)",   "fast: prefill (f32 kernels)",
     "fast: two runs, same bits",  "fast: gathered == in place",
     "fast: graph step == direct"};
-static long g_cases[R_COUNT], g_elems[R_COUNT], g_bad[R_COUNT];
-static double g_worst[R_COUNT]; /* fast rows: max |gpu - cpu| / max|v| */
+/* [0]: no window, [1]: a sliding window (g_w: the set the running case counts into) */
+static long g_cases[2][R_COUNT], g_elems[2][R_COUNT], g_bad[2][R_COUNT];
+static double g_worst[2][R_COUNT]; /* fast rows: max |gpu - cpu| / max|v| */
+static int g_w;
 static int g_failed;
 static long g_runs_inplace, g_runs_gathered;
 
@@ -78,9 +87,9 @@ static void compare(int row, const char *ctx, const float *want, const float *go
             if (!bad) first = i;
             bad++;
         }
-    g_cases[row]++;
-    g_elems[row] += (long)n;
-    g_bad[row] += bad;
+    g_cases[g_w][row]++;
+    g_elems[g_w][row] += (long)n;
+    g_bad[g_w][row] += bad;
     if (bad) {
         fprintf(stderr, "FAIL %s (%s): %ld of %zu differ; first [%zu] want %.9g got %.9g\n",
                 g_names[row], ctx, bad, n, first, want[first], got[first]);
@@ -103,10 +112,10 @@ static void within(int row, const char *ctx, const float *want, const float *got
         }
         if (e > worst) worst = e;
     }
-    g_cases[row]++;
-    g_elems[row] += (long)n;
-    g_bad[row] += bad;
-    if (worst > g_worst[row]) g_worst[row] = worst;
+    g_cases[g_w][row]++;
+    g_elems[g_w][row] += (long)n;
+    g_bad[g_w][row] += bad;
+    if (worst > g_worst[g_w][row]) g_worst[g_w][row] = worst;
     if (bad) g_failed = 1;
 }
 
@@ -160,7 +169,13 @@ typedef struct pcase {
     float *k_dense, *v_dense;  /* (n_seq * max_blocks * bs, KVH, HS): the same, dense table */
     float maxv;                /* max |v| over every stored row */
     int n_prefill_mma;         /* prefill runs the tensor-core kernel takes in fast mode */
+    int window;                /* attention_paged's window (0: none) */
 } pcase;
+
+/* The first position a query at position p sees under window (0: none): ops.h. */
+static int window_lo(int p, int window) {
+    return window > 0 && p + 1 > window ? p + 1 - window : 0;
+}
 
 static size_t rowf(const pcase *c) { return (size_t)c->KVH * c->HS; }
 
@@ -170,19 +185,24 @@ static int64_t slot_of(const pcase *c, const int32_t *t, int s, int p) {
 }
 
 /* decode_only: every sequence brings one token (the graph tests); max_ctx: the longest
- * context before the batch. */
-static pcase make_case(int NH, int KVH, int HS, int bs, int n_seq, int decode_only, int max_ctx) {
+ * context before the batch; window: the case's sliding window (0: none). With a window and
+ * not decode_only, the rows of each sequence below its first batch token's window are NaN
+ * and the table entries of the blocks wholly below it name a free block (NaN rows only): no
+ * key or table entry below a window may be read. */
+static pcase make_case(int NH, int KVH, int HS, int bs, int n_seq, int decode_only, int max_ctx,
+                       int window) {
     pcase c;
     memset(&c, 0, sizeof c);
-    c.NH = NH, c.KVH = KVH, c.HS = HS, c.bs = bs, c.n_seq = n_seq;
+    c.NH = NH, c.KVH = KVH, c.HS = HS, c.bs = bs, c.n_seq = n_seq, c.window = window;
     const size_t ns = sizeof(int) * (size_t)n_seq;
     int *n = kiln_malloc(ns), *pos0 = kiln_malloc(ns), *order = kiln_malloc(ns);
     int *cons = kiln_malloc(ns);
-    static const int lens[] = {2, 3, 5, 8, 9, 16, 17, 40, 64, 65, 100};
+    static const int lens[] = {2, 3, 5, 8, 9, 16, 17, 40, 64, 65, 100, 150, 257};
     int nb_max = 1, total_nb = 0;
     for (int s = 0; s < n_seq; s++) {
         const int kind = decode_only ? 0 : rnd_int(0, 2); /* decode, prefill, prefill */
-        n[s] = kind == 0 ? 1 : lens[rnd_int(0, 10)];
+        /* windowed cases also take runs of more than 128 tokens (several query tiles) */
+        n[s] = kind == 0 ? 1 : lens[rnd_int(0, window > 0 ? 12 : 10)];
         pos0[s] = rnd_int(0, 3) == 0 && kind ? 0 : rnd_int(kind ? 0 : 1, max_ctx);
         const int nb = (pos0[s] + n[s] - 1) / bs + 1;
         nb_max = nb > nb_max ? nb : nb_max;
@@ -266,13 +286,34 @@ static pcase make_case(int NH, int KVH, int HS, int bs, int n_seq, int decode_on
             memcpy(c.k_dense + slot_of(&c, c.dense_table, s, p) * rf, kp, rf * 4);
             memcpy(c.v_dense + slot_of(&c, c.dense_table, s, p) * rf, vp, rf * 4);
         }
+    if (window > 0 && !decode_only) {
+        /* a free block: no table names it, so its rows stay NaN */
+        int nan_block = -1;
+        for (int b = 0; b < c.n_blocks && nan_block < 0; b++) {
+            int used = 0;
+            for (int i = 0; i < n_seq * c.max_blocks; i++) used |= c.table[i] == b;
+            if (!used) nan_block = b;
+        }
+        for (int s = 0; s < n_seq; s++) {
+            const int lo = window_lo(pos0[s], window);
+            for (int p = 0; p < lo; p++) {
+                float *rows[] = {c.k_pool + slot_of(&c, c.table, s, p) * rf,
+                                 c.v_pool + slot_of(&c, c.table, s, p) * rf,
+                                 c.k_dense + slot_of(&c, c.dense_table, s, p) * rf,
+                                 c.v_dense + slot_of(&c, c.dense_table, s, p) * rf};
+                for (int k = 0; k < 4; k++)
+                    for (size_t i = 0; i < rf; i++) rows[k][i] = NAN;
+            }
+            for (int j = 0; j < lo / bs; j++) c.table[s * c.max_blocks + j] = nan_block;
+        }
+    }
     for (int r = 0; r < c.n_runs; r++) {
         const kiln_batch_run *u = &c.runs[r];
         if (u->n < 2) continue;
-        const int nb = (u->pos0 + u->n - 1) / bs + 1;
+        const int nb = (u->pos0 + u->n - 1) / bs + 1, b0 = window_lo(u->pos0, window) / bs;
+        const int32_t *row = c.table + u->seq * c.max_blocks;
         int consecutive = 1;
-        for (int j = 1; j < nb; j++)
-            consecutive &= c.table[u->seq * c.max_blocks + j] == c.table[u->seq * c.max_blocks] + j;
+        for (int j = b0 + 1; j < nb; j++) consecutive &= row[j] == row[b0] + (j - b0);
         if (consecutive) g_runs_inplace++;
         else g_runs_gathered++;
     }
@@ -335,7 +376,7 @@ static void gpu_attention(kiln_backend *be, const pcase *c, const dcase *d, int 
     be->i->attention_paged(be, d->out, d->q, dense ? d->k_dense : d->k_pool,
                            dense ? d->v_dense : d->v_pool, &pg, d->seq, d->pos,
                            with_runs ? c->runs : NULL, with_runs ? c->n_runs : 0, c->N, c->max_T,
-                           c->NH, c->KVH, c->HS, scale_of(c->HS), 0);
+                           c->NH, c->KVH, c->HS, scale_of(c->HS), c->window);
     status_ok(be, "attention_paged");
     down(be, out, d->out, nout * 4);
 }
@@ -343,12 +384,13 @@ static void gpu_attention(kiln_backend *be, const pcase *c, const dcase *d, int 
 /* ---- the checks ------------------------------------------------------------------------------ */
 
 /* One mixed case: store, attention (auditable, and fast within bounds), batch invariance,
- * gathered == in place. */
-static void test_mixed(int NH, int KVH, int HS, int bs, int n_seq, int max_ctx) {
-    pcase c = make_case(NH, KVH, HS, bs, n_seq, 0, max_ctx);
+ * gathered == in place; window: the sliding window (0: none). */
+static void test_mixed(int NH, int KVH, int HS, int bs, int n_seq, int max_ctx, int window) {
+    pcase c = make_case(NH, KVH, HS, bs, n_seq, 0, max_ctx, window);
+    g_w = window > 0;
     char ctx[160];
-    snprintf(ctx, sizeof ctx, "NH %d KVH %d HS %d bs %d, %d seqs, %d tokens, max_T %d", NH, KVH,
-             HS, bs, n_seq, c.N, c.max_T);
+    snprintf(ctx, sizeof ctx, "NH %d KVH %d HS %d bs %d, %d seqs, %d tokens, max_T %d, window %d",
+             NH, KVH, HS, bs, n_seq, c.N, c.max_T, window);
     const size_t rf = rowf(&c), npool = (size_t)c.n_blocks * bs * rf;
     const size_t ndense = (size_t)n_seq * c.max_blocks * bs * rf;
     const size_t nout = (size_t)c.N * NH * HS;
@@ -360,7 +402,7 @@ static void test_mixed(int NH, int KVH, int HS, int bs, int n_seq, int max_ctx) 
     float *want = host_nan(nout);
     kiln_kv_pages cpg = {bs, c.max_blocks, c.table, c.table};
     g_cpu->i->attention_paged(g_cpu, want, c.q, c.k_pool, c.v_pool, &cpg, c.seq, c.pos, c.runs,
-                              c.n_runs, c.N, c.max_T, NH, KVH, HS, scale_of(HS), 0);
+                              c.n_runs, c.N, c.max_T, NH, KVH, HS, scale_of(HS), window);
 
     /* kv_store_rows */
     g_gpu->i->kv_store_rows(g_gpu, d.k_pool, d.v_pool, d.k_new, d.v_new, d.slots, c.N, rf);
@@ -392,7 +434,7 @@ static void test_mixed(int NH, int KVH, int HS, int bs, int n_seq, int max_ctx) 
             kiln_batch_run run = {0, 1, c.seq[t], c.pos[t]};
             g_gpu->i->attention_paged(g_gpu, d.out, d.q + t * row, d.k_pool, d.v_pool, &pg,
                                       d.seq + t, d.pos + t, &run, 1, 1, c.pos[t] + 1, NH, KVH, HS,
-                                      scale_of(HS), 0);
+                                      scale_of(HS), window);
             status_ok(g_gpu, "attention_paged (alone)");
             float *h = kiln_malloc(row * 4);
             down(g_gpu, h, d.out, row * 4);
@@ -432,11 +474,13 @@ static void test_mixed(int NH, int KVH, int HS, int bs, int n_seq, int max_ctx) 
  * attention_paged with runs and host_table NULL) recorded in a graph on be, replayed at the
  * recorded positions and at new ones (positions and slots uploaded to the same arrays), each
  * replay against the direct calls from the same pool: the outputs and the pools after the
- * store must be the same bits (auditable: also the CPU's). max_T is above every position
- * (the graph's bound). */
+ * store must be the same bits (auditable: also the CPU's; fast: within the decode bound of
+ * the CPU). max_T is above every position (the graph's bound); window: the recorded sliding
+ * window (0: none). */
 static void test_graph(kiln_backend *be, int row_id, int NH, int KVH, int HS, int bs, int n_seq,
-                       int max_ctx) {
-    pcase c = make_case(NH, KVH, HS, bs, n_seq, 1, max_ctx);
+                       int max_ctx, int window) {
+    pcase c = make_case(NH, KVH, HS, bs, n_seq, 1, max_ctx, window);
+    g_w = window > 0;
     const size_t rf = rowf(&c), nout = (size_t)c.N * NH * HS;
     const size_t npool = (size_t)c.n_blocks * bs * rf;
     /* every position of every sequence's blocks holds a key, so any position is valid */
@@ -452,9 +496,12 @@ static void test_graph(kiln_backend *be, int row_id, int NH, int KVH, int HS, in
             for (size_t i = 0; i < rf; i++) kp[i] = rnd_unit(), vp[i] = rnd_unit();
         }
     }
+    float maxv = 0.0f; /* max |v| over the pool (fmaxf skips the NaN rows) */
+    for (size_t i = 0; i < npool; i++) maxv = fmaxf(maxv, fabsf(c.v_pool[i]));
+    for (size_t i = 0; i < (size_t)c.N * rf; i++) maxv = fmaxf(maxv, fabsf(c.v_new[i]));
     char ctx[160];
-    snprintf(ctx, sizeof ctx, "%s%s NH %d KVH %d HS %d bs %d, %d seqs, max_T %d", be->i->name,
-             be == g_fast ? " fast" : "", NH, KVH, HS, bs, n_seq, max_T);
+    snprintf(ctx, sizeof ctx, "%s%s NH %d KVH %d HS %d bs %d, %d seqs, max_T %d, window %d",
+             be->i->name, be == g_fast ? " fast" : "", NH, KVH, HS, bs, n_seq, max_T, window);
     dcase d = upload_case(&c);
     status_ok(g_gpu, "upload");
     kiln_kv_pages pg = {bs, c.max_blocks, d.table, NULL};
@@ -466,7 +513,7 @@ static void test_graph(kiln_backend *be, int row_id, int NH, int KVH, int HS, in
     do {                                                                                       \
         be->i->kv_store_rows(be, d.k_pool, d.v_pool, d.k_new, d.v_new, d.slots, c.N, rf);       \
         be->i->attention_paged(be, d.out, d.q, d.k_pool, d.v_pool, &pg, d.seq, d.pos, NULL, 0,  \
-                               c.N, max_T, NH, KVH, HS, scale, 0);                             \
+                               c.N, max_T, NH, KVH, HS, scale, window);                        \
     } while (0)
     /* the direct calls first: they size any workspace outside the capture */
     STEP();
@@ -505,16 +552,20 @@ static void test_graph(kiln_backend *be, int row_id, int NH, int KVH, int HS, in
         }
         compare(row_id, ctx, want, got, nout);
         compare(row_id, ctx, pool_want, pool_got, npool);
-        if (be == g_gpu) { /* and the CPU's bits */
+        { /* and the CPU's: its bits (auditable), within the decode bound (fast) */
             float *cpu = host_nan(nout), *kp = kiln_malloc(npool * 4), *vp = kiln_malloc(npool * 4);
             memcpy(kp, c.k_pool, npool * 4);
             memcpy(vp, c.v_pool, npool * 4);
             kiln_kv_pages cpg = {bs, c.max_blocks, c.table, c.table};
             g_cpu->i->kv_store_rows(g_cpu, kp, vp, c.k_new, c.v_new, c.slots, c.N, rf);
             g_cpu->i->attention_paged(g_cpu, cpu, c.q, kp, vp, &cpg, c.seq, c.pos, NULL, 0, c.N,
-                                      max_T, NH, KVH, HS, scale, 0);
-            compare(R_ATTN, ctx, cpu, got, nout);
-            compare(R_STORE, ctx, kp, pool_got, npool);
+                                      max_T, NH, KVH, HS, scale, window);
+            if (be == g_gpu) {
+                compare(R_ATTN, ctx, cpu, got, nout);
+                compare(R_STORE, ctx, kp, pool_got, npool);
+            } else {
+                within(R_F_DEC, ctx, cpu, got, nout, maxv, 1e-5);
+            }
             kiln_free(cpu), kiln_free(kp), kiln_free(vp);
         }
     }
@@ -602,16 +653,35 @@ int main(int argc, char **argv) {
     for (int rep = 0; rep < n_mixed; rep++) {
         const int *h = heads[rep % 6];
         test_mixed(h[0], h[1], HSs[rep % 3], rep & 1 ? 128 : 64, rnd_int(2, 6),
-                   rep < n_mixed * 3 / 5 ? 300 : 1200);
+                   rep < n_mixed * 3 / 5 ? 300 : 1200, 0);
     }
     /* decode graphs: short, and past 64 splits of 64 keys (the combine kernel) */
     for (int rep = 0; rep < (n_mixed < 6 ? n_mixed : 6); rep++) {
         const int *h = heads[rep % 6];
         const int ctx = rep < 4 ? 400 : 5000;
         const int bs = rep & 1 ? 128 : 64;
-        test_graph(g_gpu, R_GRAPH, h[0], h[1], HSs[rep % 3], bs, rnd_int(1, 5), ctx);
-        test_graph(g_fast, R_F_GRAPH, h[0], h[1], HSs[rep % 3], bs, rnd_int(1, 5), ctx);
+        test_graph(g_gpu, R_GRAPH, h[0], h[1], HSs[rep % 3], bs, rnd_int(1, 5), ctx, 0);
+        test_graph(g_fast, R_F_GRAPH, h[0], h[1], HSs[rep % 3], bs, rnd_int(1, 5), ctx, 0);
     }
+    /* sliding windows: one key, inside one 64-key block, exactly one, across block edges, and
+     * about 512 (Gemma's local layers use 512 to 4096); contexts past the window */
+    static const int windows[] = {1, 8, 64, 100, 509, 512};
+    const int n_win = n_mixed >= 30 ? 3 : 1;
+    for (int w = 0; w < 6; w++)
+        for (int rep = 0; rep < n_win; rep++) {
+            const int *h = heads[(w + rep) % 6];
+            test_mixed(h[0], h[1], HSs[(w + 2 * rep) % 3], (w + rep) & 1 ? 128 : 64,
+                       rnd_int(2, 6), windows[w] > 100 ? 1500 : 400, windows[w]);
+        }
+    /* windowed decode graphs: the fused combine (400) and the combine kernel (5000) */
+    for (int rep = 0; rep < (n_mixed < 6 ? n_mixed : 6); rep++) {
+        const int *h = heads[(rep + 3) % 6];
+        const int ctx = rep < 3 ? 400 : 5000, window = windows[(rep * 5 + 1) % 6];
+        const int bs = rep & 1 ? 64 : 128;
+        test_graph(g_gpu, R_GRAPH, h[0], h[1], HSs[rep % 3], bs, rnd_int(1, 5), ctx, window);
+        test_graph(g_fast, R_F_GRAPH, h[0], h[1], HSs[rep % 3], bs, rnd_int(1, 5), ctx, window);
+    }
+    g_w = 0;
     static const int Cs[] = {1, 7, 64, 896, 1001};
     for (int rep = 0; rep < 5; rep++) test_get_rows(rnd_int(1, 50), rnd_int(1, 40), Cs[rep]);
     test_get_rows(300, 70000, 5);  /* more rows than a grid's y */
@@ -622,15 +692,18 @@ int main(int argc, char **argv) {
     kiln_backend_free(g_fast);
     kiln_backend_free(g_cpu);
     printf("\nprefill runs: %ld read in place, %ld gathered\n", g_runs_inplace, g_runs_gathered);
-    printf("%-30s %6s %10s %10s %12s\n", "check", "cases", "elements", "bad", "max err/|v|");
-    for (int i = 0; i < R_COUNT; i++) {
-        if (i >= R_F_DEC && i <= R_F_F32)
-            printf("%-30s %6ld %10ld %10ld %12.2e\n", g_names[i], g_cases[i], g_elems[i],
-                   g_bad[i], g_worst[i]);
-        else
-            printf("%-30s %6ld %10ld %10ld %12s\n", g_names[i], g_cases[i], g_elems[i], g_bad[i],
-                   "bits");
-    }
+    printf("%-30s %-7s %6s %10s %10s %12s\n", "check", "window", "cases", "elements", "bad",
+           "max err/|v|");
+    for (int w = 0; w < 2; w++)
+        for (int i = 0; i < R_COUNT; i++) {
+            char err[32];
+            if (i >= R_F_DEC && i <= R_F_F32)
+                snprintf(err, sizeof err, "%.2e", g_worst[w][i]);
+            else
+                snprintf(err, sizeof err, "bits");
+            printf("%-30s %-7s %6ld %10ld %10ld %12s\n", g_names[i], w ? "sliding" : "none",
+                   g_cases[w][i], g_elems[w][i], g_bad[w][i], err);
+        }
     printf("%s\n", g_failed ? "FAILED" : "all paged ops OK");
     return g_failed ? 1 : 0;
 }

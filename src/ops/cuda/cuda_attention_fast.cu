@@ -83,11 +83,20 @@ static size_t f32_smem(int HS) {
                             F32_ROWS * F32_KT + 2 * F32_ROWS);
 }
 
+/* The first key a query at position p sees under a sliding window of `window` keys (0: no
+ * window, key 0). */
+static __host__ __device__ __forceinline__ int window_lo(int p, int window) {
+    return window > 0 && p + 1 > window ? p + 1 - window : 0;
+}
+
 /* The plain f32 attention for N > 8 when the tensor-core kernel does not apply (head sizes
  * other than 64/128, unaligned pointers). Rows of kv head kvh's group are (token n, head of
  * the group g), row = n * G + g, query head h = kvh * G + g. Block (blockIdx.x = chunk * KVH +
  * kvh) takes rows r0 .. r0 + nr - 1 of the chunk (chunks with the most keys first) and keys
- * 0 .. n_past + last row's n; writes out = acc / l.
+ * 0 .. n_past + last row's n; writes out = acc / l. window > 0: row n sees keys
+ * window_lo(n_past + n) .. n_past + n only; the sub-tiles start at the 32-aligned one holding
+ * the chunk's first row's first key, and keys below that one are staged as zeros (never
+ * read).
  * Per row, keys go by sub-tiles of 32 in increasing order: the owning warp (row % 4) takes
  * one key per lane (score = fmaf dot over d in order, * scale; masked -> -inf), the sub-tile
  * max by warp shuffles, m_new = max(m, max), alpha = exp(m - m_new), p = exp(s - m_new),
@@ -96,7 +105,7 @@ static size_t f32_smem(int HS) {
 static __global__ void __launch_bounds__(F32_THREADS)
 f32_kernel(float *__restrict__ out, const float *__restrict__ q, const float *__restrict__ k,
            const float *__restrict__ v, int N, int n_past, int NH, int KVH, int HS,
-           float scale) {
+           float scale, int window) {
     extern __shared__ float f32_sm[];
     const int G = NH / KVH;
     const int R = G * N;
@@ -107,7 +116,9 @@ f32_kernel(float *__restrict__ out, const float *__restrict__ q, const float *__
     const int r0 = chunk * F32_ROWS;
     const int nr = R - r0 < F32_ROWS ? R - r0 : F32_ROWS;
     const int n_last = (r0 + nr - 1) / G;
-    const int k_begin = 0, k_end = n_past + n_last + 1; /* keys any row of the chunk sees */
+    /* keys any row of the chunk sees: from the first row's first key to the last row's last */
+    const int k_lo = window_lo(n_past + r0 / G, window);
+    const int k_begin = k_lo / F32_KT * F32_KT, k_end = n_past + n_last + 1;
 
     const int ks = HS | 1;
     float *sq = f32_sm;                       /* (nr, HS) */
@@ -141,8 +152,8 @@ f32_kernel(float *__restrict__ out, const float *__restrict__ q, const float *__
         __syncthreads(); /* the previous sub-tile's sk, sv, sp are no longer read */
         for (int e = tid; e < F32_KT * HS; e += F32_THREADS) {
             const int j = e / HS, d = e - j * HS;
-            float kx = 0.0f, vx = 0.0f; /* keys past the range: zeros (p = 0 must not meet NaN) */
-            if (j < nk) {
+            float kx = 0.0f, vx = 0.0f; /* keys outside the range: zeros (p = 0 meets no NaN) */
+            if (j < nk && kt + j >= k_lo) {
                 const int64_t off = (int64_t)(kt + j) * kvstride + d;
                 kx = kbase[off];
                 vx = vbase[off];
@@ -160,7 +171,8 @@ f32_kernel(float *__restrict__ out, const float *__restrict__ q, const float *__
                 const float *qr = sq + r * HS, *kr = sk + lane * ks;
                 float dot = 0.0f;
                 for (int d = 0; d < HS; d++) dot = fmaf(qr[d], kr[d], dot);
-                const bool ok = lane < nk && key <= n_past + n;
+                const bool ok = lane < nk && key <= n_past + n &&
+                                key >= window_lo(n_past + n, window);
                 const float s = ok ? dot * scale : -INFINITY;
                 const float mn = fmaxf(m_r[i], warp_max(s));
                 float alpha = 1.0f, p = 0.0f;
@@ -270,6 +282,11 @@ static __device__ __forceinline__ void dec_row(int rr, int G, int kvh, int *n, i
  *      (only) block writes out directly; otherwise the partials go to the workspace, and the
  *      block that arrives last at the group's counter (atomicAdd, for signalling only)
  *      resets the counter and does the combine of every row of the chunk in split order.
+ * window > 0 (a sliding window): row n sees keys lo_n = window_lo(n_past + n) .. n_past + n
+ * only. Its splits are those holding some of them, s_lo = lo_n / SPLIT .. its last; a split
+ * below the chunk's first row's s_lo returns at once (reading neither keys nor the table),
+ * keys below the chunk's first row's lo are staged as zeros, and a key outside a row's range
+ * scores -inf; the combine runs over the row's splits only. window 0: lo_n = 0.
  * A row's operations depend on its q, its keys and SPLIT only (not on the grid, the block
  * order or which block combines), so the result is deterministic and decode_dev (any B,
  * max_T) has the bits of attention_fast with N = 1. A sequence whose keys pass max_T (or a
@@ -285,7 +302,7 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
               const float *__restrict__ v, int N, int n_past_host,
               const int32_t *__restrict__ d_n_past, size_t kv_seq_stride,
               kiln_cuda_attn_pages pg, int NH, int KVH, int HS, float scale, int nsplit_max,
-              int max_T, int fuse) {
+              int max_T, int fuse, int window) {
     constexpr int S = KILN_ATTN_SPLIT;
     extern __shared__ __align__(16) float dec_sm[];
     __shared__ int s_last;
@@ -317,10 +334,13 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
     }
     const int n_last = (r0 + nr - 1) / G;
     const int all_end = n_past + n_last + 1; /* keys any row of the chunk sees (<= max_T) */
-    if ((int64_t)split * S >= all_end) return; /* block-uniform, before any barrier */
+    const int all_lo = window_lo(n_past + r0 / G, window); /* the chunk's first row's first */
+    /* block-uniform, before any barrier (and before the table is read) */
+    if ((int64_t)split * S >= all_end || (int64_t)(split + 1) * S <= all_lo) return;
     const int kb = split * S;
     const int nk = all_end - kb < S ? all_end - kb : S;
-    const int nsg = (all_end + S - 1) / S; /* splits of this group that have keys */
+    const int s_first = all_lo / S;        /* the group's first split with keys */
+    const int nsg = (all_end + S - 1) / S; /* one past its last */
 
     const int hs4 = dec_hs4(HS), kst = hs4 + 4;
     float *sQ = dec_sm;                        /* (ROWS, hs4) */
@@ -364,7 +384,7 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
         for (int e = tid; e < S * c4; e += DEC_THREADS) {
             const int j = e / c4, c = (e - j * c4) * 4;
             float *dst = sK + j * kst + c;
-            if (j < nk)
+            if (j < nk && kb + j >= all_lo)
                 __pipeline_memcpy_async(dst, kbase + j * kvstride + c, 16);
             else
                 *reinterpret_cast<float4 *>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -373,7 +393,7 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
         for (int e = tid; e < S * c4; e += DEC_THREADS) {
             const int j = e / c4, c = (e - j * c4) * 4;
             float *dst = sV + j * HS + c;
-            if (j < nk)
+            if (j < nk && kb + j >= all_lo)
                 __pipeline_memcpy_async(dst, vbase + j * kvstride + c, 16);
             else
                 *reinterpret_cast<float4 *>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -383,7 +403,7 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
         for (int e = tid; e < S * hs4; e += DEC_THREADS) {
             const int j = e / hs4, d = e - j * hs4;
             float *dst = sK + j * kst + d;
-            if (j < nk && d < HS)
+            if (j < nk && kb + j >= all_lo && d < HS)
                 __pipeline_memcpy_async(dst, kbase + j * kvstride + d, 4);
             else
                 *dst = 0.0f;
@@ -392,7 +412,7 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
         for (int e = tid; e < S * HS; e += DEC_THREADS) {
             const int j = e / HS, d = e - j * HS;
             float *dst = sV + j * HS + d;
-            if (j < nk)
+            if (j < nk && kb + j >= all_lo)
                 __pipeline_memcpy_async(dst, vbase + j * kvstride + d, 4);
             else
                 *dst = 0.0f;
@@ -429,7 +449,8 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
             if (r < nr) {
                 const int n = (r0 + r) / G;
                 const float dot = (a[i][0] + a[i][1]) + (a[i][2] + a[i][3]);
-                const bool ok = j < nk && kb + j <= n_past + n;
+                const bool ok = j < nk && kb + j <= n_past + n &&
+                                kb + j >= window_lo(n_past + n, window);
                 sP[r * S + j] = ok ? dot * scale : -INFINITY;
             }
         }
@@ -479,7 +500,7 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
     }
 
     /* 5. output */
-    if (fuse && nsg == 1) { /* the chunk's rows see only this split: the combine of ns = 1 */
+    if (fuse && nsg - s_first == 1) { /* the chunk's rows see only this split: ns = 1 */
 #pragma unroll
         for (int i = 0; i < DEC_ACC; i++) {
             if (tid + i * DEC_THREADS < ne) {
@@ -522,7 +543,7 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
     if (tid == 0) {
         __threadfence();
         const unsigned old = atomicAdd(cnt, 1u);
-        const int last = old == (unsigned)(nsg - 1);
+        const int last = old == (unsigned)(nsg - s_first - 1); /* the blocks that got here */
         if (last) {
             __threadfence(); /* the other blocks' partials, seen through the count, read after */
             atomicExch(cnt, 0u); /* all nsg blocks have counted: ready for the next call */
@@ -539,8 +560,11 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
     for (int r = warp; r < nr; r += DEC_WARPS) { /* warp-uniform */
         int n, h;
         dec_row(r0 + r, G, kvh, &n, &h);
-        const int ns = (n_past + n) / S + 1; /* <= nsg <= nsplit_max <= FUSE_MAX */
-        const float *ml = ws_ml + 2 * partial_index(b, 0, n, h, N, NH, nsplit_max);
+        /* the row's splits s_lo .. s_lo + ns - 1 (ns <= nsg <= nsplit_max <= FUSE_MAX), taken
+         * from 0 below */
+        const int s_lo = window_lo(n_past + n, window) / S;
+        const int ns = (n_past + n) / S + 1 - s_lo;
+        const float *ml = ws_ml + 2 * partial_index(b, s_lo, n, h, N, NH, nsplit_max);
         /* lane takes splits lane and lane + 32 (ns <= 64): all four loads in flight at once */
         const bool h0 = lane < ns, h1 = lane + 32 < ns;
         const float m0 = h0 ? __ldcg(ml + lane * mstep) : -INFINITY;
@@ -571,7 +595,8 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
         int n, h;
         dec_row(r0 + r, G, kvh, &n, &h);
         const int ns = sNs[r];
-        const float *ap = ws_acc + partial_index(b, 0, n, h, N, NH, nsplit_max) * HS + d;
+        const int s_lo = window_lo(n_past + n, window) / S;
+        const float *ap = ws_acc + partial_index(b, s_lo, n, h, N, NH, nsplit_max) * HS + d;
         const float *wr = sW + r * DEC_FUSE_MAX;
         float a = 0.0f;
         for (int s0 = 0; s0 < ns; s0 += 16) { /* 16 loads in flight, then their fmafs in order */
@@ -597,7 +622,9 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
  *   acc_s(d), a);  out(d) = a(d) / L.
  * A sequence whose keys pass max_T (n_past + N > max_T, or n_past < 0: a d_n_past beyond
  * decode_dev's max_T) gets NaN, as decode_kernel computed nothing for it. Paged (pg.table):
- * b is a decode token as in decode_kernel (its position pg.pos[tok], its q/out row tok). */
+ * b is a decode token as in decode_kernel (its position pg.pos[tok], its q/out row tok).
+ * window > 0: the row's splits start at s_lo = window_lo(n_past + n) / SPLIT (the ones below
+ * hold none of its keys), as in decode_kernel's combine. */
 #define COMBINE_THREADS 128
 #define COMBINE_CHUNK 256 /* split weights staged in shared memory at a time */
 
@@ -605,7 +632,7 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, 4)
 combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
                const float *__restrict__ ws_ml, int N, int n_past_host,
                const int32_t *__restrict__ d_n_past, kiln_cuda_attn_pages pg, int NH,
-               int HS, int nsplit_max, int max_T) {
+               int HS, int nsplit_max, int max_T, int window) {
     __shared__ float sw[COMBINE_CHUNK], sl[COMBINE_CHUNK], sred[COMBINE_THREADS / 32];
     const int n = (int)(blockIdx.x / (unsigned)NH), h = (int)(blockIdx.x % (unsigned)NH);
     const int b = (int)blockIdx.y;
@@ -618,8 +645,9 @@ combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
         for (int d = threadIdx.x; d < HS; d += COMBINE_THREADS) o[d] = NAN;
         return;
     }
-    const int ns = (int)(last / KILN_ATTN_SPLIT) + 1;
-    const int64_t p0 = partial_index(b, 0, n, h, N, NH, nsplit_max);
+    const int s_lo = window_lo((int)last, window) / KILN_ATTN_SPLIT;
+    const int ns = (int)(last / KILN_ATTN_SPLIT) + 1 - s_lo; /* splits s_lo .. s_lo + ns - 1 */
+    const int64_t p0 = partial_index(b, s_lo, n, h, N, NH, nsplit_max);
     const int64_t pstep = (int64_t)N * NH; /* partial index step from split s to s + 1 */
     /* M: the exact max, so any order gives it; threads take strided splits, then warps */
     float mx = -INFINITY;
@@ -907,7 +935,8 @@ static __device__ __forceinline__ void flash_store_pair(uint16_t *p, float x, fl
 
 /* One key tile (keys k0.., scores sc of the warp's rows g: sc[nt][0..1], g + 8: sc[nt][2..3])
  * of the flash forward's online softmax, for the thread's share of rows g and g + 8: masks
- * (mask: the tile reaches past a row's last key, lim0 / lim1), updates the raw maxima m0, m1
+ * (mask: the tile reaches past a row's last key, lim0 / lim1, or, under a sliding window
+ * of `window` keys, below a row's first, window_lo(lim)), updates the raw maxima m0, m1
  * and the partial sums l0, l1, rescales the accumulator o, and leaves the weights in pp as
  * bf16 pairs ([nt][0] row g, [nt][1] row g + 8: the A fragments of P V). */
 template <int HS>
@@ -916,18 +945,19 @@ static __device__ __forceinline__ void flash_softmax_tile(float (&sc)[FL_BN / 8]
                                                           float (&o)[HS / 8][4], float &m0,
                                                           float &m1, float &l0, float &l1,
                                                           float c, bool mask, int k0, int t,
-                                                          int lim0, int lim1) {
+                                                          int lim0, int lim1, int window) {
     /* causal mask (tiles that reach past a row's last key), online softmax in units of the
      * raw scores: m is the raw max, and a weight is exp(scale (s - m)) = 2^(s c - m c),
      * c = scale log2 e (rows g: c[0..1], g + 8: c[2..3]) */
     if (mask) {
+        const int lo0 = window_lo(lim0, window), lo1 = window_lo(lim1, window);
 #pragma unroll
         for (int nt = 0; nt < FL_BN / 8; nt++) {
             const int key = k0 + nt * 8 + 2 * t;
-            if (key > lim0) sc[nt][0] = -INFINITY;
-            if (key + 1 > lim0) sc[nt][1] = -INFINITY;
-            if (key > lim1) sc[nt][2] = -INFINITY;
-            if (key + 1 > lim1) sc[nt][3] = -INFINITY;
+            if (key > lim0 || key < lo0) sc[nt][0] = -INFINITY;
+            if (key + 1 > lim0 || key + 1 < lo0) sc[nt][1] = -INFINITY;
+            if (key > lim1 || key < lo1) sc[nt][2] = -INFINITY;
+            if (key + 1 > lim1 || key + 1 < lo1) sc[nt][3] = -INFINITY;
         }
     }
     float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -970,6 +1000,14 @@ static __device__ __forceinline__ void flash_softmax_tile(float (&sc)[FL_BN / 8]
         o[dt][2] *= al1;
         o[dt][3] *= al1;
     }
+}
+
+/* Whether key tile k0.. needs flash_softmax_tile's mask for a warp whose first row sees keys
+ * up to wfirst (its rows: wfirst .. wfirst + 15, clamped to T - 1): it reaches past the first
+ * row's last key, or, under a sliding window, below the last row's first key. */
+static __device__ __forceinline__ bool flash_tile_masked(int k0, int wfirst, int T, int window) {
+    const int wlast = wfirst + 15 < T - 1 ? wfirst + 15 : T - 1;
+    return k0 + FL_BN - 1 > wfirst || (window > 0 && k0 < window_lo(wlast, window));
 }
 
 /* The flash forward's end for the thread's rows qr0 = row g, qr1 = g + 8 of packed query head
@@ -1017,6 +1055,9 @@ static __device__ __forceinline__ void flash_finish(Out *__restrict__ out, float
  * FMA and the MUFU); fragments come
  * from shared memory by ldmatrix (cuda_mma.cuh). Masked scores (key > n_past + row, which
  * covers the padding keys) are -inf, so p = 0; tiles wholly below the diagonal skip the mask.
+ * window > 0 (a sliding window): row r also masks keys below window_lo(n_past + r), the walk
+ * starts at the tile holding the block's first row's first key, and a tile reaching below
+ * the warp's last row's first key is masked too.
  * out: (B*N, NH, HS) of Out, float (8-byte aligned) or uint16_t (bf16 bits, each the
  * kiln_bf16_rne of the float the f32 instantiation stores; 4-byte aligned): flash_store_pair.
  * The instantiations differ in the stores only. */
@@ -1025,7 +1066,7 @@ static __global__ void __launch_bounds__(FL_THREADS, HS == 64 ? 4 : 1)
 flash_bf16_kernel(Out *__restrict__ out, float *__restrict__ lse,
                   const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__restrict__ kb,
                   const __nv_bfloat16 *__restrict__ vb, int N, int n_past, int NH, int KVH,
-                  int Npad, int Tpad, float scale) {
+                  int Npad, int Tpad, float scale, int window) {
     static_assert(HS % 16 == 0, "HS is a whole number of mma k-steps");
     constexpr int LD = HS + FL_PAD; /* bf16 per shared row */
     extern __shared__ __align__(16) unsigned char flash_sm[];
@@ -1040,9 +1081,11 @@ flash_bf16_kernel(Out *__restrict__ out, float *__restrict__ lse,
     const int T = n_past + N;                                /* keys 0..T-1 exist */
     const int rows = N - q0 < FL_BM ? N - q0 : FL_BM;
     const int kend = n_past + q0 + rows;                     /* keys the last row sees */
-    const int nkt = (kend + FL_BN - 1) / FL_BN;
-    const __nv_bfloat16 *kh = kb + (int64_t)kvh * Tpad * HS;
-    const __nv_bfloat16 *vh = vb + (int64_t)kvh * Tpad * HS;
+    /* the first tile any row sees (0 without a window): the walk starts there */
+    const int kfirst = window_lo(n_past + q0, window) / FL_BN * FL_BN;
+    const __nv_bfloat16 *kh = kb + ((int64_t)kvh * Tpad + kfirst) * HS;
+    const __nv_bfloat16 *vh = vb + ((int64_t)kvh * Tpad + kfirst) * HS;
+    const int nkt = (kend - kfirst + FL_BN - 1) / FL_BN;     /* tiles from kfirst on */
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
 
@@ -1060,18 +1103,20 @@ flash_bf16_kernel(Out *__restrict__ out, float *__restrict__ lse,
     /* last key each row sees; padding rows (>= N) are clamped to real keys */
     const int lim0 = n_past + qr0 < T - 1 ? n_past + qr0 : T - 1;
     const int lim1 = n_past + qr1 < T - 1 ? n_past + qr1 : T - 1;
-    /* the first key a mask can hide from one of the warp's rows */
+    /* the first key a mask can hide from one of the warp's rows; under a window, the tiles
+     * below the first key of the warp's last row are masked too */
     const int wfirst = n_past + q0 + warp * 16;
     uint32_t qf[HS / 16][4];
     const float c = scale * KILN_LOG2E;
 
     for (int j = 0; j < nkt; j++) {
-        const int k0 = j * FL_BN, buf = j & 1;
+        const int k0 = kfirst + j * FL_BN, buf = j & 1;
+        const bool mask = flash_tile_masked(k0, wfirst, T, window);
         if (j + 1 < nkt) { /* the next tile into the other buffer (read two tiles ago) */
             cp_tile<HS, FL_BN, FL_THREADS>(sK + (buf ^ 1) * FL_BN * LD, LD,
-                                           kh + (int64_t)(k0 + FL_BN) * HS);
+                                           kh + (int64_t)(j + 1) * FL_BN * HS);
             cp_tile<HS, FL_BN, FL_THREADS>(sV + (buf ^ 1) * FL_BN * LD, LD,
-                                           vh + (int64_t)(k0 + FL_BN) * HS);
+                                           vh + (int64_t)(j + 1) * FL_BN * HS);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -1089,8 +1134,7 @@ flash_bf16_kernel(Out *__restrict__ out, float *__restrict__ lse,
         rows_times_tile<HS, FL_BN>(sc, qf, cK, LD, lane);
 
         uint32_t pp[FL_BN / 8][2]; /* p as bf16 pairs: [nt][0] row g, [nt][1] row g + 8 */
-        flash_softmax_tile<HS>(sc, pp, o, m0, m1, l0, l1, c, k0 + FL_BN - 1 > wfirst, k0, t, lim0,
-                               lim1);
+        flash_softmax_tile<HS>(sc, pp, o, m0, m1, l0, l1, c, mask, k0, t, lim0, lim1, window);
 
         /* O += P V: k-steps of 16 keys; P's A fragment is S's C fragments (cuda_mma.cuh) */
 #pragma unroll
@@ -1110,7 +1154,8 @@ flash_bf16_kernel(Out *__restrict__ out, float *__restrict__ lse,
  * flash_bf16_kernel, with S = Q K^T read by the product from the q and k tiles (both
  * K-major) and O += P V from P's registers and the v tile (MN-major); tiles are SW128, no
  * ldmatrix. The block's 4 warps are one warpgroup whose accumulator entries are the mma.sync
- * kernel's C fragments, so only the grouping of the f32 sums inside a product may differ. */
+ * kernel's C fragments, so only the grouping of the f32 sums inside a product may differ.
+ * A sliding window (window > 0) as in flash_bf16_kernel. */
 #define FL_WG_TILE 4096 /* bf16 of a 64 x 64 SW128 tile */
 static constexpr size_t flash_wgmma_smem() {
     return sizeof(__nv_bfloat16) * 5 * FL_WG_TILE + KILN_SW128_ALIGN;
@@ -1121,7 +1166,7 @@ static __global__ void __launch_bounds__(FL_THREADS)
 flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
                    const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__restrict__ kb,
                    const __nv_bfloat16 *__restrict__ vb, int N, int n_past, int NH, int KVH,
-                   int Npad, int Tpad, float scale) {
+                   int Npad, int Tpad, float scale, int window) {
 #if KILN_WGMMA_DEVICE
     constexpr int HS = 64;
     static_assert(FL_BM == 64 && FL_BN == 64, "one m64n64 product per tile");
@@ -1136,9 +1181,11 @@ flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
     const int T = n_past + N;
     const int rows = N - q0 < FL_BM ? N - q0 : FL_BM;
     const int kend = n_past + q0 + rows;
-    const int nkt = (kend + FL_BN - 1) / FL_BN;
-    const __nv_bfloat16 *kh = kb + (int64_t)kvh * Tpad * HS;
-    const __nv_bfloat16 *vh = vb + (int64_t)kvh * Tpad * HS;
+    /* the first tile any row sees (0 without a window): the walk starts there */
+    const int kfirst = window_lo(n_past + q0, window) / FL_BN * FL_BN;
+    const __nv_bfloat16 *kh = kb + ((int64_t)kvh * Tpad + kfirst) * HS;
+    const __nv_bfloat16 *vh = vb + ((int64_t)kvh * Tpad + kfirst) * HS;
+    const int nkt = (kend - kfirst + FL_BN - 1) / FL_BN; /* tiles from kfirst on */
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
 
@@ -1184,7 +1231,8 @@ flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
         issue_s(0);
     }
     for (int j = 0; j < nkt; j++) {
-        const int k0 = j * FL_BN, buf = j & 1;
+        const int k0 = kfirst + j * FL_BN, buf = j & 1;
+        const bool mask = flash_tile_masked(k0, wfirst, T, window);
         if (!PIPE) {
             tile_walk_step(j, nkt, copy_keys);
             issue_s(buf);
@@ -1194,8 +1242,7 @@ flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
         wgmma_fence_operands(&sc[0][0]);
 
         uint32_t pp[FL_BN / 8][2];
-        flash_softmax_tile<HS>(sc, pp, o, m0, m1, l0, l1, c, k0 + FL_BN - 1 > wfirst, k0, t, lim0,
-                               lim1);
+        flash_softmax_tile<HS>(sc, pp, o, m0, m1, l0, l1, c, mask, k0, t, lim0, lim1, window);
 
         wgmma_fence(); /* O += P V: k-steps of 16 keys */
 #pragma unroll
@@ -1237,6 +1284,7 @@ flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
     (void)Npad;
     (void)Tpad;
     (void)scale;
+    (void)window;
     __trap(); /* launched only where kiln_cuda_wgmma_usable: the sm_90a code */
 #endif
 }
@@ -1389,12 +1437,14 @@ cudaError_t kiln_cuda_attn_decode_launch_info(int B, int N, int NH, int KVH, int
 
 /* The split decode of B sequences x N tokens: decode_kernel, then combine_kernel when the
  * grid has more than DEC_FUSE_MAX splits (else decode_kernel combines: one launch). Which
- * way it goes depends on max_T, never the bits (see the combine's definition). */
+ * way it goes depends on max_T, never the bits (see the combine's definition). window: a
+ * sliding window (0: none), decode_kernel's. */
 static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float *out,
                                        const float *q, const float *k, const float *v, int B,
                                        int N, int n_past_host, const int32_t *d_n_past,
                                        size_t kv_seq_stride, const kiln_cuda_attn_pages *pages,
-                                       int max_T, int NH, int KVH, int HS, float scale) {
+                                       int max_T, int NH, int KVH, int HS, float scale,
+                                       int window) {
     kiln_cuda_attn_launch li;
     cudaError_t le = kiln_cuda_attn_decode_launch_info(B, N, NH, KVH, HS, max_T, &li);
     if (le != cudaSuccess) return le;
@@ -1417,15 +1467,15 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
     if (vec)
         decode_kernel<true><<<grid, DEC_THREADS, li.smem, s>>>(
             out, ws_acc, ws_ml, a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, pg,
-            NH, KVH, HS, scale, (int)nsplit, max_T, fuse);
+            NH, KVH, HS, scale, (int)nsplit, max_T, fuse, window);
     else
         decode_kernel<false><<<grid, DEC_THREADS, li.smem, s>>>(
             out, ws_acc, ws_ml, a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, pg,
-            NH, KVH, HS, scale, (int)nsplit, max_T, fuse);
+            NH, KVH, HS, scale, (int)nsplit, max_T, fuse, window);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess || fuse) return e;
     combine_kernel<<<dim3((unsigned)(N * NH), (unsigned)B), COMBINE_THREADS, 0, s>>>(
-        out, ws_acc, ws_ml, N, n_past_host, d_n_past, pg, NH, HS, (int)nsplit, max_T);
+        out, ws_acc, ws_ml, N, n_past_host, d_n_past, pg, NH, HS, (int)nsplit, max_T, window);
     return cudaGetLastError();
 }
 
@@ -1434,11 +1484,12 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
  * is given, NULL otherwise) into keep when given (n_past 0; kiln_cuda_attn_keep_bytes), else
  * into the workspace's pack buffer (grown on demand, synchronising: never inside a graph
  * capture), then one flash launch with grid z = B, writing out (f32) or, when out16 is given,
- * out16 (bf16 bits; out then NULL). lse: NULL or [B][NH][Npad]. */
+ * out16 (bf16 bits; out then NULL). lse: NULL or [B][NH][Npad]. window: a sliding window
+ * (0: none; only with B = 1 and no lse, which the backward would not match). */
 static cudaError_t flash_launch(kiln_cuda_attn *a, cudaStream_t s, float *out, uint16_t *out16,
                                 float *lse, void *keep, const kiln_cuda_attn_rope *rope,
                                 const float *q, const float *k, const float *v, int B, int N,
-                                int n_past, int NH, int KVH, int HS, float scale) {
+                                int n_past, int NH, int KVH, int HS, float scale, int window) {
     if (NH > 65535 || B > 65535) return cudaErrorInvalidConfiguration;
     const int T = n_past + N;
     const int Npad = kiln_cuda_attn_pack_rows(N), Tpad = kiln_cuda_attn_pack_rows(T);
@@ -1474,52 +1525,67 @@ static cudaError_t flash_launch(kiln_cuda_attn *a, cudaStream_t s, float *out, u
         const bool pipe = !kiln_env_off("KILN_ATTN_FWD_PIPE");
         if (out16 && pipe)
             flash_wgmma_kernel<uint16_t, true><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
-                out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+                out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale, window);
         else if (out16)
             flash_wgmma_kernel<uint16_t, false><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
-                out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+                out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale, window);
         else if (pipe)
             flash_wgmma_kernel<float, true><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
-                out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+                out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale, window);
         else
             flash_wgmma_kernel<float, false><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
-                out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+                out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale, window);
     } else if (HS == 64 && out16)
         flash_bf16_kernel<64, uint16_t><<<grid, FL_THREADS, flash_smem<64>(), s>>>(
-            out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+            out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale, window);
     else if (HS == 64)
         flash_bf16_kernel<64, float><<<grid, FL_THREADS, flash_smem<64>(), s>>>(
-            out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+            out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale, window);
     else if (out16)
         flash_bf16_kernel<128, uint16_t><<<grid, FL_THREADS, flash_smem<128>(), s>>>(
-            out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+            out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale, window);
     else
         flash_bf16_kernel<128, float><<<grid, FL_THREADS, flash_smem<128>(), s>>>(
-            out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale);
+            out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale, window);
     return cudaGetLastError();
 }
 
 cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *out,
                                      const float *q, const float *k, const float *v, int N,
                                      int n_past, int NH, int KVH, int HS, float scale) {
-    if (N < 0 || n_past < 0 || NH < 0 || HS < 0) return cudaErrorInvalidValue;
+    return kiln_cuda_attention_fast_window(a, s, out, q, k, v, N, n_past, NH, KVH, HS, scale, 0);
+}
+
+cudaError_t kiln_cuda_attention_fast_window(kiln_cuda_attn *a, cudaStream_t s, float *out,
+                                            const float *q, const float *k, const float *v,
+                                            int N, int n_past, int NH, int KVH, int HS,
+                                            float scale, int window) {
+    if (N < 0 || n_past < 0 || NH < 0 || HS < 0 || window < 0) return cudaErrorInvalidValue;
     if (N == 0 || NH == 0 || HS == 0) return cudaSuccess;
     if (!a || !shape_ok(NH, KVH, HS) || (int64_t)n_past + N > INT_MAX)
         return cudaErrorInvalidValue;
+    /* the keys below the first query's window are no query's: drop them, so that no kernel
+     * reads them (the window is relative to each query, so n_past moves with the keys) */
+    const int lo = window_lo(n_past, window);
+    if (lo > 0) {
+        k += (int64_t)lo * KVH * HS;
+        v += (int64_t)lo * KVH * HS;
+        n_past -= lo;
+    }
     const int T = n_past + N;
     if (N <= KILN_ATTN_DECODE_MAX_N) {
         cudaError_t e = kiln_cuda_attn_reserve(a, 1, N, NH, HS, T);
         if (e != cudaSuccess) return e;
         return split_decode_launch(a, s, out, q, k, v, 1, N, n_past, NULL, 0, NULL, T, NH, KVH,
-                                   HS, scale);
+                                   HS, scale, window);
     }
     if (kiln_cuda_attn_saves_lse(out, q, k, v, N, HS))
         return flash_launch(a, s, out, NULL, NULL, NULL, NULL, q, k, v, 1, N, n_past, NH, KVH,
-                            HS, scale);
+                            HS, scale, window);
     const unsigned gx = split_grid_x(N, NH, KVH);
     if (gx == 0) return cudaErrorInvalidConfiguration;
     f32_kernel<<<dim3(gx, 1, 1), F32_THREADS, f32_smem(HS), s>>>(out, q, k, v, N, n_past, NH,
-                                                                 KVH, HS, scale);
+                                                                 KVH, HS, scale, window);
     return cudaGetLastError();
 }
 
@@ -1531,22 +1597,22 @@ cudaError_t kiln_cuda_attention_decode_dev(kiln_cuda_attn *a, cudaStream_t s, fl
     if (B == 0 || NH == 0 || HS == 0) return cudaSuccess;
     if (!a || !d_n_past || max_T <= 0 || !shape_ok(NH, KVH, HS)) return cudaErrorInvalidValue;
     return split_decode_launch(a, s, out, q, k, v, B, 1, 0, d_n_past, kv_seq_stride, NULL,
-                               max_T, NH, KVH, HS, scale);
+                               max_T, NH, KVH, HS, scale, 0);
 }
 
 cudaError_t kiln_cuda_attention_decode_paged(kiln_cuda_attn *a, cudaStream_t s, float *out,
                                              const float *q, const float *k_pool,
                                              const float *v_pool, const kiln_cuda_attn_pages *pg,
                                              int B, int max_T, int NH, int KVH, int HS,
-                                             float scale) {
-    if (B < 0 || NH < 0 || HS < 0) return cudaErrorInvalidValue;
+                                             float scale, int window) {
+    if (B < 0 || NH < 0 || HS < 0 || window < 0) return cudaErrorInvalidValue;
     if (B == 0 || NH == 0 || HS == 0) return cudaSuccess;
     if (!a || !pg || !pg->seq || !pg->pos || !pg->table || pg->block_size <= 0 ||
         pg->block_size % KILN_ATTN_SPLIT != 0 || pg->max_blocks <= 0 || max_T <= 0 ||
         !shape_ok(NH, KVH, HS))
         return cudaErrorInvalidValue;
     return split_decode_launch(a, s, out, q, k_pool, v_pool, B, 1, 0, NULL, 0, pg, max_T, NH, KVH,
-                               HS, scale);
+                               HS, scale, window);
 }
 
 cudaError_t kiln_cuda_attention_fast_seqs(kiln_cuda_attn *a, cudaStream_t s, float *out,
@@ -1562,7 +1628,7 @@ cudaError_t kiln_cuda_attention_fast_seqs(kiln_cuda_attn *a, cudaStream_t s, flo
     if (!a || !shape_ok(NH, KVH, HS) || (int64_t)B * N > INT_MAX) return cudaErrorInvalidValue;
     if (kiln_cuda_attn_saves_lse(out16 ? (const void *)out16 : (const void *)out, q, k, v, N, HS))
         return flash_launch(a, s, out, out16, lse, keep, rope, q, k, v, B, N, 0, NH, KVH, HS,
-                            scale);
+                            scale, 0);
     /* only the flash kernel stores bf16, and only it packs (keep, hence rope) */
     if (out16 || keep) return cudaErrorNotSupported;
     const size_t qs = (size_t)N * NH * HS, ks = (size_t)N * KVH * HS;

@@ -130,6 +130,17 @@ uint64_t kiln_cuda_attn_generation(const kiln_cuda_attn *a);
 cudaError_t kiln_cuda_attention_fast(kiln_cuda_attn *a, cudaStream_t s, float *out,
                                      const float *q, const float *k, const float *v, int N,
                                      int n_past, int NH, int KVH, int HS, float scale);
+/* kiln_cuda_attention_fast with a sliding window (docs/ARITHMETIC.md, "Sliding window"):
+ * window > 0, the query at position p = n_past + n sees keys p - window < j <= p only; 0 is
+ * kiln_cuda_attention_fast. Keys below the first query's window are never read (the call
+ * starts k and v at that key, moving n_past with them, before choosing the kernel); each
+ * kernel then masks the keys outside a row's window and skips the tiles (flash), sub-tiles
+ * (f32) or splits (split decode) that hold none of its rows' keys. Deterministic; the
+ * bounds of kiln_cuda_attention_fast. cudaErrorInvalidValue for window < 0. */
+cudaError_t kiln_cuda_attention_fast_window(kiln_cuda_attn *a, cudaStream_t s, float *out,
+                                            const float *q, const float *k, const float *v,
+                                            int N, int n_past, int NH, int KVH, int HS,
+                                            float scale, int window);
 /* Whether kiln_cuda_attention_fast_seqs runs the one-launch flash path, hence writes lse,
  * for these arguments; out is the output it writes (the f32 out, or out16 when that is the
  * one given). The fast backward uses a saved lse only when this holds for the same pointers
@@ -224,15 +235,20 @@ typedef struct kiln_cuda_attn_pages {
 } kiln_cuda_attn_pages;
 /* decode_dev over a paged pool: for each decode token the bits of kiln_cuda_attention_fast
  * with N = 1, n_past = pos[t] over its sequence's keys stored densely (the same split decode:
- * only where a split's rows are read from differs). Positions on the device, no allocation,
- * no host synchronisation (graph capture): the workspace must already hold (B, 1, NH, HS,
- * max_T), else cudaErrorInvalidValue. A token whose pos[t] + 1 > max_T, pos[t] < 0 or
- * pos[t] past its table row gets NaN outputs. */
+ * only where a split's rows are read from differs). window > 0: a sliding window, the token
+ * sees keys pos[t] - window < j <= pos[t] only: splits wholly below the window return before
+ * reading the table, the keys of the first split below the window are staged as zeros and
+ * masked, and the combine merges the token's splits from the one holding its first key (so
+ * neither the pool rows nor the table entries below the window are read); 0: none.
+ * Positions on the device, no allocation, no host synchronisation (graph capture): the
+ * workspace must already hold (B, 1, NH, HS, max_T), else cudaErrorInvalidValue (also for
+ * window < 0). A token whose pos[t] + 1 > max_T, pos[t] < 0 or pos[t] past its table row
+ * gets NaN outputs. */
 cudaError_t kiln_cuda_attention_decode_paged(kiln_cuda_attn *a, cudaStream_t s, float *out,
                                              const float *q, const float *k_pool,
                                              const float *v_pool, const kiln_cuda_attn_pages *pg,
                                              int B, int max_T, int NH, int KVH, int HS,
-                                             float scale);
+                                             float scale, int window);
 
 /* The launch of the split decode for B sequences x N tokens over max_T keys, as
  * kiln_cuda_attention_fast (B = 1, max_T = n_past + N) and decode_dev (N = 1) make it: grid

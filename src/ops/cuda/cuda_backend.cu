@@ -430,6 +430,13 @@ static void cu_swiglu_bf16(kiln_backend *be, uint16_t *out, const uint16_t *gate
     after_launch(c, kiln_cuda_swiglu_bf16(c->stream, out, gate, up, n, c->fast), "swiglu_bf16");
 }
 
+/* ops.h geglu: kiln_geglu per element, the CPU's bits in both modes (out may alias gate). */
+static void cu_geglu(kiln_backend *be, float *out, const float *gate, const float *up, size_t n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_geglu(c->stream, out, gate, up, n), "geglu");
+}
+
 static void cu_add(kiln_backend *be, float *x, const float *y, size_t n) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
@@ -1204,25 +1211,35 @@ static bool paged_prefill_run(const kiln_kv_pages *pg, const kiln_batch_run *r) 
     return r->n > 1 && pg->host_table != NULL;
 }
 
-/* Whether sequence seq's first nb blocks follow one another in the pool (host table). */
-static bool paged_consecutive(const kiln_kv_pages *pg, int seq, int nb) {
+/* Whether sequence seq's blocks b0 .. nb - 1 follow one another in the pool (host table). */
+static bool paged_consecutive(const kiln_kv_pages *pg, int seq, int b0, int nb) {
     const int32_t *row = pg->host_table + (int64_t)seq * pg->max_blocks;
-    for (int j = 1; j < nb; j++)
-        if (row[j] != row[0] + j) return false;
+    for (int j = b0 + 1; j < nb; j++)
+        if (row[j] != row[b0] + (j - b0)) return false;
     return true;
+}
+
+/* The first block a prefill run needs: the one holding its first query's first key under a
+ * sliding window (window 0: block 0). The run's keys are read from there on. */
+static int paged_first_block(const kiln_kv_pages *pg, const kiln_batch_run *r, int window) {
+    const int lo = window > 0 && r->pos0 + 1 > window ? r->pos0 + 1 - window : 0;
+    return lo / pg->block_size;
 }
 
 /* Fast attention_paged. Decode tokens (every token when runs or host_table is NULL, else the
  * tokens of runs of one) go to one launch of the split decode over the block table
  * (kiln_cuda_attention_decode_paged: positions read on the device, graph-safe). A prefill run
- * (paged_prefill_run) goes to kiln_cuda_attention_fast as a dense call of n queries at
- * n_past = pos0 over its sequence's keys 0..pos0+n-1: the pool rows themselves when those
- * keys' blocks are consecutive (no copy), else a gather of them into c->gather. */
+ * (paged_prefill_run) goes to kiln_cuda_attention_fast_window as a dense call of n queries
+ * over its sequence's keys kb..pos0+n-1 at n_past = pos0 - kb, kb the first position of
+ * block paged_first_block (0 without a window; the window is relative to each query, so the
+ * call sees the same keys): the pool rows themselves when those keys' blocks are consecutive
+ * (no copy), else a gather of them into c->gather. Table entries of blocks wholly below a
+ * window are never read. */
 static void attention_paged_fast(cuda_ctx *c, float *out, const float *q, const float *k_pool,
                                  const float *v_pool, const kiln_kv_pages *pg,
                                  const int32_t *seq, const int32_t *pos,
                                  const kiln_batch_run *runs, int n_runs, int N, int max_T, int NH,
-                                 int KVH, int HS, float scale) {
+                                 int KVH, int HS, float scale, int window) {
     if (HS > KILN_ATTN_FAST_MAX_HS) {
         poison(c, KILN_ERR_UNSUPPORTED, "attention_paged (fast): head size %d > %d", HS,
                KILN_ATTN_FAST_MAX_HS);
@@ -1253,8 +1270,10 @@ static void attention_paged_fast(cuda_ctx *c, float *out, const float *q, const 
                        "past %d blocks of %d", r, T - 1, pg->max_blocks, pg->block_size);
                 return;
             }
-            if (!paged_consecutive(pg, u->seq, nb) && 2 * (size_t)T * kvrow > gather_need)
-                gather_need = 2 * (size_t)T * kvrow;
+            const int b0 = paged_first_block(pg, u, window);
+            const size_t rows = (size_t)T - (size_t)b0 * pg->block_size; /* keys read */
+            if (!paged_consecutive(pg, u->seq, b0, nb) && 2 * rows * kvrow > gather_need)
+                gather_need = 2 * rows * kvrow;
         }
         if (n_pre == 0) n_dec = N; /* every token on its own, as without runs */
     }
@@ -1308,7 +1327,7 @@ static void attention_paged_fast(cuda_ctx *c, float *out, const float *q, const 
         after_launch(c,
                      kiln_cuda_attention_decode_paged(c->attn, c->stream, out + lo * qrow,
                                                       q + lo * qrow, k_pool, v_pool, &dp, n_dec,
-                                                      max_T, NH, KVH, HS, scale),
+                                                      max_T, NH, KVH, HS, scale, window),
                      "attention_paged (fast decode)");
         if (c->err != KILN_OK) return;
     }
@@ -1316,26 +1335,29 @@ static void attention_paged_fast(cuda_ctx *c, float *out, const float *q, const 
         const kiln_batch_run *u = &runs[r];
         if (!paged_prefill_run(pg, u)) continue;
         const int T = u->pos0 + u->n, nb = (T - 1) / pg->block_size + 1;
+        const int b0 = paged_first_block(pg, u, window);
+        const int kb = b0 * pg->block_size, rows = T - kb; /* keys kb .. T - 1 */
         const float *kp, *vp;
-        if (paged_consecutive(pg, u->seq, nb)) { /* the pool rows in place */
+        if (paged_consecutive(pg, u->seq, b0, nb)) { /* the pool rows in place */
             const size_t row0 =
-                (size_t)pg->host_table[(int64_t)u->seq * pg->max_blocks] * pg->block_size;
+                (size_t)pg->host_table[(int64_t)u->seq * pg->max_blocks + b0] * pg->block_size;
             kp = k_pool + row0 * kvrow;
             vp = v_pool + row0 * kvrow;
         } else {
-            float *gv = gk + (size_t)T * kvrow;
+            float *gv = gk + (size_t)rows * kvrow;
             after_launch(c,
                          kiln_cuda_gather_pages(c->stream, gk, gv, k_pool, v_pool,
-                                                pg->block_table + (int64_t)u->seq * pg->max_blocks,
-                                                pg->block_size, T, kvrow),
+                                                pg->block_table + (int64_t)u->seq * pg->max_blocks +
+                                                    b0,
+                                                pg->block_size, rows, kvrow),
                          "attention_paged (gather)");
             kp = gk;
             vp = gv;
         }
         after_launch(c,
-                     kiln_cuda_attention_fast(c->attn, c->stream, out + u->first * qrow,
-                                              q + u->first * qrow, kp, vp, u->n, u->pos0, NH, KVH,
-                                              HS, scale),
+                     kiln_cuda_attention_fast_window(c->attn, c->stream, out + u->first * qrow,
+                                                     q + u->first * qrow, kp, vp, u->n,
+                                                     u->pos0 - kb, NH, KVH, HS, scale, window),
                      "attention_paged (fast prefill)");
         if (c->err != KILN_OK) return;
     }
@@ -1347,9 +1369,8 @@ static void cu_attention_paged(kiln_backend *be, float *out, const float *q, con
                                int max_T, int NH, int KVH, int HS, float scale, int window) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
-    if (window > 0) {
-        poison(c, KILN_ERR_UNSUPPORTED, "attention_paged: a sliding window (%d) is not implemented on CUDA yet",
-               window);
+    if (window < 0) {
+        poison(c, KILN_ERR_INVALID_ARG, "attention_paged: window %d < 0", window);
         return;
     }
     if (!pg || pg->block_size <= 0 || pg->block_size % KILN_ATTN_BLOCK != 0 ||
@@ -1361,7 +1382,7 @@ static void cu_attention_paged(kiln_backend *be, float *out, const float *q, con
     }
     if (c->fast) {
         attention_paged_fast(c, out, q, k_pool, v_pool, pg, seq, pos, runs, runs ? n_runs : 0, N,
-                             max_T, NH, KVH, HS, scale);
+                             max_T, NH, KVH, HS, scale, window);
         return;
     }
     if (HS > KILN_CUDA_MAX_HS) {
@@ -1373,7 +1394,7 @@ static void cu_attention_paged(kiln_backend *be, float *out, const float *q, con
     after_launch(c,
                  kiln_cuda_attention_paged(c->stream, out, q, k_pool, v_pool, pg->block_table,
                                            pg->block_size, pg->max_blocks, seq, pos, N, NH, KVH,
-                                           HS, scale),
+                                           HS, scale, window),
                  "attention_paged");
 }
 
@@ -1502,6 +1523,7 @@ static const kiln_backend_i cuda_iface = {
     /* .attention_paged = */ cu_attention_paged,
     /* .get_rows = */ cu_get_rows,
     /* .forget = */ cu_forget,
+    /* .geglu = */ cu_geglu,
 };
 
 extern "C" kiln_status kiln_cuda_device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes) {

@@ -44,13 +44,17 @@ cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, cons
  * attends to positions 0..d_pos[n] of sequence d_seq[n] of the paged pool (block_table
  * (n_seq, max_blocks), block_size a positive multiple of KILN_ATTN_BLOCK; all device memory),
  * with the bits of kiln_cuda_attention(N = 1, n_past = d_pos[n]) over those keys stored
- * densely. A token whose position is negative or past the table gets NaN. No allocation,
- * no host synchronisation (graph capture). */
+ * densely. window > 0: only positions d_pos[n] - window < p <= d_pos[n], in the CPU's block
+ * walk (docs/ARITHMETIC.md, "Sliding window": the aligned key blocks from the one holding the
+ * window's first key, that block cut to start there): the CPU's bits; neither the pool rows
+ * below the window nor the table entries of blocks wholly below it are read. A token whose
+ * position is negative or past the table gets NaN. No allocation, no host synchronisation
+ * (graph capture). cudaErrorInvalidValue for window < 0. */
 cudaError_t kiln_cuda_attention_paged(cudaStream_t s, float *out, const float *q,
                                       const float *k_pool, const float *v_pool,
                                       const int32_t *block_table, int block_size, int max_blocks,
                                       const int32_t *d_seq, const int32_t *d_pos, int N, int NH,
-                                      int KVH, int HS, float scale);
+                                      int KVH, int HS, float scale, int window);
 /* Pool row d_slots[n] (device) of k_pool/v_pool = row n of k_rows/v_rows (row_floats each). */
 cudaError_t kiln_cuda_kv_store_rows(cudaStream_t s, float *k_pool, float *v_pool,
                                     const float *k_rows, const float *v_rows,
@@ -69,6 +73,9 @@ cudaError_t kiln_cuda_gather_pages(cudaStream_t s, float *k_out, float *v_out,
 cudaError_t kiln_cuda_scale(cudaStream_t s, float *x, float sc, size_t n);
 cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, const float *up,
                              size_t n);
+/* out[i] = kiln_geglu(gate[i], up[i]) (kmath.h), the CPU's bits; out may alias gate. */
+cudaError_t kiln_cuda_geglu(cudaStream_t s, float *out, const float *gate, const float *up,
+                            size_t n);
 /* bf16 gate, up (widened) -> bf16 out: kiln_fp32_to_bf16 of swiglu's f32 result on the
  * widened values; with fast, of kiln_fast_swiglu's (cuda_common.cuh: one rounding flip from
  * those bits in a small fraction of elements). */

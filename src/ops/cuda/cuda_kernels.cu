@@ -339,10 +339,12 @@ cudaError_t kiln_cuda_rope(cudaStream_t s, float *x, const int32_t *pos, int N, 
  * block row i at n_past + i). pos: a paged cache
  * (ops.h's kiln_kv_pages), block row n is a token of sequence seq[n] at position pos[n], the
  * 64 keys from position kb at pool row table[seq[n] * max_blocks + kb / block_size] *
- * block_size + kb % block_size. All device memory; NULL when unused. */
+ * block_size + kb % block_size. All device memory; NULL when unused. window > 0: a sliding
+ * window (docs/ARITHMETIC.md, "Sliding window"), the query at position p sees keys
+ * p - window < j <= p only; 0: every earlier key. */
 struct attn_where {
     const int32_t *seq, *pos, *table;
-    int block_size, max_blocks;
+    int block_size, max_blocks, window;
 };
 
 static __global__ void __launch_bounds__(ATTN_THREADS)
@@ -379,13 +381,18 @@ attention_kernel(float *__restrict__ out, const float *__restrict__ q,
         acc[d] = 0.0f;
     }
     const int T = n_past + i + 1;
+    /* the window's first key; the key blocks stay aligned at multiples of 64 from the one
+     * holding it, whose keys below lo are skipped (the CPU's attn_one, key for key) */
+    const int lo = wh.window > 0 && T > wh.window ? T - wh.window : 0;
     float m = -INFINITY, l = 0.0f;
     __syncthreads();
-    for (int kb = 0; kb < T; kb += KILN_ATTN_BLOCK) {
-        const int nk = T - kb < KILN_ATTN_BLOCK ? T - kb : KILN_ATTN_BLOCK;
-        /* the cache row of key kb: the block never straddles a page (block_size % 64 == 0) */
-        const int64_t kr = btab ? (int64_t)btab[kb / wh.block_size] * wh.block_size +
-                                      kb % wh.block_size
+    for (int kb0 = lo / KILN_ATTN_BLOCK * KILN_ATTN_BLOCK; kb0 < T; kb0 += KILN_ATTN_BLOCK) {
+        const int kb = kb0 > lo ? kb0 : lo; /* the block's first key */
+        const int nk = T - kb0 < KILN_ATTN_BLOCK ? T - kb : kb0 + KILN_ATTN_BLOCK - kb;
+        /* the cache row of key kb: the block never straddles a page (block_size % 64 == 0),
+         * so kb's row is its aligned start's plus kb - kb0 */
+        const int64_t kr = btab ? (int64_t)btab[kb0 / wh.block_size] * wh.block_size +
+                                      kb0 % wh.block_size + (kb - kb0)
                                 : kb;
         for (int j = hw; j < nk; j += ATTN_THREADS / 16) {
             const float *kj = kbase + (kr + j) * stride;
@@ -431,7 +438,7 @@ cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, cons
     if (N <= 0 || NH <= 0 || HS <= 0) return cudaSuccess;
     if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0) return cudaErrorInvalidValue;
     size_t smem = (size_t)2 * HS * sizeof(float);
-    const attn_where dense = {NULL, NULL, NULL, 0, 0};
+    const attn_where dense = {NULL, NULL, NULL, 0, 0, 0};
     attention_kernel<<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
         out, q, k, v, n_past, dense, NH, KVH, HS, scale);
     return cudaGetLastError();
@@ -441,14 +448,14 @@ cudaError_t kiln_cuda_attention_paged(cudaStream_t s, float *out, const float *q
                                       const float *k_pool, const float *v_pool,
                                       const int32_t *block_table, int block_size, int max_blocks,
                                       const int32_t *d_seq, const int32_t *d_pos, int N, int NH,
-                                      int KVH, int HS, float scale) {
+                                      int KVH, int HS, float scale, int window) {
     if (N <= 0 || NH <= 0 || HS <= 0) return cudaSuccess;
     if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0 || !block_table || !d_seq ||
         !d_pos || block_size <= 0 || block_size % KILN_ATTN_BLOCK != 0 || max_blocks <= 0 ||
-        (int64_t)N * NH > INT_MAX)
+        (int64_t)N * NH > INT_MAX || window < 0)
         return cudaErrorInvalidValue;
     size_t smem = (size_t)2 * HS * sizeof(float);
-    const attn_where pg = {d_seq, d_pos, block_table, block_size, max_blocks};
+    const attn_where pg = {d_seq, d_pos, block_table, block_size, max_blocks, window};
     attention_kernel<<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
         out, q, k_pool, v_pool, 0, pg, NH, KVH, HS, scale);
     return cudaGetLastError();
@@ -536,6 +543,14 @@ static __global__ void swiglu_kernel(O *out, const I *gate, const I *up, size_t 
         store_out(out + u, kiln_swiglu(load_in(gate + u), load_in(up + u)));
 }
 
+/* out[i] = kiln_geglu(gate[i], up[i]) (kmath.h: GELU's tanh form, kiln_tanhf), the CPU's
+ * bits; out may alias gate (each element is read before it is written, by its own thread). */
+static __global__ void geglu_kernel(float *out, const float *gate, const float *up, size_t n) {
+    for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
+         u += (size_t)gridDim.x * blockDim.x)
+        out[u] = kiln_geglu(gate[u], up[u]);
+}
+
 static __global__ void scale_kernel(float *x, float sc, size_t n) {
     for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
          u += (size_t)gridDim.x * blockDim.x)
@@ -558,6 +573,13 @@ cudaError_t kiln_cuda_swiglu(cudaStream_t s, float *out, const float *gate, cons
                              size_t n) {
     if (n == 0) return cudaSuccess;
     swiglu_kernel<float, float><<<grid_for((int64_t)n, 256), 256, 0, s>>>(out, gate, up, n);
+    return cudaGetLastError();
+}
+
+cudaError_t kiln_cuda_geglu(cudaStream_t s, float *out, const float *gate, const float *up,
+                            size_t n) {
+    if (n == 0) return cudaSuccess;
+    geglu_kernel<<<grid_for((int64_t)n, 256), 256, 0, s>>>(out, gate, up, n);
     return cudaGetLastError();
 }
 
