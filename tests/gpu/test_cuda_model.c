@@ -5,7 +5,8 @@
  * Random models from kiln_model_create on small config.json files written here: a tiny
  * llama, a qwen2 (q/k/v biases), a qwen3 (per-head q/k norms, untied head), with the layer
  * matrices also converted to bf16 and Q8_0, and one real-shaped model (Qwen2.5-0.5B: 896
- * wide, 24 layers, 14/2 heads, ff 4864, vocab 151936; about 2 GB of f32 weights). The
+ * wide, 24 layers, 14/2 heads, ff 4864, vocab 151936; about 2 GB of f32 weights), and a tiny
+ * Gemma 3 (GeGLU, (1 + w) pre- and post-norms, sliding window 8, f32 and Q8_0). The
  * norms and biases are randomised (kiln_model_create makes them 1 and 0) so that their
  * upload is tested. Per model: a prefill of 20 tokens with every row of logits, 8 cached
  * greedy decode steps, then a truncate and re-decode; the logits of the two contexts must
@@ -229,6 +230,10 @@ int main(int argc, char **argv) {
         {"qwen3-qknorm", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1, 512, KILN_DTYPE_F32, 0},
         {"qwen3-qknorm-bf16", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1, 512, KILN_DTYPE_BF16, 0},
         {"qwen2.5-0.5b-shape", "qwen2", 896, 24, 14, 2, 64, 4864, 151936, 1, 1, 512, KILN_DTYPE_F32, 1},
+        /* Gemma 3: GeGLU, (1 + w) pre- and post-norms, a sliding window of 8 the 28 positions
+         * cross, one full layer in three */
+        {"gemma3-tiny", "gemma3_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, 512, KILN_DTYPE_F32, 0},
+        {"gemma3-tiny-q8_0", "gemma3_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, 5, KILN_DTYPE_Q8_0, 0},
     };
     int n_cases = (int)(sizeof cases / sizeof cases[0]);
 

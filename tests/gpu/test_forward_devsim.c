@@ -124,6 +124,13 @@ static void ds_swiglu(kiln_backend *be, float *out, const float *g, const float 
     need(u, F(n), "swiglu up");
     g_cpu->i->swiglu(g_cpu, out, g, u, n);
 }
+static void ds_geglu(kiln_backend *be, float *out, const float *g, const float *u, size_t n) {
+    (void)be;
+    need(out, F(n), "geglu out");
+    need(g, F(n), "geglu gate");
+    need(u, F(n), "geglu up");
+    g_cpu->i->geglu(g_cpu, out, g, u, n);
+}
 static void ds_add(kiln_backend *be, float *x, const float *y, size_t n) {
     (void)be;
     need(x, F(n), "add x");
@@ -194,6 +201,7 @@ static const kiln_backend_i ds_iface = {
     .kv_store_rows = ds_kv_store_rows,
     .attention_paged = ds_attention_paged,
     .get_rows = ds_get_rows,
+    .geglu = ds_geglu,
 };
 
 /* ---- the test ------------------------------------------------------------------------------- */
