@@ -90,9 +90,9 @@ kiln_status kiln_forward_state_init_seq(kiln_forward_state *fs, const kiln_model
     const kiln_model_config *c = &m->cfg;
     memset(fs, 0, sizeof *fs);
     fs->be = be;
-    /* the cpu backend's memory is host memory: keep the model's pointers, write logits to
-     * the caller's array */
-    fs->host_memory = strcmp(be->i->name, "cpu") == 0;
+    /* a backend whose memory is host memory (the cpu's): keep the model's pointers, write
+     * logits to the caller's array */
+    fs->host_memory = be->i->host_memory;
     size_t C = (size_t)c->n_embd, HS = (size_t)c->head_dim, L = (size_t)c->n_layer;
     size_t QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS, FF = (size_t)c->n_ff;
     size_t NB = (size_t)n_batch, T = (size_t)n_ctx;

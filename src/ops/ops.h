@@ -50,7 +50,11 @@ typedef struct kiln_attn_grad16 {
 } kiln_attn_grad16;
 
 typedef struct kiln_backend_i {
-    const char *name; /* "cpu", "cuda" */
+    const char *name; /* "cpu", "cuda": for messages only (callers never compare it) */
+    /* The float * buffers the ops take are plain host memory (the CPU backend's): the caller
+     * may read and write them directly, and the memory entries below are kiln_malloc and
+     * memcpy. false: backend memory, reached only through alloc / upload / download. */
+    bool host_memory;
     void (*free)(kiln_backend *be);
     /* Whether op runs here for weights of type wtype (wtype ignored for non-weight ops). */
     bool (*supports_op)(const kiln_backend *be, kiln_op op, kiln_dtype wtype);

@@ -655,7 +655,7 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     } else {
         st = kiln_backend_cpu_create(p.n_threads, &t->be);
     }
-    if (st == KILN_OK) t->host = strcmp(t->be->i->name, "cpu") == 0;
+    if (st == KILN_OK) t->host = t->be->i->host_memory;
     if (st == KILN_OK && !t->host && p.fast && t->be->i->graph_begin) {
         t->graphs = !kiln_env_off("KILN_CUDA_GRAPHS");
     }

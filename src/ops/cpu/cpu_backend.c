@@ -471,6 +471,7 @@ static void cpu_attention_at(kiln_backend *be, float *out, const float *q, const
 
 static const kiln_backend_i cpu_iface = {
     .name = "cpu",
+    .host_memory = true,
     .free = cpu_free,
     .supports_op = cpu_supports_op,
     .embed = cpu_embed,

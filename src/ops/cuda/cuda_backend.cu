@@ -1231,6 +1231,7 @@ static void cu_free(kiln_backend *be) {
 
 static const kiln_backend_i cuda_iface = {
     /* .name = */ "cuda",
+    /* .host_memory = */ false,
     /* .free = */ cu_free,
     /* .supports_op = */ cu_supports_op,
     /* .embed = */ cu_embed,
