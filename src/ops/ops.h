@@ -15,6 +15,7 @@
 
 #include "../base/tensor.h"
 #include "kiln.h"
+#include "sampling.h"
 
 #include <string.h>
 
@@ -193,12 +194,15 @@ typedef struct kiln_backend_i {
     void (*scale)(kiln_backend *be, float *x, float s, size_t n);
 
     /* ---- sampling on the device (optional) ----
-     * The next token from logits(V) (backend memory) with smp's parameters and stream, and the
-     * host history hist[0..n_hist) (its last repeat_last_n ids are the penalty window): the
-     * id kiln_sampler_sample gives for the same logits, history and stream position
+     * The next token from logits(V) (backend memory) with a sampler's parameters p and random
+     * stream rng (sampling.h; kiln_sampler's, src/generate/sampler.h), and the host history
+     * hist[0..n_hist) (its last repeat_last_n ids are the penalty window): the id
+     * kiln_sampler_sample gives for the same logits, history and stream position
      * (docs/ARITHMETIC.md "Sampling"), written to *id once known (waits for the work before
-     * it). KILN_ERR_RANGE when the logits hold a NaN. */
-    kiln_status (*sample)(kiln_backend *be, const float *logits, int V, kiln_sampler *smp,
+     * it). rng advances by one u exactly when the CPU sampler's would (temperature > 0), and
+     * not at all when the call is refused. KILN_ERR_RANGE when the logits hold a NaN. */
+    kiln_status (*sample)(kiln_backend *be, const float *logits, int V,
+                          const kiln_sampler_params *p, kiln_sample_rng *rng,
                           const int32_t *hist, size_t n_hist, int32_t *id);
 
     /* ---- attention over several sequences in one call (training; optional: NULL in a

@@ -24,10 +24,6 @@
 #include "cuda_sampling.h"
 #include "cuda_wgmma.h"
 
-extern "C" {
-#include "../../generate/sampler.h"
-}
-
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -445,11 +441,11 @@ static void cu_scale(kiln_backend *be, float *x, float s, size_t n) {
 
 /* ---- sampling ------------------------------------------------------------------------------ */
 
-static kiln_status cu_sample(kiln_backend *be, const float *logits, int V, kiln_sampler *smp,
+static kiln_status cu_sample(kiln_backend *be, const float *logits, int V,
+                             const kiln_sampler_params *p, kiln_sample_rng *rng,
                              const int32_t *hist, size_t n_hist, int32_t *id) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return kiln_error(c->err, "%s", c->msg);
-    const kiln_sampler_params *p = kiln_sampler_get_params(smp);
     /* the penalty window: the last repeat_last_n ids (all with -1); none when it is off */
     size_t w = p->repeat_penalty == 1.0f ? 0 : n_hist;
     if (p->repeat_last_n >= 0 && w > (size_t)p->repeat_last_n) w = (size_t)p->repeat_last_n;
@@ -472,8 +468,8 @@ static kiln_status cu_sample(kiln_backend *be, const float *logits, int V, kiln_
                                     cudaMemcpyHostToDevice, c->stream)))
         return c->err;
     *c->h_token = -1;
-    if (!CK(c, kiln_cuda_sample_next(c->sampler, c->stream, smp, logits, V, c->hist + 1, (int)w,
-                                     c->hist, c->h_token)) ||
+    if (!CK(c, kiln_cuda_sample_next(c->sampler, c->stream, p, rng, logits, V, c->hist + 1,
+                                     (int)w, c->hist, c->h_token)) ||
         !CK(c, cudaStreamSynchronize(c->stream)))
         return c->err;
     if (*c->h_token < 0 || *c->h_token >= V)
