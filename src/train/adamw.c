@@ -2,7 +2,7 @@
  * adamw.c -- torch.optim.AdamW (single-tensor path) in float32 operation order, with bf16
  * weight storage variants and 8-bit block moments; torch's clip_grad_norm_ arithmetic.
  * The definitions are in docs/ARITHMETIC.md, "AdamW and clipping"; the per-element
- * arithmetic is adamw_math.h, shared with the CUDA kernels (src/ops/cuda/cuda_adamw.cu).
+ * arithmetic is src/ops/adamw_math.h, shared with the CUDA kernels (src/ops/cuda/cuda_adamw.cu).
  *
  * An optimizer made by kiln_adamw_create_on with the CUDA backend ("device optimizer") keeps
  * the same slots, but weights, grads and every state array are device memory: each entry point
@@ -18,7 +18,7 @@
 #include "../base/kmath.h"
 #include "../base/tensor.h"
 #include "../ops/cuda/cuda_train.h"
-#include "adamw_math.h"
+#include "../ops/adamw_math.h"
 
 #include <math.h>
 #include <stdio.h>

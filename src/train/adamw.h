@@ -22,22 +22,8 @@
 
 #include "../base/base.h"
 #include "../base/threadpool.h"
+#include "../ops/adamw_math.h" /* kiln_adamw_weights, kiln_adamw_moments, KILN_ADAMW_Q8_BLOCK */
 #include "../ops/ops.h"
-
-typedef enum kiln_adamw_weights {
-    KILN_ADAMW_F32 = 0,
-    KILN_ADAMW_BF16_MASTER = 1,
-    KILN_ADAMW_BF16_KAHAN = 2,
-    KILN_ADAMW_BF16_SR = 3,
-} kiln_adamw_weights;
-
-typedef enum kiln_adamw_moments {
-    KILN_ADAMW_MOMENTS_F32 = 0,
-    KILN_ADAMW_MOMENTS_Q8 = 1,
-} kiln_adamw_moments;
-
-/* Elements per block of the 8-bit moments (one f32 scale each). */
-#define KILN_ADAMW_Q8_BLOCK 256
 
 typedef struct kiln_adamw_param {
     const char *name;   /* transformers' name; copied */

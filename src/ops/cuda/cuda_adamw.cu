@@ -1,6 +1,6 @@
 /*
  * cuda_adamw.cu -- AdamW, the gradient norm and clipping on the CUDA backend (cuda_train.h),
- * with the CPU's bits: the per-element arithmetic is src/train/adamw_math.h, the same source
+ * with the CPU's bits: the per-element arithmetic is src/ops/adamw_math.h, the same source
  * adamw.c runs, and every element is updated alone, as on the CPU, so the thread split cannot
  * change a bit. The step runs per tensor (kiln_cuda_adamw_step, one launch per parameter) or
  * over an optimizer's whole tensor table (kiln_cuda_adamw_step_multi, one launch: blocks take
@@ -20,8 +20,7 @@
 #include "cuda_common.cuh"
 
 extern "C" {
-#include "../../train/adamw.h"
-#include "cuda_train.h"
+#include "cuda_train.h" /* and ../adamw_math.h: the per-element arithmetic, the storage kinds */
 }
 
 /* ---- generic ------------------------------------------------------------------------------ */

@@ -6,7 +6,7 @@
  * Pointers are device memory unless stated. In a build without CUDA every entry point exists
  * (cuda_train_stub.c) and returns KILN_ERR_UNSUPPORTED.
  *
- * The arithmetic is the CPU's, element for element: AdamW's from src/train/adamw_math.h
+ * The arithmetic is the CPU's, element for element: AdamW's from src/ops/adamw_math.h
  * (shared source), the fused loss's as docs/ARITHMETIC.md, "Fused linear cross-entropy".
  */
 #ifndef KILN_CUDA_TRAIN_H
@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#include "../../train/adamw_math.h"
+#include "../adamw_math.h"
 #include "../ops.h"
 
 /* ---- generic ----------------------------------------------------------------------------- */
