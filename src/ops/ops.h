@@ -38,6 +38,9 @@ typedef enum kiln_op {
 } kiln_op;
 
 typedef struct kiln_backend kiln_backend;
+/* The fused linear cross-entropy's call (fused_ce.h). */
+struct kiln_fused_ce_params;
+struct kiln_fused_ce_result;
 
 /* Where attention_backward_seqs16 leaves the gradients of q, k, v in bf16 (see there). */
 typedef struct kiln_attn_grad16 {
@@ -375,6 +378,16 @@ typedef struct kiln_backend_i {
      * still running shows in a later status, poll or download. For a caller that wants the
      * device to stay busy while it prepares the next work (kiln_train_step_batch). */
     kiln_status (*poll)(kiln_backend *be);
+
+    /* ---- fused linear cross-entropy (training; optional: NULL in a backend without it) ----
+     * fused_ce.h defines the op; callers use its entry, kiln_fused_ce, which checks p (its
+     * sizes, pointers and targets) and counts its S >= 1 supervised rows before it calls
+     * fused_ce here (out zeroed, or NULL). fused_ce_workspace: the bytes of scratch that call
+     * takes (its result.scratch_bytes; 0 when the size overflows), for the same p and S. */
+    size_t (*fused_ce_workspace)(kiln_backend *be, const struct kiln_fused_ce_params *p,
+                                 int64_t S);
+    kiln_status (*fused_ce)(kiln_backend *be, const struct kiln_fused_ce_params *p, int64_t S,
+                            struct kiln_fused_ce_result *out);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

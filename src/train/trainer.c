@@ -20,10 +20,10 @@
 #include "../base/threadpool.h"
 #include "../models/model.h"
 #include "../ops/cpu/cpu_kernels.h"
+#include "../ops/fused_ce.h"
 #include "../tokenizer/tokenizer.h"
 #include "adamw.h"
 #include "checkpoint.h"
-#include "fused_ce.h"
 #include "trainer.h"
 
 #include <limits.h>

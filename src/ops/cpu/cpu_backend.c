@@ -9,6 +9,7 @@
 #include "../ops.h"
 #include "../../base/threadpool.h"
 #include "cpu_kernels.h"
+#include "cpu_train.h"
 #include "backward.h"
 #include "kernels_q8act.h"
 
@@ -496,6 +497,8 @@ static const kiln_backend_i cpu_iface = {
     .attention_at = cpu_attention_at,
     .zero = cpu_zero,
     .scale = cpu_scale,
+    .fused_ce_workspace = kiln_cpu_fused_ce_workspace,
+    .fused_ce = kiln_cpu_fused_ce,
 };
 
 static const kiln_cpu_kernels *kernels_for(kiln_cpu_path p) {

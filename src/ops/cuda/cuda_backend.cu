@@ -22,6 +22,7 @@
 #include "cuda_gemm_fast.h"
 #include "cuda_matvec_fast.h"
 #include "cuda_sampling.h"
+#include "cuda_train.h"
 #include "cuda_wgmma.h"
 
 #include <stdarg.h>
@@ -1277,6 +1278,8 @@ static const kiln_backend_i cuda_iface = {
     /* .download_end = */ cu_download_end,
     /* .attention_backward_seqs16 = */ cu_attention_backward_seqs16,
     /* .poll = */ cu_poll,
+    /* .fused_ce_workspace = */ kiln_cuda_fused_ce_workspace,
+    /* .fused_ce = */ kiln_cuda_fused_ce,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {

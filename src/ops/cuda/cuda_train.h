@@ -1,6 +1,8 @@
 /*
- * cuda_train.h -- the CUDA entry points of the training code written in C (src/train/adamw.c,
- * src/train/fused_ce.c). Plain C types only (no cudaStream_t): each takes the CUDA backend
+ * cuda_train.h -- the CUDA backend's training operations: the kernels' entry points that the
+ * op bodies written in C drive (cuda_fused_ce_op.c; src/train/adamw.c), and those bodies, which
+ * the backend's table (cuda_backend.cu) points at. Plain C types only (no cudaStream_t): each
+ * takes the CUDA backend
  * (be from kiln_backend_cuda_create*), enqueues its work on the backend's stream and returns
  * KILN_OK, or the status that poisoned the backend (a failed launch poisons it, docs/CUDA.md).
  * Pointers are device memory unless stated. In a build without CUDA every entry point exists
@@ -18,6 +20,14 @@ extern "C" {
 
 #include "../adamw_math.h"
 #include "../ops.h"
+
+/* ---- the table's entries (ops.h) ------------------------------------------------------------ */
+
+/* fused_ce_workspace and fused_ce (cuda_fused_ce_op.c): fused_ce.h's op on device buffers. */
+size_t kiln_cuda_fused_ce_workspace(kiln_backend *be, const struct kiln_fused_ce_params *p,
+                                    int64_t S);
+kiln_status kiln_cuda_fused_ce(kiln_backend *be, const struct kiln_fused_ce_params *p, int64_t S,
+                               struct kiln_fused_ce_result *out);
 
 /* ---- generic ----------------------------------------------------------------------------- */
 
@@ -155,7 +165,7 @@ kiln_status kiln_cuda_adamw_norms(kiln_backend *be, const kiln_cuda_grad_entry *
 kiln_status kiln_cuda_adamw_scale(kiln_backend *be, const kiln_cuda_grad_entry *table, int P,
                                   int64_t max_n, const float *coef);
 
-/* ---- fused linear cross-entropy (src/train/fused_ce.c) ------------------------------------ */
+/* ---- fused linear cross-entropy (cuda_fused_ce_op.c) --------------------------------------- */
 
 /* hs(S, H) = hidden rows idx[i] (idx: S int64, device). */
 kiln_status kiln_cuda_ce_gather(kiln_backend *be, float *hs, const float *hidden,
@@ -186,7 +196,7 @@ kiln_status kiln_cuda_ce_add(kiln_backend *be, float *x, const float *y, size_t 
 kiln_status kiln_cuda_ce_scatter_rows(kiln_backend *be, float *dst, const float *src,
                                       const int64_t *idx, int64_t S, int64_t H, int accumulate);
 
-/* Fast mode (src/train/fused_ce.c runs these when kiln_cuda_ce_is_fast(be); the order of
+/* Fast mode (cuda_fused_ce_op.c runs these when kiln_cuda_ce_is_fast(be); the order of
  * operations is written down in cuda_fused_ce.cu). */
 /* Whether be runs the fast arithmetic (kiln_backend_cuda_create_mode(device, 1)). */
 bool kiln_cuda_ce_is_fast(kiln_backend *be);
@@ -201,7 +211,7 @@ kiln_status kiln_cuda_ce_grad_fast(kiln_backend *be, float *z, int64_t S, int64_
                                    int64_t c0, const int32_t *tgt, const float *m,
                                    const float *l, float gs);
 
-/* Fast mode on bf16 operands (fused_ce.c's ce_pass2_bf16): hs is rounded to bf16 once per
+/* Fast mode on bf16 operands (the op's ce_pass2_bf16): hs is rounded to bf16 once per
  * call and g is written in bf16 by the gradient kernel, then the products are the GEMM
  * module's (cuda_gemm_fast.h) on the backend's handle, with the operands laid out as
  * kiln_cuda_gemm_linear and kiln_cuda_matmul_backward_fast lay out their own copies (leading
@@ -219,7 +229,7 @@ kiln_status kiln_cuda_ce_gather_bf16(kiln_backend *be, uint16_t *hsb, int64_t ld
 kiln_status kiln_cuda_ce_grad_bf16(kiln_backend *be, uint16_t *g, int64_t ldg, const float *z,
                                    int64_t S, int64_t Sp, int64_t n, int64_t c0,
                                    const int32_t *tgt, const float *m, const float *l, float gs);
-/* Fast mode's row-block walk (fused_ce.c, ce_rows_bf16): z(R, ldz) holds a block's whole
+/* Fast mode's row-block walk (the op's ce_rows_bf16): z(R, ldz) holds a block's whole
  * logits, columns [0, V) (ldz >= V, a multiple of 8; z 16-byte aligned), in f32 (z16 == 0) or
  * bf16 (z16 != 0; V <= KILN_CUDA_CE_ROWS16_MAX_V). Per row i < Rs: m[i], l[i], zt[i] = the
  * row's max, sum of exponentials and target logit (pass1_fast's order over the whole row, in
@@ -258,7 +268,7 @@ kiln_status kiln_cuda_ce_gemm_bf16_out16(kiln_backend *be, int trans_a, int tran
                                          int64_t ldd);
 /* For the tests and benchmarks: on != 0 makes every later fast-mode kiln_fused_ce (any backend,
  * this process) take the composition it ran before the bf16 path -- the backend's matmul for
- * the logits and one matmul_backward per chunk (fused_ce.c, ce_pass2_fast) -- which the bf16
+ * the logits and one matmul_backward per chunk (the op's ce_pass2_fast) -- which the bf16
  * path must match bit for bit. Not synchronised with calls running on other threads. */
 void kiln_cuda_ce_set_legacy(int on);
 int kiln_cuda_ce_legacy(void);
