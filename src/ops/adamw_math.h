@@ -1,6 +1,6 @@
 /*
  * adamw_math.h -- the per-element arithmetic of AdamW (docs/ARITHMETIC.md, "AdamW and
- * clipping"), written once for the CPU (src/train/adamw.c) and the GPU
+ * clipping"), written once for the CPU (src/ops/cpu/cpu_adamw.c) and the GPU
  * (src/ops/cuda/cuda_adamw.cu): every function is KILN_HD (host and device) and uses only IEEE
  * binary32 operations and integer bit manipulation, so both sides perform the same operations
  * in the same order and get the same bits. Change a definition only with ARITHMETIC.md.
@@ -167,6 +167,14 @@ static inline KILN_HD float kiln_adamw_q8_m(int8_t c, float ms) {
 }
 static inline KILN_HD float kiln_adamw_q8_v(uint8_t c, float vs) {
     return kiln_adamw_q8_value(c, 255, vs);
+}
+/* m[i], v[i] = the dequantized moments of the len codes of one block (absmax ms, vs). */
+static inline void kiln_adamw_q8_dequant_block(const int8_t *mq, const uint8_t *vq, float ms,
+                                               float vs, float *m, float *v, int len) {
+    for (int i = 0; i < len; i++) {
+        m[i] = kiln_adamw_q8_m(mq[i], ms);
+        v[i] = kiln_adamw_q8_v(vq[i], vs);
+    }
 }
 /* The codes of m and v in a block with absmax am / av. */
 static inline KILN_HD int8_t kiln_adamw_q8_mcode(float m, float am) {

@@ -38,9 +38,12 @@ typedef enum kiln_op {
 } kiln_op;
 
 typedef struct kiln_backend kiln_backend;
-/* The fused linear cross-entropy's call (fused_ce.h). */
+/* The fused linear cross-entropy's call (fused_ce.h); AdamW's tensors and scalars
+ * (adamw_op.h, adamw_math.h). */
 struct kiln_fused_ce_params;
 struct kiln_fused_ce_result;
+struct kiln_adamw_table;
+struct kiln_adamw_scalars;
 
 /* Where attention_backward_seqs16 leaves the gradients of q, k, v in bf16 (see there). */
 typedef struct kiln_attn_grad16 {
@@ -388,6 +391,26 @@ typedef struct kiln_backend_i {
                                  int64_t S);
     kiln_status (*fused_ce)(kiln_backend *be, const struct kiln_fused_ce_params *p, int64_t S,
                             struct kiln_fused_ce_result *out);
+
+    /* ---- AdamW (training; optional: NULL in a backend without it) ----
+     * adamw_op.h defines the ops; callers use its entries (kiln_adamw_op_*), which pass the
+     * table, the workspace and the host outputs through unchanged. */
+    size_t (*adamw_workspace)(kiln_backend *be, const struct kiln_adamw_table *tab);
+    kiln_status (*adamw_prepare)(kiln_backend *be, const struct kiln_adamw_table *tab, void *ws,
+                                 int init);
+    kiln_status (*adamw_step)(kiln_backend *be, const struct kiln_adamw_table *tab, void *ws,
+                              const struct kiln_adamw_scalars *s);
+    kiln_status (*adamw_nonfinite)(kiln_backend *be, const struct kiln_adamw_table *tab,
+                                   void *ws, int64_t *bad);
+    kiln_status (*adamw_grad_norm)(kiln_backend *be, const struct kiln_adamw_table *tab,
+                                   void *ws, float *norms, float *sq, float *total);
+    kiln_status (*adamw_clip)(kiln_backend *be, const struct kiln_adamw_table *tab, void *ws,
+                              float max_norm_f, float *total, float *coef);
+
+    /* Optional (NULL: every pointer is): whether p points into memory this backend's ops can
+     * use as a buffer (a device backend: its device or managed memory). For callers that
+     * check what they were handed (kiln_backend_holds). */
+    bool (*holds)(const kiln_backend *be, const void *p);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */
@@ -479,6 +502,10 @@ static inline size_t kiln_attention_keep_bytes(int B, int N, int NH, int KVH, in
 static inline size_t kiln_attention_backward_seqs_ws_floats(int B, int N, int NH, int KVH, int HS) {
     if (B < 0) return 0;
     return (size_t)B * kiln_attention_backward_ws_floats(N, 0, NH, KVH, HS);
+}
+/* Whether p may be one of be's buffers (ops.h, holds). */
+static inline bool kiln_backend_holds(const kiln_backend *be, const void *p) {
+    return be->i->holds ? be->i->holds(be, p) : true;
 }
 /* KILN_OK, or the error that poisoned the backend; waits for submitted work. */
 static inline kiln_status kiln_backend_status(kiln_backend *be) {

@@ -1226,6 +1226,12 @@ static void cu_free(kiln_backend *be) {
     kiln_free(be);
 }
 
+/* Device or managed memory (the training ops' checks of what they were handed). */
+static bool cu_holds(const kiln_backend *be, const void *p) {
+    (void)be;
+    return kiln_cuda_train_is_device(p);
+}
+
 static const kiln_backend_i cuda_iface = {
     /* .name = */ "cuda",
     /* .host_memory = */ false,
@@ -1280,6 +1286,13 @@ static const kiln_backend_i cuda_iface = {
     /* .poll = */ cu_poll,
     /* .fused_ce_workspace = */ kiln_cuda_fused_ce_workspace,
     /* .fused_ce = */ kiln_cuda_fused_ce,
+    /* .adamw_workspace = */ kiln_cuda_adamw_op_workspace,
+    /* .adamw_prepare = */ kiln_cuda_adamw_op_prepare,
+    /* .adamw_step = */ kiln_cuda_adamw_op_step,
+    /* .adamw_nonfinite = */ kiln_cuda_adamw_op_nonfinite,
+    /* .adamw_grad_norm = */ kiln_cuda_adamw_op_grad_norm,
+    /* .adamw_clip = */ kiln_cuda_adamw_op_clip,
+    /* .holds = */ cu_holds,
 };
 
 extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {

@@ -1,6 +1,6 @@
 /*
  * cuda_train.h -- the CUDA backend's training operations: the kernels' entry points that the
- * op bodies written in C drive (cuda_fused_ce_op.c; src/train/adamw.c), and those bodies, which
+ * op bodies written in C drive (cuda_fused_ce_op.c, cuda_adamw_op.c), and those bodies, which
  * the backend's table (cuda_backend.cu) points at. Plain C types only (no cudaStream_t): each
  * takes the CUDA backend
  * (be from kiln_backend_cuda_create*), enqueues its work on the backend's stream and returns
@@ -28,6 +28,18 @@ size_t kiln_cuda_fused_ce_workspace(kiln_backend *be, const struct kiln_fused_ce
                                     int64_t S);
 kiln_status kiln_cuda_fused_ce(kiln_backend *be, const struct kiln_fused_ce_params *p, int64_t S,
                                struct kiln_fused_ce_result *out);
+/* adamw_workspace ... adamw_clip (cuda_adamw_op.c): adamw_op.h's ops on device arrays. */
+size_t kiln_cuda_adamw_op_workspace(kiln_backend *be, const struct kiln_adamw_table *tab);
+kiln_status kiln_cuda_adamw_op_prepare(kiln_backend *be, const struct kiln_adamw_table *tab,
+                                       void *ws, int init);
+kiln_status kiln_cuda_adamw_op_step(kiln_backend *be, const struct kiln_adamw_table *tab,
+                                    void *ws, const kiln_adamw_scalars *s);
+kiln_status kiln_cuda_adamw_op_nonfinite(kiln_backend *be, const struct kiln_adamw_table *tab,
+                                         void *ws, int64_t *bad);
+kiln_status kiln_cuda_adamw_op_grad_norm(kiln_backend *be, const struct kiln_adamw_table *tab,
+                                         void *ws, float *norms, float *sq_norm, float *total);
+kiln_status kiln_cuda_adamw_op_clip(kiln_backend *be, const struct kiln_adamw_table *tab,
+                                    void *ws, float max_norm_f, float *total_norm, float *coef);
 
 /* ---- generic ----------------------------------------------------------------------------- */
 
@@ -36,9 +48,9 @@ bool kiln_cuda_train_is_device(const void *p);
 /* Enqueue memset(p, byte, nbytes). */
 kiln_status kiln_cuda_train_memset(kiln_backend *be, void *p, int byte, size_t nbytes);
 
-/* ---- AdamW ------------------------------------------------------------------------------- */
+/* ---- AdamW (cuda_adamw.cu; driven by cuda_adamw_op.c) ------------------------------------- */
 
-/* One parameter's device arrays for a step (the fields of adamw.c's slot). weights_kind is a
+/* One parameter's device arrays for a step (adamw_op.h's kiln_adamw_tensor). weights_kind is a
  * kiln_adamw_weights value, q8 whether the moments are 8-bit blocks (mq, vq, ms, vs) rather
  * than f32 (m, v). decay: weight decay applies (already and-ed with weight_decay != 0). */
 typedef struct kiln_cuda_adamw_param {
@@ -58,7 +70,7 @@ typedef struct kiln_cuda_adamw_param {
     uint16_t *w16;       /* (n) F32 only, or NULL: bf16 (RNE) of the updated weights */
 } kiln_cuda_adamw_param;
 
-/* One AdamW update of the parameter (adamw.c's update_range / step_task on every element;
+/* One AdamW update of the parameter (cpu_adamw.c's update_range / step_task on every element;
  * 8-bit moments: one thread block per block of 256). One launch per call: the per-tensor
  * path, which kiln_cuda_adamw_step_multi must match bit for bit. */
 kiln_status kiln_cuda_adamw_step(kiln_backend *be, const kiln_cuda_adamw_param *p,
