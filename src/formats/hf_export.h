@@ -6,7 +6,7 @@
 #ifndef KILN_HF_EXPORT_H
 #define KILN_HF_EXPORT_H
 
-#include "../models/config.h"
+#include "model_config.h"
 
 /* config.json text (kiln_malloc'd, NUL-terminated) for c, in transformers 5.24's layout
  * (rope_parameters, dtype), such that kiln_hf_config_parse gives c back field for field.

@@ -13,7 +13,7 @@
 #include "../formats/gguf.h"
 #include "../formats/safetensors.h"
 #include "../ops/ops.h"
-#include "config.h"
+#include "../formats/model_config.h"
 
 typedef struct kiln_layer_weights {
     const float *attn_norm;        /* (C) */
