@@ -5,7 +5,7 @@
 #ifndef KILN_HF_CONFIG_H
 #define KILN_HF_CONFIG_H
 
-#include "../models/config.h"
+#include "model_config.h"
 
 /* Parse config.json text into *out (arch from "model_type"/"architectures": llama, mistral,
  * qwen2, qwen3, and smollm2 which is "llama"). Missing optional fields take transformers'

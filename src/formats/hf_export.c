@@ -1,15 +1,13 @@
 /*
- * hf_export.c -- kiln_train_export_hf: a trainer's weights as a Hugging Face folder.
+ * hf_export.c -- writing a Hugging Face model folder: config.json and generation_config.json
+ * (transformers 5.24's layout, read back by hf_config.c to the same kiln_model_config), and the
+ * folder itself from a source of named tensors (model.safetensors, f32 or bf16 rounded to
+ * nearest even) and the caller's other files. It knows nothing of where the tensors come from:
+ * kiln_train_export_hf (src/train/export_hf.c) hands it a trainer's parameters and the model's
+ * tokenizer files.
  *
- * The folder holds model.safetensors (transformers' parameter names, f32 or bf16 rounded to
- * nearest even), config.json and generation_config.json (transformers 5.24's layout, read
- * back by hf_config.c to the same kiln_model_config), tokenizer.json and
- * tokenizer_config.json. The tokenizer files of a model that came from a Hugging Face folder
- * are copied byte for byte (they are the exact description, which kiln's compiled form does
- * not fully keep: a custom regex split); a GGUF's tokenizer is written by tok_export.c.
- *
- * Weights come only through the trainer's public API (kiln_train_get_param), one tensor at a
- * time, so the export holds at most one parameter (plus its bf16 copy) in memory.
+ * Weights come one tensor at a time from the source, so the export holds at most one tensor
+ * (plus its bf16 copy) in memory.
  *
  * Atomicity: everything is written into <dir>.tmp-<pid> (each file fsync'd, then the folder),
  * which is renamed to <dir>; with overwrite, an existing <dir> is swapped out with
@@ -19,9 +17,6 @@
 #define _GNU_SOURCE /* renameat2 */
 #include "hf_export.h"
 
-#include "../models/model.h"
-#include "../tokenizer/tokenizer.h"
-#include "../train/trainer.h"
 #include "safetensors_write.h"
 
 #include <cjson/cJSON.h>
@@ -185,10 +180,10 @@ kiln_status kiln_hf_generation_config_write(const kiln_model_config *c, char **o
     return hx_print(r, ok, "generation_config.json", out);
 }
 
-/* ---- the export ------------------------------------------------------------------------------ */
+/* ---- the folder ---------------------------------------------------------------------------- */
 
 typedef struct hx_ctx {
-    const kiln_trainer *t;
+    const kiln_hf_tensor_source *src;
     kiln_st_write_tensor *tensors;
     int64_t *n_elems;
     int bf16;
@@ -198,25 +193,18 @@ typedef struct hx_ctx {
 static kiln_status hx_fill(void *user, int i, void *buf, size_t nbytes) {
     hx_ctx *x = user;
     int64_t n = x->n_elems[i];
-    if (!x->bf16) return kiln_train_get_param(x->t, x->tensors[i].name, buf, n);
-    KILN_TRY(kiln_train_get_param(x->t, x->tensors[i].name, x->f32, n));
+    if (!x->bf16) return x->src->get(x->src->user, i, buf, n);
+    KILN_TRY(x->src->get(x->src->user, i, x->f32, n));
     uint16_t *o = buf;
     for (int64_t k = 0; k < n; k++) o[k] = kiln_fp32_to_bf16(x->f32[k]);
     (void)nbytes;
     return KILN_OK;
 }
 
-/* 1-D parameters: norms and biases (transformers' shapes); everything else is a matrix. */
-static int hx_is_vector(const char *name) {
-    size_t n = strlen(name);
-    if (n >= 5 && !strcmp(name + n - 5, ".bias")) return 1;
-    return strstr(name, "norm.weight") != NULL;
-}
-
-static kiln_status hx_write_weights(const kiln_trainer *t, const char *path, int bf16) {
-    int n = kiln_train_n_params(t);
-    if (n <= 0) return kiln_error(KILN_ERR_STATE, "kiln_train_export_hf: the trainer has no parameters");
-    hx_ctx x = {.t = t, .bf16 = bf16};
+static kiln_status hx_write_weights(const kiln_hf_tensor_source *src, const char *path, int bf16) {
+    int n = src->n;
+    if (n <= 0) return kiln_error(KILN_ERR_STATE, "%s: no tensors to write", path);
+    hx_ctx x = {.src = src, .bf16 = bf16};
     x.tensors = kiln_calloc((size_t)n, sizeof *x.tensors);
     x.n_elems = kiln_calloc((size_t)n, sizeof *x.n_elems);
     kiln_status st = KILN_OK;
@@ -224,13 +212,14 @@ static kiln_status hx_write_weights(const kiln_trainer *t, const char *path, int
     int64_t max_n = 0;
     for (int i = 0; st == KILN_OK && i < n; i++) {
         const char *name;
+        int n_dims;
         int64_t ne, shape[2];
-        st = kiln_train_param_info(t, i, &name, &ne, shape);
+        st = src->info(src->user, i, &name, &ne, &n_dims, shape);
         if (st != KILN_OK) break;
         kiln_st_write_tensor *w = &x.tensors[i];
         w->name = name;
         w->dtype = bf16 ? KILN_DTYPE_BF16 : KILN_DTYPE_F32;
-        w->n_dims = hx_is_vector(name) ? 1 : 2;
+        w->n_dims = n_dims == 1 ? 1 : 2;
         w->shape[0] = shape[0];
         w->shape[1] = w->n_dims == 2 ? shape[1] : 1;
         if (w->shape[0] * (w->n_dims == 2 ? w->shape[1] : 1) != ne)
@@ -256,7 +245,7 @@ static char *hx_join(const char *dir, const char *name) {
     return p;
 }
 
-static kiln_status hx_write_text(const char *dir, const char *name, const char *text) {
+kiln_status kiln_hf_folder_write_text(const char *dir, const char *name, const char *text) {
     char *p = hx_join(dir, name);
     if (!p) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", dir);
     kiln_status st = kiln_write_file_durable(p, text, strlen(text));
@@ -264,8 +253,8 @@ static kiln_status hx_write_text(const char *dir, const char *name, const char *
     return st;
 }
 
-/* Copy src_dir/name to dir/name when it exists; *copied says whether it did. */
-static kiln_status hx_copy_if_present(const char *src_dir, const char *dir, const char *name, int *copied) {
+kiln_status kiln_hf_folder_copy_file(const char *src_dir, const char *dir, const char *name,
+                                     int *copied) {
     *copied = 0;
     char *src = hx_join(src_dir, name), *dst = hx_join(dir, name);
     kiln_status st = (!src || !dst) ? kiln_error(KILN_ERR_NOMEM, "%s: out of memory", dir) : KILN_OK;
@@ -285,72 +274,21 @@ static kiln_status hx_copy_if_present(const char *src_dir, const char *dir, cons
     return st;
 }
 
-static kiln_status hx_write_tokenizer(const kiln_model *m, const char *dir) {
-    const kiln_tokenizer *tok = m->tok;
-    if (!tok) return kiln_error(KILN_ERR_STATE, "kiln_train_export_hf: the model has no tokenizer");
-    int from_hf = m->st && m->path && kiln_path_is_dir(m->path);
-    int have_json = 0, have_cfg = 0, copied;
-    if (from_hf) {
-        KILN_TRY(hx_copy_if_present(m->path, dir, "tokenizer.json", &have_json));
-        if (have_json) {
-            KILN_TRY(hx_copy_if_present(m->path, dir, "tokenizer_config.json", &have_cfg));
-            KILN_TRY(hx_copy_if_present(m->path, dir, "special_tokens_map.json", &copied));
-            KILN_TRY(hx_copy_if_present(m->path, dir, "chat_template.jinja", &copied));
-        }
-    }
-    char *text = NULL;
-    if (!have_json) {
-        KILN_TRY(kiln_tokenizer_write_hf_json(tok, &text, NULL));
-        kiln_status st = hx_write_text(dir, "tokenizer.json", text);
-        kiln_free(text);
-        KILN_TRY(st);
-    }
-    if (!have_cfg) {
-        KILN_TRY(kiln_tokenizer_write_hf_config(tok, m->cfg.n_ctx_train, &text, NULL));
-        kiln_status st = hx_write_text(dir, "tokenizer_config.json", text);
-        kiln_free(text);
-        KILN_TRY(st);
-    }
-    return KILN_OK;
-}
-
-/* The model's config with the token ids a GGUF keeps in its tokenizer instead. */
-static kiln_model_config hx_export_config(const kiln_model *m) {
-    kiln_model_config c = m->cfg;
-    kiln_tokenizer_info ti;
-    if (kiln_tokenizer_get_info(m->tok, &ti) != KILN_OK) return c;
-    if (c.bos_id < 0 && ti.bos_id >= 0 && ti.bos_id < c.n_vocab) c.bos_id = ti.bos_id;
-    if (c.n_eos_ids == 0 && c.eos_id < 0) {
-        int32_t cand[2] = {ti.eos_id, ti.eot_id};
-        for (int i = 0; i < 2; i++) {
-            if (cand[i] < 0 || cand[i] >= c.n_vocab) continue;
-            if (c.n_eos_ids == 1 && c.eos_ids[0] == cand[i]) continue;
-            c.eos_ids[c.n_eos_ids++] = cand[i];
-        }
-        if (c.n_eos_ids > 0) c.eos_id = c.eos_ids[0];
-    }
-    return c;
-}
-
 /* Everything into the (new, empty) folder tmp. */
-static kiln_status hx_write_all(const kiln_trainer *t, const kiln_model *m, const char *tmp, int bf16) {
-    if (m->rope_freq_factors)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_train_export_hf: the model's RoPE frequency "
-                          "factors (GGUF rope_freqs) have no config.json equivalent kiln writes");
-    kiln_model_config c = hx_export_config(m);
+static kiln_status hx_write_all(const kiln_hf_folder *f, const char *tmp) {
     char *text = NULL;
-    KILN_TRY(kiln_hf_config_write(&c, bf16 ? "bfloat16" : "float32", &text));
-    kiln_status st = hx_write_text(tmp, "config.json", text);
+    KILN_TRY(kiln_hf_config_write(f->cfg, f->bf16 ? "bfloat16" : "float32", &text));
+    kiln_status st = kiln_hf_folder_write_text(tmp, "config.json", text);
     kiln_free(text);
     KILN_TRY(st);
-    KILN_TRY(kiln_hf_generation_config_write(&c, &text));
-    st = hx_write_text(tmp, "generation_config.json", text);
+    KILN_TRY(kiln_hf_generation_config_write(f->cfg, &text));
+    st = kiln_hf_folder_write_text(tmp, "generation_config.json", text);
     kiln_free(text);
     KILN_TRY(st);
-    KILN_TRY(hx_write_tokenizer(m, tmp));
+    if (f->write_files) KILN_TRY(f->write_files(f->files_user, tmp));
     char *p = hx_join(tmp, "model.safetensors");
     if (!p) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", tmp);
-    st = hx_write_weights(t, p, bf16);
+    st = hx_write_weights(&f->tensors, p, f->bf16);
     kiln_free(p);
     KILN_TRY(st);
     return kiln_fsync_path(tmp);
@@ -385,11 +323,9 @@ static kiln_status hx_publish(const char *tmp, const char *dir, int exists) {
     return st;
 }
 
-KILN_API kiln_status kiln_train_export_hf(const kiln_trainer *t, const char *dir, int dtype_bf16,
-                                          int overwrite) {
-    if (!t || !dir || !dir[0]) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_export_hf: NULL argument");
-    const kiln_model *m = kiln_trainer_model(t);
-    if (!m) return kiln_error(KILN_ERR_INTERNAL, "kiln_train_export_hf: trainer without a model");
+kiln_status kiln_hf_folder_write(const char *dir, int overwrite, const kiln_hf_folder *f) {
+    if (!f || !f->cfg || !f->tensors.info || !f->tensors.get || !dir || !dir[0])
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_hf_folder_write: NULL argument");
     /* "out/" and "out" are the same folder; the temporary one must be its sibling */
     size_t len = strlen(dir);
     while (len > 1 && dir[len - 1] == '/') len--;
@@ -417,7 +353,7 @@ KILN_API kiln_status kiln_train_export_hf(const kiln_trainer *t, const char *dir
     if (st == KILN_OK && mkdir(tmp, 0755) != 0)
         st = kiln_error(KILN_ERR_IO, "%s: cannot create folder: %s", tmp, strerror(errno));
     if (st == KILN_OK) {
-        st = hx_write_all(t, m, tmp, dtype_bf16 != 0);
+        st = hx_write_all(f, tmp);
         if (st == KILN_OK) st = hx_publish(tmp, target, exists);
         if (st == KILN_OK) st = kiln_fsync_path(parent);
         else kiln_remove_tree(tmp); /* best effort; the first error is the one reported */
@@ -427,3 +363,4 @@ KILN_API kiln_status kiln_train_export_hf(const kiln_trainer *t, const char *dir
     kiln_free(parent);
     return st;
 }
+

@@ -5,6 +5,7 @@
 #include "../models/model.h"
 #include "../tokenizer/tokenizer.h"
 #include "generate.h"
+#include "sampler.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -318,5 +319,6 @@ kiln_status kiln_decode_and_sample(kiln_context *c, const int32_t *ids, int n, k
     /* the logits stay on the device; only the id comes back */
     float *dummy = logits; /* non-NULL: decode writes the last token's logits to fs.logits */
     KILN_TRY(decode(c, 0, ids, n, 0, dummy, 1));
-    return be->i->sample(be, c->fs.logits, c->model->cfg.n_vocab, smp, hist, n_hist, id);
+    return be->i->sample(be, c->fs.logits, c->model->cfg.n_vocab, kiln_sampler_get_params(smp),
+                         kiln_sampler_rng(smp), hist, n_hist, id);
 }

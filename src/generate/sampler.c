@@ -8,6 +8,7 @@
  */
 #include "../base/base.h"
 #include "../base/kmath.h"
+#include "../ops/sampling.h"
 #include "sampler.h"
 
 #include <math.h>
@@ -21,36 +22,12 @@ typedef struct sampler_cand {
 
 struct kiln_sampler {
     kiln_sampler_params p;
-    uint64_t s[4];       /* xoshiro256** state */
+    kiln_sample_rng rng; /* xoshiro256** state (ops/sampling.h) */
     sampler_cand *cand;  /* (cap) */
     float *probs;        /* (cap) */
     uint8_t *seen;       /* (cap) penalty marks */
     int cap;
 };
-
-static uint64_t splitmix64(uint64_t *x) {
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-
-static uint64_t xoshiro_next(uint64_t s[4]) {
-    uint64_t result = rotl(s[1] * 5, 7) * 9;
-    uint64_t t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return result;
-}
-
-/* Uniform in [0, 1) with 24 random bits: exact in float32. */
-static float uniform01(uint64_t s[4]) { return (float)(xoshiro_next(s) >> 40) * (1.0f / 16777216.0f); }
 
 kiln_sampler_params kiln_sampler_default_params(void) {
     kiln_sampler_params p;
@@ -80,15 +57,16 @@ kiln_status kiln_sampler_create(const kiln_sampler_params *p, kiln_sampler **out
     kiln_sampler *s = kiln_calloc(1, sizeof *s);
     if (!s) return kiln_error(KILN_ERR_NOMEM, "sampler: out of memory");
     s->p = *p;
-    uint64_t x = p->seed;
-    for (int i = 0; i < 4; i++) s->s[i] = splitmix64(&x);
+    kiln_sample_rng_seed(&s->rng, p->seed);
     *out = s;
     return KILN_OK;
 }
 
 const kiln_sampler_params *kiln_sampler_get_params(const kiln_sampler *s) { return &s->p; }
 
-float kiln_sampler_draw_u(kiln_sampler *s) { return uniform01(s->s); }
+float kiln_sampler_draw_u(kiln_sampler *s) { return kiln_sample_rng_u(&s->rng); }
+
+kiln_sample_rng *kiln_sampler_rng(kiln_sampler *s) { return &s->rng; }
 
 void kiln_sampler_free(kiln_sampler *s) {
     if (!s) return;
@@ -217,7 +195,7 @@ kiln_status kiln_sampler_sample(kiln_sampler *s, const float *logits, int n_voca
     }
     float total = 0.0f;
     for (int i = 0; i < n; i++) total += pr[i];
-    float r = uniform01(s->s) * total;
+    float r = kiln_sample_rng_u(&s->rng) * total;
     float cum = 0.0f;
     int pick = n - 1;
     for (int i = 0; i < n; i++) {

@@ -27,9 +27,9 @@
 #define KILN_MODELS_ARCH_H
 
 #include "../ops/ops.h"
-#include "config.h"
+#include "../formats/model_config.h"
 
-/* A dimension of a parameter, from the config (models/config.h's names). */
+/* A dimension of a parameter, from the config (formats/model_config.h's names). */
 typedef enum kiln_dim {
     KILN_DIM_ONE = 0, /* 1 */
     KILN_DIM_C,       /* n_embd */

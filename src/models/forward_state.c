@@ -92,7 +92,7 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
                           n_ctx, n_batch, n_seq);
     /* the cpu backend's memory is host memory: keep the model's pointers, write logits to
      * the caller's array */
-    fs->host_memory = strcmp(be->i->name, "cpu") == 0;
+    fs->host_memory = be->i->host_memory;
     size_t C = (size_t)c->n_embd, HS = (size_t)c->head_dim, L = (size_t)c->n_layer;
     size_t QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS, FF = (size_t)c->n_ff;
     size_t NB = (size_t)n_batch, T = (size_t)n_ctx, S = (size_t)n_seq;

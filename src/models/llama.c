@@ -427,7 +427,7 @@ static void llama_forward(const kiln_model *m, kiln_backend *be, kiln_forward_st
 static void *train_alloc(kiln_train_io *io, size_t nbytes, const char *what) {
     kiln_backend *be = io->be;
     size_t b = ((nbytes ? nbytes : 64) + 3) & ~(size_t)3;
-    if (!strcmp(be->i->name, "cpu")) {
+    if (be->i->host_memory) {
         void *p = kiln_calloc(1, b);
         if (!p) kiln_error(KILN_ERR_NOMEM, "trainer: out of memory allocating %zu bytes for %s", b, what);
         return p;
@@ -448,7 +448,7 @@ static void llama_train_free(kiln_train_io *io) {
     llama_train *t = io ? io->priv : NULL;
     if (!t) return;
     if (t->block) {
-        if (!strcmp(io->be->i->name, "cpu")) kiln_free(t->block);
+        if (io->be->i->host_memory) kiln_free(t->block);
         else kiln_backend_free_buf(io->be, t->block);
     }
     kiln_free(t->acts);
@@ -477,7 +477,7 @@ static kiln_status llama_train_init(kiln_train_io *io) {
     /* a backend with batched attention saves each layer's softmax statistics for the backward */
     const int seqs = op->attention_seqs && op->attention_backward_seqs;
     /* KILN_BF16_ACTS=0: keep them in f32 (A/B checks) */
-    t->acts16 = io->fast && strcmp(op->name, "cpu") != 0 && op->rmsnorm_bf16 && op->swiglu_bf16 && op->matmul_multi_bf16x &&
+    t->acts16 = io->fast && !op->host_memory && op->rmsnorm_bf16 && op->swiglu_bf16 && op->matmul_multi_bf16x &&
                 op->matmul_backward_multi_bf16x && op->swiglu_backward_bf16 && op->rmsnorm_backward_bf16 &&
                 C % 8 == 0 && FF % 8 == 0 && !kiln_env_off("KILN_BF16_ACTS");
     const size_t f32_in = t->acts16 ? 0 : 1, b16_in = t->acts16 ? 1 : 0; /* where xb1, xb2, hb live */
@@ -603,7 +603,7 @@ static kiln_status llama_train_init(kiln_train_io *io) {
         t->dkr = t->dk;
     }
     /* the rope tables: computed on the host (uploaded to a device) */
-    if (!strcmp(op->name, "cpu")) {
+    if (op->host_memory) {
         kiln_rope_tables_fill(io->model, (int)S, t->rope_cos, t->rope_sin);
         return KILN_OK;
     }

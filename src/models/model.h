@@ -13,8 +13,8 @@
 #include "../formats/gguf.h"
 #include "../formats/safetensors.h"
 #include "../ops/ops.h"
+#include "../formats/model_config.h"
 #include "arch.h"
-#include "config.h"
 
 struct kiln_model {
     kiln_model_config cfg;

@@ -7,7 +7,7 @@
  * docs/ARITHMETIC.md so that results never depend on the thread count, and so that a GPU can
  * reproduce them bit for bit.
  *
- * Shapes use the names of models/config.h: N tokens in the batch, C model width, R output
+ * Shapes use the names of formats/model_config.h: N tokens in the batch, C model width, R output
  * rows, NH/KVH query/key-value heads, HS head size, T cached positions.
  */
 #ifndef KILN_OPS_H
@@ -15,6 +15,7 @@
 
 #include "../base/tensor.h"
 #include "kiln.h"
+#include "sampling.h"
 
 #include <string.h>
 
@@ -37,6 +38,12 @@ typedef enum kiln_op {
 } kiln_op;
 
 typedef struct kiln_backend kiln_backend;
+/* The fused linear cross-entropy's call (fused_ce.h); AdamW's tensors and scalars
+ * (adamw_op.h, adamw_math.h). */
+struct kiln_fused_ce_params;
+struct kiln_fused_ce_result;
+struct kiln_adamw_table;
+struct kiln_adamw_scalars;
 
 /* Where attention_backward_seqs16 leaves the gradients of q, k, v in bf16 (see there). */
 typedef struct kiln_attn_grad16 {
@@ -73,7 +80,11 @@ typedef struct kiln_batch_run {
 } kiln_batch_run;
 
 typedef struct kiln_backend_i {
-    const char *name; /* "cpu", "cuda" */
+    const char *name; /* "cpu", "cuda": for messages only (callers never compare it) */
+    /* The float * buffers the ops take are plain host memory (the CPU backend's): the caller
+     * may read and write them directly, and the memory entries below are kiln_malloc and
+     * memcpy. false: backend memory, reached only through alloc / upload / download. */
+    bool host_memory;
     void (*free)(kiln_backend *be);
     /* Whether op runs here for weights of type wtype (wtype ignored for non-weight ops). */
     bool (*supports_op)(const kiln_backend *be, kiln_op op, kiln_dtype wtype);
@@ -200,12 +211,15 @@ typedef struct kiln_backend_i {
     void (*scale)(kiln_backend *be, float *x, float s, size_t n);
 
     /* ---- sampling on the device (optional) ----
-     * The next token from logits(V) (backend memory) with smp's parameters and stream, and the
-     * host history hist[0..n_hist) (its last repeat_last_n ids are the penalty window): the
-     * id kiln_sampler_sample gives for the same logits, history and stream position
+     * The next token from logits(V) (backend memory) with a sampler's parameters p and random
+     * stream rng (sampling.h; kiln_sampler's, src/generate/sampler.h), and the host history
+     * hist[0..n_hist) (its last repeat_last_n ids are the penalty window): the id
+     * kiln_sampler_sample gives for the same logits, history and stream position
      * (docs/ARITHMETIC.md "Sampling"), written to *id once known (waits for the work before
-     * it). KILN_ERR_RANGE when the logits hold a NaN. */
-    kiln_status (*sample)(kiln_backend *be, const float *logits, int V, kiln_sampler *smp,
+     * it). rng advances by one u exactly when the CPU sampler's would (temperature > 0), and
+     * not at all when the call is refused. KILN_ERR_RANGE when the logits hold a NaN. */
+    kiln_status (*sample)(kiln_backend *be, const float *logits, int V,
+                          const kiln_sampler_params *p, kiln_sample_rng *rng,
                           const int32_t *hist, size_t n_hist, int32_t *id);
 
     /* ---- attention over several sequences in one call (training; optional: NULL in a
@@ -417,6 +431,36 @@ typedef struct kiln_backend_i {
      * i < n; out may alias gate. Optional (NULL: the backend has no GeGLU; an architecture
      * that needs it refuses the backend). */
     void (*geglu)(kiln_backend *be, float *out, const float *gate, const float *up, size_t n);
+
+    /* ---- fused linear cross-entropy (training; optional: NULL in a backend without it) ----
+     * fused_ce.h defines the op; callers use its entry, kiln_fused_ce, which checks p (its
+     * sizes, pointers and targets) and counts its S >= 1 supervised rows before it calls
+     * fused_ce here (out zeroed, or NULL). fused_ce_workspace: the bytes of scratch that call
+     * takes (its result.scratch_bytes; 0 when the size overflows), for the same p and S. */
+    size_t (*fused_ce_workspace)(kiln_backend *be, const struct kiln_fused_ce_params *p,
+                                 int64_t S);
+    kiln_status (*fused_ce)(kiln_backend *be, const struct kiln_fused_ce_params *p, int64_t S,
+                            struct kiln_fused_ce_result *out);
+
+    /* ---- AdamW (training; optional: NULL in a backend without it) ----
+     * adamw_op.h defines the ops; callers use its entries (kiln_adamw_op_*), which pass the
+     * table, the workspace and the host outputs through unchanged. */
+    size_t (*adamw_workspace)(kiln_backend *be, const struct kiln_adamw_table *tab);
+    kiln_status (*adamw_prepare)(kiln_backend *be, const struct kiln_adamw_table *tab, void *ws,
+                                 int init);
+    kiln_status (*adamw_step)(kiln_backend *be, const struct kiln_adamw_table *tab, void *ws,
+                              const struct kiln_adamw_scalars *s);
+    kiln_status (*adamw_nonfinite)(kiln_backend *be, const struct kiln_adamw_table *tab,
+                                   void *ws, int64_t *bad);
+    kiln_status (*adamw_grad_norm)(kiln_backend *be, const struct kiln_adamw_table *tab,
+                                   void *ws, float *norms, float *sq, float *total);
+    kiln_status (*adamw_clip)(kiln_backend *be, const struct kiln_adamw_table *tab, void *ws,
+                              float max_norm_f, float *total, float *coef);
+
+    /* Optional (NULL: every pointer is): whether p points into memory this backend's ops can
+     * use as a buffer (a device backend: its device or managed memory). For callers that
+     * check what they were handed (kiln_backend_holds). */
+    bool (*holds)(const kiln_backend *be, const void *p);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */
@@ -524,6 +568,10 @@ static inline size_t kiln_attention_keep_bytes(int B, int N, int NH, int KVH, in
 static inline size_t kiln_attention_backward_seqs_ws_floats(int B, int N, int NH, int KVH, int HS) {
     if (B < 0) return 0;
     return (size_t)B * kiln_attention_backward_ws_floats(N, 0, NH, KVH, HS);
+}
+/* Whether p may be one of be's buffers (ops.h, holds). */
+static inline bool kiln_backend_holds(const kiln_backend *be, const void *p) {
+    return be->i->holds ? be->i->holds(be, p) : true;
 }
 /* KILN_OK, or the error that poisoned the backend; waits for submitted work. */
 static inline kiln_status kiln_backend_status(kiln_backend *be) {

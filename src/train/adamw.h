@@ -15,29 +15,18 @@
  *   KILN_ADAMW_BF16_SR      bf16 weights, seeded stochastic rounding, nothing else stored
  *   moments f32, or 8-bit blocks of 256 with an f32 absmax per block (log-scale codes).
  *
- * Handles are used from one thread at a time; the pool (may be NULL) parallelises a call.
+ * The arithmetic runs on a backend's AdamW ops (src/ops/adamw_op.h); the optimizer keeps the
+ * names, the decay flags, the state's layout and its file format. Handles are used from one
+ * thread at a time; the pool (may be NULL) parallelises a call of an optimizer made without a
+ * backend.
  */
 #ifndef KILN_TRAIN_ADAMW_H
 #define KILN_TRAIN_ADAMW_H
 
 #include "../base/base.h"
 #include "../base/threadpool.h"
+#include "../ops/adamw_math.h" /* kiln_adamw_weights, kiln_adamw_moments, KILN_ADAMW_Q8_BLOCK */
 #include "../ops/ops.h"
-
-typedef enum kiln_adamw_weights {
-    KILN_ADAMW_F32 = 0,
-    KILN_ADAMW_BF16_MASTER = 1,
-    KILN_ADAMW_BF16_KAHAN = 2,
-    KILN_ADAMW_BF16_SR = 3,
-} kiln_adamw_weights;
-
-typedef enum kiln_adamw_moments {
-    KILN_ADAMW_MOMENTS_F32 = 0,
-    KILN_ADAMW_MOMENTS_Q8 = 1,
-} kiln_adamw_moments;
-
-/* Elements per block of the 8-bit moments (one f32 scale each). */
-#define KILN_ADAMW_Q8_BLOCK 256
 
 typedef struct kiln_adamw_param {
     const char *name;   /* transformers' name; copied */
@@ -92,17 +81,19 @@ kiln_status kiln_adamw_create(const kiln_adamw_param *params, int n_params,
                               const kiln_adamw_config *cfg, kiln_adamw **out);
 void kiln_adamw_free(kiln_adamw *o); /* NULL is a no-op */
 
-/* kiln_adamw_create on a backend: weights and grads of params are backend memory (device
- * pointers for the CUDA backend), and the optimizer's state (moments, master copy,
- * compensation) is allocated in the backend's memory (kiln_backend_alloc). be NULL or the CPU
- * backend: kiln_adamw_create. On the CUDA backend every entry point works: step,
- * grads_finite, grad_norm, clip_grads (the clip coefficient computed on the device, applied
+/* kiln_adamw_create on a backend, whose AdamW ops (adamw_op.h) run every call, on its own
+ * threads or stream (the pool arguments are ignored): weights and grads of params are backend
+ * memory (device pointers for the CUDA backend), and the optimizer's state (moments, master
+ * copy, compensation) is allocated in the backend's memory (kiln_backend_alloc). be NULL:
+ * kiln_adamw_create; the CPU backend: the same arithmetic on host memory, run by its pool; a
+ * backend without the ops: KILN_ERR_UNSUPPORTED. On the CUDA backend every entry point works:
+ * step, grads_finite, grad_norm, clip_grads (the clip coefficient computed on the device, applied
  * without a host round trip), describe, get_moments/master/compensation (downloading),
  * state_size/save/load (download/upload), with the CPU's bits (the per-element arithmetic is
  * adamw_math.h, shared with the kernels) -- except grad_norm and clip_grads' norms on a fast
  * CUDA backend, which use a fixed chunked order in double (docs/TRAINING.md, "Fast mode";
- * deterministic, within half an ulp of the exact per-tensor norm). The pool arguments are ignored for a device
- * optimizer; its work is enqueued on the backend's stream (grads_finite, and therefore step,
+ * deterministic, within half an ulp of the exact per-tensor norm). A device optimizer's work
+ * is enqueued on the backend's stream (grads_finite, and therefore step,
  * wait for the finite check's result; clip_grads waits only when total_norm or coef is asked
  * for). A device step's update is one kernel launch over every parameter, whatever their
  * number (the tensor table is uploaded at create and at load); KILN_ADAMW_MULTI=0 in the

@@ -17,7 +17,7 @@
  */
 #include "../base/base.h"
 #include "../ops/ops.h"
-#include "fused_ce.h"
+#include "../ops/fused_ce.h"
 
 #include <string.h>
 

@@ -17,13 +17,11 @@
  * zeroing and clip scaling run as backend ops (zero_floats, scale_grads), so a step makes
  * no host round trip of a large buffer.
  */
-#include "../base/threadpool.h"
 #include "../models/model.h"
-#include "../ops/cpu/cpu_kernels.h"
+#include "../ops/fused_ce.h"
 #include "../tokenizer/tokenizer.h"
 #include "adamw.h"
 #include "checkpoint.h"
-#include "fused_ce.h"
 #include "trainer.h"
 
 #include <limits.h>
@@ -522,7 +520,7 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     } else {
         st = kiln_backend_acquire(-1, 0, p.n_threads, &t->be);
     }
-    if (st == KILN_OK) t->host = strcmp(t->be->i->name, "cpu") == 0;
+    if (st == KILN_OK) t->host = t->be->i->host_memory;
     if (st == KILN_OK && !t->host && p.fast && t->be->i->graph_begin) {
         t->graphs = !kiln_env_off("KILN_CUDA_GRAPHS");
     }
@@ -1035,31 +1033,11 @@ kiln_status kiln_train_step(kiln_trainer *t, const int32_t *ids, int n, float *l
 
 /* ---- gradients, optimizer ---------------------------------------------------------------- */
 
-/* The CPU backend's thread pool for the trainer's host-side loops (NULL on a device: the
- * device optimizers ignore it). Every loop given it is elementwise or per tensor, so its
- * bits do not depend on the thread count. */
-static kiln_pool *host_pool(kiln_trainer *t) { return t->host ? kiln_backend_cpu_pool(t->be) : NULL; }
-
-typedef struct norms_job {
-    kiln_trainer *t;
-    float *norms;
-} norms_job;
-
-static void norms_task(void *arg, int task, int thread) {
-    (void)thread;
-    const norms_job *j = arg;
-    j->norms[task] = kiln_grad_norm_torch(j->t->params[task].g, j->t->params[task].n);
-}
-
-/* norms[i] = torch's f32 2-norm of parameter i's gradient (n_params floats): on the host (a
- * task per tensor on the backend's pool), or by the device optimizers (their per-tensor norms
- * have the CPU's bits), downloaded. */
+/* norms[i] = torch's f32 2-norm of parameter i's gradient (n_params floats), by the two
+ * optimizers on the backend's AdamW ops (their per-tensor norms have the CPU's bits; on a
+ * device, downloaded). The optimizers' calls take no pool: the backend runs them on its own
+ * threads, and every one is elementwise or per tensor, so no bit depends on the thread count. */
 static kiln_status param_norms(kiln_trainer *t, float *norms) {
-    if (t->host) {
-        norms_job j = {t, norms};
-        kiln_pool_run(host_pool(t), t->n_params, norms_task, &j);
-        return KILN_OK;
-    }
     float *part = kiln_malloc((size_t)t->n_params * sizeof(float));
     if (!part) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
     kiln_status st = kiln_adamw_grad_norm(t->opt_mat, NULL, part, NULL, NULL);
@@ -1125,7 +1103,7 @@ kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr) {
                                           "non-finite loss): run a step that does not accumulate first");
     if (!(lr >= 0) || !isfinite(lr)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_optimizer_step: lr must be finite and >= 0");
     /* both halves are checked before either is updated */
-    kiln_pool *pool = host_pool(t);
+    kiln_pool *pool = NULL; /* the optimizers run on the backend's threads (param_norms) */
     kiln_status st = KILN_OK;
     if (!t->grads_finite) { /* else known from the last norm pass (see grads_finite) */
         st = kiln_adamw_grads_finite(t->opt_mat, pool);

@@ -1,4 +1,4 @@
-/* trainer.h -- internal accessors of kiln_trainer for other kiln layers (export). */
+/* trainer.h -- internal accessors of kiln_trainer for the rest of train/ (export_hf.c), the CLI. */
 #ifndef KILN_TRAIN_TRAINER_H
 #define KILN_TRAIN_TRAINER_H
 

@@ -257,10 +257,10 @@ static void test_mismatched_params(void) {
 
 /* Two optimizers on the same model and gradients for 4 clipped steps, A on the calling thread
  * and the CPU's best SIMD path, B on pool_b and, with b_portable, KILN_CPU_PATH=portable (the
- * plain element loop: fmaf through libm, no vectors): the same clip, weights and state
- * bytes. */
+ * plain element loop: fmaf through libm, no vectors), or with be_b on that backend's AdamW
+ * ops (kiln_adamw_create_on): the same clip, weights and state bytes. */
 static void same_as_other_run(kiln_adamw_weights w, kiln_adamw_moments mo, kiln_pool *pool_b,
-                              int b_portable, const char *what) {
+                              int b_portable, kiln_backend *be_b, const char *what) {
     model a, b;
     int bf16 = w != KILN_ADAMW_F32;
     model_init(&a, bf16, 21);
@@ -268,7 +268,10 @@ static void same_as_other_run(kiln_adamw_weights w, kiln_adamw_moments mo, kiln_
     kiln_adamw_config c = cfg_of(w, mo);
     kiln_adamw *oa = NULL, *ob = NULL;
     CHECK(kiln_adamw_create(a.p, NP, &c, &oa) == KILN_OK);
-    CHECK(kiln_adamw_create(b.p, NP, &c, &ob) == KILN_OK);
+    if (be_b)
+        CHECK(kiln_adamw_create_on(be_b, b.p, NP, &c, &ob) == KILN_OK);
+    else
+        CHECK(kiln_adamw_create(b.p, NP, &c, &ob) == KILN_OK);
     const char *env = getenv("KILN_CPU_PATH");
     char saved[32] = "";
     if (env) snprintf(saved, sizeof saved, "%s", env);
@@ -416,24 +419,45 @@ static void test_clip_coef(void) {
     CHECK(fabs(kiln_grad_norm_torch(g, 20) - sqrt(exact)) < 1e-5);
 }
 
+/* A backend whose table has no AdamW ops: refused. */
+static void test_no_ops(kiln_backend *cpu) {
+    model a;
+    model_init(&a, 0, 5);
+    kiln_adamw_config c = cfg_of(KILN_ADAMW_F32, KILN_ADAMW_MOMENTS_F32);
+    kiln_backend_i no_ops = *cpu->i;
+    no_ops.adamw_step = NULL;
+    kiln_backend without = *cpu;
+    without.i = &no_ops;
+    kiln_adamw *o = NULL;
+    CHECK_ERR(kiln_adamw_create_on(&without, a.p, NP, &c, &o), KILN_ERR_UNSUPPORTED, "no AdamW ops");
+    CHECK(o == NULL);
+    model_free(&a);
+}
+
 int main(void) {
     kiln_pool *pool3 = NULL;
     CHECK(kiln_pool_create(3, &pool3) == KILN_OK);
+    kiln_backend *cpu = NULL;
+    CHECK(kiln_backend_cpu_create(2, &cpu) == KILN_OK);
     test_default_decay();
     test_describe_memory();
     for (int w = 0; w < 4; w++)
         for (int mo = 0; mo < 2; mo++) {
             test_resume((kiln_adamw_weights)w, (kiln_adamw_moments)mo, pool3);
-            same_as_other_run((kiln_adamw_weights)w, (kiln_adamw_moments)mo, pool3, 0,
+            same_as_other_run((kiln_adamw_weights)w, (kiln_adamw_moments)mo, pool3, 0, NULL,
                               "the thread count");
-            same_as_other_run((kiln_adamw_weights)w, (kiln_adamw_moments)mo, NULL, 1,
+            same_as_other_run((kiln_adamw_weights)w, (kiln_adamw_moments)mo, NULL, 1, NULL,
                               "the portable element loop");
+            same_as_other_run((kiln_adamw_weights)w, (kiln_adamw_moments)mo, NULL, 0, cpu,
+                              "the CPU backend's ops");
         }
+    test_no_ops(cpu);
     test_mismatched_params();
     test_nonfinite();
     test_decay_map();
     test_sr_rule(pool3);
     test_clip_coef();
     kiln_pool_free(pool3);
+    kiln_backend_free(cpu);
     return test_finish("test_adamw");
 }

@@ -13,7 +13,7 @@
 #include "base/kmath.h"
 #include "base/tensor.h"
 #include "ops/ops.h"
-#include "train/fused_ce.h"
+#include "ops/fused_ce.h"
 #include "test_util.h"
 
 #include <math.h>
@@ -404,6 +404,10 @@ static void test_accumulate(void) {
     CHECK(r3.scratch_bytes < r1.scratch_bytes);
     CHECK(r3.scratch_bytes == kiln_fused_ce_scratch_bytes(r3.n_supervised, H, V, 8, 0, 0));
     CHECK(r1.scratch_bytes == kiln_fused_ce_scratch_bytes(r1.n_supervised, H, V, 8, 1, 1));
+    /* the op's workspace query: what the call takes */
+    size_t ws = 0;
+    CHECK(kiln_fused_ce_workspace(g_be[0], &q, &ws) == KILN_OK && ws == r3.scratch_bytes);
+    CHECK(kiln_fused_ce_workspace(g_be[0], &p, &ws) == KILN_OK && ws == r1.scratch_bytes);
     /* loss first (pass-1 statistics out), then gradients from those statistics: the same
      * bits as the one-call computation above */
     float *stats = malloc((size_t)N * 3 * 4);
@@ -521,6 +525,16 @@ static void test_errors(void) {
     p.dweight = dw;
     p.row_loss = rl;
     kiln_fused_ce_result r;
+
+    /* a backend whose table has no fused_ce: refused, nothing written */
+    kiln_backend_i no_ce = *be->i;
+    no_ce.fused_ce = NULL;
+    no_ce.fused_ce_workspace = NULL;
+    kiln_backend without = *be;
+    without.i = &no_ce;
+    RESET();
+    CHECK_ERR(kiln_fused_ce(&without, &p, &r), KILN_ERR_UNSUPPORTED, "no fused linear");
+    UNTOUCHED();
 
     /* empty mask: an error, never a NaN */
     uint8_t zeros[6] = {0};

@@ -8,7 +8,7 @@
  * GPU cases are tests/python/test_linear_ce_api.py's).
  */
 #include "ops/ops.h"
-#include "train/fused_ce.h"
+#include "ops/fused_ce.h"
 #include "test_util.h"
 
 #include <math.h>

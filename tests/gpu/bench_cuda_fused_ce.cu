@@ -54,7 +54,7 @@
 extern "C" {
 #include "base/base.h"
 #include "ops/ops.h"
-#include "train/fused_ce.h"
+#include "ops/fused_ce.h"
 }
 #include "ops/cuda/cuda_train.h" /* kiln_cuda_ce_set_legacy */
 

@@ -77,7 +77,7 @@
 extern "C" {
 #include "base/tensor.h"
 #include "ops/ops.h"
-#include "train/fused_ce.h"
+#include "ops/fused_ce.h"
 }
 #include "ops/cuda/cuda_train.h" /* kiln_cuda_ce_set_legacy (C linkage by its own guard) */
 

@@ -39,7 +39,7 @@ extern "C" {
 #include "base/tensor.h"
 #include "ops/ops.h"
 #include "train/adamw.h"
-#include "train/fused_ce.h"
+#include "ops/fused_ce.h"
 }
 
 #define GPU_TEST_SEED 0x1234567ull

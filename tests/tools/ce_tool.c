@@ -16,7 +16,7 @@
  */
 #include "kiln.h"
 #include "base/base.h"
-#include "train/fused_ce.h"
+#include "ops/fused_ce.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -9,6 +9,7 @@
 #include "../ops.h"
 #include "../../base/threadpool.h"
 #include "cpu_kernels.h"
+#include "cpu_train.h"
 #include "backward.h"
 #include "kernels_q8act.h"
 
@@ -507,8 +508,35 @@ static void cpu_get_rows(kiln_backend *be, float *out, const float *x, const int
     for (int i = 0; i < n; i++) memcpy(out + (size_t)i * C, x + (size_t)idx[i] * C, (size_t)C * sizeof(float));
 }
 
+/* AdamW (cpu_adamw.c) on the backend's pool. */
+static size_t cpu_adamw_workspace(kiln_backend *be, const kiln_adamw_table *tab) {
+    (void)be;
+    return kiln_cpu_adamw_workspace(tab);
+}
+static kiln_status cpu_adamw_prepare(kiln_backend *be, const kiln_adamw_table *tab, void *ws,
+                                     int init) {
+    return kiln_cpu_adamw_prepare(ctx_of(be)->pool, tab, ws, init);
+}
+static kiln_status cpu_adamw_step(kiln_backend *be, const kiln_adamw_table *tab, void *ws,
+                                  const kiln_adamw_scalars *s) {
+    return kiln_cpu_adamw_step(ctx_of(be)->pool, tab, ws, s);
+}
+static kiln_status cpu_adamw_nonfinite(kiln_backend *be, const kiln_adamw_table *tab, void *ws,
+                                       int64_t *bad) {
+    return kiln_cpu_adamw_nonfinite(ctx_of(be)->pool, tab, ws, bad);
+}
+static kiln_status cpu_adamw_grad_norm(kiln_backend *be, const kiln_adamw_table *tab, void *ws,
+                                       float *norms, float *sq, float *total) {
+    return kiln_cpu_adamw_grad_norm(ctx_of(be)->pool, tab, ws, norms, sq, total);
+}
+static kiln_status cpu_adamw_clip(kiln_backend *be, const kiln_adamw_table *tab, void *ws,
+                                  float max_norm_f, float *total, float *coef) {
+    return kiln_cpu_adamw_clip(ctx_of(be)->pool, tab, ws, max_norm_f, total, coef);
+}
+
 static const kiln_backend_i cpu_iface = {
     .name = "cpu",
+    .host_memory = true,
     .free = cpu_free,
     .supports_op = cpu_supports_op,
     .embed = cpu_embed,
@@ -535,6 +563,14 @@ static const kiln_backend_i cpu_iface = {
     .geglu = cpu_geglu,
     .zero = cpu_zero,
     .scale = cpu_scale,
+    .fused_ce_workspace = kiln_cpu_fused_ce_workspace,
+    .fused_ce = kiln_cpu_fused_ce,
+    .adamw_workspace = cpu_adamw_workspace,
+    .adamw_prepare = cpu_adamw_prepare,
+    .adamw_step = cpu_adamw_step,
+    .adamw_nonfinite = cpu_adamw_nonfinite,
+    .adamw_grad_norm = cpu_adamw_grad_norm,
+    .adamw_clip = cpu_adamw_clip,
 };
 
 static const kiln_cpu_kernels *kernels_for(kiln_cpu_path p) {

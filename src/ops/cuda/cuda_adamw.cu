@@ -1,7 +1,7 @@
 /*
  * cuda_adamw.cu -- AdamW, the gradient norm and clipping on the CUDA backend (cuda_train.h),
- * with the CPU's bits: the per-element arithmetic is src/train/adamw_math.h, the same source
- * adamw.c runs, and every element is updated alone, as on the CPU, so the thread split cannot
+ * with the CPU's bits: the per-element arithmetic is src/ops/adamw_math.h, the same source
+ * cpu_adamw.c runs, and every element is updated alone, as on the CPU, so the thread split cannot
  * change a bit. The step runs per tensor (kiln_cuda_adamw_step, one launch per parameter) or
  * over an optimizer's whole tensor table (kiln_cuda_adamw_step_multi, one launch: blocks take
  * (tensor, chunk) pairs from a chunk table uploaded once, f32 moments in quads of 4 elements
@@ -20,8 +20,7 @@
 #include "cuda_common.cuh"
 
 extern "C" {
-#include "../../train/adamw.h"
-#include "cuda_train.h"
+#include "cuda_train.h" /* and ../adamw_math.h: the per-element arithmetic, the storage kinds */
 }
 
 /* ---- generic ------------------------------------------------------------------------------ */
@@ -64,7 +63,7 @@ extern "C" kiln_status kiln_cuda_train_memset(kiln_backend *be, void *p, int byt
 
 /* ---- the step ------------------------------------------------------------------------------ */
 
-/* Element e of a parameter on its values: adamw.c's update_range body for weight storage W.
+/* Element e of a parameter on its values: cpu_adamw.c's update_range body for storage W.
  * w32 is the f32 weight (F32), w16 the bf16 weight (the bf16 variants), master the f32 master
  * (BF16_MASTER), comp the bf16 compensation (BF16_KAHAN); the arguments W does not use are
  * neither read nor written. g the gradient, *m, *v the f32 moments. key: mix64(sr_key + param
@@ -245,7 +244,7 @@ adamw_f32_multi_kernel(const kiln_cuda_adamw_param *table, const kiln_cuda_adamw
  * 32, ... of the block, coalesced), 8 warps a thread block. Each lane loads all of its
  * elements first (so they are in flight together), dequantizes and updates them in f32, the
  * block's absmax of the new m and v comes from the warp's shuffles, then the lane requantizes
- * -- adamw.c's step_task, element for element. The absmax is a max of non-negative non-NaN
+ * -- cpu_adamw.c's step_task, element for element. The absmax is a max of non-negative non-NaN
  * values, exact in any order, so the codes and scales are the CPU's. (It was a 256-thread
  * block per 8-bit block with three barriers, a third slower than the f32 moments it shrinks.) */
 #define Q8_THREADS 256

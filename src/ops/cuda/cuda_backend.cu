@@ -22,11 +22,8 @@
 #include "cuda_gemm_fast.h"
 #include "cuda_matvec_fast.h"
 #include "cuda_sampling.h"
+#include "cuda_train.h"
 #include "cuda_wgmma.h"
-
-extern "C" {
-#include "../../generate/sampler.h"
-}
 
 #include <limits.h>
 #include <stdarg.h>
@@ -457,11 +454,11 @@ static void cu_scale(kiln_backend *be, float *x, float s, size_t n) {
 
 /* ---- sampling ------------------------------------------------------------------------------ */
 
-static kiln_status cu_sample(kiln_backend *be, const float *logits, int V, kiln_sampler *smp,
+static kiln_status cu_sample(kiln_backend *be, const float *logits, int V,
+                             const kiln_sampler_params *p, kiln_sample_rng *rng,
                              const int32_t *hist, size_t n_hist, int32_t *id) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return kiln_error(c->err, "%s", c->msg);
-    const kiln_sampler_params *p = kiln_sampler_get_params(smp);
     /* the penalty window: the last repeat_last_n ids (all with -1); none when it is off */
     size_t w = p->repeat_penalty == 1.0f ? 0 : n_hist;
     if (p->repeat_last_n >= 0 && w > (size_t)p->repeat_last_n) w = (size_t)p->repeat_last_n;
@@ -484,8 +481,8 @@ static kiln_status cu_sample(kiln_backend *be, const float *logits, int V, kiln_
                                     cudaMemcpyHostToDevice, c->stream)))
         return c->err;
     *c->h_token = -1;
-    if (!CK(c, kiln_cuda_sample_next(c->sampler, c->stream, smp, logits, V, c->hist + 1, (int)w,
-                                     c->hist, c->h_token)) ||
+    if (!CK(c, kiln_cuda_sample_next(c->sampler, c->stream, p, rng, logits, V, c->hist + 1,
+                                     (int)w, c->hist, c->h_token)) ||
         !CK(c, cudaStreamSynchronize(c->stream)))
         return c->err;
     if (*c->h_token < 0 || *c->h_token >= V)
@@ -1470,8 +1467,15 @@ static void cu_forget(kiln_backend *be, const void *host, size_t nbytes) {
     c->n_weights = kept;
 }
 
+/* Device or managed memory (the training ops' checks of what they were handed). */
+static bool cu_holds(const kiln_backend *be, const void *p) {
+    (void)be;
+    return kiln_cuda_train_is_device(p);
+}
+
 static const kiln_backend_i cuda_iface = {
     /* .name = */ "cuda",
+    /* .host_memory = */ false,
     /* .free = */ cu_free,
     /* .supports_op = */ cu_supports_op,
     /* .embed = */ cu_embed,
@@ -1524,6 +1528,15 @@ static const kiln_backend_i cuda_iface = {
     /* .get_rows = */ cu_get_rows,
     /* .forget = */ cu_forget,
     /* .geglu = */ cu_geglu,
+    /* .fused_ce_workspace = */ kiln_cuda_fused_ce_workspace,
+    /* .fused_ce = */ kiln_cuda_fused_ce,
+    /* .adamw_workspace = */ kiln_cuda_adamw_op_workspace,
+    /* .adamw_prepare = */ kiln_cuda_adamw_op_prepare,
+    /* .adamw_step = */ kiln_cuda_adamw_op_step,
+    /* .adamw_nonfinite = */ kiln_cuda_adamw_op_nonfinite,
+    /* .adamw_grad_norm = */ kiln_cuda_adamw_op_grad_norm,
+    /* .adamw_clip = */ kiln_cuda_adamw_op_clip,
+    /* .holds = */ cu_holds,
 };
 
 extern "C" kiln_status kiln_cuda_device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes) {

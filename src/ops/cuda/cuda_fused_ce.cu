@@ -1,6 +1,6 @@
 /*
  * cuda_fused_ce.cu -- the row-wise pieces of the fused linear cross-entropy on the CUDA
- * backend (cuda_train.h; the driver is src/train/fused_ce.c, the products are the backend's
+ * backend (cuda_train.h; the driver is cuda_fused_ce_op.c, the products are the backend's
  * matmul). Each kernel performs, per output element, the binary32 operations of
  * docs/ARITHMETIC.md ("Fused linear cross-entropy") in the CPU's order:
  *   - the per-row max: one thread walks the chunk in order (`z > bm ? z : bm`, whose NaN and
@@ -9,7 +9,7 @@
  *     j, j+16, ... with fmaf(e, 1, acc), then the fixed tree), i.e. the CPU's dot with ones;
  *   - g, the transposes, the adds and the gathers/scatters are one thread per element.
  *
- * Fast mode (kiln_cuda_is_fast; fused_ce.c picks the *_fast entry points) replaces two of
+ * Fast mode (kiln_cuda_is_fast; the op picks the *_fast entry points) replaces two of
  * them and keeps every other piece above:
  *   - the exponentials are the MUFU's 2^x of one FMA (ex2_approx(fmaf(z, log2 e, -m log2 e)),
  *     cuda_common.cuh; relative error about 2^-22 against auditable mode's kiln_expf), which
@@ -22,8 +22,8 @@
  *   - g (grad_fast_kernel): per element (e / l - [j = t]) gs as grad_kernel, but e as above
  *     and e / l as e * (1 / l), on a 2-D grid (no 64-bit division per element), and zero rows
  *     from S to the padded row count, so the products see a row count that is a multiple of 8
- *     (fused_ce.c, ce_pass2_fast).
- * and its bf16 path (fused_ce.c, ce_pass2_bf16) adds the bf16 operands of the products: the
+ *     (the op's ce_pass2_fast).
+ * and its bf16 path (the op's ce_pass2_bf16) adds the bf16 operands of the products: the
  * gathered hidden rows rounded once per call (gather_bf16_kernel), g written in bf16 by the
  * gradient kernel itself (grad_bf16_kernel: grad_fast_kernel's value, then the rounding), and
  * thin entry points that run the GEMM module (cuda_gemm_fast.h) on the backend's handle.
@@ -609,7 +609,7 @@ static __device__ __forceinline__ uint2 ce_grad_slot(float4 x, int64_t j, int64_
                       (uint32_t)b[2] | ((uint32_t)b[3] << 16));
 }
 
-/* One row of a row block (fused_ce.c, ce_rows_bf16): z(R, ldz) f32 holds the block's whole
+/* One row of a row block (the op's ce_rows_bf16): z(R, ldz) f32 holds the block's whole
  * logits (columns [0, V), ldz % 8 == 0, 16-byte aligned rows); one block of CE_FAST_THREADS
  * threads per row (rows grid-strided) makes the row's statistics and then its gradient, which
  * it writes in bf16 IN PLACE, as g(R, 2 ldz): row i's bf16 values start at row i's own f32

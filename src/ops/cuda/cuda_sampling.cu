@@ -15,7 +15,6 @@
 
 #include <stdlib.h>
 
-#include "../../generate/sampler.h"
 
 /* Per-call state, reset by the first kernel of every call. */
 typedef struct sampler_state {
@@ -277,15 +276,15 @@ extern "C" cudaError_t kiln_cuda_sample(kiln_cuda_sampler *sp, cudaStream_t s, c
 }
 
 extern "C" cudaError_t kiln_cuda_sample_next(kiln_cuda_sampler *sp, cudaStream_t s,
-                                             kiln_sampler *smp, const float *logits, int V,
+                                             const kiln_sampler_params *p, kiln_sample_rng *rng,
+                                             const float *logits, int V,
                                              const int32_t *d_history, int n_history,
                                              int32_t *d_token, int32_t *h_token) {
-    if (!smp) return cudaErrorInvalidValue;
-    const kiln_sampler_params *p = kiln_sampler_get_params(smp);
-    /* validate before drawing, so a refused call leaves smp's stream where it was */
+    if (!p || !rng) return cudaErrorInvalidValue;
+    /* validate before drawing, so a refused call leaves the stream where it was */
     if (!sp || !logits || !d_token || V < 1 || V > sp->cap || n_history < 0 || !sampler_params_ok(p))
         return cudaErrorInvalidValue;
     if (p->repeat_penalty != 1.0f && n_history > 0 && !d_history) return cudaErrorInvalidValue;
-    float u = p->temperature > 0.0f ? kiln_sampler_draw_u(smp) : 0.0f;
+    float u = p->temperature > 0.0f ? kiln_sample_rng_u(rng) : 0.0f;
     return kiln_cuda_sample(sp, s, logits, V, p, d_history, n_history, u, NULL, d_token, h_token);
 }

@@ -1,7 +1,7 @@
 /*
  * cuda_sampling.h -- kiln's sampler on the device: the token id that the CPU sampler
  * (src/generate/sampler.c, docs/ARITHMETIC.md "Sampling") draws from the same logits,
- * parameters, history and u, bit for bit.
+ * parameters, history and u (ops/sampling.h's stream), bit for bit.
  *
  * How the device follows the definition (kernels in cuda_sampling.cu):
  *   1. penalty: the distinct ids of the history window are marked (a byte per id), and the
@@ -146,6 +146,7 @@ static inline KILN_HD int kiln_sample_walk(const float *q, int m, int n, float t
 
 #include <cuda_runtime.h>
 
+#include "../sampling.h"
 #include "kiln.h"
 
 #ifdef __cplusplus
@@ -165,8 +166,8 @@ void kiln_cuda_sampler_free(kiln_cuda_sampler *sp);
 /* Enqueue on stream s the sampling of one token from logits (V floats, device memory, read
  * only) with parameters p (p->seed is not used: the draw is u), the history d_history
  * (n_history ids, device memory; only read when the penalty is on) and the uniform u (from
- * kiln_sampler_draw_u; *d_u instead when d_u is not NULL, so a captured graph can take a new
- * u each replay; not read when greedy). Writes the id to *d_token (device int32) and, when
+ * kiln_sample_rng_u, ../sampling.h; *d_u instead when d_u is not NULL, so a captured graph
+ * can take a new u each replay; not read when greedy). Writes the id to *d_token (device int32) and, when
  * h_token is not NULL, copies it to *h_token (pinned host memory) asynchronously on s.
  * A NaN logit (after the penalty) gives the id -1 (the CPU sampler returns KILN_ERR_RANGE).
  * No host synchronisation and no allocation: capturable into a CUDA graph (with d_u). Uses
@@ -179,10 +180,12 @@ cudaError_t kiln_cuda_sample(kiln_cuda_sampler *sp, cudaStream_t s, const float 
                              int n_history, float u, const float *d_u, int32_t *d_token,
                              int32_t *h_token);
 
-/* kiln_cuda_sample with smp's parameters, drawing u from smp's stream on the host first when
- * smp samples (temperature > 0) -- exactly when kiln_sampler_sample would draw it, so tokens
- * sampled this way continue smp's CPU sequence (except that a NaN logit also consumes a u). */
-cudaError_t kiln_cuda_sample_next(kiln_cuda_sampler *sp, cudaStream_t s, kiln_sampler *smp,
+/* kiln_cuda_sample with a sampler's parameters p, drawing u from its stream rng on the host
+ * first when it samples (temperature > 0) -- exactly when kiln_sampler_sample would draw it,
+ * so tokens sampled this way continue the CPU sequence (except that a NaN logit also consumes
+ * a u). */
+cudaError_t kiln_cuda_sample_next(kiln_cuda_sampler *sp, cudaStream_t s,
+                                  const kiln_sampler_params *p, kiln_sample_rng *rng,
                                   const float *logits, int V, const int32_t *d_history,
                                   int n_history, int32_t *d_token, int32_t *h_token);
 

@@ -1,12 +1,14 @@
 /*
- * cuda_train.h -- the CUDA entry points of the training code written in C (src/train/adamw.c,
- * src/train/fused_ce.c). Plain C types only (no cudaStream_t): each takes the CUDA backend
+ * cuda_train.h -- the CUDA backend's training operations: the kernels' entry points that the
+ * op bodies written in C drive (cuda_fused_ce_op.c, cuda_adamw_op.c), and those bodies, which
+ * the backend's table (cuda_backend.cu) points at. Plain C types only (no cudaStream_t): each
+ * takes the CUDA backend
  * (be from kiln_backend_cuda_create*), enqueues its work on the backend's stream and returns
  * KILN_OK, or the status that poisoned the backend (a failed launch poisons it, docs/CUDA.md).
  * Pointers are device memory unless stated. In a build without CUDA every entry point exists
  * (cuda_train_stub.c) and returns KILN_ERR_UNSUPPORTED.
  *
- * The arithmetic is the CPU's, element for element: AdamW's from src/train/adamw_math.h
+ * The arithmetic is the CPU's, element for element: AdamW's from src/ops/adamw_math.h
  * (shared source), the fused loss's as docs/ARITHMETIC.md, "Fused linear cross-entropy".
  */
 #ifndef KILN_CUDA_TRAIN_H
@@ -16,8 +18,28 @@
 extern "C" {
 #endif
 
-#include "../../train/adamw_math.h"
+#include "../adamw_math.h"
 #include "../ops.h"
+
+/* ---- the table's entries (ops.h) ------------------------------------------------------------ */
+
+/* fused_ce_workspace and fused_ce (cuda_fused_ce_op.c): fused_ce.h's op on device buffers. */
+size_t kiln_cuda_fused_ce_workspace(kiln_backend *be, const struct kiln_fused_ce_params *p,
+                                    int64_t S);
+kiln_status kiln_cuda_fused_ce(kiln_backend *be, const struct kiln_fused_ce_params *p, int64_t S,
+                               struct kiln_fused_ce_result *out);
+/* adamw_workspace ... adamw_clip (cuda_adamw_op.c): adamw_op.h's ops on device arrays. */
+size_t kiln_cuda_adamw_op_workspace(kiln_backend *be, const struct kiln_adamw_table *tab);
+kiln_status kiln_cuda_adamw_op_prepare(kiln_backend *be, const struct kiln_adamw_table *tab,
+                                       void *ws, int init);
+kiln_status kiln_cuda_adamw_op_step(kiln_backend *be, const struct kiln_adamw_table *tab,
+                                    void *ws, const kiln_adamw_scalars *s);
+kiln_status kiln_cuda_adamw_op_nonfinite(kiln_backend *be, const struct kiln_adamw_table *tab,
+                                         void *ws, int64_t *bad);
+kiln_status kiln_cuda_adamw_op_grad_norm(kiln_backend *be, const struct kiln_adamw_table *tab,
+                                         void *ws, float *norms, float *sq_norm, float *total);
+kiln_status kiln_cuda_adamw_op_clip(kiln_backend *be, const struct kiln_adamw_table *tab,
+                                    void *ws, float max_norm_f, float *total_norm, float *coef);
 
 /* ---- generic ----------------------------------------------------------------------------- */
 
@@ -26,9 +48,9 @@ bool kiln_cuda_train_is_device(const void *p);
 /* Enqueue memset(p, byte, nbytes). */
 kiln_status kiln_cuda_train_memset(kiln_backend *be, void *p, int byte, size_t nbytes);
 
-/* ---- AdamW ------------------------------------------------------------------------------- */
+/* ---- AdamW (cuda_adamw.cu; driven by cuda_adamw_op.c) ------------------------------------- */
 
-/* One parameter's device arrays for a step (the fields of adamw.c's slot). weights_kind is a
+/* One parameter's device arrays for a step (adamw_op.h's kiln_adamw_tensor). weights_kind is a
  * kiln_adamw_weights value, q8 whether the moments are 8-bit blocks (mq, vq, ms, vs) rather
  * than f32 (m, v). decay: weight decay applies (already and-ed with weight_decay != 0). */
 typedef struct kiln_cuda_adamw_param {
@@ -48,7 +70,7 @@ typedef struct kiln_cuda_adamw_param {
     uint16_t *w16;       /* (n) F32 only, or NULL: bf16 (RNE) of the updated weights */
 } kiln_cuda_adamw_param;
 
-/* One AdamW update of the parameter (adamw.c's update_range / step_task on every element;
+/* One AdamW update of the parameter (cpu_adamw.c's update_range / step_task on every element;
  * 8-bit moments: one thread block per block of 256). One launch per call: the per-tensor
  * path, which kiln_cuda_adamw_step_multi must match bit for bit. */
 kiln_status kiln_cuda_adamw_step(kiln_backend *be, const kiln_cuda_adamw_param *p,
@@ -155,7 +177,7 @@ kiln_status kiln_cuda_adamw_norms(kiln_backend *be, const kiln_cuda_grad_entry *
 kiln_status kiln_cuda_adamw_scale(kiln_backend *be, const kiln_cuda_grad_entry *table, int P,
                                   int64_t max_n, const float *coef);
 
-/* ---- fused linear cross-entropy (src/train/fused_ce.c) ------------------------------------ */
+/* ---- fused linear cross-entropy (cuda_fused_ce_op.c) --------------------------------------- */
 
 /* hs(S, H) = hidden rows idx[i] (idx: S int64, device). */
 kiln_status kiln_cuda_ce_gather(kiln_backend *be, float *hs, const float *hidden,
@@ -186,7 +208,7 @@ kiln_status kiln_cuda_ce_add(kiln_backend *be, float *x, const float *y, size_t 
 kiln_status kiln_cuda_ce_scatter_rows(kiln_backend *be, float *dst, const float *src,
                                       const int64_t *idx, int64_t S, int64_t H, int accumulate);
 
-/* Fast mode (src/train/fused_ce.c runs these when kiln_cuda_ce_is_fast(be); the order of
+/* Fast mode (cuda_fused_ce_op.c runs these when kiln_cuda_ce_is_fast(be); the order of
  * operations is written down in cuda_fused_ce.cu). */
 /* Whether be runs the fast arithmetic (kiln_backend_cuda_create_mode(device, 1)). */
 bool kiln_cuda_ce_is_fast(kiln_backend *be);
@@ -201,7 +223,7 @@ kiln_status kiln_cuda_ce_grad_fast(kiln_backend *be, float *z, int64_t S, int64_
                                    int64_t c0, const int32_t *tgt, const float *m,
                                    const float *l, float gs);
 
-/* Fast mode on bf16 operands (fused_ce.c's ce_pass2_bf16): hs is rounded to bf16 once per
+/* Fast mode on bf16 operands (the op's ce_pass2_bf16): hs is rounded to bf16 once per
  * call and g is written in bf16 by the gradient kernel, then the products are the GEMM
  * module's (cuda_gemm_fast.h) on the backend's handle, with the operands laid out as
  * kiln_cuda_gemm_linear and kiln_cuda_matmul_backward_fast lay out their own copies (leading
@@ -219,7 +241,7 @@ kiln_status kiln_cuda_ce_gather_bf16(kiln_backend *be, uint16_t *hsb, int64_t ld
 kiln_status kiln_cuda_ce_grad_bf16(kiln_backend *be, uint16_t *g, int64_t ldg, const float *z,
                                    int64_t S, int64_t Sp, int64_t n, int64_t c0,
                                    const int32_t *tgt, const float *m, const float *l, float gs);
-/* Fast mode's row-block walk (fused_ce.c, ce_rows_bf16): z(R, ldz) holds a block's whole
+/* Fast mode's row-block walk (the op's ce_rows_bf16): z(R, ldz) holds a block's whole
  * logits, columns [0, V) (ldz >= V, a multiple of 8; z 16-byte aligned), in f32 (z16 == 0) or
  * bf16 (z16 != 0; V <= KILN_CUDA_CE_ROWS16_MAX_V). Per row i < Rs: m[i], l[i], zt[i] = the
  * row's max, sum of exponentials and target logit (pass1_fast's order over the whole row, in
@@ -258,7 +280,7 @@ kiln_status kiln_cuda_ce_gemm_bf16_out16(kiln_backend *be, int trans_a, int tran
                                          int64_t ldd);
 /* For the tests and benchmarks: on != 0 makes every later fast-mode kiln_fused_ce (any backend,
  * this process) take the composition it ran before the bf16 path -- the backend's matmul for
- * the logits and one matmul_backward per chunk (fused_ce.c, ce_pass2_fast) -- which the bf16
+ * the logits and one matmul_backward per chunk (the op's ce_pass2_fast) -- which the bf16
  * path must match bit for bit. Not synchronised with calls running on other threads. */
 void kiln_cuda_ce_set_legacy(int on);
 int kiln_cuda_ce_legacy(void);

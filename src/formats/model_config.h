@@ -1,6 +1,7 @@
 /*
- * config.h -- the architecture description of a Llama-family decoder, filled either from a
- * Hugging Face config.json (formats/hf_config.c) or from GGUF metadata (models/load_gguf.c).
+ * model_config.h -- the architecture description of a Llama-family decoder, filled either from
+ * a Hugging Face config.json (formats/hf_config.c) or from GGUF metadata (models/model_load.c).
+ * It lives with the formats that describe it; models/ turns it into tensors and a forward.
  *
  * Dimension names used across kiln: B batch, T sequence, C = n_embd, NH = n_head,
  * KVH = n_head_kv, HS = head_dim, FF = n_ff, V = n_vocab, L = n_layer.

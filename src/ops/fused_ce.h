@@ -1,5 +1,8 @@
 /*
- * fused_ce.h -- fused linear cross-entropy without materialised logits.
+ * fused_ce.h -- fused linear cross-entropy without materialised logits: a backend operation
+ * (ops.h, fused_ce and fused_ce_workspace), called through kiln_fused_ce below. The CPU
+ * backend's body (src/ops/cpu/cpu_fused_ce.c) is the reference; the CUDA backend's is
+ * src/ops/cuda/cuda_fused_ce_op.c.
  *
  * For hidden states h(N,H), an LM head W(V,H), targets(N) and a mask(N):
  *
@@ -39,22 +42,27 @@
  *
  * In the CUDA backend's fast mode (kiln_backend_cuda_create_mode(device, 1)) the results are
  * not the CPU's bits but are the same bits from run to run on one GPU model: the products are
- * bf16 tensor-core GEMMs on operands rounded to bf16 once each (fused_ce.c: hs once per call,
- * g written in bf16, each W chunk once per chunk and pass), pass 1's sum of exponentials has
- * a fixed order of its own (cuda_fused_ce.cu), and the supervised rows are padded with zero
+ * bf16 tensor-core GEMMs on operands rounded to bf16 once each (cuda_fused_ce_op.c: hs once
+ * per call, g written in bf16, each W chunk once per chunk and pass), pass 1's sum of
+ * exponentials has a fixed order of its own (cuda_fused_ce.cu), and the supervised rows are
+ * padded with zero
  * rows to a multiple of 8 (exact zeros in every sum). The scratch is then at most
  * kiln_fused_ce_scratch_bytes (scratch_bytes says how much), plus the GEMM module's own
  * scratch (the backend's, grown once) and, on the calls that keep the older composition
- * (fused_ce.c says which), what matmul_backward allocates for its bf16 copies
+ * (cuda_fused_ce_op.c says which), what matmul_backward allocates for its bf16 copies
  * (docs/TRAINING.md, "Fast mode"). row_stats_in must come from a call in the same mode.
  */
 #ifndef KILN_FUSED_CE_H
 #define KILN_FUSED_CE_H
 
-#include "../ops/ops.h"
+#include "ops.h"
 
 /* Vocabulary columns per chunk when params.chunk is 0. */
 #define KILN_FUSED_CE_DEFAULT_CHUNK 4096
+
+/* The largest vocabulary whose row-block walk can keep its logits in bf16 (row_logits_f32):
+ * the CUDA row kernel's bound (KILN_CUDA_CE_ROWS16_MAX_V, checked equal there). */
+#define KILN_FUSED_CE_ROWS16_MAX_V ((int64_t)819200)
 
 typedef enum kiln_ce_reduction {
     KILN_CE_REDUCTION_MEAN = 0, /* sum over supervised positions / S, times scale */
@@ -132,7 +140,7 @@ typedef struct kiln_fused_ce_params {
      * f32 product rounded once, as PyTorch's autocast makes the head's output; the
      * statistics and gradient are computed in f32 from those values): scratch of about
      * 2 x row_block x V bytes, and the statistics kernel moves half the bytes; non-zero keeps
-     * them in f32 (4 x row_block x V bytes). V above KILN_CUDA_CE_ROWS16_MAX_V (819,200)
+     * them in f32 (4 x row_block x V bytes). V above KILN_FUSED_CE_ROWS16_MAX_V (819,200)
      * always takes f32. Ignored by the vocabulary walk. */
     int row_logits_f32;
 } kiln_fused_ce_params;
@@ -149,16 +157,26 @@ typedef struct kiln_fused_ce_result {
 /* Defaults: everything zero/NULL, weight F32, MEAN, scale 1, chunk 0 (= 4096). */
 kiln_fused_ce_params kiln_fused_ce_default_params(void);
 
-/* The loss and gradients described above, on backend be (the CPU backend from
- * kiln_backend_cpu_create: its thread pool runs the three products; or the CUDA backend, with
- * device buffers as described above). out may be NULL.
- * Errors: NULL/inconsistent parameters, a weight dtype other than F32/BF16, or sizes that
- * overflow -> KILN_ERR_INVALID_ARG / KILN_ERR_UNSUPPORTED; no supervised position ->
+/* The loss and gradients described above, on backend be: the op's entry, which checks p,
+ * counts the supervised rows and runs the backend's fused_ce (the CPU backend: its thread pool
+ * runs the three products; the CUDA backend: device buffers as described above). out may be
+ * NULL.
+ * Errors: a backend without the op -> KILN_ERR_UNSUPPORTED; NULL/inconsistent parameters, a
+ * weight dtype other than F32/BF16, or sizes that overflow -> KILN_ERR_INVALID_ARG /
+ * KILN_ERR_UNSUPPORTED; no supervised position ->
  * KILN_ERR_INVALID_ARG "no supervised positions"; a supervised target >= V ->
  * KILN_ERR_RANGE naming the position; a non-finite row loss -> KILN_ERR_RANGE naming the
  * position; scratch allocation failure -> KILN_ERR_NOMEM. */
 kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,
                           kiln_fused_ce_result *out);
+
+/* The op's workspace query: *bytes = the scratch kiln_fused_ce(be, p) takes -- exactly the
+ * result.scratch_bytes it reports (host memory it allocates on the CPU; on a device backend
+ * what p->scratch must hold to be used instead of an allocation of the call's own; it may
+ * depend on the pointers, e.g. whether a bf16 weight is read in place). kiln_fused_ce's
+ * errors for the parameters and rows; KILN_ERR_INVALID_ARG when the size overflows. */
+kiln_status kiln_fused_ce_workspace(kiln_backend *be, const kiln_fused_ce_params *p,
+                                    size_t *bytes);
 
 /* The number of supervised positions of p (mask, targets >= 0) in *S, after checking that
  * their targets are < V: kiln_fused_ce's own row checks, with its errors (a target >= V ->

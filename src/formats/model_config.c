@@ -1,11 +1,12 @@
 /*
- * config.c -- consistency checks for a filled kiln_model_config, whatever file it came from.
+ * model_config.c -- consistency checks for a filled kiln_model_config, whatever file it came
+ * from.
  *
  * The limits are far above any published model and far below what would overflow the int64
  * size arithmetic of the loader (V * C, L * C * FF, NH * HS ...), so a config that passes can
  * be used to size tensors with plain int64 products.
  */
-#include "config.h"
+#include "model_config.h"
 
 #include <math.h>
 

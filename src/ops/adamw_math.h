@@ -1,16 +1,35 @@
 /*
  * adamw_math.h -- the per-element arithmetic of AdamW (docs/ARITHMETIC.md, "AdamW and
- * clipping"), written once for the CPU (adamw.c) and the GPU (src/ops/cuda/cuda_adamw.cu):
- * every function is KILN_HD (host and device) and uses only IEEE binary32 operations and
- * integer bit manipulation, so both sides perform the same operations in the same order and
- * get the same bits. Change a definition only with ARITHMETIC.md.
+ * clipping"), written once for the CPU (src/ops/cpu/cpu_adamw.c) and the GPU
+ * (src/ops/cuda/cuda_adamw.cu): every function is KILN_HD (host and device) and uses only IEEE
+ * binary32 operations and integer bit manipulation, so both sides perform the same operations
+ * in the same order and get the same bits. Change a definition only with ARITHMETIC.md.
+ * Also the storage variants those functions serve (the optimizer, src/train/adamw.h, says
+ * what each keeps).
  */
-#ifndef KILN_TRAIN_ADAMW_MATH_H
-#define KILN_TRAIN_ADAMW_MATH_H
+#ifndef KILN_OPS_ADAMW_MATH_H
+#define KILN_OPS_ADAMW_MATH_H
 
 #include "../base/kmath.h"
 
 #include <stdint.h>
+
+/* How the weights are stored and updated. */
+typedef enum kiln_adamw_weights {
+    KILN_ADAMW_F32 = 0,
+    KILN_ADAMW_BF16_MASTER = 1,
+    KILN_ADAMW_BF16_KAHAN = 2,
+    KILN_ADAMW_BF16_SR = 3,
+} kiln_adamw_weights;
+
+/* How the moments are stored. */
+typedef enum kiln_adamw_moments {
+    KILN_ADAMW_MOMENTS_F32 = 0,
+    KILN_ADAMW_MOMENTS_Q8 = 1,
+} kiln_adamw_moments;
+
+/* Elements per block of the 8-bit moments (one f32 scale each). */
+#define KILN_ADAMW_Q8_BLOCK 256
 
 /* The per-step scalars, rounded to float once on the host (ARITHMETIC.md). */
 typedef struct kiln_adamw_scalars {
@@ -149,6 +168,14 @@ static inline KILN_HD float kiln_adamw_q8_m(int8_t c, float ms) {
 static inline KILN_HD float kiln_adamw_q8_v(uint8_t c, float vs) {
     return kiln_adamw_q8_value(c, 255, vs);
 }
+/* m[i], v[i] = the dequantized moments of the len codes of one block (absmax ms, vs). */
+static inline void kiln_adamw_q8_dequant_block(const int8_t *mq, const uint8_t *vq, float ms,
+                                               float vs, float *m, float *v, int len) {
+    for (int i = 0; i < len; i++) {
+        m[i] = kiln_adamw_q8_m(mq[i], ms);
+        v[i] = kiln_adamw_q8_v(vq[i], vs);
+    }
+}
 /* The codes of m and v in a block with absmax am / av. */
 static inline KILN_HD int8_t kiln_adamw_q8_mcode(float m, float am) {
     int c = am > 0.0f ? kiln_adamw_q8_code(fabsf(m) / am, 127, 0) : 0;
@@ -182,4 +209,4 @@ static inline KILN_HD float kiln_adamw_clip_coef(float total_norm, float max_nor
     return coef > 1.0f ? 1.0f : coef;
 }
 
-#endif /* KILN_TRAIN_ADAMW_MATH_H */
+#endif /* KILN_OPS_ADAMW_MATH_H */
