@@ -354,7 +354,8 @@ kiln_status kiln_fused_ce_loss_from_stats(const kiln_fused_ce_params *p, const f
     kiln_status st = kiln_ce_row_losses(idx, m, l, zt, loss_rows, S);
     if (st == KILN_OK && out) {
         float gs;
-        kiln_ce_reduce(p, loss_rows, kiln_ce_host_sum16(loss_rows, S), S, &out->loss, &gs, &out->loss_f64);
+        kiln_ce_reduce(p, loss_rows, kiln_ce_host_sum16(loss_rows, S), S, &out->loss, &gs,
+                       &out->loss_f64);
         out->n_supervised = S;
     }
     kiln_free(idx);

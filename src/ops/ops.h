@@ -7,8 +7,8 @@
  * docs/ARITHMETIC.md so that results never depend on the thread count, and so that a GPU can
  * reproduce them bit for bit.
  *
- * Shapes use the names of formats/model_config.h: N tokens in the batch, C model width, R output
- * rows, NH/KVH query/key-value heads, HS head size, T cached positions.
+ * Shapes use the names of formats/model_config.h: N tokens in the batch, C model width, R
+ * output rows, NH/KVH query/key-value heads, HS head size, T cached positions.
  */
 #ifndef KILN_OPS_H
 #define KILN_OPS_H

@@ -429,7 +429,8 @@ static void test_no_ops(kiln_backend *cpu) {
     kiln_backend without = *cpu;
     without.i = &no_ops;
     kiln_adamw *o = NULL;
-    CHECK_ERR(kiln_adamw_create_on(&without, a.p, NP, &c, &o), KILN_ERR_UNSUPPORTED, "no AdamW ops");
+    CHECK_ERR(kiln_adamw_create_on(&without, a.p, NP, &c, &o), KILN_ERR_UNSUPPORTED,
+              "no AdamW ops");
     CHECK(o == NULL);
     model_free(&a);
 }

@@ -104,8 +104,9 @@ static int run_sequence(dev_bufs *d, const float *x, int V, const kiln_sampler_p
         CUDA_OK(cudaMemcpyAsync(d->hist, hist, (size_t)nh * sizeof(int32_t), cudaMemcpyHostToDevice, d->s));
         CUDA_OK(cudaMemsetAsync(d->token, 0xAB, sizeof(int32_t), d->s)); /* poison */
         *d->h_token = -99;
-        CUDA_OK(kiln_cuda_sample_next(d->sp, d->s, kiln_sampler_get_params(dev), kiln_sampler_rng(dev),
-                                      d->logits, V, d->hist, nh, d->token, d->h_token));
+        CUDA_OK(kiln_cuda_sample_next(d->sp, d->s, kiln_sampler_get_params(dev),
+                                      kiln_sampler_rng(dev), d->logits, V, d->hist, nh,
+                                      d->token, d->h_token));
         CUDA_OK(cudaStreamSynchronize(d->s));
         int32_t b = *d->h_token, b2 = 0;
         CUDA_OK(cudaMemcpy(&b2, d->token, sizeof b2, cudaMemcpyDeviceToHost));
@@ -245,8 +246,9 @@ static void run_nan(dev_bufs *d, float *x, int V) {
         int32_t a = -7;
         if (kiln_sampler_sample(cpu, x, V, hist, 64, &a) != KILN_OK) a = -1;
         *d->h_token = -99;
-        CUDA_OK(kiln_cuda_sample_next(d->sp, d->s, kiln_sampler_get_params(dev), kiln_sampler_rng(dev),
-                                      d->logits, V, d->hist, 64, d->token, d->h_token));
+        CUDA_OK(kiln_cuda_sample_next(d->sp, d->s, kiln_sampler_get_params(dev),
+                                      kiln_sampler_rng(dev), d->logits, V, d->hist, 64,
+                                      d->token, d->h_token));
         CUDA_OK(cudaStreamSynchronize(d->s));
         if (*d->h_token != a) {
             fprintf(stderr, "after NaN (greedy %d): cpu %d gpu %d\n", greedy, a, *d->h_token);

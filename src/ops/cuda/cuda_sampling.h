@@ -167,8 +167,9 @@ void kiln_cuda_sampler_free(kiln_cuda_sampler *sp);
  * only) with parameters p (p->seed is not used: the draw is u), the history d_history
  * (n_history ids, device memory; only read when the penalty is on) and the uniform u (from
  * kiln_sample_rng_u, ../sampling.h; *d_u instead when d_u is not NULL, so a captured graph
- * can take a new u each replay; not read when greedy). Writes the id to *d_token (device int32) and, when
- * h_token is not NULL, copies it to *h_token (pinned host memory) asynchronously on s.
+ * can take a new u each replay; not read when greedy). Writes the id to *d_token (device
+ * int32) and, when h_token is not NULL, copies it to *h_token (pinned host memory)
+ * asynchronously on s.
  * A NaN logit (after the penalty) gives the id -1 (the CPU sampler returns KILN_ERR_RANGE).
  * No host synchronisation and no allocation: capturable into a CUDA graph (with d_u). Uses
  * the sampler's scratch: calls on one sampler must be ordered (one stream).
