@@ -131,7 +131,8 @@ typedef struct kiln_arch_desc {
                     float *logits);
     /* The architecture's own GGUF metadata beyond the family's common keys (NULL: none). */
     kiln_status (*gguf_config)(const struct kiln_gguf *g, const char *path, kiln_model_config *c);
-    bool uses_geglu; /* its MLP needs the backend's geglu op */
+    bool uses_geglu;      /* its MLP needs the backend's geglu op */
+    bool sliding_windows; /* its forward honours cfg.sliding_window (per layer) */
     /* Training (NULL: the architecture is not trainable yet): allocate io's activations, run the forward of n_seq sequences of seq tokens
      * (io->ids, io->pos filled; output io->xn), its backward (input io->dxn; gradients added
      * to the refs' grad; output io->dx, the embedding's gradient left to the caller), free. */

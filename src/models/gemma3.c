@@ -174,4 +174,5 @@ const kiln_arch_desc kiln_arch_gemma3 = {
     .forward = gemma3_forward,
     .gguf_config = gemma3_gguf_config,
     .uses_geglu = true,
+    .sliding_windows = true,
 };

@@ -159,8 +159,10 @@ kiln_status kiln_model_create(const char *config, const char *tokenizer_path, ui
                             tv, m->cfg.n_vocab);
     }
     if (st == KILN_OK) st = kiln_model_config_validate(&m->cfg, config);
-    if (st == KILN_OK && (m->cfg.mlp_bias || m->cfg.sliding_window))
-        st = kiln_error(KILN_ERR_UNSUPPORTED, "kiln_model_create: MLP biases and sliding windows are not supported here");
+    const kiln_arch_desc *ad = kiln_arch_get(m->cfg.arch);
+    if (st == KILN_OK && (m->cfg.mlp_bias || (m->cfg.sliding_window && !(ad && ad->sliding_windows))))
+        st = kiln_error(KILN_ERR_UNSUPPORTED, "kiln_model_create: MLP biases, and sliding windows outside Gemma 3, "
+                                              "are not supported here");
     m->path = kiln_strdup(config);
     m->name = kiln_strdup(config);
     m->arch = kiln_arch_get(m->cfg.arch);

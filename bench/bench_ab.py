@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""bench_ab.py -- two builds of kiln side by side on one machine in one run: decode and
+prefill through `kiln generate --json`, training steps through the Python binding, the builds
+alternating rep by rep so that drift of the machine falls on both. For "before/after" figures
+of a change (bench/RESULTS.md); the peers' figures are bench_gpu.py's and
+bench_train_gpu.py's.
+
+  python3 bench/bench_ab.py --a BUILD_BEFORE --b BUILD_AFTER [--labels before,after]
+      [--parts decode,train] [--model 0.5b] [--new 128] [--prefill 2048] [--reps 3]
+      [--seq 2048] [--batch 8] [--micro 1,8] [--steps 3] [--device cuda|cpu] [--json OUT]
+
+Each build folder holds `kiln` and `libkiln.so` (a CMake build folder; its scripts/gpu-deps.sh
+dependencies in BUILD/deps are found). The model: bench_gpu.py's random bf16 Qwen2.5-0.5B
+shape (--model tiny: a 2-layer qwen2 for a CPU smoke run). Decode: tokens/s of 128 greedy
+tokens after bench_gpu's prompt, auditable and --fast, the median of --reps processes per
+build; prefill: the prompt tokens/s of a --prefill-token prompt (one process per rep). Train:
+kiln.Trainer(max_seq=--seq, max_batch=K, fast) steps of --batch sequences (K per forward), one
+warm step then --steps timed, tokens/s; each build in its own process.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def env_for(build):
+    env = dict(os.environ)
+    libs = [build, os.path.join(build, "deps", "usr", "lib", "x86_64-linux-gnu")]
+    env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")])
+    env["KILN_LIB"] = os.path.join(build, "libkiln.so")
+    return env
+
+
+def generate(build, model, prompt, n_new, fast, device):
+    cmd = [os.path.join(build, "kiln"), "generate", "-m", model, "-p", prompt, "-n", str(n_new), "--temp", "0",
+           "--ignore-eos", "--json", "--device", device, "--ctx", "8192"]
+    if fast:
+        cmd.append("--fast")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env_for(build), timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: rc {r.returncode}: {r.stderr[-1500:]}")
+    return json.loads(r.stdout)
+
+
+TRAIN_WORKER = r"""
+import json, sys, time
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import kiln
+model, seq, batch, micro, steps, device, fast = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8])
+m = kiln.Model(model)
+kw = dict(max_seq=seq, max_batch=micro, device=device)
+if fast:
+    kw["fast"] = True
+tr = kiln.Trainer(m, **kw)
+rng = np.random.default_rng(1)
+def step():
+    for b in range(0, batch, micro):
+        ids = rng.integers(0, min(1000, m.n_vocab - 3), size=(micro, seq + 1)).astype(np.int32)
+        tr.step_batch(ids[:, :-1], ids[:, 1:], reduction="sum", accumulate=b > 0)
+    tr.clip_grads(1.0)
+    tr.optimizer_step(1e-4)
+step()
+t0 = time.perf_counter()
+for _ in range(steps):
+    step()
+dt = (time.perf_counter() - t0) / steps
+print(json.dumps({"tok_s": batch * seq / dt, "step_s": dt}))
+"""
+
+
+def train(build, model, seq, batch, micro, steps, device, fast):
+    dev = 0 if device == "cuda" else -1
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(TRAIN_WORKER)
+        worker = f.name
+    cmd = [sys.executable, worker, os.path.join(HERE, "..", "python"), model, str(seq), str(batch), str(micro),
+           str(steps), str(dev), str(int(fast))]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env_for(build), timeout=900)
+    os.unlink(worker)
+    if r.returncode != 0:
+        raise RuntimeError(f"train worker: rc {r.returncode}: {r.stderr[-1500:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--a", required=True)
+    ap.add_argument("--b", required=True)
+    ap.add_argument("--labels", default="before,after")
+    ap.add_argument("--parts", default="decode,train")
+    ap.add_argument("--model", default="0.5b")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--micro", default="1,8")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--work", default="/tmp/kiln-bench-ab")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import torch
+    import bench_gpu
+    builds = dict(zip(args.labels.split(","), (args.a, args.b)))
+    dev = "cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu"
+    os.makedirs(args.work, exist_ok=True)
+    name = "0.5b" if args.model == "0.5b" else "tiny"
+    V = bench_gpu.hf_config(name).vocab_size
+    tokdir = os.path.join(args.work, "tok-" + name)
+    os.makedirs(tokdir, exist_ok=True)
+    special, eos = bench_gpu.special_tokens(name)
+    bench_gpu.write_tokenizer(tokdir, V, special, eos)
+    model = bench_gpu.make_model(name, args.work, tokdir, dev)[0]
+    rows = []
+    parts = args.parts.split(",")
+    if "decode" in parts:
+        long_prompt = ("the kiln fires clay into stone " * (args.prefill // 31 + 1))[: args.prefill]
+        for fast in (False, True):
+            mode = "fast" if fast else "auditable"
+            dec = {k: [] for k in builds}
+            pre = {k: [] for k in builds}
+            for _ in range(args.reps):
+                for label, b in builds.items():
+                    dec[label].append(generate(b, model, bench_gpu.PROMPT, args.new, fast, args.device)["decode_tokens_per_s"])
+                    r = generate(b, model, long_prompt, 1, fast, args.device)
+                    pre[label].append(len(r["prompt_ids"]) / r["prefill_seconds"])
+            for what, d in (("decode tok/s", dec), (f"prefill tok/s ({len(r['prompt_ids'])} tokens)", pre)):
+                rows.append((f"{what}, {mode}", {k: statistics.median(v) for k, v in d.items()}))
+                print("row", rows[-1], flush=True)
+    if "train" in parts:
+        for micro in [int(x) for x in args.micro.split(",")]:
+            got = {}
+            for label, b in builds.items():
+                got[label] = train(b, model, args.seq, args.batch, micro, args.steps, args.device,
+                                   args.device == "cuda")["tok_s"]
+            rows.append((f"train tok/s, fast, {args.batch} x {args.seq}, {micro} per forward", got))
+            print("row", rows[-1], flush=True)
+    labels = list(builds)
+    print(f"\n{'figure':58s} " + " ".join(f"{l:>12s}" for l in labels) + f" {labels[1] + '/' + labels[0]:>14s}")
+    for what, vals in rows:
+        ratio = vals[labels[1]] / vals[labels[0]] if vals[labels[0]] else float("nan")
+        print(f"{what:58s} " + " ".join(f"{vals[l]:12.1f}" for l in labels) + f" {ratio:14.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "builds": builds, "time": time.time()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
