@@ -113,7 +113,7 @@ def main():
     builds = dict(zip(args.labels.split(","), (args.a, args.b)))
     dev = "cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu"
     os.makedirs(args.work, exist_ok=True)
-    name = "0.5b" if args.model == "0.5b" else "tiny"
+    name = {"0.5b": "Qwen2.5-0.5B", "1.5b": "Qwen2.5-1.5B", "tiny": "tiny"}[args.model]
     V = bench_gpu.hf_config(name).vocab_size
     tokdir = os.path.join(args.work, "tok-" + name)
     os.makedirs(tokdir, exist_ok=True)
