@@ -5,7 +5,8 @@ alternating rep by rep so that drift of the machine falls on both. For "before/a
 of a change (bench/RESULTS.md); the peers' figures are bench_gpu.py's and
 bench_train_gpu.py's.
 
-  python3 bench/bench_ab.py --a BUILD_BEFORE --b BUILD_AFTER [--labels before,after]
+  python3 bench/bench_ab.py --a BUILD_BEFORE --b BUILD_AFTER [--c BUILD_3] [--labels before,after]
+      [--modes auditable,fast]
       [--parts decode,train] [--model 0.5b] [--new 128] [--prefill 2048] [--reps 3]
       [--seq 2048] [--batch 8] [--micro 1,8] [--steps 3] [--device cuda|cpu] [--json OUT]
 
@@ -94,7 +95,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--a", required=True)
     ap.add_argument("--b", required=True)
-    ap.add_argument("--labels", default="before,after")
+    ap.add_argument("--c", default=None, help="a third build (between the two), optional")
+    ap.add_argument("--labels", default="before,after", help="labels of --a,--b[,--c]")
+    ap.add_argument("--modes", default="auditable,fast")
     ap.add_argument("--parts", default="decode,train")
     ap.add_argument("--model", default="0.5b")
     ap.add_argument("--new", type=int, default=128)
@@ -110,7 +113,7 @@ def main():
     args = ap.parse_args()
     import torch
     import bench_gpu
-    builds = dict(zip(args.labels.split(","), (args.a, args.b)))
+    builds = dict(zip(args.labels.split(","), [x for x in (args.a, args.b, args.c) if x]))
     dev = "cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu"
     os.makedirs(args.work, exist_ok=True)
     name = {"0.5b": "Qwen2.5-0.5B", "1.5b": "Qwen2.5-1.5B", "tiny": "tiny"}[args.model]
@@ -124,7 +127,7 @@ def main():
     parts = args.parts.split(",")
     if "decode" in parts:
         long_prompt = ("the kiln fires clay into stone " * (args.prefill // 31 + 1))[: args.prefill]
-        for fast in (False, True):
+        for fast in [m == "fast" for m in args.modes.split(",")]:
             mode = "fast" if fast else "auditable"
             dec = {k: [] for k in builds}
             pre = {k: [] for k in builds}
@@ -145,10 +148,11 @@ def main():
             rows.append((f"train tok/s, fast, {args.batch} x {args.seq}, {micro} per forward", got))
             print("row", rows[-1], flush=True)
     labels = list(builds)
-    print(f"\n{'figure':58s} " + " ".join(f"{l:>12s}" for l in labels) + f" {labels[1] + '/' + labels[0]:>14s}")
+    print(f"\n{'figure':58s} " + " ".join(f"{l:>12s}" for l in labels) +
+          "".join(f" {l + '/' + labels[0]:>14s}" for l in labels[1:]))
     for what, vals in rows:
-        ratio = vals[labels[1]] / vals[labels[0]] if vals[labels[0]] else float("nan")
-        print(f"{what:58s} " + " ".join(f"{vals[l]:12.1f}" for l in labels) + f" {ratio:14.3f}")
+        ratios = [vals[l] / vals[labels[0]] if vals[labels[0]] else float("nan") for l in labels[1:]]
+        print(f"{what:58s} " + " ".join(f"{vals[l]:12.1f}" for l in labels) + "".join(f" {r:14.3f}" for r in ratios))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "builds": builds, "time": time.time()}, f, indent=1)
