@@ -220,6 +220,28 @@ kiln_status kiln_forward_stage(kiln_forward_state *fs, const kiln_batch *b) {
 
 /* ---- the forward through the model's architecture ---------------------------------------- */
 
+void kiln_forward_logits(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int N,
+                         const int32_t *out, int n_out, float *logits) {
+    const kiln_backend_i *op = be->i;
+    const int C = m->cfg.n_embd;
+    if (!logits) return;
+    /* the rows whose logits are wanted: all, one contiguous range, or gathered */
+    const float *h = fs->x;
+    int rows = N;
+    if (out) {
+        rows = n_out;
+        if (n_out > 0 && out[n_out - 1] - out[0] == n_out - 1) {
+            h = fs->x + (size_t)out[0] * C;
+        } else {
+            op->get_rows(be, fs->tmp, fs->x, out, n_out, C);
+            h = fs->tmp;
+        }
+    }
+    if (rows <= 0) return;
+    op->rmsnorm(be, fs->xb, h, fs->final_norm, rows, C, m->cfg.rms_eps);
+    op->matmul(be, logits, fs->xb, m->lm_head, NULL, rows);
+}
+
 /* The runs of batch b (consecutive tokens of one sequence at consecutive positions) into
  * runs[0..), at most b->n; their count. */
 static int batch_runs(const kiln_batch *b, kiln_batch_run *runs) {

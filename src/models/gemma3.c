@@ -141,21 +141,7 @@ static void gemma3_forward(const kiln_model *m, kiln_backend *be, kiln_forward_s
         op->add(be, fs->x, fs->tmp, (size_t)N * C);
 #undef W
     }
-    if (!logits) return;
-    const float *h = fs->x;
-    int rows = N;
-    if (out) {
-        rows = n_out;
-        if (n_out > 0 && out[n_out - 1] - out[0] == n_out - 1) {
-            h = fs->x + (size_t)out[0] * C;
-        } else {
-            op->get_rows(be, fs->tmp, fs->x, out, n_out, C);
-            h = fs->tmp;
-        }
-    }
-    if (rows <= 0) return;
-    op->rmsnorm(be, fs->xb, h, fs->final_norm, rows, C, eps);
-    op->matmul(be, logits, fs->xb, m->lm_head, NULL, rows);
+    kiln_forward_logits(m, be, fs, N, out, n_out, logits);
 }
 
 const kiln_arch_desc kiln_arch_gemma3 = {

@@ -369,8 +369,6 @@ static void llama_forward(const kiln_model *m, kiln_backend *be, kiln_forward_st
                           const kiln_batch_run *runs, int n_runs, int max_T, const int32_t *out, int n_out,
                           float *logits) {
     const kiln_model_config *c = &m->cfg;
-    const kiln_backend_i *op = be->i;
-    const int C = c->n_embd;
     const int32_t *ids = fs->d_batch;
     /* every layer in the same scratch: q and k normed and rotated in place, the gate's buffer
      * reused for silu(gate) * up */
@@ -402,22 +400,7 @@ static void llama_forward(const kiln_model *m, kiln_backend *be, kiln_forward_st
     R.n_runs = n_runs;
     R.max_T = max_T;
     llama_layers(&R);
-    if (!logits) return;
-    /* the rows whose logits are wanted: all, one contiguous range, or gathered */
-    const float *h = fs->x;
-    int rows = N;
-    if (out) {
-        rows = n_out;
-        if (n_out > 0 && out[n_out - 1] - out[0] == n_out - 1) {
-            h = fs->x + (size_t)out[0] * C;
-        } else {
-            op->get_rows(be, fs->tmp, fs->x, out, n_out, C);
-            h = fs->tmp;
-        }
-    }
-    if (rows <= 0) return;
-    op->rmsnorm(be, fs->xb, h, fs->final_norm, rows, C, c->rms_eps);
-    op->matmul(be, logits, fs->xb, m->lm_head, NULL, rows);
+    kiln_forward_logits(m, be, fs, N, out, n_out, logits);
 }
 
 /* ---- training: the activations ------------------------------------------------------------ */

@@ -147,6 +147,11 @@ kiln_status kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forwa
  * own run (a decode step); the bits of kiln_model_forward on the same batch. */
 void kiln_model_forward_dev(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int B,
                             float *logits);
+/* The end of an architecture's generation forward: the logits of the rows out[0..n_out) (all N
+ * when out is NULL) of the residual stream fs->x, through the final norm (fs->final_norm)
+ * and the output head, to logits (backend memory; NULL: nothing). */
+void kiln_forward_logits(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int N,
+                         const int32_t *out, int n_out, float *logits);
 /* Stage batch b in fs->h_batch (ids, positions, sequences, slots) and upload it to
  * fs->d_batch (on a host-memory backend the two are one buffer). */
 kiln_status kiln_forward_stage(kiln_forward_state *fs, const kiln_batch *b);
