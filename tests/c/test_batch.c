@@ -3,8 +3,8 @@
  * the CPU backend: a sequence's logits have the same bits whatever else is in the batch
  * (prefill chunks and decode tokens of other sequences, in any mix), and wherever its cache
  * blocks lie in the pool (a shuffled block table). The reference is each sequence run alone,
- * prefilled in one batch and decoded one token at a time. Skipped (77) without the
- * vocabulary files the model is made with.
+ * prefilled in one batch and decoded one token at a time. Skipped (77) without a tokenizer
+ * to make the model with (test_util.h test_tokenizer_path).
  */
 #include "base/base.h"
 #include "models/model.h"
@@ -14,7 +14,7 @@
 
 #include <unistd.h>
 
-#define V 32000
+static int V = 32000; /* the tokenizer's (test_tokenizer_path) */
 #define NSEQ 3
 #define MAXT 140
 
@@ -95,13 +95,9 @@ static void mixed(kiln_model *m, kiln_backend *be, float *const *ref, const int 
 }
 
 int main(void) {
-    const char *env = getenv("KILN_SHARED_DIR");
-    char dir[1024], tokp[1200], cfg[1200];
-    if (env) snprintf(dir, sizeof dir, "%s/testdata/tokenizer-vectors", env);
-    else snprintf(dir, sizeof dir, "%s", KILN_SOURCE_DIR "/../shared/testdata/tokenizer-vectors");
-    snprintf(tokp, sizeof tokp, "%s/ggml-vocab-llama-spm.gguf", dir);
-    if (!kiln_path_is_file(tokp)) {
-        printf("vocabulary not found at %s: skipped\n", tokp);
+    char tokp[1200], cfg[1200];
+    if (!test_tokenizer_path(tokp, sizeof tokp, &V)) {
+        printf("no tokenizer (the shared test vocabulary or $KILN_SMOLLM2_GGUF): skipped\n");
         return 77;
     }
     snprintf(cfg, sizeof cfg, "%s/kiln-test-batch-%d.json", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", (int)getpid());

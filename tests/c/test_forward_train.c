@@ -4,7 +4,7 @@
  * Llama-family layouts (q/k/v biases, q/k norms, tied and untied heads). The generation side's
  * logits are the head's product of its final hidden states; the training side's hidden states
  * go through the same product (the backend's matmul) and must give the same bits. Skipped (77)
- * without the vocabulary file the models are made with.
+ * without a tokenizer to make the models with (test_util.h test_tokenizer_path).
  */
 #include "base/base.h"
 #include "models/model.h"
@@ -14,7 +14,7 @@
 
 #include <unistd.h>
 
-#define V 32000
+static int V = 32000; /* the tokenizer's (test_tokenizer_path) */
 #define N 70 /* across a KV block edge */
 
 static void one(const char *tokp, const char *type, int tied, int bias) {
@@ -87,13 +87,9 @@ static void one(const char *tokp, const char *type, int tied, int bias) {
 }
 
 int main(void) {
-    const char *env = getenv("KILN_SHARED_DIR");
-    char dir[1024], tokp[1200];
-    if (env) snprintf(dir, sizeof dir, "%s/testdata/tokenizer-vectors", env);
-    else snprintf(dir, sizeof dir, "%s", KILN_SOURCE_DIR "/../shared/testdata/tokenizer-vectors");
-    snprintf(tokp, sizeof tokp, "%s/ggml-vocab-llama-spm.gguf", dir);
-    if (!kiln_path_is_file(tokp)) {
-        printf("vocabulary not found at %s: skipped\n", tokp);
+    char tokp[1200];
+    if (!test_tokenizer_path(tokp, sizeof tokp, &V)) {
+        printf("no tokenizer (the shared test vocabulary or $KILN_SMOLLM2_GGUF): skipped\n");
         return 77;
     }
     one(tokp, "llama", 1, 0);

@@ -65,6 +65,30 @@ static inline int same_bits(const float *a, const float *b, size_t n, const char
     return 1;
 }
 
+/* A tokenizer to make small test models with: the shared test data's Llama SentencePiece
+ * vocabulary ($KILN_SHARED_DIR/testdata/tokenizer-vectors, or the source tree's
+ * ../shared/...; 32000 tokens), else the default model's GGUF ($KILN_SMOLLM2_GGUF, which
+ * scripts/test.sh fetches; 49152 tokens). 1 with its path and size, 0 when neither exists. */
+static inline int test_tokenizer_path(char *path, size_t cap, int *n_vocab) {
+    const char *env = getenv("KILN_SHARED_DIR");
+    if (env) snprintf(path, cap, "%s/testdata/tokenizer-vectors/ggml-vocab-llama-spm.gguf", env);
+    else snprintf(path, cap, "%s", KILN_SOURCE_DIR "/../shared/testdata/tokenizer-vectors/ggml-vocab-llama-spm.gguf");
+    FILE *f = fopen(path, "rb");
+    if (f) {
+        fclose(f);
+        *n_vocab = 32000;
+        return 1;
+    }
+    const char *gguf = getenv("KILN_SMOLLM2_GGUF");
+    if (gguf && (f = fopen(gguf, "rb")) != NULL) {
+        fclose(f);
+        snprintf(path, cap, "%s", gguf);
+        *n_vocab = 49152;
+        return 1;
+    }
+    return 0;
+}
+
 static inline int test_finish(const char *name) {
     printf("%s: %d checks, %d failed\n", name, t_checks, t_failures);
     return t_failures ? 1 : 0;
