@@ -81,9 +81,9 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
     const kiln_model_config *c = &m->cfg;
     memset(fs, 0, sizeof *fs);
     fs->be = be;
-    if (!be->i->kv_store_rows || !be->i->attention_paged || !be->i->get_rows)
+    if (!be->i->kv_store_rows || !be->i->attention_paged || !be->i->get_rows || !be->i->scale)
         return kiln_error(KILN_ERR_UNSUPPORTED, "forward state: the %s backend lacks the batch ops "
-                          "(kv_store_rows, attention_paged, get_rows)", be->i->name);
+                          "(kv_store_rows, attention_paged, get_rows, scale)", be->i->name);
     if (m->arch->uses_geglu && !be->i->geglu)
         return kiln_error(KILN_ERR_UNSUPPORTED, "forward state: %s needs GeGLU, which the %s backend lacks",
                           m->arch->name, be->i->name);

@@ -122,7 +122,8 @@ typedef struct kiln_forward_state kiln_forward_state;
  * n_ctx positions and batches of up to n_batch tokens: scratch and KV cache through
  * kiln_backend_alloc, zeroed; the block table and rope tables computed on the host and
  * uploaded; the f32 weight vectors uploaded (device backends). The backend must have the
- * batch ops (kv_store_rows, attention_paged, get_rows). */
+ * batch ops (kv_store_rows, attention_paged, get_rows) and scale (and geglu for an
+ * architecture that uses it). */
 kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be,
                                     int n_ctx, int n_batch, int n_seq);
 void kiln_forward_state_free(kiln_forward_state *fs);

@@ -131,6 +131,11 @@ static void ds_geglu(kiln_backend *be, float *out, const float *g, const float *
     need(u, F(n), "geglu up");
     g_cpu->i->geglu(g_cpu, out, g, u, n);
 }
+static void ds_scale(kiln_backend *be, float *x, float sc, size_t n) {
+    (void)be;
+    need(x, F(n), "scale x");
+    g_cpu->i->scale(g_cpu, x, sc, n);
+}
 static void ds_add(kiln_backend *be, float *x, const float *y, size_t n) {
     (void)be;
     need(x, F(n), "add x");
@@ -202,6 +207,7 @@ static const kiln_backend_i ds_iface = {
     .attention_paged = ds_attention_paged,
     .get_rows = ds_get_rows,
     .geglu = ds_geglu,
+    .scale = ds_scale,
 };
 
 /* ---- the test ------------------------------------------------------------------------------- */
@@ -225,17 +231,19 @@ static kiln_status randomise_role(void *ctx, const kiln_param_role *r, int layer
     return KILN_OK;
 }
 
-static int run(const char *dir, const char *arch, const char *vocab, int tied, int n_batch) {
-    char cfg[1200], tok[1200];
+/* A model of architecture arch (config.json model_type) with the tokenizer at tok (n_vocab
+ * tokens). */
+static int run(const char *tok, int n_vocab, const char *arch, int tied, int n_batch) {
+    char cfg[1200];
     snprintf(cfg, sizeof cfg, "%s/devsim-%s.json", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", arch);
-    snprintf(tok, sizeof tok, "%s/ggml-vocab-%s.gguf", dir, vocab);
     FILE *f = fopen(cfg, "w");
     if (!f) return 0;
     fprintf(f, "{\"model_type\": \"%s\", \"hidden_size\": 64, \"num_hidden_layers\": 2,"
                " \"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 24,"
                " \"intermediate_size\": 96, \"vocab_size\": %d, \"max_position_embeddings\": 256,"
-               " \"rms_norm_eps\": 1e-6, \"rope_theta\": 10000.0, \"tie_word_embeddings\": %s}\n",
-            arch, strcmp(vocab, "qwen2") ? 32000 : 151936, tied ? "true" : "false");
+               " \"rms_norm_eps\": 1e-6, \"rope_theta\": 10000.0, \"tie_word_embeddings\": %s%s}\n",
+            arch, n_vocab, tied ? "true" : "false",
+            strcmp(arch, "gemma3_text") ? "" : ", \"sliding_window\": 8, \"sliding_window_pattern\": 2");
     fclose(f);
     kiln_model *m = NULL;
     if (kiln_model_create(cfg, tok, 7, &m) != KILN_OK) {
@@ -331,21 +339,32 @@ static int run(const char *dir, const char *arch, const char *vocab, int tied, i
     return ok;
 }
 
+/* The tokenizers: the shared test vocabularies (Llama's SentencePiece, Qwen2's 151,936-token
+ * BPE), else the default model's GGUF ($KILN_SMOLLM2_GGUF, which scripts/test.sh fetches) for
+ * every model. */
 int main(void) {
-    const char *env = getenv("KILN_SHARED_DIR");
-    char dir[1024], probe[1200];
+    const char *env = getenv("KILN_SHARED_DIR"), *gguf = getenv("KILN_SMOLLM2_GGUF");
+    char dir[1024], spm[1200], qwen[1200];
     if (env) snprintf(dir, sizeof dir, "%s/testdata/tokenizer-vectors", env);
     else snprintf(dir, sizeof dir, "%s", KILN_SOURCE_DIR "/../shared/testdata/tokenizer-vectors");
-    snprintf(probe, sizeof probe, "%s/ggml-vocab-qwen2.gguf", dir);
-    if (!kiln_path_is_file(probe)) {
-        printf("vocabularies not found at %s: skipped\n", dir);
-        return 77;
+    snprintf(spm, sizeof spm, "%s/ggml-vocab-llama-spm.gguf", dir);
+    snprintf(qwen, sizeof qwen, "%s/ggml-vocab-qwen2.gguf", dir);
+    int v_spm = 32000, v_qwen = 151936;
+    if (!kiln_path_is_file(spm) || !kiln_path_is_file(qwen)) {
+        if (!gguf || !kiln_path_is_file(gguf)) {
+            printf("no tokenizer (vocabularies at %s, or $KILN_SMOLLM2_GGUF): skipped\n", dir);
+            return 77;
+        }
+        snprintf(spm, sizeof spm, "%s", gguf);
+        snprintf(qwen, sizeof qwen, "%s", gguf);
+        v_spm = v_qwen = 49152;
     }
     if (kiln_backend_cpu_create(1, &g_cpu) != KILN_OK) return 1;
     int ok = 1;
-    ok &= run(dir, "llama", "llama-spm", 1, 32);
-    ok &= run(dir, "qwen2", "qwen2", 1, 4);
-    ok &= run(dir, "qwen3", "qwen2", 0, 32);
+    ok &= run(spm, v_spm, "llama", 1, 32);
+    ok &= run(qwen, v_qwen, "qwen2", 1, 4);
+    ok &= run(qwen, v_qwen, "qwen3", 0, 32);
+    ok &= run(spm, v_spm, "gemma3_text", 1, 4); /* a sliding window of 8 the 13 positions cross */
     kiln_backend_free(g_cpu);
     ok &= g_violations == 0;
     printf("%s: %d memory-contract violations\n", ok ? "PASS" : "FAIL", g_violations);
