@@ -1,11 +1,10 @@
 /*
- * trainer.c -- training a Llama-family model on a backend (the CPU, or a CUDA GPU):
- * parameters and gradients by transformers' names, a forward pass that keeps its activations
- * in an arena sized up front, the fused cross-entropy (never T x V logits), the backward pass
- * written with the backend's backward ops, gradient clipping and AdamW.
- *
- * The forward is the inference forward (llama_forward.c) op for op, so a trained model's
- * logits in kiln_generate are the bits training saw. Matrices are stored f32, or bf16 for
+ * trainer.c -- training a model on a backend (the CPU, or a CUDA GPU): its parameters are the
+ * architecture's roles (models/arch.h) by transformers' names; the layers' forward and
+ * backward are the architecture's train hooks (models/llama.c: the generation forward's layer
+ * function keeping each layer's activations), so a trained model's logits in kiln_generate
+ * are the bits training saw; this file adds the fused cross-entropy (never T x V logits),
+ * gradient clipping, AdamW, checkpoints and CUDA graphs of the steps. Matrices are stored f32, or bf16 for
  * the bf16 storage variants; vectors (norms, biases) always f32 with an f32 AdamW.
  *
  * Memory (docs/CUDA.md, "Memory contract"): weights, gradients, activations, the loss's
