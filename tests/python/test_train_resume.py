@@ -308,3 +308,22 @@ def test_cli_constant_schedule_may_extend_steps(cli_setup, build_dir):
     assert [x[:2] for x in losses(out)] == [x[:2] for x in losses(full)]
     r = cli(build_dir, "train", *args, "--steps", "5", "--out", out, "--resume")
     assert r.returncode == 1 and "past --steps 5" in r.stderr
+
+
+def test_cli_resume_keeps_the_checkpoints_sequences_per_forward(cli_setup, build_dir):
+    """--seqs-per-forward left out on --resume: the checkpoint's K (another would change the
+    run's bits), the same losses as the uninterrupted run; another K given is refused."""
+    base, d, args = cli_setup
+    out, full = base / "spf", base / "spf_full"
+    args = [*args, "--steps", "6", "--seqs-per-forward", "2"]
+    assert cli(build_dir, "train", *args, "--out", full).returncode == 0
+    r = cli(build_dir, "train", *args, "--out", out, "--stop-after", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    i = args.index("--seqs-per-forward")
+    no_flag = args[:i] + args[i + 2:]
+    r = cli(build_dir, "train", *no_flag, "--out", out, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert losses(out) == losses(full)
+    r = cli(build_dir, "train", *no_flag, "--seqs-per-forward", "1", "--steps", "8", "--out", out, "--resume",
+            "--schedule", "constant")
+    assert r.returncode == 1 and "--seqs-per-forward: checkpoint 2, now 1" in r.stderr, r.stderr[-2000:]
