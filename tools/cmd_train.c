@@ -432,24 +432,23 @@ static int check_resume_settings(const train_opts *o, const char *run, long star
 }
 
 /* The trainer for o's settings, o->per_forward sequences a forward. */
-static kiln_status make_trainer(kiln_model *m, const train_opts *o_, kiln_trainer **tr) {
-    const train_opts o = *o_;
+static kiln_status make_trainer(kiln_model *m, const train_opts *o, kiln_trainer **tr) {
     kiln_train_params tp = kiln_train_default_params();
-    tp.max_seq = (int)o.seq;
-    tp.max_batch = (int)o.per_forward;
-    tp.n_threads = (int)o.threads;
-    tp.lr = o.lr;
-    tp.weight_decay = o.weight_decay;
-    tp.seed = o.seed;
-    tp.weight_storage = !strcmp(o.storage, "f32") ? KILN_STORAGE_F32
-                        : !strcmp(o.storage, "bf16_master") ? KILN_STORAGE_BF16_MASTER
-                        : !strcmp(o.storage, "bf16_kahan") ? KILN_STORAGE_BF16_KAHAN
+    tp.max_seq = (int)o->seq;
+    tp.max_batch = (int)o->per_forward;
+    tp.n_threads = (int)o->threads;
+    tp.lr = o->lr;
+    tp.weight_decay = o->weight_decay;
+    tp.seed = o->seed;
+    tp.weight_storage = !strcmp(o->storage, "f32") ? KILN_STORAGE_F32
+                        : !strcmp(o->storage, "bf16_master") ? KILN_STORAGE_BF16_MASTER
+                        : !strcmp(o->storage, "bf16_kahan") ? KILN_STORAGE_BF16_KAHAN
                                                            : KILN_STORAGE_BF16_SR;
-    tp.moment_storage = !strcmp(o.moments, "q8") ? KILN_MOMENTS_Q8 : KILN_MOMENTS_F32;
-    tp.device = o.device;
-    tp.fast = o.fast;
-    if (o.loss_row_block >= 0) tp.ce_row_block = (int)o.loss_row_block;
-    tp.ce_logits_f32 = o.loss_logits_f32;
+    tp.moment_storage = !strcmp(o->moments, "q8") ? KILN_MOMENTS_Q8 : KILN_MOMENTS_F32;
+    tp.device = o->device;
+    tp.fast = o->fast;
+    if (o->loss_row_block >= 0) tp.ce_row_block = (int)o->loss_row_block;
+    tp.ce_logits_f32 = o->loss_logits_f32;
     return kiln_trainer_create(m, &tp, tr);
 }
 

@@ -6,27 +6,8 @@
 
 #include <math.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <string.h>
-
-/* Zero nbytes (a multiple of 4) of backend memory at p: the backend's zero op, or uploads of a
- * zeroed host chunk where it has none. */
-static kiln_status backend_zero(kiln_backend *be, void *p, size_t nbytes) {
-    if (be->i->zero) {
-        be->i->zero(be, (float *)p, nbytes / sizeof(float));
-        return kiln_backend_status(be);
-    }
-    size_t chunk = nbytes < ((size_t)4 << 20) ? nbytes : ((size_t)4 << 20);
-    if (!chunk) return KILN_OK;
-    void *zeros = kiln_calloc(1, chunk);
-    if (!zeros) return kiln_error(KILN_ERR_NOMEM, "forward state: out of memory (%zu bytes)", chunk);
-    kiln_status st = KILN_OK;
-    for (size_t off = 0; off < nbytes && st == KILN_OK; off += chunk) {
-        size_t n = nbytes - off < chunk ? nbytes - off : chunk;
-        st = kiln_backend_upload(be, (char *)p + off, zeros, n);
-    }
-    kiln_free(zeros);
-    return st;
-}
 
 /* A device backend: copy the model's layer table and put every f32 vector its roles bind
  * (norms, biases, q/k norms; kiln_arch's vector roles) into one backend block. */
@@ -129,13 +110,13 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
         kiln_forward_state_free(fs);
         return kiln_error(KILN_ERR_NOMEM, "out of memory for a %d-token batch", n_batch);
     }
-    /* cpu: kiln_calloc (what kiln_backend_alloc is there, zeroed lazily by the OS); device:
-     * backend memory, zeroed explicitly so no stale bits are ever read */
-    float *block = fs->host_memory ? kiln_calloc(1, bytes) : kiln_backend_alloc(be, bytes);
+    /* zeroed, so no stale bits are ever read (host memory: calloc, zeroed lazily by the OS) */
+    char what[64];
+    snprintf(what, sizeof what, "a %d-token context", n_ctx);
+    float *block = kiln_backend_alloc_zeroed(be, bytes, "forward state", what);
     if (!block) {
         kiln_forward_state_free(fs);
-        return kiln_error(KILN_ERR_NOMEM, "out of %s memory allocating %zu bytes for a %d-token context",
-                          be->i->name, bytes, n_ctx);
+        return KILN_ERR_NOMEM; /* the message names the backend and its reason */
     }
     fs->block = block;
     fs->bytes = bytes;
@@ -165,8 +146,7 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
         fs->final_norm = m->final_norm;
         return KILN_OK;
     }
-    st = backend_zero(be, block, bytes);
-    if (st == KILN_OK) st = kiln_backend_upload(be, table, fs->host_table, S * max_blocks * sizeof(int32_t));
+    st = kiln_backend_upload(be, table, fs->host_table, S * max_blocks * sizeof(int32_t));
     if (st == KILN_OK) {
         size_t tab = T * HS / 2;
         float *host = kiln_malloc((tab ? tab : 1) * 2 * sizeof(float));
@@ -191,10 +171,8 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
 
 void kiln_forward_state_free(kiln_forward_state *fs) {
     if (!fs) return;
-    if (fs->host_memory) {
-        kiln_free(fs->block);
-    } else if (fs->be) {
-        kiln_backend_free_buf(fs->be, fs->block);
+    if (fs->be && fs->block) kiln_backend_free_buf(fs->be, fs->block);
+    if (!fs->host_memory && fs->be) {
         kiln_backend_free_buf(fs->be, fs->wblock);
         kiln_backend_free_buf(fs->be, fs->logits);
         kiln_free(fs->h_batch);

@@ -405,35 +405,10 @@ static void llama_forward(const kiln_model *m, kiln_backend *be, kiln_forward_st
 
 /* ---- training: the activations ------------------------------------------------------------ */
 
-/* nbytes of zeroed backend memory (kiln_calloc on a host-memory backend). NULL with the error
- * set. */
-static void *train_alloc(kiln_train_io *io, size_t nbytes, const char *what) {
-    kiln_backend *be = io->be;
-    size_t b = ((nbytes ? nbytes : 64) + 3) & ~(size_t)3;
-    if (be->i->host_memory) {
-        void *p = kiln_calloc(1, b);
-        if (!p) kiln_error(KILN_ERR_NOMEM, "trainer: out of memory allocating %zu bytes for %s", b, what);
-        return p;
-    }
-    void *p = kiln_backend_alloc(be, b);
-    if (!p) {
-        char why[256];
-        snprintf(why, sizeof why, "%s", kiln_last_error());
-        kiln_error(KILN_ERR_NOMEM, "trainer: out of %s memory allocating %zu bytes for %s: %s", be->i->name, b, what,
-                   why);
-        return NULL;
-    }
-    be->i->zero(be, p, b / sizeof(float));
-    return p;
-}
-
 static void llama_train_free(kiln_train_io *io) {
     llama_train *t = io ? io->priv : NULL;
     if (!t) return;
-    if (t->block) {
-        if (io->be->i->host_memory) kiln_free(t->block);
-        else kiln_backend_free_buf(io->be, t->block);
-    }
+    if (t->block) kiln_backend_free_buf(io->be, t->block);
     kiln_free(t->acts);
     kiln_free(t);
     io->priv = NULL;
@@ -537,7 +512,7 @@ static kiln_status llama_train_init(kiln_train_io *io) {
     size_t bytes = 0;
     if (st == KILN_OK && kiln_mul_overflow(total, sizeof(float), &bytes))
         st = kiln_error(KILN_ERR_RANGE, "trainer: activations too large");
-    float *blk = st == KILN_OK ? train_alloc(io, bytes, "activations") : NULL;
+    float *blk = st == KILN_OK ? kiln_backend_alloc_zeroed(be, bytes, "trainer", "activations") : NULL;
     if (st == KILN_OK && !blk) st = KILN_ERR_NOMEM;
     if (st == KILN_OK) {
         size_t off = 0;

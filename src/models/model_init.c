@@ -159,14 +159,13 @@ kiln_status kiln_model_create(const char *config, const char *tokenizer_path, ui
                             tv, m->cfg.n_vocab);
     }
     if (st == KILN_OK) st = kiln_model_config_validate(&m->cfg, config);
-    const kiln_arch_desc *ad = kiln_arch_get(m->cfg.arch);
-    if (st == KILN_OK && (m->cfg.mlp_bias || (m->cfg.sliding_window && !(ad && ad->sliding_windows))))
+    m->arch = kiln_arch_get(m->cfg.arch);
+    if (st == KILN_OK && !m->arch) st = kiln_error(KILN_ERR_INTERNAL, "kiln_model_create: architecture %d has no description", (int)m->cfg.arch);
+    if (st == KILN_OK && (m->cfg.mlp_bias || (m->cfg.sliding_window && !m->arch->sliding_windows)))
         st = kiln_error(KILN_ERR_UNSUPPORTED, "kiln_model_create: MLP biases, and sliding windows outside Gemma 3, "
                                               "are not supported here");
     m->path = kiln_strdup(config);
     m->name = kiln_strdup(config);
-    m->arch = kiln_arch_get(m->cfg.arch);
-    if (st == KILN_OK && !m->arch) st = kiln_error(KILN_ERR_INTERNAL, "kiln_model_create: architecture %d has no description", (int)m->cfg.arch);
     m->arch_name = kiln_strdup(m->arch ? m->arch->name : "?");
     if (st == KILN_OK && (!m->path || !m->name || !m->arch_name)) st = kiln_error(KILN_ERR_NOMEM, "kiln_model_create: out of memory");
     init_ctx c = {0};

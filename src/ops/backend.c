@@ -1,7 +1,42 @@
 /*
- * backend.c -- what every backend shares: freeing through the table.
+ * backend.c -- what every backend shares: freeing through the table, zeroed buffers.
  */
 #include "ops.h"
+
+#include <stdio.h>
+
+void *kiln_backend_alloc_zeroed(kiln_backend *be, size_t nbytes, const char *owner, const char *what) {
+    const size_t b = ((nbytes ? nbytes : 64) + 3) & ~(size_t)3;
+    if (be->i->host_memory) {
+        void *p = kiln_calloc(1, b);
+        if (!p) kiln_error(KILN_ERR_NOMEM, "%s: out of memory allocating %zu bytes for %s", owner, b, what);
+        return p;
+    }
+    void *p = kiln_backend_alloc(be, b);
+    if (!p) {
+        char why[256];
+        snprintf(why, sizeof why, "%s", kiln_last_error());
+        kiln_error(KILN_ERR_NOMEM, "%s: out of %s memory allocating %zu bytes for %s: %s", owner, be->i->name, b,
+                   what, why);
+        return NULL;
+    }
+    if (be->i->zero) {
+        be->i->zero(be, p, b / sizeof(float));
+        return p;
+    }
+    /* no zero op: uploads of a zeroed host chunk */
+    const size_t chunk = b < ((size_t)4 << 20) ? b : ((size_t)4 << 20);
+    void *zeros = kiln_calloc(1, chunk);
+    kiln_status st = zeros ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "%s: out of memory (%zu bytes)", owner, chunk);
+    for (size_t off = 0; off < b && st == KILN_OK; off += chunk)
+        st = kiln_backend_upload(be, (char *)p + off, zeros, b - off < chunk ? b - off : chunk);
+    kiln_free(zeros);
+    if (st != KILN_OK) {
+        kiln_backend_free_buf(be, p);
+        return NULL;
+    }
+    return p;
+}
 
 void kiln_backend_free(kiln_backend *be) {
     if (!be) return;

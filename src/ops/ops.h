@@ -508,6 +508,12 @@ void kiln_backend_release(kiln_backend *be);
  * allocation at the same address is never mistaken for it. */
 void kiln_backends_forget(const void *host, size_t nbytes);
 
+/* nbytes (at least 64, rounded up to 4) of backend memory set to zero: kiln_calloc on a
+ * host-memory backend, else alloc and the zero op (or uploads of zeros where the backend has
+ * none). NULL with the error set, naming owner and what ("trainer", "activations"). Freed
+ * with kiln_backend_free_buf. */
+void *kiln_backend_alloc_zeroed(kiln_backend *be, size_t nbytes, const char *owner, const char *what);
+
 /* The table's memory entries, with host-memory defaults for a backend that has none. */
 static inline void *kiln_backend_alloc(kiln_backend *be, size_t nbytes) {
     return be->i->alloc ? be->i->alloc(be, nbytes) : kiln_malloc(nbytes);

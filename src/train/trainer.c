@@ -128,31 +128,13 @@ struct kiln_trainer {
 
 /* ---- backend memory ---------------------------------------------------------------------- */
 
-/* nbytes of zeroed backend memory: kiln_calloc on the cpu backend (so nothing changes there),
- * else kiln_backend_alloc and the backend's zero op. NULL with the error set. */
+/* nbytes of zeroed backend memory (ops.h kiln_backend_alloc_zeroed). NULL with the error set. */
 static void *bmem_alloc(kiln_trainer *t, size_t nbytes, const char *what) {
-    size_t b = ((nbytes ? nbytes : 64) + 3) & ~(size_t)3;
-    if (t->host) {
-        void *p = kiln_calloc(1, b);
-        if (!p) kiln_error(KILN_ERR_NOMEM, "trainer: out of memory allocating %zu bytes for %s", b, what);
-        return p;
-    }
-    void *p = kiln_backend_alloc(t->be, b);
-    if (!p) {
-        char why[256];
-        snprintf(why, sizeof why, "%s", kiln_last_error());
-        kiln_error(KILN_ERR_NOMEM, "trainer: out of %s memory allocating %zu bytes for %s: %s", t->be->i->name, b,
-                   what, why);
-        return NULL;
-    }
-    t->be->i->zero(t->be, p, b / sizeof(float));
-    return p;
+    return kiln_backend_alloc_zeroed(t->be, nbytes, "trainer", what);
 }
 
 static void bmem_free(kiln_trainer *t, void *p) {
-    if (!p) return;
-    if (t->host) kiln_free(p);
-    else kiln_backend_free_buf(t->be, p);
+    if (p) kiln_backend_free_buf(t->be, p);
 }
 
 /* p[0..n) = +0.0f in backend memory (memset on the cpu backend, the backend's zero op). */
@@ -265,14 +247,23 @@ typedef struct declare_ctx {
     int n;
 } declare_ctx;
 
+/* What role r of layer `layer` is to the trainer: absent from the model, a tied output head
+ * (the embedding's parameter serves it), or one of its parameters. */
+enum { ROLE_ABSENT, ROLE_TIED_HEAD, ROLE_PARAM };
+static int role_kind(const kiln_trainer *t, const kiln_param_role *r, int layer) {
+    const kiln_arch_desc *a = t->model->arch;
+    const kiln_wref *src = kiln_model_ref(t->model, r, layer);
+    if (!src->mat && !src->vec) return ROLE_ABSENT;
+    if ((int)(r - a->roles) == a->role_head && t->cfg.tie_embeddings) return ROLE_TIED_HEAD;
+    return ROLE_PARAM;
+}
+
 static kiln_status declare_role(void *ctx, const kiln_param_role *r, int layer) {
     declare_ctx *d = ctx;
     kiln_trainer *t = d->t;
     const kiln_arch_desc *a = t->model->arch;
-    const kiln_wref *src = kiln_model_ref(t->model, r, layer);
-    if (!src->mat && !src->vec) return KILN_OK; /* absent */
+    if (role_kind(t, r, layer) != ROLE_PARAM) return KILN_OK;
     const int role = (int)(r - a->roles);
-    if (role == a->role_head && t->cfg.tie_embeddings) return KILN_OK;
     if (!r->trainable)
         return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: '%s' is not a trainable role", r->hf);
     d->n++;
@@ -285,41 +276,6 @@ static kiln_status declare_role(void *ctx, const kiln_param_role *r, int layer) 
     else if (role == a->role_final_norm) t->final_norm = p;
     else if (role == a->role_head) t->lm_head = p;
     return KILN_OK;
-}
-
-/* The kiln_wref of each parameter (bind_refs, after the parameters have memory), in the
- * order declare_role made them. */
-static kiln_status ref_role(void *ctx, const kiln_param_role *r, int layer) {
-    declare_ctx *d = ctx;
-    kiln_trainer *t = d->t;
-    const kiln_arch_desc *a = t->model->arch;
-    const kiln_wref *src = kiln_model_ref(t->model, r, layer);
-    if (!src->mat && !src->vec) return KILN_OK;
-    const int role = (int)(r - a->roles);
-    kiln_wref *dst = kiln_wref_of(a, t->refs, t->layer_refs, r, layer);
-    if (role == a->role_head && t->cfg.tie_embeddings) { /* the embedding's parameter */
-        *dst = t->refs[a->role_embed];
-        return KILN_OK;
-    }
-    train_param *p = &t->params[d->n++];
-    if (r->cols == KILN_DIM_ONE) {
-        dst->vec = (const float *)p->w;
-    } else {
-        /* the embedding is a table lookup (its f32 or bf16 storage); products take the bf16
-         * copy where there is one */
-        dst->mat = t->shadow && role != a->role_embed ? &p->view16 : &p->view;
-    }
-    dst->grad = p->g;
-    return KILN_OK;
-}
-
-static kiln_status bind_refs(kiln_trainer *t) {
-    const kiln_arch_desc *a = t->model->arch;
-    t->refs = kiln_calloc((size_t)a->n_roles, sizeof *t->refs);
-    t->layer_refs = kiln_calloc((size_t)t->cfg.n_layer * (size_t)a->n_layer_roles + 1, sizeof *t->layer_refs);
-    if (!t->refs || !t->layer_refs) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    declare_ctx d = {t, 0, 0};
-    return kiln_arch_walk(a, t->cfg.n_layer, ref_role, &d);
 }
 
 static kiln_status declare_params(kiln_trainer *t, int count, int *n) {
@@ -356,15 +312,31 @@ typedef struct load_ctx {
     int next; /* the next parameter (declare_role's order) */
 } load_ctx;
 
+/* Each parameter, in the order declare_role made them: its weights from the model, and its
+ * kiln_wref for the architecture's forward and backward (t->refs, t->layer_refs). */
 static kiln_status load_role(void *ctx, const kiln_param_role *r, int layer) {
     load_ctx *c = ctx;
     kiln_trainer *t = c->t;
-    const kiln_wref *ref = kiln_model_ref(t->model, r, layer);
-    if (!ref->mat && !ref->vec) return KILN_OK;
-    if ((int)(r - t->model->arch->roles) == t->model->arch->role_head && t->cfg.tie_embeddings) return KILN_OK;
+    const kiln_arch_desc *a = t->model->arch;
+    const int kind = role_kind(t, r, layer);
+    if (kind == ROLE_ABSENT) return KILN_OK;
+    kiln_wref *dst = kiln_wref_of(a, t->refs, t->layer_refs, r, layer);
+    if (kind == ROLE_TIED_HEAD) { /* the embedding's parameter (declared, so bound, before it) */
+        *dst = t->refs[a->role_embed];
+        return KILN_OK;
+    }
     if (c->next >= t->n_params) return kiln_error(KILN_ERR_INTERNAL, "trainer: more roles than parameters");
     train_param *p = &t->params[c->next++];
-    return load_from_model(t, p, ref->mat, ref->vec, c->tmp, c->tmp16);
+    if (r->cols == KILN_DIM_ONE) {
+        dst->vec = (const float *)p->w;
+    } else {
+        /* the embedding is a table lookup (its f32 or bf16 storage); products take the bf16
+         * copy where there is one */
+        dst->mat = t->shadow && (int)(r - a->roles) != a->role_embed ? &p->view16 : &p->view;
+    }
+    dst->grad = p->g;
+    const kiln_wref *src = kiln_model_ref(t->model, r, layer);
+    return load_from_model(t, p, src->mat, src->vec, c->tmp, c->tmp16);
 }
 
 static void bind_views(train_param *p) {
@@ -586,11 +558,15 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
         }
         /* weights from the model, role by role in the order they were declared */
         load_ctx lc = {t, tmp, tmp16, 0};
+        if (st == KILN_OK) {
+            t->refs = kiln_calloc((size_t)m->arch->n_roles, sizeof *t->refs);
+            t->layer_refs = kiln_calloc((size_t)t->cfg.n_layer * (size_t)m->arch->n_layer_roles + 1, sizeof *t->layer_refs);
+            if (!t->refs || !t->layer_refs) st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+        }
         if (st == KILN_OK) st = kiln_arch_walk(m->arch, t->cfg.n_layer, load_role, &lc);
         kiln_free(tmp);
         kiln_free(tmp16);
     }
-    if (st == KILN_OK) st = bind_refs(t);
     if (st == KILN_OK) st = alloc_activations(t);
     if (st == KILN_OK) st = create_optimizers(t);
     if (st != KILN_OK) {
