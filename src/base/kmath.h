@@ -142,6 +142,20 @@ static inline KILN_HD float kiln_gelu_tanh(float x) {
     return 0.5f * x * (1.0f + kiln_tanhf(inner));
 }
 static inline KILN_HD float kiln_geglu(float g, float u) { return kiln_gelu_tanh(g) * u; }
+/* The backward of out = kiln_geglu(g, u) given d = d loss / d out, in this order of f32
+ * operations (t = tanh(inner) as the forward computes it, k = sqrt(2/pi)):
+ *   gelu = 0.5 g (1 + t)                                 (the forward's bits)
+ *   gelu' = 0.5 (1 + t) + (0.5 g) ((1 - t t) (k (1 + 3 * 0.044715 g g)))
+ *   *du = d gelu ;  *dg = (d u) gelu'                                                      */
+static inline KILN_HD void kiln_geglu_backward(float g, float u, float d, float *dg, float *du) {
+    const float inner = 0.797884583473205566f * (g + 0.044715f * (g * g * g));
+    const float t = kiln_tanhf(inner);
+    const float gelu = 0.5f * g * (1.0f + t);
+    const float dinner = 0.797884583473205566f * (1.0f + 0.134145006537437439f * (g * g));
+    const float dgelu = 0.5f * (1.0f + t) + (0.5f * g) * ((1.0f - t * t) * dinner);
+    *du = d * gelu;
+    *dg = (d * u) * dgelu;
+}
 
 /* rmsnorm's scale for a row with sum of squares ss (the defined dot of x with itself):
  * 1 / sqrt(ss / C + eps), three correctly rounded operations and one division. */

@@ -51,6 +51,7 @@ static const hx_arch hx_archs[] = {
     {KILN_ARCH_MISTRAL, "mistral", "MistralForCausalLM"},
     {KILN_ARCH_QWEN2, "qwen2", "Qwen2ForCausalLM"},
     {KILN_ARCH_QWEN3, "qwen3", "Qwen3ForCausalLM"},
+    {KILN_ARCH_GEMMA3, "gemma3_text", "Gemma3ForCausalLM"},
 };
 
 /* Which bias / norm layouts each model_type can say (see hf_config.c's file comment). */
@@ -60,6 +61,7 @@ static kiln_status hx_check_layout(const kiln_model_config *c, const char *type)
     case KILN_ARCH_LLAMA: ok = c->attn_bias == c->attn_out_bias && !c->qk_norm; break;
     case KILN_ARCH_QWEN3: ok = c->attn_bias == c->attn_out_bias && !c->mlp_bias && c->qk_norm; break;
     case KILN_ARCH_QWEN2: ok = c->attn_bias && !c->attn_out_bias && !c->mlp_bias && !c->qk_norm; break;
+    case KILN_ARCH_GEMMA3: ok = !c->attn_bias && !c->attn_out_bias && !c->mlp_bias && c->qk_norm; break;
     default: ok = !c->attn_bias && !c->attn_out_bias && !c->mlp_bias && !c->qk_norm; break;
     }
     if (!ok)
@@ -119,9 +121,12 @@ kiln_status kiln_hf_config_write(const kiln_model_config *c, const char *dtype, 
     ADD("vocab_size", cJSON_CreateNumber(c->n_vocab));
     ADD("max_position_embeddings", cJSON_CreateNumber(c->n_ctx_train));
     ADD("rms_norm_eps", cJSON_CreateNumber(hx_float(c->rms_eps)));
-    ADD("hidden_act", cJSON_CreateString("silu"));
+    if (c->arch == KILN_ARCH_GEMMA3)
+        ADD("hidden_activation", cJSON_CreateString("gelu_pytorch_tanh"));
+    else
+        ADD("hidden_act", cJSON_CreateString("silu"));
     ADD("tie_word_embeddings", cJSON_CreateBool(c->tie_embeddings));
-    if (c->arch == KILN_ARCH_LLAMA || c->arch == KILN_ARCH_QWEN3)
+    if (c->arch == KILN_ARCH_LLAMA || c->arch == KILN_ARCH_QWEN3 || c->arch == KILN_ARCH_GEMMA3)
         ADD("attention_bias", cJSON_CreateBool(c->attn_bias));
     if (c->arch == KILN_ARCH_LLAMA) ADD("mlp_bias", cJSON_CreateBool(c->mlp_bias));
     ADD("attention_dropout", cJSON_CreateNumber(0.0));
@@ -130,9 +135,26 @@ kiln_status kiln_hf_config_write(const kiln_model_config *c, const char *dtype, 
     ADD("eos_token_id", hx_eos(c));
     ADD("pad_token_id", cJSON_CreateNull());
 
-    /* RoPE: transformers 5's rope_parameters */
+    /* RoPE: transformers 5's rope_parameters (Gemma 3: one per layer kind) */
     cJSON *rp = cJSON_CreateObject();
-    if (rp) {
+    if (rp && c->arch == KILN_ARCH_GEMMA3) {
+        cJSON *full = cJSON_AddObjectToObject(rp, "full_attention");
+        cJSON *slid = cJSON_AddObjectToObject(rp, "sliding_attention");
+        if (full) {
+            cJSON_AddStringToObject(full, "rope_type", c->rope_scaling == KILN_ROPE_SCALING_LINEAR ? "linear" : "default");
+            cJSON_AddNumberToObject(full, "rope_theta", hx_float(c->rope_theta));
+            if (c->rope_scaling == KILN_ROPE_SCALING_LINEAR) cJSON_AddNumberToObject(full, "factor", hx_float(c->rope_factor));
+        }
+        if (slid) {
+            cJSON_AddStringToObject(slid, "rope_type", "default");
+            cJSON_AddNumberToObject(slid, "rope_theta", hx_float(c->rope_theta_local));
+        }
+        if (c->rope_scaling != KILN_ROPE_SCALING_NONE && c->rope_scaling != KILN_ROPE_SCALING_LINEAR) {
+            cJSON_Delete(rp);
+            cJSON_Delete(r);
+            return kiln_error(KILN_ERR_UNSUPPORTED, "config.json: gemma3_text has no llama3 RoPE scaling");
+        }
+    } else if (rp) {
         cJSON_AddNumberToObject(rp, "rope_theta", hx_float(c->rope_theta));
         const char *type = c->rope_scaling == KILN_ROPE_SCALING_LINEAR   ? "linear"
                            : c->rope_scaling == KILN_ROPE_SCALING_LLAMA3 ? "llama3"
@@ -161,6 +183,17 @@ kiln_status kiln_hf_config_write(const kiln_model_config *c, const char *dtype, 
         for (int l = 0; lt && l < c->n_layer; l++)
             cJSON_AddItemToArray(lt, cJSON_CreateString(sw > 0 ? "sliding_attention" : "full_attention"));
         ADD("layer_types", lt);
+    } else if (c->arch == KILN_ARCH_GEMMA3) {
+        /* the window and which layers take it; Gemma's query scale; no soft-caps */
+        ADD("sliding_window", cJSON_CreateNumber(sw));
+        cJSON *lt = cJSON_CreateArray();
+        for (int l = 0; lt && l < c->n_layer; l++)
+            cJSON_AddItemToArray(lt, cJSON_CreateString(kiln_layer_slides(c, l) ? "sliding_attention" : "full_attention"));
+        ADD("layer_types", lt);
+        ADD("query_pre_attn_scalar", cJSON_CreateNumber(hx_float(c->query_pre_attn_scalar)));
+        ADD("final_logit_softcapping", cJSON_CreateNull());
+        ADD("attn_logit_softcapping", cJSON_CreateNull());
+        ADD("use_bidirectional_attention", cJSON_CreateBool(0));
     } else if (sw > 0) {
         cJSON_Delete(r);
         return kiln_error(KILN_ERR_UNSUPPORTED, "config.json: llama has no sliding window (%d)", sw);

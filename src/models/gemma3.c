@@ -14,8 +14,9 @@
  *   logits = rmsnorm(x) (1 + w_final) E^T                     (the head is the embedding)
  *
  * Every norm multiplies by 1 + w: the model binds that multiplier (arch.h plus_one), so the
- * forward runs the plain rmsnorm op. Training Gemma 3 is not implemented yet (no train hooks:
- * the trainer refuses it).
+ * forward runs the plain rmsnorm op. Training runs the same forward (gemma3_layers) with each
+ * layer's activations saved, and the backward beside it; the trainer's parameters are
+ * transformers' w, the multipliers recomputed from them each step.
  */
 #include "../formats/gguf.h"
 #include "model.h"
@@ -90,58 +91,402 @@ static kiln_status gemma3_gguf_config(const kiln_gguf *g, const char *path, kiln
     return KILN_OK;
 }
 
-/* arch.h's forward: N tokens staged in fs->d_batch through the layers in the forward state's
- * scratch (x the residual stream; xb the normed input; q, k_new, v_new; att; tmp a branch's
- * output; hb, hb2 the MLP), then the final norm and the head on the wanted rows. */
+/* ---- the forward ------------------------------------------------------------------------- */
+
+/* Where one layer's intermediates go (each (T, width)): one set every layer reuses
+ * (generation) or each layer's own (training, read by the backward). */
+typedef struct g3_acts {
+    float *x;           /* (T,C) the layer's input */
+    float *xb1;         /* (T,C) the input norm's output */
+    float *qr, *kr;     /* (T,QD), (T,KD) q, k before their norms */
+    float *q, *k, *v;   /* (T,QD), (T,KD), (T,KD) q, k normed and rotated */
+    float *att;         /* (T,QD) attention output */
+    float *o;           /* (T,C) att Wo^T, the post-attention norm's input */
+    float *x_mid;       /* (T,C) x + norm(o) */
+    float *xb2;         /* (T,C) the pre-MLP norm's output */
+    float *gate, *up;   /* (T,FF) */
+    float *hb;          /* (T,FF) gelu_tanh(gate) * up */
+    float *d;           /* (T,C) hb Wd^T, the post-MLP norm's input */
+} g3_acts;
+
+/* One forward of T rows through the embedding and the layers, for generation and training. */
+typedef struct g3_run {
+    kiln_backend *be;
+    const kiln_model_config *cfg;
+    const kiln_tensor *embed;
+    const kiln_wref *layer_refs; /* (L, G3_N_LAYER), the norms' vec the multipliers 1 + w */
+    const int32_t *ids, *pos;    /* (T) backend memory */
+    int T;
+    g3_acts *acts;               /* per_layer: acts[l]; else acts[0] for every layer, x in place */
+    int per_layer;
+    float *x_final;              /* per_layer: the last layer's output */
+    const float *rope_cos, *rope_sin, *rope_cos_local, *rope_sin_local; /* (positions, HS/2) */
+    /* attention: training, n_seq sequences of seq rows over their own rows; generation,
+     * through fs's paged cache (sequence seq_ids[i], k and v stored at row slots[i] first) */
+    int n_seq, seq;
+    const kiln_forward_state *fs;
+    const int32_t *seq_ids, *slots;
+    const kiln_batch_run *runs;
+    int n_runs, max_T;
+} g3_run;
+
+static float g3_scale(const kiln_model_config *c) {
+    const double qpas = c->query_pre_attn_scalar > 0.0f ? (double)c->query_pre_attn_scalar : (double)c->head_dim;
+    return (float)(1.0 / sqrt(qpas));
+}
+
+static void gemma3_layers(const g3_run *R) {
+    const kiln_model_config *c = R->cfg;
+    kiln_backend *be = R->be;
+    const kiln_backend_i *op = be->i;
+    const int C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff, T = R->T;
+    const size_t QD = (size_t)NH * HS, KD = (size_t)KVH * HS;
+    const float eps = c->rms_eps, scale = g3_scale(c);
+
+    op->embed(be, R->acts[0].x, R->embed, R->ids, T);
+    op->scale(be, R->acts[0].x, (float)sqrt((double)C), (size_t)T * C); /* hidden_size**0.5 in f32 */
+    for (int l = 0; l < c->n_layer; l++) {
+        const kiln_wref *lw = R->layer_refs + (size_t)l * G3_N_LAYER;
+#define W(role) (&lw[(role) - G3_WQ])
+        g3_acts *a = &R->acts[R->per_layer ? l : 0];
+        float *x_next = !R->per_layer ? a->x : l + 1 < c->n_layer ? R->acts[l + 1].x : R->x_final;
+        const int slides = kiln_layer_slides(c, l), window = slides ? c->sliding_window : 0;
+        const float *cs = slides && R->rope_cos_local ? R->rope_cos_local : R->rope_cos;
+        const float *sn = slides && R->rope_sin_local ? R->rope_sin_local : R->rope_sin;
+
+        /* attention block: x_mid = x + norm(attention(...) Wo^T) */
+        op->rmsnorm(be, a->xb1, a->x, W(G3_IN_NORM)->vec, T, C, eps);
+        op->matmul(be, a->qr, a->xb1, W(G3_WQ)->mat, NULL, T);
+        op->matmul(be, a->kr, a->xb1, W(G3_WK)->mat, NULL, T);
+        op->matmul(be, a->v, a->xb1, W(G3_WV)->mat, NULL, T);
+        op->rmsnorm(be, a->q, a->qr, W(G3_QNORM)->vec, T * NH, HS, eps);
+        op->rmsnorm(be, a->k, a->kr, W(G3_KNORM)->vec, T * KVH, HS, eps);
+        op->rope(be, a->q, R->pos, T, NH, HS, cs, sn);
+        op->rope(be, a->k, R->pos, T, KVH, HS, cs, sn);
+        if (R->fs) {
+            const kiln_forward_state *fs = R->fs;
+            const size_t pool = (size_t)fs->n_blocks * KILN_KV_BLOCK * KD;
+            float *k_pool = fs->k_cache + (size_t)l * pool, *v_pool = fs->v_cache + (size_t)l * pool;
+            op->kv_store_rows(be, k_pool, v_pool, a->k, a->v, R->slots, T, KD);
+            op->attention_paged(be, a->att, a->q, k_pool, v_pool, &fs->pages, R->seq_ids, R->pos, R->runs,
+                                R->n_runs, T, R->max_T, NH, KVH, HS, scale, window);
+        } else {
+            for (int b = 0; b < R->n_seq; b++) {
+                const size_t r = (size_t)b * R->seq;
+                op->attention(be, a->att + r * QD, a->q + r * QD, a->k + r * KD, a->v + r * KD, R->seq, 0, NH,
+                              KVH, HS, scale, window);
+            }
+        }
+        op->matmul(be, a->o, a->att, W(G3_WO)->mat, NULL, T);
+        op->rmsnorm(be, a->x_mid, a->o, W(G3_POST_ATTN_NORM)->vec, T, C, eps);
+        op->add(be, a->x_mid, a->x, (size_t)T * C); /* norm(o) + x: the bits of x + norm(o) */
+
+        /* MLP block: x_next = x_mid + norm(geglu(gate, up) Wd^T) */
+        op->rmsnorm(be, a->xb2, a->x_mid, W(G3_PRE_FF_NORM)->vec, T, C, eps);
+        op->matmul(be, a->gate, a->xb2, W(G3_GATE)->mat, NULL, T);
+        op->matmul(be, a->up, a->xb2, W(G3_UP)->mat, NULL, T);
+        op->geglu(be, a->hb, a->gate, a->up, (size_t)T * FF);
+        op->matmul(be, a->d, a->hb, W(G3_DOWN)->mat, NULL, T);
+        op->rmsnorm(be, x_next, a->d, W(G3_POST_FF_NORM)->vec, T, C, eps);
+        op->add(be, x_next, a->x_mid, (size_t)T * C);
+#undef W
+    }
+}
+
+/* arch.h's forward: N tokens staged in fs->d_batch through gemma3_layers in the forward
+ * state's scratch (q and k normed and rotated in place; the o product and its norm in tmp,
+ * which then holds x_mid; the down product in xb, free by then), then the final norm and the
+ * head on the wanted rows. */
 static void gemma3_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int N,
                            const kiln_batch_run *runs, int n_runs, int max_T, const int32_t *out, int n_out,
                            float *logits) {
-    const kiln_model_config *c = &m->cfg;
+    const int32_t *ids = fs->d_batch;
+    g3_acts a = {0};
+    a.x = fs->x;
+    a.xb1 = a.xb2 = a.d = fs->xb;
+    a.qr = a.q = fs->q;
+    a.kr = a.k = fs->k_new;
+    a.v = fs->v_new;
+    a.att = fs->att;
+    a.o = a.x_mid = fs->tmp;
+    a.gate = a.hb = fs->hb;
+    a.up = fs->hb2;
+    g3_run R = {0};
+    R.be = be;
+    R.cfg = &m->cfg;
+    R.embed = m->tok_embd;
+    R.layer_refs = fs->layer_refs;
+    R.ids = ids;
+    R.pos = ids + N;
+    R.T = N;
+    R.acts = &a;
+    R.rope_cos = fs->rope_cos;
+    R.rope_sin = fs->rope_sin;
+    R.rope_cos_local = fs->rope_cos_local;
+    R.rope_sin_local = fs->rope_sin_local;
+    R.fs = fs;
+    R.seq_ids = ids + 2 * N;
+    R.slots = ids + 3 * N;
+    R.runs = runs;
+    R.n_runs = n_runs;
+    R.max_T = max_T;
+    gemma3_layers(&R);
+    kiln_forward_logits(m, be, fs, N, out, n_out, logits);
+}
+
+/* ---- training ------------------------------------------------------------------------------ */
+
+/* The training state (kiln_train_io.priv). The trainer's parameter of a norm is transformers'
+ * w; the forward multiplies by 1 + w, which each training forward computes into mult (f32(1 +
+ * w), transformers' rounding) and binds in refs / layer_refs (copies of the io's with those
+ * vectors swapped; the gradients stay the parameters': d/dw = d/d(1 + w)). */
+typedef struct g3_train {
+    g3_acts *acts;               /* (L) */
+    float *x_final;              /* (T,C) */
+    kiln_wref *layer_refs;       /* (L, G3_N_LAYER) */
+    kiln_wref final_norm;
+    float *mult, *ones;          /* (n_mult) the multipliers, and as many ones */
+    size_t n_mult;
+    float *dd, *dxb, *datt, *dq, *dk, *dv, *dqr, *dkr, *dgate, *dup, *dhb, *rstd, *ws; /* backward scratch */
+    float *rope_cos, *rope_sin, *rope_cos_local, *rope_sin_local; /* (max_seq, HS/2) */
+    void *block;
+} g3_train;
+
+static bool g3_is_norm(int role) {
+    return role == G3_QNORM || role == G3_KNORM || (role >= G3_IN_NORM && role <= G3_POST_FF_NORM);
+}
+
+static void gemma3_train_free(kiln_train_io *io) {
+    g3_train *t = io ? io->priv : NULL;
+    if (!t) return;
+    if (t->block) kiln_backend_free_buf(io->be, t->block);
+    kiln_free(t->acts);
+    kiln_free(t->layer_refs);
+    kiln_free(t);
+    io->priv = NULL;
+}
+
+static kiln_status g3_upload_tables(kiln_train_io *io, g3_train *t, int S, int HS) {
+    const kiln_backend_i *op = io->be->i;
+    const size_t tab = (size_t)S * HS / 2;
+    float *host = op->host_memory ? NULL : kiln_malloc((tab ? tab : 1) * 4 * sizeof(float));
+    if (!op->host_memory && !host) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for the rope tables");
+    float *h = host ? host : NULL;
+    float *cg = h ? h : t->rope_cos, *sg = h ? h + tab : t->rope_sin;
+    float *cl = h ? h + 2 * tab : t->rope_cos_local, *sl = h ? h + 3 * tab : t->rope_sin_local;
+    kiln_rope_tables_fill(io->model, S, cg, sg);
+    kiln_rope_tables_fill_kind(io->model, S, 1, cl, sl);
+    kiln_status st = KILN_OK;
+    if (host) {
+        float *dst[4] = {t->rope_cos, t->rope_sin, t->rope_cos_local, t->rope_sin_local};
+        for (int i = 0; i < 4 && st == KILN_OK; i++)
+            st = kiln_backend_upload(io->be, dst[i], host + (size_t)i * tab, tab * sizeof(float));
+        kiln_free(host);
+    }
+    return st;
+}
+
+/* Every activation of a step of max_batch sequences of max_seq tokens, the multipliers and the
+ * backward's scratch, from one block of backend memory. */
+static kiln_status gemma3_train_init(kiln_train_io *io) {
+    const kiln_model_config *c = &io->model->cfg;
+    kiln_backend *be = io->be;
     const kiln_backend_i *op = be->i;
-    const int C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
-    const size_t KD = (size_t)KVH * HS, pool = (size_t)fs->n_blocks * KILN_KV_BLOCK * KD;
-    const float eps = c->rms_eps;
-    const double qpas = c->query_pre_attn_scalar > 0.0f ? (double)c->query_pre_attn_scalar : (double)HS;
-    const float scale = (float)(1.0 / sqrt(qpas));
-    const int32_t *ids = fs->d_batch, *pos = ids + N, *seq = ids + 2 * N, *slots = ids + 3 * N;
+    if (!op->geglu || !op->geglu_backward)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "trainer: gemma3 needs the backend's geglu and geglu_backward ops");
+    g3_train *t = kiln_calloc(1, sizeof *t);
+    if (!t) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    io->priv = t;
+    const int L = c->n_layer;
+    const size_t S = (size_t)io->max_seq, T = S * (size_t)io->max_batch, C = (size_t)c->n_embd, FF = (size_t)c->n_ff;
+    const size_t HS = (size_t)c->head_dim, QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS;
+    t->acts = kiln_calloc((size_t)L, sizeof *t->acts);
+    t->layer_refs = kiln_calloc((size_t)L * G3_N_LAYER, sizeof *t->layer_refs);
+    if (!t->acts || !t->layer_refs) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    t->n_mult = (size_t)L * (4 * C + 2 * HS) + C;
+    enum { PER_LAYER = 15, N_OTHER = 25 };
+    const size_t nrows = T * (size_t)c->n_head > T ? T * (size_t)c->n_head : T;
+    const size_t ws = kiln_attention_backward_ws_floats((int)S, 0, c->n_head, c->n_head_kv, (int)HS);
+    const size_t n = (size_t)L * PER_LAYER + N_OTHER;
+    float ***slots = kiln_calloc(n, sizeof *slots);
+    size_t *sizes = kiln_calloc(n, sizeof *sizes);
+    if (!slots || !sizes) {
+        kiln_free(slots);
+        kiln_free(sizes);
+        return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    }
+    size_t k = 0;
+    for (int l = 0; l < L; l++) {
+        g3_acts *a = &t->acts[l];
+        float **ps[PER_LAYER] = {&a->x, &a->xb1,   &a->qr,  &a->kr,   &a->q,  &a->k,  &a->v, &a->att,
+                                 &a->o, &a->x_mid, &a->xb2, &a->gate, &a->up, &a->hb, &a->d};
+        const size_t ss[PER_LAYER] = {T * C, T * C, T * QD, T * KD, T * QD, T * KD, T * KD, T * QD,
+                                      T * C, T * C, T * C,  T * FF, T * FF, T * FF, T * C};
+        for (int i = 0; i < PER_LAYER; i++) slots[k] = ps[i], sizes[k++] = ss[i];
+    }
+    /* ids, pos: int32 in float-sized slots */
+    float **po[N_OTHER] = {&t->x_final, &io->xn,  &io->dx,    &io->dxn,  &t->dd,   &t->dxb,  &t->datt,
+                           &t->dq,      &t->dk,   &t->dv,     &t->dqr,   &t->dkr,  &t->dgate, &t->dup,
+                           &t->dhb,     &t->rstd, &t->ws,     &t->mult,  &t->ones, (float **)&io->ids,
+                           (float **)&io->pos, &t->rope_cos, &t->rope_sin, &t->rope_cos_local, &t->rope_sin_local};
+    const size_t so[N_OTHER] = {T * C,  T * C,  T * C,  T * C,  T * C,  T * C,     T * QD,    T * QD,     T * KD,
+                                T * KD, T * QD, T * KD, T * FF, T * FF, T * FF,    nrows,     ws,         t->n_mult,
+                                t->n_mult, T,   T,      S * HS / 2, S * HS / 2, S * HS / 2, S * HS / 2};
+    for (int i = 0; i < N_OTHER; i++) slots[k] = po[i], sizes[k++] = so[i];
+    size_t total = 0, bytes = 0;
+    kiln_status st = KILN_OK;
+    for (size_t i = 0; i < k && st == KILN_OK; i++)
+        if (kiln_add_overflow(total, (sizes[i] + 63) & ~(size_t)63, &total))
+            st = kiln_error(KILN_ERR_RANGE, "trainer: activations too large");
+    if (st == KILN_OK && kiln_mul_overflow(total, sizeof(float), &bytes))
+        st = kiln_error(KILN_ERR_RANGE, "trainer: activations too large");
+    float *blk = st == KILN_OK ? kiln_backend_alloc_zeroed(be, bytes, "trainer", "activations") : NULL;
+    if (st == KILN_OK && !blk) st = KILN_ERR_NOMEM;
+    if (st == KILN_OK) {
+        t->block = blk;
+        io->bytes = bytes;
+        size_t off = 0;
+        for (size_t i = 0; i < k; i++) *slots[i] = blk + off, off += (sizes[i] + 63) & ~(size_t)63;
+    }
+    kiln_free(slots);
+    kiln_free(sizes);
+    KILN_TRY(st);
 
-    op->embed(be, fs->x, m->tok_embd, ids, N);
-    op->scale(be, fs->x, (float)sqrt((double)C), (size_t)N * C); /* hidden_size**0.5 in the weights' f32 */
-    for (int l = 0; l < c->n_layer; l++) {
-        const kiln_wref *lw = fs->layer_refs + (size_t)l * G3_N_LAYER;
+    /* the multipliers' bindings: each layer's norms, then the final norm, back to back */
+    size_t m = 0;
+    for (int l = 0; l < L; l++)
+        for (int r = G3_WQ; r < G3_N_LAYER + G3_WQ; r++) {
+            const kiln_wref *src = &io->layer_refs[(size_t)l * G3_N_LAYER + (size_t)(r - G3_WQ)];
+            kiln_wref *dst = &t->layer_refs[(size_t)l * G3_N_LAYER + (size_t)(r - G3_WQ)];
+            *dst = *src;
+            if (!g3_is_norm(r)) continue;
+            dst->vec = t->mult + m;
+            m += r == G3_QNORM || r == G3_KNORM ? HS : C;
+        }
+    t->final_norm = io->refs[G3_NORM];
+    t->final_norm.vec = t->mult + m;
+    m += C;
+    if (m != t->n_mult) return kiln_error(KILN_ERR_INTERNAL, "trainer: gemma3 multipliers %zu of %zu", m, t->n_mult);
+    /* ones: written once */
+    float *one = kiln_malloc(t->n_mult * sizeof(float));
+    if (!one) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    for (size_t i = 0; i < t->n_mult; i++) one[i] = 1.0f;
+    st = kiln_backend_upload(be, t->ones, one, t->n_mult * sizeof(float));
+    kiln_free(one);
+    KILN_TRY(st);
+    return g3_upload_tables(io, t, (int)S, (int)HS);
+}
+
+/* mult = f32(1 + w) for every norm: 0, + 1, + w (IEEE addition commutes: the bits of 1 + w). */
+static void g3_multipliers(kiln_train_io *io, g3_train *t) {
+    kiln_backend *be = io->be;
+    const kiln_backend_i *op = be->i;
+    const kiln_model_config *c = &io->model->cfg;
+    op->zero(be, t->mult, t->n_mult);
+    op->add(be, t->mult, t->ones, t->n_mult);
+    for (int l = 0; l < c->n_layer; l++)
+        for (int r = G3_WQ; r < G3_N_LAYER + G3_WQ; r++) {
+            if (!g3_is_norm(r)) continue;
+            const size_t i = (size_t)l * G3_N_LAYER + (size_t)(r - G3_WQ);
+            const size_t n = r == G3_QNORM || r == G3_KNORM ? (size_t)c->head_dim : (size_t)c->n_embd;
+            op->add(be, (float *)t->layer_refs[i].vec, io->layer_refs[i].vec, n);
+        }
+    op->add(be, (float *)t->final_norm.vec, io->refs[G3_NORM].vec, (size_t)c->n_embd);
+}
+
+static void gemma3_train_forward(kiln_train_io *io, int n_seq, int seq) {
+    g3_train *t = io->priv;
+    const kiln_model_config *c = &io->model->cfg;
+    g3_multipliers(io, t);
+    g3_run R = {0};
+    R.be = io->be;
+    R.cfg = c;
+    R.embed = io->refs[G3_EMBED].mat;
+    R.layer_refs = t->layer_refs;
+    R.ids = io->ids;
+    R.pos = io->pos;
+    R.T = n_seq * seq;
+    R.acts = t->acts;
+    R.per_layer = 1;
+    R.x_final = t->x_final;
+    R.rope_cos = t->rope_cos;
+    R.rope_sin = t->rope_sin;
+    R.rope_cos_local = t->rope_cos_local;
+    R.rope_sin_local = t->rope_sin_local;
+    R.n_seq = n_seq;
+    R.seq = seq;
+    gemma3_layers(&R);
+    io->be->i->rmsnorm(io->be, io->xn, t->x_final, t->final_norm.vec, R.T, c->n_embd, c->rms_eps);
+}
+
+/* dx = dy0 @ W0 + dy1 @ W1 (+ dy2 @ W2), each weight's gradient accumulated. */
+static void g3_products_backward(kiln_backend *be, int n, float *dx, float *const *dy, const float *x,
+                                 const kiln_wref *const *W, int T) {
+    const kiln_backend_i *op = be->i;
+    if (op->matmul_backward_multi) {
+        const kiln_tensor *wv[3];
+        float *dw[3], *db[3] = {NULL, NULL, NULL};
+        const float *dys[3];
+        for (int i = 0; i < n; i++) wv[i] = W[i]->mat, dw[i] = W[i]->grad, dys[i] = dy[i];
+        op->matmul_backward_multi(be, n, dx, dw, db, dys, x, wv, T, false);
+        return;
+    }
+    for (int i = 0; i < n; i++) op->matmul_backward(be, dx, W[i]->grad, NULL, dy[i], x, W[i]->mat, T, i > 0);
+}
+
+/* From d loss / d xn (io->dxn) to d loss / d embedding rows (io->dx), every gradient added. */
+static void gemma3_train_backward(kiln_train_io *io, int n_seq, int seq) {
+    g3_train *t = io->priv;
+    const kiln_model_config *c = &io->model->cfg;
+    kiln_backend *be = io->be;
+    const kiln_backend_i *op = be->i;
+    const int T = n_seq * seq, C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
+    const size_t QD = (size_t)NH * HS, KD = (size_t)KVH * HS;
+    const float eps = c->rms_eps, scale = g3_scale(c);
+    op->rmsnorm_backward(be, io->dx, t->final_norm.grad, io->dxn, t->x_final, t->final_norm.vec, T, C, eps, t->rstd,
+                         false);
+    for (int l = c->n_layer - 1; l >= 0; l--) {
+        const kiln_wref *lw = t->layer_refs + (size_t)l * G3_N_LAYER;
 #define W(role) (&lw[(role) - G3_WQ])
-        const int slides = kiln_layer_slides(c, l);
-        const float *cs = slides && fs->rope_cos_local ? fs->rope_cos_local : fs->rope_cos;
-        const float *sn = slides && fs->rope_sin_local ? fs->rope_sin_local : fs->rope_sin;
-        float *k_pool = fs->k_cache + (size_t)l * pool, *v_pool = fs->v_cache + (size_t)l * pool;
-
-        /* attention block: x = x + norm(o) */
-        op->rmsnorm(be, fs->xb, fs->x, W(G3_IN_NORM)->vec, N, C, eps);
-        op->matmul(be, fs->q, fs->xb, W(G3_WQ)->mat, NULL, N);
-        op->matmul(be, fs->k_new, fs->xb, W(G3_WK)->mat, NULL, N);
-        op->matmul(be, fs->v_new, fs->xb, W(G3_WV)->mat, NULL, N);
-        op->rmsnorm(be, fs->q, fs->q, W(G3_QNORM)->vec, N * NH, HS, eps);
-        op->rmsnorm(be, fs->k_new, fs->k_new, W(G3_KNORM)->vec, N * KVH, HS, eps);
-        op->rope(be, fs->q, pos, N, NH, HS, cs, sn);
-        op->rope(be, fs->k_new, pos, N, KVH, HS, cs, sn);
-        op->kv_store_rows(be, k_pool, v_pool, fs->k_new, fs->v_new, slots, N, KD);
-        op->attention_paged(be, fs->att, fs->q, k_pool, v_pool, &fs->pages, seq, pos, runs, n_runs, N, max_T, NH,
-                            KVH, HS, scale, slides ? c->sliding_window : 0);
-        op->matmul(be, fs->tmp, fs->att, W(G3_WO)->mat, NULL, N);
-        op->rmsnorm(be, fs->tmp, fs->tmp, W(G3_POST_ATTN_NORM)->vec, N, C, eps);
-        op->add(be, fs->x, fs->tmp, (size_t)N * C);
-
-        /* MLP block: x = x + norm(down(gelu_tanh(gate) * up)) */
-        op->rmsnorm(be, fs->xb, fs->x, W(G3_PRE_FF_NORM)->vec, N, C, eps);
-        op->matmul(be, fs->hb, fs->xb, W(G3_GATE)->mat, NULL, N);
-        op->matmul(be, fs->hb2, fs->xb, W(G3_UP)->mat, NULL, N);
-        op->geglu(be, fs->hb, fs->hb, fs->hb2, (size_t)N * FF);
-        op->matmul(be, fs->tmp, fs->hb, W(G3_DOWN)->mat, NULL, N);
-        op->rmsnorm(be, fs->tmp, fs->tmp, W(G3_POST_FF_NORM)->vec, N, C, eps);
-        op->add(be, fs->x, fs->tmp, (size_t)N * C);
+        const g3_acts *a = &t->acts[l];
+        const int slides = kiln_layer_slides(c, l), window = slides ? c->sliding_window : 0;
+        const float *cs = slides ? t->rope_cos_local : t->rope_cos, *sn = slides ? t->rope_sin_local : t->rope_sin;
+        /* MLP: x_next = x_mid + norm(d), d = geglu(gate, up) Wd^T */
+        op->rmsnorm_backward(be, t->dd, W(G3_POST_FF_NORM)->grad, io->dx, a->d, W(G3_POST_FF_NORM)->vec, T, C, eps,
+                             t->rstd, false);
+        op->matmul_backward(be, t->dhb, W(G3_DOWN)->grad, NULL, t->dd, a->hb, W(G3_DOWN)->mat, T, false);
+        op->geglu_backward(be, t->dgate, t->dup, t->dhb, a->gate, a->up, (size_t)T * FF);
+        const kiln_wref *gu[2] = {W(G3_GATE), W(G3_UP)};
+        float *dgu[2] = {t->dgate, t->dup};
+        g3_products_backward(be, 2, t->dxb, dgu, a->xb2, gu, T);
+        op->rmsnorm_backward(be, io->dx, W(G3_PRE_FF_NORM)->grad, t->dxb, a->x_mid, W(G3_PRE_FF_NORM)->vec, T, C,
+                             eps, t->rstd, true);
+        /* attention: x_mid = x + norm(o), o = attention(rope(norm(q)), rope(norm(k)), v) Wo^T */
+        op->rmsnorm_backward(be, t->dd, W(G3_POST_ATTN_NORM)->grad, io->dx, a->o, W(G3_POST_ATTN_NORM)->vec, T, C,
+                             eps, t->rstd, false);
+        op->matmul_backward(be, t->datt, W(G3_WO)->grad, NULL, t->dd, a->att, W(G3_WO)->mat, T, false);
+        for (int b = 0; b < n_seq; b++) { /* per sequence; ws is reused in stream order */
+            const size_t r = (size_t)b * seq;
+            op->attention_backward(be, t->dq + r * QD, t->dk + r * KD, t->dv + r * KD, t->datt + r * QD,
+                                   a->q + r * QD, a->k + r * KD, a->v + r * KD, a->att + r * QD, t->ws, seq, 0, NH,
+                                   KVH, HS, scale, window);
+        }
+        op->rope_backward(be, t->dq, io->pos, T, NH, HS, cs, sn);
+        op->rope_backward(be, t->dk, io->pos, T, KVH, HS, cs, sn);
+        op->rmsnorm_backward(be, t->dqr, W(G3_QNORM)->grad, t->dq, a->qr, W(G3_QNORM)->vec, T * NH, HS, eps, t->rstd,
+                             false);
+        op->rmsnorm_backward(be, t->dkr, W(G3_KNORM)->grad, t->dk, a->kr, W(G3_KNORM)->vec, T * KVH, HS, eps,
+                             t->rstd, false);
+        const kiln_wref *qkv[3] = {W(G3_WQ), W(G3_WK), W(G3_WV)};
+        float *dqkv[3] = {t->dqr, t->dkr, t->dv};
+        g3_products_backward(be, 3, t->dxb, dqkv, a->xb1, qkv, T);
+        op->rmsnorm_backward(be, io->dx, W(G3_IN_NORM)->grad, t->dxb, a->x, W(G3_IN_NORM)->vec, T, C, eps, t->rstd,
+                             true);
 #undef W
     }
-    kiln_forward_logits(m, be, fs, N, out, n_out, logits);
+    /* x = embed * sqrt(C): the embedding rows' gradient is dx * sqrt(C) (the embedding's
+     * backward follows in the trainer) */
+    op->scale(be, io->dx, (float)sqrt((double)C), (size_t)T * C);
 }
 
 const kiln_arch_desc kiln_arch_gemma3 = {
@@ -161,4 +506,8 @@ const kiln_arch_desc kiln_arch_gemma3 = {
     .gguf_config = gemma3_gguf_config,
     .uses_geglu = true,
     .sliding_windows = true,
+    .train_init = gemma3_train_init,
+    .train_forward = gemma3_train_forward,
+    .train_backward = gemma3_train_backward,
+    .train_free = gemma3_train_free,
 };

@@ -327,7 +327,7 @@ static void llama_layers(const llama_run *R) {
             for (int b = 0; b < n_seq; b++) {
                 size_t r = (size_t)b * seq;
                 op->attention(be, a->att + r * QD, a->q + r * QD, a->k + r * KD, a->v + r * KD, seq, 0, NH, KVH,
-                              HS, scale);
+                              HS, scale, 0);
             }
         }
         const kiln_wref *nob[2] = {NULL, NULL};
@@ -709,7 +709,7 @@ static void llama_train_backward(kiln_train_io *io, int n_seq, int seq) {
                     size_t r = (size_t)b * seq;
                     op->attention_backward(be, t->dq + r * QD, t->dk + r * KD, t->dv + r * KD, t->datt + r * QD,
                                            a->q + r * QD, a->k + r * KD, a->v + r * KD, a->att + r * QD, t->ws, seq,
-                                           0, NH, KVH, HS, scale);
+                                           0, NH, KVH, HS, scale, 0);
                 }
             if (grad16) {
                 const int64_t ld = stack ? (int64_t)(QD + 2 * KD) : 0;

@@ -54,6 +54,12 @@ static inline kiln_wref *kiln_model_ref(kiln_model *m, const kiln_param_role *r,
     return kiln_wref_of(m->arch, m->refs, m->layer_refs, r, layer);
 }
 
+/* The n values of vector role r in layer `layer` as transformers' parameter holds them, to dst
+ * (host memory): the bound vector, except for a plus_one role (arch.h), whose parameter is w
+ * where the model binds 1 + w: the Hugging Face file's own w when the model came from one,
+ * else (a GGUF file, which stores 1 + w, or a model created from a config) f32(1 + w) - 1. */
+kiln_status kiln_model_vector_param(kiln_model *m, const kiln_param_role *r, int layer, float *dst, int64_t n);
+
 /* The block size of a forward state's KV cache (ops.h kiln_kv_pages): a multiple of
  * KILN_ATTN_BLOCK. */
 #define KILN_KV_BLOCK 64

@@ -109,6 +109,26 @@ static kiln_status bind_vector(kiln_model *m, const char *name, int64_t n, int o
     return KILN_OK;
 }
 
+kiln_status kiln_model_vector_param(kiln_model *m, const kiln_param_role *r, int layer, float *dst, int64_t n) {
+    const kiln_wref *ref = kiln_model_ref(m, r, layer);
+    if (!ref->vec) return kiln_error(KILN_ERR_STATE, "kiln_model_vector_param: role '%s' is not a bound vector", r->hf);
+    if (!r->plus_one) {
+        memcpy(dst, ref->vec, (size_t)n * sizeof(float));
+        return KILN_OK;
+    }
+    if (m->st) { /* a Hugging Face folder: its w (bind_vector checked the tensor) */
+        char name[128];
+        kiln_role_name(r, false, layer, name, sizeof name);
+        const kiln_tensor *t = kiln_safetensors_find(m->st, name);
+        if (t && t->n_dims == 1 && t->shape[0] == n) {
+            kiln_dequantize(t->dtype, t->data, dst, n);
+            return KILN_OK;
+        }
+    }
+    for (int64_t i = 0; i < n; i++) dst[i] = ref->vec[i] - 1.0f;
+    return KILN_OK;
+}
+
 /* GGUF files of architecture "llama" store Q and K rows permuted for llama.cpp's interleaved
  * RoPE (convert_hf_to_gguf's permute): within each head, HF row h*(HS/2)+i (half h, index i)
  * sits at GGUF row 2i+h. Undo it, row by row (whole quantized rows move, so any dtype works). */

@@ -106,9 +106,13 @@ typedef struct kiln_backend_i {
                  const float *cos_tab, const float *sin_tab);
     /* Causal grouped-query attention. q(N,NH,HS) are the queries of positions
      * n_past..n_past+N-1; k,v(T,KVH,HS) hold positions 0..n_past+N-1 (T >= n_past+N).
-     * Query head h reads kv head h / (NH/KVH). out(N,NH,HS) = softmax(q.k * scale) v. */
+     * Query head h reads kv head h / (NH/KVH). out(N,NH,HS) = softmax(q.k * scale) v.
+     * window > 0 (a sliding window, Gemma's): the query at position p reads keys
+     * p - window < j <= p only, the key blocks walked as attention_paged walks them
+     * (docs/ARITHMETIC.md, "Sliding window"); 0: every earlier key. */
     void (*attention)(kiln_backend *be, float *out, const float *q, const float *k,
-                      const float *v, int N, int n_past, int NH, int KVH, int HS, float scale);
+                      const float *v, int N, int n_past, int NH, int KVH, int HS, float scale,
+                      int window);
     /* out[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + exp(-g)). out may alias gate. */
     void (*swiglu)(kiln_backend *be, float *out, const float *gate, const float *up, size_t n);
     /* x[i] += y[i]. */
@@ -146,11 +150,12 @@ typedef struct kiln_backend_i {
      *   dq(N,NH,HS) overwritten; dk, dv(n_past+N, KVH, HS) overwritten (rows past
      *   n_past+N untouched). ws: scratch of kiln_attention_backward_ws_floats(...) floats
      *   (softmax statistics, recomputed FlashAttention-2 style, and in a fast GPU mode with
-     *   GQA each query head's partial dk, dv: O(N*NH + T*NH*HS), never N x T). */
+     *   GQA each query head's partial dk, dv: O(N*NH + T*NH*HS), never N x T).
+     *   window: the forward's (0: none). */
     void (*attention_backward)(kiln_backend *be, float *dq, float *dk, float *dv,
                                const float *dout, const float *q, const float *k,
                                const float *v, const float *out, float *ws, int N, int n_past,
-                               int NH, int KVH, int HS, float scale);
+                               int NH, int KVH, int HS, float scale, int window);
     /* Backward of out = silu(gate) * up over n elements: dgate[i], dup[i] from dout[i],
      * gate[i], up[i]. Element-wise: dgate/dup may alias gate, up or dout at the same index
      * (not each other). */
@@ -461,6 +466,13 @@ typedef struct kiln_backend_i {
      * use as a buffer (a device backend: its device or managed memory). For callers that
      * check what they were handed (kiln_backend_holds). */
     bool (*holds)(const kiln_backend *be, const void *p);
+
+    /* Backward of geglu over n elements: dgate[i], dup[i] = kiln_geglu_backward(gate[i],
+     * up[i], dout[i]) (base/kmath.h). Element-wise, as swiglu_backward: the outputs may alias
+     * the inputs at the same index (not each other). Optional (NULL: an architecture with a
+     * GeGLU MLP cannot train on the backend). */
+    void (*geglu_backward)(kiln_backend *be, float *dgate, float *dup, const float *dout,
+                           const float *gate, const float *up, size_t n);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

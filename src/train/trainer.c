@@ -287,15 +287,13 @@ static kiln_status declare_params(kiln_trainer *t, int count, int *n) {
     return KILN_OK;
 }
 
-/* Copy the model's weights (any dtype, dequantized) into the parameters. tmp: max_n floats
+/* Copy the model's matrix src_t (any dtype, dequantized) into parameter p. tmp: max_n floats
  * of host memory; tmp16: max_n bf16 of host memory (device backends: staging before the
  * upload). On the cpu backend the weights are written in place, tmp only for bf16. */
-static kiln_status load_from_model(kiln_trainer *t, train_param *p, const kiln_tensor *src_t,
-                                   const float *src_v, float *tmp, uint16_t *tmp16) {
+static kiln_status load_from_model(kiln_trainer *t, train_param *p, const kiln_tensor *src_t, float *tmp,
+                                   uint16_t *tmp16) {
     float *dst = (t->host && p->dtype == KILN_DTYPE_F32) ? (float *)p->w : tmp;
-    if (src_t) kiln_dequantize(src_t->dtype, src_t->data, dst, p->n);
-    else if (src_v) memcpy(dst, src_v, (size_t)p->n * sizeof(float));
-    else memset(dst, 0, (size_t)p->n * sizeof(float));
+    kiln_dequantize(src_t->dtype, src_t->data, dst, p->n);
     if (p->dtype == KILN_DTYPE_BF16) {
         uint16_t *w = t->host ? (uint16_t *)p->w : tmp16;
         for (int64_t i = 0; i < p->n; i++) w[i] = kiln_fp32_to_bf16(tmp[i]);
@@ -336,7 +334,11 @@ static kiln_status load_role(void *ctx, const kiln_param_role *r, int layer) {
     }
     dst->grad = p->g;
     const kiln_wref *src = kiln_model_ref(t->model, r, layer);
-    return load_from_model(t, p, src->mat, src->vec, c->tmp, c->tmp16);
+    if (src->mat) return load_from_model(t, p, src->mat, c->tmp, c->tmp16);
+    /* a vector (f32): the parameter as transformers names it (a plus_one norm's w, arch.h) */
+    float *v = t->host ? (float *)p->w : c->tmp;
+    KILN_TRY(kiln_model_vector_param(t->model, r, layer, v, p->n));
+    return t->host ? KILN_OK : kiln_backend_upload(t->be, p->w, v, (size_t)p->n * sizeof(float));
 }
 
 static void bind_views(train_param *p) {

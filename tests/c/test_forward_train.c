@@ -1,7 +1,7 @@
 /*
- * test_forward_train.c -- one forward for generation and training (models/llama.c): the
- * trainer's final hidden states have the bits of the generation path's, on the CPU, for
- * Llama-family layouts (q/k/v biases, q/k norms, tied and untied heads). The generation side's
+ * test_forward_train.c -- one forward for generation and training (models/llama.c, gemma3.c):
+ * the trainer's final hidden states have the bits of the generation path's, on the CPU, for
+ * Llama-family layouts (q/k/v biases, q/k norms, tied and untied heads) and Gemma 3. The generation side's
  * logits are the head's product of its final hidden states; the training side's hidden states
  * go through the same product (the backend's matmul) and must give the same bits. Skipped (77)
  * without a tokenizer to make the models with (test_util.h test_tokenizer_path).
@@ -17,8 +17,9 @@
 static int V = 32000; /* the tokenizer's (test_tokenizer_path) */
 #define N 70 /* across a KV block edge */
 
-static void one(const char *tokp, const char *type, int tied, int bias) {
-    char cfg[512];
+/* extra: more config.json keys (with a leading comma), or "" */
+static void one(const char *tokp, const char *type, int tied, int bias, const char *extra) {
+    char cfg[1024];
     snprintf(cfg, sizeof cfg, "%s/kiln-test-fwd-%d.json", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", (int)getpid());
     FILE *f = fopen(cfg, "w");
     CHECK(f != NULL);
@@ -27,7 +28,7 @@ static void one(const char *tokp, const char *type, int tied, int bias) {
                " \"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 16,"
                " \"intermediate_size\": 96, \"vocab_size\": %d, \"max_position_embeddings\": 256,"
                " \"rms_norm_eps\": 1e-6, \"rope_theta\": 10000.0, \"tie_word_embeddings\": %s,"
-               " \"attention_bias\": %s}\n", type, V, tied ? "true" : "false", bias ? "true" : "false");
+               " \"attention_bias\": %s%s}\n", type, V, tied ? "true" : "false", bias ? "true" : "false", extra);
     fclose(f);
     kiln_model *m = NULL;
     kiln_status st = kiln_model_create(cfg, tokp, 5, &m);
@@ -92,9 +93,16 @@ int main(void) {
         printf("no tokenizer (the shared test vocabulary or $KILN_SMOLLM2_GGUF): skipped\n");
         return 77;
     }
-    one(tokp, "llama", 1, 0);
-    one(tokp, "llama", 0, 1);
-    one(tokp, "qwen2", 1, 1);
-    one(tokp, "qwen3", 0, 0);
+    one(tokp, "llama", 1, 0, "");
+    one(tokp, "llama", 0, 1, "");
+    one(tokp, "qwen2", 1, 1, "");
+    one(tokp, "qwen3", 0, 0, "");
+    /* Gemma 3 (models/gemma3.c): a sliding window of 8 on layer 0 (the prefill chunks and
+     * the 70 rows cross it), full attention on layer 1, the query scale from the config; its
+     * norms' multipliers 1 + w, which training recomputes from w, drawn in [0.8, 1.2) */
+    one(tokp, "gemma3_text", 1, 0,
+        ", \"sliding_window\": 8, \"layer_types\": [\"sliding_attention\", \"full_attention\"],"
+        " \"query_pre_attn_scalar\": 24, \"rope_local_base_freq\": 10000.0,"
+        " \"hidden_activation\": \"gelu_pytorch_tanh\"");
     return test_finish("test_forward_train");
 }

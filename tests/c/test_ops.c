@@ -416,16 +416,18 @@ static void test_rope(void) {
 
 /* The online softmax exactly as docs/ARITHMETIC.md writes it, one (token, head) at a time. */
 static void def_attention(float *out, const float *q, const float *k, const float *v, int N,
-                          int n_past, int NH, int KVH, int HS, float scale) {
+                          int n_past, int NH, int KVH, int HS, float scale, int window) {
     for (int i = 0; i < N; i++)
         for (int h = 0; h < NH; h++) {
             int kvh = h / (NH / KVH), T = n_past + i + 1;
+            /* a sliding window: keys from lo on, the blocks still aligned at multiples of 64 */
+            int lo = window > 0 && T > window ? T - window : 0;
             const float *qh = q + ((size_t)i * NH + h) * HS;
             float *acc = out + ((size_t)i * NH + h) * HS;
             float m = -INFINITY, l = 0;
             for (int d = 0; d < HS; d++) acc[d] = 0;
-            for (int kb = 0; kb < T; kb += 64) {
-                int nk = T - kb < 64 ? T - kb : 64;
+            for (int kb0 = lo / 64 * 64; kb0 < T; kb0 += 64) {
+                int kb = kb0 > lo ? kb0 : lo, nk = (kb0 + 64 < T ? kb0 + 64 : T) - kb;
                 float s[64];
                 float bm = -INFINITY;
                 for (int j = 0; j < nk; j++) {
@@ -449,36 +451,39 @@ static void def_attention(float *out, const float *q, const float *k, const floa
 }
 
 static void test_attention(void) {
-    const int cfg[][5] = {/* N, n_past, NH, KVH, HS */
-                          {1, 0, 1, 1, 1},    {1, 100, 9, 3, 64}, {5, 60, 4, 2, 16},
-                          {70, 0, 2, 1, 33},  {3, 130, 6, 6, 8},  {17, 200, 8, 2, 64},
-                          {2, 63, 4, 4, 80},  {1, 64, 3, 1, 15}};
+    const int cfg[][6] = {/* N, n_past, NH, KVH, HS, sliding window */
+                          {1, 0, 1, 1, 1, 0},    {1, 100, 9, 3, 64, 0}, {5, 60, 4, 2, 16, 0},
+                          {70, 0, 2, 1, 33, 0},  {3, 130, 6, 6, 8, 0},  {17, 200, 8, 2, 64, 0},
+                          {2, 63, 4, 4, 80, 0},  {1, 64, 3, 1, 15, 0},  {70, 0, 2, 1, 33, 5},
+                          {17, 200, 8, 2, 64, 64}, {3, 130, 6, 6, 8, 100}, {9, 0, 2, 1, 8, 1}};
     for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
         int N = cfg[c][0], n_past = cfg[c][1], NH = cfg[c][2], KVH = cfg[c][3], HS = cfg[c][4];
+        int window = cfg[c][5];
         int T = n_past + N + 2; /* cache longer than needed: the extra keys must be ignored */
         float scale = 1.0f / sqrtf((float)HS);
         size_t nq = (size_t)N * NH * HS, nkv = (size_t)T * KVH * HS;
         float *q = rnd_vec(nq, -2, 2), *k = rnd_vec(nkv, -2, 2), *v = rnd_vec(nkv, -1, 1);
         float *ref = malloc(nq * 4), *out = malloc(nq * 4);
-        def_attention(ref, q, k, v, N, n_past, NH, KVH, HS, scale);
+        def_attention(ref, q, k, v, N, n_past, NH, KVH, HS, scale, window);
         /* float64 oracle */
         int tol_ok = 1;
         double *sc = malloc(sizeof(double) * (size_t)T);
         for (int i = 0; i < N; i++)
             for (int h = 0; h < NH; h++) {
                 int kvh = h / (NH / KVH), TT = n_past + i + 1;
+                int lo = window > 0 && TT > window ? TT - window : 0;
                 double mx = -1e300, sum = 0;
-                for (int j = 0; j < TT; j++) {
+                for (int j = lo; j < TT; j++) {
                     double d = 0;
                     for (int e = 0; e < HS; e++)
                         d += (double)q[((size_t)i * NH + h) * HS + e] * k[((size_t)j * KVH + kvh) * HS + e];
                     sc[j] = d * scale;
                     if (sc[j] > mx) mx = sc[j];
                 }
-                for (int j = 0; j < TT; j++) sum += (sc[j] = exp(sc[j] - mx));
+                for (int j = lo; j < TT; j++) sum += (sc[j] = exp(sc[j] - mx));
                 for (int e = 0; e < HS; e++) {
                     double o = 0;
-                    for (int j = 0; j < TT; j++) o += sc[j] / sum * v[((size_t)j * KVH + kvh) * HS + e];
+                    for (int j = lo; j < TT; j++) o += sc[j] / sum * v[((size_t)j * KVH + kvh) * HS + e];
                     if (fabs(o - ref[((size_t)i * NH + h) * HS + e]) > 2e-5) tol_ok = 0;
                 }
             }
@@ -486,7 +491,7 @@ static void test_attention(void) {
         CHECK_MSG(tol_ok, "attention cfg %zu: off the float64 result", c);
         for (int b = 0; b < g_n_be; b++) {
             poison(out, nq);
-            g_be[b]->i->attention(g_be[b], out, q, k, v, N, n_past, NH, KVH, HS, scale);
+            g_be[b]->i->attention(g_be[b], out, q, k, v, N, n_past, NH, KVH, HS, scale, window);
             CHECK_MSG(same_bits(out, ref, nq, "attention"), "%s cfg %zu", g_be_name[b], c);
         }
         free(q), free(k), free(v), free(ref), free(out);

@@ -410,6 +410,7 @@ typedef struct att_ctx {
     double *q, *k, *v, *Rw;
     int N, n_past, NH, KVH, HS;
     double scale;
+    int window; /* > 0: a sliding window (ops.h attention) */
 } att_ctx;
 
 /* float64 forward; with grads != NULL also the analytic gradients (dq, dk, dv). */
@@ -420,17 +421,19 @@ static double att_run(att_ctx *c, double *dq, double *dk, double *dv) {
     for (int i = 0; i < N; i++)
         for (int h = 0; h < NH; h++) {
             int g = h / (NH / KVH), nk = c->n_past + i + 1;
+            const int lo = c->window > 0 && nk > c->window ? nk - c->window : 0;
             const double *q = c->q + ((size_t)i * NH + h) * HS, *R = c->Rw + ((size_t)i * NH + h) * HS;
             double m = -INFINITY, l = 0;
-            for (int j = 0; j < nk; j++) {
+            for (int j = 0; j < lo; j++) p[j] = 0, dp[j] = 0; /* outside the window */
+            for (int j = lo; j < nk; j++) {
                 double s = 0;
                 for (int d = 0; d < HS; d++) s += q[d] * c->k[((size_t)j * KVH + g) * HS + d];
                 p[j] = s * c->scale;
                 if (p[j] > m) m = p[j];
             }
-            for (int j = 0; j < nk; j++) p[j] = exp(p[j] - m), l += p[j];
+            for (int j = lo; j < nk; j++) p[j] = exp(p[j] - m), l += p[j];
             double D = 0;
-            for (int j = 0; j < nk; j++) {
+            for (int j = lo; j < nk; j++) {
                 p[j] /= l;
                 const double *vj = c->v + ((size_t)j * KVH + g) * HS;
                 dp[j] = 0;
@@ -438,7 +441,7 @@ static double att_run(att_ctx *c, double *dq, double *dk, double *dv) {
                 D += p[j] * dp[j];
             }
             if (!dq) continue;
-            for (int j = 0; j < nk; j++) {
+            for (int j = lo; j < nk; j++) {
                 double ds = p[j] * (dp[j] - D) * c->scale;
                 const double *kj = c->k + ((size_t)j * KVH + g) * HS;
                 for (int d = 0; d < HS; d++) {
@@ -457,8 +460,9 @@ static double att_loss(void *p) { return att_run(p, NULL, NULL, NULL); }
 static void def_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                                    const float *q, const float *k, const float *v,
                                    const float *out, int N, int n_past, int NH, int KVH, int HS,
-                                   float scale) {
+                                   float scale, int window) {
     int G = NH / KVH, T = n_past + N;
+#define LO_(nk) (window > 0 && (nk) > window ? (nk) - window : 0) /* the window's first key */
     float *m = malloc((size_t)N * NH * 4), *l = malloc((size_t)N * NH * 4);
     float *D = malloc((size_t)N * NH * 4);
     for (int i = 0; i < N; i++)
@@ -466,8 +470,8 @@ static void def_attention_backward(float *dq, float *dk, float *dv, const float 
             size_t u = (size_t)i * NH + h;
             int nk = n_past + i + 1, g = h / G;
             float mm = -INFINITY, ll = 0;
-            for (int kb = 0; kb < nk; kb += 64) {
-                int e = kb + 64 < nk ? kb + 64 : nk;
+            for (int kb0 = LO_(nk) / 64 * 64; kb0 < nk; kb0 += 64) { /* blocks aligned at 64 */
+                int kb = kb0 > LO_(nk) ? kb0 : LO_(nk), e = kb0 + 64 < nk ? kb0 + 64 : nk;
                 float s[64], bm = -INFINITY;
                 for (int j = kb; j < e; j++) {
                     s[j - kb] = def_dot(q + u * HS, k + ((size_t)j * KVH + g) * HS, HS) * scale;
@@ -490,7 +494,7 @@ static void def_attention_backward(float *dq, float *dk, float *dv, const float 
         for (int h = 0; h < NH; h++) {
             float *o = dq + ((size_t)i * NH + h) * HS;
             for (int d = 0; d < HS; d++) o[d] = 0;
-            for (int j = 0; j < n_past + i + 1; j++) {
+            for (int j = LO_(n_past + i + 1); j < n_past + i + 1; j++) {
                 float p = P_(i, h, j, h / G), ds = DS_(i, h, j, h / G, p);
                 for (int d = 0; d < HS; d++) o[d] = fmaf(ds, k[((size_t)j * KVH + h / G) * HS + d], o[d]);
             }
@@ -501,7 +505,7 @@ static void def_attention_backward(float *dq, float *dk, float *dv, const float 
             float *ok = dk + ((size_t)j * KVH + g) * HS, *ov = dv + ((size_t)j * KVH + g) * HS;
             for (int d = 0; d < HS; d++) ok[d] = 0, ov[d] = 0;
             for (int h = g * G; h < (g + 1) * G; h++)
-                for (int i = j - n_past > 0 ? j - n_past : 0; i < N; i++) {
+                for (int i = j - n_past > 0 ? j - n_past : 0; i < N && (window <= 0 || n_past + i < j + window); i++) {
                     float p = P_(i, h, j, g), ds = DS_(i, h, j, g, p);
                     const float *qi = q + ((size_t)i * NH + h) * HS, *di = dout + ((size_t)i * NH + h) * HS;
                     for (int d = 0; d < HS; d++) ov[d] = fmaf(p, di[d], ov[d]);
@@ -511,25 +515,26 @@ static void def_attention_backward(float *dq, float *dk, float *dv, const float 
         }
 #undef P_
 #undef DS_
+#undef LO_
     free(m), free(l), free(D);
 }
 
-static void test_attention_case(int N, int n_past, int NH, int KVH, int HS, float amp, int fd) {
+static void test_attention_case(int N, int n_past, int NH, int KVH, int HS, float amp, int fd, int window) {
     int T = n_past + N;
     size_t nq = (size_t)N * NH * HS, nkv = (size_t)T * KVH * HS;
     float scale = 1.0f / sqrtf((float)HS);
     float *q = rnd_vec(nq, -amp, amp), *k = rnd_vec(nkv, -amp, amp), *v = rnd_vec(nkv, -1, 1);
     float *dout = rnd_vec(nq, -1, 1), *out = malloc(nq * 4);
-    g_be[0]->i->attention(g_be[0], out, q, k, v, N, n_past, NH, KVH, HS, scale);
+    g_be[0]->i->attention(g_be[0], out, q, k, v, N, n_past, NH, KVH, HS, scale, window);
     float *tq = malloc(nq * 4), *tk = malloc(nkv * 4), *tv = malloc(nkv * 4);
-    def_attention_backward(tq, tk, tv, dout, q, k, v, out, N, n_past, NH, KVH, HS, scale);
-    att_ctx c = {to_d(q, nq), to_d(k, nkv), to_d(v, nkv), to_d(dout, nq), N, n_past, NH, KVH, HS, scale};
+    def_attention_backward(tq, tk, tv, dout, q, k, v, out, N, n_past, NH, KVH, HS, scale, window);
+    att_ctx c = {to_d(q, nq), to_d(k, nkv), to_d(v, nkv), to_d(dout, nq), N, n_past, NH, KVH, HS, scale, window};
     double *aq = calloc(nq, 8), *ak = calloc(nkv, 8), *av = calloc(nkv, 8);
     att_run(&c, aq, ak, av);
     double e1 = rel_err(tq, NULL, aq, nq), e2 = rel_err(tk, NULL, ak, nkv), e3 = rel_err(tv, NULL, av, nkv);
     CHECK_MSG(e1 < AN_TOL && e2 < AN_TOL && e3 < AN_TOL,
-              "attention vs f64 N=%d n_past=%d NH=%d KVH=%d HS=%d: dq %g dk %g dv %g", N, n_past,
-              NH, KVH, HS, e1, e2, e3);
+              "attention vs f64 N=%d n_past=%d NH=%d KVH=%d HS=%d window=%d: dq %g dk %g dv %g", N,
+              n_past, NH, KVH, HS, window, e1, e2, e3);
     if (fd) {
         double *g = malloc((nq > nkv ? nq : nkv) * 8);
         fd_grad(c.q, nq, att_loss, &c, g, 120);
@@ -550,11 +555,11 @@ static void test_attention_case(int N, int n_past, int NH, int KVH, int HS, floa
         kiln_backend *be = g_be[i];
         poison(dq, nq), poison(dk, nkv), poison(dv, nkv), poison(ws, nws);
         be->i->attention_backward(be, dq, dk, dv, dout, q, k, v, out, ws, N, n_past, NH, KVH, HS,
-                                  scale);
+                                  scale, window);
         CHECK_MSG(same_bits(dq, tq, nq, "dq") && same_bits(dk, tk, nkv, "dk") &&
                       same_bits(dv, tv, nkv, "dv"),
-                  "%s: attention_backward N=%d n_past=%d NH=%d KVH=%d HS=%d", g_be_name[i], N,
-                  n_past, NH, KVH, HS);
+                  "%s: attention_backward N=%d n_past=%d NH=%d KVH=%d HS=%d window=%d", g_be_name[i], N,
+                  n_past, NH, KVH, HS, window);
     }
     free(q), free(k), free(v), free(dout), free(out), free(tq), free(tk), free(tv);
     free(c.q), free(c.k), free(c.v), free(c.Rw), free(aq), free(ak), free(av);
@@ -562,14 +567,21 @@ static void test_attention_case(int N, int n_past, int NH, int KVH, int HS, floa
 }
 
 static void test_attention_backward(void) {
-    /* N, n_past, NH, KVH, HS, amplitude of q and k, FD */
-    test_attention_case(1, 0, 1, 1, 4, 1, 1);
-    test_attention_case(5, 0, 4, 2, 6, 2, 1);
-    test_attention_case(7, 3, 6, 2, 5, 2, 1);   /* n_past > 0, GQA groups of 3 */
-    test_attention_case(9, 0, 3, 3, 17, 3, 1);  /* no sharing, peaky softmax */
-    test_attention_case(70, 0, 2, 1, 8, 2, 1);  /* two key blocks, two query blocks */
-    test_attention_case(3, 66, 4, 1, 16, 1, 1); /* keys past n_past seen by fewer tokens */
-    test_attention_case(130, 5, 2, 2, 64, 1, 0);
+    /* N, n_past, NH, KVH, HS, amplitude of q and k, FD, sliding window */
+    test_attention_case(1, 0, 1, 1, 4, 1, 1, 0);
+    test_attention_case(5, 0, 4, 2, 6, 2, 1, 0);
+    test_attention_case(7, 3, 6, 2, 5, 2, 1, 0);   /* n_past > 0, GQA groups of 3 */
+    test_attention_case(9, 0, 3, 3, 17, 3, 1, 0);  /* no sharing, peaky softmax */
+    test_attention_case(70, 0, 2, 1, 8, 2, 1, 0);  /* two key blocks, two query blocks */
+    test_attention_case(3, 66, 4, 1, 16, 1, 1, 0); /* keys past n_past seen by fewer tokens */
+    test_attention_case(130, 5, 2, 2, 64, 1, 0, 0);
+    /* sliding windows: shorter than the sequence, across block edges, of one key, longer */
+    test_attention_case(9, 0, 4, 2, 6, 2, 1, 4);
+    test_attention_case(70, 0, 2, 1, 8, 2, 1, 5);    /* windows cut at different block offsets */
+    test_attention_case(150, 0, 2, 1, 8, 1, 0, 64);  /* a window of one whole block */
+    test_attention_case(140, 3, 4, 2, 16, 1, 0, 70); /* a window straddling block edges */
+    test_attention_case(7, 3, 6, 2, 5, 2, 1, 1);     /* each query sees itself only */
+    test_attention_case(20, 0, 2, 2, 8, 2, 1, 100);  /* a window longer than the sequence */
 }
 
 /* ---- swiglu ---------------------------------------------------------------------------- */
@@ -612,6 +624,54 @@ static void test_swiglu_backward(void) {
             be->i->swiglu_backward(be, g2, u2, dout, g2, u2, n);
             CHECK_MSG(same_bits(g2, tg, n, "dgate in place") && same_bits(u2, tu, n, "dup in place"),
                       "%s: swiglu_backward in place n=%zu", g_be_name[i], n);
+            free(g2), free(u2);
+        }
+        free(g), free(u), free(dout), free(tg), free(tu), free(dg), free(du);
+        free(ag), free(au), free(fg), free(fu);
+    }
+}
+
+/* ---- geglu ---------------------------------------------------------------------------- */
+
+/* gelu_tanh(g) in float64. */
+static double gelu_tanh_d(double g) { return 0.5 * g * (1 + tanh(sqrt(2 / 3.14159265358979323846) * (g + 0.044715 * g * g * g))); }
+
+static void test_geglu_backward(void) {
+    const size_t ns[] = {1, 17, 300, 1000};
+    for (int s = 0; s < 4; s++) {
+        size_t n = ns[s];
+        float *g = rnd_vec(n, -6, 6), *u = rnd_vec(n, -2, 2), *dout = rnd_vec(n, -1, 1);
+        if (n >= 17) { /* extremes: tanh saturated both ways, zeros, tanh's series branch */
+            g[0] = -90.0f, g[1] = 100.0f, g[2] = 0.0f, g[3] = -0.0f, g[4] = 0.01f, g[5] = -12.0f;
+        }
+        float *tg = malloc(n * 4), *tu = malloc(n * 4), *dg = malloc(n * 4), *du = malloc(n * 4);
+        double *ag = malloc(n * 8), *au = malloc(n * 8), *fg = malloc(n * 8), *fu = malloc(n * 8);
+        for (size_t i = 0; i < n; i++) {
+            kiln_geglu_backward(g[i], u[i], dout[i], &tg[i], &tu[i]);
+            CHECK(bits(tu[i]) == bits(dout[i] * kiln_gelu_tanh(g[i]))); /* the forward's gelu */
+            double G = g[i], k = sqrt(2 / 3.14159265358979323846), t = tanh(k * (G + 0.044715 * G * G * G));
+            double dgelu = 0.5 * (1 + t) + 0.5 * G * (1 - t * t) * k * (1 + 3 * 0.044715 * G * G);
+            au[i] = dout[i] * gelu_tanh_d(G);
+            ag[i] = (double)dout[i] * u[i] * dgelu;
+            double h = 1e-6; /* central differences of L = dout * gelu(g) * u in float64 */
+            fg[i] = (double)dout[i] * u[i] * (gelu_tanh_d(G + h) - gelu_tanh_d(G - h)) / (2 * h);
+            fu[i] = dout[i] * gelu_tanh_d(G); /* linear in u */
+        }
+        CHECK_MSG(rel_err(tg, NULL, ag, n) < AN_TOL && rel_err(tu, NULL, au, n) < AN_TOL,
+                  "geglu vs f64 n=%zu: %g %g", n, rel_err(tg, NULL, ag, n), rel_err(tu, NULL, au, n));
+        CHECK_MSG(fd_err(tg, NULL, fg, n) < FD_TOL && fd_err(tu, NULL, fu, n) < FD_TOL,
+                  "geglu FD n=%zu: %g", n, fd_err(tg, NULL, fg, n));
+        for (int i = 0; i < g_n_be; i++) {
+            kiln_backend *be = g_be[i];
+            if (!be->i->geglu_backward) continue;
+            poison(dg, n), poison(du, n);
+            be->i->geglu_backward(be, dg, du, dout, g, u, n);
+            CHECK_MSG(same_bits(dg, tg, n, "dgate") && same_bits(du, tu, n, "dup"),
+                      "%s: geglu_backward n=%zu", g_be_name[i], n);
+            float *g2 = dup_vec(g, n), *u2 = dup_vec(u, n); /* in place */
+            be->i->geglu_backward(be, g2, u2, dout, g2, u2, n);
+            CHECK_MSG(same_bits(g2, tg, n, "dgate in place") && same_bits(u2, tu, n, "dup in place"),
+                      "%s: geglu_backward in place n=%zu", g_be_name[i], n);
             free(g2), free(u2);
         }
         free(g), free(u), free(dout), free(tg), free(tu), free(dg), free(du);
@@ -702,6 +762,7 @@ int main(void) {
     test_rmsnorm_backward();
     test_rope_backward();
     test_attention_backward();
+    test_geglu_backward();
     test_swiglu_backward();
     test_embed_backward();
     if (!getenv("KILN_TEST_NO_TIMING")) time_matmul_backward();

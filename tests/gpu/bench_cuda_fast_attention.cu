@@ -132,7 +132,7 @@ int main(int argc, char **argv) {
             });
             /* the auditable kernel takes seconds at N = 4096: one call, no warm-up */
             const double ta = time_ms(1, N > 512 ? 1 : 3, N <= 512, [&](int) {
-                CUDA_OK(kiln_cuda_attention(g_s, out, q, k, v, N, 0, m.NH, m.KVH, m.HS, scale));
+                CUDA_OK(kiln_cuda_attention(g_s, out, q, k, v, N, 0, m.NH, m.KVH, m.HS, scale, 0));
             });
             printf("%-14s %6d | %10.3f %8.2f | %12.3f %8.3f | %6.1fx\n", m.name, N, tf,
                    flops / (tf * 1e-3) / 1e12, ta, flops / (ta * 1e-3) / 1e12, ta / tf);
@@ -245,7 +245,7 @@ int main(int argc, char **argv) {
             });
             const double ta = time_ms(ctx > 4096 ? 5 : 20, 5, true, [&](int i) {
                 CUDA_OK(kiln_cuda_attention(g_s, out, q, kc(i), kc(i) + nkv, 1, ctx - 1, m.NH,
-                                            m.KVH, m.HS, scale));
+                                            m.KVH, m.HS, scale, 0));
             });
             printf("%-14s %6d %7.1f %6d | %10.1f %8.0f | %12.1f %8.0f | %6.1fx\n", m.name, ctx,
                    kv_bytes / 1e6, copies, tf * 1e3, kv_bytes / (tf * 1e-3) / 1e9, ta * 1e3,

@@ -258,7 +258,7 @@ static void time_case(const Case &c) {
             else
                 CUDA_OK(kiln_cuda_attention_backward(0, d.dq, d.dk, d.dv, d.dout, d.q, d.k, d.v,
                                                      d.out, d.ws, c.N, c.n_past, c.NH, c.KVH,
-                                                     c.HS, scale));
+                                                     c.HS, scale, 0));
         }
         CUDA_OK(cudaEventRecord(e1));
         CUDA_OK(cudaEventSynchronize(e1));

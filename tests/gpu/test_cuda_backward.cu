@@ -276,10 +276,10 @@ static void case_rope(int N, int H, int HS) {
 
 /* ---- attention backward -------------------------------------------------------------------- */
 
-static void case_attention(int N, int n_past, int NH, int KVH, int HS) {
+static void case_attention(int N, int n_past, int NH, int KVH, int HS, int window) {
     char ctx[160];
-    snprintf(ctx, sizeof ctx, "attention_backward N=%d n_past=%d NH=%d KVH=%d HS=%d", N, n_past,
-             NH, KVH, HS);
+    snprintf(ctx, sizeof ctx, "attention_backward N=%d n_past=%d NH=%d KVH=%d HS=%d window=%d", N,
+             n_past, NH, KVH, HS, window);
     const int T = n_past + N + 2; /* two rows past n_past+N: must stay untouched */
     const size_t nq = (size_t)N * NH * HS, nkv = (size_t)T * KVH * HS, nws = (size_t)3 * N * NH;
     std::vector<float> q(nq), k(nkv), v(nkv), out(nq), dout(nq), dq(nq), dk(nkv), dv(nkv),
@@ -290,7 +290,7 @@ static void case_attention(int N, int n_past, int NH, int KVH, int HS) {
     fill_rand(dout.data(), nq, 1.0f);
     const float scale = 1.0f / sqrtf((float)HS);
     g_cpu->i->attention(g_cpu, out.data(), q.data(), k.data(), v.data(), N, n_past, NH, KVH, HS,
-                        scale);
+                        scale, window);
     poison(dq.data(), nq);
     poison(dk.data(), nkv);
     poison(dv.data(), nkv);
@@ -302,9 +302,9 @@ static void case_attention(int N, int n_past, int NH, int KVH, int HS) {
     float *d_ws = dev_copy(ws.data(), nws);
     g_cpu->i->attention_backward(g_cpu, dq.data(), dk.data(), dv.data(), dout.data(), q.data(),
                                  k.data(), v.data(), out.data(), ws.data(), N, n_past, NH, KVH,
-                                 HS, scale);
+                                 HS, scale, window);
     run_and_sync(kiln_cuda_attention_backward(g_s, d_dq, d_dk, d_dv, d_dout, d_q, d_k, d_v, d_out,
-                                              d_ws, N, n_past, NH, KVH, HS, scale),
+                                              d_ws, N, n_past, NH, KVH, HS, scale, window),
                  ctx);
     std::vector<float> gdk = to_host(d_dk, nkv), gdv = to_host(d_dv, nkv);
     int bad = 0;
@@ -472,7 +472,7 @@ static void timings(void) {
     float *ws = dev_rand((size_t)3 * N * NH, 1.0f);
     float t_at = time_ms([&] {
         return kiln_cuda_attention_backward(g_s, dq, dk, dv, dout, q, k, v, out, ws, N, 0, NH,
-                                            KVH, HS, 0.125f);
+                                            KVH, HS, 0.125f, 0);
     });
     printf("time attention_backward N=%d NH=%d KVH=%d HS=%d: %.3f ms\n", N, NH, KVH, HS, t_at);
     float *dt = dev_rand((size_t)151936 / 4 * C, 1.0f);
@@ -520,12 +520,12 @@ static int host_checks(void) {
     HCHECK(kiln_cuda_matmul_backward(0, bogus, bogus, bogus, bogus, bogus, (const uint8_t *)bogus,
                                      32, KILN_DTYPE_Q8_0, 4, 32, 2, false) == cudaErrorInvalidValue);
     HCHECK(kiln_cuda_attention_backward(0, bogus, bogus, bogus, bogus, bogus, bogus, bogus, bogus,
-                                        bogus, 2, 0, 4, 3, 8, 1.0f) == cudaErrorInvalidValue);
+                                        bogus, 2, 0, 4, 3, 8, 1.0f, 0) == cudaErrorInvalidValue);
     HCHECK(kiln_cuda_attention_backward(0, bogus, bogus, bogus, bogus, bogus, bogus, bogus, bogus,
                                         bogus, 2, 0, 4, 2, KILN_CUDA_MAX_HS + 2,
-                                        1.0f) == cudaErrorInvalidValue);
+                                        1.0f, 0) == cudaErrorInvalidValue);
     HCHECK(kiln_cuda_attention_backward(0, bogus, bogus, bogus, bogus, bogus, bogus, bogus, bogus,
-                                        bogus, 2, -1, 4, 2, 8, 1.0f) == cudaErrorInvalidValue);
+                                        bogus, 2, -1, 4, 2, 8, 1.0f, 0) == cudaErrorInvalidValue);
     HCHECK(kiln_cuda_embed_backward(0, bogus, bogus, (const int32_t *)bogus, 2, 4,
                                     65535 * 256 + 1) == cudaErrorInvalidConfiguration);
     /* nothing to do: success without a launch */
@@ -536,7 +536,7 @@ static int host_checks(void) {
     HCHECK(kiln_cuda_rope_backward(0, bogus, (const int32_t *)bogus, 0, 2, 8, bogus, bogus) ==
            cudaSuccess);
     HCHECK(kiln_cuda_attention_backward(0, bogus, bogus, bogus, bogus, bogus, bogus, bogus, bogus,
-                                        bogus, 0, 3, 4, 2, 8, 1.0f) == cudaSuccess);
+                                        bogus, 0, 3, 4, 2, 8, 1.0f, 0) == cudaSuccess);
     HCHECK(kiln_cuda_swiglu_backward(0, bogus, bogus, bogus, bogus, bogus, 0) == cudaSuccess);
     HCHECK(kiln_cuda_embed_backward(0, bogus, bogus, (const int32_t *)bogus, 0, 4, 8) ==
            cudaSuccess);
@@ -591,14 +591,15 @@ int main(int argc, char **argv) {
     for (int a = 0; a < 4; a++)
         for (int h = 0; h < 4; h++) case_rope(Ns[a], Hs[(a + h) % 4], HSs[h]);
 
-    static const int att[][5] = {
-        /* N, n_past, NH, KVH, HS */
-        {1, 0, 4, 2, 8},     {3, 0, 4, 2, 48},   {3, 7, 14, 2, 64},  {17, 0, 6, 6, 128},
-        {17, 70, 4, 2, 48},  {64, 0, 14, 2, 64}, {64, 100, 6, 6, 8}, {1, 130, 4, 2, 128},
-        {130, 5, 4, 2, 64},  {17, 0, 14, 2, 128}, {65, 64, 6, 6, 48},
+    static const int att[][6] = {
+        /* N, n_past, NH, KVH, HS, sliding window */
+        {1, 0, 4, 2, 8, 0},     {3, 0, 4, 2, 48, 0},   {3, 7, 14, 2, 64, 0},  {17, 0, 6, 6, 128, 0},
+        {17, 70, 4, 2, 48, 0},  {64, 0, 14, 2, 64, 0}, {64, 100, 6, 6, 8, 0}, {1, 130, 4, 2, 128, 0},
+        {130, 5, 4, 2, 64, 0},  {17, 0, 14, 2, 128, 0}, {65, 64, 6, 6, 48, 0}, {70, 0, 4, 2, 48, 5},
+        {150, 0, 4, 1, 64, 64}, {140, 3, 14, 2, 64, 70}, {17, 70, 4, 2, 48, 1}, {20, 0, 6, 6, 8, 100},
     };
     for (size_t i = 0; i < sizeof att / sizeof att[0]; i++)
-        case_attention(att[i][0], att[i][1], att[i][2], att[i][3], att[i][4]);
+        case_attention(att[i][0], att[i][1], att[i][2], att[i][3], att[i][4], att[i][5]);
 
     static const size_t sw_n[4] = {1, 17, 1000, 100003};
     for (int i = 0; i < 4; i++) case_swiglu(sw_n[i], i);

@@ -327,22 +327,22 @@ static void test_rope(int N, int H, int HS, int max_pos, int pos_on_dev) {
     kiln_free(x), kiln_free(ct), kiln_free(st), kiln_free(pos), kiln_free(want), kiln_free(got);
 }
 
-static void test_attention(int N, int n_past, int NH, int KVH, int HS, float qscale) {
+static void test_attention(int N, int n_past, int NH, int KVH, int HS, float qscale, int window) {
     int T = n_past + N + rnd_int(0, 3); /* the cache may hold more rows than are used */
     size_t nq = (size_t)N * NH * HS, nkv = (size_t)T * KVH * HS;
     float *q = host_floats(nq, qscale), *k = host_floats(nkv, 1.0f), *v = host_floats(nkv, 1.0f);
     float *want = host_nan(nq), *got = host_nan(nq);
     float scale = (float)(1.0 / sqrt((double)HS));
-    g_cpu->i->attention(g_cpu, want, q, k, v, N, n_past, NH, KVH, HS, scale);
+    g_cpu->i->attention(g_cpu, want, q, k, v, N, n_past, NH, KVH, HS, scale, window);
     float *dq = dev_copy(q, nq), *dk = dev_copy(k, nkv), *dv = dev_copy(v, nkv);
     float *dout = dev_alloc(nq * 4 + 4);
     dev_poison(dout, nq);
-    g_gpu->i->attention(g_gpu, dout, dq, dk, dv, N, n_past, NH, KVH, HS, scale);
+    g_gpu->i->attention(g_gpu, dout, dq, dk, dv, N, n_past, NH, KVH, HS, scale, window);
     check_status("attention");
     down(got, dout, nq * 4);
     char ctx[128];
-    snprintf(ctx, sizeof ctx, "N=%d n_past=%d NH=%d KVH=%d HS=%d qscale=%g", N, n_past, NH, KVH,
-             HS, qscale);
+    snprintf(ctx, sizeof ctx, "N=%d n_past=%d NH=%d KVH=%d HS=%d qscale=%g window=%d", N, n_past,
+             NH, KVH, HS, qscale, window);
     compare(R_ATTENTION, ctx, want, got, nq);
     kiln_backend_free_buf(g_gpu, dq), kiln_backend_free_buf(g_gpu, dk);
     kiln_backend_free_buf(g_gpu, dv), kiln_backend_free_buf(g_gpu, dout);
@@ -587,16 +587,19 @@ int main(int argc, char **argv) {
     for (int rep = 0; rep < 12; rep++)
         test_rope(rnd_int(1, 20), rnd_int(1, 9), HSs[rep % 6], rnd_int(0, 300), rep & 1);
     /* attention: decode (N=1) and prefill, key counts across block edges of 64, GQA groups */
-    test_attention(1, 0, 2, 1, 64, 1.0f);
-    test_attention(1, 63, 14, 2, 64, 4.0f);
-    test_attention(1, 64, 4, 4, 128, 1.0f);
-    test_attention(1, 1000, 8, 2, 128, 8.0f);
-    test_attention(7, 63, 4, 2, 80, 2.0f);
-    test_attention(17, 130, 6, 3, 128, 1.0f);
-    test_attention(3, 0, 2, 2, 16, 30.0f);
-    test_attention(65, 0, 4, 1, 64, 3.0f);
-    test_attention(2, 5, 3, 1, 256, 1.0f);
-    test_attention(1, 200, 2, 1, 18, 1.0f);
+    test_attention(1, 0, 2, 1, 64, 1.0f, 0);
+    test_attention(1, 63, 14, 2, 64, 4.0f, 0);
+    test_attention(1, 64, 4, 4, 128, 1.0f, 0);
+    test_attention(1, 1000, 8, 2, 128, 8.0f, 0);
+    test_attention(7, 63, 4, 2, 80, 2.0f, 0);
+    test_attention(17, 130, 6, 3, 128, 1.0f, 0);
+    test_attention(3, 0, 2, 2, 16, 30.0f, 0);
+    test_attention(65, 0, 4, 1, 64, 3.0f, 0);
+    test_attention(2, 5, 3, 1, 256, 1.0f, 0);
+    test_attention(1, 200, 2, 1, 18, 1.0f, 0);
+    test_attention(7, 63, 4, 2, 80, 2.0f, 5);      /* sliding windows */
+    test_attention(17, 130, 6, 3, 128, 1.0f, 64);
+    test_attention(65, 0, 4, 1, 64, 3.0f, 70);
     const int has_geglu = g_gpu->i->geglu != NULL;
     if (!has_geglu) {
         fprintf(stderr, "FAIL: the CUDA backend has no geglu\n");

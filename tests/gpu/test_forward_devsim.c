@@ -74,13 +74,14 @@ static void ds_rope(kiln_backend *be, float *x, const int32_t *pos, int N, int H
     g_cpu->i->rope(g_cpu, x, pos, N, H, HS, cs, sn);
 }
 static void ds_attention(kiln_backend *be, float *out, const float *q, const float *k,
-                         const float *v, int N, int n_past, int NH, int KVH, int HS, float scale) {
+                         const float *v, int N, int n_past, int NH, int KVH, int HS, float scale,
+                         int window) {
     (void)be;
     need(out, F((size_t)N * NH * HS), "attention out");
     need(q, F((size_t)N * NH * HS), "attention q");
     need(k, F((size_t)(n_past + N) * KVH * HS), "attention k");
     need(v, F((size_t)(n_past + N) * KVH * HS), "attention v");
-    g_cpu->i->attention(g_cpu, out, q, k, v, N, n_past, NH, KVH, HS, scale);
+    g_cpu->i->attention(g_cpu, out, q, k, v, N, n_past, NH, KVH, HS, scale, window);
 }
 static void ds_kv_store_rows(kiln_backend *be, float *kp, float *vp, const float *kr, const float *vr,
                              const int32_t *slots, int N, size_t row) {

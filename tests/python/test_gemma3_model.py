@@ -5,6 +5,9 @@
     within 1e-4 of transformers' float64 forward on prompts longer than the window and across
     a 64-key block, cached decode bit-identical to the full forward, thread-count invariance,
     greedy continuations identical (test_parity.check_model's checks).
+  * Training the tiny model: the loss and every gradient against transformers' float64
+    autograd (one sequence longer than the window, and a batch of two), the final hidden
+    states, and an exported step that transformers and kiln read back to the same logits.
   * The real Gemma 3 270M Q4_K_M GGUF (scripts/fetch-gemma3.sh): greedy continuations equal
     transformers' reading the same file (dequantized to float32), for several prompts, one of
     them longer than the 512-position window. Skipped without the file.
@@ -60,11 +63,113 @@ def test_tiny_long_prompt(tiny, build_dir):
     m.close()
 
 
-def test_tiny_training_refused(tiny, build_dir):
-    d, _ = tiny
+def _grads(ref):
+    return {n: p.grad.detach().numpy() for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def _compare_grads(tr, want, label, bound=1e-4):
+    names = set()
+    worst = 0.0
+    for name, n, _ in tr.params():
+        names.add(name)
+        g = tr.get_grad(name, n).astype(np.float64)
+        w = want[name].ravel()
+        rel = float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-12))
+        worst = max(worst, rel)
+        assert rel <= bound, f"{label}: gradient of {name}: relative error {rel:.3e}"
+    assert names == set(want), f"{label}: parameter sets differ: {names ^ set(want)}"
+    print(f"{label}: {len(names)} parameters, worst relative gradient error {worst:.3e}")
+
+
+def test_tiny_loss_and_gradients(tiny, build_dir):
+    """One training step of a 40-token sequence (window 8, so the sliding layers cut most keys):
+    the loss and every parameter's gradient (the norms' w, the tied embedding) against
+    transformers' float64 autograd; the same bits with one thread; and the parameters kiln
+    trains are transformers' w, not the 1 + w the forward multiplies by."""
+    d, ref = tiny
     m = kiln.Model(d)
-    with pytest.raises(kiln.KilnError, match="training gemma3 models is not implemented"):
-        kiln.Trainer(m, max_seq=16)
+    ids = [2] + [int(x) for x in np.random.default_rng(2).integers(7, m.n_vocab, size=39)]
+    tr = kiln.Trainer(m, max_seq=64, n_threads=2)
+    loss = tr.step(ids)
+    ref.zero_grad()
+    out = ref(torch.tensor([ids]), labels=torch.tensor([ids]))
+    out.loss.backward()
+    assert abs(loss - out.loss.item()) <= 1e-5 * abs(out.loss.item()), (loss, out.loss.item())
+    _compare_grads(tr, _grads(ref), "gemma3 tiny")
+    for name, p in ref.named_parameters():
+        if "norm" in name:
+            got = tr.get_param(name, p.numel())
+            assert np.array_equal(got, p.detach().float().numpy().ravel()), name
+    tr1 = kiln.Trainer(m, max_seq=64, n_threads=1)
+    assert tr1.step(ids) == loss
+    for name, n, _ in tr.params():
+        assert np.array_equal(tr.get_grad(name, n).view(np.uint32), tr1.get_grad(name, n).view(np.uint32)), name
+    tr.close()
+    tr1.close()
+    m.close()
+
+
+def test_tiny_batch_and_hidden(tiny, build_dir):
+    """Two sequences in one forward (step_batch) = transformers' batch of two; the training
+    forward's final hidden states against transformers' last_hidden_state after the norm."""
+    d, ref = tiny
+    m = kiln.Model(d)
+    rng = np.random.default_rng(3)
+    seqs = [[2] + [int(x) for x in rng.integers(7, m.n_vocab, size=29)] for _ in range(2)]
+    targets = [s[1:] + [-1] for s in seqs]
+    tr = kiln.Trainer(m, max_seq=32, max_batch=2, n_threads=2)
+    loss = tr.step_batch(seqs, targets)
+    ref.zero_grad()
+    logits = ref(torch.tensor(seqs)).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             torch.tensor(targets).reshape(-1), ignore_index=-1)
+    want.backward()
+    assert abs(loss - want.item()) <= 1e-5 * abs(want.item()), (loss, want.item())
+    _compare_grads(tr, _grads(ref), "gemma3 tiny batch")
+    pos = [29, 0, 11]
+    h = tr.forward_hidden(seqs[0], pos)
+    with torch.no_grad():
+        hs = ref.model(torch.tensor([seqs[0]])).last_hidden_state[0, pos].numpy()
+    assert np.abs(h - hs).max() <= 1e-4 * max(1.0, np.abs(hs).max())
+    tr.discard()
+    tr.close()
+    m.close()
+
+
+def test_tiny_train_and_export(tiny, build_dir, tmp_path):
+    """A step of training, exported as a Hugging Face folder: the weights are the trainer's, the
+    config reads back in transformers and kiln, and both give the same logits (which moved)."""
+    from test_export import export, check_weights
+    d, ref0 = tiny
+    m = kiln.Model(d)
+    ids = [2] + [int(x) for x in np.random.default_rng(4).integers(7, m.n_vocab, size=30)]
+    tr = kiln.Trainer(m, max_seq=32, n_threads=2, lr=1e-2, weight_decay=0.1)
+    tr.step(ids)
+    tr.optimizer_step(1e-2)
+    out = tmp_path / "exported"
+    export(tr, out)
+    check_weights(tr, out, bf16=False)
+    km = kiln.Model(out)
+    for k in ("architecture", "n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "n_vocab",
+              "rms_norm_eps", "rope_theta", "tied_embeddings", "qk_norm", "n_params"):
+        assert km.info[k] == m.info[k], k
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64,
+                                                            attn_implementation="eager").eval()
+    cfg0, cfg1 = ref0.config, ref.config
+    for k in ("sliding_window", "layer_types", "query_pre_attn_scalar", "rope_parameters", "hidden_activation"):
+        assert getattr(cfg1, k) == getattr(cfg0, k), k
+    probe = [2] + [int(x) for x in np.random.default_rng(5).integers(7, m.n_vocab, size=40)]
+    ctx = kiln.Context(km, n_ctx=64, n_threads=2)
+    got = ctx.decode(probe, all_logits=True).astype(np.float64)
+    with torch.no_grad():
+        want = ref(torch.tensor([probe])).logits[0].numpy()
+        before = ref0(torch.tensor([probe])).logits[0].numpy()
+    scale = max(1.0, float(np.abs(want).max()))
+    assert float(np.abs(got - want).max()) / scale <= 1e-4
+    assert float(np.abs(before - want).max()) / scale > 1e-4  # the step is in the export
+    ctx.close()
+    km.close()
+    tr.close()
     m.close()
 
 

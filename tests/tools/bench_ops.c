@@ -108,7 +108,7 @@ int main(int argc, char **argv) {
         int reps = 0;
         double t0 = kiln_time_seconds(), t;
         do {
-            be->i->attention(be, o, q, k, v, 1, T - 1, NH, KVH, HS, 0.125f);
+            be->i->attention(be, o, q, k, v, 1, T - 1, NH, KVH, HS, 0.125f, 0);
             reps++;
             t = kiln_time_seconds() - t0;
         } while (t < min_s);

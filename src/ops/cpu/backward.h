@@ -131,10 +131,13 @@ void kiln_cpu_rope_backward(kiln_pool *pool, float *d, const int32_t *pos, int N
 void kiln_cpu_attention_backward(kiln_pool *pool, const kiln_cpu_kernels *k, float *dq,
                                  float *dk, float *dv, const float *dout, const float *q,
                                  const float *kc, const float *vc, const float *out, float *ws,
-                                 int N, int n_past, int NH, int KVH, int HS, float scale);
+                                 int N, int n_past, int NH, int KVH, int HS, float scale,
+                                 int window);
 void kiln_cpu_swiglu_backward(kiln_pool *pool, const kiln_cpu_kernels *k, float *dgate,
                               float *dup, const float *dout, const float *gate, const float *up,
                               size_t n);
+void kiln_cpu_geglu_backward(kiln_pool *pool, float *dgate, float *dup, const float *dout, const float *gate,
+                             const float *up, size_t n);
 void kiln_cpu_embed_backward(kiln_pool *pool, float *dtable, const float *dy, const int32_t *ids,
                              int N, int V, int C);
 

@@ -462,14 +462,21 @@ void kiln_cpu_rope_backward(kiln_pool *pool, float *d, const int32_t *pos, int N
  *   dq_ih = (sum_j ds_ij k_j) * scale                 keys j ascending
  *   dk_j  = (sum_{h in group, i} ds_ij q_ih) * scale  heads ascending, then tokens ascending
  *   dv_j  =  sum_{h in group, i} p_ij dout_ih         same order
- * each sum a sequence of fmaf into the output row (attn_pv), never split across tasks. */
+ * each sum a sequence of fmaf into the output row (attn_pv), never split across tasks.
+ * With a sliding window the keys of token i are [attn_lo, T) in the forward's blocks (key
+ * blocks aligned at multiples of 64, the first cut to start at the window), and key j's
+ * queries are those at positions j..j + window - 1. */
 typedef struct attn_bwd_job {
     const kiln_cpu_kernels *k;
     float *dq, *dk, *dv, *ws;
     const float *dout, *q, *kc, *vc, *out;
     int N, n_past, NH, KVH, HS, n_tasks;
     float scale;
+    int window; /* > 0: a sliding window (ops.h attention) */
 } attn_bwd_job;
+
+/* The first key a query with T keys (0..T-1, causal) reads. */
+static int attn_lo(int T, int window) { return window > 0 && T > window ? T - window : 0; }
 
 static void attn_bwd_stats(const attn_bwd_job *j, int i, int h) {
     const kiln_cpu_kernels *k = j->k;
@@ -477,10 +484,12 @@ static void attn_bwd_stats(const attn_bwd_job *j, int i, int h) {
     const int64_t stride = (int64_t)j->KVH * HS, u = (int64_t)i * j->NH + h;
     const float *q = j->q + u * HS;
     const int T = j->n_past + i + 1;
+    const int lo = attn_lo(T, j->window);
     float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK];
     float m = -INFINITY, l = 0.0f;
-    for (int kb = 0; kb < T; kb += KILN_ATTN_BLOCK) {
-        int nk = T - kb < KILN_ATTN_BLOCK ? T - kb : KILN_ATTN_BLOCK;
+    for (int kb0 = lo / KILN_ATTN_BLOCK * KILN_ATTN_BLOCK; kb0 < T; kb0 += KILN_ATTN_BLOCK) {
+        const int kb = kb0 > lo ? kb0 : lo; /* the block's first key */
+        const int nk = T - kb0 < KILN_ATTN_BLOCK ? T - kb : kb0 + KILN_ATTN_BLOCK - kb;
         k->dots(s, q, j->kc + (int64_t)kb * stride + (int64_t)kvh * HS, stride, nk, HS);
         float bm = -INFINITY;
         for (int t = 0; t < nk; t++) {
@@ -510,9 +519,11 @@ static void attn_bwd_dq(const attn_bwd_job *j, int i, int h) {
     float *dq = j->dq + u * HS;
     const int T = j->n_past + i + 1;
     float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK], dp[KILN_ATTN_BLOCK];
+    const int lo = attn_lo(T, j->window);
     for (int d = 0; d < HS; d++) dq[d] = 0.0f;
-    for (int kb = 0; kb < T; kb += KILN_ATTN_BLOCK) {
-        int nk = T - kb < KILN_ATTN_BLOCK ? T - kb : KILN_ATTN_BLOCK;
+    for (int kb0 = lo / KILN_ATTN_BLOCK * KILN_ATTN_BLOCK; kb0 < T; kb0 += KILN_ATTN_BLOCK) {
+        const int kb = kb0 > lo ? kb0 : lo;
+        const int nk = T - kb0 < KILN_ATTN_BLOCK ? T - kb : kb0 + KILN_ATTN_BLOCK - kb;
         const float *kblk = j->kc + (int64_t)kb * stride + (int64_t)kvh * HS;
         const float *vblk = j->vc + (int64_t)kb * stride + (int64_t)kvh * HS;
         k->dots(s, q, kblk, stride, nk, HS);
@@ -535,9 +546,11 @@ static void attn_bwd_dkv(const attn_bwd_job *j, int jp, int g) {
     float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK], dp[KILN_ATTN_BLOCK];
     for (int d = 0; d < HS; d++) dk[d] = 0.0f, dv[d] = 0.0f;
     int i_lo = jp - j->n_past > 0 ? jp - j->n_past : 0; /* causal: n_past + i >= jp */
+    int i_hi = j->N; /* the window: n_past + i < jp + window */
+    if (j->window > 0 && (int64_t)jp - j->n_past + j->window < i_hi) i_hi = jp - j->n_past + j->window;
     for (int h = g * G; h < (g + 1) * G; h++) {
-        for (int ib = i_lo; ib < j->N; ib += KILN_ATTN_BLOCK) {
-            int nb = j->N - ib < KILN_ATTN_BLOCK ? j->N - ib : KILN_ATTN_BLOCK;
+        for (int ib = i_lo; ib < i_hi; ib += KILN_ATTN_BLOCK) {
+            int nb = i_hi - ib < KILN_ATTN_BLOCK ? i_hi - ib : KILN_ATTN_BLOCK;
             const float *qb = j->q + ((int64_t)ib * j->NH + h) * HS;
             const float *db = j->dout + ((int64_t)ib * j->NH + h) * HS;
             const float *st = j->ws + ((int64_t)ib * j->NH + h) * 3;
@@ -581,9 +594,10 @@ static void attn_bwd_dkv_task(void *arg, int task, int thread) {
 void kiln_cpu_attention_backward(kiln_pool *pool, const kiln_cpu_kernels *k, float *dq,
                                  float *dk, float *dv, const float *dout, const float *q,
                                  const float *kc, const float *vc, const float *out, float *ws,
-                                 int N, int n_past, int NH, int KVH, int HS, float scale) {
+                                 int N, int n_past, int NH, int KVH, int HS, float scale,
+                                 int window) {
     if (N <= 0) return;
-    attn_bwd_job j = {k, dq, dk, dv, ws, dout, q, kc, vc, out, N, n_past, NH, KVH, HS, 0, scale};
+    attn_bwd_job j = {k, dq, dk, dv, ws, dout, q, kc, vc, out, N, n_past, NH, KVH, HS, 0, scale, window};
     double work = (double)N * NH * HS * (n_past + N);
     j.n_tasks = bwd_n_tasks(pool, work, 16384, (int64_t)N * NH);
     kiln_pool_run(pool, j.n_tasks, attn_bwd_stats_task, &j);
@@ -634,6 +648,28 @@ void kiln_cpu_swiglu_backward(kiln_pool *pool, const kiln_cpu_kernels *k, float 
     swiglu_bwd_job j = {k, dgate, dup, dout, gate, up, n, 0};
     j.n_tasks = bwd_n_tasks(pool, (double)n * 12, 65536, (int64_t)(n / SWIGLU_CHUNK) + 1);
     kiln_pool_run(pool, j.n_tasks, swiglu_bwd_task, &j);
+}
+
+/* ---- geglu backward: kiln_geglu_backward per element ------------------------------------ */
+
+static void geglu_bwd_task(void *arg, int task, int thread) {
+    const swiglu_bwd_job *j = arg;
+    int64_t lo, hi;
+    bwd_split((int64_t)j->n, j->n_tasks, task, SWIGLU_CHUNK, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) {
+        float dg, du;
+        kiln_geglu_backward(j->gate[i], j->up[i], j->dout[i], &dg, &du);
+        j->dup[i] = du;
+        j->dgate[i] = dg;
+    }
+}
+
+void kiln_cpu_geglu_backward(kiln_pool *pool, float *dgate, float *dup, const float *dout, const float *gate,
+                             const float *up, size_t n) {
+    if (n == 0) return;
+    swiglu_bwd_job j = {NULL, dgate, dup, dout, gate, up, n, 0};
+    j.n_tasks = bwd_n_tasks(pool, (double)n * 24, 65536, (int64_t)(n / SWIGLU_CHUNK) + 1);
+    kiln_pool_run(pool, j.n_tasks, geglu_bwd_task, &j);
 }
 
 /* ---- embed backward --------------------------------------------------------------------- */

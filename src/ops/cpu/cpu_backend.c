@@ -313,9 +313,9 @@ static void attn_task(void *arg, int task, int thread) {
 
 static void cpu_attention(kiln_backend *be, float *out, const float *q, const float *k,
                           const float *v, int N, int n_past, int NH, int KVH, int HS,
-                          float scale) {
+                          float scale, int window) {
     cpu_ctx *c = ctx_of(be);
-    attn_job j = {c->k, out, q, k, v, N, n_past, NH, KVH, HS, 0, scale, NULL, NULL, NULL, 0};
+    attn_job j = {c->k, out, q, k, v, N, n_past, NH, KVH, HS, 0, scale, NULL, NULL, NULL, window};
     double work = (double)N * NH * HS * (n_past + N);
     j.n_tasks = n_tasks_for(c, work, 16384, (int64_t)N * NH);
     kiln_pool_run(c->pool, j.n_tasks, attn_task, &j);
@@ -384,16 +384,21 @@ static void cpu_rope_backward(kiln_backend *be, float *d, const int32_t *pos, in
 static void cpu_attention_backward(kiln_backend *be, float *dq, float *dk, float *dv,
                                    const float *dout, const float *q, const float *k,
                                    const float *v, const float *out, float *ws, int N,
-                                   int n_past, int NH, int KVH, int HS, float scale) {
+                                   int n_past, int NH, int KVH, int HS, float scale, int window) {
     cpu_ctx *c = ctx_of(be);
     kiln_cpu_attention_backward(c->pool, c->k, dq, dk, dv, dout, q, k, v, out, ws, N, n_past,
-                                NH, KVH, HS, scale);
+                                NH, KVH, HS, scale, window);
 }
 
 static void cpu_swiglu_backward(kiln_backend *be, float *dgate, float *dup, const float *dout,
                                 const float *gate, const float *up, size_t n) {
     cpu_ctx *c = ctx_of(be);
     kiln_cpu_swiglu_backward(c->pool, c->k, dgate, dup, dout, gate, up, n);
+}
+
+static void cpu_geglu_backward(kiln_backend *be, float *dgate, float *dup, const float *dout,
+                               const float *gate, const float *up, size_t n) {
+    kiln_cpu_geglu_backward(ctx_of(be)->pool, dgate, dup, dout, gate, up, n);
 }
 
 static void cpu_embed_backward(kiln_backend *be, float *dtable, const float *dy,
@@ -561,6 +566,7 @@ static const kiln_backend_i cpu_iface = {
     .attention_paged = cpu_attention_paged,
     .get_rows = cpu_get_rows,
     .geglu = cpu_geglu,
+    .geglu_backward = cpu_geglu_backward,
     .zero = cpu_zero,
     .scale = cpu_scale,
     .fused_ce_workspace = kiln_cpu_fused_ce_workspace,

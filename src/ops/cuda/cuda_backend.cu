@@ -375,18 +375,25 @@ static void cu_rope(kiln_backend *be, float *x, const int32_t *pos, int N, int H
     after_launch(c, kiln_cuda_rope(c->stream, x, d_pos, N, H, HS, cos_tab, sin_tab), "rope");
 }
 
+/* Whether a sliding window cuts some query's keys (ops.h attention): the fast kernels know no
+ * window, so such a call runs the auditable kernels in either mode (its backward too). */
+static bool window_cuts(int window, int N, int n_past) {
+    return window > 0 && (int64_t)n_past + N > window;
+}
+
 static void cu_attention(kiln_backend *be, float *out, const float *q, const float *k,
                          const float *v, int N, int n_past, int NH, int KVH, int HS,
-                         float scale) {
+                         float scale, int window) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
     if (HS > KILN_CUDA_MAX_HS) {
         poison(c, KILN_ERR_UNSUPPORTED, "attention: head size %d > %d", HS, KILN_CUDA_MAX_HS);
         return;
     }
-    if (!c->fast) {
+    if (!c->fast || window_cuts(window, N, n_past)) {
         after_launch(c,
-                     kiln_cuda_attention(c->stream, out, q, k, v, N, n_past, NH, KVH, HS, scale),
+                     kiln_cuda_attention(c->stream, out, q, k, v, N, n_past, NH, KVH, HS, scale,
+                                         window),
                      "attention");
         return;
     }
@@ -432,6 +439,15 @@ static void cu_geglu(kiln_backend *be, float *out, const float *gate, const floa
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
     after_launch(c, kiln_cuda_geglu(c->stream, out, gate, up, n), "geglu");
+}
+
+/* ops.h geglu_backward: kiln_geglu_backward per element, the CPU's bits in both modes. */
+static void cu_geglu_backward(kiln_backend *be, float *dgate, float *dup, const float *dout,
+                              const float *gate, const float *up, size_t n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_geglu_backward(c->stream, dgate, dup, dout, gate, up, n),
+                 "geglu_backward");
 }
 
 static void cu_add(kiln_backend *be, float *x, const float *y, size_t n) {
@@ -795,10 +811,10 @@ static void cu_rope_backward_bf16(kiln_backend *be, float *d, uint16_t *d16, int
 static void cu_attention_backward(kiln_backend *be, float *dq, float *dk, float *dv,
                                   const float *dout, const float *q, const float *k,
                                   const float *v, const float *out, float *ws, int N,
-                                  int n_past, int NH, int KVH, int HS, float scale) {
+                                  int n_past, int NH, int KVH, int HS, float scale, int window) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
-    if (c->fast && kiln_cuda_attention_backward_fast_ok(dq, dk, dv, dout, q, k, v, out, N, n_past,
+    if (c->fast && !window_cuts(window, N, n_past) && kiln_cuda_attention_backward_fast_ok(dq, dk, dv, dout, q, k, v, out, N, n_past,
                                                         NH, KVH, HS)) {
         /* ws holds kiln_attention_backward_ws_floats (ops.h's contract) */
         after_launch(c,
@@ -810,7 +826,7 @@ static void cu_attention_backward(kiln_backend *be, float *dq, float *dk, float 
         return;
     }
     after_launch(c, kiln_cuda_attention_backward(c->stream, dq, dk, dv, dout, q, k, v, out, ws,
-                                                 N, n_past, NH, KVH, HS, scale),
+                                                 N, n_past, NH, KVH, HS, scale, window),
                  "attention_backward");
 }
 
@@ -845,7 +861,7 @@ static void cu_attention_seqs(kiln_backend *be, float *out, uint16_t *out16, flo
     if (!c->fast || HS > KILN_ATTN_FAST_MAX_HS) {
         for (int b = 0; b < B; b++)
             cu_attention(be, out + b * qs, q + b * qs, k + b * ks, v + b * ks, N, 0, NH, KVH, HS,
-                         scale);
+                         scale, 0);
         return;
     }
     if (!c->attn && !CK(c, kiln_cuda_attn_create(&c->attn))) return;
@@ -887,7 +903,7 @@ static void cu_attention_backward_seqs(kiln_backend *be, float *dq, float *dk, f
     for (int b = 0; b < B; b++)
         cu_attention_backward(be, dq + b * qs, dk + b * ks, dv + b * ks, dout + b * qs,
                               q + b * qs, k + b * ks, v + b * ks, out + b * qs, ws, N, 0, NH,
-                              KVH, HS, scale);
+                              KVH, HS, scale, 0);
 }
 
 /* ops.h's attention_backward_seqs16: the fast kernels with the epilogue in their stores when
@@ -1537,6 +1553,7 @@ static const kiln_backend_i cuda_iface = {
     /* .adamw_grad_norm = */ kiln_cuda_adamw_op_grad_norm,
     /* .adamw_clip = */ kiln_cuda_adamw_op_clip,
     /* .holds = */ cu_holds,
+    /* .geglu_backward = */ cu_geglu_backward,
 };
 
 extern "C" kiln_status kiln_cuda_device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes) {

@@ -585,6 +585,12 @@ cudaError_t kiln_cuda_rope_backward(cudaStream_t s, float *d, const int32_t *pos
 #define AB_THREADS 128
 #define AB_HW (AB_THREADS / 16)
 
+/* The first key a query with T keys (0..T-1, causal) reads under a sliding window (0: none):
+ * its key blocks stay aligned at multiples of 64, the first cut to start at it (the CPU's). */
+static __device__ __forceinline__ int attn_lo(int T, int window) {
+    return window > 0 && T > window ? T - window : 0;
+}
+
 static __device__ __forceinline__ float hw_dot(const float *a, const float *__restrict__ b,
                                                int HS, int lane, unsigned mask) {
     float acc = 0.0f;
@@ -596,7 +602,7 @@ static __global__ void __launch_bounds__(AB_THREADS)
 attn_bwd_stats_kernel(float *__restrict__ ws, const float *__restrict__ q,
                       const float *__restrict__ kc, const float *__restrict__ dout,
                       const float *__restrict__ out, int n_past, int NH, int KVH, int HS,
-                      float scale) {
+                      float scale, int window) {
     extern __shared__ float sm[];
     float *qs = sm; /* (HS) */
     __shared__ float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK];
@@ -608,11 +614,12 @@ attn_bwd_stats_kernel(float *__restrict__ ws, const float *__restrict__ q,
     const unsigned mask = half_warp_mask();
     const float *kbase = kc + (int64_t)kvh * HS;
     for (int d = tid; d < HS; d += AB_THREADS) qs[d] = q[u * HS + d];
-    const int T = n_past + i + 1;
+    const int T = n_past + i + 1, lo = attn_lo(T, window);
     float m = -INFINITY, l = 0.0f; /* meaningful in thread 0 */
     __syncthreads();
-    for (int kb = 0; kb < T; kb += KILN_ATTN_BLOCK) {
-        const int nk = T - kb < KILN_ATTN_BLOCK ? T - kb : KILN_ATTN_BLOCK;
+    for (int kb0 = lo / KILN_ATTN_BLOCK * KILN_ATTN_BLOCK; kb0 < T; kb0 += KILN_ATTN_BLOCK) {
+        const int kb = kb0 > lo ? kb0 : lo; /* the block's first key */
+        const int nk = T - kb0 < KILN_ATTN_BLOCK ? T - kb : kb0 + KILN_ATTN_BLOCK - kb;
         for (int j = hw; j < nk; j += AB_HW) {
             const float a = hw_dot(qs, kbase + (int64_t)(kb + j) * stride, HS, lane, mask);
             if (lane == 0) s[j] = a * scale;
@@ -650,7 +657,7 @@ static __global__ void __launch_bounds__(AB_THREADS)
 attn_bwd_dq_kernel(float *__restrict__ dq, const float *__restrict__ ws,
                    const float *__restrict__ q, const float *__restrict__ kc,
                    const float *__restrict__ vc, const float *__restrict__ dout, int n_past,
-                   int NH, int KVH, int HS, float scale) {
+                   int NH, int KVH, int HS, float scale, int window) {
     extern __shared__ float sm[];
     float *qs = sm, *dos = sm + HS, *acc = sm + 2 * HS; /* (HS) each */
     __shared__ float ds[KILN_ATTN_BLOCK];
@@ -666,10 +673,11 @@ attn_bwd_dq_kernel(float *__restrict__ dq, const float *__restrict__ ws,
         acc[d] = 0.0f;
     }
     const float m = ws[u * 3 + 0], l = ws[u * 3 + 1], D = ws[u * 3 + 2];
-    const int T = n_past + i + 1;
+    const int T = n_past + i + 1, lo = attn_lo(T, window);
     __syncthreads();
-    for (int kb = 0; kb < T; kb += KILN_ATTN_BLOCK) {
-        const int nk = T - kb < KILN_ATTN_BLOCK ? T - kb : KILN_ATTN_BLOCK;
+    for (int kb0 = lo / KILN_ATTN_BLOCK * KILN_ATTN_BLOCK; kb0 < T; kb0 += KILN_ATTN_BLOCK) {
+        const int kb = kb0 > lo ? kb0 : lo;
+        const int nk = T - kb0 < KILN_ATTN_BLOCK ? T - kb : kb0 + KILN_ATTN_BLOCK - kb;
         for (int j = hw; j < nk; j += AB_HW) {
             const int64_t off = (int64_t)(kb + j) * stride;
             const float sd = hw_dot(qs, kbase + off, HS, lane, mask);
@@ -696,7 +704,7 @@ attn_bwd_dkv_kernel(float *__restrict__ dk, float *__restrict__ dv,
                     const float *__restrict__ ws, const float *__restrict__ q,
                     const float *__restrict__ kc, const float *__restrict__ vc,
                     const float *__restrict__ dout, int N, int n_past, int NH, int KVH, int HS,
-                    float scale) {
+                    float scale, int window) {
     extern __shared__ float sm[];
     float *ks = sm, *vs = sm + HS, *dka = sm + 2 * HS, *dva = sm + 3 * HS; /* (HS) each */
     __shared__ float ps[KILN_ATTN_BLOCK], dss[KILN_ATTN_BLOCK];
@@ -712,10 +720,12 @@ attn_bwd_dkv_kernel(float *__restrict__ dk, float *__restrict__ dv,
         dva[d] = 0.0f;
     }
     const int i_lo = jp - n_past > 0 ? jp - n_past : 0; /* causal: n_past + i >= jp */
+    int i_hi = N; /* the window: n_past + i < jp + window */
+    if (window > 0 && (int64_t)jp - n_past + window < i_hi) i_hi = jp - n_past + window;
     __syncthreads();
     for (int h = g * G; h < (g + 1) * G; h++) {
-        for (int ib = i_lo; ib < N; ib += KILN_ATTN_BLOCK) {
-            const int nb = N - ib < KILN_ATTN_BLOCK ? N - ib : KILN_ATTN_BLOCK;
+        for (int ib = i_lo; ib < i_hi; ib += KILN_ATTN_BLOCK) {
+            const int nb = i_hi - ib < KILN_ATTN_BLOCK ? i_hi - ib : KILN_ATTN_BLOCK;
             for (int t = hw; t < nb; t += AB_HW) {
                 const int64_t uq = (int64_t)(ib + t) * NH + h;
                 const float sd = hw_dot(ks, q + uq * HS, HS, lane, mask);
@@ -751,23 +761,24 @@ attn_bwd_dkv_kernel(float *__restrict__ dk, float *__restrict__ dv,
 cudaError_t kiln_cuda_attention_backward(cudaStream_t s, float *dq, float *dk, float *dv,
                                          const float *dout, const float *q, const float *k,
                                          const float *v, const float *out, float *ws, int N,
-                                         int n_past, int NH, int KVH, int HS, float scale) {
+                                         int n_past, int NH, int KVH, int HS, float scale,
+                                         int window) {
     if (N <= 0 || NH <= 0 || HS <= 0) return cudaSuccess;
-    if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0 || n_past < 0)
+    if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0 || n_past < 0 || window < 0)
         return cudaErrorInvalidValue;
     const int64_t n_q = (int64_t)N * NH, n_kv = ((int64_t)n_past + N) * KVH;
     if (n_q > INT_MAX || n_kv > INT_MAX || (int64_t)n_past + N > INT_MAX)
         return cudaErrorInvalidConfiguration;
     const size_t f = sizeof(float);
     attn_bwd_stats_kernel<<<(unsigned)n_q, AB_THREADS, (size_t)HS * f, s>>>(
-        ws, q, k, dout, out, n_past, NH, KVH, HS, scale);
+        ws, q, k, dout, out, n_past, NH, KVH, HS, scale, window);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
     attn_bwd_dq_kernel<<<(unsigned)n_q, AB_THREADS, (size_t)3 * HS * f, s>>>(
-        dq, ws, q, k, v, dout, n_past, NH, KVH, HS, scale);
+        dq, ws, q, k, v, dout, n_past, NH, KVH, HS, scale, window);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     attn_bwd_dkv_kernel<<<(unsigned)n_kv, AB_THREADS, (size_t)4 * HS * f, s>>>(
-        dk, dv, ws, q, k, v, dout, N, n_past, NH, KVH, HS, scale);
+        dk, dv, ws, q, k, v, dout, N, n_past, NH, KVH, HS, scale, window);
     return cudaGetLastError();
 }
 
@@ -821,6 +832,26 @@ cudaError_t kiln_cuda_swiglu_backward(cudaStream_t s, float *dgate, float *dup,
     if (n == 0) return cudaSuccess;
     swiglu_bwd_kernel<float, float><<<grid_for((int64_t)n, 256), 256, 0, s>>>(dgate, dup, dout,
                                                                                gate, up, n);
+    return cudaGetLastError();
+}
+
+/* ---- geglu backward: one thread per element (kmath.h kiln_geglu_backward, the CPU's bits) -- */
+
+static __global__ void geglu_bwd_kernel(float *dgate, float *dup, const float *dout,
+                                        const float *gate, const float *up, size_t n) {
+    for (size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
+         u += (size_t)gridDim.x * blockDim.x) {
+        float dg, du;
+        kiln_geglu_backward(gate[u], up[u], dout[u], &dg, &du);
+        dup[u] = du;
+        dgate[u] = dg;
+    }
+}
+
+cudaError_t kiln_cuda_geglu_backward(cudaStream_t s, float *dgate, float *dup, const float *dout,
+                                     const float *gate, const float *up, size_t n) {
+    if (n == 0) return cudaSuccess;
+    geglu_bwd_kernel<<<grid_for((int64_t)n, 256), 256, 0, s>>>(dgate, dup, dout, gate, up, n);
     return cudaGetLastError();
 }
 

@@ -55,17 +55,23 @@ cudaError_t kiln_cuda_rope_backward_bf16(cudaStream_t s, float *d, uint16_t *d16
 
 /* Causal GQA attention backward: dq(N,NH,HS) overwritten; dk, dv rows 0..n_past+N-1 of
  * (T,KVH,HS) overwritten, later rows untouched; ws: 3*N*NH floats of scratch. HS at most
- * KILN_CUDA_MAX_HS, NH a multiple of KVH. */
+ * KILN_CUDA_MAX_HS, NH a multiple of KVH. window > 0: the forward's sliding window (ops.h
+ * attention), the CPU's bits. */
 cudaError_t kiln_cuda_attention_backward(cudaStream_t s, float *dq, float *dk, float *dv,
                                          const float *dout, const float *q, const float *k,
                                          const float *v, const float *out, float *ws, int N,
-                                         int n_past, int NH, int KVH, int HS, float scale);
+                                         int n_past, int NH, int KVH, int HS, float scale,
+                                         int window);
 
 /* Element-wise over n: dgate, dup from dout, gate, up; dgate/dup may alias gate, up or dout
  * at the same index (not each other). */
 cudaError_t kiln_cuda_swiglu_backward(cudaStream_t s, float *dgate, float *dup,
                                       const float *dout, const float *gate, const float *up,
                                       size_t n);
+/* ops.h geglu_backward: kiln_geglu_backward per element (the CPU's bits); the same aliasing. */
+cudaError_t kiln_cuda_geglu_backward(cudaStream_t s, float *dgate, float *dup,
+                                     const float *dout, const float *gate, const float *up,
+                                     size_t n);
 /* The same on bf16 gate, up (widened) with dgate and dup rounded to bf16 (a fast mode's
  * saved gate/up products and the inputs of their backward); they alias nothing. fast: with
  * the fast sigmoid (cuda_common.cuh kiln_fast_swiglu_bwd: one rounding flip from the exact

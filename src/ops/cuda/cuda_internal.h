@@ -37,9 +37,10 @@ cudaError_t kiln_cuda_rmsnorm_bf16(cudaStream_t s, uint16_t *out, const float *x
                                    int N, int C, float eps);
 cudaError_t kiln_cuda_rope(cudaStream_t s, float *x, const int32_t *pos, int N, int H, int HS,
                            const float *cos_tab, const float *sin_tab);
+/* ops.h's attention in the auditable arithmetic (window: a sliding window, 0 none). */
 cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, const float *k,
                                 const float *v, int N, int n_past, int NH, int KVH, int HS,
-                                float scale);
+                                float scale, int window);
 /* ops.h's attention_paged in the auditable arithmetic: token n (q, out rows (N, NH, HS))
  * attends to positions 0..d_pos[n] of sequence d_seq[n] of the paged pool (block_table
  * (n_seq, max_blocks), block_size a positive multiple of KILN_ATTN_BLOCK; all device memory),

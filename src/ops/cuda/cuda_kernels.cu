@@ -434,11 +434,12 @@ attention_kernel(float *__restrict__ out, const float *__restrict__ q,
 
 cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, const float *k,
                                 const float *v, int N, int n_past, int NH, int KVH, int HS,
-                                float scale) {
+                                float scale, int window) {
     if (N <= 0 || NH <= 0 || HS <= 0) return cudaSuccess;
-    if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0) return cudaErrorInvalidValue;
+    if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0 || window < 0)
+        return cudaErrorInvalidValue;
     size_t smem = (size_t)2 * HS * sizeof(float);
-    const attn_where dense = {NULL, NULL, NULL, 0, 0, 0};
+    const attn_where dense = {NULL, NULL, NULL, 0, 0, window};
     attention_kernel<<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
         out, q, k, v, n_past, dense, NH, KVH, HS, scale);
     return cudaGetLastError();
