@@ -4,7 +4,7 @@
  *
  * Random models from kiln_model_create on small config.json files written here: a tiny
  * llama (tied head), a qwen2 (q/k/v biases, tied), a qwen3 (per-head q/k norms, untied
- * head), with randomised norms and biases; each trained with f32 weights + f32 AdamW and
+ * head), a gemma3 (sliding windows, GeGLU, (1 + w) norms), with randomised norms and biases; each trained with f32 weights + f32 AdamW and
  * with bf16 weights + f32 master copy (one extra case: bf16 + Kahan with 8-bit moments).
  * Per case, a CPU trainer and a GPU trainer get the same batches:
  *   steps 1..3: a loss step (kiln_train_step), a second micro-batch accumulated with
@@ -377,6 +377,9 @@ int main(int argc, char **argv) {
         {"qwen3-qknorm-f32", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1, KILN_STORAGE_F32, KILN_MOMENTS_F32},
         {"qwen3-qknorm-bf16m", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1, KILN_STORAGE_BF16_MASTER, KILN_MOMENTS_F32},
         {"llama-tiny-kahan-q8", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, KILN_STORAGE_BF16_KAHAN, KILN_MOMENTS_Q8},
+        /* sliding windows of 8 that the 24-token sequences cross, GeGLU, (1 + w) norms */
+        {"gemma3-tiny-f32", "gemma3_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, KILN_STORAGE_F32, KILN_MOMENTS_F32},
+        {"gemma3-tiny-bf16m", "gemma3_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, KILN_STORAGE_BF16_MASTER, KILN_MOMENTS_F32},
     };
     int n_cases = (int)(sizeof cases / sizeof cases[0]);
 
