@@ -347,6 +347,9 @@ struct attn_where {
     int block_size, max_blocks, window;
 };
 
+/* WINDOW false: wh.window is 0 and the walk is the plain causal one, compiled without the
+ * window's arithmetic (the decode step's kernel). */
+template <bool WINDOW>
 static __global__ void __launch_bounds__(ATTN_THREADS)
 attention_kernel(float *__restrict__ out, const float *__restrict__ q,
                  const float *__restrict__ kc, const float *__restrict__ vc, int n_past,
@@ -383,12 +386,13 @@ attention_kernel(float *__restrict__ out, const float *__restrict__ q,
     const int T = n_past + i + 1;
     /* the window's first key; the key blocks stay aligned at multiples of 64 from the one
      * holding it, whose keys below lo are skipped (the CPU's attn_one, key for key) */
-    const int lo = wh.window > 0 && T > wh.window ? T - wh.window : 0;
+    const int lo = WINDOW && T > wh.window ? T - wh.window : 0;
     float m = -INFINITY, l = 0.0f;
     __syncthreads();
-    for (int kb0 = lo / KILN_ATTN_BLOCK * KILN_ATTN_BLOCK; kb0 < T; kb0 += KILN_ATTN_BLOCK) {
-        const int kb = kb0 > lo ? kb0 : lo; /* the block's first key */
-        const int nk = T - kb0 < KILN_ATTN_BLOCK ? T - kb : kb0 + KILN_ATTN_BLOCK - kb;
+    for (int kb0 = WINDOW ? lo / KILN_ATTN_BLOCK * KILN_ATTN_BLOCK : 0; kb0 < T; kb0 += KILN_ATTN_BLOCK) {
+        const int kb = WINDOW && kb0 < lo ? lo : kb0; /* the block's first key */
+        const int nk = WINDOW ? (T - kb0 < KILN_ATTN_BLOCK ? T : kb0 + KILN_ATTN_BLOCK) - kb
+                              : (T - kb0 < KILN_ATTN_BLOCK ? T - kb0 : KILN_ATTN_BLOCK);
         /* the cache row of key kb: the block never straddles a page (block_size % 64 == 0),
          * so kb's row is its aligned start's plus kb - kb0 */
         const int64_t kr = btab ? (int64_t)btab[kb0 / wh.block_size] * wh.block_size +
@@ -440,8 +444,12 @@ cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, cons
         return cudaErrorInvalidValue;
     size_t smem = (size_t)2 * HS * sizeof(float);
     const attn_where dense = {NULL, NULL, NULL, 0, 0, window};
-    attention_kernel<<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
-        out, q, k, v, n_past, dense, NH, KVH, HS, scale);
+    if (window > 0)
+        attention_kernel<true><<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
+            out, q, k, v, n_past, dense, NH, KVH, HS, scale);
+    else
+        attention_kernel<false><<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
+            out, q, k, v, n_past, dense, NH, KVH, HS, scale);
     return cudaGetLastError();
 }
 
@@ -457,8 +465,12 @@ cudaError_t kiln_cuda_attention_paged(cudaStream_t s, float *out, const float *q
         return cudaErrorInvalidValue;
     size_t smem = (size_t)2 * HS * sizeof(float);
     const attn_where pg = {d_seq, d_pos, block_table, block_size, max_blocks, window};
-    attention_kernel<<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
-        out, q, k_pool, v_pool, 0, pg, NH, KVH, HS, scale);
+    if (window > 0)
+        attention_kernel<true><<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
+            out, q, k_pool, v_pool, 0, pg, NH, KVH, HS, scale);
+    else
+        attention_kernel<false><<<(unsigned)((int64_t)N * NH), ATTN_THREADS, smem, s>>>(
+            out, q, k_pool, v_pool, 0, pg, NH, KVH, HS, scale);
     return cudaGetLastError();
 }
 
