@@ -14,7 +14,9 @@ Each build folder holds `kiln` and `libkiln.so` (a CMake build folder; its scrip
 dependencies in BUILD/deps are found). The model: bench_gpu.py's random bf16 Qwen2.5-0.5B
 shape (--model tiny: a 2-layer qwen2 for a CPU smoke run). Decode: tokens/s of 128 greedy
 tokens after bench_gpu's prompt, auditable and --fast, the median of --reps processes per
-build; prefill: the prompt tokens/s of a --prefill-token prompt (one process per rep). Train:
+build; prefill: the prompt tokens/s of a --prefill-token prompt, in a cold process (`kiln generate`,
+the first forward uploads the weights) and warm (the binding: the median of 5 forwards after a
+first one). Train:
 kiln.Trainer(max_seq=--seq, max_batch=K, fast) steps of --batch sequences (K per forward), one
 warm step then --steps timed, tokens/s; each build in its own process.
 """
@@ -77,6 +79,41 @@ print(json.dumps({"tok_s": batch * seq / dt, "step_s": dt}))
 """
 
 
+PREFILL_WORKER = r"""
+import json, statistics, sys, time
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import kiln
+model, n, device, fast, reps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+m = kiln.Model(model)
+ctx = kiln.Context(m, n_ctx=n + 16, n_batch=n, device=device, fast=bool(fast))
+ids = np.random.default_rng(1).integers(3, min(30000, m.n_vocab), size=n).tolist()
+ctx.decode(ids)  # warm: the weights' upload, workspaces
+times = []
+for _ in range(reps):
+    ctx.truncate(0)
+    t0 = time.perf_counter()
+    ctx.decode(ids)  # returns the last row's logits: the forward has finished
+    times.append(time.perf_counter() - t0)
+print(json.dumps({"tok_s": n / statistics.median(times)}))
+"""
+
+
+def prefill_warm(build, model, n, device, fast, reps=5):
+    """Prompt tokens/s of an n-token forward in a process that has run it once (binding)."""
+    dev = 0 if device == "cuda" else -1
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(PREFILL_WORKER)
+        worker = f.name
+    cmd = [sys.executable, worker, os.path.join(HERE, "..", "python"), model, str(n), str(dev), str(int(fast)),
+           str(reps)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env_for(build), timeout=900)
+    os.unlink(worker)
+    if r.returncode != 0:
+        raise RuntimeError(f"prefill worker: rc {r.returncode}: {r.stderr[-1500:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])["tok_s"]
+
+
 def train(build, model, seq, batch, micro, steps, device, fast):
     dev = 0 if device == "cuda" else -1
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
@@ -131,12 +168,15 @@ def main():
             mode = "fast" if fast else "auditable"
             dec = {k: [] for k in builds}
             pre = {k: [] for k in builds}
+            warm = {k: [] for k in builds}
             for _ in range(args.reps):
                 for label, b in builds.items():
                     dec[label].append(generate(b, model, bench_gpu.PROMPT, args.new, fast, args.device)["decode_tokens_per_s"])
                     r = generate(b, model, long_prompt, 1, fast, args.device)
                     pre[label].append(len(r["prompt_ids"]) / r["prefill_seconds"])
-            for what, d in (("decode tok/s", dec), (f"prefill tok/s ({len(r['prompt_ids'])} tokens)", pre)):
+                    warm[label].append(prefill_warm(b, model, args.prefill, args.device, fast))
+            for what, d in (("decode tok/s", dec), (f"prefill tok/s ({len(r['prompt_ids'])} tokens, cold process)", pre),
+                            (f"prefill tok/s ({args.prefill} tokens, warm)", warm)):
                 rows.append((f"{what}, {mode}", {k: statistics.median(v) for k, v in d.items()}))
                 print("row", rows[-1], flush=True)
     if "train" in parts:
