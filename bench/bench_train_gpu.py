@@ -556,7 +556,7 @@ def parse_variants(ap, spec):
     """--kiln-variants 'LABEL:k=v,k=v;...' -> [(label, {k: v})]; ints where they parse. A key
     env.KILN_X sets that environment variable (kiln's kernel choices, read on each call)
     while the variant runs; a comma splits settings only where a key follows, so an env value
-    may hold commas (env.KILN_RB_DW_CFG=1,16)."""
+    may hold commas (env.KILN_X=1,16)."""
     out = []
     for item in filter(None, (x.strip() for x in spec.split(";"))):
         label, _, kvs = item.partition(":")

@@ -24,9 +24,9 @@
 
 /* ---- switches ------------------------------------------------------------------------- */
 
-/* Whether environment variable name is set to exactly "0": how kiln's A/B switches
- * (KILN_CUDA_GRAPHS=0, KILN_ATTN_BWD_PIPE=0, ...) turn a default path off. Read where the
- * choice is made, so tests may switch them between calls. */
+/* Whether environment variable name is set to exactly "0": how kiln's switches
+ * (KILN_CUDA_GRAPHS=0, KILN_WGMMA=0, ...) turn a default path off. Read where the choice is
+ * made, so tests may switch them between calls. */
 static inline bool kiln_env_off(const char *name) {
     const char *v = getenv(name);
     return v && v[0] == '0' && v[1] == '\0';

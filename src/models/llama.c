@@ -156,13 +156,12 @@ typedef struct llama_train {
     layer_acts *acts;    /* (L) */
     float *x_final;      /* (T,C) the last layer's output */
     /* Fast mode on a backend with the bf16-activation ops (ops.h rmsnorm_bf16, ...), C and FF
-     * multiples of 8 (KILN_BF16_ACTS=0 turns it off): mixed precision as PyTorch's bf16
-     * autocast keeps it. The products' inputs are written in bf16 by their producers (the
-     * values the products would round them to); the gate/up products write their results in
-     * bf16 and SwiGLU reads those; the attention output is bf16 (att16) where the backend's
-     * attention can write it; the residual adds run in the products' epilogues; the backward
-     * norms hand the next products a bf16 copy of dx (dx16). The residual stream, q, k, v
-     * and every gradient stay f32. */
+     * multiples of 8: mixed precision as PyTorch's bf16 autocast keeps it. The products'
+     * inputs are written in bf16 by their producers (the values the products would round them
+     * to); the gate/up products write their results in bf16 and SwiGLU reads those; the
+     * attention output is bf16 (att16) where the backend's attention can write it; the
+     * residual adds run in the products' epilogues; the backward norms hand the next products
+     * a bf16 copy of dx (dx16). The residual stream, q, k, v and every gradient stay f32. */
     int acts16;
     uint16_t *dx16;      /* acts16: (T,C) the bf16 copy of dx */
     float *qs, *ks, *vs; /* with kept attention inputs: (T,QD), (T,KD), (T,KD) scratch */
@@ -434,10 +433,11 @@ static kiln_status llama_train_init(kiln_train_io *io) {
     enum { PER_LAYER = 21, N_SCRATCH = 22 };
     /* a backend with batched attention saves each layer's softmax statistics for the backward */
     const int seqs = op->attention_seqs && op->attention_backward_seqs;
-    /* KILN_BF16_ACTS=0: keep them in f32 (A/B checks) */
+    /* bf16 activations: f32 -> bf16 conversions 451 -> 211 a 135M step (5.4 -> 1.7 ms), the
+     * activations 16% smaller (bench/RESULTS.md, 2026-12-01, d044469) */
     t->acts16 = io->fast && !op->host_memory && op->rmsnorm_bf16 && op->swiglu_bf16 && op->matmul_multi_bf16x &&
                 op->matmul_backward_multi_bf16x && op->swiglu_backward_bf16 && op->rmsnorm_backward_bf16 &&
-                C % 8 == 0 && FF % 8 == 0 && !kiln_env_off("KILN_BF16_ACTS");
+                C % 8 == 0 && FF % 8 == 0;
     const size_t f32_in = t->acts16 ? 0 : 1, b16_in = t->acts16 ? 1 : 0; /* where xb1, xb2, hb live */
     /* the attention output in bf16: the batched attention's flash kernels (head size 64 or
      * 128, ops.h attention_seqs' out16; a shape a backend refuses would fail the step) */

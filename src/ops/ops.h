@@ -546,12 +546,10 @@ static inline kiln_status kiln_backend_download(kiln_backend *be, void *dst, con
     if (nbytes) memcpy(dst, src, nbytes);
     return KILN_OK;
 }
-/* Floats of the fast CUDA attention backward's workspace (cuda_attention_bwd_fast.h) in its
- * default form, one launch: D and L (2 NH Npad), the per-head partial dk, dv with GQA
- * (2 T NH HS), bf16 copies of q, dout (NH Npad HS each) and k, v (KVH Tpad HS each) -- Npad,
- * Tpad = N, T = n_past + N rounded up to 64. (The two-pass form's dS^T region comes on top:
- * kiln_cuda_attention_backward_fast_ws_two_pass; without it the one launch runs.) 0 for a
- * negative count. */
+/* Floats of the fast CUDA attention backward's workspace (cuda_attention_bwd_fast.h): D and L
+ * (2 NH Npad), the per-head partial dk, dv with GQA (2 T NH HS), bf16 copies of q, dout
+ * (NH Npad HS each) and k, v (KVH Tpad HS each) -- Npad, Tpad = N, T = n_past + N rounded up
+ * to 64. 0 for a negative count. */
 static inline size_t kiln_attention_backward_fast_ws_floats(int N, int n_past, int NH, int KVH, int HS) {
     if (N < 0 || n_past < 0 || NH < 0 || KVH < 0 || HS < 0) return 0;
     size_t T = (size_t)n_past + (size_t)N, Npad = ((size_t)N + 63) / 64 * 64, Tpad = (T + 63) / 64 * 64;

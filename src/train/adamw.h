@@ -96,8 +96,7 @@ void kiln_adamw_free(kiln_adamw *o); /* NULL is a no-op */
  * is enqueued on the backend's stream (grads_finite, and therefore step,
  * wait for the finite check's result; clip_grads waits only when total_norm or coef is asked
  * for). A device step's update is one kernel launch over every parameter, whatever their
- * number (the tensor table is uploaded at create and at load); KILN_ADAMW_MULTI=0 in the
- * environment (read at each step) makes it one launch per parameter, with the same bits.
+ * number (the tensor table is uploaded at create and at load).
  * Weights and grads that are not device memory are refused (KILN_ERR_INVALID_ARG); at most
  * 65535 parameters on the CUDA backend. The backend must outlive the optimizer. A state
  * saved by a device optimizer loads into a CPU one and vice versa. */

@@ -182,10 +182,10 @@ static kiln_status backend_check(kiln_trainer *t, const char *call) {
 }
 
 /* backend_check without waiting for the submitted work (ops.h poll): for the calls that
- * leave the device busy on purpose. A fault in that work shows in the next call that waits.
- * KILN_STEP_POLL=0 waits as backend_check does (an A/B switch for the benchmarks). */
+ * leave the device busy on purpose, so that the host queues the next step behind them (+0.6%
+ * tokens/s at the 0.5B shape, T 2048, against a waiting check: bench/RESULTS.md, 2026-12-02,
+ * 26b4ff9). A fault in that work shows in the next call that waits. */
 static kiln_status backend_poll(kiln_trainer *t, const char *call) {
-    if (kiln_env_off("KILN_STEP_POLL")) return backend_check(t, call);
     return backend_error(t, kiln_backend_poll(t->be), call);
 }
 

@@ -14,8 +14,7 @@
  * attention_backward_seqs): the forward's out has the bits of per-sequence calls and its lse
  * is within 2e-2 of the exact log-sum-exp; the backward with that lse is within the same
  * 2e-2 of the reference and repeats its bits; without lse each sequence has the bits of a
- * per-sequence call; for HS 64, a workspace without room for the two passes' dS^T gives the
- * one launch's bits even with KILN_ATTN_BWD=two-pass. The bf16 output (out16): the forward's bits are kiln_fp32_to_bf16 of the
+ * per-sequence call. The bf16 output (out16): the forward's bits are kiln_fp32_to_bf16 of the
  * f32 forward's (lse too is the same), or cudaErrorNotSupported off the flash path; the
  * backward given out16 has the bits of the backward given an f32 out holding the widened
  * out16, with and without lse; both or neither of out, out16: cudaErrorInvalidValue.
@@ -25,11 +24,14 @@
  * fused into its packing, on un-rotated q, k, has the bits of kiln_cuda_rope then the forward
  * (output, lse and the packed tiles), and its backward from keep those of the backward from
  * the rotated f32 q, k; rope without keep, keep misaligned or off the flash path are refused
- * with nothing enqueued. Then the batched forward + backward timed against per-sequence
- * calls, with keep, and with RoPE as a separate pass against RoPE fused with keep.
- * All of it runs for both forms of the HS 64 backward (one launch, the default, and two
- * passes with KILN_ATTN_BWD=two-pass), and on an sm_90a device both on the wgmma kernels
- * (the default there) and on mma.sync (KILN_WGMMA=0).
+ * with nothing enqueued. The backward's fused RoPE / bf16 epilogue (the trainer's call) has the
+ * bits of the separate calls, GQA reductions of 2 elements a thread (G 9) and 4 included.
+ * Then the batched forward + backward timed against per-sequence calls, with keep, and with
+ * RoPE as a separate pass against RoPE fused with keep; at the trainer's shapes the forward
+ * and the backward alone, and the epilogue fused against separate.
+ * All of it runs, on an sm_90a device, both on the wgmma kernels (the default there) and on
+ * mma.sync (KILN_WGMMA=0, the kernels of every other device). The HS 64 packing kernel with
+ * 16-byte loads has the bits of the one-warp kernel (the one for unaligned pointers).
  * Without a GPU: checks the host-side validation, then exits 77.
  * Usage: test_cuda_attention_bwd_fast [--no-time | --time-only | --time-seqs B N NH KVH]
  * (--time-seqs: only the batched timing of one HS 64 shape in the default kernel form, for a
@@ -151,7 +153,7 @@ static Dev dev_alloc(const Case &c) {
     const int T = c.n_past + c.N;
     d.nq = (size_t)c.N * c.NH * c.HS;
     d.nkv = (size_t)T * c.KVH * c.HS;
-    d.nws = kiln_cuda_attention_backward_fast_ws_two_pass(c.N, c.n_past, c.NH, c.KVH, c.HS);
+    d.nws = kiln_cuda_attention_backward_fast_ws(c.N, c.n_past, c.NH, c.KVH, c.HS);
     size_t aud = (size_t)3 * c.N * c.NH;
     if (aud > d.nws) d.nws = aud;
     CUDA_OK(cudaMalloc(&d.q, d.nq * 4));
@@ -435,7 +437,7 @@ static void check_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
     float *d_q = dev_upload(q), *d_k = dev_upload(k), *d_v = dev_upload(v), *d_dout = dev_upload(dout),
           *dout_ref = dev_upload(out);
     const size_t nl = (size_t)B * NH * Npad;
-    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws_two_pass(N, 0, NH, KVH, HS);
+    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS);
     float *o_b = dev_nan(nq), *o_1 = dev_nan(nq), *lse = dev_nan(nl), *ws = dev_nan(nws);
     float *gq = dev_nan(nq), *gk = dev_nan(nk), *gv = dev_nan(nk);
     /* forward: batched (with lse) against per-sequence calls, bit for bit */
@@ -494,38 +496,14 @@ static void check_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
                   memcmp(bk.data(), nk_b.data() + b * ks, ks * 4) == 0 &&
                   memcmp(bv.data(), nv_b.data() + b * ks, ks * 4) == 0;
     }
-    /* HS 64: a workspace without room for dS^T runs the one launch whatever KILN_ATTN_BWD
-     * says, with the bits of the one launch given the full workspace */
-    bool fallback = true;
-    if (HS == 64) {
-        const char *env = getenv("KILN_ATTN_BWD");
-        char mode[32];
-        snprintf(mode, sizeof mode, "%s", env ? env : "");
-        const size_t nmin = (size_t)B * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS);
-        std::vector<float> r[2][3];
-        for (int run = 0; run < 2; run++) {
-            setenv("KILN_ATTN_BWD", run ? "one-launch" : "two-pass", 1);
-            CUDA_OK(kiln_cuda_attention_backward_fast_seqs(
-                0, gq, gk, gv, d_dout, d_q, d_k, d_v, dout_ref, nullptr, lse, nullptr, ws,
-                run ? nws : nmin, B, N, NH, KVH, HS, scale));
-            r[run][0] = dev_download(gq, nq);
-            r[run][1] = dev_download(gk, nk);
-            r[run][2] = dev_download(gv, nk);
-        }
-        if (env) setenv("KILN_ATTN_BWD", mode, 1);
-        else unsetenv("KILN_ATTN_BWD");
-        for (int i = 0; i < 3; i++)
-            fallback = fallback && memcmp(r[0][i].data(), r[1][i].data(), r[0][i].size() * 4) == 0;
-    }
     const double e = fmax(e1, fmax(e2, e3));
     if (e > g_worst) g_worst = e;
-    const bool ok = fwd_same && lerr <= 2e-2 && e <= 2e-2 && same && per_seq && fallback;
+    const bool ok = fwd_same && lerr <= 2e-2 && e <= 2e-2 && same && per_seq;
     printf("attention seqs B=%d N=%d NH=%d KVH=%d HS=%d: forward %s per-sequence bits, lse err "
            "%.2e%s; backward with lse dq %.2e dk %.2e dv %.2e, two runs %s; without lse %s "
-           "per-sequence bits; small workspace %s one launch %s\n",
+           "per-sequence bits %s\n",
            B, N, NH, KVH, HS, fwd_same ? "=" : "!=", lerr, saved ? "" : " (none saved)", e1, e2, e3,
-           same ? "same bits" : "DIFFER", per_seq ? "=" : "!=", fallback ? "=" : "!=",
-           ok ? "OK" : "FAILED");
+           same ? "same bits" : "DIFFER", per_seq ? "=" : "!=", ok ? "OK" : "FAILED");
     EXPECT(ok, "seqs B=%d N=%d NH=%d KVH=%d HS=%d", B, N, NH, KVH, HS);
     const bool ok16 = check_seqs_bf16(B, c, attn, d_q, d_k, d_v, d_dout, out, hb, hl, lse, ws,
                                       nws, gq, gk, gv);
@@ -651,7 +629,7 @@ static bool check_keep(int B, const Case &c, kiln_cuda_attn *attn, bool use16) {
     const std::vector<float> &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
     float *d_q = dev_upload(q), *d_k = dev_upload(k), *d_v = dev_upload(v);
     float *d_dout = dev_upload(dout), *q_rot = dev_upload(q), *k_rot = dev_upload(k);
-    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws_two_pass(N, 0, NH, KVH, HS);
+    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS);
     float *o = dev_nan(nq), *lse = dev_nan(nl), *ws = dev_nan(nws);
     float *gq = dev_nan(nq), *gk = dev_nan(nk), *gv = dev_nan(nk);
     const size_t kb = kiln_cuda_attn_keep_bytes(B, N, NH, KVH, HS);
@@ -722,7 +700,7 @@ static bool check_keep_refusals(kiln_cuda_attn *attn) {
     for (auto &x : h) x = urand();
     float *q = dev_upload(h), *k = dev_upload(h), *v = dev_upload(h), *o = dev_nan(nq);
     float *lse = dev_nan((size_t)B * NH * 128);
-    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws_two_pass(N2, 0, NH, KVH, HS);
+    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws(N2, 0, NH, KVH, HS);
     float *ws = dev_nan(nws), *gq = dev_nan(nq), *gk = dev_nan(nk), *gv = dev_nan(nk);
     void *keep = nullptr;
     CUDA_OK(cudaMalloc(&keep, kiln_cuda_attn_keep_bytes(B, N2, NH, KVH, HS) + 256));
@@ -797,7 +775,7 @@ static void time_seqs(int B, const Case &c, kiln_cuda_attn *attn) {
     for (auto &x : h) x = urand();
     std::vector<float> hk(h.begin(), h.begin() + nk);
     float *q = dev_upload(h), *dout = dev_upload(h), *k = dev_upload(hk), *v = dev_upload(hk);
-    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws_two_pass(N, 0, NH, KVH, HS);
+    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS);
     float *out = dev_nan(nq), *lse = dev_nan((size_t)B * NH * kiln_cuda_attn_pack_rows(N)),
           *ws = dev_nan(nws), *gq = dev_nan(nq), *gk = dev_nan(nk), *gv = dev_nan(nk);
     void *keep = nullptr;
@@ -869,8 +847,7 @@ static bool check_grad16(int B, const Case &c, kiln_cuda_attn *attn, bool keep_f
     const std::vector<float> &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
     float *d_q = dev_upload(q), *d_k = dev_upload(k), *d_v = dev_upload(v);
     float *d_dout = dev_upload(dout);
-    /* room for the two passes' dS^T: KILN_ATTN_BWD=two-pass takes them (their dq stores) */
-    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws_two_pass(N, 0, NH, KVH, HS);
+    const size_t nws = (size_t)B * kiln_cuda_attention_backward_fast_ws(N, 0, NH, KVH, HS);
     const size_t nl = (size_t)B * NH * kiln_cuda_attn_pack_rows(N);
     float *o = dev_nan(nq / 2 + 4), *lse = dev_nan(nl), *ws = dev_nan(nws);
     float *gq = dev_nan(nq), *gk = dev_nan(nk), *gv = dev_nan(nk);
@@ -933,13 +910,9 @@ static bool check_grad16(int B, const Case &c, kiln_cuda_attn *attn, bool keep_f
            keep_f32 ? (diff32 ? "DIFFER" : "same") : "not kept", ok ? "OK" : "FAILED");
     if (timing) {
         const float ms[2] = {time_ms(2, 20, [&]() { separate(s16[0]); }), time_ms(2, 20, fused)};
-        setenv("KILN_ATTN_REDUCE_X4", "0", 1); /* the GQA reduction 2 elements a thread */
-        const float ms_x2 = time_ms(2, 20, fused);
-        unsetenv("KILN_ATTN_REDUCE_X4");
         printf("time attention backward + rope/bf16 epilogue B=%d N=%d NH=%d KVH=%d HS=%d "
-               "keep_f32 %d: separate %.3f ms, fused %.3f ms (%.2fx; with the reduction 2 "
-               "elements a thread %.3f ms)\n",
-               B, N, NH, KVH, HS, (int)keep_f32, ms[0], ms[1], ms[0] / ms[1], ms_x2);
+               "keep_f32 %d: separate %.3f ms, fused %.3f ms (%.2fx)\n",
+               B, N, NH, KVH, HS, (int)keep_f32, ms[0], ms[1], ms[0] / ms[1]);
     }
     rope_free(rope);
     CUDA_OK(cudaFree(keep));
@@ -949,11 +922,9 @@ static bool check_grad16(int B, const Case &c, kiln_cuda_attn *attn, bool keep_f
     return ok;
 }
 
-/* The pipelined walks (the default: each block issues its next tile's first products before
- * waiting for this tile's last one) against the plain walks, bit for bit: the forward with
- * keep (KILN_ATTN_FWD_PIPE=0: output and lse) and the batched backward from its keep and lse
- * (KILN_ATTN_BWD_PIPE=0), NaN-poisoned outputs first. With timing, all four timed. */
-static bool check_pipe(int B, const Case &c, kiln_cuda_attn *attn, bool timing) {
+/* The trainer's attention calls timed alone: the forward with keep and a bf16 output, then the
+ * batched backward from its keep and lse (cudaEvent, mean of 20). */
+static void time_fwd_bwd(int B, const Case &c, kiln_cuda_attn *attn) {
     const int N = c.N, NH = c.NH, KVH = c.KVH, HS = c.HS;
     const float scale = 1.0f / sqrtf((float)HS);
     const size_t nq = (size_t)B * N * NH * HS, nk = (size_t)B * N * KVH * HS;
@@ -967,62 +938,28 @@ static bool check_pipe(int B, const Case &c, kiln_cuda_attn *attn, bool timing) 
     void *keep = nullptr;
     CUDA_OK(cudaMalloc(&keep, kiln_cuda_attn_keep_bytes(B, N, NH, KVH, HS)));
     uint16_t *o16 = reinterpret_cast<uint16_t *>(o);
-    /* the forward's two walks first (KILN_ATTN_FWD_PIPE), the pipelined one's results kept */
-    Fwd f[2];
-    float fms[2] = {0.0f, 0.0f};
-    for (int form = 0; form < 2; form++) {
-        setenv("KILN_ATTN_FWD_PIPE", form ? "1" : "0", 1);
-        f[form] = fwd_bits(attn, o, lse, keep, nullptr, d_q, d_k, d_v, B, c, true);
-        if (timing)
-            fms[form] = time_ms(2, 20, [&]() {
-                CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, nullptr, o16, lse, keep, nullptr,
-                                                      d_q, d_k, d_v, B, N, NH, KVH, HS, scale));
-            });
-    }
-    unsetenv("KILN_ATTN_FWD_PIPE");
-    const bool fwd_same = f[0] == f[1];
-    auto run = [&]() {
+    const float fms = time_ms(2, 20, [&]() {
+        CUDA_OK(kiln_cuda_attention_fast_seqs(attn, 0, nullptr, o16, lse, keep, nullptr, d_q, d_k,
+                                              d_v, B, N, NH, KVH, HS, scale));
+    });
+    const float bms = time_ms(2, 20, [&]() {
         CUDA_OK(kiln_cuda_attention_backward_fast_seqs(0, gq, gk, gv, d_dout, nullptr, nullptr,
                                                        nullptr, nullptr, o16, lse, keep, ws, nws,
                                                        B, N, NH, KVH, HS, scale));
-    };
-    Grads g[2];
-    float ms[2] = {0.0f, 0.0f};
-    for (int form = 0; form < 2; form++) { /* 0: plain, 1: pipelined */
-        setenv("KILN_ATTN_BWD_PIPE", form ? "1" : "0", 1);
-        CUDA_OK(cudaMemset(gq, 0xff, nq * 4));
-        CUDA_OK(cudaMemset(gk, 0xff, nk * 4));
-        CUDA_OK(cudaMemset(gv, 0xff, nk * 4));
-        run();
-        CUDA_OK(cudaDeviceSynchronize());
-        g[form].g[0] = dev_download(gq, nq);
-        g[form].g[1] = dev_download(gk, nk);
-        g[form].g[2] = dev_download(gv, nk);
-        if (timing) ms[form] = time_ms(2, 20, run);
-    }
-    unsetenv("KILN_ATTN_BWD_PIPE");
-    size_t nan = 0;
-    for (float x : g[1].g[0]) nan += x != x;
-    const bool ok = fwd_same && g[0] == g[1] && nan == 0;
-    printf("attention, pipelined walks B=%d N=%d NH=%d KVH=%d HS=%d: forward %s, backward %s "
-           "the plain walks' bits (%zu NaN) %s\n",
-           B, N, NH, KVH, HS, fwd_same ? "=" : "!=", g[0] == g[1] ? "=" : "!=", nan,
-           ok ? "OK" : "FAILED");
-    if (timing)
-        printf("time attention B=%d N=%d NH=%d KVH=%d HS=%d: forward plain %.3f ms, pipelined "
-               "%.3f ms (%.2fx); backward plain %.3f ms, pipelined %.3f ms (%.2fx)\n",
-               B, N, NH, KVH, HS, fms[0], fms[1], fms[0] / fms[1], ms[0], ms[1], ms[0] / ms[1]);
+    });
+    printf("time attention B=%d N=%d NH=%d KVH=%d HS=%d: forward %.3f ms, backward %.3f ms\n", B,
+           N, NH, KVH, HS, fms, bms);
     CUDA_OK(cudaFree(keep));
     float *all[] = {d_q, d_k, d_v, d_dout, o, lse, ws, gq, gk, gv};
     for (float *p : all) CUDA_OK(cudaFree(p));
-    return ok;
 }
 
-/* The packing's HS 64 kernels: the half-warp one with 16-byte loads (the default where the
- * pointers allow) against the one-warp one (KILN_PACK_VEC=0), bit for bit: RoPE'd and plain
- * jobs, D with a bf16 and an f32 out, B sequences of R rows (padding rows included), in one
- * launch; then with src 8 bytes past alignment (the one-warp kernel either way). Also timed at
- * the 135M shape's forward packing (8 x 2048 rows, 9 + 3 + 3 heads, RoPE on q and k). */
+/* The packing's HS 64 kernels: the half-warp one with 16-byte loads (taken where every job's
+ * pointers are 16-byte aligned) against the one-warp one (taken otherwise: the same values
+ * from a copy of q 4 bytes past alignment), bit for bit: RoPE'd and plain jobs, D with a bf16
+ * and an f32 out, B sequences of R rows (padding rows included), in one launch; then with src
+ * 8 bytes past alignment (the one-warp kernel either way). Also timed at the 135M shape's
+ * forward packing (8 x 2048 rows, 9 + 3 + 3 heads, RoPE on q and k). */
 static bool check_pack_vec(int B, int R, int NH, int KVH, int max_pos, bool timing) {
     const int HS = 64, Rpad = kiln_cuda_attn_pack_rows(R);
     const size_t rows = (size_t)B * R, nq = rows * NH * HS, nk = rows * KVH * HS;
@@ -1034,11 +971,12 @@ static bool check_pack_vec(int B, int R, int NH, int KVH, int max_pos, bool timi
     for (size_t i = 0; i < rows; i++) pos[i] = (int32_t)((i * 7 + 3) % (size_t)max_pos);
     std::vector<uint16_t> o16(nq);
     for (size_t i = 0; i < nq; i++) o16[i] = kiln_fp32_to_bf16(urand());
-    float *q, *k, *out, *dq, *dk, *tc, *ts;
+    float *q, *qm, *k, *out, *dq, *dk, *tc, *ts;
     uint16_t *out16;
     int32_t *dpos;
     __nv_bfloat16 *dst[2];
     CUDA_OK(cudaMalloc(&q, (nq + 4) * 4));
+    CUDA_OK(cudaMalloc(&qm, (nq + 8) * 4));
     CUDA_OK(cudaMalloc(&k, nk * 4));
     CUDA_OK(cudaMalloc(&out, nq * 4));
     CUDA_OK(cudaMalloc(&out16, nq * 2));
@@ -1049,6 +987,7 @@ static bool check_pack_vec(int B, int R, int NH, int KVH, int max_pos, bool timi
     CUDA_OK(cudaMalloc(&dpos, rows * 4));
     for (int i = 0; i < 2; i++) CUDA_OK(cudaMalloc(&dst[i], (3 * pq + 2 * pk) * 2));
     CUDA_OK(cudaMemcpy(q, h.data(), (nq + 4) * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(qm + 1, h.data(), (nq + 4) * 4, cudaMemcpyHostToDevice)); /* 4 bytes off */
     CUDA_OK(cudaMemcpy(k, h.data(), nk * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(out, h.data() + 1, nq * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(out16, o16.data(), nq * 2, cudaMemcpyHostToDevice));
@@ -1060,12 +999,12 @@ static bool check_pack_vec(int B, int R, int NH, int KVH, int max_pos, bool timi
     for (int misalign = 0; misalign < 2; misalign++) {
         std::vector<uint16_t> got[2];
         std::vector<float> dgot[2];
-        for (int form = 0; form < 2; form++) { /* 0: one warp (KILN_PACK_VEC=0), 1: default */
-            if (form == 0) setenv("KILN_PACK_VEC", "0", 1);
-            else unsetenv("KILN_PACK_VEC");
+        for (int form = 0; form < 2; form++) { /* 0: one warp, 1: half-warp where aligned */
             __nv_bfloat16 *d = dst[form];
             CUDA_OK(cudaMemset(d, 0xff, (3 * pq + 2 * pk) * 2));
-            const float *src = q + (misalign ? 2 : 0);
+            /* q's values; form 0: from the copy past alignment, so each launch (its first job)
+             * takes the one-warp kernel */
+            const float *src = (form == 0 ? qm + 1 : q) + (misalign ? 2 : 0);
             const kiln_cuda_attn_pack_job fwd[3] = {{d, src, NULL, NULL, NULL, R, Rpad, NH, B, rp},
                                                     {d + pq, k, NULL, NULL, NULL, R, Rpad, KVH, B, rp},
                                                     {d + pq + pk, k, NULL, NULL, NULL, R, Rpad, KVH, B, none}};
@@ -1089,18 +1028,17 @@ static bool check_pack_vec(int B, int R, int NH, int KVH, int max_pos, bool timi
                NH, KVH, misalign ? " (src misaligned)" : "", same ? "same bits" : "DIFFER");
         ok &= same;
     }
-    unsetenv("KILN_PACK_VEC");
     if (timing) {
         cudaEvent_t a, e;
         CUDA_OK(cudaEventCreate(&a));
         CUDA_OK(cudaEventCreate(&e));
         float ms[2];
-        for (int form = 0; form < 2; form++) {
-            if (form == 0) setenv("KILN_PACK_VEC", "0", 1);
-            else unsetenv("KILN_PACK_VEC");
-            const kiln_cuda_attn_pack_job fwd[3] = {{dst[0], q, NULL, NULL, NULL, R, Rpad, NH, B, rp},
-                                                    {dst[0] + pq, k, NULL, NULL, NULL, R, Rpad, KVH, B, rp},
-                                                    {dst[0] + pq + pk, k, NULL, NULL, NULL, R, Rpad, KVH, B, none}};
+        for (int form = 0; form < 2; form++) { /* 0: one warp (q's copy), 1: half-warp */
+            const float *src = form == 0 ? qm + 1 : q;
+            const kiln_cuda_attn_pack_job fwd[3] = {
+                {dst[0], src, NULL, NULL, NULL, R, Rpad, NH, B, rp},
+                {dst[0] + pq, k, NULL, NULL, NULL, R, Rpad, KVH, B, rp},
+                {dst[0] + pq + pk, k, NULL, NULL, NULL, R, Rpad, KVH, B, none}};
             for (int it = 0; it < 6; it++) {
                 if (it == 1) CUDA_OK(cudaEventRecord(a, 0));
                 CUDA_OK(kiln_cuda_attn_pack_heads(0, fwd, 3, HS));
@@ -1110,14 +1048,14 @@ static bool check_pack_vec(int B, int R, int NH, int KVH, int max_pos, bool timi
             CUDA_OK(cudaEventElapsedTime(&ms[form], a, e));
             ms[form] /= 5.0f;
         }
-        unsetenv("KILN_PACK_VEC");
         const double bytes = (double)(nq + 2 * nk) * 6.0;
         printf("time pack (forward: q, k with RoPE, v) B=%d R=%d: one warp %.1f us, half-warp %.1f us "
                "(%.2f TB/s)\n", B, R, ms[0] * 1e3, ms[1] * 1e3, bytes / (ms[1] * 1e9));
         CUDA_OK(cudaEventDestroy(a));
         CUDA_OK(cudaEventDestroy(e));
     }
-    cudaFree(q), cudaFree(k), cudaFree(out), cudaFree(out16), cudaFree(dq), cudaFree(dk);
+    cudaFree(q), cudaFree(qm), cudaFree(k), cudaFree(out), cudaFree(out16), cudaFree(dq);
+    cudaFree(dk);
     cudaFree(tc), cudaFree(ts), cudaFree(dpos), cudaFree(dst[0]), cudaFree(dst[1]);
     return ok;
 }
@@ -1148,26 +1086,19 @@ int main(int argc, char **argv) {
     EXPECT(!kiln_cuda_attention_backward_fast_ok(a, a, a, a, u, a, a, a, 7, 0, 4, 2, 64), "align");
     EXPECT(!kiln_cuda_attention_backward_fast_ok(a, a, a, a, a, a, a, a, 7, 0, 4, 3, 64), "GQA");
     /* D, L [NH][Npad]; GQA partials 2 T NH HS; bf16 q, dout [NH][Npad][HS], k, v
-     * [KVH][Tpad][HS] (two bf16 a float); the two passes (HS 64) also dS^T in bf16, NH Tpad
-     * Npad / 2, + 4; Npad = Tpad = 64 here */
+     * [KVH][Tpad][HS] (two bf16 a float); Npad = Tpad = 64 here */
     EXPECT(kiln_cuda_attention_backward_fast_ws(10, 2, 4, 2, 64) ==
                2 * 4 * 64 + 2 * 12 * 4 * 64 + (4 * 64 + 2 * 64) * 64,
            "ws");
-    EXPECT(kiln_cuda_attention_backward_fast_ws_two_pass(10, 2, 4, 2, 64) ==
-               2 * 4 * 64 + 2 * 12 * 4 * 64 + (4 * 64 + 2 * 64) * 64 + 4 * 64 * 64 / 2 + 4,
-           "ws two passes");
     EXPECT(kiln_cuda_attention_backward_fast_ws(10, 0, 4, 4, 64) ==
                2 * 4 * 64 + (4 * 64 + 4 * 64) * 64,
            "ws MHA");
     EXPECT(kiln_cuda_attention_backward_fast_ws(65, 0, 4, 4, 128) ==
                2 * 4 * 128 + (4 * 128 + 4 * 128) * 128,
            "ws padded to 128 rows");
-    EXPECT(kiln_cuda_attention_backward_fast_ws_two_pass(65, 0, 4, 4, 128) ==
-               kiln_cuda_attention_backward_fast_ws(65, 0, 4, 4, 128),
-           "no dS^T for HS 128");
     EXPECT(kiln_cuda_attention_backward_fast_ws(10, 2, 4, 2, 64) ==
                kiln_attention_backward_fast_ws_floats(10, 2, 4, 2, 64),
-           "ops.h counts the one launch's workspace");
+           "ops.h counts the workspace");
     /* keep: q [B][NH][Npad][HS] then k, v [B][KVH][Npad][HS] in bf16, regions 256-aligned;
      * ops.h's count for the backend interface is the same */
     EXPECT(kiln_cuda_attn_keep_bytes(2, 100, 4, 2, 64) == 2 * 4 * 128 * 64 * 2 +
@@ -1224,18 +1155,14 @@ int main(int argc, char **argv) {
     if (timing) EXPECT(check_pack_vec(8, 2048, 9, 3, 2048, true), "pack HS 64 (135M shape)");
     kiln_cuda_attn *attn = nullptr;
     CUDA_OK(kiln_cuda_attn_create(&attn));
-    /* HS 64 runs the one-launch backward (dq blocks recompute S and dP) by default, and on an
-     * sm_90a device the flash forward and the backward run on wgmma (cuda_wgmma.h); every
-     * check and the HS 64 timings also run the two passes (dk/dv blocks store dS, dq blocks
-     * take one product a tile: KILN_ATTN_BWD=two-pass), and both forms on the mma.sync
-     * kernels (KILN_WGMMA=0) */
+    /* on an sm_90a device the flash forward and the backward run on wgmma for HS 64
+     * (cuda_wgmma.h); every check and timing runs there and on the mma.sync kernels too
+     * (KILN_WGMMA=0: the kernels of every other device) */
     const bool wg = kiln_cuda_wgmma_usable(0);
-    for (int mode = wg ? 0 : 2; mode < 4; mode++) {
-        const bool split = mode & 1, on_wgmma = mode < 2; /* split: the one launch */
-        setenv("KILN_ATTN_BWD", split ? "one-launch" : "two-pass", 1);
+    for (int mode = wg ? 0 : 1; mode < 2; mode++) {
+        const bool on_wgmma = mode == 0;
         setenv("KILN_WGMMA", on_wgmma ? "1" : "0", 1);
-        printf("== %s, %s for HS 64 ==\n", on_wgmma ? "wgmma (sm_90a)" : "mma.sync",
-               split ? "one launch, dq recomputed" : "two passes, dq from stored dS");
+        printf("== %s for HS 64 ==\n", on_wgmma ? "wgmma (sm_90a)" : "mma.sync");
         if (checks) {
             for (const Case &c : cases) check_case(c);
             const Case seqs[] = {{200, 0, 4, 2, 64, 1.0f}, {70, 0, 6, 6, 128, 2.0f},
@@ -1247,14 +1174,13 @@ int main(int argc, char **argv) {
             EXPECT(check_keep(2, {129, 0, 9, 3, 64, 1.0f}, attn, true), "keep HS 64 bf16");
             EXPECT(check_keep(2, {100, 0, 8, 2, 128, 2.0f}, attn, true), "keep HS 128 bf16");
             EXPECT(check_keep(2, {70, 0, 6, 6, 128, 1.0f}, attn, false), "keep HS 128 MHA");
-            if (!split) EXPECT(check_keep_refusals(attn), "keep refusals");
+            EXPECT(check_keep_refusals(attn), "keep refusals");
+            /* G 2, 1, 7, 3 (the GQA reduction 4 elements a thread) and 9 (2 a thread) */
             const Case g16[] = {{200, 0, 4, 2, 64, 1.0f}, {129, 0, 6, 6, 64, 2.0f},
-                                {130, 0, 14, 2, 64, 1.0f}, {77, 0, 9, 3, 64, 1.0f}};
-            const int gB[] = {3, 2, 2, 3};
-            for (int i = 0; i < 4; i++)
-                EXPECT(check_pipe(gB[i], g16[i], attn, false), "pipelined walk B=%d N=%d",
-                       gB[i], g16[i].N);
-            for (int i = 0; i < 4; i++)
+                                {130, 0, 14, 2, 64, 1.0f}, {77, 0, 9, 3, 64, 1.0f},
+                                {100, 0, 18, 2, 64, 1.0f}};
+            const int gB[] = {3, 2, 2, 3, 2};
+            for (int i = 0; i < 5; i++)
                 for (int kf = 0; kf < 2; kf++)
                     EXPECT(check_grad16(gB[i], g16[i], attn, kf, false),
                            "rope/bf16 epilogue B=%d N=%d NH=%d KVH=%d keep_f32 %d", gB[i],
@@ -1268,23 +1194,19 @@ int main(int argc, char **argv) {
                                    {2048, 0, 14, 2, 64, 1.0f},
                                    {2048, 0, 16, 8, 128, 1.0f},
                                    {4096, 0, 32, 8, 128, 1.0f}};
-            for (const Case &c : shapes)
-                if (!split || c.HS == 64) time_case(c);
+            for (const Case &c : shapes) time_case(c);
             time_seqs(4, {2048, 0, 9, 3, 64, 1.0f}, attn);
             time_seqs(2, {2048, 0, 14, 2, 64, 1.0f}, attn);
-            if (on_wgmma && split) { /* the trainer's shapes (the 0.5B with its biases) */
+            if (on_wgmma) { /* the trainer's shapes (the 0.5B with its biases) */
                 EXPECT(check_grad16(4, {2048, 0, 14, 2, 64, 1.0f}, attn, true, true),
                        "rope/bf16 epilogue, 0.5B shape");
                 EXPECT(check_grad16(8, {2048, 0, 9, 3, 64, 1.0f}, attn, false, true),
                        "rope/bf16 epilogue, 135M shape");
-                EXPECT(check_pipe(4, {2048, 0, 14, 2, 64, 1.0f}, attn, true),
-                       "pipelined walk, 0.5B shape");
-                EXPECT(check_pipe(8, {2048, 0, 9, 3, 64, 1.0f}, attn, true),
-                       "pipelined walk, 135M shape");
+                time_fwd_bwd(4, {2048, 0, 14, 2, 64, 1.0f}, attn);
+                time_fwd_bwd(8, {2048, 0, 9, 3, 64, 1.0f}, attn);
             }
         }
     }
-    unsetenv("KILN_ATTN_BWD");
     unsetenv("KILN_WGMMA");
     kiln_cuda_attn_free(attn);
     printf("worst normalised error %.3e (bound 2e-2)\n", g_worst);

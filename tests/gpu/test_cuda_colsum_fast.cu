@@ -34,10 +34,12 @@
  *   kiln_cuda_col_sum_fast on (dy, x, that rstd); through the backend table, a fast backend's
  *   rmsnorm_backward and matmul_backward (dbias) give those bits, an auditable one the exact
  *   kernels' bits.
- *   dw in one pass (rmsnorm_bwd_dw_fast_kernel, KILN_RB_FUSED_DW=0 for the two kernels):
- *   dx, dx16, rstd and dw bit for bit the two kernels', for C in {65, 576, 896, 1000, 1024,
- *   899} x N in {7, 300, 2048, 8193} x {accumulate, not} x {dx16, none}, aligned and one float
- *   past; timed against the two kernels at 8192 x 896 and 16384 x 576.
+ *   dw in one pass (the launcher with dw for 64 < C <= 1024: rmsnorm_bwd_dw_fast_kernel)
+ *   against the two kernels it stands for (the launcher without dw, then
+ *   kiln_cuda_col_sum_fast on (dy, x, its rstd)): dx, dx16 and rstd bit for bit, dw within a
+ *   last bit (counted), for C in {65, 576, 896, 1000, 1024, 899} x N in {7, 300, 2048, 8193}
+ *   x {accumulate, not} x {dx16, none}, aligned and one float past; timed against the two
+ *   kernels at 8192 x 896 and 16384 x 576.
  *   argument errors (no GPU needed): ld < W, NULL a or scratch, sc without b, scratch too
  *   small are refused with cudaErrorInvalidValue; the scratch length is K * W, K <= 256;
  *   rmsnorm_backward_fast refuses dx or rstd NULL and dw without scratch.
@@ -768,8 +770,9 @@ static void test_rmsnorm(kiln_backend *fast_be, kiln_backend *aud_be) {
 
 /* ---- dw in one pass: the fused rows + column sums against the two kernels --------------------- */
 
-/* One launcher call with dw (KILN_RB_FUSED_DW as fused says); outputs downloaded. shift 1:
- * every input and output one float past 16-byte alignment (the scalar loads). */
+/* One launcher call with dw (fused), or the two kernels it stands for (the launcher without
+ * dw, then kiln_cuda_col_sum_fast on dy, x and that rstd); outputs downloaded. shift 1: every
+ * input and output one float past 16-byte alignment (the scalar loads). */
 struct DwOut {
     std::vector<float> dx, rstd, dw;
     std::vector<uint16_t> dx16;
@@ -802,10 +805,10 @@ static bool dw_run(int N, int C, bool acc, bool with16, int shift, bool fused,
     double *ws = nullptr;
     CUDA_FATAL(cudaMalloc((void **)&ws, len * sizeof(double)));
     CUDA_FATAL(cudaMemset(ws, 0xff, len * sizeof(double)));
-    setenv("KILN_RB_FUSED_DW", fused ? "1" : "0", 1);
-    const cudaError_t e = kiln_cuda_rmsnorm_backward_fast(g_s, d_dx, d16, d_dw, d_dy, d_x, d_w, N,
-                                                          C, kRmsEps, d_rs, acc, ws, len);
-    unsetenv("KILN_RB_FUSED_DW");
+    cudaError_t e = kiln_cuda_rmsnorm_backward_fast(g_s, d_dx, d16, fused ? d_dw : nullptr, d_dy,
+                                                    d_x, d_w, N, C, kRmsEps, d_rs, acc, ws, len);
+    if (e == cudaSuccess && !fused)
+        e = kiln_cuda_col_sum_fast(g_s, d_dw, d_dy, d_x, d_rs, C, N, C, ws, len);
     bool ok = e == cudaSuccess;
     if (!ok) FAIL("rmsnorm dw N=%d C=%d (%s): %s", N, C, fused ? "fused" : "two kernels",
                   cudaGetErrorString(e));
@@ -944,7 +947,7 @@ static void time_bias_multi() {
 }
 
 /* Zeroed device buffers of an N x C RMSNorm backward with dw (for the timings): run() makes
- * one launcher call (accumulating dx, with dx16). */
+ * one launcher call (accumulating dx, with dx16), run_two() the two kernels it stands for. */
 struct RmsDwBufs {
     int N, C;
     float *x = nullptr, *dy = nullptr, *dx = nullptr, *w = nullptr, *rs = nullptr, *dw = nullptr;
@@ -975,81 +978,25 @@ struct RmsDwBufs {
         CUDA_FATAL(kiln_cuda_rmsnorm_backward_fast(g_s, dx, d16, dw, dy, x, w, N, C, 1e-6f, rs,
                                                    true, ws, len));
     }
+    void run_two() const {
+        CUDA_FATAL(kiln_cuda_rmsnorm_backward_fast(g_s, dx, d16, nullptr, dy, x, w, N, C, 1e-6f,
+                                                   rs, true, ws, len));
+        CUDA_FATAL(kiln_cuda_col_sum_fast(g_s, dw, dy, x, rs, C, N, C, ws, len));
+    }
 };
 
-/* The launcher with dw at N x C, fused and as two kernels (cudaEvent, mean of 20). */
+/* The launcher with dw at N x C against the two kernels it stands for (cudaEvent, mean of
+ * 20). */
 static void time_rms_dw(int N, int C) {
     const RmsDwBufs b(N, C);
     const int reps = 20;
     float ms[2] = {0, 0};
-    time_two(
-        reps, ms, [](int which) { setenv("KILN_RB_FUSED_DW", which == 0 ? "0" : "1", 1); },
-        [&](int) { b.run(); });
-    unsetenv("KILN_RB_FUSED_DW");
+    time_two(reps, ms, [](int) {}, [&](int which) {
+        if (which == 0) b.run_two();
+        else b.run();
+    });
     printf("timing rmsnorm backward with dw N=%d C=%d acc + dx16: two kernels %.1f us, one pass "
            "%.1f us, x%.2f\n", N, C, 1e3 * ms[0] / reps, 1e3 * ms[1] / reps, ms[0] / ms[1]);
-}
-
-/* The one-pass kernel's forms (KILN_RB_DW_CFG, session 17): capped for three blocks an SM
- * and/or more rows a chunk, and the default (nullptr: 32 rows a chunk where that still makes
- * 256 chunks). Against "1,16" (session 16's form) dx, dx16 and rstd must keep their bits, dw
- * too at 16 rows a chunk and within one ulp at others; then each form's time (cudaEvent, mean
- * of 20; the same zeroed buffers as time_rms_dw). */
-static const char *const kDwCfgs[] = {"1,16", nullptr, "3,16", "1,24", "3,24", "1,32", "3,32"};
-
-static void check_rms_dw_cfgs(int N, int C) {
-    const int fails0 = g_fail;
-    const DwIn in(N, C);
-    DwOut ref;
-    setenv("KILN_RB_DW_CFG", kDwCfgs[0], 1);
-    const bool ref_ran = dw_run(N, C, true, true, 0, true, in, ref);
-    unsetenv("KILN_RB_DW_CFG");
-    if (!ref_ran) return;
-    long ulps = 0;
-    for (const char *cfg : kDwCfgs) {
-        if (cfg == kDwCfgs[0]) continue;
-        DwOut o;
-        if (cfg) setenv("KILN_RB_DW_CFG", cfg, 1);
-        const bool ran = dw_run(N, C, true, true, 0, true, in, o);
-        unsetenv("KILN_RB_DW_CFG");
-        if (!ran) continue;
-        const bool rows16 = cfg && strcmp(cfg + 2, "16") == 0;
-        const long d = dw_differences(o.dw, ref.dw);
-        const char *what = nullptr;
-        if (!same_bits(o.dx, ref.dx)) what = "dx is not the 1,16 form's bits";
-        else if (!same_bits(o.rstd, ref.rstd)) what = "rstd is not the 1,16 form's bits";
-        else if (o.dx16 != ref.dx16) what = "dx16 is not the 1,16 form's bits";
-        else if (rows16 ? !same_bits(o.dw, ref.dw) : d < 0)
-            what = rows16 ? "dw is not the 1,16 form's bits" : "dw differs by more than an ulp";
-        if (what)
-            FAIL("rmsnorm dw KILN_RB_DW_CFG=%s N=%d C=%d: %s", cfg ? cfg : "(default)", N, C, what);
-        if (d > 0) ulps += d;
-    }
-    printf("rmsnorm dw forms (KILN_RB_DW_CFG) N=%d C=%d: dx, dx16, rstd the 1,16 form's bits, dw "
-           "too at 16 rows a chunk (%ld values one ulp off at others) %s\n",
-           N, C, ulps, g_fail == fails0 ? "OK" : "FAILED");
-}
-
-static void time_rms_dw_cfgs(int N, int C) {
-    const RmsDwBufs b(N, C);
-    const int reps = 20;
-    printf("timing rmsnorm backward with dw N=%d C=%d acc + dx16 by KILN_RB_DW_CFG (minb,rows):",
-           N, C);
-    for (int round = 0; round < 2; round++) /* twice over: the lease's drift shows */
-        for (const char *cfg : kDwCfgs) {
-            float ms[2] = {0, 0};
-            time_two(
-                reps, ms,
-                [&](int) {
-                    if (cfg) setenv("KILN_RB_DW_CFG", cfg, 1);
-                    else unsetenv("KILN_RB_DW_CFG");
-                },
-                [&](int) { b.run(); });
-            printf(" %s %.1f/%.1f us;", cfg ? cfg : "default", 1e3 * ms[0] / reps,
-                   1e3 * ms[1] / reps);
-        }
-    unsetenv("KILN_RB_DW_CFG");
-    printf("\n");
 }
 
 /* ---- argument errors (before anything is enqueued: no GPU needed) -------------------------- */
@@ -1227,11 +1174,7 @@ int main(int argc, char **argv) {
            g_rms_worst, g_rms_units);
     test_rmsnorm(fast_be, aud_be);
     test_rms_dw_fused();
-    check_rms_dw_cfgs(8193, 896);
-    check_rms_dw_cfgs(2048, 576);
     if (big) {
-        time_rms_dw_cfgs(8192, 896);
-        time_rms_dw_cfgs(16384, 576);
         time_rms_dw(8192, 896);
         time_bias_multi();
         time_rms_dw(16384, 576);

@@ -41,22 +41,21 @@
  *    31.40 ms per call (median of 5)".
  * Then the row-block walk (kiln_fused_ce_params.row_block, the one-call form) against the
  * vocabulary walk and the auditable call, with bf16 logits (the default) and f32 logits
- * (row_logits_f32; in clusters and with the one-block-a-row kernel): the same bits twice,
- * and the same bits by the persistent clusters (the default), by one cluster a row
- * (KILN_CE_ROWS_PIPE=0), with either logits, and with three slices a block
- * (KILN_CE_ROWS_PIPE=3, bf16 logits);
+ * (row_logits_f32): the same bits twice;
  * with f32 logits the loss within 1e-4, the row statistics within 1e-5 and the gradients
  * within 2e-3 norm-wise of the vocabulary walk; with bf16 logits within 1e-3, 2e-2 and 1e-2
  * (each logit rounded once more); each within 1e-2 of auditable mode; calls the walk does not
  * take (f32 or misaligned weight, S <= 8) give the vocabulary walk's bits (the walk reads the
  * weight in place: bf16 rows of a multiple of 16 bytes, 16-byte aligned), whatever the
  * logits setting. Cases: blocks of 512 with a padding row, V % 8 == 1 and 2, blocks rounded
- * up to 8, dh only, dW only, one block, a mask. Without --quick the 0.5B head (N 8192,
- * V 151936, blocks of 2048), timed against the vocabulary walk:
+ * up to 8, dh only, dW only, one block, a mask, and (without --quick) V 480,000, where the
+ * row kernel is one cluster a row with bf16 logits (two slices a block do not fit the
+ * H200's shared memory) and one block a row with f32 logits (a slice would pass 200 KiB).
+ * Without --quick the 0.5B head (N 8192, V 151936, blocks of 2048), timed against the
+ * vocabulary walk:
  *   "fused_ce fast timing N=8192 H=896 V=151936 one-call fwd+bwd: row-block walk (2048 rows)
- *    ... ms with bf16 logits (one cluster a row: ... ms; three slices a block: ... ms; f32
- *    logits: ... ms; f32, one block a row: ... ms), vocabulary
- *    walk ... ms per call (median of 5)".
+ *    ... ms with bf16 logits (f32 logits: ... ms), vocabulary walk ... ms per call (median
+ *    of 5)".
  * Then "ALL OK" or "FAILED n".
  *
  * Usage: test_cuda_fused_ce_fast [--quick] [--seed N]   (--quick: V 49152 and 151936 cases
@@ -739,10 +738,9 @@ static void cmp_rows(const Outs &r, const Outs &vw, const Outs &au, const RowCas
 }
 
 /* The case through the row-block walk with bf16 logits (the default) twice (the same bits),
- * with f32 logits (row_logits_f32) in clusters and with the one-block-a-row kernel
- * (KILN_CE_ROWS_CLUSTER=0), through the vocabulary walk (row_block 0) and on the auditable
- * backend; each row walk within cmp_rows' bounds for its logits. reps > 0: then the four are
- * timed. */
+ * with f32 logits (row_logits_f32), through the vocabulary walk (row_block 0) and on the
+ * auditable backend; each row walk within cmp_rows' bounds for its logits. reps > 0: then the
+ * three fast calls are timed. */
 static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, int reps) {
     const int fails0 = g_fail;
     const int64_t N = c.N, H = c.H, V = c.V;
@@ -754,14 +752,13 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
     const std::vector<int32_t> &tg = in.tg;
     const int64_t S = in.S;
 
-    char tag[220], tag32[260], tag1[260];
+    char tag[220], tag32[260];
     snprintf(tag, sizeof tag, "fused_ce rows %s N=%lld H=%lld V=%lld row_block=%lld S=%lld%s%s%s%s",
              bf16 ? "bf16" : "f32", (long long)N, (long long)H, (long long)V,
              (long long)c.row_block, (long long)S,
              c.dh && c.dw ? " dh+dW" : c.dh ? " dh only" : " dW only",
              c.w_misalign ? " w+2B" : "", c.masked ? " mask" : "", reps > 0 ? " (timed)" : "");
     snprintf(tag32, sizeof tag32, "%s [f32 logits]", tag);
-    snprintf(tag1, sizeof tag1, "%s [f32 logits, one block a row]", tag);
     const kiln_fused_ce_params base = case_params(N, H, V, c.dt, c.masked, in);
 
     const size_t want = kiln_fused_ce_row_block_bytes(S, H, V, c.row_block, c.dh, c.dw, 0);
@@ -773,35 +770,23 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
     Side s, as;
     s.init(be, hidden, w, N, H, V, c.w_misalign ? 2 : 0);
     as.init(aud_be, hidden, w, N, H, V);
-    Outs r1, r2, r3, r4, r5, r6, r7, vw, au;
+    Outs r1, r2, r3, vw, au;
     bool ok = scr != nullptr;
     if (!scr) FAIL("%s: kiln_backend_alloc %zu bytes", tag, cap);
     const int64_t rb = c.row_block;
     ok = ok && run_rows(s, base, c, rb, 0, dw0, scr, cap, r1, tag, 0, nullptr) &&
          run_rows(s, base, c, rb, 0, dw0, scr, cap, r2, tag, 0, nullptr) &&
          run_rows(s, base, c, rb, 1, dw0, scr, cap, r3, tag32, 0, nullptr);
-    setenv("KILN_CE_ROWS_PIPE", "0", 1); /* one cluster a row: the same bits */
-    ok = ok && run_rows(s, base, c, rb, 0, dw0, scr, cap, r5, tag, 0, nullptr) &&
-         run_rows(s, base, c, rb, 1, dw0, scr, cap, r6, tag32, 0, nullptr);
-    setenv("KILN_CE_ROWS_PIPE", "3", 1); /* three slices a block where they fit */
-    ok = ok && run_rows(s, base, c, rb, 0, dw0, scr, cap, r7, tag, 0, nullptr);
-    unsetenv("KILN_CE_ROWS_PIPE");
-    setenv("KILN_CE_ROWS_CLUSTER", "0", 1);
-    ok = ok && run_rows(s, base, c, rb, 1, dw0, scr, cap, r4, tag1, 0, nullptr);
-    unsetenv("KILN_CE_ROWS_CLUSTER");
     ok = ok && run_rows(s, base, c, 0, 0, dw0, scr, cap, vw, tag, 0, nullptr);
     if (ok) { /* the auditable reference: a plain call with both gradients */
         CeCase ac = {N, H, V, 0, c.dt, KILN_CE_REDUCTION_MEAN, 0, c.masked};
         std::vector<float> dh0((size_t)N * H, 0.0f);
         ok = run_side(as, base, ac, dh0, dw0, false, au, tag);
     }
-    double e[4] = {0}, a[2] = {0}, e3[4] = {0}, a3[2] = {0}, e4[4] = {0}, a4[2] = {0};
+    double e[4] = {0}, a[2] = {0}, e3[4] = {0}, a3[2] = {0};
     bool ran_rows = false;
     if (ok) {
         same_run(r1, r2, "row-block walk twice", tag);
-        same_run(r1, r5, "persistent clusters against one cluster a row", tag);
-        same_run(r3, r6, "persistent clusters against one cluster a row", tag32);
-        same_run(r1, r7, "three slices a block against two", tag);
         ran_rows = r1.r.scratch_bytes == want && want != vw.r.scratch_bytes;
         if (ran_rows != (c.expect_rows != 0))
             FAIL("%s: the %s ran (scratch %zu; row walk %zu, vocabulary walk %zu), expected "
@@ -813,45 +798,30 @@ static void test_rows(kiln_backend *be, kiln_backend *aud_be, const RowCase &c, 
         if (!ran_rows) {
             same_run(r1, vw, "no walk: the vocabulary walk's bits", tag);
             same_run(r3, vw, "no walk: the vocabulary walk's bits", tag32);
-            same_run(r4, vw, "no walk: the vocabulary walk's bits", tag1);
         }
         cmp_rows(r1, vw, au, c, kRowsBf16, tg, mask, dw0, tag, e, a);
         cmp_rows(r3, vw, au, c, kRowsF32, tg, mask, dw0, tag32, e3, a3);
-        cmp_rows(r4, vw, au, c, kRowsF32, tg, mask, dw0, tag1, e4, a4);
     }
-    double ms_rows = 0.0, ms_f32 = 0.0, ms_one = 0.0, ms_vocab = 0.0, ms_row_cl = 0.0,
-           ms_row3 = 0.0;
+    double ms_rows = 0.0, ms_f32 = 0.0, ms_vocab = 0.0;
     if (ok && reps > 0) {
         Outs tmp;
         run_rows(s, base, c, rb, 0, dw0, scr, cap, tmp, tag, reps, &ms_rows);
         run_rows(s, base, c, rb, 1, dw0, scr, cap, tmp, tag32, reps, &ms_f32);
-        setenv("KILN_CE_ROWS_PIPE", "0", 1);
-        run_rows(s, base, c, rb, 0, dw0, scr, cap, tmp, tag, reps, &ms_row_cl);
-        setenv("KILN_CE_ROWS_PIPE", "3", 1);
-        run_rows(s, base, c, rb, 0, dw0, scr, cap, tmp, tag, reps, &ms_row3);
-        unsetenv("KILN_CE_ROWS_PIPE");
-        setenv("KILN_CE_ROWS_CLUSTER", "0", 1);
-        run_rows(s, base, c, rb, 1, dw0, scr, cap, tmp, tag1, reps, &ms_one);
-        unsetenv("KILN_CE_ROWS_CLUSTER");
         run_rows(s, base, c, 0, 0, dw0, scr, cap, tmp, tag, reps, &ms_vocab);
     }
     s.release();
     as.release();
     if (scr) kiln_backend_free_buf(be, scr);
     printf("%s: path %s; vs vocabulary walk: bf16 logits loss %.2e stats %.2e dh %.2e dW %.2e "
-           "(f32 logits: %.2e %.2e %.2e %.2e; one block a row: %.2e %.2e %.2e %.2e); vs "
-           "auditable dh %.2e dW %.2e (f32 logits %.2e %.2e) %s\n", tag,
-           ran_rows ? "rows" : "vocabulary", e[0], e[1], e[2], e[3], e3[0], e3[1], e3[2], e3[3],
-           e4[0], e4[1], e4[2], e4[3], a[0], a[1], a3[0], a3[1],
-           g_fail == fails0 ? "OK" : "FAILED");
+           "(f32 logits: %.2e %.2e %.2e %.2e); vs auditable dh %.2e dW %.2e (f32 logits %.2e "
+           "%.2e) %s\n", tag, ran_rows ? "rows" : "vocabulary", e[0], e[1], e[2], e[3], e3[0],
+           e3[1], e3[2], e3[3], a[0], a[1], a3[0], a3[1], g_fail == fails0 ? "OK" : "FAILED");
     if (reps > 0)
         printf("fused_ce fast timing N=%lld H=%lld V=%lld one-call fwd+bwd: row-block walk "
-               "(%lld rows) %.2f ms with bf16 logits (one cluster a row: %.2f ms; three slices a "
-               "block: %.2f ms; f32 logits: %.2f ms; f32, one block a row: %.2f ms), vocabulary "
-               "walk %.2f ms per call (median of %d); scratch %.1f (f32 logits %.1f) vs %.1f "
-               "MiB\n", (long long)N, (long long)H, (long long)V, (long long)c.row_block, ms_rows,
-               ms_row_cl, ms_row3, ms_f32, ms_one, ms_vocab, reps, want / 1048576.0,
-               want32 / 1048576.0, vocab / 1048576.0);
+               "(%lld rows) %.2f ms with bf16 logits (f32 logits: %.2f ms), vocabulary walk "
+               "%.2f ms per call (median of %d); scratch %.1f (f32 logits %.1f) vs %.1f MiB\n",
+               (long long)N, (long long)H, (long long)V, (long long)c.row_block, ms_rows, ms_f32,
+               ms_vocab, reps, want / 1048576.0, want32 / 1048576.0, vocab / 1048576.0);
     fflush(stdout);
 }
 
@@ -939,6 +909,9 @@ int main(int argc, char **argv) {
         {7, 64, 1000, 8, KILN_DTYPE_BF16, 1, 1, 0, 0, 0},        /* S 6: matvec logits */
         {1001, 100, 3001, 256, KILN_DTYPE_F32, 1, 1, 0, 0, 0},   /* f32 weight */
         {1001, 96, 3001, 256, KILN_DTYPE_BF16, 1, 1, 0, 1, 0},   /* misaligned weight */
+        /* V 480,000: the row kernel one cluster a row (bf16 logits: 2 x 117 KiB slices a block
+         * pass the shared memory), one block a row (f32 logits: a slice would pass 200 KiB) */
+        {64, 64, 480000, 32, KILN_DTYPE_BF16, 1, 1, 0, 0, 1},
     };
     for (const RowCase &c : row_cases) {
         if (quick && c.V > 10007) continue;

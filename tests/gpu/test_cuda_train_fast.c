@@ -5,9 +5,9 @@
  * A tiny random llama from kiln_model_create on a config.json written here (C 128, 2 layers,
  * 2 query heads of 64 over 1 kv head: the tensor-core flash attention's head size; FF 352;
  * the llama vocabulary, tied head), with f32 weights and with bf16 weights + f32 master copy.
- * Four trainers start from the model's weights: an auditable one (A) and three fast ones (F1,
- * F2, F3). Every step gives them the same sequence of 64 tokens (a learnable pattern over
- * 256 ids, so the loss falls): kiln_train_step, clip_grads(1.0), optimizer_step; 20 steps.
+ * Three trainers start from the model's weights: an auditable one (A) and two fast ones (F1,
+ * F2). Every step gives them the same sequence of 64 tokens (a learnable pattern over 256
+ * ids, so the loss falls): kiln_train_step, clip_grads(1.0), optimizer_step; 20 steps.
  *
  * What is required, and why these bounds (fast mode: docs/TRAINING.md, "Fast mode"):
  *   - step 1 gradients (same weights, same batch: the difference is only the arithmetic of
@@ -32,11 +32,9 @@
  *     clip norms, and every parameter after 20 steps; F1 records its step graphs at step 2
  *     and replays them (describe() says so), F2 runs with KILN_CUDA_GRAPHS=0, so this also
  *     checks that a replayed step is the step;
- *   - mixed precision: F1 keeps bf16 activations (the products' inputs, gate/up and the
- *     attention output in bf16, docs/TRAINING.md), F3 runs with KILN_BF16_ACTS=0 (f32
- *     activations): F3 must meet the same loss and step-1 gradient bounds against A, and F1
- *     must hold fewer activation bytes than F3;
- *   - resume: a fourth fast trainer loads F1's checkpoint of step 10 and replays steps 11-20
+ *   - mixed precision: F1 and F2 keep bf16 activations (the products' inputs, gate/up and the
+ *     attention output in bf16, docs/TRAINING.md), the same bytes of them;
+ *   - resume: a third fast trainer loads F1's checkpoint of step 10 and replays steps 11-20
  *     with the same batches: every loss and every final parameter has F1's bits (with f32
  *     weights the bf16 copies the products take are remade from the loaded weights).
  * The maxima seen are printed, so the bounds can be tightened from a run on the target GPU.
@@ -197,15 +195,11 @@ static int run_case(const char *name, const char *arch, kiln_weight_storage stor
     gpu_randomise_vectors(m);
     const double t0 = now_s();
     /* F2 launches every op itself (KILN_CUDA_GRAPHS=0); F1 and the resumed run replay the
-     * step graphs they record at their second step: the bits must not change. F3 keeps every
-     * activation in f32 (KILN_BF16_ACTS=0). */
+     * step graphs they record at their second step: the bits must not change. */
     kiln_trainer *ta = make_trainer(m, storage, 0), *tf1 = make_trainer(m, storage, 1), *tr = make_trainer(m, storage, 1);
     setenv("KILN_CUDA_GRAPHS", "0", 1);
     kiln_trainer *tf2 = make_trainer(m, storage, 1);
     unsetenv("KILN_CUDA_GRAPHS");
-    setenv("KILN_BF16_ACTS", "0", 1);
-    kiln_trainer *tf3 = make_trainer(m, storage, 1);
-    unsetenv("KILN_BF16_ACTS");
     /* resume: tf1 is saved after step HALF; tr loads that checkpoint and replays the later
      * steps, which must give tf1's losses and weights bit for bit (in fast mode the bf16
      * copies of f32 weights are remade from the loaded ones) */
@@ -217,9 +211,9 @@ static int run_case(const char *name, const char *arch, kiln_weight_storage stor
     int resumed_same = 0;
     float *w0 = NULL, *wa = NULL, *wf1 = NULL, *wf2 = NULL;
     size_t total = 0;
-    double worst_loss = 0.0, worst_grad = 0.0, wratio = 0.0, wrel = 0.0, worst_loss3 = 0.0, worst_grad3 = 0.0;
+    double worst_loss = 0.0, worst_grad = 0.0, wratio = 0.0, wrel = 0.0;
     int grad_bad = 0;
-    if (!ta || !tf1 || !tf2 || !tf3 || !tr) {
+    if (!ta || !tf1 || !tf2 || !tr) {
         ok = 0;
         goto done;
     }
@@ -251,11 +245,10 @@ static int run_case(const char *name, const char *arch, kiln_weight_storage stor
         int32_t ids[SEQ];
         make_batch(ids, s);
         memcpy(batches[s], ids, sizeof ids);
-        float la = NAN, lf1 = NAN, lf2 = NAN, lf3 = NAN, ta_norm, tf1_norm, tf2_norm, tf3_norm, ca, cf1, cf2, cf3;
+        float la = NAN, lf1 = NAN, lf2 = NAN, ta_norm, tf1_norm, tf2_norm, ca, cf1, cf2;
         TRY(kiln_train_step(ta, ids, SEQ, &la), "train_step (auditable)");
         TRY(kiln_train_step(tf1, ids, SEQ, &lf1), "train_step (fast)");
         TRY(kiln_train_step(tf2, ids, SEQ, &lf2), "train_step (fast, run 2)");
-        TRY(kiln_train_step(tf3, ids, SEQ, &lf3), "train_step (fast, f32 activations)");
         if (s == 0) { /* the gradients of one forward + backward from the same weights */
             float *ga = wa, *gf1 = wf1, *gf2 = wf2; /* the buffers serve as scratch here */
             if (!read_all(ta, 1, ga, total) || !read_all(tf1, 1, gf1, total) || !read_all(tf2, 1, gf2, total)) {
@@ -263,15 +256,6 @@ static int run_case(const char *name, const char *arch, kiln_weight_storage stor
                 goto done;
             }
             worst_grad = grad_ratios(ta, ga, gf1, &grad_bad);
-            if (!read_all(tf3, 1, gf2, total)) { /* F3's, in F2's buffer for now */
-                ok = 0;
-                goto done;
-            }
-            worst_grad3 = grad_ratios(ta, ga, gf2, &grad_bad);
-            if (!read_all(tf2, 1, gf2, total)) {
-                ok = 0;
-                goto done;
-            }
             if (grad_bad) ok = 0;
             long d = first_diff(gf1, gf2, total);
             if (d >= 0) {
@@ -283,11 +267,9 @@ static int run_case(const char *name, const char *arch, kiln_weight_storage stor
         TRY(kiln_train_clip_grads(ta, 1.0, &ta_norm, &ca), "clip (auditable)");
         TRY(kiln_train_clip_grads(tf1, 1.0, &tf1_norm, &cf1), "clip (fast)");
         TRY(kiln_train_clip_grads(tf2, 1.0, &tf2_norm, &cf2), "clip (fast, run 2)");
-        TRY(kiln_train_clip_grads(tf3, 1.0, &tf3_norm, &cf3), "clip (fast, f32 activations)");
         TRY(kiln_train_optimizer_step(ta, LR), "adamw (auditable)");
         TRY(kiln_train_optimizer_step(tf1, LR), "adamw (fast)");
         TRY(kiln_train_optimizer_step(tf2, LR), "adamw (fast, run 2)");
-        TRY(kiln_train_optimizer_step(tf3, LR), "adamw (fast, f32 activations)");
         lf1s[s] = lf1;
         if (s + 1 == HALF) TRY(kiln_train_save(tf1, ckpt, (uint64_t)HALF, NULL, 1), "save (fast)");
         const double rel = fabs((double)lf1 - (double)la) / fabs((double)la);
@@ -298,12 +280,6 @@ static int run_case(const char *name, const char *arch, kiln_weight_storage stor
             fprintf(stderr, "    step %d: loss rel diff %.3g > %.3g\n", s + 1, rel, LOSS_BOUND);
             ok = 0;
         }
-        const double rel3 = fabs((double)lf3 - (double)la) / fabs((double)la);
-        if (!(rel3 <= LOSS_BOUND)) {
-            fprintf(stderr, "    step %d: loss rel diff (f32 activations) %.3g > %.3g\n", s + 1, rel3, LOSS_BOUND);
-            ok = 0;
-        }
-        if (rel3 > worst_loss3 || rel3 != rel3) worst_loss3 = rel3;
         if (!same) {
             fprintf(stderr, "    step %d: fast runs differ: loss %.9g / %.9g, norm %.9g / %.9g, coef %.9g / %.9g\n",
                     s + 1, (double)lf1, (double)lf2, (double)tf1_norm, (double)tf2_norm, (double)cf1, (double)cf2);
@@ -315,24 +291,19 @@ static int run_case(const char *name, const char *arch, kiln_weight_storage stor
         ok = 0;
         goto done;
     }
-    { /* F1 replayed recorded steps and kept bf16 activations; F2 did not record graphs, F3
-       * kept f32 activations */
-        char d1[1024], d2[1024], d3[1024];
-        kiln_train_memory m1, m2, m3;
+    { /* F1 replayed recorded steps; F2 did not record graphs; both kept bf16 activations */
+        char d1[1024], d2[1024];
+        kiln_train_memory m1, m2;
         if (kiln_train_describe(tf1, d1, sizeof d1, &m1) != KILN_OK || !strstr(d1, "step graphs recorded") ||
-            kiln_train_describe(tf2, d2, sizeof d2, &m2) != KILN_OK || strstr(d2, "graphs") ||
-            kiln_train_describe(tf3, d3, sizeof d3, &m3) != KILN_OK) {
+            kiln_train_describe(tf2, d2, sizeof d2, &m2) != KILN_OK || strstr(d2, "graphs")) {
             fprintf(stderr, "    step graphs: F1 should have recorded them, F2 not: F1 '%s', F2 '%s'\n", d1, d2);
             ok = 0;
-        } else if (!(m1.activations < m3.activations) || m1.activations != m2.activations) {
-            fprintf(stderr, "    bf16 activations: F1 holds %llu bytes of activations, F2 %llu, F3 (f32) %llu\n",
-                    (unsigned long long)m1.activations, (unsigned long long)m2.activations,
-                    (unsigned long long)m3.activations);
+        } else if (m1.activations != m2.activations) {
+            fprintf(stderr, "    activations: F1 holds %llu bytes, F2 %llu\n", (unsigned long long)m1.activations,
+                    (unsigned long long)m2.activations);
             ok = 0;
         } else {
-            printf("  activations: %.2f MiB in bf16 mixed precision, %.2f MiB in f32; f32 activations: max loss rel "
-                   "diff %.3e, step-1 grads max rel %.3e\n",
-                   m1.activations / 1048576.0, m3.activations / 1048576.0, worst_loss3, worst_grad3);
+            printf("  activations: %.2f MiB in bf16 mixed precision\n", m1.activations / 1048576.0);
         }
     }
     { /* resume from step HALF and replay the rest */
@@ -398,7 +369,6 @@ done:
     kiln_trainer_free(ta);
     kiln_trainer_free(tf1);
     kiln_trainer_free(tf2);
-    kiln_trainer_free(tf3);
     kiln_trainer_free(tr);
     kiln_model_close(m);
     return ok;

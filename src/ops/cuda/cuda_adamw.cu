@@ -2,12 +2,13 @@
  * cuda_adamw.cu -- AdamW, the gradient norm and clipping on the CUDA backend (cuda_train.h),
  * with the CPU's bits: the per-element arithmetic is src/ops/adamw_math.h, the same source
  * cpu_adamw.c runs, and every element is updated alone, as on the CPU, so the thread split cannot
- * change a bit. The step runs per tensor (kiln_cuda_adamw_step, one launch per parameter) or
- * over an optimizer's whole tensor table (kiln_cuda_adamw_step_multi, one launch: blocks take
- * (tensor, chunk) pairs from a chunk table uploaded once, f32 moments in quads of 4 elements
- * with 16-byte loads where aligned); both run update_vals on every element, so they agree bit
- * for bit with each other and with the CPU, whatever the split, load width or grid. The only
- * reductions are
+ * change a bit. The step runs over an optimizer's whole tensor table in one launch
+ * (kiln_cuda_adamw_step_multi: blocks take (tensor, chunk) pairs from a chunk table uploaded
+ * once, f32 moments in quads of 4 elements with 16-byte loads where aligned); it runs
+ * update_vals on every element, so it agrees bit for bit with the CPU whatever the split,
+ * load width or grid. (One launch per tensor took 1.95 against 0.98 ms a step for the 135M
+ * shape's 272 tensors, f32 weights and moments: bench/RESULTS.md, 2026-12-01, 3c12238.) The
+ * only reductions are
  *   - the 8-bit block absmax: a max of non-negative, non-NaN values (a NaN |m| is skipped by
  *     the CPU's `b > a` scan starting from 0, here mapped to 0), which has one answer in any
  *     order;
@@ -193,15 +194,6 @@ static __device__ __forceinline__ void update_quad(const kiln_adamw_scalars &s,
         __stcs((ushort4 *)(p.comp + q), make_ushort4(comp[0], comp[1], comp[2], comp[3]));
 }
 
-/* f32 moments, per tensor: one thread per element. */
-template <int W>
-static __global__ void adamw_f32_kernel(kiln_cuda_adamw_param p, kiln_adamw_scalars s,
-                                        uint64_t key) {
-    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < p.n;
-         e += (int64_t)gridDim.x * blockDim.x)
-        update_elem<W>(s, p, key, e, &p.m[e], &p.v[e]);
-}
-
 /* The table entry of a multi-tensor chunk, its decay and-ed with use_wd, and its key. */
 static __device__ __forceinline__ kiln_cuda_adamw_param multi_entry(
     const kiln_cuda_adamw_param *table, int32_t param, const kiln_adamw_scalars &s,
@@ -317,17 +309,6 @@ static __device__ __forceinline__ void q8_block(const kiln_adamw_scalars &s,
     }
 }
 
-/* 8-bit moments, per tensor: warp w of block x takes 8-bit blocks x Q8_WARPS + w, then that
- * plus gridDim.x Q8_WARPS, ... */
-template <int W>
-static __global__ void __launch_bounds__(Q8_THREADS)
-adamw_q8_kernel(kiln_cuda_adamw_param p, kiln_adamw_scalars s, uint64_t key) {
-    const int64_t nb = (p.n + KILN_ADAMW_Q8_BLOCK - 1) / KILN_ADAMW_Q8_BLOCK;
-    for (int64_t b = (int64_t)blockIdx.x * Q8_WARPS + (threadIdx.x >> 5); b < nb;
-         b += (int64_t)gridDim.x * Q8_WARPS)
-        q8_block<W>(s, p, key, b);
-}
-
 /* 8-bit moments, every tensor of a plan: unit u = chunk u / Q8_PER_CHUNK, 8-bit block
  * u % Q8_PER_CHUNK inside it (units past a parameter's end do nothing); warp w of block x
  * takes units x Q8_WARPS + w, then that plus gridDim.x Q8_WARPS, ... (uniform per warp). */
@@ -346,17 +327,6 @@ adamw_q8_multi_kernel(const kiln_cuda_adamw_param *table, const kiln_cuda_adamw_
 }
 
 template <int W>
-static void adamw_launch(cudaStream_t st, const kiln_cuda_adamw_param &p,
-                         const kiln_adamw_scalars &s, uint64_t key) {
-    if (p.q8) {
-        const int64_t nb = (p.n + KILN_ADAMW_Q8_BLOCK - 1) / KILN_ADAMW_Q8_BLOCK;
-        adamw_q8_kernel<W><<<tr_grid(nb, Q8_WARPS, 1 << 20), Q8_THREADS, 0, st>>>(p, s, key);
-    } else {
-        adamw_f32_kernel<W><<<tr_grid(p.n, 256, 1 << 20), 256, 0, st>>>(p, s, key);
-    }
-}
-
-template <int W>
 static void adamw_multi_launch(cudaStream_t st, const kiln_cuda_adamw_plan &pl,
                                const kiln_adamw_scalars &s) {
     if (pl.q8) {
@@ -367,29 +337,6 @@ static void adamw_multi_launch(cudaStream_t st, const kiln_cuda_adamw_plan &pl,
         adamw_f32_multi_kernel<W><<<tr_grid(pl.n_chunks, 1, 1 << 20), MULTI_THREADS, 0, st>>>(
             pl.table, pl.chunk, pl.n_chunks, s);
     }
-}
-
-extern "C" kiln_status kiln_cuda_adamw_step(kiln_backend *be, const kiln_cuda_adamw_param *p,
-                                            const kiln_adamw_scalars *s) {
-    TR_BEGIN(be);
-    if (p->n <= 0) return KILN_OK;
-    const bool ok = p->q8 ? (p->mq && p->vq && p->ms && p->vs) : (p->m && p->v);
-    if (!ok || !p->weights || !p->grad ||
-        (p->weights_kind == KILN_ADAMW_BF16_MASTER && !p->master) ||
-        (p->weights_kind == KILN_ADAMW_BF16_KAHAN && !p->comp))
-        return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG, "adamw step: missing state arrays");
-    const uint64_t key = kiln_adamw_mix64(s->sr_key + (uint64_t)p->param_index);
-    cudaStream_t st = kiln_cuda_stream(be);
-    switch (p->weights_kind) {
-    case KILN_ADAMW_F32: adamw_launch<KILN_ADAMW_F32>(st, *p, *s, key); break;
-    case KILN_ADAMW_BF16_MASTER: adamw_launch<KILN_ADAMW_BF16_MASTER>(st, *p, *s, key); break;
-    case KILN_ADAMW_BF16_KAHAN: adamw_launch<KILN_ADAMW_BF16_KAHAN>(st, *p, *s, key); break;
-    case KILN_ADAMW_BF16_SR: adamw_launch<KILN_ADAMW_BF16_SR>(st, *p, *s, key); break;
-    default:
-        return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG, "adamw step: weight storage %d",
-                              p->weights_kind);
-    }
-    return tr_launched(be, "adamw step");
 }
 
 extern "C" kiln_status kiln_cuda_adamw_step_multi(kiln_backend *be,

@@ -7,9 +7,7 @@
  * per tensor, the per-tensor norms and the totals (sq, total, clip coefficient), fast mode's
  * norm plan and the multi-tensor step's tensor table and chunks (cuda_train.h), all uploaded
  * by prepare, so that a step, a norm or a clip uploads nothing. A step is one launch over every
- * tensor (kiln_cuda_adamw_step_multi), or, with the environment variable KILN_ADAMW_MULTI=0
- * (read at every step, for A/B checks), one launch per tensor (kiln_cuda_adamw_step); the two
- * give the same bits.
+ * tensor (kiln_cuda_adamw_step_multi).
  */
 #include "../adamw_op.h"
 
@@ -79,8 +77,8 @@ static size_t dev_layout(const kiln_adamw_table *tab, void *ws, dev_ws *w) {
     return tb + bb + nb + 64 + pb + cb + fb + sb + kb;
 }
 
-/* Tensor i as the CUDA step takes it, with decay as given. */
-static kiln_cuda_adamw_param dev_param(const kiln_adamw_table *tab, int i, int decay) {
+/* Tensor i as the multi-tensor step's table holds it (decay: its own flag). */
+static kiln_cuda_adamw_param dev_param(const kiln_adamw_table *tab, int i) {
     const kiln_adamw_tensor *s = &tab->t[i];
     kiln_cuda_adamw_param q;
     memset(&q, 0, sizeof q);
@@ -88,7 +86,7 @@ static kiln_cuda_adamw_param dev_param(const kiln_adamw_table *tab, int i, int d
     q.param_index = i;
     q.weights_kind = (int)tab->weights;
     q.q8 = tab->moments == KILN_ADAMW_MOMENTS_Q8;
-    q.decay = decay;
+    q.decay = s->decay;
     q.weights = s->weights;
     q.grad = s->grad;
     q.w16 = s->w16;
@@ -134,7 +132,7 @@ static kiln_status dev_upload_step_plan(kiln_backend *be, const kiln_adamw_table
     const int P = tab->P;
     kiln_cuda_adamw_param *t = kiln_calloc((size_t)P, sizeof *t);
     if (!t) return kiln_error(KILN_ERR_NOMEM, "adamw: out of memory");
-    for (int i = 0; i < P; i++) t[i] = dev_param(tab, i, tab->t[i].decay);
+    for (int i = 0; i < P; i++) t[i] = dev_param(tab, i);
     kiln_status st = kiln_backend_upload(be, w->step_table, t, (size_t)P * sizeof *t);
     if (st == KILN_OK) {
         const size_t cb = (size_t)w->n_step_chunks * sizeof(kiln_cuda_adamw_chunk);
@@ -213,12 +211,7 @@ kiln_status kiln_cuda_adamw_op_step(kiln_backend *be, const kiln_adamw_table *ta
                                     const kiln_adamw_scalars *s) {
     dev_ws w;
     dev_layout(tab, ws, &w);
-    if (!kiln_env_off("KILN_ADAMW_MULTI")) return kiln_cuda_adamw_step_multi(be, &w.step_plan, s);
-    for (int i = 0; i < tab->P; i++) {
-        const kiln_cuda_adamw_param q = dev_param(tab, i, tab->t[i].decay && s->use_wd);
-        KILN_TRY(kiln_cuda_adamw_step(be, &q, s));
-    }
-    return KILN_OK;
+    return kiln_cuda_adamw_step_multi(be, &w.step_plan, s);
 }
 
 kiln_status kiln_cuda_adamw_op_nonfinite(kiln_backend *be, const kiln_adamw_table *tab,

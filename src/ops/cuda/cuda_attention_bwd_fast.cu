@@ -26,8 +26,6 @@
 
 #include <limits.h>
 #include <math.h>
-#include <stdlib.h>
-#include <string.h>
 
 typedef __nv_bfloat16 bf16;
 
@@ -60,8 +58,6 @@ struct bw_args {
     const float *wsD, *wsL;        /* D, L [B][NH][Npad] (L: the forward's lse, or L_out) */
     float *L_out;                  /* where the statistics kernel writes L */
     float *dq, *dk, *dv;           /* dq (B*N, NH, HS); dk, dv or the GQA partials (B*T rows) */
-    bf16 *dsT;                     /* dS in bf16 (HS 64, two-pass): [B][NH][Tpad][Npad], keys x
-                                    * queries; only the tiles a dk/dv block visits are written */
     int N, n_past, NH, KVH, Npad, Tpad;
     float scale;
     /* the fused epilogue (kiln_cuda_attention_backward_fast_seqs16; dq16 NULL: none): the
@@ -133,9 +129,6 @@ static constexpr size_t dkv_smem() {
     return sizeof(bf16) * (size_t)(HS + BW_PAD) * (2 * BW_ROWS + 4 * BW_TILE(HS)) +
            sizeof(float) * 4 * BW_TILE(HS);
 }
-
-/* The dq-from-dS blocks (HS 64): 2 x (a dS^T tile of 64 keys x 64 queries, a k tile of 64 keys) */
-static constexpr size_t dq_ds_smem() { return sizeof(bf16) * (size_t)(64 + BW_PAD) * 4 * 64; }
 
 /* Kernel 1: L, the log-sum-exp of the scaled scores, for a block per (64-query tile, head)
  * (the longest rows first): online over the key tiles like the forward, f32. Rows past N
@@ -249,21 +242,6 @@ static __device__ __forceinline__ void dq_store(const bw_args &A, const float (&
             *reinterpret_cast<float2 *>(p + dt * 8) =
                 make_float2(acc[dt][2 * half] * A.scale, acc[dt][2 * half + 1] * A.scale);
     }
-}
-
-/* The two-pass dq block of query tile q0 reads key tiles 0..n-1 of dS^T (64 keys each): those
- * that see the tile and that a dk/dv block visited (wrote), i.e. the first query that sees
- * the key tile's first key lies in a query tile <= q0's; a key tile not visited is wholly
- * masked (zero). */
-static __device__ __forceinline__ int dq_visited_tiles(const bw_args &A, int q0) {
-    const int rows = A.N - q0 < BW_ROWS ? A.N - q0 : BW_ROWS;
-    int nkt = (A.n_past + q0 + rows + 63) / 64;
-    while (nkt > 0) {
-        const int k0 = (nkt - 1) * 64, first = k0 - A.n_past > 0 ? k0 - A.n_past : 0;
-        if (first / BW_ROWS * BW_ROWS <= q0) break;
-        nkt--;
-    }
-    return nkt;
 }
 
 /* A dq block's weights for the thread's entries of one key tile (keys k0 + 8 nt + 2 t and
@@ -474,11 +452,8 @@ static __device__ __forceinline__ void dkv_weights(float (&st)[QT / 8][4], float
 
 /* A dk/dv block: key tile kt for query head hl of sequence b. Keys key0 = k0 + 16 warp + g
  * and key1 = key0 + 8 (padding keys >= T are zeros, masked, and write nothing). Writes dk,
- * dv of kv head hl / G directly when G = 1, else this head's partials (T, NH, HS).
- * STORE_DS (HS 64, the two-pass backward): also writes dS^T, in bf16 as the dk product
- * rounds it, to A.dsT for the dq pass (dq_ds_block) instead of the dq blocks recomputing S
- * and dP. */
-template <int HS, bool KV_REGS, bool STORE_DS>
+ * dv of kv head hl / G directly when G = 1, else this head's partials (T, NH, HS). */
+template <int HS, bool KV_REGS>
 static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int hl, int b) {
     constexpr int QT = BW_TILE(HS), LD = HS + BW_PAD; /* KV_REGS: k, v fragments kept in
                                                          registers, else reloaded per tile */
@@ -574,7 +549,7 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
             }
         }
         /* P^T and dS^T (a tile with a query before one of the warp's keys, or padding
-         * queries, is masked); dS^T rounded to bf16 once, for the dk product and the store */
+         * queries, is masked); dS^T rounded to bf16 once, for the dk product */
         if (n_past + q0 < wlast || q0 + QT > N)
             dkv_weights<QT, true>(st, dpt, cL, cD, c, t, q0, n_past + q0, N, key0, key1);
         else
@@ -592,14 +567,6 @@ static __device__ __forceinline__ void dkv_block(const bw_args &A, int kt, int h
                                    dsp[2 * j + 1][1]};
             frag_times_rows<HS>(ak, a, cQ, LD, j * 16, lane);
         }
-        if (STORE_DS) { /* dS^T rows (this warp's keys) x the tile's queries, bf16 pairs */
-            bf16 *ds = A.dsT + ((int64_t)h * A.Tpad + k0 + warp * 16 + g) * A.Npad + q0 + 2 * t;
-#pragma unroll
-            for (int nt = 0; nt < QT / 8; nt++) {
-                *reinterpret_cast<uint32_t *>(ds + nt * 8) = dsp[nt][0];
-                *reinterpret_cast<uint32_t *>(ds + 8 * (int64_t)A.Npad + nt * 8) = dsp[nt][1];
-            }
-        }
         __syncthreads();
     }
 
@@ -616,95 +583,33 @@ template <int HS>
 static __global__ void __launch_bounds__(BW_THREADS) bwd_main_kernel(bw_args A, int nkt) {
     const int x = (int)blockIdx.x, h = (int)blockIdx.y, b = (int)blockIdx.z;
     if (x < nkt)
-        dkv_block<HS, HS == 64, false>(A, x, h, b);
+        dkv_block<HS, HS == 64>(A, x, h, b);
     else
         dq_block<HS>(A, (int)gridDim.x - 1 - x, h, b);
 }
 
-/* The two-pass backward (HS 64). Pass 1: the dk/dv blocks alone (x = key tile, the ones
- * that see the most queries first), each also writing its dS^T tiles. */
-static __global__ void __launch_bounds__(BW_THREADS) bwd_dkv_ds_kernel(bw_args A) {
-    dkv_block<64, true, true>(A, (int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z);
-}
-
-/* Pass 2: a dq block per (64-query tile, head, sequence), the longest first: dq = scale *
- * sum over the key tiles that see it of dS k, one product per tile (dS^T tiles and k tiles
- * double-buffered with cp.async; A = dS through ldmatrix.trans of the k-major dS^T). A key
- * tile the dk/dv block did not visit is wholly masked (zero) and skipped. */
-static __global__ void __launch_bounds__(BW_THREADS) bwd_dq_ds_kernel(bw_args A) {
-    constexpr int HS = 64, KT = 64, LD = HS + BW_PAD, LDS = 64 + BW_PAD;
-    extern __shared__ __align__(16) unsigned char bw_sm[];
-    bf16 *sS = reinterpret_cast<bf16 *>(bw_sm); /* 2 x (KT keys, LDS): dS^T */
-    bf16 *sK = sS + 2 * KT * LDS;               /* 2 x (KT, LD) */
-    const int qt = (int)(gridDim.x - 1 - blockIdx.x), hl = (int)blockIdx.y, b = (int)blockIdx.z;
-    const int h = b * A.NH + hl, kvh = b * A.KVH + hl / (A.NH / A.KVH);
-    const int q0 = qt * BW_ROWS;
-    const int nkt = dq_visited_tiles(A, q0);
-    const bf16 *kh = A.kb + (int64_t)kvh * A.Tpad * HS;
-    const bf16 *dsh = A.dsT + (int64_t)h * A.Tpad * A.Npad + q0;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    auto copy_tile = [&](int kt, int buf) {
-        bf16 *d = sS + buf * KT * LDS;
-        const bf16 *src = dsh + (int64_t)kt * KT * A.Npad;
-#pragma unroll
-        for (int i = 0; i < KT * 8 / BW_THREADS; i++) { /* 64 rows x 8 chunks of 16 bytes */
-            const int idx = (int)threadIdx.x + i * BW_THREADS, r = idx >> 3, c = (idx & 7) * 8;
-            cp_async16(d + r * LDS + c, src + (int64_t)r * A.Npad + c);
-        }
-        cp_tile<HS, KT, BW_THREADS>(sK + buf * KT * LD, LD, kh + (int64_t)kt * KT * HS);
-    };
-    float acc[HS / 8][4];
-#pragma unroll
-    for (int dt = 0; dt < HS / 8; dt++) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
-    if (nkt > 0) copy_tile(0, 0);
-    cp_async_commit();
-    for (int j = 0; j < nkt; j++) {
-        const int buf = j & 1;
-        if (j + 1 < nkt) {
-            copy_tile(j + 1, buf ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        const bf16 *cS = sS + buf * KT * LDS, *cK = sK + buf * KT * LD;
-#pragma unroll
-        for (int ks = 0; ks < KT / 16; ks++) {
-            uint32_t a[4];
-            ldsm_at(a, cS, LDS, ks * 16, warp * 16, lane);
-            frag_times_rows<HS>(acc, a, cK, LD, ks * 16, lane);
-        }
-        __syncthreads();
-    }
-    dq_store<HS>(A, acc, q0, hl, b);
-}
-
-/* ==== the two passes on Hopper's warpgroup products (sm_90a; cuda_wgmma.cuh) ================
- * The same blocks, grids, tiles, arithmetic and outputs as bwd_dkv_ds_kernel and
- * bwd_dq_ds_kernel, with the products on wgmma m64n64k16 instead of mma.sync: the block's
- * four warps are one warpgroup, its 64 rows the product's M, and each warp's accumulator
- * entries are the m16n8 C fragments the mma.sync kernels hold (cuda_wgmma.cuh), so
- * dkv_weights, the dS^T stores and the dk, dv, dq stores are shared. Tiles are SW128 (64 bf16
- * a row, 128-byte swizzle) and every B operand, and in the dq pass A too, is read by the
- * product straight from shared memory (no ldmatrix): k, v, q, dout and dS^T tiles are each
- * K-major for one product and MN-major for another. Only the f32 sums inside a product may
- * group differently from mma.sync, so the results are within the fast bound, not the
- * mma.sync kernels' bits (deterministic all the same). */
+/* ==== the one launch on Hopper's warpgroup products (sm_90a; cuda_wgmma.cuh) ================
+ * The same blocks, grid, tiles, arithmetic and outputs as bwd_main_kernel<64>, with the
+ * products on wgmma m64n64k16 instead of mma.sync: the block's four warps are one warpgroup,
+ * its 64 rows the product's M, and each warp's accumulator entries are the m16n8 C fragments
+ * the mma.sync kernels hold (cuda_wgmma.cuh), so the weights (dkv_probs, dq_probs, ...) and
+ * the dk, dv, dq stores are shared. Tiles are SW128 (64 bf16 a row, 128-byte swizzle) and
+ * every B operand is read by the product straight from shared memory (no ldmatrix): k, v, q
+ * and dout tiles are each K-major for one product and MN-major for another. Only the f32 sums
+ * inside a product may group differently from mma.sync, so the results are within the fast
+ * bound, not the mma.sync kernels' bits (deterministic all the same). */
 #define WG_TILE 4096 /* bf16 of a 64 x 64 SW128 tile (8 KiB) */
 
 static constexpr size_t dkv_wg_smem() {
     return sizeof(bf16) * 6 * WG_TILE + sizeof(float) * 4 * 64 + KILN_SW128_ALIGN;
 }
-static constexpr size_t dq_wg_smem() { return sizeof(bf16) * 4 * WG_TILE + KILN_SW128_ALIGN; }
 static_assert(dkv_wg_smem() >= sizeof(bf16) * 6 * WG_TILE + KILN_SW128_ALIGN,
               "the one-launch kernel's dq blocks (6 tiles) fit the dk/dv blocks' shared memory");
 
-/* Pass 1 (dkv_block<64, true, true>'s work): per query tile, S^T = k q^T and dP^T = v dout^T
+/* A dk/dv block (dkv_block<64, true>'s work): per query tile, S^T = k q^T and dP^T = v dout^T
  * (A = the k, v tiles, B = the q, dout tiles, all K-major), then dv += P^T dout and dk +=
  * dS^T q (A = P^T, dS^T from registers as bf16, B = the dout, q tiles read MN-major). */
 #if KILN_WGMMA_DEVICE
-template <bool STORE_DS>
 static __device__ __forceinline__ void dkv_wgmma_block(const bw_args &A, int kt, int hl, int b) {
     constexpr int HS = 64, QT = 64;
     extern __shared__ __align__(16) unsigned char bw_sm[];
@@ -795,14 +700,6 @@ static __device__ __forceinline__ void dkv_wgmma_block(const bw_args &A, int kt,
             wgmma_rs<1>(&ak[0][0], a, dQ + SW128_KSTEP_MN * j, 1);
         }
         wgmma_commit();
-        if (STORE_DS) { /* dS^T rows (this warp's keys) x the tile's queries, under dk's product */
-            bf16 *ds = A.dsT + ((int64_t)h * A.Tpad + k0 + warp * 16 + g) * A.Npad + q0 + 2 * t;
-#pragma unroll
-            for (int nt = 0; nt < QT / 8; nt++) {
-                *reinterpret_cast<uint32_t *>(ds + nt * 8) = dsp[nt][0];
-                *reinterpret_cast<uint32_t *>(ds + 8 * (int64_t)A.Npad + nt * 8) = dsp[nt][1];
-            }
-        }
         wgmma_wait<0>();
         wgmma_fence_operands(&av[0][0]);
         wgmma_fence_operands(&ak[0][0]);
@@ -811,11 +708,11 @@ static __device__ __forceinline__ void dkv_wgmma_block(const bw_args &A, int kt,
     dkv_store<HS>(A, ak, av, hl, b, G, T, key0, key1, t);
 }
 
-/* A dq block recomputing S and dP (dq_block's work, the one-launch backward): per key tile,
- * S = q k^T and dP = dout v^T (A = the q, dout tiles, B = the k, v tiles, all K-major), P
- * computed while dP's product runs, then dq += dS k (A = dS from registers, B = the k tile
- * read MN-major). */
-template <bool PIPE>
+/* A dq block recomputing S and dP (dq_block's work): per key tile, S = q k^T and dP =
+ * dout v^T (A = the q, dout tiles, B = the k, v tiles, all K-major), P computed while dP's
+ * product runs, then dq += dS k (A = dS from registers, B = the k tile read MN-major). The
+ * walk is pipelined: the next key tile's S and dP are issued before waiting for this tile's
+ * dq product, so they run under its tail and the barrier. */
 static __device__ __forceinline__ void dq_wgmma_block(const bw_args &A, int qt, int hl, int b) {
     constexpr int HS = 64, KT = 64;
     extern __shared__ __align__(16) unsigned char bw_sm[];
@@ -839,10 +736,8 @@ static __device__ __forceinline__ void dq_wgmma_block(const bw_args &A, int qt, 
     cp_tile_sw128<BW_ROWS, BW_THREADS>(sO, A.ob + (hrow + q0) * HS, HS);
     copy_keys(0, 0);
     cp_async_commit();
-    if (PIPE) { /* the pipelined walk keeps two key tiles in flight from the start */
-        if (nkt > 1) copy_keys(1, 1);
-        cp_async_commit();
-    }
+    if (nkt > 1) copy_keys(1, 1); /* two key tiles in flight from the start */
+    cp_async_commit();
     const float D0 = A.wsD[hrow + r0], D1 = A.wsD[hrow + r1];
     const float nL0 = -A.wsL[hrow + r0] * KILN_LOG2E, nL1 = -A.wsL[hrow + r1] * KILN_LOG2E;
     const float c = A.scale * KILN_LOG2E;
@@ -892,139 +787,58 @@ static __device__ __forceinline__ void dq_wgmma_block(const bw_args &A, int qt, 
         wgmma_commit();
     };
 
-    if (!PIPE) {
-        for (int j = 0; j < nkt; j++) {
-            const int buf = j & 1;
-            tile_walk_step(j, nkt, copy_keys);
-            issue_scores(buf);
-            finish_tile(j, buf);
-            wgmma_wait<0>();
-            wgmma_fence_operands(&acc[0][0]);
-            __syncthreads();
-        }
-    } else { /* as the dk/dv blocks: the next tile's S and dP under this tile's dq product */
-        if (nkt > 0) {
-            cp_async_wait<1>(); /* q, dout and key tile 0 */
+    if (nkt > 0) {
+        cp_async_wait<1>(); /* q, dout and key tile 0 */
+        wgmma_proxy_fence();
+        __syncthreads();
+        issue_scores(0);
+    }
+    for (int j = 0; j < nkt; j++) {
+        const int buf = j & 1;
+        finish_tile(j, buf);
+        if (j + 1 < nkt) { /* the next tile's S and dP under this tile's dq product */
+            cp_async_wait<0>(); /* key tile j + 1 */
             wgmma_proxy_fence();
             __syncthreads();
-            issue_scores(0);
+            issue_scores(buf ^ 1);
+            wgmma_wait<2>(); /* dq's product of tile j */
+        } else {
+            wgmma_wait<0>();
+            /* only here: an operand fence while products are in flight makes ptxas
+             * serialize every wgmma of the kernel (C7515) */
+            wgmma_fence_operands(&acc[0][0]);
         }
-        for (int j = 0; j < nkt; j++) {
-            const int buf = j & 1;
-            finish_tile(j, buf);
-            if (j + 1 < nkt) {
-                cp_async_wait<0>(); /* key tile j + 1 */
-                wgmma_proxy_fence();
-                __syncthreads();
-                issue_scores(buf ^ 1);
-                wgmma_wait<2>(); /* dq's product of tile j */
-            } else {
-                wgmma_wait<0>();
-                /* only here: an operand fence while products are in flight makes ptxas
-                 * serialize every wgmma of the kernel (C7515) */
-                wgmma_fence_operands(&acc[0][0]);
-            }
-            __syncthreads(); /* every warp is done with buf: key tile j + 2 may land there */
-            if (j + 2 < nkt) {
-                copy_keys(j + 2, buf);
-                cp_async_commit();
-            }
+        __syncthreads(); /* every warp is done with buf: key tile j + 2 may land there */
+        if (j + 2 < nkt) {
+            copy_keys(j + 2, buf);
+            cp_async_commit();
         }
     }
     dq_store<HS>(A, acc, q0, hl, b);
 }
 #endif /* KILN_WGMMA_DEVICE */
 
-static __global__ void __launch_bounds__(BW_THREADS) bwd_dkv_ds_wgmma_kernel(bw_args A) {
-#if KILN_WGMMA_DEVICE
-    dkv_wgmma_block<true>(A, (int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z);
-#else
-    (void)A;
-    __trap(); /* launched only where kiln_cuda_wgmma_usable: the sm_90a code */
-#endif
-}
-
-/* The one-launch backward on wgmma (bwd_main_kernel's split: x < nkt dk/dv blocks without
- * the dS^T store, the rest dq blocks recomputing S and dP, longest first). PIPE (the default;
- * KILN_ATTN_BWD_PIPE=0 the plain walk): the dq blocks issue the next key tile's S and dP
- * products before waiting for this tile's dq product, so they run under its tail and the
- * barrier; the same products of the same values in the same order, so the same bits (H200:
- * 0.344 -> 0.331 ms for the 0.5B shape's B 4 x 2048, 0.430 -> 0.412 for the 135M shape's
- * B 8). The dk/dv blocks keep the plain walk: pipelined too (the next S^T under the dk
- * product; dP^T could not be issued early, nor the two kinds inlined into one kernel,
- * without ptxas serializing every wgmma: C7515), as noinline functions, the backward was
- * slower (0.343 -> 0.410 ms: 210 registers, the arguments copied to the stack). */
-template <bool PIPE>
+/* The backward on wgmma (bwd_main_kernel's split: x < nkt dk/dv blocks, the rest dq blocks
+ * recomputing S and dP, longest first). The dq blocks' pipelined walk has a plain walk's bits
+ * (the same products of the same values in the same order) and took the backward 0.344 ->
+ * 0.331 ms for the 0.5B shape's B 4 x 2048, 0.430 -> 0.412 for the 135M shape's B 8 on the
+ * H200 (bench/RESULTS.md, 2026-12-02, d571da7). The dk/dv blocks keep the plain walk:
+ * pipelined too (the next S^T under the dk product; dP^T could not be issued early, nor the
+ * two kinds inlined into one kernel, without ptxas serializing every wgmma: C7515), as
+ * noinline functions, the backward was slower (0.343 -> 0.410 ms: 210 registers, the
+ * arguments copied to the stack). */
 static __global__ void __launch_bounds__(BW_THREADS) bwd_main_wgmma_kernel(bw_args A, int nkt) {
 #if KILN_WGMMA_DEVICE
     const int x = (int)blockIdx.x, h = (int)blockIdx.y, b = (int)blockIdx.z;
     if (x < nkt)
-        dkv_wgmma_block<false>(A, x, h, b);
+        dkv_wgmma_block(A, x, h, b);
     else
-        dq_wgmma_block<PIPE>(A, (int)gridDim.x - 1 - x, h, b);
+        dq_wgmma_block(A, (int)gridDim.x - 1 - x, h, b);
 #else
     (void)A;
     (void)nkt;
     __trap();
 #endif
-}
-
-/* Pass 2 (bwd_dq_ds_kernel's work): dq += dS k per key tile, A = dS read MN-major from the
- * dS^T tile (keys x queries), B = the k tile read MN-major. */
-static __global__ void __launch_bounds__(BW_THREADS) bwd_dq_ds_wgmma_kernel(bw_args A) {
-#if KILN_WGMMA_DEVICE
-    constexpr int HS = 64, KT = 64;
-    extern __shared__ __align__(16) unsigned char bw_sm[];
-    bf16 *sS = sw128_tiles(bw_sm), *sK = sS + 2 * WG_TILE; /* 2 tiles each */
-    const int qt = (int)(gridDim.x - 1 - blockIdx.x), hl = (int)blockIdx.y, b = (int)blockIdx.z;
-    const int h = b * A.NH + hl, kvh = b * A.KVH + hl / (A.NH / A.KVH);
-    const int q0 = qt * BW_ROWS;
-    const int nkt = dq_visited_tiles(A, q0);
-    const bf16 *kh = A.kb + (int64_t)kvh * A.Tpad * HS;
-    const bf16 *dsh = A.dsT + (int64_t)h * A.Tpad * A.Npad + q0;
-    auto copy_tile = [&](int kt, int buf) {
-        cp_tile_sw128<KT, BW_THREADS>(sS + buf * WG_TILE, dsh + (int64_t)kt * KT * A.Npad, A.Npad);
-        cp_tile_sw128<KT, BW_THREADS>(sK + buf * WG_TILE, kh + (int64_t)kt * KT * HS, HS);
-    };
-    float acc[HS / 8][4];
-#pragma unroll
-    for (int dt = 0; dt < HS / 8; dt++) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
-    if (nkt > 0) copy_tile(0, 0);
-    cp_async_commit();
-    for (int j = 0; j < nkt; j++) {
-        const int buf = j & 1;
-        tile_walk_step(j, nkt, copy_tile);
-        const uint64_t dS = sw128_desc(sS + buf * WG_TILE), dK = sw128_desc(sK + buf * WG_TILE);
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < KT / 16; ks++)
-            wgmma_ss<1, 1>(&acc[0][0], dS + SW128_KSTEP_MN * ks, dK + SW128_KSTEP_MN * ks, 1);
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operands(&acc[0][0]);
-        __syncthreads();
-    }
-    dq_store<HS>(A, acc, q0, hl, b);
-#else
-    (void)A;
-    __trap();
-#endif
-}
-
-/* Whether the backward takes the two passes (HS 64 only, with KILN_ATTN_BWD=two-pass) rather
- * than the one launch whose dq blocks recompute S and dP (the default since session 8: on
- * the H200 it is the faster form both on wgmma, 0.125 vs 0.151 ms for the 135M shape, and on
- * mma.sync, 0.145 vs 0.163 ms). Read per call: the tests switch it. */
-static bool two_pass(int HS) {
-    if (HS != 64) return false;
-    const char *e = getenv("KILN_ATTN_BWD");
-    return e && strcmp(e, "two-pass") == 0;
-}
-
-/* Whether the one-launch wgmma backward walks its tiles pipelined (KILN_ATTN_BWD_PIPE=0: the
- * plain walk, for the test's comparison and A/B timing). Read per call. */
-static bool bwd_pipelined(void) {
-    return !kiln_env_off("KILN_ATTN_BWD_PIPE");
 }
 
 /* Kernel 3 (G > 1): dk[key][j][d] = pk[key][jG][d] + pk[key][jG+1][d] + ... in head order,
@@ -1149,9 +963,10 @@ static __global__ void bwd_reduce16_kernel(bw_args A, float *__restrict__ dk,
  * each thread here first copies its 2 GC float4 of dk's partials into shared memory by
  * cp.async (its own slots: no barrier), all in flight at once, adds them in order from there,
  * then the same for dv. Each element: the same additions in the same order, the same rotation
- * and rounding (reduce16_store), so the same bits (KILN_ATTN_REDUCE_X4=0:
- * bwd_reduce16_kernel). WIDE: dk16, dv16 stored 8 bytes at a time (where they and ld16 allow;
- * 23.0 -> 19.9 us a 0.5B layer with them, 24.2 with 4-byte stores). */
+ * and rounding (reduce16_store), so bwd_reduce16_kernel's bits; that kernel is kept for G > 8
+ * and partials off 16-byte alignment. WIDE: dk16, dv16 stored 8 bytes at a time (where they
+ * and ld16 allow; 23.0 -> 19.9 us a 0.5B layer with them, 24.2 with 4-byte stores:
+ * bench/RESULTS.md, 2026-12-02, 75eedd8 and 456d69a). */
 #define RED_X4_THREADS 128
 template <int HS, int GC, bool WIDE>
 static __global__ void __launch_bounds__(RED_X4_THREADS)
@@ -1203,14 +1018,6 @@ size_t kiln_cuda_attention_backward_fast_ws(int N, int n_past, int NH, int KVH, 
     return kiln_attention_backward_fast_ws_floats(N, n_past, NH, KVH, HS);
 }
 
-size_t kiln_cuda_attention_backward_fast_ws_two_pass(int N, int n_past, int NH, int KVH, int HS) {
-    const size_t w = kiln_attention_backward_fast_ws_floats(N, n_past, NH, KVH, HS);
-    if (w == 0 || HS != 64) return w;
-    const size_t Npad = (size_t)kiln_cuda_attn_pack_rows(N);
-    const size_t Tpad = (size_t)kiln_cuda_attn_pack_rows(n_past + N);
-    return w + (size_t)NH * Npad * Tpad / 2 + 4; /* dS^T in bf16, 16-byte aligned */
-}
-
 bool kiln_cuda_attention_backward_fast_ok(const float *dq, const float *dk, const float *dv,
                                           const float *dout, const float *q, const float *k,
                                           const float *v, const void *out, int N, int n_past,
@@ -1224,30 +1031,18 @@ bool kiln_cuda_attention_backward_fast_ok(const float *dq, const float *dk, cons
 }
 
 template <int HS>
-static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stats, bool room_ds,
-                              float *dk, float *dv, float *pk, float *pv) {
+static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stats, float *dk,
+                              float *dv, float *pk, float *pv) {
     constexpr size_t smem = dq_smem<HS>() > dkv_smem<HS>() ? dq_smem<HS>() : dkv_smem<HS>();
-    /* HS 64 with room for dS^T: dk/dv with dS stored, then dq from it */
-    const bool two = room_ds && two_pass(HS);
-    /* HS 64 on an sm_90a device: either form on wgmma */
+    /* HS 64 on an sm_90a device: the wgmma kernel */
     const bool wg = HS == 64 && kiln_cuda_wgmma_usable(s);
     /* dynamic shared memory above 48 KiB (per device, so on every call: a host-side µs) */
     cudaError_t e = cudaFuncSetAttribute(bwd_stats_kernel<HS>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)stats_smem<HS>());
-    if (e == cudaSuccess && two && !wg)
-        e = cudaFuncSetAttribute(bwd_dkv_ds_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)dkv_smem<64>());
-    if (e == cudaSuccess && wg && two)
-        e = cudaFuncSetAttribute(bwd_dkv_ds_wgmma_kernel,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dkv_wg_smem());
-    const bool pipe = bwd_pipelined();
-    if (e == cudaSuccess && wg && !two) /* dkv_wg_smem: the larger of its two kinds of blocks */
-        e = cudaFuncSetAttribute(pipe ? bwd_main_wgmma_kernel<true> : bwd_main_wgmma_kernel<false>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dkv_wg_smem());
-    if (e == cudaSuccess && two)
-        e = cudaFuncSetAttribute(bwd_dq_ds_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)dq_ds_smem());
+    if (e == cudaSuccess && wg) /* dkv_wg_smem: the larger of its two kinds of blocks */
+        e = cudaFuncSetAttribute(bwd_main_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)dkv_wg_smem());
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(bwd_main_kernel<HS>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -1266,24 +1061,9 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
         e = cudaGetLastError();
         if (e != cudaSuccess) return e;
     }
-    if (wg && !two) {
+    if (wg) {
         const dim3 grid((unsigned)(nqt + nkt), (unsigned)A.NH, (unsigned)B);
-        if (pipe)
-            bwd_main_wgmma_kernel<true><<<grid, BW_THREADS, dkv_wg_smem(), s>>>(A, nkt);
-        else
-            bwd_main_wgmma_kernel<false><<<grid, BW_THREADS, dkv_wg_smem(), s>>>(A, nkt);
-    } else if (wg) {
-        bwd_dkv_ds_wgmma_kernel<<<dim3((unsigned)nkt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
-                                  dkv_wg_smem(), s>>>(A);
-        if ((e = cudaGetLastError()) != cudaSuccess) return e;
-        bwd_dq_ds_wgmma_kernel<<<dim3((unsigned)nqt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
-                                 dq_wg_smem(), s>>>(A);
-    } else if (two) {
-        bwd_dkv_ds_kernel<<<dim3((unsigned)nkt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
-                            dkv_smem<64>(), s>>>(A);
-        if ((e = cudaGetLastError()) != cudaSuccess) return e;
-        bwd_dq_ds_kernel<<<dim3((unsigned)nqt, (unsigned)A.NH, (unsigned)B), BW_THREADS,
-                           dq_ds_smem(), s>>>(A);
+        bwd_main_wgmma_kernel<<<grid, BW_THREADS, dkv_wg_smem(), s>>>(A, nkt);
     } else {
         bwd_main_kernel<HS><<<dim3((unsigned)(nqt + nkt), (unsigned)A.NH, (unsigned)B), BW_THREADS,
                               smem, s>>>(A, nkt);
@@ -1295,7 +1075,7 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
         int64_t blocks = (total / 4 + 255) / 256;
         if (blocks > 65535) blocks = 65535;
         const int G = A.NH / A.KVH;
-        const bool x4 = G >= 2 && G <= 8 && !kiln_env_off("KILN_ATTN_REDUCE_X4") &&
+        const bool x4 = G >= 2 && G <= 8 &&
                         (((uintptr_t)pk | (uintptr_t)pv) % 16 == 0); /* float4 cp.async */
         if (!x4) {
             bwd_reduce16_kernel<64><<<(unsigned)blocks, 256, 0, s>>>(A, dk, dv, pk, pv, total / 4);
@@ -1340,14 +1120,12 @@ static cudaError_t bwd_launch(cudaStream_t s, const bw_args &A, int B, bool stat
  * v are not read). Arguments checked by the callers. The workspace (B x
  * kiln_attention_backward_fast_ws_floats for one sequence): D, L [B][NH][Npad]; the GQA
  * partials pk, pv (B*T, NH, HS); then the bf16 q, dout [B][NH][Npad][HS], k, v
- * [B][KVH][Tpad][HS] (q, k, v unused with keep); then, only when room_ds (the workspace
- * holds B x kiln_cuda_attention_backward_fast_ws_two_pass), the two passes' dS^T in bf16
- * [B][NH][Tpad][Npad]. */
+ * [B][KVH][Tpad][HS] (q, k, v unused with keep). */
 static cudaError_t bwd_run(cudaStream_t s, float *dq, float *dk, float *dv, const float *dout,
                            const float *q, const float *k, const float *v, const float *out,
                            const uint16_t *out16, const float *lse, const void *keep, float *ws,
                            int B, int N, int n_past, int NH, int KVH, int HS, float scale,
-                           bool room_ds, const kiln_attn_grad16 *g16) {
+                           const kiln_attn_grad16 *g16) {
     const int T = n_past + N;
     const int Npad = kiln_cuda_attn_pack_rows(N), Tpad = kiln_cuda_attn_pack_rows(T);
     const size_t nq = (size_t)B * NH * Npad; /* rows of [B][NH][Npad] */
@@ -1379,10 +1157,6 @@ static cudaError_t bwd_run(cudaStream_t s, float *dq, float *dk, float *dv, cons
     }
     bf16 *qb = reinterpret_cast<bf16 *>(after), *ob = qb + nq * HS;
     bf16 *kb = ob + nq * HS, *vb = kb + (size_t)B * KVH * Tpad * HS;
-    /* dS^T after v, 16-byte aligned (used only with room_ds: the two-pass size counts 4 floats
-     * for the alignment) */
-    const uintptr_t se = (uintptr_t)(vb + (size_t)B * KVH * Tpad * HS);
-    A.dsT = reinterpret_cast<bf16 *>((se + 15) & ~(uintptr_t)15);
     A.ob = ob;
     A.dq = dq;
     A.dk = pk;
@@ -1408,8 +1182,8 @@ static cudaError_t bwd_run(cudaStream_t s, float *dq, float *dk, float *dv, cons
         e = kiln_cuda_attn_pack_heads(s, jobs, 4, HS);
     }
     if (e != cudaSuccess) return e;
-    if (HS == 64) return bwd_launch<64>(s, A, B, lse == NULL, room_ds, dk, dv, pk, pv);
-    return bwd_launch<128>(s, A, B, lse == NULL, false, dk, dv, pk, pv);
+    if (HS == 64) return bwd_launch<64>(s, A, B, lse == NULL, dk, dv, pk, pv);
+    return bwd_launch<128>(s, A, B, lse == NULL, dk, dv, pk, pv);
 }
 
 cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *dk, float *dv,
@@ -1422,10 +1196,8 @@ cudaError_t kiln_cuda_attention_backward_fast(cudaStream_t s, float *dq, float *
         !ws || ws_floats < kiln_cuda_attention_backward_fast_ws(N, n_past, NH, KVH, HS) ||
         ((uintptr_t)ws & 15) != 0)
         return cudaErrorInvalidValue;
-    const bool room_ds =
-        ws_floats >= kiln_cuda_attention_backward_fast_ws_two_pass(N, n_past, NH, KVH, HS);
     return bwd_run(s, dq, dk, dv, dout, q, k, v, out, NULL, NULL, NULL, ws, 1, N, n_past, NH, KVH,
-                   HS, scale, room_ds, NULL);
+                   HS, scale, NULL);
 }
 
 bool kiln_cuda_attention_grad16_ok(const kiln_attn_grad16 *g, int NH, int KVH, int HS) {
@@ -1475,8 +1247,6 @@ cudaError_t kiln_cuda_attention_backward_fast_seqs16(cudaStream_t s, float *dq, 
     } else if (!kiln_cuda_attn_saves_lse(o, q, k, v, N, HS)) {
         lse = NULL; /* a saved lse only where the forward's flash kernel wrote it */
     }
-    const bool room_ds =
-        ws_floats / (size_t)B >= kiln_cuda_attention_backward_fast_ws_two_pass(N, 0, NH, KVH, HS);
     return bwd_run(s, dq, dk, dv, dout, q, k, v, out, out16, lse, keep, ws, B, N, 0, NH, KVH, HS,
-                   scale, room_ds, g16);
+                   scale, g16);
 }

@@ -18,10 +18,11 @@
  *        (NH > KVH) each query head writes its own partial dk, dv to the workspace;
  *   3. reduce (GQA only): dk, dv of kv head j = the partials of heads jG..jG+G-1 added in
  *      increasing head order.
- * Head size 64 has two more forms: KILN_ATTN_BWD=two-pass runs the dk/dv blocks alone, storing
- * dS^T in bf16, then dq blocks that take one product a tile from it; and on an sm_90a device
- * (cuda_wgmma.h: kiln_cuda_wgmma_usable) both forms run on wgmma instead of mma.sync, with
- * the same blocks, arithmetic and outputs. The one launch is the default everywhere.
+ * On an sm_90a device (cuda_wgmma.h: kiln_cuda_wgmma_usable) head size 64 runs the main
+ * kernel on wgmma instead of mma.sync, with the same blocks, arithmetic and outputs. (A
+ * two-pass form, the dk/dv blocks storing dS^T in bf16 for dq blocks that take one product a
+ * tile from it, was slower on the H200: 0.151 against 0.125 ms on wgmma, 0.163 against 0.145
+ * on mma.sync; bench/RESULTS.md, 2026-12-01, 1f4a80a.)
  * Products run on mma.sync m16n8k16 bf16 -> f32: q, k, v and dout are rounded to bf16 as
  * they are staged; P and dS are rounded to bf16 before the products that take them; the
  * softmax statistics, D and every accumulator are f32 (exp: __expf). The error against the
@@ -39,11 +40,8 @@
 
 /* Floats of workspace the fast backward needs (ops.h kiln_attention_backward_fast_ws_floats:
  * D and L, with GQA the partial dk and dv of every query head, the bf16 copies of q, dout, k,
- * v). _two_pass: what the two-pass form (HS 64, KILN_ATTN_BWD=two-pass) needs on top of it,
- * dS^T in bf16 (NH Tpad Npad / 2 floats, + 4 to align it); with a smaller workspace the call
- * runs the one launch whatever the environment says. */
+ * v). */
 size_t kiln_cuda_attention_backward_fast_ws(int N, int n_past, int NH, int KVH, int HS);
-size_t kiln_cuda_attention_backward_fast_ws_two_pass(int N, int n_past, int NH, int KVH, int HS);
 
 /* Whether the fast kernels take this call (head size, alignment, sizes). out is only checked
  * for 16-byte alignment: the f32 out, or the bf16 out16 of

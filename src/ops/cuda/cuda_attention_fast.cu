@@ -780,9 +780,11 @@ static __global__ void pack_heads_kernel(pack_jobs jobs) {
     }
 }
 
-/* HS 64 with 16-byte loads: a half-warp per (row, head), 4 consecutive elements a lane (a
- * float4 of src, of out, of each rope table), two items a half-warp with every load issued
- * before the arithmetic. The same bits as pack_heads_kernel<64>:
+/* HS 64 with 16-byte loads, where every job's pointers are 16-byte aligned (else
+ * pack_heads_kernel<64>): a half-warp per (row, head), 4 consecutive elements a lane (a float4
+ * of src, of out, of each rope table), two items a half-warp with every load issued before the
+ * arithmetic; 59.1 -> 39.7 us for the 135M shape's forward packing at 8 x 2048 rows on the
+ * H200 (bench/RESULTS.md, 2026-12-01, 027e066). The same bits as pack_heads_kernel<64>:
  *   - RoPE: lane l < 8 holds elements 4l..4l+3 (< HS/2) and lane l + 8 their partners, fetched
  *     by one shuffle; each element takes kiln_rope_pair as there;
  *   - D: pack_heads_kernel<64>'s lane L sums its two elements (2L, 2L+1) by fmaf from 0, then
@@ -891,8 +893,7 @@ cudaError_t kiln_cuda_attn_pack_heads(cudaStream_t s, const kiln_cuda_attn_pack_
         if (J.B > B) B = J.B;
     }
     if (warps == 0) return cudaSuccess;
-    /* KILN_PACK_VEC=0: the one-warp kernel (A/B checks) */
-    if (HS == 64 && pack64_vec_ok(pj, n) && !kiln_env_off("KILN_PACK_VEC")) {
+    if (HS == 64 && pack64_vec_ok(pj, n)) {
         const int64_t halves = (warps + PACK64_ITEMS - 1) / PACK64_ITEMS; /* warps = items */
         const int64_t vblocks = (halves * 16 + 255) / 256;
         if (vblocks > INT_MAX) return cudaErrorInvalidConfiguration;
@@ -1155,13 +1156,17 @@ flash_bf16_kernel(Out *__restrict__ out, float *__restrict__ lse,
  * K-major) and O += P V from P's registers and the v tile (MN-major); tiles are SW128, no
  * ldmatrix. The block's 4 warps are one warpgroup whose accumulator entries are the mma.sync
  * kernel's C fragments, so only the grouping of the f32 sums inside a product may differ.
- * A sliding window (window > 0) as in flash_bf16_kernel. */
+ * A sliding window (window > 0) as in flash_bf16_kernel. The walk is pipelined: two key tiles
+ * in flight from the start, and the next tile's S issued under this tile's P V product; the
+ * same products of the same values in the same order as a plain walk (issue S, wait, P V,
+ * wait), so the same bits, 0.125 -> 0.119 ms at the 0.5B shape's B 4 x 2048 on the H200
+ * (bench/RESULTS.md, 2026-12-02, d571da7). */
 #define FL_WG_TILE 4096 /* bf16 of a 64 x 64 SW128 tile */
 static constexpr size_t flash_wgmma_smem() {
     return sizeof(__nv_bfloat16) * 5 * FL_WG_TILE + KILN_SW128_ALIGN;
 }
 
-template <typename Out, bool PIPE>
+template <typename Out>
 static __global__ void __launch_bounds__(FL_THREADS)
 flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
                    const __nv_bfloat16 *__restrict__ qb, const __nv_bfloat16 *__restrict__ kb,
@@ -1196,10 +1201,8 @@ flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
     cp_tile_sw128<FL_BM, FL_THREADS>(sQ, qb + (hq * Npad + q0) * HS, HS);
     copy_keys(0, 0);
     cp_async_commit();
-    if (PIPE) { /* the pipelined walk keeps two key tiles in flight from the start */
-        if (nkt > 1) copy_keys(1, 1);
-        cp_async_commit();
-    }
+    if (nkt > 1) copy_keys(1, 1); /* two key tiles in flight from the start */
+    cp_async_commit();
 
     float o[HS / 8][4], sc[FL_BN / 8][4];
 #pragma unroll
@@ -1224,7 +1227,7 @@ flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
             wgmma_ss<0, 0>(&sc[0][0], dQ + SW128_KSTEP_K * kk, dK + SW128_KSTEP_K * kk, kk > 0);
         wgmma_commit();
     };
-    if (PIPE && nkt > 0) {
+    if (nkt > 0) {
         cp_async_wait<1>(); /* q and key tile 0 (tile 1 may still be in flight) */
         wgmma_proxy_fence();
         __syncthreads();
@@ -1233,12 +1236,8 @@ flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
     for (int j = 0; j < nkt; j++) {
         const int k0 = kfirst + j * FL_BN, buf = j & 1;
         const bool mask = flash_tile_masked(k0, wfirst, T, window);
-        if (!PIPE) {
-            tile_walk_step(j, nkt, copy_keys);
-            issue_s(buf);
-        }
         const uint64_t dV = sw128_desc(sV + buf * FL_WG_TILE);
-        wgmma_wait<0>(); /* S (pipelined: issued a tile ago, under the previous P V) */
+        wgmma_wait<0>(); /* S (issued a tile ago, under the previous P V) */
         wgmma_fence_operands(&sc[0][0]);
 
         uint32_t pp[FL_BN / 8][2];
@@ -1252,8 +1251,8 @@ flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
             wgmma_rs<1>(&o[0][0], a, dV + SW128_KSTEP_MN * jj, 1);
         }
         wgmma_commit();
-        if (PIPE && j + 1 < nkt) { /* the next tile's S under this P V (no operand fence here:
-                                    * one between the waits made ptxas serialize, C7515) */
+        if (j + 1 < nkt) { /* the next tile's S under this P V (no operand fence here: one
+                            * between the waits made ptxas serialize, C7515) */
             cp_async_wait<0>(); /* key tile j + 1, copied into buf ^ 1 a tile ago */
             wgmma_proxy_fence();
             __syncthreads();
@@ -1264,7 +1263,7 @@ flash_wgmma_kernel(Out *__restrict__ out, float *__restrict__ lse,
             wgmma_fence_operands(&o[0][0]);
         }
         __syncthreads(); /* every warp is done with this buffer before it is refilled */
-        if (PIPE && j + 2 < nkt) {
+        if (j + 2 < nkt) {
             copy_keys(j + 2, buf);
             cp_async_commit();
         }
@@ -1296,11 +1295,7 @@ static cudaError_t flash_attributes() {
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)flash_smem<64>());
     if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(flash_wgmma_kernel<Out, true>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)flash_wgmma_smem());
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(flash_wgmma_kernel<Out, false>,
+        e = cudaFuncSetAttribute(flash_wgmma_kernel<Out>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)flash_wgmma_smem());
     if (e == cudaSuccess)
@@ -1521,19 +1516,11 @@ static cudaError_t flash_launch(kiln_cuda_attn *a, cudaStream_t s, float *out, u
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((N + FL_BM - 1) / FL_BM), (unsigned)NH, (unsigned)B);
     if (HS == 64 && kiln_cuda_wgmma_usable(s)) { /* sm_90a */
-        /* KILN_ATTN_FWD_PIPE=0: the plain walk (the same bits; for the test and A/B) */
-        const bool pipe = !kiln_env_off("KILN_ATTN_FWD_PIPE");
-        if (out16 && pipe)
-            flash_wgmma_kernel<uint16_t, true><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
+        if (out16)
+            flash_wgmma_kernel<uint16_t><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
                 out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale, window);
-        else if (out16)
-            flash_wgmma_kernel<uint16_t, false><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
-                out16, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale, window);
-        else if (pipe)
-            flash_wgmma_kernel<float, true><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
-                out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale, window);
         else
-            flash_wgmma_kernel<float, false><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
+            flash_wgmma_kernel<float><<<grid, FL_THREADS, flash_wgmma_smem(), s>>>(
                 out, lse, qb, kb, vb, N, n_past, NH, KVH, Npad, Tpad, scale, window);
     } else if (HS == 64 && out16)
         flash_bf16_kernel<64, uint16_t><<<grid, FL_THREADS, flash_smem<64>(), s>>>(

@@ -907,7 +907,8 @@ static void cu_attention_backward_seqs(kiln_backend *be, float *dq, float *dk, f
 }
 
 /* ops.h's attention_backward_seqs16: the fast kernels with the epilogue in their stores when
- * they take the call, else the calls it stands for (the same bits either way). */
+ * they take the call, else the calls it stands for (the same bits either way; the fused
+ * epilogue took the 135M shape's training step +1.9%: bench/RESULTS.md, 2026-12-02, d571da7). */
 static void cu_attention_backward_seqs16(kiln_backend *be, float *dq, float *dk, float *dv,
                                          const kiln_attn_grad16 *g, const float *dout,
                                          const float *q, const float *k, const float *v,
@@ -922,8 +923,7 @@ static void cu_attention_backward_seqs16(kiln_backend *be, float *dq, float *dk,
     }
     const void *o = out16 ? (const void *)out16 : (const void *)out;
     const int64_t T = (int64_t)B * N;
-    /* KILN_ATTN_GRAD16=0: the separate calls (for A/B timing) */
-    if (c->fast && B <= 65535 && !kiln_env_off("KILN_ATTN_GRAD16") &&
+    if (c->fast && B <= 65535 &&
         kiln_cuda_attention_backward_fast_ok(dq, dk, dv, dout, q, k, v, o, N, 0, NH, KVH, HS) &&
         kiln_cuda_attention_grad16_ok(g, NH, KVH, HS)) {
         kiln_attn_grad16 gd = *g;

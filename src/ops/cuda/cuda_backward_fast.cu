@@ -489,50 +489,38 @@ rmsnorm_bwd_fast_warp_kernel(float *dx, uint16_t *__restrict__ dx16, const float
 
 /* The rows with dw in one pass (C4 in (16, 256]: a warp a row, V slots a lane): the warp
  * kernel above for dx and rstd, and, while the row is in registers, the column sums of dw in
- * chunks of their own: block k takes rows [k rc, (k+1) rc) (rc = rb_dw_rows_per_chunk(N, rows):
- * rb_dw_cfg's rows, more only past RB_DW_MAX_CHUNKS chunks), its warp j the rows k rc + j + 8i, i
- * ascending, with acc = fma((double)dy, (double)f32(x * r), acc) per column (the column sums'
- * MODE 2 product: b = x, s = rstd). Each lane's sums live in shared memory, its own 4 x V
- * doubles per warp (registers would cap the kernel at one block an SM); the 8 warps then meet
- * in lane8_tree's order (v[j] + v[j+4], v[j] + v[j+2], v[j] + v[j+1]) and block k writes
- * part[k * C + c]; the combine is col_sum_combine_kernel's. The order depends on (N, C) only.
+ * chunks of their own: block k takes rows [k rc, (k+1) rc) (rc = rb_dw_rows_per_chunk(N,
+ * rb_dw_rows(N)): 16 or 32, more only past RB_DW_MAX_CHUNKS chunks), its warp j the rows
+ * k rc + j + 8i, i ascending, with acc = fma((double)dy, (double)f32(x * r), acc) per column
+ * (the column sums' MODE 2 product: b = x, s = rstd). Each lane's sums live in shared memory,
+ * its own 4 x V doubles per warp (registers would cap the kernel at one block an SM); the 8
+ * warps then meet in lane8_tree's order (v[j] + v[j+4], v[j] + v[j+2], v[j] + v[j+1]) and
+ * block k writes part[k * C + c]; the combine is col_sum_combine_kernel's. The order depends
+ * on (N, C) only.
  * It is not kiln_cuda_col_sum_fast's order (whose chunks are 4-8 times longer and whose
  * grid, a block per chunk, would leave most SMs idle here): the products are exact in double
  * and the sums round only past 2^53, so dw rarely differs from the two kernels' in its last
  * bit (test_cuda_colsum_fast counts it). dx, dx16 and rstd are the two kernels' bits. dy is
  * kept apart from g = dy * w (g recomputed from both where needed: the same product). */
-#define RB_DW_ROWS 16          /* rows a chunk at least: 2 a warp (more: rb_dw_cfg) */
+#define RB_DW_ROWS 16          /* rows a chunk at least: 2 a warp (more: rb_dw_rows) */
 #define RB_DW_MAX_CHUNKS 1024  /* bounds the scratch and the combine's chains */
 
-/* rows: the chunk's rows before the RB_DW_MAX_CHUNKS bound (RB_DW_ROWS, or rb_dw_cfg's) */
+/* rows: the chunk's rows before the RB_DW_MAX_CHUNKS bound (rb_dw_rows(N); RB_DW_ROWS for the
+ * scratch's bound) */
 static int64_t rb_dw_rows_per_chunk(int N, int rows) {
     const int64_t need = ((int64_t)N + RB_DW_MAX_CHUNKS - 1) / RB_DW_MAX_CHUNKS;
     if (need <= rows) return rows;
     return (need + RB_WARPS - 1) / RB_WARPS * RB_WARPS;
 }
 
-/* The one-pass kernel's form for N rows: ptxas's own register choice (minb 1), and 32 rows a
- * chunk where that still makes at least 256 chunks, else RB_DW_ROWS (so the order depends on
- * (N, C) only). At N 8192 the 256 chunks are about one wave of two blocks an SM of an H200
- * where 512 were 1.94: session 17's test_cuda_colsum_fast, 56.4 -> 50.6 us at N 8192 x C 896
- * (the 0.5B shape), 71.4 -> 70.6 us at N 16384 x C 576 (135M).
- * KILN_RB_DW_CFG="minb,rows" (for experiments; read at each call) sets both: minb 3 caps the
- * kernel for three blocks an SM (85 registers; at C 896 it spills), rows is a multiple of
- * RB_WARPS and at least RB_DW_ROWS (never more chunks, so never more scratch, than
- * kiln_cuda_rmsnorm_backward_fast_scratch_len's RB_DW_ROWS). dx, dx16 and rstd keep their bits
- * whatever the form; dw keeps them for the same rows a chunk, else it may differ in a rare
- * last bit (the same exact products summed in other chunks). */
-static void rb_dw_cfg(int N, int *minb, int *rows) {
-    *minb = 1;
-    *rows = N / 32 >= 256 ? 32 : RB_DW_ROWS;
-    const char *e = getenv("KILN_RB_DW_CFG");
-    int a = 0, b = 0;
-    if (e && sscanf(e, "%d,%d", &a, &b) == 2 && (a == 1 || a == 3) && b >= RB_DW_ROWS &&
-        b % RB_WARPS == 0 && b <= 256) {
-        *minb = a;
-        *rows = b;
-    }
-}
+/* The one-pass kernel's rows a chunk for N rows: 32 where that still makes at least 256
+ * chunks, else RB_DW_ROWS (so the order depends on (N, C) only). At N 8192 the 256 chunks are
+ * about one wave of two blocks an SM of an H200 where 512 were 1.94: test_cuda_colsum_fast,
+ * 56.4 -> 50.6 us at N 8192 x C 896 (the 0.5B shape), 71.4 -> 70.6 us at N 16384 x C 576
+ * (135M); the kernel capped for three blocks an SM and 24 rows a chunk were slower at the
+ * 0.5B shape (bench/RESULTS.md, 2026-12-02, 9bb4328). Never more chunks, so never more
+ * scratch, than kiln_cuda_rmsnorm_backward_fast_scratch_len's RB_DW_ROWS. */
+static int rb_dw_rows(int N) { return N / 32 >= 256 ? 32 : RB_DW_ROWS; }
 
 /* g = dy * w of slot sj (rb_load_slot's product; w NULL or sj past the row: dy itself) */
 template <bool VEC>
@@ -544,11 +532,11 @@ static __device__ __forceinline__ float4 rb_g(float4 yv, const float *w, int sj,
 }
 
 template <int V, bool VEC>
-static __device__ __forceinline__ void
-rmsnorm_bwd_dw_fast_body(float *dx, uint16_t *__restrict__ dx16, const float *dy,
-                         const float *__restrict__ x, const float *__restrict__ w, int N, int C,
-                         float eps, float *__restrict__ rstd, bool accumulate,
-                         double *__restrict__ part, int64_t rc) {
+static __global__ void __launch_bounds__(RB_THREADS)
+rmsnorm_bwd_dw_fast_kernel(float *dx, uint16_t *__restrict__ dx16, const float *dy,
+                           const float *__restrict__ x, const float *__restrict__ w, int N, int C,
+                           float eps, float *__restrict__ rstd, bool accumulate,
+                           double *__restrict__ part, int64_t rc) {
     /* (RB_WARPS, V, 4, 32) doubles: warp j's sum of column 4 (t + 32 k) + q at
      * [j][k][q][t], so the 32 lanes of a warp touch 32 consecutive doubles */
     extern __shared__ double sums[];
@@ -620,22 +608,6 @@ rmsnorm_bwd_dw_fast_body(float *dx, uint16_t *__restrict__ dx16, const float *dy
                 if (c < C) part[(int64_t)blockIdx.x * C + c] = mine[(k * 4 + q) * 32 + t];
             }
 }
-
-/* The one-pass kernel: ptxas's own register choice, or (fast3) capped for three blocks an SM
- * (rb_dw_cfg's minb 3). The same body, so the same arithmetic. */
-#define RB_DW_ARGS                                                                            \
-    float *dx, uint16_t *__restrict__ dx16, const float *dy, const float *__restrict__ x,     \
-        const float *__restrict__ w, int N, int C, float eps, float *__restrict__ rstd,       \
-        bool accumulate, double *__restrict__ part, int64_t rc
-template <int V, bool VEC>
-static __global__ void __launch_bounds__(RB_THREADS) rmsnorm_bwd_dw_fast_kernel(RB_DW_ARGS) {
-    rmsnorm_bwd_dw_fast_body<V, VEC>(dx, dx16, dy, x, w, N, C, eps, rstd, accumulate, part, rc);
-}
-template <int V, bool VEC>
-static __global__ void __launch_bounds__(RB_THREADS, 3) rmsnorm_bwd_dw_fast3_kernel(RB_DW_ARGS) {
-    rmsnorm_bwd_dw_fast_body<V, VEC>(dx, dx16, dy, x, w, N, C, eps, rstd, accumulate, part, rc);
-}
-#undef RB_DW_ARGS
 
 /* The fast forward (kiln_cuda_rmsnorm_fast_bf16): the same rows, lanes, slots and chains as
  * the backward above for the sum of squares (so its r has the backward's bits for the same
@@ -884,38 +856,29 @@ static cudaError_t rmsnorm_bwd_rows_fast(cudaStream_t s, float *dx, uint16_t *dx
 }
 
 /* Whether the rows with dw run as one pass (rmsnorm_bwd_dw_fast_kernel): a warp a row
- * (16 < C4 <= 256), unless KILN_RB_FUSED_DW=0 (the two kernels, for comparisons: the same dx,
- * dx16 and rstd, dw in the column sums' order). */
-static bool rb_dw_fusable(int C) {
+ * (16 < C4 <= 256); else the rows kernel and kiln_cuda_col_sum_fast (the same dx, dx16 and
+ * rstd, dw in the column sums' order). The one pass was 62.7 -> 56.6 us at C 896 and 79.7 ->
+ * 72.0 us at C 576 against the two kernels (bench/RESULTS.md, 2026-12-01, 4f795ca). */
+static bool rb_dw_fused(int C) {
     const int C4 = (int)(((int64_t)C + 3) / 4);
     return C4 > 16 && C4 <= RB_WARP_MAX_C4;
 }
-static bool rb_dw_fused(int C) {
-    const char *e = getenv("KILN_RB_FUSED_DW");
-    return rb_dw_fusable(C) && !(e && e[0] == '0');
-}
 
-/* Either path's scratch (not KILN_RB_FUSED_DW's choice: a caller's buffer suits both). */
+/* The larger of either path's scratch. */
 size_t kiln_cuda_rmsnorm_backward_fast_scratch_len(int N, int C) {
     const size_t two = kiln_cuda_col_sum_fast_scratch_len(N, C);
-    if (N <= 0 || C <= 0 || !rb_dw_fusable(C)) return two;
+    if (N <= 0 || C <= 0 || !rb_dw_fused(C)) return two;
     const int64_t rc = rb_dw_rows_per_chunk(N, RB_DW_ROWS), K = ((int64_t)N + rc - 1) / rc;
     const size_t one = (size_t)K * (size_t)C;
     return one > two ? one : two;
 }
 
-/* minb 3: the kernel capped for three blocks an SM (at most 85 registers a thread); else
- * ptxas's own choice */
 template <int V>
 static void rb_dw_launch(cudaStream_t s, bool vec, unsigned K, float *dx, uint16_t *dx16,
                          const float *dy, const float *x, const float *w, int N, int C, float eps,
-                         float *rstd, bool acc, double *part, int64_t rc, int minb) {
+                         float *rstd, bool acc, double *part, int64_t rc) {
     const size_t smem = (size_t)RB_WARPS * V * 128 * sizeof(double); /* 8 KiB x V */
     auto kt = rmsnorm_bwd_dw_fast_kernel<V, true>, kf = rmsnorm_bwd_dw_fast_kernel<V, false>;
-    if (minb == 3) {
-        kt = rmsnorm_bwd_dw_fast3_kernel<V, true>;
-        kf = rmsnorm_bwd_dw_fast3_kernel<V, false>;
-    }
     if (smem > 48 * 1024) {
         (void)cudaFuncSetAttribute(kt, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         (void)cudaFuncSetAttribute(kf, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -929,9 +892,7 @@ static cudaError_t rmsnorm_bwd_dw_fused(cudaStream_t s, float *dx, uint16_t *dx1
                                         const float *dy, const float *x, const float *w, int N,
                                         int C, float eps, float *rstd, bool acc,
                                         double *scratch) {
-    int minb, rows;
-    rb_dw_cfg(N, &minb, &rows);
-    const int64_t rc = rb_dw_rows_per_chunk(N, rows);
+    const int64_t rc = rb_dw_rows_per_chunk(N, rb_dw_rows(N));
     const int64_t K = ((int64_t)N + rc - 1) / rc;
     if (K > RB_DW_MAX_CHUNKS) return cudaErrorInvalidConfiguration;
     const bool vec = C % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)dy % 16 == 0 &&
@@ -940,7 +901,7 @@ static cudaError_t rmsnorm_bwd_dw_fused(cudaStream_t s, float *dx, uint16_t *dx1
     const int C4 = (int)(((int64_t)C + 3) / 4);
     const unsigned k = (unsigned)K;
 #define RB_DW(V) \
-    rb_dw_launch<V>(s, vec, k, dx, dx16, dy, x, w, N, C, eps, rstd, acc, scratch, rc, minb)
+    rb_dw_launch<V>(s, vec, k, dx, dx16, dy, x, w, N, C, eps, rstd, acc, scratch, rc)
     switch ((C4 + 31) / 32) {
     case 1: RB_DW(1); break;
     case 2: RB_DW(2); break;

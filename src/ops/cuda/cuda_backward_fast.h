@@ -172,10 +172,10 @@ cudaError_t kiln_cuda_col_sum_fast_multi(cudaStream_t s, int n, float *const *ou
  * Then, when dw and w are both given, dw(C) += sum over rows of dy * f32(x * rstd), each
  * product in double and exact, summed in double in a fixed order that depends on (N, C) only,
  * rounded to f32 once when added to dw. For 64 < C <= 1024 that happens in the same pass over
- * the rows (chunks of 16 rows, their partials made while the row is in registers, then
- * kiln_cuda_col_sum_fast's combine; dy and x read once); otherwise, or with
- * KILN_RB_FUSED_DW=0, by kiln_cuda_col_sum_fast with this function's rstd. The two orders
- * give the same dw but in rare last bits (the double sums round only past 2^53 of range).
+ * the rows (chunks of 16 or 32 rows, their partials made while the row is in registers, then
+ * kiln_cuda_col_sum_fast's combine; dy and x read once); otherwise by kiln_cuda_col_sum_fast
+ * with this function's rstd. The two orders give the same dw but in rare last bits (the
+ * double sums round only past 2^53 of range).
  * scratch: scratch_len >= kiln_cuda_rmsnorm_backward_fast_scratch_len(N, C) doubles of
  * device memory. dx may be dy only when dw is skipped (dw reads dy after dx is written, as on
  * the CPU). dx16: NULL, or also the bf16 rounding (kiln_bf16_rne) of every dx value written

@@ -609,7 +609,8 @@ static __device__ __forceinline__ uint2 ce_grad_slot(float4 x, int64_t j, int64_
                       (uint32_t)b[2] | ((uint32_t)b[3] << 16));
 }
 
-/* One row of a row block (the op's ce_rows_bf16): z(R, ldz) f32 holds the block's whole
+/* One row of a row block (the op's ce_rows_bf16) with f32 logits where the clusters below do
+ * not take them (V above 409,600, or 2^28 rows or more): z(R, ldz) f32 holds the block's whole
  * logits (columns [0, V), ldz % 8 == 0, 16-byte aligned rows); one block of CE_FAST_THREADS
  * threads per row (rows grid-strided) makes the row's statistics and then its gradient, which
  * it writes in bf16 IN PLACE, as g(R, 2 ldz): row i's bf16 values start at row i's own f32
@@ -892,7 +893,7 @@ static __device__ __forceinline__ void ce_slice_range(int rank, int64_t per, int
 }
 
 /* One cluster a row (grid: R clusters); the slice is loaded by the statistics' walk itself.
- * KILN_CE_ROWS_PIPE=0 (for comparisons) or where rows_pipe_kernel's two slices do not fit. */
+ * Where rows_pipe_kernel's two slices a block do not fit. */
 template <class Slot>
 static __global__ void __cluster_dims__(CE_CL, 1, 1) __launch_bounds__(CE_CL_THREADS,
                                                                        Slot::MIN_BLOCKS)
@@ -927,18 +928,18 @@ rows_cluster_kernel(typename Slot::elem *z, int64_t ldz, int64_t Rs, int64_t V, 
  * row (ce_row_finish, PERSIST). A cluster's row is a chain of waits: the slice's loads, the
  * block's merge, the cluster barrier, the cluster's merge, the gradient; rows_cluster_kernel
  * moved about 2.5 TB/s. Loading one row ahead alone took 519 -> 501 us a block of 2048 rows
- * at V 151,936 (H200, session 18), so the loads were not the chain's long part; the merge's
- * remote reads in one round trip and one barrier fewer a row shorten the rest. Two slices a
- * block (NBUF 2, the default) or three (NBUF 3, `KILN_CE_ROWS_PIPE=3`: two rows ahead, where
- * two such blocks fit an SM; not yet measured): each thread copies its own slice slots by
+ * at V 151,936 (H200), so the loads were not the chain's long part; the merge's remote reads
+ * in one round trip and one barrier fewer a row shorten the rest (447 us: bench/RESULTS.md,
+ * 2026-12-02, 75eedd8; three slices a block, two rows ahead, were no faster: 456d69a). Two
+ * slices a block, this row's and the next's: each thread copies its own slice slots by
  * cp.async (16 bytes each, through L2), so no barrier guards the buffers (a thread's slots
  * are its own; see ce_slice_stats). */
-template <class Slot, int NBUF>
+template <class Slot>
 static __global__ void __cluster_dims__(CE_CL, 1, 1) __launch_bounds__(CE_CL_THREADS, 2)
 rows_pipe_kernel(typename Slot::elem *z, int64_t ldz, int64_t R, int64_t Rs, int64_t V,
                  int64_t per, const int32_t *__restrict__ tgt, float *__restrict__ m,
                  float *__restrict__ l, float *__restrict__ zt, float gs) {
-    static_assert(NBUF == 2 || NBUF == 3, "one or two rows ahead");
+    constexpr int NBUF = 2; /* slices a block: one row ahead */
     typedef typename Slot::raw raw;
     extern __shared__ uint4 slice_mem[];
     raw *slices = reinterpret_cast<raw *>(slice_mem); /* NBUF x per slots */
@@ -979,19 +980,6 @@ rows_pipe_kernel(typename Slot::elem *z, int64_t ldz, int64_t R, int64_t Rs, int
     cg::this_cluster().sync(); /* the last row's pairs stay until every block has read them */
 }
 
-/* KILN_CE_ROWS_CLUSTER=0 keeps rows_fast_kernel (for comparisons; read on every call). */
-static bool ce_rows_cluster_wanted(void) {
-    const char *e = getenv("KILN_CE_ROWS_CLUSTER");
-    return !(e && e[0] == '0');
-}
-
-/* KILN_CE_ROWS_PIPE: 0 keeps rows_cluster_kernel (one cluster a row), 3 asks for three slices
- * a block, else two (all the same bits); read on every call. */
-static int ce_rows_pipe_bufs(void) {
-    const char *e = getenv("KILN_CE_ROWS_PIPE");
-    return e && e[0] == '0' ? 0 : e && e[0] == '3' ? 3 : 2;
-}
-
 /* Lets kernel ask for smem bytes of dynamic shared memory (over the default 48 KiB). */
 template <class K>
 static bool ce_smem_attr(kiln_backend *be, K kernel, size_t smem) {
@@ -1002,10 +990,10 @@ static bool ce_smem_attr(kiln_backend *be, K kernel, size_t smem) {
                            "fused_ce row block (fast): shared memory");
 }
 
-/* How many clusters of rows_pipe_kernel<Slot, NBUF> with smem bytes of slices a block the
- * current device runs at once (0: none, or the query failed: the caller keeps
- * rows_cluster_kernel). Asked once per (device, smem) and remembered. */
-template <class Slot, int NBUF>
+/* How many clusters of rows_pipe_kernel<Slot> with smem bytes of slices a block the current
+ * device runs at once (0: none, or the query failed: the caller keeps rows_cluster_kernel).
+ * Asked once per (device, smem) and remembered. */
+template <class Slot>
 static int ce_rows_pipe_clusters(size_t smem) {
     static std::atomic<long long> memo{-1}; /* device << 40 | smem << 8 | clusters (< 256) */
     int dev = 0;
@@ -1024,9 +1012,9 @@ static int ce_rows_pipe_clusters(size_t smem) {
     if (cudaDeviceGetAttribute(&maxsm, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
             cudaSuccess ||
         smem > (size_t)maxsm ||
-        cudaFuncSetAttribute(rows_pipe_kernel<Slot, NBUF>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess ||
-        cudaOccupancyMaxActiveClusters(&n, rows_pipe_kernel<Slot, NBUF>, &cfg) != cudaSuccess) {
+        cudaFuncSetAttribute(rows_pipe_kernel<Slot>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&n, rows_pipe_kernel<Slot>, &cfg) != cudaSuccess) {
         (void)cudaGetLastError(); /* not an error of the stream: the other kernel runs instead */
         n = 0;
     }
@@ -1036,27 +1024,19 @@ static int ce_rows_pipe_clusters(size_t smem) {
 }
 
 /* The rows in clusters of CE_CL blocks, slices of per slots: rows_pipe_kernel's persistent
- * clusters where two slices a block fit (three with KILN_CE_ROWS_PIPE=3 where that keeps as
- * many clusters at once), else one cluster a row. */
+ * clusters where two slices a block fit, else one cluster a row (rows_cluster_kernel: 12.06
+ * against 11.44 ms for the loss at the 0.5B head, bench/RESULTS.md, 2026-12-02, 75eedd8). */
 template <class Slot>
 static kiln_status ce_rows_cluster_launch(kiln_backend *be, typename Slot::elem *z, int64_t ldz,
                                           int64_t R, int64_t Rs, int64_t V, int64_t per,
                                           const int32_t *tgt, float *m, float *l, float *zt,
                                           float gs) {
     const size_t smem = (size_t)per * sizeof(typename Slot::raw);
-    const int bufs = ce_rows_pipe_bufs();
-    const int nc = bufs > 0 ? ce_rows_pipe_clusters<Slot, 2>(2 * smem) : 0;
-    const int nc3 = bufs == 3 && nc > 0 ? ce_rows_pipe_clusters<Slot, 3>(3 * smem) : 0;
+    const int nc = ce_rows_pipe_clusters<Slot>(2 * smem);
     if (nc > 0) {
         const int64_t grid = (R < nc ? R : nc) * CE_CL;
-        if (nc3 >= nc)
-            rows_pipe_kernel<Slot, 3><<<(unsigned)grid, CE_CL_THREADS, 3 * smem,
-                                        kiln_cuda_stream(be)>>>(z, ldz, R, Rs, V, per, tgt, m,
-                                                                l, zt, gs);
-        else
-            rows_pipe_kernel<Slot, 2><<<(unsigned)grid, CE_CL_THREADS, 2 * smem,
-                                        kiln_cuda_stream(be)>>>(z, ldz, R, Rs, V, per, tgt, m,
-                                                                l, zt, gs);
+        rows_pipe_kernel<Slot><<<(unsigned)grid, CE_CL_THREADS, 2 * smem, kiln_cuda_stream(be)>>>(
+            z, ldz, R, Rs, V, per, tgt, m, l, zt, gs);
         return ce_launched(be, "fused_ce row block (fast, persistent clusters)");
     }
     if (!ce_smem_attr(be, rows_cluster_kernel<Slot>, smem)) return kiln_backend_status(be);
@@ -1087,7 +1067,7 @@ extern "C" kiln_status kiln_cuda_ce_rows_fast(kiln_backend *be, void *z, int64_t
                                                     l, zt, gs);
     }
     const int64_t slots = (V + 3) / 4, per = (slots + CE_CL - 1) / CE_CL;
-    if (per <= CE_CL_MAX_SLOTS && clusters_fit && ce_rows_cluster_wanted())
+    if (per <= CE_CL_MAX_SLOTS && clusters_fit)
         return ce_rows_cluster_launch<ce_slot_f32>(be, (float *)z, ldz, R, Rs, V, per, tgt, m, l,
                                                    zt, gs);
     const unsigned blocks = (unsigned)(R < (1 << 20) ? R : (1 << 20));

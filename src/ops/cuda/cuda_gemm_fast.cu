@@ -369,15 +369,6 @@ static bool key_equal(const gemm_key *a, const gemm_key *b) {
            a->d_bf16 == b->d_bf16 && a->align_c == b->align_c;
 }
 
-/* KILN_GEMM_HEUR_SKIP=k (a diagnostic, read when a plan is made): pass over the heuristic's
- * first k usable results (the last usable one when there are fewer), to see in a profile
- * what the next algorithms cost and whether they ask for the memsets the first ones do. */
-static int heur_skip(void) {
-    const char *e = getenv("KILN_GEMM_HEUR_SKIP");
-    const int k = e ? atoi(e) : 0;
-    return k < 0 ? 0 : k > 7 ? 7 : k;
-}
-
 /* KILN_GEMM_LOG=1 (a diagnostic): a line a plan on stderr, each result's workspace and the
  * pick. Session 17 found with it that every candidate of the products cuBLASLt precedes with a
  * memset asks for a 4-byte workspace (presumably the counter it zeroes): no pick avoids them. */
@@ -387,9 +378,10 @@ static bool heur_log(void) {
 }
 
 /* Ask the heuristic (best first) for problem p under preference pref; take the first result
- * that succeeded and fits the workspace (or, with KILN_GEMM_HEUR_SKIP, a later one). false (no
- * message) when there is none; a failing call other than "not supported" sets the message and
- * *failed. */
+ * that succeeded and fits the workspace (the heuristic's second for every product made the
+ * 0.5B training step's profile 125.3 -> 127.4 ms: more memsets and a slower split-K head
+ * product; bench/RESULTS.md, 2026-12-02, 9bb4328). false (no message) when there is none; a
+ * failing call other than "not supported" sets the message and *failed. */
 static bool heuristic_pick(kiln_cuda_gemm *g, gemm_plan *p, cublasLtMatmulPreference_t pref,
                            bool *failed) {
     cublasLtMatmulHeuristicResult_t res[8];
@@ -402,11 +394,11 @@ static bool heuristic_pick(kiln_cuda_gemm *g, gemm_plan *p, cublasLtMatmulPrefer
         *failed = true;
         return false;
     }
-    int skip = heur_skip(), last = -1;
+    int pick = -1;
     for (int i = 0; i < n && i < 8; i++)
         if (res[i].state == CUBLAS_STATUS_SUCCESS && res[i].workspaceSize <= GEMM_WORKSPACE_BYTES) {
-            last = i;
-            if (skip-- == 0) break;
+            pick = i;
+            break;
         }
     if (heur_log()) {
         const gemm_key *k = &p->key;
@@ -415,12 +407,12 @@ static bool heuristic_pick(kiln_cuda_gemm *g, gemm_plan *p, cublasLtMatmulPrefer
                 (long long)k->m, (long long)k->n, (long long)k->k, (long long)k->op_a,
                 (long long)k->op_b, k->d_bf16 ? "bf16" : "f32", (long long)k->align_bias);
         for (int i = 0; i < n && i < 8; i++)
-            fprintf(stderr, " %zu%s%s", res[i].workspaceSize, i == last ? "*" : "",
+            fprintf(stderr, " %zu%s%s", res[i].workspaceSize, i == pick ? "*" : "",
                     res[i].state == CUBLAS_STATUS_SUCCESS ? "" : "(failed)");
         fprintf(stderr, "\n");
     }
-    if (last < 0) return false;
-    p->algo = res[last].algo;
+    if (pick < 0) return false;
+    p->algo = res[pick].algo;
     return true;
 }
 

@@ -50,9 +50,10 @@ kiln_status kiln_cuda_train_memset(kiln_backend *be, void *p, int byte, size_t n
 
 /* ---- AdamW (cuda_adamw.cu; driven by cuda_adamw_op.c) ------------------------------------- */
 
-/* One parameter's device arrays for a step (adamw_op.h's kiln_adamw_tensor). weights_kind is a
- * kiln_adamw_weights value, q8 whether the moments are 8-bit blocks (mq, vq, ms, vs) rather
- * than f32 (m, v). decay: weight decay applies (already and-ed with weight_decay != 0). */
+/* One parameter's device arrays for a step (adamw_op.h's kiln_adamw_tensor), an entry of the
+ * multi-tensor step's table. weights_kind is a kiln_adamw_weights value, q8 whether the moments
+ * are 8-bit blocks (mq, vq, ms, vs) rather than f32 (m, v). decay: weight decay applies
+ * (already and-ed with weight_decay != 0). */
 typedef struct kiln_cuda_adamw_param {
     int64_t n;
     int param_index;     /* the stochastic rounding key's parameter */
@@ -70,12 +71,6 @@ typedef struct kiln_cuda_adamw_param {
     uint16_t *w16;       /* (n) F32 only, or NULL: bf16 (RNE) of the updated weights */
 } kiln_cuda_adamw_param;
 
-/* One AdamW update of the parameter (cpu_adamw.c's update_range / step_task on every element;
- * 8-bit moments: one thread block per block of 256). One launch per call: the per-tensor
- * path, which kiln_cuda_adamw_step_multi must match bit for bit. */
-kiln_status kiln_cuda_adamw_step(kiln_backend *be, const kiln_cuda_adamw_param *p,
-                                 const kiln_adamw_scalars *s);
-
 /* The multi-tensor step: every parameter of an optimizer in one launch.
  *
  * The parameters are cut into chunks of KILN_CUDA_ADAMW_CHUNK elements (the last one of each
@@ -88,10 +83,10 @@ typedef struct kiln_cuda_adamw_chunk {
     int32_t param, index;
 } kiln_cuda_adamw_chunk;
 
-/* An optimizer's tensor table: table[p] = parameter p's arrays as kiln_cuda_adamw_step takes
- * them (every entry complete: the arrays its weights_kind and q8 need), with two differences:
- * every entry has the plan's weights_kind and q8, and decay is the parameter's own flag --
- * the kernel ands it with s->use_wd, so the table holds nothing that changes per step.
+/* An optimizer's tensor table: table[p] = parameter p's arrays (every entry complete: the
+ * arrays its weights_kind and q8 need); every entry has the plan's weights_kind and q8, and
+ * decay is the parameter's own flag -- the kernel ands it with s->use_wd, so the table holds
+ * nothing that changes per step.
  * table and chunk are device memory the caller owns, built on the host (the chunks by
  * kiln_cuda_adamw_chunks) and uploaded when the optimizer is created, again only when an
  * entry changes (a restored decay flag); the plan struct itself is host memory. */
@@ -117,15 +112,15 @@ static inline int64_t kiln_cuda_adamw_chunks(const kiln_cuda_adamw_param *table,
     return c;
 }
 
-/* One AdamW update of every parameter of the plan: the elements, and their bits, of
- * kiln_cuda_adamw_step on each entry in turn (decay and-ed with s->use_wd; stochastic
- * rounding keyed by mix64(s->sr_key + param_index) per entry, as there), in one launch whatever
- * the number of parameters, no allocation and no host synchronisation (it can be captured in
- * a CUDA graph; the scalars are kernel arguments). f32 moments: one block of 256 threads per
- * chunk, each thread taking 4 consecutive elements at a time -- one 16-byte load per array
- * when the entry's arrays are aligned for it (f32 arrays 16 bytes, bf16 ones 8), else element
- * by element; the per-element operations are the same either way. 8-bit moments: one block
- * per 8-bit block, as kiln_cuda_adamw_step. Nothing is checked on the device: the entries
+/* One AdamW update of every parameter of the plan: cpu_adamw.c's update_range / step_task on
+ * every element of each entry, with its bits (decay and-ed with s->use_wd; stochastic
+ * rounding keyed by mix64(s->sr_key + param_index) per entry, as on the CPU), in one launch
+ * whatever the number of parameters, no allocation and no host synchronisation (it can be
+ * captured in a CUDA graph; the scalars are kernel arguments). f32 moments: one block of 256
+ * threads per chunk, each thread taking 4 consecutive elements at a time -- one 16-byte load
+ * per array when the entry's arrays are aligned for it (f32 arrays 16 bytes, bf16 ones 8),
+ * else element by element; the per-element operations are the same either way. 8-bit
+ * moments: one warp per 8-bit block of 256. Nothing is checked on the device: the entries
  * must be valid. */
 kiln_status kiln_cuda_adamw_step_multi(kiln_backend *be, const kiln_cuda_adamw_plan *plan,
                                        const kiln_adamw_scalars *s);
