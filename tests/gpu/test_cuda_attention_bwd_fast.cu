@@ -987,7 +987,8 @@ static bool check_pack_vec(int B, int R, int NH, int KVH, int max_pos, bool timi
     CUDA_OK(cudaMalloc(&dpos, rows * 4));
     for (int i = 0; i < 2; i++) CUDA_OK(cudaMalloc(&dst[i], (3 * pq + 2 * pk) * 2));
     CUDA_OK(cudaMemcpy(q, h.data(), (nq + 4) * 4, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(qm + 1, h.data(), (nq + 4) * 4, cudaMemcpyHostToDevice)); /* 4 bytes off */
+    /* 8 bytes off: the one-warp kernel's 8-byte loads, not the half-warp kernel's 16 */
+    CUDA_OK(cudaMemcpy(qm + 2, h.data(), (nq + 4) * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(k, h.data(), nk * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(out, h.data() + 1, nq * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(out16, o16.data(), nq * 2, cudaMemcpyHostToDevice));
@@ -1002,9 +1003,9 @@ static bool check_pack_vec(int B, int R, int NH, int KVH, int max_pos, bool timi
         for (int form = 0; form < 2; form++) { /* 0: one warp, 1: half-warp where aligned */
             __nv_bfloat16 *d = dst[form];
             CUDA_OK(cudaMemset(d, 0xff, (3 * pq + 2 * pk) * 2));
-            /* q's values; form 0: from the copy past alignment, so each launch (its first job)
-             * takes the one-warp kernel */
-            const float *src = (form == 0 ? qm + 1 : q) + (misalign ? 2 : 0);
+            /* q's values; form 0 from the copy 8 bytes off: the kernel the other form does not
+             * take (misalign 0: the one-warp kernel against the half-warp one; 1: the reverse) */
+            const float *src = (form == 0 ? qm + 2 : q) + (misalign ? 2 : 0);
             const kiln_cuda_attn_pack_job fwd[3] = {{d, src, NULL, NULL, NULL, R, Rpad, NH, B, rp},
                                                     {d + pq, k, NULL, NULL, NULL, R, Rpad, KVH, B, rp},
                                                     {d + pq + pk, k, NULL, NULL, NULL, R, Rpad, KVH, B, none}};
@@ -1034,7 +1035,7 @@ static bool check_pack_vec(int B, int R, int NH, int KVH, int max_pos, bool timi
         CUDA_OK(cudaEventCreate(&e));
         float ms[2];
         for (int form = 0; form < 2; form++) { /* 0: one warp (q's copy), 1: half-warp */
-            const float *src = form == 0 ? qm + 1 : q;
+            const float *src = form == 0 ? qm + 2 : q;
             const kiln_cuda_attn_pack_job fwd[3] = {
                 {dst[0], src, NULL, NULL, NULL, R, Rpad, NH, B, rp},
                 {dst[0] + pq, k, NULL, NULL, NULL, R, Rpad, KVH, B, rp},
