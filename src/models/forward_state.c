@@ -198,6 +198,16 @@ kiln_status kiln_forward_stage(kiln_forward_state *fs, const kiln_batch *b) {
 
 /* ---- the forward through the model's architecture ---------------------------------------- */
 
+void kiln_forward_attend(const kiln_fwd_batch *g, kiln_backend *be, int layer, float *out, const float *q,
+                         const float *k, const float *v, int NH, int KVH, int HS, float scale, int window) {
+    const kiln_forward_state *fs = g->fs;
+    const size_t KD = (size_t)KVH * HS, pool = (size_t)fs->n_blocks * KILN_KV_BLOCK * KD;
+    float *k_pool = fs->k_cache + (size_t)layer * pool, *v_pool = fs->v_cache + (size_t)layer * pool;
+    be->i->kv_store_rows(be, k_pool, v_pool, k, v, g->slots, g->N, KD);
+    be->i->attention_paged(be, out, q, k_pool, v_pool, &fs->pages, g->seq, g->pos, g->runs, g->n_runs, g->N,
+                           g->max_T, NH, KVH, HS, scale, window);
+}
+
 void kiln_forward_logits(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int N,
                          const int32_t *out, int n_out, float *logits) {
     const kiln_backend_i *op = be->i;

@@ -121,13 +121,10 @@ typedef struct g3_run {
     int per_layer;
     float *x_final;              /* per_layer: the last layer's output */
     const float *rope_cos, *rope_sin, *rope_cos_local, *rope_sin_local; /* (positions, HS/2) */
-    /* attention: training, n_seq sequences of seq rows over their own rows; generation,
-     * through fs's paged cache (sequence seq_ids[i], k and v stored at row slots[i] first) */
+    /* attention: training, n_seq sequences of seq rows over their own rows; generation (gen),
+     * through the paged cache (kiln_forward_attend) */
     int n_seq, seq;
-    const kiln_forward_state *fs;
-    const int32_t *seq_ids, *slots;
-    const kiln_batch_run *runs;
-    int n_runs, max_T;
+    const kiln_fwd_batch *gen;
 } g3_run;
 
 static float g3_scale(const kiln_model_config *c) {
@@ -163,13 +160,8 @@ static void gemma3_layers(const g3_run *R) {
         op->rmsnorm(be, a->k, a->kr, W(G3_KNORM)->vec, T * KVH, HS, eps);
         op->rope(be, a->q, R->pos, T, NH, HS, cs, sn);
         op->rope(be, a->k, R->pos, T, KVH, HS, cs, sn);
-        if (R->fs) {
-            const kiln_forward_state *fs = R->fs;
-            const size_t pool = (size_t)fs->n_blocks * KILN_KV_BLOCK * KD;
-            float *k_pool = fs->k_cache + (size_t)l * pool, *v_pool = fs->v_cache + (size_t)l * pool;
-            op->kv_store_rows(be, k_pool, v_pool, a->k, a->v, R->slots, T, KD);
-            op->attention_paged(be, a->att, a->q, k_pool, v_pool, &fs->pages, R->seq_ids, R->pos, R->runs,
-                                R->n_runs, T, R->max_T, NH, KVH, HS, scale, window);
+        if (R->gen) {
+            kiln_forward_attend(R->gen, be, l, a->att, a->q, a->k, a->v, NH, KVH, HS, scale, window);
         } else {
             for (int b = 0; b < R->n_seq; b++) {
                 const size_t r = (size_t)b * R->seq;
@@ -200,7 +192,7 @@ static void gemma3_layers(const g3_run *R) {
 static void gemma3_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int N,
                            const kiln_batch_run *runs, int n_runs, int max_T, const int32_t *out, int n_out,
                            float *logits) {
-    const int32_t *ids = fs->d_batch;
+    const kiln_fwd_batch g = kiln_fwd_batch_of(fs, N, runs, n_runs, max_T);
     g3_acts a = {0};
     a.x = fs->x;
     a.xb1 = a.xb2 = a.d = fs->xb;
@@ -216,20 +208,15 @@ static void gemma3_forward(const kiln_model *m, kiln_backend *be, kiln_forward_s
     R.cfg = &m->cfg;
     R.embed = m->tok_embd;
     R.layer_refs = fs->layer_refs;
-    R.ids = ids;
-    R.pos = ids + N;
+    R.ids = g.ids;
+    R.pos = g.pos;
     R.T = N;
     R.acts = &a;
     R.rope_cos = fs->rope_cos;
     R.rope_sin = fs->rope_sin;
     R.rope_cos_local = fs->rope_cos_local;
     R.rope_sin_local = fs->rope_sin_local;
-    R.fs = fs;
-    R.seq_ids = ids + 2 * N;
-    R.slots = ids + 3 * N;
-    R.runs = runs;
-    R.n_runs = n_runs;
-    R.max_T = max_T;
+    R.gen = &g;
     gemma3_layers(&R);
     kiln_forward_logits(m, be, fs, N, out, n_out, logits);
 }
@@ -333,21 +320,8 @@ static kiln_status gemma3_train_init(kiln_train_io *io) {
                                 T * KD, T * QD, T * KD, T * FF, T * FF, T * FF,    nrows,     ws,         t->n_mult,
                                 t->n_mult, T,   T,      S * HS / 2, S * HS / 2, S * HS / 2, S * HS / 2};
     for (int i = 0; i < N_OTHER; i++) slots[k] = po[i], sizes[k++] = so[i];
-    size_t total = 0, bytes = 0;
-    kiln_status st = KILN_OK;
-    for (size_t i = 0; i < k && st == KILN_OK; i++)
-        if (kiln_add_overflow(total, (sizes[i] + 63) & ~(size_t)63, &total))
-            st = kiln_error(KILN_ERR_RANGE, "trainer: activations too large");
-    if (st == KILN_OK && kiln_mul_overflow(total, sizeof(float), &bytes))
-        st = kiln_error(KILN_ERR_RANGE, "trainer: activations too large");
-    float *blk = st == KILN_OK ? kiln_backend_alloc_zeroed(be, bytes, "trainer", "activations") : NULL;
-    if (st == KILN_OK && !blk) st = KILN_ERR_NOMEM;
-    if (st == KILN_OK) {
-        t->block = blk;
-        io->bytes = bytes;
-        size_t off = 0;
-        for (size_t i = 0; i < k; i++) *slots[i] = blk + off, off += (sizes[i] + 63) & ~(size_t)63;
-    }
+    kiln_status st = kiln_backend_alloc_carved(be, (int)k, (float **const *)slots, sizes, &t->block, &io->bytes,
+                                               "trainer", "activations");
     kiln_free(slots);
     kiln_free(sizes);
     KILN_TRY(st);

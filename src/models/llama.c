@@ -277,13 +277,9 @@ typedef struct llama_run {
     int acts16; /* bf16 activations (training, fast mode) */
     const float *rope_cos, *rope_sin;
     /* Attention. Training: n_seq sequences of seq rows, each attending to its own rows
-     * (positions 0..seq-1). Generation: through the paged cache of fs, each row at pos[i] of
-     * sequence seq_ids[i], its k and v stored at cache row slots[i] first. */
+     * (positions 0..seq-1). Generation (gen): through the paged cache (kiln_forward_attend). */
     int n_seq, seq;
-    const kiln_forward_state *fs;
-    const int32_t *seq_ids, *slots;
-    const kiln_batch_run *runs;
-    int n_runs, max_T;
+    const kiln_fwd_batch *gen;
 } llama_run;
 
 static void llama_layers(const llama_run *R) {
@@ -312,13 +308,8 @@ static void llama_layers(const llama_run *R) {
             op->rope(be, a->q, R->pos, T, NH, HS, R->rope_cos, R->rope_sin);
             op->rope(be, a->k, R->pos, T, KVH, HS, R->rope_cos, R->rope_sin);
         }
-        if (R->fs) { /* generation: store k, v in the cache, attend through its block table */
-            const kiln_forward_state *fs = R->fs;
-            size_t pool = (size_t)fs->n_blocks * KILN_KV_BLOCK * KD;
-            float *k_pool = fs->k_cache + (size_t)l * pool, *v_pool = fs->v_cache + (size_t)l * pool;
-            op->kv_store_rows(be, k_pool, v_pool, a->k, a->v, R->slots, T, KD);
-            op->attention_paged(be, a->att, a->q, k_pool, v_pool, &fs->pages, R->seq_ids, R->pos, R->runs,
-                                R->n_runs, T, R->max_T, NH, KVH, HS, scale, 0);
+        if (R->gen) { /* generation: store k, v in the cache, attend through its block table */
+            kiln_forward_attend(R->gen, be, l, a->att, a->q, a->k, a->v, NH, KVH, HS, scale, 0);
         } else if (op->attention_seqs && op->attention_backward_seqs) { /* all sequences at once */
             op->attention_seqs(be, a->att, a->att16, a->lse, a->keep, a->keep ? R->pos : NULL, R->rope_cos,
                                R->rope_sin, a->q, a->k, a->v, n_seq, seq, NH, KVH, HS, scale);
@@ -367,8 +358,7 @@ static void llama_layers(const llama_run *R) {
 static void llama_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int N,
                           const kiln_batch_run *runs, int n_runs, int max_T, const int32_t *out, int n_out,
                           float *logits) {
-    const kiln_model_config *c = &m->cfg;
-    const int32_t *ids = fs->d_batch;
+    const kiln_fwd_batch g = kiln_fwd_batch_of(fs, N, runs, n_runs, max_T);
     /* every layer in the same scratch: q and k normed and rotated in place, the gate's buffer
      * reused for silu(gate) * up */
     layer_acts a = {0};
@@ -383,21 +373,16 @@ static void llama_forward(const kiln_model *m, kiln_backend *be, kiln_forward_st
     a.up = fs->hb2;
     llama_run R = {0};
     R.be = be;
-    R.cfg = c;
+    R.cfg = &m->cfg;
     R.embed = m->tok_embd;
     R.layer_refs = fs->layer_refs;
-    R.ids = ids;
-    R.pos = ids + N;
+    R.ids = g.ids;
+    R.pos = g.pos;
     R.T = N;
     R.acts = &a;
     R.rope_cos = fs->rope_cos;
     R.rope_sin = fs->rope_sin;
-    R.fs = fs;
-    R.seq_ids = ids + 2 * N;
-    R.slots = ids + 3 * N;
-    R.runs = runs;
-    R.n_runs = n_runs;
-    R.max_T = max_T;
+    R.gen = &g;
     llama_layers(&R);
     kiln_forward_logits(m, be, fs, N, out, n_out, logits);
 }
@@ -503,26 +488,8 @@ static kiln_status llama_train_init(kiln_train_io *io) {
         slots[k] = sp[i];
         sizes[k++] = sz[i];
     }
-    size_t total = 0;
-    kiln_status st = KILN_OK;
-    for (int i = 0; i < k && st == KILN_OK; i++) {
-        size_t s = (sizes[i] + 63) & ~(size_t)63;
-        if (kiln_add_overflow(total, s, &total)) st = kiln_error(KILN_ERR_RANGE, "trainer: activations too large");
-    }
-    size_t bytes = 0;
-    if (st == KILN_OK && kiln_mul_overflow(total, sizeof(float), &bytes))
-        st = kiln_error(KILN_ERR_RANGE, "trainer: activations too large");
-    float *blk = st == KILN_OK ? kiln_backend_alloc_zeroed(be, bytes, "trainer", "activations") : NULL;
-    if (st == KILN_OK && !blk) st = KILN_ERR_NOMEM;
-    if (st == KILN_OK) {
-        size_t off = 0;
-        for (int i = 0; i < k; i++) {
-            *slots[i] = blk + off;
-            off += (sizes[i] + 63) & ~(size_t)63;
-        }
-        t->block = blk;
-        io->bytes = bytes;
-    }
+    kiln_status st = kiln_backend_alloc_carved(be, k, (float **const *)slots, sizes, &t->block, &io->bytes, "trainer",
+                                               "activations");
     kiln_free(slots);
     kiln_free(sizes);
     if (st != KILN_OK) return st;

@@ -159,6 +159,26 @@ void kiln_model_forward_dev(const kiln_model *m, kiln_backend *be, kiln_forward_
  * and the output head, to logits (backend memory; NULL: nothing). */
 void kiln_forward_logits(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int N,
                          const int32_t *out, int n_out, float *logits);
+/* A generation forward's batch as an architecture's layers take it: N tokens staged in
+ * fs->d_batch (their ids, positions, sequence ids and cache rows, N each, backend memory) and
+ * the runs (host, or NULL in a recorded graph) and max_T that attention_paged takes. */
+typedef struct kiln_fwd_batch {
+    kiln_forward_state *fs;
+    int N;
+    const int32_t *ids, *pos, *seq, *slots;
+    const kiln_batch_run *runs;
+    int n_runs, max_T;
+} kiln_fwd_batch;
+static inline kiln_fwd_batch kiln_fwd_batch_of(kiln_forward_state *fs, int N, const kiln_batch_run *runs,
+                                               int n_runs, int max_T) {
+    const int32_t *d = fs->d_batch;
+    kiln_fwd_batch g = {fs, N, d, d + N, d + 2 * N, d + 3 * N, runs, n_runs, max_T};
+    return g;
+}
+/* Layer `layer`'s attention over the paged cache: the batch's k, v rows (N, KVH*HS) stored at
+ * their cache rows, then out = attention_paged of q (N, NH*HS) with scale and window (0: none). */
+void kiln_forward_attend(const kiln_fwd_batch *g, kiln_backend *be, int layer, float *out, const float *q,
+                         const float *k, const float *v, int NH, int KVH, int HS, float scale, int window);
 /* Stage batch b in fs->h_batch (ids, positions, sequences, slots) and upload it to
  * fs->d_batch (on a host-memory backend the two are one buffer). */
 kiln_status kiln_forward_stage(kiln_forward_state *fs, const kiln_batch *b);

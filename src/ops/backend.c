@@ -5,6 +5,25 @@
 
 #include <stdio.h>
 
+kiln_status kiln_backend_alloc_carved(kiln_backend *be, int n, float **const *slots, const size_t *floats,
+                                      void **block, size_t *bytes, const char *owner, const char *what) {
+    size_t total = 0, nb = 0;
+    for (int i = 0; i < n; i++)
+        if (floats[i] > SIZE_MAX - 63 || kiln_add_overflow(total, (floats[i] + 63) & ~(size_t)63, &total))
+            return kiln_error(KILN_ERR_RANGE, "%s: %s too large", owner, what);
+    if (kiln_mul_overflow(total, sizeof(float), &nb)) return kiln_error(KILN_ERR_RANGE, "%s: %s too large", owner, what);
+    float *blk = kiln_backend_alloc_zeroed(be, nb, owner, what);
+    if (!blk) return KILN_ERR_NOMEM;
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        *slots[i] = blk + off;
+        off += (floats[i] + 63) & ~(size_t)63;
+    }
+    *block = blk;
+    *bytes = nb;
+    return KILN_OK;
+}
+
 void *kiln_backend_alloc_zeroed(kiln_backend *be, size_t nbytes, const char *owner, const char *what) {
     const size_t b = ((nbytes ? nbytes : 64) + 3) & ~(size_t)3;
     if (be->i->host_memory) {

@@ -525,6 +525,12 @@ void kiln_backends_forget(const void *host, size_t nbytes);
  * none). NULL with the error set, naming owner and what ("trainer", "activations"). Freed
  * with kiln_backend_free_buf. */
 void *kiln_backend_alloc_zeroed(kiln_backend *be, size_t nbytes, const char *owner, const char *what);
+/* One zeroed block (kiln_backend_alloc_zeroed) carved into n regions: *slots[i] = the start of
+ * region i, floats[i] floats (0: an empty region), each start 64 floats (256 bytes) aligned;
+ * *block (to free with kiln_backend_free_buf) and its size in bytes. KILN_ERR_RANGE for a size
+ * that overflows, KILN_ERR_NOMEM. */
+kiln_status kiln_backend_alloc_carved(kiln_backend *be, int n, float **const *slots, const size_t *floats,
+                                      void **block, size_t *bytes, const char *owner, const char *what);
 
 /* The table's memory entries, with host-memory defaults for a backend that has none. */
 static inline void *kiln_backend_alloc(kiln_backend *be, size_t nbytes) {
