@@ -253,23 +253,24 @@ static void gemma3_train_free(kiln_train_io *io) {
     io->priv = NULL;
 }
 
+/* The rope tables of both layer kinds for max_seq positions, filled on the host (in place on a
+ * host-memory backend, else staged and uploaded). */
 static kiln_status g3_upload_tables(kiln_train_io *io, g3_train *t, int S, int HS) {
-    const kiln_backend_i *op = io->be->i;
-    const size_t tab = (size_t)S * HS / 2;
-    float *host = op->host_memory ? NULL : kiln_malloc((tab ? tab : 1) * 4 * sizeof(float));
-    if (!op->host_memory && !host) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for the rope tables");
-    float *h = host ? host : NULL;
-    float *cg = h ? h : t->rope_cos, *sg = h ? h + tab : t->rope_sin;
-    float *cl = h ? h + 2 * tab : t->rope_cos_local, *sl = h ? h + 3 * tab : t->rope_sin_local;
-    kiln_rope_tables_fill(io->model, S, cg, sg);
-    kiln_rope_tables_fill_kind(io->model, S, 1, cl, sl);
-    kiln_status st = KILN_OK;
-    if (host) {
-        float *dst[4] = {t->rope_cos, t->rope_sin, t->rope_cos_local, t->rope_sin_local};
-        for (int i = 0; i < 4 && st == KILN_OK; i++)
-            st = kiln_backend_upload(io->be, dst[i], host + (size_t)i * tab, tab * sizeof(float));
-        kiln_free(host);
+    float *dst[4] = {t->rope_cos, t->rope_sin, t->rope_cos_local, t->rope_sin_local};
+    if (io->be->i->host_memory) {
+        kiln_rope_tables_fill(io->model, S, dst[0], dst[1]);
+        kiln_rope_tables_fill_kind(io->model, S, 1, dst[2], dst[3]);
+        return KILN_OK;
     }
+    const size_t tab = (size_t)S * HS / 2;
+    float *host = kiln_malloc((tab ? tab : 1) * 4 * sizeof(float));
+    if (!host) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for the rope tables");
+    kiln_rope_tables_fill(io->model, S, host, host + tab);
+    kiln_rope_tables_fill_kind(io->model, S, 1, host + 2 * tab, host + 3 * tab);
+    kiln_status st = KILN_OK;
+    for (int i = 0; i < 4 && st == KILN_OK; i++)
+        st = kiln_backend_upload(io->be, dst[i], host + (size_t)i * tab, tab * sizeof(float));
+    kiln_free(host);
     return st;
 }
 
