@@ -552,7 +552,7 @@ static inline kiln_status kiln_backend_download(kiln_backend *be, void *dst, con
     if (nbytes) memcpy(dst, src, nbytes);
     return KILN_OK;
 }
-/* Floats of the fast CUDA attention backward's workspace (cuda_attention_bwd_fast.h): D and L
+/* Floats of the fast CUDA attention backward's workspace (cuda_attention.h): D and L
  * (2 NH Npad), the per-head partial dk, dv with GQA (2 T NH HS), bf16 copies of q, dout
  * (NH Npad HS each) and k, v (KVH Tpad HS each) -- Npad, Tpad = N, T = n_past + N rounded up
  * to 64. 0 for a negative count. */

@@ -1,6 +1,6 @@
 /*
- * bench_cuda_fast_attention.cu -- the fast-mode attention (cuda_attention_fast.h) against the
- * auditable kernel (kiln_cuda_attention, cuda_internal.h) in the same run, on the attention
+ * bench_cuda_fast_attention.cu -- the fast-mode attention (cuda_attention.h) against the
+ * auditable kernel (kiln_cuda_attention, cuda_attention.h) in the same run, on the attention
  * shapes of Qwen2.5-0.5B (NH 14, KVH 2, HS 64) and Llama-3.2-3B (NH 24, KVH 8, HS 128):
  *   prefill of N tokens from an empty cache: time and TFLOP/s counting the causal half,
  *     4 * N * N / 2 * HS * NH flops (two matmuls of 2 flops per multiply-add);
@@ -16,8 +16,7 @@
  * blocks all return at once, and of the real decode_dev (where a fixed cost goes).
  * Usage: bench_cuda_fast_attention [--quick]   (--quick: prefill 512, decode 512 and 4096)
  */
-#include "ops/cuda/cuda_attention_fast.h"
-#include "ops/cuda/cuda_internal.h"
+#include "ops/cuda/cuda_attention.h"
 
 #include <algorithm>
 #include <math.h>

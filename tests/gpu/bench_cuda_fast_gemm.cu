@@ -1,5 +1,5 @@
 /*
- * bench_cuda_fast_gemm.cu -- the fast mode's prefill GEMMs (src/ops/cuda/cuda_gemm_fast.h)
+ * bench_cuda_fast_gemm.cu -- the fast mode's prefill GEMMs (src/ops/cuda/cuda_matmul.h)
  * against the bf16 matrix rate measured in the same run.
  *
  * First the rate: a square bf16 x bf16 -> f32 product (8192^3) through kiln_cuda_gemm_bf16,
@@ -14,7 +14,7 @@
  * calls on one stream, median of 5 such runs, after 2 warm-up calls.
  * Usage: bench_cuda_fast_gemm [--quick]   (quick: N = 512 only, fewer repetitions)
  */
-#include "ops/cuda/cuda_gemm_fast.h"
+#include "ops/cuda/cuda_matmul.h"
 
 #include <algorithm>
 #include <stdio.h>

@@ -9,7 +9,7 @@
  * 5 such runs after a warm-up run. GB/s counts the weight bytes read once per call.
  * Usage: bench_cuda_fast_matvec [--quick]
  */
-#include "ops/cuda/cuda_matvec_fast.h"
+#include "ops/cuda/cuda_matmul.h"
 
 extern "C" {
 #include "base/base.h"

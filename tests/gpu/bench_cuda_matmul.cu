@@ -9,7 +9,7 @@
  * backend's table (host-side checks included), "kernel" calls the launcher directly.
  * Usage: bench_cuda_matmul [--quick]
  */
-#include "ops/cuda/cuda_internal.h"
+#include "ops/cuda/cuda_matmul.h"
 
 #include <algorithm>
 #include <stdio.h>

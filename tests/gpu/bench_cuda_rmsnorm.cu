@@ -1,7 +1,7 @@
 /*
  * bench_cuda_rmsnorm.cu -- time and check the auditable CUDA rmsnorm kernels:
- * kiln_cuda_rmsnorm (forward, cuda_kernels.cu) and kiln_cuda_rmsnorm_backward (rows kernel,
- * then dw by column lanes, cuda_backward.cu).
+ * kiln_cuda_rmsnorm (forward) and kiln_cuda_rmsnorm_backward (rows kernel, then dw by column
+ * lanes), both cuda_norm.cu.
  *
  * Check: every output bit for bit against a plain host reference written here from
  * docs/ARITHMETIC.md ("rmsnorm", "rmsnorm backward"; the CPU's order in
@@ -24,7 +24,7 @@
  *
  * Usage: bench_cuda_rmsnorm [reps]
  */
-#include "ops/cuda/cuda_backward.h"
+#include "ops/cuda/cuda_norm.h"
 
 #include <math.h>
 #include <stdint.h>

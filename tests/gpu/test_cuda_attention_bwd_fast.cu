@@ -1,6 +1,6 @@
 /*
  * test_cuda_attention_bwd_fast.cu -- the fast-mode attention backward (src/ops/cuda/
- * cuda_attention_bwd_fast.h) against a host reference in double precision written here from
+ * cuda_attention.h) against a host reference in double precision written here from
  * ops.h's definition (causal grouped-query softmax attention, its gradients by hand:
  * P = softmax(scale q.k), dP = dout.v, D = sum P dP, dS = P (dP - D), dq = scale dS k,
  * dk = scale dS^T q, dv = P^T dout).
@@ -9,7 +9,7 @@
  * to bf16 (2^-9 relative each) and so are P and dS before their products, so a few 1e-3 is
  * expected; the largest seen is printed. Every run starts from outputs and workspace poisoned
  * with NaN bits and every case runs twice and must give the same bits. Then the timing of the
- * fast backward against the auditable kernels (cuda_backward.h) on training shapes.
+ * fast backward against the auditable kernels (cuda_attention.h) on training shapes.
  * The batched entry points (B sequences in one launch, ops.h's attention_seqs and
  * attention_backward_seqs): the forward's out has the bits of per-sequence calls and its lse
  * is within 2e-2 of the exact log-sum-exp; the backward with that lse is within the same
@@ -37,12 +37,9 @@
  * (--time-seqs: only the batched timing of one HS 64 shape in the default kernel form, for a
  * profiler such as ncu)
  */
-#include "ops/cuda/cuda_attention_bwd_fast.h"
-#include "ops/cuda/cuda_attention_fast.h"
-#include "ops/cuda/cuda_backward.h"
-#include "ops/cuda/cuda_gemm_fast.h" /* kiln_cuda_f32_to_bf16 */
-#include "ops/cuda/cuda_internal.h" /* kiln_cuda_rope */
-#include "ops/cuda/cuda_wgmma.h"   /* kiln_cuda_wgmma_usable */
+#include "ops/cuda/cuda_attention.h"
+#include "ops/cuda/cuda_matmul.h" /* kiln_cuda_f32_to_bf16, kiln_cuda_wgmma_usable */
+#include "ops/cuda/cuda_rope.h"   /* kiln_cuda_rope, kiln_cuda_rope_backward_bf16 */
 
 extern "C" {
 #include "base/tensor.h" /* kiln_fp32_to_bf16, kiln_bf16_to_fp32: the host's RNE and widening */
@@ -1157,7 +1154,7 @@ int main(int argc, char **argv) {
     kiln_cuda_attn *attn = nullptr;
     CUDA_OK(kiln_cuda_attn_create(&attn));
     /* on an sm_90a device the flash forward and the backward run on wgmma for HS 64
-     * (cuda_wgmma.h); every check and timing runs there and on the mma.sync kernels too
+     * (cuda_matmul.h); every check and timing runs there and on the mma.sync kernels too
      * (KILN_WGMMA=0: the kernels of every other device) */
     const bool wg = kiln_cuda_wgmma_usable(0);
     for (int mode = wg ? 0 : 1; mode < 2; mode++) {

@@ -1,5 +1,6 @@
 /*
- * test_cuda_backward.cu -- every backward launcher of cuda_backward.h against the CPU backend's
+ * test_cuda_backward.cu -- every auditable backward launcher (cuda_matmul.h, cuda_norm.h,
+ * cuda_rope.h, cuda_attention.h, cuda_elementwise.h, cuda_rows.h) against the CPU backend's
  * backward ops, bit for bit (auditable mode: docs/ARITHMETIC.md, "Backward ops"), on random
  * shapes with odd sizes: matmul_backward with W in f32, bf16 and f16, accumulate and
  * overwrite, NULL optional outputs; rmsnorm_backward with and without w / dw, in place;
@@ -16,7 +17,12 @@
  * Usage: test_cuda_backward [seed]     prints one line per case, the timings, then "ALL OK" or
  * "FAILED n".
  */
-#include "ops/cuda/cuda_backward.h"
+#include "ops/cuda/cuda_attention.h"
+#include "ops/cuda/cuda_elementwise.h"
+#include "ops/cuda/cuda_matmul.h"
+#include "ops/cuda/cuda_norm.h"
+#include "ops/cuda/cuda_rope.h"
+#include "ops/cuda/cuda_rows.h"
 
 #include <math.h>
 #include <stdio.h>

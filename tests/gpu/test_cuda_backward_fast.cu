@@ -1,6 +1,6 @@
 /*
  * test_cuda_backward_fast.cu -- the fast mode's matmul backward (src/ops/cuda/
- * cuda_backward_fast.h) against the CPU backend's matmul_backward.
+ * cuda_matmul.h) against the CPU backend's matmul_backward.
  *
  * Cases: W in f32, bf16 and f16; odd shapes (N 1..130, R and C from 3 to 4864, C not a
  * multiple of 8); accumulate_dx 0/1; every combination of the three outputs present or NULL;
@@ -29,9 +29,9 @@
  *
  * Usage: test_cuda_backward_fast [seed]. One line per case, then "ALL OK" or "FAILED n".
  */
-#include "ops/cuda/cuda_backward.h"
-#include "ops/cuda/cuda_backward_fast.h"
-#include "ops/cuda/cuda_internal.h"
+#include "ops/cuda/cuda_elementwise.h"
+#include "ops/cuda/cuda_matmul.h"
+#include "ops/cuda/cuda_norm.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -147,7 +147,7 @@ static int within_bound(const char *ctx, const char *what, const std::vector<flo
 }
 
 /* dbias against the host double sum: ref = old + sum over n of dy[n,r], S = |old| + sum |dy|;
- * the bound of cuda_backward_fast.h's column sum plus the host's own rounding. */
+ * the bound of cuda_norm.h's column sum plus the host's own rounding. */
 static int dbias_within(const char *ctx, const std::vector<float> &db0,
                         const std::vector<float> &dy, int N, int64_t R,
                         const std::vector<float> &got) {

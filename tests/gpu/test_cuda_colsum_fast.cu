@@ -1,5 +1,5 @@
 /*
- * test_cuda_colsum_fast.cu -- the fast mode's column sums (cuda_backward_fast.h's
+ * test_cuda_colsum_fast.cu -- the fast mode's column sums (cuda_norm.h's
  * kiln_cuda_col_sum_fast: dbias and RMSNorm dw in a chunked order summed in double) and their
  * two users, and the fast RMSNorm backward's rows kernel, against host double-precision
  * references.
@@ -8,7 +8,7 @@
  *   (plain sum; a * b; a * f32(b * s[n])), rows ld = W + 5 apart (padding NaN) for W in
  *   {33, 896} at odd N, random values of mixed magnitudes added into random old values.
  *   Per case:
- *     - every column within the bound of cuda_backward_fast.h, with the host's own rounding
+ *     - every column within the bound of cuda_norm.h, with the host's own rounding
  *       on top: |got - ref| <= 2^-24 |ref| + (N + 300) 2^-52 S + 1e-37, where ref is the
  *       sum in double (old + terms in row order) and S = |old| + sum |terms|; the largest
  *       err / S is printed (the brief's normalised figure; far below 1e-5);
@@ -25,7 +25,7 @@
  *   64, 128, 129, 576, 577, 896, 1024, 1025, 2048, 5000, 8192, 8196, 12289} (every variant:
  *   8, 16 or 32 lanes per row, a block per row cached or streamed, float4 and scalar loads)
  *   x N in {1, 7, 300} x {w, w NULL} x {accumulate, not} x {dx separate, dx = dy}: every dx
- *   and rstd within cuda_backward_fast.h's bound (with margin: (3h + 16) 2^-24 r (|g| + |x| U)
+ *   and rstd within cuda_norm.h's bound (with margin: (3h + 16) 2^-24 r (|g| + |x| U)
  *   + 2^-24 |ref|, rstd (h/2 + 4) 2^-24 r) of a float64 reference from the same f32 inputs;
  *   dx starts NaN when not accumulating (every element written), 64 NaN guards past dx and
  *   rstd stay untouched; a second run and a run on inputs one float past 16-byte alignment
@@ -61,8 +61,8 @@
 #include <cstring>
 #include <vector>
 
-#include "ops/cuda/cuda_backward.h"
-#include "ops/cuda/cuda_backward_fast.h"
+#include "ops/cuda/cuda_matmul.h"
+#include "ops/cuda/cuda_norm.h"
 extern "C" {
 #include "base/base.h"
 #include "base/tensor.h"
@@ -460,7 +460,7 @@ static void test_col_sum_multi(kiln_cuda_gemm *g) {
 
 /* ---- rmsnorm backward (fast): the rows kernel against float64, then dw and the table ------ */
 
-/* The header's h (cuda_backward_fast.h): the longest path of a term through the row sums. */
+/* The header's h (cuda_norm.h): the longest path of a term through the row sums. */
 static int rms_depth(int C) { return C <= 1024 ? 15 : (C + 1023) / 1024 + 10; }
 
 /* Host data of a rows case: x, dy (N,C), w(C), old dx (N,C). Mixed magnitudes (x in 2^-4 ..

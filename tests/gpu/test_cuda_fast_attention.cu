@@ -1,6 +1,6 @@
 /*
  * test_cuda_fast_attention.cu -- the fast-mode attention kernels (src/ops/cuda/
- * cuda_attention_fast.h) against a host reference in double precision: plain causal
+ * cuda_attention.h) against a host reference in double precision: plain causal
  * grouped-query softmax attention, written here from ops.h's definition.
  *
  * Bounds (|gpu - ref| over every checked element, relative to max|v| of the case):
@@ -19,7 +19,7 @@
  * Without a GPU: checks the reference and the host-side validation, then exits 77.
  * Usage: test_cuda_fast_attention
  */
-#include "ops/cuda/cuda_attention_fast.h"
+#include "ops/cuda/cuda_attention.h"
 
 #include <math.h>
 #include <stdint.h>

@@ -1,6 +1,6 @@
 /*
  * test_cuda_fast_gemm.cu -- the fast mode's bf16 tensor-core GEMMs (src/ops/cuda/
- * cuda_gemm_fast.h) against the CPU backend and a double-precision host reference.
+ * cuda_matmul.h) against the CPU backend and a double-precision host reference.
  *
  * Checks:
  *   1. conversions, bit for bit: kiln_cuda_f32_to_bf16 against tensor.c's kiln_fp32_to_bf16
@@ -31,7 +31,7 @@
  *
  * Usage: test_cuda_fast_gemm [seed]. Prints one line per case, "ALL OK" or "FAILED n".
  */
-#include "ops/cuda/cuda_gemm_fast.h"
+#include "ops/cuda/cuda_matmul.h"
 
 #include <math.h>
 #include <stdio.h>

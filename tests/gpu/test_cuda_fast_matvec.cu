@@ -1,5 +1,5 @@
 /*
- * test_cuda_fast_matvec.cu -- kiln_cuda_matvec_fast (src/ops/cuda/cuda_matvec_fast.h) against
+ * test_cuda_fast_matvec.cu -- kiln_cuda_matvec_fast (src/ops/cuda/cuda_matmul.h) against
  * the CPU backend's matmul, for all 11 weight dtypes, odd and decode-sized shapes, N = 1..8,
  * with and without bias, accumulate 0 / 1.
  *
@@ -28,7 +28,7 @@
  * Exit: 0 all OK, 1 a failure, 77 no GPU (after the validation checks).
  * Usage: test_cuda_fast_matvec [seed]
  */
-#include "ops/cuda/cuda_matvec_fast.h"
+#include "ops/cuda/cuda_matmul.h"
 
 extern "C" {
 #include "base/base.h"

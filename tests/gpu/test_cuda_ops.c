@@ -17,7 +17,7 @@
 #include <stdio.h>
 #include <time.h>
 
-/* The load-ahead depth of the CUDA N = 1 matmul (cuda_kernels.cu): same bits for any. */
+/* The load-ahead depth of the CUDA N = 1 matmul (cuda_matmul.cu): same bits for any. */
 extern int kiln_cuda_matmul_step;
 #include <stdlib.h>
 #include <string.h>

@@ -6,7 +6,7 @@
  * must turn it off. On other devices the check must answer "not there" (0), never a wrong
  * product. Prints "ALL OK" and exits 0; 1 with "FAILED"; 77 without a GPU.
  */
-#include "ops/cuda/cuda_wgmma.h"
+#include "ops/cuda/cuda_matmul.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,6 +1,7 @@
 /*
- * cuda_backend.cu -- the CUDA backend: the op table of ops.h over cuda_kernels.cu, device
- * memory, the weight cache, and error poisoning.
+ * cuda_backend.cu -- the CUDA backend: the op table of ops.h over the launchers of the kernel
+ * families (cuda_attention.h, cuda_matmul.h, cuda_norm.h, cuda_rope.h, cuda_elementwise.h,
+ * cuda_rows.h), device memory, the weight cache, and error poisoning.
  *
  * Contract (docs/CUDA.md):
  *   - Every float * an op takes is device memory (kiln_backend_alloc). ids (embed) and pos
@@ -15,15 +16,14 @@
  *     status/upload/download return that error with its message until the backend is freed.
  */
 #include "cuda_internal.h"
-#include "cuda_attention_bwd_fast.h"
-#include "cuda_attention_fast.h"
-#include "cuda_backward.h"
-#include "cuda_backward_fast.h"
-#include "cuda_gemm_fast.h"
-#include "cuda_matvec_fast.h"
+#include "cuda_attention.h"
+#include "cuda_elementwise.h"
+#include "cuda_matmul.h"
+#include "cuda_norm.h"
+#include "cuda_rope.h"
+#include "cuda_rows.h"
 #include "cuda_sampling.h"
 #include "cuda_train.h"
-#include "cuda_wgmma.h"
 
 #include <limits.h>
 #include <stdarg.h>
@@ -420,7 +420,7 @@ static void cu_rmsnorm_bf16(kiln_backend *be, uint16_t *out, const float *x, con
                             int N, int C, float eps) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
-    /* fast mode: the fast rows' order (cuda_backward_fast.h); auditable: rmsnorm's bits */
+    /* fast mode: the fast rows' order (cuda_norm.h); auditable: rmsnorm's bits */
     after_launch(c,
                  c->fast ? kiln_cuda_rmsnorm_fast_bf16(c->stream, out, x, w, N, C, eps)
                          : kiln_cuda_rmsnorm_bf16(c->stream, out, x, w, N, C, eps),
@@ -576,7 +576,7 @@ static void cu_graph_free(kiln_backend *be, void *graph) {
     kiln_free(graph);
 }
 
-/* ---- backward ops (auditable: the CPU's bits; cuda_backward.cu) ------------------------------ */
+/* ---- backward ops (auditable: the CPU's bits) ------------------------------------------- */
 
 static void cu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *dbias,
                                const float *dy, const float *x, const kiln_tensor *W, int N,
@@ -756,7 +756,7 @@ static void rmsnorm_backward(kiln_backend *be, float *dx, uint16_t *dx16, float 
                              float eps, float *rstd, bool accumulate_dx) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
-    if (c->fast && dw && w) { /* dw in the fast column sum's order (cuda_backward_fast.h) */
+    if (c->fast && dw && w) { /* dw in the fast column sum's order (cuda_norm.h) */
         const size_t len = kiln_cuda_rmsnorm_backward_fast_scratch_len(N, C);
         double *ws = colsum_scratch(c, len);
         if (!ws) return;
@@ -1629,7 +1629,7 @@ extern "C" kiln_status kiln_backend_cuda_create_mode(int device, int fast, kiln_
         return st;
     }
     /* fast mode: settle now, outside any graph capture, whether the attention kernels take
-     * their wgmma variants (cuda_wgmma.h: a self-check on first use per device) */
+     * their wgmma variants (cuda_matmul.h: a self-check on first use per device) */
     if (c->fast) (void)kiln_cuda_wgmma_usable(c->stream);
     *out = be;
     return KILN_OK;

@@ -1,14 +1,24 @@
 /*
- * cuda_common.cuh -- device helpers every CUDA kernel file shares: the lane-16 tree of the
- * defined dot, the bf16 rounding, the RoPE rotation of a pair, per-element dequantization of
- * every GGUF block type with tensor.c's formulas, operation for operation (so a dequantized
- * weight has the CPU's bits in both modes), and the runtime-dtype dispatch macro. Included
- * from .cu files only; everything is static (one copy per translation unit, inlined).
+ * cuda_common.cuh -- the helpers every CUDA kernel file shares: the grid of the grid-stride
+ * kernels (host), the lane-16 tree of the defined dot, the bf16 rounding, the RoPE rotation of
+ * a pair, per-element dequantization of every GGUF block type with tensor.c's formulas,
+ * operation for operation (so a dequantized weight has the CPU's bits in both modes), and the
+ * runtime-dtype dispatch macro. Included from .cu files only; everything is static (one copy
+ * per translation unit, inlined).
  */
 #ifndef KILN_CUDA_COMMON_CUH
 #define KILN_CUDA_COMMON_CUH
 
 #include "cuda_internal.h"
+
+/* ---- launch grids ---------------------------------------------------------------------- */
+
+/* Blocks of `threads` for a grid-stride loop over total elements: one element a thread, at
+ * most 2^20 blocks (the loop takes the rest). The element-wise, rope and row kernels' grid. */
+static inline unsigned grid_for(int64_t total, int threads) {
+    int64_t g = (total + threads - 1) / threads;
+    return (unsigned)(g > (1 << 20) ? (1 << 20) : g);
+}
 
 /* ---- the lane-16 dot: one half-warp per dot, thread j = lane j -------------------------- */
 
@@ -100,7 +110,7 @@ static __device__ __forceinline__ float kiln_fast_swiglu(float g, float u) {
     return (g * kiln_fast_sigmoid(g)) * u;
 }
 /* d/dgate and d/dup of swiglu (dov the output's gradient), with the fast sigmoid: the exact
- * kernel's formula (cuda_backward.cu swiglu_bwd_elem) with its sigmoid */
+ * kernel's formula (cuda_elementwise.cu swiglu_bwd_elem) with its sigmoid */
 static __device__ __forceinline__ void kiln_fast_swiglu_bwd(float g, float uv, float dov,
                                                             float *r_gate, float *r_up) {
     const float sg = kiln_fast_sigmoid(g);

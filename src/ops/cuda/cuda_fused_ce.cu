@@ -26,10 +26,10 @@
  * and its bf16 path (the op's ce_pass2_bf16) adds the bf16 operands of the products: the
  * gathered hidden rows rounded once per call (gather_bf16_kernel), g written in bf16 by the
  * gradient kernel itself (grad_bf16_kernel: grad_fast_kernel's value, then the rounding), and
- * thin entry points that run the GEMM module (cuda_gemm_fast.h) on the backend's handle.
+ * thin entry points that run the GEMM module (cuda_matmul.h) on the backend's handle.
  */
 #include "cuda_common.cuh"
-#include "cuda_gemm_fast.h"
+#include "cuda_matmul.h"
 #include "cuda_mma.cuh"
 
 #include <atomic>
@@ -1076,7 +1076,7 @@ extern "C" kiln_status kiln_cuda_ce_rows_fast(kiln_backend *be, void *z, int64_t
     return ce_launched(be, "fused_ce row block (fast)");
 }
 
-/* The GEMM module's rule (bf16_in_place in cuda_gemm_fast.cu and cuda_backward_fast.cu): rows
+/* The GEMM module's rule (bf16_in_place in cuda_matmul.cu): rows
  * that start 16-byte aligned are read in place; a copy would have other alignments and leading
  * dimension, hence possibly another algorithm and other bits. */
 extern "C" bool kiln_cuda_ce_weight_in_place(const void *w, size_t row_bytes, kiln_dtype dt) {

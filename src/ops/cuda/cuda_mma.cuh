@@ -1,7 +1,8 @@
 /*
  * cuda_mma.cuh -- the bf16 tensor-core building blocks shared by the fast-mode flash
- * attention kernels (forward: cuda_attention_fast.cu; backward: cuda_attention_bwd_fast.cu):
- * the m16n8k16 mma.sync with its fragment layout, and bf16 packing/staging helpers.
+ * attention kernels (cuda_attention.cu, forward and backward) and other fast-mode kernels
+ * (cuda_fused_ce.cu, cuda_norm.cu): the m16n8k16 mma.sync with its fragment layout, and bf16
+ * packing/staging helpers.
  * Included from .cu files only.
  */
 #ifndef KILN_CUDA_MMA_CUH

@@ -220,7 +220,7 @@ kiln_status kiln_cuda_ce_grad_fast(kiln_backend *be, float *z, int64_t S, int64_
 
 /* Fast mode on bf16 operands (the op's ce_pass2_bf16): hs is rounded to bf16 once per
  * call and g is written in bf16 by the gradient kernel, then the products are the GEMM
- * module's (cuda_gemm_fast.h) on the backend's handle, with the operands laid out as
+ * module's (cuda_matmul.h) on the backend's handle, with the operands laid out as
  * kiln_cuda_gemm_linear and kiln_cuda_matmul_backward_fast lay out their own copies (leading
  * dimensions padded to a multiple of 8 elements, 16-byte aligned starts), so every product has
  * the bits of the matmul / matmul_backward composition (kiln_cuda_ce_set_legacy). The bf16

@@ -5,7 +5,7 @@
  * .cu files only. Host code and the sm_90 / compute_90 passes see the declarations; the
  * instructions exist only where KILN_WGMMA_DEVICE is 1 (the sm_90a pass): a kernel built on
  * them guards its body with it, and the host takes that kernel only when
- * kiln_cuda_wgmma_usable (cuda_wgmma.h) says the running binary is sm_90a and the device's
+ * kiln_cuda_wgmma_usable (cuda_matmul.h) says the running binary is sm_90a and the device's
  * products passed the self-check.
  *
  * The tile layout ("SW128", the canonical 128-byte swizzle of the PTX ISA's "Shared Memory

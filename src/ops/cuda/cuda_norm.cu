@@ -1,24 +1,427 @@
 /*
- * cuda_backward_fast.cu -- the fast mode's matmul backward (contract and arithmetic:
- * cuda_backward_fast.h): dy, x and W rounded to bf16 once each into a stream-ordered buffer,
- * then dx = dy @ W and dW += dy^T @ x as two bf16 tensor-core products of the GEMM module;
- * dbias and RMSNorm's dw by the chunked fixed-order column sum (kiln_cuda_col_sum_fast);
- * RMSNorm's dx and rstd by a row kernel in f32 with an order of its own (a warp or a block
- * per row, float4 loads, one read of the row).
+ * cuda_norm.cu -- RMSNorm on the GPU, every mode and both directions, with the column sums
+ * of its weight gradient, and their launchers (contracts: cuda_norm.h). In order:
+ *   - the auditable forward: a half-warp per row, the lane-16 dot, f32 or bf16 outputs;
+ *   - the auditable column sums (col_lanes: rmsnorm's dw, and the matmul backward's dbias);
+ *   - the auditable backward: a half-warp per row, then dw by the column lanes;
+ *   - the fast column sums: row chunks summed in double in a fixed order (rmsnorm's dw and
+ *     the fast matmul backward's dbias);
+ *   - the fast rows: the backward's dx and rstd (and dw in the same pass) in an f32 order of
+ *     their own, and the forward with bf16 output whose r has the backward's bits.
+ *
+ * Auditable arithmetic: each kernel transcribes docs/ARITHMETIC.md (the backward ops: its
+ * "Backward ops", as src/ops/cpu/backward_portable.c computes them): the same binary32
+ * operations, in the same order, per output element, as the CPU reference. Parallelism only ever
+ * splits work ACROSS output elements or across the 16 lanes of the defined dot product, never
+ * along a sequential chain, so the bits cannot depend on the launch shape. Compiled with
+ * --fmad=false (no a*b+c contraction: every FMA is a written __fmaf_rn / fmaf), IEEE division
+ * and square root (nvcc's defaults without --use_fast_math) and no flush-to-zero.
  */
-#include "cuda_backward_fast.h"
+#include "cuda_norm.h"
 
 #include "cuda_common.cuh"
-#include "cuda_mma.cuh"
-
-#include "cuda_backward.h"
+#include "cuda_mma.cuh" /* cp.async */
 
 #include "../../base/kmath.h"
 
 #include <limits.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
+
+/* =================================================================================================
+ * Auditable forward.
+ * ============================================================================================== */
+
+/* ---- rmsnorm: one half-warp per row -------------------------------------------------------- */
+
+/* Thread j = lane j of the row's dot: it owns elements i = j + 16k in increasing k (the
+ * defined lane order). The chain of fmaf is sequential by definition, so speed comes from
+ * loading all of the lane's x[i] into registers before the first FMA (the cached kernel, for
+ * C <= 16 * E with E a compile-time bound picked at launch) and writing out from those
+ * registers; larger C takes the chunked kernel (chunks of RMS_CHUNK elements per lane,
+ * loaded before their FMAs). Elements past C are never used by an fmaf.
+ *
+ * out may alias x (ops.h), so neither is __restrict__: each thread reads its elements for
+ * the dot, the tree (which needs every lane's accumulator) orders all of a row's reads
+ * before any write, and each element is written by the thread that read it. */
+#define RMS_ROWS_PER_BLOCK 4 /* 64 threads: N = 2048 rows make 512 blocks for 132 SMs */
+#define RMS_THREADS (RMS_ROWS_PER_BLOCK * 16)
+#define RMS_CHUNK 16
+static_assert(RMS_THREADS % 32 == 0, "a half-warp never straddles two blocks' rows");
+
+template <typename O, int E>
+static __global__ void __launch_bounds__(RMS_THREADS)
+rmsnorm_cached_kernel(O *out, const float *x, const float *__restrict__ w, int N, int C,
+                      float eps) {
+    const int lane = threadIdx.x & 15;
+    const int64_t n = (int64_t)blockIdx.x * RMS_ROWS_PER_BLOCK + (threadIdx.x >> 4);
+    if (n >= N) return; /* whole half-warps leave together */
+    const unsigned mask = half_warp_mask();
+    const float *xr = x + n * C;
+    float xv[E];
+#pragma unroll
+    for (int k = 0; k < E; k++) {
+        const int i = lane + 16 * k;
+        xv[k] = i < C ? xr[i] : 0.0f;
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (int k = 0; k < E; k++)
+        if (lane + 16 * k < C) acc = __fmaf_rn(xv[k], xv[k], acc);
+    const float r = kiln_rms_scale(lane16_tree(acc, mask), C, eps);
+    O *o = out + n * C;
+    if (w) {
+#pragma unroll
+        for (int k = 0; k < E; k++) {
+            const int i = lane + 16 * k;
+            if (i < C) store_out(o + i, (xv[k] * r) * w[i]);
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < E; k++) {
+            const int i = lane + 16 * k;
+            if (i < C) store_out(o + i, xv[k] * r);
+        }
+    }
+}
+
+/* Any C: the dot in chunks of RMS_CHUNK elements per lane (chunk starts are multiples of 16,
+ * so every element keeps its lane), then the output loop. */
+template <typename O>
+static __global__ void __launch_bounds__(RMS_THREADS)
+rmsnorm_chunked_kernel(O *out, const float *x, const float *__restrict__ w, int N, int C,
+                       float eps) {
+    const int lane = threadIdx.x & 15;
+    const int64_t n = (int64_t)blockIdx.x * RMS_ROWS_PER_BLOCK + (threadIdx.x >> 4);
+    if (n >= N) return; /* whole half-warps leave together */
+    const unsigned mask = half_warp_mask();
+    const float *xr = x + n * C;
+    float xv[RMS_CHUNK];
+    float acc = 0.0f;
+    for (int c0 = 0; c0 < C; c0 += 16 * RMS_CHUNK) {
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++) {
+            const int i = c0 + lane + 16 * k;
+            xv[k] = i < C ? xr[i] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++)
+            if (c0 + lane + 16 * k < C) acc = __fmaf_rn(xv[k], xv[k], acc);
+    }
+    const float r = kiln_rms_scale(lane16_tree(acc, mask), C, eps);
+    O *o = out + n * C;
+    for (int c0 = 0; c0 < C; c0 += 16 * RMS_CHUNK) {
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++) {
+            const int i = c0 + lane + 16 * k;
+            xv[k] = i < C ? xr[i] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++) {
+            const int i = c0 + lane + 16 * k;
+            if (i < C) store_out(o + i, w ? (xv[k] * r) * w[i] : xv[k] * r);
+        }
+    }
+}
+
+template <typename O, int E>
+static void rmsnorm_cached_launch(cudaStream_t s, unsigned grid, O *out, const float *x,
+                                  const float *w, int N, int C, float eps) {
+    rmsnorm_cached_kernel<O, E><<<grid, RMS_THREADS, 0, s>>>(out, x, w, N, C, eps);
+}
+
+template <typename O>
+static cudaError_t rmsnorm_launch(cudaStream_t s, O *out, const float *x, const float *w, int N,
+                                  int C, float eps) {
+    if (N <= 0 || C <= 0) return cudaSuccess;
+    const unsigned grid = (unsigned)((N + RMS_ROWS_PER_BLOCK - 1) / RMS_ROWS_PER_BLOCK);
+    const int per_lane = (C + 15) / 16; /* the lane's elements: at most ceil(C / 16) */
+    if (per_lane <= 4) rmsnorm_cached_launch<O, 4>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 8) rmsnorm_cached_launch<O, 8>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 16) rmsnorm_cached_launch<O, 16>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 32) rmsnorm_cached_launch<O, 32>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 48) rmsnorm_cached_launch<O, 48>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 64) rmsnorm_cached_launch<O, 64>(s, grid, out, x, w, N, C, eps);
+    else if (per_lane <= 128) rmsnorm_cached_launch<O, 128>(s, grid, out, x, w, N, C, eps);
+    else rmsnorm_chunked_kernel<O><<<grid, RMS_THREADS, 0, s>>>(out, x, w, N, C, eps);
+    return cudaGetLastError();
+}
+
+cudaError_t kiln_cuda_rmsnorm(cudaStream_t s, float *out, const float *x, const float *w, int N,
+                              int C, float eps) {
+    return rmsnorm_launch(s, out, x, w, N, C, eps);
+}
+
+cudaError_t kiln_cuda_rmsnorm_bf16(cudaStream_t s, uint16_t *out, const float *x, const float *w,
+                                   int N, int C, float eps) {
+    return rmsnorm_launch(s, out, x, w, N, C, eps);
+}
+
+/* =================================================================================================
+ * Auditable column sums.
+ * ============================================================================================== */
+
+/* ---- column lanes: out(W) += lane-16 over rows n of fmaf(a[n,c], bv, .) ------------------- */
+
+/* For c < W: lane n % 16 does acc = fmaf(a[n*ld + c], bv, acc) for n ascending, with
+ * bv = 1 (b NULL: a plain sum, dbias), b[n*ld + c] (s NULL) or b[n*ld + c] * s[n] (one
+ * rounding: rmsnorm's x * r); then out[c] = out[c] + tree. The CPU's col_lanes.
+ *
+ * A block is CL_COLS = 8 columns x 16 lanes (128 threads): threadIdx.x the column,
+ * threadIdx.y the lane, so a warp reads 4 lanes' rows of 8 consecutive columns (whole
+ * 32-byte sectors). The chain of a (column, lane) is sequential over n by definition and is
+ * never split; parallelism comes from many blocks (narrow blocks: C = 576 makes 72 blocks
+ * where 32-column blocks made 18, each SM's load bandwidth was the limit) and from loading
+ * CL_AHEAD of the lane's rows (n, n + 16, ...) into registers before their FMAs. The 16 lanes
+ * meet in shared memory and one thread per column applies kiln_lane16_reduce. */
+#define CL_AHEAD 16
+
+/* MODE 0: bv = 1; 1: bv = b; 2: bv = b * s[n]. */
+template <int MODE>
+static __global__ void __launch_bounds__(CL_COLS * 16)
+col_lanes_kernel(float *out, const float *__restrict__ a, const float *__restrict__ b,
+                 const float *__restrict__ s, int64_t ld, int N, int64_t W) {
+    __shared__ float part[16][CL_COLS + 1];
+    const int tx = threadIdx.x, lane = threadIdx.y;
+    const int64_t c = (int64_t)blockIdx.x * CL_COLS + tx;
+    float acc = 0.0f;
+    if (c < W) {
+        for (int64_t n0 = lane; n0 < N; n0 += 16 * CL_AHEAD) {
+            float av[CL_AHEAD], bv[CL_AHEAD];
+#pragma unroll
+            for (int u = 0; u < CL_AHEAD; u++) {
+                const int64_t n = n0 + 16 * u;
+                av[u] = 0.0f;
+                bv[u] = 1.0f;
+                if (n < N) {
+                    av[u] = a[n * ld + c];
+                    if (MODE == 1) bv[u] = b[n * ld + c];
+                    if (MODE == 2) bv[u] = b[n * ld + c] * s[n];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < CL_AHEAD; u++)
+                if (n0 + 16 * u < N) acc = __fmaf_rn(av[u], bv[u], acc);
+        }
+    }
+    part[lane][tx] = acc;
+    __syncthreads();
+    if (lane == 0 && c < W) {
+        float l[KILN_DOT_LANES];
+#pragma unroll
+        for (int q = 0; q < KILN_DOT_LANES; q++) l[q] = part[q][tx];
+        out[c] = out[c] + kiln_lane16_reduce(l);
+    }
+}
+
+/* Callers check (W + CL_COLS - 1) / CL_COLS <= INT_MAX. */
+void col_lanes_launch(cudaStream_t s, float *out, const float *a, const float *b,
+                             const float *sc, int64_t ld, int N, int64_t W) {
+    const unsigned grid = (unsigned)((W + CL_COLS - 1) / CL_COLS);
+    const dim3 block(CL_COLS, 16);
+    if (!b) col_lanes_kernel<0><<<grid, block, 0, s>>>(out, a, b, sc, ld, N, W);
+    else if (!sc) col_lanes_kernel<1><<<grid, block, 0, s>>>(out, a, b, sc, ld, N, W);
+    else col_lanes_kernel<2><<<grid, block, 0, s>>>(out, a, b, sc, ld, N, W);
+}
+
+cudaError_t kiln_cuda_col_sum_exact(cudaStream_t s, float *out, const float *a, const float *b,
+                                    const float *sc, int64_t ld, int N, int64_t W) {
+    if (N <= 0 || W <= 0) return cudaSuccess;
+    if (!out || !a || (sc && !b) || ld < W) return cudaErrorInvalidValue;
+    if ((W + CL_COLS - 1) / CL_COLS > INT_MAX) return cudaErrorInvalidConfiguration;
+    col_lanes_launch(s, out, a, b, sc, ld, N, W);
+    return cudaGetLastError();
+}
+
+/* =================================================================================================
+ * Auditable backward (the rows use the forward's RMS_ROWS_PER_BLOCK, RMS_THREADS and
+ * RMS_CHUNK).
+ * ============================================================================================== */
+
+/* ---- rmsnorm backward: one half-warp per row, then dw by column lanes ---------------------- */
+
+/* Row n: r = kiln_rms_scale(dot(x, x)) (the forward's r, written to rstd[n]); g = dy * w (or
+ * dy); d = dot(g, x); u = ((d / C) * r) * r; dx = (g - x * u) * r, or dx + that.
+ *
+ * One half-warp per row, thread j = lane j of both dots: it owns elements i = j + 16k in
+ * increasing k, exactly the defined lane order. The chains of fmaf are sequential by
+ * definition, so speed comes from memory parallelism: the cached kernel (C <= 16 * E, E a
+ * compile-time bound chosen at launch) loads the lane's x[i] and dy[i], w[i] (g = dy * w is
+ * the reference's own rounding, formed once and kept) into registers before the first FMA,
+ * and reuses them in all three passes; the chunked kernel (larger C) does each pass in
+ * chunks of E elements per lane, loading a chunk before its FMAs. Elements past C are never
+ * used by an fmaf (fmaf(0, 0, -0) would turn an accumulator of -0 into +0).
+ *
+ * Aliasing (cuda_norm.h): dx may be dy, so neither is __restrict__; x, w and rstd never
+ * alias an output. Each element of dx is read (accumulate) and written by the thread that
+ * read the same element of dy, after that read; the trees (which need every lane) order all
+ * of a row's reads for the dots before any write. */
+
+template <int E>
+static __global__ void __launch_bounds__(RMS_THREADS)
+rmsnorm_bwd_rows_cached_kernel(float *dx, const float *dy, const float *__restrict__ x,
+                               const float *__restrict__ w, int N, int C, float eps,
+                               float *__restrict__ rstd, bool accumulate) {
+    const int lane = threadIdx.x & 15;
+    const int64_t n = (int64_t)blockIdx.x * RMS_ROWS_PER_BLOCK + (threadIdx.x >> 4);
+    if (n >= N) return; /* whole half-warps leave together */
+    const unsigned mask = half_warp_mask();
+    const float *xr = x + n * C, *dyr = dy + n * C;
+    float *dxr = dx + n * C;
+    float xv[E], gv[E];
+#pragma unroll
+    for (int k = 0; k < E; k++) {
+        const int i = lane + 16 * k;
+        xv[k] = i < C ? xr[i] : 0.0f;
+        gv[k] = i < C ? dyr[i] : 0.0f;
+    }
+    if (w) {
+#pragma unroll
+        for (int k = 0; k < E; k++) {
+            const int i = lane + 16 * k;
+            if (i < C) gv[k] = gv[k] * w[i];
+        }
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (int k = 0; k < E; k++)
+        if (lane + 16 * k < C) acc = __fmaf_rn(xv[k], xv[k], acc);
+    const float r = kiln_rms_scale(lane16_tree(acc, mask), C, eps);
+    if (lane == 0) rstd[n] = r;
+    acc = 0.0f;
+#pragma unroll
+    for (int k = 0; k < E; k++)
+        if (lane + 16 * k < C) acc = __fmaf_rn(gv[k], xv[k], acc);
+    const float d = lane16_tree(acc, mask);
+    const float u = ((d / (float)C) * r) * r;
+    if (accumulate) {
+        float ov[E];
+#pragma unroll
+        for (int k = 0; k < E; k++) {
+            const int i = lane + 16 * k;
+            ov[k] = i < C ? dxr[i] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < E; k++) {
+            const int i = lane + 16 * k;
+            if (i < C) dxr[i] = ov[k] + (gv[k] - xv[k] * u) * r;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < E; k++) {
+            const int i = lane + 16 * k;
+            if (i < C) dxr[i] = (gv[k] - xv[k] * u) * r;
+        }
+    }
+}
+
+/* Any C: each pass in chunks of RMS_CHUNK elements per lane (16 * RMS_CHUNK per row; chunk
+ * starts are multiples of 16, so every element keeps its lane). */
+static __global__ void __launch_bounds__(RMS_THREADS)
+rmsnorm_bwd_rows_chunked_kernel(float *dx, const float *dy, const float *__restrict__ x,
+                                const float *__restrict__ w, int N, int C, float eps,
+                                float *__restrict__ rstd, bool accumulate) {
+    const int lane = threadIdx.x & 15;
+    const int64_t n = (int64_t)blockIdx.x * RMS_ROWS_PER_BLOCK + (threadIdx.x >> 4);
+    if (n >= N) return; /* whole half-warps leave together */
+    const unsigned mask = half_warp_mask();
+    const float *xr = x + n * C, *dyr = dy + n * C;
+    float *dxr = dx + n * C;
+    float xv[RMS_CHUNK], gv[RMS_CHUNK];
+    float acc = 0.0f;
+    for (int c0 = 0; c0 < C; c0 += 16 * RMS_CHUNK) {
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++) {
+            const int i = c0 + lane + 16 * k;
+            xv[k] = i < C ? xr[i] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++)
+            if (c0 + lane + 16 * k < C) acc = __fmaf_rn(xv[k], xv[k], acc);
+    }
+    const float r = kiln_rms_scale(lane16_tree(acc, mask), C, eps);
+    if (lane == 0) rstd[n] = r;
+    acc = 0.0f;
+    for (int c0 = 0; c0 < C; c0 += 16 * RMS_CHUNK) {
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++) {
+            const int i = c0 + lane + 16 * k;
+            xv[k] = i < C ? xr[i] : 0.0f;
+            gv[k] = i < C ? dyr[i] : 0.0f;
+            if (w && i < C) gv[k] = gv[k] * w[i];
+        }
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++)
+            if (c0 + lane + 16 * k < C) acc = __fmaf_rn(gv[k], xv[k], acc);
+    }
+    const float d = lane16_tree(acc, mask);
+    const float u = ((d / (float)C) * r) * r;
+    for (int c0 = 0; c0 < C; c0 += 16 * RMS_CHUNK) {
+        float ov[RMS_CHUNK];
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++) {
+            const int i = c0 + lane + 16 * k;
+            xv[k] = i < C ? xr[i] : 0.0f;
+            gv[k] = i < C ? dyr[i] : 0.0f;
+            if (w && i < C) gv[k] = gv[k] * w[i];
+            ov[k] = accumulate && i < C ? dxr[i] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < RMS_CHUNK; k++) {
+            const int i = c0 + lane + 16 * k;
+            if (i < C) {
+                const float v = (gv[k] - xv[k] * u) * r;
+                dxr[i] = accumulate ? ov[k] + v : v;
+            }
+        }
+    }
+}
+
+template <int E>
+static void rmsnorm_bwd_rows_cached_launch(cudaStream_t s, unsigned grid, float *dx,
+                                           const float *dy, const float *x, const float *w,
+                                           int N, int C, float eps, float *rstd,
+                                           bool accumulate) {
+    rmsnorm_bwd_rows_cached_kernel<E><<<grid, RMS_THREADS, 0, s>>>(dx, dy, x, w, N, C, eps, rstd,
+                                                                   accumulate);
+}
+
+cudaError_t kiln_cuda_rmsnorm_backward(cudaStream_t s, float *dx, float *dw, const float *dy,
+                                       const float *x, const float *w, int N, int C, float eps,
+                                       float *rstd, bool accumulate_dx) {
+    if (N <= 0 || C <= 0) return cudaSuccess;
+    const unsigned grid = (unsigned)((N + RMS_ROWS_PER_BLOCK - 1) / RMS_ROWS_PER_BLOCK);
+    const int per_lane = (C + 15) / 16; /* the lane's elements: at most ceil(C / 16) */
+    if (per_lane <= 4)
+        rmsnorm_bwd_rows_cached_launch<4>(s, grid, dx, dy, x, w, N, C, eps, rstd, accumulate_dx);
+    else if (per_lane <= 8)
+        rmsnorm_bwd_rows_cached_launch<8>(s, grid, dx, dy, x, w, N, C, eps, rstd, accumulate_dx);
+    else if (per_lane <= 16)
+        rmsnorm_bwd_rows_cached_launch<16>(s, grid, dx, dy, x, w, N, C, eps, rstd,
+                                           accumulate_dx);
+    else if (per_lane <= 32)
+        rmsnorm_bwd_rows_cached_launch<32>(s, grid, dx, dy, x, w, N, C, eps, rstd,
+                                           accumulate_dx);
+    else if (per_lane <= 48)
+        rmsnorm_bwd_rows_cached_launch<48>(s, grid, dx, dy, x, w, N, C, eps, rstd,
+                                           accumulate_dx);
+    else if (per_lane <= 64)
+        rmsnorm_bwd_rows_cached_launch<64>(s, grid, dx, dy, x, w, N, C, eps, rstd,
+                                           accumulate_dx);
+    else
+        rmsnorm_bwd_rows_chunked_kernel<<<grid, RMS_THREADS, 0, s>>>(dx, dy, x, w, N, C, eps,
+                                                                     rstd, accumulate_dx);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    if (dw && w) { /* dw[c] += lane-16 over n of fmaf(dy[n,c], x[n,c] * rstd[n], .) */
+        col_lanes_launch(s, dw, dy, x, rstd, C, N, C);
+        e = cudaGetLastError();
+    }
+    return e;
+}
+
+/* =================================================================================================
+ * Fast column sums (the order and its error bound: cuda_norm.h).
+ * ============================================================================================== */
 
 /* ---- column sums: row chunks of RC rows, partials in double, then a fixed combine ---------- */
 
@@ -31,7 +434,7 @@
  * same block shape over (32 columns, 8 groups of chunks), group g adding the partials of
  * chunks g, g + 8, ... in order, then the same tree, then out once.
  *
- * The order per column (cuda_backward_fast.h) depends on (N, W) only: the vector width, the
+ * The order per column (cuda_norm.h) depends on (N, W) only: the vector width, the
  * grid and the scheduling change which thread does what, never which additions happen in
  * which order. The combine is spread over 8 groups per column because one thread walking all
  * K partials cost more than the partial sums themselves. H200, N = 8192, both kernels
@@ -322,9 +725,14 @@ cudaError_t kiln_cuda_col_sum_fast_multi(cudaStream_t s, int n, float *const *ou
     return cudaGetLastError();
 }
 
+/* =================================================================================================
+ * Fast rows: the backward (the order and its error bound: cuda_norm.h) and the forward
+ * with bf16 output.
+ * ============================================================================================== */
+
 /* ---- rmsnorm backward rows: lanes of a warp per row up to C = 1024, a block per row past -- */
 
-/* Row n of x(N,C), dy(N,C), w(C) (the order and the error bound: cuda_backward_fast.h). The
+/* Row n of x(N,C), dy(N,C), w(C) (the order and the error bound: cuda_norm.h). The
  * row is cut into C4 = ceil(C / 4) slots of 4 consecutive elements (slot j: 4j .. 4j + 3;
  * elements >= C read as 0 and are never written). T threads own a row: LPR = 8, 16 or 32 lanes
  * of a warp for C4 <= 256 (several rows per warp, 8 warps per 256-thread block), the whole
@@ -830,7 +1238,7 @@ struct rb_fwd_launch {
     }
 };
 
-/* dx and rstd of the fast rmsnorm backward (cuda_backward_fast.h); N, C >= 1, pointers set.
+/* dx and rstd of the fast rmsnorm backward (cuda_norm.h); N, C >= 1, pointers set.
  * The variant is chosen from C alone (it fixes the order); vec only picks the loads. */
 static cudaError_t rmsnorm_bwd_rows_fast(cudaStream_t s, float *dx, uint16_t *dx16,
                                          const float *dy, const float *x, const float *w, int N,
@@ -937,217 +1345,6 @@ cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, uint16_t 
     if (e != cudaSuccess || !want_dw) return e;
     /* dw[c] += sum over n of dy[n,c] * f32(x[n,c] * rstd[n]) */
     return kiln_cuda_col_sum_fast(s, dw, dy, x, rstd, C, N, C, scratch, scratch_len);
-}
-
-/* Leading dimension of a bf16 copy: cols rounded up to 8 elements (16 bytes), so every row
- * starts 16-byte aligned (what the tensor-core kernels' vector loads want; the padding is
- * never read: k stops at cols). The GEMM module pads its own copies the same way. */
-static int64_t padded_ld(int64_t cols) { return (cols + 7) & ~(int64_t)7; }
-
-/* Bytes of a (rows x ld) bf16 matrix rounded up to 256 (the next region's alignment); false
- * past 2^46 elements (no buffer anyone allocates; keeps every later sum far from overflow). */
-static bool region_bytes(int64_t rows, int64_t ld, size_t *out) {
-    const int64_t limit = (int64_t)1 << 46;
-    if (rows < 0 || ld < 0 || (rows > 0 && ld > limit / rows)) return false;
-    *out = ((size_t)(rows * ld) * 2u + 255u) & ~(size_t)255u;
-    return true;
-}
-
-/* Whether a bf16 W is read in place: its rows start 16-byte aligned (the GEMM module's rule
- * for the forward, bf16_in_place in cuda_gemm_fast.cu). Otherwise it is copied, exactly
- * (bf16 -> f32 -> bf16 is the identity), into the buffer with padded rows. */
-static bool bf16_in_place(kiln_dtype dt, const uint8_t *w, size_t row_bytes) {
-    return dt == KILN_DTYPE_BF16 && ((uintptr_t)w & 15u) == 0 && row_bytes % 16 == 0;
-}
-
-/* The products of one item: dyb(N, ldR) already bf16; W converted into wcopy unless read in
- * place; xb (N, ldC) converted by the caller when dW. dx16 (then dx is NULL): dx in bf16,
- * not accumulated. Arguments already checked. */
-static cudaError_t item_products(kiln_cuda_gemm *g, cudaStream_t s, const kiln_cuda_mb_item &it,
-                                 const uint16_t *dyb, int64_t ldR, const uint16_t *xb,
-                                 int64_t ldx, uint16_t *wcopy, float *dx, uint16_t *dx16,
-                                 int64_t C, int N, bool accumulate_dx) {
-    const int64_t ldC = padded_ld(C);
-    cudaError_t e = cudaSuccess;
-    if (dx || dx16) { /* dx(N,C) (+)= dy(N,R) @ W(R,C): M = N, N = C, K = R */
-        const uint16_t *wb;
-        int64_t ldw;
-        if (bf16_in_place(it.dt, it.w, it.row_bytes)) {
-            wb = (const uint16_t *)it.w;
-            ldw = (int64_t)(it.row_bytes / 2);
-        } else {
-            e = kiln_cuda_weights_to_bf16(s, wcopy, ldC, it.w, it.row_bytes, it.dt, it.R, C);
-            if (e != cudaSuccess) return e;
-            wb = wcopy;
-            ldw = ldC;
-        }
-        e = dx16 ? kiln_cuda_gemm_bf16_out16(g, s, 0, 0, N, C, it.R, dyb, ldR, wb, ldw, dx16, C)
-                 : kiln_cuda_gemm_bf16(g, s, 0, 0, N, C, it.R, dyb, ldR, wb, ldw, dx, C,
-                                       accumulate_dx ? 1 : 0);
-        if (e != cudaSuccess) return e;
-    }
-    if (it.dW) /* dW(R,C) += dy^T(R,N) @ x(N,C): A = dy stored (N,R), trans_a; K = N */
-        e = kiln_cuda_gemm_bf16(g, s, 1, 0, it.R, C, N, dyb, ldR, xb, ldx, it.dW, C, 1);
-    return e;
-}
-
-/* kiln_cuda_matmul_backward_fast_multi (x f32, rounded into the buffer) or, with x NULL,
- * its _bf16 twin (xb16 at ldx16 used in place; no x region in the buffer). */
-static cudaError_t mb_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
-                            const kiln_cuda_mb_item *items, float *dx, uint16_t *dx16,
-                            const float *x, const uint16_t *xb16, int64_t ldx16, int64_t C,
-                            int N, bool accumulate_dx) {
-    if (!g || n < 1 || n > KILN_CUDA_MB_MAX || !items) return cudaErrorInvalidValue;
-    if (dx16 && (n != 1 || dx || accumulate_dx)) return cudaErrorInvalidValue;
-    if (N <= 0 || C <= 0) return cudaSuccess;
-    if (!x && xb16 && ldx16 < C) return cudaErrorInvalidValue;
-    /* every item checked before anything is enqueued; the buffer: each dyb_i, then xb (any
-     * dW), then one W copy region (the largest needed), then the column sums' partials (the
-     * largest) -- every region 256-byte aligned, as in a single call, so the GEMM problems
-     * (shapes, leading dimensions, alignment classes) are those of n single calls */
-    size_t dy_off[KILN_CUDA_MB_MAX], off = 0, x_bytes = 0, w_bytes = 0, part_len = 0;
-    size_t part_sum = 0; /* the biases' sums in one launch when two or more ask for them */
-    int n_bias = 0;
-    bool any = false, any_dW = false;
-    for (int i = 0; i < n; i++) {
-        const kiln_cuda_mb_item &it = items[i];
-        dy_off[i] = off;
-        if (it.R <= 0) continue;
-        if (!kiln_cuda_backward_dtype_supported(it.dt)) return cudaErrorInvalidValue;
-        const bool products = dx || dx16 || it.dW;
-        if (!products && !it.dbias) continue;
-        if ((!it.dy && !it.dy16) || (it.dbias && !it.dy) || ((dx || dx16) && !it.w) ||
-            (it.dW && !x && !xb16))
-            return cudaErrorInvalidValue;
-        const size_t es = it.dt == KILN_DTYPE_F32 ? 4u : 2u;
-        if ((dx || dx16) && (it.row_bytes % es != 0 || it.row_bytes / es < (size_t)C ||
-                   ((uintptr_t)it.w % es) != 0))
-            return cudaErrorInvalidValue;
-        any = true;
-        size_t b = 0;
-        if (products && !it.dy16) {
-            if (!region_bytes(N, padded_ld(it.R), &b)) return cudaErrorInvalidValue;
-            off += b;
-        }
-        if ((dx || dx16) && !bf16_in_place(it.dt, it.w, it.row_bytes)) {
-            if (!region_bytes(it.R, padded_ld(C), &b)) return cudaErrorInvalidValue;
-            if (b > w_bytes) w_bytes = b;
-        }
-        if (it.dW) any_dW = true;
-        if (it.dbias) {
-            const size_t pl = kiln_cuda_col_sum_fast_scratch_len(N, it.R);
-            if (pl > part_len) part_len = pl;
-            part_sum += pl;
-            n_bias++;
-        }
-    }
-    if (!any) return cudaSuccess;
-    static_assert(KILN_CUDA_MB_MAX <= KILN_CUDA_COL_SUM_MULTI_MAX, "every item's bias in one call");
-    const bool bias_multi = n_bias >= 2;
-    if (bias_multi) part_len = part_sum;
-    if (any_dW && x && !region_bytes(N, padded_ld(C), &x_bytes)) return cudaErrorInvalidValue;
-    const size_t x_off = off, w_off = x_off + x_bytes, part_off = w_off + w_bytes;
-    const size_t part_bytes = (part_len * sizeof(double) + 255u) & ~(size_t)255u;
-    const size_t total = part_off + part_bytes + 256; /* + room to align */
-    void *base = NULL;
-    bool pooled = true;
-    cudaError_t e = cudaMallocAsync(&base, total, s);
-    if (e == cudaErrorNotSupported) { /* no memory pools on this device: a plain allocation */
-        (void)cudaGetLastError();
-        pooled = false;
-        e = cudaMalloc(&base, total);
-    }
-    if (e != cudaSuccess) return e;
-    uint8_t *buf = (uint8_t *)(((uintptr_t)base + 255u) & ~(uintptr_t)255u);
-    uint16_t *wcopy = (uint16_t *)(buf + w_off);
-    const uint16_t *xb = xb16;
-    const int64_t ldx = x ? padded_ld(C) : ldx16;
-    double *part = (double *)(buf + part_off);
-    if (any_dW && x) {
-        uint16_t *dst = (uint16_t *)(buf + x_off);
-        e = kiln_cuda_f32_to_bf16(s, dst, ldx, x, C, N, C);
-        xb = dst;
-    }
-    if (bias_multi && e == cudaSuccess) { /* every bias's sums first, one launch each kernel */
-        float *bo[KILN_CUDA_COL_SUM_MULTI_MAX];
-        const float *ba[KILN_CUDA_COL_SUM_MULTI_MAX];
-        int64_t bld[KILN_CUDA_COL_SUM_MULTI_MAX], bw[KILN_CUDA_COL_SUM_MULTI_MAX];
-        int nb = 0;
-        for (int i = 0; i < n; i++)
-            if (items[i].R > 0 && items[i].dbias) {
-                bo[nb] = items[i].dbias;
-                ba[nb] = items[i].dy;
-                bld[nb] = bw[nb] = items[i].R;
-                nb++;
-            }
-        e = kiln_cuda_col_sum_fast_multi(s, nb, bo, ba, bld, bw, N, part, part_len);
-    }
-    bool dx_started = false; /* dx: the first product with accumulate_dx, the rest add */
-    for (int i = 0; i < n && e == cudaSuccess; i++) {
-        const kiln_cuda_mb_item &it = items[i];
-        if (it.R <= 0) continue;
-        /* dbias(R) += column sums of dy(N,R), kiln_cuda_col_sum_fast's order */
-        if (it.dbias && !bias_multi)
-            e = kiln_cuda_col_sum_fast(s, it.dbias, it.dy, NULL, NULL, it.R, N, it.R, part,
-                                       kiln_cuda_col_sum_fast_scratch_len(N, it.R));
-        if (e != cudaSuccess || (!dx && !dx16 && !it.dW)) continue;
-        const uint16_t *dyb = it.dy16;
-        const int64_t ldy = it.dy16 ? it.R : padded_ld(it.R);
-        if (!it.dy16) {
-            uint16_t *dst = (uint16_t *)(buf + dy_off[i]);
-            e = kiln_cuda_f32_to_bf16(s, dst, ldy, it.dy, it.R, N, it.R);
-            dyb = dst;
-        }
-        if (e == cudaSuccess)
-            e = item_products(g, s, it, dyb, ldy, xb, ldx, wcopy, dx, dx16, C, N,
-                              dx_started || accumulate_dx);
-        dx_started = dx_started || dx != NULL;
-    }
-    /* released after everything enqueued above has read it (stream order; the plain
-     * allocation waits for the stream first) */
-    cudaError_t ef;
-    if (pooled) {
-        ef = cudaFreeAsync(base, s);
-    } else {
-        ef = cudaStreamSynchronize(s);
-        cudaError_t e2 = cudaFree(base);
-        if (ef == cudaSuccess) ef = e2;
-    }
-    return e != cudaSuccess ? e : ef;
-}
-
-cudaError_t kiln_cuda_matmul_backward_fast_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
-                                                 const kiln_cuda_mb_item *items, float *dx,
-                                                 const float *x, int64_t C, int N,
-                                                 bool accumulate_dx) {
-    return mb_multi(g, s, n, items, dx, NULL, x, NULL, 0, C, N, accumulate_dx);
-}
-
-cudaError_t kiln_cuda_matmul_backward_fast_multi_bf16(kiln_cuda_gemm *g, cudaStream_t s, int n,
-                                                      const kiln_cuda_mb_item *items, float *dx,
-                                                      const uint16_t *xb, int64_t ldx,
-                                                      int64_t C, int N, bool accumulate_dx) {
-    if (!xb) return cudaErrorInvalidValue;
-    return mb_multi(g, s, n, items, dx, NULL, NULL, xb, ldx, C, N, accumulate_dx);
-}
-
-cudaError_t kiln_cuda_matmul_backward_fast_dx16(kiln_cuda_gemm *g, cudaStream_t s,
-                                                const kiln_cuda_mb_item *item, uint16_t *dx16,
-                                                const uint16_t *xb, int64_t ldx, int64_t C,
-                                                int N) {
-    if (!xb || !dx16) return cudaErrorInvalidValue;
-    return mb_multi(g, s, 1, item, NULL, dx16, NULL, xb, ldx, C, N, false);
-}
-
-cudaError_t kiln_cuda_matmul_backward_fast(kiln_cuda_gemm *g, cudaStream_t s, float *dx,
-                                           float *dW, float *dbias, const float *dy,
-                                           const float *x, const uint8_t *w, size_t row_bytes,
-                                           kiln_dtype dt, int64_t R, int64_t C, int N,
-                                           bool accumulate_dx) {
-    if (!g) return cudaErrorInvalidValue;
-    if (N <= 0 || R <= 0 || C <= 0) return cudaSuccess;
-    const kiln_cuda_mb_item it = {dW, dbias, dy, w, row_bytes, dt, R};
-    return kiln_cuda_matmul_backward_fast_multi(g, s, 1, &it, dx, x, C, N, accumulate_dx);
 }
 
 cudaError_t kiln_cuda_rmsnorm_fast_bf16(cudaStream_t s, uint16_t *out, const float *x,

@@ -1,31 +1,59 @@
 /*
- * cuda_backward_fast.h -- the fast mode's matmul backward (issue 5, "matrix products in bf16
- * (fast)"): ops.h's matmul_backward with its two products on the bf16 tensor cores through
- * the fast GEMM module (cuda_gemm_fast.h); the column sums of dbias and RMSNorm's dw; and
- * RMSNorm's backward rows in an f32 order of their own (kiln_cuda_rmsnorm_backward_fast).
- * Included from .cu files only (C++ linkage).
+ * cuda_norm.h -- RMSNorm on the GPU, every mode and both directions, and the column sums of
+ * its weight gradient, which the matmul backward's dbias takes too (cuda_norm.cu). Included from
+ * .cu files only (C++ linkage).
  *
- * Arithmetic (not the CPU's bits; docs/TRAINING.md, "Fast mode"):
- *   - dy, x and W are each rounded to bf16 (round to nearest even, tensor.c's
- *     kiln_fp32_to_bf16; an f16 W is widened exactly, then rounded; a bf16 W is used as is);
- *     the products of bf16 values are exact in f32 and cuBLASLt sums them in f32 in an order
- *     of its own. Per element, against the exact product of the unrounded operands:
- *       |error| <= (2^-7 + K * 2^-24) * sum_k |a_k b_k|   (first order),
- *     K = R for dx, N for dW; then dx (accumulate) and dW add the old value in f32;
- *   - dbias is kiln_cuda_col_sum_fast below (f32 dy, summed in double in a fixed chunked
- *     order, rounded once): within about half an ulp of the exact sum, not the CPU's bits.
- *
- * Determinism: run to run on one GPU model the results have the same bits. The GEMM module
- * fixes one algorithm per problem (shape, leading dimensions, pointer alignment classes) and
- * never uses an order-dependent reduction; the conversions are elementwise; the dbias sum has
- * a fixed order. The bf16 copies of dy, x and W and the column sum's partials live in a
- * buffer taken from the stream-ordered allocator (cudaMallocAsync on s, released with
- * cudaFreeAsync on s after the kernels that read it), placed 256-byte aligned with row
- * strides padded to 8 elements, so the problems the GEMM module sees never depend on where
- * the allocator put the buffer.
+ * The auditable launchers: every output element is the IEEE binary32 operations of
+ * docs/ARITHMETIC.md in the CPU reference's order (src/ops/cpu/kernels_portable.c,
+ * backward_portable.c and tensor.c's dequantizers), so the results are the CPU backend's bits
+ * (docs/CUDA.md). Shapes as in ops.h. Each only enqueues work on stream s and returns the launch's
+ * error (cudaGetLastError), cudaSuccess when there is nothing to do, or cudaErrorInvalidValue /
+ * cudaErrorInvalidConfiguration for arguments it cannot run (checked before anything is
+ * enqueued). All pointers are device pointers, ids and pos included. No launcher allocates; the
+ * scratch buffers are the caller's, as on the CPU.
+ */
+#ifndef KILN_CUDA_NORM_H
+#define KILN_CUDA_NORM_H
+
+#include "cuda_internal.h"
+
+/* =================================================================================================
+ * Auditable.
+ * ============================================================================================== */
+
+/* ops.h's rmsnorm over the rows of x(N,C), weight w(C) (NULL: none); out may alias x. */
+cudaError_t kiln_cuda_rmsnorm(cudaStream_t s, float *out, const float *x, const float *w, int N,
+                              int C, float eps);
+/* The same rows with each output rounded to bf16 (kiln_fp32_to_bf16 of the f32 result). */
+cudaError_t kiln_cuda_rmsnorm_bf16(cudaStream_t s, uint16_t *out, const float *x, const float *w,
+                                   int N, int C, float eps);
+
+/* The auditable column sum on its own (dbias's and rmsnorm dw's kernel, exported for tests
+ * and timing): for c < W, out[c] = out[c] + lane-16 over rows n < N of fmaf(a[n*ld + c], bv,
+ * .), bv = 1 (b NULL), b[n*ld + c] (sc NULL) or b[n*ld + c] * sc[n]; the CPU's col_lanes
+ * bits. cudaErrorInvalidValue for ld < W, a or out NULL, or sc without b. */
+cudaError_t kiln_cuda_col_sum_exact(cudaStream_t s, float *out, const float *a, const float *b,
+                                    const float *sc, int64_t ld, int N, int64_t W);
+
+/* Over rows x(N,C), weight w(C) (NULL: none), dy(N,C): dx (accumulate_dx: +=), dw(C) +=
+ * (skipped when dw or w is NULL), rstd(N) overwritten with each row's r. dx may be dy (the
+ * same index is read before it is written). */
+cudaError_t kiln_cuda_rmsnorm_backward(cudaStream_t s, float *dx, float *dw, const float *dy,
+                                       const float *x, const float *w, int N, int C, float eps,
+                                       float *rstd, bool accumulate_dx);
+
+/* The column lanes' launcher (kiln_cuda_col_sum_exact's kernel without its checks) and their
+ * block width, for the matmul backward's dbias (cuda_matmul.cu), which checks its arguments
+ * before anything is enqueued. Callers check (W + CL_COLS - 1) / CL_COLS <= INT_MAX. */
+#define CL_COLS 8
+void col_lanes_launch(cudaStream_t s, float *out, const float *a, const float *b,
+                      const float *sc, int64_t ld, int N, int64_t W);
+
+/* =================================================================================================
+ * Fast column sums.
  *
  * Column sums (kiln_cuda_col_sum_fast; fast mode's dbias and RMSNorm dw). The auditable
- * col_lanes kernel (cuda_backward.cu) must follow the CPU's 16 sequential chains per column,
+ * col_lanes kernel (cuda_norm.cu) must follow the CPU's 16 sequential chains per column,
  * which caps its parallelism at 16 threads per column (an H200 at N = 8192 rows: W = 896 in
  * about 95-180 us, a few hundred GB/s). This order cuts the rows into chunks instead; it is
  * fixed by (N, W) alone, so the bits do not depend on the GPU, the launch, the alignment of
@@ -33,7 +61,7 @@
  *     t(n, c) = a[n,c] * bv,  bv = 1, b[n,c], or f32(b[n,c] * s[n])  (the one f32 rounding of
  *     the auditable path; the product a * bv of two floats is exact in double):
  *   1. rows are cut into K = ceil(N / RC) chunks of RC rows (RC a multiple of 64, K <= 256, a
- *      function of N and W only: col_sum_rows_per_chunk in cuda_backward_fast.cu);
+ *      function of N and W only: col_sum_rows_per_chunk in cuda_norm.cu);
  *   2. in chunk k, row lane j (0..7) sums its rows n = k*RC + j + 8i, i ascending, into a
  *      double with fma(a, bv, acc) (one rounding per term, acc starts at +0);
  *   3. the 8 lane sums of a chunk meet in the fixed tree (j, j+4), (j, j+2), (j, j+1) in
@@ -45,71 +73,7 @@
  * underflow aside): half an f32 ulp of the result plus a double-precision rounding term.
  * No float atomics; the partials go to a caller-provided scratch (a second kernel combines
  * them).
- */
-#ifndef KILN_CUDA_BACKWARD_FAST_H
-#define KILN_CUDA_BACKWARD_FAST_H
-
-#include "cuda_gemm_fast.h"
-
-/* For x(N,C) f32, W(R,C) (rows row_bytes apart, dtype dt: F32, BF16 or F16), dy(N,R) f32:
- *   dx(N,C)   = dy @ W     (accumulate_dx: dx += dy @ W); dx NULL: skipped
- *   dW(R,C)  += dy^T @ x   f32 whatever dt; NULL: skipped (x may then be NULL)
- *   dbias(R) += sum over tokens of dy, kiln_cuda_col_sum_fast's order; NULL: skipped
- * All pointers are device pointers on g's device, which must be current; outputs must not
- * alias inputs or each other. Only enqueues work on s (calls on one handle must be ordered:
- * one stream). N, R or C <= 0: nothing to do. Returns cudaSuccess; cudaErrorInvalidValue for
- * bad arguments (g NULL, unsupported dtype, row_bytes too small or not a multiple of the
- * element size, a misaligned W, a needed input NULL, a shape too large); cudaErrorUnknown for
- * a cuBLASLt failure, or the CUDA error of a failed allocation or launch. For a failure in a
- * product, kiln_cuda_gemm_error(g) says which call failed and why. On failure some outputs
- * may have been written (as with any op that poisons the backend). */
-cudaError_t kiln_cuda_matmul_backward_fast(kiln_cuda_gemm *g, cudaStream_t s, float *dx,
-                                           float *dW, float *dbias, const float *dy,
-                                           const float *x, const uint8_t *w, size_t row_bytes,
-                                           kiln_dtype dt, int64_t R, int64_t C, int N,
-                                           bool accumulate_dx);
-
-/* One product of kiln_cuda_matmul_backward_fast_multi: dy(N,R), W (R rows of dtype dt,
- * row_bytes apart) and its outputs dW(R,C), dbias(R) (NULL: skipped). R <= 0: skipped.
- * dy16: NULL, or dy already in bf16 (N rows of R values back to back, 16-byte aligned), used
- * in place of rounding dy (which may then be NULL unless dbias is wanted); with R a multiple
- * of 8 the bits are those of passing the f32 dy it rounds. */
-typedef struct kiln_cuda_mb_item {
-    float *dW, *dbias;
-    const float *dy;
-    const uint8_t *w;
-    size_t row_bytes;
-    kiln_dtype dt;
-    int64_t R;
-    const uint16_t *dy16;
-} kiln_cuda_mb_item;
-#define KILN_CUDA_MB_MAX 4
-/* n (1..KILN_CUDA_MB_MAX) products of one x(N,C): for each item i, dW_i += dy_i^T @ x, dbias_i
- * += column sums of dy_i, and dx (NULL: skipped) = sum over i of dy_i @ W_i in increasing i
- * (accumulate_dx: added to the old dx), each as kiln_cuda_matmul_backward_fast computes it:
- * x is rounded to bf16 once, each dy_i once, and the operands sit at the same alignment
- * classes, so the bits are those of n kiln_cuda_matmul_backward_fast calls (the first with
- * accumulate_dx, the others accumulating). One stream-ordered allocation for all. Errors as
- * kiln_cuda_matmul_backward_fast (every item checked before anything is enqueued). */
-cudaError_t kiln_cuda_matmul_backward_fast_multi(kiln_cuda_gemm *g, cudaStream_t s, int n,
-                                                 const kiln_cuda_mb_item *items, float *dx,
-                                                 const float *x, int64_t C, int N,
-                                                 bool accumulate_dx);
-/* The same with x already in bf16 (N rows of C values, ldx >= C elements apart, 16-byte
- * aligned), used in place: with xb = kiln_cuda_f32_to_bf16(x) and ldx = C rounded up to a
- * multiple of 8, the bits of kiln_cuda_matmul_backward_fast_multi on x. */
-cudaError_t kiln_cuda_matmul_backward_fast_multi_bf16(kiln_cuda_gemm *g, cudaStream_t s, int n,
-                                                      const kiln_cuda_mb_item *items, float *dx,
-                                                      const uint16_t *xb, int64_t ldx,
-                                                      int64_t C, int N, bool accumulate_dx);
-
-/* One item with dx in bf16: dx16(N,C) = the RNE rounding of dy @ W, cuBLASLt's epilogue (not
- * the f32 result's bits rounded: a problem of its own), and dW += dy^T @ x with the bits of
- * kiln_cuda_matmul_backward_fast_multi_bf16; xb as there. */
-cudaError_t kiln_cuda_matmul_backward_fast_dx16(kiln_cuda_gemm *g, cudaStream_t s,
-                                                const kiln_cuda_mb_item *item, uint16_t *dx16,
-                                                const uint16_t *xb, int64_t ldx, int64_t C,
-                                                int N);
+ * ============================================================================================== */
 
 /* Doubles of scratch kiln_cuda_col_sum_fast needs for N rows of W columns: K * W (K the
  * number of row chunks, at most 256); 0 when N <= 0 or W <= 0. A function of (N, W) only. */
@@ -142,6 +106,10 @@ cudaError_t kiln_cuda_col_sum_fast_multi(cudaStream_t s, int n, float *const *ou
                                          const float *const *a, const int64_t *ld,
                                          const int64_t *W, int N, double *scratch,
                                          size_t scratch_len);
+
+/* =================================================================================================
+ * Fast rows.
+ * ============================================================================================== */
 
 /* ops.h's rmsnorm_backward in fast mode. Per row n of x(N,C), dy(N,C), w(C) (w NULL: g = dy,
  * no product):
@@ -199,4 +167,4 @@ cudaError_t kiln_cuda_rmsnorm_backward_fast(cudaStream_t s, float *dx, uint16_t 
 cudaError_t kiln_cuda_rmsnorm_fast_bf16(cudaStream_t s, uint16_t *out, const float *x,
                                         const float *w, int N, int C, float eps);
 
-#endif /* KILN_CUDA_BACKWARD_FAST_H */
+#endif /* KILN_CUDA_NORM_H */
