@@ -343,7 +343,7 @@ cudaError_t kiln_cuda_matmul_backward(cudaStream_t s, float *dx, float *dW, floa
         if ((e = cudaGetLastError()) != cudaSuccess) return e;
     }
     if (dbias) { /* dbias(R) += lane-16 over n of fmaf(dy[n,r], 1, .) */
-        col_lanes_launch(s, dbias, dy, NULL, NULL, R, N, R);
+        kiln_cuda_col_lanes_launch(s, dbias, dy, NULL, NULL, R, N, R);
         if ((e = cudaGetLastError()) != cudaSuccess) return e;
     }
     return cudaSuccess;

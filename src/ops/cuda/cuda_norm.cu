@@ -214,8 +214,8 @@ col_lanes_kernel(float *out, const float *__restrict__ a, const float *__restric
 }
 
 /* Callers check (W + CL_COLS - 1) / CL_COLS <= INT_MAX. */
-void col_lanes_launch(cudaStream_t s, float *out, const float *a, const float *b,
-                             const float *sc, int64_t ld, int N, int64_t W) {
+void kiln_cuda_col_lanes_launch(cudaStream_t s, float *out, const float *a, const float *b,
+                                const float *sc, int64_t ld, int N, int64_t W) {
     const unsigned grid = (unsigned)((W + CL_COLS - 1) / CL_COLS);
     const dim3 block(CL_COLS, 16);
     if (!b) col_lanes_kernel<0><<<grid, block, 0, s>>>(out, a, b, sc, ld, N, W);
@@ -228,7 +228,7 @@ cudaError_t kiln_cuda_col_sum_exact(cudaStream_t s, float *out, const float *a, 
     if (N <= 0 || W <= 0) return cudaSuccess;
     if (!out || !a || (sc && !b) || ld < W) return cudaErrorInvalidValue;
     if ((W + CL_COLS - 1) / CL_COLS > INT_MAX) return cudaErrorInvalidConfiguration;
-    col_lanes_launch(s, out, a, b, sc, ld, N, W);
+    kiln_cuda_col_lanes_launch(s, out, a, b, sc, ld, N, W);
     return cudaGetLastError();
 }
 
@@ -413,7 +413,7 @@ cudaError_t kiln_cuda_rmsnorm_backward(cudaStream_t s, float *dx, float *dw, con
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
     if (dw && w) { /* dw[c] += lane-16 over n of fmaf(dy[n,c], x[n,c] * rstd[n], .) */
-        col_lanes_launch(s, dw, dy, x, rstd, C, N, C);
+        kiln_cuda_col_lanes_launch(s, dw, dy, x, rstd, C, N, C);
         e = cudaGetLastError();
     }
     return e;

@@ -46,8 +46,8 @@ cudaError_t kiln_cuda_rmsnorm_backward(cudaStream_t s, float *dx, float *dw, con
  * block width, for the matmul backward's dbias (cuda_matmul.cu), which checks its arguments
  * before anything is enqueued. Callers check (W + CL_COLS - 1) / CL_COLS <= INT_MAX. */
 #define CL_COLS 8
-void col_lanes_launch(cudaStream_t s, float *out, const float *a, const float *b,
-                      const float *sc, int64_t ld, int N, int64_t W);
+void kiln_cuda_col_lanes_launch(cudaStream_t s, float *out, const float *a, const float *b,
+                                const float *sc, int64_t ld, int N, int64_t W);
 
 /* =================================================================================================
  * Fast column sums.
