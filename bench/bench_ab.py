@@ -99,33 +99,31 @@ print(json.dumps({"tok_s": n / statistics.median(times)}))
 """
 
 
+def run_worker(source, build, *args):
+    """Run a worker script (source) with build's libkiln.so and the binding, args after the
+    binding's path; the JSON object its last output line holds."""
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(source)
+        worker = f.name
+    cmd = [sys.executable, worker, os.path.join(HERE, "..", "python")] + [str(a) for a in args]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env_for(build), timeout=900)
+    finally:
+        os.unlink(worker)
+    if r.returncode != 0:
+        raise RuntimeError(f"worker: rc {r.returncode}: {r.stderr[-1500:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def prefill_warm(build, model, n, device, fast, reps=5):
     """Prompt tokens/s of an n-token forward in a process that has run it once (binding)."""
     dev = 0 if device == "cuda" else -1
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(PREFILL_WORKER)
-        worker = f.name
-    cmd = [sys.executable, worker, os.path.join(HERE, "..", "python"), model, str(n), str(dev), str(int(fast)),
-           str(reps)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env_for(build), timeout=900)
-    os.unlink(worker)
-    if r.returncode != 0:
-        raise RuntimeError(f"prefill worker: rc {r.returncode}: {r.stderr[-1500:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])["tok_s"]
+    return run_worker(PREFILL_WORKER, build, model, n, dev, int(fast), reps)["tok_s"]
 
 
 def train(build, model, seq, batch, micro, steps, device, fast):
     dev = 0 if device == "cuda" else -1
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(TRAIN_WORKER)
-        worker = f.name
-    cmd = [sys.executable, worker, os.path.join(HERE, "..", "python"), model, str(seq), str(batch), str(micro),
-           str(steps), str(dev), str(int(fast))]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env_for(build), timeout=900)
-    os.unlink(worker)
-    if r.returncode != 0:
-        raise RuntimeError(f"train worker: rc {r.returncode}: {r.stderr[-1500:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_worker(TRAIN_WORKER, build, model, seq, batch, micro, steps, dev, int(fast))
 
 
 def main():

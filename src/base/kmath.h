@@ -28,6 +28,11 @@
 #define KILN_DOT_LANES 16
 /* Keys per block of the online softmax of attention (docs/ARITHMETIC.md, "attention"). */
 #define KILN_ATTN_BLOCK 64
+/* The first key a causal query with T keys (0..T-1, its own the last) reads under a sliding
+ * window of `window` keys (docs/ARITHMETIC.md, "Sliding window"); 0 for window 0 (none). */
+static inline KILN_HD int kiln_attn_window_lo(int T, int window) {
+    return window > 0 && T > window ? T - window : 0;
+}
 
 static inline KILN_HD uint32_t kiln_f32_bits(float f) {
     uint32_t u;

@@ -69,6 +69,9 @@ static kiln_status hx_check_layout(const kiln_model_config *c, const char *type)
                           "config.json: model_type %s cannot express q/k/v bias %d, o bias %d, mlp "
                           "bias %d, q/k norm %d", type, c->attn_bias, c->attn_out_bias, c->mlp_bias,
                           c->qk_norm);
+    if (c->arch == KILN_ARCH_GEMMA3 && c->rope_scaling != KILN_ROPE_SCALING_NONE &&
+        c->rope_scaling != KILN_ROPE_SCALING_LINEAR)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "config.json: gemma3_text's RoPE is default or linear, not llama3");
     return KILN_OK;
 }
 
@@ -148,11 +151,6 @@ kiln_status kiln_hf_config_write(const kiln_model_config *c, const char *dtype, 
         if (slid) {
             cJSON_AddStringToObject(slid, "rope_type", "default");
             cJSON_AddNumberToObject(slid, "rope_theta", hx_float(c->rope_theta_local));
-        }
-        if (c->rope_scaling != KILN_ROPE_SCALING_NONE && c->rope_scaling != KILN_ROPE_SCALING_LINEAR) {
-            cJSON_Delete(rp);
-            cJSON_Delete(r);
-            return kiln_error(KILN_ERR_UNSUPPORTED, "config.json: gemma3_text has no llama3 RoPE scaling");
         }
     } else if (rp) {
         cJSON_AddNumberToObject(rp, "rope_theta", hx_float(c->rope_theta));

@@ -239,8 +239,10 @@ typedef struct g3_train {
     void *block;
 } g3_train;
 
-static bool g3_is_norm(int role) {
-    return role == G3_QNORM || role == G3_KNORM || (role >= G3_IN_NORM && role <= G3_POST_FF_NORM);
+/* Floats of role r's multiplier: its vector's length for a norm the forward uses as 1 + w (the
+ * roles table's plus_one), else 0. */
+static size_t g3_mult_floats(const kiln_model_config *c, int r) {
+    return gemma3_roles[r].plus_one ? (size_t)kiln_dim_value(c, gemma3_roles[r].rows) : 0;
 }
 
 static void gemma3_train_free(kiln_train_io *io) {
@@ -291,7 +293,8 @@ static kiln_status gemma3_train_init(kiln_train_io *io) {
     t->acts = kiln_calloc((size_t)L, sizeof *t->acts);
     t->layer_refs = kiln_calloc((size_t)L * G3_N_LAYER, sizeof *t->layer_refs);
     if (!t->acts || !t->layer_refs) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    t->n_mult = (size_t)L * (4 * C + 2 * HS) + C;
+    t->n_mult = g3_mult_floats(c, G3_NORM);
+    for (int r = G3_WQ; r < G3_WQ + G3_N_LAYER; r++) t->n_mult += (size_t)L * g3_mult_floats(c, r);
     enum { PER_LAYER = 15, N_OTHER = 25 };
     const size_t nrows = T * (size_t)c->n_head > T ? T * (size_t)c->n_head : T;
     const size_t ws = kiln_attention_backward_ws_floats((int)S, 0, c->n_head, c->n_head_kv, (int)HS);
@@ -334,14 +337,12 @@ static kiln_status gemma3_train_init(kiln_train_io *io) {
             const kiln_wref *src = &io->layer_refs[(size_t)l * G3_N_LAYER + (size_t)(r - G3_WQ)];
             kiln_wref *dst = &t->layer_refs[(size_t)l * G3_N_LAYER + (size_t)(r - G3_WQ)];
             *dst = *src;
-            if (!g3_is_norm(r)) continue;
+            if (!g3_mult_floats(c, r)) continue;
             dst->vec = t->mult + m;
-            m += r == G3_QNORM || r == G3_KNORM ? HS : C;
+            m += g3_mult_floats(c, r);
         }
     t->final_norm = io->refs[G3_NORM];
     t->final_norm.vec = t->mult + m;
-    m += C;
-    if (m != t->n_mult) return kiln_error(KILN_ERR_INTERNAL, "trainer: gemma3 multipliers %zu of %zu", m, t->n_mult);
     /* ones: written once */
     float *one = kiln_malloc(t->n_mult * sizeof(float));
     if (!one) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
@@ -361,12 +362,10 @@ static void g3_multipliers(kiln_train_io *io, g3_train *t) {
     op->add(be, t->mult, t->ones, t->n_mult);
     for (int l = 0; l < c->n_layer; l++)
         for (int r = G3_WQ; r < G3_N_LAYER + G3_WQ; r++) {
-            if (!g3_is_norm(r)) continue;
-            const size_t i = (size_t)l * G3_N_LAYER + (size_t)(r - G3_WQ);
-            const size_t n = r == G3_QNORM || r == G3_KNORM ? (size_t)c->head_dim : (size_t)c->n_embd;
-            op->add(be, (float *)t->layer_refs[i].vec, io->layer_refs[i].vec, n);
+            const size_t i = (size_t)l * G3_N_LAYER + (size_t)(r - G3_WQ), n = g3_mult_floats(c, r);
+            if (n) op->add(be, (float *)t->layer_refs[i].vec, io->layer_refs[i].vec, n);
         }
-    op->add(be, (float *)t->final_norm.vec, io->refs[G3_NORM].vec, (size_t)c->n_embd);
+    op->add(be, (float *)t->final_norm.vec, io->refs[G3_NORM].vec, g3_mult_floats(c, G3_NORM));
 }
 
 static void gemma3_train_forward(kiln_train_io *io, int n_seq, int seq) {

@@ -119,7 +119,7 @@ kiln_status kiln_model_vector_param(kiln_model *m, const kiln_param_role *r, int
     if (m->st) { /* a Hugging Face folder: its w (bind_vector checked the tensor) */
         char name[128];
         kiln_role_name(r, false, layer, name, sizeof name);
-        const kiln_tensor *t = kiln_safetensors_find(m->st, name);
+        const kiln_tensor *t = find_tensor(m, name);
         if (t && t->n_dims == 1 && t->shape[0] == n) {
             kiln_dequantize(t->dtype, t->data, dst, n);
             return KILN_OK;

@@ -463,9 +463,9 @@ void kiln_cpu_rope_backward(kiln_pool *pool, float *d, const int32_t *pos, int N
  *   dk_j  = (sum_{h in group, i} ds_ij q_ih) * scale  heads ascending, then tokens ascending
  *   dv_j  =  sum_{h in group, i} p_ij dout_ih         same order
  * each sum a sequence of fmaf into the output row (attn_pv), never split across tasks.
- * With a sliding window the keys of token i are [attn_lo, T) in the forward's blocks (key
- * blocks aligned at multiples of 64, the first cut to start at the window), and key j's
- * queries are those at positions j..j + window - 1. */
+ * With a sliding window the keys of token i are [kiln_attn_window_lo(T, window), T) in the
+ * forward's blocks (aligned at multiples of 64, the first cut to start at the window), and key
+ * j's queries are those at positions j..j + window - 1. */
 typedef struct attn_bwd_job {
     const kiln_cpu_kernels *k;
     float *dq, *dk, *dv, *ws;
@@ -475,16 +475,13 @@ typedef struct attn_bwd_job {
     int window; /* > 0: a sliding window (ops.h attention) */
 } attn_bwd_job;
 
-/* The first key a query with T keys (0..T-1, causal) reads. */
-static int attn_lo(int T, int window) { return window > 0 && T > window ? T - window : 0; }
-
 static void attn_bwd_stats(const attn_bwd_job *j, int i, int h) {
     const kiln_cpu_kernels *k = j->k;
     const int HS = j->HS, kvh = h / (j->NH / j->KVH);
     const int64_t stride = (int64_t)j->KVH * HS, u = (int64_t)i * j->NH + h;
     const float *q = j->q + u * HS;
     const int T = j->n_past + i + 1;
-    const int lo = attn_lo(T, j->window);
+    const int lo = kiln_attn_window_lo(T, j->window);
     float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK];
     float m = -INFINITY, l = 0.0f;
     for (int kb0 = lo / KILN_ATTN_BLOCK * KILN_ATTN_BLOCK; kb0 < T; kb0 += KILN_ATTN_BLOCK) {
@@ -519,7 +516,7 @@ static void attn_bwd_dq(const attn_bwd_job *j, int i, int h) {
     float *dq = j->dq + u * HS;
     const int T = j->n_past + i + 1;
     float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK], dp[KILN_ATTN_BLOCK];
-    const int lo = attn_lo(T, j->window);
+    const int lo = kiln_attn_window_lo(T, j->window);
     for (int d = 0; d < HS; d++) dq[d] = 0.0f;
     for (int kb0 = lo / KILN_ATTN_BLOCK * KILN_ATTN_BLOCK; kb0 < T; kb0 += KILN_ATTN_BLOCK) {
         const int kb = kb0 > lo ? kb0 : lo;

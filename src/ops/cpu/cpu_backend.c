@@ -279,7 +279,7 @@ static void attn_one(const attn_job *j, int i, int h) {
     float *acc = j->out + ((int64_t)i * j->NH + h) * HS;
     const int T = (j->pg ? j->pos[i] : j->n_past + i) + 1; /* causal: keys 0..its position */
     /* a sliding window: keys from lo on, the blocks still aligned at multiples of 64 */
-    const int lo = j->window > 0 && T > j->window ? T - j->window : 0;
+    const int lo = kiln_attn_window_lo(T, j->window);
     float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK];
     float m = -INFINITY, l = 0.0f;
     for (int d = 0; d < HS; d++) acc[d] = 0.0f;

@@ -109,7 +109,7 @@ attention_kernel(float *__restrict__ out, const float *__restrict__ q,
     const int T = n_past + i + 1;
     /* the window's first key; the key blocks stay aligned at multiples of 64 from the one
      * holding it, whose keys below lo are skipped (the CPU's attn_one, key for key) */
-    const int lo = WINDOW && T > wh.window ? T - wh.window : 0;
+    const int lo = WINDOW ? kiln_attn_window_lo(T, wh.window) : 0;
     float m = -INFINITY, l = 0.0f;
     __syncthreads();
     for (int kb0 = WINDOW ? lo / KILN_ATTN_BLOCK * KILN_ATTN_BLOCK : 0; kb0 < T; kb0 += KILN_ATTN_BLOCK) {
@@ -220,11 +220,6 @@ cudaError_t kiln_cuda_attention_paged(cudaStream_t s, float *out, const float *q
 #define AB_THREADS 128
 #define AB_HW (AB_THREADS / 16)
 
-/* The first key a query with T keys (0..T-1, causal) reads under a sliding window (0: none):
- * its key blocks stay aligned at multiples of 64, the first cut to start at it (the CPU's). */
-static __device__ __forceinline__ int attn_lo(int T, int window) {
-    return window > 0 && T > window ? T - window : 0;
-}
 
 static __device__ __forceinline__ float hw_dot(const float *a, const float *__restrict__ b,
                                                int HS, int lane, unsigned mask) {
@@ -249,7 +244,7 @@ attn_bwd_stats_kernel(float *__restrict__ ws, const float *__restrict__ q,
     const unsigned mask = half_warp_mask();
     const float *kbase = kc + (int64_t)kvh * HS;
     for (int d = tid; d < HS; d += AB_THREADS) qs[d] = q[u * HS + d];
-    const int T = n_past + i + 1, lo = attn_lo(T, window);
+    const int T = n_past + i + 1, lo = kiln_attn_window_lo(T, window);
     float m = -INFINITY, l = 0.0f; /* meaningful in thread 0 */
     __syncthreads();
     for (int kb0 = lo / KILN_ATTN_BLOCK * KILN_ATTN_BLOCK; kb0 < T; kb0 += KILN_ATTN_BLOCK) {
@@ -308,7 +303,7 @@ attn_bwd_dq_kernel(float *__restrict__ dq, const float *__restrict__ ws,
         acc[d] = 0.0f;
     }
     const float m = ws[u * 3 + 0], l = ws[u * 3 + 1], D = ws[u * 3 + 2];
-    const int T = n_past + i + 1, lo = attn_lo(T, window);
+    const int T = n_past + i + 1, lo = kiln_attn_window_lo(T, window);
     __syncthreads();
     for (int kb0 = lo / KILN_ATTN_BLOCK * KILN_ATTN_BLOCK; kb0 < T; kb0 += KILN_ATTN_BLOCK) {
         const int kb = kb0 > lo ? kb0 : lo;
@@ -489,7 +484,7 @@ static size_t f32_smem(int HS) {
 /* The first key a query at position p sees under a sliding window of `window` keys (0: no
  * window, key 0). */
 static __host__ __device__ __forceinline__ int window_lo(int p, int window) {
-    return window > 0 && p + 1 > window ? p + 1 - window : 0;
+    return kiln_attn_window_lo(p + 1, window);
 }
 
 /* The plain f32 attention for N > 8 when the tensor-core kernel does not apply (head sizes
