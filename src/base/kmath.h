@@ -169,4 +169,89 @@ static inline KILN_HD float kiln_rms_scale(float ss, int C, float eps) {
     return 1.0f / sqrtf(mean + eps);
 }
 
+/* ---- log, softplus, sigmoid (Gated DeltaNet's gates; docs/ARITHMETIC.md, "log and softplus") */
+
+/* ln(x) for binary32, about 1 ulp, from +, -, *, fmaf and bit manipulation only:
+ *   NaN or x < 0 -> NaN; 0 -> -inf; +inf -> +inf; subnormals scaled by 2^23 first;
+ *   x = m 2^e with m in [sqrt(1/2), sqrt(2));  f = m - 1;  z = f * f
+ *   p = L0; p = fmaf(p, f, L1); ... p = fmaf(p, f, L8)              (Horner)
+ *   y = (f * z) * p;  y = fmaf(e, L_LO, y);  y = fmaf(-0.5f, z, y);  r = f + y
+ *   result = fmaf(e, L_HI, r)
+ * The polynomial is the classic fit of (ln(1 + f) - f + f^2/2) / f^3 on [sqrt(1/2) - 1,
+ * sqrt(2) - 1] (Cephes' logf coefficients); ln2 = L_HI + L_LO with L_HI exact in 9 bits. */
+#define KILN_LOG_L0 7.0376836292e-2f
+#define KILN_LOG_L1 -1.1514610310e-1f
+#define KILN_LOG_L2 1.1676998740e-1f
+#define KILN_LOG_L3 -1.2420140846e-1f
+#define KILN_LOG_L4 1.4249322787e-1f
+#define KILN_LOG_L5 -1.6668057665e-1f
+#define KILN_LOG_L6 2.0000714765e-1f
+#define KILN_LOG_L7 -2.4999993993e-1f
+#define KILN_LOG_L8 3.3333331174e-1f
+#define KILN_LOG_HI 0.693359375f
+#define KILN_LOG_LO -2.12194440e-4f
+static inline KILN_HD float kiln_logf(float x) {
+    if (x != x || x < 0.0f) return (x - x) / (x - x); /* NaN */
+    if (x == 0.0f) return -INFINITY;
+    if (x == INFINITY) return x;
+    int32_t e = 0;
+    if (x < 1.17549435e-38f) { /* subnormal: scale into the normal range */
+        x *= 8388608.0f;
+        e = -23;
+    }
+    uint32_t u = kiln_f32_bits(x);
+    e += (int32_t)((u >> 23) & 0xff) - 127;
+    float m = kiln_bits_f32((u & 0x007fffffu) | 0x3f800000u); /* [1, 2) */
+    if (m > 1.41421356f) { /* [sqrt(1/2), sqrt(2)) */
+        m *= 0.5f;
+        e += 1;
+    }
+    const float f = m - 1.0f, z = f * f, ef = (float)e;
+    float p = KILN_LOG_L0;
+    p = fmaf(p, f, KILN_LOG_L1);
+    p = fmaf(p, f, KILN_LOG_L2);
+    p = fmaf(p, f, KILN_LOG_L3);
+    p = fmaf(p, f, KILN_LOG_L4);
+    p = fmaf(p, f, KILN_LOG_L5);
+    p = fmaf(p, f, KILN_LOG_L6);
+    p = fmaf(p, f, KILN_LOG_L7);
+    p = fmaf(p, f, KILN_LOG_L8);
+    float y = (f * z) * p;
+    y = fmaf(ef, KILN_LOG_LO, y);
+    y = fmaf(-0.5f, z, y);
+    const float r = f + y;
+    return fmaf(ef, KILN_LOG_HI, r);
+}
+
+/* softplus(x) = ln(1 + e^x) as torch's F.softplus (threshold 20): x > 20 -> x; else with
+ * e = kiln_expf(x): e < 2^-24 -> e (ln(1 + e) = e to binary32); else y = 1 + e and
+ * ln(y) + (e - (y - 1)) / y (the rounding of 1 + e corrected to first order). */
+static inline KILN_HD float kiln_softplus(float x) {
+    if (x > 20.0f) return x;
+    const float e = kiln_expf(x);
+    if (e < 5.9604645e-8f) return e;
+    const float y = 1.0f + e;
+    return kiln_logf(y) + (e - (y - 1.0f)) / y;
+}
+/* sigmoid(x) = 1 / (1 + kiln_expf(-x)), softplus's derivative. */
+static inline KILN_HD float kiln_sigmoid(float x) { return 1.0f / (1.0f + kiln_expf(-x)); }
+
+/* Gated DeltaNet's gates for one (token, value head): beta = sigmoid(b) and the log decay
+ * g = -(kiln_expf(A_log) * softplus(a + dt_bias)) (transformers' -A_log.exp() * softplus(a +
+ * dt_bias): the negation is exact). */
+static inline KILN_HD void kiln_gdn_gates(float a, float b, float A_log, float dt_bias, float *g, float *beta) {
+    *g = -(kiln_expf(A_log) * kiln_softplus(a + dt_bias));
+    *beta = kiln_sigmoid(b);
+}
+/* Their backward, given dg and dbeta: d a = (dg * -exp(A_log)) * sigmoid(a + dt_bias) (also d
+ * dt_bias's term), d b = dbeta * (beta * (1 - beta)), d A_log's term = dg * g. */
+static inline KILN_HD void kiln_gdn_gates_backward(float a, float b, float A_log, float dt_bias, float dg,
+                                                   float dbeta, float *da, float *db, float *dA_term) {
+    const float ea = kiln_expf(A_log), x = a + dt_bias;
+    const float g = -(ea * kiln_softplus(x)), beta = kiln_sigmoid(b);
+    *da = (dg * -ea) * kiln_sigmoid(x);
+    *db = dbeta * (beta * (1.0f - beta));
+    *dA_term = dg * g;
+}
+
 #endif /* KILN_KMATH_H */

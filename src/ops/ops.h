@@ -473,6 +473,69 @@ typedef struct kiln_backend_i {
      * GeGLU MLP cannot train on the backend). */
     void (*geglu_backward)(kiln_backend *be, float *dgate, float *dup, const float *dout,
                            const float *gate, const float *up, size_t n);
+
+    /* ---- Qwen3.5's ops (optional: NULL in a backend without them; an architecture that
+     * needs them refuses the backend). Arithmetic: docs/ARITHMETIC.md, "Gated DeltaNet". ----
+     *
+     * Linear attention keeps a state per sequence instead of a KV cache. conv1d_silu and
+     * gated_delta take a batch as attention_paged does: token n at position pos[n] of sequence
+     * seq[n] (backend memory), listed as runs (host; NULL inside a recorded graph: each token
+     * is its own run, at pos[n] of seq[n]); the runs of one sequence come in position order
+     * and each sequence has at most one run in a batch. A run starting at position 0 starts
+     * from a zero state, any other from its sequence's slot of `state`, which the op leaves
+     * holding the state after the run's last token. state NULL (training): every run starts
+     * from zero, nothing is kept, and seq, pos are not read (runs must be given).
+     *
+     * conv1d_silu: out(N,CH) = silu(causal depthwise convolution of x(N,CH) with w(CH,K)):
+     * out[n,c] = silu(sum_j w[c,j] x(p - K + 1 + j, c)) for the token at position p, inputs
+     * before position 0 zero. state (n_seq, K-1, CH): a sequence's last K-1 inputs (row r the
+     * input at position p - K + 1 + r before the token at p). out must not alias x.
+     * gated_delta: the Gated DeltaNet recurrence (transformers' recurrent_gated_delta_rule)
+     * over qkv(N, 2 nk dk + nv dv) rows [q (nk,dk) | k (nk,dk) | v (nv,dv)], g(N,nv) the log
+     * decays, beta(N,nv): per value head h (key head h / (nv/nk)) with q, k l2-normalised (eps
+     * 1e-6) and q times scale, S = exp(g) S; S += k (beta (v - S^T k))^T; out(N, nv dv) = S^T q.
+     * state (n_seq, nv, dk, dv): each head's S (row i of dk, column j of dv), f32. */
+    void (*conv1d_silu)(kiln_backend *be, float *out, const float *x, const float *w, float *state,
+                        const int32_t *seq, const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N,
+                        int CH, int K);
+    void (*gated_delta)(kiln_backend *be, float *out, const float *qkv, const float *g, const float *beta,
+                        float *state, const int32_t *seq, const int32_t *pos, const kiln_batch_run *runs,
+                        int n_runs, int N, int nk, int nv, int dk, int dv, float scale);
+    /* g(N,nv) = -(exp(A_log) softplus(a + dt_bias)), beta(N,nv) = sigmoid(b) from a, b (N,nv)
+     * and A_log, dt_bias (nv) (kiln_gdn_gates). */
+    void (*gdn_gates)(kiln_backend *be, float *g, float *beta, const float *a, const float *b,
+                      const float *A_log, const float *dt_bias, int N, int nv);
+    /* out[i] = x[i] * sigmoid(gate[i]) (the gated attention's output gate); out may alias x. */
+    void (*sigmoid_mul)(kiln_backend *be, float *out, const float *x, const float *gate, size_t n);
+    /* Halves of rows: x(rows, 2n) -> a(rows, n) = x[:, :n], b(rows, n) = x[:, n:] (split), and
+     * back (join). No aliasing. */
+    void (*split_halves)(kiln_backend *be, float *a, float *b, const float *x, int64_t rows, int n);
+    void (*join_halves)(kiln_backend *be, float *x, const float *a, const float *b, int64_t rows, int n);
+    /* rope (above) on the first rot (even, <= HS) dims of each head only, pairs (i, i + rot/2)
+     * for i < rot/2, tables (positions, rot/2); the other HS - rot dims pass unchanged. And its
+     * transpose, as rope_backward. */
+    void (*rope_partial)(kiln_backend *be, float *x, const int32_t *pos, int N, int H, int HS, int rot,
+                         const float *cos_tab, const float *sin_tab);
+    void (*rope_partial_backward)(kiln_backend *be, float *d, const int32_t *pos, int N, int H, int HS, int rot,
+                                  const float *cos_tab, const float *sin_tab);
+    /* Backwards (training: n_seq sequences of T tokens back to back, N = n_seq T, each from
+     * a zero state, as the forward ran them with state NULL).
+     * conv1d_silu_backward: dx(N,CH) overwritten; dw(CH,K) += (lane-16 over tokens).
+     * gated_delta_backward: dqkv(N, 2 nk dk + nv dv), dg, dbeta (N,nv) overwritten from
+     * dout(N, nv dv); the states are recomputed (checkpoints every KILN_GDN_CHUNK tokens), ws
+     * kiln_gated_delta_backward_ws_floats(...) floats of scratch.
+     * gdn_gates_backward: da, db (N,nv) overwritten; dA_log, ddt_bias (nv) += (lane-16 over
+     * tokens). sigmoid_mul_backward: dx, dgate (n) overwritten (may alias dout). */
+    void (*conv1d_silu_backward)(kiln_backend *be, float *dx, float *dw, const float *dout, const float *x,
+                                 const float *w, int n_seq, int T, int CH, int K);
+    void (*gated_delta_backward)(kiln_backend *be, float *dqkv, float *dg, float *dbeta, const float *dout,
+                                 const float *qkv, const float *g, const float *beta, float *ws, int n_seq,
+                                 int T, int nk, int nv, int dk, int dv, float scale);
+    void (*gdn_gates_backward)(kiln_backend *be, float *da, float *db, float *dA_log, float *ddt_bias,
+                               const float *dg, const float *dbeta, const float *a, const float *b,
+                               const float *A_log, const float *dt_bias, int N, int nv);
+    void (*sigmoid_mul_backward)(kiln_backend *be, float *dx, float *dgate, const float *dout, const float *x,
+                                 const float *gate, size_t n);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */
@@ -590,6 +653,21 @@ static inline size_t kiln_attention_keep_bytes(int B, int N, int NH, int KVH, in
 static inline size_t kiln_attention_backward_seqs_ws_floats(int B, int N, int NH, int KVH, int HS) {
     if (B < 0) return 0;
     return (size_t)B * kiln_attention_backward_ws_floats(N, 0, NH, KVH, HS);
+}
+/* Tokens between the gated delta backward's saved states. */
+#define KILN_GDN_CHUNK 64
+/* Floats of gated_delta_backward's ws: each (sequence, value head)'s state at every chunk
+ * start, the states, u and delta of one chunk being walked back, its state and gradient, and
+ * the per-value-head gradients of the normalised q and k (the CPU's layout; the CUDA backend
+ * lays out its own within the same size). 0 on a negative size. */
+static inline size_t kiln_gated_delta_backward_ws_floats(int n_seq, int T, int nk, int nv, int dk, int dv) {
+    if (n_seq < 0 || T < 0 || nk < 0 || nv < 0 || dk < 0 || dv < 0) return 0;
+    const size_t tasks = (size_t)n_seq * (size_t)nv, S = (size_t)dk * (size_t)dv;
+    const size_t chunks = ((size_t)T + KILN_GDN_CHUNK - 1) / KILN_GDN_CHUNK;
+    const size_t N = (size_t)n_seq * (size_t)T;
+    (void)nk;
+    return tasks * (chunks * S + KILN_GDN_CHUNK * (S + 2 * (size_t)dv) + 16 * (size_t)dv + 4 * (size_t)dk + 2 * S) +
+           2 * N * (size_t)nv * (size_t)dk;
 }
 /* Whether p may be one of be's buffers (ops.h, holds). */
 static inline bool kiln_backend_holds(const kiln_backend *be, const void *p) {

@@ -513,6 +513,67 @@ static void cpu_get_rows(kiln_backend *be, float *out, const float *x, const int
     for (int i = 0; i < n; i++) memcpy(out + (size_t)i * C, x + (size_t)idx[i] * C, (size_t)C * sizeof(float));
 }
 
+/* Qwen3.5's ops (cpu_linear_attn.c). */
+static void cpu_conv1d_silu(kiln_backend *be, float *out, const float *x, const float *w, float *state,
+                            const int32_t *seq, const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N,
+                            int CH, int K) {
+    kiln_cpu_conv1d_silu(ctx_of(be)->pool, out, x, w, state, seq, pos, runs, n_runs, N, CH, K);
+}
+static void cpu_gated_delta(kiln_backend *be, float *out, const float *qkv, const float *g, const float *beta,
+                            float *state, const int32_t *seq, const int32_t *pos, const kiln_batch_run *runs,
+                            int n_runs, int N, int nk, int nv, int dk, int dv, float scale) {
+    kiln_cpu_gated_delta(ctx_of(be)->pool, out, qkv, g, beta, state, seq, pos, runs, n_runs, N, nk, nv, dk, dv,
+                         scale);
+}
+static void cpu_gdn_gates(kiln_backend *be, float *g, float *beta, const float *a, const float *b,
+                          const float *A_log, const float *dt_bias, int N, int nv) {
+    (void)be;
+    kiln_cpu_gdn_gates(g, beta, a, b, A_log, dt_bias, N, nv);
+}
+static void cpu_sigmoid_mul(kiln_backend *be, float *out, const float *x, const float *gate, size_t n) {
+    (void)be;
+    kiln_cpu_sigmoid_mul(out, x, gate, n);
+}
+static void cpu_split_halves(kiln_backend *be, float *a, float *b, const float *x, int64_t rows, int n) {
+    (void)be;
+    kiln_cpu_split_halves(a, b, x, rows, n);
+}
+static void cpu_join_halves(kiln_backend *be, float *x, const float *a, const float *b, int64_t rows, int n) {
+    (void)be;
+    kiln_cpu_join_halves(x, a, b, rows, n);
+}
+static void cpu_rope_partial(kiln_backend *be, float *x, const int32_t *pos, int N, int H, int HS, int rot,
+                             const float *cos_tab, const float *sin_tab) {
+    (void)be;
+    kiln_cpu_rope_partial(x, pos, N, H, HS, rot, cos_tab, sin_tab, 0);
+}
+static void cpu_rope_partial_backward(kiln_backend *be, float *d, const int32_t *pos, int N, int H, int HS, int rot,
+                                      const float *cos_tab, const float *sin_tab) {
+    (void)be;
+    kiln_cpu_rope_partial(d, pos, N, H, HS, rot, cos_tab, sin_tab, 1);
+}
+static void cpu_conv1d_silu_backward(kiln_backend *be, float *dx, float *dw, const float *dout, const float *x,
+                                     const float *w, int n_seq, int T, int CH, int K) {
+    kiln_cpu_conv1d_silu_backward(ctx_of(be)->pool, dx, dw, dout, x, w, n_seq, T, CH, K);
+}
+static void cpu_gated_delta_backward(kiln_backend *be, float *dqkv, float *dg, float *dbeta, const float *dout,
+                                     const float *qkv, const float *g, const float *beta, float *ws, int n_seq,
+                                     int T, int nk, int nv, int dk, int dv, float scale) {
+    kiln_cpu_gated_delta_backward(ctx_of(be)->pool, dqkv, dg, dbeta, dout, qkv, g, beta, ws, n_seq, T, nk, nv, dk,
+                                  dv, scale);
+}
+static void cpu_gdn_gates_backward(kiln_backend *be, float *da, float *db, float *dA_log, float *ddt_bias,
+                                   const float *dg, const float *dbeta, const float *a, const float *b,
+                                   const float *A_log, const float *dt_bias, int N, int nv) {
+    (void)be;
+    kiln_cpu_gdn_gates_backward(da, db, dA_log, ddt_bias, dg, dbeta, a, b, A_log, dt_bias, N, nv);
+}
+static void cpu_sigmoid_mul_backward(kiln_backend *be, float *dx, float *dgate, const float *dout, const float *x,
+                                     const float *gate, size_t n) {
+    (void)be;
+    kiln_cpu_sigmoid_mul_backward(dx, dgate, dout, x, gate, n);
+}
+
 /* AdamW (cpu_adamw.c) on the backend's pool. */
 static size_t cpu_adamw_workspace(kiln_backend *be, const kiln_adamw_table *tab) {
     (void)be;
@@ -577,6 +638,18 @@ static const kiln_backend_i cpu_iface = {
     .adamw_nonfinite = cpu_adamw_nonfinite,
     .adamw_grad_norm = cpu_adamw_grad_norm,
     .adamw_clip = cpu_adamw_clip,
+    .conv1d_silu = cpu_conv1d_silu,
+    .gated_delta = cpu_gated_delta,
+    .gdn_gates = cpu_gdn_gates,
+    .sigmoid_mul = cpu_sigmoid_mul,
+    .split_halves = cpu_split_halves,
+    .join_halves = cpu_join_halves,
+    .rope_partial = cpu_rope_partial,
+    .rope_partial_backward = cpu_rope_partial_backward,
+    .conv1d_silu_backward = cpu_conv1d_silu_backward,
+    .gated_delta_backward = cpu_gated_delta_backward,
+    .gdn_gates_backward = cpu_gdn_gates_backward,
+    .sigmoid_mul_backward = cpu_sigmoid_mul_backward,
 };
 
 static const kiln_cpu_kernels *kernels_for(kiln_cpu_path p) {

@@ -8,6 +8,7 @@
 
 #include "../adamw_op.h"
 #include "../fused_ce.h"
+#include "../../base/threadpool.h"
 
 /* ---- fused linear cross-entropy (cpu_fused_ce.c) ------------------------------------------ */
 
@@ -32,5 +33,32 @@ kiln_status kiln_cpu_adamw_grad_norm(kiln_pool *pool, const kiln_adamw_table *ta
                                      float *norms, float *sq_norm, float *total);
 kiln_status kiln_cpu_adamw_clip(kiln_pool *pool, const kiln_adamw_table *tab, void *ws,
                                 float max_norm_f, float *total_norm, float *coef);
+
+/* ---- Qwen3.5's ops (cpu_linear_attn.c): ops.h's entries, on pool where they are parallel -- */
+
+void kiln_cpu_conv1d_silu(kiln_pool *pool, float *out, const float *x, const float *w, float *state,
+                          const int32_t *seq, const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N,
+                          int CH, int K);
+void kiln_cpu_conv1d_silu_backward(kiln_pool *pool, float *dx, float *dw, const float *dout, const float *x,
+                                   const float *w, int n_seq, int T, int CH, int K);
+void kiln_cpu_gated_delta(kiln_pool *pool, float *out, const float *qkv, const float *g, const float *beta,
+                          float *state, const int32_t *seq, const int32_t *pos, const kiln_batch_run *runs,
+                          int n_runs, int N, int nk, int nv, int dk, int dv, float scale);
+void kiln_cpu_gated_delta_backward(kiln_pool *pool, float *dqkv, float *dg, float *dbeta, const float *dout,
+                                   const float *qkv, const float *g, const float *beta, float *ws, int n_seq, int T,
+                                   int nk, int nv, int dk, int dv, float scale);
+void kiln_cpu_gdn_gates(float *g, float *beta, const float *a, const float *b, const float *A_log,
+                        const float *dt_bias, int N, int nv);
+void kiln_cpu_gdn_gates_backward(float *da, float *db, float *dA_log, float *ddt_bias, const float *dg,
+                                 const float *dbeta, const float *a, const float *b, const float *A_log,
+                                 const float *dt_bias, int N, int nv);
+void kiln_cpu_sigmoid_mul(float *out, const float *x, const float *gate, size_t n);
+void kiln_cpu_sigmoid_mul_backward(float *dx, float *dgate, const float *dout, const float *x, const float *gate,
+                                   size_t n);
+void kiln_cpu_split_halves(float *a, float *b, const float *x, int64_t rows, int n);
+void kiln_cpu_join_halves(float *x, const float *a, const float *b, int64_t rows, int n);
+/* transpose 0: rope_partial; 1: rope_partial_backward. */
+void kiln_cpu_rope_partial(float *x, const int32_t *pos, int N, int H, int HS, int rot, const float *cos_tab,
+                           const float *sin_tab, int transpose);
 
 #endif /* KILN_CPU_TRAIN_H */
