@@ -31,6 +31,14 @@
  * 1e6), rope_local_base_freq (sliding, default 1e4) and rope_scaling (full layers only). A
  * final logit soft-cap, bidirectional attention and attention biases are refused.
  *
+ * Qwen3.5 text (model_type qwen3_5_text, Qwen3_5TextConfig of transformers 5.24; or qwen3_5,
+ * the released multimodal folders, whose text model is described by text_config): defaults
+ * NH/KVH 16/4, head_dim 256, max_position_embeddings 32768, no bos/eos, untied; rotary on
+ * head_dim * partial_rotary_factor dims (0.25); q/k norms; linear-attention layers as
+ * layer_types says (or all but each full_attention_interval-th, default 4) with
+ * linear_num_key_heads 16, linear_num_value_heads 32, linear_key_head_dim and
+ * linear_value_head_dim 128, linear_conv_kernel_dim 4.
+ *
  * Duplicate keys are refused: Python's json keeps the last one and cJSON finds the first, so a
  * file with duplicates would mean different things to kiln and to transformers.
  */
@@ -208,6 +216,9 @@ static const hf_arch_defaults hf_archs[] = {
     {"qwen2", "Qwen2ForCausalLM", KILN_ARCH_QWEN2, 32, -1, 32768, -1, -1, 0},
     {"qwen3", "Qwen3ForCausalLM", KILN_ARCH_QWEN3, 32, 128, 32768, -1, -1, 0},
     {"gemma3_text", "Gemma3ForCausalLM", KILN_ARCH_GEMMA3, 4, 256, 131072, 2, 1, 1},
+    {"qwen3_5_text", "Qwen3_5ForCausalLM", KILN_ARCH_QWEN35, 4, 256, 32768, -1, -1, 0},
+    /* the released (multimodal) checkpoints: the text model's config in text_config */
+    {"qwen3_5", "Qwen3_5ForConditionalGeneration", KILN_ARCH_QWEN35, 4, 256, 32768, -1, -1, 0},
 };
 
 static kiln_status hf_find_arch(const cJSON *root, const char *label, const hf_arch_defaults **out) {
@@ -223,7 +234,7 @@ static kiln_status hf_find_arch(const cJSON *root, const char *label, const hf_a
             }
         return kiln_error(KILN_ERR_UNSUPPORTED,
                           "%s: model_type '%.100s' is not supported (kiln reads llama, mistral, "
-                          "qwen2, qwen3, gemma3_text)", label, mt->valuestring);
+                          "qwen2, qwen3, gemma3_text, qwen3_5_text, qwen3_5)", label, mt->valuestring);
     }
     /* No model_type: fall back on the class name, as old folders sometimes need. */
     const cJSON *arr = cJSON_GetObjectItemCaseSensitive(root, "architectures");
@@ -284,7 +295,18 @@ static kiln_status hf_parse_rope(const cJSON *root, const char *label, kiln_mode
         type = ty->valuestring;
     }
     const cJSON *prf = cJSON_GetObjectItemCaseSensitive(r, "partial_rotary_factor");
-    if (prf && !cJSON_IsNull(prf) && !(cJSON_IsNumber(prf) && prf->valuedouble == 1.0))
+    if (c->arch == KILN_ARCH_QWEN35) {
+        /* Qwen3.5: rotary on int(head_dim * factor) dims (0.25 when absent); its mrope
+         * sections change nothing for text, whose three position axes are equal */
+        double f = 0.25;
+        if (prf && !cJSON_IsNull(prf)) {
+            if (!cJSON_IsNumber(prf) || !(prf->valuedouble > 0.0) || prf->valuedouble > 1.0)
+                return kiln_error(KILN_ERR_FORMAT, "%s: %spartial_rotary_factor: expected a number in (0, 1]", label,
+                                  where);
+            f = prf->valuedouble;
+        }
+        c->rotary_dim = (int)((double)c->head_dim * f);
+    } else if (prf && !cJSON_IsNull(prf) && !(cJSON_IsNumber(prf) && prf->valuedouble == 1.0))
         return kiln_error(KILN_ERR_UNSUPPORTED,
                           "%s: %spartial_rotary_factor: partial rotary embeddings are not supported",
                           label, where);
@@ -417,6 +439,49 @@ static kiln_status hf_parse_gemma3(const cJSON *root, const char *label, kiln_mo
     return KILN_OK;
 }
 
+/* Qwen3.5's linear-attention widths and layer kinds (Qwen3_5TextConfig's defaults: 16 key and
+ * 32 value heads of 128, kernel 4; layer_types, or every full_attention_interval-th layer full,
+ * default 4). Its q/k norms are always there; the rest of RoPE is hf_parse_rope's. */
+static kiln_status hf_parse_qwen35(const cJSON *root, const char *label, kiln_model_config *c) {
+    c->qk_norm = 1;
+    KILN_TRY(hf_get_int(root, "linear_num_key_heads", label, 1, 0, 16, &c->lin_nk));
+    KILN_TRY(hf_get_int(root, "linear_num_value_heads", label, 1, 0, 32, &c->lin_nv));
+    KILN_TRY(hf_get_int(root, "linear_key_head_dim", label, 1, 0, 128, &c->lin_dk));
+    KILN_TRY(hf_get_int(root, "linear_value_head_dim", label, 1, 0, 128, &c->lin_dv));
+    KILN_TRY(hf_get_int(root, "linear_conv_kernel_dim", label, 1, 0, 4, &c->lin_conv));
+    int gate = 1;
+    KILN_TRY(hf_get_bool(root, "attn_output_gate", label, 1, &gate));
+    if (!gate) return kiln_error(KILN_ERR_UNSUPPORTED, "%s: attn_output_gate: false is not supported", label);
+    if (c->n_layer > KILN_MAX_LAYER_KINDS)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: num_hidden_layers %d: at most %d layers", label, c->n_layer,
+                          KILN_MAX_LAYER_KINDS);
+    memset(c->linear_layers, 0, sizeof c->linear_layers);
+    const cJSON *lt = cJSON_GetObjectItemCaseSensitive(root, "layer_types");
+    if (lt && !cJSON_IsNull(lt)) {
+        if (!cJSON_IsArray(lt))
+            return kiln_error(KILN_ERR_FORMAT, "%s: layer_types: expected a list, got %s", label, hf_type_name(lt));
+        if (cJSON_GetArraySize(lt) != c->n_layer)
+            return kiln_error(KILN_ERR_FORMAT, "%s: layer_types: %d entries for num_hidden_layers = %d", label,
+                              cJSON_GetArraySize(lt), c->n_layer);
+        int i = 0;
+        for (const cJSON *e = lt->child; e; e = e->next, i++) {
+            if (cJSON_IsString(e) && strcmp(e->valuestring, "full_attention") == 0) continue;
+            if (cJSON_IsString(e) && strcmp(e->valuestring, "linear_attention") == 0) {
+                c->linear_layers[i / 8] |= (uint8_t)(1u << (i % 8));
+                continue;
+            }
+            return kiln_error(KILN_ERR_UNSUPPORTED,
+                              "%s: layer_types[%d]: expected \"full_attention\" or \"linear_attention\"", label, i);
+        }
+    } else {
+        int interval;
+        KILN_TRY(hf_get_int(root, "full_attention_interval", label, 1, 0, 4, &interval));
+        for (int i = 0; i < c->n_layer; i++)
+            if ((i + 1) % interval != 0) c->linear_layers[i / 8] |= (uint8_t)(1u << (i % 8));
+    }
+    return KILN_OK;
+}
+
 /* Qwen2/Qwen3 use a sliding window only with use_sliding_window, and then only on the layers
  * that layer_types (or, when absent, i >= max_window_layers) marks; kiln has one window for
  * all layers, so a mix is refused. Mistral's sliding_window applies to every layer. */
@@ -471,13 +536,23 @@ static kiln_status hf_parse_sliding(const cJSON *root, const char *label, kiln_m
     return KILN_OK;
 }
 
-static kiln_status hf_parse_root(const cJSON *root, const char *label, kiln_model_config *c) {
-    if (!cJSON_IsObject(root)) return kiln_error(KILN_ERR_FORMAT, "%s: not a JSON object", label);
-    KILN_TRY(hf_check_unique_keys(root, label, ""));
+static kiln_status hf_parse_root(const cJSON *top, const char *label, kiln_model_config *c) {
+    if (!cJSON_IsObject(top)) return kiln_error(KILN_ERR_FORMAT, "%s: not a JSON object", label);
+    KILN_TRY(hf_check_unique_keys(top, label, ""));
     const hf_arch_defaults *ad = NULL;
-    KILN_TRY(hf_find_arch(root, label, &ad));
+    KILN_TRY(hf_find_arch(top, label, &ad));
     memset(c, 0, sizeof *c);
     c->arch = ad->arch;
+    /* A multimodal Qwen3.5 folder: the text model's fields are in text_config (its vision
+     * tower and MTP head are not read); tie_word_embeddings and the token ids may sit on top. */
+    const cJSON *root = top;
+    if (strcmp(ad->model_type, "qwen3_5") == 0) {
+        root = cJSON_GetObjectItemCaseSensitive(top, "text_config");
+        if (!cJSON_IsObject(root))
+            return kiln_error(KILN_ERR_FORMAT, "%s: text_config: expected an object, got %s", label,
+                              hf_type_name(root));
+        KILN_TRY(hf_check_unique_keys(root, label, "text_config."));
+    }
 
     const cJSON *q = cJSON_GetObjectItemCaseSensitive(root, "quantization_config");
     if (q && !cJSON_IsNull(q))
@@ -506,6 +581,7 @@ static kiln_status hf_parse_root(const cJSON *root, const char *label, kiln_mode
     KILN_TRY(hf_get_pos_float(root, "rms_norm_eps", label, "", 0, 1e-6f, &c->rms_eps));
     if (c->arch != KILN_ARCH_GEMMA3) KILN_TRY(hf_parse_rope(root, label, c));
     KILN_TRY(hf_get_bool(root, "tie_word_embeddings", label, ad->tied, &c->tie_embeddings));
+    if (root != top) KILN_TRY(hf_get_bool(top, "tie_word_embeddings", label, c->tie_embeddings, &c->tie_embeddings));
 
     int attention_bias = 0, mlp_bias = 0;
     KILN_TRY(hf_get_bool(root, "attention_bias", label, 0, &attention_bias));
@@ -527,10 +603,17 @@ static kiln_status hf_parse_root(const cJSON *root, const char *label, kiln_mode
     case KILN_ARCH_GEMMA3:
         KILN_TRY(hf_parse_gemma3(root, label, c));
         break;
+    case KILN_ARCH_QWEN35:
+        if (attention_bias)
+            return kiln_error(KILN_ERR_UNSUPPORTED, "%s: attention_bias: Qwen3.5 with attention biases is not supported",
+                              label);
+        KILN_TRY(hf_parse_qwen35(root, label, c));
+        break;
     }
-    if (c->arch != KILN_ARCH_GEMMA3) KILN_TRY(hf_parse_sliding(root, label, c));
+    if (c->arch != KILN_ARCH_GEMMA3 && c->arch != KILN_ARCH_QWEN35) KILN_TRY(hf_parse_sliding(root, label, c));
 
     /* Token ids: absent takes the type's default; null means none. */
+    if (root != top && !cJSON_GetObjectItemCaseSensitive(root, "eos_token_id")) root = top;
     const cJSON *bos = cJSON_GetObjectItemCaseSensitive(root, "bos_token_id");
     c->bos_id = ad->bos_id;
     if (bos) {

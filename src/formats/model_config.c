@@ -46,7 +46,7 @@ static kiln_status cfg_token(const char *label, const char *name, int32_t id, in
 kiln_status kiln_model_config_validate(const kiln_model_config *c, const char *label) {
     if (!label) label = "model config";
     if (!c) return kiln_error(KILN_ERR_INVALID_ARG, "%s: NULL config", label);
-    if ((int)c->arch < KILN_ARCH_LLAMA || (int)c->arch > KILN_ARCH_GEMMA3)
+    if ((int)c->arch < KILN_ARCH_LLAMA || (int)c->arch > KILN_ARCH_QWEN35)
         return kiln_error(KILN_ERR_FORMAT, "%s: arch = %d is not a known architecture", label,
                           (int)c->arch);
     KILN_TRY(cfg_range(label, "n_layer (num_hidden_layers, block_count)", c->n_layer, 1, CFG_MAX_LAYER));
@@ -113,6 +113,27 @@ kiln_status kiln_model_config_validate(const kiln_model_config *c, const char *l
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++)
         KILN_TRY(cfg_range(label, flags[i].name, flags[i].v, 0, 1));
     KILN_TRY(cfg_range(label, "sliding_window", c->sliding_window, 0, CFG_MAX_CTX));
+    if (c->rotary_dim != 0) {
+        KILN_TRY(cfg_range(label, "rotary_dim (head_dim * partial_rotary_factor)", c->rotary_dim, 2, c->head_dim));
+        if (c->rotary_dim % 2)
+            return kiln_error(KILN_ERR_FORMAT, "%s: rotary_dim = %d is odd (RoPE rotates pairs of dimensions)", label,
+                              c->rotary_dim);
+    }
+    if (c->arch == KILN_ARCH_QWEN35) {
+        KILN_TRY(cfg_range(label, "lin_nk (linear_num_key_heads)", c->lin_nk, 1, CFG_MAX_HEAD));
+        KILN_TRY(cfg_range(label, "lin_nv (linear_num_value_heads)", c->lin_nv, 1, CFG_MAX_HEAD));
+        if (c->lin_nv % c->lin_nk)
+            return kiln_error(KILN_ERR_FORMAT,
+                              "%s: linear_num_key_heads = %d does not divide linear_num_value_heads = %d", label,
+                              c->lin_nk, c->lin_nv);
+        /* the kernels keep a head's columns and a token's q, k in fixed arrays */
+        KILN_TRY(cfg_range(label, "lin_dk (linear_key_head_dim)", c->lin_dk, 1, 512));
+        KILN_TRY(cfg_range(label, "lin_dv (linear_value_head_dim)", c->lin_dv, 1, 512));
+        KILN_TRY(cfg_range(label, "lin_conv (linear_conv_kernel_dim)", c->lin_conv, 1, 64));
+        if (c->n_layer > KILN_MAX_LAYER_KINDS)
+            return kiln_error(KILN_ERR_UNSUPPORTED, "%s: %d layers: at most %d with linear-attention layers", label,
+                              c->n_layer, KILN_MAX_LAYER_KINDS);
+    }
 
     KILN_TRY(cfg_token(label, "bos_id (bos_token_id)", c->bos_id, c->n_vocab, 1));
     KILN_TRY(cfg_token(label, "eos_id (eos_token_id)", c->eos_id, c->n_vocab, 1));

@@ -17,6 +17,7 @@ typedef enum kiln_arch {
     KILN_ARCH_QWEN2,     /* + q/k/v biases */
     KILN_ARCH_QWEN3,     /* + per-head RMSNorm on q and k */
     KILN_ARCH_GEMMA3,    /* Gemma 3 text: GeGLU, pre- and post-norms of (1 + w), sliding layers */
+    KILN_ARCH_QWEN35,    /* Qwen3.5 text: Gated DeltaNet linear-attention layers, gated full attention */
 } kiln_arch;
 
 /* The most layers whose attention kind (sliding or full) a config can tell apart. */
@@ -57,6 +58,13 @@ typedef struct kiln_model_config {
     uint8_t sliding_layers[KILN_MAX_LAYER_KINDS / 8];
     float rope_theta_local;
     float query_pre_attn_scalar;
+    /* Qwen3.5: layer l is linear attention (Gated DeltaNet) when bit l of linear_layers is set
+     * (else gated full attention); its lin_nk key and lin_nv value heads of lin_dk and lin_dv,
+     * its convolution's kernel lin_conv. rotary_dim: the dims of each attention head that
+     * rotate (0: all head_dim). */
+    uint8_t linear_layers[KILN_MAX_LAYER_KINDS / 8];
+    int lin_nk, lin_nv, lin_dk, lin_dv, lin_conv;
+    int rotary_dim;
     int32_t bos_id, eos_id; /* from config (-1 absent); generation_config may add more EOS */
     int32_t eos_ids[8];     /* all end-of-generation ids */
     int n_eos_ids;
@@ -66,6 +74,15 @@ typedef struct kiln_model_config {
 static inline int kiln_layer_slides(const kiln_model_config *c, int l) {
     return c->sliding_window > 0 && l >= 0 && l < KILN_MAX_LAYER_KINDS &&
            ((c->sliding_layers[l / 8] >> (l % 8)) & 1);
+}
+
+/* Whether layer l is a linear-attention (Gated DeltaNet) layer. */
+static inline int kiln_layer_linear(const kiln_model_config *c, int l) {
+    return l >= 0 && l < KILN_MAX_LAYER_KINDS && ((c->linear_layers[l / 8] >> (l % 8)) & 1);
+}
+/* The rotated dims of each attention head. */
+static inline int kiln_rotary_dim(const kiln_model_config *c) {
+    return c->rotary_dim > 0 ? c->rotary_dim : c->head_dim;
 }
 
 /* Check a filled config for consistency (positive dims, NH % KVH == 0, HS even, ...).

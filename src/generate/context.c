@@ -93,10 +93,21 @@ void kiln_context_free(kiln_context *c) {
 int kiln_context_n_past(const kiln_context *c) { return c ? c->n_past : 0; }
 int kiln_context_n_ctx(const kiln_context *c) { return c ? c->fs.n_ctx : 0; }
 
+/* A model with a recurrent state (Qwen3.5's linear layers) cannot drop its last tokens: only
+ * a truncation to 0 (start again) or to where it stands. */
+static kiln_status recurrent_rewind(const kiln_context *c, int seq, int n_past, int now) {
+    if (!c->fs.state_floats || n_past == 0 || n_past == now) return KILN_OK;
+    return kiln_error(KILN_ERR_UNSUPPORTED,
+                      "kiln_context_truncate: sequence %d of this %s model cannot go back from %d to %d tokens: its "
+                      "linear-attention layers keep a recurrent state, not a cache per token (truncate to 0 and "
+                      "decode the prefix again)", seq, c->model->arch->name, now, n_past);
+}
+
 kiln_status kiln_context_truncate(kiln_context *c, int n_past) {
     if (!c) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_truncate: NULL context");
     if (n_past < 0 || n_past > c->n_past)
         return kiln_error(KILN_ERR_RANGE, "kiln_context_truncate: n_past %d not in [0, %d]", n_past, c->n_past);
+    KILN_TRY(recurrent_rewind(c, 0, n_past, c->n_past));
     c->n_past = n_past;
     return KILN_OK;
 }
@@ -151,6 +162,7 @@ static kiln_status decode_step_graph(kiln_context *c, int32_t seq, int32_t pos, 
     size_t V = (size_t)c->model->cfg.n_vocab;
     KILN_TRY(logits_reserve(c, V));
     kiln_batch b = {1, &id, &pos, &seq, NULL, 0};
+    KILN_TRY(kiln_forward_state_advance_steps(&c->fs, &seq, &pos, 1));
     KILN_TRY(kiln_forward_stage(&c->fs, &b));
     kiln_status st = decode_graph(c, 1);
     if (st != KILN_OK || on_device) return st; /* on_device: the logits stay in fs.logits */
@@ -253,6 +265,7 @@ kiln_status kiln_context_seq_truncate(kiln_context *c, int seq, int n_past) {
     if (seq == 0) return kiln_context_truncate(c, n_past);
     if (n_past < 0 || n_past > c->seq_past[seq])
         return kiln_error(KILN_ERR_RANGE, "kiln_context_seq_truncate: n_past %d not in [0, %d]", n_past, c->seq_past[seq]);
+    KILN_TRY(recurrent_rewind(c, seq, n_past, c->seq_past[seq]));
     c->seq_past[seq] = n_past;
     return KILN_OK;
 }
@@ -290,7 +303,8 @@ kiln_status kiln_decode_batch(kiln_context *c, const int32_t *ids, int B, float 
     kiln_batch batch = {B, ids, c->b_pos, c->b_seq, NULL, 0};
     if (st == KILN_OK && c->graphs && c->warm) {
         /* recorded once per batch size (and logits buffer), replayed */
-        st = kiln_forward_stage(&c->fs, &batch);
+        st = kiln_forward_state_advance_steps(&c->fs, c->b_seq, c->b_pos, B);
+        if (st == KILN_OK) st = kiln_forward_stage(&c->fs, &batch);
         if (st == KILN_OK) st = decode_graph(c, B);
     } else if (st == KILN_OK) {
         st = kiln_model_forward(c->model, be, &c->fs, &batch, dev_out);

@@ -109,6 +109,9 @@ kiln_status kiln_generate(kiln_context *c, const int32_t *prompt, size_t n_promp
      * bits as recomputing everything (tests/python/test_parity.py checks it). */
     size_t keep = 0;
     while (keep + 1 < n_prompt && keep < (size_t)c->n_past && c->tokens[keep] == prompt[keep]) keep++;
+    /* a recurrent state (linear-attention layers) cannot go back: continue it only where it
+     * stands, else start again */
+    if (c->fs.state_floats && keep != (size_t)c->n_past) keep = 0;
     c->n_past = (int)keep;
     r.n_prompt_cached = (int)keep;
     /* the prefill and the first token's sampling (on the device where the backend samples:

@@ -9,6 +9,7 @@
 /* Each architecture's file defines its descriptors (llama.c: the Llama family). */
 extern const kiln_arch_desc kiln_arch_llama, kiln_arch_mistral, kiln_arch_qwen2, kiln_arch_qwen3;
 extern const kiln_arch_desc kiln_arch_gemma3; /* gemma3.c */
+extern const kiln_arch_desc kiln_arch_qwen35; /* qwen35.c */
 
 static const kiln_arch_desc *const g_archs[] = {
     &kiln_arch_llama,
@@ -16,6 +17,7 @@ static const kiln_arch_desc *const g_archs[] = {
     &kiln_arch_qwen2,
     &kiln_arch_qwen3,
     &kiln_arch_gemma3,
+    &kiln_arch_qwen35,
 };
 #define N_ARCHS (sizeof g_archs / sizeof g_archs[0])
 
@@ -64,12 +66,24 @@ int64_t kiln_dim_value(const kiln_model_config *c, kiln_dim d) {
     case KILN_DIM_KD: return (int64_t)c->n_head_kv * c->head_dim;
     case KILN_DIM_NH: return c->n_head;
     case KILN_DIM_KVH: return c->n_head_kv;
+    case KILN_DIM_QD2: return 2 * (int64_t)c->n_head * c->head_dim;
+    case KILN_DIM_LCONV: return 2 * (int64_t)c->lin_nk * c->lin_dk + (int64_t)c->lin_nv * c->lin_dv;
+    case KILN_DIM_LVD: return (int64_t)c->lin_nv * c->lin_dv;
+    case KILN_DIM_LNV: return c->lin_nv;
+    case KILN_DIM_LDV: return c->lin_dv;
+    case KILN_DIM_LCK: return c->lin_conv;
     }
     return 0;
 }
 
-bool kiln_role_wanted(const kiln_param_role *r, const kiln_model_config *c) {
+int64_t kiln_role_floats(const kiln_param_role *r, const kiln_model_config *c) {
+    return kiln_dim_value(c, r->rows) * kiln_dim_value(c, r->cols);
+}
+
+bool kiln_role_wanted(const kiln_param_role *r, const kiln_model_config *c, int layer) {
     switch (r->cond) {
+    case KILN_COND_LINEAR: return kiln_layer_linear(c, layer) != 0;
+    case KILN_COND_FULL: return !kiln_layer_linear(c, layer);
     case KILN_COND_ALWAYS: return true;
     case KILN_COND_ATTN_BIAS: return c->attn_bias != 0;
     case KILN_COND_OUT_BIAS: return c->attn_out_bias != 0;

@@ -40,6 +40,12 @@ typedef enum kiln_dim {
     KILN_DIM_KD,      /* n_head_kv * head_dim */
     KILN_DIM_NH,      /* n_head */
     KILN_DIM_KVH,     /* n_head_kv */
+    KILN_DIM_QD2,     /* 2 * n_head * head_dim: a query and an output gate per head (Qwen3.5) */
+    KILN_DIM_LCONV,   /* 2 * lin_nk * lin_dk + lin_nv * lin_dv: a linear layer's q | k | v */
+    KILN_DIM_LVD,     /* lin_nv * lin_dv */
+    KILN_DIM_LNV,     /* lin_nv */
+    KILN_DIM_LDV,     /* lin_dv */
+    KILN_DIM_LCK,     /* lin_conv: the convolution's kernel */
 } kiln_dim;
 
 /* When a role is part of the model (a config flag). */
@@ -50,6 +56,8 @@ typedef enum kiln_role_cond {
     KILN_COND_MLP_BIAS,  /* cfg.mlp_bias */
     KILN_COND_QK_NORM,   /* cfg.qk_norm */
     KILN_COND_UNTIED,    /* !cfg.tie_embeddings: an output head of its own */
+    KILN_COND_LINEAR,    /* a linear-attention layer's (kiln_layer_linear) */
+    KILN_COND_FULL,      /* a full-attention layer's in a model that has both kinds */
 } kiln_role_cond;
 
 /* How kiln_model_create initialises a role (transformers' _init_weights for the family). */
@@ -74,7 +82,15 @@ typedef struct kiln_param_role {
     /* A norm weight w that the forward uses as 1 + w (Gemma): the model binds the
      * multiplier, f32(1 + w) from a Hugging Face file; a GGUF file stores 1 + w already. */
     bool plus_one;
+    /* A depthwise convolution's taps (rows channels, cols taps): kept in f32 and bound as a
+     * vector of rows * cols values, stored (rows, 1, cols) in Hugging Face files. */
+    bool conv_taps;
 } kiln_param_role;
+
+/* Whether a role is bound as f32 values (kiln_wref.vec) rather than a matrix. */
+static inline bool kiln_role_is_vector(const kiln_param_role *r) {
+    return r->cols == KILN_DIM_ONE || r->conv_taps;
+}
 
 /* One parameter as a forward and a backward read it. */
 typedef struct kiln_wref {
@@ -131,6 +147,11 @@ typedef struct kiln_arch_desc {
                     float *logits);
     /* The architecture's own GGUF metadata beyond the family's common keys (NULL: none). */
     kiln_status (*gguf_config)(const struct kiln_gguf *g, const char *path, kiln_model_config *c);
+    /* Generation's extra scratch, in floats per batch token, and its state per sequence beside
+     * the KV cache (a recurrent layer's state), in floats; NULL: none. kiln_forward_state
+     * allocates them (arch_scratch, seq_state), zeroed. */
+    size_t (*scratch_floats)(const kiln_model_config *c);
+    size_t (*state_floats)(const kiln_model_config *c);
     bool uses_geglu;      /* its MLP needs the backend's geglu op */
     bool sliding_windows; /* its forward honours cfg.sliding_window (per layer) */
     /* Training (NULL: the architecture is not trainable yet): allocate io's activations, run the forward of n_seq sequences of seq tokens
@@ -163,8 +184,10 @@ const char *kiln_arch_names(void);
 
 /* The value of a dimension in config c. */
 int64_t kiln_dim_value(const kiln_model_config *c, kiln_dim d);
-/* Whether c's flags call for the role. */
-bool kiln_role_wanted(const kiln_param_role *r, const kiln_model_config *c);
+/* Whether c's flags call for the role in layer `layer` (ignored for per-model roles). */
+bool kiln_role_wanted(const kiln_param_role *r, const kiln_model_config *c, int layer);
+/* The f32 values of a vector role (kiln_role_is_vector): rows * cols. */
+int64_t kiln_role_floats(const kiln_param_role *r, const kiln_model_config *c);
 /* The role's name in layer `layer` (ignored for per-model roles): GGUF's when gguf, else
  * transformers'. */
 void kiln_role_name(const kiln_param_role *r, bool gguf, int layer, char *buf, size_t cap);

@@ -21,10 +21,10 @@ typedef struct vec_upload {
 
 static kiln_status upload_vector_role(void *ctx, const kiln_param_role *r, int layer) {
     vec_upload *u = ctx;
-    if (r->cols != KILN_DIM_ONE || !r->per_layer) return KILN_OK; /* per-model: the final norm, below */
+    if (!kiln_role_is_vector(r) || !r->per_layer) return KILN_OK; /* per-model: the final norm, below */
     const float **slot = &kiln_wref_of(u->m->arch, NULL, u->fs->layer_refs_owned, r, layer)->vec;
     if (!*slot) return KILN_OK;
-    size_t len = (size_t)kiln_dim_value(&u->m->cfg, r->rows), rounded = (len + 15) & ~(size_t)15;
+    size_t len = (size_t)kiln_role_floats(r, &u->m->cfg), rounded = (len + 15) & ~(size_t)15;
     if (u->pass == 1) {
         float *dst = (float *)u->fs->wblock + u->off;
         KILN_TRY(kiln_backend_upload(u->be, dst, *slot, len * sizeof(float)));
@@ -68,13 +68,18 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
     if (m->arch->uses_geglu && !be->i->geglu)
         return kiln_error(KILN_ERR_UNSUPPORTED, "forward state: %s needs GeGLU, which the %s backend lacks",
                           m->arch->name, be->i->name);
+    if (m->arch->state_floats && (!be->i->conv1d_silu || !be->i->gated_delta || !be->i->gdn_gates ||
+                                  !be->i->sigmoid_mul || !be->i->split_halves || !be->i->rope_partial))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "forward state: %s needs the linear-attention ops, which the %s backend lacks",
+                          m->arch->name, be->i->name);
     if (n_ctx < 1 || n_batch < 1 || n_seq < 1)
         return kiln_error(KILN_ERR_INVALID_ARG, "forward state: n_ctx %d, n_batch %d, n_seq %d must be >= 1",
                           n_ctx, n_batch, n_seq);
     /* the cpu backend's memory is host memory: keep the model's pointers, write logits to
      * the caller's array */
     fs->host_memory = be->i->host_memory;
-    size_t C = (size_t)c->n_embd, HS = (size_t)c->head_dim, L = (size_t)c->n_layer;
+    size_t C = (size_t)c->n_embd, HS = (size_t)c->head_dim, L = 0;
+    for (int l = 0; l < c->n_layer; l++) L += !kiln_layer_linear(c, l);
     size_t QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS, FF = (size_t)c->n_ff;
     size_t NB = (size_t)n_batch, T = (size_t)n_ctx, S = (size_t)n_seq;
     size_t max_blocks = (T + KILN_KV_BLOCK - 1) / KILN_KV_BLOCK, n_blocks = S * max_blocks;
@@ -87,13 +92,15 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
      * table are int32, as many as floats */
     float *d_batch = NULL, *table = NULL;
     const size_t local = c->rope_theta_local > 0.0f ? T * HS / 2 : 0; /* the sliding layers' tables */
+    const size_t scratch = m->arch->scratch_floats ? NB * m->arch->scratch_floats(c) : 0;
+    fs->state_floats = m->arch->state_floats ? m->arch->state_floats(c) : 0;
     size_t sizes[] = {pool,    pool,    T * HS / 2, T * HS / 2, NB * C,  NB * C,  NB * QD,
                       NB * QD, NB * FF, NB * FF,    NB * C,     NB * KD, NB * KD, 4 * NB, S * max_blocks,
-                      local,   local};
+                      local,   local,   scratch,    S * fs->state_floats};
     float **slots[] = {&fs->k_cache, &fs->v_cache, &fs->rope_cos, &fs->rope_sin, &fs->x,
                        &fs->xb,      &fs->q,       &fs->att,      &fs->hb,       &fs->hb2,
                        &fs->tmp,     &fs->k_new,   &fs->v_new,    &d_batch,      &table,
-                       &fs->rope_cos_local, &fs->rope_sin_local};
+                       &fs->rope_cos_local, &fs->rope_sin_local, &fs->arch_scratch, &fs->seq_state};
     size_t total = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         size_t s = (sizes[i] + 15) & ~(size_t)15;
@@ -106,7 +113,9 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
     fs->host_table = kiln_malloc(S * max_blocks * sizeof(int32_t));
     fs->h_batch = fs->host_memory ? NULL : kiln_malloc(4 * NB * sizeof(int32_t));
     fs->runs = kiln_malloc(NB * sizeof *fs->runs);
-    if (!fs->host_table || !fs->runs || (!fs->host_memory && !fs->h_batch)) {
+    fs->state_pos = kiln_calloc(S, sizeof *fs->state_pos);
+    fs->kv_layer = kiln_malloc((size_t)c->n_layer * sizeof *fs->kv_layer);
+    if (!fs->host_table || !fs->runs || !fs->state_pos || !fs->kv_layer || (!fs->host_memory && !fs->h_batch)) {
         kiln_forward_state_free(fs);
         return kiln_error(KILN_ERR_NOMEM, "out of memory for a %d-token batch", n_batch);
     }
@@ -127,6 +136,8 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
         *slots[i] = sizes[i] ? block + off : NULL;
         off += (sizes[i] + 15) & ~(size_t)15;
     }
+    fs->n_kv_layers = (int)L;
+    for (int l = 0, i = 0; l < c->n_layer; l++) fs->kv_layer[l] = kiln_layer_linear(c, l) ? -1 : i++;
     fs->d_batch = (int32_t *)(void *)d_batch;
     if (fs->host_memory) fs->h_batch = fs->d_batch;
     fs->n_seq = (int)S;
@@ -178,6 +189,8 @@ void kiln_forward_state_free(kiln_forward_state *fs) {
         kiln_free(fs->h_batch);
     }
     kiln_free(fs->layer_refs_owned);
+    kiln_free(fs->state_pos);
+    kiln_free(fs->kv_layer);
     kiln_free(fs->host_table);
     kiln_free(fs->runs);
     memset(fs, 0, sizeof *fs);
@@ -202,7 +215,8 @@ void kiln_forward_attend(const kiln_fwd_batch *g, kiln_backend *be, int layer, f
                          const float *k, const float *v, int NH, int KVH, int HS, float scale, int window) {
     const kiln_forward_state *fs = g->fs;
     const size_t KD = (size_t)KVH * HS, pool = (size_t)fs->n_blocks * KILN_KV_BLOCK * KD;
-    float *k_pool = fs->k_cache + (size_t)layer * pool, *v_pool = fs->v_cache + (size_t)layer * pool;
+    const size_t kv = (size_t)fs->kv_layer[layer];
+    float *k_pool = fs->k_cache + kv * pool, *v_pool = fs->v_cache + kv * pool;
     be->i->kv_store_rows(be, k_pool, v_pool, k, v, g->slots, g->N, KD);
     be->i->attention_paged(be, out, q, k_pool, v_pool, &fs->pages, g->seq, g->pos, g->runs, g->n_runs, g->N,
                            g->max_T, NH, KVH, HS, scale, window);
@@ -245,16 +259,46 @@ static int batch_runs(const kiln_batch *b, kiln_batch_run *runs) {
     return n_runs;
 }
 
+/* A recurrent state (fs->seq_state) only moves forward: each run must restart its sequence at
+ * position 0 or continue where its state stands, and a sequence may have one run per batch
+ * (ops.h, Qwen3.5's ops). Checked for the whole batch before any state moves; then each
+ * sequence's state_pos is its run's end. */
+static kiln_status state_advance(kiln_forward_state *fs, const kiln_batch_run *runs, int n_runs) {
+    for (int r = 0; r < n_runs; r++) {
+        const kiln_batch_run *u = &runs[r];
+        if (u->pos0 != 0 && u->pos0 != fs->state_pos[u->seq])
+            return kiln_error(KILN_ERR_UNSUPPORTED,
+                              "forward: sequence %d continues at position %d but its recurrent state is at %d "
+                              "(a linear-attention state cannot go back: start the sequence again at 0)",
+                              u->seq, u->pos0, fs->state_pos[u->seq]);
+        for (int q = 0; q < r; q++)
+            if (runs[q].seq == u->seq)
+                return kiln_error(KILN_ERR_UNSUPPORTED,
+                                  "forward: sequence %d has two runs in one batch (a recurrent state takes one)",
+                                  u->seq);
+    }
+    for (int r = 0; r < n_runs; r++) fs->state_pos[runs[r].seq] = runs[r].pos0 + runs[r].n;
+    return KILN_OK;
+}
+
 kiln_status kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs,
                                const kiln_batch *b, float *logits) {
     if (b->n < 1 || b->n > fs->n_batch)
         return kiln_error(KILN_ERR_RANGE, "forward: %d tokens not in [1, %d]", b->n, fs->n_batch);
-    KILN_TRY(kiln_forward_stage(fs, b));
     int n_runs = batch_runs(b, fs->runs), max_T = 0;
+    if (fs->state_floats) KILN_TRY(state_advance(fs, fs->runs, n_runs));
+    KILN_TRY(kiln_forward_stage(fs, b));
     for (int r = 0; r < n_runs; r++)
         if (fs->runs[r].pos0 + fs->runs[r].n > max_T) max_T = fs->runs[r].pos0 + fs->runs[r].n;
     m->arch->forward(m, be, fs, b->n, fs->runs, n_runs, max_T, b->out, b->out ? b->n_out : b->n, logits);
     return KILN_OK;
+}
+
+kiln_status kiln_forward_state_advance_steps(kiln_forward_state *fs, const int32_t *seq, const int32_t *pos, int B) {
+    if (!fs->state_floats) return KILN_OK;
+    if (B < 1 || B > fs->n_batch) return kiln_error(KILN_ERR_RANGE, "forward: %d tokens not in [1, %d]", B, fs->n_batch);
+    for (int b = 0; b < B; b++) fs->runs[b] = (kiln_batch_run){b, 1, seq[b], pos[b]};
+    return state_advance(fs, fs->runs, B);
 }
 
 void kiln_model_forward_dev(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int B,
@@ -265,7 +309,7 @@ void kiln_model_forward_dev(const kiln_model *m, kiln_backend *be, kiln_forward_
  *   inv_freq[i] = 1 / theta^((2i)/HS), then the rope_type's adjustment. */
 static float rope_inv_freq(const kiln_model *m, int i, int local) {
     const kiln_model_config *c = &m->cfg;
-    float e = (float)(2 * i) / (float)c->head_dim;
+    float e = (float)(2 * i) / (float)kiln_rotary_dim(c);
     float p = (float)pow((double)(local ? c->rope_theta_local : c->rope_theta), (double)e);
     float inv = 1.0f / p;
     if (local) return inv; /* the sliding layers' base: no scaling (Gemma 3) */
@@ -292,7 +336,7 @@ void kiln_rope_tables_fill(const kiln_model *m, int n_ctx, float *cos_tab, float
 }
 
 void kiln_rope_tables_fill_kind(const kiln_model *m, int n_ctx, int local, float *cos_tab, float *sin_tab) {
-    int half = m->cfg.head_dim / 2;
+    int half = kiln_rotary_dim(&m->cfg) / 2;
     for (int i = 0; i < half; i++) {
         float inv = rope_inv_freq(m, i, local);
         for (int p = 0; p < n_ctx; p++) {

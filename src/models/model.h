@@ -105,6 +105,19 @@ struct kiln_forward_state {
      * (slots) back to back, each n int32 (d_batch[0..4n)); h_batch is its host staging. */
     int32_t *d_batch, *h_batch;
     kiln_batch_run *runs; /* (n_batch) host scratch: the runs of the batch */
+    /* An architecture's own (arch.h scratch_floats, state_floats): scratch for n_batch tokens,
+     * and its sequences' states (n_seq * state_floats floats, laid out as the architecture
+     * says), backend memory, zeroed at creation; NULL when it has none. state_pos (host, n_seq): the position each sequence's
+     * state has reached -- a recurrent state cannot go back, so a batch must continue a
+     * sequence from there or restart it at position 0 (kiln_model_forward checks). */
+    float *arch_scratch, *seq_state;
+    size_t state_floats;
+    int32_t *state_pos;
+    /* The KV cache's layers: the model's full-attention layers (all of them, but for an
+     * architecture with linear-attention layers, which keep no KV cache). kv_layer[l]: layer
+     * l's index in the pools (-1: none). */
+    int n_kv_layers;
+    int32_t *kv_layer;
     void *block;  /* the single backend allocation all of the above (but host arrays) is carved from */
     size_t bytes;
     /* The weights the forward reads: the model's layers with their f32 vectors (norms,
@@ -154,6 +167,11 @@ kiln_status kiln_model_forward(const kiln_model *m, kiln_backend *be, kiln_forwa
  * own run (a decode step); the bits of kiln_model_forward on the same batch. */
 void kiln_model_forward_dev(const kiln_model *m, kiln_backend *be, kiln_forward_state *fs, int B,
                             float *logits);
+/* Before kiln_model_forward_dev (or a replay of its graph) on B tokens of sequences seq[b] at
+ * positions pos[b] (host): move the sequences' recurrent states' positions, refusing a step
+ * that does not continue a sequence's state (kiln_model_forward checks its batches itself).
+ * KILN_OK for an architecture without a recurrent state. */
+kiln_status kiln_forward_state_advance_steps(kiln_forward_state *fs, const int32_t *seq, const int32_t *pos, int B);
 /* The end of an architecture's generation forward: the logits of the rows out[0..n_out) (all N
  * when out is NULL) of the residual stream fs->x, through the final norm (fs->final_norm)
  * and the output head, to logits (backend memory; NULL: nothing). */
@@ -175,13 +193,28 @@ static inline kiln_fwd_batch kiln_fwd_batch_of(kiln_forward_state *fs, int N, co
     kiln_fwd_batch g = {fs, N, d, d + N, d + 2 * N, d + 3 * N, runs, n_runs, max_T};
     return g;
 }
-/* Layer `layer`'s attention over the paged cache: the batch's k, v rows (N, KVH*HS) stored at
+/* Layer `layer`'s attention over the paged cache (its pools: fs->kv_layer[layer]): the batch's k, v rows (N, KVH*HS) stored at
  * their cache rows, then out = attention_paged of q (N, NH*HS) with scale and window (0: none). */
 void kiln_forward_attend(const kiln_fwd_batch *g, kiln_backend *be, int layer, float *out, const float *q,
                          const float *k, const float *v, int NH, int KVH, int HS, float scale, int window);
 /* Stage batch b in fs->h_batch (ids, positions, sequences, slots) and upload it to
  * fs->d_batch (on a host-memory backend the two are one buffer). */
 kiln_status kiln_forward_stage(kiln_forward_state *fs, const kiln_batch *b);
+
+/* The multipliers 1 + w of the zero-centred norms (arch.h plus_one) a training forward binds
+ * (norm_mult.c): refs / layer_refs are copies of the io's with those vectors pointing into
+ * mult (n floats, backend memory), recomputed from the parameters w by kiln_norm_mult_update
+ * before each forward; ones: n floats the bind fills with 1. */
+typedef struct kiln_norm_mult {
+    kiln_wref *refs, *layer_refs;
+    float *mult, *ones;
+    size_t n;
+} kiln_norm_mult;
+/* The floats of io's multipliers (mult's and ones' size). */
+size_t kiln_norm_mult_floats(const kiln_train_io *io);
+kiln_status kiln_norm_mult_bind(kiln_norm_mult *nm, const kiln_train_io *io, float *mult, float *ones);
+void kiln_norm_mult_update(kiln_norm_mult *nm, const kiln_train_io *io);
+void kiln_norm_mult_free(kiln_norm_mult *nm);
 
 /* Fill rope tables for positions [0, n_ctx) per the config (default, linear, llama3,
  * GGUF rope_freqs factors). */

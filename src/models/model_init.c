@@ -68,7 +68,7 @@ static float *take(init_ctx *c, int64_t n) {
 static kiln_status new_role(void *ctx, const kiln_param_role *r, int layer) {
     init_ctx *c = ctx;
     const kiln_model_config *k = &c->m->cfg;
-    if (!kiln_role_wanted(r, k)) return KILN_OK;
+    if (!kiln_role_wanted(r, k, layer)) return KILN_OK;
     int64_t rows = kiln_dim_value(k, r->rows), cols = kiln_dim_value(k, r->cols), n = rows * cols;
     kiln_tensor *t = &c->tensors[c->n_tensors++];
     float *data = take(c, n);
@@ -81,14 +81,15 @@ static kiln_status new_role(void *ctx, const kiln_param_role *r, int layer) {
     kiln_role_name(r, false, layer, nm, 128);
     t->name = nm;
     t->dtype = KILN_DTYPE_F32;
-    t->n_dims = r->cols == KILN_DIM_ONE ? 1 : 2;
+    t->n_dims = r->conv_taps ? 3 : r->cols == KILN_DIM_ONE ? 1 : 2;
     t->shape[0] = rows;
-    t->shape[1] = r->cols == KILN_DIM_ONE ? 1 : cols;
-    t->shape[2] = t->shape[3] = 1;
+    t->shape[1] = r->cols == KILN_DIM_ONE || r->conv_taps ? 1 : cols;
+    t->shape[2] = r->conv_taps ? cols : 1;
+    t->shape[3] = 1;
     t->data = data;
     t->nbytes = (size_t)n * sizeof(float);
     kiln_wref *ref = kiln_model_ref(c->m, r, layer);
-    if (r->cols == KILN_DIM_ONE) ref->vec = data;
+    if (kiln_role_is_vector(r)) ref->vec = data;
     else ref->mat = t;
     return KILN_OK;
 }
@@ -98,7 +99,7 @@ static kiln_status new_role(void *ctx, const kiln_param_role *r, int layer) {
 static kiln_status size_role(void *ctx, const kiln_param_role *r, int layer) {
     init_ctx *c = ctx;
     (void)layer;
-    if (!kiln_role_wanted(r, &c->m->cfg)) return KILN_OK;
+    if (!kiln_role_wanted(r, &c->m->cfg, layer)) return KILN_OK;
     int64_t n = kiln_dim_value(&c->m->cfg, r->rows) * kiln_dim_value(&c->m->cfg, r->cols);
     c->cap += (((size_t)n + 15) & ~(size_t)15) + 32;
     c->cap_tensors++;

@@ -49,8 +49,17 @@ static bool dtype_is_matrix_ok(kiln_dtype t) {
     return t != KILN_DTYPE_I32 && t != KILN_DTYPE_I64 && t < KILN_DTYPE_COUNT;
 }
 
+/* A tensor by name. A Hugging Face folder of a multimodal model (Qwen3.5's released ones)
+ * holds the text model's "model.X" as "model.language_model.X": tried second. */
 static const kiln_tensor *find_tensor(const kiln_model *m, const char *name) {
-    return m->gguf ? kiln_gguf_find_tensor(m->gguf, name) : kiln_safetensors_find(m->st, name);
+    if (m->gguf) return kiln_gguf_find_tensor(m->gguf, name);
+    const kiln_tensor *t = kiln_safetensors_find(m->st, name);
+    if (!t && !strncmp(name, "model.", 6)) {
+        char alt[192];
+        if (snprintf(alt, sizeof alt, "model.language_model.%s", name + 6) < (int)sizeof alt)
+            t = kiln_safetensors_find(m->st, alt);
+    }
+    return t;
 }
 
 /* Bind a matrix of shape (rows, cols); required unless optional. */
@@ -77,8 +86,9 @@ static kiln_status bind_matrix(kiln_model *m, const char *name, int64_t rows, in
     return KILN_OK;
 }
 
-/* Bind a vector of n elements, widened to f32 (optional ones may be absent -> NULL). */
-static kiln_status bind_vector(kiln_model *m, const char *name, int64_t n, int optional, int plus_one,
+/* Bind a vector of n elements, widened to f32 (optional ones may be absent -> NULL); taps > 0:
+ * a convolution's (n / taps, 1, taps) taps. */
+static kiln_status bind_vector(kiln_model *m, const char *name, int64_t n, int64_t taps, int optional, int plus_one,
                                const float **out) {
     const kiln_tensor *t = find_tensor(m, name);
     if (!t) {
@@ -88,7 +98,11 @@ static kiln_status bind_vector(kiln_model *m, const char *name, int64_t n, int o
         }
         return kiln_error(KILN_ERR_FORMAT, "%s: missing tensor '%s'", m->path, name);
     }
-    if (t->n_dims != 1 || t->shape[0] != n)
+    if (taps > 0 && (t->n_dims != 3 || t->shape[0] != n / taps || t->shape[1] != 1 || t->shape[2] != taps))
+        return kiln_error(KILN_ERR_FORMAT, "%s: tensor '%s' has %lld elements [%d dims], expected (%lld, 1, %lld)",
+                          m->path, name, (long long)kiln_tensor_nelements(t), t->n_dims, (long long)(n / taps),
+                          (long long)taps);
+    if (taps <= 0 && (t->n_dims != 1 || t->shape[0] != n))
         return kiln_error(KILN_ERR_FORMAT, "%s: tensor '%s' has %lld elements [%d dims], expected (%lld)",
                           m->path, name, (long long)kiln_tensor_nelements(t), t->n_dims,
                           (long long)n);
@@ -120,7 +134,7 @@ kiln_status kiln_model_vector_param(kiln_model *m, const kiln_param_role *r, int
         char name[128];
         kiln_role_name(r, false, layer, name, sizeof name);
         const kiln_tensor *t = find_tensor(m, name);
-        if (t && t->n_dims == 1 && t->shape[0] == n) {
+        if (t && kiln_tensor_nelements(t) == n) {
             kiln_dequantize(t->dtype, t->data, dst, n);
             return KILN_OK;
         }
@@ -281,15 +295,18 @@ static kiln_status bind_role(void *ctx, const kiln_param_role *r, int layer) {
     const kiln_model_config *c = &m->cfg;
     char name[128];
     kiln_role_name(r, m->gguf != NULL, layer, name, sizeof name);
-    int optional = !kiln_role_wanted(r, c) || r->cond == KILN_COND_UNTIED;
+    int optional = !kiln_role_wanted(r, c, layer) || r->cond == KILN_COND_UNTIED;
     int64_t rows = kiln_dim_value(c, r->rows);
     kiln_wref *ref = kiln_model_ref(m, r, layer);
     int permute = m->gguf && m->arch->gguf_qk_permuted && r->rope_heads != KILN_DIM_ONE;
     int heads = (int)kiln_dim_value(c, r->rope_heads);
-    if (r->cols == KILN_DIM_ONE) {
+    if (!kiln_role_wanted(r, c, layer) && (r->cond == KILN_COND_LINEAR || r->cond == KILN_COND_FULL))
+        return KILN_OK; /* the other kind of layer's: not bound, whatever the file holds */
+    if (kiln_role_is_vector(r)) {
         const float **v = &ref->vec;
         /* a GGUF stores Gemma's norm multipliers as 1 + w already */
-        KILN_TRY(bind_vector(m, name, rows, optional, r->plus_one && !m->gguf, v));
+        KILN_TRY(bind_vector(m, name, kiln_role_floats(r, c), r->conv_taps ? kiln_dim_value(c, r->cols) : 0,
+                             optional, r->plus_one && !m->gguf, v));
         if (*v && permute) KILN_TRY(unpermute_vector(m, v, rows, heads));
         return KILN_OK;
     }
@@ -448,7 +465,7 @@ kiln_status kiln_model_open(const char *path, const kiln_model_params *params, k
         /* each matrix role may be re-laid (GGUF q/k) and widened (KILN_WEIGHTS_F32) */
         int per_model = 0, per_layer = 0;
         for (int r = 0; r < m->arch->n_roles; r++)
-            if (m->arch->roles[r].cols != KILN_DIM_ONE) *(m->arch->roles[r].per_layer ? &per_layer : &per_model) += 1;
+            if (!kiln_role_is_vector(&m->arch->roles[r])) *(m->arch->roles[r].per_layer ? &per_layer : &per_model) += 1;
         m->cap_owned_tensors = 2 * (per_model + per_layer * m->cfg.n_layer);
         m->owned_tensors = kiln_calloc((size_t)m->cap_owned_tensors, sizeof *m->owned_tensors);
         if (!m->owned_tensors) st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory", path);

@@ -270,8 +270,9 @@ static kiln_status declare_role(void *ctx, const kiln_param_role *r, int layer) 
     if (d->count) return KILN_OK;
     char nm[96];
     kiln_role_name(r, false, layer, nm, sizeof nm);
-    const int matrix = r->cols != KILN_DIM_ONE;
-    train_param *p = add_param(t, nm, kiln_dim_value(&t->cfg, r->rows), kiln_dim_value(&t->cfg, r->cols), matrix);
+    const int matrix = !kiln_role_is_vector(r);
+    train_param *p = add_param(t, nm, matrix ? kiln_dim_value(&t->cfg, r->rows) : kiln_role_floats(r, &t->cfg),
+                               kiln_dim_value(&t->cfg, r->cols), matrix);
     if (role == a->role_embed) t->tok_embd = p;
     else if (role == a->role_final_norm) t->final_norm = p;
     else if (role == a->role_head) t->lm_head = p;
@@ -325,7 +326,7 @@ static kiln_status load_role(void *ctx, const kiln_param_role *r, int layer) {
     }
     if (c->next >= t->n_params) return kiln_error(KILN_ERR_INTERNAL, "trainer: more roles than parameters");
     train_param *p = &t->params[c->next++];
-    if (r->cols == KILN_DIM_ONE) {
+    if (kiln_role_is_vector(r)) {
         dst->vec = (const float *)p->w;
     } else {
         /* the embedding is a table lookup (its f32 or bf16 storage); products take the bf16
