@@ -52,6 +52,7 @@ static const hx_arch hx_archs[] = {
     {KILN_ARCH_QWEN2, "qwen2", "Qwen2ForCausalLM"},
     {KILN_ARCH_QWEN3, "qwen3", "Qwen3ForCausalLM"},
     {KILN_ARCH_GEMMA3, "gemma3_text", "Gemma3ForCausalLM"},
+    {KILN_ARCH_QWEN35, "qwen3_5_text", "Qwen3_5ForCausalLM"},
 };
 
 /* Which bias / norm layouts each model_type can say (see hf_config.c's file comment). */
@@ -61,7 +62,8 @@ static kiln_status hx_check_layout(const kiln_model_config *c, const char *type)
     case KILN_ARCH_LLAMA: ok = c->attn_bias == c->attn_out_bias && !c->qk_norm; break;
     case KILN_ARCH_QWEN3: ok = c->attn_bias == c->attn_out_bias && !c->mlp_bias && c->qk_norm; break;
     case KILN_ARCH_QWEN2: ok = c->attn_bias && !c->attn_out_bias && !c->mlp_bias && !c->qk_norm; break;
-    case KILN_ARCH_GEMMA3: ok = !c->attn_bias && !c->attn_out_bias && !c->mlp_bias && c->qk_norm; break;
+    case KILN_ARCH_GEMMA3:
+    case KILN_ARCH_QWEN35: ok = !c->attn_bias && !c->attn_out_bias && !c->mlp_bias && c->qk_norm; break;
     default: ok = !c->attn_bias && !c->attn_out_bias && !c->mlp_bias && !c->qk_norm; break;
     }
     if (!ok)
@@ -129,7 +131,8 @@ kiln_status kiln_hf_config_write(const kiln_model_config *c, const char *dtype, 
     else
         ADD("hidden_act", cJSON_CreateString("silu"));
     ADD("tie_word_embeddings", cJSON_CreateBool(c->tie_embeddings));
-    if (c->arch == KILN_ARCH_LLAMA || c->arch == KILN_ARCH_QWEN3 || c->arch == KILN_ARCH_GEMMA3)
+    if (c->arch == KILN_ARCH_LLAMA || c->arch == KILN_ARCH_QWEN3 || c->arch == KILN_ARCH_GEMMA3 ||
+        c->arch == KILN_ARCH_QWEN35)
         ADD("attention_bias", cJSON_CreateBool(c->attn_bias));
     if (c->arch == KILN_ARCH_LLAMA) ADD("mlp_bias", cJSON_CreateBool(c->mlp_bias));
     ADD("attention_dropout", cJSON_CreateNumber(0.0));
@@ -158,6 +161,8 @@ kiln_status kiln_hf_config_write(const kiln_model_config *c, const char *dtype, 
                            : c->rope_scaling == KILN_ROPE_SCALING_LLAMA3 ? "llama3"
                                                                          : "default";
         cJSON_AddStringToObject(rp, "rope_type", type);
+        if (c->arch == KILN_ARCH_QWEN35) /* an exact binary fraction of head_dim */
+            cJSON_AddNumberToObject(rp, "partial_rotary_factor", (double)kiln_rotary_dim(c) / (double)c->head_dim);
         if (c->rope_scaling != KILN_ROPE_SCALING_NONE)
             cJSON_AddNumberToObject(rp, "factor", hx_float(c->rope_factor));
         if (c->rope_scaling == KILN_ROPE_SCALING_LLAMA3) {
@@ -192,6 +197,18 @@ kiln_status kiln_hf_config_write(const kiln_model_config *c, const char *dtype, 
         ADD("final_logit_softcapping", cJSON_CreateNull());
         ADD("attn_logit_softcapping", cJSON_CreateNull());
         ADD("use_bidirectional_attention", cJSON_CreateBool(0));
+    } else if (c->arch == KILN_ARCH_QWEN35) {
+        /* the layer kinds and the linear layers' widths */
+        cJSON *lt = cJSON_CreateArray();
+        for (int l = 0; lt && l < c->n_layer; l++)
+            cJSON_AddItemToArray(lt, cJSON_CreateString(kiln_layer_linear(c, l) ? "linear_attention" : "full_attention"));
+        ADD("layer_types", lt);
+        ADD("linear_num_key_heads", cJSON_CreateNumber(c->lin_nk));
+        ADD("linear_num_value_heads", cJSON_CreateNumber(c->lin_nv));
+        ADD("linear_key_head_dim", cJSON_CreateNumber(c->lin_dk));
+        ADD("linear_value_head_dim", cJSON_CreateNumber(c->lin_dv));
+        ADD("linear_conv_kernel_dim", cJSON_CreateNumber(c->lin_conv));
+        ADD("attn_output_gate", cJSON_CreateBool(1));
     } else if (sw > 0) {
         cJSON_Delete(r);
         return kiln_error(KILN_ERR_UNSUPPORTED, "config.json: llama has no sliding window (%d)", sw);
@@ -244,18 +261,22 @@ static kiln_status hx_write_weights(const kiln_hf_tensor_source *src, const char
     for (int i = 0; st == KILN_OK && i < n; i++) {
         const char *name;
         int n_dims;
-        int64_t ne, shape[2];
+        int64_t ne, shape[3] = {1, 1, 1};
         st = src->info(src->user, i, &name, &ne, &n_dims, shape);
         if (st != KILN_OK) break;
         kiln_st_write_tensor *w = &x.tensors[i];
         w->name = name;
         w->dtype = bf16 ? KILN_DTYPE_BF16 : KILN_DTYPE_F32;
-        w->n_dims = n_dims == 1 ? 1 : 2;
-        w->shape[0] = shape[0];
-        w->shape[1] = w->n_dims == 2 ? shape[1] : 1;
-        if (w->shape[0] * (w->n_dims == 2 ? w->shape[1] : 1) != ne)
-            st = kiln_error(KILN_ERR_INTERNAL, "%s: parameter '%s': shape (%lld, %lld) does not hold %lld "
-                            "elements", path, name, (long long)shape[0], (long long)shape[1], (long long)ne);
+        w->n_dims = n_dims < 1 ? 1 : n_dims > 3 ? 3 : n_dims;
+        int64_t held = 1;
+        for (int k = 0; k < 3; k++) {
+            w->shape[k] = k < w->n_dims ? shape[k] : 1;
+            held *= w->shape[k];
+        }
+        if (held != ne)
+            st = kiln_error(KILN_ERR_INTERNAL, "%s: parameter '%s': shape (%lld, %lld, %lld) does not hold %lld "
+                            "elements", path, name, (long long)w->shape[0], (long long)w->shape[1],
+                            (long long)w->shape[2], (long long)ne);
         x.n_elems[i] = ne;
         if (ne > max_n) max_n = ne;
     }

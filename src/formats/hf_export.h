@@ -22,9 +22,9 @@ kiln_status kiln_hf_generation_config_write(const kiln_model_config *c, char **o
 typedef struct kiln_hf_tensor_source {
     int n; /* tensors, >= 1 */
     /* Tensor i's name (the source's, valid until the write returns), element count and shape:
-     * n_dims 1 (shape[0] elements) or 2 (shape[0] x shape[1], row-major). */
+     * n_dims 1 to 3 (shape[0] x ... x shape[n_dims - 1], row-major). */
     kiln_status (*info)(void *user, int i, const char **name, int64_t *n_elems, int *n_dims,
-                        int64_t shape[2]);
+                        int64_t shape[3]);
     /* Tensor i's n_elems values, as f32, into dst. */
     kiln_status (*get)(void *user, int i, float *dst, int64_t n_elems);
     void *user;

@@ -17,18 +17,11 @@
 /* ---- the tensors: the trainer's parameters ------------------------------------------------- */
 
 /* 1-D parameters: norms and biases (transformers' shapes); everything else is a matrix. */
-static int hx_is_vector(const char *name) {
-    size_t n = strlen(name);
-    if (n >= 5 && !strcmp(name + n - 5, ".bias")) return 1;
-    return strstr(name, "norm.weight") != NULL;
-}
-
 static kiln_status tx_info(void *user, int i, const char **name, int64_t *n_elems, int *n_dims,
-                           int64_t shape[2]) {
+                           int64_t shape[3]) {
     const kiln_trainer *t = user;
-    KILN_TRY(kiln_train_param_info(t, i, name, n_elems, shape));
-    *n_dims = hx_is_vector(*name) ? 1 : 2;
-    return KILN_OK;
+    KILN_TRY(kiln_train_param_info(t, i, name, n_elems, NULL));
+    return kiln_train_param_file_shape(t, i, n_dims, shape);
 }
 
 static kiln_status tx_get(void *user, int i, float *dst, int64_t n) {

@@ -35,6 +35,8 @@ typedef struct train_param {
     int n_dims;
     int64_t shape[2]; /* (rows, cols) or (n, 1) */
     int64_t n;
+    int file_dims;           /* its shape in a Hugging Face file (kiln_train_param_file_shape) */
+    int64_t file_shape[3];
     kiln_dtype dtype; /* F32, or BF16 for matrices under the bf16 storages */
     void *w;          /* (n) weights the model computes with; backend memory */
     float *g;         /* (n) gradient; backend memory */
@@ -273,6 +275,10 @@ static kiln_status declare_role(void *ctx, const kiln_param_role *r, int layer) 
     const int matrix = !kiln_role_is_vector(r);
     train_param *p = add_param(t, nm, matrix ? kiln_dim_value(&t->cfg, r->rows) : kiln_role_floats(r, &t->cfg),
                                kiln_dim_value(&t->cfg, r->cols), matrix);
+    p->file_dims = r->conv_taps ? 3 : matrix ? 2 : 1;
+    p->file_shape[0] = matrix || r->conv_taps ? kiln_dim_value(&t->cfg, r->rows) : p->n;
+    p->file_shape[1] = matrix ? kiln_dim_value(&t->cfg, r->cols) : 1;
+    p->file_shape[2] = r->conv_taps ? kiln_dim_value(&t->cfg, r->cols) : 1;
     if (role == a->role_embed) t->tok_embd = p;
     else if (role == a->role_final_norm) t->final_norm = p;
     else if (role == a->role_head) t->lm_head = p;
@@ -1117,6 +1123,14 @@ kiln_status kiln_train_param_info(const kiln_trainer *t, int i, const char **nam
         shape[0] = t->params[i].shape[0];
         shape[1] = t->params[i].shape[1];
     }
+    return KILN_OK;
+}
+
+kiln_status kiln_train_param_file_shape(const kiln_trainer *t, int i, int *n_dims, int64_t shape[3]) {
+    if (!t || i < 0 || i >= t->n_params)
+        return kiln_error(KILN_ERR_RANGE, "kiln_train_param_file_shape: index %d not in [0, %d)", i, t ? t->n_params : 0);
+    *n_dims = t->params[i].file_dims;
+    for (int k = 0; k < 3; k++) shape[k] = t->params[i].file_shape[k];
     return KILN_OK;
 }
 

@@ -70,7 +70,8 @@ def check_weights(tr, out, bf16):
         want = tr.get_param(name, n)
         got = sd[name]
         assert got.numel() == n
-        assert got.dim() == (1 if ("norm" in name or name.endswith(".bias")) else 2), name
+        vector = "norm" in name or name.endswith((".bias", ".A_log", ".dt_bias"))
+        assert got.dim() == (3 if name.endswith("conv1d.weight") else 1 if vector else 2), name
         if bf16:
             assert got.dtype == torch.bfloat16
             got = got.float()
