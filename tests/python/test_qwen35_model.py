@@ -242,3 +242,68 @@ def test_tiny_train_and_export(tiny, build_dir, tmp_path):
     km.close()
     tr.close()
     m.close()
+
+
+def test_released_layout(tiny, build_dir, tmp_path):
+    """The released checkpoints' layout (model_type qwen3_5, the text model's config in
+    text_config, its tensors below model.language_model., a vision tower and an MTP head kiln
+    does not read): the same logits as the text-only folder; a bad text_config is refused."""
+    import json
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    d, _ = tiny
+    out = tmp_path / "released"
+    out.mkdir()
+    for f in d.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, out / f.name)
+    text = json.loads((d / "config.json").read_text())
+    tie = text.pop("tie_word_embeddings")
+    cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+           "tie_word_embeddings": tie, "text_config": text,
+           "vision_config": {"depth": 1, "hidden_size": 8, "model_type": "qwen3_5_vision"}}
+    (out / "config.json").write_text(json.dumps(cfg))
+    w = {k.replace("model.", "model.language_model.", 1): v for k, v in load_file(str(d / "model.safetensors")).items()}
+    w["model.visual.patch_embed.weight"] = np.zeros((8, 3), np.float32)
+    w["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
+    save_file(w, str(out / "model.safetensors"))
+    ids = _ids(80, 10)
+    logits = []
+    for folder in (d, out):
+        m = kiln.Model(folder)
+        ctx = kiln.Context(m, n_ctx=128, n_threads=2)
+        logits.append(ctx.decode(ids, all_logits=True))
+        ctx.close()
+        m.close()
+    assert np.array_equal(logits[0].view(np.uint32), logits[1].view(np.uint32))
+    cfg["text_config"] = "qwen"
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(kiln.KilnError, match="text_config"):
+        kiln.Model(out)
+
+
+@pytest.mark.parametrize("storage,moments", [("f32", "f32"), ("bf16_kahan", "q8"), ("bf16_sr", "f32")])
+def test_tiny_resume_bits(tiny, build_dir, tmp_path, storage, moments):
+    """AdamW steps on the hybrid model (each storage kind), saved and resumed: the resumed
+    trainer's next steps give the uninterrupted run's weights bit for bit."""
+    d, _ = tiny
+    m = kiln.Model(d)
+    batches = [_ids(64, 20 + i) for i in range(4)]
+
+    def run(tr, bs):
+        for b in bs:
+            tr.step(b)
+            tr.optimizer_step(3e-3)
+
+    a = kiln.Trainer(m, max_seq=64, n_threads=2, storage=storage, moments=moments, weight_decay=0.1)
+    run(a, batches[:2])
+    a.save(tmp_path / "ck", 2)
+    run(a, batches[2:])
+    b = kiln.Trainer(m, max_seq=64, n_threads=2, storage=storage, moments=moments, weight_decay=0.1)
+    assert b.load(tmp_path / "ck")[0] == 2
+    run(b, batches[2:])
+    for name, n, _ in a.params():
+        assert np.array_equal(a.get_param(name, n).view(np.uint32), b.get_param(name, n).view(np.uint32)), name
+    a.close()
+    b.close()
+    m.close()
