@@ -224,33 +224,23 @@ static void gemma3_forward(const kiln_model *m, kiln_backend *be, kiln_forward_s
 /* ---- training ------------------------------------------------------------------------------ */
 
 /* The training state (kiln_train_io.priv). The trainer's parameter of a norm is transformers'
- * w; the forward multiplies by 1 + w, which each training forward computes into mult (f32(1 +
- * w), transformers' rounding) and binds in refs / layer_refs (copies of the io's with those
- * vectors swapped; the gradients stay the parameters': d/dw = d/d(1 + w)). */
+ * w; the forward multiplies by 1 + w, which each training forward computes (kiln_norm_mult:
+ * nm's refs and layer_refs bind the multipliers, the gradients stay the parameters'). */
 typedef struct g3_train {
     g3_acts *acts;               /* (L) */
     float *x_final;              /* (T,C) */
-    kiln_wref *layer_refs;       /* (L, G3_N_LAYER) */
-    kiln_wref final_norm;
-    float *mult, *ones;          /* (n_mult) the multipliers, and as many ones */
-    size_t n_mult;
+    kiln_norm_mult nm;
     float *dd, *dxb, *datt, *dq, *dk, *dv, *dqr, *dkr, *dgate, *dup, *dhb, *rstd, *ws; /* backward scratch */
     float *rope_cos, *rope_sin, *rope_cos_local, *rope_sin_local; /* (max_seq, HS/2) */
     void *block;
 } g3_train;
 
-/* Floats of role r's multiplier: its vector's length for a norm the forward uses as 1 + w (the
- * roles table's plus_one), else 0. */
-static size_t g3_mult_floats(const kiln_model_config *c, int r) {
-    return gemma3_roles[r].plus_one ? (size_t)kiln_dim_value(c, gemma3_roles[r].rows) : 0;
-}
-
 static void gemma3_train_free(kiln_train_io *io) {
     g3_train *t = io ? io->priv : NULL;
     if (!t) return;
     if (t->block) kiln_backend_free_buf(io->be, t->block);
+    kiln_norm_mult_free(&t->nm);
     kiln_free(t->acts);
-    kiln_free(t->layer_refs);
     kiln_free(t);
     io->priv = NULL;
 }
@@ -291,10 +281,9 @@ static kiln_status gemma3_train_init(kiln_train_io *io) {
     const size_t S = (size_t)io->max_seq, T = S * (size_t)io->max_batch, C = (size_t)c->n_embd, FF = (size_t)c->n_ff;
     const size_t HS = (size_t)c->head_dim, QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS;
     t->acts = kiln_calloc((size_t)L, sizeof *t->acts);
-    t->layer_refs = kiln_calloc((size_t)L * G3_N_LAYER, sizeof *t->layer_refs);
-    if (!t->acts || !t->layer_refs) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    t->n_mult = g3_mult_floats(c, G3_NORM);
-    for (int r = G3_WQ; r < G3_WQ + G3_N_LAYER; r++) t->n_mult += (size_t)L * g3_mult_floats(c, r);
+    if (!t->acts) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    const size_t n_mult = kiln_norm_mult_floats(io);
+    float *mult = NULL, *ones = NULL;
     enum { PER_LAYER = 15, N_OTHER = 25 };
     const size_t nrows = T * (size_t)c->n_head > T ? T * (size_t)c->n_head : T;
     const size_t ws = kiln_attention_backward_ws_floats((int)S, 0, c->n_head, c->n_head_kv, (int)HS);
@@ -318,11 +307,11 @@ static kiln_status gemma3_train_init(kiln_train_io *io) {
     /* ids, pos: int32 in float-sized slots */
     float **po[N_OTHER] = {&t->x_final, &io->xn,  &io->dx,    &io->dxn,  &t->dd,   &t->dxb,  &t->datt,
                            &t->dq,      &t->dk,   &t->dv,     &t->dqr,   &t->dkr,  &t->dgate, &t->dup,
-                           &t->dhb,     &t->rstd, &t->ws,     &t->mult,  &t->ones, (float **)&io->ids,
+                           &t->dhb,     &t->rstd, &t->ws,     &mult,     &ones,    (float **)&io->ids,
                            (float **)&io->pos, &t->rope_cos, &t->rope_sin, &t->rope_cos_local, &t->rope_sin_local};
     const size_t so[N_OTHER] = {T * C,  T * C,  T * C,  T * C,  T * C,  T * C,     T * QD,    T * QD,     T * KD,
-                                T * KD, T * QD, T * KD, T * FF, T * FF, T * FF,    nrows,     ws,         t->n_mult,
-                                t->n_mult, T,   T,      S * HS / 2, S * HS / 2, S * HS / 2, S * HS / 2};
+                                T * KD, T * QD, T * KD, T * FF, T * FF, T * FF,    nrows,     ws,         n_mult,
+                                n_mult, T,      T,      S * HS / 2, S * HS / 2, S * HS / 2, S * HS / 2};
     for (int i = 0; i < N_OTHER; i++) slots[k] = po[i], sizes[k++] = so[i];
     kiln_status st = kiln_backend_alloc_carved(be, (int)k, (float **const *)slots, sizes, &t->block, &io->bytes,
                                                "trainer", "activations");
@@ -330,53 +319,19 @@ static kiln_status gemma3_train_init(kiln_train_io *io) {
     kiln_free(sizes);
     KILN_TRY(st);
 
-    /* the multipliers' bindings: each layer's norms, then the final norm, back to back */
-    size_t m = 0;
-    for (int l = 0; l < L; l++)
-        for (int r = G3_WQ; r < G3_N_LAYER + G3_WQ; r++) {
-            const kiln_wref *src = &io->layer_refs[(size_t)l * G3_N_LAYER + (size_t)(r - G3_WQ)];
-            kiln_wref *dst = &t->layer_refs[(size_t)l * G3_N_LAYER + (size_t)(r - G3_WQ)];
-            *dst = *src;
-            if (!g3_mult_floats(c, r)) continue;
-            dst->vec = t->mult + m;
-            m += g3_mult_floats(c, r);
-        }
-    t->final_norm = io->refs[G3_NORM];
-    t->final_norm.vec = t->mult + m;
-    /* ones: written once */
-    float *one = kiln_malloc(t->n_mult * sizeof(float));
-    if (!one) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    for (size_t i = 0; i < t->n_mult; i++) one[i] = 1.0f;
-    st = kiln_backend_upload(be, t->ones, one, t->n_mult * sizeof(float));
-    kiln_free(one);
-    KILN_TRY(st);
+    KILN_TRY(kiln_norm_mult_bind(&t->nm, io, mult, ones));
     return g3_upload_tables(io, t, (int)S, (int)HS);
-}
-
-/* mult = f32(1 + w) for every norm: 0, + 1, + w (IEEE addition commutes: the bits of 1 + w). */
-static void g3_multipliers(kiln_train_io *io, g3_train *t) {
-    kiln_backend *be = io->be;
-    const kiln_backend_i *op = be->i;
-    const kiln_model_config *c = &io->model->cfg;
-    op->zero(be, t->mult, t->n_mult);
-    op->add(be, t->mult, t->ones, t->n_mult);
-    for (int l = 0; l < c->n_layer; l++)
-        for (int r = G3_WQ; r < G3_N_LAYER + G3_WQ; r++) {
-            const size_t i = (size_t)l * G3_N_LAYER + (size_t)(r - G3_WQ), n = g3_mult_floats(c, r);
-            if (n) op->add(be, (float *)t->layer_refs[i].vec, io->layer_refs[i].vec, n);
-        }
-    op->add(be, (float *)t->final_norm.vec, io->refs[G3_NORM].vec, g3_mult_floats(c, G3_NORM));
 }
 
 static void gemma3_train_forward(kiln_train_io *io, int n_seq, int seq) {
     g3_train *t = io->priv;
     const kiln_model_config *c = &io->model->cfg;
-    g3_multipliers(io, t);
+    kiln_norm_mult_update(&t->nm, io);
     g3_run R = {0};
     R.be = io->be;
     R.cfg = c;
     R.embed = io->refs[G3_EMBED].mat;
-    R.layer_refs = t->layer_refs;
+    R.layer_refs = t->nm.layer_refs;
     R.ids = io->ids;
     R.pos = io->pos;
     R.T = n_seq * seq;
@@ -390,7 +345,7 @@ static void gemma3_train_forward(kiln_train_io *io, int n_seq, int seq) {
     R.n_seq = n_seq;
     R.seq = seq;
     gemma3_layers(&R);
-    io->be->i->rmsnorm(io->be, io->xn, t->x_final, t->final_norm.vec, R.T, c->n_embd, c->rms_eps);
+    io->be->i->rmsnorm(io->be, io->xn, t->x_final, t->nm.refs[G3_NORM].vec, R.T, c->n_embd, c->rms_eps);
 }
 
 /* dx = dy0 @ W0 + dy1 @ W1 (+ dy2 @ W2), each weight's gradient accumulated. */
@@ -417,10 +372,10 @@ static void gemma3_train_backward(kiln_train_io *io, int n_seq, int seq) {
     const int T = n_seq * seq, C = c->n_embd, HS = c->head_dim, NH = c->n_head, KVH = c->n_head_kv, FF = c->n_ff;
     const size_t QD = (size_t)NH * HS, KD = (size_t)KVH * HS;
     const float eps = c->rms_eps, scale = g3_scale(c);
-    op->rmsnorm_backward(be, io->dx, t->final_norm.grad, io->dxn, t->x_final, t->final_norm.vec, T, C, eps, t->rstd,
-                         false);
+    const kiln_wref *fn = &t->nm.refs[G3_NORM];
+    op->rmsnorm_backward(be, io->dx, fn->grad, io->dxn, t->x_final, fn->vec, T, C, eps, t->rstd, false);
     for (int l = c->n_layer - 1; l >= 0; l--) {
-        const kiln_wref *lw = t->layer_refs + (size_t)l * G3_N_LAYER;
+        const kiln_wref *lw = t->nm.layer_refs + (size_t)l * G3_N_LAYER;
 #define W(role) (&lw[(role) - G3_WQ])
         const g3_acts *a = &t->acts[l];
         const int slides = kiln_layer_slides(c, l), window = slides ? c->sliding_window : 0;

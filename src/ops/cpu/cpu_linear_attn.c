@@ -14,6 +14,15 @@
 
 #include <string.h>
 
+/* The hot loops run as an FMA build where the CPU has it (GCC and clang pick the clone at load
+ * time): fmaf is one correctly rounded operation either way, so the bits are the same, but
+ * without FMA hardware it is a library call. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
+#define LA_HOT __attribute__((target_clones("fma", "default")))
+#else
+#define LA_HOT
+#endif
+
 static int la_n_tasks(kiln_pool *pool, double work, int64_t max_tasks) {
     int nt = kiln_pool_n_threads(pool);
     int n = (work < 65536.0 || nt <= 1) ? 1 : 4 * nt;
@@ -50,7 +59,7 @@ typedef struct conv_job {
  * inputs before and at each token (the sequence's state for positions before the run, zeros
  * before position 0), acc = 0, acc = fmaf(w[c,j], in_j, acc) for j ascending, out = silu(acc);
  * then the state keeps the last K-1 inputs. */
-static void conv_task(void *arg, int task, int thread) {
+LA_HOT static void conv_task(void *arg, int task, int thread) {
     (void)thread;
     const conv_job *j = arg;
     int64_t lo, hi;
@@ -102,7 +111,7 @@ static inline float conv_in(const conv_bwd_job *j, int b, int t, int64_t c) {
  * dx[t] = sum over i of dpre[t + K - 1 - i] w[c,i] within the sequence, acc = fmaf(dpre, w, acc)
  * for i descending (the outputs t, t + 1, ... in order); dw[c,i] += lane-16 over all tokens (sequence by
  * sequence, t ascending) of dpre[t] in(t - K + 1 + i). */
-static void conv_bwd_task(void *arg, int task, int thread) {
+LA_HOT static void conv_bwd_task(void *arg, int task, int thread) {
     (void)thread;
     const conv_bwd_job *j = arg;
     int64_t lo, hi;
@@ -179,7 +188,7 @@ static void gdn_qk(const gdn_shape *s, const float *qkv, size_t row, int h, floa
 }
 
 /* lane-16 over i of S[i][j] * x[i], for every column j: out[j]. acc: 16 dv floats. */
-static void gdn_cols_dot(float *out, const float *S, const float *x, int dk, int dv, float *acc) {
+LA_HOT static void gdn_cols_dot(float *out, const float *S, const float *x, int dk, int dv, float *acc) {
     memset(acc, 0, (size_t)KILN_DOT_LANES * dv * sizeof(float));
     for (int i = 0; i < dk; i++) {
         float *a = acc + (size_t)(i % KILN_DOT_LANES) * dv;
@@ -195,7 +204,7 @@ static void gdn_cols_dot(float *out, const float *S, const float *x, int dk, int
 
 /* One token of one head: S = a S; u = S^T kn; d = b (v - u); S += kn d^T; o = S^T qn. u, d
  * out when not NULL. */
-static void gdn_step(float *S, const float *qn, const float *kn, const float *v, float a, float b, float *o,
+LA_HOT static void gdn_step(float *S, const float *qn, const float *kn, const float *v, float a, float b, float *o,
                      float *u, float *d, int dk, int dv, float *acc) {
     const size_t n = (size_t)dk * dv;
     for (size_t e = 0; e < n; e++) S[e] = S[e] * a;
@@ -275,7 +284,7 @@ typedef struct gdn_bwd_job {
  * start, then the chunks last to first: each recomputed from its saved state (S after every
  * token, u and d), then walked back token by token (docs/ARITHMETIC.md, "Gated DeltaNet
  * backward"). */
-static void gdn_bwd_task(void *arg, int task, int thread) {
+LA_HOT static void gdn_bwd_task(void *arg, int task, int thread) {
     (void)thread;
     const gdn_bwd_job *j = arg;
     const gdn_shape *s = &j->s;
