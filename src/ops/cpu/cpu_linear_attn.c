@@ -122,8 +122,7 @@ LA_HOT static void conv_bwd_task(void *arg, int task, int thread) {
         memset(acc, 0, sizeof acc);
         int64_t lane = 0;
         for (int b = 0; b < j->n_seq; b++) {
-            /* dpre of this sequence's tokens, written into dx's column first (read back below
-             * before it is overwritten: dx[t] needs dpre[t..t+K-1]) -- kept in a ring */
+            /* dpre of the sequence's last K tokens, in a ring (dx[t] needs dpre[t..t+K-1]) */
             float ring[64];
             for (int t = 0; t < T + K - 1; t++) {
                 /* dpre of token t (when t < T) */
@@ -222,7 +221,7 @@ LA_HOT static void gdn_step(float *S, const float *qn, const float *kn, const fl
 
 typedef struct gdn_job {
     gdn_shape s;
-    float *out, *state, *scratch; /* scratch: (n_tasks? no: per head) 16 dv + 2 dk per head */
+    float *out, *state, *scratch; /* per task: S (dk dv; no state), acc (16 dv), qn, kn */
     const float *qkv, *g, *beta;
     const int32_t *seq, *pos;
     const kiln_batch_run *runs;
