@@ -494,7 +494,9 @@ typedef struct kiln_backend_i {
      * over qkv(N, 2 nk dk + nv dv) rows [q (nk,dk) | k (nk,dk) | v (nv,dv)], g(N,nv) the log
      * decays, beta(N,nv): per value head h (key head h / (nv/nk)) with q, k l2-normalised (eps
      * 1e-6) and q times scale, S = exp(g) S; S += k (beta (v - S^T k))^T; out(N, nv dv) = S^T q.
-     * state (n_seq, nv, dk, dv): each head's S (row i of dk, column j of dv), f32. */
+     * state (n_seq, nv, dk, dv): each head's S (row i of dk, column j of dv), f32.
+     * Limits (the model config's checks guarantee them): K <= 64, dk and dv <= 512, nv a
+     * multiple of nk; a call outside them writes nothing. */
     void (*conv1d_silu)(kiln_backend *be, float *out, const float *x, const float *w, float *state,
                         const int32_t *seq, const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N,
                         int CH, int K);
