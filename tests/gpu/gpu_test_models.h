@@ -44,7 +44,7 @@ static inline double now_s(void) {
 }
 
 /* g_tmpdir/<name>.json: the config of a model of architecture arch (llama, qwen2, qwen3,
- * gemma3_text);
+ * gemma3_text, qwen3_5_text);
  * its path to path. 1 on success. */
 static inline int gpu_write_config(const char *name, const char *arch, int C, int L, int NH,
                                    int KVH, int HS, int FF, int V, int tied, double rope_theta,
@@ -61,6 +61,20 @@ static inline int gpu_write_config(const char *name, const char *arch, int C, in
                 " \"sliding_window\": 8, \"sliding_window_pattern\": 3, \"query_pre_attn_scalar\": 24,"
                 " \"rope_theta\": %.1f, \"rope_local_base_freq\": 10000.0,"
                 " \"tie_word_embeddings\": %s}\n",
+                C, L, NH, KVH, HS, FF, V, rope_theta, tied ? "true" : "false");
+        return fclose(f) == 0;
+    }
+    if (!strcmp(arch, "qwen3_5_text")) { /* Gated DeltaNet layers (2 key, 4 value heads of 16)
+                                          * around every second layer's gated attention */
+        fprintf(f,
+                "{\"architectures\": [\"Qwen3_5ForCausalLM\"], \"model_type\": \"qwen3_5_text\","
+                " \"hidden_size\": %d, \"num_hidden_layers\": %d, \"num_attention_heads\": %d,"
+                " \"num_key_value_heads\": %d, \"head_dim\": %d, \"intermediate_size\": %d,"
+                " \"vocab_size\": %d, \"max_position_embeddings\": 4096, \"rms_norm_eps\": 1e-6,"
+                " \"full_attention_interval\": 2, \"linear_num_key_heads\": 2, \"linear_num_value_heads\": 4,"
+                " \"linear_key_head_dim\": 16, \"linear_value_head_dim\": 16, \"linear_conv_kernel_dim\": 4,"
+                " \"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": %.1f,"
+                " \"partial_rotary_factor\": 0.25}, \"tie_word_embeddings\": %s}\n",
                 C, L, NH, KVH, HS, FF, V, rope_theta, tied ? "true" : "false");
         return fclose(f) == 0;
     }
@@ -82,9 +96,9 @@ static inline int gpu_write_config(const char *name, const char *arch, int C, in
 static inline kiln_status gpu_randomise_role(void *ctx, const kiln_param_role *r, int layer) {
     kiln_model *m = ctx;
     kiln_wref *w = kiln_model_ref(m, r, layer);
-    if (r->cols != KILN_DIM_ONE || !w->vec) return KILN_OK;
+    if (!kiln_role_is_vector(r) || !w->vec) return KILN_OK;
     float *v = (float *)w->vec;
-    int64_t n = kiln_dim_value(&m->cfg, r->rows);
+    int64_t n = kiln_role_floats(r, &m->cfg);
     for (int64_t j = 0; j < n; j++) v[j] = r->init == KILN_INIT_ONES ? 1.0f + 0.2f * rnd_unit() : 0.05f * rnd_unit();
     return KILN_OK;
 }
