@@ -261,7 +261,8 @@ if has sanitizer && command -v compute-sanitizer >/dev/null; then
            "memcheck test_cuda_attention_bwd_fast --no-time"
            "racecheck test_cuda_attention_bwd_fast --no-time"
            "memcheck test_cuda_train_fast $vocab" "memcheck test_cuda_fused_ce_fast --quick"
-           "memcheck test_cuda_backward_fast" "memcheck test_cuda_train_ops --no-big")
+           "memcheck test_cuda_backward_fast" "memcheck test_cuda_train_ops --no-big"
+           "memcheck test_cuda_linear_attn --quick" "racecheck test_cuda_linear_attn --quick")
     for spec in "${specs[@]}"; do
         set -- $spec
         # KILN_SANITIZER_ONLY="tool:binary ...": only these runs

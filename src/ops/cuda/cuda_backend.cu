@@ -1,7 +1,7 @@
 /*
  * cuda_backend.cu -- the CUDA backend: the op table of ops.h over the launchers of the kernel
  * families (cuda_attention.h, cuda_matmul.h, cuda_norm.h, cuda_rope.h, cuda_elementwise.h,
- * cuda_rows.h), device memory, the weight cache, and error poisoning.
+ * cuda_rows.h, cuda_linear_attn.h), device memory, the weight cache, and error poisoning.
  *
  * Contract (docs/CUDA.md):
  *   - Every float * an op takes is device memory (kiln_backend_alloc). ids (embed) and pos
@@ -18,6 +18,7 @@
 #include "cuda_internal.h"
 #include "cuda_attention.h"
 #include "cuda_elementwise.h"
+#include "cuda_linear_attn.h"
 #include "cuda_matmul.h"
 #include "cuda_norm.h"
 #include "cuda_rope.h"
@@ -1411,6 +1412,192 @@ static void cu_attention_paged(kiln_backend *be, float *out, const float *q, con
                  "attention_paged");
 }
 
+/* ---- Qwen3.5's ops (cuda_linear_attn.h): the CPU's bits in both modes --------------------- */
+
+/* The batch of conv1d_silu / gated_delta (ops.h): runs inside the N tokens, or none (one token a
+ * run, seq and pos on the device, a state to read them into). Poisons and returns false
+ * otherwise. */
+static bool la_batch_ok(cuda_ctx *c, const char *op, const float *state, const int32_t *seq,
+                        const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N) {
+    if (!runs) {
+        if (!state || !seq || !pos) {
+            poison(c, KILN_ERR_INVALID_ARG, "%s: runs NULL needs a state, seq and pos", op);
+            return false;
+        }
+        return true;
+    }
+    if (n_runs < 0) {
+        poison(c, KILN_ERR_INVALID_ARG, "%s: %d runs", op, n_runs);
+        return false;
+    }
+    for (int r = 0; r < n_runs; r++)
+        if (runs[r].first < 0 || runs[r].n < 0 || runs[r].first > N - runs[r].n) {
+            poison(c, KILN_ERR_INVALID_ARG, "%s: run %d (tokens %d..%d) outside the batch of %d",
+                   op, r, runs[r].first, runs[r].first + runs[r].n - 1, N);
+            return false;
+        }
+    return true;
+}
+
+/* Gated DeltaNet's head shapes (ops.h: value heads a multiple of key heads; the reference's
+ * head-size limits). */
+static bool gdn_heads_ok(cuda_ctx *c, const char *op, int nk, int nv, int dk, int dv) {
+    if (nk <= 0 || nv <= 0 || nv % nk != 0 || dk <= 0 || dv <= 0) {
+        poison(c, KILN_ERR_INVALID_ARG, "%s: %d key heads, %d value heads, dk %d, dv %d", op, nk,
+               nv, dk, dv);
+        return false;
+    }
+    if (dk > KILN_CUDA_GDN_MAX_HEAD || dv > KILN_CUDA_GDN_MAX_HEAD) {
+        poison(c, KILN_ERR_UNSUPPORTED, "%s: head sizes dk %d, dv %d (at most %d)", op, dk, dv,
+               KILN_CUDA_GDN_MAX_HEAD);
+        return false;
+    }
+    return true;
+}
+
+static void cu_conv1d_silu(kiln_backend *be, float *out, const float *x, const float *w,
+                           float *state, const int32_t *seq, const int32_t *pos,
+                           const kiln_batch_run *runs, int n_runs, int N, int CH, int K) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    if (K < 1 || K > KILN_CUDA_CONV_MAX_K || CH <= 0) {
+        poison(c, KILN_ERR_INVALID_ARG, "conv1d_silu: K %d (1..%d), CH %d", K,
+               KILN_CUDA_CONV_MAX_K, CH);
+        return;
+    }
+    if (!la_batch_ok(c, "conv1d_silu", state, seq, pos, runs, n_runs, N)) return;
+    after_launch(c,
+                 kiln_cuda_conv1d_silu(c->stream, out, x, w, state, seq, pos, runs, n_runs, N, CH,
+                                       K),
+                 "conv1d_silu");
+}
+
+static void cu_gated_delta(kiln_backend *be, float *out, const float *qkv, const float *g,
+                           const float *beta, float *state, const int32_t *seq,
+                           const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N,
+                           int nk, int nv, int dk, int dv, float scale) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    if (!gdn_heads_ok(c, "gated_delta", nk, nv, dk, dv) ||
+        !la_batch_ok(c, "gated_delta", state, seq, pos, runs, n_runs, N))
+        return;
+    after_launch(c,
+                 kiln_cuda_gated_delta(c->stream, out, qkv, g, beta, state, seq, pos, runs, n_runs,
+                                       N, nk, nv, dk, dv, scale),
+                 "gated_delta");
+}
+
+static void cu_gdn_gates(kiln_backend *be, float *g, float *beta, const float *a, const float *b,
+                         const float *A_log, const float *dt_bias, int N, int nv) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_gdn_gates(c->stream, g, beta, a, b, A_log, dt_bias, N, nv),
+                 "gdn_gates");
+}
+
+static void cu_sigmoid_mul(kiln_backend *be, float *out, const float *x, const float *gate,
+                           size_t n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_sigmoid_mul(c->stream, out, x, gate, n), "sigmoid_mul");
+}
+
+static void cu_split_halves(kiln_backend *be, float *a, float *b, const float *x, int64_t rows,
+                            int n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_split_halves(c->stream, a, b, x, rows, n), "split_halves");
+}
+
+static void cu_join_halves(kiln_backend *be, float *x, const float *a, const float *b,
+                           int64_t rows, int n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_join_halves(c->stream, x, a, b, rows, n), "join_halves");
+}
+
+/* rope_partial and its transpose; pos host or device memory, as rope's. */
+static void rope_partial(kiln_backend *be, float *x, const int32_t *pos, int N, int H, int HS,
+                         int rot, const float *cos_tab, const float *sin_tab, int transpose) {
+    cuda_ctx *c = ctx_of(be);
+    const char *op = transpose ? "rope_partial_backward" : "rope_partial";
+    if (!op_begin(c) || N <= 0 || H <= 0) return;
+    if (rot < 0 || rot % 2 != 0 || rot > HS) {
+        poison(c, KILN_ERR_INVALID_ARG, "%s: rot %d (even, at most HS %d)", op, rot, HS);
+        return;
+    }
+    const int32_t *d_pos = ints_dev(c, pos, (size_t)N);
+    if (!d_pos) return;
+    after_launch(c,
+                 kiln_cuda_rope_partial(c->stream, x, d_pos, N, H, HS, rot, cos_tab, sin_tab,
+                                        transpose),
+                 op);
+}
+
+static void cu_rope_partial(kiln_backend *be, float *x, const int32_t *pos, int N, int H, int HS,
+                            int rot, const float *cos_tab, const float *sin_tab) {
+    rope_partial(be, x, pos, N, H, HS, rot, cos_tab, sin_tab, 0);
+}
+
+static void cu_rope_partial_backward(kiln_backend *be, float *d, const int32_t *pos, int N, int H,
+                                     int HS, int rot, const float *cos_tab,
+                                     const float *sin_tab) {
+    rope_partial(be, d, pos, N, H, HS, rot, cos_tab, sin_tab, 1);
+}
+
+static void cu_conv1d_silu_backward(kiln_backend *be, float *dx, float *dw, const float *dout,
+                                    const float *x, const float *w, int n_seq, int T, int CH,
+                                    int K) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || n_seq <= 0 || T <= 0) return;
+    if (K < 1 || K > KILN_CUDA_CONV_MAX_K || CH <= 0) {
+        poison(c, KILN_ERR_INVALID_ARG, "conv1d_silu_backward: K %d (1..%d), CH %d", K,
+               KILN_CUDA_CONV_MAX_K, CH);
+        return;
+    }
+    after_launch(c,
+                 kiln_cuda_conv1d_silu_backward(c->stream, dx, dw, dout, x, w, n_seq, T, CH, K),
+                 "conv1d_silu_backward");
+}
+
+static void cu_gated_delta_backward(kiln_backend *be, float *dqkv, float *dg, float *dbeta,
+                                    const float *dout, const float *qkv, const float *g,
+                                    const float *beta, float *ws, int n_seq, int T, int nk,
+                                    int nv, int dk, int dv, float scale) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || n_seq <= 0 || T <= 0) return;
+    if (!gdn_heads_ok(c, "gated_delta_backward", nk, nv, dk, dv)) return;
+    if (!kiln_cuda_gated_delta_backward_fits(dk, dv)) {
+        poison(c, KILN_ERR_UNSUPPORTED, "gated_delta_backward: head sizes dk %d x dv %d do not "
+               "fit the walk's shared memory on this device", dk, dv);
+        return;
+    }
+    after_launch(c,
+                 kiln_cuda_gated_delta_backward(c->stream, dqkv, dg, dbeta, dout, qkv, g, beta, ws,
+                                                n_seq, T, nk, nv, dk, dv, scale),
+                 "gated_delta_backward");
+}
+
+static void cu_gdn_gates_backward(kiln_backend *be, float *da, float *db, float *dA_log,
+                                  float *ddt_bias, const float *dg, const float *dbeta,
+                                  const float *a, const float *b, const float *A_log,
+                                  const float *dt_bias, int N, int nv) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c,
+                 kiln_cuda_gdn_gates_backward(c->stream, da, db, dA_log, ddt_bias, dg, dbeta, a,
+                                              b, A_log, dt_bias, N, nv),
+                 "gdn_gates_backward");
+}
+
+static void cu_sigmoid_mul_backward(kiln_backend *be, float *dx, float *dgate, const float *dout,
+                                    const float *x, const float *gate, size_t n) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_sigmoid_mul_backward(c->stream, dx, dgate, dout, x, gate, n),
+                 "sigmoid_mul_backward");
+}
+
 /* ---- the table ----------------------------------------------------------------------------- */
 
 static bool cu_supports_op(const kiln_backend *be, kiln_op op, kiln_dtype wtype) {
@@ -1554,6 +1741,18 @@ static const kiln_backend_i cuda_iface = {
     /* .adamw_clip = */ kiln_cuda_adamw_op_clip,
     /* .holds = */ cu_holds,
     /* .geglu_backward = */ cu_geglu_backward,
+    /* .conv1d_silu = */ cu_conv1d_silu,
+    /* .gated_delta = */ cu_gated_delta,
+    /* .gdn_gates = */ cu_gdn_gates,
+    /* .sigmoid_mul = */ cu_sigmoid_mul,
+    /* .split_halves = */ cu_split_halves,
+    /* .join_halves = */ cu_join_halves,
+    /* .rope_partial = */ cu_rope_partial,
+    /* .rope_partial_backward = */ cu_rope_partial_backward,
+    /* .conv1d_silu_backward = */ cu_conv1d_silu_backward,
+    /* .gated_delta_backward = */ cu_gated_delta_backward,
+    /* .gdn_gates_backward = */ cu_gdn_gates_backward,
+    /* .sigmoid_mul_backward = */ cu_sigmoid_mul_backward,
 };
 
 extern "C" kiln_status kiln_cuda_device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes) {
