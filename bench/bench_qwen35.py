@@ -3,7 +3,8 @@
 against transformers' Qwen3_5ForCausalLM, tokens/s and device memory, one table printed last.
 
   python3 bench/bench_qwen35.py --bin DIR [--seq 2048] [--batch 4] [--steps 3] [--budget 480]
-      [--engines kiln-fast,torch,torch-compile] [--json OUT] [--device cuda|cpu] [--shape 0.8b|tiny]
+      [--engines kiln-fast,torch,torch-nofla,torch-compile] [--fla-path DIR] [--json OUT]
+      [--device cuda|cpu] [--shape 0.8b|tiny]
 
 DIR holds libkiln.so (built with -DKILN_CUDA=ON). --device cpu --shape tiny is the smoke mode
 of a machine without a GPU (its figures mean nothing).
@@ -25,7 +26,8 @@ tokens/s = B T / median step (after one warm step). Each engine runs in a child 
     Gated DeltaNet through flash-linear-attention's Triton kernels when the `fla` package
     imports (its wheels carried to the GPU machine; the notes say which), else transformers'
     torch fallback; torch.optim.AdamW(fused=True).
-  - torch-compile: the same with torch.compile(model) (the 2 warm steps' time, compilation,
+  - torch-nofla: torch without flash-linear-attention (transformers' torch fallback).
+  - torch-compile: the same as torch with torch.compile(model) (the 2 warm steps' time, compilation,
     in the notes); killed when its share of the budget is spent.
 memory = the device's used memory at the step's peak less before the engine started (kiln:
 cudaMemGetInfo after the timed steps, kiln holds its arena for the run; torch: its caching
@@ -118,15 +120,18 @@ def worker_kiln(a):
             "notes": f"kiln trainer arena {mem}"}
 
 
-def worker_torch(a, compiled):
+def worker_torch(a, compiled, use_fla=True):
+    if use_fla and a.fla_path:
+        sys.path.insert(0, a.fla_path)
     import torch
     import transformers as tf
-    fla = "fla torch-fallback"
     try:
+        if not use_fla:
+            raise ImportError("not asked for")
         import fla  # noqa: F401
         fla = f"flash-linear-attention {getattr(fla, '__version__', '?')}"
     except Exception as e:  # noqa: BLE001
-        fla = f"transformers' torch fallback (no fla: {type(e).__name__})"
+        fla = f"transformers' torch fallback (no fla: {e})"
     dev = a.device
     torch.manual_seed(0)
     model = tf.Qwen3_5ForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation="sdpa").to(dev)
@@ -158,7 +163,8 @@ def worker_torch(a, compiled):
 
 def run_child(a, engine, timeout):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--model", a.model, "--bin", a.bin,
-           "--seq", str(a.seq), "--batch", str(a.batch), "--steps", str(a.steps), "--device", a.device]
+           "--seq", str(a.seq), "--batch", str(a.batch), "--steps", str(a.steps), "--device", a.device,
+           "--fla-path", a.fla_path or ""]
     t0 = time.time()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -185,11 +191,13 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--root", default=os.path.join(REPO, "build", "bench-models"))
     ap.add_argument("--json")
+    ap.add_argument("--fla-path", default="", help="a folder holding the fla package (pip --target)")
     ap.add_argument("--worker")
     ap.add_argument("--model")
     a = ap.parse_args()
     if a.worker:
-        r = worker_kiln(a) if a.worker == "kiln-fast" else worker_torch(a, a.worker == "torch-compile")
+        r = worker_kiln(a) if a.worker == "kiln-fast" else \
+            worker_torch(a, a.worker == "torch-compile", a.worker != "torch-nofla")
         print(json.dumps(r), flush=True)
         return 0
     t_start = time.time()

@@ -238,8 +238,9 @@ static void gdn_task(void *arg, int task, int thread) {
     float *acc = scr + SN, *qn = acc + 16 * (size_t)s->dv, *kn = qn + s->dk;
     for (int r = r0; r < r1; r++) {
         const kiln_batch_run run = la_run(j->runs, j->seq, j->pos, r);
-        float *S = j->state ? j->state + ((size_t)run.seq * s->nv + (size_t)h) * SN : scr;
-        if (!j->state || run.pos0 == 0) memset(S, 0, SN * sizeof(float));
+        /* a run of no sequence (seq < 0) starts from zero and keeps nothing, as conv1d_silu */
+        float *S = j->state && run.seq >= 0 ? j->state + ((size_t)run.seq * s->nv + (size_t)h) * SN : scr;
+        if (S == scr || run.pos0 == 0) memset(S, 0, SN * sizeof(float));
         for (int t = 0; t < run.n; t++) {
             const size_t row = (size_t)(run.first + t);
             float rq, rk;
