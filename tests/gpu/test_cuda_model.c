@@ -274,7 +274,7 @@ int main(int argc, char **argv) {
     }
     kiln_backend_free(be);
 
-    result res[8];
+    result res[sizeof cases / sizeof cases[0]];
     memset(res, 0, sizeof res);
     int all_ok = 1, n_run = 0;
     for (int i = 0; i < n_cases; i++) {
