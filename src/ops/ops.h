@@ -656,20 +656,25 @@ static inline size_t kiln_attention_backward_seqs_ws_floats(int B, int N, int NH
     if (B < 0) return 0;
     return (size_t)B * kiln_attention_backward_ws_floats(N, 0, NH, KVH, HS);
 }
-/* Tokens between the gated delta backward's saved states. */
+/* Tokens between the gated delta backward's saved states; the value columns of one group of
+ * its walk (the sums over columns are taken per group, then over groups in order:
+ * docs/ARITHMETIC.md, "Gated DeltaNet backward"). */
 #define KILN_GDN_CHUNK 64
-/* Floats of gated_delta_backward's ws: each (sequence, value head)'s state at every chunk
- * start, the states, u and delta of one chunk being walked back, its state and gradient, and
- * the per-value-head gradients of the normalised q and k (the CPU's layout; the CUDA backend
- * lays out its own within the same size). 0 on a negative size. */
+#define KILN_GDN_COLS 32
+/* Floats of gated_delta_backward's ws: per (sequence, value head, column group) its states at
+ * every chunk start, the states, u and delta of one chunk being walked back, its state and
+ * gradient; per (token, value head, group) the partial sums; the per-value-head gradients of
+ * the normalised q and k (the CPU's layout; the CUDA backend lays out its own within the same
+ * size). 0 on a negative size. */
 static inline size_t kiln_gated_delta_backward_ws_floats(int n_seq, int T, int nk, int nv, int dk, int dv) {
-    if (n_seq < 0 || T < 0 || nk < 0 || nv < 0 || dk < 0 || dv < 0) return 0;
-    const size_t tasks = (size_t)n_seq * (size_t)nv, S = (size_t)dk * (size_t)dv;
+    if (n_seq < 0 || T < 0 || nk < 0 || nv < 0 || dk < 0 || dv < 1) return 0;
+    const size_t W = dv < KILN_GDN_COLS ? (size_t)dv : KILN_GDN_COLS, G = ((size_t)dv + W - 1) / W;
+    const size_t tasks = (size_t)n_seq * (size_t)nv * G, S = (size_t)dk * W;
     const size_t chunks = ((size_t)T + KILN_GDN_CHUNK - 1) / KILN_GDN_CHUNK;
     const size_t N = (size_t)n_seq * (size_t)T;
     (void)nk;
-    return tasks * (chunks * S + KILN_GDN_CHUNK * (S + 2 * (size_t)dv) + 16 * (size_t)dv + 4 * (size_t)dk + 2 * S) +
-           2 * N * (size_t)nv * (size_t)dk;
+    return tasks * (chunks * S + KILN_GDN_CHUNK * (S + 2 * W) + 16 * W + 2 * (size_t)dk + 2 * S) +
+           N * (size_t)nv * G * (2 * (size_t)dk + 2) + 2 * N * (size_t)nv * (size_t)dk;
 }
 /* Whether p may be one of be's buffers (ops.h, holds). */
 static inline bool kiln_backend_holds(const kiln_backend *be, const void *p) {

@@ -632,6 +632,8 @@ static void test_gated_delta(void) {
     const gdn_dims a = {2, 4, 16, 16, 0.25f}, b = {1, 2, 32, 16, 0.176776695f};
     test_gated_delta_case(&a);
     test_gated_delta_case(&b);
+    const gdn_dims c = {1, 2, 16, 80, 0.25f};
+    test_gated_delta_case(&c);
 }
 
 /* ---- gated_delta_backward -------------------------------------------------------------- */
@@ -731,6 +733,9 @@ static void test_gated_delta_backward(void) {
     test_gated_delta_backward_case(&a, 2, 150, 1500);
     test_gated_delta_backward_case(&b, 3, 150, 1500);
     test_gated_delta_backward_case(&a, 1, 64, 300); /* exactly one chunk */
+    /* dv 80: three column groups (32, 32, 16) whose partial sums meet */
+    const gdn_dims c = {1, 2, 16, 80, 0.25f};
+    test_gated_delta_backward_case(&c, 2, 70, 600);
 }
 
 /* ---- gdn_gates (+backward) ------------------------------------------------------------- */

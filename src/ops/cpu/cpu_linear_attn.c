@@ -276,95 +276,124 @@ typedef struct gdn_bwd_job {
     gdn_shape s;
     float *dqkv, *dg, *dbeta, *ws;
     const float *dout, *qkv, *g, *beta;
-    int n_seq, T, n_chunks;
+    int n_seq, T, n_chunks, G, Wmax; /* G column groups of at most Wmax = KILN_GDN_COLS columns */
+    float *part;      /* (N, nv, G, 2 dk + 2): each group's pq, pk, pbeta, pa (gdn_bwd_task) */
     float *dqn, *dkn; /* (N, nv, dk) each: the value heads' gradients of qn, kn */
 } gdn_bwd_job;
 
-/* One (sequence, value head): the forward from zero with the state saved at each chunk's
- * start, then the chunks last to first: each recomputed from its saved state (S after every
- * token, u and d), then walked back token by token (docs/ARITHMETIC.md, "Gated DeltaNet
- * backward"). */
+/* One (sequence, value head, group of value columns J): the columns of S are independent in
+ * the recurrence, so a group recomputes its own: the forward from zero with S[:, J] saved at
+ * each chunk's start, then the chunks last to first, each recomputed from its saved state (S
+ * after every token, u and d), then walked back token by token. The sums over columns stop at
+ * the group's edge: its partials (pq, pk, pbeta, pa per token) go to j->part and
+ * gdn_bwd_sum_task adds the groups in order (docs/ARITHMETIC.md, "Gated DeltaNet backward"). */
 LA_HOT static void gdn_bwd_task(void *arg, int task, int thread) {
     (void)thread;
     const gdn_bwd_job *j = arg;
     const gdn_shape *s = &j->s;
-    const int b = task / s->nv, h = task % s->nv, dk = s->dk, dv = s->dv, T = j->T;
-    const size_t SN = (size_t)dk * dv, C = KILN_GDN_CHUNK;
-    const size_t per = (size_t)j->n_chunks * SN + C * (SN + 2 * (size_t)dv) + 16 * (size_t)dv + 4 * (size_t)dk + 2 * SN;
-    float *ck = j->ws + (size_t)task * per;          /* (n_chunks, SN) */
-    float *cs = ck + (size_t)j->n_chunks * SN;        /* (C, SN) S after each token of a chunk */
-    float *cu = cs + C * SN, *cd = cu + C * (size_t)dv; /* (C, dv) u, d */
-    float *acc = cd + C * (size_t)dv, *qn = acc + 16 * (size_t)dv, *kn = qn + dk, *dqn = kn + dk, *dkn = dqn + dk;
-    float o[512], dd[512], du[512], w[512], sd[512];
-    float *dS = dkn + dk, *S = dS + SN;
-    memset(dS, 0, SN * sizeof(float));
-    const size_t row0 = (size_t)b * T;
-    const float *vbase = j->qkv + 2 * (size_t)s->nk * dk + (size_t)h * dv;
-    /* the forward, saving each chunk's starting state */
-    memset(S, 0, SN * sizeof(float));
+    const int G = j->G, g = task % G, h = (task / G) % s->nv, b = task / G / s->nv, dk = s->dk, T = j->T;
+    const int c0 = g * j->Wmax, W = s->dv - c0 < j->Wmax ? s->dv - c0 : j->Wmax;
+    const size_t Wm = (size_t)j->Wmax, SN = (size_t)dk * Wm, C = KILN_GDN_CHUNK;
+    const size_t per = (size_t)j->n_chunks * SN + C * (SN + 2 * Wm) + 16 * Wm + 2 * (size_t)dk + 2 * SN;
+    const size_t SW = (size_t)dk * W; /* this group's state */
+    float *ck = j->ws + (size_t)task * per;     /* (n_chunks, dk, W) */
+    float *cs = ck + (size_t)j->n_chunks * SN;   /* (C, dk, W) S after each token of a chunk */
+    float *cu = cs + C * SN, *cd = cu + C * Wm;  /* (C, W) u, d */
+    float *acc = cd + C * Wm, *qn = acc + 16 * Wm, *kn = qn + dk;
+    float *dS = kn + dk, *S = dS + SN;
+    float o[KILN_GDN_COLS], dd[KILN_GDN_COLS], du[KILN_GDN_COLS], w[KILN_GDN_COLS], sd[KILN_GDN_COLS];
+    memset(dS, 0, SW * sizeof(float));
+    const size_t row0 = (size_t)b * T, P = 2 * (size_t)dk + 2;
+    const float *vbase = j->qkv + 2 * (size_t)s->nk * dk + (size_t)h * s->dv + (size_t)c0;
     float rq, rk;
+    memset(S, 0, SW * sizeof(float));
     for (int t = 0; t < T; t++) {
-        if (t % C == 0) memcpy(ck + (size_t)(t / C) * SN, S, SN * sizeof(float));
+        if (t % C == 0) memcpy(ck + (size_t)(t / C) * SN, S, SW * sizeof(float));
         const size_t row = row0 + (size_t)t;
         gdn_qk(s, j->qkv, row, h, qn, kn, &rq, &rk);
         gdn_step(S, qn, kn, vbase + row * (size_t)s->W, kiln_expf(j->g[row * s->nv + h]), j->beta[row * s->nv + h],
-                 o, NULL, NULL, dk, dv, acc);
+                 o, NULL, NULL, dk, W, acc);
     }
     for (int c = j->n_chunks - 1; c >= 0; c--) {
         const int t0 = c * (int)C, t1 = t0 + (int)C < T ? t0 + (int)C : T;
-        memcpy(S, ck + (size_t)c * SN, SN * sizeof(float));
+        memcpy(S, ck + (size_t)c * SN, SW * sizeof(float));
         for (int t = t0; t < t1; t++) {
             const size_t row = row0 + (size_t)t;
             gdn_qk(s, j->qkv, row, h, qn, kn, &rq, &rk);
             gdn_step(S, qn, kn, vbase + row * (size_t)s->W, kiln_expf(j->g[row * s->nv + h]),
-                     j->beta[row * s->nv + h], o, cu + (size_t)(t - t0) * dv, cd + (size_t)(t - t0) * dv, dk, dv,
-                     acc);
-            memcpy(cs + (size_t)(t - t0) * SN, S, SN * sizeof(float));
+                     j->beta[row * s->nv + h], o, cu + (size_t)(t - t0) * Wm, cd + (size_t)(t - t0) * Wm, dk, W, acc);
+            memcpy(cs + (size_t)(t - t0) * SN, S, SW * sizeof(float));
         }
         for (int t = t1 - 1; t >= t0; t--) {
             const size_t row = row0 + (size_t)t;
             const float *St = cs + (size_t)(t - t0) * SN;
             const float *Sp = t > t0 ? cs + (size_t)(t - t0 - 1) * SN : ck + (size_t)c * SN;
-            const float *u = cu + (size_t)(t - t0) * dv, *d = cd + (size_t)(t - t0) * dv;
+            const float *u = cu + (size_t)(t - t0) * Wm, *d = cd + (size_t)(t - t0) * Wm;
             const float *v = vbase + row * (size_t)s->W;
-            const float *dO = j->dout + row * (size_t)s->nv * dv + (size_t)h * dv;
+            const float *dO = j->dout + row * (size_t)s->nv * s->dv + (size_t)h * s->dv + (size_t)c0;
             const float a = kiln_expf(j->g[row * s->nv + h]), bt = j->beta[row * s->nv + h];
+            float *pq = j->part + ((row * s->nv + (size_t)h) * (size_t)G + (size_t)g) * P, *pk = pq + dk;
             gdn_qk(s, j->qkv, row, h, qn, kn, &rq, &rk);
-            /* o = S_t^T qn:  dS += qn dO^T;  dqn = S_t dO */
+            /* o = S_t^T qn:  dS += qn dO^T;  pq = S_t dO (this group's columns) */
             for (int i = 0; i < dk; i++) {
-                float *r = dS + (size_t)i * dv;
-                for (int q = 0; q < dv; q++) r[q] = fmaf(qn[i], dO[q], r[q]);
-                dqn[i] = kiln_dot_ref(St + (size_t)i * dv, dO, dv);
+                float *r = dS + (size_t)i * W;
+                for (int q = 0; q < W; q++) r[q] = fmaf(qn[i], dO[q], r[q]);
+                pq[i] = kiln_dot_ref(St + (size_t)i * W, dO, W);
             }
-            /* S_t = S' + kn d^T:  dd = dS^T kn;  dkn = dS d */
-            gdn_cols_dot(dd, dS, kn, dk, dv, acc);
-            for (int i = 0; i < dk; i++) dkn[i] = kiln_dot_ref(dS + (size_t)i * dv, d, dv);
+            /* S_t = S' + kn d^T:  dd = dS^T kn;  pk = dS d */
+            gdn_cols_dot(dd, dS, kn, dk, W, acc);
+            for (int i = 0; i < dk; i++) pk[i] = kiln_dot_ref(dS + (size_t)i * W, d, W);
             /* d = b (v - u) */
-            float *dvo = j->dqkv + row * (size_t)s->W + 2 * (size_t)s->nk * dk + (size_t)h * dv;
-            for (int q = 0; q < dv; q++) {
+            float *dvo = j->dqkv + row * (size_t)s->W + 2 * (size_t)s->nk * dk + (size_t)h * s->dv + (size_t)c0;
+            for (int q = 0; q < W; q++) {
                 dvo[q] = bt * dd[q];
                 du[q] = -dvo[q];
                 w[q] = v[q] - u[q];
             }
-            j->dbeta[row * s->nv + h] = kiln_dot_ref(dd, w, dv);
-            /* u = S'^T kn, S' = a S_p:  dS' = dS + kn du^T;  dkn += S' du */
+            pk[dk] = kiln_dot_ref(dd, w, W); /* pbeta */
+            /* u = S'^T kn, S' = a S_p:  dS' = dS + kn du^T;  pk += S' du */
             for (int i = 0; i < dk; i++) {
-                float *r = dS + (size_t)i * dv;
-                const float *p = Sp + (size_t)i * dv;
-                for (int q = 0; q < dv; q++) {
+                float *r = dS + (size_t)i * W;
+                const float *p = Sp + (size_t)i * W;
+                for (int q = 0; q < W; q++) {
                     r[q] = fmaf(kn[i], du[q], r[q]);
                     sd[q] = p[q] * a;
                 }
-                dkn[i] = dkn[i] + kiln_dot_ref(sd, du, dv);
+                pk[i] = pk[i] + kiln_dot_ref(sd, du, W);
             }
-            /* S' = a S_p:  da = <dS', S_p>;  dS = a dS';  dg = da a */
-            const float da = kiln_dot_ref(dS, Sp, (int64_t)SN);
-            for (size_t e = 0; e < SN; e++) dS[e] = dS[e] * a;
-            j->dg[row * s->nv + h] = da * a;
-            memcpy(j->dqn + (row * s->nv + (size_t)h) * dk, dqn, (size_t)dk * sizeof(float));
-            memcpy(j->dkn + (row * s->nv + (size_t)h) * dk, dkn, (size_t)dk * sizeof(float));
+            /* S' = a S_p:  pa = <dS', S_p>, row dots added lane-16 over rows;  dS = a dS' */
+            float la[KILN_DOT_LANES] = {0};
+            for (int i = 0; i < dk; i++)
+                la[i % KILN_DOT_LANES] = la[i % KILN_DOT_LANES] + kiln_dot_ref(dS + (size_t)i * W, Sp + (size_t)i * W, W);
+            pk[dk + 1] = kiln_lane16_reduce(la); /* pa */
+            for (size_t e = 0; e < SW; e++) dS[e] = dS[e] * a;
         }
     }
+}
+
+/* Per (token, value head): the groups' partials added in group order (acc = p_0; acc = acc +
+ * p_g): dqn, dkn, dbeta, and dg = (the sum of pa) * exp(g). */
+static void gdn_bwd_sum_task(void *arg, int task, int thread) {
+    (void)thread;
+    const gdn_bwd_job *j = arg;
+    const gdn_shape *s = &j->s;
+    const size_t N = (size_t)j->n_seq * j->T, P = 2 * (size_t)s->dk + 2;
+    int64_t lo, hi;
+    la_split((int64_t)N, (int)(((int64_t)N + 63) / 64), task, &lo, &hi);
+    for (int64_t row = lo; row < hi; row++)
+        for (int h = 0; h < s->nv; h++) {
+            const size_t rh = (size_t)row * s->nv + (size_t)h;
+            const float *p0 = j->part + rh * (size_t)j->G * P;
+            float *dq = j->dqn + rh * s->dk, *dkk = j->dkn + rh * s->dk;
+            for (int e = 0; e < 2 * s->dk + 2; e++) {
+                float a = p0[e];
+                for (int g = 1; g < j->G; g++) a = a + p0[(size_t)g * P + (size_t)e];
+                if (e < s->dk) dq[e] = a;
+                else if (e < 2 * s->dk) dkk[e - s->dk] = a;
+                else if (e == 2 * s->dk) j->dbeta[rh] = a;
+                else j->dg[rh] = a * kiln_expf(j->g[rh]);
+            }
+        }
 }
 
 /* Per (token, key head): the group's value heads' dqn (dkn) summed in head order, then through
@@ -403,13 +432,18 @@ void kiln_cpu_gated_delta_backward(kiln_pool *pool, float *dqkv, float *dg, floa
                                    int nk, int nv, int dk, int dv, float scale) {
     if (n_seq <= 0 || T <= 0 || nk <= 0 || nv <= 0 || nv % nk || dv > 512 || dk > 512) return;
     gdn_bwd_job j = {{nk, nv, dk, dv, scale, 2 * (int64_t)nk * dk + (int64_t)nv * dv}, dqkv, dg, dbeta, ws, dout,
-                     qkv, g, beta, n_seq, T, (T + KILN_GDN_CHUNK - 1) / KILN_GDN_CHUNK, NULL, NULL};
-    const size_t SN = (size_t)dk * dv, tasks = (size_t)n_seq * nv;
-    const size_t per = (size_t)j.n_chunks * SN + KILN_GDN_CHUNK * (SN + 2 * (size_t)dv) + 16 * (size_t)dv + 4 * (size_t)dk + 2 * SN;
-    j.dqn = ws + tasks * per;
-    j.dkn = j.dqn + (size_t)n_seq * T * nv * dk;
+                     qkv, g, beta, n_seq, T, (T + KILN_GDN_CHUNK - 1) / KILN_GDN_CHUNK, 0, 0, NULL, NULL, NULL};
+    j.Wmax = dv < KILN_GDN_COLS ? dv : KILN_GDN_COLS;
+    j.G = (dv + j.Wmax - 1) / j.Wmax;
+    const size_t Wm = (size_t)j.Wmax, SN = (size_t)dk * Wm, tasks = (size_t)n_seq * nv * (size_t)j.G;
+    const size_t per = (size_t)j.n_chunks * SN + KILN_GDN_CHUNK * (SN + 2 * Wm) + 16 * Wm + 2 * (size_t)dk + 2 * SN;
+    const size_t N = (size_t)n_seq * T;
+    j.part = ws + tasks * per;
+    j.dqn = j.part + N * nv * (size_t)j.G * (2 * (size_t)dk + 2);
+    j.dkn = j.dqn + N * nv * (size_t)dk;
     kiln_pool_run(pool, (int)tasks, gdn_bwd_task, &j);
-    kiln_pool_run(pool, (int)(((int64_t)n_seq * T + 63) / 64), gdn_bwd_qk_task, &j);
+    kiln_pool_run(pool, (int)(((int64_t)N + 63) / 64), gdn_bwd_sum_task, &j);
+    kiln_pool_run(pool, (int)(((int64_t)N + 63) / 64), gdn_bwd_qk_task, &j);
 }
 
 /* ---- gates, output gate, halves ---------------------------------------------------------- */
