@@ -367,6 +367,32 @@ static kiln_status hf_gemma3_rope_kind(const cJSON *r, const char *label, const 
                       type, full ? ", linear" : "");
 }
 
+/* layer_types, when present: bit i of bits set where entry i is `kind` (the other allowed entry
+ * is "full_attention"); *present 0 when the key is absent or null (bits untouched). */
+static kiln_status hf_layer_types(const cJSON *root, const char *label, int n_layer, const char *kind, uint8_t *bits,
+                                  int *present) {
+    *present = 0;
+    const cJSON *lt = cJSON_GetObjectItemCaseSensitive(root, "layer_types");
+    if (!lt || cJSON_IsNull(lt)) return KILN_OK;
+    if (!cJSON_IsArray(lt))
+        return kiln_error(KILN_ERR_FORMAT, "%s: layer_types: expected a list, got %s", label, hf_type_name(lt));
+    if (cJSON_GetArraySize(lt) != n_layer)
+        return kiln_error(KILN_ERR_FORMAT, "%s: layer_types: %d entries for num_hidden_layers = %d", label,
+                          cJSON_GetArraySize(lt), n_layer);
+    int i = 0;
+    for (const cJSON *e = lt->child; e; e = e->next, i++) {
+        if (cJSON_IsString(e) && strcmp(e->valuestring, "full_attention") == 0) continue;
+        if (cJSON_IsString(e) && strcmp(e->valuestring, kind) == 0) {
+            bits[i / 8] |= (uint8_t)(1u << (i % 8));
+            continue;
+        }
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: layer_types[%d]: expected \"full_attention\" or \"%s\"", label,
+                          i, kind);
+    }
+    *present = 1;
+    return KILN_OK;
+}
+
 /* Gemma 3's RoPE, sliding layers and the rest of its config (the file comment). */
 static kiln_status hf_parse_gemma3(const cJSON *root, const char *label, kiln_model_config *c) {
     const cJSON *act = cJSON_GetObjectItemCaseSensitive(root, "hidden_activation");
@@ -411,24 +437,9 @@ static kiln_status hf_parse_gemma3(const cJSON *root, const char *label, kiln_mo
     if (c->n_layer > KILN_MAX_LAYER_KINDS)
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: num_hidden_layers %d: at most %d layers with sliding windows",
                           label, c->n_layer, KILN_MAX_LAYER_KINDS);
-    const cJSON *lt = cJSON_GetObjectItemCaseSensitive(root, "layer_types");
-    if (lt && !cJSON_IsNull(lt)) {
-        if (!cJSON_IsArray(lt))
-            return kiln_error(KILN_ERR_FORMAT, "%s: layer_types: expected a list, got %s", label, hf_type_name(lt));
-        if (cJSON_GetArraySize(lt) != c->n_layer)
-            return kiln_error(KILN_ERR_FORMAT, "%s: layer_types: %d entries for num_hidden_layers = %d", label,
-                              cJSON_GetArraySize(lt), c->n_layer);
-        int i = 0;
-        for (const cJSON *e = lt->child; e; e = e->next, i++) {
-            if (cJSON_IsString(e) && strcmp(e->valuestring, "full_attention") == 0) continue;
-            if (cJSON_IsString(e) && strcmp(e->valuestring, "sliding_attention") == 0) {
-                c->sliding_layers[i / 8] |= (uint8_t)(1u << (i % 8));
-                continue;
-            }
-            return kiln_error(KILN_ERR_UNSUPPORTED,
-                              "%s: layer_types[%d]: expected \"full_attention\" or \"sliding_attention\"", label, i);
-        }
-    } else {
+    int listed;
+    KILN_TRY(hf_layer_types(root, label, c->n_layer, "sliding_attention", c->sliding_layers, &listed));
+    if (!listed) {
         int pattern;
         const char *pk = cJSON_GetObjectItemCaseSensitive(root, "sliding_window_pattern") ? "sliding_window_pattern"
                                                                                           : "_sliding_window_pattern";
@@ -456,24 +467,9 @@ static kiln_status hf_parse_qwen35(const cJSON *root, const char *label, kiln_mo
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: num_hidden_layers %d: at most %d layers", label, c->n_layer,
                           KILN_MAX_LAYER_KINDS);
     memset(c->linear_layers, 0, sizeof c->linear_layers);
-    const cJSON *lt = cJSON_GetObjectItemCaseSensitive(root, "layer_types");
-    if (lt && !cJSON_IsNull(lt)) {
-        if (!cJSON_IsArray(lt))
-            return kiln_error(KILN_ERR_FORMAT, "%s: layer_types: expected a list, got %s", label, hf_type_name(lt));
-        if (cJSON_GetArraySize(lt) != c->n_layer)
-            return kiln_error(KILN_ERR_FORMAT, "%s: layer_types: %d entries for num_hidden_layers = %d", label,
-                              cJSON_GetArraySize(lt), c->n_layer);
-        int i = 0;
-        for (const cJSON *e = lt->child; e; e = e->next, i++) {
-            if (cJSON_IsString(e) && strcmp(e->valuestring, "full_attention") == 0) continue;
-            if (cJSON_IsString(e) && strcmp(e->valuestring, "linear_attention") == 0) {
-                c->linear_layers[i / 8] |= (uint8_t)(1u << (i % 8));
-                continue;
-            }
-            return kiln_error(KILN_ERR_UNSUPPORTED,
-                              "%s: layer_types[%d]: expected \"full_attention\" or \"linear_attention\"", label, i);
-        }
-    } else {
+    int listed;
+    KILN_TRY(hf_layer_types(root, label, c->n_layer, "linear_attention", c->linear_layers, &listed));
+    if (!listed) {
         int interval;
         KILN_TRY(hf_get_int(root, "full_attention_interval", label, 1, 0, 4, &interval));
         for (int i = 0; i < c->n_layer; i++)
