@@ -870,10 +870,10 @@ static void run_checks(void) {
         if (!g_quick) test_conv_backward(4, 33, 6144, 4);
     }
 
-    /* gated_delta */
+    /* gated_delta (dv 80: the backward's three column groups, 32, 32 and 16) */
     static const gdn_shape shapes[] = {{2, 4, 16, 16}, {2, 2, 128, 128}, {1, 3, 20, 24},
                                        {2, 6, 32, 64}, {1, 2, 16, 48},   {1, 1, 128, 32},
-                                       {1, 2, 16, 80}}; /* dv 80: three column groups (32, 32, 16) */
+                                       {1, 2, 16, 80}};
     for (int k = 0; k < 7; k++) {
         const gdn_shape s = shapes[k];
         const int big = s.dk * s.dv > 4096;

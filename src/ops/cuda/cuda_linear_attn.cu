@@ -960,6 +960,25 @@ gdn_bwd_fwd(float (&S)[M], int t_lo, int t_hi, size_t row0, int h, int c0, int W
     }
 }
 
+/* The end of a walked token, by warp 0 (deferred into the next token's first phase: r, dd, w
+ * are rewritten only after its second barrier): threads 0..15 pa = the lane-16 over rows of the
+ * row dots r_i (lane L: 0 + r_L + r_(L+16) + ..., plain adds in increasing i, then the tree),
+ * threads 16..31 pbeta = dd . w (the lane-16 dot over the group's W <= 32 columns); to pt. */
+static __device__ __forceinline__ void
+gdn_bwd_token_end(float *pt, const float *r_s, const float *dd_s, const float *w_s, int dk, int W) {
+    const int l = threadIdx.x & 15;
+    float acc = 0.0f;
+    if (threadIdx.x < 16) {
+        for (int i = l; i < dk; i += 16)
+            acc = acc + r_s[i];
+    } else {
+        for (int j = l; j < W; j += 16)
+            acc = fmaf(dd_s[j], w_s[j], acc);
+    }
+    const float r = lane16_tree(acc, half_warp_mask());
+    if (l == 0) pt[threadIdx.x < 16 ? 2 * dk + 1 : 2 * dk] = r;
+}
+
 /* 2: one block per (sequence b, value head h, column group gi) = blockIdx.x, gdn_bwd_task's
  * order on the group's W columns c0 .. c0 + W - 1:
  *   the forward from zero, the state (in registers, column tasks: gdn_bwd_fwd) to ck[c] at each
@@ -968,12 +987,12 @@ gdn_bwd_fwd(float (&S)[M], int t_lo, int t_hi, size_t row0, int h, int c0, int W
  *   its tokens last to first, each in phases separated by __syncthreads:
  *     R1 row tasks (row i, two threads p = 0, 1 holding lanes p + 2 s, columns j = lane and
  *        lane + 16): dS = a' dS (the previous token's decay, deferred from its end),
- *        dS += qn dO^T; pq_i = St[i,J] . dO; pk_i = dS[i,J] . d. Threads 0..15 first finish the
- *        previous token's pa: la[L] = 0 + r_L + r_(L+16) + ... (plain adds), the lane-16 tree.
+ *        dS += qn dO^T; pq_i = St[i,J] . dO; pk_i = dS[i,J] . d. Warp 0 first finishes the
+ *        previous token: its pa and pbeta (gdn_bwd_token_end).
  *     C  column tasks (column j, 8 threads: gdn_bwd_fwd's lanes): dd_j = dS[:,j] . kn;
  *        dv = b dd (to dqkv), du = -dv, w = v - u
  *     R2 row tasks: dS += kn du^T; pk_i += (Sp[i,J] a) . du; r_i = dS[i,J] . Sp[i,J] (to r);
- *        pq, pk to the ws; thread 0: pbeta = dd . w
+ *        pq, pk to the ws
  *   St (S after the token) and Sp (before it) are two shared buffers that swap roles: Sp of
  *   token t is St of token t - 1, and Sp of t - 1 streams in by cp.async from C of token t on,
  *   with the next token's vectors. Rows are GDN_BWD_P == 1 (mod 32) floats apart: a warp's row
@@ -1026,8 +1045,8 @@ static __global__ void __launch_bounds__(GDN_BWD_THREADS, 2)
 #pragma unroll
         for (int m = 0; m < M; m++) /* written by this thread */
             S[m] = cj < W && cp + 8 * m < dk ? ckc[(size_t)(cp + 8 * m) * W + cj] : 0.0f;
-        gdn_bwd_fwd<M>(S, t0, t1, row0, h, c0, W, cj, cp, cmask, stage, kn_g, qkv, g, beta,
-                       nullptr, cs, cu, cd, SS, D);
+        gdn_bwd_fwd<M>(S, t0, t1, row0, h, c0, W, cj, cp, cmask, stage, kn_g, qkv, g, beta, nullptr,
+                       cs, cu, cd, SS, D);
         float *St = bufA, *Sp = bufB;
         if (cj < W) {
 #pragma unroll
@@ -1049,13 +1068,8 @@ static __global__ void __launch_bounds__(GDN_BWD_THREADS, 2)
             __syncthreads(); /* Sp, the vectors, and the previous token's R2 */
             const float bt = vb[2 * dk + 4 * Wm + 1];
             /* R1 */
-            if (z_pend && tid < 16) {
-                float la = 0.0f;
-                for (int i = tid; i < dk; i += 16)
-                    la = la + r_s[i];
-                const float pa = lane16_tree(la, 0x0000ffffu);
-                if (tid == 0) part[(z_row * G + gi) * PP + 2 * dk + 1] = pa;
-            }
+            if (z_pend && tid < 32)
+                gdn_bwd_token_end(part + (z_row * G + gi) * PP, r_s, dd_s, w_s, dk, W);
             for (int i = i0; i < dk; i += 128) { /* uniform in the pair */
                 float *ds = dS + i * GDN_BWD_P;
                 const float *s = St + i * GDN_BWD_P;
@@ -1149,16 +1163,6 @@ static __global__ void __launch_bounds__(GDN_BWD_THREADS, 2)
                     r_s[i] = rr;
                 }
             }
-            if (tid == 0) {
-                float l16[KILN_DOT_LANES];
-#pragma unroll
-                for (int q = 0; q < KILN_DOT_LANES; q++)
-                    l16[q] = 0.0f;
-#pragma unroll
-                for (int j = 0; j < KILN_GDN_COLS; j++)
-                    if (j < W) l16[j & 15] = fmaf(dd_s[j], w_s[j], l16[j & 15]);
-                pt[2 * dk] = kiln_lane16_reduce(l16);
-            }
             pend = true;
             a_pend = a;
             z_pend = true;
@@ -1169,13 +1173,7 @@ static __global__ void __launch_bounds__(GDN_BWD_THREADS, 2)
         }
         __syncthreads(); /* the walk is done with the buffers and the stage */
     }
-    if (z_pend && tid < 16) {
-        float la = 0.0f;
-        for (int i = tid; i < dk; i += 16)
-            la = la + r_s[i];
-        const float pa = lane16_tree(la, 0x0000ffffu);
-        if (tid == 0) part[(z_row * G + gi) * PP + 2 * dk + 1] = pa;
-    }
+    if (z_pend && tid < 32) gdn_bwd_token_end(part + (z_row * G + gi) * PP, r_s, dd_s, w_s, dk, W);
 }
 
 static int gdn_bwd_cols(int dv) {
@@ -1203,8 +1201,8 @@ static cudaError_t gdn_bwd_launch(cudaStream_t s, unsigned blocks, size_t smem, 
     const cudaError_t e = cudaFuncSetAttribute(
         gdn_bwd_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
-    gdn_bwd_kernel<M><<<blocks, GDN_BWD_THREADS, smem, s>>>(dqkv, dout, qkv, g, beta, ws, n_seq,
-                                                            T, D);
+    gdn_bwd_kernel<M>
+        <<<blocks, GDN_BWD_THREADS, smem, s>>>(dqkv, dout, qkv, g, beta, ws, n_seq, T, D);
     return cudaGetLastError();
 }
 
@@ -1247,14 +1245,11 @@ cudaError_t kiln_cuda_gated_delta_backward(cudaStream_t s, float *dqkv, float *d
     else if (rows <= 8)
         e = gdn_bwd_launch<8>(s, (unsigned)tasks, smem, dqkv, dout, qkv, g, beta, ws, n_seq, T, D);
     else if (rows <= 16)
-        e = gdn_bwd_launch<16>(s, (unsigned)tasks, smem, dqkv, dout, qkv, g, beta, ws, n_seq, T,
-                               D);
+        e = gdn_bwd_launch<16>(s, (unsigned)tasks, smem, dqkv, dout, qkv, g, beta, ws, n_seq, T, D);
     else if (rows <= 32)
-        e = gdn_bwd_launch<32>(s, (unsigned)tasks, smem, dqkv, dout, qkv, g, beta, ws, n_seq, T,
-                               D);
+        e = gdn_bwd_launch<32>(s, (unsigned)tasks, smem, dqkv, dout, qkv, g, beta, ws, n_seq, T, D);
     else
-        e = gdn_bwd_launch<64>(s, (unsigned)tasks, smem, dqkv, dout, qkv, g, beta, ws, n_seq, T,
-                               D);
+        e = gdn_bwd_launch<64>(s, (unsigned)tasks, smem, dqkv, dout, qkv, g, beta, ws, n_seq, T, D);
     if (e != cudaSuccess) return e;
     const int64_t n_sum = (int64_t)N * nv * (int64_t)PP;
     gdn_bwd_sum_kernel<<<grid_for(n_sum, 256), 256, 0, s>>>(qn_g, kn_g, dg, dbeta, part, g, n_sum,
