@@ -13,12 +13,13 @@
  * runs in a shuffled order, runs NULL with seq and pos on the device, a sequence restarting mid
  * stream, a conv1d token of no sequence), the outputs and the states compared after every
  * batch; their backwards (T 150: chunks of 64 and a partial one; T 1, 64, 65; key-head groups
- * of 1, 2 and 3; head sizes 16, 128, 32 x 64 and odd ones, 20 x 24 and 16 x 48); a decode step
+ * of 1, 2 and 3; head sizes 16, 128, 32 x 64 and odd ones, 20 x 24 and 16 x 48; 16 x 80: the
+ * backward's three column groups of 32, 32 and 16 whose partial sums meet); a decode step
  * of conv1d_silu and gated_delta recorded in a CUDA graph (runs NULL) and replayed at other
  * positions. Every output of the GPU is NaN before each run (so an unwritten element cannot
  * pass), `+=` outputs start from random values, and the backward's ws starts NaN.
  * After the checks, GPU timings of Qwen3.5-sized calls (16 value and key heads of 128, 6144
- * conv channels), informative.
+ * conv channels; the Gated DeltaNet backward at 2 and 4 sequences of 2048 tokens), informative.
  *
  * Without a usable GPU: exits 77 (skipped).
  * Usage: test_cuda_linear_attn [seed] [--no-time] [--quick]   (--no-time: no timings; --quick:
@@ -732,7 +733,7 @@ static double now_s(void) {
  * backward's dout and the conv backward's are the forward's inputs (finite values). */
 static void bench(void) {
     const gdn_shape s = {16, 16, 128, 128};
-    const int CH = 6144, K = 4, Np = 4096, Bd = 64, n_seq = 2, T = 2048;
+    const int CH = 6144, K = 4, Np = 4096, Bd = 64, n_seq = 4, T = 2048; /* backward: 2 and 4 x T */
     const int Nmax = n_seq * T > Np ? n_seq * T : Np;
     float *d_qkv = dev_nan((size_t)Nmax * gdn_W(s)), *d_g = dev_nan((size_t)Nmax * s.nv);
     float *d_beta = dev_nan((size_t)Nmax * s.nv), *d_out = dev_nan((size_t)Nmax * s.nv * s.dv);
@@ -763,7 +764,7 @@ static void bench(void) {
     float *d_dw = dev_alloc((size_t)CH * K * 4);
     const kiln_batch_run prefill = {0, Np, 0, 0};
     printf("\ntimings (%s mode, ms):\n", g_mode ? "fast" : "auditable");
-    for (int op = 0; op < 6; op++) {
+    for (int op = 0; op < 7; op++) {
         double t0 = 0.0;
         for (int rep = 0; rep < 4; rep++) {
             if (rep == 1) {
@@ -787,11 +788,12 @@ static void bench(void) {
                 g_gpu->i->conv1d_silu(g_gpu, d_c, d_x, d_w, d_sc, d_seq, d_pos, NULL, 0, Bd, CH, K);
                 break;
             case 4:
-                g_gpu->i->conv1d_silu_backward(g_gpu, d_c, d_dw, d_x, d_x, d_w, n_seq, T, CH, K);
+                g_gpu->i->conv1d_silu_backward(g_gpu, d_c, d_dw, d_x, d_x, d_w, 2, T, CH, K);
                 break;
             default:
                 g_gpu->i->gated_delta_backward(g_gpu, d_dqkv, d_dg, d_db, d_out, d_qkv, d_g, d_beta,
-                                               d_ws, n_seq, T, s.nk, s.nv, s.dk, s.dv, 0.088f);
+                                               d_ws, op == 5 ? 2 : 4, T, s.nk, s.nv, s.dk, s.dv,
+                                               0.088f);
                 break;
             }
         }
@@ -802,7 +804,8 @@ static void bench(void) {
                                      "conv1d_silu prefill 4096 tokens, 6144 channels, K 4",
                                      "conv1d_silu decode 64 sequences",
                                      "conv1d_silu_backward 2 x 2048 tokens",
-                                     "gated_delta_backward 2 x 2048 tokens, 16 heads of 128"};
+                                     "gated_delta_backward 2 x 2048 tokens, 16 heads of 128",
+                                     "gated_delta_backward 4 x 2048 tokens, 16 heads of 128"};
         printf("  %-58s %9.3f\n", what[op], ms);
     }
     kiln_free(seq), kiln_free(pos);
@@ -867,10 +870,11 @@ static void run_checks(void) {
         if (!g_quick) test_conv_backward(4, 33, 6144, 4);
     }
 
-    /* gated_delta */
+    /* gated_delta (dv 80: the backward's three column groups, 32, 32 and 16) */
     static const gdn_shape shapes[] = {{2, 4, 16, 16}, {2, 2, 128, 128}, {1, 3, 20, 24},
-                                       {2, 6, 32, 64}, {1, 2, 16, 48},   {1, 1, 128, 32}};
-    for (int k = 0; k < 6; k++) {
+                                       {2, 6, 32, 64}, {1, 2, 16, 48},   {1, 1, 128, 32},
+                                       {1, 2, 16, 80}};
+    for (int k = 0; k < 7; k++) {
         const gdn_shape s = shapes[k];
         const int big = s.dk * s.dv > 4096;
         if (g_quick && (s.dk > 64 || s.dv > 64)) continue;

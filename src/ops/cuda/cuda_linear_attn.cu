@@ -14,8 +14,9 @@
  *
  * A state S is row-major as on the CPU (dk rows i, dv columns j: S[i * dv + j]). The recurrence
  * is independent per column j (S[:, j] needs only column j and the token's k, q), which is what
- * the forward kernel parallelises over; its backward needs dot products over rows as well and
- * keeps one head's S, previous S and dS in shared memory (gdn_bwd_kernel).
+ * the forward kernel parallelises over; its backward walks groups of KILN_GDN_COLS columns (the
+ * CPU's order: the sums over columns per group, then over groups), a block per (sequence, value
+ * head, group) keeping the group's S, previous S and dS in shared memory (gdn_bwd_kernel).
  */
 #include "cuda_linear_attn.h"
 
@@ -203,13 +204,6 @@ cudaError_t kiln_cuda_conv1d_silu(cudaStream_t s, float *out, const float *x, co
 #define GDN_COLS 16     /* value columns a block of the forward owns */
 #define GDN_TILE 8      /* tokens whose q, k norms, gates and v a block stages at once */
 #define GDN_THREADS 256 /* GDN_COLS columns x 16 lanes */
-
-/* Row index of half-warp task hw (16 lanes of one row or column of a state) such that the two
- * half-warps of a warp take rows hw' and hw' + 16: with shared-memory rows P == 1 (mod 32)
- * floats apart their 16-float segments never share a bank. */
-static __device__ __forceinline__ int gdn_pair_index(int hw) {
-    return (hw >> 5) * 32 + ((hw >> 1) & 15) + 16 * (hw & 1);
-}
 
 /* q or k (which) of token row `row` for key head kh, normalised into dst[0..dk) by one
  * half-warp, lane l taking i = l, l + 16, ...: r = 1 / sqrtf(dot(x, x) + 1e-6f) with the
@@ -716,37 +710,40 @@ cudaError_t kiln_cuda_gdn_gates_backward(cudaStream_t s, float *da, float *db, f
 /* =================================================================================================
  * The Gated DeltaNet recurrence backward.
  *
- * Three kernels, as kiln_cpu_gated_delta_backward's two tasks:
+ * Four kernels, as kiln_cpu_gated_delta_backward's tasks:
  *   1. gdn_bwd_norm_kernel: every (token, value head)'s normalised q and k into the ws regions
  *      that end up holding their gradients (dqn, dkn: (N, nv, dk) each), a half-warp a vector.
- *   2. gdn_bwd_kernel: one block per (sequence, value head), gdn_bwd_task's walk (below).
- *   3. gdn_bwd_qk_kernel: per (token, key head, q or k) the group's gradients summed in head
+ *   2. gdn_bwd_kernel: one block per (sequence, value head, group of KILN_GDN_COLS value
+ *      columns), gdn_bwd_task's walk of the group's columns (below); the group's partial sums
+ *      per token to the ws (pq, pk, pbeta, pa: (N, nv, G, 2 dk + 2), the CPU's layout).
+ *   3. gdn_bwd_sum_kernel: per (token, value head) the groups' partials added in group order
+ *      (gdn_bwd_sum_task): dqn, dkn over the normalised q, k (read by 2 only), dbeta, dg.
+ *   4. gdn_bwd_qk_kernel: per (token, key head, q or k) the group's gradients summed in head
  *      order and taken through the scale and the l2 norm (gdn_bwd_qk_task), a half-warp each.
  * ============================================================================================== */
 
-#define GDN_BWD_THREADS 512
+#define GDN_BWD_THREADS 256 /* 32 columns x 8 threads; 128 rows x 2 threads */
+#define GDN_BWD_P 33        /* floats between rows of a state in shared memory */
 
 struct gdn_dims {
     int nk, nv, dk, dv;
-    int P; /* floats between rows of a state in shared memory (== 1 mod 32) */
+    int G, Wm; /* column groups, their width (the last may be narrower) */
     float scale;
     size_t W;   /* qkv's row */
-    size_t per; /* ws floats of one (sequence, value head): the CPU's layout */
+    size_t per; /* ws floats of one (sequence, value head, group): the CPU's size */
 };
 
-/* A token's vectors (one of two buffers): qn, kn (dk), dO, u, d, v (dv), g, beta. */
-static __host__ __device__ inline int gdn_vec_floats(int dk, int dv) {
-    return 2 * dk + 4 * dv + 2;
+/* A token's vectors of the walk (one of two buffers): qn, kn (dk), dO, u, d, v (Wm), g, beta. */
+static __host__ __device__ inline int gdn_vec_floats(int dk, int wm) {
+    return 2 * dk + 4 * wm + 2;
 }
 
 /* Shared memory of gdn_bwd_kernel in floats: the state, the previous state and dS (dk rows of
- * P), two token-vector buffers, then dqn, dkn (dk) and dd, du, w (dv) of the token. */
-static size_t gdn_bwd_smem_floats(int dk, int dv, int P) {
-    return 3 * (size_t)dk * P + 2 * (size_t)gdn_vec_floats(dk, dv) + 2 * (size_t)dk +
-           3 * (size_t)dv;
-}
-static int gdn_bwd_pitch(int dv) {
-    return (dv + 31) / 32 * 32 + 1;
+ * GDN_BWD_P), two token-vector buffers, the forward's staging of GDN_TILE tokens (kn, v, exp(g),
+ * beta), then pq, pk, the row dots r (dk) and dd, du, w (Wm) of the token. */
+static size_t gdn_bwd_smem_floats(int dk, int wm) {
+    return 3 * (size_t)dk * GDN_BWD_P + 2 * (size_t)gdn_vec_floats(dk, wm) +
+           (size_t)GDN_TILE * ((size_t)dk + wm + 2) + 3 * (size_t)dk + 3 * (size_t)wm;
 }
 
 /* 1: qn (which 0) or kn (which 1) of (row, value head h) into dst + (row nv + h) dk. */
@@ -763,7 +760,33 @@ static __global__ void gdn_bwd_norm_kernel(float *__restrict__ qn, float *__rest
                   which, D.scale, threadIdx.x & 15, half_warp_mask());
 }
 
-/* 3: dx of q (which 0) or k (which 1) of (row, key head kh): dy[i] = the group's G value heads'
+/* 3: a thread per (token, value head, element e of the partials): acc = p_0; acc = acc + p_g
+ * for g = 1..G-1; e < dk: dqn, e < 2 dk: dkn, then dbeta, then dg = acc exp(g). */
+static __global__ void gdn_bwd_sum_kernel(float *__restrict__ dqn, float *__restrict__ dkn,
+                                          float *__restrict__ dg, float *__restrict__ dbeta,
+                                          const float *__restrict__ part,
+                                          const float *__restrict__ g, int64_t n, gdn_dims D) {
+    const int PP = 2 * D.dk + 2;
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < n;
+         u += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t rh = u / PP;
+        const int e = (int)(u - rh * PP);
+        const float *p0 = part + (size_t)rh * D.G * PP + e;
+        float a = p0[0];
+        for (int gg = 1; gg < D.G; gg++)
+            a = a + p0[(size_t)gg * PP];
+        if (e < D.dk)
+            dqn[(size_t)rh * D.dk + e] = a;
+        else if (e < 2 * D.dk)
+            dkn[(size_t)rh * D.dk + (e - D.dk)] = a;
+        else if (e == 2 * D.dk)
+            dbeta[rh] = a;
+        else
+            dg[rh] = a * kiln_expf(g[rh]);
+    }
+}
+
+/* 4: dx of q (which 0) or k (which 1) of (row, key head kh): dy[i] = the group's G value heads'
  * src[i] summed in head order (times scale for q); r = 1 / sqrtf(dot(x, x) + 1e-6f), y = x r,
  * c = dot(y, dy), dx = r (dy - y c); the dots lane-16 over the half-warp, y and dy recomputed
  * in each pass (the same bits). */
@@ -805,66 +828,38 @@ static __global__ void gdn_bwd_qk_kernel(float *__restrict__ dqkv, const float *
 
 /* ---- pieces of gdn_bwd_kernel ---------------------------------------------------------------- */
 
-/* dst (dk rows P floats apart, shared) = src (rows dv apart, global) by 4-byte cp.async; the
- * caller commits and waits. */
-static __device__ __forceinline__ void gdn_state_load_async(float *dst, const float *src,
-                                                            const gdn_dims &D) {
-    const int dv = D.dv, bs = GDN_BWD_THREADS, tid = threadIdx.x;
-    if (dv <= bs) {
-        const int per = bs / dv, r = tid / dv, j = tid - r * dv;
-        if (r < per)
-            for (int i = r; i < D.dk; i += per)
-                __pipeline_memcpy_async(dst + (size_t)i * D.P + j, src + (size_t)i * dv + j, 4);
-    } else {
-        for (int i = 0; i < D.dk; i++)
-            for (int j = tid; j < dv; j += bs)
-                __pipeline_memcpy_async(dst + (size_t)i * D.P + j, src + (size_t)i * dv + j, 4);
-    }
+/* dst (dk rows GDN_BWD_P floats apart, shared) = src (dk rows of W floats, global) by 4-byte
+ * cp.async; the caller commits and waits. */
+static __device__ __forceinline__ void gdn_state_load_async(float *dst, const float *src, int dk,
+                                                            int W) {
+    const int per = GDN_BWD_THREADS / W, r = threadIdx.x / W, j = threadIdx.x - r * W;
+    if (r < per)
+        for (int i = r; i < dk; i += per)
+            __pipeline_memcpy_async(dst + i * GDN_BWD_P + j, src + i * W + j, 4);
 }
 
-/* dst (global, rows dv apart) = src (shared, rows P apart). */
-static __device__ __forceinline__ void gdn_state_store(float *dst, const float *src,
-                                                       const gdn_dims &D) {
-    const int dv = D.dv, bs = GDN_BWD_THREADS, tid = threadIdx.x;
-    if (dv <= bs) {
-        const int per = bs / dv, r = tid / dv, j = tid - r * dv;
-        if (r < per)
-            for (int i = r; i < D.dk; i += per)
-                dst[(size_t)i * dv + j] = src[(size_t)i * D.P + j];
-    } else {
-        for (int i = 0; i < D.dk; i++)
-            for (int j = tid; j < dv; j += bs)
-                dst[(size_t)i * dv + j] = src[(size_t)i * D.P + j];
-    }
-}
-
-/* Token `row`'s vectors into vb by cp.async: kn, v, g, beta (walk false: the forward passes);
- * also qn, dO and u, d (from u, d: the chunk's saved ones) for the walk. */
+/* Token `row`'s vectors of the walk into vb by cp.async: qn, kn, the group's columns of dO,
+ * v, and u, d (the chunk's saved ones), g, beta. */
 static __device__ __forceinline__ void
-gdn_vec_load_async(float *vb, size_t row, int h, const float *qn_g, const float *kn_g,
-                   const float *dout, const float *qkv, const float *g, const float *beta,
-                   const float *u, const float *d, bool walk, const gdn_dims &D) {
-    const int dk = D.dk, dv = D.dv, n = gdn_vec_floats(dk, dv);
+gdn_vec_load_async(float *vb, size_t row, int h, int c0, int W, const float *qn_g,
+                   const float *kn_g, const float *dout, const float *qkv, const float *g,
+                   const float *beta, const float *u, const float *d, const gdn_dims &D) {
+    const int dk = D.dk, Wm = D.Wm, n = gdn_vec_floats(dk, Wm);
     const size_t rh = row * D.nv + h;
     for (int e = threadIdx.x; e < n; e += GDN_BWD_THREADS) {
         const float *src;
         if (e < dk) {
-            if (!walk) continue;
             src = qn_g + rh * dk + e;
         } else if (e < 2 * dk) {
             src = kn_g + rh * dk + (e - dk);
-        } else if (e < 2 * dk + dv) {
-            if (!walk) continue;
-            src = dout + rh * dv + (e - 2 * dk);
-        } else if (e < 2 * dk + 2 * dv) {
-            if (!walk) continue;
-            src = u + (e - 2 * dk - dv);
-        } else if (e < 2 * dk + 3 * dv) {
-            if (!walk) continue;
-            src = d + (e - 2 * dk - 2 * dv);
-        } else if (e < 2 * dk + 4 * dv) {
-            src = qkv + row * D.W + 2 * (size_t)D.nk * dk + (size_t)h * dv + (e - 2 * dk - 3 * dv);
-        } else if (e == 2 * dk + 4 * dv) {
+        } else if (e < 2 * dk + 4 * Wm) {
+            const int q = (e - 2 * dk) / Wm, j = (e - 2 * dk) - q * Wm;
+            if (j >= W) continue;
+            src = q == 0   ? dout + rh * D.dv + c0 + j
+                  : q == 1 ? u + j
+                  : q == 2 ? d + j
+                           : qkv + row * D.W + 2 * (size_t)D.nk * dk + (size_t)h * D.dv + c0 + j;
+        } else if (e == 2 * dk + 4 * Wm) {
             src = g + rh;
         } else {
             src = beta + rh;
@@ -873,298 +868,316 @@ gdn_vec_load_async(float *vb, size_t row, int h, const float *qn_g, const float 
     }
 }
 
-/* One token of the forward on X (shared), column tasks (column j, lane l: rows i = l + 16 m),
- * as gdn_step without its output: S = a S; u = S^T kn; d = b (v - u); S += kn d^T. u, d of
- * column j to cu[j], cd[j] when cu is not NULL. */
-static __device__ __forceinline__ void gdn_fwd_cols(float *X, const float *vb, float *cu, float *cd,
-                                                    const gdn_dims &D) {
-    const int dk = D.dk, dv = D.dv, P = D.P;
-    const float *kn = vb + dk, *v = vb + 2 * dk + 3 * dv;
-    const float a = kiln_expf(vb[2 * dk + 4 * dv]), b = vb[2 * dk + 4 * dv + 1];
-    const unsigned mask = half_warp_mask();
-    const int ntask = ((dv + 31) & ~31) * 16;
-    for (int k = threadIdx.x; k < ntask; k += GDN_BWD_THREADS) {
-        const int j = gdn_pair_index(k >> 4), l = k & 15;
-        if (j >= dv) continue; /* uniform in the half-warp */
-        float acc = 0.0f;
-        for (int i = l; i < dk; i += 16) {
-            float *p = X + (size_t)i * P + j;
-            const float s = *p * a;
-            *p = s;
-            acc = fmaf(s, kn[i], acc);
-        }
-        const float uj = lane16_tree(acc, mask), dj = b * (v[j] - uj);
-        for (int i = l; i < dk; i += 16) {
-            float *p = X + (size_t)i * P + j;
-            *p = fmaf(kn[i], dj, *p);
-        }
-        if (cu && l == 0) {
-            cu[j] = uj;
-            cd[j] = dj;
-        }
-    }
+/* The end of a lane-16 dot whose 16 lanes are held p + 2 s (s < 8) by the two threads p = 0, 1
+ * of a row task: kiln_lane16_reduce's first three levels in the thread (lanes j, j + 8, ... have
+ * p's parity), its last add across the pair (a + b == b + a: both threads hold the sum). */
+static __device__ __forceinline__ float gdn_pair_tree(const float (&a)[8], unsigned mask) {
+    const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
+    const float t0 = s0 + s2, t1 = s1 + s3;
+    const float u = t0 + t1;
+    return u + __shfl_xor_sync(mask, u, 1);
 }
 
-/* The lane-16 dot of the flattened dS and Sp (da = kiln_dot_ref(dS, Sp, dk dv)) by the 16
- * threads of half-warp 0, lane L's chain the elements e = L, L + 16, ... in increasing e (rows
- * of the shared buffers P apart); NJ = dv / 16 when 16 divides dv (a row's elements of one lane
- * in registers, the next row's loaded while the current one's FMAs run), else 0 (general). */
-template <int NJ>
-static __device__ __forceinline__ float gdn_flat_dot(const float *dS, const float *Sp,
-                                                     const gdn_dims &D) {
-    const int L = threadIdx.x, dk = D.dk, dv = D.dv, P = D.P;
-    float acc = 0.0f;
-    if (NJ > 0) {
-        const float *pa = dS + L, *pb = Sp + L;
-        float a0[NJ > 0 ? NJ : 1], b0[NJ > 0 ? NJ : 1];
-#pragma unroll
-        for (int q = 0; q < NJ; q++) {
-            a0[q] = pa[16 * q];
-            b0[q] = pb[16 * q];
+/* The forward of rows [t_lo, t_hi) of the sequence on the column slice S (registers: thread
+ * (column j, part p) holds S[p + 8 m][j]), the kn, v, exp(g), beta of GDN_TILE tokens staged in
+ * shared memory at a time: S = a S; u = lane-16 over i of S[i][j] kn[i] (lane p: the even m,
+ * lane p + 8: the odd m, in increasing i; kiln_lane16_reduce's first level in the thread, the
+ * rest across the 8 threads of the column); d = b (v - u); S += kn d^T (gdn_step). ck: S to
+ * ck + (t / C) SS before every token t with t % C == 0; cs: S after token t to cs + (t - t_lo)
+ * SS for t < t_hi - 1, u and d to cu, cd + (t - t_lo) Wm. Begins with a barrier; the stage is
+ * free when it returns. */
+template <int M>
+static __device__ __forceinline__ void
+gdn_bwd_fwd(float (&S)[M], int t_lo, int t_hi, size_t row0, int h, int c0, int W, int j, int p,
+            unsigned mask, float *stage, const float *kn_g, const float *qkv, const float *g,
+            const float *beta, float *ck, float *cs, float *cu, float *cd, size_t SS,
+            const gdn_dims &D) {
+    const int dk = D.dk, Wm = D.Wm, C = KILN_GDN_CHUNK;
+    float *tk = stage, *tv = tk + GDN_TILE * dk, *ta = tv + GDN_TILE * Wm, *tb = ta + GDN_TILE;
+    const bool col = j < W;
+    for (int t0 = t_lo; t0 < t_hi; t0 += GDN_TILE) {
+        const int tn = min(GDN_TILE, t_hi - t0);
+        __syncthreads(); /* the previous tile has been read */
+        for (int e = threadIdx.x; e < tn * (dk + Wm + 2); e += GDN_BWD_THREADS) {
+            const int tt = e / (dk + Wm + 2), k = e - tt * (dk + Wm + 2);
+            const size_t row = row0 + t0 + tt, rh = row * D.nv + h;
+            if (k < dk)
+                tk[tt * dk + k] = kn_g[rh * dk + k];
+            else if (k < dk + Wm) {
+                if (k - dk < W)
+                    tv[tt * Wm + (k - dk)] =
+                        qkv[row * D.W + 2 * (size_t)D.nk * dk + (size_t)h * D.dv + c0 + (k - dk)];
+            } else if (k == dk + Wm)
+                ta[tt] = kiln_expf(g[rh]);
+            else
+                tb[tt] = beta[rh];
         }
-        for (int i = 0; i < dk; i++) {
-            float a1[NJ > 0 ? NJ : 1], b1[NJ > 0 ? NJ : 1];
-            const bool more = i + 1 < dk;
-            pa += P;
-            pb += P;
-#pragma unroll
-            for (int q = 0; q < NJ; q++) {
-                a1[q] = more ? pa[16 * q] : 0.0f;
-                b1[q] = more ? pb[16 * q] : 0.0f;
-            }
-#pragma unroll
-            for (int q = 0; q < NJ; q++)
-                acc = fmaf(a0[q], b0[q], acc);
-#pragma unroll
-            for (int q = 0; q < NJ; q++) {
-                a0[q] = a1[q];
-                b0[q] = b1[q];
-            }
-        }
-    } else {
-        int i = L / dv, j = L % dv;
-        const size_t SN = (size_t)dk * dv;
-        for (size_t e = L; e < SN; e += 16) {
-            acc = fmaf(dS[(size_t)i * P + j], Sp[(size_t)i * P + j], acc);
-            j += 16;
-            while (j >= dv) {
-                j -= dv;
-                i++;
-            }
-        }
-    }
-    return lane16_tree(acc, 0x0000ffffu);
-}
-
-/* 2: one block per (sequence b, value head h) = blockIdx.x, gdn_bwd_task's order:
- *   the forward from zero, the state copied to ck[c] at each chunk start (column tasks on X in
- *   shared memory); then chunks last to first: X = ck[c], the chunk's forward again with S after
- *   each token (but the last) to cs and u, d to cu, cd; then its tokens last to first, each
- *   in phases separated by __syncthreads:
- *     P1 row tasks (row i, lane l: columns j = l + 16 m): dS = a' dS (the previous token's
- *        decay, deferred from its end), dS += qn dO^T; dqn_i = St[i,:] . dO; dkn_i = dS[i,:] . d
- *     P2 column tasks: dd_j = dS[:,j] . kn; dv = b dd (to dqkv), du = -dv, w = v - u
- *     P3 row tasks: dS += kn du^T; dkn_i += (a Sp[i,:]) . du (dqn, dkn to the ws);
- *        half-warp 0: dbeta = dd . w
- *     P4 half-warp 0: da = the flattened dS . Sp (one chain of dk dv / 16 FMAs a lane: the
- *        walk's longest step); dg = da a
- *   St (S after the token) and Sp (before it) are two shared buffers that swap roles: Sp of
- *   token t is St of token t - 1, and Sp of t - 1 streams in by cp.async from P2 of token t on,
- *   with the next token's vectors. Every dot is a lane-16 dot whose lanes are a half-warp. */
-static __global__ void __launch_bounds__(GDN_BWD_THREADS, 1)
-    gdn_bwd_kernel(float *__restrict__ dqkv, float *__restrict__ dg, float *__restrict__ dbeta,
-                   const float *__restrict__ dout, const float *__restrict__ qkv,
-                   const float *__restrict__ g, const float *__restrict__ beta, float *ws,
-                   int n_seq, int T, gdn_dims D) {
-    extern __shared__ float sm[];
-    const int dk = D.dk, dv = D.dv, P = D.P, nv = D.nv, tid = threadIdx.x;
-    const int C = KILN_GDN_CHUNK, n_chunks = (T + C - 1) / C;
-    const int task = (int)blockIdx.x, b = task / nv, h = task - b * nv;
-    const size_t SN = (size_t)dk * dv, N = (size_t)n_seq * T, row0 = (size_t)b * T;
-    float *ck = ws + (size_t)task * D.per;                      /* (n_chunks, SN) */
-    float *cs = ck + (size_t)n_chunks * SN;                     /* (C, SN) */
-    float *cu = cs + (size_t)C * SN, *cd = cu + (size_t)C * dv; /* (C, dv) each */
-    float *qn_g = ws + (size_t)n_seq * nv * D.per, *kn_g = qn_g + N * nv * dk;
-    float *bufA = sm, *bufB = bufA + (size_t)dk * P, *dS = bufB + (size_t)dk * P;
-    const int VB = gdn_vec_floats(dk, dv);
-    float *vb0 = dS + (size_t)dk * P, *vb1 = vb0 + VB;
-    float *dqn_s = vb1 + VB, *dkn_s = dqn_s + dk, *dd_s = dkn_s + dk, *du_s = dd_s + dv,
-          *w_s = du_s + dv;
-    const unsigned mask = half_warp_mask();
-    const int row_tasks = ((dk + 31) & ~31) * 16, col_tasks = ((dv + 31) & ~31) * 16;
-
-    for (size_t e = tid; e < (size_t)dk * P; e += GDN_BWD_THREADS) {
-        bufA[e] = 0.0f;
-        dS[e] = 0.0f;
-    }
-    /* the forward, saving each chunk's starting state */
-    gdn_vec_load_async(vb0, row0, h, qn_g, kn_g, dout, qkv, g, beta, nullptr, nullptr, false, D);
-    __pipeline_commit();
-    for (int t = 0; t < T; t++) {
-        const float *vb = (t & 1) ? vb1 : vb0;
-        __pipeline_wait_prior(0);
         __syncthreads();
-        if (t + 1 < T)
-            gdn_vec_load_async((t & 1) ? vb0 : vb1, row0 + t + 1, h, qn_g, kn_g, dout, qkv, g, beta,
-                               nullptr, nullptr, false, D);
-        __pipeline_commit();
-        if (t % C == 0) {
-            gdn_state_store(ck + (size_t)(t / C) * SN, bufA, D);
-            __syncthreads();
+        for (int tt = 0; tt < tn; tt++) {
+            const int t = t0 + tt;
+            if (ck && t % C == 0 && col) {
+                float *dst = ck + (size_t)(t / C) * SS + j;
+#pragma unroll
+                for (int m = 0; m < M; m++)
+                    if (p + 8 * m < dk) dst[(size_t)(p + 8 * m) * W] = S[m];
+            }
+            const float a = ta[tt], b = tb[tt], *kn = tk + tt * dk;
+            float a0 = 0.0f, a1 = 0.0f;
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                const int i = p + 8 * m;
+                if (i < dk) {
+                    S[m] = S[m] * a;
+                    if (m & 1)
+                        a1 = fmaf(S[m], kn[i], a1);
+                    else
+                        a0 = fmaf(S[m], kn[i], a0);
+                }
+            }
+            float u = a0 + a1;
+            u = u + __shfl_xor_sync(mask, u, 4);
+            u = u + __shfl_xor_sync(mask, u, 2);
+            u = u + __shfl_xor_sync(mask, u, 1);
+            const float d = b * ((col ? tv[tt * Wm + j] : 0.0f) - u);
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                const int i = p + 8 * m;
+                if (i < dk) S[m] = fmaf(kn[i], d, S[m]);
+            }
+            if (cs && col) {
+                if (p == 0) {
+                    cu[(size_t)(t - t_lo) * Wm + j] = u;
+                    cd[(size_t)(t - t_lo) * Wm + j] = d;
+                }
+                if (t + 1 < t_hi) {
+                    float *dst = cs + (size_t)(t - t_lo) * SS + j;
+#pragma unroll
+                    for (int m = 0; m < M; m++)
+                        if (p + 8 * m < dk) dst[(size_t)(p + 8 * m) * W] = S[m];
+                }
+            }
         }
-        gdn_fwd_cols(bufA, vb, nullptr, nullptr, D);
     }
+}
+
+/* The end of a walked token, by warp 0 (deferred into the next token's first phase: r, dd, w
+ * are rewritten only after its second barrier): threads 0..15 pa = the lane-16 over rows of the
+ * row dots r_i (lane L: 0 + r_L + r_(L+16) + ..., plain adds in increasing i, then the tree),
+ * threads 16..31 pbeta = dd . w (the lane-16 dot over the group's W <= 32 columns); to pt. */
+static __device__ __forceinline__ void
+gdn_bwd_token_end(float *pt, const float *r_s, const float *dd_s, const float *w_s, int dk, int W) {
+    const int l = threadIdx.x & 15;
+    float acc = 0.0f;
+    if (threadIdx.x < 16) {
+        for (int i = l; i < dk; i += 16)
+            acc = acc + r_s[i];
+    } else {
+        for (int j = l; j < W; j += 16)
+            acc = fmaf(dd_s[j], w_s[j], acc);
+    }
+    const float r = lane16_tree(acc, half_warp_mask());
+    if (l == 0) pt[threadIdx.x < 16 ? 2 * dk + 1 : 2 * dk] = r;
+}
+
+/* 2: one block per (sequence b, value head h, column group gi) = blockIdx.x, gdn_bwd_task's
+ * order on the group's W columns c0 .. c0 + W - 1:
+ *   the forward from zero, the state (in registers, column tasks: gdn_bwd_fwd) to ck[c] at each
+ *   chunk start; then chunks last to first: the state = ck[c], the chunk's forward again with S
+ *   after each token (but the last) to cs and u, d to cu, cd, the last into shared memory; then
+ *   its tokens last to first, each in phases separated by __syncthreads:
+ *     R1 row tasks (row i, two threads p = 0, 1 holding lanes p + 2 s, columns j = lane and
+ *        lane + 16): dS = a' dS (the previous token's decay, deferred from its end),
+ *        dS += qn dO^T; pq_i = St[i,J] . dO; pk_i = dS[i,J] . d. Warp 0 first finishes the
+ *        previous token: its pa and pbeta (gdn_bwd_token_end).
+ *     C  column tasks (column j, 8 threads: gdn_bwd_fwd's lanes): dd_j = dS[:,j] . kn;
+ *        dv = b dd (to dqkv), du = -dv, w = v - u
+ *     R2 row tasks: dS += kn du^T; pk_i += (Sp[i,J] a) . du; r_i = dS[i,J] . Sp[i,J] (to r);
+ *        pq, pk to the ws
+ *   St (S after the token) and Sp (before it) are two shared buffers that swap roles: Sp of
+ *   token t is St of token t - 1, and Sp of t - 1 streams in by cp.async from C of token t on,
+ *   with the next token's vectors. Rows are GDN_BWD_P == 1 (mod 32) floats apart: a warp's row
+ *   tasks (rows 2 k + o, both p) and column tasks (columns w + 8 q, all p) touch 32 banks. */
+template <int M>
+static __global__ void __launch_bounds__(GDN_BWD_THREADS, 2)
+    gdn_bwd_kernel(float *__restrict__ dqkv, const float *__restrict__ dout,
+                   const float *__restrict__ qkv, const float *__restrict__ g,
+                   const float *__restrict__ beta, float *ws, int n_seq, int T, gdn_dims D) {
+    extern __shared__ float sm[];
+    const int dk = D.dk, Wm = D.Wm, nv = D.nv, G = D.G, tid = threadIdx.x, PP = 2 * dk + 2;
+    const int C = KILN_GDN_CHUNK, n_chunks = (T + C - 1) / C;
+    const int task = (int)blockIdx.x, gi = task % G, h = (task / G) % nv, b = task / G / nv;
+    const int c0 = gi * Wm, W = min(Wm, D.dv - c0);
+    const size_t SS = (size_t)dk * Wm, N = (size_t)n_seq * T, row0 = (size_t)b * T;
+    float *ck = ws + (size_t)task * D.per;                      /* (n_chunks, dk, W) */
+    float *cs = ck + (size_t)n_chunks * SS;                     /* (C, dk, W) */
+    float *cu = cs + (size_t)C * SS, *cd = cu + (size_t)C * Wm; /* (C, W) each */
+    float *part = ws + (size_t)n_seq * nv * G * D.per;          /* (N, nv, G, PP) */
+    float *qn_g = part + N * nv * G * PP, *kn_g = qn_g + N * nv * dk;
+    float *bufA = sm, *bufB = bufA + dk * GDN_BWD_P, *dS = bufB + dk * GDN_BWD_P;
+    const int VB = gdn_vec_floats(dk, Wm);
+    float *vb0 = dS + dk * GDN_BWD_P, *vb1 = vb0 + VB, *stage = vb1 + VB;
+    float *pq_s = stage + GDN_TILE * (dk + Wm + 2), *pk_s = pq_s + dk, *r_s = pk_s + dk;
+    float *dd_s = r_s + dk, *du_s = dd_s + Wm, *w_s = du_s + Wm;
+    /* column tasks */
+    const int cp = tid & 7, cj = (tid >> 5) + 8 * ((tid >> 3) & 3);
+    const unsigned cmask = 0xffu << (tid & 24);
+    /* row tasks: rows i0 + 128 k */
+    const int rp = tid & 1, i0 = (tid >> 6) * 32 + ((tid >> 5) & 1) + 2 * ((tid >> 1) & 15);
+    const unsigned rmask = 3u << (tid & 30);
+
+    for (int e = tid; e < dk * GDN_BWD_P; e += GDN_BWD_THREADS)
+        dS[e] = 0.0f;
+    float S[M];
+#pragma unroll
+    for (int m = 0; m < M; m++)
+        S[m] = 0.0f;
+    /* the forward, saving each chunk's starting state */
+    gdn_bwd_fwd<M>(S, 0, T, row0, h, c0, W, cj, cp, cmask, stage, kn_g, qkv, g, beta, ck, nullptr,
+                   nullptr, nullptr, SS, D);
 
     bool pend = false; /* dS still owes the previous token's decay a_pend */
     float a_pend = 1.0f;
+    size_t z_row = 0; /* the token whose pa threads 0..15 still owe */
+    bool z_pend = false;
     for (int c = n_chunks - 1; c >= 0; c--) {
         const int t0 = c * C, t1 = min(t0 + C, T);
-        __syncthreads(); /* the previous phase is done with the buffers */
-        gdn_state_load_async(bufA, ck + (size_t)c * SN, D);
-        gdn_vec_load_async(vb0, row0 + t0, h, qn_g, kn_g, dout, qkv, g, beta, nullptr, nullptr,
-                           false, D);
-        __pipeline_commit();
-        for (int t = t0; t < t1; t++) {
-            const int tc = t - t0;
-            const float *vb = (tc & 1) ? vb1 : vb0;
-            __pipeline_wait_prior(0);
-            __syncthreads();
-            if (t + 1 < t1)
-                gdn_vec_load_async((tc & 1) ? vb0 : vb1, row0 + t + 1, h, qn_g, kn_g, dout, qkv, g,
-                                   beta, nullptr, nullptr, false, D);
-            __pipeline_commit();
-            gdn_fwd_cols(bufA, vb, cu + (size_t)tc * dv, cd + (size_t)tc * dv, D);
-            if (t + 1 < t1) { /* the chunk's last state stays in bufA: the walk's first St */
-                __syncthreads();
-                gdn_state_store(cs + (size_t)tc * SN, bufA, D);
-            }
-        }
-        __syncthreads(); /* bufA final; cu, cd written */
+        const float *ckc = ck + (size_t)c * SS;
+#pragma unroll
+        for (int m = 0; m < M; m++) /* written by this thread */
+            S[m] = cj < W && cp + 8 * m < dk ? ckc[(size_t)(cp + 8 * m) * W + cj] : 0.0f;
+        gdn_bwd_fwd<M>(S, t0, t1, row0, h, c0, W, cj, cp, cmask, stage, kn_g, qkv, g, beta, nullptr,
+                       cs, cu, cd, SS, D);
         float *St = bufA, *Sp = bufB;
-        gdn_state_load_async(
-            Sp, t1 - 1 > t0 ? cs + (size_t)(t1 - 2 - t0) * SN : ck + (size_t)c * SN, D);
-        gdn_vec_load_async(vb0, row0 + t1 - 1, h, qn_g, kn_g, dout, qkv, g, beta,
-                           cu + (size_t)(t1 - 1 - t0) * dv, cd + (size_t)(t1 - 1 - t0) * dv, true,
-                           D);
+        if (cj < W) {
+#pragma unroll
+            for (int m = 0; m < M; m++)
+                if (cp + 8 * m < dk) St[(cp + 8 * m) * GDN_BWD_P + cj] = S[m];
+        }
+        __syncthreads(); /* cs, cu, cd written */
+        gdn_state_load_async(Sp, t1 - 1 > t0 ? cs + (size_t)(t1 - 2 - t0) * SS : ckc, dk, W);
+        gdn_vec_load_async(vb0, row0 + t1 - 1, h, c0, W, qn_g, kn_g, dout, qkv, g, beta,
+                           cu + (size_t)(t1 - 1 - t0) * Wm, cd + (size_t)(t1 - 1 - t0) * Wm, D);
         __pipeline_commit();
         for (int t = t1 - 1; t >= t0; t--) {
-            const size_t row = row0 + t;
+            const size_t row = row0 + t, rh = row * nv + h;
             const int par = (t1 - 1 - t) & 1;
             const float *vb = par ? vb1 : vb0;
-            const float *qn = vb, *kn = vb + dk, *dO = vb + 2 * dk, *uv = vb + 2 * dk + dv,
-                        *dvec = vb + 2 * dk + 2 * dv, *vv = vb + 2 * dk + 3 * dv;
+            const float *qn = vb, *kn = vb + dk, *dO = vb + 2 * dk, *uv = dO + Wm, *dvec = uv + Wm,
+                        *vv = dvec + Wm;
             __pipeline_wait_prior(0);
-            __syncthreads(); /* Sp, the vectors, and the previous token's P4 */
-            const float bt = vb[2 * dk + 4 * dv + 1];
-            /* P1 */
-            for (int k = tid; k < row_tasks; k += GDN_BWD_THREADS) {
-                const int i = gdn_pair_index(k >> 4), l = k & 15;
-                if (i >= dk) continue; /* uniform in the half-warp */
-                float *ds = dS + (size_t)i * P;
-                const float *s = St + (size_t)i * P;
+            __syncthreads(); /* Sp, the vectors, and the previous token's R2 */
+            const float bt = vb[2 * dk + 4 * Wm + 1];
+            /* R1 */
+            if (z_pend && tid < 32)
+                gdn_bwd_token_end(part + (z_row * G + gi) * PP, r_s, dd_s, w_s, dk, W);
+            for (int i = i0; i < dk; i += 128) { /* uniform in the pair */
+                float *ds = dS + i * GDN_BWD_P;
+                const float *s = St + i * GDN_BWD_P;
                 const float qi = qn[i];
-                float aq = 0.0f, ak = 0.0f;
-                for (int j = l; j < dv; j += 16) {
-                    float x = ds[j];
-                    if (pend) x = x * a_pend;
-                    x = fmaf(qi, dO[j], x);
-                    ds[j] = x;
-                    aq = fmaf(s[j], dO[j], aq);
-                    ak = fmaf(x, dvec[j], ak);
-                }
-                const float rq = lane16_tree(aq, mask), rk = lane16_tree(ak, mask);
-                if (l == 0) {
-                    dqn_s[i] = rq;
-                    dkn_s[i] = rk;
+                float aq[8], ak[8];
+#pragma unroll
+                for (int q = 0; q < 8; q++)
+                    aq[q] = ak[q] = 0.0f;
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+                    for (int q = 0; q < 8; q++) {
+                        const int j = rp + 2 * q + 16 * hh;
+                        if (j < W) {
+                            float x = ds[j];
+                            if (pend) x = x * a_pend;
+                            x = fmaf(qi, dO[j], x);
+                            ds[j] = x;
+                            aq[q] = fmaf(s[j], dO[j], aq[q]);
+                            ak[q] = fmaf(x, dvec[j], ak[q]);
+                        }
+                    }
+                const float rq = gdn_pair_tree(aq, rmask), rk = gdn_pair_tree(ak, rmask);
+                if (rp == 0) {
+                    pq_s[i] = rq;
+                    pk_s[i] = rk;
                 }
             }
             __syncthreads();
             /* St is free: the next token's Sp and vectors stream in from here */
             if (t > t0) {
-                gdn_state_load_async(
-                    St, t - 1 > t0 ? cs + (size_t)(t - 2 - t0) * SN : ck + (size_t)c * SN, D);
-                gdn_vec_load_async(par ? vb0 : vb1, row - 1, h, qn_g, kn_g, dout, qkv, g, beta,
-                                   cu + (size_t)(t - 1 - t0) * dv, cd + (size_t)(t - 1 - t0) * dv,
-                                   true, D);
+                gdn_state_load_async(St, t - 1 > t0 ? cs + (size_t)(t - 2 - t0) * SS : ckc, dk, W);
+                gdn_vec_load_async(par ? vb0 : vb1, row - 1, h, c0, W, qn_g, kn_g, dout, qkv, g,
+                                   beta, cu + (size_t)(t - 1 - t0) * Wm,
+                                   cd + (size_t)(t - 1 - t0) * Wm, D);
             }
             __pipeline_commit();
-            /* P2 */
-            for (int k = tid; k < col_tasks; k += GDN_BWD_THREADS) {
-                const int j = gdn_pair_index(k >> 4), l = k & 15;
-                if (j >= dv) continue;
-                float acc = 0.0f;
-                for (int i = l; i < dk; i += 16)
-                    acc = fmaf(dS[(size_t)i * P + j], kn[i], acc);
-                const float dd = lane16_tree(acc, mask);
-                if (l == 0) {
+            /* C */
+            if (cj < W) { /* uniform in the column's 8 threads */
+                float a0 = 0.0f, a1 = 0.0f;
+#pragma unroll
+                for (int m = 0; m < M; m++) {
+                    const int i = cp + 8 * m;
+                    if (i < dk) {
+                        if (m & 1)
+                            a1 = fmaf(dS[i * GDN_BWD_P + cj], kn[i], a1);
+                        else
+                            a0 = fmaf(dS[i * GDN_BWD_P + cj], kn[i], a0);
+                    }
+                }
+                float dd = a0 + a1;
+                dd = dd + __shfl_xor_sync(cmask, dd, 4);
+                dd = dd + __shfl_xor_sync(cmask, dd, 2);
+                dd = dd + __shfl_xor_sync(cmask, dd, 1);
+                if (cp == 0) {
                     const float dvo = bt * dd;
-                    dqkv[row * D.W + 2 * (size_t)D.nk * dk + (size_t)h * dv + j] = dvo;
-                    du_s[j] = -dvo;
-                    w_s[j] = vv[j] - uv[j];
-                    dd_s[j] = dd;
+                    dqkv[row * D.W + 2 * (size_t)D.nk * dk + (size_t)h * D.dv + c0 + cj] = dvo;
+                    du_s[cj] = -dvo;
+                    w_s[cj] = vv[cj] - uv[cj];
+                    dd_s[cj] = dd;
                 }
             }
             __syncthreads();
-            /* P3 */
-            const float a = kiln_expf(vb[2 * dk + 4 * dv]);
-            for (int k = tid; k < row_tasks; k += GDN_BWD_THREADS) {
-                const int i = gdn_pair_index(k >> 4), l = k & 15;
-                if (i >= dk) continue;
-                float *ds = dS + (size_t)i * P;
-                const float *sp = Sp + (size_t)i * P;
+            /* R2 */
+            const float a = kiln_expf(vb[2 * dk + 4 * Wm]);
+            float *pt = part + (rh * G + gi) * PP;
+            for (int i = i0; i < dk; i += 128) {
+                float *ds = dS + i * GDN_BWD_P;
+                const float *sp = Sp + i * GDN_BWD_P;
                 const float ki = kn[i];
-                float acc = 0.0f;
-                for (int j = l; j < dv; j += 16) {
-                    ds[j] = fmaf(ki, du_s[j], ds[j]);
-                    const float sd = sp[j] * a;
-                    acc = fmaf(sd, du_s[j], acc);
+                float ak[8], ar[8];
+#pragma unroll
+                for (int q = 0; q < 8; q++)
+                    ak[q] = ar[q] = 0.0f;
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+                    for (int q = 0; q < 8; q++) {
+                        const int j = rp + 2 * q + 16 * hh;
+                        if (j < W) {
+                            const float x = fmaf(ki, du_s[j], ds[j]), y = sp[j];
+                            ds[j] = x;
+                            ak[q] = fmaf(y * a, du_s[j], ak[q]);
+                            ar[q] = fmaf(x, y, ar[q]);
+                        }
+                    }
+                const float rk = gdn_pair_tree(ak, rmask), rr = gdn_pair_tree(ar, rmask);
+                if (rp == 0) {
+                    pt[i] = pq_s[i];
+                    pt[dk + i] = pk_s[i] + rk;
+                    r_s[i] = rr;
                 }
-                const float r = lane16_tree(acc, mask);
-                if (l == 0) {
-                    qn_g[(row * nv + h) * dk + i] = dqn_s[i];
-                    kn_g[(row * nv + h) * dk + i] = dkn_s[i] + r;
-                }
-            }
-            if (tid < 16) {
-                float acc = 0.0f;
-                for (int j = tid; j < dv; j += 16)
-                    acc = fmaf(dd_s[j], w_s[j], acc);
-                const float r = lane16_tree(acc, 0x0000ffffu);
-                if (tid == 0) dbeta[row * nv + h] = r;
-            }
-            __syncthreads();
-            /* P4 */
-            if (tid < 16) {
-                float da;
-                switch (dv % 16 ? 0 : dv / 16) {
-                case 1:
-                    da = gdn_flat_dot<1>(dS, Sp, D);
-                    break;
-                case 2:
-                    da = gdn_flat_dot<2>(dS, Sp, D);
-                    break;
-                case 4:
-                    da = gdn_flat_dot<4>(dS, Sp, D);
-                    break;
-                case 8:
-                    da = gdn_flat_dot<8>(dS, Sp, D);
-                    break;
-                case 16:
-                    da = gdn_flat_dot<16>(dS, Sp, D);
-                    break;
-                default:
-                    da = gdn_flat_dot<0>(dS, Sp, D);
-                    break;
-                }
-                if (tid == 0) dg[row * nv + h] = da * a;
             }
             pend = true;
             a_pend = a;
+            z_pend = true;
+            z_row = rh;
             float *tmp = St;
             St = Sp;
             Sp = tmp;
         }
+        __syncthreads(); /* the walk is done with the buffers and the stage */
     }
+    if (z_pend && tid < 32) gdn_bwd_token_end(part + (z_row * G + gi) * PP, r_s, dd_s, w_s, dk, W);
+}
+
+static int gdn_bwd_cols(int dv) {
+    return dv < KILN_GDN_COLS ? dv : KILN_GDN_COLS;
 }
 
 bool kiln_cuda_gated_delta_backward_fits(int dk, int dv) {
@@ -1177,7 +1190,20 @@ bool kiln_cuda_gated_delta_backward_fits(int dk, int dv) {
         (void)cudaGetLastError();
         return false;
     }
-    return gdn_bwd_smem_floats(dk, dv, gdn_bwd_pitch(dv)) * sizeof(float) <= (size_t)maxsm;
+    return gdn_bwd_smem_floats(dk, gdn_bwd_cols(dv)) * sizeof(float) <= (size_t)maxsm;
+}
+
+template <int M>
+static cudaError_t gdn_bwd_launch(cudaStream_t s, unsigned blocks, size_t smem, float *dqkv,
+                                  const float *dout, const float *qkv, const float *g,
+                                  const float *beta, float *ws, int n_seq, int T,
+                                  const gdn_dims &D) {
+    const cudaError_t e = cudaFuncSetAttribute(
+        gdn_bwd_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+    gdn_bwd_kernel<M>
+        <<<blocks, GDN_BWD_THREADS, smem, s>>>(dqkv, dout, qkv, g, beta, ws, n_seq, T, D);
+    return cudaGetLastError();
 }
 
 cudaError_t kiln_cuda_gated_delta_backward(cudaStream_t s, float *dqkv, float *dg, float *dbeta,
@@ -1186,31 +1212,48 @@ cudaError_t kiln_cuda_gated_delta_backward(cudaStream_t s, float *dqkv, float *d
                                            int nv, int dk, int dv, float scale) {
     if (n_seq <= 0 || T <= 0) return cudaSuccess;
     if (!gdn_shape_ok(nk, nv, dk, dv)) return cudaErrorInvalidValue;
-    if ((int64_t)n_seq * nv > 0x7fffffff) return cudaErrorInvalidConfiguration;
     if (!kiln_cuda_gated_delta_backward_fits(dk, dv)) return cudaErrorInvalidConfiguration;
-    const size_t SN = (size_t)dk * dv, C = KILN_GDN_CHUNK;
+    const size_t C = KILN_GDN_CHUNK;
     const size_t n_chunks = ((size_t)T + C - 1) / C;
     gdn_dims D;
     D.nk = nk;
     D.nv = nv;
     D.dk = dk;
     D.dv = dv;
-    D.P = gdn_bwd_pitch(dv);
+    D.Wm = gdn_bwd_cols(dv);
+    D.G = (dv + D.Wm - 1) / D.Wm;
     D.scale = scale;
     D.W = 2 * (size_t)nk * dk + (size_t)nv * dv;
+    const size_t SS = (size_t)dk * D.Wm, Wm = (size_t)D.Wm;
     /* kiln_cpu_gated_delta_backward's per-task block (its tail, scratch there, unused here) */
-    D.per = n_chunks * SN + C * (SN + 2 * (size_t)dv) + 16 * (size_t)dv + 4 * (size_t)dk + 2 * SN;
-    const size_t N = (size_t)n_seq * T, tasks = (size_t)n_seq * nv;
-    float *qn_g = ws + tasks * D.per, *kn_g = qn_g + N * nv * dk;
+    D.per = n_chunks * SS + C * (SS + 2 * Wm) + 16 * Wm + 2 * (size_t)dk + 2 * SS;
+    const size_t N = (size_t)n_seq * T, tasks = (size_t)n_seq * nv * D.G;
+    if (tasks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    const size_t PP = 2 * (size_t)dk + 2;
+    float *part = ws + tasks * D.per;
+    float *qn_g = part + N * nv * D.G * PP, *kn_g = qn_g + N * nv * dk;
 
     const int64_t n_norm = (int64_t)N * nv * 2, n_qk = (int64_t)N * nk * 2;
     gdn_bwd_norm_kernel<<<(unsigned)((n_norm + 15) / 16), 256, 0, s>>>(qn_g, kn_g, qkv, n_norm, D);
-    const size_t smem = gdn_bwd_smem_floats(dk, dv, D.P) * sizeof(float);
-    cudaError_t e = cudaFuncSetAttribute(gdn_bwd_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    const size_t smem = gdn_bwd_smem_floats(dk, D.Wm) * sizeof(float);
+    const int rows = (dk + 7) / 8; /* a column thread's rows */
+    cudaError_t e;
+    if (rows <= 2)
+        e = gdn_bwd_launch<2>(s, (unsigned)tasks, smem, dqkv, dout, qkv, g, beta, ws, n_seq, T, D);
+    else if (rows <= 4)
+        e = gdn_bwd_launch<4>(s, (unsigned)tasks, smem, dqkv, dout, qkv, g, beta, ws, n_seq, T, D);
+    else if (rows <= 8)
+        e = gdn_bwd_launch<8>(s, (unsigned)tasks, smem, dqkv, dout, qkv, g, beta, ws, n_seq, T, D);
+    else if (rows <= 16)
+        e = gdn_bwd_launch<16>(s, (unsigned)tasks, smem, dqkv, dout, qkv, g, beta, ws, n_seq, T, D);
+    else if (rows <= 32)
+        e = gdn_bwd_launch<32>(s, (unsigned)tasks, smem, dqkv, dout, qkv, g, beta, ws, n_seq, T, D);
+    else
+        e = gdn_bwd_launch<64>(s, (unsigned)tasks, smem, dqkv, dout, qkv, g, beta, ws, n_seq, T, D);
     if (e != cudaSuccess) return e;
-    gdn_bwd_kernel<<<(unsigned)tasks, GDN_BWD_THREADS, smem, s>>>(dqkv, dg, dbeta, dout, qkv, g,
-                                                                  beta, ws, n_seq, T, D);
+    const int64_t n_sum = (int64_t)N * nv * (int64_t)PP;
+    gdn_bwd_sum_kernel<<<grid_for(n_sum, 256), 256, 0, s>>>(qn_g, kn_g, dg, dbeta, part, g, n_sum,
+                                                            D);
     gdn_bwd_qk_kernel<<<(unsigned)((n_qk + 15) / 16), 256, 0, s>>>(dqkv, qn_g, kn_g, qkv, n_qk, D);
     return cudaGetLastError();
 }
