@@ -3,6 +3,8 @@
 
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -288,7 +290,7 @@ int cmd_generate(int argc, char **argv) {
     if ((long)n_ids > kiln_context_n_ctx(ctx)) {
         kiln_model_info mi;
         kiln_model_get_info(m, &mi);
-        fprintf(stderr, "kiln generate: the prompt is %zu tokens, longer than the context of %d: pass a larger --ctx "
+        fprintf(stderr, "kiln generate: the prompt is %zu tokens and the context holds %d: pass a larger --ctx "
                         "(the model was trained on %d) or a shorter prompt\n",
                 n_ids, kiln_context_n_ctx(ctx), mi.n_ctx_train);
         rc = 1;
@@ -369,12 +371,21 @@ static void history_clear(chat_history *h, size_t keep) {
 }
 
 /* Ctrl-C in chat: set by the handler, read between generated tokens (the reply stops) and
- * after a prompt read that it interrupted (the line is cleared; a second one quits). */
+ * at the prompt (the line is cleared; a second one quits). The handler also writes a byte to
+ * a pipe that the prompt polls beside stdin: a Ctrl-C that lands just before the read, or is
+ * handled by a worker thread, still wakes the prompt (the self-pipe trick). */
 static volatile sig_atomic_t chat_interrupted;
+static int chat_wake_fd[2] = {-1, -1};
 
 static void chat_on_sigint(int sig) {
     (void)sig;
     chat_interrupted = 1;
+    if (chat_wake_fd[1] >= 0) {
+        int e = errno;
+        ssize_t w = write(chat_wake_fd[1], "c", 1);
+        (void)w;
+        errno = e;
+    }
 }
 
 static int stream_until_interrupt(int32_t id, const char *text, size_t len, void *user) {
@@ -382,8 +393,23 @@ static int stream_until_interrupt(int32_t id, const char *text, size_t len, void
     return stream_to_stdout(id, text, len, user);
 }
 
-/* One line of input: 1, 0 at end of input, -1 when Ctrl-C interrupted the read. */
-static int chat_read_line(char *line, size_t cap) {
+static void chat_drain_wake(void) {
+    char b[64];
+    while (chat_wake_fd[0] >= 0 && read(chat_wake_fd[0], b, sizeof b) > 0) {
+    }
+}
+
+/* One line of input: 1, 0 at end of input, -1 when Ctrl-C interrupted the read. poll_first:
+ * wait for stdin or a Ctrl-C before reading (a terminal, with nothing left in stdin's buffer:
+ * the last line was read whole). */
+static int chat_read_line(char *line, size_t cap, int poll_first) {
+    while (poll_first && !chat_interrupted) {
+        struct pollfd fds[2] = {{.fd = 0, .events = POLLIN}, {.fd = chat_wake_fd[0], .events = POLLIN}};
+        int r = poll(fds, 2, -1);
+        if (r > 0 && (fds[0].revents & (POLLIN | POLLHUP | POLLERR))) break;
+        if (r < 0 && errno != EINTR) break;
+    }
+    if (chat_interrupted) return -1;
     errno = 0;
     if (fgets(line, (int)cap, stdin)) return 1;
     if (chat_interrupted || errno == EINTR) {
@@ -435,18 +461,24 @@ int cmd_chat(int argc, char **argv) {
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = chat_on_sigint;
     sigemptyset(&sa.sa_mask);
+    int interactive = isatty(0);
+    if (interactive && pipe(chat_wake_fd) == 0) {
+        fcntl(chat_wake_fd[0], F_SETFL, O_NONBLOCK);
+        fcntl(chat_wake_fd[1], F_SETFL, O_NONBLOCK);
+    }
     sigaction(SIGINT, &sa, NULL);
     chat_banner(m, ctx, &o);
-    int interactive = isatty(0);
+    int whole_line = 1; /* the last read ended with its newline: stdin's buffer is empty */
     char line[16384];
     int rc = 0, ctrl_c_at_prompt = 0;
     for (;;) {
+        chat_interrupted = 0; /* before the prompt shows: a Ctrl-C typed at it must not be lost */
+        chat_drain_wake();
         if (interactive) {
             fputs("\n> ", stdout);
             fflush(stdout);
         }
-        chat_interrupted = 0;
-        int got = chat_read_line(line, sizeof line);
+        int got = chat_read_line(line, sizeof line, interactive && whole_line && chat_wake_fd[0] >= 0);
         if (got < 0) { /* Ctrl-C at the prompt: the terminal dropped the line; twice quits */
             if (ctrl_c_at_prompt) {
                 fputc('\n', stdout);
@@ -462,6 +494,7 @@ int cmd_chat(int argc, char **argv) {
         }
         ctrl_c_at_prompt = 0;
         size_t len = strlen(line);
+        whole_line = len && line[len - 1] == '\n';
         while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = '\0';
         size_t lead = strspn(line, " \t");
         if (lead == len) continue; /* an empty line is ignored */
@@ -524,6 +557,12 @@ int cmd_chat(int argc, char **argv) {
             break;
         }
     }
+    signal(SIGINT, SIG_DFL);
+    for (int i = 0; i < 2; i++)
+        if (chat_wake_fd[i] >= 0) {
+            close(chat_wake_fd[i]);
+            chat_wake_fd[i] = -1;
+        }
     history_clear(&h, 0);
     free(h.msgs);
     free(h.owned);

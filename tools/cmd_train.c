@@ -29,8 +29,8 @@ static const char *train_help =
     "  --data SHARD         a token shard (repeatable)\n"
     "  --out DIR            output folder (default: kiln-run); one that is not empty needs\n"
     "                       --resume (continue its run) or --overwrite\n"
-    "  --overwrite          start a new run in a used --out: its checkpoints, metrics.csv\n"
-    "                       and loss.png are deleted first\n"
+    "  --overwrite          start a new run in a used --out: its checkpoints are deleted\n"
+    "                       first (metrics.csv, loss.png and model/ are written anew)\n"
     "  --steps N            optimizer steps (default 200)\n"
     "  --batch B            sequences per micro-batch (default 8)\n"
     "  --seq T              tokens per sequence (default 128)\n"
@@ -565,23 +565,20 @@ static int remove_tree(const char *path, int depth) {
     return unlink(path);
 }
 
-/* --out: refuse a used folder unless --resume or --overwrite; --overwrite deletes what a run
- * writes there (checkpoints, metrics.csv, loss.png; OUT/model is replaced by the export). */
+/* --out: refuse a used folder unless --resume or --overwrite; --overwrite deletes the old
+ * checkpoints (metrics.csv, loss.png and OUT/model are written anew by the run). */
 static int prepare_out(const train_opts *o) {
     if (!o->resume && dir_has_entries(o->out)) {
         if (!o->overwrite) {
             fprintf(stderr, "kiln train: the output folder '%s' is not empty: pass --resume to continue the run in it, "
-                            "or --overwrite to start a new one there (deleting its checkpoints and metrics)\n", o->out);
+                            "or --overwrite to start a new one there (deleting its checkpoints)\n", o->out);
             return 2;
         }
-        const char *names[] = {"checkpoints", "metrics.csv", "loss.png"};
-        for (int i = 0; i < 3; i++) {
-            char p[4096];
-            snprintf(p, sizeof p, "%s/%s", o->out, names[i]);
-            if (remove_tree(p, 3) != 0) {
-                fprintf(stderr, "kiln train: --overwrite: cannot remove '%s': %s\n", p, strerror(errno));
-                return 1;
-            }
+        char p[4096];
+        snprintf(p, sizeof p, "%s/checkpoints", o->out);
+        if (remove_tree(p, 3) != 0) {
+            fprintf(stderr, "kiln train: --overwrite: cannot remove '%s': %s\n", p, strerror(errno));
+            return 1;
         }
     }
     if (mkdir(o->out, 0755) != 0 && !kiln_path_is_dir(o->out)) {
