@@ -29,9 +29,11 @@ static int json_value(const char *json, const char *key, char *buf, size_t cap) 
     size_t n = 0;
     if (*p == '"') {
         p++;
-        while (p[n] && p[n] != '"') n++;
+        while (p[n] && p[n] != '"')
+            n++;
     } else {
-        while (p[n] && p[n] != ',' && p[n] != '}' && p[n] != ']') n++;
+        while (p[n] && p[n] != ',' && p[n] != '}' && p[n] != ']')
+            n++;
     }
     if (n >= cap) return 0;
     memcpy(buf, p, n);
@@ -59,7 +61,8 @@ int cmd_export(int argc, char **argv) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             fputs(export_help, stdout);
             return 0;
-        } else if (cli_opt(argc, argv, &i, "-o", &v, &err, "export") || cli_opt(argc, argv, &i, "--out", &v, &err, "export")) {
+        } else if (cli_opt(argc, argv, &i, "-o", &v, &err, "export") ||
+                   cli_opt(argc, argv, &i, "--out", &v, &err, "export")) {
             out = v;
         } else if (cli_opt(argc, argv, &i, "-m", &v, &err, "export") ||
                    cli_opt(argc, argv, &i, "--model", &v, &err, "export")) {
@@ -73,11 +76,14 @@ int cmd_export(int argc, char **argv) {
         } else if (a[0] != '-' && !run) {
             run = a;
         } else {
-            return cli_usage_error("export", a[0] == '-' ? "unknown option '%s'" : "unexpected argument '%s'", a);
+            return cli_usage_error(
+                "export", a[0] == '-' ? "unknown option '%s'" : "unexpected argument '%s'", a);
         }
         if (err) return 2;
     }
-    if (!run || !out) return cli_usage_error("export", "give the run folder and the folder to write: kiln export RUN -o DIR");
+    if (!run || !out)
+        return cli_usage_error(
+            "export", "give the run folder and the folder to write: kiln export RUN -o DIR");
     char ckdir[4096];
     snprintf(ckdir, sizeof ckdir, "%s/checkpoints", run);
     if (!kiln_path_is_dir(ckdir)) snprintf(ckdir, sizeof ckdir, "%s", run);
@@ -96,8 +102,10 @@ int cmd_export(int argc, char **argv) {
     tp.max_seq = json_value(run_json, "seq", v, sizeof v) ? atoi(v) : 64;
     if (tp.max_seq < 1) tp.max_seq = 64;
     tp.max_batch = 1;
-    if (json_value(cfg_json, "weight_storage", v, sizeof v)) tp.weight_storage = (kiln_weight_storage)atoi(v);
-    if (json_value(cfg_json, "moment_storage", v, sizeof v)) tp.moment_storage = (kiln_moment_storage)atoi(v);
+    if (json_value(cfg_json, "weight_storage", v, sizeof v))
+        tp.weight_storage = (kiln_weight_storage)atoi(v);
+    if (json_value(cfg_json, "moment_storage", v, sizeof v))
+        tp.moment_storage = (kiln_moment_storage)atoi(v);
     free(run_json);
     free(cfg_json);
 
@@ -106,15 +114,20 @@ int cmd_export(int argc, char **argv) {
     if (model || rec_model[0]) {
         st = kiln_model_open(source, NULL, &m);
     } else if (rec_config[0] && rec_tok[0]) {
-        st = kiln_model_create(rec_config, rec_tok, 0, &m); /* its weights come from the checkpoint */
+        st = kiln_model_create(rec_config, rec_tok, 0,
+                               &m); /* its weights come from the checkpoint */
     } else {
-        fprintf(stderr, "kiln export: %s does not record the model it trained (an older kiln made it): "
-                        "pass -m MODEL\n", ckdir);
+        fprintf(stderr,
+                "kiln export: %s does not record the model it trained (an older kiln made it): "
+                "pass -m MODEL\n",
+                ckdir);
         return 2;
     }
     if (st != KILN_OK) {
         cli_fail("export", source, st);
-        if (!model) fprintf(stderr, "kiln export: the run's model was '%s'; if it moved, pass -m MODEL\n", source);
+        if (!model)
+            fprintf(stderr, "kiln export: the run's model was '%s'; if it moved, pass -m MODEL\n",
+                    source);
         return 1;
     }
     kiln_trainer *tr = NULL;
@@ -122,13 +135,15 @@ int cmd_export(int argc, char **argv) {
     int rc = 0;
     st = kiln_trainer_create(m, &tp, &tr);
     if (st != KILN_OK) rc = cli_fail("export", "trainer", st);
-    if (!rc && (st = kiln_train_load(tr, ckdir, &step, NULL)) != KILN_OK) rc = cli_fail("export", ckdir, st);
+    if (!rc && (st = kiln_train_load(tr, ckdir, &step, NULL)) != KILN_OK)
+        rc = cli_fail("export", ckdir, st);
     if (!rc) {
         if (dtype < 0) dtype = tp.weight_storage != KILN_STORAGE_F32;
         st = kiln_train_export_hf(tr, out, dtype, overwrite);
         if (st != KILN_OK) {
             rc = cli_fail("export", out, st);
-            if (!overwrite && kiln_path_is_dir(out)) fprintf(stderr, "kiln export: pass --overwrite to replace '%s'\n", out);
+            if (!overwrite && kiln_path_is_dir(out))
+                fprintf(stderr, "kiln export: pass --overwrite to replace '%s'\n", out);
         }
     }
     if (!rc)
