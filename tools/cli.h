@@ -4,6 +4,7 @@
 
 #include "kiln.h"
 
+#include <stdint.h>
 #include <stdio.h>
 
 int cmd_generate(int argc, char **argv);
@@ -13,9 +14,14 @@ int cmd_detokenize(int argc, char **argv);
 int cmd_info(int argc, char **argv);
 int cmd_data(int argc, char **argv);
 int cmd_train(int argc, char **argv);
+int cmd_export(int argc, char **argv);
 
-/* Print "kiln <cmd>: <what>: <kiln_last_error()>" to stderr and return 1. */
+/* Print "kiln <cmd>: <what>: <kiln_last_error()>" to stderr and return 1; "<what>: " is left
+ * out when the library's message already names it (a path, usually). */
 int cli_fail(const char *cmd, const char *what, kiln_status st);
+/* A seed for a run that was given none: 8 bytes of /dev/urandom, else time ^ pid. */
+uint64_t cli_random_seed(void);
+
 /* Print a usage error and return 2. */
 int cli_usage_error(const char *cmd, const char *fmt, ...);
 /* --device's value: cpu -> -1, cuda -> 0, cuda:N -> N; 0, or a usage error's exit code. */

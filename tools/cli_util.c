@@ -5,10 +5,26 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 int cli_fail(const char *cmd, const char *what, kiln_status st) {
-    fprintf(stderr, "kiln %s: %s: %s (%s)\n", cmd, what, kiln_last_error(), kiln_status_string(st));
+    const char *err = kiln_last_error();
+    /* the library's messages usually begin with the path already: name it once */
+    if (what && *what && !strstr(err, what)) fprintf(stderr, "kiln %s: %s: %s (%s)\n", cmd, what, err, kiln_status_string(st));
+    else fprintf(stderr, "kiln %s: %s (%s)\n", cmd, err, kiln_status_string(st));
     return 1;
+}
+
+uint64_t cli_random_seed(void) {
+    uint64_t s = 0;
+    FILE *f = fopen("/dev/urandom", "rb");
+    if (f) {
+        size_t n = fread(&s, sizeof s, 1, f);
+        fclose(f);
+        if (n == 1) return s;
+    }
+    return (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32) ^ (uint64_t)clock();
 }
 
 int cli_usage_error(const char *cmd, const char *fmt, ...) {

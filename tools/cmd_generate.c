@@ -2,6 +2,10 @@
 #include "cli.h"
 
 #include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -13,26 +17,27 @@ typedef struct gen_opts {
     long n_predict, threads, n_ctx, n_batch;
     kiln_sampler_params sampler;
     int chat, json, ignore_eos, f32, no_mmap, show_prompt_stats, fast;
+    int seed_given; /* --seed: else a random seed, printed */
     int device; /* -1 = CPU, N >= 0 = CUDA device N */
     const char *stops[MAX_STOPS + 1];
     int n_stops;
 } gen_opts;
 
 static const char *generate_help =
-    "usage: kiln generate -m MODEL (-p PROMPT | -f FILE) [options]\n\n"
-    "  -m, --model MODEL      .gguf file or Hugging Face folder\n"
+    "usage: kiln generate [-m] MODEL (-p PROMPT | -f FILE) [options]\n\n"
+    "  -m, --model MODEL      .gguf file or Hugging Face folder (or the first bare argument)\n"
     "  -p, --prompt TEXT      prompt text\n"
     "  -f, --file FILE        read the prompt from FILE ('-' = stdin)\n"
     "  -n, --n-predict N      tokens to generate (default 128)\n"
     "      --chat             wrap the prompt as a user message in the model's chat template\n"
-    "      --system TEXT      system message (with --chat)\n"
+    "      --system TEXT      system message (needs --chat)\n"
     "      --temp T           temperature; 0 = greedy (default 0.8)\n"
     "      --top-k K          keep the K most likely tokens; 0 = off (default 40)\n"
     "      --top-p P          nucleus sampling; 1 = off (default 0.95)\n"
     "      --min-p P          drop tokens below P x the top probability; 0 = off (default 0.05)\n"
     "      --repeat-penalty R penalise recent tokens; 1 = off (default 1)\n"
     "      --repeat-last-n N  window of the penalty (default 64, -1 = all)\n"
-    "      --seed S           random seed (default 0)\n"
+    "      --seed S           random seed (default: a new one each run, printed on stderr)\n"
     "      --stop TEXT        stop when TEXT is generated (repeatable, up to 16)\n"
     "      --ignore-eos       keep generating past end-of-generation tokens\n"
     "  -t, --threads N        CPU threads (default: all cores)\n"
@@ -45,11 +50,19 @@ static const char *generate_help =
     "      --device D         cpu (default), cuda or cuda:N: run on CUDA GPU N (same bits as cpu)\n"
     "      --json             print one JSON object: prompt_ids, ids, text, timings\n";
 
+#define CHAT_COMMANDS                                                                        \
+    "  /help             this list\n"                                                       \
+    "  /reset            clear the conversation (the system message stays)\n"               \
+    "  /bye, /exit       quit (so does Ctrl-D)\n"
+
 static const char *chat_help =
-    "usage: kiln chat -m MODEL [options]\n\n"
-    "Interactive chat using the model's chat template. Type a message and press Enter;\n"
-    "an empty line or end of input (Ctrl-D) quits; /reset clears the conversation.\n\n"
-    "  -m, --model MODEL      .gguf file or Hugging Face folder\n"
+    "usage: kiln chat [-m] MODEL [options]\n\n"
+    "Interactive chat using the model's chat template. Type a message and press Enter\n"
+    "(an empty line is ignored). Commands, never sent to the model:\n"
+    CHAT_COMMANDS
+    "Ctrl-C while a reply is generated stops it (the partial reply stays in the conversation);\n"
+    "Ctrl-C at the prompt clears the line, a second one quits.\n\n"
+    "  -m, --model MODEL      .gguf file or Hugging Face folder (or the first bare argument)\n"
     "      --system TEXT      system message\n"
     "  -n, --n-predict N      max tokens per reply (default 512)\n"
     "      --temp, --top-k, --top-p, --min-p, --repeat-penalty, --seed, -t, --ctx, --device as in generate\n";
@@ -102,6 +115,7 @@ static int parse_opts(const char *cmd, int argc, char **argv, gen_opts *o, int *
             if (!err && !(err = cli_parse_int(cmd, a, v, -1, 1 << 24, &n))) o->sampler.repeat_last_n = (int)n;
         } else if (cli_opt(argc, argv, &i, "--seed", &v, &err, cmd)) {
             if (!err && !(err = cli_parse_u64(cmd, a, v, &u))) o->sampler.seed = u;
+            o->seed_given = 1;
         } else if (cli_opt(argc, argv, &i, "--stop", &v, &err, cmd)) {
             if (!err && o->n_stops == MAX_STOPS) err = cli_usage_error(cmd, "at most %d --stop strings", MAX_STOPS);
             else if (!err && !*v) err = cli_usage_error(cmd, "--stop needs a non-empty string");
@@ -120,6 +134,11 @@ static int parse_opts(const char *cmd, int argc, char **argv, gen_opts *o, int *
             if (!err) err = cli_parse_device(cmd, v, &o->device);
         } else if (!strcmp(a, "--no-mmap")) {
             o->no_mmap = 1;
+        } else if (a[0] != '-' && !o->model) {
+            o->model = a; /* the model as the bare argument: kiln generate MODEL -p ... */
+        } else if (a[0] != '-') {
+            err = cli_usage_error(cmd, "unexpected argument '%s' (the model is '%s'; quote a prompt: -p \"...\")", a,
+                                  o->model);
         } else {
             err = cli_usage_error(cmd, "unknown option '%s'", a);
         }
@@ -129,9 +148,10 @@ static int parse_opts(const char *cmd, int argc, char **argv, gen_opts *o, int *
         }
     }
     if (!o->model) {
-        *exit_code = cli_usage_error(cmd, "a model is required (-m MODEL)");
+        *exit_code = cli_usage_error(cmd, "a model is required (kiln %s MODEL or -m MODEL)", cmd);
         return 1;
     }
+    if (!o->seed_given) o->sampler.seed = cli_random_seed();
     return 0;
 }
 
@@ -217,6 +237,12 @@ static int stream_to_stdout(int32_t id, const char *text, size_t len, void *user
     return 0;
 }
 
+/* The seed on stderr, so that a sampled run can be repeated. */
+static void print_seed(const gen_opts *o) {
+    unsigned long long s = (unsigned long long)o->sampler.seed;
+    fprintf(stderr, "[kiln] seed %llu (repeat with --seed %llu)\n", s, s);
+}
+
 static void json_add_ids(cJSON *obj, const char *key, const int32_t *ids, size_t n) {
     cJSON *arr = cJSON_AddArrayToObject(obj, key);
     for (size_t i = 0; i < n; i++) cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
@@ -228,6 +254,8 @@ int cmd_generate(int argc, char **argv) {
     if (parse_opts("generate", argc, argv, &o, &code)) return code;
     if (!!o.prompt == !!o.prompt_file)
         return cli_usage_error("generate", "give exactly one of -p PROMPT or -f FILE");
+    if (o.system && !o.chat)
+        return cli_usage_error("generate", "--system is a chat message: add --chat (the model's chat template)");
     char *file_text = NULL;
     kiln_model *m = NULL;
     kiln_context *ctx = NULL;
@@ -259,6 +287,16 @@ int cmd_generate(int argc, char **argv) {
         rc = cli_usage_error("generate", "the prompt gives no tokens");
         goto out;
     }
+    if ((long)n_ids > kiln_context_n_ctx(ctx)) {
+        kiln_model_info mi;
+        kiln_model_get_info(m, &mi);
+        fprintf(stderr, "kiln generate: the prompt is %zu tokens and the context holds %d: pass a larger --ctx "
+                        "(the model was trained on %d) or a shorter prompt\n",
+                n_ids, kiln_context_n_ctx(ctx), mi.n_ctx_train);
+        rc = 1;
+        goto out;
+    }
+    print_seed(&o);
     kiln_generate_params gp = kiln_generate_default_params();
     gp.max_tokens = (int)o.n_predict;
     gp.sampler = o.sampler;
@@ -332,6 +370,64 @@ static void history_clear(chat_history *h, size_t keep) {
     while (h->n > keep) free(h->owned[--h->n]);
 }
 
+/* Ctrl-C in chat: set by the handler, read between generated tokens (the reply stops) and
+ * at the prompt (the line is cleared; a second one quits). The handler also writes a byte to
+ * a pipe that the prompt polls beside stdin: a Ctrl-C that lands just before the read, or is
+ * handled by a worker thread, still wakes the prompt (the self-pipe trick). */
+static volatile sig_atomic_t chat_interrupted;
+static int chat_wake_fd[2] = {-1, -1};
+
+static void chat_on_sigint(int sig) {
+    (void)sig;
+    chat_interrupted = 1;
+    if (chat_wake_fd[1] >= 0) {
+        int e = errno;
+        ssize_t w = write(chat_wake_fd[1], "c", 1);
+        (void)w;
+        errno = e;
+    }
+}
+
+static int stream_until_interrupt(int32_t id, const char *text, size_t len, void *user) {
+    if (chat_interrupted) return 1; /* stop: stop_reason "callback" */
+    return stream_to_stdout(id, text, len, user);
+}
+
+static void chat_drain_wake(void) {
+    char b[64];
+    while (chat_wake_fd[0] >= 0 && read(chat_wake_fd[0], b, sizeof b) > 0) {
+    }
+}
+
+/* One line of input: 1, 0 at end of input, -1 when Ctrl-C interrupted the read. poll_first:
+ * wait for stdin or a Ctrl-C before reading (a terminal, with nothing left in stdin's buffer:
+ * the last line was read whole). */
+static int chat_read_line(char *line, size_t cap, int poll_first) {
+    while (poll_first && !chat_interrupted) {
+        struct pollfd fds[2] = {{.fd = 0, .events = POLLIN}, {.fd = chat_wake_fd[0], .events = POLLIN}};
+        int r = poll(fds, 2, -1);
+        if (r > 0 && (fds[0].revents & (POLLIN | POLLHUP | POLLERR))) break;
+        if (r < 0 && errno != EINTR) break;
+    }
+    if (chat_interrupted) return -1;
+    errno = 0;
+    if (fgets(line, (int)cap, stdin)) return 1;
+    if (chat_interrupted || errno == EINTR) {
+        clearerr(stdin);
+        return -1;
+    }
+    return 0;
+}
+
+static void chat_banner(const kiln_model *m, const kiln_context *ctx, const gen_opts *o) {
+    kiln_model_info mi;
+    kiln_model_get_info(m, &mi);
+    fprintf(stderr, "kiln chat: %s (%s, %.1fM parameters), context %d tokens\n", mi.name, mi.architecture,
+            (double)mi.n_params / 1e6, kiln_context_n_ctx(ctx));
+    print_seed(o);
+    fprintf(stderr, "Type a message and press Enter. /bye or Ctrl-D to quit; /help for commands.\n");
+}
+
 int cmd_chat(int argc, char **argv) {
     gen_opts o;
     int code = 0;
@@ -360,20 +456,63 @@ int cmd_chat(int argc, char **argv) {
         }
         base = 1;
     }
+    /* no SA_RESTART: Ctrl-C must interrupt a prompt's read() */
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = chat_on_sigint;
+    sigemptyset(&sa.sa_mask);
     int interactive = isatty(0);
+    if (interactive && pipe(chat_wake_fd) == 0) {
+        fcntl(chat_wake_fd[0], F_SETFL, O_NONBLOCK);
+        fcntl(chat_wake_fd[1], F_SETFL, O_NONBLOCK);
+    }
+    sigaction(SIGINT, &sa, NULL);
+    chat_banner(m, ctx, &o);
+    int whole_line = 1; /* the last read ended with its newline: stdin's buffer is empty */
     char line[16384];
-    int rc = 0;
+    int rc = 0, ctrl_c_at_prompt = 0;
     for (;;) {
+        chat_interrupted = 0; /* before the prompt shows: a Ctrl-C typed at it must not be lost */
+        chat_drain_wake();
         if (interactive) {
             fputs("\n> ", stdout);
             fflush(stdout);
         }
-        if (!fgets(line, sizeof line, stdin)) break;
+        int got = chat_read_line(line, sizeof line, interactive && whole_line && chat_wake_fd[0] >= 0);
+        if (got < 0) { /* Ctrl-C at the prompt: the terminal dropped the line; twice quits */
+            if (ctrl_c_at_prompt) {
+                fputc('\n', stdout);
+                break;
+            }
+            ctrl_c_at_prompt = 1;
+            fputs("\n(line cleared: Ctrl-C again, Ctrl-D or /bye quits)", stdout);
+            continue;
+        }
+        if (got == 0) {
+            if (interactive) fputc('\n', stdout);
+            break;
+        }
+        ctrl_c_at_prompt = 0;
         size_t len = strlen(line);
+        whole_line = len && line[len - 1] == '\n';
         while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = '\0';
-        if (!len) break;
-        if (!strcmp(line, "/reset")) {
-            history_clear(&h, base);
+        size_t lead = strspn(line, " \t");
+        if (lead == len) continue; /* an empty line is ignored */
+        if (line[lead] == '/') {
+            const char *c = line + lead;
+            if (!strcmp(c, "/bye") || !strcmp(c, "/exit")) break;
+            if (!strcmp(c, "/help") || !strcmp(c, "/?")) {
+                fputs("commands:\n" CHAT_COMMANDS
+                      "Ctrl-C stops a reply (what was generated stays in the conversation);\n"
+                      "at the prompt it clears the line, and a second Ctrl-C quits.\n",
+                      stdout);
+            } else if (!strcmp(c, "/reset") || !strcmp(c, "/clear")) {
+                history_clear(&h, base);
+                fputs(base ? "[conversation cleared; the system message stays]\n" : "[conversation cleared]\n", stdout);
+            } else {
+                fprintf(stdout, "unknown command '%s': /help lists them (nothing was sent to the model)\n", c);
+            }
+            fflush(stdout);
             continue;
         }
         char *msg = strdup(line);
@@ -390,7 +529,8 @@ int cmd_chat(int argc, char **argv) {
         }
         if ((long)n_ids + o.n_predict > kiln_context_n_ctx(ctx)) {
             free(ids);
-            fprintf(stderr, "kiln chat: the conversation (%zu tokens) no longer fits the context of %d; /reset\n",
+            fprintf(stderr, "kiln chat: the conversation (%zu tokens) no longer fits the context of %d: /reset, "
+                            "or restart with a larger --ctx or a smaller -n\n",
                     n_ids, kiln_context_n_ctx(ctx));
             history_clear(&h, h.n - 1);
             continue;
@@ -398,14 +538,16 @@ int cmd_chat(int argc, char **argv) {
         kiln_generate_params gp = kiln_generate_default_params();
         gp.max_tokens = (int)o.n_predict;
         gp.sampler = o.sampler;
-        gp.on_token = stream_to_stdout;
+        gp.on_token = stream_until_interrupt;
         kiln_generate_result res;
+        chat_interrupted = 0;
         st = kiln_generate(ctx, ids, n_ids, &gp, &res);
         free(ids);
         if (st != KILN_OK) {
             rc = cli_fail("chat", "generation", st);
             break;
         }
+        if (chat_interrupted) fputs(" [interrupted]", stdout);
         fputc('\n', stdout);
         fflush(stdout);
         char *reply = strdup(res.text ? res.text : "");
@@ -415,6 +557,12 @@ int cmd_chat(int argc, char **argv) {
             break;
         }
     }
+    signal(SIGINT, SIG_DFL);
+    for (int i = 0; i < 2; i++)
+        if (chat_wake_fd[i] >= 0) {
+            close(chat_wake_fd[i]);
+            chat_wake_fd[i] = -1;
+        }
     history_clear(&h, 0);
     free(h.msgs);
     free(h.owned);

@@ -6,7 +6,7 @@
 #include <string.h>
 
 static const char *info_help =
-    "usage: kiln info -m MODEL [--json] [--no-tensors]\n\n"
+    "usage: kiln info [-m] MODEL [--json] [--no-tensors]\n\n"
     "Architecture, parameter count, tensors with types and shapes, tokenizer and chat template.\n";
 
 int cmd_info(int argc, char **argv) {
@@ -24,12 +24,14 @@ int cmd_info(int argc, char **argv) {
             json = 1;
         } else if (!strcmp(argv[i], "--no-tensors")) {
             tensors = 0;
+        } else if (argv[i][0] != '-' && !model) {
+            model = argv[i]; /* kiln info MODEL */
         } else {
             return cli_usage_error("info", "unknown option '%s'", argv[i]);
         }
         if (err) return 2;
     }
-    if (!model) return cli_usage_error("info", "a model is required (-m MODEL)");
+    if (!model) return cli_usage_error("info", "a model is required (kiln info MODEL or -m MODEL)");
     kiln_model *m = NULL;
     kiln_status st = kiln_model_open(model, NULL, &m);
     if (st != KILN_OK) return cli_fail("info", model, st);

@@ -7,7 +7,10 @@
 #include "train/shards.h"
 #include "train/trainer.h"
 
+#include <dirent.h>
+#include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,7 +27,10 @@ static const char *train_help =
     "the vocabulary of TOK. Writes OUT/metrics.csv, OUT/loss.png, checkpoints in\n"
     "OUT/checkpoints and, at the end, the model as a Hugging Face folder in OUT/model.\n\n"
     "  --data SHARD         a token shard (repeatable)\n"
-    "  --out DIR            output folder (default: kiln-run)\n"
+    "  --out DIR            output folder (default: kiln-run); one that is not empty needs\n"
+    "                       --resume (continue its run) or --overwrite\n"
+    "  --overwrite          start a new run in a used --out: its checkpoints are deleted\n"
+    "                       first (metrics.csv, loss.png and model/ are written anew)\n"
     "  --steps N            optimizer steps (default 200)\n"
     "  --batch B            sequences per micro-batch (default 8)\n"
     "  --seq T              tokens per sequence (default 128)\n"
@@ -64,7 +70,9 @@ static const char *train_help =
     "                       vocabulary walk, one product more, less memory)\n"
     "  --loss-logits-f32    with --fast: that walk keeps the logits in f32 (twice the memory;\n"
     "                       the default bf16 is autocast's head output)\n"
-    "  --no-export          do not write OUT/model at the end\n";
+    "  --no-export          do not write OUT/model at the end (`kiln export OUT` does it later)\n\n"
+    "Ctrl-C (SIGINT) or SIGTERM finishes the current step, writes a checkpoint and exits with\n"
+    "status 130 or 143 (continue with --resume); a second signal exits at once.\n";
 
 typedef struct train_opts {
     const char *model, *config, *tokenizer, *out, *schedule, *storage, *moments;
@@ -75,7 +83,7 @@ typedef struct train_opts {
     int loss_logits_f32; /* --loss-logits-f32 */
     double lr, min_lr, weight_decay, clip, eval_fraction;
     unsigned long long seed;
-    int resume, export_model;
+    int resume, export_model, overwrite;
     int override_hparams; /* --override-hparams: resume with settings other than the checkpoint's */
     int device; /* -1 = CPU, N >= 0 = CUDA device N */
     int fast;   /* --fast: the CUDA backend's fast arithmetic (GPU only) */
@@ -163,6 +171,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
             if (!err) err = cli_parse_device(cmd, v, &o->device);
         } else if (!strcmp(a, "--resume")) o->resume = 1;
         else if (!strcmp(a, "--override-hparams")) o->override_hparams = 1;
+        else if (!strcmp(a, "--overwrite")) o->overwrite = 1;
         else if (!strcmp(a, "--fast")) o->fast = 1;
         else if (!strcmp(a, "--loss-logits-f32")) o->loss_logits_f32 = 1;
         else if (!strcmp(a, "--no-export")) o->export_model = 0;
@@ -193,6 +202,10 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
     }
     if (o->fast && o->device < 0) {
         *code = cli_usage_error(cmd, "--fast is a GPU mode: use it with --device cuda or cuda:N");
+        return 1;
+    }
+    if (o->overwrite && o->resume) {
+        *code = cli_usage_error(cmd, "--overwrite starts a new run, --resume continues one: give one of them");
         return 1;
     }
     if (o->override_hparams && !o->resume) {
@@ -362,8 +375,15 @@ static int run_settings(const train_opts *o, run_setting *v) {
     return n;
 }
 
-/* The run configuration saved with each checkpoint: the settings, the data position, and the
- * history of --override-hparams (a text, newest last). Returns 0, or -1 if cap is too small. */
+/* Whether s can stand in a JSON string as it is (no quote, backslash or control byte). */
+static int json_plain(const char *s) {
+    for (; *s; s++)
+        if (*s == '"' || *s == '\\' || (unsigned char)*s < 0x20) return 0;
+    return 1;
+}
+
+/* The run configuration saved with each checkpoint: the settings, the model's source, the data
+ * position, and the history of --override-hparams (a text, newest last). Returns 0, or -1 if cap is too small. */
 static int run_json_write(const train_opts *o, const char *overridden, char *out, size_t cap) {
     run_setting v[16];
     int n = run_settings(o, v);
@@ -373,6 +393,21 @@ static int run_json_write(const train_opts *o, const char *overridden, char *out
                                 v[i].key, v[i].now);
     if (len < cap && overridden && overridden[0])
         len += (size_t)snprintf(out + len, cap - len, "\"overridden\":\"%s\",", overridden);
+    /* where the weights came from, for `kiln export` (absolute paths; a path JSON would need
+     * escaped is left out, and export then asks for -m) */
+    const char *keys[3] = {"model", "config", "tokenizer"};
+    const char *vals[3] = {o->model, o->config, o->tokenizer};
+    for (int i = 0; i < 3 && len < cap; i++) {
+        char abs[8192], cwd[4096];
+        const char *src = vals[i];
+        if (!src) continue;
+        if (src[0] != '/' && (kiln_path_is_file(src) || kiln_path_is_dir(src)) && getcwd(cwd, sizeof cwd)) {
+            snprintf(abs, sizeof abs, "%s/%s", cwd, src);
+            src = abs;
+        }
+        if (!json_plain(src)) continue;
+        len += (size_t)snprintf(out + len, cap - len, "\"%s\":\"%s\",", keys[i], src);
+    }
     if (len < cap) len += (size_t)snprintf(out + len, cap - len, "\"data_position\":\"step\"}");
     return len < cap ? 0 : -1;
 }
@@ -477,6 +512,82 @@ static kiln_status choose_per_forward(kiln_model *m, train_opts *o, kiln_trainer
     return make_trainer(m, o, tr);
 }
 
+/* SIGINT / SIGTERM: the first is noted and the loop stops after its step (with a
+ * checkpoint); a second exits at once. */
+static volatile sig_atomic_t train_signal;
+
+static void train_on_signal(int sig) {
+    if (train_signal) _exit(128 + sig);
+    train_signal = sig;
+}
+
+/* 1 when dir exists and holds anything. */
+static int dir_has_entries(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    struct dirent *de;
+    int any = 0;
+    while (!any && (de = readdir(d)))
+        any = strcmp(de->d_name, ".") && strcmp(de->d_name, "..");
+    closedir(d);
+    return any;
+}
+
+/* Remove path and, when it is a folder, everything under it (depth left: levels it may go
+ * down; a checkpoints folder holds step-<k>/ folders of plain files). 0, or -1 with errno. */
+static int remove_tree(const char *path, int depth) {
+    struct stat sb;
+    if (lstat(path, &sb) != 0) return errno == ENOENT ? 0 : -1;
+    if (S_ISDIR(sb.st_mode)) {
+        if (depth <= 0) {
+            errno = ENOTEMPTY;
+            return -1;
+        }
+        DIR *d = opendir(path);
+        if (!d) return -1;
+        struct dirent *de;
+        int rc = 0;
+        while (rc == 0 && (de = readdir(d))) {
+            if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+            size_t n = strlen(path) + strlen(de->d_name) + 2;
+            char *sub = malloc(n);
+            if (!sub) {
+                rc = -1;
+                break;
+            }
+            snprintf(sub, n, "%s/%s", path, de->d_name);
+            rc = remove_tree(sub, depth - 1);
+            free(sub);
+        }
+        closedir(d);
+        return rc == 0 ? rmdir(path) : rc;
+    }
+    return unlink(path);
+}
+
+/* --out: refuse a used folder unless --resume or --overwrite; --overwrite deletes the old
+ * checkpoints (metrics.csv, loss.png and OUT/model are written anew by the run). */
+static int prepare_out(const train_opts *o) {
+    if (!o->resume && dir_has_entries(o->out)) {
+        if (!o->overwrite) {
+            fprintf(stderr, "kiln train: the output folder '%s' is not empty: pass --resume to continue the run in it, "
+                            "or --overwrite to start a new one there (deleting its checkpoints)\n", o->out);
+            return 2;
+        }
+        char p[4096];
+        snprintf(p, sizeof p, "%s/checkpoints", o->out);
+        if (remove_tree(p, 3) != 0) {
+            fprintf(stderr, "kiln train: --overwrite: cannot remove '%s': %s\n", p, strerror(errno));
+            return 1;
+        }
+    }
+    if (mkdir(o->out, 0755) != 0 && !kiln_path_is_dir(o->out)) {
+        fprintf(stderr, "kiln train: cannot create output folder '%s': %s\n", o->out, strerror(errno));
+        return 1;
+    }
+    return 0;
+}
+
 int cmd_train(int argc, char **argv) {
     train_opts o;
     int code = 0;
@@ -491,10 +602,14 @@ int cmd_train(int argc, char **argv) {
     char path[4096], png[4096], ckdir[4096];
     kiln_status st;
 
-    if (mkdir(o.out, 0755) != 0 && !kiln_path_is_dir(o.out)) {
-        fprintf(stderr, "kiln train: cannot create output folder '%s'\n", o.out);
-        return 1;
-    }
+    if ((rc = prepare_out(&o))) return rc;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = train_on_signal;
+    sa.sa_flags = SA_RESTART; /* a checkpoint's writes are not cut short */
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
     snprintf(ckdir, sizeof ckdir, "%s/checkpoints", o.out);
     st = o.model ? kiln_model_open(o.model, NULL, &m) : kiln_model_create(o.config, o.tokenizer, o.seed, &m);
     if (st != KILN_OK) return cli_fail("train", o.model ? o.model : o.config, st);
@@ -620,7 +735,7 @@ int cmd_train(int argc, char **argv) {
         rc = cli_fail("train", path, st);
         goto out;
     }
-    char run_json[8192];
+    char run_json[16384];
     if (run_json_write(&o, overridden, run_json, sizeof run_json) != 0) {
         fprintf(stderr, "kiln train: the run configuration does not fit %zu bytes\n", sizeof run_json);
         rc = 1;
@@ -713,13 +828,21 @@ int cmd_train(int argc, char **argv) {
             fprintf(stderr, "step %ld/%ld loss %.4f%s lr %.3e grad_norm %.3f %.0f tok/s ETA %s\n", s + 1, o.steps, loss, ev,
                     lr, gnorm, tps, eta);
         }
-        if ((o.save_every && (s + 1) % o.save_every == 0) || last || stop_now) {
+        const int sig = train_signal; /* read once: the step and its checkpoint agree */
+        if ((o.save_every && (s + 1) % o.save_every == 0) || last || stop_now || sig) {
             st = kiln_train_save(tr, ckdir, (uint64_t)(s + 1), run_json, (int)o.keep_last);
             if (st != KILN_OK) {
                 if (tty) fputc('\n', stderr);
                 rc = cli_fail("train", "checkpoint", st);
                 break;
             }
+        }
+        if (sig) {
+            if (tty) fputc('\n', stderr);
+            fprintf(stderr, "[kiln train] %s: stopped after step %ld; checkpoint: %s/step-%ld; continue with the same "
+                            "command and --resume\n", sig == SIGINT ? "SIGINT" : "SIGTERM", s + 1, ckdir, s + 1);
+            rc = 128 + sig;
+            break;
         }
         if (stop_now) {
             if (tty) fputc('\n', stderr);

@@ -14,9 +14,26 @@ static void usage(FILE *f) {
             "  detokenize  token ids to text\n"
             "  info        architecture, parameters, tensors, tokenizer, template\n"
             "  data        text files to a token shard for training\n"
-            "  train       train or fine-tune a model on the CPU or a CUDA GPU\n\n"
-            "MODEL is a .gguf file or a Hugging Face folder. 'kiln <command> --help' for options.\n",
+            "  train       train or fine-tune a model on the CPU or a CUDA GPU\n"
+            "  export      a training checkpoint to a Hugging Face folder\n\n"
+            "MODEL is a .gguf file or a Hugging Face folder. 'kiln help <command>' or\n"
+            "'kiln <command> --help' for its options.\n",
             kiln_version());
+}
+
+/* Run subcommand cmd with its own argv (argv[0] is cmd). */
+static int run_command(const char *cmd, int argc, char **argv) {
+    if (!strcmp(cmd, "generate")) return cmd_generate(argc, argv);
+    if (!strcmp(cmd, "chat")) return cmd_chat(argc, argv);
+    if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc, argv);
+    if (!strcmp(cmd, "detokenize")) return cmd_detokenize(argc, argv);
+    if (!strcmp(cmd, "info")) return cmd_info(argc, argv);
+    if (!strcmp(cmd, "data")) return cmd_data(argc, argv);
+    if (!strcmp(cmd, "train")) return cmd_train(argc, argv);
+    if (!strcmp(cmd, "export")) return cmd_export(argc, argv);
+    fprintf(stderr, "kiln: unknown command '%s'\n\n", cmd);
+    usage(stderr);
+    return 2;
 }
 
 int main(int argc, char **argv) {
@@ -25,6 +42,11 @@ int main(int argc, char **argv) {
         return 2;
     }
     const char *cmd = argv[1];
+    if (!strcmp(cmd, "help") && argc > 2) { /* kiln help CMD: CMD's own help */
+        static char help_flag[] = "--help";
+        char *args[] = {argv[2], help_flag, NULL};
+        if (strcmp(argv[2], "help") != 0) return run_command(argv[2], 2, args);
+    }
     if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
         usage(stdout);
         return 0;
@@ -33,14 +55,5 @@ int main(int argc, char **argv) {
         printf("kiln %s\n", kiln_version());
         return 0;
     }
-    if (!strcmp(cmd, "generate")) return cmd_generate(argc - 1, argv + 1);
-    if (!strcmp(cmd, "chat")) return cmd_chat(argc - 1, argv + 1);
-    if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc - 1, argv + 1);
-    if (!strcmp(cmd, "detokenize")) return cmd_detokenize(argc - 1, argv + 1);
-    if (!strcmp(cmd, "info")) return cmd_info(argc - 1, argv + 1);
-    if (!strcmp(cmd, "data")) return cmd_data(argc - 1, argv + 1);
-    if (!strcmp(cmd, "train")) return cmd_train(argc - 1, argv + 1);
-    fprintf(stderr, "kiln: unknown command '%s'\n\n", cmd);
-    usage(stderr);
-    return 2;
+    return run_command(cmd, argc - 1, argv + 1);
 }

@@ -95,7 +95,7 @@ def test_fifo_metrics_csv(build_dir, tiny, tmp_path):
     out.mkdir()
     fifo(out / "metrics.csv")
     args = ["train", "-m", tiny, "--data", shard, "--out", out, "--steps", "1", "--batch", "1", "--seq", "8",
-            "--threads", "1"]
+            "--threads", "1", "--overwrite"]  # a used --out needs --overwrite (or --resume)
     r = run(build_dir, *args)
     assert r.returncode != 0 and "metrics.csv" in r.stderr and "FIFO" in r.stderr, r.stderr
 
