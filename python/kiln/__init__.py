@@ -270,7 +270,9 @@ class Tokenizer(_Handle):
             _handle = h
         self._h = _handle
 
-    def encode(self, text, add_special=True, parse_special=True):
+    def encode(self, text: Union[str, bytes], add_special: bool = True,
+               parse_special: bool = True) -> List[int]:
+        """Token ids of text (str, or UTF-8 bytes); see Model.tokenize."""
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         n = C.c_size_t(0)
         st = self._lib.kiln_tokenize(self._h, data, len(data), int(add_special),
@@ -282,7 +284,8 @@ class Tokenizer(_Handle):
                                        int(parse_special), buf, n.value, C.byref(n)))
         return list(buf[: n.value])
 
-    def decode_bytes(self, ids, render_special=False):
+    def decode_bytes(self, ids: Sequence[int], render_special: bool = False) -> bytes:
+        """The bytes ids stand for (kiln_detokenize)."""
         arr = (C.c_int32 * max(len(ids), 1))(*ids)
         n = C.c_size_t(0)
         st = self._lib.kiln_detokenize(self._h, arr, len(ids), int(render_special), None, 0,
@@ -294,7 +297,8 @@ class Tokenizer(_Handle):
                                          n.value + 1, C.byref(n)))
         return buf.raw[: n.value]
 
-    def decode(self, ids, render_special=False):
+    def decode(self, ids: Sequence[int], render_special: bool = False) -> str:
+        """Text of ids; bytes that are not UTF-8 become U+FFFD (decode_bytes keeps them)."""
         return self.decode_bytes(ids, render_special).decode("utf-8", "replace")
 
     def piece(self, i):
@@ -496,6 +500,10 @@ class Model(_Handle):
 
 
 class Context(_Handle):
+    """An inference context on a Model: its KV cache (n_ctx tokens; 0 = the model's training
+    context, at most 8192) and scratch, for decode (logits) and generate (ids in, ids and text
+    out). Usable as a context manager; must not outlive its model."""
+
     _free = "kiln_context_free"
 
     def __init__(self, model, n_ctx=0, n_batch=512, n_threads=0, device=-1, fast=False, n_seq=1):
@@ -512,10 +520,12 @@ class Context(_Handle):
         self._h = h
 
     @property
-    def n_past(self):
+    def n_past(self) -> int:
+        """Tokens the cache holds (sequence 0)."""
         return self._lib.kiln_context_n_past(self._h)
 
-    def truncate(self, n_past=0):
+    def truncate(self, n_past: int = 0) -> None:
+        """Keep the first n_past cached tokens, drop the rest."""
         _check(self._lib.kiln_context_truncate(self._h, n_past))
 
     def decode(self, ids, all_logits=False):
