@@ -1,11 +1,24 @@
 """kiln: Python binding (ctypes) over libkiln.
 
-The library is found through $KILN_LIB (a path to libkiln.so), else $KILN_BUILD_DIR/libkiln.so,
-else <repo>/build/libkiln.so. Every failing call raises KilnError with kiln's own message.
+    import kiln
+    with kiln.Model("model.gguf") as m:
+        print(m.generate("The capital of France is", max_tokens=16))
+        for piece in m.stream("Once upon a time", max_tokens=32):
+            print(piece, end="", flush=True)
+        print(m.chat([{"role": "user", "content": "Hi!"}], max_tokens=32))
+
+The library is found through $KILN_LIB (a path to libkiln.so: an explicit override), else
+libkiln.so inside this package (what `pip install ./python` puts there), else
+$KILN_BUILD_DIR/libkiln.so, else <repo>/build/libkiln.so. Every failing call raises KilnError
+with kiln's own message.
 """
+import codecs
 import ctypes as C
 import os
+import queue
+import threading
 from pathlib import Path
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 __all__ = ["KilnError", "Model", "Context", "Tokenizer", "Trainer", "LinearCrossEntropy",
            "load_library"]
@@ -20,9 +33,16 @@ class KilnError(RuntimeError):
         self.message = message
 
 
-def _find_library():
+def _find_library() -> str:
+    """The libkiln.so to load: $KILN_LIB, the package's own copy, $KILN_BUILD_DIR, <repo>/build.
+    KILN_LIB names one file, so it wins even over an installed package's library (a test of a
+    sanitizer build, say); KILN_BUILD_DIR only says where a checkout's build is, and an
+    installed package's own library comes before it."""
     if os.environ.get("KILN_LIB"):
         return os.environ["KILN_LIB"]
+    bundled = Path(__file__).resolve().parent / "libkiln.so"
+    if bundled.exists():
+        return str(bundled)
     build = os.environ.get("KILN_BUILD_DIR") or str(Path(__file__).resolve().parents[2] / "build")
     return os.path.join(build, "libkiln.so")
 
@@ -53,10 +73,16 @@ class _GenerateParams(C.Structure):
 
 
 class _GenerateResult(C.Structure):
-    _fields_ = [("ids", C.POINTER(C.c_int32)), ("n_ids", C.c_size_t), ("text", C.c_char_p),
+    # text is a void pointer, read with string_at(text, text_len): generated text may hold NUL
+    # bytes (a token can stand for "\x00"), where a c_char_p would end the copy early.
+    _fields_ = [("ids", C.POINTER(C.c_int32)), ("n_ids", C.c_size_t), ("text", C.c_void_p),
                 ("text_len", C.c_size_t), ("stop_reason", C.c_char_p),
                 ("prefill_seconds", C.c_double), ("decode_seconds", C.c_double),
                 ("n_prompt", C.c_int), ("n_prompt_cached", C.c_int)]
+
+
+class _ChatMessage(C.Structure):
+    _fields_ = [("role", C.c_char_p), ("content", C.c_char_p)]
 
 
 class _ModelInfo(C.Structure):
@@ -124,6 +150,8 @@ def load_library(path=None):
         "kiln_detokenize": (C.c_int, [P, C.POINTER(C.c_int32), C.c_size_t, C.c_int, C.c_char_p,
                                       C.c_size_t, C.POINTER(C.c_size_t)]),
         "kiln_token_piece": (C.c_char_p, [P, C.c_int32]),
+        "kiln_chat_apply": (C.c_int, [P, C.POINTER(_ChatMessage), C.c_size_t, C.c_int,
+                                      C.c_char_p, C.c_size_t, C.POINTER(C.c_size_t)]),
         "kiln_context_default_params": (_ContextParams, []),
         "kiln_context_create": (C.c_int, [P, C.POINTER(_ContextParams), C.POINTER(P)]),
         "kiln_context_free": (None, [P]),
@@ -207,10 +235,18 @@ class _Handle:
     def _owns(self):
         return True
 
-    def close(self):
+    def close(self) -> None:
+        """Free the handle now (idempotent)."""
         if self._h and self._owns():
             getattr(self._lib, self._free)(self._h)
         self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
 
     def __del__(self):
         try:
@@ -234,7 +270,9 @@ class Tokenizer(_Handle):
             _handle = h
         self._h = _handle
 
-    def encode(self, text, add_special=True, parse_special=True):
+    def encode(self, text: Union[str, bytes], add_special: bool = True,
+               parse_special: bool = True) -> List[int]:
+        """Token ids of text (str, or UTF-8 bytes); see Model.tokenize."""
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         n = C.c_size_t(0)
         st = self._lib.kiln_tokenize(self._h, data, len(data), int(add_special),
@@ -246,7 +284,8 @@ class Tokenizer(_Handle):
                                        int(parse_special), buf, n.value, C.byref(n)))
         return list(buf[: n.value])
 
-    def decode_bytes(self, ids, render_special=False):
+    def decode_bytes(self, ids: Sequence[int], render_special: bool = False) -> bytes:
+        """The bytes ids stand for (kiln_detokenize)."""
         arr = (C.c_int32 * max(len(ids), 1))(*ids)
         n = C.c_size_t(0)
         st = self._lib.kiln_detokenize(self._h, arr, len(ids), int(render_special), None, 0,
@@ -258,7 +297,8 @@ class Tokenizer(_Handle):
                                          n.value + 1, C.byref(n)))
         return buf.raw[: n.value]
 
-    def decode(self, ids, render_special=False):
+    def decode(self, ids: Sequence[int], render_special: bool = False) -> str:
+        """Text of ids; bytes that are not UTF-8 become U+FFFD (decode_bytes keeps them)."""
         return self.decode_bytes(ids, render_special).decode("utf-8", "replace")
 
     def piece(self, i):
@@ -269,11 +309,27 @@ class Tokenizer(_Handle):
         return self._owned  # a model's tokenizer is freed with the model
 
 
+Message = Union[Dict[str, str], Tuple[str, str]]
+
+_STREAM_DONE = object()
+
+
 class Model(_Handle):
+    """A model opened from a GGUF file or a Hugging Face folder (kiln_model_open).
+
+    The Pythonic calls (generate, stream, chat) share one inference context that the model
+    makes on first use (n_ctx tokens; 0 = the model's training context, at most 8192) and
+    frees with the model; kiln_generate reuses its cache for the prefix a new prompt shares
+    with the last one, so a chat that re-sends its history is cheap. A Model is not thread
+    safe: use one per thread (or a Context of your own per thread)."""
+
     _free = "kiln_model_close"
 
-    def __init__(self, path, n_threads=0, f32=False, use_mmap=True):
+    def __init__(self, path, n_threads=0, f32=False, use_mmap=True, n_ctx=0):
         self._lib = load_library()
+        self._ctx = None        # the shared context of generate/stream/chat, made on first use
+        self._ctx_busy = False  # a stream still holds it: another call gets a context of its own
+        self._n_ctx, self._n_threads = n_ctx, n_threads
         p = self._lib.kiln_model_default_params()
         p.n_threads = n_threads
         p.weight_mode = 1 if f32 else 0
@@ -283,13 +339,171 @@ class Model(_Handle):
         self._h = h
         info = _ModelInfo()
         _check(self._lib.kiln_model_get_info(self._h, C.byref(info)))
-        self.info = {k: getattr(info, k) for k, _ in _ModelInfo._fields_}
+        # the C strings (architecture, name) as str; NULL as None
+        self.info = {k: (v.decode("utf-8", "replace") if isinstance(v, bytes) else v)
+                     for k, v in ((k, getattr(info, k)) for k, _ in _ModelInfo._fields_)}
         self.n_vocab = info.n_vocab
         self.tokenizer = Tokenizer(_handle=self._lib.kiln_model_get_tokenizer(self._h), _owner=self)
 
+    def close(self) -> None:
+        """Free the shared context, then the model. Contexts and Trainers made on this model
+        must not be used afterwards."""
+        if self._ctx is not None:
+            self._ctx.close()
+            self._ctx = None
+        super().close()
+
+    # ---- tokens ---------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> List[int]:
+        """Token ids of text. add_special adds BOS/EOS as the model's tokenizer does;
+        parse_special makes special-token strings (e.g. "<|im_start|>") their ids."""
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: Sequence[int], render_special: bool = False) -> str:
+        """Text of ids (special tokens left out unless render_special)."""
+        return self.tokenizer.decode(list(ids), render_special=render_special)
+
+    def apply_chat_template(self, messages: Iterable[Message],
+                            add_generation_prompt: bool = True) -> str:
+        """The prompt text of messages ({"role", "content"} dicts or (role, content) pairs)
+        in the model's chat template (kiln_chat_apply: chatml, llama3 or gemma; KilnError
+        for a template kiln does not know)."""
+        msgs = [(m["role"], m["content"]) if isinstance(m, dict) else tuple(m) for m in messages]
+        arr = (_ChatMessage * max(len(msgs), 1))(
+            *[_ChatMessage(r.encode("utf-8"), c.encode("utf-8")) for r, c in msgs])
+        tok = self.tokenizer._h
+        n = C.c_size_t(0)
+        st = self._lib.kiln_chat_apply(tok, arr, len(msgs), int(add_generation_prompt), None, 0,
+                                       C.byref(n))
+        if st not in (0, 9):
+            _check(st)
+        buf = C.create_string_buffer(n.value + 1)
+        _check(self._lib.kiln_chat_apply(tok, arr, len(msgs), int(add_generation_prompt), buf,
+                                         n.value + 1, C.byref(n)))
+        return buf.raw[: n.value].decode("utf-8", "replace")
+
+    # ---- generation -----------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: Union[str, Sequence[int]], add_special: bool = True) -> List[int]:
+        return self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
+
+    def _acquire_context(self) -> "Context":
+        """The shared context, or a new one (freed by _release_context) while a stream holds it."""
+        if self._ctx_busy:
+            return Context(self, n_ctx=self._n_ctx, n_threads=self._n_threads)
+        if self._ctx is None:
+            self._ctx = Context(self, n_ctx=self._n_ctx, n_threads=self._n_threads)
+        self._ctx_busy = True
+        return self._ctx
+
+    def _release_context(self, ctx: "Context") -> None:
+        if ctx is self._ctx:
+            self._ctx_busy = False
+        else:
+            ctx.close()
+
+    def generate(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                 stop: Optional[Sequence[str]] = None, min_p: float = 0.0,
+                 repeat_penalty: float = 1.0, ignore_eos: bool = False,
+                 add_special: bool = True) -> str:
+        """Generate a continuation of prompt (text, tokenized with the model's tokenizer, or
+        token ids) and return its text: at most max_tokens tokens, ending at an
+        end-of-generation token (unless ignore_eos) or before the first of the stop strings.
+        temperature <= 0 is greedy (the default); top_k <= 0 and top_p >= 1 are off; seed
+        makes sampling reproducible. Context.generate gives the ids and stop reason too."""
+        ids = self._prompt_ids(prompt, add_special)
+        ctx = self._acquire_context()
+        try:
+            return ctx._generate(ids, None, max_tokens=max_tokens, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, min_p=min_p,
+                                 repeat_penalty=repeat_penalty, seed=seed, stop=stop,
+                                 ignore_eos=ignore_eos)["text"]
+        finally:
+            self._release_context(ctx)
+
+    def stream(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+               stop: Optional[Sequence[str]] = None, min_p: float = 0.0,
+               repeat_penalty: float = 1.0, ignore_eos: bool = False,
+               add_special: bool = True) -> Iterator[str]:
+        """As generate, but yields the text as it is generated, in pieces whose concatenation
+        is generate's text (text that could still become a stop string is held back until it
+        cannot). kiln_generate runs in a worker thread and hands each token's text over from
+        its on_token callback; leaving the loop early (break, close(), an exception) stops the
+        generation at the next token."""
+        ids = self._prompt_ids(prompt, add_special)
+        kw = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                  min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop,
+                  ignore_eos=ignore_eos)
+        return self._stream(ids, kw)
+
+    def _stream(self, ids: List[int], kw: dict) -> Iterator[str]:
+        pieces: "queue.Queue" = queue.Queue()
+        cancel = threading.Event()
+
+        def on_token(token_id, text, n, user):
+            if n:
+                pieces.put(C.string_at(text, n))
+            return 1 if cancel.is_set() else 0
+
+        callback = _TokenCallback(on_token)  # kept alive until the worker is joined
+        ctx = self._acquire_context()
+
+        def work():
+            try:
+                ctx._generate(ids, callback, **kw)  # KilnError raised here, in this thread,
+                pieces.put(_STREAM_DONE)            # reads this thread's kiln_last_error
+            except BaseException as e:  # handed to the consumer
+                pieces.put(e)
+
+        worker = threading.Thread(target=work, name="kiln-stream", daemon=True)
+        worker.start()
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        try:
+            while True:
+                item = pieces.get()
+                if item is _STREAM_DONE:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                text = utf8.decode(item)
+                if text:
+                    yield text
+            tail = utf8.decode(b"", final=True)
+            if tail:
+                yield tail
+        finally:
+            cancel.set()
+            worker.join()
+            self._release_context(ctx)
+
+    def chat(self, messages: Iterable[Message], max_tokens: int = 128, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+             stop: Optional[Sequence[str]] = None, **kw) -> str:
+        """The assistant's reply to messages ({"role": "system"|"user"|"assistant", "content"}
+        dicts or (role, content) pairs), prompted through the model's chat template with the
+        generation prompt and tokenized as Hugging Face's apply_chat_template does (special
+        tokens parsed, none added). Other keywords as generate."""
+        ids = self.tokenize(self.apply_chat_template(messages), add_special=False)
+        return self.generate(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                             top_k=top_k, seed=seed, stop=stop, **kw)
+
+    def chat_stream(self, messages: Iterable[Message], max_tokens: int = 128,
+                    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                    stop: Optional[Sequence[str]] = None, **kw) -> Iterator[str]:
+        """chat, streamed as stream does."""
+        ids = self.tokenize(self.apply_chat_template(messages), add_special=False)
+        return self.stream(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                           top_k=top_k, seed=seed, stop=stop, **kw)
 
 
 class Context(_Handle):
+    """An inference context on a Model: its KV cache (n_ctx tokens; 0 = the model's training
+    context, at most 8192) and scratch, for decode (logits) and generate (ids in, ids and text
+    out). Usable as a context manager; must not outlive its model."""
+
     _free = "kiln_context_free"
 
     def __init__(self, model, n_ctx=0, n_batch=512, n_threads=0, device=-1, fast=False, n_seq=1):
@@ -306,10 +520,12 @@ class Context(_Handle):
         self._h = h
 
     @property
-    def n_past(self):
+    def n_past(self) -> int:
+        """Tokens the cache holds (sequence 0)."""
         return self._lib.kiln_context_n_past(self._h)
 
-    def truncate(self, n_past=0):
+    def truncate(self, n_past: int = 0) -> None:
+        """Keep the first n_past cached tokens, drop the rest."""
         _check(self._lib.kiln_context_truncate(self._h, n_past))
 
     def decode(self, ids, all_logits=False):
@@ -346,8 +562,21 @@ class Context(_Handle):
     def seq_n_past(self, seq):
         return self._lib.kiln_context_seq_n_past(self._h, seq)
 
-    def generate(self, prompt_ids, max_tokens=32, temperature=0.0, top_k=0, top_p=1.0,
-                 min_p=0.0, repeat_penalty=1.0, seed=0, stop=None, ignore_eos=False):
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int = 32, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 repeat_penalty: float = 1.0, seed: int = 0, stop: Optional[Sequence[str]] = None,
+                 ignore_eos: bool = False) -> dict:
+        """Prefill prompt_ids and generate (kiln_generate; the cache is reused for the prefix
+        the prompt shares with what this context holds). temperature <= 0 is greedy. Returns
+        {"ids", "text", "stop_reason", "n_prompt_cached"}; text has a stop string removed."""
+        return self._generate(prompt_ids, None, max_tokens=max_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, min_p=min_p,
+                              repeat_penalty=repeat_penalty, seed=seed, stop=stop,
+                              ignore_eos=ignore_eos)
+
+    def _generate(self, prompt_ids, on_token, max_tokens=32, temperature=0.0, top_k=0, top_p=1.0,
+                  min_p=0.0, repeat_penalty=1.0, seed=0, stop=None, ignore_eos=False):
+        """generate, with on_token (a _TokenCallback, kept alive by the caller) or None."""
         gp = self._lib.kiln_generate_default_params()
         gp.max_tokens = max_tokens
         gp.sampler.temperature = temperature
@@ -361,7 +590,9 @@ class Context(_Handle):
         if stop:
             keep = (C.c_char_p * (len(stop) + 1))(*[s.encode() for s in stop], None)
             gp.stop_strings = keep
-        arr = (C.c_int32 * len(prompt_ids))(*prompt_ids)
+        if on_token is not None:
+            gp.on_token = on_token
+        arr = (C.c_int32 * max(len(prompt_ids), 1))(*prompt_ids)
         res = _GenerateResult()
         _check(self._lib.kiln_generate(self._h, arr, len(prompt_ids), C.byref(gp), C.byref(res)))
         try:

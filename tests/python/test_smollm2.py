@@ -54,7 +54,7 @@ def hf_greedy(model, ids, n):
 
 def test_info(kiln_model):
     info = kiln_model.info
-    assert info["architecture"] == b"llama"
+    assert info["architecture"] == "llama"
     assert (info["n_layer"], info["n_embd"], info["n_head"], info["n_head_kv"], info["n_vocab"]) == (30, 576, 9, 3, 49152)
     assert 134e6 < info["n_params"] < 136e6
 
