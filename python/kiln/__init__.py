@@ -226,20 +226,58 @@ def mem_stats():
     return s
 
 
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+
+
+def _int(name, v, lo=_INT32[0], hi=_INT32[1]):
+    """v as an int headed for C, refused (naming the argument) unless it is an integer (not a
+    bool, not a float) in [lo, hi]: ctypes would wrap 2**32 + 5 to 5 silently."""
+    import numbers
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer, got {type(v).__name__} {v!r}")
+    v = int(v)
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} = {v} is out of range [{lo}, {hi}]")
+    return v
+
+
+def _seed(v):
+    return _int("seed", v, 0, (1 << 64) - 1)
+
+
 class _Handle:
     """An owned kiln handle: close() frees it once through _free (a library function name);
-    garbage collection closes it too."""
+    garbage collection closes it too. Handles cannot be copied or pickled (each owns C memory
+    that a copy would free twice); a closed handle refuses further use."""
     _free = None
     _h = None
 
     def _owns(self):
         return True
 
+    def __copy__(self):
+        raise TypeError(f"a kiln.{type(self).__name__} cannot be copied (it owns C memory)")
+
+    def __deepcopy__(self, memo):
+        raise TypeError(f"a kiln.{type(self).__name__} cannot be copied (it owns C memory)")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"a kiln.{type(self).__name__} cannot be pickled (it owns C memory)")
+
+    def _live(self):
+        """The C handle, or KilnError when the handle was closed."""
+        if not self._h:
+            raise KilnError(-1, f"kiln.{type(self).__name__}: used after close()")
+        return self._h
+
     def close(self) -> None:
         """Free the handle now (idempotent)."""
         if self._h and self._owns():
             getattr(self._lib, self._free)(self._h)
         self._h = None
+        parent = getattr(self, "model", None)
+        if isinstance(parent, Model):
+            parent._user_closed(self)
 
     def __enter__(self):
         return self
@@ -326,9 +364,13 @@ class Model(_Handle):
     _free = "kiln_model_close"
 
     def __init__(self, path, n_threads=0, f32=False, use_mmap=True, n_ctx=0):
+        import weakref
         self._lib = load_library()
         self._ctx = None        # the shared context of generate/stream/chat, made on first use
         self._ctx_busy = False  # a stream still holds it: another call gets a context of its own
+        self._users = weakref.WeakSet()  # open Contexts and Trainers on this model
+        self._close_pending = False
+        n_ctx, n_threads = _int("n_ctx", n_ctx, 0), _int("n_threads", n_threads, 0, 256)
         self._n_ctx, self._n_threads = n_ctx, n_threads
         p = self._lib.kiln_model_default_params()
         p.n_threads = n_threads
@@ -346,12 +388,26 @@ class Model(_Handle):
         self.tokenizer = Tokenizer(_handle=self._lib.kiln_model_get_tokenizer(self._h), _owner=self)
 
     def close(self) -> None:
-        """Free the shared context, then the model. Contexts and Trainers made on this model
-        must not be used afterwards."""
+        """Free the shared context, then the model. While Contexts or Trainers made on this
+        model are open, the model is freed when the last of them closes (never under them)."""
         if self._ctx is not None:
             self._ctx.close()
             self._ctx = None
+        if any(u._h for u in list(self._users)):
+            self._close_pending = True
+            return
         super().close()
+
+    def _user_opened(self, user):
+        if not self._h:
+            raise KilnError(-1, "kiln.Model: used after close()")
+        self._users.add(user)
+
+    def _user_closed(self, user):
+        self._users.discard(user)
+        if self._close_pending and not any(u._h for u in list(self._users)):
+            self._close_pending = False
+            _Handle.close(self)
 
     # ---- tokens ---------------------------------------------------------------------------
 
@@ -510,11 +566,13 @@ class Context(_Handle):
         """device: -1 = CPU, N >= 0 = CUDA device N (bit-identical to the CPU unless fast).
         fast: the backend's fast arithmetic (CPU: 8-bit activations; CUDA: bf16 tensor cores)."""
         self._lib = load_library()
-        self.model = model
         p = self._lib.kiln_context_default_params()
-        p.n_ctx, p.n_batch, p.n_threads, p.device = n_ctx, n_batch, n_threads, device
+        p.n_ctx, p.n_batch = _int("n_ctx", n_ctx, 0), _int("n_batch", n_batch, 0)
+        p.n_threads, p.device = _int("n_threads", n_threads, 0, 256), _int("device", device)
         p.fast = 1 if fast else 0
-        p.n_seq = n_seq
+        p.n_seq = _int("n_seq", n_seq, 0)
+        model._user_opened(self)
+        self.model = model
         h = C.c_void_p()
         _check(self._lib.kiln_context_create(model._h, C.byref(p), C.byref(h)))
         self._h = h
@@ -526,7 +584,7 @@ class Context(_Handle):
 
     def truncate(self, n_past: int = 0) -> None:
         """Keep the first n_past cached tokens, drop the rest."""
-        _check(self._lib.kiln_context_truncate(self._h, n_past))
+        _check(self._lib.kiln_context_truncate(self._live(), _int("n_past", n_past, 0)))
 
     def decode(self, ids, all_logits=False):
         """Append ids to the cache; returns logits as a list of rows (all_logits) or one row."""
@@ -577,14 +635,15 @@ class Context(_Handle):
     def _generate(self, prompt_ids, on_token, max_tokens=32, temperature=0.0, top_k=0, top_p=1.0,
                   min_p=0.0, repeat_penalty=1.0, seed=0, stop=None, ignore_eos=False):
         """generate, with on_token (a _TokenCallback, kept alive by the caller) or None."""
+        self._live()
         gp = self._lib.kiln_generate_default_params()
-        gp.max_tokens = max_tokens
+        gp.max_tokens = _int("max_tokens", max_tokens, 0)
         gp.sampler.temperature = temperature
-        gp.sampler.top_k = top_k
+        gp.sampler.top_k = _int("top_k", top_k)
         gp.sampler.top_p = top_p
         gp.sampler.min_p = min_p
         gp.sampler.repeat_penalty = repeat_penalty
-        gp.sampler.seed = seed
+        gp.sampler.seed = _seed(seed)
         gp.ignore_eos = int(ignore_eos)
         keep = None
         if stop:
@@ -632,7 +691,7 @@ class Trainer(_Handle):
             if device.startswith("cuda:") and device[5:].isdigit():
                 return int(device[5:])
             raise ValueError(f"device {device!r}: expected -1, N >= 0, 'cpu', 'cuda' or 'cuda:N'")
-        return int(device)
+        return _int("device", device)
 
     def __init__(self, model, max_seq=256, n_threads=0, ce_chunk=0, lr=1e-3, betas=(0.9, 0.999),
                  eps=1e-8, weight_decay=0.01, storage="f32", moments="f32", seed=0, device=-1,
@@ -648,19 +707,21 @@ class Trainer(_Handle):
         forward_batch + backward). ce_logits_f32: that walk keeps each block's logits in f32
         (default False: bf16, as autocast's head output; half the loss's scratch)."""
         self._lib = load_library()
-        self.model = model
         p = self._lib.kiln_train_default_params()
-        p.max_seq, p.n_threads, p.ce_chunk = max_seq, n_threads, ce_chunk
+        p.max_seq, p.n_threads = _int("max_seq", max_seq, 1), _int("n_threads", n_threads, 0, 256)
+        p.ce_chunk = _int("ce_chunk", ce_chunk)
         p.lr, p.beta1, p.beta2, p.eps, p.weight_decay = lr, betas[0], betas[1], eps, weight_decay
-        p.weight_storage, p.moment_storage, p.seed = STORAGE[storage], MOMENTS[moments], seed
-        p.device = self._device_index(device)
+        p.weight_storage, p.moment_storage, p.seed = STORAGE[storage], MOMENTS[moments], _seed(seed)
+        p.device = _int("device", self._device_index(device))
         p.fast = 1 if fast else 0
-        p.max_batch = max_batch  # sequences one forward_batch takes
+        p.max_batch = _int("max_batch", max_batch, 1)  # sequences one forward_batch takes
         if ce_keep_mib is not None:
-            p.ce_keep_mib = ce_keep_mib
+            p.ce_keep_mib = _int("ce_keep_mib", ce_keep_mib)
         if ce_row_block is not None:
-            p.ce_row_block = ce_row_block
+            p.ce_row_block = _int("ce_row_block", ce_row_block)
         p.ce_logits_f32 = 1 if ce_logits_f32 else 0
+        model._user_opened(self)
+        self.model = model
         h = C.c_void_p()
         _check(self._lib.kiln_trainer_create(model._h, C.byref(p), C.byref(h)))
         self._h = h
