@@ -348,21 +348,6 @@ static void gemma3_train_forward(kiln_train_io *io, int n_seq, int seq) {
     io->be->i->rmsnorm(io->be, io->xn, t->x_final, t->nm.refs[G3_NORM].vec, R.T, c->n_embd, c->rms_eps);
 }
 
-/* dx = dy0 @ W0 + dy1 @ W1 (+ dy2 @ W2), each weight's gradient accumulated. */
-static void g3_products_backward(kiln_backend *be, int n, float *dx, float *const *dy, const float *x,
-                                 const kiln_wref *const *W, int T) {
-    const kiln_backend_i *op = be->i;
-    if (op->matmul_backward_multi) {
-        const kiln_tensor *wv[3];
-        float *dw[3], *db[3] = {NULL, NULL, NULL};
-        const float *dys[3];
-        for (int i = 0; i < n; i++) wv[i] = W[i]->mat, dw[i] = W[i]->grad, dys[i] = dy[i];
-        op->matmul_backward_multi(be, n, dx, dw, db, dys, x, wv, T, false);
-        return;
-    }
-    for (int i = 0; i < n; i++) op->matmul_backward(be, dx, W[i]->grad, NULL, dy[i], x, W[i]->mat, T, i > 0);
-}
-
 /* From d loss / d xn (io->dxn) to d loss / d embedding rows (io->dx), every gradient added. */
 static void gemma3_train_backward(kiln_train_io *io, int n_seq, int seq) {
     g3_train *t = io->priv;
@@ -387,7 +372,7 @@ static void gemma3_train_backward(kiln_train_io *io, int n_seq, int seq) {
         op->geglu_backward(be, t->dgate, t->dup, t->dhb, a->gate, a->up, (size_t)T * FF);
         const kiln_wref *gu[2] = {W(G3_GATE), W(G3_UP)};
         float *dgu[2] = {t->dgate, t->dup};
-        g3_products_backward(be, 2, t->dxb, dgu, a->xb2, gu, T);
+        kiln_products_backward(be, 2, t->dxb, dgu, a->xb2, gu, T);
         op->rmsnorm_backward(be, io->dx, W(G3_PRE_FF_NORM)->grad, t->dxb, a->x_mid, W(G3_PRE_FF_NORM)->vec, T, C,
                              eps, t->rstd, true);
         /* attention: x_mid = x + norm(o), o = attention(rope(norm(q)), rope(norm(k)), v) Wo^T */
@@ -408,7 +393,7 @@ static void gemma3_train_backward(kiln_train_io *io, int n_seq, int seq) {
                              t->rstd, false);
         const kiln_wref *qkv[3] = {W(G3_WQ), W(G3_WK), W(G3_WV)};
         float *dqkv[3] = {t->dqr, t->dkr, t->dv};
-        g3_products_backward(be, 3, t->dxb, dqkv, a->xb1, qkv, T);
+        kiln_products_backward(be, 3, t->dxb, dqkv, a->xb1, qkv, T);
         op->rmsnorm_backward(be, io->dx, W(G3_IN_NORM)->grad, t->dxb, a->x, W(G3_IN_NORM)->vec, T, C, eps, t->rstd,
                              true);
 #undef W

@@ -201,8 +201,14 @@ void kiln_forward_attend(const kiln_fwd_batch *g, kiln_backend *be, int layer, f
  * fs->d_batch (on a host-memory backend the two are one buffer). */
 kiln_status kiln_forward_stage(kiln_forward_state *fs, const kiln_batch *b);
 
+/* dx(T,C) = the sum of dy[i] @ W[i] for i < n (n <= KILN_MATMUL_MULTI_MAX, in order), each
+ * weight's gradient (W[i]->grad) accumulated: matmul_backward_multi where the backend has it
+ * (one pass over x), else n matmul_backward calls (train_common.c). */
+void kiln_products_backward(kiln_backend *be, int n, float *dx, float *const *dy, const float *x,
+                            const kiln_wref *const *W, int T);
+
 /* The multipliers 1 + w of the zero-centred norms (arch.h plus_one) a training forward binds
- * (norm_mult.c): refs / layer_refs are copies of the io's with those vectors pointing into
+ * (train_common.c): refs / layer_refs are copies of the io's with those vectors pointing into
  * mult (n floats, backend memory), recomputed from the parameters w by kiln_norm_mult_update
  * before each forward; ones: n floats the bind fills with 1. */
 typedef struct kiln_norm_mult {

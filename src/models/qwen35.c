@@ -476,21 +476,6 @@ static void q35_train_forward(kiln_train_io *io, int n_seq, int seq) {
     io->be->i->rmsnorm(io->be, io->xn, t->x_final, t->nm.refs[Q_NORM].vec, R.T, c->n_embd, c->rms_eps);
 }
 
-/* dx = sum of dy[i] @ W[i] (i < n), each weight's gradient accumulated. */
-static void q35_products_backward(kiln_backend *be, int n, float *dx, float *const *dy, const float *x,
-                                  const kiln_wref *const *W, int T) {
-    const kiln_backend_i *op = be->i;
-    if (op->matmul_backward_multi) {
-        const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
-        float *dw[KILN_MATMUL_MULTI_MAX], *db[KILN_MATMUL_MULTI_MAX] = {NULL};
-        const float *dys[KILN_MATMUL_MULTI_MAX];
-        for (int i = 0; i < n; i++) wv[i] = W[i]->mat, dw[i] = W[i]->grad, dys[i] = dy[i];
-        op->matmul_backward_multi(be, n, dx, dw, db, dys, x, wv, T, false);
-        return;
-    }
-    for (int i = 0; i < n; i++) op->matmul_backward(be, dx, W[i]->grad, NULL, dy[i], x, W[i]->mat, T, i > 0);
-}
-
 /* From d loss / d xn (io->dxn) to d loss / d embedding rows (io->dx), every gradient added. */
 static void q35_train_backward(kiln_train_io *io, int n_seq, int seq) {
     q35_train *t = io->priv;
@@ -512,7 +497,7 @@ static void q35_train_backward(kiln_train_io *io, int n_seq, int seq) {
         op->swiglu_backward(be, t->dhb, t->dfu, t->dhb, a->fg, a->fu, (size_t)T * d.FF);
         const kiln_wref *gu[2] = {W(Q_GATE), W(Q_UP)};
         float *dgu[2] = {t->dhb, t->dfu};
-        q35_products_backward(be, 2, t->dxb, dgu, a->xb2, gu, T);
+        kiln_products_backward(be, 2, t->dxb, dgu, a->xb2, gu, T);
         op->rmsnorm_backward(be, io->dx, W(Q_POST_NORM)->grad, t->dxb, a->x_mid, W(Q_POST_NORM)->vec, T, d.C, eps,
                              t->rstd, true);
         /* the mixer: x_mid = x + mixer(xb1); io->dx is d x_mid */
@@ -529,7 +514,7 @@ static void q35_train_backward(kiln_train_io *io, int n_seq, int seq) {
                                      (int)d.CONV, d.K);
             const kiln_wref *ws4[4] = {W(Q_QKV), W(Q_Z), W(Q_B), W(Q_A)};
             float *d4[4] = {t->dm, t->dy, t->dpb, t->dpa};
-            q35_products_backward(be, 4, t->dxb, d4, a->xb1, ws4, T);
+            kiln_products_backward(be, 4, t->dxb, d4, a->xb1, ws4, T);
         } else {
             op->matmul_backward(be, t->dattg, W(Q_WO)->grad, NULL, io->dx, a->attg, W(Q_WO)->mat, T, false);
             op->sigmoid_mul_backward(be, t->dattg, t->dgate, t->dattg, a->att, a->gate, (size_t)T * d.QD);
@@ -553,7 +538,7 @@ static void q35_train_backward(kiln_train_io *io, int n_seq, int seq) {
             op->join_halves(be, t->dqg, t->dqr, t->dgate, (int64_t)T * d.NH, d.HS);
             const kiln_wref *ws3[3] = {W(Q_WQ), W(Q_WK), W(Q_WV)};
             float *d3[3] = {t->dqg, t->dkr, t->dv};
-            q35_products_backward(be, 3, t->dxb, d3, a->xb1, ws3, T);
+            kiln_products_backward(be, 3, t->dxb, d3, a->xb1, ws3, T);
         }
         op->rmsnorm_backward(be, io->dx, W(Q_IN_NORM)->grad, t->dxb, a->x, W(Q_IN_NORM)->vec, T, d.C, eps, t->rstd,
                              true);

@@ -1,5 +1,6 @@
 /*
- * norm_mult.c -- the multipliers 1 + w of a zero-centred norm (arch.h plus_one) in training.
+ * train_common.c -- what the architectures' training code shares: the backward of several
+ * products of one input, and the multipliers 1 + w of a zero-centred norm (arch.h plus_one).
  *
  * The trainer's parameter of such a norm is transformers' w; the forward multiplies by 1 + w.
  * Each training forward computes f32(1 + w), transformers' rounding, into one block and binds
@@ -85,4 +86,18 @@ void kiln_norm_mult_free(kiln_norm_mult *nm) {
     kiln_free(nm->refs);
     kiln_free(nm->layer_refs);
     memset(nm, 0, sizeof *nm);
+}
+
+void kiln_products_backward(kiln_backend *be, int n, float *dx, float *const *dy, const float *x,
+                            const kiln_wref *const *W, int T) {
+    const kiln_backend_i *op = be->i;
+    if (op->matmul_backward_multi) {
+        const kiln_tensor *wv[KILN_MATMUL_MULTI_MAX];
+        float *dw[KILN_MATMUL_MULTI_MAX], *db[KILN_MATMUL_MULTI_MAX] = {NULL};
+        const float *dys[KILN_MATMUL_MULTI_MAX];
+        for (int i = 0; i < n; i++) wv[i] = W[i]->mat, dw[i] = W[i]->grad, dys[i] = dy[i];
+        op->matmul_backward_multi(be, n, dx, dw, db, dys, x, wv, T, false);
+        return;
+    }
+    for (int i = 0; i < n; i++) op->matmul_backward(be, dx, W[i]->grad, NULL, dy[i], x, W[i]->mat, T, i > 0);
 }
