@@ -14,6 +14,7 @@ with kiln's own message.
 """
 import codecs
 import ctypes as C
+import numbers
 import os
 import queue
 import threading
@@ -232,7 +233,6 @@ _INT32 = (-(1 << 31), (1 << 31) - 1)
 def _int(name, v, lo=_INT32[0], hi=_INT32[1]):
     """v as an int headed for C, refused (naming the argument) unless it is an integer (not a
     bool, not a float) in [lo, hi]: ctypes would wrap 2**32 + 5 to 5 silently."""
-    import numbers
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise TypeError(f"{name}: expected an integer, got {type(v).__name__} {v!r}")
     v = int(v)

@@ -295,13 +295,14 @@ static kiln_status bind_role(void *ctx, const kiln_param_role *r, int layer) {
     const kiln_model_config *c = &m->cfg;
     char name[128];
     kiln_role_name(r, m->gguf != NULL, layer, name, sizeof name);
-    int optional = !kiln_role_wanted(r, c, layer) || r->cond == KILN_COND_UNTIED;
+    const bool wanted = kiln_role_wanted(r, c, layer);
+    if (!wanted && (r->cond == KILN_COND_LINEAR || r->cond == KILN_COND_FULL))
+        return KILN_OK; /* the other kind of layer's: not bound, whatever the file holds */
+    int optional = !wanted || r->cond == KILN_COND_UNTIED;
     int64_t rows = kiln_dim_value(c, r->rows);
     kiln_wref *ref = kiln_model_ref(m, r, layer);
     int permute = m->gguf && m->arch->gguf_qk_permuted && r->rope_heads != KILN_DIM_ONE;
     int heads = (int)kiln_dim_value(c, r->rope_heads);
-    if (!kiln_role_wanted(r, c, layer) && (r->cond == KILN_COND_LINEAR || r->cond == KILN_COND_FULL))
-        return KILN_OK; /* the other kind of layer's: not bound, whatever the file holds */
     if (kiln_role_is_vector(r)) {
         const float **v = &ref->vec;
         /* a GGUF stores Gemma's norm multipliers as 1 + w already */

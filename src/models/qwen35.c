@@ -120,7 +120,7 @@ static q35_dims q35_dims_of(const kiln_model_config *c) {
  * gate (QD). */
 static size_t q35_scratch_floats(const kiln_model_config *c) {
     const q35_dims d = q35_dims_of(c);
-    return 2 * d.CONV + 2 * d.VD + 4 * (size_t)d.nv + 3 * d.QD + 64;
+    return 2 * d.CONV + 2 * d.VD + 4 * (size_t)d.nv + 3 * d.QD;
 }
 
 /* A sequence's state: per linear layer, the convolution's last K - 1 inputs (K - 1, CONV) and
