@@ -52,6 +52,7 @@ typedef enum kiln_status {
     KILN_ERR_STATE = 7,       /* the call is not allowed in the handle's current state */
     KILN_ERR_INTERNAL = 8,    /* a bug in kiln: please report */
     KILN_ERR_BUFFER_TOO_SMALL = 9, /* the caller's buffer is too small; *needed says how big */
+    KILN_ERR_BUSY = 12,       /* full: a queue is at its bound; try again later */
 } kiln_status;
 
 /* A static English name for a status ("ok", "invalid argument", ...). Never NULL. */
@@ -629,6 +630,124 @@ KILN_API kiln_status kiln_linear_ce_compute(kiln_linear_ce *c, const kiln_linear
 
 /* Free a string kiln returned. */
 KILN_API void kiln_string_free(char *s);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Serving engine: many requests, continuous batching over a paged KV cache (docs/SERVING.md) */
+/* ---------------------------------------------------------------------------------------- */
+
+/* A kiln_engine owns a model's forward state for many sequences and a worker thread. Each
+ * step it runs one forward over a batch that mixes decode tokens of running requests and
+ * prefill chunks of new ones, up to max_batch_tokens tokens. The KV cache is a pool of blocks
+ * of 64 positions with reference counts; full blocks are found again by the hash of the token
+ * prefix they end (prefix sharing), and shared read-only. When the pool runs out, the request
+ * admitted last is preempted: its blocks are freed and it is recomputed later from its prompt
+ * and the tokens it had produced, so it resumes to the same tokens.
+ *
+ * Same tokens whatever the batch: in the auditable arithmetic (fast = 0), a request's logits
+ * have the bits it gets alone, and with the same prompt, settings and seed it produces the
+ * tokens kiln_generate produces (tested). Every function here may be called from any thread. */
+typedef struct kiln_engine kiln_engine;
+
+typedef struct kiln_engine_params {
+    int device;           /* -1 = CPU (default), N = CUDA device N */
+    int fast;             /* 0 (default) = auditable arithmetic; as kiln_context_params.fast */
+    int n_threads;        /* CPU threads, 0 = all cores */
+    int n_ctx;            /* positions per request (prompt + output); 0 = the model's, at most 8192 */
+    int max_batch_tokens; /* tokens per forward step (default 512) */
+    int max_seqs;         /* requests running at once (default 32) */
+    int kv_blocks;        /* KV pool in blocks of 64 positions; 0 = from kv_memory */
+    size_t kv_memory;     /* KV pool bytes when kv_blocks is 0; 0 = room for every running request at n_ctx */
+    int max_queue;        /* requests waiting to run beyond which submit says KILN_ERR_BUSY (default 256) */
+    int prefix_cache;     /* share full blocks of common prompt prefixes (default 1; off for
+                           * recurrent-state architectures, whose state has no per-token cache) */
+} kiln_engine_params;
+
+KILN_API kiln_engine_params kiln_engine_default_params(void);
+/* Start an engine on model m (which must outlive it). */
+KILN_API kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *p, kiln_engine **out);
+/* Stop taking requests, finish the running and queued ones (drain = 1) or cancel them
+ * (drain = 0), then stop the worker. Callbacks have all returned when it returns. */
+KILN_API void kiln_engine_shutdown(kiln_engine *e, int drain);
+/* kiln_engine_shutdown(e, 0) if still running, then free. */
+KILN_API void kiln_engine_free(kiln_engine *e);
+
+typedef enum kiln_request_event_kind {
+    KILN_EVENT_TOKEN = 0, /* one generated token and the text it completes (may be empty) */
+    KILN_EVENT_DONE = 1,  /* the last event of a request: finish_reason, counts, or an error */
+} kiln_request_event_kind;
+
+#define KILN_MAX_TOP_LOGPROBS 20
+
+typedef struct kiln_request_event {
+    kiln_request_event_kind kind;
+    uint64_t request;     /* the id submit gave */
+    /* KILN_EVENT_TOKEN */
+    int32_t id;
+    const char *text;     /* text released by this token (stop-string hold-back as kiln_generate) */
+    size_t len;
+    float logprob;        /* log-softmax of the model's logits at id (when logprobs >= 0) */
+    int n_top;            /* top_logprobs alternatives below, by logprob descending, id ascending */
+    int32_t top_ids[KILN_MAX_TOP_LOGPROBS];
+    float top_logprobs[KILN_MAX_TOP_LOGPROBS];
+    /* KILN_EVENT_DONE: finish_reason "stop" (end token or stop string), "length" (max_tokens
+     * or the context), "cancelled", or "error" (status and message set) */
+    const char *finish_reason;
+    const char *stop_reason; /* kiln_generate's: "eos", "stop_string", "length", "context", ... */
+    const char *tail;     /* held-back text released at the end (flushed bytes), and its length */
+    size_t tail_len;
+    kiln_status status;
+    const char *message;
+    int n_prompt, n_prompt_cached, n_generated;
+    double queue_seconds, prefill_seconds; /* submit to first forward; first forward to first token */
+} kiln_request_event;
+
+/* Called on the engine's worker thread, in order, for each event of a request; the pointers
+ * in ev are valid during the call only. It must return quickly (copy and signal): it holds up
+ * every request's next step. After KILN_EVENT_DONE the engine never calls it for that request
+ * again, so user may be freed then. */
+typedef void (*kiln_request_callback)(const kiln_request_event *ev, void *user);
+
+typedef struct kiln_request_params {
+    const int32_t *prompt; /* copied by submit */
+    size_t n_prompt;
+    int max_tokens;        /* at most n_ctx - n_prompt are produced */
+    kiln_sampler_params sampler;
+    const char *const *stop_strings; /* NULL-terminated, copied; NULL: none */
+    int ignore_eos;
+    float presence_penalty;  /* OpenAI's: logit -= presence * (count > 0) + frequency * count, */
+    float frequency_penalty; /* count = times the token was generated (the prompt not counted) */
+    int logprobs;            /* -1: none; else n_top (0..KILN_MAX_TOP_LOGPROBS) alternatives too */
+    kiln_request_callback on_event;
+    void *user;
+} kiln_request_params;
+
+KILN_API kiln_request_params kiln_request_default_params(void);
+/* Queue a request; *id names it to kiln_engine_cancel. KILN_ERR_BUSY when max_queue requests
+ * are waiting already (nothing queued, on_event never called); KILN_ERR_RANGE for a token id
+ * out of range or a prompt that leaves no room to generate; KILN_ERR_STATE after shutdown.
+ * On KILN_OK the callback gets exactly one KILN_EVENT_DONE, eventually. */
+KILN_API kiln_status kiln_engine_submit(kiln_engine *e, const kiln_request_params *p, uint64_t *id);
+/* Stop request id at the next step: its blocks are freed and it ends with finish_reason
+ * "cancelled". Unknown or finished ids are ignored. */
+KILN_API void kiln_engine_cancel(kiln_engine *e, uint64_t id);
+
+#define KILN_ENGINE_HIST_BUCKETS 16
+typedef struct kiln_engine_stats {
+    uint64_t requests_submitted, requests_finished, requests_cancelled, requests_rejected,
+             requests_failed, preemptions;
+    uint64_t prompt_tokens, prompt_tokens_cached, generated_tokens, steps;
+    int queued, running;
+    int kv_blocks_total, kv_blocks_used, kv_blocks_cached; /* cached: free but findable by prefix */
+    /* histograms: counts of observations <= hist_bounds[i] seconds (last bound +inf) */
+    double hist_bounds[KILN_ENGINE_HIST_BUCKETS];
+    uint64_t ttft_hist[KILN_ENGINE_HIST_BUCKETS], itl_hist[KILN_ENGINE_HIST_BUCKETS];
+    double ttft_sum, itl_sum;
+    uint64_t ttft_count, itl_count;
+} kiln_engine_stats;
+
+KILN_API void kiln_engine_get_stats(kiln_engine *e, kiln_engine_stats *out);
+/* The model the engine serves. */
+KILN_API kiln_model *kiln_engine_model(kiln_engine *e);
 
 #ifdef __cplusplus
 }
