@@ -276,6 +276,12 @@ typedef struct kiln_context_params {
      * and kiln_generate use; kiln_decode_seq fills any of them and kiln_decode_batch runs
      * one token of each of the first B together (batched decode). */
     int n_seq;
+    /* With fast on the CPU: the 8-bit path at every batch size, so a token's logits never depend
+     * on how many tokens share a forward (what kiln serve --fast --batch-invariant runs: with
+     * it, a served request gets kiln generate --fast --batch-invariant's tokens). Its cost is a
+     * slower prefill (bench/RESULTS.md). The auditable arithmetic is batch-invariant without
+     * it; CUDA's fast mode has no such variant yet (KILN_ERR_UNSUPPORTED). Default 0. */
+    int batch_invariant;
 } kiln_context_params;
 
 KILN_API kiln_context_params kiln_context_default_params(void);
@@ -651,6 +657,7 @@ typedef struct kiln_engine kiln_engine;
 typedef struct kiln_engine_params {
     int device;           /* -1 = CPU (default), N = CUDA device N */
     int fast;             /* 0 (default) = auditable arithmetic; as kiln_context_params.fast */
+    int batch_invariant;  /* with fast: as kiln_context_params.batch_invariant */
     int n_threads;        /* CPU threads, 0 = all cores */
     int n_ctx;            /* positions per request (prompt + output); 0 = the model's, at most 8192 */
     int max_batch_tokens; /* tokens per forward step (default 512) */
