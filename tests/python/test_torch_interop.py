@@ -461,3 +461,30 @@ def test_weight_decay_and_grad_scale_contracts(llama, build_dir):
     assert all(np.array_equal(bits(g1[n].numpy()), bits((g0[n] * 4.0).numpy())) for n in g0)
     with pytest.raises(kiln.KilnError, match="grad_scale"):
         f.adamw_step(1e-3, grad_scale=float("inf"))
+
+
+def test_bf16_master_per_name_decay(llama, build_dir):
+    """bf16 + f32 master: a per-name decay runs on the master copy, so the weights stay the
+    bf16 rounding of torch's f32 AdamW from the same (bf16) start and gradients."""
+    d, _ = llama
+    m = kiln.Model(d)
+    tr = kiln.Trainer(m, max_seq=32, n_threads=2, storage="bf16_master")
+    start = tr.parameters()  # bf16 values (matrices), f32 vectors
+    names = list(start)
+    ps = [torch.nn.Parameter(start[n].clone()) for n in names]
+    wd = {"model.layers.0.mlp.up_proj.weight": 0.3, "model.norm.weight": 0.2}
+    opt = torch_adamw(ps, names, wd, 1e-2)
+    for k, ids in enumerate(batches(m.n_vocab, 3)):
+        step_grads(tr, ids)
+        g = tr.grads()
+        for n, p in zip(names, ps):
+            p.grad = g[n].clone()
+        tr.adamw_step(1e-2, weight_decay=wd)
+        with exact_sqrt():
+            opt.step()
+        got = tr.parameters()
+        for n, p in zip(names, ps):
+            want = p.detach()
+            if got[n].dim() == 2:  # a matrix: bf16 weights, RNE of the f32 master
+                want = want.bfloat16().float()
+            assert np.array_equal(bits(got[n].numpy()), bits(want.numpy())), (k, n)
