@@ -7,7 +7,8 @@
 #define KILN_DEFAULT_MAX_CTX 4096
 
 struct kiln_context {
-    kiln_model *model;
+    kiln_handle_head head; /* first: the registry's magic (base/handle.h) */
+    kiln_model *model;     /* a user of the model from create to free */
     kiln_context_params params;
     kiln_backend *be;
     kiln_forward_state fs;
@@ -33,5 +34,17 @@ struct kiln_context {
  * they go through logits (n_vocab floats of host scratch). Same ids either way. */
 kiln_status kiln_decode_and_sample(kiln_context *c, const int32_t *ids, int n, kiln_sampler *smp,
                                    const int32_t *hist, size_t n_hist, float *logits, int32_t *id);
+
+/* The API boundary of a context call: c a live context (base/handle.h) whose backend is not
+ * poisoned (KILN_ERR_POISONED otherwise). */
+kiln_status kiln_context_enter(const kiln_context *c, const char *fn);
+/* A context call's status on the way out: KILN_ERR_POISONED when it failed and left the
+ * backend poisoned (ops.h kiln_backend_leave). */
+kiln_status kiln_context_leave(const kiln_context *c, kiln_status st, const char *fn);
+
+/* Fault injection for tests: poison a CPU context's backend (shared with every handle on it)
+ * as a GPU fault would (ops.h kiln_backend_cpu_poison). KILN_ERR_UNSUPPORTED for a context
+ * on a GPU. Exported (not in kiln.h) so that the Python tests can reach it. */
+KILN_API kiln_status kiln_debug_poison_context(kiln_context *c);
 
 #endif

@@ -6,6 +6,9 @@
 
 /* The model the trainer was created from (config, architecture, tokenizer). */
 const kiln_model *kiln_trainer_model(const kiln_trainer *t);
+/* The API boundary of a trainer call: t a live trainer (base/handle.h) whose backend is not
+ * poisoned (KILN_ERR_POISONED otherwise), errors naming call. */
+kiln_status kiln_trainer_enter(const kiln_trainer *t, const char *call);
 /* Parameter i's shape as a Hugging Face file stores it: n_dims 1 (a vector), 2 (a matrix) or 3
  * (a convolution's taps, (channels, 1, taps)). */
 kiln_status kiln_train_param_file_shape(const kiln_trainer *t, int i, int *n_dims, int64_t shape[3]);
