@@ -258,8 +258,7 @@ def make_server(engine, a, max_clients):
         if exe:
             argv = [exe, "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
                     "-t", T, "-tb", T, "-np", str(max_clients), "-c", str(ctx * max_clients),
-                    "--cont-batching", "-b", "512", "-ub", "512", "--no-webui",
-                    "--log-disable"]
+                    "--cont-batching", "-b", "512", "-ub", "512", "--no-webui"]
             return Server(engine, argv, port, extra_body={"ignore_eos": True},
                           note=f"llama-server {exe}, {max_clients} slots")
         print("bench_serve: no llama-server found (bench/setup-peers.sh --server builds it); "
