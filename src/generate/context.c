@@ -59,7 +59,7 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
     } else {
         st = kiln_backend_acquire(-1, p.fast_q8_activations || p.fast, p.n_threads, &c->be);
     }
-    if (st == KILN_OK) st = kiln_forward_state_init(&c->fs, m, c->be, p.n_ctx, p.n_batch, p.n_seq);
+    if (st == KILN_OK) st = kiln_forward_state_init(&c->fs, m, c->be, p.n_ctx, p.n_batch, p.n_seq, 0);
     if (st == KILN_OK) st = kiln_alloc_or_fail((void **)&c->seq_past, (size_t)p.n_seq * sizeof(int), "sequence lengths");
     if (st == KILN_OK) memset(c->seq_past, 0, (size_t)p.n_seq * sizeof(int));
     if (st == KILN_OK) {

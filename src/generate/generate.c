@@ -18,34 +18,29 @@ kiln_generate_params kiln_generate_default_params(void) {
     return p;
 }
 
-typedef struct text_buf {
-    char *data;
-    size_t len, cap;
-} text_buf;
-
-static kiln_status text_append(text_buf *b, const char *s, size_t n) {
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->len + n + 1) cap *= 2;
-        char *d = kiln_realloc(b->data, cap);
+static kiln_status text_append(kiln_gen_text *g, const char *s, size_t n) {
+    if (g->len + n + 1 > g->cap) {
+        size_t cap = g->cap ? g->cap : 256;
+        while (cap < g->len + n + 1) cap *= 2;
+        char *d = kiln_realloc(g->data, cap);
         if (!d) return kiln_error(KILN_ERR_NOMEM, "generate: out of memory for the output text");
-        b->data = d;
-        b->cap = cap;
+        g->data = d;
+        g->cap = cap;
     }
-    memcpy(b->data + b->len, s, n);
-    b->len += n;
-    b->data[b->len] = '\0';
+    memcpy(g->data + g->len, s, n);
+    g->len += n;
+    g->data[g->len] = '\0';
     return KILN_OK;
 }
 
 /* Earliest occurrence of any stop string in text[from..len): its offset, or -1. */
-static long find_stop(const text_buf *b, size_t from, const char *const *stops) {
+static long find_stop(const kiln_gen_text *g, size_t from) {
     long best = -1;
-    for (size_t i = 0; stops && stops[i]; i++) {
-        size_t sl = strlen(stops[i]);
-        if (!sl || sl > b->len) continue;
-        for (size_t at = from; at + sl <= b->len; at++)
-            if (!memcmp(b->data + at, stops[i], sl)) {
+    for (size_t i = 0; g->stops && g->stops[i]; i++) {
+        size_t sl = strlen(g->stops[i]);
+        if (!sl || sl > g->len) continue;
+        for (size_t at = from; at + sl <= g->len; at++)
+            if (!memcmp(g->data + at, g->stops[i], sl)) {
                 if (best < 0 || (long)at < best) best = (long)at;
                 break;
             }
@@ -54,12 +49,12 @@ static long find_stop(const text_buf *b, size_t from, const char *const *stops) 
 }
 
 /* Length of the longest suffix of text that is a proper prefix of some stop string. */
-static size_t stop_prefix_hold(const text_buf *b, const char *const *stops) {
+static size_t stop_prefix_hold(const kiln_gen_text *g) {
     size_t hold = 0;
-    for (size_t i = 0; stops && stops[i]; i++) {
-        size_t sl = strlen(stops[i]);
+    for (size_t i = 0; g->stops && g->stops[i]; i++) {
+        size_t sl = strlen(g->stops[i]);
         for (size_t k = sl > 1 ? sl - 1 : 0; k > hold; k--)
-            if (k <= b->len && !memcmp(b->data + b->len - k, stops[i], k)) {
+            if (k <= g->len && !memcmp(g->data + g->len - k, g->stops[i], k)) {
                 hold = k;
                 break;
             }
@@ -72,6 +67,77 @@ static bool is_end_token(const kiln_model *m, int32_t id) {
     for (int i = 0; i < m->cfg.n_eos_ids; i++)
         if (m->cfg.eos_ids[i] == id) return true;
     return false;
+}
+
+kiln_status kiln_gen_text_init(kiln_gen_text *g, const kiln_model *m, const char *const *stops, int ignore_eos) {
+    memset(g, 0, sizeof *g);
+    g->m = m;
+    g->stops = stops;
+    g->ignore_eos = ignore_eos;
+    KILN_TRY(kiln_detok_stream_create(m->tok, 0, &g->ds));
+    return text_append(g, "", 0);
+}
+
+void kiln_gen_text_free(kiln_gen_text *g) {
+    kiln_detok_stream_free(g->ds);
+    kiln_free(g->data);
+    memset(g, 0, sizeof *g);
+}
+
+kiln_status kiln_gen_text_push(kiln_gen_text *g, int32_t id, const char **reason, const char **out, size_t *n_out) {
+    *reason = NULL;
+    *out = g->data + g->emitted;
+    *n_out = 0;
+    if (!g->ignore_eos && is_end_token(g->m, id)) {
+        *reason = "eos";
+        return KILN_OK;
+    }
+    char piece[256];
+    size_t np = 0;
+    kiln_status st;
+    /* Embeddings may have padding rows past the tokenizer's vocabulary (Qwen2.5 has 151936
+     * rows for 151665 tokens): such an id has no text, as in transformers. */
+    if (id >= kiln_tokenizer_n_vocab(g->m->tok)) st = KILN_OK;
+    else st = kiln_detok_stream_push(g->ds, id, piece, sizeof piece, &np);
+    if (st == KILN_ERR_BUFFER_TOO_SMALL) { /* a very long token: retry with its size */
+        char *big = kiln_malloc(np);
+        st = big ? kiln_detok_stream_push(g->ds, id, big, np, &np) : kiln_error(KILN_ERR_NOMEM, "generate: out of memory");
+        if (st == KILN_OK) st = text_append(g, big, np);
+        kiln_free(big);
+    } else if (st == KILN_OK) {
+        st = text_append(g, piece, np);
+    }
+    if (st != KILN_OK) return st;
+    long at = find_stop(g, g->emitted);
+    size_t safe;
+    if (at >= 0) {
+        g->len = (size_t)at;
+        g->data[g->len] = '\0';
+        safe = g->len;
+        *reason = "stop_string";
+        g->stopped = 1;
+    } else {
+        safe = g->len - stop_prefix_hold(g);
+    }
+    if (safe < g->emitted) safe = g->emitted;
+    *out = g->data + g->emitted;
+    *n_out = safe - g->emitted;
+    g->emitted = safe;
+    return KILN_OK;
+}
+
+kiln_status kiln_gen_text_flush(kiln_gen_text *g, const char **out, size_t *n_out) {
+    *out = g->data + g->emitted;
+    *n_out = 0;
+    if (g->stopped) return KILN_OK; /* the stop string and what followed are dropped */
+    char piece[64];
+    size_t np = 0;
+    KILN_TRY(kiln_detok_stream_flush(g->ds, piece, sizeof piece, &np));
+    KILN_TRY(text_append(g, piece, np));
+    *out = g->data + g->emitted;
+    *n_out = g->len - g->emitted;
+    g->emitted = g->len;
+    return KILN_OK;
 }
 
 kiln_status kiln_generate(kiln_context *c, const int32_t *prompt, size_t n_prompt,
@@ -87,17 +153,16 @@ kiln_status kiln_generate(kiln_context *c, const int32_t *prompt, size_t n_promp
     kiln_generate_result r;
     memset(&r, 0, sizeof r);
     kiln_sampler *smp = NULL;
-    kiln_detok_stream *ds = NULL;
-    text_buf text = {0};
+    kiln_gen_text text;
+    memset(&text, 0, sizeof text);
     float *logits = NULL;
     int32_t *hist = NULL;
-    size_t n_hist = 0, emitted = 0;
+    size_t n_hist = 0;
     kiln_status st = kiln_sampler_create(&gp->sampler, &smp);
-    if (st == KILN_OK) st = kiln_detok_stream_create(m->tok, 0, &ds);
+    if (st == KILN_OK) st = kiln_gen_text_init(&text, m, gp->stop_strings, gp->ignore_eos);
     if (st == KILN_OK) st = kiln_alloc_or_fail((void **)&logits, (size_t)V * sizeof(float), "logits");
     if (st == KILN_OK)
         st = kiln_alloc_or_fail((void **)&hist, (n_prompt + (size_t)gp->max_tokens + 1) * sizeof(int32_t), "token history");
-    if (st == KILN_OK) st = text_append(&text, "", 0);
     if (st != KILN_OK) goto done;
     memcpy(hist, prompt, n_prompt * sizeof(int32_t));
     n_hist = n_prompt;
@@ -128,42 +193,18 @@ kiln_status kiln_generate(kiln_context *c, const int32_t *prompt, size_t n_promp
     for (int i = 0; i < gp->max_tokens; i++) {
         hist[n_hist++] = id;
         r.n_ids++;
-        if (!gp->ignore_eos && is_end_token(m, id)) {
-            r.stop_reason = "eos";
+        const char *reason, *piece;
+        size_t np;
+        st = kiln_gen_text_push(&text, id, &reason, &piece, &np);
+        if (st != KILN_OK) goto done;
+        if (reason && !strcmp(reason, "eos")) {
+            r.stop_reason = reason;
             break;
         }
-        char piece[256];
-        size_t np = 0;
-        /* Embeddings may have padding rows past the tokenizer's vocabulary (Qwen2.5 has
-         * 151936 rows for 151665 tokens): such an id has no text, as in transformers. */
-        if (id >= kiln_tokenizer_n_vocab(m->tok)) st = KILN_OK;
-        else st = kiln_detok_stream_push(ds, id, piece, sizeof piece, &np);
-        if (st == KILN_ERR_BUFFER_TOO_SMALL) { /* a very long token: retry with its size */
-            char *big = kiln_malloc(np);
-            st = big ? kiln_detok_stream_push(ds, id, big, np, &np)
-                     : kiln_error(KILN_ERR_NOMEM, "generate: out of memory");
-            if (st == KILN_OK) st = text_append(&text, big, np);
-            kiln_free(big);
-        } else if (st == KILN_OK) {
-            st = text_append(&text, piece, np);
-        }
-        if (st != KILN_OK) goto done;
-        size_t scan_from = emitted;
-        long at = find_stop(&text, scan_from, gp->stop_strings);
-        size_t safe;
-        if (at >= 0) {
-            text.len = (size_t)at;
-            text.data[text.len] = '\0';
-            safe = text.len;
-        } else {
-            safe = text.len - stop_prefix_hold(&text, gp->stop_strings);
-        }
-        if (safe < emitted) safe = emitted;
         int stop_cb = 0;
-        if (gp->on_token) stop_cb = gp->on_token(id, text.data + emitted, safe - emitted, gp->user);
-        emitted = safe;
-        if (at >= 0) {
-            r.stop_reason = "stop_string";
+        if (gp->on_token) stop_cb = gp->on_token(id, piece, np, gp->user);
+        if (reason) {
+            r.stop_reason = reason;
             break;
         }
         if (stop_cb) {
@@ -180,13 +221,12 @@ kiln_status kiln_generate(kiln_context *c, const int32_t *prompt, size_t n_promp
         if (st != KILN_OK) goto done;
         id = next;
     }
-    if (strcmp(r.stop_reason, "stop_string") != 0) { /* flush held bytes */
-        char piece[64];
-        size_t np = 0;
-        st = kiln_detok_stream_flush(ds, piece, sizeof piece, &np);
-        if (st == KILN_OK) st = text_append(&text, piece, np);
+    { /* flush held bytes (nothing after a stop string) */
+        const char *tail;
+        size_t nt;
+        st = kiln_gen_text_flush(&text, &tail, &nt);
         if (st != KILN_OK) goto done;
-        if (gp->on_token && text.len > emitted) gp->on_token(-1, text.data + emitted, text.len - emitted, gp->user);
+        if (gp->on_token && nt) gp->on_token(-1, tail, nt, gp->user);
     }
     r.decode_seconds = kiln_time_seconds() - t0;
     r.ids = kiln_malloc((r.n_ids ? r.n_ids : 1) * sizeof(int32_t));
@@ -200,10 +240,9 @@ kiln_status kiln_generate(kiln_context *c, const int32_t *prompt, size_t n_promp
     text.data = NULL;
     *out = r;
 done:
-    kiln_free(text.data);
+    kiln_gen_text_free(&text);
     kiln_free(hist);
     kiln_free(logits);
-    kiln_detok_stream_free(ds);
     kiln_sampler_free(smp);
     return st;
 }

@@ -34,4 +34,28 @@ struct kiln_context {
 kiln_status kiln_decode_and_sample(kiln_context *c, const int32_t *ids, int n, kiln_sampler *smp,
                                    const int32_t *hist, size_t n_hist, float *logits, int32_t *id);
 
+/* The text side of one generation, kiln_generate's and the serving engine's: the detokenizer
+ * stream, the output text, and its stop-string hold-back. Streaming contract: text is released
+ * only once it can no longer become part of a stop string, so a caller never sees text that
+ * is later taken back. stops (NULL-terminated, or NULL) must outlive g. */
+typedef struct kiln_gen_text {
+    const kiln_model *m;
+    kiln_detok_stream *ds;
+    const char *const *stops;
+    int ignore_eos, stopped;
+    char *data;          /* the text so far (NUL-terminated), the stop string cut off */
+    size_t len, cap;
+    size_t emitted;      /* released to the caller: data[0..emitted) */
+} kiln_gen_text;
+
+kiln_status kiln_gen_text_init(kiln_gen_text *g, const kiln_model *m, const char *const *stops, int ignore_eos);
+void kiln_gen_text_free(kiln_gen_text *g);
+/* Add generated token id. *reason: NULL, "eos" (an end-of-generation token, unless
+ * ignore_eos: no text added) or "stop_string" (the text is cut where it starts); *out, *n_out:
+ * the text this token releases (valid until the next call). */
+kiln_status kiln_gen_text_push(kiln_gen_text *g, int32_t id, const char **reason, const char **out, size_t *n_out);
+/* At the end: the held-back text (bytes of an unfinished character, a partial stop string),
+ * nothing after a stop string. */
+kiln_status kiln_gen_text_flush(kiln_gen_text *g, const char **out, size_t *n_out);
+
 #endif

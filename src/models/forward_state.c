@@ -58,7 +58,7 @@ static kiln_status upload_weight_vectors(kiln_forward_state *fs, const kiln_mode
 }
 
 kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be,
-                                    int n_ctx, int n_batch, int n_seq) {
+                                    int n_ctx, int n_batch, int n_seq, int pool_blocks) {
     const kiln_model_config *c = &m->cfg;
     memset(fs, 0, sizeof *fs);
     fs->be = be;
@@ -72,9 +72,9 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
                                   !be->i->sigmoid_mul || !be->i->split_halves || !be->i->rope_partial))
         return kiln_error(KILN_ERR_UNSUPPORTED, "forward state: %s needs the linear-attention ops, which the %s backend lacks",
                           m->arch->name, be->i->name);
-    if (n_ctx < 1 || n_batch < 1 || n_seq < 1)
-        return kiln_error(KILN_ERR_INVALID_ARG, "forward state: n_ctx %d, n_batch %d, n_seq %d must be >= 1",
-                          n_ctx, n_batch, n_seq);
+    if (n_ctx < 1 || n_batch < 1 || n_seq < 1 || pool_blocks < 0)
+        return kiln_error(KILN_ERR_INVALID_ARG, "forward state: n_ctx %d, n_batch %d, n_seq %d must be >= 1 "
+                          "(and the pool's blocks %d >= 0)", n_ctx, n_batch, n_seq, pool_blocks);
     /* the cpu backend's memory is host memory: keep the model's pointers, write logits to
      * the caller's array */
     fs->host_memory = be->i->host_memory;
@@ -82,8 +82,9 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
     for (int l = 0; l < c->n_layer; l++) L += !kiln_layer_linear(c, l);
     size_t QD = (size_t)c->n_head * HS, KD = (size_t)c->n_head_kv * HS, FF = (size_t)c->n_ff;
     size_t NB = (size_t)n_batch, T = (size_t)n_ctx, S = (size_t)n_seq;
-    size_t max_blocks = (T + KILN_KV_BLOCK - 1) / KILN_KV_BLOCK, n_blocks = S * max_blocks;
-    if (n_blocks > INT32_MAX / KILN_KV_BLOCK)
+    size_t max_blocks = (T + KILN_KV_BLOCK - 1) / KILN_KV_BLOCK;
+    size_t n_blocks = pool_blocks ? (size_t)pool_blocks : S * max_blocks;
+    if (n_blocks > INT32_MAX / KILN_KV_BLOCK || S * max_blocks > INT32_MAX)
         return kiln_error(KILN_ERR_RANGE, "context of %d sequences of %d tokens is too large", n_seq, n_ctx);
     size_t pool = 0; /* floats of one of k_cache, v_cache */
     if (kiln_mul_overflow(L * n_blocks * KILN_KV_BLOCK, KD, &pool))
@@ -143,7 +144,9 @@ kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m,
     fs->n_seq = (int)S;
     fs->max_blocks = (int)max_blocks;
     fs->n_blocks = (int)n_blocks;
-    for (size_t i = 0; i < S * max_blocks; i++) fs->host_table[i] = (int32_t)i;
+    /* dense: sequence s owns blocks s*max_blocks..; a pool: the caller assigns blocks
+     * (kiln_forward_state_set_blocks), block 0 until then */
+    for (size_t i = 0; i < S * max_blocks; i++) fs->host_table[i] = pool_blocks ? 0 : (int32_t)i;
     fs->pages.block_size = KILN_KV_BLOCK;
     fs->pages.max_blocks = (int)max_blocks;
     fs->pages.block_table = (const int32_t *)(void *)table;
@@ -194,6 +197,23 @@ void kiln_forward_state_free(kiln_forward_state *fs) {
     kiln_free(fs->host_table);
     kiln_free(fs->runs);
     memset(fs, 0, sizeof *fs);
+}
+
+kiln_status kiln_forward_state_set_blocks(kiln_forward_state *fs, int seq, int first, const int32_t *blocks, int n) {
+    if (seq < 0 || seq >= fs->n_seq || first < 0 || n < 0 || first > fs->max_blocks - n)
+        return kiln_error(KILN_ERR_RANGE, "forward state: blocks %d..%d of sequence %d out of range (%d sequences of %d blocks)",
+                          first, first + n, seq, fs->n_seq, fs->max_blocks);
+    for (int i = 0; i < n; i++)
+        if (blocks[i] < 0 || blocks[i] >= fs->n_blocks)
+            return kiln_error(KILN_ERR_RANGE, "forward state: block %d not in the pool [0, %d)", blocks[i], fs->n_blocks);
+    size_t at = (size_t)seq * (size_t)fs->max_blocks + (size_t)first;
+    memcpy(fs->host_table + at, blocks, (size_t)n * sizeof(int32_t));
+    int32_t *table = (int32_t *)(uintptr_t)fs->pages.block_table;
+    if (fs->host_memory) {
+        memcpy(table + at, blocks, (size_t)n * sizeof(int32_t));
+        return KILN_OK;
+    }
+    return n ? kiln_backend_upload(fs->be, table + at, blocks, (size_t)n * sizeof(int32_t)) : KILN_OK;
 }
 
 kiln_status kiln_forward_stage(kiln_forward_state *fs, const kiln_batch *b) {

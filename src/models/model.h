@@ -85,8 +85,9 @@ struct kiln_forward_state {
     int n_ctx, n_batch;
     /* The KV cache: per layer a pool of n_blocks blocks of KILN_KV_BLOCK positions, each
      * position KVH*HS floats (layer l's pool at l * n_blocks * KILN_KV_BLOCK * KVH*HS), found
-     * through pages (ops.h). Sequence s owns blocks s*max_blocks .. (s+1)*max_blocks-1: a
-     * dense cache of n_seq sequences of n_ctx positions, as a block table. */
+     * through pages (ops.h): sequence s's block table is host_table[s * max_blocks ..]. A
+     * dense state (pool_blocks 0) gives sequence s blocks s*max_blocks .. (s+1)*max_blocks-1;
+     * a pool's owner (the serving engine) assigns blocks with kiln_forward_state_set_blocks. */
     float *k_cache, *v_cache;
     int n_seq, n_blocks, max_blocks;
     int32_t *host_table; /* (n_seq, max_blocks) */
@@ -138,14 +139,18 @@ struct kiln_forward_state {
 typedef struct kiln_forward_state kiln_forward_state;
 
 /* Allocate the state on backend be (which must outlive it) for n_seq >= 1 sequences of up to
- * n_ctx positions and batches of up to n_batch tokens: scratch and KV cache through
+ * n_ctx positions and batches of up to n_batch tokens, over a KV pool of pool_blocks blocks
+ * (0: dense, n_seq * ceil(n_ctx / KILN_KV_BLOCK) blocks, each sequence its own): scratch and KV cache through
  * kiln_backend_alloc, zeroed; the block table and rope tables computed on the host and
  * uploaded; the f32 weight vectors uploaded (device backends). The backend must have the
  * batch ops (kv_store_rows, attention_paged, get_rows) and scale (and geglu for an
  * architecture that uses it). */
 kiln_status kiln_forward_state_init(kiln_forward_state *fs, const kiln_model *m, kiln_backend *be,
-                                    int n_ctx, int n_batch, int n_seq);
+                                    int n_ctx, int n_batch, int n_seq, int pool_blocks);
 void kiln_forward_state_free(kiln_forward_state *fs);
+/* Point entries first..first+n-1 of sequence seq's block table at blocks[0..n) (pool indices),
+ * on the host and in backend memory. KILN_ERR_RANGE for entries or blocks out of range. */
+kiln_status kiln_forward_state_set_blocks(kiln_forward_state *fs, int seq, int first, const int32_t *blocks, int n);
 
 /* The cache row of position pos of sequence seq (its block table's). */
 static inline int32_t kiln_forward_slot(const kiln_forward_state *fs, int seq, int pos) {

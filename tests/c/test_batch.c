@@ -25,7 +25,7 @@ static int32_t tok(int s, int i) { return (int32_t)((s * 7919 + i * 104729 + 13)
 /* Logits of every token of sequence s run alone: (len, V). */
 static float *alone(kiln_model *m, kiln_backend *be, int s) {
     kiln_forward_state fs;
-    if (kiln_forward_state_init(&fs, m, be, MAXT, MAXT, 1) != KILN_OK) return NULL;
+    if (kiln_forward_state_init(&fs, m, be, MAXT, MAXT, 1, 0) != KILN_OK) return NULL;
     int n = g_len[s], pre = n - 3;
     float *out = malloc(sizeof(float) * (size_t)n * V);
     int32_t ids[MAXT], pos[MAXT], seq[MAXT] = {0};
@@ -63,7 +63,7 @@ static void shuffle_blocks(kiln_forward_state *fs, uint64_t seed) {
  * that rotates, and compares every row with the sequences run alone. */
 static void mixed(kiln_model *m, kiln_backend *be, float *const *ref, const int *chunk, int shuffle) {
     kiln_forward_state fs;
-    CHECK(kiln_forward_state_init(&fs, m, be, MAXT, 3 * MAXT, NSEQ) == KILN_OK);
+    CHECK(kiln_forward_state_init(&fs, m, be, MAXT, 3 * MAXT, NSEQ, 0) == KILN_OK);
     if (shuffle) shuffle_blocks(&fs, (uint64_t)shuffle);
     float *out = malloc(sizeof(float) * (size_t)3 * MAXT * V);
     int done[NSEQ] = {0}, step = 0, differ = 0;

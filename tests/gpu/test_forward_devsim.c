@@ -273,7 +273,7 @@ static int run(const char *tok, int n_vocab, const char *arch, int tied, int n_b
 
     kiln_backend ds = {.i = &ds_iface, .n_threads = 1, .ctx = NULL};
     kiln_forward_state fs;
-    ok &= kiln_forward_state_init(&fs, m, &ds, 32, n_batch, 1) == KILN_OK && !fs.host_memory;
+    ok &= kiln_forward_state_init(&fs, m, &ds, 32, n_batch, 1, 0) == KILN_OK && !fs.host_memory;
     float *dl = kiln_backend_alloc(&ds, sizeof(float) * (size_t)N * V);
     ok &= dl != NULL;
     if (ok) {
@@ -313,7 +313,7 @@ static int run(const char *tok, int n_vocab, const char *arch, int tied, int n_b
         dc->tokens = kiln_calloc(32, sizeof(int32_t));
         dc->b_pos = kiln_calloc(2 * (size_t)n_batch, sizeof(int32_t));
         dc->b_seq = dc->b_pos ? dc->b_pos + n_batch : NULL;
-        ok &= dc->tokens && dc->b_pos && kiln_forward_state_init(&dc->fs, m, dsp, 32, n_batch, 1) == KILN_OK;
+        ok &= dc->tokens && dc->b_pos && kiln_forward_state_init(&dc->fs, m, dsp, 32, n_batch, 1, 0) == KILN_OK;
         for (size_t i = 0; i < (size_t)(N + 2) * V; i++) got[i] = 0.0f;
         ok &= kiln_decode(dc, ids, N, 1, got) == KILN_OK;
         ok &= kiln_decode(dc, ids + N, 1, 0, got + (size_t)N * V) == KILN_OK;

@@ -8,7 +8,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 # rank: a layer may include its own rank and lower ones; engines (rank 5) only their own folder
-RANK = {"base": 0, "formats": 1, "tokenizer": 2, "ops": 3, "models": 4, "generate": 5, "train": 5}
+RANK = {"base": 0, "formats": 1, "tokenizer": 2, "ops": 3, "models": 4, "generate": 5, "train": 5, "serve": 6}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
