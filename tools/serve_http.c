@@ -709,7 +709,8 @@ static enum MHD_Result route_tokenize(serve_server *s, struct MHD_Connection *c,
         }
         if (st != KILN_OK) {
             const char *type;
-            ret = reply_error(s, c, status_http(st, &type), type, param, NULL, "%s", kiln_last_error());
+            int code = status_http(st, &type);
+            ret = reply_error(s, c, code, type, param, NULL, "%s", kiln_last_error());
         } else {
             cJSON *o = cJSON_CreateObject();
             cJSON *arr = cJSON_AddArrayToObject(o, "tokens");
@@ -762,7 +763,8 @@ static enum MHD_Result route_detokenize(serve_server *s, struct MHD_Connection *
         }
         if (st != KILN_OK) {
             const char *type;
-            ret = reply_error(s, c, status_http(st, &type), type, "tokens", NULL, "%s", kiln_last_error());
+            int code = status_http(st, &type);
+            ret = reply_error(s, c, code, type, "tokens", NULL, "%s", kiln_last_error());
         } else {
             size_t cl;
             char *clean = kiln_oai_utf8_clean(text, len, &cl);
