@@ -147,7 +147,7 @@ int cmd_serve(int argc, char **argv) {
         } else if (cli_opt(argc, argv, &i, "--kv-memory", &v, &err, cmd)) {
             if (!err) err = parse_size(a, v, &kv_memory);
         } else if (cli_opt(argc, argv, &i, "--max-queue", &v, &err, cmd)) {
-            if (!err) err = cli_parse_int(cmd, a, v, 0, 1 << 24, &max_queue);
+            if (!err) err = cli_parse_int(cmd, a, v, 1, 1 << 24, &max_queue);
         } else if (!strcmp(a, "--no-prefix-cache")) {
             no_prefix = 1;
         } else if (cli_opt(argc, argv, &i, "--api-key", &v, &err, cmd)) {
