@@ -276,6 +276,12 @@ typedef struct kiln_context_params {
      * and kiln_generate use; kiln_decode_seq fills any of them and kiln_decode_batch runs
      * one token of each of the first B together (batched decode). */
     int n_seq;
+    /* With fast on the CPU: the 8-bit path at every batch size, so a token's logits never depend
+     * on how many tokens share a forward (what kiln serve --fast --batch-invariant runs: with
+     * it, a served request gets kiln generate --fast --batch-invariant's tokens). Its cost is a
+     * slower prefill (bench/RESULTS.md). The auditable arithmetic is batch-invariant without
+     * it; CUDA's fast mode has no such variant yet (KILN_ERR_UNSUPPORTED). Default 0. */
+    int batch_invariant;
 } kiln_context_params;
 
 KILN_API kiln_context_params kiln_context_default_params(void);
@@ -496,6 +502,32 @@ KILN_API kiln_status kiln_train_clip_grads(kiln_trainer *t, double max_norm, flo
  * weight changes. On a device it returns once the update is enqueued (the next step queues
  * behind it; anything that reads the weights waits for it). */
 KILN_API kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr);
+/* clip_grad_norm_'s total norm and coefficient for max_norm (finite, > 0) without applying
+ * it: coef = min((1 / (total + 1e-6f)) * max_norm, 1) in float32, the bits of torch's
+ * `clip_coef = max_norm / (total_norm + 1e-6)` (a Python float over a float32 tensor is
+ * its reciprocal times the float) clamped to 1. The gradients are left as they are (a clip
+ * coefficient kiln_train_clip_grads left pending is applied to them first, as any read does);
+ * pass coef as kiln_train_adamw_step's grad_scale to clip. */
+KILN_API kiln_status kiln_train_clip_coef(kiln_trainer *t, double max_norm, float *total_norm,
+                                          float *coef);
+/* One AdamW update with learning rate lr, as torch.optim.AdamW.step() with per-parameter
+ * weight decay:
+ *   weight_decay: NULL, or n_params values in kiln_train_param_info's order, each that
+ *     parameter's param group weight_decay (finite; a negative entry: the parameter's own,
+ *     as NULL gives every parameter: kiln_train_params.weight_decay where transformers'
+ *     get_decay_parameter_names would decay it, 0 for biases and norms). With f32 weights,
+ *     and with bf16 + f32 master, any values, with the bits of torch's update (the decay
+ *     param.mul_(1 - lr * wd) is then a pass of its own before the update). With bf16 Kahan or
+ *     stochastic-rounding storage the decay is part of the update's rounding: a value other
+ *     than the parameter's own is KILN_ERR_UNSUPPORTED.
+ *   grad_scale: finite, >= 0. Every gradient is first multiplied by it, one float32 product
+ *     with float(grad_scale), as p.grad.mul_(grad_scale) before opt.step() (after a pending
+ *     clip coefficient: the gradients read afterwards are the scaled ones). 1: nothing.
+ * Every argument is checked before anything changes; a non-finite gradient (after the
+ * scaling) is refused with no weight changed. kiln_train_optimizer_step(t, lr) is
+ * kiln_train_adamw_step(t, lr, NULL, 1). */
+KILN_API kiln_status kiln_train_adamw_step(kiln_trainer *t, double lr, const double *weight_decay,
+                                           double grad_scale);
 
 /* Parameters by transformers' names. */
 KILN_API int kiln_train_n_params(const kiln_trainer *t);
@@ -513,6 +545,34 @@ KILN_API kiln_status kiln_train_get_grad(const kiln_trainer *t, const char *name
  * value is checked before any parameter is written: on error nothing has changed. */
 KILN_API kiln_status kiln_train_set_params(kiln_trainer *t, int count, const char *const *names,
                                            const float *const *data, const int64_t *n);
+/* Parameter i's shape as transformers (and a Hugging Face file) holds it: n_dims 1 (a
+ * vector, shape[0]), 2 (a matrix, (rows, cols)) or 3 (a convolution's taps, (channels, 1,
+ * taps)); unused entries 1. */
+KILN_API kiln_status kiln_train_param_file_shape(const kiln_trainer *t, int i, int *n_dims,
+                                                 int64_t shape[3]);
+
+/* AdamW's state of one parameter as torch.optim.AdamW keeps it (state[p]: exp_avg,
+ * exp_avg_sq, step), n = its element count.
+ * get: exp_avg and exp_avg_sq (n floats each, either may be NULL) and *step (may be NULL; the
+ * updates done, the same for every parameter). With f32 moments (KILN_MOMENTS_F32) the stored
+ * values exactly; with 8-bit moments (KILN_MOMENTS_Q8) their dequantized values, what the
+ * next update reads.
+ * set: both moments (finite, exp_avg_sq >= 0; checked before anything is written). f32
+ * moments: stored exactly, so get -> set -> the next updates have the bits of the run the
+ * state came from. 8-bit moments: quantized per block of 256 as an update stores them, which
+ * is lossy (a resume through get/set is then close to, not bit-identical with, the original;
+ * kiln_train_save / kiln_train_load keep the blocks exactly).
+ * The bf16 storages' master copy and compensation are not part of torch's state: a resume
+ * through these calls and kiln_train_get/set_param is bit-identical only with f32 weights. */
+KILN_API kiln_status kiln_train_get_moments(const kiln_trainer *t, const char *name,
+                                            float *exp_avg, float *exp_avg_sq, int64_t n,
+                                            int64_t *step);
+KILN_API kiln_status kiln_train_set_moments(kiln_trainer *t, const char *name,
+                                            const float *exp_avg, const float *exp_avg_sq,
+                                            int64_t n);
+/* Set the optimizer's step count (torch's state["step"], one value for every parameter),
+ * 0 <= step <= 2^24: the next update's bias corrections use step + 1. */
+KILN_API kiln_status kiln_train_set_optimizer_step_count(kiln_trainer *t, int64_t step);
 
 /* Memory by kiln's own accounting, in bytes. */
 typedef struct kiln_train_memory {
@@ -580,7 +640,8 @@ typedef struct kiln_linear_ce kiln_linear_ce;
 
 typedef struct kiln_linear_ce_params {
     int64_t N, H, V;         /* positions, hidden size, vocabulary size */
-    const float *hidden;     /* (N, H) f32, rows contiguous */
+    const void *hidden;      /* (N, H): f32, or bf16 bit patterns with hidden_bf16; row n at
+                              * hidden + n * hidden_stride elements */
     const void *weight;      /* (V, H): f32, or bf16 bit patterns with weight_bf16 */
     int weight_bf16;
     const int32_t *targets;  /* (N), HOST memory; < 0 (e.g. -100): not supervised */
@@ -604,6 +665,17 @@ typedef struct kiln_linear_ce_params {
                               * (defined for a given row_block). Then a non-finite loss leaves
                               * dhidden and dweight UNSPECIFIED. 0 (the default): the
                               * vocabulary walk. Ignored where it does not apply. */
+    /* Added after row_block (callers that zero the struct or start from the defaults get
+     * the earlier behaviour): */
+    int64_t hidden_stride;   /* elements from one row of hidden to the next: 0 (the default) =
+                              * H, rows back to back; else >= H, e.g. a strided view along
+                              * the leading dimensions (a framework tensor's stride(-2)), read
+                              * in place. CPU only: on CUDA anything but 0 or H is
+                              * KILN_ERR_UNSUPPORTED */
+    int hidden_bf16;         /* hidden holds bf16 bit patterns, widened exactly to f32 as
+                              * the rows are read (the loss and gradients are those of the
+                              * widened values; dhidden stays f32). CPU only: on CUDA
+                              * KILN_ERR_UNSUPPORTED */
 } kiln_linear_ce_params;
 
 typedef struct kiln_linear_ce_result {
@@ -613,8 +685,8 @@ typedef struct kiln_linear_ce_result {
     size_t scratch_bytes;   /* the scratch the call used (device memory on CUDA) */
 } kiln_linear_ce_result;
 
-/* Defaults: sizes and pointers 0 / NULL, f32 weight, KILN_LOSS_MEAN, scale 1, chunk 0,
- * row_block 0. */
+/* Defaults: sizes and pointers 0 / NULL, f32 hidden and weight, KILN_LOSS_MEAN, scale 1,
+ * chunk 0, row_block 0, hidden_stride 0 (rows back to back). */
 KILN_API kiln_linear_ce_params kiln_linear_ce_default_params(void);
 /* device and fast as above. KILN_ERR_UNSUPPORTED naming why when the device cannot be used
  * (kiln built without CUDA, no such GPU, fast on the CPU). */
@@ -651,6 +723,7 @@ typedef struct kiln_engine kiln_engine;
 typedef struct kiln_engine_params {
     int device;           /* -1 = CPU (default), N = CUDA device N */
     int fast;             /* 0 (default) = auditable arithmetic; as kiln_context_params.fast */
+    int batch_invariant;  /* with fast: as kiln_context_params.batch_invariant */
     int n_threads;        /* CPU threads, 0 = all cores */
     int n_ctx;            /* positions per request (prompt + output); 0 = the model's, at most 8192 */
     int max_batch_tokens; /* tokens per forward step (default 512) */

@@ -16,7 +16,7 @@ typedef struct gen_opts {
     const char *model, *prompt, *prompt_file, *system;
     long n_predict, threads, n_ctx, n_batch;
     kiln_sampler_params sampler;
-    int chat, json, ignore_eos, f32, no_mmap, show_prompt_stats, fast;
+    int chat, json, ignore_eos, f32, no_mmap, show_prompt_stats, fast, batch_invariant;
     int seed_given; /* --seed: else a random seed, printed */
     int device; /* -1 = CPU, N >= 0 = CUDA device N */
     const char *stops[MAX_STOPS + 1];
@@ -47,6 +47,8 @@ static const char *generate_help =
     "      --no-mmap          read the model instead of mapping it\n"
     "      --fast             approximate fast arithmetic: on the CPU 8-bit activations for\n"
     "                         quantized weights; on CUDA bf16 tensor cores (docs/CUDA.md)\n"
+    "      --batch-invariant  with --fast on the CPU: 8-bit activations at every batch size\n"
+    "                         (kiln serve --fast --batch-invariant's arithmetic)\n"
     "      --device D         cpu (default), cuda or cuda:N: run on CUDA GPU N (same bits as cpu)\n"
     "      --json             print one JSON object: prompt_ids, ids, text, timings\n";
 
@@ -130,6 +132,8 @@ static int parse_opts(const char *cmd, int argc, char **argv, gen_opts *o, int *
             o->f32 = 1;
         } else if (!strcmp(a, "--fast")) {
             o->fast = 1;
+        } else if (!strcmp(a, "--batch-invariant")) {
+            o->batch_invariant = 1;
         } else if (cli_opt(argc, argv, &i, "--device", &v, &err, cmd)) {
             if (!err) err = cli_parse_device(cmd, v, &o->device);
         } else if (!strcmp(a, "--no-mmap")) {
@@ -167,6 +171,7 @@ static kiln_status open_model(const gen_opts *o, kiln_model **m, kiln_context **
     cp.n_batch = (int)o->n_batch;
     cp.n_threads = (int)o->threads;
     cp.fast = o->fast; /* CPU: 8-bit activations; CUDA: the fast arithmetic */
+    cp.batch_invariant = o->batch_invariant;
     cp.device = o->device;
     st = kiln_context_create(*m, &cp, ctx);
     if (st != KILN_OK) {

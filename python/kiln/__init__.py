@@ -27,6 +27,15 @@ __all__ = ["KilnError", "Model", "Context", "Tokenizer", "Trainer", "LinearCross
 _lib = None
 
 
+def __getattr__(name):
+    """kiln.torch (the torch interop, python/kiln/torch.py) is imported on first use, so that
+    `import kiln` does not need torch."""
+    if name == "torch":
+        import importlib
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'kiln' has no attribute {name!r}")
+
+
 class KilnError(RuntimeError):
     def __init__(self, status, message):
         super().__init__(f"{message} (status {status})")
@@ -55,7 +64,7 @@ class _ModelParams(C.Structure):
 class _ContextParams(C.Structure):
     _fields_ = [("n_ctx", C.c_int), ("n_batch", C.c_int), ("n_threads", C.c_int),
                 ("fast_q8_activations", C.c_int), ("device", C.c_int),
-                ("fast", C.c_int), ("n_seq", C.c_int)]
+                ("fast", C.c_int), ("n_seq", C.c_int), ("batch_invariant", C.c_int)]
 
 
 class _SamplerParams(C.Structure):
@@ -117,7 +126,7 @@ class _LinearCEParams(C.Structure):
                 ("targets", C.c_void_p), ("mask", C.c_void_p), ("reduction", C.c_int),
                 ("scale", C.c_float), ("dhidden", C.c_void_p), ("dhidden_accumulate", C.c_int),
                 ("dweight", C.c_void_p), ("row_loss", C.c_void_p), ("chunk", C.c_int64),
-                ("row_block", C.c_int64)]
+                ("row_block", C.c_int64), ("hidden_stride", C.c_int64), ("hidden_bf16", C.c_int)]
 
 
 class _LinearCEResult(C.Structure):
@@ -197,6 +206,14 @@ def load_library(path=None):
         "kiln_train_describe": (C.c_int, [P, C.c_char_p, C.c_size_t, C.POINTER(TrainMemory)]),
         "kiln_train_set_params": (C.c_int, [P, C.c_int, C.POINTER(C.c_char_p),
                                             C.POINTER(C.POINTER(C.c_float)), C.POINTER(C.c_int64)]),
+        "kiln_train_param_file_shape": (C.c_int, [P, C.c_int, C.POINTER(C.c_int), C.POINTER(C.c_int64)]),
+        "kiln_train_clip_coef": (C.c_int, [P, C.c_double, C.POINTER(C.c_float), C.POINTER(C.c_float)]),
+        "kiln_train_adamw_step": (C.c_int, [P, C.c_double, C.POINTER(C.c_double), C.c_double]),
+        "kiln_train_get_moments": (C.c_int, [P, C.c_char_p, C.POINTER(C.c_float), C.POINTER(C.c_float),
+                                             C.c_int64, C.POINTER(C.c_int64)]),
+        "kiln_train_set_moments": (C.c_int, [P, C.c_char_p, C.POINTER(C.c_float), C.POINTER(C.c_float),
+                                             C.c_int64]),
+        "kiln_train_set_optimizer_step_count": (C.c_int, [P, C.c_int64]),
         "kiln_train_save": (C.c_int, [P, C.c_char_p, C.c_uint64, C.c_char_p, C.c_int]),
         "kiln_train_load": (C.c_int, [P, C.c_char_p, C.POINTER(C.c_uint64), C.POINTER(C.c_void_p)]),
         "kiln_string_free": (None, [C.c_void_p]),
@@ -562,15 +579,19 @@ class Context(_Handle):
 
     _free = "kiln_context_free"
 
-    def __init__(self, model, n_ctx=0, n_batch=512, n_threads=0, device=-1, fast=False, n_seq=1):
+    def __init__(self, model, n_ctx=0, n_batch=512, n_threads=0, device=-1, fast=False, n_seq=1,
+                 batch_invariant=False):
         """device: -1 = CPU, N >= 0 = CUDA device N (bit-identical to the CPU unless fast).
-        fast: the backend's fast arithmetic (CPU: 8-bit activations; CUDA: bf16 tensor cores)."""
+        fast: the backend's fast arithmetic (CPU: 8-bit activations; CUDA: bf16 tensor cores).
+        batch_invariant: with fast on the CPU, the 8-bit path at every batch size, so a token's
+        logits never depend on the batch (kiln serve --fast --batch-invariant's arithmetic)."""
         self._lib = load_library()
         p = self._lib.kiln_context_default_params()
         p.n_ctx, p.n_batch = _int("n_ctx", n_ctx, 0), _int("n_batch", n_batch, 0)
         p.n_threads, p.device = _int("n_threads", n_threads, 0, 256), _int("device", device)
         p.fast = 1 if fast else 0
         p.n_seq = _int("n_seq", n_seq, 0)
+        p.batch_invariant = 1 if batch_invariant else 0
         model._user_opened(self)
         self.model = model
         h = C.c_void_p()
@@ -859,6 +880,199 @@ class Trainer(_Handle):
             text = C.string_at(run.value).decode()
             self._lib.kiln_string_free(run)
         return step.value, text
+
+
+    # ---- torch interop: parameters, gradients, moments as torch tensors (torch imported
+    # lazily; docs/TRAINING.md, "torch interop"). Every tensor handed out is a CPU float32 copy
+    # in transformers' shape; every tensor taken in is read as float32 on the CPU. ----------
+
+    def _torch_params(self):
+        """[(name, n, torch shape)] in kiln_train_param_info's order (transformers'
+        named_parameters() order), cached."""
+        if getattr(self, "_tshapes", None) is None:
+            out = []
+            for i, (name, n, _) in enumerate(self.params()):
+                nd, shape = C.c_int(), (C.c_int64 * 3)()
+                _check(self._lib.kiln_train_param_file_shape(self._live(), i, C.byref(nd), shape))
+                out.append((name, n, tuple(shape[k] for k in range(nd.value))))
+            self._tshapes = out
+        return self._tshapes
+
+    @staticmethod
+    def _f32(name, x, shape):
+        """x (a torch tensor, numpy array or nested list) as a contiguous float32 numpy array of
+        exactly `shape` (ValueError naming `name` otherwise)."""
+        import numpy as np
+        if hasattr(x, "detach"):
+            x = x.detach().to("cpu").float().numpy()
+        a = np.ascontiguousarray(x, dtype=np.float32)
+        if tuple(a.shape) != tuple(shape):
+            raise ValueError(f"{name}: shape {tuple(a.shape)}, expected {tuple(shape)}")
+        return a
+
+    def parameters(self):
+        """{name: float32 CPU torch tensor} of every parameter, transformers' names and shapes
+        (copies: writing them changes nothing here; load_parameters writes back)."""
+        import torch
+        return {name: torch.from_numpy(self.get_param(name, n).reshape(shape))
+                for name, n, shape in self._torch_params()}
+
+    def load_parameters(self, named):
+        """Write {name: tensor} (any subset of parameters(), each of its shape) at once: every
+        name, shape and value is checked before anything is written (kiln_train_set_params).
+        bf16 storages round to bf16 and may only be written before the first step."""
+        shapes = {name: shape for name, _, shape in self._torch_params()}
+        arrays = {}
+        for name, x in named.items():
+            if name not in shapes:
+                raise KeyError(f"load_parameters: no parameter named {name!r}")
+            arrays[name] = self._f32(name, x, shapes[name])
+        self.set_params(arrays)
+
+    def grads(self):
+        """{name: float32 CPU torch tensor} of every gradient (a pending clip coefficient
+        applied, as the optimizer would read them)."""
+        import torch
+        return {name: torch.from_numpy(self.get_grad(name, n).reshape(shape))
+                for name, n, shape in self._torch_params()}
+
+    @staticmethod
+    def _ids(name, x):
+        import numpy as np
+        if hasattr(x, "detach"):
+            x = x.detach().to("cpu").numpy()
+        a = np.asarray(x)
+        if a.dtype.kind not in "iu" and a.size:
+            raise TypeError(f"{name}: integer ids expected, got {a.dtype}")
+        return np.ascontiguousarray(a, dtype=np.int64)
+
+    def train_forward(self, ids, targets, reduction="mean", scale=1.0):
+        """The loss of ids against targets (-1 or any negative: not supervised) as a float32
+        torch scalar, leaving the step pending for train_backward(). 1-D ids: one sequence
+        (forward); 2-D (n_seq, seq): a batch (forward_batch)."""
+        import torch
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction {reduction!r}: 'mean' or 'sum'")
+        a, t = self._ids("ids", ids), self._ids("targets", targets)
+        if a.shape != t.shape or a.ndim not in (1, 2):
+            raise ValueError(f"train_forward: ids {a.shape} and targets {t.shape}: one 1-D or 2-D shape")
+        if a.ndim == 1:
+            loss = self.forward(a.tolist(), t.tolist(), reduction, float(scale))
+        else:
+            loss = self.forward_batch(a, t, reduction, float(scale))
+        return torch.tensor(loss, dtype=torch.float32)
+
+    def hidden(self, ids, positions=None):
+        """Final-norm hidden states of one sequence at positions (default: every position) as a
+        float32 torch tensor (n_pos, n_embd), leaving the step pending: train_backward(dh)
+        takes their gradient (kiln_train_forward_hidden)."""
+        import torch
+        a = self._ids("ids", ids).reshape(-1)
+        pos = list(range(a.size)) if positions is None else self._ids("positions", positions).reshape(-1).tolist()
+        return torch.from_numpy(self.forward_hidden(a.tolist(), pos))
+
+    def train_backward(self, dhidden=None, accumulate=False):
+        """Backward of the pending step: dhidden None after train_forward, else the gradient of
+        hidden()'s output (n_pos, n_embd), any float tensor (read as float32)."""
+        if dhidden is not None:
+            dhidden = self._f32("dhidden", dhidden, tuple(dhidden.shape))
+        self.backward(dhidden, accumulate)
+
+    def clip_coef(self, max_norm, with_norm=False):
+        """torch.nn.utils.clip_grad_norm_(params, max_norm)'s clip_coef_clamped, with torch's
+        float32 bits, without clipping (kiln_train_clip_coef); with_norm: (total_norm, coef).
+        adamw_step(lr, grad_scale=coef) then applies it as clip_grad_norm_ would."""
+        total, coef = C.c_float(), C.c_float()
+        _check(self._lib.kiln_train_clip_coef(self._live(), float(max_norm), C.byref(total), C.byref(coef)))
+        return (total.value, coef.value) if with_norm else coef.value
+
+    def adamw_step(self, lr, weight_decay=None, grad_scale=1.0):
+        """One AdamW update (kiln_train_adamw_step), as torch.optim.AdamW.step():
+        weight_decay None: the trainer's rule (its weight_decay, none for biases and norms);
+        a float: every parameter decays by it (one param group); a dict {name: float}: those
+        parameters by their value, the others by the trainer's rule. grad_scale (a float or a
+        0-dim tensor, e.g. clip_coef()'s): the gradients are multiplied by it first, as
+        p.grad.mul_(grad_scale)."""
+        import numpy as np
+        names = [name for name, _, _ in self._torch_params()]
+        wd = None
+        if isinstance(weight_decay, dict):
+            unknown = set(weight_decay) - set(names)
+            if unknown:
+                raise KeyError(f"adamw_step: weight_decay names unknown parameters {sorted(unknown)}")
+            vals = []
+            for name in names:
+                v = float(weight_decay.get(name, -1.0))
+                if name in weight_decay and not v >= 0.0:
+                    raise ValueError(f"adamw_step: weight_decay[{name!r}] = {v} (must be >= 0)")
+                vals.append(v)
+            wd = np.asarray(vals, dtype=np.float64)
+        elif weight_decay is not None:
+            v = float(weight_decay)
+            if not v >= 0.0:
+                raise ValueError(f"adamw_step: weight_decay = {v} (must be >= 0)")
+            wd = np.full(len(names), v, dtype=np.float64)
+        ptr = None if wd is None else wd.ctypes.data_as(C.POINTER(C.c_double))
+        _check(self._lib.kiln_train_adamw_step(self._live(), float(lr), ptr, float(grad_scale)))
+
+    def adamw_state(self):
+        """{name: {"step", "exp_avg", "exp_avg_sq"}} as torch.optim.AdamW's state_dict()["state"]
+        holds each parameter (step a float32 scalar tensor, the moments float32 in the
+        parameter's shape). f32 moments: the stored values; q8 moments: dequantized."""
+        import numpy as np
+        import torch
+        out = {}
+        for name, n, shape in self._torch_params():
+            m, v = np.empty(n, np.float32), np.empty(n, np.float32)
+            step = C.c_int64()
+            P = C.POINTER(C.c_float)
+            _check(self._lib.kiln_train_get_moments(self._live(), name.encode(), m.ctypes.data_as(P),
+                                                    v.ctypes.data_as(P), n, C.byref(step)))
+            out[name] = {"step": torch.tensor(float(step.value), dtype=torch.float32),
+                         "exp_avg": torch.from_numpy(m.reshape(shape)),
+                         "exp_avg_sq": torch.from_numpy(v.reshape(shape))}
+        return out
+
+    def load_adamw_state(self, state):
+        """Restore adamw_state()'s dict, or a torch.optim.AdamW state_dict() (its "state" keyed
+        by index: the i-th parameter of its param groups is kiln's i-th, parameters() order).
+        Every parameter must be present, with one step for all; everything is checked before
+        anything is written. Load the parameters first (load_parameters with bf16 storage
+        starts a fresh optimizer). f32 moments resume bit for bit; q8 moments are requantized
+        (lossy: include/kiln.h, kiln_train_set_moments)."""
+        import numpy as np
+        params = self._torch_params()
+        if isinstance(state, dict) and "state" in state and "param_groups" in state:
+            order = [i for g in state["param_groups"] for i in g["params"]]
+            if len(order) != len(params):
+                raise ValueError(f"load_adamw_state: the state_dict has {len(order)} parameters, "
+                                 f"this trainer {len(params)}")
+            state = {params[k][0]: state["state"][i] for k, i in enumerate(order) if i in state["state"]}
+        missing = [name for name, _, _ in params if name not in state]
+        if missing:
+            raise KeyError(f"load_adamw_state: no state for {missing[:3]}{'...' if len(missing) > 3 else ''}")
+        unknown = set(state) - {name for name, _, _ in params}
+        if unknown:
+            raise KeyError(f"load_adamw_state: unknown parameters {sorted(unknown)[:3]}")
+        steps, arrays = set(), []
+        for name, n, shape in params:
+            st = state[name]
+            steps.add(float(st["step"]))
+            m = self._f32(f"{name}.exp_avg", st["exp_avg"], shape).ravel()
+            v = self._f32(f"{name}.exp_avg_sq", st["exp_avg_sq"], shape).ravel()
+            if not (np.all(np.isfinite(m)) and np.all(np.isfinite(v)) and np.all(v >= 0)):
+                raise ValueError(f"load_adamw_state: {name}: moments must be finite, exp_avg_sq >= 0")
+            arrays.append((name, n, m, v))
+        if len(steps) != 1:
+            raise ValueError(f"load_adamw_state: parameters at different steps {sorted(steps)}: kiln keeps one")
+        step = steps.pop()
+        if step != int(step) or not 0 <= step <= 2 ** 24:
+            raise ValueError(f"load_adamw_state: step {step} is not an integer in [0, 2^24]")
+        P = C.POINTER(C.c_float)
+        for name, n, m, v in arrays:
+            _check(self._lib.kiln_train_set_moments(self._live(), name.encode(), m.ctypes.data_as(P),
+                                                    v.ctypes.data_as(P), n))
+        _check(self._lib.kiln_train_set_optimizer_step_count(self._live(), int(step)))
 
 
 class LinearCrossEntropy(_Handle):

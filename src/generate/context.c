@@ -49,7 +49,7 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
     c->params = p;
     kiln_status st;
     if (p.device >= 0) {
-        st = kiln_backend_acquire(p.device, p.fast, 0, &c->be);
+        st = kiln_backend_acquire(p.device, p.fast ? (p.batch_invariant ? KILN_MODE_FAST_INVARIANT : KILN_MODE_FAST) : 0, 0, &c->be);
         if (st != KILN_OK) { /* say which setting asked for CUDA, keep the backend's reason */
             char why[512];
             snprintf(why, sizeof why, "%s", kiln_last_error());
@@ -57,7 +57,9 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
             return kiln_error(st, "kiln_context_create: device %d (CUDA) unavailable: %s", p.device, why);
         }
     } else {
-        st = kiln_backend_acquire(-1, p.fast_q8_activations || p.fast, p.n_threads, &c->be);
+        int fast = p.fast_q8_activations || p.fast;
+        st = kiln_backend_acquire(-1, fast ? (p.batch_invariant ? KILN_MODE_FAST_INVARIANT : KILN_MODE_FAST) : 0,
+                                  p.n_threads, &c->be);
     }
     if (st == KILN_OK) st = kiln_forward_state_init(&c->fs, m, c->be, p.n_ctx, p.n_batch, p.n_seq, 0);
     if (st == KILN_OK) st = kiln_alloc_or_fail((void **)&c->seq_past, (size_t)p.n_seq * sizeof(int), "sequence lengths");

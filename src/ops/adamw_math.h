@@ -184,6 +184,22 @@ static inline KILN_HD int8_t kiln_adamw_q8_mcode(float m, float am) {
 static inline KILN_HD uint8_t kiln_adamw_q8_vcode(float v, float av) {
     return (uint8_t)(av > 0.0f ? kiln_adamw_q8_code(v / av, 255, 1) : 0);
 }
+/* One block of len moments quantized as the step stores them: absmax *ms, *vs, then each
+ * element's code (host side: the CPU step and the optimizer's set_moments). */
+static inline void kiln_adamw_q8_quant_block(const float *m, const float *v, int8_t *mq,
+                                             uint8_t *vq, float *ms, float *vs, int len) {
+    float am = 0.0f, av = 0.0f;
+    for (int i = 0; i < len; i++) {
+        if (fabsf(m[i]) > am) am = fabsf(m[i]);
+        if (fabsf(v[i]) > av) av = fabsf(v[i]);
+    }
+    *ms = am;
+    *vs = av;
+    for (int i = 0; i < len; i++) {
+        mq[i] = kiln_adamw_q8_mcode(m[i], am);
+        vq[i] = kiln_adamw_q8_vcode(v[i], av);
+    }
+}
 
 /* ---- gradient norm ----------------------------------------------------------------------- */
 

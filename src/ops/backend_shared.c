@@ -31,7 +31,11 @@ kiln_status kiln_backend_acquire(int device, int mode, int n_threads, kiln_backe
                           device);
     if (device >= 0) n_threads = 0; /* a GPU's backend has no thread pool of its own */
     else if (n_threads <= 0) n_threads = kiln_cpu_count();
-    mode = mode ? 1 : 0;
+    if (mode < 0 || mode > KILN_MODE_FAST_INVARIANT)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_acquire: mode %d not in [0, %d]", mode, KILN_MODE_FAST_INVARIANT);
+    if (device >= 0 && mode == KILN_MODE_FAST_INVARIANT)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "the batch-invariant fast mode is the CPU's only for now: CUDA's fast "
+                          "products tile by the batch's size (use the auditable mode, which is batch-invariant on CUDA too)");
     pthread_mutex_lock(&g_lock);
     for (shared_backend *s = g_shared; s; s = s->next) {
         if (s->device != device || s->mode != mode || s->n_threads != n_threads) continue;

@@ -214,8 +214,17 @@ static kiln_status check_params(const kiln_backend *be, const kiln_fused_ce_para
                           (long long)p->N, (long long)p->H, (long long)p->V);
     if (p->N > INT32_MAX || p->V > INT32_MAX || p->H > INT32_MAX)
         return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: N, H or V above 2^31 - 1");
-    if (!p->hidden || !p->weight || !p->targets)
+    if (!(p->hidden || p->hidden16) || !p->weight || !p->targets)
         return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: hidden, weight or targets is NULL");
+    if (p->hidden && p->hidden16)
+        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: hidden and hidden16 both set (one of them)");
+    if (p->hidden_ld != 0 && p->hidden_ld < p->H)
+        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: hidden_ld %lld < H %lld (rows would overlap)",
+                          (long long)p->hidden_ld, (long long)p->H);
+    if (!be->i->host_memory && (p->hidden16 || (p->hidden_ld != 0 && p->hidden_ld != p->H)))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "fused_ce: the %s backend reads f32 hidden states "
+                          "with rows back to back (hidden16 and a row stride are the CPU's)",
+                          be->i->name ? be->i->name : "?");
     if (p->weight_dtype != KILN_DTYPE_F32 && p->weight_dtype != KILN_DTYPE_BF16)
         return kiln_error(KILN_ERR_UNSUPPORTED,
                           "fused_ce: weight dtype %d: only f32 and bf16 are supported",
@@ -237,6 +246,11 @@ static kiln_status check_params(const kiln_backend *be, const kiln_fused_ce_para
         kiln_mul_overflow((size_t)p->V, (size_t)p->H, &tmp) ||
         kiln_mul_overflow(tmp, sizeof(float), &tmp))
         return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: N x H or V x H overflows");
+    /* the last row of a strided hidden ends at (N - 1) x ld + H elements */
+    if (p->hidden_ld > 0 && (kiln_mul_overflow((size_t)(p->N - 1), (size_t)p->hidden_ld, &tmp) ||
+                             kiln_add_overflow(tmp, (size_t)p->H, &tmp) ||
+                             kiln_mul_overflow(tmp, sizeof(float), &tmp)))
+        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: (N - 1) x hidden_ld + H overflows");
     return KILN_OK;
 }
 

@@ -71,7 +71,14 @@ typedef enum kiln_ce_reduction {
 
 typedef struct kiln_fused_ce_params {
     int64_t N, H, V;            /* positions, hidden size, vocabulary size */
-    const float *hidden;        /* (N, H) f32 */
+    const float *hidden;        /* (N, H) f32, row n at hidden + n * hidden_ld; or NULL with
+                                 * hidden16 */
+    const uint16_t *hidden16;   /* instead of hidden: (N, H) bf16 bit patterns, each widened
+                                 * exactly to f32 as the rows are gathered (host-memory
+                                 * backends only: the CPU's) */
+    int64_t hidden_ld;          /* elements from one row of hidden (hidden16) to the next: 0 =
+                                 * H (rows back to back), else >= H (a strided view); host-
+                                 * memory backends only unless 0 or H */
     const void *weight;         /* (V, H), weight_dtype: F32 or BF16 */
     kiln_dtype weight_dtype;
     const int32_t *targets;     /* (N); a target < 0 (e.g. -100) marks a position unsupervised */

@@ -552,10 +552,17 @@ struct kiln_backend {
 /* The CPU backend with n_threads workers (0 = all cores). Results are bit-identical for any
  * n_threads. */
 kiln_status kiln_backend_cpu_create(int n_threads, kiln_backend **out);
-/* The CPU backend in a mode: fast_q8 = 0 is kiln_backend_cpu_create (exact); fast_q8 != 0
+/* A backend's arithmetic mode (kiln_backend_acquire): auditable, fast, or fast and
+ * batch-invariant (a token's result never depends on how many tokens share its products;
+ * the CPU's only for now). */
+enum { KILN_MODE_AUDITABLE = 0, KILN_MODE_FAST = 1, KILN_MODE_FAST_INVARIANT = 2 };
+
+/* The CPU backend in a mode: fast_q8 = 0 is kiln_backend_cpu_create (exact); fast_q8 = 1
  * makes matmul with Q8_0/Q4_0/Q4_1 weights and N <= 8 tokens quantize x to 8-bit blocks
  * and sum integer products (approximate; docs/ARITHMETIC.md, "Fast mode: 8-bit
- * activations"); still bit-identical for any n_threads and SIMD path. */
+ * activations"); fast_q8 = 2 takes that path at every N, 8 tokens at a time, so a token's
+ * row never depends on the batch (slower prefill: the weights are read once per 8 tokens).
+ * Bit-identical for any n_threads and SIMD path. */
 kiln_status kiln_backend_cpu_create_mode(int n_threads, int fast_q8, kiln_backend **out);
 void kiln_backend_free(kiln_backend *be);
 

@@ -676,8 +676,8 @@ static void stats_gauges(kiln_engine *e) {
 
 static kiln_status engine_init_device(kiln_engine *e) {
     const kiln_engine_params *p = &e->p;
-    kiln_status st = p->device >= 0 ? kiln_backend_acquire(p->device, p->fast, 0, &e->be)
-                                    : kiln_backend_acquire(-1, p->fast, p->n_threads, &e->be);
+    int mode = p->fast ? (p->batch_invariant ? KILN_MODE_FAST_INVARIANT : KILN_MODE_FAST) : KILN_MODE_AUDITABLE;
+    kiln_status st = kiln_backend_acquire(p->device, mode, p->device >= 0 ? 0 : p->n_threads, &e->be);
     if (st != KILN_OK) return st;
     KILN_TRY(kiln_forward_state_init(&e->fs, e->m, e->be, p->n_ctx, p->max_batch_tokens, p->max_seqs, e->pool));
     if (!e->fs.host_memory) {

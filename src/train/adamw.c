@@ -527,6 +527,59 @@ kiln_status kiln_adamw_step_checked(kiln_adamw *o, kiln_pool *pool) {
     return KILN_OK;
 }
 
+/* ---- per-parameter weight decay ---------------------------------------------------------- */
+
+/* Parameter i's weight decay under the optimizer's own rule. */
+static double own_decay(const kiln_adamw *o, int i) {
+    return o->p[i].decay ? o->cfg.weight_decay : 0.0;
+}
+
+/* Parameter i's weight decay as wd asks for it (a negative entry: its own). */
+static double wanted_decay(const kiln_adamw *o, const double *wd, int i) {
+    return wd[i] < 0.0 ? own_decay(o, i) : wd[i];
+}
+
+kiln_status kiln_adamw_check_decay(const kiln_adamw *o, const double *wd) {
+    if (!o || !wd) return kiln_error(KILN_ERR_INVALID_ARG, "adamw: optimizer or weight decays NULL");
+    for (int i = 0; i < o->n_params; i++) {
+        if (!isfinite(wd[i]))
+            return kiln_error(KILN_ERR_INVALID_ARG, "adamw: weight decay of '%s' is %g (must be finite)",
+                              o->p[i].name, wd[i]);
+        if (wanted_decay(o, wd, i) != own_decay(o, i) && o->cfg.weights != KILN_ADAMW_F32 &&
+            o->cfg.weights != KILN_ADAMW_BF16_MASTER)
+            return kiln_error(KILN_ERR_UNSUPPORTED,
+                              "adamw: weight decay %g for '%s' (its own is %g): with %s the decay "
+                              "is part of the update's rounding, so only the optimizer's own "
+                              "decay can be applied", wd[i], o->p[i].name, own_decay(o, i),
+                              weights_name(o->cfg.weights));
+    }
+    return KILN_OK;
+}
+
+kiln_status kiln_adamw_step_decay(kiln_adamw *o, kiln_pool *pool, const double *wd) {
+    KILN_TRY(kiln_adamw_check_decay(o, wd));
+    int own = 1;
+    for (int i = 0; i < o->n_params; i++) own &= wanted_decay(o, wd, i) == own_decay(o, i);
+    if (own) return kiln_adamw_step_checked(o, pool);
+    for (int i = 0; i < o->n_params; i++) {
+        const double w = wanted_decay(o, wd, i);
+        if (w == 0.0) continue;
+        const adamw_slot *s = &o->p[i];
+        /* the f32 array the update reads: the weights, or the master copy */
+        float *x = o->cfg.weights == KILN_ADAMW_F32 ? (float *)s->weights : s->master;
+        const float mul = (float)(1.0 - o->cfg.lr * w); /* adamw_math.h's wd_mul */
+        if (o->host)
+            for (int64_t e = 0; e < s->n; e++) x[e] = x[e] * mul;
+        else
+            o->be->i->scale(o->be, x, mul, (size_t)s->n);
+    }
+    const double saved = o->cfg.weight_decay;
+    o->cfg.weight_decay = 0.0; /* the step's use_wd off: every decay was the pass above */
+    kiln_status st = kiln_adamw_step_checked(o, pool);
+    o->cfg.weight_decay = saved;
+    return st;
+}
+
 /* ---- describe / read back ---------------------------------------------------------------- */
 
 void kiln_adamw_describe(const kiln_adamw *o, char *buf, size_t cap, kiln_adamw_memory *mem) {
@@ -576,6 +629,74 @@ const uint16_t *kiln_adamw_compensation(const kiln_adamw *o, int i) {
     if (!o->host)
         return dev_mirror(o, i, o->p[i].comp, (size_t)o->p[i].n * sizeof(uint16_t));
     return o->p[i].comp;
+}
+
+kiln_status kiln_adamw_set_moments(kiln_adamw *o, int i, const float *m, const float *v) {
+    if (!o || i < 0 || i >= o->n_params)
+        return kiln_error(KILN_ERR_INVALID_ARG, "adamw: parameter index %d out of range", i);
+    if (!m || !v) return kiln_error(KILN_ERR_INVALID_ARG, "adamw: set_moments needs both moments");
+    const adamw_slot *s = &o->p[i];
+    for (int64_t e = 0; e < s->n; e++) {
+        if (!isfinite(m[e]))
+            return kiln_error(KILN_ERR_INVALID_ARG, "adamw: exp_avg of '%s'[%lld] is not finite (%g)",
+                              s->name, (long long)e, (double)m[e]);
+        if (!(v[e] >= 0.0f) || !isfinite(v[e]))
+            return kiln_error(KILN_ERR_INVALID_ARG, "adamw: exp_avg_sq of '%s'[%lld] is %g (finite, >= 0)",
+                              s->name, (long long)e, (double)v[e]);
+    }
+    const size_t n = (size_t)s->n;
+    if (o->cfg.moments == KILN_ADAMW_MOMENTS_F32) {
+        if (o->host) {
+            memcpy(s->m, m, n * sizeof(float));
+            memcpy(s->v, v, n * sizeof(float));
+            return KILN_OK;
+        }
+        KILN_TRY(kiln_backend_upload(o->be, s->m, m, n * sizeof(float)));
+        return kiln_backend_upload(o->be, s->v, v, n * sizeof(float));
+    }
+    /* 8-bit: codes and block scales made on the host, as the CPU step makes them */
+    const int64_t nb = n_blocks_of(s->n);
+    int8_t *mq = s->mq;
+    uint8_t *vq = s->vq;
+    float *ms = s->ms, *vs = s->vs;
+    uint8_t *stage = NULL; /* a device optimizer's host staging: codes (2n), then scales */
+    float *scales = NULL;
+    if (!o->host) {
+        stage = kiln_malloc(2 * n);
+        scales = kiln_malloc(8 * (size_t)nb);
+        if (!stage || !scales) {
+            kiln_free(stage);
+            kiln_free(scales);
+            return kiln_error(KILN_ERR_NOMEM, "adamw: out of memory staging the moments");
+        }
+        mq = (int8_t *)stage;
+        vq = stage + n;
+        ms = scales;
+        vs = scales + nb;
+    }
+    for (int64_t b0 = 0; b0 < s->n; b0 += KILN_ADAMW_Q8_BLOCK) {
+        int len = (int)(s->n - b0 < KILN_ADAMW_Q8_BLOCK ? s->n - b0 : KILN_ADAMW_Q8_BLOCK);
+        int64_t b = b0 / KILN_ADAMW_Q8_BLOCK;
+        kiln_adamw_q8_quant_block(m + b0, v + b0, mq + b0, vq + b0, &ms[b], &vs[b], len);
+    }
+    kiln_status st = KILN_OK;
+    if (!o->host) {
+        st = kiln_backend_upload(o->be, s->mq, mq, n);
+        if (st == KILN_OK) st = kiln_backend_upload(o->be, s->vq, vq, n);
+        if (st == KILN_OK) st = kiln_backend_upload(o->be, s->ms, ms, 4 * (size_t)nb);
+        if (st == KILN_OK) st = kiln_backend_upload(o->be, s->vs, vs, 4 * (size_t)nb);
+    }
+    kiln_free(scales);
+    kiln_free(stage);
+    return st;
+}
+
+kiln_status kiln_adamw_set_step(kiln_adamw *o, int64_t step) {
+    if (!o) return kiln_error(KILN_ERR_INVALID_ARG, "adamw: optimizer is NULL");
+    if (step < 0 || step > ((int64_t)1 << 24))
+        return kiln_error(KILN_ERR_RANGE, "adamw: step %lld not in [0, 2^24]", (long long)step);
+    o->step = step;
+    return KILN_OK;
 }
 
 /* ---- save / load ------------------------------------------------------------------------- */

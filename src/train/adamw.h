@@ -144,6 +144,34 @@ kiln_status kiln_adamw_get_moments(const kiln_adamw *o, int i, float *m, float *
 const float *kiln_adamw_master(const kiln_adamw *o, int i);
 const uint16_t *kiln_adamw_compensation(const kiln_adamw *o, int i);
 
+/* Write parameter i's moments (n floats each, both given; finite, v >= 0, as a step leaves
+ * them): f32 moments stored exactly, 8-bit moments quantized per block as the step stores them
+ * (lossy; a dequantized read of 8-bit moments quantizes back to the same codes and scales
+ * only where the block's absmax element is one of its values, so do not rely on a round trip).
+ * Checked before anything is written; a device optimizer uploads. */
+kiln_status kiln_adamw_set_moments(kiln_adamw *o, int i, const float *m, const float *v);
+
+/* Set the step count (torch's state["step"]: updates done), 0 <= step <= 2^24 (torch keeps
+ * it as a float32 tensor, exact up to there); the next step's bias corrections use step + 1. */
+kiln_status kiln_adamw_set_step(kiln_adamw *o, int64_t step);
+
+/* Whether a per-parameter weight decay wd (n_params values; a negative entry stands for the
+ * parameter's own) can be applied: the optimizer's
+ * own (kiln_adamw_param_decays x its weight_decay) always; any other where the weight AdamW
+ * updates is an f32 array (KILN_ADAMW_F32: the weights; BF16_MASTER: the master copy), as
+ * kiln_adamw_step_decay does it. KILN_ERR_UNSUPPORTED naming the parameter otherwise, and
+ * KILN_ERR_INVALID_ARG for a value that is not finite. */
+kiln_status kiln_adamw_check_decay(const kiln_adamw *o, const double *wd);
+
+/* kiln_adamw_step_checked with parameter i's weight decay wd[i] (torch's param group
+ * weight_decay) in place of the optimizer's decay rule. Where wd differs from the optimizer's
+ * own, the decay runs as a pass before the update: the f32 array the update reads (weights, or
+ * master copy) multiplied by float(1 - lr * wd[i]) (where wd[i] != 0), then the update without
+ * decay: the same binary32 product the update makes (torch's param.mul_(1 - lr * wd) before
+ * its Adam step), so the same bits. The caller has checked the gradients and
+ * kiln_adamw_check_decay. */
+kiln_status kiln_adamw_step_decay(kiln_adamw *o, kiln_pool *pool, const double *wd);
+
 /* ---- state save / restore ---------------------------------------------------------------
  * The state is: magic "KILNADMW", version, storage configuration, seed, hyperparameters,
  * step, the parameter list (names, sizes, decay flags), then per parameter the moments and

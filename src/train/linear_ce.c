@@ -124,7 +124,20 @@ kiln_status kiln_linear_ce_compute(kiln_linear_ce *c, const kiln_linear_ce_param
     fp.N = p->N;
     fp.H = p->H;
     fp.V = p->V;
-    fp.hidden = p->hidden;
+    if (p->hidden_stride < 0)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_linear_ce_compute: hidden_stride %lld < 0", (long long)p->hidden_stride);
+    if (p->hidden_stride != 0 && p->hidden_stride < p->H)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_linear_ce_compute: hidden_stride %lld < H %lld (0 = H)",
+                          (long long)p->hidden_stride, (long long)p->H);
+    if (c->device >= 0 && (p->hidden_bf16 || (p->hidden_stride != 0 && p->hidden_stride != p->H)))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_linear_ce_compute: %s on CUDA: the device reads f32 hidden "
+                          "states with rows back to back (hidden_stride 0 or H)",
+                          p->hidden_bf16 ? "hidden_bf16" : "hidden_stride");
+    if (p->hidden_bf16)
+        fp.hidden16 = (const uint16_t *)p->hidden;
+    else
+        fp.hidden = (const float *)p->hidden;
+    fp.hidden_ld = p->hidden_stride;
     fp.weight = p->weight;
     fp.weight_dtype = p->weight_bf16 ? KILN_DTYPE_BF16 : KILN_DTYPE_F32;
     fp.targets = p->targets;

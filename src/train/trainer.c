@@ -1079,34 +1079,130 @@ kiln_status kiln_train_clip_grads(kiln_trainer *t, double max_norm, float *total
     return KILN_OK;
 }
 
-kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr) {
-    KILN_TRY(check_ready(t, "kiln_train_optimizer_step"));
+kiln_status kiln_train_clip_coef(kiln_trainer *t, double max_norm, float *total_norm, float *coef) {
+    KILN_TRY(check_ready(t, "kiln_train_clip_coef"));
     if (t->grads_unusable)
-        return kiln_error(KILN_ERR_STATE, "kiln_train_optimizer_step: refused, weights untouched: the gradients are "
-                                          "unusable (a step_batch failed after its gradient work began, e.g. on a "
-                                          "non-finite loss): run a step that does not accumulate first");
-    if (!(lr >= 0) || !isfinite(lr)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_optimizer_step: lr must be finite and >= 0");
-    /* both halves are checked before either is updated */
-    kiln_pool *pool = NULL; /* the optimizers run on the backend's threads (param_norms) */
+        return kiln_error(KILN_ERR_STATE, "kiln_train_clip_coef: the gradients are unusable (a step_batch failed "
+                                          "after its gradient work began): run a step that does not accumulate first");
+    if (!(max_norm > 0) || !isfinite(max_norm))
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_clip_coef: max_norm %g must be finite and > 0", max_norm);
+    KILN_TRY(apply_grad_coef(t)); /* the norms of the logical gradients */
+    float *norms = kiln_malloc((size_t)t->n_params * sizeof(float));
+    if (!norms) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    kiln_status st = param_norms(t, norms);
+    if (st == KILN_OK) t->grads_finite = all_finite(norms, t->n_params);
+    float total = st == KILN_OK ? kiln_grad_norm_torch(norms, t->n_params) : 0.0f;
+    kiln_free(norms);
+    if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_clip_coef");
+    KILN_TRY(backend_check(t, "kiln_train_clip_coef"));
+    if (total_norm) *total_norm = total;
+    if (coef) *coef = kiln_clip_coef(total, max_norm);
+    return KILN_OK;
+}
+
+/* The two optimizers' halves of a per-parameter array (n_params, in parameter order). */
+static kiln_status split_decay(const kiln_trainer *t, const double *wd, double **mat, double **vec) {
+    *mat = kiln_malloc((size_t)(t->n_mat + t->n_vec) * sizeof(double));
+    if (!*mat) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    *vec = *mat + t->n_mat;
+    for (int j = 0; j < t->n_mat; j++) (*mat)[j] = wd[t->mat_index[j]];
+    for (int j = 0; j < t->n_vec; j++) (*vec)[j] = wd[t->vec_index[j]];
+    return KILN_OK;
+}
+
+/* kiln_train_adamw_step, its errors naming call. */
+static kiln_status adamw_step(kiln_trainer *t, const char *call, double lr, const double *weight_decay,
+                              double grad_scale) {
+    KILN_TRY(check_ready(t, call));
+    if (t->grads_unusable)
+        return kiln_error(KILN_ERR_STATE, "%s: refused, weights untouched: the gradients are unusable (a step_batch "
+                                          "failed after its gradient work began, e.g. on a non-finite loss): run a "
+                                          "step that does not accumulate first", call);
+    if (!(lr >= 0) || !isfinite(lr)) return kiln_error(KILN_ERR_INVALID_ARG, "%s: lr %g must be finite and >= 0", call, lr);
+    if (!(grad_scale >= 0) || !isfinite(grad_scale))
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: grad_scale %g must be finite and >= 0", call, grad_scale);
+    double *wd_mat = NULL, *wd_vec = NULL;
+    if (weight_decay) { /* every check before anything changes */
+        KILN_TRY(split_decay(t, weight_decay, &wd_mat, &wd_vec));
+        kiln_status cst = kiln_adamw_check_decay(t->opt_mat, wd_mat);
+        if (cst == KILN_OK) cst = kiln_adamw_check_decay(t->opt_vec, wd_vec);
+        if (cst != KILN_OK) {
+            kiln_free(wd_mat);
+            return kiln_error_prefix(cst, "%s: refused, nothing changed", call);
+        }
+    }
     kiln_status st = KILN_OK;
-    if (!t->grads_finite) { /* else known from the last norm pass (see grads_finite) */
+    /* grad_scale as p.grad.mul_(grad_scale): one f32 product per gradient, after a pending
+     * clip coefficient; within [0, 1] deferred to the optimizers' read (see grad_coef) */
+    const float gs = (float)grad_scale;
+    if (gs != 1.0f) {
+        st = apply_grad_coef(t);
+        if (st == KILN_OK && gs <= 1.0f) {
+            t->grad_coef = gs;
+        } else if (st == KILN_OK) {
+            st = scale_grads(t, gs); /* may overflow: checked below */
+            t->grads_finite = 0;
+        }
+    }
+    kiln_pool *pool = NULL; /* the optimizers run on the backend's threads (param_norms) */
+    if (st == KILN_OK && !t->grads_finite) { /* else known from the last norm pass */
         st = kiln_adamw_grads_finite(t->opt_mat, pool);
         if (st == KILN_OK) st = kiln_adamw_grads_finite(t->opt_vec, pool);
-        if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_optimizer_step: refused, weights untouched");
+        if (st != KILN_OK) {
+            kiln_free(wd_mat);
+            return kiln_error_prefix(st, "%s: refused, weights untouched", call);
+        }
         t->grads_finite = 1;
     }
-    KILN_TRY(kiln_adamw_set_grad_scale(t->opt_mat, t->grad_coef));
-    KILN_TRY(kiln_adamw_set_grad_scale(t->opt_vec, t->grad_coef));
+    if (st == KILN_OK) st = kiln_adamw_set_grad_scale(t->opt_mat, t->grad_coef);
+    if (st == KILN_OK) st = kiln_adamw_set_grad_scale(t->opt_vec, t->grad_coef);
+    if (st != KILN_OK) {
+        kiln_free(wd_mat);
+        return kiln_error_prefix(st, "%s", call);
+    }
     kiln_adamw_set_lr(t->opt_mat, lr);
     kiln_adamw_set_lr(t->opt_vec, lr);
     t->shadow_stale = 1;
-    KILN_TRY(kiln_adamw_step_checked(t->opt_mat, pool)); /* both checked above */
-    KILN_TRY(kiln_adamw_step_checked(t->opt_vec, pool));
-    KILN_TRY(backend_poll(t, "kiln_train_optimizer_step")); /* the next step queues behind it */
+    if (weight_decay) { /* both checked above */
+        st = kiln_adamw_step_decay(t->opt_mat, pool, wd_mat);
+        if (st == KILN_OK) st = kiln_adamw_step_decay(t->opt_vec, pool, wd_vec);
+    } else {
+        st = kiln_adamw_step_checked(t->opt_mat, pool);
+        if (st == KILN_OK) st = kiln_adamw_step_checked(t->opt_vec, pool);
+    }
+    kiln_free(wd_mat);
+    KILN_TRY(st);
+    KILN_TRY(backend_poll(t, call)); /* the next step queues behind it */
     /* the steps wrote the bf16 copy of every weight as they updated it (create_optimizers
      * gave them their w16): the bits to_bf16 would make, so no conversion pass */
     if (t->step_writes_shadow) t->shadow_stale = 0;
     return KILN_OK;
+}
+
+kiln_status kiln_train_adamw_step(kiln_trainer *t, double lr, const double *weight_decay, double grad_scale) {
+    return adamw_step(t, "kiln_train_adamw_step", lr, weight_decay, grad_scale);
+}
+
+kiln_status kiln_train_optimizer_step(kiln_trainer *t, double lr) {
+    return adamw_step(t, "kiln_train_optimizer_step", lr, NULL, 1.0);
+}
+
+/* The optimizer holding parameter i and its slot there. */
+static void opt_slot(const kiln_trainer *t, int i, kiln_adamw **o, int *slot) {
+    for (int j = 0; j < t->n_mat; j++)
+        if (t->mat_index[j] == i) {
+            *o = t->opt_mat;
+            *slot = j;
+            return;
+        }
+    for (int j = 0; j < t->n_vec; j++)
+        if (t->vec_index[j] == i) {
+            *o = t->opt_vec;
+            *slot = j;
+            return;
+        }
+    *o = NULL;
+    *slot = -1;
 }
 
 /* ---- parameters by name ------------------------------------------------------------------ */
@@ -1129,6 +1225,7 @@ kiln_status kiln_train_param_info(const kiln_trainer *t, int i, const char **nam
 kiln_status kiln_train_param_file_shape(const kiln_trainer *t, int i, int *n_dims, int64_t shape[3]) {
     if (!t || i < 0 || i >= t->n_params)
         return kiln_error(KILN_ERR_RANGE, "kiln_train_param_file_shape: index %d not in [0, %d)", i, t ? t->n_params : 0);
+    if (!n_dims || !shape) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_param_file_shape: n_dims and shape must be set");
     *n_dims = t->params[i].file_dims;
     for (int k = 0; k < 3; k++) shape[k] = t->params[i].file_shape[k];
     return KILN_OK;
@@ -1190,6 +1287,44 @@ kiln_status kiln_train_get_grad(const kiln_trainer *t, const char *name, float *
     if (t->grad_coef != 1.0f) /* the product the optimizer would read (see grad_coef) */
         for (int64_t i = 0; i < n; i++) out[i] = out[i] * t->grad_coef;
     return KILN_OK;
+}
+
+kiln_status kiln_train_get_moments(const kiln_trainer *t, const char *name, float *exp_avg, float *exp_avg_sq,
+                                   int64_t n, int64_t *step) {
+    if (!t || !name) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_get_moments: NULL trainer or name");
+    const train_param *p = find_param(t, name, n, "kiln_train_get_moments");
+    if (!p) return KILN_ERR_INVALID_ARG;
+    kiln_adamw *o;
+    int slot;
+    opt_slot(t, (int)(p - t->params), &o, &slot);
+    if (!o) return kiln_error(KILN_ERR_INTERNAL, "kiln_train_get_moments: '%s' has no optimizer slot", name);
+    KILN_TRY(kiln_adamw_get_moments(o, slot, exp_avg, exp_avg_sq));
+    if (step) *step = kiln_adamw_get_step(o);
+    return KILN_OK;
+}
+
+kiln_status kiln_train_set_moments(kiln_trainer *t, const char *name, const float *exp_avg, const float *exp_avg_sq,
+                                   int64_t n) {
+    KILN_TRY(check_ready(t, "kiln_train_set_moments"));
+    if (!name || !exp_avg || !exp_avg_sq)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_set_moments: name, exp_avg and exp_avg_sq must be set");
+    const train_param *p = find_param(t, name, n, "kiln_train_set_moments");
+    if (!p) return KILN_ERR_INVALID_ARG;
+    kiln_adamw *o;
+    int slot;
+    opt_slot(t, (int)(p - t->params), &o, &slot);
+    if (!o) return kiln_error(KILN_ERR_INTERNAL, "kiln_train_set_moments: '%s' has no optimizer slot", name);
+    kiln_status st = kiln_adamw_set_moments(o, slot, exp_avg, exp_avg_sq);
+    return st == KILN_OK ? KILN_OK : kiln_error_prefix(st, "kiln_train_set_moments");
+}
+
+kiln_status kiln_train_set_optimizer_step_count(kiln_trainer *t, int64_t step) {
+    KILN_TRY(check_ready(t, "kiln_train_set_optimizer_step_count"));
+    if (step < 0 || step > ((int64_t)1 << 24))
+        return kiln_error(KILN_ERR_RANGE, "kiln_train_set_optimizer_step_count: step %lld not in [0, 2^24]",
+                          (long long)step);
+    KILN_TRY(kiln_adamw_set_step(t->opt_mat, step));
+    return kiln_adamw_set_step(t->opt_vec, step);
 }
 
 kiln_status kiln_train_set_param(kiln_trainer *t, const char *name, const float *in, int64_t n) {

@@ -6,9 +6,7 @@
 
 /* The model the trainer was created from (config, architecture, tokenizer). */
 const kiln_model *kiln_trainer_model(const kiln_trainer *t);
-/* Parameter i's shape as a Hugging Face file stores it: n_dims 1 (a vector), 2 (a matrix) or 3
- * (a convolution's taps, (channels, 1, taps)). */
-kiln_status kiln_train_param_file_shape(const kiln_trainer *t, int i, int *n_dims, int64_t shape[3]);
+/* kiln_train_param_file_shape is public (include/kiln.h). */
 
 /* kiln_train_load, and *notes (may be NULL) gets why newer checkpoints were passed over and
  * which were set aside (kiln_ckpt_open_for_resume; kiln_malloc'd text, one line each, or NULL

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 static int V;
+static int g_fast; /* the arithmetic of the engine and the reference: 0, or fast and batch-invariant */
 #define MAXR 24
 #define NCTX 256
 
@@ -107,6 +108,7 @@ static int reference(kiln_model *m, const spec *s, got *out) {
     kiln_context_params cp = kiln_context_default_params();
     cp.n_ctx = NCTX;
     cp.n_threads = 2;
+    cp.fast = cp.batch_invariant = g_fast;
     kiln_context *c = NULL;
     if (kiln_context_create(m, &cp, &c) != KILN_OK) return 0;
     kiln_generate_params gp = kiln_generate_default_params();
@@ -177,6 +179,7 @@ static kiln_engine *engine(kiln_model *m, int max_seqs, int batch, int kv_blocks
     p.max_batch_tokens = batch;
     p.kv_blocks = kv_blocks;
     p.max_queue = max_queue;
+    p.fast = p.batch_invariant = g_fast;
     kiln_engine *e = NULL;
     kiln_status st = kiln_engine_create(m, &p, &e);
     CHECK_MSG(st == KILN_OK, "kiln_engine_create: %s", kiln_last_error());
@@ -362,6 +365,30 @@ int main(void) {
         if (st != KILN_OK) return 1;
         run_model(m, recurrent);
         kiln_model_close(m);
+    }
+    /* the default model (Q4_1), fast and batch-invariant: 8-bit activations at every batch size
+     * give each request kiln_generate's tokens in that arithmetic too */
+    const char *gguf = getenv("KILN_SMOLLM2_GGUF");
+    kiln_model *m = NULL;
+    if (gguf && kiln_model_open(gguf, NULL, &m) == KILN_OK) {
+        static spec s[8];
+        static got g[8];
+        kiln_model_info info;
+        CHECK(kiln_model_get_info(m, &info) == KILN_OK);
+        V = info.n_vocab;
+        g_fast = 1;
+        kiln_engine *e = engine(m, 4, 32, 0, 16);
+        for (int i = 0; e && i < 8; i++) {
+            make_spec(&s[i], 200 + i, 5 + i * 17, 0);
+            s[i].max_tokens = 10;
+        }
+        for (int i = 0; e && i < 8; i++) submit(e, &s[i], &g[i], -1);
+        if (e) check_same(m, e, s, g, 8, "SmolLM2 fast batch-invariant");
+        kiln_engine_free(e);
+        g_fast = 0;
+        kiln_model_close(m);
+    } else {
+        printf("no $KILN_SMOLLM2_GGUF: the fast batch-invariant case is skipped\n");
     }
     return test_finish("test_engine");
 }

@@ -2,12 +2,14 @@
  * test_linear_ce.c -- the public fused linear cross-entropy (include/kiln.h, kiln_linear_ce_*)
  * on the CPU: its outputs are kiln_fused_ce's (src/train/fused_ce.h) bit for bit for the same
  * parameters (whose own tests are test_fused_ce.c and tests/python/test_fused_ce.py), the
- * defaults, the loss alone, and the errors: bad handles and parameters, fast mode on the CPU,
+ * defaults, the loss alone, a strided and a bf16 hidden (the bits of the same values back to
+ * back in f32), and the errors: bad handles and parameters, fast mode on the CPU,
  * a target out of range with the outputs left untouched. A CUDA device is either refused with
  * KILN_ERR_UNSUPPORTED (no GPU, or a build without CUDA) or usable; both are accepted here (the
  * GPU cases are tests/python/test_linear_ce_api.py's).
  */
 #include "ops/ops.h"
+#include "base/tensor.h"
 #include "ops/fused_ce.h"
 #include "test_util.h"
 
@@ -108,8 +110,52 @@ static void test_same_as_internal(kiln_linear_ce *ce) {
     CHECK_ERR(kiln_linear_ce_compute(ce, NULL, &r), KILN_ERR_INVALID_ARG, "NULL");
 }
 
+/* hidden_stride reads rows of a wider buffer in place, and hidden_bf16 widens bf16 rows: the
+ * bits of the same values given back to back in f32. A stride below H is refused naming it. */
+static void test_stride_and_bf16(kiln_linear_ce *ce) {
+    enum { LD = H + 9, OFF = 4 };
+    static float wide[N * LD], dense[N * H], widened[N * H], w[V * H];
+    static float dh1[N * H], dh2[N * H], dw1[V * H], dw2[V * H];
+    static uint16_t wide16[N * LD];
+    int32_t tg[N];
+    for (int i = 0; i < N * LD; i++) wide[i] = rnd_f(-1, 1);
+    for (int i = 0; i < V * H; i++) w[i] = rnd_f(-2, 2);
+    for (int n = 0; n < N; n++) tg[n] = n % 4 == 2 ? -1 : (int32_t)((n * 11) % V);
+    for (int n = 0; n < N; n++)
+        for (int j = 0; j < H; j++) {
+            dense[n * H + j] = wide[n * LD + OFF + j];
+            wide16[n * LD + OFF + j] = kiln_fp32_to_bf16(wide[n * LD + OFF + j]);
+            widened[n * H + j] = kiln_bf16_to_fp32(wide16[n * LD + OFF + j]);
+        }
+    for (int pass = 0; pass < 2; pass++) { /* f32, then bf16 */
+        memset(dw1, 0, sizeof dw1);
+        memset(dw2, 0, sizeof dw2);
+        kiln_linear_ce_params p = kiln_linear_ce_default_params();
+        p.N = N, p.H = H, p.V = V, p.weight = w, p.targets = tg, p.chunk = 17;
+        p.dhidden = dh1, p.dweight = dw1;
+        p.hidden_stride = LD;
+        if (pass == 0) {
+            p.hidden = wide + OFF;
+        } else {
+            p.hidden = wide16 + OFF;
+            p.hidden_bf16 = 1;
+        }
+        kiln_linear_ce_result r1, r2;
+        CHECK(kiln_linear_ce_compute(ce, &p, &r1) == KILN_OK);
+        kiln_linear_ce_params q = p;
+        q.hidden = pass == 0 ? dense : widened;
+        q.hidden_stride = 0, q.hidden_bf16 = 0, q.dhidden = dh2, q.dweight = dw2;
+        CHECK(kiln_linear_ce_compute(ce, &q, &r2) == KILN_OK);
+        CHECK(bits_of(r1.loss) == bits_of(r2.loss));
+        CHECK(!memcmp(dh1, dh2, sizeof dh1) && !memcmp(dw1, dw2, sizeof dw1));
+        p.hidden_stride = H - 1;
+        CHECK_ERR(kiln_linear_ce_compute(ce, &p, &r1), KILN_ERR_INVALID_ARG, "hidden_stride");
+    }
+}
+
 int main(void) {
     kiln_linear_ce_params d = kiln_linear_ce_default_params();
+    CHECK(d.hidden_stride == 0 && d.hidden_bf16 == 0);
     CHECK(d.N == 0 && d.hidden == NULL && d.weight_bf16 == 0 && d.reduction == KILN_LOSS_MEAN);
     CHECK(d.scale == 1.0f && d.chunk == 0 && d.row_block == 0 && d.dhidden == NULL);
 
@@ -126,6 +172,7 @@ int main(void) {
 
     CHECK(kiln_linear_ce_create(-1, 0, &ce) == KILN_OK && ce);
     if (ce) test_same_as_internal(ce);
+    if (ce) test_stride_and_bf16(ce);
     kiln_linear_ce_free(ce);
     return test_finish("test_linear_ce");
 }

@@ -59,28 +59,6 @@ static size_t ws_layout(const kiln_adamw_table *tab, void *ws, adamw_ws *w) {
     return cb + bb + nb;
 }
 
-/* ---- 8-bit log codes --------------------------------------------------------------------- */
-
-static float block_absmax(const float *x, int len) {
-    float a = 0.0f;
-    for (int i = 0; i < len; i++) {
-        float b = fabsf(x[i]);
-        if (b > a) a = b;
-    }
-    return a;
-}
-
-static void q8_quant_block(const float *m, const float *v, int8_t *mq, uint8_t *vq, float *ms,
-                           float *vs, int len) {
-    float am = block_absmax(m, len), av = block_absmax(v, len);
-    *ms = am;
-    *vs = av;
-    for (int i = 0; i < len; i++) {
-        mq[i] = kiln_adamw_q8_mcode(m[i], am);
-        vq[i] = kiln_adamw_q8_vcode(v[i], av);
-    }
-}
-
 /* ---- prepare ------------------------------------------------------------------------------ */
 
 size_t kiln_cpu_adamw_workspace(const kiln_adamw_table *tab) {
@@ -269,7 +247,7 @@ static void step_task(void *vctx, int task, int thread) {
         int64_t b = b0 / KILN_ADAMW_Q8_BLOCK;
         kiln_adamw_q8_dequant_block(s->mq + b0, s->vq + b0, s->ms[b], s->vs[b], m, v, len);
         ctx->update_range(ctx->tab, ctx->s, ch->param, b0, len, m, v);
-        q8_quant_block(m, v, s->mq + b0, s->vq + b0, &s->ms[b], &s->vs[b], len);
+        kiln_adamw_q8_quant_block(m, v, s->mq + b0, s->vq + b0, &s->ms[b], &s->vs[b], len);
     }
 }
 

@@ -19,8 +19,10 @@ typedef struct cpu_ctx {
     kiln_pool *pool;
     const kiln_cpu_kernels *k;
     /* fast mode (kiln_backend_cpu_create_mode): int8 activations for quantized weights at
-     * N <= KILN_Q8ACT_MAX_N; NULL in the default, exact mode */
+     * N <= KILN_Q8ACT_MAX_N, or at every N in chunks of that many tokens (q8_every_n: the
+     * batch-invariant fast mode); NULL in the default, exact mode */
     const kiln_q8act_kernels *q8;
+    int q8_every_n;
     void *q8_buf; /* the quantized activations, grown on demand (never per call) */
     size_t q8_cap;
 } cpu_ctx;
@@ -189,8 +191,17 @@ static void q8_task(void *arg, int task, int thread) {
  * caller runs the exact path). */
 static bool matmul_q8act(cpu_ctx *c, float *out, const float *x, const kiln_tensor *W,
                          const float *bias, int N, int64_t R, int64_t C) {
-    if (!c->q8 || N < 1 || N > KILN_Q8ACT_MAX_N || !kiln_q8act_supports(W->dtype) || C % 32)
+    if (!c->q8 || N < 1 || (N > KILN_Q8ACT_MAX_N && !c->q8_every_n) || !kiln_q8act_supports(W->dtype) || C % 32)
         return false;
+    if (N > KILN_Q8ACT_MAX_N) { /* batch-invariant: every token through the int8 path, 8 at a time (the
+                                 * first chunk sizes the buffer, so a later one cannot fail) */
+        if (!matmul_q8act(c, out, x, W, bias, KILN_Q8ACT_MAX_N, R, C)) return false;
+        for (int t0 = KILN_Q8ACT_MAX_N; t0 < N; t0 += KILN_Q8ACT_MAX_N) {
+            int n = N - t0 < KILN_Q8ACT_MAX_N ? N - t0 : KILN_Q8ACT_MAX_N;
+            (void)matmul_q8act(c, out + (size_t)t0 * (size_t)R, x + (size_t)t0 * (size_t)C, W, bias, n, R, C);
+        }
+        return true;
+    }
     size_t need = kiln_q8act_bytes(N, C);
     if (need == 0) return false;
     if (need > c->q8_cap) {
@@ -687,6 +698,7 @@ kiln_status kiln_backend_cpu_create_mode(int n_threads, int fast_q8, kiln_backen
     }
     c->k = kernels_for(kiln_cpu_select_path());
     if (fast_q8) {
+        c->q8_every_n = fast_q8 == KILN_MODE_FAST_INVARIANT;
         c->q8 = &kiln_q8act_kernels_portable;
 #if defined(KILN_CPU_HAVE_X86)
         if (c->k->path != KILN_CPU_PATH_PORTABLE) c->q8 = &kiln_q8act_kernels_avx2;

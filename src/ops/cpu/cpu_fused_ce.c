@@ -9,6 +9,7 @@
 #include "../fused_ce.h"
 
 #include "../../base/kmath.h"
+#include "../../base/tensor.h"
 #include "../../base/threadpool.h"
 #include "../fused_ce_impl.h"
 #include "cpu_kernels.h"
@@ -198,11 +199,18 @@ kiln_status kiln_cpu_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p, i
     int64_t ones_n = cn > S ? cn : S;
     for (int64_t j = 0; j < ones_n; j++) sc.ones[j] = 1.0f;
 
-    /* Gather (ascending positions). */
+    /* Gather (ascending positions): row n of hidden at n x ld elements, f32 or bf16 widened
+     * (exact), so the gathered rows hold the same values either way. */
+    const int64_t ld = p->hidden_ld > 0 ? p->hidden_ld : H;
     for (int64_t n = 0, i = 0; n < N; n++) {
         if ((p->mask && !p->mask[n]) || p->targets[n] < 0) continue;
         sc.idx[i] = n;
-        memcpy(sc.hs + i * H, p->hidden + n * H, (size_t)H * sizeof(float));
+        if (p->hidden16) {
+            const uint16_t *src = p->hidden16 + n * ld;
+            for (int64_t j = 0; j < H; j++) sc.hs[i * H + j] = kiln_bf16_to_fp32(src[j]);
+        } else {
+            memcpy(sc.hs + i * H, p->hidden + n * ld, (size_t)H * sizeof(float));
+        }
         i++;
     }
     for (int64_t i = 0; i < S; i++) {
