@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -339,6 +340,24 @@ def test_client_disconnect_cancels(server):
         time.sleep(0.1)
     assert v["kiln_requests_cancelled_total"] == before["kiln_requests_cancelled_total"] + 1
     assert v["kiln_http_client_disconnects_total"] >= before["kiln_http_client_disconnects_total"] + 1
+    assert v["kiln_generated_tokens_total"] - before["kiln_generated_tokens_total"] < 400
+    # a client that leaves while waiting for a whole (non-streamed) answer: cancelled too
+    before = v
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    body = json.dumps({"prompt": "Write a long story.", "max_tokens": 400, "ignore_eos": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    deadline = time.time() + 30
+    while time.time() < deadline and metrics(server)["kiln_running_requests"] == 0:
+        time.sleep(0.02)
+    sock.close()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        v = metrics(server)
+        if v["kiln_requests_cancelled_total"] > before["kiln_requests_cancelled_total"]:
+            break
+        time.sleep(0.1)
+    assert v["kiln_requests_cancelled_total"] == before["kiln_requests_cancelled_total"] + 1
     assert v["kiln_generated_tokens_total"] - before["kiln_generated_tokens_total"] < 400
     # later requests are unaffected
     r = server.client().completions.create(model=server.model, prompt=PROMPT, max_tokens=5, temperature=0)
