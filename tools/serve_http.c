@@ -1036,7 +1036,6 @@ int serve_start(const serve_config *cfg, serve_server **out, char *err, size_t e
                                  MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)cfg->timeout_s,
                                  MHD_OPTION_NOTIFY_COMPLETED, request_completed, s,
                                  MHD_OPTION_THREAD_STACK_SIZE, (size_t)(1 << 20),
-                                 MHD_OPTION_LISTENING_ADDRESS_REUSE, 1u,
                                  MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!s->daemon) {

@@ -459,3 +459,28 @@ def test_sigterm_drains(build_dir, smollm2_gguf):
     assert "draining" in err and "still held: 0 bytes in 0 blocks" in err
     with pytest.raises(OSError):
         s.http("GET", "/health", timeout=2)
+
+
+def test_usage_errors(build_dir, smollm2_gguf, tmp_path):
+    k = kiln_bin(build_dir)
+    for args, needle in [([], "a model is required"),
+                         (["-m", smollm2_gguf, "--port", "70000"], "--port"),
+                         (["-m", smollm2_gguf, "--kv-blocks", "8", "--kv-memory", "1M"], "not both"),
+                         (["-m", smollm2_gguf, "--kv-memory", "12Q"], "--kv-memory"),
+                         (["-m", smollm2_gguf, "--bogus"], "unknown option")]:
+        r = subprocess.run([k, "serve", *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and needle in r.stderr, (args, r.stderr)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    r = subprocess.run([k, "serve", "-m", smollm2_gguf, "--api-key-file", str(empty)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and "empty" in r.stderr
+    # a port in use: a clean error, exit 1
+    s = Server(build_dir, smollm2_gguf)
+    try:
+        r = subprocess.run([k, "serve", "-m", smollm2_gguf, "--port", str(s.port)], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 1 and "cannot listen" in r.stderr, r.stderr
+    finally:
+        rc, err = s.stop()
+    assert rc == 0, err
