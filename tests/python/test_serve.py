@@ -14,6 +14,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -122,6 +123,17 @@ def test_health_models(server):
     assert [m.id for m in models.data] == [server.model]
     st, h, body = server.http("GET", "/")
     assert st == 200 and h["content-type"].startswith("text/html") and b"/v1/chat/completions" in body
+
+
+def test_page_script_parses(server, tmp_path):
+    node = shutil.which("node")
+    if not node:
+        pytest.skip("node not installed: the page's script is not syntax-checked")
+    body = server.http("GET", "/")[2].decode()
+    script = body[body.index("<script>") + len("<script>"):body.index("</script>")]
+    (tmp_path / "page.js").write_text(script)
+    r = subprocess.run([node, "--check", str(tmp_path / "page.js")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
 
 
 def test_completion_greedy_equals_generate(server, build_dir, smollm2_gguf):
