@@ -496,3 +496,31 @@ def test_usage_errors(build_dir, smollm2_gguf, tmp_path):
     finally:
         rc, err = s.stop()
     assert rc == 0, err
+
+
+def test_engine_options_same_answers(server, build_dir, smollm2_gguf):
+    """A tight engine (2 slots, 3 KV blocks of 64 positions for answers that need 2 each, so
+    it preempts; 16-token steps, no prefix cache) under 4 concurrent requests gives each the
+    answer the roomy server gives it alone."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at"]
+    kw = dict(max_tokens=80, temperature=0.8, seed=7, extra_body={"ignore_eos": True})
+    ref = [server.client().completions.create(model=server.model, prompt=p, **kw).choices[0].text for p in prompts]
+    s = Server(build_dir, smollm2_gguf, "--ctx", "128", "--max-seqs", "2", "--kv-blocks", "3",
+               "--max-batch-tokens", "16", "--no-prefix-cache")
+    try:
+        got = [None] * len(prompts)
+
+        def one(i):
+            got[i] = s.client().completions.create(model=s.model, prompt=prompts[i], **kw).choices[0].text
+
+        ths = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        assert got == ref
+        v = metrics(s)
+        assert v["kiln_kv_blocks_total"] == 3 and v["kiln_preemptions_total"] >= 1
+    finally:
+        rc, err = s.stop()
+    assert rc == 0, err
