@@ -428,19 +428,22 @@ def test_queue_full_429(build_dir, smollm2_gguf):
                 assert h["retry-after"] == "1"
                 assert json.loads(body)["error"]["type"] == "rate_limit_error"
         assert metrics(s)["kiln_requests_rejected_total"] == codes.count(429)
-        # the client names it too: fill the running slot and the queue (long answers, so the
-        # window is wide), then one more
+        # the client names it too: fill the running slot, then the queue (one at a time: a
+        # request counts as queued until the worker takes it), then one more
         client = s.client()
-        ths = [threading.Thread(target=one, args=(160,)) for _ in range(2)]
-        for t in ths:
-            t.start()
-        try:
-            deadline = time.time() + 30
-            while time.time() < deadline:
-                v = metrics(s)
-                if v["kiln_running_requests"] == 1 and v["kiln_queue_depth"] == 1:
-                    break
+        ths = []
+
+        def wait_for(name, value):
+            deadline = time.time() + 60
+            while time.time() < deadline and metrics(s)[name] != value:
                 time.sleep(0.01)
+            assert metrics(s)[name] == value, name
+
+        try:
+            for name in ["kiln_running_requests", "kiln_queue_depth"]:
+                ths.append(threading.Thread(target=one, args=(160,)))
+                ths[-1].start()
+                wait_for(name, 1)
             with pytest.raises(openai.RateLimitError):
                 client.completions.create(model=s.model, prompt="x", max_tokens=24)
         finally:
