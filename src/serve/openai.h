@@ -9,7 +9,8 @@
  *
  * Errors: a refused body gives KILN_ERR_INVALID_ARG with a kiln_oai_error that says what
  * OpenAI's API says for it: an HTTP status (400), a message naming the field, the field as
- * `param`, and the type "invalid_request_error". Unknown fields are ignored, as OpenAI does.
+ * `param`, and the type "invalid_request_error". Unknown fields are ignored (as vLLM's
+ * server does; OpenAI's own refuses them), so clients that send extensions still work.
  *
  * Strings the builders return are NUL-terminated JSON text; free them with kiln_oai_free.
  * Text handed to the builders need not be valid UTF-8: invalid bytes (and NUL bytes, which a
