@@ -493,8 +493,8 @@ def test_usage_errors(build_dir, smollm2_gguf, tmp_path):
     # a port in use: a clean error, exit 1
     s = Server(build_dir, smollm2_gguf)
     try:
-        r = subprocess.run([k, "serve", "-m", smollm2_gguf, "--port", str(s.port)], capture_output=True, text=True,
-                           timeout=60)
+        r = subprocess.run([k, "serve", "-m", smollm2_gguf, "--ctx", "128", "--port", str(s.port)],
+                           capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and "cannot listen" in r.stderr, r.stderr
     finally:
         rc, err = s.stop()
