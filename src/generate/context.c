@@ -21,9 +21,31 @@ kiln_context_params kiln_context_default_params(void) {
     return p;
 }
 
+static void context_destroy(kiln_context *c);
+
+kiln_status kiln_context_enter(const kiln_context *c, const char *fn) {
+    KILN_TRY(kiln_handle_check(c, KILN_HANDLE_CONTEXT, fn));
+    return kiln_backend_enter(c->be, fn);
+}
+
+kiln_status kiln_context_leave(const kiln_context *c, kiln_status st, const char *fn) {
+    return kiln_backend_leave(c->be, st, fn);
+}
+
+kiln_status kiln_context_status(const kiln_context *c) { return kiln_context_enter(c, "kiln_context_status"); }
+
+kiln_status kiln_debug_poison_context(kiln_context *c) {
+    KILN_TRY(kiln_handle_check(c, KILN_HANDLE_CONTEXT, "kiln_debug_poison_context"));
+    if (!c->fs.host_memory)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_debug_poison_context: only a CPU context can be poisoned on purpose");
+    kiln_backend_cpu_poison(c->be, KILN_ERR_INTERNAL, "poisoned on purpose (kiln_debug_poison_context)");
+    return KILN_OK;
+}
+
 kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params,
                                 kiln_context **out) {
-    if (!m || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: model and out must be set");
+    KILN_TRY(kiln_handle_check(m, KILN_HANDLE_MODEL, "kiln_context_create"));
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: out must be set");
     kiln_context_params p = params ? *params : kiln_context_default_params();
     if (p.n_ctx < 0 || p.n_batch < 0 || p.n_threads < 0)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: n_ctx, n_batch, n_threads must be >= 0");
@@ -45,6 +67,12 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: n_threads %d is more than 256", p.n_threads);
     kiln_context *c = kiln_calloc(1, sizeof *c);
     if (!c) return kiln_error(KILN_ERR_NOMEM, "kiln_context_create: out of memory");
+    /* m counts c as a user from here (kiln_model_close refuses while it does) */
+    kiln_status ast = kiln_handle_acquire(m, KILN_HANDLE_MODEL, "kiln_context_create");
+    if (ast != KILN_OK) {
+        kiln_free(c);
+        return ast;
+    }
     c->model = m;
     c->params = p;
     kiln_status st;
@@ -53,7 +81,7 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
         if (st != KILN_OK) { /* say which setting asked for CUDA, keep the backend's reason */
             char why[512];
             snprintf(why, sizeof why, "%s", kiln_last_error());
-            kiln_context_free(c);
+            context_destroy(c);
             return kiln_error(st, "kiln_context_create: device %d (CUDA) unavailable: %s", p.device, why);
         }
     } else {
@@ -73,8 +101,9 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
     if (st == KILN_OK)
         st = kiln_alloc_or_fail((void **)&c->b_pos, 2 * (size_t)p.n_batch * sizeof(int32_t), "batch positions");
     if (st == KILN_OK) c->b_seq = c->b_pos + p.n_batch;
+    if (st == KILN_OK) st = kiln_handle_register(&c->head, KILN_HANDLE_CONTEXT, "kiln_context_create");
     if (st != KILN_OK) {
-        kiln_context_free(c);
+        context_destroy(c);
         return st;
     }
     *out = c;
@@ -82,18 +111,27 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
 }
 
 void kiln_context_free(kiln_context *c) {
-    if (!c) return;
+    if (!c || kiln_handle_unregister(&c->head, KILN_HANDLE_CONTEXT, "kiln_context_free") != KILN_OK) return;
+    context_destroy(c);
+}
+
+static void context_destroy(kiln_context *c) {
     if (c->graph) c->be->i->graph_free(c->be, c->graph);
     kiln_free(c->b_pos);
     kiln_free(c->seq_past);
     kiln_forward_state_free(&c->fs);
     kiln_free(c->tokens);
     kiln_backend_release(c->be);
+    kiln_handle_release(c->model, "kiln_context_free");
     kiln_free(c);
 }
 
-int kiln_context_n_past(const kiln_context *c) { return c ? c->n_past : 0; }
-int kiln_context_n_ctx(const kiln_context *c) { return c ? c->fs.n_ctx : 0; }
+int kiln_context_n_past(const kiln_context *c) {
+    return kiln_handle_check(c, KILN_HANDLE_CONTEXT, "kiln_context_n_past") == KILN_OK ? c->n_past : 0;
+}
+int kiln_context_n_ctx(const kiln_context *c) {
+    return kiln_handle_check(c, KILN_HANDLE_CONTEXT, "kiln_context_n_ctx") == KILN_OK ? c->fs.n_ctx : 0;
+}
 
 /* A model with a recurrent state (Qwen3.5's linear layers) cannot drop its last tokens: only
  * a truncation to 0 (start again) or to where it stands. */
@@ -106,7 +144,7 @@ static kiln_status recurrent_rewind(const kiln_context *c, int seq, int n_past, 
 }
 
 kiln_status kiln_context_truncate(kiln_context *c, int n_past) {
-    if (!c) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_truncate: NULL context");
+    KILN_TRY(kiln_context_enter(c, "kiln_context_truncate"));
     if (n_past < 0 || n_past > c->n_past)
         return kiln_error(KILN_ERR_RANGE, "kiln_context_truncate: n_past %d not in [0, %d]", n_past, c->n_past);
     KILN_TRY(recurrent_rewind(c, 0, n_past, c->n_past));
@@ -187,7 +225,7 @@ static void batch_fill(kiln_context *c, int seq, int n, int past) {
  * so the context is unusable). */
 static kiln_status decode(kiln_context *c, int seq, const int32_t *ids, int n, int all_logits,
                           float *logits, int on_device) {
-    if (!c || (!ids && n > 0)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode: NULL argument");
+    if (!ids && n > 0) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode: NULL argument");
     if (n <= 0) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode: n must be > 0 (got %d)", n);
     if (seq < 0 || seq >= c->fs.n_seq)
         return kiln_error(KILN_ERR_RANGE, "kiln_decode_seq: sequence %d not in [0, %d)", seq, c->fs.n_seq);
@@ -247,21 +285,24 @@ static kiln_status decode(kiln_context *c, int seq, const int32_t *ids, int n, i
 }
 
 kiln_status kiln_decode(kiln_context *c, const int32_t *ids, int n, int all_logits, float *logits) {
-    return decode(c, 0, ids, n, all_logits, logits, 0);
+    KILN_TRY(kiln_context_enter(c, "kiln_decode"));
+    return kiln_context_leave(c, decode(c, 0, ids, n, all_logits, logits, 0), "kiln_decode");
 }
 
 kiln_status kiln_decode_seq(kiln_context *c, int seq, const int32_t *ids, int n, int all_logits,
                             float *logits) {
-    return decode(c, seq, ids, n, all_logits, logits, 0);
+    KILN_TRY(kiln_context_enter(c, "kiln_decode_seq"));
+    return kiln_context_leave(c, decode(c, seq, ids, n, all_logits, logits, 0), "kiln_decode_seq");
 }
 
 int kiln_context_seq_n_past(const kiln_context *c, int seq) {
-    if (!c || seq < 0 || seq >= c->fs.n_seq) return 0;
+    if (kiln_handle_check(c, KILN_HANDLE_CONTEXT, "kiln_context_seq_n_past") != KILN_OK) return 0;
+    if (seq < 0 || seq >= c->fs.n_seq) return 0;
     return seq == 0 ? c->n_past : c->seq_past[seq];
 }
 
 kiln_status kiln_context_seq_truncate(kiln_context *c, int seq, int n_past) {
-    if (!c) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_seq_truncate: NULL context");
+    KILN_TRY(kiln_context_enter(c, "kiln_context_seq_truncate"));
     if (seq < 0 || seq >= c->fs.n_seq)
         return kiln_error(KILN_ERR_RANGE, "kiln_context_seq_truncate: sequence %d not in [0, %d)", seq, c->fs.n_seq);
     if (seq == 0) return kiln_context_truncate(c, n_past);
@@ -272,8 +313,15 @@ kiln_status kiln_context_seq_truncate(kiln_context *c, int seq, int n_past) {
     return KILN_OK;
 }
 
+static kiln_status decode_batch(kiln_context *c, const int32_t *ids, int B, float *logits);
+
 kiln_status kiln_decode_batch(kiln_context *c, const int32_t *ids, int B, float *logits) {
-    if (!c || !ids) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode_batch: NULL argument");
+    KILN_TRY(kiln_context_enter(c, "kiln_decode_batch"));
+    return kiln_context_leave(c, decode_batch(c, ids, B, logits), "kiln_decode_batch");
+}
+
+static kiln_status decode_batch(kiln_context *c, const int32_t *ids, int B, float *logits) {
+    if (!ids) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_decode_batch: NULL argument");
     kiln_backend *be = c->be;
     if (B < 1 || B > c->fs.n_seq || B > c->fs.n_batch)
         return kiln_error(KILN_ERR_RANGE, "kiln_decode_batch: B %d not in [1, min(n_seq %d, n_batch %d)]", B,

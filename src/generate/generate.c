@@ -140,9 +140,18 @@ kiln_status kiln_gen_text_flush(kiln_gen_text *g, const char **out, size_t *n_ou
     return KILN_OK;
 }
 
+static kiln_status generate(kiln_context *c, const int32_t *prompt, size_t n_prompt,
+                            const kiln_generate_params *gp, kiln_generate_result *out);
+
 kiln_status kiln_generate(kiln_context *c, const int32_t *prompt, size_t n_prompt,
                           const kiln_generate_params *gp, kiln_generate_result *out) {
-    if (!c || !prompt || !gp || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_generate: NULL argument");
+    KILN_TRY(kiln_context_enter(c, "kiln_generate"));
+    return kiln_context_leave(c, generate(c, prompt, n_prompt, gp, out), "kiln_generate");
+}
+
+static kiln_status generate(kiln_context *c, const int32_t *prompt, size_t n_prompt,
+                            const kiln_generate_params *gp, kiln_generate_result *out) {
+    if (!prompt || !gp || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_generate: NULL argument");
     if (n_prompt == 0) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_generate: the prompt is empty");
     if (gp->max_tokens < 0) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_generate: max_tokens must be >= 0");
     if (n_prompt > (size_t)c->fs.n_ctx)

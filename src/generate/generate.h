@@ -7,7 +7,8 @@
 #define KILN_DEFAULT_MAX_CTX 4096
 
 struct kiln_context {
-    kiln_model *model;
+    kiln_handle_head head; /* first: the registry's magic (base/handle.h) */
+    kiln_model *model;     /* a user of the model from create to free */
     kiln_context_params params;
     kiln_backend *be;
     kiln_forward_state fs;
@@ -57,5 +58,17 @@ kiln_status kiln_gen_text_push(kiln_gen_text *g, int32_t id, const char **reason
 /* At the end: the held-back text (bytes of an unfinished character, a partial stop string),
  * nothing after a stop string. */
 kiln_status kiln_gen_text_flush(kiln_gen_text *g, const char **out, size_t *n_out);
+
+/* The API boundary of a context call: c a live context (base/handle.h) whose backend is not
+ * poisoned (KILN_ERR_POISONED otherwise). */
+kiln_status kiln_context_enter(const kiln_context *c, const char *fn);
+/* A context call's status on the way out: KILN_ERR_POISONED when it failed and left the
+ * backend poisoned (ops.h kiln_backend_leave). */
+kiln_status kiln_context_leave(const kiln_context *c, kiln_status st, const char *fn);
+
+/* Fault injection for tests: poison a CPU context's backend (shared with every handle on it)
+ * as a GPU fault would (ops.h kiln_backend_cpu_poison). KILN_ERR_UNSUPPORTED for a context
+ * on a GPU. Exported (not in kiln.h) so that the Python tests can reach it. */
+KILN_API kiln_status kiln_debug_poison_context(kiln_context *c);
 
 #endif

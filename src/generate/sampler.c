@@ -7,6 +7,7 @@
  * the same seed gives the same tokens on every machine (docs/ARITHMETIC.md, "Sampling").
  */
 #include "../base/base.h"
+#include "../base/handle.h"
 #include "../base/kmath.h"
 #include "../ops/sampling.h"
 #include "sampler.h"
@@ -21,6 +22,7 @@ typedef struct sampler_cand {
 } sampler_cand;
 
 struct kiln_sampler {
+    kiln_handle_head head; /* first: the registry's magic (base/handle.h) */
     kiln_sampler_params p;
     kiln_sample_rng rng; /* xoshiro256** state (ops/sampling.h) */
     sampler_cand *cand;  /* (cap) */
@@ -58,6 +60,11 @@ kiln_status kiln_sampler_create(const kiln_sampler_params *p, kiln_sampler **out
     if (!s) return kiln_error(KILN_ERR_NOMEM, "sampler: out of memory");
     s->p = *p;
     kiln_sample_rng_seed(&s->rng, p->seed);
+    kiln_status st = kiln_handle_register(&s->head, KILN_HANDLE_SAMPLER, "kiln_sampler_create");
+    if (st != KILN_OK) {
+        kiln_free(s);
+        return st;
+    }
     *out = s;
     return KILN_OK;
 }
@@ -69,7 +76,7 @@ float kiln_sampler_draw_u(kiln_sampler *s) { return kiln_sample_rng_u(&s->rng); 
 kiln_sample_rng *kiln_sampler_rng(kiln_sampler *s) { return &s->rng; }
 
 void kiln_sampler_free(kiln_sampler *s) {
-    if (!s) return;
+    if (!s || kiln_handle_unregister(&s->head, KILN_HANDLE_SAMPLER, "kiln_sampler_free") != KILN_OK) return;
     kiln_free(s->cand);
     kiln_free(s->probs);
     kiln_free(s->seen);
@@ -126,7 +133,8 @@ static kiln_status ensure_cap(kiln_sampler *s, int n) {
 
 kiln_status kiln_sampler_sample(kiln_sampler *s, const float *logits, int n_vocab,
                                 const int32_t *history, size_t n_history, int32_t *out_id) {
-    if (!s || !logits || !out_id || (n_history && !history))
+    KILN_TRY(kiln_handle_check(s, KILN_HANDLE_SAMPLER, "kiln_sampler_sample"));
+    if (!logits || !out_id || (n_history && !history))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_sampler_sample: NULL argument");
     if (n_vocab <= 0) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_sampler_sample: n_vocab must be > 0");
     KILN_TRY(ensure_cap(s, n_vocab));

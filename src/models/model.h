@@ -14,9 +14,11 @@
 #include "../formats/safetensors.h"
 #include "../ops/ops.h"
 #include "../formats/model_config.h"
+#include "../base/handle.h"
 #include "arch.h"
 
 struct kiln_model {
+    kiln_handle_head head; /* first: the registry's magic (base/handle.h) */
     kiln_model_config cfg;
     const kiln_arch_desc *arch; /* its roles table and forward */
     char *path;
@@ -233,5 +235,11 @@ void kiln_rope_tables_fill(const kiln_model *m, int n_ctx, float *cos_tab, float
 /* The same for the full layers (local 0) or, local 1, the sliding layers' base
  * (cfg.rope_theta_local, unscaled). */
 void kiln_rope_tables_fill_kind(const kiln_model *m, int n_ctx, int local, float *cos_tab, float *sin_tab);
+
+/* Free everything a model holds, registered or not (its creators' failure paths; and
+ * kiln_model_close once the registry has let the model go). */
+void kiln_model_destroy(kiln_model *m);
+/* Register a finished model (and mark its tokenizer as the model's); destroys it on failure. */
+kiln_status kiln_model_publish(kiln_model *m, const char *fn);
 
 #endif /* KILN_MODEL_H */

@@ -205,9 +205,10 @@ kiln_status kiln_model_create(const char *config, const char *tokenizer_path, ui
     kiln_free(c.block);
     kiln_free(c.tensors);
     if (st != KILN_OK) {
-        kiln_model_close(m);
+        kiln_model_destroy(m);
         return st;
     }
+    KILN_TRY(kiln_model_publish(m, "kiln_model_create"));
     *out = m;
     return KILN_OK;
 }

@@ -474,10 +474,21 @@ kiln_status kiln_model_open(const char *path, const kiln_model_params *params, k
     if (st == KILN_OK) st = bind_weights(m);
     if (st == KILN_OK) st = list_file_tensors(m);
     if (st != KILN_OK) {
-        kiln_model_close(m);
+        kiln_model_destroy(m);
         return st;
     }
+    KILN_TRY(kiln_model_publish(m, "kiln_model_open"));
     *out = m;
+    return KILN_OK;
+}
+
+kiln_status kiln_model_publish(kiln_model *m, const char *fn) {
+    kiln_status st = kiln_handle_register(&m->head, KILN_HANDLE_MODEL, fn);
+    if (st != KILN_OK) {
+        kiln_model_destroy(m);
+        return st;
+    }
+    kiln_tokenizer_set_owner(m->tok, m);
     return KILN_OK;
 }
 
@@ -491,6 +502,13 @@ static kiln_status forget_role(void *ctx, const kiln_param_role *r, int layer) {
 }
 
 void kiln_model_close(kiln_model *m) {
+    if (!m) return;
+    /* refused (m untouched, the error recorded) for a bad handle or while users remain */
+    if (kiln_handle_unregister(&m->head, KILN_HANDLE_MODEL, "kiln_model_close") != KILN_OK) return;
+    kiln_model_destroy(m);
+}
+
+void kiln_model_destroy(kiln_model *m) {
     if (!m) return;
     if (m->arch && m->refs && m->layer_refs) (void)kiln_arch_walk(m->arch, m->cfg.n_layer, forget_role, m);
     kiln_tokenizer_free(m->tok);
@@ -513,7 +531,8 @@ void kiln_model_close(kiln_model *m) {
 }
 
 kiln_status kiln_model_get_info(const kiln_model *m, kiln_model_info *out) {
-    if (!m || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_model_get_info: NULL argument");
+    KILN_TRY(kiln_handle_check(m, KILN_HANDLE_MODEL, "kiln_model_get_info"));
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_model_get_info: out is NULL");
     const kiln_model_config *c = &m->cfg;
     kiln_model_info i = {0};
     i.architecture = m->arch_name;
@@ -539,7 +558,8 @@ kiln_status kiln_model_get_info(const kiln_model *m, kiln_model_info *out) {
 }
 
 kiln_status kiln_model_get_tensor_info(const kiln_model *m, int i, kiln_tensor_info *out) {
-    if (!m || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_model_get_tensor_info: NULL argument");
+    KILN_TRY(kiln_handle_check(m, KILN_HANDLE_MODEL, "kiln_model_get_tensor_info"));
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_model_get_tensor_info: out is NULL");
     if (i < 0 || i >= m->n_file_tensors)
         return kiln_error(KILN_ERR_RANGE, "kiln_model_get_tensor_info: index %d not in [0, %d)", i,
                           m->n_file_tensors);
@@ -551,4 +571,7 @@ kiln_status kiln_model_get_tensor_info(const kiln_model *m, int i, kiln_tensor_i
     return KILN_OK;
 }
 
-const kiln_tokenizer *kiln_model_get_tokenizer(const kiln_model *m) { return m ? m->tok : NULL; }
+const kiln_tokenizer *kiln_model_get_tokenizer(const kiln_model *m) {
+    if (kiln_handle_check(m, KILN_HANDLE_MODEL, "kiln_model_get_tokenizer") != KILN_OK) return NULL;
+    return m->tok;
+}

@@ -61,3 +61,20 @@ void kiln_backend_free(kiln_backend *be) {
     if (!be) return;
     be->i->free(be);
 }
+
+kiln_status kiln_backend_enter(kiln_backend *be, const char *fn) {
+    if (!be || kiln_backend_poll(be) == KILN_OK) return KILN_OK;
+    return kiln_error_prefix(KILN_ERR_POISONED, "%s: refused: the %s backend was poisoned by an earlier failure", fn,
+                             be->i->name);
+}
+
+kiln_status kiln_backend_leave(kiln_backend *be, kiln_status st, const char *fn) {
+    if (st == KILN_OK || st == KILN_ERR_POISONED || !be) return st;
+    char why[1024];
+    snprintf(why, sizeof why, "%s", kiln_last_error()[0] ? kiln_last_error() : fn);
+    if (kiln_backend_poll(be) == KILN_OK) {
+        kiln_error(st, "%s", why); /* not poisoned: the call's own error, message restored */
+        return st;
+    }
+    return kiln_error(KILN_ERR_POISONED, "%s (the %s backend is poisoned now: free this handle)", why, be->i->name);
+}

@@ -11,6 +11,7 @@
 #include "ops.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <unistd.h>
 
 typedef struct shared_backend {
@@ -99,4 +100,16 @@ void kiln_backends_forget(const void *host, size_t nbytes) {
     for (shared_backend *s = g_shared; s; s = s->next)
         if (s->be->i->forget) s->be->i->forget(s->be, host, nbytes);
     pthread_mutex_unlock(&g_lock);
+}
+
+int kiln_backend_poisoned(void) {
+    char keep[1024]; /* a query: the thread's last error message stays as it was */
+    snprintf(keep, sizeof keep, "%s", kiln_last_error());
+    int n = 0;
+    pthread_mutex_lock(&g_lock);
+    for (shared_backend *s = g_shared; s; s = s->next)
+        if (kiln_backend_poll(s->be) != KILN_OK) n++;
+    pthread_mutex_unlock(&g_lock);
+    kiln_error(KILN_OK, "%s", keep);
+    return n;
 }

@@ -592,6 +592,17 @@ void kiln_backend_release(kiln_backend *be);
  * allocation at the same address is never mistaken for it. */
 void kiln_backends_forget(const void *host, size_t nbytes);
 
+/* The public boundary's view of poisoning (kiln.h KILN_ERR_POISONED). kiln_backend_enter:
+ * KILN_OK while be is not poisoned, else KILN_ERR_POISONED naming fn and the failure that
+ * poisoned it (without waiting for work in flight: ops.h poll). kiln_backend_leave: a call's
+ * status st as it leaves the API: KILN_ERR_POISONED (the message kept) when st is a failure
+ * and be is poisoned now, else st. */
+kiln_status kiln_backend_enter(kiln_backend *be, const char *fn);
+kiln_status kiln_backend_leave(kiln_backend *be, kiln_status st, const char *fn);
+/* Poison a CPU backend as a device fault poisons a GPU's: every later status and poll returns
+ * st with msg. The CPU has no device to fail; tests use this to reach the poisoned paths. */
+void kiln_backend_cpu_poison(kiln_backend *be, kiln_status st, const char *msg);
+
 /* nbytes (at least 64, rounded up to 4) of backend memory set to zero: kiln_calloc on a
  * host-memory backend, else alloc and the zero op (or uploads of zeros where the backend has
  * none). NULL with the error set, naming owner and what ("trainer", "activations"). Freed

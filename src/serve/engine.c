@@ -17,6 +17,7 @@
  * row-wise products), a shared block holds the bits the request would have computed itself,
  * and each request samples with its own sampler, seeded as kiln_generate's.
  */
+#include "../base/handle.h"
 #include "../generate/generate.h"
 #include "../generate/sampler.h"
 #include "../models/model.h"
@@ -61,6 +62,7 @@ struct req {
 };
 
 struct kiln_engine {
+    kiln_handle_head head; /* base/handle.h: first */
     kiln_model *m;
     kiln_engine_params p;
     int V, max_blocks, pool;
@@ -716,6 +718,8 @@ static void *engine_main(void *arg) {
 
 /* ---- the public API ------------------------------------------------------------------------ */
 
+static void engine_destroy(kiln_engine *e);
+
 static void *zalloc(size_t n, size_t size, int *ok) {
     void *p = kiln_calloc(n ? n : 1, size);
     if (!p) *ok = 0;
@@ -723,7 +727,8 @@ static void *zalloc(size_t n, size_t size, int *ok) {
 }
 
 kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, kiln_engine **out) {
-    if (!m || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_create: model and out must be set");
+    KILN_TRY(kiln_handle_check(m, KILN_HANDLE_MODEL, "kiln_engine_create"));
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_create: out must be set");
     kiln_engine_params p = params ? *params : kiln_engine_default_params();
     if (p.n_ctx < 0 || p.max_batch_tokens < 0 || p.max_seqs < 0 || p.kv_blocks < 0 || p.max_queue < 0 ||
         p.n_threads < 0 || p.device < -1)
@@ -762,6 +767,12 @@ kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, 
     if (pool > INT32_MAX / BLK) pool = INT32_MAX / BLK;
     kiln_engine *e = kiln_calloc(1, sizeof *e);
     if (!e) return kiln_error(KILN_ERR_NOMEM, "kiln_engine_create: out of memory");
+    /* m counts e as a user from here (kiln_model_close refuses while it does) */
+    kiln_status ast = kiln_handle_acquire(m, KILN_HANDLE_MODEL, "kiln_engine_create");
+    if (ast != KILN_OK) {
+        kiln_free(e);
+        return ast;
+    }
     e->m = m;
     e->p = p;
     e->V = c->n_vocab;
@@ -790,7 +801,7 @@ kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, 
     e->row = zalloc((size_t)e->V, sizeof(float), &ok);
     e->top_scratch = zalloc(KILN_MAX_TOP_LOGPROBS + 1, sizeof(int), &ok);
     if (!ok) {
-        kiln_engine_free(e);
+        engine_destroy(e);
         return kiln_error(KILN_ERR_NOMEM, "kiln_engine_create: out of memory for the engine's tables");
     }
     e->b_pos = e->b_ids + NB;
@@ -810,7 +821,7 @@ kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, 
     /* the worker acquires the backend and owns the forward state: a device's current context
      * is per thread */
     if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
-        kiln_engine_free(e);
+        engine_destroy(e);
         return kiln_error(KILN_ERR_NOMEM, "kiln_engine_create: cannot start the worker thread");
     }
     e->thread_started = 1;
@@ -821,15 +832,20 @@ kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, 
     if (st != KILN_OK) {
         char msg[512];
         snprintf(msg, sizeof msg, "%s", e->init_msg);
-        kiln_engine_free(e);
+        engine_destroy(e);
         return kiln_error(st, "%s", msg);
+    }
+    st = kiln_handle_register(&e->head, KILN_HANDLE_ENGINE, "kiln_engine_create");
+    if (st != KILN_OK) {
+        engine_destroy(e);
+        return st;
     }
     *out = e;
     return KILN_OK;
 }
 
-void kiln_engine_shutdown(kiln_engine *e, int drain) {
-    if (!e || !e->thread_started) return;
+static void engine_stop(kiln_engine *e, int drain) {
+    if (!e->thread_started) return;
     pthread_mutex_lock(&e->mu);
     e->stopping = 1;
     e->drain = drain;
@@ -837,12 +853,20 @@ void kiln_engine_shutdown(kiln_engine *e, int drain) {
     pthread_mutex_unlock(&e->mu);
     pthread_join(e->thread, NULL);
     e->thread_started = 0;
-    /* requests submitted while it stopped (none: submit refuses once stopping) */
+}
+
+void kiln_engine_shutdown(kiln_engine *e, int drain) {
+    if (e && kiln_handle_check(e, KILN_HANDLE_ENGINE, "kiln_engine_shutdown") == KILN_OK) engine_stop(e, drain);
 }
 
 void kiln_engine_free(kiln_engine *e) {
-    if (!e) return;
-    kiln_engine_shutdown(e, 0);
+    if (!e || kiln_handle_unregister(&e->head, KILN_HANDLE_ENGINE, "kiln_engine_free") != KILN_OK) return;
+    engine_destroy(e);
+}
+
+/* Stop the worker (cancelling what is left) and free everything e holds, its model's use too. */
+static void engine_destroy(kiln_engine *e) {
+    engine_stop(e, 0);
     if (e->be) {
         kiln_forward_state_free(&e->fs);
         if (e->dev_logits) kiln_backend_free_buf(e->be, e->dev_logits);
@@ -872,10 +896,13 @@ void kiln_engine_free(kiln_engine *e) {
         pthread_cond_destroy(&e->wake);
         pthread_cond_destroy(&e->ready);
     }
+    kiln_handle_release(e->m, "kiln_engine_free");
     kiln_free(e);
 }
 
-kiln_model *kiln_engine_model(kiln_engine *e) { return e ? e->m : NULL; }
+kiln_model *kiln_engine_model(kiln_engine *e) {
+    return kiln_handle_check(e, KILN_HANDLE_ENGINE, "kiln_engine_model") == KILN_OK ? e->m : NULL;
+}
 
 static req *req_create(kiln_engine *e, const kiln_request_params *p) {
     req *r = kiln_calloc(1, sizeof *r);
@@ -904,7 +931,8 @@ fail:
 }
 
 kiln_status kiln_engine_submit(kiln_engine *e, const kiln_request_params *p, uint64_t *id) {
-    if (!e || !p || !id) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_submit: NULL argument");
+    KILN_TRY(kiln_handle_check(e, KILN_HANDLE_ENGINE, "kiln_engine_submit"));
+    if (!p || !id) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_submit: NULL argument");
     if (!p->prompt || p->n_prompt == 0) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_submit: the prompt is empty");
     if (!p->on_event) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_submit: on_event must be set");
     if (p->max_tokens < 0) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_submit: max_tokens must be >= 0");
@@ -964,7 +992,7 @@ kiln_status kiln_engine_submit(kiln_engine *e, const kiln_request_params *p, uin
 }
 
 void kiln_engine_cancel(kiln_engine *e, uint64_t id) {
-    if (!e) return;
+    if (kiln_handle_check(e, KILN_HANDLE_ENGINE, "kiln_engine_cancel") != KILN_OK) return;
     pthread_mutex_lock(&e->mu);
     if (e->n_cancels == e->cap_cancels) {
         int cap = e->cap_cancels ? 2 * e->cap_cancels : 16;
@@ -982,7 +1010,7 @@ void kiln_engine_cancel(kiln_engine *e, uint64_t id) {
 }
 
 void kiln_engine_get_stats(kiln_engine *e, kiln_engine_stats *out) {
-    if (!e || !out) return;
+    if (!out || kiln_handle_check(e, KILN_HANDLE_ENGINE, "kiln_engine_get_stats") != KILN_OK) return;
     pthread_mutex_lock(&e->mu);
     *out = e->stats;
     pthread_mutex_unlock(&e->mu);

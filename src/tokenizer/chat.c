@@ -169,7 +169,8 @@ static kiln_status render_gemma(const kiln_tokenizer *t, const kiln_chat_message
 KILN_API kiln_status kiln_chat_apply(const kiln_tokenizer *t, const kiln_chat_message *msgs,
                                      size_t n_msgs, int add_generation_prompt, char *buf,
                                      size_t cap, size_t *n_out) {
-    if (!t || (!msgs && n_msgs) || !n_out || (!buf && cap))
+    KILN_TRY(kiln_handle_check(t, KILN_HANDLE_TOKENIZER, "kiln_chat_apply"));
+    if ((!msgs && n_msgs) || !n_out || (!buf && cap))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_chat_apply: NULL argument");
     for (size_t i = 0; i < n_msgs; i++)
         if (!msgs[i].role || !msgs[i].content)

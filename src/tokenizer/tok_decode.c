@@ -136,7 +136,8 @@ static kiln_status token_bytes(const kiln_tokenizer *t, int32_t id, int render_s
 
 KILN_API kiln_status kiln_token_to_bytes(const kiln_tokenizer *t, int32_t id, int render_special,
                                          char *buf, size_t cap, size_t *n_out) {
-    if (!t || !n_out || (!buf && cap))
+    KILN_TRY(kiln_handle_check(t, KILN_HANDLE_TOKENIZER, "kiln_token_to_bytes"));
+    if (!n_out || (!buf && cap))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_token_to_bytes: NULL argument");
     if (id < 0 || id >= t->n_vocab)
         return kiln_error(KILN_ERR_RANGE, "kiln_token_to_bytes: id %d outside [0, %d)", id,
@@ -156,7 +157,8 @@ KILN_API kiln_status kiln_token_to_bytes(const kiln_tokenizer *t, int32_t id, in
 }
 
 KILN_API const char *kiln_token_piece(const kiln_tokenizer *t, int32_t id) {
-    if (!t || id < 0 || id >= t->n_vocab) {
+    if (kiln_handle_check(t, KILN_HANDLE_TOKENIZER, "kiln_token_piece") != KILN_OK) return NULL;
+    if (id < 0 || id >= t->n_vocab) {
         kiln_error(KILN_ERR_RANGE, "kiln_token_piece: id %d out of range", id);
         return NULL;
     }
@@ -310,7 +312,8 @@ static kiln_status detok(const kiln_tokenizer *t, const int32_t *ids, size_t n, 
 
 KILN_API kiln_status kiln_detokenize(const kiln_tokenizer *t, const int32_t *ids, size_t n,
                                      int render_special, char *buf, size_t cap, size_t *n_out) {
-    if (!t || (!ids && n) || !n_out || (!buf && cap))
+    KILN_TRY(kiln_handle_check(t, KILN_HANDLE_TOKENIZER, "kiln_detokenize"));
+    if ((!ids && n) || !n_out || (!buf && cap))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_detokenize: NULL argument");
     tok_buf b = {0};
     kiln_status st = detok(t, ids, n, render_special, &b);
@@ -328,7 +331,8 @@ KILN_API kiln_status kiln_detokenize(const kiln_tokenizer *t, const int32_t *ids
 /* ---- streaming ------------------------------------------------------------------------------ */
 
 struct kiln_detok_stream {
-    const kiln_tokenizer *t;
+    kiln_handle_head head;  /* first: the registry's magic (base/handle.h) */
+    const kiln_tokenizer *t; /* a user of t (and of t's model, when t is a model's) */
     int render_special;
     int strip_first_space; /* the decoder drops one leading space of the whole text */
     int started;           /* some text has been produced */
@@ -339,9 +343,22 @@ struct kiln_detok_stream {
 
 KILN_API kiln_status kiln_detok_stream_create(const kiln_tokenizer *t, int render_special,
                                               kiln_detok_stream **out) {
-    if (!t || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_detok_stream_create: NULL argument");
+    static const char fn[] = "kiln_detok_stream_create";
+    KILN_TRY(kiln_handle_check(t, KILN_HANDLE_TOKENIZER, fn));
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_detok_stream_create: out is NULL");
     kiln_detok_stream *s = kiln_calloc(1, sizeof *s);
     if (!s) return kiln_error(KILN_ERR_NOMEM, "kiln_detok_stream_create: out of memory");
+    kiln_status st = kiln_handle_register(&s->head, KILN_HANDLE_DETOK_STREAM, fn);
+    if (st == KILN_OK && (st = kiln_handle_acquire(t, KILN_HANDLE_TOKENIZER, fn)) != KILN_OK)
+        (void)kiln_handle_unregister(&s->head, KILN_HANDLE_DETOK_STREAM, fn);
+    if (st == KILN_OK && t->owner && (st = kiln_handle_acquire(t->owner, KILN_HANDLE_MODEL, fn)) != KILN_OK) {
+        kiln_handle_release(t, fn);
+        (void)kiln_handle_unregister(&s->head, KILN_HANDLE_DETOK_STREAM, fn);
+    }
+    if (st != KILN_OK) {
+        kiln_free(s);
+        return st;
+    }
     s->t = t;
     s->render_special = render_special;
     for (int k = 0; k < t->n_dec; k++) {
@@ -352,7 +369,13 @@ KILN_API kiln_status kiln_detok_stream_create(const kiln_tokenizer *t, int rende
     return KILN_OK;
 }
 
-KILN_API void kiln_detok_stream_free(kiln_detok_stream *s) { kiln_free(s); }
+KILN_API void kiln_detok_stream_free(kiln_detok_stream *s) {
+    static const char fn[] = "kiln_detok_stream_free";
+    if (!s || kiln_handle_unregister(&s->head, KILN_HANDLE_DETOK_STREAM, fn) != KILN_OK) return;
+    if (s->t->owner) kiln_handle_release(s->t->owner, fn);
+    kiln_handle_release(s->t, fn);
+    kiln_free(s);
+}
 
 /* Convert pend + bytes into complete text; keep a trailing incomplete sequence. */
 static kiln_status stream_emit(kiln_detok_stream *s, const char *bytes, size_t n, int flush,
@@ -392,7 +415,8 @@ static kiln_status stream_emit(kiln_detok_stream *s, const char *bytes, size_t n
 
 KILN_API kiln_status kiln_detok_stream_push(kiln_detok_stream *s, int32_t id, char *buf,
                                             size_t cap, size_t *n_out) {
-    if (!s || !n_out || (!buf && cap))
+    KILN_TRY(kiln_handle_check(s, KILN_HANDLE_DETOK_STREAM, "kiln_detok_stream_push"));
+    if (!n_out || (!buf && cap))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_detok_stream_push: NULL argument");
     if (id < 0 || id >= s->t->n_vocab)
         return kiln_error(KILN_ERR_RANGE, "kiln_detok_stream_push: id %d outside [0, %d)", id,
@@ -410,7 +434,8 @@ KILN_API kiln_status kiln_detok_stream_push(kiln_detok_stream *s, int32_t id, ch
 
 KILN_API kiln_status kiln_detok_stream_flush(kiln_detok_stream *s, char *buf, size_t cap,
                                              size_t *n_out) {
-    if (!s || !n_out || (!buf && cap))
+    KILN_TRY(kiln_handle_check(s, KILN_HANDLE_DETOK_STREAM, "kiln_detok_stream_flush"));
+    if (!n_out || (!buf && cap))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_detok_stream_flush: NULL argument");
     return stream_emit(s, "", 0, 1, buf, cap, n_out);
 }

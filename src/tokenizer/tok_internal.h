@@ -78,6 +78,8 @@ typedef struct tok_dec_step {
 #define TOK_MAX_STEPS 8
 
 struct kiln_tokenizer {
+    kiln_handle_head head;    /* first: the registry's magic (base/handle.h) */
+    const void *owner;        /* the kiln_model this tokenizer belongs to, or NULL (its own) */
     const char *type;         /* "bpe" or "spm" */
     char pre[32];             /* pre-tokenizer name */
     char *label;              /* file or folder it came from, for messages */

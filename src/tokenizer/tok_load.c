@@ -1153,10 +1153,20 @@ KILN_API kiln_status kiln_tokenizer_open(const char *path, kiln_tokenizer **out)
     return load_hf_files(path, dir, out);
 }
 
-KILN_API void kiln_tokenizer_close(kiln_tokenizer *t) { kiln_tokenizer_free(t); }
+KILN_API void kiln_tokenizer_close(kiln_tokenizer *t) {
+    if (!t) return;
+    if (kiln_handle_check(t, KILN_HANDLE_TOKENIZER, "kiln_tokenizer_close") != KILN_OK) return;
+    if (t->owner) {
+        kiln_error(KILN_ERR_STATE, "kiln_tokenizer_close: this kiln_tokenizer belongs to a kiln_model "
+                                   "(kiln_model_get_tokenizer) and is freed with it");
+        return;
+    }
+    kiln_tokenizer_free(t); /* refused while detok streams on it are open */
+}
 
 KILN_API kiln_status kiln_tokenizer_get_info(const kiln_tokenizer *t, kiln_tokenizer_info *out) {
-    if (!t || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_tokenizer_get_info: NULL argument");
+    KILN_TRY(kiln_handle_check(t, KILN_HANDLE_TOKENIZER, "kiln_tokenizer_get_info"));
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_tokenizer_get_info: out is NULL");
     memset(out, 0, sizeof *out);
     out->type = t->type;
     out->pre = t->pre;

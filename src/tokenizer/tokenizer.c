@@ -9,6 +9,8 @@
 
 /* ---- building ----------------------------------------------------------------------------- */
 
+static void tok_destroy(kiln_tokenizer *t);
+
 kiln_status tok_alloc(kiln_tokenizer **out, int32_t n_vocab, const char *label) {
     /* 0 is allowed: tokenizers loads an empty model.vocab (every text encodes to no ids) */
     if (n_vocab < 0 || n_vocab > (1 << 26))
@@ -24,9 +26,13 @@ kiln_status tok_alloc(kiln_tokenizer **out, int32_t n_vocab, const char *label) 
     t->type = "bpe";
     t->bos_id = t->eos_id = t->eot_id = t->eom_id = t->pad_id = t->unk_id = t->model_unk_id = -1;
     for (int i = 0; i < 256; i++) t->byte_id[i] = -1;
-    if (!t->label || !t->piece || !t->piece_len || !t->attr) {
-        kiln_tokenizer_free(t);
-        return kiln_error(KILN_ERR_NOMEM, "%s: out of memory (vocabulary of %d)", label, n_vocab);
+    kiln_status st = KILN_OK;
+    if (!t->label || !t->piece || !t->piece_len || !t->attr)
+        st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory (vocabulary of %d)", label, n_vocab);
+    if (st == KILN_OK) st = kiln_handle_register(&t->head, KILN_HANDLE_TOKENIZER, label ? label : "tokenizer");
+    if (st != KILN_OK) {
+        tok_destroy(t);
+        return st;
     }
     *out = t;
     return KILN_OK;
@@ -283,8 +289,19 @@ kiln_status tok_finish(kiln_tokenizer *t) {
     return KILN_OK;
 }
 
+void kiln_tokenizer_set_owner(kiln_tokenizer *t, const void *model) {
+    if (t) t->owner = model;
+}
+
+const void *kiln_tokenizer_owner(const kiln_tokenizer *t) { return t->owner; }
+
 void kiln_tokenizer_free(kiln_tokenizer *t) {
     if (!t) return;
+    if (kiln_handle_unregister(&t->head, KILN_HANDLE_TOKENIZER, "kiln_tokenizer_close") != KILN_OK) return;
+    tok_destroy(t);
+}
+
+static void tok_destroy(kiln_tokenizer *t) {
     kiln_free(t->label);
     kiln_free(t->piece);
     kiln_free(t->piece_len);
@@ -840,7 +857,8 @@ static kiln_status encode_all(const kiln_tokenizer *t, tok_ws *w, const char *s,
 KILN_API kiln_status kiln_tokenize(const kiln_tokenizer *t, const char *text, size_t len,
                                    int add_special, int parse_special, int32_t *ids,
                                    size_t cap, size_t *n_out) {
-    if (!t || (!text && len) || !n_out || (!ids && cap))
+    KILN_TRY(kiln_handle_check(t, KILN_HANDLE_TOKENIZER, "kiln_tokenize"));
+    if ((!text && len) || !n_out || (!ids && cap))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_tokenize: NULL argument");
     char *clean = NULL;
     size_t clean_n = 0;

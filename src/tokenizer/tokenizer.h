@@ -5,6 +5,7 @@
 #define KILN_TOKENIZER_H
 
 #include "../base/base.h"
+#include "../base/handle.h"
 #include "../formats/gguf.h"
 
 /* From GGUF metadata (tokenizer.ggml.*: model, pre, tokens, scores, token_type, merges,
@@ -20,7 +21,13 @@ kiln_status kiln_tokenizer_from_hf_json(const char *tokenizer_json, size_t len,
                                         const char *config_json, size_t config_len,
                                         const char *label, kiln_tokenizer **out);
 
+/* Unregister (refused, nothing freed, for a pointer that is not a live tokenizer or one with
+ * users) and free. */
 void kiln_tokenizer_free(kiln_tokenizer *t);
+/* Mark t as owned by a model (kiln_tokenizer_close then refuses it). t may be NULL. */
+void kiln_tokenizer_set_owner(kiln_tokenizer *t, const void *model);
+/* The model t belongs to, or NULL. t must be a live tokenizer. */
+const void *kiln_tokenizer_owner(const kiln_tokenizer *t);
 
 /* Whether id ends generation (eos, eot, and any token the vocabulary marks as such, e.g.
  * <|im_end|>, <|eot_id|>, <end_of_turn>). */

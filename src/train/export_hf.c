@@ -84,7 +84,8 @@ static kiln_model_config hx_export_config(const kiln_model *m) {
 
 KILN_API kiln_status kiln_train_export_hf(const kiln_trainer *t, const char *dir, int dtype_bf16,
                                           int overwrite) {
-    if (!t || !dir || !dir[0]) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_export_hf: NULL argument");
+    KILN_TRY(kiln_trainer_enter(t, "kiln_train_export_hf"));
+    if (!dir || !dir[0]) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_export_hf: NULL argument");
     const kiln_model *m = kiln_trainer_model(t);
     if (!m) return kiln_error(KILN_ERR_INTERNAL, "kiln_train_export_hf: trainer without a model");
     if (m->rope_freq_factors)

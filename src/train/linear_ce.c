@@ -16,12 +16,14 @@
  *     does at the end of a step.
  */
 #include "../base/base.h"
+#include "../base/handle.h"
 #include "../ops/ops.h"
 #include "../ops/fused_ce.h"
 
 #include <string.h>
 
 struct kiln_linear_ce {
+    kiln_handle_head head; /* first: the registry's magic (base/handle.h) */
     kiln_backend *be;
     int device, fast;
     void *stats;         /* the row walk's (N, 3) f32 statistics, device memory, stats_cap bytes */
@@ -54,12 +56,18 @@ kiln_status kiln_linear_ce_create(int device, int fast, kiln_linear_ce **out) {
         kiln_free(c);
         return st; /* the backend named why */
     }
+    st = kiln_handle_register(&c->head, KILN_HANDLE_LINEAR_CE, "kiln_linear_ce_create");
+    if (st != KILN_OK) {
+        kiln_backend_release(c->be);
+        kiln_free(c);
+        return st;
+    }
     *out = c;
     return KILN_OK;
 }
 
 void kiln_linear_ce_free(kiln_linear_ce *c) {
-    if (!c) return;
+    if (!c || kiln_handle_unregister(&c->head, KILN_HANDLE_LINEAR_CE, "kiln_linear_ce_free") != KILN_OK) return;
     if (c->stats) kiln_backend_free_buf(c->be, c->stats);
     if (c->scratch) kiln_backend_free_buf(c->be, c->scratch);
     kiln_backend_release(c->be);
@@ -112,10 +120,27 @@ static kiln_status row_walk(kiln_linear_ce *c, kiln_fused_ce_params *fp, int64_t
     return KILN_OK;
 }
 
+static kiln_status linear_ce_compute(kiln_linear_ce *c, const kiln_linear_ce_params *p,
+                                     kiln_linear_ce_result *out);
+
+/* The API boundary: a live handle whose backend is not poisoned (kiln.h KILN_ERR_POISONED). */
+static kiln_status linear_ce_enter(const kiln_linear_ce *c, const char *fn) {
+    KILN_TRY(kiln_handle_check(c, KILN_HANDLE_LINEAR_CE, fn));
+    return kiln_backend_enter(c->be, fn);
+}
+
+kiln_status kiln_linear_ce_status(const kiln_linear_ce *c) { return linear_ce_enter(c, "kiln_linear_ce_status"); }
+
 kiln_status kiln_linear_ce_compute(kiln_linear_ce *c, const kiln_linear_ce_params *p,
                                    kiln_linear_ce_result *out) {
     if (out) memset(out, 0, sizeof *out);
-    if (!c || !p) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_linear_ce_compute: NULL handle or parameters");
+    KILN_TRY(linear_ce_enter(c, "kiln_linear_ce_compute"));
+    return kiln_backend_leave(c->be, linear_ce_compute(c, p, out), "kiln_linear_ce_compute");
+}
+
+static kiln_status linear_ce_compute(kiln_linear_ce *c, const kiln_linear_ce_params *p,
+                                     kiln_linear_ce_result *out) {
+    if (!p) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_linear_ce_compute: NULL parameters");
     if (p->reduction != KILN_LOSS_MEAN && p->reduction != KILN_LOSS_SUM)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_linear_ce_compute: reduction %d (KILN_LOSS_MEAN or KILN_LOSS_SUM)", (int)p->reduction);
     if (p->row_block < 0)

@@ -45,7 +45,8 @@ typedef struct train_param {
 } train_param;
 
 struct kiln_trainer {
-    kiln_model *model;
+    kiln_handle_head head; /* first: the registry's magic (base/handle.h) */
+    kiln_model *model;     /* a user of the model from create to free */
     kiln_model_config cfg;
     kiln_train_params p;
     kiln_backend *be;
@@ -175,7 +176,9 @@ static kiln_status apply_grad_coef(kiln_trainer *t) {
 
 /* st with the message prefixed by the call and the backend's name (KILN_OK stays KILN_OK). */
 static kiln_status backend_error(kiln_trainer *t, kiln_status st, const char *call) {
-    return st == KILN_OK ? KILN_OK : kiln_error_prefix(st, "%s: %s backend", call, t->be->i->name);
+    if (st == KILN_OK) return KILN_OK;
+    /* KILN_ERR_POISONED when the failure left the backend poisoned (kiln.h) */
+    return kiln_backend_leave(t->be, kiln_error_prefix(st, "%s: %s backend", call, t->be->i->name), call);
 }
 
 /* KILN_OK, or the error that poisoned a device backend during the work of `call`. */
@@ -455,8 +458,18 @@ kiln_train_params kiln_train_default_params(void) {
     return p;
 }
 
+static void trainer_destroy(kiln_trainer *t);
+
+kiln_status kiln_trainer_enter(const kiln_trainer *t, const char *call) {
+    KILN_TRY(kiln_handle_check(t, KILN_HANDLE_TRAINER, call));
+    return kiln_backend_enter(t->be, call);
+}
+
+kiln_status kiln_trainer_status(const kiln_trainer *t) { return kiln_trainer_enter(t, "kiln_trainer_status"); }
+
 kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, kiln_trainer **out) {
-    if (!m || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: model and out must be set");
+    KILN_TRY(kiln_handle_check(m, KILN_HANDLE_MODEL, "kiln_trainer_create"));
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: out must be set");
     kiln_train_params p = params ? *params : kiln_train_default_params();
     if (p.max_seq < 2 || p.max_seq > m->cfg.n_ctx_train)
         return kiln_error(KILN_ERR_RANGE, "kiln_trainer_create: max_seq %d not in [2, %d] (the model's context)",
@@ -483,6 +496,12 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
         return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: MLP biases (mlp_bias) are not trainable yet");
     kiln_trainer *t = kiln_calloc(1, sizeof *t);
     if (!t) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
+    /* m counts t as a user from here (kiln_model_close refuses while it does) */
+    kiln_status ast = kiln_handle_acquire(m, KILN_HANDLE_MODEL, "kiln_trainer_create");
+    if (ast != KILN_OK) {
+        kiln_free(t);
+        return ast;
+    }
     t->model = m;
     t->cfg = m->cfg;
     t->p = p;
@@ -494,7 +513,7 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
         if (st != KILN_OK) { /* say which setting asked for CUDA, keep the backend's reason */
             char why[512];
             snprintf(why, sizeof why, "%s", kiln_last_error());
-            kiln_trainer_free(t);
+            trainer_destroy(t);
             return kiln_error(st, "kiln_trainer_create: device %d (CUDA) unavailable: %s", p.device, why);
         }
     } else {
@@ -578,8 +597,9 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     }
     if (st == KILN_OK) st = alloc_activations(t);
     if (st == KILN_OK) st = create_optimizers(t);
+    if (st == KILN_OK) st = kiln_handle_register(&t->head, KILN_HANDLE_TRAINER, "kiln_trainer_create");
     if (st != KILN_OK) {
-        kiln_trainer_free(t);
+        trainer_destroy(t);
         return st;
     }
     *out = t;
@@ -587,7 +607,11 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
 }
 
 void kiln_trainer_free(kiln_trainer *t) {
-    if (!t) return;
+    if (!t || kiln_handle_unregister(&t->head, KILN_HANDLE_TRAINER, "kiln_trainer_free") != KILN_OK) return;
+    trainer_destroy(t);
+}
+
+static void trainer_destroy(kiln_trainer *t) {
     kiln_adamw_free(t->opt_mat);
     kiln_adamw_free(t->opt_vec);
     kiln_free(t->targets);
@@ -609,6 +633,7 @@ void kiln_trainer_free(kiln_trainer *t) {
     kiln_free(t->vec_index);
     kiln_free(t->params);
     kiln_backend_release(t->be);
+    kiln_handle_release(t->model, "kiln_trainer_free");
     kiln_free(t);
 }
 
@@ -693,7 +718,7 @@ static kiln_status forward(kiln_trainer *t, const int32_t *ids, int n_seq, int s
 }
 
 static kiln_status check_ready(kiln_trainer *t, const char *call) {
-    if (!t) return kiln_error(KILN_ERR_INVALID_ARG, "%s: NULL trainer", call);
+    KILN_TRY(kiln_trainer_enter(t, call));
     if (t->pending)
         return kiln_error(KILN_ERR_STATE, "%s: a step is pending (call kiln_train_backward or kiln_train_discard first)", call);
     return KILN_OK;
@@ -852,7 +877,7 @@ kiln_status kiln_train_forward_hidden(kiln_trainer *t, const int32_t *ids, int n
 }
 
 kiln_status kiln_train_discard(kiln_trainer *t) {
-    if (!t) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_discard: NULL trainer");
+    KILN_TRY(kiln_trainer_enter(t, "kiln_train_discard"));
     t->pending = 0;
     return KILN_OK;
 }
@@ -876,7 +901,7 @@ static kiln_status begin_grads(kiln_trainer *t, int accumulate) {
 }
 
 kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accumulate) {
-    if (!t) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_backward: NULL trainer");
+    KILN_TRY(kiln_trainer_enter(t, "kiln_train_backward"));
     if (!t->pending) return kiln_error(KILN_ERR_STATE, "kiln_train_backward: no pending step (call a forward first)");
     if (t->pending == 2 && !dhidden)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_backward: the step handed out hidden states: pass their gradient");
@@ -1207,12 +1232,15 @@ static void opt_slot(const kiln_trainer *t, int i, kiln_adamw **o, int *slot) {
 
 /* ---- parameters by name ------------------------------------------------------------------ */
 
-int kiln_train_n_params(const kiln_trainer *t) { return t ? t->n_params : 0; }
+int kiln_train_n_params(const kiln_trainer *t) {
+    return kiln_handle_check(t, KILN_HANDLE_TRAINER, "kiln_train_n_params") == KILN_OK ? t->n_params : 0;
+}
 
 kiln_status kiln_train_param_info(const kiln_trainer *t, int i, const char **name, int64_t *n_elements,
                                   int64_t shape[2]) {
-    if (!t || i < 0 || i >= t->n_params)
-        return kiln_error(KILN_ERR_RANGE, "kiln_train_param_info: index %d not in [0, %d)", i, t ? t->n_params : 0);
+    KILN_TRY(kiln_trainer_enter(t, "kiln_train_param_info"));
+    if (i < 0 || i >= t->n_params)
+        return kiln_error(KILN_ERR_RANGE, "kiln_train_param_info: index %d not in [0, %d)", i, t->n_params);
     if (name) *name = t->params[i].name;
     if (n_elements) *n_elements = t->params[i].n;
     if (shape) {
@@ -1223,8 +1251,9 @@ kiln_status kiln_train_param_info(const kiln_trainer *t, int i, const char **nam
 }
 
 kiln_status kiln_train_param_file_shape(const kiln_trainer *t, int i, int *n_dims, int64_t shape[3]) {
-    if (!t || i < 0 || i >= t->n_params)
-        return kiln_error(KILN_ERR_RANGE, "kiln_train_param_file_shape: index %d not in [0, %d)", i, t ? t->n_params : 0);
+    KILN_TRY(kiln_trainer_enter(t, "kiln_train_param_file_shape"));
+    if (i < 0 || i >= t->n_params)
+        return kiln_error(KILN_ERR_RANGE, "kiln_train_param_file_shape: index %d not in [0, %d)", i, t->n_params);
     if (!n_dims || !shape) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_param_file_shape: n_dims and shape must be set");
     *n_dims = t->params[i].file_dims;
     for (int k = 0; k < 3; k++) shape[k] = t->params[i].file_shape[k];
@@ -1246,7 +1275,8 @@ static const train_param *find_param(const kiln_trainer *t, const char *name, in
 }
 
 kiln_status kiln_train_get_param(const kiln_trainer *t, const char *name, float *out, int64_t n) {
-    if (!t || !name || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_get_param: NULL argument");
+    KILN_TRY(kiln_trainer_enter(t, "kiln_train_get_param"));
+    if (!name || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_get_param: NULL argument");
     const train_param *p = find_param(t, name, n, "kiln_train_get_param");
     if (!p) return KILN_ERR_INVALID_ARG;
     if (t->host) {
@@ -1280,7 +1310,8 @@ static kiln_status write_param(kiln_trainer *t, const train_param *p, const floa
 }
 
 kiln_status kiln_train_get_grad(const kiln_trainer *t, const char *name, float *out, int64_t n) {
-    if (!t || !name || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_get_grad: NULL argument");
+    KILN_TRY(kiln_trainer_enter(t, "kiln_train_get_grad"));
+    if (!name || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_get_grad: NULL argument");
     const train_param *p = find_param(t, name, n, "kiln_train_get_grad");
     if (!p) return KILN_ERR_INVALID_ARG;
     KILN_TRY(kiln_backend_download(t->be, out, p->g, (size_t)n * sizeof(float)));
@@ -1372,7 +1403,7 @@ kiln_status kiln_train_set_params(kiln_trainer *t, int count, const char *const 
 }
 
 kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, kiln_train_memory *mem) {
-    if (!t) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_describe: NULL trainer");
+    KILN_TRY(kiln_trainer_enter(t, "kiln_train_describe"));
     kiln_train_memory m;
     memset(&m, 0, sizeof m);
     for (int i = 0; i < t->n_params; i++) {

@@ -7,6 +7,9 @@
 /* The model the trainer was created from (config, architecture, tokenizer). */
 const kiln_model *kiln_trainer_model(const kiln_trainer *t);
 /* kiln_train_param_file_shape is public (include/kiln.h). */
+/* The API boundary of a trainer call: t a live trainer (base/handle.h) whose backend is not
+ * poisoned (KILN_ERR_POISONED otherwise), errors naming call. */
+kiln_status kiln_trainer_enter(const kiln_trainer *t, const char *call);
 
 /* kiln_train_load, and *notes (may be NULL) gets why newer checkpoints were passed over and
  * which were set aside (kiln_ckpt_open_for_resume; kiln_malloc'd text, one line each, or NULL

@@ -307,7 +307,10 @@ static int run(const char *tok, int n_vocab, const char *arch, int tied, int n_b
     ok &= dc && dsp;
     if (ok) {
         *dsp = ds;
+        /* entered as kiln_context_create enters a context: a live handle, a user of m */
+        ok &= kiln_handle_acquire(m, KILN_HANDLE_MODEL, "test_forward_devsim") == KILN_OK;
         dc->model = m;
+        ok &= kiln_handle_register(&dc->head, KILN_HANDLE_CONTEXT, "test_forward_devsim") == KILN_OK;
         dc->params = cp;
         dc->be = dsp;
         dc->tokens = kiln_calloc(32, sizeof(int32_t));

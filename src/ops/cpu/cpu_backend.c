@@ -13,6 +13,7 @@
 #include "backward.h"
 #include "kernels_q8act.h"
 
+#include <stdio.h>
 #include <string.h>
 
 typedef struct cpu_ctx {
@@ -25,6 +26,8 @@ typedef struct cpu_ctx {
     int q8_every_n;
     void *q8_buf; /* the quantized activations, grown on demand (never per call) */
     size_t q8_cap;
+    kiln_status err; /* KILN_OK unless poisoned on purpose (kiln_backend_cpu_poison) */
+    char msg[256];
 } cpu_ctx;
 
 static cpu_ctx *ctx_of(kiln_backend *be) { return (cpu_ctx *)be->ctx; }
@@ -466,8 +469,16 @@ static kiln_status cpu_copy(kiln_backend *be, void *dst, const void *src, size_t
 }
 
 static kiln_status cpu_status(kiln_backend *be) {
-    (void)be;
-    return KILN_OK;
+    const cpu_ctx *c = ctx_of(be);
+    return c->err == KILN_OK ? KILN_OK : kiln_error(c->err, "cpu backend: %s", c->msg);
+}
+
+void kiln_backend_cpu_poison(kiln_backend *be, kiln_status st, const char *msg) {
+    if (!be || be->i->status != cpu_status || st == KILN_OK) return;
+    cpu_ctx *c = ctx_of(be);
+    if (c->err != KILN_OK) return; /* the first failure is the one kept */
+    c->err = st;
+    snprintf(c->msg, sizeof c->msg, "%s", msg ? msg : "poisoned");
 }
 
 static void cpu_zero(kiln_backend *be, float *x, size_t n) {

@@ -17,7 +17,8 @@
 /* The hot loops run as an FMA build where the CPU has it (GCC and clang pick the clone at load
  * time): fmaf is one correctly rounded operation either way, so the bits are the same, but
  * without FMA hardware it is a library call. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+/* (not under the sanitizers: their instrumented ifunc resolvers run before the runtime starts) */
 #define LA_HOT __attribute__((target_clones("fma", "default")))
 #else
 #define LA_HOT
