@@ -21,6 +21,8 @@ static const char *serve_help =
     "                           name without .gguf)\n"
     "      --device D           cpu (default), cuda or cuda:N\n"
     "      --fast               the device's fast arithmetic (docs/CUDA.md); default: auditable\n"
+    "      --batch-invariant    with --fast on the CPU: 8-bit activations at every batch size, so\n"
+    "                           a request gets kiln generate --fast --batch-invariant's tokens\n"
     "  -t, --threads N          CPU threads (default: all cores)\n"
     "      --host ADDR          address to listen on (default 127.0.0.1)\n"
     "      --port N             port (default 8080; 0: any free port, printed)\n"
@@ -114,7 +116,7 @@ int cmd_serve(int argc, char **argv) {
     long port = 8080, threads = 0, n_ctx = 0, max_batch = 0, max_seqs = 0, kv_blocks = 0, max_queue = 0,
          max_conns = 64, timeout = 600;
     size_t kv_memory = 0, max_body = (size_t)8 << 20;
-    int device = -1, fast = 0, no_prefix = 0;
+    int device = -1, fast = 0, batch_invariant = 0, no_prefix = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = NULL;
         int err = 0;
@@ -130,6 +132,8 @@ int cmd_serve(int argc, char **argv) {
             if (!err) err = cli_parse_device(cmd, v, &device);
         } else if (!strcmp(a, "--fast")) {
             fast = 1;
+        } else if (!strcmp(a, "--batch-invariant")) {
+            batch_invariant = 1;
         } else if (cli_opt(argc, argv, &i, "-t", &v, &err, cmd) || cli_opt(argc, argv, &i, "--threads", &v, &err, cmd)) {
             if (!err) err = cli_parse_int(cmd, a, v, 1, 256, &threads);
         } else if (cli_opt(argc, argv, &i, "--host", &v, &err, cmd)) {
@@ -173,6 +177,7 @@ int cmd_serve(int argc, char **argv) {
     if (!model) return cli_usage_error(cmd, "a model is required (kiln serve MODEL or -m MODEL)");
     if (kv_blocks && kv_memory) return cli_usage_error(cmd, "give --kv-blocks or --kv-memory, not both");
     if (api_key && key_file) return cli_usage_error(cmd, "give --api-key or --api-key-file, not both");
+    if (batch_invariant && !fast) return cli_usage_error(cmd, "--batch-invariant goes with --fast");
     char *key_owned = NULL;
     if (key_file && !(api_key = key_owned = read_key_file(key_file))) return 1;
 
@@ -187,6 +192,7 @@ int cmd_serve(int argc, char **argv) {
     kiln_engine_params ep = kiln_engine_default_params();
     ep.device = device;
     ep.fast = fast;
+    ep.batch_invariant = batch_invariant;
     ep.n_threads = (int)threads;
     if (n_ctx) ep.n_ctx = (int)n_ctx;
     if (max_batch) ep.max_batch_tokens = (int)max_batch;
@@ -238,7 +244,7 @@ int cmd_serve(int argc, char **argv) {
     }
     const char *h = strchr(host, ':') ? "[" : "";
     printf("kiln serve: listening on http://%s%s%s:%d/ (model %s, device %s%s%s)\n", h, host, *h ? "]" : "",
-           serve_port(srv), cfg.model_name, device_name, fast ? ", fast" : "", api_key ? ", API key required" : "");
+           serve_port(srv), cfg.model_name, device_name, fast ? (batch_invariant ? ", fast, batch-invariant" : ", fast") : "", api_key ? ", API key required" : "");
     fflush(stdout);
 
     unsigned char sig = 0;

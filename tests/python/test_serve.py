@@ -92,9 +92,9 @@ def server(build_dir, smollm2_gguf):
     assert "still held: 0 bytes in 0 blocks" in err, err
 
 
-def generate(build_dir, model, prompt, n, chat=False):
+def generate(build_dir, model, prompt, n, chat=False, extra=()):
     cmd = [kiln_bin(build_dir), "generate", "-m", model, "-p", prompt, "-n", str(n), "--temp", "0", "--json",
-           "--seed", "1", "-t", "2"]
+           "--seed", "1", "-t", "2", *extra]
     if chat:
         cmd.append("--chat")
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -524,6 +524,30 @@ def test_engine_options_same_answers(server, build_dir, smollm2_gguf):
         assert got == ref
         v = metrics(s)
         assert v["kiln_kv_blocks_total"] == 3 and v["kiln_preemptions_total"] >= 1
+    finally:
+        rc, err = s.stop()
+    assert rc == 0, err
+
+
+def test_fast_batch_invariant_equals_generate(build_dir, smollm2_gguf):
+    """--fast --batch-invariant on the CPU: concurrent requests get `kiln generate --fast
+    --batch-invariant`'s greedy text."""
+    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+    ref = [generate(build_dir, smollm2_gguf, p, 16, extra=("--fast", "--batch-invariant"))["text"] for p in prompts]
+    s = Server(build_dir, smollm2_gguf, "--fast", "--batch-invariant")
+    try:
+        got = [None] * len(prompts)
+
+        def one(i):
+            got[i] = s.client().completions.create(model=s.model, prompt=prompts[i], max_tokens=16,
+                                                   temperature=0).choices[0].text
+
+        ths = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        assert got == ref
     finally:
         rc, err = s.stop()
     assert rc == 0, err
