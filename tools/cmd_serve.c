@@ -111,10 +111,10 @@ static char *default_model_name(const char *path) {
 }
 
 int cmd_serve(int argc, char **argv) {
-    const char *cmd = "serve", *model = NULL, *model_name = NULL, *host = "127.0.0.1", *api_key = NULL,
-               *key_file = NULL;
-    long port = 8080, threads = 0, n_ctx = 0, max_batch = 0, max_seqs = 0, kv_blocks = 0, max_queue = 0,
-         max_conns = 64, timeout = 600;
+    const char *cmd = "serve", *model = NULL, *model_name = NULL, *host = "127.0.0.1",
+               *api_key = NULL, *key_file = NULL;
+    long port = 8080, threads = 0, n_ctx = 0, max_batch = 0, max_seqs = 0, kv_blocks = 0,
+         max_queue = 0, max_conns = 64, timeout = 600;
     size_t kv_memory = 0, max_body = (size_t)8 << 20;
     int device = -1, fast = 0, batch_invariant = 0, no_prefix = 0;
     for (int i = 1; i < argc; i++) {
@@ -123,7 +123,8 @@ int cmd_serve(int argc, char **argv) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             fputs(serve_help, stdout);
             return 0;
-        } else if (cli_opt(argc, argv, &i, "-m", &v, &err, cmd) || cli_opt(argc, argv, &i, "--model", &v, &err, cmd)) {
+        } else if (cli_opt(argc, argv, &i, "-m", &v, &err, cmd) ||
+                   cli_opt(argc, argv, &i, "--model", &v, &err, cmd)) {
             model = v;
         } else if (cli_opt(argc, argv, &i, "--model-name", &v, &err, cmd)) {
             if (!err && !*v) err = cli_usage_error(cmd, "--model-name needs a non-empty name");
@@ -134,7 +135,8 @@ int cmd_serve(int argc, char **argv) {
             fast = 1;
         } else if (!strcmp(a, "--batch-invariant")) {
             batch_invariant = 1;
-        } else if (cli_opt(argc, argv, &i, "-t", &v, &err, cmd) || cli_opt(argc, argv, &i, "--threads", &v, &err, cmd)) {
+        } else if (cli_opt(argc, argv, &i, "-t", &v, &err, cmd) ||
+                   cli_opt(argc, argv, &i, "--threads", &v, &err, cmd)) {
             if (!err) err = cli_parse_int(cmd, a, v, 1, 256, &threads);
         } else if (cli_opt(argc, argv, &i, "--host", &v, &err, cmd)) {
             host = v;
@@ -175,8 +177,10 @@ int cmd_serve(int argc, char **argv) {
         if (err) return 2;
     }
     if (!model) return cli_usage_error(cmd, "a model is required (kiln serve MODEL or -m MODEL)");
-    if (kv_blocks && kv_memory) return cli_usage_error(cmd, "give --kv-blocks or --kv-memory, not both");
-    if (api_key && key_file) return cli_usage_error(cmd, "give --api-key or --api-key-file, not both");
+    if (kv_blocks && kv_memory)
+        return cli_usage_error(cmd, "give --kv-blocks or --kv-memory, not both");
+    if (api_key && key_file)
+        return cli_usage_error(cmd, "give --api-key or --api-key-file, not both");
     if (batch_invariant && !fast) return cli_usage_error(cmd, "--batch-invariant goes with --fast");
     char *key_owned = NULL;
     if (key_file && !(api_key = key_owned = read_key_file(key_file))) return 1;
@@ -217,10 +221,18 @@ int cmd_serve(int argc, char **argv) {
     if (device < 0) snprintf(device_name, sizeof device_name, "cpu");
     else snprintf(device_name, sizeof device_name, "cuda:%d", device);
 
-    serve_config cfg = {.engine = e, .tok = kiln_model_get_tokenizer(m),
-                        .model_name = model_name ? model_name : name_owned ? name_owned : "kiln",
-                        .api_key = api_key, .device_name = device_name, .n_ctx = ctx_len, .host = host,
-                        .port = (int)port, .max_connections = (int)max_conns, .timeout_s = (int)timeout,
+    serve_config cfg = {.engine = e,
+                        .tok = kiln_model_get_tokenizer(m),
+                        .model_name = model_name   ? model_name
+                                      : name_owned ? name_owned
+                                                   : "kiln",
+                        .api_key = api_key,
+                        .device_name = device_name,
+                        .n_ctx = ctx_len,
+                        .host = host,
+                        .port = (int)port,
+                        .max_connections = (int)max_conns,
+                        .timeout_s = (int)timeout,
                         .max_body = max_body};
     int rc = 1;
     serve_server *srv = NULL;
@@ -243,20 +255,24 @@ int cmd_serve(int argc, char **argv) {
         goto done;
     }
     const char *h = strchr(host, ':') ? "[" : "";
-    printf("kiln serve: listening on http://%s%s%s:%d/ (model %s, device %s%s%s)\n", h, host, *h ? "]" : "",
-           serve_port(srv), cfg.model_name, device_name, fast ? (batch_invariant ? ", fast, batch-invariant" : ", fast") : "", api_key ? ", API key required" : "");
+    printf("kiln serve: listening on http://%s%s%s:%d/ (model %s, device %s%s%s)\n", h, host,
+           *h ? "]" : "", serve_port(srv), cfg.model_name, device_name,
+           fast ? (batch_invariant ? ", fast, batch-invariant" : ", fast") : "",
+           api_key ? ", API key required" : "");
     fflush(stdout);
 
     unsigned char sig = 0;
     while (read(signal_pipe[0], &sig, 1) < 0 && errno == EINTR) {
     }
-    fprintf(stderr, "kiln serve: signal %d: draining (no new connections; finishing %d request(s))\n", sig,
+    fprintf(stderr,
+            "kiln serve: signal %d: draining (no new connections; finishing %d request(s))\n", sig,
             serve_active(srv));
     serve_quiesce(srv);
     kiln_engine_shutdown(e, 1); /* every queued and running request finishes */
     /* the connections write their last bytes; a client that stopped reading has --timeout */
     struct timespec ts = {0, 20 * 1000 * 1000};
-    for (long waited = 0; serve_active(srv) > 0 && waited < (timeout + 5) * 1000L; waited += 20) nanosleep(&ts, NULL);
+    for (long waited = 0; serve_active(srv) > 0 && waited < (timeout + 5) * 1000L; waited += 20)
+        nanosleep(&ts, NULL);
     serve_stop(srv);
     srv = NULL;
     rc = 0;
@@ -273,8 +289,8 @@ done:
     if (rc == 0) {
         kiln_mem_stats ms;
         kiln_mem_get_stats(&ms);
-        fprintf(stderr, "kiln serve: stopped; kiln memory still held: %zu bytes in %zu blocks\n", ms.live_bytes,
-                ms.live_blocks);
+        fprintf(stderr, "kiln serve: stopped; kiln memory still held: %zu bytes in %zu blocks\n",
+                ms.live_bytes, ms.live_blocks);
     }
     return rc;
 }
@@ -289,8 +305,9 @@ int cmd_serve(int argc, char **argv) {
         }
     (void)parse_size;
     (void)read_key_file;
-    fprintf(stderr, "kiln serve: this kiln was built without libmicrohttpd (Debian: libmicrohttpd-dev; "
-                    "scripts/setup-deps.sh installs it), so it has no HTTP server\n");
+    fprintf(stderr,
+            "kiln serve: this kiln was built without libmicrohttpd (Debian: libmicrohttpd-dev; "
+            "scripts/setup-deps.sh installs it), so it has no HTTP server\n");
     return 1;
 }
 

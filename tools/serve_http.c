@@ -78,9 +78,10 @@ static void count_response(serve_server *s, int code) {
 
 /* Queue body (copied) with status and content type; extra header pairs name, value, ...,
  * NULL. */
-static enum MHD_Result reply(serve_server *s, struct MHD_Connection *c, int status, const char *type,
-                             const char *body, size_t len, ...) {
-    struct MHD_Response *r = MHD_create_response_from_buffer(len, (void *)body, MHD_RESPMEM_MUST_COPY);
+static enum MHD_Result reply(serve_server *s, struct MHD_Connection *c, int status,
+                             const char *type, const char *body, size_t len, ...) {
+    struct MHD_Response *r =
+        MHD_create_response_from_buffer(len, (void *)body, MHD_RESPMEM_MUST_COPY);
     if (!r) return MHD_NO;
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
     va_list ap;
@@ -97,7 +98,8 @@ static enum MHD_Result reply(serve_server *s, struct MHD_Connection *c, int stat
 }
 
 /* Queue json (taken: freed here) with status. */
-static enum MHD_Result reply_json(serve_server *s, struct MHD_Connection *c, int status, char *json) {
+static enum MHD_Result reply_json(serve_server *s, struct MHD_Connection *c, int status,
+                                  char *json) {
     if (!json) return MHD_NO; /* out of memory: MHD closes the connection */
     enum MHD_Result r = reply(s, c, status, "application/json", json, strlen(json), NULL);
     kiln_oai_free(json);
@@ -105,10 +107,12 @@ static enum MHD_Result reply_json(serve_server *s, struct MHD_Connection *c, int
 }
 
 /* An OpenAI-style error: {"error": {"message", "type", "param", "code"}}. */
-static enum MHD_Result reply_error(serve_server *s, struct MHD_Connection *c, int status, const char *type,
-                                   const char *param, const char *code, const char *fmt, ...) KILN_PRINTF(7, 8);
-static enum MHD_Result reply_error(serve_server *s, struct MHD_Connection *c, int status, const char *type,
-                                   const char *param, const char *code, const char *fmt, ...) {
+static enum MHD_Result reply_error(serve_server *s, struct MHD_Connection *c, int status,
+                                   const char *type, const char *param, const char *code,
+                                   const char *fmt, ...) KILN_PRINTF(7, 8);
+static enum MHD_Result reply_error(serve_server *s, struct MHD_Connection *c, int status,
+                                   const char *type, const char *param, const char *code,
+                                   const char *fmt, ...) {
     char msg[768];
     va_list ap;
     va_start(ap, fmt);
@@ -117,9 +121,11 @@ static enum MHD_Result reply_error(serve_server *s, struct MHD_Connection *c, in
     char *json = kiln_oai_error_json(msg, type, param, code);
     if (!json) return MHD_NO;
     enum MHD_Result r;
-    if (status == 429) r = reply(s, c, status, "application/json", json, strlen(json), "Retry-After", "1", NULL);
+    if (status == 429)
+        r = reply(s, c, status, "application/json", json, strlen(json), "Retry-After", "1", NULL);
     else if (status == 401)
-        r = reply(s, c, status, "application/json", json, strlen(json), "WWW-Authenticate", "Bearer", NULL);
+        r = reply(s, c, status, "application/json", json, strlen(json), "WWW-Authenticate",
+                  "Bearer", NULL);
     else r = reply(s, c, status, "application/json", json, strlen(json), NULL);
     kiln_oai_free(json);
     return r;
@@ -234,7 +240,8 @@ static int grow(void **p, size_t *cap, size_t need, size_t elem) {
 static int append_bytes(choice *c, const char *s, size_t n) {
     if (!n) return 1;
     size_t need;
-    if (kiln_add_overflow(c->len, n + 1, &need) || !grow((void **)&c->text, &c->cap, need, 1)) return 0;
+    if (kiln_add_overflow(c->len, n + 1, &need) || !grow((void **)&c->text, &c->cap, need, 1))
+        return 0;
     memcpy(c->text + c->len, s, n);
     c->len += n;
     c->text[c->len] = '\0';
@@ -254,9 +261,12 @@ static void on_event(const kiln_request_event *ev, void *user) {
                 memset(t, 0, sizeof *t);
                 t->id = ev->id;
                 t->logprob = ev->logprob;
-                t->n_top = ev->n_top < 0 ? 0 : ev->n_top > KILN_MAX_TOP_LOGPROBS ? KILN_MAX_TOP_LOGPROBS : ev->n_top;
+                t->n_top = ev->n_top < 0                       ? 0
+                           : ev->n_top > KILN_MAX_TOP_LOGPROBS ? KILN_MAX_TOP_LOGPROBS
+                                                               : ev->n_top;
                 memcpy(t->top_ids, ev->top_ids, (size_t)t->n_top * sizeof t->top_ids[0]);
-                memcpy(t->top_logprobs, ev->top_logprobs, (size_t)t->n_top * sizeof t->top_logprobs[0]);
+                memcpy(t->top_logprobs, ev->top_logprobs,
+                       (size_t)t->n_top * sizeof t->top_logprobs[0]);
             } else {
                 c->oom = 1;
             }
@@ -318,7 +328,8 @@ static const choice *failed_choice(const job *j) {
 
 static int out_add(job *j, const char *s, size_t n) {
     size_t need;
-    if (kiln_add_overflow(j->out_len, n, &need) || !grow((void **)&j->out, &j->out_cap, need, 1)) return 0;
+    if (kiln_add_overflow(j->out_len, n, &need) || !grow((void **)&j->out, &j->out_cap, need, 1))
+        return 0;
     memcpy(j->out + j->out_len, s, n);
     j->out_len += n;
     return 1;
@@ -342,9 +353,13 @@ static int stream_collect(job *j) {
         size_t nt = c->len - c->sent_text, nk = c->n_toks - c->sent_toks;
         int first = !c->sent_first && m->kind == KILN_OAI_CHAT;
         if (nt || nk || first) {
-            kiln_oai_choice oc = {.index = i, .text = c->text ? c->text + c->sent_text : "", .len = nt,
-                                  .tokens = m->logprobs >= 0 ? c->toks + c->sent_toks : NULL, .n_tokens = nk,
-                                  .text_offset = c->sent_text, .first = first};
+            kiln_oai_choice oc = {.index = i,
+                                  .text = c->text ? c->text + c->sent_text : "",
+                                  .len = nt,
+                                  .tokens = m->logprobs >= 0 ? c->toks + c->sent_toks : NULL,
+                                  .n_tokens = nk,
+                                  .text_offset = c->sent_text,
+                                  .first = first};
             if (!out_event(j, kiln_oai_chunk_json(m, &oc, 1, NULL, usage_null))) return 0;
             c->sent_text = c->len;
             c->sent_toks = c->n_toks;
@@ -355,7 +370,9 @@ static int stream_collect(job *j) {
             if (!strcmp(c->finish, "error")) {
                 const char *type;
                 status_http(c->status, &type);
-                if (!out_event(j, kiln_oai_error_json(c->message[0] ? c->message : "generation failed", type, NULL, NULL)))
+                if (!out_event(j,
+                               kiln_oai_error_json(c->message[0] ? c->message : "generation failed",
+                                                   type, NULL, NULL)))
                     return 0;
                 continue;
             }
@@ -446,7 +463,8 @@ static void request_completed(void *cls, struct MHD_Connection *c, void **con_cl
 
 /* Token ids of the request's prompt into *ids (kiln_malloc'd). KILN_OK, or a status with
  * kiln_last_error() saying why. */
-static kiln_status encode_request(const serve_server *s, const kiln_oai_request *q, int32_t **ids, size_t *n) {
+static kiln_status encode_request(const serve_server *s, const kiln_oai_request *q, int32_t **ids,
+                                  size_t *n) {
     *ids = NULL;
     *n = 0;
     if (q->prompt_ids) {
@@ -462,13 +480,15 @@ static kiln_status encode_request(const serve_server *s, const kiln_oai_request 
     if (q->kind == KILN_OAI_CHAT) {
         kiln_chat_message *msgs = kiln_calloc(q->n_messages, sizeof *msgs);
         if (!msgs) return kiln_error(KILN_ERR_NOMEM, "out of memory for the messages");
-        for (size_t i = 0; i < q->n_messages; i++) msgs[i] = (kiln_chat_message){q->messages[i].role, q->messages[i].content};
+        for (size_t i = 0; i < q->n_messages; i++)
+            msgs[i] = (kiln_chat_message){q->messages[i].role, q->messages[i].content};
         size_t need = 0;
         kiln_status st = kiln_chat_apply(s->cfg.tok, msgs, q->n_messages, 1, NULL, 0, &need);
         if (st == KILN_OK || st == KILN_ERR_BUFFER_TOO_SMALL) {
             rendered = kiln_malloc(need + 1);
-            st = rendered ? kiln_chat_apply(s->cfg.tok, msgs, q->n_messages, 1, rendered, need + 1, &len)
-                          : kiln_error(KILN_ERR_NOMEM, "out of memory for the chat template");
+            st = rendered
+                     ? kiln_chat_apply(s->cfg.tok, msgs, q->n_messages, 1, rendered, need + 1, &len)
+                     : kiln_error(KILN_ERR_NOMEM, "out of memory for the chat template");
         }
         kiln_free(msgs);
         if (st != KILN_OK) {
@@ -511,7 +531,8 @@ static job *job_new(serve_server *s, kiln_oai_request *q, struct MHD_Connection 
         kiln_free(j);
         return NULL;
     }
-    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
     j->sock = ci ? ci->connect_fd : -1;
     j->srv = s;
     j->req = *q; /* taken */
@@ -519,9 +540,11 @@ static job *job_new(serve_server *s, kiln_oai_request *q, struct MHD_Connection 
     j->n = j->req.n;
     j->refs = 1; /* the request's */
     uint64_t k = atomic_fetch_add(&s->next_id, 1);
-    snprintf(j->id, sizeof j->id, "%s-%016llx%08llx", j->req.kind == KILN_OAI_CHAT ? "chatcmpl" : "cmpl",
-             (unsigned long long)s->id_salt, (unsigned long long)(k & 0xffffffffu));
-    j->meta = (kiln_oai_meta){j->req.kind, j->id, s->cfg.model_name, (int64_t)time(NULL), j->req.logprobs, s->cfg.tok};
+    snprintf(j->id, sizeof j->id, "%s-%016llx%08llx",
+             j->req.kind == KILN_OAI_CHAT ? "chatcmpl" : "cmpl", (unsigned long long)s->id_salt,
+             (unsigned long long)(k & 0xffffffffu));
+    j->meta = (kiln_oai_meta){j->req.kind,         j->id,           s->cfg.model_name,
+                              (int64_t)time(NULL), j->req.logprobs, s->cfg.tok};
     for (int i = 0; i < KILN_OAI_MAX_N; i++) {
         j->ch[i].owner = j;
         j->ch[i].index = i;
@@ -537,7 +560,8 @@ static kiln_status job_submit(job *j, const int32_t *ids, size_t n_ids) {
     kiln_request_params rp = kiln_request_default_params();
     rp.prompt = ids;
     rp.n_prompt = n_ids;
-    rp.max_tokens = q->max_tokens >= 0 ? q->max_tokens : (1 << 30); /* the engine stops at the context */
+    rp.max_tokens =
+        q->max_tokens >= 0 ? q->max_tokens : (1 << 30); /* the engine stops at the context */
     rp.sampler = kiln_sampler_default_params();
     rp.sampler.temperature = q->temperature;
     rp.sampler.top_k = q->top_k > 0 ? q->top_k : 0;
@@ -602,8 +626,11 @@ static enum MHD_Result answer_whole(serve_server *s, struct MHD_Connection *c, j
     kiln_oai_choice oc[KILN_OAI_MAX_N];
     for (int i = 0; i < j->n; i++) {
         const choice *ch = &j->ch[i];
-        oc[i] = (kiln_oai_choice){.index = i, .text = ch->text ? ch->text : "", .len = ch->len,
-                                  .finish_reason = ch->finish, .tokens = j->req.logprobs >= 0 ? ch->toks : NULL,
+        oc[i] = (kiln_oai_choice){.index = i,
+                                  .text = ch->text ? ch->text : "",
+                                  .len = ch->len,
+                                  .finish_reason = ch->finish,
+                                  .tokens = j->req.logprobs >= 0 ? ch->toks : NULL,
                                   .n_tokens = ch->n_toks};
     }
     kiln_oai_usage u;
@@ -613,17 +640,19 @@ static enum MHD_Result answer_whole(serve_server *s, struct MHD_Connection *c, j
     return reply_json(s, c, 200, kiln_oai_response_json(&j->meta, oc, (size_t)j->n, &u));
 }
 
-static enum MHD_Result route_generate(serve_server *s, struct MHD_Connection *c, conn_req *r, kiln_oai_kind kind) {
+static enum MHD_Result route_generate(serve_server *s, struct MHD_Connection *c, conn_req *r,
+                                      kiln_oai_kind kind) {
     kiln_oai_request q;
     kiln_oai_error e;
     kiln_status st = kiln_oai_parse_request(r->body, r->len, kind, &q, &e);
     if (st != KILN_OK)
-        return reply_error(s, c, e.http_status ? e.http_status : 500, e.type ? e.type : "server_error", e.param, NULL,
-                           "%s", e.message);
+        return reply_error(s, c, e.http_status ? e.http_status : 500,
+                           e.type ? e.type : "server_error", e.param, NULL, "%s", e.message);
     if (q.model && strcmp(q.model, s->cfg.model_name)) {
-        enum MHD_Result ret = reply_error(s, c, 404, "invalid_request_error", "model", "model_not_found",
-                                          "The model '%.200s' does not exist: this server serves '%s'", q.model,
-                                          s->cfg.model_name);
+        enum MHD_Result ret =
+            reply_error(s, c, 404, "invalid_request_error", "model", "model_not_found",
+                        "The model '%.200s' does not exist: this server serves '%s'", q.model,
+                        s->cfg.model_name);
         kiln_oai_request_free(&q);
         return ret;
     }
@@ -634,8 +663,8 @@ static enum MHD_Result route_generate(serve_server *s, struct MHD_Connection *c,
         const char *type;
         int code = status_http(st, &type);
         kiln_oai_request_free(&q);
-        return reply_error(s, c, code, type, kind == KILN_OAI_CHAT ? "messages" : "prompt", NULL, "%s",
-                           kiln_last_error());
+        return reply_error(s, c, code, type, kind == KILN_OAI_CHAT ? "messages" : "prompt", NULL,
+                           "%s", kiln_last_error());
     }
     job *j = job_new(s, &q, c);
     if (!j) {
@@ -649,16 +678,19 @@ static enum MHD_Result route_generate(serve_server *s, struct MHD_Connection *c,
     if (st != KILN_OK) {
         const char *type;
         int code = status_http(st, &type);
-        const char *param = st == KILN_ERR_RANGE ? (kind == KILN_OAI_CHAT ? "messages" : "prompt") : NULL;
+        const char *param =
+            st == KILN_ERR_RANGE ? (kind == KILN_OAI_CHAT ? "messages" : "prompt") : NULL;
         if (st == KILN_ERR_BUSY)
             return reply_error(s, c, 429, type, NULL, "rate_limit_exceeded",
                                "the server's queue is full; retry shortly (%s)", kiln_last_error());
         if (st == KILN_ERR_STATE)
-            return reply_error(s, c, 503, type, NULL, NULL, "the server is shutting down (%s)", kiln_last_error());
+            return reply_error(s, c, 503, type, NULL, NULL, "the server is shutting down (%s)",
+                               kiln_last_error());
         return reply_error(s, c, code, type, param, NULL, "%s", kiln_last_error());
     }
     if (!j->req.stream) return answer_whole(s, c, j);
-    struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_read, j, stream_free);
+    struct MHD_Response *resp =
+        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_read, j, stream_free);
     if (!resp) {
         job_cancel(j, 0);
         return MHD_NO;
@@ -686,26 +718,34 @@ static cJSON *parse_object(const conn_req *r) {
     return root;
 }
 
-static enum MHD_Result route_tokenize(serve_server *s, struct MHD_Connection *c, const conn_req *r) {
+static enum MHD_Result route_tokenize(serve_server *s, struct MHD_Connection *c,
+                                      const conn_req *r) {
     cJSON *root = parse_object(r);
-    if (!root) return reply_error(s, c, 400, "invalid_request_error", NULL, NULL, "the body must be a JSON object");
+    if (!root)
+        return reply_error(s, c, 400, "invalid_request_error", NULL, NULL,
+                           "the body must be a JSON object");
     const cJSON *text = cJSON_GetObjectItemCaseSensitive(root, "prompt");
     const char *param = "prompt";
     if (!text) text = cJSON_GetObjectItemCaseSensitive(root, "text"), param = "text";
     const cJSON *add = cJSON_GetObjectItemCaseSensitive(root, "add_special");
     enum MHD_Result ret;
     if (!cJSON_IsString(text)) {
-        ret = reply_error(s, c, 400, "invalid_request_error", "prompt", NULL, "'prompt' (or 'text') must be a string");
+        ret = reply_error(s, c, 400, "invalid_request_error", "prompt", NULL,
+                          "'prompt' (or 'text') must be a string");
     } else if (add && !cJSON_IsBool(add) && !cJSON_IsNull(add)) {
-        ret = reply_error(s, c, 400, "invalid_request_error", "add_special", NULL, "'add_special' must be a boolean");
+        ret = reply_error(s, c, 400, "invalid_request_error", "add_special", NULL,
+                          "'add_special' must be a boolean");
     } else {
         int add_special = add && cJSON_IsFalse(add) ? 0 : 1;
         size_t len = strlen(text->valuestring), need = 0, n = 0;
-        kiln_status st = kiln_tokenize(s->cfg.tok, text->valuestring, len, add_special, 1, NULL, 0, &need);
+        kiln_status st =
+            kiln_tokenize(s->cfg.tok, text->valuestring, len, add_special, 1, NULL, 0, &need);
         int32_t *ids = NULL;
         if (st == KILN_OK || st == KILN_ERR_BUFFER_TOO_SMALL) {
             ids = kiln_malloc((need ? need : 1) * sizeof(int32_t));
-            st = ids ? kiln_tokenize(s->cfg.tok, text->valuestring, len, add_special, 1, ids, need, &n) : KILN_ERR_NOMEM;
+            st = ids ? kiln_tokenize(s->cfg.tok, text->valuestring, len, add_special, 1, ids, need,
+                                     &n)
+                     : KILN_ERR_NOMEM;
         }
         if (st != KILN_OK) {
             const char *type;
@@ -714,7 +754,8 @@ static enum MHD_Result route_tokenize(serve_server *s, struct MHD_Connection *c,
         } else {
             cJSON *o = cJSON_CreateObject();
             cJSON *arr = cJSON_AddArrayToObject(o, "tokens");
-            for (size_t i = 0; arr && i < n; i++) cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
+            for (size_t i = 0; arr && i < n; i++)
+                cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
             cJSON_AddNumberToObject(o, "count", (double)n);
             cJSON_AddNumberToObject(o, "max_model_len", s->cfg.n_ctx);
             char *json = cJSON_PrintUnformatted(o);
@@ -727,9 +768,12 @@ static enum MHD_Result route_tokenize(serve_server *s, struct MHD_Connection *c,
     return ret;
 }
 
-static enum MHD_Result route_detokenize(serve_server *s, struct MHD_Connection *c, const conn_req *r) {
+static enum MHD_Result route_detokenize(serve_server *s, struct MHD_Connection *c,
+                                        const conn_req *r) {
     cJSON *root = parse_object(r);
-    if (!root) return reply_error(s, c, 400, "invalid_request_error", NULL, NULL, "the body must be a JSON object");
+    if (!root)
+        return reply_error(s, c, 400, "invalid_request_error", NULL, NULL,
+                           "the body must be a JSON object");
     const cJSON *toks = cJSON_GetObjectItemCaseSensitive(root, "tokens");
     enum MHD_Result ret;
     int n = cJSON_IsArray(toks) ? cJSON_GetArraySize(toks) : -1;
@@ -748,18 +792,21 @@ static enum MHD_Result route_detokenize(serve_server *s, struct MHD_Connection *
         }
     }
     if (n < 0) {
-        ret = reply_error(s, c, 400, "invalid_request_error", "tokens", NULL, "'tokens' must be an array of token ids");
+        ret = reply_error(s, c, 400, "invalid_request_error", "tokens", NULL,
+                          "'tokens' must be an array of token ids");
     } else if (!ids) {
         ret = reply_error(s, c, 500, "server_error", NULL, NULL, "out of memory");
     } else if (bad >= 0) {
-        ret = reply_error(s, c, 400, "invalid_request_error", "tokens", NULL, "'tokens[%d]' must be a token id", bad);
+        ret = reply_error(s, c, 400, "invalid_request_error", "tokens", NULL,
+                          "'tokens[%d]' must be a token id", bad);
     } else {
         size_t need = 0, len = 0;
         kiln_status st = kiln_detokenize(s->cfg.tok, ids, (size_t)n, 0, NULL, 0, &need);
         char *text = NULL;
         if (st == KILN_OK || st == KILN_ERR_BUFFER_TOO_SMALL) {
             text = kiln_malloc(need + 1);
-            st = text ? kiln_detokenize(s->cfg.tok, ids, (size_t)n, 0, text, need + 1, &len) : KILN_ERR_NOMEM;
+            st = text ? kiln_detokenize(s->cfg.tok, ids, (size_t)n, 0, text, need + 1, &len)
+                      : KILN_ERR_NOMEM;
         }
         if (st != KILN_OK) {
             const char *type;
@@ -838,31 +885,41 @@ static enum MHD_Result route_metrics(serve_server *s, struct MHD_Connection *c) 
     memset(&st, 0, sizeof st);
     kiln_engine_get_stats(s->cfg.engine, &st);
     textbuf b = {0};
-    metric(&b, "kiln_requests_submitted_total", "counter", "Engine requests submitted.", (double)st.requests_submitted);
-    metric(&b, "kiln_requests_finished_total", "counter", "Engine requests finished.", (double)st.requests_finished);
-    metric(&b, "kiln_requests_cancelled_total", "counter", "Engine requests cancelled.", (double)st.requests_cancelled);
-    metric(&b, "kiln_requests_rejected_total", "counter", "Submits refused (queue full).", (double)st.requests_rejected);
+    metric(&b, "kiln_requests_submitted_total", "counter", "Engine requests submitted.",
+           (double)st.requests_submitted);
+    metric(&b, "kiln_requests_finished_total", "counter", "Engine requests finished.",
+           (double)st.requests_finished);
+    metric(&b, "kiln_requests_cancelled_total", "counter", "Engine requests cancelled.",
+           (double)st.requests_cancelled);
+    metric(&b, "kiln_requests_rejected_total", "counter", "Submits refused (queue full).",
+           (double)st.requests_rejected);
     metric(&b, "kiln_requests_failed_total", "counter", "Engine requests that ended in an error.",
            (double)st.requests_failed);
-    metric(&b, "kiln_preemptions_total", "counter", "Requests preempted for KV blocks.", (double)st.preemptions);
-    metric(&b, "kiln_prompt_tokens_total", "counter", "Prompt tokens submitted.", (double)st.prompt_tokens);
-    metric(&b, "kiln_prompt_tokens_cached_total", "counter", "Prompt tokens found in the prefix cache.",
-           (double)st.prompt_tokens_cached);
-    metric(&b, "kiln_generated_tokens_total", "counter", "Tokens generated.", (double)st.generated_tokens);
-    metric(&b, "kiln_engine_steps_total", "counter", "Forward steps the engine ran.", (double)st.steps);
+    metric(&b, "kiln_preemptions_total", "counter", "Requests preempted for KV blocks.",
+           (double)st.preemptions);
+    metric(&b, "kiln_prompt_tokens_total", "counter", "Prompt tokens submitted.",
+           (double)st.prompt_tokens);
+    metric(&b, "kiln_prompt_tokens_cached_total", "counter",
+           "Prompt tokens found in the prefix cache.", (double)st.prompt_tokens_cached);
+    metric(&b, "kiln_generated_tokens_total", "counter", "Tokens generated.",
+           (double)st.generated_tokens);
+    metric(&b, "kiln_engine_steps_total", "counter", "Forward steps the engine ran.",
+           (double)st.steps);
     metric(&b, "kiln_queue_depth", "gauge", "Requests waiting to run.", st.queued);
     metric(&b, "kiln_running_requests", "gauge", "Requests running.", st.running);
     metric(&b, "kiln_kv_blocks_total", "gauge", "KV cache blocks in the pool.", st.kv_blocks_total);
     metric(&b, "kiln_kv_blocks_used", "gauge", "KV cache blocks in use.", st.kv_blocks_used);
     metric(&b, "kiln_kv_blocks_free", "gauge", "KV cache blocks free (cached ones included).",
            (double)st.kv_blocks_total - st.kv_blocks_used);
-    metric(&b, "kiln_kv_blocks_cached", "gauge", "Free KV blocks still findable by prefix.", st.kv_blocks_cached);
-    metric(&b, "kiln_prefix_cache_hit_rate", "gauge", "Prompt tokens found in the prefix cache / prompt tokens.",
+    metric(&b, "kiln_kv_blocks_cached", "gauge", "Free KV blocks still findable by prefix.",
+           st.kv_blocks_cached);
+    metric(&b, "kiln_prefix_cache_hit_rate", "gauge",
+           "Prompt tokens found in the prefix cache / prompt tokens.",
            st.prompt_tokens ? (double)st.prompt_tokens_cached / (double)st.prompt_tokens : 0.0);
-    histogram(&b, "kiln_time_to_first_token_seconds", "Submit to first token.", &st, st.ttft_hist, st.ttft_sum,
-              st.ttft_count);
-    histogram(&b, "kiln_inter_token_latency_seconds", "Time between a request's tokens.", &st, st.itl_hist,
-              st.itl_sum, st.itl_count);
+    histogram(&b, "kiln_time_to_first_token_seconds", "Submit to first token.", &st, st.ttft_hist,
+              st.ttft_sum, st.ttft_count);
+    histogram(&b, "kiln_inter_token_latency_seconds", "Time between a request's tokens.", &st,
+              st.itl_hist, st.itl_sum, st.itl_count);
     tb_printf(&b, "# HELP kiln_http_responses_total HTTP responses by status code.\n"
                   "# TYPE kiln_http_responses_total counter\n");
     for (size_t i = 0; i <= N_COUNTED; i++) {
@@ -872,12 +929,16 @@ static enum MHD_Result route_metrics(serve_server *s, struct MHD_Connection *c) 
         tb_printf(&b, "kiln_http_responses_total{code=\"%s\"} %llu\n", code,
                   (unsigned long long)atomic_load(&s->responses[i]));
     }
-    metric(&b, "kiln_http_client_disconnects_total", "counter", "Generations cancelled because the client left.",
+    metric(&b, "kiln_http_client_disconnects_total", "counter",
+           "Generations cancelled because the client left.",
            (double)atomic_load(&s->client_disconnects));
-    metric(&b, "kiln_http_active_requests", "gauge", "HTTP requests being answered.", atomic_load(&s->active));
+    metric(&b, "kiln_http_active_requests", "gauge", "HTTP requests being answered.",
+           atomic_load(&s->active));
     enum MHD_Result ret;
     if (b.failed) ret = reply_error(s, c, 500, "server_error", NULL, NULL, "out of memory");
-    else ret = reply(s, c, 200, "text/plain; version=0.0.4; charset=utf-8", b.p ? b.p : "", b.len, NULL);
+    else
+        ret = reply(s, c, 200, "text/plain; version=0.0.4; charset=utf-8", b.p ? b.p : "", b.len,
+                    NULL);
     kiln_free(b.p);
     return ret;
 }
@@ -892,12 +953,22 @@ static int authorized(const serve_server *s, struct MHD_Connection *c) {
     h += 7;
     size_t a = strlen(h), b = strlen(s->cfg.api_key);
     unsigned diff = (unsigned)(a ^ b);
-    for (size_t i = 0; i < a; i++) diff |= (unsigned char)h[i] ^ (unsigned char)s->cfg.api_key[i % (b ? b : 1)];
+    for (size_t i = 0; i < a; i++)
+        diff |= (unsigned char)h[i] ^ (unsigned char)s->cfg.api_key[i % (b ? b : 1)];
     return diff == 0;
 }
 
-enum { ROUTE_NONE, ROUTE_PAGE, ROUTE_HEALTH, ROUTE_MODELS, ROUTE_METRICS, ROUTE_CHAT, ROUTE_COMPLETIONS,
-       ROUTE_TOKENIZE, ROUTE_DETOKENIZE };
+enum {
+    ROUTE_NONE,
+    ROUTE_PAGE,
+    ROUTE_HEALTH,
+    ROUTE_MODELS,
+    ROUTE_METRICS,
+    ROUTE_CHAT,
+    ROUTE_COMPLETIONS,
+    ROUTE_TOKENIZE,
+    ROUTE_DETOKENIZE
+};
 
 static int route_of(const char *url, const char **method_wanted) {
     static const struct {
@@ -921,32 +992,41 @@ static int route_of(const char *url, const char **method_wanted) {
     return ROUTE_NONE;
 }
 
-static enum MHD_Result dispatch(serve_server *s, struct MHD_Connection *c, const char *url, const char *method,
-                                conn_req *r) {
+static enum MHD_Result dispatch(serve_server *s, struct MHD_Connection *c, const char *url,
+                                const char *method, conn_req *r) {
     const char *want = NULL;
     int route = route_of(url, &want);
     if (route == ROUTE_NONE)
-        return reply_error(s, c, 404, "invalid_request_error", NULL, "not_found", "Invalid URL (%s %.200s)", method, url);
-    if (strcmp(method, want) && !(route != ROUTE_CHAT && !strcmp(want, "GET") && !strcmp(method, "HEAD")))
-        return reply_error(s, c, 405, "invalid_request_error", NULL, "method_not_allowed", "%s %s: use %s", method, url,
-                           want);
+        return reply_error(s, c, 404, "invalid_request_error", NULL, "not_found",
+                           "Invalid URL (%s %.200s)", method, url);
+    if (strcmp(method, want) &&
+        !(route != ROUTE_CHAT && !strcmp(want, "GET") && !strcmp(method, "HEAD")))
+        return reply_error(s, c, 405, "invalid_request_error", NULL, "method_not_allowed",
+                           "%s %s: use %s", method, url, want);
     if (route == ROUTE_PAGE)
-        return reply(s, c, 200, "text/html; charset=utf-8", serve_page_html, strlen(serve_page_html), NULL);
+        return reply(s, c, 200, "text/html; charset=utf-8", serve_page_html,
+                     strlen(serve_page_html), NULL);
     if (route == ROUTE_HEALTH) {
-        char body[256];
         int draining = atomic_load(&s->draining);
-        snprintf(body, sizeof body, "{\"status\":\"%s\",\"model\":\"%s\",\"device\":\"%s\"}", draining ? "draining" : "ok",
-                 s->cfg.model_name, s->cfg.device_name);
-        return reply(s, c, draining ? 503 : 200, "application/json", body, strlen(body), NULL);
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "status", draining ? "draining" : "ok");
+        cJSON_AddStringToObject(o, "model", s->cfg.model_name);
+        cJSON_AddStringToObject(o, "device", s->cfg.device_name);
+        char *json = cJSON_PrintUnformatted(o);
+        cJSON_Delete(o);
+        return reply_json(s, c, draining ? 503 : 200, json);
     }
     if (!authorized(s, c))
         return reply_error(s, c, 401, "invalid_request_error", NULL, "invalid_api_key",
                            "Incorrect or missing API key: send 'Authorization: Bearer <key>'");
     if (r->too_large)
         return reply_error(s, c, 413, "invalid_request_error", NULL, "request_too_large",
-                           "the request body is %zu bytes; the limit is %zu", r->seen, s->cfg.max_body);
+                           "the request body is %zu bytes; the limit is %zu", r->seen,
+                           s->cfg.max_body);
     switch (route) {
-    case ROUTE_MODELS: return reply_json(s, c, 200, kiln_oai_models_json(s->cfg.model_name, (int64_t)time(NULL), s->cfg.n_ctx));
+    case ROUTE_MODELS:
+        return reply_json(
+            s, c, 200, kiln_oai_models_json(s->cfg.model_name, (int64_t)time(NULL), s->cfg.n_ctx));
     case ROUTE_METRICS: return route_metrics(s, c);
     case ROUTE_CHAT: return route_generate(s, c, r, KILN_OAI_CHAT);
     case ROUTE_COMPLETIONS: return route_generate(s, c, r, KILN_OAI_COMPLETION);
@@ -961,9 +1041,9 @@ static enum MHD_Result dispatch(serve_server *s, struct MHD_Connection *c, const
  * sends everything before it reads gets the 413 and not a reset. */
 #define DISCARD_MAX ((size_t)64 << 20)
 
-static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
-                                  const char *version, const char *upload_data, size_t *upload_data_size,
-                                  void **con_cls) {
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
+                                  const char *method, const char *version, const char *upload_data,
+                                  size_t *upload_data_size, void **con_cls) {
     (void)version;
     serve_server *s = cls;
     conn_req *r = *con_cls;
@@ -973,7 +1053,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         *con_cls = r;
         atomic_fetch_add(&s->active, 1);
         r->counted = 1;
-        const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        const char *cl =
+            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
             char *end;
             unsigned long long v = strtoull(cl, &end, 10);
@@ -981,7 +1062,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
             if (*end == '\0' && v > DISCARD_MAX) {
                 r->seen = (size_t)(v > SIZE_MAX ? SIZE_MAX : v);
                 return reply_error(s, c, 413, "invalid_request_error", NULL, "request_too_large",
-                                   "the request body is %llu bytes; the limit is %zu", v, s->cfg.max_body);
+                                   "the request body is %llu bytes; the limit is %zu", v,
+                                   s->cfg.max_body);
             }
         }
         return MHD_YES;
@@ -997,7 +1079,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
             r->len = r->cap = 0;
             if (r->seen > DISCARD_MAX)
                 return reply_error(s, c, 413, "invalid_request_error", NULL, "request_too_large",
-                                   "the request body is over %zu bytes; the limit is %zu", DISCARD_MAX, s->cfg.max_body);
+                                   "the request body is over %zu bytes; the limit is %zu",
+                                   DISCARD_MAX, s->cfg.max_body);
             return MHD_YES;
         }
         if (!grow((void **)&r->body, &r->cap, r->len + n + 1, 1)) return MHD_NO;
@@ -1019,7 +1102,10 @@ int serve_start(const serve_config *cfg, serve_server **out, char *err, size_t e
     }
     s->cfg = *cfg;
     s->id_salt = cli_random_seed();
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE}, *ai = NULL;
+    struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                             .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE},
+                    *ai = NULL;
     char port[16];
     snprintf(port, sizeof port, "%d", cfg->port);
     int gai = getaddrinfo(cfg->host, port, &hints, &ai);

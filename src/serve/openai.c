@@ -14,7 +14,8 @@
 
 /* Fill err (status 400, the param, the message) and set the thread's error: returns
  * KILN_ERR_INVALID_ARG. */
-static kiln_status refuse(kiln_oai_error *err, const char *param, const char *fmt, ...) KILN_PRINTF(3, 4);
+static kiln_status refuse(kiln_oai_error *err, const char *param, const char *fmt, ...)
+    KILN_PRINTF(3, 4);
 static kiln_status refuse(kiln_oai_error *err, const char *param, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
@@ -43,34 +44,37 @@ static const cJSON *field(const cJSON *root, const char *name) {
 }
 
 /* A number in [lo, hi] (lo excluded when lo_open); absent keeps *out. */
-static kiln_status get_number(const cJSON *root, const char *name, double lo, double hi, int lo_open,
-                              float *out, kiln_oai_error *err) {
+static kiln_status get_number(const cJSON *root, const char *name, double lo, double hi,
+                              int lo_open, float *out, kiln_oai_error *err) {
     const cJSON *v = field(root, name);
     if (!v) return KILN_OK;
     if (!cJSON_IsNumber(v)) return refuse(err, name, "'%s' must be a number", name);
     double d = v->valuedouble;
     if (!isfinite(d) || d > hi || (lo_open ? d <= lo : d < lo))
-        return refuse(err, name, "'%s' must be a number in %c%g, %g], got %g", name, lo_open ? '(' : '[', lo, hi, d);
+        return refuse(err, name, "'%s' must be a number in %c%g, %g], got %g", name,
+                      lo_open ? '(' : '[', lo, hi, d);
     *out = (float)d;
     return KILN_OK;
 }
 
 /* An integer in [lo, hi]; absent keeps *out and leaves *present alone. */
-static kiln_status get_int64(const cJSON *root, const char *name, double lo, double hi, int64_t *out,
-                             int *present, kiln_oai_error *err) {
+static kiln_status get_int64(const cJSON *root, const char *name, double lo, double hi,
+                             int64_t *out, int *present, kiln_oai_error *err) {
     const cJSON *v = field(root, name);
     if (!v) return KILN_OK;
     if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || !isfinite(v->valuedouble))
         return refuse(err, name, "'%s' must be an integer", name);
     double d = v->valuedouble;
-    if (d < lo || d > hi) return refuse(err, name, "'%s' must be an integer in [%.0f, %.0f], got %.0f", name, lo, hi, d);
+    if (d < lo || d > hi)
+        return refuse(err, name, "'%s' must be an integer in [%.0f, %.0f], got %.0f", name, lo, hi,
+                      d);
     *out = (int64_t)d;
     if (present) *present = 1;
     return KILN_OK;
 }
 
-static kiln_status get_int(const cJSON *root, const char *name, int lo, int hi, int *out, int *present,
-                           kiln_oai_error *err) {
+static kiln_status get_int(const cJSON *root, const char *name, int lo, int hi, int *out,
+                           int *present, kiln_oai_error *err) {
     int64_t v = *out;
     KILN_TRY(get_int64(root, name, lo, hi, &v, present, err));
     *out = (int)v;
@@ -97,7 +101,8 @@ static kiln_status parse_stop(const cJSON *root, kiln_oai_request *r, kiln_oai_e
     } else if (cJSON_IsArray(v)) {
         const cJSON *it;
         cJSON_ArrayForEach(it, v) {
-            if (n == KILN_OAI_MAX_STOP) return refuse(err, "stop", "'stop' holds at most %d strings", KILN_OAI_MAX_STOP);
+            if (n == KILN_OAI_MAX_STOP)
+                return refuse(err, "stop", "'stop' holds at most %d strings", KILN_OAI_MAX_STOP);
             if (!cJSON_IsString(it)) return refuse(err, "stop", "'stop[%d]' must be a string", n);
             items[n++] = it;
         }
@@ -105,7 +110,8 @@ static kiln_status parse_stop(const cJSON *root, kiln_oai_request *r, kiln_oai_e
         return refuse(err, "stop", "'stop' must be a string or an array of strings");
     }
     for (int i = 0; i < n; i++) {
-        if (!items[i]->valuestring[0]) return refuse(err, "stop", "'stop' strings must not be empty");
+        if (!items[i]->valuestring[0])
+            return refuse(err, "stop", "'stop' strings must not be empty");
         if (!(r->stop[i] = kiln_strdup(items[i]->valuestring))) return no_memory(err);
         r->n_stop = i + 1;
     }
@@ -125,17 +131,20 @@ static int append_text(char **buf, size_t *len, const char *s, const char *sep) 
     return 1;
 }
 
-static kiln_status parse_message(const cJSON *m, size_t i, kiln_oai_message *out, kiln_oai_error *err) {
+static kiln_status parse_message(const cJSON *m, size_t i, kiln_oai_message *out,
+                                 kiln_oai_error *err) {
     char param[48];
     snprintf(param, sizeof param, "messages[%zu]", i);
-    if (!cJSON_IsObject(m)) return refuse(err, param, "'%s' must be an object with 'role' and 'content'", param);
+    if (!cJSON_IsObject(m))
+        return refuse(err, param, "'%s' must be an object with 'role' and 'content'", param);
     const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
     if (!cJSON_IsString(role)) return refuse(err, param, "'%s.role' must be a string", param);
     const char *rs = role->valuestring;
     if (!strcmp(rs, "developer")) rs = "system";
     if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant"))
-        return refuse(err, param, "'%s.role' must be 'system', 'developer', 'user' or 'assistant', got '%.40s'", param,
-                      role->valuestring);
+        return refuse(err, param,
+                      "'%s.role' must be 'system', 'developer', 'user' or 'assistant', got '%.40s'",
+                      param, role->valuestring);
     if (!(out->role = kiln_strdup(rs))) return no_memory(err);
     const cJSON *content = cJSON_GetObjectItemCaseSensitive(m, "content");
     size_t len = 0;
@@ -147,13 +156,19 @@ static kiln_status parse_message(const cJSON *m, size_t i, kiln_oai_message *out
         size_t j = 0;
         const cJSON *part;
         cJSON_ArrayForEach(part, content) {
-            const cJSON *type = cJSON_IsObject(part) ? cJSON_GetObjectItemCaseSensitive(part, "type") : NULL;
-            const cJSON *text = cJSON_IsObject(part) ? cJSON_GetObjectItemCaseSensitive(part, "text") : NULL;
+            const cJSON *type =
+                cJSON_IsObject(part) ? cJSON_GetObjectItemCaseSensitive(part, "type") : NULL;
+            const cJSON *text =
+                cJSON_IsObject(part) ? cJSON_GetObjectItemCaseSensitive(part, "text") : NULL;
             if (!cJSON_IsString(type) || strcmp(type->valuestring, "text"))
-                return refuse(err, param, "'%s.content[%zu]' must be {\"type\": \"text\", \"text\": ...}: only text parts are supported",
+                return refuse(err, param,
+                              "'%s.content[%zu]' must be {\"type\": \"text\", \"text\": ...}: only "
+                              "text parts are supported",
                               param, j);
-            if (!cJSON_IsString(text)) return refuse(err, param, "'%s.content[%zu].text' must be a string", param, j);
-            if (out->content && !append_text(&out->content, &len, text->valuestring, "\n")) return no_memory(err);
+            if (!cJSON_IsString(text))
+                return refuse(err, param, "'%s.content[%zu].text' must be a string", param, j);
+            if (out->content && !append_text(&out->content, &len, text->valuestring, "\n"))
+                return no_memory(err);
             j++;
         }
     } else if ((!content || cJSON_IsNull(content)) && !strcmp(rs, "assistant")) {
@@ -166,10 +181,13 @@ static kiln_status parse_message(const cJSON *m, size_t i, kiln_oai_message *out
 
 static kiln_status parse_messages(const cJSON *root, kiln_oai_request *r, kiln_oai_error *err) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, "messages");
-    if (!cJSON_IsArray(v)) return refuse(err, "messages", "'messages' is required: an array of {role, content}");
+    if (!cJSON_IsArray(v))
+        return refuse(err, "messages", "'messages' is required: an array of {role, content}");
     int n = cJSON_GetArraySize(v);
     if (n < 1) return refuse(err, "messages", "'messages' must hold at least one message");
-    if (n > KILN_OAI_MAX_MESSAGES) return refuse(err, "messages", "'messages' holds at most %d messages", KILN_OAI_MAX_MESSAGES);
+    if (n > KILN_OAI_MAX_MESSAGES)
+        return refuse(err, "messages", "'messages' holds at most %d messages",
+                      KILN_OAI_MAX_MESSAGES);
     r->messages = kiln_calloc((size_t)n, sizeof *r->messages);
     if (!r->messages) return no_memory(err);
     r->n_messages = (size_t)n;
@@ -183,7 +201,8 @@ static kiln_status parse_messages(const cJSON *root, kiln_oai_request *r, kiln_o
 }
 
 /* A prompt of token ids: a non-empty array of integers in [0, 2^31). */
-static kiln_status parse_prompt_ids(const cJSON *arr, const char *param, kiln_oai_request *r, kiln_oai_error *err) {
+static kiln_status parse_prompt_ids(const cJSON *arr, const char *param, kiln_oai_request *r,
+                                    kiln_oai_error *err) {
     int n = cJSON_GetArraySize(arr);
     if (n < 1) return refuse(err, "prompt", "'%s' must not be empty", param);
     r->prompt_ids = kiln_malloc((size_t)n * sizeof(int32_t));
@@ -193,7 +212,8 @@ static kiln_status parse_prompt_ids(const cJSON *arr, const char *param, kiln_oa
     cJSON_ArrayForEach(it, arr) {
         double d = cJSON_IsNumber(it) ? it->valuedouble : -1;
         if (!cJSON_IsNumber(it) || d != floor(d) || d < 0 || d > INT32_MAX)
-            return refuse(err, "prompt", "'%s[%zu]' must be a token id (an integer >= 0)", param, i);
+            return refuse(err, "prompt", "'%s[%zu]' must be a token id (an integer >= 0)", param,
+                          i);
         r->prompt_ids[i++] = (int32_t)d;
     }
     r->n_prompt_ids = i;
@@ -202,7 +222,8 @@ static kiln_status parse_prompt_ids(const cJSON *arr, const char *param, kiln_oa
 
 static kiln_status parse_prompt(const cJSON *root, kiln_oai_request *r, kiln_oai_error *err) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, "prompt");
-    if (!v || cJSON_IsNull(v)) return refuse(err, "prompt", "'prompt' is required: a string or an array of token ids");
+    if (!v || cJSON_IsNull(v))
+        return refuse(err, "prompt", "'prompt' is required: a string or an array of token ids");
     if (cJSON_IsArray(v) && cJSON_GetArraySize(v) == 1 &&
         (cJSON_IsString(v->child) || cJSON_IsArray(v->child)))
         v = v->child; /* a batch of one prompt */
@@ -211,9 +232,12 @@ static kiln_status parse_prompt(const cJSON *root, kiln_oai_request *r, kiln_oai
         if (!(r->prompt = kiln_strndup(v->valuestring, r->prompt_len))) return no_memory(err);
         return KILN_OK;
     }
-    if (!cJSON_IsArray(v)) return refuse(err, "prompt", "'prompt' must be a string or an array of token ids");
+    if (!cJSON_IsArray(v))
+        return refuse(err, "prompt", "'prompt' must be a string or an array of token ids");
     if (v->child && (cJSON_IsString(v->child) || cJSON_IsArray(v->child)))
-        return refuse(err, "prompt", "'prompt': one prompt per request (a string or an array of token ids), not a batch");
+        return refuse(
+            err, "prompt",
+            "'prompt': one prompt per request (a string or an array of token ids), not a batch");
     return parse_prompt_ids(v, "prompt", r, err);
 }
 
@@ -221,7 +245,8 @@ static kiln_status parse_prompt(const cJSON *root, kiln_oai_request *r, kiln_oai
  * an answer the client did not ask for. */
 static kiln_status refuse_unsupported(const cJSON *root, kiln_oai_kind kind, kiln_oai_error *err) {
     const cJSON *v;
-    if ((v = field(root, "echo")) && !cJSON_IsFalse(v)) return refuse(err, "echo", "'echo' is not supported");
+    if ((v = field(root, "echo")) && !cJSON_IsFalse(v))
+        return refuse(err, "echo", "'echo' is not supported");
     if ((v = field(root, "suffix")) && !(cJSON_IsString(v) && !v->valuestring[0]))
         return refuse(err, "suffix", "'suffix' is not supported");
     if ((v = field(root, "best_of")) && !(cJSON_IsNumber(v) && v->valuedouble == 1))
@@ -233,7 +258,8 @@ static kiln_status refuse_unsupported(const cJSON *root, kiln_oai_kind kind, kil
         if (v) {
             const cJSON *t = cJSON_IsObject(v) ? cJSON_GetObjectItemCaseSensitive(v, "type") : NULL;
             if (!cJSON_IsString(t) || strcmp(t->valuestring, "text"))
-                return refuse(err, "response_format", "'response_format' other than {\"type\": \"text\"} is not supported");
+                return refuse(err, "response_format",
+                              "'response_format' other than {\"type\": \"text\"} is not supported");
         }
     }
     return KILN_OK;
@@ -249,7 +275,8 @@ static kiln_status parse_logprobs(const cJSON *root, kiln_oai_request *r, kiln_o
     int want = 0, top = 0, top_present = 0;
     KILN_TRY(get_bool(root, "logprobs", &want, err));
     KILN_TRY(get_int(root, "top_logprobs", 0, KILN_MAX_TOP_LOGPROBS, &top, &top_present, err));
-    if (top_present && !want) return refuse(err, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+    if (top_present && !want)
+        return refuse(err, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
     r->logprobs = want ? top : -1;
     return KILN_OK;
 }
@@ -271,15 +298,18 @@ static kiln_status parse_fields(const cJSON *root, kiln_oai_request *r, kiln_oai
     KILN_TRY(get_int(root, "top_k", -1, 1 << 24, &r->top_k, NULL, err));
     KILN_TRY(get_number(root, "min_p", 0, 1, 0, &r->min_p, err));
     /* integers that a double holds exactly */
-    KILN_TRY(get_int64(root, "seed", -9007199254740992.0, 9007199254740992.0, &r->seed, &r->has_seed, err));
+    KILN_TRY(get_int64(root, "seed", -9007199254740992.0, 9007199254740992.0, &r->seed,
+                       &r->has_seed, err));
     KILN_TRY(parse_stop(root, r, err));
     KILN_TRY(get_int(root, "n", 1, KILN_OAI_MAX_N, &r->n, NULL, err));
     KILN_TRY(get_bool(root, "stream", &r->stream, err));
     if ((v = field(root, "stream_options"))) {
-        if (!cJSON_IsObject(v)) return refuse(err, "stream_options", "'stream_options' must be an object");
+        if (!cJSON_IsObject(v))
+            return refuse(err, "stream_options", "'stream_options' must be an object");
         const cJSON *iu = field(v, "include_usage");
         if (iu && !cJSON_IsBool(iu))
-            return refuse(err, "stream_options", "'stream_options.include_usage' must be a boolean");
+            return refuse(err, "stream_options",
+                          "'stream_options.include_usage' must be a boolean");
         r->include_usage = cJSON_IsTrue(iu) ? 1 : 0;
     }
     KILN_TRY(parse_logprobs(root, r, err));
@@ -290,8 +320,8 @@ static kiln_status parse_fields(const cJSON *root, kiln_oai_request *r, kiln_oai
     return KILN_OK;
 }
 
-kiln_status kiln_oai_parse_request(const char *body, size_t len, kiln_oai_kind kind, kiln_oai_request *out,
-                                   kiln_oai_error *err) {
+kiln_status kiln_oai_parse_request(const char *body, size_t len, kiln_oai_kind kind,
+                                   kiln_oai_request *out, kiln_oai_error *err) {
     kiln_oai_error scratch;
     if (!err) err = &scratch;
     memset(err, 0, sizeof *err);
@@ -300,7 +330,8 @@ kiln_status kiln_oai_parse_request(const char *body, size_t len, kiln_oai_kind k
     if (!body && len) return refuse(err, NULL, "the request body is missing");
     if (!len) return refuse(err, NULL, "the request body is empty: expected a JSON object");
     /* cJSON would cut a string at an escaped NUL: refuse it, naming where */
-    if (kiln_json_check_no_nul(body, len, "request body") != KILN_OK) return refuse(err, NULL, "%s", kiln_last_error());
+    if (kiln_json_check_no_nul(body, len, "request body") != KILN_OK)
+        return refuse(err, NULL, "%s", kiln_last_error());
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, 0);
     if (!root) {
@@ -310,7 +341,8 @@ kiln_status kiln_oai_parse_request(const char *body, size_t len, kiln_oai_kind k
     for (const char *p = end; p && p < body + len; p++)
         if (*p != ' ' && *p != '\t' && *p != '\r' && *p != '\n') {
             cJSON_Delete(root);
-            return refuse(err, NULL, "the request body holds more than one JSON value (byte %zu)", (size_t)(p - body));
+            return refuse(err, NULL, "the request body holds more than one JSON value (byte %zu)",
+                          (size_t)(p - body));
         }
     if (!cJSON_IsObject(root)) {
         cJSON_Delete(root);
@@ -416,8 +448,8 @@ static double finite_logprob(float lp) { return isfinite(lp) ? (double)lp : -999
 
 /* The bytes of token id (special tokens spelled out), into buf (cap 256) or a kiln_malloc'd
  * buffer returned in *heap. */
-static const char *token_bytes(const kiln_tokenizer *tok, int32_t id, char *buf, size_t cap, char **heap,
-                               size_t *n) {
+static const char *token_bytes(const kiln_tokenizer *tok, int32_t id, char *buf, size_t cap,
+                               char **heap, size_t *n) {
     *heap = NULL;
     *n = 0;
     if (!tok) return "";
@@ -443,7 +475,8 @@ static cJSON *chat_logprob_item(const kiln_tokenizer *tok, int32_t id, float lp,
     if (o && t) cJSON_AddItemToObject(o, "token", t);
     else cJSON_Delete(t);
     cJSON_AddNumberToObject(o, "logprob", finite_logprob(lp));
-    for (size_t i = 0; bytes && i < n; i++) cJSON_AddItemToArray(bytes, cJSON_CreateNumber((unsigned char)b[i]));
+    for (size_t i = 0; bytes && i < n; i++)
+        cJSON_AddItemToArray(bytes, cJSON_CreateNumber((unsigned char)b[i]));
     if (o && bytes) cJSON_AddItemToObject(o, "bytes", bytes);
     else cJSON_Delete(bytes);
     if (spelled) *spelled = n;
@@ -460,7 +493,8 @@ static cJSON *chat_logprobs(const kiln_oai_meta *m, const kiln_oai_choice *c) {
         cJSON *item = chat_logprob_item(m->tok, t->id, t->logprob, NULL);
         cJSON *top = cJSON_AddArrayToObject(item, "top_logprobs");
         for (int k = 0; top && k < t->n_top && k < KILN_MAX_TOP_LOGPROBS; k++)
-            cJSON_AddItemToArray(top, chat_logprob_item(m->tok, t->top_ids[k], t->top_logprobs[k], NULL));
+            cJSON_AddItemToArray(
+                top, chat_logprob_item(m->tok, t->top_ids[k], t->top_logprobs[k], NULL));
         cJSON_AddItemToArray(content, item);
     }
     cJSON_AddNullToObject(lp, "refusal");
@@ -507,7 +541,8 @@ static void add_usage(cJSON *o, const kiln_oai_usage *u) {
     cJSON *us = cJSON_AddObjectToObject(o, "usage");
     cJSON_AddNumberToObject(us, "prompt_tokens", u->prompt_tokens);
     cJSON_AddNumberToObject(us, "completion_tokens", u->completion_tokens);
-    cJSON_AddNumberToObject(us, "total_tokens", (double)u->prompt_tokens + (double)u->completion_tokens);
+    cJSON_AddNumberToObject(us, "total_tokens",
+                            (double)u->prompt_tokens + (double)u->completion_tokens);
     cJSON *d = cJSON_AddObjectToObject(us, "prompt_tokens_details");
     cJSON_AddNumberToObject(d, "cached_tokens", u->cached_tokens);
 }
@@ -528,7 +563,9 @@ static void add_finish(cJSON *o, const char *finish_reason) {
 
 static void add_logprobs(cJSON *o, const kiln_oai_meta *m, const kiln_oai_choice *c) {
     if (m->logprobs >= 0 && c->tokens)
-        cJSON_AddItemToObject(o, "logprobs", m->kind == KILN_OAI_CHAT ? chat_logprobs(m, c) : completion_logprobs(m, c));
+        cJSON_AddItemToObject(o, "logprobs",
+                              m->kind == KILN_OAI_CHAT ? chat_logprobs(m, c)
+                                                       : completion_logprobs(m, c));
     else cJSON_AddNullToObject(o, "logprobs");
 }
 
@@ -600,7 +637,8 @@ char *kiln_oai_chunk_json(const kiln_oai_meta *m, const kiln_oai_choice *choices
     return finish_json(o);
 }
 
-char *kiln_oai_error_json(const char *message, const char *type, const char *param, const char *code) {
+char *kiln_oai_error_json(const char *message, const char *type, const char *param,
+                          const char *code) {
     cJSON *o = cJSON_CreateObject();
     cJSON *e = cJSON_AddObjectToObject(o, "error");
     size_t ml = message ? strlen(message) : 0;
