@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# gpu-deps.sh -- kiln's C build dependencies (cJSON, PCRE2, utf8proc, OpenSSL's libcrypto) on a
+# gpu-deps.sh -- kiln's C build dependencies (cJSON, PCRE2, utf8proc, OpenSSL's libcrypto, and
+# libmicrohttpd for `kiln serve`'s HTTP server, optional: without it the CLI has no server) on a
 # GPU machine.
 #
 #   scripts/gpu-deps.sh fetch [dir]     on a Debian 12 machine with its archive: download the
@@ -13,7 +14,8 @@
 #       the array KILN_DEPS_CMAKE (CMake arguments) and exports LD_LIBRARY_PATH; returns 1,
 #       saying why, when none of the three works.
 KILN_GPU_DEB_PKGS=(libcjson-dev libcjson1 libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0
-                   libpcre2-posix3 libutf8proc-dev libutf8proc2 libssl-dev libssl3)
+                   libpcre2-posix3 libutf8proc-dev libutf8proc2 libssl-dev libssl3
+                   libmicrohttpd-dev libmicrohttpd12)
 
 kiln_deps_present() {
     local h

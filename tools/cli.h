@@ -15,6 +15,7 @@ int cmd_info(int argc, char **argv);
 int cmd_data(int argc, char **argv);
 int cmd_train(int argc, char **argv);
 int cmd_export(int argc, char **argv);
+int cmd_serve(int argc, char **argv);
 
 /* Print "kiln <cmd>: <what>: <kiln_last_error()>" to stderr and return 1; "<what>: " is left
  * out when the library's message already names it (a path, usually). */

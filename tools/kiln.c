@@ -15,7 +15,8 @@ static void usage(FILE *f) {
             "  info        architecture, parameters, tensors, tokenizer, template\n"
             "  data        text files to a token shard for training\n"
             "  train       train or fine-tune a model on the CPU or a CUDA GPU\n"
-            "  export      a training checkpoint to a Hugging Face folder\n\n"
+            "  export      a training checkpoint to a Hugging Face folder\n"
+            "  serve       an OpenAI-compatible HTTP server (continuous batching)\n\n"
             "MODEL is a .gguf file or a Hugging Face folder. 'kiln help <command>' or\n"
             "'kiln <command> --help' for its options.\n",
             kiln_version());
@@ -31,6 +32,7 @@ static int run_command(const char *cmd, int argc, char **argv) {
     if (!strcmp(cmd, "data")) return cmd_data(argc, argv);
     if (!strcmp(cmd, "train")) return cmd_train(argc, argv);
     if (!strcmp(cmd, "export")) return cmd_export(argc, argv);
+    if (!strcmp(cmd, "serve")) return cmd_serve(argc, argv);
     fprintf(stderr, "kiln: unknown command '%s'\n\n", cmd);
     usage(stderr);
     return 2;
