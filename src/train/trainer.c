@@ -1074,6 +1074,20 @@ kiln_status kiln_train_grad_sq_norm(kiln_trainer *t, double *out) {
     return KILN_OK;
 }
 
+/* The total gradient norm as torch's clip_grad_norm_ computes it: the norm of the stack of
+ * per-tensor norms, over every parameter in order, of the logical gradients (a pending
+ * coefficient applied first); it records whether every gradient is finite. */
+static kiln_status grad_total_norm(kiln_trainer *t, const char *call, float *total) {
+    KILN_TRY(apply_grad_coef(t));
+    float *norms = kiln_malloc((size_t)t->n_params * sizeof(float));
+    if (!norms) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", call);
+    kiln_status st = param_norms(t, norms);
+    if (st == KILN_OK) t->grads_finite = all_finite(norms, t->n_params);
+    *total = st == KILN_OK ? kiln_grad_norm_torch(norms, t->n_params) : 0.0f;
+    kiln_free(norms);
+    return st == KILN_OK ? KILN_OK : kiln_error_prefix(st, call);
+}
+
 kiln_status kiln_train_clip_grads(kiln_trainer *t, double max_norm, float *total_norm, float *coef) {
     KILN_TRY(check_ready(t, "kiln_train_clip_grads"));
     if (t->grads_unusable)
@@ -1081,15 +1095,8 @@ kiln_status kiln_train_clip_grads(kiln_trainer *t, double max_norm, float *total
                                           "after its gradient work began, e.g. on a non-finite loss): run a step "
                                           "that does not accumulate first");
     if (!(max_norm > 0)) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_clip_grads: max_norm must be > 0");
-    /* torch: total = ||stack(per-tensor norms)||, over every parameter in order */
-    KILN_TRY(apply_grad_coef(t));
-    float *norms = kiln_malloc((size_t)t->n_params * sizeof(float));
-    if (!norms) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    kiln_status st = param_norms(t, norms);
-    if (st == KILN_OK) t->grads_finite = all_finite(norms, t->n_params);
-    float total = st == KILN_OK ? kiln_grad_norm_torch(norms, t->n_params) : 0.0f;
-    kiln_free(norms);
-    if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_clip_grads");
+    float total;
+    KILN_TRY(grad_total_norm(t, "kiln_train_clip_grads", &total));
     float cc = kiln_clip_coef(total, max_norm);
     /* A finite g times cc in [0, 1] stays finite, a non-finite one stays non-finite, so
      * grads_finite holds for the products too. The product is left to the optimizer's
@@ -1111,14 +1118,8 @@ kiln_status kiln_train_clip_coef(kiln_trainer *t, double max_norm, float *total_
                                           "after its gradient work began): run a step that does not accumulate first");
     if (!(max_norm > 0) || !isfinite(max_norm))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_clip_coef: max_norm %g must be finite and > 0", max_norm);
-    KILN_TRY(apply_grad_coef(t)); /* the norms of the logical gradients */
-    float *norms = kiln_malloc((size_t)t->n_params * sizeof(float));
-    if (!norms) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    kiln_status st = param_norms(t, norms);
-    if (st == KILN_OK) t->grads_finite = all_finite(norms, t->n_params);
-    float total = st == KILN_OK ? kiln_grad_norm_torch(norms, t->n_params) : 0.0f;
-    kiln_free(norms);
-    if (st != KILN_OK) return kiln_error_prefix(st, "kiln_train_clip_coef");
+    float total;
+    KILN_TRY(grad_total_norm(t, "kiln_train_clip_coef", &total));
     KILN_TRY(backend_check(t, "kiln_train_clip_coef"));
     if (total_norm) *total_norm = total;
     if (coef) *coef = kiln_clip_coef(total, max_norm);
