@@ -25,7 +25,9 @@ import weakref
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["KilnError", "KilnPoisoned", "KilnPanic", "KilnThreadError", "backend_poisoned", "Model", "Context", "Tokenizer", "Trainer", "LinearCrossEntropy",
+__version__ = "0.1.0"  # the package's, pyproject.toml's and kiln_version()'s (test_package.py)
+
+__all__ = ["__version__", "KilnError", "KilnPoisoned", "KilnPanic", "KilnThreadError", "backend_poisoned", "Model", "Context", "Tokenizer", "Trainer", "LinearCrossEntropy",
            "load_library"]
 
 _lib = None

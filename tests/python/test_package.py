@@ -16,6 +16,7 @@ The model is the tiny random Qwen3.5 of scripts/make_tiny_qwen35.py (ChatML temp
 wheel tests build libkiln once per module (about half a minute on two cores) and are skipped
 when PyPI cannot be reached for the pinned scikit-build-core (or numpy for the venv).
 """
+import ctypes
 import os
 import re
 import subprocess
@@ -252,3 +253,12 @@ def test_readme_example(venv_python, tiny_model, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("qwen35 ")
+
+
+def test_version_agrees(build_dir):
+    """kiln.__version__, python/pyproject.toml's version and the library's kiln_version()."""
+    import kiln
+    lib = kiln.load_library()
+    lib.kiln_version.restype = ctypes.c_char_p
+    project = re.search(r'^version = "([^"]+)"', (REPO / "python" / "pyproject.toml").read_text(), re.M).group(1)
+    assert kiln.__version__ == project == lib.kiln_version().decode()
