@@ -251,7 +251,7 @@ def make_server(engine, a, max_clients):
             raise RuntimeError(f"no kiln binary at {a.kiln} (build it, or pass --kiln)")
         argv = [a.kiln, "serve", "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
                 "--threads", T, "--max-seqs", str(max_clients), "--ctx", str(ctx),
-                "--max-connections", str(max_clients + 8)]
+                "--max-connections", str(max_clients + 8)] + shlex.split(a.kiln_args)
         return Server(engine, argv, port, extra_body={"ignore_eos": True})
     if engine == "llama.cpp":
         exe = find_llama_server(a.llama_server)
@@ -520,6 +520,7 @@ def main():
                     help=f"comma-separated, of {','.join(ENGINES)}")
     ap.add_argument("--model", default=default_model(), help="GGUF file (all engines)")
     ap.add_argument("--kiln", default=os.environ.get("KILN_BIN") or os.path.join(REPO, "build", "kiln"))
+    ap.add_argument("--kiln-args", default="", help="more `kiln serve` options, e.g. '--itl-bound 0'")
     ap.add_argument("--llama-server", default=None,
                     help=f"llama-server binary (default: $KILN_LLAMA_SERVER, {LLAMA_SERVER_DEFAULT}, PATH)")
     ap.add_argument("--levels", default="1,8,32,64", help="concurrent clients, comma-separated")

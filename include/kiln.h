@@ -776,6 +776,11 @@ typedef struct kiln_engine_params {
     int max_queue;        /* requests waiting to run beyond which submit says KILN_ERR_BUSY (default 256) */
     int prefix_cache;     /* share full blocks of common prompt prefixes (default 1; off for
                            * recurrent-state architectures, whose state has no per-token cache) */
+    /* While requests are decoding, a step's prefill chunks are cut so that the step takes at
+     * most this many times a decode-only step (from measured step times): it bounds the
+     * inter-token latency that new prompts add. Default 2; 0 = no bound but max_batch_tokens.
+     * Which step runs which chunk never changes a request's tokens (the batch invariance). */
+    float itl_bound;
 } kiln_engine_params;
 
 KILN_API kiln_engine_params kiln_engine_default_params(void);

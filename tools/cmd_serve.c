@@ -35,6 +35,8 @@ static const char *serve_help =
     "                           default: room for every running request at --ctx)\n"
     "      --max-queue N        requests waiting beyond which new ones get 429 (default 256)\n"
     "      --no-prefix-cache    do not share KV blocks between common prompt prefixes\n"
+    "      --itl-bound X        while requests decode, cut prefill chunks so a step takes at most\n"
+    "                           X times a decode-only step (default 2; 0: only --max-batch-tokens)\n"
     "      --api-key KEY        require 'Authorization: Bearer KEY' (all routes but /health, /)\n"
     "      --api-key-file FILE  the key is FILE's first line\n"
     "      --max-connections N  open connections at once (default 64)\n"
@@ -117,6 +119,7 @@ int cmd_serve(int argc, char **argv) {
          max_queue = 0, max_conns = 64, timeout = 600;
     size_t kv_memory = 0, max_body = (size_t)8 << 20;
     int device = -1, fast = 0, batch_invariant = 0, no_prefix = 0;
+    double itl_bound = -1; /* -1: the engine's default */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = NULL;
         int err = 0;
@@ -156,6 +159,10 @@ int cmd_serve(int argc, char **argv) {
             if (!err) err = cli_parse_int(cmd, a, v, 1, 1 << 24, &max_queue);
         } else if (!strcmp(a, "--no-prefix-cache")) {
             no_prefix = 1;
+        } else if (cli_opt(argc, argv, &i, "--itl-bound", &v, &err, cmd)) {
+            if (!err) err = cli_parse_float(cmd, a, v, 0.0, 1e6, &itl_bound);
+            if (!err && itl_bound > 0 && itl_bound <= 1)
+                err = cli_usage_error(cmd, "--itl-bound %g: use 0 (off) or a bound above 1", itl_bound);
         } else if (cli_opt(argc, argv, &i, "--api-key", &v, &err, cmd)) {
             if (!err && !*v) err = cli_usage_error(cmd, "--api-key needs a non-empty key");
             api_key = v;
@@ -205,6 +212,7 @@ int cmd_serve(int argc, char **argv) {
     if (kv_memory) ep.kv_memory = kv_memory;
     if (max_queue) ep.max_queue = (int)max_queue;
     if (no_prefix) ep.prefix_cache = 0;
+    if (itl_bound >= 0) ep.itl_bound = (float)itl_bound;
     kiln_engine *e = NULL;
     st = kiln_engine_create(m, &ep, &e);
     if (st != KILN_OK) {

@@ -99,6 +99,9 @@ struct kiln_engine {
     req **b_req; /* (max_seqs) the request of each output row */
     float *logits, *dev_logits, *row;
     int *top_scratch;
+    /* measured step times (exponential averages; 0: none yet): a decode-only step, and one
+     * prefill token's share of a step */
+    double t_decode_step, t_prefill_token;
 };
 
 /* ---- small helpers ---------------------------------------------------------------------- */
@@ -111,6 +114,7 @@ kiln_engine_params kiln_engine_default_params(void) {
     p.max_seqs = DEFAULT_MAX_SEQS;
     p.max_queue = DEFAULT_MAX_QUEUE;
     p.prefix_cache = 1;
+    p.itl_bound = 2.0f;
     return p;
 }
 
@@ -527,6 +531,28 @@ static void fail_running(kiln_engine *e, kiln_status st) {
     }
 }
 
+/* The prefill tokens a step with n_dec decode tokens may add: as many as keep it within
+ * itl_bound times a decode-only step, by the measured averages (at least 16, so prompts
+ * always advance; no bound before both averages exist or without decodes). */
+static int prefill_cap(const kiln_engine *e, int n_dec) {
+    if (!n_dec || !(e->p.itl_bound > 1.0f) || e->t_decode_step <= 0 || e->t_prefill_token <= 0) return INT32_MAX;
+    double tokens = (e->p.itl_bound - 1.0) * e->t_decode_step / e->t_prefill_token;
+    return tokens < 16 ? 16 : tokens > INT32_MAX ? INT32_MAX : (int)tokens;
+}
+
+/* Fold a step of seconds t (n_dec decode tokens, n_pre prefill tokens) into the averages. */
+static void step_timed(kiln_engine *e, double t, int n_dec, int n_pre) {
+    const double a = 0.2; /* weight of the newest step */
+    if (!n_pre) {
+        e->t_decode_step = e->t_decode_step > 0 ? (1 - a) * e->t_decode_step + a * t : t;
+        return;
+    }
+    double dec = n_dec ? e->t_decode_step : 0;
+    if (n_dec && dec <= 0) return; /* the decode part is not known yet */
+    double per = (t > dec ? t - dec : 0) / n_pre;
+    e->t_prefill_token = e->t_prefill_token > 0 ? (1 - a) * e->t_prefill_token + a * per : per;
+}
+
 /* Admit waiting requests in order while slots and blocks allow (a preempted one first). */
 static void admit_waiting(kiln_engine *e) {
     while (e->wait_head && try_admit(e, e->wait_head)) {
@@ -562,8 +588,13 @@ static int engine_step(kiln_engine *e) {
         return 0;
     }
     /* decode tokens first (one each), then prefill chunks in admission order */
-    int n = 0, n_out = 0, budget = e->p.max_batch_tokens;
+    int n = 0, n_out = 0, budget = e->p.max_batch_tokens, n_dec = 0;
     for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1) { /* decodes placed: bound the prefill that delays them */
+            n_dec = n;
+            int cap = prefill_cap(e, n_dec);
+            if (cap < budget) budget = cap;
+        }
         for (;;) { /* pick the next request of this pass by admission order */
             req *best = NULL;
             for (int s = 0; s < e->p.max_seqs; s++) {
@@ -592,6 +623,7 @@ static int engine_step(kiln_engine *e) {
         }
     }
     kiln_batch b = {n, e->b_ids, e->b_pos, e->b_seq, e->b_out, n_out};
+    double t0 = kiln_time_seconds();
     float *out = e->fs.host_memory ? e->logits : e->dev_logits;
     kiln_status st = kiln_model_forward(e->m, e->be, &e->fs, &b, n_out ? out : NULL);
     if (st == KILN_OK && !e->fs.host_memory)
@@ -604,6 +636,7 @@ static int engine_step(kiln_engine *e) {
         fail_running(e, st);
         return 1;
     }
+    step_timed(e, kiln_time_seconds() - t0, n_dec, n - n_dec);
     /* full blocks computed this step join the prefix table */
     if (e->p.prefix_cache)
         for (int s = 0; s < e->p.max_seqs; s++) {
@@ -731,9 +764,9 @@ kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, 
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_create: out must be set");
     kiln_engine_params p = params ? *params : kiln_engine_default_params();
     if (p.n_ctx < 0 || p.max_batch_tokens < 0 || p.max_seqs < 0 || p.kv_blocks < 0 || p.max_queue < 0 ||
-        p.n_threads < 0 || p.device < -1)
+        p.n_threads < 0 || p.device < -1 || !(p.itl_bound >= 0) || p.itl_bound > 1e6)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_create: n_ctx, max_batch_tokens, max_seqs, kv_blocks, "
-                          "max_queue and n_threads must be >= 0, device >= -1");
+                          "max_queue, n_threads and itl_bound must be >= 0, device >= -1");
     if (p.n_ctx == 0) p.n_ctx = m->cfg.n_ctx_train < KILN_DEFAULT_MAX_CTX ? m->cfg.n_ctx_train : KILN_DEFAULT_MAX_CTX;
     if (p.n_ctx > m->cfg.n_ctx_train)
         return kiln_error(KILN_ERR_RANGE, "kiln_engine_create: n_ctx %d exceeds the model's context length %d", p.n_ctx,
