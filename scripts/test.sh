@@ -2,7 +2,7 @@
 # kiln's whole test suite, from a fresh machine: dependencies, the oracle venv, the default
 # model and Gemma 3 270M, a -Werror build, the C tests (ctest), the Python parity tests
 # (pytest against transformers / tokenizers / gguf-py), the parser tests again under
-# ASan+UBSan, each libFuzzer target for a bounded time, and a compile of the CUDA code when
+# ASan+UBSan (and `kiln serve` under a short soak), each libFuzzer target for a bounded time, and a compile of the CUDA code when
 # nvcc is present (with ctest's check that ptxas keeps the wgmma kernels' products pipelined).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -34,6 +34,9 @@ step "C tests under AddressSanitizer + UndefinedBehaviorSanitizer"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DKILN_SANITIZE=ON -DKILN_CUDA=OFF >/dev/null
 cmake --build build-asan -j"$jobs"
 (cd build-asan && ASAN_OPTIONS=detect_leaks=1 ctest --output-on-failure -j"$jobs")
+# kiln serve under ASan: a short soak (streams, disconnects, malformed requests), then a clean exit
+KILN_BUILD_DIR="$here/build" KILN_ASAN_BUILD_DIR="$here/build-asan" \
+    "$venv/bin/python" -m pytest -q -rs tests/python/test_serve_load.py -k soak_asan
 
 step "fuzz targets (${fuzz_seconds}s each)"
 CC=clang cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKILN_FUZZ=ON -DKILN_TESTS=OFF -DKILN_CUDA=OFF >/dev/null

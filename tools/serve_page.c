@@ -1,7 +1,11 @@
 /* serve_page.c -- the chat page `kiln serve` answers GET / with: one HTML file, no external
  * resources. It streams answers from POST /v1/chat/completions (fetch + a reader that splits
  * the server-sent events), keeps the conversation in the page, and sends the API key it is
- * given (the page itself is public; every route it calls needs the key when one is set). */
+ * given (the page itself is public; every route it calls needs the key when one is set).
+ * `/?q=TEXT` sends TEXT as the first message once the page has loaded (`temperature` and
+ * `max_tokens` parameters set those fields first); the text reaches the page only through
+ * textContent and the request's JSON body. tests/python/test_serve_load.py drives it so in
+ * headless Chromium. */
 #include "serve_http.h"
 
 const char serve_page_html[] =
@@ -98,5 +102,14 @@ const char serve_page_html[] =
     "$('f').onsubmit = e => { e.preventDefault(); const t = $('input').value.trim(); if (!t || busy) return; $('input').value = ''; send(t); };\n"
     "$('input').onkeydown = e => { if (e.key === 'Enter' && !e.shiftKey) { e.preventDefault(); $('f').requestSubmit(); } };\n"
     "$('reset').onclick = () => { history = []; $('log').textContent = ''; $('stats').textContent = ''; };\n"
-    "loadModel();\n"
+    "// ?q=TEXT sends TEXT once on load (for links and headless tests); ?temperature=T and\n"
+    "// ?max_tokens=N set the fields first. Only field values and textContent are set.\n"
+    "const params = new URLSearchParams(location.search);\n"
+    "for (const [name, id] of [['temperature', 'temp'], ['max_tokens', 'maxtok']]) {\n"
+    "  const v = params.get(name);\n"
+    "  if (v !== null && v !== '' && isFinite(Number(v))) $(id).value = String(Number(v));\n"
+    "}\n"
+    "const q = (params.get('q') || '').trim();\n"
+    "if (q) window.history.replaceState(null, '', location.pathname);\n"
+    "loadModel().then(() => { if (q) send(q); });\n"
     "</script></body></html>\n";
