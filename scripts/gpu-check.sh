@@ -134,6 +134,19 @@ if has tests; then
             run_test "$n" "$LOG/$n.log" "$t" ;;
         esac
     done
+    # the serving engine on the GPU: every request against kiln_generate alone, auditable
+    case " ${KILN_GPU_TESTS:-test_engine} " in
+    *" test_engine "*) run_test "test_engine (device 0)" "$LOG/test_engine_cuda.log" env KILN_TEST_DEVICE=0 "$B/test_engine" ;;
+    esac
+    # kiln.torch's cross entropy and the Trainer's torch calls on CUDA tensors
+    case " ${KILN_GPU_TESTS:-test_torch_interop} " in
+    *" test_torch_interop "*)
+        if python3 -c "import pytest, numpy, torch" 2>/dev/null; then
+            run_test "test_torch_interop (pytest -k cuda)" "$LOG/test_torch_interop.log" \
+                pytest_run env KILN_BUILD_DIR="$B" python3 -m pytest -q -rs -p no:cacheprovider \
+                -k cuda tests/python/test_torch_interop.py
+        fi ;;
+    esac
     # the binding's GPU cases: the public fused loss on torch CUDA tensors
     # (tests/python/test_linear_ce_api.py -k cuda), where python3 has pytest, numpy and torch
     case " ${KILN_GPU_TESTS:-test_linear_ce_api} " in

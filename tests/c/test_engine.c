@@ -6,7 +6,8 @@
  * requests are preempted and recomputed, stop strings and penalties -- and for a recurrent
  * architecture (Qwen3.5). Also: cancellation frees the blocks, the queue bound gives
  * KILN_ERR_BUSY, logprobs agree with the sampled token, max_tokens 0, drain on shutdown.
- * Skipped (77) without a tokenizer to make the models with (test_util.h).
+ * Skipped (77) without a tokenizer to make the models with (test_util.h). KILN_TEST_DEVICE=N runs
+ * the engine and the references on CUDA device N (scripts/gpu-check.sh), auditable arithmetic.
  */
 #include "test_util.h"
 
@@ -18,6 +19,7 @@
 
 static int V;
 static int g_fast; /* the arithmetic of the engine and the reference: 0, or fast and batch-invariant */
+static int g_device = -1; /* KILN_TEST_DEVICE: the engine's and the references' device */
 #define MAXR 24
 #define NCTX 256
 
@@ -109,6 +111,7 @@ static int reference(kiln_model *m, const spec *s, got *out) {
     cp.n_ctx = NCTX;
     cp.n_threads = 2;
     cp.fast = cp.batch_invariant = g_fast;
+    cp.device = g_device;
     kiln_context *c = NULL;
     if (kiln_context_create(m, &cp, &c) != KILN_OK) return 0;
     kiln_generate_params gp = kiln_generate_default_params();
@@ -180,6 +183,7 @@ static kiln_engine *engine(kiln_model *m, int max_seqs, int batch, int kv_blocks
     p.kv_blocks = kv_blocks;
     p.max_queue = max_queue;
     p.fast = p.batch_invariant = g_fast;
+    p.device = g_device;
     kiln_engine *e = NULL;
     kiln_status st = kiln_engine_create(m, &p, &e);
     CHECK_MSG(st == KILN_OK, "kiln_engine_create: %s", kiln_last_error());
@@ -339,6 +343,7 @@ int main(void) {
         printf("no tokenizer (the shared test vocabulary or $KILN_SMOLLM2_GGUF): skipped\n");
         return 77;
     }
+    if (getenv("KILN_TEST_DEVICE")) g_device = atoi(getenv("KILN_TEST_DEVICE"));
     for (int recurrent = 0; recurrent < 2; recurrent++) {
         snprintf(cfg, sizeof cfg, "%s/kiln-test-engine-%d.json", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", (int)getpid());
         FILE *f = fopen(cfg, "w");
@@ -370,7 +375,7 @@ int main(void) {
      * give each request kiln_generate's tokens in that arithmetic too */
     const char *gguf = getenv("KILN_SMOLLM2_GGUF");
     kiln_model *m = NULL;
-    if (gguf && kiln_model_open(gguf, NULL, &m) == KILN_OK) {
+    if (g_device < 0 && gguf && kiln_model_open(gguf, NULL, &m) == KILN_OK) { /* (CUDA: no batch-invariant fast mode) */
         static spec s[8];
         static got g[8];
         kiln_model_info info;
@@ -387,7 +392,7 @@ int main(void) {
         kiln_engine_free(e);
         g_fast = 0;
         kiln_model_close(m);
-    } else {
+    } else if (g_device < 0) {
         printf("no $KILN_SMOLLM2_GGUF: the fast batch-invariant case is skipped\n");
     }
     return test_finish("test_engine");
