@@ -41,6 +41,10 @@ int cli_parse_u64(const char *cmd, const char *opt, const char *s, unsigned long
 #define CLI_READ_MAX ((size_t)256 << 20) /* inputs that are not bounded by something tighter */
 char *cli_read_file(const char *cmd, const char *path, size_t max_bytes, size_t *len);
 
+/* The value text of "key" in a flat JSON object as a run's run.json holds it (numbers, and
+ * strings without escapes) into buf (cut to cap - 1 bytes); 0 when the key is absent. */
+int cli_run_value(const char *json, const char *key, char *buf, size_t cap);
+
 /* 1 when argv[*i] equals name; then *val = argv[++*i] (error when missing). */
 int cli_opt(int argc, char **argv, int *i, const char *name, const char **val, int *err,
             const char *cmd);

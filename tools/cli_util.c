@@ -159,3 +159,22 @@ int cli_parse_device(const char *cmd, const char *v, int *device) {
     }
     return cli_usage_error(cmd, "--device '%s': expected cpu, cuda or cuda:N", v);
 }
+
+int cli_run_value(const char *json, const char *key, char *buf, size_t cap) {
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *p = json ? strstr(json, pat) : NULL;
+    if (!p || !cap) return 0;
+    p += strlen(pat);
+    size_t n = 0;
+    if (*p == '"') {
+        p++;
+        while (p[n] && p[n] != '"') n++;
+    } else {
+        while (p[n] && p[n] != ',' && p[n] != '}' && p[n] != ']') n++;
+    }
+    if (n >= cap) n = cap - 1;
+    memcpy(buf, p, n);
+    buf[n] = 0;
+    return 1;
+}

@@ -19,28 +19,6 @@ static const char *export_help =
     "      --bf16, --f32   weights' type (default: f32 for an f32 run, else bf16, as train)\n"
     "      --overwrite     replace DIR\n";
 
-/* The text of "key":"value" or "key":number in a flat JSON object (no escapes) into buf. */
-static int json_value(const char *json, const char *key, char *buf, size_t cap) {
-    char pat[64];
-    snprintf(pat, sizeof pat, "\"%s\":", key);
-    const char *p = json ? strstr(json, pat) : NULL;
-    if (!p) return 0;
-    p += strlen(pat);
-    size_t n = 0;
-    if (*p == '"') {
-        p++;
-        while (p[n] && p[n] != '"')
-            n++;
-    } else {
-        while (p[n] && p[n] != ',' && p[n] != '}' && p[n] != ']')
-            n++;
-    }
-    if (n >= cap) return 0;
-    memcpy(buf, p, n);
-    buf[n] = 0;
-    return 1;
-}
-
 /* A NUL-terminated copy of a JSON section of the newest checkpoint (NULL when absent). */
 static char *section_text(const kiln_ckpt *c, const char *name) {
     const kiln_ckpt_section *sec = NULL;
@@ -95,16 +73,16 @@ int cmd_export(int argc, char **argv) {
     char *run_json = section_text(c, "run"), *cfg_json = section_text(c, "config");
     kiln_ckpt_close(c);
     char rec_model[4096] = "", rec_config[4096] = "", rec_tok[4096] = "", v[64];
-    json_value(run_json, "model", rec_model, sizeof rec_model);
-    json_value(run_json, "config", rec_config, sizeof rec_config);
-    json_value(run_json, "tokenizer", rec_tok, sizeof rec_tok);
+    cli_run_value(run_json, "model", rec_model, sizeof rec_model);
+    cli_run_value(run_json, "config", rec_config, sizeof rec_config);
+    cli_run_value(run_json, "tokenizer", rec_tok, sizeof rec_tok);
     kiln_train_params tp = kiln_train_default_params();
-    tp.max_seq = json_value(run_json, "seq", v, sizeof v) ? atoi(v) : 64;
+    tp.max_seq = cli_run_value(run_json, "seq", v, sizeof v) ? atoi(v) : 64;
     if (tp.max_seq < 1) tp.max_seq = 64;
     tp.max_batch = 1;
-    if (json_value(cfg_json, "weight_storage", v, sizeof v))
+    if (cli_run_value(cfg_json, "weight_storage", v, sizeof v))
         tp.weight_storage = (kiln_weight_storage)atoi(v);
-    if (json_value(cfg_json, "moment_storage", v, sizeof v))
+    if (cli_run_value(cfg_json, "moment_storage", v, sizeof v))
         tp.moment_storage = (kiln_moment_storage)atoi(v);
     free(run_json);
     free(cfg_json);

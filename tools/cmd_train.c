@@ -299,27 +299,6 @@ static int check_shard_tokenizer(const char *path, const kiln_shard_info *si, co
 
 /* ---- resume: the run's settings against the checkpoint's ------------------------------- */
 
-/* The value text of "key" in a flat JSON object as run_json_write makes it (numbers, and
- * strings without escapes) into buf; 0 when the key is absent. */
-static int run_value(const char *json, const char *key, char *buf, size_t cap) {
-    char pat[64];
-    snprintf(pat, sizeof pat, "\"%s\":", key);
-    const char *p = json ? strstr(json, pat) : NULL;
-    if (!p) return 0;
-    p += strlen(pat);
-    size_t n = 0;
-    if (*p == '"') {
-        p++;
-        while (p[n] && p[n] != '"') n++;
-    } else {
-        while (p[n] && p[n] != ',' && p[n] != '}') n++;
-    }
-    if (n >= cap) n = cap - 1;
-    memcpy(buf, p, n);
-    buf[n] = 0;
-    return 1;
-}
-
 /* The settings that decide the bits of the steps still to run (docs/TRAINING.md, "Resuming a
  * run"): the data order and batches (seed, batch, seq, accum, eval_fraction, which splits the
  * documents), the forward's grouping (seqs_per_forward: within rounding, not the same bits),
@@ -434,13 +413,13 @@ static int check_resume_settings(const train_opts *o, const char *run, long star
         fprintf(stderr, "[kiln train] note: the checkpoint records no run settings; they are not checked\n");
         return 0;
     }
-    run_value(run, "overridden", history, cap);
+    cli_run_value(run, "overridden", history, cap);
     run_setting v[16];
     int n = run_settings(o, v), n_diff = 0;
     char diff[2048] = "", saved[64];
     size_t dl = 0;
     for (int i = 0; i < n; i++) {
-        if (!run_value(run, v[i].key, saved, sizeof saved)) { /* an older kiln's checkpoint */
+        if (!cli_run_value(run, v[i].key, saved, sizeof saved)) { /* an older kiln's checkpoint */
             fprintf(stderr, "[kiln train] note: the checkpoint does not record %s; not checked\n", v[i].flag);
             continue;
         }
@@ -691,7 +670,7 @@ int cmd_train(int argc, char **argv) {
         }
         char saved_pf[64];
         long pf = 0;
-        if (auto_pf && run && run_value(run, "seqs_per_forward", saved_pf, sizeof saved_pf) &&
+        if (auto_pf && run && cli_run_value(run, "seqs_per_forward", saved_pf, sizeof saved_pf) &&
             (pf = strtol(saved_pf, NULL, 10)) > 1 && pf <= o.batch && o.batch % pf == 0 && pf != o.per_forward) {
             /* the run's own grouping (its bits): the trainer remade for it, the checkpoint again */
             kiln_trainer_free(tr);

@@ -561,6 +561,13 @@ static void add_finish(cJSON *o, const char *finish_reason) {
     else cJSON_AddNullToObject(o, "finish_reason");
 }
 
+/* o[key] = choice c's text (nothing when o or the string could not be made) */
+static void add_text(cJSON *o, const char *key, const kiln_oai_choice *c) {
+    cJSON *t = json_text(c->text, c->len);
+    if (o && t) cJSON_AddItemToObject(o, key, t);
+    else cJSON_Delete(t);
+}
+
 static void add_logprobs(cJSON *o, const kiln_oai_meta *m, const kiln_oai_choice *c) {
     if (m->logprobs >= 0 && c->tokens)
         cJSON_AddItemToObject(o, "logprobs",
@@ -589,14 +596,10 @@ char *kiln_oai_response_json(const kiln_oai_meta *m, const kiln_oai_choice *choi
         if (chat) {
             cJSON *msg = cJSON_AddObjectToObject(ch, "message");
             cJSON_AddStringToObject(msg, "role", "assistant");
-            cJSON *t = json_text(c->text, c->len);
-            if (msg && t) cJSON_AddItemToObject(msg, "content", t);
-            else cJSON_Delete(t);
+            add_text(msg, "content", c);
             cJSON_AddNullToObject(msg, "refusal");
         } else {
-            cJSON *t = json_text(c->text, c->len);
-            if (ch && t) cJSON_AddItemToObject(ch, "text", t);
-            else cJSON_Delete(t);
+            add_text(ch, "text", c);
         }
         add_logprobs(ch, m, c);
         add_finish(ch, c->finish_reason);
@@ -618,15 +621,9 @@ char *kiln_oai_chunk_json(const kiln_oai_meta *m, const kiln_oai_choice *choices
         if (chat) {
             cJSON *delta = cJSON_AddObjectToObject(ch, "delta");
             if (c->first) cJSON_AddStringToObject(delta, "role", "assistant");
-            if (c->len || c->first) {
-                cJSON *t = json_text(c->text, c->len);
-                if (delta && t) cJSON_AddItemToObject(delta, "content", t);
-                else cJSON_Delete(t);
-            }
+            if (c->len || c->first) add_text(delta, "content", c);
         } else {
-            cJSON *t = json_text(c->text, c->len);
-            if (ch && t) cJSON_AddItemToObject(ch, "text", t);
-            else cJSON_Delete(t);
+            add_text(ch, "text", c);
         }
         add_logprobs(ch, m, c);
         add_finish(ch, c->finish_reason);

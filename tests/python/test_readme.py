@@ -115,10 +115,10 @@ def test_serve_blocks(build_dir, smollm2_gguf, tmp_path):
             except OSError:
                 assert p.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()
                 time.sleep(0.3)
-        if shutil.which("curl"):
-            curl = commands(sh[1])[0].replace("8080", str(port))
-            r = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=120)
-            assert r.returncode == 0 and '"chat.completion"' in r.stdout, r.stdout + r.stderr
+        assert shutil.which("curl"), "curl is missing (scripts/setup-deps.sh installs it)"
+        curl = commands(sh[1])[0].replace("8080", str(port))
+        r = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and '"chat.completion"' in r.stdout, r.stdout + r.stderr
         code = blocks(section("Serve"), "python")[0].replace("8080", str(port))
         (tmp_path / "client.py").write_text(code)
         r = subprocess.run([sys.executable, "client.py"], cwd=tmp_path, capture_output=True, text=True,
