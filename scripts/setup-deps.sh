@@ -2,7 +2,7 @@
 # Install the Debian packages kiln builds against (idempotent; skips what is present).
 set -euo pipefail
 pkgs=(build-essential cmake clang libclang-rt-14-dev libcjson-dev libpcre2-dev libutf8proc-dev
-      libssl-dev libmicrohttpd-dev python3 python3-venv python3-pip unzip
+      libssl-dev libmicrohttpd-dev pkg-config python3 python3-venv python3-pip unzip curl
       chromium)  # chromium: tests/python/test_serve_load.py drives `kiln serve`'s chat page headless
 missing=()
 for p in "${pkgs[@]}"; do
