@@ -29,6 +29,11 @@ Servers:
   transformers  transformers serve --continuous-batching on a Hugging Face folder written
                 once from the same GGUF (dequantized to float32), torch threads = T
 
+On a GPU (random weights of a real shape, as bench_gpu.py writes them, with a ChatML template
+added to the synthetic tokenizer so that both servers render chat messages the same way):
+    python3 bench/bench_serve.py --engines kiln,transformers --random-model 0.5b \
+        --kiln-args '--device cuda' --hf-device cuda --hf-dtype bfloat16 --kiln build-gpu/kiln
+
 Run with the bench venv's python (bench/setup-peers.sh):
     ~/.cache/kiln-bench-venv/bin/python bench/bench_serve.py --engines llama.cpp,transformers \\
         --levels 1,8,32,64 --duration 20 --max-tokens 64 --threads 2 --out results.json
@@ -239,6 +244,33 @@ def hf_folder(model, dtype):
         raise RuntimeError(f"could not write the Hugging Face folder: {r.stderr[-2000:]}")
     print("bench_serve: " + r.stdout.strip(), file=sys.stderr)
     os.replace(tmp, out)
+    return out
+
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def random_model(name, root):
+    """A random-weight Hugging Face folder of bench_gpu.py's shape `name` (0.5b, 1.5b, 3b,
+    tiny), bf16, its synthetic tokenizer given a ChatML template; written once under root."""
+    import bench_gpu
+    name = bench_gpu.ALIASES.get(name, name)
+    out = os.path.join(root, name)
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    special, eos = bench_gpu.special_tokens(name)
+    tokdir = os.path.join(root, name + "-tok")
+    bench_gpu.write_tokenizer(tokdir, bench_gpu.SHAPES[name][6], special, eos)
+    cfg_path = os.path.join(tokdir, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["chat_template"] = CHATML
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    dev = "cuda" if bench_gpu.torch.cuda.is_available() else "cpu"
+    bench_gpu.make_model(name, root, tokdir, dev)
     return out
 
 
@@ -518,7 +550,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engines", default="kiln,llama.cpp,transformers",
                     help=f"comma-separated, of {','.join(ENGINES)}")
-    ap.add_argument("--model", default=default_model(), help="GGUF file (all engines)")
+    ap.add_argument("--model", default=default_model(),
+                    help="GGUF file or Hugging Face folder (all engines)")
+    ap.add_argument("--random-model", default=None,
+                    help="instead of --model: a random-weight folder of bench_gpu.py's shape "
+                         "(0.5b, 1.5b, 3b, tiny), written under --model-root")
+    ap.add_argument("--model-root", default=os.path.join("/tmp", "kiln-bench-serve-models"))
     ap.add_argument("--kiln", default=os.environ.get("KILN_BIN") or os.path.join(REPO, "build", "kiln"))
     ap.add_argument("--kiln-args", default="", help="more `kiln serve` options, e.g. '--itl-bound 0'")
     ap.add_argument("--llama-server", default=None,
@@ -561,7 +598,9 @@ def main():
     a.server_cpus = parse_cpus(a.server_cpus)
     if a.client_cpus:
         os.sched_setaffinity(0, parse_cpus(a.client_cpus))
-    if not os.path.isfile(a.model):
+    if a.random_model:
+        a.model = random_model(a.random_model, a.model_root)
+    if not os.path.exists(a.model):
         ap.error(f"no model at {a.model}")
     mix = prompt_mix(a.prompts, a.seed, a.min_words, a.max_words, a.system_share)
 
