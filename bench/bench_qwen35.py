@@ -3,7 +3,7 @@
 against transformers' Qwen3_5ForCausalLM, tokens/s and device memory, one table printed last.
 
   python3 bench/bench_qwen35.py --bin DIR [--seq 2048] [--batch 4] [--steps 3] [--budget 480]
-      [--engines kiln-fast,torch,torch-nofla,torch-compile] [--fla-path DIR] [--json OUT]
+      [--engines kiln-fast,torch,torch-nofla,torch-compile,torch-compile-nofla] [--fla-path DIR] [--json OUT]
       [--device cuda|cpu] [--shape 0.8b|tiny]
 
 DIR holds libkiln.so (built with -DKILN_CUDA=ON). --device cpu --shape tiny is the smoke mode
@@ -29,6 +29,9 @@ tokens/s = B T / median step (after one warm step). Each engine runs in a child 
   - torch-nofla: torch without flash-linear-attention (transformers' torch fallback).
   - torch-compile: the same as torch with torch.compile(model) (the 2 warm steps' time, compilation,
     in the notes); killed when its share of the budget is spent.
+  - torch-compile-nofla: torch.compile over transformers' torch fallback. (flash-linear-attention
+    0.6.0 refuses its gated backward on Hopper with the Triton that PyTorch 2.11 ships, which
+    gives wrong results there; on such a machine the *-nofla rows are the peers.)
 memory = the device's used memory at the step's peak less before the engine started (kiln:
 cudaMemGetInfo after the timed steps, kiln holds its arena for the run; torch: its caching
 allocator's peak reserved bytes plus the context's baseline is not counted).
@@ -197,7 +200,7 @@ def main():
     a = ap.parse_args()
     if a.worker:
         r = worker_kiln(a) if a.worker == "kiln-fast" else \
-            worker_torch(a, a.worker == "torch-compile", a.worker != "torch-nofla")
+            worker_torch(a, a.worker.startswith("torch-compile"), "nofla" not in a.worker)
         print(json.dumps(r), flush=True)
         return 0
     t_start = time.time()

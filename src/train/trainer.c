@@ -1085,7 +1085,7 @@ static kiln_status grad_total_norm(kiln_trainer *t, const char *call, float *tot
     if (st == KILN_OK) t->grads_finite = all_finite(norms, t->n_params);
     *total = st == KILN_OK ? kiln_grad_norm_torch(norms, t->n_params) : 0.0f;
     kiln_free(norms);
-    return st == KILN_OK ? KILN_OK : kiln_error_prefix(st, call);
+    return st == KILN_OK ? KILN_OK : kiln_error_prefix(st, "%s", call);
 }
 
 kiln_status kiln_train_clip_grads(kiln_trainer *t, double max_norm, float *total_norm, float *coef) {
