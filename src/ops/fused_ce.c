@@ -204,54 +204,62 @@ kiln_tensor kiln_ce_f32_view(const char *name, const float *data, int64_t R, int
 
 /* ---- the op ------------------------------------------------------------------------------- */
 
-static kiln_status check_params(const kiln_backend *be, const kiln_fused_ce_params *p) {
-    if (!be || !p) return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: backend or params is NULL");
-    if (!be->i || !be->i->fused_ce || !be->i->fused_ce_workspace)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "fused_ce: the %s backend has no fused linear "
-                          "cross-entropy", be->i && be->i->name ? be->i->name : "?");
+/* The checks kiln_fused_ce makes on p's sizes, pointers and scalars, before its rows; op names
+ * the call in the messages (the distillation loss checks its view of itself with them). */
+kiln_status kiln_ce_check_call(const char *op, const kiln_backend *be,
+                               const kiln_fused_ce_params *p) {
     if (p->N <= 0 || p->H <= 0 || p->V <= 0)
-        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: N %lld, H %lld, V %lld must be > 0",
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: N %lld, H %lld, V %lld must be > 0", op,
                           (long long)p->N, (long long)p->H, (long long)p->V);
     if (p->N > INT32_MAX || p->V > INT32_MAX || p->H > INT32_MAX)
-        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: N, H or V above 2^31 - 1");
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: N, H or V above 2^31 - 1", op);
     if (!(p->hidden || p->hidden16) || !p->weight || !p->targets)
-        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: hidden, weight or targets is NULL");
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: hidden, weight or targets is NULL", op);
     if (p->hidden && p->hidden16)
-        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: hidden and hidden16 both set (one of them)");
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: hidden and hidden16 both set (one of them)",
+                          op);
     if (p->hidden_ld != 0 && p->hidden_ld < p->H)
-        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: hidden_ld %lld < H %lld (rows would overlap)",
-                          (long long)p->hidden_ld, (long long)p->H);
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: hidden_ld %lld < H %lld (rows would overlap)",
+                          op, (long long)p->hidden_ld, (long long)p->H);
     if (!be->i->host_memory && (p->hidden16 || (p->hidden_ld != 0 && p->hidden_ld != p->H)))
-        return kiln_error(KILN_ERR_UNSUPPORTED, "fused_ce: the %s backend reads f32 hidden states "
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: the %s backend reads f32 hidden states "
                           "with rows back to back (hidden16 and a row stride are the CPU's)",
-                          be->i->name ? be->i->name : "?");
+                          op, be->i->name ? be->i->name : "?");
     if (p->weight_dtype != KILN_DTYPE_F32 && p->weight_dtype != KILN_DTYPE_BF16)
         return kiln_error(KILN_ERR_UNSUPPORTED,
-                          "fused_ce: weight dtype %d: only f32 and bf16 are supported",
+                          "%s: weight dtype %d: only f32 and bf16 are supported", op,
                           (int)p->weight_dtype);
     if (p->reduction != KILN_CE_REDUCTION_MEAN && p->reduction != KILN_CE_REDUCTION_SUM)
-        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: reduction %d is not MEAN or SUM",
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: reduction %d is not MEAN or SUM", op,
                           (int)p->reduction);
     if (!isfinite(p->scale))
-        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: scale %g is not finite",
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: scale %g is not finite", op,
                           (double)p->scale);
     if (p->chunk < 0)
-        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: chunk %lld < 0", (long long)p->chunk);
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: chunk %lld < 0", op, (long long)p->chunk);
     if (p->row_block < 0)
-        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: row_block %lld < 0",
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: row_block %lld < 0", op,
                           (long long)p->row_block);
     size_t tmp;
     if (kiln_mul_overflow((size_t)p->N, (size_t)p->H, &tmp) ||
         kiln_mul_overflow(tmp, sizeof(float), &tmp) ||
         kiln_mul_overflow((size_t)p->V, (size_t)p->H, &tmp) ||
         kiln_mul_overflow(tmp, sizeof(float), &tmp))
-        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: N x H or V x H overflows");
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: N x H or V x H overflows", op);
     /* the last row of a strided hidden ends at (N - 1) x ld + H elements */
     if (p->hidden_ld > 0 && (kiln_mul_overflow((size_t)(p->N - 1), (size_t)p->hidden_ld, &tmp) ||
                              kiln_add_overflow(tmp, (size_t)p->H, &tmp) ||
                              kiln_mul_overflow(tmp, sizeof(float), &tmp)))
-        return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: (N - 1) x hidden_ld + H overflows");
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: (N - 1) x hidden_ld + H overflows", op);
     return KILN_OK;
+}
+
+static kiln_status check_params(const kiln_backend *be, const kiln_fused_ce_params *p) {
+    if (!be || !p) return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: backend or params is NULL");
+    if (!be->i || !be->i->fused_ce || !be->i->fused_ce_workspace)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "fused_ce: the %s backend has no fused linear "
+                          "cross-entropy", be->i && be->i->name ? be->i->name : "?");
+    return kiln_ce_check_call("fused_ce", be, p);
 }
 
 /* loss_i = (m - zt) + log(l) for the S rows; a non-finite one is an error naming its
@@ -259,7 +267,7 @@ static kiln_status check_params(const kiln_backend *be, const kiln_fused_ce_para
 kiln_status kiln_ce_row_losses(const int64_t *idx, const float *m, const float *l,
                                const float *zt, float *loss, int64_t S) {
     for (int64_t i = 0; i < S; i++) {
-        float li = (m[i] - zt[i]) + kiln_fused_ce_logf(l[i]);
+        float li = kiln_ce_row_loss(m[i], l[i], zt[i]);
         if (!isfinite(li))
             return kiln_error(
                 KILN_ERR_RANGE,
@@ -300,23 +308,28 @@ float kiln_ce_host_sum16(const float *v, int64_t n) {
     return kiln_lane16_reduce(acc);
 }
 
-kiln_status kiln_fused_ce_supervised(const kiln_fused_ce_params *p, int64_t *S_out) {
+kiln_status kiln_ce_count_supervised(const char *op, const kiln_fused_ce_params *p,
+                                     int64_t *S_out) {
     /* Supervised rows: mask (or all) and target >= 0. Their targets must be < V. */
     int64_t S = 0;
     for (int64_t n = 0; n < p->N; n++) {
         if ((p->mask && !p->mask[n]) || p->targets[n] < 0) continue;
         if (p->targets[n] >= p->V)
             return kiln_error(KILN_ERR_RANGE,
-                              "fused_ce: position %lld: target %d >= vocabulary size %lld",
+                              "%s: position %lld: target %d >= vocabulary size %lld", op,
                               (long long)n, (int)p->targets[n], (long long)p->V);
         S++;
     }
     if (S == 0)
         return kiln_error(KILN_ERR_INVALID_ARG,
-                          "fused_ce: no supervised positions (the mask and targets select none "
-                          "of the %lld positions)", (long long)p->N);
+                          "%s: no supervised positions (the mask and targets select none "
+                          "of the %lld positions)", op, (long long)p->N);
     *S_out = S;
     return KILN_OK;
+}
+
+kiln_status kiln_fused_ce_supervised(const kiln_fused_ce_params *p, int64_t *S_out) {
+    return kiln_ce_count_supervised("fused_ce", p, S_out);
 }
 
 kiln_status kiln_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p,

@@ -1,13 +1,17 @@
 /*
  * fused_ce_impl.h -- what the backends' bodies of the fused linear cross-entropy share
  * (src/ops/fused_ce.c): the scratch layout, the views of weight chunks and scratch for the
- * backend's matmul, the per-row loss and its reductions. For the op's implementations only
- * (src/ops/cpu/cpu_fused_ce.c, src/ops/cuda/cuda_fused_ce_op.c); callers use fused_ce.h.
+ * backend's matmul, the per-row loss and its reductions; and what the distillation loss takes
+ * from them (src/ops/fused_kd.c: its view of itself as a cross-entropy call, its scratch and
+ * row losses). For the ops' implementations only (src/ops/cpu/cpu_fused_ce.c,
+ * src/ops/cpu/cpu_fused_kd.c, src/ops/cuda/cuda_fused_ce_op.c); callers use fused_ce.h and
+ * fused_kd.h.
  */
 #ifndef KILN_OPS_FUSED_CE_IMPL_H
 #define KILN_OPS_FUSED_CE_IMPL_H
 
 #include "fused_ce.h"
+#include "fused_kd.h"
 
 /* ---- scratch ------------------------------------------------------------------------------ */
 
@@ -90,7 +94,23 @@ void kiln_ce_chunk_logits(kiln_backend *be, const kiln_fused_ce_params *p, const
 /* A (R, C) f32 tensor view of caller scratch, for the backend's matmul. */
 kiln_tensor kiln_ce_f32_view(const char *name, const float *data, int64_t R, int64_t C);
 
+/* ---- the call's checks -------------------------------------------------------------------- */
+
+/* kiln_fused_ce's checks of p's sizes, pointers and scalars on backend be (not whether be has
+ * the op, nor the rows), with op naming the call in the messages. */
+kiln_status kiln_ce_check_call(const char *op, const kiln_backend *be,
+                               const kiln_fused_ce_params *p);
+/* kiln_fused_ce_supervised with op naming the call in the messages. */
+kiln_status kiln_ce_count_supervised(const char *op, const kiln_fused_ce_params *p,
+                                     int64_t *S);
+
 /* ---- the loss ----------------------------------------------------------------------------- */
+
+/* One row's cross-entropy from its max logit m, sum of exponentials l (at m) and target logit
+ * zt: (m - zt) + log(l), both terms >= 0. */
+static inline float kiln_ce_row_loss(float m, float l, float zt) {
+    return (m - zt) + kiln_fused_ce_logf(l);
+}
 
 /* loss_i = (m - zt) + log(l) for the S rows; a non-finite one is an error naming its
  * position (idx: the rows' positions). */
@@ -102,5 +122,35 @@ void kiln_ce_reduce(const kiln_fused_ce_params *p, const float *row_loss, float 
                     float *loss, float *gs, double *loss64);
 /* The lane-16 sum of v[0..n) on the host: the CPU backend's bits on any SIMD path. */
 float kiln_ce_host_sum16(const float *v, int64_t n);
+
+/* ---- the distillation loss (fused_kd.c) ------------------------------------------------------ */
+
+/* A distillation call's row state beyond the cross-entropy's scratch, whose m, l, zt are the
+ * student at temperature 1 and whose loss holds loss_n. Each (S), supervised order. */
+typedef struct kiln_kd_rows {
+    float *ms, *ls;  /* the student at tau: running max of s/tau, sum of exp(s/tau - ms) */
+    float *mt, *lt;  /* the teacher at tau: the same for Z/tau */
+    float *a;        /* sum_v exp(Z_v/tau - mt) * (Z_v/tau - s_v/tau), rescaled as mt moves */
+    float *kl, *ce;  /* kl_n and ce_n (unweighted) */
+    int64_t *bad;    /* the row's first non-finite teacher column, or -1 */
+} kiln_kd_rows;
+
+/* The cross-entropy call a distillation call shares its student side with: N, H, V, hidden,
+ * hidden_ld, weight, weight_dtype, targets, mask, reduction, scale, chunk, dhidden,
+ * dhidden_accumulate and dweight; the rest kiln_fused_ce_default_params'. */
+kiln_fused_ce_params kiln_kd_ce_view(const kiln_fused_kd_params *p);
+
+/* Carve a distillation call's scratch from one block: kiln_ce_layout's KILN_CE_FULL regions
+ * for (S, H, cn, with_dh, with_dw) into sc, then rows' regions into rows (64-byte aligned).
+ * Returns the total bytes (0 on overflow); with base NULL only sizes. */
+size_t kiln_kd_layout(int64_t S, int64_t H, int64_t cn, int with_dh, int with_dw, uint8_t *base,
+                      kiln_ce_scratch *sc, kiln_kd_rows *rows);
+
+/* After pass 1: each row's kl_n, ce_n (rows->kl, rows->ce) and loss_n (sc->loss) from its
+ * statistics (docs/ARITHMETIC.md, "Fused distillation loss"). A supervised row with a
+ * non-finite teacher logit, or a non-finite kl_n, ce_n or loss_n, is an error naming its
+ * position (the first such row, in position order). */
+kiln_status kiln_kd_row_losses(const kiln_fused_kd_params *p, kiln_ce_scratch *sc,
+                               kiln_kd_rows *rows, int64_t S);
 
 #endif /* KILN_OPS_FUSED_CE_IMPL_H */

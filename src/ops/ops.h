@@ -38,10 +38,12 @@ typedef enum kiln_op {
 } kiln_op;
 
 typedef struct kiln_backend kiln_backend;
-/* The fused linear cross-entropy's call (fused_ce.h); AdamW's tensors and scalars
- * (adamw_op.h, adamw_math.h). */
+/* The fused linear cross-entropy's call (fused_ce.h), the fused distillation loss's
+ * (fused_kd.h); AdamW's tensors and scalars (adamw_op.h, adamw_math.h). */
 struct kiln_fused_ce_params;
 struct kiln_fused_ce_result;
+struct kiln_fused_kd_params;
+struct kiln_fused_kd_result;
 struct kiln_adamw_table;
 struct kiln_adamw_scalars;
 
@@ -446,6 +448,13 @@ typedef struct kiln_backend_i {
                                  int64_t S);
     kiln_status (*fused_ce)(kiln_backend *be, const struct kiln_fused_ce_params *p, int64_t S,
                             struct kiln_fused_ce_result *out);
+
+    /* ---- fused distillation loss (training; optional: NULL in a backend without it) ----
+     * fused_kd.h defines the op; callers use its entry, kiln_fused_kd, which checks p (its
+     * sizes, pointers, targets, teacher, temperature and weights) and counts its S >= 1
+     * supervised rows before it calls fused_kd here (out zeroed, or NULL). */
+    kiln_status (*fused_kd)(kiln_backend *be, const struct kiln_fused_kd_params *p, int64_t S,
+                            struct kiln_fused_kd_result *out);
 
     /* ---- AdamW (training; optional: NULL in a backend without it) ----
      * adamw_op.h defines the ops; callers use its entries (kiln_adamw_op_*), which pass the

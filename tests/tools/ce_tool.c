@@ -17,47 +17,11 @@
 #include "kiln.h"
 #include "base/base.h"
 #include "ops/fused_ce.h"
+#include "tool_files.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static void *read_file(const char *dir, const char *name, size_t want, int optional) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        if (!optional) fprintf(stderr, "ce_tool: cannot open %s\n", path);
-        return NULL;
-    }
-    void *buf = malloc(want ? want : 1);
-    size_t got = fread(buf, 1, want, f);
-    int extra = fgetc(f) != EOF;
-    fclose(f);
-    if (got != want || extra) {
-        fprintf(stderr, "ce_tool: %s: expected %zu bytes\n", path, want);
-        free(buf);
-        return NULL;
-    }
-    return buf;
-}
-
-static int write_file(const char *dir, const char *name, const void *data, size_t n) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    FILE *f = fopen(path, "wb");
-    if (!f || fwrite(data, 1, n, f) != n) {
-        fprintf(stderr, "ce_tool: cannot write %s\n", path);
-        if (f) fclose(f);
-        return 1;
-    }
-    return fclose(f) != 0;
-}
-
-static int fail(kiln_status st) {
-    fprintf(stderr, "error: %s: %s\n", kiln_status_string(st), kiln_last_error());
-    return 2;
-}
 
 static int cmd_run(int argc, char **argv) {
     if (argc != 11) {
@@ -71,16 +35,17 @@ static int cmd_run(int argc, char **argv) {
         fprintf(stderr, "ce_tool: bad sizes\n");
         return 1;
     }
-    float *h = read_file(dir, "h.f32", (size_t)(N * H) * 4, 0);
-    void *w = read_file(dir, bf16 ? "w.bf16" : "w.f32", (size_t)(V * H) * (bf16 ? 2 : 4), 0);
-    int32_t *tg = read_file(dir, "targets.i32", (size_t)N * 4, 0);
-    uint8_t *mask = read_file(dir, "mask.u8", (size_t)N, 1);
+    float *h = tool_read_file("ce_tool", dir, "h.f32", (size_t)(N * H) * 4, 0);
+    void *w = tool_read_file("ce_tool", dir, bf16 ? "w.bf16" : "w.f32",
+                             (size_t)(V * H) * (bf16 ? 2 : 4), 0);
+    int32_t *tg = tool_read_file("ce_tool", dir, "targets.i32", (size_t)N * 4, 0);
+    uint8_t *mask = tool_read_file("ce_tool", dir, "mask.u8", (size_t)N, 1);
     if (!h || !w || !tg) return 1;
     float *dh = malloc((size_t)(N * H) * 4), *dw = calloc((size_t)(V * H), 4);
     float *rl = malloc((size_t)N * 4);
     kiln_backend *be = NULL;
     kiln_status st = kiln_backend_cpu_create(atoi(argv[9]), &be);
-    if (st != KILN_OK) return fail(st);
+    if (st != KILN_OK) return tool_fail(st);
     kiln_fused_ce_params p = kiln_fused_ce_default_params();
     p.N = N;
     p.H = H;
@@ -99,10 +64,10 @@ static int cmd_run(int argc, char **argv) {
     kiln_fused_ce_result r;
     st = kiln_fused_ce(be, &p, &r);
     kiln_backend_free(be);
-    if (st != KILN_OK) return fail(st);
-    if (write_file(dir, "dh.f32", dh, (size_t)(N * H) * 4) ||
-        write_file(dir, "dw.f32", dw, (size_t)(V * H) * 4) ||
-        write_file(dir, "row_loss.f32", rl, (size_t)N * 4))
+    if (st != KILN_OK) return tool_fail(st);
+    if (tool_write_file("ce_tool", dir, "dh.f32", dh, (size_t)(N * H) * 4) ||
+        tool_write_file("ce_tool", dir, "dw.f32", dw, (size_t)(V * H) * 4) ||
+        tool_write_file("ce_tool", dir, "row_loss.f32", rl, (size_t)N * 4))
         return 1;
     printf("{\"loss\": %.9g, \"loss_f64\": %.17g, \"n_supervised\": %lld, \"scratch_bytes\": %zu}\n",
            (double)r.loss, r.loss_f64, (long long)r.n_supervised, r.scratch_bytes);
@@ -110,13 +75,9 @@ static int cmd_run(int argc, char **argv) {
     return 0;
 }
 
-static uint64_t g_rng = 0x853c49e6748fea9bull;
-static float rnd_f(float lo, float hi) {
-    g_rng ^= g_rng >> 12;
-    g_rng ^= g_rng << 25;
-    g_rng ^= g_rng >> 27;
-    uint64_t x = g_rng * 2685821657736338717ull;
-    return lo + (hi - lo) * (float)((x >> 40) / 16777216.0);
+/* kiln_fused_ce as a tool_call's op. */
+static kiln_status call_ce(kiln_backend *be, const void *p, void *r) {
+    return kiln_fused_ce(be, p, r);
 }
 
 static int cmd_bench(int argc, char **argv) {
@@ -131,58 +92,31 @@ static int cmd_bench(int argc, char **argv) {
         fprintf(stderr, "ce_tool: bad arguments\n");
         return 1;
     }
-    float *h = malloc((size_t)(N * H) * 4), *w = malloc((size_t)(V * H) * 4);
-    float *dh = malloc((size_t)(N * H) * 4), *dw = calloc((size_t)(V * H), 4);
-    int32_t *tg = malloc((size_t)N * 4);
-    uint8_t *mask = malloc((size_t)N);
-    if (!h || !w || !dh || !dw || !tg || !mask) {
-        fprintf(stderr, "ce_tool: out of memory\n");
-        return 1;
-    }
-    for (int64_t i = 0; i < N * H; i++) h[i] = rnd_f(-1, 1);
-    for (int64_t i = 0; i < V * H; i++) w[i] = rnd_f(-0.1f, 0.1f);
-    for (int64_t n = 0; n < N; n++) {
-        tg[n] = (int32_t)(rnd_f(0, 1) * (float)(V - 1));
-        mask[n] = rnd_f(0, 1) < frac;
-    }
+    tool_problem pr;
+    if (tool_problem_random("ce_tool", N, H, V, frac, &pr)) return 1;
     kiln_backend *be = NULL;
     kiln_status st = kiln_backend_cpu_create(threads, &be);
-    if (st != KILN_OK) return fail(st);
+    if (st != KILN_OK) return tool_fail(st);
     kiln_fused_ce_params p = kiln_fused_ce_default_params();
     p.N = N;
     p.H = H;
     p.V = V;
-    p.hidden = h;
-    p.weight = w;
-    p.targets = tg;
-    p.mask = mask;
+    p.hidden = pr.h;
+    p.weight = pr.w;
+    p.targets = pr.targets;
+    p.mask = pr.mask;
     p.chunk = chunk;
-    p.dhidden = dh;
-    p.dweight = dw;
+    p.dhidden = pr.dh;
+    p.dweight = pr.dw;
     kiln_fused_ce_result r;
-    if (reps > 1) {
-        st = kiln_fused_ce(be, &p, &r); /* warm-up */
-        if (st != KILN_OK) return fail(st);
-    }
-    kiln_mem_stats s0, s1;
-    kiln_mem_get_stats(&s0);
-    kiln_mem_reset_peak();
-    double t0 = kiln_time_seconds();
-    for (int i = 0; i < reps; i++) {
-        st = kiln_fused_ce(be, &p, &r);
-        if (st != KILN_OK) return fail(st);
-    }
-    double dt = (kiln_time_seconds() - t0) / reps;
-    kiln_mem_get_stats(&s1);
-    printf("{\"N\": %lld, \"S\": %lld, \"H\": %lld, \"V\": %lld, \"chunk\": %lld, \"threads\": %d, "
-           "\"peak_extra_bytes\": %zu, \"scratch_bytes\": %zu, \"logits_bytes\": %.0f, "
-           "\"seconds_per_call\": %.4f, \"loss\": %.9g}\n",
-           (long long)N, (long long)r.n_supervised, (long long)H, (long long)V,
-           (long long)(chunk ? chunk : KILN_FUSED_CE_DEFAULT_CHUNK), be->n_threads,
-           s1.peak_bytes - s0.live_bytes, r.scratch_bytes, (double)N * (double)V * 4.0, dt,
-           (double)r.loss);
+    double dt = 0.0;
+    size_t peak_extra = 0;
+    st = tool_measure(reps, &(tool_call){call_ce, be, &p, &r}, &dt, &peak_extra);
+    if (st != KILN_OK) return tool_fail(st);
+    tool_bench_report(N, r.n_supervised, H, V, chunk, be->n_threads, dt, peak_extra,
+                      r.scratch_bytes, "", r.loss);
     kiln_backend_free(be);
-    free(h); free(w); free(dh); free(dw); free(tg); free(mask);
+    tool_problem_free(&pr);
     return 0;
 }
 

@@ -654,6 +654,7 @@ static const kiln_backend_i cpu_iface = {
     .scale = cpu_scale,
     .fused_ce_workspace = kiln_cpu_fused_ce_workspace,
     .fused_ce = kiln_cpu_fused_ce,
+    .fused_kd = kiln_cpu_fused_kd,
     .adamw_workspace = cpu_adamw_workspace,
     .adamw_prepare = cpu_adamw_prepare,
     .adamw_step = cpu_adamw_step,

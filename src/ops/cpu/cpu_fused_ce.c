@@ -3,8 +3,9 @@
  * reference. kiln_fused_ce checks the call and counts its S supervised rows; this is its body
  * on host memory, with the backend's matmul for the three products and the row work, the
  * transposes and the sums split over the backend's pool by rows or ranges (each output one
- * task's, in the serial order: ce_parallel), so the results are the same bits for any thread
- * count (docs/ARITHMETIC.md, "Fused linear cross-entropy").
+ * task's, in the serial order: kiln_cpu_ce_parallel), so the results are the same bits for any
+ * thread count (docs/ARITHMETIC.md, "Fused linear cross-entropy"). The gathering and pass 2's
+ * products are shared with the distillation loss (cpu_fused_ce_impl.h, cpu_fused_kd.c).
  */
 #include "../fused_ce.h"
 
@@ -12,6 +13,7 @@
 #include "../../base/tensor.h"
 #include "../../base/threadpool.h"
 #include "../fused_ce_impl.h"
+#include "cpu_fused_ce_impl.h"
 #include "cpu_kernels.h"
 #include "cpu_train.h"
 
@@ -52,7 +54,7 @@ static void transpose_weight_rows(float *dst, const void *w, kiln_dtype dt, int6
         }
 }
 
-static const kiln_cpu_kernels *kernels_of(const kiln_backend *be) {
+const kiln_cpu_kernels *kiln_cpu_ce_kernels(const kiln_backend *be) {
 #if defined(KILN_CPU_HAVE_X86)
     kiln_cpu_path path = kiln_backend_cpu_path(be);
     if (path == KILN_CPU_PATH_AVX512) return &kiln_cpu_kernels_avx512;
@@ -65,13 +67,43 @@ static const kiln_cpu_kernels *kernels_of(const kiln_backend *be) {
 
 /* The defined sum of v[0..n): 16 lanes (lane i % 16), then the fixed tree -- the dot of v
  * with ones (fmaf(v, 1, acc) rounds exactly like v + acc). */
-static float lane_sum(const kiln_cpu_kernels *k, const float *v, const float *ones, int64_t n) {
+float kiln_cpu_ce_lane_sum(const kiln_cpu_kernels *k, const float *v, const float *ones,
+                           int64_t n) {
     float acc[KILN_DOT_LANES] = {0};
     k->dot_accum(acc, v, ones, n);
     return kiln_lane16_reduce(acc);
 }
 
-/* ---- the CPU path's row work on the backend's pool ----------------------------------------- */
+/* ---- the row work on the backend's pool ---------------------------------------------------- */
+
+typedef struct ce_par {
+    kiln_cpu_ce_range_fn fn;
+    const void *job;
+    int64_t n, grain;
+    int tasks;
+} ce_par;
+
+static void ce_par_task(void *arg, int task, int thread) {
+    (void)thread;
+    const ce_par *q = arg;
+    int64_t per = (q->n + q->tasks - 1) / q->tasks;
+    per = (per + q->grain - 1) / q->grain * q->grain;
+    int64_t lo = (int64_t)task * per, hi = lo + per < q->n ? lo + per : q->n;
+    if (lo < hi) q->fn(q->job, lo, hi);
+}
+
+void kiln_cpu_ce_parallel(kiln_pool *pool, int64_t n, int64_t grain, kiln_cpu_ce_range_fn fn,
+                          const void *job) {
+    int nt = pool ? kiln_pool_n_threads(pool) : 1;
+    int64_t tasks = n / (grain * 8) + 1;
+    if (tasks > 4 * (int64_t)nt) tasks = 4 * (int64_t)nt;
+    if (nt <= 1 || tasks <= 1) {
+        fn(job, 0, n);
+        return;
+    }
+    ce_par q = {fn, job, n, grain, (int)tasks};
+    kiln_pool_run(pool, (int)tasks, ce_par_task, &q);
+}
 
 /* Every piece below computes outputs of its own (rows of z and of the row statistics, rows of
  * a transpose, a range of a sum) in the serial code's order, so the split changes no bit. */
@@ -88,42 +120,10 @@ typedef struct ce_cpu_job {
     int64_t rows, cols;
 } ce_cpu_job;
 
-typedef void (*ce_range_fn)(const ce_cpu_job *j, int64_t lo, int64_t hi);
-
-typedef struct ce_par {
-    ce_range_fn fn;
-    const ce_cpu_job *j;
-    int64_t n, grain;
-    int tasks;
-} ce_par;
-
-static void ce_par_task(void *arg, int task, int thread) {
-    (void)thread;
-    const ce_par *q = arg;
-    int64_t per = (q->n + q->tasks - 1) / q->tasks;
-    per = (per + q->grain - 1) / q->grain * q->grain;
-    int64_t lo = (int64_t)task * per, hi = lo + per < q->n ? lo + per : q->n;
-    if (lo < hi) q->fn(q->j, lo, hi);
-}
-
-/* fn over [0, n) in pieces that start at multiples of grain: on the pool when there is one
- * with several threads, else on the calling thread. */
-static void ce_parallel(kiln_pool *pool, int64_t n, int64_t grain, ce_range_fn fn,
-                        const ce_cpu_job *j) {
-    int nt = pool ? kiln_pool_n_threads(pool) : 1;
-    int64_t tasks = n / (grain * 8) + 1;
-    if (tasks > 4 * (int64_t)nt) tasks = 4 * (int64_t)nt;
-    if (nt <= 1 || tasks <= 1) {
-        fn(j, 0, n);
-        return;
-    }
-    ce_par q = {fn, j, n, grain, (int)tasks};
-    kiln_pool_run(pool, (int)tasks, ce_par_task, &q);
-}
-
 /* Pass 1 on rows [lo, hi) of one chunk: the target's logit, the chunk's max, the online
  * rescale and the lane sum of the exponentials. */
-static void ce_pass1_rows(const ce_cpu_job *j, int64_t lo, int64_t hi) {
+static void ce_pass1_rows(const void *arg, int64_t lo, int64_t hi) {
+    const ce_cpu_job *j = arg;
     kiln_ce_scratch *sc = j->sc;
     const int64_t n = j->n;
     for (int64_t i = lo; i < hi; i++) {
@@ -136,14 +136,15 @@ static void ce_pass1_rows(const ce_cpu_job *j, int64_t lo, int64_t hi) {
         float m_new = bm > sc->m[i] ? bm : sc->m[i];
         float alpha = kiln_expf(sc->m[i] - m_new); /* first chunk: exp(-inf) = 0 */
         j->k->exp_sub(er, zr, m_new, (int)n);
-        float csum = lane_sum(j->k, er, sc->ones, n);
+        float csum = kiln_cpu_ce_lane_sum(j->k, er, sc->ones, n);
         sc->l[i] = sc->l[i] * alpha + csum;
         sc->m[i] = m_new;
     }
 }
 
 /* Pass 2 on rows [lo, hi) of one chunk: g = (softmax - onehot) * gs in place. */
-static void ce_pass2_rows(const ce_cpu_job *j, int64_t lo, int64_t hi) {
+static void ce_pass2_rows(const void *arg, int64_t lo, int64_t hi) {
+    const ce_cpu_job *j = arg;
     kiln_ce_scratch *sc = j->sc;
     const int64_t n = j->n;
     const float gs = j->gs;
@@ -158,17 +159,117 @@ static void ce_pass2_rows(const ce_cpu_job *j, int64_t lo, int64_t hi) {
     }
 }
 
-static void ce_transpose_rows(const ce_cpu_job *j, int64_t lo, int64_t hi) {
+static void ce_transpose_rows(const void *arg, int64_t lo, int64_t hi) {
+    const ce_cpu_job *j = arg;
     transpose_f32_rows(j->dst, j->src, j->rows, j->cols, lo, hi);
 }
 
 /* The W chunk (n rows from src) transposed into dst(H, n), rows [lo, hi) of the chunk. */
-static void ce_weight_t_rows(const ce_cpu_job *j, int64_t lo, int64_t hi) {
+static void ce_weight_t_rows(const void *arg, int64_t lo, int64_t hi) {
+    const ce_cpu_job *j = arg;
     transpose_weight_rows(j->dst, j->w, j->p->weight_dtype, j->n, j->p->H, lo, hi);
 }
 
-static void ce_add_range(const ce_cpu_job *j, int64_t lo, int64_t hi) {
+static void ce_add_range(const void *arg, int64_t lo, int64_t hi) {
+    const ce_cpu_job *j = arg;
     j->k->add(j->dst + lo, j->src + lo, (size_t)(hi - lo));
+}
+
+/* ---- the steps both fused losses take (cpu_fused_ce_impl.h) -------------------------------- */
+
+void kiln_cpu_ce_prepare(const kiln_fused_ce_params *p, kiln_ce_scratch *sc, int64_t S,
+                         int64_t cn) {
+    const int64_t N = p->N, H = p->H;
+    int64_t ones_n = cn > S ? cn : S;
+    for (int64_t j = 0; j < ones_n; j++) sc->ones[j] = 1.0f;
+
+    /* Gather (ascending positions): row n of hidden at n x ld elements, f32 or bf16 widened
+     * (exact), so the gathered rows hold the same values either way. */
+    const int64_t ld = p->hidden_ld > 0 ? p->hidden_ld : H;
+    for (int64_t n = 0, i = 0; n < N; n++) {
+        if ((p->mask && !p->mask[n]) || p->targets[n] < 0) continue;
+        sc->idx[i] = n;
+        if (p->hidden16) {
+            const uint16_t *src = p->hidden16 + n * ld;
+            for (int64_t j = 0; j < H; j++) sc->hs[i * H + j] = kiln_bf16_to_fp32(src[j]);
+        } else {
+            memcpy(sc->hs + i * H, p->hidden + n * ld, (size_t)H * sizeof(float));
+        }
+        i++;
+    }
+    for (int64_t i = 0; i < S; i++) {
+        sc->m[i] = -INFINITY;
+        sc->l[i] = 0.0f;
+        sc->zt[i] = 0.0f;
+    }
+}
+
+void kiln_cpu_ce_grad_begin(const kiln_fused_ce_params *p, kiln_ce_scratch *sc, int64_t S) {
+    if (p->dweight) transpose_f32(sc->hT, sc->hs, S, p->H);
+    if (p->dhidden) memset(sc->dh_acc, 0, (size_t)S * (size_t)p->H * sizeof(float));
+}
+
+void kiln_cpu_ce_grad_chunk(kiln_backend *be, const kiln_fused_ce_params *p,
+                            kiln_ce_scratch *sc, int64_t S, const float *g, int64_t c0,
+                            int64_t n) {
+    const int64_t H = p->H;
+    const size_t row_bytes = (size_t)H * (p->weight_dtype == KILN_DTYPE_BF16 ? 2 : 4);
+    kiln_pool *pool = kiln_backend_cpu_pool(be);
+    ce_cpu_job job = {p, sc, kiln_cpu_ce_kernels(be), c0, n, NULL, 0.0f, NULL, NULL, NULL, 0, 0};
+    if (p->dhidden) {
+        job.dst = sc->wT;
+        job.w = (const uint8_t *)p->weight + (size_t)c0 * row_bytes;
+        kiln_cpu_ce_parallel(pool, n, 32, ce_weight_t_rows, &job);
+        kiln_tensor wt = kiln_ce_f32_view("fused_ce.weight_chunk_t", sc->wT, H, n);
+        be->i->matmul(be, sc->dpart, g, &wt, NULL, (int)S);
+        job.dst = sc->dh_acc;
+        job.src = sc->dpart;
+        kiln_cpu_ce_parallel(pool, S * H, 4096, ce_add_range, &job);
+    }
+    if (p->dweight) {
+        job.dst = sc->gT;
+        job.src = g;
+        job.rows = S;
+        job.cols = n;
+        kiln_cpu_ce_parallel(pool, S, 32, ce_transpose_rows, &job);
+        kiln_tensor ht = kiln_ce_f32_view("fused_ce.hidden_t", sc->hT, H, S);
+        be->i->matmul(be, sc->wpart, sc->gT, &ht, NULL, (int)n);
+        job.dst = p->dweight + c0 * H;
+        job.src = sc->wpart;
+        kiln_cpu_ce_parallel(pool, n * H, 4096, ce_add_range, &job);
+    }
+}
+
+void kiln_cpu_ce_write_dhidden(kiln_backend *be, const kiln_fused_ce_params *p,
+                               const kiln_ce_scratch *sc, int64_t S) {
+    const int64_t N = p->N, H = p->H;
+    if (!p->dhidden) return;
+    if (!p->dhidden_accumulate) {
+        memset(p->dhidden, 0, (size_t)N * (size_t)H * sizeof(float));
+        for (int64_t i = 0; i < S; i++)
+            memcpy(p->dhidden + sc->idx[i] * H, sc->dh_acc + i * H, (size_t)H * sizeof(float));
+    } else {
+        const kiln_cpu_kernels *k = kiln_cpu_ce_kernels(be);
+        for (int64_t i = 0; i < S; i++)
+            k->add(p->dhidden + sc->idx[i] * H, sc->dh_acc + i * H, (size_t)H);
+    }
+}
+
+kiln_status kiln_cpu_ce_alloc(const char *op, size_t bytes, int64_t S, int64_t cn,
+                              uint8_t **block) {
+    if (bytes == 0) return kiln_error(KILN_ERR_INVALID_ARG, "%s: scratch size overflows", op);
+    *block = kiln_malloc(bytes);
+    if (!*block)
+        return kiln_error(KILN_ERR_NOMEM, "%s: out of memory for %zu bytes of scratch "
+                          "(%lld supervised rows x chunk %lld)", op, bytes, (long long)S,
+                          (long long)cn);
+    return KILN_OK;
+}
+
+void kiln_cpu_ce_scatter_rows(float *dst, int64_t N, const int64_t *idx, const float *src,
+                              int64_t S) {
+    memset(dst, 0, (size_t)N * sizeof(float));
+    for (int64_t i = 0; i < S; i++) dst[idx[i]] = src[i];
 }
 
 /* ---- the op ------------------------------------------------------------------------------- */
@@ -185,39 +286,14 @@ kiln_status kiln_cpu_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p, i
     const int with_dh = p->dhidden != NULL, with_dw = p->dweight != NULL;
     kiln_ce_scratch sc;
     size_t bytes = kiln_ce_layout(S, S, H, cn, with_dh, with_dw, KILN_CE_FULL, 0, 0, NULL, NULL);
-    if (bytes == 0) return kiln_error(KILN_ERR_INVALID_ARG, "fused_ce: scratch size overflows");
-    uint8_t *block = kiln_malloc(bytes);
-    if (!block)
-        return kiln_error(KILN_ERR_NOMEM, "fused_ce: out of memory for %zu bytes of scratch "
-                          "(%lld supervised rows x chunk %lld)", bytes, (long long)S,
-                          (long long)cn);
+    uint8_t *block = NULL;
+    KILN_TRY(kiln_cpu_ce_alloc("fused_ce", bytes, S, cn, &block));
     kiln_ce_layout(S, S, H, cn, with_dh, with_dw, KILN_CE_FULL, 0, 0, block, &sc);
 
-    const kiln_cpu_kernels *k = kernels_of(be);
+    const kiln_cpu_kernels *k = kiln_cpu_ce_kernels(be);
     kiln_pool *pool = kiln_backend_cpu_pool(be);
     const size_t row_bytes = (size_t)H * (p->weight_dtype == KILN_DTYPE_BF16 ? 2 : 4);
-    int64_t ones_n = cn > S ? cn : S;
-    for (int64_t j = 0; j < ones_n; j++) sc.ones[j] = 1.0f;
-
-    /* Gather (ascending positions): row n of hidden at n x ld elements, f32 or bf16 widened
-     * (exact), so the gathered rows hold the same values either way. */
-    const int64_t ld = p->hidden_ld > 0 ? p->hidden_ld : H;
-    for (int64_t n = 0, i = 0; n < N; n++) {
-        if ((p->mask && !p->mask[n]) || p->targets[n] < 0) continue;
-        sc.idx[i] = n;
-        if (p->hidden16) {
-            const uint16_t *src = p->hidden16 + n * ld;
-            for (int64_t j = 0; j < H; j++) sc.hs[i * H + j] = kiln_bf16_to_fp32(src[j]);
-        } else {
-            memcpy(sc.hs + i * H, p->hidden + n * ld, (size_t)H * sizeof(float));
-        }
-        i++;
-    }
-    for (int64_t i = 0; i < S; i++) {
-        sc.m[i] = -INFINITY;
-        sc.l[i] = 0.0f;
-        sc.zt[i] = 0.0f;
-    }
+    kiln_cpu_ce_prepare(p, &sc, S, cn);
 
     /* Pass 1: online log-sum-exp, chunks ascending (or its statistics from an earlier call). */
     if (p->row_stats_in)
@@ -237,7 +313,7 @@ kiln_status kiln_cpu_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p, i
         kiln_ce_chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, job.z);
         job.c0 = c0;
         job.n = n;
-        ce_parallel(pool, S, 1, ce_pass1_rows, &job);
+        kiln_cpu_ce_parallel(pool, S, 1, ce_pass1_rows, &job);
     }
     if (p->row_stats_out)
         for (int64_t i = 0; i < S; i++) {
@@ -253,12 +329,12 @@ kiln_status kiln_cpu_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p, i
     }
     float loss = 0.0f, gs;
     double loss64 = 0.0;
-    kiln_ce_reduce(p, sc.loss, lane_sum(k, sc.loss, sc.ones, S), S, &loss, &gs, &loss64);
+    kiln_ce_reduce(p, sc.loss, kiln_cpu_ce_lane_sum(k, sc.loss, sc.ones, S), S, &loss, &gs,
+                   &loss64);
 
     /* Pass 2: g = (softmax - onehot) * gs per chunk, into dh and dW. */
     if (with_dh || with_dw) {
-        if (with_dw) transpose_f32(sc.hT, sc.hs, S, H);
-        if (with_dh) memset(sc.dh_acc, 0, (size_t)S * (size_t)H * sizeof(float));
+        kiln_cpu_ce_grad_begin(p, &sc, S);
         job.gs = gs;
         for (int64_t c0 = 0; c0 < V; c0 += cn) {
             int64_t n = V - c0 < cn ? V - c0 : cn;
@@ -267,47 +343,14 @@ kiln_status kiln_cpu_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p, i
             job.z = g;
             job.c0 = c0;
             job.n = n;
-            ce_parallel(pool, S, 1, ce_pass2_rows, &job);
-            if (with_dh) {
-                job.dst = sc.wT;
-                job.w = (const uint8_t *)p->weight + (size_t)c0 * row_bytes;
-                ce_parallel(pool, n, 32, ce_weight_t_rows, &job);
-                kiln_tensor wt = kiln_ce_f32_view("fused_ce.weight_chunk_t", sc.wT, H, n);
-                be->i->matmul(be, sc.dpart, g, &wt, NULL, (int)S);
-                job.dst = sc.dh_acc;
-                job.src = sc.dpart;
-                ce_parallel(pool, S * H, 4096, ce_add_range, &job);
-            }
-            if (with_dw) {
-                job.dst = sc.gT;
-                job.src = g;
-                job.rows = S;
-                job.cols = n;
-                ce_parallel(pool, S, 32, ce_transpose_rows, &job);
-                kiln_tensor ht = kiln_ce_f32_view("fused_ce.hidden_t", sc.hT, H, S);
-                be->i->matmul(be, sc.wpart, sc.gT, &ht, NULL, (int)n);
-                job.dst = p->dweight + c0 * H;
-                job.src = sc.wpart;
-                ce_parallel(pool, n * H, 4096, ce_add_range, &job);
-            }
+            kiln_cpu_ce_parallel(pool, S, 1, ce_pass2_rows, &job);
+            kiln_cpu_ce_grad_chunk(be, p, &sc, S, g, c0, n);
         }
     }
 
     /* Outputs. */
-    if (p->row_loss) {
-        memset(p->row_loss, 0, (size_t)N * sizeof(float));
-        for (int64_t i = 0; i < S; i++) p->row_loss[sc.idx[i]] = sc.loss[i];
-    }
-    if (with_dh) {
-        if (!p->dhidden_accumulate) {
-            memset(p->dhidden, 0, (size_t)N * (size_t)H * sizeof(float));
-            for (int64_t i = 0; i < S; i++)
-                memcpy(p->dhidden + sc.idx[i] * H, sc.dh_acc + i * H, (size_t)H * sizeof(float));
-        } else {
-            for (int64_t i = 0; i < S; i++)
-                k->add(p->dhidden + sc.idx[i] * H, sc.dh_acc + i * H, (size_t)H);
-        }
-    }
+    if (p->row_loss) kiln_cpu_ce_scatter_rows(p->row_loss, N, sc.idx, sc.loss, S);
+    kiln_cpu_ce_write_dhidden(be, p, &sc, S);
     if (out) {
         out->loss = loss;
         out->loss_f64 = loss64;

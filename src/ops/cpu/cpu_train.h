@@ -1,13 +1,14 @@
 /*
  * cpu_train.h -- the CPU backend's training operations that are larger than one kernel: the
  * bodies its table (cpu_backend.c) points at, in files of their own. The reference
- * implementations of the ops that fused_ce.h and adamw_op.h define.
+ * implementations of the ops that fused_ce.h, fused_kd.h and adamw_op.h define.
  */
 #ifndef KILN_CPU_TRAIN_H
 #define KILN_CPU_TRAIN_H
 
 #include "../adamw_op.h"
 #include "../fused_ce.h"
+#include "../fused_kd.h"
 #include "../../base/threadpool.h"
 
 /* ---- fused linear cross-entropy (cpu_fused_ce.c) ------------------------------------------ */
@@ -17,6 +18,13 @@
 size_t kiln_cpu_fused_ce_workspace(kiln_backend *be, const kiln_fused_ce_params *p, int64_t S);
 kiln_status kiln_cpu_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p, int64_t S,
                               kiln_fused_ce_result *out);
+
+/* ---- fused distillation loss (cpu_fused_kd.c) ---------------------------------------------- */
+
+/* The table's fused_kd (ops.h) on the CPU backend be: host memory, the backend's pool and
+ * matmul. */
+kiln_status kiln_cpu_fused_kd(kiln_backend *be, const kiln_fused_kd_params *p, int64_t S,
+                              kiln_fused_kd_result *out);
 
 /* ---- AdamW (cpu_adamw.c) ------------------------------------------------------------------- */
 

@@ -1733,6 +1733,7 @@ static const kiln_backend_i cuda_iface = {
     /* .geglu = */ cu_geglu,
     /* .fused_ce_workspace = */ kiln_cuda_fused_ce_workspace,
     /* .fused_ce = */ kiln_cuda_fused_ce,
+    /* .fused_kd = */ NULL, /* not on this backend yet: kiln_fused_kd refuses it */
     /* .adamw_workspace = */ kiln_cuda_adamw_op_workspace,
     /* .adamw_prepare = */ kiln_cuda_adamw_op_prepare,
     /* .adamw_step = */ kiln_cuda_adamw_op_step,
