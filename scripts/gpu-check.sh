@@ -136,7 +136,13 @@ if has tests; then
     done
     # the serving engine on the GPU: every request against kiln_generate alone, auditable
     case " ${KILN_GPU_TESTS:-test_engine} " in
-    *" test_engine "*) run_test "test_engine (device 0)" "$LOG/test_engine_cuda.log" env KILN_TEST_DEVICE=0 "$B/test_engine" ;;
+    *" test_engine "*)
+        # its tokenizer: the shared test vocabulary, found as KILN_SHARED_DIR/testdata/tokenizer-vectors
+        sh_dir=$(cd "$B" && pwd)/shared-vocab
+        mkdir -p "$sh_dir/testdata"
+        [ -d "$vocab" ] && ln -sfn "$(cd "$vocab" && pwd)" "$sh_dir/testdata/tokenizer-vectors"
+        run_test "test_engine (device 0)" "$LOG/test_engine_cuda.log" env KILN_TEST_DEVICE=0 KILN_SHARED_DIR="$sh_dir" \
+            "$B/test_engine" ;;
     esac
     # kiln.torch's cross entropy and the Trainer's torch calls on CUDA tensors
     case " ${KILN_GPU_TESTS:-test_torch_interop} " in
