@@ -97,6 +97,7 @@ struct kiln_engine {
     /* a step's batch */
     int32_t *b_ids, *b_pos, *b_seq, *b_out;
     req **b_req; /* (max_seqs) the request of each output row */
+    int32_t *b_id; /* (max_seqs) the id the device sampled for each output row */
     float *logits, *dev_logits, *row;
     int *top_scratch;
     /* measured step times (exponential averages; 0: none yet): a decode-only step, and one
@@ -463,14 +464,22 @@ static void stat_token(kiln_engine_stats *s, const void *arg) {
     }
 }
 
-/* Sample r's next token from its logits row; report it; 1 when r has finished (and is freed). */
-static int sample_and_emit(kiln_engine *e, req *r, float *logits) {
+/* Whether r's next token can be sampled where its logits are, on the device (the backend's
+ * sample op: kiln_sampler_sample's id for the same logits and stream): not when it asks for
+ * log-probabilities or has OpenAI's penalties, which need the row on the host. */
+static int samples_on_device(const kiln_engine *e, const req *r) {
+    return !e->fs.host_memory && e->be->i->sample && r->logprobs < 0 && !r->counts;
+}
+
+/* Sample r's next token from its logits row (host memory), or take dev_id, the id the device
+ * sampled for it (logits NULL); report it; 1 when r has finished (and is freed). */
+static int sample_and_emit(kiln_engine *e, req *r, float *logits, int32_t dev_id) {
     const int V = e->V;
     kiln_request_event ev;
     memset(&ev, 0, sizeof ev);
     ev.kind = KILN_EVENT_TOKEN;
     ev.request = r->id;
-    if (r->counts) { /* OpenAI's penalties, once per distinct generated token */
+    if (logits && r->counts) { /* OpenAI's penalties, once per distinct generated token */
         int32_t *applied = r->counts + V;
         for (int i = r->n_prompt; i < r->n_tokens; i++) {
             int32_t t = r->tokens[i];
@@ -479,8 +488,8 @@ static int sample_and_emit(kiln_engine *e, req *r, float *logits) {
             logits[t] -= r->presence + r->frequency * (float)r->counts[t];
         }
     }
-    int32_t id;
-    kiln_status st = kiln_sampler_sample(r->smp, logits, V, r->tokens, (size_t)r->n_tokens, &id);
+    int32_t id = dev_id;
+    kiln_status st = logits ? kiln_sampler_sample(r->smp, logits, V, r->tokens, (size_t)r->n_tokens, &id) : KILN_OK;
     if (st != KILN_OK) {
         req_unload(e, r);
         req_done(e, r, "error", "error", st, kiln_last_error());
@@ -626,9 +635,18 @@ static int engine_step(kiln_engine *e) {
     double t0 = kiln_time_seconds();
     float *out = e->fs.host_memory ? e->logits : e->dev_logits;
     kiln_status st = kiln_model_forward(e->m, e->be, &e->fs, &b, n_out ? out : NULL);
-    if (st == KILN_OK && !e->fs.host_memory)
-        st = n_out ? kiln_backend_download(e->be, e->logits, e->dev_logits, (size_t)n_out * (size_t)e->V * sizeof(float))
-                   : kiln_backend_status(e->be);
+    /* On a device: the rows that sample there stay there (only their ids come back); the
+     * others (log-probabilities, penalties) are downloaded to e->logits at their index. */
+    for (int o = 0; st == KILN_OK && !e->fs.host_memory && o < n_out; o++) {
+        req *r = e->b_req[o];
+        const size_t off = (size_t)o * (size_t)e->V;
+        if (samples_on_device(e, r))
+            st = e->be->i->sample(e->be, e->dev_logits + off, e->V, kiln_sampler_get_params(r->smp),
+                                  kiln_sampler_rng(r->smp), r->tokens, (size_t)r->n_tokens, &e->b_id[o]);
+        else
+            st = kiln_backend_download(e->be, e->logits + off, e->dev_logits + off, (size_t)e->V * sizeof(float));
+    }
+    if (st == KILN_OK && !e->fs.host_memory && !n_out) st = kiln_backend_status(e->be);
     pthread_mutex_lock(&e->mu);
     e->stats.steps++;
     pthread_mutex_unlock(&e->mu);
@@ -646,9 +664,13 @@ static int engine_step(kiln_engine *e) {
         }
     for (int o = 0; o < n_out; o++) {
         req *r = e->b_req[o];
+        if (samples_on_device(e, r)) {
+            sample_and_emit(e, r, NULL, e->b_id[o]);
+            continue;
+        }
         float *row = e->logits + (size_t)o * (size_t)e->V;
         if (r->logprobs >= 0) memcpy(e->row, row, (size_t)e->V * sizeof(float)); /* raw logits for logprobs */
-        sample_and_emit(e, r, row);
+        sample_and_emit(e, r, row, -1);
     }
     return 1;
 }
@@ -830,6 +852,7 @@ kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, 
     size_t NB = (size_t)p.max_batch_tokens;
     e->b_ids = zalloc(4 * NB, sizeof(int32_t), &ok);
     e->b_req = zalloc((size_t)p.max_seqs, sizeof *e->b_req, &ok);
+    e->b_id = zalloc((size_t)p.max_seqs, sizeof *e->b_id, &ok);
     e->logits = zalloc((size_t)p.max_seqs * (size_t)e->V, sizeof(float), &ok);
     e->row = zalloc((size_t)e->V, sizeof(float), &ok);
     e->top_scratch = zalloc(KILN_MAX_TOP_LOGPROBS + 1, sizeof(int), &ok);
@@ -920,6 +943,7 @@ static void engine_destroy(kiln_engine *e) {
     kiln_free(e->blk_tokens);
     kiln_free(e->b_ids);
     kiln_free(e->b_req);
+    kiln_free(e->b_id);
     kiln_free(e->logits);
     kiln_free(e->row);
     kiln_free(e->top_scratch);
