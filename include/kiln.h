@@ -653,6 +653,47 @@ KILN_API kiln_status kiln_train_save(kiln_trainer *t, const char *dir, uint64_t 
  * never deleted (docs/TRAINING.md, "Resuming a run"), so the run can save step k again. */
 KILN_API kiln_status kiln_train_load(kiln_trainer *t, const char *dir, uint64_t *step,
                                      char **run_json);
+
+/* ---- Distillation (`kiln distill`; docs/TRAINING.md, "Distillation") ---------------------- */
+
+/* A teacher: model m's inference forward (no activations kept) on the backend of the trainer
+ * `student`, whose steps it serves. Teacher and student must share the tokenizer (same
+ * vocabulary, same tokens and rules), refused with KILN_ERR_INVALID_ARG otherwise. It counts as
+ * a user of m and of the trainer (each refuses to be freed first). Its memory: a forward
+ * state for the trainer's max_batch x max_seq tokens (KV cache, scratch) and the logits of
+ * one block of rows (at most 64 MiB). */
+typedef struct kiln_teacher kiln_teacher;
+KILN_API kiln_status kiln_teacher_create(kiln_model *m, kiln_trainer *student, kiln_teacher **out);
+KILN_API void kiln_teacher_free(kiln_teacher *t);
+
+typedef struct kiln_distill_params {
+    float temperature; /* tau > 0 (default 2): both distributions softened by it */
+    float kd_weight;   /* weight of tau^2 KL(teacher || student) at tau (default 0.5) */
+    float ce_weight;   /* weight of the hard cross-entropy on the targets (default 0.5) */
+} kiln_distill_params;
+KILN_API kiln_distill_params kiln_distill_default_params(void);
+
+typedef struct kiln_distill_loss {
+    float loss;           /* kd_weight tau^2 kl + ce_weight ce, reduced and scaled */
+    float kl, ce;         /* the two parts, reduced and scaled alike, unweighted */
+    int64_t n_supervised; /* S: rows with a target >= 0 */
+} kiln_distill_loss;
+
+/* kiln_train_step_batch with the distillation loss instead of the cross-entropy: per
+ * supervised row n (targets[n] >= 0; the teacher's and student's logits zt, zs of the row)
+ *   loss_n = kd_weight tau^2 KL(softmax(zt / tau) || softmax(zs / tau))
+ *          + ce_weight (logsumexp(zs) - zs[targets[n]])
+ * reduced over the rows as red says (MEAN: / S), times scale; the student's gradients
+ * accumulated or overwritten as accumulate says. Neither model's n x V logits are held: the
+ * student's are walked in vocabulary chunks, the teacher's made a block of rows at a time
+ * (src/train/distill.c). Errors: kiln_train_step_batch's for ids and targets, a teacher made
+ * for another trainer, n_seq x seq beyond the trainer's limits, a temperature or weights out
+ * of range (KILN_ERR_INVALID_ARG), a non-finite loss; a failure after the gradient work began
+ * leaves the gradients unusable until a step that does not accumulate. */
+KILN_API kiln_status kiln_train_distill_step(kiln_trainer *t, kiln_teacher *teacher, const int32_t *ids,
+                                             int n_seq, int seq, const int32_t *targets,
+                                             const kiln_distill_params *dp, kiln_loss_reduction red,
+                                             float scale, int accumulate, kiln_distill_loss *out);
 /* ---------------------------------------------------------------------------------------- */
 /* The fused linear cross-entropy on the caller's buffers (CPU, or a CUDA GPU)               */
 /* ---------------------------------------------------------------------------------------- */

@@ -74,6 +74,23 @@ static const char *train_help =
     "Ctrl-C (SIGINT) or SIGTERM finishes the current step, writes a checkpoint and exits with\n"
     "status 130 or 143 (continue with --resume); a second signal exits at once.\n";
 
+static const char *distill_help =
+    "usage: kiln distill --teacher MODEL (-m STUDENT | --config NAME [--tokenizer TOK])\n"
+    "                    --data SHARD [options]\n\n"
+    "Distils the teacher (.gguf or Hugging Face folder, inference only) into the student:\n"
+    "`kiln train` whose loss per next-token position is\n"
+    "    alpha * tau^2 * KL(softmax(teacher / tau) || softmax(student / tau))\n"
+    "  + (1 - alpha) * cross-entropy(student, the true next token)\n"
+    "with neither model's logits held for the whole batch (docs/TRAINING.md,\n"
+    "\"Distillation\"). Teacher and student share the tokenizer (refused otherwise); --config\n"
+    "without --tokenizer takes the teacher's. The evaluation loss is the student's\n"
+    "cross-entropy on held-out documents, comparable with a `kiln train` run's.\n\n"
+    "  --teacher MODEL      the teacher\n"
+    "  --temperature TAU    softening of both distributions (default 2)\n"
+    "  --alpha A            weight of the KL term in [0, 1]; the hard cross-entropy gets\n"
+    "                       1 - A (default 0.5)\n\n"
+    "Every option of `kiln train` (below) applies.\n\n";
+
 typedef struct train_opts {
     const char *model, *config, *tokenizer, *out, *schedule, *storage, *moments;
     const char *data[MAX_SHARDS];
@@ -87,11 +104,13 @@ typedef struct train_opts {
     int override_hparams; /* --override-hparams: resume with settings other than the checkpoint's */
     int device; /* -1 = CPU, N >= 0 = CUDA device N */
     int fast;   /* --fast: the CUDA backend's fast arithmetic (GPU only) */
+    const char *teacher;       /* kiln distill --teacher */
+    double temperature, alpha; /* kiln distill --temperature, --alpha */
 } train_opts;
 
 /* --device: "cpu" -> -1, "cuda" -> 0, "cuda:N" -> N, as `kiln generate --device` (a copy of
  * cmd_generate.c's parser: both belong in cli_util.c). Returns 0 or the usage error's code. */
-static int parse(int argc, char **argv, train_opts *o, int *code) {
+static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
     memset(o, 0, sizeof *o);
     o->out = "kiln-run";
     o->schedule = "cosine";
@@ -116,11 +135,14 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
     o->export_model = 1;
     o->device = -1;
     o->loss_row_block = -1;
-    const char *cmd = "train";
+    o->temperature = 2.0;
+    o->alpha = 0.5;
+    const char *cmd = distill ? "distill" : "train";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = NULL;
         int err = 0;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            if (distill) fputs(distill_help, stdout);
             fputs(train_help, stdout);
             *code = 0;
             return 1;
@@ -153,6 +175,9 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
         else if (OPT("--weight-decay")) DBL(weight_decay, 0, 10);
         else if (OPT("--clip")) DBL(clip, 0, 1e9);
         else if (OPT("--eval-fraction")) DBL(eval_fraction, 0, 0.9);
+        else if (distill && OPT("--teacher")) o->teacher = v;
+        else if (distill && OPT("--temperature")) DBL(temperature, 1e-3, 1e3);
+        else if (distill && OPT("--alpha")) DBL(alpha, 0, 1);
         else if (OPT("--seed")) {
             if (!err) err = cli_parse_u64(cmd, a, v, &o->seed);
         } else if (OPT("--schedule")) {
@@ -188,6 +213,11 @@ static int parse(int argc, char **argv, train_opts *o, int *code) {
         *code = cli_usage_error(cmd, "give either -m MODEL (fine-tune) or --config NAME (from scratch)");
         return 1;
     }
+    if (distill && !o->teacher) {
+        *code = cli_usage_error(cmd, "--teacher MODEL is required");
+        return 1;
+    }
+    if (o->config && !o->tokenizer && o->teacher) o->tokenizer = o->teacher;
     if (o->config && !o->tokenizer) {
         *code = cli_usage_error(cmd, "--config needs --tokenizer (a .gguf, folder or tokenizer.json)");
         return 1;
@@ -333,7 +363,7 @@ static const char *real_text(double x, char *buf, size_t cap) {
     return buf;
 }
 
-/* This run's settings into v (room for 16); returns their number. */
+/* This run's settings into v (room for 24); returns their number. */
 static int run_settings(const train_opts *o, run_setting *v) {
     int n = 0;
     char rt[32];
@@ -351,6 +381,10 @@ static int run_settings(const train_opts *o, run_setting *v) {
     setting_add(v, &n, "clip", "--clip", SET_REAL, "%s", real_text(o->clip, rt, sizeof rt));
     setting_add(v, &n, "eval_fraction", "--eval-fraction", SET_REAL, "%s", real_text(o->eval_fraction, rt, sizeof rt));
     setting_add(v, &n, "fast", "--fast", SET_INT, "%d", o->fast);
+    if (o->teacher) {
+        setting_add(v, &n, "temperature", "--temperature", SET_REAL, "%s", real_text(o->temperature, rt, sizeof rt));
+        setting_add(v, &n, "alpha", "--alpha", SET_REAL, "%s", real_text(o->alpha, rt, sizeof rt));
+    }
     return n;
 }
 
@@ -364,7 +398,7 @@ static int json_plain(const char *s) {
 /* The run configuration saved with each checkpoint: the settings, the model's source, the data
  * position, and the history of --override-hparams (a text, newest last). Returns 0, or -1 if cap is too small. */
 static int run_json_write(const train_opts *o, const char *overridden, char *out, size_t cap) {
-    run_setting v[16];
+    run_setting v[24];
     int n = run_settings(o, v);
     size_t len = (size_t)snprintf(out, cap, "{");
     for (int i = 0; i < n && len < cap; i++)
@@ -414,7 +448,7 @@ static int check_resume_settings(const train_opts *o, const char *run, long star
         return 0;
     }
     cli_run_value(run, "overridden", history, cap);
-    run_setting v[16];
+    run_setting v[24];
     int n = run_settings(o, v), n_diff = 0;
     char diff[2048] = "", saved[64];
     size_t dl = 0;
@@ -567,13 +601,19 @@ static int prepare_out(const train_opts *o) {
     return 0;
 }
 
-int cmd_train(int argc, char **argv) {
+/* kiln train, and kiln distill (distill: --teacher and the distillation loss). */
+static int train_main(int argc, char **argv, int distill) {
     train_opts o;
     int code = 0;
-    if (parse(argc, argv, &o, &code)) return code;
+    if (parse(argc, argv, &o, &code, distill)) return code;
     int rc = 0;
-    kiln_model *m = NULL;
+    kiln_model *m = NULL, *tm = NULL;
     kiln_trainer *tr = NULL;
+    kiln_teacher *teacher = NULL;
+    kiln_distill_params dp = kiln_distill_default_params();
+    dp.temperature = (float)o.temperature;
+    dp.kd_weight = (float)o.alpha;
+    dp.ce_weight = (float)(1.0 - o.alpha);
     kiln_shard *shards[MAX_SHARDS] = {0};
     kiln_batch_sampler *train_s = NULL, *eval_s = NULL;
     int32_t *buf = NULL, *packed = NULL;
@@ -692,6 +732,18 @@ int cmd_train(int argc, char **argv) {
         }
         fprintf(stderr, "[kiln train] resumed from %s at step %ld\n", ckdir, start);
     }
+    if (o.teacher) {
+        st = kiln_model_open(o.teacher, NULL, &tm);
+        if (st == KILN_OK) st = kiln_teacher_create(tm, tr, &teacher);
+        if (st != KILN_OK) {
+            rc = cli_fail("distill", o.teacher, st);
+            goto out;
+        }
+        kiln_model_info ti;
+        kiln_model_get_info(tm, &ti);
+        fprintf(stderr, "[kiln distill] teacher %s: %.1fM parameters; temperature %g, alpha %g (KL) / %g (CE)\n",
+                ti.name, (double)ti.n_params / 1e6, o.temperature, o.alpha, 1.0 - o.alpha);
+    }
     char desc[1024];
     kiln_train_describe(tr, desc, sizeof desc, NULL);
     fprintf(stderr, "[kiln train] %s: %.1fM parameters; %s\n", mi.name, (double)mi.n_params / 1e6, desc);
@@ -726,14 +778,27 @@ int cmd_train(int argc, char **argv) {
     double t0 = kiln_time_seconds(), last_eval = NAN;
     long tokens_per_step = o.batch * o.accum * o.seq;
     for (long s = start; s < o.steps; s++) {
-        double ts = kiln_time_seconds(), loss = 0;
+        double ts = kiln_time_seconds(), loss = 0, kl = 0, ce = 0;
         float scale = (float)(1.0 / ((double)o.batch * o.seq * o.accum));
         for (long a = 0; a < o.accum && st == KILN_OK; a++) {
             st = kiln_batch_sampler_get(train_s, (uint64_t)(s * o.accum + a), buf);
             for (long b = 0; b < o.batch && st == KILN_OK; b += o.per_forward) {
                 float l;
                 const int acc = a > 0 || b > 0; /* forward + backward in one call: step_batch */
-                if (o.per_forward == 1) {
+                if (teacher) {
+                    int32_t *pid = packed, *ptg = packed + o.per_forward * o.seq;
+                    for (long k = 0; k < o.per_forward; k++) {
+                        const int32_t *row = buf + (b + k) * (o.seq + 1); /* seq + 1 tokens */
+                        memcpy(pid + k * o.seq, row, (size_t)o.seq * sizeof *pid);
+                        memcpy(ptg + k * o.seq, row + 1, (size_t)o.seq * sizeof *ptg);
+                    }
+                    kiln_distill_loss dl;
+                    st = kiln_train_distill_step(tr, teacher, pid, (int)o.per_forward, (int)o.seq, ptg, &dp,
+                                                 KILN_LOSS_SUM, scale, acc, &dl);
+                    l = dl.loss;
+                    kl += dl.kl;
+                    ce += dl.ce;
+                } else if (o.per_forward == 1) {
                     const int32_t *ids = buf + b * (o.seq + 1);
                     st = kiln_train_step_batch(tr, ids, 1, (int)o.seq, ids + 1, KILN_LOSS_SUM, scale, acc, &l);
                 } else {
@@ -802,10 +867,11 @@ int cmd_train(int argc, char **argv) {
                     loss, last_eval, lr, tps, eta);
             if (last) fputc('\n', stderr);
         } else if ((s + 1) % 10 == 0 || s == start || last || !isnan(eval_loss)) {
-            char ev[32] = "";
+            char ev[32] = "", parts[64] = "";
             if (!isnan(eval_loss)) snprintf(ev, sizeof ev, " eval %.4f", eval_loss);
-            fprintf(stderr, "step %ld/%ld loss %.4f%s lr %.3e grad_norm %.3f %.0f tok/s ETA %s\n", s + 1, o.steps, loss, ev,
-                    lr, gnorm, tps, eta);
+            if (teacher) snprintf(parts, sizeof parts, " (kl %.4f ce %.4f)", kl, ce);
+            fprintf(stderr, "step %ld/%ld loss %.4f%s%s lr %.3e grad_norm %.3f %.0f tok/s ETA %s\n", s + 1, o.steps, loss,
+                    parts, ev, lr, gnorm, tps, eta);
         }
         const int sig = train_signal; /* read once: the step and its checkpoint agree */
         if ((o.save_every && (s + 1) % o.save_every == 0) || last || stop_now || sig) {
@@ -840,7 +906,13 @@ out:
     kiln_batch_sampler_free(train_s);
     kiln_batch_sampler_free(eval_s);
     for (int i = 0; i < o.n_data; i++) kiln_shard_close(shards[i]);
+    kiln_teacher_free(teacher);
     kiln_trainer_free(tr);
+    kiln_model_close(tm);
     kiln_model_close(m);
     return rc;
 }
+
+int cmd_train(int argc, char **argv) { return train_main(argc, argv, 0); }
+
+int cmd_distill(int argc, char **argv) { return train_main(argc, argv, 1); }

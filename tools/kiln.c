@@ -15,6 +15,7 @@ static void usage(FILE *f) {
             "  info        architecture, parameters, tensors, tokenizer, template\n"
             "  data        text files to a token shard for training\n"
             "  train       train or fine-tune a model on the CPU or a CUDA GPU\n"
+            "  distill     train a student on a teacher's distributions (knowledge distillation)\n"
             "  export      a training checkpoint to a Hugging Face folder\n"
             "  serve       an OpenAI-compatible HTTP server (continuous batching)\n\n"
             "MODEL is a .gguf file or a Hugging Face folder. 'kiln help <command>' or\n"
@@ -31,6 +32,7 @@ static int run_command(const char *cmd, int argc, char **argv) {
     if (!strcmp(cmd, "info")) return cmd_info(argc, argv);
     if (!strcmp(cmd, "data")) return cmd_data(argc, argv);
     if (!strcmp(cmd, "train")) return cmd_train(argc, argv);
+    if (!strcmp(cmd, "distill")) return cmd_distill(argc, argv);
     if (!strcmp(cmd, "export")) return cmd_export(argc, argv);
     if (!strcmp(cmd, "serve")) return cmd_serve(argc, argv);
     fprintf(stderr, "kiln: unknown command '%s'\n\n", cmd);

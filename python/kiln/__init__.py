@@ -27,7 +27,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Un
 
 __version__ = "0.1.0"  # the package's, pyproject.toml's and kiln_version()'s (test_package.py)
 
-__all__ = ["__version__", "KilnError", "KilnPoisoned", "KilnPanic", "KilnThreadError", "backend_poisoned", "Model", "Context", "Tokenizer", "Trainer", "LinearCrossEntropy",
+__all__ = ["__version__", "KilnError", "KilnPoisoned", "KilnPanic", "KilnThreadError", "backend_poisoned", "Model", "Context", "Tokenizer", "Trainer", "Teacher", "LinearCrossEntropy",
            "load_library"]
 
 _lib = None
@@ -152,6 +152,14 @@ class TrainMemory(C.Structure):
                 ("device", C.c_int)]
 
 
+class _DistillParams(C.Structure):
+    _fields_ = [("temperature", C.c_float), ("kd_weight", C.c_float), ("ce_weight", C.c_float)]
+
+
+class _DistillLoss(C.Structure):
+    _fields_ = [("loss", C.c_float), ("kl", C.c_float), ("ce", C.c_float), ("n_supervised", C.c_int64)]
+
+
 class _LinearCEParams(C.Structure):
     _fields_ = [("N", C.c_int64), ("H", C.c_int64), ("V", C.c_int64),
                 ("hidden", C.c_void_p), ("weight", C.c_void_p), ("weight_bf16", C.c_int),
@@ -235,6 +243,13 @@ def load_library(path=None):
                                                 C.POINTER(C.c_int32), C.c_int, C.POINTER(C.c_float)]),
         "kiln_train_backward": (C.c_int, [P, C.POINTER(C.c_float), C.c_int]),
         "kiln_train_discard": (C.c_int, [P]),
+        "kiln_teacher_create": (C.c_int, [P, P, C.POINTER(P)]),
+        "kiln_teacher_free": (None, [P]),
+        "kiln_distill_default_params": (_DistillParams, []),
+        "kiln_train_distill_step": (C.c_int, [P, P, C.POINTER(C.c_int32), C.c_int, C.c_int,
+                                              C.POINTER(C.c_int32), C.POINTER(_DistillParams),
+                                              C.c_int, C.c_float, C.c_int,
+                                              C.POINTER(_DistillLoss)]),
         "kiln_train_step": (C.c_int, [P, C.POINTER(C.c_int32), C.c_int, C.POINTER(C.c_float)]),
         "kiln_train_grad_sq_norm": (C.c_int, [P, C.POINTER(C.c_double)]),
         "kiln_train_clip_grads": (C.c_int, [P, C.c_double, C.POINTER(C.c_float), C.POINTER(C.c_float)]),
@@ -335,7 +350,7 @@ class _Handle:
     _free = None
     _raw = None     # the C pointer (c_void_p), None once closed
     _thread = None  # ident of the thread that made it
-    _AFFINE_FREES = frozenset({"kiln_context_free", "kiln_trainer_free"})
+    _AFFINE_FREES = frozenset({"kiln_context_free", "kiln_trainer_free", "kiln_teacher_free"})
     _BACKEND_FREES = frozenset({"kiln_context_free", "kiln_trainer_free", "kiln_linear_ce_free"})
 
     @property
@@ -804,6 +819,24 @@ def _i32(a):
     return (C.c_int32 * max(len(a), 1))(*a)
 
 
+class Teacher(_Handle):
+    """A distillation teacher: `model`'s inference forward on `trainer`'s backend, for
+    Trainer.distill_step (kiln_teacher_create). The two models must share the tokenizer."""
+
+    _free = "kiln_teacher_free"
+
+    def __init__(self, model, trainer):
+        self._lib = load_library()
+        model._user_opened(self)
+        self.model, self.trainer = model, trainer
+        h = C.c_void_p()
+        _check(self._lib.kiln_teacher_create(model._h, trainer._live(), C.byref(h)))
+        self._h = h
+        if not hasattr(trainer, "_teachers"):
+            trainer._teachers = weakref.WeakSet()
+        trainer._teachers.add(self)
+
+
 class Trainer(_Handle):
     """Training over a Model's parameters (named as in transformers), on the CPU or a CUDA GPU."""
 
@@ -932,6 +965,31 @@ class Trainer(_Handle):
                                                0 if reduction == "mean" else 1, scale,
                                                int(accumulate), C.byref(loss)))
         return loss.value
+
+    def distill_step(self, teacher, ids, targets, temperature=2.0, kd_weight=0.5, ce_weight=0.5,
+                     reduction="mean", scale=1.0, accumulate=False):
+        """A training step on the distillation loss against teacher (a kiln.Teacher made for
+        this trainer; kiln_train_distill_step): per supervised row
+        kd_weight * temperature^2 * KL(teacher || student at temperature) + ce_weight * CE,
+        reduced and scaled as step_batch's loss. Returns {"loss", "kl", "ce", "n_supervised"}
+        (kl and ce reduced and scaled alike, unweighted)."""
+        if not isinstance(teacher, Teacher) or teacher.trainer is not self:
+            raise ValueError("distill_step: teacher must be a kiln.Teacher made for this trainer")
+        ids, targets = self._batch("distill_step", ids, targets)
+        dp = _DistillParams(temperature, kd_weight, ce_weight)
+        out = _DistillLoss()
+        P32 = C.POINTER(C.c_int32)
+        _check(self._lib.kiln_train_distill_step(self._h, teacher._live(), ids.ctypes.data_as(P32),
+                                                 ids.shape[0], ids.shape[1],
+                                                 targets.ctypes.data_as(P32), C.byref(dp),
+                                                 0 if reduction == "mean" else 1, scale,
+                                                 int(accumulate), C.byref(out)))
+        return {"loss": out.loss, "kl": out.kl, "ce": out.ce, "n_supervised": out.n_supervised}
+
+    def close(self) -> None:
+        for t in list(getattr(self, "_teachers", ())):  # a teacher holds the trainer's backend
+            t.close()
+        super().close()
 
     def forward_hidden(self, ids, positions):
         import numpy as np

@@ -28,6 +28,7 @@ static const struct {
     [KILN_HANDLE_TRAINER] = {0x4b54524eu, "kiln_trainer"},        /* "KTRN" */
     [KILN_HANDLE_LINEAR_CE] = {0x4b4c4345u, "kiln_linear_ce"},    /* "KLCE" */
     [KILN_HANDLE_ENGINE] = {0x4b454e47u, "kiln_engine"},          /* "KENG" */
+    [KILN_HANDLE_TEACHER] = {0x4b544348u, "kiln_teacher"},        /* "KTCH" */
 };
 
 const char *kiln_handle_kind_name(kiln_handle_kind kind) {

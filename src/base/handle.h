@@ -2,7 +2,7 @@
  * handle.h -- the registry of live public handles (docs/API.md, "Safe handles").
  *
  * Every public handle (kiln_model, kiln_tokenizer, kiln_context, kiln_sampler,
- * kiln_detok_stream, kiln_trainer, kiln_linear_ce, kiln_engine) starts with a kiln_handle_head and is
+ * kiln_detok_stream, kiln_trainer, kiln_linear_ce, kiln_engine, kiln_teacher) starts with a kiln_handle_head and is
  * entered in one process-wide table, keyed by its address, from the moment it is made until it
  * is freed. A public entry looks the pointer it was given up in the table BEFORE it reads
  * anything through it: a pointer that is not there (freed, never made by kiln, garbage) or is
@@ -36,6 +36,7 @@ typedef enum kiln_handle_kind {
     KILN_HANDLE_TRAINER,
     KILN_HANDLE_LINEAR_CE,
     KILN_HANDLE_ENGINE,
+    KILN_HANDLE_TEACHER,
     KILN_HANDLE_KIND_COUNT
 } kiln_handle_kind;
 

@@ -900,6 +900,17 @@ static kiln_status begin_grads(kiln_trainer *t, int accumulate) {
     return KILN_OK;
 }
 
+/* The backward of the layers from d loss / d xn (t->io.dxn) of n_seq x seq rows, then the
+ * embedding's: outside the graph, from host ids (a device backend groups the tokens by id on
+ * the host, an O(T) plan it uploads each call, instead of searching the ids on the device). */
+static kiln_status layers_backward(kiln_trainer *t, int n_seq, int seq) {
+    kiln_status st = run_layers(t, &t->g_bwd, &t->g_bwd_runs, backward_layers, n_seq, seq);
+    if (st == KILN_OK)
+        t->be->i->embed_backward(t->be, t->tok_embd->g, t->io.dx, t->host ? t->io.ids : t->ids_host, n_seq * seq,
+                                 t->cfg.n_vocab, t->cfg.n_embd);
+    return st;
+}
+
 kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accumulate) {
     KILN_TRY(kiln_trainer_enter(t, "kiln_train_backward"));
     if (!t->pending) return kiln_error(KILN_ERR_STATE, "kiln_train_backward: no pending step (call a forward first)");
@@ -945,11 +956,7 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
             }
         }
     }
-    kiln_status bst = run_layers(t, &t->g_bwd, &t->g_bwd_runs, backward_layers, t->n_seq, t->seq);
-    /* Outside the graph, from host ids: a device backend groups the tokens by id on the host
-     * (an O(T) plan it uploads each call) instead of searching the ids on the device. */
-    if (bst == KILN_OK)
-        t->be->i->embed_backward(t->be, t->tok_embd->g, t->io.dx, t->host ? t->io.ids : t->ids_host, T, t->cfg.n_vocab, C);
+    kiln_status bst = layers_backward(t, t->n_seq, t->seq);
     t->pending = 0;
     if (bst != KILN_OK) return kiln_error_prefix(bst, "kiln_train_backward");
     track_peak(t);
@@ -1025,6 +1032,40 @@ kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq
 unusable:
     t->grads_unusable = 1;
     return kiln_error_prefix(st, "%s (the step's gradients are discarded: the next step must not accumulate)", call);
+}
+
+kiln_status kiln_train_custom_step(kiln_trainer *t, const char *call, const int32_t *ids, int n_seq, int seq,
+                                   kiln_train_loss_fn fn, void *ctx, int accumulate, float *loss) {
+    KILN_TRY(check_ready(t, call));
+    if (!fn || !loss) return kiln_error(KILN_ERR_INVALID_ARG, "%s: NULL loss function or loss", call);
+    if (n_seq < 1 || n_seq > t->p.max_batch)
+        return kiln_error(KILN_ERR_RANGE, "%s: %d sequences not in [1, %d] (max_batch)", call, n_seq, t->p.max_batch);
+    KILN_TRY(check_ids(t, ids, seq, call));
+    for (int b = 1; b < n_seq; b++) KILN_TRY(check_ids(t, ids + (size_t)b * seq, seq, call));
+    step_peak_reset(t);
+    kiln_status st = forward(t, ids, n_seq, seq);
+    if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
+    st = begin_grads(t, accumulate);
+    if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
+    /* from here on a failure leaves the gradients partly updated: they are marked unusable */
+    kiln_train_head h = {t->be, n_seq, seq, n_seq * seq, t->cfg.n_embd, t->cfg.n_vocab, ids, t->io.xn,
+                         mat_view(t, t->lm_head), t->io.dxn, t->lm_head->g};
+    st = fn(ctx, &h, loss);
+    if (st == KILN_OK) st = layers_backward(t, n_seq, seq);
+    if (st == KILN_OK) st = backend_check(t, call);
+    if (st == KILN_OK) {
+        track_peak(t);
+        return KILN_OK;
+    }
+    t->grads_unusable = 1;
+    return kiln_error_prefix(st, "%s (the step's gradients are discarded: the next step must not accumulate)", call);
+}
+
+kiln_backend *kiln_trainer_backend(const kiln_trainer *t) { return t ? t->be : NULL; }
+
+void kiln_trainer_limits(const kiln_trainer *t, int *max_seq, int *max_batch) {
+    *max_seq = t->p.max_seq;
+    *max_batch = t->p.max_batch;
 }
 
 kiln_status kiln_train_step(kiln_trainer *t, const int32_t *ids, int n, float *loss) {

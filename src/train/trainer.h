@@ -16,4 +16,35 @@ kiln_status kiln_trainer_enter(const kiln_trainer *t, const char *call);
  * when none was), for the caller to show. */
 kiln_status kiln_train_load_ex(kiln_trainer *t, const char *dir, uint64_t *step, char **run_json, char **notes);
 
+/* ---- a loss of the caller's own over a step's final hidden states (distillation) ---------- */
+
+/* What a custom loss sees of a step of T = n_seq x seq rows: the final-norm hidden states and
+ * the output head, and where its gradients go. Every pointer is memory of the trainer's
+ * backend (be). */
+typedef struct kiln_train_head {
+    kiln_backend *be;
+    int n_seq, seq, T, C, V;
+    const int32_t *ids;       /* (T) host: the step's token ids */
+    const float *hidden;      /* (T, C) the final norm's output */
+    const kiln_tensor *weight; /* (V, C) the head as the forward reads it (f32 or bf16) */
+    float *dhidden;           /* (T, C) overwrite with d loss / d hidden */
+    float *dweight;           /* (V, C) f32: add d loss / d head */
+} kiln_train_head;
+
+/* Computes the step's loss from h (its value to *loss) and writes its gradients as
+ * kiln_train_head says. An error leaves the step's gradients unusable. */
+typedef kiln_status (*kiln_train_loss_fn)(void *ctx, const kiln_train_head *h, float *loss);
+
+/* A training step with loss fn instead of the model's cross-entropy: the forward of the
+ * n_seq x seq ids (checked as kiln_train_step_batch checks them), fn, then the backward, the
+ * gradients accumulated or overwritten as kiln_train_step_batch's accumulate says. On fn's
+ * failure, or the backward's, the gradients are marked unusable (the next step must not
+ * accumulate) and the error is returned prefixed with call. */
+kiln_status kiln_train_custom_step(kiln_trainer *t, const char *call, const int32_t *ids, int n_seq, int seq,
+                                   kiln_train_loss_fn fn, void *ctx, int accumulate, float *loss);
+/* The trainer's backend (the teacher of a distillation runs on it). */
+kiln_backend *kiln_trainer_backend(const kiln_trainer *t);
+/* The trainer's max_seq and max_batch. */
+void kiln_trainer_limits(const kiln_trainer *t, int *max_seq, int *max_batch);
+
 #endif

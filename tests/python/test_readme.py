@@ -80,7 +80,7 @@ def test_train_block(build_dir, smollm2_gguf, tmp_path):
     resumed = {re.search(r"--out (\S+)", c).group(1) for c in cmds if "--resume" in c}
     for cmd in cmds:
         # two steps instead of hundreds; a run that a later line resumes stops after one
-        if " train " in cmd:
+        if " train " in cmd or " distill " in cmd:
             cmd = re.sub(r"--steps \d+", "--steps 2 --seq 32 --batch 2", cmd)
             out = re.search(r"--out (\S+)", cmd).group(1)
             if out in resumed and "--resume" not in cmd:

@@ -1,0 +1,232 @@
+/*
+ * distill.c -- knowledge distillation (issue 30, docs/TRAINING.md "Distillation"): a teacher
+ * model's inference forward on the student trainer's backend, and the student's training step
+ * on the fused distillation loss (src/ops/fused_kd.h) of its hidden states against the
+ * teacher's logits.
+ *
+ * One step over n_seq x seq tokens (T rows):
+ *   1. the student's forward (the trainer's), up to its final-norm hidden states xn (T, C);
+ *   2. the teacher's forward over the same tokens (kiln_model_forward on a forward state of
+ *      its own: no activations kept, the KV cache only), its residual stream left in fs->x;
+ *   3. the rows in blocks of R: the teacher's logits of the block (final norm and head,
+ *      kiln_forward_logits: R x V floats, the only logits that ever exist, R chosen so that
+ *      they stay under KILN_DISTILL_BLOCK_FLOATS), then kiln_fused_kd over the block's
+ *      student rows: the loss, d loss / d xn of the block's rows and d loss / d head added;
+ *   4. the student's backward from d loss / d xn.
+ * The loss is summed block by block in row order (each block's sum has the op's defined
+ * order), with MEAN's 1/S over the supervised rows of the whole step, so the result does
+ * not depend on the thread count; it does depend on R (a function of V alone).
+ */
+#include "../ops/fused_kd.h"
+#include "shards.h"
+#include "trainer.h"
+
+#include "../base/handle.h"
+#include "../tokenizer/tokenizer.h"
+
+#include <math.h>
+#include <string.h>
+
+/* The teacher's logits of one block of rows: at most this many floats (64 MiB). */
+#define KILN_DISTILL_BLOCK_FLOATS ((size_t)1 << 24)
+
+struct kiln_teacher {
+    kiln_handle_head head; /* first: the registry's magic (base/handle.h) */
+    kiln_model *model;     /* a user of the model from create to free */
+    kiln_trainer *student; /* a user of the trainer from create to free */
+    kiln_backend *be;      /* the student's */
+    kiln_forward_state fs;
+    int max_seq, max_batch, block_rows;
+    int32_t *ids, *pos, *seq; /* host (max_batch x max_seq): the teacher's batch */
+    int32_t *rows;            /* host (block_rows): a block's row indices */
+    float *logits;            /* backend memory (block_rows x V) */
+};
+
+kiln_distill_params kiln_distill_default_params(void) {
+    kiln_distill_params p = {2.0f, 0.5f, 0.5f};
+    return p;
+}
+
+kiln_status kiln_teacher_create(kiln_model *teacher, kiln_trainer *student, kiln_teacher **out) {
+    const char *call = "kiln_teacher_create";
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "%s: out is NULL", call);
+    *out = NULL;
+    KILN_TRY(kiln_handle_check(teacher, KILN_HANDLE_MODEL, call));
+    KILN_TRY(kiln_trainer_enter(student, call));
+    const kiln_model *sm = kiln_trainer_model(student);
+    /* A head padded past the tokenizer (Qwen2.5's 151,936 rows for 151,665 tokens) is read on
+     * the student's rows: the teacher's padding columns, which no text produces, are left out of
+     * its distribution. A student padded past the teacher has rows the teacher cannot score. */
+    if (teacher->cfg.n_vocab < sm->cfg.n_vocab)
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: the teacher's head has %d rows, fewer than the student's %d: "
+                          "distillation needs one vocabulary", call, teacher->cfg.n_vocab, sm->cfg.n_vocab);
+    const kiln_tokenizer *tt = kiln_model_get_tokenizer(teacher), *st_tok = kiln_model_get_tokenizer(sm);
+    if (!tt || !st_tok)
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: the %s has no tokenizer: distillation needs one tokenizer for both",
+                          call, tt ? "student" : "teacher");
+    if (teacher->cfg.n_vocab != sm->cfg.n_vocab && kiln_tokenizer_n_vocab(tt) > sm->cfg.n_vocab)
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: the tokenizer has %d tokens, more than the student's %d rows",
+                          call, kiln_tokenizer_n_vocab(tt), sm->cfg.n_vocab);
+    {
+        uint8_t a[32], b[32];
+        KILN_TRY(kiln_shard_tokenizer_fingerprint(tt, a));
+        KILN_TRY(kiln_shard_tokenizer_fingerprint(st_tok, b));
+        if (memcmp(a, b, 32) != 0)
+            return kiln_error(KILN_ERR_INVALID_ARG, "%s: the teacher's tokenizer differs from the student's (same "
+                              "size, other tokens or rules): distillation needs one tokenizer", call);
+    }
+    kiln_teacher *t = kiln_calloc(1, sizeof *t);
+    if (!t) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", call);
+    t->be = kiln_trainer_backend(student);
+    kiln_trainer_limits(student, &t->max_seq, &t->max_batch);
+    const int V = teacher->cfg.n_vocab, T = t->max_seq * t->max_batch; /* the teacher's rows */
+    size_t rows = KILN_DISTILL_BLOCK_FLOATS / (size_t)V;
+    t->block_rows = rows < 1 ? 1 : rows > (size_t)T ? T : (int)rows;
+    kiln_status st = kiln_forward_state_init(&t->fs, teacher, t->be, t->max_seq, T, t->max_batch, 0);
+    if (st != KILN_OK) {
+        kiln_free(t);
+        return kiln_error_prefix(st, "%s: the teacher's forward state", call);
+    }
+    t->ids = kiln_malloc(((size_t)3 * T + (size_t)t->block_rows) * sizeof(int32_t));
+    t->logits = kiln_backend_alloc_zeroed(t->be, (size_t)t->block_rows * V * sizeof(float), "teacher", "logits");
+    if (!t->ids || !t->logits) {
+        st = t->ids ? KILN_ERR_NOMEM : kiln_error(KILN_ERR_NOMEM, "%s: out of memory", call);
+        goto fail;
+    }
+    t->pos = t->ids + T;
+    t->seq = t->pos + T;
+    t->rows = t->seq + T;
+    if ((st = kiln_handle_acquire(teacher, KILN_HANDLE_MODEL, call)) != KILN_OK) goto fail;
+    t->model = teacher;
+    if ((st = kiln_handle_acquire(student, KILN_HANDLE_TRAINER, call)) != KILN_OK) goto fail;
+    t->student = student;
+    if ((st = kiln_handle_register(&t->head, KILN_HANDLE_TEACHER, call)) != KILN_OK) goto fail;
+    *out = t;
+    return KILN_OK;
+fail:
+    if (t->student) kiln_handle_release(t->student, call);
+    if (t->model) kiln_handle_release(t->model, call);
+    if (t->logits) kiln_backend_free_buf(t->be, t->logits);
+    kiln_free(t->ids);
+    kiln_forward_state_free(&t->fs);
+    kiln_free(t);
+    return st;
+}
+
+void kiln_teacher_free(kiln_teacher *t) {
+    if (!t || kiln_handle_unregister(&t->head, KILN_HANDLE_TEACHER, "kiln_teacher_free") != KILN_OK) return;
+    kiln_backend_free_buf(t->be, t->logits);
+    kiln_free(t->ids);
+    kiln_forward_state_free(&t->fs);
+    kiln_handle_release(t->student, "kiln_teacher_free");
+    kiln_handle_release(t->model, "kiln_teacher_free");
+    kiln_free(t);
+}
+
+typedef struct distill_step {
+    kiln_teacher *teacher;
+    const int32_t *targets;
+    const kiln_distill_params *dp;
+    kiln_loss_reduction red;
+    float scale;
+    kiln_distill_loss parts;
+} distill_step;
+
+/* Whether row n of a step is supervised (fused_ce's rule: a target >= 0; no mask here). */
+static int supervised(const int32_t *targets, int n) { return targets[n] >= 0; }
+
+/* The kiln_train_loss_fn of a distillation step (the header's steps 2 and 3). */
+static kiln_status distill_loss(void *ctx, const kiln_train_head *h, float *loss) {
+    distill_step *d = ctx;
+    kiln_teacher *t = d->teacher;
+    const int T = h->T, C = h->C, V = h->V;
+    for (int b = 0; b < h->n_seq; b++)
+        for (int i = 0; i < h->seq; i++) {
+            int n = b * h->seq + i;
+            t->ids[n] = h->ids[n];
+            t->pos[n] = i;
+            t->seq[n] = b;
+        }
+    kiln_batch batch = {T, t->ids, t->pos, t->seq, NULL, 0};
+    KILN_TRY(kiln_model_forward(t->model, t->be, &t->fs, &batch, NULL));
+    KILN_TRY(kiln_backend_status(t->be));
+    int64_t S = 0;
+    for (int n = 0; n < T; n++) S += supervised(d->targets, n);
+    if (S == 0) return kiln_error(KILN_ERR_INVALID_ARG, "no supervised positions");
+    /* MEAN: every block's rows summed with the step's 1/S */
+    const float block_scale = d->red == KILN_LOSS_MEAN ? (float)((double)d->scale / (double)S) : d->scale;
+    float sum = 0, kl = 0, ce = 0;
+    for (int r0 = 0; r0 < T; r0 += t->block_rows) {
+        const int n = T - r0 < t->block_rows ? T - r0 : t->block_rows;
+        int any = 0;
+        for (int r = r0; r < r0 + n && !any; r++) any = supervised(d->targets, r);
+        if (!any) { /* no supervised row: d loss / d hidden is 0 there */
+            float *dh = h->dhidden + (size_t)r0 * C;
+            if (t->fs.host_memory) memset(dh, 0, (size_t)n * C * sizeof(float));
+            else h->be->i->zero(h->be, dh, (size_t)n * C);
+            continue;
+        }
+        for (int r = 0; r < n; r++) t->rows[r] = r0 + r;
+        kiln_forward_logits(t->model, t->be, &t->fs, T, t->rows, n, t->logits);
+        kiln_fused_kd_params p = kiln_fused_kd_default_params();
+        p.N = n;
+        p.H = C;
+        p.V = V;
+        p.hidden = h->hidden + (size_t)r0 * C;
+        p.weight = h->weight->data;
+        p.weight_dtype = h->weight->dtype;
+        p.teacher_logits = t->logits;
+        p.teacher_ld = t->model->cfg.n_vocab; /* >= V: a padded head's extra columns unread */
+        p.targets = d->targets + r0;
+        p.tau = d->dp->temperature;
+        p.kd_weight = d->dp->kd_weight;
+        p.ce_weight = d->dp->ce_weight;
+        p.reduction = KILN_CE_REDUCTION_SUM;
+        p.scale = block_scale;
+        p.dhidden = h->dhidden + (size_t)r0 * C;
+        p.dweight = h->dweight;
+        kiln_fused_kd_result res;
+        kiln_status st = kiln_fused_kd(h->be, &p, &res);
+        if (st != KILN_OK) return kiln_error_prefix(st, "rows %d..%d", r0, r0 + n - 1);
+        sum += res.loss;
+        kl += res.kl;
+        ce += res.ce;
+    }
+    d->parts.loss = sum;
+    d->parts.kl = kl;
+    d->parts.ce = ce;
+    d->parts.n_supervised = S;
+    *loss = sum;
+    return KILN_OK;
+}
+
+kiln_status kiln_train_distill_step(kiln_trainer *t, kiln_teacher *teacher, const int32_t *ids, int n_seq, int seq,
+                                    const int32_t *targets, const kiln_distill_params *dp, kiln_loss_reduction red,
+                                    float scale, int accumulate, kiln_distill_loss *out) {
+    const char *call = "kiln_train_distill_step";
+    KILN_TRY(kiln_handle_check(teacher, KILN_HANDLE_TEACHER, call));
+    if (teacher->student != t)
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: the teacher was made for another trainer", call);
+    if (!targets || !dp || !out) return kiln_error(KILN_ERR_INVALID_ARG, "%s: NULL targets, params or out", call);
+    if (!(dp->temperature > 0) || !isfinite(dp->temperature))
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: temperature %g is not a finite number > 0", call, dp->temperature);
+    if (!(dp->kd_weight >= 0) || !(dp->ce_weight >= 0) || !isfinite(dp->kd_weight) || !isfinite(dp->ce_weight) ||
+        dp->kd_weight + dp->ce_weight == 0)
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: kd_weight %g and ce_weight %g: finite, >= 0, not both 0", call,
+                          dp->kd_weight, dp->ce_weight);
+    if (red != KILN_LOSS_MEAN && red != KILN_LOSS_SUM)
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: unknown reduction %d", call, (int)red);
+    if (!isfinite(scale)) return kiln_error(KILN_ERR_INVALID_ARG, "%s: scale is not finite", call);
+    if (n_seq > teacher->max_batch || seq > teacher->max_seq)
+        return kiln_error(KILN_ERR_RANGE, "%s: %d x %d tokens, the teacher was made for %d x %d", call, n_seq, seq,
+                          teacher->max_batch, teacher->max_seq);
+    const int V = kiln_trainer_model(t)->cfg.n_vocab;
+    for (int n = 0; n < n_seq * seq; n++)
+        if (targets[n] >= V)
+            return kiln_error(KILN_ERR_RANGE, "%s: target %d at row %d is out of range [0, %d)", call, targets[n], n, V);
+    distill_step d = {teacher, targets, dp, red, scale, {0, 0, 0, 0}};
+    float loss;
+    KILN_TRY(kiln_train_custom_step(t, call, ids, n_seq, seq, distill_loss, &d, accumulate, &loss));
+    *out = d.parts;
+    return KILN_OK;
+}

@@ -1,0 +1,186 @@
+"""Distillation (issue 30): kiln's distillation step (kiln.Teacher, Trainer.distill_step,
+kiln_train_distill_step) against transformers' models in float64 with autograd -- the loss,
+its KL and CE parts, and every student parameter's gradient -- and `kiln distill` on the CLI.
+
+The loss per supervised row: kd_weight * tau^2 * KL(softmax(zt / tau) || softmax(zs / tau))
++ ce_weight * CE(zs, target), zt the teacher's logits (no gradient), zs the student's.
+Bounds as test_train_grad.py's: loss within 1e-5 relative, per parameter
+||g_kiln - g_torch|| <= 1e-4 ||g_torch||.
+"""
+import json
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kiln
+from test_parity import build_model
+from test_train_grad import compare_grads, rand_ids, torch_grads
+
+torch.set_num_threads(2)
+
+
+def torch_distill(ref_s, ref_t, ids, tg, tau, kd, ce_w, reduction, scale):
+    """The loss and its parts (reduced and scaled, parts unweighted) in float64; backward
+    of the loss leaves the student's gradients in ref_s."""
+    ids_t = torch.tensor(ids)
+    with torch.no_grad():
+        zt = ref_t(ids_t).logits.reshape(-1, ref_t.config.vocab_size)
+    zs = ref_s(ids_t).logits.reshape(-1, ref_s.config.vocab_size)
+    tg = torch.tensor(tg).reshape(-1)
+    sup = tg >= 0
+    zs, zt, tg = zs[sup], zt[sup], tg[sup]
+    logp = F.log_softmax(zt / tau, dim=-1)
+    logq = F.log_softmax(zs / tau, dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    ce = F.cross_entropy(zs, tg, reduction="none")
+    red = (lambda x: x.mean()) if reduction == "mean" else (lambda x: x.sum())
+    loss = scale * red(kd * tau * tau * kl + ce_w * ce)
+    loss.backward()
+    return loss.item(), scale * red(kl).item(), scale * red(ce).item()
+
+
+def batch(m, B, T, seed):
+    ids = np.array([rand_ids(T, m.n_vocab, seed + b) for b in range(B)])
+    tg = np.concatenate([ids[:, 1:], -np.ones((B, 1), dtype=ids.dtype)], axis=1)
+    return ids, tg
+
+
+@pytest.mark.parametrize("student,tau,kd,ce_w,reduction", [
+    ("llama", 2.0, 0.7, 0.3, "mean"),      # untied head
+    ("qwen2", 1.0, 0.5, 0.5, "sum"),       # tied head: the KL's gradient reaches the embedding
+    ("llama_tied_mqa", 4.0, 1.0, 0.0, "mean"),  # KL alone
+    ("llama", 0.5, 0.0, 1.0, "mean"),      # CE alone
+])
+def test_distill_step_matches_torch(tmp_path, build_dir, student, tau, kd, ce_w, reduction):
+    ds, ref_s = build_model(tmp_path, student)
+    dt, ref_t = build_model(tmp_path, "qwen3")
+    ms, mt = kiln.Model(ds), kiln.Model(dt)
+    tr = kiln.Trainer(ms, max_seq=16, n_threads=2, max_batch=2)
+    teacher = kiln.Teacher(mt, tr)
+    ids, tg = batch(ms, 2, 13, 3)
+    tg[1, ::3] = -1
+    r = tr.distill_step(teacher, ids, tg, temperature=tau, kd_weight=kd, ce_weight=ce_w,
+                        reduction=reduction, scale=0.5)
+    loss, kl, ce = torch_distill(ref_s, ref_t, ids, tg, tau, kd, ce_w, reduction, 0.5)
+    assert abs(r["loss"] - loss) <= 1e-5 * abs(loss), (r, loss)
+    assert abs(r["kl"] - kl) <= 1e-5 * abs(kl) + 1e-7, (r, kl)
+    assert abs(r["ce"] - ce) <= 1e-5 * abs(ce), (r, ce)
+    assert r["n_supervised"] == int((tg >= 0).sum())
+    compare_grads(tr, torch_grads(ref_s), f"distill {student} tau {tau}")
+
+    # the same bits for one thread as for two
+    tr1 = kiln.Trainer(ms, max_seq=16, n_threads=1, max_batch=2)
+    r1 = tr1.distill_step(kiln.Teacher(mt, tr1), ids, tg, temperature=tau, kd_weight=kd, ce_weight=ce_w,
+                          reduction=reduction, scale=0.5)
+    assert np.float32(r1["loss"]).view(np.uint32) == np.float32(r["loss"]).view(np.uint32)
+    for name, n, _ in tr.params():
+        assert np.array_equal(tr.get_grad(name, n).view(np.uint32), tr1.get_grad(name, n).view(np.uint32)), name
+
+
+def test_accumulate_and_ce_alone_is_the_trainers_loss(tmp_path, build_dir):
+    ds, ref_s = build_model(tmp_path, "llama")
+    dt, ref_t = build_model(tmp_path, "qwen3")
+    ms, mt = kiln.Model(ds), kiln.Model(dt)
+    tr = kiln.Trainer(ms, max_seq=16, n_threads=2, max_batch=2)
+    teacher = kiln.Teacher(mt, tr)
+    a, ta = batch(ms, 2, 10, 11)
+    b, tb = batch(ms, 1, 14, 12)
+    tr.distill_step(teacher, a, ta, temperature=2.0, kd_weight=0.5, ce_weight=0.5, scale=0.25)
+    tr.distill_step(teacher, b, tb, temperature=2.0, kd_weight=0.5, ce_weight=0.5, scale=0.25, accumulate=True)
+    torch_distill(ref_s, ref_t, a, ta, 2.0, 0.5, 0.5, "mean", 0.25)
+    torch_distill(ref_s, ref_t, b, tb, 2.0, 0.5, 0.5, "mean", 0.25)
+    compare_grads(tr, torch_grads(ref_s), "distill accumulate")
+
+    # kd_weight 0: the cross-entropy step's loss, within rounding (another summation order)
+    ce_only = tr.distill_step(teacher, a, ta, kd_weight=0.0, ce_weight=1.0)["loss"]
+    plain = tr.step_batch(a, ta)
+    assert abs(ce_only - plain) <= 1e-5 * abs(plain), (ce_only, plain)
+
+
+def test_refusals_and_lifetimes(tmp_path, build_dir):
+    ds, _ = build_model(tmp_path, "llama")
+    dt, _ = build_model(tmp_path, "qwen3")
+    ms, mt = kiln.Model(ds), kiln.Model(dt)
+    tr = kiln.Trainer(ms, max_seq=16, n_threads=1, max_batch=2)
+    other = kiln.Trainer(ms, max_seq=16, n_threads=1, max_batch=2)
+    teacher = kiln.Teacher(mt, tr)
+    ids, tg = batch(ms, 2, 8, 5)
+    with pytest.raises(ValueError, match="made for this trainer"):
+        other.distill_step(teacher, ids, tg)
+    for kw, msg in [(dict(temperature=0.0), "temperature"), (dict(kd_weight=0.0, ce_weight=0.0), "not both 0"),
+                    (dict(kd_weight=-1.0), "kd_weight")]:
+        with pytest.raises(kiln.KilnError, match=msg):
+            tr.distill_step(teacher, ids, tg, **kw)
+    with pytest.raises(kiln.KilnError, match="max_seq|made for"):
+        tr.distill_step(teacher, np.zeros((2, 17), np.int32), np.zeros((2, 17), np.int32))
+    bad = tg.copy()
+    bad[0, 2] = ms.n_vocab
+    with pytest.raises(kiln.KilnError, match="out of range"):
+        tr.distill_step(teacher, ids, bad)
+    with pytest.raises(kiln.KilnError, match="no supervised"):
+        tr.distill_step(teacher, ids, np.full_like(tg, -1))
+    r = tr.distill_step(teacher, ids, tg)  # the failures left nothing behind
+    assert np.isfinite(r["loss"]) and r["kl"] > 0
+
+    # another tokenizer (the same size, two tokens swapped) is refused
+    dx = tmp_path / "other-tok"
+    shutil.copytree(dt, dx)
+    tok = json.loads((dx / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    k1, k2 = [k for k, v in vocab.items() if v in (300, 301)]
+    vocab[k1], vocab[k2] = vocab[k2], vocab[k1]
+    (dx / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(kiln.KilnError, match="tokenizer"):
+        kiln.Teacher(kiln.Model(dx), tr)
+
+    # a trainer's close closes its teachers first; the teacher model closes after them
+    tr.close()
+    assert teacher._raw is None
+    mt.close()
+    assert mt._raw is None  # no user left: closed at once
+
+
+def shard(kiln_bin, tok_model, tmp_path):
+    text = tmp_path / "corpus.txt"
+    rng = np.random.default_rng(0)
+    words = "the quick brown fox jumps over lazy dog river stone tree light house blue green red".split()
+    text.write_text("\n\n".join(" ".join(rng.choice(words, 200)) for _ in range(60)))
+    out = tmp_path / "data.tok"
+    subprocess.run([str(kiln_bin), "data", "-m", str(tok_model), "-o", str(out), str(text)], check=True,
+                   capture_output=True)
+    return out
+
+
+def test_kiln_distill_cli_lowers_the_kl(tmp_path, build_dir):
+    """A teacher trained by `kiln train` on a small corpus, then `kiln distill` of a new
+    student from it (KL alone): the KL falls; the run writes the model and its metrics."""
+    kiln_bin = build_dir / "kiln"
+    dt, _ = build_model(tmp_path, "qwen3")  # its tokenizer
+    data = shard(kiln_bin, dt, tmp_path)
+    common = ["--config", "tiny", "--tokenizer", str(dt), "--data", str(data), "--batch", "4", "--seq", "32",
+              "--lr", "3e-3", "--warmup", "2", "--eval-every", "0", "--save-every", "0", "--threads", "2"]
+    p = subprocess.run([str(kiln_bin), "train", *common, "--steps", "60", "--out", str(tmp_path / "teacher")],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    teacher = tmp_path / "teacher" / "model"
+    out = tmp_path / "run"
+    p = subprocess.run([str(kiln_bin), "distill", "--teacher", str(teacher), *common, "--steps", "30", "--seed", "2",
+                        "--temperature", "2", "--alpha", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "[kiln distill] teacher" in p.stderr
+    kls = [float(x) for x in re.findall(r"\(kl ([0-9.]+) ce", p.stderr)]
+    assert len(kls) >= 3, p.stderr[-2000:]
+    assert kls[-1] < 0.5 * kls[0], kls
+    assert (out / "model" / "config.json").exists() and (out / "metrics.csv").exists()
+
+    # usage errors name what is wrong
+    for args, msg in [([], "--teacher MODEL is required"), (["--teacher", str(teacher), "--alpha", "2"], "--alpha")]:
+        q = subprocess.run([str(kiln_bin), "distill", "--config", "tiny", "--data", str(data)] + args,
+                           capture_output=True, text=True)
+        assert q.returncode == 2 and msg in q.stderr, q.stderr
