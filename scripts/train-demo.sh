@@ -9,18 +9,8 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$here"
 steps="${1:-120}"
-bash scripts/setup-deps.sh
-dpkg-query -W -f='${Status}' bible-kjv 2>/dev/null | grep -q "install ok installed" || {
-    SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
-    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq bible-kjv >/dev/null
-}
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build -j"$(nproc)" --target kiln >/dev/null
-model="$(bash scripts/fetch-model.sh)"
-work="${KILN_DEMO_DIR:-$HOME/.cache/kiln/demo}"
-mkdir -p "$work"
-[ -s "$work/kjv.txt" ] || bible gen1:1-rev22:21 > "$work/kjv.txt"
-[ -s "$work/kjv.tok" ] || ./build/kiln data -m "$model" -o "$work/kjv.tok" "$work/kjv.txt"
+# shellcheck source=scripts/kjv-corpus.sh
+source scripts/kjv-corpus.sh
 
 echo "=== 1. training 'small' from scratch for $steps steps ==="
 rm -rf "$work/small"
