@@ -75,9 +75,13 @@ kiln_status kiln_teacher_create(kiln_model *teacher, kiln_trainer *student, kiln
             return kiln_error(KILN_ERR_INVALID_ARG, "%s: the teacher's tokenizer differs from the student's (same "
                               "size, other tokens or rules): distillation needs one tokenizer", call);
     }
+    kiln_backend *be = kiln_trainer_backend(student);
+    if (!be->i->fused_kd)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: distillation is not implemented on the %s backend yet (the fused "
+                          "distillation loss has a CPU body only): train the student on the CPU", call, be->i->name);
     kiln_teacher *t = kiln_calloc(1, sizeof *t);
     if (!t) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", call);
-    t->be = kiln_trainer_backend(student);
+    t->be = be;
     kiln_trainer_limits(student, &t->max_seq, &t->max_batch);
     const int V = teacher->cfg.n_vocab, T = t->max_seq * t->max_batch; /* the teacher's rows */
     size_t rows = KILN_DISTILL_BLOCK_FLOATS / (size_t)V;
