@@ -667,7 +667,7 @@ KILN_API kiln_status kiln_teacher_create(kiln_model *m, kiln_trainer *student, k
 KILN_API void kiln_teacher_free(kiln_teacher *t);
 
 typedef struct kiln_distill_params {
-    float temperature; /* tau > 0 (default 2): both distributions softened by it */
+    float temperature; /* tau > 0 (default 1): both distributions softened by it */
     float kd_weight;   /* weight of tau^2 KL(teacher || student) at tau (default 0.5) */
     float ce_weight;   /* weight of the hard cross-entropy on the targets (default 0.5) */
 } kiln_distill_params;

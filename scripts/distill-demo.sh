@@ -4,8 +4,10 @@
 # ("small", trained from scratch with its tokenizer) on the King James Bible (Debian package
 # bible-kjv). The same student is trained twice on the same tokens, in the same order:
 #   ce        kiln train (the cross-entropy on the next token alone)
-#   distill   kiln distill --teacher SmolLM2 (0.5 x tau^2 KL at tau 2 + 0.5 x cross-entropy)
+#   distill   kiln distill --teacher SmolLM2 (0.5 x KL at tau 1 + 0.5 x cross-entropy)
 # and their held-out cross-entropy (the evaluation loss of both runs) is printed side by side.
+# At the default 150 steps the distilled student does NOT beat the cross-entropy one yet
+# (bench/RESULTS.md, "Distillation": 5.44 against 5.36 nats); longer runs are unmeasured.
 # Usage: scripts/distill-demo.sh [steps]   (default 150)
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -19,7 +21,7 @@ common=(--config small --tokenizer "$model" --data "$work/kjv.tok" --steps "$ste
 echo "=== the student on the cross-entropy alone ($steps steps) ==="
 ./build/kiln train "${common[@]}" --out "$work/student-ce"
 echo "=== the student distilled from SmolLM2-135M-Instruct ($steps steps) ==="
-./build/kiln distill --teacher "$model" --temperature 2 --alpha 0.5 "${common[@]}" --out "$work/student-distill"
+./build/kiln distill --teacher "$model" --temperature 1 --alpha 0.5 "${common[@]}" --out "$work/student-distill"
 
 echo
 echo "held-out cross-entropy of the student (nats per token), by step:"

@@ -86,7 +86,7 @@ static const char *distill_help =
     "without --tokenizer takes the teacher's. The evaluation loss is the student's\n"
     "cross-entropy on held-out documents, comparable with a `kiln train` run's.\n\n"
     "  --teacher MODEL      the teacher\n"
-    "  --temperature TAU    softening of both distributions (default 2)\n"
+    "  --temperature TAU    softening of both distributions (default 1; bench/RESULTS.md)\n"
     "  --alpha A            weight of the KL term in [0, 1]; the hard cross-entropy gets\n"
     "                       1 - A (default 0.5)\n\n"
     "Every option of `kiln train` (below) applies.\n\n";
@@ -135,7 +135,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
     o->export_model = 1;
     o->device = -1;
     o->loss_row_block = -1;
-    o->temperature = 2.0;
+    o->temperature = 1.0;
     o->alpha = 0.5;
     const char *cmd = distill ? "distill" : "train";
     for (int i = 1; i < argc; i++) {

@@ -966,7 +966,7 @@ class Trainer(_Handle):
                                                int(accumulate), C.byref(loss)))
         return loss.value
 
-    def distill_step(self, teacher, ids, targets, temperature=2.0, kd_weight=0.5, ce_weight=0.5,
+    def distill_step(self, teacher, ids, targets, temperature=1.0, kd_weight=0.5, ce_weight=0.5,
                      reduction="mean", scale=1.0, accumulate=False):
         """A training step on the distillation loss against teacher (a kiln.Teacher made for
         this trainer; kiln_train_distill_step): per supervised row

@@ -43,7 +43,7 @@ struct kiln_teacher {
 };
 
 kiln_distill_params kiln_distill_default_params(void) {
-    kiln_distill_params p = {2.0f, 0.5f, 0.5f};
+    kiln_distill_params p = {1.0f, 0.5f, 0.5f};
     return p;
 }
 
