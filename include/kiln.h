@@ -391,6 +391,13 @@ typedef struct kiln_generate_params {
     int ignore_eos;               /* keep going past end-of-generation tokens */
     kiln_token_callback on_token; /* optional */
     void *user;
+    /* Added after user (callers that start from the defaults get NULL): */
+    uint8_t *logits_chain;        /* NULL (the default), or room for 32 * (max_tokens + 1)
+                                   * bytes: the receipt's hash chain of this generation
+                                   * (docs/REPRODUCIBILITY.md), c_0 first, then c_{i+1} after
+                                   * generated token i, n_ids + 1 digests in all (the rest
+                                   * untouched). On a GPU each row of logits is then downloaded
+                                   * to be hashed; without it nothing is. */
 } kiln_generate_params;
 
 KILN_API kiln_generate_params kiln_generate_default_params(void);
@@ -412,6 +419,36 @@ typedef struct kiln_generate_result {
 KILN_API kiln_status kiln_generate(kiln_context *c, const int32_t *prompt, size_t n_prompt,
                                    const kiln_generate_params *p, kiln_generate_result *out);
 KILN_API void kiln_generate_result_free(kiln_generate_result *r);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Receipts: fingerprints and the logits' hash chain (docs/REPRODUCIBILITY.md)               */
+/* ---------------------------------------------------------------------------------------- */
+
+/* The model's fingerprint: SHA-256 over its weights as stored (the file's dtype and bytes,
+ * quantized blocks included), tensor by tensor under transformers' names and shapes, in
+ * Hugging Face's row order, sorted by name (the definition: docs/REPRODUCIBILITY.md,
+ * "Fingerprints"). It names the weights, not the way they were opened (mmap, KILN_WEIGHTS_F32
+ * give the same value): the same file opened twice agrees, and so do the same weights in a
+ * GGUF file and a safetensors folder of the same dtype; a quantized file and its dequantized
+ * export differ. The model's hyper-parameters (config.json, GGUF metadata) are not part of it.
+ * The first call hashes every weight (on the model's n_threads threads); the value is kept. */
+KILN_API kiln_status kiln_model_fingerprint(const kiln_model *m, uint8_t out[32]);
+
+/* The tokenizer's fingerprint: SHA-256 over every token's piece (ids 0..n_vocab-1, each
+ * kiln_token_piece's bytes and a NUL). It tells vocabularies apart; two tokenizers with the
+ * same pieces but other merges or pre-tokenizer rules share it. Token shards carry it. */
+KILN_API kiln_status kiln_tokenizer_fingerprint(const kiln_tokenizer *t, uint8_t out[32]);
+
+/* A receipt's chain, step by step (kiln_generate_params.logits_chain computes it in one go):
+ *   start: c_0 = SHA-256("kiln-receipt-v1\n" || model_fp || tokenizer_fp || n_prompt as a
+ *          little-endian u64 || the prompt ids as little-endian i32)
+ *   step:  c_{i+1} = SHA-256(c_i || logits[0..n_vocab) as little-endian IEEE binary32), the
+ *          row from which generated token i was drawn.
+ * out may be prev. */
+KILN_API kiln_status kiln_receipt_chain_start(const uint8_t model_fp[32], const uint8_t tokenizer_fp[32],
+                                              const int32_t *prompt, size_t n_prompt, uint8_t out[32]);
+KILN_API kiln_status kiln_receipt_chain_step(const uint8_t prev[32], const float *logits, size_t n_vocab,
+                                             uint8_t out[32]);
 
 
 /* ---------------------------------------------------------------------------------------- */
@@ -591,6 +628,11 @@ KILN_API kiln_status kiln_train_set_params(kiln_trainer *t, int count, const cha
  * taps)); unused entries 1. */
 KILN_API kiln_status kiln_train_param_file_shape(const kiln_trainer *t, int i, int *n_dims,
                                                  int64_t shape[3]);
+/* The fingerprint of the trainer's current parameters: kiln_model_fingerprint's definition
+ * over every parameter's f32 values (kiln_train_get_param) with its transformers shape, so it
+ * equals the fingerprint of the model kiln_train_export_hf writes in f32 (and, before any
+ * step with f32 storage, the fingerprint of an f32 model the trainer was made from). */
+KILN_API kiln_status kiln_train_fingerprint(const kiln_trainer *t, uint8_t out[32]);
 
 /* AdamW's state of one parameter as torch.optim.AdamW keeps it (state[p]: exp_avg,
  * exp_avg_sq, step), n = its element count.

@@ -4,7 +4,8 @@
 # apt-get, or carried .deb files), build kiln with CUDA (Release, -Werror), run every GPU test
 # (tests/gpu/test_cuda_*: auditable ops and backward ops bit for bit against the CPU, the fast
 # kernels within their stated error, sampling, the optimizer and fused loss, whole models,
-# training; with pytest, the binding's CUDA cases of tests/python/test_linear_ce_api.py),
+# training; with pytest, the binding's CUDA cases of tests/python/test_linear_ce_api.py and
+# generation receipts verified across devices, tests/python/test_receipts.py),
 # compute-sanitizer memcheck and racecheck on small runs, the kernel benchmarks
 # (tests/gpu/bench_cuda_*), `kiln generate --device cuda` against `--device cpu`, and print a
 # short table last.
@@ -163,6 +164,19 @@ if has tests; then
                 -k cuda tests/python/test_linear_ce_api.py
         else
             summary+=("test_linear_ce_api: not run (python3 lacks pytest, numpy or torch)")
+            echo "${summary[${#summary[@]}-1]}"
+        fi ;;
+    esac
+    # receipts across devices: made on the CPU and verified on the GPU, and the other way
+    # (tests/python/test_receipts.py -k cuda, a tiny transformers-written model)
+    case " ${KILN_GPU_TESTS:-test_receipts} " in
+    *" test_receipts "*)
+        if python3 -c "import pytest, numpy, torch, transformers" 2>/dev/null; then
+            run_test "test_receipts (pytest -k cuda)" "$LOG/test_receipts.log" \
+                pytest_run env KILN_BUILD_DIR="$B" python3 -m pytest -q -rs -p no:cacheprovider \
+                -k cuda tests/python/test_receipts.py
+        else
+            summary+=("test_receipts: not run (python3 lacks pytest, numpy, torch or transformers)")
             echo "${summary[${#summary[@]}-1]}"
         fi ;;
     esac

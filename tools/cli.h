@@ -18,6 +18,15 @@ int cmd_distill(int argc, char **argv);
 int cmd_export(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
 
+int cmd_fingerprint(int argc, char **argv);
+int cmd_verify(int argc, char **argv);
+
+/* A prompt's ids as `kiln generate` makes them: text tokenized with the tokenizer's special
+ * tokens (BOS), or with chat the messages rendered by the model's chat template (which holds
+ * its special tokens) and tokenized as they are. *ids is malloc'd. */
+kiln_status cli_encode_prompt(const kiln_tokenizer *tok, const char *text, int chat, const kiln_chat_message *msgs,
+                              size_t n_msgs, int32_t **ids, size_t *n_ids);
+
 /* Print "kiln <cmd>: <what>: <kiln_last_error()>" to stderr and return 1; "<what>: " is left
  * out when the library's message already names it (a path, usually). */
 int cli_fail(const char *cmd, const char *what, kiln_status st);

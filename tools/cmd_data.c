@@ -188,7 +188,7 @@ int cmd_data(int argc, char **argv) {
     }
     uint8_t fp[32];
     kiln_shard_writer *w = NULL;
-    st = kiln_shard_tokenizer_fingerprint(tok, fp);
+    st = kiln_tokenizer_fingerprint(tok, fp);
     if (st == KILN_OK) st = kiln_shard_writer_create(out, (uint32_t)ti.n_vocab, eos ? (uint32_t)eos_id : KILN_SHARD_NO_EOS, fp, &w);
     uint64_t n_docs = 0, n_tokens = 0;
     int rc = 0;

@@ -1,5 +1,6 @@
 /* cmd_generate.c -- `kiln generate` and `kiln chat`. */
 #include "cli.h"
+#include "receipt.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -13,7 +14,7 @@
 #define MAX_STOPS 16
 
 typedef struct gen_opts {
-    const char *model, *prompt, *prompt_file, *system;
+    const char *model, *prompt, *prompt_file, *system, *receipt;
     long n_predict, threads, n_ctx, n_batch;
     kiln_sampler_params sampler;
     int chat, json, ignore_eos, f32, no_mmap, show_prompt_stats, fast, batch_invariant;
@@ -50,7 +51,10 @@ static const char *generate_help =
     "      --batch-invariant  with --fast on the CPU: 8-bit activations at every batch size\n"
     "                         (kiln serve --fast --batch-invariant's arithmetic)\n"
     "      --device D         cpu (default), cuda or cuda:N: run on CUDA GPU N (same bits as cpu)\n"
-    "      --json             print one JSON object: prompt_ids, ids, text, timings\n";
+    "      --json             print one JSON object: prompt_ids, ids, text, timings\n"
+    "      --receipt FILE     write a receipt (JSON: fingerprints, prompt, settings, ids and a hash\n"
+    "                         chain of every step's logits) that 'kiln verify FILE -m MODEL'\n"
+    "                         checks on any device (docs/REPRODUCIBILITY.md)\n";
 
 #define CHAT_COMMANDS                                                                        \
     "  /help             this list\n"                                                       \
@@ -118,6 +122,10 @@ static int parse_opts(const char *cmd, int argc, char **argv, gen_opts *o, int *
         } else if (cli_opt(argc, argv, &i, "--seed", &v, &err, cmd)) {
             if (!err && !(err = cli_parse_u64(cmd, a, v, &u))) o->sampler.seed = u;
             o->seed_given = 1;
+        } else if (cli_opt(argc, argv, &i, "--receipt", &v, &err, cmd)) {
+            if (!err && !strcmp(cmd, "chat")) err = cli_usage_error(cmd, "--receipt is for kiln generate");
+            else if (!err && !*v) err = cli_usage_error(cmd, "--receipt needs a file name");
+            else if (!err) o->receipt = v;
         } else if (cli_opt(argc, argv, &i, "--stop", &v, &err, cmd)) {
             if (!err && o->n_stops == MAX_STOPS) err = cli_usage_error(cmd, "at most %d --stop strings", MAX_STOPS);
             else if (!err && !*v) err = cli_usage_error(cmd, "--stop needs a non-empty string");
@@ -198,10 +206,9 @@ static size_t prompt_max_bytes(const kiln_tokenizer *tok, int n_ctx) {
     return (size_t)(n_ctx > 0 ? n_ctx : 1) * longest * 4 + 65536;
 }
 
-/* Render msgs with the template (if chat) and tokenize. *ids is malloc'd. */
-static kiln_status encode_prompt(const kiln_tokenizer *tok, const char *text, int chat,
-                                 const kiln_chat_message *msgs, size_t n_msgs, int32_t **ids,
-                                 size_t *n_ids) {
+kiln_status cli_encode_prompt(const kiln_tokenizer *tok, const char *text, int chat,
+                              const kiln_chat_message *msgs, size_t n_msgs, int32_t **ids,
+                              size_t *n_ids) {
     char *rendered = NULL;
     size_t len = strlen(text ? text : "");
     kiln_status st = KILN_OK;
@@ -248,6 +255,49 @@ static void print_seed(const gen_opts *o) {
     fprintf(stderr, "[kiln] seed %llu (repeat with --seed %llu)\n", s, s);
 }
 
+/* The receipt of a finished generation (receipt.h); 0, or 1 with the reason printed. */
+static int write_receipt(const gen_opts *o, const kiln_model *m, const kiln_context *ctx, const int32_t *ids,
+                         size_t n_ids, const kiln_generate_result *res, uint8_t *chain) {
+    receipt r;
+    memset(&r, 0, sizeof r);
+    kiln_model_info mi;
+    kiln_status st = kiln_model_get_info(m, &mi);
+    if (st == KILN_OK) st = kiln_model_fingerprint(m, r.model_fp); /* kept from the generation's chain */
+    if (st == KILN_OK) st = kiln_tokenizer_fingerprint(kiln_model_get_tokenizer(m), r.tokenizer_fp);
+    if (st != KILN_OK) return cli_fail("generate", "receipt", st);
+    /* the receipt borrows the strings and arrays: nothing here is freed through it */
+    r.kiln_version = (char *)kiln_version();
+    r.model_path = (char *)o->model;
+    r.model_name = (char *)mi.name;
+    r.architecture = (char *)mi.architecture;
+    r.n_vocab = mi.n_vocab;
+    r.prompt_text = (char *)o->prompt;
+    r.system = (char *)o->system;
+    r.chat = o->chat;
+    r.prompt_ids = (int32_t *)ids;
+    r.n_prompt = n_ids;
+    r.max_tokens = (int)o->n_predict;
+    r.sampler = o->sampler;
+    for (int i = 0; i < o->n_stops; i++) r.stops[i] = (char *)o->stops[i];
+    r.n_stops = o->n_stops;
+    r.ignore_eos = o->ignore_eos;
+    r.n_ctx = kiln_context_n_ctx(ctx);
+    r.n_batch = (int)o->n_batch;
+    r.weights_f32 = o->f32;
+    r.fast = o->fast;
+    r.batch_invariant = o->batch_invariant;
+    r.device = o->device;
+    r.threads = (int)o->threads;
+    r.ids = res->ids;
+    r.n_ids = res->n_ids;
+    r.text = res->text;
+    r.stop_reason = (char *)res->stop_reason;
+    r.chain = (uint8_t(*)[32])chain;
+    if (receipt_write("generate", o->receipt, &r)) return 1;
+    fprintf(stderr, "[kiln] receipt written to %s (check it with: kiln verify %s -m MODEL)\n", o->receipt, o->receipt);
+    return 0;
+}
+
 static void json_add_ids(cJSON *obj, const char *key, const int32_t *ids, size_t n) {
     cJSON *arr = cJSON_AddArrayToObject(obj, key);
     for (size_t i = 0; i < n; i++) cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
@@ -282,8 +332,9 @@ int cmd_generate(int argc, char **argv) {
     msgs[n_msgs++] = (kiln_chat_message){"user", o.prompt};
     int32_t *ids = NULL;
     size_t n_ids = 0;
+    uint8_t *chain = NULL;
     int rc = 0;
-    st = encode_prompt(tok, o.prompt, o.chat, msgs, n_msgs, &ids, &n_ids);
+    st = cli_encode_prompt(tok, o.prompt, o.chat, msgs, n_msgs, &ids, &n_ids);
     if (st != KILN_OK) {
         rc = cli_fail("generate", "prompt", st);
         goto out;
@@ -308,12 +359,22 @@ int cmd_generate(int argc, char **argv) {
     gp.ignore_eos = o.ignore_eos;
     gp.stop_strings = o.n_stops ? o.stops : NULL;
     if (!o.json) gp.on_token = stream_to_stdout;
+    if (o.receipt) {
+        chain = malloc(32 * ((size_t)o.n_predict + 1));
+        if (!chain) {
+            fprintf(stderr, "kiln generate: out of memory for the receipt's chain\n");
+            rc = 1;
+            goto out;
+        }
+        gp.logits_chain = chain;
+    }
     kiln_generate_result res;
     st = kiln_generate(ctx, ids, n_ids, &gp, &res);
     if (st != KILN_OK) {
         rc = cli_fail("generate", "generation", st);
         goto out;
     }
+    if (o.receipt) rc = write_receipt(&o, m, ctx, ids, n_ids, &res, chain);
     double prefill_tps = res.prefill_seconds > 0 ? (double)(res.n_prompt - res.n_prompt_cached) / res.prefill_seconds : 0;
     double decode_tps = (res.n_ids > 1 && res.decode_seconds > 0) ? (double)(res.n_ids - 1) / res.decode_seconds : 0;
     if (o.json) {
@@ -339,6 +400,7 @@ int cmd_generate(int argc, char **argv) {
     }
     kiln_generate_result_free(&res);
 out:
+    free(chain);
     free(ids);
     free(file_text);
     kiln_context_free(ctx);
@@ -527,7 +589,7 @@ int cmd_chat(int argc, char **argv) {
         }
         int32_t *ids = NULL;
         size_t n_ids = 0;
-        st = encode_prompt(tok, NULL, 1, h.msgs, h.n, &ids, &n_ids);
+        st = cli_encode_prompt(tok, NULL, 1, h.msgs, h.n, &ids, &n_ids);
         if (st != KILN_OK) {
             rc = cli_fail("chat", "prompt", st);
             break;

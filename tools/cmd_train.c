@@ -298,7 +298,7 @@ static int train_finish(kiln_trainer *tr, const train_opts *o) {
 }
 
 /* A shard's ids mean something only under the tokenizer that made it: refuse one made by
- * another tokenizer (its fingerprint, kiln_shard_tokenizer_fingerprint) or a larger
+ * another tokenizer (its fingerprint, kiln_tokenizer_fingerprint) or a larger
  * vocabulary. A shard written without a fingerprint (all zeros) is let through with a
  * warning. Returns 0, or 1 after printing why. */
 static int check_shard_tokenizer(const char *path, const kiln_shard_info *si, const kiln_model_info *mi,
@@ -315,8 +315,8 @@ static int check_shard_tokenizer(const char *path, const kiln_shard_info *si, co
     }
     if (memcmp(si->fingerprint, model_fp, 32) != 0) {
         char a[65], b[65];
-        kiln_ckpt_sha256_hex(si->fingerprint, a);
-        kiln_ckpt_sha256_hex(model_fp, b);
+        kiln_sha256_hex(si->fingerprint, a);
+        kiln_sha256_hex(model_fp, b);
         fprintf(stderr,
                 "kiln train: %s was made by another tokenizer than the model's (tokenizer fingerprint %.16s..., "
                 "the model's %.16s...): its token ids would mean other words; remake it with "
@@ -639,7 +639,7 @@ static int train_main(int argc, char **argv, int distill) {
         return cli_usage_error("train", "--seq %ld exceeds the model's context length %d", o.seq, mi.n_ctx_train);
     }
     uint8_t model_fp[32];
-    st = kiln_shard_tokenizer_fingerprint(kiln_model_get_tokenizer(m), model_fp);
+    st = kiln_tokenizer_fingerprint(kiln_model_get_tokenizer(m), model_fp);
     if (st != KILN_OK) {
         rc = cli_fail("train", "tokenizer", st);
         goto out;

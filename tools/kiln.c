@@ -17,7 +17,9 @@ static void usage(FILE *f) {
             "  train       train or fine-tune a model on the CPU or a CUDA GPU\n"
             "  distill     train a student on a teacher's distributions (knowledge distillation)\n"
             "  export      a training checkpoint to a Hugging Face folder\n"
-            "  serve       an OpenAI-compatible HTTP server (continuous batching)\n\n"
+            "  serve       an OpenAI-compatible HTTP server (continuous batching)\n"
+            "  fingerprint the model's fingerprint (SHA-256 of its weights as stored)\n"
+            "  verify      re-run a generation receipt and compare it step by step\n\n"
             "MODEL is a .gguf file or a Hugging Face folder. 'kiln help <command>' or\n"
             "'kiln <command> --help' for its options.\n",
             kiln_version());
@@ -35,6 +37,8 @@ static int run_command(const char *cmd, int argc, char **argv) {
     if (!strcmp(cmd, "distill")) return cmd_distill(argc, argv);
     if (!strcmp(cmd, "export")) return cmd_export(argc, argv);
     if (!strcmp(cmd, "serve")) return cmd_serve(argc, argv);
+    if (!strcmp(cmd, "fingerprint")) return cmd_fingerprint(argc, argv);
+    if (!strcmp(cmd, "verify")) return cmd_verify(argc, argv);
     fprintf(stderr, "kiln: unknown command '%s'\n\n", cmd);
     usage(stderr);
     return 2;

@@ -111,7 +111,8 @@ _TokenCallback = C.CFUNCTYPE(C.c_int, C.c_int32, C.POINTER(C.c_char), C.c_size_t
 class _GenerateParams(C.Structure):
     _fields_ = [("max_tokens", C.c_int), ("sampler", _SamplerParams),
                 ("stop_strings", C.POINTER(C.c_char_p)), ("ignore_eos", C.c_int),
-                ("on_token", _TokenCallback), ("user", C.c_void_p)]
+                ("on_token", _TokenCallback), ("user", C.c_void_p),
+                ("logits_chain", C.c_void_p)]
 
 
 class _GenerateResult(C.Structure):
@@ -227,6 +228,9 @@ def load_library(path=None):
         "kiln_generate": (C.c_int, [P, C.POINTER(C.c_int32), C.c_size_t,
                                     C.POINTER(_GenerateParams), C.POINTER(_GenerateResult)]),
         "kiln_generate_result_free": (None, [C.POINTER(_GenerateResult)]),
+        "kiln_model_fingerprint": (C.c_int, [P, C.c_char_p]),
+        "kiln_tokenizer_fingerprint": (C.c_int, [P, C.c_char_p]),
+        "kiln_train_fingerprint": (C.c_int, [P, C.c_char_p]),
         "kiln_mem_get_stats": (None, [C.POINTER(MemStats)]),
         "kiln_train_default_params": (_TrainParams, []),
         "kiln_trainer_create": (C.c_int, [P, C.POINTER(_TrainParams), C.POINTER(P)]),
@@ -480,6 +484,10 @@ class Tokenizer(_Handle):
         p = self._lib.kiln_token_piece(self._h, i)
         return None if p is None else p.decode("utf-8", "replace")
 
+    def fingerprint(self) -> str:
+        """kiln_tokenizer_fingerprint: SHA-256 of the vocabulary's pieces, as hex."""
+        return _fingerprint(self._lib.kiln_tokenizer_fingerprint, self._h)
+
     def _owns(self):
         return self._owned  # a model's tokenizer is freed with the model
 
@@ -523,6 +531,11 @@ class Model(_Handle):
                      for k, v in ((k, getattr(info, k)) for k, _ in _ModelInfo._fields_)}
         self.n_vocab = info.n_vocab
         self.tokenizer = Tokenizer(_handle=self._lib.kiln_model_get_tokenizer(self._h), _owner=self)
+
+    def fingerprint(self) -> str:
+        """kiln_model_fingerprint: SHA-256 over the weights as stored, as hex
+        (docs/REPRODUCIBILITY.md, "Fingerprints")."""
+        return _fingerprint(self._lib.kiln_model_fingerprint, self._h)
 
     def close(self) -> None:
         """Free the shared context, then the model. While Contexts or Trainers made on this
@@ -767,17 +780,20 @@ class Context(_Handle):
     def generate(self, prompt_ids: Sequence[int], max_tokens: int = 32, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  repeat_penalty: float = 1.0, seed: int = 0, stop: Optional[Sequence[str]] = None,
-                 ignore_eos: bool = False) -> dict:
+                 ignore_eos: bool = False, logits_chain: bool = False) -> dict:
         """Prefill prompt_ids and generate (kiln_generate; the cache is reused for the prefix
         the prompt shares with what this context holds). temperature <= 0 is greedy. Returns
-        {"ids", "text", "stop_reason", "n_prompt_cached"}; text has a stop string removed."""
+        {"ids", "text", "stop_reason", "n_prompt_cached"}; text has a stop string removed.
+        logits_chain: also "logits_chain", the receipt's hash chain c_0 .. c_n as hex
+        (docs/REPRODUCIBILITY.md)."""
         return self._generate(prompt_ids, None, max_tokens=max_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, min_p=min_p,
                               repeat_penalty=repeat_penalty, seed=seed, stop=stop,
-                              ignore_eos=ignore_eos)
+                              ignore_eos=ignore_eos, logits_chain=logits_chain)
 
     def _generate(self, prompt_ids, on_token, max_tokens=32, temperature=0.0, top_k=0, top_p=1.0,
-                  min_p=0.0, repeat_penalty=1.0, seed=0, stop=None, ignore_eos=False):
+                  min_p=0.0, repeat_penalty=1.0, seed=0, stop=None, ignore_eos=False,
+                  logits_chain=False):
         """generate, with on_token (a _TokenCallback, kept alive by the caller) or None."""
         self._live()
         gp = self._lib.kiln_generate_default_params()
@@ -795,6 +811,10 @@ class Context(_Handle):
             gp.stop_strings = keep
         if on_token is not None:
             gp.on_token = on_token
+        chain = None
+        if logits_chain:
+            chain = C.create_string_buffer(32 * (gp.max_tokens + 1))
+            gp.logits_chain = C.cast(chain, C.c_void_p)
         arr = (C.c_int32 * max(len(prompt_ids), 1))(*prompt_ids)
         res = _GenerateResult()
         _check(self._lib.kiln_generate(self._h, arr, len(prompt_ids), C.byref(gp), C.byref(res)))
@@ -805,6 +825,8 @@ class Context(_Handle):
                 "stop_reason": res.stop_reason.decode(),
                 "n_prompt_cached": res.n_prompt_cached,
             }
+            if chain is not None:
+                out["logits_chain"] = [chain.raw[32 * i:32 * (i + 1)].hex() for i in range(res.n_ids + 1)]
         finally:
             self._lib.kiln_generate_result_free(C.byref(res))
         return out
@@ -813,6 +835,12 @@ class Context(_Handle):
 
 STORAGE = {"f32": 0, "bf16_master": 1, "bf16_kahan": 2, "bf16_sr": 3}
 MOMENTS = {"f32": 0, "q8": 1}
+
+
+def _fingerprint(fn, h):
+    out = C.create_string_buffer(32)
+    _check(fn(h, out))
+    return out.raw.hex()
 
 
 def _i32(a):
@@ -896,6 +924,11 @@ class Trainer(_Handle):
             _check(self._lib.kiln_train_param_info(self._h, i, C.byref(name), C.byref(n), shape))
             out.append((name.value.decode(), n.value, (shape[0], shape[1])))
         return out
+
+    def fingerprint(self) -> str:
+        """kiln_train_fingerprint: the fingerprint of the current parameters (that of an f32
+        export of them), as hex."""
+        return _fingerprint(self._lib.kiln_train_fingerprint, self._h)
 
     def _get(self, fn, name, n):
         import numpy as np

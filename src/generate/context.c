@@ -374,15 +374,22 @@ static kiln_status decode_batch(kiln_context *c, const int32_t *ids, int B, floa
 }
 
 kiln_status kiln_decode_and_sample(kiln_context *c, const int32_t *ids, int n, kiln_sampler *smp,
-                                   const int32_t *hist, size_t n_hist, float *logits, int32_t *id) {
+                                   const int32_t *hist, size_t n_hist, float *logits,
+                                   const kiln_logits_hook *hook, int32_t *id) {
     kiln_backend *be = c->be;
+    int V = c->model->cfg.n_vocab;
     if (c->fs.host_memory || !be->i->sample || c->host_sampling) {
         KILN_TRY(decode(c, 0, ids, n, 0, logits, 0));
-        return kiln_sampler_sample(smp, logits, c->model->cfg.n_vocab, hist, n_hist, id);
+        if (hook) KILN_TRY(hook->fn(hook->user, logits, V));
+        return kiln_sampler_sample(smp, logits, V, hist, n_hist, id);
     }
-    /* the logits stay on the device; only the id comes back */
+    /* the logits stay on the device; only the id comes back (and, for a hook, the row) */
     float *dummy = logits; /* non-NULL: decode writes the last token's logits to fs.logits */
     KILN_TRY(decode(c, 0, ids, n, 0, dummy, 1));
+    if (hook) {
+        KILN_TRY(kiln_backend_download(be, logits, c->fs.logits, (size_t)V * sizeof(float)));
+        KILN_TRY(hook->fn(hook->user, logits, V));
+    }
     return be->i->sample(be, c->fs.logits, c->model->cfg.n_vocab, kiln_sampler_get_params(smp),
                          kiln_sampler_rng(smp), hist, n_hist, id);
 }

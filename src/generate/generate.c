@@ -173,6 +173,13 @@ static kiln_status generate(kiln_context *c, const int32_t *prompt, size_t n_pro
     if (st == KILN_OK)
         st = kiln_alloc_or_fail((void **)&hist, (n_prompt + (size_t)gp->max_tokens + 1) * sizeof(int32_t), "token history");
     if (st != KILN_OK) goto done;
+    kiln_receipt_chain chain;
+    const kiln_logits_hook *hook = NULL;
+    if (gp->logits_chain) {
+        st = kiln_receipt_chain_begin(&chain, m, prompt, n_prompt, gp->logits_chain);
+        if (st != KILN_OK) goto done;
+        hook = &chain.hook;
+    }
     memcpy(hist, prompt, n_prompt * sizeof(int32_t));
     n_hist = n_prompt;
     r.n_prompt = (int)n_prompt;
@@ -195,7 +202,7 @@ static kiln_status generate(kiln_context *c, const int32_t *prompt, size_t n_pro
     if (gp->max_tokens == 0) /* nothing to sample */
         st = kiln_decode(c, prompt + keep, (int)(n_prompt - keep), 0, logits);
     else
-        st = kiln_decode_and_sample(c, prompt + keep, (int)(n_prompt - keep), smp, hist, n_hist, logits, &id);
+        st = kiln_decode_and_sample(c, prompt + keep, (int)(n_prompt - keep), smp, hist, n_hist, logits, hook, &id);
     r.prefill_seconds = kiln_time_seconds() - t0;
     if (st != KILN_OK) goto done;
     t0 = kiln_time_seconds();
@@ -226,7 +233,7 @@ static kiln_status generate(kiln_context *c, const int32_t *prompt, size_t n_pro
             break;
         }
         int32_t next;
-        st = kiln_decode_and_sample(c, &id, 1, smp, hist, n_hist, logits, &next);
+        st = kiln_decode_and_sample(c, &id, 1, smp, hist, n_hist, logits, hook, &next);
         if (st != KILN_OK) goto done;
         id = next;
     }

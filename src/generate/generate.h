@@ -28,12 +28,35 @@ struct kiln_context {
     int32_t *b_pos, *b_seq; /* (n_batch) each: the positions and sequences of a batch */
 };
 
+/* An observer of the logits each token is drawn from (a receipt's chain): fn gets the row
+ * (n_vocab floats, host memory) before the sampler reads it; an error stops the generation. */
+typedef struct kiln_logits_hook {
+    kiln_status (*fn)(void *user, const float *logits, int n_vocab);
+    void *user;
+} kiln_logits_hook;
+
 /* Decode ids[0..n) and sample the next token from the last one's logits with smp and the
  * history hist[0..n_hist) (what kiln_decode then kiln_sampler_sample give): on a backend
  * with a device sampler the logits stay on the device and only the id is read back; else
- * they go through logits (n_vocab floats of host scratch). Same ids either way. */
+ * they go through logits (n_vocab floats of host scratch). Same ids either way. hook (NULL:
+ * none) sees the row first, in logits: on a device that costs the row's download, so only a
+ * caller that asks for it pays. */
 kiln_status kiln_decode_and_sample(kiln_context *c, const int32_t *ids, int n, kiln_sampler *smp,
-                                   const int32_t *hist, size_t n_hist, float *logits, int32_t *id);
+                                   const int32_t *hist, size_t n_hist, float *logits,
+                                   const kiln_logits_hook *hook, int32_t *id);
+
+/* A generation's receipt chain (receipt_chain.c, docs/REPRODUCIBILITY.md): begin writes c_0
+ * (from m's fingerprints and the prompt) to chain[0..32); hook, passed to
+ * kiln_decode_and_sample, appends c_{steps+1} for each row it sees. chain must hold
+ * 32 * (rows + 1) bytes. */
+typedef struct kiln_receipt_chain {
+    uint8_t *chain;
+    size_t steps;
+    kiln_logits_hook hook;
+} kiln_receipt_chain;
+kiln_status kiln_receipt_chain_begin(kiln_receipt_chain *rc, const kiln_model *m, const int32_t *prompt,
+                                     size_t n_prompt, uint8_t *chain);
+kiln_status kiln_receipt_chain_hook(void *user, const float *logits, int n_vocab);
 
 /* The text side of one generation, kiln_generate's and the serving engine's: the detokenizer
  * stream, the output text, and its stop-string hold-back. Streaming contract: text is released

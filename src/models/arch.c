@@ -80,6 +80,14 @@ int64_t kiln_role_floats(const kiln_param_role *r, const kiln_model_config *c) {
     return kiln_dim_value(c, r->rows) * kiln_dim_value(c, r->cols);
 }
 
+int kiln_role_file_shape(const kiln_param_role *r, const kiln_model_config *c, int64_t shape[3]) {
+    const bool matrix = !kiln_role_is_vector(r);
+    shape[0] = matrix || r->conv_taps ? kiln_dim_value(c, r->rows) : kiln_role_floats(r, c);
+    shape[1] = matrix ? kiln_dim_value(c, r->cols) : 1;
+    shape[2] = r->conv_taps ? kiln_dim_value(c, r->cols) : 1;
+    return r->conv_taps ? 3 : matrix ? 2 : 1;
+}
+
 bool kiln_role_wanted(const kiln_param_role *r, const kiln_model_config *c, int layer) {
     switch (r->cond) {
     case KILN_COND_LINEAR: return kiln_layer_linear(c, layer) != 0;

@@ -188,6 +188,10 @@ int64_t kiln_dim_value(const kiln_model_config *c, kiln_dim d);
 bool kiln_role_wanted(const kiln_param_role *r, const kiln_model_config *c, int layer);
 /* The f32 values of a vector role (kiln_role_is_vector): rows * cols. */
 int64_t kiln_role_floats(const kiln_param_role *r, const kiln_model_config *c);
+/* The role's shape as transformers holds the parameter (and a Hugging Face file stores it):
+ * returns n_dims, 1 (a vector: (n)), 2 (a matrix: (rows, cols)) or 3 (a convolution's taps:
+ * (channels, 1, taps)); unused entries of shape 1. */
+int kiln_role_file_shape(const kiln_param_role *r, const kiln_model_config *c, int64_t shape[3]);
 /* The role's name in layer `layer` (ignored for per-model roles): GGUF's when gguf, else
  * transformers'. */
 void kiln_role_name(const kiln_param_role *r, bool gguf, int layer, char *buf, size_t cap);

@@ -46,7 +46,37 @@ struct kiln_model {
     int n_file_tensors;
     uint64_t n_params, weight_bytes;
     kiln_model_params params;
+    /* kiln_model_fingerprint's value once computed (fingerprint_done; the weights never
+     * change), read and written under model_fingerprint.c's lock */
+    uint8_t fingerprint[32];
+    int fingerprint_done;
 };
+
+/* The file's tensor of that name (GGUF or safetensors; a multimodal folder's
+ * "model.language_model.X" answers for "model.X"), or NULL: absent, or a model made by
+ * kiln_model_create, which has no file. */
+const kiln_tensor *kiln_model_file_tensor(const kiln_model *m, const char *name);
+
+/* One tensor of a model's fingerprint (docs/REPRODUCIBILITY.md, "Fingerprints"). */
+typedef struct kiln_fingerprint_entry {
+    char name[128];      /* transformers' name (the roles table's hf) */
+    kiln_dtype dtype;    /* as stored */
+    int n_dims;          /* 1..3 */
+    int64_t shape[3];    /* transformers' shape, outermost first; unused entries 1 */
+    uint64_t nbytes;     /* bytes hashed */
+    uint8_t sha256[32];  /* SHA-256 of the stored bytes in transformers' row order */
+} kiln_fingerprint_entry;
+
+/* The model's fingerprint into fp, and (entries non-NULL) its tensors in the fingerprint's
+ * order, *entries allocated with kiln_malloc (the caller kiln_frees it), *n_entries their
+ * count. Hashes every weight (on m->params.n_threads threads); kiln_model_fingerprint caches
+ * the value. */
+kiln_status kiln_model_fingerprint_tensors(const kiln_model *m, uint8_t fp[32], kiln_fingerprint_entry **entries,
+                                           int *n_entries);
+/* The fingerprint of tensors already hashed, e[0..n) sorted by name: SHA-256 of the magic
+ * "kiln-fingerprint-v1\n", n as a little-endian u32 and each entry's record (name, NUL, dtype
+ * name, NUL, n_dims as u32, the shape as u64s, the data's SHA-256). Sorts e. */
+kiln_status kiln_fingerprint_combine(kiln_fingerprint_entry *e, int n, uint8_t fp[32]);
 
 /* Allocate m->refs and m->layer_refs (zeroed: every role absent) for m->arch and m->cfg. */
 kiln_status kiln_model_refs_alloc(kiln_model *m);

@@ -51,8 +51,9 @@ static bool dtype_is_matrix_ok(kiln_dtype t) {
 
 /* A tensor by name. A Hugging Face folder of a multimodal model (Qwen3.5's released ones)
  * holds the text model's "model.X" as "model.language_model.X": tried second. */
-static const kiln_tensor *find_tensor(const kiln_model *m, const char *name) {
+const kiln_tensor *kiln_model_file_tensor(const kiln_model *m, const char *name) {
     if (m->gguf) return kiln_gguf_find_tensor(m->gguf, name);
+    if (!m->st) return NULL; /* a model made by kiln_model_create */
     const kiln_tensor *t = kiln_safetensors_find(m->st, name);
     if (!t && !strncmp(name, "model.", 6)) {
         char alt[192];
@@ -65,7 +66,7 @@ static const kiln_tensor *find_tensor(const kiln_model *m, const char *name) {
 /* Bind a matrix of shape (rows, cols); required unless optional. */
 static kiln_status bind_matrix(kiln_model *m, const char *name, int64_t rows, int64_t cols, int optional,
                                const kiln_tensor **out) {
-    const kiln_tensor *t = find_tensor(m, name);
+    const kiln_tensor *t = kiln_model_file_tensor(m, name);
     if (!t) {
         if (optional) {
             *out = NULL;
@@ -90,7 +91,7 @@ static kiln_status bind_matrix(kiln_model *m, const char *name, int64_t rows, in
  * a convolution's (n / taps, 1, taps) taps. */
 static kiln_status bind_vector(kiln_model *m, const char *name, int64_t n, int64_t taps, int optional, int plus_one,
                                const float **out) {
-    const kiln_tensor *t = find_tensor(m, name);
+    const kiln_tensor *t = kiln_model_file_tensor(m, name);
     if (!t) {
         if (optional) {
             *out = NULL;
@@ -133,7 +134,7 @@ kiln_status kiln_model_vector_param(kiln_model *m, const kiln_param_role *r, int
     if (m->st) { /* a Hugging Face folder: its w (bind_vector checked the tensor) */
         char name[128];
         kiln_role_name(r, false, layer, name, sizeof name);
-        const kiln_tensor *t = find_tensor(m, name);
+        const kiln_tensor *t = kiln_model_file_tensor(m, name);
         if (t && kiln_tensor_nelements(t) == n) {
             kiln_dequantize(t->dtype, t->data, dst, n);
             return KILN_OK;

@@ -2,6 +2,7 @@
  * tok_decode.c -- ids back to text: per-token bytes, the HF decoder pipeline (ByteLevel,
  * Replace, ByteFallback, Fuse, Strip, Metaspace) and the streaming decoder.
  */
+#include "../base/sha256.h"
 #include "tok_internal.h"
 
 #include <string.h>
@@ -163,6 +164,25 @@ KILN_API const char *kiln_token_piece(const kiln_tokenizer *t, int32_t id) {
         return NULL;
     }
     return t->piece[id] ? t->piece[id] : "";
+}
+
+/* SHA-256 over every piece, ids 0..n_vocab-1, each up to its first NUL and then one NUL byte
+ * (an unused id as ""). Token shards store this value (train/shards.h), so it must not change. */
+KILN_API kiln_status kiln_tokenizer_fingerprint(const kiln_tokenizer *t, uint8_t out[32]) {
+    KILN_TRY(kiln_handle_check(t, KILN_HANDLE_TOKENIZER, "kiln_tokenizer_fingerprint"));
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_tokenizer_fingerprint: out is NULL");
+    kiln_sha256_ctx *c = NULL;
+    KILN_TRY(kiln_sha256_init(&c));
+    kiln_status st = KILN_OK;
+    for (int32_t i = 0; i < t->n_vocab && st == KILN_OK; i++) {
+        const char *p = t->piece[i] ? t->piece[i] : "";
+        st = kiln_sha256_update(c, p, strlen(p) + 1); /* with its NUL */
+    }
+    if (st != KILN_OK) {
+        kiln_sha256_free(c);
+        return st;
+    }
+    return kiln_sha256_final(c, out);
 }
 
 /* ---- whole-sequence decode (HF decoders over a list of token strings) ----------------------- */

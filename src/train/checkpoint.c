@@ -14,7 +14,6 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <openssl/evp.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,59 +32,6 @@ enum {
     ENTRY_SIZE = 256,
     NAME_FIELD = 128,
 };
-
-/* ---- SHA-256 --------------------------------------------------------------------------------- */
-
-struct kiln_sha256_ctx {
-    EVP_MD_CTX *md;
-};
-
-kiln_status kiln_ckpt_sha256_init(kiln_sha256_ctx **out) {
-    kiln_sha256_ctx *c = kiln_calloc(1, sizeof *c);
-    if (!c) return kiln_error(KILN_ERR_NOMEM, "sha256: out of memory");
-    c->md = EVP_MD_CTX_new();
-    if (!c->md || EVP_DigestInit_ex(c->md, EVP_sha256(), NULL) != 1) {
-        kiln_ckpt_sha256_free(c);
-        return kiln_error(KILN_ERR_INTERNAL, "sha256: libcrypto initialisation failed");
-    }
-    *out = c;
-    return KILN_OK;
-}
-
-kiln_status kiln_ckpt_sha256_update(kiln_sha256_ctx *c, const void *data, size_t n) {
-    if (n && EVP_DigestUpdate(c->md, data, n) != 1)
-        return kiln_error(KILN_ERR_INTERNAL, "sha256: libcrypto update failed");
-    return KILN_OK;
-}
-
-kiln_status kiln_ckpt_sha256_final(kiln_sha256_ctx *c, uint8_t out[32]) {
-    unsigned int len = 0;
-    int ok = EVP_DigestFinal_ex(c->md, out, &len) == 1 && len == 32;
-    kiln_ckpt_sha256_free(c);
-    return ok ? KILN_OK : kiln_error(KILN_ERR_INTERNAL, "sha256: libcrypto final failed");
-}
-
-void kiln_ckpt_sha256_free(kiln_sha256_ctx *c) {
-    if (!c) return;
-    EVP_MD_CTX_free(c->md);
-    kiln_free(c);
-}
-
-kiln_status kiln_ckpt_sha256(const void *data, size_t n, uint8_t out[32]) {
-    unsigned int len = 0;
-    if (EVP_Digest(n ? data : "", n, out, &len, EVP_sha256(), NULL) != 1 || len != 32)
-        return kiln_error(KILN_ERR_INTERNAL, "sha256: libcrypto digest failed");
-    return KILN_OK;
-}
-
-void kiln_ckpt_sha256_hex(const uint8_t d[32], char hex[65]) {
-    static const char digits[] = "0123456789abcdef";
-    for (int i = 0; i < 32; i++) {
-        hex[2 * i] = digits[d[i] >> 4];
-        hex[2 * i + 1] = digits[d[i] & 15];
-    }
-    hex[64] = 0;
-}
 
 static int all_zero(const uint8_t *p, size_t n) {
     for (size_t i = 0; i < n; i++)
@@ -313,7 +259,7 @@ kiln_ckpt_save_params kiln_ckpt_default_save_params(void) {
 static void writer_free(kiln_ckpt_writer *w) {
     if (!w) return;
     if (w->fd >= 0) close(w->fd);
-    kiln_ckpt_sha256_free(w->sha);
+    kiln_sha256_free(w->sha);
     kiln_free(w->dir);
     kiln_free(w->tmp_dir);
     kiln_free(w->final_dir);
@@ -441,7 +387,7 @@ static kiln_status section_begin(kiln_ckpt_writer *w, const char *name, kiln_ckp
         w->cap_entries = ncap;
     }
     KILN_TRY(writer_pad(w));
-    KILN_TRY(kiln_ckpt_sha256_init(&w->sha));
+    KILN_TRY(kiln_sha256_init(&w->sha));
     entry *en = &w->entries[w->n_entries++];
     memset(en, 0, sizeof *en);
     strcpy(en->name, name);
@@ -459,7 +405,7 @@ static kiln_status section_begin(kiln_ckpt_writer *w, const char *name, kiln_ckp
         }
         if (!kiln_dtype_nbytes(dtype, nel, &w->expect_size)) {
             w->n_entries--;
-            kiln_ckpt_sha256_free(w->sha);
+            kiln_sha256_free(w->sha);
             w->sha = NULL;
             return kiln_error(KILN_ERR_INVALID_ARG,
                               "checkpoint: tensor '%s': %llu elements of %s is not a valid size",
@@ -487,7 +433,7 @@ kiln_status kiln_ckpt_section_write(kiln_ckpt_writer *w, const void *data, size_
         (w->expect_size != UINT64_MAX && total > w->expect_size))
         return kiln_error(KILN_ERR_INVALID_ARG, "checkpoint: section '%s': more data than its %llu bytes",
                           en->name, (unsigned long long)w->expect_size);
-    KILN_TRY(kiln_ckpt_sha256_update(w->sha, data, size));
+    KILN_TRY(kiln_sha256_update(w->sha, data, size));
     KILN_TRY(writer_write(w, data, size));
     en->size = total;
     return KILN_OK;
@@ -503,7 +449,7 @@ kiln_status kiln_ckpt_section_end(kiln_ckpt_writer *w) {
     kiln_sha256_ctx *c = w->sha;
     w->sha = NULL;
     w->in_section = 0;
-    return kiln_ckpt_sha256_final(c, en->sha);
+    return kiln_sha256_final(c, en->sha);
 }
 
 kiln_status kiln_ckpt_add_section(kiln_ckpt_writer *w, const char *name, kiln_ckpt_type type,
@@ -661,8 +607,8 @@ kiln_status kiln_ckpt_commit(kiln_ckpt_writer *w, char **warning) {
     kiln_put_le32(hdr + 28, ENTRY_SIZE);
     kiln_put_le64(hdr + 32, table_offset);
     kiln_put_le64(hdr + 40, w->pos);
-    if ((st = kiln_ckpt_sha256(table, table_bytes, hdr + 48)) != KILN_OK) goto fail;
-    if ((st = kiln_ckpt_sha256(hdr, HDR_HASHED, hdr + 96)) != KILN_OK) goto fail;
+    if ((st = kiln_sha256(table, table_bytes, hdr + 48)) != KILN_OK) goto fail;
+    if ((st = kiln_sha256(hdr, HDR_HASHED, hdr + 96)) != KILN_OK) goto fail;
     if (lseek(w->fd, 0, SEEK_SET) != 0) {
         st = kiln_error(KILN_ERR_IO, "%s: seek failed: %s", w->file_path, strerror(errno));
         goto fail;
@@ -696,7 +642,7 @@ kiln_status kiln_ckpt_commit(kiln_ckpt_writer *w, char **warning) {
         goto fail_published;
     }
     char hex[65], text[160];
-    kiln_ckpt_sha256_hex(hdr + 96, hex);
+    kiln_sha256_hex(hdr + 96, hex);
     int tl = snprintf(text, sizeof text, "KILNCKPT-COMPLETE step %llu header-sha256 %s\n",
                       (unsigned long long)w->step, hex);
     marker_fd = open(marker_tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -798,7 +744,7 @@ static kiln_status parse_file(kiln_ckpt *c) {
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: checkpoint version %u (this kiln reads version %u)",
                           path, version, KILN_CKPT_VERSION);
     uint8_t sha[32];
-    KILN_TRY(kiln_ckpt_sha256(d, HDR_HASHED, sha));
+    KILN_TRY(kiln_sha256(d, HDR_HASHED, sha));
     if (memcmp(sha, d + 96, 32) != 0) return FMT_ERR("%s: header checksum mismatch (corrupt header)", path);
     if (kiln_le32(d + 12) != HDR_SIZE) return FMT_ERR("%s: header_size %u, expected %d", path, kiln_le32(d + 12), HDR_SIZE);
     if (kiln_le32(d + 28) != ENTRY_SIZE)
@@ -820,7 +766,7 @@ static kiln_status parse_file(kiln_ckpt *c) {
         return FMT_ERR("%s: table_offset %llu with %llu sections does not end at the file size %llu",
                        path, (unsigned long long)table_offset, (unsigned long long)n, (unsigned long long)fsize);
     const uint8_t *table = d + table_offset;
-    KILN_TRY(kiln_ckpt_sha256(table, (size_t)table_bytes, sha));
+    KILN_TRY(kiln_sha256(table, (size_t)table_bytes, sha));
     if (memcmp(sha, d + 48, 32) != 0) return FMT_ERR("%s: section table checksum mismatch", path);
 
     c->sections = kiln_calloc(n ? (size_t)n : 1, sizeof *c->sections);
@@ -914,7 +860,7 @@ static kiln_status parse_file(kiln_ckpt *c) {
         }
         s->data = d + off;
         s->size = size;
-        if ((st = kiln_ckpt_sha256(s->data, (size_t)size, sha)) != KILN_OK) break;
+        if ((st = kiln_sha256(s->data, (size_t)size, sha)) != KILN_OK) break;
         if (memcmp(sha, e + 192, 32) != 0)
             st = FMT_ERR("%s: section '%s' (offset %llu, %llu bytes): checksum mismatch (corrupt data)",
                          path, name, (unsigned long long)off, (unsigned long long)size);
@@ -978,7 +924,7 @@ static kiln_status open_step_dir(const char *dir, uint64_t step, kiln_ckpt **out
     }
     if ((st = kiln_ckpt_open_file(fpath, &c)) != KILN_OK) goto done;
     char hex[65], want[160];
-    kiln_ckpt_sha256_hex(c->header_sha, hex);
+    kiln_sha256_hex(c->header_sha, hex);
     snprintf(want, sizeof want, "KILNCKPT-COMPLETE step %llu header-sha256 %s\n", (unsigned long long)step, hex);
     if (strcmp(text, want) != 0) {
         st = kiln_error(KILN_ERR_FORMAT, "%s: marker does not match %s (stale or corrupt marker)", mpath, fpath);

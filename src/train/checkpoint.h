@@ -39,6 +39,7 @@
 #define KILN_TRAIN_CHECKPOINT_H
 
 #include "../base/base.h"
+#include "../base/sha256.h"
 #include "../base/tensor.h"
 
 #include <stdint.h>
@@ -60,20 +61,6 @@ typedef enum kiln_ckpt_type {
     KILN_CKPT_U64 = 3,    /* one little-endian u64 (step, data position) */
     KILN_CKPT_TENSOR = 4, /* a tensor: dtype and shape in the table entry, size = nbytes */
 } kiln_ckpt_type;
-
-/* ---- SHA-256 (OpenSSL libcrypto) ---------------------------------------------------------- */
-
-/* out = SHA-256(data[0..n)). Returns KILN_ERR_INTERNAL if libcrypto fails. */
-kiln_status kiln_ckpt_sha256(const void *data, size_t n, uint8_t out[32]);
-/* Lowercase hex of a 32-byte digest into hex[65] (NUL-terminated). */
-void kiln_ckpt_sha256_hex(const uint8_t digest[32], char hex[65]);
-
-/* Streaming SHA-256: init, update*, final (final also frees; free alone abandons). */
-typedef struct kiln_sha256_ctx kiln_sha256_ctx;
-kiln_status kiln_ckpt_sha256_init(kiln_sha256_ctx **out);
-kiln_status kiln_ckpt_sha256_update(kiln_sha256_ctx *c, const void *data, size_t n);
-kiln_status kiln_ckpt_sha256_final(kiln_sha256_ctx *c, uint8_t out[32]);
-void kiln_ckpt_sha256_free(kiln_sha256_ctx *c);
 
 /* ---- writer --------------------------------------------------------------------------------- */
 

@@ -5,13 +5,16 @@
  * (kiln_train_param_info, kiln_train_get_param: one tensor at a time), and the tokenizer
  * files. The tokenizer files of a model that came from a Hugging Face folder are copied byte
  * for byte (they are the exact description, which kiln's compiled form does not fully keep: a
- * custom regex split); a GGUF's tokenizer is written by tok_export.c.
+ * custom regex split); a GGUF's tokenizer is written by tok_export.c. kiln_train_fingerprint
+ * hashes the tensors such an export would hold in f32 (docs/REPRODUCIBILITY.md).
  */
+#include "../base/sha256.h"
 #include "../formats/hf_export.h"
 #include "../models/model.h"
 #include "../tokenizer/tokenizer.h"
 #include "trainer.h"
 
+#include <stdio.h>
 #include <string.h>
 
 /* ---- the tensors: the trainer's parameters ------------------------------------------------- */
@@ -105,4 +108,40 @@ KILN_API kiln_status kiln_train_export_hf(const kiln_trainer *t, const char *dir
     f.write_files = hx_write_tokenizer;
     f.files_user = (void *)m;
     return kiln_hf_folder_write(dir, overwrite, &f);
+}
+
+/* ---- the fingerprint of what an f32 export would hold -------------------------------------- */
+
+KILN_API kiln_status kiln_train_fingerprint(const kiln_trainer *t, uint8_t out[32]) {
+    KILN_TRY(kiln_trainer_enter(t, "kiln_train_fingerprint"));
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_fingerprint: out is NULL");
+    int n = kiln_train_n_params(t);
+    if (n <= 0) return kiln_error(KILN_ERR_STATE, "kiln_train_fingerprint: the trainer has no parameters");
+    kiln_fingerprint_entry *e = kiln_calloc((size_t)n, sizeof *e);
+    if (!e) return kiln_error(KILN_ERR_NOMEM, "kiln_train_fingerprint: out of memory");
+    float *buf = NULL;
+    size_t cap = 0;
+    kiln_status st = KILN_OK;
+    for (int i = 0; i < n && st == KILN_OK; i++) {
+        const char *name;
+        int64_t ne, shape[2];
+        st = kiln_train_param_info(t, i, &name, &ne, shape);
+        if (st == KILN_OK) st = kiln_train_param_file_shape(t, i, &e[i].n_dims, e[i].shape);
+        if (st != KILN_OK) break;
+        snprintf(e[i].name, sizeof e[i].name, "%s", name);
+        e[i].dtype = KILN_DTYPE_F32;
+        e[i].nbytes = (uint64_t)ne * sizeof(float);
+        if ((size_t)ne > cap) {
+            kiln_free(buf);
+            cap = (size_t)ne;
+            buf = kiln_malloc(cap * sizeof(float));
+            if (!buf) st = kiln_error(KILN_ERR_NOMEM, "kiln_train_fingerprint: out of memory for '%s'", name);
+        }
+        if (st == KILN_OK) st = kiln_train_get_param(t, name, buf, ne);
+        if (st == KILN_OK) st = kiln_sha256(buf, (size_t)ne * sizeof(float), e[i].sha256);
+    }
+    if (st == KILN_OK) st = kiln_fingerprint_combine(e, n, out);
+    kiln_free(buf);
+    kiln_free(e);
+    return st;
 }

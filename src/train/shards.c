@@ -12,7 +12,7 @@
  */
 #include "shards.h"
 
-#include "checkpoint.h" /* SHA-256 */
+#include "../base/sha256.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -71,7 +71,7 @@ static void swriter_free(kiln_shard_writer *w) {
     if (!w) return;
     if (w->fd >= 0) close(w->fd);
     if (w->tmp) unlink(w->tmp);
-    kiln_ckpt_sha256_free(w->sha);
+    kiln_sha256_free(w->sha);
     kiln_free(w->path);
     kiln_free(w->tmp);
     kiln_free(w->offsets);
@@ -93,7 +93,7 @@ static kiln_status swrite(kiln_shard_writer *w, const void *data, size_t n, int 
         done += (size_t)r;
     }
     w->file_pos += n;
-    if (hashed) KILN_TRY(kiln_ckpt_sha256_update(w->sha, data, n));
+    if (hashed) KILN_TRY(kiln_sha256_update(w->sha, data, n));
     return KILN_OK;
 }
 
@@ -132,7 +132,7 @@ kiln_status kiln_shard_writer_create(const char *path, uint32_t vocab_size, uint
     }
     w->offsets[0] = 0;
     snprintf(w->tmp, tl, "%s.tmp-%ld", path, (long)getpid());
-    kiln_status st = kiln_ckpt_sha256_init(&w->sha);
+    kiln_status st = kiln_sha256_init(&w->sha);
     if (st != KILN_OK) {
         kiln_free(w->tmp);
         w->tmp = NULL;
@@ -219,9 +219,9 @@ kiln_status kiln_shard_writer_commit(kiln_shard_writer *w) {
         memcpy(hdr + 72, w->fingerprint, 32);
         kiln_sha256_ctx *c = w->sha;
         w->sha = NULL;
-        st = kiln_ckpt_sha256_final(c, hdr + 104);
+        st = kiln_sha256_final(c, hdr + 104);
     }
-    if (st == KILN_OK) st = kiln_ckpt_sha256(hdr, SH_HASHED, hdr + SH_HASHED);
+    if (st == KILN_OK) st = kiln_sha256(hdr, SH_HASHED, hdr + SH_HASHED);
     if (st == KILN_OK && lseek(w->fd, 0, SEEK_SET) != 0)
         st = kiln_error(KILN_ERR_IO, "%s: seek failed: %s", w->tmp, strerror(errno));
     if (st == KILN_OK) st = swrite(w, hdr, SH_HDR, 0);
@@ -286,7 +286,7 @@ static kiln_status shard_validate(kiln_shard *s, int flags) {
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: shard version %u (this kiln reads version %u)", path,
                           version, KILN_SHARD_VERSION);
     uint8_t sha[32];
-    KILN_TRY(kiln_ckpt_sha256(d, SH_HASHED, sha));
+    KILN_TRY(kiln_sha256(d, SH_HASHED, sha));
     if (memcmp(sha, d + SH_HASHED, 32) != 0) return SFMT("%s: header checksum mismatch (corrupt header)", path);
     kiln_shard_info *in = &s->info;
     in->vocab_size = kiln_le32(d + 16);
@@ -355,28 +355,10 @@ static kiln_status shard_validate(kiln_shard *s, int flags) {
                           (unsigned long long)at, (unsigned long long)(tokens_offset + at * in->token_bytes),
                           maxtok, in->vocab_size);
     if (flags & KILN_SHARD_VERIFY_CHECKSUM) {
-        KILN_TRY(kiln_ckpt_sha256(d + SH_HDR, (size_t)(fsize - SH_HDR), sha));
+        KILN_TRY(kiln_sha256(d + SH_HDR, (size_t)(fsize - SH_HDR), sha));
         if (memcmp(sha, d + 104, 32) != 0) return SFMT("%s: content checksum mismatch (corrupt tokens or offsets)", path);
     }
     return KILN_OK;
-}
-
-kiln_status kiln_shard_tokenizer_fingerprint(const kiln_tokenizer *tok, uint8_t out[32]) {
-    if (!tok || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_shard_tokenizer_fingerprint: NULL argument");
-    kiln_tokenizer_info ti;
-    KILN_TRY(kiln_tokenizer_get_info(tok, &ti));
-    kiln_sha256_ctx *c = NULL;
-    KILN_TRY(kiln_ckpt_sha256_init(&c));
-    kiln_status st = KILN_OK;
-    for (int i = 0; i < ti.n_vocab && st == KILN_OK; i++) {
-        const char *p = kiln_token_piece(tok, i);
-        st = kiln_ckpt_sha256_update(c, p ? p : "", (p ? strlen(p) : 0) + 1); /* with its NUL */
-    }
-    if (st != KILN_OK) {
-        kiln_ckpt_sha256_free(c);
-        return st;
-    }
-    return kiln_ckpt_sha256_final(c, out);
 }
 
 kiln_status kiln_shard_open(const char *path, int flags, kiln_shard **out) {

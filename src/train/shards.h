@@ -52,8 +52,8 @@ typedef struct kiln_shard_writer kiln_shard_writer;
 
 /* Start writing a shard to `path` (atomically: <path>.tmp-<pid>, renamed on commit).
  * vocab_size in 1..2^31; eos_id < vocab_size, or KILN_SHARD_NO_EOS for none; fingerprint:
- * 32 bytes identifying the tokenizer (e.g. SHA-256 of its vocabulary; kiln_ckpt_sha256),
- * or NULL for zeros. */
+ * 32 bytes identifying the tokenizer (`kiln data` writes kiln_tokenizer_fingerprint, which
+ * `kiln train` compares with the model's), or NULL for zeros. */
 kiln_status kiln_shard_writer_create(const char *path, uint32_t vocab_size, uint32_t eos_id,
                                      const uint8_t fingerprint[32], kiln_shard_writer **out);
 /* Append one document of n token ids (each in [0, vocab_size); n may be 0) plus the EOS.
@@ -63,13 +63,6 @@ kiln_status kiln_shard_writer_add_doc(kiln_shard_writer *w, const int32_t *ids, 
  * w; on failure the tmp file is removed and nothing exists at path that was not there. */
 kiln_status kiln_shard_writer_commit(kiln_shard_writer *w);
 void kiln_shard_writer_abort(kiln_shard_writer *w); /* removes the tmp file; NULL is a no-op */
-
-/* The tokenizer fingerprint `kiln data` writes and `kiln train` compares: SHA-256 over every
- * token piece of tok (ids 0..n_vocab-1, kiln_token_piece, an absent piece as ""), each
- * followed by a NUL byte. Two tokenizers with the same pieces in the same order give the
- * same ids for the same text only if they also share their pre-tokenizer and merges, so the
- * fingerprint catches the common mistake (another vocabulary), not every difference. */
-kiln_status kiln_shard_tokenizer_fingerprint(const kiln_tokenizer *tok, uint8_t out[32]);
 
 /* ---- reader --------------------------------------------------------------------------------- */
 

@@ -278,10 +278,7 @@ static kiln_status declare_role(void *ctx, const kiln_param_role *r, int layer) 
     const int matrix = !kiln_role_is_vector(r);
     train_param *p = add_param(t, nm, matrix ? kiln_dim_value(&t->cfg, r->rows) : kiln_role_floats(r, &t->cfg),
                                kiln_dim_value(&t->cfg, r->cols), matrix);
-    p->file_dims = r->conv_taps ? 3 : matrix ? 2 : 1;
-    p->file_shape[0] = matrix || r->conv_taps ? kiln_dim_value(&t->cfg, r->rows) : p->n;
-    p->file_shape[1] = matrix ? kiln_dim_value(&t->cfg, r->cols) : 1;
-    p->file_shape[2] = r->conv_taps ? kiln_dim_value(&t->cfg, r->cols) : 1;
+    p->file_dims = kiln_role_file_shape(r, &t->cfg, p->file_shape);
     if (role == a->role_embed) t->tok_embd = p;
     else if (role == a->role_final_norm) t->final_norm = p;
     else if (role == a->role_head) t->lm_head = p;

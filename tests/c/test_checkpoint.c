@@ -154,8 +154,8 @@ static void reseal(uint8_t *b) {
     uint64_t t;
     memcpy(&n, b + 24, 4);
     memcpy(&t, b + 32, 8);
-    kiln_ckpt_sha256(b + t, (size_t)n * 256, b + 48);
-    kiln_ckpt_sha256(b, 96, b + 96);
+    kiln_sha256(b + t, (size_t)n * 256, b + 48);
+    kiln_sha256(b, 96, b + 96);
 }
 
 static void test_corruption(void) {
@@ -277,7 +277,7 @@ static void test_corruption(void) {
     memcpy(b, orig, n);
     uint32_t big = 0xffffffffu;
     memcpy(b + 24, &big, 4);
-    kiln_ckpt_sha256(b, 96, b + 96); /* header only: the size check comes before the table */
+    kiln_sha256(b, 96, b + 96); /* header only: the size check comes before the table */
     write_file(path, b, n);
     CHECK_ERR(kiln_ckpt_open_file(path, &c), KILN_ERR_FORMAT, "does not end at the file size");
 
@@ -452,7 +452,7 @@ static void test_set_aside(void) {
     memcpy(b, orig, n);
     uint64_t huge = UINT64_MAX;
     memcpy(b + 16, &huge, 8);
-    kiln_ckpt_sha256(b, 96, b + 96);
+    kiln_sha256(b, 96, b + 96);
     write_file(path, b, n);
     CHECK_ERR(kiln_ckpt_open_file(path, &c), KILN_ERR_FORMAT, "header step 18446744073709551615 is out of range");
     CHECK_ERR(kiln_ckpt_begin(dir, UINT64_MAX, NULL, &w), KILN_ERR_INVALID_ARG, "past the largest step");

@@ -179,15 +179,19 @@ static void model_users(const char *tokp, int V) {
     kiln_trainer_free(t);
     CHECK_LAST("not a live kiln_trainer");
     CHECK_ERR(kiln_train_discard(t), KILN_ERR_BAD_HANDLE, "kiln_train_discard");
+    CHECK_ERR(kiln_train_fingerprint(t, (uint8_t[32]){0}), KILN_ERR_BAD_HANDLE, "kiln_train_fingerprint");
 
     /* no users left: the model closes; then it is gone for every call */
     kiln_error_clear();
     kiln_model_close(m);
     CHECK(kiln_last_error()[0] == '\0');
     CHECK_ERR(kiln_model_get_info(m, &info), KILN_ERR_BAD_HANDLE, "not a live kiln_model");
+    uint8_t fp[32];
+    CHECK_ERR(kiln_model_fingerprint(m, fp), KILN_ERR_BAD_HANDLE, "kiln_model_fingerprint");
     CHECK(kiln_model_get_tokenizer(m) == NULL);
     CHECK_ERR(kiln_tokenize(tok, "a", 1, 0, 0, NULL, 0, &(size_t){0}), KILN_ERR_BAD_HANDLE,
               "not a live kiln_tokenizer");
+    CHECK_ERR(kiln_tokenizer_fingerprint(tok, fp), KILN_ERR_BAD_HANDLE, "not a live kiln_tokenizer");
     kiln_context *c2 = NULL;
     CHECK_ERR(kiln_context_create(m, NULL, &c2), KILN_ERR_BAD_HANDLE, "kiln_context_create");
     CHECK(c2 == NULL);

@@ -35,7 +35,7 @@ static int32_t doc_tok(size_t d, size_t i, uint32_t vocab) { return (int32_t)((d
 
 static void make_shard(const char *path, uint32_t vocab, uint32_t eos, size_t n_docs, size_t first_doc) {
     uint8_t fp[32];
-    kiln_ckpt_sha256("test-tokenizer", 14, fp);
+    kiln_sha256("test-tokenizer", 14, fp);
     kiln_shard_writer *w = NULL;
     CHECK(kiln_shard_writer_create(path, vocab, eos, fp, &w) == KILN_OK);
     int32_t ids[64];
@@ -99,8 +99,8 @@ static void test_round_trip(void) {
 }
 
 static void reseal(uint8_t *b, size_t n) {
-    kiln_ckpt_sha256(b + 256, n - 256, b + 104);
-    kiln_ckpt_sha256(b, 224, b + 224);
+    kiln_sha256(b + 256, n - 256, b + 104);
+    kiln_sha256(b, 224, b + 224);
 }
 
 static void test_hostile(void) {

@@ -36,11 +36,11 @@ static void reseal(uint8_t *b, size_t n) {
         for (uint32_t i = 0; i < ns; i++) {
             uint8_t *e = b + t + 256 * (uint64_t)i;
             uint64_t off = rd64(e + 176), size = rd64(e + 184);
-            if (off <= n && size <= n - off) kiln_ckpt_sha256(b + off, (size_t)size, e + 192);
+            if (off <= n && size <= n - off) kiln_sha256(b + off, (size_t)size, e + 192);
         }
-        kiln_ckpt_sha256(b + t, (size_t)ns * 256, b + 48);
+        kiln_sha256(b + t, (size_t)ns * 256, b + 48);
     }
-    kiln_ckpt_sha256(b, 96, b + 96);
+    kiln_sha256(b, 96, b + 96);
 }
 
 static void touch(const kiln_ckpt *c, const kiln_ckpt_section *s) {

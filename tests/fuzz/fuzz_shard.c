@@ -10,7 +10,7 @@
  * checksum too. Seeds: tests/fuzz/corpus_shard/ (tests/fuzz/make_corpus_shard.py). */
 #include "fuzz_file.h"
 #include "train/shards.h"
-#include "train/checkpoint.h" /* SHA-256 */
+#include "base/sha256.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -22,8 +22,8 @@ static volatile uint64_t g_sink; /* keeps the reads from being optimized away */
 
 static void reseal(uint8_t *b, size_t n) {
     if (n < 256) return;
-    kiln_ckpt_sha256(b + 256, n - 256, b + 104);
-    kiln_ckpt_sha256(b, 224, b + 224);
+    kiln_sha256(b + 256, n - 256, b + 104);
+    kiln_sha256(b, 224, b + 224);
 }
 
 static void walk(kiln_shard *s) {
