@@ -18,7 +18,6 @@
  * not depend on the thread count; it does depend on R (a function of V alone).
  */
 #include "../ops/fused_kd.h"
-#include "shards.h"
 #include "trainer.h"
 
 #include "../base/handle.h"
@@ -69,8 +68,8 @@ kiln_status kiln_teacher_create(kiln_model *teacher, kiln_trainer *student, kiln
                           call, kiln_tokenizer_n_vocab(tt), sm->cfg.n_vocab);
     {
         uint8_t a[32], b[32];
-        KILN_TRY(kiln_shard_tokenizer_fingerprint(tt, a));
-        KILN_TRY(kiln_shard_tokenizer_fingerprint(st_tok, b));
+        KILN_TRY(kiln_tokenizer_fingerprint(tt, a));
+        KILN_TRY(kiln_tokenizer_fingerprint(st_tok, b));
         if (memcmp(a, b, 32) != 0)
             return kiln_error(KILN_ERR_INVALID_ARG, "%s: the teacher's tokenizer differs from the student's (same "
                               "size, other tokens or rules): distillation needs one tokenizer", call);
