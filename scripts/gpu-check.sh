@@ -118,6 +118,19 @@ pytest_run() {
     return "$rc"
 }
 
+# pytest_cuda NAME MODULES: tests/python/NAME.py -k cuda (its GPU cases) when KILN_GPU_TESTS
+# names it or is unset and python3 imports MODULES; else a summary line saying why not
+pytest_cuda() {
+    case " ${KILN_GPU_TESTS:-$1} " in *" $1 "*) ;; *) return 0 ;; esac
+    if python3 -c "import $2" 2>/dev/null; then
+        run_test "$1 (pytest -k cuda)" "$LOG/$1.log" pytest_run env KILN_BUILD_DIR="$B" python3 -m pytest -q -rs \
+            -p no:cacheprovider -k cuda "tests/python/$1.py"
+    else
+        summary+=("$1: not run (python3 lacks one of $2)")
+        echo "${summary[${#summary[@]}-1]}"
+    fi
+}
+
 if has tests; then
     for t in "$B"/test_cuda_*; do
         [ -x "$t" ] || continue
@@ -146,40 +159,13 @@ if has tests; then
             "$B/test_engine" ;;
     esac
     # kiln.torch's cross entropy and the Trainer's torch calls on CUDA tensors
-    case " ${KILN_GPU_TESTS:-test_torch_interop} " in
-    *" test_torch_interop "*)
-        if python3 -c "import pytest, numpy, torch" 2>/dev/null; then
-            run_test "test_torch_interop (pytest -k cuda)" "$LOG/test_torch_interop.log" \
-                pytest_run env KILN_BUILD_DIR="$B" python3 -m pytest -q -rs -p no:cacheprovider \
-                -k cuda tests/python/test_torch_interop.py
-        fi ;;
-    esac
-    # the binding's GPU cases: the public fused loss on torch CUDA tensors
-    # (tests/python/test_linear_ce_api.py -k cuda), where python3 has pytest, numpy and torch
-    case " ${KILN_GPU_TESTS:-test_linear_ce_api} " in
-    *" test_linear_ce_api "*)
-        if python3 -c "import pytest, numpy, torch" 2>/dev/null; then
-            run_test "test_linear_ce_api (pytest -k cuda)" "$LOG/test_linear_ce_api.log" \
-                pytest_run env KILN_BUILD_DIR="$B" python3 -m pytest -q -rs -p no:cacheprovider \
-                -k cuda tests/python/test_linear_ce_api.py
-        else
-            summary+=("test_linear_ce_api: not run (python3 lacks pytest, numpy or torch)")
-            echo "${summary[${#summary[@]}-1]}"
-        fi ;;
-    esac
-    # receipts across devices: made on the CPU and verified on the GPU, and the other way
-    # (tests/python/test_receipts.py -k cuda, a tiny transformers-written model)
-    case " ${KILN_GPU_TESTS:-test_receipts} " in
-    *" test_receipts "*)
-        if python3 -c "import pytest, numpy, torch, transformers" 2>/dev/null; then
-            run_test "test_receipts (pytest -k cuda)" "$LOG/test_receipts.log" \
-                pytest_run env KILN_BUILD_DIR="$B" python3 -m pytest -q -rs -p no:cacheprovider \
-                -k cuda tests/python/test_receipts.py
-        else
-            summary+=("test_receipts: not run (python3 lacks pytest, numpy, torch or transformers)")
-            echo "${summary[${#summary[@]}-1]}"
-        fi ;;
-    esac
+    # the binding's GPU cases, where python3 has what each file imports:
+    #   test_torch_interop   kiln.torch on CUDA tensors
+    #   test_linear_ce_api   the public fused loss on torch CUDA tensors
+    #   test_receipts        receipts made on the CPU and verified on the GPU, and the other way
+    pytest_cuda test_torch_interop "pytest, numpy, torch"
+    pytest_cuda test_linear_ce_api "pytest, numpy, torch"
+    pytest_cuda test_receipts "pytest, numpy, torch, transformers"
 fi
 
 # compare_runs LABEL JSON_A JSON_B...: greedy ids of the first equal to each other's? one line
