@@ -15,6 +15,7 @@ int cmd_info(int argc, char **argv);
 int cmd_data(int argc, char **argv);
 int cmd_train(int argc, char **argv);
 int cmd_distill(int argc, char **argv);
+int cmd_audit(int argc, char **argv);
 int cmd_export(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
 

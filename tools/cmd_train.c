@@ -6,6 +6,8 @@
 #include "train/metrics.h"
 #include "train/shards.h"
 #include "train/trainer.h"
+#include "train_audit.h"
+#include "base/sha256.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -70,7 +72,11 @@ static const char *train_help =
     "                       vocabulary walk, one product more, less memory)\n"
     "  --loss-logits-f32    with --fast: that walk keeps the logits in f32 (twice the memory;\n"
     "                       the default bf16 is autocast's head output)\n"
-    "  --no-export          do not write OUT/model at the end (`kiln export OUT` does it later)\n\n"
+    "  --no-export          do not write OUT/model at the end (`kiln export OUT` does it later)\n"
+    "  --audit              keep OUT/audit.jsonl: per step, the batch's hash, the loss, the\n"
+    "                       gradient norm and the weights' fingerprint, chained by SHA-256;\n"
+    "                       `kiln audit OUT --from N` replays it from checkpoint N (keep the\n"
+    "                       checkpoints to audit from: --keep-last 0 keeps them all)\n\n"
     "Ctrl-C (SIGINT) or SIGTERM finishes the current step, writes a checkpoint and exits with\n"
     "status 130 or 143 (continue with --resume); a second signal exits at once.\n";
 
@@ -104,6 +110,7 @@ typedef struct train_opts {
     int override_hparams; /* --override-hparams: resume with settings other than the checkpoint's */
     int device; /* -1 = CPU, N >= 0 = CUDA device N */
     int fast;   /* --fast: the CUDA backend's fast arithmetic (GPU only) */
+    int audit;                 /* --audit: OUT/audit.jsonl */
     const char *teacher;       /* kiln distill --teacher */
     double temperature, alpha; /* kiln distill --temperature, --alpha */
 } train_opts;
@@ -200,6 +207,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
         else if (!strcmp(a, "--fast")) o->fast = 1;
         else if (!strcmp(a, "--loss-logits-f32")) o->loss_logits_f32 = 1;
         else if (!strcmp(a, "--no-export")) o->export_model = 0;
+        else if (!strcmp(a, "--audit")) o->audit = 1;
         else err = cli_usage_error(cmd, "unknown option '%s'", a);
 #undef OPT
 #undef INT
@@ -601,12 +609,24 @@ static int prepare_out(const train_opts *o) {
     return 0;
 }
 
-/* kiln train, and kiln distill (distill: --teacher and the distillation loss). */
-static int train_main(int argc, char **argv, int distill) {
+/* kiln audit's replay of a run's steps from..to (train_main's replay mode). */
+typedef struct audit_replay {
+    train_audit *log;
+    long from, to;
+} audit_replay;
+
+/* kiln train, and kiln distill (distill: --teacher and the distillation loss). With rp, the
+ * replay of an audited run (kiln audit): OUT is only read (its checkpoint of step rp->from),
+ * steps rp->from + 1 .. rp->to run and their records are compared with rp->log's, nothing is
+ * written. */
+static int train_main(int argc, char **argv, int distill, const audit_replay *rp) {
     train_opts o;
     int code = 0;
     if (parse(argc, argv, &o, &code, distill)) return code;
+    if (rp) o.resume = o.overwrite = 0;
     int rc = 0;
+    train_audit *audit = NULL;
+    long mismatch = 0;
     kiln_model *m = NULL, *tm = NULL;
     kiln_trainer *tr = NULL;
     kiln_teacher *teacher = NULL;
@@ -621,7 +641,7 @@ static int train_main(int argc, char **argv, int distill) {
     char path[4096], png[4096], ckdir[4096];
     kiln_status st;
 
-    if ((rc = prepare_out(&o))) return rc;
+    if (!rp && (rc = prepare_out(&o))) return rc;
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = train_on_signal;
@@ -732,6 +752,16 @@ static int train_main(int argc, char **argv, int distill) {
         }
         fprintf(stderr, "[kiln train] resumed from %s at step %ld\n", ckdir, start);
     }
+    if (rp) { /* from 0: the run's initial weights, made again from its model or config and seed */
+        st = rp->from ? kiln_train_load_step(tr, ckdir, (uint64_t)rp->from, NULL) : KILN_OK;
+        if (st != KILN_OK) {
+            rc = cli_fail("audit", "the checkpoint to replay from", st);
+            goto out;
+        }
+        start = rp->from;
+        if (rp->from) fprintf(stderr, "[kiln audit] replaying steps %ld..%ld from %s/step-%ld\n", rp->from + 1, rp->to, ckdir, rp->from);
+        else fprintf(stderr, "[kiln audit] replaying steps 1..%ld from the run's initial weights\n", rp->to);
+    }
     if (o.teacher) {
         st = kiln_model_open(o.teacher, NULL, &tm);
         if (st == KILN_OK) st = kiln_teacher_create(tm, tr, &teacher);
@@ -772,16 +802,34 @@ static int train_main(int argc, char **argv, int distill) {
         rc = 1;
         goto out;
     }
-    int tty = isatty(2);
+    if (o.audit && !rp) {
+        uint8_t fp0[32];
+        char apath[4200];
+        snprintf(apath, sizeof apath, "%s/audit.jsonl", o.out);
+        st = kiln_train_fingerprint(tr, fp0);
+        if (st != KILN_OK) {
+            rc = cli_fail("train", "--audit", st);
+            goto out;
+        }
+        if (audit_open_write(apath, start, argc, argv, fp0, &audit)) {
+            rc = 1;
+            goto out;
+        }
+    }
+    int tty = isatty(2) && !rp;
     char plot_title[256];
     snprintf(plot_title, sizeof plot_title, "kiln train: %s", mi.name);
     double t0 = kiln_time_seconds(), last_eval = NAN;
     long tokens_per_step = o.batch * o.accum * o.seq;
-    for (long s = start; s < o.steps; s++) {
+    const long end = rp ? rp->to : o.steps;
+    for (long s = start; s < end; s++) {
         double ts = kiln_time_seconds(), loss = 0, kl = 0, ce = 0;
+        kiln_sha256_ctx *bh = NULL; /* the step's token ids, for the audit record */
+        if ((audit || rp) && st == KILN_OK) st = kiln_sha256_init(&bh);
         float scale = (float)(1.0 / ((double)o.batch * o.seq * o.accum));
         for (long a = 0; a < o.accum && st == KILN_OK; a++) {
             st = kiln_batch_sampler_get(train_s, (uint64_t)(s * o.accum + a), buf);
+            if (bh && st == KILN_OK) st = kiln_sha256_update(bh, buf, (size_t)o.batch * (size_t)(o.seq + 1) * sizeof *buf);
             for (long b = 0; b < o.batch && st == KILN_OK; b += o.per_forward) {
                 float l;
                 const int acc = a > 0 || b > 0; /* forward + backward in one call: step_batch */
@@ -823,9 +871,29 @@ static int train_main(int argc, char **argv, int distill) {
         }
         double lr = lr_at(&o, s);
         if (st == KILN_OK) st = kiln_train_optimizer_step(tr, lr);
+        audit_step as = {s + 1, {0}, loss, lr, gnorm, {0}};
+        if (bh) {
+            kiln_status hs = kiln_sha256_final(bh, as.batch); /* frees bh */
+            if (st == KILN_OK) st = hs;
+            if (st == KILN_OK) st = kiln_train_fingerprint(tr, as.params);
+        }
         if (st != KILN_OK) {
             if (tty) fputc('\n', stderr);
             fprintf(stderr, "kiln train: stopped at step %ld before updating the weights: %s\n", s + 1, kiln_last_error());
+            rc = 1;
+            break;
+        }
+        if (rp) { /* the replay: compare, write nothing */
+            if (audit_record(rp->log, &as)) {
+                fprintf(stderr, "kiln audit: step %ld differs from its record (above)\n", s + 1);
+                mismatch = s + 1;
+                rc = 1;
+                break;
+            }
+            fprintf(stderr, "step %ld/%ld matches its record (loss %.4f)\n", s + 1, end, loss);
+            continue;
+        }
+        if (audit && audit_record(audit, &as)) {
             rc = 1;
             break;
         }
@@ -895,11 +963,18 @@ static int train_main(int argc, char **argv, int distill) {
             break;
         }
     }
+    if (rp) {
+        if (!rc) fprintf(stderr, "kiln audit: all %ld steps (%ld..%ld) match their records\n", rp->to - rp->from,
+                         rp->from + 1, rp->to);
+        (void)mismatch;
+        goto out;
+    }
     st = kiln_metrics_close(csv);
     csv = NULL;
     if (st != KILN_OK && !rc) rc = cli_fail("train", path, st);
     if (!rc) rc = train_finish(tr, &o);
 out:
+    audit_close(audit);
     kiln_metrics_close(csv);
     free(buf);
     free(packed);
@@ -913,6 +988,107 @@ out:
     return rc;
 }
 
-int cmd_train(int argc, char **argv) { return train_main(argc, argv, 0); }
+int cmd_train(int argc, char **argv) { return train_main(argc, argv, 0, NULL); }
 
-int cmd_distill(int argc, char **argv) { return train_main(argc, argv, 1); }
+int cmd_distill(int argc, char **argv) { return train_main(argc, argv, 1, NULL); }
+
+static const char *audit_help =
+    "usage: kiln audit RUN [--from N [--to M]] [--device D] [--threads N]\n\n"
+    "Checks the audit log of a run made with `kiln train --audit` (or `kiln distill --audit`):\n"
+    "RUN/audit.jsonl's chain of SHA-256 hashes (a changed, removed or reordered record is\n"
+    "named). With --from N, also replays steps N+1..M (default: the log's last) from the run's\n"
+    "checkpoint of step N (N = 0: its initial weights, made again) on this machine, with the\n"
+    "run's own command line, and compares every\n"
+    "step's batch hash, loss and gradient-norm bits and weights' fingerprint with its record:\n"
+    "exit 0 when all match, 1 at the first that differs (named), 2 for usage errors.\n\n"
+    "  --device D   cpu, cuda or cuda:N (default: the run's own): the auditable arithmetic\n"
+    "               gives the same bits on either\n"
+    "  --threads N  CPU threads (any number gives the same bits)\n";
+
+int cmd_audit(int argc, char **argv) {
+    const char *cmd = "audit", *run = NULL, *device = NULL, *threads = NULL;
+    long from = -1, to = -1;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = NULL;
+        int err = 0;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(audit_help, stdout);
+            return 0;
+        }
+        if (cli_opt(argc, argv, &i, "--from", &v, &err, cmd)) {
+            if (!err) err = cli_parse_int(cmd, a, v, 0, 100000000, &from);
+        } else if (cli_opt(argc, argv, &i, "--to", &v, &err, cmd)) {
+            if (!err) err = cli_parse_int(cmd, a, v, 1, 100000000, &to);
+        } else if (cli_opt(argc, argv, &i, "--device", &v, &err, cmd)) {
+            int d;
+            if (!err) err = cli_parse_device(cmd, v, &d);
+            device = v;
+        } else if (cli_opt(argc, argv, &i, "--threads", &v, &err, cmd)) {
+            long t;
+            if (!err) err = cli_parse_int(cmd, a, v, 1, 256, &t);
+            threads = v;
+        } else if (a[0] == '-' && a[1]) {
+            err = cli_usage_error(cmd, "unknown option '%s'", a);
+        } else if (run) {
+            err = cli_usage_error(cmd, "one RUN folder, not '%s' too", a);
+        } else {
+            run = a;
+        }
+        if (err) return 2;
+    }
+    if (!run) return cli_usage_error(cmd, "give the RUN folder of a `kiln train --audit` run");
+    if (to >= 0 && from < 0) return cli_usage_error(cmd, "--to goes with --from");
+    char abs_run[8200], here[4096], logp[8300];
+    if (run[0] == '/') snprintf(abs_run, sizeof abs_run, "%s", run);
+    else if (getcwd(here, sizeof here)) snprintf(abs_run, sizeof abs_run, "%s/%s", here, run);
+    else {
+        fprintf(stderr, "kiln audit: the current directory: %s\n", strerror(errno));
+        return 1;
+    }
+    snprintf(logp, sizeof logp, "%s/audit.jsonl", abs_run);
+    train_audit *log = NULL;
+    if (audit_open_replay(logp, &log)) return 1;
+    long first, last;
+    audit_steps(log, &first, &last);
+    if (from < 0) {
+        printf("%s: the chain is intact: %ld step records (steps %ld..%ld)\n", logp, last - first + (last > 0),
+               first, last);
+        audit_close(log);
+        return 0;
+    }
+    if (to < 0) to = last;
+    if (from >= to || from + 1 < first || to > last) {
+        audit_close(log);
+        return cli_usage_error(cmd, "--from %ld --to %ld: the log holds steps %ld..%ld", from, to, first, last);
+    }
+    int hargc;
+    char **hargv;
+    const char *cwd;
+    audit_command(log, &hargc, &hargv, &cwd);
+    if (hargc < 1 || (strcmp(hargv[0], "train") && strcmp(hargv[0], "distill"))) {
+        fprintf(stderr, "kiln audit: %s: the header's command is not a kiln train or distill\n", logp);
+        audit_close(log);
+        return 1;
+    }
+    /* the run's command line, run where it ran, on this run folder, with the overrides last */
+    char **av = calloc((size_t)hargc + 8, sizeof *av);
+    int ac = 0;
+    for (int i = 0; av && i < hargc; i++) av[ac++] = hargv[i];
+    if (av) {
+        av[ac++] = "--out";
+        av[ac++] = abs_run;
+        if (device) av[ac++] = "--device", av[ac++] = (char *)device;
+        if (threads) av[ac++] = "--threads", av[ac++] = (char *)threads;
+    }
+    int rc;
+    if (!av || chdir(cwd) != 0) {
+        fprintf(stderr, "kiln audit: cannot run in %s: %s\n", cwd, strerror(errno));
+        rc = 1;
+    } else {
+        audit_replay rp = {log, from, to};
+        rc = train_main(ac, av, !strcmp(hargv[0], "distill"), &rp);
+    }
+    free(av);
+    audit_close(log);
+    return rc;
+}

@@ -19,7 +19,8 @@ static void usage(FILE *f) {
             "  export      a training checkpoint to a Hugging Face folder\n"
             "  serve       an OpenAI-compatible HTTP server (continuous batching)\n"
             "  fingerprint the model's fingerprint (SHA-256 of its weights as stored)\n"
-            "  verify      re-run a generation receipt and compare it step by step\n\n"
+            "  verify      re-run a generation receipt and compare it step by step\n"
+            "  audit       check a training run's audit log, and replay its steps from a checkpoint\n\n"
             "MODEL is a .gguf file or a Hugging Face folder. 'kiln help <command>' or\n"
             "'kiln <command> --help' for its options.\n",
             kiln_version());
@@ -39,6 +40,7 @@ static int run_command(const char *cmd, int argc, char **argv) {
     if (!strcmp(cmd, "serve")) return cmd_serve(argc, argv);
     if (!strcmp(cmd, "fingerprint")) return cmd_fingerprint(argc, argv);
     if (!strcmp(cmd, "verify")) return cmd_verify(argc, argv);
+    if (!strcmp(cmd, "audit")) return cmd_audit(argc, argv);
     fprintf(stderr, "kiln: unknown command '%s'\n\n", cmd);
     usage(stderr);
     return 2;

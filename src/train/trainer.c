@@ -1631,6 +1631,8 @@ kiln_status kiln_train_load(kiln_trainer *t, const char *dir, uint64_t *step, ch
     return kiln_train_load_ex(t, dir, step, run_json, NULL);
 }
 
+static kiln_status load_checkpoint(kiln_trainer *t, kiln_ckpt *c, uint64_t *step, char **run_json, char **notes);
+
 kiln_status kiln_train_load_ex(kiln_trainer *t, const char *dir, uint64_t *step, char **run_json, char **notes) {
     if (notes) *notes = NULL;
     KILN_TRY(check_ready(t, "kiln_train_load"));
@@ -1638,6 +1640,20 @@ kiln_status kiln_train_load_ex(kiln_trainer *t, const char *dir, uint64_t *step,
     kiln_ckpt *c = NULL;
     /* a resume: a damaged newer checkpoint is set aside, else saving its step would fail */
     KILN_TRY(kiln_ckpt_open_for_resume(dir, &c));
+    return load_checkpoint(t, c, step, run_json, notes);
+}
+
+kiln_status kiln_train_load_step(kiln_trainer *t, const char *dir, uint64_t at, char **run_json) {
+    KILN_TRY(check_ready(t, "kiln_train_load"));
+    if (!dir) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_load: dir must be set");
+    kiln_ckpt *c = NULL;
+    KILN_TRY(kiln_ckpt_open_step(dir, at, &c));
+    uint64_t step;
+    return load_checkpoint(t, c, &step, run_json, NULL);
+}
+
+/* The state of the opened checkpoint c into t (every check before anything changes); closes c. */
+static kiln_status load_checkpoint(kiln_trainer *t, kiln_ckpt *c, uint64_t *step, char **run_json, char **notes) {
     const kiln_ckpt_section *sec = NULL;
     char *cfg = config_json(t);
     kiln_status st = cfg ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "kiln_train_load: out of memory");

@@ -15,6 +15,9 @@ kiln_status kiln_trainer_enter(const kiln_trainer *t, const char *call);
  * which were set aside (kiln_ckpt_open_for_resume; kiln_malloc'd text, one line each, or NULL
  * when none was), for the caller to show. */
 kiln_status kiln_train_load_ex(kiln_trainer *t, const char *dir, uint64_t *step, char **run_json, char **notes);
+/* kiln_train_load of the checkpoint of step `at` in dir (not the newest; nothing set aside):
+ * an audit's replay starts there. */
+kiln_status kiln_train_load_step(kiln_trainer *t, const char *dir, uint64_t at, char **run_json);
 
 /* ---- a loss of the caller's own over a step's final hidden states (distillation) ---------- */
 

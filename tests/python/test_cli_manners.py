@@ -239,7 +239,7 @@ def test_generate_errors_and_positional_model(build_dir, tiny, tmp_path):
 
 
 def test_help_cmd(build_dir):
-    for cmd in ("generate", "chat", "train", "export", "info", "data", "serve", "fingerprint", "verify"):
+    for cmd in ("generate", "chat", "train", "export", "info", "data", "serve", "fingerprint", "verify", "distill", "audit"):
         r = kiln(build_dir, "help", cmd)
         assert r.stdout.startswith(f"usage: kiln {cmd}"), (cmd, r.stdout[:200])
         assert r.stdout == kiln(build_dir, cmd, "--help").stdout
