@@ -921,6 +921,15 @@ typedef struct kiln_request_params {
     float presence_penalty;  /* OpenAI's: logit -= presence * (count > 0) + frequency * count, */
     float frequency_penalty; /* count = times the token was generated (the prompt not counted) */
     int logprobs;            /* -1: none; else n_top (0..KILN_MAX_TOP_LOGPROBS) alternatives too */
+    /* A generation receipt's record (docs/REPRODUCIBILITY.md): NULL, or logits_chain with room
+     * for 32 x (G + 1) bytes and receipt_ids for G ids, G = the most tokens the request can
+     * produce (min(max_tokens, n_ctx - n_prompt + 1)); the caller sets the chain's first 32 bytes
+     * to c_0 (kiln_receipt_chain_start), the engine writes c_{i+1} from the f32 logits row
+     * token i was drawn from and token i to receipt_ids[i] (the end token too). Such a request
+     * samples on the host (its rows are downloaded on a device) and takes no presence or
+     * frequency penalty (refused: kiln verify cannot replay them). */
+    uint8_t *logits_chain;
+    int32_t *receipt_ids;
     kiln_request_callback on_event;
     void *user;
 } kiln_request_params;
@@ -952,6 +961,9 @@ typedef struct kiln_engine_stats {
 KILN_API void kiln_engine_get_stats(kiln_engine *e, kiln_engine_stats *out);
 /* The model the engine serves. */
 KILN_API kiln_model *kiln_engine_model(kiln_engine *e);
+/* Positions per request (the n_ctx it was made with, or the default it chose); 0 for a bad
+ * handle. */
+KILN_API int kiln_engine_n_ctx(kiln_engine *e);
 
 #ifdef __cplusplus
 }

@@ -86,6 +86,7 @@ static char *read_key_file(const char *path) {
 
 #if KILN_HAVE_MHD
 #include "base/base.h"
+#include "receipt.h"
 #include "serve_http.h"
 
 static int signal_pipe[2] = {-1, -1};
@@ -221,10 +222,32 @@ int cmd_serve(int argc, char **argv) {
         return cli_fail(cmd, "starting the engine", st);
     }
     char *name_owned = model_name ? NULL : default_model_name(model);
+    int ctx_len = kiln_engine_n_ctx(e);
+    /* what every receipt says of the model and the arithmetic ("receipt": true) */
     kiln_model_info info;
-    int ctx_len = ep.n_ctx;
-    if (!ctx_len && kiln_model_get_info(m, &info) == KILN_OK)
-        ctx_len = info.n_ctx_train > 0 && info.n_ctx_train < 8192 ? info.n_ctx_train : 8192;
+    receipt rb;
+    memset(&rb, 0, sizeof rb);
+    rb.version = RECEIPT_VERSION;
+    st = kiln_model_fingerprint(m, rb.model_fp);
+    if (st == KILN_OK) st = kiln_tokenizer_fingerprint(kiln_model_get_tokenizer(m), rb.tokenizer_fp);
+    if (st == KILN_OK) st = kiln_model_get_info(m, &info);
+    if (st != KILN_OK) {
+        kiln_engine_free(e);
+        kiln_model_close(m);
+        free(key_owned);
+        free(name_owned);
+        return cli_fail(cmd, "the model's fingerprint", st);
+    }
+    rb.n_vocab = info.n_vocab;
+    rb.architecture = (char *)info.architecture;
+    rb.model_name = (char *)info.name;
+    rb.model_path = (char *)model;
+    rb.n_ctx = ctx_len;
+    rb.n_batch = max_batch ? (int)max_batch : 512;
+    rb.fast = fast;
+    rb.batch_invariant = batch_invariant;
+    rb.device = device;
+    rb.threads = (int)threads;
     char device_name[32];
     if (device < 0) snprintf(device_name, sizeof device_name, "cpu");
     else snprintf(device_name, sizeof device_name, "cuda:%d", device);
@@ -241,7 +264,8 @@ int cmd_serve(int argc, char **argv) {
                         .port = (int)port,
                         .max_connections = (int)max_conns,
                         .timeout_s = (int)timeout,
-                        .max_body = max_body};
+                        .max_body = max_body,
+                        .receipt_base = &rb};
     int rc = 1;
     serve_server *srv = NULL;
     char err[256];

@@ -166,6 +166,13 @@ static cJSON *receipt_json(const receipt *r) {
     return root;
 }
 
+char *receipt_json_text(const receipt *r) {
+    cJSON *root = receipt_json(r);
+    char *text = root ? cJSON_PrintUnformatted(root) : NULL;
+    cJSON_Delete(root);
+    return text;
+}
+
 int receipt_write(const char *cmd, const char *path, const receipt *r) {
     cJSON *root = receipt_json(r);
     char *text = root ? cJSON_Print(root) : NULL;

@@ -48,6 +48,10 @@ typedef struct receipt {
 
 void receipt_free(receipt *r);
 
+/* r as compact JSON text (malloc'd; free), or NULL when out of memory: kiln serve's
+ * "kiln_receipt" of a choice, which `kiln verify` reads once saved to a file. */
+char *receipt_json_text(const receipt *r);
+
 /* Write r as JSON to path atomically (path.tmp-<pid>, fsync'd, renamed). 0, or prints
  * "kiln <cmd>: ..." and returns 1. */
 int receipt_write(const char *cmd, const char *path, const receipt *r);

@@ -30,6 +30,7 @@
 #include "base/base.h"
 #include "formats/json_text.h"
 #include "serve/openai.h"
+#include "receipt.h"
 
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
@@ -166,6 +167,13 @@ typedef struct choice {
     int oom; /* an append failed: the choice is reported as an error */
     size_t sent_text, sent_toks; /* streamed so far */
     int sent_first, sent_finish;
+    /* "receipt": true: the chain and ids the engine fills, the choice's sampler settings, and
+     * at its end the receipt's JSON */
+    uint8_t *chain;
+    int32_t *rids;
+    int max_tokens;
+    kiln_sampler_params sampler;
+    char *receipt;
 } choice;
 
 struct job {
@@ -184,6 +192,8 @@ struct job {
     char *out;
     size_t out_len, out_off, out_cap;
     int stream_over; /* [DONE] queued */
+    int32_t *prompt; /* "receipt": true: the prompt's ids */
+    size_t n_prompt;
     int cancelled;
 };
 
@@ -191,7 +201,11 @@ static void job_free(job *j) {
     for (int i = 0; i < KILN_OAI_MAX_N; i++) {
         kiln_free(j->ch[i].text);
         kiln_free(j->ch[i].toks);
+        kiln_free(j->ch[i].chain);
+        kiln_free(j->ch[i].rids);
+        free(j->ch[i].receipt);
     }
+    kiln_free(j->prompt);
     kiln_oai_request_free(&j->req);
     kiln_free(j->out);
     if (j->efd >= 0) close(j->efd);
@@ -248,6 +262,8 @@ static int append_bytes(choice *c, const char *s, size_t n) {
     return 1;
 }
 
+static void make_receipt(job *j, choice *c, const char *stop_reason);
+
 /* The engine's callback (its worker thread): copy, signal, return. */
 static void on_event(const kiln_request_event *ev, void *user) {
     choice *c = user;
@@ -284,6 +300,8 @@ static void on_event(const kiln_request_event *ev, void *user) {
         c->n_prompt = ev->n_prompt;
         c->n_cached = ev->n_prompt_cached;
         c->n_generated = ev->n_generated;
+        if (c->chain && c->status == KILN_OK && strcmp(c->finish, "error") && strcmp(c->finish, "cancelled"))
+            make_receipt(j, c, ev->stop_reason);
         c->done = 1;
         j->n_done++;
     }
@@ -308,6 +326,29 @@ static int job_wait(job *j, int ms) {
     }
     if (r > 0 && np == 2 && (p[1].revents & (POLLRDHUP | POLLHUP | POLLERR))) return 1;
     return 0;
+}
+
+/* Choice c's receipt (its JSON in c->receipt; none when out of memory), at its end (j->mu
+ * held): the server's part (cfg.receipt_base), the prompt ids, the request's settings with
+ * the choice's seed, the output and the chain. */
+static void make_receipt(job *j, choice *c, const char *stop_reason) {
+    receipt r = *j->srv->cfg.receipt_base; /* shallow: nothing here is freed */
+    r.prompt_text = NULL; /* the ids are the prompt (a chat's messages went through the template) */
+    r.system = NULL;
+    r.chat = 0;
+    r.prompt_ids = j->prompt;
+    r.n_prompt = j->n_prompt;
+    r.max_tokens = c->max_tokens;
+    r.sampler = c->sampler;
+    r.n_stops = j->req.n_stop < RECEIPT_MAX_STOPS ? j->req.n_stop : RECEIPT_MAX_STOPS;
+    for (int i = 0; i <= RECEIPT_MAX_STOPS; i++) r.stops[i] = i < r.n_stops ? j->req.stop[i] : NULL;
+    r.ignore_eos = j->req.ignore_eos;
+    r.ids = c->rids;
+    r.n_ids = (size_t)c->n_generated;
+    r.text = c->text ? c->text : "";
+    r.stop_reason = (char *)(stop_reason ? stop_reason : c->finish);
+    r.chain = (uint8_t(*)[32])c->chain;
+    c->receipt = receipt_json_text(&r);
 }
 
 static void usage_of(const job *j, kiln_oai_usage *u) {
@@ -376,7 +417,8 @@ static int stream_collect(job *j) {
                     return 0;
                 continue;
             }
-            kiln_oai_choice oc = {.index = i, .text = "", .len = 0, .finish_reason = c->finish};
+            kiln_oai_choice oc = {.index = i, .text = "", .len = 0, .finish_reason = c->finish,
+                                  .receipt_json = c->receipt};
             if (!out_event(j, kiln_oai_chunk_json(m, &oc, 1, NULL, usage_null))) return 0;
         }
     }
@@ -575,9 +617,33 @@ static kiln_status job_submit(job *j, const int32_t *ids, size_t n_ids) {
     rp.frequency_penalty = q->frequency_penalty;
     rp.logprobs = q->logprobs;
     rp.on_event = on_event;
+    /* a receipt: room for the most tokens the request can produce, and c_0 */
+    const receipt *base = j->srv->cfg.receipt_base;
+    long room = (long)j->srv->cfg.n_ctx - (long)n_ids + 1;
+    size_t G = room < 1 ? 1 : (size_t)room;
+    if (q->max_tokens >= 0 && (size_t)q->max_tokens < G) G = (size_t)q->max_tokens;
+    if (q->receipt) { /* everything made before the first request goes in */
+        if (!base) return kiln_error(KILN_ERR_UNSUPPORTED, "this server makes no receipts");
+        j->prompt = kiln_malloc(n_ids * sizeof *ids);
+        if (!j->prompt) return kiln_error(KILN_ERR_NOMEM, "out of memory");
+        memcpy(j->prompt, ids, n_ids * sizeof *ids);
+        j->n_prompt = n_ids;
+        for (int i = 0; i < j->n; i++) {
+            choice *c = &j->ch[i];
+            c->chain = kiln_malloc(32 * (G + 1));
+            c->rids = kiln_malloc((G ? G : 1) * sizeof *c->rids);
+            if (!c->chain || !c->rids) return kiln_error(KILN_ERR_NOMEM, "out of memory");
+            KILN_TRY(kiln_receipt_chain_start(base->model_fp, base->tokenizer_fp, ids, n_ids, c->chain));
+            c->max_tokens = (int)G;
+            c->sampler = rp.sampler;
+            c->sampler.seed = seed + (uint64_t)i;
+        }
+    }
     for (int i = 0; i < j->n; i++) {
         rp.sampler.seed = seed + (uint64_t)i;
         rp.user = &j->ch[i];
+        rp.logits_chain = j->ch[i].chain;
+        rp.receipt_ids = j->ch[i].rids;
         pthread_mutex_lock(&j->mu);
         j->refs++; /* the engine request's, taken before it can call back */
         pthread_mutex_unlock(&j->mu);
@@ -631,7 +697,8 @@ static enum MHD_Result answer_whole(serve_server *s, struct MHD_Connection *c, j
                                   .len = ch->len,
                                   .finish_reason = ch->finish,
                                   .tokens = j->req.logprobs >= 0 ? ch->toks : NULL,
-                                  .n_tokens = ch->n_toks};
+                                  .n_tokens = ch->n_toks,
+                                  .receipt_json = ch->receipt};
     }
     kiln_oai_usage u;
     usage_of(j, &u);

@@ -55,6 +55,8 @@ struct req {
     int n_registered; /* blocks[0..n_registered) have been offered to the prefix table */
     int queued;       /* counted in stats.queued (submitted, never admitted yet) */
     int logprobs;
+    uint8_t *chain;   /* a receipt's logits chain and ids (kiln_request_params), or NULL */
+    int32_t *rids;
     int cancel;
     kiln_request_callback cb;
     void *user;
@@ -468,7 +470,7 @@ static void stat_token(kiln_engine_stats *s, const void *arg) {
  * sample op: kiln_sampler_sample's id for the same logits and stream): not when it asks for
  * log-probabilities or has OpenAI's penalties, which need the row on the host. */
 static int samples_on_device(const kiln_engine *e, const req *r) {
-    return !e->fs.host_memory && e->be->i->sample && r->logprobs < 0 && !r->counts;
+    return !e->fs.host_memory && e->be->i->sample && r->logprobs < 0 && !r->counts && !r->chain;
 }
 
 /* Sample r's next token from its logits row (host memory), or take dev_id, the id the device
@@ -494,6 +496,15 @@ static int sample_and_emit(kiln_engine *e, req *r, float *logits, int32_t dev_id
         req_unload(e, r);
         req_done(e, r, "error", "error", st, kiln_last_error());
         return 1;
+    }
+    if (st == KILN_OK && r->chain) { /* a receipt: this row's digest, the token */
+        st = kiln_receipt_chain_step(r->chain + 32 * (size_t)r->n_gen, logits, (size_t)V, r->chain + 32 * (size_t)(r->n_gen + 1));
+        r->rids[r->n_gen] = id;
+        if (st != KILN_OK) {
+            req_unload(e, r);
+            req_done(e, r, "error", "error", st, kiln_last_error());
+            return 1;
+        }
     }
     if (r->logprobs >= 0) fill_logprobs(e, e->row, id, r->logprobs, &ev);
     r->tokens[r->n_tokens++] = id;
@@ -961,6 +972,10 @@ kiln_model *kiln_engine_model(kiln_engine *e) {
     return kiln_handle_check(e, KILN_HANDLE_ENGINE, "kiln_engine_model") == KILN_OK ? e->m : NULL;
 }
 
+int kiln_engine_n_ctx(kiln_engine *e) {
+    return kiln_handle_check(e, KILN_HANDLE_ENGINE, "kiln_engine_n_ctx") == KILN_OK ? e->fs.n_ctx : 0;
+}
+
 static req *req_create(kiln_engine *e, const kiln_request_params *p) {
     req *r = kiln_calloc(1, sizeof *r);
     if (!r) return NULL;
@@ -998,6 +1013,11 @@ kiln_status kiln_engine_submit(kiln_engine *e, const kiln_request_params *p, uin
                           KILN_MAX_TOP_LOGPROBS);
     if (!isfinite(p->presence_penalty) || !isfinite(p->frequency_penalty))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_submit: presence_penalty and frequency_penalty must be finite");
+    if (!p->logits_chain != !p->receipt_ids)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_submit: logits_chain and receipt_ids go together");
+    if (p->logits_chain && (p->presence_penalty != 0 || p->frequency_penalty != 0))
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_submit: a receipt takes no presence or frequency penalty "
+                          "(kiln verify cannot replay them)");
     if (p->n_prompt >= (size_t)e->fs.n_ctx)
         return kiln_error(KILN_ERR_RANGE, "kiln_engine_submit: a prompt of %zu tokens leaves no room in the context of %d",
                           p->n_prompt, e->fs.n_ctx);
@@ -1019,6 +1039,8 @@ kiln_status kiln_engine_submit(kiln_engine *e, const kiln_request_params *p, uin
     r->presence = p->presence_penalty;
     r->frequency = p->frequency_penalty;
     r->logprobs = p->logprobs;
+    r->chain = p->logits_chain;
+    r->rids = p->receipt_ids;
     r->cb = p->on_event;
     r->user = p->user;
     r->t_submit = kiln_time_seconds();

@@ -317,6 +317,7 @@ static kiln_status parse_fields(const cJSON *root, kiln_oai_request *r, kiln_oai
     KILN_TRY(get_number(root, "frequency_penalty", -2, 2, 0, &r->frequency_penalty, err));
     KILN_TRY(get_number(root, "repetition_penalty", 0, 100, 1, &r->repetition_penalty, err));
     KILN_TRY(get_bool(root, "ignore_eos", &r->ignore_eos, err));
+    KILN_TRY(get_bool(root, "receipt", &r->receipt, err));
     return KILN_OK;
 }
 
@@ -568,6 +569,13 @@ static void add_text(cJSON *o, const char *key, const kiln_oai_choice *c) {
     else cJSON_Delete(t);
 }
 
+/* o["kiln_receipt"] = choice c's receipt, when it has one */
+static void add_receipt(cJSON *o, const kiln_oai_choice *c) {
+    cJSON *r = c->receipt_json ? cJSON_Parse(c->receipt_json) : NULL;
+    if (o && r) cJSON_AddItemToObject(o, "kiln_receipt", r);
+    else cJSON_Delete(r);
+}
+
 static void add_logprobs(cJSON *o, const kiln_oai_meta *m, const kiln_oai_choice *c) {
     if (m->logprobs >= 0 && c->tokens)
         cJSON_AddItemToObject(o, "logprobs",
@@ -603,6 +611,7 @@ char *kiln_oai_response_json(const kiln_oai_meta *m, const kiln_oai_choice *choi
         }
         add_logprobs(ch, m, c);
         add_finish(ch, c->finish_reason);
+        add_receipt(ch, c);
         cJSON_AddItemToArray(arr, ch);
     }
     if (u) add_usage(o, u);
@@ -627,6 +636,7 @@ char *kiln_oai_chunk_json(const kiln_oai_meta *m, const kiln_oai_choice *choices
         }
         add_logprobs(ch, m, c);
         add_finish(ch, c->finish_reason);
+        add_receipt(ch, c);
         cJSON_AddItemToArray(arr, ch);
     }
     if (usage) add_usage(o, usage);

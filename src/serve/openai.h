@@ -73,6 +73,8 @@ typedef struct kiln_oai_request {
     float frequency_penalty;      /* [-2, 2], default 0 */
     float repetition_penalty;     /* (0, 100], default 1 (off) */
     int ignore_eos;               /* default 0 */
+    int receipt;                  /* kiln's "receipt": true: each choice gets a generation
+                                   * receipt (docs/REPRODUCIBILITY.md), default 0 */
 } kiln_oai_request;
 
 /* Parse and check body[0..len) (not necessarily NUL-terminated) as a request of that kind.
@@ -103,6 +105,7 @@ typedef struct kiln_oai_choice {
     size_t n_tokens;
     size_t text_offset;         /* completions' logprobs.text_offset of tokens[0] */
     int first;                  /* chat chunk: the first of this choice (delta gets the role) */
+    const char *receipt_json;   /* the choice's receipt as JSON text (its "kiln_receipt"), or NULL */
 } kiln_oai_choice;
 
 typedef struct kiln_oai_usage {

@@ -212,6 +212,52 @@ def test_seed_reproducible_and_n(server):
     assert got == ta
 
 
+def verify(build_dir, model, rec, tmp_path, name, *args):
+    f = tmp_path / f"{name}.json"
+    f.write_text(json.dumps(rec))
+    return subprocess.run([kiln_bin(build_dir), "verify", str(f), "-m", model, *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_receipts_verify(server, build_dir, smollm2_gguf, tmp_path):
+    """"receipt": true gives every choice a generation receipt (docs/REPRODUCIBILITY.md) that
+    `kiln verify` replays alone, step for step: chat with n = 2 and a seed (choice i's seed is
+    seed + i), a streamed completion (the receipt in the choice's last chunk), a concurrent
+    neighbour not mattering; penalties are refused; without the field, no receipt."""
+    c = server.client()
+    r = c.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Name a color."}],
+                                  max_tokens=10, temperature=0.9, seed=7, n=2, extra_body={"receipt": True})
+    for ch in r.choices:
+        rec = ch.model_extra["kiln_receipt"]
+        assert rec["settings"]["seed"] == str(7 + ch.index) and rec["arithmetic"]["mode"] == "auditable"
+        assert len(rec["logits_chain"]) == len(rec["output"]["ids"]) + 1
+        v = verify(build_dir, smollm2_gguf, rec, tmp_path, f"chat{ch.index}", "--threads", "1")
+        assert v.returncode == 0 and "identical" in v.stdout, v.stdout + v.stderr
+    # streamed, while another request runs beside it
+    import threading
+    side = threading.Thread(target=lambda: c.completions.create(model=server.model, prompt="A long story:",
+                                                               max_tokens=40, temperature=0))
+    side.start()
+    rec = None
+    for chunk in c.completions.create(model=server.model, prompt="The capital of France is", max_tokens=8,
+                                      stream=True, extra_body={"receipt": True}):
+        for x in chunk.choices:
+            rec = (x.model_extra or {}).get("kiln_receipt", rec)
+    side.join()
+    assert rec is not None
+    v = verify(build_dir, smollm2_gguf, rec, tmp_path, "stream")
+    assert v.returncode == 0, v.stdout + v.stderr
+    # a flipped id is named by verify
+    rec["output"]["ids"][0] ^= 1
+    v = verify(build_dir, smollm2_gguf, rec, tmp_path, "bad")
+    assert v.returncode in (1, 2), v.stdout + v.stderr
+    st, _, body = server.http("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "receipt": True,
+                                                          "frequency_penalty": 0.5})
+    assert st == 400 and b"penalty" in body
+    st, _, body = server.http("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert st == 200 and b"kiln_receipt" not in body
+
+
 def test_stop_strings(server):
     c = server.client()
     base = c.completions.create(model=server.model, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
