@@ -245,6 +245,7 @@ static const char *tx_split_pattern(const kiln_tokenizer *t, int k) {
             if (i == k) idx = n_split;
             n_split++;
         }
+    if (t->pre_steps[k].pattern) return t->pre_steps[k].pattern; /* its source */
     if (!strcmp(t->pre, "smollm") && n_split == 2) return idx == 0 ? "\\p{N}" : tok_regex_by_name("gpt2");
     if (n_split == 1 && t->pre_steps[k].behavior == TOK_SPLIT_ISOLATED) return tok_regex_by_name(t->pre);
     return NULL;
@@ -286,21 +287,27 @@ static kiln_status tx_pre(tx *x, const kiln_tokenizer *t, cJSON **norm_extra, in
             return kiln_error(KILN_ERR_UNSUPPORTED, "%s: pre-tokenizer '%s': the pattern of split "
                               "step %d is not one kiln can name", t->label, t->pre, k);
         }
-        if (t->byte_level && !strcmp(re, tok_regex_by_name("gpt2"))) {
+        if (t->byte_level && !s->literal && !strcmp(re, tok_regex_by_name("gpt2"))) {
             cJSON *o = tx_typed(x, "ByteLevel");
             tx_bool(x, o, "add_prefix_space", prefix_space);
             tx_bool(x, o, "trim_offsets", 1);
             tx_bool(x, o, "use_regex", 1);
             items[n++] = o;
             bytelevel_done = 1;
-        } else if (!strcmp(re, "\\p{N}")) {
+        } else if (!s->literal && s->behavior == TOK_SPLIT_ISOLATED &&
+                   (!strcmp(re, "\\p{N}") || !strcmp(re, "\\p{N}+"))) { /* as tok_load reads Digits */
             cJSON *o = tx_typed(x, "Digits");
-            tx_bool(x, o, "individual_digits", 1);
+            tx_bool(x, o, "individual_digits", !strcmp(re, "\\p{N}"));
             items[n++] = o;
         } else {
+            static const char *const behaviors[] = {[TOK_SPLIT_ISOLATED] = "Isolated",
+                                                    [TOK_SPLIT_REMOVED] = "Removed",
+                                                    [TOK_SPLIT_MERGED_PREV] = "MergedWithPrevious",
+                                                    [TOK_SPLIT_MERGED_NEXT] = "MergedWithNext",
+                                                    [TOK_SPLIT_CONTIGUOUS] = "Contiguous"};
             cJSON *o = tx_typed(x, "Split");
-            tx_add(x, o, "pattern", tx_pattern(x, "Regex", re));
-            tx_str(x, o, "behavior", "Isolated");
+            tx_add(x, o, "pattern", tx_pattern(x, s->literal ? "String" : "Regex", re));
+            tx_str(x, o, "behavior", behaviors[s->behavior]);
             tx_bool(x, o, "invert", 0);
             items[n++] = o;
         }

@@ -59,6 +59,8 @@ typedef enum tok_pre_kind {
 typedef struct tok_pre_step {
     tok_pre_kind kind;
     pcre2_code *re;               /* SPLIT */
+    char *pattern;                /* SPLIT: its source text (a regex, or a literal when literal) */
+    int literal;
     tok_split_behavior behavior;  /* SPLIT */
     int prepend;                  /* METASPACE: 0 never, 1 first, 2 always; SPM: add_space_prefix */
     int split;                    /* METASPACE: split on the marker */

@@ -47,7 +47,15 @@ static kiln_status add_split(kiln_tokenizer *t, const char *re, size_t len, int 
     memset(st, 0, sizeof *st);
     st->kind = TOK_PRE_SPLIT;
     st->behavior = b;
-    KILN_TRY(tok_compile_regex(re, len, literal, t->label, &st->re));
+    st->literal = literal;
+    st->pattern = kiln_strndup(re, len);
+    if (!st->pattern) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", t->label);
+    kiln_status cst = tok_compile_regex(re, len, literal, t->label, &st->re);
+    if (cst != KILN_OK) {
+        kiln_free(st->pattern);
+        st->pattern = NULL;
+        return cst;
+    }
     t->n_pre++;
     return KILN_OK;
 }

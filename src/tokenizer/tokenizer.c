@@ -317,7 +317,10 @@ static void tok_destroy(kiln_tokenizer *t) {
         kiln_free(t->norm[i].a);
         kiln_free(t->norm[i].b);
     }
-    for (int i = 0; i < t->n_pre; i++) pcre2_code_free(t->pre_steps[i].re);
+    for (int i = 0; i < t->n_pre; i++) {
+        pcre2_code_free(t->pre_steps[i].re);
+        kiln_free(t->pre_steps[i].pattern);
+    }
     for (int i = 0; i < t->n_dec; i++) {
         kiln_free(t->dec[i].a);
         kiln_free(t->dec[i].b);

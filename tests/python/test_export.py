@@ -225,3 +225,48 @@ def test_export_smollm2_gguf(tmp_path, build_dir, smollm2_gguf):
     tr.close()
     import shutil
     shutil.rmtree(out)
+
+
+def test_pre_tokenizer_round_trip(tmp_path, build_dir):
+    """A tokenizer.json whose pre-tokenizer kiln has no name for (a Split with a literal and the
+    Removed behavior, a regex Split merged with the previous piece, Digits in runs, ByteLevel's
+    regex) is written back with the same steps: a model trained from scratch on it exports, and
+    the exported tokenizer.json gives `tokenizers`' ids; an export of that export is the same
+    file (the folder made by one run is the tokenizer of the next)."""
+    import subprocess
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from test_parity import CORPUS
+    src = tmp_path / "tok"
+    src.mkdir()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split("--", behavior="removed"),
+        pre_tokenizers.Split(Regex(r"[!?]+"), behavior="merged_with_previous"),
+        pre_tokenizers.Digits(individual_digits=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                            show_progress=False))
+    tok.save(str(src / "tokenizer.json"))
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "add_bos_token": False}))
+    text = tmp_path / "t.txt"
+    text.write_text("\n\n".join(CORPUS))
+    kiln_bin = str(build_dir / "kiln")
+    subprocess.run([kiln_bin, "data", "-m", str(src), "-o", str(tmp_path / "d.tok"), str(text)], check=True,
+                   capture_output=True)
+    outs = []
+    for i, tk in enumerate([src, tmp_path / "run0" / "model"]):
+        r = subprocess.run([kiln_bin, "train", "--config", "tiny", "--tokenizer", str(tk), "--data",
+                            str(tmp_path / "d.tok"), "--steps", "1", "--batch", "1", "--seq", "16", "--eval-every", "0",
+                            "--save-every", "0", "--eval-fraction", "0", "--threads", "1", "--out", str(tmp_path / f"run{i}")],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs.append(tmp_path / f"run{i}" / "model" / "tokenizer.json")
+    want = json.loads((src / "tokenizer.json").read_text())["pre_tokenizer"]
+    got = json.loads(outs[0].read_text())["pre_tokenizer"]
+    assert [p["type"] for p in got["pretokenizers"]] == [p["type"] for p in want["pretokenizers"]], got
+    assert outs[0].read_text() == outs[1].read_text()
+    raw_src, raw_out = Tokenizer.from_file(str(src / "tokenizer.json")), Tokenizer.from_file(str(outs[0]))
+    for t in ["a--b c!!! d?! 12345 x", "the 2024-12-05 release -- costs 1000!?"] + CORPUS[:3]:
+        assert raw_out.encode(t).ids == raw_src.encode(t).ids, t
