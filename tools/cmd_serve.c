@@ -228,15 +228,13 @@ int cmd_serve(int argc, char **argv) {
     receipt rb;
     memset(&rb, 0, sizeof rb);
     rb.version = RECEIPT_VERSION;
-    st = kiln_model_fingerprint(m, rb.model_fp);
-    if (st == KILN_OK) st = kiln_tokenizer_fingerprint(kiln_model_get_tokenizer(m), rb.tokenizer_fp);
-    if (st == KILN_OK) st = kiln_model_get_info(m, &info);
+    st = kiln_model_get_info(m, &info);
     if (st != KILN_OK) {
         kiln_engine_free(e);
         kiln_model_close(m);
         free(key_owned);
         free(name_owned);
-        return cli_fail(cmd, "the model's fingerprint", st);
+        return cli_fail(cmd, "the model", st);
     }
     rb.n_vocab = info.n_vocab;
     rb.architecture = (char *)info.architecture;

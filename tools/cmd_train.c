@@ -626,7 +626,6 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     if (rp) o.resume = o.overwrite = 0;
     int rc = 0;
     train_audit *audit = NULL;
-    long mismatch = 0;
     kiln_model *m = NULL, *tm = NULL;
     kiln_trainer *tr = NULL;
     kiln_teacher *teacher = NULL;
@@ -886,7 +885,6 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         if (rp) { /* the replay: compare, write nothing */
             if (audit_record(rp->log, &as)) {
                 fprintf(stderr, "kiln audit: step %ld differs from its record (above)\n", s + 1);
-                mismatch = s + 1;
                 rc = 1;
                 break;
             }
@@ -966,7 +964,6 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     if (rp) {
         if (!rc) fprintf(stderr, "kiln audit: all %ld steps (%ld..%ld) match their records\n", rp->to - rp->from,
                          rp->from + 1, rp->to);
-        (void)mismatch;
         goto out;
     }
     st = kiln_metrics_close(csv);

@@ -67,7 +67,25 @@ struct serve_server {
     uint64_t id_salt;
     atomic_uint_fast64_t responses[N_COUNTED + 1];
     atomic_uint_fast64_t client_disconnects;
+    /* the model's and tokenizer's fingerprints, made at the first request for a receipt (not
+     * at start-up: hashing a large model's weights takes seconds) */
+    pthread_mutex_t fp_mu;
+    int fp_ready;
+    uint8_t model_fp[32], tok_fp[32];
 };
+
+/* s's fingerprints, made once (any connection thread). */
+static kiln_status server_fingerprints(serve_server *s) {
+    pthread_mutex_lock(&s->fp_mu);
+    kiln_status st = KILN_OK;
+    if (!s->fp_ready) {
+        st = kiln_model_fingerprint(kiln_engine_model(s->cfg.engine), s->model_fp);
+        if (st == KILN_OK) st = kiln_tokenizer_fingerprint(s->cfg.tok, s->tok_fp);
+        s->fp_ready = st == KILN_OK;
+    }
+    pthread_mutex_unlock(&s->fp_mu);
+    return st;
+}
 
 static void count_response(serve_server *s, int code) {
     size_t i = 0;
@@ -333,6 +351,8 @@ static int job_wait(job *j, int ms) {
  * the choice's seed, the output and the chain. */
 static void make_receipt(job *j, choice *c, const char *stop_reason) {
     receipt r = *j->srv->cfg.receipt_base; /* shallow: nothing here is freed */
+    memcpy(r.model_fp, j->srv->model_fp, 32); /* ready: the request's chain began with them */
+    memcpy(r.tokenizer_fp, j->srv->tok_fp, 32);
     r.prompt_text = NULL; /* the ids are the prompt (a chat's messages went through the template) */
     r.system = NULL;
     r.chat = 0;
@@ -624,6 +644,7 @@ static kiln_status job_submit(job *j, const int32_t *ids, size_t n_ids) {
     if (q->max_tokens >= 0 && (size_t)q->max_tokens < G) G = (size_t)q->max_tokens;
     if (q->receipt) { /* everything made before the first request goes in */
         if (!base) return kiln_error(KILN_ERR_UNSUPPORTED, "this server makes no receipts");
+        KILN_TRY(server_fingerprints(j->srv));
         j->prompt = kiln_malloc(n_ids * sizeof *ids);
         if (!j->prompt) return kiln_error(KILN_ERR_NOMEM, "out of memory");
         memcpy(j->prompt, ids, n_ids * sizeof *ids);
@@ -633,7 +654,7 @@ static kiln_status job_submit(job *j, const int32_t *ids, size_t n_ids) {
             c->chain = kiln_malloc(32 * (G + 1));
             c->rids = kiln_malloc((G ? G : 1) * sizeof *c->rids);
             if (!c->chain || !c->rids) return kiln_error(KILN_ERR_NOMEM, "out of memory");
-            KILN_TRY(kiln_receipt_chain_start(base->model_fp, base->tokenizer_fp, ids, n_ids, c->chain));
+            KILN_TRY(kiln_receipt_chain_start(j->srv->model_fp, j->srv->tok_fp, ids, n_ids, c->chain));
             c->max_tokens = (int)G;
             c->sampler = rp.sampler;
             c->sampler.seed = seed + (uint64_t)i;
@@ -1169,6 +1190,11 @@ int serve_start(const serve_config *cfg, serve_server **out, char *err, size_t e
     }
     s->cfg = *cfg;
     s->id_salt = cli_random_seed();
+    if (pthread_mutex_init(&s->fp_mu, NULL) != 0) {
+        snprintf(err, errcap, "cannot make a mutex");
+        kiln_free(s);
+        return -1;
+    }
     struct addrinfo hints = {.ai_family = AF_UNSPEC,
                              .ai_socktype = SOCK_STREAM,
                              .ai_flags = AI_PASSIVE},
@@ -1178,6 +1204,7 @@ int serve_start(const serve_config *cfg, serve_server **out, char *err, size_t e
     int gai = getaddrinfo(cfg->host, port, &hints, &ai);
     if (gai != 0 || !ai) {
         snprintf(err, errcap, "--host %s: %s", cfg->host, gai ? gai_strerror(gai) : "no address");
+        pthread_mutex_destroy(&s->fp_mu);
         kiln_free(s);
         return -1;
     }
@@ -1194,6 +1221,7 @@ int serve_start(const serve_config *cfg, serve_server **out, char *err, size_t e
     if (!s->daemon) {
         snprintf(err, errcap, "cannot listen on %s:%d (%s)", cfg->host, cfg->port,
                  errno ? strerror(errno) : "libmicrohttpd refused the options");
+        pthread_mutex_destroy(&s->fp_mu);
         kiln_free(s);
         return -1;
     }
@@ -1216,6 +1244,7 @@ int serve_active(serve_server *s) { return atomic_load(&s->active); }
 void serve_stop(serve_server *s) {
     if (!s) return;
     MHD_stop_daemon(s->daemon);
+    pthread_mutex_destroy(&s->fp_mu);
     kiln_free(s);
 }
 

@@ -21,8 +21,9 @@ typedef struct serve_config {
     int max_connections;        /* open connections at once (each holds a thread) */
     int timeout_s;              /* idle / slow-client timeout of a connection */
     size_t max_body;            /* request bodies past this are refused with 413 */
-    /* what every receipt of this server says of the model and the arithmetic (fingerprints,
-     * n_vocab, n_ctx, n_batch, mode, device, threads); the rest is each choice's */
+    /* what every receipt of this server says of the model and the arithmetic (n_vocab, n_ctx,
+     * n_batch, mode, device, threads; the fingerprints are the server's, made at the first
+     * receipt); the rest is each choice's */
     const struct receipt *receipt_base;
 } serve_config;
 

@@ -51,30 +51,8 @@ static int write_line(FILE *f, const char *prefix, char hash_hex[65]) {
     return 0;
 }
 
-/* The whole file (NUL-terminated) or NULL with errno. */
-static char *read_all(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 1 << 16, len = 0;
-    char *buf = malloc(cap);
-    while (buf) {
-        len += fread(buf + len, 1, cap - len - 1, f);
-        if (len < cap - 1) break;
-        char *nb = realloc(buf, cap *= 2);
-        if (!nb) free(buf);
-        buf = nb;
-    }
-    int err = ferror(f);
-    fclose(f);
-    if (!buf || err) {
-        free(buf);
-        errno = err ? EIO : ENOMEM;
-        return NULL;
-    }
-    buf[len] = 0;
-    *n = len;
-    return buf;
-}
+/* The log's most bytes (a million steps of about 400 bytes each, with room). */
+#define AUDIT_MAX_BYTES ((size_t)1 << 30)
 
 static int hex_field(const cJSON *o, const char *key, uint8_t out[32]) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
@@ -238,9 +216,9 @@ int audit_open_write(const char *path, long start, int argc, char **argv, const 
     }
     /* resuming at step start: the log verified and cut after that step's record */
     size_t len = 0;
-    char *buf = read_all(path, &len);
-    if (!buf) {
-        fprintf(stderr, "kiln train: --audit: %s: %s (the run to resume kept no audit log)\n", path, strerror(errno));
+    char *buf = NULL;
+    if (kiln_read_text_file(path, AUDIT_MAX_BYTES, &buf, &len) != KILN_OK) {
+        fprintf(stderr, "kiln train: --audit: %s (the run to resume kept no audit log)\n", kiln_last_error());
         free(a);
         return 1;
     }
@@ -260,7 +238,7 @@ int audit_open_write(const char *path, long start, int argc, char **argv, const 
         if (bad) fprintf(stderr, "kiln train: --audit: cannot rewrite %s: %s\n", path, strerror(errno));
         if (!bad && !(a->f = fopen(path, "ab"))) bad = 1;
     }
-    free(buf);
+    kiln_free(buf);
     if (bad) {
         audit_close(a);
         return 1;
@@ -274,14 +252,14 @@ int audit_open_replay(const char *path, train_audit **out) {
     if (!a) return 1;
     a->replay = 1;
     size_t len = 0;
-    char *buf = read_all(path, &len);
-    if (!buf) {
-        fprintf(stderr, "kiln audit: %s: %s\n", path, strerror(errno));
+    char *buf = NULL;
+    if (kiln_read_text_file(path, AUDIT_MAX_BYTES, &buf, &len) != KILN_OK) {
+        fprintf(stderr, "kiln audit: %s\n", kiln_last_error());
         free(a);
         return 1;
     }
     int bad = parse_log(path, buf, len, a, 0, NULL, a->hash);
-    free(buf);
+    kiln_free(buf);
     if (bad) {
         audit_close(a);
         return 1;
@@ -317,9 +295,9 @@ int audit_record(train_audit *a, const audit_step *s) {
         }
         return 0;
     }
-    const audit_rec *r = NULL;
-    for (long i = 0; i < a->n_recs && !r; i++)
-        if (a->recs[i].step == s->step) r = &a->recs[i];
+    /* the records are consecutive steps (parse_log checks it) */
+    long i = a->n_recs ? s->step - a->recs[0].step : -1;
+    const audit_rec *r = i >= 0 && i < a->n_recs ? &a->recs[i] : NULL;
     if (!r) {
         fprintf(stderr, "kiln audit: the log has no record of step %ld\n", s->step);
         return 1;

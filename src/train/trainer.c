@@ -769,15 +769,21 @@ kiln_status kiln_train_forward(kiln_trainer *t, const int32_t *ids, int n, const
     return kiln_train_forward_batch(t, ids, 1, n, targets, red, scale, loss);
 }
 
-/* The checks of a loss step over n_seq x seq ids with targets (forward_batch, step_batch):
- * KILN_OK or the error naming what is wrong, before anything is touched. */
-static kiln_status check_loss_step(kiln_trainer *t, const char *call, const int32_t *ids, int n_seq, int seq,
-                                   const int32_t *targets, kiln_loss_reduction red, float scale, const float *loss) {
+/* The checks of a step's n_seq x seq ids (every step call): KILN_OK or the error naming what
+ * is wrong, before anything is touched. */
+static kiln_status check_batch(kiln_trainer *t, const char *call, const int32_t *ids, int n_seq, int seq) {
     KILN_TRY(check_ready(t, call));
     if (n_seq < 1 || n_seq > t->p.max_batch)
         return kiln_error(KILN_ERR_RANGE, "%s: %d sequences not in [1, %d] (max_batch)", call, n_seq, t->p.max_batch);
     KILN_TRY(check_ids(t, ids, seq, call));
     for (int b = 1; b < n_seq; b++) KILN_TRY(check_ids(t, ids + (size_t)b * seq, seq, call));
+    return KILN_OK;
+}
+
+/* check_batch, and those of a loss step's targets (forward_batch, step_batch). */
+static kiln_status check_loss_step(kiln_trainer *t, const char *call, const int32_t *ids, int n_seq, int seq,
+                                   const int32_t *targets, kiln_loss_reduction red, float scale, const float *loss) {
+    KILN_TRY(check_batch(t, call, ids, n_seq, seq));
     if (!targets || !loss) return kiln_error(KILN_ERR_INVALID_ARG, "%s: targets and loss must be set", call);
     if (red != KILN_LOSS_MEAN && red != KILN_LOSS_SUM)
         return kiln_error(KILN_ERR_INVALID_ARG, "%s: unknown reduction %d", call, (int)red);
@@ -1033,12 +1039,8 @@ unusable:
 
 kiln_status kiln_train_custom_step(kiln_trainer *t, const char *call, const int32_t *ids, int n_seq, int seq,
                                    kiln_train_loss_fn fn, void *ctx, int accumulate, float *loss) {
-    KILN_TRY(check_ready(t, call));
+    KILN_TRY(check_batch(t, call, ids, n_seq, seq));
     if (!fn || !loss) return kiln_error(KILN_ERR_INVALID_ARG, "%s: NULL loss function or loss", call);
-    if (n_seq < 1 || n_seq > t->p.max_batch)
-        return kiln_error(KILN_ERR_RANGE, "%s: %d sequences not in [1, %d] (max_batch)", call, n_seq, t->p.max_batch);
-    KILN_TRY(check_ids(t, ids, seq, call));
-    for (int b = 1; b < n_seq; b++) KILN_TRY(check_ids(t, ids + (size_t)b * seq, seq, call));
     step_peak_reset(t);
     kiln_status st = forward(t, ids, n_seq, seq);
     if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
