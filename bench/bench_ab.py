@@ -7,14 +7,14 @@ bench_train_gpu.py's.
 
   python3 bench/bench_ab.py --a BUILD_BEFORE --b BUILD_AFTER [--c BUILD_3] [--labels before,after]
       [--modes auditable,fast]
-      [--parts decode,train] [--model 0.5b] [--new 128] [--prefill 2048] [--reps 3]
+      [--parts decode,train] [--model 0.5b|1.5b|3b|tiny] [--new 128] [--prefill 2048 (0: none)] [--reps 3]
       [--seq 2048] [--batch 8] [--micro 1,8] [--steps 3] [--device cuda|cpu] [--json OUT]
 
 Each build folder holds `kiln` and `libkiln.so` (a CMake build folder; its scripts/gpu-deps.sh
 dependencies in BUILD/deps are found). The model: bench_gpu.py's random bf16 Qwen2.5-0.5B
 shape (--model tiny: a 2-layer qwen2 for a CPU smoke run). Decode: tokens/s of 128 greedy
 tokens after bench_gpu's prompt, auditable and --fast, the median of --reps processes per
-build; prefill: the prompt tokens/s of a --prefill-token prompt, in a cold process (`kiln generate`,
+build, and whether each build's greedy ids equal the first build's; prefill: the prompt tokens/s of a --prefill-token prompt, in a cold process (`kiln generate`,
 the first forward uploads the weights) and warm (the binding: the median of 5 forwards after a
 first one). Train:
 kiln.Trainer(max_seq=--seq, max_batch=K, fast) steps of --batch sequences (K per forward), one
@@ -151,7 +151,7 @@ def main():
     builds = dict(zip(args.labels.split(","), [x for x in (args.a, args.b, args.c) if x]))
     dev = "cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu"
     os.makedirs(args.work, exist_ok=True)
-    name = {"0.5b": "Qwen2.5-0.5B", "1.5b": "Qwen2.5-1.5B", "tiny": "tiny"}[args.model]
+    name = {"0.5b": "Qwen2.5-0.5B", "1.5b": "Qwen2.5-1.5B", "3b": "Llama-3.2-3B", "tiny": "tiny"}[args.model]
     V = bench_gpu.hf_config(name).vocab_size
     tokdir = os.path.join(args.work, "tok-" + name)
     os.makedirs(tokdir, exist_ok=True)
@@ -167,16 +167,28 @@ def main():
             dec = {k: [] for k in builds}
             pre = {k: [] for k in builds}
             warm = {k: [] for k in builds}
+            ids = {}
             for _ in range(args.reps):
                 for label, b in builds.items():
-                    dec[label].append(generate(b, model, bench_gpu.PROMPT, args.new, fast, args.device)["decode_tokens_per_s"])
-                    r = generate(b, model, long_prompt, 1, fast, args.device)
-                    pre[label].append(len(r["prompt_ids"]) / r["prefill_seconds"])
-                    warm[label].append(prefill_warm(b, model, args.prefill, args.device, fast))
-            for what, d in (("decode tok/s", dec), (f"prefill tok/s ({len(r['prompt_ids'])} tokens, cold process)", pre),
-                            (f"prefill tok/s ({args.prefill} tokens, warm)", warm)):
+                    g = generate(b, model, bench_gpu.PROMPT, args.new, fast, args.device)
+                    dec[label].append(g["decode_tokens_per_s"])
+                    ids.setdefault(label, g["ids"])
+                    if args.prefill > 0:
+                        r = generate(b, model, long_prompt, 1, fast, args.device)
+                        pre[label].append(len(r["prompt_ids"]) / r["prefill_seconds"])
+                        warm[label].append(prefill_warm(b, model, args.prefill, args.device, fast))
+            figures = [("decode tok/s", dec)]
+            if args.prefill > 0:
+                figures += [(f"prefill tok/s ({len(r['prompt_ids'])} tokens, cold process)", pre),
+                            (f"prefill tok/s ({args.prefill} tokens, warm)", warm)]
+            for what, d in figures:
                 rows.append((f"{what}, {mode}", {k: statistics.median(v) for k, v in d.items()}))
                 print("row", rows[-1], flush=True)
+            first = next(iter(ids.values()))
+            for label, v in ids.items():  # greedy ids against the first build's
+                k = next((i for i, (x, y) in enumerate(zip(first, v)) if x != y), None)
+                print(f"ids {mode} {label}: " + ("the first build's" if k is None else f"differ from index {k}"),
+                      flush=True)
     if "train" in parts:
         for micro in [int(x) for x in args.micro.split(",")]:
             got = {}

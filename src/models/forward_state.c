@@ -231,12 +231,31 @@ kiln_status kiln_forward_stage(kiln_forward_state *fs, const kiln_batch *b) {
 
 /* ---- the forward through the model's architecture ---------------------------------------- */
 
+/* Layer `layer`'s k and v pools. */
+static void layer_pools(const kiln_fwd_batch *g, int layer, size_t KD, float **k_pool, float **v_pool) {
+    const kiln_forward_state *fs = g->fs;
+    const size_t pool = (size_t)fs->n_blocks * KILN_KV_BLOCK * KD, kv = (size_t)fs->kv_layer[layer];
+    *k_pool = fs->k_cache + kv * pool;
+    *v_pool = fs->v_cache + kv * pool;
+}
+
+void kiln_forward_attend_rope(const kiln_fwd_batch *g, kiln_backend *be, int layer, float *out, float *q, float *k,
+                              const float *v, int NH, int KVH, int HS, float scale, int window, const float *cos_tab,
+                              const float *sin_tab) {
+    const kiln_forward_state *fs = g->fs;
+    float *k_pool, *v_pool;
+    layer_pools(g, layer, (size_t)KVH * HS, &k_pool, &v_pool);
+    kiln_op_rope_kv_store(be, q, k, v, g->pos, g->N, NH, KVH, HS, cos_tab, sin_tab, k_pool, v_pool, g->slots);
+    be->i->attention_paged(be, out, q, k_pool, v_pool, &fs->pages, g->seq, g->pos, g->runs, g->n_runs, g->N,
+                           g->max_T, NH, KVH, HS, scale, window);
+}
+
 void kiln_forward_attend(const kiln_fwd_batch *g, kiln_backend *be, int layer, float *out, const float *q,
                          const float *k, const float *v, int NH, int KVH, int HS, float scale, int window) {
     const kiln_forward_state *fs = g->fs;
-    const size_t KD = (size_t)KVH * HS, pool = (size_t)fs->n_blocks * KILN_KV_BLOCK * KD;
-    const size_t kv = (size_t)fs->kv_layer[layer];
-    float *k_pool = fs->k_cache + kv * pool, *v_pool = fs->v_cache + kv * pool;
+    const size_t KD = (size_t)KVH * HS;
+    float *k_pool, *v_pool;
+    layer_pools(g, layer, KD, &k_pool, &v_pool);
     be->i->kv_store_rows(be, k_pool, v_pool, k, v, g->slots, g->N, KD);
     be->i->attention_paged(be, out, q, k_pool, v_pool, &fs->pages, g->seq, g->pos, g->runs, g->n_runs, g->N,
                            g->max_T, NH, KVH, HS, scale, window);

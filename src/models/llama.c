@@ -304,20 +304,23 @@ static void llama_layers(const llama_run *R) {
         matmul_n(be, R->multi, 3, qkv, a->xb1, a->xb1_16, wqkv, bqkv, T);
         if (w->q_norm) op->rmsnorm(be, a->q, a->qr, VEC(w->q_norm), T * NH, HS, eps);
         if (w->k_norm) op->rmsnorm(be, a->k, a->kr, VEC(w->k_norm), T * KVH, HS, eps);
-        if (!a->keep) { /* else the attention applies RoPE as it keeps its copy of q, k, v */
-            op->rope(be, a->q, R->pos, T, NH, HS, R->rope_cos, R->rope_sin);
-            op->rope(be, a->k, R->pos, T, KVH, HS, R->rope_cos, R->rope_sin);
-        }
-        if (R->gen) { /* generation: store k, v in the cache, attend through its block table */
-            kiln_forward_attend(R->gen, be, l, a->att, a->q, a->k, a->v, NH, KVH, HS, scale, 0);
-        } else if (op->attention_seqs && op->attention_backward_seqs) { /* all sequences at once */
-            op->attention_seqs(be, a->att, a->att16, a->lse, a->keep, a->keep ? R->pos : NULL, R->rope_cos,
-                               R->rope_sin, a->q, a->k, a->v, n_seq, seq, NH, KVH, HS, scale);
+        if (R->gen) { /* generation: rotate q, k, store k, v in the cache, attend through its block table */
+            kiln_forward_attend_rope(R->gen, be, l, a->att, a->q, a->k, a->v, NH, KVH, HS, scale, 0, R->rope_cos,
+                                     R->rope_sin);
         } else {
-            for (int b = 0; b < n_seq; b++) {
-                size_t r = (size_t)b * seq;
-                op->attention(be, a->att + r * QD, a->q + r * QD, a->k + r * KD, a->v + r * KD, seq, 0, NH, KVH,
-                              HS, scale, 0);
+            if (!a->keep) { /* else the attention applies RoPE as it keeps its copy of q, k, v */
+                op->rope(be, a->q, R->pos, T, NH, HS, R->rope_cos, R->rope_sin);
+                op->rope(be, a->k, R->pos, T, KVH, HS, R->rope_cos, R->rope_sin);
+            }
+            if (op->attention_seqs && op->attention_backward_seqs) { /* all sequences at once */
+                op->attention_seqs(be, a->att, a->att16, a->lse, a->keep, a->keep ? R->pos : NULL, R->rope_cos,
+                                   R->rope_sin, a->q, a->k, a->v, n_seq, seq, NH, KVH, HS, scale);
+            } else {
+                for (int b = 0; b < n_seq; b++) {
+                    size_t r = (size_t)b * seq;
+                    op->attention(be, a->att + r * QD, a->q + r * QD, a->k + r * KD, a->v + r * KD, seq, 0, NH,
+                                  KVH, HS, scale, 0);
+                }
             }
         }
         const kiln_wref *nob[2] = {NULL, NULL};
@@ -326,8 +329,7 @@ static void llama_layers(const llama_run *R) {
             const float *res[1] = {a->x};
             matmul_n16(be, 1, &a->x_mid, NULL, res, a->att16, wo, bo, T);
         } else { /* x_mid = o + x: IEEE addition commutes, so the bits of x + o, with no copy */
-            op->matmul(be, a->x_mid, a->att, w->wo->mat, VEC(w->bo), T);
-            op->add(be, a->x_mid, a->x, (size_t)T * C);
+            kiln_op_matmul_res(be, a->x_mid, a->att, w->wo->mat, VEC(w->bo), a->x, T);
         }
         if (R->acts16)
             op->rmsnorm_bf16(be, a->xb2_16, a->x_mid, VEC(w->mlp_norm), T, C, eps);
@@ -342,11 +344,15 @@ static void llama_layers(const llama_run *R) {
             const float *res[1] = {a->x_mid};
             matmul_n16(be, 1, &x_next, NULL, res, a->hb16, wd, nob, T);
         } else { /* x_next = down(h) + x_mid (x_next may be the layer's input x: read by now) */
-            float *gu[2] = {a->gate, a->up};
-            matmul_n(be, R->multi, 2, gu, a->xb2, NULL, wgu, bgu, T);
-            op->swiglu(be, a->hb, a->gate, a->up, (size_t)T * FF);
-            op->matmul(be, x_next, a->hb, w->down->mat, VEC(w->b_down), T);
-            op->add(be, x_next, a->x_mid, (size_t)T * C);
+            if (R->gen) { /* gate and up are not kept: the fused product where the backend has it */
+                kiln_op_matmul_swiglu(be, a->hb, a->gate, a->up, a->xb2, w->gate->mat, VEC(w->b_gate), w->up->mat,
+                                      VEC(w->b_up), T);
+            } else {
+                float *gu[2] = {a->gate, a->up};
+                matmul_n(be, R->multi, 2, gu, a->xb2, NULL, wgu, bgu, T);
+                op->swiglu(be, a->hb, a->gate, a->up, (size_t)T * FF);
+            }
+            kiln_op_matmul_res(be, x_next, a->hb, w->down->mat, VEC(w->b_down), a->x_mid, T);
         }
     }
 }
@@ -382,6 +388,7 @@ static void llama_forward(const kiln_model *m, kiln_backend *be, kiln_forward_st
     R.acts = &a;
     R.rope_cos = fs->rope_cos;
     R.rope_sin = fs->rope_sin;
+    R.multi = 1; /* q, k, v in one matmul_multi call (the bits of three) */
     R.gen = &g;
     llama_layers(&R);
     kiln_forward_logits(m, be, fs, N, out, n_out, logits);

@@ -234,6 +234,11 @@ static inline kiln_fwd_batch kiln_fwd_batch_of(kiln_forward_state *fs, int N, co
  * their cache rows, then out = attention_paged of q (N, NH*HS) with scale and window (0: none). */
 void kiln_forward_attend(const kiln_fwd_batch *g, kiln_backend *be, int layer, float *out, const float *q,
                          const float *k, const float *v, int NH, int KVH, int HS, float scale, int window);
+/* The same with RoPE first: q and k rotated in place at the batch's positions (ops.h rope, tables
+ * cos_tab/sin_tab), fused with the store where the backend has rope_kv_store. */
+void kiln_forward_attend_rope(const kiln_fwd_batch *g, kiln_backend *be, int layer, float *out, float *q, float *k,
+                              const float *v, int NH, int KVH, int HS, float scale, int window, const float *cos_tab,
+                              const float *sin_tab);
 /* Stage batch b in fs->h_batch (ids, positions, sequences, slots) and upload it to
  * fs->d_batch (on a host-memory backend the two are one buffer). */
 kiln_status kiln_forward_stage(kiln_forward_state *fs, const kiln_batch *b);

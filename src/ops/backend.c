@@ -1,5 +1,6 @@
 /*
- * backend.c -- what every backend shares: freeing through the table, zeroed buffers.
+ * backend.c -- what every backend shares: freeing through the table, zeroed buffers, the
+ * fused ops' compositions.
  */
 #include "ops.h"
 
@@ -77,4 +78,51 @@ kiln_status kiln_backend_leave(kiln_backend *be, kiln_status st, const char *fn)
         return st;
     }
     return kiln_error(KILN_ERR_POISONED, "%s (the %s backend is poisoned now: free this handle)", why, be->i->name);
+}
+
+/* ---- the fused ops, or the compositions that define them -------------------------------------- */
+
+void kiln_op_matmul_res(kiln_backend *be, float *out, const float *x, const kiln_tensor *W, const float *bias,
+                        const float *res, int N) {
+    const kiln_backend_i *op = be->i;
+    if (op->matmul_res) {
+        op->matmul_res(be, out, x, W, bias, res, N);
+        return;
+    }
+    op->matmul(be, out, x, W, bias, N);
+    const int64_t C = W->shape[W->n_dims - 1];
+    if (res && N > 0 && C > 0) op->add(be, out, res, (size_t)N * (size_t)(kiln_tensor_nelements(W) / C));
+}
+
+void kiln_op_matmul_swiglu(kiln_backend *be, float *out, float *gate, float *up, const float *x,
+                           const kiln_tensor *Wg, const float *bg, const kiln_tensor *Wu, const float *bu, int N) {
+    const kiln_backend_i *op = be->i;
+    if (op->matmul_swiglu) {
+        op->matmul_swiglu(be, out, gate, up, x, Wg, bg, Wu, bu, N);
+        return;
+    }
+    float *gu[2] = {gate, up};
+    const kiln_tensor *w[2] = {Wg, Wu};
+    const float *b[2] = {bg, bu};
+    if (op->matmul_multi) {
+        op->matmul_multi(be, 2, gu, x, w, b, N);
+    } else {
+        op->matmul(be, gate, x, Wg, bg, N);
+        op->matmul(be, up, x, Wu, bu, N);
+    }
+    const int64_t C = Wg->shape[Wg->n_dims - 1];
+    if (N > 0 && C > 0) op->swiglu(be, out, gate, up, (size_t)N * (size_t)(kiln_tensor_nelements(Wg) / C));
+}
+
+void kiln_op_rope_kv_store(kiln_backend *be, float *q, float *k, const float *v, const int32_t *pos, int N, int NH,
+                           int KVH, int HS, const float *cos_tab, const float *sin_tab, float *k_pool, float *v_pool,
+                           const int32_t *slots) {
+    const kiln_backend_i *op = be->i;
+    if (op->rope_kv_store) {
+        op->rope_kv_store(be, q, k, v, pos, N, NH, KVH, HS, cos_tab, sin_tab, k_pool, v_pool, slots);
+        return;
+    }
+    op->rope(be, q, pos, N, NH, HS, cos_tab, sin_tab);
+    op->rope(be, k, pos, N, KVH, HS, cos_tab, sin_tab);
+    op->kv_store_rows(be, k_pool, v_pool, k, v, slots, N, (size_t)KVH * HS);
 }

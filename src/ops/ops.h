@@ -547,6 +547,25 @@ typedef struct kiln_backend_i {
                                const float *A_log, const float *dt_bias, int N, int nv);
     void (*sigmoid_mul_backward)(kiln_backend *be, float *dx, float *dgate, const float *dout, const float *x,
                                  const float *gate, size_t n);
+
+    /* ---- fused forms of the ops above (optional: NULL means the model composes the ops) --------
+     * Each is defined as the composition it replaces and gives its bits exactly, in either mode;
+     * a backend offers one only where fusing saves launches or passes (the decode step). */
+    /* out(N,R) = (x W^T (+ bias)) + res: matmul then add(out, res). out must not overlap x or
+     * res. */
+    void (*matmul_res)(kiln_backend *be, float *out, const float *x, const kiln_tensor *W, const float *bias,
+                       const float *res, int N);
+    /* out(N,FF) = swiglu(x Wg^T (+ bg), x Wu^T (+ bu)): matmul of each (matmul_multi's bits), then
+     * swiglu. gate and up (N,FF) are scratch the backend may use (out may be gate); out must not
+     * overlap x or up. */
+    void (*matmul_swiglu)(kiln_backend *be, float *out, float *gate, float *up, const float *x,
+                          const kiln_tensor *Wg, const float *bg, const kiln_tensor *Wu, const float *bu,
+                          int N);
+    /* rope(q) over NH heads and rope(k) over KVH heads at pos (both in place, as rope), then
+     * kv_store_rows(k_pool, v_pool, k, v, slots, N, KVH * HS) with the rotated k. */
+    void (*rope_kv_store)(kiln_backend *be, float *q, float *k, const float *v, const int32_t *pos, int N, int NH,
+                          int KVH, int HS, const float *cos_tab, const float *sin_tab, float *k_pool,
+                          float *v_pool, const int32_t *slots);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */
@@ -617,6 +636,18 @@ void kiln_backend_cpu_poison(kiln_backend *be, kiln_status st, const char *msg);
  * none). NULL with the error set, naming owner and what ("trainer", "activations"). Freed
  * with kiln_backend_free_buf. */
 void *kiln_backend_alloc_zeroed(kiln_backend *be, size_t nbytes, const char *owner, const char *what);
+
+/* The fused ops (kiln_backend_i's matmul_res, matmul_swiglu, rope_kv_store) where the backend
+ * has them, else the compositions that define them (the same bits). Arguments as there; W and
+ * the biases as kiln_tensor pointers (bias NULL: none). */
+void kiln_op_matmul_res(kiln_backend *be, float *out, const float *x, const kiln_tensor *W, const float *bias,
+                        const float *res, int N);
+void kiln_op_matmul_swiglu(kiln_backend *be, float *out, float *gate, float *up, const float *x,
+                           const kiln_tensor *Wg, const float *bg, const kiln_tensor *Wu, const float *bu, int N);
+void kiln_op_rope_kv_store(kiln_backend *be, float *q, float *k, const float *v, const int32_t *pos, int N, int NH,
+                           int KVH, int HS, const float *cos_tab, const float *sin_tab, float *k_pool, float *v_pool,
+                           const int32_t *slots);
+
 /* One zeroed block (kiln_backend_alloc_zeroed) carved into n regions: *slots[i] = the start of
  * region i, floats[i] floats (0: an empty region), each start 64 floats (256 bytes) aligned;
  * *block (to free with kiln_backend_free_buf) and its size in bytes. KILN_ERR_RANGE for a size

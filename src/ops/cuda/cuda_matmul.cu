@@ -73,9 +73,9 @@ bool kiln_cuda_dtype_supported(kiln_dtype dt) {
 
 template <int DT, int NT, int PER_STEP>
 static __global__ void __launch_bounds__(MM_THREADS)
-matmul_kernel(float *__restrict__ out, const float *__restrict__ x,
-              const uint8_t *__restrict__ w, size_t row_bytes, const float *__restrict__ bias,
-              int64_t R, int64_t C, int N) {
+matmul_kernel(float *out, const float *__restrict__ x, const uint8_t *__restrict__ w,
+              size_t row_bytes, const float *__restrict__ bias, const float *res, int64_t R,
+              int64_t C, int N) {
     constexpr bool plain = blk<DT>::BS == 1;
     constexpr int VB = plain ? 16 : blk<DT>::BS;            /* elements per walk block */
     constexpr int VTS = plain ? 16 * blk<DT>::TS : blk<DT>::TS; /* its bytes */
@@ -129,7 +129,10 @@ matmul_kernel(float *__restrict__ out, const float *__restrict__ x,
     for (int t = 0; t < NT; t++) {
         float s = lane16_tree(acc[t], mask);
         if (bias) s = s + bias[r];
-        if (lane == t % 16 && t < nt) out[(int64_t)(n0 + t) * R + r] = s;
+        if (lane == t % 16 && t < nt) {
+            const int64_t at = (int64_t)(n0 + t) * R + r;
+            out[at] = res ? s + res[at] : s; /* the add op's bits (out may be res) */
+        }
     }
 }
 
@@ -142,34 +145,41 @@ int kiln_cuda_matmul_step = 0;
 
 template <int DT>
 static void matmul_launch(cudaStream_t s, float *out, const float *x, const uint8_t *w,
-                          size_t row_bytes, const float *bias, int64_t R, int64_t C, int N) {
+                          size_t row_bytes, const float *bias, const float *res, int64_t R,
+                          int64_t C, int N) {
     const unsigned gx = (unsigned)((R + MM_ROWS_PER_BLOCK - 1) / MM_ROWS_PER_BLOCK);
     const int step = kiln_cuda_matmul_step ? kiln_cuda_matmul_step
                      : (DT == KILN_DTYPE_F16 || DT == KILN_DTYPE_BF16) ? 64 : 32;
     if (N == 1 && step == 32) {
         matmul_kernel<DT, 1, 32><<<dim3(gx, 1), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias,
-                                                                    R, C, N);
+                                                                    res, R, C, N);
     } else if (N == 1) {
         matmul_kernel<DT, 1, 64><<<dim3(gx, 1), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias,
-                                                                    R, C, N);
+                                                                    res, R, C, N);
     } else if (N <= 4) {
         matmul_kernel<DT, 4, 16><<<dim3(gx, 1), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias,
-                                                                    R, C, N);
+                                                                    res, R, C, N);
     } else {
         const unsigned gy = (unsigned)((N + 7) / 8);
         matmul_kernel<DT, 8, 16><<<dim3(gx, gy), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias,
-                                                                     R, C, N);
+                                                                     res, R, C, N);
     }
+}
+
+cudaError_t kiln_cuda_matmul_res(cudaStream_t s, float *out, const float *x, const uint8_t *w,
+                                 size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
+                                 const float *bias, const float *res, int N) {
+    if (R <= 0 || N <= 0) return cudaSuccess;
+    if ((R + MM_ROWS_PER_BLOCK - 1) / MM_ROWS_PER_BLOCK > 0x7fffffff || (N + 7) / 8 > 65535)
+        return cudaErrorInvalidConfiguration;
+    KILN_CUDA_DTYPE_SWITCH(dt, matmul_launch, s, out, x, w, row_bytes, bias, res, R, C, N);
+    return cudaGetLastError();
 }
 
 cudaError_t kiln_cuda_matmul(cudaStream_t s, float *out, const float *x, const uint8_t *w,
                              size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
                              const float *bias, int N) {
-    if (R <= 0 || N <= 0) return cudaSuccess;
-    if ((R + MM_ROWS_PER_BLOCK - 1) / MM_ROWS_PER_BLOCK > 0x7fffffff || (N + 7) / 8 > 65535)
-        return cudaErrorInvalidConfiguration;
-    KILN_CUDA_DTYPE_SWITCH(dt, matmul_launch, s, out, x, w, row_bytes, bias, R, C, N);
-    return cudaGetLastError();
+    return kiln_cuda_matmul_res(s, out, x, w, row_bytes, dt, R, C, bias, NULL, N);
 }
 
 /* =================================================================================================
@@ -1354,10 +1364,11 @@ template <int DT> struct fmv {
 
 /* Rows per row group and chunks loaded ahead, per dtype class and token tile NT. More rows
  * per group read x (from L1) fewer times per weight byte; more chunks ahead keep more bytes
- * in flight per thread. Neither changes the summation order. */
+ * in flight per thread (a SwiGLU pair walks twice the rows, so half the chunks ahead). Neither
+ * changes the summation order. */
 static __host__ __device__ constexpr int fmv_rows(bool plain, int NT) { return plain && NT == 1 ? 2 : 4; }
-static __host__ __device__ constexpr int fmv_unroll(bool plain, int NT) {
-    return NT == 1 ? (plain ? 4 : 2) : NT == 2 ? 2 : 1;
+static __host__ __device__ constexpr int fmv_unroll(bool plain, int NT, bool pair) {
+    return pair ? (NT == 1 && plain ? 2 : 1) : NT == 1 ? (plain ? 4 : 2) : NT == 2 ? 2 : 1;
 }
 /* The token tile of the fast path for N tokens. */
 static int fmv_tile(int N) { return N == 1 ? 1 : N == 2 ? 2 : N <= 4 ? 4 : 8; }
@@ -1611,46 +1622,73 @@ static __device__ __forceinline__ void ldx4(const float *__restrict__ p, float *
 
 /* ---- the kernel ---------------------------------------------------------------------------- */
 
-/* Grid: x = row blocks of (FMV_WARPS / S) row groups of ROWS rows. NT: token tile (N <= NT;
- * tokens t >= N are skipped). FAST: w, row_bytes multiples of fmv<DT>::ALIGN, x 16-byte
- * aligned and C % 4 == 0 (vector loads); else byte loads and scalar x loads, same order. */
-template <int DT, int NT, bool FAST>
-static __global__ void __launch_bounds__(FMV_THREADS)
-matvec_fast_kernel(float *__restrict__ out, const float *__restrict__ x,
-                   const uint8_t *__restrict__ w, size_t row_bytes,
-                   const float *__restrict__ bias, int64_t R, int64_t C, int N, int S,
-                   int accumulate) {
-    using T = fmv<DT>;
-    constexpr int ROWS = fmv_rows(T::plain, NT), UNR = fmv_unroll(T::plain, NT);
-    constexpr int A = FAST ? T::ALIGN : 1;
-    static_assert(ROWS * NT <= 32, "one warp's sums fit a row of red");
-    __shared__ float red[FMV_WARPS][32];
+/* One product of a launch: kiln_cuda_matvec_job with its split S and its first block. */
+struct fmv_job {
+    float *out;
+    const float *res;
+    const uint8_t *w, *w_up;
+    const float *bias, *bias_up;
+    size_t row_bytes;
+    int64_t R;
+    int S;
+    unsigned blk0;
+};
+struct fmv_jobs {
+    fmv_job job[KILN_CUDA_MATVEC_MAX_JOBS];
+    int n;
+};
 
+/* Grid: x = the jobs' row blocks one after another (job j from job[j].blk0), each block
+ * (FMV_WARPS / S) row groups of ROWS rows. NT: token tile (N <= NT; tokens t >= N are
+ * skipped). FAST: every w, row_bytes a multiple of fmv<DT>::ALIGN, x 16-byte aligned and
+ * C % 4 == 0 (vector loads); else byte loads and scalar x loads, same order. PAIR (FAST
+ * only): a group walks its ROWS gate rows and the same ROWS up rows (w_up) side by side, and
+ * its outputs are swiglu(gate, up); each row's own sum is what it is alone. */
+template <int DT, int NT, bool FAST, bool PAIR>
+static __global__ void __launch_bounds__(FMV_THREADS)
+matvec_fast_kernel(const __grid_constant__ fmv_jobs jobs, const float *__restrict__ x, int64_t C,
+                   int N) {
+    using T = fmv<DT>;
+    constexpr int ROWS = fmv_rows(T::plain, NT), UNR = fmv_unroll(T::plain, NT, PAIR);
+    constexpr int RW = PAIR ? 2 * ROWS : ROWS; /* weight rows a group walks */
+    constexpr int A = FAST ? T::ALIGN : 1;
+    static_assert(RW * NT <= 64, "one warp's sums fit a row of red");
+    __shared__ float red[FMV_WARPS][RW * NT];
+
+    int jb = 0;
+    while (jb + 1 < jobs.n && blockIdx.x >= jobs.job[jb + 1].blk0) jb++;
+    const fmv_job &J = jobs.job[jb];
+    const int64_t R = J.R;
+    const int S = J.S;
+    const unsigned bx = blockIdx.x - J.blk0;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int G = FMV_WARPS / S; /* row groups per block */
     const int grp = warp / S, k = warp - grp * S;
-    const int64_t r0 = ((int64_t)blockIdx.x * G + grp) * ROWS;
-    const uint8_t *rowp[ROWS];
+    const int64_t r0 = ((int64_t)bx * G + grp) * ROWS;
+    const uint8_t *rowp[RW];
 #pragma unroll
-    for (int i = 0; i < ROWS; i++) /* rows past R reload row R - 1; their sums are dropped */
-        rowp[i] = w + (size_t)(r0 + i < R ? r0 + i : R - 1) * row_bytes;
+    for (int i = 0; i < ROWS; i++) { /* rows past R reload row R - 1; their sums are dropped */
+        const size_t off = (size_t)(r0 + i < R ? r0 + i : R - 1) * J.row_bytes;
+        rowp[i] = J.w + off;
+        if constexpr (PAIR) rowp[ROWS + i] = J.w_up + off;
+    }
 
-    float acc[ROWS][NT];
+    float acc[RW][NT];
 #pragma unroll
-    for (int i = 0; i < ROWS; i++)
+    for (int i = 0; i < RW; i++)
 #pragma unroll
         for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
 
     const int64_t nblk = C / T::BSZ, nch = nblk * T::CPB;
     const int stride = S * 32;
     for (int64_t c0 = k * 32 + lane; c0 < nch; c0 += (int64_t)UNR * stride) {
-        uint32_t raw[UNR][ROWS][T::RAW];
+        uint32_t raw[UNR][RW][T::RAW];
 #pragma unroll
         for (int u = 0; u < UNR; u++) {
             const int64_t c = c0 + (int64_t)u * stride;
             if (c < nch) {
 #pragma unroll
-                for (int i = 0; i < ROWS; i++)
+                for (int i = 0; i < RW; i++)
                     fmv_load<DT, A>(raw[u][i], rowp[i] + (size_t)(c / T::CPB) * T::TSZ,
                                     (int)(c % T::CPB));
             }
@@ -1661,9 +1699,9 @@ matvec_fast_kernel(float *__restrict__ out, const float *__restrict__ x,
             if (c >= nch) break; /* chunks only grow with u */
             const int ci = (int)(c % T::CPB);
             const int64_t col0 = (c / T::CPB) * T::BSZ;
-            float wv[ROWS][T::EPC];
+            float wv[RW][T::EPC];
 #pragma unroll
-            for (int i = 0; i < ROWS; i++) fmv_deq<DT>(raw[u][i], ci, wv[i]);
+            for (int i = 0; i < RW; i++) fmv_deq<DT>(raw[u][i], ci, wv[i]);
 #pragma unroll
             for (int j = 0; j < T::EPC / T::RL; j++) {
                 const int64_t col = col0 + fmv_run_off<DT>(ci, j);
@@ -1675,7 +1713,7 @@ matvec_fast_kernel(float *__restrict__ out, const float *__restrict__ x,
                             float xv[4];
                             ldx4<FAST>(x + (int64_t)t * C + col + 4 * q, xv);
 #pragma unroll
-                            for (int i = 0; i < ROWS; i++)
+                            for (int i = 0; i < RW; i++)
 #pragma unroll
                                 for (int e = 0; e < 4; e++)
                                     acc[i][t] = __fmaf_rn(xv[e], wv[i][j * T::RL + 4 * q + e],
@@ -1690,7 +1728,7 @@ matvec_fast_kernel(float *__restrict__ out, const float *__restrict__ x,
         const int64_t e = nch * T::EPC + k * 32 + lane;
         if (e < C) {
 #pragma unroll
-            for (int i = 0; i < ROWS; i++) {
+            for (int i = 0; i < RW; i++) {
                 const float wl = fmv_plain_elem<DT, FAST>(rowp[i], e);
 #pragma unroll
                 for (int t = 0; t < NT; t++)
@@ -1701,7 +1739,7 @@ matvec_fast_kernel(float *__restrict__ out, const float *__restrict__ x,
 
     /* fixed tree per warp: xor partners give every lane the same bits */
 #pragma unroll
-    for (int i = 0; i < ROWS; i++)
+    for (int i = 0; i < RW; i++)
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             float v = acc[i][t];
@@ -1710,17 +1748,25 @@ matvec_fast_kernel(float *__restrict__ out, const float *__restrict__ x,
             if (lane == 0) red[warp][i * NT + t] = v;
         }
     __syncthreads();
-    /* one thread per (group, row, token): the S warp sums in warp order */
+    /* one thread per (group, row, token): the S warp sums in warp order, then the bias, then
+     * (PAIR) swiglu of the gate's and the up's sums, then the residual */
     const int o = threadIdx.x;
     if (o < G * ROWS * NT) {
         const int g = o / (ROWS * NT), j = o - g * (ROWS * NT), i = j / NT, t = j - i * NT;
-        const int64_t r = ((int64_t)blockIdx.x * G + g) * ROWS + i;
+        const int64_t r = ((int64_t)bx * G + g) * ROWS + i;
         if (r < R && t < N) {
             float s = red[g * S][j];
             for (int kk = 1; kk < S; kk++) s = s + red[g * S + kk][j];
-            if (bias) s = s + bias[r];
-            float *po = out + (int64_t)t * R + r;
-            *po = accumulate ? *po + s : s;
+            if (J.bias) s = s + J.bias[r];
+            if constexpr (PAIR) {
+                float u = red[g * S][ROWS * NT + j];
+                for (int kk = 1; kk < S; kk++) u = u + red[g * S + kk][ROWS * NT + j];
+                if (J.bias_up) u = u + J.bias_up[r];
+                s = kiln_swiglu(s, u);
+            }
+            const int64_t at = (int64_t)t * R + r;
+            if (J.res) s = s + J.res[at];
+            J.out[at] = s;
         }
     }
 }
@@ -1738,44 +1784,67 @@ template <int DT> static int fmv_split(int64_t R, int64_t C, int N) {
     return S;
 }
 
-template <int NT, int DT, bool FAST>
-static cudaError_t fmv_launch_nt(cudaStream_t s, float *out, const float *x, const uint8_t *w,
-                                 size_t row_bytes, const float *bias, int64_t R, int64_t C,
-                                 int N, int S, int accumulate) {
+/* Each job's split and first block for token tile NT, and the grid; false past 2^31 - 1
+ * blocks. */
+template <int DT, int NT> static bool fmv_plan(fmv_jobs *a, unsigned *grid, int64_t C, int N) {
     constexpr int rows = fmv_rows(fmv<DT>::plain, NT);
-    const int64_t per_block = (int64_t)(FMV_WARPS / S) * rows;
-    const int64_t gx = (R + per_block - 1) / per_block;
-    if (gx > 0x7fffffff) return cudaErrorInvalidValue;
-    matvec_fast_kernel<DT, NT, FAST><<<(unsigned)gx, FMV_THREADS, 0, s>>>(
-        out, x, w, row_bytes, bias, R, C, N, S, accumulate);
+    int64_t total = 0;
+    for (int j = 0; j < a->n; j++) {
+        fmv_job &J = a->job[j];
+        J.S = fmv_split<DT>(J.R, C, N);
+        const int64_t per_block = (int64_t)(FMV_WARPS / J.S) * rows;
+        J.blk0 = (unsigned)total;
+        total += (J.R + per_block - 1) / per_block;
+        if (total > 0x7fffffff) return false;
+    }
+    *grid = (unsigned)total;
+    return true;
+}
+
+template <int NT, int DT, bool FAST, bool PAIR>
+static cudaError_t fmv_launch_nt(cudaStream_t s, fmv_jobs a, const float *x, int64_t C, int N) {
+    unsigned grid = 0;
+    if (!fmv_plan<DT, NT>(&a, &grid, C, N)) return cudaErrorInvalidValue;
+    matvec_fast_kernel<DT, NT, FAST, PAIR><<<grid, FMV_THREADS, 0, s>>>(a, x, C, N);
     return cudaGetLastError();
 }
 
 template <int DT>
-static void fmv_launch(cudaError_t *err, cudaStream_t s, float *out, const float *x,
-                       const uint8_t *w, size_t row_bytes, const float *bias, int64_t R,
-                       int64_t C, int N, int accumulate) {
+static void fmv_launch(cudaError_t *err, cudaStream_t s, const fmv_jobs *a, bool pair,
+                       const float *x, int64_t C, int N) {
     using T = fmv<DT>;
-    if (C % blk<DT>::BS != 0 || row_bytes < (size_t)(C / blk<DT>::BS) * blk<DT>::TS) {
+    if (C % blk<DT>::BS != 0) {
         *err = cudaErrorInvalidValue;
         return;
     }
-    const int S = fmv_split<DT>(R, C, N);
-    const bool fast = (uintptr_t)w % T::ALIGN == 0 && row_bytes % T::ALIGN == 0 &&
-                      (uintptr_t)x % 16 == 0 && C % 4 == 0;
-    if (!fast) /* rare (misaligned data): two tiles only, same order */
-        *err = N == 1 ? fmv_launch_nt<1, DT, false>(s, out, x, w, row_bytes, bias, R, C, N, S,
-                                                    accumulate)
-                      : fmv_launch_nt<8, DT, false>(s, out, x, w, row_bytes, bias, R, C, N, S,
-                                                    accumulate);
-    else if (N == 1)
-        *err = fmv_launch_nt<1, DT, true>(s, out, x, w, row_bytes, bias, R, C, N, S, accumulate);
-    else if (N == 2)
-        *err = fmv_launch_nt<2, DT, true>(s, out, x, w, row_bytes, bias, R, C, N, S, accumulate);
-    else if (N <= 4)
-        *err = fmv_launch_nt<4, DT, true>(s, out, x, w, row_bytes, bias, R, C, N, S, accumulate);
-    else
-        *err = fmv_launch_nt<8, DT, true>(s, out, x, w, row_bytes, bias, R, C, N, S, accumulate);
+    bool fast = (uintptr_t)x % 16 == 0 && C % 4 == 0;
+    for (int j = 0; j < a->n; j++) {
+        const fmv_job &J = a->job[j];
+        if (J.row_bytes < (size_t)(C / blk<DT>::BS) * blk<DT>::TS) {
+            *err = cudaErrorInvalidValue;
+            return;
+        }
+        fast = fast && (uintptr_t)J.w % T::ALIGN == 0 && (uintptr_t)J.w_up % T::ALIGN == 0 &&
+               J.row_bytes % T::ALIGN == 0;
+    }
+    if (pair) {
+        if (!fast) *err = cudaErrorNotSupported; /* nothing enqueued: the caller splits it */
+        else if (N == 1) *err = fmv_launch_nt<1, DT, true, true>(s, *a, x, C, N);
+        else if (N == 2) *err = fmv_launch_nt<2, DT, true, true>(s, *a, x, C, N);
+        else if (N <= 4) *err = fmv_launch_nt<4, DT, true, true>(s, *a, x, C, N);
+        else *err = fmv_launch_nt<8, DT, true, true>(s, *a, x, C, N);
+    } else if (!fast) { /* rare (misaligned data): two tiles only, same order */
+        *err = N == 1 ? fmv_launch_nt<1, DT, false, false>(s, *a, x, C, N)
+                      : fmv_launch_nt<8, DT, false, false>(s, *a, x, C, N);
+    } else if (N == 1) {
+        *err = fmv_launch_nt<1, DT, true, false>(s, *a, x, C, N);
+    } else if (N == 2) {
+        *err = fmv_launch_nt<2, DT, true, false>(s, *a, x, C, N);
+    } else if (N <= 4) {
+        *err = fmv_launch_nt<4, DT, true, false>(s, *a, x, C, N);
+    } else {
+        *err = fmv_launch_nt<8, DT, true, false>(s, *a, x, C, N);
+    }
 }
 
 template <int DT> static void fmv_split_of(int *S, int64_t R, int64_t C, int N) {
@@ -1802,19 +1871,54 @@ int kiln_cuda_matvec_fast_split(kiln_dtype dt, int64_t R, int64_t C, int N) {
     return S;
 }
 
+/* Whether [a, a + an) and [b, b + bn) share a byte. */
+static bool fmv_overlap(const void *a, size_t an, const void *b, size_t bn) {
+    const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return a && b && an && bn && x < y + bn && y < x + an;
+}
+
+cudaError_t kiln_cuda_matvec_fast_multi(cudaStream_t s, int n, const kiln_cuda_matvec_job *jobs,
+                                        kiln_dtype dt, const float *x, int64_t C, int N) {
+    if (n < 1 || n > KILN_CUDA_MATVEC_MAX_JOBS || !jobs || !x || C < 1 || N < 1 || N > 8 ||
+        !kiln_cuda_dtype_supported(dt) || (uintptr_t)x % 4 || (uint64_t)C > ((uint64_t)1 << 40))
+        return cudaErrorInvalidValue;
+    fmv_jobs a;
+    memset(&a, 0, sizeof a);
+    a.n = n;
+    const bool pair = jobs[0].w_up != NULL;
+    for (int j = 0; j < n; j++) {
+        const kiln_cuda_matvec_job &in = jobs[j];
+        /* R <= 2^40 keeps every index product far from overflow */
+        if (!in.out || !in.w || in.R < 1 || (uint64_t)in.R > ((uint64_t)1 << 40) ||
+            (in.w_up != NULL) != pair || (!pair && in.bias_up) ||
+            (uintptr_t)in.out % 4 || (uintptr_t)in.res % 4 || (uintptr_t)in.bias % 4 ||
+            (uintptr_t)in.bias_up % 4)
+            return cudaErrorInvalidValue;
+        /* each output apart from x and from every other job's output and residual (a job's
+         * residual may be its own output, exactly) */
+        const size_t ob = (size_t)N * (size_t)in.R * sizeof(float);
+        if (fmv_overlap(in.out, ob, x, (size_t)N * (size_t)C * sizeof(float)) ||
+            (in.res && in.res != in.out && fmv_overlap(in.out, ob, in.res, ob)))
+            return cudaErrorInvalidValue;
+        for (int i = 0; i < j; i++) {
+            const size_t pb = (size_t)N * (size_t)jobs[i].R * sizeof(float);
+            if (fmv_overlap(in.out, ob, jobs[i].out, pb) || fmv_overlap(in.out, ob, jobs[i].res, pb) ||
+                fmv_overlap(jobs[i].out, pb, in.res, ob))
+                return cudaErrorInvalidValue;
+        }
+        a.job[j] = fmv_job{in.out, in.res, in.w, in.w_up, in.bias, in.bias_up, in.row_bytes, in.R, 0, 0};
+    }
+    cudaError_t err = cudaSuccess;
+    KILN_CUDA_DTYPE_SWITCH(dt, fmv_launch, &err, s, &a, pair, x, C, N);
+    return err;
+}
+
 cudaError_t kiln_cuda_matvec_fast(cudaStream_t s, float *out, const float *x, const uint8_t *w,
                                   size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
                                   const float *bias, int N, int accumulate) {
-    if (!out || !x || !w || R < 1 || C < 1 || N < 1 || N > 8 || !kiln_cuda_dtype_supported(dt))
-        return cudaErrorInvalidValue;
-    if ((uintptr_t)out % 4 || (uintptr_t)x % 4 || (uintptr_t)bias % 4)
-        return cudaErrorInvalidValue;
-    if ((uint64_t)R > ((uint64_t)1 << 40) || (uint64_t)C > ((uint64_t)1 << 40))
-        return cudaErrorInvalidValue; /* keeps every index product far from overflow */
-    cudaError_t err = cudaSuccess;
-    KILN_CUDA_DTYPE_SWITCH(dt, fmv_launch, &err, s, out, x, w, row_bytes, bias, R, C, N,
-                           accumulate);
-    return err;
+    if (!out || (uintptr_t)out % 4) return cudaErrorInvalidValue;
+    const kiln_cuda_matvec_job job = {out, accumulate ? out : NULL, w, NULL, bias, NULL, row_bytes, R};
+    return kiln_cuda_matvec_fast_multi(s, 1, &job, dt, x, C, N);
 }
 
 /* =================================================================================================

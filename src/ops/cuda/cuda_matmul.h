@@ -32,6 +32,13 @@ cudaError_t kiln_cuda_matmul(cudaStream_t s, float *out, const float *x, const u
                              size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
                              const float *bias, int N);
 
+/* The same with a residual: out = (x @ W^T (+ bias)) + res, res (N,R) NULL: none -- the bits
+ * of kiln_cuda_matmul followed by kiln_cuda_add(out, res). res may be out; out must not
+ * overlap x, w or bias. */
+cudaError_t kiln_cuda_matmul_res(cudaStream_t s, float *out, const float *x, const uint8_t *w,
+                                 size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
+                                 const float *bias, const float *res, int N);
+
 /* The W dtypes of matmul_backward: F32, BF16, F16 (widened exactly). */
 bool kiln_cuda_backward_dtype_supported(kiln_dtype dt);
 
@@ -242,6 +249,31 @@ int kiln_cuda_gemm_cached(const kiln_cuda_gemm *g);
 cudaError_t kiln_cuda_matvec_fast(cudaStream_t s, float *out, const float *x, const uint8_t *w,
                                   size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
                                   const float *bias, int N, int accumulate);
+
+/* Several decode products of one input x in one launch, each with the fused epilogues the
+ * decode step wants: for job j, out_j(N,R_j) = x(N,C) @ W_j(R_j,C)^T (+ bias_j) (+ res_j),
+ * or, for a SwiGLU pair (w_up set), out_j = swiglu(x @ W_j^T + bias_j, x @ Wup_j^T +
+ * bias_up_j) (+ res_j), kmath.h's kiln_swiglu per element. Every output has exactly the bits
+ * of the unfused calls: kiln_cuda_matvec_fast on the job alone (its split from (dt, R_j, C,
+ * N)), then kiln_cuda_swiglu of the two products, then kiln_cuda_add of res_j. Jobs share x,
+ * C, N and the dtype dt; rows of W_j (and Wup_j) row_bytes_j apart. Either every job is a
+ * pair or none. res_j may equal out_j (the accumulate of kiln_cuda_matvec_fast); otherwise no
+ * output may overlap x or another job's output or residual (cudaErrorInvalidValue), nor any
+ * weight or bias (not checked). Pairs take the 16-byte path only: when its conditions fail
+ * (w, w_up or row_bytes not multiples of the dtype's alignment, x not 16-byte aligned, C % 4)
+ * the call returns cudaErrorNotSupported having enqueued nothing, and the caller runs the
+ * products separately. Other errors as kiln_cuda_matvec_fast's. */
+#define KILN_CUDA_MATVEC_MAX_JOBS 4
+typedef struct kiln_cuda_matvec_job {
+    float *out;              /* (N, R) */
+    const float *res;        /* NULL or (N, R) */
+    const uint8_t *w, *w_up; /* R rows each; w_up NULL unless a SwiGLU pair */
+    const float *bias, *bias_up;
+    size_t row_bytes;
+    int64_t R;
+} kiln_cuda_matvec_job;
+cudaError_t kiln_cuda_matvec_fast_multi(cudaStream_t s, int n, const kiln_cuda_matvec_job *jobs,
+                                        kiln_dtype dt, const float *x, int64_t C, int N);
 
 /* The number of warps that share one row's dot (1, 2, 4 or 8) for these arguments: the
  * split of C that fixes the summation order. A function of (dt, R, C, N) only; exposed so

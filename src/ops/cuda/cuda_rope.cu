@@ -49,6 +49,65 @@ cudaError_t kiln_cuda_rope(cudaStream_t s, float *x, const int32_t *pos, int N, 
     return cudaGetLastError();
 }
 
+/* ---- rope_kv_store: a thread per rotated pair of q and k, and per pair of v elements -------- */
+
+static __global__ void rope_kv_store_kernel(float *q, float *k, const float *__restrict__ v,
+                                            const int32_t *__restrict__ pos, int NH, int KVH,
+                                            int HS, const float *__restrict__ cos_tab,
+                                            const float *__restrict__ sin_tab,
+                                            float *__restrict__ k_pool,
+                                            float *__restrict__ v_pool,
+                                            const int32_t *__restrict__ slots, int64_t per_tok,
+                                            int64_t total) {
+    const int half = HS / 2;
+    const int64_t KD = (int64_t)KVH * HS, nq = (int64_t)NH * half, nk = (int64_t)KVH * half;
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total;
+         u += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t n = u / per_tok;
+        int64_t i = u - n * per_tok;
+        if (i < nq + nk) { /* a pair of q or of k, rotated in place */
+            const bool is_k = i >= nq;
+            if (is_k) i -= nq;
+            const int64_t h = i / half;
+            const int j = (int)(i - h * half);
+            float *x = is_k ? k + n * KD + h * HS : q + (n * NH + h) * HS;
+            const float c = cos_tab[(int64_t)pos[n] * half + j];
+            const float sn = sin_tab[(int64_t)pos[n] * half + j];
+            const float2 r = kiln_rope_pair(x[j], x[j + half], c, sn);
+            x[j] = r.x;
+            x[j + half] = r.y;
+            if (is_k) {
+                float *kp = k_pool + (int64_t)slots[n] * KD + h * HS;
+                kp[j] = r.x;
+                kp[j + half] = r.y;
+            }
+        } else { /* a pair of v, copied */
+            i -= nq + nk;
+            const int64_t h = i / half;
+            const int j = (int)(i - h * half);
+            const float *x = v + n * KD + h * HS;
+            float *vp = v_pool + (int64_t)slots[n] * KD + h * HS;
+            vp[j] = x[j];
+            vp[j + half] = x[j + half];
+        }
+    }
+}
+
+cudaError_t kiln_cuda_rope_kv_store(cudaStream_t s, float *q, float *k, const float *v,
+                                    const int32_t *pos, int N, int NH, int KVH, int HS,
+                                    const float *cos_tab, const float *sin_tab, float *k_pool,
+                                    float *v_pool, const int32_t *slots) {
+    if (N <= 0) return cudaSuccess;
+    if (NH <= 0 || KVH <= 0 || HS <= 0 || HS % 2 || !q || !k || !v || !pos || !cos_tab ||
+        !sin_tab || !k_pool || !v_pool || !slots)
+        return cudaErrorInvalidValue;
+    const int64_t per_tok = (int64_t)(NH + 2 * KVH) * (HS / 2), total = per_tok * N;
+    rope_kv_store_kernel<<<grid_for(total, 256), 256, 0, s>>>(q, k, v, pos, NH, KVH, HS, cos_tab,
+                                                              sin_tab, k_pool, v_pool, slots,
+                                                              per_tok, total);
+    return cudaGetLastError();
+}
+
 /* =================================================================================================
  * Backward.
  * ============================================================================================== */

@@ -22,6 +22,15 @@
 cudaError_t kiln_cuda_rope(cudaStream_t s, float *x, const int32_t *pos, int N, int H, int HS,
                            const float *cos_tab, const float *sin_tab);
 
+/* ops.h's rope_kv_store in one launch: q(N,NH,HS) and k(N,KVH,HS) rotated in place as
+ * kiln_cuda_rope rotates them, then the rotated k and v(N,KVH,HS) copied to pool rows
+ * slots[n] of k_pool and v_pool (kiln_cuda_kv_store_rows' copies). pos, slots (N) device
+ * memory. The bits of kiln_cuda_rope twice and kiln_cuda_kv_store_rows. */
+cudaError_t kiln_cuda_rope_kv_store(cudaStream_t s, float *q, float *k, const float *v,
+                                    const int32_t *pos, int N, int NH, int KVH, int HS,
+                                    const float *cos_tab, const float *sin_tab, float *k_pool,
+                                    float *v_pool, const int32_t *slots);
+
 /* In place on d(N,H,HS): the transpose of rope's rotation; pos(N) device memory. */
 cudaError_t kiln_cuda_rope_backward(cudaStream_t s, float *d, const int32_t *pos, int N, int H,
                                     int HS, const float *cos_tab, const float *sin_tab);
