@@ -3,6 +3,7 @@
 set -euo pipefail
 pkgs=(build-essential cmake clang libclang-rt-14-dev libcjson-dev libpcre2-dev libutf8proc-dev
       libssl-dev libmicrohttpd-dev pkg-config python3 python3-venv python3-pip unzip curl
+      libopenmpi-dev openmpi-bin  # the MPI communicator (src/dist/) and ctest's mpirun runs
       chromium)  # chromium: tests/python/test_serve_load.py drives `kiln serve`'s chat page headless
 missing=()
 for p in "${pkgs[@]}"; do
