@@ -6,6 +6,8 @@
  *     kiln_cuda_add; a SwiGLU pair == two kiln_cuda_matvec_fast calls, then kiln_cuda_swiglu
  *     (with and without biases); a pair off the aligned path returns cudaErrorNotSupported
  *     and writes nothing; bad arguments refused;
+ *   - kiln_cuda_matmul_multi (auditable): the same three checks against kiln_cuda_matmul (a
+ *     misaligned pair runs, on the byte-load path, with the same bits);
  *   - kiln_cuda_matmul_res (auditable) == kiln_cuda_matmul, then kiln_cuda_add;
  *   - kiln_cuda_rope_kv_store == kiln_cuda_rope on q and k, then kiln_cuda_kv_store_rows.
  * Over 8 weight dtypes, N = 1..8 (and 11 for the auditable kernel), decode shapes and odd
@@ -117,17 +119,32 @@ static bool same_bits(const char *what, const float *a, const float *b, size_t n
     return ok;
 }
 
-/* ---- the fast matvec: multi, residual, pair --------------------------------------------- */
+/* ---- several products in one launch: multi, residual, pair -------------------------------- */
+
+/* The unfused product (kiln_cuda_matvec_fast, or kiln_cuda_matmul when auditable) and the
+ * fused launch (kiln_cuda_matvec_fast_multi / kiln_cuda_matmul_multi). */
+static bool g_fast = true;
+static cudaError_t product(float *out, const float *x, const uint8_t *w, size_t rb, kiln_dtype dt,
+                           int64_t R, int64_t C, const float *bias, int N) {
+    return g_fast ? kiln_cuda_matvec_fast(0, out, x, w, rb, dt, R, C, bias, N, 0)
+                  : kiln_cuda_matmul(0, out, x, w, rb, dt, R, C, bias, N);
+}
+static cudaError_t products(int n, const kiln_cuda_product_job *jobs, kiln_dtype dt, const float *x,
+                            int64_t C, int N) {
+    return g_fast ? kiln_cuda_matvec_fast_multi(0, n, jobs, dt, x, C, N)
+                  : kiln_cuda_matmul_multi(0, n, jobs, dt, x, C, N);
+}
 
 static void check_fast(kiln_dtype dt, int64_t C, int N, const int64_t *Rs, int n) {
     char what[160];
-    const char *dn = kiln_dtype_name(dt);
+    char dn[64];
+    snprintf(dn, sizeof dn, "%s %s", g_fast ? "fast" : "auditable", kiln_dtype_name(dt));
     float *x = dev_rand((size_t)N * C, 1.0f);
-    uint8_t *w[KILN_CUDA_MATVEC_MAX_JOBS];
-    float *bias[KILN_CUDA_MATVEC_MAX_JOBS], *res[KILN_CUDA_MATVEC_MAX_JOBS];
-    float *ref[KILN_CUDA_MATVEC_MAX_JOBS], *got[KILN_CUDA_MATVEC_MAX_JOBS];
+    uint8_t *w[KILN_CUDA_PRODUCT_MAX_JOBS];
+    float *bias[KILN_CUDA_PRODUCT_MAX_JOBS], *res[KILN_CUDA_PRODUCT_MAX_JOBS];
+    float *ref[KILN_CUDA_PRODUCT_MAX_JOBS], *got[KILN_CUDA_PRODUCT_MAX_JOBS];
     size_t rb = 0;
-    kiln_cuda_matvec_job jobs[KILN_CUDA_MATVEC_MAX_JOBS];
+    kiln_cuda_product_job jobs[KILN_CUDA_PRODUCT_MAX_JOBS];
     for (int j = 0; j < n; j++) {
         uint8_t *h = rnd_weights(dt, Rs[j], C, &rb);
         w[j] = dev_copy<uint8_t>(h, rb * (size_t)Rs[j]);
@@ -139,10 +156,10 @@ static void check_fast(kiln_dtype dt, int64_t C, int N, const int64_t *Rs, int n
     }
     /* 1. n products in one launch, no residual */
     for (int j = 0; j < n; j++) {
-        CUDA_OK(kiln_cuda_matvec_fast(0, ref[j], x, w[j], rb, dt, Rs[j], C, bias[j], N, 0));
+        CUDA_OK(product(ref[j], x, w[j], rb, dt, Rs[j], C, bias[j], N));
         jobs[j] = {got[j], NULL, w[j], NULL, bias[j], NULL, rb, Rs[j]};
     }
-    CUDA_OK(kiln_cuda_matvec_fast_multi(0, n, jobs, dt, x, C, N));
+    CUDA_OK(products(n, jobs, dt, x, C, N));
     for (int j = 0; j < n; j++) {
         snprintf(what, sizeof what, "%s multi C %lld N %d: job %d of %d (R %lld)", dn, (long long)C, N, j,
                  n, (long long)Rs[j]);
@@ -150,7 +167,7 @@ static void check_fast(kiln_dtype dt, int64_t C, int N, const int64_t *Rs, int n
     }
     /* 2. with residuals: a separate buffer for job 0, out == res (accumulate) for the rest */
     for (int j = 0; j < n; j++) {
-        CUDA_OK(kiln_cuda_matvec_fast(0, ref[j], x, w[j], rb, dt, Rs[j], C, bias[j], N, 0));
+        CUDA_OK(product(ref[j], x, w[j], rb, dt, Rs[j], C, bias[j], N));
         CUDA_OK(kiln_cuda_add(0, ref[j], res[j], (size_t)N * Rs[j]));
         if (j == 0) {
             CUDA_OK(cudaMemset(got[j], 0xff, (size_t)N * Rs[j] * 4));
@@ -160,7 +177,7 @@ static void check_fast(kiln_dtype dt, int64_t C, int N, const int64_t *Rs, int n
             jobs[j].res = got[j];
         }
     }
-    CUDA_OK(kiln_cuda_matvec_fast_multi(0, n, jobs, dt, x, C, N));
+    CUDA_OK(products(n, jobs, dt, x, C, N));
     for (int j = 0; j < n; j++) {
         snprintf(what, sizeof what, "%s residual C %lld N %d: job %d (%s)", dn, (long long)C, N, j,
                  j ? "out == res" : "res apart");
@@ -172,30 +189,40 @@ static void check_fast(kiln_dtype dt, int64_t C, int N, const int64_t *Rs, int n
         const size_t no = (size_t)N * Rs[0];
         float *g = dev_nan(no), *u = dev_nan(no);
         for (int with_res = 0; with_res < 2; with_res++) {
-            CUDA_OK(kiln_cuda_matvec_fast(0, g, x, w[0], rb, dt, Rs[0], C, bias[0], N, 0));
-            CUDA_OK(kiln_cuda_matvec_fast(0, u, x, w[1], rb, dt, Rs[0], C, bias[1], N, 0));
+            CUDA_OK(product(g, x, w[0], rb, dt, Rs[0], C, bias[0], N));
+            CUDA_OK(product(u, x, w[1], rb, dt, Rs[0], C, bias[1], N));
             CUDA_OK(kiln_cuda_swiglu(0, ref[0], g, u, no));
             if (with_res) CUDA_OK(kiln_cuda_add(0, ref[0], res[0], no));
             CUDA_OK(cudaMemset(got[0], 0xff, no * 4));
-            const kiln_cuda_matvec_job pj = {got[0], with_res ? res[0] : NULL, w[0], w[1], bias[0], bias[1], rb,
+            const kiln_cuda_product_job pj = {got[0], with_res ? res[0] : NULL, w[0], w[1], bias[0], bias[1], rb,
                                              Rs[0]};
-            CUDA_OK(kiln_cuda_matvec_fast_multi(0, 1, &pj, dt, x, C, N));
+            CUDA_OK(products(1, &pj, dt, x, C, N));
             snprintf(what, sizeof what, "%s swiglu pair C %lld N %d R %lld%s", dn, (long long)C, N,
                      (long long)Rs[0], with_res ? " + res" : "");
             same_bits(what, got[0], ref[0], no);
         }
-        /* the same pair with the up rows at an odd address: not supported, nothing written */
+        /* the same pair with the up rows at an odd address: fast, not supported and nothing
+         * written (the caller splits it); auditable (byte loads), the same bits */
         uint8_t *wodd = NULL;
         CUDA_OK(cudaMalloc(&wodd, rb * (size_t)Rs[0] + 8));
         CUDA_OK(cudaMemcpy(wodd + 1, w[1], rb * (size_t)Rs[0], cudaMemcpyDeviceToDevice));
         CUDA_OK(cudaMemset(got[0], 0xff, no * 4));
-        const kiln_cuda_matvec_job bad = {got[0], NULL, w[0], wodd + 1, NULL, NULL, rb, Rs[0]};
-        cudaError_t e = kiln_cuda_matvec_fast_multi(0, 1, &bad, dt, x, C, N);
+        const kiln_cuda_product_job bad = {got[0], NULL, w[0], wodd + 1, bias[0], bias[1], rb, Rs[0]};
+        cudaError_t e = products(1, &bad, dt, x, C, N);
         g_cases++;
-        EXPECT(e == cudaErrorNotSupported, "%s misaligned pair: %s", dn, cudaGetErrorName(e));
-        uint32_t first = 0;
-        CUDA_OK(cudaMemcpy(&first, got[0], 4, cudaMemcpyDeviceToHost));
-        EXPECT(first == 0xffffffffu, "%s misaligned pair wrote its output", dn);
+        if (g_fast) {
+            EXPECT(e == cudaErrorNotSupported, "%s misaligned pair: %s", dn, cudaGetErrorName(e));
+            uint32_t first = 0;
+            CUDA_OK(cudaMemcpy(&first, got[0], 4, cudaMemcpyDeviceToHost));
+            EXPECT(first == 0xffffffffu, "%s misaligned pair wrote its output", dn);
+        } else {
+            EXPECT(e == cudaSuccess, "%s misaligned pair: %s", dn, cudaGetErrorName(e));
+            CUDA_OK(product(g, x, w[0], rb, dt, Rs[0], C, bias[0], N));
+            CUDA_OK(product(u, x, w[1], rb, dt, Rs[0], C, bias[1], N));
+            CUDA_OK(kiln_cuda_swiglu(0, ref[0], g, u, no));
+            snprintf(what, sizeof what, "%s swiglu pair, up rows at an odd address", dn);
+            same_bits(what, got[0], ref[0], no);
+        }
         CUDA_OK(cudaFree(wodd));
         CUDA_OK(cudaFree(g));
         CUDA_OK(cudaFree(u));
@@ -214,8 +241,8 @@ static void check_refusals(void) {
     float *x = dev_nan(1024), *o = dev_nan(1024);
     uint8_t *w = NULL;
     CUDA_OK(cudaMalloc(&w, 1024 * 64));
-    const kiln_cuda_matvec_job ok = {o, NULL, w, NULL, NULL, NULL, 64, 8};
-    kiln_cuda_matvec_job jobs[5] = {ok, ok, ok, ok, ok};
+    const kiln_cuda_product_job ok = {o, NULL, w, NULL, NULL, NULL, 64, 8};
+    kiln_cuda_product_job jobs[5] = {ok, ok, ok, ok, ok};
     const kiln_dtype bf = KILN_DTYPE_BF16;
     struct {
         const char *name;
@@ -335,10 +362,14 @@ int main(void) {
         const bool k_quant = dt == KILN_DTYPE_Q4_K || dt == KILN_DTYPE_Q6_K;
         const int64_t C = k_quant ? 1024 : 896; /* the 0.5B shape's width where the blocks allow */
         const int64_t qkv[3] = {C, 128, 128}, gu[2] = {2 * C + 64, 2 * C + 64}, odd[3] = {7, 7, 33};
-        for (int N : Ns) {
-            check_fast(dt, C, N, qkv, 3);
-            check_fast(dt, C, N, gu, 2);
-            check_fast(dt, k_quant ? 256 : 64, N, odd, 3);
+        for (int fast = 1; fast >= 0; fast--) {
+            g_fast = fast != 0;
+            for (int N : Ns) {
+                check_fast(dt, C, N, qkv, 3);
+                check_fast(dt, C, N, gu, 2);
+                check_fast(dt, k_quant ? 256 : 64, N, odd, 3);
+            }
+            if (!fast) check_fast(dt, C, 11, qkv, 3); /* auditable past 8 tokens: two tiles */
         }
         check_matmul_res(dt, 200, k_quant ? 512 : 160, 1);
         check_matmul_res(dt, 200, k_quant ? 512 : 160, 4);

@@ -316,15 +316,17 @@ static int multi_plan(cuda_ctx *c, const char *op, int n, int max, const kiln_te
     return one_call ? 1 : 0;
 }
 
-/* Fast decode (N <= 8): the n products of x as one kiln_cuda_matvec_fast_multi launch, with
- * residuals res[i] (NULL: none) or, with up (n = 1), as a SwiGLU pair (W[0] the gate, up[0]
- * the up weights, bias[1] the up's bias). true when launched (or poisoned: check c->err);
- * false, with nothing enqueued, when one launch cannot take them (dtypes or widths differ,
- * an unsupported dtype, a pair off the aligned path): the caller runs them separately. */
-static bool matvec_jobs(cuda_ctx *c, int n, float *const *out, const float *const *res,
-                        const float *x, const kiln_tensor *const *W, const float *const *bias,
-                        const kiln_tensor *up, int N) {
-    if (n < 1 || n > KILN_CUDA_MATVEC_MAX_JOBS || (up && n != 1)) return false;
+/* The n products of x as one launch: kiln_cuda_matvec_fast_multi (fast, N <= 8) or
+ * kiln_cuda_matmul_multi (auditable), with residuals res[i] (NULL: none) or, with up (n =
+ * 1), as a SwiGLU pair (W[0] the gate, up the up weights, bias[1] the up's bias). true when
+ * launched (or poisoned: check c->err); false, with nothing enqueued, when one launch cannot
+ * take them (fast past 8 tokens, dtypes or widths that differ, an unsupported dtype, a fast
+ * pair off the aligned path): the caller runs them separately. */
+static bool product_jobs(cuda_ctx *c, int n, float *const *out, const float *const *res,
+                         const float *x, const kiln_tensor *const *W, const float *const *bias,
+                         const kiln_tensor *up, int N) {
+    if (n < 1 || n > KILN_CUDA_PRODUCT_MAX_JOBS || (up && n != 1) || !x || (c->fast && N > 8))
+        return false;
     const kiln_dtype dt = W[0]->dtype;
     const int64_t C = W[0]->shape[W[0]->n_dims - 1];
     if (!kiln_cuda_dtype_supported(dt) || C < 1) return false;
@@ -333,19 +335,22 @@ static bool matvec_jobs(cuda_ctx *c, int n, float *const *out, const float *cons
     if (up && (up->dtype != dt || up->shape[up->n_dims - 1] != C ||
                kiln_tensor_nelements(up) != kiln_tensor_nelements(W[0])))
         return false;
-    kiln_cuda_matvec_job jobs[KILN_CUDA_MATVEC_MAX_JOBS];
+    kiln_cuda_product_job jobs[KILN_CUDA_PRODUCT_MAX_JOBS];
     const size_t rb = row_bytes_of(dt, C);
     for (int i = 0; i < n; i++) {
         const int64_t R = kiln_tensor_nelements(W[i]) / C;
         const uint8_t *w = weight_dev(c, W[i]->data, (size_t)R * rb, W[i]->name);
         const uint8_t *wu = up ? weight_dev(c, up->data, (size_t)R * rb, up->name) : NULL;
         if (!w || (up && !wu)) return true; /* poisoned */
-        jobs[i] = (kiln_cuda_matvec_job){out[i], res ? res[i] : NULL, w, wu, bias ? bias[i] : NULL,
-                                         up && bias ? bias[1] : NULL, rb, R};
+        jobs[i] = (kiln_cuda_product_job){out[i], res ? res[i] : NULL, w, wu, bias ? bias[i] : NULL,
+                                          up && bias ? bias[1] : NULL, rb, R};
     }
-    cudaError_t e = kiln_cuda_matvec_fast_multi(c->stream, n, jobs, dt, x, C, N);
+    cudaError_t e = c->fast ? kiln_cuda_matvec_fast_multi(c->stream, n, jobs, dt, x, C, N)
+                            : kiln_cuda_matmul_multi(c->stream, n, jobs, dt, x, C, N);
     if (e == cudaErrorNotSupported) return false;
-    after_launch(c, e, up ? "matmul_swiglu (fast matvec)" : "matmul (fast matvec)");
+    after_launch(c, e,
+                 up ? "matmul_swiglu"
+                 : c->fast ? "matmul (fast matvec)" : "matmul");
     return true;
 }
 
@@ -362,8 +367,8 @@ static void matmul_multi(kiln_backend *be, int n, float *const *out, uint16_t *c
     const int plan = multi_plan(c, "matmul_multi", n, max, W, N > 8 || x16,
                                 kiln_cuda_dtype_supported, x16 != NULL, &C);
     if (plan < 0) return;
-    if (plan == 0 && c->fast && N <= 8 && x && matvec_jobs(c, n, out, NULL, x, W, bias, NULL, N))
-        return; /* decode: the products in one launch (their bits alone), or poisoned */
+    if (plan == 0 && product_jobs(c, n, out, NULL, x, W, bias, NULL, N))
+        return; /* the products in one launch (their bits alone), or poisoned */
     if (c->err != KILN_OK) return;
     if (plan == 0) {
         for (int i = 0; i < n; i++) cu_matmul(be, out[i], x, W[i], bias ? bias[i] : NULL, N);
@@ -412,22 +417,10 @@ static void cu_matmul_res(kiln_backend *be, float *out, const float *x, const ki
                           const float *bias, const float *res, int N) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
-    if (c->fast && N <= 8) {
-        float *o[1] = {out};
-        const float *r[1] = {res}, *b[1] = {bias};
-        const kiln_tensor *w[1] = {W};
-        if (matvec_jobs(c, 1, o, r, x, w, b, NULL, N)) return;
-    } else if (!c->fast && kiln_cuda_dtype_supported(W->dtype)) {
-        const int64_t C = W->shape[W->n_dims - 1];
-        const int64_t R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
-        const size_t rb = row_bytes_of(W->dtype, C);
-        const uint8_t *w = weight_dev(c, W->data, (size_t)R * rb, W->name);
-        if (!w) return;
-        after_launch(c, kiln_cuda_matmul_res(c->stream, out, x, w, rb, W->dtype, R, C, bias, res, N),
-                     "matmul_res");
-        return;
-    }
-    if (c->err != KILN_OK) return;
+    float *o[1] = {out};
+    const float *r[1] = {res}, *b[1] = {bias};
+    const kiln_tensor *w[1] = {W};
+    if (product_jobs(c, 1, o, r, x, w, b, NULL, N) || c->err != KILN_OK) return;
     cu_matmul(be, out, x, W, bias, N);
     if (c->err == KILN_OK && res) {
         const int64_t C = W->shape[W->n_dims - 1];
@@ -435,19 +428,18 @@ static void cu_matmul_res(kiln_backend *be, float *out, const float *x, const ki
     }
 }
 
-/* ops.h's matmul_swiglu: fast decode as one launch (kiln_cuda_matvec_fast_multi's pair);
- * otherwise the two products into gate and up, then swiglu. */
+/* ops.h's matmul_swiglu: one launch (a SwiGLU pair of kiln_cuda_product_job) in auditable mode
+ * and fast decode; otherwise the two products into gate and up, then swiglu. */
 static void cu_matmul_swiglu(kiln_backend *be, float *out, float *gate, float *up, const float *x,
                              const kiln_tensor *Wg, const float *bg, const kiln_tensor *Wu,
                              const float *bu, int N) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
-    if (c->fast && N <= 8) {
+    {
         float *o[1] = {out};
         const float *b[2] = {bg, bu};
         const kiln_tensor *w[1] = {Wg};
-        if (matvec_jobs(c, 1, o, NULL, x, w, b, Wu, N)) return;
-        if (c->err != KILN_OK) return;
+        if (product_jobs(c, 1, o, NULL, x, w, b, Wu, N) || c->err != KILN_OK) return;
     }
     float *gu[2] = {gate, up};
     const kiln_tensor *w[2] = {Wg, Wu};

@@ -71,23 +71,47 @@ bool kiln_cuda_dtype_supported(kiln_dtype dt) {
 #define MM_THREADS 256
 #define MM_ROWS_PER_BLOCK (MM_THREADS / 16)
 
-template <int DT, int NT, int PER_STEP>
+/* One product of a launch (kiln_cuda_product_job) and its first block. */
+struct mm_job {
+    float *out;
+    const float *res;
+    const uint8_t *w, *w_up;
+    const float *bias, *bias_up;
+    size_t row_bytes;
+    int64_t R;
+    unsigned blk0;
+};
+struct mm_jobs {
+    mm_job job[KILN_CUDA_PRODUCT_MAX_JOBS];
+    int n;
+};
+
+/* Grid: x = the jobs' row blocks one after another (job j from job[j].blk0), y = token
+ * tiles of NT. PAIR: a block takes 8 rows, the two half-warps of a warp the same row r of the
+ * gate (lanes 0-15) and of the up weights (lanes 16-31); the gate's half-warp gets the up's
+ * dot by a shuffle and writes swiglu(gate, up). Each row's dot is the one it is alone. */
+template <int DT, int NT, int PER_STEP, bool PAIR>
 static __global__ void __launch_bounds__(MM_THREADS)
-matmul_kernel(float *out, const float *__restrict__ x, const uint8_t *__restrict__ w,
-              size_t row_bytes, const float *__restrict__ bias, const float *res, int64_t R,
-              int64_t C, int N) {
+matmul_kernel(const __grid_constant__ mm_jobs jobs, const float *__restrict__ x, int64_t C,
+              int N) {
     constexpr bool plain = blk<DT>::BS == 1;
     constexpr int VB = plain ? 16 : blk<DT>::BS;            /* elements per walk block */
     constexpr int VTS = plain ? 16 * blk<DT>::TS : blk<DT>::TS; /* its bytes */
     constexpr int EPL = VB / 16;                             /* the lane's elements in it */
     constexpr int UB = PER_STEP / EPL > 0 ? PER_STEP / EPL : 1;
-    const int lane = threadIdx.x & 15;
-    const int64_t r = (int64_t)blockIdx.x * MM_ROWS_PER_BLOCK + (threadIdx.x >> 4);
+    constexpr int RPB = PAIR ? MM_ROWS_PER_BLOCK / 2 : MM_ROWS_PER_BLOCK;
+    int jb = 0;
+    while (jb + 1 < jobs.n && blockIdx.x >= jobs.job[jb + 1].blk0) jb++;
+    const mm_job &J = jobs.job[jb];
+    const int64_t R = J.R;
+    const int lane = threadIdx.x & 15, hw = threadIdx.x >> 4;
+    const int side = PAIR ? (hw & 1) : 0; /* PAIR: 0 the gate's half-warp, 1 the up's */
+    const int64_t r = (int64_t)(blockIdx.x - J.blk0) * RPB + (PAIR ? hw >> 1 : hw);
     const int n0 = blockIdx.y * NT;
-    if (r >= R) return; /* whole half-warps leave together */
+    if (r >= R) return; /* whole half-warps leave together (PAIR: both halves of a warp) */
     const unsigned mask = half_warp_mask();
     const int nt = N - n0 < NT ? N - n0 : NT;
-    const uint8_t *row = w + r * row_bytes;
+    const uint8_t *row = (side ? J.w_up : J.w) + r * J.row_bytes;
     const float *xt = x + (int64_t)n0 * C + lane;
     float acc[NT];
 #pragma unroll
@@ -125,13 +149,19 @@ matmul_kernel(float *out, const float *__restrict__ x, const uint8_t *__restrict
         for (int t = 0; t < NT; t++)
             if (t < nt) acc[t] = __fmaf_rn(xt[(int64_t)t * C + nb * VB], wl, acc[t]);
     }
+    const float *bias = side ? J.bias_up : J.bias;
 #pragma unroll
     for (int t = 0; t < NT; t++) {
+        if (t >= nt) break; /* uniform across the warp (PAIR: both halves share n0) */
         float s = lane16_tree(acc[t], mask);
         if (bias) s = s + bias[r];
-        if (lane == t % 16 && t < nt) {
+        if constexpr (PAIR) {
+            const float u = __shfl_down_sync(0xffffffffu, s, 16); /* the up's, to the gate's lanes */
+            s = kiln_swiglu(s, u);
+        }
+        if (side == 0 && lane == t % 16) {
             const int64_t at = (int64_t)(n0 + t) * R + r;
-            out[at] = res ? s + res[at] : s; /* the add op's bits (out may be res) */
+            J.out[at] = J.res ? s + J.res[at] : s; /* the add op's bits (out may be res) */
         }
     }
 }
@@ -143,37 +173,99 @@ matmul_kernel(float *out, const float *__restrict__ x, const uint8_t *__restrict
 extern "C" int kiln_cuda_matmul_step;
 int kiln_cuda_matmul_step = 0;
 
-template <int DT>
-static void matmul_launch(cudaStream_t s, float *out, const float *x, const uint8_t *w,
-                          size_t row_bytes, const float *bias, const float *res, int64_t R,
-                          int64_t C, int N) {
-    const unsigned gx = (unsigned)((R + MM_ROWS_PER_BLOCK - 1) / MM_ROWS_PER_BLOCK);
+template <int NT, int PER_STEP, int DT, bool PAIR>
+static void matmul_launch_nt(cudaStream_t s, mm_jobs a, const float *x, int64_t C, int N,
+                             unsigned gy) {
+    constexpr int rpb = PAIR ? MM_ROWS_PER_BLOCK / 2 : MM_ROWS_PER_BLOCK;
+    int64_t total = 0;
+    for (int j = 0; j < a.n; j++) {
+        a.job[j].blk0 = (unsigned)total;
+        total += (a.job[j].R + rpb - 1) / rpb;
+    }
+    matmul_kernel<DT, NT, PER_STEP, PAIR><<<dim3((unsigned)total, gy), MM_THREADS, 0, s>>>(a, x, C, N);
+}
+
+template <int DT, bool PAIR>
+static void matmul_launch_pair(cudaStream_t s, const mm_jobs &a, const float *x, int64_t C,
+                               int N) {
     const int step = kiln_cuda_matmul_step ? kiln_cuda_matmul_step
                      : (DT == KILN_DTYPE_F16 || DT == KILN_DTYPE_BF16) ? 64 : 32;
-    if (N == 1 && step == 32) {
-        matmul_kernel<DT, 1, 32><<<dim3(gx, 1), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias,
-                                                                    res, R, C, N);
-    } else if (N == 1) {
-        matmul_kernel<DT, 1, 64><<<dim3(gx, 1), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias,
-                                                                    res, R, C, N);
-    } else if (N <= 4) {
-        matmul_kernel<DT, 4, 16><<<dim3(gx, 1), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias,
-                                                                    res, R, C, N);
-    } else {
-        const unsigned gy = (unsigned)((N + 7) / 8);
-        matmul_kernel<DT, 8, 16><<<dim3(gx, gy), MM_THREADS, 0, s>>>(out, x, w, row_bytes, bias,
-                                                                     res, R, C, N);
+    if (N == 1 && step == 32) matmul_launch_nt<1, 32, DT, PAIR>(s, a, x, C, N, 1);
+    else if (N == 1) matmul_launch_nt<1, 64, DT, PAIR>(s, a, x, C, N, 1);
+    else if (N <= 4) matmul_launch_nt<4, 16, DT, PAIR>(s, a, x, C, N, 1);
+    else matmul_launch_nt<8, 16, DT, PAIR>(s, a, x, C, N, (unsigned)((N + 7) / 8));
+}
+
+template <int DT>
+static void matmul_launch(cudaStream_t s, const mm_jobs *a, bool pair, const float *x, int64_t C,
+                          int N) {
+    if (pair) matmul_launch_pair<DT, true>(s, *a, x, C, N);
+    else matmul_launch_pair<DT, false>(s, *a, x, C, N);
+}
+
+/* Whether [a, a + an) and [b, b + bn) share a byte. */
+static bool ranges_overlap(const void *a, size_t an, const void *b, size_t bn) {
+    const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return a && b && an && bn && x < y + bn && y < x + an;
+}
+
+/* The checks kiln_cuda_matmul_multi and kiln_cuda_matvec_fast_multi share (cuda_matmul.h):
+ * n, the pair rule, NULLs, R, float alignment, and the outputs apart from x and from each
+ * other's outputs and residuals. */
+static bool product_jobs_ok(int n, const kiln_cuda_product_job *jobs, const float *x, int64_t C,
+                            int N, bool *pair) {
+    if (n < 1 || n > KILN_CUDA_PRODUCT_MAX_JOBS || !jobs || !x || C < 1 || N < 1 ||
+        (uintptr_t)x % 4 || (uint64_t)C > ((uint64_t)1 << 40))
+        return false;
+    *pair = jobs[0].w_up != NULL;
+    for (int j = 0; j < n; j++) {
+        const kiln_cuda_product_job &in = jobs[j];
+        /* R <= 2^40 keeps every index product far from overflow */
+        if (!in.out || !in.w || in.R < 1 || (uint64_t)in.R > ((uint64_t)1 << 40) ||
+            (in.w_up != NULL) != *pair || (!*pair && in.bias_up) || (uintptr_t)in.out % 4 ||
+            (uintptr_t)in.res % 4 || (uintptr_t)in.bias % 4 || (uintptr_t)in.bias_up % 4)
+            return false;
+        const size_t ob = (size_t)N * (size_t)in.R * sizeof(float);
+        if (ranges_overlap(in.out, ob, x, (size_t)N * (size_t)C * sizeof(float)) ||
+            (in.res && in.res != in.out && ranges_overlap(in.out, ob, in.res, ob)))
+            return false;
+        for (int i = 0; i < j; i++) {
+            const size_t pb = (size_t)N * (size_t)jobs[i].R * sizeof(float);
+            if (ranges_overlap(in.out, ob, jobs[i].out, pb) ||
+                ranges_overlap(in.out, ob, jobs[i].res, pb) ||
+                ranges_overlap(jobs[i].out, pb, in.res, ob))
+                return false;
+        }
     }
+    return true;
+}
+
+cudaError_t kiln_cuda_matmul_multi(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
+                                   kiln_dtype dt, const float *x, int64_t C, int N) {
+    bool pair = false;
+    if (!kiln_cuda_dtype_supported(dt) || !product_jobs_ok(n, jobs, x, C, N, &pair))
+        return cudaErrorInvalidValue;
+    mm_jobs a;
+    memset(&a, 0, sizeof a);
+    a.n = n;
+    const int rpb = pair ? MM_ROWS_PER_BLOCK / 2 : MM_ROWS_PER_BLOCK;
+    int64_t total = 0;
+    for (int j = 0; j < n; j++) {
+        const kiln_cuda_product_job &in = jobs[j];
+        a.job[j] = mm_job{in.out, in.res, in.w, in.w_up, in.bias, in.bias_up, in.row_bytes, in.R, 0};
+        total += (in.R + rpb - 1) / rpb;
+    }
+    if (total > 0x7fffffff || (N + 7) / 8 > 65535) return cudaErrorInvalidConfiguration;
+    KILN_CUDA_DTYPE_SWITCH(dt, matmul_launch, s, &a, pair, x, C, N);
+    return cudaGetLastError();
 }
 
 cudaError_t kiln_cuda_matmul_res(cudaStream_t s, float *out, const float *x, const uint8_t *w,
                                  size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
                                  const float *bias, const float *res, int N) {
     if (R <= 0 || N <= 0) return cudaSuccess;
-    if ((R + MM_ROWS_PER_BLOCK - 1) / MM_ROWS_PER_BLOCK > 0x7fffffff || (N + 7) / 8 > 65535)
-        return cudaErrorInvalidConfiguration;
-    KILN_CUDA_DTYPE_SWITCH(dt, matmul_launch, s, out, x, w, row_bytes, bias, res, R, C, N);
-    return cudaGetLastError();
+    const kiln_cuda_product_job job = {out, res, w, NULL, bias, NULL, row_bytes, R};
+    return kiln_cuda_matmul_multi(s, 1, &job, dt, x, C, N);
 }
 
 cudaError_t kiln_cuda_matmul(cudaStream_t s, float *out, const float *x, const uint8_t *w,
@@ -1622,7 +1714,7 @@ static __device__ __forceinline__ void ldx4(const float *__restrict__ p, float *
 
 /* ---- the kernel ---------------------------------------------------------------------------- */
 
-/* One product of a launch: kiln_cuda_matvec_job with its split S and its first block. */
+/* One product of a launch: kiln_cuda_product_job with its split S and its first block. */
 struct fmv_job {
     float *out;
     const float *res;
@@ -1634,7 +1726,7 @@ struct fmv_job {
     unsigned blk0;
 };
 struct fmv_jobs {
-    fmv_job job[KILN_CUDA_MATVEC_MAX_JOBS];
+    fmv_job job[KILN_CUDA_PRODUCT_MAX_JOBS];
     int n;
 };
 
@@ -1871,41 +1963,16 @@ int kiln_cuda_matvec_fast_split(kiln_dtype dt, int64_t R, int64_t C, int N) {
     return S;
 }
 
-/* Whether [a, a + an) and [b, b + bn) share a byte. */
-static bool fmv_overlap(const void *a, size_t an, const void *b, size_t bn) {
-    const uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
-    return a && b && an && bn && x < y + bn && y < x + an;
-}
-
-cudaError_t kiln_cuda_matvec_fast_multi(cudaStream_t s, int n, const kiln_cuda_matvec_job *jobs,
+cudaError_t kiln_cuda_matvec_fast_multi(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
                                         kiln_dtype dt, const float *x, int64_t C, int N) {
-    if (n < 1 || n > KILN_CUDA_MATVEC_MAX_JOBS || !jobs || !x || C < 1 || N < 1 || N > 8 ||
-        !kiln_cuda_dtype_supported(dt) || (uintptr_t)x % 4 || (uint64_t)C > ((uint64_t)1 << 40))
+    bool pair = false;
+    if (N > 8 || !kiln_cuda_dtype_supported(dt) || !product_jobs_ok(n, jobs, x, C, N, &pair))
         return cudaErrorInvalidValue;
     fmv_jobs a;
     memset(&a, 0, sizeof a);
     a.n = n;
-    const bool pair = jobs[0].w_up != NULL;
     for (int j = 0; j < n; j++) {
-        const kiln_cuda_matvec_job &in = jobs[j];
-        /* R <= 2^40 keeps every index product far from overflow */
-        if (!in.out || !in.w || in.R < 1 || (uint64_t)in.R > ((uint64_t)1 << 40) ||
-            (in.w_up != NULL) != pair || (!pair && in.bias_up) ||
-            (uintptr_t)in.out % 4 || (uintptr_t)in.res % 4 || (uintptr_t)in.bias % 4 ||
-            (uintptr_t)in.bias_up % 4)
-            return cudaErrorInvalidValue;
-        /* each output apart from x and from every other job's output and residual (a job's
-         * residual may be its own output, exactly) */
-        const size_t ob = (size_t)N * (size_t)in.R * sizeof(float);
-        if (fmv_overlap(in.out, ob, x, (size_t)N * (size_t)C * sizeof(float)) ||
-            (in.res && in.res != in.out && fmv_overlap(in.out, ob, in.res, ob)))
-            return cudaErrorInvalidValue;
-        for (int i = 0; i < j; i++) {
-            const size_t pb = (size_t)N * (size_t)jobs[i].R * sizeof(float);
-            if (fmv_overlap(in.out, ob, jobs[i].out, pb) || fmv_overlap(in.out, ob, jobs[i].res, pb) ||
-                fmv_overlap(jobs[i].out, pb, in.res, ob))
-                return cudaErrorInvalidValue;
-        }
+        const kiln_cuda_product_job &in = jobs[j];
         a.job[j] = fmv_job{in.out, in.res, in.w, in.w_up, in.bias, in.bias_up, in.row_bytes, in.R, 0, 0};
     }
     cudaError_t err = cudaSuccess;
@@ -1917,7 +1984,7 @@ cudaError_t kiln_cuda_matvec_fast(cudaStream_t s, float *out, const float *x, co
                                   size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
                                   const float *bias, int N, int accumulate) {
     if (!out || (uintptr_t)out % 4) return cudaErrorInvalidValue;
-    const kiln_cuda_matvec_job job = {out, accumulate ? out : NULL, w, NULL, bias, NULL, row_bytes, R};
+    const kiln_cuda_product_job job = {out, accumulate ? out : NULL, w, NULL, bias, NULL, row_bytes, R};
     return kiln_cuda_matvec_fast_multi(s, 1, &job, dt, x, C, N);
 }
 

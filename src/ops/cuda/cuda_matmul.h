@@ -27,6 +27,29 @@
 /* Whether the matmul/embed kernels handle dtype dt. */
 bool kiln_cuda_dtype_supported(kiln_dtype dt);
 
+/* One product of a multi-product launch (kiln_cuda_matmul_multi, kiln_cuda_matvec_fast_multi):
+ * out(N,R) = x(N,C) @ W(R,C)^T (+ bias) (+ res), or with w_up (a SwiGLU pair) out =
+ * swiglu(x @ W^T (+ bias), x @ Wup^T (+ bias_up)) (+ res): kmath.h's kiln_swiglu per
+ * element. Rows of W (and Wup) row_bytes apart. */
+#define KILN_CUDA_PRODUCT_MAX_JOBS 4
+typedef struct kiln_cuda_product_job {
+    float *out;              /* (N, R) */
+    const float *res;        /* NULL or (N, R) */
+    const uint8_t *w, *w_up; /* R rows each; w_up NULL unless a SwiGLU pair */
+    const float *bias, *bias_up;
+    size_t row_bytes;
+    int64_t R;
+} kiln_cuda_product_job;
+
+/* The auditable products of one input x in one launch: each job's outputs have the bits of
+ * kiln_cuda_matmul on it alone, then kiln_cuda_swiglu of the pair's two products, then
+ * kiln_cuda_add of res (one half-warp per row's dot, the CPU's; a pair's two rows in the two
+ * halves of a warp). n in 1..KILN_CUDA_PRODUCT_MAX_JOBS; every job a pair or none; res may
+ * equal out, otherwise no output may overlap x or another job's output or residual
+ * (cudaErrorInvalidValue), nor a weight or bias (not checked). */
+cudaError_t kiln_cuda_matmul_multi(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
+                                   kiln_dtype dt, const float *x, int64_t C, int N);
+
 /* ops.h's matmul: out(N,R) = x(N,C) @ W(R,C)^T (+ bias(R), NULL: none). */
 cudaError_t kiln_cuda_matmul(cudaStream_t s, float *out, const float *x, const uint8_t *w,
                              size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
@@ -250,10 +273,8 @@ cudaError_t kiln_cuda_matvec_fast(cudaStream_t s, float *out, const float *x, co
                                   size_t row_bytes, kiln_dtype dt, int64_t R, int64_t C,
                                   const float *bias, int N, int accumulate);
 
-/* Several decode products of one input x in one launch, each with the fused epilogues the
- * decode step wants: for job j, out_j(N,R_j) = x(N,C) @ W_j(R_j,C)^T (+ bias_j) (+ res_j),
- * or, for a SwiGLU pair (w_up set), out_j = swiglu(x @ W_j^T + bias_j, x @ Wup_j^T +
- * bias_up_j) (+ res_j), kmath.h's kiln_swiglu per element. Every output has exactly the bits
+/* Several decode products of one input x in one launch (kiln_cuda_product_job: the fused
+ * epilogues the decode step wants, a residual and a SwiGLU pair). Every output has exactly the bits
  * of the unfused calls: kiln_cuda_matvec_fast on the job alone (its split from (dt, R_j, C,
  * N)), then kiln_cuda_swiglu of the two products, then kiln_cuda_add of res_j. Jobs share x,
  * C, N and the dtype dt; rows of W_j (and Wup_j) row_bytes_j apart. Either every job is a
@@ -263,16 +284,7 @@ cudaError_t kiln_cuda_matvec_fast(cudaStream_t s, float *out, const float *x, co
  * (w, w_up or row_bytes not multiples of the dtype's alignment, x not 16-byte aligned, C % 4)
  * the call returns cudaErrorNotSupported having enqueued nothing, and the caller runs the
  * products separately. Other errors as kiln_cuda_matvec_fast's. */
-#define KILN_CUDA_MATVEC_MAX_JOBS 4
-typedef struct kiln_cuda_matvec_job {
-    float *out;              /* (N, R) */
-    const float *res;        /* NULL or (N, R) */
-    const uint8_t *w, *w_up; /* R rows each; w_up NULL unless a SwiGLU pair */
-    const float *bias, *bias_up;
-    size_t row_bytes;
-    int64_t R;
-} kiln_cuda_matvec_job;
-cudaError_t kiln_cuda_matvec_fast_multi(cudaStream_t s, int n, const kiln_cuda_matvec_job *jobs,
+cudaError_t kiln_cuda_matvec_fast_multi(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
                                         kiln_dtype dt, const float *x, int64_t C, int N);
 
 /* The number of warps that share one row's dot (1, 2, 4 or 8) for these arguments: the
