@@ -282,6 +282,16 @@ typedef struct llama_run {
     const kiln_fwd_batch *gen;
 } llama_run;
 
+/* out = x W^T (+ bias) + res: one products call (kiln_op_products: the bits of matmul, then add). */
+static void products_res(kiln_backend *be, float *out, const float *x, const kiln_wref *W, const kiln_wref *bias,
+                         const float *res, int T) {
+    float *o[1] = {out};
+    const float *r[1] = {res}, *b[1] = {VEC(bias)};
+    const kiln_tensor *w[1] = {W->mat};
+    const kiln_products p = {.n = 1, .out = o, .res = r, .W = w, .bias = b};
+    kiln_op_products(be, x, &p, T);
+}
+
 static void llama_layers(const llama_run *R) {
     const kiln_model_config *c = R->cfg;
     kiln_backend *be = R->be;
@@ -295,13 +305,21 @@ static void llama_layers(const llama_run *R) {
         const llama_w lw = llama_layer(R->layer_refs, l), *w = &lw;
         layer_acts *a = &R->acts[R->per_layer ? l : 0];
         float *x_next = !R->per_layer ? a->x : l + 1 < c->n_layer ? R->acts[l + 1].x : R->x_final;
-        if (R->acts16)
-            op->rmsnorm_bf16(be, a->xb1_16, a->x, VEC(w->attn_norm), T, C, eps);
-        else
-            op->rmsnorm(be, a->xb1, a->x, VEC(w->attn_norm), T, C, eps);
         float *qkv[3] = {a->qr, a->kr, a->v};
         const kiln_wref *wqkv[3] = {w->wq, w->wk, w->wv}, *bqkv[3] = {w->bq, w->bk, w->bv};
-        matmul_n(be, R->multi, 3, qkv, a->xb1, a->xb1_16, wqkv, bqkv, T);
+        if (R->gen) { /* the normed input is not kept: the norm in the products where the backend fuses it */
+            const kiln_tensor *wm[3] = {w->wq->mat, w->wk->mat, w->wv->mat};
+            const float *bv[3] = {VEC(w->bq), VEC(w->bk), VEC(w->bv)};
+            const kiln_products p = {.n = 3, .out = qkv, .W = wm, .bias = bv, .norm_w = VEC(w->attn_norm),
+                                     .eps = eps, .scratch_x = a->xb1};
+            kiln_op_products(be, a->x, &p, T);
+        } else {
+            if (R->acts16)
+                op->rmsnorm_bf16(be, a->xb1_16, a->x, VEC(w->attn_norm), T, C, eps);
+            else
+                op->rmsnorm(be, a->xb1, a->x, VEC(w->attn_norm), T, C, eps);
+            matmul_n(be, R->multi, 3, qkv, a->xb1, a->xb1_16, wqkv, bqkv, T);
+        }
         if (w->q_norm) op->rmsnorm(be, a->q, a->qr, VEC(w->q_norm), T * NH, HS, eps);
         if (w->k_norm) op->rmsnorm(be, a->k, a->kr, VEC(w->k_norm), T * KVH, HS, eps);
         if (R->gen) { /* generation: rotate q, k, store k, v in the cache, attend through its block table */
@@ -329,11 +347,11 @@ static void llama_layers(const llama_run *R) {
             const float *res[1] = {a->x};
             matmul_n16(be, 1, &a->x_mid, NULL, res, a->att16, wo, bo, T);
         } else { /* x_mid = o + x: IEEE addition commutes, so the bits of x + o, with no copy */
-            kiln_op_matmul_res(be, a->x_mid, a->att, w->wo->mat, VEC(w->bo), a->x, T);
+            products_res(be, a->x_mid, a->att, w->wo, w->bo, a->x, T);
         }
         if (R->acts16)
             op->rmsnorm_bf16(be, a->xb2_16, a->x_mid, VEC(w->mlp_norm), T, C, eps);
-        else
+        else if (!R->gen) /* generation: normed in the gate/up products below */
             op->rmsnorm(be, a->xb2, a->x_mid, VEC(w->mlp_norm), T, C, eps);
         const kiln_wref *wgu[2] = {w->gate, w->up}, *bgu[2] = {w->b_gate, w->b_up};
         if (R->acts16) { /* gate, up in bf16; x_next = x_mid + down(h) in the epilogue */
@@ -344,15 +362,20 @@ static void llama_layers(const llama_run *R) {
             const float *res[1] = {a->x_mid};
             matmul_n16(be, 1, &x_next, NULL, res, a->hb16, wd, nob, T);
         } else { /* x_next = down(h) + x_mid (x_next may be the layer's input x: read by now) */
-            if (R->gen) { /* gate and up are not kept: the fused product where the backend has it */
-                kiln_op_matmul_swiglu(be, a->hb, a->gate, a->up, a->xb2, w->gate->mat, VEC(w->b_gate), w->up->mat,
-                                      VEC(w->b_up), T);
+            if (R->gen) { /* the normed input, gate and up are not kept: one fused op where the backend has it */
+                float *out[1] = {a->hb};
+                const kiln_tensor *wg[1] = {w->gate->mat};
+                const float *b[2] = {VEC(w->b_gate), VEC(w->b_up)};
+                const kiln_products p = {.n = 1, .out = out, .W = wg, .bias = b, .up = w->up->mat,
+                                         .norm_w = VEC(w->mlp_norm), .eps = eps, .scratch_x = a->xb2,
+                                         .scratch_gate = a->gate, .scratch_up = a->up};
+                kiln_op_products(be, a->x_mid, &p, T);
             } else {
                 float *gu[2] = {a->gate, a->up};
                 matmul_n(be, R->multi, 2, gu, a->xb2, NULL, wgu, bgu, T);
                 op->swiglu(be, a->hb, a->gate, a->up, (size_t)T * FF);
             }
-            kiln_op_matmul_res(be, x_next, a->hb, w->down->mat, VEC(w->b_down), a->x_mid, T);
+            products_res(be, x_next, a->hb, w->down, w->b_down, a->x_mid, T);
         }
     }
 }

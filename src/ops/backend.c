@@ -82,36 +82,37 @@ kiln_status kiln_backend_leave(kiln_backend *be, kiln_status st, const char *fn)
 
 /* ---- the fused ops, or the compositions that define them -------------------------------------- */
 
-void kiln_op_matmul_res(kiln_backend *be, float *out, const float *x, const kiln_tensor *W, const float *bias,
-                        const float *res, int N) {
+void kiln_op_products(kiln_backend *be, const float *x, const kiln_products *p, int N) {
     const kiln_backend_i *op = be->i;
-    if (op->matmul_res) {
-        op->matmul_res(be, out, x, W, bias, res, N);
+    if (op->products) {
+        op->products(be, x, p, N);
         return;
     }
-    op->matmul(be, out, x, W, bias, N);
-    const int64_t C = W->shape[W->n_dims - 1];
-    if (res && N > 0 && C > 0) op->add(be, out, res, (size_t)N * (size_t)(kiln_tensor_nelements(W) / C));
-}
-
-void kiln_op_matmul_swiglu(kiln_backend *be, float *out, float *gate, float *up, const float *x,
-                           const kiln_tensor *Wg, const float *bg, const kiln_tensor *Wu, const float *bu, int N) {
-    const kiln_backend_i *op = be->i;
-    if (op->matmul_swiglu) {
-        op->matmul_swiglu(be, out, gate, up, x, Wg, bg, Wu, bu, N);
-        return;
+    const int64_t C = p->W[0]->shape[p->W[0]->n_dims - 1];
+    if (N <= 0 || C <= 0) return;
+    const float *xn = x;
+    if (p->norm_w) {
+        op->rmsnorm(be, p->scratch_x, x, p->norm_w, N, (int)C, p->eps);
+        xn = p->scratch_x;
     }
-    float *gu[2] = {gate, up};
-    const kiln_tensor *w[2] = {Wg, Wu};
-    const float *b[2] = {bg, bu};
-    if (op->matmul_multi) {
-        op->matmul_multi(be, 2, gu, x, w, b, N);
+    if (p->up) {
+        float *gu[2] = {p->scratch_gate, p->scratch_up};
+        const kiln_tensor *w[2] = {p->W[0], p->up};
+        const float *b[2] = {p->bias ? p->bias[0] : NULL, p->bias ? p->bias[1] : NULL};
+        if (op->matmul_multi) {
+            op->matmul_multi(be, 2, gu, xn, w, b, N);
+        } else {
+            op->matmul(be, gu[0], xn, w[0], b[0], N);
+            op->matmul(be, gu[1], xn, w[1], b[1], N);
+        }
+        op->swiglu(be, p->out[0], gu[0], gu[1], (size_t)N * (size_t)(kiln_tensor_nelements(p->W[0]) / C));
+    } else if (op->matmul_multi) {
+        op->matmul_multi(be, p->n, p->out, xn, p->W, p->bias, N);
     } else {
-        op->matmul(be, gate, x, Wg, bg, N);
-        op->matmul(be, up, x, Wu, bu, N);
+        for (int i = 0; i < p->n; i++) op->matmul(be, p->out[i], xn, p->W[i], p->bias ? p->bias[i] : NULL, N);
     }
-    const int64_t C = Wg->shape[Wg->n_dims - 1];
-    if (N > 0 && C > 0) op->swiglu(be, out, gate, up, (size_t)N * (size_t)(kiln_tensor_nelements(Wg) / C));
+    for (int i = 0; p->res && i < p->n; i++)
+        if (p->res[i]) op->add(be, p->out[i], p->res[i], (size_t)N * (size_t)(kiln_tensor_nelements(p->W[i]) / C));
 }
 
 void kiln_op_rope_kv_store(kiln_backend *be, float *q, float *k, const float *v, const int32_t *pos, int N, int NH,

@@ -38,6 +38,29 @@ typedef enum kiln_op {
 } kiln_op;
 
 typedef struct kiln_backend kiln_backend;
+
+/* ops.h's products: n products of one input x(N,C) with the decode step's fused epilogues.
+ * Defined as the composition (kiln_op_products):
+ *   xn   = norm_w ? rmsnorm(x, norm_w, eps) : x                       (into scratch_x)
+ *   pair (up set, n = 1): out[0] = swiglu(xn W[0]^T (+ bias[0]), xn up^T (+ bias[1]))
+ *                          (the products into scratch_gate, scratch_up: matmul_multi's bits)
+ *   else:                 out[i] = xn W[i]^T (+ bias[i])             (matmul_multi's bits)
+ *   then out[i] = out[i] + res[i] where res and res[i] are set        (add's bits)
+ * A backend's fused op gives exactly these bits. Scratch (backend memory) a composing backend
+ * writes: scratch_x (N,C) when norm_w is set, scratch_gate and scratch_up (N, R) for a pair
+ * (out may be scratch_gate). No out may overlap x, another out or another product's res;
+ * res[i] may not overlap out[i]. */
+typedef struct kiln_products {
+    int n;                              /* 1..KILN_MATMUL_MULTI_MAX */
+    float *const *out;
+    const float *const *res;            /* NULL, or per product NULL or (N, R_i) */
+    const kiln_tensor *const *W;
+    const float *const *bias;           /* NULL, or per product NULL or (R_i); a pair: {gate's, up's} */
+    const kiln_tensor *up;              /* a SwiGLU pair's up weights (n = 1), or NULL */
+    const float *norm_w;                /* x normed first (rmsnorm), or NULL */
+    float eps;
+    float *scratch_x, *scratch_gate, *scratch_up;
+} kiln_products;
 /* The fused linear cross-entropy's call (fused_ce.h), the fused distillation loss's
  * (fused_kd.h); AdamW's tensors and scalars (adamw_op.h, adamw_math.h). */
 struct kiln_fused_ce_params;
@@ -551,16 +574,9 @@ typedef struct kiln_backend_i {
     /* ---- fused forms of the ops above (optional: NULL means the model composes the ops) --------
      * Each is defined as the composition it replaces and gives its bits exactly, in either mode;
      * a backend offers one only where fusing saves launches or passes (the decode step). */
-    /* out(N,R) = (x W^T (+ bias)) + res: matmul then add(out, res). out must not overlap x or
-     * res. */
-    void (*matmul_res)(kiln_backend *be, float *out, const float *x, const kiln_tensor *W, const float *bias,
-                       const float *res, int N);
-    /* out(N,FF) = swiglu(x Wg^T (+ bg), x Wu^T (+ bu)): matmul of each (matmul_multi's bits), then
-     * swiglu. gate and up (N,FF) are scratch the backend may use (out may be gate); out must not
-     * overlap x or up. */
-    void (*matmul_swiglu)(kiln_backend *be, float *out, float *gate, float *up, const float *x,
-                          const kiln_tensor *Wg, const float *bg, const kiln_tensor *Wu, const float *bu,
-                          int N);
+    /* products of one input with their epilogues (kiln_products below): the bits of rmsnorm
+     * (norm_w set), then matmul_multi, then swiglu (a pair) and add (res). */
+    void (*products)(kiln_backend *be, const float *x, const struct kiln_products *p, int N);
     /* rope(q) over NH heads and rope(k) over KVH heads at pos (both in place, as rope), then
      * kv_store_rows(k_pool, v_pool, k, v, slots, N, KVH * HS) with the rotated k. */
     void (*rope_kv_store)(kiln_backend *be, float *q, float *k, const float *v, const int32_t *pos, int N, int NH,
@@ -637,13 +653,9 @@ void kiln_backend_cpu_poison(kiln_backend *be, kiln_status st, const char *msg);
  * with kiln_backend_free_buf. */
 void *kiln_backend_alloc_zeroed(kiln_backend *be, size_t nbytes, const char *owner, const char *what);
 
-/* The fused ops (kiln_backend_i's matmul_res, matmul_swiglu, rope_kv_store) where the backend
- * has them, else the compositions that define them (the same bits). Arguments as there; W and
- * the biases as kiln_tensor pointers (bias NULL: none). */
-void kiln_op_matmul_res(kiln_backend *be, float *out, const float *x, const kiln_tensor *W, const float *bias,
-                        const float *res, int N);
-void kiln_op_matmul_swiglu(kiln_backend *be, float *out, float *gate, float *up, const float *x,
-                           const kiln_tensor *Wg, const float *bg, const kiln_tensor *Wu, const float *bu, int N);
+/* The fused ops (kiln_backend_i's products, rope_kv_store) where the backend has them, else
+ * the compositions that define them (the same bits). Arguments as there. */
+void kiln_op_products(kiln_backend *be, const float *x, const kiln_products *p, int N);
 void kiln_op_rope_kv_store(kiln_backend *be, float *q, float *k, const float *v, const int32_t *pos, int N, int NH,
                            int KVH, int HS, const float *cos_tab, const float *sin_tab, float *k_pool, float *v_pool,
                            const int32_t *slots);

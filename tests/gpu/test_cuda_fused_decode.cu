@@ -6,7 +6,8 @@
  *     kiln_cuda_add; a SwiGLU pair == two kiln_cuda_matvec_fast calls, then kiln_cuda_swiglu
  *     (with and without biases); a pair off the aligned path returns cudaErrorNotSupported
  *     and writes nothing; bad arguments refused;
- *   - kiln_cuda_matmul_multi (auditable): the same three checks against kiln_cuda_matmul (a
+ *   - the _norm launchers (an RMSNorm prologue) == kiln_cuda_rmsnorm, then the products;
+ *   - kiln_cuda_matmul_multi (auditable): the same checks against kiln_cuda_matmul (a
  *     misaligned pair runs, on the byte-load path, with the same bits);
  *   - kiln_cuda_matmul_res (auditable) == kiln_cuda_matmul, then kiln_cuda_add;
  *   - kiln_cuda_rope_kv_store == kiln_cuda_rope on q and k, then kiln_cuda_kv_store_rows.
@@ -16,6 +17,7 @@
  */
 #include "ops/cuda/cuda_elementwise.h"
 #include "ops/cuda/cuda_matmul.h"
+#include "ops/cuda/cuda_norm.h"
 #include "ops/cuda/cuda_rope.h"
 #include "ops/cuda/cuda_rows.h"
 
@@ -134,6 +136,11 @@ static cudaError_t products(int n, const kiln_cuda_product_job *jobs, kiln_dtype
     return g_fast ? kiln_cuda_matvec_fast_multi(0, n, jobs, dt, x, C, N)
                   : kiln_cuda_matmul_multi(0, n, jobs, dt, x, C, N);
 }
+static cudaError_t products_norm(int n, const kiln_cuda_product_job *jobs, kiln_dtype dt,
+                                 const float *x, const float *nw, float eps, int64_t C, int N) {
+    return g_fast ? kiln_cuda_matvec_fast_multi_norm(0, n, jobs, dt, x, nw, eps, C, N)
+                  : kiln_cuda_matmul_multi_norm(0, n, jobs, dt, x, nw, eps, C, N);
+}
 
 static void check_fast(kiln_dtype dt, int64_t C, int N, const int64_t *Rs, int n) {
     char what[160];
@@ -226,6 +233,41 @@ static void check_fast(kiln_dtype dt, int64_t C, int N, const int64_t *Rs, int n
         CUDA_OK(cudaFree(wodd));
         CUDA_OK(cudaFree(g));
         CUDA_OK(cudaFree(u));
+    }
+    /* 4. the RMSNorm prologue: == kiln_cuda_rmsnorm, then the products (plain jobs, then a
+     * pair with a residual) */
+    {
+        float *nw = dev_rand((size_t)C, 1.5f), *xn = dev_nan((size_t)N * C);
+        const float eps = 1e-6f;
+        CUDA_OK(kiln_cuda_rmsnorm(0, xn, x, nw, N, (int)C, eps));
+        for (int j = 0; j < n; j++) {
+            CUDA_OK(product(ref[j], xn, w[j], rb, dt, Rs[j], C, bias[j], N));
+            CUDA_OK(cudaMemset(got[j], 0xff, (size_t)N * Rs[j] * 4));
+            jobs[j] = {got[j], NULL, w[j], NULL, bias[j], NULL, rb, Rs[j]};
+        }
+        CUDA_OK(products_norm(n, jobs, dt, x, nw, eps, C, N));
+        for (int j = 0; j < n; j++) {
+            snprintf(what, sizeof what, "%s rmsnorm prologue C %lld N %d: job %d (R %lld)", dn, (long long)C, N,
+                     j, (long long)Rs[j]);
+            same_bits(what, got[j], ref[j], (size_t)N * Rs[j]);
+        }
+        if (n >= 2 && Rs[0] == Rs[1]) {
+            const size_t no = (size_t)N * Rs[0];
+            float *g = dev_nan(no), *u = dev_nan(no);
+            CUDA_OK(product(g, xn, w[0], rb, dt, Rs[0], C, bias[0], N));
+            CUDA_OK(product(u, xn, w[1], rb, dt, Rs[0], C, bias[1], N));
+            CUDA_OK(kiln_cuda_swiglu(0, ref[0], g, u, no));
+            CUDA_OK(kiln_cuda_add(0, ref[0], res[0], no));
+            CUDA_OK(cudaMemset(got[0], 0xff, no * 4));
+            const kiln_cuda_product_job pj = {got[0], res[0], w[0], w[1], bias[0], bias[1], rb, Rs[0]};
+            CUDA_OK(products_norm(1, &pj, dt, x, nw, eps, C, N));
+            snprintf(what, sizeof what, "%s rmsnorm prologue, swiglu pair + res C %lld N %d", dn, (long long)C, N);
+            same_bits(what, got[0], ref[0], no);
+            CUDA_OK(cudaFree(g));
+            CUDA_OK(cudaFree(u));
+        }
+        CUDA_OK(cudaFree(nw));
+        CUDA_OK(cudaFree(xn));
     }
     for (int j = 0; j < n; j++) {
         CUDA_OK(cudaFree(w[j]));

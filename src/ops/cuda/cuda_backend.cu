@@ -318,13 +318,14 @@ static int multi_plan(cuda_ctx *c, const char *op, int n, int max, const kiln_te
 
 /* The n products of x as one launch: kiln_cuda_matvec_fast_multi (fast, N <= 8) or
  * kiln_cuda_matmul_multi (auditable), with residuals res[i] (NULL: none) or, with up (n =
- * 1), as a SwiGLU pair (W[0] the gate, up the up weights, bias[1] the up's bias). true when
+ * 1), as a SwiGLU pair (W[0] the gate, up the up weights, bias[1] the up's bias), on x normed
+ * first (rmsnorm's bits) when norm_w is set (the _norm launchers). true when
  * launched (or poisoned: check c->err); false, with nothing enqueued, when one launch cannot
  * take them (fast past 8 tokens, dtypes or widths that differ, an unsupported dtype, a fast
  * pair off the aligned path): the caller runs them separately. */
 static bool product_jobs(cuda_ctx *c, int n, float *const *out, const float *const *res,
                          const float *x, const kiln_tensor *const *W, const float *const *bias,
-                         const kiln_tensor *up, int N) {
+                         const kiln_tensor *up, const float *norm_w, float eps, int N) {
     if (n < 1 || n > KILN_CUDA_PRODUCT_MAX_JOBS || (up && n != 1) || !x || (c->fast && N > 8))
         return false;
     const kiln_dtype dt = W[0]->dtype;
@@ -345,8 +346,9 @@ static bool product_jobs(cuda_ctx *c, int n, float *const *out, const float *con
         jobs[i] = (kiln_cuda_product_job){out[i], res ? res[i] : NULL, w, wu, bias ? bias[i] : NULL,
                                           up && bias ? bias[1] : NULL, rb, R};
     }
-    cudaError_t e = c->fast ? kiln_cuda_matvec_fast_multi(c->stream, n, jobs, dt, x, C, N)
-                            : kiln_cuda_matmul_multi(c->stream, n, jobs, dt, x, C, N);
+    if (norm_w && C > INT_MAX) return false;
+    cudaError_t e = c->fast ? kiln_cuda_matvec_fast_multi_norm(c->stream, n, jobs, dt, x, norm_w, eps, C, N)
+                            : kiln_cuda_matmul_multi_norm(c->stream, n, jobs, dt, x, norm_w, eps, C, N);
     if (e == cudaErrorNotSupported) return false;
     after_launch(c, e,
                  up ? "matmul_swiglu"
@@ -367,7 +369,7 @@ static void matmul_multi(kiln_backend *be, int n, float *const *out, uint16_t *c
     const int plan = multi_plan(c, "matmul_multi", n, max, W, N > 8 || x16,
                                 kiln_cuda_dtype_supported, x16 != NULL, &C);
     if (plan < 0) return;
-    if (plan == 0 && product_jobs(c, n, out, NULL, x, W, bias, NULL, N))
+    if (plan == 0 && product_jobs(c, n, out, NULL, x, W, bias, NULL, NULL, 0.0f, N))
         return; /* the products in one launch (their bits alone), or poisoned */
     if (c->err != KILN_OK) return;
     if (plan == 0) {
@@ -411,43 +413,39 @@ static void cu_matmul_multi_bf16x(kiln_backend *be, int n, float *const *out,
 static void cu_swiglu(kiln_backend *be, float *out, const float *gate, const float *up, size_t n);
 static void cu_add(kiln_backend *be, float *x, const float *y, size_t n);
 
-/* ops.h's matmul_res: one launch (the residual in the product's epilogue), except fast mode
- * past 8 tokens (the GEMM, then add). */
-static void cu_matmul_res(kiln_backend *be, float *out, const float *x, const kiln_tensor *W,
-                          const float *bias, const float *res, int N) {
+/* ops.h's products: one launch (kiln_cuda_product_job, the norm in its prologue) in auditable
+ * mode and in fast decode (N <= 8); otherwise (fast past 8 tokens: the GEMMs; a fast pair off
+ * the aligned path) kiln_op_products' composition, op by op. */
+static void cu_products(kiln_backend *be, const float *x, const kiln_products *p, int N) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
-    float *o[1] = {out};
-    const float *r[1] = {res}, *b[1] = {bias};
-    const kiln_tensor *w[1] = {W};
-    if (product_jobs(c, 1, o, r, x, w, b, NULL, N) || c->err != KILN_OK) return;
-    cu_matmul(be, out, x, W, bias, N);
-    if (c->err == KILN_OK && res) {
-        const int64_t C = W->shape[W->n_dims - 1];
-        cu_add(be, out, res, (size_t)N * (size_t)(kiln_tensor_nelements(W) / C));
+    if (!p || p->n < 1 || p->n > KILN_MATMUL_MULTI_MAX || (p->up && p->n != 1) ||
+        (p->norm_w && !p->scratch_x) || (p->up && (!p->scratch_gate || !p->scratch_up))) {
+        poison(c, KILN_ERR_INVALID_ARG, "products: %d products (1..%d; a pair is one), scratch for "
+               "the composition", p ? p->n : 0, KILN_MATMUL_MULTI_MAX);
+        return;
     }
-}
-
-/* ops.h's matmul_swiglu: one launch (a SwiGLU pair of kiln_cuda_product_job) in auditable mode
- * and fast decode; otherwise the two products into gate and up, then swiglu. */
-static void cu_matmul_swiglu(kiln_backend *be, float *out, float *gate, float *up, const float *x,
-                             const kiln_tensor *Wg, const float *bg, const kiln_tensor *Wu,
-                             const float *bu, int N) {
-    cuda_ctx *c = ctx_of(be);
-    if (!op_begin(c) || N <= 0) return;
-    {
-        float *o[1] = {out};
-        const float *b[2] = {bg, bu};
-        const kiln_tensor *w[1] = {Wg};
-        if (product_jobs(c, 1, o, NULL, x, w, b, Wu, N) || c->err != KILN_OK) return;
+    if (product_jobs(c, p->n, p->out, p->res, x, p->W, p->bias, p->up, p->norm_w, p->eps, N) ||
+        c->err != KILN_OK)
+        return;
+    const int64_t C = p->W[0]->shape[p->W[0]->n_dims - 1];
+    const float *xn = x;
+    if (p->norm_w) {
+        cu_rmsnorm(be, p->scratch_x, x, p->norm_w, N, (int)C, p->eps);
+        xn = p->scratch_x;
     }
-    float *gu[2] = {gate, up};
-    const kiln_tensor *w[2] = {Wg, Wu};
-    const float *b[2] = {bg, bu};
-    matmul_multi(be, 2, gu, NULL, NULL, x, NULL, w, b, N);
-    if (c->err != KILN_OK) return;
-    const int64_t C = Wg->shape[Wg->n_dims - 1];
-    cu_swiglu(be, out, gate, up, (size_t)N * (size_t)(kiln_tensor_nelements(Wg) / C));
+    if (p->up) {
+        float *gu[2] = {p->scratch_gate, p->scratch_up};
+        const kiln_tensor *w[2] = {p->W[0], p->up};
+        const float *b[2] = {p->bias ? p->bias[0] : NULL, p->bias ? p->bias[1] : NULL};
+        matmul_multi(be, 2, gu, NULL, NULL, xn, NULL, w, b, N);
+        if (c->err == KILN_OK)
+            cu_swiglu(be, p->out[0], gu[0], gu[1], (size_t)N * (size_t)(kiln_tensor_nelements(p->W[0]) / C));
+    } else {
+        matmul_multi(be, p->n, p->out, NULL, NULL, xn, NULL, p->W, p->bias, N);
+    }
+    for (int i = 0; c->err == KILN_OK && p->res && i < p->n; i++)
+        if (p->res[i]) cu_add(be, p->out[i], p->res[i], (size_t)N * (size_t)(kiln_tensor_nelements(p->W[i]) / C));
 }
 
 /* ops.h's rope_kv_store: one launch (cuda_rope.h). */
@@ -1852,8 +1850,7 @@ static const kiln_backend_i cuda_iface = {
     /* .gated_delta_backward = */ cu_gated_delta_backward,
     /* .gdn_gates_backward = */ cu_gdn_gates_backward,
     /* .sigmoid_mul_backward = */ cu_sigmoid_mul_backward,
-    /* .matmul_res = */ cu_matmul_res,
-    /* .matmul_swiglu = */ cu_matmul_swiglu,
+    /* .products = */ cu_products,
     /* .rope_kv_store = */ cu_rope_kv_store,
 };
 

@@ -84,13 +84,37 @@ struct mm_job {
 struct mm_jobs {
     mm_job job[KILN_CUDA_PRODUCT_MAX_JOBS];
     int n;
+    const float *norm_w; /* NORM: x is rmsnorm(x) * norm_w (kiln_cuda_rmsnorm's bits) */
+    float eps;
 };
+
+/* The RMSNorm prologue of the product kernels (NORM): the scale r of token rows n0 .. n0 +
+ * nt - 1 of x(., C) into sr[0 .. nt), half-warp t taking row n0 + t exactly as
+ * kiln_cuda_rmsnorm does (lane j's fmaf chain over elements j + 16k, the lane-16 tree,
+ * kiln_rms_scale), so x's normed element i is (x[i] * r) * w[i] with rmsnorm's bits. Every
+ * thread of the block calls it (it ends with a barrier). */
+static __device__ __forceinline__ void norm_prologue(float *sr, const float *__restrict__ x,
+                                                     int64_t C, int n0, int nt, float eps) {
+    const int hw = threadIdx.x >> 4, lane = threadIdx.x & 15;
+    if (hw < nt) {
+        const float *xr = x + (int64_t)(n0 + hw) * C;
+        float acc = 0.0f;
+        for (int64_t i = lane; i < C; i += 16) acc = __fmaf_rn(xr[i], xr[i], acc);
+        const float sum = lane16_tree(acc, half_warp_mask());
+        if (lane == 0) sr[hw] = kiln_rms_scale(sum, (int)C, eps);
+    }
+    __syncthreads();
+}
+/* x's normed element: rmsnorm's (x * r) * w, two roundings. */
+static __device__ __forceinline__ float normed(float x, float r, float w) {
+    return __fmul_rn(__fmul_rn(x, r), w);
+}
 
 /* Grid: x = the jobs' row blocks one after another (job j from job[j].blk0), y = token
  * tiles of NT. PAIR: a block takes 8 rows, the two half-warps of a warp the same row r of the
  * gate (lanes 0-15) and of the up weights (lanes 16-31); the gate's half-warp gets the up's
  * dot by a shuffle and writes swiglu(gate, up). Each row's dot is the one it is alone. */
-template <int DT, int NT, int PER_STEP, bool PAIR>
+template <int DT, int NT, int PER_STEP, bool PAIR, bool NORM>
 static __global__ void __launch_bounds__(MM_THREADS)
 matmul_kernel(const __grid_constant__ mm_jobs jobs, const float *__restrict__ x, int64_t C,
               int N) {
@@ -108,9 +132,12 @@ matmul_kernel(const __grid_constant__ mm_jobs jobs, const float *__restrict__ x,
     const int side = PAIR ? (hw & 1) : 0; /* PAIR: 0 the gate's half-warp, 1 the up's */
     const int64_t r = (int64_t)(blockIdx.x - J.blk0) * RPB + (PAIR ? hw >> 1 : hw);
     const int n0 = blockIdx.y * NT;
+    const int nt = N - n0 < NT ? N - n0 : NT;
+    __shared__ float sr[NORM ? NT : 1];
+    if constexpr (NORM) norm_prologue(sr, x, C, n0, nt, jobs.eps);
     if (r >= R) return; /* whole half-warps leave together (PAIR: both halves of a warp) */
     const unsigned mask = half_warp_mask();
-    const int nt = N - n0 < NT ? N - n0 : NT;
+    const float *nw = jobs.norm_w + lane; /* NORM: the lane's norm weights, as xt */
     const uint8_t *row = (side ? J.w_up : J.w) + r * J.row_bytes;
     const float *xt = x + (int64_t)n0 * C + lane;
     float acc[NT];
@@ -130,7 +157,11 @@ matmul_kernel(const __grid_constant__ mm_jobs jobs, const float *__restrict__ x,
         for (int k = 0; k < UB * EPL; k++)
 #pragma unroll
             for (int t = 0; t < NT; t++)
-                if (t < nt) acc[t] = __fmaf_rn(xb[(int64_t)t * C + 16 * k], wv[k], acc[t]);
+                if (t < nt) {
+                    float xv = xb[(int64_t)t * C + 16 * k];
+                    if constexpr (NORM) xv = normed(xv, sr[t], nw[b * VB + 16 * k]);
+                    acc[t] = __fmaf_rn(xv, wv[k], acc[t]);
+                }
     }
     for (; b < nb; b++) {
         float wv[EPL];
@@ -141,13 +172,21 @@ matmul_kernel(const __grid_constant__ mm_jobs jobs, const float *__restrict__ x,
         for (int k = 0; k < EPL; k++)
 #pragma unroll
             for (int t = 0; t < NT; t++)
-                if (t < nt) acc[t] = __fmaf_rn(xb[(int64_t)t * C + 16 * k], wv[k], acc[t]);
+                if (t < nt) {
+                    float xv = xb[(int64_t)t * C + 16 * k];
+                    if constexpr (NORM) xv = normed(xv, sr[t], nw[b * VB + 16 * k]);
+                    acc[t] = __fmaf_rn(xv, wv[k], acc[t]);
+                }
     }
     if (plain && nb * VB + lane < C) { /* the last, partial run of 16 */
         const float wl = deq<DT>(row, nb * VB + lane);
 #pragma unroll
         for (int t = 0; t < NT; t++)
-            if (t < nt) acc[t] = __fmaf_rn(xt[(int64_t)t * C + nb * VB], wl, acc[t]);
+            if (t < nt) {
+                float xv = xt[(int64_t)t * C + nb * VB];
+                if constexpr (NORM) xv = normed(xv, sr[t], nw[nb * VB]);
+                acc[t] = __fmaf_rn(xv, wl, acc[t]);
+            }
     }
     const float *bias = side ? J.bias_up : J.bias;
 #pragma unroll
@@ -173,7 +212,7 @@ matmul_kernel(const __grid_constant__ mm_jobs jobs, const float *__restrict__ x,
 extern "C" int kiln_cuda_matmul_step;
 int kiln_cuda_matmul_step = 0;
 
-template <int NT, int PER_STEP, int DT, bool PAIR>
+template <int NT, int PER_STEP, int DT, bool PAIR, bool NORM>
 static void matmul_launch_nt(cudaStream_t s, mm_jobs a, const float *x, int64_t C, int N,
                              unsigned gy) {
     constexpr int rpb = PAIR ? MM_ROWS_PER_BLOCK / 2 : MM_ROWS_PER_BLOCK;
@@ -182,25 +221,28 @@ static void matmul_launch_nt(cudaStream_t s, mm_jobs a, const float *x, int64_t 
         a.job[j].blk0 = (unsigned)total;
         total += (a.job[j].R + rpb - 1) / rpb;
     }
-    matmul_kernel<DT, NT, PER_STEP, PAIR><<<dim3((unsigned)total, gy), MM_THREADS, 0, s>>>(a, x, C, N);
+    matmul_kernel<DT, NT, PER_STEP, PAIR, NORM><<<dim3((unsigned)total, gy), MM_THREADS, 0, s>>>(a, x, C, N);
 }
 
-template <int DT, bool PAIR>
+template <int DT, bool PAIR, bool NORM>
 static void matmul_launch_pair(cudaStream_t s, const mm_jobs &a, const float *x, int64_t C,
                                int N) {
     const int step = kiln_cuda_matmul_step ? kiln_cuda_matmul_step
                      : (DT == KILN_DTYPE_F16 || DT == KILN_DTYPE_BF16) ? 64 : 32;
-    if (N == 1 && step == 32) matmul_launch_nt<1, 32, DT, PAIR>(s, a, x, C, N, 1);
-    else if (N == 1) matmul_launch_nt<1, 64, DT, PAIR>(s, a, x, C, N, 1);
-    else if (N <= 4) matmul_launch_nt<4, 16, DT, PAIR>(s, a, x, C, N, 1);
-    else matmul_launch_nt<8, 16, DT, PAIR>(s, a, x, C, N, (unsigned)((N + 7) / 8));
+    if (N == 1 && step == 32) matmul_launch_nt<1, 32, DT, PAIR, NORM>(s, a, x, C, N, 1);
+    else if (N == 1) matmul_launch_nt<1, 64, DT, PAIR, NORM>(s, a, x, C, N, 1);
+    else if (N <= 4) matmul_launch_nt<4, 16, DT, PAIR, NORM>(s, a, x, C, N, 1);
+    else matmul_launch_nt<8, 16, DT, PAIR, NORM>(s, a, x, C, N, (unsigned)((N + 7) / 8));
 }
 
 template <int DT>
 static void matmul_launch(cudaStream_t s, const mm_jobs *a, bool pair, const float *x, int64_t C,
                           int N) {
-    if (pair) matmul_launch_pair<DT, true>(s, *a, x, C, N);
-    else matmul_launch_pair<DT, false>(s, *a, x, C, N);
+    const bool norm = a->norm_w != NULL;
+    if (pair && norm) matmul_launch_pair<DT, true, true>(s, *a, x, C, N);
+    else if (pair) matmul_launch_pair<DT, true, false>(s, *a, x, C, N);
+    else if (norm) matmul_launch_pair<DT, false, true>(s, *a, x, C, N);
+    else matmul_launch_pair<DT, false, false>(s, *a, x, C, N);
 }
 
 /* Whether [a, a + an) and [b, b + bn) share a byte. */
@@ -240,14 +282,18 @@ static bool product_jobs_ok(int n, const kiln_cuda_product_job *jobs, const floa
     return true;
 }
 
-cudaError_t kiln_cuda_matmul_multi(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
-                                   kiln_dtype dt, const float *x, int64_t C, int N) {
+cudaError_t kiln_cuda_matmul_multi_norm(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
+                                        kiln_dtype dt, const float *x, const float *norm_w,
+                                        float eps, int64_t C, int N) {
     bool pair = false;
-    if (!kiln_cuda_dtype_supported(dt) || !product_jobs_ok(n, jobs, x, C, N, &pair))
+    if (!kiln_cuda_dtype_supported(dt) || !product_jobs_ok(n, jobs, x, C, N, &pair) ||
+        (uintptr_t)norm_w % 4 || C > INT_MAX)
         return cudaErrorInvalidValue;
     mm_jobs a;
     memset(&a, 0, sizeof a);
     a.n = n;
+    a.norm_w = norm_w;
+    a.eps = eps;
     const int rpb = pair ? MM_ROWS_PER_BLOCK / 2 : MM_ROWS_PER_BLOCK;
     int64_t total = 0;
     for (int j = 0; j < n; j++) {
@@ -258,6 +304,11 @@ cudaError_t kiln_cuda_matmul_multi(cudaStream_t s, int n, const kiln_cuda_produc
     if (total > 0x7fffffff || (N + 7) / 8 > 65535) return cudaErrorInvalidConfiguration;
     KILN_CUDA_DTYPE_SWITCH(dt, matmul_launch, s, &a, pair, x, C, N);
     return cudaGetLastError();
+}
+
+cudaError_t kiln_cuda_matmul_multi(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
+                                   kiln_dtype dt, const float *x, int64_t C, int N) {
+    return kiln_cuda_matmul_multi_norm(s, n, jobs, dt, x, NULL, 0.0f, C, N);
 }
 
 cudaError_t kiln_cuda_matmul_res(cudaStream_t s, float *out, const float *x, const uint8_t *w,
@@ -1728,6 +1779,8 @@ struct fmv_job {
 struct fmv_jobs {
     fmv_job job[KILN_CUDA_PRODUCT_MAX_JOBS];
     int n;
+    const float *norm_w; /* NORM: x is rmsnorm(x) * norm_w (kiln_cuda_rmsnorm's bits) */
+    float eps;
 };
 
 /* Grid: x = the jobs' row blocks one after another (job j from job[j].blk0), each block
@@ -1736,7 +1789,7 @@ struct fmv_jobs {
  * C % 4 == 0 (vector loads); else byte loads and scalar x loads, same order. PAIR (FAST
  * only): a group walks its ROWS gate rows and the same ROWS up rows (w_up) side by side, and
  * its outputs are swiglu(gate, up); each row's own sum is what it is alone. */
-template <int DT, int NT, bool FAST, bool PAIR>
+template <int DT, int NT, bool FAST, bool PAIR, bool NORM>
 static __global__ void __launch_bounds__(FMV_THREADS)
 matvec_fast_kernel(const __grid_constant__ fmv_jobs jobs, const float *__restrict__ x, int64_t C,
                    int N) {
@@ -1746,6 +1799,8 @@ matvec_fast_kernel(const __grid_constant__ fmv_jobs jobs, const float *__restric
     constexpr int A = FAST ? T::ALIGN : 1;
     static_assert(RW * NT <= 64, "one warp's sums fit a row of red");
     __shared__ float red[FMV_WARPS][RW * NT];
+    __shared__ float sr[NORM ? NT : 1];
+    if constexpr (NORM) norm_prologue(sr, x, C, 0, N, jobs.eps);
 
     int jb = 0;
     while (jb + 1 < jobs.n && blockIdx.x >= jobs.job[jb + 1].blk0) jb++;
@@ -1804,6 +1859,12 @@ matvec_fast_kernel(const __grid_constant__ fmv_jobs jobs, const float *__restric
                         if (t < N) {
                             float xv[4];
                             ldx4<FAST>(x + (int64_t)t * C + col + 4 * q, xv);
+                            if constexpr (NORM) {
+                                float nv[4];
+                                ldx4<FAST>(jobs.norm_w + col + 4 * q, nv);
+#pragma unroll
+                                for (int e = 0; e < 4; e++) xv[e] = normed(xv[e], sr[t], nv[e]);
+                            }
 #pragma unroll
                             for (int i = 0; i < RW; i++)
 #pragma unroll
@@ -1824,7 +1885,11 @@ matvec_fast_kernel(const __grid_constant__ fmv_jobs jobs, const float *__restric
                 const float wl = fmv_plain_elem<DT, FAST>(rowp[i], e);
 #pragma unroll
                 for (int t = 0; t < NT; t++)
-                    if (t < N) acc[i][t] = __fmaf_rn(__ldg(x + (int64_t)t * C + e), wl, acc[i][t]);
+                    if (t < N) {
+                        float xv = __ldg(x + (int64_t)t * C + e);
+                        if constexpr (NORM) xv = normed(xv, sr[t], __ldg(jobs.norm_w + e));
+                        acc[i][t] = __fmaf_rn(xv, wl, acc[i][t]);
+                    }
             }
         }
     }
@@ -1897,7 +1962,10 @@ template <int NT, int DT, bool FAST, bool PAIR>
 static cudaError_t fmv_launch_nt(cudaStream_t s, fmv_jobs a, const float *x, int64_t C, int N) {
     unsigned grid = 0;
     if (!fmv_plan<DT, NT>(&a, &grid, C, N)) return cudaErrorInvalidValue;
-    matvec_fast_kernel<DT, NT, FAST, PAIR><<<grid, FMV_THREADS, 0, s>>>(a, x, C, N);
+    if (a.norm_w)
+        matvec_fast_kernel<DT, NT, FAST, PAIR, true><<<grid, FMV_THREADS, 0, s>>>(a, x, C, N);
+    else
+        matvec_fast_kernel<DT, NT, FAST, PAIR, false><<<grid, FMV_THREADS, 0, s>>>(a, x, C, N);
     return cudaGetLastError();
 }
 
@@ -1909,7 +1977,7 @@ static void fmv_launch(cudaError_t *err, cudaStream_t s, const fmv_jobs *a, bool
         *err = cudaErrorInvalidValue;
         return;
     }
-    bool fast = (uintptr_t)x % 16 == 0 && C % 4 == 0;
+    bool fast = (uintptr_t)x % 16 == 0 && (uintptr_t)a->norm_w % 16 == 0 && C % 4 == 0;
     for (int j = 0; j < a->n; j++) {
         const fmv_job &J = a->job[j];
         if (J.row_bytes < (size_t)(C / blk<DT>::BS) * blk<DT>::TS) {
@@ -1963,14 +2031,19 @@ int kiln_cuda_matvec_fast_split(kiln_dtype dt, int64_t R, int64_t C, int N) {
     return S;
 }
 
-cudaError_t kiln_cuda_matvec_fast_multi(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
-                                        kiln_dtype dt, const float *x, int64_t C, int N) {
+cudaError_t kiln_cuda_matvec_fast_multi_norm(cudaStream_t s, int n,
+                                             const kiln_cuda_product_job *jobs, kiln_dtype dt,
+                                             const float *x, const float *norm_w, float eps,
+                                             int64_t C, int N) {
     bool pair = false;
-    if (N > 8 || !kiln_cuda_dtype_supported(dt) || !product_jobs_ok(n, jobs, x, C, N, &pair))
+    if (N > 8 || !kiln_cuda_dtype_supported(dt) || !product_jobs_ok(n, jobs, x, C, N, &pair) ||
+        (uintptr_t)norm_w % 4 || C > INT_MAX)
         return cudaErrorInvalidValue;
     fmv_jobs a;
     memset(&a, 0, sizeof a);
     a.n = n;
+    a.norm_w = norm_w;
+    a.eps = eps;
     for (int j = 0; j < n; j++) {
         const kiln_cuda_product_job &in = jobs[j];
         a.job[j] = fmv_job{in.out, in.res, in.w, in.w_up, in.bias, in.bias_up, in.row_bytes, in.R, 0, 0};
@@ -1978,6 +2051,11 @@ cudaError_t kiln_cuda_matvec_fast_multi(cudaStream_t s, int n, const kiln_cuda_p
     cudaError_t err = cudaSuccess;
     KILN_CUDA_DTYPE_SWITCH(dt, fmv_launch, &err, s, &a, pair, x, C, N);
     return err;
+}
+
+cudaError_t kiln_cuda_matvec_fast_multi(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
+                                        kiln_dtype dt, const float *x, int64_t C, int N) {
+    return kiln_cuda_matvec_fast_multi_norm(s, n, jobs, dt, x, NULL, 0.0f, C, N);
 }
 
 cudaError_t kiln_cuda_matvec_fast(cudaStream_t s, float *out, const float *x, const uint8_t *w,

@@ -49,6 +49,13 @@ typedef struct kiln_cuda_product_job {
  * (cudaErrorInvalidValue), nor a weight or bias (not checked). */
 cudaError_t kiln_cuda_matmul_multi(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
                                    kiln_dtype dt, const float *x, int64_t C, int N);
+/* The same on rmsnorm(x) * norm_w (eps): each block first computes the scale of its tokens'
+ * rows exactly as kiln_cuda_rmsnorm does, and the products read x's elements normed with
+ * kiln_cuda_rmsnorm's bits, so the outputs are those of kiln_cuda_rmsnorm then
+ * kiln_cuda_matmul_multi. norm_w NULL: no norm. */
+cudaError_t kiln_cuda_matmul_multi_norm(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
+                                        kiln_dtype dt, const float *x, const float *norm_w,
+                                        float eps, int64_t C, int N);
 
 /* ops.h's matmul: out(N,R) = x(N,C) @ W(R,C)^T (+ bias(R), NULL: none). */
 cudaError_t kiln_cuda_matmul(cudaStream_t s, float *out, const float *x, const uint8_t *w,
@@ -286,6 +293,13 @@ cudaError_t kiln_cuda_matvec_fast(cudaStream_t s, float *out, const float *x, co
  * products separately. Other errors as kiln_cuda_matvec_fast's. */
 cudaError_t kiln_cuda_matvec_fast_multi(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
                                         kiln_dtype dt, const float *x, int64_t C, int N);
+/* The same on rmsnorm(x) * norm_w (eps), as kiln_cuda_matmul_multi_norm: the bits of
+ * kiln_cuda_rmsnorm then kiln_cuda_matvec_fast_multi (the 16-byte path also needs norm_w
+ * 16-byte aligned). norm_w NULL: no norm. */
+cudaError_t kiln_cuda_matvec_fast_multi_norm(cudaStream_t s, int n,
+                                             const kiln_cuda_product_job *jobs, kiln_dtype dt,
+                                             const float *x, const float *norm_w, float eps,
+                                             int64_t C, int N);
 
 /* The number of warps that share one row's dot (1, 2, 4 or 8) for these arguments: the
  * split of C that fixes the summation order. A function of (dt, R, C, N) only; exposed so
