@@ -279,8 +279,12 @@ void kiln_forward_logits(const kiln_model *m, kiln_backend *be, kiln_forward_sta
         }
     }
     if (rows <= 0) return;
-    op->rmsnorm(be, fs->xb, h, fs->final_norm, rows, C, m->cfg.rms_eps);
-    op->matmul(be, logits, fs->xb, m->lm_head, NULL, rows);
+    /* the final norm and the head: one products call (the bits of rmsnorm, then matmul) */
+    float *out_l[1] = {logits};
+    const kiln_tensor *w[1] = {m->lm_head};
+    const kiln_products p = {.n = 1, .out = out_l, .W = w, .norm_w = fs->final_norm, .eps = m->cfg.rms_eps,
+                             .scratch_x = fs->xb};
+    kiln_op_products(be, h, &p, rows);
 }
 
 /* The runs of batch b (consecutive tokens of one sequence at consecutive positions) into
