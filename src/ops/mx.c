@@ -75,9 +75,33 @@ static uint32_t rne_shift(uint32_t m, int t) {
     return q;
 }
 
+/* ---- the stochastic rounding's random numbers ------------------------------------------- */
+
+/* splitmix64's finalizer (Steele, Lea, Flood 2014): a bijection of 64-bit words. */
+static uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
+    z = (z ^ (z >> 27)) * UINT64_C(0x94d049bb133111eb);
+    return z ^ (z >> 31);
+}
+
+uint32_t kiln_mx_random24(uint64_t seed, uint64_t tensor_id, uint64_t index) {
+    uint64_t h = mix64(seed + UINT64_C(0x9e3779b97f4a7c15));
+    h = mix64(h ^ tensor_id);
+    h = mix64(h ^ index);
+    return (uint32_t)(h >> 40);
+}
+
+/* How a block's mantissas are rounded: to nearest even, or stochastically with the random
+ * numbers of (seed, tensor_id, index0 + i) for element i. */
+typedef struct mx_rounding {
+    int stochastic;
+    uint64_t seed, tensor_id, index0;
+} mx_rounding;
+
 /* Quantize one block of n <= 32 elements (the rest are +0) with F fraction bits into the
  * mantissas mant[0..31] (|mant| <= 2^(F+1) - 1); returns the block's e field. */
-static int16_t quantize_block(const float *a, int n, int F, int32_t mant[KILN_MX_BLOCK]) {
+static int16_t quantize_block(const float *a, int n, int F, const mx_rounding *rd,
+                              int32_t mant[KILN_MX_BLOCK]) {
     uint32_t amax_bits = 0;
     for (int i = 0; i < KILN_MX_BLOCK; i++) mant[i] = 0;
     for (int i = 0; i < n; i++) {
@@ -99,6 +123,15 @@ static int16_t quantize_block(const float *a, int n, int F, int32_t mant[KILN_MX
         f32_split(a[i], &neg, &m, &x);
         if (!m) continue;
         int sh = x + F - E; /* q = m 2^sh before rounding; m 2^sh < 2^(F+1) */
+        if (rd->stochastic) {
+            /* q = floor(v + u 2^-24) = floor((floor(v 2^24) + u) / 2^24), v = +-m 2^sh, exact */
+            int64_t sv = neg ? -(int64_t)m : (int64_t)m;
+            int64_t V = sh + 24 >= 0 ? sv * ((int64_t)1 << (sh + 24)) : kiln_mx_floor_shift(sv, -(sh + 24));
+            uint32_t u = kiln_mx_random24(rd->seed, rd->tensor_id, rd->index0 + (uint64_t)i);
+            int64_t q = kiln_mx_floor_shift(V + (int64_t)u, 24);
+            mant[i] = (int32_t)(q > qmax ? qmax : q < -qmax ? -qmax : q);
+            continue;
+        }
         uint32_t q = sh >= 0 ? m << sh : rne_shift(m, -sh);
         if (q > (uint32_t)qmax) q = (uint32_t)qmax; /* [qmax + 1/2, qmax + 1) saturates */
         mant[i] = neg ? -(int32_t)q : (int32_t)q;
@@ -110,6 +143,7 @@ typedef struct quant_job {
     kiln_mx_matrix *m;
     const float *a;
     int64_t lda, rows_per_task;
+    mx_rounding rd; /* index0 unused: set per block */
 } quant_job;
 
 static void quant_task(void *ctx, int task, int thread) {
@@ -125,7 +159,9 @@ static void quant_task(void *ctx, int task, int thread) {
         for (int64_t b = 0; b < m->nb; b++) {
             int64_t k0 = b * KILN_MX_BLOCK;
             int n = m->K - k0 < KILN_MX_BLOCK ? (int)(m->K - k0) : KILN_MX_BLOCK;
-            int16_t e = quantize_block(j->a + r * j->lda + k0, n, F, mant);
+            mx_rounding rd = j->rd;
+            rd.index0 = (uint64_t)r * (uint64_t)m->K + (uint64_t)k0; /* the element's index */
+            int16_t e = quantize_block(j->a + r * j->lda + k0, n, F, &rd, mant);
             size_t o = (size_t)(r * m->nb + b);
             m->e[o] = e;
             bad |= e == KILN_MX_EXP_NONFINITE;
@@ -147,7 +183,8 @@ static void quant_task(void *ctx, int task, int thread) {
     }
 }
 
-kiln_status kiln_mx_quantize(kiln_mx_matrix *m, const float *a, int64_t lda, kiln_pool *pool) {
+static kiln_status quantize(kiln_mx_matrix *m, const float *a, int64_t lda, const mx_rounding *rd,
+                           kiln_pool *pool) {
     if (!m || (m->kind != KILN_MX8 && m->kind != KILN_MX16) || (!m->mem && m->rows > 0))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_mx_quantize: m is not an allocated mx matrix");
     if (m->rows == 0 || m->K == 0) {
@@ -161,10 +198,21 @@ kiln_status kiln_mx_quantize(kiln_mx_matrix *m, const float *a, int64_t lda, kil
                           (long long)lda, (long long)m->K);
     int n_tasks = 4 * kiln_pool_n_threads(pool);
     if (n_tasks > m->rows) n_tasks = (int)m->rows;
-    quant_job j = {m, a, lda, (m->rows + n_tasks - 1) / n_tasks};
+    quant_job j = {m, a, lda, (m->rows + n_tasks - 1) / n_tasks, *rd};
     n_tasks = (int)((m->rows + j.rows_per_task - 1) / j.rows_per_task);
     kiln_pool_run(pool, n_tasks, quant_task, &j);
     return KILN_OK;
+}
+
+kiln_status kiln_mx_quantize(kiln_mx_matrix *m, const float *a, int64_t lda, kiln_pool *pool) {
+    mx_rounding rd = {0, 0, 0, 0};
+    return quantize(m, a, lda, &rd, pool);
+}
+
+kiln_status kiln_mx_quantize_stochastic(kiln_mx_matrix *m, const float *a, int64_t lda,
+                                        uint64_t seed, uint64_t tensor_id, kiln_pool *pool) {
+    mx_rounding rd = {1, seed, tensor_id, 0};
+    return quantize(m, a, lda, &rd, pool);
 }
 
 void kiln_mx_element(const kiln_mx_matrix *m, int64_t j, int64_t b, int i, int32_t *mant,

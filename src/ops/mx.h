@@ -62,6 +62,13 @@ typedef struct kiln_mx_matrix {
     void *mem;
 } kiln_mx_matrix;
 
+/* floor(P / 2^s) for s >= 0 and |P| < 2^62: an arithmetic right shift, written without one
+ * (a signed right shift is implementation-defined in C). */
+static inline int64_t kiln_mx_floor_shift(int64_t P, int s) {
+    if (s >= 63) return P < 0 ? -1 : 0;
+    return P >= 0 ? P >> s : -((-P - 1) >> s) - 1;
+}
+
 /* Allocate m for (rows, K) of kind (through kiln's allocator; the arrays are zeroed).
  * KILN_ERR_INVALID_ARG for a bad kind, rows < 0, K < 0 or K > KILN_MX_MAX_K; KILN_ERR_NOMEM.
  * On failure *m is zeroed. */
@@ -73,6 +80,22 @@ void kiln_mx_matrix_free(kiln_mx_matrix *m);
  * by kiln_mx_matrix_alloc). Rows are split over pool (NULL: inline); the result does not
  * depend on the thread count. KILN_ERR_INVALID_ARG when lda < K or a is NULL with rows*K > 0. */
 kiln_status kiln_mx_quantize(kiln_mx_matrix *m, const float *a, int64_t lda, kiln_pool *pool);
+
+/* kiln_mx_quantize with stochastic rounding (for training): each mantissa is
+ *   q_i = clamp(floor(a_i 2^(F - E) + u_i 2^-24), -qmax, qmax),
+ * the sum exact, with u_i = kiln_mx_random24(seed, tensor_id, j * K + k) for the element at
+ * row j, column k. E, zero and non-finite blocks as kiln_mx_quantize. The same bits on every
+ * device and thread count; E[q_i] = a_i 2^(F - E) rounded down to a multiple of 2^-24 (unless
+ * clamped). */
+kiln_status kiln_mx_quantize_stochastic(kiln_mx_matrix *m, const float *a, int64_t lda,
+                                        uint64_t seed, uint64_t tensor_id, kiln_pool *pool);
+
+/* The stochastic rounding's random number in [0, 2^24) of element index (its row-major index
+ * in the (rows, K) matrix) of tensor tensor_id under seed: with mix(z) splitmix64's
+ * finalizer (z ^= z >> 30; z *= 0xbf58476d1ce4e5b9; z ^= z >> 27; z *= 0x94d049bb133111eb;
+ * z ^= z >> 31, all mod 2^64),
+ *   h = mix(mix(mix(seed + 0x9e3779b97f4a7c15) ^ tensor_id) ^ index),  u = h >> 40. */
+uint32_t kiln_mx_random24(uint64_t seed, uint64_t tensor_id, uint64_t index);
 
 /* The exact decoded value of element i of block b of row j, as a (mantissa, exponent) pair:
  * value = *mant * 2^*exp2 (mant = q or hi*128+lo; for a zero or non-finite block mant = 0).

@@ -216,6 +216,53 @@ static void test_product_cases(void) {
     }
 }
 
+/* Stochastic rounding: the hash's values (from tests/python/test_mx.py's independent
+ * transcription), each q the floor or the ceiling of v, the same bits for any thread count,
+ * a different seed or tensor id a different draw. */
+static void test_stochastic(void) {
+    CHECK(kiln_mx_random24(0, 0, 0) == 3407499u);
+    CHECK(kiln_mx_random24(12345, 1, 77) == 14067452u);
+    CHECK(kiln_mx_random24(UINT64_MAX, UINT64_C(1) << 63, (UINT64_C(1) << 40) + 5) == 1130339u);
+    const int64_t rows = 7, K = 300;
+    float *a = malloc(sizeof(float) * (size_t)(rows * K));
+    fill(a, rows, K, 0);
+    kiln_pool *pool = NULL;
+    CHECK(kiln_pool_create(3, &pool) == KILN_OK);
+    for (int kind = 8; kind <= 16; kind += 8) {
+        kiln_mx_matrix m1, m3, mn, mo;
+        CHECK(kiln_mx_matrix_alloc(&m1, (kiln_mx_kind)kind, rows, K) == KILN_OK);
+        CHECK(kiln_mx_matrix_alloc(&m3, (kiln_mx_kind)kind, rows, K) == KILN_OK);
+        CHECK(kiln_mx_matrix_alloc(&mn, (kiln_mx_kind)kind, rows, K) == KILN_OK);
+        CHECK(kiln_mx_matrix_alloc(&mo, (kiln_mx_kind)kind, rows, K) == KILN_OK);
+        CHECK(kiln_mx_quantize_stochastic(&m1, a, K, 99, 5, NULL) == KILN_OK);
+        CHECK(kiln_mx_quantize_stochastic(&m3, a, K, 99, 5, pool) == KILN_OK);
+        CHECK(kiln_mx_quantize_stochastic(&mo, a, K, 99, 6, pool) == KILN_OK);
+        CHECK(kiln_mx_quantize(&mn, a, K, pool) == KILN_OK);
+        size_t plane = (size_t)(rows * m1.nb * KILN_MX_BLOCK);
+        CHECK(!memcmp(m1.q, m3.q, plane) && (kind == 8 || !memcmp(m1.lo, m3.lo, plane)));
+        CHECK(!memcmp(m1.e, mn.e, (size_t)(rows * m1.nb) * 2)); /* the same exponents */
+        int differ = 0;
+        for (int64_t j = 0; j < rows; j++)
+            for (int64_t b = 0; b < m1.nb; b++)
+                for (int i = 0; i < KILN_MX_BLOCK; i++) {
+                    int32_t qs, qn, qo;
+                    int e;
+                    kiln_mx_element(&m1, j, b, i, &qs, &e);
+                    kiln_mx_element(&mn, j, b, i, &qn, &e);
+                    kiln_mx_element(&mo, j, b, i, &qo, &e);
+                    CHECK(qs - qn >= -1 && qs - qn <= 1); /* floor or ceil of v; RNE is one of them */
+                    differ += qs != qo;
+                }
+        CHECK(differ > 100);
+        kiln_mx_matrix_free(&m1);
+        kiln_mx_matrix_free(&m3);
+        kiln_mx_matrix_free(&mn);
+        kiln_mx_matrix_free(&mo);
+    }
+    kiln_pool_free(pool);
+    free(a);
+}
+
 static void test_errors(void) {
     kiln_mx_matrix a, b;
     CHECK_ERR(kiln_mx_matrix_alloc(&a, KILN_MX8, 1, KILN_MX_MAX_K + 1), KILN_ERR_INVALID_ARG, "K");
@@ -246,6 +293,7 @@ int main(void) {
     test_round();
     test_product_cases();
     test_paths_and_threads();
+    test_stochastic();
     test_errors();
     printf("test_mx: %d checks, %d failures (kernels: %s)\n", t_checks, t_failures,
            kiln_mx_kernel_name(kiln_cpu_best_path()));

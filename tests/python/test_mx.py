@@ -58,9 +58,27 @@ def ilogb(v):
     return math.frexp(v)[1] - 1
 
 
-def quantize_oracle(a, kind):
+M64 = 2 ** 64 - 1
+
+
+def mix64(z):
+    """splitmix64's finalizer, mod 2^64."""
+    z = ((z ^ (z >> 30)) * 0xbf58476d1ce4e5b9) & M64
+    z = ((z ^ (z >> 27)) * 0x94d049bb133111eb) & M64
+    return z ^ (z >> 31)
+
+
+def random24(seed, tensor_id, index):
+    h = mix64((seed + 0x9e3779b97f4a7c15) & M64)
+    h = mix64(h ^ tensor_id)
+    h = mix64(h ^ index)
+    return h >> 40
+
+
+def quantize_oracle(a, kind, stochastic=None):
     """Rows of a (rows, K) f32 array -> (mant (rows, nb, 32) int, e (rows, nb), bad (rows)),
-    from the definition with exact fractions."""
+    from the definition with exact fractions. stochastic=(seed, tensor_id): floor(v + u 2^-24)
+    instead of round-half-even."""
     F = KINDS[kind]["F"]
     qmax = 2 ** (F + 1) - 1
     rows, K = a.shape
@@ -82,7 +100,11 @@ def quantize_oracle(a, kind):
             E = max(ilogb(v) for v in nz)
             e[j, b] = E
             for i, v in enumerate(blk):
-                q = round(Fraction(v) * Fraction(2) ** (F - E))  # ties to even
+                if stochastic:
+                    u = random24(stochastic[0], stochastic[1], j * K + 32 * b + i)
+                    q = math.floor(Fraction(v) * Fraction(2) ** (F - E) + Fraction(u, 2 ** 24))
+                else:
+                    q = round(Fraction(v) * Fraction(2) ** (F - E))  # ties to even
                 mant[j, b, i] = max(-qmax, min(qmax, q))
     return mant, e, bad
 
@@ -144,14 +166,15 @@ def product_oracle(qx, qw, kind):
 
 # ---- driving the tool ------------------------------------------------------------------------
 
-def run(tmp, kind, x, w, path="portable", threads=1):
+def run(tmp, kind, x, w, path="portable", threads=1, stochastic=None):
     N, K = x.shape
     R = w.shape[0]
     x.astype(np.float32).tofile(tmp / "x.f32")
     w.astype(np.float32).tofile(tmp / "w.f32")
     env = {**os.environ, "KILN_CPU_PATH": path}
     r = subprocess.run([str(TOOL), "run", str(tmp), kind, str(N), str(R), str(K),
-                        f"threads={threads}"], capture_output=True, text=True, timeout=300, env=env)
+                        f"threads={threads}"] + ([f"stochastic={stochastic}"] if stochastic is not None
+                                                 else []), capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     nb = info["nb"]
@@ -175,15 +198,16 @@ def same_bits(a, b):
     return np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-def check_case(tmp, kind, x, w, paths=None, threads=(1, 3)):
+def check_case(tmp, kind, x, w, paths=None, threads=(1, 3), seed=None):
     """Quantization and product against the oracle, bit for bit, on every path and thread
-    count; returns kiln's output."""
-    ox, ow = quantize_oracle(x, kind), quantize_oracle(w, kind)
+    count; returns kiln's output. seed: stochastic rounding (tensor ids 1 for x, 2 for w)."""
+    ox = quantize_oracle(x, kind, None if seed is None else (seed, 1))
+    ow = quantize_oracle(w, kind, None if seed is None else (seed, 2))
     want = product_oracle(ox, ow, kind)
     first = None
     for path in paths or cpu_paths():
         for t in threads:
-            out, (qx, exq, bxq), (qw, ewq, bwq), info = run(tmp, kind, x, w, path, t)
+            out, (qx, exq, bxq), (qw, ewq, bwq), info = run(tmp, kind, x, w, path, t, seed)
             for (q, e, bad), (om, oe, ob), what in (((qx, exq, bxq), ox, "x"),
                                                        ((qw, ewq, bwq), ow, "w")):
                 assert np.array_equal(e, oe), f"{what}: block exponents"
@@ -327,6 +351,44 @@ def test_round_edges(tool, tmp_path):
     want = np.array([round_f32(Fraction(s) * Fraction(2) ** p) for s, p in cases], dtype=np.float32)
     bad = np.nonzero(got.view(np.uint32) != want.view(np.uint32))[0]
     assert bad.size == 0, [(cases[i], got[i], want[i]) for i in bad[:5]]
+
+
+# ---- stochastic rounding -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["mx8", "mx16"])
+def test_stochastic_bits(tool, tmp_path, kind):
+    """kiln_mx_quantize_stochastic against the oracle (the same hash in Python integers and the
+    exact floor(v + u 2^-24)), and the product of such operands, on every path and thread
+    count; with subnormals, ties, saturation and a K tail."""
+    rng = np.random.default_rng(13)
+    K = 75
+    x = rows_of_scales(rng, 4, K, 30).astype(np.float32)
+    w = rows_of_scales(rng, 5, K, 30).astype(np.float32)
+    x[0, :8] = np.float32(1e-44) * np.arange(8)
+    x[1, 0] = 1.9999999
+    x[1, 1:5] = [0.5 * 2.0 ** -6, -0.5 * 2.0 ** -6, 2.0 ** -30, -(2.0 ** -30)]
+    check_case(tmp_path, kind, x, w, seed=12345)
+    check_case(tmp_path, kind, x, w, paths=["portable"], threads=(2,), seed=2 ** 64 - 1)
+
+
+def test_stochastic_unbiased(tool, tmp_path):
+    """Over many seeds the mean mantissa is the exact a 2^(F - E) (to sampling error), where
+    round-to-nearest has a fixed bias; each q is floor or ceil of it."""
+    K = 32
+    x = np.zeros((1, K), dtype=np.float32)
+    x[0, 0] = 1.0                                   # E = 0
+    x[0, 1:] = (np.arange(1, K) * 0.37 % 1.0 + 3.0) * 2.0 ** -6  # v = 3 + fraction
+    w = np.ones((1, K), dtype=np.float32)
+    v = (x[0].astype(np.float64) * 2.0 ** 6)
+    qs = []
+    for seed in range(400):
+        _, (qx, _, _), _, _ = run(tmp_path, "mx8", x, w, "portable", 1, seed)
+        qs.append(qx[0, 0])
+    qs = np.array(qs, dtype=np.float64)
+    assert ((qs == np.floor(v)) | (qs == np.ceil(v))).all()
+    err = qs.mean(axis=0) - v
+    assert np.abs(err).max() < 4.5 * 0.5 / np.sqrt(len(qs)), err
+    assert np.abs(err[1:].mean()) < 0.02
 
 
 # ---- accuracy against float64 of the unquantized operands --------------------------------------

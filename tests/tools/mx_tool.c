@@ -1,13 +1,14 @@
 /*
  * mx_tool.c -- drive the exact block formats (src/ops/mx.h) from Python tests and benchmarks.
  *
- *   mx_tool run DIR KIND N R K [threads=T]
+ *   mx_tool run DIR KIND N R K [threads=T] [stochastic=SEED]
  *       KIND mx8|mx16. Reads DIR/x.f32 (N*K) and DIR/w.f32 (R*K), raw little-endian f32;
  *       quantizes both (kiln_mx_quantize) and multiplies (kiln_mx_matmul_cpu on
  *       kiln_cpu_select_path(): KILN_CPU_PATH forces one). Writes, for P in x, w:
  *       DIR/P_q.i8 (rows*nb*32: mx8 q, mx16 hi), DIR/P_lo.i8 (mx16 only), DIR/P_e.i16
  *       (rows*nb), DIR/P_bad.u8 (rows), and DIR/out.f32 (N*R). Prints one JSON line
- *       {"kernel", "nb"}.
+ *       {"kernel", "nb"}. stochastic=SEED: kiln_mx_quantize_stochastic with that seed, tensor
+ *       id 1 for x and 2 for w.
  *   mx_tool round DIR COUNT
  *       Reads DIR/s.i64 and DIR/p.i32 (COUNT each), writes DIR/r.f32 = kiln_mx_round(s, p).
  *   mx_tool bench N K R THREADS REPS
@@ -99,9 +100,12 @@ static int cmd_run(int argc, char **argv) {
     const char *dir = argv[0];
     kiln_mx_kind kind = !strcmp(argv[1], "mx16") ? KILN_MX16 : KILN_MX8;
     int64_t N = atoll(argv[2]), R = atoll(argv[3]), K = atoll(argv[4]);
-    int threads = 1;
-    for (int i = 5; i < argc; i++)
+    int threads = 1, stochastic = 0;
+    uint64_t seed = 0;
+    for (int i = 5; i < argc; i++) {
         if (!strncmp(argv[i], "threads=", 8)) threads = atoi(argv[i] + 8);
+        if (!strncmp(argv[i], "stochastic=", 11)) stochastic = 1, seed = strtoull(argv[i] + 11, NULL, 0);
+    }
     float *x = read_file(dir, "x.f32", (size_t)(N * K) * 4);
     float *w = read_file(dir, "w.f32", (size_t)(R * K) * 4);
     float *out = malloc((size_t)(N * R) * 4 + 4);
@@ -113,8 +117,12 @@ static int cmd_run(int argc, char **argv) {
     kiln_status st = kiln_pool_create(threads, &pool);
     if (st == KILN_OK) st = kiln_mx_matrix_alloc(&qx, kind, N, K);
     if (st == KILN_OK) st = kiln_mx_matrix_alloc(&qw, kind, R, K);
-    if (st == KILN_OK) st = kiln_mx_quantize(&qx, x, K, pool);
-    if (st == KILN_OK) st = kiln_mx_quantize(&qw, w, K, pool);
+    if (st == KILN_OK)
+        st = stochastic ? kiln_mx_quantize_stochastic(&qx, x, K, seed, 1, pool)
+                        : kiln_mx_quantize(&qx, x, K, pool);
+    if (st == KILN_OK)
+        st = stochastic ? kiln_mx_quantize_stochastic(&qw, w, K, seed, 2, pool)
+                        : kiln_mx_quantize(&qw, w, K, pool);
     kiln_cpu_path path = kiln_cpu_select_path();
     if (st == KILN_OK) st = kiln_mx_matmul_cpu(&qx, &qw, out, R, pool, path);
     int rc = 0;

@@ -43,10 +43,4 @@ static inline float kiln_mx_nan(void) {
     return v.f;
 }
 
-/* floor(P / 2^s) for s >= 0: the combination's shift of a block far below the largest. */
-static inline int64_t kiln_mx_floor_shift(int64_t P, int s) {
-    if (s >= 63) return P < 0 ? -1 : 0;
-    return P >= 0 ? P >> s : -((-P - 1) >> s) - 1;
-}
-
 #endif /* KILN_MX_KERNELS_H */
