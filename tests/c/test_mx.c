@@ -1,0 +1,301 @@
+/*
+ * test_mx.c -- the exact block formats (src/ops/mx.h, docs/ARITHMETIC.md "Exact block formats
+ * (mx8, mx16)"): the quantization rules on hand-made blocks (saturation, ties to even, zero
+ * blocks, subnormals, NaN/Inf, K tails, the mx16 pieces), kiln_mx_round's edges, the
+ * product's special cases, every SIMD path against the portable reference bit for bit over
+ * many shapes and seeds, the same bits for 1, 2, 3 and 5 threads, and the argument checks.
+ * tests/python/test_mx.py checks the reference itself against an exact oracle.
+ */
+#include "base/threadpool.h"
+#include "ops/mx.h"
+#include "test_util.h"
+
+#include <float.h>
+#include <math.h>
+
+static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
+static uint64_t rnd(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return g_rng;
+}
+static float rndu(void) { return (float)((rnd() >> 40) / 16777216.0) * 2.0f - 1.0f; }
+
+/* Quantize one row of K elements; the caller frees m. */
+static kiln_mx_matrix quant_row(kiln_mx_kind kind, const float *a, int64_t K) {
+    kiln_mx_matrix m;
+    CHECK(kiln_mx_matrix_alloc(&m, kind, 1, K) == KILN_OK);
+    CHECK(kiln_mx_quantize(&m, a, K, NULL) == KILN_OK);
+    return m;
+}
+
+static int32_t mant(const kiln_mx_matrix *m, int64_t b, int i) {
+    int32_t q;
+    int e;
+    kiln_mx_element(m, 0, b, i, &q, &e);
+    return q;
+}
+
+static void test_quantize_rules(void) {
+    float a[40] = {0};
+    /* E = 0 (largest 1.5); quantum 2^-6: ties (k + 1/2) 2^-6 go to even k */
+    a[0] = 1.5f;
+    a[1] = 0.5f * 0x1p-6f;  /* 0.5 -> 0 */
+    a[2] = 1.5f * 0x1p-6f;  /* 1.5 -> 2 */
+    a[3] = 2.5f * 0x1p-6f;  /* 2.5 -> 2 */
+    a[4] = -2.5f * 0x1p-6f; /* -2.5 -> -2 */
+    a[5] = -3.5f * 0x1p-6f; /* -3.5 -> -4 */
+    a[6] = 127.5f * 0x1p-6f; /* saturates to 127 */
+    a[7] = -0x1.fffffep0f;  /* just below 2^(E+1): 127.99.. -> -127 */
+    a[8] = 0x1p-149f;       /* far below the quantum: 0 */
+    kiln_mx_matrix m = quant_row(KILN_MX8, a, 32);
+    CHECK(m.e[0] == 0 && !m.row_nonfinite[0]);
+    CHECK(mant(&m, 0, 0) == 96);
+    CHECK(mant(&m, 0, 1) == 0 && mant(&m, 0, 2) == 2 && mant(&m, 0, 3) == 2);
+    CHECK(mant(&m, 0, 4) == -2 && mant(&m, 0, 5) == -4);
+    CHECK(mant(&m, 0, 6) == 127 && mant(&m, 0, 7) == -127 && mant(&m, 0, 8) == 0);
+    kiln_mx_matrix_free(&m);
+    /* mx16: quantum 2^-12, qmax 8191; the pieces */
+    a[1] = 0.5f * 0x1p-12f;    /* 0 */
+    a[2] = 1.5f * 0x1p-12f;    /* 2 */
+    a[3] = 8191.5f * 0x1p-12f; /* saturates to 8191 = 64*128 - 1 */
+    a[4] = -8191.0f * 0x1p-12f; /* -8191 = -64*128 + 1 */
+    a[5] = 64.0f * 0x1p-12f;   /* 64 = 1*128 - 64 */
+    a[6] = 63.0f * 0x1p-12f;   /* 63 = 0*128 + 63 */
+    a[7] = -65.0f * 0x1p-12f;  /* -65 = -1*128 + 63 */
+    m = quant_row(KILN_MX16, a, 32);
+    CHECK(m.e[0] == 0);
+    CHECK(mant(&m, 0, 1) == 0 && mant(&m, 0, 2) == 2 && mant(&m, 0, 3) == 8191);
+    CHECK(m.q[3] == 64 && m.lo[3] == -1 && m.q[4] == -64 && m.lo[4] == 1);
+    CHECK(m.q[5] == 1 && m.lo[5] == -64 && m.q[6] == 0 && m.lo[6] == 63);
+    CHECK(m.q[7] == -1 && m.lo[7] == 63);
+    for (int i = 0; i < 32; i++) CHECK(m.lo[i] >= -64 && m.lo[i] <= 63 && m.q[i] >= -64 && m.q[i] <= 64);
+    kiln_mx_matrix_free(&m);
+    /* subnormals by their true exponent; a zero block; a K tail */
+    memset(a, 0, sizeof a);
+    a[0] = 0x1p-149f;
+    a[1] = 0x1.8p-148f; /* 3 * 2^-149: E = -148 */
+    a[33] = -0x1p-140f; /* block 1 (K = 34): E = -140, q = -64 */
+    a[34] = 1e30f;      /* past K: never read */
+    m = quant_row(KILN_MX8, a, 34);
+    CHECK(m.nb == 2 && m.e[0] == -148 && m.e[1] == -140);
+    CHECK(mant(&m, 0, 0) == 32 && mant(&m, 0, 1) == 96 && mant(&m, 1, 1) == -64);
+    for (int i = 2; i < 32; i++) CHECK(mant(&m, 1, i) == 0); /* the padding */
+    kiln_mx_matrix_free(&m);
+    a[0] = a[1] = 0.0f;
+    a[2] = -0.0f;
+    m = quant_row(KILN_MX8, a, 34);
+    CHECK(m.e[0] == KILN_MX_EXP_ZERO && m.e[1] == -140);
+    kiln_mx_matrix_free(&m);
+    /* NaN / Inf: the block is marked, the row too */
+    a[40 - 8] = 1.0f;
+    a[5] = INFINITY;
+    m = quant_row(KILN_MX16, a, 34);
+    CHECK(m.e[0] == KILN_MX_EXP_NONFINITE && m.row_nonfinite[0] == 1);
+    kiln_mx_matrix_free(&m);
+    a[5] = NAN;
+    m = quant_row(KILN_MX8, a, 34);
+    CHECK(m.e[0] == KILN_MX_EXP_NONFINITE && m.row_nonfinite[0] == 1);
+    kiln_mx_matrix_free(&m);
+    /* the largest f32 (E = 127) */
+    a[5] = -FLT_MAX;
+    m = quant_row(KILN_MX8, a, 34);
+    CHECK(m.e[0] == 127 && mant(&m, 0, 5) == -127); /* 127.99.. saturates */
+    kiln_mx_matrix_free(&m);
+}
+
+static void test_round(void) {
+    CHECK(bits(kiln_mx_round(0, 50)) == 0);
+    CHECK(kiln_mx_round(1, 0) == 1.0f && kiln_mx_round(-3, -2) == -0.75f);
+    CHECK(kiln_mx_round((1 << 24) + 1, 0) == 16777216.0f); /* tie to even */
+    CHECK(kiln_mx_round((1 << 24) + 3, 0) == 16777220.0f);
+    CHECK(kiln_mx_round(3, -150) == 0x1p-148f);         /* 1.5 2^-149: tie, to even (2) */
+    CHECK(kiln_mx_round(5, -151) == 0x1p-149f);         /* 1.25 2^-149 */
+    CHECK(bits(kiln_mx_round(1, -150)) == 0);           /* 0.5 2^-149: tie, to even (0) */
+    CHECK(bits(kiln_mx_round(-1, -150)) == 0x80000000u); /* -0 */
+    CHECK(kiln_mx_round((1 << 24) - 1, -150) == 0x1p-126f); /* rounds up to the normal range */
+    CHECK(kiln_mx_round((1 << 24) - 1, 104) == FLT_MAX);
+    CHECK(isinf(kiln_mx_round((1 << 25) - 1, 103)));    /* rounds up to 2^128 */
+    CHECK(kiln_mx_round(-1, 128) == -INFINITY);
+    CHECK(kiln_mx_round(INT64_MAX, -190) == 0x1p-127f);
+}
+
+/* Random (N, K) data of mixed kinds: normal rows at scales 2^-40..2^40, outlier elements,
+ * zero blocks, subnormal blocks, exact zeros; optionally a NaN or Inf row. */
+static void fill(float *a, int64_t rows, int64_t K, int specials) {
+    for (int64_t j = 0; j < rows; j++) {
+        float scale = ldexpf(1.0f, (int)(rnd() % 81) - 40);
+        for (int64_t i = 0; i < K; i++) {
+            float v = rndu() * scale;
+            uint64_t c = rnd() % 100;
+            if (c < 2) v *= 1000.0f;
+            else if (c < 4) v = 0.0f;
+            a[j * K + i] = v;
+        }
+        if (K > 32 && rnd() % 4 == 0) memset(a + j * K + 32, 0, 32 * sizeof(float));
+        if (K > 64 && rnd() % 5 == 0)
+            for (int i = 0; i < 32; i++) a[j * K + i] = rndu() * 0x1p-135f;
+        if (specials && rnd() % 7 == 0) a[j * K + rnd() % K] = rnd() % 2 ? NAN : -INFINITY;
+    }
+}
+
+static void test_paths_and_threads(void) {
+    kiln_pool *pools[4] = {NULL};
+    const int threads[4] = {1, 2, 3, 5};
+    for (int t = 0; t < 4; t++) CHECK(kiln_pool_create(threads[t], &pools[t]) == KILN_OK);
+    const kiln_cpu_path paths[3] = {KILN_CPU_PATH_PORTABLE, KILN_CPU_PATH_AVX2, KILN_CPU_PATH_AVX512};
+    int64_t shapes[][3] = {{1, 1, 1},   {1, 7, 31},  {2, 9, 32},   {3, 17, 33}, {4, 40, 64},
+                           {5, 33, 100}, {8, 19, 257}, {1, 65, 512}, {7, 24, 896}, {3, 11, 1000}};
+    for (int s = 0; s < 10; s++)
+        for (int kind = 8; kind <= 16; kind += 8)
+            for (int seed = 0; seed < 3; seed++) {
+                int64_t N = shapes[s][0], R = shapes[s][1], K = shapes[s][2];
+                float *x = malloc(sizeof(float) * (size_t)(N * K));
+                float *w = malloc(sizeof(float) * (size_t)(R * K));
+                float *ref = malloc(sizeof(float) * (size_t)(N * R));
+                float *out = malloc(sizeof(float) * (size_t)(N * R));
+                fill(x, N, K, seed == 2);
+                fill(w, R, K, seed == 2);
+                kiln_mx_matrix qx, qw;
+                CHECK(kiln_mx_matrix_alloc(&qx, (kiln_mx_kind)kind, N, K) == KILN_OK);
+                CHECK(kiln_mx_matrix_alloc(&qw, (kiln_mx_kind)kind, R, K) == KILN_OK);
+                CHECK(kiln_mx_quantize(&qx, x, K, pools[2]) == KILN_OK);
+                CHECK(kiln_mx_quantize(&qw, w, K, pools[1]) == KILN_OK);
+                poison(ref, (size_t)(N * R));
+                CHECK(kiln_mx_matmul_cpu(&qx, &qw, ref, R, NULL, KILN_CPU_PATH_PORTABLE) == KILN_OK);
+                for (int64_t i = 0; i < N * R; i++) {
+                    /* NaN exactly where a row holds a NaN or Inf, and then the canonical NaN */
+                    int bad = qx.row_nonfinite[i / R] || qw.row_nonfinite[i % R];
+                    CHECK(bad ? bits(ref[i]) == 0x7fc00000u : !isnan(ref[i]));
+                }
+                for (int p = 0; p < 3; p++)
+                    for (int t = 0; t < 4; t++) {
+                        poison(out, (size_t)(N * R));
+                        CHECK(kiln_mx_matmul_cpu(&qx, &qw, out, R, pools[t], paths[p]) == KILN_OK);
+                        char what[96];
+                        snprintf(what, sizeof what, "mx%d %s %d threads N=%lld R=%lld K=%lld", kind,
+                                 kiln_mx_kernel_name(paths[p]), threads[t], (long long)N,
+                                 (long long)R, (long long)K);
+                        CHECK_MSG(same_bits(out, ref, (size_t)(N * R), what), "%s", what);
+                    }
+                /* the quantization too is independent of the thread count */
+                kiln_mx_matrix q1;
+                CHECK(kiln_mx_matrix_alloc(&q1, (kiln_mx_kind)kind, N, K) == KILN_OK);
+                CHECK(kiln_mx_quantize(&q1, x, K, NULL) == KILN_OK);
+                size_t plane = (size_t)(N * qx.nb * KILN_MX_BLOCK);
+                CHECK(!memcmp(q1.q, qx.q, plane) && !memcmp(q1.e, qx.e, (size_t)(N * qx.nb) * 2));
+                CHECK(kind == 8 || !memcmp(q1.lo, qx.lo, plane));
+                kiln_mx_matrix_free(&q1);
+                kiln_mx_matrix_free(&qx);
+                kiln_mx_matrix_free(&qw);
+                free(x), free(w), free(ref), free(out);
+            }
+    for (int t = 0; t < 4; t++) kiln_pool_free(pools[t]);
+}
+
+static void test_product_cases(void) {
+    /* a zero row, and rows whose nonzero blocks never meet: +0 */
+    float x[2 * 64] = {0}, w[2 * 64] = {0}, out[4];
+    for (int i = 0; i < 32; i++) x[64 + i] = 1.0f, w[32 + i] = 2.0f, w[64 + i] = -1.0f;
+    for (int kind = 8; kind <= 16; kind += 8) {
+        kiln_mx_matrix qx, qw;
+        CHECK(kiln_mx_matrix_alloc(&qx, (kiln_mx_kind)kind, 2, 64) == KILN_OK);
+        CHECK(kiln_mx_matrix_alloc(&qw, (kiln_mx_kind)kind, 2, 64) == KILN_OK);
+        CHECK(kiln_mx_quantize(&qx, x, 64, NULL) == KILN_OK);
+        CHECK(kiln_mx_quantize(&qw, w, 64, NULL) == KILN_OK);
+        for (int p = 0; p < 2; p++) {
+            poison(out, 4);
+            CHECK(kiln_mx_matmul_cpu(&qx, &qw, out, 2, NULL, p ? KILN_CPU_PATH_AVX2 : KILN_CPU_PATH_PORTABLE) == KILN_OK);
+            CHECK(bits(out[0]) == 0 && bits(out[1]) == 0); /* x row 0 is zero */
+            CHECK(bits(out[2]) == 0);                      /* disjoint blocks */
+            CHECK(out[3] == -32.0f);                       /* exact: 32 * 1 * -1 */
+        }
+        kiln_mx_matrix_free(&qx);
+        kiln_mx_matrix_free(&qw);
+    }
+}
+
+/* Stochastic rounding: the hash's values (from tests/python/test_mx.py's independent
+ * transcription), each q the floor or the ceiling of v, the same bits for any thread count,
+ * a different seed or tensor id a different draw. */
+static void test_stochastic(void) {
+    CHECK(kiln_mx_random24(0, 0, 0) == 3407499u);
+    CHECK(kiln_mx_random24(12345, 1, 77) == 14067452u);
+    CHECK(kiln_mx_random24(UINT64_MAX, UINT64_C(1) << 63, (UINT64_C(1) << 40) + 5) == 1130339u);
+    const int64_t rows = 7, K = 300;
+    float *a = malloc(sizeof(float) * (size_t)(rows * K));
+    fill(a, rows, K, 0);
+    kiln_pool *pool = NULL;
+    CHECK(kiln_pool_create(3, &pool) == KILN_OK);
+    for (int kind = 8; kind <= 16; kind += 8) {
+        kiln_mx_matrix m1, m3, mn, mo;
+        CHECK(kiln_mx_matrix_alloc(&m1, (kiln_mx_kind)kind, rows, K) == KILN_OK);
+        CHECK(kiln_mx_matrix_alloc(&m3, (kiln_mx_kind)kind, rows, K) == KILN_OK);
+        CHECK(kiln_mx_matrix_alloc(&mn, (kiln_mx_kind)kind, rows, K) == KILN_OK);
+        CHECK(kiln_mx_matrix_alloc(&mo, (kiln_mx_kind)kind, rows, K) == KILN_OK);
+        CHECK(kiln_mx_quantize_stochastic(&m1, a, K, 99, 5, NULL) == KILN_OK);
+        CHECK(kiln_mx_quantize_stochastic(&m3, a, K, 99, 5, pool) == KILN_OK);
+        CHECK(kiln_mx_quantize_stochastic(&mo, a, K, 99, 6, pool) == KILN_OK);
+        CHECK(kiln_mx_quantize(&mn, a, K, pool) == KILN_OK);
+        size_t plane = (size_t)(rows * m1.nb * KILN_MX_BLOCK);
+        CHECK(!memcmp(m1.q, m3.q, plane) && (kind == 8 || !memcmp(m1.lo, m3.lo, plane)));
+        CHECK(!memcmp(m1.e, mn.e, (size_t)(rows * m1.nb) * 2)); /* the same exponents */
+        int differ = 0;
+        for (int64_t j = 0; j < rows; j++)
+            for (int64_t b = 0; b < m1.nb; b++)
+                for (int i = 0; i < KILN_MX_BLOCK; i++) {
+                    int32_t qs, qn, qo;
+                    int e;
+                    kiln_mx_element(&m1, j, b, i, &qs, &e);
+                    kiln_mx_element(&mn, j, b, i, &qn, &e);
+                    kiln_mx_element(&mo, j, b, i, &qo, &e);
+                    CHECK(qs - qn >= -1 && qs - qn <= 1); /* floor or ceil of v; RNE is one of them */
+                    differ += qs != qo;
+                }
+        CHECK(differ > 100);
+        kiln_mx_matrix_free(&m1);
+        kiln_mx_matrix_free(&m3);
+        kiln_mx_matrix_free(&mn);
+        kiln_mx_matrix_free(&mo);
+    }
+    kiln_pool_free(pool);
+    free(a);
+}
+
+static void test_errors(void) {
+    kiln_mx_matrix a, b;
+    CHECK_ERR(kiln_mx_matrix_alloc(&a, KILN_MX8, 1, KILN_MX_MAX_K + 1), KILN_ERR_INVALID_ARG, "K");
+    CHECK(a.mem == NULL);
+    CHECK_ERR(kiln_mx_matrix_alloc(&a, (kiln_mx_kind)4, 1, 32), KILN_ERR_INVALID_ARG, "kind");
+    CHECK(kiln_mx_matrix_alloc(&a, KILN_MX8, 2, 64) == KILN_OK);
+    CHECK(kiln_mx_matrix_alloc(&b, KILN_MX16, 3, 64) == KILN_OK);
+    float out[6];
+    CHECK_ERR(kiln_mx_matmul_cpu(&a, &b, out, 3, NULL, KILN_CPU_PATH_PORTABLE), KILN_ERR_INVALID_ARG,
+              "mx8");
+    float x[128] = {0};
+    CHECK_ERR(kiln_mx_quantize(&a, x, 32, NULL), KILN_ERR_INVALID_ARG, "lda");
+    kiln_mx_matrix_free(&b);
+    CHECK(kiln_mx_matrix_alloc(&b, KILN_MX8, 3, 64) == KILN_OK);
+    CHECK_ERR(kiln_mx_matmul_cpu(&a, &b, out, 2, NULL, KILN_CPU_PATH_PORTABLE), KILN_ERR_INVALID_ARG,
+              "ldo");
+    kiln_mx_matrix_free(&a);
+    kiln_mx_matrix_free(&a); /* freeing twice (zeroed) is a no-op */
+    kiln_mx_matrix_free(&b);
+    kiln_mx_matrix_free(NULL);
+    /* the largest K: allowed */
+    CHECK(kiln_mx_matrix_alloc(&a, KILN_MX16, 1, KILN_MX_MAX_K) == KILN_OK);
+    kiln_mx_matrix_free(&a);
+}
+
+int main(void) {
+    test_quantize_rules();
+    test_round();
+    test_product_cases();
+    test_paths_and_threads();
+    test_stochastic();
+    test_errors();
+    printf("test_mx: %d checks, %d failures (kernels: %s)\n", t_checks, t_failures,
+           kiln_mx_kernel_name(kiln_cpu_best_path()));
+    return t_failures ? 1 : 0;
+}
