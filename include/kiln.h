@@ -313,7 +313,18 @@ typedef struct kiln_context_params {
      * slower prefill (bench/RESULTS.md). The auditable arithmetic is batch-invariant without
      * it; CUDA's fast mode has no such variant yet (KILN_ERR_UNSUPPORTED). Default 0. */
     int batch_invariant;
+    /* The matrix products' number format (kiln_format; default KILN_FORMAT_F32, the auditable
+     * f32 products). KILN_FORMAT_MX16 / MX8: the exact block formats (docs/ARITHMETIC.md,
+     * "Exact block formats"): every product's operands quantized along the reduction to blocks
+     * of 32 integer mantissas (14 or 7 bits) with a power-of-two scale, the block products
+     * exact integers, one rounding per output -- the same bits on every device and thread
+     * count, the weights' quantization an approximation (its error in docs/ARITHMETIC.md).
+     * The CPU only for now, and not with fast (KILN_ERR_UNSUPPORTED / KILN_ERR_INVALID_ARG). */
+    int format;
 } kiln_context_params;
+
+/* kiln_context_params.format, kiln_engine_params.format. */
+typedef enum kiln_format { KILN_FORMAT_F32 = 0, KILN_FORMAT_MX16 = 1, KILN_FORMAT_MX8 = 2 } kiln_format;
 
 KILN_API kiln_context_params kiln_context_default_params(void);
 /* A context on m: m counts it as a user until kiln_context_free (kiln_model_close refuses
@@ -850,6 +861,7 @@ typedef struct kiln_engine_params {
     int device;           /* -1 = CPU (default), N = CUDA device N */
     int fast;             /* 0 (default) = auditable arithmetic; as kiln_context_params.fast */
     int batch_invariant;  /* with fast: as kiln_context_params.batch_invariant */
+    int format;           /* as kiln_context_params.format (kiln_format) */
     int n_threads;        /* CPU threads, 0 = all cores */
     int n_ctx;            /* positions per request (prompt + output); 0 = the model's, at most 8192 */
     int max_batch_tokens; /* tokens per forward step (default 512) */

@@ -38,6 +38,10 @@ uint64_t cli_random_seed(void);
 int cli_usage_error(const char *cmd, const char *fmt, ...);
 /* --device's value: cpu -> -1, cuda -> 0, cuda:N -> N; 0, or a usage error's exit code. */
 int cli_parse_device(const char *cmd, const char *v, int *device);
+/* --format's value: f32, mx16, mx8 -> kiln_format; 0, or a usage error's exit code. */
+int cli_parse_format(const char *cmd, const char *v, int *format);
+/* The name of a kiln_format ("f32", "mx16", "mx8"). */
+const char *cli_format_name(int format);
 
 /* Parse a whole-string number; return 0 on success, else print an error naming opt. */
 int cli_parse_int(const char *cmd, const char *opt, const char *s, long lo, long hi, long *out);

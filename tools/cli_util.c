@@ -160,6 +160,19 @@ int cli_parse_device(const char *cmd, const char *v, int *device) {
     return cli_usage_error(cmd, "--device '%s': expected cpu, cuda or cuda:N", v);
 }
 
+int cli_parse_format(const char *cmd, const char *v, int *format) {
+    for (int f = KILN_FORMAT_F32; f <= KILN_FORMAT_MX8; f++)
+        if (!strcmp(v, cli_format_name(f))) {
+            *format = f;
+            return 0;
+        }
+    return cli_usage_error(cmd, "--format '%s': expected f32, mx16 or mx8", v);
+}
+
+const char *cli_format_name(int format) {
+    return format == KILN_FORMAT_MX16 ? "mx16" : format == KILN_FORMAT_MX8 ? "mx8" : "f32";
+}
+
 int cli_run_value(const char *json, const char *key, char *buf, size_t cap) {
     char pat[64];
     snprintf(pat, sizeof pat, "\"%s\":", key);

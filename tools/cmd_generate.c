@@ -20,6 +20,7 @@ typedef struct gen_opts {
     int chat, json, ignore_eos, f32, no_mmap, show_prompt_stats, fast, batch_invariant;
     int seed_given; /* --seed: else a random seed, printed */
     int device; /* -1 = CPU, N >= 0 = CUDA device N */
+    int format; /* kiln_format */
     const char *stops[MAX_STOPS + 1];
     int n_stops;
 } gen_opts;
@@ -50,6 +51,9 @@ static const char *generate_help =
     "                         quantized weights; on CUDA bf16 tensor cores (docs/CUDA.md)\n"
     "      --batch-invariant  with --fast on the CPU: 8-bit activations at every batch size\n"
     "                         (kiln serve --fast --batch-invariant's arithmetic)\n"
+    "      --format F         f32 (default) | mx16 | mx8: the matrix products in an exact block\n"
+    "                         format (integer products, one rounding; CPU only for now;\n"
+    "                         docs/ARITHMETIC.md, \"Exact block formats\")\n"
     "      --device D         cpu (default), cuda or cuda:N: run on CUDA GPU N (same bits as cpu)\n"
     "      --json             print one JSON object: prompt_ids, ids, text, timings\n"
     "      --receipt FILE     write a receipt (JSON: fingerprints, prompt, settings, ids and a hash\n"
@@ -144,6 +148,8 @@ static int parse_opts(const char *cmd, int argc, char **argv, gen_opts *o, int *
             o->batch_invariant = 1;
         } else if (cli_opt(argc, argv, &i, "--device", &v, &err, cmd)) {
             if (!err) err = cli_parse_device(cmd, v, &o->device);
+        } else if (cli_opt(argc, argv, &i, "--format", &v, &err, cmd)) {
+            if (!err) err = cli_parse_format(cmd, v, &o->format);
         } else if (!strcmp(a, "--no-mmap")) {
             o->no_mmap = 1;
         } else if (a[0] != '-' && !o->model) {
@@ -180,6 +186,7 @@ static kiln_status open_model(const gen_opts *o, kiln_model **m, kiln_context **
     cp.n_threads = (int)o->threads;
     cp.fast = o->fast; /* CPU: 8-bit activations; CUDA: the fast arithmetic */
     cp.batch_invariant = o->batch_invariant;
+    cp.format = o->format;
     cp.device = o->device;
     st = kiln_context_create(*m, &cp, ctx);
     if (st != KILN_OK) {
@@ -286,6 +293,7 @@ static int write_receipt(const gen_opts *o, const kiln_model *m, const kiln_cont
     r.weights_f32 = o->f32;
     r.fast = o->fast;
     r.batch_invariant = o->batch_invariant;
+    r.format = o->format;
     r.device = o->device;
     r.threads = (int)o->threads;
     r.ids = res->ids;

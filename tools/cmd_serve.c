@@ -23,6 +23,8 @@ static const char *serve_help =
     "      --fast               the device's fast arithmetic (docs/CUDA.md); default: auditable\n"
     "      --batch-invariant    with --fast on the CPU: 8-bit activations at every batch size, so\n"
     "                           a request gets kiln generate --fast --batch-invariant's tokens\n"
+    "      --format F           f32 (default) | mx16 | mx8: the products in an exact block format\n"
+    "                           (CPU only for now; docs/ARITHMETIC.md)\n"
     "  -t, --threads N          CPU threads (default: all cores)\n"
     "      --host ADDR          address to listen on (default 127.0.0.1)\n"
     "      --port N             port (default 8080; 0: any free port, printed)\n"
@@ -119,7 +121,7 @@ int cmd_serve(int argc, char **argv) {
     long port = 8080, threads = 0, n_ctx = 0, max_batch = 0, max_seqs = 0, kv_blocks = 0,
          max_queue = 0, max_conns = 64, timeout = 600;
     size_t kv_memory = 0, max_body = (size_t)8 << 20;
-    int device = -1, fast = 0, batch_invariant = 0, no_prefix = 0;
+    int device = -1, fast = 0, batch_invariant = 0, no_prefix = 0, format = KILN_FORMAT_F32;
     double itl_bound = -1; /* -1: the engine's default */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = NULL;
@@ -139,6 +141,8 @@ int cmd_serve(int argc, char **argv) {
             fast = 1;
         } else if (!strcmp(a, "--batch-invariant")) {
             batch_invariant = 1;
+        } else if (cli_opt(argc, argv, &i, "--format", &v, &err, cmd)) {
+            if (!err) err = cli_parse_format(cmd, v, &format);
         } else if (cli_opt(argc, argv, &i, "-t", &v, &err, cmd) ||
                    cli_opt(argc, argv, &i, "--threads", &v, &err, cmd)) {
             if (!err) err = cli_parse_int(cmd, a, v, 1, 256, &threads);
@@ -205,6 +209,7 @@ int cmd_serve(int argc, char **argv) {
     ep.device = device;
     ep.fast = fast;
     ep.batch_invariant = batch_invariant;
+    ep.format = format;
     ep.n_threads = (int)threads;
     if (n_ctx) ep.n_ctx = (int)n_ctx;
     if (max_batch) ep.max_batch_tokens = (int)max_batch;
@@ -244,6 +249,7 @@ int cmd_serve(int argc, char **argv) {
     rb.n_batch = max_batch ? (int)max_batch : 512;
     rb.fast = fast;
     rb.batch_invariant = batch_invariant;
+    rb.format = format;
     rb.device = device;
     rb.threads = (int)threads;
     char device_name[32];
@@ -285,9 +291,10 @@ int cmd_serve(int argc, char **argv) {
         goto done;
     }
     const char *h = strchr(host, ':') ? "[" : "";
-    printf("kiln serve: listening on http://%s%s%s:%d/ (model %s, device %s%s%s)\n", h, host,
+    printf("kiln serve: listening on http://%s%s%s:%d/ (model %s, device %s%s%s%s%s)\n", h, host,
            *h ? "]" : "", serve_port(srv), cfg.model_name, device_name,
            fast ? (batch_invariant ? ", fast, batch-invariant" : ", fast") : "",
+           format != KILN_FORMAT_F32 ? ", format " : "", format != KILN_FORMAT_F32 ? cli_format_name(format) : "",
            api_key ? ", API key required" : "");
     fflush(stdout);
 

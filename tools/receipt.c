@@ -142,6 +142,7 @@ static cJSON *receipt_json(const receipt *r) {
     cJSON *a = cJSON_AddObjectToObject(root, "arithmetic");
     cJSON_AddStringToObject(a, "mode", r->fast ? "fast" : "auditable");
     cJSON_AddBoolToObject(a, "batch_invariant", r->batch_invariant);
+    cJSON_AddStringToObject(a, "format", cli_format_name(r->format));
     cJSON_AddStringToObject(a, "device", receipt_device_name(r->device, dev, sizeof dev));
     cJSON_AddNumberToObject(a, "threads", r->threads);
     cJSON_AddBoolToObject(a, "verifies_across_devices", !r->fast);
@@ -394,6 +395,18 @@ static int parse_receipt(const rd *c, const cJSON *root, receipt *r) {
     e = parse_device(c, dev, &r->device);
     free(dev);
     if (e) return e;
+    /* the products' format (absent in receipts made before formats existed: f32) */
+    const cJSON *fmtj = cJSON_GetObjectItemCaseSensitive(a, "format");
+    r->format = KILN_FORMAT_F32;
+    if (fmtj) {
+        int known_fmt = 0;
+        for (int f = KILN_FORMAT_F32; cJSON_IsString(fmtj) && f <= KILN_FORMAT_MX8; f++)
+            if (!strcmp(fmtj->valuestring, cli_format_name(f))) {
+                r->format = f;
+                known_fmt = 1;
+            }
+        if (!known_fmt) return bad(c, "arithmetic.format must be \"f32\", \"mx16\" or \"mx8\"");
+    }
     /* output */
     if ((e = get_ids(c, o, "output", "ids", &r->ids, &r->n_ids)) ||
         (e = get_str(c, o, "output", "text", 1, &r->text)) ||

@@ -36,6 +36,7 @@ typedef struct receipt {
     int weights_f32;
     /* the arithmetic */
     int fast, batch_invariant;
+    int format; /* kiln_format of the products */
     int device; /* -1 cpu, N cuda:N */
     int threads;
     /* the output */

@@ -96,7 +96,11 @@ class _ModelParams(C.Structure):
 class _ContextParams(C.Structure):
     _fields_ = [("n_ctx", C.c_int), ("n_batch", C.c_int), ("n_threads", C.c_int),
                 ("fast_q8_activations", C.c_int), ("device", C.c_int),
-                ("fast", C.c_int), ("n_seq", C.c_int), ("batch_invariant", C.c_int)]
+                ("fast", C.c_int), ("n_seq", C.c_int), ("batch_invariant", C.c_int),
+                ("format", C.c_int)]
+
+# kiln_format: the matrix products' number format (Context(format=...))
+FORMATS = {"f32": 0, "mx16": 1, "mx8": 2}
 
 
 class _SamplerParams(C.Structure):
@@ -716,11 +720,15 @@ class Context(_Handle):
     _free = "kiln_context_free"
 
     def __init__(self, model, n_ctx=0, n_batch=512, n_threads=0, device=-1, fast=False, n_seq=1,
-                 batch_invariant=False):
+                 batch_invariant=False, format="f32"):
         """device: -1 = CPU, N >= 0 = CUDA device N (bit-identical to the CPU unless fast).
         fast: the backend's fast arithmetic (CPU: 8-bit activations; CUDA: bf16 tensor cores).
         batch_invariant: with fast on the CPU, the 8-bit path at every batch size, so a token's
-        logits never depend on the batch (kiln serve --fast --batch-invariant's arithmetic)."""
+        logits never depend on the batch (kiln serve --fast --batch-invariant's arithmetic).
+        format: "f32" (default), "mx16" or "mx8": the matrix products in an exact block format
+        (docs/ARITHMETIC.md, "Exact block formats"; the CPU only for now)."""
+        if format not in FORMATS:
+            raise ValueError(f"format {format!r}: expected one of {', '.join(FORMATS)}")
         self._lib = load_library()
         p = self._lib.kiln_context_default_params()
         p.n_ctx, p.n_batch = _int("n_ctx", n_ctx, 0), _int("n_batch", n_batch, 0)
@@ -728,6 +736,7 @@ class Context(_Handle):
         p.fast = 1 if fast else 0
         p.n_seq = _int("n_seq", n_seq, 0)
         p.batch_invariant = 1 if batch_invariant else 0
+        p.format = FORMATS[format]
         model._user_opened(self)
         self.model = model
         h = C.c_void_p()

@@ -65,6 +65,9 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: n_seq %d not in [1, 4096]", p.n_seq);
     if (p.n_threads > 256)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: n_threads %d is more than 256", p.n_threads);
+    int mode = 0;
+    KILN_TRY(kiln_backend_mode_of(p.device, p.fast || (p.device < 0 && p.fast_q8_activations), p.batch_invariant,
+                                  p.format, "kiln_context_create", &mode));
     kiln_context *c = kiln_calloc(1, sizeof *c);
     if (!c) return kiln_error(KILN_ERR_NOMEM, "kiln_context_create: out of memory");
     /* m counts c as a user from here (kiln_model_close refuses while it does) */
@@ -77,7 +80,7 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
     c->params = p;
     kiln_status st;
     if (p.device >= 0) {
-        st = kiln_backend_acquire(p.device, p.fast ? (p.batch_invariant ? KILN_MODE_FAST_INVARIANT : KILN_MODE_FAST) : 0, 0, &c->be);
+        st = kiln_backend_acquire(p.device, mode, 0, &c->be);
         if (st != KILN_OK) { /* say which setting asked for CUDA, keep the backend's reason */
             char why[512];
             snprintf(why, sizeof why, "%s", kiln_last_error());
@@ -85,9 +88,7 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
             return kiln_error(st, "kiln_context_create: device %d (CUDA) unavailable: %s", p.device, why);
         }
     } else {
-        int fast = p.fast_q8_activations || p.fast;
-        st = kiln_backend_acquire(-1, fast ? (p.batch_invariant ? KILN_MODE_FAST_INVARIANT : KILN_MODE_FAST) : 0,
-                                  p.n_threads, &c->be);
+        st = kiln_backend_acquire(-1, mode, p.n_threads, &c->be);
     }
     if (st == KILN_OK) st = kiln_forward_state_init(&c->fs, m, c->be, p.n_ctx, p.n_batch, p.n_seq, 0);
     if (st == KILN_OK) st = kiln_alloc_or_fail((void **)&c->seq_past, (size_t)p.n_seq * sizeof(int), "sequence lengths");

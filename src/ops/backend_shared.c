@@ -24,6 +24,24 @@ typedef struct shared_backend {
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static shared_backend *g_shared;
 
+kiln_status kiln_backend_mode_of(int device, int fast, int batch_invariant, int format, const char *who,
+                                 int *mode) {
+    if (format < KILN_FORMAT_F32 || format > KILN_FORMAT_MX8)
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: format %d is not f32 (0), mx16 (1) or mx8 (2)", who, format);
+    if (format != KILN_FORMAT_F32) {
+        if (fast)
+            return kiln_error(KILN_ERR_INVALID_ARG, "%s: the exact formats (mx16, mx8) are an auditable arithmetic: "
+                              "not with fast", who);
+        if (device >= 0)
+            return kiln_error(KILN_ERR_UNSUPPORTED, "%s: the exact formats (mx16, mx8) run on the CPU only for now "
+                              "(their CUDA kernels are not written yet)", who);
+        *mode = format == KILN_FORMAT_MX16 ? KILN_MODE_MX16 : KILN_MODE_MX8;
+        return KILN_OK;
+    }
+    *mode = fast ? (batch_invariant ? KILN_MODE_FAST_INVARIANT : KILN_MODE_FAST) : KILN_MODE_AUDITABLE;
+    return KILN_OK;
+}
+
 kiln_status kiln_backend_acquire(int device, int mode, int n_threads, kiln_backend **out) {
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_acquire: out is NULL");
     *out = NULL;
@@ -32,8 +50,11 @@ kiln_status kiln_backend_acquire(int device, int mode, int n_threads, kiln_backe
                           device);
     if (device >= 0) n_threads = 0; /* a GPU's backend has no thread pool of its own */
     else if (n_threads <= 0) n_threads = kiln_cpu_count();
-    if (mode < 0 || mode > KILN_MODE_FAST_INVARIANT)
-        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_acquire: mode %d not in [0, %d]", mode, KILN_MODE_FAST_INVARIANT);
+    if (mode < 0 || mode > KILN_MODE_MX8)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_acquire: mode %d not in [0, %d]", mode, KILN_MODE_MX8);
+    if (device >= 0 && (mode == KILN_MODE_MX16 || mode == KILN_MODE_MX8))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "the exact formats (mx16, mx8) run on the CPU only for now "
+                          "(their CUDA kernels are not written yet): use --device cpu or the f32 format");
     if (device >= 0 && mode == KILN_MODE_FAST_INVARIANT)
         return kiln_error(KILN_ERR_UNSUPPORTED, "the batch-invariant fast mode is the CPU's only for now: CUDA's fast "
                           "products tile by the batch's size (use the auditable mode, which is batch-invariant on CUDA too)");

@@ -600,8 +600,20 @@ kiln_status kiln_backend_cpu_create(int n_threads, kiln_backend **out);
  * batch-invariant (a token's result never depends on how many tokens share its products;
  * the CPU's only for now). */
 enum { KILN_MODE_AUDITABLE = 0, KILN_MODE_FAST = 1, KILN_MODE_FAST_INVARIANT = 2 };
+/* The exact block formats (docs/ARITHMETIC.md, "Exact block formats"): the auditable mode
+ * with every matmul in mx16 or mx8 (both operands quantized along K, exact integer block
+ * products, one rounding; the CPU's only for now). Modes of their own, so that a backend is
+ * shared only by engines of one format. */
+enum { KILN_MODE_MX16 = 3, KILN_MODE_MX8 = 4 };
+/* The mode of the public settings (kiln_context_params' / kiln_engine_params' fast,
+ * batch_invariant, format) into *mode, or an error prefixed with who naming the conflict
+ * (a format with fast; a format on a GPU; a format out of range). */
+kiln_status kiln_backend_mode_of(int device, int fast, int batch_invariant, int format, const char *who,
+                                 int *mode);
 
-/* The CPU backend in a mode: fast_q8 = 0 is kiln_backend_cpu_create (exact); fast_q8 = 1
+/* The CPU backend in a mode (KILN_MODE_*; the names below are the fast modes'): fast_q8 = 0
+ * is kiln_backend_cpu_create (exact); KILN_MODE_MX16 / MX8 that with its matmuls in the exact
+ * format (weights quantized once, on first use, and kept until kiln_backends_forget); fast_q8 = 1
  * makes matmul with Q8_0/Q4_0/Q4_1 weights and N <= 8 tokens quantize x to 8-bit blocks
  * and sum integer products (approximate; docs/ARITHMETIC.md, "Fast mode: 8-bit
  * activations"); fast_q8 = 2 takes that path at every N, 8 tokens at a time, so a token's

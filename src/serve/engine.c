@@ -744,7 +744,8 @@ static void stats_gauges(kiln_engine *e) {
 
 static kiln_status engine_init_device(kiln_engine *e) {
     const kiln_engine_params *p = &e->p;
-    int mode = p->fast ? (p->batch_invariant ? KILN_MODE_FAST_INVARIANT : KILN_MODE_FAST) : KILN_MODE_AUDITABLE;
+    int mode = 0;
+    KILN_TRY(kiln_backend_mode_of(p->device, p->fast, p->batch_invariant, p->format, "kiln_engine_create", &mode));
     kiln_status st = kiln_backend_acquire(p->device, mode, p->device >= 0 ? 0 : p->n_threads, &e->be);
     if (st != KILN_OK) return st;
     KILN_TRY(kiln_forward_state_init(&e->fs, e->m, e->be, p->n_ctx, p->max_batch_tokens, p->max_seqs, e->pool));
@@ -800,6 +801,8 @@ kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, 
         p.n_threads < 0 || p.device < -1 || !(p.itl_bound >= 0) || p.itl_bound > 1e6)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_create: n_ctx, max_batch_tokens, max_seqs, kv_blocks, "
                           "max_queue, n_threads and itl_bound must be >= 0, device >= -1");
+    int mode = 0;
+    KILN_TRY(kiln_backend_mode_of(p.device, p.fast, p.batch_invariant, p.format, "kiln_engine_create", &mode));
     if (p.n_ctx == 0) p.n_ctx = m->cfg.n_ctx_train < KILN_DEFAULT_MAX_CTX ? m->cfg.n_ctx_train : KILN_DEFAULT_MAX_CTX;
     if (p.n_ctx > m->cfg.n_ctx_train)
         return kiln_error(KILN_ERR_RANGE, "kiln_engine_create: n_ctx %d exceeds the model's context length %d", p.n_ctx,

@@ -13,6 +13,8 @@
 #include "backward.h"
 #include "kernels_q8act.h"
 
+#include "../mx.h"
+
 #include <stdio.h>
 #include <string.h>
 
@@ -26,9 +28,25 @@ typedef struct cpu_ctx {
     int q8_every_n;
     void *q8_buf; /* the quantized activations, grown on demand (never per call) */
     size_t q8_cap;
+    /* an exact format (KILN_MODE_MX16 / MX8): every matmul in it; 0 in the other modes. The
+     * weights are quantized on first use and kept (mx_w, dropped by forget); the activations
+     * go to a scratch per reduction width (mx_x: the widths a model's products have) */
+    int mx;
+    struct mx_weight *mx_w;
+    int n_mx_w, cap_mx_w;
+    kiln_mx_matrix mx_x[4];
     kiln_status err; /* KILN_OK unless poisoned on purpose (kiln_backend_cpu_poison) */
     char msg[256];
 } cpu_ctx;
+
+/* A weight in the exact format: the matrix at data (R, C, dtype dt) quantized along C. */
+typedef struct mx_weight {
+    const void *data;
+    size_t nbytes;
+    int64_t R, C;
+    kiln_dtype dt;
+    kiln_mx_matrix m;
+} mx_weight;
 
 static cpu_ctx *ctx_of(kiln_backend *be) { return (cpu_ctx *)be->ctx; }
 
@@ -224,11 +242,122 @@ static bool matmul_q8act(cpu_ctx *c, float *out, const float *x, const kiln_tens
     return true;
 }
 
+/* ---- matmul in an exact format (KILN_MODE_MX16 / MX8; src/ops/mx.h) ------------------------ */
+
+static void mx_poison(cpu_ctx *c, kiln_status st, const char *what, const kiln_tensor *W) {
+    if (c->err != KILN_OK) return;
+    c->err = st;
+    snprintf(c->msg, sizeof c->msg, "matmul (%s) '%s': %s", c->mx == KILN_MX8 ? "mx8" : "mx16",
+             W->name ? W->name : "?", what);
+}
+
+/* W (R, C) in the format: from the cache, or dequantized to f32 and quantized now (kept
+ * until kiln_backends_forget drops it). NULL (poisoned) when memory runs out. */
+static const kiln_mx_matrix *mx_weight_of(cpu_ctx *c, const kiln_tensor *W, int64_t R, int64_t C) {
+    for (int i = 0; i < c->n_mx_w; i++) {
+        const mx_weight *e = &c->mx_w[i];
+        if (e->data == W->data && e->R == R && e->C == C && e->dt == W->dtype) return &e->m;
+    }
+    if (c->n_mx_w == c->cap_mx_w) {
+        int cap = c->cap_mx_w ? 2 * c->cap_mx_w : 64;
+        mx_weight *nw = kiln_realloc(c->mx_w, (size_t)cap * sizeof *nw);
+        if (!nw) return NULL;
+        c->mx_w = nw;
+        c->cap_mx_w = cap;
+    }
+    mx_weight *e = &c->mx_w[c->n_mx_w];
+    memset(e, 0, sizeof *e);
+    const size_t rb = row_bytes_of(W->dtype, C);
+    float *deq = W->dtype == KILN_DTYPE_F32 ? NULL : kiln_malloc((size_t)R * (size_t)C * sizeof(float));
+    if (W->dtype != KILN_DTYPE_F32 && !deq) return NULL;
+    for (int64_t r = 0; deq && r < R; r++)
+        kiln_dequantize(W->dtype, (const uint8_t *)W->data + (size_t)r * rb, deq + r * C, C);
+    kiln_status st = kiln_mx_matrix_alloc(&e->m, (kiln_mx_kind)c->mx, R, C);
+    if (st == KILN_OK)
+        st = kiln_mx_quantize(&e->m, deq ? deq : (const float *)W->data, deq ? C : (int64_t)(rb / sizeof(float)),
+                              c->pool);
+    kiln_free(deq);
+    if (st != KILN_OK) {
+        kiln_mx_matrix_free(&e->m);
+        return NULL;
+    }
+    e->data = W->data;
+    e->nbytes = (size_t)R * rb;
+    e->R = R;
+    e->C = C;
+    e->dt = W->dtype;
+    c->n_mx_w++;
+    return &e->m;
+}
+
+/* The activations' scratch for width C with room for N rows (rows set to N). */
+static kiln_mx_matrix *mx_act(cpu_ctx *c, int N, int64_t C) {
+    kiln_mx_matrix *slot = NULL;
+    for (int i = 0; i < 4 && !slot; i++)
+        if (c->mx_x[i].mem && c->mx_x[i].K == C) slot = &c->mx_x[i];
+    for (int i = 0; i < 4 && !slot; i++)
+        if (!c->mx_x[i].mem) slot = &c->mx_x[i];
+    if (!slot) slot = &c->mx_x[0]; /* a fifth width: reuse the first slot */
+    if (!slot->mem || slot->K != C || slot->rows < N) {
+        int64_t rows = slot->mem && slot->K == C && 2 * slot->rows > N ? 2 * slot->rows : N;
+        kiln_mx_matrix_free(slot);
+        if (kiln_mx_matrix_alloc(slot, (kiln_mx_kind)c->mx, rows, C) != KILN_OK) return NULL;
+    }
+    slot->rows = N; /* a prefix of the rows: the layout is row-major by block */
+    return slot;
+}
+
+/* out(N,R) = x W^T (+ bias) in the backend's exact format, then the bias as f32 adds (the
+ * product, then + bias[r]: the auditable matmul's order). */
+static void matmul_mx(cpu_ctx *c, float *out, const float *x, const kiln_tensor *W, const float *bias, int N,
+                      int64_t R, int64_t C) {
+    if (c->err != KILN_OK || N <= 0 || R <= 0) return;
+    if (C > KILN_MX_MAX_K) {
+        mx_poison(c, KILN_ERR_UNSUPPORTED, "the reduction is longer than the format's limit (262,144)", W);
+        return;
+    }
+    const kiln_mx_matrix *w = mx_weight_of(c, W, R, C);
+    kiln_mx_matrix *xa = w ? mx_act(c, N, C) : NULL;
+    if (!w || !xa) {
+        mx_poison(c, KILN_ERR_NOMEM, "out of memory for the quantized operands", W);
+        return;
+    }
+    kiln_status st = kiln_mx_quantize(xa, x, C, c->pool);
+    if (st == KILN_OK) st = kiln_mx_matmul_cpu(xa, w, out, R, c->pool, c->k->path);
+    if (st != KILN_OK) {
+        mx_poison(c, st, kiln_last_error(), W);
+        return;
+    }
+    if (bias)
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t r = 0; r < R; r++) out[n * R + r] = out[n * R + r] + bias[r];
+}
+
+/* ops.h forget: drop the quantized copies of weights in [host, host + nbytes). */
+static void cpu_forget(kiln_backend *be, const void *host, size_t nbytes) {
+    cpu_ctx *c = ctx_of(be);
+    const uintptr_t lo = (uintptr_t)host, hi = lo + nbytes;
+    for (int i = 0; i < c->n_mx_w;) {
+        mx_weight *e = &c->mx_w[i];
+        const uintptr_t a = (uintptr_t)e->data;
+        if (a < hi && lo < a + e->nbytes) {
+            kiln_mx_matrix_free(&e->m);
+            c->mx_w[i] = c->mx_w[--c->n_mx_w];
+        } else {
+            i++;
+        }
+    }
+}
+
 static void cpu_matmul(kiln_backend *be, float *out, const float *x, const kiln_tensor *W,
                        const float *bias, int N) {
     cpu_ctx *c = ctx_of(be);
     int64_t C = W->shape[W->n_dims - 1];
     int64_t R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
+    if (c->mx) {
+        matmul_mx(c, out, x, W, bias, N, R, C);
+        return;
+    }
     if (matmul_q8act(c, out, x, W, bias, N, R, C)) return;
     matmul_job j;
     j.k = c->k;
@@ -443,6 +572,9 @@ static void cpu_free(kiln_backend *be) {
     if (c) {
         kiln_pool_free(c->pool);
         kiln_free(c->q8_buf);
+        for (int i = 0; i < c->n_mx_w; i++) kiln_mx_matrix_free(&c->mx_w[i].m);
+        kiln_free(c->mx_w);
+        for (int i = 0; i < 4; i++) kiln_mx_matrix_free(&c->mx_x[i]);
     }
     kiln_free(c);
     kiln_free(be);
@@ -645,6 +777,7 @@ static const kiln_backend_i cpu_iface = {
     .upload = cpu_copy,
     .download = cpu_copy,
     .status = cpu_status,
+    .forget = cpu_forget,
     .kv_store_rows = cpu_kv_store_rows,
     .attention_paged = cpu_attention_paged,
     .get_rows = cpu_get_rows,
@@ -709,7 +842,9 @@ kiln_status kiln_backend_cpu_create_mode(int n_threads, int fast_q8, kiln_backen
         return kiln_error_prefix(st, "kiln_backend_cpu_create");
     }
     c->k = kernels_for(kiln_cpu_select_path());
-    if (fast_q8) {
+    if (fast_q8 == KILN_MODE_MX16 || fast_q8 == KILN_MODE_MX8) {
+        c->mx = fast_q8 == KILN_MODE_MX16 ? KILN_MX16 : KILN_MX8;
+    } else if (fast_q8) {
         c->q8_every_n = fast_q8 == KILN_MODE_FAST_INVARIANT;
         c->q8 = &kiln_q8act_kernels_portable;
 #if defined(KILN_CPU_HAVE_X86)
