@@ -597,3 +597,27 @@ def test_fast_batch_invariant_equals_generate(build_dir, smollm2_gguf):
     finally:
         rc, err = s.stop()
     assert rc == 0, err
+
+
+def test_format_batch_invariant_equals_generate(build_dir, smollm2_gguf):
+    """--format mx8: every product quantizes each token's row on its own and sums exact
+    integers, so concurrent requests get `kiln generate --format mx8`'s greedy text."""
+    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+    ref = [generate(build_dir, smollm2_gguf, p, 16, extra=("--format", "mx8"))["text"] for p in prompts]
+    s = Server(build_dir, smollm2_gguf, "--format", "mx8")
+    try:
+        got = [None] * len(prompts)
+
+        def one(i):
+            got[i] = s.client().completions.create(model=s.model, prompt=prompts[i], max_tokens=16,
+                                                   temperature=0).choices[0].text
+
+        ths = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        assert got == ref
+    finally:
+        rc, err = s.stop()
+    assert rc == 0, err
