@@ -898,7 +898,21 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
             rc = cli_fail("train", "--audit", st);
             goto out;
         }
-        if (audit_open_write(apath, start, argc, argv, fp0, &audit)) {
+        /* ranks that chose --seqs-per-forward (B / N): the log's command line says it, so that
+         * kiln audit's one-process replay runs the same micro-batches (docs/DISTRIBUTED.md) */
+        char kbuf[32];
+        char **av = calloc((size_t)argc + 2, sizeof *av);
+        int ac = 0;
+        for (int i = 0; av && i < argc; i++) av[ac++] = argv[i];
+        if (av && n_ranks > 1 && !pf_given) {
+            snprintf(kbuf, sizeof kbuf, "%ld", o.per_forward);
+            av[ac++] = "--seqs-per-forward";
+            av[ac++] = kbuf;
+        }
+        int bad = !av || audit_open_write(apath, start, ac, av, fp0, &audit);
+        free(av);
+        if (bad) {
+            if (!av) fprintf(stderr, "kiln train: out of memory for the audit log\n");
             rc = 1;
             goto out;
         }

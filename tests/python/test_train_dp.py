@@ -184,3 +184,20 @@ def test_refusals_and_a_rank_that_stops(setup, build_dir):
     assert r.returncode != 0 and "is not empty" in r.stderr
     r = kiln(build_dir, 2, "distill", "--teacher", models["llama"], *args, "--out", base / "distill", timeout=120)
     assert r.returncode != 0 and "kiln distill (the teacher's step is not sharded yet)" in r.stderr
+
+
+def test_audit_of_ranks_replays_on_one_process(setup, build_dir):
+    """A 2-rank run with --audit (rank 0 keeps the log, whose command line gets the ranks' chosen
+    --seqs-per-forward): `kiln audit --from 0` and `--from 2` replay it on one process and every
+    step's batch hash, loss, gradient-norm bits and weights' fingerprint match."""
+    base, models = setup
+    args = common(models, "llama", base, "f32")
+    args[args.index("--steps") + 1] = "4"
+    args[args.index("--save-every") + 1] = "2"
+    out = base / "audited"
+    r = kiln(build_dir, 2, "train", *args, "--out", out, "--audit")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for frm in ("0", "2"):
+        r = kiln(build_dir, 1, "audit", out, "--from", frm)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "match their records" in r.stderr
