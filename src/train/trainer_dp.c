@@ -6,8 +6,9 @@
  * named_parameters()), each one's elements in order, back to back: `total` elements. With N
  * ranks and S = ceil(total / N), rank r owns the elements [r S, min((r + 1) S, total)) -- a
  * range may start or end inside a tensor, and the last ranges may be short or empty. The
- * tensors stay where the trainer put them; the flat vector exists only as the staging buffer
- * of the collectives (`flat`, N S floats, where the element at flat position k is k).
+ * tensors stay where the trainer put them; the flat vector is what the collectives move, a
+ * chunk at a time: chunk k is elements [r S + k C, r S + k C + C) of every rank r's range, C =
+ * `chunk` elements (the staging buffers hold N C words, not the whole vector).
  *
  * A step (the CLI's, tools/cmd_train.c):
  *   1. each rank forwards and backwards its micro-batch into the full-size gradients (as one
@@ -29,6 +30,7 @@
 #include "trainer_impl.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 struct kiln_train_dp {
@@ -37,17 +39,107 @@ struct kiln_train_dp {
     int64_t total;     /* elements of the flat vector */
     int64_t S;         /* elements per rank's range: ceil(total / size) */
     int64_t lo, hi;    /* this rank's range [lo, hi) (lo == hi: empty) */
+    int64_t chunk;     /* C: elements of a rank's range a collective moves at once (<= S) */
     int64_t *first;    /* (n_params + 1) each parameter's first flat element; first[n] = total */
-    float *flat;       /* (size * S) the collectives' staging: the flat vector */
-    float *recv;       /* (S) the reduce-scatter's result: this rank's summed gradients */
+    int *slot;         /* (n_params) parameter i's slot in this rank's optimizer of its kind, or -1 */
+    int *whole;        /* (n_params) its slot in one process's optimizer of its kind */
+    uint32_t *stage;   /* (size, chunk) words: a chunk of every rank's range */
+    uint32_t *own;     /* (chunk) words: this rank's part of a chunk (reduce-scatter's result) */
 };
 
 static void dp_free(kiln_train_dp *d) {
     if (!d) return;
     kiln_free(d->first);
-    kiln_free(d->flat);
-    kiln_free(d->recv);
+    kiln_free(d->slot);
+    kiln_free(d->whole);
+    kiln_free(d->stage);
+    kiln_free(d->own);
     kiln_free(d);
+}
+
+/* ---- the flat vector, read and written where its elements live ---------------------------- */
+
+/* What a flat element is, as a 4-byte word: the gradient (f32), the weight (f32, or bf16 widened:
+ * its bits in the high half, exact both ways) or a state array of the optimizer (0 m, 1 v,
+ * 2 master, 3 the compensation, bf16 widened) -- of this rank's shards (own range only), or of
+ * one process's optimizers wm / wv. */
+enum { FLAT_GRAD = -2, FLAT_WEIGHT = -1 };
+
+typedef struct flat_io {
+    kiln_trainer *t;
+    int what;               /* FLAT_GRAD, FLAT_WEIGHT, or a state kind 0..3 */
+    kiln_adamw *wm, *wv;    /* state kinds: one process's optimizers, or NULL: this rank's shards */
+} flat_io;
+
+static kiln_status slot_words(kiln_adamw *o, int j, int kind, int64_t off, int64_t n, uint32_t *words, int to_words);
+
+/* Elements [a, b) of the flat vector to words (to_words; past total: 0) or from them. */
+static kiln_status flat_move(const flat_io *f, int64_t a, int64_t b, uint32_t *w, int to_words) {
+    kiln_trainer *t = f->t;
+    const kiln_train_dp *d = t->dp;
+    int i = 0;
+    while (i < t->n_params && d->first[i + 1] <= a) i++;
+    for (; i < t->n_params && d->first[i] < b; i++) {
+        train_param *p = &t->params[i];
+        const int64_t s = a > d->first[i] ? a : d->first[i], e = b < d->first[i + 1] ? b : d->first[i + 1];
+        const int64_t e0 = s - d->first[i], n = e - s;
+        uint32_t *x = w + (s - a);
+        if (f->what == FLAT_GRAD) {
+            if (to_words)
+                memcpy(x, p->g + e0, (size_t)n * 4);
+            else
+                memcpy(p->g + e0, x, (size_t)n * 4);
+        } else if (f->what == FLAT_WEIGHT) {
+            if (p->dtype == KILN_DTYPE_F32) {
+                if (to_words)
+                    memcpy(x, (const float *)p->w + e0, (size_t)n * 4);
+                else
+                    memcpy((float *)p->w + e0, x, (size_t)n * 4);
+            } else {
+                uint16_t *h = (uint16_t *)p->w + e0;
+                for (int64_t k = 0; k < n; k++) {
+                    if (to_words)
+                        x[k] = (uint32_t)h[k] << 16;
+                    else
+                        h[k] = (uint16_t)(x[k] >> 16);
+                }
+            }
+        } else {
+            const int is_mat = p->n_dims == 2;
+            if (!is_mat && f->what >= 2) { /* vectors have no master copy or compensation */
+                if (to_words) memset(x, 0, (size_t)n * 4);
+                continue;
+            }
+            if (f->wm) {
+                KILN_TRY(slot_words(is_mat ? f->wm : f->wv, d->whole[i], f->what, e0, n, x, to_words));
+            } else {
+                const int64_t off = is_mat ? t->mat_off[d->slot[i]] : t->vec_off[d->slot[i]];
+                KILN_TRY(slot_words(is_mat ? t->opt_mat : t->opt_vec, d->slot[i], f->what, e0 - off, n, x, to_words));
+            }
+        }
+    }
+    if (to_words && b > d->total) {
+        const int64_t z = a > d->total ? a : d->total;
+        memset(w + (z - a), 0, (size_t)(b - z) * 4);
+    }
+    return KILN_OK;
+}
+
+/* The chunks of the ranges: chunk k is [k C, min((k + 1) C, S)) of every range. */
+static int64_t chunk_len(const kiln_train_dp *d, int64_t c0) { return d->S - c0 < d->chunk ? d->S - c0 : d->chunk; }
+
+/* Every rank's elements [r S + c0, r S + c0 + len) of f to every rank (an all-gather of this
+ * rank's part), written where they live when write (else left in stage). */
+static kiln_status gather_chunk(const flat_io *f, int64_t c0, int64_t len, int write) {
+    kiln_train_dp *d = f->t->dp;
+    uint32_t *mine = d->stage + (size_t)d->rank * (size_t)len;
+    KILN_TRY(flat_move(f, d->lo + c0, d->lo + c0 + len, mine, 1));
+    KILN_TRY(kiln_comm_allgather(d->c, d->stage, mine, (size_t)len * 4));
+    for (int r = 0; write && r < d->size; r++) {
+        const int64_t a = (int64_t)r * d->S + c0, b = a + len < d->total ? a + len : d->total;
+        if (a < b) KILN_TRY(flat_move(f, a, b, d->stage + (size_t)r * (size_t)len, 0));
+    }
+    return KILN_OK;
 }
 
 void kiln_trainer_dp_free(kiln_trainer *t) {
@@ -60,7 +152,7 @@ void kiln_trainer_dp_range(const kiln_trainer *t, int64_t *lo, int64_t *hi, int6
     *lo = d->lo;
     *hi = d->hi;
     *total = d->total;
-    *staging = (d->S * d->size + (d->S ? d->S : 1)) * (int64_t)sizeof(float);
+    *staging = (d->chunk * d->size + d->chunk) * 4;
 }
 
 int kiln_train_dp_size(const kiln_trainer *t) { return t && t->dp ? t->dp->size : 1; }
@@ -98,10 +190,23 @@ kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c) {
         d->S = (d->total + d->size - 1) / d->size;
         d->lo = d->rank * d->S < d->total ? d->rank * d->S : d->total;
         d->hi = d->lo + d->S < d->total ? d->lo + d->S : d->total;
-        d->flat = kiln_calloc((size_t)d->S * (size_t)d->size, sizeof(float));
-        d->recv = kiln_calloc((size_t)(d->S ? d->S : 1), sizeof(float));
-        if (!d->flat || !d->recv) st = kiln_error(KILN_ERR_NOMEM, "kiln_train_dp_attach: out of memory for the "
-                                                  "flat staging (%lld floats)", (long long)(d->S * d->size));
+        /* about 64 MiB of staging in all (KILN_DP_CHUNK: elements a rank, for tests that cross
+         * chunk boundaries with a small model) */
+        d->chunk = ((int64_t)1 << 24) / d->size;
+        const char *env = getenv("KILN_DP_CHUNK");
+        if (env && atoll(env) > 0) d->chunk = atoll(env);
+        if (d->chunk > d->S) d->chunk = d->S;
+        if (d->chunk < 1) d->chunk = 1;
+        d->stage = kiln_calloc((size_t)d->chunk * (size_t)d->size, 4);
+        d->own = kiln_calloc((size_t)d->chunk, 4);
+        d->slot = kiln_calloc((size_t)t->n_params + 1, sizeof(int));
+        d->whole = kiln_calloc((size_t)t->n_params + 1, sizeof(int));
+        if (!d->stage || !d->own || !d->slot || !d->whole)
+            st = kiln_error(KILN_ERR_NOMEM, "kiln_train_dp_attach: out of memory for the staging (%lld words)",
+                            (long long)(d->chunk * d->size));
+        int n_mat = 0, n_vec = 0;
+        for (int i = 0; st == KILN_OK && i < t->n_params; i++)
+            d->whole[i] = t->params[i].n_dims == 2 ? n_mat++ : n_vec++;
     }
     /* the optimizers remade over this rank's range only */
     kiln_adamw *m = NULL, *v = NULL;
@@ -124,6 +229,9 @@ kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c) {
     kiln_adamw_free(t->opt_vec);
     t->opt_mat = m;
     t->opt_vec = v;
+    for (int i = 0; i < t->n_params; i++) d->slot[i] = -1;
+    for (int j = 0; j < t->n_mat; j++) d->slot[t->mat_index[j]] = j;
+    for (int j = 0; j < t->n_vec; j++) d->slot[t->vec_index[j]] = j;
     t->dp = d;
     return KILN_OK;
 }
@@ -146,15 +254,19 @@ kiln_status kiln_train_dp_reduce_grads(kiln_trainer *t) {
     if (t->grads_unusable || t->grad_coef != 1.0f)
         return kiln_error(KILN_ERR_STATE, "kiln_train_dp_reduce_grads: the gradients are %s", t->grads_unusable ?
                           "unusable (a step failed after its gradient work began)" : "clipped already");
-    for (int i = 0; i < t->n_params; i++)
-        memcpy(d->flat + d->first[i], t->params[i].g, (size_t)t->params[i].n * sizeof(float));
-    memset(d->flat + d->total, 0, (size_t)(d->S * d->size - d->total) * sizeof(float));
-    KILN_TRY(kiln_comm_reduce_scatter_f32(d->c, d->recv, d->flat, (size_t)d->S));
-    /* this rank's range of the gradient buffers: the sum over ranks */
-    for (int i = 0; i < t->n_params; i++) {
-        const int64_t a = d->lo > d->first[i] ? d->lo : d->first[i];
-        const int64_t b = d->hi < d->first[i + 1] ? d->hi : d->first[i + 1];
-        if (a < b) memcpy(t->params[i].g + (a - d->first[i]), d->recv + (a - d->lo), (size_t)(b - a) * sizeof(float));
+    /* chunk by chunk: every rank's part of the chunk packed in rank order, reduce-scattered,
+     * this rank's part of the sum written over its gradients (positions no later chunk reads) */
+    const flat_io f = {t, FLAT_GRAD, NULL, NULL};
+    for (int64_t c0 = 0; c0 < d->S; c0 += d->chunk) {
+        const int64_t len = chunk_len(d, c0);
+        for (int r = 0; r < d->size; r++) {
+            const int64_t a = (int64_t)r * d->S + c0;
+            KILN_TRY(flat_move(&f, a, a + len, d->stage + (size_t)r * (size_t)len, 1));
+        }
+        KILN_TRY(kiln_comm_reduce_scatter_f32(d->c, (float *)(void *)d->own, (const float *)(const void *)d->stage,
+                                              (size_t)len));
+        const int64_t a = d->lo + c0, b = a + len < d->hi ? a + len : d->hi;
+        if (a < b) KILN_TRY(flat_move(&f, a, b, d->own, 0));
     }
     t->grads_finite = 0;
     return KILN_OK;
@@ -230,31 +342,8 @@ kiln_status kiln_trainer_dp_norms(kiln_trainer *t, float *norms) {
  * travels as 4 bytes: f32 as it is, bf16 widened (its bits in the high half, exact both ways). */
 kiln_status kiln_trainer_dp_gather_params(kiln_trainer *t) {
     kiln_train_dp *d = t->dp;
-    for (int i = 0; i < t->n_params; i++) {
-        const int64_t a = d->lo > d->first[i] ? d->lo : d->first[i];
-        const int64_t b = d->hi < d->first[i + 1] ? d->hi : d->first[i + 1];
-        if (a >= b) continue;
-        const train_param *p = &t->params[i];
-        const int64_t e0 = a - d->first[i];
-        if (p->dtype == KILN_DTYPE_F32) {
-            memcpy(d->flat + a, (const float *)p->w + e0, (size_t)(b - a) * sizeof(float));
-        } else {
-            const uint16_t *w = (const uint16_t *)p->w + e0;
-            uint32_t *f = (uint32_t *)(void *)(d->flat + a);
-            for (int64_t k = 0; k < b - a; k++) f[k] = (uint32_t)w[k] << 16;
-        }
-    }
-    KILN_TRY(kiln_comm_allgather(d->c, d->flat, d->flat + d->lo, (size_t)d->S * sizeof(float)));
-    for (int i = 0; i < t->n_params; i++) {
-        train_param *p = &t->params[i];
-        if (p->dtype == KILN_DTYPE_F32) {
-            memcpy(p->w, d->flat + d->first[i], (size_t)p->n * sizeof(float));
-        } else {
-            uint16_t *w = p->w;
-            const uint32_t *f = (const uint32_t *)(const void *)(d->flat + d->first[i]);
-            for (int64_t k = 0; k < p->n; k++) w[k] = (uint16_t)(f[k] >> 16);
-        }
-    }
+    const flat_io f = {t, FLAT_WEIGHT, NULL, NULL};
+    for (int64_t c0 = 0; c0 < d->S; c0 += d->chunk) KILN_TRY(gather_chunk(&f, c0, chunk_len(d, c0), 1));
     return KILN_OK;
 }
 
@@ -292,38 +381,20 @@ static kiln_status slot_words(kiln_adamw *o, int j, int kind, int64_t off, int64
     return KILN_OK;
 }
 
-/* Slot of parameter i in one process's optimizers (its kind's parameters counted in order). */
-static void whole_slot(const kiln_trainer *t, int i, int *is_mat, int *slot) {
-    int k = 0;
-    for (int j = 0; j < i; j++) k += (t->params[j].n_dims == 2) == (t->params[i].n_dims == 2);
-    *is_mat = t->params[i].n_dims == 2;
-    *slot = k;
-}
-
-/* The shards into wm / wv (one process's optimizers; on root only, or every rank with root -1),
- * through the flat staging: each kind packed by every rank into its block and all-gathered. */
+/* The shards into wm / wv (one process's optimizers, made on root only): each state kind
+ * all-gathered chunk by chunk and written on root. */
 static kiln_status gather_state(kiln_trainer *t, kiln_adamw *wm, kiln_adamw *wv, int root) {
     kiln_train_dp *d = t->dp;
-    uint32_t *flat = (uint32_t *)(void *)d->flat;
     for (int kind = 0; kind < STATE_KINDS; kind++) {
         if (!kind_exists(t, kind)) continue;
-        memset(flat + d->lo, 0, (size_t)d->S * 4);
-        for (int j = 0; j < t->n_mat + t->n_vec; j++) {
-            const int is_mat = j < t->n_mat, s = is_mat ? j : j - t->n_mat;
-            if (!is_mat && kind >= 2) continue;
-            const int i = is_mat ? t->mat_index[s] : t->vec_index[s];
-            const int64_t off = is_mat ? t->mat_off[s] : t->vec_off[s];
-            const int64_t a = d->first[i] + off;
-            const int64_t b = d->hi < d->first[i + 1] ? d->hi : d->first[i + 1];
-            KILN_TRY(slot_words(is_mat ? t->opt_mat : t->opt_vec, s, kind, 0, b - a, flat + a, 1));
-        }
-        KILN_TRY(kiln_comm_allgather(d->c, flat, flat + d->lo, (size_t)d->S * 4));
-        if (root >= 0 && d->rank != root) continue;
-        for (int i = 0; i < t->n_params; i++) {
-            int is_mat, s;
-            whole_slot(t, i, &is_mat, &s);
-            if (!is_mat && kind >= 2) continue;
-            KILN_TRY(slot_words(is_mat ? wm : wv, s, kind, 0, t->params[i].n, flat + d->first[i], 0));
+        const flat_io mine = {t, kind, NULL, NULL}, whole = {t, kind, wm, wv};
+        for (int64_t c0 = 0; c0 < d->S; c0 += d->chunk) {
+            const int64_t len = chunk_len(d, c0);
+            KILN_TRY(gather_chunk(&mine, c0, len, 0));
+            for (int r = 0; d->rank == root && r < d->size; r++) {
+                const int64_t a = (int64_t)r * d->S + c0, b = a + len < d->total ? a + len : d->total;
+                if (a < b) KILN_TRY(flat_move(&whole, a, b, d->stage + (size_t)r * (size_t)len, 0));
+            }
         }
     }
     return KILN_OK;
@@ -334,18 +405,11 @@ static kiln_status scatter_state(kiln_trainer *t, kiln_adamw *wm, kiln_adamw *wv
     kiln_train_dp *d = t->dp;
     for (int kind = 0; kind < STATE_KINDS; kind++) {
         if (!kind_exists(t, kind)) continue;
-        for (int j = 0; j < t->n_mat + t->n_vec; j++) {
-            const int is_mat = j < t->n_mat, s = is_mat ? j : j - t->n_mat;
-            if (!is_mat && kind >= 2) continue;
-            const int i = is_mat ? t->mat_index[s] : t->vec_index[s];
-            const int64_t off = is_mat ? t->mat_off[s] : t->vec_off[s];
-            const int64_t b = d->hi < d->first[i + 1] ? d->hi : d->first[i + 1];
-            const int64_t n = b - (d->first[i] + off);
-            int wmat, ws;
-            whole_slot(t, i, &wmat, &ws);
-            uint32_t *stage = (uint32_t *)(void *)d->recv; /* S words: a piece is at most S */
-            KILN_TRY(slot_words(wmat ? wm : wv, ws, kind, off, n, stage, 1));
-            KILN_TRY(slot_words(is_mat ? t->opt_mat : t->opt_vec, s, kind, 0, n, stage, 0));
+        const flat_io mine = {t, kind, NULL, NULL}, whole = {t, kind, wm, wv};
+        for (int64_t a = d->lo; a < d->hi; a += d->chunk) {
+            const int64_t b = a + d->chunk < d->hi ? a + d->chunk : d->hi;
+            KILN_TRY(flat_move(&whole, a, b, d->own, 1));
+            KILN_TRY(flat_move(&mine, a, b, d->own, 0));
         }
     }
     KILN_TRY(kiln_adamw_set_step(t->opt_mat, kiln_adamw_get_step(wm)));
