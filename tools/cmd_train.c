@@ -798,7 +798,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         char saved_pf[64];
         long pf = 0;
         if (auto_pf && run && cli_run_value(run, "seqs_per_forward", saved_pf, sizeof saved_pf) &&
-            (pf = strtol(saved_pf, NULL, 10)) > 1 && pf <= o.batch && o.batch % pf == 0 && pf != o.per_forward) {
+            (pf = strtol(saved_pf, NULL, 10)) > (n_ranks > 1 ? 0 : 1) && pf <= o.batch && o.batch % pf == 0 && pf != o.per_forward) {
             /* the run's own grouping (its bits): the trainer remade for it, the checkpoint again */
             kiln_trainer_free(tr);
             tr = NULL;

@@ -145,6 +145,14 @@ def test_resume_on_other_rank_counts(setup, build_dir):
         assert r.returncode == 0, r.stderr[-3000:]
         assert "resumed from" in r.stderr and "at step 3" in r.stderr
         same_run(full, part, 6)
+    # a 4-rank run (1 sequence a micro-batch) cannot continue on 2 ranks: its 4 micro-batches
+    # would be 2 a rank; said so, nothing written
+    part = base / "resume_4_on_2"
+    r = kiln(build_dir, 4, "train", *args, "--out", part, "--stop-after", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = kiln(build_dir, 2, "train", *args, "--out", part, "--resume")
+    assert r.returncode != 0 and "is 4 micro-batches, more than the 2 ranks" in r.stderr, r.stderr[-2000:]
+    assert not (part / "checkpoints" / "step-3").exists()
 
 
 def optimizer_bytes(stderr):
