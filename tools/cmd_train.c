@@ -522,15 +522,16 @@ static kiln_status make_rank_trainer(kiln_model *m, const train_opts *o, kiln_co
 }
 
 /* The ranks' agreement (docs/DISTRIBUTED.md, "Errors"): every rank passes its rc (0: fine);
- * when any rank's is not 0, every rank returns nonzero (its own rc, or 1) and *agreed is set, so
- * that nobody waits in a collective for a rank that has stopped. Every agreement is the same
- * collective (an all-reduce of two doubles), so a rank that fails between two of them meets the
- * others' next one at its exit (train_main's out:). x1 (may be NULL) is summed over the ranks
- * in rank order (the step's loss). One process: rc as it is. */
+ * when any rank's is not 0, every rank returns the same nonzero status (rank 0's rc, or 1 when
+ * rank 0's is 0) and *agreed is set, so that nobody waits in a collective for a rank that has
+ * stopped. Every agreement is the same collective (an all-reduce of three doubles: the failure
+ * count, x1, rank 0's rc), so a rank that fails between two of them meets the others' next one
+ * at its exit (train_main's out:). x1 (may be NULL) is summed over the ranks in rank order (the
+ * step's loss). One process: rc as it is. */
 static int ranks_agree(kiln_comm *c, int rc, double *x1, int *agreed) {
     if (kiln_comm_size(c) == 1) return rc;
-    double x[2] = {rc != 0, x1 ? *x1 : 0.0};
-    if (kiln_comm_allreduce_f64(c, x, 2) != KILN_OK) {
+    double x[3] = {rc != 0, x1 ? *x1 : 0.0, kiln_comm_rank(c) == 0 ? (double)rc : 0.0};
+    if (kiln_comm_allreduce_f64(c, x, 3) != KILN_OK) {
         fprintf(stderr, "kiln train: rank %d: the ranks' agreement failed: %s\n", kiln_comm_rank(c), kiln_last_error());
         *agreed = 1;
         return rc ? rc : 1;
@@ -538,7 +539,7 @@ static int ranks_agree(kiln_comm *c, int rc, double *x1, int *agreed) {
     if (x1) *x1 = x[1];
     if (x[0] == 0) return 0;
     *agreed = 1;
-    return rc ? rc : 1;
+    return x[2] != 0 ? (int)x[2] : 1;
 }
 
 /* --seqs-per-forward left to kiln, fast mode on a GPU: the largest divisor K of --batch whose

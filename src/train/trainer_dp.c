@@ -421,11 +421,11 @@ static kiln_status scatter_state(kiln_trainer *t, kiln_adamw *wm, kiln_adamw *wv
 
 /* Every rank's status made one: KILN_OK on every rank, or an error on every rank (this rank's
  * own, or one saying that another rank failed). The same collective as the CLI's agreements
- * (tools/cmd_train.c ranks_agree: an all-reduce of two doubles), so a rank that stopped before
+ * (tools/cmd_train.c ranks_agree: an all-reduce of three doubles), so a rank that stopped before
  * it meets the others here. */
 static kiln_status agree(kiln_train_dp *d, kiln_status st, const char *what) {
-    double x[2] = {st != KILN_OK, 0.0};
-    kiln_status cst = kiln_comm_allreduce_f64(d->c, x, 2);
+    double x[3] = {st != KILN_OK, 0.0, 0.0};
+    kiln_status cst = kiln_comm_allreduce_f64(d->c, x, 3);
     if (st != KILN_OK) return st;
     if (cst != KILN_OK) return cst;
     if (x[0] != 0.0) return kiln_error(KILN_ERR_STATE, "%s failed on %g other rank(s) (their messages say why)", what, x[0]);

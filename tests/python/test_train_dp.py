@@ -199,7 +199,7 @@ def test_refusals_and_a_rank_that_stops(setup, build_dir):
     used.mkdir()
     (used / "x").write_text("x")
     r = kiln(build_dir, 2, "train", *args, "--out", used, timeout=120)
-    assert r.returncode != 0 and "is not empty" in r.stderr
+    assert r.returncode == 2 and "is not empty" in r.stderr  # rank 0's usage status, on every rank
     r = kiln(build_dir, 2, "distill", "--teacher", models["llama"], *args, "--out", base / "distill", timeout=120)
     assert r.returncode != 0 and "kiln distill (the teacher's step is not sharded yet)" in r.stderr
 
