@@ -34,7 +34,8 @@ static const char *train_help =
     "  --overwrite          start a new run in a used --out: its checkpoints are deleted\n"
     "                       first (metrics.csv, loss.png and model/ are written anew)\n"
     "  --steps N            optimizer steps (default 200)\n"
-    "  --batch B            sequences per micro-batch (default 8)\n"
+    "  --batch B            sequences per micro-batch (default 8); under mpirun -np N the\n"
+    "                       global batch: N ranks share it (docs/DISTRIBUTED.md)\n"
     "  --seq T              tokens per sequence (default 128)\n"
     "  --accum K            micro-batches per step (gradient accumulation, default 1)\n"
     "  --seqs-per-forward K sequences of a micro-batch forwarded at once (K divides --batch):\n"
@@ -508,6 +509,39 @@ static kiln_status make_trainer(kiln_model *m, const train_opts *o, kiln_trainer
     return kiln_trainer_create(m, &tp, tr);
 }
 
+/* make_trainer, then this process made a rank of comm's data-parallel run (with more than one
+ * rank: the optimizer state sharded, src/train/trainer_dp.c). */
+static kiln_status make_rank_trainer(kiln_model *m, const train_opts *o, kiln_comm *comm, kiln_trainer **tr) {
+    KILN_TRY(make_trainer(m, o, tr));
+    kiln_status st = kiln_comm_size(comm) > 1 ? kiln_train_dp_attach(*tr, comm) : KILN_OK;
+    if (st != KILN_OK) {
+        kiln_trainer_free(*tr);
+        *tr = NULL;
+    }
+    return st;
+}
+
+/* The ranks' agreement (docs/DISTRIBUTED.md, "Errors"): every rank passes its rc (0: fine);
+ * when any rank's is not 0, every rank returns the same nonzero status (rank 0's rc, or 1 when
+ * rank 0's is 0) and *agreed is set, so that nobody waits in a collective for a rank that has
+ * stopped. Every agreement is the same collective (an all-reduce of three doubles: the failure
+ * count, x1, rank 0's rc), so a rank that fails between two of them meets the others' next one
+ * at its exit (train_main's out:). x1 (may be NULL) is summed over the ranks in rank order (the
+ * step's loss). One process: rc as it is. */
+static int ranks_agree(kiln_comm *c, int rc, double *x1, int *agreed) {
+    if (kiln_comm_size(c) == 1) return rc;
+    double x[3] = {rc != 0, x1 ? *x1 : 0.0, kiln_comm_rank(c) == 0 ? (double)rc : 0.0};
+    if (kiln_comm_allreduce_f64(c, x, 3) != KILN_OK) {
+        fprintf(stderr, "kiln train: rank %d: the ranks' agreement failed: %s\n", kiln_comm_rank(c), kiln_last_error());
+        *agreed = 1;
+        return rc ? rc : 1;
+    }
+    if (x1) *x1 = x[1];
+    if (x[0] == 0) return 0;
+    *agreed = 1;
+    return x[2] != 0 ? (int)x[2] : 1;
+}
+
 /* --seqs-per-forward left to kiln, fast mode on a GPU: the largest divisor K of --batch whose
  * activations and loss scratch (K x a one-sequence trainer's) fit in half the device memory
  * left free with the one-sequence trainer made. *tr is that trainer on entry and the chosen
@@ -624,6 +658,33 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     int code = 0;
     if (parse(argc, argv, &o, &code, distill)) return code;
     if (rp) o.resume = o.overwrite = 0;
+    const int pf_given = o.per_forward != 0;
+    /* the ranks of a data-parallel run (mpirun -np N), or one process */
+    kiln_comm *comm = NULL;
+    kiln_status cst = rp ? kiln_comm_open_self(&comm) : kiln_comm_open(&comm);
+    if (cst != KILN_OK) return cli_fail("train", "the ranks (kiln_comm_open)", cst);
+    const int n_ranks = kiln_comm_size(comm), rank = kiln_comm_rank(comm), rank0 = rank == 0;
+    int agreed = 0; /* the ranks know of a failure already (ranks_agree) */
+    if (n_ranks > 1) { /* the same arguments on every rank: the same refusals */
+        const char *no = o.device >= 0 ? "--device cuda (GPU ranks need the NCCL communicator, not written yet)"
+                         : distill     ? "kiln distill (the teacher's step is not sharded yet)"
+                         : o.accum > 1 ? "--accum > 1 (a rank's gradient is one micro-batch: see --seqs-per-forward)"
+                                       : NULL;
+        if (no) {
+            if (rank0) fprintf(stderr, "kiln %s: %d ranks: %s is not supported yet; run one process\n",
+                               distill ? "distill" : "train", n_ranks, no);
+            kiln_comm_close(comm);
+            return 2;
+        }
+        if (o.per_forward == 0 && o.batch % n_ranks != 0) {
+            if (rank0) fprintf(stderr, "kiln train: --batch %ld is not a multiple of the %d ranks: give "
+                                       "--seqs-per-forward K with --batch / K <= %d micro-batches\n",
+                               o.batch, n_ranks, n_ranks);
+            kiln_comm_close(comm);
+            return 2;
+        }
+        if (o.per_forward == 0) o.per_forward = o.batch / n_ranks; /* one micro-batch a rank */
+    }
     int rc = 0;
     train_audit *audit = NULL;
     kiln_model *m = NULL, *tm = NULL;
@@ -640,7 +701,11 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     char path[4096], png[4096], ckdir[4096];
     kiln_status st;
 
-    if (!rp && (rc = prepare_out(&o))) return rc;
+    if (!rp && rank0) rc = prepare_out(&o);
+    if ((rc = ranks_agree(comm, rc, NULL, &agreed))) {
+        kiln_comm_close(comm);
+        return rc;
+    }
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = train_on_signal;
@@ -650,12 +715,15 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     sigaction(SIGTERM, &sa, NULL);
     snprintf(ckdir, sizeof ckdir, "%s/checkpoints", o.out);
     st = o.model ? kiln_model_open(o.model, NULL, &m) : kiln_model_create(o.config, o.tokenizer, o.seed, &m);
-    if (st != KILN_OK) return cli_fail("train", o.model ? o.model : o.config, st);
+    if (st != KILN_OK) {
+        rc = cli_fail("train", o.model ? o.model : o.config, st);
+        goto out;
+    }
     kiln_model_info mi;
     kiln_model_get_info(m, &mi);
     if (o.seq > mi.n_ctx_train) {
-        kiln_model_close(m);
-        return cli_usage_error("train", "--seq %ld exceeds the model's context length %d", o.seq, mi.n_ctx_train);
+        rc = cli_usage_error("train", "--seq %ld exceeds the model's context length %d", o.seq, mi.n_ctx_train);
+        goto out;
     }
     uint8_t model_fp[32];
     st = kiln_tokenizer_fingerprint(kiln_model_get_tokenizer(m), model_fp);
@@ -689,9 +757,9 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         rc = cli_fail("train", "data", st);
         goto out;
     }
-    const int auto_pf = o.per_forward == 0;
-    if (auto_pf) o.per_forward = 1;
-    st = make_trainer(m, &o, &tr);
+    const int auto_pf = o.per_forward == 0 || (n_ranks > 1 && !pf_given);
+    if (o.per_forward == 0) o.per_forward = 1;
+    st = make_rank_trainer(m, &o, comm, &tr);
     if (st != KILN_OK) {
         rc = cli_fail("train", "trainer", st);
         goto out;
@@ -703,6 +771,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     }
     long start = 0;
     char overridden[4096] = ""; /* --override-hparams history, kept in every checkpoint's run json */
+    if ((rc = ranks_agree(comm, rc, NULL, &agreed))) goto out; /* every rank has its trainer */
     if (o.resume) {
         uint64_t k = 0;
         char *run = NULL, *notes = NULL;
@@ -712,7 +781,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
             goto out;
         }
         /* newer checkpoints passed over (and set aside when complete): say which and why */
-        for (const char *line = notes; line && *line;) {
+        for (const char *line = rank0 ? notes : NULL; line && *line;) {
             const char *nl = strchr(line, '\n');
             int len = nl ? (int)(nl - line) : (int)strlen(line);
             fprintf(stderr, "[kiln train] warning: passed over a newer checkpoint: %.*s\n", len, line);
@@ -730,12 +799,18 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         char saved_pf[64];
         long pf = 0;
         if (auto_pf && run && cli_run_value(run, "seqs_per_forward", saved_pf, sizeof saved_pf) &&
-            (pf = strtol(saved_pf, NULL, 10)) > 1 && pf <= o.batch && o.batch % pf == 0 && pf != o.per_forward) {
+            (pf = strtol(saved_pf, NULL, 10)) > (n_ranks > 1 ? 0 : 1) && pf <= o.batch && o.batch % pf == 0 && pf != o.per_forward) {
             /* the run's own grouping (its bits): the trainer remade for it, the checkpoint again */
             kiln_trainer_free(tr);
             tr = NULL;
             o.per_forward = pf;
-            st = make_trainer(m, &o, &tr);
+            st = make_rank_trainer(m, &o, comm, &tr);
+            /* the ranks agree before the load, a collective */
+            if ((rc = ranks_agree(comm, st != KILN_OK, NULL, &agreed))) {
+                kiln_string_free(run);
+                if (st != KILN_OK) cli_fail("train", "--resume", st);
+                goto out;
+            }
             if (st == KILN_OK) st = kiln_train_load_ex(tr, ckdir, &k, NULL, NULL);
             if (st != KILN_OK) {
                 kiln_string_free(run);
@@ -749,7 +824,17 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
             rc = 1;
             goto out;
         }
-        fprintf(stderr, "[kiln train] resumed from %s at step %ld\n", ckdir, start);
+        if (rank0) fprintf(stderr, "[kiln train] resumed from %s at step %ld\n", ckdir, start);
+    }
+    const long n_micro = o.batch / o.per_forward; /* micro-batches of a step */
+    if (n_ranks > 1 && n_micro > n_ranks) {
+        if (rank0)
+            fprintf(stderr, "kiln train: --batch %ld in micro-batches of %ld sequences (--seqs-per-forward) is %ld "
+                            "micro-batches, more than the %d ranks: a rank's gradient is one micro-batch (the "
+                            "rank-order sum of several per rank would not be one process's order)\n",
+                    o.batch, o.per_forward, n_micro, n_ranks);
+        rc = 2;
+        goto out;
     }
     if (rp) { /* from 0: the run's initial weights, made again from its model or config and seed */
         st = rp->from ? kiln_train_load_step(tr, ckdir, (uint64_t)rp->from, NULL) : KILN_OK;
@@ -775,8 +860,12 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     }
     char desc[1024];
     kiln_train_describe(tr, desc, sizeof desc, NULL);
-    fprintf(stderr, "[kiln train] %s: %.1fM parameters; %s\n", mi.name, (double)mi.n_params / 1e6, desc);
-    fprintf(stderr, "[kiln train] data: %llu training tokens in %llu documents, %llu held out; %ld steps x %ld x %ld tokens\n",
+    if (rank0) fprintf(stderr, "[kiln train] %s: %.1fM parameters; %s\n", mi.name, (double)mi.n_params / 1e6, desc);
+    if (rank0 && n_ranks > 1)
+        fprintf(stderr, "[kiln train] %d ranks (%s): the global batch of %ld sequences as %ld micro-batches of %ld, one "
+                        "a rank%s\n", n_ranks, kiln_comm_name(comm), o.batch, n_micro, o.per_forward,
+                n_micro < n_ranks ? " (the ranks past them only hold their share of the optimizer state)" : "");
+    if (rank0) fprintf(stderr, "[kiln train] data: %llu training tokens in %llu documents, %llu held out; %ld steps x %ld x %ld tokens\n",
             (unsigned long long)kiln_batch_sampler_n_tokens(train_s), (unsigned long long)kiln_batch_sampler_n_docs(train_s),
             eval_s ? (unsigned long long)kiln_batch_sampler_n_tokens(eval_s) : 0ULL, o.steps, o.batch * o.accum, o.seq);
     buf = malloc((size_t)o.batch * (size_t)(o.seq + 1) * sizeof *buf);
@@ -790,7 +879,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     snprintf(path, sizeof path, "%s/metrics.csv", o.out);
     snprintf(png, sizeof png, "%s/loss.png", o.out);
     /* on resume, rows past the checkpoint (written before a crash) are cut, then appended to */
-    st = o.resume ? kiln_metrics_open_resume(path, (uint64_t)start, &csv) : kiln_metrics_open(path, &csv);
+    st = !rank0 ? KILN_OK : o.resume ? kiln_metrics_open_resume(path, (uint64_t)start, &csv) : kiln_metrics_open(path, &csv);
     if (st != KILN_OK) {
         rc = cli_fail("train", path, st);
         goto out;
@@ -801,7 +890,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         rc = 1;
         goto out;
     }
-    if (o.audit && !rp) {
+    if (o.audit && !rp && rank0) {
         uint8_t fp0[32];
         char apath[4200];
         snprintf(apath, sizeof apath, "%s/audit.jsonl", o.out);
@@ -810,12 +899,27 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
             rc = cli_fail("train", "--audit", st);
             goto out;
         }
-        if (audit_open_write(apath, start, argc, argv, fp0, &audit)) {
+        /* ranks that chose --seqs-per-forward (B / N): the log's command line says it, so that
+         * kiln audit's one-process replay runs the same micro-batches (docs/DISTRIBUTED.md) */
+        char kbuf[32];
+        char **av = calloc((size_t)argc + 2, sizeof *av);
+        int ac = 0;
+        for (int i = 0; av && i < argc; i++) av[ac++] = argv[i];
+        if (av && n_ranks > 1 && !pf_given) {
+            snprintf(kbuf, sizeof kbuf, "%ld", o.per_forward);
+            av[ac++] = "--seqs-per-forward";
+            av[ac++] = kbuf;
+        }
+        int bad = !av || audit_open_write(apath, start, ac, av, fp0, &audit);
+        free(av);
+        if (bad) {
+            if (!av) fprintf(stderr, "kiln train: out of memory for the audit log\n");
             rc = 1;
             goto out;
         }
     }
-    int tty = isatty(2) && !rp;
+    if ((rc = ranks_agree(comm, rc, NULL, &agreed))) goto out; /* every rank is ready to train */
+    int tty = isatty(2) && !rp && rank0;
     char plot_title[256];
     snprintf(plot_title, sizeof plot_title, "kiln train: %s", mi.name);
     double t0 = kiln_time_seconds(), last_eval = NAN;
@@ -826,7 +930,36 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         kiln_sha256_ctx *bh = NULL; /* the step's token ids, for the audit record */
         if ((audit || rp) && st == KILN_OK) st = kiln_sha256_init(&bh);
         float scale = (float)(1.0 / ((double)o.batch * o.seq * o.accum));
-        for (long a = 0; a < o.accum && st == KILN_OK; a++) {
+        int sig_now = 0;
+        if (n_ranks > 1) { /* this rank's micro-batch of the global batch, then the ranks' sums */
+            st = kiln_batch_sampler_get(train_s, (uint64_t)s, buf);
+            if (bh && st == KILN_OK) st = kiln_sha256_update(bh, buf, (size_t)o.batch * (size_t)(o.seq + 1) * sizeof *buf);
+            float l = 0.0f;
+            if (st == KILN_OK && rank < n_micro) {
+                int32_t *pid = packed, *ptg = packed + o.per_forward * o.seq;
+                for (long k = 0; k < o.per_forward; k++) {
+                    const int32_t *row = buf + (rank * o.per_forward + k) * (o.seq + 1); /* seq + 1 tokens */
+                    memcpy(pid + k * o.seq, row, (size_t)o.seq * sizeof *pid);
+                    memcpy(ptg + k * o.seq, row + 1, (size_t)o.seq * sizeof *ptg);
+                }
+                st = kiln_train_step_batch(tr, pid, (int)o.per_forward, (int)o.seq, ptg, KILN_LOSS_SUM, scale, 0, &l);
+            } else if (st == KILN_OK) {
+                st = kiln_train_dp_zero_grads(tr);
+            }
+            /* the loss: the ranks' in rank order from +0, as one process adds its micro-batches'; a
+             * failure or a signal on any rank stops every rank here */
+            loss = l;
+            sig_now = train_signal;
+            if (st != KILN_OK)
+                fprintf(stderr, "kiln train: rank %d: stopped at step %ld before updating the weights: %s\n", rank, s + 1,
+                        kiln_last_error());
+            if ((rc = ranks_agree(comm, st != KILN_OK, &loss, &agreed))) break;
+            double sg = sig_now;
+            if ((rc = ranks_agree(comm, 0, &sg, &agreed))) break;
+            sig_now = sg > 0 ? (sig_now ? sig_now : SIGTERM) : 0;
+            st = kiln_train_dp_reduce_grads(tr);
+        }
+        for (long a = 0; a < o.accum && st == KILN_OK && n_ranks == 1; a++) {
             st = kiln_batch_sampler_get(train_s, (uint64_t)(s * o.accum + a), buf);
             if (bh && st == KILN_OK) st = kiln_sha256_update(bh, buf, (size_t)o.batch * (size_t)(o.seq + 1) * sizeof *buf);
             for (long b = 0; b < o.batch && st == KILN_OK; b += o.per_forward) {
@@ -880,7 +1013,27 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
             if (tty) fputc('\n', stderr);
             fprintf(stderr, "kiln train: stopped at step %ld before updating the weights: %s\n", s + 1, kiln_last_error());
             rc = 1;
+            /* with ranks: a failure in the step's collectives is every rank's (the same norms, the
+             * same refusal), or a broken transport, where this rank exits and mpirun ends the job */
+            if (n_ranks > 1) agreed = 1;
             break;
+        }
+        if (!rank0) { /* rank 0 keeps the metrics, the plot, the log and the evaluation */
+            const int last = s + 1 == o.steps, stop_now = o.stop_after && s + 1 - start == o.stop_after && !last;
+            if ((o.save_every && (s + 1) % o.save_every == 0) || last || stop_now || sig_now) {
+                st = kiln_train_save(tr, ckdir, (uint64_t)(s + 1), run_json, (int)o.keep_last);
+                if (st != KILN_OK) {
+                    rc = cli_fail("train", "checkpoint", st);
+                    agreed = 1; /* every rank has the checkpoint's status */
+                    break;
+                }
+            }
+            if (sig_now) {
+                rc = 128 + sig_now;
+                break;
+            }
+            if (stop_now) break;
+            continue;
         }
         if (rp) { /* the replay: compare, write nothing */
             if (audit_record(rp->log, &as)) {
@@ -939,12 +1092,13 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
             fprintf(stderr, "step %ld/%ld loss %.4f%s%s lr %.3e grad_norm %.3f %.0f tok/s ETA %s\n", s + 1, o.steps, loss,
                     parts, ev, lr, gnorm, tps, eta);
         }
-        const int sig = train_signal; /* read once: the step and its checkpoint agree */
+        const int sig = n_ranks > 1 ? sig_now : train_signal; /* read once: the step and its checkpoint agree */
         if ((o.save_every && (s + 1) % o.save_every == 0) || last || stop_now || sig) {
             st = kiln_train_save(tr, ckdir, (uint64_t)(s + 1), run_json, (int)o.keep_last);
             if (st != KILN_OK) {
                 if (tty) fputc('\n', stderr);
                 rc = cli_fail("train", "checkpoint", st);
+                agreed = 1; /* with ranks: every rank has the checkpoint's status */
                 break;
             }
         }
@@ -969,8 +1123,11 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     st = kiln_metrics_close(csv);
     csv = NULL;
     if (st != KILN_OK && !rc) rc = cli_fail("train", path, st);
-    if (!rc) rc = train_finish(tr, &o);
+    if (!rc && rank0) rc = train_finish(tr, &o);
 out:
+    /* every rank leaves with a status that says whether any failed (a rank that stopped on its
+     * own meets the others' next agreement here) */
+    if (!agreed) rc = ranks_agree(comm, rc, NULL, &agreed);
     audit_close(audit);
     kiln_metrics_close(csv);
     free(buf);
@@ -982,6 +1139,7 @@ out:
     kiln_trainer_free(tr);
     kiln_model_close(tm);
     kiln_model_close(m);
+    kiln_comm_close(comm);
     return rc;
 }
 

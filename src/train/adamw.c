@@ -212,10 +212,23 @@ static kiln_adamw_table table_of(const kiln_adamw *o) {
 /* kiln_adamw_create (be NULL), or an optimizer on be's ops (adamw_op.h): a device optimizer
  * when be's memory is not host memory. */
 static kiln_status create_impl(kiln_backend *be, const kiln_adamw_param *params, int n_params,
-                               const kiln_adamw_config *cfg, kiln_adamw **out) {
+                               const kiln_adamw_config *cfg, int allow_empty, kiln_adamw **out) {
     const int dev = be && !be->i->host_memory;
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "adamw: out is NULL");
     *out = NULL;
+    if (allow_empty && n_params == 0 && cfg) { /* kiln_adamw_create_empty: no state, no ops */
+        KILN_TRY(check_config(cfg));
+        if (cfg->n_decay_map)
+            return kiln_error(KILN_ERR_INVALID_ARG, "adamw: a decay map names parameters an empty optimizer lacks");
+        kiln_adamw *o = kiln_calloc(1, sizeof *o);
+        if (!o) return kiln_error(KILN_ERR_NOMEM, "adamw: out of memory");
+        o->be = be;
+        o->host = !dev;
+        o->cfg = *cfg;
+        o->grad_scale = 1.0f;
+        *out = o;
+        return KILN_OK;
+    }
     if (!params || n_params <= 0 || !cfg)
         return kiln_error(KILN_ERR_INVALID_ARG, "adamw: need at least one parameter and a config");
     KILN_TRY(check_config(cfg));
@@ -370,17 +383,26 @@ nomem:
 
 kiln_status kiln_adamw_create(const kiln_adamw_param *params, int n_params,
                               const kiln_adamw_config *cfg, kiln_adamw **out) {
-    return create_impl(NULL, params, n_params, cfg, out);
+    return create_impl(NULL, params, n_params, cfg, 0, out);
+}
+
+kiln_status kiln_adamw_create_empty(kiln_backend *be, const kiln_adamw_config *cfg, kiln_adamw **out) {
+    if (be && !kiln_adamw_op_supported(be)) {
+        if (out) *out = NULL;
+        return kiln_error(KILN_ERR_UNSUPPORTED, "adamw: backend '%s' has no AdamW ops",
+                          be->i->name ? be->i->name : "?");
+    }
+    return create_impl(be, NULL, 0, cfg, 1, out);
 }
 
 kiln_status kiln_adamw_create_on(kiln_backend *be, const kiln_adamw_param *params,
                                  int n_params, const kiln_adamw_config *cfg, kiln_adamw **out) {
-    if (!be) return create_impl(NULL, params, n_params, cfg, out);
+    if (!be) return create_impl(NULL, params, n_params, cfg, 0, out);
     if (out) *out = NULL;
     if (!kiln_adamw_op_supported(be))
         return kiln_error(KILN_ERR_UNSUPPORTED, "adamw: backend '%s' has no AdamW ops",
                           be->i->name ? be->i->name : "?");
-    return create_impl(be, params, n_params, cfg, out);
+    return create_impl(be, params, n_params, cfg, 0, out);
 }
 
 /* ---- a device optimizer's state: the backend's download and upload ----------------------- */
@@ -460,6 +482,7 @@ int kiln_adamw_param_decays(const kiln_adamw *o, int i) {
 
 kiln_status kiln_adamw_grads_finite(const kiln_adamw *o, kiln_pool *pool) {
     if (!o) return kiln_error(KILN_ERR_INVALID_ARG, "adamw: optimizer is NULL");
+    if (o->n_params == 0) return KILN_OK;
     const kiln_adamw_table tab = table_of(o);
     KILN_TRY(kiln_adamw_op_nonfinite(o->be, pool, &tab, o->ws, o->bad));
     for (int i = 0; i < o->n_params; i++) {
@@ -522,7 +545,7 @@ kiln_status kiln_adamw_step_checked(kiln_adamw *o, kiln_pool *pool) {
     s->scale_grad = o->grad_scale != 1.0f;
     s->grad_scale = o->grad_scale;
     const kiln_adamw_table tab = table_of(o);
-    KILN_TRY(kiln_adamw_op_step(o->be, pool, &tab, o->ws, s));
+    if (o->n_params > 0) KILN_TRY(kiln_adamw_op_step(o->be, pool, &tab, o->ws, s));
     o->step = step;
     return KILN_OK;
 }
@@ -904,9 +927,56 @@ kiln_status kiln_adamw_load(kiln_adamw *o, const void *data, size_t size) {
 
 float kiln_grad_norm_torch(const float *g, int64_t n) { return sqrtf(kiln_adamw_sumsq8(g, n)); }
 
+void kiln_sumsq8_begin(kiln_sumsq8_state *st) { memset(st, 0, sizeof *st); }
+
+/* kiln_adamw_sumsq8's steps for elements e0 .. e0 + len - 1 of a tensor of n elements: the
+ * full groups of 8 go to their lanes, the lanes are combined once the first tail element
+ * (or the end) is reached, the tail is added in order. Fed the whole tensor in pieces in
+ * increasing order, st->sum ends as kiln_adamw_sumsq8(g, n) bit for bit. */
+void kiln_sumsq8_feed(kiln_sumsq8_state *st, const float *g, int64_t e0, int64_t len, int64_t n) {
+    const int64_t head = n - n % 8;
+    for (int64_t k = 0; k < len; k++) {
+        const int64_t e = e0 + k;
+        const float q = g[k] * g[k];
+        if (e < head) {
+            st->acc[e % 8] = st->acc[e % 8] + q;
+            continue;
+        }
+        if (!st->combined) {
+            float s = st->acc[0];
+            for (int j = 1; j < 8; j++) s = s + st->acc[j];
+            st->sum = s;
+            st->combined = 1;
+        }
+        st->sum = st->sum + q;
+    }
+    if (e0 + len == n && !st->combined) {
+        float s = st->acc[0];
+        for (int j = 1; j < 8; j++) s = s + st->acc[j];
+        st->sum = s;
+        st->combined = 1;
+    }
+}
+
+float *kiln_adamw_state_f32(kiln_adamw *o, int i, int which) {
+    if (!o || !o->host || i < 0 || i >= o->n_params || o->cfg.moments != KILN_ADAMW_MOMENTS_F32) return NULL;
+    adamw_slot *s = &o->p[i];
+    return which == 0 ? s->m : which == 1 ? s->v : which == 2 ? s->master : NULL;
+}
+
+uint16_t *kiln_adamw_state_comp(kiln_adamw *o, int i) {
+    if (!o || !o->host || i < 0 || i >= o->n_params) return NULL;
+    return o->p[i].comp;
+}
+
 kiln_status kiln_adamw_grad_norm(const kiln_adamw *o, kiln_pool *pool, float *norms,
                                  float *total, float *sq_norm) {
     if (!o) return kiln_error(KILN_ERR_INVALID_ARG, "adamw: optimizer is NULL");
+    if (o->n_params == 0) {
+        if (total) *total = 0.0f;
+        if (sq_norm) *sq_norm = 0.0f;
+        return KILN_OK;
+    }
     const kiln_adamw_table tab = table_of(o);
     return kiln_adamw_op_grad_norm(o->be, pool, &tab, o->ws, norms, sq_norm, total);
 }
@@ -921,6 +991,11 @@ kiln_status kiln_adamw_clip_grads(kiln_adamw *o, kiln_pool *pool, double max_nor
     if (!(max_norm > 0.0) || !isfinite(max_norm))
         return kiln_error(KILN_ERR_INVALID_ARG, "adamw: max_norm %g must be finite and > 0",
                           max_norm);
+    if (o->n_params == 0) {
+        if (total_norm) *total_norm = 0.0f;
+        if (coef) *coef = kiln_adamw_clip_coef(0.0f, (float)max_norm);
+        return KILN_OK;
+    }
     const kiln_adamw_table tab = table_of(o);
     return kiln_adamw_op_clip(o->be, pool, &tab, o->ws, (float)max_norm, total_norm, coef);
 }

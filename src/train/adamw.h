@@ -103,6 +103,11 @@ void kiln_adamw_free(kiln_adamw *o); /* NULL is a no-op */
 kiln_status kiln_adamw_create_on(kiln_backend *be, const kiln_adamw_param *params,
                                  int n_params, const kiln_adamw_config *cfg, kiln_adamw **out);
 
+/* An optimizer over no parameters (a data-parallel rank whose range of the flat parameter
+ * vector holds no parameter of this optimizer's kind): every call succeeds and does nothing
+ * (a step only counts), describe says 0 bytes; cfg is checked as create checks it. */
+kiln_status kiln_adamw_create_empty(kiln_backend *be, const kiln_adamw_config *cfg, kiln_adamw **out);
+
 void kiln_adamw_set_lr(kiln_adamw *o, double lr);
 double kiln_adamw_get_lr(const kiln_adamw *o);
 int64_t kiln_adamw_get_step(const kiln_adamw *o); /* torch's state["step"]: updates done */
@@ -143,6 +148,13 @@ void kiln_adamw_describe(const kiln_adamw *o, char *buf, size_t cap, kiln_adamw_
 kiln_status kiln_adamw_get_moments(const kiln_adamw *o, int i, float *m, float *v);
 const float *kiln_adamw_master(const kiln_adamw *o, int i);
 const uint16_t *kiln_adamw_compensation(const kiln_adamw *o, int i);
+
+/* Host optimizers with f32 moments (NULL otherwise, or when the array does not exist): slot
+ * i's state array in place, n floats: which 0 the first moment m, 1 the second v, 2 the
+ * master copy (BF16_MASTER); kiln_adamw_state_comp the Kahan compensation (n bf16). For the
+ * data-parallel trainer, which moves shards of the state between ranks. */
+float *kiln_adamw_state_f32(kiln_adamw *o, int i, int which);
+uint16_t *kiln_adamw_state_comp(kiln_adamw *o, int i);
 
 /* Write parameter i's moments (n floats each, both given; finite, v >= 0, as a step leaves
  * them): f32 moments stored exactly, 8-bit moments quantized per block as the step stores them
@@ -191,6 +203,20 @@ kiln_status kiln_adamw_load(kiln_adamw *o, const void *data, size_t size);
 
 /* torch's float32 2-norm of one tensor on the CPU: 8 lanes, docs/ARITHMETIC.md. */
 float kiln_grad_norm_torch(const float *g, int64_t n);
+
+/* kiln_adamw_sumsq8 (torch's 8-lane sum of squares of one tensor) fed in pieces: a tensor's
+ * elements given in increasing order, in any split, end with the same bits as the whole
+ * tensor at once, so a tensor cut between data-parallel ranks gets its one-process sum when
+ * each rank passes the state on to the next (docs/DISTRIBUTED.md, "The gradient norm"). */
+typedef struct kiln_sumsq8_state {
+    float acc[8]; /* the lanes of the full groups of 8 */
+    float sum;    /* once combined: the lanes' sum, then the tail elements added */
+    int32_t combined;
+} kiln_sumsq8_state;
+void kiln_sumsq8_begin(kiln_sumsq8_state *st);
+/* g: (len) elements e0 .. e0 + len - 1 of a tensor of n elements. When they end the tensor
+ * st->sum is its sum of squares. */
+void kiln_sumsq8_feed(kiln_sumsq8_state *st, const float *g, int64_t e0, int64_t len, int64_t n);
 
 /* Per-tensor norms (norms: n_params floats, may be NULL) and the total norm, the norm of the
  * per-tensor norms, as torch computes them. *sq_norm (may be NULL) gets the total norm's sum

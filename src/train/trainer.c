@@ -30,104 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct train_param {
-    char name[96];
-    int n_dims;
-    int64_t shape[2]; /* (rows, cols) or (n, 1) */
-    int64_t n;
-    int file_dims;           /* its shape in a Hugging Face file (kiln_train_param_file_shape) */
-    int64_t file_shape[3];
-    kiln_dtype dtype; /* F32, or BF16 for matrices under the bf16 storages */
-    void *w;          /* (n) weights the model computes with; backend memory */
-    float *g;         /* (n) gradient; backend memory */
-    kiln_tensor view;   /* tensor view of w for the ops */
-    kiln_tensor view16; /* fast mode with f32 weights: the bf16 copy's view (t->shadow) */
-} train_param;
-
-struct kiln_trainer {
-    kiln_handle_head head; /* first: the registry's magic (base/handle.h) */
-    kiln_model *model;     /* a user of the model from create to free */
-    kiln_model_config cfg;
-    kiln_train_params p;
-    kiln_backend *be;
-    int host; /* the backend's memory is host memory (the cpu backend) */
-
-    train_param *params; /* (n_params) in transformers' named_parameters() order */
-    int n_params;
-    train_param *tok_embd, *final_norm, *lm_head;
-    /* the parameters as the architecture's forward and backward read them (models/arch.h):
-     * per-model roles by role index, per-layer roles (L, n_layer_roles); a matrix's view is
-     * the bf16 copy where the trainer keeps one (shadow) */
-    kiln_wref *refs, *layer_refs;
-    void *param_block; /* weights of every parameter */
-    size_t param_bytes; /* bytes of param_block */
-    /* Fast mode with f32 weights: a bf16 copy of param_block (element for element, so each
-     * parameter's copy is at half its byte offset), which the matrix products take in place of
-     * rounding every weight to bf16 on every use; the same values (round to nearest even).
-     * Refreshed before a forward when stale: after create, an optimizer step, a load or a
-     * write of the weights. NULL otherwise. */
-    uint16_t *shadow;
-    int shadow_stale;
-    int step_writes_shadow; /* every parameter's optimizer step writes its bf16 copy (w16) */
-    float *grad_block;  /* (n_grad) every gradient, each 16-float aligned */
-    size_t n_grad;      /* floats in grad_block (a multiple of 16) */
-
-    kiln_adamw *opt_mat; /* matrices (storage per params) */
-    kiln_adamw *opt_vec; /* vectors: always f32 */
-    int *mat_index, *vec_index; /* param index of each optimizer slot */
-    int n_mat, n_vec;
-
-    /* the architecture's activations and backward scratch, sized for max_batch x max_seq rows
-     * (models/arch.h): ids, pos, xn, dxn, dx */
-    kiln_train_io io;
-    int32_t *targets, *positions; /* host arrays (T) */
-    int32_t *pos_host; /* device backends: the host copy of pos */
-    int32_t *ids_host; /* device backends: the host copy of the pending step's ids (the
-                        * embedding's backward groups its rows on the host) */
-    int pos_seq, pos_rows; /* pos holds n % pos_seq for rows n < pos_rows (0: nothing yet) */
-
-    /* Fast mode on a device with graphs (ops.h graph_begin; KILN_CUDA_GRAPHS=0 turns them
-     * off): a forward's layer work (embed .. final norm) and a backward's (the layers, down to
-     * the embedding's gradient) are recorded once per shape, after one plain run at that shape
-     * has grown the backend's workspaces, then replayed: the same launches with the same
-     * arguments, so the same bits, without the host's launch cost and most of the GPU's idle
-     * time between kernels. */
-    int graphs;
-    int g_nseq, g_seq;          /* the shape the graphs below are for */
-    int g_fwd_runs, g_bwd_runs; /* plain runs at that shape */
-    void *g_fwd, *g_bwd;
-    float *ce_stats; /* (max_seq, 3) the fused loss's pass-1 statistics, forward -> backward */
-    float *ce_stats_host; /* kiln_train_step_batch on a device: their host copy (3 x rows) */
-    float *ce_keep;  /* CPU: the forward's logits the backward reuses (ce_keep_floats floats;
-                      * kiln_train_params.ce_keep_mib), NULL: none */
-    size_t ce_keep_floats;
-    uint64_t ce_scratch; /* the largest fused-loss scratch of the last step (devices) */
-    void *ce_buf;        /* devices: the fused loss's scratch, kept from call to call */
-    size_t ce_buf_cap;   /* its bytes: the most a call has needed */
-
-    /* The gradients' state. clip_grads leaves its coefficient pending (grad_coef,
-     * in [0, 1]; 1: none) instead of a pass over every gradient: the logical gradients are
-     * grad_coef x the stored ones, and the optimizers multiply by it as they read them (the
-     * same f32 products, so the same bits). Whatever else reads or adds to the gradients
-     * applies it first (apply_grad_coef), get_grad on the copy it returns. grads_finite: the
-     * stored gradients are known to be finite (every per-tensor norm of the last norm pass
-     * was finite, and nothing has changed them since), so optimizer_step skips its check. */
-    float grad_coef;
-    int grads_finite;
-    /* grads_unusable: a one-call step (kiln_train_step_batch) failed after its gradient work
-     * began (a non-finite loss is found only then), so the stored gradients are not the
-     * logical ones; the optimizer and the clip refuse them until a step that does not
-     * accumulate zeroes them */
-    int grads_unusable;
-
-    /* the pending step */
-    int pending;      /* 0 none, 1 loss (targets), 2 hidden */
-    int T, n_pos; /* T: rows of the pending step = n_seq x seq tokens */
-    int n_seq, seq; /* sequences of the pending step and their length */
-    kiln_loss_reduction red;
-    float scale;
-    uint64_t peak_step;
-};
+#include "trainer_impl.h"
 
 /* ---- backend memory ---------------------------------------------------------------------- */
 
@@ -359,29 +262,43 @@ static void bind_views(train_param *p) {
     p->view.nbytes = (size_t)p->n * (p->dtype == KILN_DTYPE_F32 ? 4 : 2);
 }
 
-static kiln_status create_optimizers(kiln_trainer *t) {
-    kiln_adamw_free(t->opt_mat);
-    kiln_adamw_free(t->opt_vec);
-    t->opt_mat = t->opt_vec = NULL;
+kiln_status kiln_trainer_make_optimizers(kiln_trainer *t, int64_t lo, int64_t hi, kiln_adamw **mat,
+                                         kiln_adamw **vec, int set_slots) {
+    *mat = *vec = NULL;
     kiln_adamw_param *mp = kiln_calloc((size_t)t->n_params, sizeof *mp);
     kiln_adamw_param *vp = kiln_calloc((size_t)t->n_params, sizeof *vp);
     kiln_status st = (mp && vp) ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
-    t->n_mat = t->n_vec = 0;
-    t->step_writes_shadow = t->shadow != NULL;
-    for (int i = 0; st == KILN_OK && i < t->n_params; i++) {
+    int n_mat = 0, n_vec = 0;
+    if (set_slots) t->step_writes_shadow = t->shadow != NULL;
+    int64_t flat = 0; /* parameter i's first element in the flat vector */
+    for (int i = 0; st == KILN_OK && i < t->n_params; flat += t->params[i].n, i++) {
         train_param *p = &t->params[i];
-        kiln_adamw_param a = {p->name, p->n, p->w, p->g, NULL};
+        /* the part of parameter i inside [lo, hi): elements a .. b - 1 of p */
+        const int64_t a = lo > flat ? lo - flat : 0, b = hi - flat < p->n ? hi - flat : p->n;
+        if (a >= b) continue;
+        const size_t esize = p->dtype == KILN_DTYPE_F32 ? 4 : 2;
+        kiln_adamw_param q = {p->name, b - a, (uint8_t *)p->w + (size_t)a * esize, p->g + a, NULL};
         if (t->shadow && p->dtype == KILN_DTYPE_F32) /* the step writes the bf16 copy too */
-            a.w16 = (uint16_t *)(void *)p->view16.data;
-        else
+            q.w16 = (uint16_t *)(void *)p->view16.data + a;
+        else if (set_slots)
             t->step_writes_shadow = 0;
         if (p->n_dims == 2) {
-            t->mat_index[t->n_mat] = i;
-            mp[t->n_mat++] = a;
+            if (set_slots) {
+                t->mat_index[n_mat] = i;
+                t->mat_off[n_mat] = a;
+            }
+            mp[n_mat++] = q;
         } else {
-            t->vec_index[t->n_vec] = i;
-            vp[t->n_vec++] = a;
+            if (set_slots) {
+                t->vec_index[n_vec] = i;
+                t->vec_off[n_vec] = a;
+            }
+            vp[n_vec++] = q;
         }
+    }
+    if (set_slots) {
+        t->n_mat = n_mat;
+        t->n_vec = n_vec;
     }
     kiln_adamw_config cfg = kiln_adamw_default_config();
     cfg.lr = t->p.lr;
@@ -396,11 +313,29 @@ static kiln_status create_optimizers(kiln_trainer *t) {
     static const kiln_adamw_weights wmap[] = {KILN_ADAMW_F32, KILN_ADAMW_BF16_MASTER,
                                               KILN_ADAMW_BF16_KAHAN, KILN_ADAMW_BF16_SR};
     cfg.weights = wmap[t->p.weight_storage];
-    if (st == KILN_OK) st = kiln_adamw_create_on(t->be, mp, t->n_mat, &cfg, &t->opt_mat);
-    if (st == KILN_OK) st = kiln_adamw_create_on(t->be, vp, t->n_vec, &vcfg, &t->opt_vec);
+    /* a rank's range may hold no matrix or no vector: an empty optimizer (whole parameters
+     * always hold both kinds) */
+    if (st == KILN_OK)
+        st = n_mat ? kiln_adamw_create_on(t->be, mp, n_mat, &cfg, mat) : kiln_adamw_create_empty(t->be, &cfg, mat);
+    if (st == KILN_OK)
+        st = n_vec ? kiln_adamw_create_on(t->be, vp, n_vec, &vcfg, vec) : kiln_adamw_create_empty(t->be, &vcfg, vec);
     kiln_free(mp);
     kiln_free(vp);
+    if (st != KILN_OK) {
+        kiln_adamw_free(*mat);
+        kiln_adamw_free(*vec);
+        *mat = *vec = NULL;
+    }
     return st;
+}
+
+static kiln_status create_optimizers(kiln_trainer *t) {
+    kiln_adamw_free(t->opt_mat);
+    kiln_adamw_free(t->opt_vec);
+    t->opt_mat = t->opt_vec = NULL;
+    int64_t total = 0;
+    for (int i = 0; i < t->n_params; i++) total += t->params[i].n;
+    return kiln_trainer_make_optimizers(t, 0, total, &t->opt_mat, &t->opt_vec, 1);
 }
 
 /* ---- arenas ------------------------------------------------------------------------------ */
@@ -528,7 +463,9 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
         t->params = kiln_calloc((size_t)max_params, sizeof *t->params);
         t->mat_index = kiln_calloc((size_t)max_params, sizeof(int));
         t->vec_index = kiln_calloc((size_t)max_params, sizeof(int));
-        if (!t->params || !t->mat_index || !t->vec_index)
+        t->mat_off = kiln_calloc((size_t)max_params, sizeof(int64_t));
+        t->vec_off = kiln_calloc((size_t)max_params, sizeof(int64_t));
+        if (!t->params || !t->mat_index || !t->vec_index || !t->mat_off || !t->vec_off)
             st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
     }
     if (st == KILN_OK) st = declare_params(t, 0, NULL);
@@ -609,6 +546,7 @@ void kiln_trainer_free(kiln_trainer *t) {
 }
 
 static void trainer_destroy(kiln_trainer *t) {
+    kiln_trainer_dp_free(t);
     kiln_adamw_free(t->opt_mat);
     kiln_adamw_free(t->opt_vec);
     kiln_free(t->targets);
@@ -626,8 +564,11 @@ static void trainer_destroy(kiln_trainer *t) {
     bmem_free(t, t->param_block);
     bmem_free(t, t->shadow);
     bmem_free(t, t->grad_block);
+    bmem_free(t, t->emb_acc);
     kiln_free(t->mat_index);
     kiln_free(t->vec_index);
+    kiln_free(t->mat_off);
+    kiln_free(t->vec_off);
     kiln_free(t->params);
     kiln_backend_release(t->be);
     kiln_handle_release(t->model, "kiln_trainer_free");
@@ -897,10 +838,42 @@ static void zero_grads(kiln_trainer *t) {
  * dropped with them) or brought to their logical values (a pending coefficient applied). */
 static kiln_status begin_grads(kiln_trainer *t, int accumulate) {
     t->grads_finite = 0;
-    if (accumulate) return apply_grad_coef(t);
+    t->emb_acc_live = 0;
+    if (accumulate) {
+        KILN_TRY(apply_grad_coef(t));
+        /* the embedding's rows (and a tied head's dW) of this micro-step go to a zeroed
+         * scratch, added to the gradient once (emb_grad_end) */
+        const size_t n = (size_t)t->tok_embd->n;
+        if (!t->emb_acc) {
+            t->emb_acc = bmem_alloc(t, n * sizeof(float), "the embedding's micro-step gradient");
+            if (!t->emb_acc) return KILN_ERR_NOMEM;
+        } else {
+            zero_floats(t, t->emb_acc, n);
+        }
+        t->emb_acc_live = 1;
+        return KILN_OK;
+    }
     zero_grads(t);
     t->grad_coef = 1.0f;
     return KILN_OK;
+}
+
+/* Where this micro-step's output-head gradient goes: the head's gradient, or for a tied head
+ * of an accumulating step the embedding's scratch (begin_grads). */
+static float *head_grad(kiln_trainer *t) {
+    return t->emb_acc_live && t->lm_head == t->tok_embd ? t->emb_acc : t->lm_head->g;
+}
+
+/* The embedding's backward of n rows of ids, then, in an accumulating step, its scratch added to
+ * the gradient: g = g + (((0 + r_1) + r_2) + ...), the micro-step's rows summed alone
+ * (docs/ARITHMETIC.md, "Accumulated micro-steps"), so that an accumulated gradient is
+ * ((0 + g_0) + g_1) + ... of whole micro-step gradients, what data-parallel ranks sum. */
+static void emb_grad(kiln_trainer *t, const float *dx, const int32_t *ids, int n) {
+    const kiln_backend_i *op = t->be->i;
+    op->embed_backward(t->be, t->emb_acc_live ? t->emb_acc : t->tok_embd->g, dx, ids, n, t->cfg.n_vocab,
+                       t->cfg.n_embd);
+    if (t->emb_acc_live) op->add(t->be, t->tok_embd->g, t->emb_acc, (size_t)t->tok_embd->n);
+    t->emb_acc_live = 0;
 }
 
 /* The backward of the layers from d loss / d xn (t->io.dxn) of n_seq x seq rows, then the
@@ -909,8 +882,7 @@ static kiln_status begin_grads(kiln_trainer *t, int accumulate) {
 static kiln_status layers_backward(kiln_trainer *t, int n_seq, int seq) {
     kiln_status st = run_layers(t, &t->g_bwd, &t->g_bwd_runs, backward_layers, n_seq, seq);
     if (st == KILN_OK)
-        t->be->i->embed_backward(t->be, t->tok_embd->g, t->io.dx, t->host ? t->io.ids : t->ids_host, n_seq * seq,
-                                 t->cfg.n_vocab, t->cfg.n_embd);
+        emb_grad(t, t->io.dx, t->host ? t->io.ids : t->ids_host, n_seq * seq);
     return st;
 }
 
@@ -930,7 +902,7 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
     if (t->pending == 1) {
         kiln_fused_ce_params cp = loss_params(t, T, t->targets, t->red, t->scale);
         cp.dhidden = t->io.dxn;
-        cp.dweight = t->lm_head->g;
+        cp.dweight = head_grad(t);
         cp.row_stats_in = t->ce_stats; /* from the forward: same inputs, same bits */
         cp.keep = t->ce_keep;          /* the forward's kept logits (CPU) */
         cp.keep_floats = t->ce_keep_floats;
@@ -1005,7 +977,7 @@ kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq
     keep_step(t, targets, n_seq, seq, red, scale);
     kiln_fused_ce_params cp = loss_params(t, n, t->targets, red, scale);
     cp.dhidden = t->io.dxn;
-    cp.dweight = t->lm_head->g;
+    cp.dweight = head_grad(t);
     cp.row_stats_out = t->ce_stats;
     cp.no_wait = 1; /* pass 2 behind pass 1; the loss from the statistics below */
     cp.row_block = t->p.ce_row_block; /* or the row-block walk, in one pass */
@@ -1017,7 +989,7 @@ kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq
     if (r.scratch_bytes > t->ce_scratch) t->ce_scratch = r.scratch_bytes;
     if (r.loss_pending && (st = op->download_begin(t->be, t->ce_stats, stats_bytes)) != KILN_OK) goto unusable;
     st = run_layers(t, &t->g_bwd, &t->g_bwd_runs, backward_layers, n_seq, seq);
-    if (st == KILN_OK) op->embed_backward(t->be, t->tok_embd->g, t->io.dx, t->ids_host, n, t->cfg.n_vocab, t->cfg.n_embd);
+    if (st == KILN_OK) emb_grad(t, t->io.dx, t->ids_host, n);
     if (r.loss_pending) {
         kiln_status dst = op->download_end(t->be, t->ce_stats_host, st == KILN_OK ? stats_bytes : 0);
         if (st == KILN_OK) st = dst;
@@ -1048,7 +1020,7 @@ kiln_status kiln_train_custom_step(kiln_trainer *t, const char *call, const int3
     if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
     /* from here on a failure leaves the gradients partly updated: they are marked unusable */
     kiln_train_head h = {t->be, n_seq, seq, n_seq * seq, t->cfg.n_embd, t->cfg.n_vocab, ids, t->io.xn,
-                         mat_view(t, t->lm_head), t->io.dxn, t->lm_head->g};
+                         mat_view(t, t->lm_head), t->io.dxn, head_grad(t)};
     st = fn(ctx, &h, loss);
     if (st == KILN_OK) st = layers_backward(t, n_seq, seq);
     if (st == KILN_OK) st = backend_check(t, call);
@@ -1087,6 +1059,7 @@ kiln_status kiln_train_step(kiln_trainer *t, const int32_t *ids, int n, float *l
  * device, downloaded). The optimizers' calls take no pool: the backend runs them on its own
  * threads, and every one is elementwise or per tensor, so no bit depends on the thread count. */
 static kiln_status param_norms(kiln_trainer *t, float *norms) {
+    if (t->dp) return kiln_trainer_dp_norms(t, norms); /* the ranks' pieces: the same bits */
     float *part = kiln_malloc((size_t)t->n_params * sizeof(float));
     if (!part) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
     kiln_status st = kiln_adamw_grad_norm(t->opt_mat, NULL, part, NULL, NULL);
@@ -1211,6 +1184,17 @@ static kiln_status adamw_step(kiln_trainer *t, const char *call, double lr, cons
         }
     }
     kiln_pool *pool = NULL; /* the optimizers run on the backend's threads (param_norms) */
+    if (st == KILN_OK && !t->grads_finite && t->dp) { /* the ranks must agree: the global norms */
+        float total;
+        st = grad_total_norm(t, call, &total);
+        if (st == KILN_OK && !t->grads_finite)
+            st = kiln_error(KILN_ERR_RANGE, "%s: a gradient is not finite (total norm %g): refused, weights untouched",
+                            call, (double)total);
+        if (st != KILN_OK) {
+            kiln_free(wd_mat);
+            return st;
+        }
+    }
     if (st == KILN_OK && !t->grads_finite) { /* else known from the last norm pass */
         st = kiln_adamw_grads_finite(t->opt_mat, pool);
         if (st == KILN_OK) st = kiln_adamw_grads_finite(t->opt_vec, pool);
@@ -1238,6 +1222,7 @@ static kiln_status adamw_step(kiln_trainer *t, const char *call, double lr, cons
     }
     kiln_free(wd_mat);
     KILN_TRY(st);
+    if (t->dp) KILN_TRY(kiln_trainer_dp_gather_params(t)); /* every rank's range to every rank */
     KILN_TRY(backend_poll(t, call)); /* the next step queues behind it */
     /* the steps wrote the bf16 copy of every weight as they updated it (create_optimizers
      * gave them their w16): the bits to_bf16 would make, so no conversion pass */
@@ -1366,6 +1351,9 @@ kiln_status kiln_train_get_moments(const kiln_trainer *t, const char *name, floa
     if (!t || !name) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_get_moments: NULL trainer or name");
     const train_param *p = find_param(t, name, n, "kiln_train_get_moments");
     if (!p) return KILN_ERR_INVALID_ARG;
+    if (t->dp)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_train_get_moments: a data-parallel rank holds only its range of "
+                                                "the moments: read them from a checkpoint (rank 0 writes them whole)");
     kiln_adamw *o;
     int slot;
     opt_slot(t, (int)(p - t->params), &o, &slot);
@@ -1382,6 +1370,9 @@ kiln_status kiln_train_set_moments(kiln_trainer *t, const char *name, const floa
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_set_moments: name, exp_avg and exp_avg_sq must be set");
     const train_param *p = find_param(t, name, n, "kiln_train_set_moments");
     if (!p) return KILN_ERR_INVALID_ARG;
+    if (t->dp)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_train_set_moments: a data-parallel rank holds only its range of "
+                                                "the moments: load them from a checkpoint");
     kiln_adamw *o;
     int slot;
     opt_slot(t, (int)(p - t->params), &o, &slot);
@@ -1468,7 +1459,17 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
     }
     m.scratch = loss_scratch;
     if (t->ce_keep) m.scratch += (uint64_t)t->ce_keep_floats * sizeof(float); /* kept logits */
+    if (t->emb_acc) m.scratch += (uint64_t)t->tok_embd->n * sizeof(float); /* an accumulating step's */
     m.peak_step = t->peak_step;
+    char dp[160] = "";
+    if (t->dp) {
+        int64_t lo, hi, total, staging;
+        kiln_trainer_dp_range(t, &lo, &hi, &total, &staging);
+        m.scratch += (uint64_t)staging;
+        snprintf(dp, sizeof dp, "; data-parallel rank %d of %d: optimizer state for elements [%lld, %lld) of %lld, "
+                 "staging %.1f MiB", kiln_train_dp_rank(t), kiln_train_dp_size(t), (long long)lo, (long long)hi,
+                 (long long)total, staging / 1048576.0);
+    }
     char dev[64] = "cpu", own[96] = "";
     if (!t->host) {
         snprintf(dev, sizeof dev, "%s:%d%s%s", t->be->i->name, t->p.device,
@@ -1493,9 +1494,9 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
     if (buf && cap)
         snprintf(buf, cap,
                  "params %.1f MiB, grads %.1f MiB, optimizer %.1f MiB, activations %.1f MiB (max_seq %d x max_batch %d), "
-                 "loss scratch %.1f MiB%s; matrices: %s; vectors: %s; device: %s",
+                 "loss scratch %.1f MiB%s; matrices: %s; vectors: %s; device: %s%s",
                  m.params / 1048576.0, m.grads / 1048576.0, m.optimizer / 1048576.0, m.activations / 1048576.0,
-                 t->p.max_seq, t->p.max_batch, loss_scratch / 1048576.0, own, da, db, dev);
+                 t->p.max_seq, t->p.max_batch, loss_scratch / 1048576.0, own, da, db, dev, dp);
     if (mem) *mem = m;
     return KILN_OK;
 }
@@ -1554,6 +1555,12 @@ void kiln_string_free(char *s) { kiln_free(s); }
 kiln_status kiln_train_save(kiln_trainer *t, const char *dir, uint64_t step, const char *run_json, int keep_last) {
     KILN_TRY(check_ready(t, "kiln_train_save"));
     if (!dir) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_save: dir is NULL");
+    if (t->dp) return kiln_trainer_dp_save(t, dir, step, run_json, keep_last);
+    return kiln_trainer_save_local(t, dir, step, run_json, keep_last);
+}
+
+kiln_status kiln_trainer_save_local(kiln_trainer *t, const char *dir, uint64_t step, const char *run_json,
+                                    int keep_last) {
     char *cfg = config_json(t);
     if (!cfg) return kiln_error(KILN_ERR_NOMEM, "kiln_train_save: out of memory");
     kiln_ckpt_save_params sp = {0};
@@ -1637,21 +1644,32 @@ static kiln_status load_checkpoint(kiln_trainer *t, kiln_ckpt *c, uint64_t *step
 
 kiln_status kiln_train_load_ex(kiln_trainer *t, const char *dir, uint64_t *step, char **run_json, char **notes) {
     if (notes) *notes = NULL;
+    if (run_json) *run_json = NULL;
     KILN_TRY(check_ready(t, "kiln_train_load"));
     if (!dir || !step) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_load: dir and step must be set");
-    kiln_ckpt *c = NULL;
-    /* a resume: a damaged newer checkpoint is set aside, else saving its step would fail */
-    KILN_TRY(kiln_ckpt_open_for_resume(dir, &c));
-    return load_checkpoint(t, c, step, run_json, notes);
+    if (t->dp) return kiln_trainer_dp_load(t, dir, -1, step, run_json, notes);
+    return kiln_trainer_load_local(t, dir, -1, step, run_json, notes);
 }
 
 kiln_status kiln_train_load_step(kiln_trainer *t, const char *dir, uint64_t at, char **run_json) {
     KILN_TRY(check_ready(t, "kiln_train_load"));
     if (!dir) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_load: dir must be set");
-    kiln_ckpt *c = NULL;
-    KILN_TRY(kiln_ckpt_open_step(dir, at, &c));
+    if (run_json) *run_json = NULL;
     uint64_t step;
-    return load_checkpoint(t, c, &step, run_json, NULL);
+    if (at > (uint64_t)INT64_MAX) return kiln_error(KILN_ERR_RANGE, "kiln_train_load: step %llu out of range", (unsigned long long)at);
+    if (t->dp) return kiln_trainer_dp_load(t, dir, (int64_t)at, &step, run_json, NULL);
+    return kiln_trainer_load_local(t, dir, (int64_t)at, &step, run_json, NULL);
+}
+
+kiln_status kiln_trainer_load_local(kiln_trainer *t, const char *dir, int64_t at, uint64_t *step, char **run_json,
+                                    char **notes) {
+    kiln_ckpt *c = NULL;
+    /* a resume: a damaged newer checkpoint is set aside, else saving its step would fail */
+    if (at < 0)
+        KILN_TRY(kiln_ckpt_open_for_resume(dir, &c));
+    else
+        KILN_TRY(kiln_ckpt_open_step(dir, (uint64_t)at, &c));
+    return load_checkpoint(t, c, step, run_json, notes);
 }
 
 /* The state of the opened checkpoint c into t (every check before anything changes); closes c. */

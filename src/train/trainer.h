@@ -3,6 +3,7 @@
 #define KILN_TRAIN_TRAINER_H
 
 #include "../models/model.h"
+#include "../dist/comm.h"
 
 /* The model the trainer was created from (config, architecture, tokenizer). */
 const kiln_model *kiln_trainer_model(const kiln_trainer *t);
@@ -49,5 +50,24 @@ kiln_status kiln_train_custom_step(kiln_trainer *t, const char *call, const int3
 kiln_backend *kiln_trainer_backend(const kiln_trainer *t);
 /* The trainer's max_seq and max_batch. */
 void kiln_trainer_limits(const kiln_trainer *t, int *max_seq, int *max_batch);
+
+/* ---- data-parallel ranks (trainer_dp.c; docs/DISTRIBUTED.md, "Data-parallel training") -----
+ * Every call below, and clip_grads, grad_sq_norm, the optimizer step, save and load of a rank's
+ * trainer, is a collective: every rank calls it, in the same order. */
+
+/* Make t one rank of the run c joins (c outlives t): its optimizer state is remade over this
+ * rank's range of the flat parameter vector only. Call after create, before any optimizer step
+ * or load. A communicator of one rank leaves t as it is. KILN_ERR_UNSUPPORTED for a GPU
+ * trainer (NCCL is not written yet), stochastic rounding and 8-bit moments (their arithmetic
+ * depends on an element's index in its tensor). */
+kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c);
+/* After this rank's micro-step(s): the gradients summed over the ranks (rank order from +0),
+ * this rank keeping its range of the sum (the rest of its gradient buffers is stale). */
+kiln_status kiln_train_dp_reduce_grads(kiln_trainer *t);
+/* A rank without a micro-batch this step: its contribution to the sum is zero. */
+kiln_status kiln_train_dp_zero_grads(kiln_trainer *t);
+/* The run's rank count and this rank (1 and 0 without attach). */
+int kiln_train_dp_size(const kiln_trainer *t);
+int kiln_train_dp_rank(const kiln_trainer *t);
 
 #endif

@@ -435,6 +435,44 @@ static void test_no_ops(kiln_backend *cpu) {
     model_free(&a);
 }
 
+/* The 8-lane sum of squares fed in pieces (data-parallel ranks cut a tensor anywhere) has the
+ * bits of the whole tensor at once, for every length around the groups of 8 and random cuts;
+ * and an empty optimizer does nothing and says so. */
+static void test_sumsq8_pieces(void) {
+    uint64_t rs = 77;
+    float g[300];
+    for (int i = 0; i < 300; i++) g[i] = rng_normalish(&rs) * (i % 7 == 0 ? 1e3f : 1.0f);
+    int bad = 0;
+    for (int64_t n = 1; n <= 300; n += (n < 40 ? 1 : 13)) {
+        const float want = kiln_adamw_sumsq8(g, n);
+        for (int trial = 0; trial < 20; trial++) {
+            kiln_sumsq8_state st;
+            kiln_sumsq8_begin(&st);
+            for (int64_t e = 0; e < n;) {
+                int64_t len = 1 + (int64_t)(rng_next(&rs) % (uint64_t)(trial < 10 ? 9 : n));
+                if (len > n - e) len = n - e;
+                kiln_sumsq8_feed(&st, g + e, e, len, n);
+                e += len;
+            }
+            bad += memcmp(&st.sum, &want, sizeof want) != 0;
+        }
+    }
+    CHECK_MSG(bad == 0, "%d split sums differ from kiln_adamw_sumsq8", bad);
+    kiln_adamw_config c = cfg_of(KILN_ADAMW_BF16_MASTER, KILN_ADAMW_MOMENTS_F32);
+    kiln_adamw *o = NULL;
+    CHECK(kiln_adamw_create_empty(NULL, &c, &o) == KILN_OK);
+    float total = -1.0f, coef = -1.0f;
+    kiln_adamw_memory mem;
+    kiln_adamw_describe(o, NULL, 0, &mem);
+    CHECK(mem.owned == 0 && mem.params == 0);
+    CHECK(kiln_adamw_grads_finite(o, NULL) == KILN_OK);
+    CHECK(kiln_adamw_grad_norm(o, NULL, NULL, &total, NULL) == KILN_OK && total == 0.0f);
+    CHECK(kiln_adamw_clip_grads(o, NULL, 1.0, &total, &coef) == KILN_OK && total == 0.0f && coef == 1.0f);
+    CHECK(kiln_adamw_step(o, NULL) == KILN_OK && kiln_adamw_get_step(o) == 1);
+    CHECK(kiln_adamw_state_f32(o, 0, 0) == NULL);
+    kiln_adamw_free(o);
+}
+
 int main(void) {
     kiln_pool *pool3 = NULL;
     CHECK(kiln_pool_create(3, &pool3) == KILN_OK);
@@ -458,6 +496,7 @@ int main(void) {
     test_decay_map();
     test_sr_rule(pool3);
     test_clip_coef();
+    test_sumsq8_pieces();
     kiln_pool_free(pool3);
     kiln_backend_free(cpu);
     return test_finish("test_adamw");

@@ -1,0 +1,159 @@
+/*
+ * trainer_impl.h -- the trainer's struct, shared by the files of src/train/ that make up the
+ * trainer (trainer.c: create, steps, optimizer, checkpoints; trainer_dp.c: the data-parallel
+ * ranks). Not for anyone else: the API is include/kiln.h and trainer.h.
+ */
+#ifndef KILN_TRAIN_TRAINER_IMPL_H
+#define KILN_TRAIN_TRAINER_IMPL_H
+
+#include "../models/model.h"
+#include "../ops/fused_ce.h"
+#include "../dist/comm.h"
+#include "adamw.h"
+
+typedef struct kiln_train_dp kiln_train_dp; /* trainer_dp.c: the data-parallel state */
+
+typedef struct train_param {
+    char name[96];
+    int n_dims;
+    int64_t shape[2]; /* (rows, cols) or (n, 1) */
+    int64_t n;
+    int file_dims;           /* its shape in a Hugging Face file (kiln_train_param_file_shape) */
+    int64_t file_shape[3];
+    kiln_dtype dtype; /* F32, or BF16 for matrices under the bf16 storages */
+    void *w;          /* (n) weights the model computes with; backend memory */
+    float *g;         /* (n) gradient; backend memory */
+    kiln_tensor view;   /* tensor view of w for the ops */
+    kiln_tensor view16; /* fast mode with f32 weights: the bf16 copy's view (t->shadow) */
+} train_param;
+
+struct kiln_trainer {
+    kiln_handle_head head; /* first: the registry's magic (base/handle.h) */
+    kiln_model *model;     /* a user of the model from create to free */
+    kiln_model_config cfg;
+    kiln_train_params p;
+    kiln_backend *be;
+    int host; /* the backend's memory is host memory (the cpu backend) */
+
+    train_param *params; /* (n_params) in transformers' named_parameters() order */
+    int n_params;
+    train_param *tok_embd, *final_norm, *lm_head;
+    /* the parameters as the architecture's forward and backward read them (models/arch.h):
+     * per-model roles by role index, per-layer roles (L, n_layer_roles); a matrix's view is
+     * the bf16 copy where the trainer keeps one (shadow) */
+    kiln_wref *refs, *layer_refs;
+    void *param_block; /* weights of every parameter */
+    size_t param_bytes; /* bytes of param_block */
+    /* Fast mode with f32 weights: a bf16 copy of param_block (element for element, so each
+     * parameter's copy is at half its byte offset), which the matrix products take in place of
+     * rounding every weight to bf16 on every use; the same values (round to nearest even).
+     * Refreshed before a forward when stale: after create, an optimizer step, a load or a
+     * write of the weights. NULL otherwise. */
+    uint16_t *shadow;
+    int shadow_stale;
+    int step_writes_shadow; /* every parameter's optimizer step writes its bf16 copy (w16) */
+    float *grad_block;  /* (n_grad) every gradient, each 16-float aligned */
+    size_t n_grad;      /* floats in grad_block (a multiple of 16) */
+
+    kiln_adamw *opt_mat; /* matrices (storage per params) */
+    kiln_adamw *opt_vec; /* vectors: always f32 */
+    int *mat_index, *vec_index; /* param index of each optimizer slot */
+    int n_mat, n_vec;
+
+    /* the architecture's activations and backward scratch, sized for max_batch x max_seq rows
+     * (models/arch.h): ids, pos, xn, dxn, dx */
+    kiln_train_io io;
+    int32_t *targets, *positions; /* host arrays (T) */
+    int32_t *pos_host; /* device backends: the host copy of pos */
+    int32_t *ids_host; /* device backends: the host copy of the pending step's ids (the
+                        * embedding's backward groups its rows on the host) */
+    int pos_seq, pos_rows; /* pos holds n % pos_seq for rows n < pos_rows (0: nothing yet) */
+
+    /* Fast mode on a device with graphs (ops.h graph_begin; KILN_CUDA_GRAPHS=0 turns them
+     * off): a forward's layer work (embed .. final norm) and a backward's (the layers, down to
+     * the embedding's gradient) are recorded once per shape, after one plain run at that shape
+     * has grown the backend's workspaces, then replayed: the same launches with the same
+     * arguments, so the same bits, without the host's launch cost and most of the GPU's idle
+     * time between kernels. */
+    int graphs;
+    int g_nseq, g_seq;          /* the shape the graphs below are for */
+    int g_fwd_runs, g_bwd_runs; /* plain runs at that shape */
+    void *g_fwd, *g_bwd;
+    float *ce_stats; /* (max_seq, 3) the fused loss's pass-1 statistics, forward -> backward */
+    float *ce_stats_host; /* kiln_train_step_batch on a device: their host copy (3 x rows) */
+    float *ce_keep;  /* CPU: the forward's logits the backward reuses (ce_keep_floats floats;
+                      * kiln_train_params.ce_keep_mib), NULL: none */
+    size_t ce_keep_floats;
+    uint64_t ce_scratch; /* the largest fused-loss scratch of the last step (devices) */
+    void *ce_buf;        /* devices: the fused loss's scratch, kept from call to call */
+    size_t ce_buf_cap;   /* its bytes: the most a call has needed */
+
+    /* The gradients' state. clip_grads leaves its coefficient pending (grad_coef,
+     * in [0, 1]; 1: none) instead of a pass over every gradient: the logical gradients are
+     * grad_coef x the stored ones, and the optimizers multiply by it as they read them (the
+     * same f32 products, so the same bits). Whatever else reads or adds to the gradients
+     * applies it first (apply_grad_coef), get_grad on the copy it returns. grads_finite: the
+     * stored gradients are known to be finite (every per-tensor norm of the last norm pass
+     * was finite, and nothing has changed them since), so optimizer_step skips its check. */
+    float grad_coef;
+    int grads_finite;
+    /* grads_unusable: a one-call step (kiln_train_step_batch) failed after its gradient work
+     * began (a non-finite loss is found only then), so the stored gradients are not the
+     * logical ones; the optimizer and the clip refuse them until a step that does not
+     * accumulate zeroes them */
+    int grads_unusable;
+
+    /* the pending step */
+    int pending;      /* 0 none, 1 loss (targets), 2 hidden */
+    int T, n_pos; /* T: rows of the pending step = n_seq x seq tokens */
+    int n_seq, seq; /* sequences of the pending step and their length */
+    kiln_loss_reduction red;
+    float scale;
+    uint64_t peak_step;
+
+    /* Accumulating steps (begin_grads with accumulate): the embedding's gradient of the
+     * micro-step alone (and a tied head's), added to the gradient once at the end of the
+     * backward; allocated at the first accumulating step (tok_embd->n floats), kept. */
+    float *emb_acc;
+    int emb_acc_live; /* the running backward writes the embedding's gradient there */
+
+    /* Data-parallel ranks (trainer_dp.c; NULL: one process). With dp, opt_mat and opt_vec
+     * hold only this rank's range of the flat parameter vector (pieces of the parameters,
+     * mat_off / vec_off: each slot's first element in its parameter), and the norms, the
+     * optimizer step and checkpoints go through the communicator. */
+    kiln_train_dp *dp;
+    int64_t *mat_off, *vec_off; /* (n_params) element offset of each optimizer slot */
+};
+
+
+/* trainer.c: (re)make the two optimizers over the elements [lo, hi) of the flat parameter
+ * vector (the parameters in order, back to back; lo 0, hi the total: every parameter whole),
+ * into *mat and *vec, with mat_index / vec_index / mat_off / vec_off and n_mat / n_vec set
+ * for them when set_slots. */
+kiln_status kiln_trainer_make_optimizers(kiln_trainer *t, int64_t lo, int64_t hi, kiln_adamw **mat,
+                                         kiln_adamw **vec, int set_slots);
+
+/* trainer.c: kiln_train_save and kiln_train_load_ex / _load_step of this process alone (at < 0:
+ * the newest checkpoint, as a resume opens it; else the checkpoint of step at). */
+kiln_status kiln_trainer_save_local(kiln_trainer *t, const char *dir, uint64_t step, const char *run_json,
+                                    int keep_last);
+kiln_status kiln_trainer_load_local(kiln_trainer *t, const char *dir, int64_t at, uint64_t *step, char **run_json,
+                                    char **notes);
+
+/* trainer_dp.c (t->dp set; every rank calls each, in the same order: they are collectives) */
+void kiln_trainer_dp_free(kiln_trainer *t);
+/* this rank's range [lo, hi) of the flat vector of total elements; staging: bytes of the
+ * collectives' buffers */
+void kiln_trainer_dp_range(const kiln_trainer *t, int64_t *lo, int64_t *hi, int64_t *total, int64_t *staging);
+/* norms (n_params) of the summed gradients, one process's bits, the same on every rank */
+kiln_status kiln_trainer_dp_norms(kiln_trainer *t, float *norms);
+/* after an optimizer step: every rank's updated range of the weights to every rank */
+kiln_status kiln_trainer_dp_gather_params(kiln_trainer *t);
+/* the whole state written by rank 0, every rank returning its status */
+kiln_status kiln_trainer_dp_save(kiln_trainer *t, const char *dir, uint64_t step, const char *run_json,
+                                 int keep_last);
+/* the whole state read (rank 0 first), each rank keeping its range of the optimizer's */
+kiln_status kiln_trainer_dp_load(kiln_trainer *t, const char *dir, int64_t at, uint64_t *step, char **run_json,
+                                 char **notes);
+
+#endif

@@ -1,0 +1,221 @@
+"""Data-parallel training (docs/DISTRIBUTED.md, "Data-parallel training"): `mpirun -np N kiln
+train` against one process with the same global batch, bit for bit -- the losses and gradient
+norms of every step, and the final checkpoint's every weight and the whole AdamW state (moments,
+master copy, Kahan compensation, step) -- for f32, bf16 + master and bf16 + Kahan storage, an
+untied and a tied (MQA) llama; a 2-rank run's checkpoint resumed on 1 and on 4 ranks equals the
+uninterrupted run; the optimizer state per rank is 1/N of one process's (kiln's own accounting);
+the refusals; a rank that stops before the others does not leave them waiting.
+
+The equalities: N ranks with one micro-batch of K = B / N sequences each (the default) equal one
+process with --seqs-per-forward K (N micro-batches of K, accumulated); see the doc for why one
+micro-batch per rank. Skipped when mpirun is absent or kiln was built without MPI."""
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from test_parity import build_model
+from test_train_cli import TEXT
+
+MPIRUN = shutil.which("mpirun")
+pytestmark = pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed (Open MPI: apt-get install openmpi-bin)")
+
+ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+
+
+def mpi_flags():
+    v = subprocess.run([MPIRUN, "--version"], capture_output=True, text=True, env=ENV).stdout
+    # Open MPI 4.1 in a container without network: shared memory only, more ranks than cores
+    return ["--oversubscribe", "--mca", "btl", "self,vader", "--mca", "btl_vader_single_copy_mechanism", "none"] \
+        if "Open MPI" in v or "OpenRTE" in v else []
+
+
+def kiln(build_dir, n, *args, timeout=300, chunk=None):
+    """kiln on n ranks (n 1: one process, no mpirun); chunk: KILN_DP_CHUNK, the elements of a
+    rank's range the collectives move at once (small: many chunk boundaries)."""
+    cmd = [str(build_dir / "kiln"), *map(str, args)]
+    env = dict(ENV)
+    if chunk:
+        env["KILN_DP_CHUNK"] = str(chunk)
+    if n > 1:
+        flags = mpi_flags()
+        if chunk and flags:
+            flags += ["-x", "KILN_DP_CHUNK"]
+        cmd = [MPIRUN, *flags, "-np", str(n), *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def le(b, off, n=8):
+    return int.from_bytes(b[off:off + n], "little")
+
+
+def sections(path):
+    """{name: bytes} of a state.kiln (docs/TRAINING_FORMATS.md), all but the run settings."""
+    b = path.read_bytes()
+    n, t = le(b, 24, 4), le(b, 32)
+    out = {}
+    for i in range(n):
+        e = t + 256 * i
+        name = bytes(b[e:e + 128]).split(b"\0")[0].decode()
+        off, size = le(b, e + 176), le(b, e + 184)
+        if name != "run":
+            out[name] = b[off:off + size]
+    return out
+
+
+def steps(run):
+    """(step, loss, grad_norm) texts of metrics.csv: 17 significant digits, so equal texts are
+    equal bits."""
+    lines = (run / "metrics.csv").read_text().splitlines()
+    head = lines[0].split(",")
+    i, j = head.index("loss"), head.index("grad_norm")
+    return [(r.split(",")[0], r.split(",")[i], r.split(",")[j]) for r in lines[1:]]
+
+
+def same_run(a, b, step):
+    assert steps(a) == steps(b)
+    sa, sb = sections(a / "checkpoints" / f"step-{step}" / "state.kiln"), sections(b / "checkpoints" / f"step-{step}" / "state.kiln")
+    assert sa.keys() == sb.keys()
+    differ = [k for k in sa if sa[k] != sb[k]]
+    assert not differ, differ
+    assert any(k.startswith("optimizer/") for k in sa) and any(k.startswith("param/") for k in sa)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, build_dir):
+    base = tmp_path_factory.mktemp("dp")
+    models = {name: build_model(base, name)[0] for name in ("llama", "llama_tied_mqa")}
+    (base / "corpus.txt").write_text(TEXT)
+    r = kiln(build_dir, 1, "data", "-m", models["llama"], "-o", base / "corpus.tok", base / "corpus.txt")
+    assert r.returncode == 0, r.stderr
+    r = kiln(build_dir, 2, "train", "-m", models["llama"], "--data", base / "corpus.tok", "--steps", "1", "--batch", "2",
+             "--seq", "8", "--out", base / "probe", "--no-export")
+    if "built without MPI" in r.stderr:
+        pytest.skip("kiln was built without MPI (KILN_MPI)")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return base, models
+
+
+def common(models, model, base, storage):
+    return ["-m", models[model], "--data", base / "corpus.tok", "--threads", "1", "--batch", "4", "--seq", "32",
+            "--lr", "3e-3", "--warmup", "2", "--steps", "5", "--save-every", "0", "--no-export",
+            "--eval-fraction", "0", "--storage", storage]
+
+
+@pytest.mark.parametrize("model,storage,chunk", [("llama", "f32", None), ("llama", "bf16_master", None),
+                                                 ("llama", "bf16_kahan", 333), ("llama_tied_mqa", "f32", None)])
+def test_ranks_equal_one_process(setup, build_dir, model, storage, chunk):
+    base, models = setup
+    args = common(models, model, base, storage)
+    tag = f"{model}_{storage}"
+    for n, k in [(2, 2), (4, 1)]:
+        one, many = base / f"one_{tag}_{k}", base / f"np{n}_{tag}"
+        r = kiln(build_dir, 1, "train", *args, "--seqs-per-forward", k, "--out", one)
+        assert r.returncode == 0, r.stderr[-3000:]
+        r = kiln(build_dir, n, "train", *args, "--out", many, chunk=chunk)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f"[kiln train] {n} ranks (mpi): the global batch of 4 sequences as {n} micro-batches of {k}" in r.stderr
+        assert r.stderr.count("step 5/5") == 1  # rank 0 alone reports
+        if chunk:  # the collectives moved the ranges in chunks of 333 elements
+            assert re.search(r"staging 0\.0 MiB", r.stderr), r.stderr[-2000:]
+        same_run(one, many, 5)
+        # clipping was active: the norms are the clip's input
+        assert any(float(g) > 1.0 for _, _, g in steps(many))
+
+
+def test_resume_on_other_rank_counts(setup, build_dir):
+    """A 2-rank run stopped at step 3 and resumed on 1 process and on 4 ranks: the uninterrupted
+    2-rank run's losses, weights and optimizer state. (The checkpoint's --seqs-per-forward 2 is
+    kept: 4 ranks run its 2 micro-batches on ranks 0 and 1, ranks 2 and 3 hold only their share
+    of the optimizer state.)"""
+    base, models = setup
+    args = common(models, "llama", base, "bf16_master")
+    args[args.index("--steps") + 1] = "6"
+    full = base / "resume_full"
+    r = kiln(build_dir, 2, "train", *args, "--out", full)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for n in (1, 4):
+        part = base / f"resume_on_{n}"
+        r = kiln(build_dir, 2, "train", *args, "--out", part, "--stop-after", "3")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert (part / "checkpoints" / "step-3" / "COMPLETE").exists()
+        r = kiln(build_dir, n, "train", *args, "--out", part, "--resume", chunk=1000 if n == 4 else None)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "resumed from" in r.stderr and "at step 3" in r.stderr
+        same_run(full, part, 6)
+    # a 4-rank run (1 sequence a micro-batch) cannot continue on 2 ranks: its 4 micro-batches
+    # would be 2 a rank; said so, nothing written
+    part = base / "resume_4_on_2"
+    r = kiln(build_dir, 4, "train", *args, "--out", part, "--stop-after", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = kiln(build_dir, 2, "train", *args, "--out", part, "--resume")
+    assert r.returncode != 0 and "is 4 micro-batches, more than the 2 ranks" in r.stderr, r.stderr[-2000:]
+    assert not (part / "checkpoints" / "step-3").exists()
+
+
+def optimizer_bytes(stderr):
+    """Rank 0's optimizer-owned bytes (matrices + vectors) from the run header."""
+    return sum(int(x) for x in re.findall(r"optimizer-owned (\d+) B", stderr))
+
+
+def test_optimizer_memory_per_rank(setup, build_dir):
+    base, models = setup
+    args = common(models, "llama", base, "bf16_master")
+    args[args.index("--steps") + 1] = "1"
+    got = {}
+    for n in (1, 2, 4):
+        r = kiln(build_dir, n, "train", *args, "--out", base / f"mem{n}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        got[n] = optimizer_bytes(r.stderr)
+        if n > 1:
+            m = re.search(r"data-parallel rank 0 of (\d+): optimizer state for elements \[(\d+), (\d+)\) of (\d+)", r.stderr)
+            assert m and int(m[1]) == n and int(m[2]) == 0
+            total = int(m[4])
+            assert int(m[3]) == -(-total // n)  # S = ceil(total / N)
+    print("optimizer bytes of rank 0 at 1/2/4 ranks:", got)
+    for n in (2, 4):
+        # bf16 + master: 12 B a matrix element, 8 a vector element; a range mixes them
+        assert got[1] / n * 0.95 <= got[n] <= got[1] / n * 1.05, got
+
+
+def test_refusals_and_a_rank_that_stops(setup, build_dir):
+    base, models = setup
+    args = common(models, "llama", base, "f32")
+    for extra, needle in [(["--accum", "2"], "--accum > 1"), (["--batch", "3"], "--batch 3 is not a multiple of the 2 ranks"),
+                          (["--storage", "bf16_sr"], "stochastic rounding with 2 ranks is not supported yet"),
+                          (["--seqs-per-forward", "1"], "is 4 micro-batches, more than the 2 ranks")]:
+        a = list(args)
+        for i in range(0, len(extra), 2):
+            if extra[i] in a:
+                a[a.index(extra[i]) + 1] = extra[i + 1]
+            else:
+                a += extra[i:i + 2]
+        r = kiln(build_dir, 2, "train", *a, "--out", base / "refused", timeout=120)
+        assert r.returncode != 0 and needle in r.stderr, (extra, r.stderr[-2000:])
+    # rank 0 refuses a used --out (no --resume): the other ranks stop too, none waits for ever
+    used = base / "used"
+    used.mkdir()
+    (used / "x").write_text("x")
+    r = kiln(build_dir, 2, "train", *args, "--out", used, timeout=120)
+    assert r.returncode == 2 and "is not empty" in r.stderr  # rank 0's usage status, on every rank
+    r = kiln(build_dir, 2, "distill", "--teacher", models["llama"], *args, "--out", base / "distill", timeout=120)
+    assert r.returncode != 0 and "kiln distill (the teacher's step is not sharded yet)" in r.stderr
+
+
+def test_audit_of_ranks_replays_on_one_process(setup, build_dir):
+    """A 2-rank run with --audit (rank 0 keeps the log, whose command line gets the ranks' chosen
+    --seqs-per-forward): `kiln audit --from 0` and `--from 2` replay it on one process and every
+    step's batch hash, loss, gradient-norm bits and weights' fingerprint match."""
+    base, models = setup
+    args = common(models, "llama", base, "f32")
+    args[args.index("--steps") + 1] = "4"
+    args[args.index("--save-every") + 1] = "2"
+    out = base / "audited"
+    r = kiln(build_dir, 2, "train", *args, "--out", out, "--audit")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for frm in ("0", "2"):
+        r = kiln(build_dir, 1, "audit", out, "--from", frm)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "match their records" in r.stderr
