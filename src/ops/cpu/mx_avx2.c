@@ -141,7 +141,7 @@ TGT static void a_rows(const kiln_mx_product *p, int64_t r0, int64_t r1, int thr
     const int F = mx8 ? KILN_MX8_F : KILN_MX16_F, SH = mx8 ? KILN_MX8_SH : KILN_MX16_SH;
     uint8_t *sc = p->scratch + (size_t)thread * p->scratch_stride;
     int16_t *ew = (int16_t *)sc;                 /* (nbp) the row's exponents, padded */
-    int16_t *w16 = (int16_t *)(sc + nbp * 2);    /* mx16: (nb*32) the row's int16 mantissas */
+    int16_t *w16 = (int16_t *)(sc + nbp * 6);    /* mx16: (nb*32) the row's int16 mantissas */
     for (int64_t r = r0; r < r1; r++) {
         if (w->row_nonfinite[r]) {
             for (int64_t n = 0; n < N; n++) p->out[n * p->ldo + r] = kiln_mx_nan();
@@ -157,7 +157,8 @@ TGT static void a_rows(const kiln_mx_product *p, int64_t r0, int64_t r1, int thr
             else if (smax < MX_SUM_NONE) v = 0.0f; /* no contributing block */
             else {
                 int64_t S = mx8 ? sum_mx8(x->q + n * L, w->q + r * L, ex, ew, nb, smax - SH)
-                                : sum_mx16(p->x16 + n * L, w16, ex, ew, nb, smax - SH);
+                                : sum_mx16((const int16_t *)(p->xm + (size_t)n * p->xm_stride), w16,
+                                           ex, ew, nb, smax - SH);
                 v = kiln_mx_round(S, smax - 2 * F - SH);
             }
             p->out[n * p->ldo + r] = v;
@@ -167,7 +168,8 @@ TGT static void a_rows(const kiln_mx_product *p, int64_t r0, int64_t r1, int thr
 
 const kiln_mx_kernels kiln_mx_kernels_avx2 = {
     .name = "avx2",
-    .wants_scratch = 1,
+    .layout = KILN_MX_LAYOUT_INT16,
+    .w_rows = 1,
     .rows = a_rows,
 };
 
