@@ -31,9 +31,9 @@
 #include "../base/cpu_features.h"
 #include "../base/threadpool.h"
 
-#define KILN_MX_BLOCK 32          /* elements per block along K */
-#define KILN_MX_MAX_K 262144      /* 2^18: the largest K (8192 blocks) whose sum fits int64 */
-#define KILN_MX_EXP_ZERO INT16_MIN /* e of a block whose elements are all +-0 (or padding) */
+#define KILN_MX_BLOCK 32                /* elements per block along K */
+#define KILN_MX_MAX_K 262144            /* 2^18: the largest K (8192 blocks) whose sum fits int64 */
+#define KILN_MX_EXP_ZERO INT16_MIN      /* e of a block whose elements are all +-0 (or padding) */
 #define KILN_MX_EXP_NONFINITE INT16_MAX /* e of a block holding a NaN or an Inf */
 
 typedef enum kiln_mx_kind {

@@ -22,8 +22,9 @@
 #include <string.h>
 
 #define TGT __attribute__((target("avx2,avx512f,avx512bw,avx512vl,avx512vnni")))
-#define TGT_INLINE                                                                             \
-    __attribute__((target("avx2,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline
+#define TGT_INLINE                                                                                 \
+    __attribute__((target("avx2,avx512f,avx512bw,avx512vl,avx512vnni"),                            \
+                   always_inline)) static inline
 
 /* A real exponent sum is >= 2 * -149; a sum with the zero sentinel saturates at -32768. */
 #define MX_SUM_NONE (-1000)
@@ -52,11 +53,13 @@ TGT_INLINE void sum_tile(const uint8_t *xi, uint8_t *const wi[TILE], int32_t *co
     const int U = MX16 ? 16 : 8;
     const __m512i z = _mm512_setzero_si512();
     __m512i acc[TILE];
-    for (int j = 0; j < TILE; j++) acc[j] = _mm512_setzero_si512();
+    for (int j = 0; j < TILE; j++)
+        acc[j] = _mm512_setzero_si512();
     for (int64_t g = 0; g < nbp / 16; g++) {
         const uint8_t *xa = xi + g * U * 64;
         __m512i P[TILE];
-        for (int j = 0; j < TILE; j++) P[j] = _mm512_setzero_si512();
+        for (int j = 0; j < TILE; j++)
+            P[j] = _mm512_setzero_si512();
         for (int s = 0; s < U; s++) {
             __m512i xv = _mm512_loadu_si512(xa + s * 64);
             for (int j = 0; j < TILE; j++) {
@@ -67,11 +70,12 @@ TGT_INLINE void sum_tile(const uint8_t *xi, uint8_t *const wi[TILE], int32_t *co
         __m512i exv = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(ex + g * 16)));
         for (int j = 0; j < TILE; j++) {
             if (!MX16) /* (q_x + 128) q_w summed, less 128 sum q_w */
-                P[j] = _mm512_sub_epi32(P[j], _mm512_slli_epi32(_mm512_loadu_si512(wsum[j] + g * 16), 7));
-            __m512i d = _mm512_sub_epi32(
-                _mm512_add_epi32(exv, _mm512_cvtepi16_epi32(
-                                          _mm256_loadu_si256((const __m256i *)(ew[j] + g * 16)))),
-                _mm512_set1_epi32(smsh[j]));
+                P[j] = _mm512_sub_epi32(P[j],
+                                        _mm512_slli_epi32(_mm512_loadu_si512(wsum[j] + g * 16), 7));
+            __m512i d =
+                _mm512_sub_epi32(_mm512_add_epi32(exv, _mm512_cvtepi16_epi32(_mm256_loadu_si256(
+                                                           (const __m256i *)(ew[j] + g * 16)))),
+                                 _mm512_set1_epi32(smsh[j]));
             __m512i rc = _mm512_max_epi32(_mm512_sub_epi32(z, d), z); /* base - e_k if > 0 */
             __m512i lc = _mm512_max_epi32(d, z);                      /* e_k - base if > 0 */
             __m512i Pr = _mm512_srav_epi32(P[j], rc); /* floor(P / 2^rc); counts >= 32: 0 or -1 */
@@ -82,7 +86,8 @@ TGT_INLINE void sum_tile(const uint8_t *xi, uint8_t *const wi[TILE], int32_t *co
             acc[j] = _mm512_add_epi64(acc[j], _mm512_add_epi64(t0, t1));
         }
     }
-    for (int j = 0; j < TILE; j++) S[j] = _mm512_reduce_add_epi64(acc[j]);
+    for (int j = 0; j < TILE; j++)
+        S[j] = _mm512_reduce_add_epi64(acc[j]);
 }
 
 /* Row r of W prepared in the thread's scratch: ew (nbp int16, padded), wsum (nbp int32, mx8),
@@ -91,12 +96,14 @@ TGT static void prepare_w_row(const kiln_mx_matrix *w, int64_t r, int64_t nbp, i
                               int32_t *wsum, uint8_t *wi, int16_t *stage) {
     const int64_t nb = w->nb, L = nb * KILN_MX_BLOCK;
     const int8_t *q = w->q + r * L;
-    for (int64_t b = 0; b < nbp; b++) ew[b] = b < nb ? w->e[r * nb + b] : KILN_MX_EXP_ZERO;
+    for (int64_t b = 0; b < nbp; b++)
+        ew[b] = b < nb ? w->e[r * nb + b] : KILN_MX_EXP_ZERO;
     if (w->kind == KILN_MX8) {
         for (int64_t b = 0; b < nbp; b++) {
             int32_t s = 0;
             if (b < nb)
-                for (int i = 0; i < KILN_MX_BLOCK; i++) s += q[b * KILN_MX_BLOCK + i];
+                for (int i = 0; i < KILN_MX_BLOCK; i++)
+                    s += q[b * KILN_MX_BLOCK + i];
             wsum[b] = s;
         }
         kiln_mx_interleave16(wi, (const uint8_t *)q, nb, nbp, 8);
@@ -132,7 +139,8 @@ TGT static void v_rows(const kiln_mx_product *p, int64_t r0, int64_t r1, int thr
     }
     for (int64_t rt = r0; rt < r1; rt += TILE) {
         int nw = r1 - rt < TILE ? (int)(r1 - rt) : TILE;
-        for (int j = 0; j < TILE; j++) prepare_w_row(w, rt + (j < nw ? j : nw - 1), nbp, ew[j], wsum[j], wi[j], stage);
+        for (int j = 0; j < TILE; j++)
+            prepare_w_row(w, rt + (j < nw ? j : nw - 1), nbp, ew[j], wsum[j], wi[j], stage);
         for (int64_t n = 0; n < N; n++) {
             const int16_t *ex = p->xe + n * nbp;
             const uint8_t *xi = p->xm + (size_t)n * p->xm_stride;
@@ -142,13 +150,18 @@ TGT static void v_rows(const kiln_mx_product *p, int64_t r0, int64_t r1, int thr
                 smsh[j] = smax[j] - SH;
             }
             int64_t S[TILE];
-            if (mx8) sum_tile(xi, wi, wsum, ex, ew, nbp, smsh, 0, S);
-            else sum_tile(xi, wi, wsum, ex, ew, nbp, smsh, 1, S);
+            if (mx8)
+                sum_tile(xi, wi, wsum, ex, ew, nbp, smsh, 0, S);
+            else
+                sum_tile(xi, wi, wsum, ex, ew, nbp, smsh, 1, S);
             for (int j = 0; j < nw; j++) {
                 float v;
-                if (x->row_nonfinite[n] || w->row_nonfinite[rt + j]) v = kiln_mx_nan();
-                else if (smax[j] < MX_SUM_NONE) v = 0.0f; /* no contributing block */
-                else v = kiln_mx_round(S[j], smax[j] - 2 * F - SH);
+                if (x->row_nonfinite[n] || w->row_nonfinite[rt + j])
+                    v = kiln_mx_nan();
+                else if (smax[j] < MX_SUM_NONE)
+                    v = 0.0f; /* no contributing block */
+                else
+                    v = kiln_mx_round(S[j], smax[j] - 2 * F - SH);
                 p->out[n * p->ldo + rt + j] = v;
             }
         }

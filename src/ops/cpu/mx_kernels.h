@@ -19,16 +19,16 @@ typedef struct kiln_mx_product {
     float *out;              /* out[n * ldo + r] */
     int64_t ldo;
     /* SIMD paths (layout != KILN_MX_LAYOUT_NONE), set up by the entry: */
-    int64_t nbp;        /* nb rounded up to a multiple of 16 */
-    const int16_t *xe;  /* (N, nbp) x's block exponents, the padding KILN_MX_EXP_ZERO */
+    int64_t nbp;       /* nb rounded up to a multiple of 16 */
+    const int16_t *xe; /* (N, nbp) x's block exponents, the padding KILN_MX_EXP_ZERO */
     /* x's mantissas prepared, row n at xm + n * xm_stride bytes:
      *   KILN_MX_LAYOUT_INT16:        mx16 only: (nb*32) int16 hi*128 + lo (mx8: NULL, use x->q)
      *   KILN_MX_LAYOUT_INTERLEAVED:  kiln_mx_interleave16 of the row's mantissas (mx8: as
      *                                uint8 q + 128; mx16: the int16 of LAYOUT_INT16) */
     const uint8_t *xm;
     size_t xm_stride;
-    uint8_t *scratch;   /* per thread, scratch_stride bytes: w_rows KILN_MX_ROW_SCRATCH(nbp),
-                         * rows of W prepared */
+    uint8_t *scratch; /* per thread, scratch_stride bytes: w_rows KILN_MX_ROW_SCRATCH(nbp),
+                       * rows of W prepared */
     size_t scratch_stride;
 } kiln_mx_product;
 
@@ -51,8 +51,10 @@ static inline void kiln_mx_interleave16(uint8_t *dst, const uint8_t *src, int64_
             for (int b = 0; b < 16; b++) {
                 int64_t blk = g * 16 + b;
                 uint8_t *d = dst + ((g * U + s) * 16 + b) * 4;
-                if (blk < nb) memcpy(d, src + (blk * U + s) * 4, 4);
-                else memset(d, 0, 4);
+                if (blk < nb)
+                    memcpy(d, src + (blk * U + s) * 4, 4);
+                else
+                    memset(d, 0, 4);
             }
 }
 
@@ -72,7 +74,10 @@ extern const kiln_mx_kernels kiln_mx_kernels_avx512vnni;
 
 /* The NaN of a row holding a non-finite element: the f32 0x7FC00000 (positive quiet NaN). */
 static inline float kiln_mx_nan(void) {
-    union { uint32_t u; float f; } v = {0x7fc00000u};
+    union {
+        uint32_t u;
+        float f;
+    } v = {0x7fc00000u};
     return v.f;
 }
 
