@@ -17,7 +17,9 @@
  *
  * and out[n, r] = round_f32(2^base * sum over blocks k of floor(P_k 2^(e_k - base))), with
  * P_k = sum_i qx_i qw_i exactly, e_k = Ex_k + Ew_k - 2F (F = 6 or 12) and base = emax - SH,
- * emax the largest e_k over the blocks where neither side is a zero block (none: +0).
+ * emax the largest e_k over the blocks where neither side is a zero block (none: +0), and
+ * NaN (0x7FC00000) for an output that reads a non-finite row. round_f32 is one rounding to
+ * nearest even, subnormals included (kiln_mx_round).
  *
  * This is the format and the CPU implementation (src/ops/mx.c: quantization; src/ops/cpu/mx_*.c:
  * the product). It is not wired into the op table or the model yet: a caller quantizes a

@@ -328,6 +328,94 @@ static void test_alloc_failures(void) {
     kiln_set_allocator(NULL);
 }
 
+/* Properties of the definition: the blocks' order does not matter (the same permutation of
+ * the K blocks of x and W gives the same bits), and scaling x by 2^a and W by 2^b scales every
+ * output by exactly 2^(a+b) (away from the ends of the exponent range). */
+static void test_properties(void) {
+    const int64_t N = 3, R = 6, K = 320, nb = K / 32;
+    float *x = malloc(sizeof(float) * (size_t)(N * K)),
+          *w = malloc(sizeof(float) * (size_t)(R * K));
+    float *xp = malloc(sizeof(float) * (size_t)(N * K)),
+          *wp = malloc(sizeof(float) * (size_t)(R * K));
+    float o1[18], o2[18];
+    for (int kind = 8; kind <= 16; kind += 8)
+        for (int trial = 0; trial < 4; trial++) {
+            fill(x, N, K, 0);
+            fill(w, R, K, 0);
+            if (trial < 2) /* no subnormal inputs, so that the scaling check below applies */
+                for (int64_t i = 0; i < (N > R ? N : R) * K; i++) {
+                    if (i < N * K && x[i] != 0 && fabsf(x[i]) < 0x1p-100f) x[i] = 1.0f;
+                    if (i < R * K && w[i] != 0 && fabsf(w[i]) < 0x1p-100f) w[i] = -1.0f;
+                }
+            int perm[10];
+            for (int b = 0; b < nb; b++)
+                perm[b] = b;
+            for (int b = nb - 1; b > 0; b--) { /* Fisher-Yates */
+                int c = (int)(rnd() % (uint64_t)(b + 1)), t = perm[b];
+                perm[b] = perm[c], perm[c] = t;
+            }
+            for (int64_t j = 0; j < N; j++)
+                for (int b = 0; b < nb; b++)
+                    memcpy(xp + j * K + b * 32, x + j * K + perm[b] * 32, 32 * sizeof(float));
+            for (int64_t j = 0; j < R; j++)
+                for (int b = 0; b < nb; b++)
+                    memcpy(wp + j * K + b * 32, w + j * K + perm[b] * 32, 32 * sizeof(float));
+            kiln_mx_matrix qx, qw, qxp, qwp;
+            CHECK(kiln_mx_matrix_alloc(&qx, (kiln_mx_kind)kind, N, K) == KILN_OK);
+            CHECK(kiln_mx_matrix_alloc(&qw, (kiln_mx_kind)kind, R, K) == KILN_OK);
+            CHECK(kiln_mx_matrix_alloc(&qxp, (kiln_mx_kind)kind, N, K) == KILN_OK);
+            CHECK(kiln_mx_matrix_alloc(&qwp, (kiln_mx_kind)kind, R, K) == KILN_OK);
+            CHECK(kiln_mx_quantize(&qx, x, K, NULL) == KILN_OK);
+            CHECK(kiln_mx_quantize(&qw, w, K, NULL) == KILN_OK);
+            CHECK(kiln_mx_quantize(&qxp, xp, K, NULL) == KILN_OK);
+            CHECK(kiln_mx_quantize(&qwp, wp, K, NULL) == KILN_OK);
+            CHECK(kiln_mx_matmul_cpu(&qx, &qw, o1, R, NULL, kiln_cpu_best_path()) == KILN_OK);
+            CHECK(kiln_mx_matmul_cpu(&qxp, &qwp, o2, R, NULL, kiln_cpu_best_path()) == KILN_OK);
+            CHECK(same_bits(o1, o2, 18, "permuted blocks"));
+            /* 2^a x, 2^b W: rescale from the originals (scales within 2^+-40 of fill's) */
+            int sa = (int)(rnd() % 41) - 20, sb = (int)(rnd() % 41) - 20;
+            for (int64_t i = 0; i < N * K; i++)
+                xp[i] = ldexpf(x[i], sa);
+            for (int64_t i = 0; i < R * K; i++)
+                wp[i] = ldexpf(w[i], sb);
+            /* keep away from subnormal inputs, whose exponents do not shift with the scale */
+            int normal = 1;
+            for (int64_t i = 0; i < N * K; i++)
+                normal &= x[i] == 0 || fabsf(x[i]) >= 0x1p-100f;
+            for (int64_t i = 0; i < R * K; i++)
+                normal &= w[i] == 0 || fabsf(w[i]) >= 0x1p-100f;
+            CHECK(kiln_mx_quantize(&qxp, xp, K, NULL) == KILN_OK);
+            CHECK(kiln_mx_quantize(&qwp, wp, K, NULL) == KILN_OK);
+            CHECK(kiln_mx_matmul_cpu(&qxp, &qwp, o2, R, NULL, kiln_cpu_best_path()) == KILN_OK);
+            CHECK(trial >= 2 || normal);
+            for (int i = 0; i < 18 && normal; i++) {
+                float want = ldexpf(o1[i], sa + sb);
+                int exact =
+                    fabsf(o1[i]) >= 0x1p-80f && fabsf(o1[i]) <= 0x1p80f; /* normal both ways */
+                CHECK_MSG(!exact || bits(o2[i]) == bits(want), "scaled: %g vs %g", o2[i], want);
+            }
+            kiln_mx_matrix_free(&qx);
+            kiln_mx_matrix_free(&qw);
+            kiln_mx_matrix_free(&qxp);
+            kiln_mx_matrix_free(&qwp);
+        }
+    /* K = 0: every output +0 */
+    kiln_mx_matrix a, b;
+    CHECK(kiln_mx_matrix_alloc(&a, KILN_MX16, 2, 0) == KILN_OK);
+    CHECK(kiln_mx_matrix_alloc(&b, KILN_MX16, 3, 0) == KILN_OK);
+    CHECK(kiln_mx_quantize(&a, NULL, 0, NULL) == KILN_OK);
+    CHECK(kiln_mx_quantize(&b, NULL, 0, NULL) == KILN_OK);
+    for (int p = 0; p < 3; p++) {
+        poison(o1, 6);
+        CHECK(kiln_mx_matmul_cpu(&a, &b, o1, 3, NULL, (kiln_cpu_path)p) == KILN_OK);
+        for (int i = 0; i < 6; i++)
+            CHECK(bits(o1[i]) == 0);
+    }
+    kiln_mx_matrix_free(&a);
+    kiln_mx_matrix_free(&b);
+    free(x), free(w), free(xp), free(wp);
+}
+
 static void test_errors(void) {
     kiln_mx_matrix a, b;
     CHECK_ERR(kiln_mx_matrix_alloc(&a, KILN_MX8, 1, KILN_MX_MAX_K + 1), KILN_ERR_INVALID_ARG, "K");
@@ -359,6 +447,7 @@ int main(void) {
     test_product_cases();
     test_paths_and_threads();
     test_stochastic();
+    test_properties();
     test_errors();
     test_alloc_failures();
     printf("test_mx: %d checks, %d failures (kernels: %s)\n", t_checks, t_failures,
