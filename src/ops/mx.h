@@ -121,6 +121,13 @@ float kiln_mx_round(int64_t S, int p);
 kiln_status kiln_mx_matmul_cpu(const kiln_mx_matrix *x, const kiln_mx_matrix *w, float *out,
                                int64_t ldo, kiln_pool *pool, kiln_cpu_path path);
 
+/* The path to pass to kiln_mx_matmul_cpu for N rows of x: kiln_cpu_select_path(), except
+ * that below KILN_MX_VNNI_MIN_N rows the AVX2 kernel replaces the AVX-512 VNNI one (which
+ * regroups every row of W per call, a cost only many rows of x repay). The same bits either
+ * way. */
+#define KILN_MX_VNNI_MIN_N 16
+kiln_cpu_path kiln_mx_select_path(int64_t N);
+
 /* The name of the kernel that path p would run for the product ("portable", "avx2",
  * "avx512vnni"). */
 const char *kiln_mx_kernel_name(kiln_cpu_path p);

@@ -399,6 +399,9 @@ static void test_properties(void) {
             kiln_mx_matrix_free(&qxp);
             kiln_mx_matrix_free(&qwp);
         }
+    /* the path advice: AVX2 for few rows of x, else the selected path */
+    CHECK(kiln_mx_select_path(KILN_MX_VNNI_MIN_N) == kiln_cpu_select_path());
+    CHECK(kiln_mx_select_path(1) != KILN_CPU_PATH_AVX512);
     /* K = 0: every output +0 */
     kiln_mx_matrix a, b;
     CHECK(kiln_mx_matrix_alloc(&a, KILN_MX16, 2, 0) == KILN_OK);

@@ -13,7 +13,7 @@
  *       Reads DIR/s.i64 and DIR/p.i32 (COUNT each), writes DIR/r.f32 = kiln_mx_round(s, p).
  *   mx_tool bench N K R THREADS REPS
  *       Random x (N,K) ~ U[-1,1) and W (R,K) ~ U[-0.1,0.1); times per call, for mx8 and mx16,
- *       the product alone (W and x quantized before) on the selected path and on the portable
+ *       the product alone (W and x quantized before) on kiln_mx_select_path(N) and on the portable
  *       reference, the quantization of x, and kiln's CPU backend f32 matmul (the auditable
  *       one) on the same shape. Prints one line per measurement.
  *
@@ -202,12 +202,12 @@ static int cmd_bench(int argc, char **argv) {
         for (int i = 0; i < reps; i++)
             kiln_mx_quantize(&qx, x, K, pool);
         double tq = (kiln_time_seconds() - t0) / reps;
-        mx_bench b = {&qx, &qw, out, R, pool, kiln_cpu_select_path()};
+        mx_bench b = {&qx, &qw, out, R, pool, kiln_mx_select_path(N)};
         double ts = time_product(&b, reps);
         b.path = KILN_CPU_PATH_PORTABLE;
         double tp = time_product(&b, reps > 3 ? 3 : reps);
         printf("mx%d: product %s %.3f ms (%.1f GMAC/s), portable %.3f ms, quantize x %.3f ms\n",
-               kind, kiln_mx_kernel_name(kiln_cpu_select_path()), ts * 1e3, gmac / ts, tp * 1e3,
+               kind, kiln_mx_kernel_name(kiln_mx_select_path(N)), ts * 1e3, gmac / ts, tp * 1e3,
                tq * 1e3);
         kiln_mx_matrix_free(&qx);
         kiln_mx_matrix_free(&qw);

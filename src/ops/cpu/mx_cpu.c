@@ -92,6 +92,12 @@ const char *kiln_mx_kernel_name(kiln_cpu_path p) {
     return kernels_for(p)->name;
 }
 
+kiln_cpu_path kiln_mx_select_path(int64_t N) {
+    kiln_cpu_path p = kiln_cpu_select_path();
+    if (p == KILN_CPU_PATH_AVX512 && N < KILN_MX_VNNI_MIN_N) p = KILN_CPU_PATH_AVX2;
+    return p;
+}
+
 /* The SIMD kernels' scratch (kiln_mx_product's comments): x's padded exponents and prepared
  * mantissas once per call, and a row of W's room per thread. *mem: the one allocation. */
 static kiln_status prepare(kiln_mx_product *p, int layout, int w_rows, int n_threads, void **mem) {
