@@ -13,7 +13,9 @@
 #include <math.h>
 #include <string.h>
 
-static int64_t mx_nb(int64_t K) { return (K + KILN_MX_BLOCK - 1) / KILN_MX_BLOCK; }
+static int64_t mx_nb(int64_t K) {
+    return (K + KILN_MX_BLOCK - 1) / KILN_MX_BLOCK;
+}
 
 kiln_status kiln_mx_matrix_alloc(kiln_mx_matrix *m, kiln_mx_kind kind, int64_t rows, int64_t K) {
     memset(m, 0, sizeof *m);
@@ -103,7 +105,8 @@ typedef struct mx_rounding {
 static int16_t quantize_block(const float *a, int n, int F, const mx_rounding *rd,
                               int32_t mant[KILN_MX_BLOCK]) {
     uint32_t amax_bits = 0;
-    for (int i = 0; i < KILN_MX_BLOCK; i++) mant[i] = 0;
+    for (int i = 0; i < KILN_MX_BLOCK; i++)
+        mant[i] = 0;
     for (int i = 0; i < n; i++) {
         uint32_t u;
         memcpy(&u, &a[i], 4);
@@ -114,8 +117,10 @@ static int16_t quantize_block(const float *a, int n, int F, const mx_rounding *r
     if (amax_bits == 0) return KILN_MX_EXP_ZERO;
     /* E = ilogb of the largest magnitude, subnormals by their true exponent */
     int E;
-    if (amax_bits >= 0x800000u) E = (int)(amax_bits >> 23) - 127;
-    else E = (31 - __builtin_clz(amax_bits)) - 149;
+    if (amax_bits >= 0x800000u)
+        E = (int)(amax_bits >> 23) - 127;
+    else
+        E = (31 - __builtin_clz(amax_bits)) - 149;
     const int32_t qmax = (1 << (F + 1)) - 1;
     for (int i = 0; i < n; i++) {
         int neg, x;
@@ -126,7 +131,8 @@ static int16_t quantize_block(const float *a, int n, int F, const mx_rounding *r
         if (rd->stochastic) {
             /* q = floor(v + u 2^-24) = floor((floor(v 2^24) + u) / 2^24), v = +-m 2^sh, exact */
             int64_t sv = neg ? -(int64_t)m : (int64_t)m;
-            int64_t V = sh + 24 >= 0 ? sv * ((int64_t)1 << (sh + 24)) : kiln_mx_floor_shift(sv, -(sh + 24));
+            int64_t V =
+                sh + 24 >= 0 ? sv * ((int64_t)1 << (sh + 24)) : kiln_mx_floor_shift(sv, -(sh + 24));
             uint32_t u = kiln_mx_random24(rd->seed, rd->tensor_id, rd->index0 + (uint64_t)i);
             int64_t q = kiln_mx_floor_shift(V + (int64_t)u, 24);
             mant[i] = (int32_t)(q > qmax ? qmax : q < -qmax ? -qmax : q);
@@ -167,7 +173,8 @@ static void quant_task(void *ctx, int task, int thread) {
             bad |= e == KILN_MX_EXP_NONFINITE;
             int8_t *q = m->q + o * KILN_MX_BLOCK;
             if (m->kind == KILN_MX8) {
-                for (int i = 0; i < KILN_MX_BLOCK; i++) q[i] = (int8_t)mant[i];
+                for (int i = 0; i < KILN_MX_BLOCK; i++)
+                    q[i] = (int8_t)mant[i];
             } else {
                 /* q = hi 128 + lo, lo in [-64, 63]: hi = floor((q + 64) / 128), written with a
                  * nonnegative dividend (q + 64 + 8192 > 0) so no signed shift is involved */
@@ -184,12 +191,15 @@ static void quant_task(void *ctx, int task, int thread) {
 }
 
 static kiln_status quantize(kiln_mx_matrix *m, const float *a, int64_t lda, const mx_rounding *rd,
-                           kiln_pool *pool) {
+                            kiln_pool *pool) {
     if (!m || (m->kind != KILN_MX8 && m->kind != KILN_MX16) || (!m->mem && m->rows > 0))
-        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_mx_quantize: m is not an allocated mx matrix");
+        return kiln_error(KILN_ERR_INVALID_ARG,
+                          "kiln_mx_quantize: m is not an allocated mx matrix");
     if (m->rows == 0 || m->K == 0) {
-        for (int64_t r = 0; r < m->rows; r++) m->row_nonfinite[r] = 0;
-        for (int64_t i = 0; i < m->rows * m->nb; i++) m->e[i] = KILN_MX_EXP_ZERO;
+        for (int64_t r = 0; r < m->rows; r++)
+            m->row_nonfinite[r] = 0;
+        for (int64_t i = 0; i < m->rows * m->nb; i++)
+            m->e[i] = KILN_MX_EXP_ZERO;
         return KILN_OK;
     }
     if (!a) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_mx_quantize: a is NULL");
@@ -246,7 +256,10 @@ float kiln_mx_round(int64_t S, int p) {
     if (p >= -126 && p <= 63) {
         /* (float)S (one RNE rounding) is in [1, 2^63], so (float)S 2^p is normal and finite:
          * the multiply is exact. The same bits as the general path below, sooner. */
-        union { uint32_t u; float f; } two_p = {(uint32_t)(p + 127) << 23};
+        union {
+            uint32_t u;
+            float f;
+        } two_p = {(uint32_t)(p + 127) << 23};
         return (float)S * two_p.f;
     }
     int neg = S < 0;
@@ -262,8 +275,10 @@ float kiln_mx_round(int64_t S, int p) {
             m = rne_shift64(mag, t); /* may carry to 2^24: still exact in f32 */
         }
         int top = 63 - __builtin_clzll(m);
-        if (top + t + p >= 128) r = INFINITY;
-        else r = ldexpf((float)m, t + p); /* exact: m < 2^25, result normal */
+        if (top + t + p >= 128)
+            r = INFINITY;
+        else
+            r = ldexpf((float)m, t + p); /* exact: m < 2^25, result normal */
     } else {
         /* subnormal result: a multiple of 2^-149, rounded once at that precision */
         int sh = p + 149;

@@ -17,7 +17,9 @@
  *
  * and out[n, r] = round_f32(2^base * sum over blocks k of floor(P_k 2^(e_k - base))), with
  * P_k = sum_i qx_i qw_i exactly, e_k = Ex_k + Ew_k - 2F (F = 6 or 12) and base = emax - SH,
- * emax the largest e_k over the blocks where neither side is a zero block (none: +0).
+ * emax the largest e_k over the blocks where neither side is a zero block (none: +0), and
+ * NaN (0x7FC00000) for an output that reads a non-finite row. round_f32 is one rounding to
+ * nearest even, subnormals included (kiln_mx_round).
  *
  * This is the format and the CPU implementation (src/ops/mx.c: quantization; src/ops/cpu/mx_*.c:
  * the product). It is not wired into the op table or the model yet: a caller quantizes a
@@ -31,9 +33,9 @@
 #include "../base/cpu_features.h"
 #include "../base/threadpool.h"
 
-#define KILN_MX_BLOCK 32          /* elements per block along K */
-#define KILN_MX_MAX_K 262144      /* 2^18: the largest K (8192 blocks) whose sum fits int64 */
-#define KILN_MX_EXP_ZERO INT16_MIN /* e of a block whose elements are all +-0 (or padding) */
+#define KILN_MX_BLOCK 32                /* elements per block along K */
+#define KILN_MX_MAX_K 262144            /* 2^18: the largest K (8192 blocks) whose sum fits int64 */
+#define KILN_MX_EXP_ZERO INT16_MIN      /* e of a block whose elements are all +-0 (or padding) */
 #define KILN_MX_EXP_NONFINITE INT16_MAX /* e of a block holding a NaN or an Inf */
 
 typedef enum kiln_mx_kind {
@@ -118,6 +120,13 @@ float kiln_mx_round(int64_t S, int p);
  * f32 adds afterwards (docs/ARITHMETIC.md, "add"). */
 kiln_status kiln_mx_matmul_cpu(const kiln_mx_matrix *x, const kiln_mx_matrix *w, float *out,
                                int64_t ldo, kiln_pool *pool, kiln_cpu_path path);
+
+/* The path to pass to kiln_mx_matmul_cpu for N rows of x: kiln_cpu_select_path(), except
+ * that below KILN_MX_VNNI_MIN_N rows the AVX2 kernel replaces the AVX-512 VNNI one (which
+ * regroups every row of W per call, a cost only many rows of x repay). The same bits either
+ * way. */
+#define KILN_MX_VNNI_MIN_N 16
+kiln_cpu_path kiln_mx_select_path(int64_t N);
 
 /* The name of the kernel that path p would run for the product ("portable", "avx2",
  * "avx512vnni"). */

@@ -20,7 +20,9 @@ static uint64_t rnd(void) {
     g_rng ^= g_rng << 17;
     return g_rng;
 }
-static float rndu(void) { return (float)((rnd() >> 40) / 16777216.0) * 2.0f - 1.0f; }
+static float rndu(void) {
+    return (float)((rnd() >> 40) / 16777216.0) * 2.0f - 1.0f;
+}
 
 /* Quantize one row of K elements; the caller frees m. */
 static kiln_mx_matrix quant_row(kiln_mx_kind kind, const float *a, int64_t K) {
@@ -41,14 +43,14 @@ static void test_quantize_rules(void) {
     float a[40] = {0};
     /* E = 0 (largest 1.5); quantum 2^-6: ties (k + 1/2) 2^-6 go to even k */
     a[0] = 1.5f;
-    a[1] = 0.5f * 0x1p-6f;  /* 0.5 -> 0 */
-    a[2] = 1.5f * 0x1p-6f;  /* 1.5 -> 2 */
-    a[3] = 2.5f * 0x1p-6f;  /* 2.5 -> 2 */
-    a[4] = -2.5f * 0x1p-6f; /* -2.5 -> -2 */
-    a[5] = -3.5f * 0x1p-6f; /* -3.5 -> -4 */
+    a[1] = 0.5f * 0x1p-6f;   /* 0.5 -> 0 */
+    a[2] = 1.5f * 0x1p-6f;   /* 1.5 -> 2 */
+    a[3] = 2.5f * 0x1p-6f;   /* 2.5 -> 2 */
+    a[4] = -2.5f * 0x1p-6f;  /* -2.5 -> -2 */
+    a[5] = -3.5f * 0x1p-6f;  /* -3.5 -> -4 */
     a[6] = 127.5f * 0x1p-6f; /* saturates to 127 */
-    a[7] = -0x1.fffffep0f;  /* just below 2^(E+1): 127.99.. -> -127 */
-    a[8] = 0x1p-149f;       /* far below the quantum: 0 */
+    a[7] = -0x1.fffffep0f;   /* just below 2^(E+1): 127.99.. -> -127 */
+    a[8] = 0x1p-149f;        /* far below the quantum: 0 */
     kiln_mx_matrix m = quant_row(KILN_MX8, a, 32);
     CHECK(m.e[0] == 0 && !m.row_nonfinite[0]);
     CHECK(mant(&m, 0, 0) == 96);
@@ -57,20 +59,21 @@ static void test_quantize_rules(void) {
     CHECK(mant(&m, 0, 6) == 127 && mant(&m, 0, 7) == -127 && mant(&m, 0, 8) == 0);
     kiln_mx_matrix_free(&m);
     /* mx16: quantum 2^-12, qmax 8191; the pieces */
-    a[1] = 0.5f * 0x1p-12f;    /* 0 */
-    a[2] = 1.5f * 0x1p-12f;    /* 2 */
-    a[3] = 8191.5f * 0x1p-12f; /* saturates to 8191 = 64*128 - 1 */
+    a[1] = 0.5f * 0x1p-12f;     /* 0 */
+    a[2] = 1.5f * 0x1p-12f;     /* 2 */
+    a[3] = 8191.5f * 0x1p-12f;  /* saturates to 8191 = 64*128 - 1 */
     a[4] = -8191.0f * 0x1p-12f; /* -8191 = -64*128 + 1 */
-    a[5] = 64.0f * 0x1p-12f;   /* 64 = 1*128 - 64 */
-    a[6] = 63.0f * 0x1p-12f;   /* 63 = 0*128 + 63 */
-    a[7] = -65.0f * 0x1p-12f;  /* -65 = -1*128 + 63 */
+    a[5] = 64.0f * 0x1p-12f;    /* 64 = 1*128 - 64 */
+    a[6] = 63.0f * 0x1p-12f;    /* 63 = 0*128 + 63 */
+    a[7] = -65.0f * 0x1p-12f;   /* -65 = -1*128 + 63 */
     m = quant_row(KILN_MX16, a, 32);
     CHECK(m.e[0] == 0);
     CHECK(mant(&m, 0, 1) == 0 && mant(&m, 0, 2) == 2 && mant(&m, 0, 3) == 8191);
     CHECK(m.q[3] == 64 && m.lo[3] == -1 && m.q[4] == -64 && m.lo[4] == 1);
     CHECK(m.q[5] == 1 && m.lo[5] == -64 && m.q[6] == 0 && m.lo[6] == 63);
     CHECK(m.q[7] == -1 && m.lo[7] == 63);
-    for (int i = 0; i < 32; i++) CHECK(m.lo[i] >= -64 && m.lo[i] <= 63 && m.q[i] >= -64 && m.q[i] <= 64);
+    for (int i = 0; i < 32; i++)
+        CHECK(m.lo[i] >= -64 && m.lo[i] <= 63 && m.q[i] >= -64 && m.q[i] <= 64);
     kiln_mx_matrix_free(&m);
     /* subnormals by their true exponent; a zero block; a K tail */
     memset(a, 0, sizeof a);
@@ -81,7 +84,8 @@ static void test_quantize_rules(void) {
     m = quant_row(KILN_MX8, a, 34);
     CHECK(m.nb == 2 && m.e[0] == -148 && m.e[1] == -140);
     CHECK(mant(&m, 0, 0) == 32 && mant(&m, 0, 1) == 96 && mant(&m, 1, 1) == -64);
-    for (int i = 2; i < 32; i++) CHECK(mant(&m, 1, i) == 0); /* the padding */
+    for (int i = 2; i < 32; i++)
+        CHECK(mant(&m, 1, i) == 0); /* the padding */
     kiln_mx_matrix_free(&m);
     a[0] = a[1] = 0.0f;
     a[2] = -0.0f;
@@ -110,13 +114,13 @@ static void test_round(void) {
     CHECK(kiln_mx_round(1, 0) == 1.0f && kiln_mx_round(-3, -2) == -0.75f);
     CHECK(kiln_mx_round((1 << 24) + 1, 0) == 16777216.0f); /* tie to even */
     CHECK(kiln_mx_round((1 << 24) + 3, 0) == 16777220.0f);
-    CHECK(kiln_mx_round(3, -150) == 0x1p-148f);         /* 1.5 2^-149: tie, to even (2) */
-    CHECK(kiln_mx_round(5, -151) == 0x1p-149f);         /* 1.25 2^-149 */
-    CHECK(bits(kiln_mx_round(1, -150)) == 0);           /* 0.5 2^-149: tie, to even (0) */
-    CHECK(bits(kiln_mx_round(-1, -150)) == 0x80000000u); /* -0 */
+    CHECK(kiln_mx_round(3, -150) == 0x1p-148f);             /* 1.5 2^-149: tie, to even (2) */
+    CHECK(kiln_mx_round(5, -151) == 0x1p-149f);             /* 1.25 2^-149 */
+    CHECK(bits(kiln_mx_round(1, -150)) == 0);               /* 0.5 2^-149: tie, to even (0) */
+    CHECK(bits(kiln_mx_round(-1, -150)) == 0x80000000u);    /* -0 */
     CHECK(kiln_mx_round((1 << 24) - 1, -150) == 0x1p-126f); /* rounds up to the normal range */
     CHECK(kiln_mx_round((1 << 24) - 1, 104) == FLT_MAX);
-    CHECK(isinf(kiln_mx_round((1 << 25) - 1, 103)));    /* rounds up to 2^128 */
+    CHECK(isinf(kiln_mx_round((1 << 25) - 1, 103))); /* rounds up to 2^128 */
     CHECK(kiln_mx_round(-1, 128) == -INFINITY);
     CHECK(kiln_mx_round(INT64_MAX, -190) == 0x1p-127f);
 }
@@ -129,13 +133,16 @@ static void fill(float *a, int64_t rows, int64_t K, int specials) {
         for (int64_t i = 0; i < K; i++) {
             float v = rndu() * scale;
             uint64_t c = rnd() % 100;
-            if (c < 2) v *= 1000.0f;
-            else if (c < 4) v = 0.0f;
+            if (c < 2)
+                v *= 1000.0f;
+            else if (c < 4)
+                v = 0.0f;
             a[j * K + i] = v;
         }
-        if (K > 32 && rnd() % 4 == 0) memset(a + j * K + 32, 0, 32 * sizeof(float));
+        if (K >= 64 && rnd() % 4 == 0) memset(a + j * K + 32, 0, 32 * sizeof(float));
         if (K > 64 && rnd() % 5 == 0)
-            for (int i = 0; i < 32; i++) a[j * K + i] = rndu() * 0x1p-135f;
+            for (int i = 0; i < 32; i++)
+                a[j * K + i] = rndu() * 0x1p-135f;
         if (specials && rnd() % 7 == 0) a[j * K + rnd() % K] = rnd() % 2 ? NAN : -INFINITY;
     }
 }
@@ -143,9 +150,11 @@ static void fill(float *a, int64_t rows, int64_t K, int specials) {
 static void test_paths_and_threads(void) {
     kiln_pool *pools[4] = {NULL};
     const int threads[4] = {1, 2, 3, 5};
-    for (int t = 0; t < 4; t++) CHECK(kiln_pool_create(threads[t], &pools[t]) == KILN_OK);
-    const kiln_cpu_path paths[3] = {KILN_CPU_PATH_PORTABLE, KILN_CPU_PATH_AVX2, KILN_CPU_PATH_AVX512};
-    int64_t shapes[][3] = {{1, 1, 1},   {1, 7, 31},  {2, 9, 32},   {3, 17, 33}, {4, 40, 64},
+    for (int t = 0; t < 4; t++)
+        CHECK(kiln_pool_create(threads[t], &pools[t]) == KILN_OK);
+    const kiln_cpu_path paths[3] = {KILN_CPU_PATH_PORTABLE, KILN_CPU_PATH_AVX2,
+                                    KILN_CPU_PATH_AVX512};
+    int64_t shapes[][3] = {{1, 1, 1},    {1, 7, 31},   {2, 9, 32},   {3, 17, 33},  {4, 40, 64},
                            {5, 33, 100}, {8, 19, 257}, {1, 65, 512}, {7, 24, 896}, {3, 11, 1000}};
     for (int s = 0; s < 10; s++)
         for (int kind = 8; kind <= 16; kind += 8)
@@ -163,7 +172,8 @@ static void test_paths_and_threads(void) {
                 CHECK(kiln_mx_quantize(&qx, x, K, pools[2]) == KILN_OK);
                 CHECK(kiln_mx_quantize(&qw, w, K, pools[1]) == KILN_OK);
                 poison(ref, (size_t)(N * R));
-                CHECK(kiln_mx_matmul_cpu(&qx, &qw, ref, R, NULL, KILN_CPU_PATH_PORTABLE) == KILN_OK);
+                CHECK(kiln_mx_matmul_cpu(&qx, &qw, ref, R, NULL, KILN_CPU_PATH_PORTABLE) ==
+                      KILN_OK);
                 for (int64_t i = 0; i < N * R; i++) {
                     /* NaN exactly where a row holds a NaN or Inf, and then the canonical NaN */
                     int bad = qx.row_nonfinite[i / R] || qw.row_nonfinite[i % R];
@@ -191,13 +201,15 @@ static void test_paths_and_threads(void) {
                 kiln_mx_matrix_free(&qw);
                 free(x), free(w), free(ref), free(out);
             }
-    for (int t = 0; t < 4; t++) kiln_pool_free(pools[t]);
+    for (int t = 0; t < 4; t++)
+        kiln_pool_free(pools[t]);
 }
 
 static void test_product_cases(void) {
     /* a zero row, and rows whose nonzero blocks never meet: +0 */
     float x[2 * 64] = {0}, w[2 * 64] = {0}, out[4];
-    for (int i = 0; i < 32; i++) x[64 + i] = 1.0f, w[32 + i] = 2.0f, w[64 + i] = -1.0f;
+    for (int i = 0; i < 32; i++)
+        x[64 + i] = 1.0f, w[32 + i] = 2.0f, w[64 + i] = -1.0f;
     for (int kind = 8; kind <= 16; kind += 8) {
         kiln_mx_matrix qx, qw;
         CHECK(kiln_mx_matrix_alloc(&qx, (kiln_mx_kind)kind, 2, 64) == KILN_OK);
@@ -206,7 +218,8 @@ static void test_product_cases(void) {
         CHECK(kiln_mx_quantize(&qw, w, 64, NULL) == KILN_OK);
         for (int p = 0; p < 2; p++) {
             poison(out, 4);
-            CHECK(kiln_mx_matmul_cpu(&qx, &qw, out, 2, NULL, p ? KILN_CPU_PATH_AVX2 : KILN_CPU_PATH_PORTABLE) == KILN_OK);
+            CHECK(kiln_mx_matmul_cpu(&qx, &qw, out, 2, NULL,
+                                     p ? KILN_CPU_PATH_AVX2 : KILN_CPU_PATH_PORTABLE) == KILN_OK);
             CHECK(bits(out[0]) == 0 && bits(out[1]) == 0); /* x row 0 is zero */
             CHECK(bits(out[2]) == 0);                      /* disjoint blocks */
             CHECK(out[3] == -32.0f);                       /* exact: 32 * 1 * -1 */
@@ -250,7 +263,8 @@ static void test_stochastic(void) {
                     kiln_mx_element(&m1, j, b, i, &qs, &e);
                     kiln_mx_element(&mn, j, b, i, &qn, &e);
                     kiln_mx_element(&mo, j, b, i, &qo, &e);
-                    CHECK(qs - qn >= -1 && qs - qn <= 1); /* floor or ceil of v; RNE is one of them */
+                    CHECK(qs - qn >= -1 &&
+                          qs - qn <= 1); /* floor or ceil of v; RNE is one of them */
                     differ += qs != qo;
                 }
         CHECK(differ > 100);
@@ -263,6 +277,148 @@ static void test_stochastic(void) {
     free(a);
 }
 
+/* Every allocation failing in turn: a clean KILN_ERR_NOMEM, the output untouched, nothing
+ * leaked (the matrix's one block, the product's scratch on each path). */
+static int g_fail_at, g_calls;
+static void *failing_alloc(size_t size, void *user) {
+    (void)user;
+    if (++g_calls == g_fail_at) return NULL;
+    return malloc(size);
+}
+static void plain_free(void *p, void *user) {
+    (void)user;
+    free(p);
+}
+
+static void test_alloc_failures(void) {
+    kiln_allocator a = {failing_alloc, plain_free, NULL};
+    CHECK(kiln_set_allocator(&a) == KILN_OK);
+    float x[3 * 40], w[5 * 40], out[15];
+    fill(x, 3, 40, 0);
+    fill(w, 5, 40, 0);
+    for (int kind = 8; kind <= 16; kind += 8)
+        for (int p = 0; p < 3; p++) {
+            kiln_mem_stats before, after;
+            kiln_mem_get_stats(&before);
+            int bad = 0;
+            for (int n = 1; n <= 4; n++) {
+                g_fail_at = n, g_calls = 0;
+                kiln_mx_matrix qx, qw;
+                memset(&qw, 0, sizeof qw);
+                kiln_status st = kiln_mx_matrix_alloc(&qx, (kiln_mx_kind)kind, 3, 40);
+                if (st == KILN_OK) st = kiln_mx_matrix_alloc(&qw, (kiln_mx_kind)kind, 5, 40);
+                if (st == KILN_OK) st = kiln_mx_quantize(&qx, x, 40, NULL);
+                if (st == KILN_OK) st = kiln_mx_quantize(&qw, w, 40, NULL);
+                poison(out, 15);
+                if (st == KILN_OK)
+                    st = kiln_mx_matmul_cpu(&qx, &qw, out, 5, NULL, (kiln_cpu_path)p);
+                /* the two matrices, then the SIMD kernels' scratch */
+                int simd = strcmp(kiln_mx_kernel_name((kiln_cpu_path)p), "portable") != 0;
+                int want_ok = n > 2 + simd;
+                if (want_ok ? st != KILN_OK : st != KILN_ERR_NOMEM) bad++;
+                if (!want_ok && n == 3 && !isnan(out[0])) bad++; /* out untouched */
+                kiln_mx_matrix_free(&qx);
+                kiln_mx_matrix_free(&qw);
+                kiln_mem_get_stats(&after);
+                if (after.live_blocks != before.live_blocks) bad++;
+            }
+            CHECK_MSG(bad == 0, "mx%d path %d: %d allocation failures mishandled", kind, p, bad);
+        }
+    g_fail_at = 0;
+    kiln_set_allocator(NULL);
+}
+
+/* Properties of the definition: the blocks' order does not matter (the same permutation of
+ * the K blocks of x and W gives the same bits), and scaling x by 2^a and W by 2^b scales every
+ * output by exactly 2^(a+b) (away from the ends of the exponent range). */
+static void test_properties(void) {
+    const int64_t N = 3, R = 6, K = 320, nb = K / 32;
+    float *x = malloc(sizeof(float) * (size_t)(N * K)),
+          *w = malloc(sizeof(float) * (size_t)(R * K));
+    float *xp = malloc(sizeof(float) * (size_t)(N * K)),
+          *wp = malloc(sizeof(float) * (size_t)(R * K));
+    float o1[18], o2[18];
+    for (int kind = 8; kind <= 16; kind += 8)
+        for (int trial = 0; trial < 4; trial++) {
+            fill(x, N, K, 0);
+            fill(w, R, K, 0);
+            if (trial < 2) /* no subnormal inputs, so that the scaling check below applies */
+                for (int64_t i = 0; i < (N > R ? N : R) * K; i++) {
+                    if (i < N * K && x[i] != 0 && fabsf(x[i]) < 0x1p-100f) x[i] = 1.0f;
+                    if (i < R * K && w[i] != 0 && fabsf(w[i]) < 0x1p-100f) w[i] = -1.0f;
+                }
+            int perm[10];
+            for (int b = 0; b < nb; b++)
+                perm[b] = b;
+            for (int b = nb - 1; b > 0; b--) { /* Fisher-Yates */
+                int c = (int)(rnd() % (uint64_t)(b + 1)), t = perm[b];
+                perm[b] = perm[c], perm[c] = t;
+            }
+            for (int64_t j = 0; j < N; j++)
+                for (int b = 0; b < nb; b++)
+                    memcpy(xp + j * K + b * 32, x + j * K + perm[b] * 32, 32 * sizeof(float));
+            for (int64_t j = 0; j < R; j++)
+                for (int b = 0; b < nb; b++)
+                    memcpy(wp + j * K + b * 32, w + j * K + perm[b] * 32, 32 * sizeof(float));
+            kiln_mx_matrix qx, qw, qxp, qwp;
+            CHECK(kiln_mx_matrix_alloc(&qx, (kiln_mx_kind)kind, N, K) == KILN_OK);
+            CHECK(kiln_mx_matrix_alloc(&qw, (kiln_mx_kind)kind, R, K) == KILN_OK);
+            CHECK(kiln_mx_matrix_alloc(&qxp, (kiln_mx_kind)kind, N, K) == KILN_OK);
+            CHECK(kiln_mx_matrix_alloc(&qwp, (kiln_mx_kind)kind, R, K) == KILN_OK);
+            CHECK(kiln_mx_quantize(&qx, x, K, NULL) == KILN_OK);
+            CHECK(kiln_mx_quantize(&qw, w, K, NULL) == KILN_OK);
+            CHECK(kiln_mx_quantize(&qxp, xp, K, NULL) == KILN_OK);
+            CHECK(kiln_mx_quantize(&qwp, wp, K, NULL) == KILN_OK);
+            CHECK(kiln_mx_matmul_cpu(&qx, &qw, o1, R, NULL, kiln_cpu_best_path()) == KILN_OK);
+            CHECK(kiln_mx_matmul_cpu(&qxp, &qwp, o2, R, NULL, kiln_cpu_best_path()) == KILN_OK);
+            CHECK(same_bits(o1, o2, 18, "permuted blocks"));
+            /* 2^a x, 2^b W: rescale from the originals (scales within 2^+-40 of fill's) */
+            int sa = (int)(rnd() % 41) - 20, sb = (int)(rnd() % 41) - 20;
+            for (int64_t i = 0; i < N * K; i++)
+                xp[i] = ldexpf(x[i], sa);
+            for (int64_t i = 0; i < R * K; i++)
+                wp[i] = ldexpf(w[i], sb);
+            /* keep away from subnormal inputs, whose exponents do not shift with the scale */
+            int normal = 1;
+            for (int64_t i = 0; i < N * K; i++)
+                normal &= x[i] == 0 || fabsf(x[i]) >= 0x1p-100f;
+            for (int64_t i = 0; i < R * K; i++)
+                normal &= w[i] == 0 || fabsf(w[i]) >= 0x1p-100f;
+            CHECK(kiln_mx_quantize(&qxp, xp, K, NULL) == KILN_OK);
+            CHECK(kiln_mx_quantize(&qwp, wp, K, NULL) == KILN_OK);
+            CHECK(kiln_mx_matmul_cpu(&qxp, &qwp, o2, R, NULL, kiln_cpu_best_path()) == KILN_OK);
+            CHECK(trial >= 2 || normal);
+            for (int i = 0; i < 18 && normal; i++) {
+                float want = ldexpf(o1[i], sa + sb);
+                int exact =
+                    fabsf(o1[i]) >= 0x1p-80f && fabsf(o1[i]) <= 0x1p80f; /* normal both ways */
+                CHECK_MSG(!exact || bits(o2[i]) == bits(want), "scaled: %g vs %g", o2[i], want);
+            }
+            kiln_mx_matrix_free(&qx);
+            kiln_mx_matrix_free(&qw);
+            kiln_mx_matrix_free(&qxp);
+            kiln_mx_matrix_free(&qwp);
+        }
+    /* the path advice: AVX2 for few rows of x, else the selected path */
+    CHECK(kiln_mx_select_path(KILN_MX_VNNI_MIN_N) == kiln_cpu_select_path());
+    CHECK(kiln_mx_select_path(1) != KILN_CPU_PATH_AVX512);
+    /* K = 0: every output +0 */
+    kiln_mx_matrix a, b;
+    CHECK(kiln_mx_matrix_alloc(&a, KILN_MX16, 2, 0) == KILN_OK);
+    CHECK(kiln_mx_matrix_alloc(&b, KILN_MX16, 3, 0) == KILN_OK);
+    CHECK(kiln_mx_quantize(&a, NULL, 0, NULL) == KILN_OK);
+    CHECK(kiln_mx_quantize(&b, NULL, 0, NULL) == KILN_OK);
+    for (int p = 0; p < 3; p++) {
+        poison(o1, 6);
+        CHECK(kiln_mx_matmul_cpu(&a, &b, o1, 3, NULL, (kiln_cpu_path)p) == KILN_OK);
+        for (int i = 0; i < 6; i++)
+            CHECK(bits(o1[i]) == 0);
+    }
+    kiln_mx_matrix_free(&a);
+    kiln_mx_matrix_free(&b);
+    free(x), free(w), free(xp), free(wp);
+}
+
 static void test_errors(void) {
     kiln_mx_matrix a, b;
     CHECK_ERR(kiln_mx_matrix_alloc(&a, KILN_MX8, 1, KILN_MX_MAX_K + 1), KILN_ERR_INVALID_ARG, "K");
@@ -271,14 +427,14 @@ static void test_errors(void) {
     CHECK(kiln_mx_matrix_alloc(&a, KILN_MX8, 2, 64) == KILN_OK);
     CHECK(kiln_mx_matrix_alloc(&b, KILN_MX16, 3, 64) == KILN_OK);
     float out[6];
-    CHECK_ERR(kiln_mx_matmul_cpu(&a, &b, out, 3, NULL, KILN_CPU_PATH_PORTABLE), KILN_ERR_INVALID_ARG,
-              "mx8");
+    CHECK_ERR(kiln_mx_matmul_cpu(&a, &b, out, 3, NULL, KILN_CPU_PATH_PORTABLE),
+              KILN_ERR_INVALID_ARG, "mx8");
     float x[128] = {0};
     CHECK_ERR(kiln_mx_quantize(&a, x, 32, NULL), KILN_ERR_INVALID_ARG, "lda");
     kiln_mx_matrix_free(&b);
     CHECK(kiln_mx_matrix_alloc(&b, KILN_MX8, 3, 64) == KILN_OK);
-    CHECK_ERR(kiln_mx_matmul_cpu(&a, &b, out, 2, NULL, KILN_CPU_PATH_PORTABLE), KILN_ERR_INVALID_ARG,
-              "ldo");
+    CHECK_ERR(kiln_mx_matmul_cpu(&a, &b, out, 2, NULL, KILN_CPU_PATH_PORTABLE),
+              KILN_ERR_INVALID_ARG, "ldo");
     kiln_mx_matrix_free(&a);
     kiln_mx_matrix_free(&a); /* freeing twice (zeroed) is a no-op */
     kiln_mx_matrix_free(&b);
@@ -294,7 +450,9 @@ int main(void) {
     test_product_cases();
     test_paths_and_threads();
     test_stochastic();
+    test_properties();
     test_errors();
+    test_alloc_failures();
     printf("test_mx: %d checks, %d failures (kernels: %s)\n", t_checks, t_failures,
            kiln_mx_kernel_name(kiln_cpu_best_path()));
     return t_failures ? 1 : 0;

@@ -13,7 +13,7 @@
  *       Reads DIR/s.i64 and DIR/p.i32 (COUNT each), writes DIR/r.f32 = kiln_mx_round(s, p).
  *   mx_tool bench N K R THREADS REPS
  *       Random x (N,K) ~ U[-1,1) and W (R,K) ~ U[-0.1,0.1); times per call, for mx8 and mx16,
- *       the product alone (W and x quantized before) on the selected path and on the portable
+ *       the product alone (W and x quantized before) on kiln_mx_select_path(N) and on the portable
  *       reference, the quantization of x, and kiln's CPU backend f32 matmul (the auditable
  *       one) on the same shape. Prints one line per measurement.
  *
@@ -104,7 +104,8 @@ static int cmd_run(int argc, char **argv) {
     uint64_t seed = 0;
     for (int i = 5; i < argc; i++) {
         if (!strncmp(argv[i], "threads=", 8)) threads = atoi(argv[i] + 8);
-        if (!strncmp(argv[i], "stochastic=", 11)) stochastic = 1, seed = strtoull(argv[i] + 11, NULL, 0);
+        if (!strncmp(argv[i], "stochastic=", 11))
+            stochastic = 1, seed = strtoull(argv[i] + 11, NULL, 0);
     }
     float *x = read_file(dir, "x.f32", (size_t)(N * K) * 4);
     float *w = read_file(dir, "w.f32", (size_t)(R * K) * 4);
@@ -126,11 +127,13 @@ static int cmd_run(int argc, char **argv) {
     kiln_cpu_path path = kiln_cpu_select_path();
     if (st == KILN_OK) st = kiln_mx_matmul_cpu(&qx, &qw, out, R, pool, path);
     int rc = 0;
-    if (st != KILN_OK) rc = fail(st);
+    if (st != KILN_OK)
+        rc = fail(st);
     else if (write_mx(dir, "x", &qx) || write_mx(dir, "w", &qw) ||
              write_file(dir, "out.f32", out, (size_t)(N * R) * 4))
         rc = 1;
-    else printf("{\"kernel\": \"%s\", \"nb\": %lld}\n", kiln_mx_kernel_name(path), (long long)qx.nb);
+    else
+        printf("{\"kernel\": \"%s\", \"nb\": %lld}\n", kiln_mx_kernel_name(path), (long long)qx.nb);
     kiln_mx_matrix_free(&qx);
     kiln_mx_matrix_free(&qw);
     kiln_pool_free(pool);
@@ -145,7 +148,8 @@ static int cmd_round(int argc, char **argv) {
     int32_t *p = read_file(argv[0], "p.i32", n * 4);
     float *r = malloc(n * 4 + 4);
     if (!s || !p || !r) return free(s), free(p), free(r), 1;
-    for (size_t i = 0; i < n; i++) r[i] = kiln_mx_round(s[i], p[i]);
+    for (size_t i = 0; i < n; i++)
+        r[i] = kiln_mx_round(s[i], p[i]);
     int rc = write_file(argv[0], "r.f32", r, n * 4);
     free(s), free(p), free(r);
     return rc;
@@ -164,7 +168,8 @@ typedef struct mx_bench {
 static double time_product(const mx_bench *b, int reps) {
     kiln_mx_matmul_cpu(b->qx, b->qw, b->out, b->R, b->pool, b->path); /* warm-up */
     double t0 = kiln_time_seconds();
-    for (int i = 0; i < reps; i++) kiln_mx_matmul_cpu(b->qx, b->qw, b->out, b->R, b->pool, b->path);
+    for (int i = 0; i < reps; i++)
+        kiln_mx_matmul_cpu(b->qx, b->qw, b->out, b->R, b->pool, b->path);
     return (kiln_time_seconds() - t0) / reps;
 }
 
@@ -175,8 +180,10 @@ static int cmd_bench(int argc, char **argv) {
     float *x = malloc((size_t)(N * K) * 4), *w = malloc((size_t)(R * K) * 4);
     float *out = malloc((size_t)(N * R) * 4);
     if (!x || !w || !out) return free(x), free(w), free(out), 1;
-    for (int64_t i = 0; i < N * K; i++) x[i] = rnd_f(-1.0f, 1.0f);
-    for (int64_t i = 0; i < R * K; i++) w[i] = rnd_f(-0.1f, 0.1f);
+    for (int64_t i = 0; i < N * K; i++)
+        x[i] = rnd_f(-1.0f, 1.0f);
+    for (int64_t i = 0; i < R * K; i++)
+        w[i] = rnd_f(-0.1f, 0.1f);
     kiln_pool *pool = NULL;
     kiln_backend *be = NULL;
     kiln_status st = kiln_pool_create(threads, &pool);
@@ -192,14 +199,15 @@ static int cmd_bench(int argc, char **argv) {
         if (st == KILN_OK) st = kiln_mx_quantize(&qw, w, K, pool);
         if (st != KILN_OK) return fail(st);
         double t0 = kiln_time_seconds();
-        for (int i = 0; i < reps; i++) kiln_mx_quantize(&qx, x, K, pool);
+        for (int i = 0; i < reps; i++)
+            kiln_mx_quantize(&qx, x, K, pool);
         double tq = (kiln_time_seconds() - t0) / reps;
-        mx_bench b = {&qx, &qw, out, R, pool, kiln_cpu_select_path()};
+        mx_bench b = {&qx, &qw, out, R, pool, kiln_mx_select_path(N)};
         double ts = time_product(&b, reps);
         b.path = KILN_CPU_PATH_PORTABLE;
         double tp = time_product(&b, reps > 3 ? 3 : reps);
         printf("mx%d: product %s %.3f ms (%.1f GMAC/s), portable %.3f ms, quantize x %.3f ms\n",
-               kind, kiln_mx_kernel_name(kiln_cpu_select_path()), ts * 1e3, gmac / ts, tp * 1e3,
+               kind, kiln_mx_kernel_name(kiln_mx_select_path(N)), ts * 1e3, gmac / ts, tp * 1e3,
                tq * 1e3);
         kiln_mx_matrix_free(&qx);
         kiln_mx_matrix_free(&qw);
@@ -207,7 +215,8 @@ static int cmd_bench(int argc, char **argv) {
     kiln_tensor W = {"w", KILN_DTYPE_F32, 2, {R, K, 1, 1}, w, (size_t)(R * K) * 4};
     be->i->matmul(be, out, x, &W, NULL, (int)N);
     double t0 = kiln_time_seconds();
-    for (int i = 0; i < reps; i++) be->i->matmul(be, out, x, &W, NULL, (int)N);
+    for (int i = 0; i < reps; i++)
+        be->i->matmul(be, out, x, &W, NULL, (int)N);
     double tf = (kiln_time_seconds() - t0) / reps;
     printf("f32 auditable matmul (CPU backend, path %s): %.3f ms (%.1f GMAC/s)\n",
            kiln_cpu_path_name(kiln_backend_cpu_path(be)), tf * 1e3, gmac / tf);

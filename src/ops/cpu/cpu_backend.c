@@ -323,7 +323,10 @@ static void matmul_mx(cpu_ctx *c, float *out, const float *x, const kiln_tensor 
         return;
     }
     kiln_status st = kiln_mx_quantize(xa, x, C, c->pool);
-    if (st == KILN_OK) st = kiln_mx_matmul_cpu(xa, w, out, R, c->pool, c->k->path);
+    /* the backend's path, with AVX2 for AVX-512 VNNI below its row count (kiln_mx_select_path) */
+    kiln_cpu_path path = c->k->path;
+    if (path == KILN_CPU_PATH_AVX512 && N < KILN_MX_VNNI_MIN_N) path = KILN_CPU_PATH_AVX2;
+    if (st == KILN_OK) st = kiln_mx_matmul_cpu(xa, w, out, R, c->pool, path);
     if (st != KILN_OK) {
         mx_poison(c, st, kiln_last_error(), W);
         return;

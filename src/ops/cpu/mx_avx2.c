@@ -79,8 +79,8 @@ TGT_INLINE __m256i combine8(__m256i acc, __m256i P, __m256i d) {
 
 /* S of one output of mx8: mantissa rows xq, wq (nb blocks), padded exponent rows ex, ew;
  * smsh = smax - SH. */
-TGT_INLINE int64_t sum_mx8(const int8_t *xq, const int8_t *wq, const int16_t *ex,
-                           const int16_t *ew, int64_t nb, int smsh) {
+TGT_INLINE int64_t sum_mx8(const int8_t *xq, const int8_t *wq, const int16_t *ex, const int16_t *ew,
+                           int64_t nb, int smsh) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i acc = _mm256_setzero_si256();
     for (int64_t g = 0; g < nb; g += 8) {
@@ -140,24 +140,29 @@ TGT static void a_rows(const kiln_mx_product *p, int64_t r0, int64_t r1, int thr
     const int mx8 = x->kind == KILN_MX8;
     const int F = mx8 ? KILN_MX8_F : KILN_MX16_F, SH = mx8 ? KILN_MX8_SH : KILN_MX16_SH;
     uint8_t *sc = p->scratch + (size_t)thread * p->scratch_stride;
-    int16_t *ew = (int16_t *)sc;                 /* (nbp) the row's exponents, padded */
-    int16_t *w16 = (int16_t *)(sc + nbp * 2);    /* mx16: (nb*32) the row's int16 mantissas */
+    int16_t *ew = (int16_t *)sc;              /* (nbp) the row's exponents, padded */
+    int16_t *w16 = (int16_t *)(sc + nbp * 6); /* mx16: (nb*32) the row's int16 mantissas */
     for (int64_t r = r0; r < r1; r++) {
         if (w->row_nonfinite[r]) {
-            for (int64_t n = 0; n < N; n++) p->out[n * p->ldo + r] = kiln_mx_nan();
+            for (int64_t n = 0; n < N; n++)
+                p->out[n * p->ldo + r] = kiln_mx_nan();
             continue;
         }
-        for (int64_t b = 0; b < nbp; b++) ew[b] = b < nb ? w->e[r * nb + b] : KILN_MX_EXP_ZERO;
+        for (int64_t b = 0; b < nbp; b++)
+            ew[b] = b < nb ? w->e[r * nb + b] : KILN_MX_EXP_ZERO;
         if (!mx8) widen16(w16, w->q + r * L, w->lo + r * L, L);
         for (int64_t n = 0; n < N; n++) {
             const int16_t *ex = p->xe + n * nbp;
             int smax = exp_sum_max(ex, ew, nbp);
             float v;
-            if (x->row_nonfinite[n]) v = kiln_mx_nan();
-            else if (smax < MX_SUM_NONE) v = 0.0f; /* no contributing block */
+            if (x->row_nonfinite[n])
+                v = kiln_mx_nan();
+            else if (smax < MX_SUM_NONE)
+                v = 0.0f; /* no contributing block */
             else {
                 int64_t S = mx8 ? sum_mx8(x->q + n * L, w->q + r * L, ex, ew, nb, smax - SH)
-                                : sum_mx16(p->x16 + n * L, w16, ex, ew, nb, smax - SH);
+                                : sum_mx16((const int16_t *)(p->xm + (size_t)n * p->xm_stride), w16,
+                                           ex, ew, nb, smax - SH);
                 v = kiln_mx_round(S, smax - 2 * F - SH);
             }
             p->out[n * p->ldo + r] = v;
@@ -167,7 +172,8 @@ TGT static void a_rows(const kiln_mx_product *p, int64_t r0, int64_t r1, int thr
 
 const kiln_mx_kernels kiln_mx_kernels_avx2 = {
     .name = "avx2",
-    .wants_scratch = 1,
+    .layout = KILN_MX_LAYOUT_INT16,
+    .w_rows = 1,
     .rows = a_rows,
 };
 

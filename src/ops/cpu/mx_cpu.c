@@ -12,7 +12,8 @@
 /* P_k of mx8: sum of 32 int8 x int8 products; |P| <= 32 * 127^2 < 2^19. */
 static int64_t block_product_mx8(const int8_t *qx, const int8_t *qw) {
     int32_t s = 0;
-    for (int i = 0; i < KILN_MX_BLOCK; i++) s += (int32_t)qx[i] * qw[i];
+    for (int i = 0; i < KILN_MX_BLOCK; i++)
+        s += (int32_t)qx[i] * qw[i];
     return s;
 }
 
@@ -67,7 +68,8 @@ static void p_rows(const kiln_mx_product *p, int64_t r0, int64_t r1, int thread)
 
 const kiln_mx_kernels kiln_mx_kernels_portable = {
     .name = "portable",
-    .wants_scratch = 0,
+    .layout = KILN_MX_LAYOUT_NONE,
+    .w_rows = 0,
     .rows = p_rows,
 };
 
@@ -77,6 +79,8 @@ static const kiln_mx_kernels *kernels_for(kiln_cpu_path path) {
 #if defined(__x86_64__)
     while (path > KILN_CPU_PATH_PORTABLE && !kiln_cpu_path_supported(path))
         path = (kiln_cpu_path)(path - 1);
+    if (path == KILN_CPU_PATH_AVX512 && kiln_cpu_get_features()->avx512vnni)
+        return &kiln_mx_kernels_avx512vnni;
     if (path >= KILN_CPU_PATH_AVX2) return &kiln_mx_kernels_avx2;
 #else
     (void)path;
@@ -84,7 +88,65 @@ static const kiln_mx_kernels *kernels_for(kiln_cpu_path path) {
     return &kiln_mx_kernels_portable;
 }
 
-const char *kiln_mx_kernel_name(kiln_cpu_path p) { return kernels_for(p)->name; }
+const char *kiln_mx_kernel_name(kiln_cpu_path p) {
+    return kernels_for(p)->name;
+}
+
+kiln_cpu_path kiln_mx_select_path(int64_t N) {
+    kiln_cpu_path p = kiln_cpu_select_path();
+    if (p == KILN_CPU_PATH_AVX512 && N < KILN_MX_VNNI_MIN_N) p = KILN_CPU_PATH_AVX2;
+    return p;
+}
+
+/* The SIMD kernels' scratch (kiln_mx_product's comments): x's padded exponents and prepared
+ * mantissas once per call, and a row of W's room per thread. *mem: the one allocation. */
+static kiln_status prepare(kiln_mx_product *p, int layout, int w_rows, int n_threads, void **mem) {
+    const kiln_mx_matrix *x = p->x;
+    const int64_t N = x->rows, nb = x->nb, nbp = (nb + 15) / 16 * 16, L = nb * KILN_MX_BLOCK;
+    const int mx16 = x->kind == KILN_MX16;
+    size_t xm_stride = 0;
+    if (layout == KILN_MX_LAYOUT_INT16 && mx16) xm_stride = (size_t)L * 2;
+    if (layout == KILN_MX_LAYOUT_INTERLEAVED)
+        xm_stride = (size_t)nbp * KILN_MX_BLOCK * (mx16 ? 2 : 1);
+    size_t xe = 0, xm = 0, sc = 0, t = 0, row16 = (size_t)L * 2 + 64;
+    if (kiln_mul_overflow((size_t)N, (size_t)nbp * 2, &xe) ||
+        kiln_mul_overflow((size_t)N, xm_stride, &xm) ||
+        kiln_mul_overflow((size_t)n_threads * (size_t)w_rows, KILN_MX_ROW_SCRATCH(nbp), &sc) ||
+        kiln_add_overflow(xe, xm, &t) || kiln_add_overflow(t, sc, &t) ||
+        kiln_add_overflow(t, row16, &t))
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_mx_matmul_cpu: N %lld too large",
+                          (long long)N);
+    KILN_TRY(kiln_alloc_or_fail(mem, t, "kiln_mx_matmul_cpu scratch"));
+    uint8_t *base = *mem;
+    int16_t *ep = (int16_t *)base;
+    uint8_t *xmp = base + xe;
+    int16_t *tmp16 = (int16_t *)(xmp + xm + sc); /* one widened row of x */
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t b = 0; b < nbp; b++)
+            ep[n * nbp + b] = b < nb ? x->e[n * nb + b] : KILN_MX_EXP_ZERO;
+        const int8_t *q = x->q + n * L;
+        int16_t *w16 =
+            layout == KILN_MX_LAYOUT_INT16 ? (int16_t *)(xmp + (size_t)n * xm_stride) : tmp16;
+        if (mx16)
+            for (int64_t i = 0; i < L; i++)
+                w16[i] = (int16_t)(q[i] * 128 + x->lo[n * L + i]);
+        if (layout == KILN_MX_LAYOUT_INTERLEAVED) {
+            uint8_t *d = xmp + (size_t)n * xm_stride;
+            kiln_mx_interleave16(d, mx16 ? (const uint8_t *)w16 : (const uint8_t *)q, nb, nbp,
+                                 mx16 ? 16 : 8);
+            if (!mx16) /* q + 128 as uint8 (vpdpbusd's unsigned operand); padding 0 + 128 */
+                for (size_t i = 0; i < xm_stride; i++)
+                    d[i] ^= 0x80;
+        }
+    }
+    p->nbp = nbp;
+    p->xe = ep;
+    p->xm = xm ? xmp : NULL;
+    p->xm_stride = xm_stride;
+    p->scratch = xmp + xm;
+    p->scratch_stride = (size_t)w_rows * KILN_MX_ROW_SCRATCH(nbp);
+    return KILN_OK;
+}
 
 typedef struct mx_job {
     const kiln_mx_kernels *k;
@@ -110,37 +172,15 @@ kiln_status kiln_mx_matmul_cpu(const kiln_mx_matrix *x, const kiln_mx_matrix *w,
     const int64_t N = x->rows, R = w->rows;
     if (N == 0 || R == 0) return KILN_OK;
     if (!out || ldo < R)
-        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_mx_matmul_cpu: out is NULL or ldo %lld < R %lld",
-                          (long long)ldo, (long long)R);
+        return kiln_error(KILN_ERR_INVALID_ARG,
+                          "kiln_mx_matmul_cpu: out is NULL or ldo %lld < R %lld", (long long)ldo,
+                          (long long)R);
     const kiln_mx_kernels *k = kernels_for(path);
     const int n_threads = kiln_pool_n_threads(pool);
-    kiln_mx_product p = {x, w, out, ldo, 0, NULL, NULL, NULL, 0};
+    kiln_mx_product p = {x, w, out, ldo, 0, NULL, NULL, 0, NULL, 0};
     void *mem = NULL;
-    if (k->wants_scratch) {
-        /* x's padded exponents (and mx16 mantissas) once per call; per thread one row of W */
-        const int64_t nbp = (x->nb + 15) / 16 * 16, L = x->nb * KILN_MX_BLOCK;
-        size_t xd = 0, x16 = 0, stride = (size_t)nbp * (2 + KILN_MX_BLOCK * 2), sc = 0, t = 0;
-        if (kiln_mul_overflow((size_t)N, (size_t)nbp * 2, &xd) ||
-            kiln_mul_overflow((size_t)N, x->kind == KILN_MX16 ? (size_t)L * 2 : 0, &x16) ||
-            kiln_mul_overflow((size_t)n_threads, stride, &sc) || kiln_add_overflow(xd, x16, &t) ||
-            kiln_add_overflow(t, sc + 64, &t))
-            return kiln_error(KILN_ERR_INVALID_ARG, "kiln_mx_matmul_cpu: N %lld too large",
-                              (long long)N);
-        KILN_TRY(kiln_alloc_or_fail(&mem, t, "kiln_mx_matmul_cpu scratch"));
-        int16_t *ep = mem;
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t b = 0; b < nbp; b++)
-                ep[n * nbp + b] = b < x->nb ? x->e[n * x->nb + b] : KILN_MX_EXP_ZERO;
-        int16_t *q16 = NULL;
-        if (x->kind == KILN_MX16) {
-            q16 = (int16_t *)((uint8_t *)mem + xd);
-            for (size_t i = 0; i < (size_t)(N * L); i++) q16[i] = (int16_t)(x->q[i] * 128 + x->lo[i]);
-        }
-        p.nbp = nbp;
-        p.xe = ep;
-        p.x16 = q16;
-        p.scratch = (uint8_t *)mem + xd + x16;
-        p.scratch_stride = stride;
+    if (k->layout != KILN_MX_LAYOUT_NONE) {
+        KILN_TRY(prepare(&p, k->layout, k->w_rows, n_threads, &mem));
     }
     /* tasks of whole rows of W: about 4 per thread, at least 8 rows each */
     int64_t per = (R + 4 * (int64_t)n_threads - 1) / (4 * (int64_t)n_threads);
