@@ -575,36 +575,15 @@ def test_engine_options_same_answers(server, build_dir, smollm2_gguf):
     assert rc == 0, err
 
 
-def test_fast_batch_invariant_equals_generate(build_dir, smollm2_gguf):
-    """--fast --batch-invariant on the CPU: concurrent requests get `kiln generate --fast
-    --batch-invariant`'s greedy text."""
+@pytest.mark.parametrize("args", [("--fast", "--batch-invariant"), ("--format", "mx8")],
+                         ids=["fast-batch-invariant", "format-mx8"])
+def test_invariant_arithmetic_equals_generate(build_dir, smollm2_gguf, args):
+    """The batch-invariant arithmetics on the CPU: concurrent requests get `kiln generate`'s
+    greedy text with the same options. --fast --batch-invariant takes the 8-bit path at every
+    batch size; --format mx8 quantizes each token's row on its own and sums exact integers."""
     prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
-    ref = [generate(build_dir, smollm2_gguf, p, 16, extra=("--fast", "--batch-invariant"))["text"] for p in prompts]
-    s = Server(build_dir, smollm2_gguf, "--fast", "--batch-invariant")
-    try:
-        got = [None] * len(prompts)
-
-        def one(i):
-            got[i] = s.client().completions.create(model=s.model, prompt=prompts[i], max_tokens=16,
-                                                   temperature=0).choices[0].text
-
-        ths = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in ths:
-            t.start()
-        for t in ths:
-            t.join()
-        assert got == ref
-    finally:
-        rc, err = s.stop()
-    assert rc == 0, err
-
-
-def test_format_batch_invariant_equals_generate(build_dir, smollm2_gguf):
-    """--format mx8: every product quantizes each token's row on its own and sums exact
-    integers, so concurrent requests get `kiln generate --format mx8`'s greedy text."""
-    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
-    ref = [generate(build_dir, smollm2_gguf, p, 16, extra=("--format", "mx8"))["text"] for p in prompts]
-    s = Server(build_dir, smollm2_gguf, "--format", "mx8")
+    ref = [generate(build_dir, smollm2_gguf, p, 16, extra=args)["text"] for p in prompts]
+    s = Server(build_dir, smollm2_gguf, *args)
     try:
         got = [None] * len(prompts)
 

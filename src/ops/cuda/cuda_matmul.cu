@@ -71,22 +71,37 @@ bool kiln_cuda_dtype_supported(kiln_dtype dt) {
 #define MM_THREADS 256
 #define MM_ROWS_PER_BLOCK (MM_THREADS / 16)
 
-/* One product of a launch (kiln_cuda_product_job) and its first block. */
-struct mm_job {
+/* One product of a launch of either product kernel (kiln_cuda_product_job), with its first
+ * block in the grid and (the fast kernel) its split S, and the launch's jobs. */
+struct prod_job {
     float *out;
     const float *res;
     const uint8_t *w, *w_up;
     const float *bias, *bias_up;
     size_t row_bytes;
     int64_t R;
+    int S;
     unsigned blk0;
 };
-struct mm_jobs {
-    mm_job job[KILN_CUDA_PRODUCT_MAX_JOBS];
+struct prod_jobs {
+    prod_job job[KILN_CUDA_PRODUCT_MAX_JOBS];
     int n;
     const float *norm_w; /* NORM: x is rmsnorm(x) * norm_w (kiln_cuda_rmsnorm's bits) */
     float eps;
 };
+
+/* The launch's jobs from the caller's (checked by product_jobs_ok), norm as given. */
+static prod_jobs prod_jobs_of(int n, const kiln_cuda_product_job *in, const float *norm_w, float eps) {
+    prod_jobs a;
+    memset(&a, 0, sizeof a);
+    a.n = n;
+    a.norm_w = norm_w;
+    a.eps = eps;
+    for (int j = 0; j < n; j++)
+        a.job[j] = prod_job{in[j].out, in[j].res, in[j].w, in[j].w_up, in[j].bias, in[j].bias_up,
+                            in[j].row_bytes, in[j].R, 0, 0};
+    return a;
+}
 
 /* The RMSNorm prologue of the product kernels (NORM): the scale r of token rows n0 .. n0 +
  * nt - 1 of x(., C) into sr[0 .. nt), half-warp t taking row n0 + t exactly as
@@ -116,7 +131,7 @@ static __device__ __forceinline__ float normed(float x, float r, float w) {
  * dot by a shuffle and writes swiglu(gate, up). Each row's dot is the one it is alone. */
 template <int DT, int NT, int PER_STEP, bool PAIR, bool NORM>
 static __global__ void __launch_bounds__(MM_THREADS)
-matmul_kernel(const __grid_constant__ mm_jobs jobs, const float *__restrict__ x, int64_t C,
+matmul_kernel(const __grid_constant__ prod_jobs jobs, const float *__restrict__ x, int64_t C,
               int N) {
     constexpr bool plain = blk<DT>::BS == 1;
     constexpr int VB = plain ? 16 : blk<DT>::BS;            /* elements per walk block */
@@ -126,7 +141,7 @@ matmul_kernel(const __grid_constant__ mm_jobs jobs, const float *__restrict__ x,
     constexpr int RPB = PAIR ? MM_ROWS_PER_BLOCK / 2 : MM_ROWS_PER_BLOCK;
     int jb = 0;
     while (jb + 1 < jobs.n && blockIdx.x >= jobs.job[jb + 1].blk0) jb++;
-    const mm_job &J = jobs.job[jb];
+    const prod_job &J = jobs.job[jb];
     const int64_t R = J.R;
     const int lane = threadIdx.x & 15, hw = threadIdx.x >> 4;
     const int side = PAIR ? (hw & 1) : 0; /* PAIR: 0 the gate's half-warp, 1 the up's */
@@ -213,7 +228,7 @@ extern "C" int kiln_cuda_matmul_step;
 int kiln_cuda_matmul_step = 0;
 
 template <int NT, int PER_STEP, int DT, bool PAIR, bool NORM>
-static void matmul_launch_nt(cudaStream_t s, mm_jobs a, const float *x, int64_t C, int N,
+static void matmul_launch_nt(cudaStream_t s, prod_jobs a, const float *x, int64_t C, int N,
                              unsigned gy) {
     constexpr int rpb = PAIR ? MM_ROWS_PER_BLOCK / 2 : MM_ROWS_PER_BLOCK;
     int64_t total = 0;
@@ -225,7 +240,7 @@ static void matmul_launch_nt(cudaStream_t s, mm_jobs a, const float *x, int64_t 
 }
 
 template <int DT, bool PAIR, bool NORM>
-static void matmul_launch_pair(cudaStream_t s, const mm_jobs &a, const float *x, int64_t C,
+static void matmul_launch_pair(cudaStream_t s, const prod_jobs &a, const float *x, int64_t C,
                                int N) {
     const int step = kiln_cuda_matmul_step ? kiln_cuda_matmul_step
                      : (DT == KILN_DTYPE_F16 || DT == KILN_DTYPE_BF16) ? 64 : 32;
@@ -236,7 +251,7 @@ static void matmul_launch_pair(cudaStream_t s, const mm_jobs &a, const float *x,
 }
 
 template <int DT>
-static void matmul_launch(cudaStream_t s, const mm_jobs *a, bool pair, const float *x, int64_t C,
+static void matmul_launch(cudaStream_t s, const prod_jobs *a, bool pair, const float *x, int64_t C,
                           int N) {
     const bool norm = a->norm_w != NULL;
     if (pair && norm) matmul_launch_pair<DT, true, true>(s, *a, x, C, N);
@@ -289,18 +304,10 @@ cudaError_t kiln_cuda_matmul_multi_norm(cudaStream_t s, int n, const kiln_cuda_p
     if (!kiln_cuda_dtype_supported(dt) || !product_jobs_ok(n, jobs, x, C, N, &pair) ||
         (uintptr_t)norm_w % 4 || C > INT_MAX)
         return cudaErrorInvalidValue;
-    mm_jobs a;
-    memset(&a, 0, sizeof a);
-    a.n = n;
-    a.norm_w = norm_w;
-    a.eps = eps;
+    const prod_jobs a = prod_jobs_of(n, jobs, norm_w, eps);
     const int rpb = pair ? MM_ROWS_PER_BLOCK / 2 : MM_ROWS_PER_BLOCK;
     int64_t total = 0;
-    for (int j = 0; j < n; j++) {
-        const kiln_cuda_product_job &in = jobs[j];
-        a.job[j] = mm_job{in.out, in.res, in.w, in.w_up, in.bias, in.bias_up, in.row_bytes, in.R, 0};
-        total += (in.R + rpb - 1) / rpb;
-    }
+    for (int j = 0; j < n; j++) total += (jobs[j].R + rpb - 1) / rpb;
     if (total > 0x7fffffff || (N + 7) / 8 > 65535) return cudaErrorInvalidConfiguration;
     KILN_CUDA_DTYPE_SWITCH(dt, matmul_launch, s, &a, pair, x, C, N);
     return cudaGetLastError();
@@ -1765,23 +1772,6 @@ static __device__ __forceinline__ void ldx4(const float *__restrict__ p, float *
 
 /* ---- the kernel ---------------------------------------------------------------------------- */
 
-/* One product of a launch: kiln_cuda_product_job with its split S and its first block. */
-struct fmv_job {
-    float *out;
-    const float *res;
-    const uint8_t *w, *w_up;
-    const float *bias, *bias_up;
-    size_t row_bytes;
-    int64_t R;
-    int S;
-    unsigned blk0;
-};
-struct fmv_jobs {
-    fmv_job job[KILN_CUDA_PRODUCT_MAX_JOBS];
-    int n;
-    const float *norm_w; /* NORM: x is rmsnorm(x) * norm_w (kiln_cuda_rmsnorm's bits) */
-    float eps;
-};
 
 /* Grid: x = the jobs' row blocks one after another (job j from job[j].blk0), each block
  * (FMV_WARPS / S) row groups of ROWS rows. NT: token tile (N <= NT; tokens t >= N are
@@ -1791,7 +1781,7 @@ struct fmv_jobs {
  * its outputs are swiglu(gate, up); each row's own sum is what it is alone. */
 template <int DT, int NT, bool FAST, bool PAIR, bool NORM>
 static __global__ void __launch_bounds__(FMV_THREADS)
-matvec_fast_kernel(const __grid_constant__ fmv_jobs jobs, const float *__restrict__ x, int64_t C,
+matvec_fast_kernel(const __grid_constant__ prod_jobs jobs, const float *__restrict__ x, int64_t C,
                    int N) {
     using T = fmv<DT>;
     constexpr int ROWS = fmv_rows(T::plain, NT), UNR = fmv_unroll(T::plain, NT, PAIR);
@@ -1804,7 +1794,7 @@ matvec_fast_kernel(const __grid_constant__ fmv_jobs jobs, const float *__restric
 
     int jb = 0;
     while (jb + 1 < jobs.n && blockIdx.x >= jobs.job[jb + 1].blk0) jb++;
-    const fmv_job &J = jobs.job[jb];
+    const prod_job &J = jobs.job[jb];
     const int64_t R = J.R;
     const int S = J.S;
     const unsigned bx = blockIdx.x - J.blk0;
@@ -1943,11 +1933,11 @@ template <int DT> static int fmv_split(int64_t R, int64_t C, int N) {
 
 /* Each job's split and first block for token tile NT, and the grid; false past 2^31 - 1
  * blocks. */
-template <int DT, int NT> static bool fmv_plan(fmv_jobs *a, unsigned *grid, int64_t C, int N) {
+template <int DT, int NT> static bool fmv_plan(prod_jobs *a, unsigned *grid, int64_t C, int N) {
     constexpr int rows = fmv_rows(fmv<DT>::plain, NT);
     int64_t total = 0;
     for (int j = 0; j < a->n; j++) {
-        fmv_job &J = a->job[j];
+        prod_job &J = a->job[j];
         J.S = fmv_split<DT>(J.R, C, N);
         const int64_t per_block = (int64_t)(FMV_WARPS / J.S) * rows;
         J.blk0 = (unsigned)total;
@@ -1959,7 +1949,7 @@ template <int DT, int NT> static bool fmv_plan(fmv_jobs *a, unsigned *grid, int6
 }
 
 template <int NT, int DT, bool FAST, bool PAIR>
-static cudaError_t fmv_launch_nt(cudaStream_t s, fmv_jobs a, const float *x, int64_t C, int N) {
+static cudaError_t fmv_launch_nt(cudaStream_t s, prod_jobs a, const float *x, int64_t C, int N) {
     unsigned grid = 0;
     if (!fmv_plan<DT, NT>(&a, &grid, C, N)) return cudaErrorInvalidValue;
     if (a.norm_w)
@@ -1970,7 +1960,7 @@ static cudaError_t fmv_launch_nt(cudaStream_t s, fmv_jobs a, const float *x, int
 }
 
 template <int DT>
-static void fmv_launch(cudaError_t *err, cudaStream_t s, const fmv_jobs *a, bool pair,
+static void fmv_launch(cudaError_t *err, cudaStream_t s, const prod_jobs *a, bool pair,
                        const float *x, int64_t C, int N) {
     using T = fmv<DT>;
     if (C % blk<DT>::BS != 0) {
@@ -1979,7 +1969,7 @@ static void fmv_launch(cudaError_t *err, cudaStream_t s, const fmv_jobs *a, bool
     }
     bool fast = (uintptr_t)x % 16 == 0 && (uintptr_t)a->norm_w % 16 == 0 && C % 4 == 0;
     for (int j = 0; j < a->n; j++) {
-        const fmv_job &J = a->job[j];
+        const prod_job &J = a->job[j];
         if (J.row_bytes < (size_t)(C / blk<DT>::BS) * blk<DT>::TS) {
             *err = cudaErrorInvalidValue;
             return;
@@ -2039,15 +2029,7 @@ cudaError_t kiln_cuda_matvec_fast_multi_norm(cudaStream_t s, int n,
     if (N > 8 || !kiln_cuda_dtype_supported(dt) || !product_jobs_ok(n, jobs, x, C, N, &pair) ||
         (uintptr_t)norm_w % 4 || C > INT_MAX)
         return cudaErrorInvalidValue;
-    fmv_jobs a;
-    memset(&a, 0, sizeof a);
-    a.n = n;
-    a.norm_w = norm_w;
-    a.eps = eps;
-    for (int j = 0; j < n; j++) {
-        const kiln_cuda_product_job &in = jobs[j];
-        a.job[j] = fmv_job{in.out, in.res, in.w, in.w_up, in.bias, in.bias_up, in.row_bytes, in.R, 0, 0};
-    }
+    const prod_jobs a = prod_jobs_of(n, jobs, norm_w, eps);
     cudaError_t err = cudaSuccess;
     KILN_CUDA_DTYPE_SWITCH(dt, fmv_launch, &err, s, &a, pair, x, C, N);
     return err;
