@@ -667,7 +667,6 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     int agreed = 0; /* the ranks know of a failure already (ranks_agree) */
     if (n_ranks > 1) { /* the same arguments on every rank: the same refusals */
         const char *no = o.device >= 0 ? "--device cuda (GPU ranks need the NCCL communicator, not written yet)"
-                         : distill     ? "kiln distill (the teacher's step is not sharded yet)"
                          : o.accum > 1 ? "--accum > 1 (a rank's gradient is one micro-batch: see --seqs-per-forward)"
                                        : NULL;
         if (no) {
@@ -855,7 +854,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         }
         kiln_model_info ti;
         kiln_model_get_info(tm, &ti);
-        fprintf(stderr, "[kiln distill] teacher %s: %.1fM parameters; temperature %g, alpha %g (KL) / %g (CE)\n",
+        if (rank0) fprintf(stderr, "[kiln distill] teacher %s: %.1fM parameters; temperature %g, alpha %g (KL) / %g (CE)\n",
                 ti.name, (double)ti.n_params / 1e6, o.temperature, o.alpha, 1.0 - o.alpha);
     }
     char desc[1024];
@@ -942,7 +941,16 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
                     memcpy(pid + k * o.seq, row, (size_t)o.seq * sizeof *pid);
                     memcpy(ptg + k * o.seq, row + 1, (size_t)o.seq * sizeof *ptg);
                 }
-                st = kiln_train_step_batch(tr, pid, (int)o.per_forward, (int)o.seq, ptg, KILN_LOSS_SUM, scale, 0, &l);
+                if (teacher) { /* every rank holds the whole teacher: its forward is this rank's rows' */
+                    kiln_distill_loss dl;
+                    st = kiln_train_distill_step(tr, teacher, pid, (int)o.per_forward, (int)o.seq, ptg, &dp,
+                                                 KILN_LOSS_SUM, scale, 0, &dl);
+                    l = dl.loss;
+                    kl = dl.kl;
+                    ce = dl.ce;
+                } else {
+                    st = kiln_train_step_batch(tr, pid, (int)o.per_forward, (int)o.seq, ptg, KILN_LOSS_SUM, scale, 0, &l);
+                }
             } else if (st == KILN_OK) {
                 st = kiln_train_dp_zero_grads(tr);
             }
@@ -957,6 +965,19 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
             double sg = sig_now;
             if ((rc = ranks_agree(comm, 0, &sg, &agreed))) break;
             sig_now = sg > 0 ? (sig_now ? sig_now : SIGTERM) : 0;
+            if (teacher) { /* the loss's parts, for the log: summed as the loss is */
+                double parts[2] = {kl, ce};
+                st = kiln_comm_allreduce_f64(comm, parts, 2);
+                kl = parts[0];
+                ce = parts[1];
+                if (st != KILN_OK) {
+                    fprintf(stderr, "kiln distill: rank %d: the sum of the KL and CE parts failed: %s\n", rank,
+                            kiln_last_error());
+                    rc = 1;
+                    agreed = 1;
+                    break;
+                }
+            }
             st = kiln_train_dp_reduce_grads(tr);
         }
         for (long a = 0; a < o.accum && st == KILN_OK && n_ranks == 1; a++) {

@@ -249,6 +249,7 @@ struct kiln_ckpt_writer {
     uint64_t expect_size; /* tensor / u64 sections: the size the data must reach; else ~0 */
     kiln_sha256_ctx *sha;
     int failed; /* an I/O error happened; the tmp directory is already removed */
+    int shard;  /* a shard of a set (kiln_ckpt_begin_shard): finished, not committed */
 };
 
 kiln_ckpt_save_params kiln_ckpt_default_save_params(void) {
@@ -272,7 +273,10 @@ static void writer_free(kiln_ckpt_writer *w) {
 static kiln_status writer_fail(kiln_ckpt_writer *w, kiln_status st) {
     if (w->fd >= 0) close(w->fd);
     w->fd = -1;
-    remove_flat_dir(w->tmp_dir);
+    if (w->shard) /* the set's directory holds the other ranks' shards: only this one goes */
+        unlink(w->file_path);
+    else
+        remove_flat_dir(w->tmp_dir);
     w->failed = 1;
     return st;
 }
@@ -570,24 +574,12 @@ static void housekeeping(kiln_ckpt_writer *w, char **warning) {
     fsync_path(w->dir, 1); /* best effort: removals need not be durable for correctness */
 }
 
-kiln_status kiln_ckpt_commit(kiln_ckpt_writer *w, char **warning) {
-    if (warning) *warning = NULL;
-    kiln_status st = writer_check(w, "kiln_ckpt_commit");
-    if (st != KILN_OK) {
-        writer_free(w);
-        return st;
-    }
-    if (w->in_section) {
-        st = kiln_error(KILN_ERR_STATE, "checkpoint: commit while section '%s' is open",
-                        w->entries[w->n_entries - 1].name);
-        kiln_ckpt_abort(w);
-        return st;
-    }
+/* Protocol step 1: pad, the section table, the header (hdr_sha: its SHA-256), fsync and close
+ * the file, fsync the tmp directory. On failure the tmp directory is removed. */
+static kiln_status finish_file(kiln_ckpt_writer *w, uint8_t hdr_sha[32]) {
     uint8_t hdr[HDR_SIZE] = {0};
     uint8_t *table = NULL;
-    char *marker = NULL, *marker_tmp = NULL;
-    int marker_fd = -1;
-
+    kiln_status st;
     if ((st = writer_pad(w)) != KILN_OK) goto fail;
     uint64_t table_offset = w->pos;
     size_t table_bytes = w->n_entries * (size_t)ENTRY_SIZE;
@@ -614,8 +606,6 @@ kiln_status kiln_ckpt_commit(kiln_ckpt_writer *w, char **warning) {
         goto fail;
     }
     if ((st = write_all(w->fd, w->file_path, 0, hdr, HDR_SIZE)) != KILN_OK) goto fail;
-
-    /* 1. file and tmp directory durable */
     int e = fault(KILN_CKPT_IO_FSYNC, w->file_path);
     if (!e && fsync(w->fd) != 0) e = errno;
     if (e) {
@@ -629,9 +619,25 @@ kiln_status kiln_ckpt_commit(kiln_ckpt_writer *w, char **warning) {
         goto fail;
     }
     if ((st = fsync_path(w->tmp_dir, 1)) != KILN_OK) goto fail;
+    memcpy(hdr_sha, hdr + 96, 32);
+    kiln_free(table);
+    return KILN_OK;
+fail:
+    kiln_free(table);
+    return writer_fail(w, st);
+}
 
+/* Protocol steps 2-4 for w's tmp directory (its files durable already), the marker saying
+ * `text`. On failure nothing new is complete and the directory is removed. */
+static kiln_status publish(kiln_ckpt_writer *w, const char *text, char **warning) {
+    char *marker = NULL, *marker_tmp = NULL;
+    int marker_fd = -1;
+    kiln_status st;
     /* 2. publish the directory */
-    if ((st = do_rename(w->tmp_dir, w->final_dir)) != KILN_OK) goto fail;
+    if ((st = do_rename(w->tmp_dir, w->final_dir)) != KILN_OK) {
+        writer_fail(w, st);
+        goto out;
+    }
     if ((st = fsync_path(w->dir, 1)) != KILN_OK) goto fail_published;
 
     /* 3. the marker, itself written atomically */
@@ -641,17 +647,13 @@ kiln_status kiln_ckpt_commit(kiln_ckpt_writer *w, char **warning) {
         st = kiln_error(KILN_ERR_NOMEM, "checkpoint: out of memory");
         goto fail_published;
     }
-    char hex[65], text[160];
-    kiln_sha256_hex(hdr + 96, hex);
-    int tl = snprintf(text, sizeof text, "KILNCKPT-COMPLETE step %llu header-sha256 %s\n",
-                      (unsigned long long)w->step, hex);
     marker_fd = open(marker_tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (marker_fd < 0) {
         st = kiln_error(KILN_ERR_IO, "%s: cannot create: %s", marker_tmp, strerror(errno));
         goto fail_published;
     }
-    if ((st = write_all(marker_fd, marker_tmp, 0, text, (size_t)tl)) != KILN_OK) goto fail_published;
-    e = fault(KILN_CKPT_IO_FSYNC, marker_tmp);
+    if ((st = write_all(marker_fd, marker_tmp, 0, text, strlen(text))) != KILN_OK) goto fail_published;
+    int e = fault(KILN_CKPT_IO_FSYNC, marker_tmp);
     if (!e && fsync(marker_fd) != 0) e = errno;
     if (e) {
         st = kiln_error(KILN_ERR_IO, "%s: fsync failed: %s", marker_tmp, strerror(e));
@@ -665,30 +667,186 @@ kiln_status kiln_ckpt_commit(kiln_ckpt_writer *w, char **warning) {
         unlink(marker);
         goto fail_published;
     }
-
     housekeeping(w, warning);
-    kiln_free(table);
-    kiln_free(marker);
-    kiln_free(marker_tmp);
-    writer_free(w);
-    return KILN_OK;
-
+    goto out;
 fail_published:
     /* the unmarked step directory is incomplete: remove it (a later save would anyway) */
     if (marker_fd >= 0) close(marker_fd);
     remove_flat_dir(w->final_dir);
     fsync_path(w->dir, 1);
-    kiln_error_prefix(st, "checkpoint step %llu not saved", (unsigned long long)w->step);
-    goto out;
-fail:
-    writer_fail(w, st);
-    kiln_error_prefix(st, "checkpoint step %llu not saved", (unsigned long long)w->step);
 out:
-    kiln_free(table);
     kiln_free(marker);
     kiln_free(marker_tmp);
+    return st;
+}
+
+kiln_status kiln_ckpt_commit(kiln_ckpt_writer *w, char **warning) {
+    if (warning) *warning = NULL;
+    kiln_status st = writer_check(w, "kiln_ckpt_commit");
+    if (st != KILN_OK) {
+        writer_free(w);
+        return st;
+    }
+    if (w->shard) {
+        st = kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_commit: a shard's writer (kiln_ckpt_finish_shard, then "
+                        "kiln_ckpt_set_commit on one rank)");
+        kiln_ckpt_abort(w);
+        return st;
+    }
+    if (w->in_section) {
+        st = kiln_error(KILN_ERR_STATE, "checkpoint: commit while section '%s' is open",
+                        w->entries[w->n_entries - 1].name);
+        kiln_ckpt_abort(w);
+        return st;
+    }
+    uint8_t sha[32];
+    char hex[65], text[160];
+    if ((st = finish_file(w, sha)) == KILN_OK) {
+        kiln_sha256_hex(sha, hex);
+        snprintf(text, sizeof text, "KILNCKPT-COMPLETE step %llu header-sha256 %s\n", (unsigned long long)w->step, hex);
+        st = publish(w, text, warning);
+    }
+    if (st != KILN_OK) kiln_error_prefix(st, "checkpoint step %llu not saved", (unsigned long long)w->step);
     writer_free(w);
     return st;
+}
+
+/* ---- sets of shards --------------------------------------------------------------------------- */
+
+/* A writer's paths for a set: <dir>/step-<step>.tmp-<tag>/ and, rank >= 0, the shard's file in it. */
+static kiln_ckpt_writer *set_writer(const char *dir, uint64_t step, long tag, int rank, int n_ranks) {
+    kiln_ckpt_writer *w = kiln_calloc(1, sizeof *w);
+    if (!w) return NULL;
+    w->fd = -1;
+    w->step = step;
+    w->dir = kiln_strdup(dir);
+    w->final_dir = path_printf("step-%llu", dir, step, -1);
+    w->tmp_dir = path_printf("step-%llu.tmp-%ld", dir, step, tag);
+    char name[64];
+    if (rank >= 0) snprintf(name, sizeof name, KILN_CKPT_SHARD_FMT, rank, n_ranks);
+    w->file_path = w->tmp_dir && rank >= 0 ? path_join(w->tmp_dir, name) : NULL;
+    if (!w->dir || !w->final_dir || !w->tmp_dir || (rank >= 0 && !w->file_path)) {
+        writer_free(w);
+        return NULL;
+    }
+    return w;
+}
+
+static int set_args_ok(const char *dir, uint64_t step, long tag, int n_ranks) {
+    return dir && step <= KILN_CKPT_MAX_STEP && tag >= 0 && n_ranks >= 1 && n_ranks <= KILN_CKPT_MAX_SHARDS;
+}
+
+kiln_status kiln_ckpt_set_prepare(const char *dir, uint64_t step, long tag) {
+    if (!set_args_ok(dir, step, tag, 1))
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_set_prepare: bad argument (dir %s, step %llu, tag %ld)",
+                          dir ? dir : "NULL", (unsigned long long)step, tag);
+    int e = fault(KILN_CKPT_IO_MKDIR, dir);
+    if (!e && mkdir(dir, 0755) != 0 && errno != EEXIST) e = errno;
+    if (e) return kiln_error(KILN_ERR_IO, "%s: cannot create checkpoint directory: %s", dir, strerror(e));
+    if (!kiln_path_is_dir(dir)) return kiln_error(KILN_ERR_IO, "%s: not a directory", dir);
+    if (step_dir_has_marker(dir, step))
+        return kiln_error(KILN_ERR_STATE, "%s/step-%llu: a complete checkpoint of this step already exists; remove "
+                          "it or save into another directory", dir, (unsigned long long)step);
+    kiln_ckpt_writer *w = set_writer(dir, step, tag, -1, 1);
+    if (!w) return kiln_error(KILN_ERR_NOMEM, "kiln_ckpt_set_prepare: out of memory");
+    kiln_status st = KILN_OK;
+    if (kiln_path_is_dir(w->final_dir) && remove_flat_dir(w->final_dir) != 0)
+        st = kiln_error(KILN_ERR_IO, "%s: cannot remove incomplete checkpoint: %s", w->final_dir, strerror(errno));
+    if (st == KILN_OK) {
+        remove_flat_dir(w->tmp_dir);
+        e = fault(KILN_CKPT_IO_MKDIR, w->tmp_dir);
+        if (!e && mkdir(w->tmp_dir, 0755) != 0) e = errno;
+        if (e) st = kiln_error(KILN_ERR_IO, "%s: cannot create: %s", w->tmp_dir, strerror(e));
+    }
+    writer_free(w);
+    return st;
+}
+
+kiln_status kiln_ckpt_begin_shard(const char *dir, uint64_t step, long tag, int rank, int n_ranks,
+                                  kiln_ckpt_writer **out) {
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_begin_shard: out is NULL");
+    *out = NULL;
+    if (!set_args_ok(dir, step, tag, n_ranks) || rank < 0 || rank >= n_ranks)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_begin_shard: bad argument (step %llu, tag %ld, rank %d "
+                          "of %d)", (unsigned long long)step, tag, rank, n_ranks);
+    kiln_ckpt_writer *w = set_writer(dir, step, tag, rank, n_ranks);
+    if (!w) return kiln_error(KILN_ERR_NOMEM, "kiln_ckpt_begin_shard: out of memory");
+    w->shard = 1;
+    if (!kiln_path_is_dir(w->tmp_dir)) {
+        kiln_status st = kiln_error(KILN_ERR_STATE, "%s: no such directory (kiln_ckpt_set_prepare makes it)", w->tmp_dir);
+        writer_free(w);
+        return st;
+    }
+    w->fd = open(w->file_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (w->fd < 0) {
+        kiln_status st = kiln_error(KILN_ERR_IO, "%s: cannot create: %s", w->file_path, strerror(errno));
+        writer_free(w);
+        return st;
+    }
+    static const uint8_t zeros[HDR_SIZE];
+    kiln_status st = writer_write(w, zeros, sizeof zeros); /* header placeholder */
+    if (st != KILN_OK) {
+        writer_free(w);
+        return st;
+    }
+    *out = w;
+    return KILN_OK;
+}
+
+kiln_status kiln_ckpt_finish_shard(kiln_ckpt_writer *w, uint8_t header_sha[32]) {
+    kiln_status st = writer_check(w, "kiln_ckpt_finish_shard");
+    if (st == KILN_OK && !w->shard) st = kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_finish_shard: not a shard's writer");
+    if (st == KILN_OK && w->in_section)
+        st = kiln_error(KILN_ERR_STATE, "checkpoint: finish while section '%s' is open", w->entries[w->n_entries - 1].name);
+    if (st == KILN_OK) st = finish_file(w, header_sha);
+    if (st != KILN_OK) kiln_error_prefix(st, "checkpoint shard %s not saved", w ? w->file_path : "");
+    writer_free(w);
+    return st;
+}
+
+kiln_status kiln_ckpt_set_commit(const char *dir, uint64_t step, long tag, int n_ranks, const uint8_t *header_shas,
+                                 int keep_last, char **warning) {
+    if (warning) *warning = NULL;
+    if (!set_args_ok(dir, step, tag, n_ranks) || !header_shas || keep_last < 0)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_set_commit: bad argument");
+    kiln_ckpt_writer *w = set_writer(dir, step, tag, -1, n_ranks);
+    size_t cap = 96 + (size_t)n_ranks * 128;
+    char *text = kiln_malloc(cap);
+    kiln_status st = w && text ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "kiln_ckpt_set_commit: out of memory");
+    if (st == KILN_OK) {
+        w->params.keep_last = keep_last;
+        size_t n = (size_t)snprintf(text, cap, "KILNCKPT-COMPLETE step %llu shards %d\n", (unsigned long long)step,
+                                    n_ranks);
+        for (int r = 0; r < n_ranks; r++) {
+            char hex[65], name[64];
+            kiln_sha256_hex(header_shas + 32 * (size_t)r, hex);
+            snprintf(name, sizeof name, KILN_CKPT_SHARD_FMT, r, n_ranks);
+            n += (size_t)snprintf(text + n, cap - n, "%s header-sha256 %s\n", name, hex);
+        }
+        /* every shard is there (each rank fsynced its file and the directory) */
+        for (int r = 0; r < n_ranks && st == KILN_OK; r++) {
+            char name[64];
+            snprintf(name, sizeof name, KILN_CKPT_SHARD_FMT, r, n_ranks);
+            char *f = path_join(w->tmp_dir, name);
+            if (!f) st = kiln_error(KILN_ERR_NOMEM, "kiln_ckpt_set_commit: out of memory");
+            else if (!kiln_path_is_file(f)) st = kiln_error(KILN_ERR_STATE, "%s: missing: shard %d was not written", f, r);
+            kiln_free(f);
+        }
+        if (st == KILN_OK) st = fsync_path(w->tmp_dir, 1);
+        if (st != KILN_OK) writer_fail(w, st);
+        else st = publish(w, text, warning);
+    }
+    if (st != KILN_OK) kiln_error_prefix(st, "checkpoint step %llu (%d shards) not saved", (unsigned long long)step, n_ranks);
+    kiln_free(text);
+    writer_free(w);
+    return st;
+}
+
+void kiln_ckpt_set_abort(const char *dir, uint64_t step, long tag) {
+    if (!set_args_ok(dir, step, tag, 1)) return;
+    kiln_ckpt_writer *w = set_writer(dir, step, tag, -1, 1);
+    if (w) remove_flat_dir(w->tmp_dir);
+    writer_free(w);
 }
 
 /* ---- reader ------------------------------------------------------------------------------------ */
@@ -702,10 +860,14 @@ struct kiln_ckpt {
     int n_sections;
     kiln_ckpt_section *sections;
     char *names; /* n_sections * NAME_FIELD */
+    int n_shards;       /* 0: a single state.kiln; N: shard 0 of a set of N (this file) */
+    kiln_ckpt **shards; /* (n_shards) the set's shards, [0] == this one; NULL when 0 */
 };
 
 void kiln_ckpt_close(kiln_ckpt *c) {
     if (!c) return;
+    for (int k = 1; k < c->n_shards; k++) kiln_ckpt_close(c->shards[k]);
+    kiln_free(c->shards);
     kiln_file_map_close(&c->map);
     kiln_free(c->path);
     kiln_free(c->rejected);
@@ -718,6 +880,10 @@ uint64_t kiln_ckpt_step(const kiln_ckpt *c) { return c ? c->step : 0; }
 const char *kiln_ckpt_path(const kiln_ckpt *c) { return c ? c->path : ""; }
 const char *kiln_ckpt_rejected(const kiln_ckpt *c) { return c && c->rejected ? c->rejected : ""; }
 int kiln_ckpt_section_count(const kiln_ckpt *c) { return c ? c->n_sections : 0; }
+int kiln_ckpt_shard_count(const kiln_ckpt *c) { return c ? c->n_shards : 0; }
+const kiln_ckpt *kiln_ckpt_shard(const kiln_ckpt *c, int k) {
+    return c && k >= 0 && k < c->n_shards ? c->shards[k] : NULL;
+}
 
 const kiln_ckpt_section *kiln_ckpt_section_at(const kiln_ckpt *c, int i) {
     if (!c || i < 0 || i >= c->n_sections) return NULL;
@@ -898,7 +1064,58 @@ kiln_status kiln_ckpt_open_file(const char *path, kiln_ckpt **out) {
     return KILN_OK;
 }
 
-/* Open <dir>/step-<step>: marker must exist and match the file's header hash and step. */
+/* A set's shards, as its marker (mpath) lists them in `lines` ("<file> header-sha256 <hex>\n"
+ * each, files in rank order): every file there, its header hash the marker's, its step `step`.
+ * *out: shard 0, holding the others. */
+static kiln_status open_set(const char *sdir, const char *mpath, const char *lines, uint64_t step,
+                            unsigned long long mstep, int n, kiln_ckpt **out) {
+    *out = NULL;
+    if (mstep != step || n < 1 || n > KILN_CKPT_MAX_SHARDS)
+        return FMT_ERR("%s: the marker says step %llu, %d shards, in the directory of step %llu", mpath, mstep, n,
+                       (unsigned long long)step);
+    kiln_ckpt **sh = kiln_calloc((size_t)n, sizeof *sh);
+    if (!sh) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", sdir);
+    kiln_status st = KILN_OK;
+    const char *p = lines;
+    for (int k = 0; k < n && st == KILN_OK; k++) {
+        char name[64], want[160], hex[65];
+        snprintf(name, sizeof name, KILN_CKPT_SHARD_FMT, k, n);
+        const char *nl = strchr(p, '\n');
+        char *f = path_join(sdir, name);
+        if (!f) {
+            st = kiln_error(KILN_ERR_NOMEM, "%s: out of memory", sdir);
+            break;
+        }
+        if (!nl || (size_t)(nl - p) < strlen(name) || strncmp(p, name, strlen(name)) != 0)
+            st = FMT_ERR("%s: line %d should name %s", mpath, k + 2, name);
+        else if (!kiln_path_is_file(f))
+            st = FMT_ERR("%s: marked complete but shard %d of %d (%s) is missing", sdir, k, n, name);
+        else if ((st = kiln_ckpt_open_file(f, &sh[k])) == KILN_OK) {
+            kiln_sha256_hex(sh[k]->header_sha, hex);
+            int wl = snprintf(want, sizeof want, "%s header-sha256 %s", name, hex);
+            if ((size_t)(nl - p) != (size_t)wl || strncmp(p, want, (size_t)wl) != 0)
+                st = FMT_ERR("%s: the marker does not match %s (a shard of another save, or a stale marker)", mpath, f);
+            else if (sh[k]->step != step)
+                st = FMT_ERR("%s: header step %llu in the set of step %llu", f, (unsigned long long)sh[k]->step,
+                             (unsigned long long)step);
+        }
+        kiln_free(f);
+        p = nl ? nl + 1 : p;
+    }
+    if (st == KILN_OK && *p) st = FMT_ERR("%s: text after the %d shards' lines", mpath, n);
+    if (st != KILN_OK) {
+        for (int k = 0; k < n; k++) kiln_ckpt_close(sh[k]);
+        kiln_free(sh);
+        return st;
+    }
+    sh[0]->n_shards = n;
+    sh[0]->shards = sh;
+    *out = sh[0];
+    return KILN_OK;
+}
+
+/* Open <dir>/step-<step>: marker must exist and match the file's header hash and step (or,
+ * a set's marker, every shard's: open_set). */
 static kiln_status open_step_dir(const char *dir, uint64_t step, kiln_ckpt **out) {
     char buf[64];
     snprintf(buf, sizeof buf, "step-%llu", (unsigned long long)step);
@@ -917,7 +1134,13 @@ static kiln_status open_step_dir(const char *dir, uint64_t step, kiln_ckpt **out
         goto done;
     }
     size_t len = 0;
-    if ((st = kiln_read_text_file(mpath, 4096, &text, &len)) != KILN_OK) goto done;
+    if ((st = kiln_read_text_file(mpath, 96 + (size_t)KILN_CKPT_MAX_SHARDS * 128, &text, &len)) != KILN_OK) goto done;
+    unsigned long long mstep = 0;
+    int n_shards = 0, used = 0;
+    if (sscanf(text, "KILNCKPT-COMPLETE step %llu shards %d\n%n", &mstep, &n_shards, &used) == 2 && used > 0) {
+        st = open_set(sdir, mpath, text + used, step, mstep, n_shards, &c);
+        goto done;
+    }
     if (!kiln_path_is_file(fpath)) {
         st = kiln_error(KILN_ERR_FORMAT, "%s: marked complete but %s is missing", sdir, KILN_CKPT_FILE);
         goto done;

@@ -53,6 +53,8 @@
 #define KILN_CKPT_MARKER "COMPLETE"
 #define KILN_CKPT_REASON "REASON"    /* in a set-aside directory: why (kiln_ckpt_set_aside) */
 #define KILN_CKPT_MAX_STEP INT64_MAX /* steps fit a signed 64-bit count; the reader refuses more */
+#define KILN_CKPT_SHARD_FMT "shard-%05d-of-%05d.kiln" /* rank, ranks: a set's files */
+#define KILN_CKPT_MAX_SHARDS 65536
 
 /* What a section holds. Stored as a u32; readers reject unknown values. */
 typedef enum kiln_ckpt_type {
@@ -106,8 +108,35 @@ kiln_status kiln_ckpt_section_end(kiln_ckpt_writer *w);
  * the caller frees, or NULL). */
 kiln_status kiln_ckpt_commit(kiln_ckpt_writer *w, char **warning);
 
-/* Abandon a save: removes the tmp directory. NULL is a no-op. */
+/* Abandon a save: removes the tmp directory (a shard's writer: its file). NULL is a no-op. */
 void kiln_ckpt_abort(kiln_ckpt_writer *w);
+
+/* ---- sets of shards: one checkpoint written by N ranks --------------------------------------------
+ *
+ *     <dir>/step-<k>/shard-00000-of-0000N.kiln ... shard-<N-1>-of-<N>.kiln   one container a rank
+ *     <dir>/step-<k>/COMPLETE    "KILNCKPT-COMPLETE step <k> shards <N>", then a line a shard:
+ *                                "<file> header-sha256 <hex>" -- the manifest, written last
+ *
+ * The ranks share the file system. The protocol, the caller keeping the ranks in step (all
+ * ranks agree after each stage; on a failure anywhere rank 0 calls kiln_ckpt_set_abort):
+ *   1. one rank: kiln_ckpt_set_prepare makes <dir>/step-<k>.tmp-<tag>/ (tag: that rank's pid);
+ *   2. every rank: kiln_ckpt_begin_shard, sections, kiln_ckpt_finish_shard (the file written
+ *      and fsynced, its header hash out);
+ *   3. one rank, with every rank's header hash: kiln_ckpt_set_commit (protocol steps 2-4 of a
+ *      single file, the marker listing the shards).
+ * A reader sees the set complete only with its marker, and opens it whole: every shard present,
+ * each one's header hash the marker's, each one's step k (a set missing a shard or mixing two
+ * saves is refused like a damaged file, and set aside on resume). kill -9 at any moment leaves
+ * an unmarked directory that loading passes over and housekeeping removes. */
+kiln_status kiln_ckpt_set_prepare(const char *dir, uint64_t step, long tag);
+kiln_status kiln_ckpt_begin_shard(const char *dir, uint64_t step, long tag, int rank, int n_ranks,
+                                  kiln_ckpt_writer **out);
+/* Consumes w (also on failure, when its file is removed). */
+kiln_status kiln_ckpt_finish_shard(kiln_ckpt_writer *w, uint8_t header_sha[32]);
+/* header_shas: n_ranks x 32 bytes, rank order. keep_last as kiln_ckpt_save_params'. */
+kiln_status kiln_ckpt_set_commit(const char *dir, uint64_t step, long tag, int n_ranks, const uint8_t *header_shas,
+                                 int keep_last, char **warning);
+void kiln_ckpt_set_abort(const char *dir, uint64_t step, long tag);
 
 /* ---- fault injection (tests only) ------------------------------------------------------------ */
 
@@ -170,6 +199,11 @@ const char *kiln_ckpt_path(const kiln_ckpt *c);  /* the state.kiln path opened *
 /* Why newer checkpoints were passed over by kiln_ckpt_open_latest / _open_for_resume, one line
  * each, "[set aside as PATH]" after those set aside ("" if none). */
 const char *kiln_ckpt_rejected(const kiln_ckpt *c);
+
+/* 0: c is one state.kiln; N: c is shard 0 of a set of N, whose shard k (0 <= k < N; shard 0
+ * is c itself) kiln_ckpt_shard gives (NULL out of range); each is closed with c. */
+int kiln_ckpt_shard_count(const kiln_ckpt *c);
+const kiln_ckpt *kiln_ckpt_shard(const kiln_ckpt *c, int k);
 
 int kiln_ckpt_section_count(const kiln_ckpt *c);
 /* Section i (0 <= i < count) in file order; NULL if i is out of range. */

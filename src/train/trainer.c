@@ -1507,7 +1507,7 @@ const kiln_model *kiln_trainer_model(const kiln_trainer *t) { return t ? t->mode
 
 /* The configuration a checkpoint must match to be restored: architecture and shapes, the
  * storage variants and the parameter list (names in order). */
-static char *config_json(const kiln_trainer *t) {
+char *kiln_trainer_config_json(const kiln_trainer *t) {
     const kiln_model_config *c = &t->cfg;
     size_t cap = 512 + (size_t)t->n_params * 128;
     char *s = kiln_malloc(cap);
@@ -1561,7 +1561,7 @@ kiln_status kiln_train_save(kiln_trainer *t, const char *dir, uint64_t step, con
 
 kiln_status kiln_trainer_save_local(kiln_trainer *t, const char *dir, uint64_t step, const char *run_json,
                                     int keep_last) {
-    char *cfg = config_json(t);
+    char *cfg = kiln_trainer_config_json(t);
     if (!cfg) return kiln_error(KILN_ERR_NOMEM, "kiln_train_save: out of memory");
     kiln_ckpt_save_params sp = {0};
     sp.keep_last = keep_last;
@@ -1640,7 +1640,6 @@ kiln_status kiln_train_load(kiln_trainer *t, const char *dir, uint64_t *step, ch
     return kiln_train_load_ex(t, dir, step, run_json, NULL);
 }
 
-static kiln_status load_checkpoint(kiln_trainer *t, kiln_ckpt *c, uint64_t *step, char **run_json, char **notes);
 
 kiln_status kiln_train_load_ex(kiln_trainer *t, const char *dir, uint64_t *step, char **run_json, char **notes) {
     if (notes) *notes = NULL;
@@ -1669,13 +1668,14 @@ kiln_status kiln_trainer_load_local(kiln_trainer *t, const char *dir, int64_t at
         KILN_TRY(kiln_ckpt_open_for_resume(dir, &c));
     else
         KILN_TRY(kiln_ckpt_open_step(dir, (uint64_t)at, &c));
-    return load_checkpoint(t, c, step, run_json, notes);
+    return kiln_trainer_load_opened(t, c, step, run_json, notes);
 }
 
 /* The state of the opened checkpoint c into t (every check before anything changes); closes c. */
-static kiln_status load_checkpoint(kiln_trainer *t, kiln_ckpt *c, uint64_t *step, char **run_json, char **notes) {
+kiln_status kiln_trainer_load_opened(kiln_trainer *t, kiln_ckpt *c, uint64_t *step, char **run_json, char **notes) {
+    if (kiln_ckpt_shard_count(c) > 0) return kiln_trainer_load_set(t, c, step, run_json, notes);
     const kiln_ckpt_section *sec = NULL;
-    char *cfg = config_json(t);
+    char *cfg = kiln_trainer_config_json(t);
     kiln_status st = cfg ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "kiln_train_load: out of memory");
     if (st == KILN_OK) st = kiln_ckpt_find(c, "config", KILN_CKPT_JSON, &sec);
     if (st == KILN_OK && (sec->size != strlen(cfg) || memcmp(sec->data, cfg, sec->size) != 0))

@@ -32,6 +32,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 struct kiln_train_dp {
     kiln_comm *c;      /* the caller's; outlives the trainer */
@@ -381,25 +382,6 @@ static kiln_status slot_words(kiln_adamw *o, int j, int kind, int64_t off, int64
     return KILN_OK;
 }
 
-/* The shards into wm / wv (one process's optimizers, made on root only): each state kind
- * all-gathered chunk by chunk and written on root. */
-static kiln_status gather_state(kiln_trainer *t, kiln_adamw *wm, kiln_adamw *wv, int root) {
-    kiln_train_dp *d = t->dp;
-    for (int kind = 0; kind < STATE_KINDS; kind++) {
-        if (!kind_exists(t, kind)) continue;
-        const flat_io mine = {t, kind, NULL, NULL}, whole = {t, kind, wm, wv};
-        for (int64_t c0 = 0; c0 < d->S; c0 += d->chunk) {
-            const int64_t len = chunk_len(d, c0);
-            KILN_TRY(gather_chunk(&mine, c0, len, 0));
-            for (int r = 0; d->rank == root && r < d->size; r++) {
-                const int64_t a = (int64_t)r * d->S + c0, b = a + len < d->total ? a + len : d->total;
-                if (a < b) KILN_TRY(flat_move(&whole, a, b, d->stage + (size_t)r * (size_t)len, 0));
-            }
-        }
-    }
-    return KILN_OK;
-}
-
 /* wm / wv (one process's optimizers, the same on every rank) into this rank's shards. */
 static kiln_status scatter_state(kiln_trainer *t, kiln_adamw *wm, kiln_adamw *wv) {
     kiln_train_dp *d = t->dp;
@@ -432,53 +414,282 @@ static kiln_status agree(kiln_train_dp *d, kiln_status st, const char *what) {
     return KILN_OK;
 }
 
+/* ---- checkpoints: a set of shards, one a rank (docs/DISTRIBUTED.md, "Checkpoints") ---------- */
+
+/* The flat arrays a shard holds, each its rank's range as 4-byte words (flat_io's): the
+ * weights, then the optimizer's state arrays that the storage has. */
+static const char *const flat_section[] = {"flat/m", "flat/v", "flat/master", "flat/compensation"};
+
+/* Elements [lo, hi) of f into the shard being written, a chunk (d->own) at a time. */
+static kiln_status write_flat(kiln_ckpt_writer *w, const char *name, const flat_io *f) {
+    kiln_train_dp *d = f->t->dp;
+    KILN_TRY(kiln_ckpt_section_begin(w, name, KILN_CKPT_RAW));
+    for (int64_t a = d->lo; a < d->hi; a += d->chunk) {
+        const int64_t b = a + d->chunk < d->hi ? a + d->chunk : d->hi;
+        KILN_TRY(flat_move(f, a, b, d->own, 1));
+        KILN_TRY(kiln_ckpt_section_write(w, d->own, (size_t)(b - a) * 4));
+    }
+    return kiln_ckpt_section_end(w);
+}
+
+/* This rank's shard, written and fsynced into the set's tmp directory; sha: its header hash. */
+static kiln_status write_shard(kiln_trainer *t, const char *dir, uint64_t step, long tag, const char *run_json,
+                               uint8_t sha[32]) {
+    kiln_train_dp *d = t->dp;
+    char *cfg = kiln_trainer_config_json(t);
+    if (!cfg) return kiln_error(KILN_ERR_NOMEM, "kiln_train_save: out of memory");
+    kiln_ckpt_writer *w = NULL;
+    kiln_status st = kiln_ckpt_begin_shard(dir, step, tag, d->rank, d->size, &w);
+    if (st == KILN_OK) st = kiln_ckpt_add_json(w, "config", cfg);
+    if (st == KILN_OK && run_json) st = kiln_ckpt_add_json(w, "run", run_json);
+    if (st == KILN_OK) st = kiln_ckpt_add_u64(w, "step", step);
+    if (st == KILN_OK) st = kiln_ckpt_add_u64(w, "seed", t->p.seed);
+    if (st == KILN_OK) st = kiln_ckpt_add_u64(w, "shard/rank", (uint64_t)d->rank);
+    if (st == KILN_OK) st = kiln_ckpt_add_u64(w, "shard/ranks", (uint64_t)d->size);
+    if (st == KILN_OK) st = kiln_ckpt_add_u64(w, "shard/lo", (uint64_t)d->lo);
+    if (st == KILN_OK) st = kiln_ckpt_add_u64(w, "shard/hi", (uint64_t)d->hi);
+    if (st == KILN_OK) st = kiln_ckpt_add_u64(w, "shard/total", (uint64_t)d->total);
+    if (st == KILN_OK) st = kiln_ckpt_add_u64(w, "optimizer/step", (uint64_t)kiln_adamw_get_step(t->opt_mat));
+    if (st == KILN_OK) {
+        const double lr[2] = {kiln_adamw_get_lr(t->opt_mat), kiln_adamw_get_lr(t->opt_vec)};
+        st = kiln_ckpt_add_section(w, "optimizer/lr", KILN_CKPT_RAW, lr, sizeof lr);
+    }
+    const flat_io weights = {t, FLAT_WEIGHT, NULL, NULL};
+    if (st == KILN_OK) st = write_flat(w, "flat/weight", &weights);
+    for (int kind = 0; st == KILN_OK && kind < STATE_KINDS; kind++) {
+        const flat_io f = {t, kind, NULL, NULL};
+        if (kind_exists(t, kind)) st = write_flat(w, flat_section[kind], &f);
+    }
+    kiln_free(cfg);
+    if (st != KILN_OK) {
+        kiln_ckpt_abort(w);
+        return kiln_error_prefix(st, "kiln_train_save: rank %d's shard", d->rank);
+    }
+    return kiln_ckpt_finish_shard(w, sha);
+}
+
 kiln_status kiln_trainer_dp_save(kiln_trainer *t, const char *dir, uint64_t step, const char *run_json,
                                  int keep_last) {
     kiln_train_dp *d = t->dp;
-    kiln_adamw *wm = NULL, *wv = NULL;
-    kiln_status st = KILN_OK;
-    if (d->rank == 0) st = kiln_trainer_make_optimizers(t, 0, d->total, &wm, &wv, 0);
-    /* every rank takes part in the gathers, whatever rank 0's allocation said */
-    st = agree(d, st, "kiln_train_save: making the whole optimizer state");
-    if (st == KILN_OK) st = gather_state(t, wm, wv, 0);
+    /* the set's tmp directory is named by rank 0's process, so housekeeping knows its owner */
+    int64_t tag = d->rank == 0 ? (int64_t)getpid() : 0;
+    kiln_status st = kiln_comm_broadcast(d->c, &tag, sizeof tag, 0);
+    if (st != KILN_OK) return st;
+    if (d->rank == 0) st = kiln_ckpt_set_prepare(dir, step, (long)tag);
+    st = agree(d, st, "kiln_train_save (rank 0 prepares the checkpoint's directory)");
+    if (st != KILN_OK) return st;
+    uint8_t sha[32] = {0};
+    uint8_t *shas = kiln_calloc((size_t)d->size, 32);
+    st = shas ? write_shard(t, dir, step, (long)tag, run_json, sha)
+              : kiln_error(KILN_ERR_NOMEM, "kiln_train_save: out of memory");
+    st = agree(d, st, "kiln_train_save (every rank writes its shard)");
+    if (st == KILN_OK) st = kiln_comm_allgather(d->c, shas, sha, 32);
     if (st == KILN_OK && d->rank == 0) {
-        kiln_adamw_set_step(wm, kiln_adamw_get_step(t->opt_mat));
-        kiln_adamw_set_step(wv, kiln_adamw_get_step(t->opt_vec));
-        kiln_adamw_set_lr(wm, kiln_adamw_get_lr(t->opt_mat));
-        kiln_adamw_set_lr(wv, kiln_adamw_get_lr(t->opt_vec));
-        kiln_adamw *sm = t->opt_mat, *sv = t->opt_vec;
-        t->opt_mat = wm;
-        t->opt_vec = wv;
-        st = kiln_trainer_save_local(t, dir, step, run_json, keep_last);
-        t->opt_mat = sm;
-        t->opt_vec = sv;
+        char *warning = NULL;
+        st = kiln_ckpt_set_commit(dir, step, (long)tag, d->size, shas, keep_last, &warning);
+        kiln_free(warning);
+    } else if (d->rank == 0) {
+        kiln_ckpt_set_abort(dir, step, (long)tag);
     }
-    kiln_adamw_free(wm);
-    kiln_adamw_free(wv);
-    return agree(d, st, "kiln_train_save (rank 0 writes the checkpoint)");
+    kiln_free(shas);
+    return agree(d, st, "kiln_train_save (rank 0 commits the set)");
+}
+
+/* The section `name` of every shard of the set c, checked: (hi - lo) x 4 bytes each. */
+static kiln_status find_flat(const kiln_ckpt *c, const char *name, const int64_t *lo, const int64_t *hi,
+                             const kiln_ckpt_section **out) {
+    for (int k = 0; k < kiln_ckpt_shard_count(c); k++) {
+        const kiln_ckpt *sh = kiln_ckpt_shard(c, k);
+        KILN_TRY(kiln_ckpt_find(sh, name, KILN_CKPT_RAW, &out[k]));
+        if (out[k]->size != (uint64_t)(hi[k] - lo[k]) * 4)
+            return kiln_error(KILN_ERR_FORMAT, "%s: section '%s' has %llu bytes, not the %lld elements of the shard's "
+                              "range", kiln_ckpt_path(sh), name, (unsigned long long)out[k]->size,
+                              (long long)(hi[k] - lo[k]));
+    }
+    return KILN_OK;
+}
+
+/* Elements [lo, hi) of the layout d's ranks (this rank's range) from the set's sections sec
+ * (shard k holding [slo[k], shi[k])) into f: chunk by chunk, each chunk from the shards it meets. */
+static kiln_status read_flat(const flat_io *f, int n, const int64_t *slo, const int64_t *shi,
+                             const kiln_ckpt_section *const *sec) {
+    const kiln_train_dp *d = f->t->dp;
+    for (int64_t a = d->lo; a < d->hi; a += d->chunk) {
+        const int64_t b = a + d->chunk < d->hi ? a + d->chunk : d->hi;
+        for (int k = 0; k < n; k++) {
+            const int64_t x = a > slo[k] ? a : slo[k], y = b < shi[k] ? b : shi[k];
+            if (x < y)
+                memcpy(d->own + (x - a), (const uint8_t *)sec[k]->data + (size_t)(x - slo[k]) * 4, (size_t)(y - x) * 4);
+        }
+        KILN_TRY(flat_move(f, a, b, d->own, 0));
+    }
+    return KILN_OK;
+}
+
+/* A one-process layout for a trainer that is not a rank: the whole vector is "its range". */
+static kiln_status layout_whole(kiln_trainer *t, kiln_train_dp **out) {
+    kiln_train_dp *d = kiln_calloc(1, sizeof *d);
+    if (!d) return kiln_error(KILN_ERR_NOMEM, "kiln_train_load: out of memory");
+    d->size = 1;
+    d->first = kiln_calloc((size_t)t->n_params + 1, sizeof *d->first);
+    d->slot = kiln_calloc((size_t)t->n_params + 1, sizeof(int));
+    if (d->first && d->slot) {
+        for (int i = 0; i < t->n_params; i++) d->first[i + 1] = d->first[i] + t->params[i].n;
+        d->total = d->S = d->hi = d->first[t->n_params];
+        d->chunk = d->total < ((int64_t)1 << 22) ? d->total : ((int64_t)1 << 22);
+        if (d->chunk < 1) d->chunk = 1;
+        d->own = kiln_calloc((size_t)d->chunk, 4);
+        for (int j = 0; j < t->n_mat; j++) d->slot[t->mat_index[j]] = j;
+        for (int j = 0; j < t->n_vec; j++) d->slot[t->vec_index[j]] = j;
+    }
+    if (!d->first || !d->slot || !d->own) {
+        dp_free(d);
+        return kiln_error(KILN_ERR_NOMEM, "kiln_train_load: out of memory");
+    }
+    *out = d;
+    return KILN_OK;
+}
+
+kiln_status kiln_trainer_load_set(kiln_trainer *t, kiln_ckpt *c, uint64_t *step, char **run_json, char **notes) {
+    const int n = kiln_ckpt_shard_count(c);
+    const char *path = kiln_ckpt_path(c);
+    kiln_train_dp *whole = NULL;
+    char *cfg = kiln_trainer_config_json(t), *run = NULL;
+    int64_t *lo = kiln_calloc((size_t)n, sizeof *lo), *hi = kiln_calloc((size_t)n, sizeof *hi);
+    const kiln_ckpt_section **sec = kiln_calloc((size_t)n * (1 + STATE_KINDS), sizeof *sec);
+    kiln_status st = cfg && lo && hi && sec ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "kiln_train_load: out of memory");
+    if (st == KILN_OK && !t->host)
+        st = kiln_error(KILN_ERR_UNSUPPORTED, "a set of %d shards loads into a CPU trainer only (a GPU trainer reads "
+                        "one state.kiln): resume it on the CPU", n);
+    if (st == KILN_OK && !t->dp) st = layout_whole(t, &whole);
+    kiln_train_dp *d = t->dp ? t->dp : whole;
+    /* every check before anything changes: each shard's configuration, rank and range */
+    uint64_t k0 = 0, opt_step = 0;
+    for (int k = 0; st == KILN_OK && k < n; k++) {
+        const kiln_ckpt *sh = kiln_ckpt_shard(c, k);
+        const kiln_ckpt_section *s = NULL;
+        uint64_t r, ranks, a, b, total, ks, os;
+        st = kiln_ckpt_find(sh, "config", KILN_CKPT_JSON, &s);
+        if (st == KILN_OK && (s->size != strlen(cfg) || memcmp(s->data, cfg, s->size) != 0))
+            st = kiln_error(KILN_ERR_STATE, "%s was saved under another configuration (architecture, shapes, "
+                            "parameters or storage variant differ): refused", kiln_ckpt_path(sh));
+        if (st == KILN_OK) st = kiln_ckpt_get_u64(sh, "shard/rank", &r);
+        if (st == KILN_OK) st = kiln_ckpt_get_u64(sh, "shard/ranks", &ranks);
+        if (st == KILN_OK) st = kiln_ckpt_get_u64(sh, "shard/lo", &a);
+        if (st == KILN_OK) st = kiln_ckpt_get_u64(sh, "shard/hi", &b);
+        if (st == KILN_OK) st = kiln_ckpt_get_u64(sh, "shard/total", &total);
+        if (st == KILN_OK) st = kiln_ckpt_get_u64(sh, "step", &ks);
+        if (st == KILN_OK) st = kiln_ckpt_get_u64(sh, "optimizer/step", &os);
+        if (st != KILN_OK) break;
+        if (r != (uint64_t)k || ranks != (uint64_t)n || total != (uint64_t)d->total || a > b || b > total ||
+            a != (k ? (uint64_t)hi[k - 1] : 0) || (k == n - 1 && b != total))
+            st = kiln_error(KILN_ERR_FORMAT, "%s: shard %llu of %llu, elements [%llu, %llu) of %llu: not shard %d of "
+                            "the %d that cover the %lld elements of this model in order", kiln_ckpt_path(sh),
+                            (unsigned long long)r, (unsigned long long)ranks, (unsigned long long)a,
+                            (unsigned long long)b, (unsigned long long)total, k, n, (long long)d->total);
+        else if (ks != kiln_ckpt_step(sh) || (k && (ks != k0 || os != opt_step)))
+            st = kiln_error(KILN_ERR_FORMAT, "%s: step %llu, optimizer step %llu: the set's shards disagree",
+                            kiln_ckpt_path(sh), (unsigned long long)ks, (unsigned long long)os);
+        lo[k] = (int64_t)a;
+        hi[k] = (int64_t)b;
+        k0 = ks;
+        opt_step = os;
+    }
+    const kiln_ckpt_section *lr = NULL;
+    if (st == KILN_OK) st = kiln_ckpt_find(c, "optimizer/lr", KILN_CKPT_RAW, &lr);
+    if (st == KILN_OK && lr->size != 2 * sizeof(double))
+        st = kiln_error(KILN_ERR_FORMAT, "%s: section 'optimizer/lr' has %llu bytes, not 16", path,
+                        (unsigned long long)lr->size);
+    if (st == KILN_OK && opt_step > ((uint64_t)1 << 24))
+        st = kiln_error(KILN_ERR_FORMAT, "%s: optimizer step %llu out of range", path, (unsigned long long)opt_step);
+    if (st == KILN_OK) st = find_flat(c, "flat/weight", lo, hi, sec);
+    for (int kind = 0; st == KILN_OK && kind < STATE_KINDS; kind++)
+        if (kind_exists(t, kind)) st = find_flat(c, flat_section[kind], lo, hi, sec + (size_t)n * (1 + kind));
+    const kiln_ckpt_section *rs = NULL;
+    if (st == KILN_OK && run_json && kiln_ckpt_find(c, "run", KILN_CKPT_JSON, &rs) == KILN_OK) {
+        run = kiln_strndup(rs->data, (size_t)rs->size);
+        if (!run) st = kiln_error(KILN_ERR_NOMEM, "kiln_train_load: out of memory");
+    }
+    /* then this rank's range of every array (a process alone: all of it) */
+    kiln_train_dp *keep = t->dp;
+    t->dp = d;
+    const flat_io weights = {t, FLAT_WEIGHT, NULL, NULL};
+    if (st == KILN_OK) st = read_flat(&weights, n, lo, hi, sec);
+    for (int kind = 0; st == KILN_OK && kind < STATE_KINDS; kind++) {
+        const flat_io f = {t, kind, NULL, NULL};
+        if (kind_exists(t, kind)) st = read_flat(&f, n, lo, hi, sec + (size_t)n * (1 + kind));
+    }
+    t->dp = keep;
+    if (st == KILN_OK) {
+        double l[2];
+        memcpy(l, lr->data, sizeof l);
+        st = kiln_adamw_set_step(t->opt_mat, (int64_t)opt_step);
+        if (st == KILN_OK) st = kiln_adamw_set_step(t->opt_vec, (int64_t)opt_step);
+        kiln_adamw_set_lr(t->opt_mat, l[0]);
+        kiln_adamw_set_lr(t->opt_vec, l[1]);
+        t->shadow_stale = 1;
+    }
+    if (st == KILN_OK) {
+        *step = k0;
+        if (run_json) {
+            *run_json = run;
+            run = NULL;
+        }
+        if (notes && kiln_ckpt_rejected(c)[0]) *notes = kiln_strdup(kiln_ckpt_rejected(c));
+    } else {
+        kiln_error_prefix(st, "kiln_train_load: %s", path);
+    }
+    dp_free(whole);
+    kiln_free(cfg);
+    kiln_free(run);
+    kiln_free(lo);
+    kiln_free(hi);
+    kiln_free(sec);
+    kiln_ckpt_close(c);
+    return st;
 }
 
 kiln_status kiln_trainer_dp_load(kiln_trainer *t, const char *dir, int64_t at, uint64_t *step, char **run_json,
                                  char **notes) {
     kiln_train_dp *d = t->dp;
-    kiln_adamw *wm = NULL, *wv = NULL;
-    kiln_status st = kiln_trainer_make_optimizers(t, 0, d->total, &wm, &wv, 0);
-    kiln_adamw *sm = t->opt_mat, *sv = t->opt_vec;
+    kiln_ckpt *c = NULL;
+    kiln_status st = KILN_OK;
     /* rank 0 first: a resume sets a damaged newer checkpoint aside, which the others then do
-     * not see; then the others read the same checkpoint */
+     * not see; then the others open the same checkpoint */
     for (int pass = 0; pass < 2; pass++) {
-        if ((pass == 0) == (d->rank == 0) && st == KILN_OK) {
+        if ((pass == 0) == (d->rank == 0))
+            st = at < 0 ? kiln_ckpt_open_for_resume(dir, &c) : kiln_ckpt_open_step(dir, (uint64_t)at, &c);
+        st = agree(d, st, "kiln_train_load (opening the checkpoint)");
+    }
+    if (st != KILN_OK) {
+        kiln_ckpt_close(c);
+        return st;
+    }
+    if (kiln_ckpt_shard_count(c) > 0) {
+        /* a set: each rank reads its range from the shards it meets, then the weights are
+         * all-gathered (nothing whole is ever made) */
+        st = agree(d, kiln_trainer_load_set(t, c, step, run_json, notes), "kiln_train_load (reading the shards)");
+        if (st == KILN_OK) st = agree(d, kiln_trainer_dp_gather_params(t), "kiln_train_load (gathering the weights)");
+    } else {
+        /* one process's state.kiln: read whole (optimizers for the whole vector, made for the
+         * load), each rank keeping its range */
+        kiln_adamw *wm = NULL, *wv = NULL;
+        st = kiln_trainer_make_optimizers(t, 0, d->total, &wm, &wv, 0);
+        kiln_adamw *sm = t->opt_mat, *sv = t->opt_vec;
+        if (st == KILN_OK) {
             t->opt_mat = wm;
             t->opt_vec = wv;
-            st = kiln_trainer_load_local(t, dir, at, step, run_json, notes);
+            st = kiln_trainer_load_opened(t, c, step, run_json, notes);
             t->opt_mat = sm;
             t->opt_vec = sv;
+        } else {
+            kiln_ckpt_close(c);
         }
         st = agree(d, st, "kiln_train_load");
+        if (st == KILN_OK) st = scatter_state(t, wm, wv);
+        kiln_adamw_free(wm);
+        kiln_adamw_free(wv);
     }
-    if (st == KILN_OK) st = scatter_state(t, wm, wv);
-    kiln_adamw_free(wm);
-    kiln_adamw_free(wv);
     if (st != KILN_OK && run_json && *run_json) {
         kiln_free(*run_json);
         *run_json = NULL;

@@ -10,6 +10,7 @@
 #include "../ops/fused_ce.h"
 #include "../dist/comm.h"
 #include "adamw.h"
+#include "checkpoint.h"
 
 typedef struct kiln_train_dp kiln_train_dp; /* trainer_dp.c: the data-parallel state */
 
@@ -139,6 +140,16 @@ kiln_status kiln_trainer_save_local(kiln_trainer *t, const char *dir, uint64_t s
                                     int keep_last);
 kiln_status kiln_trainer_load_local(kiln_trainer *t, const char *dir, int64_t at, uint64_t *step, char **run_json,
                                     char **notes);
+/* trainer.c: the state of the opened checkpoint c into t (a set: kiln_trainer_load_set); closes c */
+kiln_status kiln_trainer_load_opened(kiln_trainer *t, kiln_ckpt *c, uint64_t *step, char **run_json,
+                                     char **notes);
+/* trainer.c: the configuration JSON a checkpoint records and a load compares (kiln_malloc'd, or
+ * NULL: out of memory) */
+char *kiln_trainer_config_json(const kiln_trainer *t);
+/* trainer_dp.c: a set of shards (of any rank count) into t: a rank's range, or a process's
+ * whole state; every check before anything changes in a process alone (a rank's other ranks
+ * may fail after it wrote: the caller stops then). Closes c. */
+kiln_status kiln_trainer_load_set(kiln_trainer *t, kiln_ckpt *c, uint64_t *step, char **run_json, char **notes);
 
 /* trainer_dp.c (t->dp set; every rank calls each, in the same order: they are collectives) */
 void kiln_trainer_dp_free(kiln_trainer *t);
@@ -149,10 +160,12 @@ void kiln_trainer_dp_range(const kiln_trainer *t, int64_t *lo, int64_t *hi, int6
 kiln_status kiln_trainer_dp_norms(kiln_trainer *t, float *norms);
 /* after an optimizer step: every rank's updated range of the weights to every rank */
 kiln_status kiln_trainer_dp_gather_params(kiln_trainer *t);
-/* the whole state written by rank 0, every rank returning its status */
+/* the checkpoint as a set of shards (checkpoint.h), each rank writing its range; every rank
+ * returns the same status */
 kiln_status kiln_trainer_dp_save(kiln_trainer *t, const char *dir, uint64_t step, const char *run_json,
                                  int keep_last);
-/* the whole state read (rank 0 first), each rank keeping its range of the optimizer's */
+/* a checkpoint opened (rank 0 first: a resume may set newer damaged ones aside), each rank
+ * keeping its range: from a set's shards (any rank count), or from one process's state.kiln */
 kiln_status kiln_trainer_dp_load(kiln_trainer *t, const char *dir, int64_t at, uint64_t *step, char **run_json,
                                  char **notes);
 

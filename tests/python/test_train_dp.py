@@ -9,11 +9,16 @@ the refusals; a rank that stops before the others does not leave them waiting.
 The equalities: N ranks with one micro-batch of K = B / N sequences each (the default) equal one
 process with --seqs-per-forward K (N micro-batches of K, accumulated); see the doc for why one
 micro-batch per rank. Skipped when mpirun is absent or kiln was built without MPI."""
+import json
 import os
+import random
 import re
 import shutil
+import signal
 import subprocess
+import time
 
+import numpy as np
 import pytest
 
 from test_parity import build_model
@@ -52,7 +57,7 @@ def le(b, off, n=8):
 
 
 def sections(path):
-    """{name: bytes} of a state.kiln (docs/TRAINING_FORMATS.md), all but the run settings."""
+    """{name: bytes} of a state.kiln or a shard (docs/TRAINING_FORMATS.md), all but the run settings."""
     b = path.read_bytes()
     n, t = le(b, 24, 4), le(b, 32)
     out = {}
@@ -65,6 +70,80 @@ def sections(path):
     return out
 
 
+def widen16(b):
+    """bf16 (or any u16) bits as the 4-byte words of the flat vector: the bits in the high half."""
+    a = np.frombuffer(b, dtype="<u2").astype("<u4") << 16
+    return a.tobytes()
+
+
+def adamw_arrays(blob):
+    """{slot name: [arrays]} of an optimizer blob (src/train/adamw.c kiln_adamw_save; f32 moments):
+    m and v (f32), then the master copy (f32, bf16 + master) or the compensation (bf16, Kahan)."""
+    assert blob[:8] == b"KILNADMW"
+    weights, moments, n_params = le(blob, 12, 4), le(blob, 16, 4), le(blob, 20, 4)
+    assert moments == 0
+    o, slots = 80, []
+    for _ in range(n_params):
+        ln = le(blob, o, 4)
+        name = blob[o + 4:o + 4 + ln].decode()
+        n = le(blob, o + 4 + ln)
+        slots.append((name, n))
+        o += 4 + ln + 8 + 4
+    out = {}
+    for name, n in slots:
+        arrs = [blob[o:o + 4 * n], blob[o + 4 * n:o + 8 * n]]
+        o += 8 * n
+        if weights == 1:
+            arrs.append(blob[o:o + 4 * n])
+            o += 4 * n
+        elif weights == 2:
+            arrs.append(widen16(blob[o:o + 2 * n]))
+            o += 2 * n
+        out[name] = (arrs, weights)
+    assert blob[o:o + 8] == b"ADMWEND\0"
+    return out
+
+
+def flat_state(step_dir):
+    """The whole training state of a checkpoint, whatever wrote it, as the flat vector's arrays
+    (docs/DISTRIBUTED.md, "Checkpoints"): {"flat/weight", "flat/m", "flat/v", "flat/master" or
+    "flat/compensation": bytes of 4-byte words, "optimizer/step": int, "config": bytes}. A set of
+    shards: each array the shards' pieces in rank order. One process's state.kiln: the
+    parameters and the optimizers' slots put in the trainer's order."""
+    one = step_dir / "state.kiln"
+    if one.exists():
+        sec = sections(one)
+        cfg = json.loads(sec["config"])
+        storage = cfg["weight_storage"]
+        opt = {**adamw_arrays(sec["optimizer/matrices"]), **adamw_arrays(sec["optimizer/vectors"])}
+        out = {"flat/weight": b"", "flat/m": b"", "flat/v": b""}
+        extra = {1: "flat/master", 2: "flat/compensation"}.get(storage)
+        if extra:
+            out[extra] = b""
+        for name, n in cfg["params"]:
+            w = sec[f"param/{name}"]
+            out["flat/weight"] += w if len(w) == 4 * n else widen16(w)
+            arrs, kind = opt[name]
+            out["flat/m"] += arrs[0]
+            out["flat/v"] += arrs[1]
+            if extra:
+                out[extra] += arrs[2] if kind else bytes(4 * n)  # vectors: no master, no compensation
+        out["optimizer/step"] = le(sec["optimizer/matrices"], 32)
+        out["config"] = sec["config"]
+        return out
+    files = sorted(step_dir.glob("shard-*-of-*.kiln"))
+    assert files, f"{step_dir}: neither state.kiln nor shards"
+    marker = (step_dir / "COMPLETE").read_text().splitlines()
+    assert marker[0].endswith(f"shards {len(files)}") and len(marker) == 1 + len(files), marker
+    out = {}
+    for f in files:
+        sec = sections(f)
+        for k, v in sec.items():
+            if k.startswith("flat/"):
+                out[k] = out.get(k, b"") + v
+        out["optimizer/step"] = le(sec["optimizer/step"], 0)
+        out["config"] = sec["config"]
+    return out
 def steps(run):
     """(step, loss, grad_norm) texts of metrics.csv: 17 significant digits, so equal texts are
     equal bits."""
@@ -76,11 +155,11 @@ def steps(run):
 
 def same_run(a, b, step):
     assert steps(a) == steps(b)
-    sa, sb = sections(a / "checkpoints" / f"step-{step}" / "state.kiln"), sections(b / "checkpoints" / f"step-{step}" / "state.kiln")
+    sa, sb = (flat_state(r / "checkpoints" / f"step-{step}") for r in (a, b))
     assert sa.keys() == sb.keys()
     differ = [k for k in sa if sa[k] != sb[k]]
     assert not differ, differ
-    assert any(k.startswith("optimizer/") for k in sa) and any(k.startswith("param/") for k in sa)
+    assert {"flat/weight", "flat/m", "flat/v"} <= sa.keys() and sa["optimizer/step"] == step
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +234,100 @@ def test_resume_on_other_rank_counts(setup, build_dir):
     assert not (part / "checkpoints" / "step-3").exists()
 
 
+def test_sharded_checkpoint_sets(setup, build_dir):
+    """N ranks save a set: one shard a rank (its range of the weights and the optimizer state)
+    and a COMPLETE manifest naming every shard's header hash. A 4-rank run stopped at step 3
+    resumes on one process (re-sharded 4 -> 1) to the uninterrupted run's state. A set missing a
+    shard, or holding a shard of another save, is refused by name and set aside on resume; the
+    run goes on from the set before it."""
+    base, models = setup
+    args = common(models, "llama", base, "bf16_kahan")
+    args[args.index("--steps") + 1] = "6"
+    full = base / "sets_full"
+    r = kiln(build_dir, 4, "train", *args, "--out", full, "--save-every", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s3 = full / "checkpoints" / "step-3"
+    assert sorted(p.name for p in s3.iterdir()) == ["COMPLETE"] + [f"shard-{k:05d}-of-00004.kiln" for k in range(4)]
+    # each shard holds a quarter of the flat vector (the last one may be short)
+    total = len(flat_state(s3)["flat/m"]) // 4
+    for k in range(4):
+        sec = sections(s3 / f"shard-{k:05d}-of-00004.kiln")
+        lo, hi = le(sec["shard/lo"], 0), le(sec["shard/hi"], 0)
+        assert lo == k * -(-total // 4) and hi == min(lo + -(-total // 4), total) and len(sec["flat/m"]) == 4 * (hi - lo)
+    part = base / "sets_4_on_1"
+    r = kiln(build_dir, 4, "train", *args, "--out", part, "--save-every", "3", "--stop-after", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = kiln(build_dir, 1, "train", *args, "--out", part, "--save-every", "3", "--resume")
+    assert r.returncode == 0 and "at step 3" in r.stderr, r.stderr[-3000:]
+    assert (part / "checkpoints" / "step-6" / "state.kiln").exists()  # one process writes one file
+    same_run(full, part, 6)
+    # `kiln export` reads a set as it reads one file
+    r = kiln(build_dir, 1, "export", full, "-o", base / "sets_export")
+    assert r.returncode == 0 and (base / "sets_export" / "config.json").exists(), r.stderr[-2000:]
+
+    # damaged sets: a shard gone; a shard of step 3 in step 6's set
+    for damage, needle in [("missing", "shard 2 of 4 (shard-00002-of-00004.kiln) is missing"),
+                           ("mixed", "the marker does not match")]:
+        run = base / f"sets_{damage}"
+        shutil.copytree(full, run)
+        s6 = run / "checkpoints" / "step-6"
+        if damage == "missing":
+            (s6 / "shard-00002-of-00004.kiln").unlink()
+        else:
+            shutil.copy(run / "checkpoints" / "step-3" / "shard-00001-of-00004.kiln", s6 / "shard-00001-of-00004.kiln")
+        r = kiln(build_dir, 4, "train", *args, "--out", run, "--save-every", "3", "--resume")
+        assert r.returncode == 0 and "at step 3" in r.stderr and needle in r.stderr, r.stderr[:3000]
+        assert list((run / "checkpoints").glob("step-6.rejected-*")), "the damaged set is set aside"
+        same_run(full, run, 6)
+
+
+def test_kill_during_saves(setup, build_dir):
+    """kill -9 of every rank at random moments of a run that saves every step (so most kills
+    land in a save: a shard half written, the manifest not yet there): each time the newest
+    complete set loads, and the run resumed to its end equals the uninterrupted run."""
+    base, models = setup
+    args = common(models, "llama", base, "f32")
+    args[args.index("--steps") + 1] = "60"
+    args[args.index("--save-every") + 1] = "1"
+    args += ["--keep-last", "3"]
+    full = base / "kill_full"
+    t0 = time.monotonic()
+    r = kiln(build_dir, 2, "train", *args, "--out", full)
+    assert r.returncode == 0, r.stderr[-3000:]
+    wall = time.monotonic() - t0
+    run = base / "kill_run"
+    rng = random.Random(7)
+    cmd = [MPIRUN, *mpi_flags(), "-np", "2", str(build_dir / "kiln"), "train", *map(str, args), "--out", str(run)]
+    kills, debris = 0, 0
+    for attempt in range(6):
+        p = subprocess.Popen(cmd + (["--resume"] if attempt else []), env=ENV, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            # from the first complete checkpoint on (before it, a resume has nothing to load)
+            while p.poll() is None and not list((run / "checkpoints").glob("step-*/COMPLETE")):
+                time.sleep(0.005)
+            p.wait(timeout=rng.uniform(0.0, 0.5) * wall)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            kills += 1
+        err = p.stderr.read().decode(errors="replace")
+        p.stderr.close()
+        if p.returncode == 0:
+            break
+        ck = run / "checkpoints"
+        if ck.exists():
+            debris += any(".tmp-" in d.name or (d.is_dir() and not (d / "COMPLETE").exists()) for d in ck.iterdir())
+        if attempt and "resumed from" not in err and p.returncode != -9:
+            raise AssertionError(err[-3000:])
+    print(f"{kills} kills, {debris} left a partial save behind")
+    r = kiln(build_dir, 2, "train", *args, "--out", run, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert kills >= 3
+    same_run(full, run, 60)
+    assert not [d for d in (run / "checkpoints").iterdir() if ".tmp-" in d.name]  # housekeeping removed them
+
+
 def optimizer_bytes(stderr):
     """Rank 0's optimizer-owned bytes (matrices + vectors) from the run header."""
     return sum(int(x) for x in re.findall(r"optimizer-owned (\d+) B", stderr))
@@ -200,8 +373,32 @@ def test_refusals_and_a_rank_that_stops(setup, build_dir):
     (used / "x").write_text("x")
     r = kiln(build_dir, 2, "train", *args, "--out", used, timeout=120)
     assert r.returncode == 2 and "is not empty" in r.stderr  # rank 0's usage status, on every rank
-    r = kiln(build_dir, 2, "distill", "--teacher", models["llama"], *args, "--out", base / "distill", timeout=120)
-    assert r.returncode != 0 and "kiln distill (the teacher's step is not sharded yet)" in r.stderr
+
+
+def test_distill_ranks_equal_one_process(setup, build_dir):
+    """`mpirun -np N kiln distill`: every rank holds the whole teacher and runs its forward over
+    the rank's own sequences; the student is sharded as `kiln train`'s. A new student (--config
+    tiny, the teacher's tokenizer) distilled on 2 and on 4 ranks equals one process with the
+    same micro-batches: the losses, their KL and CE parts, the gradient norms, and the final
+    checkpoint's weights and AdamW state, bit for bit."""
+    base, models = setup
+    args = common(models, "llama", base, "bf16_master")
+    args[args.index("-m"):args.index("-m") + 2] = ["--teacher", models["llama"], "--config", "tiny"]
+    args += ["--temperature", "2", "--alpha", "0.7", "--seed", "3"]
+
+    def parts(stderr):
+        return re.findall(r"step (\d+)/\d+ loss \S+ \(kl (\S+) ce (\S+)\)", stderr)
+
+    for n, k in [(2, 2), (4, 1)]:
+        one, many = base / f"kd_one_{k}", base / f"kd_np{n}"
+        r1 = kiln(build_dir, 1, "distill", *args, "--seqs-per-forward", k, "--out", one)
+        assert r1.returncode == 0, r1.stderr[-3000:]
+        r = kiln(build_dir, n, "distill", *args, "--out", many)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stderr.count("[kiln distill] teacher") == 1  # rank 0 alone reports
+        assert f"{n} ranks (mpi): the global batch of 4 sequences as {n} micro-batches of {k}" in r.stderr
+        assert parts(r.stderr) and parts(r.stderr) == parts(r1.stderr), (parts(r.stderr), parts(r1.stderr))
+        same_run(one, many, 5)
 
 
 def test_audit_of_ranks_replays_on_one_process(setup, build_dir):
