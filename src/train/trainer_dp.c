@@ -23,8 +23,10 @@
  *      moments, master copy and compensation are 1/N of one process's), elementwise the same
  *      update; then the updated weights are all-gathered (bf16 weights as their bits) so every
  *      rank has the whole model for the next forward.
- * Checkpoints hold the whole state (rank 0 gathers the optimizer's shards into one process's
- * optimizers and writes the one-process file), so any rank count resumes them.
+ * Checkpoints are sets of shards (checkpoint.h): each rank writes its range of the flat vector
+ * (the weights and the optimizer's arrays, as words) into its own file, rank 0 commits the set
+ * with its manifest; a set of any rank count loads on any other (each rank copies its range out
+ * of the shards that meet it), and one process's state.kiln still loads on N ranks.
  */
 #include "trainer.h"
 #include "trainer_impl.h"

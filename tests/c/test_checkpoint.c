@@ -524,6 +524,114 @@ static void test_tmpfs_enospc(void) {
     printf("tmpfs ENOSPC test ran\n");
 }
 
+/* ---- sets of shards ------------------------------------------------------------------------- */
+
+/* A set of n shards of `step` saved as the ranks would (one process playing every rank): shard r
+ * holds "shard/rank" r and a section "data" of 100 + r bytes. A failure of any stage aborts
+ * the set, as the trainer's rank 0 does. */
+static kiln_status save_set(const char *dir, uint64_t step, int n, int keep_last) {
+    const long tag = (long)getpid();
+    KILN_TRY(kiln_ckpt_set_prepare(dir, step, tag));
+    uint8_t sha[8 * 32];
+    kiln_status st = KILN_OK;
+    for (int r = 0; r < n && st == KILN_OK; r++) {
+        kiln_ckpt_writer *w = NULL;
+        uint8_t data[200];
+        for (int i = 0; i < 100 + r; i++) data[i] = (uint8_t)(step * 31 + r * 7 + i);
+        st = kiln_ckpt_begin_shard(dir, step, tag, r, n, &w);
+        if (st == KILN_OK && (st = kiln_ckpt_add_u64(w, "shard/rank", (uint64_t)r)) == KILN_OK &&
+            (st = kiln_ckpt_add_section(w, "data", KILN_CKPT_RAW, data, (size_t)(100 + r))) == KILN_OK)
+            st = kiln_ckpt_finish_shard(w, sha + 32 * r);
+        else if (w)
+            kiln_ckpt_abort(w);
+    }
+    if (st == KILN_OK) return kiln_ckpt_set_commit(dir, step, tag, n, sha, keep_last, NULL);
+    kiln_ckpt_set_abort(dir, step, tag);
+    return st;
+}
+
+static void test_sets(void) {
+    char dir[512], p[700], q[700];
+    mkdir_fresh(dir, sizeof dir, "sets");
+    CHECK(save_set(dir, 1, 3, 0) == KILN_OK);
+    CHECK(save_set(dir, 2, 3, 0) == KILN_OK);
+    CHECK(count_debris(dir) == 0);
+    kiln_ckpt *c = NULL;
+    CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 2);
+    if (c) {
+        CHECK(kiln_ckpt_shard_count(c) == 3 && kiln_ckpt_shard(c, 0) == c && kiln_ckpt_shard(c, 3) == NULL);
+        for (int r = 0; r < 3; r++) {
+            const kiln_ckpt *sh = kiln_ckpt_shard(c, r);
+            const kiln_ckpt_section *s = NULL;
+            uint64_t v = 99;
+            CHECK(sh && kiln_ckpt_get_u64(sh, "shard/rank", &v) == KILN_OK && v == (uint64_t)r);
+            CHECK(sh && kiln_ckpt_find(sh, "data", KILN_CKPT_RAW, &s) == KILN_OK && s->size == (uint64_t)(100 + r) &&
+                  ((const uint8_t *)s->data)[5] == (uint8_t)(2 * 31 + r * 7 + 5));
+        }
+    }
+    kiln_ckpt_close(c);
+    /* a single file says 0 shards */
+    CHECK(save_std(dir, 3, 0) == KILN_OK);
+    CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_shard_count(c) == 0);
+    kiln_ckpt_close(c);
+    sh("rm -rf '%s/step-3'", dir);
+
+    /* a missing shard, then a shard of step 1 in step 2's set: refused by name, step 1 loads */
+    snprintf(p, sizeof p, "%s/step-2/shard-00001-of-00003.kiln", dir);
+    snprintf(q, sizeof q, "%s/step-2/moved", dir);
+    CHECK(rename(p, q) == 0);
+    CHECK_ERR(kiln_ckpt_open_step(dir, 2, &c), KILN_ERR_FORMAT, "shard 1 of 3 (shard-00001-of-00003.kiln) is missing");
+    CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 1);
+    kiln_ckpt_close(c);
+    size_t n = 0;
+    snprintf(q, sizeof q, "%s/step-1/shard-00001-of-00003.kiln", dir);
+    uint8_t *b = read_file(q, &n);
+    CHECK(b != NULL);
+    if (b) write_file(p, b, n);
+    free(b);
+    CHECK_ERR(kiln_ckpt_open_step(dir, 2, &c), KILN_ERR_FORMAT, "the marker does not match");
+    /* resume: the damaged set is set aside, step 1 loads, step 2 can be saved again */
+    CHECK(kiln_ckpt_open_for_resume(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 1);
+    if (c) CHECK(strstr(kiln_ckpt_rejected(c), "set aside as") != NULL);
+    kiln_ckpt_close(c);
+    CHECK(find_set_aside(dir, 2, p, sizeof p) == 1);
+    sh("rm -rf '%s'/step-2.rejected-*", dir);
+    CHECK(save_set(dir, 2, 2, 2) == KILN_OK);
+    CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 2 && kiln_ckpt_shard_count(c) == 2);
+    kiln_ckpt_close(c);
+
+    /* misuse: a shard's writer cannot commit alone; a commit of a shard never written fails */
+    kiln_ckpt_writer *w = NULL;
+    CHECK(kiln_ckpt_set_prepare(dir, 3, 1) == KILN_OK);
+    CHECK(kiln_ckpt_begin_shard(dir, 3, 1, 0, 2, &w) == KILN_OK);
+    CHECK_ERR(kiln_ckpt_commit(w, NULL), KILN_ERR_INVALID_ARG, "a shard's writer");
+    uint8_t sha[64] = {0};
+    CHECK_ERR(kiln_ckpt_set_commit(dir, 3, 1, 2, sha, 0, NULL), KILN_ERR_STATE, "shard 0 was not written");
+    CHECK_ERR(kiln_ckpt_begin_shard(dir, 3, 1, 2, 2, &w), KILN_ERR_INVALID_ARG, "rank 2 of 2");
+    CHECK(count_debris(dir) == 0);
+
+    /* a failure at every I/O operation of a set's save: nothing new complete, nothing left */
+    int failures_seen = 0;
+    for (g_fail_at = 0; g_fail_at < 300; g_fail_at++) {
+        g_calls = 0;
+        g_fail_errno = EIO;
+        kiln_ckpt_set_fault_hook(fail_nth, NULL);
+        kiln_status st = save_set(dir, 4, 3, 0);
+        kiln_ckpt_set_fault_hook(NULL, NULL);
+        if (st == KILN_OK) break;
+        failures_seen++;
+        CHECK_MSG(st == KILN_ERR_IO && strstr(kiln_last_error(), strerror(EIO)), "set fault %d: status %d '%s'",
+                  g_fail_at, (int)st, kiln_last_error());
+        CHECK_MSG(count_debris(dir) == 0, "set fault %d left debris", g_fail_at);
+        CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 2);
+        kiln_ckpt_close(c);
+    }
+    CHECK_MSG(failures_seen >= 20, "only %d injectable operations in a set's save", failures_seen);
+    printf("set fault sweep: %d injected failures, each clean\n", failures_seen);
+    CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 4 && kiln_ckpt_shard_count(c) == 3);
+    kiln_ckpt_close(c);
+}
+
 int main(void) {
     snprintf(g_root, sizeof g_root, "/tmp/kiln_test_ckpt_%ld", (long)getpid());
     mkdir(g_root, 0755);
@@ -533,6 +641,7 @@ int main(void) {
     test_set_aside();
     test_fault_sweep();
     test_tmpfs_enospc();
+    test_sets();
     if (!t_failures) sh("rm -rf '%s'", g_root);
     return test_finish("test_checkpoint");
 }
