@@ -519,7 +519,20 @@ typedef struct kiln_train_params {
                         * logits in bf16, as PyTorch's autocast makes the head's output (half
                         * the loss's scratch and traffic; the statistics and gradient in f32
                         * from them); non-zero keeps them in f32 (docs/TRAINING.md) */
+    int n_extra;      /* extra trainable matrices the model's forward does not use, trained
+                       * with it (distillation's hidden-state projections: kiln_teacher_params);
+                       * after the model's parameters in the trainer's list, in checkpoints,
+                       * not in exports or fingerprints. Default 0 */
+    const struct kiln_train_extra *extra; /* (n_extra) */
 } kiln_train_params;
+
+/* An extra matrix (kiln_train_params.extra): its name (1..95 bytes of [A-Za-z0-9_.-], unlike
+ * any of the model's), rows x cols >= 1, initialised normal(0, 1 / cols) from the trainer's
+ * seed and its index among the extras. */
+typedef struct kiln_train_extra {
+    const char *name;
+    int64_t rows, cols;
+} kiln_train_extra;
 
 KILN_API kiln_train_params kiln_train_default_params(void);
 
@@ -719,23 +732,53 @@ typedef struct kiln_teacher kiln_teacher;
 KILN_API kiln_status kiln_teacher_create(kiln_model *m, kiln_trainer *student, kiln_teacher **out);
 KILN_API void kiln_teacher_free(kiln_teacher *t);
 
+/* Hidden-state matching: the student's layer s matched to the teacher's layer t, each the
+ * residual stream after that layer, counted from 1 (transformers' hidden_states[s]; for the
+ * last layer, before the final norm). */
+typedef struct kiln_hidden_pair {
+    int student_layer, teacher_layer;
+} kiln_hidden_pair;
+typedef enum kiln_hidden_loss {
+    KILN_HIDDEN_MSE = 0,    /* per row: ||P hs - ht||^2 / (teacher width) */
+    KILN_HIDDEN_COSINE = 1, /* per row: 1 - cos(P hs, ht) (the norms' product floored at 1e-8) */
+} kiln_hidden_loss;
+/* Pair k's projection P, when the widths differ: the trainer's extra matrix (kiln_train_params
+ * .extra) of this name with k, (teacher width) x (student width), trained with the student.
+ * Equal widths: no projection (P = I). */
+#define KILN_HIDDEN_PROJ_NAME "distill.hidden.%d.proj"
+typedef struct kiln_teacher_params {
+    int n_hidden;                   /* pairs (0: none, the default) */
+    const kiln_hidden_pair *hidden; /* (n_hidden): each student layer and each teacher layer once */
+    kiln_hidden_loss hidden_loss;
+} kiln_teacher_params;
+KILN_API kiln_teacher_params kiln_teacher_default_params(void);
+/* kiln_teacher_create with hidden-state matching (p may be NULL: none). Errors
+ * (KILN_ERR_INVALID_ARG): a layer out of [1, n_layer], a layer twice, a projection the trainer
+ * lacks or of another shape (the message names it and its shape), a GPU trainer. */
+KILN_API kiln_status kiln_teacher_create_ex(kiln_model *m, kiln_trainer *student, const kiln_teacher_params *p,
+                                            kiln_teacher **out);
+
 typedef struct kiln_distill_params {
     float temperature; /* tau > 0 (default 1): both distributions softened by it */
     float kd_weight;   /* weight of tau^2 KL(teacher || student) at tau (default 0.5) */
     float ce_weight;   /* weight of the hard cross-entropy on the targets (default 0.5) */
+    float hidden_weight; /* weight of the hidden-state loss, summed over the teacher's pairs
+                          * (default 1; unused without pairs) */
 } kiln_distill_params;
 KILN_API kiln_distill_params kiln_distill_default_params(void);
 
 typedef struct kiln_distill_loss {
-    float loss;           /* kd_weight tau^2 kl + ce_weight ce, reduced and scaled */
-    float kl, ce;         /* the two parts, reduced and scaled alike, unweighted */
+    float loss;           /* kd_weight tau^2 kl + ce_weight ce + hidden_weight hidden, reduced and scaled */
+    float kl, ce;         /* the parts, reduced and scaled alike, unweighted */
     int64_t n_supervised; /* S: rows with a target >= 0 */
+    float hidden;         /* the hidden-state part (0 without pairs), reduced and scaled alike */
 } kiln_distill_loss;
 
 /* kiln_train_step_batch with the distillation loss instead of the cross-entropy: per
  * supervised row n (targets[n] >= 0; the teacher's and student's logits zt, zs of the row)
  *   loss_n = kd_weight tau^2 KL(softmax(zt / tau) || softmax(zs / tau))
  *          + ce_weight (logsumexp(zs) - zs[targets[n]])
+ *          + hidden_weight sum over the teacher's pairs of the hidden loss of row n
  * reduced over the rows as red says (MEAN: / S), times scale; the student's gradients
  * accumulated or overwritten as accumulate says. Neither model's n x V logits are held: the
  * student's are walked in vocabulary chunks, the teacher's made a block of rows at a time

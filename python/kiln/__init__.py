@@ -148,7 +148,32 @@ class _TrainParams(C.Structure):
                 ("eps", C.c_double), ("weight_decay", C.c_double),
                 ("weight_storage", C.c_int), ("moment_storage", C.c_int), ("seed", C.c_uint64),
                 ("device", C.c_int), ("fast", C.c_int), ("max_batch", C.c_int),
-                ("ce_keep_mib", C.c_int), ("ce_row_block", C.c_int), ("ce_logits_f32", C.c_int)]
+                ("ce_keep_mib", C.c_int), ("ce_row_block", C.c_int), ("ce_logits_f32", C.c_int),
+                ("n_extra", C.c_int), ("extra", C.c_void_p)]
+
+
+class _TrainExtra(C.Structure):
+    _fields_ = [("name", C.c_char_p), ("rows", C.c_int64), ("cols", C.c_int64)]
+
+
+class _HiddenPair(C.Structure):
+    _fields_ = [("student_layer", C.c_int), ("teacher_layer", C.c_int)]
+
+
+class _TeacherParams(C.Structure):
+    _fields_ = [("n_hidden", C.c_int), ("hidden", C.c_void_p), ("hidden_loss", C.c_int)]
+
+
+HIDDEN_LOSSES = {"mse": 0, "cosine": 1}
+HIDDEN_PROJ_NAME = "distill.hidden.{}.proj"
+
+
+def hidden_projections(teacher, student, n_pairs):
+    """The trainer extras (Trainer(extra=...)) that n_pairs hidden-state pairs between the two
+    models need: one (teacher width x student width) projection a pair when the widths differ,
+    none when they are equal."""
+    ct, cs = teacher.info["n_embd"], student.info["n_embd"]
+    return [] if ct == cs else [(HIDDEN_PROJ_NAME.format(k), ct, cs) for k in range(n_pairs)]
 
 
 class TrainMemory(C.Structure):
@@ -158,11 +183,13 @@ class TrainMemory(C.Structure):
 
 
 class _DistillParams(C.Structure):
-    _fields_ = [("temperature", C.c_float), ("kd_weight", C.c_float), ("ce_weight", C.c_float)]
+    _fields_ = [("temperature", C.c_float), ("kd_weight", C.c_float), ("ce_weight", C.c_float),
+                ("hidden_weight", C.c_float)]
 
 
 class _DistillLoss(C.Structure):
-    _fields_ = [("loss", C.c_float), ("kl", C.c_float), ("ce", C.c_float), ("n_supervised", C.c_int64)]
+    _fields_ = [("loss", C.c_float), ("kl", C.c_float), ("ce", C.c_float), ("n_supervised", C.c_int64),
+                ("hidden", C.c_float)]
 
 
 class _LinearCEParams(C.Structure):
@@ -252,6 +279,7 @@ def load_library(path=None):
         "kiln_train_backward": (C.c_int, [P, C.POINTER(C.c_float), C.c_int]),
         "kiln_train_discard": (C.c_int, [P]),
         "kiln_teacher_create": (C.c_int, [P, P, C.POINTER(P)]),
+        "kiln_teacher_create_ex": (C.c_int, [P, P, P, C.POINTER(P)]),
         "kiln_teacher_free": (None, [P]),
         "kiln_distill_default_params": (_DistillParams, []),
         "kiln_train_distill_step": (C.c_int, [P, P, C.POINTER(C.c_int32), C.c_int, C.c_int,
@@ -862,12 +890,21 @@ class Teacher(_Handle):
 
     _free = "kiln_teacher_free"
 
-    def __init__(self, model, trainer):
+    def __init__(self, model, trainer, hidden=None, hidden_loss="mse"):
+        """hidden: [(student_layer, teacher_layer), ...] (counted from 1) for hidden-state
+        matching; when the widths differ the trainer needs the projections
+        (Trainer(extra=kiln.hidden_projections(teacher_model, student_model, len(hidden))))."""
         self._lib = load_library()
+        hidden = list(hidden or [])
+        if hidden_loss not in HIDDEN_LOSSES:
+            raise ValueError(f"hidden_loss {hidden_loss!r}: one of {sorted(HIDDEN_LOSSES)}")
+        pairs = (_HiddenPair * max(1, len(hidden)))(*[_HiddenPair(_int("student_layer", s), _int("teacher_layer", t))
+                                                      for s, t in hidden])
+        tp = _TeacherParams(len(hidden), C.cast(pairs, C.c_void_p), HIDDEN_LOSSES[hidden_loss])
         model._user_opened(self)
-        self.model, self.trainer = model, trainer
+        self.model, self.trainer, self.hidden = model, trainer, hidden
         h = C.c_void_p()
-        _check(self._lib.kiln_teacher_create(model._h, trainer._live(), C.byref(h)))
+        _check(self._lib.kiln_teacher_create_ex(model._h, trainer._live(), C.byref(tp), C.byref(h)))
         self._h = h
         if not hasattr(trainer, "_teachers"):
             trainer._teachers = weakref.WeakSet()
@@ -895,7 +932,7 @@ class Trainer(_Handle):
     def __init__(self, model, max_seq=256, n_threads=0, ce_chunk=0, lr=1e-3, betas=(0.9, 0.999),
                  eps=1e-8, weight_decay=0.01, storage="f32", moments="f32", seed=0, device=-1,
                  fast=False, max_batch=1, ce_keep_mib=None, ce_row_block=None,
-                 ce_logits_f32=False):
+                 ce_logits_f32=False, extra=None):
         """device: -1 or "cpu" = CPU; N, "cuda" or "cuda:N" = CUDA device N (the CPU's bits;
         checkpoints move between the two). fast=True (GPU only): matrix products on bf16
         tensor cores, not the CPU's bits but deterministic run to run (docs/TRAINING.md).
@@ -919,6 +956,12 @@ class Trainer(_Handle):
         if ce_row_block is not None:
             p.ce_row_block = _int("ce_row_block", ce_row_block)
         p.ce_logits_f32 = 1 if ce_logits_f32 else 0
+        # extra: [(name, rows, cols)] matrices trained with the model that its forward does not
+        # use (hidden-state projections: kiln.hidden_projections)
+        extra = list(extra or [])
+        ext = (_TrainExtra * max(1, len(extra)))(*[_TrainExtra(n.encode(), _int("rows", r, 1), _int("cols", c, 1))
+                                                   for n, r, c in extra])
+        p.n_extra, p.extra = len(extra), C.cast(ext, C.c_void_p)
         model._user_opened(self)
         self.model = model
         h = C.c_void_p()
@@ -1009,7 +1052,7 @@ class Trainer(_Handle):
         return loss.value
 
     def distill_step(self, teacher, ids, targets, temperature=1.0, kd_weight=0.5, ce_weight=0.5,
-                     reduction="mean", scale=1.0, accumulate=False):
+                     reduction="mean", scale=1.0, accumulate=False, hidden_weight=1.0):
         """A training step on the distillation loss against teacher (a kiln.Teacher made for
         this trainer; kiln_train_distill_step): per supervised row
         kd_weight * temperature^2 * KL(teacher || student at temperature) + ce_weight * CE,
@@ -1018,7 +1061,7 @@ class Trainer(_Handle):
         if not isinstance(teacher, Teacher) or teacher.trainer is not self:
             raise ValueError("distill_step: teacher must be a kiln.Teacher made for this trainer")
         ids, targets = self._batch("distill_step", ids, targets)
-        dp = _DistillParams(temperature, kd_weight, ce_weight)
+        dp = _DistillParams(temperature, kd_weight, ce_weight, hidden_weight)
         out = _DistillLoss()
         P32 = C.POINTER(C.c_int32)
         _check(self._lib.kiln_train_distill_step(self._h, teacher._live(), ids.ctypes.data_as(P32),
@@ -1026,7 +1069,7 @@ class Trainer(_Handle):
                                                  targets.ctypes.data_as(P32), C.byref(dp),
                                                  0 if reduction == "mean" else 1, scale,
                                                  int(accumulate), C.byref(out)))
-        return {"loss": out.loss, "kl": out.kl, "ce": out.ce, "n_supervised": out.n_supervised}
+        return {"loss": out.loss, "kl": out.kl, "ce": out.ce, "hidden": out.hidden, "n_supervised": out.n_supervised}
 
     def close(self) -> None:
         for t in list(getattr(self, "_teachers", ())):  # a teacher holds the trainer's backend

@@ -100,6 +100,26 @@ typedef struct kiln_wref {
                              * backward); NULL: none (inference, or a frozen weight) */
 } kiln_wref;
 
+/* Hidden-state taps (distillation's hidden-state matching, src/train/distill.c): per layer l
+ * (0-based) of a forward, the residual stream after the layer (T x C floats in backend memory;
+ * the last layer's before the final norm). A NULL array or entry: no tap there. */
+typedef struct kiln_taps {
+    float *const *out;        /* (n_layer): after layer l's forward its output is copied to out[l] */
+    const float *const *grad; /* (n_layer), training: before layer l's backward grad[l] is added to
+                               * d loss / d (layer l's output). Not with the bf16 activations of
+                               * the GPU's fast mode (which keep a bf16 copy of that gradient) */
+} kiln_taps;
+
+/* An architecture's layer loop calls these (no-ops without a tap at l). */
+static inline void kiln_tap_out(kiln_backend *be, const kiln_taps *tp, int l, const float *x, size_t n) {
+    if (!tp || !tp->out || !tp->out[l]) return;
+    be->i->zero(be, tp->out[l], n);
+    be->i->add(be, tp->out[l], x, n); /* +0 + x: x's bits (a -0 becomes +0) */
+}
+static inline void kiln_tap_grad(kiln_backend *be, const kiln_taps *tp, int l, float *dx, size_t n) {
+    if (tp && tp->grad && tp->grad[l]) be->i->add(be, dx, tp->grad[l], n);
+}
+
 /* What a training forward and backward work in (kiln_arch_desc's train_* hooks). The caller
  * (the trainer) sets the fields above the line and calls train_init, which allocates the
  * activations for max_batch sequences of max_seq tokens in backend memory and fills the rest;
@@ -112,6 +132,7 @@ typedef struct kiln_train_io {
     int max_seq, max_batch;
     int fast;                       /* the backend's fast arithmetic (bf16 activations where
                                      * the backend has the ops) */
+    const kiln_taps *taps;          /* hidden-state taps of the next forward and backward, or NULL */
     /* ---- filled by train_init ---- */
     int32_t *ids, *pos;             /* (T) backend memory: the rows' token ids and positions */
     float *xn;                      /* (T, C) the forward's output: the final norm's */

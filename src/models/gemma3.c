@@ -125,6 +125,7 @@ typedef struct g3_run {
      * through the paged cache (kiln_forward_attend) */
     int n_seq, seq;
     const kiln_fwd_batch *gen;
+    const kiln_taps *taps; /* hidden-state taps (arch.h), or NULL */
 } g3_run;
 
 static float g3_scale(const kiln_model_config *c) {
@@ -181,6 +182,7 @@ static void gemma3_layers(const g3_run *R) {
         op->matmul(be, a->d, a->hb, W(G3_DOWN)->mat, NULL, T);
         op->rmsnorm(be, x_next, a->d, W(G3_POST_FF_NORM)->vec, T, C, eps);
         op->add(be, x_next, a->x_mid, (size_t)T * C);
+        kiln_tap_out(be, R->taps, l, x_next, (size_t)T * C);
 #undef W
     }
 }
@@ -217,6 +219,7 @@ static void gemma3_forward(const kiln_model *m, kiln_backend *be, kiln_forward_s
     R.rope_cos_local = fs->rope_cos_local;
     R.rope_sin_local = fs->rope_sin_local;
     R.gen = &g;
+    R.taps = fs->taps;
     gemma3_layers(&R);
     kiln_forward_logits(m, be, fs, N, out, n_out, logits);
 }
@@ -344,6 +347,7 @@ static void gemma3_train_forward(kiln_train_io *io, int n_seq, int seq) {
     R.rope_sin_local = t->rope_sin_local;
     R.n_seq = n_seq;
     R.seq = seq;
+    R.taps = io->taps;
     gemma3_layers(&R);
     io->be->i->rmsnorm(io->be, io->xn, t->x_final, t->nm.refs[G3_NORM].vec, R.T, c->n_embd, c->rms_eps);
 }
@@ -365,6 +369,7 @@ static void gemma3_train_backward(kiln_train_io *io, int n_seq, int seq) {
         const g3_acts *a = &t->acts[l];
         const int slides = kiln_layer_slides(c, l), window = slides ? c->sliding_window : 0;
         const float *cs = slides ? t->rope_cos_local : t->rope_cos, *sn = slides ? t->rope_sin_local : t->rope_sin;
+        kiln_tap_grad(be, io->taps, l, io->dx, (size_t)T * C); /* d loss / d this layer's output, more */
         /* MLP: x_next = x_mid + norm(d), d = geglu(gate, up) Wd^T */
         op->rmsnorm_backward(be, t->dd, W(G3_POST_FF_NORM)->grad, io->dx, a->d, W(G3_POST_FF_NORM)->vec, T, C, eps,
                              t->rstd, false);

@@ -280,6 +280,7 @@ typedef struct llama_run {
      * (positions 0..seq-1). Generation (gen): through the paged cache (kiln_forward_attend). */
     int n_seq, seq;
     const kiln_fwd_batch *gen;
+    const kiln_taps *taps; /* hidden-state taps (arch.h), or NULL */
 } llama_run;
 
 /* out = x W^T (+ bias) + res: one products call (kiln_op_products: the bits of matmul, then add). */
@@ -377,6 +378,7 @@ static void llama_layers(const llama_run *R) {
             }
             products_res(be, x_next, a->hb, w->down, w->b_down, a->x_mid, T);
         }
+        kiln_tap_out(be, R->taps, l, x_next, (size_t)T * C);
     }
 }
 
@@ -413,6 +415,7 @@ static void llama_forward(const kiln_model *m, kiln_backend *be, kiln_forward_st
     R.rope_sin = fs->rope_sin;
     R.multi = 1; /* q, k, v in one matmul_multi call (the bits of three) */
     R.gen = &g;
+    R.taps = fs->taps;
     llama_layers(&R);
     kiln_forward_logits(m, be, fs, N, out, n_out, logits);
 }
@@ -596,6 +599,7 @@ static void llama_train_forward(kiln_train_io *io, int n_seq, int seq) {
     R.rope_sin = t->rope_sin;
     R.n_seq = n_seq;
     R.seq = seq;
+    R.taps = io->taps;
     llama_layers(&R);
     io->be->i->rmsnorm(io->be, io->xn, t->x_final, io->refs[LL_NORM].vec, R.T, c->n_embd, c->rms_eps);
 }
@@ -624,6 +628,7 @@ static void llama_train_backward(kiln_train_io *io, int n_seq, int seq) {
     for (int l = c->n_layer - 1; l >= 0; l--) {
         const llama_w lw = llama_layer(io->layer_refs, l), *w = &lw;
         const layer_acts *a = &t->acts[l];
+        kiln_tap_grad(be, io->taps, l, io->dx, (size_t)T * C); /* d loss / d this layer's output, more */
         /* MLP: x_next = x_mid + down(silu(gate) * up) */
         const kiln_wref *nob[2] = {NULL, NULL};
         const uint16_t *dx16s[1] = {t->dx16};

@@ -159,6 +159,7 @@ struct kiln_forward_state {
      * (layer_refs_owned, vectors in wblock). The matrices stay the model's kiln_tensors (a device
      * backend uploads and caches them on first use). */
     const kiln_wref *layer_refs; /* (L, n_layer_roles) */
+    const kiln_taps *taps;       /* hidden-state taps of the forwards (NULL: none; the caller's) */
     const float *final_norm;     /* (C) */
     kiln_wref *layer_refs_owned;
     void *wblock;
@@ -276,5 +277,9 @@ void kiln_rope_tables_fill_kind(const kiln_model *m, int n_ctx, int local, float
 void kiln_model_destroy(kiln_model *m);
 /* Register a finished model (and mark its tokenizer as the model's); destroys it on failure. */
 kiln_status kiln_model_publish(kiln_model *m, const char *fn);
+
+/* model_init.c: n normal(0, std) floats, Box-Muller over splitmix64 from *rng (advanced): the
+ * draws kiln_model_create initialises weights with. */
+void kiln_fill_normal(float *dst, int64_t n, float std, uint64_t *rng);
 
 #endif /* KILN_MODEL_H */

@@ -33,8 +33,7 @@ static uint64_t splitmix64_next(uint64_t *x) {
     return z ^ (z >> 31);
 }
 
-/* n normal(0, std) floats. */
-static void fill_normal(float *dst, int64_t n, float std, uint64_t *rng) {
+void kiln_fill_normal(float *dst, int64_t n, float std, uint64_t *rng) {
     for (int64_t i = 0; i < n; i += 2) {
         double u1 = ((double)(splitmix64_next(rng) >> 11) + 1.0) * (1.0 / 9007199254740993.0);
         double u2 = (double)(splitmix64_next(rng) >> 11) * (1.0 / 9007199254740992.0);
@@ -74,7 +73,7 @@ static kiln_status new_role(void *ctx, const kiln_param_role *r, int layer) {
     float *data = take(c, n);
     char *nm = (char *)take(c, 32); /* names live in the block too: 128 bytes */
     if (!data || !nm) return kiln_error(KILN_ERR_INTERNAL, "kiln_model_create: weight block sized too small");
-    if (r->init == KILN_INIT_NORMAL) fill_normal(data, n, 0.02f, &c->rng);
+    if (r->init == KILN_INIT_NORMAL) kiln_fill_normal(data, n, 0.02f, &c->rng);
     else if (r->init == KILN_INIT_ONES)
         for (int64_t i = 0; i < n; i++) data[i] = 1.0f;
     /* KILN_INIT_ZEROS: the block is calloc'd (transformers zeroes Linear biases) */

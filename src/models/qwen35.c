@@ -173,6 +173,7 @@ typedef struct q35_run {
     int n_seq, seq;
     const kiln_batch_run *train_runs;
     const kiln_fwd_batch *gen;
+    const kiln_taps *taps; /* hidden-state taps (arch.h), or NULL */
 } q35_run;
 
 static void q35_layers(const q35_run *R) {
@@ -244,6 +245,7 @@ static void q35_layers(const q35_run *R) {
         op->swiglu(be, a->hb, a->fg, a->fu, (size_t)T * d.FF);
         op->matmul(be, x_next, a->hb, W(Q_DOWN)->mat, NULL, T);
         op->add(be, x_next, a->x_mid, (size_t)T * d.C);
+        kiln_tap_out(be, R->taps, l, x_next, (size_t)T * d.C);
 #undef W
     }
 }
@@ -289,6 +291,7 @@ static void q35_forward(const kiln_model *m, kiln_backend *be, kiln_forward_stat
     R.rope_cos = fs->rope_cos;
     R.rope_sin = fs->rope_sin;
     R.gen = &g;
+    R.taps = fs->taps;
     q35_layers(&R);
     kiln_forward_logits(m, be, fs, N, out, n_out, logits);
 }
@@ -472,6 +475,7 @@ static void q35_train_forward(kiln_train_io *io, int n_seq, int seq) {
     R.n_seq = n_seq;
     R.seq = seq;
     R.train_runs = t->runs;
+    R.taps = io->taps;
     q35_layers(&R);
     io->be->i->rmsnorm(io->be, io->xn, t->x_final, t->nm.refs[Q_NORM].vec, R.T, c->n_embd, c->rms_eps);
 }
@@ -492,6 +496,7 @@ static void q35_train_backward(kiln_train_io *io, int n_seq, int seq) {
         const kiln_wref *lw = t->nm.layer_refs + (size_t)l * Q_N_LAYER;
 #define W(role) (&lw[(role) - Q_FIRST])
         const q35_acts *a = &t->acts[l];
+        kiln_tap_grad(be, io->taps, l, io->dx, (size_t)T * d.C); /* d loss / d this layer's output, more */
         /* MLP: x_next = x_mid + (silu(fg) * fu) Wd^T */
         op->matmul_backward(be, t->dhb, W(Q_DOWN)->grad, NULL, io->dx, a->hb, W(Q_DOWN)->mat, T, false);
         op->swiglu_backward(be, t->dhb, t->dfu, t->dhb, a->fg, a->fu, (size_t)T * d.FF);

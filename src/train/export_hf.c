@@ -94,7 +94,7 @@ KILN_API kiln_status kiln_train_export_hf(const kiln_trainer *t, const char *dir
     if (m->rope_freq_factors)
         return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_train_export_hf: the model's RoPE frequency "
                           "factors (GGUF rope_freqs) have no config.json equivalent kiln writes");
-    int n = kiln_train_n_params(t);
+    int n = kiln_train_n_model_params(t); /* not the extras */
     if (n <= 0) return kiln_error(KILN_ERR_STATE, "kiln_train_export_hf: the trainer has no parameters");
     const kiln_model_config c = hx_export_config(m);
     kiln_hf_folder f;
@@ -115,7 +115,7 @@ KILN_API kiln_status kiln_train_export_hf(const kiln_trainer *t, const char *dir
 KILN_API kiln_status kiln_train_fingerprint(const kiln_trainer *t, uint8_t out[32]) {
     KILN_TRY(kiln_trainer_enter(t, "kiln_train_fingerprint"));
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_fingerprint: out is NULL");
-    int n = kiln_train_n_params(t);
+    int n = kiln_train_n_model_params(t); /* not the extras */
     if (n <= 0) return kiln_error(KILN_ERR_STATE, "kiln_train_fingerprint: the trainer has no parameters");
     kiln_fingerprint_entry *e = kiln_calloc((size_t)n, sizeof *e);
     if (!e) return kiln_error(KILN_ERR_NOMEM, "kiln_train_fingerprint: out of memory");

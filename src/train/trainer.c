@@ -193,9 +193,79 @@ static kiln_status declare_params(kiln_trainer *t, int count, int *n) {
     if (!count) t->n_params = 0;
     KILN_TRY(kiln_arch_walk(t->model->arch, t->cfg.n_layer, declare_role, &d));
     if (!count && t->cfg.tie_embeddings) t->lm_head = t->tok_embd;
-    if (n) *n = d.n;
+    if (!count) t->n_model_params = t->n_params;
+    for (int k = 0; !count && k < t->p.n_extra; k++) { /* the extras, checked by check_extras */
+        const kiln_train_extra *e = &t->p.extra[k];
+        train_param *p = add_param(t, e->name ? e->name : "", e->rows, e->cols, 1);
+        p->file_dims = 2;
+        p->file_shape[0] = e->rows;
+        p->file_shape[1] = e->cols;
+        p->file_shape[2] = 1;
+    }
+    if (n) *n = d.n + t->p.n_extra;
     return KILN_OK;
 }
+
+static int name_char_ok(char ch) {
+    return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_' ||
+           ch == '.' || ch == '-';
+}
+
+/* kiln_train_params' extras: names, shapes, no clash with the model's parameters or each other. */
+static kiln_status check_extras(kiln_trainer *t) {
+    const kiln_train_params *p = &t->p;
+    if (p->n_extra < 0 || p->n_extra > 1024 || (p->n_extra && !p->extra))
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: n_extra %d (0..1024, with extra set)", p->n_extra);
+    for (int k = 0; k < p->n_extra; k++) {
+        const kiln_train_extra *e = &p->extra[k];
+        size_t len = e->name ? strlen(e->name) : 0;
+        int ok = len >= 1 && len <= 95;
+        for (size_t i = 0; ok && i < len; i++) ok = name_char_ok(e->name[i]);
+        if (!ok)
+            return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: extra %d's name '%s': 1..95 bytes of "
+                              "[A-Za-z0-9_.-]", k, e->name ? e->name : "(NULL)");
+        if (e->rows < 1 || e->cols < 1 || e->rows > ((int64_t)1 << 31) / e->cols)
+            return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: extra '%s' is %lld x %lld", e->name,
+                              (long long)e->rows, (long long)e->cols);
+        for (int i = 0; i < t->n_model_params + k; i++)
+            if (!strcmp(t->params[i].name, e->name))
+                return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: extra '%s' has the name of %s", e->name,
+                                  i < t->n_model_params ? "a parameter of the model" : "another extra");
+    }
+    return KILN_OK;
+}
+
+/* The extras' initial weights: normal(0, 1 / cols), extra k from splitmix64 at seed ^ k's own
+ * stream. tmp: max_n floats of host memory. */
+static kiln_status init_extras(kiln_trainer *t, float *tmp) {
+    for (int k = 0; k < t->p.n_extra; k++) {
+        train_param *q = &t->params[t->n_model_params + k];
+        uint64_t rng = t->p.seed ^ (0x6b696c6e65787472ull + (uint64_t)k * 0x9e3779b97f4a7c15ull);
+        float *dst = t->host && q->dtype == KILN_DTYPE_F32 ? (float *)q->w : tmp;
+        kiln_fill_normal(dst, q->n, (float)(1.0 / sqrt((double)q->shape[1])), &rng);
+        if (q->dtype == KILN_DTYPE_BF16) {
+            uint16_t *h = (uint16_t *)(void *)tmp; /* in place, front to back: h[i] is written after tmp[i] is read */
+            for (int64_t i = 0; i < q->n; i++) h[i] = kiln_fp32_to_bf16(tmp[i]);
+            KILN_TRY(t->host ? (memcpy(q->w, h, (size_t)q->n * 2), KILN_OK)
+                             : kiln_backend_upload(t->be, q->w, h, (size_t)q->n * 2));
+        } else if (!t->host) {
+            KILN_TRY(kiln_backend_upload(t->be, q->w, tmp, (size_t)q->n * sizeof(float)));
+        }
+    }
+    return KILN_OK;
+}
+
+kiln_status kiln_trainer_param_view(kiln_trainer *t, const char *name, const kiln_tensor **w, float **grad) {
+    for (int i = 0; i < t->n_params; i++)
+        if (!strcmp(t->params[i].name, name)) {
+            *w = &t->params[i].view;
+            *grad = t->params[i].g;
+            return KILN_OK;
+        }
+    return kiln_error(KILN_ERR_INVALID_ARG, "the trainer has no parameter '%s'", name);
+}
+
+void kiln_trainer_set_taps(kiln_trainer *t, const kiln_taps *taps) { t->io.taps = taps; }
 
 /* Copy the model's matrix src_t (any dtype, dequantized) into parameter p. tmp: max_n floats
  * of host memory; tmp16: max_n bf16 of host memory (device backends: staging before the
@@ -469,6 +539,7 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
             st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
     }
     if (st == KILN_OK) st = declare_params(t, 0, NULL);
+    if (st == KILN_OK) st = check_extras(t);
     if (st == KILN_OK) {
         size_t wbytes = 0, n_all = 0;
         for (int i = 0; i < t->n_params; i++) {
@@ -486,7 +557,7 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
         int64_t max_n = 0;
         for (int i = 0; st == KILN_OK && i < t->n_params; i++)
             if (t->params[i].n > max_n) max_n = t->params[i].n;
-        if (st == KILN_OK && (p.weight_storage != KILN_STORAGE_F32 || !t->host)) {
+        if (st == KILN_OK && (p.weight_storage != KILN_STORAGE_F32 || !t->host || p.n_extra)) {
             tmp = kiln_malloc((size_t)max_n * sizeof(float));
             tmp16 = t->host ? NULL : kiln_malloc((size_t)max_n * sizeof(uint16_t));
             if (!tmp || (!t->host && !tmp16)) st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
@@ -526,11 +597,13 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
             if (!t->refs || !t->layer_refs) st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
         }
         if (st == KILN_OK) st = kiln_arch_walk(m->arch, t->cfg.n_layer, load_role, &lc);
+        if (st == KILN_OK) st = init_extras(t, tmp);
         kiln_free(tmp);
         kiln_free(tmp16);
     }
     if (st == KILN_OK) st = alloc_activations(t);
     if (st == KILN_OK) st = create_optimizers(t);
+    t->p.extra = NULL; /* the caller's array: read by now (the names are copied) */
     if (st == KILN_OK) st = kiln_handle_register(&t->head, KILN_HANDLE_TRAINER, "kiln_trainer_create");
     if (st != KILN_OK) {
         trainer_destroy(t);
@@ -1260,6 +1333,10 @@ static void opt_slot(const kiln_trainer *t, int i, kiln_adamw **o, int *slot) {
 
 int kiln_train_n_params(const kiln_trainer *t) {
     return kiln_handle_check(t, KILN_HANDLE_TRAINER, "kiln_train_n_params") == KILN_OK ? t->n_params : 0;
+}
+
+int kiln_train_n_model_params(const kiln_trainer *t) {
+    return kiln_handle_check(t, KILN_HANDLE_TRAINER, "kiln_train_n_model_params") == KILN_OK ? t->n_model_params : 0;
 }
 
 kiln_status kiln_train_param_info(const kiln_trainer *t, int i, const char **name, int64_t *n_elements,

@@ -46,6 +46,16 @@ typedef kiln_status (*kiln_train_loss_fn)(void *ctx, const kiln_train_head *h, f
  * accumulate) and the error is returned prefixed with call. */
 kiln_status kiln_train_custom_step(kiln_trainer *t, const char *call, const int32_t *ids, int n_seq, int seq,
                                    kiln_train_loss_fn fn, void *ctx, int accumulate, float *loss);
+/* The parameters of the model (the first of the trainer's list; the extras of
+ * kiln_train_params follow them). */
+int kiln_train_n_model_params(const kiln_trainer *t);
+/* Parameter `name` (the model's or an extra): its tensor as the ops read it (f32, or bf16 under
+ * the bf16 storages) and its gradient (f32), both backend memory; KILN_ERR_INVALID_ARG naming
+ * it when the trainer has none. */
+kiln_status kiln_trainer_param_view(kiln_trainer *t, const char *name, const kiln_tensor **w, float **grad);
+/* The hidden-state taps of the next steps' forwards and backwards (models/arch.h; the caller's,
+ * NULL: none). */
+void kiln_trainer_set_taps(kiln_trainer *t, const kiln_taps *taps);
 /* The trainer's backend (the teacher of a distillation runs on it). */
 kiln_backend *kiln_trainer_backend(const kiln_trainer *t);
 /* The trainer's max_seq and max_batch. */

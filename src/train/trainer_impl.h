@@ -36,8 +36,9 @@ struct kiln_trainer {
     kiln_backend *be;
     int host; /* the backend's memory is host memory (the cpu backend) */
 
-    train_param *params; /* (n_params) in transformers' named_parameters() order */
+    train_param *params; /* (n_params) in transformers' named_parameters() order, then the extras */
     int n_params;
+    int n_model_params;  /* the model's: params[0 .. n_model_params); the extras follow */
     train_param *tok_embd, *final_norm, *lm_head;
     /* the parameters as the architecture's forward and backward read them (models/arch.h):
      * per-model roles by role index, per-layer roles (L, n_layer_roles); a matrix's view is

@@ -8,6 +8,7 @@ Bounds as test_train_grad.py's: loss within 1e-5 relative, per parameter
 ||g_kiln - g_torch|| <= 1e-4 ||g_torch||.
 """
 import json
+from pathlib import Path
 import re
 import shutil
 import subprocess
@@ -112,7 +113,7 @@ def test_refusals_and_lifetimes(tmp_path, build_dir):
     ids, tg = batch(ms, 2, 8, 5)
     with pytest.raises(ValueError, match="made for this trainer"):
         other.distill_step(teacher, ids, tg)
-    for kw, msg in [(dict(temperature=0.0), "temperature"), (dict(kd_weight=0.0, ce_weight=0.0), "not both 0"),
+    for kw, msg in [(dict(temperature=0.0), "temperature"), (dict(kd_weight=0.0, ce_weight=0.0, hidden_weight=0.0), "not all 0"),
                     (dict(kd_weight=-1.0), "kd_weight")]:
         with pytest.raises(kiln.KilnError, match=msg):
             tr.distill_step(teacher, ids, tg, **kw)
@@ -184,3 +185,168 @@ def test_kiln_distill_cli_lowers_the_kl(tmp_path, build_dir):
         q = subprocess.run([str(kiln_bin), "distill", "--config", "tiny", "--data", str(data)] + args,
                            capture_output=True, text=True)
         assert q.returncode == 2 and msg in q.stderr, q.stderr
+
+
+# ---- hidden-state matching --------------------------------------------------------------------
+
+def build_wide_teacher(tmp_path):
+    """A llama teacher 96 wide with 3 layers (the students are 64 wide, 2 layers), on the same
+    tokenizer as build_model's."""
+    import transformers as tf
+    from transformers import AutoModelForCausalLM
+    from test_parity import COMMON, make_tokenizer
+    d = tmp_path / "wide"
+    d.mkdir()
+    make_tokenizer(d)
+    cfg = tf.LlamaConfig(**{**COMMON, "hidden_size": 96, "intermediate_size": 200, "num_hidden_layers": 3},
+                         tie_word_embeddings=False)
+    torch.manual_seed(99)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(d)
+    return d, AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64).eval()
+
+
+def torch_distill_hidden(ref_s, ref_t, ids, tg, tau, kd, ce_w, hw, pairs, projs, loss_kind, scale):
+    """torch_distill's loss plus hw x the hidden-state loss over the supervised rows (mean over
+    them): pair k's rows of ref_s's hidden_states[s] projected by projs[k] (None: equal widths)
+    against ref_t's hidden_states[t]. Returns (loss, kl, ce, hidden); backward leaves the
+    gradients in ref_s and in the projections."""
+    ids_t = torch.tensor(ids)
+    with torch.no_grad():
+        out_t = ref_t(ids_t, output_hidden_states=True)
+    out_s = ref_s(ids_t, output_hidden_states=True)
+    V = ref_s.config.vocab_size
+    zs, zt = out_s.logits.reshape(-1, V), out_t.logits.reshape(-1, ref_t.config.vocab_size)
+    tgf = torch.tensor(tg).reshape(-1)
+    sup = tgf >= 0
+    S = int(sup.sum())
+    logp = F.log_softmax(zt[sup] / tau, dim=-1)
+    logq = F.log_softmax(zs[sup] / tau, dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1).sum() / S
+    ce = F.cross_entropy(zs[sup], tgf[sup], reduction="sum") / S
+    hid = 0
+    for (s, t), P in zip(pairs, projs):
+        hs = out_s.hidden_states[s].reshape(-1, ref_s.config.hidden_size)[sup]
+        ht = out_t.hidden_states[t].reshape(-1, ref_t.config.hidden_size)[sup]
+        y = hs @ P.T if P is not None else hs
+        if loss_kind == "mse":
+            hid = hid + ((y - ht) ** 2).mean(-1).sum() / S
+        else:
+            hid = hid + (1 - F.cosine_similarity(y, ht, dim=-1, eps=1e-8)).sum() / S
+    loss = scale * (kd * tau * tau * kl + ce_w * ce + hw * hid)
+    loss.backward()
+    return loss.item(), scale * kl.item(), scale * ce.item(), scale * (hid.item() if torch.is_tensor(hid) else 0.0)
+
+
+@pytest.mark.parametrize("loss_kind,wide,pairs", [
+    ("mse", True, [(1, 2), (2, 3)]),      # projections 96 x 64, the student's last layer included
+    ("cosine", True, [(2, 1)]),
+    ("mse", False, [(1, 1), (2, 2)]),     # equal widths: no projection
+])
+def test_hidden_matching_matches_torch(tmp_path, build_dir, loss_kind, wide, pairs):
+    """The distillation step with hidden-state matching against transformers in float64: the
+    loss and its parts, every student gradient and each projection's gradient. The last layer's
+    output is matched before the final norm (transformers' hidden_states[L] is after it, so the
+    oracle taps the layer's output with a hook there)."""
+    ds, ref_s = build_model(tmp_path, "llama")
+    dt, ref_t = build_wide_teacher(tmp_path) if wide else build_model(tmp_path, "qwen3")
+    ms, mt = kiln.Model(ds), kiln.Model(dt)
+    extra = kiln.hidden_projections(mt, ms, len(pairs))
+    assert len(extra) == (len(pairs) if wide else 0)
+    tr = kiln.Trainer(ms, max_seq=16, n_threads=2, max_batch=2, extra=extra, seed=5)
+    teacher = kiln.Teacher(mt, tr, hidden=pairs, hidden_loss=loss_kind)
+    ids, tg = batch(ms, 2, 11, 8)
+    tg[0, ::4] = -1
+    r = tr.distill_step(teacher, ids, tg, temperature=2.0, kd_weight=0.6, ce_weight=0.4, hidden_weight=0.7, scale=0.5)
+
+    # the projections as kiln made them: normal(0, 1 / cols)
+    projs = []
+    for name, rows, cols in extra:
+        w = tr.get_param(name, rows * cols).astype(np.float64).reshape(rows, cols)
+        assert abs(w.std() * np.sqrt(cols) - 1) < 0.1, w.std()
+        projs.append(torch.tensor(w, requires_grad=True))
+    # transformers' last hidden state is after the final norm: take the last layer's output
+    hooks, outs = [], {}
+    for ref, key in ((ref_s, "s"), (ref_t, "t")):
+        hooks.append(ref.model.layers[-1].register_forward_hook(
+            lambda mod, inp, out, key=key: outs.__setitem__(key, out[0] if isinstance(out, tuple) else out)))
+    L_s, L_t = ref_s.config.num_hidden_layers, ref_t.config.num_hidden_layers
+
+    class Tapped:
+        def __init__(self, ref, key, L):
+            self.ref, self.key, self.L, self.config = ref, key, L, ref.config
+
+        def __call__(self, ids_t, output_hidden_states):
+            o = self.ref(ids_t, output_hidden_states=True)
+            hs = list(o.hidden_states)
+            hs[self.L] = outs[self.key]
+            return type("O", (), {"logits": o.logits, "hidden_states": hs})
+
+    loss, kl, ce, hid = torch_distill_hidden(Tapped(ref_s, "s", L_s), Tapped(ref_t, "t", L_t), ids, tg, 2.0, 0.6, 0.4,
+                                             0.7, pairs, projs if wide else [None] * len(pairs), loss_kind, 0.5)
+    for h in hooks:
+        h.remove()
+    assert abs(r["hidden"] - hid) <= 1e-5 * abs(hid), (r, hid)
+    assert abs(r["loss"] - loss) <= 1e-5 * abs(loss), (r, loss)
+    assert abs(r["kl"] - kl) <= 1e-5 * abs(kl) + 1e-7 and abs(r["ce"] - ce) <= 1e-5 * abs(ce), (r, kl, ce)
+    want = torch_grads(ref_s)
+    for (name, _, _), P in zip(extra, projs):
+        want[name] = P.grad.numpy()
+    compare_grads(tr, want, f"hidden {loss_kind} {pairs}")
+
+    # one thread: the same bits
+    tr1 = kiln.Trainer(ms, max_seq=16, n_threads=1, max_batch=2, extra=extra, seed=5)
+    r1 = tr1.distill_step(kiln.Teacher(mt, tr1, hidden=pairs, hidden_loss=loss_kind), ids, tg, temperature=2.0,
+                          kd_weight=0.6, ce_weight=0.4, hidden_weight=0.7, scale=0.5)
+    assert np.float32(r1["loss"]).view(np.uint32) == np.float32(r["loss"]).view(np.uint32)
+    for name, n, _ in tr.params():
+        assert np.array_equal(tr.get_grad(name, n).view(np.uint32), tr1.get_grad(name, n).view(np.uint32)), name
+
+
+def test_hidden_matching_refusals(tmp_path, build_dir):
+    ds, _ = build_model(tmp_path, "llama")
+    dt, _ = build_wide_teacher(tmp_path)
+    ms, mt = kiln.Model(ds), kiln.Model(dt)
+    tr = kiln.Trainer(ms, max_seq=16, n_threads=1, max_batch=2)
+    with pytest.raises(kiln.KilnError, match=r"needs the projection 'distill.hidden.0.proj', a 96 x 64 matrix"):
+        kiln.Teacher(mt, tr, hidden=[(1, 1)])
+    tr2 = kiln.Trainer(ms, max_seq=16, n_threads=1, max_batch=2, extra=kiln.hidden_projections(mt, ms, 2))
+    for pairs, msg in [([(3, 1)], "the student's layers are 1..2, the teacher's 1..3"),
+                       ([(1, 4)], "the teacher's 1..3"), ([(1, 1), (2, 1)], "share a layer")]:
+        with pytest.raises(kiln.KilnError, match=msg):
+            kiln.Teacher(mt, tr2, hidden=pairs)
+    with pytest.raises(kiln.KilnError, match="has the name of a parameter of the model"):
+        kiln.Trainer(ms, max_seq=16, extra=[("lm_head.weight", 2, 2)])
+    with pytest.raises(kiln.KilnError, match=r"\[A-Za-z0-9_.-\]"):
+        kiln.Trainer(ms, max_seq=16, extra=[("a b", 2, 2)])
+    # the extras come after the model's parameters (the CLI test checks they are not exported)
+    t = kiln.Teacher(mt, tr2, hidden=[(1, 2), (2, 3)])
+    ids, tg = batch(ms, 2, 8, 1)
+    r = tr2.distill_step(t, ids, tg, kd_weight=0.0, ce_weight=0.0, hidden_weight=1.0)  # the hidden loss alone
+    assert r["hidden"] > 0 and r["loss"] == r["hidden"]
+    names = [n for n, _, _ in tr2.params()]
+    assert names[-2:] == ["distill.hidden.0.proj", "distill.hidden.1.proj"]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen35"])
+def test_hidden_matching_other_architectures(tmp_path, build_dir, arch):
+    """The taps of Gemma 3 (sliding-window layers, sandwich norms) and Qwen3.5 (linear-attention
+    layers): two tiny random models of one architecture (its own tokenizer), the student's layers
+    1 and 3 matched to the teacher's 3 and 2, against transformers in float64."""
+    import sys
+    from transformers import AutoModelForCausalLM
+    script = Path(__file__).resolve().parents[2] / "scripts" / f"make_tiny_{arch}.py"
+    ds, dt = tmp_path / "student", tmp_path / "teacher"
+    for d, seed in ((ds, 5), (dt, 6)):
+        subprocess.run([sys.executable, str(script), str(d), "--seed", str(seed)], check=True, capture_output=True)
+    ref_s = AutoModelForCausalLM.from_pretrained(ds, dtype=torch.float64).eval()
+    ref_t = AutoModelForCausalLM.from_pretrained(dt, dtype=torch.float64).eval()
+    ms, mt = kiln.Model(ds), kiln.Model(dt)
+    pairs = [(1, 3), (3, 2)]
+    tr = kiln.Trainer(ms, max_seq=16, n_threads=2, max_batch=2)
+    teacher = kiln.Teacher(mt, tr, hidden=pairs)
+    ids, tg = batch(ms, 2, 12, 4)
+    r = tr.distill_step(teacher, ids, tg, temperature=1.5, kd_weight=0.5, ce_weight=0.5, hidden_weight=2.0)
+    loss, _, _, hid = torch_distill_hidden(ref_s, ref_t, ids, tg, 1.5, 0.5, 0.5, 2.0, pairs, [None, None], "mse", 1.0)
+    assert abs(r["hidden"] - hid) <= 1e-5 * abs(hid), (r, hid)
+    assert abs(r["loss"] - loss) <= 1e-5 * abs(loss), (r, loss)
+    compare_grads(tr, torch_grads(ref_s), f"hidden {arch}")
