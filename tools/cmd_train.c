@@ -20,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#define MAX_HIDDEN 64
 #define MAX_SHARDS 64
 
 static const char *train_help =
@@ -95,7 +96,14 @@ static const char *distill_help =
     "  --teacher MODEL      the teacher\n"
     "  --temperature TAU    softening of both distributions (default 1; bench/RESULTS.md)\n"
     "  --alpha A            weight of the KL term in [0, 1]; the hard cross-entropy gets\n"
-    "                       1 - A (default 0.5)\n\n"
+    "                       1 - A (default 0.5)\n"
+    "  --hidden-map S:T,... hidden-state matching: the student's layer S against the\n"
+    "                       teacher's layer T (from 1: the residual stream after the layer),\n"
+    "                       through a learned projection (trained with the student, kept in\n"
+    "                       checkpoints, not exported) when the widths differ\n"
+    "  --hidden-weight B    weight of the hidden-state loss, summed over the pairs (default 1)\n"
+    "  --hidden-loss L      mse (default: mean square over the teacher's width) or cosine\n"
+    "                       (1 - cosine similarity)\n\n"
     "Every option of `kiln train` (below) applies.\n\n";
 
 typedef struct train_opts {
@@ -114,7 +122,38 @@ typedef struct train_opts {
     int audit;                 /* --audit: OUT/audit.jsonl */
     const char *teacher;       /* kiln distill --teacher */
     double temperature, alpha; /* kiln distill --temperature, --alpha */
+    const char *hidden_map;    /* kiln distill --hidden-map, as given */
+    double hidden_weight;      /* --hidden-weight */
+    const char *hidden_loss;   /* --hidden-loss: mse or cosine */
+    kiln_hidden_pair pairs[MAX_HIDDEN];
+    int n_pairs;
+    kiln_train_extra extras[MAX_HIDDEN]; /* the pairs' projections, when the widths differ */
+    char extra_names[MAX_HIDDEN][32];
+    int n_extra;
 } train_opts;
+
+/* "S:T,S:T,..." into o->pairs (each layer >= 1; the models' ranges are the teacher's to check).
+ * Returns 0 or the usage error's code. */
+static int parse_hidden_map(const char *cmd, const char *v, train_opts *o) {
+    const char *p = v;
+    o->n_pairs = 0;
+    while (*p) {
+        char *end;
+        long s = strtol(p, &end, 10), t;
+        if (end == p || *end != ':' || s < 1 || s > 1000000) goto bad;
+        p = end + 1;
+        t = strtol(p, &end, 10);
+        if (end == p || (*end && *end != ',') || t < 1 || t > 1000000) goto bad;
+        if (o->n_pairs == MAX_HIDDEN) return cli_usage_error(cmd, "--hidden-map: at most %d pairs", MAX_HIDDEN);
+        o->pairs[o->n_pairs++] = (kiln_hidden_pair){(int)s, (int)t};
+        p = *end ? end + 1 : end;
+        if (*end && !*p) goto bad;
+    }
+    if (o->n_pairs) return 0;
+bad:
+    return cli_usage_error(cmd, "--hidden-map takes STUDENT_LAYER:TEACHER_LAYER pairs separated by commas, layers "
+                                "from 1 (e.g. 3:6,6:12), not '%s'", v);
+}
 
 /* --device: "cpu" -> -1, "cuda" -> 0, "cuda:N" -> N, as `kiln generate --device` (a copy of
  * cmd_generate.c's parser: both belong in cli_util.c). Returns 0 or the usage error's code. */
@@ -145,6 +184,8 @@ static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
     o->loss_row_block = -1;
     o->temperature = 1.0;
     o->alpha = 0.5;
+    o->hidden_weight = 1.0;
+    o->hidden_loss = "mse";
     const char *cmd = distill ? "distill" : "train";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = NULL;
@@ -186,6 +227,15 @@ static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
         else if (distill && OPT("--teacher")) o->teacher = v;
         else if (distill && OPT("--temperature")) DBL(temperature, 1e-3, 1e3);
         else if (distill && OPT("--alpha")) DBL(alpha, 0, 1);
+        else if (distill && OPT("--hidden-weight")) DBL(hidden_weight, 0, 1e6);
+        else if (distill && OPT("--hidden-map")) {
+            o->hidden_map = v;
+            if (!err) err = parse_hidden_map(cmd, v, o);
+        } else if (distill && OPT("--hidden-loss")) {
+            o->hidden_loss = v;
+            if (!err && strcmp(v, "mse") && strcmp(v, "cosine"))
+                err = cli_usage_error(cmd, "--hidden-loss takes mse or cosine, not '%s'", v);
+        }
         else if (OPT("--seed")) {
             if (!err) err = cli_parse_u64(cmd, a, v, &o->seed);
         } else if (OPT("--schedule")) {
@@ -224,6 +274,10 @@ static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
     }
     if (distill && !o->teacher) {
         *code = cli_usage_error(cmd, "--teacher MODEL is required");
+        return 1;
+    }
+    if (!o->n_pairs && (o->hidden_weight != 1.0 || strcmp(o->hidden_loss, "mse"))) {
+        *code = cli_usage_error(cmd, "--hidden-weight and --hidden-loss need --hidden-map");
         return 1;
     }
     if (o->config && !o->tokenizer && o->teacher) o->tokenizer = o->teacher;
@@ -349,7 +403,7 @@ enum { SET_INT, SET_REAL, SET_TEXT };
 typedef struct run_setting {
     const char *key, *flag;
     int kind;
-    char now[64]; /* this run's value as run_json_write writes it */
+    char now[256]; /* this run's value as run_json_write writes it */
 } run_setting;
 
 static void setting_add(run_setting *v, int *n, const char *key, const char *flag, int kind, const char *fmt, ...) {
@@ -393,6 +447,17 @@ static int run_settings(const train_opts *o, run_setting *v) {
     if (o->teacher) {
         setting_add(v, &n, "temperature", "--temperature", SET_REAL, "%s", real_text(o->temperature, rt, sizeof rt));
         setting_add(v, &n, "alpha", "--alpha", SET_REAL, "%s", real_text(o->alpha, rt, sizeof rt));
+        if (o->n_pairs) {
+            char map[64 * 16] = "";
+            size_t len = 0;
+            for (int k = 0; k < o->n_pairs && len < sizeof map; k++)
+                len += (size_t)snprintf(map + len, sizeof map - len, "%s%d:%d", k ? "," : "", o->pairs[k].student_layer,
+                                        o->pairs[k].teacher_layer);
+            setting_add(v, &n, "hidden_map", "--hidden-map", SET_TEXT, "%s", map);
+            setting_add(v, &n, "hidden_weight", "--hidden-weight", SET_REAL, "%s",
+                        real_text(o->hidden_weight, rt, sizeof rt));
+            setting_add(v, &n, "hidden_loss", "--hidden-loss", SET_TEXT, "%s", o->hidden_loss);
+        }
     }
     return n;
 }
@@ -506,6 +571,8 @@ static kiln_status make_trainer(kiln_model *m, const train_opts *o, kiln_trainer
     tp.fast = o->fast;
     if (o->loss_row_block >= 0) tp.ce_row_block = (int)o->loss_row_block;
     tp.ce_logits_f32 = o->loss_logits_f32;
+    tp.n_extra = o->n_extra;
+    tp.extra = o->extras;
     return kiln_trainer_create(m, &tp, tr);
 }
 
@@ -693,6 +760,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     dp.temperature = (float)o.temperature;
     dp.kd_weight = (float)o.alpha;
     dp.ce_weight = (float)(1.0 - o.alpha);
+    dp.hidden_weight = (float)o.hidden_weight;
     kiln_shard *shards[MAX_SHARDS] = {0};
     kiln_batch_sampler *train_s = NULL, *eval_s = NULL;
     int32_t *buf = NULL, *packed = NULL;
@@ -758,6 +826,21 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     }
     const int auto_pf = o.per_forward == 0 || (n_ranks > 1 && !pf_given);
     if (o.per_forward == 0) o.per_forward = 1;
+    if (o.teacher) { /* before the trainer: a hidden map's projections are trainer parameters */
+        st = kiln_model_open(o.teacher, NULL, &tm);
+        if (st != KILN_OK) {
+            rc = cli_fail("distill", o.teacher, st);
+            goto out;
+        }
+        kiln_model_info ti;
+        kiln_model_get_info(tm, &ti);
+        o.n_extra = 0;
+        for (int k = 0; k < o.n_pairs && ti.n_embd != mi.n_embd; k++) { /* widths differ: a projection a pair */
+            snprintf(o.extra_names[k], sizeof o.extra_names[k], KILN_HIDDEN_PROJ_NAME, k);
+            o.extras[k] = (kiln_train_extra){o.extra_names[k], ti.n_embd, mi.n_embd};
+            o.n_extra++;
+        }
+    }
     st = make_rank_trainer(m, &o, comm, &tr);
     if (st != KILN_OK) {
         rc = cli_fail("train", "trainer", st);
@@ -846,8 +929,11 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         else fprintf(stderr, "[kiln audit] replaying steps 1..%ld from the run's initial weights\n", rp->to);
     }
     if (o.teacher) {
-        st = kiln_model_open(o.teacher, NULL, &tm);
-        if (st == KILN_OK) st = kiln_teacher_create(tm, tr, &teacher);
+        kiln_teacher_params tpar = kiln_teacher_default_params();
+        tpar.n_hidden = o.n_pairs;
+        tpar.hidden = o.pairs;
+        tpar.hidden_loss = !strcmp(o.hidden_loss, "cosine") ? KILN_HIDDEN_COSINE : KILN_HIDDEN_MSE;
+        st = kiln_teacher_create_ex(tm, tr, &tpar, &teacher);
         if (st != KILN_OK) {
             rc = cli_fail("distill", o.teacher, st);
             goto out;
@@ -856,6 +942,9 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         kiln_model_get_info(tm, &ti);
         if (rank0) fprintf(stderr, "[kiln distill] teacher %s: %.1fM parameters; temperature %g, alpha %g (KL) / %g (CE)\n",
                 ti.name, (double)ti.n_params / 1e6, o.temperature, o.alpha, 1.0 - o.alpha);
+        if (rank0 && o.n_pairs)
+            fprintf(stderr, "[kiln distill] hidden states %s (%s, weight %g)%s\n", o.hidden_map, o.hidden_loss,
+                    o.hidden_weight, o.n_extra ? ": a projection a pair, teacher width x student width" : "");
     }
     char desc[1024];
     kiln_train_describe(tr, desc, sizeof desc, NULL);
@@ -925,7 +1014,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     long tokens_per_step = o.batch * o.accum * o.seq;
     const long end = rp ? rp->to : o.steps;
     for (long s = start; s < end; s++) {
-        double ts = kiln_time_seconds(), loss = 0, kl = 0, ce = 0;
+        double ts = kiln_time_seconds(), loss = 0, kl = 0, ce = 0, hid = 0;
         kiln_sha256_ctx *bh = NULL; /* the step's token ids, for the audit record */
         if ((audit || rp) && st == KILN_OK) st = kiln_sha256_init(&bh);
         float scale = (float)(1.0 / ((double)o.batch * o.seq * o.accum));
@@ -948,6 +1037,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
                     l = dl.loss;
                     kl = dl.kl;
                     ce = dl.ce;
+                    hid = dl.hidden;
                 } else {
                     st = kiln_train_step_batch(tr, pid, (int)o.per_forward, (int)o.seq, ptg, KILN_LOSS_SUM, scale, 0, &l);
                 }
@@ -966,10 +1056,11 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
             if ((rc = ranks_agree(comm, 0, &sg, &agreed))) break;
             sig_now = sg > 0 ? (sig_now ? sig_now : SIGTERM) : 0;
             if (teacher) { /* the loss's parts, for the log: summed as the loss is */
-                double parts[2] = {kl, ce};
-                st = kiln_comm_allreduce_f64(comm, parts, 2);
+                double parts[3] = {kl, ce, hid};
+                st = kiln_comm_allreduce_f64(comm, parts, 3);
                 kl = parts[0];
                 ce = parts[1];
+                hid = parts[2];
                 if (st != KILN_OK) {
                     fprintf(stderr, "kiln distill: rank %d: the sum of the KL and CE parts failed: %s\n", rank,
                             kiln_last_error());
@@ -999,6 +1090,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
                     l = dl.loss;
                     kl += dl.kl;
                     ce += dl.ce;
+                    hid += dl.hidden;
                 } else if (o.per_forward == 1) {
                     const int32_t *ids = buf + b * (o.seq + 1);
                     st = kiln_train_step_batch(tr, ids, 1, (int)o.seq, ids + 1, KILN_LOSS_SUM, scale, acc, &l);
@@ -1107,9 +1199,10 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
                     loss, last_eval, lr, tps, eta);
             if (last) fputc('\n', stderr);
         } else if ((s + 1) % 10 == 0 || s == start || last || !isnan(eval_loss)) {
-            char ev[32] = "", parts[64] = "";
+            char ev[32] = "", parts[96] = "";
             if (!isnan(eval_loss)) snprintf(ev, sizeof ev, " eval %.4f", eval_loss);
-            if (teacher) snprintf(parts, sizeof parts, " (kl %.4f ce %.4f)", kl, ce);
+            if (teacher && o.n_pairs) snprintf(parts, sizeof parts, " (kl %.4f ce %.4f hidden %.4f)", kl, ce, hid);
+            else if (teacher) snprintf(parts, sizeof parts, " (kl %.4f ce %.4f)", kl, ce);
             fprintf(stderr, "step %ld/%ld loss %.4f%s%s lr %.3e grad_norm %.3f %.0f tok/s ETA %s\n", s + 1, o.steps, loss,
                     parts, ev, lr, gnorm, tps, eta);
         }

@@ -350,3 +350,40 @@ def test_hidden_matching_other_architectures(tmp_path, build_dir, arch):
     assert abs(r["hidden"] - hid) <= 1e-5 * abs(hid), (r, hid)
     assert abs(r["loss"] - loss) <= 1e-5 * abs(loss), (r, loss)
     compare_grads(tr, torch_grads(ref_s), f"hidden {arch}")
+
+
+def test_kiln_distill_cli_hidden_map(tmp_path, build_dir):
+    """`kiln distill --hidden-map` with a teacher wider than the student: the projections are
+    trained (the hidden part falls), kept in the checkpoints (a resume with another map is
+    refused; with the same map it goes on), and not exported."""
+    kiln_bin = build_dir / "kiln"
+    dt, _ = build_wide_teacher(tmp_path)
+    data = shard(kiln_bin, dt, tmp_path)
+    out = tmp_path / "run"
+    common = ["--teacher", str(dt), "--config", "tiny", "--data", str(data), "--batch", "4", "--seq", "32",
+              "--lr", "3e-3", "--warmup", "2", "--eval-every", "0", "--save-every", "10", "--threads", "2",
+              "--hidden-map", "1:2,2:3", "--hidden-weight", "0.5", "--out", str(out)]
+    p = subprocess.run([str(kiln_bin), "distill", *common, "--steps", "20", "--stop-after", "10"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    hid0 = float(re.findall(r"hidden ([0-9.]+)\)", p.stderr)[0])  # step 1
+    assert "[kiln distill] hidden states 1:2,2:3 (mse, weight 0.5): a projection a pair" in p.stderr, p.stderr
+    ck = out / "checkpoints" / "step-10" / "state.kiln"
+    assert b"param/distill.hidden.1.proj" in ck.read_bytes()
+    bad = [c if c != "1:2,2:3" else "1:1,2:3" for c in common]
+    q = subprocess.run([str(kiln_bin), "distill", *bad, "--steps", "20", "--resume"], capture_output=True, text=True)
+    assert q.returncode != 0 and "--hidden-map" in q.stderr and "1:2,2:3" in q.stderr, q.stderr[-2000:]
+    p = subprocess.run([str(kiln_bin), "distill", *common, "--steps", "20", "--resume"], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0 and "at step 10" in p.stderr, p.stderr[-3000:]
+    hid = [float(x) for x in re.findall(r"hidden ([0-9.]+)\)", p.stderr)]
+    assert hid and hid[-1] < hid0, (hid0, hid, p.stderr[-2000:])  # the projections and the student learn
+    from safetensors.numpy import load_file
+    keys = set(load_file(str(out / "model" / "model.safetensors")))
+    assert keys and not any(k.startswith("distill.") for k in keys), keys
+    # usage errors
+    for args, msg in [(["--hidden-map", "1-2"], "--hidden-map takes"), (["--hidden-loss", "l1"], "mse or cosine"),
+                      (["--hidden-weight", "2"], "need --hidden-map")]:
+        r = subprocess.run([str(kiln_bin), "distill", "--teacher", str(dt), "--config", "tiny", "--data", str(data),
+                            *args], capture_output=True, text=True)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr

@@ -375,22 +375,30 @@ def test_refusals_and_a_rank_that_stops(setup, build_dir):
     assert r.returncode == 2 and "is not empty" in r.stderr  # rank 0's usage status, on every rank
 
 
-def test_distill_ranks_equal_one_process(setup, build_dir):
+@pytest.mark.parametrize("hidden", [False, True])
+def test_distill_ranks_equal_one_process(setup, build_dir, hidden):
     """`mpirun -np N kiln distill`: every rank holds the whole teacher and runs its forward over
     the rank's own sequences; the student is sharded as `kiln train`'s. A new student (--config
     tiny, the teacher's tokenizer) distilled on 2 and on 4 ranks equals one process with the
     same micro-batches: the losses, their KL and CE parts, the gradient norms, and the final
-    checkpoint's weights and AdamW state, bit for bit."""
+    checkpoint's weights and AdamW state, bit for bit. hidden: a teacher 96 wide (the student
+    64) with hidden-state matching, whose projections are sharded with the student."""
     base, models = setup
     args = common(models, "llama", base, "bf16_master")
-    args[args.index("-m"):args.index("-m") + 2] = ["--teacher", models["llama"], "--config", "tiny"]
+    teacher = models["llama"]
+    if hidden:
+        from test_distill import build_wide_teacher
+        teacher = base / "wide" if (base / "wide").exists() else build_wide_teacher(base)[0]
+    args[args.index("-m"):args.index("-m") + 2] = ["--teacher", teacher, "--config", "tiny"]
     args += ["--temperature", "2", "--alpha", "0.7", "--seed", "3"]
+    if hidden:
+        args += ["--hidden-map", "1:2,2:3", "--hidden-loss", "cosine"]
 
     def parts(stderr):
-        return re.findall(r"step (\d+)/\d+ loss \S+ \(kl (\S+) ce (\S+)\)", stderr)
+        return re.findall(r"step (\d+)/\d+ loss \S+ \(kl (\S+) ce (\S+)( hidden \S+)?\)", stderr)
 
     for n, k in [(2, 2), (4, 1)]:
-        one, many = base / f"kd_one_{k}", base / f"kd_np{n}"
+        one, many = base / f"kd{hidden:d}_one_{k}", base / f"kd{hidden:d}_np{n}"
         r1 = kiln(build_dir, 1, "distill", *args, "--seqs-per-forward", k, "--out", one)
         assert r1.returncode == 0, r1.stderr[-3000:]
         r = kiln(build_dir, n, "distill", *args, "--out", many)
