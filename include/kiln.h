@@ -524,6 +524,12 @@ typedef struct kiln_train_params {
                        * after the model's parameters in the trainer's list, in checkpoints,
                        * not in exports or fingerprints. Default 0 */
     const struct kiln_train_extra *extra; /* (n_extra) */
+    int format;       /* the matrix products' number format, forward and backward (kiln_format):
+                       * KILN_FORMAT_F32 (the default: auditable f32), or the exact block formats
+                       * MX16 / MX8 (docs/ARITHMETIC.md, "Exact block formats": each product's
+                       * operands quantized along its reduction axis, exact integer block sums,
+                       * one rounding; the same bits on any thread count). CPU only for now;
+                       * not with fast */
 } kiln_train_params;
 
 /* An extra matrix (kiln_train_params.extra): its name (1..95 bytes of [A-Za-z0-9_.-], unlike

@@ -69,6 +69,8 @@ static const char *train_help =
     "                       checkpoints resume on either)\n"
     "  --fast               with --device cuda: matrix products (forward and backward) on bf16\n"
     "                       tensor cores; approximate but deterministic (docs/TRAINING.md)\n"
+    "  --format F           f32 (default), mx16 or mx8: the matrix products forward and backward\n"
+    "                       in an exact block format (CPU; docs/ARITHMETIC.md)\n"
     "  --loss-row-block N   with --fast: the loss walks the rows in blocks of N, each block's\n"
     "                       logits (N x vocabulary, bf16) made once (default 2048; 0: the\n"
     "                       vocabulary walk, one product more, less memory)\n"
@@ -120,6 +122,7 @@ typedef struct train_opts {
     int device; /* -1 = CPU, N >= 0 = CUDA device N */
     int fast;   /* --fast: the CUDA backend's fast arithmetic (GPU only) */
     int audit;                 /* --audit: OUT/audit.jsonl */
+    int format;                /* --format: kiln_format of the products */
     const char *teacher;       /* kiln distill --teacher */
     double temperature, alpha; /* kiln distill --temperature, --alpha */
     const char *hidden_map;    /* kiln distill --hidden-map, as given */
@@ -252,6 +255,8 @@ static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
                 err = cli_usage_error(cmd, "--moments takes f32 or q8, not '%s'", v);
         } else if (OPT("--device")) {
             if (!err) err = cli_parse_device(cmd, v, &o->device);
+        } else if (OPT("--format")) {
+            if (!err) err = cli_parse_format(cmd, v, &o->format);
         } else if (!strcmp(a, "--resume")) o->resume = 1;
         else if (!strcmp(a, "--override-hparams")) o->override_hparams = 1;
         else if (!strcmp(a, "--overwrite")) o->overwrite = 1;
@@ -444,10 +449,11 @@ static int run_settings(const train_opts *o, run_setting *v) {
     setting_add(v, &n, "clip", "--clip", SET_REAL, "%s", real_text(o->clip, rt, sizeof rt));
     setting_add(v, &n, "eval_fraction", "--eval-fraction", SET_REAL, "%s", real_text(o->eval_fraction, rt, sizeof rt));
     setting_add(v, &n, "fast", "--fast", SET_INT, "%d", o->fast);
+    setting_add(v, &n, "format", "--format", SET_TEXT, "%s", cli_format_name(o->format));
     if (o->teacher) {
         setting_add(v, &n, "temperature", "--temperature", SET_REAL, "%s", real_text(o->temperature, rt, sizeof rt));
         setting_add(v, &n, "alpha", "--alpha", SET_REAL, "%s", real_text(o->alpha, rt, sizeof rt));
-        if (o->n_pairs) {
+        {
             char map[64 * 16] = "";
             size_t len = 0;
             for (int k = 0; k < o->n_pairs && len < sizeof map; k++)
@@ -524,7 +530,7 @@ static int check_resume_settings(const train_opts *o, const char *run, long star
     cli_run_value(run, "overridden", history, cap);
     run_setting v[24];
     int n = run_settings(o, v), n_diff = 0;
-    char diff[2048] = "", saved[64];
+    char diff[2048] = "", saved[256];
     size_t dl = 0;
     for (int i = 0; i < n; i++) {
         if (!cli_run_value(run, v[i].key, saved, sizeof saved)) { /* an older kiln's checkpoint */
@@ -571,6 +577,7 @@ static kiln_status make_trainer(kiln_model *m, const train_opts *o, kiln_trainer
     tp.fast = o->fast;
     if (o->loss_row_block >= 0) tp.ce_row_block = (int)o->loss_row_block;
     tp.ce_logits_f32 = o->loss_logits_f32;
+    tp.format = o->format;
     tp.n_extra = o->n_extra;
     tp.extra = o->extras;
     return kiln_trainer_create(m, &tp, tr);

@@ -488,6 +488,9 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     if (p.device < -1)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: device %d: use -1 (CPU) or a CUDA device index >= 0",
                           p.device);
+    if (p.format != KILN_FORMAT_F32 && p.device >= 0)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: the exact formats (mx16, mx8) train on the CPU "
+                          "only for now (their CUDA kernels are not written yet)");
     if (p.fast && p.device < 0)
         return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: fast is a GPU mode (the CPU has no fast training): "
                                                 "set device to a CUDA device index >= 0, or fast to 0");
@@ -519,7 +522,11 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
             return kiln_error(st, "kiln_trainer_create: device %d (CUDA) unavailable: %s", p.device, why);
         }
     } else {
-        st = kiln_backend_acquire(-1, 0, p.n_threads, &t->be);
+        int mode = 0;
+        st = kiln_backend_mode_of(-1, 0, 0, p.format, "kiln_trainer_create", &mode);
+        if (st == KILN_OK) st = kiln_backend_acquire(-1, mode, p.n_threads, &t->be);
+        t->mx = p.format != KILN_FORMAT_F32;
+        t->mx_stale = 1;
     }
     if (st == KILN_OK) t->host = t->be->i->host_memory;
     if (st == KILN_OK && !t->host && p.fast && t->be->i->graph_begin) {
@@ -587,7 +594,7 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
                 q->view16.data = (uint8_t *)t->shadow + ((uint8_t *)q->w - (uint8_t *)t->param_block) / 2;
                 q->view16.nbytes = (size_t)q->n * 2;
             }
-            t->shadow_stale = 1;
+            t->shadow_stale = 1; t->mx_stale = 1;
         }
         /* weights from the model, role by role in the order they were declared */
         load_ctx lc = {t, tmp, tmp16, 0};
@@ -634,6 +641,9 @@ static void trainer_destroy(kiln_trainer *t) {
     if (t->model && t->model->arch->train_free) t->model->arch->train_free(&t->io);
     kiln_free(t->refs);
     kiln_free(t->layer_refs);
+    /* the shared backend's quantized copies of these weights go with them (a later block at
+     * the same address must not find them) */
+    if (t->mx && t->param_block && t->be && t->be->i->forget) t->be->i->forget(t->be, t->param_block, t->param_bytes);
     bmem_free(t, t->param_block);
     bmem_free(t, t->shadow);
     bmem_free(t, t->grad_block);
@@ -709,6 +719,10 @@ static kiln_status forward(kiln_trainer *t, const int32_t *ids, int n_seq, int s
     if (t->shadow && t->shadow_stale) { /* one conversion of every weight (f32 block -> bf16) */
         op->to_bf16(be, t->shadow, (const float *)t->param_block, t->param_bytes / sizeof(float));
         t->shadow_stale = 0;
+    }
+    if (t->mx && t->mx_stale) { /* the weights changed: their quantized copies are made again */
+        if (op->forget) op->forget(be, t->param_block, t->param_bytes);
+        t->mx_stale = 0;
     }
     int T = n_seq * seq;
     if (t->host) {
@@ -1285,7 +1299,7 @@ static kiln_status adamw_step(kiln_trainer *t, const char *call, double lr, cons
     }
     kiln_adamw_set_lr(t->opt_mat, lr);
     kiln_adamw_set_lr(t->opt_vec, lr);
-    t->shadow_stale = 1;
+    t->shadow_stale = 1; t->mx_stale = 1;
     if (weight_decay) { /* both checked above */
         st = kiln_adamw_step_decay(t->opt_mat, pool, wd_mat);
         if (st == KILN_OK) st = kiln_adamw_step_decay(t->opt_vec, pool, wd_vec);
@@ -1398,7 +1412,7 @@ kiln_status kiln_train_get_param(const kiln_trainer *t, const char *name, float 
 /* Write f32 values into a parameter (already validated): bf16 storage rounds them (RNE). */
 static kiln_status write_param(kiln_trainer *t, const train_param *p, const float *in) {
     size_t n = (size_t)p->n;
-    t->shadow_stale = 1;
+    t->shadow_stale = 1; t->mx_stale = 1;
     if (p->dtype == KILN_DTYPE_F32) return kiln_backend_upload(t->be, p->w, in, n * sizeof(float));
     if (t->host) {
         for (size_t i = 0; i < n; i++) ((uint16_t *)p->w)[i] = kiln_fp32_to_bf16(in[i]);
@@ -1808,7 +1822,7 @@ kiln_status kiln_trainer_load_opened(kiln_trainer *t, kiln_ckpt *c, uint64_t *st
         }
     }
     if (st == KILN_OK) {
-        t->shadow_stale = 1;
+        t->shadow_stale = 1; t->mx_stale = 1;
         for (int i = 0; st == KILN_OK && i < t->n_params; i++)
             st = kiln_backend_upload(t->be, t->params[i].w, ps[i]->data, (size_t)ps[i]->size);
     }

@@ -630,6 +630,7 @@ kiln_status kiln_trainer_load_set(kiln_trainer *t, kiln_ckpt *c, uint64_t *step,
         kiln_adamw_set_lr(t->opt_mat, l[0]);
         kiln_adamw_set_lr(t->opt_vec, l[1]);
         t->shadow_stale = 1;
+        t->mx_stale = 1;
     }
     if (st == KILN_OK) {
         *step = k0;

@@ -53,6 +53,11 @@ struct kiln_trainer {
      * write of the weights. NULL otherwise. */
     uint16_t *shadow;
     int shadow_stale;
+    /* An exact format (kiln_train_params.format): the backend keeps each weight's quantized
+     * copies (W for the forward, W^T for the backward) until told to forget them; mx_stale says
+     * the weights changed since (set with shadow_stale), and the next forward drops them. */
+    int mx;
+    int mx_stale;
     int step_writes_shadow; /* every parameter's optimizer step writes its bf16 copy (w16) */
     float *grad_block;  /* (n_grad) every gradient, each 16-float aligned */
     size_t n_grad;      /* floats in grad_block (a multiple of 16) */

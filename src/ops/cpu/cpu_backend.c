@@ -32,6 +32,7 @@ typedef struct cpu_ctx {
      * weights are quantized on first use and kept (mx_w, dropped by forget); the activations
      * go to a scratch per reduction width (mx_x: the widths a model's products have) */
     int mx;
+    int mx_suspended; /* kiln_backend_cpu_f32_products: f32 products for now */
     struct mx_weight *mx_w;
     int n_mx_w, cap_mx_w;
     kiln_mx_matrix mx_x[4];
@@ -45,6 +46,7 @@ typedef struct mx_weight {
     size_t nbytes;
     int64_t R, C;
     kiln_dtype dt;
+    int transposed; /* m is W^T (C, R) quantized along R: the backward's dx = dy W */
     kiln_mx_matrix m;
 } mx_weight;
 
@@ -253,10 +255,11 @@ static void mx_poison(cpu_ctx *c, kiln_status st, const char *what, const kiln_t
 
 /* W (R, C) in the format: from the cache, or dequantized to f32 and quantized now (kept
  * until kiln_backends_forget drops it). NULL (poisoned) when memory runs out. */
-static const kiln_mx_matrix *mx_weight_of(cpu_ctx *c, const kiln_tensor *W, int64_t R, int64_t C) {
+static const kiln_mx_matrix *mx_weight_of(cpu_ctx *c, const kiln_tensor *W, int64_t R, int64_t C, int transposed) {
     for (int i = 0; i < c->n_mx_w; i++) {
         const mx_weight *e = &c->mx_w[i];
-        if (e->data == W->data && e->R == R && e->C == C && e->dt == W->dtype) return &e->m;
+        if (e->data == W->data && e->R == R && e->C == C && e->dt == W->dtype && e->transposed == transposed)
+            return &e->m;
     }
     if (c->n_mx_w == c->cap_mx_w) {
         int cap = c->cap_mx_w ? 2 * c->cap_mx_w : 64;
@@ -268,14 +271,41 @@ static const kiln_mx_matrix *mx_weight_of(cpu_ctx *c, const kiln_tensor *W, int6
     mx_weight *e = &c->mx_w[c->n_mx_w];
     memset(e, 0, sizeof *e);
     const size_t rb = row_bytes_of(W->dtype, C);
-    float *deq = W->dtype == KILN_DTYPE_F32 ? NULL : kiln_malloc((size_t)R * (size_t)C * sizeof(float));
-    if (W->dtype != KILN_DTYPE_F32 && !deq) return NULL;
-    for (int64_t r = 0; deq && r < R; r++)
-        kiln_dequantize(W->dtype, (const uint8_t *)W->data + (size_t)r * rb, deq + r * C, C);
-    kiln_status st = kiln_mx_matrix_alloc(&e->m, (kiln_mx_kind)c->mx, R, C);
+    const int copy = W->dtype != KILN_DTYPE_F32 || transposed;
+    float *deq = copy ? kiln_malloc((size_t)R * (size_t)C * sizeof(float)) : NULL;
+    if (copy && !deq) return NULL;
+    for (int64_t r = 0; deq && r < R; r++) {
+        if (!transposed) {
+            kiln_dequantize(W->dtype, (const uint8_t *)W->data + (size_t)r * rb, deq + r * C, C);
+        } else { /* row r of W is column r of W^T (C, R) */
+            float row[256];
+            for (int64_t c0 = 0; c0 < C; c0 += 256) {
+                const int64_t n = C - c0 < 256 ? C - c0 : 256;
+                if (W->dtype == KILN_DTYPE_F32)
+                    memcpy(row, (const float *)W->data + r * C + c0, (size_t)n * sizeof(float));
+                else if (W->dtype == KILN_DTYPE_BF16 || W->dtype == KILN_DTYPE_F16)
+                    kiln_dequantize(W->dtype, (const uint8_t *)W->data + (size_t)r * rb + (size_t)c0 * 2, row, n);
+                else /* a block format: the whole row at once */
+                    break;
+                for (int64_t k = 0; k < n; k++) deq[(c0 + k) * R + r] = row[k];
+            }
+            if (W->dtype != KILN_DTYPE_F32 && W->dtype != KILN_DTYPE_BF16 && W->dtype != KILN_DTYPE_F16) {
+                float *full = kiln_malloc((size_t)C * sizeof(float));
+                if (!full) {
+                    kiln_free(deq);
+                    return NULL;
+                }
+                kiln_dequantize(W->dtype, (const uint8_t *)W->data + (size_t)r * rb, full, C);
+                for (int64_t k = 0; k < C; k++) deq[k * R + r] = full[k];
+                kiln_free(full);
+            }
+        }
+    }
+    kiln_status st = transposed ? kiln_mx_matrix_alloc(&e->m, (kiln_mx_kind)c->mx, C, R)
+                                : kiln_mx_matrix_alloc(&e->m, (kiln_mx_kind)c->mx, R, C);
     if (st == KILN_OK)
-        st = kiln_mx_quantize(&e->m, deq ? deq : (const float *)W->data, deq ? C : (int64_t)(rb / sizeof(float)),
-                              c->pool);
+        st = kiln_mx_quantize(&e->m, deq ? deq : (const float *)W->data,
+                              transposed ? R : deq ? C : (int64_t)(rb / sizeof(float)), c->pool);
     kiln_free(deq);
     if (st != KILN_OK) {
         kiln_mx_matrix_free(&e->m);
@@ -286,6 +316,7 @@ static const kiln_mx_matrix *mx_weight_of(cpu_ctx *c, const kiln_tensor *W, int6
     e->R = R;
     e->C = C;
     e->dt = W->dtype;
+    e->transposed = transposed;
     c->n_mx_w++;
     return &e->m;
 }
@@ -316,7 +347,7 @@ static void matmul_mx(cpu_ctx *c, float *out, const float *x, const kiln_tensor 
         mx_poison(c, KILN_ERR_UNSUPPORTED, "the reduction is longer than the format's limit (262,144)", W);
         return;
     }
-    const kiln_mx_matrix *w = mx_weight_of(c, W, R, C);
+    const kiln_mx_matrix *w = mx_weight_of(c, W, R, C, 0);
     kiln_mx_matrix *xa = w ? mx_act(c, N, C) : NULL;
     if (!w || !xa) {
         mx_poison(c, KILN_ERR_NOMEM, "out of memory for the quantized operands", W);
@@ -357,7 +388,7 @@ static void cpu_matmul(kiln_backend *be, float *out, const float *x, const kiln_
     cpu_ctx *c = ctx_of(be);
     int64_t C = W->shape[W->n_dims - 1];
     int64_t R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
-    if (c->mx) {
+    if (c->mx && !c->mx_suspended) {
         matmul_mx(c, out, x, W, bias, N, R, C);
         return;
     }
@@ -508,10 +539,78 @@ static void cpu_add(kiln_backend *be, float *x, const float *y, size_t n) {
 
 /* ---- backward (backward_portable.c) ------------------------------------------------------ */
 
+/* (rows, cols) row-major a into (cols, rows) row-major t. */
+static void transpose_f32(float *t, const float *a, int64_t rows, int64_t cols) {
+    for (int64_t i0 = 0; i0 < rows; i0 += 32)
+        for (int64_t j0 = 0; j0 < cols; j0 += 32)
+            for (int64_t i = i0; i < rows && i < i0 + 32; i++)
+                for (int64_t j = j0; j < cols && j < j0 + 32; j++) t[j * rows + i] = a[i * cols + j];
+}
+
+/* The backward of matmul in the backend's exact format (docs/ARITHMETIC.md, "Exact block
+ * formats": training), each product one mx product along its own reduction axis:
+ *   dx(N, C)  = dy(N, R) W(R, C):   dy quantized along R, W^T (cached like W) along R;
+ *   dW(R, C) += dy^T x:             dy^T (R, N) and x^T (C, N) quantized along N;
+ * each rounded once to f32, then (accumulate_dx, dW) added to the destination as f32 adds.
+ * dbias: the f32 sum over the tokens, as the exact path. */
+static void matmul_backward_mx(cpu_ctx *c, float *dx, float *dW, float *dbias, const float *dy, const float *x,
+                               const kiln_tensor *W, int N, bool accumulate_dx) {
+    const int64_t C = W->shape[W->n_dims - 1], R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
+    if (c->err != KILN_OK || N <= 0 || R <= 0) return;
+    if (dbias) kiln_cpu_matmul_backward(c->pool, c->k, NULL, NULL, dbias, dy, x, W, N, false);
+    if (R > KILN_MX_MAX_K || N > KILN_MX_MAX_K) {
+        mx_poison(c, KILN_ERR_UNSUPPORTED, "the backward's reduction is longer than the format's limit (262,144)", W);
+        return;
+    }
+    kiln_cpu_path path = c->k->path;
+    kiln_status st = KILN_OK;
+    if (dx) {
+        const kiln_mx_matrix *wt = mx_weight_of(c, W, R, C, 1);
+        kiln_mx_matrix q = {0};
+        float *tmp = accumulate_dx ? kiln_malloc((size_t)N * (size_t)C * sizeof(float)) : NULL;
+        st = !wt || (accumulate_dx && !tmp) ? KILN_ERR_NOMEM : kiln_mx_matrix_alloc(&q, (kiln_mx_kind)c->mx, N, R);
+        if (st == KILN_OK) st = kiln_mx_quantize(&q, dy, R, c->pool);
+        if (st == KILN_OK)
+            st = kiln_mx_matmul_cpu(&q, wt, tmp ? tmp : dx, C, c->pool,
+                                    path == KILN_CPU_PATH_AVX512 && N < KILN_MX_VNNI_MIN_N ? KILN_CPU_PATH_AVX2 : path);
+        if (st == KILN_OK && tmp)
+            for (int64_t i = 0; i < (int64_t)N * C; i++) dx[i] = dx[i] + tmp[i];
+        kiln_mx_matrix_free(&q);
+        kiln_free(tmp);
+    }
+    if (dW && st == KILN_OK) {
+        kiln_mx_matrix qd = {0}, qx = {0};
+        float *t = kiln_malloc(((size_t)R + (size_t)C) * (size_t)N * sizeof(float));
+        float *prod = kiln_malloc((size_t)R * (size_t)C * sizeof(float));
+        st = t && prod ? kiln_mx_matrix_alloc(&qd, (kiln_mx_kind)c->mx, R, N) : KILN_ERR_NOMEM;
+        if (st == KILN_OK) st = kiln_mx_matrix_alloc(&qx, (kiln_mx_kind)c->mx, C, N);
+        if (st == KILN_OK) {
+            transpose_f32(t, dy, N, R);
+            transpose_f32(t + (size_t)R * N, x, N, C);
+            st = kiln_mx_quantize(&qd, t, N, c->pool);
+        }
+        if (st == KILN_OK) st = kiln_mx_quantize(&qx, t + (size_t)R * N, N, c->pool);
+        if (st == KILN_OK) st = kiln_mx_matmul_cpu(&qd, &qx, prod, C, c->pool, kiln_mx_select_path(R));
+        if (st == KILN_OK)
+            for (int64_t i = 0; i < R * C; i++) dW[i] = dW[i] + prod[i];
+        kiln_mx_matrix_free(&qd);
+        kiln_mx_matrix_free(&qx);
+        kiln_free(t);
+        kiln_free(prod);
+    }
+    if (st != KILN_OK)
+        mx_poison(c, st, st == KILN_ERR_NOMEM ? "out of memory for the backward's quantized operands" : kiln_last_error(),
+                  W);
+}
+
 static void cpu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *dbias,
                                 const float *dy, const float *x, const kiln_tensor *W, int N,
                                 bool accumulate_dx) {
     cpu_ctx *c = ctx_of(be);
+    if (c->mx && !c->mx_suspended) {
+        matmul_backward_mx(c, dx, dW, dbias, dy, x, W, N, accumulate_dx);
+        return;
+    }
     kiln_cpu_matmul_backward(c->pool, c->k, dx, dW, dbias, dy, x, W, N, accumulate_dx);
 }
 
@@ -866,3 +965,10 @@ kiln_cpu_path kiln_backend_cpu_path(const kiln_backend *be) {
 }
 
 kiln_pool *kiln_backend_cpu_pool(kiln_backend *be) { return ctx_of(be)->pool; }
+
+int kiln_backend_cpu_f32_products(kiln_backend *be, int on) {
+    cpu_ctx *c = ctx_of(be);
+    const int prev = c->mx_suspended;
+    if (c->mx) c->mx_suspended = on != 0;
+    return prev;
+}

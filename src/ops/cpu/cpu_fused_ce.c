@@ -280,7 +280,7 @@ size_t kiln_cpu_fused_ce_workspace(kiln_backend *be, const kiln_fused_ce_params 
                           KILN_CE_FULL, 0, 0, NULL, NULL);
 }
 
-kiln_status kiln_cpu_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p, int64_t S,
+static kiln_status kiln_cpu_fused_ce_body(kiln_backend *be, const kiln_fused_ce_params *p, int64_t S,
                               kiln_fused_ce_result *out) {
     const int64_t N = p->N, H = p->H, V = p->V, cn = kiln_ce_chunk(p);
     const int with_dh = p->dhidden != NULL, with_dw = p->dweight != NULL;
@@ -359,4 +359,13 @@ kiln_status kiln_cpu_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p, i
     }
     kiln_free(block);
     return KILN_OK;
+}
+
+/* The loss's products in f32 even in an exact format's mode (kiln_backend_cpu_f32_products:
+ * their operands are transient scratch). */
+kiln_status kiln_cpu_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p, int64_t S, kiln_fused_ce_result *out) {
+    const int prev = kiln_backend_cpu_f32_products(be, 1);
+    kiln_status st = kiln_cpu_fused_ce_body(be, p, S, out);
+    kiln_backend_cpu_f32_products(be, prev);
+    return st;
 }

@@ -140,7 +140,7 @@ static void kd_pass2_rows(const void *arg, int64_t lo, int64_t hi) {
     }
 }
 
-kiln_status kiln_cpu_fused_kd(kiln_backend *be, const kiln_fused_kd_params *p, int64_t S,
+static kiln_status kiln_cpu_fused_kd_body(kiln_backend *be, const kiln_fused_kd_params *p, int64_t S,
                               kiln_fused_kd_result *out) {
     const kiln_fused_ce_params ce = kiln_kd_ce_view(p);
     const int64_t H = p->H, V = p->V, cn = kiln_ce_chunk(&ce);
@@ -208,4 +208,13 @@ kiln_status kiln_cpu_fused_kd(kiln_backend *be, const kiln_fused_kd_params *p, i
     if (out) *out = (kiln_fused_kd_result){loss, kl, ce_part, loss64, S, bytes};
     kiln_free(block);
     return KILN_OK;
+}
+
+/* The loss's products in f32 even in an exact format's mode (kiln_backend_cpu_f32_products:
+ * their operands are transient scratch). */
+kiln_status kiln_cpu_fused_kd(kiln_backend *be, const kiln_fused_kd_params *p, int64_t S, kiln_fused_kd_result *out) {
+    const int prev = kiln_backend_cpu_f32_products(be, 1);
+    kiln_status st = kiln_cpu_fused_kd_body(be, p, S, out);
+    kiln_backend_cpu_f32_products(be, prev);
+    return st;
 }
