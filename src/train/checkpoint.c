@@ -303,6 +303,26 @@ static kiln_status writer_pad(kiln_ckpt_writer *w) {
     return writer_write(w, zeros, pad);
 }
 
+/* Create w's file (it must not exist) and write the header's placeholder: *out = w, or w
+ * consumed and the error (a single file's tmp directory removed, as writer_fail does). */
+static kiln_status open_file(kiln_ckpt_writer *w, kiln_ckpt_writer **out) {
+    w->fd = open(w->file_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (w->fd < 0) {
+        kiln_status st = kiln_error(KILN_ERR_IO, "%s: cannot create: %s", w->file_path, strerror(errno));
+        if (!w->shard) writer_fail(w, st); /* a shard's file that exists is not this writer's */
+        writer_free(w);
+        return st;
+    }
+    static const uint8_t zeros[HDR_SIZE];
+    kiln_status st = writer_write(w, zeros, sizeof zeros); /* header placeholder */
+    if (st != KILN_OK) {
+        writer_free(w);
+        return st;
+    }
+    *out = w;
+    return KILN_OK;
+}
+
 kiln_status kiln_ckpt_begin(const char *dir, uint64_t step, const kiln_ckpt_save_params *params,
                             kiln_ckpt_writer **out) {
     if (!dir || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_begin: NULL argument");
@@ -352,21 +372,7 @@ kiln_status kiln_ckpt_begin(const char *dir, uint64_t step, const kiln_ckpt_save
         writer_free(w);
         return st;
     }
-    w->fd = open(w->file_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (w->fd < 0) {
-        kiln_status st = kiln_error(KILN_ERR_IO, "%s: cannot create: %s", w->file_path, strerror(errno));
-        writer_fail(w, st);
-        writer_free(w);
-        return st;
-    }
-    static const uint8_t zeros[HDR_SIZE];
-    kiln_status st = writer_write(w, zeros, sizeof zeros); /* header placeholder */
-    if (st != KILN_OK) {
-        writer_free(w);
-        return st;
-    }
-    *out = w;
-    return KILN_OK;
+    return open_file(w, out);
 }
 
 static kiln_status section_begin(kiln_ckpt_writer *w, const char *name, kiln_ckpt_type type,
@@ -777,20 +783,7 @@ kiln_status kiln_ckpt_begin_shard(const char *dir, uint64_t step, long tag, int 
         writer_free(w);
         return st;
     }
-    w->fd = open(w->file_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (w->fd < 0) {
-        kiln_status st = kiln_error(KILN_ERR_IO, "%s: cannot create: %s", w->file_path, strerror(errno));
-        writer_free(w);
-        return st;
-    }
-    static const uint8_t zeros[HDR_SIZE];
-    kiln_status st = writer_write(w, zeros, sizeof zeros); /* header placeholder */
-    if (st != KILN_OK) {
-        writer_free(w);
-        return st;
-    }
-    *out = w;
-    return KILN_OK;
+    return open_file(w, out);
 }
 
 kiln_status kiln_ckpt_finish_shard(kiln_ckpt_writer *w, uint8_t header_sha[32]) {
