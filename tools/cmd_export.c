@@ -5,6 +5,7 @@
 #include "base/base.h"
 #include "train/checkpoint.h"
 
+#include <cjson/cJSON.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -84,6 +85,22 @@ int cmd_export(int argc, char **argv) {
         tp.weight_storage = (kiln_weight_storage)atoi(v);
     if (cli_run_value(cfg_json, "moment_storage", v, sizeof v))
         tp.moment_storage = (kiln_moment_storage)atoi(v);
+    /* the trainer's extras (distillation's projections): made again, so the checkpoint loads;
+     * not exported */
+    enum { MAX_EXTRAS = 256 };
+    kiln_train_extra extras[MAX_EXTRAS];
+    char extra_names[MAX_EXTRAS][96];
+    cJSON *cfg = cfg_json ? cJSON_Parse(cfg_json) : NULL;
+    const cJSON *ex = cJSON_GetObjectItemCaseSensitive(cfg, "extras"), *e;
+    cJSON_ArrayForEach(e, ex) {
+        const cJSON *nm = cJSON_GetArrayItem(e, 0), *r = cJSON_GetArrayItem(e, 1), *cc = cJSON_GetArrayItem(e, 2);
+        if (tp.n_extra == MAX_EXTRAS || !cJSON_IsString(nm) || !cJSON_IsNumber(r) || !cJSON_IsNumber(cc)) break;
+        snprintf(extra_names[tp.n_extra], sizeof extra_names[0], "%s", nm->valuestring);
+        extras[tp.n_extra] = (kiln_train_extra){extra_names[tp.n_extra], (int64_t)r->valuedouble, (int64_t)cc->valuedouble};
+        tp.n_extra++;
+    }
+    tp.extra = extras;
+    cJSON_Delete(cfg);
     free(run_json);
     free(cfg_json);
 

@@ -1612,6 +1612,11 @@ char *kiln_trainer_config_json(const kiln_trainer *t) {
     for (int i = 0; i < t->n_params && n < cap; i++)
         n += (size_t)snprintf(s + n, cap - n, "%s[\"%s\",%lld]", i ? "," : "", t->params[i].name,
                               (long long)t->params[i].n);
+    /* the extras' shapes (kiln_train_params.extra), so that a reader of the checkpoint (kiln
+     * export) can make a trainer that loads it; absent without extras */
+    for (int i = t->n_model_params; i < t->n_params && n < cap; i++)
+        n += (size_t)snprintf(s + n, cap - n, "%s[\"%s\",%lld,%lld]", i == t->n_model_params ? "],\"extras\":[" : ",",
+                              t->params[i].name, (long long)t->params[i].shape[0], (long long)t->params[i].shape[1]);
     if (n < cap) n += (size_t)snprintf(s + n, cap - n, "]}");
     if (n >= cap) {
         kiln_free(s);
