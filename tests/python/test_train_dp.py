@@ -183,12 +183,16 @@ def common(models, model, base, storage):
             "--eval-fraction", "0", "--storage", storage]
 
 
-@pytest.mark.parametrize("model,storage,chunk", [("llama", "f32", None), ("llama", "bf16_master", None),
-                                                 ("llama", "bf16_kahan", 333), ("llama_tied_mqa", "f32", None)])
-def test_ranks_equal_one_process(setup, build_dir, model, storage, chunk):
+@pytest.mark.parametrize("model,storage,chunk,fmt", [("llama", "f32", None, None), ("llama", "bf16_master", None, None),
+                                                     ("llama", "bf16_kahan", 333, None),
+                                                     ("llama_tied_mqa", "f32", None, None),
+                                                     ("llama", "bf16_master", None, "mx16")])
+def test_ranks_equal_one_process(setup, build_dir, model, storage, chunk, fmt):
+    """fmt: every product in an exact block format (its bits do not depend on the rank count
+    either: each rank's products are the one process's micro-batch products)."""
     base, models = setup
-    args = common(models, model, base, storage)
-    tag = f"{model}_{storage}"
+    args = common(models, model, base, storage) + (["--format", fmt] if fmt else [])
+    tag = f"{model}_{storage}_{fmt}"
     for n, k in [(2, 2), (4, 1)]:
         one, many = base / f"one_{tag}_{k}", base / f"np{n}_{tag}"
         r = kiln(build_dir, 1, "train", *args, "--seqs-per-forward", k, "--out", one)
