@@ -853,6 +853,9 @@ struct kiln_ckpt {
     int n_sections;
     kiln_ckpt_section *sections;
     char *names; /* n_sections * NAME_FIELD */
+    int lazy;           /* sections' checksums verified at their first kiln_ckpt_find, not at open */
+    uint8_t *sec_sha;   /* lazy: (n_sections, 32) the table's checksums */
+    uint8_t *verified;  /* lazy: (n_sections) 1 once checked */
     int n_shards;       /* 0: a single state.kiln; N: shard 0 of a set of N (this file) */
     kiln_ckpt **shards; /* (n_shards) the set's shards, [0] == this one; NULL when 0 */
 };
@@ -861,6 +864,8 @@ void kiln_ckpt_close(kiln_ckpt *c) {
     if (!c) return;
     for (int k = 1; k < c->n_shards; k++) kiln_ckpt_close(c->shards[k]);
     kiln_free(c->shards);
+    kiln_free(c->sec_sha);
+    kiln_free(c->verified);
     kiln_file_map_close(&c->map);
     kiln_free(c->path);
     kiln_free(c->rejected);
@@ -929,6 +934,11 @@ static kiln_status parse_file(kiln_ckpt *c) {
     if (memcmp(sha, d + 48, 32) != 0) return FMT_ERR("%s: section table checksum mismatch", path);
 
     c->sections = kiln_calloc(n ? (size_t)n : 1, sizeof *c->sections);
+    if (c->lazy) {
+        c->sec_sha = kiln_calloc(n ? (size_t)n : 1, 32);
+        c->verified = kiln_calloc(n ? (size_t)n : 1, 1);
+        if (!c->sec_sha || !c->verified) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", path);
+    }
     c->names = kiln_calloc(n ? (size_t)n : 1, NAME_FIELD);
     const char **sorted = kiln_calloc(n ? (size_t)n : 1, sizeof *sorted);
     if (!c->sections || !c->names || !sorted) {
@@ -1019,6 +1029,10 @@ static kiln_status parse_file(kiln_ckpt *c) {
         }
         s->data = d + off;
         s->size = size;
+        if (c->lazy) { /* kiln_ckpt_find checks it when asked for it */
+            memcpy(c->sec_sha + 32 * (size_t)i, e + 192, 32);
+            continue;
+        }
         if ((st = kiln_sha256(s->data, (size_t)size, sha)) != KILN_OK) break;
         if (memcmp(sha, e + 192, 32) != 0)
             st = FMT_ERR("%s: section '%s' (offset %llu, %llu bytes): checksum mismatch (corrupt data)",
@@ -1039,14 +1053,15 @@ static kiln_status parse_file(kiln_ckpt *c) {
     return st;
 }
 
-kiln_status kiln_ckpt_open_file(const char *path, kiln_ckpt **out) {
-    if (!path || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_open_file: NULL argument");
+/* kiln_ckpt_open_file; lazy: the sections' checksums at their first kiln_ckpt_find. */
+static kiln_status open_file_ex(const char *path, int lazy, kiln_ckpt **out) {
     *out = NULL;
     kiln_ckpt *c = kiln_calloc(1, sizeof *c);
     if (!c || !(c->path = kiln_strdup(path))) {
         kiln_free(c);
         return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", path);
     }
+    c->lazy = lazy;
     kiln_status st = kiln_file_map_open(path, 1, &c->map);
     if (st == KILN_OK) st = parse_file(c);
     if (st != KILN_OK) {
@@ -1057,11 +1072,16 @@ kiln_status kiln_ckpt_open_file(const char *path, kiln_ckpt **out) {
     return KILN_OK;
 }
 
+kiln_status kiln_ckpt_open_file(const char *path, kiln_ckpt **out) {
+    if (!path || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_open_file: NULL argument");
+    return open_file_ex(path, 0, out);
+}
+
 /* A set's shards, as its marker (mpath) lists them in `lines` ("<file> header-sha256 <hex>\n"
  * each, files in rank order): every file there, its header hash the marker's, its step `step`.
  * *out: shard 0, holding the others. */
 static kiln_status open_set(const char *sdir, const char *mpath, const char *lines, uint64_t step,
-                            unsigned long long mstep, int n, kiln_ckpt **out) {
+                            unsigned long long mstep, int n, int lazy, kiln_ckpt **out) {
     *out = NULL;
     if (mstep != step || n < 1 || n > KILN_CKPT_MAX_SHARDS)
         return FMT_ERR("%s: the marker says step %llu, %d shards, in the directory of step %llu", mpath, mstep, n,
@@ -1083,7 +1103,7 @@ static kiln_status open_set(const char *sdir, const char *mpath, const char *lin
             st = FMT_ERR("%s: line %d should name %s", mpath, k + 2, name);
         else if (!kiln_path_is_file(f))
             st = FMT_ERR("%s: marked complete but shard %d of %d (%s) is missing", sdir, k, n, name);
-        else if ((st = kiln_ckpt_open_file(f, &sh[k])) == KILN_OK) {
+        else if ((st = open_file_ex(f, lazy, &sh[k])) == KILN_OK) {
             kiln_sha256_hex(sh[k]->header_sha, hex);
             int wl = snprintf(want, sizeof want, "%s header-sha256 %s", name, hex);
             if ((size_t)(nl - p) != (size_t)wl || strncmp(p, want, (size_t)wl) != 0)
@@ -1109,7 +1129,7 @@ static kiln_status open_set(const char *sdir, const char *mpath, const char *lin
 
 /* Open <dir>/step-<step>: marker must exist and match the file's header hash and step (or,
  * a set's marker, every shard's: open_set). */
-static kiln_status open_step_dir(const char *dir, uint64_t step, kiln_ckpt **out) {
+static kiln_status open_step_dir(const char *dir, uint64_t step, int lazy, kiln_ckpt **out) {
     char buf[64];
     snprintf(buf, sizeof buf, "step-%llu", (unsigned long long)step);
     char *sdir = path_join(dir, buf);
@@ -1131,14 +1151,14 @@ static kiln_status open_step_dir(const char *dir, uint64_t step, kiln_ckpt **out
     unsigned long long mstep = 0;
     int n_shards = 0, used = 0;
     if (sscanf(text, "KILNCKPT-COMPLETE step %llu shards %d\n%n", &mstep, &n_shards, &used) == 2 && used > 0) {
-        st = open_set(sdir, mpath, text + used, step, mstep, n_shards, &c);
+        st = open_set(sdir, mpath, text + used, step, mstep, n_shards, lazy, &c);
         goto done;
     }
     if (!kiln_path_is_file(fpath)) {
         st = kiln_error(KILN_ERR_FORMAT, "%s: marked complete but %s is missing", sdir, KILN_CKPT_FILE);
         goto done;
     }
-    if ((st = kiln_ckpt_open_file(fpath, &c)) != KILN_OK) goto done;
+    if ((st = open_file_ex(fpath, lazy, &c)) != KILN_OK) goto done;
     char hex[65], want[160];
     kiln_sha256_hex(c->header_sha, hex);
     snprintf(want, sizeof want, "KILNCKPT-COMPLETE step %llu header-sha256 %s\n", (unsigned long long)step, hex);
@@ -1166,7 +1186,12 @@ done:
 
 kiln_status kiln_ckpt_open_step(const char *dir, uint64_t step, kiln_ckpt **out) {
     if (!dir || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_open_step: NULL argument");
-    return open_step_dir(dir, step, out);
+    return open_step_dir(dir, step, 0, out);
+}
+
+kiln_status kiln_ckpt_open_step_lazy(const char *dir, uint64_t step, kiln_ckpt **out) {
+    if (!dir || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_ckpt_open_step_lazy: NULL argument");
+    return open_step_dir(dir, step, 1, out);
 }
 
 /* Append "line\n" to a kiln_malloc'd text (bounded at 64 KiB; best effort). */
@@ -1273,7 +1298,7 @@ static kiln_status open_latest(const char *dir, int set_aside, kiln_ckpt **out) 
     kiln_ckpt *c = NULL;
     kiln_status st = bad && why ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "%s: out of memory", dir);
     for (size_t i = n; st == KILN_OK && i-- > 0;) {
-        kiln_status r = open_step_dir(dir, steps[i], &c);
+        kiln_status r = open_step_dir(dir, steps[i], 0, &c);
         if (r == KILN_OK) break;
         char msg[2048]; /* a copy: the next kiln_error reuses the thread's message buffer */
         snprintf(msg, sizeof msg, "%s", kiln_last_error());
@@ -1345,6 +1370,14 @@ kiln_status kiln_ckpt_find(const kiln_ckpt *c, const char *name, kiln_ckpt_type 
         if (type && c->sections[i].type != type)
             return kiln_error(KILN_ERR_FORMAT, "%s: section '%s' has type %d, expected %d", c->path,
                               name, (int)c->sections[i].type, (int)type);
+        if (c->lazy && !c->verified[i]) {
+            uint8_t sha[32];
+            KILN_TRY(kiln_sha256(c->sections[i].data, (size_t)c->sections[i].size, sha));
+            if (memcmp(sha, c->sec_sha + 32 * (size_t)i, 32) != 0)
+                return kiln_error(KILN_ERR_FORMAT, "%s: section '%s' (%llu bytes): checksum mismatch (corrupt data)",
+                                  c->path, name, (unsigned long long)c->sections[i].size);
+            c->verified[i] = 1; /* the verification state is not the checkpoint's contents */
+        }
         *out = &c->sections[i];
         return KILN_OK;
     }

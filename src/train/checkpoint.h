@@ -190,6 +190,11 @@ kiln_status kiln_ckpt_open_for_resume(const char *dir, kiln_ckpt **out);
 kiln_status kiln_ckpt_set_aside(const char *dir, uint64_t step, const char *reason, char **new_path);
 /* Exactly step `step` of dir (must be complete and valid). */
 kiln_status kiln_ckpt_open_step(const char *dir, uint64_t step, kiln_ckpt **out);
+/* kiln_ckpt_open_step, each section's checksum verified at its first kiln_ckpt_find instead
+ * of at open (the marker, the header and the table are verified at open): for a reader that
+ * reads part of a checkpoint another reader has verified whole (a data-parallel rank's shards,
+ * after rank 0 opened the set for the resume). kiln_ckpt_section_at gives unverified sections. */
+kiln_status kiln_ckpt_open_step_lazy(const char *dir, uint64_t step, kiln_ckpt **out);
 /* One state.kiln file, verified alone (no marker involved). */
 kiln_status kiln_ckpt_open_file(const char *path, kiln_ckpt **out);
 void kiln_ckpt_close(kiln_ckpt *c); /* NULL is a no-op */

@@ -497,11 +497,15 @@ kiln_status kiln_trainer_dp_save(kiln_trainer *t, const char *dir, uint64_t step
     return agree(d, st, "kiln_train_save (rank 0 commits the set)");
 }
 
-/* The section `name` of every shard of the set c, checked: (hi - lo) x 4 bytes each. */
+/* The section `name` of every shard of the set c whose range [lo[k], hi[k]) meets [want_lo,
+ * want_hi), checked (the checksum, when opened lazily; (hi - lo) x 4 bytes); NULL for the
+ * others. */
 static kiln_status find_flat(const kiln_ckpt *c, const char *name, const int64_t *lo, const int64_t *hi,
-                             const kiln_ckpt_section **out) {
+                             int64_t want_lo, int64_t want_hi, const kiln_ckpt_section **out) {
     for (int k = 0; k < kiln_ckpt_shard_count(c); k++) {
         const kiln_ckpt *sh = kiln_ckpt_shard(c, k);
+        out[k] = NULL;
+        if (hi[k] <= want_lo || want_hi <= lo[k]) continue; /* a shard this reader does not read */
         KILN_TRY(kiln_ckpt_find(sh, name, KILN_CKPT_RAW, &out[k]));
         if (out[k]->size != (uint64_t)(hi[k] - lo[k]) * 4)
             return kiln_error(KILN_ERR_FORMAT, "%s: section '%s' has %llu bytes, not the %lld elements of the shard's "
@@ -604,9 +608,10 @@ kiln_status kiln_trainer_load_set(kiln_trainer *t, kiln_ckpt *c, uint64_t *step,
                         (unsigned long long)lr->size);
     if (st == KILN_OK && opt_step > ((uint64_t)1 << 24))
         st = kiln_error(KILN_ERR_FORMAT, "%s: optimizer step %llu out of range", path, (unsigned long long)opt_step);
-    if (st == KILN_OK) st = find_flat(c, "flat/weight", lo, hi, sec);
+    if (st == KILN_OK) st = find_flat(c, "flat/weight", lo, hi, d->lo, d->hi, sec);
     for (int kind = 0; st == KILN_OK && kind < STATE_KINDS; kind++)
-        if (kind_exists(t, kind)) st = find_flat(c, flat_section[kind], lo, hi, sec + (size_t)n * (1 + kind));
+        if (kind_exists(t, kind))
+            st = find_flat(c, flat_section[kind], lo, hi, d->lo, d->hi, sec + (size_t)n * (1 + kind));
     const kiln_ckpt_section *rs = NULL;
     if (st == KILN_OK && run_json && kiln_ckpt_find(c, "run", KILN_CKPT_JSON, &rs) == KILN_OK) {
         run = kiln_strndup(rs->data, (size_t)rs->size);
@@ -657,11 +662,15 @@ kiln_status kiln_trainer_dp_load(kiln_trainer *t, const char *dir, int64_t at, u
     kiln_train_dp *d = t->dp;
     kiln_ckpt *c = NULL;
     kiln_status st = KILN_OK;
-    /* rank 0 first: a resume sets a damaged newer checkpoint aside, which the others then do
-     * not see; then the others open the same checkpoint */
-    for (int pass = 0; pass < 2; pass++) {
-        if ((pass == 0) == (d->rank == 0))
-            st = at < 0 ? kiln_ckpt_open_for_resume(dir, &c) : kiln_ckpt_open_step(dir, (uint64_t)at, &c);
+    /* rank 0 opens it, verifying every byte (a resume sets a damaged newer checkpoint aside);
+     * then the others open the step it chose, each section's checksum checked as they read it
+     * (so a rank hashes the shards it reads, not the whole set) */
+    if (d->rank == 0) st = at < 0 ? kiln_ckpt_open_for_resume(dir, &c) : kiln_ckpt_open_step(dir, (uint64_t)at, &c);
+    st = agree(d, st, "kiln_train_load (rank 0 opening the checkpoint)");
+    uint64_t chosen = c ? kiln_ckpt_step(c) : 0;
+    if (st == KILN_OK) st = kiln_comm_broadcast(d->c, &chosen, sizeof chosen, 0);
+    if (st == KILN_OK) { /* every rank here, or none (the agreement above) */
+        if (d->rank != 0) st = kiln_ckpt_open_step_lazy(dir, chosen, &c);
         st = agree(d, st, "kiln_train_load (opening the checkpoint)");
     }
     if (st != KILN_OK) {

@@ -630,6 +630,29 @@ static void test_sets(void) {
     printf("set fault sweep: %d injected failures, each clean\n", failures_seen);
     CHECK(kiln_ckpt_open_latest(dir, &c) == KILN_OK && c && kiln_ckpt_step(c) == 4 && kiln_ckpt_shard_count(c) == 3);
     kiln_ckpt_close(c);
+
+    /* a lazy open (a rank after rank 0 verified the set) checks a section's checksum when it is
+     * read: a flipped byte in shard 2's data opens, and is refused when that section is asked for */
+    snprintf(p, sizeof p, "%s/step-4/shard-00002-of-00003.kiln", dir);
+    b = read_file(p, &n);
+    uint64_t off[8], size[8];
+    CHECK(b && section_offsets(b, off, size, 8) == 2 && size[1] == 102);
+    if (b) {
+        b[off[1] + 7] ^= 0x10;
+        write_file(p, b, n);
+    }
+    free(b);
+    CHECK_ERR(kiln_ckpt_open_step(dir, 4, &c), KILN_ERR_FORMAT, "checksum mismatch");
+    CHECK(kiln_ckpt_open_step_lazy(dir, 4, &c) == KILN_OK && c);
+    if (c) {
+        const kiln_ckpt_section *sec = NULL;
+        uint64_t v = 0;
+        CHECK(kiln_ckpt_get_u64(kiln_ckpt_shard(c, 2), "shard/rank", &v) == KILN_OK && v == 2);
+        CHECK(kiln_ckpt_find(kiln_ckpt_shard(c, 1), "data", KILN_CKPT_RAW, &sec) == KILN_OK);
+        CHECK_ERR(kiln_ckpt_find(kiln_ckpt_shard(c, 2), "data", KILN_CKPT_RAW, &sec), KILN_ERR_FORMAT,
+                  "section 'data' (102 bytes): checksum mismatch");
+    }
+    kiln_ckpt_close(c);
 }
 
 int main(void) {
