@@ -4,6 +4,7 @@
 
 #include "base/base.h"
 #include "train/checkpoint.h"
+#include "train/trainer.h"
 
 #include <cjson/cJSON.h>
 #include <stdlib.h>
@@ -72,6 +73,7 @@ int cmd_export(int argc, char **argv) {
     kiln_status st = kiln_ckpt_open_latest(ckdir, &c);
     if (st != KILN_OK) return cli_fail("export", ckdir, st);
     char *run_json = section_text(c, "run"), *cfg_json = section_text(c, "config");
+    const uint64_t latest = kiln_ckpt_step(c); /* the newest valid one; a damaged newer one stays where it is */
     kiln_ckpt_close(c);
     char rec_model[4096] = "", rec_config[4096] = "", rec_tok[4096] = "", v[64];
     cli_run_value(run_json, "model", rec_model, sizeof rec_model);
@@ -130,8 +132,10 @@ int cmd_export(int argc, char **argv) {
     int rc = 0;
     st = kiln_trainer_create(m, &tp, &tr);
     if (st != KILN_OK) rc = cli_fail("export", "trainer", st);
-    if (!rc && (st = kiln_train_load(tr, ckdir, &step, NULL)) != KILN_OK)
+    /* that step exactly: an export reads, it does not set checkpoints aside as a resume does */
+    if (!rc && (st = kiln_train_load_step(tr, ckdir, latest, NULL)) != KILN_OK)
         rc = cli_fail("export", ckdir, st);
+    step = latest;
     if (!rc) {
         if (dtype < 0) dtype = tp.weight_storage != KILN_STORAGE_F32;
         st = kiln_train_export_hf(tr, out, dtype, overwrite);

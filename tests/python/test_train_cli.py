@@ -75,6 +75,23 @@ def test_resume_equals_uninterrupted_and_threads(setup, build_dir):
     assert losses(one) == losses(full)
 
 
+def test_export_reads_without_moving_checkpoints(setup, build_dir):
+    """`kiln export RUN` takes the newest valid checkpoint and, unlike a resume, leaves a damaged
+    newer one where it is (an export reads)."""
+    base, d = setup
+    out = base / "exp_damaged"
+    args = ["-m", d, "--data", base / "corpus.tok", "--steps", "4", *COMMON]
+    args[args.index("--save-every") + 1] = "2"
+    kiln(build_dir, "train", *args, "--out", out, "--threads", "2")
+    f = out / "checkpoints" / "step-4" / "state.kiln"
+    b = bytearray(f.read_bytes())
+    b[300] ^= 0x40  # a section's byte: its checksum fails
+    f.write_bytes(bytes(b))
+    r = kiln(build_dir, "export", out, "-o", base / "exp_out")
+    assert "step 2 of" in r.stderr, r.stderr
+    assert f.exists() and not list((out / "checkpoints").glob("step-4.rejected-*"))
+
+
 def test_train_errors(setup, build_dir, tmp_path):
     base, d = setup
     r = kiln(build_dir, "train", "-m", d, "--out", tmp_path / "x", check=False)
