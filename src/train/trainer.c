@@ -1444,7 +1444,8 @@ kiln_status kiln_train_get_moments(const kiln_trainer *t, const char *name, floa
     if (!p) return KILN_ERR_INVALID_ARG;
     if (t->dp)
         return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_train_get_moments: a data-parallel rank holds only its range of "
-                                                "the moments: read them from a checkpoint (rank 0 writes them whole)");
+                                                "the moments: read them from a checkpoint (a set of shards loads "
+                                                "whole into one process)");
     kiln_adamw *o;
     int slot;
     opt_slot(t, (int)(p - t->params), &o, &slot);
