@@ -321,9 +321,41 @@ def load_library(path=None):
         fn = getattr(lib, name)
         fn.restype = res
         fn.argtypes = args
+    lib = _Library(lib, sigs)
     if path is None:
         _lib = lib
     return lib
+
+
+# Handles on one device share a backend (its thread pool, scratch and weight caches), which
+# serves one thread at a time (include/kiln.h). A stream's worker thread and the caller's own
+# calls, or a torch backward thread, would otherwise drive it at once: every call that may run
+# on a backend holds this lock (reentrant: a token callback runs on the calling thread).
+_backend_lock = threading.RLock()
+_BACKEND_CALLS = ("kiln_context_", "kiln_decode", "kiln_generate", "kiln_train", "kiln_teacher_",
+                  "kiln_linear_ce_", "kiln_model_close", "kiln_backend")
+
+
+def _locked(fn):
+    def call(*args):
+        with _backend_lock:
+            return fn(*args)
+    call.__name__ = getattr(fn, "__name__", "kiln_call")
+    return call
+
+
+class _Library:
+    """The loaded library: its declared functions, those that may run on a backend called under
+    _backend_lock; any other attribute is the CDLL's own."""
+
+    def __init__(self, cdll, sigs):
+        self._cdll = cdll
+        for name in sigs:
+            fn = getattr(cdll, name)
+            setattr(self, name, _locked(fn) if name.startswith(_BACKEND_CALLS) else fn)
+
+    def __getattr__(self, name):
+        return getattr(self._cdll, name)
 
 
 def _check(st):
