@@ -26,6 +26,7 @@
 #include "ops/mx.h"
 #include "ops/cpu/cpu_kernels.h"
 #include "ops/ops.h"
+#include "tool_files.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,66 +34,20 @@
 
 static const char *TOOL = "mx_tool";
 
-/* DIR/NAME's bytes, exactly want of them, in a malloc'd buffer; NULL (with a message) when
- * the file is absent or of another size. (tool_files.h's helpers belong to the loss tools.) */
-static void *read_file(const char *dir, const char *name, size_t want) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    FILE *f = fopen(path, "rb");
-    if (!f) return fprintf(stderr, "%s: cannot open %s\n", TOOL, path), NULL;
-    void *buf = malloc(want ? want : 1);
-    size_t got = buf ? fread(buf, 1, want, f) : 0;
-    int extra = fgetc(f) != EOF;
-    fclose(f);
-    if (!buf || got != want || extra) {
-        fprintf(stderr, "%s: %s: expected %zu bytes\n", TOOL, path, want);
-        free(buf);
-        return NULL;
-    }
-    return buf;
-}
-
-/* n bytes into DIR/NAME; 0 on success, 1 (with a message) on failure. */
-static int write_file(const char *dir, const char *name, const void *data, size_t n) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    FILE *f = fopen(path, "wb");
-    if (!f || fwrite(data, 1, n, f) != n) {
-        fprintf(stderr, "%s: cannot write %s\n", TOOL, path);
-        if (f) fclose(f);
-        return 1;
-    }
-    return fclose(f) != 0;
-}
-
-static int fail(kiln_status st) {
-    fprintf(stderr, "error: %s: %s\n", kiln_status_string(st), kiln_last_error());
-    return 2;
-}
-
-/* Uniform in [lo, hi) from a fixed xorshift64* stream. */
-static uint64_t g_rng = 0x853c49e6748fea9bull;
-static float rnd_f(float lo, float hi) {
-    g_rng ^= g_rng >> 12;
-    g_rng ^= g_rng << 25;
-    g_rng ^= g_rng >> 27;
-    uint64_t x = g_rng * 2685821657736338717ull;
-    return lo + (hi - lo) * (float)((x >> 40) / 16777216.0);
-}
 
 static int write_mx(const char *dir, const char *p, const kiln_mx_matrix *m) {
     char name[64];
     size_t plane = (size_t)(m->rows * m->nb * KILN_MX_BLOCK);
     snprintf(name, sizeof name, "%s_q.i8", p);
-    if (write_file(dir, name, m->q, plane)) return 1;
+    if (tool_write_file(TOOL, dir, name, m->q, plane)) return 1;
     if (m->kind == KILN_MX16) {
         snprintf(name, sizeof name, "%s_lo.i8", p);
-        if (write_file(dir, name, m->lo, plane)) return 1;
+        if (tool_write_file(TOOL, dir, name, m->lo, plane)) return 1;
     }
     snprintf(name, sizeof name, "%s_e.i16", p);
-    if (write_file(dir, name, m->e, (size_t)(m->rows * m->nb) * 2)) return 1;
+    if (tool_write_file(TOOL, dir, name, m->e, (size_t)(m->rows * m->nb) * 2)) return 1;
     snprintf(name, sizeof name, "%s_bad.u8", p);
-    return write_file(dir, name, m->row_nonfinite, (size_t)m->rows);
+    return tool_write_file(TOOL, dir, name, m->row_nonfinite, (size_t)m->rows);
 }
 
 static int cmd_run(int argc, char **argv) {
@@ -107,8 +62,8 @@ static int cmd_run(int argc, char **argv) {
         if (!strncmp(argv[i], "stochastic=", 11))
             stochastic = 1, seed = strtoull(argv[i] + 11, NULL, 0);
     }
-    float *x = read_file(dir, "x.f32", (size_t)(N * K) * 4);
-    float *w = read_file(dir, "w.f32", (size_t)(R * K) * 4);
+    float *x = tool_read_file(TOOL, dir, "x.f32", (size_t)(N * K) * 4, 0);
+    float *w = tool_read_file(TOOL, dir, "w.f32", (size_t)(R * K) * 4, 0);
     float *out = malloc((size_t)(N * R) * 4 + 4);
     if (!x || !w || !out) return free(x), free(w), free(out), 1;
     kiln_pool *pool = NULL;
@@ -128,9 +83,9 @@ static int cmd_run(int argc, char **argv) {
     if (st == KILN_OK) st = kiln_mx_matmul_cpu(&qx, &qw, out, R, pool, path);
     int rc = 0;
     if (st != KILN_OK)
-        rc = fail(st);
+        rc = tool_fail(st);
     else if (write_mx(dir, "x", &qx) || write_mx(dir, "w", &qw) ||
-             write_file(dir, "out.f32", out, (size_t)(N * R) * 4))
+             tool_write_file(TOOL, dir, "out.f32", out, (size_t)(N * R) * 4))
         rc = 1;
     else
         printf("{\"kernel\": \"%s\", \"nb\": %lld}\n", kiln_mx_kernel_name(path), (long long)qx.nb);
@@ -144,13 +99,13 @@ static int cmd_run(int argc, char **argv) {
 static int cmd_round(int argc, char **argv) {
     if (argc < 2) return fprintf(stderr, "usage: mx_tool round DIR COUNT\n"), 1;
     size_t n = (size_t)atoll(argv[1]);
-    int64_t *s = read_file(argv[0], "s.i64", n * 8);
-    int32_t *p = read_file(argv[0], "p.i32", n * 4);
+    int64_t *s = tool_read_file(TOOL, argv[0], "s.i64", n * 8, 0);
+    int32_t *p = tool_read_file(TOOL, argv[0], "p.i32", n * 4, 0);
     float *r = malloc(n * 4 + 4);
     if (!s || !p || !r) return free(s), free(p), free(r), 1;
     for (size_t i = 0; i < n; i++)
         r[i] = kiln_mx_round(s[i], p[i]);
-    int rc = write_file(argv[0], "r.f32", r, n * 4);
+    int rc = tool_write_file(TOOL, argv[0], "r.f32", r, n * 4);
     free(s), free(p), free(r);
     return rc;
 }
@@ -181,14 +136,14 @@ static int cmd_bench(int argc, char **argv) {
     float *out = malloc((size_t)(N * R) * 4);
     if (!x || !w || !out) return free(x), free(w), free(out), 1;
     for (int64_t i = 0; i < N * K; i++)
-        x[i] = rnd_f(-1.0f, 1.0f);
+        x[i] = tool_rnd_f(-1.0f, 1.0f);
     for (int64_t i = 0; i < R * K; i++)
-        w[i] = rnd_f(-0.1f, 0.1f);
+        w[i] = tool_rnd_f(-0.1f, 0.1f);
     kiln_pool *pool = NULL;
     kiln_backend *be = NULL;
     kiln_status st = kiln_pool_create(threads, &pool);
     if (st == KILN_OK) st = kiln_backend_cpu_create(threads, &be);
-    if (st != KILN_OK) return fail(st);
+    if (st != KILN_OK) return tool_fail(st);
     double gmac = (double)N * (double)K * (double)R / 1e9;
     printf("mx_tool bench: N=%lld K=%lld R=%lld, %d threads, selected path %s\n", (long long)N,
            (long long)K, (long long)R, threads, kiln_cpu_path_name(kiln_cpu_select_path()));
@@ -197,7 +152,7 @@ static int cmd_bench(int argc, char **argv) {
         st = kiln_mx_matrix_alloc(&qx, (kiln_mx_kind)kind, N, K);
         if (st == KILN_OK) st = kiln_mx_matrix_alloc(&qw, (kiln_mx_kind)kind, R, K);
         if (st == KILN_OK) st = kiln_mx_quantize(&qw, w, K, pool);
-        if (st != KILN_OK) return fail(st);
+        if (st != KILN_OK) return tool_fail(st);
         double t0 = kiln_time_seconds();
         for (int i = 0; i < reps; i++)
             kiln_mx_quantize(&qx, x, K, pool);

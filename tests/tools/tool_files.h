@@ -1,5 +1,5 @@
 /*
- * tool_files.h -- what the loss tools (ce_tool.c, kd_tool.c) share: raw little-endian arrays
+ * tool_files.h -- what the tools (ce_tool.c, kd_tool.c, mx_tool.c) share: raw little-endian arrays
  * read from and written to a case's folder, kiln errors reported the same way, and for their
  * benchmarks a small deterministic random stream and the measurement of a call's time and
  * memory. Header-only: each tool is one executable.
@@ -16,7 +16,7 @@
 
 /* DIR/NAME's bytes, exactly want of them, in a malloc'd buffer the caller frees; NULL (with a
  * message on stderr unless optional) when the file is absent or of another size. */
-static void *tool_read_file(const char *tool, const char *dir, const char *name, size_t want,
+static inline void *tool_read_file(const char *tool, const char *dir, const char *name, size_t want,
                             int optional) {
     char path[4096];
     snprintf(path, sizeof path, "%s/%s", dir, name);
@@ -26,10 +26,10 @@ static void *tool_read_file(const char *tool, const char *dir, const char *name,
         return NULL;
     }
     void *buf = malloc(want ? want : 1);
-    size_t got = fread(buf, 1, want, f);
+    size_t got = buf ? fread(buf, 1, want, f) : 0;
     int extra = fgetc(f) != EOF;
     fclose(f);
-    if (got != want || extra) {
+    if (!buf || got != want || extra) {
         fprintf(stderr, "%s: %s: expected %zu bytes\n", tool, path, want);
         free(buf);
         return NULL;
@@ -38,7 +38,7 @@ static void *tool_read_file(const char *tool, const char *dir, const char *name,
 }
 
 /* n bytes of data into DIR/NAME; 0 on success, 1 (with a message) on failure. */
-static int tool_write_file(const char *tool, const char *dir, const char *name, const void *data,
+static inline int tool_write_file(const char *tool, const char *dir, const char *name, const void *data,
                            size_t n) {
     char path[4096];
     snprintf(path, sizeof path, "%s/%s", dir, name);
@@ -52,14 +52,14 @@ static int tool_write_file(const char *tool, const char *dir, const char *name, 
 }
 
 /* "error: STATUS: MESSAGE" on stderr; the tools' exit status for a kiln error, 2. */
-static int tool_fail(kiln_status st) {
+static inline int tool_fail(kiln_status st) {
     fprintf(stderr, "error: %s: %s\n", kiln_status_string(st), kiln_last_error());
     return 2;
 }
 
 /* Uniform in [lo, hi) from a xorshift64* stream (the same sequence in every run). */
 static uint64_t g_tool_rng = 0x853c49e6748fea9bull;
-static float tool_rnd_f(float lo, float hi) {
+static inline float tool_rnd_f(float lo, float hi) {
     g_tool_rng ^= g_tool_rng >> 12;
     g_tool_rng ^= g_tool_rng << 25;
     g_tool_rng ^= g_tool_rng >> 27;
@@ -77,7 +77,7 @@ typedef struct tool_problem {
     uint8_t *mask;
 } tool_problem;
 
-static int tool_problem_random(const char *tool, int64_t N, int64_t H, int64_t V,
+static inline int tool_problem_random(const char *tool, int64_t N, int64_t H, int64_t V,
                                double supervised_fraction, tool_problem *pr) {
     pr->h = malloc((size_t)(N * H) * 4);
     pr->w = malloc((size_t)(V * H) * 4);
@@ -98,7 +98,7 @@ static int tool_problem_random(const char *tool, int64_t N, int64_t H, int64_t V
     return 0;
 }
 
-static void tool_problem_free(tool_problem *pr) {
+static inline void tool_problem_free(tool_problem *pr) {
     free(pr->h);
     free(pr->w);
     free(pr->dh);
@@ -118,7 +118,7 @@ typedef struct tool_call {
 /* reps timed calls of c, after one warm-up call when reps > 1: *seconds per call and
  * *peak_extra, the peak bytes kiln's accounting saw during them beyond what was live before.
  * The first error stops it and is returned. */
-static kiln_status tool_measure(int reps, const tool_call *c, double *seconds,
+static inline kiln_status tool_measure(int reps, const tool_call *c, double *seconds,
                                 size_t *peak_extra) {
     kiln_status st;
     if (reps > 1 && (st = c->op(c->be, c->params, c->result)) != KILN_OK) return st;
@@ -137,7 +137,7 @@ static kiln_status tool_measure(int reps, const tool_call *c, double *seconds,
 /* A benchmark's JSON line: the sizes (chunk 0: the default), the S supervised rows, the
  * threads, what tool_measure saw, the call's scratch, the materialised logits' N*V*4 bytes and
  * the loss; extra: more "KEY": VALUE pairs, each followed by ", " ("" for none). */
-static void tool_bench_report(int64_t N, int64_t S, int64_t H, int64_t V, int64_t chunk,
+static inline void tool_bench_report(int64_t N, int64_t S, int64_t H, int64_t V, int64_t chunk,
                               int threads, double seconds, size_t peak_extra, size_t scratch,
                               const char *extra, float loss) {
     printf("{\"N\": %lld, \"S\": %lld, \"H\": %lld, \"V\": %lld, \"chunk\": %lld, "
