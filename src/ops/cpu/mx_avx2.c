@@ -39,21 +39,7 @@ TGT_INLINE int64_t hsum4_64(__m256i v) {
     return _mm_cvtsi128_si64(s) + _mm_extract_epi64(s, 1);
 }
 
-/* A real exponent sum is >= 2 * -149; a sum with the zero sentinel saturates at -32768. */
-#define MX_SUM_NONE (-1000)
-
-/* max over the nbp (a multiple of 16) padded blocks of Ex_k + Ew_k, saturated. */
-TGT_INLINE int exp_sum_max(const int16_t *ex, const int16_t *ew, int64_t nbp) {
-    __m256i m = _mm256_set1_epi16(INT16_MIN);
-    for (int64_t k = 0; k < nbp; k += 16)
-        m = _mm256_max_epi16(m, _mm256_adds_epi16(_mm256_loadu_si256((const __m256i *)(ex + k)),
-                                                  _mm256_loadu_si256((const __m256i *)(ew + k))));
-    __m128i h = _mm_max_epi16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
-    h = _mm_max_epi16(h, _mm_srli_si128(h, 8));
-    h = _mm_max_epi16(h, _mm_srli_si128(h, 4));
-    h = _mm_max_epi16(h, _mm_srli_si128(h, 2));
-    return (int16_t)_mm_extract_epi16(h, 0);
-}
+#include "mx_simd.h"
 
 /* d = e_k - base = Ex_k + Ew_k - (smax - SH) for 8 blocks, in int32 (sentinels: very
  * negative, harmless: their P is 0). */

@@ -26,21 +26,7 @@
     __attribute__((target("avx2,avx512f,avx512bw,avx512vl,avx512vnni"),                            \
                    always_inline)) static inline
 
-/* A real exponent sum is >= 2 * -149; a sum with the zero sentinel saturates at -32768. */
-#define MX_SUM_NONE (-1000)
-
-/* max over the nbp (a multiple of 16) padded blocks of Ex_k + Ew_k, saturated. */
-TGT_INLINE int exp_sum_max(const int16_t *ex, const int16_t *ew, int64_t nbp) {
-    __m256i m = _mm256_set1_epi16(INT16_MIN);
-    for (int64_t k = 0; k < nbp; k += 16)
-        m = _mm256_max_epi16(m, _mm256_adds_epi16(_mm256_loadu_si256((const __m256i *)(ex + k)),
-                                                  _mm256_loadu_si256((const __m256i *)(ew + k))));
-    __m128i h = _mm_max_epi16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
-    h = _mm_max_epi16(h, _mm_srli_si128(h, 8));
-    h = _mm_max_epi16(h, _mm_srli_si128(h, 4));
-    h = _mm_max_epi16(h, _mm_srli_si128(h, 2));
-    return (int16_t)_mm_extract_epi16(h, 0);
-}
+#include "mx_simd.h"
 
 /* S of TILE outputs (one row of x, TILE rows of W): xi and wi[j] the rows interleaved (U units
  * of 4 bytes a block: 8 for mx8, 16 for mx16), wsum[j] the W rows' block sums (mx8), ex and
