@@ -295,16 +295,25 @@ kiln_status kiln_comm_broadcast(kiln_comm *c, void *buf, size_t nbytes, int root
     return st == KILN_OK ? KILN_OK : entry_failed(c, st, fn);
 }
 
+/* The entry checks of a collective with a send and a recv buffer: a usable communicator, the
+ * size (*total = ranks x per_rank elements of elem bytes, overflow checked) and, when there is
+ * anything to move, neither buffer NULL. */
+static kiln_status two_buffers(kiln_comm *c, const void *recv, const void *send, size_t per_rank,
+                               size_t elem, const char *fn, size_t *total) {
+    KILN_TRY(check_comm(c, fn));
+    KILN_TRY(total_bytes(c, per_rank, elem, total, fn));
+    if (*total && (!recv || !send))
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: %s is NULL (%zu %s per rank)", fn,
+                          !recv ? "recv" : "send", per_rank, elem == 1 ? "bytes" : "floats");
+    return KILN_OK;
+}
+
 kiln_status kiln_comm_allgather(kiln_comm *c, void *recv, const void *send,
                                 size_t nbytes_per_rank) {
     static const char fn[] = "kiln_comm_allgather";
-    KILN_TRY(check_comm(c, fn));
     size_t total = 0;
-    KILN_TRY(total_bytes(c, nbytes_per_rank, 1, &total, fn));
+    KILN_TRY(two_buffers(c, recv, send, nbytes_per_rank, 1, fn, &total));
     if (total == 0) return KILN_OK;
-    if (!recv || !send)
-        return kiln_error(KILN_ERR_INVALID_ARG, "%s: %s is NULL (%zu bytes per rank)", fn,
-                          !recv ? "recv" : "send", nbytes_per_rank);
     const uint8_t *own = (const uint8_t *)recv + (size_t)c->rank * nbytes_per_rank;
     if ((const uint8_t *)send != own && overlaps(recv, total, send, nbytes_per_rank))
         return kiln_error(KILN_ERR_INVALID_ARG, "%s: send overlaps recv but is not this rank's "
@@ -317,13 +326,9 @@ kiln_status kiln_comm_allgather(kiln_comm *c, void *recv, const void *send,
 kiln_status kiln_comm_alltoall(kiln_comm *c, void *recv, const void *send,
                                size_t nbytes_per_rank) {
     static const char fn[] = "kiln_comm_alltoall";
-    KILN_TRY(check_comm(c, fn));
     size_t total = 0;
-    KILN_TRY(total_bytes(c, nbytes_per_rank, 1, &total, fn));
+    KILN_TRY(two_buffers(c, recv, send, nbytes_per_rank, 1, fn, &total));
     if (total == 0) return KILN_OK;
-    if (!recv || !send)
-        return kiln_error(KILN_ERR_INVALID_ARG, "%s: %s is NULL (%zu bytes per rank)", fn,
-                          !recv ? "recv" : "send", nbytes_per_rank);
     if (overlaps(recv, total, send, total))
         return kiln_error(KILN_ERR_INVALID_ARG, "%s: send and recv overlap", fn);
     kiln_status st = c->impl->alltoall(c, recv, send, nbytes_per_rank);
@@ -333,13 +338,9 @@ kiln_status kiln_comm_alltoall(kiln_comm *c, void *recv, const void *send,
 kiln_status kiln_comm_reduce_scatter_f32(kiln_comm *c, float *recv, const float *send,
                                          size_t n_per_rank) {
     static const char fn[] = "kiln_comm_reduce_scatter_f32";
-    KILN_TRY(check_comm(c, fn));
     size_t total = 0;
-    KILN_TRY(total_bytes(c, n_per_rank, sizeof(float), &total, fn));
+    KILN_TRY(two_buffers(c, recv, send, n_per_rank, sizeof(float), fn, &total));
     if (total == 0) return KILN_OK;
-    if (!recv || !send)
-        return kiln_error(KILN_ERR_INVALID_ARG, "%s: %s is NULL (%zu floats per rank)", fn,
-                          !recv ? "recv" : "send", n_per_rank);
     if (overlaps(recv, n_per_rank * sizeof(float), send, total))
         return kiln_error(KILN_ERR_INVALID_ARG, "%s: recv overlaps send", fn);
     kiln_status st;
