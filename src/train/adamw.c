@@ -209,6 +209,17 @@ static kiln_adamw_table table_of(const kiln_adamw *o) {
     return tab;
 }
 
+/* An optimizer with no parameters yet: its backend and configuration, no gradient scale. */
+static kiln_adamw *adamw_new(kiln_backend *be, int dev, const kiln_adamw_config *cfg) {
+    kiln_adamw *o = kiln_calloc(1, sizeof *o);
+    if (!o) return NULL;
+    o->be = be;
+    o->host = !dev;
+    o->cfg = *cfg;
+    o->grad_scale = 1.0f;
+    return o;
+}
+
 /* kiln_adamw_create (be NULL), or an optimizer on be's ops (adamw_op.h): a device optimizer
  * when be's memory is not host memory. */
 static kiln_status create_impl(kiln_backend *be, const kiln_adamw_param *params, int n_params,
@@ -220,12 +231,8 @@ static kiln_status create_impl(kiln_backend *be, const kiln_adamw_param *params,
         KILN_TRY(check_config(cfg));
         if (cfg->n_decay_map)
             return kiln_error(KILN_ERR_INVALID_ARG, "adamw: a decay map names parameters an empty optimizer lacks");
-        kiln_adamw *o = kiln_calloc(1, sizeof *o);
+        kiln_adamw *o = adamw_new(be, dev, cfg);
         if (!o) return kiln_error(KILN_ERR_NOMEM, "adamw: out of memory");
-        o->be = be;
-        o->host = !dev;
-        o->cfg = *cfg;
-        o->grad_scale = 1.0f;
         *out = o;
         return KILN_OK;
     }
@@ -262,12 +269,8 @@ static kiln_status create_impl(kiln_backend *be, const kiln_adamw_param *params,
                               nm ? nm : "(null)");
     }
 
-    kiln_adamw *o = kiln_calloc(1, sizeof *o);
+    kiln_adamw *o = adamw_new(be, dev, cfg);
     if (!o) return kiln_error(KILN_ERR_NOMEM, "adamw: out of memory");
-    o->be = be;
-    o->host = !dev;
-    o->cfg = *cfg;
-    o->grad_scale = 1.0f;
     o->cfg.decay_map = NULL;
     o->cfg.n_decay_map = 0;
     o->n_params = n_params;
