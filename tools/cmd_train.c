@@ -595,6 +595,30 @@ static kiln_status make_rank_trainer(kiln_model *m, const train_opts *o, kiln_co
     return st;
 }
 
+/* One micro-batch of a step: sequences first .. first + K - 1 of the step's batch buf (seq + 1
+ * tokens each: the ids, then the targets one token on) packed into packed (2 K seq ids), one
+ * forward and backward (kiln_train_step_batch, or with a teacher the distillation step), the
+ * gradients accumulated when acc. Its loss to *l; distilling, its KL, CE and hidden parts are
+ * added to parts. */
+static kiln_status micro_step(kiln_trainer *tr, kiln_teacher *teacher, const kiln_distill_params *dp,
+                              const int32_t *buf, long first, long K, long seq, int32_t *packed, float scale,
+                              int acc, float *l, double parts[3]) {
+    int32_t *pid = packed, *ptg = packed + K * seq;
+    for (long k = 0; k < K; k++) {
+        const int32_t *row = buf + (first + k) * (seq + 1);
+        memcpy(pid + k * seq, row, (size_t)seq * sizeof *pid);
+        memcpy(ptg + k * seq, row + 1, (size_t)seq * sizeof *ptg);
+    }
+    if (!teacher) return kiln_train_step_batch(tr, pid, (int)K, (int)seq, ptg, KILN_LOSS_SUM, scale, acc, l);
+    kiln_distill_loss dl;
+    KILN_TRY(kiln_train_distill_step(tr, teacher, pid, (int)K, (int)seq, ptg, dp, KILN_LOSS_SUM, scale, acc, &dl));
+    *l = dl.loss;
+    parts[0] += dl.kl;
+    parts[1] += dl.ce;
+    parts[2] += dl.hidden;
+    return KILN_OK;
+}
+
 /* The ranks' agreement (docs/DISTRIBUTED.md, "Errors"): every rank passes its rc (0: fine);
  * when any rank's is not 0, every rank returns the same nonzero status (rank 0's rc, or 1 when
  * rank 0's is 0) and *agreed is set, so that nobody waits in a collective for a rank that has
@@ -1021,7 +1045,8 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     long tokens_per_step = o.batch * o.accum * o.seq;
     const long end = rp ? rp->to : o.steps;
     for (long s = start; s < end; s++) {
-        double ts = kiln_time_seconds(), loss = 0, kl = 0, ce = 0, hid = 0;
+        double ts = kiln_time_seconds(), loss = 0;
+        double kd_parts[3] = {0, 0, 0}; /* distilling: the step's KL, CE and hidden parts */
         kiln_sha256_ctx *bh = NULL; /* the step's token ids, for the audit record */
         if ((audit || rp) && st == KILN_OK) st = kiln_sha256_init(&bh);
         float scale = (float)(1.0 / ((double)o.batch * o.seq * o.accum));
@@ -1031,23 +1056,9 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
             if (bh && st == KILN_OK) st = kiln_sha256_update(bh, buf, (size_t)o.batch * (size_t)(o.seq + 1) * sizeof *buf);
             float l = 0.0f;
             if (st == KILN_OK && rank < n_micro) {
-                int32_t *pid = packed, *ptg = packed + o.per_forward * o.seq;
-                for (long k = 0; k < o.per_forward; k++) {
-                    const int32_t *row = buf + (rank * o.per_forward + k) * (o.seq + 1); /* seq + 1 tokens */
-                    memcpy(pid + k * o.seq, row, (size_t)o.seq * sizeof *pid);
-                    memcpy(ptg + k * o.seq, row + 1, (size_t)o.seq * sizeof *ptg);
-                }
-                if (teacher) { /* every rank holds the whole teacher: its forward is this rank's rows' */
-                    kiln_distill_loss dl;
-                    st = kiln_train_distill_step(tr, teacher, pid, (int)o.per_forward, (int)o.seq, ptg, &dp,
-                                                 KILN_LOSS_SUM, scale, 0, &dl);
-                    l = dl.loss;
-                    kl = dl.kl;
-                    ce = dl.ce;
-                    hid = dl.hidden;
-                } else {
-                    st = kiln_train_step_batch(tr, pid, (int)o.per_forward, (int)o.seq, ptg, KILN_LOSS_SUM, scale, 0, &l);
-                }
+                /* every rank holds the whole teacher: its forward is this rank's sequences' */
+                st = micro_step(tr, teacher, &dp, buf, rank * o.per_forward, o.per_forward, o.seq, packed, scale, 0,
+                                &l, kd_parts);
             } else if (st == KILN_OK) {
                 st = kiln_train_dp_zero_grads(tr);
             }
@@ -1063,11 +1074,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
             if ((rc = ranks_agree(comm, 0, &sg, &agreed))) break;
             sig_now = sg > 0 ? (sig_now ? sig_now : SIGTERM) : 0;
             if (teacher) { /* the loss's parts, for the log: summed as the loss is */
-                double parts[3] = {kl, ce, hid};
-                st = kiln_comm_allreduce_f64(comm, parts, 3);
-                kl = parts[0];
-                ce = parts[1];
-                hid = parts[2];
+                st = kiln_comm_allreduce_f64(comm, kd_parts, 3);
                 if (st != KILN_OK) {
                     fprintf(stderr, "kiln distill: rank %d: the sum of the KL and CE parts failed: %s\n", rank,
                             kiln_last_error());
@@ -1084,33 +1091,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
             for (long b = 0; b < o.batch && st == KILN_OK; b += o.per_forward) {
                 float l;
                 const int acc = a > 0 || b > 0; /* forward + backward in one call: step_batch */
-                if (teacher) {
-                    int32_t *pid = packed, *ptg = packed + o.per_forward * o.seq;
-                    for (long k = 0; k < o.per_forward; k++) {
-                        const int32_t *row = buf + (b + k) * (o.seq + 1); /* seq + 1 tokens */
-                        memcpy(pid + k * o.seq, row, (size_t)o.seq * sizeof *pid);
-                        memcpy(ptg + k * o.seq, row + 1, (size_t)o.seq * sizeof *ptg);
-                    }
-                    kiln_distill_loss dl;
-                    st = kiln_train_distill_step(tr, teacher, pid, (int)o.per_forward, (int)o.seq, ptg, &dp,
-                                                 KILN_LOSS_SUM, scale, acc, &dl);
-                    l = dl.loss;
-                    kl += dl.kl;
-                    ce += dl.ce;
-                    hid += dl.hidden;
-                } else if (o.per_forward == 1) {
-                    const int32_t *ids = buf + b * (o.seq + 1);
-                    st = kiln_train_step_batch(tr, ids, 1, (int)o.seq, ids + 1, KILN_LOSS_SUM, scale, acc, &l);
-                } else {
-                    int32_t *pid = packed, *ptg = packed + o.per_forward * o.seq;
-                    for (long k = 0; k < o.per_forward; k++) {
-                        const int32_t *row = buf + (b + k) * (o.seq + 1); /* seq + 1 tokens */
-                        memcpy(pid + k * o.seq, row, (size_t)o.seq * sizeof *pid);
-                        memcpy(ptg + k * o.seq, row + 1, (size_t)o.seq * sizeof *ptg);
-                    }
-                    st = kiln_train_step_batch(tr, pid, (int)o.per_forward, (int)o.seq, ptg, KILN_LOSS_SUM, scale,
-                                               acc, &l);
-                }
+                st = micro_step(tr, teacher, &dp, buf, b, o.per_forward, o.seq, packed, scale, acc, &l, kd_parts);
                 loss += l;
             }
         }
@@ -1208,8 +1189,10 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         } else if ((s + 1) % 10 == 0 || s == start || last || !isnan(eval_loss)) {
             char ev[32] = "", parts[96] = "";
             if (!isnan(eval_loss)) snprintf(ev, sizeof ev, " eval %.4f", eval_loss);
-            if (teacher && o.n_pairs) snprintf(parts, sizeof parts, " (kl %.4f ce %.4f hidden %.4f)", kl, ce, hid);
-            else if (teacher) snprintf(parts, sizeof parts, " (kl %.4f ce %.4f)", kl, ce);
+            if (teacher && o.n_pairs)
+                snprintf(parts, sizeof parts, " (kl %.4f ce %.4f hidden %.4f)", kd_parts[0], kd_parts[1], kd_parts[2]);
+            else if (teacher)
+                snprintf(parts, sizeof parts, " (kl %.4f ce %.4f)", kd_parts[0], kd_parts[1]);
             fprintf(stderr, "step %ld/%ld loss %.4f%s%s lr %.3e grad_norm %.3f %.0f tok/s ETA %s\n", s + 1, o.steps, loss,
                     parts, ev, lr, gnorm, tps, eta);
         }
