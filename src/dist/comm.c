@@ -184,6 +184,10 @@ static kiln_status self_alltoall(kiln_comm *c, void *recv, const void *send, siz
     memcpy(recv, send, nbytes);
     return KILN_OK;
 }
+static kiln_status self_gather(kiln_comm *c, void *recv, const void *send, size_t nbytes, int root) {
+    memcpy(recv, send, nbytes);
+    return KILN_OK;
+}
 
 static const kiln_comm_i self_impl = {
     .name = "self",
@@ -192,7 +196,9 @@ static const kiln_comm_i self_impl = {
     .broadcast = self_broadcast,
     .allgather = self_allgather,
     .alltoall = self_alltoall,
+    .gather = self_gather,
     .reduce_scatter_f32 = NULL, /* composed: +0.0f + send, the N = 1 case of the sum */
+    .reduce_f32 = NULL,
     .allreduce_f64 = NULL,
     .close = NULL,
 };
@@ -351,6 +357,34 @@ kiln_status kiln_comm_reduce_scatter_f32(kiln_comm *c, float *recv, const float 
         st = scratch_reserve(c, total, fn);
         if (st == KILN_OK) st = c->impl->alltoall(c, c->scratch, send, n_per_rank * sizeof(float));
         if (st == KILN_OK) sum_in_rank_order_f32(recv, c->scratch, c->size, n_per_rank);
+    }
+    return st == KILN_OK ? KILN_OK : entry_failed(c, st, fn);
+}
+
+kiln_status kiln_comm_reduce_f32(kiln_comm *c, float *recv, const float *send, size_t n, int root) {
+    static const char fn[] = "kiln_comm_reduce_f32";
+    KILN_TRY(check_comm(c, fn));
+    if (root < 0 || root >= c->size)
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: root %d is not a rank of %d", fn, root,
+                          c->size);
+    size_t total = 0;
+    KILN_TRY(total_bytes(c, n, sizeof(float), &total, fn));
+    if (total == 0) return KILN_OK;
+    const int is_root = c->rank == root;
+    if (!send || (is_root && !recv))
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: %s is NULL (%zu floats)", fn,
+                          !send ? "send" : "root's recv", n);
+    if (is_root && overlaps(recv, n * sizeof(float), send, n * sizeof(float)))
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: recv overlaps send", fn);
+    kiln_status st;
+    if (c->impl->reduce_f32) {
+        st = c->impl->reduce_f32(c, recv, send, n, root);
+    } else {
+        /* root's scratch block k = rank k's send, then the sum in rank order */
+        st = is_root ? scratch_reserve(c, total, fn) : KILN_OK;
+        if (st == KILN_OK)
+            st = c->impl->gather(c, is_root ? c->scratch : NULL, send, n * sizeof(float), root);
+        if (st == KILN_OK && is_root) sum_in_rank_order_f32(recv, c->scratch, c->size, n);
     }
     return st == KILN_OK ? KILN_OK : entry_failed(c, st, fn);
 }

@@ -111,6 +111,15 @@ kiln_status kiln_comm_alltoall(kiln_comm *c, void *recv, const void *send,
 kiln_status kiln_comm_reduce_scatter_f32(kiln_comm *c, float *recv, const float *send,
                                          size_t n_per_rank);
 
+/* send: (n) floats on every rank; recv: (n) floats on root, not overlapping send (ignored, and
+ * may be NULL, on the other ranks). Root receives the sum over ranks in rank order, the same
+ * sum as kiln_comm_reduce_scatter_f32's:
+ *   recv[i] = (((+0.0f + s_0[i]) + s_1[i]) + ...) + s_{N-1}[i]
+ * For a block that one rank owns (a data-parallel rank's piece of a layer's gradient): every
+ * rank sends its block once, root alone receives. Root uses a host scratch of size * n floats
+ * that the communicator keeps until close. 0 <= root < size. */
+kiln_status kiln_comm_reduce_f32(kiln_comm *c, float *recv, const float *send, size_t n, int root);
+
 /* x: (n) doubles on every rank, replaced on every rank by the sum over ranks in rank order,
  * (((+0.0 + x_0[i]) + x_1[i]) + ...) + x_{N-1}[i] in binary64: every rank gets the same bits.
  * For small values (losses, norms, counts); uses a host scratch of size * n doubles. */

@@ -6,8 +6,8 @@
  * at least one byte. An entry that fails leaves the message (naming the MPI function and
  * MPI's text); comm.c prefixes the kiln call's name and marks the communicator failed.
  *
- * The two reductions are NULL in a host-memory implementation: comm.c composes them from
- * alltoall / allgather into the host scratch and the rank-order sums below. A device
+ * The three reductions are NULL in a host-memory implementation: comm.c composes them from
+ * alltoall / allgather / gather into the host scratch and the rank-order sums below. A device
  * implementation (NCCL) will fill them, exchanging with its own all-to-all and summing in a
  * kernel in the same order.
  */
@@ -24,8 +24,12 @@ typedef struct kiln_comm_i {
     /* send is recv's own block (in place) or does not overlap recv */
     kiln_status (*allgather)(kiln_comm *c, void *recv, const void *send, size_t nbytes);
     kiln_status (*alltoall)(kiln_comm *c, void *recv, const void *send, size_t nbytes);
+    /* root's recv (size, nbytes) gets block k from rank k (its own copied); recv is read on
+     * root alone, and send does not overlap it */
+    kiln_status (*gather)(kiln_comm *c, void *recv, const void *send, size_t nbytes, int root);
     /* NULL: comm.c's host composition */
     kiln_status (*reduce_scatter_f32)(kiln_comm *c, float *recv, const float *send, size_t n);
+    kiln_status (*reduce_f32)(kiln_comm *c, float *recv, const float *send, size_t n, int root);
     kiln_status (*allreduce_f64)(kiln_comm *c, double *x, size_t n);
     /* frees the implementation's state (impl_state); comm.c frees the rest */
     void (*close)(kiln_comm *c);

@@ -128,6 +128,44 @@ static kiln_status mpi_alltoall(kiln_comm *c, void *recv, const void *send, size
     return KILN_OK;
 }
 
+/* Root receives every rank's block, piece by piece, in rank order; the others send theirs
+ * (one message a piece, so none is larger than a piece). */
+static kiln_status mpi_gather(kiln_comm *c, void *recv, const void *send, size_t nbytes, int root) {
+    if (c->rank != root) {
+        for (size_t off = 0; off < nbytes;) {
+            size_t len = min_size(c->piece_bytes, nbytes - off);
+            int rc = MPI_Send((const uint8_t *)send + off, (int)len, MPI_BYTE, root, KILN_MPI_TAG,
+                              comm_of(c));
+            if (rc != MPI_SUCCESS) {
+                char what[128];
+                snprintf(what, sizeof what, "MPI_Send (gather to rank %d, %zu bytes at byte %zu "
+                         "of %zu)", root, len, off, nbytes);
+                return mpi_fail(rc, what);
+            }
+            off += len;
+        }
+        return KILN_OK;
+    }
+    uint8_t *blocks = recv; /* (n, nbytes) */
+    memcpy(blocks + (size_t)root * nbytes, send, nbytes);
+    for (int r = 0; r < c->size; r++) {
+        if (r == root) continue;
+        for (size_t off = 0; off < nbytes;) {
+            size_t len = min_size(c->piece_bytes, nbytes - off);
+            int rc = MPI_Recv(blocks + (size_t)r * nbytes + off, (int)len, MPI_BYTE, r,
+                              KILN_MPI_TAG, comm_of(c), MPI_STATUS_IGNORE);
+            if (rc != MPI_SUCCESS) {
+                char what[128];
+                snprintf(what, sizeof what, "MPI_Recv (gather from rank %d, %zu bytes at byte %zu "
+                         "of %zu)", r, len, off, nbytes);
+                return mpi_fail(rc, what);
+            }
+            off += len;
+        }
+    }
+    return KILN_OK;
+}
+
 /* Free the duplicate and, when kiln owns MPI and this was its last user, finalise. */
 static void mpi_release(mpi_state *st) {
     if (st->comm != MPI_COMM_NULL) MPI_Comm_free(&st->comm);
@@ -154,7 +192,9 @@ static const kiln_comm_i mpi_impl = {
     .broadcast = mpi_broadcast,
     .allgather = mpi_allgather,
     .alltoall = mpi_alltoall,
+    .gather = mpi_gather,
     .reduce_scatter_f32 = NULL, /* comm.c: alltoall, then the rank-order sum */
+    .reduce_f32 = NULL,         /* comm.c: gather to root, then the rank-order sum */
     .allreduce_f64 = NULL,      /* comm.c: allgather, then the rank-order sum */
     .close = mpi_close,
 };

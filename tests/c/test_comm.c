@@ -76,7 +76,7 @@ static void check_reduce_scatter(kiln_comm *c, size_t n, int tag) {
         for (int k = g_size - 1; k >= 0; k--) racc = racc + value_f32(k, tag, g_rank, i);
         rev[i] = racc;
         /* a pairwise tree over ranks (what an MPI_SUM might do) */
-        float part[64];
+        float part[64] = {0};
         int m = g_size;
         for (int k = 0; k < m; k++) part[k] = value_f32(k, tag, g_rank, i);
         while (m > 1) {
@@ -107,6 +107,37 @@ static void check_reduce_scatter(kiln_comm *c, size_t n, int tag) {
     free(want);
     free(rev);
     free(tree);
+}
+
+/* reduce_f32 to root: every rank sends value_f32(rank, tag, 0, i); root's recv must be the
+ * rank-order sum (the data tells that order from others: check_reduce_scatter); on the other
+ * ranks recv is not written (NULL on odd ranks, a poisoned buffer on even ones) */
+static void check_reduce(kiln_comm *c, size_t n, int root, int tag) {
+    float *send = malloc(n * sizeof(float) + 1), *recv = malloc(n * sizeof(float) + 1);
+    float *want = malloc(n * sizeof(float) + 1);
+    for (size_t i = 0; i < n; i++) {
+        send[i] = value_f32(g_rank, tag, 0, i);
+        float acc = 0.0f;
+        for (int k = 0; k < g_size; k++) acc = acc + value_f32(k, tag, 0, i);
+        want[i] = acc;
+    }
+    poison(recv, n);
+    float *dst = g_rank == root || g_rank % 2 == 0 ? recv : NULL;
+    CHECK_ERR(kiln_comm_reduce_f32(c, dst, send, n, root), KILN_OK, "");
+    if (g_rank == root) {
+        CHECK_MSG(same_bits(recv, want, n, "reduce_f32"), "rank %d of %d, root %d, n %zu", g_rank,
+                  g_size, root, n);
+        if (n > 1) CHECK(bits(recv[1]) == 0); /* -0.0 everywhere sums to +0.0 */
+    } else {
+        float *p = malloc(n * sizeof(float) + 1);
+        poison(p, n);
+        CHECK_MSG(n == 0 || memcmp(p, recv, n * sizeof(float)) == 0, "reduce_f32 wrote rank %d's recv "
+                  "(root %d)", g_rank, root);
+        free(p);
+    }
+    free(send);
+    free(recv);
+    free(want);
 }
 
 static void check_allreduce_f64(kiln_comm *c, size_t n) {
@@ -180,6 +211,8 @@ static void check_collectives(kiln_comm *c) {
         check_broadcast(c, sizes[s], g_size - 1, 4);
         check_broadcast(c, sizes[s], 0, 5);
         check_reduce_scatter(c, sizes[s], 6);
+        check_reduce(c, sizes[s], 0, 13);
+        check_reduce(c, sizes[s], g_size - 1, 14);
         check_allreduce_f64(c, sizes[s]);
     }
     /* many pieces: 7 bytes (not a multiple of a float) and a piece of one byte */
@@ -192,6 +225,7 @@ static void check_collectives(kiln_comm *c) {
         check_alltoall(c, 45, 10);
         check_broadcast(c, 1000, g_size - 1, 11);
         check_reduce_scatter(c, 25, 12);
+        check_reduce(c, 25, g_size / 2, 15);
         check_allreduce_f64(c, 9);
     }
     CHECK_ERR(kiln_comm_set_piece_bytes(c, (size_t)1 << 30), KILN_OK, "");
@@ -211,6 +245,11 @@ static void check_argument_errors(kiln_comm *c) {
     CHECK_ERR(kiln_comm_alltoall(c, b, b + 1, 4), KILN_ERR_INVALID_ARG, "overlap");
     CHECK_ERR(kiln_comm_reduce_scatter_f32(c, f, f, 1), KILN_ERR_INVALID_ARG, "overlaps");
     CHECK_ERR(kiln_comm_reduce_scatter_f32(c, f, f + 4, SIZE_MAX / 2), KILN_ERR_RANGE, "overflows");
+    if (g_size == 1) /* root's own refusal (other ranks would go on to the traffic) */
+        CHECK_ERR(kiln_comm_reduce_f32(c, f, f, 1, 0), KILN_ERR_INVALID_ARG, "overlaps");
+    CHECK_ERR(kiln_comm_reduce_f32(c, f, f, 1, g_size), KILN_ERR_INVALID_ARG, "is not a rank");
+    CHECK_ERR(kiln_comm_reduce_f32(c, f, NULL, 1, 0), KILN_ERR_INVALID_ARG, "send is NULL");
+    CHECK_ERR(kiln_comm_reduce_f32(c, f, f + 4, SIZE_MAX / 2, 0), KILN_ERR_RANGE, "overflows");
     CHECK_ERR(kiln_comm_allreduce_f64(c, NULL, 3), KILN_ERR_INVALID_ARG, "x is NULL");
     CHECK_ERR(kiln_comm_allreduce_f64(c, (double *)f, SIZE_MAX / 4), KILN_ERR_RANGE, "overflows");
     CHECK_ERR(kiln_comm_set_piece_bytes(c, 0), KILN_ERR_INVALID_ARG, "piece_bytes 0");
