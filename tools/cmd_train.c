@@ -16,6 +16,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -77,6 +78,10 @@ static const char *train_help =
     "  --loss-logits-f32    with --fast: that walk keeps the logits in f32 (twice the memory;\n"
     "                       the default bf16 is autocast's head output)\n"
     "  --no-export          do not write OUT/model at the end (`kiln export OUT` does it later)\n"
+    "  --zero S             with mpirun ranks: 3 (default) shards the weights, gradients and\n"
+    "                       AdamW state across the ranks (each layer's weights gathered for\n"
+    "                       its forward and backward); 2 keeps the whole weights on every\n"
+    "                       rank (less traffic). The same bits either way\n"
     "  --audit              keep OUT/audit.jsonl: per step, the batch's hash, the loss, the\n"
     "                       gradient norm and the weights' fingerprint, chained by SHA-256;\n"
     "                       `kiln audit OUT --from N` replays it from checkpoint N (keep the\n"
@@ -113,6 +118,7 @@ typedef struct train_opts {
     const char *data[MAX_SHARDS];
     int n_data;
     long steps, batch, seq, accum, per_forward, warmup, eval_every, eval_batches, save_every, keep_last, threads, stop_after;
+    long zero; /* the ZeRO stage of mpirun ranks: 2 or 3 */
     long loss_row_block; /* --loss-row-block; -1: the library's default */
     int loss_logits_f32; /* --loss-logits-f32 */
     double lr, min_lr, weight_decay, clip, eval_fraction;
@@ -170,6 +176,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
     o->batch = 8;
     o->seq = 128;
     o->accum = 1;
+    o->zero = 3;
     o->per_forward = 0; /* chosen in cmd_train (choose_per_forward) */
     o->warmup = 20;
     o->eval_every = 50;
@@ -214,6 +221,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
         else if (OPT("--seq")) INT(seq, 1, 1 << 20);
         else if (OPT("--accum")) INT(accum, 1, 65536);
         else if (OPT("--seqs-per-forward")) INT(per_forward, 1, 65536);
+        else if (OPT("--zero")) INT(zero, 2, 3);
         else if (OPT("--warmup")) INT(warmup, 0, 100000000);
         else if (OPT("--eval-every")) INT(eval_every, 0, 100000000);
         else if (OPT("--eval-batches")) INT(eval_batches, 1, 100000);
@@ -336,7 +344,10 @@ static kiln_status evaluate(kiln_trainer *tr, const kiln_batch_sampler *ev, cons
     long B = o->batch, T = o->seq;
     double sum = 0;
     for (long k = 0; k < o->eval_batches; k++) {
-        KILN_TRY(kiln_batch_sampler_get(ev, (uint64_t)k, buf));
+        kiln_status st = kiln_batch_sampler_get(ev, (uint64_t)k, buf);
+        /* ZeRO-3: every rank evaluates (each forward gathers the layers), agreeing on each batch */
+        if (kiln_train_dp_stage(tr) == 3) st = kiln_train_dp_agree(tr, st, "the evaluation's batch");
+        KILN_TRY(st);
         for (long b = 0; b < B; b++) {
             const int32_t *ids = buf + b * (T + 1);
             float loss;
@@ -584,10 +595,11 @@ static kiln_status make_trainer(kiln_model *m, const train_opts *o, kiln_trainer
 }
 
 /* make_trainer, then this process made a rank of comm's data-parallel run (with more than one
- * rank: the optimizer state sharded, src/train/trainer_dp.c). */
+ * rank: the optimizer state and gradients sharded, and with --zero 3 the weights too,
+ * src/train/trainer_dp.c). */
 static kiln_status make_rank_trainer(kiln_model *m, const train_opts *o, kiln_comm *comm, kiln_trainer **tr) {
     KILN_TRY(make_trainer(m, o, tr));
-    kiln_status st = kiln_comm_size(comm) > 1 ? kiln_train_dp_attach(*tr, comm) : KILN_OK;
+    kiln_status st = kiln_comm_size(comm) > 1 ? kiln_train_dp_attach(*tr, comm, (int)o->zero) : KILN_OK;
     if (st != KILN_OK) {
         kiln_trainer_free(*tr);
         *tr = NULL;
@@ -1009,6 +1021,18 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         rc = 1;
         goto out;
     }
+    /* ZeRO-3: a fingerprint reads every weight, gathered on every rank for it (an audited run's
+     * cost: the whole weights on every rank for a moment each step) */
+    const int sharded = kiln_train_dp_stage(tr) == 3;
+    if (o.audit && !rp && sharded) {
+        if ((rc = ranks_agree(comm, rc, NULL, &agreed))) goto out;
+        st = kiln_train_dp_gather_params(tr);
+        if (st != KILN_OK) {
+            rc = cli_fail("train", "--audit", st);
+            agreed = 1; /* a broken transport: mpirun ends the job */
+            goto out;
+        }
+    }
     if (o.audit && !rp && rank0) {
         uint8_t fp0[32];
         char apath[4200];
@@ -1037,6 +1061,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
             goto out;
         }
     }
+    if (sharded) kiln_train_dp_release_params(tr);
     if ((rc = ranks_agree(comm, rc, NULL, &agreed))) goto out; /* every rank is ready to train */
     int tty = isatty(2) && !rp && rank0;
     char plot_title[256];
@@ -1059,8 +1084,10 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
                 /* every rank holds the whole teacher: its forward is this rank's sequences' */
                 st = micro_step(tr, teacher, &dp, buf, rank * o.per_forward, o.per_forward, o.seq, packed, scale, 0,
                                 &l, kd_parts);
-            } else if (st == KILN_OK) {
-                st = kiln_train_dp_zero_grads(tr);
+            } else if (st == KILN_OK || sharded) {
+                /* no micro-batch (or, ZeRO-3, a failure to carry into the others' step): the
+                 * step's collectives with a zero contribution */
+                st = kiln_train_dp_idle_step(tr, st);
             }
             /* the loss: the ranks' in rank order from +0, as one process adds its micro-batches'; a
              * failure or a signal on any rank stops every rank here */
@@ -1105,11 +1132,15 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         double lr = lr_at(&o, s);
         if (st == KILN_OK) st = kiln_train_optimizer_step(tr, lr);
         audit_step as = {s + 1, {0}, loss, lr, gnorm, {0}};
+        /* ZeRO-3: the fingerprint's weights gathered on every rank (the step's status is every
+         * rank's here: the norms and the optimizer's refusals are the same on all) */
+        if (o.audit && sharded && !rp && st == KILN_OK) st = kiln_train_dp_gather_params(tr);
         if (bh) {
             kiln_status hs = kiln_sha256_final(bh, as.batch); /* frees bh */
             if (st == KILN_OK) st = hs;
             if (st == KILN_OK) st = kiln_train_fingerprint(tr, as.params);
         }
+        if (sharded) kiln_train_dp_release_params(tr);
         if (st != KILN_OK) {
             if (tty) fputc('\n', stderr);
             fprintf(stderr, "kiln train: stopped at step %ld before updating the weights: %s\n", s + 1, kiln_last_error());
@@ -1121,6 +1152,15 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         }
         if (!rank0) { /* rank 0 keeps the metrics, the plot, the log and the evaluation */
             const int last = s + 1 == o.steps, stop_now = o.stop_after && s + 1 - start == o.stop_after && !last;
+            if (sharded && eval_s && ((o.eval_every && (s + 1) % o.eval_every == 0) || last)) {
+                /* ZeRO-3: the evaluation's forwards gather the layers on every rank */
+                double ignored;
+                st = evaluate(tr, eval_s, &o, buf, &ignored);
+                if (st != KILN_OK) {
+                    rc = cli_fail("train", "evaluation", st);
+                    break;
+                }
+            }
             if ((o.save_every && (s + 1) % o.save_every == 0) || last || stop_now || sig_now) {
                 st = kiln_train_save(tr, ckdir, (uint64_t)(s + 1), run_json, (int)o.keep_last);
                 if (st != KILN_OK) {
@@ -1227,6 +1267,26 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     st = kiln_metrics_close(csv);
     csv = NULL;
     if (st != KILN_OK && !rc) rc = cli_fail("train", path, st);
+    if (n_ranks > 1 && !rp) { /* every rank: what it held (kiln's count) and its peak resident set */
+        char held[512];
+        struct rusage ru;
+        long pages = 0, resident = -1;
+        FILE *f = fopen("/proc/self/statm", "r"); /* Linux: the resident set now, in pages */
+        if (f) {
+            if (fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = -1;
+            fclose(f);
+        }
+        char now[64] = "";
+        if (resident >= 0) snprintf(now, sizeof now, "resident set %.1f MiB, ", resident * (sysconf(_SC_PAGESIZE) / 1048576.0));
+        if (kiln_train_dp_describe(tr, held, sizeof held) == KILN_OK && getrusage(RUSAGE_SELF, &ru) == 0)
+            fprintf(stderr, "[kiln train] %s; %speak %.1f MiB\n", held, now, ru.ru_maxrss / 1024.0);
+    }
+    if (sharded && o.export_model) { /* ZeRO-3: the export reads every weight, gathered on every rank */
+        if (!(rc = ranks_agree(comm, rc, NULL, &agreed))) {
+            st = kiln_train_dp_gather_params(tr);
+            if (st != KILN_OK) rc = cli_fail("train", "export", st);
+        }
+    }
     if (!rc && rank0) rc = train_finish(tr, &o);
 out:
     /* every rank leaves with a status that says whether any failed (a rank that stopped on its

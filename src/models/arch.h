@@ -120,6 +120,28 @@ static inline void kiln_tap_grad(kiln_backend *be, const kiln_taps *tp, int l, f
     if (tp && tp->grad && tp->grad[l]) be->i->add(be, dx, tp->grad[l], n);
 }
 
+/* A training forward's and backward's layer events (kiln_train_io.hook). The data-parallel
+ * trainer's parameter sharding (ZeRO-3, src/train/trainer_dp.c) gathers a layer's matrices
+ * before its work and frees them after it, and hands a layer's gradients to the ranks that own
+ * them once its backward is done. An architecture's layer loops call kiln_layer_event at each
+ * point below; a layer's work reads only its own matrices between its BEGIN and END (the
+ * per-model weights and every vector are the caller's to keep in place for the whole step). */
+typedef enum kiln_layer_event {
+    KILN_LAYER_FORWARD_BEGIN,  /* before layer l's forward work */
+    KILN_LAYER_FORWARD_END,    /* after it (its tap written) */
+    KILN_LAYER_BACKWARD_BEGIN, /* before layer l's backward work */
+    KILN_LAYER_BACKWARD_END,   /* after it: layer l's matrices' gradients are final */
+} kiln_layer_event;
+
+typedef struct kiln_layer_hook {
+    void (*fn)(void *ctx, int layer, kiln_layer_event ev);
+    void *ctx;
+} kiln_layer_hook;
+
+static inline void kiln_layer_event_at(const kiln_layer_hook *h, int l, kiln_layer_event ev) {
+    if (h && h->fn) h->fn(h->ctx, l, ev);
+}
+
 /* What a training forward and backward work in (kiln_arch_desc's train_* hooks). The caller
  * (the trainer) sets the fields above the line and calls train_init, which allocates the
  * activations for max_batch sequences of max_seq tokens in backend memory and fills the rest;
@@ -133,6 +155,7 @@ typedef struct kiln_train_io {
     int fast;                       /* the backend's fast arithmetic (bf16 activations where
                                      * the backend has the ops) */
     const kiln_taps *taps;          /* hidden-state taps of the next forward and backward, or NULL */
+    const kiln_layer_hook *hook;    /* layer events of every forward and backward, or NULL */
     /* ---- filled by train_init ---- */
     int32_t *ids, *pos;             /* (T) backend memory: the rows' token ids and positions */
     float *xn;                      /* (T, C) the forward's output: the final norm's */

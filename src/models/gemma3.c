@@ -126,6 +126,7 @@ typedef struct g3_run {
     int n_seq, seq;
     const kiln_fwd_batch *gen;
     const kiln_taps *taps; /* hidden-state taps (arch.h), or NULL */
+    const kiln_layer_hook *hook; /* training: the layer events (arch.h), or NULL */
 } g3_run;
 
 static float g3_scale(const kiln_model_config *c) {
@@ -144,6 +145,7 @@ static void gemma3_layers(const g3_run *R) {
     op->embed(be, R->acts[0].x, R->embed, R->ids, T);
     op->scale(be, R->acts[0].x, (float)sqrt((double)C), (size_t)T * C); /* hidden_size**0.5 in f32 */
     for (int l = 0; l < c->n_layer; l++) {
+        kiln_layer_event_at(R->hook, l, KILN_LAYER_FORWARD_BEGIN);
         const kiln_wref *lw = R->layer_refs + (size_t)l * G3_N_LAYER;
 #define W(role) (&lw[(role) - G3_WQ])
         g3_acts *a = &R->acts[R->per_layer ? l : 0];
@@ -183,6 +185,7 @@ static void gemma3_layers(const g3_run *R) {
         op->rmsnorm(be, x_next, a->d, W(G3_POST_FF_NORM)->vec, T, C, eps);
         op->add(be, x_next, a->x_mid, (size_t)T * C);
         kiln_tap_out(be, R->taps, l, x_next, (size_t)T * C);
+        kiln_layer_event_at(R->hook, l, KILN_LAYER_FORWARD_END);
 #undef W
     }
 }
@@ -348,6 +351,7 @@ static void gemma3_train_forward(kiln_train_io *io, int n_seq, int seq) {
     R.n_seq = n_seq;
     R.seq = seq;
     R.taps = io->taps;
+    R.hook = io->hook;
     gemma3_layers(&R);
     io->be->i->rmsnorm(io->be, io->xn, t->x_final, t->nm.refs[G3_NORM].vec, R.T, c->n_embd, c->rms_eps);
 }
@@ -369,6 +373,7 @@ static void gemma3_train_backward(kiln_train_io *io, int n_seq, int seq) {
         const g3_acts *a = &t->acts[l];
         const int slides = kiln_layer_slides(c, l), window = slides ? c->sliding_window : 0;
         const float *cs = slides ? t->rope_cos_local : t->rope_cos, *sn = slides ? t->rope_sin_local : t->rope_sin;
+        kiln_layer_event_at(io->hook, l, KILN_LAYER_BACKWARD_BEGIN);
         kiln_tap_grad(be, io->taps, l, io->dx, (size_t)T * C); /* d loss / d this layer's output, more */
         /* MLP: x_next = x_mid + norm(d), d = geglu(gate, up) Wd^T */
         op->rmsnorm_backward(be, t->dd, W(G3_POST_FF_NORM)->grad, io->dx, a->d, W(G3_POST_FF_NORM)->vec, T, C, eps,
@@ -401,6 +406,7 @@ static void gemma3_train_backward(kiln_train_io *io, int n_seq, int seq) {
         kiln_products_backward(be, 3, t->dxb, dqkv, a->xb1, qkv, T);
         op->rmsnorm_backward(be, io->dx, W(G3_IN_NORM)->grad, t->dxb, a->x, W(G3_IN_NORM)->vec, T, C, eps, t->rstd,
                              true);
+        kiln_layer_event_at(io->hook, l, KILN_LAYER_BACKWARD_END);
 #undef W
     }
     /* x = embed * sqrt(C): the embedding rows' gradient is dx * sqrt(C) (the embedding's

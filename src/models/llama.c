@@ -281,6 +281,7 @@ typedef struct llama_run {
     int n_seq, seq;
     const kiln_fwd_batch *gen;
     const kiln_taps *taps; /* hidden-state taps (arch.h), or NULL */
+    const kiln_layer_hook *hook; /* training: the layer events (arch.h), or NULL */
 } llama_run;
 
 /* out = x W^T (+ bias) + res: one products call (kiln_op_products: the bits of matmul, then add). */
@@ -303,6 +304,7 @@ static void llama_layers(const llama_run *R) {
     float eps = c->rms_eps, scale = (float)(1.0 / sqrt((double)HS));
     op->embed(be, R->acts[0].x, R->embed, R->ids, T);
     for (int l = 0; l < c->n_layer; l++) {
+        kiln_layer_event_at(R->hook, l, KILN_LAYER_FORWARD_BEGIN);
         const llama_w lw = llama_layer(R->layer_refs, l), *w = &lw;
         layer_acts *a = &R->acts[R->per_layer ? l : 0];
         float *x_next = !R->per_layer ? a->x : l + 1 < c->n_layer ? R->acts[l + 1].x : R->x_final;
@@ -379,6 +381,7 @@ static void llama_layers(const llama_run *R) {
             products_res(be, x_next, a->hb, w->down, w->b_down, a->x_mid, T);
         }
         kiln_tap_out(be, R->taps, l, x_next, (size_t)T * C);
+        kiln_layer_event_at(R->hook, l, KILN_LAYER_FORWARD_END);
     }
 }
 
@@ -600,6 +603,7 @@ static void llama_train_forward(kiln_train_io *io, int n_seq, int seq) {
     R.n_seq = n_seq;
     R.seq = seq;
     R.taps = io->taps;
+    R.hook = io->hook;
     llama_layers(&R);
     io->be->i->rmsnorm(io->be, io->xn, t->x_final, io->refs[LL_NORM].vec, R.T, c->n_embd, c->rms_eps);
 }
@@ -628,6 +632,7 @@ static void llama_train_backward(kiln_train_io *io, int n_seq, int seq) {
     for (int l = c->n_layer - 1; l >= 0; l--) {
         const llama_w lw = llama_layer(io->layer_refs, l), *w = &lw;
         const layer_acts *a = &t->acts[l];
+        kiln_layer_event_at(io->hook, l, KILN_LAYER_BACKWARD_BEGIN);
         kiln_tap_grad(be, io->taps, l, io->dx, (size_t)T * C); /* d loss / d this layer's output, more */
         /* MLP: x_next = x_mid + down(silu(gate) * up) */
         const kiln_wref *nob[2] = {NULL, NULL};
@@ -758,6 +763,7 @@ static void llama_train_backward(kiln_train_io *io, int n_seq, int seq) {
         else
             op->rmsnorm_backward(be, io->dx, w->attn_norm->grad, t->dxb, a->x, VEC(w->attn_norm), T, C, eps, t->rstd,
                                  true);
+        kiln_layer_event_at(io->hook, l, KILN_LAYER_BACKWARD_END);
     }
     /* the embedding's backward follows, outside the recorded graph (kiln_train_backward) */
 }

@@ -174,6 +174,7 @@ typedef struct q35_run {
     const kiln_batch_run *train_runs;
     const kiln_fwd_batch *gen;
     const kiln_taps *taps; /* hidden-state taps (arch.h), or NULL */
+    const kiln_layer_hook *hook; /* training: the layer events (arch.h), or NULL */
 } q35_run;
 
 static void q35_layers(const q35_run *R) {
@@ -191,6 +192,7 @@ static void q35_layers(const q35_run *R) {
 
     op->embed(be, R->acts[0].x, R->embed, R->ids, T);
     for (int l = 0; l < c->n_layer; l++) {
+        kiln_layer_event_at(R->hook, l, KILN_LAYER_FORWARD_BEGIN);
         const kiln_wref *lw = R->layer_refs + (size_t)l * Q_N_LAYER;
 #define W(role) (&lw[(role) - Q_FIRST])
         q35_acts *a = &R->acts[R->per_layer ? l : 0];
@@ -246,6 +248,7 @@ static void q35_layers(const q35_run *R) {
         op->matmul(be, x_next, a->hb, W(Q_DOWN)->mat, NULL, T);
         op->add(be, x_next, a->x_mid, (size_t)T * d.C);
         kiln_tap_out(be, R->taps, l, x_next, (size_t)T * d.C);
+        kiln_layer_event_at(R->hook, l, KILN_LAYER_FORWARD_END);
 #undef W
     }
 }
@@ -476,6 +479,7 @@ static void q35_train_forward(kiln_train_io *io, int n_seq, int seq) {
     R.seq = seq;
     R.train_runs = t->runs;
     R.taps = io->taps;
+    R.hook = io->hook;
     q35_layers(&R);
     io->be->i->rmsnorm(io->be, io->xn, t->x_final, t->nm.refs[Q_NORM].vec, R.T, c->n_embd, c->rms_eps);
 }
@@ -496,6 +500,7 @@ static void q35_train_backward(kiln_train_io *io, int n_seq, int seq) {
         const kiln_wref *lw = t->nm.layer_refs + (size_t)l * Q_N_LAYER;
 #define W(role) (&lw[(role) - Q_FIRST])
         const q35_acts *a = &t->acts[l];
+        kiln_layer_event_at(io->hook, l, KILN_LAYER_BACKWARD_BEGIN);
         kiln_tap_grad(be, io->taps, l, io->dx, (size_t)T * d.C); /* d loss / d this layer's output, more */
         /* MLP: x_next = x_mid + (silu(fg) * fu) Wd^T */
         op->matmul_backward(be, t->dhb, W(Q_DOWN)->grad, NULL, io->dx, a->hb, W(Q_DOWN)->mat, T, false);
@@ -547,6 +552,7 @@ static void q35_train_backward(kiln_train_io *io, int n_seq, int seq) {
         }
         op->rmsnorm_backward(be, io->dx, W(Q_IN_NORM)->grad, t->dxb, a->x, W(Q_IN_NORM)->vec, T, d.C, eps, t->rstd,
                              true);
+        kiln_layer_event_at(io->hook, l, KILN_LAYER_BACKWARD_END);
 #undef W
     }
 }

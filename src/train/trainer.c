@@ -52,6 +52,10 @@ static void zero_floats(kiln_trainer *t, float *p, size_t n) {
 /* Every gradient g = g * coef (torch's clip_grad_norm_ scaling), over the whole gradient block
  * (the padding between gradients is zero and stays zero). */
 static kiln_status scale_grads(kiln_trainer *t, float coef) {
+    if (kiln_trainer_dp_sharded(t)) { /* ZeRO-3: the rest of the buffers is released */
+        kiln_trainer_dp_scale_own_grads(t, coef);
+        return KILN_OK;
+    }
     if (t->host) {
         for (int i = 0; i < t->n_params; i++) {
             float *g = t->params[i].g;
@@ -142,6 +146,7 @@ static train_param *add_param(kiln_trainer *t, const char *name, int64_t rows, i
     p->shape[0] = rows;
     p->shape[1] = matrix ? cols : 1;
     p->n = rows * (matrix ? cols : 1);
+    p->layer = -1;
     p->dtype = (matrix && t->p.weight_storage != KILN_STORAGE_F32) ? KILN_DTYPE_BF16 : KILN_DTYPE_F32;
     return p;
 }
@@ -182,6 +187,7 @@ static kiln_status declare_role(void *ctx, const kiln_param_role *r, int layer) 
     train_param *p = add_param(t, nm, matrix ? kiln_dim_value(&t->cfg, r->rows) : kiln_role_floats(r, &t->cfg),
                                kiln_dim_value(&t->cfg, r->cols), matrix);
     p->file_dims = kiln_role_file_shape(r, &t->cfg, p->file_shape);
+    if (r->per_layer) p->layer = layer;
     if (role == a->role_embed) t->tok_embd = p;
     else if (role == a->role_final_norm) t->final_norm = p;
     else if (role == a->role_head) t->lm_head = p;
@@ -739,7 +745,9 @@ static kiln_status forward(kiln_trainer *t, const int32_t *ids, int n_seq, int s
         KILN_TRY(kiln_backend_upload(be, t->io.ids, ids, (size_t)T * sizeof(int32_t)));
         memcpy(t->ids_host, ids, (size_t)T * sizeof(int32_t));
     }
-    return run_layers(t, &t->g_fwd, &t->g_fwd_runs, forward_layers, n_seq, seq);
+    if (t->dp) KILN_TRY(kiln_trainer_dp_forward_begin(t)); /* ZeRO-3: the rest's weights */
+    KILN_TRY(run_layers(t, &t->g_fwd, &t->g_fwd_runs, forward_layers, n_seq, seq));
+    return t->dp ? kiln_trainer_dp_layers_status(t) : KILN_OK; /* ZeRO-3: the layers' gathers */
 }
 
 static kiln_status check_ready(kiln_trainer *t, const char *call) {
@@ -848,10 +856,20 @@ static kiln_fused_ce_params loss_params(kiln_trainer *t, int T, const int32_t *t
     return cp;
 }
 
+/* ZeRO-3 ranks (kiln_train_dp_attach): st made every rank's at one of a step's fixed points, so
+ * that a failure on one rank stops every rank at the same collective; elsewhere st as it is. */
+static kiln_status step_agree(kiln_trainer *t, kiln_status st, const char *call, const char *where) {
+    if (kiln_handle_check(t, KILN_HANDLE_TRAINER, call) != KILN_OK || !kiln_trainer_dp_sharded(t)) return st;
+    char what[128];
+    snprintf(what, sizeof what, "%s (%s)", call, where);
+    return kiln_trainer_dp_agree(t, st, what);
+}
+
 kiln_status kiln_train_forward_batch(kiln_trainer *t, const int32_t *ids, int n_seq, int seq, const int32_t *targets,
                                      kiln_loss_reduction red, float scale, float *loss) {
     const char *call = n_seq == 1 ? "kiln_train_forward" : "kiln_train_forward_batch";
-    KILN_TRY(check_loss_step(t, call, ids, n_seq, seq, targets, red, scale, loss));
+    KILN_TRY(step_agree(t, check_loss_step(t, call, ids, n_seq, seq, targets, red, scale, loss), call,
+                        "before its forward"));
     int n = n_seq * seq;
     step_peak_reset(t);
     kiln_status fst = forward(t, ids, n_seq, seq);
@@ -915,7 +933,9 @@ kiln_status kiln_train_discard(kiln_trainer *t) {
 
 static void zero_grads(kiln_trainer *t) {
     t->grads_unusable = 0;
-    if (t->host)
+    if (kiln_trainer_dp_sharded(t))
+        kiln_trainer_dp_zero_own_grads(t);
+    else if (t->host)
         for (int i = 0; i < t->n_params; i++) memset(t->params[i].g, 0, (size_t)t->params[i].n * sizeof(float));
     else
         zero_floats(t, t->grad_block, t->n_grad); /* the padding too: it stays 0 */
@@ -942,6 +962,7 @@ static kiln_status begin_grads(kiln_trainer *t, int accumulate) {
     }
     zero_grads(t);
     t->grad_coef = 1.0f;
+    if (t->dp) kiln_trainer_dp_grads_begin(t);
     return KILN_OK;
 }
 
@@ -968,8 +989,10 @@ static void emb_grad(kiln_trainer *t, const float *dx, const int32_t *ids, int n
  * the host, an O(T) plan it uploads each call, instead of searching the ids on the device). */
 static kiln_status layers_backward(kiln_trainer *t, int n_seq, int seq) {
     kiln_status st = run_layers(t, &t->g_bwd, &t->g_bwd_runs, backward_layers, n_seq, seq);
+    if (st == KILN_OK && t->dp) st = kiln_trainer_dp_layers_status(t); /* ZeRO-3: the layers' collectives */
     if (st == KILN_OK)
         emb_grad(t, t->io.dx, t->host ? t->io.ids : t->ids_host, n_seq * seq);
+    if (st == KILN_OK && t->dp) st = kiln_trainer_dp_backward_end(t); /* ZeRO-3: the rest's gradients */
     return st;
 }
 
@@ -1038,6 +1061,17 @@ kiln_status kiln_train_backward(kiln_trainer *t, const float *dhidden, int accum
 kiln_status kiln_train_step_batch(kiln_trainer *t, const int32_t *ids, int n_seq, int seq, const int32_t *targets,
                                   kiln_loss_reduction red, float scale, int accumulate, float *loss) {
     const char *call = "kiln_train_step_batch";
+    if (kiln_handle_check(t, KILN_HANDLE_TRAINER, call) == KILN_OK && kiln_trainer_dp_sharded(t)) {
+        /* ZeRO-3: forward_batch (agreeing before its forward), the agreement after the loss,
+         * the backward: the same collectives on every rank whatever fails where */
+        kiln_status st = step_agree(t, kiln_train_forward_batch(t, ids, n_seq, seq, targets, red, scale, loss), call,
+                                    "after its loss");
+        if (st != KILN_OK) {
+            t->pending = 0;
+            return st;
+        }
+        return kiln_train_backward(t, NULL, accumulate);
+    }
     KILN_TRY(check_loss_step(t, call, ids, n_seq, seq, targets, red, scale, loss));
     const kiln_backend_i *op = t->be->i;
     if (t->host || !t->p.fast || !op->download_begin || !op->download_end) {
@@ -1098,17 +1132,25 @@ unusable:
 
 kiln_status kiln_train_custom_step(kiln_trainer *t, const char *call, const int32_t *ids, int n_seq, int seq,
                                    kiln_train_loss_fn fn, void *ctx, int accumulate, float *loss) {
-    KILN_TRY(check_batch(t, call, ids, n_seq, seq));
-    if (!fn || !loss) return kiln_error(KILN_ERR_INVALID_ARG, "%s: NULL loss function or loss", call);
-    step_peak_reset(t);
-    kiln_status st = forward(t, ids, n_seq, seq);
-    if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
-    st = begin_grads(t, accumulate);
-    if (st != KILN_OK) return kiln_error_prefix(st, "%s", call);
+    kiln_status st = check_batch(t, call, ids, n_seq, seq);
+    if (st == KILN_OK && (!fn || !loss)) st = kiln_error(KILN_ERR_INVALID_ARG, "%s: NULL loss function or loss", call);
+    /* ZeRO-3 ranks agree before the forward and after the loss (kiln_train_dp_idle_step's order) */
+    st = step_agree(t, st, call, "before its forward");
+    if (st == KILN_OK) {
+        step_peak_reset(t);
+        st = forward(t, ids, n_seq, seq);
+        if (st == KILN_OK) st = begin_grads(t, accumulate);
+        if (st != KILN_OK) st = kiln_error_prefix(st, "%s", call);
+    }
     /* from here on a failure leaves the gradients partly updated: they are marked unusable */
-    kiln_train_head h = {t->be, n_seq, seq, n_seq * seq, t->cfg.n_embd, t->cfg.n_vocab, ids, t->io.xn,
-                         mat_view(t, t->lm_head), t->io.dxn, head_grad(t)};
-    st = fn(ctx, &h, loss);
+    const int began = st == KILN_OK;
+    if (began) {
+        kiln_train_head h = {t->be, n_seq, seq, n_seq * seq, t->cfg.n_embd, t->cfg.n_vocab, ids, t->io.xn,
+                             mat_view(t, t->lm_head), t->io.dxn, head_grad(t)};
+        st = fn(ctx, &h, loss);
+    }
+    st = step_agree(t, st, call, "after its loss");
+    if (!began) return st;
     if (st == KILN_OK) st = layers_backward(t, n_seq, seq);
     if (st == KILN_OK) st = backend_check(t, call);
     if (st == KILN_OK) {
@@ -1309,7 +1351,7 @@ static kiln_status adamw_step(kiln_trainer *t, const char *call, double lr, cons
     }
     kiln_free(wd_mat);
     KILN_TRY(st);
-    if (t->dp) KILN_TRY(kiln_trainer_dp_gather_params(t)); /* every rank's range to every rank */
+    if (t->dp) KILN_TRY(kiln_trainer_dp_after_update(t)); /* ZeRO-2: ranges to every rank; 3: stale */
     KILN_TRY(backend_poll(t, call)); /* the next step queues behind it */
     /* the steps wrote the bf16 copy of every weight as they updated it (create_optimizers
      * gave them their w16): the bits to_bf16 would make, so no conversion pass */
@@ -1396,6 +1438,9 @@ kiln_status kiln_train_get_param(const kiln_trainer *t, const char *name, float 
     if (!name || !out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_get_param: NULL argument");
     const train_param *p = find_param(t, name, n, "kiln_train_get_param");
     if (!p) return KILN_ERR_INVALID_ARG;
+    if (!kiln_trainer_dp_param_whole(t, (int)(p - t->params)))
+        return kiln_error(KILN_ERR_STATE, "kiln_train_get_param: '%s' is sharded across the ranks (ZeRO-3): call "
+                          "kiln_train_dp_gather_params first (every rank), or read a checkpoint", name);
     if (t->host) {
         kiln_dequantize(p->dtype, p->w, out, p->n);
         return KILN_OK;
@@ -1484,6 +1529,9 @@ kiln_status kiln_train_set_optimizer_step_count(kiln_trainer *t, int64_t step) {
 
 kiln_status kiln_train_set_param(kiln_trainer *t, const char *name, const float *in, int64_t n) {
     KILN_TRY(check_ready(t, "kiln_train_set_param"));
+    if (t->dp)
+        return kiln_error(KILN_ERR_STATE, "kiln_train_set_param: a data-parallel rank's weights are set before "
+                          "kiln_train_dp_attach (its optimizer holds a range of them)");
     if (!name || !in) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_set_param: NULL argument");
     const train_param *p = find_param(t, name, n, "kiln_train_set_param");
     if (!p) return KILN_ERR_INVALID_ARG;
@@ -1501,6 +1549,9 @@ kiln_status kiln_train_set_param(kiln_trainer *t, const char *name, const float 
 kiln_status kiln_train_set_params(kiln_trainer *t, int count, const char *const *names, const float *const *data,
                                   const int64_t *n) {
     KILN_TRY(check_ready(t, "kiln_train_set_params"));
+    if (t->dp)
+        return kiln_error(KILN_ERR_STATE, "kiln_train_set_params: a data-parallel rank's weights are set before "
+                          "kiln_train_dp_attach (its optimizer holds a range of them)");
     if (count < 0 || (count && (!names || !data || !n)))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_set_params: NULL argument");
     int any_bf16 = 0;
@@ -1553,14 +1604,25 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
     if (t->ce_keep) m.scratch += (uint64_t)t->ce_keep_floats * sizeof(float); /* kept logits */
     if (t->emb_acc) m.scratch += (uint64_t)t->tok_embd->n * sizeof(float); /* an accumulating step's */
     m.peak_step = t->peak_step;
-    char dp[160] = "";
+    char dp[320] = "";
     if (t->dp) {
         int64_t lo, hi, total, staging;
         kiln_trainer_dp_range(t, &lo, &hi, &total, &staging);
         m.scratch += (uint64_t)staging;
+        char held[160] = "";
+        if (kiln_trainer_dp_sharded(t)) {
+            /* ZeRO-3: what the rank holds at its peak (its range, every vector, the units a step
+             * gathers at once), of the whole */
+            uint64_t w, g, pw, pg;
+            kiln_trainer_dp_held(t, &w, &g, &pw, &pg);
+            snprintf(held, sizeof held, "; ZeRO-3: weights held %.1f MiB (peak) of %.1f, gradients %.1f of %.1f",
+                     pw / 1048576.0, m.params / 1048576.0, pg / 1048576.0, m.grads / 1048576.0);
+            m.params = pw;
+            m.grads = pg;
+        }
         snprintf(dp, sizeof dp, "; data-parallel rank %d of %d: optimizer state for elements [%lld, %lld) of %lld, "
-                 "staging %.1f MiB", kiln_train_dp_rank(t), kiln_train_dp_size(t), (long long)lo, (long long)hi,
-                 (long long)total, staging / 1048576.0);
+                 "staging %.1f MiB%s", kiln_train_dp_rank(t), kiln_train_dp_size(t), (long long)lo, (long long)hi,
+                 (long long)total, staging / 1048576.0, held);
     }
     char dev[64] = "cpu", own[96] = "";
     if (!t->host) {

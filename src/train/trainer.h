@@ -66,16 +66,42 @@ void kiln_trainer_limits(const kiln_trainer *t, int *max_seq, int *max_batch);
  * trainer, is a collective: every rank calls it, in the same order. */
 
 /* Make t one rank of the run c joins (c outlives t): its optimizer state is remade over this
- * rank's range of the flat parameter vector only. Call after create, before any optimizer step
- * or load. A communicator of one rank leaves t as it is. KILN_ERR_UNSUPPORTED for a GPU
+ * rank's range of the flat parameter vector only. zero_stage 2: the gradients and the AdamW
+ * state sharded, every rank keeping the whole weights; 3: the weights too (each layer's gathered
+ * for its forward and its backward, its gradients summed to their owners layer by layer; what
+ * a rank does not own is given back to the system). Call after create, before any optimizer
+ * step or load. A communicator of one rank leaves t as it is. KILN_ERR_UNSUPPORTED for a GPU
  * trainer (NCCL is not written yet), stochastic rounding and 8-bit moments (their arithmetic
- * depends on an element's index in its tensor). */
-kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c);
+ * depends on an element's index in its tensor).
+ * Stage 3: a step is kiln_train_step_batch or kiln_train_custom_step (each agrees with the
+ * other ranks at its start and after its loss, so that a failure on one rank stops every rank
+ * at the same point), or kiln_train_dp_idle_step on a rank without a micro-batch; a forward
+ * alone (kiln_train_forward_batch, an evaluation) is a collective too; the weights are whole in
+ * a rank's memory only between kiln_train_dp_gather_params and the next step, optimizer step or
+ * kiln_train_dp_release_params (kiln_train_get_param refuses them otherwise). */
+kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c, int zero_stage);
 /* After this rank's micro-step(s): the gradients summed over the ranks (rank order from +0),
- * this rank keeping its range of the sum (the rest of its gradient buffers is stale). */
+ * this rank keeping its range of the sum (the rest of its gradient buffers is stale). Stage 3
+ * did that layer by layer in the step: nothing to do. */
 kiln_status kiln_train_dp_reduce_grads(kiln_trainer *t);
-/* A rank without a micro-batch this step: its contribution to the sum is zero. */
+/* A rank without a micro-batch this step, stage 2: its contribution to the sum is zero. */
 kiln_status kiln_train_dp_zero_grads(kiln_trainer *t);
+/* A rank without a micro-batch this step: the other ranks' step's collectives with a zero
+ * contribution (stage 2: kiln_train_dp_zero_grads). st: this rank's failure before the step
+ * (KILN_OK: none), which stage 3's first agreement hands to every rank. */
+kiln_status kiln_train_dp_idle_step(kiln_trainer *t, kiln_status st);
+/* Stage 3: every weight whole on every rank (for an export or a fingerprint), until the next
+ * step, optimizer step or kiln_train_dp_release_params. Stage 2, one process: nothing. */
+kiln_status kiln_train_dp_gather_params(kiln_trainer *t);
+kiln_status kiln_train_dp_release_params(kiln_trainer *t);
+/* Every rank's status made one (a collective): KILN_OK on every rank, or an error on every rank
+ * (this rank's own, or one saying that `what` failed on another rank). Without attach: st. */
+kiln_status kiln_train_dp_agree(kiln_trainer *t, kiln_status st, const char *what);
+/* A line on what this rank holds (kiln's count): stage 3, the most bytes of weights and
+ * gradients it has held since attach, of the whole; "" without attach. */
+kiln_status kiln_train_dp_describe(const kiln_trainer *t, char *buf, size_t cap);
+/* The ZeRO stage of a rank (2 or 3), 0 without attach. */
+int kiln_train_dp_stage(const kiln_trainer *t);
 /* The run's rank count and this rank (1 and 0 without attach). */
 int kiln_train_dp_size(const kiln_trainer *t);
 int kiln_train_dp_rank(const kiln_trainer *t);

@@ -28,12 +28,15 @@
  * with its manifest; a set of any rank count loads on any other (each rank copies its range out
  * of the shards that meet it), and one process's state.kiln still loads on N ranks.
  */
+#define _DEFAULT_SOURCE /* madvise (Linux, the BSDs) */
 #include "trainer.h"
 #include "trainer_impl.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 struct kiln_train_dp {
@@ -48,10 +51,31 @@ struct kiln_train_dp {
     int *whole;        /* (n_params) its slot in one process's optimizer of its kind */
     uint32_t *stage;   /* (size, chunk) words: a chunk of every rank's range */
     uint32_t *own;     /* (chunk) words: this rank's part of a chunk (reduce-scatter's result) */
+
+    /* ZeRO-3 (sharded): the weights are sharded too. Unit l < L: layer l's matrices; unit L
+     * ("the rest"): the per-model parameters, the extras and every vector (small, kept whole
+     * for the whole step). A unit is gathered before its work and released after it. */
+    int sharded;
+    int n_units;            /* L + 1 */
+    int *unit;              /* (n_params) each parameter's unit */
+    int *gathered;          /* (n_units) the unit's weights are whole here, and current */
+    int rest_grads;         /* the rest's gradients are being written (a step's backward) */
+    kiln_status err;        /* the first failure of a layer event's collectives, or KILN_OK */
+    kiln_layer_hook hook;   /* the layer events (models/arch.h), bound into t->io */
+    size_t page;            /* the system's page size */
+    /* kiln's count of the bytes of weights and gradients this rank holds: its range and every
+     * vector always, a unit's other bytes while it is gathered (its gradients while its
+     * backward writes them); the peaks since attach */
+    uint64_t *out_w, *out_g; /* (n_units) bytes of a unit's matrices outside this rank's range */
+    uint64_t held_w, held_g, peak_w, peak_g;
 };
 
 static void dp_free(kiln_train_dp *d) {
     if (!d) return;
+    kiln_free(d->unit);
+    kiln_free(d->gathered);
+    kiln_free(d->out_w);
+    kiln_free(d->out_g);
     kiln_free(d->first);
     kiln_free(d->slot);
     kiln_free(d->whole);
@@ -75,6 +99,7 @@ typedef struct flat_io {
 } flat_io;
 
 static kiln_status slot_words(kiln_adamw *o, int j, int kind, int64_t off, int64_t n, uint32_t *words, int to_words);
+static kiln_status shard_weights(kiln_trainer *t);
 
 /* Elements [a, b) of the flat vector to words (to_words; past total: 0) or from them. */
 static kiln_status flat_move(const flat_io *f, int64_t a, int64_t b, uint32_t *w, int to_words) {
@@ -159,11 +184,15 @@ void kiln_trainer_dp_range(const kiln_trainer *t, int64_t *lo, int64_t *hi, int6
 }
 
 int kiln_train_dp_size(const kiln_trainer *t) { return t && t->dp ? t->dp->size : 1; }
+int kiln_train_dp_stage(const kiln_trainer *t) { return t && t->dp ? (t->dp->sharded ? 3 : 2) : 0; }
 int kiln_train_dp_rank(const kiln_trainer *t) { return t && t->dp ? t->dp->rank : 0; }
 
-kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c) {
+kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c, int zero_stage) {
     KILN_TRY(kiln_trainer_enter(t, "kiln_train_dp_attach"));
     if (!c) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_dp_attach: the communicator is NULL");
+    if (zero_stage != 2 && zero_stage != 3)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_dp_attach: ZeRO stage %d: use 2 (gradients and optimizer "
+                          "state sharded) or 3 (the weights too)", zero_stage);
     if (t->dp) return kiln_error(KILN_ERR_STATE, "kiln_train_dp_attach: the trainer is a rank already");
     if (kiln_comm_size(c) == 1) return KILN_OK; /* one process: the trainer as it is */
     if (!t->host || !kiln_comm_host_memory(c))
@@ -236,6 +265,14 @@ kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c) {
     for (int j = 0; j < t->n_mat; j++) d->slot[t->mat_index[j]] = j;
     for (int j = 0; j < t->n_vec; j++) d->slot[t->vec_index[j]] = j;
     t->dp = d;
+    if (zero_stage == 3) {
+        kiln_status sst = shard_weights(t);
+        if (sst != KILN_OK) { /* the tables failed before anything was released */
+            t->io.hook = NULL;
+            d->sharded = 0;
+            return sst;
+        }
+    }
     return KILN_OK;
 }
 
@@ -243,7 +280,10 @@ kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c) {
 
 kiln_status kiln_train_dp_zero_grads(kiln_trainer *t) {
     KILN_TRY(kiln_trainer_enter(t, "kiln_train_dp_zero_grads"));
-    for (int i = 0; i < t->n_params; i++) memset(t->params[i].g, 0, (size_t)t->params[i].n * sizeof(float));
+    if (t->dp && t->dp->sharded)
+        kiln_trainer_dp_zero_own_grads(t);
+    else
+        for (int i = 0; i < t->n_params; i++) memset(t->params[i].g, 0, (size_t)t->params[i].n * sizeof(float));
     t->grad_coef = 1.0f;
     t->grads_finite = 0;
     t->grads_unusable = 0;
@@ -253,7 +293,7 @@ kiln_status kiln_train_dp_zero_grads(kiln_trainer *t) {
 kiln_status kiln_train_dp_reduce_grads(kiln_trainer *t) {
     KILN_TRY(kiln_trainer_enter(t, "kiln_train_dp_reduce_grads"));
     kiln_train_dp *d = t->dp;
-    if (!d) return KILN_OK;
+    if (!d || d->sharded) return KILN_OK; /* stage 3: reduced layer by layer in the step */
     if (t->grads_unusable || t->grad_coef != 1.0f)
         return kiln_error(KILN_ERR_STATE, "kiln_train_dp_reduce_grads: the gradients are %s", t->grads_unusable ?
                           "unusable (a step failed after its gradient work began)" : "clipped already");
@@ -341,12 +381,421 @@ kiln_status kiln_trainer_dp_norms(kiln_trainer *t, float *norms) {
 
 /* ---- weights ------------------------------------------------------------------------------- */
 
-/* After the optimizer step: this rank's range of the weights to every rank. Each element
- * travels as 4 bytes: f32 as it is, bf16 widened (its bits in the high half, exact both ways). */
-kiln_status kiln_trainer_dp_gather_params(kiln_trainer *t) {
+static void release_all(kiln_trainer *t);
+
+/* After the optimizer step (or a load): stage 2, this rank's range of the weights to every
+ * rank, each element as 4 bytes (f32 as it is, bf16 widened: its bits in the high half, exact
+ * both ways); stage 3, every unit stale, released (gathered again when read). */
+kiln_status kiln_trainer_dp_after_update(kiln_trainer *t) {
     kiln_train_dp *d = t->dp;
+    if (d->sharded) {
+        release_all(t);
+        return KILN_OK;
+    }
     const flat_io f = {t, FLAT_WEIGHT, NULL, NULL};
     for (int64_t c0 = 0; c0 < d->S; c0 += d->chunk) KILN_TRY(gather_chunk(&f, c0, chunk_len(d, c0), 1));
+    return KILN_OK;
+}
+
+/* ---- stage 3: the weights sharded too (ZeRO-3) ------------------------------------------------
+ *
+ * Every parameter keeps its place in the trainer's blocks (so views, stacked products and the
+ * optimizer's slots are as they were); what a rank does not own is given back to the system
+ * while it is not needed (madvise(MADV_DONTNEED) on the whole pages outside the rank's range:
+ * anonymous memory, which reads as zero afterwards) and filled again before it is read:
+ *   - a layer's matrices (unit l), gathered before the layer's forward and released after it,
+ *     gathered again before its backward; once its backward is done their gradients are summed
+ *     to the ranks that own them (kiln_comm_reduce_f32, rank order from +0: the bits of the
+ *     reduce-scatter of stage 2) and released, reading as zero for the next step;
+ *   - the rest (unit L: the embedding, the final norm, an untied head, the extras and every
+ *     vector), gathered before a forward and kept until the end of the step's backward, whose
+ *     gradients are then summed to their owners; its matrices are released, its vectors (a
+ *     tiny part) stay in memory, current only while the unit is gathered.
+ * A piece is moved as the rank that owns it broadcasts it (bf16 weights as their bits in 4-byte
+ * words, as the other collectives move them), a staging buffer at a time. An optimizer step
+ * changes each rank's range only: every unit is stale after it. */
+
+/* Parameter i's elements inside this rank's range: [*a, *b) of its own (*a == *b: none). */
+static void own_part(const kiln_train_dp *d, int i, int64_t *a, int64_t *b) {
+    const int64_t f = d->first[i], n = d->first[i + 1] - f;
+    int64_t x = d->lo - f, y = d->hi - f;
+    x = x < 0 ? 0 : x > n ? n : x;
+    y = y < 0 ? 0 : y > n ? n : y;
+    *a = x;
+    *b = y > x ? y : x;
+}
+
+/* The whole pages inside [p, p + n) given back to the system (they read as zero afterwards);
+ * zero: the bytes at either end zeroed too, so that all of [p, p + n) reads as zero. A failed
+ * madvise leaves the pages held (and zeroes them when zero). */
+static void release_bytes(void *p, size_t n, int zero, size_t page) {
+    if (!n) return;
+    const uintptr_t s = (uintptr_t)p, e = s + n;
+    const uintptr_t ps = (s + page - 1) & ~(uintptr_t)(page - 1), pe = e & ~(uintptr_t)(page - 1);
+    if (ps >= pe) {
+        if (zero) memset(p, 0, n);
+        return;
+    }
+    if (zero) {
+        memset(p, 0, ps - s);
+        memset((void *)pe, 0, e - pe);
+    }
+    if (madvise((void *)ps, pe - ps, MADV_DONTNEED) != 0 && zero) memset((void *)ps, 0, pe - ps);
+}
+
+/* Parameter i's bytes outside this rank's range released: its weights (grads 0) or its
+ * gradients (grads 1, which then read as zero). A vector is never released: its gradient's
+ * outside part is zeroed. */
+static void release_param(kiln_trainer *t, int i, int grads) {
+    const kiln_train_dp *d = t->dp;
+    const train_param *p = &t->params[i];
+    int64_t a, b;
+    own_part(d, i, &a, &b);
+    if (p->n_dims != 2) {
+        if (grads) {
+            memset(p->g, 0, (size_t)a * sizeof(float));
+            memset(p->g + b, 0, (size_t)(p->n - b) * sizeof(float));
+        }
+        return;
+    }
+    const size_t es = grads ? 4 : (p->dtype == KILN_DTYPE_F32 ? 4 : 2);
+    uint8_t *base = grads ? (uint8_t *)p->g : (uint8_t *)p->w;
+    release_bytes(base, (size_t)a * es, grads, d->page);
+    release_bytes(base + (size_t)b * es, (size_t)(p->n - b) * es, grads, d->page);
+}
+
+static void held(kiln_train_dp *d, int64_t dw, int64_t dg) {
+    d->held_w = (uint64_t)((int64_t)d->held_w + dw);
+    d->held_g = (uint64_t)((int64_t)d->held_g + dg);
+    if (d->held_w > d->peak_w) d->peak_w = d->held_w;
+    if (d->held_g > d->peak_g) d->peak_g = d->held_g;
+}
+
+/* The memory of unit u's weights outside this rank's range released (their quantized copies,
+ * an exact format's, forgotten with them). */
+static void release_unit_memory(kiln_trainer *t, int u) {
+    const kiln_train_dp *d = t->dp;
+    for (int i = 0; i < t->n_params; i++) {
+        if (d->unit[i] != u || t->params[i].n_dims != 2) continue;
+        release_param(t, i, 0);
+        if (t->mx && t->be->i->forget) t->be->i->forget(t->be, t->params[i].w, t->params[i].view.nbytes);
+    }
+}
+
+/* A gathered unit's weights released. */
+static void unit_release(kiln_trainer *t, int u) {
+    kiln_train_dp *d = t->dp;
+    if (!d->gathered[u]) return;
+    release_unit_memory(t, u);
+    d->gathered[u] = 0;
+    held(d, -(int64_t)d->out_w[u], 0);
+}
+
+/* The runs of unit u's parameters in flat order: parameters i0 .. i1 - 1 of the unit, back to
+ * back in the flat vector. *i is where the search starts and ends up past the run. */
+static int next_run(const kiln_trainer *t, int u, int *i, int64_t *fa, int64_t *fb) {
+    const kiln_train_dp *d = t->dp;
+    while (*i < t->n_params && d->unit[*i] != u) (*i)++;
+    if (*i >= t->n_params) return 0;
+    *fa = d->first[*i];
+    while (*i < t->n_params && d->unit[*i] == u) (*i)++;
+    *fb = d->first[*i];
+    return 1;
+}
+
+/* Unit u's weights whole on every rank: each piece broadcast by the rank that owns it. */
+static kiln_status unit_gather(kiln_trainer *t, int u) {
+    kiln_train_dp *d = t->dp;
+    if (d->gathered[u]) return KILN_OK;
+    const flat_io f = {t, FLAT_WEIGHT, NULL, NULL};
+    const int64_t cap = d->chunk * d->size; /* the staging's words */
+    int i = 0;
+    int64_t fa, fb;
+    while (next_run(t, u, &i, &fa, &fb))
+        for (int r = 0; r < d->size; r++) {
+            const int64_t rlo = (int64_t)r * d->S, rhi = rlo + d->S < d->total ? rlo + d->S : d->total;
+            const int64_t x = fa > rlo ? fa : rlo, y = fb < rhi ? fb : rhi;
+            for (int64_t a = x; a < y; a += cap) {
+                const int64_t b = a + cap < y ? a + cap : y;
+                if (r == d->rank) KILN_TRY(flat_move(&f, a, b, d->stage, 1));
+                KILN_TRY(kiln_comm_broadcast(d->c, d->stage, (size_t)(b - a) * 4, r));
+                if (r != d->rank) KILN_TRY(flat_move(&f, a, b, d->stage, 0));
+            }
+        }
+    d->gathered[u] = 1;
+    held(d, (int64_t)d->out_w[u], 0);
+    return KILN_OK;
+}
+
+/* Unit u's gradients summed over the ranks into the ranks that own them (each piece reduced to
+ * its owner, rank order from +0), then released: outside this rank's range they read as zero. */
+static kiln_status unit_reduce(kiln_trainer *t, int u) {
+    kiln_train_dp *d = t->dp;
+    const flat_io f = {t, FLAT_GRAD, NULL, NULL};
+    int i = 0;
+    int64_t fa, fb;
+    while (next_run(t, u, &i, &fa, &fb))
+        for (int r = 0; r < d->size; r++) {
+            const int64_t rlo = (int64_t)r * d->S, rhi = rlo + d->S < d->total ? rlo + d->S : d->total;
+            const int64_t x = fa > rlo ? fa : rlo, y = fb < rhi ? fb : rhi;
+            for (int64_t a = x; a < y; a += d->chunk) {
+                const int64_t b = a + d->chunk < y ? a + d->chunk : y;
+                KILN_TRY(flat_move(&f, a, b, d->stage, 1));
+                KILN_TRY(kiln_comm_reduce_f32(d->c, (float *)(void *)d->own, (const float *)(const void *)d->stage,
+                                              (size_t)(b - a), r));
+                if (r == d->rank) KILN_TRY(flat_move(&f, a, b, d->own, 0));
+            }
+        }
+    for (int k = 0; k < t->n_params; k++)
+        if (d->unit[k] == u) release_param(t, k, 1);
+    return KILN_OK;
+}
+
+/* The layer events of the architectures' loops (models/arch.h): a failure is kept in d->err
+ * (the step returns it) and the later events of the step do nothing. */
+static void layer_event(void *ctx, int l, kiln_layer_event ev) {
+    kiln_trainer *t = ctx;
+    kiln_train_dp *d = t->dp;
+    if (d->err != KILN_OK) return;
+    kiln_status st = KILN_OK;
+    switch (ev) {
+    case KILN_LAYER_FORWARD_BEGIN:
+        st = unit_gather(t, l);
+        break;
+    case KILN_LAYER_FORWARD_END:
+        unit_release(t, l);
+        break;
+    case KILN_LAYER_BACKWARD_BEGIN:
+        st = unit_gather(t, l);
+        held(d, 0, (int64_t)d->out_g[l]);
+        break;
+    case KILN_LAYER_BACKWARD_END:
+        st = unit_reduce(t, l);
+        held(d, 0, -(int64_t)d->out_g[l]);
+        unit_release(t, l);
+        break;
+    }
+    if (st != KILN_OK) d->err = kiln_error_prefix(st, "ZeRO-3 layer %d", l);
+}
+
+int kiln_trainer_dp_sharded(const kiln_trainer *t) { return t->dp && t->dp->sharded; }
+
+kiln_status kiln_trainer_dp_forward_begin(kiln_trainer *t) {
+    kiln_train_dp *d = t->dp;
+    if (!d || !d->sharded) return KILN_OK;
+    d->err = KILN_OK;
+    return unit_gather(t, d->n_units - 1);
+}
+
+kiln_status kiln_trainer_dp_layers_status(const kiln_trainer *t) {
+    return t->dp && t->dp->sharded ? t->dp->err : KILN_OK;
+}
+
+void kiln_trainer_dp_grads_begin(kiln_trainer *t) {
+    kiln_train_dp *d = t->dp;
+    if (!d || !d->sharded || d->rest_grads) return;
+    d->rest_grads = 1;
+    held(d, 0, (int64_t)d->out_g[d->n_units - 1]);
+}
+
+kiln_status kiln_trainer_dp_backward_end(kiln_trainer *t) {
+    kiln_train_dp *d = t->dp;
+    if (!d || !d->sharded) return KILN_OK;
+    KILN_TRY(d->err);
+    const int u = d->n_units - 1;
+    KILN_TRY(unit_reduce(t, u));
+    if (d->rest_grads) held(d, 0, -(int64_t)d->out_g[u]);
+    d->rest_grads = 0;
+    unit_release(t, u);
+    return KILN_OK;
+}
+
+void kiln_trainer_dp_zero_own_grads(kiln_trainer *t) {
+    kiln_train_dp *d = t->dp;
+    for (int i = 0; i < t->n_params; i++) {
+        int64_t a, b;
+        own_part(d, i, &a, &b);
+        memset(t->params[i].g + a, 0, (size_t)(b - a) * sizeof(float));
+        release_param(t, i, 1); /* nothing left from a step that failed half-way */
+    }
+}
+
+void kiln_trainer_dp_scale_own_grads(kiln_trainer *t, float coef) {
+    kiln_train_dp *d = t->dp;
+    for (int i = 0; i < t->n_params; i++) {
+        int64_t a, b;
+        own_part(d, i, &a, &b);
+        float *g = t->params[i].g;
+        for (int64_t j = a; j < b; j++) g[j] = g[j] * coef;
+    }
+}
+
+/* Every unit stale (after an optimizer step or a load changed the ranges): released. */
+static void release_all(kiln_trainer *t) {
+    kiln_train_dp *d = t->dp;
+    for (int u = 0; u < d->n_units; u++) {
+        if (d->gathered[u])
+            unit_release(t, u);
+        else
+            release_unit_memory(t, u); /* what a whole load wrote there */
+    }
+}
+
+void kiln_trainer_dp_weights_changed(kiln_trainer *t) {
+    if (t->dp && t->dp->sharded) release_all(t);
+}
+
+/* A rank without a micro-batch in a step of ZeRO-3 ranks: the collectives of the others' step
+ * (kiln_train_step_batch, kiln_train_custom_step) in the same order with nothing to compute,
+ * its gradients zero: the agreement at the start (carrying st, this rank's failure before the
+ * step, to every rank), the rest's gathering, each layer's forward gather, the agreement after
+ * the loss, each layer's backward gather and reduce from the last, the rest's reduce. */
+kiln_status kiln_train_dp_idle_step(kiln_trainer *t, kiln_status st) {
+    kiln_status est = kiln_trainer_enter(t, "kiln_train_dp_idle_step");
+    kiln_train_dp *d = t->dp;
+    if (est != KILN_OK || !d) return st != KILN_OK ? st : est;
+    if (!d->sharded) return st != KILN_OK ? st : kiln_train_dp_zero_grads(t);
+    const int L = d->n_units - 1;
+    kiln_trainer_dp_zero_own_grads(t);
+    t->grad_coef = 1.0f;
+    t->grads_finite = 0;
+    t->grads_unusable = 0;
+    st = kiln_trainer_dp_agree(t, st, "the step (before its forward)");
+    if (st == KILN_OK) {
+        st = kiln_trainer_dp_forward_begin(t);
+        for (int l = 0; l < L && st == KILN_OK; l++) {
+            layer_event(t, l, KILN_LAYER_FORWARD_BEGIN);
+            layer_event(t, l, KILN_LAYER_FORWARD_END);
+            st = d->err;
+        }
+    }
+    st = kiln_trainer_dp_agree(t, st, "the step (after its loss)");
+    if (st != KILN_OK) return st;
+    kiln_trainer_dp_grads_begin(t);
+    for (int l = L - 1; l >= 0 && d->err == KILN_OK; l--) {
+        layer_event(t, l, KILN_LAYER_BACKWARD_BEGIN);
+        layer_event(t, l, KILN_LAYER_BACKWARD_END);
+    }
+    return kiln_trainer_dp_backward_end(t);
+}
+
+kiln_status kiln_train_dp_gather_params(kiln_trainer *t) {
+    KILN_TRY(kiln_trainer_enter(t, "kiln_train_dp_gather_params"));
+    kiln_train_dp *d = t->dp;
+    if (!d || !d->sharded) return KILN_OK;
+    for (int u = 0; u < d->n_units; u++) KILN_TRY(unit_gather(t, u));
+    return KILN_OK;
+}
+
+kiln_status kiln_train_dp_release_params(kiln_trainer *t) {
+    KILN_TRY(kiln_trainer_enter(t, "kiln_train_dp_release_params"));
+    kiln_train_dp *d = t->dp;
+    if (!d || !d->sharded) return KILN_OK;
+    for (int u = 0; u < d->n_units; u++) unit_release(t, u);
+    return KILN_OK;
+}
+
+int kiln_trainer_dp_param_whole(const kiln_trainer *t, int i) {
+    const kiln_train_dp *d = t->dp;
+    return !d || !d->sharded || d->gathered[d->unit[i]];
+}
+
+kiln_status kiln_train_dp_describe(const kiln_trainer *t, char *buf, size_t cap) {
+    KILN_TRY(kiln_trainer_enter(t, "kiln_train_dp_describe"));
+    const kiln_train_dp *d = t->dp;
+    if (!buf || !cap) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_dp_describe: no buffer");
+    buf[0] = 0;
+    if (!d) return KILN_OK;
+    uint64_t ww = 0, wg = 0, own_w = 0, window = 0;
+    for (int i = 0; i < t->n_params; i++) {
+        const train_param *p = &t->params[i];
+        const uint64_t es = p->dtype == KILN_DTYPE_F32 ? 4 : 2;
+        ww += (uint64_t)p->n * es;
+        wg += (uint64_t)p->n * 4;
+        int64_t a, b;
+        own_part(d, i, &a, &b);
+        own_w += (uint64_t)(b - a) * es;
+    }
+    if (!d->sharded) {
+        snprintf(buf, cap, "rank %d of %d (ZeRO-2): the whole weights (%llu bytes) and gradients (%llu bytes); "
+                 "the optimizer state of elements [%lld, %lld) of %lld", d->rank, d->size, (unsigned long long)ww,
+                 (unsigned long long)wg, (long long)d->lo, (long long)d->hi, (long long)d->total);
+        return KILN_OK;
+    }
+    for (int u = 0; u + 1 < d->n_units; u++)
+        if (d->out_w[u] > window) window = d->out_w[u];
+    window += d->out_w[d->n_units - 1];
+    snprintf(buf, cap, "rank %d of %d (ZeRO-3): weights held at most %llu of %llu bytes (its range %llu, a step's "
+             "window up to %llu), gradients at most %llu of %llu bytes", d->rank, d->size,
+             (unsigned long long)d->peak_w, (unsigned long long)ww, (unsigned long long)own_w,
+             (unsigned long long)window, (unsigned long long)d->peak_g, (unsigned long long)wg);
+    return KILN_OK;
+}
+
+void kiln_trainer_dp_held(const kiln_trainer *t, uint64_t *w, uint64_t *g, uint64_t *peak_w, uint64_t *peak_g) {
+    const kiln_train_dp *d = t->dp;
+    *w = d->held_w;
+    *g = d->held_g;
+    *peak_w = d->peak_w;
+    *peak_g = d->peak_g;
+}
+
+/* Stage 3's tables, and every byte this rank does not own released (the trainer was made
+ * whole). */
+static kiln_status shard_weights(kiln_trainer *t) {
+    kiln_train_dp *d = t->dp;
+    const int L = t->cfg.n_layer;
+    d->n_units = L + 1;
+    d->unit = kiln_calloc((size_t)t->n_params + 1, sizeof(int));
+    d->gathered = kiln_calloc((size_t)d->n_units, sizeof(int));
+    d->out_w = kiln_calloc((size_t)d->n_units, sizeof(uint64_t));
+    d->out_g = kiln_calloc((size_t)d->n_units, sizeof(uint64_t));
+    if (!d->unit || !d->gathered || !d->out_w || !d->out_g)
+        return kiln_error(KILN_ERR_NOMEM, "kiln_train_dp_attach: out of memory");
+    long pg = sysconf(_SC_PAGESIZE);
+    d->page = pg > 0 ? (size_t)pg : 4096;
+    d->held_w = d->held_g = 0;
+    for (int i = 0; i < t->n_params; i++) {
+        const train_param *p = &t->params[i];
+        const int u = p->n_dims == 2 && p->layer >= 0 && p->layer < L ? p->layer : L;
+        d->unit[i] = u;
+        int64_t a, b;
+        own_part(d, i, &a, &b);
+        const uint64_t es = p->dtype == KILN_DTYPE_F32 ? 4 : 2;
+        const uint64_t in = (uint64_t)(b - a), out = (uint64_t)p->n - in;
+        if (p->n_dims == 2) {
+            d->out_w[u] += out * es;
+            d->out_g[u] += out * 4;
+            d->held_w += in * es;
+            d->held_g += in * 4;
+        } else {
+            d->held_w += (uint64_t)p->n * 4;
+            d->held_g += (uint64_t)p->n * 4;
+        }
+    }
+    d->peak_w = d->held_w;
+    d->peak_g = d->held_g;
+    /* no transparent huge pages where a layer comes and goes (a collapsed huge page would hold
+     * what was released again) */
+    const uintptr_t pm = ~(uintptr_t)(d->page - 1);
+    void *blocks[2] = {t->param_block, t->grad_block};
+    size_t sizes[2] = {t->param_bytes, t->n_grad * sizeof(float)};
+#ifdef MADV_NOHUGEPAGE
+    for (int k = 0; k < 2; k++) {
+        const uintptr_t s = ((uintptr_t)blocks[k] + d->page - 1) & pm, e = ((uintptr_t)blocks[k] + sizes[k]) & pm;
+        if (s < e) (void)madvise((void *)s, e - s, MADV_NOHUGEPAGE);
+    }
+#else
+    (void)pm;
+    (void)blocks;
+    (void)sizes;
+#endif
+    d->sharded = 1;
+    d->hook.fn = layer_event;
+    d->hook.ctx = t;
+    t->io.hook = &d->hook;
+    release_all(t);
+    for (int i = 0; i < t->n_params; i++) release_param(t, i, 1);
     return KILN_OK;
 }
 
@@ -414,6 +863,16 @@ static kiln_status agree(kiln_train_dp *d, kiln_status st, const char *what) {
     if (cst != KILN_OK) return cst;
     if (x[0] != 0.0) return kiln_error(KILN_ERR_STATE, "%s failed on %g other rank(s) (their messages say why)", what, x[0]);
     return KILN_OK;
+}
+
+kiln_status kiln_trainer_dp_agree(kiln_trainer *t, kiln_status st, const char *what) {
+    return t->dp ? agree(t->dp, st, what) : st;
+}
+
+kiln_status kiln_train_dp_agree(kiln_trainer *t, kiln_status st, const char *what) {
+    kiln_status est = kiln_trainer_enter(t, "kiln_train_dp_agree");
+    if (est != KILN_OK) return st != KILN_OK ? st : est;
+    return kiln_trainer_dp_agree(t, st, what);
 }
 
 /* ---- checkpoints: a set of shards, one a rank (docs/DISTRIBUTED.md, "Checkpoints") ---------- */
@@ -681,7 +1140,7 @@ kiln_status kiln_trainer_dp_load(kiln_trainer *t, const char *dir, int64_t at, u
         /* a set: each rank reads its range from the shards it meets, then the weights are
          * all-gathered (nothing whole is ever made) */
         st = agree(d, kiln_trainer_load_set(t, c, step, run_json, notes), "kiln_train_load (reading the shards)");
-        if (st == KILN_OK) st = agree(d, kiln_trainer_dp_gather_params(t), "kiln_train_load (gathering the weights)");
+        if (st == KILN_OK) st = agree(d, kiln_trainer_dp_after_update(t), "kiln_train_load (gathering the weights)");
     } else {
         /* one process's state.kiln: read whole (optimizers for the whole vector, made for the
          * load), each rank keeping its range */
@@ -699,6 +1158,7 @@ kiln_status kiln_trainer_dp_load(kiln_trainer *t, const char *dir, int64_t at, u
         }
         st = agree(d, st, "kiln_train_load");
         if (st == KILN_OK) st = scatter_state(t, wm, wv);
+        if (st == KILN_OK && d->sharded) release_all(t); /* the whole file was read in */
         kiln_adamw_free(wm);
         kiln_adamw_free(wv);
     }

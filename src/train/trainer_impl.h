@@ -19,6 +19,7 @@ typedef struct train_param {
     int n_dims;
     int64_t shape[2]; /* (rows, cols) or (n, 1) */
     int64_t n;
+    int layer;               /* a per-layer role's layer, else -1 (per-model roles, extras) */
     int file_dims;           /* its shape in a Hugging Face file (kiln_train_param_file_shape) */
     int64_t file_shape[3];
     kiln_dtype dtype; /* F32, or BF16 for matrices under the bf16 storages */
@@ -164,8 +165,36 @@ void kiln_trainer_dp_free(kiln_trainer *t);
 void kiln_trainer_dp_range(const kiln_trainer *t, int64_t *lo, int64_t *hi, int64_t *total, int64_t *staging);
 /* norms (n_params) of the summed gradients, one process's bits, the same on every rank */
 kiln_status kiln_trainer_dp_norms(kiln_trainer *t, float *norms);
-/* after an optimizer step: every rank's updated range of the weights to every rank */
-kiln_status kiln_trainer_dp_gather_params(kiln_trainer *t);
+/* after an optimizer step or a load: stage 2, every rank's updated range of the weights to every
+ * rank; stage 3, every gathered unit released (stale) */
+kiln_status kiln_trainer_dp_after_update(kiln_trainer *t);
+/* every rank's status made one (KILN_OK everywhere, or an error everywhere: this rank's own,
+ * or one saying that another rank failed at `what`); the CLI's agreement collective */
+kiln_status kiln_trainer_dp_agree(kiln_trainer *t, kiln_status st, const char *what);
+
+/* trainer_dp.c, stage 3 (ZeRO-3, the weights sharded; docs/DISTRIBUTED.md). Without t->dp, or
+ * in stage 2, each does nothing (0 / KILN_OK). */
+int kiln_trainer_dp_sharded(const kiln_trainer *t);
+/* before a forward: the rest's weights (per-model, extras, vectors) gathered unless they are;
+ * the layer events' failure state cleared */
+kiln_status kiln_trainer_dp_forward_begin(kiln_trainer *t);
+/* the first failure of the layer events since forward_begin (their collectives), or KILN_OK */
+kiln_status kiln_trainer_dp_layers_status(const kiln_trainer *t);
+/* a backward's gradients begin (kiln's count of the rest's gradients held) */
+void kiln_trainer_dp_grads_begin(kiln_trainer *t);
+/* after a backward (the embedding's gradient written): the rest's gradients summed to their
+ * owners, its weights released */
+kiln_status kiln_trainer_dp_backward_end(kiln_trainer *t);
+/* gradients zeroed: this rank's range (the rest reads as zero, released) */
+void kiln_trainer_dp_zero_own_grads(kiln_trainer *t);
+/* this rank's range of the gradients times coef */
+void kiln_trainer_dp_scale_own_grads(kiln_trainer *t, float coef);
+/* the weights changed outside the step (set by the caller): every unit stale */
+void kiln_trainer_dp_weights_changed(kiln_trainer *t);
+/* parameter i's weights are whole in this rank's memory (always, outside stage 3) */
+int kiln_trainer_dp_param_whole(const kiln_trainer *t, int i);
+/* kiln's count of the weights' and gradients' bytes this rank holds, now and at the peak */
+void kiln_trainer_dp_held(const kiln_trainer *t, uint64_t *w, uint64_t *g, uint64_t *peak_w, uint64_t *peak_g);
 /* the checkpoint as a set of shards (checkpoint.h), each rank writing its range; every rank
  * returns the same status */
 kiln_status kiln_trainer_dp_save(kiln_trainer *t, const char *dir, uint64_t step, const char *run_json,

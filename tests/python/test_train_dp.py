@@ -183,16 +183,20 @@ def common(models, model, base, storage):
             "--eval-fraction", "0", "--storage", storage]
 
 
-@pytest.mark.parametrize("model,storage,chunk,fmt", [("llama", "f32", None, None), ("llama", "bf16_master", None, None),
-                                                     ("llama", "bf16_kahan", 333, None),
-                                                     ("llama_tied_mqa", "f32", None, None),
-                                                     ("llama", "bf16_master", None, "mx16")])
-def test_ranks_equal_one_process(setup, build_dir, model, storage, chunk, fmt):
+@pytest.mark.parametrize("model,storage,chunk,fmt,zero", [("llama", "f32", None, None, 3), ("llama", "f32", None, None, 2),
+                                                          ("llama", "bf16_master", None, None, 3),
+                                                          ("llama", "bf16_kahan", 333, None, 3),
+                                                          ("llama", "bf16_kahan", 333, None, 2),
+                                                          ("llama_tied_mqa", "f32", None, None, 3),
+                                                          ("llama", "bf16_master", None, "mx16", 3)])
+def test_ranks_equal_one_process(setup, build_dir, model, storage, chunk, fmt, zero):
     """fmt: every product in an exact block format (its bits do not depend on the rank count
-    either: each rank's products are the one process's micro-batch products)."""
+    either: each rank's products are the one process's micro-batch products). zero: the ZeRO
+    stage (3, the default: the weights sharded too, each layer gathered for its work; 2: every
+    rank keeps the whole weights)."""
     base, models = setup
-    args = common(models, model, base, storage) + (["--format", fmt] if fmt else [])
-    tag = f"{model}_{storage}_{fmt}"
+    args = common(models, model, base, storage) + (["--format", fmt] if fmt else []) + ["--zero", zero]
+    tag = f"{model}_{storage}_{fmt}_{zero}"
     for n, k in [(2, 2), (4, 1)]:
         one, many = base / f"one_{tag}_{k}", base / f"np{n}_{tag}"
         r = kiln(build_dir, 1, "train", *args, "--seqs-per-forward", k, "--out", one)
@@ -201,6 +205,7 @@ def test_ranks_equal_one_process(setup, build_dir, model, storage, chunk, fmt):
         assert r.returncode == 0, r.stderr[-3000:]
         assert f"[kiln train] {n} ranks (mpi): the global batch of 4 sequences as {n} micro-batches of {k}" in r.stderr
         assert r.stderr.count("step 5/5") == 1  # rank 0 alone reports
+        assert r.stderr.count(f"of {n} (ZeRO-{zero})") == n  # every rank's closing line
         if chunk:  # the collectives moved the ranges in chunks of 333 elements
             assert re.search(r"staging 0\.0 MiB", r.stderr), r.stderr[-2000:]
         same_run(one, many, 5)
@@ -355,6 +360,80 @@ def test_optimizer_memory_per_rank(setup, build_dir):
     for n in (2, 4):
         # bf16 + master: 12 B a matrix element, 8 a vector element; a range mixes them
         assert got[1] / n * 0.95 <= got[n] <= got[1] / n * 1.05, got
+
+
+def held_lines(stderr):
+    """Each rank's closing line of a ZeRO-3 run: {rank: (held, whole, range, window, resident MiB)}."""
+    out = {}
+    for m in re.finditer(r"rank (\d+) of \d+ \(ZeRO-3\): weights held at most (\d+) of (\d+) bytes \(its range (\d+), "
+                         r"a step's window up to (\d+)\).*?resident set ([\d.]+) MiB", stderr):
+        out[int(m[1])] = tuple(int(x) for x in m.groups()[1:5]) + (float(m[6]),)
+    return out
+
+
+def test_zero3_weights_memory_per_rank(setup, build_dir):
+    """ZeRO-3: what a rank holds of the weights (kiln's count) is its range, every vector, and at
+    most one layer and the rest (embedding, final norm) at once; that falls as 1/N plus the
+    window. --config small (6 layers of 192, the test tokenizer's 400 tokens: the layers are most
+    of the model). And the pages really go back: a 19M-parameter model's resident set after the
+    run is at least the released weights and gradients below ZeRO-2's."""
+    base, models = setup
+    args = ["--config", "small", "--tokenizer", models["llama"], "--data", base / "corpus.tok", "--threads", "1",
+            "--batch", "4", "--seq", "32", "--steps", "2", "--no-export", "--eval-fraction", "0.1",
+            "--eval-every", "1"]
+    held = {}
+    for n in (2, 4):
+        r = kiln(build_dir, n, "train", *args, "--out", base / f"z3mem{n}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        h = held_lines(r.stderr)
+        assert sorted(h) == list(range(n)), r.stderr[-3000:]
+        for rk, (w, whole, own, window, _) in h.items():
+            # the range is 1/N of the flat vector (in bytes: f32 here), the peak that plus the window
+            assert abs(own - whole / n) <= 0.01 * whole, (n, rk, h)
+            assert own <= w <= own + window + 0.01 * whole, (n, rk, h)
+        held[n] = max(w for w, *_ in h.values()) / h[0][1]
+    print("ZeRO-3 weights held at most (fraction of the whole) at 2 / 4 ranks:", held)
+    assert held[2] < 0.75 and held[4] < 0.5 and held[4] < held[2]
+    # the system's count: ZeRO-2 against ZeRO-3, same run, a model whose weights are 76 MB
+    big = ["--config", "base", "--tokenizer", models["llama"], "--data", base / "corpus.tok", "--threads", "1",
+           "--batch", "2", "--seq", "16", "--steps", "1", "--no-export", "--eval-fraction", "0"]
+    rss = {}
+    for zero in (2, 3):
+        r = kiln(build_dir, 2, "train", *big, "--zero", zero, "--out", base / f"z3rss{zero}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        rss[zero] = float(re.search(r"rank 0 of 2 \(ZeRO-\d\):.*?resident set ([\d.]+) MiB", r.stderr)[1])
+        if zero == 3:
+            w, whole, own, window, _ = held_lines(r.stderr)[0]
+    released = 2 * (whole - w) / 1048576  # the weights and the gradients rank 0 does not hold
+    print(f"rank 0's resident set after the run: ZeRO-2 {rss[2]} MiB, ZeRO-3 {rss[3]} MiB "
+          f"(kiln's count of the released weights and gradients: {released:.1f} MiB)")
+    assert rss[3] <= rss[2] - 0.9 * released, (rss, released)
+
+
+def test_zero3_evaluation_equals_one_process(setup, build_dir):
+    """An evaluation on ZeRO-3 ranks (every rank runs it: its forwards gather the layers) gives
+    the one process's eval losses, bit for bit, and so does ZeRO-2's (rank 0 alone)."""
+    base, models = setup
+    args = common(models, "llama", base, "f32")
+    args[args.index("--eval-fraction") + 1] = "0.1"
+    args += ["--eval-every", "2"]
+
+    def evals(run):
+        lines = (run / "metrics.csv").read_text().splitlines()
+        i = lines[0].split(",").index("eval_loss")
+        return [r.split(",")[i] for r in lines[1:]]
+
+    one = base / "ev_one"
+    r = kiln(build_dir, 1, "train", *args, "--seqs-per-forward", "2", "--out", one)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = evals(one)
+    assert sum(1 for e in want if e not in ("", "nan")) == 3, want  # steps 2, 4 and the last
+    for zero in (3, 2):
+        run = base / f"ev_np2_{zero}"
+        r = kiln(build_dir, 2, "train", *args, "--zero", zero, "--out", run)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert evals(run) == want, (zero, evals(run), want)
+        same_run(one, run, 5)
 
 
 def test_refusals_and_a_rank_that_stops(setup, build_dir):
