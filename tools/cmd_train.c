@@ -1279,7 +1279,8 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         char now[64] = "";
         if (resident >= 0) snprintf(now, sizeof now, "resident set %.1f MiB, ", resident * (sysconf(_SC_PAGESIZE) / 1048576.0));
         if (kiln_train_dp_describe(tr, held, sizeof held) == KILN_OK && getrusage(RUSAGE_SELF, &ru) == 0)
-            fprintf(stderr, "[kiln train] %s; %speak %.1f MiB\n", held, now, ru.ru_maxrss / 1024.0);
+            fprintf(stderr, "[kiln train] %s; %speak %.1f MiB\n", held, now,
+                    fmax(ru.ru_maxrss / 1024.0, resident * (sysconf(_SC_PAGESIZE) / 1048576.0)));
     }
     if (sharded && o.export_model) { /* ZeRO-3: the export reads every weight, gathered on every rank */
         if (!(rc = ranks_agree(comm, rc, NULL, &agreed))) {

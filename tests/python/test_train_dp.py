@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+from pathlib import Path
 import shutil
 import signal
 import subprocess
@@ -434,6 +435,30 @@ def test_zero3_evaluation_equals_one_process(setup, build_dir):
         assert r.returncode == 0, r.stderr[-3000:]
         assert evals(run) == want, (zero, evals(run), want)
         same_run(one, run, 5)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen35"])
+def test_zero3_other_architectures(setup, build_dir, tmp_path, arch):
+    """The layer events of Gemma 3's loops (sandwich norms, sliding windows, the norms' 1 + w
+    multipliers made from the rest's vectors before the layers) and Qwen3.5's (linear-attention
+    layers, convolution taps among the vectors): 2 ZeRO-3 ranks equal one process, bit for bit."""
+    import sys
+    base, _ = setup
+    script = Path(__file__).resolve().parents[2] / "scripts" / f"make_tiny_{arch}.py"
+    model = tmp_path / arch
+    subprocess.run([sys.executable, str(script), str(model), "--seed", "7"], check=True, capture_output=True)
+    r = kiln(build_dir, 1, "data", "-m", model, "-o", tmp_path / "corpus.tok", base / "corpus.txt")
+    assert r.returncode == 0, r.stderr
+    args = ["-m", model, "--data", tmp_path / "corpus.tok", "--threads", "1", "--batch", "4", "--seq", "16",
+            "--lr", "3e-3", "--warmup", "1", "--steps", "3", "--save-every", "0", "--no-export",
+            "--eval-fraction", "0"]
+    one, many = tmp_path / "one", tmp_path / "np2"
+    r = kiln(build_dir, 1, "train", *args, "--seqs-per-forward", "2", "--out", one)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = kiln(build_dir, 2, "train", *args, "--out", many)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("of 2 (ZeRO-3)") == 2
+    same_run(one, many, 3)
 
 
 def test_refusals_and_a_rank_that_stops(setup, build_dir):
