@@ -46,6 +46,8 @@ kiln_status kiln_set_allocator(const kiln_allocator *a) {
     return KILN_OK;
 }
 
+int kiln_allocator_is_default(void) { return g_alloc.alloc == default_alloc && g_alloc.free == default_free; }
+
 void kiln_mem_get_stats(kiln_mem_stats *out) {
     if (!out) return;
     out->live_bytes = atomic_load(&g_live_bytes);

@@ -54,6 +54,10 @@ void *kiln_malloc(size_t size);                 /* NULL on failure (or size 0 ->
 void *kiln_calloc(size_t n, size_t size);       /* zeroed; NULL on overflow or failure */
 void *kiln_realloc(void *p, size_t size);       /* like realloc; p kept on failure */
 void kiln_free(void *p);                        /* NULL is a no-op */
+/* 1 while kiln_malloc takes its memory from the C library's malloc (no kiln_set_allocator
+ * hook): private anonymous memory, whose pages a caller may give back to the system with
+ * madvise(MADV_DONTNEED) (they read as zero afterwards). */
+int kiln_allocator_is_default(void);
 char *kiln_strdup(const char *s);
 char *kiln_strndup(const char *s, size_t n);    /* copies n bytes and adds a NUL */
 

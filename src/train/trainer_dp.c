@@ -62,7 +62,7 @@ struct kiln_train_dp {
     int rest_grads;         /* the rest's gradients are being written (a step's backward) */
     kiln_status err;        /* the first failure of a layer event's collectives, or KILN_OK */
     kiln_layer_hook hook;   /* the layer events (models/arch.h), bound into t->io */
-    size_t page;            /* the system's page size */
+    size_t page;            /* the system's page size; 0: no page is given back (an allocator hook) */
     /* kiln's count of the bytes of weights and gradients this rank holds: its range and every
      * vector always, a unit's other bytes while it is gathered (its gradients while its
      * backward writes them); the peaks since attach */
@@ -430,6 +430,10 @@ static void own_part(const kiln_train_dp *d, int i, int64_t *a, int64_t *b) {
  * madvise leaves the pages held (and zeroes them when zero). */
 static void release_bytes(void *p, size_t n, int zero, size_t page) {
     if (!n) return;
+    if (!page) { /* memory of an allocator hook (kiln_set_allocator): maybe not anonymous */
+        if (zero) memset(p, 0, n);
+        return;
+    }
     const uintptr_t s = (uintptr_t)p, e = s + n;
     const uintptr_t ps = (s + page - 1) & ~(uintptr_t)(page - 1), pe = e & ~(uintptr_t)(page - 1);
     if (ps >= pe) {
@@ -752,8 +756,10 @@ static kiln_status shard_weights(kiln_trainer *t) {
     d->out_g = kiln_calloc((size_t)d->n_units, sizeof(uint64_t));
     if (!d->unit || !d->gathered || !d->out_w || !d->out_g)
         return kiln_error(KILN_ERR_NOMEM, "kiln_train_dp_attach: out of memory");
+    /* pages go back to the system only from the C library's own (anonymous) memory: with an
+     * allocator hook a release zeroes the gradients and keeps everything (page 0) */
     long pg = sysconf(_SC_PAGESIZE);
-    d->page = pg > 0 ? (size_t)pg : 4096;
+    d->page = !kiln_allocator_is_default() ? 0 : pg > 0 ? (size_t)pg : 4096;
     d->held_w = d->held_g = 0;
     for (int i = 0; i < t->n_params; i++) {
         const train_param *p = &t->params[i];
@@ -777,13 +783,13 @@ static kiln_status shard_weights(kiln_trainer *t) {
     d->peak_g = d->held_g;
     /* no transparent huge pages where a layer comes and goes (a collapsed huge page would hold
      * what was released again) */
-    const uintptr_t pm = ~(uintptr_t)(d->page - 1);
+    const uintptr_t pm = d->page ? ~(uintptr_t)(d->page - 1) : 0;
     void *blocks[2] = {t->param_block, t->grad_block};
     size_t sizes[2] = {t->param_bytes, t->n_grad * sizeof(float)};
 #ifdef MADV_NOHUGEPAGE
     for (int k = 0; k < 2; k++) {
         const uintptr_t s = ((uintptr_t)blocks[k] + d->page - 1) & pm, e = ((uintptr_t)blocks[k] + sizes[k]) & pm;
-        if (s < e) (void)madvise((void *)s, e - s, MADV_NOHUGEPAGE);
+        if (d->page && s < e) (void)madvise((void *)s, e - s, MADV_NOHUGEPAGE);
     }
 #else
     (void)pm;

@@ -216,15 +216,8 @@ static bool matmul_q8act(cpu_ctx *c, float *out, const float *x, const kiln_tens
                          const float *bias, int N, int64_t R, int64_t C) {
     if (!c->q8 || N < 1 || (N > KILN_Q8ACT_MAX_N && !c->q8_every_n) || !kiln_q8act_supports(W->dtype) || C % 32)
         return false;
-    if (N > KILN_Q8ACT_MAX_N) { /* batch-invariant: every token through the int8 path, 8 at a time (the
-                                 * first chunk sizes the buffer, so a later one cannot fail) */
-        if (!matmul_q8act(c, out, x, W, bias, KILN_Q8ACT_MAX_N, R, C)) return false;
-        for (int t0 = KILN_Q8ACT_MAX_N; t0 < N; t0 += KILN_Q8ACT_MAX_N) {
-            int n = N - t0 < KILN_Q8ACT_MAX_N ? N - t0 : KILN_Q8ACT_MAX_N;
-            (void)matmul_q8act(c, out + (size_t)t0 * (size_t)R, x + (size_t)t0 * (size_t)C, W, bias, n, R, C);
-        }
-        return true;
-    }
+    /* batch-invariant: every token through the int8 path at once (each output is one
+     * (row, token) dot whatever N is: the kernels' tiles of tokens change no bit) */
     size_t need = kiln_q8act_bytes(N, C);
     if (need == 0) return false;
     if (need > c->q8_cap) {
