@@ -571,7 +571,10 @@ static int check_resume_settings(const train_opts *o, const char *run, long star
 }
 
 /* The trainer for o's settings, o->per_forward sequences a forward. */
-static kiln_status make_trainer(kiln_model *m, const train_opts *o, kiln_trainer **tr) {
+/* The trainer of the options; comm (may be NULL: one process) with more than one rank: this
+ * process's rank of the data-parallel run (kiln_train_create_rank: with --zero 3 made lean,
+ * holding only its range from the start). */
+static kiln_status make_trainer_on(kiln_model *m, const train_opts *o, kiln_comm *comm, kiln_trainer **tr) {
     kiln_train_params tp = kiln_train_default_params();
     tp.max_seq = (int)o->seq;
     tp.max_batch = (int)o->per_forward;
@@ -591,20 +594,19 @@ static kiln_status make_trainer(kiln_model *m, const train_opts *o, kiln_trainer
     tp.format = o->format;
     tp.n_extra = o->n_extra;
     tp.extra = o->extras;
+    if (comm && kiln_comm_size(comm) > 1) return kiln_train_create_rank(m, &tp, comm, (int)o->zero, tr);
     return kiln_trainer_create(m, &tp, tr);
+}
+
+static kiln_status make_trainer(kiln_model *m, const train_opts *o, kiln_trainer **tr) {
+    return make_trainer_on(m, o, NULL, tr);
 }
 
 /* make_trainer, then this process made a rank of comm's data-parallel run (with more than one
  * rank: the optimizer state and gradients sharded, and with --zero 3 the weights too,
  * src/train/trainer_dp.c). */
 static kiln_status make_rank_trainer(kiln_model *m, const train_opts *o, kiln_comm *comm, kiln_trainer **tr) {
-    KILN_TRY(make_trainer(m, o, tr));
-    kiln_status st = kiln_comm_size(comm) > 1 ? kiln_train_dp_attach(*tr, comm, (int)o->zero) : KILN_OK;
-    if (st != KILN_OK) {
-        kiln_trainer_free(*tr);
-        *tr = NULL;
-    }
-    return st;
+    return make_trainer_on(m, o, comm, tr);
 }
 
 /* One micro-batch of a step: sequences first .. first + K - 1 of the step's batch buf (seq + 1

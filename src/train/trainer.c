@@ -278,6 +278,19 @@ void kiln_trainer_set_taps(kiln_trainer *t, const kiln_taps *taps) { t->io.taps 
  * upload). On the cpu backend the weights are written in place, tmp only for bf16. */
 static kiln_status load_from_model(kiln_trainer *t, train_param *p, const kiln_tensor *src_t, float *tmp,
                                    uint16_t *tmp16) {
+    if (t->lean) { /* a ZeRO-3 rank's: the whole tensor in tmp, its own elements copied (rounded) */
+        kiln_dequantize(src_t->dtype, src_t->data, tmp, p->n);
+        int64_t a = t->lean_lo - p->flat, b = t->lean_hi - p->flat;
+        a = a < 0 ? 0 : a > p->n ? p->n : a;
+        b = b < a ? a : b > p->n ? p->n : b;
+        for (int64_t i = a; i < b; i++) {
+            if (p->dtype == KILN_DTYPE_F32)
+                ((float *)p->w)[i] = tmp[i];
+            else
+                ((uint16_t *)p->w)[i] = kiln_fp32_to_bf16(tmp[i]);
+        }
+        return KILN_OK;
+    }
     float *dst = (t->host && p->dtype == KILN_DTYPE_F32) ? (float *)p->w : tmp;
     kiln_dequantize(src_t->dtype, src_t->data, dst, p->n);
     if (p->dtype == KILN_DTYPE_BF16) {
@@ -475,7 +488,10 @@ kiln_status kiln_trainer_enter(const kiln_trainer *t, const char *call) {
 
 kiln_status kiln_trainer_status(const kiln_trainer *t) { return kiln_trainer_enter(t, "kiln_trainer_status"); }
 
-kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, kiln_trainer **out) {
+/* kiln_trainer_create; with ranks > 1, a host trainer made lean for rank `rank` of a ZeRO-3 run
+ * (t->lean: only its range written, its optimizers over it; kiln_train_dp_attach follows). */
+static kiln_status trainer_create(kiln_model *m, const kiln_train_params *params, int rank, int ranks,
+                                  kiln_trainer **out) {
     KILN_TRY(kiln_handle_check(m, KILN_HANDLE_MODEL, "kiln_trainer_create"));
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: out must be set");
     kiln_train_params p = params ? *params : kiln_train_default_params();
@@ -553,6 +569,17 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
     }
     if (st == KILN_OK) st = declare_params(t, 0, NULL);
     if (st == KILN_OK) st = check_extras(t);
+    int64_t total = 0;
+    for (int i = 0; st == KILN_OK && i < t->n_params; i++) {
+        t->params[i].flat = total;
+        total += t->params[i].n;
+    }
+    if (st == KILN_OK && ranks > 1 && t->host) { /* the rank's range, as kiln_train_dp_attach makes it */
+        const int64_t S = (total + ranks - 1) / ranks;
+        t->lean = 1;
+        t->lean_lo = (int64_t)rank * S < total ? (int64_t)rank * S : total;
+        t->lean_hi = t->lean_lo + S < total ? t->lean_lo + S : total;
+    }
     if (st == KILN_OK) {
         size_t wbytes = 0, n_all = 0;
         for (int i = 0; i < t->n_params; i++) {
@@ -561,16 +588,24 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
             n_all += ((size_t)q->n + 15) & ~(size_t)15;
         }
         t->n_grad = n_all;
-        t->param_block = bmem_alloc(t, wbytes, "parameters");
-        t->grad_block = t->param_block ? bmem_alloc(t, n_all * sizeof(float), "gradients") : NULL;
-        if (!t->param_block || !t->grad_block) st = KILN_ERR_NOMEM;
+        if (t->lean) { /* pages touched only where the rank's elements are written (below) */
+            t->param_block = kiln_malloc(wbytes);
+            t->grad_block = t->param_block ? kiln_malloc(n_all * sizeof(float)) : NULL;
+            if (!t->param_block || !t->grad_block)
+                st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for the weights and gradients (%zu bytes)",
+                                wbytes + n_all * sizeof(float));
+        } else {
+            t->param_block = bmem_alloc(t, wbytes, "parameters");
+            t->grad_block = t->param_block ? bmem_alloc(t, n_all * sizeof(float), "gradients") : NULL;
+            if (!t->param_block || !t->grad_block) st = KILN_ERR_NOMEM;
+        }
         size_t woff = 0, goff = 0;
         float *tmp = NULL;
         uint16_t *tmp16 = NULL;
         int64_t max_n = 0;
         for (int i = 0; st == KILN_OK && i < t->n_params; i++)
             if (t->params[i].n > max_n) max_n = t->params[i].n;
-        if (st == KILN_OK && (p.weight_storage != KILN_STORAGE_F32 || !t->host || p.n_extra)) {
+        if (st == KILN_OK && (p.weight_storage != KILN_STORAGE_F32 || !t->host || p.n_extra || t->lean)) {
             tmp = kiln_malloc((size_t)max_n * sizeof(float));
             tmp16 = t->host ? NULL : kiln_malloc((size_t)max_n * sizeof(uint16_t));
             if (!tmp || (!t->host && !tmp16)) st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory");
@@ -588,6 +623,12 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
                 woff += (((size_t)q->n * (q->dtype == KILN_DTYPE_F32 ? 4 : 2)) + 63) & ~(size_t)63;
                 goff += ((size_t)q->n + 15) & ~(size_t)15;
                 bind_views(q);
+                if (t->lean) { /* the rank's gradients zeroed (the rest: at attach, given back) */
+                    int64_t a = t->lean_lo - q->flat, b = t->lean_hi - q->flat;
+                    a = q->n_dims != 2 ? 0 : a < 0 ? 0 : a > q->n ? q->n : a;
+                    b = q->n_dims != 2 ? q->n : b < a ? a : b > q->n ? q->n : b;
+                    memset(q->g + a, 0, (size_t)(b - a) * sizeof(float));
+                }
             }
         t->param_bytes = wbytes;
         if (st == KILN_OK && p.fast && !t->host && p.weight_storage == KILN_STORAGE_F32 && t->be->i->to_bf16) {
@@ -615,11 +656,32 @@ kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, 
         kiln_free(tmp16);
     }
     if (st == KILN_OK) st = alloc_activations(t);
-    if (st == KILN_OK) st = create_optimizers(t);
+    if (st == KILN_OK && t->lean) st = kiln_trainer_make_optimizers(t, t->lean_lo, t->lean_hi, &t->opt_mat, &t->opt_vec, 1);
+    else if (st == KILN_OK) st = create_optimizers(t);
     t->p.extra = NULL; /* the caller's array: read by now (the names are copied) */
     if (st == KILN_OK) st = kiln_handle_register(&t->head, KILN_HANDLE_TRAINER, "kiln_trainer_create");
     if (st != KILN_OK) {
         trainer_destroy(t);
+        return st;
+    }
+    *out = t;
+    return KILN_OK;
+}
+
+kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, kiln_trainer **out) {
+    return trainer_create(m, params, 0, 1, out);
+}
+
+kiln_status kiln_train_create_rank(kiln_model *m, const kiln_train_params *params, kiln_comm *c, int zero_stage,
+                                   kiln_trainer **out) {
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_create_rank: out must be set");
+    *out = NULL;
+    const int ranks = kiln_comm_size(c), lean = ranks > 1 && zero_stage == 3 && (!params || params->device < 0);
+    kiln_trainer *t = NULL;
+    KILN_TRY(trainer_create(m, params, lean ? kiln_comm_rank(c) : 0, lean ? ranks : 1, &t));
+    kiln_status st = ranks > 1 ? kiln_train_dp_attach(t, c, zero_stage) : KILN_OK;
+    if (st != KILN_OK) {
+        kiln_trainer_free(t);
         return st;
     }
     *out = t;

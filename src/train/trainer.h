@@ -80,6 +80,12 @@ void kiln_trainer_limits(const kiln_trainer *t, int *max_seq, int *max_batch);
  * a rank's memory only between kiln_train_dp_gather_params and the next step, optimizer step or
  * kiln_train_dp_release_params (kiln_train_get_param refuses them otherwise). */
 kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c, int zero_stage);
+/* kiln_trainer_create, then kiln_train_dp_attach when c has more than one rank: with ZeRO-3 on
+ * the CPU the trainer is made for its rank from the start (only the rank's range of the
+ * weights is written and its optimizers cover that range; the pages of the rest are never
+ * touched), so no rank ever holds the whole training state. */
+kiln_status kiln_train_create_rank(kiln_model *m, const kiln_train_params *p, kiln_comm *c, int zero_stage,
+                                   kiln_trainer **out);
 /* After this rank's micro-step(s): the gradients summed over the ranks (rank order from +0),
  * this rank keeping its range of the sum (the rest of its gradient buffers is stale). Stage 3
  * did that layer by layer in the step: nothing to do. */

@@ -20,6 +20,7 @@ typedef struct train_param {
     int64_t shape[2]; /* (rows, cols) or (n, 1) */
     int64_t n;
     int layer;               /* a per-layer role's layer, else -1 (per-model roles, extras) */
+    int64_t flat;            /* its first element in the flat vector (the parameters back to back) */
     int file_dims;           /* its shape in a Hugging Face file (kiln_train_param_file_shape) */
     int64_t file_shape[3];
     kiln_dtype dtype; /* F32, or BF16 for matrices under the bf16 storages */
@@ -130,6 +131,11 @@ struct kiln_trainer {
      * mat_off / vec_off: each slot's first element in its parameter), and the norms, the
      * optimizer step and checkpoints go through the communicator. */
     kiln_train_dp *dp;
+    /* Made for one rank of a ZeRO-3 run (kiln_train_create_rank, host memory): only the
+     * elements [lean_lo, lean_hi) of the flat vector (and every vector) were written at
+     * create; the blocks' other pages were never touched, and the optimizers cover that range */
+    int lean;
+    int64_t lean_lo, lean_hi;
     int64_t *mat_off, *vec_off; /* (n_params) element offset of each optimizer slot */
 };
 

@@ -376,8 +376,9 @@ def test_zero3_weights_memory_per_rank(setup, build_dir):
     """ZeRO-3: what a rank holds of the weights (kiln's count) is its range, every vector, and at
     most one layer and the rest (embedding, final norm) at once; that falls as 1/N plus the
     window. --config small (6 layers of 192, the test tokenizer's 400 tokens: the layers are most
-    of the model). And the pages really go back: a 19M-parameter model's resident set after the
-    run is at least the released weights and gradients below ZeRO-2's."""
+    of the model). And the system's count agrees: a 19M-parameter model's resident set after the
+    run is at least the released weights and gradients below ZeRO-2's, and so is its peak (a
+    ZeRO-3 rank's trainer is made holding its range alone: kiln_train_create_rank)."""
     base, models = setup
     args = ["--config", "small", "--tokenizer", models["llama"], "--data", base / "corpus.tok", "--threads", "1",
             "--batch", "4", "--seq", "32", "--steps", "2", "--no-export", "--eval-fraction", "0.1",
@@ -398,17 +399,19 @@ def test_zero3_weights_memory_per_rank(setup, build_dir):
     # the system's count: ZeRO-2 against ZeRO-3, same run, a model whose weights are 76 MB
     big = ["--config", "base", "--tokenizer", models["llama"], "--data", base / "corpus.tok", "--threads", "1",
            "--batch", "2", "--seq", "16", "--steps", "1", "--no-export", "--eval-fraction", "0"]
-    rss = {}
+    rss, peak = {}, {}
     for zero in (2, 3):
         r = kiln(build_dir, 2, "train", *big, "--zero", zero, "--out", base / f"z3rss{zero}")
         assert r.returncode == 0, r.stderr[-3000:]
-        rss[zero] = float(re.search(r"rank 0 of 2 \(ZeRO-\d\):.*?resident set ([\d.]+) MiB", r.stderr)[1])
+        m = re.search(r"rank 0 of 2 \(ZeRO-\d\):.*?resident set ([\d.]+) MiB, peak ([\d.]+) MiB", r.stderr)
+        rss[zero], peak[zero] = float(m[1]), float(m[2])
         if zero == 3:
             w, whole, own, window, _ = held_lines(r.stderr)[0]
     released = 2 * (whole - w) / 1048576  # the weights and the gradients rank 0 does not hold
-    print(f"rank 0's resident set after the run: ZeRO-2 {rss[2]} MiB, ZeRO-3 {rss[3]} MiB "
-          f"(kiln's count of the released weights and gradients: {released:.1f} MiB)")
+    print(f"rank 0's resident set after the run: ZeRO-2 {rss[2]} MiB, ZeRO-3 {rss[3]} MiB; peak {peak[2]} and "
+          f"{peak[3]} MiB (kiln's count of the released weights and gradients: {released:.1f} MiB)")
     assert rss[3] <= rss[2] - 0.9 * released, (rss, released)
+    assert peak[3] <= peak[2] - 0.9 * released, (peak, released)
 
 
 def test_zero3_evaluation_equals_one_process(setup, build_dir):
