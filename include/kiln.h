@@ -307,11 +307,10 @@ typedef struct kiln_context_params {
      * and kiln_generate use; kiln_decode_seq fills any of them and kiln_decode_batch runs
      * one token of each of the first B together (batched decode). */
     int n_seq;
-    /* With fast on the CPU: the 8-bit path at every batch size, so a token's logits never depend
-     * on how many tokens share a forward (what kiln serve --fast --batch-invariant runs: with
-     * it, a served request gets kiln generate --fast --batch-invariant's tokens). Its cost is a
-     * slower prefill (bench/RESULTS.md). The auditable arithmetic is batch-invariant without
-     * it; CUDA's fast mode has no such variant yet (KILN_ERR_UNSUPPORTED). Default 0. */
+    /* A token's logits must not depend on how many tokens share a forward. The auditable
+     * arithmetic and the CPU's fast mode (8-bit activations at every batch size) are so
+     * without it: on the CPU it changes nothing. CUDA's fast mode has no such variant yet
+     * (KILN_ERR_UNSUPPORTED). Default 0. */
     int batch_invariant;
     /* The matrix products' number format (kiln_format; default KILN_FORMAT_F32, the auditable
      * f32 products). KILN_FORMAT_MX16 / MX8: the exact block formats (docs/ARITHMETIC.md,

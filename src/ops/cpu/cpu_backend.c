@@ -22,10 +22,9 @@ typedef struct cpu_ctx {
     kiln_pool *pool;
     const kiln_cpu_kernels *k;
     /* fast mode (kiln_backend_cpu_create_mode): int8 activations for quantized weights at
-     * N <= KILN_Q8ACT_MAX_N, or at every N in chunks of that many tokens (q8_every_n: the
-     * batch-invariant fast mode); NULL in the default, exact mode */
+     * every N, each (row, token) one dot whatever else is in the batch (so the fast mode is
+     * batch-invariant; KILN_MODE_FAST_INVARIANT is the same); NULL in the default, exact mode */
     const kiln_q8act_kernels *q8;
-    int q8_every_n;
     void *q8_buf; /* the quantized activations, grown on demand (never per call) */
     size_t q8_cap;
     /* an exact format (KILN_MODE_MX16 / MX8): every matmul in it; 0 in the other modes. The
@@ -214,10 +213,9 @@ static void q8_task(void *arg, int task, int thread) {
  * caller runs the exact path). */
 static bool matmul_q8act(cpu_ctx *c, float *out, const float *x, const kiln_tensor *W,
                          const float *bias, int N, int64_t R, int64_t C) {
-    if (!c->q8 || N < 1 || (N > KILN_Q8ACT_MAX_N && !c->q8_every_n) || !kiln_q8act_supports(W->dtype) || C % 32)
-        return false;
-    /* batch-invariant: every token through the int8 path at once (each output is one
-     * (row, token) dot whatever N is: the kernels' tiles of tokens change no bit) */
+    if (!c->q8 || N < 1 || !kiln_q8act_supports(W->dtype) || C % 32) return false;
+    /* every token through the int8 path at once: each output is one (row, token) dot
+     * whatever N is (the kernels' tiles of tokens change no bit) */
     size_t need = kiln_q8act_bytes(N, C);
     if (need == 0) return false;
     if (need > c->q8_cap) {
@@ -940,7 +938,6 @@ kiln_status kiln_backend_cpu_create_mode(int n_threads, int fast_q8, kiln_backen
     if (fast_q8 == KILN_MODE_MX16 || fast_q8 == KILN_MODE_MX8) {
         c->mx = fast_q8 == KILN_MODE_MX16 ? KILN_MX16 : KILN_MX8;
     } else if (fast_q8) {
-        c->q8_every_n = fast_q8 == KILN_MODE_FAST_INVARIANT;
         c->q8 = &kiln_q8act_kernels_portable;
 #if defined(KILN_CPU_HAVE_X86)
         if (c->k->path != KILN_CPU_PATH_PORTABLE) c->q8 = &kiln_q8act_kernels_avx2;

@@ -7,14 +7,13 @@
  *
  * It is NOT the exact path: the result differs from dot(x, dequantized w) by the rounding of
  * x to 8 bits. The CPU backend uses it only when created in fast mode
- * (kiln_backend_cpu_create_mode) for weights of a supported type and N <= KILN_Q8ACT_MAX_N.
+ * (kiln_backend_cpu_create_mode), for weights of a supported type, at every N.
  */
 #ifndef KILN_KERNELS_Q8ACT_H
 #define KILN_KERNELS_Q8ACT_H
 
 #include "../../base/tensor.h"
 
-#define KILN_Q8ACT_MAX_N 8 /* tokens per matmul that take the int8 path in fast mode */
 #define KILN_Q8ACT_LANES 8 /* float accumulators per output: block b goes to lane b % 8 */
 
 /* N tokens of C activations quantized to blocks of 32 (one carved buffer, see
