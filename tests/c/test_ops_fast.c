@@ -108,6 +108,10 @@ static void test_avx2_equals_portable(void) {
                         snprintf(what, sizeof what, "%s R=%lld C=%lld N=%d bias=%d",
                                  kiln_dtype_name(dt), (long long)R, (long long)C, N, b);
                         CHECK_MSG(same_bits(o1, o2, (size_t)(N * R), what), "%s", what);
+                        if (kiln_cpu_get_features()->avx512vnni && kiln_cpu_path_supported(KILN_CPU_PATH_AVX512)) {
+                            run_kernels(&kiln_q8act_kernels_vnni, dt, w, R, C, x, N, bb, o2);
+                            CHECK_MSG(same_bits(o1, o2, (size_t)(N * R), what), "vnni %s", what);
+                        }
                     }
                     free(w), free(x), free(bias), free(o1), free(o2);
                 }

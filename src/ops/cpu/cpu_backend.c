@@ -941,6 +941,7 @@ kiln_status kiln_backend_cpu_create_mode(int n_threads, int fast_q8, kiln_backen
         c->q8 = &kiln_q8act_kernels_portable;
 #if defined(KILN_CPU_HAVE_X86)
         if (c->k->path != KILN_CPU_PATH_PORTABLE) c->q8 = &kiln_q8act_kernels_avx2;
+        if (c->k->path == KILN_CPU_PATH_AVX512 && kiln_cpu_get_features()->avx512vnni) c->q8 = &kiln_q8act_kernels_vnni;
 #endif
     }
     be->i = &cpu_iface;

@@ -58,6 +58,8 @@ typedef struct kiln_q8act_kernels {
 extern const kiln_q8act_kernels kiln_q8act_kernels_portable;
 #if defined(__x86_64__)
 extern const kiln_q8act_kernels kiln_q8act_kernels_avx2;
+/* the same bits with VNNI's vpdpbusd (AVX512_VNNI with AVX512VL: kiln_cpu_features.avx512vnni) */
+extern const kiln_q8act_kernels kiln_q8act_kernels_vnni;
 #endif
 
 #endif /* KILN_KERNELS_Q8ACT_H */

@@ -194,61 +194,66 @@ TGT_INLINE float dot_row(const kiln_q8act *qa, int t, const uint8_t *row, const 
  * blocks is decoded once for all of them. */
 #define Q8A_TILE 16
 
-/* Rows r0 .. r1-1 for tokens t0 .. t0+nt-1 (nt <= Q8A_TILE): dot_row's arithmetic for each
- * (row, token), in the same order, with each group's weight bytes and scales decoded once per
- * row and tile rather than once per token. Blocks past nb (k >= nv) have zero weights and
- * zero scales here and zero activations in qa (its padding), so every lane of the last group
- * runs with no branch: their integer sums are 0 and fmaf(0, 0, acc) leaves acc as it is,
- * which is dot_row's result for those lanes. */
-TGT_INLINE void rows_tile(const kiln_q8act_mm *m, int64_t r, int t0, int nt, const kiln_dtype DT) {
-    const kiln_q8act *qa = m->xa;
-    const int BB = DT == KILN_DTYPE_Q8_0 ? 34 : DT == KILN_DTYPE_Q4_0 ? 18 : 20;
-    const uint8_t *row = m->w + (size_t)r * m->row_bytes;
-    __m256 acc[Q8A_TILE];
-    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < qa->nb; g += 8) {
-        const int nv = qa->nb - g < 8 ? (int)(qa->nb - g) : 8;
-        const uint8_t *blk = row + (size_t)g * BB;
-        __m256i w[8];
-        for (int k = 0; k < 8; k++) {
-            if (k >= nv)
-                w[k] = _mm256_setzero_si256();
-            else if (DT == KILN_DTYPE_Q8_0)
-                w[k] = _mm256_loadu_si256((const __m256i *)(blk + k * BB + 2));
-            else
-                w[k] = nibbles32(blk + k * BB + (DT == KILN_DTYPE_Q4_1 ? 4 : 2));
-        }
-        __m256 dw, mw = _mm256_setzero_ps();
-        scales8(blk, BB, nv, &dw, DT == KILN_DTYPE_Q4_1 ? &mw : NULL);
-        for (int t = 0; t < nt; t++) {
-            const size_t o = (size_t)(t0 + t) * (size_t)qa->nbp + (size_t)g;
-            const int8_t *xq = qa->q + o * 32;
-            __m256i v[8];
-            for (int k = 0; k < 8; k++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * k));
-                if (DT == KILN_DTYPE_Q8_0) {
-                    __m256i p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(w[k]), _mm256_sign_epi8(xv, w[k]));
-                    v[k] = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-                } else {
-                    v[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(w[k], xv), _mm256_set1_epi16(1));
-                }
-            }
-            __m256i isum = reduce8x8(v);
-            if (DT == KILN_DTYPE_Q4_0)
-                isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(qa->sum + o)), 3));
-            __m256 prod = _mm256_mul_ps(dw, _mm256_loadu_ps(qa->d + o));
-            acc[t] = _mm256_fmadd_ps(prod, _mm256_cvtepi32_ps(isum), acc[t]);
-            if (DT == KILN_DTYPE_Q4_1) acc[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(qa->s + o), acc[t]);
-        }
+/* One row r for tokens t0 .. t0+nt-1 (nt <= Q8A_TILE): dot_row's arithmetic for each (row,
+ * token), in the same order, with each group's weight bytes and scales decoded once per row
+ * and tile rather than once per token. Blocks past nb (k >= nv) have zero weights and zero
+ * scales here and zero activations in qa (its padding), so every lane of the last group runs
+ * with no branch: their integer sums are 0 and fmaf(0, 0, acc) leaves acc as it is, which is
+ * dot_row's result for those lanes. DOT(w, x): the 8 int32 sums of 4 consecutive products of
+ * unsigned w and signed x bytes (vpmaddubsw + vpmaddwd, whose int16 pairs cannot saturate
+ * here, or VNNI's vpdpbusd): exact integers either way, so the same bits. */
+#define DEFINE_ROWS_TILE(NAME, ATTR, DOT)                                                       \
+    ATTR static inline void NAME(const kiln_q8act_mm *m, int64_t r, int t0, int nt, const kiln_dtype DT) { \
+        const kiln_q8act *qa = m->xa;                                                           \
+        const int BB = DT == KILN_DTYPE_Q8_0 ? 34 : DT == KILN_DTYPE_Q4_0 ? 18 : 20;            \
+        const uint8_t *row = m->w + (size_t)r * m->row_bytes;                                   \
+        __m256 acc[Q8A_TILE];                                                                   \
+        for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();                              \
+        for (int64_t g = 0; g < qa->nb; g += 8) {                                               \
+            const int nv = qa->nb - g < 8 ? (int)(qa->nb - g) : 8;                              \
+            const uint8_t *blk = row + (size_t)g * BB;                                          \
+            __m256i w[8];                                                                       \
+            for (int k = 0; k < 8; k++) {                                                       \
+                if (k >= nv)                                                                    \
+                    w[k] = _mm256_setzero_si256();                                              \
+                else if (DT == KILN_DTYPE_Q8_0)                                                 \
+                    w[k] = _mm256_loadu_si256((const __m256i *)(blk + k * BB + 2));             \
+                else                                                                            \
+                    w[k] = nibbles32(blk + k * BB + (DT == KILN_DTYPE_Q4_1 ? 4 : 2));           \
+            }                                                                                   \
+            __m256 dw, mw = _mm256_setzero_ps();                                                \
+            scales8(blk, BB, nv, &dw, DT == KILN_DTYPE_Q4_1 ? &mw : NULL);                      \
+            for (int t = 0; t < nt; t++) {                                                      \
+                const size_t o = (size_t)(t0 + t) * (size_t)qa->nbp + (size_t)g;               \
+                const int8_t *xq = qa->q + o * 32;                                              \
+                __m256i v[8];                                                                   \
+                for (int k = 0; k < 8; k++) {                                                   \
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * k));      \
+                    if (DT == KILN_DTYPE_Q8_0) /* |w| x (x with w's sign) */                    \
+                        v[k] = DOT(_mm256_abs_epi8(w[k]), _mm256_sign_epi8(xv, w[k]));          \
+                    else                                                                        \
+                        v[k] = DOT(w[k], xv);                                                   \
+                }                                                                               \
+                __m256i isum = reduce8x8(v);                                                    \
+                if (DT == KILN_DTYPE_Q4_0)                                                      \
+                    isum = _mm256_sub_epi32(                                                    \
+                        isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(qa->sum + o)), 3)); \
+                __m256 prod = _mm256_mul_ps(dw, _mm256_loadu_ps(qa->d + o));                    \
+                acc[t] = _mm256_fmadd_ps(prod, _mm256_cvtepi32_ps(isum), acc[t]);               \
+                if (DT == KILN_DTYPE_Q4_1) acc[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(qa->s + o), acc[t]); \
+            }                                                                                   \
+        }                                                                                       \
+        for (int t = 0; t < nt; t++) {                                                          \
+            __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1)); \
+            __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                  \
+            float s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));                 \
+            if (m->bias) s = s + m->bias[r];                                                    \
+            m->out[(t0 + t) * m->ldo + r] = s;                                                  \
+        }                                                                                       \
     }
-    for (int t = 0; t < nt; t++) {
-        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
-        __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        float s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-        if (m->bias) s = s + m->bias[r];
-        m->out[(t0 + t) * m->ldo + r] = s;
-    }
-}
+
+#define DOT_AVX2(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1))
+DEFINE_ROWS_TILE(rows_tile, __attribute__((target("avx2,fma,f16c"), always_inline)), DOT_AVX2)
 
 /* One token: dot_row; more: a tile of tokens per pass over a row's weights. */
 #define DEFINE_ROWS(NAME, DT)                                                                  \
@@ -278,6 +283,41 @@ static void a_rows(const kiln_q8act_mm *m, int64_t r0, int64_t r1) {
     default: kiln_q8act_kernels_portable.rows(m, r0, r1); break;
     }
 }
+
+/* ---- AVX-512 VNNI (vpdpbusd on 256-bit registers, AVX512_VNNI + AVX512VL) ----------------- */
+
+#define TGT_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#define DOT_VNNI(w, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (w), (x))
+DEFINE_ROWS_TILE(rows_tile_vnni, __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni"), always_inline)),
+                 DOT_VNNI)
+
+/* Every token count through the tile (one token included: its pass is dot_row's work). */
+#define DEFINE_ROWS_VNNI(NAME, DT)                                                             \
+    TGT_VNNI static void NAME(const kiln_q8act_mm *m, int64_t r0, int64_t r1) {                \
+        const int N = m->xa->N;                                                                \
+        for (int64_t r = r0; r < r1; r++)                                                      \
+            for (int t0 = 0; t0 < N; t0 += Q8A_TILE)                                           \
+                rows_tile_vnni(m, r, t0, N - t0 < Q8A_TILE ? N - t0 : Q8A_TILE, DT);           \
+    }
+
+DEFINE_ROWS_VNNI(vnni_rows_q8_0, KILN_DTYPE_Q8_0)
+DEFINE_ROWS_VNNI(vnni_rows_q4_0, KILN_DTYPE_Q4_0)
+DEFINE_ROWS_VNNI(vnni_rows_q4_1, KILN_DTYPE_Q4_1)
+
+static void v_rows(const kiln_q8act_mm *m, int64_t r0, int64_t r1) {
+    switch (m->dtype) {
+    case KILN_DTYPE_Q8_0: vnni_rows_q8_0(m, r0, r1); break;
+    case KILN_DTYPE_Q4_0: vnni_rows_q4_0(m, r0, r1); break;
+    case KILN_DTYPE_Q4_1: vnni_rows_q4_1(m, r0, r1); break;
+    default: kiln_q8act_kernels_portable.rows(m, r0, r1); break;
+    }
+}
+
+const kiln_q8act_kernels kiln_q8act_kernels_vnni = {
+    .name = "avx512-vnni",
+    .quantize = a_quantize,
+    .rows = v_rows,
+};
 
 const kiln_q8act_kernels kiln_q8act_kernels_avx2 = {
     .name = "avx2",
