@@ -229,8 +229,13 @@ kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c, int zero_stage) 
         if (env && atoll(env) > 0) d->chunk = atoll(env);
         if (d->chunk > d->S) d->chunk = d->S;
         if (d->chunk < 1) d->chunk = 1;
-        d->stage = kiln_calloc((size_t)d->chunk * (size_t)d->size, 4);
-        d->own = kiln_calloc((size_t)d->chunk, 4);
+        /* not zeroed: every word is written before it is read (a collective packs what it
+         * sends), so a ZeRO-3 rank touches only the pages its pieces use */
+        size_t words = 0, bytes = 0;
+        if (!kiln_mul_overflow((size_t)d->chunk, (size_t)d->size, &words) && !kiln_mul_overflow(words, 4, &bytes)) {
+            d->stage = kiln_malloc(bytes);
+            d->own = kiln_malloc((size_t)d->chunk * 4);
+        }
         d->slot = kiln_calloc((size_t)t->n_params + 1, sizeof(int));
         d->whole = kiln_calloc((size_t)t->n_params + 1, sizeof(int));
         if (!d->stage || !d->own || !d->slot || !d->whole)
