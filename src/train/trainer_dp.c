@@ -512,49 +512,56 @@ static int next_run(const kiln_trainer *t, int u, int *i, int64_t *fa, int64_t *
     return 1;
 }
 
-/* Unit u's weights whole on every rank: each piece broadcast by the rank that owns it. */
-static kiln_status unit_gather(kiln_trainer *t, int u) {
-    kiln_train_dp *d = t->dp;
-    if (d->gathered[u]) return KILN_OK;
-    const flat_io f = {t, FLAT_WEIGHT, NULL, NULL};
-    const int64_t cap = d->chunk * d->size; /* the staging's words */
+/* The pieces of unit u: each run of its parameters (next_run) cut at the ranks' ranges and in
+ * pieces of at most cap elements; move(t, r, a, b) for each, r the rank that owns [a, b). */
+static kiln_status unit_pieces(kiln_trainer *t, int u, int64_t cap,
+                               kiln_status (*move)(kiln_trainer *t, int r, int64_t a, int64_t b)) {
+    const kiln_train_dp *d = t->dp;
     int i = 0;
     int64_t fa, fb;
     while (next_run(t, u, &i, &fa, &fb))
         for (int r = 0; r < d->size; r++) {
             const int64_t rlo = (int64_t)r * d->S, rhi = rlo + d->S < d->total ? rlo + d->S : d->total;
             const int64_t x = fa > rlo ? fa : rlo, y = fb < rhi ? fb : rhi;
-            for (int64_t a = x; a < y; a += cap) {
-                const int64_t b = a + cap < y ? a + cap : y;
-                if (r == d->rank) KILN_TRY(flat_move(&f, a, b, d->stage, 1));
-                KILN_TRY(kiln_comm_broadcast(d->c, d->stage, (size_t)(b - a) * 4, r));
-                if (r != d->rank) KILN_TRY(flat_move(&f, a, b, d->stage, 0));
-            }
+            for (int64_t a = x; a < y; a += cap) KILN_TRY(move(t, r, a, a + cap < y ? a + cap : y));
         }
+    return KILN_OK;
+}
+
+/* A piece of weights from its owner r to every rank. */
+static kiln_status gather_piece(kiln_trainer *t, int r, int64_t a, int64_t b) {
+    kiln_train_dp *d = t->dp;
+    const flat_io f = {t, FLAT_WEIGHT, NULL, NULL};
+    if (r == d->rank) KILN_TRY(flat_move(&f, a, b, d->stage, 1));
+    KILN_TRY(kiln_comm_broadcast(d->c, d->stage, (size_t)(b - a) * 4, r));
+    return r != d->rank ? flat_move(&f, a, b, d->stage, 0) : KILN_OK;
+}
+
+/* A piece of gradients summed over the ranks into its owner r (rank order from +0). */
+static kiln_status reduce_piece(kiln_trainer *t, int r, int64_t a, int64_t b) {
+    kiln_train_dp *d = t->dp;
+    const flat_io f = {t, FLAT_GRAD, NULL, NULL};
+    KILN_TRY(flat_move(&f, a, b, d->stage, 1));
+    KILN_TRY(kiln_comm_reduce_f32(d->c, (float *)(void *)d->own, (const float *)(const void *)d->stage,
+                                  (size_t)(b - a), r));
+    return r == d->rank ? flat_move(&f, a, b, d->own, 0) : KILN_OK;
+}
+
+/* Unit u's weights whole on every rank: each piece broadcast by the rank that owns it. */
+static kiln_status unit_gather(kiln_trainer *t, int u) {
+    kiln_train_dp *d = t->dp;
+    if (d->gathered[u]) return KILN_OK;
+    KILN_TRY(unit_pieces(t, u, d->chunk * d->size, gather_piece)); /* the staging's words */
     d->gathered[u] = 1;
     held(d, (int64_t)d->out_w[u], 0);
     return KILN_OK;
 }
 
-/* Unit u's gradients summed over the ranks into the ranks that own them (each piece reduced to
- * its owner, rank order from +0), then released: outside this rank's range they read as zero. */
+/* Unit u's gradients summed over the ranks into the ranks that own them, then released: outside
+ * this rank's range they read as zero. */
 static kiln_status unit_reduce(kiln_trainer *t, int u) {
     kiln_train_dp *d = t->dp;
-    const flat_io f = {t, FLAT_GRAD, NULL, NULL};
-    int i = 0;
-    int64_t fa, fb;
-    while (next_run(t, u, &i, &fa, &fb))
-        for (int r = 0; r < d->size; r++) {
-            const int64_t rlo = (int64_t)r * d->S, rhi = rlo + d->S < d->total ? rlo + d->S : d->total;
-            const int64_t x = fa > rlo ? fa : rlo, y = fb < rhi ? fb : rhi;
-            for (int64_t a = x; a < y; a += d->chunk) {
-                const int64_t b = a + d->chunk < y ? a + d->chunk : y;
-                KILN_TRY(flat_move(&f, a, b, d->stage, 1));
-                KILN_TRY(kiln_comm_reduce_f32(d->c, (float *)(void *)d->own, (const float *)(const void *)d->stage,
-                                              (size_t)(b - a), r));
-                if (r == d->rank) KILN_TRY(flat_move(&f, a, b, d->own, 0));
-            }
-        }
+    KILN_TRY(unit_pieces(t, u, d->chunk, reduce_piece)); /* own: a chunk */
     for (int k = 0; k < t->n_params; k++)
         if (d->unit[k] == u) release_param(t, k, 1);
     return KILN_OK;
