@@ -1,6 +1,7 @@
 /*
  * trainer_dp.c -- a trainer as one rank of a data-parallel run (docs/DISTRIBUTED.md, "Data-
- * parallel training"): ZeRO stage 2 over the communicator of src/dist/comm.h.
+ * parallel training"): ZeRO stages 2 and 3 over the communicator of src/dist/comm.h (stage 3,
+ * the weights sharded too: the section "stage 3" below; a step as described here is stage 2's).
  *
  * The flat vector: the trainable parameters in the trainer's order (transformers'
  * named_parameters()), each one's elements in order, back to back: `total` elements. With N
