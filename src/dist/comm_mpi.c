@@ -128,41 +128,32 @@ static kiln_status mpi_alltoall(kiln_comm *c, void *recv, const void *send, size
     return KILN_OK;
 }
 
-/* Root receives every rank's block, piece by piece, in rank order; the others send theirs
- * (one message a piece, so none is larger than a piece). */
-static kiln_status mpi_gather(kiln_comm *c, void *recv, const void *send, size_t nbytes, int root) {
-    if (c->rank != root) {
-        for (size_t off = 0; off < nbytes;) {
-            size_t len = min_size(c->piece_bytes, nbytes - off);
-            int rc = MPI_Send((const uint8_t *)send + off, (int)len, MPI_BYTE, root, KILN_MPI_TAG,
-                              comm_of(c));
-            if (rc != MPI_SUCCESS) {
-                char what[128];
-                snprintf(what, sizeof what, "MPI_Send (gather to rank %d, %zu bytes at byte %zu "
-                         "of %zu)", root, len, off, nbytes);
-                return mpi_fail(rc, what);
-            }
-            off += len;
+/* nbytes of buf sent to (send) or received from peer, one message a piece, so that none is
+ * larger than a piece (the gather to root's two sides). */
+static kiln_status gather_pieces(kiln_comm *c, void *buf, size_t nbytes, int peer, int send) {
+    for (size_t off = 0; off < nbytes;) {
+        size_t len = min_size(c->piece_bytes, nbytes - off);
+        int rc = send ? MPI_Send((const uint8_t *)buf + off, (int)len, MPI_BYTE, peer, KILN_MPI_TAG, comm_of(c))
+                      : MPI_Recv((uint8_t *)buf + off, (int)len, MPI_BYTE, peer, KILN_MPI_TAG, comm_of(c),
+                                 MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) {
+            char what[128];
+            snprintf(what, sizeof what, "%s (gather %s rank %d, %zu bytes at byte %zu of %zu)",
+                     send ? "MPI_Send" : "MPI_Recv", send ? "to" : "from", peer, len, off, nbytes);
+            return mpi_fail(rc, what);
         }
-        return KILN_OK;
+        off += len;
     }
+    return KILN_OK;
+}
+
+/* Root receives every rank's block in rank order; the others send theirs. */
+static kiln_status mpi_gather(kiln_comm *c, void *recv, const void *send, size_t nbytes, int root) {
+    if (c->rank != root) return gather_pieces(c, (void *)send, nbytes, root, 1);
     uint8_t *blocks = recv; /* (n, nbytes) */
     memcpy(blocks + (size_t)root * nbytes, send, nbytes);
-    for (int r = 0; r < c->size; r++) {
-        if (r == root) continue;
-        for (size_t off = 0; off < nbytes;) {
-            size_t len = min_size(c->piece_bytes, nbytes - off);
-            int rc = MPI_Recv(blocks + (size_t)r * nbytes + off, (int)len, MPI_BYTE, r,
-                              KILN_MPI_TAG, comm_of(c), MPI_STATUS_IGNORE);
-            if (rc != MPI_SUCCESS) {
-                char what[128];
-                snprintf(what, sizeof what, "MPI_Recv (gather from rank %d, %zu bytes at byte %zu "
-                         "of %zu)", r, len, off, nbytes);
-                return mpi_fail(rc, what);
-            }
-            off += len;
-        }
-    }
+    for (int r = 0; r < c->size; r++)
+        if (r != root) KILN_TRY(gather_pieces(c, blocks + (size_t)r * nbytes, nbytes, r, 0));
     return KILN_OK;
 }
 

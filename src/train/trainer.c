@@ -280,9 +280,8 @@ static kiln_status load_from_model(kiln_trainer *t, train_param *p, const kiln_t
                                    uint16_t *tmp16) {
     if (t->lean) { /* a ZeRO-3 rank's: the whole tensor in tmp, its own elements copied (rounded) */
         kiln_dequantize(src_t->dtype, src_t->data, tmp, p->n);
-        int64_t a = t->lean_lo - p->flat, b = t->lean_hi - p->flat;
-        a = a < 0 ? 0 : a > p->n ? p->n : a;
-        b = b < a ? a : b > p->n ? p->n : b;
+        int64_t a, b;
+        kiln_param_part(p, t->lean_lo, t->lean_hi, &a, &b);
         for (int64_t i = a; i < b; i++) {
             if (p->dtype == KILN_DTYPE_F32)
                 ((float *)p->w)[i] = tmp[i];
@@ -624,9 +623,8 @@ static kiln_status trainer_create(kiln_model *m, const kiln_train_params *params
                 goff += ((size_t)q->n + 15) & ~(size_t)15;
                 bind_views(q);
                 if (t->lean) { /* the rank's gradients zeroed (the rest: at attach, given back) */
-                    int64_t a = t->lean_lo - q->flat, b = t->lean_hi - q->flat;
-                    a = q->n_dims != 2 ? 0 : a < 0 ? 0 : a > q->n ? q->n : a;
-                    b = q->n_dims != 2 ? q->n : b < a ? a : b > q->n ? q->n : b;
+                    int64_t a = 0, b = q->n; /* a vector: whole */
+                    if (q->n_dims == 2) kiln_param_part(q, t->lean_lo, t->lean_hi, &a, &b);
                     memset(q->g + a, 0, (size_t)(b - a) * sizeof(float));
                 }
             }

@@ -422,13 +422,8 @@ kiln_status kiln_trainer_dp_after_update(kiln_trainer *t) {
  * changes each rank's range only: every unit is stale after it. */
 
 /* Parameter i's elements inside this rank's range: [*a, *b) of its own (*a == *b: none). */
-static void own_part(const kiln_train_dp *d, int i, int64_t *a, int64_t *b) {
-    const int64_t f = d->first[i], n = d->first[i + 1] - f;
-    int64_t x = d->lo - f, y = d->hi - f;
-    x = x < 0 ? 0 : x > n ? n : x;
-    y = y < 0 ? 0 : y > n ? n : y;
-    *a = x;
-    *b = y > x ? y : x;
+static void own_part(const kiln_trainer *t, int i, int64_t *a, int64_t *b) {
+    kiln_param_part(&t->params[i], t->dp->lo, t->dp->hi, a, b);
 }
 
 /* The whole pages inside [p, p + n) given back to the system (they read as zero afterwards);
@@ -460,7 +455,7 @@ static void release_param(kiln_trainer *t, int i, int grads) {
     const kiln_train_dp *d = t->dp;
     const train_param *p = &t->params[i];
     int64_t a, b;
-    own_part(d, i, &a, &b);
+    own_part(t, i, &a, &b);
     if (p->n_dims != 2) {
         if (grads) {
             memset(p->g, 0, (size_t)a * sizeof(float));
@@ -628,20 +623,18 @@ kiln_status kiln_trainer_dp_backward_end(kiln_trainer *t) {
 }
 
 void kiln_trainer_dp_zero_own_grads(kiln_trainer *t) {
-    kiln_train_dp *d = t->dp;
     for (int i = 0; i < t->n_params; i++) {
         int64_t a, b;
-        own_part(d, i, &a, &b);
+        own_part(t, i, &a, &b);
         memset(t->params[i].g + a, 0, (size_t)(b - a) * sizeof(float));
         release_param(t, i, 1); /* nothing left from a step that failed half-way */
     }
 }
 
 void kiln_trainer_dp_scale_own_grads(kiln_trainer *t, float coef) {
-    kiln_train_dp *d = t->dp;
     for (int i = 0; i < t->n_params; i++) {
         int64_t a, b;
-        own_part(d, i, &a, &b);
+        own_part(t, i, &a, &b);
         float *g = t->params[i].g;
         for (int64_t j = a; j < b; j++) g[j] = g[j] * coef;
     }
@@ -730,7 +723,7 @@ kiln_status kiln_train_dp_describe(const kiln_trainer *t, char *buf, size_t cap)
         ww += (uint64_t)p->n * es;
         wg += (uint64_t)p->n * 4;
         int64_t a, b;
-        own_part(d, i, &a, &b);
+        own_part(t, i, &a, &b);
         own_w += (uint64_t)(b - a) * es;
     }
     if (!d->sharded) {
@@ -779,7 +772,7 @@ static kiln_status shard_weights(kiln_trainer *t) {
         const int u = p->n_dims == 2 && p->layer >= 0 && p->layer < L ? p->layer : L;
         d->unit[i] = u;
         int64_t a, b;
-        own_part(d, i, &a, &b);
+        own_part(t, i, &a, &b);
         const uint64_t es = p->dtype == KILN_DTYPE_F32 ? 4 : 2;
         const uint64_t in = (uint64_t)(b - a), out = (uint64_t)p->n - in;
         if (p->n_dims == 2) {

@@ -30,6 +30,15 @@ typedef struct train_param {
     kiln_tensor view16; /* fast mode with f32 weights: the bf16 copy's view (t->shadow) */
 } train_param;
 
+/* Parameter p's elements inside the flat range [lo, hi): [*a, *b) of its own (*a == *b: none). */
+static inline void kiln_param_part(const train_param *p, int64_t lo, int64_t hi, int64_t *a, int64_t *b) {
+    int64_t x = lo - p->flat, y = hi - p->flat;
+    x = x < 0 ? 0 : x > p->n ? p->n : x;
+    y = y < 0 ? 0 : y > p->n ? p->n : y;
+    *a = x;
+    *b = y > x ? y : x;
+}
+
 struct kiln_trainer {
     kiln_handle_head head; /* first: the registry's magic (base/handle.h) */
     kiln_model *model;     /* a user of the model from create to free */

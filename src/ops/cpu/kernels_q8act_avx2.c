@@ -147,59 +147,18 @@ TGT_INLINE void scales8(const uint8_t *blk0, int BB, int nv, __m256 *d, __m256 *
     if (m) *m = _mm256_cvtph_ps(_mm256_extracti128_si256(g, 1));
 }
 
-/* One row with one token: the definition's 8 lanes, then the fixed tree. DT is a constant. */
-TGT_INLINE float dot_row(const kiln_q8act *qa, int t, const uint8_t *row, const kiln_dtype DT) {
-    const int BB = DT == KILN_DTYPE_Q8_0 ? 34 : DT == KILN_DTYPE_Q4_0 ? 18 : 20;
-    const size_t o = (size_t)t * (size_t)qa->nbp;
-    const int8_t *xq = qa->q + o * 32;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t g = 0; g < qa->nb; g += 8) {
-        int nv = qa->nb - g < 8 ? (int)(qa->nb - g) : 8;
-        const uint8_t *blk = row + (size_t)g * BB;
-        __m256i v[8];
-        for (int k = 0; k < 8; k++) {
-            if (k >= nv) {
-                v[k] = _mm256_setzero_si256();
-                continue;
-            }
-            const uint8_t *bk = blk + k * BB;
-            const int8_t *xk = xq + (g + k) * 32;
-            if (DT == KILN_DTYPE_Q8_0) {
-                /* |w| x (x with w's sign): |w| <= 128, |x| <= 127, so pairs fit int16 */
-                __m256i w = _mm256_loadu_si256((const __m256i *)(bk + 2));
-                __m256i xv = _mm256_loadu_si256((const __m256i *)xk);
-                __m256i p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
-                v[k] = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-            } else {
-                v[k] = block_u8s8(nibbles32(bk + (DT == KILN_DTYPE_Q4_1 ? 4 : 2)), xk);
-            }
-        }
-        __m256i isum = reduce8x8(v);
-        if (DT == KILN_DTYPE_Q4_0)
-            isum = _mm256_sub_epi32(
-                isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(qa->sum + o + g)), 3));
-        __m256 dw, mw;
-        scales8(blk, BB, nv, &dw, DT == KILN_DTYPE_Q4_1 ? &mw : NULL);
-        __m256 prod = _mm256_mul_ps(dw, _mm256_loadu_ps(qa->d + o + g));
-        acc = _mm256_fmadd_ps(prod, _mm256_cvtepi32_ps(isum), acc);
-        if (DT == KILN_DTYPE_Q4_1) acc = _mm256_fmadd_ps(mw, _mm256_loadu_ps(qa->s + o + g), acc);
-    }
-    /* s4[j] = acc[j] + acc[j+4]; s2[j] = s4[j] + s4[j+2]; s2[0] + s2[1] */
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
 /* Tokens whose accumulators a row's pass keeps (in memory: L1) while each group of 8 weight
  * blocks is decoded once for all of them. */
 #define Q8A_TILE 16
 
-/* One row r for tokens t0 .. t0+nt-1 (nt <= Q8A_TILE): dot_row's arithmetic for each (row,
- * token), in the same order, with each group's weight bytes and scales decoded once per row
- * and tile rather than once per token. Blocks past nb (k >= nv) have zero weights and zero
- * scales here and zero activations in qa (its padding), so every lane of the last group runs
- * with no branch: their integer sums are 0 and fmaf(0, 0, acc) leaves acc as it is, which is
- * dot_row's result for those lanes. DOT(w, x): the 8 int32 sums of 4 consecutive products of
+/* One row r for tokens t0 .. t0+nt-1 (nt <= Q8A_TILE), the definition per (row, token): 8
+ * blocks at a time, each block's products summed exactly in integers, the 8 blocks' sums in one
+ * vector (integer adds: any order is exact), then lane k (block g + k, so lane b % 8) does the
+ * definition's float steps with one vfmadd each, and at the end the fixed tree over the lanes.
+ * Each group's weight bytes and scales are decoded once per row and tile, not once per token.
+ * Blocks past nb (k >= nv) have zero weights and zero scales here and zero activations in qa
+ * (its padding), so every lane of the last group runs with no branch: their integer sums are 0
+ * and fmaf(0, 0, acc) leaves acc as it is (acc starts at +0 and never becomes -0). DOT(w, x): the 8 int32 sums of 4 consecutive products of
  * unsigned w and signed x bytes (vpmaddubsw + vpmaddwd, whose int16 pairs cannot saturate
  * here, or VNNI's vpdpbusd): exact integers either way, so the same bits. */
 #define DEFINE_ROWS_TILE(NAME, ATTR, DOT)                                                       \
@@ -255,74 +214,44 @@ TGT_INLINE float dot_row(const kiln_q8act *qa, int t, const uint8_t *row, const 
 #define DOT_AVX2(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1))
 DEFINE_ROWS_TILE(rows_tile, __attribute__((target("avx2,fma,f16c"), always_inline)), DOT_AVX2)
 
-/* One token: dot_row; more: a tile of tokens per pass over a row's weights. */
-#define DEFINE_ROWS(NAME, DT)                                                                  \
-    TGT static void NAME(const kiln_q8act_mm *m, int64_t r0, int64_t r1) {                     \
-        const int N = m->xa->N;                                                                \
-        for (int64_t r = r0; r < r1; r++) {                                                    \
-            if (N == 1) {                                                                      \
-                float s = dot_row(m->xa, 0, m->w + (size_t)r * m->row_bytes, DT);              \
-                if (m->bias) s = s + m->bias[r];                                               \
-                m->out[r] = s;                                                                 \
-                continue;                                                                      \
-            }                                                                                  \
-            for (int t0 = 0; t0 < N; t0 += Q8A_TILE)                                           \
-                rows_tile(m, r, t0, N - t0 < Q8A_TILE ? N - t0 : Q8A_TILE, DT);                \
-        }                                                                                      \
+/* The rows of one kernel (PREFIX_rows): for each row, the tokens a tile at a time, through TILE
+ * (a DEFINE_ROWS_TILE function), inlined once per weight type so that the type is a constant. */
+#define DEFINE_ROWS(PREFIX, ATTR, TILE)                                                         \
+    ATTR __attribute__((always_inline)) static inline void PREFIX##_dt(const kiln_q8act_mm *m, int64_t r0, \
+                                                                      int64_t r1, const kiln_dtype DT) { \
+        const int N = m->xa->N;                                                                 \
+        for (int64_t r = r0; r < r1; r++)                                                       \
+            for (int t0 = 0; t0 < N; t0 += Q8A_TILE)                                            \
+                TILE(m, r, t0, N - t0 < Q8A_TILE ? N - t0 : Q8A_TILE, DT);                      \
+    }                                                                                           \
+    ATTR static void PREFIX##_rows(const kiln_q8act_mm *m, int64_t r0, int64_t r1) {            \
+        switch (m->dtype) {                                                                     \
+        case KILN_DTYPE_Q8_0: PREFIX##_dt(m, r0, r1, KILN_DTYPE_Q8_0); break;                   \
+        case KILN_DTYPE_Q4_0: PREFIX##_dt(m, r0, r1, KILN_DTYPE_Q4_0); break;                   \
+        case KILN_DTYPE_Q4_1: PREFIX##_dt(m, r0, r1, KILN_DTYPE_Q4_1); break;                   \
+        default: kiln_q8act_kernels_portable.rows(m, r0, r1); break;                            \
+        }                                                                                       \
     }
 
-DEFINE_ROWS(q8a_rows_q8_0, KILN_DTYPE_Q8_0)
-DEFINE_ROWS(q8a_rows_q4_0, KILN_DTYPE_Q4_0)
-DEFINE_ROWS(q8a_rows_q4_1, KILN_DTYPE_Q4_1)
-
-static void a_rows(const kiln_q8act_mm *m, int64_t r0, int64_t r1) {
-    switch (m->dtype) {
-    case KILN_DTYPE_Q8_0: q8a_rows_q8_0(m, r0, r1); break;
-    case KILN_DTYPE_Q4_0: q8a_rows_q4_0(m, r0, r1); break;
-    case KILN_DTYPE_Q4_1: q8a_rows_q4_1(m, r0, r1); break;
-    default: kiln_q8act_kernels_portable.rows(m, r0, r1); break;
-    }
-}
+DEFINE_ROWS(q8a, TGT, rows_tile)
 
 /* ---- AVX-512 VNNI (vpdpbusd on 256-bit registers, AVX512_VNNI + AVX512VL) ----------------- */
 
-#define TGT_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #define DOT_VNNI(w, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (w), (x))
 DEFINE_ROWS_TILE(rows_tile_vnni, __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni"), always_inline)),
                  DOT_VNNI)
-
-/* Every token count through the tile (one token included: its pass is dot_row's work). */
-#define DEFINE_ROWS_VNNI(NAME, DT)                                                             \
-    TGT_VNNI static void NAME(const kiln_q8act_mm *m, int64_t r0, int64_t r1) {                \
-        const int N = m->xa->N;                                                                \
-        for (int64_t r = r0; r < r1; r++)                                                      \
-            for (int t0 = 0; t0 < N; t0 += Q8A_TILE)                                           \
-                rows_tile_vnni(m, r, t0, N - t0 < Q8A_TILE ? N - t0 : Q8A_TILE, DT);           \
-    }
-
-DEFINE_ROWS_VNNI(vnni_rows_q8_0, KILN_DTYPE_Q8_0)
-DEFINE_ROWS_VNNI(vnni_rows_q4_0, KILN_DTYPE_Q4_0)
-DEFINE_ROWS_VNNI(vnni_rows_q4_1, KILN_DTYPE_Q4_1)
-
-static void v_rows(const kiln_q8act_mm *m, int64_t r0, int64_t r1) {
-    switch (m->dtype) {
-    case KILN_DTYPE_Q8_0: vnni_rows_q8_0(m, r0, r1); break;
-    case KILN_DTYPE_Q4_0: vnni_rows_q4_0(m, r0, r1); break;
-    case KILN_DTYPE_Q4_1: vnni_rows_q4_1(m, r0, r1); break;
-    default: kiln_q8act_kernels_portable.rows(m, r0, r1); break;
-    }
-}
+DEFINE_ROWS(vnni, __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni"))), rows_tile_vnni)
 
 const kiln_q8act_kernels kiln_q8act_kernels_vnni = {
     .name = "avx512-vnni",
     .quantize = a_quantize,
-    .rows = v_rows,
+    .rows = vnni_rows,
 };
 
 const kiln_q8act_kernels kiln_q8act_kernels_avx2 = {
     .name = "avx2",
     .quantize = a_quantize,
-    .rows = a_rows,
+    .rows = q8a_rows,
 };
 
 #endif /* __x86_64__ */
