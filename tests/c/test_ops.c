@@ -311,6 +311,8 @@ static void test_matmul(void) {
     /* one bigger case across the thread split (several 4-row chunks per thread) */
     test_matmul_case(KILN_DTYPE_Q4_1, 2, 203, 576, 0);
     test_matmul_case(KILN_DTYPE_Q8_0, 5, 97, 192, 1);
+    /* block rows longer than the AVX-512 path's dequantized rows (8192): the block tile */
+    test_matmul_case(KILN_DTYPE_Q4_0, 5, 6, 8224, 1);
 }
 
 static void test_embed(void) {
