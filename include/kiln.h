@@ -529,7 +529,14 @@ typedef struct kiln_train_params {
                        * operands quantized along its reduction axis, exact integer block sums,
                        * one rounding; the same bits on any thread count). CPU only for now;
                        * not with fast */
+    int format_rounding; /* with an exact format: how the backward's gradient operands (dy, dy^T)
+                          * are quantized: KILN_ROUND_NEAREST (0, the default: to nearest even,
+                          * as every other operand) or KILN_ROUND_STOCHASTIC (seeded by seed,
+                          * the step and the micro-batch: the same bits on any thread or rank
+                          * count; docs/ARITHMETIC.md, "Training in a format"). Ignored in f32 */
 } kiln_train_params;
+
+typedef enum kiln_format_rounding { KILN_ROUND_NEAREST = 0, KILN_ROUND_STOCHASTIC = 1 } kiln_format_rounding;
 
 /* An extra matrix (kiln_train_params.extra): its name (1..95 bytes of [A-Za-z0-9_.-], unlike
  * any of the model's), rows x cols >= 1, initialised normal(0, 1 / cols) from the trainer's

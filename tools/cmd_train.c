@@ -72,6 +72,9 @@ static const char *train_help =
     "                       tensor cores; approximate but deterministic (docs/TRAINING.md)\n"
     "  --format F           f32 (default), mx16 or mx8: the matrix products forward and backward\n"
     "                       in an exact block format (CPU; docs/ARITHMETIC.md)\n"
+    "  --format-rounding R  with --format mx16|mx8: how the backward's gradients are quantized:\n"
+    "                       nearest (default, to nearest even) or stochastic (seeded by --seed,\n"
+    "                       the step and the micro-batch: the same bits on any thread or rank count)\n"
     "  --loss-row-block N   with --fast: the loss walks the rows in blocks of N, each block's\n"
     "                       logits (N x vocabulary, bf16) made once (default 2048; 0: the\n"
     "                       vocabulary walk, one product more, less memory)\n"
@@ -129,6 +132,7 @@ typedef struct train_opts {
     int fast;   /* --fast: the CUDA backend's fast arithmetic (GPU only) */
     int audit;                 /* --audit: OUT/audit.jsonl */
     int format;                /* --format: kiln_format of the products */
+    int format_rounding;       /* --format-rounding: kiln_format_rounding of the gradients */
     const char *teacher;       /* kiln distill --teacher */
     double temperature, alpha; /* kiln distill --temperature, --alpha */
     const char *hidden_map;    /* kiln distill --hidden-map, as given */
@@ -265,6 +269,10 @@ static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
             if (!err) err = cli_parse_device(cmd, v, &o->device);
         } else if (OPT("--format")) {
             if (!err) err = cli_parse_format(cmd, v, &o->format);
+        } else if (OPT("--format-rounding")) {
+            if (!strcmp(v, "nearest")) o->format_rounding = KILN_ROUND_NEAREST;
+            else if (!strcmp(v, "stochastic")) o->format_rounding = KILN_ROUND_STOCHASTIC;
+            else if (!err) err = cli_usage_error(cmd, "--format-rounding takes nearest or stochastic, not '%s'", v);
         } else if (!strcmp(a, "--resume")) o->resume = 1;
         else if (!strcmp(a, "--override-hparams")) o->override_hparams = 1;
         else if (!strcmp(a, "--overwrite")) o->overwrite = 1;
@@ -308,6 +316,10 @@ static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
     }
     if (o->fast && o->device < 0) {
         *code = cli_usage_error(cmd, "--fast is a GPU mode: use it with --device cuda or cuda:N");
+        return 1;
+    }
+    if (o->format_rounding == KILN_ROUND_STOCHASTIC && o->format == KILN_FORMAT_F32) {
+        *code = cli_usage_error(cmd, "--format-rounding stochastic goes with --format mx16 or mx8");
         return 1;
     }
     if (o->overwrite && o->resume) {
@@ -461,6 +473,9 @@ static int run_settings(const train_opts *o, run_setting *v) {
     setting_add(v, &n, "eval_fraction", "--eval-fraction", SET_REAL, "%s", real_text(o->eval_fraction, rt, sizeof rt));
     setting_add(v, &n, "fast", "--fast", SET_INT, "%d", o->fast);
     setting_add(v, &n, "format", "--format", SET_TEXT, "%s", cli_format_name(o->format));
+    if (o->format != KILN_FORMAT_F32) /* recorded only where it means something */
+        setting_add(v, &n, "format_rounding", "--format-rounding", SET_TEXT, "%s",
+                    o->format_rounding == KILN_ROUND_STOCHASTIC ? "stochastic" : "nearest");
     if (o->teacher) {
         setting_add(v, &n, "temperature", "--temperature", SET_REAL, "%s", real_text(o->temperature, rt, sizeof rt));
         setting_add(v, &n, "alpha", "--alpha", SET_REAL, "%s", real_text(o->alpha, rt, sizeof rt));
@@ -592,6 +607,7 @@ static kiln_status make_trainer_on(kiln_model *m, const train_opts *o, kiln_comm
     if (o->loss_row_block >= 0) tp.ce_row_block = (int)o->loss_row_block;
     tp.ce_logits_f32 = o->loss_logits_f32;
     tp.format = o->format;
+    tp.format_rounding = o->format_rounding;
     tp.n_extra = o->n_extra;
     tp.extra = o->extras;
     if (comm && kiln_comm_size(comm) > 1) return kiln_train_create_rank(m, &tp, comm, (int)o->zero, tr);
@@ -1023,6 +1039,10 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         rc = 1;
         goto out;
     }
+    /* the trainer holds its own copy of every weight: the source model's are given back (a
+     * --config model's initial weights on every rank, a file's converted tensors) */
+    if (kiln_train_release_source(tr) != KILN_OK && rank0)
+        fprintf(stderr, "[kiln train] note: the source model's weights stay in memory: %s\n", kiln_last_error());
     /* ZeRO-3: a fingerprint reads every weight, gathered on every rank for it (an audited run's
      * cost: the whole weights on every rank for a moment each step) */
     const int sharded = kiln_train_dp_stage(tr) == 3;

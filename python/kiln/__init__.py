@@ -149,7 +149,8 @@ class _TrainParams(C.Structure):
                 ("weight_storage", C.c_int), ("moment_storage", C.c_int), ("seed", C.c_uint64),
                 ("device", C.c_int), ("fast", C.c_int), ("max_batch", C.c_int),
                 ("ce_keep_mib", C.c_int), ("ce_row_block", C.c_int), ("ce_logits_f32", C.c_int),
-                ("n_extra", C.c_int), ("extra", C.c_void_p), ("format", C.c_int)]
+                ("n_extra", C.c_int), ("extra", C.c_void_p), ("format", C.c_int),
+                ("format_rounding", C.c_int)]
 
 
 class _TrainExtra(C.Structure):
@@ -964,7 +965,7 @@ class Trainer(_Handle):
     def __init__(self, model, max_seq=256, n_threads=0, ce_chunk=0, lr=1e-3, betas=(0.9, 0.999),
                  eps=1e-8, weight_decay=0.01, storage="f32", moments="f32", seed=0, device=-1,
                  fast=False, max_batch=1, ce_keep_mib=None, ce_row_block=None,
-                 ce_logits_f32=False, extra=None, format="f32"):
+                 ce_logits_f32=False, extra=None, format="f32", format_rounding="nearest"):
         """device: -1 or "cpu" = CPU; N, "cuda" or "cuda:N" = CUDA device N (the CPU's bits;
         checkpoints move between the two). fast=True (GPU only): matrix products on bf16
         tensor cores, not the CPU's bits but deterministic run to run (docs/TRAINING.md).
@@ -999,6 +1000,12 @@ class Trainer(_Handle):
         if format not in FORMATS:
             raise ValueError(f"format {format!r}: one of {sorted(FORMATS)}")
         p.format = FORMATS[format]
+        # format_rounding: with an exact format, the backward's gradients quantized to nearest
+        # even (default) or stochastically, seeded by seed, the step and the micro-batch
+        rounding = {"nearest": 0, "stochastic": 1}
+        if format_rounding not in rounding:
+            raise ValueError(f"format_rounding {format_rounding!r}: one of {sorted(rounding)}")
+        p.format_rounding = rounding[format_rounding]
         model._user_opened(self)
         self.model = model
         h = C.c_void_p()

@@ -171,6 +171,17 @@ void kiln_handle_release(const void *h, const char *fn) {
     pthread_mutex_unlock(&g_lock);
 }
 
+kiln_status kiln_handle_sole_user(const void *h, kiln_handle_kind kind, const char *fn) {
+    kiln_status st;
+    pthread_mutex_lock(&g_lock);
+    handle_entry *e = lookup(h, kind, fn, &st);
+    if (e && e->users != 1)
+        st = kiln_error(KILN_ERR_STATE, "%s: the %s has %u users, not one", fn, kiln_handle_kind_name(kind),
+                        (unsigned)e->users);
+    pthread_mutex_unlock(&g_lock);
+    return st;
+}
+
 kiln_status kiln_handle_unregister(kiln_handle_head *h, kiln_handle_kind kind, const char *fn) {
     kiln_status st;
     pthread_mutex_lock(&g_lock);

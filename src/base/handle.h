@@ -68,6 +68,11 @@ kiln_status kiln_handle_acquire(const void *h, kiln_handle_kind kind, const char
  * recorded (KILN_ERR_PANIC, naming fn) and the count left at 0. */
 void kiln_handle_release(const void *h, const char *fn);
 
+/* KILN_OK when h is a live handle of kind with exactly one user (the caller's own); else the
+ * check's errors, or KILN_ERR_STATE naming fn and the number of users. (A user acquired by
+ * another thread right after it is the caller's to prevent.) */
+kiln_status kiln_handle_sole_user(const void *h, kiln_handle_kind kind, const char *fn);
+
 /* Take h out of the table so that it can be freed: KILN_OK, and its head now carries the dead
  * magic. Refused (h stays registered, nothing changes) with the check's errors, or with
  * KILN_ERR_STATE naming the number of users while any remain. */

@@ -45,6 +45,7 @@ kiln_status kiln_debug_poison_context(kiln_context *c) {
 kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params,
                                 kiln_context **out) {
     KILN_TRY(kiln_handle_check(m, KILN_HANDLE_MODEL, "kiln_context_create"));
+    KILN_TRY(kiln_model_weights_check(m, "kiln_context_create"));
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: out must be set");
     kiln_context_params p = params ? *params : kiln_context_default_params();
     if (p.n_ctx < 0 || p.n_batch < 0 || p.n_threads < 0)

@@ -50,7 +50,20 @@ struct kiln_model {
      * change), read and written under model_fingerprint.c's lock */
     uint8_t fingerprint[32];
     int fingerprint_done;
+    /* kiln_model_release_weights: the weights the model owned are given back; the model still
+     * answers for its config, tokenizer and tensor names, not for its weights */
+    int weights_released;
 };
+
+/* Give back the memory of the weights the model owns (a created model's initial weights;
+ * vectors converted and tensors re-laid at load), every backend forgetting them first, once
+ * nothing will read them again: a trainer holding its own copy, the model's only user
+ * (kiln_train_release_source). From then on kiln_model_weights_check refuses what would read
+ * them (contexts, engines, trainers, teachers, fingerprints); config, tokenizer and names
+ * stay. A file's mapped pages are left to the page cache. */
+void kiln_model_release_weights(kiln_model *m);
+/* KILN_OK, or KILN_ERR_STATE naming call when m's weights were released. */
+kiln_status kiln_model_weights_check(const kiln_model *m, const char *call);
 
 /* The file's tensor of that name (GGUF or safetensors; a multimodal folder's
  * "model.language_model.X" answers for "model.X"), or NULL: absent, or a model made by

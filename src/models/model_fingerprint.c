@@ -224,6 +224,7 @@ kiln_status kiln_model_fingerprint_tensors(const kiln_model *cm, uint8_t fp[32],
 
 KILN_API kiln_status kiln_model_fingerprint(const kiln_model *m, uint8_t out[32]) {
     KILN_TRY(kiln_handle_check(m, KILN_HANDLE_MODEL, "kiln_model_fingerprint"));
+    KILN_TRY(kiln_model_weights_check(m, "kiln_model_fingerprint"));
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_model_fingerprint: out is NULL");
     kiln_model *mm = (kiln_model *)m; /* the cache: a value of the immutable weights */
     pthread_mutex_lock(&g_cache_lock);

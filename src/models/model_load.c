@@ -502,6 +502,27 @@ static kiln_status forget_role(void *ctx, const kiln_param_role *r, int layer) {
     return KILN_OK;
 }
 
+void kiln_model_release_weights(kiln_model *m) {
+    if (!m || m->weights_released) return;
+    if (m->arch && m->refs && m->layer_refs) (void)kiln_arch_walk(m->arch, m->cfg.n_layer, forget_role, m);
+    for (kiln_model_chunk *c = m->chunks; c;) {
+        kiln_model_chunk *next = c->next;
+        kiln_free(c);
+        c = next;
+    }
+    m->chunks = NULL;
+    kiln_free(m->init_block);
+    m->init_block = NULL;
+    m->weights_released = 1;
+}
+
+kiln_status kiln_model_weights_check(const kiln_model *m, const char *call) {
+    if (m->weights_released)
+        return kiln_error(KILN_ERR_STATE, "%s: the model's weights were given back after a trainer copied them "
+                                          "(kiln_model_release_weights); open the model again", call);
+    return KILN_OK;
+}
+
 void kiln_model_close(kiln_model *m) {
     if (!m) return;
     /* refused (m untouched, the error recorded) for a bad handle or while users remain */

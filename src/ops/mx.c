@@ -93,6 +93,10 @@ uint32_t kiln_mx_random24(uint64_t seed, uint64_t tensor_id, uint64_t index) {
     return (uint32_t)(h >> 40);
 }
 
+uint64_t kiln_mx_backward_key(uint64_t seed, uint64_t step, uint64_t micro) {
+    return mix64(mix64(mix64(seed + UINT64_C(0x6a09e667f3bcc908)) ^ step) ^ micro);
+}
+
 /* How a block's mantissas are rounded: to nearest even, or stochastically with the random
  * numbers of (seed, tensor_id, index0 + i) for element i. */
 typedef struct mx_rounding {

@@ -99,6 +99,13 @@ kiln_status kiln_mx_quantize_stochastic(kiln_mx_matrix *m, const float *a, int64
  *   h = mix(mix(mix(seed + 0x9e3779b97f4a7c15) ^ tensor_id) ^ index),  u = h >> 40. */
 uint32_t kiln_mx_random24(uint64_t seed, uint64_t tensor_id, uint64_t index);
 
+/* The stochastic rounding's seed of a training backward (kiln_backend_cpu_stochastic_grads'
+ * key): of the run's seed, the optimizer steps done before it and the micro-batch's index in
+ * its step (0, 1, ... in the order one process runs them: a data-parallel rank's is its place
+ * in that order), with mix as above:
+ *   key = mix(mix(mix(seed + 0x6a09e667f3bcc908) ^ step) ^ micro). */
+uint64_t kiln_mx_backward_key(uint64_t seed, uint64_t step, uint64_t micro);
+
 /* The exact decoded value of element i of block b of row j, as a (mantissa, exponent) pair:
  * value = *mant * 2^*exp2 (mant = q or hi*128+lo; for a zero or non-finite block mant = 0).
  * For tests and tools. */

@@ -582,6 +582,14 @@ typedef struct kiln_backend_i {
     void (*rope_kv_store)(kiln_backend *be, float *q, float *k, const float *v, const int32_t *pos, int N, int NH,
                           int KVH, int HS, const float *cos_tab, const float *sin_tab, float *k_pool,
                           float *v_pool, const int32_t *slots);
+
+    /* Optional (NULL: the backend has no exact-format training): in an exact format's mode,
+     * how the following backward quantizes its gradient operands (dy of dx = dy W and dy^T of
+     * dW = dy^T x): stochastic != 0 with the random numbers of the run's seed, the optimizer
+     * steps done and the micro-batch's place in its step (docs/ARITHMETIC.md, "Training in a
+     * format"), else to nearest even. Called at each backward's start; it restarts the count
+     * of the backward's products that keys each one's random numbers. */
+    void (*grad_rounding)(kiln_backend *be, int stochastic, uint64_t seed, uint64_t step, uint64_t micro);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

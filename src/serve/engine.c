@@ -795,6 +795,7 @@ static void *zalloc(size_t n, size_t size, int *ok) {
 
 kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, kiln_engine **out) {
     KILN_TRY(kiln_handle_check(m, KILN_HANDLE_MODEL, "kiln_engine_create"));
+    KILN_TRY(kiln_model_weights_check(m, "kiln_engine_create"));
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_create: out must be set");
     kiln_engine_params p = params ? *params : kiln_engine_default_params();
     if (p.n_ctx < 0 || p.max_batch_tokens < 0 || p.max_seqs < 0 || p.kv_blocks < 0 || p.max_queue < 0 ||

@@ -159,6 +159,7 @@ kiln_status kiln_teacher_create_ex(kiln_model *teacher, kiln_trainer *student, c
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "%s: out is NULL", call);
     *out = NULL;
     KILN_TRY(kiln_handle_check(teacher, KILN_HANDLE_MODEL, call));
+    KILN_TRY(kiln_model_weights_check(teacher, call));
     KILN_TRY(kiln_trainer_enter(student, call));
     const kiln_model *sm = kiln_trainer_model(student);
     /* A head padded past the tokenizer (Qwen2.5's 151,936 rows for 151,665 tokens) is read on

@@ -492,6 +492,7 @@ kiln_status kiln_trainer_status(const kiln_trainer *t) { return kiln_trainer_ent
 static kiln_status trainer_create(kiln_model *m, const kiln_train_params *params, int rank, int ranks,
                                   kiln_trainer **out) {
     KILN_TRY(kiln_handle_check(m, KILN_HANDLE_MODEL, "kiln_trainer_create"));
+    KILN_TRY(kiln_model_weights_check(m, "kiln_trainer_create"));
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: out must be set");
     kiln_train_params p = params ? *params : kiln_train_default_params();
     if (p.max_seq < 2 || p.max_seq > m->cfg.n_ctx_train)
@@ -509,6 +510,9 @@ static kiln_status trainer_create(kiln_model *m, const kiln_train_params *params
     if (p.device < -1)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: device %d: use -1 (CPU) or a CUDA device index >= 0",
                           p.device);
+    if ((unsigned)p.format_rounding > KILN_ROUND_STOCHASTIC)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: format_rounding %d: use KILN_ROUND_NEAREST (0) "
+                          "or KILN_ROUND_STOCHASTIC (1)", p.format_rounding);
     if (p.format != KILN_FORMAT_F32 && p.device >= 0)
         return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: the exact formats (mx16, mx8) train on the CPU "
                           "only for now (their CUDA kernels are not written yet)");
@@ -1006,6 +1010,14 @@ static void zero_grads(kiln_trainer *t) {
 static kiln_status begin_grads(kiln_trainer *t, int accumulate) {
     t->grads_finite = 0;
     t->emb_acc_live = 0;
+    t->micro = accumulate ? t->micro + 1 : 0;
+    if (t->mx && t->p.format_rounding == KILN_ROUND_STOCHASTIC) {
+        /* the micro-batch's place in the step as one process orders them: a rank's gradient
+         * is one micro-batch (accumulation is refused with ranks), its place the rank's */
+        const uint64_t micro = (uint64_t)t->micro + (uint64_t)kiln_train_dp_rank(t);
+        if (t->be->i->grad_rounding)
+            t->be->i->grad_rounding(t->be, 1, t->p.seed, (uint64_t)kiln_adamw_get_step(t->opt_mat), micro);
+    }
     if (accumulate) {
         KILN_TRY(apply_grad_coef(t));
         /* the embedding's rows (and a tied head's dW) of this micro-step go to a zeroed
@@ -1716,6 +1728,13 @@ kiln_status kiln_train_describe(const kiln_trainer *t, char *buf, size_t cap, ki
 }
 
 const kiln_model *kiln_trainer_model(const kiln_trainer *t) { return t ? t->model : NULL; }
+
+kiln_status kiln_train_release_source(kiln_trainer *t) {
+    KILN_TRY(kiln_trainer_enter(t, "kiln_train_release_source"));
+    KILN_TRY(kiln_handle_sole_user(t->model, KILN_HANDLE_MODEL, "kiln_train_release_source"));
+    kiln_model_release_weights(t->model);
+    return KILN_OK;
+}
 
 /* ---- checkpoints ------------------------------------------------------------------------ */
 

@@ -7,6 +7,12 @@
 
 /* The model the trainer was created from (config, architecture, tokenizer). */
 const kiln_model *kiln_trainer_model(const kiln_trainer *t);
+/* The source model's weights given back (kiln_model_release_weights: a created model's
+ * initial weights, a loaded one's converted tensors) now that the trainer holds its own copy
+ * of every weight. KILN_ERR_STATE when the model has another user (a context, a teacher,
+ * another trainer), which still reads them. The model then refuses new contexts, trainers and
+ * fingerprints; the trainer's export, checkpoints and evaluation are its own. */
+kiln_status kiln_train_release_source(kiln_trainer *t);
 /* kiln_train_param_file_shape is public (include/kiln.h). */
 /* The API boundary of a trainer call: t a live trainer (base/handle.h) whose backend is not
  * poisoned (KILN_ERR_POISONED otherwise), errors naming call. */

@@ -69,6 +69,7 @@ struct kiln_trainer {
      * the weights changed since (set with shadow_stale), and the next forward drops them. */
     int mx;
     int mx_stale;
+    int micro; /* the current backward's micro-batch in its step: 0, then + 1 per accumulating one */
     int step_writes_shadow; /* every parameter's optimizer step writes its bf16 copy (w16) */
     float *grad_block;  /* (n_grad) every gradient, each 16-float aligned */
     size_t n_grad;      /* floats in grad_block (a multiple of 16) */

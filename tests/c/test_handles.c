@@ -11,6 +11,7 @@
 #include "base/base.h"
 #include "base/handle.h"
 #include "generate/generate.h"
+#include "train/trainer.h"
 #include "test_util.h"
 
 #include <kiln.h>
@@ -253,6 +254,42 @@ static void allocator_refused_while_open(void) {
     CHECK(kiln_set_allocator(NULL) == KILN_OK);
 }
 
+/* kiln_train_release_source: refused while the model has another user; after it the trainer
+ * trains on its own copy, the model answers for its info and refuses what reads weights. */
+static void release_source(const char *tokp, int V) {
+    kiln_model *m = tiny_model(tokp, V);
+    if (!m) return;
+    kiln_context *c = small_context(m, 1);
+    kiln_train_params tp = kiln_train_default_params();
+    tp.max_seq = 8;
+    tp.n_threads = 1;
+    kiln_trainer *t = NULL;
+    CHECK_MSG(kiln_trainer_create(m, &tp, &t) == KILN_OK, "%s", kiln_last_error());
+    if (!c || !t) return;
+    const int32_t ids[5] = {5, 6, 7, 8, 9};
+    float before = 0, after = 0;
+    CHECK(kiln_train_forward(t, ids, 4, ids + 1, KILN_LOSS_MEAN, 1.0f, &before) == KILN_OK);
+    CHECK(kiln_train_discard(t) == KILN_OK);
+    CHECK_ERR(kiln_train_release_source(t), KILN_ERR_STATE, "2 users"); /* the context reads them */
+    CHECK(kiln_decode(c, ids, 3, 0, NULL) == KILN_OK);
+    kiln_context_free(c);
+    CHECK_MSG(kiln_train_release_source(t) == KILN_OK, "%s", kiln_last_error());
+    CHECK(kiln_train_release_source(t) == KILN_OK); /* again: nothing more to give back */
+    CHECK(kiln_train_forward(t, ids, 4, ids + 1, KILN_LOSS_MEAN, 1.0f, &after) == KILN_OK);
+    CHECK(kiln_train_discard(t) == KILN_OK);
+    CHECK_MSG(before == after, "the trainer's loss %g after the release, %g before", after, before);
+    kiln_model_info info;
+    CHECK(kiln_model_get_info(m, &info) == KILN_OK && info.n_vocab == V);
+    kiln_context *c2 = NULL;
+    CHECK_ERR(kiln_context_create(m, NULL, &c2), KILN_ERR_STATE, "given back");
+    kiln_trainer *t2 = NULL;
+    CHECK_ERR(kiln_trainer_create(m, &tp, &t2), KILN_ERR_STATE, "given back");
+    uint8_t fp[32];
+    CHECK_ERR(kiln_model_fingerprint(m, fp), KILN_ERR_STATE, "given back");
+    kiln_trainer_free(t);
+    kiln_model_close(m);
+}
+
 int main(void) {
     sampler_misuse();
     many_handles();
@@ -264,6 +301,7 @@ int main(void) {
         return test_finish("test_handles");
     }
     model_users(tokp, V);
+    release_source(tokp, V);
     poisoned(tokp, V);
     kiln_mem_stats ms;
     kiln_mem_get_stats(&ms);

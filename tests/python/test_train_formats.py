@@ -18,8 +18,9 @@ from test_parity import build_model
 from test_train_cli import TEXT
 
 
-def curve(m, fmt, threads=2, steps=40):
-    tr = kiln.Trainer(m, max_seq=32, n_threads=threads, max_batch=2, format=fmt, lr=3e-3)
+def curve(m, fmt, threads=2, steps=40, rounding="nearest", seed=0):
+    tr = kiln.Trainer(m, max_seq=32, n_threads=threads, max_batch=2, format=fmt, lr=3e-3, format_rounding=rounding,
+                      seed=seed)
     rng = np.random.default_rng(0)
     batches = [rng.integers(3, m.n_vocab, size=(2, 24)).astype(np.int32) for _ in range(4)]
     out = []
@@ -53,6 +54,31 @@ def test_training_curves_follow_f32(tiny):
         assert np.array_equal(one.astype(np.float32).view(np.uint32), got[:6].astype(np.float32).view(np.uint32))
 
 
+def test_stochastic_rounding_of_the_gradients(tiny):
+    """format_rounding="stochastic": the backward's gradient operands (dy, dy^T) rounded
+    stochastically, keyed by the seed, the step and the micro-batch: the curve still follows
+    f32's, differs from rounding to nearest, is the same bits on 1 and 2 threads and for the
+    same seed, and another seed gives other bits."""
+    _, m = tiny
+    f32, _ = curve(m, "f32")
+    for fmt, bound in (("mx16", 5e-3), ("mx8", 6e-2)):
+        near, _ = curve(m, fmt)
+        got, _ = curve(m, fmt, rounding="stochastic")
+        rel = np.abs(got - f32) / np.abs(f32)
+        reln = np.abs(near - f32) / np.abs(f32)
+        print(f"{fmt} stochastic: worst relative loss difference over 40 steps {rel.max():.2e} (nearest "
+              f"{reln.max():.2e}); mean {rel.mean():.2e} (nearest {reln.mean():.2e})")
+        assert rel.max() < bound, (fmt, rel.max())
+        assert not np.array_equal(got[1:], near[1:])  # the first step's loss is the forward's alone
+        assert got[0] == near[0]
+        one, _ = curve(m, fmt, threads=1, steps=6, rounding="stochastic")
+        assert np.array_equal(one.astype(np.float32).view(np.uint32), got[:6].astype(np.float32).view(np.uint32))
+        other, _ = curve(m, fmt, steps=6, rounding="stochastic", seed=7)
+        assert not np.array_equal(other[1:], got[1:6])
+    with pytest.raises(ValueError, match="format_rounding"):
+        kiln.Trainer(m, max_seq=16, format="mx8", format_rounding="up")
+
+
 def test_training_formats_differ_and_refusals(tiny):
     _, m = tiny
     a, _ = curve(m, "mx16", steps=3)
@@ -81,3 +107,19 @@ def test_cli_train_format(tiny, tmp_path, build_dir):
     assert r.returncode == 0 and "at step 3" in r.stderr, r.stderr[-2000:]
     r = subprocess.run([kiln_bin, "train", *args, "--format", "mx3"], capture_output=True, text=True)
     assert r.returncode == 2 and "--format" in r.stderr
+    r = subprocess.run([kiln_bin, "train", *args, "--format-rounding", "stochastic"], capture_output=True, text=True)
+    assert r.returncode == 2 and "goes with --format mx16 or mx8" in r.stderr, r.stderr
+    # stochastic rounding resumes to the same bits: its random numbers are keyed by the step
+    sr = ["--format", "mx8", "--format-rounding", "stochastic", "--overwrite"]
+    whole = [a if a != str(tmp_path / "run") else str(tmp_path / "whole") for a in args]
+    r = subprocess.run([kiln_bin, "train", *whole, *sr], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([kiln_bin, "train", *args, *sr, "--stop-after", "3"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([kiln_bin, "train", *args, "--format", "mx8", "--resume"], capture_output=True, text=True)
+    assert r.returncode != 0 and "--format-rounding: checkpoint stochastic, now nearest" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run([kiln_bin, "train", *args, "--format", "mx8", "--format-rounding", "stochastic", "--resume"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    losses = [(tmp_path / d / "metrics.csv").read_text().splitlines()[-1].split(",")[:3] for d in ("whole", "run")]
+    assert losses[0] == losses[1], losses

@@ -35,6 +35,11 @@ typedef struct cpu_ctx {
     struct mx_weight *mx_w;
     int n_mx_w, cap_mx_w;
     kiln_mx_matrix mx_x[4];
+    /* training in an exact format with stochastic rounding (ops.h grad_rounding):
+     * the backward's gradient operands rounded stochastically under sr_key, the backward's
+     * products counted from 0 (sr_count) to key each one's random numbers */
+    int sr_on;
+    uint64_t sr_key, sr_count;
     kiln_status err; /* KILN_OK unless poisoned on purpose (kiln_backend_cpu_poison) */
     char msg[256];
 } cpu_ctx;
@@ -358,6 +363,14 @@ static void matmul_mx(cpu_ctx *c, float *out, const float *x, const kiln_tensor 
             for (int64_t r = 0; r < R; r++) out[n * R + r] = out[n * R + r] + bias[r];
 }
 
+/* ops.h grad_rounding: the key of kiln_mx_backward_key; the products counted from 0 */
+static void cpu_grad_rounding(kiln_backend *be, int stochastic, uint64_t seed, uint64_t step, uint64_t micro) {
+    cpu_ctx *c = ctx_of(be);
+    c->sr_on = stochastic && c->mx;
+    c->sr_key = kiln_mx_backward_key(seed, step, micro);
+    c->sr_count = 0;
+}
+
 /* ops.h forget: drop the quantized copies of weights in [host, host + nbytes). */
 static void cpu_forget(kiln_backend *be, const void *host, size_t nbytes) {
     cpu_ctx *c = ctx_of(be);
@@ -543,10 +556,14 @@ static void transpose_f32(float *t, const float *a, int64_t rows, int64_t cols) 
  *   dx(N, C)  = dy(N, R) W(R, C):   dy quantized along R, W^T (cached like W) along R;
  *   dW(R, C) += dy^T x:             dy^T (R, N) and x^T (C, N) quantized along N;
  * each rounded once to f32, then (accumulate_dx, dW) added to the destination as f32 adds.
- * dbias: the f32 sum over the tokens, as the exact path. */
+ * With stochastic rounding on (ops.h grad_rounding) dy and dy^T are quantized
+ * stochastically, tensor ids 2i and 2i + 1 for the backward's i-th product; W^T and x^T to
+ * nearest even. dbias: the f32 sum over the tokens, as the exact path. */
 static void matmul_backward_mx(cpu_ctx *c, float *dx, float *dW, float *dbias, const float *dy, const float *x,
                                const kiln_tensor *W, int N, bool accumulate_dx) {
     const int64_t C = W->shape[W->n_dims - 1], R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
+    /* this product's tensor ids under stochastic rounding: 2i for dy, 2i + 1 for dy^T */
+    const uint64_t sr_id = 2 * c->sr_count++;
     if (c->err != KILN_OK || N <= 0 || R <= 0) return;
     if (dbias) kiln_cpu_matmul_backward(c->pool, c->k, NULL, NULL, dbias, dy, x, W, N, false);
     if (R > KILN_MX_MAX_K || N > KILN_MX_MAX_K) {
@@ -560,7 +577,9 @@ static void matmul_backward_mx(cpu_ctx *c, float *dx, float *dW, float *dbias, c
         kiln_mx_matrix q = {0};
         float *tmp = accumulate_dx ? kiln_malloc((size_t)N * (size_t)C * sizeof(float)) : NULL;
         st = !wt || (accumulate_dx && !tmp) ? KILN_ERR_NOMEM : kiln_mx_matrix_alloc(&q, (kiln_mx_kind)c->mx, N, R);
-        if (st == KILN_OK) st = kiln_mx_quantize(&q, dy, R, c->pool);
+        if (st == KILN_OK)
+            st = c->sr_on ? kiln_mx_quantize_stochastic(&q, dy, R, c->sr_key, sr_id, c->pool)
+                          : kiln_mx_quantize(&q, dy, R, c->pool);
         if (st == KILN_OK)
             st = kiln_mx_matmul_cpu(&q, wt, tmp ? tmp : dx, C, c->pool,
                                     path == KILN_CPU_PATH_AVX512 && N < KILN_MX_VNNI_MIN_N ? KILN_CPU_PATH_AVX2 : path);
@@ -578,7 +597,8 @@ static void matmul_backward_mx(cpu_ctx *c, float *dx, float *dW, float *dbias, c
         if (st == KILN_OK) {
             transpose_f32(t, dy, N, R);
             transpose_f32(t + (size_t)R * N, x, N, C);
-            st = kiln_mx_quantize(&qd, t, N, c->pool);
+            st = c->sr_on ? kiln_mx_quantize_stochastic(&qd, t, N, c->sr_key, sr_id + 1, c->pool)
+                          : kiln_mx_quantize(&qd, t, N, c->pool);
         }
         if (st == KILN_OK) st = kiln_mx_quantize(&qx, t + (size_t)R * N, N, c->pool);
         if (st == KILN_OK) st = kiln_mx_matmul_cpu(&qd, &qx, prod, C, c->pool, kiln_mx_select_path(R));
@@ -871,6 +891,7 @@ static const kiln_backend_i cpu_iface = {
     .download = cpu_copy,
     .status = cpu_status,
     .forget = cpu_forget,
+    .grad_rounding = cpu_grad_rounding,
     .kv_store_rows = cpu_kv_store_rows,
     .attention_paged = cpu_attention_paged,
     .get_rows = cpu_get_rows,

@@ -36,6 +36,43 @@ typedef struct kiln_mm_args {
         for (; r < r1; r++) TILE(a, r, t, 1, 1);                                               \
     }
 
+/* The block formats' rows with 4 tokens or more (for the SIMD files): GROUP rows at a time
+ * dequantized once per TILE-token tile into f32 on the stack (STORE(dst, block) writes a
+ * block's 32 values, the ones the block tile would multiply), then multiplied by the tile's
+ * tokens as f32 rows (F32_ROWS, the plain-type driver). Each output takes the same products in
+ * the same order as in the block tile, so the same bits; the dequantization is done once per
+ * rows x token tile instead of once per tile of a few tokens, and the f32 tiles reuse each
+ * loaded vector more. Rows longer than KILN_DEQ_ROWS_MAX_C (the stack's GROUP x 32 KiB) and
+ * fewer than 4 tokens take BLOCK_ROWS, the block tile's driver. */
+#define KILN_DEQ_ROWS_MAX_C 8192
+#define KILN_DEFINE_DEQ_ROWS(NAME, BLOCK_ROWS, F32_ROWS, STORE, BLOCK_BYTES, GROUP, TILE)         \
+    TGT static void NAME(const kiln_mm_args *a, int64_t r0, int64_t r1) {                      \
+        if (a->N < 4 || a->C > KILN_DEQ_ROWS_MAX_C) {                                          \
+            BLOCK_ROWS(a, r0, r1);                                                             \
+            return;                                                                            \
+        }                                                                                      \
+        _Alignas(64) float w[(GROUP) * KILN_DEQ_ROWS_MAX_C];                                   \
+        const int64_t C = a->C, nb = C / 32;                                                   \
+        kiln_mm_args f = *a; /* the group's rows as f32 rows 0..rb-1 */                        \
+        f.w = (const uint8_t *)w;                                                              \
+        f.row_bytes = (size_t)C * sizeof(float);                                               \
+        f.dtype = KILN_DTYPE_F32;                                                              \
+        for (int t0 = 0; t0 < a->N; t0 += (TILE)) {                                            \
+            f.N = a->N - t0 < (TILE) ? a->N - t0 : (TILE);                                     \
+            f.x = a->x + (int64_t)t0 * a->ldx;                                                 \
+            for (int64_t r = r0; r < r1; r += (GROUP)) {                                       \
+                const int64_t rb = r1 - r < (GROUP) ? r1 - r : (GROUP);                        \
+                for (int64_t rr = 0; rr < rb; rr++) {                                          \
+                    const uint8_t *q = a->w + (size_t)(r + rr) * a->row_bytes;                 \
+                    for (int64_t b = 0; b < nb; b++) STORE(w + rr * C + b * 32, q + (size_t)b * (BLOCK_BYTES)); \
+                }                                                                              \
+                f.out = a->out + (int64_t)t0 * a->ldo + r;                                     \
+                f.bias = a->bias ? a->bias + r : NULL;                                         \
+                F32_ROWS(&f, 0, rb);                                                           \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
 typedef struct kiln_cpu_kernels {
     kiln_cpu_path path;
     /* Continue the 16 lane accumulators over a[0..n) * b[0..n) (kiln_dot_accum_ref). */

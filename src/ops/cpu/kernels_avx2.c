@@ -399,48 +399,19 @@ DEFINE_PLAIN_ROWS(rows_f32, tile_f32, half_f32)
 DEFINE_PLAIN_ROWS(rows_f16, tile_f16, half_f16)
 DEFINE_PLAIN_ROWS(rows_bf16, tile_bf16, half_bf16)
 
-/* Block formats with 4 tokens or more: DEQ_ROWS rows at a time dequantized once per token
- * tile into f32 (the DEQ values, row after row, on the stack), then multiplied by the tile's
- * tokens as f32 rows (rows_f32's 3 x 3 half tiles). Each output's lanes take the same
- * products in the same order as in the block tile, so the same bits; the dequantization is
- * done once per rows x token tile instead of once per 4 tokens. Rows longer than
- * DEQ_ROWS_MAX_C (the stack's 96 KiB) and fewer than 4 tokens take the block tile. */
-#define DEQ_ROWS 3
-#define DEQ_ROWS_MAX_C 8192
-#define DEFINE_DEQ_ROWS(NAME, BLOCK_ROWS, DEQ, BLOCK_BYTES)                                    \
-    TGT static void NAME(const kiln_mm_args *a, int64_t r0, int64_t r1) {                      \
-        if (a->N < 4 || a->C > DEQ_ROWS_MAX_C) {                                               \
-            BLOCK_ROWS(a, r0, r1);                                                             \
-            return;                                                                            \
-        }                                                                                      \
-        _Alignas(32) float w[DEQ_ROWS * DEQ_ROWS_MAX_C];                                       \
-        const int64_t C = a->C, nb = C / 32;                                                   \
-        kiln_mm_args f = *a; /* the group's rows as f32 rows 0..rb-1 */                        \
-        f.w = (const uint8_t *)w;                                                              \
-        f.row_bytes = (size_t)C * sizeof(float);                                               \
-        f.dtype = KILN_DTYPE_F32;                                                              \
-        for (int t0 = 0; t0 < a->N; t0 += TOKEN_TILE) {                                        \
-            f.N = a->N - t0 < TOKEN_TILE ? a->N - t0 : TOKEN_TILE;                             \
-            f.x = a->x + (int64_t)t0 * a->ldx;                                                 \
-            for (int64_t r = r0; r < r1; r += DEQ_ROWS) {                                      \
-                const int64_t rb = r1 - r < DEQ_ROWS ? r1 - r : DEQ_ROWS;                      \
-                for (int64_t rr = 0; rr < rb; rr++) {                                          \
-                    const uint8_t *q = a->w + (size_t)(r + rr) * a->row_bytes;                 \
-                    for (int64_t b = 0; b < nb; b++) {                                         \
-                        blk32 d = DEQ(q + (size_t)b * BLOCK_BYTES);                            \
-                        for (int k = 0; k < 4; k++) _mm256_store_ps(w + rr * C + b * 32 + 8 * k, d.v[k]); \
-                    }                                                                          \
-                }                                                                              \
-                f.out = a->out + (int64_t)t0 * a->ldo + r;                                     \
-                f.bias = a->bias ? a->bias + r : NULL;                                         \
-                rows_f32(&f, 0, rb);                                                           \
-            }                                                                                  \
-        }                                                                                      \
+/* The block formats' rows with 4 tokens or more: KILN_DEFINE_DEQ_ROWS, 3 rows a group (for
+ * rows_f32's 3 x 3 half tiles). */
+#define DEFINE_DEQ_STORE(NAME, DEQ)                                                            \
+    TGT_INLINE void NAME(float *dst, const uint8_t *block) {                                   \
+        blk32 d = DEQ(block);                                                                  \
+        for (int k = 0; k < 4; k++) _mm256_store_ps(dst + 8 * k, d.v[k]);                      \
     }
-
-DEFINE_DEQ_ROWS(rows_q8_0, block_rows_q8_0, deq_q8_0, 34)
-DEFINE_DEQ_ROWS(rows_q4_1, block_rows_q4_1, deq_q4_1, 20)
-DEFINE_DEQ_ROWS(rows_q4_0, block_rows_q4_0, deq_q4_0, 18)
+DEFINE_DEQ_STORE(store_q8_0, deq_q8_0)
+DEFINE_DEQ_STORE(store_q4_1, deq_q4_1)
+DEFINE_DEQ_STORE(store_q4_0, deq_q4_0)
+KILN_DEFINE_DEQ_ROWS(rows_q8_0, block_rows_q8_0, rows_f32, store_q8_0, 34, 3, TOKEN_TILE)
+KILN_DEFINE_DEQ_ROWS(rows_q4_1, block_rows_q4_1, rows_f32, store_q4_1, 20, 3, TOKEN_TILE)
+KILN_DEFINE_DEQ_ROWS(rows_q4_0, block_rows_q4_0, rows_f32, store_q4_0, 18, 3, TOKEN_TILE)
 
 static int a_matmul_rows(const kiln_mm_args *a, int64_t r0, int64_t r1) {
     switch (a->dtype) {

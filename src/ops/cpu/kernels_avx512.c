@@ -244,50 +244,20 @@ DEFINE_ROWS(block_rows_q8_0, tile_q8_0)
 DEFINE_ROWS(block_rows_q4_1, tile_q4_1)
 DEFINE_ROWS(block_rows_q4_0, tile_q4_0)
 
-/* Block formats with 4 tokens or more: DEQ_ROWS rows at a time dequantized once per token
- * tile into f32 (the DEQ values, row after row, on the stack), then multiplied by the tile's
- * tokens as f32 rows (rows_f32). Each output's 16 lanes take the same products in the same
- * order as in the block tile (elements 0-15 of block 0, 16-31, then block 1, ...), so the
- * same bits; the dequantization is done once per rows x token tile instead of once per 4
- * tokens, and the f32 tile's 4 x 4 outputs load 8 vectors per 16 FMAs. Rows longer than
- * DEQ_ROWS_MAX_C (the stack's 128 KiB) and fewer than 4 tokens take the block tile. */
-#define DEQ_ROWS 4
-#define DEQ_ROWS_MAX_C 8192
-#define DEFINE_DEQ_ROWS(NAME, BLOCK_ROWS, DEQ, BLOCK_BYTES)                                    \
-    TGT static void NAME(const kiln_mm_args *a, int64_t r0, int64_t r1) {                      \
-        if (a->N < 4 || a->C > DEQ_ROWS_MAX_C) {                                               \
-            BLOCK_ROWS(a, r0, r1);                                                             \
-            return;                                                                            \
-        }                                                                                      \
-        _Alignas(64) float w[DEQ_ROWS * DEQ_ROWS_MAX_C];                                       \
-        const int64_t C = a->C, nb = C / 32;                                                   \
-        kiln_mm_args f = *a; /* the group's rows as f32 rows 0..rb-1 */                        \
-        f.w = (const uint8_t *)w;                                                              \
-        f.row_bytes = (size_t)C * sizeof(float);                                               \
-        f.dtype = KILN_DTYPE_F32;                                                              \
-        for (int t0 = 0; t0 < a->N; t0 += TOKEN_TILE) {                                        \
-            f.N = a->N - t0 < TOKEN_TILE ? a->N - t0 : TOKEN_TILE;                             \
-            f.x = a->x + (int64_t)t0 * a->ldx;                                                 \
-            for (int64_t r = r0; r < r1; r += DEQ_ROWS) {                                      \
-                const int64_t rb = r1 - r < DEQ_ROWS ? r1 - r : DEQ_ROWS;                      \
-                for (int64_t rr = 0; rr < rb; rr++) {                                          \
-                    const uint8_t *q = a->w + (size_t)(r + rr) * a->row_bytes;                 \
-                    for (int64_t b = 0; b < nb; b++) {                                         \
-                        zblk32 d = DEQ(q + (size_t)b * BLOCK_BYTES);                           \
-                        _mm512_store_ps(w + rr * C + b * 32, d.v[0]);                          \
-                        _mm512_store_ps(w + rr * C + b * 32 + 16, d.v[1]);                     \
-                    }                                                                          \
-                }                                                                              \
-                f.out = a->out + (int64_t)t0 * a->ldo + r;                                     \
-                f.bias = a->bias ? a->bias + r : NULL;                                         \
-                rows_f32(&f, 0, rb);                                                           \
-            }                                                                                  \
-        }                                                                                      \
+/* The block formats' rows with 4 tokens or more: KILN_DEFINE_DEQ_ROWS, 4 rows a group (the f32
+ * tile's 4 x 4 outputs load 8 vectors per 16 FMAs). */
+#define DEFINE_DEQ_STORE(NAME, DEQ)                                                            \
+    TGT_INLINE void NAME(float *dst, const uint8_t *block) {                                   \
+        zblk32 d = DEQ(block);                                                                 \
+        _mm512_store_ps(dst, d.v[0]);                                                          \
+        _mm512_store_ps(dst + 16, d.v[1]);                                                     \
     }
-
-DEFINE_DEQ_ROWS(rows_q8_0, block_rows_q8_0, zdeq_q8_0, 34)
-DEFINE_DEQ_ROWS(rows_q4_1, block_rows_q4_1, zdeq_q4_1, 20)
-DEFINE_DEQ_ROWS(rows_q4_0, block_rows_q4_0, zdeq_q4_0, 18)
+DEFINE_DEQ_STORE(store_q8_0, zdeq_q8_0)
+DEFINE_DEQ_STORE(store_q4_1, zdeq_q4_1)
+DEFINE_DEQ_STORE(store_q4_0, zdeq_q4_0)
+KILN_DEFINE_DEQ_ROWS(rows_q8_0, block_rows_q8_0, rows_f32, store_q8_0, 34, 4, TOKEN_TILE)
+KILN_DEFINE_DEQ_ROWS(rows_q4_1, block_rows_q4_1, rows_f32, store_q4_1, 20, 4, TOKEN_TILE)
+KILN_DEFINE_DEQ_ROWS(rows_q4_0, block_rows_q4_0, rows_f32, store_q4_0, 18, 4, TOKEN_TILE)
 
 static int z_matmul_rows(const kiln_mm_args *a, int64_t r0, int64_t r1) {
     switch (a->dtype) {

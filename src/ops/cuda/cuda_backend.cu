@@ -1852,6 +1852,7 @@ static const kiln_backend_i cuda_iface = {
     /* .sigmoid_mul_backward = */ cu_sigmoid_mul_backward,
     /* .products = */ cu_products,
     /* .rope_kv_store = */ cu_rope_kv_store,
+    /* .grad_rounding = */ NULL, /* no exact formats on this backend yet */
 };
 
 extern "C" kiln_status kiln_cuda_device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes) {
