@@ -610,7 +610,11 @@ static kiln_status make_trainer_on(kiln_model *m, const train_opts *o, kiln_comm
     tp.format_rounding = o->format_rounding;
     tp.n_extra = o->n_extra;
     tp.extra = o->extras;
-    if (comm && kiln_comm_size(comm) > 1) return kiln_train_create_rank(m, &tp, comm, (int)o->zero, tr);
+    /* a fresh run never makes its trainer again: it consumes a --config model's initial weights
+     * as it copies them (a resume may remake it for the checkpoint's settings: it releases the
+     * model after; kiln_train_release_source) */
+    if (comm && kiln_comm_size(comm) > 1)
+        return kiln_train_create_rank(m, &tp, comm, (int)o->zero, !o->resume, tr);
     return kiln_trainer_create(m, &tp, tr);
 }
 

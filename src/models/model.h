@@ -39,6 +39,8 @@ struct kiln_model {
     struct kiln_model_chunk *chunks;
     kiln_tensor *owned_tensors; /* tensors whose data lives in chunks */
     float *init_block;          /* weights of a model made by kiln_model_create */
+    size_t init_bytes;          /* init_block's size */
+    char *names;                /* the created model's tensor names once init_block is given back */
     int n_owned_tensors, cap_owned_tensors;
 
     /* the tensor listing of the file, for kiln_model_get_tensor_info */
@@ -62,6 +64,12 @@ struct kiln_model {
  * them (contexts, engines, trainers, teachers, fingerprints); config, tokenizer and names
  * stay. A file's mapped pages are left to the page cache. */
 void kiln_model_release_weights(kiln_model *m);
+/* A created model's tensor t (in its initial-weight block) read for the last time by a trainer
+ * that consumes the model (kiln_train_create_rank with consume): the whole pages t alone covers
+ * are given back (madvise(MADV_DONTNEED): they read as zero afterwards) and the model counts as
+ * released (kiln_model_weights_check refuses it). Nothing for a loaded model's tensors, nor
+ * under an allocator hook (kiln_allocator_is_default). */
+void kiln_model_give_back_tensor(kiln_model *m, const kiln_tensor *t);
 /* KILN_OK, or KILN_ERR_STATE naming call when m's weights were released. */
 kiln_status kiln_model_weights_check(const kiln_model *m, const char *call);
 

@@ -199,6 +199,7 @@ kiln_status kiln_model_create(const char *config, const char *tokenizer_path, ui
         }
         m->n_file_tensors = m->n_owned_tensors;
         m->init_block = c.block;
+        m->init_bytes = (c.cap ? c.cap : 1) * sizeof(float);
         c.block = NULL;
     }
     kiln_free(c.block);

@@ -2,14 +2,18 @@
  * model_load.c -- open a model (GGUF file or Hugging Face folder), fill its description and
  * bind every weight by role, checking each tensor's presence, dtype and shape.
  */
+#define _DEFAULT_SOURCE /* madvise (Linux, the BSDs) */
 #include "model.h"
 
 #include "../formats/hf_config.h"
 #include "../tokenizer/tokenizer.h"
 
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 /* ---- the model's own storage: a list of chunks freed together ----------------------------- */
 
@@ -503,7 +507,7 @@ static kiln_status forget_role(void *ctx, const kiln_param_role *r, int layer) {
 }
 
 void kiln_model_release_weights(kiln_model *m) {
-    if (!m || m->weights_released) return;
+    if (!m || (m->weights_released && !m->init_block && !m->chunks)) return; /* given back already */
     if (m->arch && m->refs && m->layer_refs) (void)kiln_arch_walk(m->arch, m->cfg.n_layer, forget_role, m);
     for (kiln_model_chunk *c = m->chunks; c;) {
         kiln_model_chunk *next = c->next;
@@ -511,9 +515,32 @@ void kiln_model_release_weights(kiln_model *m) {
         c = next;
     }
     m->chunks = NULL;
+    if (m->init_block) { /* a created model's tensor names live in the block: copied out first */
+        m->names = kiln_malloc((size_t)(m->n_owned_tensors ? m->n_owned_tensors : 1) * 128);
+        for (int i = 0; m->names && i < m->n_owned_tensors; i++) {
+            char *dst = m->names + (size_t)i * 128;
+            snprintf(dst, 128, "%s", m->owned_tensors[i].name);
+            m->owned_tensors[i].name = dst;
+        }
+        if (!m->names) { /* out of memory: the block stays (released in name only) */
+            m->weights_released = 1;
+            return;
+        }
+    }
     kiln_free(m->init_block);
     m->init_block = NULL;
     m->weights_released = 1;
+}
+
+void kiln_model_give_back_tensor(kiln_model *m, const kiln_tensor *t) {
+    if (!m || !t || !m->init_block) return;
+    const uintptr_t b = (uintptr_t)m->init_block, s = (uintptr_t)t->data, e = s + t->nbytes;
+    if (s < b || e > b + m->init_bytes) return;
+    m->weights_released = 1; /* partly zero from here */
+    const long pg = sysconf(_SC_PAGESIZE);
+    if (pg <= 0 || !kiln_allocator_is_default()) return;
+    const uintptr_t page = (uintptr_t)pg, ps = (s + page - 1) & ~(page - 1), pe = e & ~(page - 1);
+    if (ps < pe) (void)madvise((void *)ps, pe - ps, MADV_DONTNEED);
 }
 
 kiln_status kiln_model_weights_check(const kiln_model *m, const char *call) {
@@ -543,6 +570,7 @@ void kiln_model_destroy(kiln_model *m) {
     }
     kiln_free(m->owned_tensors);
     kiln_free(m->init_block);
+    kiln_free(m->names);
     kiln_free(m->refs);
     kiln_free(m->layer_refs);
     kiln_free(m->file_tensors);

@@ -288,6 +288,7 @@ static kiln_status load_from_model(kiln_trainer *t, train_param *p, const kiln_t
             else
                 ((uint16_t *)p->w)[i] = kiln_fp32_to_bf16(tmp[i]);
         }
+        if (t->consume) kiln_model_give_back_tensor(t->model, src_t);
         return KILN_OK;
     }
     float *dst = (t->host && p->dtype == KILN_DTYPE_F32) ? (float *)p->w : tmp;
@@ -490,7 +491,7 @@ kiln_status kiln_trainer_status(const kiln_trainer *t) { return kiln_trainer_ent
 /* kiln_trainer_create; with ranks > 1, a host trainer made lean for rank `rank` of a ZeRO-3 run
  * (t->lean: only its range written, its optimizers over it; kiln_train_dp_attach follows). */
 static kiln_status trainer_create(kiln_model *m, const kiln_train_params *params, int rank, int ranks,
-                                  kiln_trainer **out) {
+                                  int consume, kiln_trainer **out) {
     KILN_TRY(kiln_handle_check(m, KILN_HANDLE_MODEL, "kiln_trainer_create"));
     KILN_TRY(kiln_model_weights_check(m, "kiln_trainer_create"));
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: out must be set");
@@ -580,6 +581,8 @@ static kiln_status trainer_create(kiln_model *m, const kiln_train_params *params
     if (st == KILN_OK && ranks > 1 && t->host) { /* the rank's range, as kiln_train_dp_attach makes it */
         const int64_t S = (total + ranks - 1) / ranks;
         t->lean = 1;
+        /* consuming the model: only as its one user (checked here, where t has become one) */
+        t->consume = consume && kiln_handle_sole_user(m, KILN_HANDLE_MODEL, "kiln_train_create_rank") == KILN_OK;
         t->lean_lo = (int64_t)rank * S < total ? (int64_t)rank * S : total;
         t->lean_hi = t->lean_lo + S < total ? t->lean_lo + S : total;
     }
@@ -671,16 +674,16 @@ static kiln_status trainer_create(kiln_model *m, const kiln_train_params *params
 }
 
 kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, kiln_trainer **out) {
-    return trainer_create(m, params, 0, 1, out);
+    return trainer_create(m, params, 0, 1, 0, out);
 }
 
 kiln_status kiln_train_create_rank(kiln_model *m, const kiln_train_params *params, kiln_comm *c, int zero_stage,
-                                   kiln_trainer **out) {
+                                   int consume, kiln_trainer **out) {
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_create_rank: out must be set");
     *out = NULL;
     const int ranks = kiln_comm_size(c), lean = ranks > 1 && zero_stage == 3 && (!params || params->device < 0);
     kiln_trainer *t = NULL;
-    KILN_TRY(trainer_create(m, params, lean ? kiln_comm_rank(c) : 0, lean ? ranks : 1, &t));
+    KILN_TRY(trainer_create(m, params, lean ? kiln_comm_rank(c) : 0, lean ? ranks : 1, consume, &t));
     kiln_status st = ranks > 1 ? kiln_train_dp_attach(t, c, zero_stage) : KILN_OK;
     if (st != KILN_OK) {
         kiln_trainer_free(t);

@@ -89,9 +89,14 @@ kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c, int zero_stage);
 /* kiln_trainer_create, then kiln_train_dp_attach when c has more than one rank: with ZeRO-3 on
  * the CPU the trainer is made for its rank from the start (only the rank's range of the
  * weights is written and its optimizers cover that range; the pages of the rest are never
- * touched), so no rank ever holds the whole training state. */
+ * touched), so no rank ever holds the whole training state. consume (made lean, and the model's
+ * only user): the trainer consumes a created model's initial weights as it copies them, each
+ * matrix's pages given back once read (kiln_model_give_back_tensor), so that they are never
+ * whole beside the trainer; the model refuses contexts and trainers from then on (a caller that
+ * may make a trainer from it again, as a resume on other settings does, passes 0 and calls
+ * kiln_train_release_source once it is done with the model). */
 kiln_status kiln_train_create_rank(kiln_model *m, const kiln_train_params *p, kiln_comm *c, int zero_stage,
-                                   kiln_trainer **out);
+                                   int consume, kiln_trainer **out);
 /* After this rank's micro-step(s): the gradients summed over the ranks (rank order from +0),
  * this rank keeping its range of the sum (the rest of its gradient buffers is stale). Stage 3
  * did that layer by layer in the step: nothing to do. */

@@ -146,6 +146,9 @@ struct kiln_trainer {
      * create; the blocks' other pages were never touched, and the optimizers cover that range */
     int lean;
     int64_t lean_lo, lean_hi;
+    /* lean and consuming its model (kiln_train_create_rank with consume): each matrix's pages in
+     * the model given back once its elements are copied (kiln_model_give_back_tensor) */
+    int consume;
     int64_t *mat_off, *vec_off; /* (n_params) element offset of each optimizer slot */
 };
 

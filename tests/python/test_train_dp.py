@@ -445,8 +445,12 @@ def test_zero3_weights_memory_per_rank(setup, build_dir):
     assert rss[3] <= rss[2] - 0.9 * released, (rss, released)
     assert peak[3] <= peak[2] - 0.9 * released, (peak, released)
     # the source model's initial weights (--config: 76 MB on every rank) are given back once the
-    # trainer has its copy (kiln_train_release_source): the run ends that far below its peak
-    assert rss[3] <= peak[3] - 0.9 * whole / 1048576, (rss, peak, whole)
+    # trainer has its copy (kiln_train_release_source), and a ZeRO-3 rank consumes them as it
+    # copies them (kiln_train_create_rank with consume): they never sit whole beside the trainer,
+    # so its peak stays within half of them of where the run ends
+    assert rss[2] <= peak[2] - 0.5 * whole / 1048576, (rss, peak, whole)
+    assert peak[3] <= rss[3] + 0.5 * whole / 1048576, (rss, peak, whole)
+    same_run(base / "z3rss2", base / "z3rss3", 1)  # consumed, not damaged: the same weights
 
 
 def test_zero3_evaluation_equals_one_process(setup, build_dir):
