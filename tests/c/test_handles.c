@@ -280,6 +280,8 @@ static void release_source(const char *tokp, int V) {
     CHECK_MSG(before == after, "the trainer's loss %g after the release, %g before", after, before);
     kiln_model_info info;
     CHECK(kiln_model_get_info(m, &info) == KILN_OK && info.n_vocab == V);
+    kiln_tensor_info ti; /* the names outlive the block they were made in */
+    CHECK(kiln_model_get_tensor_info(m, 0, &ti) == KILN_OK && ti.name && !strcmp(ti.name, "model.embed_tokens.weight"));
     kiln_context *c2 = NULL;
     CHECK_ERR(kiln_context_create(m, NULL, &c2), KILN_ERR_STATE, "given back");
     kiln_trainer *t2 = NULL;
