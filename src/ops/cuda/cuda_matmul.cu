@@ -304,6 +304,14 @@ cudaError_t kiln_cuda_matmul_multi_norm(cudaStream_t s, int n, const kiln_cuda_p
     if (!kiln_cuda_dtype_supported(dt) || !product_jobs_ok(n, jobs, x, C, N, &pair) ||
         (uintptr_t)norm_w % 4 || C > INT_MAX)
         return cudaErrorInvalidValue;
+    /* plain types are loaded a whole element at a time (deq_blk), the block types byte by byte:
+     * rows of f32 / f16 / bf16 at an address or a stride that is not a multiple of the element
+     * are not supported (a pair: cudaErrorNotSupported, nothing enqueued, the caller splits it;
+     * a file's tensors are aligned) */
+    const size_t es = dt == KILN_DTYPE_F32 ? 4 : dt == KILN_DTYPE_F16 || dt == KILN_DTYPE_BF16 ? 2 : 1;
+    for (int j = 0; j < n; j++)
+        if ((uintptr_t)jobs[j].w % es || (uintptr_t)jobs[j].w_up % es || jobs[j].row_bytes % es)
+            return pair ? cudaErrorNotSupported : cudaErrorInvalidValue;
     const prod_jobs a = prod_jobs_of(n, jobs, norm_w, eps);
     const int rpb = pair ? MM_ROWS_PER_BLOCK / 2 : MM_ROWS_PER_BLOCK;
     int64_t total = 0;

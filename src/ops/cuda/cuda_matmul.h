@@ -46,7 +46,9 @@ typedef struct kiln_cuda_product_job {
  * kiln_cuda_add of res (one half-warp per row's dot, the CPU's; a pair's two rows in the two
  * halves of a warp). n in 1..KILN_CUDA_PRODUCT_MAX_JOBS; every job a pair or none; res may
  * equal out, otherwise no output may overlap x or another job's output or residual
- * (cudaErrorInvalidValue), nor a weight or bias (not checked). */
+ * (cudaErrorInvalidValue), nor a weight or bias (not checked). f32 / f16 / bf16 rows must start
+ * at a multiple of the element size (w, w_up and row_bytes): otherwise cudaErrorNotSupported
+ * for a pair (nothing enqueued: the caller splits it), cudaErrorInvalidValue for the rest. */
 cudaError_t kiln_cuda_matmul_multi(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
                                    kiln_dtype dt, const float *x, int64_t C, int N);
 /* The same on rmsnorm(x) * norm_w (eps): each block first computes the scale of its tokens'
