@@ -4,12 +4,15 @@
  * Layout of a block: [raw ... pad][header 64 bytes][user data, 64-byte aligned]. The header
  * keeps the raw pointer and the user size, for accounting and for free.
  */
+#define _DEFAULT_SOURCE /* madvise (Linux, the BSDs) */
 #include "base.h"
 #include "handle.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #define KILN_ALIGN 64
 
@@ -47,6 +50,28 @@ kiln_status kiln_set_allocator(const kiln_allocator *a) {
 }
 
 int kiln_allocator_is_default(void) { return g_alloc.alloc == default_alloc && g_alloc.free == default_free; }
+
+size_t kiln_alloc_page_size(void) {
+    if (!kiln_allocator_is_default()) return 0;
+    const long pg = sysconf(_SC_PAGESIZE);
+    return pg > 0 ? (size_t)pg : 4096;
+}
+
+void kiln_pages_inside(const void *p, size_t n, size_t page, uintptr_t *lo, uintptr_t *hi) {
+    const uintptr_t s = (uintptr_t)p, e = s + n;
+    if (!page) {
+        *lo = *hi = s;
+        return;
+    }
+    const uintptr_t pm = ~(uintptr_t)(page - 1), ps = (s + page - 1) & pm, pe = e & pm;
+    *lo = ps < pe ? ps : s;
+    *hi = ps < pe ? pe : s;
+}
+
+void kiln_pages_give_back(void *p, size_t n, size_t page, uintptr_t *lo, uintptr_t *hi) {
+    kiln_pages_inside(p, n, page, lo, hi);
+    if (*lo < *hi && madvise((void *)*lo, *hi - *lo, MADV_DONTNEED) != 0) *lo = *hi = (uintptr_t)p;
+}
 
 void kiln_mem_get_stats(kiln_mem_stats *out) {
     if (!out) return;

@@ -58,6 +58,17 @@ void kiln_free(void *p);                        /* NULL is a no-op */
  * hook): private anonymous memory, whose pages a caller may give back to the system with
  * madvise(MADV_DONTNEED) (they read as zero afterwards). */
 int kiln_allocator_is_default(void);
+/* The system's page size while kiln_allocator_is_default() (kiln_malloc's pages may be given
+ * back), else 0 (an allocator hook's memory may not be anonymous: no page is given back). */
+size_t kiln_alloc_page_size(void);
+/* The whole pages inside [p, p + n) for a page size page (0: none): [*lo, *hi), lo == hi when
+ * there is none. */
+void kiln_pages_inside(const void *p, size_t n, size_t page, uintptr_t *lo, uintptr_t *hi);
+/* kiln_malloc'd memory's whole pages inside [p, p + n) given back to the system with
+ * madvise(MADV_DONTNEED) (they read as zero afterwards); page as kiln_alloc_page_size() gives
+ * it. [*lo, *hi) is what was given back: lo == hi == p when nothing was (no whole page, page
+ * 0, or madvise failed); the bytes outside it are untouched. */
+void kiln_pages_give_back(void *p, size_t n, size_t page, uintptr_t *lo, uintptr_t *hi);
 char *kiln_strdup(const char *s);
 char *kiln_strndup(const char *s, size_t n);    /* copies n bytes and adds a NUL */
 

@@ -17,6 +17,9 @@
 #include "../base/handle.h"
 #include "arch.h"
 
+/* Bytes of each tensor name of a model made by kiln_model_create (in its init_block). */
+#define KILN_INIT_NAME_BYTES 128
+
 struct kiln_model {
     kiln_handle_head head; /* first: the registry's magic (base/handle.h) */
     kiln_model_config cfg;
@@ -40,7 +43,8 @@ struct kiln_model {
     kiln_tensor *owned_tensors; /* tensors whose data lives in chunks */
     float *init_block;          /* weights of a model made by kiln_model_create */
     size_t init_bytes;          /* init_block's size */
-    char *names;                /* the created model's tensor names once init_block is given back */
+    char *names;                /* the created model's tensor names (KILN_INIT_NAME_BYTES each) once
+                                 * init_block is given back */
     int n_owned_tensors, cap_owned_tensors;
 
     /* the tensor listing of the file, for kiln_model_get_tensor_info */

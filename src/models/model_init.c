@@ -71,13 +71,13 @@ static kiln_status new_role(void *ctx, const kiln_param_role *r, int layer) {
     int64_t rows = kiln_dim_value(k, r->rows), cols = kiln_dim_value(k, r->cols), n = rows * cols;
     kiln_tensor *t = &c->tensors[c->n_tensors++];
     float *data = take(c, n);
-    char *nm = (char *)take(c, 32); /* names live in the block too: 128 bytes */
+    char *nm = (char *)take(c, KILN_INIT_NAME_BYTES / sizeof(float)); /* names live in the block too */
     if (!data || !nm) return kiln_error(KILN_ERR_INTERNAL, "kiln_model_create: weight block sized too small");
     if (r->init == KILN_INIT_NORMAL) kiln_fill_normal(data, n, 0.02f, &c->rng);
     else if (r->init == KILN_INIT_ONES)
         for (int64_t i = 0; i < n; i++) data[i] = 1.0f;
     /* KILN_INIT_ZEROS: the block is calloc'd (transformers zeroes Linear biases) */
-    kiln_role_name(r, false, layer, nm, 128);
+    kiln_role_name(r, false, layer, nm, KILN_INIT_NAME_BYTES);
     t->name = nm;
     t->dtype = KILN_DTYPE_F32;
     t->n_dims = r->conv_taps ? 3 : r->cols == KILN_DIM_ONE ? 1 : 2;
@@ -93,14 +93,14 @@ static kiln_status new_role(void *ctx, const kiln_param_role *r, int layer) {
     return KILN_OK;
 }
 
-/* Floats and tensors the walk will take: every wanted role, its 32 floats of name, each
+/* Floats and tensors the walk will take: every wanted role, its name (KILN_INIT_NAME_BYTES), each
  * rounded up to 16 floats. */
 static kiln_status size_role(void *ctx, const kiln_param_role *r, int layer) {
     init_ctx *c = ctx;
     (void)layer;
     if (!kiln_role_wanted(r, &c->m->cfg, layer)) return KILN_OK;
     int64_t n = kiln_dim_value(&c->m->cfg, r->rows) * kiln_dim_value(&c->m->cfg, r->cols);
-    c->cap += (((size_t)n + 15) & ~(size_t)15) + 32;
+    c->cap += (((size_t)n + 15) & ~(size_t)15) + KILN_INIT_NAME_BYTES / sizeof(float);
     c->cap_tensors++;
     return KILN_OK;
 }

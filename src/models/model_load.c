@@ -2,7 +2,6 @@
  * model_load.c -- open a model (GGUF file or Hugging Face folder), fill its description and
  * bind every weight by role, checking each tensor's presence, dtype and shape.
  */
-#define _DEFAULT_SOURCE /* madvise (Linux, the BSDs) */
 #include "model.h"
 
 #include "../formats/hf_config.h"
@@ -12,8 +11,6 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 /* ---- the model's own storage: a list of chunks freed together ----------------------------- */
 
@@ -516,10 +513,10 @@ void kiln_model_release_weights(kiln_model *m) {
     }
     m->chunks = NULL;
     if (m->init_block) { /* a created model's tensor names live in the block: copied out first */
-        m->names = kiln_malloc((size_t)(m->n_owned_tensors ? m->n_owned_tensors : 1) * 128);
+        m->names = kiln_malloc((size_t)(m->n_owned_tensors ? m->n_owned_tensors : 1) * KILN_INIT_NAME_BYTES);
         for (int i = 0; m->names && i < m->n_owned_tensors; i++) {
-            char *dst = m->names + (size_t)i * 128;
-            snprintf(dst, 128, "%s", m->owned_tensors[i].name);
+            char *dst = m->names + (size_t)i * KILN_INIT_NAME_BYTES;
+            snprintf(dst, KILN_INIT_NAME_BYTES, "%s", m->owned_tensors[i].name);
             m->owned_tensors[i].name = dst;
         }
         if (!m->names) { /* out of memory: the block stays (released in name only) */
@@ -537,10 +534,9 @@ void kiln_model_give_back_tensor(kiln_model *m, const kiln_tensor *t) {
     const uintptr_t b = (uintptr_t)m->init_block, s = (uintptr_t)t->data, e = s + t->nbytes;
     if (s < b || e > b + m->init_bytes) return;
     m->weights_released = 1; /* partly zero from here */
-    const long pg = sysconf(_SC_PAGESIZE);
-    if (pg <= 0 || !kiln_allocator_is_default()) return;
-    const uintptr_t page = (uintptr_t)pg, ps = (s + page - 1) & ~(page - 1), pe = e & ~(page - 1);
-    if (ps < pe) (void)madvise((void *)ps, pe - ps, MADV_DONTNEED);
+    uintptr_t lo, hi;
+    /* the block's own (writable) bytes where t's data lies */
+    kiln_pages_give_back((uint8_t *)m->init_block + (s - b), t->nbytes, kiln_alloc_page_size(), &lo, &hi);
 }
 
 kiln_status kiln_model_weights_check(const kiln_model *m, const char *call) {

@@ -426,26 +426,18 @@ static void own_part(const kiln_trainer *t, int i, int64_t *a, int64_t *b) {
     kiln_param_part(&t->params[i], t->dp->lo, t->dp->hi, a, b);
 }
 
-/* The whole pages inside [p, p + n) given back to the system (they read as zero afterwards);
- * zero: the bytes at either end zeroed too, so that all of [p, p + n) reads as zero. A failed
- * madvise leaves the pages held (and zeroes them when zero). */
+/* The whole pages inside [p, p + n) given back to the system (kiln_pages_give_back: they read
+ * as zero afterwards); zero: the bytes it did not give back zeroed too (the ends, or all of it
+ * under an allocator hook, page 0, or when madvise failed), so that all of [p, p + n) reads as
+ * zero. */
 static void release_bytes(void *p, size_t n, int zero, size_t page) {
     if (!n) return;
-    if (!page) { /* memory of an allocator hook (kiln_set_allocator): maybe not anonymous */
-        if (zero) memset(p, 0, n);
-        return;
-    }
+    uintptr_t lo, hi;
+    kiln_pages_give_back(p, n, page, &lo, &hi);
+    if (!zero) return;
     const uintptr_t s = (uintptr_t)p, e = s + n;
-    const uintptr_t ps = (s + page - 1) & ~(uintptr_t)(page - 1), pe = e & ~(uintptr_t)(page - 1);
-    if (ps >= pe) {
-        if (zero) memset(p, 0, n);
-        return;
-    }
-    if (zero) {
-        memset(p, 0, ps - s);
-        memset((void *)pe, 0, e - pe);
-    }
-    if (madvise((void *)ps, pe - ps, MADV_DONTNEED) != 0 && zero) memset((void *)ps, 0, pe - ps);
+    memset(p, 0, lo - s);
+    memset((void *)hi, 0, e - hi);
 }
 
 /* Parameter i's bytes outside this rank's range released: its weights (grads 0) or its
@@ -764,8 +756,7 @@ static kiln_status shard_weights(kiln_trainer *t) {
         return kiln_error(KILN_ERR_NOMEM, "kiln_train_dp_attach: out of memory");
     /* pages go back to the system only from the C library's own (anonymous) memory: with an
      * allocator hook a release zeroes the gradients and keeps everything (page 0) */
-    long pg = sysconf(_SC_PAGESIZE);
-    d->page = !kiln_allocator_is_default() ? 0 : pg > 0 ? (size_t)pg : 4096;
+    d->page = kiln_alloc_page_size();
     d->held_w = d->held_g = 0;
     for (int i = 0; i < t->n_params; i++) {
         const train_param *p = &t->params[i];
@@ -789,13 +780,13 @@ static kiln_status shard_weights(kiln_trainer *t) {
     d->peak_g = d->held_g;
     /* no transparent huge pages where a layer comes and goes (a collapsed huge page would hold
      * what was released again) */
-    const uintptr_t pm = d->page ? ~(uintptr_t)(d->page - 1) : 0;
     void *blocks[2] = {t->param_block, t->grad_block};
     size_t sizes[2] = {t->param_bytes, t->n_grad * sizeof(float)};
 #ifdef MADV_NOHUGEPAGE
     for (int k = 0; k < 2; k++) {
-        const uintptr_t s = ((uintptr_t)blocks[k] + d->page - 1) & pm, e = ((uintptr_t)blocks[k] + sizes[k]) & pm;
-        if (d->page && s < e) (void)madvise((void *)s, e - s, MADV_NOHUGEPAGE);
+        uintptr_t s, e;
+        kiln_pages_inside(blocks[k], sizes[k], d->page, &s, &e);
+        if (s < e) (void)madvise((void *)s, e - s, MADV_NOHUGEPAGE);
     }
 #else
     (void)pm;

@@ -72,6 +72,12 @@ typedef struct kiln_mm_args {
             }                                                                                  \
         }                                                                                      \
     }
+/* rows_q8_0, rows_q4_1 and rows_q4_0 of a SIMD file from its block_rows_<type> (the block tile's
+ * driver), store_<type> (a block's 32 values) and rows_f32, GROUP rows at a time. */
+#define KILN_DEFINE_DEQ_ROWS_ALL(GROUP, TILE)                                                       \
+    KILN_DEFINE_DEQ_ROWS(rows_q8_0, block_rows_q8_0, rows_f32, store_q8_0, 34, GROUP, TILE)         \
+    KILN_DEFINE_DEQ_ROWS(rows_q4_1, block_rows_q4_1, rows_f32, store_q4_1, 20, GROUP, TILE)         \
+    KILN_DEFINE_DEQ_ROWS(rows_q4_0, block_rows_q4_0, rows_f32, store_q4_0, 18, GROUP, TILE)
 
 typedef struct kiln_cpu_kernels {
     kiln_cpu_path path;

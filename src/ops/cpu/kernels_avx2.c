@@ -409,9 +409,7 @@ DEFINE_PLAIN_ROWS(rows_bf16, tile_bf16, half_bf16)
 DEFINE_DEQ_STORE(store_q8_0, deq_q8_0)
 DEFINE_DEQ_STORE(store_q4_1, deq_q4_1)
 DEFINE_DEQ_STORE(store_q4_0, deq_q4_0)
-KILN_DEFINE_DEQ_ROWS(rows_q8_0, block_rows_q8_0, rows_f32, store_q8_0, 34, 3, TOKEN_TILE)
-KILN_DEFINE_DEQ_ROWS(rows_q4_1, block_rows_q4_1, rows_f32, store_q4_1, 20, 3, TOKEN_TILE)
-KILN_DEFINE_DEQ_ROWS(rows_q4_0, block_rows_q4_0, rows_f32, store_q4_0, 18, 3, TOKEN_TILE)
+KILN_DEFINE_DEQ_ROWS_ALL(3, TOKEN_TILE)
 
 static int a_matmul_rows(const kiln_mm_args *a, int64_t r0, int64_t r1) {
     switch (a->dtype) {

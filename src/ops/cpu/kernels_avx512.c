@@ -255,9 +255,7 @@ DEFINE_ROWS(block_rows_q4_0, tile_q4_0)
 DEFINE_DEQ_STORE(store_q8_0, zdeq_q8_0)
 DEFINE_DEQ_STORE(store_q4_1, zdeq_q4_1)
 DEFINE_DEQ_STORE(store_q4_0, zdeq_q4_0)
-KILN_DEFINE_DEQ_ROWS(rows_q8_0, block_rows_q8_0, rows_f32, store_q8_0, 34, 4, TOKEN_TILE)
-KILN_DEFINE_DEQ_ROWS(rows_q4_1, block_rows_q4_1, rows_f32, store_q4_1, 20, 4, TOKEN_TILE)
-KILN_DEFINE_DEQ_ROWS(rows_q4_0, block_rows_q4_0, rows_f32, store_q4_0, 18, 4, TOKEN_TILE)
+KILN_DEFINE_DEQ_ROWS_ALL(4, TOKEN_TILE)
 
 static int z_matmul_rows(const kiln_mm_args *a, int64_t r0, int64_t r1) {
     switch (a->dtype) {
