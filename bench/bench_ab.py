@@ -5,13 +5,14 @@ alternating rep by rep so that drift of the machine falls on both. For "before/a
 of a change (bench/RESULTS.md); the peers' figures are bench_gpu.py's and
 bench_train_gpu.py's.
 
-  python3 bench/bench_ab.py --a BUILD_BEFORE --b BUILD_AFTER [--c BUILD_3] [--labels before,after]
+  python3 bench/bench_ab.py --a BUILD_BEFORE --b BUILD_AFTER [--c BUILD_3] [--d BUILD_4] [--labels before,after]
       [--modes auditable,fast]
       [--parts decode,train] [--model 0.5b|1.5b|3b|tiny] [--new 128] [--prefill 2048 (0: none)] [--reps 3]
       [--seq 2048] [--batch 8] [--micro 1,8] [--steps 3] [--device cuda|cpu] [--json OUT]
 
 Each build folder holds `kiln` and `libkiln.so` (a CMake build folder; its scripts/gpu-deps.sh
-dependencies in BUILD/deps are found). The model: bench_gpu.py's random bf16 Qwen2.5-0.5B
+dependencies in BUILD/deps are found). A build may name environment variables after an @:
+`--a build-gpu@KILN_CUDA_PDL=0 --b build-gpu` compares one build with a switch off and on. The model: bench_gpu.py's random bf16 Qwen2.5-0.5B
 shape (--model tiny: a 2-layer qwen2 for a CPU smoke run). Decode: tokens/s of 128 greedy
 tokens after bench_gpu's prompt, auditable and --fast, the median of --reps processes per
 build, and whether each build's greedy ids equal the first build's; prefill: the prompt tokens/s of a --prefill-token prompt, in a cold process (`kiln generate`,
@@ -33,8 +34,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def env_for(build):
+def split_spec(spec):
+    """A build's folder and extra environment: "DIR" or "DIR@VAR=VAL[,VAR=VAL...]"."""
+    folder, _, extra = spec.partition("@")
+    env = dict(kv.split("=", 1) for kv in extra.split(",") if kv)
+    return folder, env
+
+
+def env_for(spec):
+    build, extra = split_spec(spec)
     env = dict(os.environ)
+    env.update(extra)
     libs = [build, os.path.join(build, "deps", "usr", "lib", "x86_64-linux-gnu")]
     env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")])
     env["KILN_LIB"] = os.path.join(build, "libkiln.so")
@@ -42,7 +52,7 @@ def env_for(build):
 
 
 def generate(build, model, prompt, n_new, fast, device):
-    cmd = [os.path.join(build, "kiln"), "generate", "-m", model, "-p", prompt, "-n", str(n_new), "--temp", "0",
+    cmd = [os.path.join(split_spec(build)[0], "kiln"), "generate", "-m", model, "-p", prompt, "-n", str(n_new), "--temp", "0",
            "--ignore-eos", "--json", "--device", device, "--ctx", "8192"]
     if fast:
         cmd.append("--fast")
@@ -131,7 +141,8 @@ def main():
     ap.add_argument("--a", required=True)
     ap.add_argument("--b", required=True)
     ap.add_argument("--c", default=None, help="a third build (between the two), optional")
-    ap.add_argument("--labels", default="before,after", help="labels of --a,--b[,--c]")
+    ap.add_argument("--d", default=None, help="a fourth build, optional")
+    ap.add_argument("--labels", default="before,after", help="labels of --a,--b[,--c[,--d]]")
     ap.add_argument("--modes", default="auditable,fast")
     ap.add_argument("--parts", default="decode,train")
     ap.add_argument("--model", default="0.5b")
@@ -148,7 +159,7 @@ def main():
     args = ap.parse_args()
     import torch
     import bench_gpu
-    builds = dict(zip(args.labels.split(","), [x for x in (args.a, args.b, args.c) if x]))
+    builds = dict(zip(args.labels.split(","), [x for x in (args.a, args.b, args.c, args.d) if x]))
     dev = "cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu"
     os.makedirs(args.work, exist_ok=True)
     name = {"0.5b": "Qwen2.5-0.5B", "1.5b": "Qwen2.5-1.5B", "3b": "Llama-3.2-3B", "tiny": "tiny"}[args.model]
