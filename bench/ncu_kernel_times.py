@@ -5,7 +5,7 @@ Compute's per-launch durations.
   KILN_CUDA_GRAPHS=0 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \\
       --print-units base kiln generate -m MODEL -p PROMPT -n 9 --temp 0 --ignore-eos \\
       --device cuda --fast > times.csv
-  python3 bench/ncu_kernel_times.py times.csv [--step-kernel sampler_main] [--skip-steps 1]
+  python3 bench/ncu_kernel_times.py times.csv [--step-kernel sampler_main] [--skip-steps 1] [--by-grid]
 
 Every launch's gpu__time_duration (the kernel alone, launches serialised by ncu: no overlap
 and no launch gaps, so the sum is a lower bound of a step's time). A "step" starts after each
@@ -35,6 +35,9 @@ def short(name):
     return "".join(out).replace("void ", "").strip()
 
 
+BY_GRID = False  # --by-grid: one row per (kernel, grid), e.g. the products of each shape
+
+
 def launches(path):
     """(kernel name, nanoseconds, DRAM bytes read or None) per launch, in launch order."""
     by_id = {}
@@ -50,7 +53,10 @@ def launches(path):
             v *= {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9}.get(unit or "nsecond", 1.0)
         else:
             v *= {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}.get(unit or "byte", 1.0)
-        e = by_id.setdefault(int(r["ID"]), [short(r["Kernel Name"]), None, None])
+        name_k = short(r["Kernel Name"])
+        if BY_GRID:
+            name_k += " " + r.get("Grid Size", "").replace(" ", "")
+        e = by_id.setdefault(int(r["ID"]), [name_k, None, None])
         e[1 if name == "gpu__time_duration.sum" else 2] = v
     return [(n, t, b) for _, (n, t, b) in sorted(by_id.items()) if t is not None]
 
@@ -60,7 +66,10 @@ def main():
     ap.add_argument("csv")
     ap.add_argument("--step-kernel", default="sampler_main")
     ap.add_argument("--skip-steps", type=int, default=1)
+    ap.add_argument("--by-grid", action="store_true", help="a row per (kernel, grid size)")
     args = ap.parse_args()
+    global BY_GRID
+    BY_GRID = args.by_grid
     ls = launches(args.csv)
     if not ls:
         sys.exit(f"{args.csv}: no gpu__time_duration.sum rows")
