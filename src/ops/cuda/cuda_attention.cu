@@ -121,12 +121,27 @@ attention_kernel(float *__restrict__ out, const float *__restrict__ q,
         const int64_t kr = btab ? (int64_t)btab[kb0 / wh.block_size] * wh.block_size +
                                       kb0 % wh.block_size + (kb - kb0)
                                 : kb;
-        for (int j = hw; j < nk; j += ATTN_THREADS / 16) {
-            const float *kj = kbase + (kr + j) * stride;
-            float a = 0.0f;
-            for (int d = lane; d < HS; d += 16) a = __fmaf_rn(qs[d], kj[d], a);
-            a = lane16_tree(a, mask);
-            if (lane == 0) s[j] = a * scale;
+        /* the half-warp's keys j0, j0 + 8, j0 + 16, j0 + 24 at once, so that their loads are
+         * in flight together (a key at a time, each step waited for its loads); each dot is
+         * still its own chain over d = lane + 16k in order, then the tree */
+        constexpr int HWS = ATTN_THREADS / 16; /* half-warps */
+        for (int j0 = hw; j0 < nk; j0 += 4 * HWS) {
+            const float *kj = kbase + (kr + j0) * stride;
+            float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+            for (int d = lane; d < HS; d += 16) {
+                float kv[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++)
+                    kv[u] = j0 + u * HWS < nk ? kj[(int64_t)u * HWS * stride + d] : 0.0f;
+#pragma unroll
+                for (int u = 0; u < 4; u++) a[u] = __fmaf_rn(qs[d], kv[u], a[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const float t = lane16_tree(a[u], mask);
+                if (lane == 0 && j0 + u * HWS < nk) s[j0 + u * HWS] = t * scale;
+            }
         }
         __syncthreads();
         if (tid == 0) {
@@ -147,7 +162,16 @@ attention_kernel(float *__restrict__ out, const float *__restrict__ q,
         for (int d = tid; d < HS; d += ATTN_THREADS) {
             float a = acc[d] * alpha;
             const float *vd = vbase + kr * stride + d;
-            for (int t = 0; t < nk; t++) a = __fmaf_rn(p[t], vd[(int64_t)t * stride], a);
+            /* 16 keys' values loaded at once, then their fmafs in key order */
+            for (int t0 = 0; t0 < nk; t0 += 16) {
+                float vv[16];
+#pragma unroll
+                for (int u = 0; u < 16; u++)
+                    vv[u] = t0 + u < nk ? vd[(int64_t)(t0 + u) * stride] : 0.0f;
+#pragma unroll
+                for (int u = 0; u < 16; u++)
+                    if (t0 + u < nk) a = __fmaf_rn(p[t0 + u], vv[u], a);
+            }
             acc[d] = a;
         }
         m = m_new;
@@ -701,6 +725,8 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
               const int32_t *__restrict__ d_n_past, size_t kv_seq_stride,
               kiln_cuda_attn_pages pg, int NH, int KVH, int HS, float scale, int nsplit_max,
               int max_T, int fuse, int window) {
+    pdl_wait(); /* launched by launch_pdl: nothing read before the kernel before ends */
+    pdl_launch_dependents();
     constexpr int S = KILN_ATTN_SPLIT;
     extern __shared__ __align__(16) float dec_sm[];
     __shared__ int s_last;
@@ -888,12 +914,25 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
     /* DEC_ACC (16) is sized for 16 rows of HS 256; a decode chunk of 7 rows of HS 64 has
      * na = 2, so stop at na rather than issue 16 predicated (load, load, fmaf) per key */
     const int na = (ne + DEC_THREADS - 1) / DEC_THREADS; /* block-uniform */
-    for (int j = 0; j < nk; j++) {
-        const float *pj = sP + j, *vj = sV + j * HS;
+    /* 4 keys a step: their 8 shared loads per element issued together, then the fmafs in key
+     * order (a key a step left each fmaf waiting on its two loads) */
+    for (int j0 = 0; j0 < nk; j0 += 4) {
+        const int jn = nk - j0 < 4 ? nk - j0 : 4;
+        const float *pj = sP + j0, *vj = sV + j0 * HS;
 #pragma unroll
         for (int i = 0; i < DEC_ACC; i++) {
             if (i >= na) break;
-            if (tid + i * DEC_THREADS < ne) acc[i] = fmaf(pj[pofs[i]], vj[vofs[i]], acc[i]);
+            if (tid + i * DEC_THREADS < ne) {
+                float pp[4], vv[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    pp[u] = u < jn ? pj[u + pofs[i]] : 0.0f;
+                    vv[u] = u < jn ? vj[u * HS + vofs[i]] : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < 4; u++)
+                    if (u < jn) acc[i] = fmaf(pp[u], vv[u], acc[i]);
+            }
         }
     }
 
@@ -1031,6 +1070,8 @@ combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
                const float *__restrict__ ws_ml, int N, int n_past_host,
                const int32_t *__restrict__ d_n_past, kiln_cuda_attn_pages pg, int NH,
                int HS, int nsplit_max, int max_T, int window) {
+    pdl_wait(); /* launched by launch_pdl: nothing read before the kernel before ends */
+    pdl_launch_dependents();
     __shared__ float sw[COMBINE_CHUNK], sl[COMBINE_CHUNK], sred[COMBINE_THREADS / 32];
     const int n = (int)(blockIdx.x / (unsigned)NH), h = (int)(blockIdx.x % (unsigned)NH);
     const int b = (int)blockIdx.y;
@@ -1858,18 +1899,18 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
     const int fuse = li.combine ? 0 : 1;
     const dim3 grid(li.grid[0], li.grid[1], li.grid[2]);
     if (vec)
-        decode_kernel<true><<<grid, DEC_THREADS, li.smem, s>>>(
-            out, ws_acc, ws_ml, a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, pg,
-            NH, KVH, HS, scale, (int)nsplit, max_T, fuse, window);
+        (void)launch_pdl(decode_kernel<true>, grid, DEC_THREADS, li.smem, s, out, ws_acc, ws_ml,
+                         a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, pg, NH, KVH,
+                         HS, scale, (int)nsplit, max_T, fuse, window);
     else
-        decode_kernel<false><<<grid, DEC_THREADS, li.smem, s>>>(
-            out, ws_acc, ws_ml, a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, pg,
-            NH, KVH, HS, scale, (int)nsplit, max_T, fuse, window);
+        (void)launch_pdl(decode_kernel<false>, grid, DEC_THREADS, li.smem, s, out, ws_acc, ws_ml,
+                         a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, pg, NH, KVH,
+                         HS, scale, (int)nsplit, max_T, fuse, window);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess || fuse) return e;
-    combine_kernel<<<dim3((unsigned)(N * NH), (unsigned)B), COMBINE_THREADS, 0, s>>>(
-        out, ws_acc, ws_ml, N, n_past_host, d_n_past, pg, NH, HS, (int)nsplit, max_T, window);
-    return cudaGetLastError();
+    return launch_pdl(combine_kernel, dim3((unsigned)(N * NH), (unsigned)B), COMBINE_THREADS, 0,
+                      s, out, ws_acc, ws_ml, N, n_past_host, d_n_past, pg, NH, HS, (int)nsplit,
+                      max_T, window);
 }
 
 /* The flash path for B sequences of N queries over n_past + N keys each (kiln_cuda_attn_saves_lse

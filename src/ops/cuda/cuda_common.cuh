@@ -20,6 +20,55 @@ static inline unsigned grid_for(int64_t total, int threads) {
     return (unsigned)(g > (1 << 20) ? (1 << 20) : g);
 }
 
+/* ---- programmatic dependent launch: a step's kernels overlap their neighbours ----------- */
+
+/* The fast decode step is a chain of small kernels, each reading what the one before wrote
+ * (docs/CUDA.md, "Decode graphs"). With programmatic dependent launch (Hopper), a kernel
+ * launched by launch_pdl may be scheduled while the kernel before it in the stream still
+ * runs; it must call pdl_wait() before it reads or writes anything another kernel touches
+ * (pdl_wait returns when the previous kernel has completed, its writes visible, and with it
+ * every kernel before). After its wait a kernel calls pdl_launch_dependents(), so that the
+ * kernel after it may start up early in turn (one kernel ahead, never a cascade of waiting
+ * kernels). Neither changes an operation's inputs or order: the bits are those of plain
+ * launches. Without the launch attribute (KILN_CUDA_PDL=0, or a plain <<<>>> launch)
+ * pdl_wait returns at once and the stream orders kernels as always. */
+static __device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/* Whether launch_pdl asks for programmatic dependent launch: on unless KILN_CUDA_PDL=0 (an A/B
+ * switch; read once per process). */
+static inline bool pdl_enabled() {
+    static const bool on = !kiln_env_off("KILN_CUDA_PDL");
+    return on;
+}
+
+/* kernel<<<grid, block, smem, s>>>(args...) with the programmatic-dependent-launch attribute
+ * (see pdl_wait): only for kernels that call pdl_wait() before touching what another kernel
+ * writes. Recorded into CUDA graphs as a programmatic edge. */
+template <typename... KP, typename... A>
+static cudaError_t launch_pdl(void (*kernel)(KP...), dim3 grid, dim3 block, size_t smem,
+                              cudaStream_t s, A &&...args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = pdl_enabled() ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, static_cast<A &&>(args)...);
+}
+
 /* ---- the lane-16 dot: one half-warp per dot, thread j = lane j -------------------------- */
 
 /* The fixed tree of kiln_lane16_reduce over the 16 lanes of this thread's half-warp:

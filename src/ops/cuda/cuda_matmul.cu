@@ -1798,6 +1798,8 @@ matvec_fast_kernel(const __grid_constant__ prod_jobs jobs, const float *__restri
     static_assert(RW * NT <= 64, "one warp's sums fit a row of red");
     __shared__ float red[FMV_WARPS][RW * NT];
     __shared__ float sr[NORM ? NT : 1];
+    pdl_wait(); /* launched by launch_pdl (cuda_common.cuh): x is the kernel before's */
+    pdl_launch_dependents();
     if constexpr (NORM) norm_prologue(sr, x, C, 0, N, jobs.eps);
 
     int jb = 0;
@@ -1961,10 +1963,10 @@ static cudaError_t fmv_launch_nt(cudaStream_t s, prod_jobs a, const float *x, in
     unsigned grid = 0;
     if (!fmv_plan<DT, NT>(&a, &grid, C, N)) return cudaErrorInvalidValue;
     if (a.norm_w)
-        matvec_fast_kernel<DT, NT, FAST, PAIR, true><<<grid, FMV_THREADS, 0, s>>>(a, x, C, N);
-    else
-        matvec_fast_kernel<DT, NT, FAST, PAIR, false><<<grid, FMV_THREADS, 0, s>>>(a, x, C, N);
-    return cudaGetLastError();
+        return launch_pdl(matvec_fast_kernel<DT, NT, FAST, PAIR, true>, grid, FMV_THREADS, 0, s,
+                          a, x, C, N);
+    return launch_pdl(matvec_fast_kernel<DT, NT, FAST, PAIR, false>, grid, FMV_THREADS, 0, s, a,
+                      x, C, N);
 }
 
 template <int DT>

@@ -59,6 +59,8 @@ static __global__ void rope_kv_store_kernel(float *q, float *k, const float *__r
                                             float *__restrict__ v_pool,
                                             const int32_t *__restrict__ slots, int64_t per_tok,
                                             int64_t total) {
+    pdl_wait(); /* launched by launch_pdl (cuda_common.cuh) */
+    pdl_launch_dependents();
     const int half = HS / 2;
     const int64_t KD = (int64_t)KVH * HS, nq = (int64_t)NH * half, nk = (int64_t)KVH * half;
     for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total;
@@ -102,10 +104,8 @@ cudaError_t kiln_cuda_rope_kv_store(cudaStream_t s, float *q, float *k, const fl
         !sin_tab || !k_pool || !v_pool || !slots)
         return cudaErrorInvalidValue;
     const int64_t per_tok = (int64_t)(NH + 2 * KVH) * (HS / 2), total = per_tok * N;
-    rope_kv_store_kernel<<<grid_for(total, 256), 256, 0, s>>>(q, k, v, pos, NH, KVH, HS, cos_tab,
-                                                              sin_tab, k_pool, v_pool, slots,
-                                                              per_tok, total);
-    return cudaGetLastError();
+    return launch_pdl(rope_kv_store_kernel, grid_for(total, 256), 256, 0, s, q, k, v, pos, NH, KVH,
+                      HS, cos_tab, sin_tab, k_pool, v_pool, slots, per_tok, total);
 }
 
 /* =================================================================================================
