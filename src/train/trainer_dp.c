@@ -789,7 +789,6 @@ static kiln_status shard_weights(kiln_trainer *t) {
         if (s < e) (void)madvise((void *)s, e - s, MADV_NOHUGEPAGE);
     }
 #else
-    (void)pm;
     (void)blocks;
     (void)sizes;
 #endif

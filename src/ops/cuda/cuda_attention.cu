@@ -1898,15 +1898,10 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
     const kiln_cuda_attn_pages pg = pages ? *pages : none;
     const int fuse = li.combine ? 0 : 1;
     const dim3 grid(li.grid[0], li.grid[1], li.grid[2]);
-    if (vec)
-        (void)launch_pdl(decode_kernel<true>, grid, DEC_THREADS, li.smem, s, out, ws_acc, ws_ml,
-                         a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, pg, NH, KVH,
-                         HS, scale, (int)nsplit, max_T, fuse, window);
-    else
-        (void)launch_pdl(decode_kernel<false>, grid, DEC_THREADS, li.smem, s, out, ws_acc, ws_ml,
-                         a->cnt, q, k, v, N, n_past_host, d_n_past, kv_seq_stride, pg, NH, KVH,
-                         HS, scale, (int)nsplit, max_T, fuse, window);
-    cudaError_t e = cudaGetLastError();
+    const cudaError_t e = launch_pdl(vec ? decode_kernel<true> : decode_kernel<false>, grid,
+                                     DEC_THREADS, li.smem, s, out, ws_acc, ws_ml, a->cnt, q, k, v,
+                                     N, n_past_host, d_n_past, kv_seq_stride, pg, NH, KVH, HS,
+                                     scale, (int)nsplit, max_T, fuse, window);
     if (e != cudaSuccess || fuse) return e;
     return launch_pdl(combine_kernel, dim3((unsigned)(N * NH), (unsigned)B), COMBINE_THREADS, 0,
                       s, out, ws_acc, ws_ml, N, n_past_host, d_n_past, pg, NH, HS, (int)nsplit,

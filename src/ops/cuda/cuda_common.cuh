@@ -50,9 +50,11 @@ static inline bool pdl_enabled() {
     return on;
 }
 
-/* kernel<<<grid, block, smem, s>>>(args...) with the programmatic-dependent-launch attribute
- * (see pdl_wait): only for kernels that call pdl_wait() before touching what another kernel
- * writes. Recorded into CUDA graphs as a programmatic edge. */
+/* kernel<<<grid, block, smem, s>>>(args...); return cudaGetLastError(); with the
+ * programmatic-dependent-launch attribute (see pdl_wait): only for kernels that call pdl_wait()
+ * before touching what another kernel writes. Recorded into CUDA graphs as a programmatic
+ * edge. Like the plain launch it replaces, it takes the launch's error out of the runtime's
+ * last error, so that no later check reports it again. */
 template <typename... KP, typename... A>
 static cudaError_t launch_pdl(void (*kernel)(KP...), dim3 grid, dim3 block, size_t smem,
                               cudaStream_t s, A &&...args) {
@@ -66,7 +68,8 @@ static cudaError_t launch_pdl(void (*kernel)(KP...), dim3 grid, dim3 block, size
     at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
     cfg.numAttrs = pdl_enabled() ? 1 : 0;
-    return cudaLaunchKernelEx(&cfg, kernel, static_cast<A &&>(args)...);
+    (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<A &&>(args)...);
+    return cudaGetLastError();
 }
 
 /* ---- the lane-16 dot: one half-warp per dot, thread j = lane j -------------------------- */

@@ -1962,11 +1962,9 @@ template <int NT, int DT, bool FAST, bool PAIR>
 static cudaError_t fmv_launch_nt(cudaStream_t s, prod_jobs a, const float *x, int64_t C, int N) {
     unsigned grid = 0;
     if (!fmv_plan<DT, NT>(&a, &grid, C, N)) return cudaErrorInvalidValue;
-    if (a.norm_w)
-        return launch_pdl(matvec_fast_kernel<DT, NT, FAST, PAIR, true>, grid, FMV_THREADS, 0, s,
-                          a, x, C, N);
-    return launch_pdl(matvec_fast_kernel<DT, NT, FAST, PAIR, false>, grid, FMV_THREADS, 0, s, a,
-                      x, C, N);
+    return launch_pdl(a.norm_w ? matvec_fast_kernel<DT, NT, FAST, PAIR, true>
+                               : matvec_fast_kernel<DT, NT, FAST, PAIR, false>,
+                      grid, FMV_THREADS, 0, s, a, x, C, N);
 }
 
 template <int DT>
