@@ -6,7 +6,7 @@ of a change (bench/RESULTS.md); the peers' figures are bench_gpu.py's and
 bench_train_gpu.py's.
 
   python3 bench/bench_ab.py --a BUILD_BEFORE --b BUILD_AFTER [--c BUILD_3] [--d BUILD_4] [--labels before,after]
-      [--modes auditable,fast]
+      [--modes auditable,fast,mx16,mx8] [--train-modes fast,mx16]
       [--parts decode,train] [--model 0.5b|1.5b|3b|tiny] [--new 128] [--prefill 2048 (0: none)] [--reps 3]
       [--seq 2048] [--batch 8] [--micro 1,8] [--steps 3] [--device cuda|cpu] [--json OUT]
 
@@ -17,8 +17,8 @@ shape (--model tiny: a 2-layer qwen2 for a CPU smoke run). Decode: tokens/s of 1
 tokens after bench_gpu's prompt, auditable and --fast, the median of --reps processes per
 build, and whether each build's greedy ids equal the first build's; prefill: the prompt tokens/s of a --prefill-token prompt, in a cold process (`kiln generate`,
 the first forward uploads the weights) and warm (the binding: the median of 5 forwards after a
-first one). Train:
-kiln.Trainer(max_seq=--seq, max_batch=K, fast) steps of --batch sequences (K per forward), one
+first one). A mode is auditable, fast, or an exact format (mx16, mx8: --format). Train:
+kiln.Trainer(max_seq=--seq, max_batch=K, the --train-modes mode) steps of --batch sequences (K per forward), one
 warm step then --steps timed, tokens/s; each build in its own process.
 """
 import argparse
@@ -51,11 +51,14 @@ def env_for(spec):
     return env
 
 
-def generate(build, model, prompt, n_new, fast, device):
+def mode_flags(mode):
+    """kiln generate's flags of a mode: auditable, fast, mx16 or mx8."""
+    return [] if mode == "auditable" else ["--fast"] if mode == "fast" else ["--format", mode]
+
+
+def generate(build, model, prompt, n_new, mode, device):
     cmd = [os.path.join(split_spec(build)[0], "kiln"), "generate", "-m", model, "-p", prompt, "-n", str(n_new), "--temp", "0",
-           "--ignore-eos", "--json", "--device", device, "--ctx", "8192"]
-    if fast:
-        cmd.append("--fast")
+           "--ignore-eos", "--json", "--device", device, "--ctx", "8192"] + mode_flags(mode)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env_for(build), timeout=600)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: rc {r.returncode}: {r.stderr[-1500:]}")
@@ -67,11 +70,13 @@ import json, sys, time
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 import kiln
-model, seq, batch, micro, steps, device, fast = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8])
+model, seq, batch, micro, steps, device, mode = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), sys.argv[8]
 m = kiln.Model(model)
 kw = dict(max_seq=seq, max_batch=micro, device=device)
-if fast:
+if mode == "fast":
     kw["fast"] = True
+elif mode != "auditable":
+    kw["format"] = mode
 tr = kiln.Trainer(m, **kw)
 rng = np.random.default_rng(1)
 def step():
@@ -94,9 +99,10 @@ import json, statistics, sys, time
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 import kiln
-model, n, device, fast, reps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+model, n, device, mode, reps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
 m = kiln.Model(model)
-ctx = kiln.Context(m, n_ctx=n + 16, n_batch=n, device=device, fast=bool(fast))
+ctx = kiln.Context(m, n_ctx=n + 16, n_batch=n, device=device, fast=mode == "fast",
+                   format=mode if mode.startswith("mx") else "f32")
 ids = np.random.default_rng(1).integers(3, min(30000, m.n_vocab), size=n).tolist()
 ctx.decode(ids)  # warm: the weights' upload, workspaces
 times = []
@@ -125,25 +131,26 @@ def run_worker(source, build, *args):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def prefill_warm(build, model, n, device, fast, reps=5):
+def prefill_warm(build, model, n, device, mode, reps=5):
     """Prompt tokens/s of an n-token forward in a process that has run it once (binding)."""
     dev = 0 if device == "cuda" else -1
-    return run_worker(PREFILL_WORKER, build, model, n, dev, int(fast), reps)["tok_s"]
+    return run_worker(PREFILL_WORKER, build, model, n, dev, mode, reps)["tok_s"]
 
 
-def train(build, model, seq, batch, micro, steps, device, fast):
+def train(build, model, seq, batch, micro, steps, device, mode):
     dev = 0 if device == "cuda" else -1
-    return run_worker(TRAIN_WORKER, build, model, seq, batch, micro, steps, dev, int(fast))
+    return run_worker(TRAIN_WORKER, build, model, seq, batch, micro, steps, dev, mode)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--a", required=True)
-    ap.add_argument("--b", required=True)
+    ap.add_argument("--b", default=None, help="a second build (optional: modes side by side of one build)")
     ap.add_argument("--c", default=None, help="a third build (between the two), optional")
     ap.add_argument("--d", default=None, help="a fourth build, optional")
     ap.add_argument("--labels", default="before,after", help="labels of --a,--b[,--c[,--d]]")
     ap.add_argument("--modes", default="auditable,fast")
+    ap.add_argument("--train-modes", default=None, help="training modes (default: fast on cuda, auditable on cpu)")
     ap.add_argument("--parts", default="decode,train")
     ap.add_argument("--model", default="0.5b")
     ap.add_argument("--new", type=int, default=128)
@@ -173,21 +180,20 @@ def main():
     parts = args.parts.split(",")
     if "decode" in parts:
         long_prompt = ("the kiln fires clay into stone " * (args.prefill // 31 + 1))[: args.prefill]
-        for fast in [m == "fast" for m in args.modes.split(",")]:
-            mode = "fast" if fast else "auditable"
+        for mode in args.modes.split(","):
             dec = {k: [] for k in builds}
             pre = {k: [] for k in builds}
             warm = {k: [] for k in builds}
             ids = {}
             for _ in range(args.reps):
                 for label, b in builds.items():
-                    g = generate(b, model, bench_gpu.PROMPT, args.new, fast, args.device)
+                    g = generate(b, model, bench_gpu.PROMPT, args.new, mode, args.device)
                     dec[label].append(g["decode_tokens_per_s"])
                     ids.setdefault(label, g["ids"])
                     if args.prefill > 0:
-                        r = generate(b, model, long_prompt, 1, fast, args.device)
+                        r = generate(b, model, long_prompt, 1, mode, args.device)
                         pre[label].append(len(r["prompt_ids"]) / r["prefill_seconds"])
-                        warm[label].append(prefill_warm(b, model, args.prefill, args.device, fast))
+                        warm[label].append(prefill_warm(b, model, args.prefill, args.device, mode))
             figures = [("decode tok/s", dec)]
             if args.prefill > 0:
                 figures += [(f"prefill tok/s ({len(r['prompt_ids'])} tokens, cold process)", pre),
@@ -201,13 +207,14 @@ def main():
                 print(f"ids {mode} {label}: " + ("the first build's" if k is None else f"differ from index {k}"),
                       flush=True)
     if "train" in parts:
-        for micro in [int(x) for x in args.micro.split(",")]:
-            got = {}
-            for label, b in builds.items():
-                got[label] = train(b, model, args.seq, args.batch, micro, args.steps, args.device,
-                                   args.device == "cuda")["tok_s"]
-            rows.append((f"train tok/s, fast, {args.batch} x {args.seq}, {micro} per forward", got))
-            print("row", rows[-1], flush=True)
+        tmodes = args.train_modes or ("fast" if args.device == "cuda" else "auditable")
+        for tmode in tmodes.split(","):
+            for micro in [int(x) for x in args.micro.split(",")]:
+                got = {}
+                for label, b in builds.items():
+                    got[label] = train(b, model, args.seq, args.batch, micro, args.steps, args.device, tmode)["tok_s"]
+                rows.append((f"train tok/s, {tmode}, {args.batch} x {args.seq}, {micro} per forward", got))
+                print("row", rows[-1], flush=True)
     labels = list(builds)
     print(f"\n{'figure':58s} " + " ".join(f"{l:>12s}" for l in labels) +
           "".join(f" {l + '/' + labels[0]:>14s}" for l in labels[1:]))

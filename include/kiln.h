@@ -318,7 +318,7 @@ typedef struct kiln_context_params {
      * of 32 integer mantissas (14 or 7 bits) with a power-of-two scale, the block products
      * exact integers, one rounding per output -- the same bits on every device and thread
      * count, the weights' quantization an approximation (its error in docs/ARITHMETIC.md).
-     * The CPU only for now, and not with fast (KILN_ERR_UNSUPPORTED / KILN_ERR_INVALID_ARG). */
+     * On the CPU and CUDA (the same bits); not with fast (KILN_ERR_INVALID_ARG). */
     int format;
 } kiln_context_params;
 
@@ -527,8 +527,8 @@ typedef struct kiln_train_params {
                        * KILN_FORMAT_F32 (the default: auditable f32), or the exact block formats
                        * MX16 / MX8 (docs/ARITHMETIC.md, "Exact block formats": each product's
                        * operands quantized along its reduction axis, exact integer block sums,
-                       * one rounding; the same bits on any thread count). CPU only for now;
-                       * not with fast */
+                       * one rounding; the same bits on any thread count, on the CPU and
+                       * CUDA); not with fast */
     int format_rounding; /* with an exact format: how the backward's gradient operands (dy, dy^T)
                           * are quantized: KILN_ROUND_NEAREST (0, the default: to nearest even,
                           * as every other operand) or KILN_ROUND_STOCHASTIC (seeded by seed,

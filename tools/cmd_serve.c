@@ -24,7 +24,7 @@ static const char *serve_help =
     "      --batch-invariant    with --fast: a request's tokens independent of the batch (the\n"
     "                           CPU's --fast is that already; CUDA's --fast refuses it)\n"
     "      --format F           f32 (default) | mx16 | mx8: the products in an exact block format\n"
-    "                           (CPU only for now; docs/ARITHMETIC.md)\n"
+    "                           (the same bits on cpu and cuda; docs/ARITHMETIC.md)\n"
     "  -t, --threads N          CPU threads (default: all cores)\n"
     "      --host ADDR          address to listen on (default 127.0.0.1)\n"
     "      --port N             port (default 8080; 0: any free port, printed)\n"

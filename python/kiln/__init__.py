@@ -787,7 +787,7 @@ class Context(_Handle):
         batch_invariant: with fast on the CPU, the 8-bit path at every batch size, so a token's
         logits never depend on the batch (kiln serve --fast --batch-invariant's arithmetic).
         format: "f32" (default), "mx16" or "mx8": the matrix products in an exact block format
-        (docs/ARITHMETIC.md, "Exact block formats"; the CPU only for now)."""
+        (docs/ARITHMETIC.md, "Exact block formats"; the same bits on the CPU and CUDA)."""
         if format not in FORMATS:
             raise ValueError(f"format {format!r}: expected one of {', '.join(FORMATS)}")
         self._lib = load_library()
@@ -996,7 +996,7 @@ class Trainer(_Handle):
                                                    for n, r, c in extra])
         p.n_extra, p.extra = len(extra), C.cast(ext, C.c_void_p)
         # format: the matrix products forward and backward in f32 (auditable) or an exact block
-        # format ("mx16", "mx8"; CPU only; docs/ARITHMETIC.md)
+        # format ("mx16", "mx8"; the same bits on the CPU and CUDA; docs/ARITHMETIC.md)
         if format not in FORMATS:
             raise ValueError(f"format {format!r}: one of {sorted(FORMATS)}")
         p.format = FORMATS[format]

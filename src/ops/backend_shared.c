@@ -32,9 +32,6 @@ kiln_status kiln_backend_mode_of(int device, int fast, int batch_invariant, int 
         if (fast)
             return kiln_error(KILN_ERR_INVALID_ARG, "%s: the exact formats (mx16, mx8) are an auditable arithmetic: "
                               "not with fast", who);
-        if (device >= 0)
-            return kiln_error(KILN_ERR_UNSUPPORTED, "%s: the exact formats (mx16, mx8) run on the CPU only for now "
-                              "(their CUDA kernels are not written yet)", who);
         *mode = format == KILN_FORMAT_MX16 ? KILN_MODE_MX16 : KILN_MODE_MX8;
         return KILN_OK;
     }
@@ -52,9 +49,6 @@ kiln_status kiln_backend_acquire(int device, int mode, int n_threads, kiln_backe
     else if (n_threads <= 0) n_threads = kiln_cpu_count();
     if (mode < 0 || mode > KILN_MODE_MX8)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_acquire: mode %d not in [0, %d]", mode, KILN_MODE_MX8);
-    if (device >= 0 && (mode == KILN_MODE_MX16 || mode == KILN_MODE_MX8))
-        return kiln_error(KILN_ERR_UNSUPPORTED, "the exact formats (mx16, mx8) run on the CPU only for now "
-                          "(their CUDA kernels are not written yet): use --device cpu or the f32 format");
     if (device >= 0 && mode == KILN_MODE_FAST_INVARIANT)
         return kiln_error(KILN_ERR_UNSUPPORTED, "the batch-invariant fast mode is the CPU's only for now: CUDA's fast "
                           "products tile by the batch's size (use the auditable mode, which is batch-invariant on CUDA too)");

@@ -610,12 +610,12 @@ kiln_status kiln_backend_cpu_create(int n_threads, kiln_backend **out);
 enum { KILN_MODE_AUDITABLE = 0, KILN_MODE_FAST = 1, KILN_MODE_FAST_INVARIANT = 2 };
 /* The exact block formats (docs/ARITHMETIC.md, "Exact block formats"): the auditable mode
  * with every matmul in mx16 or mx8 (both operands quantized along K, exact integer block
- * products, one rounding; the CPU's only for now). Modes of their own, so that a backend is
+ * products, one rounding; the same bits on the CPU and CUDA). Modes of their own, so that a backend is
  * shared only by engines of one format. */
 enum { KILN_MODE_MX16 = 3, KILN_MODE_MX8 = 4 };
 /* The mode of the public settings (kiln_context_params' / kiln_engine_params' fast,
  * batch_invariant, format) into *mode, or an error prefixed with who naming the conflict
- * (a format with fast; a format on a GPU; a format out of range). */
+ * (a format with fast; a format out of range). */
 kiln_status kiln_backend_mode_of(int device, int fast, int batch_invariant, int format, const char *who,
                                  int *mode);
 
@@ -634,11 +634,13 @@ void kiln_backend_free(kiln_backend *be);
  * docs/CUDA.md). KILN_ERR_UNSUPPORTED with a message when kiln was built without CUDA, or
  * when no usable GPU (or no device of that index) is present. */
 kiln_status kiln_backend_cuda_create(int device, kiln_backend **out);
-/* The same in a mode: fast = 0 is kiln_backend_cuda_create (auditable); fast != 0 runs matrix
- * products on bf16 tensor cores with f32 accumulation and other fixed-order kernels
- * (docs/CUDA.md, "Fast mode"): not the CPU's bits, but deterministic from run to run on one
- * GPU model. */
-kiln_status kiln_backend_cuda_create_mode(int device, int fast, kiln_backend **out);
+/* The same in a mode (KILN_MODE_*): KILN_MODE_AUDITABLE (0) is kiln_backend_cuda_create;
+ * KILN_MODE_FAST (1) runs matrix products on bf16 tensor cores with f32 accumulation and other
+ * fixed-order kernels (docs/CUDA.md, "Fast mode"): not the CPU's bits, but deterministic from
+ * run to run on one GPU model; KILN_MODE_MX16 / MX8 is the auditable mode with every matmul
+ * and matmul_backward in the exact format on the int8 tensor cores (src/ops/cuda/cuda_mx.h):
+ * the CPU backend's bits in that mode. */
+kiln_status kiln_backend_cuda_create_mode(int device, int mode, kiln_backend **out);
 /* Free and total memory of CUDA device `device` (kiln.h kiln_device_memory). */
 kiln_status kiln_cuda_device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes);
 

@@ -514,9 +514,9 @@ static kiln_status trainer_create(kiln_model *m, const kiln_train_params *params
     if ((unsigned)p.format_rounding > KILN_ROUND_STOCHASTIC)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: format_rounding %d: use KILN_ROUND_NEAREST (0) "
                           "or KILN_ROUND_STOCHASTIC (1)", p.format_rounding);
-    if (p.format != KILN_FORMAT_F32 && p.device >= 0)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: the exact formats (mx16, mx8) train on the CPU "
-                          "only for now (their CUDA kernels are not written yet)");
+    if (p.format != KILN_FORMAT_F32 && p.fast)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: the exact formats (mx16, mx8) are an auditable "
+                          "arithmetic: not with fast");
     if (p.fast && p.device < 0)
         return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: fast is a GPU mode (the CPU has no fast training): "
                                                 "set device to a CUDA device index >= 0, or fast to 0");
@@ -539,8 +539,13 @@ static kiln_status trainer_create(kiln_model *m, const kiln_train_params *params
     t->grad_coef = 1.0f;
     kiln_status st;
     if (p.device >= 0) {
-        /* fast: bf16 tensor-core products forward and backward (docs/TRAINING.md, "Fast mode") */
-        st = kiln_backend_acquire(p.device, p.fast ? 1 : 0, 0, &t->be);
+        /* fast: bf16 tensor-core products forward and backward (docs/TRAINING.md, "Fast mode");
+         * an exact format: the auditable arithmetic with every product in it */
+        int mode = 0;
+        st = kiln_backend_mode_of(p.device, p.fast, 0, p.format, "kiln_trainer_create", &mode);
+        if (st == KILN_OK) st = kiln_backend_acquire(p.device, mode, 0, &t->be);
+        t->mx = p.format != KILN_FORMAT_F32;
+        t->mx_stale = 1;
         if (st != KILN_OK) { /* say which setting asked for CUDA, keep the backend's reason */
             char why[512];
             snprintf(why, sizeof why, "%s", kiln_last_error());

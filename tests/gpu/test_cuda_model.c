@@ -6,7 +6,8 @@
  * llama, a qwen2 (q/k/v biases), a qwen3 (per-head q/k norms, untied head), with the layer
  * matrices also converted to bf16 and Q8_0, and one real-shaped model (Qwen2.5-0.5B: 896
  * wide, 24 layers, 14/2 heads, ff 4864, vocab 151936; about 2 GB of f32 weights), and a tiny
- * Gemma 3 (GeGLU, (1 + w) pre- and post-norms, sliding window 8, f32 and Q8_0). The
+ * Gemma 3 (GeGLU, (1 + w) pre- and post-norms, sliding window 8, f32 and Q8_0), and cases of
+ * these in the exact formats (kiln_context_params.format mx16 / mx8). The
  * norms and biases are randomised (kiln_model_create makes them 1 and 0) so that their
  * upload is tested. Per model: a prefill of 20 tokens with every row of logits, 8 cached
  * greedy decode steps, then a truncate and re-decode; the logits of the two contexts must
@@ -15,7 +16,7 @@
  *
  * Without a usable GPU it checks that a context with device = 0 is refused with
  * KILN_ERR_UNSUPPORTED and a message, then exits 77 (skipped).
- *   test_cuda_model [vocab-dir] [--no-big]
+ *   test_cuda_model [vocab-dir] [--no-big] [--only SUBSTR]
  * vocab-dir holds ggml-vocab-llama-spm.gguf and ggml-vocab-qwen2.gguf (default
  * $KILN_VOCAB_DIR, $KILN_SHARED_DIR/testdata/tokenizer-vectors, or the source tree's
  * ../shared/testdata/tokenizer-vectors).
@@ -41,6 +42,7 @@ typedef struct model_case {
     int C, L, NH, KVH, HS, FF, V, tied, qwen_vocab, n_batch;
     kiln_dtype wtype; /* layer matrices converted to this type (F32: as created) */
     int big;
+    int format; /* kiln_context_params.format on both contexts */
 } model_case;
 
 typedef struct result {
@@ -141,6 +143,7 @@ static int run_case(const model_case *mc, const char *vocab_dir, result *r) {
     kiln_context_params cp = kiln_context_default_params();
     cp.n_ctx = 64;
     cp.n_batch = mc->n_batch;
+    cp.format = mc->format;
     kiln_context *cc = NULL, *gc = NULL;
     st = kiln_context_create(m, &cp, &cc);
     if (st == KILN_OK) {
@@ -165,6 +168,9 @@ static int run_case(const model_case *mc, const char *vocab_dir, result *r) {
     if (!ok) fprintf(stderr, "FAIL %s: prefill: %s\n", mc->name, kiln_last_error());
     r->compared += (size_t)n_prompt * V;
     r->differing += count_diff(lc, lg, (size_t)n_prompt * V);
+    for (int i = 0; i < n_prompt; i++)
+        if (count_diff(lc + (size_t)i * V, lg + (size_t)i * V, (size_t)V))
+            fprintf(stderr, "  %s: prefill row %d differs\n", mc->name, i);
     r->ids_equal = 1;
     int next = argmax(lc + (size_t)(n_prompt - 1) * V, V);
     r->ids_equal &= next == argmax(lg + (size_t)(n_prompt - 1) * V, V);
@@ -181,7 +187,9 @@ static int run_case(const model_case *mc, const char *vocab_dir, result *r) {
         tg += now_s() - b;
         tc += b - a;
         r->compared += (size_t)V;
-        r->differing += count_diff(lc, lg, (size_t)V);
+        size_t d = count_diff(lc, lg, (size_t)V);
+        r->differing += d;
+        if (d) fprintf(stderr, "  %s: decode step %d differs (%zu logits)\n", mc->name, s, d);
         next = argmax(lc, V);
         r->ids_equal &= next == argmax(lg, V);
     }
@@ -223,25 +231,38 @@ int main(int argc, char **argv) {
     char shared[1024];
     const char *vocab_dir = gpu_vocab_dir(shared, sizeof shared);
     int big = 1;
+    const char *only = NULL; /* --only SUBSTR: the cases whose name holds it */
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--no-big")) big = 0;
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
         else vocab_dir = argv[i];
     }
     if (!gpu_make_tmpdir("cuda-model")) return 1;
     static const model_case cases[] = {
-        {"llama-tiny", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, 512, KILN_DTYPE_F32, 0},
-        {"llama-tiny-q8_0", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, 512, KILN_DTYPE_Q8_0, 0},
-        {"qwen2-bias-b7", "qwen2", 96, 3, 6, 2, 16, 224, 151936, 1, 1, 7, KILN_DTYPE_F32, 0},
-        {"qwen3-qknorm", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1, 512, KILN_DTYPE_F32, 0},
-        {"qwen3-qknorm-bf16", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1, 512, KILN_DTYPE_BF16, 0},
-        {"qwen2.5-0.5b-shape", "qwen2", 896, 24, 14, 2, 64, 4864, 151936, 1, 1, 512, KILN_DTYPE_F32, 1},
+        {"llama-tiny", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, 512, KILN_DTYPE_F32, 0, KILN_FORMAT_F32},
+        {"llama-tiny-q8_0", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, 512, KILN_DTYPE_Q8_0, 0, KILN_FORMAT_F32},
+        {"qwen2-bias-b7", "qwen2", 96, 3, 6, 2, 16, 224, 151936, 1, 1, 7, KILN_DTYPE_F32, 0, KILN_FORMAT_F32},
+        {"qwen3-qknorm", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1, 512, KILN_DTYPE_F32, 0, KILN_FORMAT_F32},
+        {"qwen3-qknorm-bf16", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1, 512, KILN_DTYPE_BF16, 0, KILN_FORMAT_F32},
+        {"qwen2.5-0.5b-shape", "qwen2", 896, 24, 14, 2, 64, 4864, 151936, 1, 1, 512, KILN_DTYPE_F32, 1, KILN_FORMAT_F32},
         /* Gemma 3: GeGLU, (1 + w) pre- and post-norms, a sliding window of 8 the 28 positions
          * cross, one full layer in three */
-        {"gemma3-tiny", "gemma3_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, 512, KILN_DTYPE_F32, 0},
-        {"gemma3-tiny-q8_0", "gemma3_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, 5, KILN_DTYPE_Q8_0, 0},
+        {"gemma3-tiny", "gemma3_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, 512, KILN_DTYPE_F32, 0, KILN_FORMAT_F32},
+        {"gemma3-tiny-q8_0", "gemma3_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, 5, KILN_DTYPE_Q8_0, 0, KILN_FORMAT_F32},
         /* Qwen3.5: Gated DeltaNet layers with their recurrent state around gated attention */
-        {"qwen35-tiny", "qwen3_5_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, 512, KILN_DTYPE_F32, 0},
-        {"qwen35-tiny-b5", "qwen3_5_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, 5, KILN_DTYPE_F32, 0},
+        {"qwen35-tiny", "qwen3_5_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, 512, KILN_DTYPE_F32, 0, KILN_FORMAT_F32},
+        {"qwen35-tiny-b5", "qwen3_5_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, 5, KILN_DTYPE_F32, 0, KILN_FORMAT_F32},
+        /* the exact formats: every product on the int8 tensor cores, the CPU's bits */
+        {"llama-tiny-mx16", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, 512, KILN_DTYPE_F32, 0, KILN_FORMAT_MX16},
+        {"qwen2-bias-b7-mx8", "qwen2", 96, 3, 6, 2, 16, 224, 151936, 1, 1, 7, KILN_DTYPE_F32, 0, KILN_FORMAT_MX8},
+        {"qwen3-qknorm-bf16-mx16", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1, 512, KILN_DTYPE_BF16, 0,
+         KILN_FORMAT_MX16},
+        {"gemma3-tiny-q8_0-mx8", "gemma3_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, 5, KILN_DTYPE_Q8_0, 0,
+         KILN_FORMAT_MX8},
+        {"qwen35-tiny-mx16", "qwen3_5_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, 512, KILN_DTYPE_F32, 0,
+         KILN_FORMAT_MX16},
+        {"qwen2.5-0.5b-shape-mx8", "qwen2", 896, 24, 14, 2, 64, 4864, 151936, 1, 1, 512, KILN_DTYPE_F32, 1,
+         KILN_FORMAT_MX8},
     };
     int n_cases = (int)(sizeof cases / sizeof cases[0]);
 
@@ -278,7 +299,7 @@ int main(int argc, char **argv) {
     memset(res, 0, sizeof res);
     int all_ok = 1, n_run = 0;
     for (int i = 0; i < n_cases; i++) {
-        if (cases[i].big && !big) continue;
+        if ((cases[i].big && !big) || (only && !strstr(cases[i].name, only))) continue;
         int ok = run_case(&cases[i], vocab_dir, &res[n_run]);
         fprintf(stderr, "%s %s\n", ok ? "ok  " : "FAIL", cases[i].name);
         all_ok &= ok;

@@ -49,6 +49,7 @@ typedef struct model_case {
     int C, L, NH, KVH, HS, FF, V, tied, qwen_vocab;
     kiln_weight_storage storage;
     kiln_moment_storage moments;
+    int format, rounding; /* kiln_train_params.format, format_rounding */
 } model_case;
 
 static int write_config(const model_case *mc, char *path, size_t cap) {
@@ -219,6 +220,8 @@ static kiln_trainer *make_trainer(kiln_model *m, const model_case *mc, int devic
     p.weight_decay = 0.1;
     p.weight_storage = mc->storage;
     p.moment_storage = mc->moments;
+    p.format = mc->format;
+    p.format_rounding = mc->rounding;
     p.seed = 7;
     p.device = device;
     kiln_trainer *t = NULL;
@@ -373,20 +376,30 @@ int main(int argc, char **argv) {
     if (argc > 1) vocab_dir = argv[1];
     if (!gpu_make_tmpdir("cuda-train")) return 1;
     static const model_case cases[] = {
-        {"llama-tiny-f32", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, KILN_STORAGE_F32, KILN_MOMENTS_F32},
-        {"llama-tiny-bf16m", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, KILN_STORAGE_BF16_MASTER, KILN_MOMENTS_F32},
-        {"qwen2-bias-f32", "qwen2", 96, 2, 6, 2, 16, 224, 151936, 1, 1, KILN_STORAGE_F32, KILN_MOMENTS_F32},
-        {"qwen2-bias-bf16m", "qwen2", 96, 2, 6, 2, 16, 224, 151936, 1, 1, KILN_STORAGE_BF16_MASTER, KILN_MOMENTS_F32},
-        {"qwen3-qknorm-f32", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1, KILN_STORAGE_F32, KILN_MOMENTS_F32},
-        {"qwen3-qknorm-bf16m", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1, KILN_STORAGE_BF16_MASTER, KILN_MOMENTS_F32},
-        {"llama-tiny-kahan-q8", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, KILN_STORAGE_BF16_KAHAN, KILN_MOMENTS_Q8},
+        {"llama-tiny-f32", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, KILN_STORAGE_F32, KILN_MOMENTS_F32, KILN_FORMAT_F32, 0},
+        {"llama-tiny-bf16m", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, KILN_STORAGE_BF16_MASTER, KILN_MOMENTS_F32, KILN_FORMAT_F32, 0},
+        {"qwen2-bias-f32", "qwen2", 96, 2, 6, 2, 16, 224, 151936, 1, 1, KILN_STORAGE_F32, KILN_MOMENTS_F32, KILN_FORMAT_F32, 0},
+        {"qwen2-bias-bf16m", "qwen2", 96, 2, 6, 2, 16, 224, 151936, 1, 1, KILN_STORAGE_BF16_MASTER, KILN_MOMENTS_F32, KILN_FORMAT_F32, 0},
+        {"qwen3-qknorm-f32", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1, KILN_STORAGE_F32, KILN_MOMENTS_F32, KILN_FORMAT_F32, 0},
+        {"qwen3-qknorm-bf16m", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1, KILN_STORAGE_BF16_MASTER, KILN_MOMENTS_F32, KILN_FORMAT_F32, 0},
+        {"llama-tiny-kahan-q8", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, KILN_STORAGE_BF16_KAHAN, KILN_MOMENTS_Q8, KILN_FORMAT_F32, 0},
         /* sliding windows of 8 that the 24-token sequences cross, GeGLU, (1 + w) norms */
-        {"gemma3-tiny-f32", "gemma3_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, KILN_STORAGE_F32, KILN_MOMENTS_F32},
-        {"gemma3-tiny-bf16m", "gemma3_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, KILN_STORAGE_BF16_MASTER, KILN_MOMENTS_F32},
+        {"gemma3-tiny-f32", "gemma3_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, KILN_STORAGE_F32, KILN_MOMENTS_F32, KILN_FORMAT_F32, 0},
+        {"gemma3-tiny-bf16m", "gemma3_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, KILN_STORAGE_BF16_MASTER, KILN_MOMENTS_F32, KILN_FORMAT_F32, 0},
         /* Gated DeltaNet around gated attention, (1 + w) norms, the linear layers' state */
-        {"qwen35-tiny-f32", "qwen3_5_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, KILN_STORAGE_F32, KILN_MOMENTS_F32},
+        {"qwen35-tiny-f32", "qwen3_5_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, KILN_STORAGE_F32, KILN_MOMENTS_F32, KILN_FORMAT_F32, 0},
         {"qwen35-tiny-kahan-q8", "qwen3_5_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, KILN_STORAGE_BF16_KAHAN,
-         KILN_MOMENTS_Q8},
+         KILN_MOMENTS_Q8, KILN_FORMAT_F32, 0},
+        /* the exact formats: every product of the forward and the backward on the int8 tensor
+         * cores (the loss's head products f32), the CPU's bits */
+        {"llama-tiny-mx16", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, KILN_STORAGE_F32, KILN_MOMENTS_F32,
+         KILN_FORMAT_MX16, KILN_ROUND_NEAREST},
+        {"qwen2-bias-mx8-stochastic", "qwen2", 96, 2, 6, 2, 16, 224, 151936, 1, 1, KILN_STORAGE_F32,
+         KILN_MOMENTS_F32, KILN_FORMAT_MX8, KILN_ROUND_STOCHASTIC},
+        {"qwen3-qknorm-bf16m-mx16-stochastic", "qwen3", 128, 2, 4, 2, 48, 256, 151936, 0, 1,
+         KILN_STORAGE_BF16_MASTER, KILN_MOMENTS_F32, KILN_FORMAT_MX16, KILN_ROUND_STOCHASTIC},
+        {"gemma3-tiny-mx8", "gemma3_text", 64, 3, 4, 2, 16, 128, 32000, 1, 0, KILN_STORAGE_F32, KILN_MOMENTS_F32,
+         KILN_FORMAT_MX8, KILN_ROUND_NEAREST},
     };
     int n_cases = (int)(sizeof cases / sizeof cases[0]);
 

@@ -90,8 +90,12 @@ def test_format_refusals(model):
         kiln.Context(model, format="mx4")
     with pytest.raises(kiln.KilnError, match="not with fast"):
         kiln.Context(model, format="mx16", fast=True)
-    with pytest.raises(kiln.KilnError, match="CPU only"):
-        kiln.Context(model, format="mx8", device=0)
+    # the formats run on CUDA too (tests/gpu/test_cuda_model.c): without a GPU the context is
+    # refused for want of CUDA, not for the format
+    try:
+        kiln.Context(model, format="mx8", device=0).close()
+    except kiln.KilnError as e:
+        assert "CUDA" in str(e) and "format" not in str(e), str(e)
 
 
 def run(build_dir, *args):

@@ -20,6 +20,7 @@
 #include "cuda_elementwise.h"
 #include "cuda_linear_attn.h"
 #include "cuda_matmul.h"
+#include "cuda_mx.h"
 #include "cuda_norm.h"
 #include "cuda_rope.h"
 #include "cuda_rows.h"
@@ -85,6 +86,18 @@ typedef struct cuda_ctx {
      * consecutive in the pool, gathered dense (cap_gather floats; grown outside graphs) */
     float *gather;
     size_t cap_gather;
+    /* an exact format's mode (KILN_MODE_MX16 / MX8; cuda_mx.h): every matmul and
+     * matmul_backward in it, as the CPU backend's. mx is KILN_MX16 / KILN_MX8, 0 otherwise. */
+    int mx;
+    int mx_f32;           /* kiln_cuda_f32_products: the fused loss's products in f32 */
+    struct mx_weight *mx_w; /* the weights quantized (W, or W^T for dx), made on first use */
+    size_t n_mx_w, cap_mx_w;
+    void *mx_a, *mx_b;    /* the quantized activations (bytes, grown outside graph capture) */
+    size_t cap_mx_a, cap_mx_b;
+    void *mx_ws;          /* the split products' sums: zeroed, and left zeroed by each product */
+    size_t cap_mx_ws;
+    int sr_on;            /* grad_rounding: dy and dy^T quantized stochastically */
+    uint64_t sr_key, sr_count;
 } cuda_ctx;
 
 /* A recorded graph and the buffer generation it was recorded at. */
@@ -259,6 +272,220 @@ static void cu_rmsnorm(kiln_backend *be, float *out, const float *x, const float
     after_launch(c, kiln_cuda_rmsnorm(c->stream, out, x, w, N, C, eps), "rmsnorm");
 }
 
+/* ---- the exact block formats (KILN_MODE_MX16 / MX8; cuda_mx.h) ---------------------------- */
+
+/* A weight quantized: W (R, C) along C, or W^T (C, R) along R (transposed, for dx = dy W),
+ * keyed by the address the op was handed (host or device) and kept until forget. */
+typedef struct mx_weight {
+    const uint8_t *key;
+    size_t nbytes;
+    int64_t R, C;
+    kiln_dtype dt;
+    int transposed;
+    kiln_cuda_mx m;
+} mx_weight;
+
+static bool capturing(cuda_ctx *c) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    return cudaStreamIsCapturing(c->stream, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
+}
+
+/* *buf with room for need bytes (zero: the new buffer zeroed on the stream). It grows only
+ * outside a graph capture (graph_begin sizes it for the graph's step); a growth bumps the
+ * buffer generation, so graphs recorded on the old buffer are recorded again. */
+static bool mx_reserve(cuda_ctx *c, void **buf, size_t *cap, size_t need, bool zero, const char *what) {
+    if (need <= *cap) return true;
+    if (capturing(c)) {
+        poison(c, KILN_ERR_STATE, "%s (mx%d): %zu bytes of scratch needed while a graph is recorded", what, c->mx,
+               need);
+        return false;
+    }
+    if (*buf) {
+        if (!CK(c, cudaStreamSynchronize(c->stream))) return false;
+        cudaFree(*buf);
+        *buf = NULL;
+        *cap = 0;
+        c->gen++;
+    }
+    const size_t n = need + need / 4;
+    if (!CK(c, cudaMalloc(buf, n))) return false;
+    if (zero && !CK(c, cudaMemsetAsync(*buf, 0, n, c->stream))) return false;
+    *cap = n;
+    return true;
+}
+
+/* W (or W^T) in the backend's format: from the cache, or dequantized to f32 (tensor.c's
+ * values: kiln_cuda_embed of every row) and quantized now. NULL when poisoned. */
+static const kiln_cuda_mx *mx_weight_of(cuda_ctx *c, const kiln_tensor *W, const uint8_t *w, size_t rb,
+                                        int64_t R, int64_t C, int transposed) {
+    const uint8_t *key = (const uint8_t *)W->data;
+    for (size_t i = 0; i < c->n_mx_w; i++) {
+        const mx_weight *e = &c->mx_w[i];
+        if (e->key == key && e->R == R && e->C == C && e->dt == W->dtype && e->transposed == transposed)
+            return &e->m;
+    }
+    const char *name = W->name ? W->name : "?";
+    if (capturing(c)) {
+        poison(c, KILN_ERR_STATE, "matmul (mx%d) '%s': first used while a graph is recorded (run the step once "
+               "before recording it)", c->mx, name);
+        return NULL;
+    }
+    if (R > INT_MAX) {
+        poison(c, KILN_ERR_UNSUPPORTED, "matmul (mx%d) '%s': %lld rows", c->mx, name, (long long)R);
+        return NULL;
+    }
+    if (c->n_mx_w == c->cap_mx_w) {
+        size_t cap = c->cap_mx_w ? 2 * c->cap_mx_w : 64;
+        mx_weight *t = (mx_weight *)kiln_realloc(c->mx_w, cap * sizeof *t);
+        if (!t) {
+            poison(c, KILN_ERR_NOMEM, "matmul (mx%d) '%s': out of host memory", c->mx, name);
+            return NULL;
+        }
+        c->mx_w = t;
+        c->cap_mx_w = cap;
+    }
+    mx_weight e;
+    memset(&e, 0, sizeof e);
+    cudaError_t err = kiln_cuda_mx_alloc(&e.m, c->mx, transposed ? C : R, transposed ? R : C);
+    if (err != cudaSuccess) {
+        poison(c, KILN_ERR_NOMEM, "matmul (mx%d) '%s': the quantized weight (%lld x %lld): %s", c->mx, name,
+               (long long)R, (long long)C, cudaGetErrorString(err));
+        return NULL;
+    }
+    const float *src = (const float *)w;
+    int64_t ld = (int64_t)(rb / sizeof(float));
+    float *tmp = NULL;
+    if (W->dtype != KILN_DTYPE_F32) {
+        err = cudaMalloc((void **)&tmp, (size_t)R * (size_t)C * sizeof(float));
+        if (err == cudaSuccess) err = kiln_cuda_embed(c->stream, tmp, w, rb, W->dtype, C, NULL, (int)R);
+        src = tmp;
+        ld = C;
+    }
+    if (err == cudaSuccess)
+        err = transposed ? kiln_cuda_mx_quantize(c->stream, &e.m, src, 1, ld, 0, 0, 0)
+                         : kiln_cuda_mx_quantize(c->stream, &e.m, src, ld, 1, 0, 0, 0);
+    if (tmp) {
+        if (err == cudaSuccess) err = cudaStreamSynchronize(c->stream);
+        cudaFree(tmp);
+    }
+    if (err != cudaSuccess) {
+        kiln_cuda_mx_free(&e.m);
+        poison(c, KILN_ERR_INTERNAL, "matmul (mx%d) '%s': quantizing the weight: %s", c->mx, name,
+               cudaGetErrorString(err));
+        return NULL;
+    }
+    e.key = key;
+    e.nbytes = (size_t)R * rb;
+    e.R = R;
+    e.C = C;
+    e.dt = W->dtype;
+    e.transposed = transposed;
+    c->mx_w[c->n_mx_w++] = e;
+    return &c->mx_w[c->n_mx_w - 1].m;
+}
+
+/* The quantized (rows, K) activation a (element (j, k) at a[j * s_row + k * s_col]) in the
+ * scratch *buf. false when poisoned. */
+static bool mx_activation(cuda_ctx *c, kiln_cuda_mx *m, void **buf, size_t *cap, const float *a, int64_t rows,
+                          int64_t K, int64_t s_row, int64_t s_col, int stochastic, uint64_t tensor_id,
+                          const char *what) {
+    if (!mx_reserve(c, buf, cap, kiln_cuda_mx_bytes(c->mx, rows, K), false, what)) return false;
+    kiln_cuda_mx_view(m, *buf, c->mx, rows, K);
+    after_launch(c, kiln_cuda_mx_quantize(c->stream, m, a, s_row, s_col, stochastic, c->sr_key, tensor_id), what);
+    return c->err == KILN_OK;
+}
+
+/* out (N, R) (+)= the product of x and w in the format, then the bias (kiln_cuda_mx_matmul). */
+static void mx_product(cuda_ctx *c, const kiln_cuda_mx *x, const kiln_cuda_mx *w, float *out, const float *bias,
+                       int accumulate, const char *what) {
+    if (!mx_reserve(c, &c->mx_ws, &c->cap_mx_ws, kiln_cuda_mx_matmul_ws_bytes(x->rows, w->rows, x->nb), true, what))
+        return;
+    after_launch(c, kiln_cuda_mx_matmul(c->stream, x, w, out, w->rows, bias, accumulate, c->mx_ws), what);
+}
+
+/* ops.h's matmul in the format: out(N, R) = mx(x W^T) + bias, the CPU backend's bits. */
+static void cu_matmul_mx(cuda_ctx *c, float *out, const float *x, const kiln_tensor *W, const uint8_t *w, size_t rb,
+                         int64_t R, int64_t C, const float *bias, int N) {
+    if (C > KILN_MX_MAX_K) {
+        poison(c, KILN_ERR_UNSUPPORTED, "matmul (mx%d) '%s': the reduction (%lld) is longer than the format's "
+               "limit (262,144)", c->mx, W->name ? W->name : "?", (long long)C);
+        return;
+    }
+    const kiln_cuda_mx *wm = mx_weight_of(c, W, w, rb, R, C, 0);
+    kiln_cuda_mx xm;
+    if (!wm || !mx_activation(c, &xm, &c->mx_a, &c->cap_mx_a, x, N, C, C, 1, 0, 0, "matmul (mx)")) return;
+    mx_product(c, &xm, wm, out, bias, 0, "matmul (mx)");
+}
+
+/* ops.h's matmul_backward in the format (docs/ARITHMETIC.md, "Training in a format"), the CPU
+ * backend's matmul_backward_mx step for step: dbias the auditable column sum; dx (+)= mx(dy
+ * W) with dy quantized along R and W^T (cached) along R; dW += mx(dy^T x) with dy^T and x^T
+ * quantized along the tokens; dy and dy^T stochastically under grad_rounding (tensor ids
+ * sr_id and sr_id + 1). */
+static void cu_matmul_backward_mx(cuda_ctx *c, uint64_t sr_id, float *dx, float *dW, float *dbias, const float *dy,
+                                  const float *x, const kiln_tensor *W, const uint8_t *w, size_t rb, int64_t R,
+                                  int64_t C, int N, bool accumulate_dx) {
+    if (dbias)
+        after_launch(c, kiln_cuda_matmul_backward(c->stream, NULL, NULL, dbias, dy, x, w, rb, W->dtype, R, C, N, false),
+                     "matmul_backward (mx) dbias");
+    if (R > KILN_MX_MAX_K || N > KILN_MX_MAX_K) {
+        poison(c, KILN_ERR_UNSUPPORTED, "matmul_backward (mx%d) '%s': the backward's reduction is longer than the "
+               "format's limit (262,144)", c->mx, W->name ? W->name : "?");
+        return;
+    }
+    if (dx && c->err == KILN_OK) {
+        const kiln_cuda_mx *wt = mx_weight_of(c, W, w, rb, R, C, 1);
+        kiln_cuda_mx q;
+        if (!wt || !mx_activation(c, &q, &c->mx_a, &c->cap_mx_a, dy, N, R, R, 1, c->sr_on, sr_id,
+                                  "matmul_backward (mx) dy"))
+            return;
+        mx_product(c, &q, wt, dx, NULL, accumulate_dx, "matmul_backward (mx) dx");
+    }
+    if (dW && c->err == KILN_OK) {
+        kiln_cuda_mx qd, qx;
+        if (!mx_activation(c, &qd, &c->mx_a, &c->cap_mx_a, dy, R, N, 1, R, c->sr_on, sr_id + 1,
+                           "matmul_backward (mx) dy^T") ||
+            !mx_activation(c, &qx, &c->mx_b, &c->cap_mx_b, x, C, N, 1, C, 0, 0, "matmul_backward (mx) x^T"))
+            return;
+        mx_product(c, &qd, &qx, dW, NULL, 1, "matmul_backward (mx) dW");
+    }
+}
+
+/* ops.h grad_rounding: the key of kiln_mx_backward_key; the backward's products counted from 0. */
+static void cu_grad_rounding(kiln_backend *be, int stochastic, uint64_t seed, uint64_t step, uint64_t micro) {
+    cuda_ctx *c = ctx_of(be);
+    c->sr_on = stochastic && c->mx;
+    c->sr_key = kiln_mx_backward_key(seed, step, micro);
+    c->sr_count = 0;
+}
+
+/* Drop the quantized weights keyed in [lo, hi) (forget), after the work that may read them. */
+static void mx_forget(cuda_ctx *c, const uint8_t *lo, const uint8_t *hi) {
+    size_t kept = 0;
+    bool synced = false;
+    for (size_t i = 0; i < c->n_mx_w; i++) {
+        mx_weight *e = &c->mx_w[i];
+        if (e->key < hi && lo < e->key + e->nbytes) {
+            if (!synced) {
+                (void)cudaStreamSynchronize(c->stream);
+                synced = true;
+                c->gen++; /* a graph may hold the old copy's address */
+            }
+            kiln_cuda_mx_free(&e->m);
+            continue;
+        }
+        c->mx_w[kept++] = *e;
+    }
+    c->n_mx_w = kept;
+}
+
+extern "C" int kiln_cuda_f32_products(kiln_backend *be, int on) {
+    cuda_ctx *c = ctx_of(be);
+    const int prev = c->mx_f32;
+    c->mx_f32 = on;
+    return prev;
+}
+
 static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_tensor *W,
                       const float *bias, int N) {
     cuda_ctx *c = ctx_of(be);
@@ -273,7 +500,9 @@ static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_t
     size_t rb = row_bytes_of(W->dtype, C);
     const uint8_t *w = weight_dev(c, W->data, (size_t)R * rb, W->name);
     if (!w) return;
-    if (!c->fast) {
+    if (c->mx && !c->mx_f32) {
+        cu_matmul_mx(c, out, x, W, w, rb, R, C, bias, N);
+    } else if (!c->fast) {
         after_launch(c, kiln_cuda_matmul(c->stream, out, x, w, rb, W->dtype, R, C, bias, N),
                      "matmul");
     } else if (N <= 8) {
@@ -620,6 +849,20 @@ static kiln_status cu_graph_begin(kiln_backend *be, int B, int NH, int HS, int m
         if (!c->attn && !CK(c, kiln_cuda_attn_create(&c->attn))) return c->err;
         if (!CK(c, kiln_cuda_attn_reserve(c->attn, B, 1, NH, HS, max_T))) return c->err;
     }
+    if (c->mx && B > 0) { /* the quantized activations and split sums of a B-token step, for
+                           * the widest and tallest weights quantized so far (the step's) */
+        int64_t maxC = 1, maxR = 1;
+        for (size_t i = 0; i < c->n_mx_w; i++) {
+            const mx_weight *e = &c->mx_w[i];
+            if (e->transposed) continue;
+            maxC = e->C > maxC ? e->C : maxC;
+            maxR = e->R > maxR ? e->R : maxR;
+        }
+        size_t ws = (size_t)B * (size_t)maxR * (sizeof(unsigned long long) + sizeof(int));
+        if (!mx_reserve(c, &c->mx_a, &c->cap_mx_a, kiln_cuda_mx_bytes(c->mx, B, maxC), false, "graph_begin") ||
+            !mx_reserve(c, &c->mx_ws, &c->cap_mx_ws, ws, true, "graph_begin"))
+            return c->err;
+    }
     if (!CK(c, cudaStreamSynchronize(c->stream)) ||
         !CK(c, cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal)))
         return c->err;
@@ -679,6 +922,8 @@ static void cu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *db
                                const float *dy, const float *x, const kiln_tensor *W, int N,
                                bool accumulate_dx) {
     cuda_ctx *c = ctx_of(be);
+    const bool mx = c->mx && !c->mx_f32;
+    const uint64_t sr_id = mx ? 2 * c->sr_count++ : 0; /* counted as the CPU counts, calls that do nothing too */
     if (!op_begin(c) || N <= 0) return;
     if (!kiln_cuda_backward_dtype_supported(W->dtype)) {
         poison(c, KILN_ERR_UNSUPPORTED, "matmul_backward: weight '%s': dtype %s",
@@ -690,6 +935,10 @@ static void cu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *db
     size_t rb = row_bytes_of(W->dtype, C);
     const uint8_t *w = weight_dev(c, W->data, (size_t)R * rb, W->name);
     if (!w) return;
+    if (mx) {
+        if (R > 0) cu_matmul_backward_mx(c, sr_id, dx, dW, dbias, dy, x, W, w, rb, R, C, N, accumulate_dx);
+        return;
+    }
     if (c->fast) { /* dx, dW on bf16 tensor cores, dbias the fast column sum (backward_fast.h) */
         if (!c->gemm && !CK(c, kiln_cuda_gemm_create(c->device, &c->gemm))) return;
         cudaError_t e = kiln_cuda_matmul_backward_fast(c->gemm, c->stream, dx, dW, dbias, dy, x, w,
@@ -1737,6 +1986,11 @@ static void cu_free(kiln_backend *be) {
         if (c->hist) cudaFree(c->hist);
         if (c->h_token) cudaFreeHost(c->h_token);
         kiln_cuda_attn_free(c->attn);
+        for (size_t k = 0; k < c->n_mx_w; k++) kiln_cuda_mx_free(&c->mx_w[k].m);
+        kiln_free(c->mx_w);
+        if (c->mx_a) cudaFree(c->mx_a);
+        if (c->mx_b) cudaFree(c->mx_b);
+        if (c->mx_ws) cudaFree(c->mx_ws);
         if (c->stream) cudaStreamDestroy(c->stream);
         kiln_free(c);
     }
@@ -1764,6 +2018,7 @@ static void cu_forget(kiln_backend *be, const void *host, size_t nbytes) {
         c->weights[kept++] = *e;
     }
     c->n_weights = kept;
+    mx_forget(c, lo, hi);
 }
 
 /* Device or managed memory (the training ops' checks of what they were handed). */
@@ -1855,6 +2110,19 @@ static const kiln_backend_i cuda_iface = {
     /* .grad_rounding = */ NULL, /* no exact formats on this backend yet */
 };
 
+/* An exact format's mode: the table without the fused product entries (the model composes them
+ * from matmul and matmul_backward, which run in the format; the CPU backend has none either),
+ * and with grad_rounding. */
+static kiln_backend_i make_mx_iface() {
+    kiln_backend_i i = cuda_iface;
+    i.matmul_multi = NULL;
+    i.matmul_backward_multi = NULL;
+    i.products = NULL;
+    i.grad_rounding = cu_grad_rounding;
+    return i;
+}
+static const kiln_backend_i cuda_iface_mx = make_mx_iface();
+
 extern "C" kiln_status kiln_cuda_device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes) {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
@@ -1880,7 +2148,7 @@ extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) 
     return kiln_backend_cuda_create_mode(device, 0, out);
 }
 
-extern "C" kiln_status kiln_backend_cuda_create_mode(int device, int fast, kiln_backend **out) {
+extern "C" kiln_status kiln_backend_cuda_create_mode(int device, int mode, kiln_backend **out) {
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_cuda_create: out is NULL");
     *out = NULL;
     if (device < 0)
@@ -1916,8 +2184,9 @@ extern "C" kiln_status kiln_backend_cuda_create_mode(int device, int fast, kiln_
         return kiln_error(KILN_ERR_NOMEM, "kiln_backend_cuda_create: out of memory");
     }
     c->device = device;
-    c->fast = fast != 0;
-    be->i = &cuda_iface;
+    c->fast = mode == KILN_MODE_FAST;
+    c->mx = mode == KILN_MODE_MX16 ? KILN_MX16 : mode == KILN_MODE_MX8 ? KILN_MX8 : 0;
+    be->i = c->mx ? &cuda_iface_mx : &cuda_iface;
     be->n_threads = 1;
     be->ctx = c;
     if (!CK(c, cudaSetDevice(device)) ||

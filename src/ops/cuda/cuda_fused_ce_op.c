@@ -449,7 +449,11 @@ size_t kiln_cuda_fused_ce_workspace(kiln_backend *be, const kiln_fused_ce_params
 
 kiln_status kiln_cuda_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p, int64_t S,
                                kiln_fused_ce_result *out) {
-    return ce_device(be, p, S, kiln_ce_chunk(p), out);
+    /* the loss's products in f32 even in an exact format's mode, as the CPU's */
+    const int prev = kiln_cuda_f32_products(be, 1);
+    kiln_status st = ce_device(be, p, S, kiln_ce_chunk(p), out);
+    kiln_cuda_f32_products(be, prev);
+    return st;
 }
 #else
 typedef int kiln_cuda_fused_ce_op_unused; /* ISO C wants a non-empty translation unit */

@@ -32,7 +32,7 @@ static __global__ void embed_kernel(float *__restrict__ out, const uint8_t *__re
     for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total;
          u += (int64_t)gridDim.x * blockDim.x) {
         int64_t n = u / C, c = u - n * C;
-        out[u] = deq<DT>(table + (size_t)ids[n] * row_bytes, c);
+        out[u] = deq<DT>(table + (size_t)(ids ? ids[n] : n) * row_bytes, c);
     }
 }
 

@@ -22,7 +22,8 @@
  * ============================================================================================== */
 
 /* out(N,C) = rows ids[n] of table (dtype dt, one of kiln_cuda_dtype_supported's; rows
- * row_bytes apart) dequantized with tensor.c's formulas. */
+ * row_bytes apart) dequantized with tensor.c's formulas. ids NULL: rows 0..N-1 (the first
+ * N rows of a matrix, dequantized). */
 cudaError_t kiln_cuda_embed(cudaStream_t s, float *out, const uint8_t *table, size_t row_bytes,
                             kiln_dtype dt, int64_t C, const int32_t *ids, int N);
 

@@ -14,8 +14,8 @@ kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) {
                       "(configure with -DKILN_CUDA=ON where nvcc is installed)");
 }
 
-kiln_status kiln_backend_cuda_create_mode(int device, int fast, kiln_backend **out) {
-    (void)fast;
+kiln_status kiln_backend_cuda_create_mode(int device, int mode, kiln_backend **out) {
+    (void)mode;
     return kiln_backend_cuda_create(device, out);
 }
 

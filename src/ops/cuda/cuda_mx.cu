@@ -1,0 +1,478 @@
+/*
+ * cuda_mx.cu -- the exact block formats on the GPU (cuda_mx.h): quantization, one warp per
+ * block, in integers on the f32 bits as src/ops/mx.c does; the product on the int8 tensor
+ * cores (mma.sync m16n8k32 s8), each output's blocks combined in an int64 and rounded once.
+ * Every step is the definition of docs/ARITHMETIC.md ("Exact block formats (mx8, mx16)"),
+ * so the results are the CPU's bits (tests/gpu/test_cuda_mx.cu).
+ */
+#include "cuda_mx.h"
+#include "cuda_common.cuh"
+
+#include <limits.h>
+#include <string.h>
+
+#define MX_FULL 0xffffffffu
+
+/* ---- quantization ------------------------------------------------------------------------ */
+
+/* floor(P / 2^s), s >= 0 (mx.h kiln_mx_floor_shift): an arithmetic right shift, clamped. */
+static __device__ __forceinline__ long long mx_floor_shift(long long P, int s) {
+    return s >= 63 ? (P < 0 ? -1 : 0) : P >> s;
+}
+
+/* splitmix64's finalizer and the stochastic rounding's number (mx.h kiln_mx_random24). */
+static __device__ __forceinline__ uint64_t mx_mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static __device__ __forceinline__ uint32_t mx_random24(uint64_t seed, uint64_t tensor_id,
+                                                       uint64_t index) {
+    uint64_t h = mx_mix64(seed + 0x9e3779b97f4a7c15ull);
+    h = mx_mix64(h ^ tensor_id);
+    h = mx_mix64(h ^ index);
+    return (uint32_t)(h >> 40);
+}
+
+/* round_half_even(m 2^-t), t >= 1, m < 2^24 (mx.c rne_shift). */
+static __device__ __forceinline__ uint32_t mx_rne_shift(uint32_t m, int t) {
+    if (t >= 26) return 0;
+    uint32_t q = m >> t, rem = m & ((1u << t) - 1), half = 1u << (t - 1);
+    if (rem > half || (rem == half && (q & 1))) q++;
+    return q;
+}
+
+/* One warp per block b of row j (warps stride over rows * nb blocks); lane i holds element
+ * k = 32 b + i (+0 past K). mx.c quantize_block, lane by lane. */
+template <int F, bool STOCH>
+static __global__ void __launch_bounds__(256)
+mx_quantize_kernel(int8_t *__restrict__ q, int8_t *__restrict__ lo, int16_t *__restrict__ e,
+                   const float *__restrict__ a, int64_t s_row, int64_t s_col, int64_t rows,
+                   int64_t K, int64_t nb, uint64_t seed, uint64_t tensor_id) {
+    const int lane = threadIdx.x & 31;
+    const int64_t n_warps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    const int32_t qmax = (1 << (F + 1)) - 1;
+    for (int64_t wb = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; wb < rows * nb;
+         wb += n_warps) {
+        const int64_t j = wb / nb, b = wb - j * nb, k = b * 32 + lane;
+        const float v = k < K ? a[j * s_row + k * s_col] : 0.0f;
+        const uint32_t u = __float_as_uint(v), mag = u & 0x7fffffffu;
+        const bool nonfinite = __any_sync(MX_FULL, mag >= 0x7f800000u);
+        const uint32_t amax = __reduce_max_sync(MX_FULL, mag);
+        int32_t mant = 0;
+        int E16;
+        if (nonfinite) {
+            E16 = KILN_MX_EXP_NONFINITE;
+        } else if (amax == 0) {
+            E16 = KILN_MX_EXP_ZERO;
+        } else {
+            const int E = amax >= 0x800000u ? (int)(amax >> 23) - 127 : (31 - __clz((int)amax)) - 149;
+            E16 = E;
+            const uint32_t ef = (u >> 23) & 0xffu, fr = u & 0x7fffffu;
+            const uint32_t m = ef ? (fr | 0x800000u) : fr;
+            const int x = ef ? (int)ef - 150 : -149, neg = (int)(u >> 31);
+            if (m) {
+                const int sh = x + F - E; /* q = m 2^sh before rounding */
+                if (STOCH) {
+                    const long long sv = neg ? -(long long)m : (long long)m;
+                    const long long V = sh + 24 >= 0 ? sv * (1ll << (sh + 24)) : mx_floor_shift(sv, -(sh + 24));
+                    const uint32_t r = mx_random24(seed, tensor_id, (uint64_t)j * (uint64_t)K + (uint64_t)k);
+                    const long long qq = mx_floor_shift(V + (long long)r, 24);
+                    mant = (int32_t)(qq > qmax ? qmax : qq < -qmax ? -qmax : qq);
+                } else {
+                    uint32_t qq = sh >= 0 ? m << sh : mx_rne_shift(m, -sh);
+                    if (qq > (uint32_t)qmax) qq = (uint32_t)qmax;
+                    mant = neg ? -(int32_t)qq : (int32_t)qq;
+                }
+            }
+        }
+        const size_t o = (size_t)(j * nb + b);
+        if (F == KILN_MX8_F) {
+            q[o * 32 + lane] = (int8_t)mant;
+        } else { /* q = hi 128 + lo, lo in [-64, 63] (mx.c) */
+            const int32_t hi = (mant + 64 + 8192) / 128 - 64;
+            q[o * 32 + lane] = (int8_t)hi;
+            lo[o * 32 + lane] = (int8_t)(mant - hi * 128);
+        }
+        if (lane == 0) e[o] = (int16_t)E16;
+    }
+}
+
+/* ---- the one rounding (mx.c kiln_mx_round) ------------------------------------------------ */
+
+static __device__ __forceinline__ uint64_t mx_rne_shift64(uint64_t v, int t) {
+    if (t >= 64) return 0;
+    uint64_t q = v >> t, rem = v & ((1ull << t) - 1), half = 1ull << (t - 1);
+    if (rem > half || (rem == half && (q & 1))) q++;
+    return q;
+}
+
+/* m 2^p exactly, for m 2^p representable in f32 (m < 2^25): in double, then narrowed (exact). */
+static __device__ __forceinline__ float mx_scale_exact(uint64_t m, int p) {
+    const double two_p = __longlong_as_double((long long)(p + 1023) << 52); /* p in [-1022, 1023] */
+    return __double2float_rn(__dmul_rn((double)m, two_p));
+}
+
+static __device__ float mx_round(long long S, int p) {
+    if (S == 0) return 0.0f;
+    if (p >= -126 && p <= 63) /* (float)S, one RNE rounding, then an exact scaling */
+        return __fmul_rn(__ll2float_rn(S), __uint_as_float((uint32_t)(p + 127) << 23));
+    const int neg = S < 0;
+    const uint64_t mag = neg ? 0ull - (uint64_t)S : (uint64_t)S;
+    const int msb = 63 - __clzll((long long)mag);
+    float r;
+    if (msb + p >= -126) {
+        uint64_t m = mag;
+        int t = 0;
+        if (msb > 23) {
+            t = msb - 23;
+            m = mx_rne_shift64(mag, t);
+        }
+        const int top = 63 - __clzll((long long)m);
+        r = top + t + p >= 128 ? __uint_as_float(0x7f800000u) : mx_scale_exact(m, t + p);
+    } else { /* subnormal: a multiple of 2^-149, rounded once */
+        const int sh = p + 149;
+        const uint64_t m = sh >= 0 ? mag << sh : mx_rne_shift64(mag, -sh);
+        r = mx_scale_exact(m, -149);
+    }
+    return neg ? -r : r;
+}
+
+/* ---- the product ------------------------------------------------------------------------- */
+
+/* D = A(16x32, row) B(32x8, col) + C in s32. Fragments (PTX ISA, m16n8k32 .s8), with
+ * g = lane / 4, t = lane % 4: a0 = A[g][4t..4t+3], a1 = A[g+8][4t..], a2 = A[g][16+4t..],
+ * a3 = A[g+8][16+4t..]; b0 = B[4t..4t+3][g], b1 = B[16+4t..][g]; d0, d1 = D[g][2t, 2t+1],
+ * d2, d3 = D[g+8][2t, 2t+1]. */
+static __device__ __forceinline__ void mma_s8(int d[4], const uint32_t a[4], uint32_t b0,
+                                              uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ uint32_t ld_s8x4(const int8_t *p) {
+    return (uint32_t)__ldg((const int *)p);
+}
+
+typedef struct mx_mm_args {
+    const int8_t *xq, *xlo, *wq, *wlo;
+    const int16_t *xe, *we;
+    int64_t N, R, nb;
+    int64_t kb_per; /* blocks per split (gridDim.z splits) */
+    float *out;
+    int64_t ldo;
+    const float *bias;
+    int accumulate;
+    unsigned long long *ws_S; /* split: (N, R) sums, zeroed; NULL unsplit */
+    int *ws_m;                /* split: (N, R) largest exponent sum, INT_MIN none, INT_MAX bad */
+} mx_mm_args;
+
+/* The f32 result of an output from its sum S, its largest exponent sum m (INT_MIN: no
+ * contributing block, INT_MAX: a non-finite row) and the epilogue. */
+template <int F, int SH>
+static __device__ __forceinline__ void mx_store(const mx_mm_args &p, int64_t n, int64_t r,
+                                                long long S, int m) {
+    float v = m == INT_MAX ? __uint_as_float(0x7fc00000u)
+              : m == INT_MIN ? 0.0f
+                             : mx_round(S, m - 2 * F - SH);
+    float *o = p.out + n * p.ldo + r;
+    if (p.accumulate) v = __fadd_rn(*o, v);
+    else if (p.bias) v = __fadd_rn(v, p.bias[r]);
+    *o = v;
+}
+
+/* A CTA: 4 warps along R (16 rows of W each, 64 in all) by 8 NT rows of x; gridDim.z splits
+ * the blocks. Pass 1 walks every block's exponents for each output's largest exponent sum
+ * over the contributing blocks (and its rows' non-finite marks); pass 2 walks the split's
+ * blocks: one MMA (mx16: four) per block and 8-row tile, each P_k shifted into its output's
+ * int64 sum by e_k - base. */
+template <int KIND, int NT>
+static __global__ void __launch_bounds__(128) mx_matmul_kernel(const mx_mm_args p) {
+    constexpr int F = KIND == KILN_MX8 ? KILN_MX8_F : KILN_MX16_F;
+    constexpr int SH = KIND == KILN_MX8 ? KILN_MX8_SH : KILN_MX16_SH;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int64_t nb = p.nb;
+    const int64_t ra = (int64_t)blockIdx.x * 64 + warp * 16 + g, rb = ra + 8;
+    const int64_t n0 = (int64_t)blockIdx.y * (8 * NT);
+    const bool va = ra < p.R, vb = rb < p.R;
+    /* this thread's outputs: rows ra (h = 0, 1) and rb (h = 2, 3), columns nc[j][h & 1] */
+    int64_t nc[NT][2];
+    bool vc[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+        for (int c = 0; c < 2; c++) {
+            nc[j][c] = n0 + 8 * j + 2 * t + c;
+            vc[j][c] = nc[j][c] < p.N;
+        }
+    const int16_t *wea = p.we + (va ? ra : 0) * nb, *web = p.we + (vb ? rb : 0) * nb;
+
+    /* pass 1: largest Ex + Ew over blocks where neither is a zero block; non-finite rows */
+    int sm[NT][4];
+    bool bad_w[2] = {false, false}, bad_x[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        bad_x[j][0] = bad_x[j][1] = false;
+        for (int h = 0; h < 4; h++) sm[j][h] = INT_MIN;
+    }
+    for (int64_t k = 0; k < nb; k++) {
+        const int ew[2] = {va ? wea[k] : KILN_MX_EXP_ZERO, vb ? web[k] : KILN_MX_EXP_ZERO};
+        bad_w[0] |= ew[0] == KILN_MX_EXP_NONFINITE;
+        bad_w[1] |= ew[1] == KILN_MX_EXP_NONFINITE;
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const int ex = vc[j][c] ? p.xe[nc[j][c] * nb + k] : KILN_MX_EXP_ZERO;
+                bad_x[j][c] |= ex == KILN_MX_EXP_NONFINITE;
+                if (ex == KILN_MX_EXP_ZERO) continue;
+#pragma unroll
+                for (int h2 = 0; h2 < 2; h2++)
+                    if (ew[h2] != KILN_MX_EXP_ZERO) sm[j][2 * h2 + c] = max(sm[j][2 * h2 + c], ew[h2] + ex);
+            }
+    }
+    /* d = Ex + Ew + dbase = e_k - base, dbase = SH - smax */
+    int dbase[NT][4];
+    long long S[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+        for (int h = 0; h < 4; h++) {
+            dbase[j][h] = sm[j][h] == INT_MIN ? 0 : SH - sm[j][h];
+            S[j][h] = 0;
+        }
+
+    /* pass 2: the split's blocks */
+    const int64_t k0 = (int64_t)blockIdx.z * p.kb_per;
+    const int64_t k1 = k0 + p.kb_per < nb ? k0 + p.kb_per : nb;
+    const int8_t *wqa = p.wq + (size_t)(va ? ra : 0) * nb * 32 + 4 * t;
+    const int8_t *wqb = p.wq + (size_t)(vb ? rb : 0) * nb * 32 + 4 * t;
+    for (int64_t k = k0; k < k1; k++) {
+        uint32_t a[4], al[4] = {0, 0, 0, 0};
+        const size_t ko = (size_t)k * 32;
+        a[0] = va ? ld_s8x4(wqa + ko) : 0u;
+        a[1] = vb ? ld_s8x4(wqb + ko) : 0u;
+        a[2] = va ? ld_s8x4(wqa + ko + 16) : 0u;
+        a[3] = vb ? ld_s8x4(wqb + ko + 16) : 0u;
+        if (KIND == KILN_MX16) {
+            const ptrdiff_t dl = p.wlo - p.wq;
+            al[0] = va ? ld_s8x4(wqa + dl + ko) : 0u;
+            al[1] = vb ? ld_s8x4(wqb + dl + ko) : 0u;
+            al[2] = va ? ld_s8x4(wqa + dl + ko + 16) : 0u;
+            al[3] = vb ? ld_s8x4(wqb + dl + ko + 16) : 0u;
+        }
+        const int ew[2] = {va ? wea[k] : KILN_MX_EXP_ZERO, vb ? web[k] : KILN_MX_EXP_ZERO};
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const int64_t nB = n0 + 8 * j + g; /* the B fragment's row of x */
+            const bool vB = nB < p.N;
+            const int8_t *xb = p.xq + ((size_t)(vB ? nB : 0) * nb + k) * 32 + 4 * t;
+            const uint32_t b0 = vB ? ld_s8x4(xb) : 0u, b1 = vB ? ld_s8x4(xb + 16) : 0u;
+            int P[4];
+            if (KIND == KILN_MX8) {
+                P[0] = P[1] = P[2] = P[3] = 0;
+                mma_s8(P, a, b0, b1);
+            } else {
+                const int8_t *xl = xb + (p.xlo - p.xq);
+                const uint32_t l0 = vB ? ld_s8x4(xl) : 0u, l1 = vB ? ld_s8x4(xl + 16) : 0u;
+                int hh[4] = {0, 0, 0, 0}, mid[4] = {0, 0, 0, 0}, ll[4] = {0, 0, 0, 0};
+                mma_s8(hh, a, b0, b1);
+                mma_s8(mid, a, l0, l1);
+                mma_s8(mid, al, b0, b1);
+                mma_s8(ll, al, l0, l1);
+                /* P = hh 2^14 + (hl + lh) 2^7 + ll: |P| < 2^31, so 32-bit wrapping sums are exact */
+#pragma unroll
+                for (int h = 0; h < 4; h++)
+                    P[h] = (int)((uint32_t)hh[h] * 16384u + (uint32_t)mid[h] * 128u + (uint32_t)ll[h]);
+            }
+#pragma unroll
+            for (int h = 0; h < 4; h++) {
+                const int c = h & 1;
+                const int ex = vc[j][c] ? p.xe[nc[j][c] * nb + k] : KILN_MX_EXP_ZERO;
+                const int d = ew[h >> 1] + ex + dbase[j][h];
+                /* a zero block on either side has P = 0; a non-finite row is NaN anyway */
+                const long long Pl = P[h];
+                S[j][h] += d >= 0 ? Pl << (d < 40 ? d : 40) : mx_floor_shift(Pl, -d);
+            }
+        }
+    }
+
+    /* outputs */
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int h = 0; h < 4; h++) {
+            const int c = h & 1;
+            const bool vr = h < 2 ? va : vb;
+            if (!vr || !vc[j][c]) continue;
+            const int64_t r = h < 2 ? ra : rb, n = nc[j][c];
+            const int m = bad_w[h >> 1] || bad_x[j][c] ? INT_MAX : sm[j][h];
+            if (!p.ws_S) {
+                mx_store<F, SH>(p, n, r, S[j][h], m);
+            } else {
+                if (S[j][h]) atomicAdd(p.ws_S + n * p.R + r, (unsigned long long)S[j][h]);
+                if (blockIdx.z == 0) p.ws_m[n * p.R + r] = m;
+            }
+        }
+}
+
+/* The splits' sums, rounded; the sums and the exponents zeroed for the next product (whose
+ * sums may lie where this one's exponents were). */
+template <int KIND>
+static __global__ void mx_finish_kernel(const mx_mm_args p) {
+    constexpr int F = KIND == KILN_MX8 ? KILN_MX8_F : KILN_MX16_F;
+    constexpr int SH = KIND == KILN_MX8 ? KILN_MX8_SH : KILN_MX16_SH;
+    const int64_t total = p.N * p.R;
+    for (int64_t o = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; o < total;
+         o += (int64_t)gridDim.x * blockDim.x) {
+        const long long S = (long long)p.ws_S[o];
+        const int m = p.ws_m[o];
+        p.ws_S[o] = 0;
+        p.ws_m[o] = 0;
+        const int64_t n = o / p.R;
+        mx_store<F, SH>(p, n, o - n * p.R, S, m);
+    }
+}
+
+/* ---- launchers --------------------------------------------------------------------------- */
+
+size_t kiln_cuda_mx_bytes(int kind, int64_t rows, int64_t K) {
+    const int64_t nb = (K + 31) / 32;
+    const size_t plane = (size_t)rows * (size_t)nb * 32, planes = kind == KILN_MX16 ? 2 : 1;
+    return plane * planes + (size_t)rows * (size_t)nb * 2 + 256;
+}
+
+void kiln_cuda_mx_view(kiln_cuda_mx *m, void *mem, int kind, int64_t rows, int64_t K) {
+    memset(m, 0, sizeof *m);
+    const int64_t nb = (K + 31) / 32;
+    const size_t plane = (size_t)rows * (size_t)nb * 32, planes = kind == KILN_MX16 ? 2 : 1;
+    m->kind = kind;
+    m->rows = m->cap_rows = rows;
+    m->K = K;
+    m->nb = nb;
+    m->q = (int8_t *)mem;
+    m->lo = kind == KILN_MX16 ? (int8_t *)mem + plane : NULL;
+    m->e = (int16_t *)((int8_t *)mem + plane * planes);
+    m->bytes = kiln_cuda_mx_bytes(kind, rows, K);
+}
+
+cudaError_t kiln_cuda_mx_alloc(kiln_cuda_mx *m, int kind, int64_t rows, int64_t K) {
+    memset(m, 0, sizeof *m);
+    if ((kind != KILN_MX8 && kind != KILN_MX16) || rows < 0 || K < 0 || K > KILN_MX_MAX_K)
+        return cudaErrorInvalidValue;
+    void *mem = NULL;
+    cudaError_t e = cudaMalloc(&mem, kiln_cuda_mx_bytes(kind, rows, K));
+    if (e != cudaSuccess) return e;
+    kiln_cuda_mx_view(m, mem, kind, rows, K);
+    m->mem = mem;
+    return cudaSuccess;
+}
+
+void kiln_cuda_mx_free(kiln_cuda_mx *m) {
+    if (!m) return;
+    if (m->mem) cudaFree(m->mem);
+    memset(m, 0, sizeof *m);
+}
+
+cudaError_t kiln_cuda_mx_quantize(cudaStream_t s, kiln_cuda_mx *m, const float *a, int64_t s_row,
+                                  int64_t s_col, int stochastic, uint64_t seed, uint64_t tensor_id) {
+    if (!m || (m->kind != KILN_MX8 && m->kind != KILN_MX16) || m->rows > m->cap_rows)
+        return cudaErrorInvalidValue;
+    const int64_t blocks = m->rows * m->nb;
+    if (blocks == 0) return cudaSuccess;
+    if (!a && m->K > 0) return cudaErrorInvalidValue;
+    const unsigned grid = grid_for(blocks * 32, 256);
+    if (m->kind == KILN_MX8) {
+        if (stochastic)
+            mx_quantize_kernel<KILN_MX8_F, true><<<grid, 256, 0, s>>>(m->q, m->lo, m->e, a, s_row, s_col, m->rows,
+                                                                      m->K, m->nb, seed, tensor_id);
+        else
+            mx_quantize_kernel<KILN_MX8_F, false><<<grid, 256, 0, s>>>(m->q, m->lo, m->e, a, s_row, s_col, m->rows,
+                                                                       m->K, m->nb, seed, tensor_id);
+    } else {
+        if (stochastic)
+            mx_quantize_kernel<KILN_MX16_F, true><<<grid, 256, 0, s>>>(m->q, m->lo, m->e, a, s_row, s_col, m->rows,
+                                                                       m->K, m->nb, seed, tensor_id);
+        else
+            mx_quantize_kernel<KILN_MX16_F, false><<<grid, 256, 0, s>>>(m->q, m->lo, m->e, a, s_row, s_col,
+                                                                        m->rows, m->K, m->nb, seed, tensor_id);
+    }
+    return cudaGetLastError();
+}
+
+/* The product's shape: x tiles of 8 NT rows (NT = 1 up to 8 rows of x, else 4), CTAs of 64
+ * rows of W, and the blocks split so that about 2 x 132 (an H100's SMs) CTAs run, with at
+ * least 2 blocks a split. A function of (N, R, nb) only. */
+typedef struct mx_plan {
+    int NT;
+    int64_t gx, gy, splits, kb_per;
+} mx_plan;
+
+static mx_plan mx_plan_of(int64_t N, int64_t R, int64_t nb) {
+    mx_plan pl;
+    pl.NT = N <= 8 ? 1 : 4;
+    pl.gx = (R + 63) / 64;
+    pl.gy = (N + 8 * pl.NT - 1) / (8 * pl.NT);
+    const int64_t ctas = pl.gx * pl.gy, want = 264;
+    int64_t splits = 1;
+    if (ctas < want && nb >= 4) {
+        splits = (want + ctas - 1) / ctas;
+        if (splits > nb / 2) splits = nb / 2;
+    }
+    pl.kb_per = (nb + splits - 1) / splits;
+    if (pl.kb_per < 1) pl.kb_per = 1;
+    pl.splits = nb > 0 ? (nb + pl.kb_per - 1) / pl.kb_per : 1;
+    return pl;
+}
+
+size_t kiln_cuda_mx_matmul_ws_bytes(int64_t N, int64_t R, int64_t nb) {
+    const mx_plan pl = mx_plan_of(N, R, nb);
+    return pl.splits > 1 ? (size_t)N * (size_t)R * (sizeof(unsigned long long) + sizeof(int)) : 0;
+}
+
+template <int KIND, int NT>
+static void mx_matmul_launch(cudaStream_t s, const mx_plan &pl, const mx_mm_args &a) {
+    mx_matmul_kernel<KIND, NT><<<dim3((unsigned)pl.gx, (unsigned)pl.gy, (unsigned)pl.splits), 128, 0, s>>>(a);
+}
+
+cudaError_t kiln_cuda_mx_matmul(cudaStream_t s, const kiln_cuda_mx *x, const kiln_cuda_mx *w,
+                                float *out, int64_t ldo, const float *bias, int accumulate,
+                                void *ws) {
+    if (!x || !w || x->kind != w->kind || x->K != w->K || ldo < w->rows) return cudaErrorInvalidValue;
+    const int64_t N = x->rows, R = w->rows, nb = x->nb;
+    if (N <= 0 || R <= 0) return cudaSuccess;
+    if (!out || N > 65535ll * 32 || R > (int64_t)INT_MAX * 64) return cudaErrorInvalidValue;
+    const mx_plan pl = mx_plan_of(N, R, nb);
+    if (pl.splits > 1 && !ws) return cudaErrorInvalidValue;
+    mx_mm_args a;
+    a.xq = x->q;
+    a.xlo = x->lo;
+    a.wq = w->q;
+    a.wlo = w->lo;
+    a.xe = x->e;
+    a.we = w->e;
+    a.N = N;
+    a.R = R;
+    a.nb = nb;
+    a.kb_per = pl.kb_per;
+    a.out = out;
+    a.ldo = ldo;
+    a.bias = bias;
+    a.accumulate = accumulate;
+    a.ws_S = pl.splits > 1 ? (unsigned long long *)ws : NULL;
+    a.ws_m = pl.splits > 1 ? (int *)((unsigned long long *)ws + N * R) : NULL;
+    if (x->kind == KILN_MX8) {
+        if (pl.NT == 1) mx_matmul_launch<KILN_MX8, 1>(s, pl, a);
+        else mx_matmul_launch<KILN_MX8, 4>(s, pl, a);
+    } else {
+        if (pl.NT == 1) mx_matmul_launch<KILN_MX16, 1>(s, pl, a);
+        else mx_matmul_launch<KILN_MX16, 4>(s, pl, a);
+    }
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess || pl.splits == 1) return e;
+    const unsigned grid = grid_for(N * R, 256);
+    if (x->kind == KILN_MX8) mx_finish_kernel<KILN_MX8><<<grid, 256, 0, s>>>(a);
+    else mx_finish_kernel<KILN_MX16><<<grid, 256, 0, s>>>(a);
+    return cudaGetLastError();
+}
+
