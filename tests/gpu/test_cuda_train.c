@@ -22,7 +22,7 @@
  *
  * Without a usable GPU it checks that a trainer with device = 0 is refused with
  * KILN_ERR_UNSUPPORTED naming CUDA (and device = -2 with KILN_ERR_INVALID_ARG), then exits 77.
- *   test_cuda_train [vocab-dir]
+ *   test_cuda_train [vocab-dir] [--only SUBSTR]
  * vocab-dir holds ggml-vocab-llama-spm.gguf and ggml-vocab-qwen2.gguf (default
  * $KILN_VOCAB_DIR, $KILN_SHARED_DIR/testdata/tokenizer-vectors, or the source tree's
  * ../shared/testdata/tokenizer-vectors). Prints one line per case and "ALL OK" or "FAILED n".
@@ -373,7 +373,11 @@ static int run_case(const model_case *mc, const char *vocab_dir) {
 int main(int argc, char **argv) {
     char shared[1024];
     const char *vocab_dir = gpu_vocab_dir(shared, sizeof shared);
-    if (argc > 1) vocab_dir = argv[1];
+    const char *only = NULL; /* --only SUBSTR: the cases whose name holds it */
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+        else vocab_dir = argv[i];
+    }
     if (!gpu_make_tmpdir("cuda-train")) return 1;
     static const model_case cases[] = {
         {"llama-tiny-f32", "llama", 64, 2, 4, 2, 16, 160, 32000, 1, 0, KILN_STORAGE_F32, KILN_MOMENTS_F32, KILN_FORMAT_F32, 0},
@@ -451,7 +455,8 @@ int main(int argc, char **argv) {
     }
 
     int failed = 0;
-    for (int i = 0; i < n_cases; i++) failed += !run_case(&cases[i], vocab_dir);
+    for (int i = 0; i < n_cases; i++)
+        if (!only || strstr(cases[i].name, only)) failed += !run_case(&cases[i], vocab_dir);
     rmdir(g_tmpdir);
     if (failed) printf("FAILED %d\n", failed);
     else printf("ALL OK\n");

@@ -851,14 +851,15 @@ static kiln_status cu_graph_begin(kiln_backend *be, int B, int NH, int HS, int m
     }
     if (c->mx && B > 0) { /* the quantized activations and split sums of a B-token step, for
                            * the widest and tallest weights quantized so far (the step's) */
-        int64_t maxC = 1, maxR = 1;
+        int64_t maxC = 1;
+        size_t ws = 0;
         for (size_t i = 0; i < c->n_mx_w; i++) {
             const mx_weight *e = &c->mx_w[i];
             if (e->transposed) continue;
             maxC = e->C > maxC ? e->C : maxC;
-            maxR = e->R > maxR ? e->R : maxR;
+            const size_t b = kiln_cuda_mx_matmul_ws_bytes(B, e->R, e->m.nb);
+            ws = b > ws ? b : ws;
         }
-        size_t ws = (size_t)B * (size_t)maxR * (sizeof(unsigned long long) + sizeof(int));
         if (!mx_reserve(c, &c->mx_a, &c->cap_mx_a, kiln_cuda_mx_bytes(c->mx, B, maxC), false, "graph_begin") ||
             !mx_reserve(c, &c->mx_ws, &c->cap_mx_ws, ws, true, "graph_begin"))
             return c->err;

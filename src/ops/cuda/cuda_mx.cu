@@ -167,6 +167,7 @@ typedef struct mx_mm_args {
     int accumulate;
     unsigned long long *ws_S; /* split: (N, R) sums, zeroed; NULL unsplit */
     int *ws_m;                /* split: (N, R) largest exponent sum, INT_MIN none, INT_MAX bad */
+    int *ws_cnt;              /* split: per tile, the CTAs done (the last one rounds) */
 } mx_mm_args;
 
 /* The f32 result of an output from its sum S, its largest exponent sum m (INT_MIN: no
@@ -216,21 +217,75 @@ static __global__ void __launch_bounds__(128) mx_matmul_kernel(const mx_mm_args 
         bad_x[j][0] = bad_x[j][1] = false;
         for (int h = 0; h < 4; h++) sm[j][h] = INT_MIN;
     }
-    for (int64_t k = 0; k < nb; k++) {
-        const int ew[2] = {va ? wea[k] : KILN_MX_EXP_ZERO, vb ? web[k] : KILN_MX_EXP_ZERO};
-        bad_w[0] |= ew[0] == KILN_MX_EXP_NONFINITE;
-        bad_w[1] |= ew[1] == KILN_MX_EXP_NONFINITE;
+    if (NT == 1) {
+        /* up to 8 rows of x (decode): the warp walks the blocks 32 at a time, lane l on block
+         * kc + l, for each of its 16 rows of W and each row of x in turn, then takes the
+         * maxima across the lanes (every lane gets them) and keeps its own outputs' */
+        const int64_t r0 = (int64_t)blockIdx.x * 64 + warp * 16;
+        const int nx = p.N - n0 < 8 ? (int)(p.N - n0) : 8;
+        for (int c = 0; c < nx; c++) {
+            const int16_t *xr = p.xe + (n0 + c) * nb;
+            int part[16];
+            bool bx = false, bw[16];
 #pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int c = 0; c < 2; c++) {
-                const int ex = vc[j][c] ? p.xe[nc[j][c] * nb + k] : KILN_MX_EXP_ZERO;
-                bad_x[j][c] |= ex == KILN_MX_EXP_NONFINITE;
-                if (ex == KILN_MX_EXP_ZERO) continue;
-#pragma unroll
-                for (int h2 = 0; h2 < 2; h2++)
-                    if (ew[h2] != KILN_MX_EXP_ZERO) sm[j][2 * h2 + c] = max(sm[j][2 * h2 + c], ew[h2] + ex);
+            for (int i = 0; i < 16; i++) {
+                part[i] = INT_MIN;
+                bw[i] = false;
             }
+            for (int64_t kc = 0; kc < nb; kc += 32) {
+                const int64_t k = kc + lane;
+                const int ex = k < nb ? xr[k] : KILN_MX_EXP_ZERO;
+                bx |= ex == KILN_MX_EXP_NONFINITE;
+#pragma unroll
+                for (int i = 0; i < 16; i++) {
+                    const int ew = k < nb && r0 + i < p.R ? p.we[(r0 + i) * nb + k] : KILN_MX_EXP_ZERO;
+                    bw[i] |= ew == KILN_MX_EXP_NONFINITE;
+                    if (ew != KILN_MX_EXP_ZERO && ex != KILN_MX_EXP_ZERO) part[i] = max(part[i], ew + ex);
+                }
+            }
+            bx = __any_sync(MX_FULL, bx);
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) part[i] = max(part[i], __shfl_xor_sync(MX_FULL, part[i], o));
+                bw[i] = __any_sync(MX_FULL, bw[i]);
+            }
+            /* this lane's outputs: rows g (h = 0, 1) and g + 8 (h = 2, 3), columns 2t and 2t + 1 */
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                if (i == g) {
+                    if (c == 2 * t) {
+                        sm[0][0] = part[i];
+                        sm[0][2] = part[i + 8];
+                        bad_x[0][0] = bx;
+                    } else if (c == 2 * t + 1) {
+                        sm[0][1] = part[i];
+                        sm[0][3] = part[i + 8];
+                        bad_x[0][1] = bx;
+                    }
+                    if (c == 0) {
+                        bad_w[0] = bw[i];
+                        bad_w[1] = bw[i + 8];
+                    }
+                }
+        }
+    } else {
+        for (int64_t k = 0; k < nb; k++) {
+            const int ew[2] = {va ? wea[k] : KILN_MX_EXP_ZERO, vb ? web[k] : KILN_MX_EXP_ZERO};
+            bad_w[0] |= ew[0] == KILN_MX_EXP_NONFINITE;
+            bad_w[1] |= ew[1] == KILN_MX_EXP_NONFINITE;
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    const int ex = vc[j][c] ? p.xe[nc[j][c] * nb + k] : KILN_MX_EXP_ZERO;
+                    bad_x[j][c] |= ex == KILN_MX_EXP_NONFINITE;
+                    if (ex == KILN_MX_EXP_ZERO) continue;
+#pragma unroll
+                    for (int h2 = 0; h2 < 2; h2++)
+                        if (ew[h2] != KILN_MX_EXP_ZERO) sm[j][2 * h2 + c] = max(sm[j][2 * h2 + c], ew[h2] + ex);
+                }
+        }
     }
     /* d = Ex + Ew + dbase = e_k - base, dbase = SH - smax */
     int dbase[NT][4];
@@ -314,24 +369,31 @@ static __global__ void __launch_bounds__(128) mx_matmul_kernel(const mx_mm_args 
                 if (blockIdx.z == 0) p.ws_m[n * p.R + r] = m;
             }
         }
-}
-
-/* The splits' sums, rounded; the sums and the exponents zeroed for the next product (whose
- * sums may lie where this one's exponents were). */
-template <int KIND>
-static __global__ void mx_finish_kernel(const mx_mm_args p) {
-    constexpr int F = KIND == KILN_MX8 ? KILN_MX8_F : KILN_MX16_F;
-    constexpr int SH = KIND == KILN_MX8 ? KILN_MX8_SH : KILN_MX16_SH;
-    const int64_t total = p.N * p.R;
-    for (int64_t o = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; o < total;
-         o += (int64_t)gridDim.x * blockDim.x) {
-        const long long S = (long long)p.ws_S[o];
-        const int m = p.ws_m[o];
-        p.ws_S[o] = 0;
-        p.ws_m[o] = 0;
-        const int64_t n = o / p.R;
-        mx_store<F, SH>(p, n, o - n * p.R, S, m);
-    }
+    if (!p.ws_S) return;
+    /* split: the tile's last CTA to finish rounds its outputs and leaves the scratch zeroed */
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    int *count = p.ws_cnt + blockIdx.y * gridDim.x + blockIdx.x;
+    if (threadIdx.x == 0) last = atomicAdd(count, 1) == (int)gridDim.z - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int h = 0; h < 4; h++) {
+            const int c = h & 1;
+            const bool vr = h < 2 ? va : vb;
+            if (!vr || !vc[j][c]) continue;
+            const int64_t r = h < 2 ? ra : rb, n = nc[j][c], o = n * p.R + r;
+            const long long Sum = (long long)__ldcg(p.ws_S + o);
+            const int m = __ldcg(p.ws_m + o);
+            p.ws_S[o] = 0;
+            p.ws_m[o] = 0;
+            mx_store<F, SH>(p, n, r, Sum, m);
+        }
+    if (threadIdx.x == 0) *count = 0;
 }
 
 /* ---- launchers --------------------------------------------------------------------------- */
@@ -427,7 +489,9 @@ static mx_plan mx_plan_of(int64_t N, int64_t R, int64_t nb) {
 
 size_t kiln_cuda_mx_matmul_ws_bytes(int64_t N, int64_t R, int64_t nb) {
     const mx_plan pl = mx_plan_of(N, R, nb);
-    return pl.splits > 1 ? (size_t)N * (size_t)R * (sizeof(unsigned long long) + sizeof(int)) : 0;
+    return pl.splits > 1 ? (size_t)N * (size_t)R * (sizeof(unsigned long long) + sizeof(int)) +
+                               (size_t)(pl.gx * pl.gy) * sizeof(int)
+                         : 0;
 }
 
 template <int KIND, int NT>
@@ -461,6 +525,7 @@ cudaError_t kiln_cuda_mx_matmul(cudaStream_t s, const kiln_cuda_mx *x, const kil
     a.accumulate = accumulate;
     a.ws_S = pl.splits > 1 ? (unsigned long long *)ws : NULL;
     a.ws_m = pl.splits > 1 ? (int *)((unsigned long long *)ws + N * R) : NULL;
+    a.ws_cnt = pl.splits > 1 ? a.ws_m + N * R : NULL;
     if (x->kind == KILN_MX8) {
         if (pl.NT == 1) mx_matmul_launch<KILN_MX8, 1>(s, pl, a);
         else mx_matmul_launch<KILN_MX8, 4>(s, pl, a);
@@ -468,11 +533,6 @@ cudaError_t kiln_cuda_mx_matmul(cudaStream_t s, const kiln_cuda_mx *x, const kil
         if (pl.NT == 1) mx_matmul_launch<KILN_MX16, 1>(s, pl, a);
         else mx_matmul_launch<KILN_MX16, 4>(s, pl, a);
     }
-    cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess || pl.splits == 1) return e;
-    const unsigned grid = grid_for(N * R, 256);
-    if (x->kind == KILN_MX8) mx_finish_kernel<KILN_MX8><<<grid, 256, 0, s>>>(a);
-    else mx_finish_kernel<KILN_MX16><<<grid, 256, 0, s>>>(a);
     return cudaGetLastError();
 }
 

@@ -54,8 +54,9 @@ cudaError_t kiln_cuda_mx_quantize(cudaStream_t s, kiln_cuda_mx *m, const float *
                                   int64_t s_col, int stochastic, uint64_t seed, uint64_t tensor_id);
 
 /* Scratch (bytes) of kiln_cuda_mx_matmul for N rows of x, R rows of W and nb blocks: the
- * split-K sums (int64) and each output's largest exponent sum (int32), N * R of each; 0 when
- * the product runs unsplit. A function of (N, R, nb) only. */
+ * split-K sums (int64) and each output's largest exponent sum (int32), N * R of each, and a
+ * count per output tile (the last of a tile's CTAs rounds it); 0 when the product runs
+ * unsplit. A function of (N, R, nb) only. */
 size_t kiln_cuda_mx_matmul_ws_bytes(int64_t N, int64_t R, int64_t nb);
 
 /* out[n * ldo + r] = mx(x W^T)[n, r] (kiln_mx_matmul_cpu's bits), then, as f32 adds:
