@@ -538,26 +538,22 @@ static kiln_status trainer_create(kiln_model *m, const kiln_train_params *params
     t->p = p;
     t->grad_coef = 1.0f;
     kiln_status st;
+    /* fast: bf16 tensor-core products forward and backward (docs/TRAINING.md, "Fast mode");
+     * an exact format: the auditable arithmetic with every product in it, on either device */
+    int mode = 0;
+    st = kiln_backend_mode_of(p.device, p.fast, 0, p.format, "kiln_trainer_create", &mode);
+    t->mx = p.format != KILN_FORMAT_F32;
+    t->mx_stale = 1;
     if (p.device >= 0) {
-        /* fast: bf16 tensor-core products forward and backward (docs/TRAINING.md, "Fast mode");
-         * an exact format: the auditable arithmetic with every product in it */
-        int mode = 0;
-        st = kiln_backend_mode_of(p.device, p.fast, 0, p.format, "kiln_trainer_create", &mode);
         if (st == KILN_OK) st = kiln_backend_acquire(p.device, mode, 0, &t->be);
-        t->mx = p.format != KILN_FORMAT_F32;
-        t->mx_stale = 1;
         if (st != KILN_OK) { /* say which setting asked for CUDA, keep the backend's reason */
             char why[512];
             snprintf(why, sizeof why, "%s", kiln_last_error());
             trainer_destroy(t);
             return kiln_error(st, "kiln_trainer_create: device %d (CUDA) unavailable: %s", p.device, why);
         }
-    } else {
-        int mode = 0;
-        st = kiln_backend_mode_of(-1, 0, 0, p.format, "kiln_trainer_create", &mode);
-        if (st == KILN_OK) st = kiln_backend_acquire(-1, mode, p.n_threads, &t->be);
-        t->mx = p.format != KILN_FORMAT_F32;
-        t->mx_stale = 1;
+    } else if (st == KILN_OK) {
+        st = kiln_backend_acquire(-1, mode, p.n_threads, &t->be);
     }
     if (st == KILN_OK) t->host = t->be->i->host_memory;
     if (st == KILN_OK && !t->host && p.fast && t->be->i->graph_begin) {

@@ -415,7 +415,6 @@ void kiln_cuda_mx_view(kiln_cuda_mx *m, void *mem, int kind, int64_t rows, int64
     m->q = (int8_t *)mem;
     m->lo = kind == KILN_MX16 ? (int8_t *)mem + plane : NULL;
     m->e = (int16_t *)((int8_t *)mem + plane * planes);
-    m->bytes = kiln_cuda_mx_bytes(kind, rows, K);
 }
 
 cudaError_t kiln_cuda_mx_alloc(kiln_cuda_mx *m, int kind, int64_t rows, int64_t K) {

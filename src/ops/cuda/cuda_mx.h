@@ -32,7 +32,6 @@ typedef struct kiln_cuda_mx {
     int8_t *lo; /* mx16: the low pieces; NULL for mx8 */
     int16_t *e; /* (cap_rows, nb) */
     void *mem;
-    size_t bytes;
 } kiln_cuda_mx;
 
 /* Bytes of one block holding rows x K of kind (the planes, then the exponents). */
