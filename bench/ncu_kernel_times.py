@@ -6,6 +6,7 @@ Compute's per-launch durations.
       --print-units base kiln generate -m MODEL -p PROMPT -n 9 --temp 0 --ignore-eos \\
       --device cuda --fast > times.csv
   python3 bench/ncu_kernel_times.py times.csv [--step-kernel sampler_main] [--skip-steps 1] [--by-grid]
+      [--whole: every launch counts as one step, for a training step or a prefill]
 
 Every launch's gpu__time_duration (the kernel alone, launches serialised by ncu: no overlap
 and no launch gaps, so the sum is a lower bound of a step's time). A "step" starts after each
@@ -67,6 +68,8 @@ def main():
     ap.add_argument("--step-kernel", default="sampler_main")
     ap.add_argument("--skip-steps", type=int, default=1)
     ap.add_argument("--by-grid", action="store_true", help="a row per (kernel, grid size)")
+    ap.add_argument("--whole", action="store_true",
+                    help="every launch as one step (a training step, a prefill: no sampler to cut at)")
     args = ap.parse_args()
     global BY_GRID
     BY_GRID = args.by_grid
@@ -74,12 +77,14 @@ def main():
     if not ls:
         sys.exit(f"{args.csv}: no gpu__time_duration.sum rows")
     steps, cur = [], []
+    if args.whole:
+        steps, ls = [ls], []
     for n, t, b in ls:
         cur.append((n, t, b))
         if args.step_kernel in n:
             steps.append(cur)
             cur = []
-    steps = steps[args.skip_steps:]
+    steps = steps if args.whole else steps[args.skip_steps:]
     if not steps:
         sys.exit(f"no step after {args.skip_steps} skipped (step kernel '{args.step_kernel}' "
                  f"launched {sum(args.step_kernel in n for n, _, _ in ls)} times)")
