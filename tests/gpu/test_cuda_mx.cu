@@ -198,7 +198,7 @@ static void check_product(int kind, int64_t N, int64_t R, int64_t K, int special
     }
     for (int rep = 0; rep < 2; rep++) { /* twice: the scratch is left zeroed for the next use */
         if (rep == 1) CUDA_OK(cudaMemcpy(d_out, mode == 2 ? old : got, (size_t)N * R * sizeof(float), cudaMemcpyHostToDevice));
-        CUDA_OK(kiln_cuda_mx_matmul(0, &gx, &gw, d_out, R, mode == 1 ? d_bias : NULL, mode == 2, ws));
+        CUDA_OK(kiln_cuda_mx_matmul(0, &gx, &gw, d_out, R, mode == 1 ? d_bias : NULL, NULL, mode == 2, ws));
         CUDA_OK(cudaDeviceSynchronize());
         float *res = (float *)malloc((size_t)N * R * sizeof(float));
         CUDA_OK(cudaMemcpy(res, d_out, (size_t)N * R * sizeof(float), cudaMemcpyDeviceToHost));
@@ -342,6 +342,87 @@ static void check_sequence(int mode, kiln_backend *cpu, kiln_backend *gpu) {
     free(got);
 }
 
+/* ops.h's products through both backends (the CPU composes them; CUDA quantizes the normed
+ * input once for all of a call's products, bias and residual in the epilogue): three products
+ * with biases on a normed input, a SwiGLU pair with a residual, one product with a residual. */
+static void check_products(int mode, kiln_backend *cpu, kiln_backend *gpu, int N) {
+    enum { C = 128, R0 = 96, R1 = 256 };
+    static float wdat[4][R1 * C];
+    kiln_tensor W[4];
+    for (int i = 0; i < 4; i++) {
+        const int64_t R = i < 2 ? R0 : R1;
+        fill(wdat[i], R, C, 0, -8, -4);
+        memset(&W[i], 0, sizeof W[i]);
+        W[i].name = "prod";
+        W[i].dtype = KILN_DTYPE_F32;
+        W[i].n_dims = 2;
+        W[i].shape[0] = R;
+        W[i].shape[1] = C;
+        W[i].data = wdat[i];
+        W[i].nbytes = (size_t)R * C * 4;
+    }
+    const size_t nx = (size_t)N * C, nr = (size_t)N * R1;
+    float *h = (float *)malloc((nx + C + 3 * R1 + 4 * nr) * sizeof(float));
+    float *x = h, *nw = x + nx, *b = nw + C, *res = b + 3 * R1, *want = res + nr, *got = want + 2 * nr;
+    fill(x, N, C, 0, -3, 3);
+    for (int i = 0; i < C; i++) nw[i] = 1.0f + 0.1f * rnd_normal();
+    for (int i = 0; i < 3 * R1; i++) b[i] = rnd_normal();
+    for (size_t i = 0; i < nr; i++) res[i] = rnd_normal();
+    /* device copies: x, norm, biases, residual, outputs, scratch */
+    float *d = (float *)kiln_backend_alloc(gpu, (nx + C + 3 * R1 + nr + 2 * nr + 3 * nr) * sizeof(float));
+    float *dx = d, *dnw = dx + nx, *db = dnw + C, *dres = db + 3 * R1, *dout = dres + nr, *dsc = dout + 2 * nr;
+    if (kiln_backend_upload(gpu, d, h, (nx + C + 3 * R1 + nr) * sizeof(float))) exit(1);
+    float *hs = (float *)malloc(3 * nr * sizeof(float));
+    for (int v = 0; v < 3; v++) {
+        /* v 0: W0, W1, W0 with biases on normed x; 1: the pair (W2, W3) with a residual; 2: W2 + res */
+        const int n = v == 0 ? 3 : 1;
+        for (int side = 0; side < 2; side++) {
+            kiln_backend *be = side ? gpu : cpu;
+            float *o = side ? dout : want, *sc = side ? dsc : hs;
+            const float *bb = side ? db : b, *rr = side ? dres : res;
+            float *outs[3] = {o, o + (size_t)N * R0, o + 2 * (size_t)N * R0};
+            const kiln_tensor *ws[3] = {&W[0], &W[1], &W[0]};
+            const float *bias3[3] = {bb, bb + R1, bb + 2 * R1}, *res1[1] = {rr};
+            kiln_products p;
+            memset(&p, 0, sizeof p);
+            p.n = n;
+            p.out = outs;
+            p.eps = 1e-6f;
+            p.scratch_x = sc;
+            p.scratch_gate = sc + nr;
+            p.scratch_up = sc + 2 * nr;
+            if (v == 0) {
+                p.W = ws;
+                p.bias = bias3;
+                p.norm_w = side ? dnw : nw;
+            } else {
+                const kiln_tensor *w2[1] = {&W[2]};
+                p.W = w2;
+                p.res = res1;
+                if (v == 1) {
+                    p.up = &W[3];
+                    p.norm_w = side ? dnw : nw;
+                }
+                kiln_op_products(be, side ? dx : x, &p, N);
+                continue;
+            }
+            kiln_op_products(be, side ? dx : x, &p, N);
+        }
+        const size_t len = v == 0 ? 3 * (size_t)N * R0 : (size_t)N * R1;
+        EXPECT(kiln_backend_download(gpu, got, dout, len * sizeof(float)) == KILN_OK, "products: %s", kiln_last_error());
+        long bad = 0;
+        for (size_t i = 0; i < len; i++) bad += memcmp(&want[i], &got[i], 4) != 0;
+        g_b_cases++;
+        g_b_elems += (long)len;
+        g_b_bad += bad;
+        EXPECT(bad == 0, "products mode %d variant %d N %d: %ld of %zu differ", mode, v, N, bad, len);
+    }
+    kiln_backend_free_buf(gpu, d);
+    for (int i = 0; i < 4; i++) kiln_backends_forget(W[i].data, W[i].nbytes);
+    free(h);
+    free(hs);
+}
+
 int main(int argc, char **argv) {
     if (argc > 1) g_rng = strtoull(argv[1], NULL, 0);
     int count = 0;
@@ -381,6 +462,7 @@ int main(int argc, char **argv) {
         for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++)
             for (int v = 0; v < 4; v++) check_backends(mode, cpu, gpu, (int)bs[i][0], bs[i][1], bs[i][2], v & 1, v >> 1);
         check_sequence(mode, cpu, gpu);
+        for (int N = 1; N <= 20; N += 9) check_products(mode, cpu, gpu, N);
         kiln_backend_release(cpu);
         kiln_backend_release(gpu);
     }

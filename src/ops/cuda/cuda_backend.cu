@@ -395,12 +395,13 @@ static bool mx_activation(cuda_ctx *c, kiln_cuda_mx *m, void **buf, size_t *cap,
     return c->err == KILN_OK;
 }
 
-/* out (N, R) (+)= the product of x and w in the format, then the bias (kiln_cuda_mx_matmul). */
+/* out (N, R) (+)= the product of x and w in the format, then the bias and res
+ * (kiln_cuda_mx_matmul). */
 static void mx_product(cuda_ctx *c, const kiln_cuda_mx *x, const kiln_cuda_mx *w, float *out, const float *bias,
-                       int accumulate, const char *what) {
+                       const float *res, int accumulate, const char *what) {
     if (!mx_reserve(c, &c->mx_ws, &c->cap_mx_ws, kiln_cuda_mx_matmul_ws_bytes(x->rows, w->rows, x->nb), true, what))
         return;
-    after_launch(c, kiln_cuda_mx_matmul(c->stream, x, w, out, w->rows, bias, accumulate, c->mx_ws), what);
+    after_launch(c, kiln_cuda_mx_matmul(c->stream, x, w, out, w->rows, bias, res, accumulate, c->mx_ws), what);
 }
 
 /* ops.h's matmul in the format: out(N, R) = mx(x W^T) + bias, the CPU backend's bits. */
@@ -414,7 +415,7 @@ static void cu_matmul_mx(cuda_ctx *c, float *out, const float *x, const kiln_ten
     const kiln_cuda_mx *wm = mx_weight_of(c, W, w, rb, R, C, 0);
     kiln_cuda_mx xm;
     if (!wm || !mx_activation(c, &xm, &c->mx_a, &c->cap_mx_a, x, N, C, C, 1, 0, 0, "matmul (mx)")) return;
-    mx_product(c, &xm, wm, out, bias, 0, "matmul (mx)");
+    mx_product(c, &xm, wm, out, bias, NULL, 0, "matmul (mx)");
 }
 
 /* ops.h's matmul_backward in the format (docs/ARITHMETIC.md, "Training in a format"), the CPU
@@ -439,7 +440,7 @@ static void cu_matmul_backward_mx(cuda_ctx *c, uint64_t sr_id, float *dx, float 
         if (!wt || !mx_activation(c, &q, &c->mx_a, &c->cap_mx_a, dy, N, R, R, 1, c->sr_on, sr_id,
                                   "matmul_backward (mx) dy"))
             return;
-        mx_product(c, &q, wt, dx, NULL, accumulate_dx, "matmul_backward (mx) dx");
+        mx_product(c, &q, wt, dx, NULL, NULL, accumulate_dx, "matmul_backward (mx) dx");
     }
     if (dW && c->err == KILN_OK) {
         kiln_cuda_mx qd, qx;
@@ -447,7 +448,65 @@ static void cu_matmul_backward_mx(cuda_ctx *c, uint64_t sr_id, float *dx, float 
                            "matmul_backward (mx) dy^T") ||
             !mx_activation(c, &qx, &c->mx_b, &c->cap_mx_b, x, C, N, 1, C, 0, 0, "matmul_backward (mx) x^T"))
             return;
-        mx_product(c, &qd, &qx, dW, NULL, 1, "matmul_backward (mx) dW");
+        mx_product(c, &qd, &qx, dW, NULL, NULL, 1, "matmul_backward (mx) dW");
+    }
+}
+
+/* ops.h's products in the format: the composition's bits (rmsnorm, the products, swiglu, add),
+ * with x normed and quantized once for all the call's products (kiln_cuda_mx_quantize_norm: no
+ * normed copy), each bias and residual added in its product's epilogue (a residual that is
+ * the output itself is added after, as the composition does). */
+static void cu_products_mx(kiln_backend *be, const float *x, const kiln_products *p, int N) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    const int n = p->n;
+    const int64_t C = p->W[0]->shape[p->W[0]->n_dims - 1];
+    const kiln_tensor *Ws[2] = {p->W[0], p->up};
+    const int n_w = p->up ? 2 : n;
+    if (n < 1 || n > KILN_MATMUL_MULTI_MAX || (p->up && n != 1)) {
+        poison(c, KILN_ERR_INVALID_ARG, "products (mx%d): %d products%s", c->mx, n, p->up ? " with a pair" : "");
+        return;
+    }
+    if (C > KILN_MX_MAX_K) {
+        poison(c, KILN_ERR_UNSUPPORTED, "products (mx%d): the reduction (%lld) is longer than the format's limit "
+               "(262,144)", c->mx, (long long)C);
+        return;
+    }
+    const kiln_cuda_mx *wm[KILN_MATMUL_MULTI_MAX];
+    for (int i = 0; i < n_w; i++) {
+        const kiln_tensor *W = p->up ? Ws[i] : p->W[i];
+        const int64_t Ci = W->shape[W->n_dims - 1], R = Ci > 0 ? kiln_tensor_nelements(W) / Ci : 0;
+        if (Ci != C || !kiln_cuda_dtype_supported(W->dtype)) {
+            poison(c, KILN_ERR_UNSUPPORTED, "products (mx%d): weight '%s' (%s, width %lld, the input's %lld)", c->mx,
+                   W->name ? W->name : "?", kiln_dtype_name(W->dtype), (long long)Ci, (long long)C);
+            return;
+        }
+        const size_t rb = row_bytes_of(W->dtype, C);
+        const uint8_t *w = weight_dev(c, W->data, (size_t)R * rb, W->name);
+        if (!w || !(wm[i] = mx_weight_of(c, W, w, rb, R, C, 0))) return;
+    }
+    kiln_cuda_mx xm;
+    if (!mx_reserve(c, &c->mx_a, &c->cap_mx_a, kiln_cuda_mx_bytes(c->mx, N, C), false, "products (mx)")) return;
+    kiln_cuda_mx_view(&xm, c->mx_a, c->mx, N, C);
+    after_launch(c, p->norm_w ? kiln_cuda_mx_quantize_norm(c->stream, &xm, x, p->norm_w, p->eps)
+                              : kiln_cuda_mx_quantize(c->stream, &xm, x, C, 1, 0, 0, 0),
+                 "products (mx): the input");
+    if (c->err != KILN_OK) return;
+    if (p->up) {
+        const float *bg = p->bias ? p->bias[0] : NULL, *bu = p->bias ? p->bias[1] : NULL;
+        mx_product(c, &xm, wm[0], p->scratch_gate, bg, NULL, 0, "products (mx): gate");
+        mx_product(c, &xm, wm[1], p->scratch_up, bu, NULL, 0, "products (mx): up");
+        const size_t len = (size_t)N * (size_t)wm[0]->rows;
+        after_launch(c, kiln_cuda_swiglu(c->stream, p->out[0], p->scratch_gate, p->scratch_up, len), "products (mx): swiglu");
+        if (p->res && p->res[0]) after_launch(c, kiln_cuda_add(c->stream, p->out[0], p->res[0], len), "products (mx): add");
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        const float *res = p->res ? p->res[i] : NULL;
+        mx_product(c, &xm, wm[i], p->out[i], p->bias ? p->bias[i] : NULL, res == p->out[i] ? NULL : res, 0,
+                   "products (mx)");
+        if (res && res == p->out[i])
+            after_launch(c, kiln_cuda_add(c->stream, p->out[i], res, (size_t)N * (size_t)wm[i]->rows), "products (mx): add");
     }
 }
 
@@ -2111,14 +2170,14 @@ static const kiln_backend_i cuda_iface = {
     /* .grad_rounding = */ NULL, /* no exact formats on this backend yet */
 };
 
-/* An exact format's mode: the table without the fused product entries (the model composes them
- * from matmul and matmul_backward, which run in the format; the CPU backend has none either),
- * and with grad_rounding. */
+/* An exact format's mode: products in the format (cu_products_mx), no multi-product entries
+ * (the model makes separate matmul and matmul_backward calls, which run in the format), and
+ * grad_rounding. */
 static kiln_backend_i make_mx_iface() {
     kiln_backend_i i = cuda_iface;
     i.matmul_multi = NULL;
     i.matmul_backward_multi = NULL;
-    i.products = NULL;
+    i.products = cu_products_mx;
     i.grad_rounding = cu_grad_rounding;
     return i;
 }

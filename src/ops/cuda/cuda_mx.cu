@@ -8,6 +8,8 @@
 #include "cuda_mx.h"
 #include "cuda_common.cuh"
 
+#include "../../base/kmath.h"
+
 #include <limits.h>
 #include <string.h>
 
@@ -42,8 +44,57 @@ static __device__ __forceinline__ uint32_t mx_rne_shift(uint32_t m, int t) {
     return q;
 }
 
+/* The block whose element i lane i holds (v; +0 past K) quantized: this lane's mantissa
+ * written to q (mx16: the pieces to q and lo) at o * 32 + lane and the block's e to e[o].
+ * idx0: the block's first element's index (stochastic rounding). mx.c quantize_block, lane
+ * by lane; every lane of the warp takes part. */
+template <int F, bool STOCH>
+static __device__ __forceinline__ void mx_quantize_block(float v, int lane, size_t o, int8_t *__restrict__ q,
+                                                         int8_t *__restrict__ lo, int16_t *__restrict__ e,
+                                                         uint64_t seed, uint64_t tensor_id, uint64_t idx0) {
+    const int32_t qmax = (1 << (F + 1)) - 1;
+    const uint32_t u = __float_as_uint(v), mag = u & 0x7fffffffu;
+    const bool nonfinite = __any_sync(MX_FULL, mag >= 0x7f800000u);
+    const uint32_t amax = __reduce_max_sync(MX_FULL, mag);
+    int32_t mant = 0;
+    int E16;
+    if (nonfinite) {
+        E16 = KILN_MX_EXP_NONFINITE;
+    } else if (amax == 0) {
+        E16 = KILN_MX_EXP_ZERO;
+    } else {
+        const int E = amax >= 0x800000u ? (int)(amax >> 23) - 127 : (31 - __clz((int)amax)) - 149;
+        E16 = E;
+        const uint32_t ef = (u >> 23) & 0xffu, fr = u & 0x7fffffu;
+        const uint32_t m = ef ? (fr | 0x800000u) : fr;
+        const int x = ef ? (int)ef - 150 : -149, neg = (int)(u >> 31);
+        if (m) {
+            const int sh = x + F - E; /* q = m 2^sh before rounding */
+            if (STOCH) {
+                const long long sv = neg ? -(long long)m : (long long)m;
+                const long long V = sh + 24 >= 0 ? sv * (1ll << (sh + 24)) : mx_floor_shift(sv, -(sh + 24));
+                const uint32_t r = mx_random24(seed, tensor_id, idx0 + (uint64_t)lane);
+                const long long qq = mx_floor_shift(V + (long long)r, 24);
+                mant = (int32_t)(qq > qmax ? qmax : qq < -qmax ? -qmax : qq);
+            } else {
+                uint32_t qq = sh >= 0 ? m << sh : mx_rne_shift(m, -sh);
+                if (qq > (uint32_t)qmax) qq = (uint32_t)qmax;
+                mant = neg ? -(int32_t)qq : (int32_t)qq;
+            }
+        }
+    }
+    if (F == KILN_MX8_F) {
+        q[o * 32 + lane] = (int8_t)mant;
+    } else { /* q = hi 128 + lo, lo in [-64, 63] (mx.c) */
+        const int32_t hi = (mant + 64 + 8192) / 128 - 64;
+        q[o * 32 + lane] = (int8_t)hi;
+        lo[o * 32 + lane] = (int8_t)(mant - hi * 128);
+    }
+    if (lane == 0) e[o] = (int16_t)E16;
+}
+
 /* One warp per block b of row j (warps stride over rows * nb blocks); lane i holds element
- * k = 32 b + i (+0 past K). mx.c quantize_block, lane by lane. */
+ * k = 32 b + i (+0 past K). */
 template <int F, bool STOCH>
 static __global__ void __launch_bounds__(256)
 mx_quantize_kernel(int8_t *__restrict__ q, int8_t *__restrict__ lo, int16_t *__restrict__ e,
@@ -51,50 +102,43 @@ mx_quantize_kernel(int8_t *__restrict__ q, int8_t *__restrict__ lo, int16_t *__r
                    int64_t K, int64_t nb, uint64_t seed, uint64_t tensor_id) {
     const int lane = threadIdx.x & 31;
     const int64_t n_warps = ((int64_t)gridDim.x * blockDim.x) >> 5;
-    const int32_t qmax = (1 << (F + 1)) - 1;
     for (int64_t wb = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; wb < rows * nb;
          wb += n_warps) {
         const int64_t j = wb / nb, b = wb - j * nb, k = b * 32 + lane;
         const float v = k < K ? a[j * s_row + k * s_col] : 0.0f;
-        const uint32_t u = __float_as_uint(v), mag = u & 0x7fffffffu;
-        const bool nonfinite = __any_sync(MX_FULL, mag >= 0x7f800000u);
-        const uint32_t amax = __reduce_max_sync(MX_FULL, mag);
-        int32_t mant = 0;
-        int E16;
-        if (nonfinite) {
-            E16 = KILN_MX_EXP_NONFINITE;
-        } else if (amax == 0) {
-            E16 = KILN_MX_EXP_ZERO;
-        } else {
-            const int E = amax >= 0x800000u ? (int)(amax >> 23) - 127 : (31 - __clz((int)amax)) - 149;
-            E16 = E;
-            const uint32_t ef = (u >> 23) & 0xffu, fr = u & 0x7fffffu;
-            const uint32_t m = ef ? (fr | 0x800000u) : fr;
-            const int x = ef ? (int)ef - 150 : -149, neg = (int)(u >> 31);
-            if (m) {
-                const int sh = x + F - E; /* q = m 2^sh before rounding */
-                if (STOCH) {
-                    const long long sv = neg ? -(long long)m : (long long)m;
-                    const long long V = sh + 24 >= 0 ? sv * (1ll << (sh + 24)) : mx_floor_shift(sv, -(sh + 24));
-                    const uint32_t r = mx_random24(seed, tensor_id, (uint64_t)j * (uint64_t)K + (uint64_t)k);
-                    const long long qq = mx_floor_shift(V + (long long)r, 24);
-                    mant = (int32_t)(qq > qmax ? qmax : qq < -qmax ? -qmax : qq);
-                } else {
-                    uint32_t qq = sh >= 0 ? m << sh : mx_rne_shift(m, -sh);
-                    if (qq > (uint32_t)qmax) qq = (uint32_t)qmax;
-                    mant = neg ? -(int32_t)qq : (int32_t)qq;
-                }
-            }
+        mx_quantize_block<F, STOCH>(v, lane, (size_t)(j * nb + b), q, lo, e, seed, tensor_id,
+                                    (uint64_t)j * (uint64_t)K + (uint64_t)(b * 32));
+    }
+}
+
+/* rmsnorm(x) * w quantized (nearest): one CTA per row (striding), its first half-warp taking
+ * the row's scale r exactly as kiln_cuda_rmsnorm does (lane j's fmaf chain over elements
+ * j + 16k, the lane-16 tree, kiln_rms_scale), then every warp quantizing blocks of
+ * (x[i] * r) * w[i] (rmsnorm's two roundings): the bits of kiln_cuda_rmsnorm then
+ * mx_quantize_kernel. */
+template <int F>
+static __global__ void __launch_bounds__(256)
+mx_quantize_norm_kernel(int8_t *__restrict__ q, int8_t *__restrict__ lo, int16_t *__restrict__ e,
+                        const float *__restrict__ x, const float *__restrict__ w, float eps, int64_t rows,
+                        int64_t K, int64_t nb) {
+    __shared__ float s_r;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int64_t j = blockIdx.x; j < rows; j += gridDim.x) {
+        const float *xr = x + j * K;
+        if (threadIdx.x < 16) {
+            float acc = 0.0f;
+            for (int64_t i = threadIdx.x; i < K; i += 16) acc = __fmaf_rn(xr[i], xr[i], acc);
+            const float sum = lane16_tree(acc, 0x0000ffffu);
+            if (threadIdx.x == 0) s_r = kiln_rms_scale(sum, (int)K, eps);
         }
-        const size_t o = (size_t)(j * nb + b);
-        if (F == KILN_MX8_F) {
-            q[o * 32 + lane] = (int8_t)mant;
-        } else { /* q = hi 128 + lo, lo in [-64, 63] (mx.c) */
-            const int32_t hi = (mant + 64 + 8192) / 128 - 64;
-            q[o * 32 + lane] = (int8_t)hi;
-            lo[o * 32 + lane] = (int8_t)(mant - hi * 128);
+        __syncthreads();
+        const float r = s_r;
+        for (int64_t b = warp; b < nb; b += (int64_t)(blockDim.x >> 5)) {
+            const int64_t k = b * 32 + lane;
+            const float v = k < K ? __fmul_rn(__fmul_rn(xr[k], r), w[k]) : 0.0f;
+            mx_quantize_block<F, false>(v, lane, (size_t)(j * nb + b), q, lo, e, 0, 0, 0);
         }
-        if (lane == 0) e[o] = (int16_t)E16;
+        __syncthreads(); /* s_r is the next row's */
     }
 }
 
@@ -163,7 +207,7 @@ typedef struct mx_mm_args {
     int64_t kb_per; /* blocks per split (gridDim.z splits) */
     float *out;
     int64_t ldo;
-    const float *bias;
+    const float *bias, *res;
     int accumulate;
     unsigned long long *ws_S; /* split: (N, R) sums, zeroed; NULL unsplit */
     int *ws_m;                /* split: (N, R) largest exponent sum, INT_MIN none, INT_MAX bad */
@@ -179,8 +223,12 @@ static __device__ __forceinline__ void mx_store(const mx_mm_args &p, int64_t n, 
               : m == INT_MIN ? 0.0f
                              : mx_round(S, m - 2 * F - SH);
     float *o = p.out + n * p.ldo + r;
-    if (p.accumulate) v = __fadd_rn(*o, v);
-    else if (p.bias) v = __fadd_rn(v, p.bias[r]);
+    if (p.accumulate) {
+        v = __fadd_rn(*o, v);
+    } else {
+        if (p.bias) v = __fadd_rn(v, p.bias[r]);
+        if (p.res) v = __fadd_rn(v, p.res[n * p.ldo + r]);
+    }
     *o = v;
 }
 
@@ -461,6 +509,20 @@ cudaError_t kiln_cuda_mx_quantize(cudaStream_t s, kiln_cuda_mx *m, const float *
     return cudaGetLastError();
 }
 
+cudaError_t kiln_cuda_mx_quantize_norm(cudaStream_t s, kiln_cuda_mx *m, const float *x, const float *norm_w,
+                                       float eps) {
+    if (!m || (m->kind != KILN_MX8 && m->kind != KILN_MX16) || m->rows > m->cap_rows || !x || !norm_w ||
+        m->K > INT_MAX)
+        return cudaErrorInvalidValue;
+    if (m->rows == 0 || m->K == 0) return cudaSuccess;
+    const unsigned grid = (unsigned)(m->rows < 65535 ? m->rows : 65535);
+    if (m->kind == KILN_MX8)
+        mx_quantize_norm_kernel<KILN_MX8_F><<<grid, 256, 0, s>>>(m->q, m->lo, m->e, x, norm_w, eps, m->rows, m->K, m->nb);
+    else
+        mx_quantize_norm_kernel<KILN_MX16_F><<<grid, 256, 0, s>>>(m->q, m->lo, m->e, x, norm_w, eps, m->rows, m->K, m->nb);
+    return cudaGetLastError();
+}
+
 /* The product's shape: x tiles of 8 NT rows (NT = 1 up to 8 rows of x, else 4), CTAs of 64
  * rows of W, and the blocks split so that about 2 x 132 (an H100's SMs) CTAs run, with at
  * least 2 blocks a split. A function of (N, R, nb) only. */
@@ -499,8 +561,8 @@ static void mx_matmul_launch(cudaStream_t s, const mx_plan &pl, const mx_mm_args
 }
 
 cudaError_t kiln_cuda_mx_matmul(cudaStream_t s, const kiln_cuda_mx *x, const kiln_cuda_mx *w,
-                                float *out, int64_t ldo, const float *bias, int accumulate,
-                                void *ws) {
+                                float *out, int64_t ldo, const float *bias, const float *res,
+                                int accumulate, void *ws) {
     if (!x || !w || x->kind != w->kind || x->K != w->K || ldo < w->rows) return cudaErrorInvalidValue;
     const int64_t N = x->rows, R = w->rows, nb = x->nb;
     if (N <= 0 || R <= 0) return cudaSuccess;
@@ -521,6 +583,7 @@ cudaError_t kiln_cuda_mx_matmul(cudaStream_t s, const kiln_cuda_mx *x, const kil
     a.out = out;
     a.ldo = ldo;
     a.bias = bias;
+    a.res = res;
     a.accumulate = accumulate;
     a.ws_S = pl.splits > 1 ? (unsigned long long *)ws : NULL;
     a.ws_m = pl.splits > 1 ? (int *)((unsigned long long *)ws + N * R) : NULL;

@@ -58,14 +58,19 @@ cudaError_t kiln_cuda_mx_quantize(cudaStream_t s, kiln_cuda_mx *m, const float *
  * unsplit. A function of (N, R, nb) only. */
 size_t kiln_cuda_mx_matmul_ws_bytes(int64_t N, int64_t R, int64_t nb);
 
+/* x = rmsnorm(x) * norm_w (eps; x (m->rows, m->K) contiguous) quantized to nearest: the bits of
+ * kiln_cuda_rmsnorm followed by kiln_cuda_mx_quantize, without the normed copy. */
+cudaError_t kiln_cuda_mx_quantize_norm(cudaStream_t s, kiln_cuda_mx *m, const float *x, const float *norm_w,
+                                       float eps);
+
 /* out[n * ldo + r] = mx(x W^T)[n, r] (kiln_mx_matmul_cpu's bits), then, as f32 adds:
  * accumulate != 0: out = out + that (the old value first); else bias (NULL: none): that +
- * bias[r]. x (N, K) and w (R, K) of one kind and K. ws: kiln_cuda_mx_matmul_ws_bytes bytes,
+ * bias[r], then res (NULL: none): + res[n * ldo + r] (res may be out only through accumulate). x (N, K) and w (R, K) of one kind and K. ws: kiln_cuda_mx_matmul_ws_bytes bytes,
  * ZEROED before its first use; the product leaves every byte it used zeroed again, so one
  * buffer serves products of any size in stream order. out must not overlap
  * the operands. cudaErrorInvalidValue on a kind or K mismatch or a missing ws. */
 cudaError_t kiln_cuda_mx_matmul(cudaStream_t s, const kiln_cuda_mx *x, const kiln_cuda_mx *w,
-                                float *out, int64_t ldo, const float *bias, int accumulate,
-                                void *ws);
+                                float *out, int64_t ldo, const float *bias, const float *res,
+                                int accumulate, void *ws);
 
 #endif /* KILN_CUDA_MX_H */
