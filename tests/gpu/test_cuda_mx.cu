@@ -7,7 +7,8 @@
  *    2^-140 to 2^120 in the data;
  *  - the product (both kinds): out against kiln_mx_matmul_cpu on the CPU's quantized operands
  *    uploaded as they are, for shapes with tails (K % 32), decode shapes (N = 1..8, split over
- *    the blocks) and prefill shapes (N up to 300, unsplit), with a bias, accumulating into an
+ *    the blocks), and shapes of many rows (mx_gemm_kernel's tiles, with tails, split over the
+ *    blocks or not), with a bias, accumulating into an
  *    old output, and with rows that are zero, non-finite, far below the others (the floor of
  *    far-below blocks), or scaled to give subnormal and infinite results; and the CPU's SIMD
  *    kernels on this machine's CPU against its reference;
@@ -443,7 +444,10 @@ int main(int argc, char **argv) {
     /* decode shapes (split over the blocks), prefill shapes (unsplit), tails */
     static const int64_t shapes[][3] = {{1, 896, 896},  {1, 128, 4864}, {3, 200, 96},  {8, 64, 1000},
                                         {5, 17, 33},    {9, 100, 160},  {33, 70, 7},   {100, 130, 450},
-                                        {300, 64, 256}, {2, 1, 2048},   {1, 4864, 896}, {64, 96, 64}};
+                                        {300, 64, 256}, {2, 1, 2048},   {1, 4864, 896}, {64, 96, 64},
+                                        /* mx_gemm_kernel: tiles with tails, splits of the blocks */
+                                        {130, 300, 2000}, {200, 896, 896}, {70, 1000, 100}, {256, 130, 33},
+                                        {40, 64, 4864}};
     for (int kind = 8; kind <= 16; kind += 8)
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
             for (int mode = 0; mode < 3; mode++)
@@ -458,11 +462,13 @@ int main(int argc, char **argv) {
             break;
         }
         static const int64_t bs[][3] = {{20, 64, 64}, {1, 64, 64}, {20, 160, 64}, {20, 64, 160}, {1, 64, 160},
-                                        {5, 64, 160}, {20, 32000, 64}, {1, 32000, 64}, {7, 896, 4864}, {1, 4864, 896}};
+                                        {5, 64, 160}, {20, 32000, 64}, {1, 32000, 64}, {7, 896, 4864}, {1, 4864, 896},
+                                        {96, 300, 1000}};
         for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++)
             for (int v = 0; v < 4; v++) check_backends(mode, cpu, gpu, (int)bs[i][0], bs[i][1], bs[i][2], v & 1, v >> 1);
         check_sequence(mode, cpu, gpu);
-        for (int N = 1; N <= 20; N += 9) check_products(mode, cpu, gpu, N);
+        static const int ns[] = {1, 10, 19, 40};
+        for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) check_products(mode, cpu, gpu, ns[i]);
         kiln_backend_release(cpu);
         kiln_backend_release(gpu);
     }

@@ -7,6 +7,7 @@
  */
 #include "cuda_mx.h"
 #include "cuda_common.cuh"
+#include "cuda_mma.cuh"
 
 #include "../../base/kmath.h"
 
@@ -444,6 +445,316 @@ static __global__ void __launch_bounds__(128) mx_matmul_kernel(const mx_mm_args 
     if (threadIdx.x == 0) *count = 0;
 }
 
+/* ---- the product for many rows of x (prefill, training): tiles through shared memory ---------
+ *
+ * A CTA of 8 warps computes a tile of MXG_BR rows of W by MXG_BN rows of x; a warp 32 x 32
+ * (2 m16 by 4 n8 MMA tiles, 32 outputs a thread). The blocks stream through shared memory
+ * MXG_KB at a time (cp.async, two stages), the fragments read with ldmatrix.
+ *
+ * The definition's base is per output, from the largest exponent sum over the contributing
+ * blocks, which would take a pass over every block's exponents before the products. This
+ * kernel instead shifts by an upper bound of that sum, UB = Xmax[n] + Wmax[r] (each row's
+ * largest block exponent): the shift of block k is then d_k = (Ex_k - Xmax) + (Ew_k - Wmax) + SH
+ * <= SH, and every block with d_k >= 0 is added exactly, P_k << d_k. If no block with P_k != 0
+ * has d_k < 0, the sum is exact, so it is the exact value the definition rounds (its own sum
+ * is exact too: none of its blocks is far below), and rounding S 2^(UB - 2F - SH) gives the
+ * definition's bits. Otherwise (a block far below the bound: rare) the output is marked and
+ * mx_fixup finishes it by the definition: the largest exponent sum dmax (relative), the sum
+ * so far scaled up by SH - dmax (exact: those blocks' shifts all grow), and the marked blocks'
+ * products recomputed (dp4a) and added with their own shift or floor. */
+#define MXG_BR 128
+#define MXG_BN 64
+#define MXG_KB 4
+#define MXG_ROWB (MXG_KB * 32 + 16) /* a staged row: 8 rows an ldmatrix reads fall in 8 bank groups */
+#define MXG_ROWS (MXG_BR + MXG_BN)  /* staged rows: W's, then x's */
+#define MXG_REL_ZERO (-8192)        /* relative exponent of a zero block: d_k < 0, P_k = 0 */
+#define MXG_MIN_N 33                /* fewer rows of x take mx_matmul_kernel */
+
+template <int KIND>
+struct mxg_layout {
+    static constexpr int planes = KIND == KILN_MX16 ? 2 : 1;
+    static constexpr int plane = MXG_ROWS * MXG_ROWB;
+    static constexpr int stage = plane * planes + MXG_KB * MXG_ROWS * 4; /* q planes, then rel[KB][ROWS] */
+    static constexpr int bytes = 2 * stage;
+};
+
+/* 16 bytes global -> shared, or 16 zero bytes when !ok (cp.async's src-size 0). */
+static __device__ __forceinline__ void cp_async16_or_zero(void *dst, const void *src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(ok ? 16 : 0));
+}
+
+/* The exact product of block k of x row n and W row r (the definition's P_k). */
+template <int KIND>
+static __device__ __forceinline__ int mx_block_product(const mx_mm_args &p, int64_t n, int64_t r, int64_t k) {
+    const int *xq = (const int *)(p.xq + (n * p.nb + k) * 32), *wq = (const int *)(p.wq + (r * p.nb + k) * 32);
+    if (KIND == KILN_MX8) {
+        int P = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) P = __dp4a(xq[i], wq[i], P);
+        return P;
+    }
+    const int *xl = (const int *)(p.xlo + (n * p.nb + k) * 32), *wl = (const int *)(p.wlo + (r * p.nb + k) * 32);
+    int hh = 0, mid = 0, ll = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        hh = __dp4a(xq[i], wq[i], hh);
+        mid = __dp4a(xq[i], wl[i], __dp4a(xl[i], wq[i], mid));
+        ll = __dp4a(xl[i], wl[i], ll);
+    }
+    return (int)((uint32_t)hh * 16384u + (uint32_t)mid * 128u + (uint32_t)ll);
+}
+
+/* A marked output (see above): S holds the sum of P_k << d_k over the blocks with d_k >= 0;
+ * returns the definition's sum and sets *m to its largest exponent sum. xmax, wmax: the rows'
+ * largest block exponents. */
+template <int KIND>
+static __device__ __noinline__ long long mx_fixup(const mx_mm_args &p, int64_t n, int64_t r, int xmax, int wmax,
+                                                  long long S, int *m) {
+    constexpr int SH = KIND == KILN_MX8 ? KILN_MX8_SH : KILN_MX16_SH;
+    const int16_t *xe = p.xe + n * p.nb, *we = p.we + r * p.nb;
+    int dmax = INT_MIN;
+    for (int64_t k = 0; k < p.nb; k++)
+        if (xe[k] != KILN_MX_EXP_ZERO && we[k] != KILN_MX_EXP_ZERO)
+            dmax = max(dmax, (xe[k] - xmax) + (we[k] - wmax) + SH);
+    /* a marked output has a block with P_k != 0, so dmax exists; S != 0 needs a block with
+     * d_k >= 0, so then dmax >= 0 and the scaling is by at most SH */
+    long long acc = S ? (long long)((unsigned long long)S << (SH - dmax)) : 0;
+    for (int64_t k = 0; k < p.nb; k++) {
+        if (xe[k] == KILN_MX_EXP_ZERO || we[k] == KILN_MX_EXP_ZERO) continue;
+        const int d = (xe[k] - xmax) + (we[k] - wmax) + SH;
+        if (d >= 0) continue;
+        const long long P = mx_block_product<KIND>(p, n, r, k);
+        const int sh = d + SH - dmax;
+        acc += sh >= 0 ? (long long)((unsigned long long)P << sh) : mx_floor_shift(P, -sh);
+    }
+    *m = xmax + wmax - SH + dmax;
+    return acc;
+}
+
+template <int KIND>
+static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args p) {
+    constexpr int F = KIND == KILN_MX8 ? KILN_MX8_F : KILN_MX16_F;
+    constexpr int SH = KIND == KILN_MX8 ? KILN_MX8_SH : KILN_MX16_SH;
+    typedef mxg_layout<KIND> L;
+    extern __shared__ __align__(16) unsigned char mxg_sm[];
+    __shared__ int s_max[MXG_ROWS];          /* each staged row's largest block exponent */
+    __shared__ unsigned char s_bad[MXG_ROWS]; /* ... and whether it is non-finite */
+    __shared__ bool s_last;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int wm = warp & 3, wn = warp >> 2; /* the warp's rows of W: wm * 32.., of x: wn * 32.. */
+    const int64_t r0 = (int64_t)blockIdx.x * MXG_BR, n0 = (int64_t)blockIdx.y * MXG_BN, nb = p.nb;
+
+    /* every staged row's largest finite block exponent (INT_MIN: none) and non-finite mark */
+    for (int row = warp; row < MXG_ROWS; row += 8) {
+        const bool isx = row >= MXG_BR;
+        const int64_t j = isx ? n0 + (row - MXG_BR) : r0 + row;
+        const bool valid = j < (isx ? p.N : p.R);
+        const int16_t *e = (isx ? p.xe : p.we) + (valid ? j : 0) * nb;
+        int mx = INT_MIN;
+        bool bad = false;
+        if (valid)
+            for (int64_t k = lane; k < nb; k += 32) {
+                const int v = e[k];
+                bad |= v == KILN_MX_EXP_NONFINITE;
+                if (v != KILN_MX_EXP_ZERO && v != KILN_MX_EXP_NONFINITE) mx = max(mx, v);
+            }
+        mx = __reduce_max_sync(MX_FULL, mx);
+        bad = __any_sync(MX_FULL, bad);
+        if (lane == 0) {
+            s_max[row] = mx;
+            s_bad[row] = bad;
+        }
+    }
+    __syncthreads();
+
+    const int64_t kb0 = (int64_t)blockIdx.z * p.kb_per;
+    const int64_t kb1 = kb0 + p.kb_per < nb ? kb0 + p.kb_per : nb;
+    const int nst = (int)((kb1 - kb0 + MXG_KB - 1) / MXG_KB);
+
+    /* stage loads: the planes by cp.async (zeros past the rows and the split's blocks); the
+     * exponents through registers (fetched before a stage's compute, stored after it) as
+     * relative shifts: x rows Ex - Xmax, W rows Ew - Wmax + SH (zero blocks MXG_REL_ZERO) */
+    constexpr int CH = MXG_KB * 2; /* 16-byte chunks of a staged row */
+    auto load_q = [&](int buf, int64_t kbs) {
+        unsigned char *st = mxg_sm + buf * L::stage;
+#pragma unroll
+        for (int pl = 0; pl < L::planes; pl++)
+#pragma unroll
+            for (int i = tid; i < MXG_ROWS * CH; i += 256) {
+                const int row = i / CH, c = i - row * CH;
+                const bool isx = row >= MXG_BR;
+                const int64_t j = isx ? n0 + (row - MXG_BR) : r0 + row, kb = kbs + c / 2;
+                const bool ok = j < (isx ? p.N : p.R) && kb < kb1;
+                const int8_t *base = isx ? (pl ? p.xlo : p.xq) : (pl ? p.wlo : p.wq);
+                cp_async16_or_zero(st + pl * L::plane + row * MXG_ROWB + c * 16,
+                                   base + (ok ? (j * nb + kb) * 32 + (c & 1) * 16 : 0), ok);
+            }
+    };
+    constexpr int NE = MXG_KB * MXG_ROWS / 256; /* exponents a thread moves per stage */
+    static_assert(MXG_KB * MXG_ROWS % 256 == 0, "whole exponents per thread");
+    int pe[NE];
+    auto fetch_e = [&](int64_t kbs) {
+#pragma unroll
+        for (int i = 0; i < NE; i++) {
+            const int idx = tid + i * 256, kk = idx / MXG_ROWS, row = idx - kk * MXG_ROWS;
+            const bool isx = row >= MXG_BR;
+            const int64_t j = isx ? n0 + (row - MXG_BR) : r0 + row, kb = kbs + kk;
+            const bool ok = j < (isx ? p.N : p.R) && kb < kb1;
+            pe[i] = ok ? (isx ? p.xe : p.we)[j * nb + kb] : KILN_MX_EXP_ZERO;
+        }
+    };
+    auto store_e = [&](int buf) {
+        int *rel = (int *)(mxg_sm + buf * L::stage + L::planes * L::plane);
+#pragma unroll
+        for (int i = 0; i < NE; i++) {
+            const int idx = tid + i * 256, row = idx % MXG_ROWS;
+            const int e = pe[i], add = row >= MXG_BR ? 0 : SH;
+            rel[idx] = e == KILN_MX_EXP_ZERO ? MXG_REL_ZERO : e == KILN_MX_EXP_NONFINITE ? add : e - s_max[row] + add;
+        }
+    };
+
+    long long S[2][4][4];
+    uint32_t marked = 0; /* bit (mt * 4 + nt) * 4 + h: a block with P != 0 below the bound */
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int h = 0; h < 4; h++) S[mt][nt][h] = 0;
+
+    if (nst > 0) {
+        load_q(0, kb0);
+        fetch_e(kb0);
+        store_e(0);
+    }
+    cp_async_commit();
+    for (int s = 0; s < nst; s++) {
+        const int buf = s & 1;
+        const bool more = s + 1 < nst;
+        if (more) {
+            load_q(buf ^ 1, kb0 + (int64_t)(s + 1) * MXG_KB);
+            fetch_e(kb0 + (int64_t)(s + 1) * MXG_KB);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const unsigned char *st = mxg_sm + buf * L::stage;
+        const int *rel = (const int *)(st + L::planes * L::plane);
+        const int64_t left = kb1 - (kb0 + (int64_t)s * MXG_KB);
+        const int nv = left < MXG_KB ? (int)left : MXG_KB;
+        for (int kk = 0; kk < nv; kk++) {
+            uint32_t a[2][4], b[2][4], al[2][4], bl[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                const int row = wm * 32 + mt * 16 + (lane & 15);
+                const unsigned char *pa = st + row * MXG_ROWB + kk * 32 + (lane >> 4) * 16;
+                ldsm_x4(a[mt], smem_u32(pa));
+                if (KIND == KILN_MX16) ldsm_x4(al[mt], smem_u32(pa + L::plane));
+            }
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                const int row = MXG_BR + wn * 32 + np * 16 + (lane & 7) + ((lane >> 4) & 1) * 8;
+                const unsigned char *pb = st + row * MXG_ROWB + kk * 32 + ((lane >> 3) & 1) * 16;
+                ldsm_x4(b[np], smem_u32(pb));
+                if (KIND == KILN_MX16) ldsm_x4(bl[np], smem_u32(pb + L::plane));
+            }
+            const int *rk = rel + kk * MXG_ROWS;
+            int rw[2][2], rx[4][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++) rw[mt][hh] = rk[wm * 32 + mt * 16 + g + 8 * hh];
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int c = 0; c < 2; c++) rx[nt][c] = rk[MXG_BR + wn * 32 + nt * 8 + 2 * t + c];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) {
+                    const uint32_t b0 = b[nt >> 1][(nt & 1) * 2], b1 = b[nt >> 1][(nt & 1) * 2 + 1];
+                    int P[4] = {0, 0, 0, 0};
+                    if (KIND == KILN_MX8) {
+                        mma_s8(P, a[mt], b0, b1);
+                    } else {
+                        const uint32_t l0 = bl[nt >> 1][(nt & 1) * 2], l1 = bl[nt >> 1][(nt & 1) * 2 + 1];
+                        int hh[4] = {0, 0, 0, 0}, mid[4] = {0, 0, 0, 0}, ll[4] = {0, 0, 0, 0};
+                        mma_s8(hh, a[mt], b0, b1);
+                        mma_s8(mid, a[mt], l0, l1);
+                        mma_s8(mid, al[mt], b0, b1);
+                        mma_s8(ll, al[mt], l0, l1);
+#pragma unroll
+                        for (int h = 0; h < 4; h++)
+                            P[h] = (int)((uint32_t)hh[h] * 16384u + (uint32_t)mid[h] * 128u + (uint32_t)ll[h]);
+                    }
+#pragma unroll
+                    for (int h = 0; h < 4; h++) {
+                        const int d = rw[mt][h >> 1] + rx[nt][h & 1];
+                        const uint32_t Pu = (uint32_t)P[h];
+                        if (d >= 0) { /* d <= SH < 32: P << d as a funnel shift of (sign:P) */
+                            const uint32_t lo = Pu << d, hi = __funnelshift_l(Pu, (uint32_t)(P[h] >> 31), d);
+                            S[mt][nt][h] += (long long)(((unsigned long long)hi << 32) | lo);
+                        } else if (P[h] != 0) {
+                            marked |= 1u << ((mt * 4 + nt) * 4 + h);
+                        }
+                    }
+                }
+        }
+        if (more) store_e(buf ^ 1);
+        __syncthreads();
+    }
+
+    /* outputs: this thread's S[mt][nt][h] is row r0 + wm*32 + mt*16 + g + 8 (h >> 1) of W,
+     * row n0 + wn*32 + nt*8 + 2t + (h & 1) of x */
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int h = 0; h < 4; h++) {
+                const int rr = wm * 32 + mt * 16 + g + 8 * (h >> 1), cc = wn * 32 + nt * 8 + 2 * t + (h & 1);
+                const int64_t r = r0 + rr, n = n0 + cc;
+                if (r >= p.R || n >= p.N) continue;
+                const bool mk = (marked >> ((mt * 4 + nt) * 4 + h)) & 1;
+                if (p.ws_S) {
+                    const int64_t o = n * p.R + r;
+                    if (S[mt][nt][h]) atomicAdd(p.ws_S + o, (unsigned long long)S[mt][nt][h]);
+                    if (mk) atomicOr(p.ws_m + o, 1);
+                    continue;
+                }
+                const int xm = s_max[MXG_BR + cc], wmx = s_max[rr];
+                int m = s_bad[rr] || s_bad[MXG_BR + cc] ? INT_MAX : xm == INT_MIN || wmx == INT_MIN ? INT_MIN : xm + wmx;
+                long long Sv = S[mt][nt][h];
+                if (mk && m != INT_MAX) Sv = mx_fixup<KIND>(p, n, r, xm, wmx, Sv, &m);
+                mx_store<F, SH>(p, n, r, Sv, m);
+            }
+    if (!p.ws_S) return;
+    /* split: the tile's last CTA to finish rounds its outputs and leaves the scratch zeroed */
+    __threadfence();
+    __syncthreads();
+    int *count = p.ws_cnt + blockIdx.y * gridDim.x + blockIdx.x;
+    if (tid == 0) s_last = atomicAdd(count, 1) == (int)gridDim.z - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    for (int i = tid; i < MXG_BR * MXG_BN; i += 256) {
+        const int rr = i % MXG_BR, cc = i / MXG_BR; /* consecutive threads: consecutive r */
+        const int64_t r = r0 + rr, n = n0 + cc, o = n * p.R + r;
+        if (r >= p.R || n >= p.N) continue;
+        const long long Sum = (long long)__ldcg(p.ws_S + o);
+        const int mk = __ldcg(p.ws_m + o);
+        p.ws_S[o] = 0;
+        p.ws_m[o] = 0;
+        const int xm = s_max[MXG_BR + cc], wmx = s_max[rr];
+        int m = s_bad[rr] || s_bad[MXG_BR + cc] ? INT_MAX : xm == INT_MIN || wmx == INT_MIN ? INT_MIN : xm + wmx;
+        long long Sv = Sum;
+        if (mk && m != INT_MAX) Sv = mx_fixup<KIND>(p, n, r, xm, wmx, Sv, &m);
+        mx_store<F, SH>(p, n, r, Sv, m);
+    }
+    if (tid == 0) *count = 0;
+}
+
 /* ---- launchers --------------------------------------------------------------------------- */
 
 size_t kiln_cuda_mx_bytes(int kind, int64_t rows, int64_t K) {
@@ -523,26 +834,38 @@ cudaError_t kiln_cuda_mx_quantize_norm(cudaStream_t s, kiln_cuda_mx *m, const fl
     return cudaGetLastError();
 }
 
-/* The product's shape: x tiles of 8 NT rows (NT = 1 up to 8 rows of x, else 4), CTAs of 64
- * rows of W, and the blocks split so that about 2 x 132 (an H100's SMs) CTAs run, with at
- * least 2 blocks a split. A function of (N, R, nb) only. */
+/* The product's shape, a function of (N, R, nb) only. Up to 8 rows of x (decode):
+ * mx_matmul_kernel with NT = 1; up to MXG_MIN_N - 1: NT = 4 (x tiles of 32 rows, CTAs of 64
+ * rows of W); more: mx_gemm_kernel's 128 x 64 tiles. The blocks are split so that about
+ * 2 x 132 (mx_matmul_kernel) or 132 (mx_gemm_kernel: one CTA an SM) CTAs run, with at least
+ * 2 blocks (mx_gemm_kernel: 2 stages) a split. */
 typedef struct mx_plan {
-    int NT;
+    int NT; /* 0: mx_gemm_kernel */
     int64_t gx, gy, splits, kb_per;
 } mx_plan;
 
 static mx_plan mx_plan_of(int64_t N, int64_t R, int64_t nb) {
     mx_plan pl;
-    pl.NT = N <= 8 ? 1 : 4;
-    pl.gx = (R + 63) / 64;
-    pl.gy = (N + 8 * pl.NT - 1) / (8 * pl.NT);
-    const int64_t ctas = pl.gx * pl.gy, want = 264;
+    int64_t want, min_per, align;
+    if (N >= MXG_MIN_N) {
+        pl.NT = 0;
+        pl.gx = (R + MXG_BR - 1) / MXG_BR;
+        pl.gy = (N + MXG_BN - 1) / MXG_BN;
+        want = 132, min_per = 2 * MXG_KB, align = MXG_KB;
+    } else {
+        pl.NT = N <= 8 ? 1 : 4;
+        pl.gx = (R + 63) / 64;
+        pl.gy = (N + 8 * pl.NT - 1) / (8 * pl.NT);
+        want = 264, min_per = 2, align = 1;
+    }
+    const int64_t ctas = pl.gx * pl.gy;
     int64_t splits = 1;
-    if (ctas < want && nb >= 4) {
+    if (ctas < want && nb >= 2 * min_per) {
         splits = (want + ctas - 1) / ctas;
-        if (splits > nb / 2) splits = nb / 2;
+        if (splits > nb / min_per) splits = nb / min_per;
     }
     pl.kb_per = (nb + splits - 1) / splits;
+    pl.kb_per = (pl.kb_per + align - 1) / align * align;
     if (pl.kb_per < 1) pl.kb_per = 1;
     pl.splits = nb > 0 ? (nb + pl.kb_per - 1) / pl.kb_per : 1;
     return pl;
@@ -558,6 +881,15 @@ size_t kiln_cuda_mx_matmul_ws_bytes(int64_t N, int64_t R, int64_t nb) {
 template <int KIND, int NT>
 static void mx_matmul_launch(cudaStream_t s, const mx_plan &pl, const mx_mm_args &a) {
     mx_matmul_kernel<KIND, NT><<<dim3((unsigned)pl.gx, (unsigned)pl.gy, (unsigned)pl.splits), 128, 0, s>>>(a);
+}
+
+template <int KIND>
+static cudaError_t mx_gemm_launch(cudaStream_t s, const mx_plan &pl, const mx_mm_args &a) {
+    const int bytes = mxg_layout<KIND>::bytes;
+    cudaError_t e = cudaFuncSetAttribute(mx_gemm_kernel<KIND>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return e;
+    mx_gemm_kernel<KIND><<<dim3((unsigned)pl.gx, (unsigned)pl.gy, (unsigned)pl.splits), 256, bytes, s>>>(a);
+    return cudaSuccess;
 }
 
 cudaError_t kiln_cuda_mx_matmul(cudaStream_t s, const kiln_cuda_mx *x, const kiln_cuda_mx *w,
@@ -588,7 +920,10 @@ cudaError_t kiln_cuda_mx_matmul(cudaStream_t s, const kiln_cuda_mx *x, const kil
     a.ws_S = pl.splits > 1 ? (unsigned long long *)ws : NULL;
     a.ws_m = pl.splits > 1 ? (int *)((unsigned long long *)ws + N * R) : NULL;
     a.ws_cnt = pl.splits > 1 ? a.ws_m + N * R : NULL;
-    if (x->kind == KILN_MX8) {
+    if (pl.NT == 0) {
+        const cudaError_t e = x->kind == KILN_MX8 ? mx_gemm_launch<KILN_MX8>(s, pl, a) : mx_gemm_launch<KILN_MX16>(s, pl, a);
+        if (e != cudaSuccess) return e;
+    } else if (x->kind == KILN_MX8) {
         if (pl.NT == 1) mx_matmul_launch<KILN_MX8, 1>(s, pl, a);
         else mx_matmul_launch<KILN_MX8, 4>(s, pl, a);
     } else {
