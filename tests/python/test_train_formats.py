@@ -1,10 +1,11 @@
 """Training in the exact block formats (kiln_train_params.format, `kiln train --format`,
 docs/ARITHMETIC.md "Exact block formats": training): every matrix product of the forward and
 the backward in mx16 or mx8 on the CPU (dx = dy W along the output width, dW += dy^T x along
-the tokens; the fused loss's head products stay f32).
+the tokens; the fused loss's head products too, per vocabulary chunk).
 
 A tiny llama trained for 40 steps on fixed batches: the loss curve against f32's (measured:
-mx16 within 1.2e-3 relative of f32 at every step, mx8 within 1.7e-2; bounds 5e-3 and 6e-2); the
+mx16 within 9.1e-4 relative of f32 at every step, mx8 within 3.1e-2; bounds 5e-3 and 6e-2;
+the last cycle of the 4 batches' mean loss within 2% of f32's); the
 same bits for 1 and 2 threads; the gradient of one step near f32's; the refusals; and `kiln
 train --format` recording the format as a resume setting. The per-product definition (each
 backward product one mx product, bit for bit) is tests/c/test_mx.c's."""
@@ -48,6 +49,7 @@ def test_training_curves_follow_f32(tiny):
         rel = np.abs(got - f32) / np.abs(f32)
         print(f"{fmt}: worst relative loss difference over 40 steps {rel.max():.2e}; last {got[-1]:.4f} (f32 {f32[-1]:.4f})")
         assert rel.max() < bound, (fmt, rel.max())
+        assert abs(got[-4:].mean() - f32[-4:].mean()) < 0.02 * f32[-4:].mean()  # the last cycle of the 4 batches
         assert f32[-1] < f32[0] * 0.8 and got[-1] < got[0] * 0.8  # both learn
         # one thread: the same bits
         one, tr1 = curve(m, fmt, threads=1, steps=6)
@@ -61,7 +63,10 @@ def test_stochastic_rounding_of_the_gradients(tiny):
     same seed, and another seed gives other bits."""
     _, m = tiny
     f32, _ = curve(m, "f32")
-    for fmt, bound in (("mx16", 5e-3), ("mx8", 6e-2)):
+    # mx8: stochastic g of the loss's head (one large element per row among small ones) makes
+    # single steps noisier than rounding to nearest does (measured 9.3e-2 against 3.1e-2); the
+    # curve ends as close to f32's (the last cycle of the batches within 2%)
+    for fmt, bound in (("mx16", 5e-3), ("mx8", 0.15)):
         near, _ = curve(m, fmt)
         got, _ = curve(m, fmt, rounding="stochastic")
         rel = np.abs(got - f32) / np.abs(f32)
@@ -69,6 +74,7 @@ def test_stochastic_rounding_of_the_gradients(tiny):
         print(f"{fmt} stochastic: worst relative loss difference over 40 steps {rel.max():.2e} (nearest "
               f"{reln.max():.2e}); mean {rel.mean():.2e} (nearest {reln.mean():.2e})")
         assert rel.max() < bound, (fmt, rel.max())
+        assert abs(got[-4:].mean() - f32[-4:].mean()) < 0.02 * f32[-4:].mean()  # the last cycle of the 4 batches
         assert not np.array_equal(got[1:], near[1:])  # the first step's loss is the forward's alone
         assert got[0] == near[0]
         one, _ = curve(m, fmt, threads=1, steps=6, rounding="stochastic")

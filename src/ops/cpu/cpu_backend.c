@@ -978,6 +978,11 @@ kiln_cpu_path kiln_backend_cpu_path(const kiln_backend *be) {
 
 kiln_pool *kiln_backend_cpu_pool(kiln_backend *be) { return ctx_of(be)->pool; }
 
+int kiln_backend_cpu_products_format(const kiln_backend *be) {
+    const cpu_ctx *c = (const cpu_ctx *)be->ctx;
+    return c->mx && !c->mx_suspended ? c->mx : 0;
+}
+
 int kiln_backend_cpu_f32_products(kiln_backend *be, int on) {
     cpu_ctx *c = ctx_of(be);
     const int prev = c->mx_suspended;

@@ -204,7 +204,9 @@ void kiln_cpu_ce_prepare(const kiln_fused_ce_params *p, kiln_ce_scratch *sc, int
     }
 }
 
-void kiln_cpu_ce_grad_begin(const kiln_fused_ce_params *p, kiln_ce_scratch *sc, int64_t S) {
+void kiln_cpu_ce_grad_begin(kiln_backend *be, const kiln_fused_ce_params *p, kiln_ce_scratch *sc,
+                            int64_t S) {
+    if (kiln_backend_cpu_products_format(be)) return; /* kiln_cpu_ce_grad_chunk: matmul_backward */
     if (p->dweight) transpose_f32(sc->hT, sc->hs, S, p->H);
     if (p->dhidden) memset(sc->dh_acc, 0, (size_t)S * (size_t)p->H * sizeof(float));
 }
@@ -215,6 +217,14 @@ void kiln_cpu_ce_grad_chunk(kiln_backend *be, const kiln_fused_ce_params *p,
     const int64_t H = p->H;
     const size_t row_bytes = (size_t)H * (p->weight_dtype == KILN_DTYPE_BF16 ? 2 : 4);
     kiln_pool *pool = kiln_backend_cpu_pool(be);
+    if (kiln_backend_cpu_products_format(be)) {
+        /* an exact format's mode: the chunk's backward is the backend's matmul_backward in the
+         * format, dh_acc overwritten by the first chunk and added to by the later ones */
+        kiln_tensor wc = kiln_ce_weight_chunk(p, c0, n, row_bytes);
+        be->i->matmul_backward(be, p->dhidden ? sc->dh_acc : NULL, p->dweight ? p->dweight + c0 * H : NULL, NULL, g,
+                               sc->hs, &wc, (int)S, c0 > 0);
+        return;
+    }
     ce_cpu_job job = {p, sc, kiln_cpu_ce_kernels(be), c0, n, NULL, 0.0f, NULL, NULL, NULL, 0, 0};
     if (p->dhidden) {
         job.dst = sc->wT;
@@ -334,7 +344,7 @@ static kiln_status kiln_cpu_fused_ce_body(kiln_backend *be, const kiln_fused_ce_
 
     /* Pass 2: g = (softmax - onehot) * gs per chunk, into dh and dW. */
     if (with_dh || with_dw) {
-        kiln_cpu_ce_grad_begin(p, &sc, S);
+        kiln_cpu_ce_grad_begin(be, p, &sc, S);
         job.gs = gs;
         for (int64_t c0 = 0; c0 < V; c0 += cn) {
             int64_t n = V - c0 < cn ? V - c0 : cn;
@@ -361,11 +371,9 @@ static kiln_status kiln_cpu_fused_ce_body(kiln_backend *be, const kiln_fused_ce_
     return KILN_OK;
 }
 
-/* The loss's products in f32 even in an exact format's mode (kiln_backend_cpu_f32_products:
- * their operands are transient scratch). */
+/* In an exact format's mode the loss's products run in the format too (docs/ARITHMETIC.md,
+ * "Training in a format"): the logits are the backend's matmul of hs and the weight's rows
+ * (the chunk's quantized rows kept like any weight's), the gradients its matmul_backward. */
 kiln_status kiln_cpu_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p, int64_t S, kiln_fused_ce_result *out) {
-    const int prev = kiln_backend_cpu_f32_products(be, 1);
-    kiln_status st = kiln_cpu_fused_ce_body(be, p, S, out);
-    kiln_backend_cpu_f32_products(be, prev);
-    return st;
+    return kiln_cpu_fused_ce_body(be, p, S, out);
 }

@@ -41,13 +41,15 @@ kiln_status kiln_cpu_ce_alloc(const char *op, size_t bytes, int64_t S, int64_t c
 void kiln_cpu_ce_prepare(const kiln_fused_ce_params *p, kiln_ce_scratch *sc, int64_t S,
                          int64_t cn);
 
-/* Before pass 2: hs^T into hT (dW requested) and dh_acc = 0 (dh requested). */
-void kiln_cpu_ce_grad_begin(const kiln_fused_ce_params *p, kiln_ce_scratch *sc, int64_t S);
+/* Before pass 2: hs^T into hT (dW requested) and dh_acc = 0 (dh requested); nothing when the
+ * backend's products run in an exact format (kiln_backend_cpu_products_format). */
+void kiln_cpu_ce_grad_begin(kiln_backend *be, const kiln_fused_ce_params *p, kiln_ce_scratch *sc, int64_t S);
 
 /* One chunk of pass 2, columns [c0, c0+n), from its gradient g(S, n) (d loss / d logits):
  * dh_acc += g @ W[c0:c0+n] and p->dweight[c0:c0+n] += g^T @ hs, each as requested, with the
- * backend's matmul on transposed copies (docs/ARITHMETIC.md, "Fused linear cross-entropy").
- * g is read only. */
+ * backend's matmul on transposed copies (docs/ARITHMETIC.md, "Fused linear cross-entropy");
+ * in an exact format, one matmul_backward of the weight's chunk in the format (dh_acc
+ * overwritten at c0 = 0). g is read only. */
 void kiln_cpu_ce_grad_chunk(kiln_backend *be, const kiln_fused_ce_params *p,
                             kiln_ce_scratch *sc, int64_t S, const float *g, int64_t c0,
                             int64_t n);

@@ -190,7 +190,7 @@ static kiln_status kiln_cpu_fused_kd_body(kiln_backend *be, const kiln_fused_kd_
 
     /* Pass 2: the gradient per chunk, into dh and dW. */
     if (with_dh || with_dw) {
-        kiln_cpu_ce_grad_begin(&ce, &sc, S);
+        kiln_cpu_ce_grad_begin(be, &ce, &sc, S);
         job.gs = gs;
         for (int64_t c0 = 0; c0 < V; c0 += cn) {
             job.c0 = c0;

@@ -89,7 +89,6 @@ typedef struct cuda_ctx {
     /* an exact format's mode (KILN_MODE_MX16 / MX8; cuda_mx.h): every matmul and
      * matmul_backward in it, as the CPU backend's. mx is KILN_MX16 / KILN_MX8, 0 otherwise. */
     int mx;
-    int mx_f32;           /* kiln_cuda_f32_products: the fused loss's products in f32 */
     struct mx_weight *mx_w; /* the weights quantized (W, or W^T for dx), made on first use */
     size_t n_mx_w, cap_mx_w;
     void *mx_a, *mx_b;    /* the quantized activations (bytes, grown outside graph capture) */
@@ -538,12 +537,7 @@ static void mx_forget(cuda_ctx *c, const uint8_t *lo, const uint8_t *hi) {
     c->n_mx_w = kept;
 }
 
-extern "C" int kiln_cuda_f32_products(kiln_backend *be, int on) {
-    cuda_ctx *c = ctx_of(be);
-    const int prev = c->mx_f32;
-    c->mx_f32 = on;
-    return prev;
-}
+extern "C" int kiln_cuda_products_format(kiln_backend *be) { return ctx_of(be)->mx; }
 
 static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_tensor *W,
                       const float *bias, int N) {
@@ -559,7 +553,7 @@ static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_t
     size_t rb = row_bytes_of(W->dtype, C);
     const uint8_t *w = weight_dev(c, W->data, (size_t)R * rb, W->name);
     if (!w) return;
-    if (c->mx && !c->mx_f32) {
+    if (c->mx) {
         cu_matmul_mx(c, out, x, W, w, rb, R, C, bias, N);
     } else if (!c->fast) {
         after_launch(c, kiln_cuda_matmul(c->stream, out, x, w, rb, W->dtype, R, C, bias, N),
@@ -982,7 +976,7 @@ static void cu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *db
                                const float *dy, const float *x, const kiln_tensor *W, int N,
                                bool accumulate_dx) {
     cuda_ctx *c = ctx_of(be);
-    const bool mx = c->mx && !c->mx_f32;
+    const bool mx = c->mx != 0;
     const uint64_t sr_id = mx ? 2 * c->sr_count++ : 0; /* counted as the CPU counts, calls that do nothing too */
     if (!op_begin(c) || N <= 0) return;
     if (!kiln_cuda_backward_dtype_supported(W->dtype)) {

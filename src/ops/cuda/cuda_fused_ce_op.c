@@ -384,7 +384,19 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
         CE_DEV(ce_pass2_bf16(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
     else if (!early && fast && (with_dh || with_dw))
         CE_DEV(ce_pass2_fast(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
-    if (!fast && (with_dh || with_dw)) {
+    if (!fast && (with_dh || with_dw) && kiln_cuda_products_format(be)) {
+        /* an exact format's mode: per chunk the logits, g, and the backend's matmul_backward
+         * in the format (dh_acc overwritten by the first chunk), as the CPU's
+         * kiln_cpu_ce_grad_chunk */
+        for (int64_t c0 = 0; c0 < V; c0 += cn) {
+            int64_t n = V - c0 < cn ? V - c0 : cn;
+            kiln_ce_chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
+            CE_DEV(kiln_cuda_ce_grad(be, sc.z, S, n, c0, d_tgt, sc.m, sc.l, gs));
+            kiln_tensor wc = kiln_ce_weight_chunk(p, c0, n, row_bytes);
+            be->i->matmul_backward(be, with_dh ? sc.dh_acc : NULL, with_dw ? p->dweight + c0 * H : NULL, NULL, sc.z,
+                                   sc.hs, &wc, (int)S, c0 > 0);
+        }
+    } else if (!fast && (with_dh || with_dw)) {
         if (with_dw) CE_DEV(kiln_cuda_ce_transpose(be, sc.hT, sc.hs, 0, S, H));
         if (with_dh)
             CE_DEV(kiln_cuda_train_memset(be, sc.dh_acc, 0, (size_t)S * (size_t)H * sizeof(float)));
@@ -449,11 +461,7 @@ size_t kiln_cuda_fused_ce_workspace(kiln_backend *be, const kiln_fused_ce_params
 
 kiln_status kiln_cuda_fused_ce(kiln_backend *be, const kiln_fused_ce_params *p, int64_t S,
                                kiln_fused_ce_result *out) {
-    /* the loss's products in f32 even in an exact format's mode, as the CPU's */
-    const int prev = kiln_cuda_f32_products(be, 1);
-    kiln_status st = ce_device(be, p, S, kiln_ce_chunk(p), out);
-    kiln_cuda_f32_products(be, prev);
-    return st;
+    return ce_device(be, p, S, kiln_ce_chunk(p), out);
 }
 #else
 typedef int kiln_cuda_fused_ce_op_unused; /* ISO C wants a non-empty translation unit */

@@ -445,6 +445,107 @@ static __global__ void __launch_bounds__(128) mx_matmul_kernel(const mx_mm_args 
     if (threadIdx.x == 0) *count = 0;
 }
 
+/* ---- the product for up to 8 rows of x (decode): a warp per row of W -------------------------
+ *
+ * Lane l takes blocks l, l + 32, ... of row r of W: pass 1 finds each x row's largest exponent
+ * sum over the contributing blocks (the definition's smax) and the non-finite rows, the maxima
+ * then across the warp; pass 2 reads the lane's blocks of W once (32 contiguous bytes a block
+ * and plane: a warp reads the row in 1 KB runs), forms every P_k with dp4a, shifts it by
+ * e_k - base into the x row's int64 sum, and the sums are added across the lanes (integers:
+ * any order). Lane c rounds x row c's output. The operands are read once from DRAM, W in
+ * 16-byte loads, so the product runs at the memory's rate rather than the MMA kernel's. */
+template <int KIND, int NX>
+static __global__ void __launch_bounds__(256) mx_gemv_kernel(const mx_mm_args p) {
+    constexpr int F = KIND == KILN_MX8 ? KILN_MX8_F : KILN_MX16_F;
+    constexpr int SH = KIND == KILN_MX8 ? KILN_MX8_SH : KILN_MX16_SH;
+    const int lane = threadIdx.x & 31;
+    const int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (r >= p.R) return; /* the whole warp */
+    const int64_t nb = p.nb;
+    const int n = (int)p.N; /* <= NX */
+    const int16_t *we = p.we + r * nb;
+    int sm[NX];
+    bool bad_x[NX], bad_w = false;
+#pragma unroll
+    for (int c = 0; c < NX; c++) {
+        sm[c] = INT_MIN;
+        bad_x[c] = false;
+    }
+    for (int64_t k = lane; k < nb; k += 32) {
+        const int ew = we[k];
+        bad_w |= ew == KILN_MX_EXP_NONFINITE;
+#pragma unroll
+        for (int c = 0; c < NX; c++)
+            if (c < n) {
+                const int ex = p.xe[c * nb + k];
+                bad_x[c] |= ex == KILN_MX_EXP_NONFINITE;
+                if (ew != KILN_MX_EXP_ZERO && ex != KILN_MX_EXP_ZERO) sm[c] = max(sm[c], ew + ex);
+            }
+    }
+    bad_w = __any_sync(MX_FULL, bad_w);
+#pragma unroll
+    for (int c = 0; c < NX; c++) {
+        sm[c] = __reduce_max_sync(MX_FULL, sm[c]);
+        bad_x[c] = __any_sync(MX_FULL, bad_x[c]);
+    }
+    long long S[NX];
+#pragma unroll
+    for (int c = 0; c < NX; c++) S[c] = 0;
+    for (int64_t k = lane; k < nb; k += 32) {
+        const int4 *wq = (const int4 *)(p.wq + (r * nb + k) * 32);
+        const int4 w0 = __ldg(wq), w1 = __ldg(wq + 1);
+        int4 l0 = make_int4(0, 0, 0, 0), l1 = l0;
+        if (KIND == KILN_MX16) {
+            const int4 *wl = (const int4 *)(p.wlo + (r * nb + k) * 32);
+            l0 = __ldg(wl);
+            l1 = __ldg(wl + 1);
+        }
+        const int ew = we[k];
+        if (ew == KILN_MX_EXP_ZERO) continue; /* P_k = 0 for every x row */
+#pragma unroll
+        for (int c = 0; c < NX; c++) {
+            if (c >= n) continue;
+            const int ex = p.xe[c * nb + k];
+            if (ex == KILN_MX_EXP_ZERO) continue;
+            const int4 *xq = (const int4 *)(p.xq + (c * nb + k) * 32);
+            const int4 x0 = __ldg(xq), x1 = __ldg(xq + 1);
+            int P;
+            if (KIND == KILN_MX8) {
+                P = __dp4a(x0.x, w0.x, 0);
+                P = __dp4a(x0.y, w0.y, P);
+                P = __dp4a(x0.z, w0.z, P);
+                P = __dp4a(x0.w, w0.w, P);
+                P = __dp4a(x1.x, w1.x, P);
+                P = __dp4a(x1.y, w1.y, P);
+                P = __dp4a(x1.z, w1.z, P);
+                P = __dp4a(x1.w, w1.w, P);
+            } else {
+                const int4 *xl = (const int4 *)(p.xlo + (c * nb + k) * 32);
+                const int4 y0 = __ldg(xl), y1 = __ldg(xl + 1);
+                int hh = 0, mid = 0, ll = 0;
+                hh = __dp4a(x0.x, w0.x, hh), mid = __dp4a(x0.x, l0.x, mid), mid = __dp4a(y0.x, w0.x, mid), ll = __dp4a(y0.x, l0.x, ll);
+                hh = __dp4a(x0.y, w0.y, hh), mid = __dp4a(x0.y, l0.y, mid), mid = __dp4a(y0.y, w0.y, mid), ll = __dp4a(y0.y, l0.y, ll);
+                hh = __dp4a(x0.z, w0.z, hh), mid = __dp4a(x0.z, l0.z, mid), mid = __dp4a(y0.z, w0.z, mid), ll = __dp4a(y0.z, l0.z, ll);
+                hh = __dp4a(x0.w, w0.w, hh), mid = __dp4a(x0.w, l0.w, mid), mid = __dp4a(y0.w, w0.w, mid), ll = __dp4a(y0.w, l0.w, ll);
+                hh = __dp4a(x1.x, w1.x, hh), mid = __dp4a(x1.x, l1.x, mid), mid = __dp4a(y1.x, w1.x, mid), ll = __dp4a(y1.x, l1.x, ll);
+                hh = __dp4a(x1.y, w1.y, hh), mid = __dp4a(x1.y, l1.y, mid), mid = __dp4a(y1.y, w1.y, mid), ll = __dp4a(y1.y, l1.y, ll);
+                hh = __dp4a(x1.z, w1.z, hh), mid = __dp4a(x1.z, l1.z, mid), mid = __dp4a(y1.z, w1.z, mid), ll = __dp4a(y1.z, l1.z, ll);
+                hh = __dp4a(x1.w, w1.w, hh), mid = __dp4a(x1.w, l1.w, mid), mid = __dp4a(y1.w, w1.w, mid), ll = __dp4a(y1.w, l1.w, ll);
+                P = (int)((uint32_t)hh * 16384u + (uint32_t)mid * 128u + (uint32_t)ll);
+            }
+            const int d = ew + ex - (sm[c] - SH); /* e_k - base <= SH */
+            S[c] += d >= 0 ? (long long)((unsigned long long)(long long)P << d) : mx_floor_shift(P, -d);
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < NX; c++)
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) S[c] += __shfl_xor_sync(MX_FULL, S[c], o);
+#pragma unroll
+    for (int c = 0; c < NX; c++)
+        if (c < n && lane == c) mx_store<F, SH>(p, c, r, S[c], bad_w || bad_x[c] ? INT_MAX : sm[c]);
+}
+
 /* ---- the product for many rows of x (prefill, training): tiles through shared memory ---------
  *
  * A CTA of 8 warps computes a tile of MXG_BR rows of W by MXG_BN rows of x; a warp 32 x 32
@@ -852,10 +953,17 @@ static mx_plan mx_plan_of(int64_t N, int64_t R, int64_t nb) {
         pl.gx = (R + MXG_BR - 1) / MXG_BR;
         pl.gy = (N + MXG_BN - 1) / MXG_BN;
         want = 132, min_per = 2 * MXG_KB, align = MXG_KB;
+    } else if (N <= 8) { /* mx_gemv_kernel: a warp per row of W, unsplit */
+        pl.NT = 1;
+        pl.gx = (R + 7) / 8;
+        pl.gy = 1;
+        pl.splits = 1;
+        pl.kb_per = nb > 0 ? nb : 1;
+        return pl;
     } else {
-        pl.NT = N <= 8 ? 1 : 4;
+        pl.NT = 4;
         pl.gx = (R + 63) / 64;
-        pl.gy = (N + 8 * pl.NT - 1) / (8 * pl.NT);
+        pl.gy = (N + 31) / 32;
         want = 264, min_per = 2, align = 1;
     }
     const int64_t ctas = pl.gx * pl.gy;
@@ -881,6 +989,15 @@ size_t kiln_cuda_mx_matmul_ws_bytes(int64_t N, int64_t R, int64_t nb) {
 template <int KIND, int NT>
 static void mx_matmul_launch(cudaStream_t s, const mx_plan &pl, const mx_mm_args &a) {
     mx_matmul_kernel<KIND, NT><<<dim3((unsigned)pl.gx, (unsigned)pl.gy, (unsigned)pl.splits), 128, 0, s>>>(a);
+}
+
+template <int KIND>
+static void mx_gemv_launch(cudaStream_t s, const mx_plan &pl, const mx_mm_args &a) {
+    const dim3 grid((unsigned)pl.gx);
+    if (a.N == 1) mx_gemv_kernel<KIND, 1><<<grid, 256, 0, s>>>(a);
+    else if (a.N == 2) mx_gemv_kernel<KIND, 2><<<grid, 256, 0, s>>>(a);
+    else if (a.N <= 4) mx_gemv_kernel<KIND, 4><<<grid, 256, 0, s>>>(a);
+    else mx_gemv_kernel<KIND, 8><<<grid, 256, 0, s>>>(a);
 }
 
 template <int KIND>
@@ -923,12 +1040,13 @@ cudaError_t kiln_cuda_mx_matmul(cudaStream_t s, const kiln_cuda_mx *x, const kil
     if (pl.NT == 0) {
         const cudaError_t e = x->kind == KILN_MX8 ? mx_gemm_launch<KILN_MX8>(s, pl, a) : mx_gemm_launch<KILN_MX16>(s, pl, a);
         if (e != cudaSuccess) return e;
+    } else if (pl.NT == 1) {
+        if (x->kind == KILN_MX8) mx_gemv_launch<KILN_MX8>(s, pl, a);
+        else mx_gemv_launch<KILN_MX16>(s, pl, a);
     } else if (x->kind == KILN_MX8) {
-        if (pl.NT == 1) mx_matmul_launch<KILN_MX8, 1>(s, pl, a);
-        else mx_matmul_launch<KILN_MX8, 4>(s, pl, a);
+        mx_matmul_launch<KILN_MX8, 4>(s, pl, a);
     } else {
-        if (pl.NT == 1) mx_matmul_launch<KILN_MX16, 1>(s, pl, a);
-        else mx_matmul_launch<KILN_MX16, 4>(s, pl, a);
+        mx_matmul_launch<KILN_MX16, 4>(s, pl, a);
     }
     return cudaGetLastError();
 }

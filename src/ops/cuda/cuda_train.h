@@ -28,10 +28,9 @@ size_t kiln_cuda_fused_ce_workspace(kiln_backend *be, const struct kiln_fused_ce
                                     int64_t S);
 kiln_status kiln_cuda_fused_ce(kiln_backend *be, const struct kiln_fused_ce_params *p, int64_t S,
                                struct kiln_fused_ce_result *out);
-/* In an exact format's mode, matmul and matmul_backward in f32 (the auditable kernels) while on
- * != 0: the fused loss's products, whose operands are transient scratch, stay f32 as on the
- * CPU (kiln_backend_cpu_f32_products). Returns the previous setting. */
-int kiln_cuda_f32_products(kiln_backend *be, int on);
+/* The format the backend's matmul and matmul_backward run in: KILN_MX16 / KILN_MX8 in an exact
+ * format's mode, else 0 (kiln_backend_cpu_products_format's). */
+int kiln_cuda_products_format(kiln_backend *be);
 /* adamw_workspace ... adamw_clip (cuda_adamw_op.c): adamw_op.h's ops on device arrays. */
 size_t kiln_cuda_adamw_op_workspace(kiln_backend *be, const struct kiln_adamw_table *tab);
 kiln_status kiln_cuda_adamw_op_prepare(kiln_backend *be, const struct kiln_adamw_table *tab,
