@@ -112,6 +112,35 @@ mx_quantize_kernel(int8_t *__restrict__ q, int8_t *__restrict__ lo, int16_t *__r
     }
 }
 
+/* A source read down its columns (s_row = 1: element (j, k) at a[j + k * s_col], the
+ * backward's W^T, dy^T and x^T): a CTA takes 32 rows j by one block of 32 k through a shared
+ * tile, read along j (consecutive lanes, consecutive addresses) and quantized along k, warp w
+ * quantizing rows w, w + 8, ... of the 32 (the bits of mx_quantize_kernel). */
+template <int F, bool STOCH>
+static __global__ void __launch_bounds__(256)
+mx_quantize_cols_kernel(int8_t *__restrict__ q, int8_t *__restrict__ lo, int16_t *__restrict__ e,
+                        const float *__restrict__ a, int64_t s_col, int64_t rows, int64_t K, int64_t nb,
+                        uint64_t seed, uint64_t tensor_id) {
+    __shared__ float tile[32][33];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t row_tiles = (rows + 31) / 32;
+    for (int64_t t = blockIdx.x; t < row_tiles * nb; t += gridDim.x) {
+        const int64_t j0 = (t % row_tiles) * 32, b = t / row_tiles, k0 = b * 32;
+        for (int i = warp; i < 32; i += 8) { /* tile[i][l] = element (j0 + l, k0 + i) */
+            const int64_t j = j0 + lane, k = k0 + i;
+            tile[i][lane] = j < rows && k < K ? a[j + k * s_col] : 0.0f;
+        }
+        __syncthreads();
+        for (int r = warp; r < 32; r += 8) {
+            const int64_t j = j0 + r;
+            if (j >= rows) break; /* the warp's later rows are past the end too */
+            mx_quantize_block<F, STOCH>(tile[lane][r], lane, (size_t)(j * nb + b), q, lo, e, seed, tensor_id,
+                                        (uint64_t)j * (uint64_t)K + (uint64_t)k0);
+        }
+        __syncthreads(); /* the tile is the next one's */
+    }
+}
+
 /* rmsnorm(x) * w quantized (nearest): one CTA per row (striding), its first half-warp taking
  * the row's scale r exactly as kiln_cuda_rmsnorm does (lane j's fmaf chain over elements
  * j + 16k, the lane-16 tree, kiln_rms_scale), then every warp quantizing blocks of
@@ -902,6 +931,26 @@ cudaError_t kiln_cuda_mx_quantize(cudaStream_t s, kiln_cuda_mx *m, const float *
     const int64_t blocks = m->rows * m->nb;
     if (blocks == 0) return cudaSuccess;
     if (!a && m->K > 0) return cudaErrorInvalidValue;
+    if (s_row == 1 && s_col != 1) { /* down the columns: through shared tiles */
+        const int64_t tiles = (m->rows + 31) / 32 * m->nb;
+        const unsigned g = (unsigned)(tiles < 65535 * 8 ? tiles : 65535 * 8);
+        if (m->kind == KILN_MX8) {
+            if (stochastic)
+                mx_quantize_cols_kernel<KILN_MX8_F, true><<<g, 256, 0, s>>>(m->q, m->lo, m->e, a, s_col, m->rows, m->K,
+                                                                            m->nb, seed, tensor_id);
+            else
+                mx_quantize_cols_kernel<KILN_MX8_F, false><<<g, 256, 0, s>>>(m->q, m->lo, m->e, a, s_col, m->rows,
+                                                                             m->K, m->nb, seed, tensor_id);
+        } else {
+            if (stochastic)
+                mx_quantize_cols_kernel<KILN_MX16_F, true><<<g, 256, 0, s>>>(m->q, m->lo, m->e, a, s_col, m->rows,
+                                                                             m->K, m->nb, seed, tensor_id);
+            else
+                mx_quantize_cols_kernel<KILN_MX16_F, false><<<g, 256, 0, s>>>(m->q, m->lo, m->e, a, s_col, m->rows,
+                                                                              m->K, m->nb, seed, tensor_id);
+        }
+        return cudaGetLastError();
+    }
     const unsigned grid = grid_for(blocks * 32, 256);
     if (m->kind == KILN_MX8) {
         if (stochastic)
