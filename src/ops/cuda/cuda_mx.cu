@@ -262,8 +262,8 @@ static __device__ __forceinline__ void mx_store(const mx_mm_args &p, int64_t n, 
     *o = v;
 }
 
-/* A CTA: 4 warps along R (16 rows of W each, 64 in all) by 8 NT rows of x; gridDim.z splits
- * the blocks. Pass 1 walks every block's exponents for each output's largest exponent sum
+/* 9 to 32 rows of x (NT = 4). A CTA: 4 warps along R (16 rows of W each, 64 in all) by 8 NT
+ * rows of x; gridDim.z splits the blocks. Pass 1 walks every block's exponents for each output's largest exponent sum
  * over the contributing blocks (and its rows' non-finite marks); pass 2 walks the split's
  * blocks: one MMA (mx16: four) per block and 8-row tile, each P_k shifted into its output's
  * int64 sum by e_k - base. */
@@ -295,75 +295,21 @@ static __global__ void __launch_bounds__(128) mx_matmul_kernel(const mx_mm_args 
         bad_x[j][0] = bad_x[j][1] = false;
         for (int h = 0; h < 4; h++) sm[j][h] = INT_MIN;
     }
-    if (NT == 1) {
-        /* up to 8 rows of x (decode): the warp walks the blocks 32 at a time, lane l on block
-         * kc + l, for each of its 16 rows of W and each row of x in turn, then takes the
-         * maxima across the lanes (every lane gets them) and keeps its own outputs' */
-        const int64_t r0 = (int64_t)blockIdx.x * 64 + warp * 16;
-        const int nx = p.N - n0 < 8 ? (int)(p.N - n0) : 8;
-        for (int c = 0; c < nx; c++) {
-            const int16_t *xr = p.xe + (n0 + c) * nb;
-            int part[16];
-            bool bx = false, bw[16];
+    for (int64_t k = 0; k < nb; k++) {
+        const int ew[2] = {va ? wea[k] : KILN_MX_EXP_ZERO, vb ? web[k] : KILN_MX_EXP_ZERO};
+        bad_w[0] |= ew[0] == KILN_MX_EXP_NONFINITE;
+        bad_w[1] |= ew[1] == KILN_MX_EXP_NONFINITE;
 #pragma unroll
-            for (int i = 0; i < 16; i++) {
-                part[i] = INT_MIN;
-                bw[i] = false;
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const int ex = vc[j][c] ? p.xe[nc[j][c] * nb + k] : KILN_MX_EXP_ZERO;
+                bad_x[j][c] |= ex == KILN_MX_EXP_NONFINITE;
+                if (ex == KILN_MX_EXP_ZERO) continue;
+#pragma unroll
+                for (int h2 = 0; h2 < 2; h2++)
+                    if (ew[h2] != KILN_MX_EXP_ZERO) sm[j][2 * h2 + c] = max(sm[j][2 * h2 + c], ew[h2] + ex);
             }
-            for (int64_t kc = 0; kc < nb; kc += 32) {
-                const int64_t k = kc + lane;
-                const int ex = k < nb ? xr[k] : KILN_MX_EXP_ZERO;
-                bx |= ex == KILN_MX_EXP_NONFINITE;
-#pragma unroll
-                for (int i = 0; i < 16; i++) {
-                    const int ew = k < nb && r0 + i < p.R ? p.we[(r0 + i) * nb + k] : KILN_MX_EXP_ZERO;
-                    bw[i] |= ew == KILN_MX_EXP_NONFINITE;
-                    if (ew != KILN_MX_EXP_ZERO && ex != KILN_MX_EXP_ZERO) part[i] = max(part[i], ew + ex);
-                }
-            }
-            bx = __any_sync(MX_FULL, bx);
-#pragma unroll
-            for (int i = 0; i < 16; i++) {
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) part[i] = max(part[i], __shfl_xor_sync(MX_FULL, part[i], o));
-                bw[i] = __any_sync(MX_FULL, bw[i]);
-            }
-            /* this lane's outputs: rows g (h = 0, 1) and g + 8 (h = 2, 3), columns 2t and 2t + 1 */
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-                if (i == g) {
-                    if (c == 2 * t) {
-                        sm[0][0] = part[i];
-                        sm[0][2] = part[i + 8];
-                        bad_x[0][0] = bx;
-                    } else if (c == 2 * t + 1) {
-                        sm[0][1] = part[i];
-                        sm[0][3] = part[i + 8];
-                        bad_x[0][1] = bx;
-                    }
-                    if (c == 0) {
-                        bad_w[0] = bw[i];
-                        bad_w[1] = bw[i + 8];
-                    }
-                }
-        }
-    } else {
-        for (int64_t k = 0; k < nb; k++) {
-            const int ew[2] = {va ? wea[k] : KILN_MX_EXP_ZERO, vb ? web[k] : KILN_MX_EXP_ZERO};
-            bad_w[0] |= ew[0] == KILN_MX_EXP_NONFINITE;
-            bad_w[1] |= ew[1] == KILN_MX_EXP_NONFINITE;
-#pragma unroll
-            for (int j = 0; j < NT; j++)
-#pragma unroll
-                for (int c = 0; c < 2; c++) {
-                    const int ex = vc[j][c] ? p.xe[nc[j][c] * nb + k] : KILN_MX_EXP_ZERO;
-                    bad_x[j][c] |= ex == KILN_MX_EXP_NONFINITE;
-                    if (ex == KILN_MX_EXP_ZERO) continue;
-#pragma unroll
-                    for (int h2 = 0; h2 < 2; h2++)
-                        if (ew[h2] != KILN_MX_EXP_ZERO) sm[j][2 * h2 + c] = max(sm[j][2 * h2 + c], ew[h2] + ex);
-                }
-        }
     }
     /* d = Ex + Ew + dbase = e_k - base, dbase = SH - smax */
     int dbase[NT][4];
@@ -985,12 +931,12 @@ cudaError_t kiln_cuda_mx_quantize_norm(cudaStream_t s, kiln_cuda_mx *m, const fl
 }
 
 /* The product's shape, a function of (N, R, nb) only. Up to 8 rows of x (decode):
- * mx_matmul_kernel with NT = 1; up to MXG_MIN_N - 1: NT = 4 (x tiles of 32 rows, CTAs of 64
- * rows of W); more: mx_gemm_kernel's 128 x 64 tiles. The blocks are split so that about
- * 2 x 132 (mx_matmul_kernel) or 132 (mx_gemm_kernel: one CTA an SM) CTAs run, with at least
- * 2 blocks (mx_gemm_kernel: 2 stages) a split. */
+ * mx_gemv_kernel, a warp per row of W, unsplit; up to MXG_MIN_N - 1: mx_matmul_kernel (x tiles
+ * of 32 rows, CTAs of 64 rows of W); more: mx_gemm_kernel's 128 x 64 tiles. The blocks are
+ * split so that about 2 x 132 (mx_matmul_kernel) or 132 (mx_gemm_kernel: one CTA an SM) CTAs
+ * run, with at least 2 blocks (mx_gemm_kernel: 2 stages) a split. */
 typedef struct mx_plan {
-    int NT; /* 0: mx_gemm_kernel */
+    int NT; /* 0: mx_gemm_kernel, 1: mx_gemv_kernel, 4: mx_matmul_kernel */
     int64_t gx, gy, splits, kb_per;
 } mx_plan;
 
