@@ -608,9 +608,20 @@ static __device__ __noinline__ long long mx_fixup(const mx_mm_args &p, int64_t n
     return acc;
 }
 
+/* An output of mx_gemm_kernel: S (the blocks with d_k >= 0), marked (a block below the bound),
+ * its rows' largest exponents (INT_MIN: none) and non-finite marks. */
+template <int KIND>
+static __device__ __forceinline__ void mxg_store(const mx_mm_args &p, int64_t n, int64_t r, long long S, bool marked,
+                                                 int xmax, int wmax, bool bad) {
+    constexpr int F = KIND == KILN_MX8 ? KILN_MX8_F : KILN_MX16_F;
+    constexpr int SH = KIND == KILN_MX8 ? KILN_MX8_SH : KILN_MX16_SH;
+    int m = bad ? INT_MAX : xmax == INT_MIN || wmax == INT_MIN ? INT_MIN : xmax + wmax;
+    if (marked && !bad) S = mx_fixup<KIND>(p, n, r, xmax, wmax, S, &m);
+    mx_store<F, SH>(p, n, r, S, m);
+}
+
 template <int KIND>
 static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args p) {
-    constexpr int F = KIND == KILN_MX8 ? KILN_MX8_F : KILN_MX16_F;
     constexpr int SH = KIND == KILN_MX8 ? KILN_MX8_SH : KILN_MX16_SH;
     typedef mxg_layout<KIND> L;
     extern __shared__ __align__(16) unsigned char mxg_sm[];
@@ -799,11 +810,8 @@ static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args
                     if (mk) atomicOr(p.ws_m + o, 1);
                     continue;
                 }
-                const int xm = s_max[MXG_BR + cc], wmx = s_max[rr];
-                int m = s_bad[rr] || s_bad[MXG_BR + cc] ? INT_MAX : xm == INT_MIN || wmx == INT_MIN ? INT_MIN : xm + wmx;
-                long long Sv = S[mt][nt][h];
-                if (mk && m != INT_MAX) Sv = mx_fixup<KIND>(p, n, r, xm, wmx, Sv, &m);
-                mx_store<F, SH>(p, n, r, Sv, m);
+                mxg_store<KIND>(p, n, r, S[mt][nt][h], mk, s_max[MXG_BR + cc], s_max[rr],
+                                s_bad[rr] || s_bad[MXG_BR + cc]);
             }
     if (!p.ws_S) return;
     /* split: the tile's last CTA to finish rounds its outputs and leaves the scratch zeroed */
@@ -822,11 +830,7 @@ static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args
         const int mk = __ldcg(p.ws_m + o);
         p.ws_S[o] = 0;
         p.ws_m[o] = 0;
-        const int xm = s_max[MXG_BR + cc], wmx = s_max[rr];
-        int m = s_bad[rr] || s_bad[MXG_BR + cc] ? INT_MAX : xm == INT_MIN || wmx == INT_MIN ? INT_MIN : xm + wmx;
-        long long Sv = Sum;
-        if (mk && m != INT_MAX) Sv = mx_fixup<KIND>(p, n, r, xm, wmx, Sv, &m);
-        mx_store<F, SH>(p, n, r, Sv, m);
+        mxg_store<KIND>(p, n, r, Sum, mk != 0, s_max[MXG_BR + cc], s_max[rr], s_bad[rr] || s_bad[MXG_BR + cc]);
     }
     if (tid == 0) *count = 0;
 }
