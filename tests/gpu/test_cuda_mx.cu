@@ -22,6 +22,7 @@
 extern "C" {
 #include "base/base.h"
 #include "base/tensor.h"
+#include "ops/fused_ce_impl.h" /* kiln_ce_f32_view */
 #include "ops/ops.h"
 }
 
@@ -304,14 +305,7 @@ static void check_sequence(int mode, kiln_backend *cpu, kiln_backend *gpu) {
         const int64_t R = shapes[i][0], C = shapes[i][1];
         wf[i] = (float *)malloc((size_t)R * C * sizeof(float));
         fill(wf[i], R, C, 0, -8, -4);
-        memset(&W[i], 0, sizeof W[i]);
-        W[i].name = "seq";
-        W[i].dtype = KILN_DTYPE_F32;
-        W[i].n_dims = 2;
-        W[i].shape[0] = R;
-        W[i].shape[1] = C;
-        W[i].data = wf[i];
-        W[i].nbytes = (size_t)R * C * 4;
+        W[i] = kiln_ce_f32_view("seq", wf[i], R, C);
     }
     float *x = (float *)malloc((size_t)MAXN * 256 * 4), *want = (float *)malloc((size_t)MAXN * 3000 * 4),
           *got = (float *)malloc((size_t)MAXN * 3000 * 4);
@@ -353,14 +347,7 @@ static void check_products(int mode, kiln_backend *cpu, kiln_backend *gpu, int N
     for (int i = 0; i < 4; i++) {
         const int64_t R = i < 2 ? R0 : R1;
         fill(wdat[i], R, C, 0, -8, -4);
-        memset(&W[i], 0, sizeof W[i]);
-        W[i].name = "prod";
-        W[i].dtype = KILN_DTYPE_F32;
-        W[i].n_dims = 2;
-        W[i].shape[0] = R;
-        W[i].shape[1] = C;
-        W[i].data = wdat[i];
-        W[i].nbytes = (size_t)R * C * 4;
+        W[i] = kiln_ce_f32_view("prod", wdat[i], R, C);
     }
     const size_t nx = (size_t)N * C, nr = (size_t)N * R1;
     float *h = (float *)malloc((nx + C + 3 * R1 + 4 * nr) * sizeof(float));
