@@ -350,7 +350,8 @@ static void check_products(int mode, kiln_backend *cpu, kiln_backend *gpu, int N
         W[i] = kiln_ce_f32_view("prod", wdat[i], R, C);
     }
     const size_t nx = (size_t)N * C, nr = (size_t)N * R1;
-    float *h = (float *)malloc((nx + C + 3 * R1 + 4 * nr) * sizeof(float));
+    /* want and got: 2 nr each (v 0's three outputs are 3 N R0 = 288 N floats) */
+    float *h = (float *)malloc((nx + C + 3 * R1 + 5 * nr) * sizeof(float));
     float *x = h, *nw = x + nx, *b = nw + C, *res = b + 3 * R1, *want = res + nr, *got = want + 2 * nr;
     fill(x, N, C, 0, -3, 3);
     for (int i = 0; i < C; i++) nw[i] = 1.0f + 0.1f * rnd_normal();

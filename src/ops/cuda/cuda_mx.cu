@@ -523,34 +523,31 @@ static __global__ void __launch_bounds__(256) mx_gemv_kernel(const mx_mm_args p)
 
 /* ---- the product for many rows of x (prefill, training): tiles through shared memory ---------
  *
- * A CTA of 8 warps computes a tile of MXG_BR rows of W by MXG_BN rows of x; a warp 32 x 32
- * (2 m16 by 4 n8 MMA tiles, 32 outputs a thread). The blocks stream through shared memory
- * MXG_KB at a time (cp.async, two stages), the fragments read with ldmatrix.
- *
- * The definition's base is per output, from the largest exponent sum over the contributing
- * blocks, which would take a pass over every block's exponents before the products. This
- * kernel instead shifts by an upper bound of that sum, UB = Xmax[n] + Wmax[r] (each row's
- * largest block exponent): the shift of block k is then d_k = (Ex_k - Xmax) + (Ew_k - Wmax) + SH
- * <= SH, and every block with d_k >= 0 is added exactly, P_k << d_k. If no block with P_k != 0
- * has d_k < 0, the sum is exact, so it is the exact value the definition rounds (its own sum
- * is exact too: none of its blocks is far below), and rounding S 2^(UB - 2F - SH) gives the
- * definition's bits. Otherwise (a block far below the bound: rare) the output is marked and
- * mx_fixup finishes it by the definition: the largest exponent sum dmax (relative), the sum
- * so far scaled up by SH - dmax (exact: those blocks' shifts all grow), and the marked blocks'
- * products recomputed (dp4a) and added with their own shift or floor. */
+ * A CTA of 8 warps (4 along W, 2 along x) computes a tile of MXG_BR rows of W by
+ * mxg_layout::BN rows of x; a warp covers 32 rows of W by 8 WNT rows of x (2 m16 by WNT n8
+ * MMA tiles: WNT = 4 for mx8, 2 for mx16, whose four piece products need the registers), so
+ * a thread holds 8 WNT outputs. First each thread walks every block's exponents for its
+ * outputs' smax (the definition's largest exponent sum over the contributing blocks; zero
+ * blocks enter as MXG_EXP_ZERO, whose sums never win against a contributing pair), which
+ * fixes each output's base. Then the blocks stream through shared memory MXG_KB at a time
+ * (cp.async, two stages; the fragments read with ldmatrix), and each block's P_k is added as
+ * P_k << d (d = Ex + Ew - smax + SH <= SH, a funnel shift) or, for a far-below block (d < 0),
+ * as its floor (an arithmetic right shift), exactly the definition's T_k. */
 #define MXG_BR 128
-#define MXG_BN 64
 #define MXG_KB 4
 #define MXG_ROWB (MXG_KB * 32 + 16) /* a staged row: 8 rows an ldmatrix reads fall in 8 bank groups */
-#define MXG_ROWS (MXG_BR + MXG_BN)  /* staged rows: W's, then x's */
-#define MXG_REL_ZERO (-8192)        /* relative exponent of a zero block: d_k < 0, P_k = 0 */
+#define MXG_EXP_ZERO (-30000)       /* a zero block's exponent here: a sum with it is below -29000 */
+#define MXG_NONE (-100000)          /* dbase of an output with no contributing block (d < 0 always) */
 #define MXG_MIN_N 33                /* fewer rows of x take mx_matmul_kernel */
 
 template <int KIND>
 struct mxg_layout {
+    static constexpr int WNT = KIND == KILN_MX16 ? 2 : 4; /* n8 tiles a warp */
+    static constexpr int BN = 2 * 8 * WNT;                /* rows of x a CTA */
+    static constexpr int ROWS = MXG_BR + BN;              /* staged rows: W's, then x's */
     static constexpr int planes = KIND == KILN_MX16 ? 2 : 1;
-    static constexpr int plane = MXG_ROWS * MXG_ROWB;
-    static constexpr int stage = plane * planes + MXG_KB * MXG_ROWS * 4; /* q planes, then rel[KB][ROWS] */
+    static constexpr int plane = ROWS * MXG_ROWB;
+    static constexpr int stage = plane * planes + MXG_KB * ROWS * 4; /* q planes, then e[KB][ROWS] */
     static constexpr int bytes = 2 * stage;
 };
 
@@ -560,115 +557,115 @@ static __device__ __forceinline__ void cp_async16_or_zero(void *dst, const void 
                  "r"(ok ? 16 : 0));
 }
 
-/* The exact product of block k of x row n and W row r (the definition's P_k). */
-template <int KIND>
-static __device__ __forceinline__ int mx_block_product(const mx_mm_args &p, int64_t n, int64_t r, int64_t k) {
-    const int *xq = (const int *)(p.xq + (n * p.nb + k) * 32), *wq = (const int *)(p.wq + (r * p.nb + k) * 32);
-    if (KIND == KILN_MX8) {
-        int P = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++) P = __dp4a(xq[i], wq[i], P);
-        return P;
-    }
-    const int *xl = (const int *)(p.xlo + (n * p.nb + k) * 32), *wl = (const int *)(p.wlo + (r * p.nb + k) * 32);
-    int hh = 0, mid = 0, ll = 0;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        hh = __dp4a(xq[i], wq[i], hh);
-        mid = __dp4a(xq[i], wl[i], __dp4a(xl[i], wq[i], mid));
-        ll = __dp4a(xl[i], wl[i], ll);
-    }
-    return (int)((uint32_t)hh * 16384u + (uint32_t)mid * 128u + (uint32_t)ll);
-}
-
-/* A marked output (see above): S holds the sum of P_k << d_k over the blocks with d_k >= 0;
- * returns the definition's sum and sets *m to its largest exponent sum. xmax, wmax: the rows'
- * largest block exponents. */
-template <int KIND>
-static __device__ __noinline__ long long mx_fixup(const mx_mm_args &p, int64_t n, int64_t r, int xmax, int wmax,
-                                                  long long S, int *m) {
-    constexpr int SH = KIND == KILN_MX8 ? KILN_MX8_SH : KILN_MX16_SH;
-    const int16_t *xe = p.xe + n * p.nb, *we = p.we + r * p.nb;
-    int dmax = INT_MIN;
-    for (int64_t k = 0; k < p.nb; k++)
-        if (xe[k] != KILN_MX_EXP_ZERO && we[k] != KILN_MX_EXP_ZERO)
-            dmax = max(dmax, (xe[k] - xmax) + (we[k] - wmax) + SH);
-    /* a marked output has a block with P_k != 0, so dmax exists; S != 0 needs a block with
-     * d_k >= 0, so then dmax >= 0 and the scaling is by at most SH */
-    long long acc = S ? (long long)((unsigned long long)S << (SH - dmax)) : 0;
-    for (int64_t k = 0; k < p.nb; k++) {
-        if (xe[k] == KILN_MX_EXP_ZERO || we[k] == KILN_MX_EXP_ZERO) continue;
-        const int d = (xe[k] - xmax) + (we[k] - wmax) + SH;
-        if (d >= 0) continue;
-        const long long P = mx_block_product<KIND>(p, n, r, k);
-        const int sh = d + SH - dmax;
-        acc += sh >= 0 ? (long long)((unsigned long long)P << sh) : mx_floor_shift(P, -sh);
-    }
-    *m = xmax + wmax - SH + dmax;
-    return acc;
-}
-
-/* An output of mx_gemm_kernel: S (the blocks with d_k >= 0), marked (a block below the bound),
- * its rows' largest exponents (INT_MIN: none) and non-finite marks. */
-template <int KIND>
-static __device__ __forceinline__ void mxg_store(const mx_mm_args &p, int64_t n, int64_t r, long long S, bool marked,
-                                                 int xmax, int wmax, bool bad) {
-    constexpr int F = KIND == KILN_MX8 ? KILN_MX8_F : KILN_MX16_F;
-    constexpr int SH = KIND == KILN_MX8 ? KILN_MX8_SH : KILN_MX16_SH;
-    int m = bad ? INT_MAX : xmax == INT_MIN || wmax == INT_MIN ? INT_MIN : xmax + wmax;
-    if (marked && !bad) S = mx_fixup<KIND>(p, n, r, xmax, wmax, S, &m);
-    mx_store<F, SH>(p, n, r, S, m);
-}
+/* A block exponent as the kernel adds it: a zero block's MXG_EXP_ZERO. */
+static __device__ __forceinline__ int mxg_exp(int e) { return e == KILN_MX_EXP_ZERO ? MXG_EXP_ZERO : e; }
 
 template <int KIND>
 static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args p) {
+    constexpr int F = KIND == KILN_MX8 ? KILN_MX8_F : KILN_MX16_F;
     constexpr int SH = KIND == KILN_MX8 ? KILN_MX8_SH : KILN_MX16_SH;
     typedef mxg_layout<KIND> L;
+    constexpr int WNT = L::WNT, BN = L::BN, ROWS = L::ROWS;
     extern __shared__ __align__(16) unsigned char mxg_sm[];
-    __shared__ int s_max[MXG_ROWS];          /* each staged row's largest block exponent */
-    __shared__ unsigned char s_bad[MXG_ROWS]; /* ... and whether it is non-finite */
+    __shared__ unsigned char s_bad[ROWS]; /* a staged row holds a non-finite block */
     __shared__ bool s_last;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int wm = warp & 3, wn = warp >> 2; /* the warp's rows of W: wm * 32.., of x: wn * 32.. */
-    const int64_t r0 = (int64_t)blockIdx.x * MXG_BR, n0 = (int64_t)blockIdx.y * MXG_BN, nb = p.nb;
+    const int wm = warp & 3, wn = warp >> 2; /* the warp's rows of W: wm * 32.., of x: wn * 8 WNT.. */
+    const int64_t r0 = (int64_t)blockIdx.x * MXG_BR, n0 = (int64_t)blockIdx.y * BN, nb = p.nb;
 
-    /* every staged row's largest finite block exponent (INT_MIN: none) and non-finite mark */
-    for (int row = warp; row < MXG_ROWS; row += 8) {
+    for (int row = warp; row < ROWS; row += 8) {
         const bool isx = row >= MXG_BR;
         const int64_t j = isx ? n0 + (row - MXG_BR) : r0 + row;
         const bool valid = j < (isx ? p.N : p.R);
         const int16_t *e = (isx ? p.xe : p.we) + (valid ? j : 0) * nb;
-        int mx = INT_MIN;
         bool bad = false;
         if (valid)
-            for (int64_t k = lane; k < nb; k += 32) {
-                const int v = e[k];
-                bad |= v == KILN_MX_EXP_NONFINITE;
-                if (v != KILN_MX_EXP_ZERO && v != KILN_MX_EXP_NONFINITE) mx = max(mx, v);
-            }
-        mx = __reduce_max_sync(MX_FULL, mx);
+            for (int64_t k = lane; k < nb; k += 32) bad |= e[k] == KILN_MX_EXP_NONFINITE;
         bad = __any_sync(MX_FULL, bad);
-        if (lane == 0) {
-            s_max[row] = mx;
-            s_bad[row] = bad;
+        if (lane == 0) s_bad[row] = bad;
+    }
+
+    /* this thread's outputs: o = (mt * WNT + nt) * 4 + h is W row wr(mt, h >> 1) and x row
+     * xc(nt, h & 1) of the tile */
+    int wr[2][2], xc[WNT][2];
+    bool wv[2][2], xv[WNT][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            wr[mt][hh] = wm * 32 + mt * 16 + g + 8 * hh;
+            wv[mt][hh] = r0 + wr[mt][hh] < p.R;
+        }
+#pragma unroll
+    for (int nt = 0; nt < WNT; nt++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            xc[nt][c] = wn * 8 * WNT + nt * 8 + 2 * t + c;
+            xv[nt][c] = n0 + xc[nt][c] < p.N;
+        }
+
+    /* the exponent pass: smax over every block (a CTA of a split walks them all too) */
+    int dbase[2][WNT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < WNT; nt++)
+#pragma unroll
+            for (int h = 0; h < 4; h++) dbase[mt][nt][h] = 2 * MXG_EXP_ZERO; /* the running smax */
+    {
+        const int16_t *wep[2][2], *xep[WNT][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) wep[mt][hh] = p.we + (wv[mt][hh] ? r0 + wr[mt][hh] : 0) * nb;
+#pragma unroll
+        for (int nt = 0; nt < WNT; nt++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) xep[nt][c] = p.xe + (xv[nt][c] ? n0 + xc[nt][c] : 0) * nb;
+        for (int64_t k = 0; k < nb; k++) {
+            int ew[2][2], ex[WNT][2];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++) ew[mt][hh] = wv[mt][hh] ? mxg_exp(__ldg(wep[mt][hh] + k)) : MXG_EXP_ZERO;
+#pragma unroll
+            for (int nt = 0; nt < WNT; nt++)
+#pragma unroll
+                for (int c = 0; c < 2; c++) ex[nt][c] = xv[nt][c] ? mxg_exp(__ldg(xep[nt][c] + k)) : MXG_EXP_ZERO;
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int nt = 0; nt < WNT; nt++)
+#pragma unroll
+                    for (int h = 0; h < 4; h++)
+                        dbase[mt][nt][h] = max(dbase[mt][nt][h], ew[mt][h >> 1] + ex[nt][h & 1]);
         }
     }
-    __syncthreads();
+    /* smax below -29000: no contributing block (the output is +0); d = Ex + Ew + dbase */
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < WNT; nt++)
+#pragma unroll
+            for (int h = 0; h < 4; h++) {
+                const int sm = dbase[mt][nt][h];
+                dbase[mt][nt][h] = sm < -29000 ? MXG_NONE : SH - sm;
+            }
+    __syncthreads(); /* s_bad */
 
     const int64_t kb0 = (int64_t)blockIdx.z * p.kb_per;
     const int64_t kb1 = kb0 + p.kb_per < nb ? kb0 + p.kb_per : nb;
     const int nst = (int)((kb1 - kb0 + MXG_KB - 1) / MXG_KB);
 
-    /* stage loads: the planes by cp.async (zeros past the rows and the split's blocks); the
-     * exponents through registers (fetched before a stage's compute, stored after it) as
-     * relative shifts: x rows Ex - Xmax, W rows Ew - Wmax + SH (zero blocks MXG_REL_ZERO) */
+    /* stage loads: the planes by cp.async (zeros past the rows and the split's blocks), the
+     * exponents through registers (fetched before a stage's compute, stored after it) */
     constexpr int CH = MXG_KB * 2; /* 16-byte chunks of a staged row */
     auto load_q = [&](int buf, int64_t kbs) {
         unsigned char *st = mxg_sm + buf * L::stage;
 #pragma unroll
         for (int pl = 0; pl < L::planes; pl++)
 #pragma unroll
-            for (int i = tid; i < MXG_ROWS * CH; i += 256) {
+            for (int i = tid; i < ROWS * CH; i += 256) {
                 const int row = i / CH, c = i - row * CH;
                 const bool isx = row >= MXG_BR;
                 const int64_t j = isx ? n0 + (row - MXG_BR) : r0 + row, kb = kbs + c / 2;
@@ -678,35 +675,30 @@ static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args
                                    base + (ok ? (j * nb + kb) * 32 + (c & 1) * 16 : 0), ok);
             }
     };
-    constexpr int NE = MXG_KB * MXG_ROWS / 256; /* exponents a thread moves per stage */
-    static_assert(MXG_KB * MXG_ROWS % 256 == 0, "whole exponents per thread");
+    constexpr int NE = (MXG_KB * ROWS + 255) / 256; /* exponents a thread moves per stage */
     int pe[NE];
     auto fetch_e = [&](int64_t kbs) {
 #pragma unroll
         for (int i = 0; i < NE; i++) {
-            const int idx = tid + i * 256, kk = idx / MXG_ROWS, row = idx - kk * MXG_ROWS;
+            const int idx = tid + i * 256, kk = idx / ROWS, row = idx - kk * ROWS;
             const bool isx = row >= MXG_BR;
             const int64_t j = isx ? n0 + (row - MXG_BR) : r0 + row, kb = kbs + kk;
-            const bool ok = j < (isx ? p.N : p.R) && kb < kb1;
-            pe[i] = ok ? (isx ? p.xe : p.we)[j * nb + kb] : KILN_MX_EXP_ZERO;
+            const bool ok = idx < MXG_KB * ROWS && j < (isx ? p.N : p.R) && kb < kb1;
+            pe[i] = ok ? mxg_exp((isx ? p.xe : p.we)[j * nb + kb]) : MXG_EXP_ZERO;
         }
     };
     auto store_e = [&](int buf) {
-        int *rel = (int *)(mxg_sm + buf * L::stage + L::planes * L::plane);
+        int *es = (int *)(mxg_sm + buf * L::stage + L::planes * L::plane);
 #pragma unroll
-        for (int i = 0; i < NE; i++) {
-            const int idx = tid + i * 256, row = idx % MXG_ROWS;
-            const int e = pe[i], add = row >= MXG_BR ? 0 : SH;
-            rel[idx] = e == KILN_MX_EXP_ZERO ? MXG_REL_ZERO : e == KILN_MX_EXP_NONFINITE ? add : e - s_max[row] + add;
-        }
+        for (int i = 0; i < NE; i++)
+            if (tid + i * 256 < MXG_KB * ROWS) es[tid + i * 256] = pe[i];
     };
 
-    long long S[2][4][4];
-    uint32_t marked = 0; /* bit (mt * 4 + nt) * 4 + h: a block with P != 0 below the bound */
+    long long S[2][WNT][4];
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-        for (int nt = 0; nt < 4; nt++)
+        for (int nt = 0; nt < WNT; nt++)
 #pragma unroll
             for (int h = 0; h < 4; h++) S[mt][nt][h] = 0;
 
@@ -727,39 +719,38 @@ static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args
         cp_async_wait<1>();
         __syncthreads();
         const unsigned char *st = mxg_sm + buf * L::stage;
-        const int *rel = (const int *)(st + L::planes * L::plane);
+        const int *es = (const int *)(st + L::planes * L::plane);
         const int64_t left = kb1 - (kb0 + (int64_t)s * MXG_KB);
         const int nv = left < MXG_KB ? (int)left : MXG_KB;
         for (int kk = 0; kk < nv; kk++) {
-            uint32_t a[2][4], b[2][4], al[2][4], bl[2][4];
+            uint32_t a[2][4], al[2][4], b[WNT / 2][4], bl[WNT / 2][4];
 #pragma unroll
             for (int mt = 0; mt < 2; mt++) {
-                const int row = wm * 32 + mt * 16 + (lane & 15);
-                const unsigned char *pa = st + row * MXG_ROWB + kk * 32 + (lane >> 4) * 16;
+                const unsigned char *pa = st + (wm * 32 + mt * 16 + (lane & 15)) * MXG_ROWB + kk * 32 + (lane >> 4) * 16;
                 ldsm_x4(a[mt], smem_u32(pa));
                 if (KIND == KILN_MX16) ldsm_x4(al[mt], smem_u32(pa + L::plane));
             }
 #pragma unroll
-            for (int np = 0; np < 2; np++) {
-                const int row = MXG_BR + wn * 32 + np * 16 + (lane & 7) + ((lane >> 4) & 1) * 8;
+            for (int np = 0; np < WNT / 2; np++) {
+                const int row = MXG_BR + wn * 8 * WNT + np * 16 + (lane & 7) + ((lane >> 4) & 1) * 8;
                 const unsigned char *pb = st + row * MXG_ROWB + kk * 32 + ((lane >> 3) & 1) * 16;
                 ldsm_x4(b[np], smem_u32(pb));
                 if (KIND == KILN_MX16) ldsm_x4(bl[np], smem_u32(pb + L::plane));
             }
-            const int *rk = rel + kk * MXG_ROWS;
-            int rw[2][2], rx[4][2];
+            const int *ek = es + kk * ROWS;
+            int ew[2][2], ex[WNT][2];
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-                for (int hh = 0; hh < 2; hh++) rw[mt][hh] = rk[wm * 32 + mt * 16 + g + 8 * hh];
+                for (int hh = 0; hh < 2; hh++) ew[mt][hh] = ek[wr[mt][hh]];
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++)
+            for (int nt = 0; nt < WNT; nt++)
 #pragma unroll
-                for (int c = 0; c < 2; c++) rx[nt][c] = rk[MXG_BR + wn * 32 + nt * 8 + 2 * t + c];
+                for (int c = 0; c < 2; c++) ex[nt][c] = ek[MXG_BR + xc[nt][c]];
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-                for (int nt = 0; nt < 4; nt++) {
+                for (int nt = 0; nt < WNT; nt++) {
                     const uint32_t b0 = b[nt >> 1][(nt & 1) * 2], b1 = b[nt >> 1][(nt & 1) * 2 + 1];
                     int P[4] = {0, 0, 0, 0};
                     if (KIND == KILN_MX8) {
@@ -777,13 +768,14 @@ static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args
                     }
 #pragma unroll
                     for (int h = 0; h < 4; h++) {
-                        const int d = rw[mt][h >> 1] + rx[nt][h & 1];
+                        /* a zero block: P = 0, d far below; no contributing block: dbase MXG_NONE */
+                        const int d = ew[mt][h >> 1] + ex[nt][h & 1] + dbase[mt][nt][h];
                         const uint32_t Pu = (uint32_t)P[h];
                         if (d >= 0) { /* d <= SH < 32: P << d as a funnel shift of (sign:P) */
                             const uint32_t lo = Pu << d, hi = __funnelshift_l(Pu, (uint32_t)(P[h] >> 31), d);
                             S[mt][nt][h] += (long long)(((unsigned long long)hi << 32) | lo);
-                        } else if (P[h] != 0) {
-                            marked |= 1u << ((mt * 4 + nt) * 4 + h);
+                        } else { /* floor(P / 2^-d): an arithmetic shift, 0 or -1 far below */
+                            S[mt][nt][h] += (long long)(P[h] >> (d > -31 ? -d : 31));
                         }
                     }
                 }
@@ -792,47 +784,47 @@ static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args
         __syncthreads();
     }
 
-    /* outputs: this thread's S[mt][nt][h] is row r0 + wm*32 + mt*16 + g + 8 (h >> 1) of W,
-     * row n0 + wn*32 + nt*8 + 2t + (h & 1) of x */
+    /* outputs: S[mt][nt][h] is W row r0 + wr[mt][h >> 1], x row n0 + xc[nt][h & 1] */
+    if (p.ws_S) {
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < WNT; nt++)
+#pragma unroll
+                for (int h = 0; h < 4; h++)
+                    if (wv[mt][h >> 1] && xv[nt][h & 1] && S[mt][nt][h])
+                        atomicAdd(p.ws_S + (n0 + xc[nt][h & 1]) * p.R + r0 + wr[mt][h >> 1],
+                                  (unsigned long long)S[mt][nt][h]);
+        /* split: the tile's last CTA to finish rounds the outputs, its threads the same ones
+         * (each CTA knows every output's smax), and leaves the scratch zeroed */
+        __threadfence();
+        __syncthreads();
+        int *count = p.ws_cnt + blockIdx.y * gridDim.x + blockIdx.x;
+        if (tid == 0) s_last = atomicAdd(count, 1) == (int)gridDim.z - 1;
+        __syncthreads();
+        if (!s_last) return;
+        __threadfence();
+    }
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-        for (int nt = 0; nt < 4; nt++)
+        for (int nt = 0; nt < WNT; nt++)
 #pragma unroll
             for (int h = 0; h < 4; h++) {
-                const int rr = wm * 32 + mt * 16 + g + 8 * (h >> 1), cc = wn * 32 + nt * 8 + 2 * t + (h & 1);
+                const int rr = wr[mt][h >> 1], cc = xc[nt][h & 1];
+                if (!wv[mt][h >> 1] || !xv[nt][h & 1]) continue;
                 const int64_t r = r0 + rr, n = n0 + cc;
-                if (r >= p.R || n >= p.N) continue;
-                const bool mk = (marked >> ((mt * 4 + nt) * 4 + h)) & 1;
+                long long Sv = S[mt][nt][h];
                 if (p.ws_S) {
                     const int64_t o = n * p.R + r;
-                    if (S[mt][nt][h]) atomicAdd(p.ws_S + o, (unsigned long long)S[mt][nt][h]);
-                    if (mk) atomicOr(p.ws_m + o, 1);
-                    continue;
+                    Sv = (long long)__ldcg(p.ws_S + o);
+                    p.ws_S[o] = 0;
                 }
-                mxg_store<KIND>(p, n, r, S[mt][nt][h], mk, s_max[MXG_BR + cc], s_max[rr],
-                                s_bad[rr] || s_bad[MXG_BR + cc]);
+                const int db = dbase[mt][nt][h];
+                const int m = s_bad[rr] || s_bad[MXG_BR + cc] ? INT_MAX : db == MXG_NONE ? INT_MIN : SH - db;
+                mx_store<F, SH>(p, n, r, Sv, m);
             }
-    if (!p.ws_S) return;
-    /* split: the tile's last CTA to finish rounds its outputs and leaves the scratch zeroed */
-    __threadfence();
-    __syncthreads();
-    int *count = p.ws_cnt + blockIdx.y * gridDim.x + blockIdx.x;
-    if (tid == 0) s_last = atomicAdd(count, 1) == (int)gridDim.z - 1;
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    for (int i = tid; i < MXG_BR * MXG_BN; i += 256) {
-        const int rr = i % MXG_BR, cc = i / MXG_BR; /* consecutive threads: consecutive r */
-        const int64_t r = r0 + rr, n = n0 + cc, o = n * p.R + r;
-        if (r >= p.R || n >= p.N) continue;
-        const long long Sum = (long long)__ldcg(p.ws_S + o);
-        const int mk = __ldcg(p.ws_m + o);
-        p.ws_S[o] = 0;
-        p.ws_m[o] = 0;
-        mxg_store<KIND>(p, n, r, Sum, mk != 0, s_max[MXG_BR + cc], s_max[rr], s_bad[rr] || s_bad[MXG_BR + cc]);
-    }
-    if (tid == 0) *count = 0;
+    if (p.ws_S && tid == 0) *(p.ws_cnt + blockIdx.y * gridDim.x + blockIdx.x) = 0;
 }
 
 /* ---- launchers --------------------------------------------------------------------------- */
@@ -934,9 +926,10 @@ cudaError_t kiln_cuda_mx_quantize_norm(cudaStream_t s, kiln_cuda_mx *m, const fl
     return cudaGetLastError();
 }
 
-/* The product's shape, a function of (N, R, nb) only. Up to 8 rows of x (decode):
+/* The product's shape, a function of (kind, N, R, nb) only. Up to 8 rows of x (decode):
  * mx_gemv_kernel, a warp per row of W, unsplit; up to MXG_MIN_N - 1: mx_matmul_kernel (x tiles
- * of 32 rows, CTAs of 64 rows of W); more: mx_gemm_kernel's 128 x 64 tiles. The blocks are
+ * of 32 rows, CTAs of 64 rows of W); more: mx_gemm_kernel's tiles of 128 rows of W by 64 (mx8)
+ * or 32 (mx16) rows of x. The blocks are
  * split so that about 2 x 132 (mx_matmul_kernel) or 132 (mx_gemm_kernel: one CTA an SM) CTAs
  * run, with at least 2 blocks (mx_gemm_kernel: 2 stages) a split. */
 typedef struct mx_plan {
@@ -944,13 +937,14 @@ typedef struct mx_plan {
     int64_t gx, gy, splits, kb_per;
 } mx_plan;
 
-static mx_plan mx_plan_of(int64_t N, int64_t R, int64_t nb) {
+static mx_plan mx_plan_of(int kind, int64_t N, int64_t R, int64_t nb) {
     mx_plan pl;
     int64_t want, min_per, align;
     if (N >= MXG_MIN_N) {
+        const int64_t bn = kind == KILN_MX16 ? mxg_layout<KILN_MX16>::BN : mxg_layout<KILN_MX8>::BN;
         pl.NT = 0;
         pl.gx = (R + MXG_BR - 1) / MXG_BR;
-        pl.gy = (N + MXG_BN - 1) / MXG_BN;
+        pl.gy = (N + bn - 1) / bn;
         want = 132, min_per = 2 * MXG_KB, align = MXG_KB;
     } else if (N <= 8) { /* mx_gemv_kernel: a warp per row of W, unsplit */
         pl.NT = 1;
@@ -978,11 +972,16 @@ static mx_plan mx_plan_of(int64_t N, int64_t R, int64_t nb) {
     return pl;
 }
 
-size_t kiln_cuda_mx_matmul_ws_bytes(int64_t N, int64_t R, int64_t nb) {
-    const mx_plan pl = mx_plan_of(N, R, nb);
+static size_t mx_ws_bytes(const mx_plan &pl, int64_t N, int64_t R) {
     return pl.splits > 1 ? (size_t)N * (size_t)R * (sizeof(unsigned long long) + sizeof(int)) +
                                (size_t)(pl.gx * pl.gy) * sizeof(int)
                          : 0;
+}
+
+size_t kiln_cuda_mx_matmul_ws_bytes(int64_t N, int64_t R, int64_t nb) {
+    const size_t a = mx_ws_bytes(mx_plan_of(KILN_MX8, N, R, nb), N, R),
+                 b = mx_ws_bytes(mx_plan_of(KILN_MX16, N, R, nb), N, R);
+    return a > b ? a : b;
 }
 
 template <int KIND, int NT>
@@ -1015,7 +1014,7 @@ cudaError_t kiln_cuda_mx_matmul(cudaStream_t s, const kiln_cuda_mx *x, const kil
     const int64_t N = x->rows, R = w->rows, nb = x->nb;
     if (N <= 0 || R <= 0) return cudaSuccess;
     if (!out || N > 65535ll * 32 || R > (int64_t)INT_MAX * 64) return cudaErrorInvalidValue;
-    const mx_plan pl = mx_plan_of(N, R, nb);
+    const mx_plan pl = mx_plan_of(x->kind, N, R, nb);
     if (pl.splits > 1 && !ws) return cudaErrorInvalidValue;
     mx_mm_args a;
     a.xq = x->q;
