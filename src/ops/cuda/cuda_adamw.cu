@@ -403,32 +403,64 @@ extern "C" kiln_status kiln_cuda_adamw_nonfinite(kiln_backend *be,
 }
 
 /* One 32-thread block per tensor: lane j < 8 runs torch's lane j (acc = acc + x*x over
- * elements 8k + j of the full groups, sequentially, with UNROLL loads in flight), then lane 0
- * adds the 8 lanes in order and the tail, as adamw_math.h's kiln_adamw_sumsq8. */
-#define NORM_UNROLL 16
+ * elements 8k + j of the full groups, sequentially), then lane 0 adds the 8 lanes in order and
+ * the tail, as adamw_math.h's kiln_adamw_sumsq8. The lanes' chains are sequential by
+ * definition, so the speed is in feeding them: the whole warp streams the tensor through a
+ * ring of NORM_STAGES shared stages of NORM_STAGE floats (cp.async, 4 bytes a copy: a tensor
+ * need not be 16-byte aligned), NORM_STAGES - 1 stages in flight ahead of the one lanes 0-7
+ * are adding. */
+#define NORM_STAGE 256
+#define NORM_STAGES 32
+
+static __device__ __forceinline__ void cp_async4(float *dst, const float *src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
+                 "l"(src));
+}
 
 static __global__ void __launch_bounds__(32) norms_kernel(const kiln_cuda_grad_entry *table,
                                                           float *norms) {
+    __shared__ float ring[NORM_STAGES][NORM_STAGE];
     __shared__ float acc8[8];
     const kiln_cuda_grad_entry t = table[blockIdx.x];
     const int j = threadIdx.x;
-    const int64_t head = t.n - t.n % 8;
-    if (j < 8) {
-        float acc = 0.0f;
-        int64_t d = 0;
-        for (; d + 8 * NORM_UNROLL <= head; d += 8 * NORM_UNROLL) {
-            float x[NORM_UNROLL];
+    const int64_t head = t.n - t.n % 8, n_st = (head + NORM_STAGE - 1) / NORM_STAGE;
+    /* stage s holds elements [s * NORM_STAGE, ...) of the head; lane l copies l, l + 32, ... */
+    auto issue = [&](int64_t s) {
+        if (s < n_st) {
+            const int64_t d0 = s * NORM_STAGE;
+            float *dst = ring[s % NORM_STAGES];
 #pragma unroll
-            for (int u = 0; u < NORM_UNROLL; u++) x[u] = t.grad[d + 8 * u + j];
+            for (int u = 0; u < NORM_STAGE / 32; u++) {
+                const int64_t d = d0 + u * 32 + j;
+                if (d < head) cp_async4(dst + u * 32 + j, t.grad + d);
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    for (int64_t s = 0; s < NORM_STAGES - 1; s++) issue(s);
+    float acc = 0.0f;
+    for (int64_t s = 0; s < n_st; s++) {
+        issue(s + NORM_STAGES - 1);
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(NORM_STAGES - 1));
+        __syncwarp();
+        if (j < 8) {
+            const float *st = ring[s % NORM_STAGES];
+            const int64_t left = head - s * NORM_STAGE;
+            const int groups = left < NORM_STAGE ? (int)(left / 8) : NORM_STAGE / 8;
+            if (groups == NORM_STAGE / 8) {
+                float x[NORM_STAGE / 8];
 #pragma unroll
-            for (int u = 0; u < NORM_UNROLL; u++) acc = acc + x[u] * x[u];
+                for (int u = 0; u < NORM_STAGE / 8; u++) x[u] = st[8 * u + j];
+#pragma unroll
+                for (int u = 0; u < NORM_STAGE / 8; u++) acc = acc + x[u] * x[u];
+            } else {
+                for (int u = 0; u < groups; u++) acc = acc + st[8 * u + j] * st[8 * u + j];
+            }
         }
-        for (; d < head; d += 8) {
-            const float x = t.grad[d + j];
-            acc = acc + x * x;
-        }
-        acc8[j] = acc;
+        __syncwarp(); /* the stage is refilled by the next iterations' copies */
     }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    if (j < 8) acc8[j] = acc;
     __syncthreads();
     if (j == 0) {
         float s = acc8[0];
@@ -440,7 +472,7 @@ static __global__ void __launch_bounds__(32) norms_kernel(const kiln_cuda_grad_e
 
 /* Fast mode (cuda_train.h's kiln_cuda_norm_plan). Stage 1: one block per chunk of
  * KILN_CUDA_NORM_CHUNK elements. In step s of the chunk (NORM_STEP elements), thread t takes
- * the quads at s + u * NORM_THREADS * 4 + 4 t for u = 0 .. NORM_UNROLL - 1 and adds their
+ * the quads at s + u * NORM_THREADS * 4 + 4 t for u = 0 .. NORM_QUADS - 1 and adds their
  * squares, element by element in index order, to its double acc (a float squared is exact in
  * double, so only the additions round); elements past the end read as 0, which adds nothing
  * (acc >= +0 or NaN). A 16-byte-aligned grad loads each whole quad as one float4, otherwise
