@@ -159,7 +159,8 @@ def shard(kiln_bin, tok_model, tmp_path):
 
 def test_kiln_distill_cli_lowers_the_kl(tmp_path, build_dir):
     """A teacher trained by `kiln train` on a small corpus, then `kiln distill` of a new
-    student from it (KL alone): the KL falls; the run writes the model and its metrics."""
+    student from it (KL alone): the KL falls; the run writes the model and its metrics; in
+    mx16 the KL falls along f32's."""
     kiln_bin = build_dir / "kiln"
     dt, _ = build_model(tmp_path, "qwen3")  # its tokenizer
     data = shard(kiln_bin, dt, tmp_path)
@@ -179,6 +180,17 @@ def test_kiln_distill_cli_lowers_the_kl(tmp_path, build_dir):
     assert len(kls) >= 3, p.stderr[-2000:]
     assert kls[-1] < 0.5 * kls[0], kls
     assert (out / "model" / "config.json").exists() and (out / "metrics.csv").exists()
+
+    # in an exact format (the teacher's forward and the student's products, its head's in the
+    # fused KL too): the KL falls along f32's
+    p = subprocess.run([str(kiln_bin), "distill", "--teacher", str(teacher), *common, "--steps", "30", "--seed", "2",
+                        "--temperature", "2", "--alpha", "1", "--format", "mx16", "--out", str(tmp_path / "run16")],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    kls16 = [float(x) for x in re.findall(r"\(kl ([0-9.]+) ce", p.stderr)]
+    print("kl f32", kls, "mx16", kls16)
+    assert len(kls16) == len(kls) and kls16[-1] < 0.5 * kls16[0], kls16
+    assert abs(kls16[-1] - kls[-1]) < 0.1 * kls[-1], (kls16, kls)
 
     # usage errors name what is wrong
     for args, msg in [([], "--teacher MODEL is required"), (["--teacher", str(teacher), "--alpha", "2"], "--alpha")]:

@@ -31,7 +31,6 @@ typedef struct cpu_ctx {
      * weights are quantized on first use and kept (mx_w, dropped by forget); the activations
      * go to a scratch per reduction width (mx_x: the widths a model's products have) */
     int mx;
-    int mx_suspended; /* kiln_backend_cpu_f32_products: f32 products for now */
     struct mx_weight *mx_w;
     int n_mx_w, cap_mx_w;
     kiln_mx_matrix mx_x[4];
@@ -392,7 +391,7 @@ static void cpu_matmul(kiln_backend *be, float *out, const float *x, const kiln_
     cpu_ctx *c = ctx_of(be);
     int64_t C = W->shape[W->n_dims - 1];
     int64_t R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
-    if (c->mx && !c->mx_suspended) {
+    if (c->mx) {
         matmul_mx(c, out, x, W, bias, N, R, C);
         return;
     }
@@ -618,7 +617,7 @@ static void cpu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *d
                                 const float *dy, const float *x, const kiln_tensor *W, int N,
                                 bool accumulate_dx) {
     cpu_ctx *c = ctx_of(be);
-    if (c->mx && !c->mx_suspended) {
+    if (c->mx) {
         matmul_backward_mx(c, dx, dW, dbias, dy, x, W, N, accumulate_dx);
         return;
     }
@@ -978,14 +977,4 @@ kiln_cpu_path kiln_backend_cpu_path(const kiln_backend *be) {
 
 kiln_pool *kiln_backend_cpu_pool(kiln_backend *be) { return ctx_of(be)->pool; }
 
-int kiln_backend_cpu_products_format(const kiln_backend *be) {
-    const cpu_ctx *c = (const cpu_ctx *)be->ctx;
-    return c->mx && !c->mx_suspended ? c->mx : 0;
-}
-
-int kiln_backend_cpu_f32_products(kiln_backend *be, int on) {
-    cpu_ctx *c = ctx_of(be);
-    const int prev = c->mx_suspended;
-    if (c->mx) c->mx_suspended = on != 0;
-    return prev;
-}
+int kiln_backend_cpu_products_format(const kiln_backend *be) { return ((const cpu_ctx *)be->ctx)->mx; }

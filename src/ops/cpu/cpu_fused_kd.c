@@ -210,11 +210,8 @@ static kiln_status kiln_cpu_fused_kd_body(kiln_backend *be, const kiln_fused_kd_
     return KILN_OK;
 }
 
-/* The loss's products in f32 even in an exact format's mode (kiln_backend_cpu_f32_products:
- * their operands are transient scratch). */
+/* In an exact format's mode the student's head products run in the format, as the fused
+ * cross-entropy's do (kiln_cpu_ce_grad_chunk). */
 kiln_status kiln_cpu_fused_kd(kiln_backend *be, const kiln_fused_kd_params *p, int64_t S, kiln_fused_kd_result *out) {
-    const int prev = kiln_backend_cpu_f32_products(be, 1);
-    kiln_status st = kiln_cpu_fused_kd_body(be, p, S, out);
-    kiln_backend_cpu_f32_products(be, prev);
-    return st;
+    return kiln_cpu_fused_kd_body(be, p, S, out);
 }

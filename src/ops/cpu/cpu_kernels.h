@@ -115,13 +115,8 @@ kiln_cpu_path kiln_backend_cpu_path(const struct kiln_backend *be);
 /* The CPU backend's thread pool (for work that runs beside its ops, e.g. the fused loss's row
  * work); be must be a CPU backend. */
 struct kiln_pool *kiln_backend_cpu_pool(struct kiln_backend *be);
-/* In an exact format's mode (KILN_MODE_MX16 / MX8): on != 0 runs the backend's matmul and
- * matmul_backward in the exact f32 arithmetic until called with 0 (the distillation loss's
- * products, whose transposed operands are transient scratch the format's weight cache must
- * not keep, stay f32). Returns the previous setting. A no-op (returning 0) in the other modes. */
-int kiln_backend_cpu_f32_products(struct kiln_backend *be, int on);
-/* The format the backend's matmul and matmul_backward run in now: KILN_MX16 / KILN_MX8 in an
- * exact format's mode (unless kiln_backend_cpu_f32_products suspended it), else 0. */
+/* The format the backend's matmul and matmul_backward run in: KILN_MX16 / KILN_MX8 in an exact
+ * format's mode, else 0 (the fused losses' products take the format's path through it). */
 int kiln_backend_cpu_products_format(const struct kiln_backend *be);
 
 #endif /* KILN_CPU_KERNELS_H */
