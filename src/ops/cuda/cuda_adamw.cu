@@ -19,6 +19,7 @@
  * Also the generic helpers of cuda_train.h (is_device, memset).
  */
 #include "cuda_common.cuh"
+#include "cuda_mma.cuh" /* cp.async */
 
 extern "C" {
 #include "cuda_train.h" /* and ../adamw_math.h: the per-element arithmetic, the storage kinds */
@@ -412,11 +413,6 @@ extern "C" kiln_status kiln_cuda_adamw_nonfinite(kiln_backend *be,
 #define NORM_STAGE 256
 #define NORM_STAGES 32
 
-static __device__ __forceinline__ void cp_async4(float *dst, const float *src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
-                 "l"(src));
-}
-
 static __global__ void __launch_bounds__(32) norms_kernel(const kiln_cuda_grad_entry *table,
                                                           float *norms) {
     __shared__ float ring[NORM_STAGES][NORM_STAGE];
@@ -435,13 +431,13 @@ static __global__ void __launch_bounds__(32) norms_kernel(const kiln_cuda_grad_e
                 if (d < head) cp_async4(dst + u * 32 + j, t.grad + d);
             }
         }
-        asm volatile("cp.async.commit_group;\n" ::);
+        cp_async_commit();
     };
     for (int64_t s = 0; s < NORM_STAGES - 1; s++) issue(s);
     float acc = 0.0f;
     for (int64_t s = 0; s < n_st; s++) {
         issue(s + NORM_STAGES - 1);
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(NORM_STAGES - 1));
+        cp_async_wait<NORM_STAGES - 1>();
         __syncwarp();
         if (j < 8) {
             const float *st = ring[s % NORM_STAGES];
@@ -459,7 +455,7 @@ static __global__ void __launch_bounds__(32) norms_kernel(const kiln_cuda_grad_e
         }
         __syncwarp(); /* the stage is refilled by the next iterations' copies */
     }
-    asm volatile("cp.async.wait_group 0;\n" ::);
+    cp_async_wait<0>();
     if (j < 8) acc8[j] = acc;
     __syncthreads();
     if (j == 0) {
