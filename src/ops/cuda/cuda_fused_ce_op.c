@@ -31,7 +31,7 @@
  * (16 bytes or more) of the copies the backend's matmul (kiln_cuda_gemm_linear) and
  * matmul_backward (kiln_cuda_matmul_backward_fast) make, and the same values
  * (kiln_fp32_to_bf16), so every product is the same GEMM-module problem as in the
- * composition of those two ops (ce_pass2_fast, layout KILN_CE_LEAN), run by the same cached
+ * composition of those two ops (ce_pass2_products, layout KILN_CE_LEAN), run by the same cached
  * algorithm: the results have the composition's bits (tests/gpu/test_cuda_fused_ce_fast.cu
  * checks it, through kiln_cuda_ce_set_legacy). The composition still runs where the bf16
  * layout would pass the bound (with dh but not dW, for chunks above about 3 H; tiny H and
@@ -93,20 +93,23 @@ static kiln_ce_kind ce_fast_kind(int64_t S, int64_t Sp, int64_t H, int64_t cn, i
     return bf != 0 && bf <= bound ? KILN_CE_BF16 : KILN_CE_LEAN;
 }
 
-/* Fast mode's pass 2 (device memory; hs has Sp rows, rows S..Sp-1 zero): per chunk the
- * logits of the S rows, g in place with its padding rows zeroed, then one matmul_backward:
+/* Pass 2 as one matmul_backward a chunk: fast mode's (fast != 0; hs has Sp rows, rows
+ * S..Sp-1 zero) and an exact format's (fast = 0, Sp = S: the backend's products in the
+ * format, as the CPU's kiln_cpu_ce_grad_chunk). Per chunk the logits of the S rows, g in
+ * place (fast mode: its padding rows zeroed), then
  *   dh_acc(Sp, H) = g(Sp, n) @ W_chunk(n, H)      (the first chunk overwrites, later ones add)
  *   dW[c0 : c0+n] += g^T @ hs(Sp, H)
  * A failed product poisons the backend: the next kernel entry returns it, or else the
  * caller's final kiln_backend_status (no synchronisation here). */
-static kiln_status ce_pass2_fast(kiln_backend *be, const kiln_fused_ce_params *p,
-                                 const kiln_ce_scratch *sc, int64_t S, int64_t Sp, int64_t cn,
-                                 const int32_t *d_tgt, float gs, size_t row_bytes) {
+static kiln_status ce_pass2_products(kiln_backend *be, const kiln_fused_ce_params *p,
+                                     const kiln_ce_scratch *sc, int64_t S, int64_t Sp, int64_t cn,
+                                     const int32_t *d_tgt, float gs, size_t row_bytes, int fast) {
     const int64_t H = p->H, V = p->V;
     for (int64_t c0 = 0; c0 < V; c0 += cn) {
         int64_t n = V - c0 < cn ? V - c0 : cn;
         kiln_ce_chunk_logits(be, p, sc->hs, S, c0, n, row_bytes, sc->z);
-        KILN_TRY(kiln_cuda_ce_grad_fast(be, sc->z, S, Sp, n, c0, d_tgt, sc->m, sc->l, gs));
+        KILN_TRY(fast ? kiln_cuda_ce_grad_fast(be, sc->z, S, Sp, n, c0, d_tgt, sc->m, sc->l, gs)
+                      : kiln_cuda_ce_grad(be, sc->z, S, n, c0, d_tgt, sc->m, sc->l, gs));
         kiln_tensor wc = kiln_ce_weight_chunk(p, c0, n, row_bytes);
         be->i->matmul_backward(be, p->dhidden ? sc->dh_acc : NULL,
                                p->dweight ? p->dweight + c0 * H : NULL, NULL, sc->z, sc->hs,
@@ -363,7 +366,7 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     if (early && kind == KILN_CE_BF16) /* (KILN_CE_ROWS: done above) */
         CE_DEV(ce_pass2_bf16(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
     else if (early && kind != KILN_CE_ROWS)
-        CE_DEV(ce_pass2_fast(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
+        CE_DEV(ce_pass2_products(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes, 1));
     /* no_wait: nothing below waits for the device (the stats were checked when made) */
     const int no_wait = p->no_wait && early && !own && !p->row_loss;
     float *hloss = hrow;
@@ -383,19 +386,9 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     if (!early && kind == KILN_CE_BF16 && (with_dh || with_dw))
         CE_DEV(ce_pass2_bf16(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
     else if (!early && fast && (with_dh || with_dw))
-        CE_DEV(ce_pass2_fast(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
+        CE_DEV(ce_pass2_products(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes, 1));
     if (!fast && (with_dh || with_dw) && kiln_cuda_products_format(be)) {
-        /* an exact format's mode: per chunk the logits, g, and the backend's matmul_backward
-         * in the format (dh_acc overwritten by the first chunk), as the CPU's
-         * kiln_cpu_ce_grad_chunk */
-        for (int64_t c0 = 0; c0 < V; c0 += cn) {
-            int64_t n = V - c0 < cn ? V - c0 : cn;
-            kiln_ce_chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
-            CE_DEV(kiln_cuda_ce_grad(be, sc.z, S, n, c0, d_tgt, sc.m, sc.l, gs));
-            kiln_tensor wc = kiln_ce_weight_chunk(p, c0, n, row_bytes);
-            be->i->matmul_backward(be, with_dh ? sc.dh_acc : NULL, with_dw ? p->dweight + c0 * H : NULL, NULL, sc.z,
-                                   sc.hs, &wc, (int)S, c0 > 0);
-        }
+        CE_DEV(ce_pass2_products(be, p, &sc, S, S, cn, d_tgt, gs, row_bytes, 0));
     } else if (!fast && (with_dh || with_dw)) {
         if (with_dw) CE_DEV(kiln_cuda_ce_transpose(be, sc.hT, sc.hs, 0, S, H));
         if (with_dh)
