@@ -1,8 +1,8 @@
 /*
  * fused_kd.h -- a fused distillation loss without materialised student logits: a backend
  * operation (ops.h, fused_kd), called through kiln_fused_kd below. The CPU backend's body
- * (src/ops/cpu/cpu_fused_kd.c) is the reference and, so far, the only one: on a backend
- * without it (the CUDA backend) the call returns KILN_ERR_UNSUPPORTED.
+ * (src/ops/cpu/cpu_fused_kd.c) is the reference; the CUDA backend's
+ * (src/ops/cuda/cuda_fused_kd_op.c) gives its bits in auditable mode and the exact formats.
  *
  * For the student's hidden states h(N,H), its LM head W(V,H), the teacher's logits Z(N,V)
  * (already computed, the caller's), targets(N), a mask(N), a temperature tau > 0 and weights
@@ -40,10 +40,10 @@
  * results are bit-identical for every thread count and SIMD path, and defined for a given
  * chunk size. With kd_weight 0 and ce_weight 1 they are kiln_fused_ce's bits (loss, dh, dW).
  *
- * All buffers are the caller's (host memory: the CPU backend's). On any error nothing the
- * caller passed is written: validation, the scratch allocation and pass 1 (which finds
- * non-finite teacher logits and row losses) come before the first write to dh, dW, row_kl or
- * row_ce.
+ * All buffers are the caller's, in the backend's memory (device memory on CUDA; targets and
+ * mask stay host memory). On any error nothing the caller passed is written: validation, the
+ * scratch allocation and pass 1 (which finds non-finite teacher logits and row losses) come
+ * before the first write to dh, dW, row_kl or row_ce.
  */
 #ifndef KILN_FUSED_KD_H
 #define KILN_FUSED_KD_H

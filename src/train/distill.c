@@ -15,7 +15,7 @@
  *   4. the student's backward from d loss / d xn.
  * The loss is summed block by block in row order (each block's sum has the op's defined
  * order), with MEAN's 1/S over the supervised rows of the whole step, so the result does
- * not depend on the thread count; it does depend on R (a function of V alone).
+ * not depend on the thread count; it does depend on R (a function of V alone, and of fast mode).
  */
 #include "../ops/fused_kd.h"
 #include "trainer.h"
@@ -27,8 +27,14 @@
 #include <stdio.h>
 #include <string.h>
 
-/* The teacher's logits of one block of rows: at most this many floats (64 MiB). */
+/* The teacher's logits of one block of rows: at most this many floats (64 MiB), or in fast
+ * mode KILN_DISTILL_FAST_BLOCK_FLOATS (1 GiB). The block's rows fix the order in which d loss / d
+ * head is summed, so the auditable modes share one size on every device (the CPU's bits); fast
+ * mode, which gives other bits anyway, takes fewer, larger blocks: each block is one product
+ * for the teacher's head and S rows in every product of the fused loss, and the GPU wants
+ * many rows (at 151,936 columns the small block has 110). */
 #define KILN_DISTILL_BLOCK_FLOATS ((size_t)1 << 24)
+#define KILN_DISTILL_FAST_BLOCK_FLOATS ((size_t)1 << 28)
 
 /* Hidden-state matching, pair k: the student's layer s (0-based here) tapped into hs, the
  * teacher's layer t into ht; P (NULL: equal widths) the trainer's projection. */
@@ -53,7 +59,9 @@ struct kiln_teacher {
     int n_hidden, Cs, Ct;
     kiln_hidden_loss hidden_loss;
     hidden_pair *hp;
-    float *y, *dy;                   /* (T, Ct) host: P hs, and d loss / d (P hs) */
+    float *y, *dy, *yt;              /* (T, Ct) host: P hs, d loss / d (P hs), and (a device
+                                      * backend's) the teacher's taps, downloaded */
+    float *d_y, *d_dy;               /* (T, Ct) a device backend's: P hs and d loss / d (P hs) */
     float **s_out, **t_out;          /* (student's L), (teacher's L): the taps' arrays */
     const float **s_grad;            /* (student's L) */
     kiln_taps s_taps, t_taps;
@@ -77,6 +85,8 @@ static void hidden_free(kiln_teacher *t) {
     }
     kiln_free(t->hp);
     kiln_free(t->y);
+    if (t->d_y) kiln_backend_free_buf(t->be, t->d_y);
+    if (t->d_dy) kiln_backend_free_buf(t->be, t->d_dy);
     kiln_free(t->s_out);
     kiln_free(t->t_out);
     kiln_free(t->s_grad);
@@ -95,8 +105,6 @@ static kiln_status hidden_init(kiln_teacher *t, const kiln_teacher_params *p, ki
                           "pairs set)", call, p->n_hidden, Ls);
     if ((unsigned)p->hidden_loss > KILN_HIDDEN_COSINE)
         return kiln_error(KILN_ERR_INVALID_ARG, "%s: unknown hidden-state loss %d", call, (int)p->hidden_loss);
-    if (p->n_hidden && !t->fs.host_memory)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: hidden-state matching runs on the CPU only", call);
     for (int k = 0; k < p->n_hidden; k++) {
         const kiln_hidden_pair *q = &p->hidden[k];
         if (q->student_layer < 1 || q->student_layer > Ls || q->teacher_layer < 1 || q->teacher_layer > Lt)
@@ -112,13 +120,20 @@ static kiln_status hidden_init(kiln_teacher *t, const kiln_teacher_params *p, ki
     t->hidden_loss = p->hidden_loss;
     if (!t->n_hidden) return KILN_OK;
     t->hp = kiln_calloc((size_t)t->n_hidden, sizeof *t->hp);
-    t->y = kiln_malloc((size_t)2 * T * (size_t)t->Ct * sizeof(float));
+    const int host = t->fs.host_memory;
+    t->y = kiln_malloc((size_t)(host ? 2 : 3) * T * (size_t)t->Ct * sizeof(float));
     t->s_out = kiln_calloc((size_t)Ls, sizeof *t->s_out);
     t->s_grad = kiln_calloc((size_t)Ls, sizeof *t->s_grad);
     t->t_out = kiln_calloc((size_t)Lt, sizeof *t->t_out);
     if (!t->hp || !t->y || !t->s_out || !t->s_grad || !t->t_out)
         return kiln_error(KILN_ERR_NOMEM, "%s: out of memory for the hidden-state matching", call);
     t->dy = t->y + (size_t)T * t->Ct;
+    if (!host) {
+        t->yt = t->dy + (size_t)T * t->Ct;
+        t->d_y = kiln_backend_alloc_zeroed(t->be, (size_t)T * t->Ct * sizeof(float), "teacher", "hidden states");
+        t->d_dy = kiln_backend_alloc_zeroed(t->be, (size_t)T * t->Ct * sizeof(float), "teacher", "hidden states");
+        if (!t->d_y || !t->d_dy) return KILN_ERR_NOMEM;
+    }
     for (int k = 0; k < t->n_hidden; k++) {
         hidden_pair *h = &t->hp[k];
         h->s = p->hidden[k].student_layer - 1;
@@ -185,14 +200,15 @@ kiln_status kiln_teacher_create_ex(kiln_model *teacher, kiln_trainer *student, c
     }
     kiln_backend *be = kiln_trainer_backend(student);
     if (!be->i->fused_kd)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: distillation is not implemented on the %s backend yet (the fused "
-                          "distillation loss has a CPU body only): train the student on the CPU", call, be->i->name);
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: the %s backend has no fused distillation loss", call,
+                          be->i->name);
     kiln_teacher *t = kiln_calloc(1, sizeof *t);
     if (!t) return kiln_error(KILN_ERR_NOMEM, "%s: out of memory", call);
     t->be = be;
     kiln_trainer_limits(student, &t->max_seq, &t->max_batch);
     const int V = teacher->cfg.n_vocab, T = t->max_seq * t->max_batch; /* the teacher's rows */
-    size_t rows = KILN_DISTILL_BLOCK_FLOATS / (size_t)V;
+    size_t rows = (kiln_trainer_fast(student) ? KILN_DISTILL_FAST_BLOCK_FLOATS : KILN_DISTILL_BLOCK_FLOATS) /
+                  (size_t)V;
     t->block_rows = rows < 1 ? 1 : rows > (size_t)T ? T : (int)rows;
     kiln_status st = kiln_forward_state_init(&t->fs, teacher, t->be, t->max_seq, T, t->max_batch, 0);
     if (st != KILN_OK) {
@@ -253,23 +269,33 @@ static int supervised(const int32_t *targets, int n) { return targets[n] >= 0; }
 /* The hidden-state part of a step (the teacher's taps filled by its forward, the student's by
  * its own): each pair's loss over the supervised rows, unweighted, times coef (the step's
  * scale, / S for MEAN), to *out; d (hidden_weight x that) / d hs into the pair's ghs (for the
- * student's backward) and d / d P added to P's gradient. Host memory (hidden_init checked);
- * rows in order, each row's sums in double: the same bits on any thread count. */
+ * student's backward) and d / d P added to P's gradient. The projection and its gradient are
+ * the backend's products; the loss and d loss / d (P hs) are computed on the host (on a device
+ * backend, from downloaded copies of P hs and the teacher's tap, the result uploaded): rows in
+ * order, each row's sums in double, so the bits are the same on any thread count and device. */
 static kiln_status hidden_loss(kiln_teacher *t, const kiln_train_head *h, const int32_t *targets, double coef,
                                float weight, double *out) {
     const int T = h->T, Cs = t->Cs, Ct = t->Ct;
     const kiln_backend_i *op = h->be->i;
+    const int host = t->fs.host_memory;
+    const size_t tap_bytes = (size_t)T * Ct * sizeof(float);
     double total = 0;
     for (int k = 0; k < t->n_hidden; k++) {
         hidden_pair *hp = &t->hp[k];
-        const float *y = hp->hs;
+        const float *y = hp->hs, *yt = hp->ht;
         if (hp->P) {
-            op->matmul(h->be, t->y, hp->hs, hp->P, NULL, T);
+            op->matmul(h->be, host ? t->y : t->d_y, hp->hs, hp->P, NULL, T);
+            y = host ? t->y : t->d_y;
+        }
+        if (!host) {
+            KILN_TRY(kiln_backend_download(h->be, t->y, y, tap_bytes));
+            KILN_TRY(kiln_backend_download(h->be, t->yt, hp->ht, tap_bytes));
             y = t->y;
+            yt = t->yt;
         }
         double sum = 0;
         for (int n = 0; n < T; n++) {
-            const float *a = y + (size_t)n * Ct, *b = hp->ht + (size_t)n * Ct;
+            const float *a = y + (size_t)n * Ct, *b = yt + (size_t)n * Ct;
             float *g = t->dy + (size_t)n * Ct;
             if (!supervised(targets, n)) {
                 memset(g, 0, (size_t)Ct * sizeof(float));
@@ -303,9 +329,12 @@ static kiln_status hidden_loss(kiln_teacher *t, const kiln_train_head *h, const 
         total += coef * sum;
         /* d / d hs = dy P (and dP += dy^T hs), or dy itself with no projection */
         if (hp->P) {
-            op->matmul_backward(h->be, hp->ghs, hp->dP, NULL, t->dy, hp->hs, hp->P, T, false);
-        } else {
+            if (!host) KILN_TRY(kiln_backend_upload(h->be, t->d_dy, t->dy, tap_bytes));
+            op->matmul_backward(h->be, hp->ghs, hp->dP, NULL, host ? t->dy : t->d_dy, hp->hs, hp->P, T, false);
+        } else if (host) {
             memcpy(hp->ghs, t->dy, (size_t)T * Cs * sizeof(float));
+        } else {
+            KILN_TRY(kiln_backend_upload(h->be, hp->ghs, t->dy, (size_t)T * Cs * sizeof(float)));
         }
     }
     *out = total;

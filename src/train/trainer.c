@@ -1244,6 +1244,8 @@ void kiln_trainer_limits(const kiln_trainer *t, int *max_seq, int *max_batch) {
     *max_batch = t->p.max_batch;
 }
 
+int kiln_trainer_fast(const kiln_trainer *t) { return t->p.fast != 0; }
+
 kiln_status kiln_train_step(kiln_trainer *t, const int32_t *ids, int n, float *loss) {
     KILN_TRY(check_ready(t, "kiln_train_step"));
     if (!ids || !loss) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_step: ids and loss must be set");

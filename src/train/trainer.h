@@ -66,6 +66,8 @@ void kiln_trainer_set_taps(kiln_trainer *t, const kiln_taps *taps);
 kiln_backend *kiln_trainer_backend(const kiln_trainer *t);
 /* The trainer's max_seq and max_batch. */
 void kiln_trainer_limits(const kiln_trainer *t, int *max_seq, int *max_batch);
+/* Whether the trainer runs the fast arithmetic (kiln_train_params.fast: not the CPU's bits). */
+int kiln_trainer_fast(const kiln_trainer *t);
 
 /* ---- data-parallel ranks (trainer_dp.c; docs/DISTRIBUTED.md, "Data-parallel training") -----
  * Every call below, and clip_grads, grad_sq_norm, the optimizer step, save and load of a rank's

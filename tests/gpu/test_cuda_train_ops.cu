@@ -19,8 +19,14 @@
  *   Fused CE: V 1000 (H 64 and 896) and 151936, N 1/7/64, chunk 0/300, MEAN/SUM, masks,
  *   targets -100, dh overwrite/accumulate, dW, row_loss, row_stats_out then row_stats_in,
  *   f32 and bf16 weights: every output memcmp-equal to the CPU; the same errors.
+ *   Fused distillation loss: V 1000 (H 64 and 896, teacher rows longer than V) and 151936,
+ *   N 1/7/64, chunk 0/300, KL + CE, KL alone, CE alone, temperatures 0.5 and 2, MEAN/SUM,
+ *   masks, dh overwrite/accumulate, dW, row_kl, row_ce, f32 and bf16 weights: every output
+ *   memcmp-equal to the CPU in auditable mode and in mx16 and mx8 (both backends in the
+ *   format); fast mode within bf16 products' error of it; a non-finite teacher logit gives
+ *   the CPU's error, a host teacher buffer is refused.
  *
- * Usage: test_cuda_train_ops [--no-big] [--seed N]. --no-big skips the V 151936 case and the
+ * Usage: test_cuda_train_ops [--no-big] [--seed N]. --no-big skips the V 151936 cases and the
  * AdamW timing. Exit 0 all OK, 1 on a mismatch, 77 without a GPU (after the checks that need
  * none).
  */
@@ -39,6 +45,7 @@ extern "C" {
 #include "ops/ops.h"
 #include "train/adamw.h"
 #include "ops/fused_ce.h"
+#include "ops/fused_kd.h"
 }
 
 #define GPU_TEST_SEED 0x1234567ull
@@ -897,6 +904,263 @@ static void test_ce_errors() {
            g_fail == fails0 ? "OK" : "FAILED");
 }
 
+/* ---- fused distillation loss --------------------------------------------------------------- */
+
+struct KdCase {
+    int64_t V, H, N, chunk, tld_pad;
+    kiln_dtype dt;
+    kiln_ce_reduction red;
+    float tau, kd_weight, ce_weight;
+    int accumulate, with_dh, with_dw, masked;
+};
+
+/* Relative L2 distance of a from b. */
+static double rel_l2(const std::vector<float> &a, const std::vector<float> &b) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); i++) {
+        const double d = (double)a[i] - (double)b[i];
+        num += d * d;
+        den += (double)b[i] * (double)b[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* kiln_fused_kd on cpu and gpu with the same inputs: every output memcmp-equal (exact: the
+ * auditable mode or an exact format's, the CPU's bits), or (exact 0: the GPU in fast mode)
+ * within bf16 products' error of the CPU's auditable result. */
+static void test_kd_case(const KdCase &c, kiln_backend *cpu, kiln_backend *gpu, bool exact,
+                         const char *mode) {
+    const int fails0 = g_fail;
+    const int64_t N = c.N, H = c.H, V = c.V, tld = V + c.tld_pad;
+    const int bf16 = c.dt == KILN_DTYPE_BF16;
+    const size_t wb = (size_t)V * (size_t)H * (bf16 ? 2 : 4);
+    std::vector<float> hidden((size_t)N * H), teacher((size_t)N * tld);
+    for (auto &x : hidden) x = rndu() * 2.0f;
+    for (auto &x : teacher) x = rndu() * 6.0f;
+    std::vector<uint8_t> w(wb);
+    for (int64_t e = 0; e < V * H; e++) {
+        float x = rndu() * 0.5f;
+        if (bf16) {
+            uint16_t b = kiln_fp32_to_bf16(x);
+            memcpy(w.data() + 2 * e, &b, 2);
+        } else {
+            memcpy(w.data() + 4 * e, &x, 4);
+        }
+    }
+    std::vector<int32_t> tg(N);
+    std::vector<uint8_t> mask(N, 1);
+    for (int64_t n = 0; n < N; n++) {
+        tg[n] = (int32_t)(rnd64() % (uint64_t)V);
+        if (n % 5 == 3) tg[n] = -100;
+        if (c.masked && n % 3 == 1) mask[n] = 0;
+    }
+    if (N == 1) tg[0] = (int32_t)(V - 1), mask[0] = 1;
+    std::vector<float> dh0((size_t)N * H), dw0((size_t)V * H);
+    for (auto &x : dh0) x = c.accumulate ? rndu() : NAN;
+    for (auto &x : dw0) x = rndu() * 0.1f;
+
+    float *d_hidden = (float *)dalloc(hidden.size() * 4), *d_t = (float *)dalloc(teacher.size() * 4);
+    void *d_w = dalloc(wb);
+    float *d_dh = (float *)dalloc(dh0.size() * 4), *d_dw = (float *)dalloc(dw0.size() * 4);
+    float *d_kl = (float *)dalloc((size_t)N * 4), *d_ce = (float *)dalloc((size_t)N * 4);
+    up(d_hidden, hidden.data(), hidden.size() * 4);
+    up(d_t, teacher.data(), teacher.size() * 4);
+    up(d_w, w.data(), wb);
+    up(d_dh, dh0.data(), dh0.size() * 4);
+    up(d_dw, dw0.data(), dw0.size() * 4);
+    std::vector<float> nan_n(N, NAN);
+    up(d_kl, nan_n.data(), (size_t)N * 4);
+    up(d_ce, nan_n.data(), (size_t)N * 4);
+
+    char tag[240];
+    snprintf(tag, sizeof tag, "fused_kd %s %s V=%lld H=%lld N=%lld chunk=%lld tau=%g kd=%g ce=%g %s%s%s%s",
+             mode, bf16 ? "bf16" : "f32", (long long)V, (long long)H, (long long)N,
+             (long long)c.chunk, (double)c.tau, (double)c.kd_weight, (double)c.ce_weight,
+             c.red == KILN_CE_REDUCTION_MEAN ? "MEAN" : "SUM", c.masked ? " mask" : "",
+             c.with_dh ? (c.accumulate ? " dh+=" : " dh=") : "", c.with_dw ? " dW" : "");
+    std::vector<float> cdh = dh0, cdw = dw0, ckl(N, NAN), cce(N, NAN);
+    std::vector<float> gdh(dh0.size()), gdw(dw0.size()), gkl(N), gce(N);
+    kiln_fused_kd_params p = kiln_fused_kd_default_params();
+    p.N = N;
+    p.H = H;
+    p.V = V;
+    p.weight_dtype = c.dt;
+    p.teacher_ld = tld;
+    p.targets = tg.data();
+    p.mask = c.masked ? mask.data() : nullptr;
+    p.tau = c.tau;
+    p.kd_weight = c.kd_weight;
+    p.ce_weight = c.ce_weight;
+    p.reduction = c.red;
+    p.scale = 0.75f;
+    p.chunk = c.chunk;
+    p.dhidden_accumulate = c.accumulate;
+    kiln_fused_kd_params pc = p, pg = p;
+    pc.hidden = hidden.data();
+    pc.weight = w.data();
+    pc.teacher_logits = teacher.data();
+    pc.dhidden = c.with_dh ? cdh.data() : nullptr;
+    pc.dweight = c.with_dw ? cdw.data() : nullptr;
+    pc.row_kl = ckl.data();
+    pc.row_ce = cce.data();
+    pg.hidden = d_hidden;
+    pg.weight = d_w;
+    pg.teacher_logits = d_t;
+    pg.dhidden = c.with_dh ? d_dh : nullptr;
+    pg.dweight = c.with_dw ? d_dw : nullptr;
+    pg.row_kl = d_kl;
+    pg.row_ce = d_ce;
+    kiln_fused_kd_result rc, rg;
+    memset(&rg, 0xab, sizeof rg);
+    kiln_status sc = kiln_fused_kd(cpu, &pc, &rc);
+    std::string mc = kiln_last_error();
+    kiln_status sg = kiln_fused_kd(gpu, &pg, &rg);
+    std::string mg = kiln_last_error();
+    if (sc != KILN_OK || sg != KILN_OK) {
+        FAIL("%s: status cpu %d '%s' gpu %d '%s'", tag, (int)sc, mc.c_str(), (int)sg, mg.c_str());
+    } else {
+        down(gkl.data(), d_kl, (size_t)N * 4);
+        down(gce.data(), d_ce, (size_t)N * 4);
+        if (c.with_dh) down(gdh.data(), d_dh, gdh.size() * 4);
+        if (c.with_dw) down(gdw.data(), d_dw, gdw.size() * 4);
+        if (rg.n_supervised != rc.n_supervised || rg.scratch_bytes != rc.scratch_bytes ||
+            rc.scratch_bytes != kiln_fused_kd_scratch_bytes(rc.n_supervised, H, V, c.chunk,
+                                                            c.with_dh, c.with_dw))
+            FAIL("%s: S %lld/%lld scratch %zu/%zu", tag, (long long)rg.n_supervised,
+                 (long long)rc.n_supervised, rg.scratch_bytes, rc.scratch_bytes);
+        char what[300];
+        if (exact) {
+            snprintf(what, sizeof what, "%s: loss", tag);
+            same_f(rg.loss, rc.loss, what);
+            snprintf(what, sizeof what, "%s: kl", tag);
+            same_f(rg.kl, rc.kl, what);
+            snprintf(what, sizeof what, "%s: ce", tag);
+            same_f(rg.ce, rc.ce, what);
+            if (memcmp(&rg.loss_f64, &rc.loss_f64, 8) != 0)
+                FAIL("%s: loss_f64 %.17g vs %.17g", tag, rg.loss_f64, rc.loss_f64);
+            snprintf(what, sizeof what, "%s: row_kl", tag);
+            same_bytes(gkl.data(), ckl.data(), (size_t)N * 4, 4, what);
+            snprintf(what, sizeof what, "%s: row_ce", tag);
+            same_bytes(gce.data(), cce.data(), (size_t)N * 4, 4, what);
+            snprintf(what, sizeof what, "%s: dhidden", tag);
+            if (c.with_dh) same_bytes(gdh.data(), cdh.data(), gdh.size() * 4, 4, what);
+            snprintf(what, sizeof what, "%s: dweight", tag);
+            if (c.with_dw) same_bytes(gdw.data(), cdw.data(), gdw.size() * 4, 4, what);
+        } else {
+            /* fast mode: bf16 products (8 significant bits in, f32 sums) */
+            const double el = fabs((double)rg.loss - (double)rc.loss) / fabs((double)rc.loss);
+            const double ekl = rel_l2(gkl, ckl), edh = c.with_dh ? rel_l2(gdh, cdh) : 0;
+            std::vector<float> ddw(dw0.size()), ddc(dw0.size());
+            for (size_t i = 0; i < dw0.size(); i++) ddw[i] = gdw[i] - dw0[i], ddc[i] = cdw[i] - dw0[i];
+            const double edw = c.with_dw ? rel_l2(ddw, ddc) : 0;
+            printf("  %s: relative error loss %.2e row_kl %.2e dh %.2e dW %.2e\n", tag, el, ekl, edh, edw);
+            if (!(el < 2e-2 && ekl < 5e-2 && edh < 5e-2 && edw < 5e-2))
+                FAIL("%s: fast mode too far from auditable", tag);
+        }
+    }
+    for (void *q : {(void *)d_hidden, (void *)d_t, d_w, (void *)d_dh, (void *)d_dw, (void *)d_kl,
+                    (void *)d_ce})
+        kiln_backend_free_buf(g_gpu, q);
+    printf("%s: %s\n", tag, g_fail == fails0 ? "OK" : "FAILED");
+}
+
+static void test_kd_errors() {
+    const int fails0 = g_fail;
+    const int64_t N = 4, H = 16, V = 50;
+    std::vector<float> hidden(N * H, 0.5f), w(V * H, 0.25f), teacher(N * V, 1.0f);
+    teacher[2 * V + 17] = INFINITY; /* row 2, column 17 */
+    float *d_hidden = (float *)dalloc(hidden.size() * 4), *d_w = (float *)dalloc(w.size() * 4);
+    float *d_t = (float *)dalloc(teacher.size() * 4);
+    up(d_hidden, hidden.data(), hidden.size() * 4);
+    up(d_w, w.data(), w.size() * 4);
+    up(d_t, teacher.data(), teacher.size() * 4);
+    int32_t tg[4] = {1, 2, 3, 4};
+    kiln_fused_kd_params p = kiln_fused_kd_default_params();
+    p.N = N;
+    p.H = H;
+    p.V = V;
+    p.targets = tg;
+    kiln_fused_kd_params pc = p, pg = p;
+    pc.hidden = hidden.data();
+    pc.weight = w.data();
+    pc.teacher_logits = teacher.data();
+    pg.hidden = d_hidden;
+    pg.weight = d_w;
+    pg.teacher_logits = d_t;
+    kiln_status sc = kiln_fused_kd(g_cpu, &pc, nullptr);
+    std::string mc = kiln_last_error();
+    kiln_status sg = kiln_fused_kd(g_gpu, &pg, nullptr);
+    std::string mg = kiln_last_error();
+    if (sc != KILN_ERR_RANGE || sg != sc || mc != mg)
+        FAIL("non-finite teacher logit: cpu %d '%s' gpu %d '%s'", (int)sc, mc.c_str(), (int)sg,
+             mg.c_str());
+    pg.teacher_logits = teacher.data(); /* host memory on the GPU path: refused */
+    sg = kiln_fused_kd(g_gpu, &pg, nullptr);
+    if (sg != KILN_ERR_INVALID_ARG || !strstr(kiln_last_error(), "device memory"))
+        FAIL("host teacher logits on the GPU: %d '%s'", (int)sg, kiln_last_error());
+    OK_OR_FAIL(kiln_backend_status(g_gpu));
+    for (void *q : {(void *)d_hidden, (void *)d_w, (void *)d_t}) kiln_backend_free_buf(g_gpu, q);
+    printf("fused_kd errors (non-finite teacher logit, host buffer): %s\n",
+           g_fail == fails0 ? "OK" : "FAILED");
+}
+
+static void test_kd_all(bool big) {
+    int k = 0;
+    for (int64_t N : {1, 7, 64})
+        for (int64_t chunk : {0, 300})
+            for (int w3 = 0; w3 < 3; w3++) { /* KL + CE, KL alone, CE alone */
+                KdCase c = {1000, 64, N, chunk, (int64_t)(k % 2) * 5,
+                            k % 3 == 1 ? KILN_DTYPE_BF16 : KILN_DTYPE_F32,
+                            (kiln_ce_reduction)(k % 2), k % 4 == 2 ? 0.5f : 2.0f,
+                            w3 == 2 ? 0.0f : 0.7f, w3 == 1 ? 0.0f : 0.3f, k % 2, 1, 1, k % 3 != 0};
+                if (k % 7 == 5) c.with_dw = 0;
+                if (k % 7 == 6) c.with_dh = 0;
+                test_kd_case(c, g_cpu, g_gpu, true, "auditable");
+                k++;
+            }
+    { /* the loss alone */
+        KdCase c = {1000, 64, 64, 300, 0, KILN_DTYPE_F32, KILN_CE_REDUCTION_SUM, 1.0f, 1.0f, 0.0f, 0, 0, 0, 1};
+        test_kd_case(c, g_cpu, g_gpu, true, "auditable");
+    }
+    { /* Qwen2.5's padded head: the teacher's rows longer than V */
+        KdCase c = {1000, 896, 9, 0, 271, KILN_DTYPE_BF16, KILN_CE_REDUCTION_MEAN, 2.0f, 0.5f, 0.5f, 1, 1, 1, 1};
+        test_kd_case(c, g_cpu, g_gpu, true, "auditable");
+    }
+    if (big) {
+        KdCase c = {151936, 896, 16, 0, 0, KILN_DTYPE_BF16, KILN_CE_REDUCTION_MEAN, 2.0f, 0.5f, 0.5f, 0, 1, 1, 1};
+        test_kd_case(c, g_cpu, g_gpu, true, "auditable");
+    }
+    /* an exact format: the head's products in mx16 on both */
+    for (int mode = KILN_MODE_MX16; mode <= KILN_MODE_MX8; mode++) {
+        kiln_backend *cpu = nullptr, *gpu = nullptr;
+        if (kiln_backend_acquire(-1, mode, 2, &cpu) != KILN_OK || kiln_backend_acquire(0, mode, 0, &gpu) != KILN_OK) {
+            FAIL("backends in mode %d: %s", mode, kiln_last_error());
+            break;
+        }
+        KdCase c = {1000, 64, 40, 300, 3, KILN_DTYPE_BF16, KILN_CE_REDUCTION_MEAN, 2.0f, 0.7f, 0.3f, 0, 1, 1, 1};
+        test_kd_case(c, cpu, gpu, true, mode == KILN_MODE_MX16 ? "mx16" : "mx8");
+        c.N = 5;
+        c.dt = KILN_DTYPE_F32;
+        test_kd_case(c, cpu, gpu, true, mode == KILN_MODE_MX16 ? "mx16" : "mx8");
+        kiln_backend_release(cpu);
+        kiln_backend_release(gpu);
+    }
+    /* fast mode: bf16 products, against the CPU */
+    {
+        kiln_backend *fast = nullptr;
+        if (kiln_backend_cuda_create_mode(0, KILN_MODE_FAST, &fast) != KILN_OK) {
+            FAIL("fast backend: %s", kiln_last_error());
+        } else {
+            KdCase c = {1000, 256, 64, 300, 3, KILN_DTYPE_BF16, KILN_CE_REDUCTION_MEAN, 2.0f, 0.7f, 0.3f, 0, 1, 1, 1};
+            test_kd_case(c, g_cpu, fast, false, "fast");
+            c.N = 5;
+            test_kd_case(c, g_cpu, fast, false, "fast");
+            kiln_backend_free(fast);
+        }
+    }
+    test_kd_errors();
+}
+
 int main(int argc, char **argv) {
     bool big = true;
     for (int a = 1; a < argc; a++) {
@@ -969,6 +1233,7 @@ int main(int argc, char **argv) {
         test_ce_case(c);
     }
     test_ce_errors();
+    test_kd_all(big);
     OK_OR_FAIL(kiln_backend_status(g_gpu));
     kiln_backend_free(g_cpu);
     kiln_backend_free(g_gpu);

@@ -146,6 +146,91 @@ def test_refusals_and_lifetimes(tmp_path, build_dir):
     assert mt._raw is None  # no user left: closed at once
 
 
+def cuda_trainer(ms, **kw):
+    """A trainer on CUDA device 0, or a skip where there is none (the GPU check fails a skip)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    try:
+        return kiln.Trainer(ms, device=0, **kw)
+    except kiln.KilnError as e:
+        pytest.skip(f"kiln has no CUDA device: {e.message}")
+
+
+@pytest.mark.parametrize("fmt", ["f32", "mx16"])
+def test_distill_cuda_has_the_cpus_bits(tmp_path, build_dir, fmt):
+    """The distillation step on CUDA (the teacher's forward, the fused distillation loss and
+    the student's backward on the device) in auditable mode and in mx16: three optimizer steps
+    with the CPU's bits -- the losses and their parts, every gradient and every weight."""
+    ds, _ = build_model(tmp_path, "qwen2")
+    dt, _ = build_model(tmp_path, "qwen3")
+    ms, mt = kiln.Model(ds), kiln.Model(dt)
+    kw = dict(max_seq=16, max_batch=2, lr=1e-2, format=fmt)
+    gpu = cuda_trainer(ms, **kw)
+    cpu = kiln.Trainer(ms, n_threads=2, **kw)
+    tg_gpu, tg_cpu = kiln.Teacher(mt, gpu), kiln.Teacher(mt, cpu)
+    for step in range(3):
+        ids, tg = batch(ms, 2, 13, 20 + step)
+        tg[step % 2, ::4] = -1
+        r = [tr.distill_step(t, ids, tg, temperature=2.0, kd_weight=0.7, ce_weight=0.3, scale=0.5)
+             for tr, t in ((gpu, tg_gpu), (cpu, tg_cpu))]
+        for k in ("loss", "kl", "ce"):
+            assert np.float32(r[0][k]).view(np.uint32) == np.float32(r[1][k]).view(np.uint32), (step, k, r)
+        for name, n, _ in cpu.params():
+            assert np.array_equal(gpu.get_grad(name, n).view(np.uint32), cpu.get_grad(name, n).view(np.uint32)), \
+                (step, name)
+        for tr in (gpu, cpu):
+            tr.clip_grads(1.0)
+            tr.optimizer_step(1e-2)
+    for name, n, _ in cpu.params():
+        assert np.array_equal(gpu.get_param(name, n).view(np.uint32), cpu.get_param(name, n).view(np.uint32)), name
+
+
+@pytest.mark.parametrize("loss_kind", ["mse", "cosine"])
+def test_distill_cuda_hidden_matching_has_the_cpus_bits(tmp_path, build_dir, loss_kind):
+    """Hidden-state matching on CUDA (a wider teacher: trained projections) in auditable mode:
+    two optimizer steps with the CPU's bits, the projections' gradients and weights included."""
+    ds, _ = build_model(tmp_path, "llama")
+    dt, _ = build_wide_teacher(tmp_path)
+    ms, mt = kiln.Model(ds), kiln.Model(dt)
+    pairs = [(1, 2), (2, 3)]
+    extra = kiln.hidden_projections(mt, ms, len(pairs))
+    kw = dict(max_seq=16, max_batch=2, extra=extra, seed=5, lr=1e-2)
+    gpu = cuda_trainer(ms, **kw)
+    cpu = kiln.Trainer(ms, n_threads=2, **kw)
+    teachers = [kiln.Teacher(mt, tr, hidden=pairs, hidden_loss=loss_kind) for tr in (gpu, cpu)]
+    for step in range(2):
+        ids, tg = batch(ms, 2, 11, 40 + step)
+        tg[0, ::4] = -1
+        r = [tr.distill_step(t, ids, tg, temperature=2.0, kd_weight=0.6, ce_weight=0.4, hidden_weight=0.7)
+             for tr, t in zip((gpu, cpu), teachers)]
+        for k in ("loss", "kl", "ce", "hidden"):
+            assert np.float32(r[0][k]).view(np.uint32) == np.float32(r[1][k]).view(np.uint32), (step, k, r)
+        for name, n, _ in cpu.params():
+            assert np.array_equal(gpu.get_grad(name, n).view(np.uint32), cpu.get_grad(name, n).view(np.uint32)), \
+                (step, name)
+        for tr in (gpu, cpu):
+            tr.optimizer_step(1e-2)
+    for name, n, _ in cpu.params():
+        assert np.array_equal(gpu.get_param(name, n).view(np.uint32), cpu.get_param(name, n).view(np.uint32)), name
+
+
+def test_distill_cuda_fast_matches_the_cpu(tmp_path, build_dir):
+    """Fast mode (bf16 tensor-core products): the step's loss and gradients within bf16
+    rounding of the CPU's."""
+    ds, _ = build_model(tmp_path, "qwen2")
+    dt, _ = build_model(tmp_path, "qwen3")
+    ms, mt = kiln.Model(ds), kiln.Model(dt)
+    gpu = cuda_trainer(ms, max_seq=16, max_batch=2, fast=True)
+    cpu = kiln.Trainer(ms, max_seq=16, max_batch=2, n_threads=2)
+    ids, tg = batch(ms, 2, 13, 31)
+    r = [tr.distill_step(kiln.Teacher(mt, tr), ids, tg, temperature=2.0, kd_weight=0.7, ce_weight=0.3)
+         for tr in (gpu, cpu)]
+    assert abs(r[0]["loss"] - r[1]["loss"]) <= 2e-2 * abs(r[1]["loss"]), r
+    for name, n, _ in cpu.params():
+        g, c = gpu.get_grad(name, n), cpu.get_grad(name, n)
+        assert np.linalg.norm(g - c) <= 5e-2 * np.linalg.norm(c) + 1e-6, name
+
+
 def shard(kiln_bin, tok_model, tmp_path):
     text = tmp_path / "corpus.txt"
     rng = np.random.default_rng(0)

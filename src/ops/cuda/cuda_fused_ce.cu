@@ -223,6 +223,154 @@ extern "C" kiln_status kiln_cuda_ce_grad(kiln_backend *be, float *z, int64_t S, 
     return ce_launched(be, "fused_ce gradient");
 }
 
+/* ---- the distillation loss's row work (cuda_fused_kd_op.c; cpu_fused_kd.c's operations) ------ */
+
+/* Pass 1 of the distillation loss on one chunk: one half-warp per row, as pass1_kernel. Lane 0
+ * walks the chunk in order for the student's max and the teacher's (and the teacher's first
+ * non-finite column); lane j's four sums walk columns j, j+16, ... as the CPU's lane j of its
+ * 16 accumulators (kd_pass1_rows continues its lanes from block to block), then the fixed
+ * tree. */
+static __global__ void __launch_bounds__(CE_ROWS_THREADS)
+kd_pass1_kernel(const float *__restrict__ z, const float *__restrict__ teacher, int64_t tld,
+                const int64_t *__restrict__ idx, int64_t S, int64_t n, int64_t c0,
+                const int32_t *__restrict__ tgt, float tau, kiln_cuda_kd_stats r) {
+    const int lane = threadIdx.x & 15;
+    const int64_t i = (int64_t)blockIdx.x * (CE_ROWS_THREADS / 16) + (threadIdx.x >> 4);
+    if (i >= S) return; /* whole half-warps leave together */
+    const unsigned mask = half_warp_mask();
+    const float *zr = z + i * n;
+    const float *tr = teacher + idx[i] * tld + c0;
+    float m1 = 0.0f, ms = 0.0f, mt = 0.0f;
+    if (lane == 0) {
+        float bm = zr[0], bt = tr[0];
+        int64_t bad = r.bad[i];
+        if (bad < 0 && !isfinite(bt)) bad = c0;
+        for (int64_t j = 1; j < n; j++) {
+            bm = zr[j] > bm ? zr[j] : bm;
+            const float x = tr[j];
+            bt = x > bt ? x : bt;
+            if (bad < 0 && !isfinite(x)) bad = c0 + j;
+        }
+        r.bad[i] = bad;
+        m1 = bm > r.m[i] ? bm : r.m[i];
+        ms = bm / tau > r.ms[i] ? bm / tau : r.ms[i];
+        mt = bt / tau > r.mt[i] ? bt / tau : r.mt[i];
+    }
+    m1 = __shfl_sync(mask, m1, 0, 16);
+    ms = __shfl_sync(mask, ms, 0, 16);
+    mt = __shfl_sync(mask, mt, 0, 16);
+    float s1 = 0.0f, ss = 0.0f, st = 0.0f, sa = 0.0f;
+    for (int64_t j = lane; j < n; j += 16) {
+        const float zs = zr[j] / tau;
+        const float u = tr[j] / tau;
+        const float d = u - zs;
+        s1 = __fmaf_rn(kiln_expf(zr[j] - m1), 1.0f, s1);
+        ss = __fmaf_rn(kiln_expf(zs - ms), 1.0f, ss);
+        const float e = kiln_expf(u - mt);
+        st = __fmaf_rn(e, 1.0f, st);
+        sa = __fmaf_rn(e, d, sa);
+    }
+    s1 = lane16_tree(s1, mask);
+    ss = lane16_tree(ss, mask);
+    st = lane16_tree(st, mask);
+    sa = lane16_tree(sa, mask);
+    if (lane == 0) {
+        const int64_t t = (int64_t)tgt[i] - c0;
+        if (t >= 0 && t < n) r.zt[i] = zr[t];
+        /* first chunk: the old maxima are -inf, exp(-inf) = 0 */
+        const float alpha1 = kiln_expf(r.m[i] - m1);
+        const float alphas = kiln_expf(r.ms[i] - ms);
+        const float alphat = kiln_expf(r.mt[i] - mt);
+        r.l[i] = r.l[i] * alpha1 + s1;
+        r.m[i] = m1;
+        r.ls[i] = r.ls[i] * alphas + ss;
+        r.ms[i] = ms;
+        r.lt[i] = r.lt[i] * alphat + st;
+        r.a[i] = r.a[i] * alphat + sa;
+        r.mt[i] = mt;
+    }
+}
+
+extern "C" kiln_status kiln_cuda_kd_pass1(kiln_backend *be, const float *z, const float *teacher,
+                                          int64_t teacher_ld, const int64_t *idx, int64_t S,
+                                          int64_t n, int64_t c0, const int32_t *tgt, float tau,
+                                          const kiln_cuda_kd_stats *r) {
+    CE_BEGIN(be);
+    if (S <= 0 || n <= 0) return KILN_OK;
+    const int64_t blocks = (S + CE_ROWS_THREADS / 16 - 1) / (CE_ROWS_THREADS / 16);
+    if (blocks > 0x7fffffff)
+        return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG, "fused_kd pass 1: %lld rows",
+                              (long long)S);
+    kd_pass1_kernel<<<(unsigned)blocks, CE_ROWS_THREADS, 0, kiln_cuda_stream(be)>>>(
+        z, teacher, teacher_ld, idx, S, n, c0, tgt, tau, *r);
+    return ce_launched(be, "fused_kd pass 1");
+}
+
+static __global__ void kd_stats_init_kernel(kiln_cuda_kd_stats r, int64_t S) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < S;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        r.m[i] = -INFINITY;
+        r.l[i] = 0.0f;
+        r.zt[i] = 0.0f;
+        r.ms[i] = -INFINITY;
+        r.ls[i] = 0.0f;
+        r.mt[i] = -INFINITY;
+        r.lt[i] = 0.0f;
+        r.a[i] = 0.0f;
+        r.bad[i] = -1;
+    }
+}
+
+extern "C" kiln_status kiln_cuda_kd_stats_init(kiln_backend *be, const kiln_cuda_kd_stats *r,
+                                               int64_t S) {
+    CE_BEGIN(be);
+    if (S <= 0) return KILN_OK;
+    kd_stats_init_kernel<<<ce_grid(S, 256), 256, 0, kiln_cuda_stream(be)>>>(*r, S);
+    return ce_launched(be, "fused_kd init rows");
+}
+
+/* Pass 2 of the distillation loss on one chunk, in place, one thread per element:
+ * kd_pass2_rows's g = (kd_coef (q - p) + ce_weight (softmax(s) - onehot)) gs, a term whose
+ * weight is 0 left out (+0 in its place). */
+static __global__ void kd_grad_kernel(float *z, const float *__restrict__ teacher, int64_t tld,
+                                      const int64_t *__restrict__ idx, int64_t S, int64_t n,
+                                      int64_t c0, const int32_t *__restrict__ tgt, float tau,
+                                      bool with_kd, float kd_coef, float cew, float gs,
+                                      kiln_cuda_kd_stats r) {
+    const int64_t total = S * n;
+    const bool with_ce = cew != 0.0f;
+    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total;
+         u += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = u / n, j = u - i * n;
+        const float zv = z[u];
+        float kd = 0.0f, ce = 0.0f;
+        if (with_kd) {
+            const float eq = kiln_expf(zv / tau - r.ms[i]);
+            const float ep = kiln_expf(teacher[idx[i] * tld + c0 + j] / tau - r.mt[i]);
+            kd = kd_coef * ((eq / r.ls[i]) - (ep / r.lt[i]));
+        }
+        if (with_ce) {
+            float sm = kiln_expf(zv - r.m[i]) / r.l[i];
+            if (j == (int64_t)tgt[i] - c0) sm = sm - 1.0f;
+            ce = cew * sm;
+        }
+        z[u] = (kd + ce) * gs;
+    }
+}
+
+extern "C" kiln_status kiln_cuda_kd_grad(kiln_backend *be, float *z, const float *teacher,
+                                         int64_t teacher_ld, const int64_t *idx, int64_t S,
+                                         int64_t n, int64_t c0, const int32_t *tgt, float tau,
+                                         float kd_weight, float ce_weight, float gs,
+                                         const kiln_cuda_kd_stats *r) {
+    CE_BEGIN(be);
+    if (S <= 0 || n <= 0) return KILN_OK;
+    kd_grad_kernel<<<ce_grid(S * n, 256), 256, 0, kiln_cuda_stream(be)>>>(
+        z, teacher, teacher_ld, idx, S, n, c0, tgt, tau, kd_weight != 0.0f, kd_weight * tau,
+        ce_weight, gs, *r);
+    return ce_launched(be, "fused_kd gradient");
+}
+
 /* ---- transpose (a copy, exact) and add --------------------------------------------------------- */
 
 #define TP_TILE 32

@@ -93,27 +93,66 @@ static kiln_ce_kind ce_fast_kind(int64_t S, int64_t Sp, int64_t H, int64_t cn, i
     return bf != 0 && bf <= bound ? KILN_CE_BF16 : KILN_CE_LEAN;
 }
 
-/* Pass 2 as one matmul_backward a chunk: fast mode's (fast != 0; hs has Sp rows, rows
- * S..Sp-1 zero) and an exact format's (fast = 0, Sp = S: the backend's products in the
- * format, as the CPU's kiln_cpu_ce_grad_chunk). Per chunk the logits of the S rows, g in
- * place (fast mode: its padding rows zeroed), then
- *   dh_acc(Sp, H) = g(Sp, n) @ W_chunk(n, H)      (the first chunk overwrites, later ones add)
- *   dW[c0 : c0+n] += g^T @ hs(Sp, H)
- * A failed product poisons the backend: the next kernel entry returns it, or else the
- * caller's final kiln_backend_status (no synchronisation here). */
-static kiln_status ce_pass2_products(kiln_backend *be, const kiln_fused_ce_params *p,
-                                     const kiln_ce_scratch *sc, int64_t S, int64_t Sp, int64_t cn,
-                                     const int32_t *d_tgt, float gs, size_t row_bytes, int fast) {
+/* The cross-entropy's gradient of one chunk for kiln_cuda_ce_pass2: fast mode's (its padding
+ * rows S..Sp-1 zeroed) or the auditable one. */
+typedef struct ce_grad_ctx {
+    const kiln_ce_scratch *sc;
+    const int32_t *d_tgt;
+    int64_t S, Sp;
+    float gs;
+    int fast;
+} ce_grad_ctx;
+
+static kiln_status ce_grad_chunk(kiln_backend *be, const void *ctx, float *z, int64_t c0,
+                                 int64_t n) {
+    const ce_grad_ctx *c = ctx;
+    return c->fast ? kiln_cuda_ce_grad_fast(be, z, c->S, c->Sp, n, c0, c->d_tgt, c->sc->m,
+                                            c->sc->l, c->gs)
+                   : kiln_cuda_ce_grad(be, z, c->S, n, c0, c->d_tgt, c->sc->m, c->sc->l, c->gs);
+}
+
+kiln_status kiln_cuda_ce_pass2(kiln_backend *be, const kiln_fused_ce_params *p,
+                               const kiln_ce_scratch *sc, int64_t S, int64_t Sp, int64_t cn,
+                               size_t row_bytes, kiln_cuda_ce_grad_fn grad, const void *ctx) {
     const int64_t H = p->H, V = p->V;
+    const int bf16 = p->weight_dtype == KILN_DTYPE_BF16;
+    const int with_dh = p->dhidden != NULL, with_dw = p->dweight != NULL;
+    if (kiln_cuda_ce_is_fast(be) || kiln_cuda_products_format(be)) {
+        /* A failed product poisons the backend: the next kernel entry returns it, or else the
+         * caller's final kiln_backend_status (no synchronisation here). */
+        for (int64_t c0 = 0; c0 < V; c0 += cn) {
+            const int64_t n = V - c0 < cn ? V - c0 : cn;
+            kiln_ce_chunk_logits(be, p, sc->hs, S, c0, n, row_bytes, sc->z);
+            KILN_TRY(grad(be, ctx, sc->z, c0, n));
+            kiln_tensor wc = kiln_ce_weight_chunk(p, c0, n, row_bytes);
+            be->i->matmul_backward(be, with_dh ? sc->dh_acc : NULL,
+                                   with_dw ? p->dweight + c0 * H : NULL, NULL, sc->z, sc->hs,
+                                   &wc, (int)Sp, c0 > 0);
+        }
+        return KILN_OK;
+    }
+    /* auditable: the CPU's products on transposed copies, then the adds */
+    if (with_dw) KILN_TRY(kiln_cuda_ce_transpose(be, sc->hT, sc->hs, 0, S, H));
+    if (with_dh)
+        KILN_TRY(kiln_cuda_train_memset(be, sc->dh_acc, 0, (size_t)S * (size_t)H * sizeof(float)));
     for (int64_t c0 = 0; c0 < V; c0 += cn) {
-        int64_t n = V - c0 < cn ? V - c0 : cn;
+        const int64_t n = V - c0 < cn ? V - c0 : cn;
         kiln_ce_chunk_logits(be, p, sc->hs, S, c0, n, row_bytes, sc->z);
-        KILN_TRY(fast ? kiln_cuda_ce_grad_fast(be, sc->z, S, Sp, n, c0, d_tgt, sc->m, sc->l, gs)
-                      : kiln_cuda_ce_grad(be, sc->z, S, n, c0, d_tgt, sc->m, sc->l, gs));
-        kiln_tensor wc = kiln_ce_weight_chunk(p, c0, n, row_bytes);
-        be->i->matmul_backward(be, p->dhidden ? sc->dh_acc : NULL,
-                               p->dweight ? p->dweight + c0 * H : NULL, NULL, sc->z, sc->hs,
-                               &wc, (int)Sp, c0 > 0);
+        KILN_TRY(grad(be, ctx, sc->z, c0, n));
+        if (with_dh) {
+            KILN_TRY(kiln_cuda_ce_transpose(be, sc->wT,
+                                            (const uint8_t *)p->weight + (size_t)c0 * row_bytes,
+                                            bf16, n, H));
+            kiln_tensor wt = kiln_ce_f32_view("fused_ce.weight_chunk_t", sc->wT, H, n);
+            be->i->matmul(be, sc->dpart, sc->z, &wt, NULL, (int)S);
+            KILN_TRY(kiln_cuda_ce_add(be, sc->dh_acc, sc->dpart, (size_t)S * (size_t)H));
+        }
+        if (with_dw) {
+            KILN_TRY(kiln_cuda_ce_transpose(be, sc->gT, sc->z, 0, S, n));
+            kiln_tensor ht = kiln_ce_f32_view("fused_ce.hidden_t", sc->hT, H, S);
+            be->i->matmul(be, sc->wpart, sc->gT, &ht, NULL, (int)n);
+            KILN_TRY(kiln_cuda_ce_add(be, p->dweight + c0 * H, sc->wpart, (size_t)n * (size_t)H));
+        }
     }
     return KILN_OK;
 }
@@ -270,7 +309,6 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
                              int64_t cn, kiln_fused_ce_result *out) {
     const int64_t N = p->N, H = p->H, V = p->V;
     const int with_dh = p->dhidden != NULL, with_dw = p->dweight != NULL;
-    const int bf16 = p->weight_dtype == KILN_DTYPE_BF16;
     if (!kiln_cuda_train_is_device(p->hidden) || !kiln_cuda_train_is_device(p->weight) ||
         (p->dhidden && !kiln_cuda_train_is_device(p->dhidden)) ||
         (p->dweight && !kiln_cuda_train_is_device(p->dweight)) ||
@@ -337,6 +375,7 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     float loss = 0.0f, gs;
     double loss64 = 0.0;
     kiln_ce_reduce(p, NULL, 0.0f, S, NULL, &gs, NULL);
+    const ce_grad_ctx gctx = {&sc, d_tgt, S, Sp, gs, fast};
     if (kind == KILN_CE_ROWS) /* statistics and gradients, block by block */
         CE_DEV(ce_rows_bf16(be, p, &sc, S, Sp, rb, z16, d_tgt, gs, row_bytes));
     else
@@ -366,7 +405,7 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     if (early && kind == KILN_CE_BF16) /* (KILN_CE_ROWS: done above) */
         CE_DEV(ce_pass2_bf16(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
     else if (early && kind != KILN_CE_ROWS)
-        CE_DEV(ce_pass2_products(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes, 1));
+        CE_DEV(kiln_cuda_ce_pass2(be, p, &sc, S, Sp, cn, row_bytes, ce_grad_chunk, &gctx));
     /* no_wait: nothing below waits for the device (the stats were checked when made) */
     const int no_wait = p->no_wait && early && !own && !p->row_loss;
     float *hloss = hrow;
@@ -385,34 +424,8 @@ static kiln_status ce_device(kiln_backend *be, const kiln_fused_ce_params *p, in
     /* Pass 2. */
     if (!early && kind == KILN_CE_BF16 && (with_dh || with_dw))
         CE_DEV(ce_pass2_bf16(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes));
-    else if (!early && fast && (with_dh || with_dw))
-        CE_DEV(ce_pass2_products(be, p, &sc, S, Sp, cn, d_tgt, gs, row_bytes, 1));
-    if (!fast && (with_dh || with_dw) && kiln_cuda_products_format(be)) {
-        CE_DEV(ce_pass2_products(be, p, &sc, S, S, cn, d_tgt, gs, row_bytes, 0));
-    } else if (!fast && (with_dh || with_dw)) {
-        if (with_dw) CE_DEV(kiln_cuda_ce_transpose(be, sc.hT, sc.hs, 0, S, H));
-        if (with_dh)
-            CE_DEV(kiln_cuda_train_memset(be, sc.dh_acc, 0, (size_t)S * (size_t)H * sizeof(float)));
-        for (int64_t c0 = 0; c0 < V; c0 += cn) {
-            int64_t n = V - c0 < cn ? V - c0 : cn;
-            kiln_ce_chunk_logits(be, p, sc.hs, S, c0, n, row_bytes, sc.z);
-            CE_DEV(kiln_cuda_ce_grad(be, sc.z, S, n, c0, d_tgt, sc.m, sc.l, gs));
-            if (with_dh) {
-                CE_DEV(kiln_cuda_ce_transpose(be, sc.wT,
-                                              (const uint8_t *)p->weight + (size_t)c0 * row_bytes,
-                                              bf16, n, H));
-                kiln_tensor wt = kiln_ce_f32_view("fused_ce.weight_chunk_t", sc.wT, H, n);
-                be->i->matmul(be, sc.dpart, sc.z, &wt, NULL, (int)S);
-                CE_DEV(kiln_cuda_ce_add(be, sc.dh_acc, sc.dpart, (size_t)S * (size_t)H));
-            }
-            if (with_dw) {
-                CE_DEV(kiln_cuda_ce_transpose(be, sc.gT, sc.z, 0, S, n));
-                kiln_tensor ht = kiln_ce_f32_view("fused_ce.hidden_t", sc.hT, H, S);
-                be->i->matmul(be, sc.wpart, sc.gT, &ht, NULL, (int)n);
-                CE_DEV(kiln_cuda_ce_add(be, p->dweight + c0 * H, sc.wpart, (size_t)n * (size_t)H));
-            }
-        }
-    }
+    else if (!early && (with_dh || with_dw)) /* fast mode's lean layout, a format, auditable */
+        CE_DEV(kiln_cuda_ce_pass2(be, p, &sc, S, Sp, cn, row_bytes, ce_grad_chunk, &gctx));
 
     /* Outputs. */
     if (p->row_loss) {

@@ -28,6 +28,9 @@ size_t kiln_cuda_fused_ce_workspace(kiln_backend *be, const struct kiln_fused_ce
                                     int64_t S);
 kiln_status kiln_cuda_fused_ce(kiln_backend *be, const struct kiln_fused_ce_params *p, int64_t S,
                                struct kiln_fused_ce_result *out);
+/* fused_kd (cuda_fused_kd_op.c): fused_kd.h's op on device buffers. */
+kiln_status kiln_cuda_fused_kd(kiln_backend *be, const struct kiln_fused_kd_params *p, int64_t S,
+                               struct kiln_fused_kd_result *out);
 /* The format the backend's matmul and matmul_backward run in: KILN_MX16 / KILN_MX8 in an exact
  * format's mode, else 0 (kiln_backend_cpu_products_format's). */
 int kiln_cuda_products_format(kiln_backend *be);
@@ -205,6 +208,47 @@ kiln_status kiln_cuda_ce_add(kiln_backend *be, float *x, const float *y, size_t 
 /* Rows idx[i] of dst(., H) = src row i (accumulate: dst row + src row). */
 kiln_status kiln_cuda_ce_scatter_rows(kiln_backend *be, float *dst, const float *src,
                                       const int64_t *idx, int64_t S, int64_t H, int accumulate);
+
+/* Pass 2 of a fused loss, what the cross-entropy's body and the distillation loss's
+ * (cuda_fused_kd_op.c) share: per chunk [c0, c0+n) of cn columns, the logits z(S, n) of the S
+ * gathered rows hs (the backend's matmul), grad(be, ctx, z, c0, n) turning them into
+ * d loss / d logits in place, then dh_acc (+)= g @ W_chunk and dweight[c0 : c0+n] += g^T @ hs
+ * (each as p asks): in fast mode and in an exact format's mode one matmul_backward of Sp rows
+ * (rows S..Sp-1 of hs and g zero, the first chunk overwriting dh_acc), in auditable mode the
+ * CPU's transposed products and adds (docs/ARITHMETIC.md, "Fused linear cross-entropy"; layout
+ * KILN_CE_FULL, Sp == S). sc: the call's scratch (struct kiln_ce_scratch, fused_ce_impl.h). */
+typedef kiln_status (*kiln_cuda_ce_grad_fn)(kiln_backend *be, const void *ctx, float *z,
+                                            int64_t c0, int64_t n);
+struct kiln_ce_scratch;
+kiln_status kiln_cuda_ce_pass2(kiln_backend *be, const struct kiln_fused_ce_params *p,
+                               const struct kiln_ce_scratch *sc, int64_t S, int64_t Sp,
+                               int64_t cn, size_t row_bytes, kiln_cuda_ce_grad_fn grad,
+                               const void *ctx);
+
+/* The distillation loss's row work (cuda_fused_ce.cu; cpu_fused_kd.c's operations, in its
+ * order): the statistics of the S supervised rows, each array (S) in supervised order --
+ * the student at temperature 1 (m, l, zt: the cross-entropy's), the student at tau (ms, ls),
+ * the teacher at tau (mt, lt), the teacher-weighted sum a, the first non-finite teacher
+ * column (bad, -1: none). */
+typedef struct kiln_cuda_kd_stats {
+    float *m, *l, *zt, *ms, *ls, *mt, *lt, *a;
+    int64_t *bad;
+} kiln_cuda_kd_stats;
+/* m, ms, mt = -inf; l, zt, ls, lt, a = 0; bad = -1. */
+kiln_status kiln_cuda_kd_stats_init(kiln_backend *be, const kiln_cuda_kd_stats *r, int64_t S);
+/* Pass 1 on one chunk: z(S, n) the student's logits of columns c0 .. c0+n-1, the teacher's row
+ * of supervised row i at teacher + idx[i] teacher_ld + c0, tgt(S) int32 the targets; per row
+ * kd_pass1_rows's maxima (in order), rescales and lane-16 sums. */
+kiln_status kiln_cuda_kd_pass1(kiln_backend *be, const float *z, const float *teacher,
+                               int64_t teacher_ld, const int64_t *idx, int64_t S, int64_t n,
+                               int64_t c0, const int32_t *tgt, float tau,
+                               const kiln_cuda_kd_stats *r);
+/* Pass 2 on one chunk, in place: z(S, n) -> kd_pass2_rows's g (kd_weight * tau (q - p) +
+ * ce_weight (softmax(s) - onehot)) * gs, a term of weight 0 left out. */
+kiln_status kiln_cuda_kd_grad(kiln_backend *be, float *z, const float *teacher,
+                              int64_t teacher_ld, const int64_t *idx, int64_t S, int64_t n,
+                              int64_t c0, const int32_t *tgt, float tau, float kd_weight,
+                              float ce_weight, float gs, const kiln_cuda_kd_stats *r);
 
 /* Fast mode (cuda_fused_ce_op.c runs these when kiln_cuda_ce_is_fast(be); the order of
  * operations is written down in cuda_fused_ce.cu). */
