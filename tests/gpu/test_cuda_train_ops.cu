@@ -718,34 +718,56 @@ struct CeCase {
     int masked;      /* mask with unsupervised rows */
 };
 
-static void test_ce_case(const CeCase &c) {
-    const int fails0 = g_fail;
-    const int64_t N = c.N, H = c.H, V = c.V;
-    const int bf16 = c.dt == KILN_DTYPE_BF16;
-    const size_t wb = (size_t)V * (size_t)H * (bf16 ? 2 : 4);
-    std::vector<float> hidden((size_t)N * H);
-    for (auto &x : hidden) x = rndu() * 2.0f;
-    std::vector<uint8_t> w(wb);
+/* A fused loss's random inputs: hidden(N, H), the head w(V, H) in dt, targets (every fifth
+ * -100), a mask (masked: every third row off), the initial dh (accumulate: random, else NaN: it
+ * must be overwritten) and dW. N == 1: the target is the last column (the last chunk). */
+struct LossInputs {
+    std::vector<float> hidden, dh0, dw0;
+    std::vector<uint8_t> w, mask;
+    std::vector<int32_t> tg;
+    size_t wb;
+};
+
+static LossInputs loss_inputs(int64_t N, int64_t H, int64_t V, kiln_dtype dt, int masked, int accumulate) {
+    LossInputs in;
+    const int bf16 = dt == KILN_DTYPE_BF16;
+    in.wb = (size_t)V * (size_t)H * (bf16 ? 2 : 4);
+    in.hidden.resize((size_t)N * H);
+    for (auto &x : in.hidden) x = rndu() * 2.0f;
+    in.w.resize(in.wb);
     for (int64_t e = 0; e < V * H; e++) {
         float x = rndu() * 0.5f;
         if (bf16) {
             uint16_t b = kiln_fp32_to_bf16(x);
-            memcpy(w.data() + 2 * e, &b, 2);
+            memcpy(in.w.data() + 2 * e, &b, 2);
         } else {
-            memcpy(w.data() + 4 * e, &x, 4);
+            memcpy(in.w.data() + 4 * e, &x, 4);
         }
     }
-    std::vector<int32_t> tg(N);
-    std::vector<uint8_t> mask(N, 1);
+    in.tg.resize(N);
+    in.mask.assign(N, 1);
     for (int64_t n = 0; n < N; n++) {
-        tg[n] = (int32_t)(rnd64() % (uint64_t)V);
-        if (n % 5 == 3) tg[n] = -100;
-        if (c.masked && n % 3 == 1) mask[n] = 0;
+        in.tg[n] = (int32_t)(rnd64() % (uint64_t)V);
+        if (n % 5 == 3) in.tg[n] = -100;
+        if (masked && n % 3 == 1) in.mask[n] = 0;
     }
-    if (N == 1) tg[0] = (int32_t)(V - 1), mask[0] = 1; /* the last column: the last chunk */
-    std::vector<float> dh0((size_t)N * H), dw0((size_t)V * H);
-    for (auto &x : dh0) x = c.accumulate ? rndu() : NAN;
-    for (auto &x : dw0) x = rndu() * 0.1f;
+    if (N == 1) in.tg[0] = (int32_t)(V - 1), in.mask[0] = 1;
+    in.dh0.resize((size_t)N * H);
+    in.dw0.resize((size_t)V * H);
+    for (auto &x : in.dh0) x = accumulate ? rndu() : NAN;
+    for (auto &x : in.dw0) x = rndu() * 0.1f;
+    return in;
+}
+
+static void test_ce_case(const CeCase &c) {
+    const int fails0 = g_fail;
+    const int64_t N = c.N, H = c.H, V = c.V;
+    const int bf16 = c.dt == KILN_DTYPE_BF16;
+    LossInputs in = loss_inputs(N, H, V, c.dt, c.masked, c.accumulate);
+    const size_t wb = in.wb;
+    const std::vector<float> &hidden = in.hidden, &dh0 = in.dh0, &dw0 = in.dw0;
+    const std::vector<uint8_t> &w = in.w, &mask = in.mask;
+    std::vector<int32_t> &tg = in.tg;
 
     /* device copies */
     float *d_hidden = (float *)dalloc(hidden.size() * 4);
@@ -933,31 +955,13 @@ static void test_kd_case(const KdCase &c, kiln_backend *cpu, kiln_backend *gpu, 
     const int fails0 = g_fail;
     const int64_t N = c.N, H = c.H, V = c.V, tld = V + c.tld_pad;
     const int bf16 = c.dt == KILN_DTYPE_BF16;
-    const size_t wb = (size_t)V * (size_t)H * (bf16 ? 2 : 4);
-    std::vector<float> hidden((size_t)N * H), teacher((size_t)N * tld);
-    for (auto &x : hidden) x = rndu() * 2.0f;
+    LossInputs in = loss_inputs(N, H, V, c.dt, c.masked, c.accumulate);
+    const size_t wb = in.wb;
+    const std::vector<float> &hidden = in.hidden, &dh0 = in.dh0, &dw0 = in.dw0;
+    const std::vector<uint8_t> &w = in.w, &mask = in.mask;
+    std::vector<int32_t> &tg = in.tg;
+    std::vector<float> teacher((size_t)N * tld);
     for (auto &x : teacher) x = rndu() * 6.0f;
-    std::vector<uint8_t> w(wb);
-    for (int64_t e = 0; e < V * H; e++) {
-        float x = rndu() * 0.5f;
-        if (bf16) {
-            uint16_t b = kiln_fp32_to_bf16(x);
-            memcpy(w.data() + 2 * e, &b, 2);
-        } else {
-            memcpy(w.data() + 4 * e, &x, 4);
-        }
-    }
-    std::vector<int32_t> tg(N);
-    std::vector<uint8_t> mask(N, 1);
-    for (int64_t n = 0; n < N; n++) {
-        tg[n] = (int32_t)(rnd64() % (uint64_t)V);
-        if (n % 5 == 3) tg[n] = -100;
-        if (c.masked && n % 3 == 1) mask[n] = 0;
-    }
-    if (N == 1) tg[0] = (int32_t)(V - 1), mask[0] = 1;
-    std::vector<float> dh0((size_t)N * H), dw0((size_t)V * H);
-    for (auto &x : dh0) x = c.accumulate ? rndu() : NAN;
-    for (auto &x : dw0) x = rndu() * 0.1f;
 
     float *d_hidden = (float *)dalloc(hidden.size() * 4), *d_t = (float *)dalloc(teacher.size() * 4);
     void *d_w = dalloc(wb);
