@@ -225,11 +225,52 @@ extern "C" kiln_status kiln_cuda_ce_grad(kiln_backend *be, float *z, int64_t S, 
 
 /* ---- the distillation loss's row work (cuda_fused_kd_op.c; cpu_fused_kd.c's operations) ------ */
 
-/* Pass 1 of the distillation loss on one chunk: one half-warp per row, as pass1_kernel. Lane 0
- * walks the chunk in order for the student's max and the teacher's (and the teacher's first
- * non-finite column); lane j's four sums walk columns j, j+16, ... as the CPU's lane j of its
- * 16 accumulators (kd_pass1_rows continues its lanes from block to block), then the fixed
- * tree. */
+/* The two maxima of a row's chunk and its first non-finite teacher column (bad: the row's so
+ * far, -1 none), in lane 0 of the half-warp: TREE == false walks the chunk in lane 0 in order
+ * (`x > b ? x : b`, whose NaN and -0/+0 choices depend on the order: the CPU's); TREE == true
+ * (fast mode) lets lane j walk j, j+16, ... and merges in a fixed tree: the same maxima but for
+ * those choices, each half-warp reading its row once. */
+template <bool TREE>
+static __device__ __forceinline__ void kd_row_max(const float *zr, const float *tr, int64_t n,
+                                                  int64_t c0, int lane, unsigned mask,
+                                                  float &bm, float &bt, int64_t &bad) {
+    if (!TREE) {
+        if (lane != 0) return;
+        bm = zr[0];
+        bt = tr[0];
+        if (bad < 0 && !isfinite(bt)) bad = c0;
+        for (int64_t j = 1; j < n; j++) {
+            bm = zr[j] > bm ? zr[j] : bm;
+            const float x = tr[j];
+            bt = x > bt ? x : bt;
+            if (bad < 0 && !isfinite(x)) bad = c0 + j;
+        }
+        return;
+    }
+    bm = -INFINITY;
+    bt = -INFINITY;
+    int64_t first = INT64_MAX;
+    for (int64_t j = lane; j < n; j += 16) {
+        bm = zr[j] > bm ? zr[j] : bm;
+        const float x = tr[j];
+        bt = x > bt ? x : bt;
+        if (first == INT64_MAX && !isfinite(x)) first = j;
+    }
+    for (int o = 8; o >= 1; o >>= 1) {
+        const float om = __shfl_xor_sync(mask, bm, o, 16), ot = __shfl_xor_sync(mask, bt, o, 16);
+        const long long of = __shfl_xor_sync(mask, (long long)first, o, 16);
+        bm = om > bm ? om : bm;
+        bt = ot > bt ? ot : bt;
+        first = of < first ? of : first;
+    }
+    if (bad < 0 && first != INT64_MAX) bad = c0 + first;
+}
+
+/* Pass 1 of the distillation loss on one chunk: one half-warp per row, as pass1_kernel. The
+ * maxima as kd_row_max<TREE>; lane j's four sums walk columns j, j+16, ... as the CPU's lane j
+ * of its 16 accumulators (kd_pass1_rows continues its lanes from block to block), then the
+ * fixed tree. */
+template <bool TREE>
 static __global__ void __launch_bounds__(CE_ROWS_THREADS)
 kd_pass1_kernel(const float *__restrict__ z, const float *__restrict__ teacher, int64_t tld,
                 const int64_t *__restrict__ idx, int64_t S, int64_t n, int64_t c0,
@@ -240,17 +281,10 @@ kd_pass1_kernel(const float *__restrict__ z, const float *__restrict__ teacher, 
     const unsigned mask = half_warp_mask();
     const float *zr = z + i * n;
     const float *tr = teacher + idx[i] * tld + c0;
-    float m1 = 0.0f, ms = 0.0f, mt = 0.0f;
+    float m1 = 0.0f, ms = 0.0f, mt = 0.0f, bm = 0.0f, bt = 0.0f;
+    int64_t bad = r.bad[i];
+    kd_row_max<TREE>(zr, tr, n, c0, lane, mask, bm, bt, bad);
     if (lane == 0) {
-        float bm = zr[0], bt = tr[0];
-        int64_t bad = r.bad[i];
-        if (bad < 0 && !isfinite(bt)) bad = c0;
-        for (int64_t j = 1; j < n; j++) {
-            bm = zr[j] > bm ? zr[j] : bm;
-            const float x = tr[j];
-            bt = x > bt ? x : bt;
-            if (bad < 0 && !isfinite(x)) bad = c0 + j;
-        }
         r.bad[i] = bad;
         m1 = bm > r.m[i] ? bm : r.m[i];
         ms = bm / tau > r.ms[i] ? bm / tau : r.ms[i];
@@ -301,8 +335,12 @@ extern "C" kiln_status kiln_cuda_kd_pass1(kiln_backend *be, const float *z, cons
     if (blocks > 0x7fffffff)
         return kiln_cuda_fail(be, KILN_ERR_INVALID_ARG, "fused_kd pass 1: %lld rows",
                               (long long)S);
-    kd_pass1_kernel<<<(unsigned)blocks, CE_ROWS_THREADS, 0, kiln_cuda_stream(be)>>>(
-        z, teacher, teacher_ld, idx, S, n, c0, tgt, tau, *r);
+    if (kiln_cuda_is_fast(be))
+        kd_pass1_kernel<true><<<(unsigned)blocks, CE_ROWS_THREADS, 0, kiln_cuda_stream(be)>>>(
+            z, teacher, teacher_ld, idx, S, n, c0, tgt, tau, *r);
+    else
+        kd_pass1_kernel<false><<<(unsigned)blocks, CE_ROWS_THREADS, 0, kiln_cuda_stream(be)>>>(
+            z, teacher, teacher_ld, idx, S, n, c0, tgt, tau, *r);
     return ce_launched(be, "fused_kd pass 1");
 }
 

@@ -238,7 +238,8 @@ typedef struct kiln_cuda_kd_stats {
 kiln_status kiln_cuda_kd_stats_init(kiln_backend *be, const kiln_cuda_kd_stats *r, int64_t S);
 /* Pass 1 on one chunk: z(S, n) the student's logits of columns c0 .. c0+n-1, the teacher's row
  * of supervised row i at teacher + idx[i] teacher_ld + c0, tgt(S) int32 the targets; per row
- * kd_pass1_rows's maxima (in order), rescales and lane-16 sums. */
+ * kd_pass1_rows's maxima (in order; in fast mode a tree over the half-warp), rescales and
+ * lane-16 sums. */
 kiln_status kiln_cuda_kd_pass1(kiln_backend *be, const float *z, const float *teacher,
                                int64_t teacher_ld, const int64_t *idx, int64_t S, int64_t n,
                                int64_t c0, const int32_t *tgt, float tau,
