@@ -490,3 +490,27 @@ def test_kiln_distill_cli_hidden_map(tmp_path, build_dir):
         r = subprocess.run([str(kiln_bin), "distill", "--teacher", str(dt), "--config", "tiny", "--data", str(data),
                             *args], capture_output=True, text=True)
         assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_kiln_distill_cli_cuda_has_the_cpus_bits(tmp_path, build_dir):
+    """`kiln distill --device cuda` (a wider teacher, hidden-state matching through projections)
+    exports the very student `--device cpu` does: the same bytes after 4 steps."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    kiln_bin = build_dir / "kiln"
+    dt, _ = build_wide_teacher(tmp_path)
+    data = shard(kiln_bin, dt, tmp_path)
+    outs = {}
+    for dev in ("cpu", "cuda"):
+        outs[dev] = tmp_path / f"run-{dev}"
+        p = subprocess.run([str(kiln_bin), "distill", "--teacher", str(dt), "--config", "tiny", "--data", str(data),
+                            "--batch", "4", "--seq", "32", "--lr", "3e-3", "--warmup", "2", "--eval-every", "0",
+                            "--save-every", "0", "--threads", "2", "--hidden-map", "1:2,2:3", "--temperature", "2",
+                            "--steps", "4", "--device", dev, "--out", str(outs[dev])],
+                           capture_output=True, text=True, timeout=600)
+        if dev == "cuda" and p.returncode != 0 and "no usable CUDA device" in p.stderr:
+            pytest.skip("kiln has no CUDA device")
+        assert p.returncode == 0, (dev, p.stderr[-3000:])
+    a, b = ((outs[d] / "model" / "model.safetensors").read_bytes() for d in ("cpu", "cuda"))
+    assert a == b
+
