@@ -406,56 +406,77 @@ extern "C" kiln_status kiln_cuda_adamw_nonfinite(kiln_backend *be,
 /* One 32-thread block per tensor: lane j < 8 runs torch's lane j (acc = acc + x*x over
  * elements 8k + j of the full groups, sequentially), then lane 0 adds the 8 lanes in order and
  * the tail, as adamw_math.h's kiln_adamw_sumsq8. The lanes' chains are sequential by
- * definition, so the speed is in feeding them: the whole warp streams the tensor through a
- * ring of NORM_STAGES shared stages of NORM_STAGE floats (cp.async, 4 bytes a copy: a tensor
- * need not be 16-byte aligned), NORM_STAGES - 1 stages in flight ahead of the one lanes 0-7
- * are adding. */
-#define NORM_STAGE 256
-#define NORM_STAGES 32
+ * definition (an add's latency an element: the embedding's 136M elements are 17M adds a lane),
+ * so the speed is in feeding them with as little else on the warp's path as possible: the whole
+ * warp streams the tensor through a ring of NORM_STAGES shared stages of NORM_STAGE floats
+ * (cp.async, 16 bytes a copy where the tensor is 16-byte aligned, else 4), NORM_STAGES - 1
+ * stages in flight ahead of the one lanes 0-7 are adding; a stage is 128 adds a lane, so the
+ * copies, the waits and the loads of a stage (issued before its adds) cost little beside
+ * them. The stage a step refills is the one the step before consumed. */
+#define NORM_STAGE 1024
+#define NORM_STAGES 11
 
-static __global__ void __launch_bounds__(32) norms_kernel(const kiln_cuda_grad_entry *table,
-                                                          float *norms) {
-    __shared__ float ring[NORM_STAGES][NORM_STAGE];
-    __shared__ float acc8[8];
-    const kiln_cuda_grad_entry t = table[blockIdx.x];
-    const int j = threadIdx.x;
-    const int64_t head = t.n - t.n % 8, n_st = (head + NORM_STAGE - 1) / NORM_STAGE;
-    /* stage s holds elements [s * NORM_STAGE, ...) of the head; lane l copies l, l + 32, ... */
-    auto issue = [&](int64_t s) {
-        if (s < n_st) {
-            const int64_t d0 = s * NORM_STAGE;
-            float *dst = ring[s % NORM_STAGES];
+/* Copy stage s (elements [s NORM_STAGE, ...) of the head) into its slot, lane l taking every
+ * 32nd run of V floats; then close the group (empty when s is past the end). */
+template <int V>
+static __device__ __forceinline__ void norm_issue(float (*ring)[NORM_STAGE], const float *g,
+                                                  int64_t head, int64_t n_st, int64_t s,
+                                                  int j) {
+    if (s < n_st) {
+        const int64_t d0 = s * NORM_STAGE;
+        float *dst = ring[s % NORM_STAGES];
 #pragma unroll
-            for (int u = 0; u < NORM_STAGE / 32; u++) {
-                const int64_t d = d0 + u * 32 + j;
-                if (d < head) cp_async4(dst + u * 32 + j, t.grad + d);
+        for (int u = 0; u < NORM_STAGE / (32 * V); u++) {
+            const int off = (u * 32 + j) * V;
+            if (d0 + off < head) { /* head and d0 are multiples of 8: the run is whole */
+                if (V == 4) cp_async16(dst + off, g + d0 + off);
+                else cp_async4(dst + off, g + d0 + off);
             }
         }
-        cp_async_commit();
-    };
-    for (int64_t s = 0; s < NORM_STAGES - 1; s++) issue(s);
+    }
+    cp_async_commit();
+}
+
+template <int V>
+static __device__ __forceinline__ float norm_lane_sum(const float *g, int64_t head, int j,
+                                                      float (*ring)[NORM_STAGE]) {
+    const int64_t n_st = (head + NORM_STAGE - 1) / NORM_STAGE;
+    for (int64_t s = 0; s < NORM_STAGES - 1; s++) norm_issue<V>(ring, g, head, n_st, s, j);
     float acc = 0.0f;
     for (int64_t s = 0; s < n_st; s++) {
-        issue(s + NORM_STAGES - 1);
-        cp_async_wait<NORM_STAGES - 1>();
-        __syncwarp();
+        cp_async_wait<NORM_STAGES - 2>(); /* stage s is here (this lane's copies) */
+        __syncwarp();                     /* ... and every lane's */
+        /* refill the slot of stage s - 1, read by the step before */
+        norm_issue<V>(ring, g, head, n_st, s + NORM_STAGES - 1, j);
         if (j < 8) {
             const float *st = ring[s % NORM_STAGES];
             const int64_t left = head - s * NORM_STAGE;
-            const int groups = left < NORM_STAGE ? (int)(left / 8) : NORM_STAGE / 8;
-            if (groups == NORM_STAGE / 8) {
+            if (left >= NORM_STAGE) {
                 float x[NORM_STAGE / 8];
 #pragma unroll
                 for (int u = 0; u < NORM_STAGE / 8; u++) x[u] = st[8 * u + j];
 #pragma unroll
                 for (int u = 0; u < NORM_STAGE / 8; u++) acc = acc + x[u] * x[u];
             } else {
+                const int groups = (int)(left / 8);
                 for (int u = 0; u < groups; u++) acc = acc + st[8 * u + j] * st[8 * u + j];
             }
         }
-        __syncwarp(); /* the stage is refilled by the next iterations' copies */
+        __syncwarp(); /* lanes 0-7 have read stage s: the next step refills its slot */
     }
     cp_async_wait<0>();
+    return acc;
+}
+
+static __global__ void __launch_bounds__(32) norms_kernel(const kiln_cuda_grad_entry *table,
+                                                          float *norms) {
+    __shared__ __align__(16) float ring[NORM_STAGES][NORM_STAGE];
+    __shared__ float acc8[8];
+    const kiln_cuda_grad_entry t = table[blockIdx.x];
+    const int j = threadIdx.x;
+    const int64_t head = t.n - t.n % 8;
+    const float acc = ((uintptr_t)t.grad & 15u) == 0 ? norm_lane_sum<4>(t.grad, head, j, ring)
+                                                     : norm_lane_sum<1>(t.grad, head, j, ring);
     if (j < 8) acc8[j] = acc;
     __syncthreads();
     if (j == 0) {
