@@ -9,7 +9,9 @@ HOW TO RUN (on the GPU machine: python3 with torch and transformers; kiln built 
 
   python3 bench/bench_distill_gpu.py --bin DIR [--batch 8] [--seq 1024] [--micro 4]
       [--steps 3] [--modes fast,auditable] [--compile] [--json OUT.json]
-      [--teacher 1.5b] [--student 0.5b]
+      [--teacher 1.5b] [--student 0.5b] [--no-torch] [--breakdown]
+  --breakdown: also times kiln's plain cross-entropy step of the student on the same batches
+  (what the teacher's forward and the distillation loss add is the difference).
   --device cpu --quick: the CPU smoke mode (tiny teacher and student, sequences of 32, kiln
   and torch on the CPU): every piece runs end to end; its figures mean nothing.
 
@@ -175,6 +177,22 @@ def bench_kiln(args, teacher_dir, student_dir, batches, mode):
             out["step_s"] = ts
             desc, mem = tr.describe()
             out["describe"], out["peak_alloc"] = desc, mem["peak_step"]
+            if args.breakdown:  # the student's own step (cross-entropy, no teacher) on the same batches
+                def ce_step(batch):
+                    for i in range(0, B, args.micro):
+                        x = batch[i:i + args.micro]
+                        tr.step_batch(x[:, :-1], x[:, 1:], "mean", x.shape[0] / B, accumulate=i > 0)
+                    tr.clip_grads(1.0)
+                    tr.optimizer_step(bt.LR)
+                ce_step(batches[0])
+                ts = []
+                for i in range(n):
+                    bt.sync(dev)
+                    t0 = time.perf_counter()
+                    ce_step(batches[(1 + i) % len(batches)])
+                    bt.sync(dev)
+                    ts.append(time.perf_counter() - t0)
+                out["ce_step_s"] = ts
         finally:
             teacher.close()
             tr.close()
@@ -199,6 +217,9 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--modes", default="fast", help="kiln modes: fast,auditable,mx16,mx8")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--no-torch", action="store_true", help="kiln's rows alone")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time kiln's plain cross-entropy step of the student on the same batches")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--work", default="/tmp/kiln-distill-bench")
@@ -230,7 +251,7 @@ def main():
         except Exception as e:  # a refused mode: its row says why
             rows.append({"engine": f"kiln {mode}", "error": str(e)[:200]})
         log("[bench_distill]", rows[-1].get("engine"), rows[-1].get("tok_s"), rows[-1].get("error", ""))
-    for compiled in ([False, True] if args.compile else [False]):
+    for compiled in [] if args.no_torch else ([False, True] if args.compile else [False]):
         try:
             rows.append(bench_torch(args, folders[args.teacher], folders[args.student], batches, compiled))
         except Exception as e:
@@ -251,6 +272,11 @@ def main():
             continue
         print(f"| {r['engine']} | {r['tok_s']:,.0f} | {bt.median(r['step_s']):.3f} | {r['warm_s']:.2f} | "
               f"{bt.gib(r.get('peak_alloc'))} GiB | {bt.gib(r.get('device_peak'))} GiB | {r['loss']:.4f} |")
+    for r in rows:
+        if r.get("ce_step_s"):
+            print(f"{r['engine']}: the student's cross-entropy step alone {bt.median(r['ce_step_s']):.3f} s "
+                  f"(the teacher's forward and the distillation loss's extra: "
+                  f"{bt.median(r['step_s']) - bt.median(r['ce_step_s']):.3f} s)")
 
 
 if __name__ == "__main__":
