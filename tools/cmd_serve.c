@@ -41,7 +41,8 @@ static const char *serve_help =
     "                           X times a decode-only step (default 2; 0: only --max-batch-tokens)\n"
     "      --api-key KEY        require 'Authorization: Bearer KEY' (all routes but /health, /)\n"
     "      --api-key-file FILE  the key is FILE's first line\n"
-    "      --max-connections N  open connections at once (default 64)\n"
+    "      --max-connections N  open connections at once (default 512: above --max-seqs plus\n"
+    "                           --max-queue, so that the queue's 429 is what a client meets)\n"
     "      --timeout S          close a connection idle (or a client not reading) for S seconds\n"
     "                           (default 600)\n"
     "      --max-body SIZE      largest request body (default 8M; larger: 413)\n";
@@ -119,7 +120,7 @@ int cmd_serve(int argc, char **argv) {
     const char *cmd = "serve", *model = NULL, *model_name = NULL, *host = "127.0.0.1",
                *api_key = NULL, *key_file = NULL;
     long port = 8080, threads = 0, n_ctx = 0, max_batch = 0, max_seqs = 0, kv_blocks = 0,
-         max_queue = 0, max_conns = 64, timeout = 600;
+         max_queue = 0, max_conns = 512, timeout = 600;
     size_t kv_memory = 0, max_body = (size_t)8 << 20;
     int device = -1, fast = 0, batch_invariant = 0, no_prefix = 0, format = KILN_FORMAT_F32;
     double itl_bound = -1; /* -1: the engine's default */
