@@ -140,8 +140,9 @@ static void kd_pass2_rows(const void *arg, int64_t lo, int64_t hi) {
     }
 }
 
-static kiln_status kiln_cpu_fused_kd_body(kiln_backend *be, const kiln_fused_kd_params *p, int64_t S,
-                              kiln_fused_kd_result *out) {
+/* In an exact format's mode the student's head products run in the format, as the fused
+ * cross-entropy's do (kiln_cpu_ce_grad_chunk). */
+kiln_status kiln_cpu_fused_kd(kiln_backend *be, const kiln_fused_kd_params *p, int64_t S, kiln_fused_kd_result *out) {
     const kiln_fused_ce_params ce = kiln_kd_ce_view(p);
     const int64_t H = p->H, V = p->V, cn = kiln_ce_chunk(&ce);
     const int with_dh = p->dhidden != NULL, with_dw = p->dweight != NULL;
@@ -208,10 +209,4 @@ static kiln_status kiln_cpu_fused_kd_body(kiln_backend *be, const kiln_fused_kd_
     if (out) *out = (kiln_fused_kd_result){loss, kl, ce_part, loss64, S, bytes};
     kiln_free(block);
     return KILN_OK;
-}
-
-/* In an exact format's mode the student's head products run in the format, as the fused
- * cross-entropy's do (kiln_cpu_ce_grad_chunk). */
-kiln_status kiln_cpu_fused_kd(kiln_backend *be, const kiln_fused_kd_params *p, int64_t S, kiln_fused_kd_result *out) {
-    return kiln_cpu_fused_kd_body(be, p, S, out);
 }
