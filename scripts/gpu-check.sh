@@ -72,6 +72,13 @@ export KILN_VOCAB_DIR=$vocab
 summary=()
 skipped=() # runs that exited 77 (or a pytest run with a skipped test)
 
+# The folder of NCCL's library for GPU ranks (src/dist/comm_nccl.c dlopens libnccl.so.2): the
+# loader's own when it has one, else PyTorch's nvidia-nccl wheel.
+nccl_lib_dir() {
+    if ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2'; then return; fi
+    python3 -c 'import os, nvidia.nccl as n; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null
+}
+
 # skip NAME LOG: a run exited 77; with a GPU visible that fails the check, saying which
 skip() {
     skipped+=("$1")
@@ -144,6 +151,9 @@ if has tests; then
             run_test "$n (seed $seed2)" "$LOG/$n-2.log" "$t" "$seed2" ;;
         test_cuda_model|test_cuda_train|test_cuda_train_fast)
             run_test "$n" "$LOG/$n.log" "$t" "$vocab" ;;
+        test_cuda_dp) # GPU ranks over NCCL: PyTorch's nvidia-nccl when the loader finds none
+            run_test "$n" "$LOG/$n.log" env LD_LIBRARY_PATH="$(nccl_lib_dir)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+                "$t" "$vocab" ;;
         *)
             run_test "$n" "$LOG/$n.log" "$t" ;;
         esac

@@ -82,10 +82,11 @@ static const char *train_help =
     "  --loss-logits-f32    with --fast: that walk keeps the logits in f32 (twice the memory;\n"
     "                       the default bf16 is autocast's head output)\n"
     "  --no-export          do not write OUT/model at the end (`kiln export OUT` does it later)\n"
-    "  --zero S             with mpirun ranks: 3 (default) shards the weights, gradients and\n"
+    "  --zero S             with ranks: 3 (CPU ranks' default) shards the weights, gradients and\n"
     "                       AdamW state across the ranks (each layer's weights gathered for\n"
     "                       its forward and backward); 2 keeps the whole weights on every\n"
-    "                       rank (less traffic). The same bits either way\n"
+    "                       rank (less traffic; GPU ranks' default and only stage so far).\n"
+    "                       The same bits either way\n"
     "  --audit              keep OUT/audit.jsonl: per step, the batch's hash, the loss, the\n"
     "                       gradient norm and the weights' fingerprint, chained by SHA-256;\n"
     "                       `kiln audit OUT --from N` replays it from checkpoint N (keep the\n"
@@ -123,6 +124,7 @@ typedef struct train_opts {
     int n_data;
     long steps, batch, seq, accum, per_forward, warmup, eval_every, eval_batches, save_every, keep_last, threads, stop_after;
     long zero; /* the ZeRO stage of mpirun ranks: 2 or 3 */
+    int zero_given;
     long loss_row_block; /* --loss-row-block; -1: the library's default */
     int loss_logits_f32; /* --loss-logits-f32 */
     double lr, min_lr, weight_decay, clip, eval_fraction;
@@ -226,7 +228,10 @@ static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
         else if (OPT("--seq")) INT(seq, 1, 1 << 20);
         else if (OPT("--accum")) INT(accum, 1, 65536);
         else if (OPT("--seqs-per-forward")) INT(per_forward, 1, 65536);
-        else if (OPT("--zero")) INT(zero, 2, 3);
+        else if (OPT("--zero")) {
+            INT(zero, 2, 3);
+            o->zero_given = 1;
+        }
         else if (OPT("--warmup")) INT(warmup, 0, 100000000);
         else if (OPT("--eval-every")) INT(eval_every, 0, 100000000);
         else if (OPT("--eval-batches")) INT(eval_batches, 1, 100000);
@@ -587,6 +592,17 @@ static int check_resume_settings(const train_opts *o, const char *run, long star
 }
 
 /* The trainer for o's settings, o->per_forward sequences a forward. */
+/* GPU ranks were asked for: a launcher's variables (mpirun, or torchrun with WORLD_SIZE > 1), or
+ * KILN_COMM=nccl (one rank over NCCL: the GPU ranks' path on one device, which the GPU tests
+ * compare with a plain run). Variables that cannot be read count as asked, so that the NCCL
+ * open names them. */
+static int gpu_ranks_launched(void) {
+    const char *f = getenv("KILN_COMM");
+    if (f && strcmp(f, "nccl") == 0) return 1;
+    kiln_comm_launch l;
+    return kiln_comm_launch_from_env(&l) != KILN_OK || l.kind != KILN_COMM_LAUNCH_SELF;
+}
+
 /* The trainer of the options; comm (may be NULL: one process) with more than one rank: this
  * process's rank of the data-parallel run (kiln_train_create_rank: with --zero 3 made lean,
  * holding only its range from the start). */
@@ -614,7 +630,7 @@ static kiln_status make_trainer_on(kiln_model *m, const train_opts *o, kiln_comm
     /* a fresh run never makes its trainer again: it consumes a --config model's initial weights
      * as it copies them (a resume may remake it for the checkpoint's settings: it releases the
      * model after; kiln_train_release_source) */
-    if (comm && kiln_comm_size(comm) > 1)
+    if (comm && (kiln_comm_size(comm) > 1 || !kiln_comm_host_memory(comm))) /* GPU ranks: even one */
         return kiln_train_create_rank(m, &tp, comm, (int)o->zero, !o->resume, tr);
     return kiln_trainer_create(m, &tp, tr);
 }
@@ -794,14 +810,29 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     const int pf_given = o.per_forward != 0;
     /* the ranks of a data-parallel run (mpirun -np N), or one process */
     kiln_comm *comm = NULL;
-    kiln_status cst = rp ? kiln_comm_open_self(&comm) : kiln_comm_open(&comm);
+    kiln_status cst;
+    if (rp) {
+        cst = kiln_comm_open_self(&comm);
+    } else if (o.device >= 0 && gpu_ranks_launched()) {
+        /* GPU ranks (torchrun, or mpirun with --device cuda): NCCL, each rank on the device of its
+         * local rank; --zero 2 unless asked (ZeRO-3 is the CPU ranks') */
+        int n_dev = 0;
+        uint64_t fb, tb;
+        while (n_dev < 1024 && kiln_device_memory(n_dev, &fb, &tb) == KILN_OK) n_dev++;
+        o.device = kiln_comm_gpu_device(n_dev);
+        if (!o.zero_given) o.zero = 2;
+        cst = o.device < 0 ? KILN_ERR_INVALID_ARG : kiln_comm_open_nccl(o.device, &comm);
+    } else {
+        cst = kiln_comm_open(&comm);
+    }
     if (cst != KILN_OK) return cli_fail("train", "the ranks (kiln_comm_open)", cst);
     const int n_ranks = kiln_comm_size(comm), rank = kiln_comm_rank(comm), rank0 = rank == 0;
+    /* the ranks' path: several ranks, or GPU ranks (nccl) even alone */
+    const int ranked = n_ranks > 1 || !kiln_comm_host_memory(comm);
     int agreed = 0; /* the ranks know of a failure already (ranks_agree) */
-    if (n_ranks > 1) { /* the same arguments on every rank: the same refusals */
-        const char *no = o.device >= 0 ? "--device cuda (GPU ranks need the NCCL communicator, not written yet)"
-                         : o.accum > 1 ? "--accum > 1 (a rank's gradient is one micro-batch: see --seqs-per-forward)"
-                                       : NULL;
+    if (ranked) { /* the same arguments on every rank: the same refusals */
+        const char *no = o.accum > 1 ? "--accum > 1 (a rank's gradient is one micro-batch: see --seqs-per-forward)"
+                                     : NULL;
         if (no) {
             if (rank0) fprintf(stderr, "kiln %s: %d ranks: %s is not supported yet; run one process\n",
                                distill ? "distill" : "train", n_ranks, no);
@@ -890,7 +921,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         rc = cli_fail("train", "data", st);
         goto out;
     }
-    const int auto_pf = o.per_forward == 0 || (n_ranks > 1 && !pf_given);
+    const int auto_pf = o.per_forward == 0 || (ranked && !pf_given);
     if (o.per_forward == 0) o.per_forward = 1;
     if (o.teacher) { /* before the trainer: a hidden map's projections are trainer parameters */
         st = kiln_model_open(o.teacher, NULL, &tm);
@@ -975,7 +1006,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         if (rank0) fprintf(stderr, "[kiln train] resumed from %s at step %ld\n", ckdir, start);
     }
     const long n_micro = o.batch / o.per_forward; /* micro-batches of a step */
-    if (n_ranks > 1 && n_micro > n_ranks) {
+    if (ranked && n_micro > n_ranks) {
         if (rank0)
             fprintf(stderr, "kiln train: --batch %ld in micro-batches of %ld sequences (--seqs-per-forward) is %ld "
                             "micro-batches, more than the %d ranks: a rank's gradient is one micro-batch (the "
@@ -1015,7 +1046,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     char desc[1024];
     kiln_train_describe(tr, desc, sizeof desc, NULL);
     if (rank0) fprintf(stderr, "[kiln train] %s: %.1fM parameters; %s\n", mi.name, (double)mi.n_params / 1e6, desc);
-    if (rank0 && n_ranks > 1)
+    if (rank0 && ranked)
         fprintf(stderr, "[kiln train] %d ranks (%s): the global batch of %ld sequences as %ld micro-batches of %ld, one "
                         "a rank%s\n", n_ranks, kiln_comm_name(comm), o.batch, n_micro, o.per_forward,
                 n_micro < n_ranks ? " (the ranks past them only hold their share of the optimizer state)" : "");
@@ -1075,7 +1106,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         char **av = calloc((size_t)argc + 2, sizeof *av);
         int ac = 0;
         for (int i = 0; av && i < argc; i++) av[ac++] = argv[i];
-        if (av && n_ranks > 1 && !pf_given) {
+        if (av && ranked && !pf_given) {
             snprintf(kbuf, sizeof kbuf, "%ld", o.per_forward);
             av[ac++] = "--seqs-per-forward";
             av[ac++] = kbuf;
@@ -1103,7 +1134,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
         if ((audit || rp) && st == KILN_OK) st = kiln_sha256_init(&bh);
         float scale = (float)(1.0 / ((double)o.batch * o.seq * o.accum));
         int sig_now = 0;
-        if (n_ranks > 1) { /* this rank's micro-batch of the global batch, then the ranks' sums */
+        if (ranked) { /* this rank's micro-batch of the global batch, then the ranks' sums */
             st = kiln_batch_sampler_get(train_s, (uint64_t)s, buf);
             if (bh && st == KILN_OK) st = kiln_sha256_update(bh, buf, (size_t)o.batch * (size_t)(o.seq + 1) * sizeof *buf);
             float l = 0.0f;
@@ -1139,7 +1170,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
             }
             st = kiln_train_dp_reduce_grads(tr);
         }
-        for (long a = 0; a < o.accum && st == KILN_OK && n_ranks == 1; a++) {
+        for (long a = 0; a < o.accum && st == KILN_OK && !ranked; a++) {
             st = kiln_batch_sampler_get(train_s, (uint64_t)(s * o.accum + a), buf);
             if (bh && st == KILN_OK) st = kiln_sha256_update(bh, buf, (size_t)o.batch * (size_t)(o.seq + 1) * sizeof *buf);
             for (long b = 0; b < o.batch && st == KILN_OK; b += o.per_forward) {
@@ -1174,7 +1205,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
             rc = 1;
             /* with ranks: a failure in the step's collectives is every rank's (the same norms, the
              * same refusal), or a broken transport, where this rank exits and mpirun ends the job */
-            if (n_ranks > 1) agreed = 1;
+            if (ranked) agreed = 1;
             break;
         }
         if (!rank0) { /* rank 0 keeps the metrics, the plot, the log and the evaluation */
@@ -1263,7 +1294,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
             fprintf(stderr, "step %ld/%ld loss %.4f%s%s lr %.3e grad_norm %.3f %.0f tok/s ETA %s\n", s + 1, o.steps, loss,
                     parts, ev, lr, gnorm, tps, eta);
         }
-        const int sig = n_ranks > 1 ? sig_now : train_signal; /* read once: the step and its checkpoint agree */
+        const int sig = ranked ? sig_now : train_signal; /* read once: the step and its checkpoint agree */
         if ((o.save_every && (s + 1) % o.save_every == 0) || last || stop_now || sig) {
             st = kiln_train_save(tr, ckdir, (uint64_t)(s + 1), run_json, (int)o.keep_last);
             if (st != KILN_OK) {
@@ -1294,7 +1325,7 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     st = kiln_metrics_close(csv);
     csv = NULL;
     if (st != KILN_OK && !rc) rc = cli_fail("train", path, st);
-    if (n_ranks > 1 && !rp) { /* every rank: what it held (kiln's count) and its peak resident set */
+    if (ranked && !rp) { /* every rank: what it held (kiln's count) and its peak resident set */
         char held[512];
         struct rusage ru;
         long pages = 0, resident = -1;

@@ -36,7 +36,7 @@ bad:
 
 kiln_status kiln_comm_launch_from_env(kiln_comm_launch *out) {
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_comm_launch_from_env: out is NULL");
-    kiln_comm_launch l = {KILN_COMM_LAUNCH_SELF, 1, 0, 0, NULL};
+    kiln_comm_launch l = {.kind = KILN_COMM_LAUNCH_SELF, .size = 1, .rank = 0, .local_rank = 0, .var = NULL};
 
     /* MPI launchers: Open MPI's mpirun (OMPI_COMM_WORLD_*, and PMIX_RANK), MPICH's Hydra and
      * Slurm's PMI-1/2 (PMI_RANK, PMI_SIZE), any PMIx server (PMIX_RANK). */
@@ -72,23 +72,45 @@ kiln_status kiln_comm_launch_from_env(kiln_comm_launch *out) {
         return KILN_OK;
     }
 
-    /* torchrun's variables: only GPU ranks (the NCCL communicator) can use them, since CPU
-     * ranks need MPI's transport, which only mpirun sets up. RANK alone is not looked at (the
-     * name is too common to mean a launch by itself). */
+    /* torchrun's variables: GPU ranks only (the NCCL communicator), since CPU ranks need MPI's
+     * transport, which only mpirun sets up. RANK alone is not looked at (the name is too common
+     * to mean a launch by itself). */
     int world = 1, rank = 0, has_world, has_rank;
     KILN_TRY(env_int("WORLD_SIZE", 1, &world, &has_world));
-    if (has_world && world > 1)
-        return kiln_error(KILN_ERR_UNSUPPORTED,
-                          "kiln_comm_open: WORLD_SIZE=%d (torchrun's variables) but no MPI "
-                          "launcher's: kiln's CPU ranks are launched with `mpirun -np %d ...`; "
-                          "torchrun's variables are for GPU ranks over NCCL, which kiln does "
-                          "not have yet", world, world);
     if (has_world) {
         KILN_TRY(env_int("RANK", 0, &rank, &has_rank));
-        if (has_rank && rank != 0)
+        if (world == 1 && has_rank && rank != 0)
             return kiln_error(KILN_ERR_INVALID_ARG,
                               "kiln_comm_open: RANK=%d with WORLD_SIZE=1 (torchrun's variables): "
                               "the only rank is 0", rank);
+    }
+    if (has_world && world > 1) {
+        int local = 0, has_local = 0, mport = 0, has_mport = 0, kport = 0, has_kport = 0;
+        KILN_TRY(env_int("LOCAL_RANK", 0, &local, &has_local));
+        KILN_TRY(env_int("MASTER_PORT", 1, &mport, &has_mport));
+        KILN_TRY(env_int("KILN_NCCL_PORT", 1, &kport, &has_kport));
+        const char *addr = getenv("MASTER_ADDR");
+        const char *missing = !has_rank ? "RANK" : !has_local ? "LOCAL_RANK" : !addr || !*addr ? "MASTER_ADDR"
+                            : !has_mport && !has_kport ? "MASTER_PORT" : NULL;
+        if (missing)
+            return kiln_error(KILN_ERR_INVALID_ARG,
+                              "kiln_comm_open: WORLD_SIZE=%d (torchrun's variables) but %s is not set: "
+                              "launch with torchrun, or set RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT",
+                              world, missing);
+        if (rank >= world)
+            return kiln_error(KILN_ERR_INVALID_ARG, "kiln_comm_open: RANK=%d is not below WORLD_SIZE=%d", rank,
+                              world);
+        const int port = has_kport ? kport : mport + 1;
+        if (port > 65535)
+            return kiln_error(KILN_ERR_INVALID_ARG, "kiln_comm_open: the rendezvous port %d (%s) is not a TCP port",
+                              port, has_kport ? "KILN_NCCL_PORT" : "MASTER_PORT + 1");
+        l.kind = KILN_COMM_LAUNCH_TORCHRUN;
+        l.size = world;
+        l.rank = rank;
+        l.local_rank = local;
+        l.var = "WORLD_SIZE";
+        l.master_addr = addr;
+        l.rendezvous_port = port;
     }
     *out = l;
     return KILN_OK;
@@ -227,6 +249,11 @@ kiln_status kiln_comm_open(kiln_comm **out) {
     kiln_comm_launch launch;
     KILN_TRY(kiln_comm_launch_from_env(&launch));
     if (launch.kind == KILN_COMM_LAUNCH_SELF) return comm_alloc(out);
+    if (launch.kind == KILN_COMM_LAUNCH_TORCHRUN)
+        return kiln_error(KILN_ERR_UNSUPPORTED,
+                          "kiln_comm_open: WORLD_SIZE=%d (torchrun's variables) but no MPI launcher's: "
+                          "kiln's CPU ranks are launched with `mpirun -np %d ...`; torchrun's variables "
+                          "are for GPU ranks over NCCL (--device cuda)", launch.size, launch.size);
 #ifdef KILN_HAVE_MPI
     kiln_comm *c = NULL;
     KILN_TRY(comm_alloc(&c));
@@ -252,6 +279,68 @@ void kiln_comm_close(kiln_comm *c) {
     kiln_free(c->scratch);
     kiln_free(c);
 }
+
+int kiln_comm_gpu_device(int n_devices) {
+    kiln_comm_launch launch;
+    if (kiln_comm_launch_from_env(&launch) != KILN_OK) return -1;
+    const int local = launch.local_rank > 0 ? launch.local_rank : 0;
+    return n_devices > 0 ? local % n_devices : local;
+}
+
+kiln_status kiln_comm_open_nccl(int device, kiln_comm **out) {
+    if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_comm_open_nccl: out is NULL");
+    kiln_comm_launch launch;
+    KILN_TRY(kiln_comm_launch_from_env(&launch));
+#ifdef KILN_HAVE_NCCL
+    kiln_comm *c = NULL, *boot = NULL;
+    if (launch.kind == KILN_COMM_LAUNCH_MPI) {
+#ifdef KILN_HAVE_MPI
+        KILN_TRY(comm_alloc(&boot));
+        kiln_status bst = kiln_comm_mpi_open(boot, &launch);
+        if (bst != KILN_OK) {
+            kiln_free(boot);
+            return bst;
+        }
+#else
+        return kiln_error(KILN_ERR_UNSUPPORTED,
+                          "kiln_comm_open_nccl: %s is set (an MPI launcher), but this libkiln was built without "
+                          "MPI, which GPU ranks launched by mpirun use to share NCCL's id: configure with "
+                          "-DKILN_MPI=ON, or launch with torchrun (--no-python)", launch.var);
+#endif
+    }
+    kiln_status st = comm_alloc(&c);
+    if (st == KILN_OK) st = kiln_comm_nccl_open(c, &launch, device, boot);
+    if (st != KILN_OK) {
+        kiln_free(c); /* the implementation closed boot */
+        return st;
+    }
+    *out = c;
+    return KILN_OK;
+#else
+    (void)device;
+    return kiln_error(KILN_ERR_UNSUPPORTED,
+                      "kiln_comm_open_nccl: this libkiln was built without NCCL (it needs CUDA and nccl.h at "
+                      "build time: configure with -DKILN_CUDA=ON on a machine with the CUDA toolkit)");
+#endif
+}
+
+int kiln_comm_have_nccl(void) {
+#ifdef KILN_HAVE_NCCL
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+kiln_status kiln_comm_set_stream(kiln_comm *c, void *stream) {
+    KILN_TRY(check_comm(c, "kiln_comm_set_stream"));
+    if (!c->impl->set_stream)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_comm_set_stream: the %s communicator has no device stream",
+                          c->impl->name);
+    return c->impl->set_stream(c, stream);
+}
+
+int kiln_comm_device(const kiln_comm *c) { return c && c->impl->device ? c->impl->device(c) : -1; }
 
 int kiln_comm_have_mpi(void) {
 #ifdef KILN_HAVE_MPI

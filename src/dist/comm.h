@@ -12,9 +12,11 @@
  *         same arithmetic as N ranks, so a one-process run is the N = 1 case of the same code.
  *   mpi   ranks launched by mpirun (Open MPI, or another MPI's launcher), CPU ranks; compiled
  *         only when kiln is built with KILN_MPI (kiln_comm_have_mpi()).
- *   nccl  (not written yet) GPU ranks; its buffers will be device memory.
+ *   nccl  GPU ranks (comm_nccl.c, kiln_comm_open_nccl): device buffers, NCCL moving the bytes
+ *         and a kernel adding them in rank order; host buffers are staged through the device.
  * Buffers are plain pointers "in the memory of the backend the communicator was made for":
- * host memory for self and mpi (kiln_comm_host_memory() says which).
+ * host memory for self and mpi (kiln_comm_host_memory() says which); device memory (or small
+ * host buffers) for nccl.
  *
  * Reductions are defined, not left to the library (docs/ARITHMETIC.md, "Reductions across
  * ranks"): the blocks of all ranks are exchanged (all-to-all or all-gather, plain bytes), and
@@ -52,8 +54,8 @@ typedef struct kiln_comm kiln_comm;
  *     whose size disagrees with MPI's is refused (the program was launched with another
  *     MPI's mpirun). Without KILN_MPI: KILN_ERR_UNSUPPORTED saying kiln was built without MPI.
  *   - torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) with WORLD_SIZE > 1 and no MPI
- *     launcher: KILN_ERR_UNSUPPORTED (CPU ranks are launched with mpirun; the NCCL
- *     communicator will take torchrun's variables). WORLD_SIZE=1 is one process.
+ *     launcher: KILN_ERR_UNSUPPORTED (CPU ranks are launched with mpirun; torchrun's variables
+ *     are GPU ranks', kiln_comm_open_nccl). WORLD_SIZE=1 is one process.
  *   - nothing: the self communicator, rank 0 of 1.
  * A variable that is set but not a decimal integer in range is refused, naming it. MPI cannot
  * be initialised again once finalised: an open after that is KILN_ERR_STATE. *out is set on
@@ -62,6 +64,46 @@ kiln_status kiln_comm_open(kiln_comm **out);
 
 /* The self communicator (rank 0 of 1, host memory), whatever the environment says. */
 kiln_status kiln_comm_open_self(kiln_comm **out);
+
+/* Open the communicator of GPU ranks (the nccl implementation) that the environment describes,
+ * this rank on CUDA device `device` (the caller's choice: kiln_comm_gpu_device() picks the
+ * launcher's local rank):
+ *   - an MPI launcher's variables: the ranks' NCCL unique id is broadcast over MPI (needs
+ *     KILN_MPI; the MPI communicator is kept until close);
+ *   - torchrun's variables (WORLD_SIZE > 1): rank 0 hands the id to the others over TCP on
+ *     MASTER_ADDR, port KILN_NCCL_PORT or MASTER_PORT + 1 (KILN_NCCL_TIMEOUT seconds, default
+ *     300, for every rank to arrive);
+ *   - nothing: one rank (the nccl implementation with N = 1: every collective runs on the
+ *     device through NCCL, so one GPU tests the path of N).
+ * NCCL itself is loaded at run time (dlopen): KILN_NCCL_LIBRARY names the file, else
+ * libnccl.so.2 on the loader's path (a CUDA toolkit, or PyTorch's nvidia-nccl wheel: add its
+ * lib folder to LD_LIBRARY_PATH). Errors: KILN_ERR_UNSUPPORTED when kiln was built without CUDA
+ * or NCCL's header, or the library cannot be loaded, naming what to install; KILN_ERR_IO for a
+ * failed rendezvous or NCCL call, with NCCL's text.
+ *
+ * Buffers of the nccl implementation: device memory of `device` (the collectives are queued on
+ * the communicator's stream, see kiln_comm_set_stream, and return without waiting; results
+ * are ready in stream order) or host memory (small things: losses, norms' states; staged
+ * through a device buffer, and waited for). No piece splitting: NCCL's counts are size_t. */
+kiln_status kiln_comm_open_nccl(int device, kiln_comm **out);
+
+/* The CUDA device a GPU rank takes: the launcher's local rank modulo the devices present
+ * (0 with no launcher), or -1 when no launcher variables can be read (kiln_last_error says). */
+int kiln_comm_gpu_device(int n_devices);
+
+/* 1 when this libkiln can open nccl communicators (built with CUDA and NCCL's header; the
+ * library is loaded at open), else 0. */
+int kiln_comm_have_nccl(void);
+
+/* A device communicator's collectives queued on this CUDA stream (a cudaStream_t: the backend's,
+ * so that they are ordered with its kernels without waiting on the host); NULL: the
+ * communicator's own stream. The switch waits for the work queued on the previous stream, so a
+ * stream must stay alive until the communicator is given another (a trainer made a rank with c
+ * sets NULL when it is freed, before its backend's stream goes). KILN_ERR_UNSUPPORTED for a
+ * host-memory communicator. */
+kiln_status kiln_comm_set_stream(kiln_comm *c, void *stream);
+/* The CUDA device of a device communicator, -1 for a host one. */
+int kiln_comm_device(const kiln_comm *c);
 
 /* Close (NULL is a no-op): frees the scratch, frees the duplicate communicator, and
  * finalises MPI if kiln initialised it and no other kiln communicator still uses it. Not a
@@ -78,7 +120,7 @@ int kiln_comm_size(const kiln_comm *c);       /* >= 1; 1 for NULL */
  * OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID or LOCAL_RANK from the launcher, else counted
  * with MPI_Comm_split_type(MPI_COMM_TYPE_SHARED); 0 for self and NULL. */
 int kiln_comm_local_rank(const kiln_comm *c);
-/* "self" or "mpi" (for messages), "" for NULL. */
+/* "self", "mpi" or "nccl" (for messages), "" for NULL. */
 const char *kiln_comm_name(const kiln_comm *c);
 /* 1 when the buffers of the collectives are host memory (self, mpi). */
 int kiln_comm_host_memory(const kiln_comm *c);
@@ -134,8 +176,10 @@ kiln_status kiln_comm_set_piece_bytes(kiln_comm *c, size_t piece_bytes);
 /* ---- the launch the environment describes (kiln_comm_open's first step; tests) ----------- */
 
 typedef enum kiln_comm_launch_kind {
-    KILN_COMM_LAUNCH_SELF = 0, /* no launcher: one process */
-    KILN_COMM_LAUNCH_MPI = 1,  /* an MPI launcher's variables */
+    KILN_COMM_LAUNCH_SELF = 0,     /* no launcher: one process */
+    KILN_COMM_LAUNCH_MPI = 1,      /* an MPI launcher's variables */
+    KILN_COMM_LAUNCH_TORCHRUN = 2, /* torchrun's (WORLD_SIZE > 1, RANK, LOCAL_RANK, MASTER_ADDR,
+                                    * MASTER_PORT) and no MPI launcher's: GPU ranks only */
 } kiln_comm_launch_kind;
 
 typedef struct kiln_comm_launch {
@@ -145,12 +189,16 @@ typedef struct kiln_comm_launch {
     int local_rank;  /* -1 when no variable gave it */
     const char *var; /* the variable that told of the launcher (the size's when there is one),
                       * for messages; NULL for self */
+    /* torchrun: rank 0's address (MASTER_ADDR) and the port of kiln's rendezvous:
+     * KILN_NCCL_PORT, else MASTER_PORT + 1 (torchrun's own store holds MASTER_PORT) */
+    const char *master_addr;
+    int rendezvous_port;
 } kiln_comm_launch;
 
 /* Read the launcher's variables (kiln_comm_open's rules above, before any MPI call). Errors:
  * KILN_ERR_INVALID_ARG naming a variable that is not a decimal integer in range (or a rank
- * not below the size), KILN_ERR_UNSUPPORTED for torchrun's WORLD_SIZE > 1 alone. Whether kiln
- * has MPI is not checked here. */
+ * not below the size), or torchrun's WORLD_SIZE > 1 without RANK, LOCAL_RANK, MASTER_ADDR or
+ * MASTER_PORT. Whether kiln has MPI or NCCL is not checked here. */
 kiln_status kiln_comm_launch_from_env(kiln_comm_launch *out);
 
 #endif /* KILN_DIST_COMM_H */

@@ -17,7 +17,7 @@
 #include "comm.h"
 
 typedef struct kiln_comm_i {
-    const char *name;  /* "self", "mpi": for messages */
+    const char *name;  /* "self", "mpi", "nccl": for messages */
     int host_memory;   /* 1: buffers are plain host memory */
     kiln_status (*barrier)(kiln_comm *c);
     kiln_status (*broadcast)(kiln_comm *c, void *buf, size_t nbytes, int root);
@@ -33,6 +33,9 @@ typedef struct kiln_comm_i {
     kiln_status (*allreduce_f64)(kiln_comm *c, double *x, size_t n);
     /* frees the implementation's state (impl_state); comm.c frees the rest */
     void (*close)(kiln_comm *c);
+    /* device implementations (NULL for host ones): the stream to queue on, the device */
+    kiln_status (*set_stream)(kiln_comm *c, void *stream);
+    int (*device)(const kiln_comm *c);
 } kiln_comm_i;
 
 struct kiln_comm {
@@ -46,6 +49,18 @@ struct kiln_comm {
 };
 
 #define KILN_COMM_DEFAULT_PIECE_BYTES ((size_t)1 << 30)
+
+/* comm_tcp.c: rank 0's n bytes at blob copied into every other rank's blob over TCP (rank 0
+ * listens on addr:port, the others connect, retrying until timeout_ms); size 1 does nothing. */
+kiln_status kiln_comm_tcp_share(int rank, int size, const char *addr, int port, void *blob, size_t n,
+                                int timeout_ms);
+
+#ifdef KILN_HAVE_NCCL
+/* comm_nccl.c: fill c for GPU ranks on CUDA device `device`, the unique id shared as the launch
+ * says (boot: an open MPI communicator of the same ranks to broadcast it, kept and closed with
+ * c; NULL: torchrun's rendezvous over TCP, or one rank) */
+kiln_status kiln_comm_nccl_open(kiln_comm *c, const kiln_comm_launch *launch, int device, kiln_comm *boot);
+#endif
 
 #ifdef KILN_HAVE_MPI
 /* comm_mpi.c: fill c (impl, rank, size, local_rank, impl_state) for the launch the

@@ -590,6 +590,18 @@ typedef struct kiln_backend_i {
      * format"), else to nearest even. Called at each backward's start; it restarts the count
      * of the backward's products that keys each one's random numbers. */
     void (*grad_rounding)(kiln_backend *be, int stochastic, uint64_t seed, uint64_t step, uint64_t micro);
+
+    /* Optional, device backends (NULL on the CPU, whose memory is the host's): the moves of a
+     * data-parallel rank's flat vector (src/train/trainer_dp.c) between the trainer's tensors
+     * and the communicator's device buffers, queued on the backend's stream like its kernels.
+     *   copy        dst <- src, nbytes, both backend memory (may not overlap);
+     *   bf16_words  to_words: words[i] = (uint32_t)h[i] << 16 (a bf16 weight as the 4-byte word
+     *               the collectives move, exact); else h[i] = words[i] >> 16;
+     *   native_stream  the stream those are queued on (a cudaStream_t), which the communicator
+     *               queues its collectives on too, so they are ordered without host waits. */
+    kiln_status (*copy)(kiln_backend *be, void *dst, const void *src, size_t nbytes);
+    void (*bf16_words)(kiln_backend *be, uint32_t *words, uint16_t *h, size_t n, int to_words);
+    void *(*native_stream)(kiln_backend *be);
 } kiln_backend_i;
 
 /* The most products one matmul_multi / matmul_backward_multi call takes. */

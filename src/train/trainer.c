@@ -685,7 +685,8 @@ kiln_status kiln_train_create_rank(kiln_model *m, const kiln_train_params *param
     const int ranks = kiln_comm_size(c), lean = ranks > 1 && zero_stage == 3 && (!params || params->device < 0);
     kiln_trainer *t = NULL;
     KILN_TRY(trainer_create(m, params, lean ? kiln_comm_rank(c) : 0, lean ? ranks : 1, consume, &t));
-    kiln_status st = ranks > 1 ? kiln_train_dp_attach(t, c, zero_stage) : KILN_OK;
+    /* a device communicator (nccl) is a rank even alone: one GPU runs the path of N */
+    kiln_status st = ranks > 1 || (c && !kiln_comm_host_memory(c)) ? kiln_train_dp_attach(t, c, zero_stage) : KILN_OK;
     if (st != KILN_OK) {
         kiln_trainer_free(t);
         return st;
@@ -1433,7 +1434,8 @@ static kiln_status adamw_step(kiln_trainer *t, const char *call, double lr, cons
     KILN_TRY(backend_poll(t, call)); /* the next step queues behind it */
     /* the steps wrote the bf16 copy of every weight as they updated it (create_optimizers
      * gave them their w16): the bits to_bf16 would make, so no conversion pass */
-    if (t->step_writes_shadow) t->shadow_stale = 0;
+    if (t->step_writes_shadow && kiln_train_dp_size(t) == 1) t->shadow_stale = 0;
+    /* (with several ranks the gathered ranges of the others changed too: the copy is remade) */
     return KILN_OK;
 }
 

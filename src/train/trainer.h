@@ -78,9 +78,13 @@ int kiln_trainer_fast(const kiln_trainer *t);
  * state sharded, every rank keeping the whole weights; 3: the weights too (each layer's gathered
  * for its forward and its backward, its gradients summed to their owners layer by layer; what
  * a rank does not own is given back to the system). Call after create, before any optimizer
- * step or load. A communicator of one rank leaves t as it is. KILN_ERR_UNSUPPORTED for a GPU
- * trainer (NCCL is not written yet), stochastic rounding and 8-bit moments (their arithmetic
- * depends on an element's index in its tensor).
+ * step or load. A host communicator of one rank leaves t as it is. GPU ranks: a GPU trainer
+ * with the nccl communicator on its device (kiln_comm_open_nccl), which makes t a rank even with
+ * one rank (one GPU runs the path of N); ZeRO-2 only (stage 3 is KILN_ERR_UNSUPPORTED: a GPU
+ * gives no memory back page by page), and no load (resume a GPU run's set on the CPU).
+ * KILN_ERR_UNSUPPORTED too for stochastic rounding and 8-bit moments (their arithmetic depends
+ * on an element's index in its tensor), and a CPU trainer with a device communicator or the
+ * other way round.
  * Stage 3: a step is kiln_train_step_batch or kiln_train_custom_step (each agrees with the
  * other ranks at its start and after its loss, so that a failure on one rank stops every rank
  * at the same point), or kiln_train_dp_idle_step on a rank without a micro-batch; a forward
@@ -88,7 +92,8 @@ int kiln_trainer_fast(const kiln_trainer *t);
  * a rank's memory only between kiln_train_dp_gather_params and the next step, optimizer step or
  * kiln_train_dp_release_params (kiln_train_get_param refuses them otherwise). */
 kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c, int zero_stage);
-/* kiln_trainer_create, then kiln_train_dp_attach when c has more than one rank: with ZeRO-3 on
+/* kiln_trainer_create, then kiln_train_dp_attach when c has more than one rank (or is a device
+ * communicator): with ZeRO-3 on
  * the CPU the trainer is made for its rank from the start (only the rank's range of the
  * weights is written and its optimizers cover that range; the pages of the rest are never
  * touched), so no rank ever holds the whole training state. consume (made lean, and the model's

@@ -52,6 +52,17 @@ struct kiln_train_dp {
     int *whole;        /* (n_params) its slot in one process's optimizer of its kind */
     uint32_t *stage;   /* (size, chunk) words: a chunk of every rank's range */
     uint32_t *own;     /* (chunk) words: this rank's part of a chunk (reduce-scatter's result) */
+    /* GPU ranks (a device trainer and the nccl communicator): stage and own are device memory
+     * of this backend (NULL: host ranks); hwords is a host chunk (checkpoints, the norms of
+     * tensors cut by a range's end), h16 its bf16 half; the optimizer state of one slot
+     * downloaded for the chunks of a checkpoint (cache_o, cache_j: which) */
+    kiln_backend *dev;
+    uint32_t *hwords;
+    uint16_t *h16;
+    const kiln_adamw *cache_o;
+    int cache_j;
+    float *cache_m, *cache_v;
+    int64_t cache_n;
 
     /* ZeRO-3 (sharded): the weights are sharded too. Unit l < L: layer l's matrices; unit L
      * ("the rest"): the per-model parameters, the extras and every vector (small, kept whole
@@ -73,6 +84,17 @@ struct kiln_train_dp {
 
 static void dp_free(kiln_train_dp *d) {
     if (!d) return;
+    if (d->dev) {
+        /* the communicator outlives the trainer, the backend's stream does not: back to its own */
+        if (d->c) (void)kiln_comm_set_stream(d->c, NULL);
+        kiln_backend_free_buf(d->dev, d->stage);
+        kiln_backend_free_buf(d->dev, d->own);
+        d->stage = d->own = NULL;
+    }
+    kiln_free(d->hwords);
+    kiln_free(d->h16);
+    kiln_free(d->cache_m);
+    kiln_free(d->cache_v);
     kiln_free(d->unit);
     kiln_free(d->gathered);
     kiln_free(d->out_w);
@@ -97,15 +119,81 @@ typedef struct flat_io {
     kiln_trainer *t;
     int what;               /* FLAT_GRAD, FLAT_WEIGHT, or a state kind 0..3 */
     kiln_adamw *wm, *wv;    /* state kinds: one process's optimizers, or NULL: this rank's shards */
+    int dev_words;          /* a GPU rank: the words are the backend's memory (stage, own), else host */
 } flat_io;
 
 static kiln_status slot_words(kiln_adamw *o, int j, int kind, int64_t off, int64_t n, uint32_t *words, int to_words);
 static kiln_status shard_weights(kiln_trainer *t);
 
+static kiln_status dev_state_words(kiln_train_dp *d, kiln_adamw *o, int j, int64_t sn, int kind, int64_t off,
+                                   int64_t n, uint32_t *words);
+
+/* A GPU rank's segment: n elements of tensor memory at p (4-byte f32, or bf16 when half) to or
+ * from words, which are device memory (f->dev_words) or host memory. */
+static kiln_status dev_segment(const flat_io *f, void *p, int half, uint32_t *x, int64_t n, int to_words) {
+    kiln_train_dp *d = f->t->dp;
+    kiln_backend *be = d->dev;
+    if (f->dev_words) {
+        if (!half)
+            return to_words ? be->i->copy(be, x, p, (size_t)n * 4) : be->i->copy(be, p, x, (size_t)n * 4);
+        be->i->bf16_words(be, x, p, (size_t)n, to_words);
+        return KILN_OK;
+    }
+    /* host words, a chunk at most: through h16 for bf16 */
+    if (!half)
+        return to_words ? kiln_backend_download(be, x, p, (size_t)n * 4) : kiln_backend_upload(be, p, x, (size_t)n * 4);
+    if (to_words) {
+        KILN_TRY(kiln_backend_download(be, d->h16, p, (size_t)n * 2));
+        for (int64_t k = 0; k < n; k++) x[k] = (uint32_t)d->h16[k] << 16;
+        return KILN_OK;
+    }
+    for (int64_t k = 0; k < n; k++) d->h16[k] = (uint16_t)(x[k] >> 16);
+    return kiln_backend_upload(be, p, d->h16, (size_t)n * 2);
+}
+
 /* Elements [a, b) of the flat vector to words (to_words; past total: 0) or from them. */
 static kiln_status flat_move(const flat_io *f, int64_t a, int64_t b, uint32_t *w, int to_words) {
     kiln_trainer *t = f->t;
     const kiln_train_dp *d = t->dp;
+    if (d->dev) { /* a GPU rank: gradients and weights (and the state, to host words) */
+        int i = 0;
+        while (i < t->n_params && d->first[i + 1] <= a) i++;
+        for (; i < t->n_params && d->first[i] < b; i++) {
+            train_param *p = &t->params[i];
+            const int64_t s = a > d->first[i] ? a : d->first[i], e = b < d->first[i + 1] ? b : d->first[i + 1];
+            const int64_t e0 = s - d->first[i], n = e - s;
+            uint32_t *x = w + (s - a);
+            if (f->what == FLAT_GRAD) {
+                KILN_TRY(dev_segment(f, p->g + e0, 0, x, n, to_words));
+            } else if (f->what == FLAT_WEIGHT) {
+                const int half = p->dtype != KILN_DTYPE_F32;
+                KILN_TRY(dev_segment(f, (uint8_t *)p->w + (size_t)e0 * (half ? 2 : 4), half, x, n, to_words));
+            } else {
+                const int is_mat = p->n_dims == 2;
+                if (f->dev_words || !to_words || f->wm)
+                    return kiln_error(KILN_ERR_UNSUPPORTED, "trainer: a GPU rank's optimizer state is read into "
+                                      "host words only (a checkpoint's shard)");
+                if (!is_mat && f->what >= 2) {
+                    memset(x, 0, (size_t)n * 4);
+                    continue;
+                }
+                const int64_t off = is_mat ? t->mat_off[d->slot[i]] : t->vec_off[d->slot[i]];
+                const int64_t pa = d->lo > d->first[i] ? d->lo : d->first[i];
+                const int64_t pb = d->hi < d->first[i + 1] ? d->hi : d->first[i + 1];
+                KILN_TRY(dev_state_words(t->dp, is_mat ? t->opt_mat : t->opt_vec, d->slot[i], pb - pa, f->what,
+                                         e0 - off, n, x));
+            }
+        }
+        if (to_words && b > d->total) {
+            const int64_t z = a > d->total ? a : d->total;
+            if (f->dev_words) {
+                d->dev->i->zero(d->dev, (float *)(void *)(w + (z - a)), (size_t)(b - z));
+            } else {
+                memset(w + (z - a), 0, (size_t)(b - z) * 4);
+            }
+        }
+        return KILN_OK;
+    }
     int i = 0;
     while (i < t->n_params && d->first[i + 1] <= a) i++;
     for (; i < t->n_params && d->first[i] < b; i++) {
@@ -160,7 +248,7 @@ static int64_t chunk_len(const kiln_train_dp *d, int64_t c0) { return d->S - c0 
 /* Every rank's elements [r S + c0, r S + c0 + len) of f to every rank (an all-gather of this
  * rank's part), written where they live when write (else left in stage). */
 static kiln_status gather_chunk(const flat_io *f, int64_t c0, int64_t len, int write) {
-    kiln_train_dp *d = f->t->dp;
+    kiln_train_dp *d = f->t->dp; /* f->dev_words: stage is the backend's on a GPU rank */
     uint32_t *mine = d->stage + (size_t)d->rank * (size_t)len;
     KILN_TRY(flat_move(f, d->lo + c0, d->lo + c0 + len, mine, 1));
     KILN_TRY(kiln_comm_allgather(d->c, d->stage, mine, (size_t)len * 4));
@@ -195,12 +283,28 @@ kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c, int zero_stage) 
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_dp_attach: ZeRO stage %d: use 2 (gradients and optimizer "
                           "state sharded) or 3 (the weights too)", zero_stage);
     if (t->dp) return kiln_error(KILN_ERR_STATE, "kiln_train_dp_attach: the trainer is a rank already");
-    if (kiln_comm_size(c) == 1) return KILN_OK; /* one process: the trainer as it is */
-    if (!t->host || !kiln_comm_host_memory(c))
+    /* one process: the trainer as it is; a device communicator of one rank (nccl) runs the
+     * ranks' path, so that one GPU tests what N do */
+    if (kiln_comm_size(c) == 1 && kiln_comm_host_memory(c)) return KILN_OK;
+    if (t->host != kiln_comm_host_memory(c))
         return kiln_error(KILN_ERR_UNSUPPORTED,
-                          "kiln_train_dp_attach: data-parallel ranks on a GPU need the NCCL communicator, which is "
-                          "not written yet: %d %s ranks train on the CPU only", kiln_comm_size(c),
+                          "kiln_train_dp_attach: a %s trainer with the %s communicator: CPU ranks talk over MPI "
+                          "(mpirun), GPU ranks over NCCL (kiln_comm_open_nccl)", t->host ? "CPU" : "GPU",
                           kiln_comm_name(c));
+    if (!t->host) {
+        const kiln_backend_i *bi = t->be->i;
+        if (!bi->copy || !bi->bf16_words || !bi->native_stream || !bi->zero)
+            return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_train_dp_attach: the %s backend cannot move a rank's "
+                              "flat vector (no copy, bf16_words or native_stream)", bi->name);
+        if (kiln_comm_device(c) != t->p.device)
+            return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_dp_attach: the communicator is on CUDA device %d, "
+                              "the trainer on device %d", kiln_comm_device(c), t->p.device);
+        if (zero_stage == 3)
+            return kiln_error(KILN_ERR_UNSUPPORTED,
+                              "kiln_train_dp_attach: ZeRO-3 on GPU ranks is not written yet (a GPU gives no memory "
+                              "back page by page; it needs CUDA's virtual memory mapping): use ZeRO-2 (--zero 2: "
+                              "gradients and optimizer state sharded, the weights whole on every rank)");
+    }
     if (t->p.weight_storage == KILN_STORAGE_BF16_SR || t->p.moment_storage == KILN_MOMENTS_Q8)
         return kiln_error(KILN_ERR_UNSUPPORTED,
                           "kiln_train_dp_attach: %s with %d ranks is not supported yet (its arithmetic depends on "
@@ -234,12 +338,28 @@ kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c, int zero_stage) 
          * sends), so a ZeRO-3 rank touches only the pages its pieces use */
         size_t words = 0, bytes = 0;
         if (!kiln_mul_overflow((size_t)d->chunk, (size_t)d->size, &words) && !kiln_mul_overflow(words, 4, &bytes)) {
-            d->stage = kiln_malloc(bytes);
-            d->own = kiln_malloc((size_t)d->chunk * 4);
+            if (t->host) {
+                d->stage = kiln_malloc(bytes);
+                d->own = kiln_malloc((size_t)d->chunk * 4);
+            } else { /* a GPU rank: the collectives' buffers on the device, a host chunk beside */
+                d->dev = t->be;
+                d->stage = kiln_backend_alloc(t->be, bytes);
+                d->own = kiln_backend_alloc(t->be, (size_t)d->chunk * 4);
+                d->hwords = kiln_malloc((size_t)d->chunk * 4);
+                d->h16 = kiln_malloc((size_t)d->chunk * 2);
+                d->cache_j = -1;
+                if (d->stage && d->own && d->hwords && d->h16) {
+                    kiln_status sst = kiln_comm_set_stream(c, t->be->i->native_stream(t->be));
+                    if (sst != KILN_OK) {
+                        dp_free(d);
+                        return kiln_error_prefix(sst, "kiln_train_dp_attach");
+                    }
+                }
+            }
         }
         d->slot = kiln_calloc((size_t)t->n_params + 1, sizeof(int));
         d->whole = kiln_calloc((size_t)t->n_params + 1, sizeof(int));
-        if (!d->stage || !d->own || !d->slot || !d->whole)
+        if (!d->stage || !d->own || !d->slot || !d->whole || (d->dev && (!d->hwords || !d->h16)))
             st = kiln_error(KILN_ERR_NOMEM, "kiln_train_dp_attach: out of memory for the staging (%lld words)",
                             (long long)(d->chunk * d->size));
         int n_mat = 0, n_vec = 0;
@@ -288,6 +408,8 @@ kiln_status kiln_train_dp_zero_grads(kiln_trainer *t) {
     KILN_TRY(kiln_trainer_enter(t, "kiln_train_dp_zero_grads"));
     if (t->dp && t->dp->sharded)
         kiln_trainer_dp_zero_own_grads(t);
+    else if (!t->host)
+        t->be->i->zero(t->be, t->grad_block, t->n_grad);
     else
         for (int i = 0; i < t->n_params; i++) memset(t->params[i].g, 0, (size_t)t->params[i].n * sizeof(float));
     t->grad_coef = 1.0f;
@@ -305,7 +427,7 @@ kiln_status kiln_train_dp_reduce_grads(kiln_trainer *t) {
                           "unusable (a step failed after its gradient work began)" : "clipped already");
     /* chunk by chunk: every rank's part of the chunk packed in rank order, reduce-scattered,
      * this rank's part of the sum written over its gradients (positions no later chunk reads) */
-    const flat_io f = {t, FLAT_GRAD, NULL, NULL};
+    const flat_io f = {t, FLAT_GRAD, NULL, NULL, d->dev != NULL};
     for (int64_t c0 = 0; c0 < d->S; c0 += d->chunk) {
         const int64_t len = chunk_len(d, c0);
         for (int r = 0; r < d->size; r++) {
@@ -326,11 +448,48 @@ kiln_status kiln_train_dp_reduce_grads(kiln_trainer *t) {
  * cut between ranks one rank after another (the lane state handed on by N - 1 small
  * all-gathers: round k passes rank k's state to rank k + 1), then the ranks' finished norms
  * are all-gathered and each taken from the rank holding its tensor's last element. */
+/* Elements [e0, e0 + len) of parameter i's gradient fed to s: in place on the CPU; on a GPU
+ * rank downloaded a host chunk at a time (the state carries across chunks, so the sum is the
+ * one of a single feed). */
+static kiln_status feed_grad(kiln_trainer *t, kiln_sumsq8_state *s, int i, int64_t e0, int64_t len) {
+    kiln_train_dp *d = t->dp;
+    const train_param *p = &t->params[i];
+    if (!d->dev) {
+        kiln_sumsq8_feed(s, p->g + e0, e0, len, p->n);
+        return KILN_OK;
+    }
+    for (int64_t k = 0; k < len; k += d->chunk) {
+        const int64_t n = len - k < d->chunk ? len - k : d->chunk;
+        KILN_TRY(kiln_backend_download(d->dev, d->hwords, p->g + e0 + k, (size_t)n * 4));
+        kiln_sumsq8_feed(s, (const float *)(const void *)d->hwords, e0 + k, n, p->n);
+    }
+    return KILN_OK;
+}
+
+/* A GPU rank: the norms of the optimizers' slots (the backend's per-tensor norms, which have the
+ * CPU's bits), by parameter; a slot that is a whole parameter gives that parameter's norm. */
+static kiln_status slot_norms(kiln_trainer *t, float *by_param) {
+    float *part = kiln_malloc((size_t)(t->n_mat + t->n_vec + 1) * sizeof(float));
+    if (!part) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for the gradient norms");
+    kiln_status st = t->n_mat ? kiln_adamw_grad_norm(t->opt_mat, NULL, part, NULL, NULL) : KILN_OK;
+    for (int j = 0; st == KILN_OK && j < t->n_mat; j++) by_param[t->mat_index[j]] = part[j];
+    if (st == KILN_OK && t->n_vec) st = kiln_adamw_grad_norm(t->opt_vec, NULL, part, NULL, NULL);
+    for (int j = 0; st == KILN_OK && j < t->n_vec; j++) by_param[t->vec_index[j]] = part[j];
+    kiln_free(part);
+    return st;
+}
+
 kiln_status kiln_trainer_dp_norms(kiln_trainer *t, float *norms) {
     kiln_train_dp *d = t->dp;
     const int P = t->n_params;
     float *loc = kiln_calloc((size_t)P, sizeof(float)); /* this rank's finished norms, else 0 */
     if (!loc) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for the gradient norms");
+    kiln_status st = KILN_OK;
+    if (d->dev) { /* the tensors whole in this range: the device's norms */
+        st = slot_norms(t, loc);
+        for (int i = 0; i < P; i++)
+            if (!(d->first[i] >= d->lo && d->first[i + 1] <= d->hi && d->first[i + 1] > d->first[i])) loc[i] = 0.0f;
+    }
     /* the tensors meeting [lo, hi): i0 .. i1 - 1 */
     int i0 = 0, i1 = 0;
     while (i0 < P && d->first[i0 + 1] <= d->lo) i0++;
@@ -340,11 +499,12 @@ kiln_status kiln_trainer_dp_norms(kiln_trainer *t, float *norms) {
     kiln_sumsq8_state out;
     kiln_sumsq8_begin(&out);
     int last_open = 0; /* the last tensor goes on past hi: its state is handed on */
-    for (int i = i0 + needs_in; i < i1; i++) {
+    for (int i = i0 + needs_in; st == KILN_OK && i < i1; i++) {
         const int64_t a = d->first[i], b = d->hi < d->first[i + 1] ? d->hi : d->first[i + 1];
+        if (d->dev && b == d->first[i + 1]) continue; /* whole here: slot_norms gave it */
         kiln_sumsq8_state s;
         kiln_sumsq8_begin(&s);
-        kiln_sumsq8_feed(&s, t->params[i].g, 0, b - a, t->params[i].n);
+        st = feed_grad(t, &s, i, 0, b - a);
         if (b == d->first[i + 1]) {
             loc[i] = sqrtf(s.sum);
         } else {
@@ -352,9 +512,8 @@ kiln_status kiln_trainer_dp_norms(kiln_trainer *t, float *norms) {
             last_open = 1;
         }
     }
-    kiln_status st = KILN_OK;
-    kiln_sumsq8_state *ring = kiln_calloc((size_t)d->size, sizeof *ring);
-    if (!ring) st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for the gradient norms");
+    kiln_sumsq8_state *ring = st == KILN_OK ? kiln_calloc((size_t)d->size, sizeof *ring) : NULL;
+    if (st == KILN_OK && !ring) st = kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for the gradient norms");
     for (int k = 0; st == KILN_OK && k + 1 < d->size; k++) {
         /* this rank's state for the next one is final from round rank on */
         kiln_sumsq8_state mine = out;
@@ -364,7 +523,7 @@ kiln_status kiln_trainer_dp_norms(kiln_trainer *t, float *norms) {
         /* tensor i0 from the previous rank's state on */
         kiln_sumsq8_state s = ring[k];
         const int64_t a = d->lo, b = d->hi < d->first[i0 + 1] ? d->hi : d->first[i0 + 1];
-        kiln_sumsq8_feed(&s, t->params[i0].g + (a - d->first[i0]), a - d->first[i0], b - a, t->params[i0].n);
+        st = feed_grad(t, &s, i0, a - d->first[i0], b - a);
         if (b == d->first[i0 + 1]) {
             loc[i0] = sqrtf(s.sum);
         } else { /* i0 covers the whole range and goes on */
@@ -398,7 +557,7 @@ kiln_status kiln_trainer_dp_after_update(kiln_trainer *t) {
         release_all(t);
         return KILN_OK;
     }
-    const flat_io f = {t, FLAT_WEIGHT, NULL, NULL};
+    const flat_io f = {t, FLAT_WEIGHT, NULL, NULL, d->dev != NULL};
     for (int64_t c0 = 0; c0 < d->S; c0 += d->chunk) KILN_TRY(gather_chunk(&f, c0, chunk_len(d, c0), 1));
     return KILN_OK;
 }
@@ -519,7 +678,7 @@ static kiln_status unit_pieces(kiln_trainer *t, int u, int64_t cap,
 /* A piece of weights from its owner r to every rank. */
 static kiln_status gather_piece(kiln_trainer *t, int r, int64_t a, int64_t b) {
     kiln_train_dp *d = t->dp;
-    const flat_io f = {t, FLAT_WEIGHT, NULL, NULL};
+    const flat_io f = {t, FLAT_WEIGHT, NULL, NULL, 0};
     if (r == d->rank) KILN_TRY(flat_move(&f, a, b, d->stage, 1));
     KILN_TRY(kiln_comm_broadcast(d->c, d->stage, (size_t)(b - a) * 4, r));
     return r != d->rank ? flat_move(&f, a, b, d->stage, 0) : KILN_OK;
@@ -528,7 +687,7 @@ static kiln_status gather_piece(kiln_trainer *t, int r, int64_t a, int64_t b) {
 /* A piece of gradients summed over the ranks into its owner r (rank order from +0). */
 static kiln_status reduce_piece(kiln_trainer *t, int r, int64_t a, int64_t b) {
     kiln_train_dp *d = t->dp;
-    const flat_io f = {t, FLAT_GRAD, NULL, NULL};
+    const flat_io f = {t, FLAT_GRAD, NULL, NULL, 0};
     KILN_TRY(flat_move(&f, a, b, d->stage, 1));
     KILN_TRY(kiln_comm_reduce_f32(d->c, (float *)(void *)d->own, (const float *)(const void *)d->stage,
                                   (size_t)(b - a), r));
@@ -835,12 +994,53 @@ static kiln_status slot_words(kiln_adamw *o, int j, int kind, int64_t off, int64
     return KILN_OK;
 }
 
+/* A GPU rank's optimizer slot j of o, array `kind`, words [off, off + n) into host words: the
+ * slot's arrays downloaded once (kiln_adamw_get_moments, _master, _compensation) and kept for
+ * the chunks that follow, which read the same slot in order. */
+static kiln_status dev_state_words(kiln_train_dp *d, kiln_adamw *o, int j, int64_t sn, int kind, int64_t off,
+                                   int64_t n, uint32_t *words) {
+    if (off < 0 || off + n > sn)
+        return kiln_error(KILN_ERR_INTERNAL, "trainer: optimizer slot %d holds %lld elements, not [%lld, %lld)", j,
+                          (long long)sn, (long long)off, (long long)(off + n));
+    if (kind < 2) {
+        if (d->cache_o != o || d->cache_j != j) {
+            if (sn > d->cache_n) {
+                kiln_free(d->cache_m);
+                kiln_free(d->cache_v);
+                d->cache_m = kiln_malloc((size_t)sn * sizeof(float));
+                d->cache_v = kiln_malloc((size_t)sn * sizeof(float));
+                d->cache_n = d->cache_m && d->cache_v ? sn : 0;
+                if (!d->cache_n) {
+                    d->cache_o = NULL;
+                    return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for a checkpoint's optimizer state");
+                }
+            }
+            d->cache_o = NULL;
+            KILN_TRY(kiln_adamw_get_moments(o, j, d->cache_m, d->cache_v));
+            d->cache_o = o;
+            d->cache_j = j;
+        }
+        memcpy(words, (kind == 0 ? d->cache_m : d->cache_v) + off, (size_t)n * 4);
+        return KILN_OK;
+    }
+    if (kind == 2) {
+        const float *m = kiln_adamw_master(o, j); /* the optimizer's host mirror */
+        if (!m) return kiln_error_prefix(KILN_ERR_IO, "trainer: optimizer slot %d's master copy", j);
+        memcpy(words, m + off, (size_t)n * 4);
+        return KILN_OK;
+    }
+    const uint16_t *c = kiln_adamw_compensation(o, j);
+    if (!c) return kiln_error_prefix(KILN_ERR_IO, "trainer: optimizer slot %d's compensation", j);
+    for (int64_t k = 0; k < n; k++) words[k] = (uint32_t)c[off + k] << 16;
+    return KILN_OK;
+}
+
 /* wm / wv (one process's optimizers, the same on every rank) into this rank's shards. */
 static kiln_status scatter_state(kiln_trainer *t, kiln_adamw *wm, kiln_adamw *wv) {
     kiln_train_dp *d = t->dp;
     for (int kind = 0; kind < STATE_KINDS; kind++) {
         if (!kind_exists(t, kind)) continue;
-        const flat_io mine = {t, kind, NULL, NULL}, whole = {t, kind, wm, wv};
+        const flat_io mine = {t, kind, NULL, NULL, 0}, whole = {t, kind, wm, wv, 0};
         for (int64_t a = d->lo; a < d->hi; a += d->chunk) {
             const int64_t b = a + d->chunk < d->hi ? a + d->chunk : d->hi;
             KILN_TRY(flat_move(&whole, a, b, d->own, 1));
@@ -886,11 +1086,12 @@ static const char *const flat_section[] = {"flat/m", "flat/v", "flat/master", "f
 /* Elements [lo, hi) of f into the shard being written, a chunk (d->own) at a time. */
 static kiln_status write_flat(kiln_ckpt_writer *w, const char *name, const flat_io *f) {
     kiln_train_dp *d = f->t->dp;
+    uint32_t *words = d->dev ? d->hwords : d->own; /* host words (f->dev_words 0) */
     KILN_TRY(kiln_ckpt_section_begin(w, name, KILN_CKPT_RAW));
     for (int64_t a = d->lo; a < d->hi; a += d->chunk) {
         const int64_t b = a + d->chunk < d->hi ? a + d->chunk : d->hi;
-        KILN_TRY(flat_move(f, a, b, d->own, 1));
-        KILN_TRY(kiln_ckpt_section_write(w, d->own, (size_t)(b - a) * 4));
+        KILN_TRY(flat_move(f, a, b, words, 1));
+        KILN_TRY(kiln_ckpt_section_write(w, words, (size_t)(b - a) * 4));
     }
     return kiln_ckpt_section_end(w);
 }
@@ -917,10 +1118,10 @@ static kiln_status write_shard(kiln_trainer *t, const char *dir, uint64_t step, 
         const double lr[2] = {kiln_adamw_get_lr(t->opt_mat), kiln_adamw_get_lr(t->opt_vec)};
         st = kiln_ckpt_add_section(w, "optimizer/lr", KILN_CKPT_RAW, lr, sizeof lr);
     }
-    const flat_io weights = {t, FLAT_WEIGHT, NULL, NULL};
+    const flat_io weights = {t, FLAT_WEIGHT, NULL, NULL, 0};
     if (st == KILN_OK) st = write_flat(w, "flat/weight", &weights);
     for (int kind = 0; st == KILN_OK && kind < STATE_KINDS; kind++) {
-        const flat_io f = {t, kind, NULL, NULL};
+        const flat_io f = {t, kind, NULL, NULL, 0};
         if (kind_exists(t, kind)) st = write_flat(w, flat_section[kind], &f);
     }
     kiln_free(cfg);
@@ -1081,10 +1282,10 @@ kiln_status kiln_trainer_load_set(kiln_trainer *t, kiln_ckpt *c, uint64_t *step,
     /* then this rank's range of every array (a process alone: all of it) */
     kiln_train_dp *keep = t->dp;
     t->dp = d;
-    const flat_io weights = {t, FLAT_WEIGHT, NULL, NULL};
+    const flat_io weights = {t, FLAT_WEIGHT, NULL, NULL, 0};
     if (st == KILN_OK) st = read_flat(&weights, n, lo, hi, sec);
     for (int kind = 0; st == KILN_OK && kind < STATE_KINDS; kind++) {
-        const flat_io f = {t, kind, NULL, NULL};
+        const flat_io f = {t, kind, NULL, NULL, 0};
         if (kind_exists(t, kind)) st = read_flat(&f, n, lo, hi, sec + (size_t)n * (1 + kind));
     }
     t->dp = keep;
@@ -1123,6 +1324,9 @@ kiln_status kiln_trainer_dp_load(kiln_trainer *t, const char *dir, int64_t at, u
     kiln_train_dp *d = t->dp;
     kiln_ckpt *c = NULL;
     kiln_status st = KILN_OK;
+    if (d->dev) /* the same refusal on every rank, before any collective */
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_train_load: GPU ranks do not resume yet (their sets of shards "
+                          "load on CPU ranks, or one CPU process, and export as any checkpoint)");
     /* rank 0 opens it, verifying every byte (a resume sets a damaged newer checkpoint aside);
      * then the others open the step it chose, each section's checksum checked as they read it
      * (so a rank hashes the shards it reads, not the whole set) */

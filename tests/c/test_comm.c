@@ -8,9 +8,13 @@
  * ranks, an MPI error (a truncated message) reported with MPI's text. */
 #include "base/base.h"
 #include "dist/comm.h"
+#include "dist/comm_impl.h" /* kiln_comm_tcp_share */
 #include "test_util.h"
 
 #include <math.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
 #include <stdint.h>
 
 #define SEED 0x636f6d6d5eedull
@@ -262,7 +266,8 @@ static void check_argument_errors(kiln_comm *c) {
 
 static const char *const LAUNCH_VARS[] = {
     "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_SIZE",
-    "PMI_RANK", "PMIX_RANK", "MPI_LOCALRANKID", "WORLD_SIZE", "RANK", "LOCAL_RANK"};
+    "PMI_RANK", "PMIX_RANK", "MPI_LOCALRANKID", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
+    "MASTER_PORT", "KILN_NCCL_PORT"};
 #define N_LAUNCH_VARS (sizeof LAUNCH_VARS / sizeof LAUNCH_VARS[0])
 
 static void clear_launch_env(void) {
@@ -275,14 +280,37 @@ static void check_launch_rules(void) {
     CHECK_ERR(kiln_comm_launch_from_env(&l), KILN_OK, "");
     CHECK(l.kind == KILN_COMM_LAUNCH_SELF && l.size == 1 && l.rank == 0 && l.local_rank == 0);
 
-    /* torchrun: WORLD_SIZE > 1 needs mpirun for CPU ranks; WORLD_SIZE 1 is one process */
+    /* torchrun: WORLD_SIZE > 1 is GPU ranks' (NCCL), and needs its other variables; CPU ranks
+     * need mpirun; WORLD_SIZE 1 is one process */
     setenv("WORLD_SIZE", "2", 1);
     setenv("RANK", "1", 1);
     setenv("LOCAL_RANK", "1", 1);
-    CHECK_ERR(kiln_comm_launch_from_env(&l), KILN_ERR_UNSUPPORTED, "mpirun -np 2");
+    CHECK_ERR(kiln_comm_launch_from_env(&l), KILN_ERR_INVALID_ARG, "MASTER_ADDR is not set");
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    CHECK_ERR(kiln_comm_launch_from_env(&l), KILN_ERR_INVALID_ARG, "MASTER_PORT is not set");
+    setenv("MASTER_PORT", "29500", 1);
+    CHECK_ERR(kiln_comm_launch_from_env(&l), KILN_OK, "");
+    CHECK(l.kind == KILN_COMM_LAUNCH_TORCHRUN && l.size == 2 && l.rank == 1 && l.local_rank == 1);
+    CHECK(l.master_addr && !strcmp(l.master_addr, "127.0.0.1") && l.rendezvous_port == 29501);
+    setenv("KILN_NCCL_PORT", "40000", 1);
+    CHECK_ERR(kiln_comm_launch_from_env(&l), KILN_OK, "");
+    CHECK(l.rendezvous_port == 40000);
+    setenv("MASTER_PORT", "65535", 1);
+    unsetenv("KILN_NCCL_PORT");
+    CHECK_ERR(kiln_comm_launch_from_env(&l), KILN_ERR_INVALID_ARG, "not a TCP port");
+    setenv("MASTER_PORT", "29500", 1);
+    setenv("RANK", "2", 1);
+    CHECK_ERR(kiln_comm_launch_from_env(&l), KILN_ERR_INVALID_ARG, "RANK=2 is not below WORLD_SIZE=2");
+    setenv("RANK", "1", 1);
     kiln_comm *c = NULL;
     CHECK_ERR(kiln_comm_open(&c), KILN_ERR_UNSUPPORTED, "WORLD_SIZE=2 (torchrun");
     CHECK(c == NULL);
+    if (!kiln_comm_have_nccl()) {
+        CHECK_ERR(kiln_comm_open_nccl(0, &c), KILN_ERR_UNSUPPORTED, "built without NCCL");
+        CHECK(c == NULL);
+    }
+    unsetenv("MASTER_ADDR");
+    unsetenv("MASTER_PORT");
     setenv("WORLD_SIZE", "1", 1);
     CHECK_ERR(kiln_comm_launch_from_env(&l), KILN_ERR_INVALID_ARG, "RANK=1 with WORLD_SIZE=1");
     setenv("RANK", "0", 1);
@@ -353,6 +381,41 @@ static void check_mpi_error(void) {
     kiln_comm_close(c);
 }
 
+/* comm_tcp.c's hand-over of rank 0's blob, with forked processes as ranks 1..3 (the plain run
+ * only): every rank ends with rank 0's bytes; a rank of another run's size is turned away, and a
+ * rank with nobody to listen times out with a message naming the address. */
+static void check_tcp_share(void) {
+    const int size = 4, port = 20000 + (int)(getpid() % 20000);
+    uint8_t blob[128];
+    for (int i = 0; i < 128; i++) blob[i] = (uint8_t)(i * 37 + 11);
+    pid_t kids[3];
+    for (int r = 1; r < size; r++) {
+        kids[r - 1] = fork();
+        if (kids[r - 1] == 0) {
+            uint8_t got[128] = {0};
+            if (r == 2) { /* a stranger first: a run of 3 ranks asking the same port */
+                uint8_t x[128];
+                (void)kiln_comm_tcp_share(1, 3, "127.0.0.1", port, x, sizeof x, 1500);
+            }
+            kiln_status st = kiln_comm_tcp_share(r, size, "127.0.0.1", port, got, sizeof got, 20000);
+            _exit(st == KILN_OK && memcmp(got, blob, sizeof got) == 0 ? 0 : 1);
+        }
+    }
+    uint8_t mine[128];
+    memcpy(mine, blob, sizeof mine);
+    struct timespec ts = {0, 200 * 1000000L}; /* the others start first and retry */
+    nanosleep(&ts, NULL);
+    CHECK_ERR(kiln_comm_tcp_share(0, size, "127.0.0.1", port, mine, sizeof mine, 20000), KILN_OK, "");
+    for (int r = 1; r < size; r++) {
+        int status = -1;
+        CHECK(waitpid(kids[r - 1], &status, 0) == kids[r - 1] && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
+    uint8_t none[16];
+    CHECK_ERR(kiln_comm_tcp_share(1, 2, "127.0.0.1", port, none, sizeof none, 300), KILN_ERR_IO, "127.0.0.1:");
+    CHECK_ERR(kiln_comm_tcp_share(0, 1, "127.0.0.1", port, none, sizeof none, 0), KILN_OK, ""); /* alone */
+    CHECK_ERR(kiln_comm_tcp_share(2, 2, "127.0.0.1", port, none, sizeof none, 0), KILN_ERR_INVALID_ARG, "rank 2 of 2");
+}
+
 int main(void) {
     kiln_mem_stats m0, m1;
     kiln_mem_get_stats(&m0);
@@ -360,6 +423,7 @@ int main(void) {
     CHECK_ERR(kiln_comm_launch_from_env(&launch), KILN_OK, "");
     const int launched = launch.kind == KILN_COMM_LAUNCH_MPI;
     if (!launched) check_launch_rules();
+    if (!launched) check_tcp_share();
 
     kiln_comm *c = NULL;
     CHECK_ERR(kiln_comm_open(&c), KILN_OK, "");

@@ -841,6 +841,21 @@ static void cu_zero(kiln_backend *be, float *x, size_t n) {
     CK(c, cudaMemsetAsync(x, 0, n * sizeof(float), c->stream));
 }
 
+static kiln_status cu_copy_d2d(kiln_backend *be, void *dst, const void *src, size_t nbytes) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return kiln_error(c->err, "%s", c->msg);
+    if (nbytes && !CK(c, cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice, c->stream))) return c->err;
+    return KILN_OK;
+}
+
+static void cu_bf16_words(kiln_backend *be, uint32_t *words, uint16_t *h, size_t n, int to_words) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c)) return;
+    after_launch(c, kiln_cuda_bf16_words(c->stream, words, h, n, to_words != 0), "bf16_words");
+}
+
+static void *cu_native_stream(kiln_backend *be) { return (void *)ctx_of(be)->stream; }
+
 static void cu_scale(kiln_backend *be, float *x, float s, size_t n) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c)) return;
@@ -2162,6 +2177,9 @@ static const kiln_backend_i cuda_iface = {
     /* .products = */ cu_products,
     /* .rope_kv_store = */ cu_rope_kv_store,
     /* .grad_rounding = */ NULL, /* no exact formats on this backend yet */
+    /* .copy = */ cu_copy_d2d,
+    /* .bf16_words = */ cu_bf16_words,
+    /* .native_stream = */ cu_native_stream,
 };
 
 /* An exact format's mode: products in the format (cu_products_mx), no multi-product entries

@@ -158,6 +158,21 @@ cudaError_t kiln_cuda_add(cudaStream_t s, float *x, const float *y, size_t n) {
     return cudaGetLastError();
 }
 
+static __global__ void bf16_words_kernel(uint32_t *words, uint16_t *h, size_t n, bool to_words) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        if (to_words)
+            words[i] = (uint32_t)h[i] << 16;
+        else
+            h[i] = (uint16_t)(words[i] >> 16);
+    }
+}
+
+cudaError_t kiln_cuda_bf16_words(cudaStream_t s, uint32_t *words, uint16_t *h, size_t n, bool to_words) {
+    if (n == 0) return cudaSuccess;
+    bf16_words_kernel<<<grid_for((int64_t)n, 256), 256, 0, s>>>(words, h, n, to_words);
+    return cudaGetLastError();
+}
+
 /* =================================================================================================
  * Backward.
  * ============================================================================================== */

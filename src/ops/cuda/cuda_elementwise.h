@@ -39,6 +39,9 @@ cudaError_t kiln_cuda_swiglu_bf16(cudaStream_t s, uint16_t *out, const uint16_t 
 /* x[i] = x[i] + y[i]. */
 cudaError_t kiln_cuda_add(cudaStream_t s, float *x, const float *y, size_t n);
 
+/* to_words: words[i] = (uint32_t)h[i] << 16; else h[i] = (uint16_t)(words[i] >> 16). */
+cudaError_t kiln_cuda_bf16_words(cudaStream_t s, uint32_t *words, uint16_t *h, size_t n, bool to_words);
+
 /* =================================================================================================
  * Backward.
  * ============================================================================================== */
