@@ -81,3 +81,25 @@ def test_cuda_gpu_ranks_refusals(setup, build_dir):
     r = subprocess.run([build_dir / "kiln", *common, "--out", base / "tr"], capture_output=True, text=True,
                        timeout=300, env={**gpu_env(), "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
     assert r.returncode != 0 and "MASTER_ADDR is not set" in r.stderr, r.stderr[-2000:]
+
+
+def test_cuda_distill_one_rank_over_nccl_equals_one_gpu(setup, build_dir):
+    """`kiln distill --device cuda` as one rank over NCCL: the teacher on the rank's device, the
+    student's gradients through the ranks' path; the same losses (KL and CE parts in the log) and
+    final state as the plain GPU run."""
+    base, model = setup
+    args = ["distill", "--teacher", model, "--config", "tiny", "--tokenizer", model, "--data", base / "corpus.tok",
+            "--device", "cuda", "--batch", "4", "--seqs-per-forward", "4", "--seq", "32", "--lr", "3e-3",
+            "--warmup", "2", "--steps", "3", "--temperature", "2", "--alpha", "0.7", "--save-every", "0",
+            "--no-export", "--eval-fraction", "0"]
+    one, rank = base / "kd_one", base / "kd_rank"
+    env = gpu_env()
+    r = subprocess.run([build_dir / "kiln", *args, "--out", one], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([build_dir / "kiln", *args, "--out", rank], capture_output=True, text=True, timeout=600,
+                       env={**env, "KILN_COMM": "nccl", "KILN_DP_CHUNK": "1000"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "1 ranks (nccl)" in r.stderr
+    assert steps(one) == steps(rank)
+    a, b = flat_state(one / "checkpoints" / "step-3"), flat_state(rank / "checkpoints" / "step-3")
+    assert [k for k in a if a[k] != b[k]] == []
