@@ -173,6 +173,8 @@ if has tests; then
     #   test_torch_interop   kiln.torch on CUDA tensors
     #   test_linear_ce_api   the public fused loss on torch CUDA tensors
     #   test_receipts        receipts made on the CPU and verified on the GPU, and the other way
+    #   test_distill         distillation on the GPU: the CPU's bits, fast mode
+    #   test_train_gpu_ranks one rank over NCCL (train and distill) equal to the plain GPU run
     pytest_cuda test_torch_interop "pytest, numpy, torch"
     pytest_cuda test_linear_ce_api "pytest, numpy, torch"
     pytest_cuda test_receipts "pytest, numpy, torch, transformers"
