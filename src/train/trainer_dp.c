@@ -151,93 +151,85 @@ static kiln_status dev_segment(const flat_io *f, void *p, int half, uint32_t *x,
     return kiln_backend_upload(be, p, d->h16, (size_t)n * 2);
 }
 
+/* Elements [e0, e0 + n) of parameter i to words x (to_words) or from them: a GPU rank's. Its
+ * optimizer state goes to host words only (a checkpoint's shard). */
+static kiln_status move_dev(const flat_io *f, int i, int64_t e0, int64_t n, uint32_t *x, int to_words) {
+    kiln_trainer *t = f->t;
+    kiln_train_dp *d = t->dp;
+    train_param *p = &t->params[i];
+    if (f->what == FLAT_GRAD) return dev_segment(f, p->g + e0, 0, x, n, to_words);
+    if (f->what == FLAT_WEIGHT) {
+        const int half = p->dtype != KILN_DTYPE_F32;
+        return dev_segment(f, (uint8_t *)p->w + (size_t)e0 * (half ? 2 : 4), half, x, n, to_words);
+    }
+    if (f->dev_words || !to_words || f->wm)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "trainer: a GPU rank's optimizer state is read into host words only "
+                                                "(a checkpoint's shard)");
+    const int is_mat = p->n_dims == 2;
+    if (!is_mat && f->what >= 2) { /* vectors have no master copy or compensation */
+        memset(x, 0, (size_t)n * 4);
+        return KILN_OK;
+    }
+    const int64_t off = is_mat ? t->mat_off[d->slot[i]] : t->vec_off[d->slot[i]];
+    const int64_t pa = d->lo > d->first[i] ? d->lo : d->first[i], pb = d->hi < d->first[i + 1] ? d->hi : d->first[i + 1];
+    return dev_state_words(d, is_mat ? t->opt_mat : t->opt_vec, d->slot[i], pb - pa, f->what, e0 - off, n, x);
+}
+
+/* The same for a CPU rank (host memory everywhere). */
+static kiln_status move_host(const flat_io *f, int i, int64_t e0, int64_t n, uint32_t *x, int to_words) {
+    kiln_trainer *t = f->t;
+    const kiln_train_dp *d = t->dp;
+    train_param *p = &t->params[i];
+    if (f->what == FLAT_GRAD) {
+        if (to_words)
+            memcpy(x, p->g + e0, (size_t)n * 4);
+        else
+            memcpy(p->g + e0, x, (size_t)n * 4);
+    } else if (f->what == FLAT_WEIGHT) {
+        if (p->dtype == KILN_DTYPE_F32) {
+            if (to_words)
+                memcpy(x, (const float *)p->w + e0, (size_t)n * 4);
+            else
+                memcpy((float *)p->w + e0, x, (size_t)n * 4);
+        } else {
+            uint16_t *h = (uint16_t *)p->w + e0;
+            for (int64_t k = 0; k < n; k++) {
+                if (to_words)
+                    x[k] = (uint32_t)h[k] << 16;
+                else
+                    h[k] = (uint16_t)(x[k] >> 16);
+            }
+        }
+    } else {
+        const int is_mat = p->n_dims == 2;
+        if (!is_mat && f->what >= 2) { /* vectors have no master copy or compensation */
+            if (to_words) memset(x, 0, (size_t)n * 4);
+            return KILN_OK;
+        }
+        if (f->wm) return slot_words(is_mat ? f->wm : f->wv, d->whole[i], f->what, e0, n, x, to_words);
+        const int64_t off = is_mat ? t->mat_off[d->slot[i]] : t->vec_off[d->slot[i]];
+        return slot_words(is_mat ? t->opt_mat : t->opt_vec, d->slot[i], f->what, e0 - off, n, x, to_words);
+    }
+    return KILN_OK;
+}
+
 /* Elements [a, b) of the flat vector to words (to_words; past total: 0) or from them. */
 static kiln_status flat_move(const flat_io *f, int64_t a, int64_t b, uint32_t *w, int to_words) {
     kiln_trainer *t = f->t;
     const kiln_train_dp *d = t->dp;
-    if (d->dev) { /* a GPU rank: gradients and weights (and the state, to host words) */
-        int i = 0;
-        while (i < t->n_params && d->first[i + 1] <= a) i++;
-        for (; i < t->n_params && d->first[i] < b; i++) {
-            train_param *p = &t->params[i];
-            const int64_t s = a > d->first[i] ? a : d->first[i], e = b < d->first[i + 1] ? b : d->first[i + 1];
-            const int64_t e0 = s - d->first[i], n = e - s;
-            uint32_t *x = w + (s - a);
-            if (f->what == FLAT_GRAD) {
-                KILN_TRY(dev_segment(f, p->g + e0, 0, x, n, to_words));
-            } else if (f->what == FLAT_WEIGHT) {
-                const int half = p->dtype != KILN_DTYPE_F32;
-                KILN_TRY(dev_segment(f, (uint8_t *)p->w + (size_t)e0 * (half ? 2 : 4), half, x, n, to_words));
-            } else {
-                const int is_mat = p->n_dims == 2;
-                if (f->dev_words || !to_words || f->wm)
-                    return kiln_error(KILN_ERR_UNSUPPORTED, "trainer: a GPU rank's optimizer state is read into "
-                                      "host words only (a checkpoint's shard)");
-                if (!is_mat && f->what >= 2) {
-                    memset(x, 0, (size_t)n * 4);
-                    continue;
-                }
-                const int64_t off = is_mat ? t->mat_off[d->slot[i]] : t->vec_off[d->slot[i]];
-                const int64_t pa = d->lo > d->first[i] ? d->lo : d->first[i];
-                const int64_t pb = d->hi < d->first[i + 1] ? d->hi : d->first[i + 1];
-                KILN_TRY(dev_state_words(t->dp, is_mat ? t->opt_mat : t->opt_vec, d->slot[i], pb - pa, f->what,
-                                         e0 - off, n, x));
-            }
-        }
-        if (to_words && b > d->total) {
-            const int64_t z = a > d->total ? a : d->total;
-            if (f->dev_words) {
-                d->dev->i->zero(d->dev, (float *)(void *)(w + (z - a)), (size_t)(b - z));
-            } else {
-                memset(w + (z - a), 0, (size_t)(b - z) * 4);
-            }
-        }
-        return KILN_OK;
-    }
     int i = 0;
     while (i < t->n_params && d->first[i + 1] <= a) i++;
     for (; i < t->n_params && d->first[i] < b; i++) {
-        train_param *p = &t->params[i];
         const int64_t s = a > d->first[i] ? a : d->first[i], e = b < d->first[i + 1] ? b : d->first[i + 1];
-        const int64_t e0 = s - d->first[i], n = e - s;
         uint32_t *x = w + (s - a);
-        if (f->what == FLAT_GRAD) {
-            if (to_words)
-                memcpy(x, p->g + e0, (size_t)n * 4);
-            else
-                memcpy(p->g + e0, x, (size_t)n * 4);
-        } else if (f->what == FLAT_WEIGHT) {
-            if (p->dtype == KILN_DTYPE_F32) {
-                if (to_words)
-                    memcpy(x, (const float *)p->w + e0, (size_t)n * 4);
-                else
-                    memcpy((float *)p->w + e0, x, (size_t)n * 4);
-            } else {
-                uint16_t *h = (uint16_t *)p->w + e0;
-                for (int64_t k = 0; k < n; k++) {
-                    if (to_words)
-                        x[k] = (uint32_t)h[k] << 16;
-                    else
-                        h[k] = (uint16_t)(x[k] >> 16);
-                }
-            }
-        } else {
-            const int is_mat = p->n_dims == 2;
-            if (!is_mat && f->what >= 2) { /* vectors have no master copy or compensation */
-                if (to_words) memset(x, 0, (size_t)n * 4);
-                continue;
-            }
-            if (f->wm) {
-                KILN_TRY(slot_words(is_mat ? f->wm : f->wv, d->whole[i], f->what, e0, n, x, to_words));
-            } else {
-                const int64_t off = is_mat ? t->mat_off[d->slot[i]] : t->vec_off[d->slot[i]];
-                KILN_TRY(slot_words(is_mat ? t->opt_mat : t->opt_vec, d->slot[i], f->what, e0 - off, n, x, to_words));
-            }
-        }
+        KILN_TRY((d->dev ? move_dev : move_host)(f, i, s - d->first[i], e - s, x, to_words));
     }
     if (to_words && b > d->total) {
         const int64_t z = a > d->total ? a : d->total;
-        memset(w + (z - a), 0, (size_t)(b - z) * 4);
+        if (f->dev_words)
+            d->dev->i->zero(d->dev, (float *)(void *)(w + (z - a)), (size_t)(b - z));
+        else
+            memset(w + (z - a), 0, (size_t)(b - z) * 4);
     }
     return KILN_OK;
 }

@@ -28,6 +28,18 @@ def gpu_env():
     return env
 
 
+def one_and_rank(build_dir, args, one, rank, chunk):
+    """The plain GPU run into one, then the same as one rank over NCCL into rank (KILN_DP_CHUNK
+    chunk); both must succeed, and rank must say it ran as one rank of the nccl communicator."""
+    env = gpu_env()
+    r = subprocess.run([build_dir / "kiln", *args, "--out", one], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([build_dir / "kiln", *args, "--out", rank], capture_output=True, text=True, timeout=600,
+                       env={**env, "KILN_COMM": "nccl", "KILN_DP_CHUNK": str(chunk)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "1 ranks (nccl)" in r.stderr and "(ZeRO-2)" in r.stderr, r.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, build_dir):
     base = tmp_path_factory.mktemp("gpu_ranks")
@@ -54,13 +66,7 @@ def test_cuda_one_rank_over_nccl_equals_one_gpu(setup, build_dir, storage, fast)
             "--save-every", "0", "--no-export", "--eval-fraction", "0", "--storage", storage] + (["--fast"] if fast else [])
     tag = f"{storage}_{'fast' if fast else 'aud'}"
     one, rank = base / f"one_{tag}", base / f"rank_{tag}"
-    env = gpu_env()
-    r = subprocess.run([build_dir / "kiln", *args, "--out", one], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run([build_dir / "kiln", *args, "--out", rank], capture_output=True, text=True, timeout=600,
-                       env={**env, "KILN_COMM": "nccl", "KILN_DP_CHUNK": "333"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "1 ranks (nccl)" in r.stderr and "(ZeRO-2)" in r.stderr, r.stderr[-3000:]
+    one_and_rank(build_dir, args, one, rank, 333)
     assert steps(one) == steps(rank)
     assert any(float(g) > 0.5 for _, _, g in steps(rank))  # the clip was active
     a, b = flat_state(one / "checkpoints" / "step-4"), flat_state(rank / "checkpoints" / "step-4")
@@ -93,13 +99,7 @@ def test_cuda_distill_one_rank_over_nccl_equals_one_gpu(setup, build_dir):
             "--warmup", "2", "--steps", "3", "--temperature", "2", "--alpha", "0.7", "--save-every", "0",
             "--no-export", "--eval-fraction", "0"]
     one, rank = base / "kd_one", base / "kd_rank"
-    env = gpu_env()
-    r = subprocess.run([build_dir / "kiln", *args, "--out", one], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run([build_dir / "kiln", *args, "--out", rank], capture_output=True, text=True, timeout=600,
-                       env={**env, "KILN_COMM": "nccl", "KILN_DP_CHUNK": "1000"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "1 ranks (nccl)" in r.stderr
+    one_and_rank(build_dir, args, one, rank, 1000)
     assert steps(one) == steps(rank)
     a, b = flat_state(one / "checkpoints" / "step-3"), flat_state(rank / "checkpoints" / "step-3")
     assert [k for k in a if a[k] != b[k]] == []
