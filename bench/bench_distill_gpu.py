@@ -177,6 +177,13 @@ def bench_kiln(args, teacher_dir, student_dir, batches, mode):
             out["step_s"] = ts
             desc, mem = tr.describe()
             out["describe"], out["peak_alloc"] = desc, mem["peak_step"]
+            if args.profile and dev == "cuda":  # one step's kernels (CUPTI records kiln's too)
+                from torch.profiler import ProfilerActivity, profile
+                bt.sync(dev)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    step(batches[1])
+                    bt.sync(dev)
+                out["profile"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile)
             if args.breakdown:  # the student's own step (cross-entropy, no teacher) on the same batches
                 def ce_step(batch):
                     for i in range(0, B, args.micro):
@@ -220,6 +227,8 @@ def main():
     ap.add_argument("--no-torch", action="store_true", help="kiln's rows alone")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time kiln's plain cross-entropy step of the student on the same batches")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="kiln: the top N kernels of one step by GPU time (torch.profiler), printed last")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--work", default="/tmp/kiln-distill-bench")
@@ -272,6 +281,9 @@ def main():
             continue
         print(f"| {r['engine']} | {r['tok_s']:,.0f} | {bt.median(r['step_s']):.3f} | {r['warm_s']:.2f} | "
               f"{bt.gib(r.get('peak_alloc'))} GiB | {bt.gib(r.get('device_peak'))} GiB | {r['loss']:.4f} |")
+    for r in rows:
+        if r.get("profile"):
+            print(f"\n{r['engine']}: one step's kernels by GPU time\n{r['profile']}")
     for r in rows:
         if r.get("ce_step_s"):
             print(f"{r['engine']}: the student's cross-entropy step alone {bt.median(r['ce_step_s']):.3f} s "
