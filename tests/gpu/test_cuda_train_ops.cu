@@ -1159,6 +1159,9 @@ static void test_kd_all(bool big) {
             test_kd_case(c, g_cpu, fast, false, "fast");
             c.N = 5;
             test_kd_case(c, g_cpu, fast, false, "fast");
+            c.N = 64; /* a temperature whose reciprocal rounds (fast mode multiplies by 1 / tau) */
+            c.tau = 1.7f;
+            test_kd_case(c, g_cpu, fast, false, "fast, tau 1.7");
             kiln_backend_free(fast);
         }
     }

@@ -23,6 +23,9 @@
  *     and e / l as e * (1 / l), on a 2-D grid (no 64-bit division per element), and zero rows
  *     from S to the padded row count, so the products see a row count that is a multiple of 8
  *     (the op's ce_pass2_fast).
+ * The distillation loss's row kernels (kd_pass1_kernel, kd_grad_kernel; cuda_fused_kd_op.c)
+ * take the same two exponentials in fast mode (and 1 / tau and each row sum's reciprocal once
+ * per row), and keep their auditable arithmetic otherwise.
  * and its bf16 path (the op's ce_pass2_bf16) adds the bf16 operands of the products: the
  * gathered hidden rows rounded once per call (gather_bf16_kernel), g written in bf16 by the
  * gradient kernel itself (grad_bf16_kernel: grad_fast_kernel's value, then the rounding), and
@@ -294,15 +297,28 @@ kd_pass1_kernel(const float *__restrict__ z, const float *__restrict__ teacher, 
     ms = __shfl_sync(mask, ms, 0, 16);
     mt = __shfl_sync(mask, mt, 0, 16);
     float s1 = 0.0f, ss = 0.0f, st = 0.0f, sa = 0.0f;
-    for (int64_t j = lane; j < n; j += 16) {
-        const float zs = zr[j] / tau;
-        const float u = tr[j] / tau;
-        const float d = u - zs;
-        s1 = __fmaf_rn(kiln_expf(zr[j] - m1), 1.0f, s1);
-        ss = __fmaf_rn(kiln_expf(zs - ms), 1.0f, ss);
-        const float e = kiln_expf(u - mt);
-        st = __fmaf_rn(e, 1.0f, st);
-        sa = __fmaf_rn(e, d, sa);
+    if (TREE) { /* fast mode: the MUFU's 2^x of one FMA (file comment), 1 / tau once */
+        const float it = 1.0f / tau, a = KILN_LOG2E * it;
+        const float n1 = -m1 * KILN_LOG2E, ns = -ms * KILN_LOG2E, nt = -mt * KILN_LOG2E;
+        for (int64_t j = lane; j < n; j += 16) {
+            const float zv = zr[j], tv = tr[j];
+            s1 += ex2_approx(fmaf(zv, KILN_LOG2E, n1));
+            ss += ex2_approx(fmaf(zv, a, ns));
+            const float e = ex2_approx(fmaf(tv, a, nt));
+            st += e;
+            sa = fmaf(e, (tv - zv) * it, sa);
+        }
+    } else {
+        for (int64_t j = lane; j < n; j += 16) {
+            const float zs = zr[j] / tau;
+            const float u = tr[j] / tau;
+            const float d = u - zs;
+            s1 = __fmaf_rn(kiln_expf(zr[j] - m1), 1.0f, s1);
+            ss = __fmaf_rn(kiln_expf(zs - ms), 1.0f, ss);
+            const float e = kiln_expf(u - mt);
+            st = __fmaf_rn(e, 1.0f, st);
+            sa = __fmaf_rn(e, d, sa);
+        }
     }
     s1 = lane16_tree(s1, mask);
     ss = lane16_tree(ss, mask);
@@ -367,32 +383,45 @@ extern "C" kiln_status kiln_cuda_kd_stats_init(kiln_backend *be, const kiln_cuda
     return ce_launched(be, "fused_kd init rows");
 }
 
-/* Pass 2 of the distillation loss on one chunk, in place, one thread per element:
+/* Pass 2 of the distillation loss on one chunk, in place, per element:
  * kd_pass2_rows's g = (kd_coef (q - p) + ce_weight (softmax(s) - onehot)) gs, a term whose
- * weight is 0 left out (+0 in its place). */
+ * weight is 0 left out (+0 in its place). FAST (fast mode): the exponentials as pass 1's fast
+ * ones, each division by a row's sum a product with its reciprocal (once per row). Grid: x over
+ * the columns, y over the rows (both strided; no 64-bit division per element). */
+template <bool FAST>
 static __global__ void kd_grad_kernel(float *z, const float *__restrict__ teacher, int64_t tld,
                                       const int64_t *__restrict__ idx, int64_t S, int64_t n,
                                       int64_t c0, const int32_t *__restrict__ tgt, float tau,
                                       bool with_kd, float kd_coef, float cew, float gs,
                                       kiln_cuda_kd_stats r) {
-    const int64_t total = S * n;
     const bool with_ce = cew != 0.0f;
-    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total;
-         u += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t i = u / n, j = u - i * n;
-        const float zv = z[u];
-        float kd = 0.0f, ce = 0.0f;
-        if (with_kd) {
-            const float eq = kiln_expf(zv / tau - r.ms[i]);
-            const float ep = kiln_expf(teacher[idx[i] * tld + c0 + j] / tau - r.mt[i]);
-            kd = kd_coef * ((eq / r.ls[i]) - (ep / r.lt[i]));
+    const int64_t j0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, js = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = blockIdx.y; i < S; i += gridDim.y) {
+        float *zr = z + i * n;
+        const float *trow = teacher + idx[i] * tld + c0;
+        const int64_t t = (int64_t)tgt[i] - c0;
+        const float ms = r.ms[i], mt = r.mt[i], ls = r.ls[i], lt = r.lt[i], m = r.m[i], l = r.l[i];
+        const float a = KILN_LOG2E / tau, ns = -ms * KILN_LOG2E, nt = -mt * KILN_LOG2E, n1 = -m * KILN_LOG2E;
+        const float rls = 1.0f / ls, rlt = 1.0f / lt, rl = 1.0f / l;
+        for (int64_t j = j0; j < n; j += js) {
+            const float zv = zr[j];
+            float kd = 0.0f, ce = 0.0f;
+            if (with_kd) {
+                if (FAST) {
+                    kd = kd_coef * (ex2_approx(fmaf(zv, a, ns)) * rls - ex2_approx(fmaf(trow[j], a, nt)) * rlt);
+                } else {
+                    const float eq = kiln_expf(zv / tau - ms);
+                    const float ep = kiln_expf(trow[j] / tau - mt);
+                    kd = kd_coef * ((eq / ls) - (ep / lt));
+                }
+            }
+            if (with_ce) {
+                float sm = FAST ? ex2_approx(fmaf(zv, KILN_LOG2E, n1)) * rl : kiln_expf(zv - m) / l;
+                if (j == t) sm = sm - 1.0f;
+                ce = cew * sm;
+            }
+            zr[j] = (kd + ce) * gs;
         }
-        if (with_ce) {
-            float sm = kiln_expf(zv - r.m[i]) / r.l[i];
-            if (j == (int64_t)tgt[i] - c0) sm = sm - 1.0f;
-            ce = cew * sm;
-        }
-        z[u] = (kd + ce) * gs;
     }
 }
 
@@ -403,9 +432,16 @@ extern "C" kiln_status kiln_cuda_kd_grad(kiln_backend *be, float *z, const float
                                          const kiln_cuda_kd_stats *r) {
     CE_BEGIN(be);
     if (S <= 0 || n <= 0) return KILN_OK;
-    kd_grad_kernel<<<ce_grid(S * n, 256), 256, 0, kiln_cuda_stream(be)>>>(
-        z, teacher, teacher_ld, idx, S, n, c0, tgt, tau, kd_weight != 0.0f, kd_weight * tau,
-        ce_weight, gs, *r);
+    const int64_t gx = (n + 255) / 256;
+    const dim3 grid((unsigned)(gx < 65535 ? gx : 65535), (unsigned)(S < 65535 ? S : 65535));
+    if (kiln_cuda_is_fast(be))
+        kd_grad_kernel<true><<<grid, 256, 0, kiln_cuda_stream(be)>>>(
+            z, teacher, teacher_ld, idx, S, n, c0, tgt, tau, kd_weight != 0.0f, kd_weight * tau,
+            ce_weight, gs, *r);
+    else
+        kd_grad_kernel<false><<<grid, 256, 0, kiln_cuda_stream(be)>>>(
+            z, teacher, teacher_ld, idx, S, n, c0, tgt, tau, kd_weight != 0.0f, kd_weight * tau,
+            ce_weight, gs, *r);
     return ce_launched(be, "fused_kd gradient");
 }
 

@@ -15,9 +15,10 @@
  * In auditable mode the products are the CPU matmul's bits, so every output is the CPU's bits
  * (tests/gpu/test_cuda_train_ops.cu checks it); in an exact format's mode the head's products
  * run in the format, as the CPU's; in fast mode they are bf16 tensor-core products (the
- * backend's matmul and matmul_backward) and the row work stays the auditable kernels' (but
- * for pass 1's maxima, a tree over the half-warp), so the results are the same run to run and
- * within bf16 rounding of auditable mode's.
+ * backend's matmul and matmul_backward) and the row kernels take the cross-entropy's fast
+ * arithmetic (cuda_fused_ce.cu): pass 1's maxima a tree over the half-warp, every exponential
+ * the MUFU's 2^x of one FMA, 1 / tau and each row sum's reciprocal taken once; so the results
+ * are the same run to run and within bf16 rounding of auditable mode's.
  */
 #include "../fused_kd.h"
 
