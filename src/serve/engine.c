@@ -63,6 +63,13 @@ struct req {
     double t_submit, t_first_forward, t_last;
 };
 
+#define FIT_BANDS 12
+typedef struct step_fit {
+    double n, x, y, xx, xy; /* steps seen; weighted means of n_pre, t, n_pre^2, n_pre t */
+    double d, p;            /* the last fit (have: d > 0 and p > 0) */
+    int have;
+} step_fit;
+
 struct kiln_engine {
     kiln_handle_head head; /* base/handle.h: first */
     kiln_model *m;
@@ -102,12 +109,24 @@ struct kiln_engine {
     int32_t *b_id; /* (max_seqs) the id the device sampled for each output row */
     float *logits, *dev_logits, *row;
     int *top_scratch;
-    /* measured step times (exponential averages; 0: none yet): a decode-only step, and one
-     * prefill token's share of a step */
-    double t_decode_step, t_prefill_token;
+    /* measured step times, per band of decode rows (step_fit, prefill_cap) */
+    step_fit fit[FIT_BANDS];
 };
 
 /* ---- small helpers ---------------------------------------------------------------------- */
+
+/* A step of n_dec decode rows and n_pre prefill tokens takes about t = d + p n_pre: d the
+ * decode part, p one prefill token. The engine fits d and p by least squares over its recent
+ * steps, separately per band of n_dec (1, 2-3, 4-7, ... rows: d grows with the rows, and a d
+ * measured at 8 rows taken for 64 would charge the difference to the prefill tokens, an
+ * estimate of p too high that then keeps the prefill small and itself alive). Exponentially
+ * weighted moments of x = n_pre and y = t; p = cov(x, y) / var(x) once the steps' prefill
+ * sizes spread enough to tell (var(x) > 64, a spread of 8 tokens), else the band's last fit. */
+static int fit_band(int n_dec) {
+    int b = 0;
+    while (b + 1 < FIT_BANDS && (2 << b) <= n_dec) b++;
+    return b;
+}
 
 kiln_engine_params kiln_engine_default_params(void) {
     kiln_engine_params p;
@@ -552,25 +571,35 @@ static void fail_running(kiln_engine *e, kiln_status st) {
 }
 
 /* The prefill tokens a step with n_dec decode tokens may add: as many as keep it within
- * itl_bound times a decode-only step, by the measured averages (at least 16, so prompts
- * always advance; no bound before both averages exist or without decodes). */
+ * itl_bound times its decode part, d (itl_bound - 1) / p by the band's fit (at least 16, so
+ * prompts always advance; no bound without decodes or before the band has a fit). */
 static int prefill_cap(const kiln_engine *e, int n_dec) {
-    if (!n_dec || !(e->p.itl_bound > 1.0f) || e->t_decode_step <= 0 || e->t_prefill_token <= 0) return INT32_MAX;
-    double tokens = (e->p.itl_bound - 1.0) * e->t_decode_step / e->t_prefill_token;
+    if (!n_dec || !(e->p.itl_bound > 1.0f)) return INT32_MAX;
+    const step_fit *f = &e->fit[fit_band(n_dec)];
+    if (!f->have) return INT32_MAX;
+    double tokens = (e->p.itl_bound - 1.0) * f->d / f->p;
     return tokens < 16 ? 16 : tokens > INT32_MAX ? INT32_MAX : (int)tokens;
 }
 
-/* Fold a step of seconds t (n_dec decode tokens, n_pre prefill tokens) into the averages. */
+/* Fold a step of seconds t (n_dec decode tokens, n_pre prefill tokens) into its band's fit. */
 static void step_timed(kiln_engine *e, double t, int n_dec, int n_pre) {
-    const double a = 0.2; /* weight of the newest step */
-    if (!n_pre) {
-        e->t_decode_step = e->t_decode_step > 0 ? (1 - a) * e->t_decode_step + a * t : t;
-        return;
+    if (!n_dec) return; /* no decode to protect: the bound does not apply */
+    step_fit *f = &e->fit[fit_band(n_dec)];
+    const double x = n_pre, a = f->n < 10 ? 1.0 / (f->n + 1) : 0.1; /* plain means at first */
+    f->n += 1;
+    f->x += a * (x - f->x);
+    f->y += a * (t - f->y);
+    f->xx += a * (x * x - f->xx);
+    f->xy += a * (x * t - f->xy);
+    const double var = f->xx - f->x * f->x;
+    if (var > 64.0) {
+        const double p = (f->xy - f->x * f->y) / var, d = f->y - p * f->x;
+        if (p > 0 && d > 0) {
+            f->p = p;
+            f->d = d;
+            f->have = 1;
+        }
     }
-    double dec = n_dec ? e->t_decode_step : 0;
-    if (n_dec && dec <= 0) return; /* the decode part is not known yet */
-    double per = (t > dec ? t - dec : 0) / n_pre;
-    e->t_prefill_token = e->t_prefill_token > 0 ? (1 - a) * e->t_prefill_token + a * per : per;
 }
 
 /* Admit waiting requests in order while slots and blocks allow (a preempted one first). */
