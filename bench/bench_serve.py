@@ -462,13 +462,23 @@ def fmt(x, digits=1):
     return "n/a" if x is None or x != x else f"{x:.{digits}f}"
 
 
+def level_keys(levels):
+    """(key, clients) per level in order: the key is str(clients), and "N#k" for the k-th run
+    of a level given more than once (each run keeps its own row)."""
+    seen, out = {}, []
+    for n in levels:
+        seen[n] = seen.get(n, 0) + 1
+        out.append((str(n) if seen[n] == 1 else f"{n}#{seen[n]}", n))
+    return out
+
+
 def table(results, levels):
     best_peer = {}
-    for n in levels:
-        vals = [r["levels"][str(n)]["out_tok_s"] for e, r in results.items()
-                if e in PEERS and str(n) in r.get("levels", {})
-                and r["levels"][str(n)]["out_tok_s"]]
-        best_peer[n] = max(vals) if vals else None
+    for key, _ in level_keys(levels):
+        vals = [r["levels"][key]["out_tok_s"] for e, r in results.items()
+                if e in PEERS and key in r.get("levels", {})
+                and r["levels"][key]["out_tok_s"]]
+        best_peer[key] = max(vals) if vals else None
     lines = ["| engine | clients | out tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
              "ITL p99 ms | errors | ratio to best peer |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -476,11 +486,11 @@ def table(results, levels):
         if "error" in r and not r.get("levels"):
             lines.append(f"| {e} | - | failed: {r['error'][:60]} | | | | | | |")
             continue
-        for n in levels:
-            s = r["levels"].get(str(n))
+        for key, n in level_keys(levels):
+            s = r["levels"].get(key)
             if not s:
                 continue
-            bp = best_peer.get(n)
+            bp = best_peer.get(key)
             ratio = (s["out_tok_s"] / bp) if (bp and s["out_tok_s"]) else None
             err = f"{s['errors']}/{s['requests']}"
             if s["short"]:
@@ -515,11 +525,11 @@ def bench_engine(engine, a, levels, mix):
             bad = [r["error"] for r in recs if not r["ok"]]
             if bad:
                 raise RuntimeError(f"warm-up request failed: {bad[0]}")
-        for n in levels:
+        for key, n in level_keys(levels):
             recs, wall = asyncio.run(run_level(srv, n, mix, a))
             s = summarize(recs, wall, a)
             s["loadavg"] = loadavg()
-            out["levels"][str(n)] = s
+            out["levels"][key] = s
             print(f"bench_serve: {engine} clients={n}: {s['ok']}/{s['requests']} ok, "
                   f"{fmt(s['out_tok_s'])} out tok/s, TTFT p50 {fmt(s['ttft_p50_ms'])} ms, "
                   f"ITL p50 {fmt(s['itl_p50_ms'])} ms, tokens/chunk "
