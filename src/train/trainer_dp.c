@@ -59,10 +59,13 @@ struct kiln_train_dp {
     kiln_backend *dev;
     uint32_t *hwords;
     uint16_t *h16;
-    const kiln_adamw *cache_o;
+    const kiln_adamw *cache_o; /* NULL: nothing cached (set at each save's start) */
     int cache_j;
     float *cache_m, *cache_v;
     int64_t cache_n;
+    const kiln_adamw *cache_xo; /* the slot whose master copy or compensation cache_x is */
+    int cache_xj, cache_xkind;
+    const void *cache_x;        /* the optimizer's host mirror (valid until its next call) */
 
     /* ZeRO-3 (sharded): the weights are sharded too. Unit l < L: layer l's matrices; unit L
      * ("the rest"): the per-model parameters, the extras and every vector (small, kept whole
@@ -988,7 +991,8 @@ static kiln_status slot_words(kiln_adamw *o, int j, int kind, int64_t off, int64
 
 /* A GPU rank's optimizer slot j of o, array `kind`, words [off, off + n) into host words: the
  * slot's arrays downloaded once (kiln_adamw_get_moments, _master, _compensation) and kept for
- * the chunks that follow, which read the same slot in order. */
+ * the chunks of the same save that follow, which read the same slot in order (write_shard
+ * forgets them: the next save is of another step). */
 static kiln_status dev_state_words(kiln_train_dp *d, kiln_adamw *o, int j, int64_t sn, int kind, int64_t off,
                                    int64_t n, uint32_t *words) {
     if (off < 0 || off + n > sn)
@@ -1015,14 +1019,21 @@ static kiln_status dev_state_words(kiln_train_dp *d, kiln_adamw *o, int j, int64
         memcpy(words, (kind == 0 ? d->cache_m : d->cache_v) + off, (size_t)n * 4);
         return KILN_OK;
     }
+    if (d->cache_xo != o || d->cache_xj != j || d->cache_xkind != kind) { /* downloaded once a slot */
+        d->cache_xo = NULL;
+        d->cache_x = kind == 2 ? (const void *)kiln_adamw_master(o, j) : (const void *)kiln_adamw_compensation(o, j);
+        if (!d->cache_x)
+            return kiln_error_prefix(KILN_ERR_IO, "trainer: optimizer slot %d's %s", j,
+                                     kind == 2 ? "master copy" : "compensation");
+        d->cache_xo = o;
+        d->cache_xj = j;
+        d->cache_xkind = kind;
+    }
     if (kind == 2) {
-        const float *m = kiln_adamw_master(o, j); /* the optimizer's host mirror */
-        if (!m) return kiln_error_prefix(KILN_ERR_IO, "trainer: optimizer slot %d's master copy", j);
-        memcpy(words, m + off, (size_t)n * 4);
+        memcpy(words, (const float *)d->cache_x + off, (size_t)n * 4);
         return KILN_OK;
     }
-    const uint16_t *c = kiln_adamw_compensation(o, j);
-    if (!c) return kiln_error_prefix(KILN_ERR_IO, "trainer: optimizer slot %d's compensation", j);
+    const uint16_t *c = d->cache_x;
     for (int64_t k = 0; k < n; k++) words[k] = (uint32_t)c[off + k] << 16;
     return KILN_OK;
 }
@@ -1092,6 +1103,7 @@ static kiln_status write_flat(kiln_ckpt_writer *w, const char *name, const flat_
 static kiln_status write_shard(kiln_trainer *t, const char *dir, uint64_t step, long tag, const char *run_json,
                                uint8_t sha[32]) {
     kiln_train_dp *d = t->dp;
+    d->cache_o = d->cache_xo = NULL; /* a GPU rank's downloaded state is of an earlier step */
     char *cfg = kiln_trainer_config_json(t);
     if (!cfg) return kiln_error(KILN_ERR_NOMEM, "kiln_train_save: out of memory");
     kiln_ckpt_writer *w = NULL;

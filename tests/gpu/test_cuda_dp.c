@@ -258,6 +258,22 @@ static int run_case(const dp_case *dc, const char *vocab_dir, kiln_comm *c) {
                       "%s: the CPU trainer holds what the GPU ranks saved", dc->name);
         /* a GPU rank refuses to load (resume is the CPU's for now), on every rank alike */
         if (ok) CHECK(kiln_train_load(b, dir, &step, NULL) == KILN_ERR_UNSUPPORTED, "%s: rank load refused", dc->name);
+        /* one more step and a second save: the rank's state read anew (not the first save's) */
+        float la = 0, lb = 0;
+        if (ok)
+            ok = kiln_train_step_batch(a, ids, NSEQ, SEQ, tg, KILN_LOSS_SUM, 1.0f / (NSEQ * SEQ), 0, &la) == KILN_OK &&
+                 kiln_train_step_batch(b, ids, NSEQ, SEQ, tg, KILN_LOSS_SUM, 1.0f / (NSEQ * SEQ), 0, &lb) == KILN_OK &&
+                 kiln_train_dp_reduce_grads(b) == KILN_OK && kiln_train_optimizer_step(a, 2e-3) == KILN_OK &&
+                 kiln_train_optimizer_step(b, 2e-3) == KILN_OK && kiln_train_save(b, dir, 4, "{}", 0) == KILN_OK;
+        CHECK(ok, "%s: step 4 and the second save", dc->name);
+        kiln_trainer *h2 = ok ? make(m, dc, -1, NULL) : NULL;
+        if (h2) {
+            ok = kiln_train_load(h2, dir, &step, NULL) == KILN_OK && step == 4;
+            CHECK(ok, "%s: the second set loads on the CPU", dc->name);
+            if (ok) CHECK(same_state(a, h2, 0, "second save's weights") && same_state(a, h2, 1, "second save's moments"),
+                          "%s: the second save holds step 4's state", dc->name);
+            kiln_trainer_free(h2);
+        }
         kiln_trainer_free(h);
         char cmd[700];
         snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
