@@ -309,7 +309,11 @@ kiln_status kiln_comm_open_nccl(int device, kiln_comm **out) {
 #endif
     }
     kiln_status st = comm_alloc(&c);
-    if (st == KILN_OK) st = kiln_comm_nccl_open(c, &launch, device, boot);
+    if (st != KILN_OK) {
+        kiln_comm_close(boot);
+        return st;
+    }
+    st = kiln_comm_nccl_open(c, &launch, device, boot);
     if (st != KILN_OK) {
         kiln_free(c); /* the implementation closed boot */
         return st;
