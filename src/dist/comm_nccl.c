@@ -285,17 +285,18 @@ static kiln_status nc_allgather(kiln_comm *c, void *recv, const void *send, size
     nccl_state *s = state_of(c);
     KILN_TRY(enter(s));
     const size_t total = nbytes * (size_t)c->size;
-    if (!is_host(recv) && !is_host(send)) return nc_allgather_dev(s, recv, send, nbytes);
+    const int host_recv = is_host(recv), host_send = is_host(send); /* each asked once */
+    if (!host_recv && !host_send) return nc_allgather_dev(s, recv, send, nbytes);
     KILN_TRY(reserve(s, &s->bounce, &s->bounce_bytes, total, "bounce buffer"));
     const size_t own = (size_t)c->rank * nbytes;
-    if (is_host(send)) {
+    if (host_send) {
         KILN_TRY(bounce_in(s, own, send, nbytes));
     } else {
         CUDA_TRY(s, cudaMemcpyAsync((uint8_t *)s->bounce + own, send, nbytes, cudaMemcpyDeviceToDevice, s->stream),
                  "cudaMemcpyAsync");
     }
     KILN_TRY(nc_allgather_dev(s, s->bounce, (uint8_t *)s->bounce + own, nbytes));
-    if (is_host(recv)) return bounce_out(s, recv, 0, total);
+    if (host_recv) return bounce_out(s, recv, 0, total);
     CUDA_TRY(s, cudaMemcpyAsync(recv, s->bounce, total, cudaMemcpyDeviceToDevice, s->stream), "cudaMemcpyAsync");
     return KILN_OK;
 }
@@ -306,10 +307,11 @@ static kiln_status nc_exchange(kiln_comm *c, void *recv, const void *send, size_
     KILN_TRY(enter(s));
     const size_t all = nbytes * (size_t)c->size, send_bytes = gather_root >= 0 ? nbytes : all;
     const int recv_here = gather_root < 0 || c->rank == gather_root;
-    if (!is_host(send) && (!recv_here || !is_host(recv))) return nc_exchange_dev(c, recv, send, nbytes, gather_root);
+    const int host_send = is_host(send), host_recv = recv_here && is_host(recv); /* each asked once */
+    if (!host_send && !host_recv) return nc_exchange_dev(c, recv, send, nbytes, gather_root);
     KILN_TRY(reserve(s, &s->bounce, &s->bounce_bytes, send_bytes + all, "bounce buffer"));
     uint8_t *dsend = s->bounce, *drecv = (uint8_t *)s->bounce + send_bytes;
-    if (is_host(send)) {
+    if (host_send) {
         KILN_TRY(bounce_in(s, 0, send, send_bytes));
     } else {
         CUDA_TRY(s, cudaMemcpyAsync(dsend, send, send_bytes, cudaMemcpyDeviceToDevice, s->stream), "cudaMemcpyAsync");
@@ -319,7 +321,7 @@ static kiln_status nc_exchange(kiln_comm *c, void *recv, const void *send, size_
         CUDA_TRY(s, cudaStreamSynchronize(s->stream), "cudaStreamSynchronize");
         return KILN_OK;
     }
-    if (is_host(recv)) return bounce_out(s, recv, send_bytes, all);
+    if (host_recv) return bounce_out(s, recv, send_bytes, all);
     CUDA_TRY(s, cudaMemcpyAsync(recv, drecv, all, cudaMemcpyDeviceToDevice, s->stream), "cudaMemcpyAsync");
     return KILN_OK;
 }
