@@ -7,6 +7,8 @@
  * in enough copies that the calls rotate over >= 256 MB of weights, more than the 50 MB L2.
  * Time per call: CUDA events around 200 back-to-back calls (50 with --quick), the median of
  * 5 such runs after a warm-up run. GB/s counts the weight bytes read once per call.
+ * Q8_0 / Q4_0 / Q4_1 are timed twice: the f32 kernel (kiln_cuda_matvec_fast, "f32") and the
+ * int8-activation product that fast mode runs for them (kiln_cuda_q8act_multi_norm, "i8").
  * Usage: bench_cuda_fast_matvec [--quick]
  */
 #include "ops/cuda/cuda_matmul.h"
@@ -140,9 +142,9 @@ int main(int argc, char **argv) {
     CUDA_OK(cudaGetLastError());
     CUDA_OK(cudaMemset(out, 0, (size_t)8 * maxR * 4));
 
-    const char *hdr = "%-24s %-5s %2s %2s %9s %9s %8s %8s\n";
+    const char *hdr = "%-24s %-5s %-4s %2s %2s %9s %9s %8s %8s\n";
     printf("\n");
-    printf(hdr, "shape (R x C)", "dtype", "N", "S", "MB", "us", "GB/s", "% copy");
+    printf(hdr, "shape (R x C)", "dtype", "kern", "N", "S", "MB", "us", "GB/s", "% copy");
     std::vector<std::string> rows;
     for (int si = 0; si < n_shapes; si++) {
         const shape &sh = shapes[si];
@@ -159,14 +161,18 @@ int main(int argc, char **argv) {
             fill_kernel<<<4096, 256, 0, st>>>(pool, pitch * (size_t)copies, dt, tr->type_size, 100);
             CUDA_OK(cudaGetLastError());
             CUDA_OK(cudaStreamSynchronize(st));
+            for (int kern = 0; kern < (kiln_cuda_q8act_supported(dt) ? 2 : 1); kern++)
             for (int N = 1; N <= 8; N += 7) {
-                if (N == 8 && dt != KILN_DTYPE_BF16) continue;
+                if (N == 8 && dt != KILN_DTYPE_BF16 && kern == 0) continue;
                 std::vector<float> t;
                 for (int rep = 0; rep < 6; rep++) { /* rep 0 is the warm-up */
                     CUDA_OK(cudaEventRecord(e0, st));
-                    for (int it = 0; it < iters; it++)
-                        CUDA_OK(kiln_cuda_matvec_fast(st, out, x, pool + (size_t)(it % copies) * pitch,
-                                                      rb, dt, sh.R, sh.C, NULL, N, 0));
+                    for (int it = 0; it < iters; it++) {
+                        const uint8_t *w = pool + (size_t)(it % copies) * pitch;
+                        const kiln_cuda_product_job job = {out, NULL, w, NULL, NULL, NULL, rb, sh.R};
+                        CUDA_OK(kern ? kiln_cuda_q8act_multi_norm(st, 1, &job, dt, x, NULL, 0.0f, sh.C, N)
+                                     : kiln_cuda_matvec_fast(st, out, x, w, rb, dt, sh.R, sh.C, NULL, N, 0));
+                    }
                     CUDA_OK(cudaEventRecord(e1, st));
                     CUDA_OK(cudaEventSynchronize(e1));
                     float ms;
@@ -175,9 +181,9 @@ int main(int argc, char **argv) {
                 }
                 const double us = median(t), gbs = (double)nb / (us * 1e-6) / 1e9;
                 char line[200];
-                snprintf(line, sizeof line, "%-24s %-5s %2d %2d %9.2f %9.2f %8.0f %7.1f%%",
-                         sh.name, kiln_dtype_name(dt), N,
-                         kiln_cuda_matvec_fast_split(dt, sh.R, sh.C, N), nb / 1e6, us, gbs,
+                snprintf(line, sizeof line, "%-24s %-5s %-4s %2d %2d %9.2f %9.2f %8.0f %7.1f%%",
+                         sh.name, kiln_dtype_name(dt), kern ? "i8" : "f32", N,
+                         kern ? 1 : kiln_cuda_matvec_fast_split(dt, sh.R, sh.C, N), nb / 1e6, us, gbs,
                          100.0 * gbs / copy_gbs);
                 printf("%s\n", line);
                 fflush(stdout);
@@ -190,7 +196,7 @@ int main(int argc, char **argv) {
     CUDA_OK(cudaFree(out));
     printf("\nBENCH fast decode matvec, d2d copy %.0f GB/s; %d calls per run, median of 5 runs,\n"
            ">= 256 MB of weights in rotation\n", copy_gbs, iters);
-    printf(hdr, "shape (R x C)", "dtype", "N", "S", "MB", "us", "GB/s", "% copy");
+    printf(hdr, "shape (R x C)", "dtype", "kern", "N", "S", "MB", "us", "GB/s", "% copy");
     for (const std::string &r : rows) printf("%s\n", r.c_str());
     return 0;
 }

@@ -539,6 +539,19 @@ static void mx_forget(cuda_ctx *c, const uint8_t *lo, const uint8_t *hi) {
 
 extern "C" int kiln_cuda_products_format(kiln_backend *be) { return ctx_of(be)->mx; }
 
+/* Whether fast mode's decode products of Q8_0 / Q4_0 / Q4_1 weights take the int8-activation
+ * product (kiln_cuda_q8act_multi_norm: the CPU fast mode's bits, batch-invariant) instead of
+ * the f32 kernels: only with KILN_CUDA_Q8ACT=1, read once per process. Not the default: it is
+ * slower today (bench/RESULTS.md, 2026-12-06: 0.98x of the f32 kernels' decode on a Q8_0
+ * 0.5B shape, 0.86x on the 3B shape's gate product). */
+static bool q8act_for(kiln_dtype dt) {
+    static const bool on = [] {
+        const char *v = getenv("KILN_CUDA_Q8ACT");
+        return v && strcmp(v, "1") == 0;
+    }();
+    return on && kiln_cuda_q8act_supported(dt);
+}
+
 static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_tensor *W,
                       const float *bias, int N) {
     cuda_ctx *c = ctx_of(be);
@@ -558,6 +571,13 @@ static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_t
     } else if (!c->fast) {
         after_launch(c, kiln_cuda_matmul(c->stream, out, x, w, rb, W->dtype, R, C, bias, N),
                      "matmul");
+    } else if (N <= 8 && q8act_for(W->dtype)) {
+        /* decode, Q8_0 / Q4_0 / Q4_1, asked for: the CPU fast mode's int8-activation product */
+        const kiln_cuda_product_job job = {out, NULL, w, NULL, bias, NULL, rb, R};
+        cudaError_t e = kiln_cuda_q8act_multi_norm(c->stream, 1, &job, W->dtype, x, NULL, 0.0f, C, N);
+        if (e == cudaErrorNotSupported) /* C past the kernel's tile: the f32 kernels */
+            e = kiln_cuda_matvec_fast(c->stream, out, x, w, rb, W->dtype, R, C, bias, N, 0);
+        after_launch(c, e, "matmul (fast int8 activations)");
     } else if (N <= 8) {
         /* decode: fixed-order f32 matrix-vector kernels straight on the quantized blocks */
         after_launch(c, kiln_cuda_matvec_fast(c->stream, out, x, w, rb, W->dtype, R, C, bias, N, 0),
@@ -598,7 +618,8 @@ static int multi_plan(cuda_ctx *c, const char *op, int n, int max, const kiln_te
     return one_call ? 1 : 0;
 }
 
-/* The n products of x as one launch: kiln_cuda_matvec_fast_multi (fast, N <= 8) or
+/* The n products of x as one launch: kiln_cuda_q8act_multi_norm (fast, N <= 8, Q8_0 / Q4_0 /
+ * Q4_1 with KILN_CUDA_Q8ACT=1), kiln_cuda_matvec_fast_multi (fast, N <= 8) or
  * kiln_cuda_matmul_multi (auditable), with residuals res[i] (NULL: none) or, with up (n =
  * 1), as a SwiGLU pair (W[0] the gate, up the up weights, bias[1] the up's bias), on x normed
  * first (rmsnorm's bits) when norm_w is set (the _norm launchers). true when
@@ -629,8 +650,10 @@ static bool product_jobs(cuda_ctx *c, int n, float *const *out, const float *con
                                           up && bias ? bias[1] : NULL, rb, R};
     }
     if (norm_w && C > INT_MAX) return false;
-    cudaError_t e = c->fast ? kiln_cuda_matvec_fast_multi_norm(c->stream, n, jobs, dt, x, norm_w, eps, C, N)
-                            : kiln_cuda_matmul_multi_norm(c->stream, n, jobs, dt, x, norm_w, eps, C, N);
+    cudaError_t e = !c->fast ? kiln_cuda_matmul_multi_norm(c->stream, n, jobs, dt, x, norm_w, eps, C, N)
+                    : q8act_for(dt)
+                        ? kiln_cuda_q8act_multi_norm(c->stream, n, jobs, dt, x, norm_w, eps, C, N)
+                        : kiln_cuda_matvec_fast_multi_norm(c->stream, n, jobs, dt, x, norm_w, eps, C, N);
     if (e == cudaErrorNotSupported) return false;
     after_launch(c, e,
                  up ? "matmul_swiglu"

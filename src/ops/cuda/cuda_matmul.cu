@@ -9,6 +9,8 @@
  *   - the fast mode's GEMM module: cuBLASLt on bf16 tensor cores, with the operand
  *     conversions to bf16;
  *   - the fast mode's decode matrix-vector product on the weight bytes (N <= 8);
+ *   - the fast mode's int8-activation product for Q8_0 / Q4_0 / Q4_1 (the CPU fast mode's
+ *     definition and bits);
  *   - the fast matmul backward: two GEMMs of the module (dbias: cuda_norm.cu's fixed-order
  *     column sums);
  *   - the self-check that gates the wgmma kernels (cuda_wgmma.cuh) per device.
@@ -31,6 +33,7 @@
 
 #include <cublasLt.h>
 #include <cuda_fp16.h>
+#include <float.h>
 #include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -2054,6 +2057,405 @@ cudaError_t kiln_cuda_matvec_fast(cudaStream_t s, float *out, const float *x, co
     if (!out || (uintptr_t)out % 4) return cudaErrorInvalidValue;
     const kiln_cuda_product_job job = {out, accumulate ? out : NULL, w, NULL, bias, NULL, row_bytes, R};
     return kiln_cuda_matvec_fast_multi(s, 1, &job, dt, x, C, N);
+}
+
+/* =================================================================================================
+ * Fast: the int8-activation decode product for Q8_0 / Q4_0 / Q4_1 weights -- the CPU fast
+ * mode's definition (docs/ARITHMETIC.md, "Fast mode: 8-bit activations"; the reference is
+ * src/ops/cpu/kernels_q8act.c), bit for bit.
+ *
+ * A block quantizes its tile of NT tokens (rmsnorm first when the launch has a norm) into
+ * shared memory exactly as the CPU's quantize does (8 threads per block of 32: the max, two
+ * correctly rounded divisions, round half to even, the integer sum), then each warp walks
+ * rows (one, or a few side by side), grid-stride over all the jobs' rows: lane 4j + p takes
+ * part p (8 of the 32 values) of the blocks b = j, j + 8, j + 16, ... -- lane accumulator j's
+ * blocks, in order. A block's integer sum is exact however it is split (dp4a on the parts,
+ * two xor shuffles), so each lane accumulator's FMA chain and the final 8-lane tree (xor 16,
+ * 8, 4) are the CPU's operations in the CPU's order. Nothing depends on N, the tile, the grid
+ * or the device: a token's outputs are its bits alone, on the CPU and the GPU.
+ *
+ * Speed: the grid is as many blocks as the SMs hold at once (each quantizes its tile once,
+ * while its warps' first weight loads fly), and a step loads UNR blocks of each of a warp's
+ * rows per lane: about 64-80 bytes in flight a lane (ncu: with 209 registers a thread, one
+ * block fit an SM and the loads starved; with one row of 4 blocks a step, 30% of DRAM).
+ * ============================================================================================== */
+
+#define Q8A_THREADS 256
+#define Q8A_WARPS (Q8A_THREADS / 32)
+/* blocks an SM holds at once (at most 64 registers a thread): half the SM's warps */
+#define Q8A_MIN_BLOCKS 4
+#define Q8A_TINY 0x1p-96f /* kernels_q8act.c's Q8ACT_TINY */
+/* Shared memory a block may take for its tile of quantized tokens (40 bytes a block of 32). */
+#define Q8A_MAX_SMEM (96 * 1024)
+
+template <int DT> struct q8a {
+    static constexpr int TS = DT == KILN_DTYPE_Q8_0 ? 34 : DT == KILN_DTYPE_Q4_0 ? 18 : 20;
+    /* alignment of every block on the fast path (w, w_up and row_bytes multiples of it) */
+    static constexpr int ALIGN = DT == KILN_DTYPE_Q4_1 ? 4 : 2;
+    /* 32-bit words of quants a lane loads per block (its part: Q8_0 8 values, Q4 8 nibbles) */
+    static constexpr int NW = DT == KILN_DTYPE_Q8_0 ? 2 : 1;
+};
+
+/* Tokens n0 .. n0 + nt - 1 of x (rmsnorm(x) * norm_w first when norm_w is set: sr the scales)
+ * as kiln_q8act blocks in shared memory: xq (nt, nb * 32) int8, xd (nt, nb) the scales d, xe
+ * (nt, nb) s = d * sum (Q4_1) or sum's bits (Q4_0). 8 threads per block of 32, 4 elements
+ * each: kernels_q8act.c's quantize_block_ref, value for value (the max and the integer sum
+ * are exact in any order; each q is its own element's rounding). */
+template <int DT>
+static __device__ __forceinline__ void q8a_quantize(int8_t *xq, float *xd, float *xe,
+                                                    const float *__restrict__ x, int64_t C,
+                                                    int n0, int nt, const float *sr,
+                                                    const float *__restrict__ norm_w) {
+    const int lane = threadIdx.x & 31, sub = lane & 7;
+    const int nb = (int)(C / 32), total = nt * nb;
+    constexpr int BATCH = 4; /* warp iterations whose loads are issued together */
+    /* every lane runs the same trip count (the shuffles take the whole warp) */
+    for (int k00 = (threadIdx.x >> 5) * 4; k00 < total; k00 += BATCH * Q8A_WARPS * 4) {
+        float vb[BATCH][4];
+#pragma unroll
+        for (int h = 0; h < BATCH; h++) {
+            const int k = k00 + h * Q8A_WARPS * 4 + (lane >> 3);
+            const int t = k < total ? k / nb : 0, col = (k - t * nb) * 32 + sub * 4;
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                vb[h][e] = k < total ? x[(int64_t)(n0 + t) * C + col + e] : 0.0f;
+        }
+#pragma unroll
+        for (int h = 0; h < BATCH; h++) {
+            if (k00 + h * Q8A_WARPS * 4 >= total) break; /* the same for the whole warp */
+            const int k = k00 + h * Q8A_WARPS * 4 + (lane >> 3);
+            const bool valid = k < total;
+            const int t = valid ? k / nb : 0, b = valid ? k - t * nb : 0;
+            const int col = b * 32 + sub * 4;
+            float v[4];
+            bool fin = true;
+            float amax = 0.0f;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                v[e] = vb[h][e];
+                if (norm_w && valid) v[e] = normed(v[e], sr[t], norm_w[col + e]);
+                const float a = fabsf(v[e]);
+                if (!(a <= FLT_MAX)) fin = false;
+                else amax = fmaxf(amax, a);
+            }
+            int fi = fin ? 1 : 0;
+#pragma unroll
+            for (int o = 4; o > 0; o >>= 1) {
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                fi &= __shfl_xor_sync(0xffffffffu, fi, o);
+            }
+            int q[4] = {0, 0, 0, 0}, sum = 0;
+            float d = 0.0f, sc = 0.0f;
+            const bool scaled = fi && !(amax < Q8A_TINY);
+            if (!fi) {
+                d = sc = __int_as_float(0x7fc00000); /* a non-finite activation: NaN scales, q = 0 */
+            } else if (scaled) {
+                d = __fdiv_rn(amax, 127.0f);
+                const float inv = __fdiv_rn(127.0f, amax);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    q[e] = (int)fminf(fmaxf(rintf(__fmul_rn(v[e], inv)), -127.0f), 127.0f);
+                    sum += q[e];
+                }
+            }
+#pragma unroll
+            for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (scaled) sc = __fmul_rn(d, (float)sum);
+            if (valid) {
+                const uint32_t packed = (uint32_t)(q[0] & 0xff) | (uint32_t)(q[1] & 0xff) << 8 |
+                                        (uint32_t)(q[2] & 0xff) << 16 | (uint32_t)(q[3] & 0xff) << 24;
+                *(uint32_t *)(xq + (size_t)k * 32 + sub * 4) = packed;
+                if (sub == 0) {
+                    xd[k] = d;
+                    xe[k] = DT == KILN_DTYPE_Q4_1 ? sc : __int_as_float(sum);
+                }
+            }
+        }
+    }
+}
+
+/* The lane's parts of blocks b = bf + u * bs (u < UNR; b < nb only) of the RW rows: quants
+ * and headers. */
+template <int DT, int UNR, int RW, int A>
+static __device__ __forceinline__ void q8a_load(uint32_t (&qw)[UNR][RW][q8a<DT>::NW],
+                                                uint32_t (&hd)[UNR][RW],
+                                                const uint8_t *const (&rowp)[RW], int bf, int bs,
+                                                int nb, int p) {
+    using Q = q8a<DT>;
+    const size_t at = (size_t)bf * Q::TS;
+#pragma unroll
+    for (int u = 0; u < UNR; u++) {
+        if (bf + u * bs >= nb) continue;
+#pragma unroll
+        for (int i = 0; i < RW; i++) {
+            const uint8_t *blk = rowp[i] + at + (size_t)u * bs * Q::TS;
+            if constexpr (DT == KILN_DTYPE_Q8_0) { /* d | qs[32]: part p = qs[8p, 8p + 8) */
+                ldw<cmin(A, 2), 2>(blk + 2 + 8 * p, qw[u][i]);
+                hd[u][i] = ld16<A>(blk);
+            } else if constexpr (DT == KILN_DTYPE_Q4_0) { /* d | qs[16]: qs[4p, 4p + 4) */
+                ldw<cmin(A, 2), 1>(blk + 2 + 4 * p, qw[u][i]);
+                hd[u][i] = ld16<A>(blk);
+            } else { /* Q4_1: d m | qs[16] */
+                ldw<cmin(A, 4), 1>(blk + 4 + 4 * p, qw[u][i]);
+                ldw<cmin(A, 4), 1>(blk, &hd[u][i]);
+            }
+        }
+    }
+}
+
+/* An f16 scale's f32 value: the hardware conversion, exact (a NaN's payload aside: the
+ * product is NaN either way). */
+static __device__ __forceinline__ float q8a_h2f(uint32_t h) {
+    return __half2float(__ushort_as_half((unsigned short)(h & 0xffffu)));
+}
+
+/* Row group g's ROWS rows (global rows g * ROWS + i: the jobs' rows one after another, job
+ * j's first is job[j].blk0; rows past the last read the last row and are not written): each
+ * row's job and index in it, and the weight rows' addresses (P = 2: the gate's and the up's). */
+template <int ROWS, int P>
+static __device__ __forceinline__ void q8a_group(const prod_jobs &jobs, int64_t g, int64_t rows,
+                                                 const uint8_t *(&rowp)[ROWS * P],
+                                                 int (&jb)[ROWS], int64_t (&r)[ROWS]) {
+#pragma unroll
+    for (int i = 0; i < ROWS; i++) {
+        int64_t gr = g * ROWS + i;
+        gr = gr < rows ? gr : rows - 1;
+        int j = 0;
+        while (j + 1 < jobs.n && gr >= (int64_t)jobs.job[j + 1].blk0) j++;
+        const prod_job &J = jobs.job[j];
+        jb[i] = j;
+        r[i] = gr - (int64_t)J.blk0;
+        rowp[i * P] = J.w + (size_t)r[i] * J.row_bytes;
+        if constexpr (P == 2) rowp[i * P + 1] = J.w_up + (size_t)r[i] * J.row_bytes;
+    }
+}
+
+/* Grid: x = blocks of Q8A_WARPS warps, each warp grid-stride over groups of ROWS rows of the
+ * jobs (PAIR: a row is the gate row and the up row, walked side by side); y = tiles of NT
+ * tokens. A: the blocks' alignment (q8a<DT>::ALIGN, or 1: byte loads). UNR blocks per lane
+ * per step, for each of the group's rows. */
+template <int DT, int NT, int ROWS, int UNR, bool PAIR, int A>
+static __global__ void __launch_bounds__(Q8A_THREADS, Q8A_MIN_BLOCKS)
+q8act_kernel(const __grid_constant__ prod_jobs jobs, const float *__restrict__ x, int64_t C,
+             int N, int64_t rows) {
+    using Q = q8a<DT>;
+    constexpr int P = PAIR ? 2 : 1, RW = ROWS * P; /* weight rows a warp walks side by side */
+    extern __shared__ __align__(16) uint8_t q8a_smem[];
+    __shared__ float sr[NT];
+    const int nb = (int)(C / 32);
+    const int n0 = blockIdx.y * NT, nt = min(NT, N - n0);
+    int8_t *xq = (int8_t *)q8a_smem;
+    float *xd = (float *)(q8a_smem + (size_t)NT * nb * 32);
+    float *xe = xd + NT * nb;
+    const int lane = threadIdx.x & 31, j = lane >> 2, p = lane & 3;
+    const int64_t groups = (rows + ROWS - 1) / ROWS, gstride = (int64_t)gridDim.x * Q8A_WARPS;
+    int64_t g = (int64_t)blockIdx.x * Q8A_WARPS + (threadIdx.x >> 5);
+    const uint8_t *rowp[RW];
+    int jb[ROWS];
+    int64_t r[ROWS];
+    if (g < groups) q8a_group<ROWS, P>(jobs, g, rows, rowp, jb, r);
+
+    pdl_wait(); /* launched by launch_pdl: x (and, in training, the weights) the kernels before's */
+    pdl_launch_dependents();
+    /* the warp's first loads fly while the block quantizes its tokens */
+    uint32_t qw[UNR][RW][Q::NW], hd[UNR][RW];
+    if (g < groups) q8a_load<DT, UNR, RW, A>(qw, hd, rowp, j, 8, nb, p);
+    if (jobs.norm_w) norm_prologue(sr, x, C, n0, nt, jobs.eps);
+    q8a_quantize<DT>(xq, xd, xe, x, C, n0, nt, sr, jobs.norm_w);
+    __syncthreads();
+
+    for (bool first = true; g < groups; first = false) {
+        float acc[RW][NT];
+#pragma unroll
+        for (int i = 0; i < RW; i++)
+#pragma unroll
+            for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
+        for (int b0 = 0; b0 < nb; b0 += 8 * UNR) {
+            if (!(first && b0 == 0)) q8a_load<DT, UNR, RW, A>(qw, hd, rowp, b0 + j, 8, nb, p);
+#pragma unroll
+            for (int u = 0; u < UNR; u++) {
+                if (b0 + 8 * u >= nb) break; /* the same for the whole warp */
+                const int b = b0 + 8 * u + j;
+                const bool live = b < nb;
+                const int bb = live ? b : 0;
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    if (t >= nt) break;
+                    const int8_t *xb = xq + ((size_t)t * nb + bb) * 32;
+                    int x0, x1; /* the token's int8 values matching the lane's weight words */
+                    if constexpr (DT == KILN_DTYPE_Q8_0) {
+                        const int2 v = *(const int2 *)(xb + 8 * p);
+                        x0 = v.x, x1 = v.y;
+                    } else { /* low nibbles: values 4p..4p+3; high nibbles: 16 + 4p.. */
+                        x0 = *(const int *)(xb + 4 * p);
+                        x1 = *(const int *)(xb + 16 + 4 * p);
+                    }
+                    const float dx = xd[t * nb + bb];
+                    const float ex = xe[t * nb + bb];
+#pragma unroll
+                    for (int i = 0; i < RW; i++) {
+                        int isum = 0;
+                        if (live) {
+                            if constexpr (DT == KILN_DTYPE_Q8_0) {
+                                isum = __dp4a((int)qw[u][i][0], x0, 0);
+                                isum = __dp4a((int)qw[u][i][1], x1, isum);
+                            } else {
+                                isum = __dp4a((int)(qw[u][i][0] & 0x0f0f0f0fu), x0, 0);
+                                isum = __dp4a((int)((qw[u][i][0] >> 4) & 0x0f0f0f0fu), x1, isum);
+                            }
+                        }
+                        isum += __shfl_xor_sync(0xffffffffu, isum, 1); /* the block's exact sum */
+                        isum += __shfl_xor_sync(0xffffffffu, isum, 2);
+                        if (live) {
+                            const float dw = q8a_h2f(hd[u][i]);
+                            if constexpr (DT == KILN_DTYPE_Q4_0) isum -= 8 * __float_as_int(ex);
+                            acc[i][t] = __fmaf_rn(__fmul_rn(dw, dx), (float)isum, acc[i][t]);
+                            if constexpr (DT == KILN_DTYPE_Q4_1)
+                                acc[i][t] = __fmaf_rn(q8a_h2f(hd[u][i] >> 16), ex, acc[i][t]);
+                        }
+                    }
+                }
+            }
+        }
+
+        /* the fixed tree s4[j] = acc[j] + acc[j + 4], s2[j] = s4[j] + s4[j + 2], s2[0] + s2[1]:
+         * lane 4j + p's partners j ^ 4, j ^ 2, j ^ 1 are lanes ^ 16, ^ 8, ^ 4 */
+#pragma unroll
+        for (int i = 0; i < RW; i++)
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                float v = acc[i][t];
+                v = v + __shfl_xor_sync(0xffffffffu, v, 16);
+                v = v + __shfl_xor_sync(0xffffffffu, v, 8);
+                v = v + __shfl_xor_sync(0xffffffffu, v, 4);
+                acc[i][t] = v;
+            }
+#pragma unroll
+        for (int i = 0; i < ROWS; i++) {
+            const prod_job &J = jobs.job[jb[i]];
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                if (t < nt && lane == (i * NT + t) % 32 && g * ROWS + i < rows) {
+                    float s = acc[i * P][t];
+                    if (J.bias) s = s + J.bias[r[i]];
+                    if constexpr (PAIR) {
+                        float u = acc[i * P + 1][t];
+                        if (J.bias_up) u = u + J.bias_up[r[i]];
+                        s = kiln_swiglu(s, u);
+                    }
+                    const int64_t at = (int64_t)(n0 + t) * J.R + r[i];
+                    if (J.res) s = s + J.res[at];
+                    J.out[at] = s;
+                }
+            }
+        }
+        g += gstride;
+        if (g < groups) q8a_group<ROWS, P>(jobs, g, rows, rowp, jb, r);
+    }
+}
+
+/* The token tile for N tokens of nb blocks: the largest of 1, 2, 4, 8 at most N's tile whose
+ * quantized tokens fit Q8A_MAX_SMEM; 0 when one token does not. */
+static int q8a_tile(int N, int64_t nb) {
+    int nt = N == 1 ? 1 : N == 2 ? 2 : N <= 4 ? 4 : 8;
+    while (nt > 1 && (int64_t)nt * nb * 40 > Q8A_MAX_SMEM) nt /= 2;
+    return nb * 40 <= Q8A_MAX_SMEM ? nt : 0;
+}
+
+/* The current device's SM count (a launch-shape choice only: no bit depends on it). */
+static int q8a_sms() {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1)
+        n = 1;
+    return n;
+}
+
+template <int DT, int NT, int ROWS, int UNR, bool PAIR, int A>
+static cudaError_t q8a_launch_k(cudaStream_t s, const prod_jobs &a, int64_t rows, const float *x,
+                                int64_t C, int N) {
+    auto k = q8act_kernel<DT, NT, ROWS, UNR, PAIR, A>;
+    const size_t smem = (size_t)NT * (size_t)(C / 32) * 40;
+    if (smem > 48 * 1024) {
+        const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) return e;
+    }
+    /* grid-stride: no more blocks than run at once (a block that waits for a slot would start
+     * its rows late) */
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, Q8A_THREADS, smem) != cudaSuccess ||
+        per_sm < 1)
+        per_sm = 1;
+    const int64_t need = ((rows + ROWS - 1) / ROWS + Q8A_WARPS - 1) / Q8A_WARPS;
+    const int64_t cap = (int64_t)q8a_sms() * per_sm;
+    const unsigned gx = (unsigned)(need < cap ? need : cap);
+    return launch_pdl(k, dim3(gx, (unsigned)((N + NT - 1) / NT)), dim3(Q8A_THREADS), smem, s, a, x,
+                      C, N, rows);
+}
+
+/* Rows of a launch past which a warp takes several rows at once (ROWS = 4, a pair 2): enough
+ * warps to fill the GPU either way; below it one row a warp, UNR = 8 blocks ahead. */
+#define Q8A_MANY_ROWS 4096
+
+template <int DT>
+static cudaError_t q8a_launch(cudaStream_t s, prod_jobs *a, bool pair, bool aligned,
+                              const float *x, int64_t C, int N) {
+    int64_t rows = 0;
+    for (int j = 0; j < a->n; j++) { /* blk0: the job's first global row */
+        if (rows > 0xffffffffll) return cudaErrorInvalidConfiguration;
+        a->job[j].blk0 = (unsigned)rows;
+        rows += a->job[j].R;
+    }
+    constexpr int AL = q8a<DT>::ALIGN;
+    if (!aligned) /* rare (a file's tensors are aligned): one tile, byte loads, same bits */
+        return q8a_launch_k<DT, 1, 1, 4, false, 1>(s, *a, rows, x, C, N);
+    const bool many = rows >= Q8A_MANY_ROWS;
+    /* about 64 to 80 bytes of weights in flight per lane, whatever the tile */
+    switch (q8a_tile(N, C / 32)) {
+    case 1:
+        if (pair) return many ? q8a_launch_k<DT, 1, 2, 2, true, AL>(s, *a, rows, x, C, N)
+                              : q8a_launch_k<DT, 1, 1, 4, true, AL>(s, *a, rows, x, C, N);
+        return many ? q8a_launch_k<DT, 1, 4, 2, false, AL>(s, *a, rows, x, C, N)
+                    : q8a_launch_k<DT, 1, 1, 8, false, AL>(s, *a, rows, x, C, N);
+    case 2:
+        if (pair) return many ? q8a_launch_k<DT, 2, 2, 2, true, AL>(s, *a, rows, x, C, N)
+                              : q8a_launch_k<DT, 2, 1, 4, true, AL>(s, *a, rows, x, C, N);
+        return many ? q8a_launch_k<DT, 2, 4, 2, false, AL>(s, *a, rows, x, C, N)
+                    : q8a_launch_k<DT, 2, 1, 8, false, AL>(s, *a, rows, x, C, N);
+    case 4: return pair ? q8a_launch_k<DT, 4, 1, 2, true, AL>(s, *a, rows, x, C, N)
+                        : q8a_launch_k<DT, 4, 1, 4, false, AL>(s, *a, rows, x, C, N);
+    default: return pair ? q8a_launch_k<DT, 8, 1, 1, true, AL>(s, *a, rows, x, C, N)
+                         : q8a_launch_k<DT, 8, 1, 2, false, AL>(s, *a, rows, x, C, N);
+    }
+}
+
+bool kiln_cuda_q8act_supported(kiln_dtype dt) {
+    return dt == KILN_DTYPE_Q8_0 || dt == KILN_DTYPE_Q4_0 || dt == KILN_DTYPE_Q4_1;
+}
+
+cudaError_t kiln_cuda_q8act_multi_norm(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
+                                       kiln_dtype dt, const float *x, const float *norm_w,
+                                       float eps, int64_t C, int N) {
+    bool pair = false;
+    if (!kiln_cuda_q8act_supported(dt) || !product_jobs_ok(n, jobs, x, C, N, &pair) ||
+        (uintptr_t)norm_w % 4 || C % 32 || C > INT_MAX || (N + 7) / 8 > 65535)
+        return cudaErrorInvalidValue;
+    const int ts = dt == KILN_DTYPE_Q8_0 ? 34 : dt == KILN_DTYPE_Q4_0 ? 18 : 20;
+    const size_t al = dt == KILN_DTYPE_Q4_1 ? 4 : 2;
+    bool aligned = true;
+    for (int j = 0; j < n; j++) {
+        if (jobs[j].row_bytes < (size_t)(C / 32) * ts) return cudaErrorInvalidValue;
+        aligned = aligned && (uintptr_t)jobs[j].w % al == 0 && (uintptr_t)jobs[j].w_up % al == 0 &&
+                  jobs[j].row_bytes % al == 0;
+    }
+    /* nothing enqueued: the caller runs them otherwise (a pair separately; C past the tile) */
+    if ((pair && !aligned) || q8a_tile(N, C / 32) == 0) return cudaErrorNotSupported;
+    prod_jobs a = prod_jobs_of(n, jobs, norm_w, eps);
+    switch (dt) {
+    case KILN_DTYPE_Q8_0: return q8a_launch<KILN_DTYPE_Q8_0>(s, &a, pair, aligned, x, C, N);
+    case KILN_DTYPE_Q4_0: return q8a_launch<KILN_DTYPE_Q4_0>(s, &a, pair, aligned, x, C, N);
+    default: return q8a_launch<KILN_DTYPE_Q4_1>(s, &a, pair, aligned, x, C, N);
+    }
 }
 
 /* =================================================================================================

@@ -309,6 +309,33 @@ cudaError_t kiln_cuda_matvec_fast_multi_norm(cudaStream_t s, int n,
 int kiln_cuda_matvec_fast_split(kiln_dtype dt, int64_t R, int64_t C, int N);
 
 /* =================================================================================================
+ * Fast: the int8-activation product for Q8_0, Q4_0 and Q4_1 weights -- the CPU fast mode's
+ * definition (docs/ARITHMETIC.md, "Fast mode: 8-bit activations"; the reference is
+ * src/ops/cpu/kernels_q8act.c), bit for bit: each token's activations are quantized to int8
+ * blocks of 32, each block's dot with the weight block is an exact integer sum (dp4a), and
+ * the 8 lane accumulators and their tree are the CPU's f32 operations in the CPU's order. A
+ * token's outputs do not depend on N or on the other tokens (batch-invariant). It is NOT
+ * the exact product: x is rounded to 8 bits.
+ * ============================================================================================== */
+
+/* Whether dt has the int8-activation product: Q8_0, Q4_0, Q4_1. */
+bool kiln_cuda_q8act_supported(kiln_dtype dt);
+
+/* The products of kiln_cuda_product_job on x (N, C), any N >= 1: out_j = the fast dot of
+ * each token with each row (+ bias_j), a pair's outputs swiglu(gate, up), then + res_j; on
+ * rmsnorm(x) * norm_w (eps; kiln_cuda_rmsnorm's bits) when norm_w is set. The bits of the
+ * CPU backend in fast mode: kernels_q8act's quantize and rows, then the CPU's swiglu and
+ * add. Job rules as kiln_cuda_matvec_fast_multi's; C a multiple of 32, rows row_bytes apart
+ * (at least C / 32 blocks). Returns cudaErrorInvalidValue on bad arguments (an unsupported
+ * dtype among them); cudaErrorNotSupported, having enqueued nothing, for a pair whose rows
+ * are not at multiples of 2 bytes (Q4_1: 4), or C / 32 blocks of one token past the
+ * kernel's shared memory (about 78,000 columns): the caller runs them otherwise. Only
+ * enqueues work on s. */
+cudaError_t kiln_cuda_q8act_multi_norm(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
+                                       kiln_dtype dt, const float *x, const float *norm_w,
+                                       float eps, int64_t C, int N);
+
+/* =================================================================================================
  * Fast: the matmul backward (issue 5, "matrix products in bf16 (fast)"): ops.h's
  * matmul_backward with its two products on the bf16 tensor cores through the GEMM module
  * above, dbias by cuda_norm.h's kiln_cuda_col_sum_fast.
