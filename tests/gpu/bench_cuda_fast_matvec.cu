@@ -7,8 +7,9 @@
  * in enough copies that the calls rotate over >= 256 MB of weights, more than the 50 MB L2.
  * Time per call: CUDA events around 200 back-to-back calls (50 with --quick), the median of
  * 5 such runs after a warm-up run. GB/s counts the weight bytes read once per call.
- * Q8_0 / Q4_0 / Q4_1 are timed twice: the f32 kernel (kiln_cuda_matvec_fast, "f32") and the
- * int8-activation product that fast mode runs for them (kiln_cuda_q8act_multi_norm, "i8").
+ * Q8_0 / Q4_0 / Q4_1 are timed twice: the f32 kernel (kiln_cuda_matvec_fast, "f32": fast
+ * decode's default) and the int8-activation product (kiln_cuda_q8act_multi_norm, "i8": the
+ * CPU fast mode's bits, fast decode's with KILN_CUDA_Q8ACT=1).
  * Usage: bench_cuda_fast_matvec [--quick]
  */
 #include "ops/cuda/cuda_matmul.h"
