@@ -2076,8 +2076,10 @@ cudaError_t kiln_cuda_matvec_fast(cudaStream_t s, float *out, const float *x, co
  *
  * Speed: the grid is as many blocks as the SMs hold at once (each quantizes its tile once,
  * while its warps' first weight loads fly), and a step loads UNR blocks of each of a warp's
- * rows per lane: about 64-80 bytes in flight a lane (ncu: with 209 registers a thread, one
- * block fit an SM and the loads starved; with one row of 4 blocks a step, 30% of DRAM).
+ * rows per lane: about 40-80 bytes in flight a lane. It is slower than the f32 kernel above
+ * on long rows (bench/RESULTS.md, 2026-12-06: ncu finds it at a third of DRAM bandwidth,
+ * warps waiting on their 2-byte loads), so fast decode takes it only when asked
+ * (KILN_CUDA_Q8ACT=1, cuda_backend.cu).
  * ============================================================================================== */
 
 #define Q8A_THREADS 256
