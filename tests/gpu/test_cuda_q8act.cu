@@ -34,35 +34,26 @@ extern "C" {
 #include <string.h>
 
 #include "gpu_test_cuda_check.h"
+#define GPU_TEST_SEED 0x7138616374303031ull
+#include "gpu_test_check.h" /* g_fail, the seeded stream rnd64 / rndu */
 
-static int g_fail, g_cases;
+static int g_cases;
 
-static uint64_t g_rng = 0x7138616374303031ull;
-static uint64_t rnd_u64(void) {
-    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static float rnd_unit(void) { return (float)((double)(rnd_u64() >> 11) * 0x1p-53 * 2.0 - 1.0); }
-
-static int type_size(kiln_dtype dt) {
-    return dt == KILN_DTYPE_Q8_0 ? 34 : dt == KILN_DTYPE_Q4_0 ? 18 : 20;
-}
+static int type_size(kiln_dtype dt) { return kiln_dtype_get_traits(dt)->type_size; }
 
 /* R rows of C / 32 random blocks, rows rb apart (rb >= the row's bytes), at offset off in
  * the returned buffer; f16 scales (and Q4_1's m) moderate and of both signs. */
 static uint8_t *rnd_weights(kiln_dtype dt, int64_t R, int64_t C, size_t rb, size_t off) {
     const size_t ts = (size_t)type_size(dt), nb = (size_t)C / 32;
     uint8_t *w = (uint8_t *)kiln_malloc(off + rb * (size_t)R + 8);
-    for (size_t i = 0; i < off + rb * (size_t)R + 8; i++) w[i] = (uint8_t)rnd_u64();
+    for (size_t i = 0; i < off + rb * (size_t)R + 8; i++) w[i] = (uint8_t)rnd64();
     for (int64_t r = 0; r < R; r++)
         for (size_t b = 0; b < nb; b++) {
             uint8_t *p = w + off + (size_t)r * rb + b * ts;
-            const uint16_t d = kiln_fp32_to_fp16(rnd_unit() * 0.05f);
+            const uint16_t d = kiln_fp32_to_fp16(rndu() * 0.05f);
             memcpy(p, &d, 2);
             if (dt == KILN_DTYPE_Q4_1) {
-                const uint16_t m = kiln_fp32_to_fp16(rnd_unit() * 0.2f);
+                const uint16_t m = kiln_fp32_to_fp16(rndu() * 0.2f);
                 memcpy(p + 2, &m, 2);
             }
         }
@@ -74,12 +65,12 @@ static uint8_t *rnd_weights(kiln_dtype dt, int64_t R, int64_t C, size_t rb, size
  * grid (x * 127 / amax lands on halves and on +-127). */
 static float *rnd_x(int N, int64_t C) {
     float *x = (float *)kiln_malloc((size_t)N * (size_t)C * 4 + 4);
-    for (size_t i = 0; i < (size_t)N * (size_t)C; i++) x[i] = rnd_unit() * 2.0f;
+    for (size_t i = 0; i < (size_t)N * (size_t)C; i++) x[i] = rndu() * 2.0f;
     const int64_t nb = C / 32;
     if (nb > 0)
         for (int i = 0; i < 32; i++) x[i] = 0.0f;
     if (nb > 1)
-        for (int i = 0; i < 32; i++) x[32 + i] = rnd_unit() * 1e-30f;
+        for (int i = 0; i < 32; i++) x[32 + i] = rndu() * 1e-30f;
     if (nb > 2) x[64 + 5] = 300.0f;
     if (nb > 3)
         for (int i = 0; i < 32; i++) x[96 + i] = (float)((i % 9) - 4) * 0.5f * (127.0f / 4.0f) / 127.0f * 8.0f;
@@ -147,7 +138,7 @@ static void one_product(kiln_dtype dt, int64_t R, int64_t C, int N, bool with_bi
     float *bias = NULL;
     if (with_bias) {
         bias = (float *)kiln_malloc((size_t)R * 4);
-        for (int64_t r = 0; r < R; r++) bias[r] = rnd_unit();
+        for (int64_t r = 0; r < R; r++) bias[r] = rndu();
     }
     float *ref = (float *)kiln_malloc((size_t)N * (size_t)R * 4 + 4);
     cpu_ref(ref, x, N, C, w, rb, dt, R, bias);
@@ -208,7 +199,7 @@ static void fused(kiln_dtype dt, int64_t C, int N, int64_t R0) {
     float *x = rnd_x(N, C);
     float *dx = dev_copy<float>(x, (size_t)N * (size_t)C * 4);
     float *nw_h = (float *)kiln_malloc((size_t)C * 4);
-    for (int64_t i = 0; i < C; i++) nw_h[i] = 1.0f + 0.5f * rnd_unit();
+    for (int64_t i = 0; i < C; i++) nw_h[i] = 1.0f + 0.5f * rndu();
     float *nw = dev_copy<float>(nw_h, (size_t)C * 4);
     const float eps = 1e-6f;
     float *xn_d = dev_nan((size_t)N * (size_t)C);
@@ -221,7 +212,7 @@ static void fused(kiln_dtype dt, int64_t C, int N, int64_t R0) {
         char what[160];
         /* three products, job 0 accumulating into its output (res == out) */
         float *res_h = (float *)kiln_malloc((size_t)N * Rs[0] * 4);
-        for (int64_t i = 0; i < N * Rs[0]; i++) res_h[i] = rnd_unit();
+        for (int64_t i = 0; i < N * Rs[0]; i++) res_h[i] = rndu();
         float *outs[3];
         kiln_cuda_product_job jobs[3];
         for (int j = 0; j < 3; j++) {
@@ -246,7 +237,7 @@ static void fused(kiln_dtype dt, int64_t C, int N, int64_t R0) {
         uint8_t *wu = rnd_weights(dt, Rs[0], C, rb, 0);
         uint8_t *dwu = dev_copy<uint8_t>(wu, rb * (size_t)Rs[0]);
         float *bg_h = (float *)kiln_malloc((size_t)R0 * 4), *bu_h = (float *)kiln_malloc((size_t)R0 * 4);
-        for (int64_t i = 0; i < R0; i++) bg_h[i] = rnd_unit(), bu_h[i] = rnd_unit();
+        for (int64_t i = 0; i < R0; i++) bg_h[i] = rndu(), bu_h[i] = rndu();
         float *bg = dev_copy<float>(bg_h, (size_t)R0 * 4), *bu = dev_copy<float>(bu_h, (size_t)R0 * 4);
         float *res_d = dev_copy<float>(res_h, (size_t)N * Rs[0] * 4);
         float *po = dev_nan((size_t)N * Rs[0]);

@@ -542,7 +542,7 @@ extern "C" int kiln_cuda_products_format(kiln_backend *be) { return ctx_of(be)->
 /* Whether fast mode's decode products of Q8_0 / Q4_0 / Q4_1 weights take the int8-activation
  * product (kiln_cuda_q8act_multi_norm: the CPU fast mode's bits, batch-invariant) instead of
  * the f32 kernels: only with KILN_CUDA_Q8ACT=1, read once per process. Not the default: it is
- * slower today (bench/RESULTS.md, 2026-12-06: 0.98x of the f32 kernels' decode on a Q8_0
+ * slower today (bench/RESULTS.md, 2026-12-06: 0.97x of the f32 kernels' decode on a Q8_0
  * 0.5B shape, 0.86x on the 3B shape's gate product). */
 static bool q8act_for(kiln_dtype dt) {
     static const bool on = [] {
@@ -571,17 +571,18 @@ static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_t
     } else if (!c->fast) {
         after_launch(c, kiln_cuda_matmul(c->stream, out, x, w, rb, W->dtype, R, C, bias, N),
                      "matmul");
-    } else if (N <= 8 && q8act_for(W->dtype)) {
-        /* decode, Q8_0 / Q4_0 / Q4_1, asked for: the CPU fast mode's int8-activation product */
-        const kiln_cuda_product_job job = {out, NULL, w, NULL, bias, NULL, rb, R};
-        cudaError_t e = kiln_cuda_q8act_multi_norm(c->stream, 1, &job, W->dtype, x, NULL, 0.0f, C, N);
-        if (e == cudaErrorNotSupported) /* C past the kernel's tile: the f32 kernels */
-            e = kiln_cuda_matvec_fast(c->stream, out, x, w, rb, W->dtype, R, C, bias, N, 0);
-        after_launch(c, e, "matmul (fast int8 activations)");
     } else if (N <= 8) {
-        /* decode: fixed-order f32 matrix-vector kernels straight on the quantized blocks */
-        after_launch(c, kiln_cuda_matvec_fast(c->stream, out, x, w, rb, W->dtype, R, C, bias, N, 0),
-                     "matmul (fast matvec)");
+        /* decode: fixed-order f32 matrix-vector kernels straight on the quantized blocks, or
+         * (KILN_CUDA_Q8ACT=1, Q8_0 / Q4_0 / Q4_1) the CPU fast mode's int8-activation product
+         * unless C is past its tile */
+        cudaError_t e = cudaErrorNotSupported;
+        if (q8act_for(W->dtype)) {
+            const kiln_cuda_product_job job = {out, NULL, w, NULL, bias, NULL, rb, R};
+            e = kiln_cuda_q8act_multi_norm(c->stream, 1, &job, W->dtype, x, NULL, 0.0f, C, N);
+        }
+        if (e == cudaErrorNotSupported)
+            e = kiln_cuda_matvec_fast(c->stream, out, x, w, rb, W->dtype, R, C, bias, N, 0);
+        after_launch(c, e, "matmul (fast matvec)");
     } else {
         /* prefill: bf16 tensor cores through cuBLASLt, one fixed algorithm per shape */
         if (!c->gemm && !CK(c, kiln_cuda_gemm_create(c->device, &c->gemm))) return;

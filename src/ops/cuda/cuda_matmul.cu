@@ -2076,7 +2076,7 @@ cudaError_t kiln_cuda_matvec_fast(cudaStream_t s, float *out, const float *x, co
  *
  * Speed: the grid is as many blocks as the SMs hold at once (each quantizes its tile once,
  * while its warps' first weight loads fly), and a step loads UNR blocks of each of a warp's
- * rows per lane: about 40-80 bytes in flight a lane. It is slower than the f32 kernel above
+ * rows per lane: up to 80 bytes in flight a lane. It is slower than the f32 kernel above
  * on long rows (bench/RESULTS.md, 2026-12-06: ncu finds it at a third of DRAM bandwidth,
  * warps waiting on their 2-byte loads), so fast decode takes it only when asked
  * (KILN_CUDA_Q8ACT=1, cuda_backend.cu).
@@ -2087,13 +2087,15 @@ cudaError_t kiln_cuda_matvec_fast(cudaStream_t s, float *out, const float *x, co
 /* blocks an SM holds at once (at most 64 registers a thread): half the SM's warps */
 #define Q8A_MIN_BLOCKS 4
 #define Q8A_TINY 0x1p-96f /* kernels_q8act.c's Q8ACT_TINY */
-/* Shared memory a block may take for its tile of quantized tokens (40 bytes a block of 32). */
+/* Shared memory of one quantized block of 32 activations (q, d, and s or sum), and what a
+ * block of threads may take for its tile of tokens. */
+#define Q8A_BLOCK_SMEM 40
 #define Q8A_MAX_SMEM (96 * 1024)
 
 template <int DT> struct q8a {
-    static constexpr int TS = DT == KILN_DTYPE_Q8_0 ? 34 : DT == KILN_DTYPE_Q4_0 ? 18 : 20;
+    static constexpr int TS = blk<DT>::TS;
     /* alignment of every block on the fast path (w, w_up and row_bytes multiples of it) */
-    static constexpr int ALIGN = DT == KILN_DTYPE_Q4_1 ? 4 : 2;
+    static constexpr int ALIGN = fmv<DT>::ALIGN;
     /* 32-bit words of quants a lane loads per block (its part: Q8_0 8 values, Q4 8 nibbles) */
     static constexpr int NW = DT == KILN_DTYPE_Q8_0 ? 2 : 1;
 };
@@ -2360,8 +2362,8 @@ q8act_kernel(const __grid_constant__ prod_jobs jobs, const float *__restrict__ x
  * quantized tokens fit Q8A_MAX_SMEM; 0 when one token does not. */
 static int q8a_tile(int N, int64_t nb) {
     int nt = N == 1 ? 1 : N == 2 ? 2 : N <= 4 ? 4 : 8;
-    while (nt > 1 && (int64_t)nt * nb * 40 > Q8A_MAX_SMEM) nt /= 2;
-    return nb * 40 <= Q8A_MAX_SMEM ? nt : 0;
+    while (nt > 1 && (int64_t)nt * nb * Q8A_BLOCK_SMEM > Q8A_MAX_SMEM) nt /= 2;
+    return nb * Q8A_BLOCK_SMEM <= Q8A_MAX_SMEM ? nt : 0;
 }
 
 /* The current device's SM count (a launch-shape choice only: no bit depends on it). */
@@ -2377,7 +2379,7 @@ template <int DT, int NT, int ROWS, int UNR, bool PAIR, int A>
 static cudaError_t q8a_launch_k(cudaStream_t s, const prod_jobs &a, int64_t rows, const float *x,
                                 int64_t C, int N) {
     auto k = q8act_kernel<DT, NT, ROWS, UNR, PAIR, A>;
-    const size_t smem = (size_t)NT * (size_t)(C / 32) * 40;
+    const size_t smem = (size_t)NT * (size_t)(C / 32) * Q8A_BLOCK_SMEM;
     if (smem > 48 * 1024) {
         const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (e != cudaSuccess) return e;
@@ -2396,23 +2398,31 @@ static cudaError_t q8a_launch_k(cudaStream_t s, const prod_jobs &a, int64_t rows
 }
 
 /* Rows of a launch past which a warp takes several rows at once (ROWS = 4, a pair 2): enough
- * warps to fill the GPU either way; below it one row a warp, UNR = 8 blocks ahead. */
+ * warps to fill the GPU either way; below it one row a warp with more blocks ahead. */
 #define Q8A_MANY_ROWS 4096
 
 template <int DT>
-static cudaError_t q8a_launch(cudaStream_t s, prod_jobs *a, bool pair, bool aligned,
-                              const float *x, int64_t C, int N) {
+static cudaError_t q8a_launch(cudaStream_t s, prod_jobs *a, bool pair, const float *x, int64_t C,
+                              int N) {
+    constexpr int AL = q8a<DT>::ALIGN;
+    bool aligned = true;
     int64_t rows = 0;
+    for (int j = 0; j < a->n; j++) {
+        const prod_job &J = a->job[j];
+        if (J.row_bytes < (size_t)(C / 32) * q8a<DT>::TS) return cudaErrorInvalidValue;
+        aligned = aligned && (uintptr_t)J.w % AL == 0 && (uintptr_t)J.w_up % AL == 0 && J.row_bytes % AL == 0;
+    }
+    /* nothing enqueued: the caller runs them otherwise (a pair separately; C past the tile) */
+    if ((pair && !aligned) || q8a_tile(N, C / 32) == 0) return cudaErrorNotSupported;
     for (int j = 0; j < a->n; j++) { /* blk0: the job's first global row */
         if (rows > 0xffffffffll) return cudaErrorInvalidConfiguration;
         a->job[j].blk0 = (unsigned)rows;
         rows += a->job[j].R;
     }
-    constexpr int AL = q8a<DT>::ALIGN;
     if (!aligned) /* rare (a file's tensors are aligned): one tile, byte loads, same bits */
         return q8a_launch_k<DT, 1, 1, 4, false, 1>(s, *a, rows, x, C, N);
     const bool many = rows >= Q8A_MANY_ROWS;
-    /* about 64 to 80 bytes of weights in flight per lane, whatever the tile */
+    /* 20 (Q8_0 at 8 tokens) to 80 bytes of weights in flight per lane */
     switch (q8a_tile(N, C / 32)) {
     case 1:
         if (pair) return many ? q8a_launch_k<DT, 1, 2, 2, true, AL>(s, *a, rows, x, C, N)
@@ -2442,21 +2452,11 @@ cudaError_t kiln_cuda_q8act_multi_norm(cudaStream_t s, int n, const kiln_cuda_pr
     if (!kiln_cuda_q8act_supported(dt) || !product_jobs_ok(n, jobs, x, C, N, &pair) ||
         (uintptr_t)norm_w % 4 || C % 32 || C > INT_MAX || (N + 7) / 8 > 65535)
         return cudaErrorInvalidValue;
-    const int ts = dt == KILN_DTYPE_Q8_0 ? 34 : dt == KILN_DTYPE_Q4_0 ? 18 : 20;
-    const size_t al = dt == KILN_DTYPE_Q4_1 ? 4 : 2;
-    bool aligned = true;
-    for (int j = 0; j < n; j++) {
-        if (jobs[j].row_bytes < (size_t)(C / 32) * ts) return cudaErrorInvalidValue;
-        aligned = aligned && (uintptr_t)jobs[j].w % al == 0 && (uintptr_t)jobs[j].w_up % al == 0 &&
-                  jobs[j].row_bytes % al == 0;
-    }
-    /* nothing enqueued: the caller runs them otherwise (a pair separately; C past the tile) */
-    if ((pair && !aligned) || q8a_tile(N, C / 32) == 0) return cudaErrorNotSupported;
     prod_jobs a = prod_jobs_of(n, jobs, norm_w, eps);
     switch (dt) {
-    case KILN_DTYPE_Q8_0: return q8a_launch<KILN_DTYPE_Q8_0>(s, &a, pair, aligned, x, C, N);
-    case KILN_DTYPE_Q4_0: return q8a_launch<KILN_DTYPE_Q4_0>(s, &a, pair, aligned, x, C, N);
-    default: return q8a_launch<KILN_DTYPE_Q4_1>(s, &a, pair, aligned, x, C, N);
+    case KILN_DTYPE_Q8_0: return q8a_launch<KILN_DTYPE_Q8_0>(s, &a, pair, x, C, N);
+    case KILN_DTYPE_Q4_0: return q8a_launch<KILN_DTYPE_Q4_0>(s, &a, pair, x, C, N);
+    default: return q8a_launch<KILN_DTYPE_Q4_1>(s, &a, pair, x, C, N);
     }
 }
 
