@@ -384,9 +384,6 @@ static void check_mpi_error(void) {
     kiln_comm_close(c);
 }
 
-/* comm_tcp.c's hand-over of rank 0's blob, with forked processes as ranks 1..3 (the plain run
- * only): every rank ends with rank 0's bytes; a rank of another run's size is turned away, and a
- * rank with nobody to listen times out with a message naming the address. */
 /* A TCP port free on 127.0.0.1 right now (the system's pick for port 0), or 0. */
 static int free_port(void) {
     int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0;
@@ -401,6 +398,9 @@ static int free_port(void) {
     return port;
 }
 
+/* comm_tcp.c's hand-over of rank 0's blob, with forked processes as ranks 1..3 (the plain run
+ * only): every rank ends with rank 0's bytes; a rank of another run's size is turned away, and a
+ * rank with nobody to listen times out with a message naming the address. */
 static void check_tcp_share(void) {
     const int size = 4, port = free_port();
     CHECK(port > 0);
