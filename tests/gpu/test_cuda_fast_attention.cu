@@ -9,6 +9,8 @@
  *     error is about sqrt(HS) * |q||k| * 2^-9 * scale, a few 1e-3, so the expected error is
  *     a few 1e-3 * max|v|. The largest seen is printed.
  *   f32 paths (decode split, plain f32 kernel): 1e-5.
+ * The split decode (N <= 8) must also give, bit for bit, the bits of its definition, emulated
+ * on the host in f32 (split_def).
  * Every run starts from outputs poisoned with NaN bits, every case runs twice and must give
  * the same bits, and decode_dev (B = 1 and 3, different n_past per sequence, caches an odd
  * stride apart, through a captured CUDA graph replayed at several new positions) must give
@@ -20,6 +22,7 @@
  * Usage: test_cuda_fast_attention
  */
 #include "ops/cuda/cuda_attention.h"
+#include "base/kmath.h" /* kiln_expf */
 
 #include <math.h>
 #include <stdint.h>
@@ -64,6 +67,79 @@ static void ref_row(double *out, const float *q, const float *k, const float *v,
             for (int d = 0; d < HS; d++) o[d] += s[j] / l * (double)vr[d];
         }
     }
+}
+
+/* The split decode's bits (N <= KILN_ATTN_DECODE_MAX_N; cuda_attention.cu, decode_kernel and
+ * the combine defined above it), emulated operation by operation in f32 on the host, so that
+ * the kernel is held to its definition bit for bit, not only to the double reference. Rows
+ * of kv head kvh are r = n * G + g in chunks of 16; a chunk's keys end at its last row's
+ * (n_past + n_last + 1), and each row's p.v chain runs over all of them (p = 0 past its own).
+ * Per row and split of 64 keys: score = ((c0 + c1) + (c2 + c3)) * scale with chain i =
+ * fmaf over d = 4c + i (columns past HS as zeros), m = max, p = kiln_expf(s - m) (0 when
+ * masked), l = the butterfly sum of p_j + p_j+32, acc(d) = fmaf(p_j, v_j(d), acc) in key
+ * order; then M = max m_s, w_s = kiln_expf(m_s - M), L = fmaf(w_s, l_s, L), a(d) = fmaf(w_s,
+ * acc_s(d), a) in split order, out = a / L. No window. */
+static void split_def(float *out, const float *q, const float *k, const float *v, int N,
+                      int n_past, int NH, int KVH, int HS, float scale) {
+    const int S = KILN_ATTN_SPLIT, G = NH / KVH, R = G * N, hs4 = (HS + 3) & ~3;
+    for (int kvh = 0; kvh < KVH; kvh++)
+        for (int r0 = 0; r0 < R; r0 += 16) {
+            const int nr = R - r0 < 16 ? R - r0 : 16;
+            const int all_end = n_past + (r0 + nr - 1) / G + 1;
+            for (int r = r0; r < r0 + nr; r++) {
+                const int n = r / G, h = kvh * G + r % G, last = n_past + n;
+                const int ns = last / S + 1;
+                const float *qr = q + ((size_t)n * NH + h) * HS;
+                std::vector<float> m(ns), l(ns), acc((size_t)ns * HS);
+                for (int sp = 0; sp < ns; sp++) {
+                    const int kb = sp * S, nk = all_end - kb < S ? all_end - kb : S;
+                    float sc[64], p[64];
+                    for (int j = 0; j < S; j++) {
+                        const int key = kb + j;
+                        sc[j] = -INFINITY;
+                        if (j >= nk || key > last) continue;
+                        const float *kr = k + ((size_t)key * KVH + kvh) * HS;
+                        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        for (int c = 0; c < hs4; c += 4)
+                            for (int i = 0; i < 4; i++) {
+                                const int d = c + i;
+                                a[i] = fmaf(d < HS ? qr[d] : 0.0f, d < HS ? kr[d] : 0.0f, a[i]);
+                            }
+                        sc[j] = ((a[0] + a[1]) + (a[2] + a[3])) * scale;
+                    }
+                    float mx = -INFINITY;
+                    for (int j = 0; j < S; j++) mx = fmaxf(mx, sc[j]);
+                    for (int j = 0; j < S; j++)
+                        p[j] = sc[j] == -INFINITY ? 0.0f : kiln_expf(sc[j] - mx);
+                    float x[32], y[32];
+                    for (int i = 0; i < 32; i++) x[i] = p[i] + p[i + 32];
+                    for (int o = 16; o > 0; o >>= 1) {
+                        for (int i = 0; i < 32; i++) y[i] = x[i] + x[i ^ o];
+                        memcpy(x, y, sizeof x);
+                    }
+                    m[sp] = mx;
+                    l[sp] = x[0];
+                    for (int d = 0; d < HS; d++) {
+                        float a = 0.0f;
+                        for (int j = 0; j < nk; j++)
+                            a = fmaf(p[j], v[((size_t)(kb + j) * KVH + kvh) * HS + d], a);
+                        acc[(size_t)sp * HS + d] = a;
+                    }
+                }
+                float M = -INFINITY, L = 0.0f;
+                for (int sp = 0; sp < ns; sp++) M = fmaxf(M, m[sp]);
+                std::vector<float> w(ns);
+                for (int sp = 0; sp < ns; sp++) {
+                    w[sp] = kiln_expf(m[sp] - M);
+                    L = fmaf(w[sp], l[sp], L);
+                }
+                for (int d = 0; d < HS; d++) {
+                    float a = 0.0f;
+                    for (int sp = 0; sp < ns; sp++) a = fmaf(w[sp], acc[(size_t)sp * HS + d], a);
+                    out[((size_t)n * NH + h) * HS + d] = a / L;
+                }
+            }
+        }
 }
 
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
@@ -138,12 +214,13 @@ static void host_checks(void) {
                                           1, 4, 2, 64, 1.0f) == cudaSuccess, "B = 0 is a no-op");
     EXPECT(kiln_cuda_attn_reserve(NULL, 1, 1, 4, 64, 10) == cudaErrorInvalidValue, "reserve NULL");
 
-    /* the decode's launch: grid sized by the keys (x = KVH * chunks of 16 rows, y = 64-key
-     * splits, z = B), 256 threads, shared memory of q, K, V, p and the combine's staging */
+    /* the decode's launch: grid sized by the keys (x = KVH * chunks of 16 rows * blocks of
+     * 4 rows a chunk, y = 64-key splits, z = B), 256 threads, shared memory of q, K, V, p and
+     * the combine's staging */
     kiln_cuda_attn_launch li;
     EXPECT(kiln_cuda_attn_decode_launch_info(1, 1, 14, 2, 64, 512, &li) == cudaSuccess &&
-               li.grid[0] == 2 && li.grid[1] == 8 && li.grid[2] == 1 && li.block == 256 &&
-               li.smem == 4 * (16 * 64 + 64 * 68 + 64 * 64 + 16 * 64 + 2 * 16 * 64 + 4 * 16) &&
+               li.grid[0] == 4 && li.grid[1] == 8 && li.grid[2] == 1 && li.block == 256 &&
+               li.smem == 4 * (16 * 64 + 64 * 68 + 64 * 64 + 16 * 64 + 2 * 16 * 64 + 9 * 16) &&
                li.combine == 0,
            "launch Qwen ctx 512: grid (%u, %u, %u) block %u smem %zu combine %d", li.grid[0],
            li.grid[1], li.grid[2], li.block, li.smem, li.combine);
@@ -152,7 +229,7 @@ static void host_checks(void) {
            "launch Llama max_T 4097 B 3: grid (%u, %u, %u) combine %d", li.grid[0], li.grid[1],
            li.grid[2], li.combine);
     EXPECT(kiln_cuda_attn_decode_launch_info(1, 8, 16, 1, 64, 4096, &li) == cudaSuccess &&
-               li.grid[0] == 8 && li.grid[1] == 64 && li.combine == 0,
+               li.grid[0] == 32 && li.grid[1] == 64 && li.combine == 0,
            "launch N 8 G 16: grid x %u y %u combine %d", li.grid[0], li.grid[1], li.combine);
     EXPECT(kiln_cuda_attn_decode_launch_info(1, 1, 6, 4, 64, 10, &li) == cudaErrorInvalidValue &&
                kiln_cuda_attn_decode_launch_info(1, 1, 4, 2, 64, 0, &li) ==
@@ -249,6 +326,17 @@ static void attention_case(kiln_cuda_attn *a, cudaStream_t s, const dev_bufs &db
         ok = false;
         fprintf(stderr, "%s: worst at token %zu head %zu d %zu: gpu %.9g\n", name,
                 worst_i / ((size_t)NH * HS), worst_i / HS % NH, worst_i % HS, o1[worst_i]);
+    }
+    /* the split decode: its defined bits, every element */
+    if (N <= KILN_ATTN_DECODE_MAX_N) {
+        std::vector<float> def(nq);
+        split_def(def.data(), q.data(), k.data(), v.data(), N, n_past, NH, KVH, HS, scale);
+        if (!same_bits(o1.data(), def.data(), nq, &first)) {
+            ok = false;
+            fprintf(stderr, "%s: element %zu (token %zu head %zu d %zu) %a, defined %a\n", name,
+                    first, first / ((size_t)NH * HS), first / HS % NH, first % HS, o1[first],
+                    def[first]);
+        }
     }
     const double rel = worst / maxv;
     if (mma && rel > g_mma_worst) g_mma_worst = rel;

@@ -643,7 +643,11 @@ f32_kernel(float *__restrict__ out, const float *__restrict__ q, const float *__
 
 #define DEC_THREADS 256
 #define DEC_WARPS (DEC_THREADS / 32)
-#define DEC_ROWS 16     /* query rows (token, head of the kv group) per block */
+#define DEC_ROWS 16     /* query rows (token, head of the kv group) per chunk */
+#define DEC_RPB 4       /* of a chunk's rows, per block: a short-context decode of 7 heads a
+                         * kv head took 7.0 us a call with 4 against 7.7 with 16 (H100, the
+                         * Qwen2.5-0.5B shape, 512 keys; 12.1 against 13.4 at 4096 keys); 2
+                         * was 17.6 at 4096 keys */
 #define DEC_RG 4        /* row groups of the score phase: thread (key j, group g) takes rows
                          * g, g + 4, g + 8, g + 12 */
 #define DEC_FUSE_MAX 64 /* most splits a grid may have for its last block to do the combine
@@ -656,24 +660,46 @@ static_assert(DEC_ROWS == DEC_RG * 4, "score phase: four rows per thread");
 static_assert(DEC_FUSE_MAX == 64, "fused combine: two splits per lane");
 static_assert((DEC_ROWS * KILN_ATTN_FAST_MAX_HS) % DEC_THREADS == 0, "acc tiling");
 
+/* Blocks per chunk of DEC_ROWS rows (of a kv group's R) when a block takes rpb rows: the
+ * chunk's keys and splits are the chunk's whoever computes its rows, so rpb never changes a
+ * bit; fewer rows a block spread a short-context decode over more SMs. */
+static __host__ __device__ __forceinline__ int dec_subs(int R, int rpb) {
+    const int m = R < DEC_ROWS ? R : DEC_ROWS;
+    return (m + rpb - 1) / rpb;
+}
+
 /* HS rounded up to a multiple of 4 (rows of sQ, sK are whole float4s). */
 static __host__ __device__ __forceinline__ int dec_hs4(int HS) { return (HS + 3) & ~3; }
 
 /* Shared memory of decode_kernel for head size HS, floats: sQ (ROWS, HS4), sK (SPLIT, HS4 +
  * 4: 16-byte rows whose stride is 4 words mod 32 when HS % 32 == 0, so the 8 lanes of a
  * quarter warp reading float4s of 8 different keys hit 8 different bank quads), sV (SPLIT,
- * HS), sP (ROWS, SPLIT), sW and sLs (ROWS, FUSE_MAX), sM, sL, sLt (ROWS), sNs (ROWS ints). */
+ * HS), sP (ROWS, SPLIT), sW and sLs (ROWS, FUSE_MAX), sM, sL, sLt (ROWS), sNs and sLast
+ * (ROWS ints), sOut and sPart (ROWS int64s; every region before them is a multiple of 16
+ * floats, so they are 8-byte aligned). */
 static size_t dec_smem(int HS) {
     const size_t hs4 = (size_t)dec_hs4(HS);
     return sizeof(float) * (DEC_ROWS * hs4 + KILN_ATTN_SPLIT * (hs4 + 4) +
                             (size_t)KILN_ATTN_SPLIT * HS + DEC_ROWS * KILN_ATTN_SPLIT +
-                            2 * DEC_ROWS * DEC_FUSE_MAX + 4 * DEC_ROWS);
+                            2 * DEC_ROWS * DEC_FUSE_MAX + 9 * DEC_ROWS);
 }
 
 /* Query head and token of row rr (= n * G + g) of kv head kvh's group. */
 static __device__ __forceinline__ void dec_row(int rr, int G, int kvh, int *n, int *h) {
     *n = rr / G;
     *h = kvh * G + rr % G;
+}
+
+/* Whether every row of the chunk holding row rr (chunks of DEC_ROWS of a kv group's R rows,
+ * G heads a token) sees keys of one split only (decode_kernel's nsg - s_first == 1): the
+ * chunk's block then writes its output itself, and combine_kernel leaves those rows alone. */
+static __device__ __forceinline__ bool dec_chunk_one_split(int rr, int R, int G, int n_past,
+                                                           int window) {
+    const int r0 = rr / DEC_ROWS * DEC_ROWS;
+    const int nr = R - r0 < DEC_ROWS ? R - r0 : DEC_ROWS;
+    const int all_end = n_past + (r0 + nr - 1) / G + 1;
+    const int all_lo = window_lo(n_past + r0 / G, window);
+    return (all_end + KILN_ATTN_SPLIT - 1) / KILN_ATTN_SPLIT - all_lo / KILN_ATTN_SPLIT == 1;
 }
 
 /* The combine of one row's splits -- THE definition of a decode row's bits, shared with
@@ -686,60 +712,80 @@ static __device__ __forceinline__ void dec_row(int rr, int G, int kvh, int *n, i
  * the bits never depend on which block or kernel does the combine. */
 
 /* decode_kernel: rows of kv head kvh's group are (token n, head of the group g), row = n * G
- * + g, query head h = kvh * G + g. Block (blockIdx.x = chunk * KVH + kvh, blockIdx.y = split
- * s, blockIdx.z = sequence b) takes rows r0 .. r0 + nr - 1 of the chunk (16 at most) and keys
- * kb = s * SPLIT .. kb + nk - 1, the split's keys that some row of the chunk sees (none: the
- * block returns at once). Per block:
+ * + g, query head h = kvh * G + g; the rows go in chunks of 16 (DEC_ROWS). Block (blockIdx.x =
+ * (chunk * nsub + sub) * KVH + kvh, blockIdx.y = split s, blockIdx.z = sequence b) takes rows
+ * r0 .. r0 + nr - 1, the sub-th rpb of the chunk (rpb <= 16; nsub = dec_subs), and keys kb =
+ * s * SPLIT .. kb + nk - 1, the split's keys that some row of the chunk sees (none: the block
+ * returns at once). Per block:
  *   1. q rows, K and V of the split go to shared memory by cp.async (q and K first, their
- *      own group, so the scores start while V is still arriving; K, V by 16-byte copies when
- *      VEC, else 4-byte ones; q by 4-byte ones), keys past nk as zeros.
+ *      own group, so the scores start while V is still arriving; 16-byte copies when VEC,
+ *      else 4-byte ones), keys past nk and below the chunk's first row's window as zeros.
+ *      Each row's output offset and partial index go to shared memory once.
  *   2. Scores: thread (key j = tid % 64, row group tid / 64) takes rows of its group; per row
  *      four fmaf chains over d = 4c + i (c increasing; chain i takes component i), dot =
  *      (c0 + c1) + (c2 + c3), score = dot * scale, -inf when key > n_past + n.
  *   3. Per row (a warp each), over the split's 64 keys: m = max, p = kiln_expf(s - m) (0 for
  *      -inf scores), l = butterfly sum of (p_lane + p_lane+32).
  *   4. acc(r, d) = fmaf(p_j, v_j(d), acc) for j = 0 .. nk - 1 in order.
- *   5. Output. fuse == 0: the partial (m, l, acc) of every row goes to the workspace and
- *      combine_kernel follows. fuse == 1: if every row of the chunk sees only split 0, this
- *      (only) block writes out directly; otherwise the partials go to the workspace, and the
- *      block that arrives last at the group's counter (atomicAdd, for signalling only)
- *      resets the counter and does the combine of every row of the chunk in split order.
+ *   5. Output. If every row of the chunk sees only this split, this block writes its rows'
+ *      out directly (with fuse == 0 too: combine_kernel leaves those rows alone, so a decode
+ *      at a short context costs no partials and no combine however large max_T is).
+ *      Otherwise the partial (m, l, acc) of its rows goes to the workspace; fuse == 0:
+ *      combine_kernel follows; fuse == 1: of the blocks with the same blockIdx.x (the same
+ *      rows, one per split), the one that arrives last at their counter (atomicAdd, for
+ *      signalling only) resets the counter and does the combine of those rows in split
+ *      order.
  * window > 0 (a sliding window): row n sees keys lo_n = window_lo(n_past + n) .. n_past + n
  * only. Its splits are those holding some of them, s_lo = lo_n / SPLIT .. its last; a split
  * below the chunk's first row's s_lo returns at once (reading neither keys nor the table),
  * keys below the chunk's first row's lo are staged as zeros, and a key outside a row's range
  * scores -inf; the combine runs over the row's splits only. window 0: lo_n = 0.
- * A row's operations depend on its q, its keys and SPLIT only (not on the grid, the block
- * order or which block combines), so the result is deterministic and decode_dev (any B,
- * max_T) has the bits of attention_fast with N = 1. A sequence whose keys pass max_T (or a
- * negative n_past) reads nothing; its rows get NaN (from split 0 when fuse, else from the
- * combine). q, out: (B, N, NH, HS); k, v: sequence b at b * kv_seq_stride, (T, KVH, HS);
- * paged (pg.table; N = 1): b is a decode token of a batch and its split's rows are found
- * through the block table (kiln_cuda_attn_pages), nothing else changes;
- * ws_cnt: B * gridDim.x counters, all 0 on entry and on exit. */
-template <bool VEC>
+ * A row's operations depend on its q, its keys, SPLIT and the chunk's nk (a row of an earlier
+ * token takes the later tokens' keys with p = 0: fmaf(0, v, acc), which leaves a finite acc
+ * as it is) -- not on the grid, the block order or which block combines -- so the result is
+ * deterministic and decode_dev (any B, max_T) has the bits of attention_fast with N = 1.
+ * A sequence whose keys pass max_T (or a negative n_past) reads nothing; its rows get NaN
+ * (from split 0 when fuse, else from the combine). q, out: (B, N, NH, HS); k, v: sequence b
+ * at b * kv_seq_stride, (T, KVH, HS); paged (pg.table; N = 1): b is a decode token of a
+ * batch and its split's rows are found through the block table (kiln_cuda_attn_pages),
+ * nothing else changes; ws_cnt: B * gridDim.x counters, all 0 on entry and on exit.
+ * HST: the head size as a constant (64, 128), so that the loops over d unroll and the index
+ * arithmetic folds; 0 takes HS from the argument (any head size). VEC: HS % 4 == 0 and every
+ * row start of q, k and v 16-byte aligned. Neither changes an operation. */
+template <bool VEC, int HST>
 static __global__ void __launch_bounds__(DEC_THREADS, 2)
 decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws_cnt,
               const float *__restrict__ q, const float *__restrict__ k,
               const float *__restrict__ v, int N, int n_past_host,
               const int32_t *__restrict__ d_n_past, size_t kv_seq_stride,
-              kiln_cuda_attn_pages pg, int NH, int KVH, int HS, float scale, int nsplit_max,
-              int max_T, int fuse, int window) {
+              kiln_cuda_attn_pages pg, int NH, int KVH, int HS_arg, float scale, int nsplit_max,
+              int max_T, int fuse, int window, int rpb) {
+    static_assert(HST == 0 || (VEC && HST % 32 == 0 && HST <= KILN_ATTN_FAST_MAX_HS),
+                  "a constant head size is a multiple of 32 with 16-byte copies");
     pdl_wait(); /* launched by launch_pdl: nothing read before the kernel before ends */
     pdl_launch_dependents();
     constexpr int S = KILN_ATTN_SPLIT;
+    /* (row, d) elements per thread at most: 16 rows of HS */
+    constexpr int NACC = HST ? (DEC_ROWS * HST + DEC_THREADS - 1) / DEC_THREADS : DEC_ACC;
+    static_assert(NACC % 2 == 0, "elements go in pairs");
+    const int HS = HST ? HST : HS_arg;
     extern __shared__ __align__(16) float dec_sm[];
     __shared__ int s_last;
     const int G = NH / KVH;
     const int R = G * N;
     const int kvh = (int)(blockIdx.x % (unsigned)KVH);
-    const int chunk = (int)(blockIdx.x / (unsigned)KVH);
+    const int cs = (int)(blockIdx.x / (unsigned)KVH); /* chunk * nsub + sub */
+    const int nsub = dec_subs(R, rpb);
+    const int chunk = cs / nsub, sub = cs - chunk * nsub;
+    const int c0 = chunk * DEC_ROWS;                            /* the chunk's rows c0 .. */
+    const int cnr = R - c0 < DEC_ROWS ? R - c0 : DEC_ROWS;      /* .. c0 + cnr - 1 */
+    const int r0 = c0 + sub * rpb;                              /* the block's rows r0 .. */
+    const int nr = cnr - sub * rpb < rpb ? cnr - sub * rpb : rpb; /* .. r0 + nr - 1 */
+    if (nr <= 0) return; /* block-uniform */
     const int split = (int)blockIdx.y, b = (int)blockIdx.z;
     /* paged: b is a decode token (N = 1), batch token pg.tok[b] (b without tok) */
     const int tok = pg.table ? (pg.tok ? pg.tok[b] : b) : 0;
     const int n_past = pg.table ? pg.pos[tok] : d_n_past ? d_n_past[b] : n_past_host;
-    const int r0 = chunk * DEC_ROWS;
-    const int nr = R - r0 < DEC_ROWS ? R - r0 : DEC_ROWS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     /* token index base of sequence b in q, out */
     const int64_t out_b = pg.table ? (int64_t)tok : (int64_t)b * N;
@@ -756,9 +802,9 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
             }
         return;
     }
-    const int n_last = (r0 + nr - 1) / G;
+    const int n_last = (c0 + cnr - 1) / G;
     const int all_end = n_past + n_last + 1; /* keys any row of the chunk sees (<= max_T) */
-    const int all_lo = window_lo(n_past + r0 / G, window); /* the chunk's first row's first */
+    const int all_lo = window_lo(n_past + c0 / G, window); /* the chunk's first row's first */
     /* block-uniform, before any barrier (and before the table is read) */
     if ((int64_t)split * S >= all_end || (int64_t)(split + 1) * S <= all_lo) return;
     const int kb = split * S;
@@ -776,7 +822,19 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
     float *sM = sLs + DEC_ROWS * DEC_FUSE_MAX; /* (ROWS) */
     float *sL = sM + DEC_ROWS;                 /* (ROWS) */
     float *sLt = sL + DEC_ROWS;                /* (ROWS): combined L */
-    int *sNs = reinterpret_cast<int *>(sLt + DEC_ROWS); /* (ROWS): splits of the row */
+    int *sNs = reinterpret_cast<int *>(sLt + DEC_ROWS);  /* (ROWS): splits of the row */
+    int *sLast = sNs + DEC_ROWS;                         /* (ROWS): the row's last key */
+    int64_t *sOut = reinterpret_cast<int64_t *>(sLast + DEC_ROWS); /* (ROWS): out row offset */
+    int64_t *sPart = sOut + DEC_ROWS; /* (ROWS): partial index of (b, split 0, n, h) */
+
+    /* the rows' offsets, once (read after the staging barrier) */
+    if (tid < nr) {
+        int n, h;
+        dec_row(r0 + tid, G, kvh, &n, &h);
+        sLast[tid] = n_past + n;
+        sOut[tid] = ((out_b + n) * NH + h) * HS;
+        sPart[tid] = partial_index(b, 0, n, h, N, NH, nsplit_max);
+    }
 
     /* 1. staging */
     const int64_t kvstride = (int64_t)KVH * HS;
@@ -789,22 +847,21 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
     const int64_t kv0 = (pg.table ? 0 : (int64_t)b * (int64_t)kv_seq_stride) +
                         (int64_t)kvh * HS + krow * kvstride;
     const float *kbase = k + kv0, *vbase = v + kv0;
-    /* q rows by 4-byte cp.async, in K's group (they were plain loads in a loop of 4-16
-     * trips, each trip waiting for its load before the next could issue: a serial chain of
-     * global round trips in every thread; now all copies are in flight at once); rows past
-     * nr and columns HS .. hs4 - 1 are zeros */
-    for (int e = tid; e < DEC_ROWS * hs4; e += DEC_THREADS) {
-        const int r = e / hs4, d = e - r * hs4;
-        if (r < nr && d < HS) {
-            int n, h;
-            dec_row(r0 + r, G, kvh, &n, &h);
-            __pipeline_memcpy_async(sQ + e, q + ((out_b + n) * NH + h) * HS + d, 4);
-        } else {
-            sQ[e] = 0.0f;
-        }
-    }
-    if (VEC) { /* HS % 4 == 0 (so hs4 == HS) and every row start 16-byte aligned */
+    /* every copy in flight at once (plain loads in a loop left each thread a serial chain of
+     * global round trips); rows past nr and columns HS .. hs4 - 1 are zeros */
+    if (VEC) { /* HS % 4 == 0 (so hs4 == HS), every row start 16-byte aligned */
         const int c4 = HS / 4;
+        for (int e = tid; e < DEC_ROWS * c4; e += DEC_THREADS) {
+            const int r = e / c4, c = (e - r * c4) * 4;
+            float *dst = sQ + r * HS + c;
+            if (r < nr) {
+                int n, h;
+                dec_row(r0 + r, G, kvh, &n, &h);
+                __pipeline_memcpy_async(dst, q + ((out_b + n) * NH + h) * HS + c, 16);
+            } else {
+                *reinterpret_cast<float4 *>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+        }
         for (int e = tid; e < S * c4; e += DEC_THREADS) {
             const int j = e / c4, c = (e - j * c4) * 4;
             float *dst = sK + j * kst + c;
@@ -824,6 +881,16 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
         }
         __pipeline_commit();
     } else { /* any alignment, any HS: K's columns HS .. hs4 - 1 are zeros */
+        for (int e = tid; e < DEC_ROWS * hs4; e += DEC_THREADS) {
+            const int r = e / hs4, d = e - r * hs4;
+            if (r < nr && d < HS) {
+                int n, h;
+                dec_row(r0 + r, G, kvh, &n, &h);
+                __pipeline_memcpy_async(sQ + e, q + ((out_b + n) * NH + h) * HS + d, 4);
+            } else {
+                sQ[e] = 0.0f;
+            }
+        }
         for (int e = tid; e < S * hs4; e += DEC_THREADS) {
             const int j = e / hs4, d = e - j * hs4;
             float *dst = sK + j * kst + d;
@@ -844,15 +911,17 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
         __pipeline_commit();
     }
     __pipeline_wait_prior(1); /* this thread's q and K copies have landed (V may not have) */
-    __syncthreads();          /* everyone's q and K copies, and the zeros */
+    __syncthreads();          /* everyone's q and K copies, the zeros and the row offsets */
 
-    /* 2. scores */
+    /* 2. scores: with HST the loop over d unrolls, so the K and q loads of a thread are
+     * issued together ahead of its fmafs */
     {
         const int j = tid % S, rg = tid / S; /* rg is warp-uniform (S = 2 warps) */
         float a[4][4];
 #pragma unroll
         for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = a[i][2] = a[i][3] = 0.0f;
         const float *kr = sK + j * kst;
+#pragma unroll(HST ? HST / 4 : 1)
         for (int c = 0; c < hs4; c += 4) {
             const float4 kx = *reinterpret_cast<const float4 *>(kr + c);
 #pragma unroll
@@ -871,10 +940,9 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
         for (int i = 0; i < 4; i++) {
             const int r = rg + DEC_RG * i;
             if (r < nr) {
-                const int n = (r0 + r) / G;
+                const int last = sLast[r];
                 const float dot = (a[i][0] + a[i][1]) + (a[i][2] + a[i][3]);
-                const bool ok = j < nk && kb + j <= n_past + n &&
-                                kb + j >= window_lo(n_past + n, window);
+                const bool ok = j < nk && kb + j <= last && kb + j >= window_lo(last, window);
                 sP[r * S + j] = ok ? dot * scale : -INFINITY;
             }
         }
@@ -898,74 +966,80 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
     __pipeline_wait_prior(0); /* this thread's V copies have landed */
     __syncthreads();          /* everyone's V copies, p, m, l */
 
-    /* 4. acc = sum_j p_j v_j over the split's keys in order; element e = tid + i * THREADS
-     * of the chunk's (nr, HS) rows */
+    /* 4. acc = sum_j p_j v_j over the split's keys in order. Element e = tid + i *
+     * THREADS of the chunk's (nr, HS) rows; a thread runs its elements two at a time, each
+     * pair's two chains side by side, four keys a step (p of the four by one 16-byte load,
+     * all loads of a step issued before its fmafs). An element past ne runs on row 0 and is
+     * not written. */
     const int ne = nr * HS;
-    float acc[DEC_ACC];
-    int pofs[DEC_ACC], vofs[DEC_ACC]; /* sP offset r * S, d */
-#pragma unroll
-    for (int i = 0; i < DEC_ACC; i++) {
-        const int e = tid + i * DEC_THREADS;
-        const int r = e < ne ? e / HS : 0;
-        acc[i] = 0.0f;
-        pofs[i] = r * S;
-        vofs[i] = e < ne ? e - r * HS : 0;
-    }
-    /* DEC_ACC (16) is sized for 16 rows of HS 256; a decode chunk of 7 rows of HS 64 has
-     * na = 2, so stop at na rather than issue 16 predicated (load, load, fmaf) per key */
     const int na = (ne + DEC_THREADS - 1) / DEC_THREADS; /* block-uniform */
-    /* 4 keys a step: their 8 shared loads per element issued together, then the fmafs in key
-     * order (a key a step left each fmaf waiting on its two loads) */
-    for (int j0 = 0; j0 < nk; j0 += 4) {
-        const int jn = nk - j0 < 4 ? nk - j0 : 4;
-        const float *pj = sP + j0, *vj = sV + j0 * HS;
+    const int nk4 = nk & ~3;
+    float acc[NACC];
 #pragma unroll
-        for (int i = 0; i < DEC_ACC; i++) {
-            if (i >= na) break;
-            if (tid + i * DEC_THREADS < ne) {
-                float pp[4], vv[4];
+    for (int i = 0; i < NACC; i++) acc[i] = 0.0f;
 #pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    pp[u] = u < jn ? pj[u + pofs[i]] : 0.0f;
-                    vv[u] = u < jn ? vj[u * HS + vofs[i]] : 0.0f;
-                }
-#pragma unroll
-                for (int u = 0; u < 4; u++)
-                    if (u < jn) acc[i] = fmaf(pp[u], vv[u], acc[i]);
-            }
+    for (int i = 0; i < NACC; i += 2) {
+        if (i >= na) break;
+        const int e0 = tid + i * DEC_THREADS, e1 = e0 + DEC_THREADS;
+        const int ra = e0 < ne ? e0 / HS : 0, rb = e1 < ne ? e1 / HS : 0;
+        const int da = e0 < ne ? e0 - ra * HS : 0, db = e1 < ne ? e1 - rb * HS : 0;
+        const float *pa = sP + ra * S, *pb = sP + rb * S;
+        float x = 0.0f, y = 0.0f;
+#pragma unroll 2
+        for (int j = 0; j < nk4; j += 4) {
+            const float4 qa = *reinterpret_cast<const float4 *>(pa + j);
+            const float4 qb = *reinterpret_cast<const float4 *>(pb + j);
+            const float *vj = sV + j * HS;
+            const float va0 = vj[da], va1 = vj[HS + da], va2 = vj[2 * HS + da],
+                        va3 = vj[3 * HS + da];
+            const float vb0 = vj[db], vb1 = vj[HS + db], vb2 = vj[2 * HS + db],
+                        vb3 = vj[3 * HS + db];
+            x = fmaf(qa.x, va0, x);
+            y = fmaf(qb.x, vb0, y);
+            x = fmaf(qa.y, va1, x);
+            y = fmaf(qb.y, vb1, y);
+            x = fmaf(qa.z, va2, x);
+            y = fmaf(qb.z, vb2, y);
+            x = fmaf(qa.w, va3, x);
+            y = fmaf(qb.w, vb3, y);
         }
+        for (int j = nk4; j < nk; j++) {
+            x = fmaf(pa[j], sV[j * HS + da], x);
+            y = fmaf(pb[j], sV[j * HS + db], y);
+        }
+        acc[i] = x;
+        if (i + 1 < NACC) acc[i + 1] = y;
     }
 
     /* 5. output */
-    if (fuse && nsg - s_first == 1) { /* the chunk's rows see only this split: ns = 1 */
+    if (nsg - s_first == 1) { /* the chunk's rows see only this split: ns = 1 */
 #pragma unroll
-        for (int i = 0; i < DEC_ACC; i++) {
-            if (tid + i * DEC_THREADS < ne) {
-                const int r = pofs[i] / S, d = vofs[i];
-                int n, h;
-                dec_row(r0 + r, G, kvh, &n, &h);
+        for (int i = 0; i < NACC; i++) {
+            if (i >= na) break;
+            const int e = tid + i * DEC_THREADS;
+            if (e < ne) {
+                const int r = e / HS, d = e - r * HS;
                 const float w = kiln_expf(sM[r] - sM[r]);
                 const float L = fmaf(w, sL[r], 0.0f);
-                out[((out_b + n) * NH + h) * HS + d] = fmaf(w, acc[i], 0.0f) / L;
+                out[sOut[r] + d] = fmaf(w, acc[i], 0.0f) / L;
             }
         }
         return;
     }
+    const int64_t pstep = (int64_t)N * NH; /* partial index from split s to s + 1 */
 #pragma unroll
-    for (int i = 0; i < DEC_ACC; i++) {
-        if (tid + i * DEC_THREADS < ne) {
-            const int r = pofs[i] / S, d = vofs[i];
-            int n, h;
-            dec_row(r0 + r, G, kvh, &n, &h);
-            ws_acc[partial_index(b, split, n, h, N, NH, nsplit_max) * HS + d] = acc[i];
+    for (int i = 0; i < NACC; i++) {
+        if (i >= na) break;
+        const int e = tid + i * DEC_THREADS;
+        if (e < ne) {
+            const int r = e / HS, d = e - r * HS;
+            ws_acc[(sPart[r] + split * pstep) * HS + d] = acc[i];
         }
     }
-    for (int r = tid; r < nr; r += DEC_THREADS) {
-        int n, h;
-        dec_row(r0 + r, G, kvh, &n, &h);
-        const int64_t pi = partial_index(b, split, n, h, N, NH, nsplit_max);
-        ws_ml[2 * pi] = sM[r];
-        ws_ml[2 * pi + 1] = sL[r];
+    if (tid < nr) {
+        const int64_t pi = sPart[tid] + split * pstep;
+        ws_ml[2 * pi] = sM[tid];
+        ws_ml[2 * pi + 1] = sL[tid];
     }
     if (!fuse) return;
 
@@ -992,16 +1066,15 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
 
     /* the combine (definition above), partials read through L2 (__ldcg: written by other
      * SMs during this kernel) */
-    const int64_t mstep = 2 * (int64_t)N * NH;     /* ws_ml floats from split s to s + 1 */
-    const int64_t astep = (int64_t)N * NH * HS;    /* ws_acc floats from split s to s + 1 */
+    const int64_t mstep = 2 * pstep;             /* ws_ml floats from split s to s + 1 */
+    const int64_t astep = pstep * HS;            /* ws_acc floats from split s to s + 1 */
     for (int r = warp; r < nr; r += DEC_WARPS) { /* warp-uniform */
-        int n, h;
-        dec_row(r0 + r, G, kvh, &n, &h);
         /* the row's splits s_lo .. s_lo + ns - 1 (ns <= nsg <= nsplit_max <= FUSE_MAX), taken
          * from 0 below */
-        const int s_lo = window_lo(n_past + n, window) / S;
-        const int ns = (n_past + n) / S + 1 - s_lo;
-        const float *ml = ws_ml + 2 * partial_index(b, s_lo, n, h, N, NH, nsplit_max);
+        const int last = sLast[r];
+        const int s_lo = window_lo(last, window) / S;
+        const int ns = last / S + 1 - s_lo;
+        const float *ml = ws_ml + 2 * (sPart[r] + s_lo * pstep);
         /* lane takes splits lane and lane + 32 (ns <= 64): all four loads in flight at once */
         const bool h0 = lane < ns, h1 = lane + 32 < ns;
         const float m0 = h0 ? __ldcg(ml + lane * mstep) : -INFINITY;
@@ -1029,11 +1102,9 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
     __syncthreads();
     for (int e = tid; e < ne; e += DEC_THREADS) { /* one (row, d) at a time */
         const int r = e / HS, d = e - r * HS;
-        int n, h;
-        dec_row(r0 + r, G, kvh, &n, &h);
         const int ns = sNs[r];
-        const int s_lo = window_lo(n_past + n, window) / S;
-        const float *ap = ws_acc + partial_index(b, s_lo, n, h, N, NH, nsplit_max) * HS + d;
+        const int s_lo = window_lo(sLast[r], window) / S;
+        const float *ap = ws_acc + (sPart[r] + s_lo * pstep) * HS + d;
         const float *wr = sW + r * DEC_FUSE_MAX;
         float a = 0.0f;
         for (int s0 = 0; s0 < ns; s0 += 16) { /* 16 loads in flight, then their fmafs in order */
@@ -1045,7 +1116,7 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
             for (int u = 0; u < 16; u++)
                 if (s0 + u < ns) a = fmaf(wr[s0 + u], x[u], a);
         }
-        out[((out_b + n) * NH + h) * HS + d] = a / sLt[r];
+        out[sOut[r] + d] = a / sLt[r];
     }
 }
 
@@ -1061,7 +1132,8 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
  * decode_dev's max_T) gets NaN, as decode_kernel computed nothing for it. Paged (pg.table):
  * b is a decode token as in decode_kernel (its position pg.pos[tok], its q/out row tok).
  * window > 0: the row's splits start at s_lo = window_lo(n_past + n) / SPLIT (the ones below
- * hold none of its keys), as in decode_kernel's combine. */
+ * hold none of its keys), as in decode_kernel's combine. A row whose chunk sees one split only
+ * (dec_chunk_one_split) was written by decode_kernel, and its block returns at once. */
 #define COMBINE_THREADS 128
 #define COMBINE_CHUNK 256 /* split weights staged in shared memory at a time */
 
@@ -1069,7 +1141,7 @@ static __global__ void __launch_bounds__(COMBINE_THREADS, 4)
 combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
                const float *__restrict__ ws_ml, int N, int n_past_host,
                const int32_t *__restrict__ d_n_past, kiln_cuda_attn_pages pg, int NH,
-               int HS, int nsplit_max, int max_T, int window) {
+               int KVH, int HS, int nsplit_max, int max_T, int window) {
     pdl_wait(); /* launched by launch_pdl: nothing read before the kernel before ends */
     pdl_launch_dependents();
     __shared__ float sw[COMBINE_CHUNK], sl[COMBINE_CHUNK], sred[COMBINE_THREADS / 32];
@@ -1084,6 +1156,8 @@ combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
         for (int d = threadIdx.x; d < HS; d += COMBINE_THREADS) o[d] = NAN;
         return;
     }
+    const int G = NH / KVH;
+    if (dec_chunk_one_split(n * G + h % G, G * N, G, n_past, window)) return; /* written */
     const int s_lo = window_lo((int)last, window) / KILN_ATTN_SPLIT;
     const int ns = (int)(last / KILN_ATTN_SPLIT) + 1 - s_lo; /* splits s_lo .. s_lo + ns - 1 */
     const int64_t p0 = partial_index(b, s_lo, n, h, N, NH, nsplit_max);
@@ -1748,6 +1822,13 @@ static cudaError_t flash_attributes() {
     return e;
 }
 
+/* decode_kernel<VEC, HST>'s dynamic shared memory above the default 48 KiB. */
+template <bool VEC, int HST>
+static cudaError_t dec_attributes() {
+    return cudaFuncSetAttribute(decode_kernel<VEC, HST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)dec_smem(HST ? HST : KILN_ATTN_FAST_MAX_HS));
+}
+
 cudaError_t kiln_cuda_attn_create(kiln_cuda_attn **out) {
     if (!out) return cudaErrorInvalidValue;
     *out = NULL;
@@ -1759,13 +1840,10 @@ cudaError_t kiln_cuda_attn_create(kiln_cuda_attn **out) {
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(f32_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)f32_smem(KILN_ATTN_FAST_MAX_HS));
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)dec_smem(KILN_ATTN_FAST_MAX_HS));
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(decode_kernel<false>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)dec_smem(KILN_ATTN_FAST_MAX_HS));
+    if (e == cudaSuccess) e = dec_attributes<true, 64>();
+    if (e == cudaSuccess) e = dec_attributes<true, 128>();
+    if (e == cudaSuccess) e = dec_attributes<true, 0>();
+    if (e == cudaSuccess) e = dec_attributes<false, 0>();
     if (e != cudaSuccess) return e;
     kiln_cuda_attn *a = (kiln_cuda_attn *)kiln_calloc(1, sizeof *a);
     if (!a) return cudaErrorMemoryAllocation;
@@ -1857,10 +1935,13 @@ cudaError_t kiln_cuda_attn_decode_launch_info(int B, int N, int NH, int KVH, int
     memset(info, 0, sizeof *info);
     if (B <= 0 || N <= 0 || max_T <= 0 || !shape_ok(NH, KVH, HS)) return cudaErrorInvalidValue;
     const int64_t nsplit = ((int64_t)max_T + KILN_ATTN_SPLIT - 1) / KILN_ATTN_SPLIT;
-    const unsigned gx = split_grid_x(N, NH, KVH);
-    if (gx == 0 || nsplit > 65535 || B > 65535 || (int64_t)N * NH > INT_MAX)
+    /* the chunks' grid times the blocks per chunk (at most KVH * R = N * NH blocks, each with
+     * rows, so the counters kiln_cuda_attn_reserve makes cover them) */
+    const uint64_t gx = (uint64_t)split_grid_x(N, NH, KVH) *
+                        (uint64_t)dec_subs((NH / KVH) * N, DEC_RPB);
+    if (gx == 0 || gx > INT_MAX || nsplit > 65535 || B > 65535 || (int64_t)N * NH > INT_MAX)
         return cudaErrorInvalidConfiguration;
-    info->grid[0] = gx;
+    info->grid[0] = (unsigned)gx;
     info->grid[1] = (unsigned)nsplit;
     info->grid[2] = (unsigned)B;
     info->block = DEC_THREADS;
@@ -1890,21 +1971,30 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
         return cudaErrorInvalidValue;
     const int64_t P = (int64_t)B * nsplit * N * NH;
     float *ws_acc = a->buf, *ws_ml = a->buf + P * HS;
-    /* 16-byte copies when every row start of k and v is 16-byte aligned (the bits do not
-     * depend on it: it only changes how the tiles are copied) */
-    const bool vec = HS % 4 == 0 && (((uintptr_t)k | (uintptr_t)v) & 15) == 0 &&
+    /* 16-byte copies when every row start of q, k and v is 16-byte aligned, and the head
+     * size as a constant for 64 and 128 (the bits depend on neither: they change how the
+     * tiles are copied and how the loops are unrolled) */
+    const bool vec = HS % 4 == 0 && (((uintptr_t)q | (uintptr_t)k | (uintptr_t)v) & 15) == 0 &&
                      (B == 1 || pages || kv_seq_stride % 4 == 0);
     const kiln_cuda_attn_pages none = {NULL, NULL, NULL, NULL, 0, 0};
     const kiln_cuda_attn_pages pg = pages ? *pages : none;
     const int fuse = li.combine ? 0 : 1;
     const dim3 grid(li.grid[0], li.grid[1], li.grid[2]);
-    const cudaError_t e = launch_pdl(vec ? decode_kernel<true> : decode_kernel<false>, grid,
+    void (*kern)(float *, float *, float *, unsigned *, const float *, const float *,
+                 const float *, int, int, const int32_t *, size_t, kiln_cuda_attn_pages, int,
+                 int, int, float, int, int, int, int, int) =
+        !vec ? decode_kernel<false, 0>
+        : HS == 64 ? decode_kernel<true, 64>
+        : HS == 128 ? decode_kernel<true, 128>
+        : decode_kernel<true, 0>;
+    const cudaError_t e = launch_pdl(kern, grid,
                                      DEC_THREADS, li.smem, s, out, ws_acc, ws_ml, a->cnt, q, k, v,
                                      N, n_past_host, d_n_past, kv_seq_stride, pg, NH, KVH, HS,
-                                     scale, (int)nsplit, max_T, fuse, window);
+                                     scale, (int)nsplit, max_T, fuse, window,
+                                     DEC_RPB);
     if (e != cudaSuccess || fuse) return e;
     return launch_pdl(combine_kernel, dim3((unsigned)(N * NH), (unsigned)B), COMBINE_THREADS, 0,
-                      s, out, ws_acc, ws_ml, N, n_past_host, d_n_past, pg, NH, HS, (int)nsplit,
+                      s, out, ws_acc, ws_ml, N, n_past_host, d_n_past, pg, NH, KVH, HS, (int)nsplit,
                       max_T, window);
 }
 

@@ -68,18 +68,20 @@ cudaError_t kiln_cuda_attention_backward(cudaStream_t s, float *dq, float *dk, f
  *
  * Which kernel runs (kiln_cuda_attention_fast; the switch is kiln_cuda_attn_fast_is_mma):
  *   - N <= KILN_ATTN_DECODE_MAX_N (8): the split decode. The keys are cut into fixed splits
- *     of KILN_ATTN_SPLIT (64) keys; one block of 256 threads per (split, kv head, chunk of
- *     <= 16 query rows, sequence) copies the split's K and V to shared memory (cp.async),
- *     computes the scores of all its rows and keys in parallel, the split's max m and sum l
- *     per row and the unnormalised acc(HS); the row's splits are then merged in increasing
- *     split order. When the grid has at most 64 splits (max_T <= 4096) this happens in the
- *     same launch: a chunk whose rows see one split writes out directly, otherwise the last
- *     of its blocks to finish (an arrival counter in the workspace, signalling only, reset
- *     by that block) merges the partials; above 64 splits a combine kernel does. f32
- *     throughout, kiln_expf. A row's operations are fixed by its q, its keys and the split
- *     size -- never by the grid, the block order, or which block or kernel merges -- so the
- *     result is deterministic and kiln_cuda_attention_decode_dev (any B, max_T) has the bits
- *     of this call with N = 1 (tested).
+ *     of KILN_ATTN_SPLIT (64) keys; the query rows of a kv head go in chunks of <= 16, and
+ *     one block of 256 threads per (split, kv head, 4 rows of a chunk, sequence) copies the
+ *     split's K and V to shared memory (cp.async), computes the scores of its rows and keys
+ *     in parallel, the split's max m and sum l per row and the unnormalised acc(HS); the
+ *     row's splits are then merged in increasing split order. A chunk whose rows see one
+ *     split writes out directly (at any max_T). Otherwise, when the grid has at most 64
+ *     splits (max_T <= 4096), the last of a row's blocks to finish (an arrival counter in
+ *     the workspace, signalling only, reset by that block) merges the partials in the same
+ *     launch; above 64 splits a combine kernel does. f32 throughout, kiln_expf. A row's
+ *     operations are fixed by its q, its keys, the split size and its chunk's keys -- never
+ *     by the grid, the block order, or which block or kernel merges -- so the result is
+ *     deterministic and kiln_cuda_attention_decode_dev (any B, max_T) has the bits of this
+ *     call with N = 1 (tested, and against a host emulation of the definition in
+ *     cuda_attention.cu, bit for bit).
  *   - N > 8 and HS 64 or 128 (and q, k, v 16-byte aligned): flash attention on bf16 tensor
  *     cores (FlashAttention-2 style: a block per (64-row query tile, head), 4 warps of 16
  *     rows, key tiles of 64, online softmax in f32 over the raw scores, each weight one FMA
