@@ -741,9 +741,10 @@ static __device__ __forceinline__ bool dec_chunk_one_split(int rr, int R, int G,
  * keys below the chunk's first row's lo are staged as zeros, and a key outside a row's range
  * scores -inf; the combine runs over the row's splits only. window 0: lo_n = 0.
  * A row's operations depend on its q, its keys, SPLIT and the chunk's nk (a row of an earlier
- * token takes the later tokens' keys with p = 0: fmaf(0, v, acc), which leaves a finite acc
- * as it is) -- not on the grid, the block order or which block combines -- so the result is
- * deterministic and decode_dev (any B, max_T) has the bits of attention_fast with N = 1.
+ * token takes the later tokens' keys with p = 0: fmaf(0, v, acc), which leaves acc as it is
+ * for a finite v, but for the sign of a zero acc; a NaN or infinite v there makes it NaN) --
+ * not on the grid, the block order or which block combines -- so the result is deterministic
+ * and decode_dev (any B, max_T) has the bits of attention_fast with N = 1.
  * A sequence whose keys pass max_T (or a negative n_past) reads nothing; its rows get NaN
  * (from split 0 when fuse, else from the combine). q, out: (B, N, NH, HS); k, v: sequence b
  * at b * kv_seq_stride, (T, KVH, HS); paged (pg.table; N = 1): b is a decode token of a
@@ -1825,7 +1826,8 @@ static cudaError_t flash_attributes() {
 /* decode_kernel<VEC, HST>'s dynamic shared memory above the default 48 KiB. */
 template <bool VEC, int HST>
 static cudaError_t dec_attributes() {
-    return cudaFuncSetAttribute(decode_kernel<VEC, HST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    return cudaFuncSetAttribute(decode_kernel<VEC, HST>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 (int)dec_smem(HST ? HST : KILN_ATTN_FAST_MAX_HS));
 }
 
