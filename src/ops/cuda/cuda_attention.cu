@@ -660,12 +660,12 @@ static_assert(DEC_ROWS == DEC_RG * 4, "score phase: four rows per thread");
 static_assert(DEC_FUSE_MAX == 64, "fused combine: two splits per lane");
 static_assert((DEC_ROWS * KILN_ATTN_FAST_MAX_HS) % DEC_THREADS == 0, "acc tiling");
 
-/* Blocks per chunk of DEC_ROWS rows (of a kv group's R) when a block takes rpb rows: the
- * chunk's keys and splits are the chunk's whoever computes its rows, so rpb never changes a
- * bit; fewer rows a block spread a short-context decode over more SMs. */
-static __host__ __device__ __forceinline__ int dec_subs(int R, int rpb) {
+/* Blocks per chunk of DEC_ROWS rows (of a kv group's R), each taking DEC_RPB rows: the
+ * chunk's keys and splits are the chunk's whoever computes its rows, so DEC_RPB never changes
+ * a bit; fewer rows a block spread a short-context decode over more SMs. */
+static __host__ __device__ __forceinline__ int dec_subs(int R) {
     const int m = R < DEC_ROWS ? R : DEC_ROWS;
-    return (m + rpb - 1) / rpb;
+    return (m + DEC_RPB - 1) / DEC_RPB;
 }
 
 /* HS rounded up to a multiple of 4 (rows of sQ, sK are whole float4s). */
@@ -690,16 +690,21 @@ static __device__ __forceinline__ void dec_row(int rr, int G, int kvh, int *n, i
     *h = kvh * G + rr % G;
 }
 
-/* Whether every row of the chunk holding row rr (chunks of DEC_ROWS of a kv group's R rows,
- * G heads a token) sees keys of one split only (decode_kernel's nsg - s_first == 1): the
- * chunk's block then writes its output itself, and combine_kernel leaves those rows alone. */
-static __device__ __forceinline__ bool dec_chunk_one_split(int rr, int R, int G, int n_past,
-                                                           int window) {
-    const int r0 = rr / DEC_ROWS * DEC_ROWS;
-    const int nr = R - r0 < DEC_ROWS ? R - r0 : DEC_ROWS;
-    const int all_end = n_past + (r0 + nr - 1) / G + 1;
-    const int all_lo = window_lo(n_past + r0 / G, window);
-    return (all_end + KILN_ATTN_SPLIT - 1) / KILN_ATTN_SPLIT - all_lo / KILN_ATTN_SPLIT == 1;
+/* The keys the rows of a chunk see (chunks of DEC_ROWS of a kv group's R rows, G heads a
+ * token; the chunk holds row rr): from its first row's first, *lo, to one past its last row's
+ * last, *end (<= max_T). They fix the chunk's splits and each split's nk. */
+static __device__ __forceinline__ void dec_chunk_keys(int rr, int R, int G, int n_past,
+                                                      int window, int *lo, int *end) {
+    const int c0 = rr / DEC_ROWS * DEC_ROWS;
+    const int cnr = R - c0 < DEC_ROWS ? R - c0 : DEC_ROWS;
+    *lo = window_lo(n_past + c0 / G, window);
+    *end = n_past + (c0 + cnr - 1) / G + 1;
+}
+
+/* Whether keys lo .. end - 1 lie in one split: a chunk whose keys do has its output written by
+ * its decode_kernel blocks, and combine_kernel leaves those rows alone. */
+static __device__ __forceinline__ bool dec_one_split(int lo, int end) {
+    return (end + KILN_ATTN_SPLIT - 1) / KILN_ATTN_SPLIT - lo / KILN_ATTN_SPLIT == 1;
 }
 
 /* The combine of one row's splits -- THE definition of a decode row's bits, shared with
@@ -714,7 +719,7 @@ static __device__ __forceinline__ bool dec_chunk_one_split(int rr, int R, int G,
 /* decode_kernel: rows of kv head kvh's group are (token n, head of the group g), row = n * G
  * + g, query head h = kvh * G + g; the rows go in chunks of 16 (DEC_ROWS). Block (blockIdx.x =
  * (chunk * nsub + sub) * KVH + kvh, blockIdx.y = split s, blockIdx.z = sequence b) takes rows
- * r0 .. r0 + nr - 1, the sub-th rpb of the chunk (rpb <= 16; nsub = dec_subs), and keys kb =
+ * r0 .. r0 + nr - 1, the sub-th DEC_RPB of the chunk (nsub = dec_subs), and keys kb =
  * s * SPLIT .. kb + nk - 1, the split's keys that some row of the chunk sees (none: the block
  * returns at once). Per block:
  *   1. q rows, K and V of the split go to shared memory by cp.async (q and K first, their
@@ -760,7 +765,7 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
               const float *__restrict__ v, int N, int n_past_host,
               const int32_t *__restrict__ d_n_past, size_t kv_seq_stride,
               kiln_cuda_attn_pages pg, int NH, int KVH, int HS_arg, float scale, int nsplit_max,
-              int max_T, int fuse, int window, int rpb) {
+              int max_T, int fuse, int window) {
     static_assert(HST == 0 || (VEC && HST % 32 == 0 && HST <= KILN_ATTN_FAST_MAX_HS),
                   "a constant head size is a multiple of 32 with 16-byte copies");
     pdl_wait(); /* launched by launch_pdl: nothing read before the kernel before ends */
@@ -776,12 +781,12 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
     const int R = G * N;
     const int kvh = (int)(blockIdx.x % (unsigned)KVH);
     const int cs = (int)(blockIdx.x / (unsigned)KVH); /* chunk * nsub + sub */
-    const int nsub = dec_subs(R, rpb);
+    const int nsub = dec_subs(R);
     const int chunk = cs / nsub, sub = cs - chunk * nsub;
-    const int c0 = chunk * DEC_ROWS;                            /* the chunk's rows c0 .. */
-    const int cnr = R - c0 < DEC_ROWS ? R - c0 : DEC_ROWS;      /* .. c0 + cnr - 1 */
-    const int r0 = c0 + sub * rpb;                              /* the block's rows r0 .. */
-    const int nr = cnr - sub * rpb < rpb ? cnr - sub * rpb : rpb; /* .. r0 + nr - 1 */
+    const int c0 = chunk * DEC_ROWS;                       /* the chunk's rows c0 .. */
+    const int cnr = R - c0 < DEC_ROWS ? R - c0 : DEC_ROWS; /* .. c0 + cnr - 1 */
+    const int r0 = c0 + sub * DEC_RPB;                     /* the block's rows r0 .. */
+    const int nr = cnr - sub * DEC_RPB < DEC_RPB ? cnr - sub * DEC_RPB : DEC_RPB; /* .. + nr - 1 */
     if (nr <= 0) return; /* block-uniform */
     const int split = (int)blockIdx.y, b = (int)blockIdx.z;
     /* paged: b is a decode token (N = 1), batch token pg.tok[b] (b without tok) */
@@ -803,9 +808,8 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
             }
         return;
     }
-    const int n_last = (c0 + cnr - 1) / G;
-    const int all_end = n_past + n_last + 1; /* keys any row of the chunk sees (<= max_T) */
-    const int all_lo = window_lo(n_past + c0 / G, window); /* the chunk's first row's first */
+    int all_lo, all_end; /* the keys of the chunk's rows */
+    dec_chunk_keys(c0, R, G, n_past, window, &all_lo, &all_end);
     /* block-uniform, before any barrier (and before the table is read) */
     if ((int64_t)split * S >= all_end || (int64_t)(split + 1) * S <= all_lo) return;
     const int kb = split * S;
@@ -1009,11 +1013,11 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
             y = fmaf(pb[j], sV[j * HS + db], y);
         }
         acc[i] = x;
-        if (i + 1 < NACC) acc[i + 1] = y;
+        acc[i + 1] = y; /* NACC is even */
     }
 
     /* 5. output */
-    if (nsg - s_first == 1) { /* the chunk's rows see only this split: ns = 1 */
+    if (dec_one_split(all_lo, all_end)) { /* the chunk's rows see only this split: ns = 1 */
 #pragma unroll
         for (int i = 0; i < NACC; i++) {
             if (i >= na) break;
@@ -1134,7 +1138,7 @@ decode_kernel(float *__restrict__ out, float *ws_acc, float *ws_ml, unsigned *ws
  * b is a decode token as in decode_kernel (its position pg.pos[tok], its q/out row tok).
  * window > 0: the row's splits start at s_lo = window_lo(n_past + n) / SPLIT (the ones below
  * hold none of its keys), as in decode_kernel's combine. A row whose chunk sees one split only
- * (dec_chunk_one_split) was written by decode_kernel, and its block returns at once. */
+ * (dec_one_split) was written by decode_kernel, and its block returns at once. */
 #define COMBINE_THREADS 128
 #define COMBINE_CHUNK 256 /* split weights staged in shared memory at a time */
 
@@ -1158,7 +1162,9 @@ combine_kernel(float *__restrict__ out, const float *__restrict__ ws_acc,
         return;
     }
     const int G = NH / KVH;
-    if (dec_chunk_one_split(n * G + h % G, G * N, G, n_past, window)) return; /* written */
+    int c_lo, c_end; /* the keys of the chunk holding the row */
+    dec_chunk_keys(n * G + h % G, G * N, G, n_past, window, &c_lo, &c_end);
+    if (dec_one_split(c_lo, c_end)) return; /* decode_kernel wrote the row */
     const int s_lo = window_lo((int)last, window) / KILN_ATTN_SPLIT;
     const int ns = (int)(last / KILN_ATTN_SPLIT) + 1 - s_lo; /* splits s_lo .. s_lo + ns - 1 */
     const int64_t p0 = partial_index(b, s_lo, n, h, N, NH, nsplit_max);
@@ -1940,7 +1946,7 @@ cudaError_t kiln_cuda_attn_decode_launch_info(int B, int N, int NH, int KVH, int
     /* the chunks' grid times the blocks per chunk (at most KVH * R = N * NH blocks, each with
      * rows, so the counters kiln_cuda_attn_reserve makes cover them) */
     const uint64_t gx = (uint64_t)split_grid_x(N, NH, KVH) *
-                        (uint64_t)dec_subs((NH / KVH) * N, DEC_RPB);
+                        (uint64_t)dec_subs((NH / KVH) * N);
     if (gx == 0 || gx > INT_MAX || nsplit > 65535 || B > 65535 || (int64_t)N * NH > INT_MAX)
         return cudaErrorInvalidConfiguration;
     info->grid[0] = (unsigned)gx;
@@ -1982,9 +1988,7 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
     const kiln_cuda_attn_pages pg = pages ? *pages : none;
     const int fuse = li.combine ? 0 : 1;
     const dim3 grid(li.grid[0], li.grid[1], li.grid[2]);
-    void (*kern)(float *, float *, float *, unsigned *, const float *, const float *,
-                 const float *, int, int, const int32_t *, size_t, kiln_cuda_attn_pages, int,
-                 int, int, float, int, int, int, int, int) =
+    decltype(&decode_kernel<false, 0>) kern =
         !vec ? decode_kernel<false, 0>
         : HS == 64 ? decode_kernel<true, 64>
         : HS == 128 ? decode_kernel<true, 128>
@@ -1992,8 +1996,7 @@ static cudaError_t split_decode_launch(kiln_cuda_attn *a, cudaStream_t s, float 
     const cudaError_t e = launch_pdl(kern, grid,
                                      DEC_THREADS, li.smem, s, out, ws_acc, ws_ml, a->cnt, q, k, v,
                                      N, n_past_host, d_n_past, kv_seq_stride, pg, NH, KVH, HS,
-                                     scale, (int)nsplit, max_T, fuse, window,
-                                     DEC_RPB);
+                                     scale, (int)nsplit, max_T, fuse, window);
     if (e != cudaSuccess || fuse) return e;
     return launch_pdl(combine_kernel, dim3((unsigned)(N * NH), (unsigned)B), COMBINE_THREADS, 0,
                       s, out, ws_acc, ws_ml, N, n_past_host, d_n_past, pg, NH, KVH, HS, (int)nsplit,
