@@ -7,7 +7,7 @@ bench_train_gpu.py's.
 
   python3 bench/bench_ab.py --a BUILD_BEFORE --b BUILD_AFTER [--c BUILD_3] [--d BUILD_4] [--labels before,after]
       [--modes auditable,fast,mx16,mx8] [--train-modes fast,mx16]
-      [--parts decode,train] [--model 0.5b|1.5b|3b|tiny] [--new 128] [--prefill 2048 (0: none)] [--reps 3]
+      [--parts decode,batch,train] [--model 0.5b|1.5b|3b|tiny] [--new 128] [--prefill 2048 (0: none)] [--reps 3]
       [--seq 2048] [--batch 8] [--micro 1,8] [--steps 3] [--device cuda|cpu] [--json OUT]
 
 Each build folder holds `kiln` and `libkiln.so` (a CMake build folder; its scripts/gpu-deps.sh
@@ -17,7 +17,8 @@ shape (--model tiny: a 2-layer qwen2 for a CPU smoke run). Decode: tokens/s of 1
 tokens after bench_gpu's prompt, auditable and --fast, the median of --reps processes per
 build, and whether each build's greedy ids equal the first build's; prefill: the prompt tokens/s of a --prefill-token prompt, in a cold process (`kiln generate`,
 the first forward uploads the weights) and warm (the binding: the median of 5 forwards after a
-first one). A mode is auditable, fast, or an exact format (mx16, mx8: --format). Train:
+first one); batch: tokens/s of all --batch sequences decoding together (kiln_decode_batch,
+32-token random prompts, 64 steps, the median of 3 after a warm step). A mode is auditable, fast, or an exact format (mx16, mx8: --format). Train:
 kiln.Trainer(max_seq=--seq, max_batch=K, the --train-modes mode) steps of --batch sequences (K per forward), one
 warm step then --steps timed, tokens/s; each build in its own process.
 """
@@ -115,6 +116,30 @@ print(json.dumps({"tok_s": n / statistics.median(times)}))
 """
 
 
+BATCH_WORKER = r"""
+import json, statistics, sys, time
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import kiln
+model, B, n, n_new, device, mode, reps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7], int(sys.argv[8])
+m = kiln.Model(model)
+ctx = kiln.Context(m, n_ctx=n + n_new * (reps + 1) + 8, n_batch=max(B, n), device=device,
+                   fast=mode == "fast", format=mode if mode.startswith("mx") else "f32", n_seq=B)
+rng = np.random.default_rng(1)
+for b in range(B):
+    ctx.decode_seq(b, rng.integers(3, min(30000, m.n_vocab), size=n).tolist())
+ids = [int(x) for x in ctx.decode_batch(list(range(3, 3 + B))).argmax(axis=1)]
+ctx.decode_batch(ids, logits=False)  # records the graph for this B
+rates = []
+for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(n_new):
+        ctx.decode_batch(ids, logits=False)
+    rates.append(B * n_new / (time.perf_counter() - t0))
+print(json.dumps({"tok_s": statistics.median(rates)}))
+"""
+
+
 def run_worker(source, build, *args):
     """Run a worker script (source) with build's libkiln.so and the binding, args after the
     binding's path; the JSON object its last output line holds."""
@@ -135,6 +160,14 @@ def prefill_warm(build, model, n, device, mode, reps=5):
     """Prompt tokens/s of an n-token forward in a process that has run it once (binding)."""
     dev = 0 if device == "cuda" else -1
     return run_worker(PREFILL_WORKER, build, model, n, dev, mode, reps)["tok_s"]
+
+
+def batch_decode(build, model, B, n, n_new, device, mode, reps=3):
+    """Decode tokens/s of all B sequences (kiln_decode_batch: n-token random prompts, one step
+    of B tokens per forward, the tokens fed, not sampled): the median of reps runs of n_new
+    steps after a warm one."""
+    dev = 0 if device == "cuda" else -1
+    return run_worker(BATCH_WORKER, build, model, B, n, n_new, dev, mode, reps)["tok_s"]
 
 
 def train(build, model, seq, batch, micro, steps, device, mode):
@@ -206,6 +239,12 @@ def main():
                 k = next((i for i, (x, y) in enumerate(zip(first, v)) if x != y), None)
                 print(f"ids {mode} {label}: " + ("the first build's" if k is None else f"differ from index {k}"),
                       flush=True)
+    if "batch" in parts:
+        for mode in args.modes.split(","):
+            got = {label: batch_decode(b, model, args.batch, 32, 64, args.device, mode)
+                   for label, b in builds.items()}
+            rows.append((f"decode tok/s, {mode}, batch {args.batch} (all sequences)", got))
+            print("row", rows[-1], flush=True)
     if "train" in parts:
         tmodes = args.train_modes or ("fast" if args.device == "cuda" else "auditable")
         for tmode in tmodes.split(","):

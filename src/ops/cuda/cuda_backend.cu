@@ -552,6 +552,28 @@ static bool q8act_for(kiln_dtype dt) {
     return on && kiln_cuda_q8act_supported(dt);
 }
 
+/* Whether fast mode's decode products of bf16 weights and 2..8 tokens take the tensor cores
+ * (kiln_cuda_matvec_mma_multi_norm) instead of the f32 kernel, whose one FMA per weight and
+ * token bounds a batch of 8 by the FMA rate: on unless KILN_CUDA_MMV=0 (read once). */
+static bool mmv_for(kiln_dtype dt, int N) {
+    static const bool on = !kiln_env_off("KILN_CUDA_MMV");
+    return on && dt == KILN_DTYPE_BF16 && N >= 2;
+}
+
+/* Fast mode's products of N <= 8 tokens (kiln_cuda_matvec_fast_multi_norm's jobs): the
+ * int8-activation product when asked for (q8act_for), the tensor-core kernel for bf16 batches
+ * (mmv_for), else -- or where those do not take the call -- the f32 kernel. Its
+ * cudaErrorNotSupported (a pair off the aligned path) is the caller's. */
+static cudaError_t fast_products(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
+                                 kiln_dtype dt, const float *x, const float *norm_w, float eps,
+                                 int64_t C, int N) {
+    cudaError_t e = cudaErrorNotSupported;
+    if (q8act_for(dt)) e = kiln_cuda_q8act_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
+    else if (mmv_for(dt, N)) e = kiln_cuda_matvec_mma_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
+    if (e == cudaErrorNotSupported) e = kiln_cuda_matvec_fast_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
+    return e;
+}
+
 static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_tensor *W,
                       const float *bias, int N) {
     cuda_ctx *c = ctx_of(be);
@@ -572,17 +594,10 @@ static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_t
         after_launch(c, kiln_cuda_matmul(c->stream, out, x, w, rb, W->dtype, R, C, bias, N),
                      "matmul");
     } else if (N <= 8) {
-        /* decode: fixed-order f32 matrix-vector kernels straight on the quantized blocks, or
-         * (KILN_CUDA_Q8ACT=1, Q8_0 / Q4_0 / Q4_1) the CPU fast mode's int8-activation product
-         * unless C is past its tile */
-        cudaError_t e = cudaErrorNotSupported;
-        if (q8act_for(W->dtype)) {
-            const kiln_cuda_product_job job = {out, NULL, w, NULL, bias, NULL, rb, R};
-            e = kiln_cuda_q8act_multi_norm(c->stream, 1, &job, W->dtype, x, NULL, 0.0f, C, N);
-        }
-        if (e == cudaErrorNotSupported)
-            e = kiln_cuda_matvec_fast(c->stream, out, x, w, rb, W->dtype, R, C, bias, N, 0);
-        after_launch(c, e, "matmul (fast matvec)");
+        /* decode: fixed-order kernels straight on the weights (fast_products) */
+        const kiln_cuda_product_job job = {out, NULL, w, NULL, bias, NULL, rb, R};
+        after_launch(c, fast_products(c->stream, 1, &job, W->dtype, x, NULL, 0.0f, C, N),
+                     "matmul (fast matvec)");
     } else {
         /* prefill: bf16 tensor cores through cuBLASLt, one fixed algorithm per shape */
         if (!c->gemm && !CK(c, kiln_cuda_gemm_create(c->device, &c->gemm))) return;
@@ -652,9 +667,7 @@ static bool product_jobs(cuda_ctx *c, int n, float *const *out, const float *con
     }
     if (norm_w && C > INT_MAX) return false;
     cudaError_t e = !c->fast ? kiln_cuda_matmul_multi_norm(c->stream, n, jobs, dt, x, norm_w, eps, C, N)
-                    : q8act_for(dt)
-                        ? kiln_cuda_q8act_multi_norm(c->stream, n, jobs, dt, x, norm_w, eps, C, N)
-                        : kiln_cuda_matvec_fast_multi_norm(c->stream, n, jobs, dt, x, norm_w, eps, C, N);
+                             : fast_products(c->stream, n, jobs, dt, x, norm_w, eps, C, N);
     if (e == cudaErrorNotSupported) return false;
     after_launch(c, e,
                  up ? "matmul_swiglu"

@@ -2054,14 +2054,19 @@ int kiln_cuda_matvec_fast_split(kiln_dtype dt, int64_t R, int64_t C, int N) {
     return S;
 }
 
+/* The checks of the fast decode products' entries (N <= 8): the jobs, x and norm_w. */
+static bool fast_jobs_ok(int n, const kiln_cuda_product_job *jobs, kiln_dtype dt, const float *x,
+                         const float *norm_w, int64_t C, int N, bool *pair) {
+    return N <= 8 && kiln_cuda_dtype_supported(dt) && product_jobs_ok(n, jobs, x, C, N, pair) &&
+           (uintptr_t)norm_w % 4 == 0 && C <= INT_MAX;
+}
+
 cudaError_t kiln_cuda_matvec_fast_multi_norm(cudaStream_t s, int n,
                                              const kiln_cuda_product_job *jobs, kiln_dtype dt,
                                              const float *x, const float *norm_w, float eps,
                                              int64_t C, int N) {
     bool pair = false;
-    if (N > 8 || !kiln_cuda_dtype_supported(dt) || !product_jobs_ok(n, jobs, x, C, N, &pair) ||
-        (uintptr_t)norm_w % 4 || C > INT_MAX)
-        return cudaErrorInvalidValue;
+    if (!fast_jobs_ok(n, jobs, dt, x, norm_w, C, N, &pair)) return cudaErrorInvalidValue;
     const prod_jobs a = prod_jobs_of(n, jobs, norm_w, eps);
     cudaError_t err = cudaSuccess;
     KILN_CUDA_DTYPE_SWITCH(dt, fmv_launch, &err, s, &a, pair, x, C, N);
@@ -2079,6 +2084,214 @@ cudaError_t kiln_cuda_matvec_fast(cudaStream_t s, float *out, const float *x, co
     if (!out || (uintptr_t)out % 4) return cudaErrorInvalidValue;
     const kiln_cuda_product_job job = {out, accumulate ? out : NULL, w, NULL, bias, NULL, row_bytes, R};
     return kiln_cuda_matvec_fast_multi(s, 1, &job, dt, x, C, N);
+}
+
+/* =================================================================================================
+ * Fast: bf16 decode products of 2..8 tokens on the tensor cores (mma.sync m16n8k16).
+ *
+ * The f32 kernel above does one FMA per weight and token: at 8 tokens a 3B step is bound by
+ * the FMA rate, not by the weights' bytes. Here a warp multiplies a 16-row tile of W by the
+ * tokens' x (rounded to bf16 as the fast GEMMs round it: one rounding of the f32, or of the
+ * normed f32 value) on the tensor cores, f32 accumulation, the 8 tokens as the mma's n.
+ *
+ * A lane (g = lane / 4, t = lane % 4) loads 16 consecutive k of rows g and g + 8 of its tile
+ * for each chunk of 64 k (two 16-byte loads a row: a warp reads 128 whole bytes of each of 16
+ * rows), and x of token g at the same 16 k. Its words w0..w7 (pairs k, k + 1 from 16t) feed
+ * four mma steps s = 0..3: step s puts w(2s) at fragment columns 2t, 2t + 1 and w(2s + 1) at
+ * 2t + 8, 2t + 9 (cuda_mma.cuh's table), for A and B alike. The k order inside an mma is thus
+ * a fixed permutation of the natural one; a dot is the same sum. A warp takes the chunks k,
+ * k + S, k + 2S, ... of its tile's rows (S warps a tile, S from (R, C) alone), and one thread
+ * per (row, token) adds the S partial sums in warp order, then the bias, the SwiGLU (PAIR:
+ * the warp walks the gate's and the up's tiles side by side) and the residual, as the f32
+ * kernel's epilogue does. Deterministic: nothing depends on timing, N or the grid.
+ * ============================================================================================== */
+
+#define MMV_THREADS 256
+#define MMV_WARPS (MMV_THREADS / 32)
+#define MMV_KC 64            /* k of a chunk */
+#define MMV_TARGET_WARPS 2048 /* warps the split aims at: 4 KB in flight each, ~15 an SM */
+
+/* Word i (0..7) of the two 16-byte loads v[0], v[1] (i a constant once unrolled). */
+static __device__ __forceinline__ uint32_t mmv_word(const uint4 *v, int i) {
+    const uint4 &q = v[i >> 2];
+    return (i & 3) == 0 ? q.x : (i & 3) == 1 ? q.y : (i & 3) == 2 ? q.z : q.w;
+}
+
+template <bool PAIR, bool NORM>
+static __global__ void __launch_bounds__(MMV_THREADS)
+matvec_mma_kernel(const __grid_constant__ prod_jobs jobs, const float *__restrict__ x, int64_t C,
+                  int N) {
+    constexpr int RW = PAIR ? 2 : 1;     /* weight tiles a warp walks: the gate's, the up's */
+    constexpr int UNR = PAIR ? 2 : 4;    /* chunks a step loads before it multiplies */
+    __shared__ float red[MMV_WARPS][RW][16 * 8];
+    __shared__ float sr[8];
+    pdl_wait(); /* launched by launch_pdl (cuda_common.cuh): x is the kernel before's */
+    pdl_launch_dependents();
+    if constexpr (NORM) norm_prologue(sr, x, C, 0, N, jobs.eps);
+
+    int jb = 0;
+    while (jb + 1 < jobs.n && blockIdx.x >= jobs.job[jb + 1].blk0) jb++;
+    const prod_job &J = jobs.job[jb];
+    const int64_t R = J.R;
+    const int S = J.S, G = MMV_WARPS / S; /* G row tiles a block, S warps a tile */
+    const unsigned bx = blockIdx.x - J.blk0;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int grp = warp / S, k = warp - grp * S;
+    const int g = lane >> 2, t = lane & 3;
+    const int64_t r0 = ((int64_t)bx * G + grp) * 16;
+    /* rows past R read row R - 1; their sums are dropped */
+    const int64_t ra = r0 + g < R ? r0 + g : R - 1, rb = r0 + g + 8 < R ? r0 + g + 8 : R - 1;
+    const uint8_t *rowp[RW][2];
+#pragma unroll
+    for (int i = 0; i < RW; i++) {
+        const uint8_t *w = i ? J.w_up : J.w;
+        rowp[i][0] = w + (size_t)ra * J.row_bytes + 32 * t;
+        rowp[i][1] = w + (size_t)rb * J.row_bytes + 32 * t;
+    }
+    const bool has_x = g < N;
+    const float *xr = x + (int64_t)(has_x ? g : 0) * C + 16 * t;
+    const float *nw = NORM ? jobs.norm_w + 16 * t : nullptr;
+    const float r_g = NORM && has_x ? sr[g] : 0.0f;
+
+    float acc[RW][4];
+#pragma unroll
+    for (int i = 0; i < RW; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+    const int64_t nch = C / MMV_KC;
+    for (int64_t c0 = k; c0 < nch; c0 += (int64_t)UNR * S) {
+        uint4 raw[UNR][RW][2][2];
+#pragma unroll
+        for (int u = 0; u < UNR; u++) {
+            const int64_t c = c0 + (int64_t)u * S;
+            if (c < nch) {
+#pragma unroll
+                for (int i = 0; i < RW; i++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const uint4 *p = (const uint4 *)(rowp[i][h] + (size_t)c * (2 * MMV_KC));
+                        raw[u][i][h][0] = __ldg(p);
+                        raw[u][i][h][1] = __ldg(p + 1);
+                    }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNR; u++) {
+            const int64_t c = c0 + (int64_t)u * S;
+            if (c >= nch) break; /* chunks only grow with u */
+            uint32_t xb[8];      /* token g's x at the lane's 16 k, bf16 pairs */
+            if (has_x) {
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const float4 f = __ldg((const float4 *)(xr + c * MMV_KC) + q);
+                    float v[4] = {f.x, f.y, f.z, f.w};
+                    if constexpr (NORM) {
+                        const float4 w4 = __ldg((const float4 *)(nw + c * MMV_KC) + q);
+                        const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+                        for (int e = 0; e < 4; e++) v[e] = normed(v[e], r_g, wv[e]);
+                    }
+                    xb[2 * q] = pack_bf16(v[0], v[1]);
+                    xb[2 * q + 1] = pack_bf16(v[2], v[3]);
+                }
+            } else {
+#pragma unroll
+                for (int q = 0; q < 8; q++) xb[q] = 0u;
+            }
+#pragma unroll
+            for (int i = 0; i < RW; i++) {
+                const uint4 *wa = raw[u][i][0], *wb = raw[u][i][1]; /* rows g, g + 8 */
+#pragma unroll
+                for (int st = 0; st < 4; st++) {
+                    const uint32_t a[4] = {mmv_word(wa, 2 * st), mmv_word(wb, 2 * st),
+                                           mmv_word(wa, 2 * st + 1), mmv_word(wb, 2 * st + 1)};
+                    const uint32_t b[2] = {xb[2 * st], xb[2 * st + 1]};
+                    mma_bf16_16816(acc[i], a, b);
+                }
+            }
+        }
+    }
+
+    /* c[0] = (row g, token 2t), c[1] = (g, 2t + 1), c[2] = (g + 8, 2t), c[3] = (g + 8, 2t + 1) */
+#pragma unroll
+    for (int i = 0; i < RW; i++) {
+        red[warp][i][g * 8 + 2 * t] = acc[i][0];
+        red[warp][i][g * 8 + 2 * t + 1] = acc[i][1];
+        red[warp][i][(g + 8) * 8 + 2 * t] = acc[i][2];
+        red[warp][i][(g + 8) * 8 + 2 * t + 1] = acc[i][3];
+    }
+    __syncthreads();
+    /* one thread per (tile, row, token): the S warps' sums in warp order, the bias, (PAIR)
+     * swiglu of the gate's and the up's, the residual */
+    for (int o = threadIdx.x; o < G * 16 * 8; o += MMV_THREADS) {
+        const int gt = o >> 7, j = o & 127, tok = j & 7;
+        const int64_t r = ((int64_t)bx * G + gt) * 16 + (j >> 3);
+        if (r >= R || tok >= N) continue;
+        float sum = red[gt * S][0][j];
+        for (int kk = 1; kk < S; kk++) sum = sum + red[gt * S + kk][0][j];
+        if (J.bias) sum = sum + J.bias[r];
+        if constexpr (PAIR) {
+            float up = red[gt * S][1][j];
+            for (int kk = 1; kk < S; kk++) up = up + red[gt * S + kk][1][j];
+            if (J.bias_up) up = up + J.bias_up[r];
+            sum = kiln_swiglu(sum, up);
+        }
+        const int64_t at = (int64_t)tok * R + r;
+        if (J.res) sum = sum + J.res[at];
+        J.out[at] = sum;
+    }
+}
+
+/* S for R rows of width C: the warps a 16-row tile's chunks are split over (1, 2, 4 or 8),
+ * a function of (R, C) alone. */
+static int mmv_split(int64_t R, int64_t C) {
+    const int64_t tiles = (R + 15) / 16, nch = C / MMV_KC;
+    int S = 1;
+    while (S < MMV_WARPS && tiles * S < MMV_TARGET_WARPS && nch >= 2 * S) S *= 2;
+    return S;
+}
+
+/* Whether kiln_cuda_matvec_mma_multi_norm takes these products: bf16, 2..8 tokens, C a
+ * multiple of 64, the 16-byte alignment of every weight row, x and norm_w. */
+static bool mmv_ok(int n, const kiln_cuda_product_job *jobs, kiln_dtype dt, const float *x,
+                   const float *norm_w, int64_t C, int N) {
+    if (dt != KILN_DTYPE_BF16 || N < 2 || N > 8 || C % MMV_KC || (uintptr_t)x % 16 ||
+        (uintptr_t)norm_w % 16)
+        return false;
+    for (int j = 0; j < n; j++)
+        if ((uintptr_t)jobs[j].w % 16 || (uintptr_t)jobs[j].w_up % 16 || jobs[j].row_bytes % 16)
+            return false;
+    return true;
+}
+
+cudaError_t kiln_cuda_matvec_mma_multi_norm(cudaStream_t s, int n,
+                                            const kiln_cuda_product_job *jobs, kiln_dtype dt,
+                                            const float *x, const float *norm_w, float eps,
+                                            int64_t C, int N) {
+    bool pair = false;
+    if (!fast_jobs_ok(n, jobs, dt, x, norm_w, C, N, &pair)) return cudaErrorInvalidValue;
+    const kiln_dtype_traits *tr = kiln_dtype_get_traits(dt);
+    if (C % tr->block_size) return cudaErrorInvalidValue;
+    for (int j = 0; j < n; j++)
+        if (jobs[j].row_bytes < (size_t)(C / tr->block_size) * tr->type_size)
+            return cudaErrorInvalidValue;
+    if (!mmv_ok(n, jobs, dt, x, norm_w, C, N)) return cudaErrorNotSupported;
+    prod_jobs a = prod_jobs_of(n, jobs, norm_w, eps);
+    int64_t total = 0;
+    for (int j = 0; j < n; j++) {
+        prod_job &J = a.job[j];
+        J.S = mmv_split(J.R, C);
+        const int64_t per_block = (int64_t)(MMV_WARPS / J.S) * 16;
+        J.blk0 = (unsigned)total;
+        total += (J.R + per_block - 1) / per_block;
+        if (total > 0x7fffffff) return cudaErrorInvalidValue;
+    }
+    auto k = pair ? (norm_w ? matvec_mma_kernel<true, true> : matvec_mma_kernel<true, false>)
+                  : (norm_w ? matvec_mma_kernel<false, true> : matvec_mma_kernel<false, false>);
+    return launch_pdl(k, dim3((unsigned)total), MMV_THREADS, 0, s, a, x, C, N);
+}
+
+int kiln_cuda_matvec_mma_split(int64_t R, int64_t C) {
+    return R < 1 || C < MMV_KC || C % MMV_KC ? 0 : mmv_split(R, C);
 }
 
 /* =================================================================================================

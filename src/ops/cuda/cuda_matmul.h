@@ -309,6 +309,30 @@ cudaError_t kiln_cuda_matvec_fast_multi_norm(cudaStream_t s, int n,
 int kiln_cuda_matvec_fast_split(kiln_dtype dt, int64_t R, int64_t C, int N);
 
 /* =================================================================================================
+ * Fast: bf16 decode products of 2..8 tokens on the tensor cores.
+ *
+ * Arithmetic (fast mode, docs/CUDA.md): x (normed first when norm_w is set, with rmsnorm's
+ * bits) is rounded to bf16, as the fast GEMMs round it; each output is an f32 sum of exact
+ * bf16 products, mma.sync m16n8k16 over chunks of 64 k, the S warps of a 16-row tile added in
+ * a fixed order (S from (R, C) alone: kiln_cuda_matvec_mma_split). Deterministic run to run
+ * on one GPU model; a token's bits do not depend on the other tokens or on N. Not the f32
+ * kernel's bits (that one keeps x in f32).
+ * ============================================================================================== */
+
+/* kiln_cuda_matvec_fast_multi_norm's products (the same jobs, epilogues and checks) on the
+ * tensor cores, for bf16 weights and N in 2..8. cudaErrorNotSupported, nothing enqueued, when
+ * it does not take them: another dtype, N = 1, C not a multiple of 64, a weight, row stride,
+ * x or norm_w not 16-byte aligned (the caller takes the f32 kernel). */
+cudaError_t kiln_cuda_matvec_mma_multi_norm(cudaStream_t s, int n,
+                                            const kiln_cuda_product_job *jobs, kiln_dtype dt,
+                                            const float *x, const float *norm_w, float eps,
+                                            int64_t C, int N);
+
+/* The warps that share one 16-row tile's dot (1, 2, 4 or 8), a function of (R, C) only; 0
+ * where C is not a positive multiple of 64. For tests and benchmarks. */
+int kiln_cuda_matvec_mma_split(int64_t R, int64_t C);
+
+/* =================================================================================================
  * Fast: the int8-activation product for Q8_0, Q4_0 and Q4_1 weights -- the CPU fast mode's
  * definition (docs/ARITHMETIC.md, "Fast mode: 8-bit activations"; the reference is
  * src/ops/cpu/kernels_q8act.c), bit for bit: each token's activations are quantized to int8
