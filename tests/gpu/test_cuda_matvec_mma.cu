@@ -8,8 +8,9 @@
  *    |gpu - ref| <= (C / 16 + 16) 2^-22 M. The products are exact; each mma adds 16 of them
  *    to an f32 accumulator (one rounding, or a few truncations, per step: 4u is room for
  *    either), C / 64 chunks of 4 steps, then at most 7 split additions. A product lost or
- *    doubled (|x w| ~ M / C) is several times the bound at the sizes here. Also the row's
- *    largest error over its largest M must stay under 2e-5;
+ *    doubled (|x w| ~ M / C) exceeds that bound up to C = 4864 (2.7x there), not at C = 8192;
+ *    the row check catches it at every size here: the row's largest error over its largest M
+ *    must stay under 2e-5 (M / C is 1.2e-4 of M at C = 8192);
  *  - the epilogues bit for bit: a bias, a residual and a SwiGLU pair give exactly the f32
  *    operations on the plain product's outputs (kmath.h's kiln_swiglu, on the host);
  *  - the fused RMSNorm gives exactly the bits of kiln_cuda_rmsnorm followed by the plain
