@@ -8,7 +8,8 @@ HOW TO RUN (on the GPU machine: python3 with torch and transformers; kiln built 
   scripts/gpu-bench.sh build-gpu                       # every part, models 0.5b,1.5b,3b
   python3 bench/bench_gpu.py --bin DIR [--models 0.5b,1.5b,3b]
       [--parts decode,prefill,quant,batch8] [--quick] [--new 128] [--prefill 512,4096]
-      [--batch 8] [--quant q8_0,q4_k] [--json OUT.json] [--no-compile] [--device cuda|cpu]
+      [--batch 8] [--quant f16,q8_0,q4_k,q4_k_m] [--llama-bench PATH] [--keep]
+      [--json OUT.json] [--no-compile] [--device cuda|cpu]
 
   DIR holds `kiln` and `libkiln.so` (a build folder, or a folder made by
   `scripts/gpu-bench.sh prepare`); their shared libraries are found through LD_LIBRARY_PATH
@@ -78,15 +79,21 @@ prefill (--prefill lengths, random ids):
     P = parameters without the embedding (the tied matrix counted once, as the embedding);
     attention: QK^T and PV, 2 FLOPs per multiply-add, T^2/2 causal (query, key) pairs,
     HS * NH per pair and layer: 2 * 2 * (T^2 / 2) * HS * NH * L; the last position's lm_head.
-quant (0.5b, 1.5b shapes; tiny in the smoke mode): GGUF v3 files written here (write_gguf)
-  with random blocks and small f16 scales, architecture qwen2, the tokenizer in the metadata:
+quant (0.5b, 1.5b, 3b shapes; tiny in the smoke mode): GGUF v3 files written here (write_gguf)
+  with random blocks and small f16 scales, architecture qwen2 or llama, the tokenizer in the
+  metadata:
   - q8_0: every matrix Q8_0 (token embedding / lm_head too).
   - q4_k: every layer matrix Q4_K, token embedding / lm_head Q6_K (like llama.cpp's Q4_K_S);
     a matrix whose row length is not a multiple of 256 (Qwen2.5-0.5B's C = 896) falls back as
     llama.cpp does: Q4_K -> Q5_0, Q6_K -> Q8_0 (the notes give the mix).
+  - q4_k_m: llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for attn_v and ffn_down of the first and
+    last eighth of the layers and every third layer between, and for the (tied) output.
+  - f16: every matrix F16 (random, spread 0.02): llama.cpp's comparison file for the bf16 rows.
   - rows: kiln auditable and fast `generate` on each file; "vs ceiling" against the quantized
     roofline = (GGUF tensor bytes + the bf16-convention KV bytes) / copy bandwidth; notes: the
-    ratio to kiln's bf16 decode of the same mode.
+    ratio to kiln's bf16 decode of the same mode. With --llama-bench PATH (a llama.cpp CUDA
+    build's llama-bench), llama.cpp's decode of the same file: `llama-bench -m FILE -ngl 99 -p 0
+    -n NEW -r --llama-reps -o json`, its mean tok/s; the note gives kiln fast / llama.cpp.
 """
 import argparse
 import ctypes
@@ -110,7 +117,8 @@ SHAPES = {
     "tiny": ("qwen2", 64, 2, 4, 2, 256, 512),
 }
 ALIASES = {"0.5b": "Qwen2.5-0.5B", "1.5b": "Qwen2.5-1.5B", "3b": "Llama-3.2-3B"}
-QUANT_SHAPES = ("Qwen2.5-0.5B", "Qwen2.5-1.5B", "tiny")
+QUANT_SHAPES = ("Qwen2.5-0.5B", "Qwen2.5-1.5B", "Llama-3.2-3B", "tiny")
+QUANTS = ("f16", "q8_0", "q4_k", "q4_k_m")
 PARTS = ("decode", "prefill", "quant", "batch8")
 PROMPT = "The quick brown fox jumps over the lazy dog."
 KILN_NO_BATCH = "n/a"
@@ -304,7 +312,7 @@ def kv_bytes(name, ctx):
 
 # ---- GGUF writer -----------------------------------------------------------------------------
 
-GGML = {"f32": (0, 1, 4), "q5_0": (6, 32, 22), "q8_0": (8, 32, 34), "q4_k": (12, 256, 144),
+GGML = {"f32": (0, 1, 4), "f16": (1, 1, 2), "q5_0": (6, 32, 22), "q8_0": (8, 32, 34), "q4_k": (12, 256, 144),
         "q6_k": (14, 256, 210)}  # name: (ggml type id, block elements, block bytes)
 # the f16 scale fields of a block: (byte offset, lowest, highest value); values chosen so that
 # a random block's weights have a spread of about 0.02-0.1, like the bf16 models'
@@ -339,12 +347,21 @@ def _gkv(key, vtype, value):
     return out + struct.pack(fmt, value)
 
 
+def use_more_bits(i, n):
+    """llama.cpp's choice of the Q4_K_M layers whose attn_v / ffn_down get Q6_K: the first and
+    last eighth of the layers and every third layer between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
 def gguf_plan(name, quant):
     """The tensors of a qwen2/llama GGUF of shape `name`: [(name, dtype, rows, cols)], matrices
-    in the quant's types (with llama.cpp's fallbacks), vectors f32."""
+    in the quant's types (with llama.cpp's fallbacks), vectors f32. q4_k_m is llama.cpp's
+    Q4_K_M mix: Q4_K, with Q6_K for attn_v and ffn_down of the use_more_bits layers and for
+    the (tied) output matrix."""
     fam, C, L, NH, KVH, FF, V = SHAPES[name]
     HS = C // NH
-    layer_t, emb_t = {"q8_0": ("q8_0", "q8_0"), "q4_k": ("q4_k", "q6_k")}[quant]
+    layer_t, emb_t = {"f16": ("f16", "f16"), "q8_0": ("q8_0", "q8_0"), "q4_k": ("q4_k", "q6_k"),
+                      "q4_k_m": ("q4_k", "q6_k")}[quant]
 
     def mt(t, cols):
         blk = GGML[t][1]
@@ -352,15 +369,17 @@ def gguf_plan(name, quant):
     ts = [("token_embd.weight", mt(emb_t, C), V, C), ("output_norm.weight", "f32", 1, C)]
     for i in range(L):
         p = f"blk.{i}."
+        more = quant == "q4_k_m" and use_more_bits(i, L)
+        vd_t = "q6_k" if more else layer_t
         ts += [(p + "attn_norm.weight", "f32", 1, C),
                (p + "attn_q.weight", mt(layer_t, C), NH * HS, C),
                (p + "attn_k.weight", mt(layer_t, C), KVH * HS, C),
-               (p + "attn_v.weight", mt(layer_t, C), KVH * HS, C),
+               (p + "attn_v.weight", mt(vd_t, C), KVH * HS, C),
                (p + "attn_output.weight", mt(layer_t, NH * HS), C, NH * HS),
                (p + "ffn_norm.weight", "f32", 1, C),
                (p + "ffn_gate.weight", mt(layer_t, C), FF, C),
                (p + "ffn_up.weight", mt(layer_t, C), FF, C),
-               (p + "ffn_down.weight", mt(layer_t, FF), C, FF)]
+               (p + "ffn_down.weight", mt(vd_t, FF), C, FF)]
         if fam == "qwen2":
             ts += [(p + "attn_q.bias", "f32", 1, NH * HS), (p + "attn_k.bias", "f32", 1, KVH * HS),
                    (p + "attn_v.bias", "f32", 1, KVH * HS)]
@@ -379,6 +398,8 @@ def random_tensor(dtype, rows, cols, dev, gen, is_norm):
     if dtype == "f32":
         v = torch.randn(n, generator=gen, device=dev) * 0.1 + (1.0 if is_norm else 0.0)
         return v.float().cpu().view(torch.uint8)
+    if dtype == "f16":  # the spread of the bf16 models' initialisation
+        return (torch.randn(n, generator=gen, device=dev) * 0.02).half().cpu().view(torch.uint8)
     _, be, bb = GGML[dtype]
     nblk = n // be
     blk = torch.randint(0, 256, (nblk, bb), generator=gen, dtype=torch.uint8, device=dev)
@@ -925,7 +946,7 @@ def bench_model(name, args, dev_info, env, res, rows):
                     note += f"; auditable cost {t_aud / t:.2f}x"
                 rows.append((name, f"prefill {n}", eng, n / t if t else None,
                              fl / t / rate if t else None, note))
-    if path:
+    if path and not args.keep:
         shutil.rmtree(path, ignore_errors=True)
 
     # ---- quantized decode
@@ -1068,8 +1089,42 @@ def bench_quant(name, args, env, r, rows, toks, special, eos, kiln_tps, bw, tag)
             rows.append((name, f"decode b1 {q}", tag[mode], s["median_tps"], s["median_tps"] / roof,
                          ratio))
             log(f"{tag[mode]} {q}: {s['median_tps']:.1f} tok/s ({ratio})")
+        if args.llama_bench:
+            lb = run_llama_bench(args, env, path, qr)
+            fast = qr.get("fast", {}).get("decode_tps")
+            if lb is None:
+                rows.append((name, f"decode b1 {q}", "llama.cpp CUDA", None, None,
+                             "failed (see log)"))
+            else:
+                note = f"llama-bench tg{args.new}, -ngl 99, flash attention {lb['fa']}, " \
+                       f"{len(lb['ts'])} reps"
+                if fast:
+                    note += f"; kiln fast / llama.cpp {statistics.median(fast) / lb['tps']:.2f}x"
+                rows.append((name, f"decode b1 {q}", "llama.cpp CUDA", lb["tps"], lb["tps"] / roof,
+                             note))
+                log(f"llama.cpp {q}: {lb['tps']:.1f} tok/s ({note})")
         r.setdefault("quant", {})[q] = qr
-        os.remove(path)
+        if not args.keep:
+            os.remove(path)
+
+
+def run_llama_bench(args, env, path, qr):
+    """llama.cpp's decode of the same file: `llama-bench -m PATH -ngl 99 -p 0 -n NEW -r REPS
+    -o json` (its default flash-attention setting). Returns dict(tps (mean of the reps, as
+    llama-bench reports), ts (each rep), fa) or None."""
+    cmd = [args.llama_bench, "-m", path, "-ngl", "99", "-p", "0", "-n", str(args.new), "-r",
+           str(args.llama_reps), "-o", "json"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        out = json.loads(p.stdout)
+        e = next(x for x in out if x.get("n_gen") == args.new)
+    except (OSError, subprocess.SubprocessError, ValueError, StopIteration) as e:
+        log(f"llama-bench {path}: {e!r}; stderr: {locals().get('p') and p.stderr[-1500:]}")
+        return None
+    lb = dict(tps=e["avg_ts"], ts=e.get("samples_ts", []), fa=e.get("flash_attn"),
+              build=e.get("build_commit"), backends=e.get("backends"))
+    qr["llama_cpp"] = lb
+    return lb
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -1112,9 +1167,14 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--quant", default="q8_0,q4_k")
     ap.add_argument("--quant-models", default=None,
-                    help="models of the quant part (default: those of --models among 0.5b, 1.5b, tiny)")
+                    help="models of the quant part (default: those of --models among 0.5b, 1.5b, 3b, tiny)")
     ap.add_argument("--kiln-reps", type=int, default=None, help="kiln processes per mode (2; quick 1)")
     ap.add_argument("--quant-reps", type=int, default=1)
+    ap.add_argument("--llama-bench", default=None,
+                    help="llama.cpp's llama-bench (a CUDA build): also time its decode of each GGUF")
+    ap.add_argument("--llama-reps", type=int, default=3)
+    ap.add_argument("--keep", action="store_true",
+                    help="leave the model folders and GGUF files in --work (for a profile after)")
     ap.add_argument("--hf-reps", type=int, default=1)
     ap.add_argument("--hf-prefill-reps", type=int, default=None, help="(5; quick 2)")
     ap.add_argument("--graph-reps", type=int, default=None, help="(5; quick 2)")
@@ -1145,8 +1205,8 @@ def main():
     if bad:
         ap.error(f"unknown parts {bad} (known: {', '.join(PARTS)})")
     args.quant = [x for x in args.quant.split(",") if x]
-    if any(x not in ("q8_0", "q4_k") for x in args.quant):
-        ap.error("--quant: q8_0 and/or q4_k")
+    if any(x not in QUANTS for x in args.quant):
+        ap.error(f"--quant: some of {', '.join(QUANTS)}")
     models = [ALIASES.get(x, x) for x in args.models.split(",") if x]
     for x in models:
         if x not in SHAPES:
