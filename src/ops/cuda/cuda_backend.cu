@@ -732,21 +732,10 @@ static void cu_matmul_multi_bf16x(kiln_backend *be, int n, float *const *out,
 static void cu_swiglu(kiln_backend *be, float *out, const float *gate, const float *up, size_t n);
 static void cu_add(kiln_backend *be, float *x, const float *y, size_t n);
 
-/* ops.h's products: one launch (kiln_cuda_product_job, the norm in its prologue) in auditable
- * mode and in fast decode (N <= 8); otherwise (fast past 8 tokens: the GEMMs; a fast pair off
- * the aligned path) kiln_op_products' composition, op by op. */
-static void cu_products(kiln_backend *be, const float *x, const kiln_products *p, int N) {
+/* kiln_op_products' composition of p on the backend, op by op: rmsnorm into scratch_x, the
+ * products (a pair: gate and up, then SwiGLU), the residual adds. */
+static void compose_products(kiln_backend *be, const float *x, const kiln_products *p, int N) {
     cuda_ctx *c = ctx_of(be);
-    if (!op_begin(c) || N <= 0) return;
-    if (!p || p->n < 1 || p->n > KILN_MATMUL_MULTI_MAX || (p->up && p->n != 1) ||
-        (p->norm_w && !p->scratch_x) || (p->up && (!p->scratch_gate || !p->scratch_up))) {
-        poison(c, KILN_ERR_INVALID_ARG, "products: %d products (1..%d; a pair is one), scratch for "
-               "the composition", p ? p->n : 0, KILN_MATMUL_MULTI_MAX);
-        return;
-    }
-    if (product_jobs(c, p->n, p->out, p->res, x, p->W, p->bias, p->up, p->norm_w, p->eps, N) ||
-        c->err != KILN_OK)
-        return;
     const int64_t C = p->W[0]->shape[p->W[0]->n_dims - 1];
     const float *xn = x;
     if (p->norm_w) {
@@ -765,6 +754,71 @@ static void cu_products(kiln_backend *be, const float *x, const kiln_products *p
     }
     for (int i = 0; c->err == KILN_OK && p->res && i < p->n; i++)
         if (p->res[i]) cu_add(be, p->out[i], p->res[i], (size_t)N * (size_t)(kiln_tensor_nelements(p->W[i]) / C));
+}
+
+/* Products of one input whose weights differ in dtype -- a Q4_K_M layer's q and k are Q4_K
+ * and, in a third of the layers, its v Q6_K; rows not a multiple of 256 fall back to Q5_0 /
+ * Q8_0 the same way -- as one launch per dtype (in the order of each dtype's first product),
+ * each with the norm in its prologue: the composition's bits (the prologue is rmsnorm's),
+ * without its standalone rmsnorm launch and its trip through scratch_x. A group that one
+ * launch does not take is composed alone. false, with nothing enqueued, when p is not such a
+ * call (a pair, one product, one dtype, widths that differ, fast mode past 8 tokens). */
+static bool products_by_dtype(kiln_backend *be, const float *x, const kiln_products *p, int N) {
+    cuda_ctx *c = ctx_of(be);
+    if (p->up || p->n < 2 || (c->fast && N > 8)) return false;
+    const int64_t C = p->W[0]->shape[p->W[0]->n_dims - 1];
+    bool mixed = false;
+    for (int i = 0; i < p->n; i++) {
+        if (!kiln_cuda_dtype_supported(p->W[i]->dtype) || p->W[i]->shape[p->W[i]->n_dims - 1] != C)
+            return false;
+        mixed = mixed || p->W[i]->dtype != p->W[0]->dtype;
+    }
+    if (!mixed) return false;
+    bool done[KILN_MATMUL_MULTI_MAX] = {false};
+    for (int i = 0; i < p->n && c->err == KILN_OK; i++) {
+        if (done[i]) continue;
+        float *out[KILN_MATMUL_MULTI_MAX];
+        const float *res[KILN_MATMUL_MULTI_MAX], *bias[KILN_MATMUL_MULTI_MAX];
+        const kiln_tensor *W[KILN_MATMUL_MULTI_MAX];
+        int m = 0;
+        for (int j = i; j < p->n; j++) {
+            if (done[j] || p->W[j]->dtype != p->W[i]->dtype) continue;
+            out[m] = p->out[j];
+            res[m] = p->res ? p->res[j] : NULL;
+            bias[m] = p->bias ? p->bias[j] : NULL;
+            W[m++] = p->W[j];
+            done[j] = true;
+        }
+        if (product_jobs(c, m, out, res, x, W, bias, NULL, p->norm_w, p->eps, N) || c->err != KILN_OK)
+            continue;
+        kiln_products g = *p;
+        g.n = m;
+        g.out = out;
+        g.res = res;
+        g.bias = bias;
+        g.W = W;
+        compose_products(be, x, &g, N);
+    }
+    return true;
+}
+
+/* ops.h's products: one launch (kiln_cuda_product_job, the norm in its prologue) in auditable
+ * mode and in fast decode (N <= 8), one a dtype when the weights' dtypes differ; otherwise
+ * (fast past 8 tokens: the GEMMs; a fast pair off the aligned path) kiln_op_products'
+ * composition, op by op. */
+static void cu_products(kiln_backend *be, const float *x, const kiln_products *p, int N) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    if (!p || p->n < 1 || p->n > KILN_MATMUL_MULTI_MAX || (p->up && p->n != 1) ||
+        (p->norm_w && !p->scratch_x) || (p->up && (!p->scratch_gate || !p->scratch_up))) {
+        poison(c, KILN_ERR_INVALID_ARG, "products: %d products (1..%d; a pair is one), scratch for "
+               "the composition", p ? p->n : 0, KILN_MATMUL_MULTI_MAX);
+        return;
+    }
+    if (product_jobs(c, p->n, p->out, p->res, x, p->W, p->bias, p->up, p->norm_w, p->eps, N) ||
+        c->err != KILN_OK || products_by_dtype(be, x, p, N))
+        return;
+    compose_products(be, x, p, N);
 }
 
 /* ops.h's rope_kv_store: one launch (cuda_rope.h). */
