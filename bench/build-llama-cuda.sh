@@ -9,7 +9,8 @@
 # Needs nvcc (the CUDA toolkit) and CMake, not a GPU: on a 2-core machine without one it takes
 # about an hour (the ggml-cuda template instances), on the 16-core GPU machine minutes.
 # CPU flags are the portable AVX2 set (no -march=native): the binary runs on either machine.
-# The binaries need libcudart, libcublas and libcuda of a CUDA 13 runtime at run time.
+# The binaries need libcudart, libcublas and libcuda of a CUDA 13 runtime at run time (and
+# libnccl where the toolkit has NCCL: ggml links it when found; torch's wheels carry one).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 targets=(llama-bench)
@@ -36,6 +37,7 @@ cmake -S "$lcpp" -B "$out/build" -DCMAKE_BUILD_TYPE=Release \
     -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
+    -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_SERVER="$([ ${#targets[@]} -gt 1 ] && echo ON || echo OFF)"
 cmake --build "$out/build" --target "${targets[@]}" -j"$(nproc)"
 mkdir -p "$out/bin"
