@@ -1114,12 +1114,13 @@ def run_llama_bench(args, env, path, qr):
     llama-bench reports), ts (each rep), fa) or None."""
     cmd = [args.llama_bench, "-m", path, "-ngl", "99", "-p", "0", "-n", str(args.new), "-r",
            str(args.llama_reps), "-o", "json"]
+    p = None
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         out = json.loads(p.stdout)
         e = next(x for x in out if x.get("n_gen") == args.new)
     except (OSError, subprocess.SubprocessError, ValueError, StopIteration) as e:
-        log(f"llama-bench {path}: {e!r}; stderr: {locals().get('p') and p.stderr[-1500:]}")
+        log(f"llama-bench {path}: {e!r}; stderr: {p.stderr[-1500:] if p else ''}")
         return None
     lb = dict(tps=e["avg_ts"], ts=e.get("samples_ts", []), fa=e.get("flash_attn"),
               build=e.get("build_commit"), backends=e.get("backends"))

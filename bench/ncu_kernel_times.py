@@ -62,6 +62,29 @@ def launches(path):
     return [(n, t, b) for _, (n, t, b) in sorted(by_id.items()) if t is not None]
 
 
+def split_steps(ls, step_kernel):
+    """The launches cut into steps, each ending with a launch of step_kernel (a tail after the
+    last one is dropped)."""
+    steps, cur = [], []
+    for n, t, b in ls:
+        cur.append((n, t, b))
+        if step_kernel in n:
+            steps.append(cur)
+            cur = []
+    return steps
+
+
+def per_kernel(steps):
+    """{kernel: [launches, ns, DRAM bytes]} summed over the steps, and the step count."""
+    per = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for s in steps:
+        for n, t, b in s:
+            per[n][0] += 1
+            per[n][1] += t
+            per[n][2] += b or 0.0
+    return per, len(steps)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv")
@@ -76,25 +99,11 @@ def main():
     ls = launches(args.csv)
     if not ls:
         sys.exit(f"{args.csv}: no gpu__time_duration.sum rows")
-    steps, cur = [], []
-    if args.whole:
-        steps, ls = [ls], []
-    for n, t, b in ls:
-        cur.append((n, t, b))
-        if args.step_kernel in n:
-            steps.append(cur)
-            cur = []
-    steps = steps if args.whole else steps[args.skip_steps:]
+    steps = [ls] if args.whole else split_steps(ls, args.step_kernel)[args.skip_steps:]
     if not steps:
         sys.exit(f"no step after {args.skip_steps} skipped (step kernel '{args.step_kernel}' "
                  f"launched {sum(args.step_kernel in n for n, _, _ in ls)} times)")
-    per = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    for s in steps:
-        for n, t, b in s:
-            per[n][0] += 1
-            per[n][1] += t
-            per[n][2] += b or 0.0
-    k = len(steps)
+    per, k = per_kernel(steps)
     total = sum(v[1] for v in per.values()) / k
     nbytes = sum(v[2] for v in per.values()) / k
     has_bytes = nbytes > 0

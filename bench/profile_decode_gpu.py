@@ -21,7 +21,6 @@ step, the roofline's us (those bytes at the copy bandwidth; bench_gpu.py's roofl
 weights and the KV cache instead, which the DRAM bytes approach), and kiln's share of it.
 """
 import argparse
-import collections
 import json
 import os
 import shutil
@@ -84,22 +83,10 @@ def step_table(csv_path, bw):
     rows sorted by time a step); bw: bytes/s the "over" column and the roofline use."""
     nk.BY_GRID = True
     ls = nk.launches(csv_path)
-    steps, cur = [], []
-    for n, t, b in ls:
-        cur.append((n, t, b))
-        if "sampler_main" in n:
-            steps.append(cur)
-            cur = []
-    steps = steps[1:]  # the prompt's forward
+    steps = nk.split_steps(ls, "sampler_main")[1:]  # the first: the prompt's forward
     if not steps:
         raise RuntimeError("no decode step in the profile")
-    per = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    for s in steps:
-        for n, t, b in s:
-            per[n][0] += 1
-            per[n][1] += t
-            per[n][2] += b or 0.0
-    k = len(steps)
+    per, k = nk.per_kernel(steps)
     rows = []
     for n, (c, t, b) in per.items():
         us, mb = t / k / 1e3, b / k / 1e6
