@@ -284,7 +284,11 @@ def make_server(engine, a, max_clients):
         argv = [a.kiln, "serve", "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
                 "--threads", T, "--max-seqs", str(max_clients), "--ctx", str(ctx),
                 "--max-connections", str(max_clients + 8)] + shlex.split(a.kiln_args)
-        return Server(engine, argv, port, extra_body={"ignore_eos": True})
+        env = {}
+        if a.step_log:  # the engine's step log: what each level's inter-token latency is made of
+            os.makedirs(a.log_dir, exist_ok=True)
+            env["KILN_SERVE_STEP_LOG"] = os.path.join(a.log_dir, "kiln-steps.txt")
+        return Server(engine, argv, port, env=env, extra_body={"ignore_eos": True})
     if engine == "llama.cpp":
         exe = find_llama_server(a.llama_server)
         if exe:
@@ -456,6 +460,65 @@ def summarize(records, wall, a):
     }
 
 
+def read_steps(path, offset):
+    """The step log's lines past byte offset (KILN_SERVE_STEP_LOG; the engine flushes it when
+    idle): (t_begin, t_end, n_decode, n_prefill, n_out, cap, running, waiting) each."""
+    rows = []
+    with open(path) as f:
+        f.seek(offset)
+        for line in f:
+            if line.startswith("#"):
+                continue
+            v = line.split()
+            if len(v) == 8:
+                rows.append((float(v[0]), float(v[1])) + tuple(int(x) for x in v[2:]))
+    return rows
+
+
+def summarize_steps(steps):
+    """What the engine's own inter-token latency is made of, from a level's steps. A decode
+    row's token comes out at its step's end, one step after its previous token: its latency is
+    the time from the previous step's end (the gap: sampling, streaming, the next batch) to
+    this one's. Returns the engine-side ITL p50 / p99, the step time of decode-only and of
+    mixed steps, the decode rows' spread, and which steps the tail (> 2 x p50) falls in."""
+    itl = []  # (latency, forward, n_decode, n_prefill) once per decode row
+    for prev, s in zip(steps, steps[1:]):
+        if s[2]:
+            itl.extend([(s[1] - prev[1], s[1] - s[0], s[2], s[3])] * s[2])
+    if not itl:
+        return None
+    lat = [x[0] for x in itl]
+    p50, p99 = pct(lat, 50), pct(lat, 99)
+    tail = [x for x in itl if x[0] > 2 * p50]
+    dec_only = [s[1] - s[0] for s in steps if s[2] and not s[3]]
+    mixed = [s[1] - s[0] for s in steps if s[2] and s[3]]
+    rows = [s[2] for s in steps if s[2]]
+    ms = lambda x: None if x is None else 1000.0 * x  # noqa: E731
+    return {
+        "steps": len(steps), "mixed_share": len(mixed) / max(1, len(dec_only) + len(mixed)),
+        "itl_p50_ms": ms(p50), "itl_p99_ms": ms(p99),
+        "gap_p50_ms": ms(pct([x[0] - x[1] for x in itl], 50)),
+        "gap_p99_ms": ms(pct([x[0] - x[1] for x in itl], 99)),
+        "decode_only_p50_ms": ms(pct(dec_only, 50)), "decode_only_p99_ms": ms(pct(dec_only, 99)),
+        "mixed_p50_ms": ms(pct(mixed, 50)), "mixed_p99_ms": ms(pct(mixed, 99)),
+        "rows_p10": pct(rows, 10), "rows_p50": pct(rows, 50), "rows_p90": pct(rows, 90),
+        "tail_share": len(tail) / len(itl),
+        "tail_in_mixed": sum(1 for x in tail if x[3]) / len(tail) if tail else None,
+        "tail_gap_over_half": sum(1 for x in tail if x[0] - x[1] > x[0] / 2) / len(tail) if tail else None,
+    }
+
+
+def steps_line(st):
+    f = lambda k, d=1: fmt(st[k], d)  # noqa: E731
+    return (f"engine ITL p50 / p99 {f('itl_p50_ms')} / {f('itl_p99_ms')} ms (gap between steps "
+            f"p50 / p99 {f('gap_p50_ms')} / {f('gap_p99_ms')}); steps {st['steps']}, mixed "
+            f"{f('mixed_share', 2)}; forward decode-only p50 / p99 {f('decode_only_p50_ms')} / "
+            f"{f('decode_only_p99_ms')}, mixed {f('mixed_p50_ms')} / {f('mixed_p99_ms')} ms; decode rows "
+            f"p10 / p50 / p90 {st['rows_p10']} / {st['rows_p50']} / {st['rows_p90']}; tokens over 2 x p50 "
+            f"{f('tail_share', 3)}, of them in mixed steps {f('tail_in_mixed', 2)}, mostly gap "
+            f"{f('tail_gap_over_half', 2)}")
+
+
 # ----------------------------------------------------------------------------- report
 
 def fmt(x, digits=1):
@@ -525,10 +588,20 @@ def bench_engine(engine, a, levels, mix):
             bad = [r["error"] for r in recs if not r["ok"]]
             if bad:
                 raise RuntimeError(f"warm-up request failed: {bad[0]}")
+        step_path = srv.env.get("KILN_SERVE_STEP_LOG")
         for key, n in level_keys(levels):
+            if step_path:
+                time.sleep(0.2)  # idle: the engine has flushed the last level's steps
+                offset = os.path.getsize(step_path)
             recs, wall = asyncio.run(run_level(srv, n, mix, a))
             s = summarize(recs, wall, a)
             s["loadavg"] = loadavg()
+            if step_path:
+                time.sleep(0.2)
+                s["engine_steps"] = summarize_steps(read_steps(step_path, offset))
+                if s["engine_steps"]:
+                    print(f"bench_serve: {engine} clients={n}: " + steps_line(s["engine_steps"]),
+                          file=sys.stderr)
             out["levels"][key] = s
             print(f"bench_serve: {engine} clients={n}: {s['ok']}/{s['requests']} ok, "
                   f"{fmt(s['out_tok_s'])} out tok/s, TTFT p50 {fmt(s['ttft_p50_ms'])} ms, "
@@ -594,6 +667,9 @@ def main():
     ap.add_argument("--hf-dtype", default="float32", help="transformers serve --dtype")
     ap.add_argument("--log-dir", default=os.path.join("/tmp", "kiln-bench-serve-logs"))
     ap.add_argument("--out", default=None, help="write all figures as JSON here")
+    ap.add_argument("--step-log", action="store_true",
+                    help="kiln: log every engine step (KILN_SERVE_STEP_LOG, in --log-dir) and "
+                         "print what each level's inter-token latency is made of")
     a = ap.parse_args()
 
     def on_sigterm(signum, frame):

@@ -927,8 +927,9 @@ typedef struct kiln_engine_params {
     int prefix_cache;     /* share full blocks of common prompt prefixes (default 1; off for
                            * recurrent-state architectures, whose state has no per-token cache) */
     /* While requests are decoding, a step's prefill chunks are cut so that the step takes at
-     * most this many times a decode-only step (from measured step times): it bounds the
-     * inter-token latency that new prompts add. Default 2; 0 = no bound but max_batch_tokens.
+     * most this many times the step of all running requests decoding (from measured step
+     * times; docs/SERVING.md, "A step"): it bounds the inter-token latency that new prompts
+     * add. Default 2; 0 = no bound but max_batch_tokens.
      * Which step runs which chunk never changes a request's tokens (the batch invariance). */
     float itl_bound;
 } kiln_engine_params;

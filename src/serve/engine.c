@@ -21,10 +21,13 @@
 #include "../generate/generate.h"
 #include "../generate/sampler.h"
 #include "../models/model.h"
+#include "step_cost.h"
 
+#include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define BLK KILN_KV_BLOCK
@@ -63,12 +66,6 @@ struct req {
     double t_submit, t_first_forward, t_last;
 };
 
-#define FIT_BANDS 12
-typedef struct step_fit {
-    double n, x, y, xx, xy; /* steps seen; weighted means of n_pre, t, n_pre^2, n_pre t */
-    double d, p;            /* the last fit (have: d > 0 and p > 0) */
-    int have;
-} step_fit;
 
 struct kiln_engine {
     kiln_handle_head head; /* base/handle.h: first */
@@ -109,24 +106,13 @@ struct kiln_engine {
     int32_t *b_id; /* (max_seqs) the id the device sampled for each output row */
     float *logits, *dev_logits, *row;
     int *top_scratch;
-    /* measured step times, per band of decode rows (step_fit, prefill_cap) */
-    step_fit fit[FIT_BANDS];
+    kiln_step_cost cost; /* measured step times: the prefill cap (step_cost.h) */
+    /* KILN_SERVE_STEP_LOG: one line a step (step_log_write), for the latency studies */
+    FILE *step_log;
+    double t_origin;
 };
 
 /* ---- small helpers ---------------------------------------------------------------------- */
-
-/* A step of n_dec decode rows and n_pre prefill tokens takes about t = d + p n_pre: d the
- * decode part, p one prefill token. The engine fits d and p by least squares over its recent
- * steps, separately per band of n_dec (1, 2-3, 4-7, ... rows: d grows with the rows, and a d
- * measured at 8 rows taken for 64 would charge the difference to the prefill tokens, an
- * estimate of p too high that then keeps the prefill small and itself alive). Exponentially
- * weighted moments of x = n_pre and y = t; p = cov(x, y) / var(x) once the steps' prefill
- * sizes spread enough to tell (var(x) > 64, a spread of 8 tokens), else the band's last fit. */
-static int fit_band(int n_dec) {
-    int b = 0;
-    while (b + 1 < FIT_BANDS && (2 << b) <= n_dec) b++;
-    return b;
-}
 
 kiln_engine_params kiln_engine_default_params(void) {
     kiln_engine_params p;
@@ -570,36 +556,16 @@ static void fail_running(kiln_engine *e, kiln_status st) {
     }
 }
 
-/* The prefill tokens a step with n_dec decode tokens may add: as many as keep it within
- * itl_bound times its decode part, d (itl_bound - 1) / p by the band's fit (at least 16, so
- * prompts always advance; no bound without decodes or before the band has a fit). */
-static int prefill_cap(const kiln_engine *e, int n_dec) {
-    if (!n_dec || !(e->p.itl_bound > 1.0f)) return INT32_MAX;
-    const step_fit *f = &e->fit[fit_band(n_dec)];
-    if (!f->have) return INT32_MAX;
-    double tokens = (e->p.itl_bound - 1.0) * f->d / f->p;
-    return tokens < 16 ? 16 : tokens > INT32_MAX ? INT32_MAX : (int)tokens;
-}
-
-/* Fold a step of seconds t (n_dec decode tokens, n_pre prefill tokens) into its band's fit. */
-static void step_timed(kiln_engine *e, double t, int n_dec, int n_pre) {
-    if (!n_dec) return; /* no decode to protect: the bound does not apply */
-    step_fit *f = &e->fit[fit_band(n_dec)];
-    const double x = n_pre, a = f->n < 10 ? 1.0 / (f->n + 1) : 0.1; /* plain means at first */
-    f->n += 1;
-    f->x += a * (x - f->x);
-    f->y += a * (t - f->y);
-    f->xx += a * (x * x - f->xx);
-    f->xy += a * (x * t - f->xy);
-    const double var = f->xx - f->x * f->x;
-    if (var > 64.0) {
-        const double p = (f->xy - f->x * f->y) / var, d = f->y - p * f->x;
-        if (p > 0 && d > 0) {
-            f->p = p;
-            f->d = d;
-            f->have = 1;
-        }
-    }
+/* One line of the step log: the forward's start and end (seconds since the engine started;
+ * the end is when the step's tokens are sampled and handed out, bar the sampling), its decode
+ * rows, prefill tokens, output rows, the prefill cap in force (-1: none), the requests running
+ * and waiting. A decode row's inter-token latency, seen by the engine, is the time from the
+ * previous step's end to this one's. */
+static void step_log_write(kiln_engine *e, double t0, double t1, int n_dec, int n_pre, int n_out, int cap) {
+    int n_wait = 0;
+    for (const req *r = e->wait_head; r; r = r->next) n_wait++;
+    fprintf(e->step_log, "%.6f %.6f %d %d %d %d %d %d\n", t0 - e->t_origin, t1 - e->t_origin, n_dec, n_pre, n_out,
+            cap == INT32_MAX ? -1 : cap, e->n_running, n_wait);
 }
 
 /* Admit waiting requests in order while slots and blocks allow (a preempted one first). */
@@ -637,11 +603,16 @@ static int engine_step(kiln_engine *e) {
         return 0;
     }
     /* decode tokens first (one each), then prefill chunks in admission order */
-    int n = 0, n_out = 0, budget = e->p.max_batch_tokens, n_dec = 0;
+    int n = 0, n_out = 0, budget = e->p.max_batch_tokens, n_dec = 0, cap = INT32_MAX;
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1) { /* decodes placed: bound the prefill that delays them */
             n_dec = n;
-            int cap = prefill_cap(e, n_dec);
+            /* bound the prefill by the step the running requests will share once their
+             * prompts are in, not by this step's decode part: with few rows decoding and
+             * many prompts admitted, a bound on the decode part lets the prompts in a few
+             * tokens a step, and where a prefill token costs about a decode row (a CPU) so
+             * few rows ever decode that the engine settles there (docs/SERVING.md) */
+            cap = kiln_step_cost_prefill_cap(&e->cost, e->p.itl_bound, n_dec, e->n_running);
             if (cap < budget) budget = cap;
         }
         for (;;) { /* pick the next request of this pass by admission order */
@@ -694,7 +665,9 @@ static int engine_step(kiln_engine *e) {
         fail_running(e, st);
         return 1;
     }
-    step_timed(e, kiln_time_seconds() - t0, n_dec, n - n_dec);
+    const double t1 = kiln_time_seconds();
+    kiln_step_cost_add(&e->cost, t1 - t0, n_dec, n - n_dec);
+    if (e->step_log) step_log_write(e, t0, t1, n_dec, n - n_dec, n_out, cap);
     /* full blocks computed this step join the prefix table */
     if (e->p.prefix_cache)
         for (int s = 0; s < e->p.max_seqs; s++) {
@@ -803,6 +776,7 @@ static void *engine_main(void *arg) {
         int worked = engine_step(e);
         stats_gauges(e);
         if (worked) continue;
+        if (e->step_log) fflush(e->step_log); /* idle: what was logged is on disk */
         pthread_mutex_lock(&e->mu);
         while (!e->in_head && !e->n_cancels && !e->stopping) pthread_cond_wait(&e->wake, &e->mu);
         int stop = e->stopping && !e->in_head && !e->wait_head && !e->n_running;
@@ -915,6 +889,17 @@ kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, 
     for (int i = 0; i < e->n_buckets; i++) e->bucket[i] = -1;
     for (int i = 0; i < KILN_ENGINE_HIST_BUCKETS; i++) e->stats.hist_bounds[i] = HIST_BOUNDS[i];
     e->stats.kv_blocks_total = e->pool;
+    const char *log_path = getenv("KILN_SERVE_STEP_LOG");
+    if (log_path && *log_path) {
+        e->step_log = fopen(log_path, "w");
+        if (!e->step_log) {
+            engine_destroy(e);
+            return kiln_error(KILN_ERR_IO, "kiln_engine_create: cannot open KILN_SERVE_STEP_LOG %s: %s", log_path,
+                              strerror(errno));
+        }
+        fputs("# t_begin t_end n_decode n_prefill n_out prefill_cap running waiting\n", e->step_log);
+    }
+    e->t_origin = kiln_time_seconds();
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->wake, NULL);
     pthread_cond_init(&e->ready, NULL);
@@ -967,6 +952,7 @@ void kiln_engine_free(kiln_engine *e) {
 /* Stop the worker (cancelling what is left) and free everything e holds, its model's use too. */
 static void engine_destroy(kiln_engine *e) {
     engine_stop(e, 0);
+    if (e->step_log) fclose(e->step_log);
     if (e->be) {
         kiln_forward_state_free(&e->fs);
         if (e->dev_logits) kiln_backend_free_buf(e->be, e->dev_logits);

@@ -1,0 +1,46 @@
+/* step_cost.h -- what a serving step costs, learned from the engine's own steps, and the
+ * prefill a step may add under the inter-token latency bound (docs/SERVING.md, "A step").
+ *
+ * A step of n_dec decode rows and x prefill tokens takes about t = d(n_dec) + p x: d the decode
+ * part, p one prefill token. d grows with the rows, so the moments are kept per band of n_dec
+ * (1, 2-3, 4-7, ... rows: a d measured at 8 rows taken for 64 would charge the difference to
+ * the prefill tokens). p does not depend on the decode rows beside it: one slope, pooled over
+ * the bands. Pure arithmetic on the numbers it is given: no clock, no engine. */
+#ifndef KILN_SERVE_STEP_COST_H
+#define KILN_SERVE_STEP_COST_H
+
+#define KILN_STEP_BANDS 12
+
+typedef struct kiln_step_band {
+    double n;                  /* steps seen in the band */
+    double x, y, xx, xy, rows; /* exponentially weighted means of x, t, x^2, x t, n_dec */
+} kiln_step_band;
+
+typedef struct kiln_step_cost {
+    kiln_step_band band[KILN_STEP_BANDS];
+    double p;   /* seconds a prefill token (have_p: measured) */
+    int have_p;
+} kiln_step_cost;
+
+/* The band of n_dec >= 1 decode rows: 0 for 1, 1 for 2-3, 2 for 4-7, ... */
+int kiln_step_band_of(int n_dec);
+
+/* Fold a step of `seconds` (n_dec decode rows, n_pre prefill tokens) into its band; steps
+ * without decode rows are not counted (no decode to protect). Then pools the slope:
+ * p = sum_b w_b cov_b(x, t) / sum_b w_b var_b(x), w_b the band's steps up to 10, taken once
+ * that spread is worth a band of 10 steps of var(x) 64 (prefill sizes 8 tokens apart) and
+ * the slope is positive; else the last p stays. */
+void kiln_step_cost_add(kiln_step_cost *c, double seconds, int n_dec, int n_pre);
+
+/* d(n_dec): the band's mean step less p times its mean prefill; a band not seen yet takes its
+ * nearest lower band's d, else its nearest higher band's scaled down to n_dec rows (both err
+ * low, so a cap from it errs small). 0 when nothing is known. */
+double kiln_step_cost_decode(const kiln_step_cost *c, int n_dec);
+
+/* The prefill tokens a step of n_dec decode rows may add while n_running requests are admitted:
+ * as many as keep d(n_dec) + p x within itl_bound x d(max(n_running, n_dec)), the step all of
+ * them will share once their prompts are in; at least 16, so prompts always advance. INT_MAX
+ * (no cap) without decode rows, with itl_bound <= 1 (off), or before p is measured. */
+int kiln_step_cost_prefill_cap(const kiln_step_cost *c, double itl_bound, int n_dec, int n_running);
+
+#endif

@@ -1,0 +1,108 @@
+/* test_step_cost.c -- the serving step's cost model and prefill cap (src/serve/step_cost.h),
+ * fed steps of a known cost t = d(n) + p x (d(n) = 4 ms + 1.5 ms n, p = 1.2 ms, a little
+ * deterministic noise): the pooled slope is recovered, an unseen band borrows its neighbour's
+ * decode part from the right side, and the cap keeps a step within the bound of the step all
+ * running requests will share. */
+#include "serve/step_cost.h"
+#include "test_util.h"
+
+#include <limits.h>
+#include <math.h>
+#include <stdint.h>
+
+static double d_true(int n) { return 4e-3 + 1.5e-3 * n; }
+static const double P_TRUE = 1.2e-3;
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static double noise(void) { /* uniform in [-1, 1) */
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (double)(rng >> 11) / (double)(1ull << 52) - 1.0;
+}
+
+static void feed(kiln_step_cost *c, int n_dec, int steps) {
+    for (int i = 0; i < steps; i++) {
+        const int x = (i % 3 == 0) ? 0 : 8 + (i * 37) % 120; /* decode-only and mixed steps */
+        kiln_step_cost_add(c, (d_true(n_dec) + P_TRUE * x) * (1.0 + 0.01 * noise()), n_dec, x);
+    }
+}
+
+static int near(double got, double want, double rel) { return fabs(got - want) <= rel * fabs(want); }
+
+int main(void) {
+    CHECK(kiln_step_band_of(1) == 0 && kiln_step_band_of(2) == 1 && kiln_step_band_of(3) == 1);
+    CHECK(kiln_step_band_of(4) == 2 && kiln_step_band_of(7) == 2 && kiln_step_band_of(64) == 6);
+    CHECK(kiln_step_band_of(1 << 30) == KILN_STEP_BANDS - 1);
+
+    /* nothing known: no cap, no decode part */
+    kiln_step_cost c = {0};
+    CHECK(kiln_step_cost_prefill_cap(&c, 2.0, 8, 8) == INT_MAX);
+    CHECK(kiln_step_cost_decode(&c, 8) == 0);
+
+    /* decode-only steps: d known, p not (no spread): still no cap */
+    for (int i = 0; i < 30; i++) kiln_step_cost_add(&c, d_true(5), 5, 0);
+    CHECK(!c.have_p);
+    CHECK(near(kiln_step_cost_decode(&c, 5), d_true(5), 1e-9));
+    CHECK(kiln_step_cost_prefill_cap(&c, 2.0, 5, 5) == INT_MAX);
+
+    /* steps without decode rows are not counted */
+    kiln_step_cost_add(&c, 1.0, 0, 500);
+    CHECK(!c.have_p);
+
+    /* one band with spread: p measured, pooled with the decode-only band's zero spread */
+    feed(&c, 10, 40);
+    CHECK(c.have_p);
+    CHECK_MSG(near(c.p, P_TRUE, 0.05), "p %g, want %g", c.p, P_TRUE);
+    CHECK_MSG(near(kiln_step_cost_decode(&c, 10), d_true(10), 0.05), "d(10) %g, want %g",
+              kiln_step_cost_decode(&c, 10), d_true(10));
+
+    /* an unseen band: below a seen one it takes the nearest lower band's d (band 4-7 at 5
+     * rows), above all seen ones the nearest lower band's too; between, the lower one */
+    CHECK(near(kiln_step_cost_decode(&c, 6), d_true(5), 0.02));
+    CHECK(near(kiln_step_cost_decode(&c, 40), kiln_step_cost_decode(&c, 10), 1e-12));
+    /* below every seen band: the nearest higher band scaled down to the rows */
+    kiln_step_cost hi = {0};
+    feed(&hi, 20, 40);
+    const double d20 = kiln_step_cost_decode(&hi, 20);
+    CHECK_MSG(near(kiln_step_cost_decode(&hi, 2), d20 * 2 / 20, 1e-9), "d(2) %g", kiln_step_cost_decode(&hi, 2));
+    CHECK(kiln_step_cost_decode(&hi, 2) < d_true(2)); /* errs low: the cap errs small */
+
+    /* several bands: the pooled slope, every band's own d */
+    kiln_step_cost m = {0};
+    for (int n = 1; n <= 64; n *= 2) feed(&m, n, 60);
+    CHECK_MSG(near(m.p, P_TRUE, 0.03), "pooled p %g, want %g", m.p, P_TRUE);
+    for (int n = 1; n <= 64; n *= 2)
+        CHECK_MSG(near(kiln_step_cost_decode(&m, n), d_true(n), 0.05), "d(%d) %g, want %g", n,
+                  kiln_step_cost_decode(&m, n), d_true(n));
+
+    /* the cap: all running requests decoding, the step stays within the bound of its decode part */
+    for (int n = 1; n <= 64; n *= 2) {
+        const int cap = kiln_step_cost_prefill_cap(&m, 2.0, n, n);
+        const double want = d_true(n) / P_TRUE;
+        CHECK_MSG(cap >= 16 && (want < 16 || near(cap, want, 0.08)), "cap(%d) %d, want %g", n, cap, want);
+    }
+    /* few rows decoding, many admitted: the reference is the step of all of them decoding */
+    {
+        const int cap = kiln_step_cost_prefill_cap(&m, 2.0, 4, 32);
+        const double want = (2.0 * d_true(32) - d_true(4)) / P_TRUE;
+        CHECK_MSG(near(cap, want, 0.08), "cap(4 of 32) %d, want %g", cap, want);
+        CHECK(cap > 4 * kiln_step_cost_prefill_cap(&m, 2.0, 4, 4));
+        /* and never below the step's own bound: n_running below n_dec counts as n_dec */
+        CHECK(kiln_step_cost_prefill_cap(&m, 2.0, 16, 1) == kiln_step_cost_prefill_cap(&m, 2.0, 16, 16));
+    }
+    /* a tighter bound, a smaller cap; at least 16 tokens; off at <= 1 and without decode rows */
+    CHECK(kiln_step_cost_prefill_cap(&m, 1.5, 16, 16) < kiln_step_cost_prefill_cap(&m, 2.0, 16, 16));
+    CHECK(kiln_step_cost_prefill_cap(&m, 1.01, 1, 1) == 16);
+    CHECK(kiln_step_cost_prefill_cap(&m, 1.0, 16, 16) == INT_MAX);
+    CHECK(kiln_step_cost_prefill_cap(&m, 0.0, 16, 16) == INT_MAX);
+    CHECK(kiln_step_cost_prefill_cap(&m, 2.0, 0, 16) == INT_MAX);
+
+    /* a band whose steps grow slower with more prefill (noise, a cache effect) never makes p
+     * negative: the last p stays */
+    const double p_before = m.p;
+    for (int i = 0; i < 200; i++) kiln_step_cost_add(&m, 0.1 - 1e-4 * (i % 50), 3, i % 50);
+    CHECK(m.p > 0);
+    CHECK(m.p <= p_before * 1.0001);
+    return test_finish("test_step_cost");
+}
