@@ -8,8 +8,8 @@
  *   - fast mode: the CUDA backend's own composition (rmsnorm, then one matmul a product with
  *     its bias, then the residual add), bit for bit.
  * Mixes (Q4_K, Q4_K, Q6_K), (Q5_0, Q5_0, Q8_0), (Q8_0, Q4_K, Q8_0: the groups' order), each
- * with and without biases and residuals (one residual in place), N 1, 3, 8 and 11 (fast mode
- * past 8 tokens takes the composition itself). Every output starts as NaN bits. Without a
+ * with and without biases and residuals (ops.h: a residual never overlaps its output), N 1, 3,
+ * 8 and 11 (fast mode past 8 tokens takes the composition itself). Every output starts as NaN bits. Without a
  * usable GPU it exits 77.
  */
 #include "base/base.h"
@@ -72,10 +72,9 @@ typedef struct {
 
 /* ops.h's products of the case on be (inputs uploaded to its memory), the outputs downloaded
  * into got[p] (N x R_p). compose: the
- * composition by hand (rmsnorm, matmul with bias, add) instead of kiln_op_products. in_place:
- * product 2's residual is its output. */
+ * composition by hand (rmsnorm, matmul with bias, add) instead of kiln_op_products. */
 static int run(kiln_backend *be, const inputs *in, const kiln_tensor *W, int N, int biases,
-               int residuals, int in_place, int compose, float *const *got) {
+               int residuals, int compose, float *const *got) {
     size_t total = (size_t)N * C + C + NP * 128 + 4 * (size_t)N * 128 * NP + 3 * (size_t)N * 128;
     float *h = malloc(total * sizeof(float));
     float *x = h, *nw = x + (size_t)N * C, *b = nw + C, *res = b + NP * 128, *out = res + (size_t)NP * N * 128;
@@ -87,7 +86,6 @@ static int run(kiln_backend *be, const inputs *in, const kiln_tensor *W, int N, 
     }
     uint32_t nan_bits = 0x7fc00001u;
     for (size_t i = 0; i < (size_t)NP * N * 128; i++) memcpy(out + i, &nan_bits, 4);
-    if (in_place) memcpy(out + (size_t)2 * N * 128, res + (size_t)2 * N * 128, (size_t)N * 128 * sizeof(float));
     float *d = dev_upload(be, h, total);
     float *dx = d, *dnw = dx + (size_t)N * C, *db = dnw + C, *dres = db + NP * 128, *dout = dres + (size_t)NP * N * 128,
           *dscr = dout + (size_t)NP * N * 128;
@@ -97,17 +95,12 @@ static int run(kiln_backend *be, const inputs *in, const kiln_tensor *W, int N, 
     for (int p = 0; p < NP; p++) {
         outs[p] = dout + (size_t)p * N * 128;
         bs[p] = biases ? db + p * 128 : NULL;
-        rs[p] = residuals ? (in_place && p == 2 ? outs[2] : dres + (size_t)p * N * 128) : NULL;
+        rs[p] = residuals ? dres + (size_t)p * N * 128 : NULL;
         ws[p] = &W[p];
     }
     if (compose) {
         be->i->rmsnorm(be, dscr, dx, dnw, N, C, 1e-6f);
         for (int p = 0; p < NP; p++) {
-            if (rs[p] == outs[p]) { /* in place: the product into scratch, then the add */
-                be->i->matmul(be, dscr + (size_t)N * C, dscr, ws[p], bs[p], N);
-                be->i->add(be, outs[p], dscr + (size_t)N * C, (size_t)N * (size_t)g_rows[p]);
-                continue;
-            }
             be->i->matmul(be, outs[p], dscr, ws[p], bs[p], N);
             if (rs[p]) be->i->add(be, outs[p], rs[p], (size_t)N * (size_t)g_rows[p]);
         }
@@ -172,7 +165,7 @@ int main(int argc, char **argv) {
         }
         for (size_t k = 0; k < sizeof Ns / sizeof Ns[0]; k++)
             for (int v = 0; v < 4; v++) {
-                const int N = Ns[k], biases = v & 1, residuals = v >> 1, in_place = residuals && (N & 1);
+                const int N = Ns[k], biases = v & 1, residuals = v >> 1;
                 for (size_t i = 0; i < (size_t)N * C; i++) in.x[i] = 2.0f * rnd_unit();
                 for (int i = 0; i < C; i++) in.nw[i] = 1.0f + 0.1f * rnd_unit();
                 for (int p = 0; p < NP; p++) {
@@ -181,8 +174,8 @@ int main(int argc, char **argv) {
                 }
                 for (int mode = 0; mode < 2; mode++) {
                     kiln_backend *ref = mode ? fast : cpu, *be = mode ? fast : aud;
-                    if (!run(ref, &in, W, N, biases, residuals, in_place, mode, want) ||
-                        !run(be, &in, W, N, biases, residuals, in_place, 0, got)) {
+                    if (!run(ref, &in, W, N, biases, residuals, mode, want) ||
+                        !run(be, &in, W, N, biases, residuals, 0, got)) {
                         g_failed++;
                         continue;
                     }
@@ -193,9 +186,9 @@ int main(int argc, char **argv) {
                     g_cases++;
                     if (bad) {
                         g_failed++;
-                        fprintf(stderr, "FAIL %s mix %zu N %d bias %d residual %d%s: %ld of %ld differ\n",
+                        fprintf(stderr, "FAIL %s mix %zu N %d bias %d residual %d: %ld of %ld differ\n",
                                 mode ? "fast (vs the composition)" : "auditable (vs the CPU)", m, N, biases,
-                                residuals, in_place ? " (in place)" : "", bad, n);
+                                residuals, bad, n);
                     }
                 }
             }
