@@ -41,9 +41,10 @@ class Server:
     """A `kiln serve` process on 127.0.0.1 and a free port (--port 0, read back from its
     first line)."""
 
-    def __init__(self, build_dir, model, *args):
+    def __init__(self, build_dir, model, *args, env=None):
         self.cmd = [kiln_bin(build_dir), "serve", "-m", model, "--port", "0", "--ctx", "1024", "--threads", "2", *args]
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=None if env is None else {**os.environ, **env})
         line = self.proc.stdout.readline()
         m = re.search(r"http://127\.0\.0\.1:(\d+)/ \(model (\S+), device (\w+)", line)
         if not m:
@@ -573,6 +574,47 @@ def test_engine_options_same_answers(server, build_dir, smollm2_gguf):
     finally:
         rc, err = s.stop()
     assert rc == 0, err
+
+
+def test_step_log(build_dir, smollm2_gguf, tmp_path):
+    """KILN_SERVE_STEP_LOG: one line a step whose counts add up to the requests' tokens (16-token
+    steps, so prompts are cut into chunks beside the decodes), times in order; a path that
+    cannot be written stops the server at start with the variable named."""
+    log = tmp_path / "steps.txt"
+    s = Server(build_dir, smollm2_gguf, "--max-batch-tokens", "16", "--max-seqs", "4", "--no-prefix-cache",
+               env={"KILN_SERVE_STEP_LOG": str(log)})
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+    usage = [None] * len(prompts)
+    try:
+        def one(i):
+            r = s.client().completions.create(model=s.model, prompt=prompts[i], max_tokens=12, temperature=0.0,
+                                              extra_body={"ignore_eos": True})
+            usage[i] = r.usage
+
+        ths = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+    finally:
+        rc, err = s.stop()
+    assert rc == 0, err
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("# t_begin t_end n_decode n_prefill n_out prefill_cap running waiting")
+    rows = [ln.split() for ln in lines[1:]]
+    assert rows and all(len(r) == 8 for r in rows)
+    t = [(float(r[0]), float(r[1])) for r in rows]
+    n = [[int(v) for v in r[2:]] for r in rows]
+    assert all(0 <= b <= e for b, e in t) and all(t[i][1] <= t[i + 1][0] for i in range(len(t) - 1))
+    assert all(dec + pre <= 16 and dec <= run and out <= run for dec, pre, out, cap, run, wait in n)
+    assert all(cap == -1 or cap >= 16 for dec, pre, out, cap, run, wait in n)
+    # every prompt token is prefilled once; every answer token is one output row's sample
+    assert sum(x[1] for x in n) == sum(u.prompt_tokens for u in usage)
+    assert sum(x[2] for x in n) == sum(u.completion_tokens for u in usage) == 12 * len(prompts)
+    assert sum(x[0] for x in n) == sum(u.completion_tokens - 1 for u in usage)
+    r = subprocess.run([kiln_bin(build_dir), "serve", "-m", smollm2_gguf, "--port", "0"], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "KILN_SERVE_STEP_LOG": str(tmp_path / "no" / "x")})
+    assert r.returncode == 1 and "KILN_SERVE_STEP_LOG" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("args", [("--fast",), ("--fast", "--batch-invariant"), ("--format", "mx8")],
