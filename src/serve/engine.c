@@ -66,7 +66,6 @@ struct req {
     double t_submit, t_first_forward, t_last;
 };
 
-
 struct kiln_engine {
     kiln_handle_head head; /* base/handle.h: first */
     kiln_model *m;
@@ -557,10 +556,10 @@ static void fail_running(kiln_engine *e, kiln_status st) {
 }
 
 /* One line of the step log: the forward's start and end (seconds since the engine started;
- * the end is when the step's tokens are sampled and handed out, bar the sampling), its decode
- * rows, prefill tokens, output rows, the prefill cap in force (-1: none), the requests running
- * and waiting. A decode row's inter-token latency, seen by the engine, is the time from the
- * previous step's end to this one's. */
+ * the end includes a device's sampling, then the host samples and hands the tokens out), its
+ * decode rows, prefill tokens, output rows, the prefill cap in force (-1: none), the requests
+ * running and waiting. A decode row's inter-token latency, as the engine gives it, is the time
+ * from the previous step's end to this one's. Write errors are not checked: a diagnostic. */
 static void step_log_write(kiln_engine *e, double t0, double t1, int n_dec, int n_pre, int n_out, int cap) {
     int n_wait = 0;
     for (const req *r = e->wait_head; r; r = r->next) n_wait++;
