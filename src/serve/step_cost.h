@@ -20,27 +20,36 @@ typedef struct kiln_step_cost {
     kiln_step_band band[KILN_STEP_BANDS];
     double p;   /* seconds a prefill token (have_p: measured) */
     int have_p;
+    double p_prior; /* before p: seconds a token of the recent steps of 64 or more prefill tokens */
 } kiln_step_cost;
 
 /* The band of n_dec >= 1 decode rows: 0 for 1, 1 for 2-3, 2 for 4-7, ... */
 int kiln_step_band_of(int n_dec);
 
 /* Fold a step of `seconds` (n_dec decode rows, n_pre prefill tokens) into its band; steps
- * without decode rows are not counted (no decode to protect). Then pools the slope:
+ * without decode rows are not counted there (no decode to protect). A step of 64 or more
+ * prefill tokens, with decode rows or not, also updates the prior: its seconds a token, every
+ * token counted as a prefill token (so the prior errs high and a cap from it small), the
+ * slope a server has before its steps' prefill sizes spread (a first burst of requests, all
+ * prompts at once). Then pools the slope:
  * p = sum_b w_b cov_b(x, t) / sum_b w_b var_b(x), w_b the band's steps up to 10, taken once
  * that spread is worth a band of 10 steps of var(x) 64 (prefill sizes 8 tokens apart) and
  * the slope is positive; else the last p stays. */
 void kiln_step_cost_add(kiln_step_cost *c, double seconds, int n_dec, int n_pre);
 
-/* d(n_dec): the band's mean step less p times its mean prefill; a band not seen yet takes its
- * nearest lower band's d, else its nearest higher band's scaled down to n_dec rows (both err
- * low, so a cap from it errs small). 0 when nothing is known. */
+/* d(n_dec): the band's mean step less p (or the prior) times its mean prefill. A band not seen
+ * yet takes its nearest lower band's d plus p for each row more (a decode row passes the same
+ * products as a prefill token; its attention is left out, so this errs low), else its nearest
+ * higher band's scaled down to n_dec rows (low too). 0 when nothing is known. A cap relative
+ * to a d that errs low errs small; but d(n_running) taken as the lower band's d unchanged
+ * held a CPU engine at 8 of 64 admitted requests decoding (docs/SERVING.md). */
 double kiln_step_cost_decode(const kiln_step_cost *c, int n_dec);
 
 /* The prefill tokens a step of n_dec decode rows may add while n_running requests are admitted:
  * as many as keep d(n_dec) + p x within itl_bound x d(max(n_running, n_dec)), the step all of
- * them will share once their prompts are in; at least 16, so prompts always advance. INT_MAX
- * (no cap) without decode rows, with itl_bound <= 1 (off), or before p is measured. */
+ * them will share once their prompts are in (p the prior until it is measured); at least 16,
+ * so prompts always advance. INT_MAX (no cap) without decode rows, with itl_bound <= 1 (off),
+ * or before any step of 64 prefill tokens. */
 int kiln_step_cost_prefill_cap(const kiln_step_cost *c, double itl_bound, int n_dec, int n_running);
 
 #endif

@@ -57,16 +57,37 @@ int main(void) {
     CHECK_MSG(near(kiln_step_cost_decode(&c, 10), d_true(10), 0.05), "d(10) %g, want %g",
               kiln_step_cost_decode(&c, 10), d_true(10));
 
-    /* an unseen band: below a seen one it takes the nearest lower band's d (band 4-7 at 5
-     * rows), above all seen ones the nearest lower band's too; between, the lower one */
+    /* an unseen band: its nearest lower band's d plus p a row more, else (below every seen
+     * band) the nearest higher band's scaled down */
     CHECK(near(kiln_step_cost_decode(&c, 6), d_true(5), 0.02));
-    CHECK(near(kiln_step_cost_decode(&c, 40), kiln_step_cost_decode(&c, 10), 1e-12));
+    CHECK(near(kiln_step_cost_decode(&c, 40), kiln_step_cost_decode(&c, 10) + c.p * (40 - c.band[3].rows), 1e-9));
+    CHECK(kiln_step_cost_decode(&c, 40) < d_true(40)); /* errs low */
     /* below every seen band: the nearest higher band scaled down to the rows */
     kiln_step_cost hi = {0};
     feed(&hi, 20, 40);
     const double d20 = kiln_step_cost_decode(&hi, 20);
     CHECK_MSG(near(kiln_step_cost_decode(&hi, 2), d20 * 2 / 20, 1e-9), "d(2) %g", kiln_step_cost_decode(&hi, 2));
     CHECK(kiln_step_cost_decode(&hi, 2) < d_true(2)); /* errs low: the cap errs small */
+
+    /* a first burst (every prompt at once): before the prefill sizes spread, the prior (a
+     * step's seconds a token, decode rows counted as prefill tokens) gives a cap, about
+     * 2 n_running - n_dec tokens (a prefill token priced as a decode row: small on purpose) */
+    {
+        kiln_step_cost b = {0};
+        kiln_step_cost_add(&b, d_true(0) + P_TRUE * 512, 0, 512); /* prefill only */
+        CHECK(!b.have_p && b.p_prior > 0);
+        kiln_step_cost_add(&b, d_true(1) + P_TRUE * 500, 1, 500);
+        CHECK(!b.have_p);
+        const int cap = kiln_step_cost_prefill_cap(&b, 2.0, 1, 64);
+        CHECK_MSG(cap >= 16 && cap <= 2 * 64 + 16, "cold cap %d", cap);
+        /* steps of fewer than 64 prefill tokens leave the prior alone */
+        const double prior = b.p_prior;
+        kiln_step_cost_add(&b, d_true(1) + P_TRUE * 63, 1, 63);
+        CHECK(b.p_prior == prior);
+        /* a measured slope replaces it */
+        feed(&b, 10, 40);
+        CHECK(b.have_p && near(kiln_step_cost_prefill_cap(&b, 2.0, 10, 10), d_true(10) / P_TRUE, 0.1));
+    }
 
     /* several bands: the pooled slope, every band's own d */
     kiln_step_cost m = {0};
