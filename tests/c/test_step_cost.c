@@ -89,6 +89,33 @@ int main(void) {
         CHECK(b.have_p && near(kiln_step_cost_prefill_cap(&b, 2.0, 10, 10), d_true(10) / P_TRUE, 0.1));
     }
 
+    /* a GPU's step: flat d = 1.2 ms, any prefill a fixed 2.3 ms more, a token 5 us. Decode-only
+     * steps do not enter the slope (with them, 16-token mixed steps would price a token at
+     * 2.3 ms / 16 and hold the cap at 16); prefill-only steps of varied sizes give it; the cap
+     * is then at least the fixed cost's worth of tokens, f / p = 460 */
+    {
+        kiln_step_cost g = {0};
+        for (int i = 0; i < 40; i++) {
+            kiln_step_cost_add(&g, 1.2e-3, 8, 0);
+            kiln_step_cost_add(&g, 1.2e-3 + 2.3e-3 + 5e-6 * 16, 8, 16);
+        }
+        CHECK(!g.have_p); /* no spread among the steps with prefill */
+        for (int i = 0; i < 20; i++) {
+            const int x = 100 + 37 * (i % 11);
+            kiln_step_cost_add(&g, 1.0e-3 + 2.3e-3 + 5e-6 * x, 0, x);
+        }
+        CHECK_MSG(g.have_p && near(g.p, 5e-6, 0.01), "GPU p %g", g.p);
+        CHECK(near(kiln_step_cost_decode(&g, 8), 1.2e-3, 1e-9));
+        const int cap = kiln_step_cost_prefill_cap(&g, 2.0, 8, 8);
+        CHECK_MSG(cap >= 440 && cap <= 480, "GPU cap %d, want about 460", cap);
+        /* where the bound leaves room past the fixed cost, it is the bound */
+        kiln_step_cost h = g;
+        for (int i = 0; i < 40; i++) kiln_step_cost_add(&h, 6.0e-3, 64, 0);
+        for (int i = 0; i < 40; i++) kiln_step_cost_add(&h, 6.0e-3 + 1.0e-3 + 5e-6 * (16 + 20 * (i % 7)), 64, 16 + 20 * (i % 7));
+        const int cap64 = kiln_step_cost_prefill_cap(&h, 2.0, 64, 64);
+        CHECK_MSG(near(cap64, (2 * 6.0e-3 - 6.0e-3 - 1.0e-3) / 5e-6, 0.05), "GPU cap at 64 rows %d, want 1000", cap64);
+    }
+
     /* several bands: the pooled slope, every band's own d */
     kiln_step_cost m = {0};
     for (int n = 1; n <= 64; n *= 2) feed(&m, n, 60);
