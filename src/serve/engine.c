@@ -24,6 +24,7 @@
 #include "step_cost.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -564,7 +565,7 @@ static void step_log_write(kiln_engine *e, double t0, double t1, int n_dec, int 
     int n_wait = 0;
     for (const req *r = e->wait_head; r; r = r->next) n_wait++;
     fprintf(e->step_log, "%.6f %.6f %d %d %d %d %d %d\n", t0 - e->t_origin, t1 - e->t_origin, n_dec, n_pre, n_out,
-            cap == INT32_MAX ? -1 : cap, e->n_running, n_wait);
+            cap == INT_MAX ? -1 : cap, e->n_running, n_wait);
 }
 
 /* Admit waiting requests in order while slots and blocks allow (a preempted one first). */
@@ -602,7 +603,7 @@ static int engine_step(kiln_engine *e) {
         return 0;
     }
     /* decode tokens first (one each), then prefill chunks in admission order */
-    int n = 0, n_out = 0, budget = e->p.max_batch_tokens, n_dec = 0, cap = INT32_MAX;
+    int n = 0, n_out = 0, budget = e->p.max_batch_tokens, n_dec = 0, cap = INT_MAX;
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1) { /* decodes placed: bound the prefill that delays them */
             n_dec = n;

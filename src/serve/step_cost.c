@@ -90,5 +90,6 @@ int kiln_step_cost_prefill_cap(const kiln_step_cost *c, double itl_bound, int n_
     /* at least the tokens that pay for the prefill's fixed cost once over (where the bound
      * leaves fewer, no prefill keeps it: take prompts in chunks worth their fixed cost) */
     const double floor = fixed / p > 16 ? fixed / p : 16;
-    return tokens < floor ? (floor >= INT_MAX ? INT_MAX : (int)floor) : tokens >= INT_MAX ? INT_MAX : (int)tokens;
+    const double cap = tokens < floor ? floor : tokens;
+    return cap >= INT_MAX ? INT_MAX : (int)cap;
 }

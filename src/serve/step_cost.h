@@ -1,11 +1,13 @@
 /* step_cost.h -- what a serving step costs, learned from the engine's own steps, and the
  * prefill a step may add under the inter-token latency bound (docs/SERVING.md, "A step").
  *
- * A step of n_dec decode rows and x prefill tokens takes about t = d(n_dec) + p x: d the decode
- * part, p one prefill token. d grows with the rows, so the moments are kept per band of n_dec
- * (1, 2-3, 4-7, ... rows: a d measured at 8 rows taken for 64 would charge the difference to
- * the prefill tokens). p does not depend on the decode rows beside it: one slope, pooled over
- * the bands. Pure arithmetic on the numbers it is given: no clock, no engine. */
+ * A step of n_dec decode rows takes d(n_dec) alone, and d(n_dec) + f + p x with x prefill
+ * tokens: d the decode part, f the fixed cost of any prefill (a GPU's switch to the prefill
+ * kernels; about 0 on a CPU), p one prefill token. d grows with the rows, so the moments are
+ * kept per band of n_dec (1, 2-3, 4-7, ... rows: a d measured at 8 rows taken for 64 would
+ * charge the difference to the prefill tokens). p does not depend on the decode rows beside
+ * it: one slope, pooled over the bands. Pure arithmetic on the numbers it is given: no clock,
+ * no engine. */
 #ifndef KILN_SERVE_STEP_COST_H
 #define KILN_SERVE_STEP_COST_H
 
@@ -43,12 +45,12 @@ int kiln_step_band_of(int n_dec);
 void kiln_step_cost_add(kiln_step_cost *c, double seconds, int n_dec, int n_pre);
 
 /* d(n_dec): the band's decode-only steps' mean, else its prefill steps' mean less p (or the
- * prior) times their mean prefill. A band not seen
- * yet takes its nearest lower band's d plus p for each row more (a decode row passes the same
- * products as a prefill token; its attention is left out, so this errs low), else its nearest
- * higher band's scaled down to n_dec rows (low too). 0 when nothing is known. A cap relative
- * to a d that errs low errs small; but d(n_running) taken as the lower band's d unchanged
- * held a CPU engine at 8 of 64 admitted requests decoding (docs/SERVING.md). */
+ * prior) times their mean prefill. A band not seen yet takes its nearest lower band's d plus
+ * p for each row more (a decode row passes the same products as a prefill token; its
+ * attention is left out, so this errs low), else its nearest higher band's scaled down to
+ * n_dec rows (low too). 0 when nothing is known. A cap relative to a d that errs low errs
+ * small; but d(n_running) taken as the lower band's d unchanged held a CPU engine at 8 of 64
+ * admitted requests decoding (docs/SERVING.md). */
 double kiln_step_cost_decode(const kiln_step_cost *c, int n_dec);
 
 /* The prefill tokens a step of n_dec decode rows may add while n_running requests are admitted:
