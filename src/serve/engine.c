@@ -559,8 +559,10 @@ static void fail_running(kiln_engine *e, kiln_status st) {
 /* One line of the step log: the forward's start and end (seconds since the engine started;
  * the end includes a device's sampling, then the host samples and hands the tokens out), its
  * decode rows, prefill tokens, output rows, the prefill cap in force (-1: none), the requests
- * running and waiting. A decode row's inter-token latency, as the engine gives it, is the time
- * from the previous step's end to this one's. Write errors are not checked: a diagnostic. */
+ * running and waiting. A decode row is a request's one row with a token to sample: a fed-back
+ * answer token, or a prompt's last token left alone by a chunk boundary (placed, and costed, as
+ * a decode). A decode row's inter-token latency, as the engine gives it, is the time from the
+ * previous step's end to this one's. Write errors are not checked: a diagnostic. */
 static void step_log_write(kiln_engine *e, double t0, double t1, int n_dec, int n_pre, int n_out, int cap) {
     int n_wait = 0;
     for (const req *r = e->wait_head; r; r = r->next) n_wait++;
