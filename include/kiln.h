@@ -320,6 +320,14 @@ typedef struct kiln_context_params {
      * count, the weights' quantization an approximation (its error in docs/ARITHMETIC.md).
      * On the CPU and CUDA (the same bits); not with fast (KILN_ERR_INVALID_ARG). */
     int format;
+    /* Formats per weight (NULL or "": none): comma-separated SELECTOR=FORMAT rules over
+     * `format`, read left to right, the last match winning. FORMAT: f32, mx16, mx8. SELECTOR
+     * names weight matrices by their GGUF role whatever the file: attn_v (every layer's),
+     * output (the head), blk.3 (a layer's), blk.0-3.ffn_down (a range's role). Example:
+     * format MX8 with "output=mx16,attn_v=mx16". A rule that selects no matrix is refused
+     * (KILN_ERR_INVALID_ARG, naming the model's roles). The CPU's only for now (CUDA:
+     * KILN_ERR_UNSUPPORTED); not with fast. docs/ARITHMETIC.md, "Formats per weight". */
+    const char *format_rules;
 } kiln_context_params;
 
 /* kiln_context_params.format, kiln_engine_params.format. */
@@ -534,6 +542,8 @@ typedef struct kiln_train_params {
                           * as every other operand) or KILN_ROUND_STOCHASTIC (seeded by seed,
                           * the step and the micro-batch: the same bits on any thread or rank
                           * count; docs/ARITHMETIC.md, "Training in a format"). Ignored in f32 */
+    const char *format_rules; /* formats per weight over `format`, forward and backward, as
+                               * kiln_context_params.format_rules (the CPU's only for now) */
 } kiln_train_params;
 
 typedef enum kiln_format_rounding { KILN_ROUND_NEAREST = 0, KILN_ROUND_STOCHASTIC = 1 } kiln_format_rounding;
@@ -917,6 +927,7 @@ typedef struct kiln_engine_params {
     int fast;             /* 0 (default) = auditable arithmetic; as kiln_context_params.fast */
     int batch_invariant;  /* with fast: as kiln_context_params.batch_invariant */
     int format;           /* as kiln_context_params.format (kiln_format) */
+    const char *format_rules; /* as kiln_context_params.format_rules (NULL: none) */
     int n_threads;        /* CPU threads, 0 = all cores */
     int n_ctx;            /* positions per request (prompt + output); 0 = the model's, at most 8192 */
     int max_batch_tokens; /* tokens per forward step (default 512) */

@@ -38,10 +38,17 @@ uint64_t cli_random_seed(void);
 int cli_usage_error(const char *cmd, const char *fmt, ...);
 /* --device's value: cpu -> -1, cuda -> 0, cuda:N -> N; 0, or a usage error's exit code. */
 int cli_parse_device(const char *cmd, const char *v, int *device);
-/* --format's value: f32, mx16, mx8 -> kiln_format; 0, or a usage error's exit code. */
-int cli_parse_format(const char *cmd, const char *v, int *format);
+/* A format spec, DEFAULT[,SELECTOR=FORMAT]... (docs/ARITHMETIC.md, "Formats per weight"),
+ * into the default's kiln_format and its rules (a pointer into spec; NULL: none; a spec that
+ * starts with a rule has default f32; the library checks the rules against the model). 0, or
+ * -1 with *why set to a static message. */
+int cli_format_spec_split(const char *spec, int *format, const char **rules, const char **why);
+/* --format's value (a format spec); 0, or a usage error's exit code. */
+int cli_parse_format(const char *cmd, const char *v, int *format, const char **rules);
 /* The name of a kiln_format ("f32", "mx16", "mx8"). */
 const char *cli_format_name(int format);
+/* The spec of a format and its rules (NULL: none), as --format takes it, into buf. */
+void cli_format_spec(int format, const char *rules, char *buf, size_t cap);
 
 /* Parse a whole-string number; return 0 on success, else print an error naming opt. */
 int cli_parse_int(const char *cmd, const char *opt, const char *s, long lo, long hi, long *out);

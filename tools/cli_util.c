@@ -160,13 +160,34 @@ int cli_parse_device(const char *cmd, const char *v, int *device) {
     return cli_usage_error(cmd, "--device '%s': expected cpu, cuda or cuda:N", v);
 }
 
-int cli_parse_format(const char *cmd, const char *v, int *format) {
+int cli_format_spec_split(const char *spec, int *format, const char **rules, const char **why) {
+    const char *comma = strchr(spec, ',');
+    const size_t n = comma ? (size_t)(comma - spec) : strlen(spec);
+    *format = KILN_FORMAT_F32;
+    *rules = NULL;
+    if (memchr(spec, '=', n)) { /* rules only: the default is f32 */
+        *rules = spec;
+        return 0;
+    }
     for (int f = KILN_FORMAT_F32; f <= KILN_FORMAT_MX8; f++)
-        if (!strcmp(v, cli_format_name(f))) {
+        if (strlen(cli_format_name(f)) == n && !strncmp(spec, cli_format_name(f), n)) {
             *format = f;
+            if (comma && !comma[1]) break;
+            *rules = comma ? comma + 1 : NULL;
             return 0;
         }
-    return cli_usage_error(cmd, "--format '%s': expected f32, mx16 or mx8", v);
+    *why = "expected f32, mx16 or mx8, then optional SELECTOR=FORMAT rules (mx8,output=mx16,blk.0-3.ffn_down=f32)";
+    return -1;
+}
+
+int cli_parse_format(const char *cmd, const char *v, int *format, const char **rules) {
+    const char *why = NULL;
+    if (cli_format_spec_split(v, format, rules, &why)) return cli_usage_error(cmd, "--format '%s': %s", v, why);
+    return 0;
+}
+
+void cli_format_spec(int format, const char *rules, char *buf, size_t cap) {
+    snprintf(buf, cap, "%s%s%s", cli_format_name(format), rules ? "," : "", rules ? rules : "");
 }
 
 const char *cli_format_name(int format) {

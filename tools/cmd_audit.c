@@ -314,6 +314,7 @@ static int verify_run(const verify_opts *o, const receipt *r, kiln_model *m) {
     cp.fast = r->fast;
     cp.batch_invariant = r->batch_invariant;
     cp.format = r->format;
+    cp.format_rules = r->format_rules;
     kiln_context *ctx = NULL;
     st = kiln_context_create(m, &cp, &ctx);
     if (st != KILN_OK) return cli_fail("verify", "context", st);

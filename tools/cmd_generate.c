@@ -21,6 +21,7 @@ typedef struct gen_opts {
     int seed_given; /* --seed: else a random seed, printed */
     int device; /* -1 = CPU, N >= 0 = CUDA device N */
     int format; /* kiln_format */
+    const char *format_rules; /* --format's per-weight rules (NULL: none) */
     const char *stops[MAX_STOPS + 1];
     int n_stops;
 } gen_opts;
@@ -53,8 +54,9 @@ static const char *generate_help =
     "                         that already (accepted, no change); CUDA's --fast refuses it\n"
     "      --format F         f32 (default) | mx16 | mx8: the matrix products in an exact block\n"
     "                         format (integer products, one rounding; the same bits on\n"
-    "                         cpu and cuda;\n"
-    "                         docs/ARITHMETIC.md, \"Exact block formats\")\n"
+    "                         cpu and cuda; docs/ARITHMETIC.md, \"Exact block formats\"),\n"
+    "                         then per-weight rules, the last match winning (the CPU's only):\n"
+    "                         mx8,output=mx16,attn_v=mx16,blk.0-3.ffn_down=f32\n"
     "      --device D         cpu (default), cuda or cuda:N: run on CUDA GPU N (same bits as cpu)\n"
     "      --json             print one JSON object: prompt_ids, ids, text, timings\n"
     "      --receipt FILE     write a receipt (JSON: fingerprints, prompt, settings, ids and a hash\n"
@@ -150,7 +152,7 @@ static int parse_opts(const char *cmd, int argc, char **argv, gen_opts *o, int *
         } else if (cli_opt(argc, argv, &i, "--device", &v, &err, cmd)) {
             if (!err) err = cli_parse_device(cmd, v, &o->device);
         } else if (cli_opt(argc, argv, &i, "--format", &v, &err, cmd)) {
-            if (!err) err = cli_parse_format(cmd, v, &o->format);
+            if (!err) err = cli_parse_format(cmd, v, &o->format, &o->format_rules);
         } else if (!strcmp(a, "--no-mmap")) {
             o->no_mmap = 1;
         } else if (a[0] != '-' && !o->model) {
@@ -188,6 +190,7 @@ static kiln_status open_model(const gen_opts *o, kiln_model **m, kiln_context **
     cp.fast = o->fast; /* CPU: 8-bit activations; CUDA: the fast arithmetic */
     cp.batch_invariant = o->batch_invariant;
     cp.format = o->format;
+    cp.format_rules = o->format_rules;
     cp.device = o->device;
     st = kiln_context_create(*m, &cp, ctx);
     if (st != KILN_OK) {
@@ -295,6 +298,7 @@ static int write_receipt(const gen_opts *o, const kiln_model *m, const kiln_cont
     r.fast = o->fast;
     r.batch_invariant = o->batch_invariant;
     r.format = o->format;
+    r.format_rules = (char *)o->format_rules;
     r.device = o->device;
     r.threads = (int)o->threads;
     r.ids = res->ids;

@@ -24,7 +24,8 @@ static const char *serve_help =
     "      --batch-invariant    with --fast: a request's tokens independent of the batch (the\n"
     "                           CPU's --fast is that already; CUDA's --fast refuses it)\n"
     "      --format F           f32 (default) | mx16 | mx8: the products in an exact block format\n"
-    "                           (the same bits on cpu and cuda; docs/ARITHMETIC.md)\n"
+    "                           (the same bits on cpu and cuda; docs/ARITHMETIC.md), then\n"
+    "                           per-weight rules (the CPU's only): mx8,output=mx16,attn_v=mx16\n"
     "  -t, --threads N          CPU threads (default: all cores)\n"
     "      --host ADDR          address to listen on (default 127.0.0.1)\n"
     "      --port N             port (default 8080; 0: any free port, printed)\n"
@@ -119,7 +120,7 @@ static char *default_model_name(const char *path) {
 
 int cmd_serve(int argc, char **argv) {
     const char *cmd = "serve", *model = NULL, *model_name = NULL, *host = "127.0.0.1",
-               *api_key = NULL, *key_file = NULL;
+               *api_key = NULL, *key_file = NULL, *format_rules = NULL;
     long port = 8080, threads = 0, n_ctx = 0, max_batch = 0, max_seqs = 0, kv_blocks = 0,
          max_queue = 0, max_conns = 512, timeout = 600;
     size_t kv_memory = 0, max_body = (size_t)8 << 20;
@@ -144,7 +145,7 @@ int cmd_serve(int argc, char **argv) {
         } else if (!strcmp(a, "--batch-invariant")) {
             batch_invariant = 1;
         } else if (cli_opt(argc, argv, &i, "--format", &v, &err, cmd)) {
-            if (!err) err = cli_parse_format(cmd, v, &format);
+            if (!err) err = cli_parse_format(cmd, v, &format, &format_rules);
         } else if (cli_opt(argc, argv, &i, "-t", &v, &err, cmd) ||
                    cli_opt(argc, argv, &i, "--threads", &v, &err, cmd)) {
             if (!err) err = cli_parse_int(cmd, a, v, 1, 256, &threads);
@@ -212,6 +213,7 @@ int cmd_serve(int argc, char **argv) {
     ep.fast = fast;
     ep.batch_invariant = batch_invariant;
     ep.format = format;
+    ep.format_rules = format_rules;
     ep.n_threads = (int)threads;
     if (n_ctx) ep.n_ctx = (int)n_ctx;
     if (max_batch) ep.max_batch_tokens = (int)max_batch;
@@ -252,6 +254,7 @@ int cmd_serve(int argc, char **argv) {
     rb.fast = fast;
     rb.batch_invariant = batch_invariant;
     rb.format = format;
+    rb.format_rules = (char *)format_rules;
     rb.device = device;
     rb.threads = (int)threads;
     char device_name[32];
@@ -293,10 +296,12 @@ int cmd_serve(int argc, char **argv) {
         goto done;
     }
     const char *h = strchr(host, ':') ? "[" : "";
-    printf("kiln serve: listening on http://%s%s%s:%d/ (model %s, device %s%s%s%s%s)\n", h, host,
+    printf("kiln serve: listening on http://%s%s%s:%d/ (model %s, device %s%s%s%s%s%s%s)\n", h, host,
            *h ? "]" : "", serve_port(srv), cfg.model_name, device_name,
            fast ? (batch_invariant ? ", fast, batch-invariant" : ", fast") : "",
-           format != KILN_FORMAT_F32 ? ", format " : "", format != KILN_FORMAT_F32 ? cli_format_name(format) : "",
+           format != KILN_FORMAT_F32 || format_rules ? ", format " : "",
+           format != KILN_FORMAT_F32 || format_rules ? cli_format_name(format) : "", format_rules ? "," : "",
+           format_rules ? format_rules : "",
            api_key ? ", API key required" : "");
     fflush(stdout);
 

@@ -74,7 +74,8 @@ static const char *train_help =
     "                       tensor cores; approximate but deterministic (docs/TRAINING.md)\n"
     "  --format F           f32 (default), mx16 or mx8: the matrix products forward and backward\n"
     "                       in an exact block format (the same bits on cpu and cuda;\n"
-    "                       docs/ARITHMETIC.md)\n"
+    "                       docs/ARITHMETIC.md), then per-weight rules, the last match winning\n"
+    "                       (the CPU's only): mx16,output=f32 or f32,attn_v=mx8,blk.0=mx16\n"
     "  --format-rounding R  with --format mx16|mx8: how the backward's gradients are quantized:\n"
     "                       nearest (default, to nearest even) or stochastic (seeded by --seed,\n"
     "                       the step and the micro-batch: the same bits on any thread or rank count)\n"
@@ -137,6 +138,7 @@ typedef struct train_opts {
     int fast;   /* --fast: the CUDA backend's fast arithmetic (GPU only) */
     int audit;                 /* --audit: OUT/audit.jsonl */
     int format;                /* --format: kiln_format of the products */
+    const char *format_rules;  /* --format's per-weight rules (NULL: none) */
     int format_rounding;       /* --format-rounding: kiln_format_rounding of the gradients */
     const char *teacher;       /* kiln distill --teacher */
     double temperature, alpha; /* kiln distill --temperature, --alpha */
@@ -276,7 +278,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
         } else if (OPT("--device")) {
             if (!err) err = cli_parse_device(cmd, v, &o->device);
         } else if (OPT("--format")) {
-            if (!err) err = cli_parse_format(cmd, v, &o->format);
+            if (!err) err = cli_parse_format(cmd, v, &o->format, &o->format_rules);
         } else if (OPT("--format-rounding")) {
             if (!strcmp(v, "nearest")) o->format_rounding = KILN_ROUND_NEAREST;
             else if (!strcmp(v, "stochastic")) o->format_rounding = KILN_ROUND_STOCHASTIC;
@@ -326,7 +328,7 @@ static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
         *code = cli_usage_error(cmd, "--fast is a GPU mode: use it with --device cuda or cuda:N");
         return 1;
     }
-    if (o->format_rounding == KILN_ROUND_STOCHASTIC && o->format == KILN_FORMAT_F32) {
+    if (o->format_rounding == KILN_ROUND_STOCHASTIC && o->format == KILN_FORMAT_F32 && !o->format_rules) {
         *code = cli_usage_error(cmd, "--format-rounding stochastic goes with --format mx16 or mx8");
         return 1;
     }
@@ -480,8 +482,10 @@ static int run_settings(const train_opts *o, run_setting *v) {
     setting_add(v, &n, "clip", "--clip", SET_REAL, "%s", real_text(o->clip, rt, sizeof rt));
     setting_add(v, &n, "eval_fraction", "--eval-fraction", SET_REAL, "%s", real_text(o->eval_fraction, rt, sizeof rt));
     setting_add(v, &n, "fast", "--fast", SET_INT, "%d", o->fast);
-    setting_add(v, &n, "format", "--format", SET_TEXT, "%s", cli_format_name(o->format));
-    if (o->format != KILN_FORMAT_F32) /* recorded only where it means something */
+    char spec[sizeof v->now];
+    cli_format_spec(o->format, o->format_rules, spec, sizeof spec);
+    setting_add(v, &n, "format", "--format", SET_TEXT, "%s", spec);
+    if (o->format != KILN_FORMAT_F32 || o->format_rules) /* recorded only where it means something */
         setting_add(v, &n, "format_rounding", "--format-rounding", SET_TEXT, "%s",
                     o->format_rounding == KILN_ROUND_STOCHASTIC ? "stochastic" : "nearest");
     if (o->teacher) {
@@ -626,6 +630,7 @@ static kiln_status make_trainer_on(kiln_model *m, const train_opts *o, kiln_comm
     if (o->loss_row_block >= 0) tp.ce_row_block = (int)o->loss_row_block;
     tp.ce_logits_f32 = o->loss_logits_f32;
     tp.format = o->format;
+    tp.format_rules = o->format_rules;
     tp.format_rounding = o->format_rounding;
     tp.n_extra = o->n_extra;
     tp.extra = o->extras;

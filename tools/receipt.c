@@ -26,6 +26,7 @@ void receipt_free(receipt *r) {
     free(r->ids);
     free(r->text);
     free(r->stop_reason);
+    free(r->format_rules);
     free(r->chain);
     memset(r, 0, sizeof *r);
 }
@@ -142,7 +143,10 @@ static cJSON *receipt_json(const receipt *r) {
     cJSON *a = cJSON_AddObjectToObject(root, "arithmetic");
     cJSON_AddStringToObject(a, "mode", r->fast ? "fast" : "auditable");
     cJSON_AddBoolToObject(a, "batch_invariant", r->batch_invariant);
-    cJSON_AddStringToObject(a, "format", cli_format_name(r->format));
+    char *spec = malloc(strlen(r->format_rules ? r->format_rules : "") + 8);
+    if (spec) cli_format_spec(r->format, r->format_rules, spec, strlen(r->format_rules ? r->format_rules : "") + 8);
+    cJSON_AddStringToObject(a, "format", spec ? spec : "?");
+    free(spec);
     cJSON_AddStringToObject(a, "device", receipt_device_name(r->device, dev, sizeof dev));
     cJSON_AddNumberToObject(a, "threads", r->threads);
     cJSON_AddBoolToObject(a, "verifies_across_devices", !r->fast);
@@ -399,13 +403,10 @@ static int parse_receipt(const rd *c, const cJSON *root, receipt *r) {
     const cJSON *fmtj = cJSON_GetObjectItemCaseSensitive(a, "format");
     r->format = KILN_FORMAT_F32;
     if (fmtj) {
-        int known_fmt = 0;
-        for (int f = KILN_FORMAT_F32; cJSON_IsString(fmtj) && f <= KILN_FORMAT_MX8; f++)
-            if (!strcmp(fmtj->valuestring, cli_format_name(f))) {
-                r->format = f;
-                known_fmt = 1;
-            }
-        if (!known_fmt) return bad(c, "arithmetic.format must be \"f32\", \"mx16\" or \"mx8\"");
+        const char *why = "not a string", *rules = NULL;
+        if (!cJSON_IsString(fmtj) || cli_format_spec_split(fmtj->valuestring, &r->format, &rules, &why))
+            return bad(c, "arithmetic.format: %s", why);
+        if (rules && !(r->format_rules = strdup(rules))) return bad(c, "out of memory");
     }
     /* output */
     if ((e = get_ids(c, o, "output", "ids", &r->ids, &r->n_ids)) ||

@@ -37,6 +37,7 @@ typedef struct receipt {
     /* the arithmetic */
     int fast, batch_invariant;
     int format; /* kiln_format of the products */
+    char *format_rules; /* its per-weight rules (NULL: none); written as one spec, "mx8,output=mx16" */
     int device; /* -1 cpu, N cuda:N */
     int threads;
     /* the output */

@@ -97,10 +97,25 @@ class _ContextParams(C.Structure):
     _fields_ = [("n_ctx", C.c_int), ("n_batch", C.c_int), ("n_threads", C.c_int),
                 ("fast_q8_activations", C.c_int), ("device", C.c_int),
                 ("fast", C.c_int), ("n_seq", C.c_int), ("batch_invariant", C.c_int),
-                ("format", C.c_int)]
+                ("format", C.c_int), ("format_rules", C.c_char_p)]
 
 # kiln_format: the matrix products' number format (Context(format=...))
 FORMATS = {"f32": 0, "mx16": 1, "mx8": 2}
+
+
+def _format_spec(spec):
+    """"DEFAULT[,SELECTOR=FORMAT]...": (the default's kiln_format, the rules as bytes or None).
+    A spec that starts with a rule has default f32; the library checks the rules against the
+    model (docs/ARITHMETIC.md, "Formats per weight")."""
+    if not isinstance(spec, str):
+        raise TypeError(f"format must be a str, not {type(spec).__name__}")
+    head, _, rest = spec.partition(",")
+    if "=" in head:
+        return FORMATS["f32"], spec.encode()
+    if head not in FORMATS:
+        raise ValueError(f"format {head!r}: expected one of {', '.join(FORMATS)} (then optional SELECTOR=FORMAT "
+                         f"rules, comma-separated)")
+    return FORMATS[head], (rest.encode() if rest else None)
 
 
 class _SamplerParams(C.Structure):
@@ -150,7 +165,7 @@ class _TrainParams(C.Structure):
                 ("device", C.c_int), ("fast", C.c_int), ("max_batch", C.c_int),
                 ("ce_keep_mib", C.c_int), ("ce_row_block", C.c_int), ("ce_logits_f32", C.c_int),
                 ("n_extra", C.c_int), ("extra", C.c_void_p), ("format", C.c_int),
-                ("format_rounding", C.c_int)]
+                ("format_rounding", C.c_int), ("format_rules", C.c_char_p)]
 
 
 class _TrainExtra(C.Structure):
@@ -787,9 +802,10 @@ class Context(_Handle):
         batch_invariant: with fast on the CPU, the 8-bit path at every batch size, so a token's
         logits never depend on the batch (kiln serve --fast --batch-invariant's arithmetic).
         format: "f32" (default), "mx16" or "mx8": the matrix products in an exact block format
-        (docs/ARITHMETIC.md, "Exact block formats"; the same bits on the CPU and CUDA)."""
-        if format not in FORMATS:
-            raise ValueError(f"format {format!r}: expected one of {', '.join(FORMATS)}")
+        (docs/ARITHMETIC.md, "Exact block formats"; the same bits on the CPU and CUDA), then
+        optional per-weight rules, as `kiln generate --format`: "mx8,output=mx16,blk.0=f32"
+        (the CPU's only for now)."""
+        fmt, rules = _format_spec(format)
         self._lib = load_library()
         p = self._lib.kiln_context_default_params()
         p.n_ctx, p.n_batch = _int("n_ctx", n_ctx, 0), _int("n_batch", n_batch, 0)
@@ -797,7 +813,7 @@ class Context(_Handle):
         p.fast = 1 if fast else 0
         p.n_seq = _int("n_seq", n_seq, 0)
         p.batch_invariant = 1 if batch_invariant else 0
-        p.format = FORMATS[format]
+        p.format, p.format_rules = fmt, rules
         model._user_opened(self)
         self.model = model
         h = C.c_void_p()
@@ -996,10 +1012,9 @@ class Trainer(_Handle):
                                                    for n, r, c in extra])
         p.n_extra, p.extra = len(extra), C.cast(ext, C.c_void_p)
         # format: the matrix products forward and backward in f32 (auditable) or an exact block
-        # format ("mx16", "mx8"; the same bits on the CPU and CUDA; docs/ARITHMETIC.md)
-        if format not in FORMATS:
-            raise ValueError(f"format {format!r}: one of {sorted(FORMATS)}")
-        p.format = FORMATS[format]
+        # format ("mx16", "mx8"; the same bits on the CPU and CUDA; docs/ARITHMETIC.md), then
+        # optional per-weight rules ("mx8,output=mx16"; the CPU's only for now)
+        p.format, p.format_rules = _format_spec(format)
         # format_rounding: with an exact format, the backward's gradients quantized to nearest
         # even (default) or stochastically, seeded by seed, the step and the micro-batch
         rounding = {"nearest": 0, "stochastic": 1}

@@ -2,6 +2,7 @@
  * context.c -- an inference context: a model, a backend, a KV cache and scratch sized up
  * front. kiln_decode appends tokens to the cache in chunks of n_batch.
  */
+#include "../models/format_rules.h"
 #include "../models/model.h"
 #include "../tokenizer/tokenizer.h"
 #include "generate.h"
@@ -79,9 +80,22 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
     }
     c->model = m;
     c->params = p;
-    kiln_status st;
+    c->params.format_rules = NULL; /* the caller's string: resolved below, not kept */
+    kiln_weight_formats wf = {0};
+    kiln_status st = kiln_model_weight_formats(m, p.format_rules, p.format, "kiln_context_create", &wf);
+    if (st == KILN_OK && p.fast && p.format_rules && *p.format_rules)
+        st = kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: formats per weight (format_rules) are an "
+                        "auditable arithmetic: not with fast");
+    if (st == KILN_OK && wf.n && p.device >= 0)
+        st = kiln_error(KILN_ERR_UNSUPPORTED, "kiln_context_create: formats per weight (format_rules) are the CPU's "
+                        "only for now: CUDA's products take one format per model (device %d)", p.device);
+    if (st != KILN_OK) {
+        kiln_free(wf.e);
+        context_destroy(c);
+        return st;
+    }
     if (p.device >= 0) {
-        st = kiln_backend_acquire(p.device, mode, 0, &c->be);
+        st = kiln_backend_acquire_formats(p.device, mode, 0, &wf, &c->be);
         if (st != KILN_OK) { /* say which setting asked for CUDA, keep the backend's reason */
             char why[512];
             snprintf(why, sizeof why, "%s", kiln_last_error());
@@ -89,8 +103,9 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
             return kiln_error(st, "kiln_context_create: device %d (CUDA) unavailable: %s", p.device, why);
         }
     } else {
-        st = kiln_backend_acquire(-1, mode, p.n_threads, &c->be);
+        st = kiln_backend_acquire_formats(-1, mode, p.n_threads, &wf, &c->be);
     }
+    kiln_free(wf.e);
     if (st == KILN_OK) st = kiln_forward_state_init(&c->fs, m, c->be, p.n_ctx, p.n_batch, p.n_seq, 0);
     if (st == KILN_OK) st = kiln_alloc_or_fail((void **)&c->seq_past, (size_t)p.n_seq * sizeof(int), "sequence lengths");
     if (st == KILN_OK) memset(c->seq_past, 0, (size_t)p.n_seq * sizeof(int));

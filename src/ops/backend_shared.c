@@ -11,13 +11,18 @@
 #include "ops.h"
 
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 typedef struct shared_backend {
     struct shared_backend *next;
     kiln_backend *be;
     int device, mode, n_threads;
+    kiln_weight_format *formats; /* the per-weight formats it was made with (n_formats; a copy) */
+    int n_formats;
     int refs;
 } shared_backend;
 
@@ -39,8 +44,53 @@ kiln_status kiln_backend_mode_of(int device, int fast, int batch_invariant, int 
     return KILN_OK;
 }
 
+static int by_data(const void *a, const void *b) {
+    const uintptr_t x = (uintptr_t)((const kiln_weight_format *)a)->data, y = (uintptr_t)((const kiln_weight_format *)b)->data;
+    return x < y ? -1 : x > y;
+}
+
+kiln_status kiln_weight_formats_sort(kiln_weight_formats *t, const char *who) {
+    if (!t || t->n <= 1) return KILN_OK;
+    qsort(t->e, (size_t)t->n, sizeof *t->e, by_data);
+    int n = 1;
+    for (int i = 1; i < t->n; i++) {
+        kiln_weight_format *p = &t->e[n - 1], *q = &t->e[i];
+        if ((uintptr_t)q->data < (uintptr_t)p->data + p->nbytes) {
+            if (q->data == p->data && q->nbytes == p->nbytes && q->format == p->format) continue;
+            return kiln_error(KILN_ERR_INVALID_ARG, "%s: two weights share memory but were given different formats", who);
+        }
+        t->e[n++] = *q;
+    }
+    t->n = n;
+    return KILN_OK;
+}
+
+int kiln_weight_formats_find(const kiln_weight_formats *t, const void *data, int dflt) {
+    if (!t || !t->n) return dflt;
+    const uintptr_t a = (uintptr_t)data;
+    int lo = 0, hi = t->n; /* the last entry whose start is <= a */
+    while (hi - lo > 1) {
+        int mid = (lo + hi) / 2;
+        if ((uintptr_t)t->e[mid].data <= a) lo = mid;
+        else hi = mid;
+    }
+    const kiln_weight_format *e = &t->e[lo];
+    return (uintptr_t)e->data <= a && a < (uintptr_t)e->data + e->nbytes ? e->format : dflt;
+}
+
+static int same_formats(const shared_backend *s, const kiln_weight_formats *t) {
+    const int n = t ? t->n : 0;
+    return s->n_formats == n && (!n || !memcmp(s->formats, t->e, (size_t)n * sizeof *t->e));
+}
+
 kiln_status kiln_backend_acquire(int device, int mode, int n_threads, kiln_backend **out) {
+    return kiln_backend_acquire_formats(device, mode, n_threads, NULL, out);
+}
+
+kiln_status kiln_backend_acquire_formats(int device, int mode, int n_threads, const kiln_weight_formats *t,
+                                         kiln_backend **out) {
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_acquire: out is NULL");
+    if (t && !t->n) t = NULL;
     *out = NULL;
     if (device < -1)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_acquire: device %d: use -1 (CPU) or a CUDA device index >= 0",
@@ -52,9 +102,14 @@ kiln_status kiln_backend_acquire(int device, int mode, int n_threads, kiln_backe
     if (device >= 0 && mode == KILN_MODE_FAST_INVARIANT)
         return kiln_error(KILN_ERR_UNSUPPORTED, "the batch-invariant fast mode is the CPU's only for now: CUDA's fast "
                           "products tile by the batch's size (use the auditable mode, which is batch-invariant on CUDA too)");
+    if (t && (mode == KILN_MODE_FAST || mode == KILN_MODE_FAST_INVARIANT))
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_acquire: formats per weight are an auditable arithmetic: not with fast");
+    if (t && device >= 0)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "formats per weight are the CPU's only for now: CUDA's products take one "
+                          "format per backend (give one format for the whole model, or run on the CPU)");
     pthread_mutex_lock(&g_lock);
     for (shared_backend *s = g_shared; s; s = s->next) {
-        if (s->device != device || s->mode != mode || s->n_threads != n_threads) continue;
+        if (s->device != device || s->mode != mode || s->n_threads != n_threads || !same_formats(s, t)) continue;
         if (kiln_backend_poll(s->be) != KILN_OK) continue; /* poisoned: its users keep it */
         s->refs++;
         *out = s->be;
@@ -63,9 +118,18 @@ kiln_status kiln_backend_acquire(int device, int mode, int n_threads, kiln_backe
     }
     shared_backend *s = kiln_calloc(1, sizeof *s);
     kiln_status st = s ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "kiln_backend_acquire: out of memory");
+    if (st == KILN_OK && t) {
+        s->formats = kiln_malloc((size_t)t->n * sizeof *t->e);
+        if (s->formats) {
+            memcpy(s->formats, t->e, (size_t)t->n * sizeof *t->e);
+            s->n_formats = t->n;
+        } else {
+            st = kiln_error(KILN_ERR_NOMEM, "kiln_backend_acquire: out of memory");
+        }
+    }
     if (st == KILN_OK)
         st = device >= 0 ? kiln_backend_cuda_create_mode(device, mode, &s->be)
-                         : kiln_backend_cpu_create_mode(n_threads, mode, &s->be);
+                         : kiln_backend_cpu_create_formats(n_threads, mode, t, &s->be);
     if (st == KILN_OK) {
         s->device = device;
         s->mode = mode;
@@ -74,7 +138,8 @@ kiln_status kiln_backend_acquire(int device, int mode, int n_threads, kiln_backe
         s->next = g_shared;
         g_shared = s;
         *out = s->be;
-    } else {
+    } else if (s) {
+        kiln_free(s->formats);
         kiln_free(s);
     }
     pthread_mutex_unlock(&g_lock);
@@ -90,6 +155,7 @@ void kiln_backend_release(kiln_backend *be) {
         if (--s->refs == 0) {
             *p = s->next;
             kiln_backend_free(s->be);
+            kiln_free(s->formats);
             kiln_free(s);
         }
         pthread_mutex_unlock(&g_lock);

@@ -665,6 +665,36 @@ kiln_status kiln_cuda_device_memory(int device, uint64_t *free_bytes, uint64_t *
  * kiln_backend_release of a backend that was not acquired frees it (kiln_backend_free). */
 kiln_status kiln_backend_acquire(int device, int mode, int n_threads, kiln_backend **out);
 void kiln_backend_release(kiln_backend *be);
+
+/* Formats per weight (docs/ARITHMETIC.md, "Formats per weight"): the weights whose products
+ * run in another format than the mode's, each the byte range of a weight's data [data, data +
+ * nbytes) (a product on any view inside it, such as the fused loss's chunks of the head,
+ * takes its format) and its kiln_format (KILN_FORMAT_F32: the auditable f32 product; MX16 /
+ * MX8: the exact format's). Sorted by data, not overlapping (kiln_weight_formats_sort). Made
+ * above the backend, which may not ask a model for its roles (src/models/format_rules.c). */
+typedef struct kiln_weight_format {
+    const void *data;
+    size_t nbytes;
+    int format;
+} kiln_weight_format;
+typedef struct kiln_weight_formats {
+    kiln_weight_format *e;
+    int n;
+} kiln_weight_formats;
+/* Sort t by data; KILN_ERR_INVALID_ARG naming who when two ranges overlap with different
+ * formats (equal ranges of one format are merged: a tied head and its embedding). */
+kiln_status kiln_weight_formats_sort(kiln_weight_formats *t, const char *who);
+/* The format of the weight whose range holds data, or dflt when t has none. */
+int kiln_weight_formats_find(const kiln_weight_formats *t, const void *data, int dflt);
+/* kiln_backend_acquire with per-weight formats (t NULL or empty: kiln_backend_acquire): the
+ * backend is shared only by engines of equal tables; mode is one of the auditable ones
+ * (AUDITABLE, MX16, MX8: the format of every other weight). On CUDA a table is refused
+ * (KILN_ERR_UNSUPPORTED): its products read one format per backend for now. */
+kiln_status kiln_backend_acquire_formats(int device, int mode, int n_threads, const kiln_weight_formats *t,
+                                         kiln_backend **out);
+/* The CPU backend in a mode with per-weight formats (t copied; NULL: none). */
+kiln_status kiln_backend_cpu_create_formats(int n_threads, int mode, const kiln_weight_formats *t,
+                                            kiln_backend **out);
 /* Every shared backend drops what it cached of host memory [host, host + nbytes) (a device
  * backend's weight copies): called when that memory goes away (a model closes), so a later
  * allocation at the same address is never mistaken for it. */

@@ -20,6 +20,7 @@
 #include "../base/handle.h"
 #include "../generate/generate.h"
 #include "../generate/sampler.h"
+#include "../models/format_rules.h"
 #include "../models/model.h"
 #include "step_cost.h"
 
@@ -107,6 +108,7 @@ struct kiln_engine {
     float *logits, *dev_logits, *row;
     int *top_scratch;
     kiln_step_cost cost; /* measured step times: the prefill cap (step_cost.h) */
+    kiln_weight_formats wf; /* formats per weight (p.format_rules resolved; the backend copies it) */
     /* KILN_SERVE_STEP_LOG: one line a step (step_log_write), for the latency studies */
     FILE *step_log;
     double t_origin;
@@ -750,7 +752,7 @@ static kiln_status engine_init_device(kiln_engine *e) {
     const kiln_engine_params *p = &e->p;
     int mode = 0;
     KILN_TRY(kiln_backend_mode_of(p->device, p->fast, p->batch_invariant, p->format, "kiln_engine_create", &mode));
-    kiln_status st = kiln_backend_acquire(p->device, mode, p->device >= 0 ? 0 : p->n_threads, &e->be);
+    kiln_status st = kiln_backend_acquire_formats(p->device, mode, p->device >= 0 ? 0 : p->n_threads, &e->wf, &e->be);
     if (st != KILN_OK) return st;
     KILN_TRY(kiln_forward_state_init(&e->fs, e->m, e->be, p->n_ctx, p->max_batch_tokens, p->max_seqs, e->pool));
     if (!e->fs.host_memory) {
@@ -850,6 +852,18 @@ kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, 
     }
     e->m = m;
     e->p = p;
+    e->p.format_rules = NULL; /* the caller's string: resolved here, not kept */
+    kiln_status rst = kiln_model_weight_formats(m, p.format_rules, p.format, "kiln_engine_create", &e->wf);
+    if (rst == KILN_OK && p.fast && p.format_rules && *p.format_rules)
+        rst = kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_create: formats per weight (format_rules) are an "
+                         "auditable arithmetic: not with fast");
+    if (rst == KILN_OK && e->wf.n && p.device >= 0)
+        rst = kiln_error(KILN_ERR_UNSUPPORTED, "kiln_engine_create: formats per weight (format_rules) are the CPU's "
+                         "only for now: CUDA's products take one format per model (device %d)", p.device);
+    if (rst != KILN_OK) {
+        engine_destroy(e);
+        return rst;
+    }
     e->V = c->n_vocab;
     e->max_blocks = max_blocks;
     e->pool = (int)pool;
@@ -960,6 +974,7 @@ static void engine_destroy(kiln_engine *e) {
         if (e->dev_logits) kiln_backend_free_buf(e->be, e->dev_logits);
         kiln_backend_release(e->be);
     }
+    kiln_free(e->wf.e);
     kiln_free(e->running);
     kiln_free(e->ref);
     kiln_free(e->free_list);

@@ -16,6 +16,7 @@
  * zeroing and clip scaling run as backend ops (zero_floats, scale_grads), so a step makes
  * no host round trip of a large buffer.
  */
+#include "../models/format_rules.h"
 #include "../models/model.h"
 #include "../ops/fused_ce.h"
 #include "../tokenizer/tokenizer.h"
@@ -35,6 +36,8 @@
 /* ---- backend memory ---------------------------------------------------------------------- */
 
 /* nbytes of zeroed backend memory (ops.h kiln_backend_alloc_zeroed). NULL with the error set. */
+static kiln_status apply_format_rules(kiln_trainer *t, int mode);
+
 static void *bmem_alloc(kiln_trainer *t, size_t nbytes, const char *what) {
     return kiln_backend_alloc_zeroed(t->be, nbytes, "trainer", what);
 }
@@ -661,6 +664,8 @@ static kiln_status trainer_create(kiln_model *m, const kiln_train_params *params
         kiln_free(tmp);
         kiln_free(tmp16);
     }
+    if (st == KILN_OK) st = apply_format_rules(t, mode);
+    t->p.format_rules = NULL; /* the caller's string: resolved by now */
     if (st == KILN_OK) st = alloc_activations(t);
     if (st == KILN_OK && t->lean) st = kiln_trainer_make_optimizers(t, t->lean_lo, t->lean_hi, &t->opt_mat, &t->opt_vec, 1);
     else if (st == KILN_OK) st = create_optimizers(t);
@@ -672,6 +677,38 @@ static kiln_status trainer_create(kiln_model *m, const kiln_train_params *params
     }
     *out = t;
     return KILN_OK;
+}
+
+/* Formats per weight (p.format_rules): resolved against the trainer's own weights, whose
+ * addresses exist only once they are allocated, then the CPU backend taken again with the
+ * table (host memory: what the first one allocated is kiln_malloc's, freed alike by any CPU
+ * backend). t->mx: whether any product runs in an exact format. */
+static kiln_status apply_format_rules(kiln_trainer *t, int mode) {
+    const char *rules = t->p.format_rules;
+    if (!rules || !*rules) return KILN_OK;
+    const kiln_arch_desc *a = t->model->arch;
+    kiln_weight_formats wf;
+    int any_exact = 0;
+    KILN_TRY(kiln_format_rules_resolve(rules, t->p.format, a, &t->cfg, t->refs, t->layer_refs, t->refs[a->role_head].mat,
+                                       "kiln_trainer_create", &wf, &any_exact));
+    kiln_status st = KILN_OK;
+    if (t->p.fast)
+        st = kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: formats per weight (format_rules) are an auditable "
+                        "arithmetic: not with fast");
+    else if (wf.n && !t->host)
+        st = kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: formats per weight (format_rules) are the CPU's "
+                        "only for now: CUDA's products take one format per model (device %d)", t->p.device);
+    if (st == KILN_OK && wf.n) {
+        kiln_backend *be = NULL;
+        st = kiln_backend_acquire_formats(-1, mode, t->p.n_threads, &wf, &be);
+        if (st == KILN_OK) {
+            kiln_backend_release(t->be);
+            t->be = be;
+        }
+    }
+    kiln_free(wf.e);
+    if (st == KILN_OK) t->mx = any_exact;
+    return st;
 }
 
 kiln_status kiln_trainer_create(kiln_model *m, const kiln_train_params *params, kiln_trainer **out) {

@@ -621,8 +621,9 @@ def test_step_log(build_dir, smollm2_gguf, tmp_path):
     assert r.returncode == 1 and "KILN_SERVE_STEP_LOG" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("args", [("--fast",), ("--fast", "--batch-invariant"), ("--format", "mx8")],
-                         ids=["fast", "fast-batch-invariant", "format-mx8"])
+@pytest.mark.parametrize("args", [("--fast",), ("--fast", "--batch-invariant"), ("--format", "mx8"),
+                                  ("--format", "mx8,output=mx16,blk.0-3=f32")],
+                         ids=["fast", "fast-batch-invariant", "format-mx8", "format-rules"])
 def test_invariant_arithmetic_equals_generate(build_dir, smollm2_gguf, args):
     """The batch-invariant arithmetics on the CPU: concurrent requests get `kiln generate`'s
     greedy text with the same options. --fast takes the 8-bit path at every batch size (so

@@ -29,8 +29,11 @@ typedef struct cpu_ctx {
     size_t q8_cap;
     /* an exact format (KILN_MODE_MX16 / MX8): every matmul in it; 0 in the other modes. The
      * weights are quantized on first use and kept (mx_w, dropped by forget); the activations
-     * go to a scratch per reduction width (mx_x: the widths a model's products have) */
+     * go to a scratch per reduction width and kind (mx_x: the widths a model's products have) */
     int mx;
+    /* formats per weight (ops.h kiln_weight_formats; a copy, as kiln_format values): a weight
+     * in the table takes its format's product, any other the mode's (mx) */
+    kiln_weight_formats wf;
     struct mx_weight *mx_w;
     int n_mx_w, cap_mx_w;
     kiln_mx_matrix mx_x[4];
@@ -50,10 +53,18 @@ typedef struct mx_weight {
     int64_t R, C;
     kiln_dtype dt;
     int transposed; /* m is W^T (C, R) quantized along R: the backward's dx = dy W */
-    kiln_mx_matrix m;
+    kiln_mx_matrix m; /* m.kind: the format it was quantized in */
 } mx_weight;
 
 static cpu_ctx *ctx_of(kiln_backend *be) { return (cpu_ctx *)be->ctx; }
+
+/* The kiln_mx_kind W's products take (0: the auditable f32 product): its entry in the
+ * per-weight table, else the mode's. */
+static int kind_of(const cpu_ctx *c, const kiln_tensor *W) {
+    if (!c->wf.n) return c->mx;
+    const int f = kiln_weight_formats_find(&c->wf, W->data, -1);
+    return f < 0 ? c->mx : f == KILN_FORMAT_MX16 ? KILN_MX16 : f == KILN_FORMAT_MX8 ? KILN_MX8 : 0;
+}
 
 /* Split [0, n) into n_tasks contiguous ranges whose starts are multiples of align. */
 static void split_range(int64_t n, int n_tasks, int task, int64_t align, int64_t *lo,
@@ -241,19 +252,21 @@ static bool matmul_q8act(cpu_ctx *c, float *out, const float *x, const kiln_tens
 
 /* ---- matmul in an exact format (KILN_MODE_MX16 / MX8; src/ops/mx.h) ------------------------ */
 
-static void mx_poison(cpu_ctx *c, kiln_status st, const char *what, const kiln_tensor *W) {
+static void mx_poison(cpu_ctx *c, int kind, kiln_status st, const char *what, const kiln_tensor *W) {
     if (c->err != KILN_OK) return;
     c->err = st;
-    snprintf(c->msg, sizeof c->msg, "matmul (%s) '%s': %s", c->mx == KILN_MX8 ? "mx8" : "mx16",
+    snprintf(c->msg, sizeof c->msg, "matmul (%s) '%s': %s", kind == KILN_MX8 ? "mx8" : "mx16",
              W->name ? W->name : "?", what);
 }
 
-/* W (R, C) in the format: from the cache, or dequantized to f32 and quantized now (kept
+/* W (R, C) in format kind: from the cache, or dequantized to f32 and quantized now (kept
  * until kiln_backends_forget drops it). NULL (poisoned) when memory runs out. */
-static const kiln_mx_matrix *mx_weight_of(cpu_ctx *c, const kiln_tensor *W, int64_t R, int64_t C, int transposed) {
+static const kiln_mx_matrix *mx_weight_of(cpu_ctx *c, int kind, const kiln_tensor *W, int64_t R, int64_t C,
+                                          int transposed) {
     for (int i = 0; i < c->n_mx_w; i++) {
         const mx_weight *e = &c->mx_w[i];
-        if (e->data == W->data && e->R == R && e->C == C && e->dt == W->dtype && e->transposed == transposed)
+        if (e->data == W->data && e->R == R && e->C == C && e->dt == W->dtype && e->transposed == transposed &&
+            (int)e->m.kind == kind)
             return &e->m;
     }
     if (c->n_mx_w == c->cap_mx_w) {
@@ -296,8 +309,8 @@ static const kiln_mx_matrix *mx_weight_of(cpu_ctx *c, const kiln_tensor *W, int6
             }
         }
     }
-    kiln_status st = transposed ? kiln_mx_matrix_alloc(&e->m, (kiln_mx_kind)c->mx, C, R)
-                                : kiln_mx_matrix_alloc(&e->m, (kiln_mx_kind)c->mx, R, C);
+    kiln_status st = transposed ? kiln_mx_matrix_alloc(&e->m, (kiln_mx_kind)kind, C, R)
+                                : kiln_mx_matrix_alloc(&e->m, (kiln_mx_kind)kind, R, C);
     if (st == KILN_OK)
         st = kiln_mx_quantize(&e->m, deq ? deq : (const float *)W->data,
                               transposed ? R : deq ? C : (int64_t)(rb / sizeof(float)), c->pool);
@@ -316,36 +329,36 @@ static const kiln_mx_matrix *mx_weight_of(cpu_ctx *c, const kiln_tensor *W, int6
     return &e->m;
 }
 
-/* The activations' scratch for width C with room for N rows (rows set to N). */
-static kiln_mx_matrix *mx_act(cpu_ctx *c, int N, int64_t C) {
+/* The activations' scratch for width C in format kind with room for N rows (rows set to N). */
+static kiln_mx_matrix *mx_act(cpu_ctx *c, int kind, int N, int64_t C) {
     kiln_mx_matrix *slot = NULL;
     for (int i = 0; i < 4 && !slot; i++)
-        if (c->mx_x[i].mem && c->mx_x[i].K == C) slot = &c->mx_x[i];
+        if (c->mx_x[i].mem && c->mx_x[i].K == C && (int)c->mx_x[i].kind == kind) slot = &c->mx_x[i];
     for (int i = 0; i < 4 && !slot; i++)
         if (!c->mx_x[i].mem) slot = &c->mx_x[i];
-    if (!slot) slot = &c->mx_x[0]; /* a fifth width: reuse the first slot */
-    if (!slot->mem || slot->K != C || slot->rows < N) {
-        int64_t rows = slot->mem && slot->K == C && 2 * slot->rows > N ? 2 * slot->rows : N;
+    if (!slot) slot = &c->mx_x[0]; /* a fifth (width, kind): reuse the first slot */
+    if (!slot->mem || slot->K != C || (int)slot->kind != kind || slot->rows < N) {
+        int64_t rows = slot->mem && slot->K == C && (int)slot->kind == kind && 2 * slot->rows > N ? 2 * slot->rows : N;
         kiln_mx_matrix_free(slot);
-        if (kiln_mx_matrix_alloc(slot, (kiln_mx_kind)c->mx, rows, C) != KILN_OK) return NULL;
+        if (kiln_mx_matrix_alloc(slot, (kiln_mx_kind)kind, rows, C) != KILN_OK) return NULL;
     }
     slot->rows = N; /* a prefix of the rows: the layout is row-major by block */
     return slot;
 }
 
-/* out(N,R) = x W^T (+ bias) in the backend's exact format, then the bias as f32 adds (the
- * product, then + bias[r]: the auditable matmul's order). */
-static void matmul_mx(cpu_ctx *c, float *out, const float *x, const kiln_tensor *W, const float *bias, int N,
-                      int64_t R, int64_t C) {
+/* out(N,R) = x W^T (+ bias) in exact format kind, then the bias as f32 adds (the product,
+ * then + bias[r]: the auditable matmul's order). */
+static void matmul_mx(cpu_ctx *c, int kind, float *out, const float *x, const kiln_tensor *W, const float *bias,
+                      int N, int64_t R, int64_t C) {
     if (c->err != KILN_OK || N <= 0 || R <= 0) return;
     if (C > KILN_MX_MAX_K) {
-        mx_poison(c, KILN_ERR_UNSUPPORTED, "the reduction is longer than the format's limit (262,144)", W);
+        mx_poison(c, kind, KILN_ERR_UNSUPPORTED, "the reduction is longer than the format's limit (262,144)", W);
         return;
     }
-    const kiln_mx_matrix *w = mx_weight_of(c, W, R, C, 0);
-    kiln_mx_matrix *xa = w ? mx_act(c, N, C) : NULL;
+    const kiln_mx_matrix *w = mx_weight_of(c, kind, W, R, C, 0);
+    kiln_mx_matrix *xa = w ? mx_act(c, kind, N, C) : NULL;
     if (!w || !xa) {
-        mx_poison(c, KILN_ERR_NOMEM, "out of memory for the quantized operands", W);
+        mx_poison(c, kind, KILN_ERR_NOMEM, "out of memory for the quantized operands", W);
         return;
     }
     kiln_status st = kiln_mx_quantize(xa, x, C, c->pool);
@@ -354,7 +367,7 @@ static void matmul_mx(cpu_ctx *c, float *out, const float *x, const kiln_tensor 
     if (path == KILN_CPU_PATH_AVX512 && N < KILN_MX_VNNI_MIN_N) path = KILN_CPU_PATH_AVX2;
     if (st == KILN_OK) st = kiln_mx_matmul_cpu(xa, w, out, R, c->pool, path);
     if (st != KILN_OK) {
-        mx_poison(c, st, kiln_last_error(), W);
+        mx_poison(c, kind, st, kiln_last_error(), W);
         return;
     }
     if (bias)
@@ -365,7 +378,7 @@ static void matmul_mx(cpu_ctx *c, float *out, const float *x, const kiln_tensor 
 /* ops.h grad_rounding: the key of kiln_mx_backward_key; the products counted from 0 */
 static void cpu_grad_rounding(kiln_backend *be, int stochastic, uint64_t seed, uint64_t step, uint64_t micro) {
     cpu_ctx *c = ctx_of(be);
-    c->sr_on = stochastic && c->mx;
+    c->sr_on = stochastic && (c->mx || c->wf.n);
     c->sr_key = kiln_mx_backward_key(seed, step, micro);
     c->sr_count = 0;
 }
@@ -386,13 +399,13 @@ static void cpu_forget(kiln_backend *be, const void *host, size_t nbytes) {
     }
 }
 
-static void cpu_matmul(kiln_backend *be, float *out, const float *x, const kiln_tensor *W,
-                       const float *bias, int N) {
-    cpu_ctx *c = ctx_of(be);
+/* out(N,R) = x W^T (+ bias) in format kind (0: the mode's f32 product, exact or fast). */
+static void matmul_in(cpu_ctx *c, int kind, float *out, const float *x, const kiln_tensor *W, const float *bias,
+                      int N) {
     int64_t C = W->shape[W->n_dims - 1];
     int64_t R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
-    if (c->mx) {
-        matmul_mx(c, out, x, W, bias, N, R, C);
+    if (kind) {
+        matmul_mx(c, kind, out, x, W, bias, N, R, C);
         return;
     }
     if (matmul_q8act(c, out, x, W, bias, N, R, C)) return;
@@ -403,6 +416,17 @@ static void cpu_matmul(kiln_backend *be, float *out, const float *x, const kiln_
     j.R = R;
     j.n_tasks = n_tasks_for(c, (double)N * R * C, 65536, (R + 15) / 16);
     kiln_pool_run(c->pool, j.n_tasks, matmul_task, &j);
+}
+
+static void cpu_matmul(kiln_backend *be, float *out, const float *x, const kiln_tensor *W,
+                       const float *bias, int N) {
+    cpu_ctx *c = ctx_of(be);
+    matmul_in(c, kind_of(c, W), out, x, W, bias, N);
+}
+
+void kiln_backend_cpu_matmul_f32(kiln_backend *be, float *out, const float *x, const kiln_tensor *W,
+                                 const float *bias, int N) {
+    matmul_in(ctx_of(be), 0, out, x, W, bias, N);
 }
 
 /* ---- rope ----------------------------------------------------------------------------- */
@@ -558,24 +582,24 @@ static void transpose_f32(float *t, const float *a, int64_t rows, int64_t cols) 
  * With stochastic rounding on (ops.h grad_rounding) dy and dy^T are quantized
  * stochastically, tensor ids 2i and 2i + 1 for the backward's i-th product; W^T and x^T to
  * nearest even. dbias: the f32 sum over the tokens, as the exact path. */
-static void matmul_backward_mx(cpu_ctx *c, float *dx, float *dW, float *dbias, const float *dy, const float *x,
-                               const kiln_tensor *W, int N, bool accumulate_dx) {
+static void matmul_backward_mx(cpu_ctx *c, int kind, float *dx, float *dW, float *dbias, const float *dy,
+                               const float *x, const kiln_tensor *W, int N, bool accumulate_dx) {
     const int64_t C = W->shape[W->n_dims - 1], R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
     /* this product's tensor ids under stochastic rounding: 2i for dy, 2i + 1 for dy^T */
     const uint64_t sr_id = 2 * c->sr_count++;
     if (c->err != KILN_OK || N <= 0 || R <= 0) return;
     if (dbias) kiln_cpu_matmul_backward(c->pool, c->k, NULL, NULL, dbias, dy, x, W, N, false);
     if (R > KILN_MX_MAX_K || N > KILN_MX_MAX_K) {
-        mx_poison(c, KILN_ERR_UNSUPPORTED, "the backward's reduction is longer than the format's limit (262,144)", W);
+        mx_poison(c, kind, KILN_ERR_UNSUPPORTED, "the backward's reduction is longer than the format's limit (262,144)", W);
         return;
     }
     kiln_cpu_path path = c->k->path;
     kiln_status st = KILN_OK;
     if (dx) {
-        const kiln_mx_matrix *wt = mx_weight_of(c, W, R, C, 1);
+        const kiln_mx_matrix *wt = mx_weight_of(c, kind, W, R, C, 1);
         kiln_mx_matrix q = {0};
         float *tmp = accumulate_dx ? kiln_malloc((size_t)N * (size_t)C * sizeof(float)) : NULL;
-        st = !wt || (accumulate_dx && !tmp) ? KILN_ERR_NOMEM : kiln_mx_matrix_alloc(&q, (kiln_mx_kind)c->mx, N, R);
+        st = !wt || (accumulate_dx && !tmp) ? KILN_ERR_NOMEM : kiln_mx_matrix_alloc(&q, (kiln_mx_kind)kind, N, R);
         if (st == KILN_OK)
             st = c->sr_on ? kiln_mx_quantize_stochastic(&q, dy, R, c->sr_key, sr_id, c->pool)
                           : kiln_mx_quantize(&q, dy, R, c->pool);
@@ -591,8 +615,8 @@ static void matmul_backward_mx(cpu_ctx *c, float *dx, float *dW, float *dbias, c
         kiln_mx_matrix qd = {0}, qx = {0};
         float *t = kiln_malloc(((size_t)R + (size_t)C) * (size_t)N * sizeof(float));
         float *prod = kiln_malloc((size_t)R * (size_t)C * sizeof(float));
-        st = t && prod ? kiln_mx_matrix_alloc(&qd, (kiln_mx_kind)c->mx, R, N) : KILN_ERR_NOMEM;
-        if (st == KILN_OK) st = kiln_mx_matrix_alloc(&qx, (kiln_mx_kind)c->mx, C, N);
+        st = t && prod ? kiln_mx_matrix_alloc(&qd, (kiln_mx_kind)kind, R, N) : KILN_ERR_NOMEM;
+        if (st == KILN_OK) st = kiln_mx_matrix_alloc(&qx, (kiln_mx_kind)kind, C, N);
         if (st == KILN_OK) {
             transpose_f32(t, dy, N, R);
             transpose_f32(t + (size_t)R * N, x, N, C);
@@ -609,7 +633,7 @@ static void matmul_backward_mx(cpu_ctx *c, float *dx, float *dW, float *dbias, c
         kiln_free(prod);
     }
     if (st != KILN_OK)
-        mx_poison(c, st, st == KILN_ERR_NOMEM ? "out of memory for the backward's quantized operands" : kiln_last_error(),
+        mx_poison(c, kind, st, st == KILN_ERR_NOMEM ? "out of memory for the backward's quantized operands" : kiln_last_error(),
                   W);
 }
 
@@ -617,8 +641,9 @@ static void cpu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *d
                                 const float *dy, const float *x, const kiln_tensor *W, int N,
                                 bool accumulate_dx) {
     cpu_ctx *c = ctx_of(be);
-    if (c->mx) {
-        matmul_backward_mx(c, dx, dW, dbias, dy, x, W, N, accumulate_dx);
+    const int kind = kind_of(c, W);
+    if (kind) {
+        matmul_backward_mx(c, kind, dx, dW, dbias, dy, x, W, N, accumulate_dx);
         return;
     }
     kiln_cpu_matmul_backward(c->pool, c->k, dx, dW, dbias, dy, x, W, N, accumulate_dx);
@@ -687,6 +712,7 @@ static void cpu_free(kiln_backend *be) {
         for (int i = 0; i < c->n_mx_w; i++) kiln_mx_matrix_free(&c->mx_w[i].m);
         kiln_free(c->mx_w);
         for (int i = 0; i < 4; i++) kiln_mx_matrix_free(&c->mx_x[i]);
+        kiln_free(c->wf.e);
     }
     kiln_free(c);
     kiln_free(be);
@@ -936,6 +962,11 @@ kiln_status kiln_backend_cpu_create(int n_threads, kiln_backend **out) {
 }
 
 kiln_status kiln_backend_cpu_create_mode(int n_threads, int fast_q8, kiln_backend **out) {
+    return kiln_backend_cpu_create_formats(n_threads, fast_q8, NULL, out);
+}
+
+kiln_status kiln_backend_cpu_create_formats(int n_threads, int fast_q8, const kiln_weight_formats *t,
+                                            kiln_backend **out) {
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_cpu_create: out is NULL");
     *out = NULL;
     if (n_threads < 0)
@@ -955,6 +986,17 @@ kiln_status kiln_backend_cpu_create_mode(int n_threads, int fast_q8, kiln_backen
         return kiln_error_prefix(st, "kiln_backend_cpu_create");
     }
     c->k = kernels_for(kiln_cpu_select_path());
+    if (t && t->n) {
+        c->wf.e = kiln_malloc((size_t)t->n * sizeof *t->e);
+        if (!c->wf.e) {
+            kiln_pool_free(c->pool);
+            kiln_free(be);
+            kiln_free(c);
+            return kiln_error(KILN_ERR_NOMEM, "kiln_backend_cpu_create: out of memory");
+        }
+        memcpy(c->wf.e, t->e, (size_t)t->n * sizeof *t->e);
+        c->wf.n = t->n;
+    }
     if (fast_q8 == KILN_MODE_MX16 || fast_q8 == KILN_MODE_MX8) {
         c->mx = fast_q8 == KILN_MODE_MX16 ? KILN_MX16 : KILN_MX8;
     } else if (fast_q8) {
@@ -978,3 +1020,9 @@ kiln_cpu_path kiln_backend_cpu_path(const kiln_backend *be) {
 kiln_pool *kiln_backend_cpu_pool(kiln_backend *be) { return ctx_of(be)->pool; }
 
 int kiln_backend_cpu_products_format(const kiln_backend *be) { return ((const cpu_ctx *)be->ctx)->mx; }
+
+int kiln_backend_cpu_weight_format(const kiln_backend *be, const void *data) {
+    const cpu_ctx *c = be->ctx;
+    const kiln_tensor W = {.data = (void *)data};
+    return kind_of(c, &W);
+}

@@ -206,7 +206,7 @@ void kiln_cpu_ce_prepare(const kiln_fused_ce_params *p, kiln_ce_scratch *sc, int
 
 void kiln_cpu_ce_grad_begin(kiln_backend *be, const kiln_fused_ce_params *p, kiln_ce_scratch *sc,
                             int64_t S) {
-    if (kiln_backend_cpu_products_format(be)) return; /* kiln_cpu_ce_grad_chunk: matmul_backward */
+    if (kiln_backend_cpu_weight_format(be, p->weight)) return; /* kiln_cpu_ce_grad_chunk: matmul_backward */
     if (p->dweight) transpose_f32(sc->hT, sc->hs, S, p->H);
     if (p->dhidden) memset(sc->dh_acc, 0, (size_t)S * (size_t)p->H * sizeof(float));
 }
@@ -217,8 +217,8 @@ void kiln_cpu_ce_grad_chunk(kiln_backend *be, const kiln_fused_ce_params *p,
     const int64_t H = p->H;
     const size_t row_bytes = (size_t)H * (p->weight_dtype == KILN_DTYPE_BF16 ? 2 : 4);
     kiln_pool *pool = kiln_backend_cpu_pool(be);
-    if (kiln_backend_cpu_products_format(be)) {
-        /* an exact format's mode: the chunk's backward is the backend's matmul_backward in the
+    if (kiln_backend_cpu_weight_format(be, p->weight)) {
+        /* the head in an exact format: the chunk's backward is the backend's matmul_backward in the
          * format, dh_acc overwritten by the first chunk and added to by the later ones */
         kiln_tensor wc = kiln_ce_weight_chunk(p, c0, n, row_bytes);
         be->i->matmul_backward(be, p->dhidden ? sc->dh_acc : NULL, p->dweight ? p->dweight + c0 * H : NULL, NULL, g,
@@ -231,7 +231,7 @@ void kiln_cpu_ce_grad_chunk(kiln_backend *be, const kiln_fused_ce_params *p,
         job.w = (const uint8_t *)p->weight + (size_t)c0 * row_bytes;
         kiln_cpu_ce_parallel(pool, n, 32, ce_weight_t_rows, &job);
         kiln_tensor wt = kiln_ce_f32_view("fused_ce.weight_chunk_t", sc->wT, H, n);
-        be->i->matmul(be, sc->dpart, g, &wt, NULL, (int)S);
+        kiln_backend_cpu_matmul_f32(be, sc->dpart, g, &wt, NULL, (int)S);
         job.dst = sc->dh_acc;
         job.src = sc->dpart;
         kiln_cpu_ce_parallel(pool, S * H, 4096, ce_add_range, &job);
@@ -243,7 +243,7 @@ void kiln_cpu_ce_grad_chunk(kiln_backend *be, const kiln_fused_ce_params *p,
         job.cols = n;
         kiln_cpu_ce_parallel(pool, S, 32, ce_transpose_rows, &job);
         kiln_tensor ht = kiln_ce_f32_view("fused_ce.hidden_t", sc->hT, H, S);
-        be->i->matmul(be, sc->wpart, sc->gT, &ht, NULL, (int)n);
+        kiln_backend_cpu_matmul_f32(be, sc->wpart, sc->gT, &ht, NULL, (int)n);
         job.dst = p->dweight + c0 * H;
         job.src = sc->wpart;
         kiln_cpu_ce_parallel(pool, n * H, 4096, ce_add_range, &job);

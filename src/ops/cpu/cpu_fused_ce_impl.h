@@ -42,7 +42,7 @@ void kiln_cpu_ce_prepare(const kiln_fused_ce_params *p, kiln_ce_scratch *sc, int
                          int64_t cn);
 
 /* Before pass 2: hs^T into hT (dW requested) and dh_acc = 0 (dh requested); nothing when the
- * backend's products run in an exact format (kiln_backend_cpu_products_format). */
+ * head's products run in an exact format (kiln_backend_cpu_weight_format). */
 void kiln_cpu_ce_grad_begin(kiln_backend *be, const kiln_fused_ce_params *p, kiln_ce_scratch *sc, int64_t S);
 
 /* One chunk of pass 2, columns [c0, c0+n), from its gradient g(S, n) (d loss / d logits):

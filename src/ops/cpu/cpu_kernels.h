@@ -118,5 +118,15 @@ struct kiln_pool *kiln_backend_cpu_pool(struct kiln_backend *be);
 /* The format the backend's matmul and matmul_backward run in: KILN_MX16 / KILN_MX8 in an exact
  * format's mode, else 0 (the fused losses' products take the format's path through it). */
 int kiln_backend_cpu_products_format(const struct kiln_backend *be);
+/* The format the products on a weight whose data is at (or inside) data run in: its entry of
+ * the per-weight formats (ops.h kiln_weight_formats) as KILN_MX16 / KILN_MX8 / 0 (f32), else
+ * kiln_backend_cpu_products_format's. */
+int kiln_backend_cpu_weight_format(const struct kiln_backend *be, const void *data);
+/* The backend's matmul in f32 whatever the formats (the mode's f32 product, exact or fast):
+ * for products on scratch copies of a weight in f32 (the fused loss's transposed chunks), which
+ * the per-weight table does not hold. */
+struct kiln_tensor;
+void kiln_backend_cpu_matmul_f32(struct kiln_backend *be, float *out, const float *x, const struct kiln_tensor *W,
+                                 const float *bias, int N);
 
 #endif /* KILN_CPU_KERNELS_H */
