@@ -800,6 +800,17 @@ static void *zalloc(size_t n, size_t size, int *ok) {
     return p;
 }
 
+/* kiln_engine_create failed after its step log was opened: the log, which holds only its
+ * header, goes too (nothing half-written is left), then e. */
+static void create_failed(kiln_engine *e, const char *log_path) {
+    if (e->step_log) {
+        fclose(e->step_log);
+        e->step_log = NULL;
+        remove(log_path);
+    }
+    engine_destroy(e);
+}
+
 kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, kiln_engine **out) {
     KILN_TRY(kiln_handle_check(m, KILN_HANDLE_MODEL, "kiln_engine_create"));
     KILN_TRY(kiln_model_weights_check(m, "kiln_engine_create"));
@@ -922,7 +933,7 @@ kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, 
     /* the worker acquires the backend and owns the forward state: a device's current context
      * is per thread */
     if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
-        engine_destroy(e);
+        create_failed(e, log_path);
         return kiln_error(KILN_ERR_NOMEM, "kiln_engine_create: cannot start the worker thread");
     }
     e->thread_started = 1;
@@ -933,12 +944,12 @@ kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, 
     if (st != KILN_OK) {
         char msg[512];
         snprintf(msg, sizeof msg, "%s", e->init_msg);
-        engine_destroy(e);
+        create_failed(e, log_path);
         return kiln_error(st, "%s", msg);
     }
     st = kiln_handle_register(&e->head, KILN_HANDLE_ENGINE, "kiln_engine_create");
     if (st != KILN_OK) {
-        engine_destroy(e);
+        create_failed(e, log_path);
         return st;
     }
     *out = e;

@@ -619,6 +619,12 @@ def test_step_log(build_dir, smollm2_gguf, tmp_path):
     r = subprocess.run([kiln_bin(build_dir), "serve", "-m", smollm2_gguf, "--port", "0"], capture_output=True,
                        text=True, timeout=60, env={**os.environ, "KILN_SERVE_STEP_LOG": str(tmp_path / "no" / "x")})
     assert r.returncode == 1 and "KILN_SERVE_STEP_LOG" in r.stderr, r.stderr
+    # an engine that fails after opening its log (its worker cannot start the device: no
+    # machine has a GPU 1000) leaves no header-only log behind
+    gone = tmp_path / "gone.txt"
+    r = subprocess.run([kiln_bin(build_dir), "serve", "-m", smollm2_gguf, "--port", "0", "--device", "cuda:1000"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "KILN_SERVE_STEP_LOG": str(gone)})
+    assert r.returncode == 1 and "CUDA" in r.stderr and not gone.exists(), (r.stderr, gone.exists())
 
 
 @pytest.mark.parametrize("args", [("--fast",), ("--fast", "--batch-invariant"), ("--format", "mx8"),
