@@ -69,7 +69,9 @@ static const char *train_help =
     "  --device D           cpu (default), cuda or cuda:N: train on CUDA GPU N (the CPU's bits;\n"
     "                       checkpoints resume on either). Under torchrun (--no-python) or\n"
     "                       mpirun: GPU ranks over NCCL, each on its local rank's GPU\n"
-    "                       (docs/DISTRIBUTED.md, \"GPU ranks\")\n"
+    "                       (docs/DISTRIBUTED.md, \"GPU ranks\"). A list, one device a rank of\n"
+    "                       mpirun (--device cpu,cuda:0): CPU and GPU ranks together over MPI,\n"
+    "                       auditable, ZeRO-2 (\"CPU and GPU ranks together\")\n"
     "  --fast               with --device cuda: matrix products (forward and backward) on bf16\n"
     "                       tensor cores; approximate but deterministic (docs/TRAINING.md)\n"
     "  --format F           f32 (default), mx16 or mx8: the matrix products forward and backward\n"
@@ -128,6 +130,7 @@ typedef struct train_opts {
     long steps, batch, seq, accum, per_forward, warmup, eval_every, eval_batches, save_every, keep_last, threads, stop_after;
     long zero; /* the ZeRO stage of mpirun ranks: 2 or 3 */
     int zero_given;
+    const char *device_list; /* --device D0,D1,...: rank r of mpirun on Dr (NULL: one device for all) */
     long loss_row_block; /* --loss-row-block; -1: the library's default */
     int loss_logits_f32; /* --loss-logits-f32 */
     double lr, min_lr, weight_decay, clip, eval_fraction;
@@ -177,6 +180,26 @@ bad:
 
 /* --device: "cpu" -> -1, "cuda" -> 0, "cuda:N" -> N, as `kiln generate --device` (a copy of
  * cmd_generate.c's parser: both belong in cli_util.c). Returns 0 or the usage error's code. */
+/* --device's value: one device, or a comma-separated list, one a rank (D0,D1,...). Every entry
+ * is checked; *device is entry `rank` (-1: the first). 0, or a usage error's exit code. */
+static int parse_device_list(const char *cmd, const char *v, int rank, int *device) {
+    char one[64];
+    int k = 0, err = 0;
+    for (const char *p = v;; k++) {
+        const char *comma = strchr(p, ',');
+        const size_t n = comma ? (size_t)(comma - p) : strlen(p);
+        if (n >= sizeof one) return cli_usage_error(cmd, "--device '%s': entry %d is too long", v, k);
+        memcpy(one, p, n);
+        one[n] = '\0';
+        int d = -1;
+        if (!err) err = cli_parse_device(cmd, one, &d);
+        if (!err && (k == rank || (rank < 0 && k == 0))) *device = d;
+        if (!comma) break;
+        p = comma + 1;
+    }
+    return err;
+}
+
 static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
     memset(o, 0, sizeof *o);
     o->out = "kiln-run";
@@ -276,7 +299,8 @@ static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
             if (!err && strcmp(v, "f32") && strcmp(v, "q8"))
                 err = cli_usage_error(cmd, "--moments takes f32 or q8, not '%s'", v);
         } else if (OPT("--device")) {
-            if (!err) err = cli_parse_device(cmd, v, &o->device);
+            o->device_list = strchr(v, ',') ? v : NULL;
+            if (!err) err = parse_device_list(cmd, v, -1, &o->device);
         } else if (OPT("--format")) {
             if (!err) err = cli_parse_format(cmd, v, &o->format, &o->format_rules);
         } else if (OPT("--format-rounding")) {
@@ -326,6 +350,11 @@ static int parse(int argc, char **argv, train_opts *o, int *code, int distill) {
     }
     if (o->fast && o->device < 0) {
         *code = cli_usage_error(cmd, "--fast is a GPU mode: use it with --device cuda or cuda:N");
+        return 1;
+    }
+    if (o->device_list && (o->fast || (o->zero_given && o->zero == 3))) {
+        *code = cli_usage_error(cmd, "--device %s (a device a rank): the ranks share the auditable arithmetic's bits "
+                                "with ZeRO-2, so not with %s", o->device_list, o->fast ? "--fast" : "--zero 3");
         return 1;
     }
     if (o->format_rounding == KILN_ROUND_STOCHASTIC && o->format == KILN_FORMAT_F32 && !o->format_rules) {
@@ -820,6 +849,23 @@ static int train_main(int argc, char **argv, int distill, const audit_replay *rp
     kiln_status cst;
     if (rp) {
         cst = kiln_comm_open_self(&comm);
+    } else if (o.device_list) {
+        /* a device a rank (CPU and GPU ranks together): over MPI, each GPU rank's pieces through
+         * host memory (docs/DISTRIBUTED.md, "CPU and GPU ranks together") */
+        if (!o.zero_given) o.zero = 2;
+        cst = kiln_comm_open(&comm);
+        if (cst == KILN_OK) {
+            int n_entries = 1;
+            for (const char *p = o.device_list; *p; p++) n_entries += *p == ',';
+            if (n_entries != kiln_comm_size(comm)) {
+                if (kiln_comm_rank(comm) == 0)
+                    fprintf(stderr, "kiln train: --device %s names %d devices for %d ranks: give one a rank "
+                                    "(mpirun -np %d)\n", o.device_list, n_entries, kiln_comm_size(comm), n_entries);
+                kiln_comm_close(comm);
+                return 2;
+            }
+            parse_device_list("train", o.device_list, kiln_comm_rank(comm), &o.device);
+        }
     } else if (o.device >= 0 && gpu_ranks_launched()) {
         /* GPU ranks (torchrun, or mpirun with --device cuda): NCCL, each rank on the device of its
          * local rank; --zero 2 unless asked (ZeRO-3 is the CPU ranks') */

@@ -52,11 +52,14 @@ struct kiln_train_dp {
     int *whole;        /* (n_params) its slot in one process's optimizer of its kind */
     uint32_t *stage;   /* (size, chunk) words: a chunk of every rank's range */
     uint32_t *own;     /* (chunk) words: this rank's part of a chunk (reduce-scatter's result) */
-    /* GPU ranks (a device trainer and the nccl communicator): stage and own are device memory
-     * of this backend (NULL: host ranks); hwords is a host chunk (checkpoints, the norms of
-     * tensors cut by a range's end), h16 its bf16 half; the optimizer state of one slot
-     * downloaded for the chunks of a checkpoint (cache_o, cache_j: which) */
+    /* GPU ranks: dev is the device trainer's backend (NULL: a CPU rank); with the nccl
+     * communicator (dev_stage) stage and own are its device memory, with MPI (a GPU rank among
+     * CPU ranks: heterogeneous, auditable) host memory that the rank's pieces are downloaded
+     * to and uploaded from; hwords is a host chunk (checkpoints, the norms of tensors cut by a
+     * range's end), h16 its bf16 half; the optimizer state of one slot downloaded for the
+     * chunks of a checkpoint (cache_o, cache_j: which) */
     kiln_backend *dev;
+    int dev_stage;
     uint32_t *hwords;
     uint16_t *h16;
     const kiln_adamw *cache_o; /* NULL: nothing cached (set at each save's start) */
@@ -87,7 +90,7 @@ struct kiln_train_dp {
 
 static void dp_free(kiln_train_dp *d) {
     if (!d) return;
-    if (d->dev) {
+    if (d->dev_stage) {
         /* the communicator outlives the trainer, the backend's stream does not: back to its own */
         if (d->c) (void)kiln_comm_set_stream(d->c, NULL);
         kiln_backend_free_buf(d->dev, d->stage);
@@ -122,7 +125,7 @@ typedef struct flat_io {
     kiln_trainer *t;
     int what;               /* FLAT_GRAD, FLAT_WEIGHT, or a state kind 0..3 */
     kiln_adamw *wm, *wv;    /* state kinds: one process's optimizers, or NULL: this rank's shards */
-    int dev_words;          /* a GPU rank: the words are the backend's memory (stage, own), else host */
+    int dev_words;          /* a GPU rank over nccl: the words are the backend's memory (stage, own), else host */
 } flat_io;
 
 static kiln_status slot_words(kiln_adamw *o, int j, int kind, int64_t off, int64_t n, uint32_t *words, int to_words);
@@ -281,19 +284,30 @@ kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c, int zero_stage) 
     /* one process: the trainer as it is; a device communicator of one rank (nccl) runs the
      * ranks' path, so that one GPU tests what N do */
     if (kiln_comm_size(c) == 1 && kiln_comm_host_memory(c)) return KILN_OK;
-    if (t->host != kiln_comm_host_memory(c))
+    /* a GPU rank over host memory (MPI): the heterogeneous ranks of the auditable arithmetic
+     * (docs/DISTRIBUTED.md, "CPU and GPU ranks together"); KILN_DP_DEVICE_PATH=1 gives a CPU
+     * trainer that path (its backend's download and upload are copies), for the CPU's tests */
+    const int host_comm = kiln_comm_host_memory(c);
+    const char *dev_env = getenv("KILN_DP_DEVICE_PATH");
+    const int device_path = !t->host || (host_comm && dev_env && !strcmp(dev_env, "1"));
+    if (t->host && !host_comm)
         return kiln_error(KILN_ERR_UNSUPPORTED,
-                          "kiln_train_dp_attach: a %s trainer with the %s communicator: CPU ranks talk over MPI "
-                          "(mpirun), GPU ranks over NCCL (kiln_comm_open_nccl)", t->host ? "CPU" : "GPU",
-                          kiln_comm_name(c));
+                          "kiln_train_dp_attach: a CPU trainer with the %s communicator: CPU ranks talk over MPI "
+                          "(mpirun), GPU ranks over NCCL (kiln_comm_open_nccl) or MPI", kiln_comm_name(c));
+    if (!t->host && host_comm && t->p.fast)
+        return kiln_error(KILN_ERR_UNSUPPORTED,
+                          "kiln_train_dp_attach: a GPU rank over %s takes the auditable arithmetic (the CPU's bits, "
+                          "which every rank shares); fast GPU ranks talk over NCCL", kiln_comm_name(c));
     if (!t->host) {
         const kiln_backend_i *bi = t->be->i;
         if (!bi->copy || !bi->bf16_words || !bi->native_stream || !bi->zero)
             return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_train_dp_attach: the %s backend cannot move a rank's "
                               "flat vector (no copy, bf16_words or native_stream)", bi->name);
-        if (kiln_comm_device(c) != t->p.device)
+        if (!host_comm && kiln_comm_device(c) != t->p.device)
             return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_dp_attach: the communicator is on CUDA device %d, "
                               "the trainer on device %d", kiln_comm_device(c), t->p.device);
+    }
+    if (device_path) {
         if (zero_stage == 3)
             return kiln_error(KILN_ERR_UNSUPPORTED,
                               "kiln_train_dp_attach: ZeRO-3 on GPU ranks is not written yet (a GPU gives no memory "
@@ -333,16 +347,19 @@ kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c, int zero_stage) 
          * sends), so a ZeRO-3 rank touches only the pages its pieces use */
         size_t words = 0, bytes = 0;
         if (!kiln_mul_overflow((size_t)d->chunk, (size_t)d->size, &words) && !kiln_mul_overflow(words, 4, &bytes)) {
-            if (t->host) {
-                d->stage = kiln_malloc(bytes);
-                d->own = kiln_malloc((size_t)d->chunk * 4);
-            } else { /* a GPU rank: the collectives' buffers on the device, a host chunk beside */
+            if (device_path) { /* a GPU rank: a host chunk (and its bf16 half) beside */
                 d->dev = t->be;
-                d->stage = kiln_backend_alloc(t->be, bytes);
-                d->own = kiln_backend_alloc(t->be, (size_t)d->chunk * 4);
+                d->dev_stage = !host_comm;
                 d->hwords = kiln_malloc((size_t)d->chunk * 4);
                 d->h16 = kiln_malloc((size_t)d->chunk * 2);
                 d->cache_j = -1;
+            }
+            if (!d->dev_stage) {
+                d->stage = kiln_malloc(bytes);
+                d->own = kiln_malloc((size_t)d->chunk * 4);
+            } else { /* over nccl: the collectives' buffers on the device */
+                d->stage = kiln_backend_alloc(t->be, bytes);
+                d->own = kiln_backend_alloc(t->be, (size_t)d->chunk * 4);
                 if (d->stage && d->own && d->hwords && d->h16) {
                     kiln_status sst = kiln_comm_set_stream(c, t->be->i->native_stream(t->be));
                     if (sst != KILN_OK) {
@@ -422,7 +439,7 @@ kiln_status kiln_train_dp_reduce_grads(kiln_trainer *t) {
                           "unusable (a step failed after its gradient work began)" : "clipped already");
     /* chunk by chunk: every rank's part of the chunk packed in rank order, reduce-scattered,
      * this rank's part of the sum written over its gradients (positions no later chunk reads) */
-    const flat_io f = {t, FLAT_GRAD, NULL, NULL, d->dev != NULL};
+    const flat_io f = {t, FLAT_GRAD, NULL, NULL, d->dev_stage};
     for (int64_t c0 = 0; c0 < d->S; c0 += d->chunk) {
         const int64_t len = chunk_len(d, c0);
         for (int r = 0; r < d->size; r++) {
@@ -552,7 +569,7 @@ kiln_status kiln_trainer_dp_after_update(kiln_trainer *t) {
         release_all(t);
         return KILN_OK;
     }
-    const flat_io f = {t, FLAT_WEIGHT, NULL, NULL, d->dev != NULL};
+    const flat_io f = {t, FLAT_WEIGHT, NULL, NULL, d->dev_stage};
     for (int64_t c0 = 0; c0 < d->S; c0 += d->chunk) KILN_TRY(gather_chunk(&f, c0, chunk_len(d, c0), 1));
     return KILN_OK;
 }
@@ -874,8 +891,9 @@ kiln_status kiln_train_dp_describe(const kiln_trainer *t, char *buf, size_t cap)
     }
     if (!d->sharded) {
         snprintf(buf, cap, "rank %d of %d (ZeRO-2): the whole weights (%llu bytes) and gradients (%llu bytes); "
-                 "the optimizer state of elements [%lld, %lld) of %lld", d->rank, d->size, (unsigned long long)ww,
-                 (unsigned long long)wg, (long long)d->lo, (long long)d->hi, (long long)d->total);
+                 "the optimizer state of elements [%lld, %lld) of %lld%s", d->rank, d->size, (unsigned long long)ww,
+                 (unsigned long long)wg, (long long)d->lo, (long long)d->hi, (long long)d->total,
+                 d->dev && !d->dev_stage ? "; its pieces staged through host memory" : "");
         return KILN_OK;
     }
     for (int u = 0; u + 1 < d->n_units; u++)

@@ -525,6 +525,40 @@ def test_refusals_and_a_rank_that_stops(setup, build_dir):
     assert r.returncode == 2 and "is not empty" in r.stderr  # rank 0's usage status, on every rank
 
 
+@pytest.mark.parametrize("storage", ["f32", "bf16_master"])
+def test_device_path_rank_equals_one_process(setup, build_dir, storage):
+    """CPU and GPU ranks together (`mpirun -np 2 kiln train --device cpu,cuda`: over MPI, the GPU
+    rank's pieces downloaded to host memory for each collective and uploaded back) run the device
+    path of src/train/trainer_dp.c on the GPU rank. Here on the CPU: KILN_DP_DEVICE_PATH=1 gives
+    rank 1's CPU trainer that path (its downloads and uploads are copies), rank 0 the host path,
+    and the chunks of 333 elements cross tensors: the two ranks equal one process bit for bit.
+    The GPU's own run is test_train_gpu_ranks.py's."""
+    base, models = setup
+    args = [str(build_dir / "kiln"), "train", *map(str, common(models, "llama", base, storage)),
+            "--device", "cpu,cpu"]
+    one, many = base / f"one_devpath_{storage}", base / f"np2_devpath_{storage}"
+    r = kiln(build_dir, 1, "train", *common(models, "llama", base, storage), "--seqs-per-forward", 2, "--out", one)
+    assert r.returncode == 0, r.stderr[-3000:]
+    env = {**ENV, "KILN_DP_CHUNK": "333"}
+    flags = mpi_flags() + (["-x", "KILN_DP_CHUNK"] if mpi_flags() else [])
+    cmd = [MPIRUN, *flags, "-np", "1", *args, "--out", str(many), ":",
+           "-np", "1", "env", "KILN_DP_DEVICE_PATH=1", *args, "--out", str(many)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 ranks (mpi)" in r.stderr and r.stderr.count("of 2 (ZeRO-2)") == 2, r.stderr[-2000:]
+    assert r.stderr.count("staged through host memory") == 1, r.stderr[-2000:]  # rank 1 only
+    same_run(one, many, 5)
+    # the list's refusals: one device a rank, the auditable arithmetic, ZeRO-2
+    a = [*args[2:], "--out", base / "refused_list"]
+    r = kiln(build_dir, 2, "train", *[x if x != "cpu,cpu" else "cpu,cpu,cpu" for x in a], timeout=120)
+    assert r.returncode == 2 and "names 3 devices for 2 ranks" in r.stderr, r.stderr[-2000:]
+    for extra, needle in [(["--zero", "3"], "not with --zero 3"), (["--fast"], "--fast")]:
+        r = kiln(build_dir, 2, "train", *a, *extra, timeout=120)
+        assert r.returncode == 2 and needle in r.stderr, (extra, r.stderr[-2000:])
+    r = kiln(build_dir, 2, "train", *[x if x != "cpu,cpu" else "cpu,gpu" for x in a], timeout=120)
+    assert r.returncode == 2 and "--device 'gpu'" in r.stderr, r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("hidden", [False, True])
 def test_distill_ranks_equal_one_process(setup, build_dir, hidden):
     """`mpirun -np N kiln distill`: every rank holds the whole teacher and runs its forward over
