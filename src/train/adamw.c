@@ -657,6 +657,30 @@ const uint16_t *kiln_adamw_compensation(const kiln_adamw *o, int i) {
     return o->p[i].comp;
 }
 
+/* set_master / set_compensation: n elements of size es into slot i's array dst. */
+static kiln_status set_state(kiln_adamw *o, int i, void *dst, const void *src, size_t es, const char *what) {
+    if (!o || i < 0 || i >= o->n_params)
+        return kiln_error(KILN_ERR_INVALID_ARG, "adamw: parameter index %d out of range", i);
+    if (!dst) return kiln_error(KILN_ERR_STATE, "adamw: '%s' keeps no %s", o->p[i].name, what);
+    if (!src) return kiln_error(KILN_ERR_INVALID_ARG, "adamw: no %s given for '%s'", what, o->p[i].name);
+    const size_t bytes = (size_t)o->p[i].n * es;
+    if (o->host) {
+        memcpy(dst, src, bytes);
+        return KILN_OK;
+    }
+    return kiln_backend_upload(o->be, dst, src, bytes);
+}
+
+kiln_status kiln_adamw_set_master(kiln_adamw *o, int i, const float *master) {
+    return set_state(o, i, o && i >= 0 && i < o->n_params ? o->p[i].master : NULL, master, sizeof(float),
+                     "master copy");
+}
+
+kiln_status kiln_adamw_set_compensation(kiln_adamw *o, int i, const uint16_t *comp) {
+    return set_state(o, i, o && i >= 0 && i < o->n_params ? o->p[i].comp : NULL, comp, sizeof(uint16_t),
+                     "compensation");
+}
+
 kiln_status kiln_adamw_set_moments(kiln_adamw *o, int i, const float *m, const float *v) {
     if (!o || i < 0 || i >= o->n_params)
         return kiln_error(KILN_ERR_INVALID_ARG, "adamw: parameter index %d out of range", i);

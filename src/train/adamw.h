@@ -162,6 +162,11 @@ uint16_t *kiln_adamw_state_comp(kiln_adamw *o, int i);
  * only where the block's absmax element is one of its values, so do not rely on a round trip).
  * Checked before anything is written; a device optimizer uploads. */
 kiln_status kiln_adamw_set_moments(kiln_adamw *o, int i, const float *m, const float *v);
+/* Write parameter i's master copy (n floats; BF16_MASTER) or Kahan compensation (n bf16;
+ * KAHAN): copied on the host, uploaded by a device optimizer. KILN_ERR_STATE when the storage
+ * keeps no such array. For loading a set of shards into a GPU trainer. */
+kiln_status kiln_adamw_set_master(kiln_adamw *o, int i, const float *master);
+kiln_status kiln_adamw_set_compensation(kiln_adamw *o, int i, const uint16_t *comp);
 
 /* Set the step count (torch's state["step"]: updates done), 0 <= step <= 2^24 (torch keeps
  * it as a float32 tensor, exact up to there); the next step's bias corrections use step + 1. */

@@ -69,6 +69,14 @@ struct kiln_train_dp {
     const kiln_adamw *cache_xo; /* the slot whose master copy or compensation cache_x is */
     int cache_xj, cache_xkind;
     const void *cache_x;        /* the optimizer's host mirror (valid until its next call) */
+    /* a GPU trainer loading a set: the slot being written, uploaded when the writes move on to
+     * another slot or end (dev_state_flush): its moments in cache_m / cache_v (moments_dirty),
+     * its master copy or compensation in wx (wx_o, wx_j, wx_kind; wx_dirty) */
+    int moments_dirty;
+    void *wx;
+    int64_t wx_n;
+    const kiln_adamw *wx_o;
+    int wx_j, wx_kind, wx_dirty;
 
     /* ZeRO-3 (sharded): the weights are sharded too. Unit l < L: layer l's matrices; unit L
      * ("the rest"): the per-model parameters, the extras and every vector (small, kept whole
@@ -101,6 +109,7 @@ static void dp_free(kiln_train_dp *d) {
     kiln_free(d->h16);
     kiln_free(d->cache_m);
     kiln_free(d->cache_v);
+    kiln_free(d->wx);
     kiln_free(d->unit);
     kiln_free(d->gathered);
     kiln_free(d->out_w);
@@ -133,6 +142,8 @@ static kiln_status shard_weights(kiln_trainer *t);
 
 static kiln_status dev_state_words(kiln_train_dp *d, kiln_adamw *o, int j, int64_t sn, int kind, int64_t off,
                                    int64_t n, uint32_t *words);
+static kiln_status dev_state_write(kiln_train_dp *d, kiln_adamw *o, int j, int64_t sn, int kind, int64_t off,
+                                   int64_t n, const uint32_t *words);
 
 /* A GPU rank's segment: n elements of tensor memory at p (4-byte f32, or bf16 when half) to or
  * from words, which are device memory (f->dev_words) or host memory. */
@@ -168,8 +179,8 @@ static kiln_status move_dev(const flat_io *f, int i, int64_t e0, int64_t n, uint
         const int half = p->dtype != KILN_DTYPE_F32;
         return dev_segment(f, (uint8_t *)p->w + (size_t)e0 * (half ? 2 : 4), half, x, n, to_words);
     }
-    if (f->dev_words || !to_words || f->wm)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "trainer: a GPU rank's optimizer state is read into host words only "
+    if (f->dev_words || f->wm)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "trainer: a GPU rank's optimizer state moves through host words only "
                                                 "(a checkpoint's shard)");
     const int is_mat = p->n_dims == 2;
     if (!is_mat && f->what >= 2) { /* vectors have no master copy or compensation */
@@ -178,7 +189,9 @@ static kiln_status move_dev(const flat_io *f, int i, int64_t e0, int64_t n, uint
     }
     const int64_t off = is_mat ? t->mat_off[d->slot[i]] : t->vec_off[d->slot[i]];
     const int64_t pa = d->lo > d->first[i] ? d->lo : d->first[i], pb = d->hi < d->first[i + 1] ? d->hi : d->first[i + 1];
-    return dev_state_words(d, is_mat ? t->opt_mat : t->opt_vec, d->slot[i], pb - pa, f->what, e0 - off, n, x);
+    kiln_adamw *o = is_mat ? t->opt_mat : t->opt_vec;
+    return to_words ? dev_state_words(d, o, d->slot[i], pb - pa, f->what, e0 - off, n, x)
+                    : dev_state_write(d, o, d->slot[i], pb - pa, f->what, e0 - off, n, x);
 }
 
 /* The same for a CPU rank (host memory everywhere). */
@@ -1056,6 +1069,70 @@ static kiln_status dev_state_words(kiln_train_dp *d, kiln_adamw *o, int j, int64
     return KILN_OK;
 }
 
+/* Upload the slot dev_state_write has been filling, if any. */
+static kiln_status dev_state_flush(kiln_train_dp *d) {
+    kiln_status st = KILN_OK;
+    if (d->moments_dirty) {
+        st = kiln_adamw_set_moments((kiln_adamw *)d->cache_o, d->cache_j, d->cache_m, d->cache_v);
+        d->moments_dirty = 0;
+        if (st != KILN_OK) d->cache_o = NULL;
+    }
+    if (st == KILN_OK && d->wx_dirty) {
+        kiln_adamw *o = (kiln_adamw *)d->wx_o;
+        st = d->wx_kind == 2 ? kiln_adamw_set_master(o, d->wx_j, d->wx) : kiln_adamw_set_compensation(o, d->wx_j, d->wx);
+        d->wx_dirty = 0;
+    }
+    return st;
+}
+
+/* The writing counterpart of dev_state_words (a GPU trainer loading a set): n state words of
+ * kind into slot j (sn elements) from element off, in a host copy of the slot that is read
+ * once (the parts no shard writes keep their values) and uploaded when the writes move on. */
+static kiln_status dev_state_write(kiln_train_dp *d, kiln_adamw *o, int j, int64_t sn, int kind, int64_t off,
+                                   int64_t n, const uint32_t *words) {
+    if (off < 0 || off + n > sn)
+        return kiln_error(KILN_ERR_INTERNAL, "trainer: optimizer slot %d holds %lld elements, not [%lld, %lld)", j,
+                          (long long)sn, (long long)off, (long long)(off + n));
+    if (kind < 2) {
+        if (d->cache_o != o || d->cache_j != j) {
+            KILN_TRY(dev_state_flush(d));
+            uint32_t probe;
+            KILN_TRY(dev_state_words(d, o, j, sn, kind, 0, 0, &probe)); /* the slot's moments into the cache */
+        }
+        memcpy((kind == 0 ? d->cache_m : d->cache_v) + off, words, (size_t)n * 4);
+        d->moments_dirty = 1;
+        return KILN_OK;
+    }
+    const size_t es = kind == 2 ? 4 : 2;
+    if (d->wx_o != o || d->wx_j != j || d->wx_kind != kind) {
+        KILN_TRY(dev_state_flush(d));
+        if (sn > d->wx_n) {
+            kiln_free(d->wx);
+            d->wx = kiln_malloc((size_t)sn * 4);
+            d->wx_n = d->wx ? sn : 0;
+        }
+        d->wx_o = NULL;
+        if (!d->wx) return kiln_error(KILN_ERR_NOMEM, "trainer: out of memory for a checkpoint's optimizer state");
+        const void *now = kind == 2 ? (const void *)kiln_adamw_master(o, j) : (const void *)kiln_adamw_compensation(o, j);
+        if (!now)
+            return kiln_error_prefix(KILN_ERR_IO, "trainer: optimizer slot %d's %s", j,
+                                     kind == 2 ? "master copy" : "compensation");
+        memcpy(d->wx, now, (size_t)sn * es);
+        d->cache_xo = NULL; /* the mirror that dev_state_words reads is stale from here */
+        d->wx_o = o;
+        d->wx_j = j;
+        d->wx_kind = kind;
+    }
+    if (kind == 2) {
+        memcpy((float *)d->wx + off, words, (size_t)n * 4);
+    } else {
+        uint16_t *c = d->wx;
+        for (int64_t k = 0; k < n; k++) c[off + k] = (uint16_t)(words[k] >> 16);
+    }
+    d->wx_dirty = 1;
+    return KILN_OK;
+}
+
 /* wm / wv (one process's optimizers, the same on every rank) into this rank's shards. */
 static kiln_status scatter_state(kiln_trainer *t, kiln_adamw *wm, kiln_adamw *wv) {
     kiln_train_dp *d = t->dp;
@@ -1204,16 +1281,17 @@ static kiln_status find_flat(const kiln_ckpt *c, const char *name, const int64_t
 static kiln_status read_flat(const flat_io *f, int n, const int64_t *slo, const int64_t *shi,
                              const kiln_ckpt_section *const *sec) {
     const kiln_train_dp *d = f->t->dp;
+    uint32_t *words = d->dev ? d->hwords : d->own; /* host words (f->dev_words 0) */
     for (int64_t a = d->lo; a < d->hi; a += d->chunk) {
         const int64_t b = a + d->chunk < d->hi ? a + d->chunk : d->hi;
         for (int k = 0; k < n; k++) {
             const int64_t x = a > slo[k] ? a : slo[k], y = b < shi[k] ? b : shi[k];
             if (x < y)
-                memcpy(d->own + (x - a), (const uint8_t *)sec[k]->data + (size_t)(x - slo[k]) * 4, (size_t)(y - x) * 4);
+                memcpy(words + (x - a), (const uint8_t *)sec[k]->data + (size_t)(x - slo[k]) * 4, (size_t)(y - x) * 4);
         }
-        KILN_TRY(flat_move(f, a, b, d->own, 0));
+        KILN_TRY(flat_move(f, a, b, words, 0));
     }
-    return KILN_OK;
+    return d->dev ? dev_state_flush(f->t->dp) : KILN_OK;
 }
 
 /* A one-process layout for a trainer that is not a rank: the whole vector is "its range". */
@@ -1229,10 +1307,17 @@ static kiln_status layout_whole(kiln_trainer *t, kiln_train_dp **out) {
         d->chunk = d->total < ((int64_t)1 << 22) ? d->total : ((int64_t)1 << 22);
         if (d->chunk < 1) d->chunk = 1;
         d->own = kiln_calloc((size_t)d->chunk, 4);
+        const char *dev_env = getenv("KILN_DP_DEVICE_PATH"); /* as in kiln_train_dp_attach */
+        if (!t->host || (dev_env && !strcmp(dev_env, "1"))) { /* a GPU trainer: through host words */
+            d->dev = t->be;
+            d->cache_j = -1;
+            d->hwords = kiln_malloc((size_t)d->chunk * 4);
+            d->h16 = kiln_malloc((size_t)d->chunk * 2);
+        }
         for (int j = 0; j < t->n_mat; j++) d->slot[t->mat_index[j]] = j;
         for (int j = 0; j < t->n_vec; j++) d->slot[t->vec_index[j]] = j;
     }
-    if (!d->first || !d->slot || !d->own) {
+    if (!d->first || !d->slot || !d->own || (d->dev && (!d->hwords || !d->h16))) {
         dp_free(d);
         return kiln_error(KILN_ERR_NOMEM, "kiln_train_load: out of memory");
     }
@@ -1248,9 +1333,6 @@ kiln_status kiln_trainer_load_set(kiln_trainer *t, kiln_ckpt *c, uint64_t *step,
     int64_t *lo = kiln_calloc((size_t)n, sizeof *lo), *hi = kiln_calloc((size_t)n, sizeof *hi);
     const kiln_ckpt_section **sec = kiln_calloc((size_t)n * (1 + STATE_KINDS), sizeof *sec);
     kiln_status st = cfg && lo && hi && sec ? KILN_OK : kiln_error(KILN_ERR_NOMEM, "kiln_train_load: out of memory");
-    if (st == KILN_OK && !t->host)
-        st = kiln_error(KILN_ERR_UNSUPPORTED, "a set of %d shards loads into a CPU trainer only (a GPU trainer reads "
-                        "one state.kiln): resume it on the CPU", n);
     if (st == KILN_OK && !t->dp) st = layout_whole(t, &whole);
     kiln_train_dp *d = t->dp ? t->dp : whole;
     /* every check before anything changes: each shard's configuration, rank and range */
@@ -1304,6 +1386,7 @@ kiln_status kiln_trainer_load_set(kiln_trainer *t, kiln_ckpt *c, uint64_t *step,
     /* then this rank's range of every array (a process alone: all of it) */
     kiln_train_dp *keep = t->dp;
     t->dp = d;
+    d->cache_o = d->cache_xo = d->wx_o = NULL; /* a GPU trainer's slots: read from the device again */
     const flat_io weights = {t, FLAT_WEIGHT, NULL, NULL, 0};
     if (st == KILN_OK) st = read_flat(&weights, n, lo, hi, sec);
     for (int kind = 0; st == KILN_OK && kind < STATE_KINDS; kind++) {
@@ -1346,9 +1429,6 @@ kiln_status kiln_trainer_dp_load(kiln_trainer *t, const char *dir, int64_t at, u
     kiln_train_dp *d = t->dp;
     kiln_ckpt *c = NULL;
     kiln_status st = KILN_OK;
-    if (d->dev) /* the same refusal on every rank, before any collective */
-        return kiln_error(KILN_ERR_UNSUPPORTED, "kiln_train_load: GPU ranks do not resume yet (their sets of shards "
-                          "load on CPU ranks, or one CPU process, and export as any checkpoint)");
     /* rank 0 opens it, verifying every byte (a resume sets a damaged newer checkpoint aside);
      * then the others open the step it chose, each section's checksum checked as they read it
      * (so a rank hashes the shards it reads, not the whole set) */

@@ -15,7 +15,8 @@
  *      master (auditable), f32 in fast mode (deterministic, so the same bits too), a tied and an
  *      untied head.
  *   3. The rank's checkpoint (a set of one shard, its optimizer state read from the device) loads
- *      into a CPU trainer: its weights and moments equal the plain GPU trainer's.
+ *      into a CPU trainer, back into the GPU rank and into a plain GPU trainer: their weights and
+ *      moments equal the plain GPU trainer's.
  * Without a GPU: exits 77. A GPU without NCCL's library is a failure (the GPU script puts
  * PyTorch's nvidia-nccl on LD_LIBRARY_PATH).
  *   test_cuda_dp [vocab-dir]
@@ -256,8 +257,20 @@ static int run_case(const dp_case *dc, const char *vocab_dir, kiln_comm *c) {
         CHECK(ok, "%s: the set loads on the CPU", dc->name);
         if (ok) CHECK(same_state(a, h, 0, "loaded weights") && same_state(a, h, 1, "loaded moments"),
                       "%s: the CPU trainer holds what the GPU ranks saved", dc->name);
-        /* a GPU rank refuses to load (resume is the CPU's for now), on every rank alike */
-        if (ok) CHECK(kiln_train_load(b, dir, &step, NULL) == KILN_ERR_UNSUPPORTED, "%s: rank load refused", dc->name);
+        /* the set loads back into the GPU rank (a resume: its range's state uploaded, the weights
+         * gathered) and into a plain GPU trainer (each slot's state uploaded once) */
+        if (ok) {
+            ok = kiln_train_load(b, dir, &step, NULL) == KILN_OK && step == 3;
+            CHECK(ok, "%s: the GPU rank loads its set: %s", dc->name, kiln_last_error());
+            if (ok) CHECK(same_state(a, b, 0, "the rank's loaded weights"), "%s: the rank's weights after its load",
+                          dc->name);
+            kiln_trainer *g = ok ? make(m, dc, 0, NULL) : NULL;
+            ok = g && kiln_train_load(g, dir, &step, NULL) == KILN_OK && step == 3;
+            CHECK(ok, "%s: the set loads into a plain GPU trainer: %s", dc->name, kiln_last_error());
+            if (ok) CHECK(same_state(a, g, 0, "GPU-loaded weights") && same_state(a, g, 1, "GPU-loaded moments"),
+                          "%s: the GPU trainer holds what the GPU ranks saved", dc->name);
+            kiln_trainer_free(g);
+        }
         /* one more step and a second save: the rank's state read anew (not the first save's) */
         float la = 0, lb = 0;
         if (ok)

@@ -559,6 +559,37 @@ def test_device_path_rank_equals_one_process(setup, build_dir, storage):
     assert r.returncode == 2 and "--device 'gpu'" in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("storage", ["bf16_master", "bf16_kahan"])
+def test_device_path_resumes_a_set(setup, build_dir, storage):
+    """A set of shards loads into a GPU trainer, one process or a rank, through the device path
+    (the weights uploaded a chunk at a time, each optimizer slot's state gathered in a host copy
+    and uploaded once; src/train/trainer_dp.c dev_state_write). On the CPU, KILN_DP_DEVICE_PATH=1
+    gives a CPU trainer that path: a 2-rank run's set of step 3 resumed by one process and by two
+    ranks (rank 1 on the device path) equals the uninterrupted run (moments, master copy or Kahan
+    compensation, weights). The GPU's own runs are test_train_gpu_ranks.py's."""
+    base, models = setup
+    args = [*map(str, common(models, "llama", base, storage)), "--zero", "2"]
+    args[args.index("--steps") + 1] = "6"
+    full = base / f"devload_full_{storage}"
+    r = kiln(build_dir, 2, "train", *args, "--out", full)
+    assert r.returncode == 0, r.stderr[-3000:]
+    kbin = str(build_dir / "kiln")
+    for how in ("one", "ranks"):
+        part = base / f"devload_{how}_{storage}"
+        r = kiln(build_dir, 2, "train", *args, "--out", part, "--stop-after", "3")
+        assert r.returncode == 0, r.stderr[-3000:]
+        if how == "one":
+            r = subprocess.run([kbin, "train", *args, "--out", str(part), "--resume", "--seqs-per-forward", "2"],
+                               capture_output=True, text=True, timeout=300, env={**ENV, "KILN_DP_DEVICE_PATH": "1"})
+        else:
+            tail = ["train", *args, "--out", str(part), "--resume"]
+            cmd = [MPIRUN, *mpi_flags(), "-np", "1", kbin, *tail, ":", "-np", "1", "env", "KILN_DP_DEVICE_PATH=1",
+                   kbin, *tail]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+        assert r.returncode == 0 and "at step 3" in r.stderr, r.stderr[-3000:]
+        same_run(full, part, 6)
+
+
 @pytest.mark.parametrize("hidden", [False, True])
 def test_distill_ranks_equal_one_process(setup, build_dir, hidden):
     """`mpirun -np N kiln distill`: every rank holds the whole teacher and runs its forward over

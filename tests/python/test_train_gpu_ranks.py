@@ -75,6 +75,33 @@ def test_cuda_one_rank_over_nccl_equals_one_gpu(setup, build_dir, storage, fast)
     assert (rank / "checkpoints" / "step-4" / "shard-00000-of-00001.kiln").exists()
 
 
+def test_cuda_rank_set_resumes_on_gpu(setup, build_dir):
+    """A GPU rank's set of shards (KILN_COMM=nccl, stopped after step 3) resumes on the plain GPU
+    trainer and on the GPU rank: the uninterrupted plain GPU run's every step and final state,
+    bit for bit (bf16 + master: weights, moments and master copy uploaded from the shards)."""
+    base, model = setup
+    args = ["train", "-m", model, "--data", base / "corpus.tok", "--device", "cuda", "--batch", "4",
+            "--seqs-per-forward", "4", "--seq", "32", "--lr", "3e-3", "--warmup", "2", "--steps", "6",
+            "--save-every", "3", "--no-export", "--eval-fraction", "0", "--storage", "bf16_master"]
+    env, rank_env = gpu_env(), {**gpu_env(), "KILN_COMM": "nccl", "KILN_DP_CHUNK": "333"}
+    full = base / "gpu_resume_full"
+    r = subprocess.run([build_dir / "kiln", *args, "--out", full], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for how, renv in (("plain", env), ("rank", rank_env)):
+        part = base / f"gpu_resume_{how}"
+        r = subprocess.run([build_dir / "kiln", *args, "--out", part, "--stop-after", "3"], capture_output=True,
+                           text=True, env=rank_env, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert (part / "checkpoints" / "step-3" / "shard-00000-of-00001.kiln").exists()
+        r = subprocess.run([build_dir / "kiln", *args, "--out", part, "--resume"], capture_output=True, text=True,
+                           env=renv, timeout=600)
+        assert r.returncode == 0 and "at step 3" in r.stderr, r.stderr[-3000:]
+        assert steps(full) == steps(part), how
+        a, b = flat_state(full / "checkpoints" / "step-6"), flat_state(part / "checkpoints" / "step-6")
+        assert a.keys() == b.keys() and [k for k in a if a[k] != b[k]] == [], how
+
+
 def test_cuda_gpu_ranks_refusals(setup, build_dir):
     base, model = setup
     env = {**gpu_env(), "KILN_COMM": "nccl"}
