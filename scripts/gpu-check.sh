@@ -52,6 +52,7 @@ t0=$(date +%s)
 # shellcheck source=scripts/gpu-deps.sh
 source scripts/gpu-deps.sh
 kiln_gpu_deps "$B" || { echo "BUILD FAILED (dependencies)"; exit 1; }
+kiln_gpu_mpi "$B" || echo "mpi: none: the CPU and GPU ranks' test (test_train_gpu_ranks.py) will fail"
 if ! { cmake -S . -B "$B" "${gen[@]}" "${KILN_DEPS_CMAKE[@]}" -DKILN_CUDA=ON \
          -DCMAKE_BUILD_TYPE=Release -DKILN_WERROR=ON && cmake --build "$B" -j"$J"; } \
        >"$LOG/build.log" 2>&1; then

