@@ -1019,8 +1019,6 @@ kiln_cpu_path kiln_backend_cpu_path(const kiln_backend *be) {
 
 kiln_pool *kiln_backend_cpu_pool(kiln_backend *be) { return ctx_of(be)->pool; }
 
-int kiln_backend_cpu_products_format(const kiln_backend *be) { return ((const cpu_ctx *)be->ctx)->mx; }
-
 int kiln_backend_cpu_weight_format(const kiln_backend *be, const void *data) {
     const cpu_ctx *c = be->ctx;
     const kiln_tensor W = {.data = (void *)data};

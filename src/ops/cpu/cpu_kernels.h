@@ -115,12 +115,10 @@ kiln_cpu_path kiln_backend_cpu_path(const struct kiln_backend *be);
 /* The CPU backend's thread pool (for work that runs beside its ops, e.g. the fused loss's row
  * work); be must be a CPU backend. */
 struct kiln_pool *kiln_backend_cpu_pool(struct kiln_backend *be);
-/* The format the backend's matmul and matmul_backward run in: KILN_MX16 / KILN_MX8 in an exact
- * format's mode, else 0 (the fused losses' products take the format's path through it). */
-int kiln_backend_cpu_products_format(const struct kiln_backend *be);
 /* The format the products on a weight whose data is at (or inside) data run in: its entry of
  * the per-weight formats (ops.h kiln_weight_formats) as KILN_MX16 / KILN_MX8 / 0 (f32), else
- * kiln_backend_cpu_products_format's. */
+ * the mode's (KILN_MX16 / KILN_MX8 in an exact format's mode, else 0). The fused losses' head
+ * products take the format's path through it. */
 int kiln_backend_cpu_weight_format(const struct kiln_backend *be, const void *data);
 /* The backend's matmul in f32 whatever the formats (the mode's f32 product, exact or fast):
  * for products on scratch copies of a weight in f32 (the fused loss's transposed chunks), which

@@ -32,7 +32,7 @@ kiln_status kiln_cuda_fused_ce(kiln_backend *be, const struct kiln_fused_ce_para
 kiln_status kiln_cuda_fused_kd(kiln_backend *be, const struct kiln_fused_kd_params *p, int64_t S,
                                struct kiln_fused_kd_result *out);
 /* The format the backend's matmul and matmul_backward run in: KILN_MX16 / KILN_MX8 in an exact
- * format's mode, else 0 (kiln_backend_cpu_products_format's). */
+ * format's mode, else 0 (as kiln_backend_cpu_weight_format's for a weight the table lacks). */
 int kiln_cuda_products_format(kiln_backend *be);
 /* adamw_workspace ... adamw_clip (cuda_adamw_op.c): adamw_op.h's ops on device arrays. */
 size_t kiln_cuda_adamw_op_workspace(kiln_backend *be, const struct kiln_adamw_table *tab);
