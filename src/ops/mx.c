@@ -5,10 +5,12 @@
  * Quantization is integer arithmetic on the f32 bit patterns: an element is m * 2^x with m an
  * integer below 2^24, and q = round_half_even(m * 2^(x + F - E)) is a shift with a remainder,
  * so no floating-point rounding mode, flush-to-zero setting or range of 2^(F - E) (which
- * can exceed f32's: F - E reaches 161) is involved. It is the one implementation on every
- * path: quantizing is O(rows K), the product O(N R K).
+ * can exceed f32's: F - E reaches 161) is involved. Full blocks rounded to nearest even take
+ * the CPU's SIMD form of the same integer steps (cpu/mx_kernels.h, the bits of this file's,
+ * checked by tests/c/test_mx.c); tails and stochastic rounding take this file's.
  */
 #include "mx.h"
+#include "cpu/mx_kernels.h"
 
 #include <math.h>
 #include <string.h>
@@ -149,11 +151,17 @@ static int16_t quantize_block(const float *a, int n, int F, const mx_rounding *r
     return (int16_t)E;
 }
 
+int16_t kiln_mx_quantize_block_ref(const float *a, int n, int F, int32_t mant[KILN_MX_BLOCK]) {
+    const mx_rounding rd = {0, 0, 0, 0};
+    return quantize_block(a, n, F, &rd, mant);
+}
+
 typedef struct quant_job {
     kiln_mx_matrix *m;
     const float *a;
     int64_t lda, rows_per_task;
     mx_rounding rd; /* index0 unused: set per block */
+    kiln_mx_quantize_block_fn simd; /* full blocks to nearest even (NULL: the portable code) */
 } quant_job;
 
 static void quant_task(void *ctx, int task, int thread) {
@@ -169,9 +177,14 @@ static void quant_task(void *ctx, int task, int thread) {
         for (int64_t b = 0; b < m->nb; b++) {
             int64_t k0 = b * KILN_MX_BLOCK;
             int n = m->K - k0 < KILN_MX_BLOCK ? (int)(m->K - k0) : KILN_MX_BLOCK;
-            mx_rounding rd = j->rd;
-            rd.index0 = (uint64_t)r * (uint64_t)m->K + (uint64_t)k0; /* the element's index */
-            int16_t e = quantize_block(j->a + r * j->lda + k0, n, F, &rd, mant);
+            int16_t e;
+            if (j->simd && n == KILN_MX_BLOCK) {
+                e = j->simd(j->a + r * j->lda + k0, F, mant);
+            } else {
+                mx_rounding rd = j->rd;
+                rd.index0 = (uint64_t)r * (uint64_t)m->K + (uint64_t)k0; /* the element's index */
+                e = quantize_block(j->a + r * j->lda + k0, n, F, &rd, mant);
+            }
             size_t o = (size_t)(r * m->nb + b);
             m->e[o] = e;
             bad |= e == KILN_MX_EXP_NONFINITE;
@@ -212,7 +225,7 @@ static kiln_status quantize(kiln_mx_matrix *m, const float *a, int64_t lda, cons
                           (long long)lda, (long long)m->K);
     int n_tasks = 4 * kiln_pool_n_threads(pool);
     if (n_tasks > m->rows) n_tasks = (int)m->rows;
-    quant_job j = {m, a, lda, (m->rows + n_tasks - 1) / n_tasks, *rd};
+    quant_job j = {m, a, lda, (m->rows + n_tasks - 1) / n_tasks, *rd, rd->stochastic ? NULL : kiln_mx_quantize_block_simd()};
     n_tasks = (int)((m->rows + j.rows_per_task - 1) / j.rows_per_task);
     kiln_pool_run(pool, n_tasks, quant_task, &j);
     return KILN_OK;

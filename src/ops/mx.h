@@ -82,6 +82,10 @@ void kiln_mx_matrix_free(kiln_mx_matrix *m);
  * by kiln_mx_matrix_alloc). Rows are split over pool (NULL: inline); the result does not
  * depend on the thread count. KILN_ERR_INVALID_ARG when lda < K or a is NULL with rows*K > 0. */
 kiln_status kiln_mx_quantize(kiln_mx_matrix *m, const float *a, int64_t lda, kiln_pool *pool);
+/* One block of n <= 32 elements by the portable quantization to nearest even (F fraction bits:
+ * KILN_MX8_F or KILN_MX16_F): its e field, its mantissas in mant (the rest 0). The reference
+ * the SIMD quantizers are checked against. */
+int16_t kiln_mx_quantize_block_ref(const float *a, int n, int F, int32_t mant[KILN_MX_BLOCK]);
 
 /* kiln_mx_quantize with stochastic rounding (for training): each mantissa is
  *   q_i = clamp(floor(a_i 2^(F - E) + u_i 2^-24), -qmax, qmax),

@@ -7,6 +7,7 @@
  * tests/python/test_mx.py checks the reference itself against an exact oracle.
  */
 #include "base/threadpool.h"
+#include "ops/cpu/mx_kernels.h"
 #include "ops/mx.h"
 #include "ops/ops.h"
 #include "test_util.h"
@@ -108,6 +109,67 @@ static void test_quantize_rules(void) {
     m = quant_row(KILN_MX8, a, 34);
     CHECK(m.e[0] == 127 && mant(&m, 0, 5) == -127); /* 127.99.. saturates */
     kiln_mx_matrix_free(&m);
+}
+
+/* The SIMD block quantizer (cpu/mx_kernels.h) against the portable one, block by block: random
+ * bit patterns (every exponent, subnormals, NaN, Inf), values spread over 2^-160 .. 2^130 with
+ * zeros and negative zeros, exact ties at every fraction-bit position, and all-subnormal
+ * blocks, for mx8 and mx16. */
+static void test_quantize_simd(void) {
+    kiln_mx_quantize_block_fn simd = kiln_mx_quantize_block_simd();
+    if (!simd) {
+        printf("test_mx: no SIMD block quantizer on this CPU (portable path): comparison skipped\n");
+        return;
+    }
+    float a[KILN_MX_BLOCK];
+    int32_t ref[KILN_MX_BLOCK], got[KILN_MX_BLOCK];
+    int bad = 0;
+    for (int it = 0; it < 200000 && bad < 5; it++) {
+        const int kind = it % 5;
+        for (int i = 0; i < KILN_MX_BLOCK; i++) {
+            uint32_t u = (uint32_t)rnd();
+            float v;
+            if (kind == 0) { /* any bit pattern */
+                memcpy(&v, &u, 4);
+            } else if (kind == 1) { /* spread exponents, some zeros */
+                v = u % 7 == 0 ? (u & 8 ? -0.0f : 0.0f) : ldexpf(rndu(), (int)(rnd() % 291) - 160);
+            } else if (kind == 2) { /* one exponent region: ties and near-ties at the rounding point */
+                const int F = it & 1 ? KILN_MX16_F : KILN_MX8_F, E = (int)(it % 250) - 140;
+                int64_t q = (int64_t)(rnd() % (uint64_t)(1 << (F + 1)));
+                int frac = (int)(rnd() % 4); /* 0: exact, 1: tie, 2/3: just off a tie */
+                double x = ((double)q + (frac == 0 ? 0.0 : 0.5)) * ldexp(1.0, E - F);
+                v = (float)x;
+                if (frac >= 2) {
+                    uint32_t b;
+                    memcpy(&b, &v, 4);
+                    b += frac == 2 ? 1 : (b & 0x7fffffu ? (uint32_t)-1 : 0);
+                    memcpy(&v, &b, 4);
+                }
+                if (u & 1) v = -v;
+                if (i == 0) v = (float)ldexp(u & 2 ? 1.5 : 1.0, E); /* the block's maximum sets E */
+            } else if (kind == 3) { /* subnormals and the smallest normals */
+                uint32_t b = (u & 0x80ffffffu) & (u & 4 ? 0x807fffffu : 0x80ffffffu);
+                memcpy(&v, &b, 4);
+            } else { /* ordinary activations */
+                v = rndu() * 4.0f;
+            }
+            a[i] = v;
+        }
+        for (int f = 0; f < 2; f++) {
+            const int F = f ? KILN_MX16_F : KILN_MX8_F;
+            int16_t er = kiln_mx_quantize_block_ref(a, KILN_MX_BLOCK, F, ref);
+            int16_t eg = simd(a, F, got);
+            if (er != eg || memcmp(ref, got, sizeof ref)) {
+                bad++;
+                int i = 0;
+                while (i < KILN_MX_BLOCK && ref[i] == got[i]) i++;
+                printf("  block %d (kind %d, F %d): e %d / %d, first differing mantissa %d: %d / %d (a %a)\n", it, kind,
+                       F, er, eg, i, i < KILN_MX_BLOCK ? ref[i] : 0, i < KILN_MX_BLOCK ? got[i] : 0,
+                       i < KILN_MX_BLOCK ? (double)a[i] : 0.0);
+            }
+        }
+    }
+    CHECK(bad == 0);
 }
 
 static void test_round(void) {
@@ -549,6 +611,7 @@ static void test_backend_backward(void) {
 int main(void) {
     test_backend_backward();
     test_quantize_rules();
+    test_quantize_simd();
     test_round();
     test_product_cases();
     test_paths_and_threads();

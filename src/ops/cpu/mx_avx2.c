@@ -163,4 +163,56 @@ const kiln_mx_kernels kiln_mx_kernels_avx2 = {
     .rows = a_rows,
 };
 
+/* ---- quantization of a full block (nearest even) ----------------------------------------- */
+
+/* mx.c's quantize_block for n = 32 without stochastic rounding, 8 lanes at a time: an element
+ * is m 2^x (m < 2^24 from its bits), q = m << sh for sh = x + F - E >= 0, else
+ * round_half_even(m 2^-t) with t = min(-sh, 26) (past 26 the value is below 2^-2: q 0 either
+ * way), saturated at 2^(F+1) - 1, the sign put back. */
+TGT int16_t kiln_mx_quantize_block_avx2(const float *a, int F, int32_t mant[KILN_MX_BLOCK]) {
+    const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
+    __m256i u[4], mx = _mm256_setzero_si256();
+    for (int v = 0; v < 4; v++) {
+        u[v] = _mm256_loadu_si256((const __m256i *)(a + 8 * v));
+        mx = _mm256_max_epu32(mx, _mm256_and_si256(u[v], absmask));
+    }
+    __m128i m4 = _mm_max_epu32(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
+    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0x4e));
+    m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0xb1));
+    const uint32_t amax_bits = (uint32_t)_mm_cvtsi128_si32(m4);
+    if (amax_bits >= 0x7f800000u || amax_bits == 0) {
+        memset(mant, 0, KILN_MX_BLOCK * sizeof(int32_t));
+        return amax_bits ? KILN_MX_EXP_NONFINITE : KILN_MX_EXP_ZERO;
+    }
+    const int E = amax_bits >= 0x800000u ? (int)(amax_bits >> 23) - 127 : (31 - __builtin_clz(amax_bits)) - 149;
+    const __m256i one = _mm256_set1_epi32(1), zero = _mm256_setzero_si256();
+    const __m256i qmax = _mm256_set1_epi32((1 << (F + 1)) - 1), implicit = _mm256_set1_epi32(0x800000);
+    const __m256i frmask = _mm256_set1_epi32(0x7fffff), bias = _mm256_set1_epi32(150 - F + E);
+    const __m256i t_cap = _mm256_set1_epi32(26);
+    for (int v = 0; v < 4; v++) {
+        const __m256i au = _mm256_and_si256(u[v], absmask);
+        const __m256i ef = _mm256_srli_epi32(au, 23);
+        const __m256i normal = _mm256_cmpgt_epi32(ef, zero);
+        const __m256i m = _mm256_or_si256(_mm256_and_si256(au, frmask), _mm256_and_si256(normal, implicit));
+        /* sh = x + F - E with x = max(ef, 1) - 150 */
+        const __m256i sh = _mm256_sub_epi32(_mm256_max_epi32(ef, one), bias);
+        const __m256i up = _mm256_sllv_epi32(m, _mm256_max_epi32(sh, zero)); /* sh >= 0 */
+        const __m256i t = _mm256_min_epi32(_mm256_sub_epi32(zero, sh), t_cap);  /* sh < 0: t >= 1 */
+        const __m256i tq = _mm256_max_epi32(t, one);
+        __m256i q = _mm256_srlv_epi32(m, tq);
+        const __m256i rem = _mm256_and_si256(m, _mm256_sub_epi32(_mm256_sllv_epi32(one, tq), one));
+        const __m256i half = _mm256_sllv_epi32(one, _mm256_sub_epi32(tq, one));
+        /* rem, half < 2^26: signed compares are exact */
+        const __m256i inc = _mm256_or_si256(
+            _mm256_cmpgt_epi32(rem, half),
+            _mm256_and_si256(_mm256_cmpeq_epi32(rem, half), _mm256_cmpeq_epi32(_mm256_and_si256(q, one), one)));
+        q = _mm256_sub_epi32(q, inc); /* inc is -1 where it applies */
+        q = _mm256_blendv_epi8(q, up, _mm256_cmpgt_epi32(sh, _mm256_set1_epi32(-1)));
+        q = _mm256_min_epi32(q, qmax);
+        const __m256i neg = _mm256_srai_epi32(u[v], 31);
+        _mm256_storeu_si256((__m256i *)(mant + 8 * v), _mm256_sub_epi32(_mm256_xor_si256(q, neg), neg));
+    }
+    return (int16_t)E;
+}
+
 #endif /* __x86_64__ */

@@ -190,3 +190,10 @@ kiln_status kiln_mx_matmul_cpu(const kiln_mx_matrix *x, const kiln_mx_matrix *w,
     kiln_free(mem);
     return KILN_OK;
 }
+
+kiln_mx_quantize_block_fn kiln_mx_quantize_block_simd(void) {
+#if defined(__x86_64__)
+    if (kiln_cpu_select_path() != KILN_CPU_PATH_PORTABLE) return kiln_mx_quantize_block_avx2;
+#endif
+    return NULL;
+}

@@ -72,6 +72,18 @@ extern const kiln_mx_kernels kiln_mx_kernels_avx2;
 extern const kiln_mx_kernels kiln_mx_kernels_avx512vnni;
 #endif
 
+/* One full block of 32 f32 quantized to nearest even with F fraction bits (mx.h): the block's
+ * e field returned, its mantissas in mant (all 0 for a zero or non-finite block). The bits of
+ * mx.c's portable quantize_block (kiln_mx_quantize_block_ref), by the same integer arithmetic
+ * on the bit patterns (variable shifts, no floating-point mode involved); checked against it by
+ * tests/c/test_mx.c. NULL where the CPU lacks AVX2 (kiln_mx_quantize_block_simd). */
+typedef int16_t (*kiln_mx_quantize_block_fn)(const float *a, int F, int32_t mant[KILN_MX_BLOCK]);
+#if defined(__x86_64__)
+int16_t kiln_mx_quantize_block_avx2(const float *a, int F, int32_t mant[KILN_MX_BLOCK]);
+#endif
+/* The SIMD block quantizer of this CPU (KILN_CPU_PATH=portable: none), or NULL. */
+kiln_mx_quantize_block_fn kiln_mx_quantize_block_simd(void);
+
 /* The NaN of a row holding a non-finite element: the f32 0x7FC00000 (positive quiet NaN). */
 static inline float kiln_mx_nan(void) {
     union {
