@@ -268,7 +268,8 @@ static uint64_t rne_shift64(uint64_t v, int t) {
     return q;
 }
 
-float kiln_mx_round(int64_t S, int p) {
+/* kiln_mx_round (mx.h) for every S and p; the inline entry takes the common case itself. */
+float kiln_mx_round_general(int64_t S, int p) {
     if (S == 0) return 0.0f;
     if (p >= -126 && p <= 63) {
         /* (float)S (one RNE rounding) is in [1, 2^63], so (float)S 2^p is normal and finite:

@@ -120,7 +120,19 @@ void kiln_mx_element(const kiln_mx_matrix *m, int64_t j, int64_t b, int i, int32
  * gradual underflow (subnormal results are rounded once, at their own precision), +-inf when
  * the rounded magnitude reaches 2^128; S == 0 gives +0, a negative S that rounds to zero -0.
  * |S| < 2^63. The one rounding of an mx product. */
-float kiln_mx_round(int64_t S, int p);
+float kiln_mx_round_general(int64_t S, int p);
+static inline float kiln_mx_round(int64_t S, int p) {
+    if (S != 0 && p >= -126 && p <= 63) {
+        /* (float)S (one RNE rounding) is in [1, 2^63], so (float)S 2^p is normal and finite:
+         * the multiply is exact (inline: one per output of a product) */
+        union {
+            uint32_t u;
+            float f;
+        } two_p = {(uint32_t)(p + 127) << 23};
+        return (float)S * two_p.f;
+    }
+    return kiln_mx_round_general(S, p);
+}
 
 /* out(N, R) = x W^T in the exact block format: out[n * ldo + r] for x (N, K) and w (R, K) of
  * the same kind and K (ldo >= R). The SIMD path is path (KILN_CPU_PATH_* as
