@@ -17,15 +17,10 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO / "tests" / "python"))
 import kiln  # noqa: E402
+from test_smollm2 import PROMPTS  # noqa: E402 (the 5 prompts the oracle tests use)
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea,",
-    "Water boils at 100 degrees Celsius. At what temperature does it freeze?",
-    "日本の首都は",
-]
 ROLES = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output",
          "blk.0-3", "blk.26-29"]
 

@@ -143,8 +143,9 @@ static cJSON *receipt_json(const receipt *r) {
     cJSON *a = cJSON_AddObjectToObject(root, "arithmetic");
     cJSON_AddStringToObject(a, "mode", r->fast ? "fast" : "auditable");
     cJSON_AddBoolToObject(a, "batch_invariant", r->batch_invariant);
-    char *spec = malloc(strlen(r->format_rules ? r->format_rules : "") + 8);
-    if (spec) cli_format_spec(r->format, r->format_rules, spec, strlen(r->format_rules ? r->format_rules : "") + 8);
+    const size_t spec_cap = (r->format_rules ? strlen(r->format_rules) : 0) + 8; /* "mx16," + rules + NUL */
+    char *spec = malloc(spec_cap);
+    if (spec) cli_format_spec(r->format, r->format_rules, spec, spec_cap);
     cJSON_AddStringToObject(a, "format", spec ? spec : "?");
     free(spec);
     cJSON_AddStringToObject(a, "device", receipt_device_name(r->device, dev, sizeof dev));

@@ -82,15 +82,9 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
     c->params = p;
     c->params.format_rules = NULL; /* the caller's string: resolved below, not kept */
     kiln_weight_formats wf = {0};
-    kiln_status st = kiln_model_weight_formats(m, p.format_rules, p.format, "kiln_context_create", &wf);
-    if (st == KILN_OK && p.fast && p.format_rules && *p.format_rules)
-        st = kiln_error(KILN_ERR_INVALID_ARG, "kiln_context_create: formats per weight (format_rules) are an "
-                        "auditable arithmetic: not with fast");
-    if (st == KILN_OK && wf.n && p.device >= 0)
-        st = kiln_error(KILN_ERR_UNSUPPORTED, "kiln_context_create: formats per weight (format_rules) are the CPU's "
-                        "only for now: CUDA's products take one format per model (device %d)", p.device);
+    kiln_status st = kiln_model_weight_formats(m, p.format_rules, p.format, p.fast, p.device, "kiln_context_create",
+                                               &wf);
     if (st != KILN_OK) {
-        kiln_free(wf.e);
         context_destroy(c);
         return st;
     }

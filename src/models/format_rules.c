@@ -14,10 +14,6 @@
 
 static const char *const FORMAT_NAMES[] = {"f32", "mx16", "mx8"}; /* by kiln_format */
 
-const char *kiln_format_name(int format) {
-    return format >= KILN_FORMAT_F32 && format <= KILN_FORMAT_MX8 ? FORMAT_NAMES[format] : "?";
-}
-
 /* The kiln_format named by s[0..n), or -1. */
 static int format_of(const char *s, size_t n) {
     for (int f = KILN_FORMAT_F32; f <= KILN_FORMAT_MX8; f++)
@@ -151,7 +147,8 @@ static void walk_weights(walk *w, const kiln_arch_desc *a, const kiln_model_conf
     one_weight(w, head, base, -1);
 }
 
-kiln_status kiln_format_rules_resolve(const char *rules, int dflt, const kiln_arch_desc *a, const kiln_model_config *c,
+kiln_status kiln_format_rules_resolve(const char *rules, int dflt, int fast, int device, const kiln_arch_desc *a,
+                                      const kiln_model_config *c,
                                       const kiln_wref *refs, const kiln_wref *layer_refs, const kiln_tensor *head,
                                       const char *who, kiln_weight_formats *out, int *any_exact) {
     out->e = NULL;
@@ -160,6 +157,9 @@ kiln_status kiln_format_rules_resolve(const char *rules, int dflt, const kiln_ar
     if (dflt < KILN_FORMAT_F32 || dflt > KILN_FORMAT_MX8)
         return kiln_error(KILN_ERR_INVALID_ARG, "%s: format %d is not f32 (0), mx16 (1) or mx8 (2)", who, dflt);
     if (!rules || !*rules) return KILN_OK;
+    if (fast)
+        return kiln_error(KILN_ERR_INVALID_ARG, "%s: formats per weight (format_rules) are an auditable arithmetic: "
+                          "not with fast", who);
     int n_rules = 1;
     for (const char *p = rules; *p; p++) n_rules += *p == ',';
     walk w;
@@ -197,6 +197,9 @@ kiln_status kiln_format_rules_resolve(const char *rules, int dflt, const kiln_ar
         walk_weights(&w, a, c, refs, layer_refs, head);
         st = kiln_weight_formats_sort(out, who);
     }
+    if (st == KILN_OK && out->n && device >= 0)
+        st = kiln_error(KILN_ERR_UNSUPPORTED, "%s: formats per weight (format_rules) are the CPU's only for now: "
+                        "CUDA's products take one format per model (device %d)", who, device);
     if (st == KILN_OK) *any_exact = w.any_exact;
     if (st != KILN_OK) {
         kiln_free(out->e);
@@ -207,9 +210,9 @@ kiln_status kiln_format_rules_resolve(const char *rules, int dflt, const kiln_ar
     return st;
 }
 
-kiln_status kiln_model_weight_formats(kiln_model *m, const char *rules, int dflt, const char *who,
-                                      kiln_weight_formats *out) {
+kiln_status kiln_model_weight_formats(kiln_model *m, const char *rules, int dflt, int fast, int device,
+                                      const char *who, kiln_weight_formats *out) {
     int any_exact = 0;
-    return kiln_format_rules_resolve(rules, dflt, m->arch, &m->cfg, m->refs, m->layer_refs, m->lm_head, who, out,
+    return kiln_format_rules_resolve(rules, dflt, fast, device, m->arch, &m->cfg, m->refs, m->layer_refs, m->lm_head, who, out,
                                      &any_exact);
 }

@@ -864,13 +864,8 @@ kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, 
     e->m = m;
     e->p = p;
     e->p.format_rules = NULL; /* the caller's string: resolved here, not kept */
-    kiln_status rst = kiln_model_weight_formats(m, p.format_rules, p.format, "kiln_engine_create", &e->wf);
-    if (rst == KILN_OK && p.fast && p.format_rules && *p.format_rules)
-        rst = kiln_error(KILN_ERR_INVALID_ARG, "kiln_engine_create: formats per weight (format_rules) are an "
-                         "auditable arithmetic: not with fast");
-    if (rst == KILN_OK && e->wf.n && p.device >= 0)
-        rst = kiln_error(KILN_ERR_UNSUPPORTED, "kiln_engine_create: formats per weight (format_rules) are the CPU's "
-                         "only for now: CUDA's products take one format per model (device %d)", p.device);
+    kiln_status rst = kiln_model_weight_formats(m, p.format_rules, p.format, p.fast, p.device, "kiln_engine_create",
+                                                &e->wf);
     if (rst != KILN_OK) {
         engine_destroy(e);
         return rst;

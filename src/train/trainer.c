@@ -689,16 +689,10 @@ static kiln_status apply_format_rules(kiln_trainer *t, int mode) {
     const kiln_arch_desc *a = t->model->arch;
     kiln_weight_formats wf;
     int any_exact = 0;
-    KILN_TRY(kiln_format_rules_resolve(rules, t->p.format, a, &t->cfg, t->refs, t->layer_refs, t->refs[a->role_head].mat,
-                                       "kiln_trainer_create", &wf, &any_exact));
+    KILN_TRY(kiln_format_rules_resolve(rules, t->p.format, t->p.fast, t->p.device, a, &t->cfg, t->refs, t->layer_refs,
+                                       t->refs[a->role_head].mat, "kiln_trainer_create", &wf, &any_exact));
     kiln_status st = KILN_OK;
-    if (t->p.fast)
-        st = kiln_error(KILN_ERR_INVALID_ARG, "kiln_trainer_create: formats per weight (format_rules) are an auditable "
-                        "arithmetic: not with fast");
-    else if (wf.n && !t->host)
-        st = kiln_error(KILN_ERR_UNSUPPORTED, "kiln_trainer_create: formats per weight (format_rules) are the CPU's "
-                        "only for now: CUDA's products take one format per model (device %d)", t->p.device);
-    if (st == KILN_OK && wf.n) {
+    if (wf.n) {
         kiln_backend *be = NULL;
         st = kiln_backend_acquire_formats(-1, mode, t->p.n_threads, &wf, &be);
         if (st == KILN_OK) {

@@ -287,6 +287,13 @@ int kiln_train_dp_size(const kiln_trainer *t) { return t && t->dp ? t->dp->size 
 int kiln_train_dp_stage(const kiln_trainer *t) { return t && t->dp ? (t->dp->sharded ? 3 : 2) : 0; }
 int kiln_train_dp_rank(const kiln_trainer *t) { return t && t->dp ? t->dp->rank : 0; }
 
+/* KILN_DP_DEVICE_PATH=1: a CPU trainer takes a GPU trainer's path through host words (its
+ * backend's downloads and uploads are copies), so that the CPU's tests run that code. */
+static int device_path_forced(void) {
+    const char *v = getenv("KILN_DP_DEVICE_PATH");
+    return v && !strcmp(v, "1");
+}
+
 kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c, int zero_stage) {
     KILN_TRY(kiln_trainer_enter(t, "kiln_train_dp_attach"));
     if (!c) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_train_dp_attach: the communicator is NULL");
@@ -301,8 +308,7 @@ kiln_status kiln_train_dp_attach(kiln_trainer *t, kiln_comm *c, int zero_stage) 
      * (docs/DISTRIBUTED.md, "CPU and GPU ranks together"); KILN_DP_DEVICE_PATH=1 gives a CPU
      * trainer that path (its backend's download and upload are copies), for the CPU's tests */
     const int host_comm = kiln_comm_host_memory(c);
-    const char *dev_env = getenv("KILN_DP_DEVICE_PATH");
-    const int device_path = !t->host || (host_comm && dev_env && !strcmp(dev_env, "1"));
+    const int device_path = !t->host || (host_comm && device_path_forced());
     if (t->host && !host_comm)
         return kiln_error(KILN_ERR_UNSUPPORTED,
                           "kiln_train_dp_attach: a CPU trainer with the %s communicator: CPU ranks talk over MPI "
@@ -1307,8 +1313,7 @@ static kiln_status layout_whole(kiln_trainer *t, kiln_train_dp **out) {
         d->chunk = d->total < ((int64_t)1 << 22) ? d->total : ((int64_t)1 << 22);
         if (d->chunk < 1) d->chunk = 1;
         d->own = kiln_calloc((size_t)d->chunk, 4);
-        const char *dev_env = getenv("KILN_DP_DEVICE_PATH"); /* as in kiln_train_dp_attach */
-        if (!t->host || (dev_env && !strcmp(dev_env, "1"))) { /* a GPU trainer: through host words */
+        if (!t->host || device_path_forced()) { /* a GPU trainer: through host words */
             d->dev = t->be;
             d->cache_j = -1;
             d->hwords = kiln_malloc((size_t)d->chunk * 4);
