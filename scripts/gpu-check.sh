@@ -176,11 +176,13 @@ if has tests; then
     #   test_receipts        receipts made on the CPU and verified on the GPU, and the other way
     #   test_distill         distillation on the GPU: the CPU's bits, fast mode
     #   test_train_gpu_ranks one rank over NCCL (train and distill) equal to the plain GPU run
+    #   test_format_rules    formats per weight on CUDA: inference and training, the CPU's bits
     pytest_cuda test_torch_interop "pytest, numpy, torch"
     pytest_cuda test_linear_ce_api "pytest, numpy, torch"
     pytest_cuda test_receipts "pytest, numpy, torch, transformers"
     pytest_cuda test_distill "pytest, numpy, torch, transformers"
     pytest_cuda test_train_gpu_ranks "pytest, numpy, torch, transformers"
+    pytest_cuda test_format_rules "pytest, numpy, torch, transformers"
 fi
 
 # compare_runs LABEL JSON_A JSON_B...: greedy ids of the first equal to each other's? one line

@@ -55,7 +55,7 @@ static const char *generate_help =
     "      --format F         f32 (default) | mx16 | mx8: the matrix products in an exact block\n"
     "                         format (integer products, one rounding; the same bits on\n"
     "                         cpu and cuda; docs/ARITHMETIC.md, \"Exact block formats\"),\n"
-    "                         then per-weight rules, the last match winning (the CPU's only):\n"
+    "                         then per-weight rules, the last match winning:\n"
     "                         mx8,output=mx16,attn_v=mx16,blk.0-3.ffn_down=f32\n"
     "      --device D         cpu (default), cuda or cuda:N: run on CUDA GPU N (same bits as cpu)\n"
     "      --json             print one JSON object: prompt_ids, ids, text, timings\n"

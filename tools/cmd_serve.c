@@ -25,7 +25,7 @@ static const char *serve_help =
     "                           CPU's --fast is that already; CUDA's --fast refuses it)\n"
     "      --format F           f32 (default) | mx16 | mx8: the products in an exact block format\n"
     "                           (the same bits on cpu and cuda; docs/ARITHMETIC.md), then\n"
-    "                           per-weight rules (the CPU's only): mx8,output=mx16,attn_v=mx16\n"
+    "                           per-weight rules: mx8,output=mx16,attn_v=mx16\n"
     "  -t, --threads N          CPU threads (default: all cores)\n"
     "      --host ADDR          address to listen on (default 127.0.0.1)\n"
     "      --port N             port (default 8080; 0: any free port, printed)\n"

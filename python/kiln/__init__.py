@@ -803,8 +803,7 @@ class Context(_Handle):
         logits never depend on the batch (kiln serve --fast --batch-invariant's arithmetic).
         format: "f32" (default), "mx16" or "mx8": the matrix products in an exact block format
         (docs/ARITHMETIC.md, "Exact block formats"; the same bits on the CPU and CUDA), then
-        optional per-weight rules, as `kiln generate --format`: "mx8,output=mx16,blk.0=f32"
-        (the CPU's only for now)."""
+        optional per-weight rules, as `kiln generate --format`: "mx8,output=mx16,blk.0=f32"."""
         fmt, rules = _format_spec(format)
         self._lib = load_library()
         p = self._lib.kiln_context_default_params()
@@ -1013,7 +1012,7 @@ class Trainer(_Handle):
         p.n_extra, p.extra = len(extra), C.cast(ext, C.c_void_p)
         # format: the matrix products forward and backward in f32 (auditable) or an exact block
         # format ("mx16", "mx8"; the same bits on the CPU and CUDA; docs/ARITHMETIC.md), then
-        # optional per-weight rules ("mx8,output=mx16"; the CPU's only for now)
+        # optional per-weight rules ("mx8,output=mx16")
         p.format, p.format_rules = _format_spec(format)
         # format_rounding: with an exact format, the backward's gradients quantized to nearest
         # even (default) or stochastically, seeded by seed, the step and the micro-batch

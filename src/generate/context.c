@@ -82,7 +82,7 @@ kiln_status kiln_context_create(kiln_model *m, const kiln_context_params *params
     c->params = p;
     c->params.format_rules = NULL; /* the caller's string: resolved below, not kept */
     kiln_weight_formats wf = {0};
-    kiln_status st = kiln_model_weight_formats(m, p.format_rules, p.format, p.fast, p.device, "kiln_context_create",
+    kiln_status st = kiln_model_weight_formats(m, p.format_rules, p.format, p.fast, "kiln_context_create",
                                                &wf);
     if (st != KILN_OK) {
         context_destroy(c);

@@ -147,7 +147,7 @@ static void walk_weights(walk *w, const kiln_arch_desc *a, const kiln_model_conf
     one_weight(w, head, base, -1);
 }
 
-kiln_status kiln_format_rules_resolve(const char *rules, int dflt, int fast, int device, const kiln_arch_desc *a,
+kiln_status kiln_format_rules_resolve(const char *rules, int dflt, int fast, const kiln_arch_desc *a,
                                       const kiln_model_config *c,
                                       const kiln_wref *refs, const kiln_wref *layer_refs, const kiln_tensor *head,
                                       const char *who, kiln_weight_formats *out, int *any_exact) {
@@ -197,9 +197,6 @@ kiln_status kiln_format_rules_resolve(const char *rules, int dflt, int fast, int
         walk_weights(&w, a, c, refs, layer_refs, head);
         st = kiln_weight_formats_sort(out, who);
     }
-    if (st == KILN_OK && out->n && device >= 0)
-        st = kiln_error(KILN_ERR_UNSUPPORTED, "%s: formats per weight (format_rules) are the CPU's only for now: "
-                        "CUDA's products take one format per model (device %d)", who, device);
     if (st == KILN_OK) *any_exact = w.any_exact;
     if (st != KILN_OK) {
         kiln_free(out->e);
@@ -210,9 +207,9 @@ kiln_status kiln_format_rules_resolve(const char *rules, int dflt, int fast, int
     return st;
 }
 
-kiln_status kiln_model_weight_formats(kiln_model *m, const char *rules, int dflt, int fast, int device,
-                                      const char *who, kiln_weight_formats *out) {
+kiln_status kiln_model_weight_formats(kiln_model *m, const char *rules, int dflt, int fast, const char *who,
+                                      kiln_weight_formats *out) {
     int any_exact = 0;
-    return kiln_format_rules_resolve(rules, dflt, fast, device, m->arch, &m->cfg, m->refs, m->layer_refs, m->lm_head, who, out,
+    return kiln_format_rules_resolve(rules, dflt, fast, m->arch, &m->cfg, m->refs, m->layer_refs, m->lm_head, who, out,
                                      &any_exact);
 }

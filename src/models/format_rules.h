@@ -21,22 +21,19 @@
 #include "arch.h"
 
 /* Resolve rules (comma-separated SELECTOR=FORMAT; NULL or "": none), for an engine in fast mode
- * or not on device (-1: the CPU), for architecture a with
- * config c over its weights refs / layer_refs (as kiln_wref_of reads them) and head (the
+ * or not, on either device, for architecture a with config c over its weights refs / layer_refs (as kiln_wref_of reads them) and head (the
  * tensor the head's product takes) into *out: every matrix whose format differs from dflt,
  * sorted (kiln_weight_formats_sort). out->e is kiln_malloc'd (kiln_free; NULL when n is 0).
  * *any_exact: whether any product (dflt's included) runs in an exact format. Errors
  * (KILN_ERR_INVALID_ARG) name who, the rule and what was wrong; rules with fast are refused
- * (KILN_ERR_INVALID_ARG: formats are an auditable arithmetic), and a table on a CUDA device
- * (KILN_ERR_UNSUPPORTED: the CPU's only for now). */
-kiln_status kiln_format_rules_resolve(const char *rules, int dflt, int fast, int device, const kiln_arch_desc *a,
+ * (KILN_ERR_INVALID_ARG: formats are an auditable arithmetic). */
+kiln_status kiln_format_rules_resolve(const char *rules, int dflt, int fast, const kiln_arch_desc *a,
                                       const kiln_model_config *c,
                                       const kiln_wref *refs, const kiln_wref *layer_refs, const kiln_tensor *head,
                                       const char *who, kiln_weight_formats *out, int *any_exact);
 
 /* kiln_format_rules_resolve over model m's own weights (inference: contexts, engines). */
 struct kiln_model;
-kiln_status kiln_model_weight_formats(struct kiln_model *m, const char *rules, int dflt, int fast, int device,
-                                      const char *who, kiln_weight_formats *out);
+kiln_status kiln_model_weight_formats(struct kiln_model *m, const char *rules, int dflt, int fast, const char *who, kiln_weight_formats *out);
 
 #endif /* KILN_MODELS_FORMAT_RULES_H */

@@ -9,6 +9,7 @@
  * one); its current users keep seeing the error, as the poisoning contract says.
  */
 #include "ops.h"
+#include "mx.h"
 
 #include <pthread.h>
 #include <stdint.h>
@@ -78,6 +79,11 @@ int kiln_weight_formats_find(const kiln_weight_formats *t, const void *data, int
     return (uintptr_t)e->data <= a && a < (uintptr_t)e->data + e->nbytes ? e->format : dflt;
 }
 
+int kiln_weight_formats_kind(const kiln_weight_formats *t, const void *data, int mode_kind) {
+    const int f = kiln_weight_formats_find(t, data, -1);
+    return f < 0 ? mode_kind : f == KILN_FORMAT_MX16 ? KILN_MX16 : f == KILN_FORMAT_MX8 ? KILN_MX8 : 0;
+}
+
 static int same_formats(const shared_backend *s, const kiln_weight_formats *t) {
     const int n = t ? t->n : 0;
     return s->n_formats == n && (!n || !memcmp(s->formats, t->e, (size_t)n * sizeof *t->e));
@@ -104,9 +110,6 @@ kiln_status kiln_backend_acquire_formats(int device, int mode, int n_threads, co
                           "products tile by the batch's size (use the auditable mode, which is batch-invariant on CUDA too)");
     if (t && (mode == KILN_MODE_FAST || mode == KILN_MODE_FAST_INVARIANT))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_acquire: formats per weight are an auditable arithmetic: not with fast");
-    if (t && device >= 0)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "formats per weight are the CPU's only for now: CUDA's products take one "
-                          "format per backend (give one format for the whole model, or run on the CPU)");
     pthread_mutex_lock(&g_lock);
     for (shared_backend *s = g_shared; s; s = s->next) {
         if (s->device != device || s->mode != mode || s->n_threads != n_threads || !same_formats(s, t)) continue;
@@ -128,7 +131,7 @@ kiln_status kiln_backend_acquire_formats(int device, int mode, int n_threads, co
         }
     }
     if (st == KILN_OK)
-        st = device >= 0 ? kiln_backend_cuda_create_mode(device, mode, &s->be)
+        st = device >= 0 ? kiln_backend_cuda_create_formats(device, mode, t, &s->be)
                          : kiln_backend_cpu_create_formats(n_threads, mode, t, &s->be);
     if (st == KILN_OK) {
         s->device = device;

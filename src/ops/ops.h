@@ -686,15 +686,20 @@ typedef struct kiln_weight_formats {
 kiln_status kiln_weight_formats_sort(kiln_weight_formats *t, const char *who);
 /* The format of the weight whose range holds data, or dflt when t has none. */
 int kiln_weight_formats_find(const kiln_weight_formats *t, const void *data, int dflt);
+/* The same as a kiln_mx_kind (mx.h; 0: the auditable f32 product), mode_kind when t has none:
+ * the kind a backend's product on the weight at data runs in. */
+int kiln_weight_formats_kind(const kiln_weight_formats *t, const void *data, int mode_kind);
 /* kiln_backend_acquire with per-weight formats (t NULL or empty: kiln_backend_acquire): the
  * backend is shared only by engines of equal tables; mode is one of the auditable ones
- * (AUDITABLE, MX16, MX8: the format of every other weight). On CUDA a table is refused
- * (KILN_ERR_UNSUPPORTED): its products read one format per backend for now. */
+ * (AUDITABLE, MX16, MX8: the format of every other weight), on the CPU or a CUDA device. */
 kiln_status kiln_backend_acquire_formats(int device, int mode, int n_threads, const kiln_weight_formats *t,
                                          kiln_backend **out);
 /* The CPU backend in a mode with per-weight formats (t copied; NULL: none). */
 kiln_status kiln_backend_cpu_create_formats(int n_threads, int mode, const kiln_weight_formats *t,
                                             kiln_backend **out);
+/* kiln_backend_cuda_create_mode with per-weight formats (t copied; NULL or empty: none; mode
+ * an auditable one: AUDITABLE, MX16, MX8). */
+kiln_status kiln_backend_cuda_create_formats(int device, int mode, const kiln_weight_formats *t, kiln_backend **out);
 /* Every shared backend drops what it cached of host memory [host, host + nbytes) (a device
  * backend's weight copies): called when that memory goes away (a model closes), so a later
  * allocation at the same address is never mistaken for it. */

@@ -864,7 +864,7 @@ kiln_status kiln_engine_create(kiln_model *m, const kiln_engine_params *params, 
     e->m = m;
     e->p = p;
     e->p.format_rules = NULL; /* the caller's string: resolved here, not kept */
-    kiln_status rst = kiln_model_weight_formats(m, p.format_rules, p.format, p.fast, p.device, "kiln_engine_create",
+    kiln_status rst = kiln_model_weight_formats(m, p.format_rules, p.format, p.fast, "kiln_engine_create",
                                                 &e->wf);
     if (rst != KILN_OK) {
         engine_destroy(e);

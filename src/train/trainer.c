@@ -680,21 +680,25 @@ static kiln_status trainer_create(kiln_model *m, const kiln_train_params *params
 }
 
 /* Formats per weight (p.format_rules): resolved against the trainer's own weights, whose
- * addresses exist only once they are allocated, then the CPU backend taken again with the
- * table (host memory: what the first one allocated is kiln_malloc's, freed alike by any CPU
- * backend). t->mx: whether any product runs in an exact format. */
+ * addresses exist only once they are allocated, then the backend taken again with the table,
+ * on the same device (what the first one allocated is kiln_malloc's on the CPU, cudaMalloc's
+ * on a GPU: freed alike by any backend of that device; the first one's work is waited for,
+ * as the second runs on a stream of its own). t->mx: whether any product runs in an exact
+ * format. */
 static kiln_status apply_format_rules(kiln_trainer *t, int mode) {
     const char *rules = t->p.format_rules;
     if (!rules || !*rules) return KILN_OK;
     const kiln_arch_desc *a = t->model->arch;
     kiln_weight_formats wf;
     int any_exact = 0;
-    KILN_TRY(kiln_format_rules_resolve(rules, t->p.format, t->p.fast, t->p.device, a, &t->cfg, t->refs, t->layer_refs,
+    KILN_TRY(kiln_format_rules_resolve(rules, t->p.format, t->p.fast, a, &t->cfg, t->refs, t->layer_refs,
                                        t->refs[a->role_head].mat, "kiln_trainer_create", &wf, &any_exact));
     kiln_status st = KILN_OK;
     if (wf.n) {
         kiln_backend *be = NULL;
-        st = kiln_backend_acquire_formats(-1, mode, t->p.n_threads, &wf, &be);
+        st = kiln_backend_status(t->be);
+        if (st == KILN_OK)
+            st = kiln_backend_acquire_formats(t->p.device, mode, t->p.device >= 0 ? 0 : t->p.n_threads, &wf, &be);
         if (st == KILN_OK) {
             kiln_backend_release(t->be);
             t->be = be;

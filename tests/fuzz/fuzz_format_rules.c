@@ -43,7 +43,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
     kiln_weight_formats wf;
     int any = 0;
-    kiln_status st = kiln_format_rules_resolve(rules, dflt, 0, -1, a, &c, refs, layer_refs, &t[n_t], "fuzz", &wf, &any);
+    kiln_status st = kiln_format_rules_resolve(rules, dflt, 0, a, &c, refs, layer_refs, &t[n_t], "fuzz", &wf, &any);
     if (st != KILN_OK) {
         if (wf.e || wf.n || !kiln_last_error()[0]) __builtin_trap();
     } else {

@@ -99,14 +99,12 @@ def test_refusals(model):  # noqa: F811
         kiln.Context(model, format="mx4,output=f32")
     with pytest.raises(kiln.KilnError, match="not with fast"):
         kiln.Context(model, format="f32,output=mx16", fast=True)
-    # CUDA's products take one format a model: refused before any device is asked for
-    with pytest.raises(kiln.KilnError, match="CPU's only"):
-        kiln.Context(model, format="mx8,output=mx16", device=0)
-    # rules that leave every weight in the base format are no table at all: CUDA may take them
+    # CUDA takes the rules too (test_cuda_rules_are_the_cpu_bits): without a GPU the refusal
+    # is the device's, not the rules'
     try:
-        kiln.Context(model, format="mx8,output=mx8", device=0).close()
+        kiln.Context(model, format="mx8,output=mx16", device=0).close()
     except kiln.KilnError as e:
-        assert "CUDA" in str(e) and "CPU's only" not in str(e), str(e)
+        assert "CUDA" in str(e) and "format rule" not in str(e), str(e)
 
 
 def test_cli_spec_and_receipt(smollm2_gguf, build_dir, tmp_path):
@@ -131,8 +129,9 @@ def test_cli_spec_and_receipt(smollm2_gguf, build_dir, tmp_path):
     assert u.returncode != 0 and "format rule 'ffn=f32' selects no weight matrix" in u.stderr, u.stderr
 
 
-def train_losses(m, fmt, steps=4, rounding="nearest"):
-    tr = kiln.Trainer(m, max_seq=32, n_threads=2, max_batch=2, format=fmt, lr=3e-3, format_rounding=rounding)
+def train_losses(m, fmt, steps=4, rounding="nearest", device=-1):
+    tr = kiln.Trainer(m, max_seq=32, n_threads=2, max_batch=2, format=fmt, lr=3e-3, format_rounding=rounding,
+                      device=device)
     rng = np.random.default_rng(0)
     out = []
     for s in range(steps):
@@ -159,3 +158,52 @@ def test_training_with_rules(tiny):  # noqa: F811
     assert np.isfinite(sr).all() and not np.array_equal(bits(sr), bits(train_losses(m, "f32,attn_v=mx8")))
     with pytest.raises(kiln.KilnError, match="format rule 'blk.9=mx8'"):
         kiln.Trainer(m, max_seq=16, format="f32,blk.9=mx8")
+
+
+def has_cuda(m):
+    try:
+        kiln.Context(m, n_ctx=16, device=0).close()
+        return True
+    except kiln.KilnError:
+        return False
+
+
+# Specs whose calls mix formats within one product call (q/k/v, gate/up: composed), give a
+# whole call another format (ffn_gate and ffn_up both mx8: the format's fused products) or an f32
+# call inside an exact base, and move the head (tied or not) to another format.
+CUDA_SPECS = ["mx8,attn_v=mx16,blk.0=f32,output=mx16", "f32,ffn_up=mx8,attn_q=mx16",
+              "mx16,ffn_gate=mx8,ffn_up=mx8,blk.1.attn_k=f32,output=f32"]
+
+
+def test_cuda_rules_are_the_cpu_bits(tiny):  # noqa: F811
+    """Formats per weight on CUDA: every prefill row and decode step's logits bit-identical to
+    the CPU's (the per-weight lookup in matmul, the products op that composes a call of mixed
+    formats, the head's format)."""
+    _, m = tiny
+    if not has_cuda(m):
+        pytest.skip("no CUDA device")
+    rng = np.random.default_rng(1)
+    ids = [int(i) for i in rng.integers(3, m.n_vocab, size=19)]
+    steps = [int(i) for i in rng.integers(3, m.n_vocab, size=4)]
+    for spec in CUDA_SPECS:
+        got = {}
+        for dev in (-1, 0):
+            with kiln.Context(m, n_ctx=64, n_threads=2, format=spec, device=dev) as ctx:
+                rows = [ctx.decode(ids, all_logits=True)] + [ctx.decode([t], all_logits=True) for t in steps]
+                got[dev] = np.concatenate(rows)
+        assert np.array_equal(bits(got[0]), bits(got[-1])), spec
+        assert np.isfinite(got[0]).all()
+
+
+def test_cuda_training_with_rules(tiny):  # noqa: F811
+    """Training with rules on CUDA: the CPU's losses bit for bit, the fused loss's head in
+    another format than the base (f32 head copies on an mx base, an mx head on an f32 base) and
+    stochastic rounding keyed by the weights in a format."""
+    _, m = tiny
+    if not has_cuda(m):
+        pytest.skip("no CUDA device")
+    for spec, rounding in (("mx16,output=f32", "nearest"), ("f32,output=mx8,attn_v=mx16", "nearest"),
+                           ("f32,attn_v=mx8,blk.0.ffn_down=mx16", "stochastic")):
+        cpu = train_losses(m, spec, rounding=rounding)
+        gpu = train_losses(m, spec, rounding=rounding, device=0)
+        assert np.array_equal(bits(gpu), bits(cpu)), (spec, rounding, cpu, gpu)

@@ -61,9 +61,7 @@ static cpu_ctx *ctx_of(kiln_backend *be) { return (cpu_ctx *)be->ctx; }
 /* The kiln_mx_kind W's products take (0: the auditable f32 product): its entry in the
  * per-weight table, else the mode's. */
 static int kind_of(const cpu_ctx *c, const kiln_tensor *W) {
-    if (!c->wf.n) return c->mx;
-    const int f = kiln_weight_formats_find(&c->wf, W->data, -1);
-    return f < 0 ? c->mx : f == KILN_FORMAT_MX16 ? KILN_MX16 : f == KILN_FORMAT_MX8 ? KILN_MX8 : 0;
+    return kiln_weight_formats_kind(&c->wf, W->data, c->mx);
 }
 
 /* Split [0, n) into n_tasks contiguous ranges whose starts are multiples of align. */

@@ -89,6 +89,9 @@ typedef struct cuda_ctx {
     /* an exact format's mode (KILN_MODE_MX16 / MX8; cuda_mx.h): every matmul and
      * matmul_backward in it, as the CPU backend's. mx is KILN_MX16 / KILN_MX8, 0 otherwise. */
     int mx;
+    /* formats per weight (ops.h kiln_weight_formats; a copy, keyed by the address an op is
+     * handed): a weight in it takes its format's product, any other the mode's (mx) */
+    kiln_weight_formats wf;
     struct mx_weight *mx_w; /* the weights quantized (W, or W^T for dx), made on first use */
     size_t n_mx_w, cap_mx_w;
     void *mx_a, *mx_b;    /* the quantized activations (bytes, grown outside graph capture) */
@@ -106,6 +109,12 @@ typedef struct cu_graph {
 } cu_graph;
 
 static cuda_ctx *ctx_of(kiln_backend *be) { return (cuda_ctx *)be->ctx; }
+
+/* The kiln_mx_kind W's products take (0: the auditable f32 product): its entry in the
+ * per-weight table, else the mode's. */
+static int kind_of(const cuda_ctx *c, const kiln_tensor *W) {
+    return kiln_weight_formats_kind(&c->wf, W->data, c->mx);
+}
 
 /* Record the first error (later ones are consequences) and set this thread's message. */
 static void poison(cuda_ctx *c, kiln_status st, const char *fmt, ...) KILN_PRINTF(3, 4);
@@ -295,8 +304,7 @@ static bool capturing(cuda_ctx *c) {
 static bool mx_reserve(cuda_ctx *c, void **buf, size_t *cap, size_t need, bool zero, const char *what) {
     if (need <= *cap) return true;
     if (capturing(c)) {
-        poison(c, KILN_ERR_STATE, "%s (mx%d): %zu bytes of scratch needed while a graph is recorded", what, c->mx,
-               need);
+        poison(c, KILN_ERR_STATE, "%s: %zu bytes of scratch needed while a graph is recorded", what, need);
         return false;
     }
     if (*buf) {
@@ -313,31 +321,32 @@ static bool mx_reserve(cuda_ctx *c, void **buf, size_t *cap, size_t need, bool z
     return true;
 }
 
-/* W (or W^T) in the backend's format: from the cache, or dequantized to f32 (tensor.c's
+/* W (or W^T) in format kind: from the cache, or dequantized to f32 (tensor.c's
  * values: kiln_cuda_embed of every row) and quantized now. NULL when poisoned. */
-static const kiln_cuda_mx *mx_weight_of(cuda_ctx *c, const kiln_tensor *W, const uint8_t *w, size_t rb,
+static const kiln_cuda_mx *mx_weight_of(cuda_ctx *c, int kind, const kiln_tensor *W, const uint8_t *w, size_t rb,
                                         int64_t R, int64_t C, int transposed) {
     const uint8_t *key = (const uint8_t *)W->data;
     for (size_t i = 0; i < c->n_mx_w; i++) {
         const mx_weight *e = &c->mx_w[i];
-        if (e->key == key && e->R == R && e->C == C && e->dt == W->dtype && e->transposed == transposed)
+        if (e->key == key && e->R == R && e->C == C && e->dt == W->dtype && e->transposed == transposed &&
+            e->m.kind == kind)
             return &e->m;
     }
     const char *name = W->name ? W->name : "?";
     if (capturing(c)) {
         poison(c, KILN_ERR_STATE, "matmul (mx%d) '%s': first used while a graph is recorded (run the step once "
-               "before recording it)", c->mx, name);
+               "before recording it)", kind, name);
         return NULL;
     }
     if (R > INT_MAX) {
-        poison(c, KILN_ERR_UNSUPPORTED, "matmul (mx%d) '%s': %lld rows", c->mx, name, (long long)R);
+        poison(c, KILN_ERR_UNSUPPORTED, "matmul (mx%d) '%s': %lld rows", kind, name, (long long)R);
         return NULL;
     }
     if (c->n_mx_w == c->cap_mx_w) {
         size_t cap = c->cap_mx_w ? 2 * c->cap_mx_w : 64;
         mx_weight *t = (mx_weight *)kiln_realloc(c->mx_w, cap * sizeof *t);
         if (!t) {
-            poison(c, KILN_ERR_NOMEM, "matmul (mx%d) '%s': out of host memory", c->mx, name);
+            poison(c, KILN_ERR_NOMEM, "matmul (mx%d) '%s': out of host memory", kind, name);
             return NULL;
         }
         c->mx_w = t;
@@ -345,9 +354,9 @@ static const kiln_cuda_mx *mx_weight_of(cuda_ctx *c, const kiln_tensor *W, const
     }
     mx_weight e;
     memset(&e, 0, sizeof e);
-    cudaError_t err = kiln_cuda_mx_alloc(&e.m, c->mx, transposed ? C : R, transposed ? R : C);
+    cudaError_t err = kiln_cuda_mx_alloc(&e.m, kind, transposed ? C : R, transposed ? R : C);
     if (err != cudaSuccess) {
-        poison(c, KILN_ERR_NOMEM, "matmul (mx%d) '%s': the quantized weight (%lld x %lld): %s", c->mx, name,
+        poison(c, KILN_ERR_NOMEM, "matmul (mx%d) '%s': the quantized weight (%lld x %lld): %s", kind, name,
                (long long)R, (long long)C, cudaGetErrorString(err));
         return NULL;
     }
@@ -369,7 +378,7 @@ static const kiln_cuda_mx *mx_weight_of(cuda_ctx *c, const kiln_tensor *W, const
     }
     if (err != cudaSuccess) {
         kiln_cuda_mx_free(&e.m);
-        poison(c, KILN_ERR_INTERNAL, "matmul (mx%d) '%s': quantizing the weight: %s", c->mx, name,
+        poison(c, KILN_ERR_INTERNAL, "matmul (mx%d) '%s': quantizing the weight: %s", kind, name,
                cudaGetErrorString(err));
         return NULL;
     }
@@ -383,13 +392,13 @@ static const kiln_cuda_mx *mx_weight_of(cuda_ctx *c, const kiln_tensor *W, const
     return &c->mx_w[c->n_mx_w - 1].m;
 }
 
-/* The quantized (rows, K) activation a (element (j, k) at a[j * s_row + k * s_col]) in the
- * scratch *buf. false when poisoned. */
-static bool mx_activation(cuda_ctx *c, kiln_cuda_mx *m, void **buf, size_t *cap, const float *a, int64_t rows,
-                          int64_t K, int64_t s_row, int64_t s_col, int stochastic, uint64_t tensor_id,
+/* The quantized (rows, K) activation a (element (j, k) at a[j * s_row + k * s_col]) in kind,
+ * in the scratch *buf. false when poisoned. */
+static bool mx_activation(cuda_ctx *c, int kind, kiln_cuda_mx *m, void **buf, size_t *cap, const float *a,
+                          int64_t rows, int64_t K, int64_t s_row, int64_t s_col, int stochastic, uint64_t tensor_id,
                           const char *what) {
-    if (!mx_reserve(c, buf, cap, kiln_cuda_mx_bytes(c->mx, rows, K), false, what)) return false;
-    kiln_cuda_mx_view(m, *buf, c->mx, rows, K);
+    if (!mx_reserve(c, buf, cap, kiln_cuda_mx_bytes(kind, rows, K), false, what)) return false;
+    kiln_cuda_mx_view(m, *buf, kind, rows, K);
     after_launch(c, kiln_cuda_mx_quantize(c->stream, m, a, s_row, s_col, stochastic, c->sr_key, tensor_id), what);
     return c->err == KILN_OK;
 }
@@ -403,17 +412,17 @@ static void mx_product(cuda_ctx *c, const kiln_cuda_mx *x, const kiln_cuda_mx *w
     after_launch(c, kiln_cuda_mx_matmul(c->stream, x, w, out, w->rows, bias, res, accumulate, c->mx_ws), what);
 }
 
-/* ops.h's matmul in the format: out(N, R) = mx(x W^T) + bias, the CPU backend's bits. */
-static void cu_matmul_mx(cuda_ctx *c, float *out, const float *x, const kiln_tensor *W, const uint8_t *w, size_t rb,
-                         int64_t R, int64_t C, const float *bias, int N) {
+/* ops.h's matmul in format kind: out(N, R) = mx(x W^T) + bias, the CPU backend's bits. */
+static void cu_matmul_mx(cuda_ctx *c, int kind, float *out, const float *x, const kiln_tensor *W, const uint8_t *w,
+                         size_t rb, int64_t R, int64_t C, const float *bias, int N) {
     if (C > KILN_MX_MAX_K) {
         poison(c, KILN_ERR_UNSUPPORTED, "matmul (mx%d) '%s': the reduction (%lld) is longer than the format's "
-               "limit (262,144)", c->mx, W->name ? W->name : "?", (long long)C);
+               "limit (262,144)", kind, W->name ? W->name : "?", (long long)C);
         return;
     }
-    const kiln_cuda_mx *wm = mx_weight_of(c, W, w, rb, R, C, 0);
+    const kiln_cuda_mx *wm = mx_weight_of(c, kind, W, w, rb, R, C, 0);
     kiln_cuda_mx xm;
-    if (!wm || !mx_activation(c, &xm, &c->mx_a, &c->cap_mx_a, x, N, C, C, 1, 0, 0, "matmul (mx)")) return;
+    if (!wm || !mx_activation(c, kind, &xm, &c->mx_a, &c->cap_mx_a, x, N, C, C, 1, 0, 0, "matmul (mx)")) return;
     mx_product(c, &xm, wm, out, bias, NULL, 0, "matmul (mx)");
 }
 
@@ -422,7 +431,7 @@ static void cu_matmul_mx(cuda_ctx *c, float *out, const float *x, const kiln_ten
  * W) with dy quantized along R and W^T (cached) along R; dW += mx(dy^T x) with dy^T and x^T
  * quantized along the tokens; dy and dy^T stochastically under grad_rounding (tensor ids
  * sr_id and sr_id + 1). */
-static void cu_matmul_backward_mx(cuda_ctx *c, uint64_t sr_id, float *dx, float *dW, float *dbias, const float *dy,
+static void cu_matmul_backward_mx(cuda_ctx *c, int kind, uint64_t sr_id, float *dx, float *dW, float *dbias, const float *dy,
                                   const float *x, const kiln_tensor *W, const uint8_t *w, size_t rb, int64_t R,
                                   int64_t C, int N, bool accumulate_dx) {
     if (dbias)
@@ -430,22 +439,22 @@ static void cu_matmul_backward_mx(cuda_ctx *c, uint64_t sr_id, float *dx, float 
                      "matmul_backward (mx) dbias");
     if (R > KILN_MX_MAX_K || N > KILN_MX_MAX_K) {
         poison(c, KILN_ERR_UNSUPPORTED, "matmul_backward (mx%d) '%s': the backward's reduction is longer than the "
-               "format's limit (262,144)", c->mx, W->name ? W->name : "?");
+               "format's limit (262,144)", kind, W->name ? W->name : "?");
         return;
     }
     if (dx && c->err == KILN_OK) {
-        const kiln_cuda_mx *wt = mx_weight_of(c, W, w, rb, R, C, 1);
+        const kiln_cuda_mx *wt = mx_weight_of(c, kind, W, w, rb, R, C, 1);
         kiln_cuda_mx q;
-        if (!wt || !mx_activation(c, &q, &c->mx_a, &c->cap_mx_a, dy, N, R, R, 1, c->sr_on, sr_id,
+        if (!wt || !mx_activation(c, kind, &q, &c->mx_a, &c->cap_mx_a, dy, N, R, R, 1, c->sr_on, sr_id,
                                   "matmul_backward (mx) dy"))
             return;
         mx_product(c, &q, wt, dx, NULL, NULL, accumulate_dx, "matmul_backward (mx) dx");
     }
     if (dW && c->err == KILN_OK) {
         kiln_cuda_mx qd, qx;
-        if (!mx_activation(c, &qd, &c->mx_a, &c->cap_mx_a, dy, R, N, 1, R, c->sr_on, sr_id + 1,
+        if (!mx_activation(c, kind, &qd, &c->mx_a, &c->cap_mx_a, dy, R, N, 1, R, c->sr_on, sr_id + 1,
                            "matmul_backward (mx) dy^T") ||
-            !mx_activation(c, &qx, &c->mx_b, &c->cap_mx_b, x, C, N, 1, C, 0, 0, "matmul_backward (mx) x^T"))
+            !mx_activation(c, kind, &qx, &c->mx_b, &c->cap_mx_b, x, C, N, 1, C, 0, 0, "matmul_backward (mx) x^T"))
             return;
         mx_product(c, &qd, &qx, dW, NULL, NULL, 1, "matmul_backward (mx) dW");
     }
@@ -455,7 +464,7 @@ static void cu_matmul_backward_mx(cuda_ctx *c, uint64_t sr_id, float *dx, float 
  * with x normed and quantized once for all the call's products (kiln_cuda_mx_quantize_norm: no
  * normed copy), each bias and residual added in its product's epilogue (a residual that is
  * the output itself is added after, as the composition does). */
-static void cu_products_mx(kiln_backend *be, const float *x, const kiln_products *p, int N) {
+static void products_mx(kiln_backend *be, int kind, const float *x, const kiln_products *p, int N) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
     const int n = p->n;
@@ -463,12 +472,12 @@ static void cu_products_mx(kiln_backend *be, const float *x, const kiln_products
     const kiln_tensor *Ws[2] = {p->W[0], p->up};
     const int n_w = p->up ? 2 : n;
     if (n < 1 || n > KILN_MATMUL_MULTI_MAX || (p->up && n != 1)) {
-        poison(c, KILN_ERR_INVALID_ARG, "products (mx%d): %d products%s", c->mx, n, p->up ? " with a pair" : "");
+        poison(c, KILN_ERR_INVALID_ARG, "products (mx%d): %d products%s", kind, n, p->up ? " with a pair" : "");
         return;
     }
     if (C > KILN_MX_MAX_K) {
         poison(c, KILN_ERR_UNSUPPORTED, "products (mx%d): the reduction (%lld) is longer than the format's limit "
-               "(262,144)", c->mx, (long long)C);
+               "(262,144)", kind, (long long)C);
         return;
     }
     const kiln_cuda_mx *wm[KILN_MATMUL_MULTI_MAX];
@@ -476,17 +485,17 @@ static void cu_products_mx(kiln_backend *be, const float *x, const kiln_products
         const kiln_tensor *W = p->up ? Ws[i] : p->W[i];
         const int64_t Ci = W->shape[W->n_dims - 1], R = Ci > 0 ? kiln_tensor_nelements(W) / Ci : 0;
         if (Ci != C || !kiln_cuda_dtype_supported(W->dtype)) {
-            poison(c, KILN_ERR_UNSUPPORTED, "products (mx%d): weight '%s' (%s, width %lld, the input's %lld)", c->mx,
+            poison(c, KILN_ERR_UNSUPPORTED, "products (mx%d): weight '%s' (%s, width %lld, the input's %lld)", kind,
                    W->name ? W->name : "?", kiln_dtype_name(W->dtype), (long long)Ci, (long long)C);
             return;
         }
         const size_t rb = row_bytes_of(W->dtype, C);
         const uint8_t *w = weight_dev(c, W->data, (size_t)R * rb, W->name);
-        if (!w || !(wm[i] = mx_weight_of(c, W, w, rb, R, C, 0))) return;
+        if (!w || !(wm[i] = mx_weight_of(c, kind, W, w, rb, R, C, 0))) return;
     }
     kiln_cuda_mx xm;
-    if (!mx_reserve(c, &c->mx_a, &c->cap_mx_a, kiln_cuda_mx_bytes(c->mx, N, C), false, "products (mx)")) return;
-    kiln_cuda_mx_view(&xm, c->mx_a, c->mx, N, C);
+    if (!mx_reserve(c, &c->mx_a, &c->cap_mx_a, kiln_cuda_mx_bytes(kind, N, C), false, "products (mx)")) return;
+    kiln_cuda_mx_view(&xm, c->mx_a, kind, N, C);
     after_launch(c, p->norm_w ? kiln_cuda_mx_quantize_norm(c->stream, &xm, x, p->norm_w, p->eps)
                               : kiln_cuda_mx_quantize(c->stream, &xm, x, C, 1, 0, 0, 0),
                  "products (mx): the input");
@@ -509,10 +518,38 @@ static void cu_products_mx(kiln_backend *be, const float *x, const kiln_products
     }
 }
 
+static void cu_products_mx(kiln_backend *be, const float *x, const kiln_products *p, int N) {
+    products_mx(be, ctx_of(be)->mx, x, p, N);
+}
+
+static void cu_products(kiln_backend *be, const float *x, const kiln_products *p, int N);
+static void compose_products(kiln_backend *be, const float *x, const kiln_products *p, int N);
+
+/* ops.h's products with formats per weight: a call whose weights share one format takes that
+ * format's products (the auditable ones for f32); one that mixes formats is composed
+ * (rmsnorm into scratch_x, then each product in its weight's format): the composition's bits
+ * either way. */
+static void cu_products_formats(kiln_backend *be, const float *x, const kiln_products *p, int N) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    if (!p || p->n < 1 || p->n > KILN_MATMUL_MULTI_MAX || (p->up && p->n != 1) ||
+        (p->norm_w && !p->scratch_x) || (p->up && (!p->scratch_gate || !p->scratch_up))) {
+        poison(c, KILN_ERR_INVALID_ARG, "products: %d products (1..%d; a pair is one), scratch for "
+               "the composition", p ? p->n : 0, KILN_MATMUL_MULTI_MAX);
+        return;
+    }
+    const int kind = kind_of(c, p->W[0]);
+    bool one = !p->up || kind_of(c, p->up) == kind;
+    for (int i = 1; one && i < p->n; i++) one = kind_of(c, p->W[i]) == kind;
+    if (!one) compose_products(be, x, p, N);
+    else if (kind) products_mx(be, kind, x, p, N);
+    else cu_products(be, x, p, N);
+}
+
 /* ops.h grad_rounding: the key of kiln_mx_backward_key; the backward's products counted from 0. */
 static void cu_grad_rounding(kiln_backend *be, int stochastic, uint64_t seed, uint64_t step, uint64_t micro) {
     cuda_ctx *c = ctx_of(be);
-    c->sr_on = stochastic && c->mx;
+    c->sr_on = stochastic && (c->mx || c->wf.n);
     c->sr_key = kiln_mx_backward_key(seed, step, micro);
     c->sr_count = 0;
 }
@@ -537,7 +574,12 @@ static void mx_forget(cuda_ctx *c, const uint8_t *lo, const uint8_t *hi) {
     c->n_mx_w = kept;
 }
 
-extern "C" int kiln_cuda_products_format(kiln_backend *be) { return ctx_of(be)->mx; }
+extern "C" int kiln_cuda_weight_format(kiln_backend *be, const void *data) {
+    kiln_tensor W;
+    memset(&W, 0, sizeof W);
+    W.data = (void *)data;
+    return kind_of(ctx_of(be), &W);
+}
 
 /* Whether fast mode's decode products of Q8_0 / Q4_0 / Q4_1 weights take the int8-activation
  * product (kiln_cuda_q8act_multi_norm: the CPU fast mode's bits, batch-invariant) instead of
@@ -588,8 +630,9 @@ static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_t
     size_t rb = row_bytes_of(W->dtype, C);
     const uint8_t *w = weight_dev(c, W->data, (size_t)R * rb, W->name);
     if (!w) return;
-    if (c->mx) {
-        cu_matmul_mx(c, out, x, W, w, rb, R, C, bias, N);
+    const int kind = kind_of(c, W);
+    if (kind) {
+        cu_matmul_mx(c, kind, out, x, W, w, rb, R, C, bias, N);
     } else if (!c->fast) {
         after_launch(c, kiln_cuda_matmul(c->stream, out, x, w, rb, W->dtype, R, C, bias, N),
                      "matmul");
@@ -608,6 +651,23 @@ static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_t
                    W->name ? W->name : "?", (long long)R, (long long)C, N,
                    kiln_cuda_gemm_error(c->gemm), cudaGetErrorName(e));
     }
+}
+
+/* cuda_train.h kiln_cuda_matmul_f32: the auditable f32 product whatever the mode or W's
+ * entry in the per-weight table (the fused loss's products on its f32 scratch copies). */
+extern "C" void kiln_cuda_matmul_f32(kiln_backend *be, float *out, const float *x, const kiln_tensor *W,
+                                     const float *bias, int N) {
+    cuda_ctx *c = ctx_of(be);
+    if (!op_begin(c) || N <= 0) return;
+    if (W->dtype != KILN_DTYPE_F32) {
+        poison(c, KILN_ERR_INVALID_ARG, "matmul (f32) '%s': dtype %s, not f32", W->name ? W->name : "?",
+               kiln_dtype_name(W->dtype));
+        return;
+    }
+    const int64_t C = W->shape[W->n_dims - 1], R = C > 0 ? kiln_tensor_nelements(W) / C : 0;
+    const size_t rb = row_bytes_of(W->dtype, C);
+    const uint8_t *w = weight_dev(c, W->data, (size_t)R * rb, W->name);
+    if (w) after_launch(c, kiln_cuda_matmul(c->stream, out, x, w, rb, W->dtype, R, C, bias, N), "matmul (f32)");
 }
 
 /* ops.h's matmul_multi: fast mode with N > 8 rounds x to bf16 once for all n products
@@ -1008,18 +1068,19 @@ static kiln_status cu_graph_begin(kiln_backend *be, int B, int NH, int HS, int m
         if (!c->attn && !CK(c, kiln_cuda_attn_create(&c->attn))) return c->err;
         if (!CK(c, kiln_cuda_attn_reserve(c->attn, B, 1, NH, HS, max_T))) return c->err;
     }
-    if (c->mx && B > 0) { /* the quantized activations and split sums of a B-token step, for
-                           * the widest and tallest weights quantized so far (the step's) */
-        int64_t maxC = 1;
-        size_t ws = 0;
+    if ((c->mx || c->wf.n) && B > 0) { /* the quantized activations and split sums of a B-token
+                                        * step, for the widest and tallest weights quantized so
+                                        * far (the step's) */
+        size_t xb = 0, ws = 0;
         for (size_t i = 0; i < c->n_mx_w; i++) {
             const mx_weight *e = &c->mx_w[i];
             if (e->transposed) continue;
-            maxC = e->C > maxC ? e->C : maxC;
+            const size_t a = kiln_cuda_mx_bytes(e->m.kind, B, e->C);
+            xb = a > xb ? a : xb;
             const size_t b = kiln_cuda_mx_matmul_ws_bytes(B, e->R, e->m.nb);
             ws = b > ws ? b : ws;
         }
-        if (!mx_reserve(c, &c->mx_a, &c->cap_mx_a, kiln_cuda_mx_bytes(c->mx, B, maxC), false, "graph_begin") ||
+        if (!mx_reserve(c, &c->mx_a, &c->cap_mx_a, xb, false, "graph_begin") ||
             !mx_reserve(c, &c->mx_ws, &c->cap_mx_ws, ws, true, "graph_begin"))
             return c->err;
     }
@@ -1082,8 +1143,8 @@ static void cu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *db
                                const float *dy, const float *x, const kiln_tensor *W, int N,
                                bool accumulate_dx) {
     cuda_ctx *c = ctx_of(be);
-    const bool mx = c->mx != 0;
-    const uint64_t sr_id = mx ? 2 * c->sr_count++ : 0; /* counted as the CPU counts, calls that do nothing too */
+    const int kind = kind_of(c, W);
+    const uint64_t sr_id = kind ? 2 * c->sr_count++ : 0; /* counted as the CPU counts, calls that do nothing too */
     if (!op_begin(c) || N <= 0) return;
     if (!kiln_cuda_backward_dtype_supported(W->dtype)) {
         poison(c, KILN_ERR_UNSUPPORTED, "matmul_backward: weight '%s': dtype %s",
@@ -1095,8 +1156,8 @@ static void cu_matmul_backward(kiln_backend *be, float *dx, float *dW, float *db
     size_t rb = row_bytes_of(W->dtype, C);
     const uint8_t *w = weight_dev(c, W->data, (size_t)R * rb, W->name);
     if (!w) return;
-    if (mx) {
-        if (R > 0) cu_matmul_backward_mx(c, sr_id, dx, dW, dbias, dy, x, W, w, rb, R, C, N, accumulate_dx);
+    if (kind) {
+        if (R > 0) cu_matmul_backward_mx(c, kind, sr_id, dx, dW, dbias, dy, x, W, w, rb, R, C, N, accumulate_dx);
         return;
     }
     if (c->fast) { /* dx, dW on bf16 tensor cores, dbias the fast column sum (backward_fast.h) */
@@ -2151,6 +2212,7 @@ static void cu_free(kiln_backend *be) {
         if (c->mx_a) cudaFree(c->mx_a);
         if (c->mx_b) cudaFree(c->mx_b);
         if (c->mx_ws) cudaFree(c->mx_ws);
+        kiln_free(c->wf.e);
         if (c->stream) cudaStreamDestroy(c->stream);
         kiln_free(c);
     }
@@ -2286,6 +2348,15 @@ static kiln_backend_i make_mx_iface() {
 }
 static const kiln_backend_i cuda_iface_mx = make_mx_iface();
 
+/* Formats per weight (ops.h kiln_weight_formats): the mx table with the products that look up
+ * each weight's format. */
+static kiln_backend_i make_formats_iface() {
+    kiln_backend_i i = cuda_iface_mx;
+    i.products = cu_products_formats;
+    return i;
+}
+static const kiln_backend_i cuda_iface_formats = make_formats_iface();
+
 extern "C" kiln_status kiln_cuda_device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes) {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
@@ -2312,7 +2383,16 @@ extern "C" kiln_status kiln_backend_cuda_create(int device, kiln_backend **out) 
 }
 
 extern "C" kiln_status kiln_backend_cuda_create_mode(int device, int mode, kiln_backend **out) {
+    return kiln_backend_cuda_create_formats(device, mode, NULL, out);
+}
+
+extern "C" kiln_status kiln_backend_cuda_create_formats(int device, int mode, const kiln_weight_formats *t,
+                                                        kiln_backend **out) {
     if (!out) return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_cuda_create: out is NULL");
+    if (t && !t->n) t = NULL;
+    if (t && mode != KILN_MODE_AUDITABLE && mode != KILN_MODE_MX16 && mode != KILN_MODE_MX8)
+        return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_cuda_create: formats per weight are an auditable "
+                          "arithmetic (mode %d)", mode);
     *out = NULL;
     if (device < 0)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_cuda_create: device %d < 0",
@@ -2349,7 +2429,17 @@ extern "C" kiln_status kiln_backend_cuda_create_mode(int device, int mode, kiln_
     c->device = device;
     c->fast = mode == KILN_MODE_FAST;
     c->mx = mode == KILN_MODE_MX16 ? KILN_MX16 : mode == KILN_MODE_MX8 ? KILN_MX8 : 0;
-    be->i = c->mx ? &cuda_iface_mx : &cuda_iface;
+    be->i = t ? &cuda_iface_formats : c->mx ? &cuda_iface_mx : &cuda_iface;
+    if (t) {
+        c->wf.e = (kiln_weight_format *)kiln_malloc((size_t)t->n * sizeof *t->e);
+        if (!c->wf.e) {
+            kiln_free(be);
+            kiln_free(c);
+            return kiln_error(KILN_ERR_NOMEM, "kiln_backend_cuda_create: out of memory");
+        }
+        memcpy(c->wf.e, t->e, (size_t)t->n * sizeof *t->e);
+        c->wf.n = t->n;
+    }
     be->n_threads = 1;
     be->ctx = c;
     if (!CK(c, cudaSetDevice(device)) ||

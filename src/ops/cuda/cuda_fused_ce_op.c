@@ -117,7 +117,7 @@ kiln_status kiln_cuda_ce_pass2(kiln_backend *be, const kiln_fused_ce_params *p,
     const int64_t H = p->H, V = p->V;
     const int bf16 = p->weight_dtype == KILN_DTYPE_BF16;
     const int with_dh = p->dhidden != NULL, with_dw = p->dweight != NULL;
-    if (kiln_cuda_ce_is_fast(be) || kiln_cuda_products_format(be)) {
+    if (kiln_cuda_ce_is_fast(be) || kiln_cuda_weight_format(be, p->weight)) {
         /* A failed product poisons the backend: the next kernel entry returns it, or else the
          * caller's final kiln_backend_status (no synchronisation here). */
         for (int64_t c0 = 0; c0 < V; c0 += cn) {
@@ -144,13 +144,13 @@ kiln_status kiln_cuda_ce_pass2(kiln_backend *be, const kiln_fused_ce_params *p,
                                             (const uint8_t *)p->weight + (size_t)c0 * row_bytes,
                                             bf16, n, H));
             kiln_tensor wt = kiln_ce_f32_view("fused_ce.weight_chunk_t", sc->wT, H, n);
-            be->i->matmul(be, sc->dpart, sc->z, &wt, NULL, (int)S);
+            kiln_cuda_matmul_f32(be, sc->dpart, sc->z, &wt, NULL, (int)S);
             KILN_TRY(kiln_cuda_ce_add(be, sc->dh_acc, sc->dpart, (size_t)S * (size_t)H));
         }
         if (with_dw) {
             KILN_TRY(kiln_cuda_ce_transpose(be, sc->gT, sc->z, 0, S, n));
             kiln_tensor ht = kiln_ce_f32_view("fused_ce.hidden_t", sc->hT, H, S);
-            be->i->matmul(be, sc->wpart, sc->gT, &ht, NULL, (int)n);
+            kiln_cuda_matmul_f32(be, sc->wpart, sc->gT, &ht, NULL, (int)n);
             KILN_TRY(kiln_cuda_ce_add(be, p->dweight + c0 * H, sc->wpart, (size_t)n * (size_t)H));
         }
     }

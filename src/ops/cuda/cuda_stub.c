@@ -19,6 +19,12 @@ kiln_status kiln_backend_cuda_create_mode(int device, int mode, kiln_backend **o
     return kiln_backend_cuda_create(device, out);
 }
 
+kiln_status kiln_backend_cuda_create_formats(int device, int mode, const kiln_weight_formats *t, kiln_backend **out) {
+    (void)mode;
+    (void)t;
+    return kiln_backend_cuda_create(device, out);
+}
+
 kiln_status kiln_cuda_device_memory(int device, uint64_t *free_bytes, uint64_t *total_bytes) {
     (void)device;
     (void)free_bytes;

@@ -31,9 +31,14 @@ kiln_status kiln_cuda_fused_ce(kiln_backend *be, const struct kiln_fused_ce_para
 /* fused_kd (cuda_fused_kd_op.c): fused_kd.h's op on device buffers. */
 kiln_status kiln_cuda_fused_kd(kiln_backend *be, const struct kiln_fused_kd_params *p, int64_t S,
                                struct kiln_fused_kd_result *out);
-/* The format the backend's matmul and matmul_backward run in: KILN_MX16 / KILN_MX8 in an exact
- * format's mode, else 0 (as kiln_backend_cpu_weight_format's for a weight the table lacks). */
-int kiln_cuda_products_format(kiln_backend *be);
+/* The format the backend's matmul and matmul_backward run in on the weight holding data:
+ * KILN_MX16 / KILN_MX8 (its entry in the per-weight table, else the exact format's mode), or 0
+ * (the auditable f32 product; kiln_backend_cpu_weight_format's meaning). */
+int kiln_cuda_weight_format(kiln_backend *be, const void *data);
+/* ops.h's matmul of an f32 W in the auditable f32 arithmetic whatever the mode or the table:
+ * the fused loss's products on its f32 scratch copies of a head that takes f32 products. */
+void kiln_cuda_matmul_f32(kiln_backend *be, float *out, const float *x, const struct kiln_tensor *W,
+                          const float *bias, int N);
 /* adamw_workspace ... adamw_clip (cuda_adamw_op.c): adamw_op.h's ops on device arrays. */
 size_t kiln_cuda_adamw_op_workspace(kiln_backend *be, const struct kiln_adamw_table *tab);
 kiln_status kiln_cuda_adamw_op_prepare(kiln_backend *be, const struct kiln_adamw_table *tab,
