@@ -15,7 +15,8 @@
  *  - matmul through the backends in the modes KILN_MODE_MX16 / MX8: the CPU backend's and the
  *    CUDA backend's (the weight cache, the scratch, the bias), f32 and bf16 weights.
  * Outputs are poisoned with NaN first (an unwritten element fails). A table last.
- * Exit: 0 all equal, 1 a difference, 77 no GPU.
+ * Exit: 0 all equal, 1 a difference, 77 no GPU. `test_cuda_mx --bench`: the product's time on
+ * training shapes instead (no checks).
  */
 #include "ops/cuda/cuda_mx.h"
 
@@ -412,12 +413,82 @@ static void check_products(int mode, kiln_backend *cpu, kiln_backend *gpu, int N
     free(hs);
 }
 
+/* --bench: the product's time on a training step's shapes (Qwen2.5-0.5B widths, 4096 tokens),
+ * random N(0,1) operands quantized on the GPU, the median of 15 timed runs after 3 warm ones. */
+static void bench(void) {
+    static const struct {
+        const char *what;
+        int64_t N, R, K;
+    } sh[] = {{"q/o forward, dx", 4096, 896, 896},    {"gate/up forward", 4096, 4864, 896},
+              {"down forward, gate/up dx", 4096, 896, 4864}, {"gate/up dW (K = tokens)", 4864, 896, 4096},
+              {"q/o dW (K = tokens)", 896, 896, 4096}};
+    void *ws = NULL;
+    const size_t ws_cap = (size_t)256 << 20;
+    CUDA_OK(cudaMalloc(&ws, ws_cap));
+    CUDA_OK(cudaMemset(ws, 0, ws_cap));
+    cudaEvent_t e0, e1;
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    printf("kind | shape (N x R x K) | what | us | TMAC/s\n");
+    for (int kind = 8; kind <= 16; kind += 8)
+        for (size_t i = 0; i < sizeof sh / sizeof sh[0]; i++) {
+            const int64_t N = sh[i].N, R = sh[i].R, K = sh[i].K;
+            float *h = (float *)malloc((size_t)(N > R ? N : R) * (size_t)K * sizeof(float));
+            float *d_a = NULL, *d_out = NULL;
+            CUDA_OK(cudaMalloc((void **)&d_a, (size_t)(N > R ? N : R) * (size_t)K * sizeof(float)));
+            CUDA_OK(cudaMalloc((void **)&d_out, (size_t)N * (size_t)R * sizeof(float)));
+            kiln_cuda_mx gx, gw;
+            CUDA_OK(kiln_cuda_mx_alloc(&gx, kind, N, K));
+            CUDA_OK(kiln_cuda_mx_alloc(&gw, kind, R, K));
+            for (int w = 0; w < 2; w++) {
+                const int64_t rows = w ? R : N;
+                for (int64_t j = 0; j < rows * K; j++) h[j] = rnd_normal();
+                CUDA_OK(cudaMemcpy(d_a, h, (size_t)rows * (size_t)K * sizeof(float), cudaMemcpyHostToDevice));
+                CUDA_OK(kiln_cuda_mx_quantize(0, w ? &gw : &gx, d_a, K, 1, 0, 0, 0));
+            }
+            if (kiln_cuda_mx_matmul_ws_bytes(N, R, gx.nb) > ws_cap) {
+                fprintf(stderr, "bench: scratch too small\n");
+                g_fail++;
+            } else {
+                float t[15];
+                for (int r = 0; r < 18; r++) {
+                    CUDA_OK(cudaEventRecord(e0, 0));
+                    CUDA_OK(kiln_cuda_mx_matmul(0, &gx, &gw, d_out, R, NULL, NULL, 0, ws));
+                    CUDA_OK(cudaEventRecord(e1, 0));
+                    CUDA_OK(cudaEventSynchronize(e1));
+                    if (r >= 3) CUDA_OK(cudaEventElapsedTime(&t[r - 3], e0, e1));
+                }
+                for (int a = 0; a < 15; a++) /* sort: the median */
+                    for (int b = a + 1; b < 15; b++)
+                        if (t[b] < t[a]) {
+                            const float x = t[a];
+                            t[a] = t[b];
+                            t[b] = x;
+                        }
+                const double us = 1e3 * t[7];
+                printf("mx%d | %lld x %lld x %lld | %s | %.1f | %.2f\n", kind, (long long)N, (long long)R, (long long)K,
+                       sh[i].what, us, (double)N * (double)R * (double)K / (us * 1e-6) / 1e12);
+            }
+            kiln_cuda_mx_free(&gx);
+            kiln_cuda_mx_free(&gw);
+            cudaFree(d_a);
+            cudaFree(d_out);
+            free(h);
+        }
+    cudaFree(ws);
+}
+
 int main(int argc, char **argv) {
-    if (argc > 1) g_rng = strtoull(argv[1], NULL, 0);
+    const bool do_bench = argc > 1 && !strcmp(argv[1], "--bench");
+    if (argc > 1 && !do_bench) g_rng = strtoull(argv[1], NULL, 0);
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
         fprintf(stderr, "no CUDA device: skipped\n");
         return 77;
+    }
+    if (do_bench) {
+        bench();
+        return g_fail ? 1 : 0;
     }
     /* argument checks */
     kiln_cuda_mx m;

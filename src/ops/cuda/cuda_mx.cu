@@ -23,6 +23,14 @@ static __device__ __forceinline__ long long mx_floor_shift(long long P, int s) {
     return s >= 63 ? (P < 0 ? -1 : 0) : P >> s;
 }
 
+/* One block's term of an output's sum, P 2^d, with d <= 31 and |P| < 2^31: exact for d >= 0,
+ * floor(P 2^d) for d < 0 (mx.h kiln_mx_floor_shift's; 0 or -1 from 31 below on). As
+ * (P 2^32) >> s with s = 32 - d clamped to 63: one arithmetic right shift of a 64-bit word whose
+ * low half is zero, for either sign of d (no branch). */
+static __device__ __forceinline__ long long mx_term(int P, int s) {
+    return (long long)((unsigned long long)(uint32_t)P << 32) >> (s < 63 ? s : 63);
+}
+
 /* splitmix64's finalizer and the stochastic rounding's number (mx.h kiln_mx_random24). */
 static __device__ __forceinline__ uint64_t mx_mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -641,7 +649,9 @@ static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args
                         dbase[mt][nt][h] = max(dbase[mt][nt][h], ew[mt][h >> 1] + ex[nt][h & 1]);
         }
     }
-    /* smax below -29000: no contributing block (the output is +0); d = Ex + Ew + dbase */
+    /* smax below -29000: no contributing block (the output is +0); a block's term is P 2^d with
+     * d = Ex + Ew + dbase <= SH, taken by mx_term as a shift by 32 - d = sbase - Ex - Ew: dbase[]
+     * holds sbase = 32 - dbase from here on */
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
 #pragma unroll
@@ -649,7 +659,7 @@ static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args
 #pragma unroll
             for (int h = 0; h < 4; h++) {
                 const int sm = dbase[mt][nt][h];
-                dbase[mt][nt][h] = sm < -29000 ? MXG_NONE : SH - sm;
+                dbase[mt][nt][h] = 32 - (sm < -29000 ? MXG_NONE : SH - sm);
             }
     __syncthreads(); /* s_bad */
 
@@ -767,17 +777,9 @@ static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args
                             P[h] = (int)((uint32_t)hh[h] * 16384u + (uint32_t)mid[h] * 128u + (uint32_t)ll[h]);
                     }
 #pragma unroll
-                    for (int h = 0; h < 4; h++) {
-                        /* a zero block: P = 0, d far below; no contributing block: dbase MXG_NONE */
-                        const int d = ew[mt][h >> 1] + ex[nt][h & 1] + dbase[mt][nt][h];
-                        const uint32_t Pu = (uint32_t)P[h];
-                        if (d >= 0) { /* d <= SH < 32: P << d as a funnel shift of (sign:P) */
-                            const uint32_t lo = Pu << d, hi = __funnelshift_l(Pu, (uint32_t)(P[h] >> 31), d);
-                            S[mt][nt][h] += (long long)(((unsigned long long)hi << 32) | lo);
-                        } else { /* floor(P / 2^-d): an arithmetic shift, 0 or -1 far below */
-                            S[mt][nt][h] += (long long)(P[h] >> (d > -31 ? -d : 31));
-                        }
-                    }
+                    for (int h = 0; h < 4; h++) /* a zero block: P = 0, d far below; no contributing
+                                                 * block: dbase MXG_NONE, d far below too */
+                        S[mt][nt][h] += mx_term(P[h], dbase[mt][nt][h] - ew[mt][h >> 1] - ex[nt][h & 1]);
                 }
         }
         if (more) store_e(buf ^ 1);
@@ -820,7 +822,7 @@ static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args
                     Sv = (long long)__ldcg(p.ws_S + o);
                     p.ws_S[o] = 0;
                 }
-                const int db = dbase[mt][nt][h];
+                const int db = 32 - dbase[mt][nt][h];
                 const int m = s_bad[rr] || s_bad[MXG_BR + cc] ? INT_MAX : db == MXG_NONE ? INT_MIN : SH - db;
                 mx_store<F, SH>(p, n, r, Sv, m);
             }
