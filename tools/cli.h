@@ -43,7 +43,11 @@ int cli_parse_device(const char *cmd, const char *v, int *device);
  * starts with a rule has default f32; the library checks the rules against the model). 0, or
  * -1 with *why set to a static message. */
 int cli_format_spec_split(const char *spec, int *format, const char **rules, const char **why);
-/* --format's value (a format spec); 0, or a usage error's exit code. */
+/* The longest format spec the CLI takes (characters): a run's settings and its checkpoint
+ * record the whole spec (kiln train --resume compares it). */
+#define CLI_FORMAT_SPEC_MAX 1024
+/* --format's value (a format spec, under CLI_FORMAT_SPEC_MAX characters); 0, or a usage
+ * error's exit code. */
 int cli_parse_format(const char *cmd, const char *v, int *format, const char **rules);
 /* The name of a kiln_format ("f32", "mx16", "mx8"). */
 const char *cli_format_name(int format);

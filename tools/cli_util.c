@@ -182,6 +182,9 @@ int cli_format_spec_split(const char *spec, int *format, const char **rules, con
 
 int cli_parse_format(const char *cmd, const char *v, int *format, const char **rules) {
     const char *why = NULL;
+    if (strlen(v) >= CLI_FORMAT_SPEC_MAX)
+        return cli_usage_error(cmd, "--format: a spec of %zu characters (at most %d: group layers as blk.A-B)", strlen(v),
+                               CLI_FORMAT_SPEC_MAX - 1);
     if (cli_format_spec_split(v, format, rules, &why)) return cli_usage_error(cmd, "--format '%s': %s", v, why);
     return 0;
 }

@@ -470,7 +470,8 @@ enum { SET_INT, SET_REAL, SET_TEXT };
 typedef struct run_setting {
     const char *key, *flag;
     int kind;
-    char now[256]; /* this run's value as run_json_write writes it */
+    char now[CLI_FORMAT_SPEC_MAX + 16]; /* this run's value as run_json_write writes it (a
+                                        * --format spec is the longest) */
 } run_setting;
 
 static void setting_add(run_setting *v, int *n, const char *key, const char *flag, int kind, const char *fmt, ...) {
@@ -597,7 +598,7 @@ static int check_resume_settings(const train_opts *o, const char *run, long star
     cli_run_value(run, "overridden", history, cap);
     run_setting v[24];
     int n = run_settings(o, v), n_diff = 0;
-    char diff[2048] = "", saved[256];
+    char diff[2048] = "", saved[sizeof v->now];
     size_t dl = 0;
     for (int i = 0; i < n; i++) {
         if (!cli_run_value(run, v[i].key, saved, sizeof saved)) { /* an older kiln's checkpoint */

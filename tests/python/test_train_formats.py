@@ -135,3 +135,29 @@ def test_cli_train_format(tiny, tmp_path, build_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     losses = [(tmp_path / d / "metrics.csv").read_text().splitlines()[-1].split(",")[:3] for d in ("whole", "run")]
     assert losses[0] == losses[1], losses
+
+
+def test_cli_long_format_spec(tiny, tmp_path, build_dir):
+    """A run records its whole --format spec: a resume whose rules differ only past the 300th
+    character is refused, and a spec past the CLI's limit is refused up front."""
+    d, _ = tiny
+    kiln_bin = str(build_dir / "kiln")
+    (tmp_path / "t.txt").write_text(TEXT)
+    subprocess.run([kiln_bin, "data", "-m", str(d), "-o", str(tmp_path / "t.tok"), str(tmp_path / "t.txt")],
+                   check=True, capture_output=True)
+    args = ["-m", str(d), "--data", str(tmp_path / "t.tok"), "--batch", "2", "--seq", "32", "--steps", "4",
+            "--save-every", "2", "--threads", "2", "--no-export", "--out", str(tmp_path / "run")]
+    head = "mx8," + ",".join(["attn_v=mx16", "attn_v=mx8"] * 15)
+    assert len(head) > 300
+    r = subprocess.run([kiln_bin, "train", *args, "--format", head + ",output=mx16", "--stop-after", "2"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([kiln_bin, "train", *args, "--format", head + ",output=f32", "--resume"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "output=mx16, now " in r.stderr, r.stderr[-2000:]
+    r = subprocess.run([kiln_bin, "train", *args, "--format", head + ",output=mx16", "--resume"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([kiln_bin, "train", *args, "--format", "mx8" + ",attn_v=mx16" * 100], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "a spec of 1203 characters (at most 1023" in r.stderr, r.stderr
