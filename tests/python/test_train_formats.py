@@ -103,14 +103,21 @@ def test_training_formats_differ_and_refusals(tiny):
         assert "CUDA" in str(e) and "format" not in str(e), str(e)
 
 
-def test_cli_train_format(tiny, tmp_path, build_dir):
+def cli_train_args(tiny, tmp_path, build_dir, steps, save_every):
+    """kiln's path and `kiln train` arguments on the tiny model and TEXT (tokenized here), into
+    tmp_path/run."""
     d, _ = tiny
     kiln_bin = str(build_dir / "kiln")
     (tmp_path / "t.txt").write_text(TEXT)
     subprocess.run([kiln_bin, "data", "-m", str(d), "-o", str(tmp_path / "t.tok"), str(tmp_path / "t.txt")],
                    check=True, capture_output=True)
-    args = ["-m", str(d), "--data", str(tmp_path / "t.tok"), "--batch", "2", "--seq", "32", "--steps", "6",
-            "--save-every", "3", "--threads", "2", "--no-export", "--out", str(tmp_path / "run")]
+    return kiln_bin, ["-m", str(d), "--data", str(tmp_path / "t.tok"), "--batch", "2", "--seq", "32", "--steps",
+                      str(steps), "--save-every", str(save_every), "--threads", "2", "--no-export", "--out",
+                      str(tmp_path / "run")]
+
+
+def test_cli_train_format(tiny, tmp_path, build_dir):
+    kiln_bin, args = cli_train_args(tiny, tmp_path, build_dir, 6, 3)
     r = subprocess.run([kiln_bin, "train", *args, "--format", "mx8", "--stop-after", "3"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     r = subprocess.run([kiln_bin, "train", *args, "--resume"], capture_output=True, text=True)
@@ -140,13 +147,7 @@ def test_cli_train_format(tiny, tmp_path, build_dir):
 def test_cli_long_format_spec(tiny, tmp_path, build_dir):
     """A run records its whole --format spec: a resume whose rules differ only past the 300th
     character is refused, and a spec past the CLI's limit is refused up front."""
-    d, _ = tiny
-    kiln_bin = str(build_dir / "kiln")
-    (tmp_path / "t.txt").write_text(TEXT)
-    subprocess.run([kiln_bin, "data", "-m", str(d), "-o", str(tmp_path / "t.tok"), str(tmp_path / "t.txt")],
-                   check=True, capture_output=True)
-    args = ["-m", str(d), "--data", str(tmp_path / "t.tok"), "--batch", "2", "--seq", "32", "--steps", "4",
-            "--save-every", "2", "--threads", "2", "--no-export", "--out", str(tmp_path / "run")]
+    kiln_bin, args = cli_train_args(tiny, tmp_path, build_dir, 4, 2)
     head = "mx8," + ",".join(["attn_v=mx16", "attn_v=mx8"] * 15)
     assert len(head) > 300
     r = subprocess.run([kiln_bin, "train", *args, "--format", head + ",output=mx16", "--stop-after", "2"],

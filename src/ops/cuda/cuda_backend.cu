@@ -460,6 +460,17 @@ static void cu_matmul_backward_mx(cuda_ctx *c, int kind, uint64_t sr_id, float *
     }
 }
 
+/* ops.h's products' arguments: n in range (a pair is one) and the composition's scratch; else
+ * poisoned, false. */
+static bool products_args_ok(cuda_ctx *c, const kiln_products *p) {
+    if (p && p->n >= 1 && p->n <= KILN_MATMUL_MULTI_MAX && (!p->up || p->n == 1) && (!p->norm_w || p->scratch_x) &&
+        (!p->up || (p->scratch_gate && p->scratch_up)))
+        return true;
+    poison(c, KILN_ERR_INVALID_ARG, "products: %d products (1..%d; a pair is one), scratch for the composition",
+           p ? p->n : 0, KILN_MATMUL_MULTI_MAX);
+    return false;
+}
+
 /* ops.h's products in the format: the composition's bits (rmsnorm, the products, swiglu, add),
  * with x normed and quantized once for all the call's products (kiln_cuda_mx_quantize_norm: no
  * normed copy), each bias and residual added in its product's epilogue (a residual that is
@@ -532,12 +543,7 @@ static void compose_products(kiln_backend *be, const float *x, const kiln_produc
 static void cu_products_formats(kiln_backend *be, const float *x, const kiln_products *p, int N) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
-    if (!p || p->n < 1 || p->n > KILN_MATMUL_MULTI_MAX || (p->up && p->n != 1) ||
-        (p->norm_w && !p->scratch_x) || (p->up && (!p->scratch_gate || !p->scratch_up))) {
-        poison(c, KILN_ERR_INVALID_ARG, "products: %d products (1..%d; a pair is one), scratch for "
-               "the composition", p ? p->n : 0, KILN_MATMUL_MULTI_MAX);
-        return;
-    }
+    if (!products_args_ok(c, p)) return;
     const int kind = kind_of(c, p->W[0]);
     bool one = !p->up || kind_of(c, p->up) == kind;
     for (int i = 1; one && i < p->n; i++) one = kind_of(c, p->W[i]) == kind;
@@ -869,12 +875,7 @@ static bool products_by_dtype(kiln_backend *be, const float *x, const kiln_produ
 static void cu_products(kiln_backend *be, const float *x, const kiln_products *p, int N) {
     cuda_ctx *c = ctx_of(be);
     if (!op_begin(c) || N <= 0) return;
-    if (!p || p->n < 1 || p->n > KILN_MATMUL_MULTI_MAX || (p->up && p->n != 1) ||
-        (p->norm_w && !p->scratch_x) || (p->up && (!p->scratch_gate || !p->scratch_up))) {
-        poison(c, KILN_ERR_INVALID_ARG, "products: %d products (1..%d; a pair is one), scratch for "
-               "the composition", p ? p->n : 0, KILN_MATMUL_MULTI_MAX);
-        return;
-    }
+    if (!products_args_ok(c, p)) return;
     if (product_jobs(c, p->n, p->out, p->res, x, p->W, p->bias, p->up, p->norm_w, p->eps, N) ||
         c->err != KILN_OK || products_by_dtype(be, x, p, N))
         return;
