@@ -181,8 +181,8 @@ if has tests; then
     pytest_cuda test_linear_ce_api "pytest, numpy, torch"
     pytest_cuda test_receipts "pytest, numpy, torch, transformers"
     pytest_cuda test_distill "pytest, numpy, torch, transformers"
-    pytest_cuda test_train_gpu_ranks "pytest, numpy, torch, transformers"
     pytest_cuda test_format_rules "pytest, numpy, torch, transformers"
+    pytest_cuda test_train_gpu_ranks "pytest, numpy, torch, transformers"
 fi
 
 # compare_runs LABEL JSON_A JSON_B...: greedy ids of the first equal to each other's? one line
