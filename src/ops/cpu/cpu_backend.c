@@ -1019,6 +1019,5 @@ kiln_pool *kiln_backend_cpu_pool(kiln_backend *be) { return ctx_of(be)->pool; }
 
 int kiln_backend_cpu_weight_format(const kiln_backend *be, const void *data) {
     const cpu_ctx *c = be->ctx;
-    const kiln_tensor W = {.data = (void *)data};
-    return kind_of(c, &W);
+    return kiln_weight_formats_kind(&c->wf, data, c->mx);
 }

@@ -581,10 +581,8 @@ static void mx_forget(cuda_ctx *c, const uint8_t *lo, const uint8_t *hi) {
 }
 
 extern "C" int kiln_cuda_weight_format(kiln_backend *be, const void *data) {
-    kiln_tensor W;
-    memset(&W, 0, sizeof W);
-    W.data = (void *)data;
-    return kind_of(ctx_of(be), &W);
+    const cuda_ctx *c = ctx_of(be);
+    return kiln_weight_formats_kind(&c->wf, data, c->mx);
 }
 
 /* Whether fast mode's decode products of Q8_0 / Q4_0 / Q4_1 weights take the int8-activation
