@@ -41,6 +41,7 @@ static void detect(kiln_cpu_features *f) {
         f->avx512f = (b >> 16) & 1;
         f->avx512bw = (b >> 30) & 1;
         f->avx512vl = (b >> 31) & 1;
+        f->avx512dq = (b >> 17) & 1;
         f->avx512vnni = (c >> 11) & 1;
     }
 }

@@ -12,6 +12,7 @@ typedef struct kiln_cpu_features {
     int avx512f;  /* AVX-512F with OS-enabled ZMM/opmask state */
     int avx512bw;
     int avx512vl;
+    int avx512dq;   /* AVX-512DQ (vcvtqq2ps, ...) */
     int avx512vnni; /* AVX512_VNNI (vpdpbusd, vpdpwssd), with the ZMM state */
 } kiln_cpu_features;
 

@@ -217,9 +217,13 @@ static void test_paths_and_threads(void) {
         CHECK(kiln_pool_create(threads[t], &pools[t]) == KILN_OK);
     const kiln_cpu_path paths[3] = {KILN_CPU_PATH_PORTABLE, KILN_CPU_PATH_AVX2,
                                     KILN_CPU_PATH_AVX512};
-    int64_t shapes[][3] = {{1, 1, 1},    {1, 7, 31},   {2, 9, 32},   {3, 17, 33},  {4, 40, 64},
-                           {5, 33, 100}, {8, 19, 257}, {1, 65, 512}, {7, 24, 896}, {3, 11, 1000}};
-    for (int s = 0; s < 10; s++)
+    /* the last three cross the AVX-512 kernel's passes: 128 rows of x, 32 blocks of K, tiles
+     * of 16 rows of W with tails */
+    int64_t shapes[][3] = {{1, 1, 1},    {1, 7, 31},    {2, 9, 32},   {3, 17, 33},
+                           {4, 40, 64},  {5, 33, 100},  {8, 19, 257}, {1, 65, 512},
+                           {7, 24, 896}, {3, 11, 1000}, {131, 37, 200}, {18, 33, 2080},
+                           {257, 16, 1056}};
+    for (int s = 0; s < 13; s++)
         for (int kind = 8; kind <= 16; kind += 8)
             for (int seed = 0; seed < 3; seed++) {
                 int64_t N = shapes[s][0], R = shapes[s][1], K = shapes[s][2];

@@ -79,7 +79,8 @@ static const kiln_mx_kernels *kernels_for(kiln_cpu_path path) {
 #if defined(__x86_64__)
     while (path > KILN_CPU_PATH_PORTABLE && !kiln_cpu_path_supported(path))
         path = (kiln_cpu_path)(path - 1);
-    if (path == KILN_CPU_PATH_AVX512 && kiln_cpu_get_features()->avx512vnni)
+    if (path == KILN_CPU_PATH_AVX512 && kiln_cpu_get_features()->avx512vnni &&
+        kiln_cpu_get_features()->avx512dq)
         return &kiln_mx_kernels_avx512vnni;
     if (path >= KILN_CPU_PATH_AVX2) return &kiln_mx_kernels_avx2;
 #else
@@ -98,45 +99,41 @@ kiln_cpu_path kiln_mx_select_path(int64_t N) {
     return p;
 }
 
-/* The SIMD kernels' scratch (kiln_mx_product's comments): x's padded exponents and prepared
- * mantissas once per call, and a row of W's room per thread. *mem: the one allocation. */
+/* The SIMD kernels' scratch (kiln_mx_product's comments): x's exponents and prepared
+ * mantissas once per call, and a thread's room for rows of W. *mem: the one allocation. */
 static kiln_status prepare(kiln_mx_product *p, int layout, int w_rows, int n_threads, void **mem) {
     const kiln_mx_matrix *x = p->x;
-    const int64_t N = x->rows, nb = x->nb, nbp = (nb + 15) / 16 * 16, L = nb * KILN_MX_BLOCK;
+    const int64_t N = x->rows, nb = x->nb, L = nb * KILN_MX_BLOCK;
+    const int64_t nbp = layout == KILN_MX_LAYOUT_ROWS ? nb : (nb + 15) / 16 * 16;
     const int mx16 = x->kind == KILN_MX16;
     size_t xm_stride = 0;
     if (layout == KILN_MX_LAYOUT_INT16 && mx16) xm_stride = (size_t)L * 2;
-    if (layout == KILN_MX_LAYOUT_INTERLEAVED)
-        xm_stride = (size_t)nbp * KILN_MX_BLOCK * (mx16 ? 2 : 1);
-    size_t xe = 0, xm = 0, sc = 0, t = 0, row16 = (size_t)L * 2 + 64;
+    if (layout == KILN_MX_LAYOUT_ROWS) xm_stride = (size_t)L * (mx16 ? 2 : 1);
+    const size_t per_thread = layout == KILN_MX_LAYOUT_ROWS ? KILN_MX_TILE_SCRATCH(nb)
+                                                            : (size_t)w_rows * KILN_MX_ROW_SCRATCH(nbp);
+    size_t xe = 0, xm = 0, sc = 0, t = 0;
     if (kiln_mul_overflow((size_t)N, (size_t)nbp * 2, &xe) ||
         kiln_mul_overflow((size_t)N, xm_stride, &xm) ||
-        kiln_mul_overflow((size_t)n_threads * (size_t)w_rows, KILN_MX_ROW_SCRATCH(nbp), &sc) ||
-        kiln_add_overflow(xe, xm, &t) || kiln_add_overflow(t, sc, &t) ||
-        kiln_add_overflow(t, row16, &t))
+        kiln_mul_overflow((size_t)n_threads, per_thread, &sc) || kiln_add_overflow(xe, xm, &t) ||
+        kiln_add_overflow(t, sc, &t))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_mx_matmul_cpu: N %lld too large",
                           (long long)N);
     KILN_TRY(kiln_alloc_or_fail(mem, t, "kiln_mx_matmul_cpu scratch"));
     uint8_t *base = *mem;
     int16_t *ep = (int16_t *)base;
     uint8_t *xmp = base + xe;
-    int16_t *tmp16 = (int16_t *)(xmp + xm + sc); /* one widened row of x */
     for (int64_t n = 0; n < N; n++) {
         for (int64_t b = 0; b < nbp; b++)
             ep[n * nbp + b] = b < nb ? x->e[n * nb + b] : KILN_MX_EXP_ZERO;
         const int8_t *q = x->q + n * L;
-        int16_t *w16 =
-            layout == KILN_MX_LAYOUT_INT16 ? (int16_t *)(xmp + (size_t)n * xm_stride) : tmp16;
-        if (mx16)
+        uint8_t *d = xmp + (size_t)n * xm_stride;
+        if (mx16 && xm_stride) {
+            int16_t *w16 = (int16_t *)d;
             for (int64_t i = 0; i < L; i++)
                 w16[i] = (int16_t)(q[i] * 128 + x->lo[n * L + i]);
-        if (layout == KILN_MX_LAYOUT_INTERLEAVED) {
-            uint8_t *d = xmp + (size_t)n * xm_stride;
-            kiln_mx_interleave16(d, mx16 ? (const uint8_t *)w16 : (const uint8_t *)q, nb, nbp,
-                                 mx16 ? 16 : 8);
-            if (!mx16) /* q + 128 as uint8 (vpdpbusd's unsigned operand); padding 0 + 128 */
-                for (size_t i = 0; i < xm_stride; i++)
-                    d[i] ^= 0x80;
+        } else if (xm_stride) { /* mx8, LAYOUT_ROWS: q + 128 as uint8 */
+            for (int64_t i = 0; i < L; i++)
+                d[i] = (uint8_t)q[i] ^ 0x80;
         }
     }
     p->nbp = nbp;
@@ -144,7 +141,7 @@ static kiln_status prepare(kiln_mx_product *p, int layout, int w_rows, int n_thr
     p->xm = xm ? xmp : NULL;
     p->xm_stride = xm_stride;
     p->scratch = xmp + xm;
-    p->scratch_stride = (size_t)w_rows * KILN_MX_ROW_SCRATCH(nbp);
+    p->scratch_stride = per_thread;
     return KILN_OK;
 }
 
@@ -182,9 +179,11 @@ kiln_status kiln_mx_matmul_cpu(const kiln_mx_matrix *x, const kiln_mx_matrix *w,
     if (k->layout != KILN_MX_LAYOUT_NONE) {
         KILN_TRY(prepare(&p, k->layout, k->w_rows, n_threads, &mem));
     }
-    /* tasks of whole rows of W: about 4 per thread, at least 8 rows each */
+    /* tasks of whole rows of W: about 4 per thread, at least 8 rows each, a multiple of the
+     * kernel's rows at once */
     int64_t per = (R + 4 * (int64_t)n_threads - 1) / (4 * (int64_t)n_threads);
     if (per < 8) per = 8;
+    if (k->w_rows > 1) per = (per + k->w_rows - 1) / k->w_rows * k->w_rows;
     mx_job j = {k, &p, R, per};
     kiln_pool_run(pool, (int)((R + per - 1) / per), mx_task, &j);
     kiln_free(mem);

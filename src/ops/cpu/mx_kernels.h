@@ -19,49 +19,42 @@ typedef struct kiln_mx_product {
     float *out;              /* out[n * ldo + r] */
     int64_t ldo;
     /* SIMD paths (layout != KILN_MX_LAYOUT_NONE), set up by the entry: */
-    int64_t nbp;       /* nb rounded up to a multiple of 16 */
+    int64_t nbp;       /* blocks of a prepared row: nb rounded up to a multiple of 16
+                        * (KILN_MX_LAYOUT_INT16), nb (KILN_MX_LAYOUT_ROWS) */
     const int16_t *xe; /* (N, nbp) x's block exponents, the padding KILN_MX_EXP_ZERO */
     /* x's mantissas prepared, row n at xm + n * xm_stride bytes:
-     *   KILN_MX_LAYOUT_INT16:        mx16 only: (nb*32) int16 hi*128 + lo (mx8: NULL, use x->q)
-     *   KILN_MX_LAYOUT_INTERLEAVED:  kiln_mx_interleave16 of the row's mantissas (mx8: as
-     *                                uint8 q + 128; mx16: the int16 of LAYOUT_INT16) */
+     *   KILN_MX_LAYOUT_INT16: mx16 only: (nb*32) int16 hi*128 + lo (mx8: NULL, use x->q)
+     *   KILN_MX_LAYOUT_ROWS:  mx8: (nb*32) uint8 q + 128 (vpdpbusd's unsigned operand);
+     *                         mx16: the int16 of LAYOUT_INT16 */
     const uint8_t *xm;
     size_t xm_stride;
-    uint8_t *scratch; /* per thread, scratch_stride bytes: w_rows KILN_MX_ROW_SCRATCH(nbp),
-                       * rows of W prepared */
+    uint8_t *scratch; /* per thread, scratch_stride bytes (KILN_MX_ROW_SCRATCH(nbp) a row of W
+                       * for INT16's w_rows rows, KILN_MX_TILE_SCRATCH(nb) for ROWS) */
     size_t scratch_stride;
 } kiln_mx_product;
 
 /* What the entry prepares for a kernel (kiln_mx_product's SIMD fields). */
-enum { KILN_MX_LAYOUT_NONE = 0, KILN_MX_LAYOUT_INT16 = 1, KILN_MX_LAYOUT_INTERLEAVED = 2 };
+enum { KILN_MX_LAYOUT_NONE = 0, KILN_MX_LAYOUT_INT16 = 1, KILN_MX_LAYOUT_ROWS = 2 };
 
-/* Bytes of a thread's scratch for a row of W of nbp blocks: exponents (int16), block sums
- * (int32), the prepared mantissas (up to 64 bytes a block) and a staging row (as much). */
+/* Bytes of a thread's scratch for a row of W of nbp blocks (LAYOUT_INT16): exponents (int16),
+ * block sums (int32), the prepared mantissas (up to 64 bytes a block) and a staging row (as
+ * much). */
 #define KILN_MX_ROW_SCRATCH(nbp) ((size_t)(nbp) * (2 + 4 + 4 * KILN_MX_BLOCK) + 64)
 
-/* A row's blocks regrouped for 16-lane dot-product instructions: with U 4-byte units a block
- * (mx8: 8, mx16 as int16: 16), unit s of block g*16 + b goes to
- * dst[((g * U + s) * 16 + b) * 4 ..+3], so lane b of a 64-byte vector always holds block
- * g*16 + b and one vpdpbusd / vpdpwssd per unit sums each block in its own lane. Blocks
- * nb..nbp-1 (nbp a multiple of 16) are zero bytes. */
-static inline void kiln_mx_interleave16(uint8_t *dst, const uint8_t *src, int64_t nb, int64_t nbp,
-                                        int U) {
-    for (int64_t g = 0; g < nbp / 16; g++)
-        for (int s = 0; s < U; s++)
-            for (int b = 0; b < 16; b++) {
-                int64_t blk = g * 16 + b;
-                uint8_t *d = dst + ((g * U + s) * 16 + b) * 4;
-                if (blk < nb)
-                    memcpy(d, src + (blk * U + s) * 4, 4);
-                else
-                    memset(d, 0, 4);
-            }
-}
+/* LAYOUT_ROWS: the kernel's tile of W is KILN_MX_TILE_ROWS rows (one a 32-bit lane of a
+ * 64-byte vector) and it keeps KILN_MX_TILE_XROWS rows of x's running sums at a time. A
+ * thread's scratch for nb blocks: the tile's mantissas (up to 1,024 bytes a block), its
+ * exponents and block sums (64 bytes a block each) and 192 bytes for each of the x rows' sums
+ * and shifts, with 64 bytes of alignment slack for each of those 5 arrays. */
+#define KILN_MX_TILE_ROWS 16
+#define KILN_MX_TILE_XROWS 128
+#define KILN_MX_TILE_SCRATCH(nb) ((size_t)(nb) * (1024 + 64 + 64) + KILN_MX_TILE_XROWS * 192 + 5 * 64)
 
 typedef struct kiln_mx_kernels {
     const char *name;
     int layout; /* KILN_MX_LAYOUT_*: what the entry prepares */
-    int w_rows; /* rows of W a thread prepares at once (its scratch: w_rows row scratches) */
+    int w_rows; /* rows of W a thread prepares at once: the tasks' rows are a multiple of it
+                 * (LAYOUT_INT16: its scratch holds w_rows row scratches) */
     /* Output columns [r0, r1) for every row of x; thread indexes the scratch. */
     void (*rows)(const kiln_mx_product *p, int64_t r0, int64_t r1, int thread);
 } kiln_mx_kernels;
