@@ -143,6 +143,10 @@ static inline float kiln_mx_round(int64_t S, int p) {
  * f32 adds afterwards (docs/ARITHMETIC.md, "add"). */
 kiln_status kiln_mx_matmul_cpu(const kiln_mx_matrix *x, const kiln_mx_matrix *w, float *out,
                                int64_t ldo, kiln_pool *pool, kiln_cpu_path path);
+/* kiln_mx_matmul_cpu's out += x W^T: each output is the product's one rounding, then one f32
+ * add to what out holds (the bits of a product into a scratch and a separate f32 add). */
+kiln_status kiln_mx_matmul_add_cpu(const kiln_mx_matrix *x, const kiln_mx_matrix *w, float *out,
+                                   int64_t ldo, kiln_pool *pool, kiln_cpu_path path);
 
 /* The path to pass to kiln_mx_matmul_cpu for N rows of x: kiln_cpu_select_path(), except
  * that below KILN_MX_VNNI_MIN_N rows the AVX2 kernel replaces the AVX-512 VNNI one (which

@@ -255,6 +255,15 @@ static void test_paths_and_threads(void) {
                                  kiln_mx_kernel_name(paths[p]), threads[t], (long long)N,
                                  (long long)R, (long long)K);
                         CHECK_MSG(same_bits(out, ref, (size_t)(N * R), what), "%s", what);
+                        /* out += the product: one f32 add to what out held */
+                        float *want = malloc(sizeof(float) * (size_t)(N * R));
+                        for (int64_t i = 0; i < N * R; i++) {
+                            out[i] = (float)(i % 7) - 2.5f;
+                            want[i] = out[i] + ref[i];
+                        }
+                        CHECK(kiln_mx_matmul_add_cpu(&qx, &qw, out, R, pools[t], paths[p]) == KILN_OK);
+                        CHECK_MSG(same_bits(out, want, (size_t)(N * R), what), "add: %s", what);
+                        free(want);
                     }
                 /* the quantization too is independent of the thread count */
                 kiln_mx_matrix q1;

@@ -565,11 +565,25 @@ static void cpu_add(kiln_backend *be, float *x, const float *y, size_t n) {
 /* ---- backward (backward_portable.c) ------------------------------------------------------ */
 
 /* (rows, cols) row-major a into (cols, rows) row-major t. */
-static void transpose_f32(float *t, const float *a, int64_t rows, int64_t cols) {
-    for (int64_t i0 = 0; i0 < rows; i0 += 32)
-        for (int64_t j0 = 0; j0 < cols; j0 += 32)
-            for (int64_t i = i0; i < rows && i < i0 + 32; i++)
-                for (int64_t j = j0; j < cols && j < j0 + 32; j++) t[j * rows + i] = a[i * cols + j];
+/* t(cols, rows) = a(rows, cols)^T, strips of 32 columns of a as the pool's tasks. */
+typedef struct transpose_job {
+    float *t;
+    const float *a;
+    int64_t rows, cols;
+} transpose_job;
+
+static void transpose_task(void *ctx, int task, int thread) {
+    (void)thread;
+    const transpose_job *j = ctx;
+    const int64_t j0 = (int64_t)task * 32, j1 = j0 + 32 < j->cols ? j0 + 32 : j->cols;
+    for (int64_t i0 = 0; i0 < j->rows; i0 += 32)
+        for (int64_t i = i0; i < j->rows && i < i0 + 32; i++)
+            for (int64_t c = j0; c < j1; c++) j->t[c * j->rows + i] = j->a[i * j->cols + c];
+}
+
+static void transpose_f32(kiln_pool *pool, float *t, const float *a, int64_t rows, int64_t cols) {
+    transpose_job j = {t, a, rows, cols};
+    kiln_pool_run(pool, (int)((cols + 31) / 32), transpose_task, &j);
 }
 
 /* The backward of matmul in the backend's exact format (docs/ARITHMETIC.md, "Exact block
@@ -596,39 +610,32 @@ static void matmul_backward_mx(cpu_ctx *c, int kind, float *dx, float *dW, float
     if (dx) {
         const kiln_mx_matrix *wt = mx_weight_of(c, kind, W, R, C, 1);
         kiln_mx_matrix q = {0};
-        float *tmp = accumulate_dx ? kiln_malloc((size_t)N * (size_t)C * sizeof(float)) : NULL;
-        st = !wt || (accumulate_dx && !tmp) ? KILN_ERR_NOMEM : kiln_mx_matrix_alloc(&q, (kiln_mx_kind)kind, N, R);
+        st = !wt ? KILN_ERR_NOMEM : kiln_mx_matrix_alloc(&q, (kiln_mx_kind)kind, N, R);
         if (st == KILN_OK)
             st = c->sr_on ? kiln_mx_quantize_stochastic(&q, dy, R, c->sr_key, sr_id, c->pool)
                           : kiln_mx_quantize(&q, dy, R, c->pool);
+        const kiln_cpu_path p = path == KILN_CPU_PATH_AVX512 && N < KILN_MX_VNNI_MIN_N ? KILN_CPU_PATH_AVX2 : path;
         if (st == KILN_OK)
-            st = kiln_mx_matmul_cpu(&q, wt, tmp ? tmp : dx, C, c->pool,
-                                    path == KILN_CPU_PATH_AVX512 && N < KILN_MX_VNNI_MIN_N ? KILN_CPU_PATH_AVX2 : path);
-        if (st == KILN_OK && tmp)
-            for (int64_t i = 0; i < (int64_t)N * C; i++) dx[i] = dx[i] + tmp[i];
+            st = accumulate_dx ? kiln_mx_matmul_add_cpu(&q, wt, dx, C, c->pool, p)
+                               : kiln_mx_matmul_cpu(&q, wt, dx, C, c->pool, p);
         kiln_mx_matrix_free(&q);
-        kiln_free(tmp);
     }
     if (dW && st == KILN_OK) {
         kiln_mx_matrix qd = {0}, qx = {0};
         float *t = kiln_malloc(((size_t)R + (size_t)C) * (size_t)N * sizeof(float));
-        float *prod = kiln_malloc((size_t)R * (size_t)C * sizeof(float));
-        st = t && prod ? kiln_mx_matrix_alloc(&qd, (kiln_mx_kind)kind, R, N) : KILN_ERR_NOMEM;
+        st = t ? kiln_mx_matrix_alloc(&qd, (kiln_mx_kind)kind, R, N) : KILN_ERR_NOMEM;
         if (st == KILN_OK) st = kiln_mx_matrix_alloc(&qx, (kiln_mx_kind)kind, C, N);
         if (st == KILN_OK) {
-            transpose_f32(t, dy, N, R);
-            transpose_f32(t + (size_t)R * N, x, N, C);
+            transpose_f32(c->pool, t, dy, N, R);
+            transpose_f32(c->pool, t + (size_t)R * N, x, N, C);
             st = c->sr_on ? kiln_mx_quantize_stochastic(&qd, t, N, c->sr_key, sr_id + 1, c->pool)
                           : kiln_mx_quantize(&qd, t, N, c->pool);
         }
         if (st == KILN_OK) st = kiln_mx_quantize(&qx, t + (size_t)R * N, N, c->pool);
-        if (st == KILN_OK) st = kiln_mx_matmul_cpu(&qd, &qx, prod, C, c->pool, kiln_mx_select_path(R));
-        if (st == KILN_OK)
-            for (int64_t i = 0; i < R * C; i++) dW[i] = dW[i] + prod[i];
+        if (st == KILN_OK) st = kiln_mx_matmul_add_cpu(&qd, &qx, dW, C, c->pool, kiln_mx_select_path(R));
         kiln_mx_matrix_free(&qd);
         kiln_mx_matrix_free(&qx);
         kiln_free(t);
-        kiln_free(prod);
     }
     if (st != KILN_OK)
         mx_poison(c, kind, st, st == KILN_ERR_NOMEM ? "out of memory for the backward's quantized operands" : kiln_last_error(),

@@ -131,7 +131,7 @@ TGT static void a_rows(const kiln_mx_product *p, int64_t r0, int64_t r1, int thr
     for (int64_t r = r0; r < r1; r++) {
         if (w->row_nonfinite[r]) {
             for (int64_t n = 0; n < N; n++)
-                p->out[n * p->ldo + r] = kiln_mx_nan();
+                kiln_mx_store(p, n, r, kiln_mx_nan());
             continue;
         }
         for (int64_t b = 0; b < nbp; b++)
@@ -151,7 +151,7 @@ TGT static void a_rows(const kiln_mx_product *p, int64_t r0, int64_t r1, int thr
                                            ex, ew, nb, smax - SH);
                 v = kiln_mx_round(S, smax - 2 * F - SH);
             }
-            p->out[n * p->ldo + r] = v;
+            kiln_mx_store(p, n, r, v);
         }
     }
 }

@@ -202,7 +202,10 @@ TGT static void finish(const kiln_mx_product *p, int64_t n, int64_t rt, int nw, 
     const __m512 f = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtepi64_ps(lo)), _mm512_cvtepi64_ps(hi), 1);
     const __m512 two_p = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(pv, _mm512_set1_epi32(127)), 23));
     /* S == 0 gives 0 * 2^p = +0, as kiln_mx_round does */
-    _mm512_mask_storeu_ps(out, valid & (__mmask16)~slow, _mm512_mul_ps(f, two_p));
+    const __mmask16 fast = valid & (__mmask16)~slow;
+    __m512 prod = _mm512_mul_ps(f, two_p);
+    if (p->accumulate) prod = _mm512_add_ps(_mm512_maskz_loadu_ps(fast, out), prod);
+    _mm512_mask_storeu_ps(out, fast, prod);
     for (unsigned m = slow & valid; m; m &= m - 1) {
         const int j = __builtin_ctz(m);
         float v;
@@ -212,7 +215,7 @@ TGT static void finish(const kiln_mx_product *p, int64_t n, int64_t rt, int nw, 
             v = 0.0f; /* no contributing block */
         else
             v = kiln_mx_round(acc[j], smsh[j] - 2 * F);
-        out[j] = v;
+        kiln_mx_store(p, n, rt + j, v);
     }
 }
 

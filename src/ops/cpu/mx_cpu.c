@@ -63,7 +63,7 @@ static void p_rows(const kiln_mx_product *p, int64_t r0, int64_t r1, int thread)
     (void)thread;
     for (int64_t r = r0; r < r1; r++)
         for (int64_t n = 0; n < p->x->rows; n++)
-            p->out[n * p->ldo + r] = mx_dot_ref(p->x, n, p->w, r);
+            kiln_mx_store(p, n, r, mx_dot_ref(p->x, n, p->w, r));
 }
 
 const kiln_mx_kernels kiln_mx_kernels_portable = {
@@ -158,8 +158,8 @@ static void mx_task(void *ctx, int task, int thread) {
     j->k->rows(j->p, r0, r1, thread);
 }
 
-kiln_status kiln_mx_matmul_cpu(const kiln_mx_matrix *x, const kiln_mx_matrix *w, float *out,
-                               int64_t ldo, kiln_pool *pool, kiln_cpu_path path) {
+static kiln_status mx_matmul(const kiln_mx_matrix *x, const kiln_mx_matrix *w, float *out, int64_t ldo,
+                             int accumulate, kiln_pool *pool, kiln_cpu_path path) {
     if (!x || !w || (!x->mem && x->rows) || (!w->mem && w->rows))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_mx_matmul_cpu: x or w is not an mx matrix");
     if (x->kind != w->kind || x->K != w->K)
@@ -174,7 +174,7 @@ kiln_status kiln_mx_matmul_cpu(const kiln_mx_matrix *x, const kiln_mx_matrix *w,
                           (long long)R);
     const kiln_mx_kernels *k = kernels_for(path);
     const int n_threads = kiln_pool_n_threads(pool);
-    kiln_mx_product p = {x, w, out, ldo, 0, NULL, NULL, 0, NULL, 0};
+    kiln_mx_product p = {x, w, out, ldo, accumulate, 0, NULL, NULL, 0, NULL, 0};
     void *mem = NULL;
     if (k->layout != KILN_MX_LAYOUT_NONE) {
         KILN_TRY(prepare(&p, k->layout, k->w_rows, n_threads, &mem));
@@ -188,6 +188,16 @@ kiln_status kiln_mx_matmul_cpu(const kiln_mx_matrix *x, const kiln_mx_matrix *w,
     kiln_pool_run(pool, (int)((R + per - 1) / per), mx_task, &j);
     kiln_free(mem);
     return KILN_OK;
+}
+
+kiln_status kiln_mx_matmul_cpu(const kiln_mx_matrix *x, const kiln_mx_matrix *w, float *out,
+                               int64_t ldo, kiln_pool *pool, kiln_cpu_path path) {
+    return mx_matmul(x, w, out, ldo, 0, pool, path);
+}
+
+kiln_status kiln_mx_matmul_add_cpu(const kiln_mx_matrix *x, const kiln_mx_matrix *w, float *out,
+                                   int64_t ldo, kiln_pool *pool, kiln_cpu_path path) {
+    return mx_matmul(x, w, out, ldo, 1, pool, path);
 }
 
 kiln_mx_quantize_block_fn kiln_mx_quantize_block_simd(void) {

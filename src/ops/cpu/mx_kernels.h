@@ -18,6 +18,7 @@ typedef struct kiln_mx_product {
     const kiln_mx_matrix *w; /* (R, K), same kind and K */
     float *out;              /* out[n * ldo + r] */
     int64_t ldo;
+    int accumulate;          /* 0: out = the product; 1: out += it (one f32 add, kiln_mx_store) */
     /* SIMD paths (layout != KILN_MX_LAYOUT_NONE), set up by the entry: */
     int64_t nbp;       /* blocks of a prepared row: nb rounded up to a multiple of 16
                         * (KILN_MX_LAYOUT_INT16), nb (KILN_MX_LAYOUT_ROWS) */
@@ -49,6 +50,12 @@ enum { KILN_MX_LAYOUT_NONE = 0, KILN_MX_LAYOUT_INT16 = 1, KILN_MX_LAYOUT_ROWS = 
 #define KILN_MX_TILE_ROWS 16
 #define KILN_MX_TILE_XROWS 128
 #define KILN_MX_TILE_SCRATCH(nb) ((size_t)(nb) * (1024 + 64 + 64) + KILN_MX_TILE_XROWS * 192 + 5 * 64)
+
+/* Output (n, r) of the product: v, or out + v (one f32 add) when accumulating. */
+static inline void kiln_mx_store(const kiln_mx_product *p, int64_t n, int64_t r, float v) {
+    float *o = p->out + n * p->ldo + r;
+    *o = p->accumulate ? *o + v : v;
+}
 
 typedef struct kiln_mx_kernels {
     const char *name;
