@@ -150,9 +150,10 @@ kiln_status kiln_mx_matmul_add_cpu(const kiln_mx_matrix *x, const kiln_mx_matrix
 
 /* The path to pass to kiln_mx_matmul_cpu for N rows of x: kiln_cpu_select_path(), except
  * that below KILN_MX_VNNI_MIN_N rows the AVX2 kernel replaces the AVX-512 VNNI one (which
- * regroups every row of W per call, a cost only many rows of x repay). The same bits either
- * way. */
-#define KILN_MX_VNNI_MIN_N 16
+ * regroups W into tiles of 16 rows per call: at 1 or 2 rows of x and a W beyond the caches
+ * the AVX2 kernel, reading W in place, is as fast or faster; from 4 rows the VNNI kernel is
+ * faster, bench/RESULTS.md 2026-12-07). The same bits either way. */
+#define KILN_MX_VNNI_MIN_N 4
 kiln_cpu_path kiln_mx_select_path(int64_t N);
 
 /* The name of the kernel that path p would run for the product ("portable", "avx2",
