@@ -167,6 +167,87 @@ static void test_kernels(void) {
     }
 }
 
+/* Dots whose exact result is -0: every product is negative and under half the smallest
+ * subnormal (2^-126 * -2^-24 = -2^-150, a tie that rounds to even: -0), so each lane that
+ * takes an element becomes -0 and stays -0, and with n >= 16 every lane does. The lanes
+ * past n keep their accumulators: a SIMD tail that runs fmaf(0, 0, acc) on zero-padded
+ * loads there turns -0 into +0 (docs/ARITHMETIC.md, dot). Compares bits (-0 == +0 as
+ * floats): the kernels of every path (dot_accum from +0 and from accumulators of -0 carried
+ * in, dots in groups of 4 and alone), then every backend's matmul on f32, f16 and bf16
+ * weights (the tiles of 1 to 3 tokens and of 4 or more; C = 1000 has its tail in the AVX2
+ * tile's second step block of 768). */
+static void test_signed_zero_tails(void) {
+    const float tiny = ldexpf(1.0f, -126), neg = -ldexpf(1.0f, -24);
+    const uint32_t neg0 = 0x80000000u;
+    const kiln_cpu_kernels *ks[3] = {&kiln_cpu_kernels_portable, NULL, NULL};
+#if defined(KILN_CPU_HAVE_X86)
+    if (kiln_cpu_path_supported(KILN_CPU_PATH_AVX2)) ks[1] = &kiln_cpu_kernels_avx2;
+    if (kiln_cpu_path_supported(KILN_CPU_PATH_AVX512)) ks[2] = &kiln_cpu_kernels_avx512;
+#endif
+    const int ns[] = {5, 16, 17, 23, 31, 40, 47, 100};
+    float a[100], b[100];
+    for (int i = 0; i < 100; i++) a[i] = tiny, b[i] = neg;
+    for (int p = 0; p < 3; p++) {
+        const kiln_cpu_kernels *k = ks[p];
+        if (!k) continue;
+        for (int ni = 0; ni < 8; ni++) {
+            const int n = ns[ni];
+            for (int carried = 0; carried < 2; carried++) {
+                float acc[16], want[16];
+                for (int j = 0; j < 16; j++) acc[j] = want[j] = carried ? -0.0f : 0.0f;
+                for (int i = 0; i < n; i++) want[i % 16] = fmaf(a[i], b[i], want[i % 16]);
+                k->dot_accum(acc, a, b, n);
+                CHECK_MSG(same_bits(acc, want, 16, "dot_accum lanes"), "path %d n %d carried %d", p,
+                          n, carried);
+                if (n >= 16 || carried) CHECK(bits(kiln_lane16_reduce(want)) == neg0);
+            }
+        }
+        for (int hi = 3; hi < 8; hi++) {
+            const int HS = ns[hi], nk = 6, stride = 100;
+            float kk[6 * 100], s[6];
+            for (int i = 0; i < nk * stride; i++) kk[i] = neg;
+            k->dots(s, a, kk, stride, nk, HS);
+            for (int j = 0; j < nk; j++)
+                CHECK_MSG(bits(s[j]) == neg0 && bits(def_dot(a, kk + j * stride, HS)) == neg0,
+                          "dots path %d HS %d: %g (0x%08x)", p, HS, s[j], bits(s[j]));
+        }
+    }
+    const kiln_dtype dts[] = {KILN_DTYPE_F32, KILN_DTYPE_F16, KILN_DTYPE_BF16};
+    const int64_t Cs[] = {17, 23, 40, 1000};
+    const int Ns[] = {1, 3, 4, 9};
+    const int64_t R = 7;
+    for (int d = 0; d < 3; d++)
+        for (int ci = 0; ci < 4; ci++)
+            for (int ni = 0; ni < 4; ni++) {
+                const int64_t C = Cs[ci];
+                const int N = Ns[ni];
+                const int es = d == 0 ? 4 : 2;
+                uint8_t *w = malloc((size_t)(R * C) * (size_t)es);
+                float *wf = malloc((size_t)(R * C) * 4), *x = malloc((size_t)(N * C) * 4);
+                float *out = malloc((size_t)(N * R) * 4), *ref = malloc((size_t)(N * R) * 4);
+                const uint16_t h = d == 1 ? kiln_fp32_to_fp16(neg) : kiln_fp32_to_bf16(neg);
+                for (int64_t i = 0; i < R * C; i++) {
+                    if (d == 0) memcpy(w + i * 4, &neg, 4);
+                    else memcpy(w + i * 2, &h, 2);
+                }
+                kiln_dequantize(dts[d], w, wf, R * C);
+                for (int64_t i = 0; i < N * C; i++) x[i] = tiny;
+                for (int t = 0; t < N; t++)
+                    for (int64_t r = 0; r < R; r++)
+                        ref[t * R + r] = def_dot(x + t * C, wf + r * C, C);
+                CHECK(bits(ref[0]) == neg0 && bits(ref[N * R - 1]) == neg0);
+                kiln_tensor W = {"w", dts[d], 2, {R, C, 1, 1}, w, (size_t)(R * C) * (size_t)es};
+                for (int be = 0; be < g_n_be; be++) {
+                    poison(out, (size_t)(N * R));
+                    g_be[be]->i->matmul(g_be[be], out, x, &W, NULL, N);
+                    CHECK_MSG(same_bits(out, ref, (size_t)(N * R), "matmul -0"),
+                              "%s: %s N=%d C=%lld", g_be_name[be], kiln_dtype_name(dts[d]), N,
+                              (long long)C);
+                }
+                free(w), free(wf), free(x), free(out), free(ref);
+            }
+}
+
 typedef struct pool_ctx {
     _Atomic int *hits;
     int n_threads;
@@ -543,6 +624,7 @@ int main(void) {
     test_threadpool();
     if (g_n_be > 0) {
         test_matmul();
+        test_signed_zero_tails();
         test_embed();
         test_rmsnorm();
         test_rope();

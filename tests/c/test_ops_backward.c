@@ -360,6 +360,59 @@ static void test_rmsnorm_backward(void) {
     test_rmsnorm_case(40, 1100, 1, 1); /* C past the 1024 chunk, slices of 64 columns */
 }
 
+/* A row whose d = dot(g, x) is exactly -0: x = 1e-30, g = -1e-30 in the first 16 elements
+ * (products below the subnormals: every lane becomes -0) and -0 after (fmaf(-0, x, -0) keeps
+ * -0). Then u = -0 and dx = (-0 - x * -0) * r = +0 past the 16th element; a SIMD tail that
+ * turns the lanes past C (or past a 1024-element chunk's end) from -0 into +0 gives d = +0
+ * and dx = -0 there. Compared bit for bit with the transcription, w absent and w = 1. */
+static void test_rmsnorm_backward_signed_zero(void) {
+    const int Cs[] = {23, 40, 1030}, N = 2;
+    const float eps = 1e-5f;
+    for (int ci = 0; ci < 3; ci++)
+        for (int with_w = 0; with_w < 2; with_w++) {
+            const int C = Cs[ci];
+            const size_t nx = (size_t)N * C;
+            float *x = malloc(nx * 4), *dy = malloc(nx * 4), *w = malloc((size_t)C * 4);
+            float *tdx = malloc(nx * 4), *tdw = calloc((size_t)C, 4), *rs = malloc((size_t)N * 4);
+            float *g = malloc((size_t)C * 4);
+            for (size_t i = 0; i < nx; i++)
+                x[i] = 1e-30f, dy[i] = i % (size_t)C < 16 ? -1e-30f : -0.0f;
+            for (int c = 0; c < C; c++) w[c] = 1.0f;
+            const float *wp = with_w ? w : NULL;
+            for (int n = 0; n < N; n++) {
+                const float *xr = x + (size_t)n * C, *dr = dy + (size_t)n * C;
+                float r = kiln_rms_scale(def_dot(xr, xr, C), C, eps);
+                rs[n] = r;
+                for (int c = 0; c < C; c++) g[c] = wp ? dr[c] * wp[c] : dr[c];
+                float d = def_dot(g, xr, C), u = ((d / (float)C) * r) * r;
+                CHECK(bits(d) == 0x80000000u);
+                for (int c = 0; c < C; c++) tdx[(size_t)n * C + c] = (g[c] - xr[c] * u) * r;
+                CHECK(bits(tdx[(size_t)n * C + C - 1]) == 0);
+            }
+            if (wp)
+                for (int c = 0; c < C; c++) {
+                    float lane[16] = {0};
+                    for (int n = 0; n < N; n++)
+                        lane[n % 16] = fmaf(dy[(size_t)n * C + c], x[(size_t)n * C + c] * rs[n],
+                                            lane[n % 16]);
+                    tdw[c] = tdw[c] + kiln_lane16_reduce(lane);
+                }
+            float *dx = malloc(nx * 4), *dw = malloc((size_t)C * 4), *rstd = malloc((size_t)N * 4);
+            for (int i = 0; i < g_n_be; i++) {
+                kiln_backend *be = g_be[i];
+                poison(dx, nx);
+                memset(dw, 0, (size_t)C * 4);
+                poison(rstd, (size_t)N);
+                be->i->rmsnorm_backward(be, dx, dw, dy, x, wp, N, C, eps, rstd, false);
+                CHECK_MSG(same_bits(dx, tdx, nx, "dx") && same_bits(dw, tdw, (size_t)C, "dw") &&
+                              same_bits(rstd, rs, (size_t)N, "rstd"),
+                          "%s: rmsnorm_backward -0 N=%d C=%d w=%d", g_be_name[i], N, C, with_w);
+            }
+            free(x), free(dy), free(w), free(tdx), free(tdw), free(rs), free(g);
+            free(dx), free(dw), free(rstd);
+        }
+}
+
 /* ---- rope ------------------------------------------------------------------------------ */
 
 static void test_rope_backward(void) {
@@ -760,6 +813,7 @@ int main(void) {
     make_backends();
     test_matmul_backward();
     test_rmsnorm_backward();
+    test_rmsnorm_backward_signed_zero();
     test_rope_backward();
     test_attention_backward();
     test_geglu_backward();

@@ -4,6 +4,10 @@
  * The 16 lane accumulators of the defined dot live in two ymm registers: lo = lanes 0-7,
  * hi = lanes 8-15. Element i goes to lane i % 16, so for a chunk of 16 starting at a
  * multiple of 16, elements 0-7 go to lo and 8-15 to hi, each with one vfmadd (= fmaf).
+ * A dot's tail (n % 16 elements) loads under a mask and blends the FMA's result into the
+ * accumulators under the same mask (fma_tail), so the lanes past n keep their values as the
+ * definition says: a plain fma(0, 0, acc) would turn an accumulator of -0 (tiny negative
+ * products round to it) into +0. Full steps are plain FMAs.
  * Compiled for the target by function attributes; chosen at run time (cpu_features.c).
  */
 #include "cpu_kernels.h"
@@ -29,6 +33,11 @@ TGT_INLINE __m256i mask8(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), iota);
 }
 
+/* fmaf(a, b, c) in the lanes of m (a mask8), c in the others: a dot's tail step. */
+TGT_INLINE __m256 fma_tail(__m256 a, __m256 b, __m256 c, __m256i m) {
+    return _mm256_blendv_ps(c, _mm256_fmadd_ps(a, b, c), _mm256_castsi256_ps(m));
+}
+
 /* out[t][r] of a matmul from its 16 lanes (lo: 0-7, hi: 8-15): the tree, then the bias. */
 TGT_INLINE void put_out(const kiln_mm_args *a, int64_t r, int t, __m256 lo, __m256 hi) {
     float s = reduce16(lo, hi);
@@ -45,11 +54,10 @@ TGT static void a_dot_accum(float acc[KILN_DOT_LANES], const float *a, const flo
         hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), hi);
     }
     if (i < n) {
-        /* masked lanes multiply 0 by 0: fma(0, 0, acc) == acc since acc is never -0 */
         __m256i m0 = mask8(n - i), m1 = mask8(n - i - 8);
-        lo = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, m0), _mm256_maskload_ps(b + i, m0), lo);
-        hi = _mm256_fmadd_ps(_mm256_maskload_ps(a + i + 8, m1),
-                             _mm256_maskload_ps(b + i + 8, m1), hi);
+        lo = fma_tail(_mm256_maskload_ps(a + i, m0), _mm256_maskload_ps(b + i, m0), lo, m0);
+        hi = fma_tail(_mm256_maskload_ps(a + i + 8, m1), _mm256_maskload_ps(b + i + 8, m1), hi,
+                      m1);
     }
     _mm256_storeu_ps(acc, lo);
     _mm256_storeu_ps(acc + 8, hi);
@@ -76,8 +84,8 @@ TGT static void a_dots(float *s, const float *q, const float *k, int64_t k_strid
             __m256 q0 = _mm256_maskload_ps(q + i, m0), q1 = _mm256_maskload_ps(q + i + 8, m1);
             for (int u = 0; u < 4; u++) {
                 const float *kp = k + (j + u) * k_stride + i;
-                lo[u] = _mm256_fmadd_ps(q0, _mm256_maskload_ps(kp, m0), lo[u]);
-                hi[u] = _mm256_fmadd_ps(q1, _mm256_maskload_ps(kp + 8, m1), hi[u]);
+                lo[u] = fma_tail(q0, _mm256_maskload_ps(kp, m0), lo[u], m0);
+                hi[u] = fma_tail(q1, _mm256_maskload_ps(kp + 8, m1), hi[u], m1);
             }
         }
         for (int u = 0; u < 4; u++) s[j + u] = reduce16(lo[u], hi[u]);
@@ -220,32 +228,38 @@ TGT_INLINE void ld_bf16(const uint8_t *row, int64_t i, int64_t n, __m256 *v0, __
     *v1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h1), 16));
 }
 
+/* One step of 16 elements from i of a plain tile, n of them valid (inside
+ * DEFINE_PLAIN_TILE's function: its a, r, t, RB, TB, lo, hi). n is the constant 16 in the
+ * full steps (plain loads and FMAs once the branches fold); the last, partial step (n < 16)
+ * loads under masks and keeps the lanes past C (fma_tail). */
+#define PLAIN_STEP(LOAD, i, n)                                                                 \
+    do {                                                                                       \
+        const int64_t si = (i), sn = (n);                                                      \
+        const __m256i m0 = mask8(sn), m1 = mask8(sn - 8);                                      \
+        for (int rr = 0; rr < RB; rr++) {                                                      \
+            __m256 w0, w1;                                                                     \
+            LOAD(a->w + (size_t)(r + rr) * a->row_bytes, si, sn, &w0, &w1);                    \
+            for (int tt = 0; tt < TB; tt++) {                                                  \
+                const float *xp = a->x + (int64_t)(t + tt) * a->ldx + si;                      \
+                if (sn >= 16) {                                                                \
+                    lo[rr][tt] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp), lo[rr][tt]);         \
+                    hi[rr][tt] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + 8), hi[rr][tt]);     \
+                } else {                                                                       \
+                    lo[rr][tt] = fma_tail(w0, _mm256_maskload_ps(xp, m0), lo[rr][tt], m0);     \
+                    hi[rr][tt] = fma_tail(w1, _mm256_maskload_ps(xp + 8, m1), hi[rr][tt], m1); \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    } while (0)
+
 #define DEFINE_PLAIN_TILE(NAME, LOAD)                                                          \
     TGT_INLINE void NAME(const kiln_mm_args *a, int64_t r, int t, const int RB, const int TB) { \
         __m256 lo[4][4], hi[4][4];                                                             \
         for (int rr = 0; rr < RB; rr++)                                                        \
             for (int tt = 0; tt < TB; tt++) lo[rr][tt] = hi[rr][tt] = _mm256_setzero_ps();     \
-        for (int64_t i = 0; i < a->C; i += 16) {                                               \
-            int64_t n = a->C - i;                                                              \
-            __m256i m0 = mask8(n), m1 = mask8(n - 8);                                          \
-            for (int rr = 0; rr < RB; rr++) {                                                  \
-                __m256 w0, w1;                                                                 \
-                LOAD(a->w + (size_t)(r + rr) * a->row_bytes, i, n, &w0, &w1);                  \
-                for (int tt = 0; tt < TB; tt++) {                                              \
-                    const float *xp = a->x + (int64_t)(t + tt) * a->ldx + i;                   \
-                    __m256 x0, x1;                                                             \
-                    if (n >= 16) {                                                             \
-                        x0 = _mm256_loadu_ps(xp);                                              \
-                        x1 = _mm256_loadu_ps(xp + 8);                                          \
-                    } else {                                                                   \
-                        x0 = _mm256_maskload_ps(xp, m0);                                       \
-                        x1 = _mm256_maskload_ps(xp + 8, m1);                                   \
-                    }                                                                          \
-                    lo[rr][tt] = _mm256_fmadd_ps(w0, x0, lo[rr][tt]);                          \
-                    hi[rr][tt] = _mm256_fmadd_ps(w1, x1, hi[rr][tt]);                          \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
+        int64_t i = 0;                                                                         \
+        for (; i + 16 <= a->C; i += 16) PLAIN_STEP(LOAD, i, 16);                               \
+        if (i < a->C) PLAIN_STEP(LOAD, i, a->C - i);                                           \
         for (int rr = 0; rr < RB; rr++)                                                        \
             for (int tt = 0; tt < TB; tt++)                                                    \
                 put_out(a, r + rr, t + tt, lo[rr][tt], hi[rr][tt]);                            \
@@ -273,11 +287,35 @@ TGT_INLINE __m256 ld8_bf16(const uint8_t *row, int64_t i, int64_t n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+/* One step of the half tile: the 8 lanes of elements i .. i+7, n of them valid (inside
+ * DEFINE_HALF_TILE's function: its RB, TB, wr, xr, acc). n is the constant 8 in the full
+ * steps; in the last step of a row with C % 16 != 0 (n < 8, maybe <= 0 for the high lanes)
+ * the loads are masked and the lanes past C keep their sums (fma_tail). k1 <= C, so a step
+ * with i0 + 16 <= k1 is full in both halves. */
+#define HALF_STEP(LOAD8, i, n)                                                                 \
+    do {                                                                                       \
+        const int64_t si = (i), sn = (n);                                                      \
+        const __m256i m = mask8(sn);                                                           \
+        __m256 w[3];                                                                           \
+        for (int rr = 0; rr < RB; rr++) w[rr] = LOAD8(wr[rr], si, sn);                         \
+        for (int tt = 0; tt < TB; tt++) {                                                      \
+            if (sn >= 8) {                                                                     \
+                const __m256 x = _mm256_loadu_ps(xr[tt] + si);                                 \
+                for (int rr = 0; rr < RB; rr++)                                                \
+                    acc[rr][tt] = _mm256_fmadd_ps(w[rr], x, acc[rr][tt]);                      \
+            } else {                                                                           \
+                const __m256 x = _mm256_maskload_ps(xr[tt] + si, m);                           \
+                for (int rr = 0; rr < RB; rr++)                                                \
+                    acc[rr][tt] = fma_tail(w[rr], x, acc[rr][tt], m);                          \
+            }                                                                                  \
+        }                                                                                      \
+    } while (0)
+
 /* The plain tile of many tokens, RB <= 3 rows by TB <= 3 tokens, in two half passes: the
  * 16 lanes of an output's dot are two independent groups of 8 (lanes 0-7 take the elements
  * i0 .. i0+7 of each 16-element step i0, lanes 8-15 the elements i0+8 .. i0+15), so the low
  * group's sum runs first and the high group's after it, each lane with the same vfmadd231ps
- * sequence (same steps, same masked zeros in the tail) as DEFINE_PLAIN_TILE: the same bits.
+ * sequence (same steps, the same tail) as DEFINE_PLAIN_TILE: the same bits.
  * Half the accumulators are live at a time, so 3 x 3 outputs (9 sums, 3 weight vectors, one
  * x vector, row pointers hoisted) fit the 16 ymm registers with room to spare: 6 loads for
  * 9 FMAs, where the 1 x 4 tile above needs 10 loads for 8. (3 x 4 spilled two sums to the
@@ -301,18 +339,9 @@ TGT_INLINE __m256 ld8_bf16(const uint8_t *row, int64_t i, int64_t n) {
             const float *xr[3];                                                                \
             for (int rr = 0; rr < RB; rr++) wr[rr] = a->w + (size_t)(r + rr) * a->row_bytes;   \
             for (int tt = 0; tt < TB; tt++) xr[tt] = a->x + (int64_t)(t + tt) * a->ldx;        \
-            const int64_t C = a->C;                                                            \
-            for (int64_t i0 = k0; i0 < k1; i0 += 16) {                                         \
-                const int64_t i = i0 + 8 * h, n = C - i;                                       \
-                __m256 w[3];                                                                   \
-                for (int rr = 0; rr < RB; rr++) w[rr] = LOAD8(wr[rr], i, n);                   \
-                for (int tt = 0; tt < TB; tt++) {                                              \
-                    const __m256 x = n >= 8 ? _mm256_loadu_ps(xr[tt] + i)                      \
-                                            : _mm256_maskload_ps(xr[tt] + i, mask8(n));        \
-                    for (int rr = 0; rr < RB; rr++)                                            \
-                        acc[rr][tt] = _mm256_fmadd_ps(w[rr], x, acc[rr][tt]);                  \
-                }                                                                              \
-            }                                                                                  \
+            int64_t i0 = k0;                                                                   \
+            for (; i0 + 16 <= k1; i0 += 16) HALF_STEP(LOAD8, i0 + 8 * h, 8);                   \
+            if (i0 < k1) HALF_STEP(LOAD8, i0 + 8 * h, a->C - i0 - 8 * h);                      \
             for (int rr = 0; rr < RB; rr++)                                                    \
                 for (int tt = 0; tt < TB; tt++) {                                              \
                     if (last)                                                                  \
@@ -425,6 +454,7 @@ static int a_matmul_rows(const kiln_mm_args *a, int64_t r0, int64_t r1) {
 
 /* ---- attention, elementwise ------------------------------------------------------------- */
 
+/* The tail's lanes past HS compute on zeros and are never stored. */
 TGT static void a_attn_pv(float *acc, float alpha, const float *p, const float *v,
                           int64_t v_stride, int nk, int HS) {
     __m256 al = _mm256_set1_ps(alpha);

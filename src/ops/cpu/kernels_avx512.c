@@ -3,8 +3,10 @@
  * kernels_portable.c.
  *
  * The 16 lane accumulators of the defined dot are exactly one zmm register: element i goes
- * to lane i % 16 with one vfmadd231ps per 16 elements. Tails use masked loads (masked lanes
- * add fma(0, 0, acc) == acc: the accumulators start at +0 and can never become -0).
+ * to lane i % 16 with one vfmadd231ps per 16 elements. A dot's tail (n % 16 elements) loads
+ * under a mask and FMAs under the same mask (_mm512_mask3_fmadd_ps), so the lanes past n keep
+ * their accumulators as the definition says: an unmasked fma(0, 0, acc) would turn an
+ * accumulator of -0 (tiny negative products round to it) into +0. Full steps are unmasked.
  * Q4_1 blocks dequantize through a 16-entry table T[q] = (d*q)+m held in one register and
  * vpermps: the table entries are computed with the same two roundings as kiln_dequantize.
  */
@@ -31,6 +33,16 @@ TGT_INLINE __mmask16 mask16(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
 }
 
+/* A dot's step of 16 lanes: c + a*b with one rounding, in every lane (fma_all, a full step)
+ * or in the lanes of m only, the others keeping c (fma_tail, the tail). */
+TGT_INLINE __m512 fma_all(__m512 a, __m512 b, __m512 c, __mmask16 m) {
+    (void)m;
+    return _mm512_fmadd_ps(a, b, c);
+}
+TGT_INLINE __m512 fma_tail(__m512 a, __m512 b, __m512 c, __mmask16 m) {
+    return _mm512_mask3_fmadd_ps(a, b, c, m);
+}
+
 TGT static void z_dot_accum(float acc[KILN_DOT_LANES], const float *a, const float *b,
                             int64_t n) {
     __m512 c = _mm512_loadu_ps(acc);
@@ -39,7 +51,7 @@ TGT static void z_dot_accum(float acc[KILN_DOT_LANES], const float *a, const flo
         c = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), c);
     if (i < n) {
         __mmask16 m = mask16(n - i);
-        c = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), c);
+        c = fma_tail(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), c, m);
     }
     _mm512_storeu_ps(acc, c);
 }
@@ -50,12 +62,17 @@ TGT static void z_dots(float *s, const float *q, const float *k, int64_t k_strid
     for (; j + 4 <= nk; j += 4) {
         __m512 c[4];
         for (int u = 0; u < 4; u++) c[u] = _mm512_setzero_ps();
-        for (int i = 0; i < HS; i += 16) {
+        int i = 0;
+        for (; i + 16 <= HS; i += 16) {
+            __m512 qv = _mm512_loadu_ps(q + i);
+            for (int u = 0; u < 4; u++)
+                c[u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + (j + u) * k_stride + i), c[u]);
+        }
+        if (i < HS) {
             __mmask16 m = mask16(HS - i);
             __m512 qv = _mm512_maskz_loadu_ps(m, q + i);
             for (int u = 0; u < 4; u++)
-                c[u] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + (j + u) * k_stride + i),
-                                       c[u]);
+                c[u] = fma_tail(qv, _mm512_maskz_loadu_ps(m, k + (j + u) * k_stride + i), c[u], m);
         }
         for (int u = 0; u < 4; u++) s[j + u] = reduce16(c[u]);
     }
@@ -164,6 +181,23 @@ TGT_INLINE __m512 zld_bf16(const uint8_t *row, int64_t i, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* One step of 16 elements from i of a plain tile (inside DEFINE_PLAIN_TILE's function: its
+ * c, wr, xr, RB, TB), loads under the mask m, FMA = fma_all (full step, m all ones) or
+ * fma_tail (the last, partial step: the lanes past C keep their sums). */
+#define PLAIN_STEP(LOAD, FMA, i, m)                                                            \
+    do {                                                                                       \
+        const __mmask16 sm = (m);                                                              \
+        __m512 w[4];                                                                           \
+        KILN_UNROLL4                                                                           \
+        for (int rr = 0; rr < RB; rr++) w[rr] = LOAD(wr[rr], (i), sm);                         \
+        KILN_UNROLL4                                                                           \
+        for (int tt = 0; tt < TB; tt++) {                                                      \
+            const __m512 xv = _mm512_maskz_loadu_ps(sm, xr[tt] + (i));                        \
+            KILN_UNROLL4                                                                       \
+            for (int rr = 0; rr < RB; rr++) c[rr][tt] = FMA(w[rr], xv, c[rr][tt], sm);         \
+        }                                                                                      \
+    } while (0)
+
 /* Plain-type tiles: RB <= 4 rows x TB <= 4 tokens. Per 16 elements the RB weight vectors are
  * loaded once, then each token's x vector once for all RB rows: 4 x 4 is 8 loads per 16 FMAs
  * (21 of the 32 registers), where loading x per row and token was 10 loads per 8 FMAs. Each
@@ -180,18 +214,9 @@ TGT_INLINE __m512 zld_bf16(const uint8_t *row, int64_t i, __mmask16 m) {
         for (int rr = 0; rr < RB; rr++) wr[rr] = a->w + (size_t)(r + rr) * a->row_bytes;       \
         for (int tt = 0; tt < TB; tt++) xr[tt] = a->x + (int64_t)(t + tt) * a->ldx;            \
         const int64_t C = a->C;                                                                \
-        for (int64_t i = 0; i < C; i += 16) {                                                  \
-            const __mmask16 m = mask16(C - i);                                                 \
-            __m512 w[4];                                                                       \
-            KILN_UNROLL4                                                                       \
-            for (int rr = 0; rr < RB; rr++) w[rr] = LOAD(wr[rr], i, m);                        \
-            KILN_UNROLL4                                                                       \
-            for (int tt = 0; tt < TB; tt++) {                                                  \
-                const __m512 xv = _mm512_maskz_loadu_ps(m, xr[tt] + i);                        \
-                KILN_UNROLL4                                                                   \
-                for (int rr = 0; rr < RB; rr++) c[rr][tt] = _mm512_fmadd_ps(w[rr], xv, c[rr][tt]); \
-            }                                                                                  \
-        }                                                                                      \
+        int64_t i = 0;                                                                         \
+        for (; i + 16 <= C; i += 16) PLAIN_STEP(LOAD, fma_all, i, (__mmask16)0xffff);          \
+        if (i < C) PLAIN_STEP(LOAD, fma_tail, i, mask16(C - i));                               \
         KILN_UNROLL4                                                                           \
         for (int rr = 0; rr < RB; rr++)                                                        \
             KILN_UNROLL4                                                                       \
@@ -271,6 +296,7 @@ static int z_matmul_rows(const kiln_mm_args *a, int64_t r0, int64_t r1) {
 
 /* ---- attention, elementwise ------------------------------------------------------------- */
 
+/* The tail's lanes past HS compute on zeros and are never stored. */
 TGT static void z_attn_pv(float *acc, float alpha, const float *p, const float *v,
                           int64_t v_stride, int nk, int HS) {
     __m512 al = _mm512_set1_ps(alpha);
