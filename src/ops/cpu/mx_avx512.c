@@ -240,6 +240,10 @@ TGT static void v_rows(const kiln_mx_product *p, int64_t r0, int64_t r1, int thr
             w_nonfinite |= (__mmask16)((w->row_nonfinite[rt + j] != 0) << j);
         for (int64_t n0 = 0; n0 < N; n0 += KILN_MX_TILE_XROWS) {
             const int64_t nn = N - n0 < KILN_MX_TILE_XROWS ? N - n0 : KILN_MX_TILE_XROWS;
+            /* the outputs an adding product reads back, fetched while the block computes */
+            if (p->accumulate)
+                for (int64_t i = 0; i < nn; i++)
+                    _mm_prefetch((const char *)(p->out + (n0 + i) * p->ldo + rt), _MM_HINT_T0);
             /* emax of each output, saturated as exp_sum_max (a zero block's sum far below) */
             for (int64_t i = 0; i < nn; i++) {
                 const int16_t *ex = p->xe + (n0 + i) * p->nbp;
