@@ -453,6 +453,7 @@ typedef struct attn_job {
     float *out;
     const float *q, *kc, *vc;
     int N, n_past, NH, KVH, HS, n_tasks;
+    int group; /* query heads a work unit takes (attn_plan) */
     float scale;
     /* a paged cache (attention_paged): token i is at position pos[i] of sequence seq[i], its
      * keys found through pg; NULL: a dense cache, token i at n_past + i */
@@ -470,56 +471,92 @@ static int64_t attn_block_row(const attn_job *j, int i, int kb) {
     return (int64_t)block * pg->block_size + kb % pg->block_size;
 }
 
-/* One (token i, head h): the online softmax over key blocks of KILN_ATTN_BLOCK
- * (docs/ARITHMETIC.md). The output row doubles as the accumulator. */
-static void attn_one(const attn_job *j, int i, int h) {
+/* Query heads [h0, h0 + ng) of token i, all of one kv head (ng <= ATTN_GROUP_MAX): each head's
+ * online softmax over key blocks of KILN_ATTN_BLOCK (docs/ARITHMETIC.md), its operations in
+ * the definition's order. The heads go through each key block together: the block's keys and
+ * values are read from L1 after the first head, and the heads' sequential chains (the block
+ * max, the sum l) are interleaved, independent, so they overlap. An output row doubles as its
+ * head's accumulator. */
+#define ATTN_GROUP_MAX 8
+static void attn_heads(const attn_job *j, int i, int h0, int ng) {
     const kiln_cpu_kernels *k = j->k;
     const int HS = j->HS;
-    const int kvh = h / (j->NH / j->KVH);
+    const int kvh = h0 / (j->NH / j->KVH);
     const int64_t stride = (int64_t)j->KVH * HS;
-    const float *q = j->q + ((int64_t)i * j->NH + h) * HS;
-    float *acc = j->out + ((int64_t)i * j->NH + h) * HS;
     const int T = (j->pg ? j->pos[i] : j->n_past + i) + 1; /* causal: keys 0..its position */
     /* a sliding window: keys from lo on, the blocks still aligned at multiples of 64 */
     const int lo = kiln_attn_window_lo(T, j->window);
-    float s[KILN_ATTN_BLOCK], p[KILN_ATTN_BLOCK];
-    float m = -INFINITY, l = 0.0f;
-    for (int d = 0; d < HS; d++) acc[d] = 0.0f;
+    float s[ATTN_GROUP_MAX][KILN_ATTN_BLOCK], p[ATTN_GROUP_MAX][KILN_ATTN_BLOCK];
+    float m[ATTN_GROUP_MAX], l[ATTN_GROUP_MAX], alpha[ATTN_GROUP_MAX], bm[ATTN_GROUP_MAX];
+    const float *q[ATTN_GROUP_MAX];
+    float *acc[ATTN_GROUP_MAX];
+    for (int g = 0; g < ng; g++) {
+        q[g] = j->q + ((int64_t)i * j->NH + h0 + g) * HS;
+        acc[g] = j->out + ((int64_t)i * j->NH + h0 + g) * HS;
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int d = 0; d < HS; d++) acc[g][d] = 0.0f;
+    }
     for (int kb0 = lo / KILN_ATTN_BLOCK * KILN_ATTN_BLOCK; kb0 < T; kb0 += KILN_ATTN_BLOCK) {
         const int kb = kb0 > lo ? kb0 : lo; /* the block's first key */
         int nk = T - kb0 < KILN_ATTN_BLOCK ? T - kb : kb0 + KILN_ATTN_BLOCK - kb;
         const int64_t row = attn_block_row(j, i, kb0) + (kb - kb0);
-        k->dots(s, q, j->kc + row * stride + (int64_t)kvh * HS, stride, nk, HS);
-        float bm = -INFINITY;
-        for (int t = 0; t < nk; t++) {
-            s[t] = s[t] * j->scale;
-            bm = s[t] > bm ? s[t] : bm;
+        const float *kr = j->kc + row * stride + (int64_t)kvh * HS;
+        const float *vr = j->vc + row * stride + (int64_t)kvh * HS;
+        for (int g = 0; g < ng; g++) {
+            k->dots(s[g], q[g], kr, stride, nk, HS);
+            bm[g] = -INFINITY;
         }
-        float m_new = bm > m ? bm : m;
-        float alpha = kiln_expf(m - m_new);
-        k->exp_sub(p, s, m_new, nk);
-        l = l * alpha;
-        for (int t = 0; t < nk; t++) l = l + p[t];
-        k->attn_pv(acc, alpha, p, j->vc + row * stride + (int64_t)kvh * HS, stride, nk, HS);
-        m = m_new;
+        for (int t = 0; t < nk; t++)
+            for (int g = 0; g < ng; g++) {
+                s[g][t] = s[g][t] * j->scale;
+                bm[g] = s[g][t] > bm[g] ? s[g][t] : bm[g];
+            }
+        for (int g = 0; g < ng; g++) {
+            const float m_new = bm[g] > m[g] ? bm[g] : m[g];
+            alpha[g] = kiln_expf(m[g] - m_new);
+            k->exp_sub(p[g], s[g], m_new, nk);
+            l[g] = l[g] * alpha[g];
+            m[g] = m_new;
+        }
+        for (int t = 0; t < nk; t++)
+            for (int g = 0; g < ng; g++) l[g] = l[g] + p[g][t];
+        for (int g = 0; g < ng; g++) k->attn_pv(acc[g], alpha[g], p[g], vr, stride, nk, HS);
     }
-    for (int d = 0; d < HS; d++) acc[d] = acc[d] / l;
+    for (int g = 0; g < ng; g++)
+        for (int d = 0; d < HS; d++) acc[g][d] = acc[g][d] / l[g];
 }
 
+/* The work units: (token, kv head, group of up to gs of its query heads), gs = j->group. */
 static void attn_task(void *arg, int task, int thread) {
+    (void)thread;
     const attn_job *j = arg;
+    const int G = j->NH / j->KVH, gs = j->group, n_groups = (G + gs - 1) / gs;
     int64_t lo, hi;
-    split_range((int64_t)j->N * j->NH, j->n_tasks, task, 1, &lo, &hi);
-    for (int64_t u = lo; u < hi; u++) attn_one(j, (int)(u / j->NH), (int)(u % j->NH));
+    split_range((int64_t)j->N * j->KVH * n_groups, j->n_tasks, task, 1, &lo, &hi);
+    for (int64_t u = lo; u < hi; u++) {
+        const int i = (int)(u / ((int64_t)j->KVH * n_groups));
+        const int rest = (int)(u % ((int64_t)j->KVH * n_groups)), kvh = rest / n_groups, g0 = rest % n_groups * gs;
+        attn_heads(j, i, kvh * G + g0, G - g0 < gs ? G - g0 : gs);
+    }
+}
+
+/* Heads a work unit takes (attn_task) and the tasks for `work`: groups of a kv head's query
+ * heads, at most ATTN_GROUP_MAX, halved while that would leave fewer than 4 units a thread. */
+static void attn_plan(const cpu_ctx *c, attn_job *j, double work) {
+    const int G = j->NH / j->KVH, threads = kiln_pool_n_threads(c->pool);
+    int gs = G < ATTN_GROUP_MAX ? G : ATTN_GROUP_MAX;
+    while (gs > 1 && (int64_t)j->N * j->KVH * ((G + gs - 1) / gs) < 4 * (int64_t)threads) gs = (gs + 1) / 2;
+    j->group = gs;
+    j->n_tasks = n_tasks_for(c, work, 16384, (int64_t)j->N * j->KVH * ((G + gs - 1) / gs));
 }
 
 static void cpu_attention(kiln_backend *be, float *out, const float *q, const float *k,
                           const float *v, int N, int n_past, int NH, int KVH, int HS,
                           float scale, int window) {
     cpu_ctx *c = ctx_of(be);
-    attn_job j = {c->k, out, q, k, v, N, n_past, NH, KVH, HS, 0, scale, NULL, NULL, NULL, window};
-    double work = (double)N * NH * HS * (n_past + N);
-    j.n_tasks = n_tasks_for(c, work, 16384, (int64_t)N * NH);
+    attn_job j = {c->k, out, q, k, v, N, n_past, NH, KVH, HS, 0, 1, scale, NULL, NULL, NULL, window};
+    attn_plan(c, &j, (double)N * NH * HS * (n_past + N));
     kiln_pool_run(c->pool, j.n_tasks, attn_task, &j);
 }
 
@@ -564,7 +601,6 @@ static void cpu_add(kiln_backend *be, float *x, const float *y, size_t n) {
 
 /* ---- backward (backward_portable.c) ------------------------------------------------------ */
 
-/* (rows, cols) row-major a into (cols, rows) row-major t. */
 /* t(cols, rows) = a(rows, cols)^T, strips of 32 columns of a as the pool's tasks. */
 typedef struct transpose_job {
     float *t;
@@ -784,9 +820,8 @@ static void cpu_attention_paged(kiln_backend *be, float *out, const float *q, co
     cpu_ctx *c = ctx_of(be);
     (void)runs;
     (void)n_runs;
-    attn_job j = {c->k, out, q, k_pool, v_pool, N, 0, NH, KVH, HS, 0, scale, pg, seq, pos, window};
-    double work = (double)N * NH * HS * max_T;
-    j.n_tasks = n_tasks_for(c, work, 16384, (int64_t)N * NH);
+    attn_job j = {c->k, out, q, k_pool, v_pool, N, 0, NH, KVH, HS, 0, 1, scale, pg, seq, pos, window};
+    attn_plan(c, &j, (double)N * NH * HS * max_T);
     kiln_pool_run(c->pool, j.n_tasks, attn_task, &j);
 }
 
