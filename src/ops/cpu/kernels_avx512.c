@@ -56,9 +56,46 @@ TGT static void z_dot_accum(float acc[KILN_DOT_LANES], const float *a, const flo
     _mm512_storeu_ps(acc, c);
 }
 
+/* reduce16 of 16 accumulators at once: lane u of the result is reduce16(c[u]), each sum
+ * taken with the same operands in the same order (s8 = acc[j] + acc[j+8], s4, s2, then
+ * s2[0] + s2[1]), 16 outputs in 15 adds where reduce16 spends 4 apiece. */
+TGT_INLINE __m512 reduce16x16(const __m512 c[16]) {
+    __m512 t[8], u[4], v[2];
+    for (int a = 0; a < 8; a++) /* lanes 0-7: c[2a]'s s8, 8-15: c[2a+1]'s */
+        t[a] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * a], c[2 * a + 1], 0x44),
+                             _mm512_shuffle_f32x4(c[2 * a], c[2 * a + 1], 0xee));
+    for (int a = 0; a < 4; a++) /* 128-bit lane r: the s4 of c[4a + r] */
+        u[a] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * a], t[2 * a + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * a], t[2 * a + 1], 0xdd));
+    for (int a = 0; a < 2; a++) /* lane r: s2 of c[8a + r] (elements 0-1), c[8a + 4 + r] (2-3) */
+        v[a] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * a], u[2 * a + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * a], u[2 * a + 1], 0xee));
+    /* element 4r + e of the sum: c[r + 4e]'s dot; put c[k]'s at element k */
+    const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xdd));
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(idx, d);
+}
+
 TGT static void z_dots(float *s, const float *q, const float *k, int64_t k_stride, int nk,
                        int HS) {
     int j = 0;
+    for (; j + 16 <= nk; j += 16) { /* 16 keys, their sums reduced together */
+        __m512 c[16];
+        for (int u = 0; u < 16; u++) c[u] = _mm512_setzero_ps();
+        int i = 0;
+        for (; i + 16 <= HS; i += 16) {
+            const __m512 qv = _mm512_loadu_ps(q + i);
+            for (int u = 0; u < 16; u++)
+                c[u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + (j + u) * k_stride + i), c[u]);
+        }
+        if (i < HS) {
+            const __mmask16 m = mask16(HS - i);
+            const __m512 qv = _mm512_maskz_loadu_ps(m, q + i);
+            for (int u = 0; u < 16; u++)
+                c[u] = fma_tail(qv, _mm512_maskz_loadu_ps(m, k + (j + u) * k_stride + i), c[u], m);
+        }
+        _mm512_storeu_ps(s + j, reduce16x16(c));
+    }
     for (; j + 4 <= nk; j += 4) {
         __m512 c[4];
         for (int u = 0; u < 4; u++) c[u] = _mm512_setzero_ps();
