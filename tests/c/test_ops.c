@@ -370,10 +370,10 @@ static void test_matmul(void) {
         CHECK(g_be[0]->i->supports_op(g_be[0], KILN_OP_MATMUL, dt));
         int bs = kiln_dtype_get_traits(dt)->block_size;
         int64_t Cs_plain[] = {1, 7, 16, 33, 100, 576};
-        int64_t Cs_32[] = {32, 96, 576};
+        int64_t Cs_32[] = {32, 96, 576, 1056}; /* 1056: 33 blocks, past two groups of 16 scales */
         int64_t Cs_256[] = {256, 512};
         const int64_t *Cs = bs == 1 ? Cs_plain : bs == 32 ? Cs_32 : Cs_256;
-        int nC = bs == 1 ? 6 : bs == 32 ? 3 : 2;
+        int nC = bs == 1 ? 6 : bs == 32 ? 4 : 2;
         const int Ns[] = {1, 3, 4, 9, 70};
         const int64_t Rs[] = {1, 5, 13};
         for (int c = 0; c < nC; c++)

@@ -110,9 +110,12 @@ TGT_INLINE float h2f(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+/* The blocks' dequantization with the scale d (and Q4_1's m) given as f32 broadcasts (the
+ * tiles convert the scales of 16 blocks at once: block_scales). */
+
 /* Q8_0: d (f16), qs[32] int8; value = float(q) * d. */
-TGT_INLINE blk32 deq_q8_0(const uint8_t *b) {
-    __m256 d = _mm256_set1_ps(h2f(b));
+TGT_INLINE blk32 deq_q8_0_s(const uint8_t *b, __m256 d, __m256 m) {
+    (void)m;
     blk32 w;
     for (int k = 0; k < 4; k++) {
         __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * k));
@@ -125,11 +128,7 @@ TGT_INLINE blk32 deq_q8_0(const uint8_t *b) {
  * value = (d * q) + m as gguf-py rounds it. d * q is EXACT in binary32 (d has 11
  * significant bits as an f16, q < 16 has 4, and f16's range sits inside f32's normal
  * range; inf/NaN d propagate alike), so fmaf(d, q, m) rounds once to the same bits. */
-TGT_INLINE blk32 deq_q4_1(const uint8_t *b) {
-    int32_t dm_bits;
-    memcpy(&dm_bits, b, 4);
-    __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits)); /* d, m widened exactly */
-    __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+TGT_INLINE blk32 deq_q4_1_s(const uint8_t *b, __m256 d, __m256 m) {
     const __m256i low4 = _mm256_set1_epi32(15);
     __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 4)));
     __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 12)));
@@ -142,8 +141,8 @@ TGT_INLINE blk32 deq_q4_1(const uint8_t *b) {
 }
 
 /* Q4_0: d (f16), qs[16]; q = nibble - 8; value = d * float(q). */
-TGT_INLINE blk32 deq_q4_0(const uint8_t *b) {
-    __m256 d = _mm256_set1_ps(h2f(b));
+TGT_INLINE blk32 deq_q4_0_s(const uint8_t *b, __m256 d, __m256 m) {
+    (void)m;
     const __m256i low4 = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
     __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2)));
     __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 10)));
@@ -155,23 +154,59 @@ TGT_INLINE blk32 deq_q4_0(const uint8_t *b) {
     return w;
 }
 
+/* One block, its scales converted alone (the prefill's dequantization into f32 rows). */
+TGT_INLINE blk32 deq_q8_0(const uint8_t *b) {
+    return deq_q8_0_s(b, _mm256_set1_ps(h2f(b)), _mm256_setzero_ps());
+}
+TGT_INLINE blk32 deq_q4_1(const uint8_t *b) {
+    return deq_q4_1_s(b, _mm256_set1_ps(h2f(b)), _mm256_set1_ps(h2f(b + 2)));
+}
+TGT_INLINE blk32 deq_q4_0(const uint8_t *b) {
+    return deq_q4_0_s(b, _mm256_set1_ps(h2f(b)), _mm256_setzero_ps());
+}
+
+/* The f32 scales of n <= 16 consecutive blocks of BB bytes from p: d from offset 0 of each, m
+ * from offset MO (MO 0: no m). */
+TGT_INLINE void block_scales(const uint8_t *p, int n, const int BB, const int MO, float d[16], float m[16]) {
+    uint16_t hd[16] = {0}, hm[16] = {0};
+    for (int k = 0; k < n; k++) {
+        memcpy(&hd[k], p + (size_t)k * BB, 2);
+        if (MO) memcpy(&hm[k], p + (size_t)k * BB + MO, 2);
+    }
+    for (int h = 0; h < 2; h++) {
+        _mm256_store_ps(d + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hd + 8 * h))));
+        if (MO) _mm256_store_ps(m + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hm + 8 * h))));
+    }
+}
+
 /* One tile: RB rows from r, TB tokens from t, over all blocks of 32. RB*TB <= 4 keeps the
- * 2*RB*TB accumulators in registers. */
-#define DEFINE_Q32_TILE(NAME, DEQ, BLOCK_BYTES)                                                \
+ * 2*RB*TB accumulators in registers. Every 16 blocks the rows' scales are converted at once
+ * (block_scales); MO: the offset of Q4_1's m (0: none). */
+#define DEFINE_Q32_TILE(NAME, DEQ, BLOCK_BYTES, MO)                                            \
     TGT_INLINE void NAME(const kiln_mm_args *a, int64_t r, int t, const int RB, const int TB) { \
         __m256 lo[4][4], hi[4][4];                                                             \
         for (int rr = 0; rr < RB; rr++)                                                        \
             for (int tt = 0; tt < TB; tt++) lo[rr][tt] = hi[rr][tt] = _mm256_setzero_ps();     \
         const int64_t nb = a->C / 32;                                                          \
-        for (int64_t b = 0; b < nb; b++) {                                                     \
-            for (int rr = 0; rr < RB; rr++) {                                                  \
-                blk32 w = DEQ(a->w + (size_t)(r + rr) * a->row_bytes + (size_t)b * BLOCK_BYTES); \
-                for (int tt = 0; tt < TB; tt++) {                                              \
-                    const float *xp = a->x + (int64_t)(t + tt) * a->ldx + b * 32;              \
-                    lo[rr][tt] = _mm256_fmadd_ps(w.v[0], _mm256_loadu_ps(xp), lo[rr][tt]);     \
-                    hi[rr][tt] = _mm256_fmadd_ps(w.v[1], _mm256_loadu_ps(xp + 8), hi[rr][tt]); \
-                    lo[rr][tt] = _mm256_fmadd_ps(w.v[2], _mm256_loadu_ps(xp + 16), lo[rr][tt]); \
-                    hi[rr][tt] = _mm256_fmadd_ps(w.v[3], _mm256_loadu_ps(xp + 24), hi[rr][tt]); \
+        for (int64_t b0 = 0; b0 < nb; b0 += 16) {                                              \
+            const int ng = nb - b0 < 16 ? (int)(nb - b0) : 16;                                 \
+            _Alignas(32) float ds[4][16], ms[4][16];                                           \
+            for (int rr = 0; rr < RB; rr++)                                                    \
+                block_scales(a->w + (size_t)(r + rr) * a->row_bytes + (size_t)b0 * BLOCK_BYTES, ng, \
+                             BLOCK_BYTES, MO, ds[rr], ms[rr]);                                 \
+            for (int k = 0; k < ng; k++) {                                                     \
+                const int64_t b = b0 + k;                                                      \
+                for (int rr = 0; rr < RB; rr++) {                                              \
+                    blk32 w = DEQ(a->w + (size_t)(r + rr) * a->row_bytes + (size_t)b * BLOCK_BYTES, \
+                                  _mm256_set1_ps(ds[rr][k]),                                   \
+                                  MO ? _mm256_set1_ps(ms[rr][k]) : _mm256_setzero_ps());       \
+                    for (int tt = 0; tt < TB; tt++) {                                          \
+                        const float *xp = a->x + (int64_t)(t + tt) * a->ldx + b * 32;          \
+                        lo[rr][tt] = _mm256_fmadd_ps(w.v[0], _mm256_loadu_ps(xp), lo[rr][tt]); \
+                        hi[rr][tt] = _mm256_fmadd_ps(w.v[1], _mm256_loadu_ps(xp + 8), hi[rr][tt]); \
+                        lo[rr][tt] = _mm256_fmadd_ps(w.v[2], _mm256_loadu_ps(xp + 16), lo[rr][tt]); \
+                        hi[rr][tt] = _mm256_fmadd_ps(w.v[3], _mm256_loadu_ps(xp + 24), hi[rr][tt]); \
+                    }                                                                          \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
@@ -180,9 +215,9 @@ TGT_INLINE blk32 deq_q4_0(const uint8_t *b) {
                 put_out(a, r + rr, t + tt, lo[rr][tt], hi[rr][tt]);                            \
     }
 
-DEFINE_Q32_TILE(tile_q8_0, deq_q8_0, 34)
-DEFINE_Q32_TILE(tile_q4_1, deq_q4_1, 20)
-DEFINE_Q32_TILE(tile_q4_0, deq_q4_0, 18)
+DEFINE_Q32_TILE(tile_q8_0, deq_q8_0_s, 34, 0)
+DEFINE_Q32_TILE(tile_q4_1, deq_q4_1_s, 20, 2)
+DEFINE_Q32_TILE(tile_q4_0, deq_q4_0_s, 18, 0)
 
 /* Plain-type rows: 16 elements per step, a masked tail for C % 16. LOAD16 gives lanes
  * (0-7, 8-15) of 16 elements from row pointer + element offset, masked to n valid. */

@@ -132,8 +132,11 @@ TGT_INLINE float h2f(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-TGT_INLINE zblk32 zdeq_q8_0(const uint8_t *b) {
-    __m512 d = _mm512_set1_ps(h2f(b));
+/* The blocks' dequantization with the scale d (and Q4_1's m) given as f32 broadcasts: the
+ * tiles convert the f16 scales of 16 blocks in one vcvtph2ps (block_scales) instead of one
+ * scalar conversion and broadcast per block; the values are the same. */
+TGT_INLINE zblk32 zdeq_q8_0_s(const uint8_t *b, __m512 d, __m512 m) {
+    (void)m;
     zblk32 w;
     for (int k = 0; k < 2; k++) {
         __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * k));
@@ -142,10 +145,10 @@ TGT_INLINE zblk32 zdeq_q8_0(const uint8_t *b) {
     return w;
 }
 
-TGT_INLINE zblk32 zdeq_q4_1(const uint8_t *b) {
+TGT_INLINE zblk32 zdeq_q4_1_s(const uint8_t *b, __m512 d, __m512 m) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     /* (d*q)+m: d*q is exact (see kernels_avx2.c deq_q4_1), so one fma gives its bits */
-    __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(h2f(b)), iota, _mm512_set1_ps(h2f(b + 2)));
+    __m512 table = _mm512_fmadd_ps(d, iota, m);
     __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 4)));
     zblk32 w;
     w.v[0] = _mm512_permutexvar_ps(q, table); /* uses bits 0-3: the low nibble */
@@ -153,9 +156,10 @@ TGT_INLINE zblk32 zdeq_q4_1(const uint8_t *b) {
     return w;
 }
 
-TGT_INLINE zblk32 zdeq_q4_0(const uint8_t *b) {
+TGT_INLINE zblk32 zdeq_q4_0_s(const uint8_t *b, __m512 d, __m512 m) {
+    (void)m;
     const __m512 iota = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    __m512 table = _mm512_mul_ps(_mm512_set1_ps(h2f(b)), iota);
+    __m512 table = _mm512_mul_ps(d, iota);
     __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)));
     zblk32 w;
     w.v[0] = _mm512_permutexvar_ps(q, table);
@@ -163,11 +167,37 @@ TGT_INLINE zblk32 zdeq_q4_0(const uint8_t *b) {
     return w;
 }
 
+/* One block, its scales converted alone (the prefill's dequantization into f32 rows). */
+TGT_INLINE zblk32 zdeq_q8_0(const uint8_t *b) {
+    return zdeq_q8_0_s(b, _mm512_set1_ps(h2f(b)), _mm512_setzero_ps());
+}
+TGT_INLINE zblk32 zdeq_q4_1(const uint8_t *b) {
+    return zdeq_q4_1_s(b, _mm512_set1_ps(h2f(b)), _mm512_set1_ps(h2f(b + 2)));
+}
+TGT_INLINE zblk32 zdeq_q4_0(const uint8_t *b) {
+    return zdeq_q4_0_s(b, _mm512_set1_ps(h2f(b)), _mm512_setzero_ps());
+}
+
+/* The f32 scales of n <= 16 consecutive blocks of BB bytes from p: d from offset 0 of each, m
+ * from offset MO (MO 0: no m). */
+TGT_INLINE void block_scales(const uint8_t *p, int n, const int BB, const int MO, float d[16], float m[16]) {
+    uint16_t hd[16] = {0}, hm[16] = {0};
+    for (int k = 0; k < n; k++) {
+        memcpy(&hd[k], p + (size_t)k * BB, 2);
+        if (MO) memcpy(&hm[k], p + (size_t)k * BB + MO, 2);
+    }
+    _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hd)));
+    if (MO) _mm512_store_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hm)));
+}
+
 /* Full unrolling of the tile's 4-iteration loops, so that its accumulators live in registers
  * (without it GCC kept the 4 x 4 array in memory, one store per FMA). */
 #define KILN_UNROLL4 _Pragma("GCC unroll 4")
 
-#define DEFINE_Q32_TILE(NAME, DEQ, BLOCK_BYTES)                                                \
+/* The block types' tile, RB <= 4 rows x TB <= 4 tokens: every 16 blocks the rows' scales are
+ * converted at once (block_scales), then each block is dequantized into registers (DEQ) and
+ * used for the TB tokens. MO: the offset of Q4_1's m (0: none). */
+#define DEFINE_Q32_TILE(NAME, DEQ, BLOCK_BYTES, MO)                                            \
     TGT_INLINE void NAME(const kiln_mm_args *a, int64_t r, int t, const int RB, const int TB) { \
         __m512 c[4][4];                                                                        \
         KILN_UNROLL4                                                                           \
@@ -181,15 +211,24 @@ TGT_INLINE zblk32 zdeq_q4_0(const uint8_t *b) {
         KILN_UNROLL4                                                                           \
         for (int tt = 0; tt < TB; tt++) xr[tt] = a->x + (int64_t)(t + tt) * a->ldx;            \
         const int64_t nb = a->C / 32;                                                          \
-        for (int64_t b = 0; b < nb; b++) {                                                     \
+        for (int64_t b0 = 0; b0 < nb; b0 += 16) {                                              \
+            const int ng = nb - b0 < 16 ? (int)(nb - b0) : 16;                                 \
+            _Alignas(64) float ds[4][16], ms[4][16];                                           \
             KILN_UNROLL4                                                                       \
-            for (int rr = 0; rr < RB; rr++) {                                                  \
-                zblk32 w = DEQ(wr[rr] + (size_t)b * BLOCK_BYTES);                              \
+            for (int rr = 0; rr < RB; rr++)                                                    \
+                block_scales(wr[rr] + (size_t)b0 * BLOCK_BYTES, ng, BLOCK_BYTES, MO, ds[rr], ms[rr]); \
+            for (int k = 0; k < ng; k++) {                                                     \
+                const int64_t b = b0 + k;                                                      \
                 KILN_UNROLL4                                                                   \
-                for (int tt = 0; tt < TB; tt++) {                                              \
-                    const float *xp = xr[tt] + b * 32;                                         \
-                    c[rr][tt] = _mm512_fmadd_ps(w.v[0], _mm512_loadu_ps(xp), c[rr][tt]);       \
-                    c[rr][tt] = _mm512_fmadd_ps(w.v[1], _mm512_loadu_ps(xp + 16), c[rr][tt]);  \
+                for (int rr = 0; rr < RB; rr++) {                                              \
+                    zblk32 w = DEQ(wr[rr] + (size_t)b * BLOCK_BYTES, _mm512_set1_ps(ds[rr][k]), \
+                                   MO ? _mm512_set1_ps(ms[rr][k]) : _mm512_setzero_ps());      \
+                    KILN_UNROLL4                                                               \
+                    for (int tt = 0; tt < TB; tt++) {                                          \
+                        const float *xp = xr[tt] + b * 32;                                     \
+                        c[rr][tt] = _mm512_fmadd_ps(w.v[0], _mm512_loadu_ps(xp), c[rr][tt]);   \
+                        c[rr][tt] = _mm512_fmadd_ps(w.v[1], _mm512_loadu_ps(xp + 16), c[rr][tt]); \
+                    }                                                                          \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
@@ -203,9 +242,9 @@ TGT_INLINE zblk32 zdeq_q4_0(const uint8_t *b) {
             }                                                                                  \
     }
 
-DEFINE_Q32_TILE(tile_q8_0, zdeq_q8_0, 34)
-DEFINE_Q32_TILE(tile_q4_1, zdeq_q4_1, 20)
-DEFINE_Q32_TILE(tile_q4_0, zdeq_q4_0, 18)
+DEFINE_Q32_TILE(tile_q8_0, zdeq_q8_0_s, 34, 0)
+DEFINE_Q32_TILE(tile_q4_1, zdeq_q4_1_s, 20, 2)
+DEFINE_Q32_TILE(tile_q4_0, zdeq_q4_0_s, 18, 0)
 
 TGT_INLINE __m512 zld_f32(const uint8_t *row, int64_t i, __mmask16 m) {
     return _mm512_maskz_loadu_ps(m, (const float *)row + i);
