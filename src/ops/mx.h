@@ -155,6 +155,9 @@ kiln_status kiln_mx_matmul_add_cpu(const kiln_mx_matrix *x, const kiln_mx_matrix
  * faster, bench/RESULTS.md 2026-12-07). The same bits either way. */
 #define KILN_MX_VNNI_MIN_N 4
 kiln_cpu_path kiln_mx_select_path(int64_t N);
+/* The same advice for a given path p (a backend's own, which may be forced): p, or AVX2 for
+ * AVX512 below KILN_MX_VNNI_MIN_N rows. kiln_mx_select_path(N) is this of kiln_cpu_select_path(). */
+kiln_cpu_path kiln_mx_path_for(kiln_cpu_path p, int64_t N);
 
 /* The name of the kernel that path p would run for the product ("portable", "avx2",
  * "avx512vnni"). */

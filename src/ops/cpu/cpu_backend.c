@@ -360,10 +360,7 @@ static void matmul_mx(cpu_ctx *c, int kind, float *out, const float *x, const ki
         return;
     }
     kiln_status st = kiln_mx_quantize(xa, x, C, c->pool);
-    /* the backend's path, with AVX2 for AVX-512 VNNI below its row count (kiln_mx_select_path) */
-    kiln_cpu_path path = c->k->path;
-    if (path == KILN_CPU_PATH_AVX512 && N < KILN_MX_VNNI_MIN_N) path = KILN_CPU_PATH_AVX2;
-    if (st == KILN_OK) st = kiln_mx_matmul_cpu(xa, w, out, R, c->pool, path);
+    if (st == KILN_OK) st = kiln_mx_matmul_cpu(xa, w, out, R, c->pool, kiln_mx_path_for(c->k->path, N));
     if (st != KILN_OK) {
         mx_poison(c, kind, st, kiln_last_error(), W);
         return;
@@ -641,7 +638,6 @@ static void matmul_backward_mx(cpu_ctx *c, int kind, float *dx, float *dW, float
         mx_poison(c, kind, KILN_ERR_UNSUPPORTED, "the backward's reduction is longer than the format's limit (262,144)", W);
         return;
     }
-    kiln_cpu_path path = c->k->path;
     kiln_status st = KILN_OK;
     if (dx) {
         const kiln_mx_matrix *wt = mx_weight_of(c, kind, W, R, C, 1);
@@ -650,7 +646,7 @@ static void matmul_backward_mx(cpu_ctx *c, int kind, float *dx, float *dW, float
         if (st == KILN_OK)
             st = c->sr_on ? kiln_mx_quantize_stochastic(&q, dy, R, c->sr_key, sr_id, c->pool)
                           : kiln_mx_quantize(&q, dy, R, c->pool);
-        const kiln_cpu_path p = path == KILN_CPU_PATH_AVX512 && N < KILN_MX_VNNI_MIN_N ? KILN_CPU_PATH_AVX2 : path;
+        const kiln_cpu_path p = kiln_mx_path_for(c->k->path, N);
         if (st == KILN_OK)
             st = accumulate_dx ? kiln_mx_matmul_add_cpu(&q, wt, dx, C, c->pool, p)
                                : kiln_mx_matmul_cpu(&q, wt, dx, C, c->pool, p);
@@ -668,7 +664,7 @@ static void matmul_backward_mx(cpu_ctx *c, int kind, float *dx, float *dW, float
                           : kiln_mx_quantize(&qd, t, N, c->pool);
         }
         if (st == KILN_OK) st = kiln_mx_quantize(&qx, t + (size_t)R * N, N, c->pool);
-        if (st == KILN_OK) st = kiln_mx_matmul_add_cpu(&qd, &qx, dW, C, c->pool, kiln_mx_select_path(R));
+        if (st == KILN_OK) st = kiln_mx_matmul_add_cpu(&qd, &qx, dW, C, c->pool, kiln_mx_path_for(c->k->path, R));
         kiln_mx_matrix_free(&qd);
         kiln_mx_matrix_free(&qx);
         kiln_free(t);

@@ -93,10 +93,12 @@ const char *kiln_mx_kernel_name(kiln_cpu_path p) {
     return kernels_for(p)->name;
 }
 
+kiln_cpu_path kiln_mx_path_for(kiln_cpu_path p, int64_t N) {
+    return p == KILN_CPU_PATH_AVX512 && N < KILN_MX_VNNI_MIN_N ? KILN_CPU_PATH_AVX2 : p;
+}
+
 kiln_cpu_path kiln_mx_select_path(int64_t N) {
-    kiln_cpu_path p = kiln_cpu_select_path();
-    if (p == KILN_CPU_PATH_AVX512 && N < KILN_MX_VNNI_MIN_N) p = KILN_CPU_PATH_AVX2;
-    return p;
+    return kiln_mx_path_for(kiln_cpu_select_path(), N);
 }
 
 /* The SIMD kernels' scratch (kiln_mx_product's comments): x's exponents and prepared
