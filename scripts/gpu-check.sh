@@ -13,6 +13,8 @@
 #   KILN_GPU_PARTS="tests sanitizer bench cli"   (the parts to run; default all)
 #   KILN_BENCH_QUICK=1: the fast-kernel benchmarks with --quick
 #   KILN_GPU_TESTS="test_cuda_ops ...": only these tests (default every tests/gpu/test_cuda_*)
+#   KILN_GPU_TARGETS="kiln kiln_shared test_cuda_mx ...": build only these CMake targets (default
+#       all; a full build takes over 4 minutes on 16 cores, a few targets about one)
 #   KILN_SANITIZER_TIMEOUT: seconds per compute-sanitizer run (default 300)
 #   KILN_SANITIZER_ONLY="memcheck:test_cuda_train_fast ...": only these sanitizer runs
 #   KILN_VOCAB_DIR: the vocabulary GGUFs of the whole-model tests (default
@@ -54,7 +56,8 @@ source scripts/gpu-deps.sh
 kiln_gpu_deps "$B" || { echo "BUILD FAILED (dependencies)"; exit 1; }
 kiln_gpu_mpi "$B" || echo "mpi: none: the CPU and GPU ranks' test (test_train_gpu_ranks.py) will fail"
 if ! { cmake -S . -B "$B" "${gen[@]}" "${KILN_DEPS_CMAKE[@]}" -DKILN_CUDA=ON \
-         -DCMAKE_BUILD_TYPE=Release -DKILN_WERROR=ON && cmake --build "$B" -j"$J"; } \
+         -DCMAKE_BUILD_TYPE=Release -DKILN_WERROR=ON && cmake --build "$B" -j"$J" \
+           ${KILN_GPU_TARGETS:+--target $KILN_GPU_TARGETS}; } \
        >"$LOG/build.log" 2>&1; then
     grep -E "error|Error" "$LOG/build.log" | head -30
     tail -20 "$LOG/build.log"
