@@ -23,6 +23,14 @@ static __device__ __forceinline__ long long mx_floor_shift(long long P, int s) {
     return s >= 63 ? (P < 0 ? -1 : 0) : P >> s;
 }
 
+/* One block's term of an output's sum, P 2^d, with d <= 31 and |P| < 2^31: exact for d >= 0,
+ * floor(P 2^d) for d < 0 (mx.h kiln_mx_floor_shift's; 0 or -1 from 31 below on). As
+ * (P 2^32) >> s with s = 32 - d clamped to 63: one arithmetic right shift of a 64-bit word whose
+ * low half is zero, for either sign of d (no branch). */
+static __device__ __forceinline__ long long mx_term(int P, int s) {
+    return (long long)((unsigned long long)(uint32_t)P << 32) >> (s < 63 ? s : 63);
+}
+
 /* splitmix64's finalizer and the stochastic rounding's number (mx.h kiln_mx_random24). */
 static __device__ __forceinline__ uint64_t mx_mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -557,8 +565,17 @@ static __device__ __forceinline__ void cp_async16_or_zero(void *dst, const void 
                  "r"(ok ? 16 : 0));
 }
 
-/* A block exponent as the kernel adds it: a zero block's MXG_EXP_ZERO. */
-static __device__ __forceinline__ int mxg_exp(int e) { return e == KILN_MX_EXP_ZERO ? MXG_EXP_ZERO : e; }
+/* Block exponents as the kernel adds them: finite blocks' lie within +-200; the non-finite
+ * marker enters as +MXG_EXP16 (its outputs are NaN whatever their sums; clamped so that every
+ * output's terms keep d <= SH), a zero block as MXG_EXP_ZERO in the main loop and as
+ * -MXG_EXP16 in the exponent pass's 16-bit lanes (whose sums must not wrap). */
+#define MXG_EXP16 16000
+static __device__ __forceinline__ int mxg_exp(int e) {
+    return e == KILN_MX_EXP_ZERO ? MXG_EXP_ZERO : e < MXG_EXP16 ? e : MXG_EXP16;
+}
+static __device__ __forceinline__ int mxg_exp16(int e) {
+    return e == KILN_MX_EXP_ZERO ? -MXG_EXP16 : e < MXG_EXP16 ? e : MXG_EXP16;
+}
 
 template <int KIND>
 static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args p) {
@@ -604,15 +621,17 @@ static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args
             xv[nt][c] = n0 + xc[nt][c] < p.N;
         }
 
-    /* the exponent pass: smax over every block (a CTA of a split walks them all too) */
+    /* the exponent pass: smax over every block (a CTA of a split walks them all too), two
+     * outputs a word: s16x2 lanes (x rows xc[nt][0], xc[nt][1]) of one W row, max(ew + ex, smax)
+     * per lane (Hopper's add.s16x2 / max.s16x2; mxg_exp16), so no lane's sum wraps and a sum
+     * with a zero block stays below -MXG_EXP16 / 2. */
     int dbase[2][WNT][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-        for (int nt = 0; nt < WNT; nt++)
-#pragma unroll
-            for (int h = 0; h < 4; h++) dbase[mt][nt][h] = 2 * MXG_EXP_ZERO; /* the running smax */
     {
+        unsigned smx[2][WNT][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < WNT; nt++) smx[mt][nt][0] = smx[mt][nt][1] = 0x80008000u;
         const int16_t *wep[2][2], *xep[WNT][2];
 #pragma unroll
         for (int mt = 0; mt < 2; mt++)
@@ -623,25 +642,40 @@ static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args
 #pragma unroll
             for (int c = 0; c < 2; c++) xep[nt][c] = p.xe + (xv[nt][c] ? n0 + xc[nt][c] : 0) * nb;
         for (int64_t k = 0; k < nb; k++) {
-            int ew[2][2], ex[WNT][2];
+            unsigned ew2[2][2], ex2[WNT];
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-                for (int hh = 0; hh < 2; hh++) ew[mt][hh] = wv[mt][hh] ? mxg_exp(__ldg(wep[mt][hh] + k)) : MXG_EXP_ZERO;
+                for (int hh = 0; hh < 2; hh++)
+                    ew2[mt][hh] = 0x10001u * (uint16_t)(wv[mt][hh] ? mxg_exp16(__ldg(wep[mt][hh] + k)) : -MXG_EXP16);
 #pragma unroll
-            for (int nt = 0; nt < WNT; nt++)
-#pragma unroll
-                for (int c = 0; c < 2; c++) ex[nt][c] = xv[nt][c] ? mxg_exp(__ldg(xep[nt][c] + k)) : MXG_EXP_ZERO;
+            for (int nt = 0; nt < WNT; nt++) {
+                const int lo = xv[nt][0] ? mxg_exp16(__ldg(xep[nt][0] + k)) : -MXG_EXP16;
+                const int hi = xv[nt][1] ? mxg_exp16(__ldg(xep[nt][1] + k)) : -MXG_EXP16;
+                ex2[nt] = (uint16_t)lo | (unsigned)(uint16_t)hi << 16;
+            }
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
 #pragma unroll
                 for (int nt = 0; nt < WNT; nt++)
 #pragma unroll
-                    for (int h = 0; h < 4; h++)
-                        dbase[mt][nt][h] = max(dbase[mt][nt][h], ew[mt][h >> 1] + ex[nt][h & 1]);
+                    for (int hh = 0; hh < 2; hh++)
+                        smx[mt][nt][hh] = __viaddmax_s16x2(ew2[mt][hh], ex2[nt], smx[mt][nt][hh]);
         }
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < WNT; nt++)
+#pragma unroll
+                for (int h = 0; h < 4; h++) {
+                    const unsigned v = smx[mt][nt][h >> 1];
+                    const int sm = (int16_t)(uint16_t)(h & 1 ? v >> 16 : v & 0xffffu);
+                    dbase[mt][nt][h] = sm < -MXG_EXP16 / 2 ? 2 * MXG_EXP_ZERO : sm; /* none: below -29000 */
+                }
     }
-    /* smax below -29000: no contributing block (the output is +0); d = Ex + Ew + dbase */
+    /* smax below -29000: no contributing block (the output is +0); a block's term is P 2^d with
+     * d = Ex + Ew + dbase <= SH, taken by mx_term as a shift by 32 - d = sbase - Ex - Ew: dbase[]
+     * holds sbase = 32 - dbase from here on */
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
 #pragma unroll
@@ -649,7 +683,7 @@ static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args
 #pragma unroll
             for (int h = 0; h < 4; h++) {
                 const int sm = dbase[mt][nt][h];
-                dbase[mt][nt][h] = sm < -29000 ? MXG_NONE : SH - sm;
+                dbase[mt][nt][h] = 32 - (sm < -29000 ? MXG_NONE : SH - sm);
             }
     __syncthreads(); /* s_bad */
 
@@ -767,17 +801,9 @@ static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args
                             P[h] = (int)((uint32_t)hh[h] * 16384u + (uint32_t)mid[h] * 128u + (uint32_t)ll[h]);
                     }
 #pragma unroll
-                    for (int h = 0; h < 4; h++) {
-                        /* a zero block: P = 0, d far below; no contributing block: dbase MXG_NONE */
-                        const int d = ew[mt][h >> 1] + ex[nt][h & 1] + dbase[mt][nt][h];
-                        const uint32_t Pu = (uint32_t)P[h];
-                        if (d >= 0) { /* d <= SH < 32: P << d as a funnel shift of (sign:P) */
-                            const uint32_t lo = Pu << d, hi = __funnelshift_l(Pu, (uint32_t)(P[h] >> 31), d);
-                            S[mt][nt][h] += (long long)(((unsigned long long)hi << 32) | lo);
-                        } else { /* floor(P / 2^-d): an arithmetic shift, 0 or -1 far below */
-                            S[mt][nt][h] += (long long)(P[h] >> (d > -31 ? -d : 31));
-                        }
-                    }
+                    for (int h = 0; h < 4; h++) /* a zero block: P = 0, d far below; no contributing
+                                                 * block: dbase MXG_NONE, d far below too */
+                        S[mt][nt][h] += mx_term(P[h], dbase[mt][nt][h] - ew[mt][h >> 1] - ex[nt][h & 1]);
                 }
         }
         if (more) store_e(buf ^ 1);
@@ -820,7 +846,7 @@ static __global__ void __launch_bounds__(256, 1) mx_gemm_kernel(const mx_mm_args
                     Sv = (long long)__ldcg(p.ws_S + o);
                     p.ws_S[o] = 0;
                 }
-                const int db = dbase[mt][nt][h];
+                const int db = 32 - dbase[mt][nt][h];
                 const int m = s_bad[rr] || s_bad[MXG_BR + cc] ? INT_MAX : db == MXG_NONE ? INT_MIN : SH - db;
                 mx_store<F, SH>(p, n, r, Sv, m);
             }
