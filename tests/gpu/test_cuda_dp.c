@@ -319,7 +319,11 @@ int main(int argc, char **argv) {
         kiln_backend_free(be);
         return 1;
     }
+    /* the collectives on the backend's stream, as a trainer's rank queues them (on the
+     * communicator's own stream, the backend's downloads would not wait for them) */
+    CHECK(kiln_comm_set_stream(c, be->i->native_stream(be)) == KILN_OK, "set_stream");
     check_comm(be, c);
+    CHECK(kiln_comm_set_stream(c, NULL) == KILN_OK, "set_stream NULL");
     kiln_backend_free(be);
     printf("%-28s %s\n", "nccl communicator", g_fail ? "FAILED" : "ok");
 
