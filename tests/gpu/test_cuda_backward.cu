@@ -481,6 +481,23 @@ static void timings(void) {
                                             KVH, HS, 0.125f, 0);
     });
     printf("time attention_backward N=%d NH=%d KVH=%d HS=%d: %.3f ms\n", N, NH, KVH, HS, t_at);
+    float t_af = time_ms([&] {
+        return kiln_cuda_attention(g_s, out, q, k, v, N, 0, NH, KVH, HS, 0.125f, 0);
+    });
+    printf("time attention N=%d NH=%d KVH=%d HS=%d: %.3f ms\n", N, NH, KVH, HS, t_af);
+    {   /* a training sequence of the 0.5B shape */
+        const int N2 = 1024;
+        const size_t nq2 = (size_t)N2 * NH * HS, nkv2 = (size_t)N2 * KVH * HS;
+        float *q2 = dev_rand(nq2, 1.0f), *k2 = dev_rand(nkv2, 1.0f), *v2 = dev_rand(nkv2, 1.0f);
+        float *o2 = dev_rand(nq2, 1.0f), *do2 = dev_rand(nq2, 1.0f), *dq2 = dev_rand(nq2, 1.0f);
+        float *dk2 = dev_rand(nkv2, 1.0f), *dv2 = dev_rand(nkv2, 1.0f), *ws2 = dev_rand((size_t)3 * N2 * NH, 1.0f);
+        float f2 = time_ms([&] { return kiln_cuda_attention(g_s, o2, q2, k2, v2, N2, 0, NH, KVH, HS, 0.125f, 0); });
+        float b2 = time_ms([&] {
+            return kiln_cuda_attention_backward(g_s, dq2, dk2, dv2, do2, q2, k2, v2, o2, ws2, N2, 0, NH, KVH, HS,
+                                                0.125f, 0);
+        });
+        printf("time attention N=%d NH=%d KVH=%d HS=%d: forward %.3f ms, backward %.3f ms\n", N2, NH, KVH, HS, f2, b2);
+    }
     float *dt = dev_rand((size_t)151936 / 4 * C, 1.0f);
     std::vector<int32_t> ids(N);
     for (int i = 0; i < N; i++) ids[i] = rnd_int(0, 151936 / 4 - 1);
@@ -603,6 +620,8 @@ int main(int argc, char **argv) {
         {17, 70, 4, 2, 48, 0},  {64, 0, 14, 2, 64, 0}, {64, 100, 6, 6, 8, 0}, {1, 130, 4, 2, 128, 0},
         {130, 5, 4, 2, 64, 0},  {17, 0, 14, 2, 128, 0}, {65, 64, 6, 6, 48, 0}, {70, 0, 4, 2, 48, 5},
         {150, 0, 4, 1, 64, 64}, {140, 3, 14, 2, 64, 70}, {17, 70, 4, 2, 48, 1}, {20, 0, 6, 6, 8, 100},
+        /* the tiled kernels with 16 rows a CTA (many rows), a window, a head size of 80 */
+        {700, 0, 14, 2, 64, 0}, {600, 40, 8, 2, 128, 300}, {333, 5, 12, 4, 80, 0}, {2200, 0, 2, 2, 64, 0},
     };
     for (size_t i = 0; i < sizeof att / sizeof att[0]; i++)
         case_attention(att[i][0], att[i][1], att[i][2], att[i][3], att[i][4], att[i][5]);

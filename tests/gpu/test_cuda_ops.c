@@ -600,6 +600,10 @@ int main(int argc, char **argv) {
     test_attention(7, 63, 4, 2, 80, 2.0f, 5);      /* sliding windows */
     test_attention(17, 130, 6, 3, 128, 1.0f, 64);
     test_attention(65, 0, 4, 1, 64, 3.0f, 70);
+    /* the tiled schedule with 16 rows a CTA (many rows), windows, a head size of 80 */
+    test_attention(700, 0, 14, 2, 64, 2.0f, 0);
+    test_attention(600, 40, 8, 2, 128, 1.0f, 300);
+    test_attention(333, 5, 12, 4, 80, 4.0f, 0);
     const int has_geglu = g_gpu->i->geglu != NULL;
     if (!has_geglu) {
         fprintf(stderr, "FAIL: the CUDA backend has no geglu\n");

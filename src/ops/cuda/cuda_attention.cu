@@ -5,6 +5,8 @@
  *   - the auditable forward: one block per (token, head) over a dense or a paged cache
  *     (attn_where), keys in order, the CPU backend's bits;
  *   - the auditable backward: statistics, dq, then dk/dv, the CPU backend's bits;
+ *   - the same three and the forward on a tiled schedule for many tokens (a block of keys or
+ *     queries staged once for 4-16 rows), the same bits;
  *   - the fast forward: the head packing (kiln_cuda_attn_pack_heads, shared with the fast
  *     backward), the split decode (dense, device positions and paged), the plain f32 kernel,
  *     and flash attention on bf16 tensor cores (mma.sync, and wgmma on sm_90a);
@@ -183,12 +185,485 @@ attention_kernel(float *__restrict__ out, const float *__restrict__ q,
     for (int d = tid; d < HS; d += ATTN_THREADS) o[d] = acc[d] / sh_l;
 }
 
+/* ---- the tiled schedule: many rows over one staged block ----------------------------------- */
+
+/* The same definitions (docs/ARITHMETIC.md, "attention" and "attention backward"), scheduled for
+ * many tokens (prefill, training): a CTA of AT_WARPS warps takes AT_WARPS * RW rows of one kv
+ * head -- query rows (token, head) for the forward, the statistics and dq; key rows (position)
+ * for dk/dv -- and walks the other side (keys, or queries) in blocks of 64, each block staged
+ * once in shared memory for all the CTA's rows. A warp owns RW rows (rows warp, warp +
+ * AT_WARPS, ...); lane L takes the block's items L and L + 32: their dots, each the defined
+ * lane-16 dot computed by the one lane (16 accumulators, elements in order, then the fixed
+ * tree), and the elements d = L + 32c of each row's accumulators, each walking the block's
+ * items in order. The block max is a warp tree that keeps the larger value and, of equal ones,
+ * the earlier key: the CPU's in-order `s > bm ? s : bm` from -inf exactly (a NaN never taken,
+ * of +0 and -0 the first met). The softmax sum is one chain that every lane carries alike.
+ * So every output gets the definition's operations in the definition's order; only where they
+ * run differs. Taken for HS a multiple of 4 up to AT_MAX_HS with 16-byte aligned q, k, v
+ * (and dout): float4 staging. KILN_CUDA_ATTN_TILED=0 keeps the per-(token, head) kernels
+ * above (a comparison switch, read once). */
+#define AT_WARPS 4
+#define AT_THREADS (AT_WARPS * 32)
+#define AT_MAX_HS 128
+#define AT_MAX_C (AT_MAX_HS / 32) /* accumulator elements per lane and row */
+
+/* A staged row's floats: HS + 4, so that the float4 reads of 8 lanes, each of its own row,
+ * fall in distinct banks (HS is a multiple of 4). */
+static __host__ __device__ __forceinline__ int at_ld(int HS) { return HS + 4; }
+
+enum at_kind { AT_FORWARD, AT_STATS, AT_DQ, AT_DKV };
+
+/* Shared floats of a kernel of kind K with RW rows per warp at head size HS: two staged blocks
+ * (one for the statistics), per warp RW rows of each of its own vectors (q; q and dout; k and
+ * v) and RW x 64 of each per-item value (p; ds; p and ds), and dk/dv's 3 x 64 statistics. */
+static __host__ __device__ __forceinline__ int at_smem_floats(int K, int RW, int HS) {
+    const int tiles = (K == AT_STATS ? 1 : 2) * KILN_ATTN_BLOCK * at_ld(HS);
+    const int own = K == AT_FORWARD || K == AT_STATS ? 1 : 2, per = K == AT_DKV ? 2 : 1;
+    return tiles + (K == AT_DKV ? 3 * KILN_ATTN_BLOCK : 0) + AT_WARPS * RW * (own * HS + per * KILN_ATTN_BLOCK);
+}
+
+/* n rows of HS floats, row t at src + t * stride, into tile rows of at_ld(HS) (all threads). */
+static __device__ __forceinline__ void at_stage(float *tile, const float *__restrict__ src, int64_t stride,
+                                                int n, int HS) {
+    const int h4 = HS >> 2, ld = at_ld(HS);
+    for (int e = threadIdx.x; e < n * h4; e += AT_THREADS) {
+        const int t = e / h4, d = (e - t * h4) << 2;
+        *(float4 *)(tile + t * ld + d) = __ldg((const float4 *)(src + t * stride + d));
+    }
+}
+
+/* One row of HS floats into dst (a warp's lanes). */
+static __device__ __forceinline__ void at_stage_row(float *dst, const float *__restrict__ src, int HS, int L) {
+    for (int d = L << 2; d < HS; d += 128) *(float4 *)(dst + d) = __ldg((const float4 *)(src + d));
+}
+
+/* The fixed tree of the defined dot over its 16 lane accumulators. */
+static __device__ __forceinline__ float at_tree(const float (&a)[16]) {
+    float s8[8], s4[4];
+#pragma unroll
+    for (int j = 0; j < 8; j++) s8[j] = a[j] + a[j + 8];
+#pragma unroll
+    for (int j = 0; j < 4; j++) s4[j] = s8[j] + s8[j + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* s0 = dot(a, b0), s1 = dot(a, b1): the defined dot (element d on accumulator d % 16, in
+ * order; the tree), by one thread, over shared rows (16-byte aligned, HS a multiple of 4). */
+static __device__ __forceinline__ void at_dot2(const float *a, const float *b0, const float *b1, int HS,
+                                               float &s0, float &s1) {
+    float x[16], y[16];
+#pragma unroll
+    for (int u = 0; u < 16; u++) x[u] = y[u] = 0.0f;
+    for (int d0 = 0; d0 < HS; d0 += 16) {
+#pragma unroll
+        for (int u = 0; u < 16; u += 4) {
+            if (d0 + u < HS) {
+                const float4 av = *(const float4 *)(a + d0 + u);
+                const float4 p = *(const float4 *)(b0 + d0 + u), r = *(const float4 *)(b1 + d0 + u);
+                x[u] = __fmaf_rn(av.x, p.x, x[u]);
+                x[u + 1] = __fmaf_rn(av.y, p.y, x[u + 1]);
+                x[u + 2] = __fmaf_rn(av.z, p.z, x[u + 2]);
+                x[u + 3] = __fmaf_rn(av.w, p.w, x[u + 3]);
+                y[u] = __fmaf_rn(av.x, r.x, y[u]);
+                y[u + 1] = __fmaf_rn(av.y, r.y, y[u + 1]);
+                y[u + 2] = __fmaf_rn(av.z, r.z, y[u + 2]);
+                y[u + 3] = __fmaf_rn(av.w, r.w, y[u + 3]);
+            }
+        }
+    }
+    s0 = at_tree(x);
+    s1 = at_tree(y);
+}
+
+/* dot(a, b) of two global rows by one thread (the statistics' D). */
+static __device__ __forceinline__ float at_dot_global(const float *__restrict__ a, const float *__restrict__ b,
+                                                      int HS) {
+    float x[16];
+#pragma unroll
+    for (int u = 0; u < 16; u++) x[u] = 0.0f;
+    for (int d0 = 0; d0 < HS; d0 += 16) {
+#pragma unroll
+        for (int u = 0; u < 16; u++)
+            if (d0 + u < HS) x[u] = __fmaf_rn(a[d0 + u], b[d0 + u], x[u]);
+    }
+    return at_tree(x);
+}
+
+/* The block max of a warp's 64 scores (lane L: items L and L + 32; v0, v1 -inf for a NaN or
+ * an item outside the row): of the largest value, the earliest item's. */
+static __device__ __forceinline__ float at_block_max(float v0, float v1, int L) {
+    float v = v0;
+    int t = L;
+    if (v1 > v) {
+        v = v1;
+        t = L + 32;
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int ot = __shfl_xor_sync(0xffffffffu, t, o);
+        if (ov > v || (ov == v && ot < t)) {
+            v = ov;
+            t = ot;
+        }
+    }
+    return v;
+}
+
+/* The query side's kernels (forward, statistics, dq): grid (tiles of AT_WARPS * RW query rows
+ * of a kv head, KVH); query row r of kv head g is token r / G, head g * G + r % G; tiles of the
+ * latest tokens (the most keys) first.
+ *   AT_FORWARD: out = the attention (docs/ARITHMETIC.md, "attention").
+ *   AT_STATS:   ws[u * 3 + {0, 1, 2}] = m, l (the forward's online softmax) and D = dot(dout_u,
+ *               o_u) (the backward's statistics pass).
+ *   AT_DQ:      dq_u = scale * sum over keys j in order of ds_j k_j (fmaf chains per d), with
+ *               ds_j = (p_j / l) (dot(dout_u, v_j) - D), p_j = kiln_expf(dot(q_u, k_j) * scale - m). */
+template <int K, int RW>
+static __global__ void __launch_bounds__(AT_THREADS)
+attn_tiled_q_kernel(float *__restrict__ out, float *__restrict__ ws, const float *__restrict__ q,
+                    const float *__restrict__ kc, const float *__restrict__ vc, const float *__restrict__ dout,
+                    const float *__restrict__ o, int N, int n_past, int NH, int KVH, int HS, float scale,
+                    int window) {
+    extern __shared__ float4 at_sm4[];
+    float *const sm = (float *)at_sm4;
+    const int ld = at_ld(HS), G = NH / KVH, g = blockIdx.y, rows = N * G;
+    const int warp = threadIdx.x >> 5, L = threadIdx.x & 31;
+    float *const ks = sm, *const vs = sm + KILN_ATTN_BLOCK * ld; /* vs: not with AT_STATS */
+    constexpr int own = K == AT_DQ ? 2 : 1;
+    float *const wsm = sm + (K == AT_STATS ? 1 : 2) * KILN_ATTN_BLOCK * ld +
+                       warp * RW * (own * HS + KILN_ATTN_BLOCK);
+    float *const qw = wsm;                       /* (RW, HS): the rows' q */
+    float *const dw = wsm + RW * HS;             /* (RW, HS): the rows' dout (AT_DQ) */
+    float *const pw = wsm + own * RW * HS;       /* (RW, 64): p (ds for AT_DQ) of the block */
+    const int r0 = (int)(gridDim.x - 1 - blockIdx.x) * AT_WARPS * RW;
+
+    bool rv[RW];
+    int rT[RW], rlo[RW];
+    int64_t ru[RW];
+    float m[RW], l[RW], D[RW], acc[RW][AT_MAX_C];
+#pragma unroll
+    for (int k = 0; k < RW; k++) {
+        const int r = r0 + warp + AT_WARPS * k;
+        rv[k] = r < rows;
+        const int i = rv[k] ? r / G : 0;
+        ru[k] = (int64_t)i * NH + g * G + (rv[k] ? r % G : 0);
+        rT[k] = n_past + i + 1;
+        rlo[k] = kiln_attn_window_lo(rT[k], window);
+        m[k] = -INFINITY;
+        l[k] = 0.0f;
+        D[k] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < AT_MAX_C; c++) acc[k][c] = 0.0f;
+        if (rv[k]) {
+            at_stage_row(qw + k * HS, q + ru[k] * HS, HS, L);
+            if (K == AT_DQ) {
+                at_stage_row(dw + k * HS, dout + ru[k] * HS, HS, L);
+                m[k] = ws[ru[k] * 3 + 0];
+                l[k] = ws[ru[k] * 3 + 1];
+                D[k] = ws[ru[k] * 3 + 2];
+            }
+        }
+    }
+    /* the CTA's keys: from its first row's window start (the lowest) to its last row's end */
+    const int r_last = (r0 + AT_WARPS * RW < rows ? r0 + AT_WARPS * RW : rows) - 1;
+    const int T_hi = n_past + r_last / G + 1;
+    const int lo_min = kiln_attn_window_lo(n_past + r0 / G + 1, window);
+    const int64_t kstride = (int64_t)KVH * HS;
+    for (int kb0 = lo_min / KILN_ATTN_BLOCK * KILN_ATTN_BLOCK; kb0 < T_hi; kb0 += KILN_ATTN_BLOCK) {
+        const int nload = T_hi - kb0 < KILN_ATTN_BLOCK ? T_hi - kb0 : KILN_ATTN_BLOCK;
+        __syncthreads(); /* every warp is done with the previous block (and its own rows are staged) */
+        at_stage(ks, kc + ((int64_t)kb0 * KVH + g) * HS, kstride, nload, HS);
+        if (K != AT_STATS) at_stage(vs, vc + ((int64_t)kb0 * KVH + g) * HS, kstride, nload, HS);
+        __syncthreads();
+        int tb[RW], te[RW];
+        float al[RW];
+        int t_lo = KILN_ATTN_BLOCK, t_hi = 0;
+#pragma unroll
+        for (int k = 0; k < RW; k++) {
+            tb[k] = KILN_ATTN_BLOCK;
+            te[k] = 0;
+            al[k] = 1.0f;
+            if (!rv[k] || kb0 >= rT[k] || kb0 + KILN_ATTN_BLOCK <= rlo[k]) continue; /* warp-uniform */
+            tb[k] = rlo[k] - kb0 > 0 ? rlo[k] - kb0 : 0;
+            te[k] = rT[k] - kb0 < KILN_ATTN_BLOCK ? rT[k] - kb0 : KILN_ATTN_BLOCK;
+            t_lo = tb[k] < t_lo ? tb[k] : t_lo;
+            t_hi = te[k] > t_hi ? te[k] : t_hi;
+            const bool in0 = L >= tb[k] && L < te[k], in1 = L + 32 >= tb[k] && L + 32 < te[k];
+            float s0, s1;
+            at_dot2(qw + k * HS, ks + L * ld, ks + (L + 32) * ld, HS, s0, s1);
+            float *const p = pw + k * KILN_ATTN_BLOCK;
+            if (K == AT_DQ) {
+                float dp0, dp1;
+                at_dot2(dw + k * HS, vs + L * ld, vs + (L + 32) * ld, HS, dp0, dp1);
+                if (in0) p[L] = (kiln_expf(s0 * scale - m[k]) / l[k]) * (dp0 - D[k]);
+                if (in1) p[L + 32] = (kiln_expf(s1 * scale - m[k]) / l[k]) * (dp1 - D[k]);
+                continue;
+            }
+            s0 = s0 * scale;
+            s1 = s1 * scale;
+            const float bm = at_block_max(in0 && s0 == s0 ? s0 : -INFINITY, in1 && s1 == s1 ? s1 : -INFINITY, L);
+            const float m_new = bm > m[k] ? bm : m[k];
+            al[k] = kiln_expf(m[k] - m_new);
+            if (in0) p[L] = kiln_expf(s0 - m_new);
+            if (in1) p[L + 32] = kiln_expf(s1 - m_new);
+            m[k] = m_new;
+        }
+        __syncwarp();
+        if (K != AT_DQ) {
+#pragma unroll
+            for (int k = 0; k < RW; k++) {
+                if (tb[k] >= te[k]) continue;
+                l[k] = l[k] * al[k];
+                if (K == AT_FORWARD) {
+#pragma unroll
+                    for (int c = 0; c < AT_MAX_C; c++) acc[k][c] = acc[k][c] * al[k];
+                }
+            }
+        }
+        /* the block's items in order: l += p_t, acc[d] = fmaf(p_t, v_t[d], acc[d]) (forward);
+         * dq[d] = fmaf(ds_t, k_t[d], dq[d]) */
+        const float *const src = K == AT_DQ ? ks : vs;
+        for (int t = t_lo; t < t_hi; t++) {
+            float e[AT_MAX_C];
+#pragma unroll
+            for (int c = 0; c < AT_MAX_C; c++)
+                e[c] = K != AT_STATS && L + 32 * c < HS ? src[t * ld + L + 32 * c] : 0.0f;
+#pragma unroll
+            for (int k = 0; k < RW; k++) {
+                if (t < tb[k] || t >= te[k]) continue;
+                const float pt = pw[k * KILN_ATTN_BLOCK + t];
+                if (K != AT_DQ) l[k] = l[k] + pt;
+                if (K != AT_STATS) {
+#pragma unroll
+                    for (int c = 0; c < AT_MAX_C; c++) acc[k][c] = __fmaf_rn(pt, e[c], acc[k][c]);
+                }
+            }
+        }
+        __syncwarp(); /* pw is rewritten by the next block */
+    }
+#pragma unroll
+    for (int k = 0; k < RW; k++) {
+        if (!rv[k]) continue;
+        if (K == AT_STATS) {
+            if (L == 0) {
+                ws[ru[k] * 3 + 0] = m[k];
+                ws[ru[k] * 3 + 1] = l[k];
+                ws[ru[k] * 3 + 2] = at_dot_global(dout + ru[k] * HS, o + ru[k] * HS, HS);
+            }
+        } else {
+#pragma unroll
+            for (int c = 0; c < AT_MAX_C; c++) {
+                const int d = L + 32 * c;
+                if (d < HS) out[ru[k] * HS + d] = K == AT_FORWARD ? acc[k][c] / l[k] : acc[k][c] * scale;
+            }
+        }
+    }
+}
+
+/* dk/dv (docs/ARITHMETIC.md, "attention backward"): grid (tiles of AT_WARPS * RW key positions
+ * of a kv head, KVH), the earliest keys (the most queries) first. Key row jp of kv head g:
+ * over the group's heads h in order, then its queries i (n_past + i >= jp, within the window)
+ * in order, p = kiln_expf(dot(k_j, q_ih) * scale - m_ih) / l_ih, ds = p (dot(v_j, dout_ih) -
+ * D_ih), dv[d] = fmaf(p, dout_ih[d], dv[d]), dk[d] = fmaf(ds, q_ih[d], dk[d]); then dk * scale. */
+template <int RW>
+static __global__ void __launch_bounds__(AT_THREADS)
+attn_tiled_dkv_kernel(float *__restrict__ dk, float *__restrict__ dv, const float *__restrict__ ws,
+                      const float *__restrict__ q, const float *__restrict__ kc, const float *__restrict__ vc,
+                      const float *__restrict__ dout, int N, int n_past, int NH, int KVH, int HS, float scale,
+                      int window) {
+    extern __shared__ float4 at_sm4[];
+    float *const sm = (float *)at_sm4;
+    const int ld = at_ld(HS), G = NH / KVH, g = blockIdx.y, rows = n_past + N;
+    const int warp = threadIdx.x >> 5, L = threadIdx.x & 31;
+    float *const qs = sm, *const ds = sm + KILN_ATTN_BLOCK * ld; /* staged q and dout of 64 queries */
+    float *const st = sm + 2 * KILN_ATTN_BLOCK * ld;              /* (3, 64): their m, l, D */
+    float *const wsm = st + 3 * KILN_ATTN_BLOCK + warp * RW * (2 * HS + 2 * KILN_ATTN_BLOCK);
+    float *const kw = wsm, *const vw = wsm + RW * HS;              /* (RW, HS) each: the rows' k, v */
+    float *const pw = wsm + 2 * RW * HS, *const sw = pw + RW * KILN_ATTN_BLOCK; /* (RW, 64) each: p, ds */
+    const int r0 = (int)blockIdx.x * AT_WARPS * RW;
+    const int64_t qstride = (int64_t)NH * HS;
+
+    bool rv[RW];
+    int ilo[RW], ihi[RW];
+    float ak[RW][AT_MAX_C], av[RW][AT_MAX_C];
+#pragma unroll
+    for (int k = 0; k < RW; k++) {
+        const int jp = r0 + warp + AT_WARPS * k;
+        rv[k] = jp < rows;
+        ilo[k] = jp - n_past > 0 ? jp - n_past : 0;
+        ihi[k] = N;
+        if (window > 0 && (int64_t)jp - n_past + window < ihi[k]) ihi[k] = jp - n_past + window;
+#pragma unroll
+        for (int c = 0; c < AT_MAX_C; c++) ak[k][c] = av[k][c] = 0.0f;
+        if (rv[k]) {
+            at_stage_row(kw + k * HS, kc + ((int64_t)jp * KVH + g) * HS, HS, L);
+            at_stage_row(vw + k * HS, vc + ((int64_t)jp * KVH + g) * HS, HS, L);
+        }
+    }
+    /* the CTA's queries: from its first key's first query to its last key's window end */
+    const int j_last = (r0 + AT_WARPS * RW < rows ? r0 + AT_WARPS * RW : rows) - 1;
+    const int i_lo = r0 - n_past > 0 ? r0 - n_past : 0;
+    int i_hi = N;
+    if (window > 0 && (int64_t)j_last - n_past + window < i_hi) i_hi = j_last - n_past + window;
+    for (int h = g * G; h < (g + 1) * G; h++) {
+        for (int ib = i_lo; ib < i_hi; ib += KILN_ATTN_BLOCK) {
+            const int nq = i_hi - ib < KILN_ATTN_BLOCK ? i_hi - ib : KILN_ATTN_BLOCK;
+            __syncthreads(); /* every warp is done with the previous block (and its rows are staged) */
+            at_stage(qs, q + ((int64_t)ib * NH + h) * HS, qstride, nq, HS);
+            at_stage(ds, dout + ((int64_t)ib * NH + h) * HS, qstride, nq, HS);
+            for (int t = threadIdx.x; t < 3 * nq; t += AT_THREADS) {
+                const int tt = t / 3, w = t - 3 * tt;
+                st[w * KILN_ATTN_BLOCK + tt] = ws[((int64_t)(ib + tt) * NH + h) * 3 + w];
+            }
+            __syncthreads();
+            int tb[RW], te[RW];
+            int t_lo = KILN_ATTN_BLOCK, t_hi = 0;
+#pragma unroll
+            for (int k = 0; k < RW; k++) {
+                tb[k] = KILN_ATTN_BLOCK;
+                te[k] = 0;
+                if (!rv[k] || ib >= ihi[k] || ib + nq <= ilo[k]) continue; /* warp-uniform */
+                tb[k] = ilo[k] - ib > 0 ? ilo[k] - ib : 0;
+                te[k] = ihi[k] - ib < nq ? ihi[k] - ib : nq;
+                t_lo = tb[k] < t_lo ? tb[k] : t_lo;
+                t_hi = te[k] > t_hi ? te[k] : t_hi;
+                float s0, s1, d0, d1;
+                at_dot2(kw + k * HS, qs + L * ld, qs + (L + 32) * ld, HS, s0, s1);
+                at_dot2(vw + k * HS, ds + L * ld, ds + (L + 32) * ld, HS, d0, d1);
+                float *const p = pw + k * KILN_ATTN_BLOCK, *const s = sw + k * KILN_ATTN_BLOCK;
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    const int t = L + 32 * hf;
+                    if (t < tb[k] || t >= te[k]) continue;
+                    const float pt = kiln_expf((hf ? s1 : s0) * scale - st[t]) / st[KILN_ATTN_BLOCK + t];
+                    p[t] = pt;
+                    s[t] = pt * ((hf ? d1 : d0) - st[2 * KILN_ATTN_BLOCK + t]);
+                }
+            }
+            __syncwarp();
+            for (int t = t_lo; t < t_hi; t++) {
+                float eq[AT_MAX_C], ed[AT_MAX_C];
+#pragma unroll
+                for (int c = 0; c < AT_MAX_C; c++) {
+                    const bool in = L + 32 * c < HS;
+                    eq[c] = in ? qs[t * ld + L + 32 * c] : 0.0f;
+                    ed[c] = in ? ds[t * ld + L + 32 * c] : 0.0f;
+                }
+#pragma unroll
+                for (int k = 0; k < RW; k++) {
+                    if (t < tb[k] || t >= te[k]) continue;
+                    const float pt = pw[k * KILN_ATTN_BLOCK + t], dst = sw[k * KILN_ATTN_BLOCK + t];
+#pragma unroll
+                    for (int c = 0; c < AT_MAX_C; c++) {
+                        av[k][c] = __fmaf_rn(pt, ed[c], av[k][c]);
+                        ak[k][c] = __fmaf_rn(dst, eq[c], ak[k][c]);
+                    }
+                }
+            }
+            __syncwarp(); /* pw, sw are rewritten by the next block */
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < RW; k++) {
+        if (!rv[k]) continue;
+        const int64_t row = ((int64_t)(r0 + warp + AT_WARPS * k) * KVH + g) * HS;
+#pragma unroll
+        for (int c = 0; c < AT_MAX_C; c++) {
+            const int d = L + 32 * c;
+            if (d < HS) {
+                dk[row + d] = ak[k][c] * scale;
+                dv[row + d] = av[k][c];
+            }
+        }
+    }
+}
+
+/* Dynamic shared memory of the tiled kernels above the default 48 KiB, set once per device
+ * (kiln_cuda_attention_setup: at the backend's creation, outside any graph capture). */
+template <int RW>
+static cudaError_t at_attributes_rw() {
+    const int a = (int)sizeof(float) * at_smem_floats(AT_FORWARD, RW, AT_MAX_HS);
+    const int b = (int)sizeof(float) * at_smem_floats(AT_STATS, RW, AT_MAX_HS);
+    const int c = (int)sizeof(float) * at_smem_floats(AT_DQ, RW, AT_MAX_HS);
+    const int d = (int)sizeof(float) * at_smem_floats(AT_DKV, RW, AT_MAX_HS);
+    const cudaFuncAttribute A = cudaFuncAttributeMaxDynamicSharedMemorySize;
+    cudaError_t e = cudaFuncSetAttribute(attn_tiled_q_kernel<AT_FORWARD, RW>, A, a);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(attn_tiled_q_kernel<AT_STATS, RW>, A, b);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(attn_tiled_q_kernel<AT_DQ, RW>, A, c);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(attn_tiled_dkv_kernel<RW>, A, d);
+    return e;
+}
+
+cudaError_t kiln_cuda_attention_setup(void) {
+    static unsigned char ready[256];
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    if (dev < 0 || dev >= (int)sizeof ready) return cudaErrorInvalidDevice;
+    if (__atomic_load_n(&ready[dev], __ATOMIC_ACQUIRE)) return cudaSuccess;
+    e = at_attributes_rw<1>();
+    if (e == cudaSuccess) e = at_attributes_rw<4>();
+    if (e == cudaSuccess) __atomic_store_n(&ready[dev], (unsigned char)1, __ATOMIC_RELEASE);
+    return e;
+}
+
+/* Whether the tiled kernels take a call: HS a multiple of 4 up to AT_MAX_HS, the staged
+ * operands 16-byte aligned, not switched off. */
+static bool at_takes(int HS, const void *a, const void *b, const void *c, const void *d) {
+    static const bool on = !kiln_env_off("KILN_CUDA_ATTN_TILED");
+    const uintptr_t al = (uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d;
+    return on && HS % 4 == 0 && HS <= AT_MAX_HS && (al & 15) == 0;
+}
+
+/* Rows per warp for n_rows rows over KVH kv heads: 4 (a staged block serves 16 rows) where
+ * that still makes two CTAs for each of 132 SMs, else 1 (more CTAs). */
+static int at_rw(int64_t n_rows, int KVH) {
+    return (n_rows + 4 * AT_WARPS - 1) / (4 * AT_WARPS) * KVH >= 2 * 132 ? 4 : 1;
+}
+
+template <int K>
+static cudaError_t at_launch_q(cudaStream_t s, float *out, float *ws, const float *q, const float *k,
+                               const float *v, const float *dout, const float *o, int N, int n_past, int NH,
+                               int KVH, int HS, float scale, int window) {
+    cudaError_t e = kiln_cuda_attention_setup();
+    if (e != cudaSuccess) return e;
+    const int64_t rows = (int64_t)N * (NH / KVH);
+    const int RW = at_rw(rows, KVH);
+    const dim3 grid((unsigned)((rows + AT_WARPS * RW - 1) / (AT_WARPS * RW)), (unsigned)KVH);
+    const size_t smem = sizeof(float) * (size_t)at_smem_floats(K, RW, HS);
+    if (RW == 4)
+        attn_tiled_q_kernel<K, 4><<<grid, AT_THREADS, smem, s>>>(out, ws, q, k, v, dout, o, N, n_past, NH, KVH,
+                                                                   HS, scale, window);
+    else
+        attn_tiled_q_kernel<K, 1><<<grid, AT_THREADS, smem, s>>>(out, ws, q, k, v, dout, o, N, n_past, NH, KVH,
+                                                                   HS, scale, window);
+    return cudaGetLastError();
+}
+
+static cudaError_t at_launch_dkv(cudaStream_t s, float *dk, float *dv, const float *ws, const float *q,
+                                 const float *k, const float *v, const float *dout, int N, int n_past, int NH,
+                                 int KVH, int HS, float scale, int window) {
+    const int64_t rows = (int64_t)n_past + N;
+    const int RW = at_rw(rows, KVH);
+    const dim3 grid((unsigned)((rows + AT_WARPS * RW - 1) / (AT_WARPS * RW)), (unsigned)KVH);
+    const size_t smem = sizeof(float) * (size_t)at_smem_floats(AT_DKV, RW, HS);
+    if (RW == 4)
+        attn_tiled_dkv_kernel<4><<<grid, AT_THREADS, smem, s>>>(dk, dv, ws, q, k, v, dout, N, n_past, NH, KVH, HS,
+                                                                 scale, window);
+    else
+        attn_tiled_dkv_kernel<1><<<grid, AT_THREADS, smem, s>>>(dk, dv, ws, q, k, v, dout, N, n_past, NH, KVH, HS,
+                                                                 scale, window);
+    return cudaGetLastError();
+}
+
 cudaError_t kiln_cuda_attention(cudaStream_t s, float *out, const float *q, const float *k,
                                 const float *v, int N, int n_past, int NH, int KVH, int HS,
                                 float scale, int window) {
     if (N <= 0 || NH <= 0 || HS <= 0) return cudaSuccess;
     if (HS > KILN_CUDA_MAX_HS || KVH <= 0 || NH % KVH != 0 || window < 0)
         return cudaErrorInvalidValue;
+    if (N >= 4 && at_takes(HS, q, k, v, NULL))
+        return at_launch_q<AT_FORWARD>(s, out, NULL, q, k, v, NULL, NULL, N, n_past, NH, KVH, HS, scale, window);
     size_t smem = (size_t)2 * HS * sizeof(float);
     const attn_where dense = {NULL, NULL, NULL, 0, 0, window};
     if (window > 0)
@@ -423,6 +898,13 @@ cudaError_t kiln_cuda_attention_backward(cudaStream_t s, float *dq, float *dk, f
     const int64_t n_q = (int64_t)N * NH, n_kv = ((int64_t)n_past + N) * KVH;
     if (n_q > INT_MAX || n_kv > INT_MAX || (int64_t)n_past + N > INT_MAX)
         return cudaErrorInvalidConfiguration;
+    if (at_takes(HS, q, k, v, dout)) {
+        cudaError_t e = at_launch_q<AT_STATS>(s, NULL, ws, q, k, v, dout, out, N, n_past, NH, KVH, HS, scale, window);
+        if (e == cudaSuccess)
+            e = at_launch_q<AT_DQ>(s, dq, ws, q, k, v, dout, NULL, N, n_past, NH, KVH, HS, scale, window);
+        if (e == cudaSuccess) e = at_launch_dkv(s, dk, dv, ws, q, k, v, dout, N, n_past, NH, KVH, HS, scale, window);
+        return e;
+    }
     const size_t f = sizeof(float);
     attn_bwd_stats_kernel<<<(unsigned)n_q, AB_THREADS, (size_t)HS * f, s>>>(
         ws, q, k, dout, out, n_past, NH, KVH, HS, scale, window);

@@ -49,6 +49,10 @@ cudaError_t kiln_cuda_attention_paged(cudaStream_t s, float *out, const float *q
                                       const int32_t *d_seq, const int32_t *d_pos, int N, int NH,
                                       int KVH, int HS, float scale, int window);
 
+/* Set up the auditable kernels on the current device (their shared memory above 48 KiB): once
+ * per device, outside any graph capture (the backend's creation; the launchers call it too). */
+cudaError_t kiln_cuda_attention_setup(void);
+
 /* Causal GQA attention backward: dq(N,NH,HS) overwritten; dk, dv rows 0..n_past+N-1 of
  * (T,KVH,HS) overwritten, later rows untouched; ws: 3*N*NH floats of scratch. HS at most
  * KILN_CUDA_MAX_HS, NH a multiple of KVH. window > 0: the forward's sliding window (ops.h

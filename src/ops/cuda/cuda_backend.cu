@@ -798,6 +798,19 @@ static void cu_add(kiln_backend *be, float *x, const float *y, size_t n);
 
 /* kiln_op_products' composition of p on the backend, op by op: rmsnorm into scratch_x, the
  * products (a pair: gate and up, then SwiGLU), the residual adds. */
+/* The n products of one input in the composition: one matmul_multi, or with formats (mx modes,
+ * formats per weight) one matmul each, so that each takes its own weight's format
+ * (matmul_multi's single launch is the auditable f32 kernel's whatever the formats). */
+static void compose_matmuls(kiln_backend *be, int n, float *const *out, const float *x,
+                            const kiln_tensor *const *W, const float *const *bias, int N) {
+    cuda_ctx *c = ctx_of(be);
+    if (!c->mx && !c->wf.n) {
+        matmul_multi(be, n, out, NULL, NULL, x, NULL, W, bias, N);
+        return;
+    }
+    for (int i = 0; i < n && c->err == KILN_OK; i++) cu_matmul(be, out[i], x, W[i], bias ? bias[i] : NULL, N);
+}
+
 static void compose_products(kiln_backend *be, const float *x, const kiln_products *p, int N) {
     cuda_ctx *c = ctx_of(be);
     const int64_t C = p->W[0]->shape[p->W[0]->n_dims - 1];
@@ -810,11 +823,11 @@ static void compose_products(kiln_backend *be, const float *x, const kiln_produc
         float *gu[2] = {p->scratch_gate, p->scratch_up};
         const kiln_tensor *w[2] = {p->W[0], p->up};
         const float *b[2] = {p->bias ? p->bias[0] : NULL, p->bias ? p->bias[1] : NULL};
-        matmul_multi(be, 2, gu, NULL, NULL, xn, NULL, w, b, N);
+        compose_matmuls(be, 2, gu, xn, w, b, N);
         if (c->err == KILN_OK)
             cu_swiglu(be, p->out[0], gu[0], gu[1], (size_t)N * (size_t)(kiln_tensor_nelements(p->W[0]) / C));
     } else {
-        matmul_multi(be, p->n, p->out, NULL, NULL, xn, NULL, p->W, p->bias, N);
+        compose_matmuls(be, p->n, p->out, xn, p->W, p->bias, N);
     }
     for (int i = 0; c->err == KILN_OK && p->res && i < p->n; i++)
         if (p->res[i]) cu_add(be, p->out[i], p->res[i], (size_t)N * (size_t)(kiln_tensor_nelements(p->W[i]) / C));
@@ -2445,6 +2458,11 @@ extern "C" kiln_status kiln_backend_cuda_create_formats(int device, int mode, co
         !CK(c, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking))) {
         kiln_status st = kiln_error(KILN_ERR_UNSUPPORTED, "kiln_backend_cuda_create: %s", c->msg);
         c->stream = NULL;
+        cu_free(be);
+        return st;
+    }
+    if (!CK(c, kiln_cuda_attention_setup())) {
+        kiln_status st = kiln_error(KILN_ERR_UNSUPPORTED, "kiln_backend_cuda_create: %s", c->msg);
         cu_free(be);
         return st;
     }
