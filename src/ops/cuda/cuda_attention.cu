@@ -194,18 +194,18 @@ attention_kernel(float *__restrict__ out, const float *__restrict__ q,
  * once in shared memory for all the CTA's rows. A warp owns RW rows (rows warp, warp +
  * AT_WARPS, ...); lane L takes the block's items L and L + 32: their dots, each the defined
  * lane-16 dot computed by the one lane (16 accumulators, elements in order, then the fixed
- * tree), and the elements d = L + 32c of each row's accumulators, each walking the block's
- * items in order. The block max is a warp tree that keeps the larger value and, of equal ones,
- * the earlier key: the CPU's in-order `s > bm ? s : bm` from -inf exactly (a NaN never taken,
- * of +0 and -0 the first met). The softmax sum is one chain that every lane carries alike.
- * So every output gets the definition's operations in the definition's order; only where they
- * run differs. Taken for HS a multiple of 4 up to AT_MAX_HS with 16-byte aligned q, k, v
- * (and dout): float4 staging. KILN_CUDA_ATTN_TILED=0 keeps the per-(token, head) kernels
- * above (a comparison switch, read once). */
+ * tree; two rows at a time, so that each staged element read serves both), and the elements
+ * d = L + 32c (c < C) of each row's accumulators, each walking the block's items in order. The
+ * block max is a warp tree that keeps the larger value and, of equal ones, the earlier key: the
+ * CPU's in-order `s > bm ? s : bm` from -inf exactly (a NaN never taken, of +0 and -0 the
+ * first met). The softmax sum is one chain that every lane carries alike. So every output
+ * gets the definition's operations in the definition's order; only where they run differs.
+ * Taken for HS a multiple of 4 up to AT_MAX_HS with 16-byte aligned q, k, v (and dout): float4
+ * staging. KILN_CUDA_ATTN_TILED=0 keeps the per-(token, head) kernels above (a comparison
+ * switch, read once). */
 #define AT_WARPS 4
 #define AT_THREADS (AT_WARPS * 32)
 #define AT_MAX_HS 128
-#define AT_MAX_C (AT_MAX_HS / 32) /* accumulator elements per lane and row */
 
 /* A staged row's floats: HS + 4, so that the float4 reads of 8 lanes, each of its own row,
  * fall in distinct banks (HS is a multiple of 4). */
@@ -247,32 +247,65 @@ static __device__ __forceinline__ float at_tree(const float (&a)[16]) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-/* s0 = dot(a, b0), s1 = dot(a, b1): the defined dot (element d on accumulator d % 16, in
- * order; the tree), by one thread, over shared rows (16-byte aligned, HS a multiple of 4). */
-static __device__ __forceinline__ void at_dot2(const float *a, const float *b0, const float *b1, int HS,
-                                               float &s0, float &s1) {
-    float x[16], y[16];
+/* acc[u..u+3] = fmaf(a, b, acc[...]) lane by lane: elements u..u+3 of a 16-element step. */
+static __device__ __forceinline__ void at_fma4(float (&acc)[16], int u, float4 a, float4 b) {
+    acc[u] = __fmaf_rn(a.x, b.x, acc[u]);
+    acc[u + 1] = __fmaf_rn(a.y, b.y, acc[u + 1]);
+    acc[u + 2] = __fmaf_rn(a.z, b.z, acc[u + 2]);
+    acc[u + 3] = __fmaf_rn(a.w, b.w, acc[u + 3]);
+}
+
+/* s[k][j] = dot(a_k, b_j) for the R (1 or 2) rows a_k = a + k * HS and the two rows b_0, b_1:
+ * the defined dot (element d on accumulator d % 16, in order; the tree) by one thread, over
+ * shared rows (16-byte aligned, HS a multiple of 4). */
+template <int R>
+static __device__ __forceinline__ void at_dots(const float *a, const float *b0, const float *b1, int HS,
+                                               float (&s)[R][2]) {
+    float x[R][2][16];
 #pragma unroll
-    for (int u = 0; u < 16; u++) x[u] = y[u] = 0.0f;
+    for (int k = 0; k < R; k++)
+#pragma unroll
+        for (int u = 0; u < 16; u++) x[k][0][u] = x[k][1][u] = 0.0f;
     for (int d0 = 0; d0 < HS; d0 += 16) {
 #pragma unroll
         for (int u = 0; u < 16; u += 4) {
             if (d0 + u < HS) {
-                const float4 av = *(const float4 *)(a + d0 + u);
                 const float4 p = *(const float4 *)(b0 + d0 + u), r = *(const float4 *)(b1 + d0 + u);
-                x[u] = __fmaf_rn(av.x, p.x, x[u]);
-                x[u + 1] = __fmaf_rn(av.y, p.y, x[u + 1]);
-                x[u + 2] = __fmaf_rn(av.z, p.z, x[u + 2]);
-                x[u + 3] = __fmaf_rn(av.w, p.w, x[u + 3]);
-                y[u] = __fmaf_rn(av.x, r.x, y[u]);
-                y[u + 1] = __fmaf_rn(av.y, r.y, y[u + 1]);
-                y[u + 2] = __fmaf_rn(av.z, r.z, y[u + 2]);
-                y[u + 3] = __fmaf_rn(av.w, r.w, y[u + 3]);
+#pragma unroll
+                for (int k = 0; k < R; k++) {
+                    const float4 av = *(const float4 *)(a + k * HS + d0 + u);
+                    at_fma4(x[k][0], u, av, p);
+                    at_fma4(x[k][1], u, av, r);
+                }
             }
         }
     }
-    s0 = at_tree(x);
-    s1 = at_tree(y);
+#pragma unroll
+    for (int k = 0; k < R; k++) {
+        s[k][0] = at_tree(x[k][0]);
+        s[k][1] = at_tree(x[k][1]);
+    }
+}
+
+/* The dots of a warp's RW rows (a: RW rows of HS) with items L and L + 32 of a staged block:
+ * s[k][0], s[k][1], two rows at a time. */
+template <int RW>
+static __device__ __forceinline__ void at_row_dots(const float *a, const float *tile, int HS, int L,
+                                                   float (&s)[RW][2]) {
+    const int ld = at_ld(HS);
+    if constexpr (RW == 1) {
+        at_dots<1>(a, tile + L * ld, tile + (L + 32) * ld, HS, s);
+    } else {
+#pragma unroll
+        for (int k = 0; k + 1 < RW; k += 2) {
+            float t[2][2];
+            at_dots<2>(a + k * HS, tile + L * ld, tile + (L + 32) * ld, HS, t);
+            s[k][0] = t[0][0];
+            s[k][1] = t[0][1];
+            s[k + 1][0] = t[1][0];
+            s[k + 1][1] = t[1][1];
+        }
+    }
 }
 
 /* dot(a, b) of two global rows by one thread (the statistics' D). */
@@ -310,15 +343,18 @@ static __device__ __forceinline__ float at_block_max(float v0, float v1, int L) 
     return v;
 }
 
+/* Element u (0..3) of v. */
+static __device__ __forceinline__ float at_el(float4 v, int u) { return u == 0 ? v.x : u == 1 ? v.y : u == 2 ? v.z : v.w; }
+
 /* The query side's kernels (forward, statistics, dq): grid (tiles of AT_WARPS * RW query rows
  * of a kv head, KVH); query row r of kv head g is token r / G, head g * G + r % G; tiles of the
- * latest tokens (the most keys) first.
+ * latest tokens (the most keys) first. C: accumulator elements per lane and row (HS <= 32 C).
  *   AT_FORWARD: out = the attention (docs/ARITHMETIC.md, "attention").
  *   AT_STATS:   ws[u * 3 + {0, 1, 2}] = m, l (the forward's online softmax) and D = dot(dout_u,
  *               o_u) (the backward's statistics pass).
  *   AT_DQ:      dq_u = scale * sum over keys j in order of ds_j k_j (fmaf chains per d), with
  *               ds_j = (p_j / l) (dot(dout_u, v_j) - D), p_j = kiln_expf(dot(q_u, k_j) * scale - m). */
-template <int K, int RW>
+template <int K, int RW, int C>
 static __global__ void __launch_bounds__(AT_THREADS)
 attn_tiled_q_kernel(float *__restrict__ out, float *__restrict__ ws, const float *__restrict__ q,
                     const float *__restrict__ kc, const float *__restrict__ vc, const float *__restrict__ dout,
@@ -332,15 +368,15 @@ attn_tiled_q_kernel(float *__restrict__ out, float *__restrict__ ws, const float
     constexpr int own = K == AT_DQ ? 2 : 1;
     float *const wsm = sm + (K == AT_STATS ? 1 : 2) * KILN_ATTN_BLOCK * ld +
                        warp * RW * (own * HS + KILN_ATTN_BLOCK);
-    float *const qw = wsm;                       /* (RW, HS): the rows' q */
-    float *const dw = wsm + RW * HS;             /* (RW, HS): the rows' dout (AT_DQ) */
-    float *const pw = wsm + own * RW * HS;       /* (RW, 64): p (ds for AT_DQ) of the block */
+    float *const qw = wsm;                 /* (RW, HS): the rows' q */
+    float *const dw = wsm + RW * HS;       /* (RW, HS): the rows' dout (AT_DQ) */
+    float *const pw = wsm + own * RW * HS; /* (RW, 64): p (ds for AT_DQ) of the block */
     const int r0 = (int)(gridDim.x - 1 - blockIdx.x) * AT_WARPS * RW;
 
     bool rv[RW];
     int rT[RW], rlo[RW];
     int64_t ru[RW];
-    float m[RW], l[RW], D[RW], acc[RW][AT_MAX_C];
+    float m[RW], l[RW], D[RW], acc[RW][C];
 #pragma unroll
     for (int k = 0; k < RW; k++) {
         const int r = r0 + warp + AT_WARPS * k;
@@ -353,7 +389,7 @@ attn_tiled_q_kernel(float *__restrict__ out, float *__restrict__ ws, const float
         l[k] = 0.0f;
         D[k] = 0.0f;
 #pragma unroll
-        for (int c = 0; c < AT_MAX_C; c++) acc[k][c] = 0.0f;
+        for (int c = 0; c < C; c++) acc[k][c] = 0.0f;
         if (rv[k]) {
             at_stage_row(qw + k * HS, q + ru[k] * HS, HS, L);
             if (K == AT_DQ) {
@@ -375,6 +411,10 @@ attn_tiled_q_kernel(float *__restrict__ out, float *__restrict__ ws, const float
         at_stage(ks, kc + ((int64_t)kb0 * KVH + g) * HS, kstride, nload, HS);
         if (K != AT_STATS) at_stage(vs, vc + ((int64_t)kb0 * KVH + g) * HS, kstride, nload, HS);
         __syncthreads();
+        /* every row's dots with items L and L + 32 (a row outside this block: computed, unused) */
+        float sc[RW][2], dp[RW][2];
+        at_row_dots<RW>(qw, ks, HS, L, sc);
+        if (K == AT_DQ) at_row_dots<RW>(dw, vs, HS, L, dp);
         int tb[RW], te[RW];
         float al[RW];
         int t_lo = KILN_ATTN_BLOCK, t_hi = 0;
@@ -389,18 +429,13 @@ attn_tiled_q_kernel(float *__restrict__ out, float *__restrict__ ws, const float
             t_lo = tb[k] < t_lo ? tb[k] : t_lo;
             t_hi = te[k] > t_hi ? te[k] : t_hi;
             const bool in0 = L >= tb[k] && L < te[k], in1 = L + 32 >= tb[k] && L + 32 < te[k];
-            float s0, s1;
-            at_dot2(qw + k * HS, ks + L * ld, ks + (L + 32) * ld, HS, s0, s1);
             float *const p = pw + k * KILN_ATTN_BLOCK;
             if (K == AT_DQ) {
-                float dp0, dp1;
-                at_dot2(dw + k * HS, vs + L * ld, vs + (L + 32) * ld, HS, dp0, dp1);
-                if (in0) p[L] = (kiln_expf(s0 * scale - m[k]) / l[k]) * (dp0 - D[k]);
-                if (in1) p[L + 32] = (kiln_expf(s1 * scale - m[k]) / l[k]) * (dp1 - D[k]);
+                if (in0) p[L] = (kiln_expf(sc[k][0] * scale - m[k]) / l[k]) * (dp[k][0] - D[k]);
+                if (in1) p[L + 32] = (kiln_expf(sc[k][1] * scale - m[k]) / l[k]) * (dp[k][1] - D[k]);
                 continue;
             }
-            s0 = s0 * scale;
-            s1 = s1 * scale;
+            const float s0 = sc[k][0] * scale, s1 = sc[k][1] * scale;
             const float bm = at_block_max(in0 && s0 == s0 ? s0 : -INFINITY, in1 && s1 == s1 ? s1 : -INFINITY, L);
             const float m_new = bm > m[k] ? bm : m[k];
             al[k] = kiln_expf(m[k] - m_new);
@@ -416,26 +451,33 @@ attn_tiled_q_kernel(float *__restrict__ out, float *__restrict__ ws, const float
                 l[k] = l[k] * al[k];
                 if (K == AT_FORWARD) {
 #pragma unroll
-                    for (int c = 0; c < AT_MAX_C; c++) acc[k][c] = acc[k][c] * al[k];
+                    for (int c = 0; c < C; c++) acc[k][c] = acc[k][c] * al[k];
                 }
             }
         }
         /* the block's items in order: l += p_t, acc[d] = fmaf(p_t, v_t[d], acc[d]) (forward);
-         * dq[d] = fmaf(ds_t, k_t[d], dq[d]) */
+         * dq[d] = fmaf(ds_t, k_t[d], dq[d]); four items' p read at once */
         const float *const src = K == AT_DQ ? ks : vs;
-        for (int t = t_lo; t < t_hi; t++) {
-            float e[AT_MAX_C];
+        for (int t4 = t_lo & ~3; t4 < t_hi; t4 += 4) {
+            float4 pk[RW];
 #pragma unroll
-            for (int c = 0; c < AT_MAX_C; c++)
-                e[c] = K != AT_STATS && L + 32 * c < HS ? src[t * ld + L + 32 * c] : 0.0f;
+            for (int k = 0; k < RW; k++) pk[k] = *(const float4 *)(pw + k * KILN_ATTN_BLOCK + t4);
 #pragma unroll
-            for (int k = 0; k < RW; k++) {
-                if (t < tb[k] || t >= te[k]) continue;
-                const float pt = pw[k * KILN_ATTN_BLOCK + t];
-                if (K != AT_DQ) l[k] = l[k] + pt;
-                if (K != AT_STATS) {
+            for (int u = 0; u < 4; u++) {
+                const int t = t4 + u;
+                float e[C];
 #pragma unroll
-                    for (int c = 0; c < AT_MAX_C; c++) acc[k][c] = __fmaf_rn(pt, e[c], acc[k][c]);
+                for (int c = 0; c < C; c++)
+                    e[c] = K != AT_STATS && L + 32 * c < HS ? src[t * ld + L + 32 * c] : 0.0f;
+#pragma unroll
+                for (int k = 0; k < RW; k++) {
+                    if (t < tb[k] || t >= te[k]) continue;
+                    const float pt = at_el(pk[k], u);
+                    if (K != AT_DQ) l[k] = l[k] + pt;
+                    if (K != AT_STATS) {
+#pragma unroll
+                        for (int c = 0; c < C; c++) acc[k][c] = __fmaf_rn(pt, e[c], acc[k][c]);
+                    }
                 }
             }
         }
@@ -452,7 +494,7 @@ attn_tiled_q_kernel(float *__restrict__ out, float *__restrict__ ws, const float
             }
         } else {
 #pragma unroll
-            for (int c = 0; c < AT_MAX_C; c++) {
+            for (int c = 0; c < C; c++) {
                 const int d = L + 32 * c;
                 if (d < HS) out[ru[k] * HS + d] = K == AT_FORWARD ? acc[k][c] / l[k] : acc[k][c] * scale;
             }
@@ -465,7 +507,7 @@ attn_tiled_q_kernel(float *__restrict__ out, float *__restrict__ ws, const float
  * over the group's heads h in order, then its queries i (n_past + i >= jp, within the window)
  * in order, p = kiln_expf(dot(k_j, q_ih) * scale - m_ih) / l_ih, ds = p (dot(v_j, dout_ih) -
  * D_ih), dv[d] = fmaf(p, dout_ih[d], dv[d]), dk[d] = fmaf(ds, q_ih[d], dk[d]); then dk * scale. */
-template <int RW>
+template <int RW, int C>
 static __global__ void __launch_bounds__(AT_THREADS)
 attn_tiled_dkv_kernel(float *__restrict__ dk, float *__restrict__ dv, const float *__restrict__ ws,
                       const float *__restrict__ q, const float *__restrict__ kc, const float *__restrict__ vc,
@@ -485,7 +527,7 @@ attn_tiled_dkv_kernel(float *__restrict__ dk, float *__restrict__ dv, const floa
 
     bool rv[RW];
     int ilo[RW], ihi[RW];
-    float ak[RW][AT_MAX_C], av[RW][AT_MAX_C];
+    float ak[RW][C], av[RW][C];
 #pragma unroll
     for (int k = 0; k < RW; k++) {
         const int jp = r0 + warp + AT_WARPS * k;
@@ -494,7 +536,7 @@ attn_tiled_dkv_kernel(float *__restrict__ dk, float *__restrict__ dv, const floa
         ihi[k] = N;
         if (window > 0 && (int64_t)jp - n_past + window < ihi[k]) ihi[k] = jp - n_past + window;
 #pragma unroll
-        for (int c = 0; c < AT_MAX_C; c++) ak[k][c] = av[k][c] = 0.0f;
+        for (int c = 0; c < C; c++) ak[k][c] = av[k][c] = 0.0f;
         if (rv[k]) {
             at_stage_row(kw + k * HS, kc + ((int64_t)jp * KVH + g) * HS, HS, L);
             at_stage_row(vw + k * HS, vc + ((int64_t)jp * KVH + g) * HS, HS, L);
@@ -516,6 +558,9 @@ attn_tiled_dkv_kernel(float *__restrict__ dk, float *__restrict__ dv, const floa
                 st[w * KILN_ATTN_BLOCK + tt] = ws[((int64_t)(ib + tt) * NH + h) * 3 + w];
             }
             __syncthreads();
+            float sc[RW][2], dp[RW][2];
+            at_row_dots<RW>(kw, qs, HS, L, sc);
+            at_row_dots<RW>(vw, ds, HS, L, dp);
             int tb[RW], te[RW];
             int t_lo = KILN_ATTN_BLOCK, t_hi = 0;
 #pragma unroll
@@ -527,36 +572,43 @@ attn_tiled_dkv_kernel(float *__restrict__ dk, float *__restrict__ dv, const floa
                 te[k] = ihi[k] - ib < nq ? ihi[k] - ib : nq;
                 t_lo = tb[k] < t_lo ? tb[k] : t_lo;
                 t_hi = te[k] > t_hi ? te[k] : t_hi;
-                float s0, s1, d0, d1;
-                at_dot2(kw + k * HS, qs + L * ld, qs + (L + 32) * ld, HS, s0, s1);
-                at_dot2(vw + k * HS, ds + L * ld, ds + (L + 32) * ld, HS, d0, d1);
                 float *const p = pw + k * KILN_ATTN_BLOCK, *const s = sw + k * KILN_ATTN_BLOCK;
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
                     const int t = L + 32 * hf;
                     if (t < tb[k] || t >= te[k]) continue;
-                    const float pt = kiln_expf((hf ? s1 : s0) * scale - st[t]) / st[KILN_ATTN_BLOCK + t];
+                    const float pt = kiln_expf(sc[k][hf] * scale - st[t]) / st[KILN_ATTN_BLOCK + t];
                     p[t] = pt;
-                    s[t] = pt * ((hf ? d1 : d0) - st[2 * KILN_ATTN_BLOCK + t]);
+                    s[t] = pt * (dp[k][hf] - st[2 * KILN_ATTN_BLOCK + t]);
                 }
             }
             __syncwarp();
-            for (int t = t_lo; t < t_hi; t++) {
-                float eq[AT_MAX_C], ed[AT_MAX_C];
-#pragma unroll
-                for (int c = 0; c < AT_MAX_C; c++) {
-                    const bool in = L + 32 * c < HS;
-                    eq[c] = in ? qs[t * ld + L + 32 * c] : 0.0f;
-                    ed[c] = in ? ds[t * ld + L + 32 * c] : 0.0f;
-                }
+            for (int t4 = t_lo & ~3; t4 < t_hi; t4 += 4) {
+                float4 pk[RW], sk[RW];
 #pragma unroll
                 for (int k = 0; k < RW; k++) {
-                    if (t < tb[k] || t >= te[k]) continue;
-                    const float pt = pw[k * KILN_ATTN_BLOCK + t], dst = sw[k * KILN_ATTN_BLOCK + t];
+                    pk[k] = *(const float4 *)(pw + k * KILN_ATTN_BLOCK + t4);
+                    sk[k] = *(const float4 *)(sw + k * KILN_ATTN_BLOCK + t4);
+                }
 #pragma unroll
-                    for (int c = 0; c < AT_MAX_C; c++) {
-                        av[k][c] = __fmaf_rn(pt, ed[c], av[k][c]);
-                        ak[k][c] = __fmaf_rn(dst, eq[c], ak[k][c]);
+                for (int u = 0; u < 4; u++) {
+                    const int t = t4 + u;
+                    float eq[C], ed[C];
+#pragma unroll
+                    for (int c = 0; c < C; c++) {
+                        const bool in = L + 32 * c < HS;
+                        eq[c] = in ? qs[t * ld + L + 32 * c] : 0.0f;
+                        ed[c] = in ? ds[t * ld + L + 32 * c] : 0.0f;
+                    }
+#pragma unroll
+                    for (int k = 0; k < RW; k++) {
+                        if (t < tb[k] || t >= te[k]) continue;
+                        const float pt = at_el(pk[k], u), dst = at_el(sk[k], u);
+#pragma unroll
+                        for (int c = 0; c < C; c++) {
+                            av[k][c] = __fmaf_rn(pt, ed[c], av[k][c]);
+                            ak[k][c] = __fmaf_rn(dst, eq[c], ak[k][c]);
+                        }
                     }
                 }
             }
@@ -568,7 +620,7 @@ attn_tiled_dkv_kernel(float *__restrict__ dk, float *__restrict__ dv, const floa
         if (!rv[k]) continue;
         const int64_t row = ((int64_t)(r0 + warp + AT_WARPS * k) * KVH + g) * HS;
 #pragma unroll
-        for (int c = 0; c < AT_MAX_C; c++) {
+        for (int c = 0; c < C; c++) {
             const int d = L + 32 * c;
             if (d < HS) {
                 dk[row + d] = ak[k][c] * scale;
@@ -580,17 +632,18 @@ attn_tiled_dkv_kernel(float *__restrict__ dk, float *__restrict__ dv, const floa
 
 /* Dynamic shared memory of the tiled kernels above the default 48 KiB, set once per device
  * (kiln_cuda_attention_setup: at the backend's creation, outside any graph capture). */
-template <int RW>
-static cudaError_t at_attributes_rw() {
-    const int a = (int)sizeof(float) * at_smem_floats(AT_FORWARD, RW, AT_MAX_HS);
-    const int b = (int)sizeof(float) * at_smem_floats(AT_STATS, RW, AT_MAX_HS);
-    const int c = (int)sizeof(float) * at_smem_floats(AT_DQ, RW, AT_MAX_HS);
-    const int d = (int)sizeof(float) * at_smem_floats(AT_DKV, RW, AT_MAX_HS);
+template <int RW, int C>
+static cudaError_t at_attributes_rc() {
+    const int hs = 32 * C;
+    const int a = (int)sizeof(float) * at_smem_floats(AT_FORWARD, RW, hs);
+    const int b = (int)sizeof(float) * at_smem_floats(AT_STATS, RW, hs);
+    const int c = (int)sizeof(float) * at_smem_floats(AT_DQ, RW, hs);
+    const int d = (int)sizeof(float) * at_smem_floats(AT_DKV, RW, hs);
     const cudaFuncAttribute A = cudaFuncAttributeMaxDynamicSharedMemorySize;
-    cudaError_t e = cudaFuncSetAttribute(attn_tiled_q_kernel<AT_FORWARD, RW>, A, a);
-    if (e == cudaSuccess) e = cudaFuncSetAttribute(attn_tiled_q_kernel<AT_STATS, RW>, A, b);
-    if (e == cudaSuccess) e = cudaFuncSetAttribute(attn_tiled_q_kernel<AT_DQ, RW>, A, c);
-    if (e == cudaSuccess) e = cudaFuncSetAttribute(attn_tiled_dkv_kernel<RW>, A, d);
+    cudaError_t e = cudaFuncSetAttribute(attn_tiled_q_kernel<AT_FORWARD, RW, C>, A, a);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(attn_tiled_q_kernel<AT_STATS, RW, C>, A, b);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(attn_tiled_q_kernel<AT_DQ, RW, C>, A, c);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(attn_tiled_dkv_kernel<RW, C>, A, d);
     return e;
 }
 
@@ -601,8 +654,10 @@ cudaError_t kiln_cuda_attention_setup(void) {
     if (e != cudaSuccess) return e;
     if (dev < 0 || dev >= (int)sizeof ready) return cudaErrorInvalidDevice;
     if (__atomic_load_n(&ready[dev], __ATOMIC_ACQUIRE)) return cudaSuccess;
-    e = at_attributes_rw<1>();
-    if (e == cudaSuccess) e = at_attributes_rw<4>();
+    e = at_attributes_rc<1, 2>();
+    if (e == cudaSuccess) e = at_attributes_rc<4, 2>();
+    if (e == cudaSuccess) e = at_attributes_rc<1, 4>();
+    if (e == cudaSuccess) e = at_attributes_rc<4, 4>();
     if (e == cudaSuccess) __atomic_store_n(&ready[dev], (unsigned char)1, __ATOMIC_RELEASE);
     return e;
 }
@@ -621,6 +676,14 @@ static int at_rw(int64_t n_rows, int KVH) {
     return (n_rows + 4 * AT_WARPS - 1) / (4 * AT_WARPS) * KVH >= 2 * 132 ? 4 : 1;
 }
 
+template <int K, int RW, int C>
+static void at_q(dim3 grid, size_t smem, cudaStream_t s, float *out, float *ws, const float *q, const float *k,
+                 const float *v, const float *dout, const float *o, int N, int n_past, int NH, int KVH, int HS,
+                 float scale, int window) {
+    attn_tiled_q_kernel<K, RW, C><<<grid, AT_THREADS, smem, s>>>(out, ws, q, k, v, dout, o, N, n_past, NH, KVH, HS,
+                                                                  scale, window);
+}
+
 template <int K>
 static cudaError_t at_launch_q(cudaStream_t s, float *out, float *ws, const float *q, const float *k,
                                const float *v, const float *dout, const float *o, int N, int n_past, int NH,
@@ -631,12 +694,10 @@ static cudaError_t at_launch_q(cudaStream_t s, float *out, float *ws, const floa
     const int RW = at_rw(rows, KVH);
     const dim3 grid((unsigned)((rows + AT_WARPS * RW - 1) / (AT_WARPS * RW)), (unsigned)KVH);
     const size_t smem = sizeof(float) * (size_t)at_smem_floats(K, RW, HS);
-    if (RW == 4)
-        attn_tiled_q_kernel<K, 4><<<grid, AT_THREADS, smem, s>>>(out, ws, q, k, v, dout, o, N, n_past, NH, KVH,
-                                                                   HS, scale, window);
-    else
-        attn_tiled_q_kernel<K, 1><<<grid, AT_THREADS, smem, s>>>(out, ws, q, k, v, dout, o, N, n_past, NH, KVH,
-                                                                   HS, scale, window);
+    if (RW == 4 && HS <= 64) at_q<K, 4, 2>(grid, smem, s, out, ws, q, k, v, dout, o, N, n_past, NH, KVH, HS, scale, window);
+    else if (RW == 4) at_q<K, 4, 4>(grid, smem, s, out, ws, q, k, v, dout, o, N, n_past, NH, KVH, HS, scale, window);
+    else if (HS <= 64) at_q<K, 1, 2>(grid, smem, s, out, ws, q, k, v, dout, o, N, n_past, NH, KVH, HS, scale, window);
+    else at_q<K, 1, 4>(grid, smem, s, out, ws, q, k, v, dout, o, N, n_past, NH, KVH, HS, scale, window);
     return cudaGetLastError();
 }
 
@@ -647,12 +708,14 @@ static cudaError_t at_launch_dkv(cudaStream_t s, float *dk, float *dv, const flo
     const int RW = at_rw(rows, KVH);
     const dim3 grid((unsigned)((rows + AT_WARPS * RW - 1) / (AT_WARPS * RW)), (unsigned)KVH);
     const size_t smem = sizeof(float) * (size_t)at_smem_floats(AT_DKV, RW, HS);
-    if (RW == 4)
-        attn_tiled_dkv_kernel<4><<<grid, AT_THREADS, smem, s>>>(dk, dv, ws, q, k, v, dout, N, n_past, NH, KVH, HS,
-                                                                 scale, window);
-    else
-        attn_tiled_dkv_kernel<1><<<grid, AT_THREADS, smem, s>>>(dk, dv, ws, q, k, v, dout, N, n_past, NH, KVH, HS,
-                                                                 scale, window);
+#define AT_DKV_LAUNCH(RW_, C_)                                                                                    \
+    attn_tiled_dkv_kernel<RW_, C_><<<grid, AT_THREADS, smem, s>>>(dk, dv, ws, q, k, v, dout, N, n_past, NH, KVH, \
+                                                                   HS, scale, window)
+    if (RW == 4 && HS <= 64) AT_DKV_LAUNCH(4, 2);
+    else if (RW == 4) AT_DKV_LAUNCH(4, 4);
+    else if (HS <= 64) AT_DKV_LAUNCH(1, 2);
+    else AT_DKV_LAUNCH(1, 4);
+#undef AT_DKV_LAUNCH
     return cudaGetLastError();
 }
 
