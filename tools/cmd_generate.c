@@ -44,7 +44,8 @@ static const char *generate_help =
     "      --stop TEXT        stop when TEXT is generated (repeatable, up to 16)\n"
     "      --ignore-eos       keep generating past end-of-generation tokens\n"
     "  -t, --threads N        CPU threads (default: all cores)\n"
-    "      --ctx N            context length (default: model's, at most 4096)\n"
+    "      --ctx N            context length (default: model's, at most 4096, or as much of the model's\n"
+    "                         as the prompt and -n need)\n"
     "      --batch N          prefill chunk (default 512)\n"
     "      --f32              dequantize all weights to f32 at load\n"
     "      --no-mmap          read the model instead of mapping it\n"
@@ -176,15 +177,10 @@ static int parse_opts(const char *cmd, int argc, char **argv, gen_opts *o, int *
     return 0;
 }
 
-static kiln_status open_model(const gen_opts *o, kiln_model **m, kiln_context **ctx) {
-    kiln_model_params mp = kiln_model_default_params();
-    mp.n_threads = (int)o->threads;
-    mp.weight_mode = o->f32 ? KILN_WEIGHTS_F32 : KILN_WEIGHTS_AUTO;
-    mp.use_mmap = !o->no_mmap;
-    kiln_status st = kiln_model_open(o->model, &mp, m);
-    if (st != KILN_OK) return st;
+/* A context of n_ctx positions (0: the library's default) for o's settings. */
+static kiln_status make_context(const gen_opts *o, kiln_model *m, int n_ctx, kiln_context **ctx) {
     kiln_context_params cp = kiln_context_default_params();
-    cp.n_ctx = (int)o->n_ctx;
+    cp.n_ctx = n_ctx;
     cp.n_batch = (int)o->n_batch;
     cp.n_threads = (int)o->threads;
     cp.fast = o->fast; /* CPU: 8-bit activations; CUDA: the fast arithmetic */
@@ -192,12 +188,41 @@ static kiln_status open_model(const gen_opts *o, kiln_model **m, kiln_context **
     cp.format = o->format;
     cp.format_rules = o->format_rules;
     cp.device = o->device;
-    st = kiln_context_create(*m, &cp, ctx);
+    return kiln_context_create(m, &cp, ctx);
+}
+
+static kiln_status open_model(const gen_opts *o, kiln_model **m, kiln_context **ctx) {
+    kiln_model_params mp = kiln_model_default_params();
+    mp.n_threads = (int)o->threads;
+    mp.weight_mode = o->f32 ? KILN_WEIGHTS_F32 : KILN_WEIGHTS_AUTO;
+    mp.use_mmap = !o->no_mmap;
+    kiln_status st = kiln_model_open(o->model, &mp, m);
+    if (st != KILN_OK) return st;
+    st = make_context(o, *m, (int)o->n_ctx, ctx);
     if (st != KILN_OK) {
         kiln_model_close(*m);
         *m = NULL;
     }
     return st;
+}
+
+/* Without --ctx, the default context (the model's, at most KILN_DEFAULT_MAX_CTX positions) is
+ * made again to hold the prompt's n_ids tokens and -n's, as far as the model's trained context
+ * goes, when it does not: a long prompt needs no --ctx. *ctx is kept on failure. */
+static kiln_status fit_context(const gen_opts *o, kiln_model *m, kiln_context **ctx, size_t n_ids) {
+    const int have = kiln_context_n_ctx(*ctx);
+    if (o->n_ctx || (long long)n_ids + o->n_predict <= have) return KILN_OK;
+    kiln_model_info mi;
+    kiln_model_get_info(m, &mi);
+    long long want = (long long)n_ids + o->n_predict;
+    if (want > mi.n_ctx_train) want = mi.n_ctx_train;
+    if (want <= have) return KILN_OK;
+    kiln_context *bigger = NULL;
+    kiln_status st = make_context(o, m, (int)want, &bigger);
+    if (st != KILN_OK) return st;
+    kiln_context_free(*ctx);
+    *ctx = bigger;
+    return KILN_OK;
 }
 
 /* The longest text that could still fit a context of n_ctx tokens: no token's piece is
@@ -331,7 +356,10 @@ int cmd_generate(int argc, char **argv) {
     if (st != KILN_OK) return cli_fail("generate", o.model, st);
     const kiln_tokenizer *tok = kiln_model_get_tokenizer(m);
     if (o.prompt_file) {
-        file_text = cli_read_file("generate", o.prompt_file, prompt_max_bytes(tok, kiln_context_n_ctx(ctx)), NULL);
+        kiln_model_info mi;
+        kiln_model_get_info(m, &mi);
+        const int bound = o.n_ctx ? kiln_context_n_ctx(ctx) : mi.n_ctx_train; /* fit_context may grow it */
+        file_text = cli_read_file("generate", o.prompt_file, prompt_max_bytes(tok, bound), NULL);
         if (!file_text) {
             kiln_context_free(ctx);
             kiln_model_close(m);
@@ -356,12 +384,21 @@ int cmd_generate(int argc, char **argv) {
         rc = cli_usage_error("generate", "the prompt gives no tokens");
         goto out;
     }
+    st = fit_context(&o, m, &ctx, n_ids);
+    if (st != KILN_OK) {
+        rc = cli_fail("generate", "context", st);
+        goto out;
+    }
     if ((long)n_ids > kiln_context_n_ctx(ctx)) {
         kiln_model_info mi;
         kiln_model_get_info(m, &mi);
-        fprintf(stderr, "kiln generate: the prompt is %zu tokens and the context holds %d: pass a larger --ctx "
-                        "(the model was trained on %d) or a shorter prompt\n",
-                n_ids, kiln_context_n_ctx(ctx), mi.n_ctx_train);
+        if (kiln_context_n_ctx(ctx) < mi.n_ctx_train)
+            fprintf(stderr, "kiln generate: the prompt is %zu tokens and the context holds %d: pass a larger --ctx "
+                            "(the model was trained on %d) or a shorter prompt\n",
+                    n_ids, kiln_context_n_ctx(ctx), mi.n_ctx_train);
+        else
+            fprintf(stderr, "kiln generate: the prompt is %zu tokens and the model's context is %d: shorten the "
+                            "prompt\n", n_ids, mi.n_ctx_train);
         rc = 1;
         goto out;
     }

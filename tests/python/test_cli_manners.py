@@ -324,3 +324,27 @@ def test_export_from_checkpoint(build_dir, tiny, shard, tmp_path):
             == (scratch / "model" / "model.safetensors").read_bytes())
     r = kiln(build_dir, "export", tmp_path / "nothing", "-o", tmp_path / "x", check=False)
     assert r.returncode == 1 and str(tmp_path / "nothing") in r.stderr
+
+
+def test_generate_fits_the_context_to_a_long_prompt(build_dir, tiny, tmp_path):
+    """Without --ctx the default context (the model's, at most 4096 positions) grows to hold a
+    longer prompt and -n as far as the model's trained context goes; past that, a clear refusal.
+    With --ctx the user's size holds."""
+    import shutil
+    _, d = tiny
+    big = tmp_path / "long-context"
+    shutil.copytree(d, big)
+    cfg = json.loads((big / "config.json").read_text())
+    cfg["max_position_embeddings"] = 6000
+    (big / "config.json").write_text(json.dumps(cfg))
+    text = "And God said let there be light and there was light. " * 125
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(text)
+    r = kiln(build_dir, "generate", big, "-f", prompt, "-n", "4", "--temp", "0", "--ignore-eos", "--json")
+    out = json.loads(r.stdout)
+    assert 4096 < out["n_prompt"] <= 6000 - 4 and out["n_generated"] == 4, (out["n_prompt"], out["n_generated"])
+    r = kiln(build_dir, "generate", big, "-f", prompt, "-n", "4", "--ctx", "4096", check=False)
+    assert r.returncode == 1 and "larger --ctx" in r.stderr, r.stderr
+    prompt.write_text(text * 2)
+    r = kiln(build_dir, "generate", big, "-f", prompt, "-n", "4", check=False)
+    assert r.returncode == 1 and "model's context is 6000: shorten the prompt" in r.stderr, r.stderr
