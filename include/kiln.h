@@ -287,8 +287,12 @@ KILN_API kiln_status kiln_chat_apply(const kiln_tokenizer *t, const kiln_chat_me
 
 typedef struct kiln_context kiln_context;
 
+/* The longest context n_ctx = 0 chooses (contexts and engines): the model's training context,
+ * at most this many positions. */
+#define KILN_DEFAULT_MAX_CTX 4096
+
 typedef struct kiln_context_params {
-    int n_ctx;     /* KV cache length in tokens (0 = the model's training context, at most 4096) */
+    int n_ctx;     /* KV cache length in tokens (0 = the model's training context, at most KILN_DEFAULT_MAX_CTX) */
     int n_batch;   /* max tokens per kiln_decode call (prefill chunk), default 512 */
     int n_threads; /* 0 = all cores */
     /* approximate: activations quantized to 8 bits for quantized weights during decode;
@@ -929,7 +933,7 @@ typedef struct kiln_engine_params {
     int format;           /* as kiln_context_params.format (kiln_format) */
     const char *format_rules; /* as kiln_context_params.format_rules (NULL: none) */
     int n_threads;        /* CPU threads, 0 = all cores */
-    int n_ctx;            /* positions per request (prompt + output); 0 = the model's, at most 4096 */
+    int n_ctx;            /* positions per request (prompt + output); 0 = the model's, at most KILN_DEFAULT_MAX_CTX */
     int max_batch_tokens; /* tokens per forward step (default 512) */
     int max_seqs;         /* requests running at once (default 32) */
     int kv_blocks;        /* KV pool in blocks of 64 positions; 0 = from kv_memory */

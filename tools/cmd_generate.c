@@ -191,12 +191,16 @@ static kiln_status make_context(const gen_opts *o, kiln_model *m, int n_ctx, kil
     return kiln_context_create(m, &cp, ctx);
 }
 
-static kiln_status open_model(const gen_opts *o, kiln_model **m, kiln_context **ctx) {
+static kiln_status load_model(const gen_opts *o, kiln_model **m) {
     kiln_model_params mp = kiln_model_default_params();
     mp.n_threads = (int)o->threads;
     mp.weight_mode = o->f32 ? KILN_WEIGHTS_F32 : KILN_WEIGHTS_AUTO;
     mp.use_mmap = !o->no_mmap;
-    kiln_status st = kiln_model_open(o->model, &mp, m);
+    return kiln_model_open(o->model, &mp, m);
+}
+
+static kiln_status open_model(const gen_opts *o, kiln_model **m, kiln_context **ctx) {
+    kiln_status st = load_model(o, m);
     if (st != KILN_OK) return st;
     st = make_context(o, *m, (int)o->n_ctx, ctx);
     if (st != KILN_OK) {
@@ -206,23 +210,16 @@ static kiln_status open_model(const gen_opts *o, kiln_model **m, kiln_context **
     return st;
 }
 
-/* Without --ctx, the default context (the model's, at most KILN_DEFAULT_MAX_CTX positions) is
- * made again to hold the prompt's n_ids tokens and -n's, as far as the model's trained context
- * goes, when it does not: a long prompt needs no --ctx. *ctx is kept on failure. */
-static kiln_status fit_context(const gen_opts *o, kiln_model *m, kiln_context **ctx, size_t n_ids) {
-    const int have = kiln_context_n_ctx(*ctx);
-    if (o->n_ctx || (long long)n_ids + o->n_predict <= have) return KILN_OK;
+/* The context generate makes for a prompt of n_ids tokens: --ctx's; without it the default
+ * (0: the model's, at most KILN_DEFAULT_MAX_CTX positions), or, where the prompt and -n need
+ * more, as much of the model's trained context as they need: a long prompt needs no --ctx. */
+static int generate_n_ctx(const gen_opts *o, const kiln_model *m, size_t n_ids) {
+    if (o->n_ctx) return (int)o->n_ctx;
     kiln_model_info mi;
     kiln_model_get_info(m, &mi);
-    long long want = (long long)n_ids + o->n_predict;
-    if (want > mi.n_ctx_train) want = mi.n_ctx_train;
-    if (want <= have) return KILN_OK;
-    kiln_context *bigger = NULL;
-    kiln_status st = make_context(o, m, (int)want, &bigger);
-    if (st != KILN_OK) return st;
-    kiln_context_free(*ctx);
-    *ctx = bigger;
-    return KILN_OK;
+    const long long want = (long long)n_ids + o->n_predict;
+    if (want <= mi.n_ctx_train && want <= KILN_DEFAULT_MAX_CTX) return 0;
+    return want < mi.n_ctx_train ? (int)want : mi.n_ctx_train;
 }
 
 /* The longest text that could still fit a context of n_ctx tokens: no token's piece is
@@ -352,16 +349,16 @@ int cmd_generate(int argc, char **argv) {
     char *file_text = NULL;
     kiln_model *m = NULL;
     kiln_context *ctx = NULL;
-    kiln_status st = open_model(&o, &m, &ctx);
+    kiln_status st = load_model(&o, &m);
     if (st != KILN_OK) return cli_fail("generate", o.model, st);
     const kiln_tokenizer *tok = kiln_model_get_tokenizer(m);
     if (o.prompt_file) {
         kiln_model_info mi;
         kiln_model_get_info(m, &mi);
-        const int bound = o.n_ctx ? kiln_context_n_ctx(ctx) : mi.n_ctx_train; /* fit_context may grow it */
+        /* the context is made for the prompt's length, at most the model's */
+        const int bound = o.n_ctx ? (int)o.n_ctx : mi.n_ctx_train;
         file_text = cli_read_file("generate", o.prompt_file, prompt_max_bytes(tok, bound), NULL);
         if (!file_text) {
-            kiln_context_free(ctx);
             kiln_model_close(m);
             return 1;
         }
@@ -384,9 +381,9 @@ int cmd_generate(int argc, char **argv) {
         rc = cli_usage_error("generate", "the prompt gives no tokens");
         goto out;
     }
-    st = fit_context(&o, m, &ctx, n_ids);
+    st = make_context(&o, m, generate_n_ctx(&o, m, n_ids), &ctx);
     if (st != KILN_OK) {
-        rc = cli_fail("generate", "context", st);
+        rc = cli_fail("generate", o.model, st);
         goto out;
     }
     if ((long)n_ids > kiln_context_n_ctx(ctx)) {

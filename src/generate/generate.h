@@ -4,8 +4,6 @@
 
 #include "../models/model.h"
 
-#define KILN_DEFAULT_MAX_CTX 4096
-
 struct kiln_context {
     kiln_handle_head head; /* first: the registry's magic (base/handle.h) */
     kiln_model *model;     /* a user of the model from create to free */

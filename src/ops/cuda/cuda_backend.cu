@@ -796,8 +796,6 @@ static void cu_matmul_multi_bf16x(kiln_backend *be, int n, float *const *out,
 static void cu_swiglu(kiln_backend *be, float *out, const float *gate, const float *up, size_t n);
 static void cu_add(kiln_backend *be, float *x, const float *y, size_t n);
 
-/* kiln_op_products' composition of p on the backend, op by op: rmsnorm into scratch_x, the
- * products (a pair: gate and up, then SwiGLU), the residual adds. */
 /* The n products of one input in the composition: one matmul_multi, or with formats (mx modes,
  * formats per weight) one matmul each, so that each takes its own weight's format
  * (matmul_multi's single launch is the auditable f32 kernel's whatever the formats). */
@@ -811,6 +809,8 @@ static void compose_matmuls(kiln_backend *be, int n, float *const *out, const fl
     for (int i = 0; i < n && c->err == KILN_OK; i++) cu_matmul(be, out[i], x, W[i], bias ? bias[i] : NULL, N);
 }
 
+/* kiln_op_products' composition of p on the backend, op by op: rmsnorm into scratch_x, the
+ * products (a pair: gate and up, then SwiGLU), the residual adds. */
 static void compose_products(kiln_backend *be, const float *x, const kiln_products *p, int N) {
     cuda_ctx *c = ctx_of(be);
     const int64_t C = p->W[0]->shape[p->W[0]->n_dims - 1];
