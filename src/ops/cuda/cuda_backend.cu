@@ -1955,6 +1955,92 @@ static void attention_paged_fast(cuda_ctx *c, float *out, const float *q, const 
     }
 }
 
+/* The shortest prefill run that auditable attention_paged takes as one dense call (the tiled
+ * kernels' threshold: kiln_cuda_attention runs 4 tokens or more on them). */
+#define PAGED_DENSE_MIN_RUN 4
+
+/* The tokens [lo, hi) of a batch, each on its own over the block table (auditable). */
+static void paged_tokens(cuda_ctx *c, float *out, const float *q, const float *k_pool, const float *v_pool,
+                         const kiln_kv_pages *pg, const int32_t *seq, const int32_t *pos, int lo, int hi, int NH,
+                         int KVH, int HS, float scale, int window) {
+    if (hi <= lo || c->err != KILN_OK) return;
+    const size_t qrow = (size_t)NH * HS;
+    after_launch(c,
+                 kiln_cuda_attention_paged(c->stream, out + lo * qrow, q + lo * qrow, k_pool, v_pool,
+                                           pg->block_table, pg->block_size, pg->max_blocks, seq + lo, pos + lo,
+                                           hi - lo, NH, KVH, HS, scale, window),
+                 "attention_paged");
+}
+
+/* Auditable attention_paged with prefill runs taken together. A run of at least
+ * PAGED_DENSE_MIN_RUN tokens (with the host table) is one dense kiln_cuda_attention call of
+ * its queries over its sequence's keys kb .. pos0 + n - 1 at n_past = pos0 - kb, kb the first
+ * position of block paged_first_block (0 without a window; no query of the run sees a key
+ * below it): the pool rows in place when those blocks are consecutive, else gathered. kb is a
+ * multiple of the block size and so of KILN_ATTN_BLOCK: the online softmax's key blocks and
+ * each query's window fall on the same keys as for the token alone, so every token gets the
+ * bits ops.h asks for (attention(N = 1, n_past = pos) over its keys stored densely). The other
+ * tokens go to the per-token kernel, a range of the batch at a time. */
+static void attention_paged_runs(cuda_ctx *c, float *out, const float *q, const float *k_pool,
+                                 const float *v_pool, const kiln_kv_pages *pg, const int32_t *seq,
+                                 const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N, int NH,
+                                 int KVH, int HS, float scale, int window) {
+    const size_t qrow = (size_t)NH * HS, kvrow = (size_t)KVH * HS;
+    size_t gather_need = 0;
+    for (int r = 0; r < n_runs; r++) {
+        const kiln_batch_run *u = &runs[r];
+        if (u->first < 0 || u->n < 1 || u->first > N - u->n || u->pos0 < 0 || u->pos0 > INT_MAX - u->n ||
+            u->seq < 0 || (r > 0 && u->first < runs[r - 1].first + runs[r - 1].n)) {
+            poison(c, KILN_ERR_INVALID_ARG, "attention_paged: run %d (first %d, n %d, seq %d, pos0 %d) outside "
+                   "the batch of %d tokens or out of order", r, u->first, u->n, u->seq, u->pos0, N);
+            return;
+        }
+        if (u->n < PAGED_DENSE_MIN_RUN) continue;
+        const int T = u->pos0 + u->n, nb = (T - 1) / pg->block_size + 1;
+        if (nb > pg->max_blocks) {
+            poison(c, KILN_ERR_INVALID_ARG, "attention_paged: run %d reaches position %d, past %d blocks of %d", r,
+                   T - 1, pg->max_blocks, pg->block_size);
+            return;
+        }
+        const int b0 = paged_first_block(pg, u, window);
+        const size_t rows = (size_t)T - (size_t)b0 * pg->block_size;
+        if (!paged_consecutive(pg, u->seq, b0, nb) && 2 * rows * kvrow > gather_need) gather_need = 2 * rows * kvrow;
+    }
+    float *gk = NULL;
+    if (gather_need && !(gk = gather_scratch(c, gather_need))) return;
+    int next = 0; /* the first token not yet launched */
+    for (int r = 0; r < n_runs && c->err == KILN_OK; r++) {
+        const kiln_batch_run *u = &runs[r];
+        if (u->n < PAGED_DENSE_MIN_RUN) continue;
+        paged_tokens(c, out, q, k_pool, v_pool, pg, seq, pos, next, u->first, NH, KVH, HS, scale, window);
+        next = u->first + u->n;
+        const int T = u->pos0 + u->n, nb = (T - 1) / pg->block_size + 1;
+        const int b0 = paged_first_block(pg, u, window);
+        const int kb = b0 * pg->block_size, rows = T - kb; /* keys kb .. T - 1 */
+        const float *kp, *vp;
+        if (paged_consecutive(pg, u->seq, b0, nb)) { /* the pool rows in place */
+            const size_t row0 = (size_t)pg->host_table[(int64_t)u->seq * pg->max_blocks + b0] * pg->block_size;
+            kp = k_pool + row0 * kvrow;
+            vp = v_pool + row0 * kvrow;
+        } else {
+            float *gv = gk + (size_t)rows * kvrow;
+            after_launch(c,
+                         kiln_cuda_gather_pages(c->stream, gk, gv, k_pool, v_pool,
+                                                pg->block_table + (int64_t)u->seq * pg->max_blocks + b0,
+                                                pg->block_size, rows, kvrow),
+                         "attention_paged (gather)");
+            kp = gk;
+            vp = gv;
+        }
+        if (c->err != KILN_OK) return;
+        after_launch(c,
+                     kiln_cuda_attention(c->stream, out + u->first * qrow, q + u->first * qrow, kp, vp, u->n,
+                                         u->pos0 - kb, NH, KVH, HS, scale, window),
+                     "attention_paged (a prefill run)");
+    }
+    paged_tokens(c, out, q, k_pool, v_pool, pg, seq, pos, next, N, NH, KVH, HS, scale, window);
+}
+
 static void cu_attention_paged(kiln_backend *be, float *out, const float *q, const float *k_pool,
                                const float *v_pool, const kiln_kv_pages *pg, const int32_t *seq,
                                const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N,
@@ -1982,12 +2068,14 @@ static void cu_attention_paged(kiln_backend *be, float *out, const float *q, con
                KILN_CUDA_MAX_HS);
         return;
     }
-    /* each token on its own, whatever the runs: a token's bits never depend on the batch */
-    after_launch(c,
-                 kiln_cuda_attention_paged(c->stream, out, q, k_pool, v_pool, pg->block_table,
-                                           pg->block_size, pg->max_blocks, seq, pos, N, NH, KVH,
-                                           HS, scale, window),
-                 "attention_paged");
+    /* a prefill run as one dense call (its tokens' own bits: a token's bits never depend on the
+     * batch), the other tokens each on its own */
+    if (runs && n_runs > 0 && pg->host_table) {
+        attention_paged_runs(c, out, q, k_pool, v_pool, pg, seq, pos, runs, n_runs, N, NH, KVH, HS, scale,
+                             window);
+        return;
+    }
+    paged_tokens(c, out, q, k_pool, v_pool, pg, seq, pos, 0, N, NH, KVH, HS, scale, window);
 }
 
 /* ---- Qwen3.5's ops (cuda_linear_attn.h): the CPU's bits in both modes --------------------- */
