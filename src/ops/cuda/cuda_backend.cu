@@ -61,6 +61,8 @@ typedef struct cuda_ctx {
     int32_t *ints; /* staging for host ids / pos */
     size_t cap_ints;
     bool fast; /* fast arithmetic (docs/CUDA.md, "Fast mode") instead of auditable */
+    bool invariant; /* with fast: the batch-invariant fast mode (docs/CUDA.md): every product
+                     * on kernels whose token outputs never depend on N, attention auditable */
     kiln_cuda_gemm *gemm; /* fast mode: cuBLASLt state, made on first use */
     kiln_cuda_attn *attn; /* fast mode: split-key decode workspace, made on first use */
     double *colsum_ws;    /* fast mode: kiln_cuda_col_sum_fast's partials (rmsnorm dw), */
@@ -606,6 +608,20 @@ static bool mmv_for(kiln_dtype dt, int N) {
     return on && dt == KILN_DTYPE_BF16 && N >= 2;
 }
 
+/* The batch-invariant fast mode's products of any N (kernels whose outputs for a token are the
+ * same bits whatever the other tokens): bf16 weights on the tensor cores
+ * (kiln_cuda_matvec_mma_multi_norm), Q8_0 / Q4_0 / Q4_1 with 8-bit activations (the CPU fast
+ * mode's bits), other dtypes -- or what those do not take -- the auditable f32 kernel. */
+static cudaError_t invariant_products(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
+                                      kiln_dtype dt, const float *x, const float *norm_w, float eps,
+                                      int64_t C, int N) {
+    cudaError_t e = cudaErrorNotSupported;
+    if (dt == KILN_DTYPE_BF16) e = kiln_cuda_matvec_mma_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
+    else if (kiln_cuda_q8act_supported(dt)) e = kiln_cuda_q8act_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
+    if (e == cudaErrorNotSupported) e = kiln_cuda_matmul_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
+    return e;
+}
+
 /* Fast mode's products of N <= 8 tokens (kiln_cuda_matvec_fast_multi_norm's jobs): the
  * int8-activation product when asked for (q8act_for), the tensor-core kernel for bf16 batches
  * (mmv_for), else -- or where those do not take the call -- the f32 kernel. Its
@@ -614,6 +630,7 @@ static cudaError_t fast_products(cudaStream_t s, int n, const kiln_cuda_product_
                                  kiln_dtype dt, const float *x, const float *norm_w, float eps,
                                  int64_t C, int N) {
     cudaError_t e = cudaErrorNotSupported;
+    if (N > 8) return e;
     if (q8act_for(dt)) e = kiln_cuda_q8act_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     else if (mmv_for(dt, N)) e = kiln_cuda_matvec_mma_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     if (e == cudaErrorNotSupported) e = kiln_cuda_matvec_fast_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
@@ -640,10 +657,13 @@ static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_t
     } else if (!c->fast) {
         after_launch(c, kiln_cuda_matmul(c->stream, out, x, w, rb, W->dtype, R, C, bias, N),
                      "matmul");
-    } else if (N <= 8) {
-        /* decode: fixed-order kernels straight on the weights (fast_products) */
+    } else if (N <= 8 || c->invariant) {
+        /* decode: fixed-order kernels straight on the weights (fast_products); the
+         * batch-invariant mode's kernels at any N */
         const kiln_cuda_product_job job = {out, NULL, w, NULL, bias, NULL, rb, R};
-        after_launch(c, fast_products(c->stream, 1, &job, W->dtype, x, NULL, 0.0f, C, N),
+        after_launch(c,
+                     c->invariant ? invariant_products(c->stream, 1, &job, W->dtype, x, NULL, 0.0f, C, N)
+                                  : fast_products(c->stream, 1, &job, W->dtype, x, NULL, 0.0f, C, N),
                      "matmul (fast matvec)");
     } else {
         /* prefill: bf16 tensor cores through cuBLASLt, one fixed algorithm per shape */
@@ -686,7 +706,7 @@ static int multi_plan(cuda_ctx *c, const char *op, int n, int max, const kiln_te
         poison(c, KILN_ERR_INVALID_ARG, "%s: %d products (1..%d)", op, n, KILN_MATMUL_MULTI_MAX);
         return -1;
     }
-    bool one_call = c->fast && fast_ok;
+    bool one_call = c->fast && !c->invariant && fast_ok;
     *C = W[0]->shape[W[0]->n_dims - 1];
     for (int i = 0; i < n; i++)
         one_call = one_call && dtype_ok(W[i]->dtype) && W[i]->shape[W[i]->n_dims - 1] == *C;
@@ -709,7 +729,8 @@ static int multi_plan(cuda_ctx *c, const char *op, int n, int max, const kiln_te
 static bool product_jobs(cuda_ctx *c, int n, float *const *out, const float *const *res,
                          const float *x, const kiln_tensor *const *W, const float *const *bias,
                          const kiln_tensor *up, const float *norm_w, float eps, int N) {
-    if (n < 1 || n > KILN_CUDA_PRODUCT_MAX_JOBS || (up && n != 1) || !x || (c->fast && N > 8))
+    if (n < 1 || n > KILN_CUDA_PRODUCT_MAX_JOBS || (up && n != 1) || !x ||
+        (c->fast && !c->invariant && N > 8))
         return false;
     const kiln_dtype dt = W[0]->dtype;
     const int64_t C = W[0]->shape[W[0]->n_dims - 1];
@@ -730,8 +751,9 @@ static bool product_jobs(cuda_ctx *c, int n, float *const *out, const float *con
                                           up && bias ? bias[1] : NULL, rb, R};
     }
     if (norm_w && C > INT_MAX) return false;
-    cudaError_t e = !c->fast ? kiln_cuda_matmul_multi_norm(c->stream, n, jobs, dt, x, norm_w, eps, C, N)
-                             : fast_products(c->stream, n, jobs, dt, x, norm_w, eps, C, N);
+    cudaError_t e = !c->fast     ? kiln_cuda_matmul_multi_norm(c->stream, n, jobs, dt, x, norm_w, eps, C, N)
+                    : c->invariant ? invariant_products(c->stream, n, jobs, dt, x, norm_w, eps, C, N)
+                                   : fast_products(c->stream, n, jobs, dt, x, norm_w, eps, C, N);
     if (e == cudaErrorNotSupported) return false;
     after_launch(c, e,
                  up ? "matmul_swiglu"
@@ -842,7 +864,7 @@ static void compose_products(kiln_backend *be, const float *x, const kiln_produc
  * call (a pair, one product, one dtype, widths that differ, fast mode past 8 tokens). */
 static bool products_by_dtype(kiln_backend *be, const float *x, const kiln_products *p, int N) {
     cuda_ctx *c = ctx_of(be);
-    if (p->up || p->n < 2 || (c->fast && N > 8)) return false;
+    if (p->up || p->n < 2 || (c->fast && !c->invariant && N > 8)) return false;
     const int64_t C = p->W[0]->shape[p->W[0]->n_dims - 1];
     bool mixed = false;
     for (int i = 0; i < p->n; i++) {
@@ -932,7 +954,7 @@ static void cu_attention(kiln_backend *be, float *out, const float *q, const flo
         poison(c, KILN_ERR_UNSUPPORTED, "attention: head size %d > %d", HS, KILN_CUDA_MAX_HS);
         return;
     }
-    if (!c->fast || window_cuts(window, N, n_past)) {
+    if (!c->fast || c->invariant || window_cuts(window, N, n_past)) {
         after_launch(c,
                      kiln_cuda_attention(c->stream, out, q, k, v, N, n_past, NH, KVH, HS, scale,
                                          window),
@@ -1431,13 +1453,13 @@ static void cu_attention_seqs(kiln_backend *be, float *out, uint16_t *out16, flo
         return;
     }
     const size_t qs = (size_t)N * NH * HS, ks = (size_t)N * KVH * HS;
-    if (out16 && (!c->fast || out || !kiln_cuda_attn_saves_lse(out16, q, k, v, N, HS))) {
+    if (out16 && (!c->fast || c->invariant || out || !kiln_cuda_attn_saves_lse(out16, q, k, v, N, HS))) {
         poison(c, KILN_ERR_UNSUPPORTED, "attention_seqs: a bf16 output needs fast mode, the "
                "flash kernels' head sizes (64, 128), 16-byte alignment and no f32 output "
                "(head size %d, N %d)", HS, N);
         return;
     }
-    if (!c->fast || HS > KILN_ATTN_FAST_MAX_HS) {
+    if (!c->fast || c->invariant || HS > KILN_ATTN_FAST_MAX_HS) {
         for (int b = 0; b < B; b++)
             cu_attention(be, out + b * qs, q + b * qs, k + b * ks, v + b * ks, N, 0, NH, KVH, HS,
                          scale, 0);
@@ -2058,7 +2080,7 @@ static void cu_attention_paged(kiln_backend *be, float *out, const float *q, con
                pg ? pg->max_blocks : 0);
         return;
     }
-    if (c->fast) {
+    if (c->fast && !c->invariant) {
         attention_paged_fast(c, out, q, k_pool, v_pool, pg, seq, pos, runs, runs ? n_runs : 0, N,
                              max_T, NH, KVH, HS, scale, window);
         return;
@@ -2527,7 +2549,8 @@ extern "C" kiln_status kiln_backend_cuda_create_formats(int device, int mode, co
         return kiln_error(KILN_ERR_NOMEM, "kiln_backend_cuda_create: out of memory");
     }
     c->device = device;
-    c->fast = mode == KILN_MODE_FAST;
+    c->fast = mode == KILN_MODE_FAST || mode == KILN_MODE_FAST_INVARIANT;
+    c->invariant = mode == KILN_MODE_FAST_INVARIANT;
     c->mx = mode == KILN_MODE_MX16 ? KILN_MX16 : mode == KILN_MODE_MX8 ? KILN_MX8 : 0;
     be->i = t ? &cuda_iface_formats : c->mx ? &cuda_iface_mx : &cuda_iface;
     if (t) {
