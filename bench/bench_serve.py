@@ -145,8 +145,9 @@ class Server:
     """One engine's server: the command line, the request fields it needs, and the child."""
 
     def __init__(self, engine, argv, port, env=None, extra_body=None, usage_option=True,
-                 note=""):
+                 note="", model_name=None):
         self.engine, self.argv, self.port = engine, argv, port
+        self.model_name = model_name
         self.env = dict(os.environ, **(env or {}))
         self.extra_body = extra_body or {}
         # transformers serve refuses stream_options (and sends usage on its last chunk anyway)
@@ -189,7 +190,9 @@ class Server:
                     m = c.get(self.base + "/v1/models")
                     if h.status_code in (200, 404) and m.status_code == 200:
                         data = m.json().get("data") or []
-                        self.model_id = data[0]["id"] if data else "default"
+                        # a server with an empty list (transformers serve pinned to a folder
+                        # outside the hub cache) answers to the name it was started with
+                        self.model_id = data[0]["id"] if data else (self.model_name or "default")
                         return
                 except (httpx.HTTPError, ValueError, KeyError, IndexError):
                     pass
@@ -348,7 +351,7 @@ def make_server(engine, a, max_clients):
                "HF_HUB_OFFLINE": "1"}
         # min_new_tokens keeps generate from stopping at end-of-sequence before max_tokens
         gc = json.dumps({"min_new_tokens": a.max_tokens})
-        return Server(engine, argv, port, env=env, usage_option=False,
+        return Server(engine, argv, port, env=env, usage_option=False, model_name=folder,
                       extra_body={"generation_config": gc},
                       note=f"transformers serve --continuous-batching, {a.hf_dtype}, "
                            f"OMP_NUM_THREADS={T}")
