@@ -409,10 +409,10 @@ def random_tensor(dtype, rows, cols, dev, gen, is_norm):
     return blk.cpu().view(-1)
 
 
-def write_gguf(path, name, quant, toks, special, eos, dev):
+def write_gguf(path, name, quant, toks, special, eos, dev, chat_template=None):
     """A GGUF v3 file kiln can run: architecture metadata, the byte-level tokenizer (model
-    gpt2, pre qwen2/llama-bpe, tokens, token types, no merges, EOS), random tensors per
-    gguf_plan. Returns (tensor bytes, {dtype: count of matrices})."""
+    gpt2, pre qwen2/llama-bpe, tokens, token types, no merges, EOS; chat_template if given),
+    random tensors per gguf_plan. Returns (tensor bytes, {dtype: count of matrices})."""
     fam, C, L, NH, KVH, FF, V = SHAPES[name]
     arch = "llama" if fam == "llama" else "qwen2"
     plan = gguf_plan(name, quant)
@@ -437,6 +437,8 @@ def write_gguf(path, name, quant, toks, special, eos, dev):
            _gkv("tokenizer.ggml.merges", GGUF_ARR, (GGUF_STR, [])),
            _gkv("tokenizer.ggml.eos_token_id", GGUF_U32, eos),
            _gkv("tokenizer.ggml.add_bos_token", GGUF_BOOL, 0)]
+    if chat_template:
+        kvs.append(_gkv("tokenizer.chat_template", GGUF_STR, chat_template))
     infos, off, total, mix = [], 0, 0, {}
     for tname, dt, rows, cols in plan:
         nb = gguf_tensor_bytes(dt, rows, cols)

@@ -33,6 +33,10 @@ On a GPU (random weights of a real shape, as bench_gpu.py writes them, with a Ch
 added to the synthetic tokenizer so that both servers render chat messages the same way):
     python3 bench/bench_serve.py --engines kiln,transformers --random-model 0.5b \
         --kiln-args '--device cuda' --hf-device cuda --hf-dtype bfloat16 --kiln build-gpu/kiln
+and with llama.cpp's CUDA server (bench/build-llama-cuda.sh --server) on one F16 GGUF file of
+the same shape that kiln serves too (--random-gguf; transformers keeps the bf16 folder):
+    python3 bench/bench_serve.py --engines kiln,llama.cpp,transformers --random-model 0.5b \
+        --random-gguf f16 --llama-server B/llama-server --llama-args '-ngl 99' ...
 
 Run with the bench venv's python (bench/setup-peers.sh):
     ~/.cache/kiln-bench-venv/bin/python bench/bench_serve.py --engines llama.cpp,transformers \\
@@ -141,8 +145,9 @@ class Server:
     """One engine's server: the command line, the request fields it needs, and the child."""
 
     def __init__(self, engine, argv, port, env=None, extra_body=None, usage_option=True,
-                 note=""):
+                 note="", model_name=None):
         self.engine, self.argv, self.port = engine, argv, port
+        self.model_name = model_name
         self.env = dict(os.environ, **(env or {}))
         self.extra_body = extra_body or {}
         # transformers serve refuses stream_options (and sends usage on its last chunk anyway)
@@ -185,7 +190,9 @@ class Server:
                     m = c.get(self.base + "/v1/models")
                     if h.status_code in (200, 404) and m.status_code == 200:
                         data = m.json().get("data") or []
-                        self.model_id = data[0]["id"] if data else "default"
+                        # a server with an empty list (transformers serve pinned to a folder
+                        # outside the hub cache) answers to the name it was started with
+                        self.model_id = data[0]["id"] if data else (self.model_name or "default")
                         return
                 except (httpx.HTTPError, ValueError, KeyError, IndexError):
                     pass
@@ -274,6 +281,24 @@ def random_model(name, root):
     return out
 
 
+def random_gguf(name, quant, root):
+    """A GGUF file of bench_gpu.py's shape `name` with random weights in `quant` (f16, q8_0,
+    q4_k_m), the same synthetic tokenizer and ChatML template as random_model's folder (so
+    kiln and llama.cpp serve one file); written once under root."""
+    import bench_gpu
+    name = bench_gpu.ALIASES.get(name, name)
+    out = os.path.join(root, f"{name}-{quant}.gguf")
+    if os.path.isfile(out):
+        return out
+    special, eos = bench_gpu.special_tokens(name)
+    toks = bench_gpu.token_list(bench_gpu.SHAPES[name][6], special)
+    dev = "cuda" if bench_gpu.torch.cuda.is_available() else "cpu"
+    os.makedirs(root, exist_ok=True)
+    bench_gpu.write_gguf(out + ".tmp", name, quant, toks, special, eos, dev, chat_template=CHATML)
+    os.replace(out + ".tmp", out)
+    return out
+
+
 def make_server(engine, a, max_clients):
     port = a.port or free_port()
     T = str(a.threads)
@@ -281,7 +306,7 @@ def make_server(engine, a, max_clients):
     if engine == "kiln":
         if not (os.path.isfile(a.kiln) and os.access(a.kiln, os.X_OK)):
             raise RuntimeError(f"no kiln binary at {a.kiln} (build it, or pass --kiln)")
-        argv = [a.kiln, "serve", "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
+        argv = [a.kiln, "serve", "-m", a.gguf or a.model, "--host", "127.0.0.1", "--port", str(port),
                 "--threads", T, "--max-seqs", str(max_clients), "--ctx", str(ctx),
                 "--max-connections", str(max_clients + 8)] + shlex.split(a.kiln_args)
         env = {}
@@ -292,9 +317,10 @@ def make_server(engine, a, max_clients):
     if engine == "llama.cpp":
         exe = find_llama_server(a.llama_server)
         if exe:
-            argv = [exe, "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
+            argv = [exe, "-m", a.gguf or a.model, "--host", "127.0.0.1", "--port", str(port),
                     "-t", T, "-tb", T, "-np", str(max_clients), "-c", str(ctx * max_clients),
-                    "--cont-batching", "-b", "512", "-ub", "512", "--no-webui"]
+                    "--cont-batching", "-b", "512", "-ub", "512", "--no-webui"] + \
+                shlex.split(a.llama_args)
             return Server(engine, argv, port, extra_body={"ignore_eos": True},
                           note=f"llama-server {exe}, {max_clients} slots")
         print("bench_serve: no llama-server found (bench/setup-peers.sh --server builds it); "
@@ -307,7 +333,7 @@ def make_server(engine, a, max_clients):
     if engine == "llama-cpp-python":
         # interrupt_requests False: a new request waits for the running one instead of
         # cutting it off (the server runs one request at a time).
-        argv = [sys.executable, "-m", "llama_cpp.server", "--model", a.model, "--host",
+        argv = [sys.executable, "-m", "llama_cpp.server", "--model", a.gguf or a.model, "--host",
                 "127.0.0.1", "--port", str(port), "--n_threads", T, "--n_threads_batch", T,
                 "--n_ctx", str(ctx), "--n_batch", "512", "--interrupt_requests", "False",
                 "--verbose", "False"]
@@ -325,7 +351,7 @@ def make_server(engine, a, max_clients):
                "HF_HUB_OFFLINE": "1"}
         # min_new_tokens keeps generate from stopping at end-of-sequence before max_tokens
         gc = json.dumps({"min_new_tokens": a.max_tokens})
-        return Server(engine, argv, port, env=env, usage_option=False,
+        return Server(engine, argv, port, env=env, usage_option=False, model_name=folder,
                       extra_body={"generation_config": gc},
                       note=f"transformers serve --continuous-batching, {a.hf_dtype}, "
                            f"OMP_NUM_THREADS={T}")
@@ -638,11 +664,17 @@ def main():
     ap.add_argument("--random-model", default=None,
                     help="instead of --model: a random-weight folder of bench_gpu.py's shape "
                          "(0.5b, 1.5b, 3b, tiny), written under --model-root")
+    ap.add_argument("--random-gguf", default=None, metavar="QUANT",
+                    help="with --random-model: kiln and llama.cpp serve a GGUF file of the same "
+                         "shape, tokenizer and template in QUANT (f16, q8_0, q4_k_m; its own "
+                         "random weights), transformers the bf16 folder")
     ap.add_argument("--model-root", default=os.path.join("/tmp", "kiln-bench-serve-models"))
     ap.add_argument("--kiln", default=os.environ.get("KILN_BIN") or os.path.join(REPO, "build", "kiln"))
     ap.add_argument("--kiln-args", default="", help="more `kiln serve` options, e.g. '--itl-bound 0'")
     ap.add_argument("--llama-server", default=None,
                     help=f"llama-server binary (default: $KILN_LLAMA_SERVER, {LLAMA_SERVER_DEFAULT}, PATH)")
+    ap.add_argument("--llama-args", default="",
+                    help="more llama-server options, e.g. '-ngl 99' on a GPU")
     ap.add_argument("--levels", default="1,8,32,64", help="concurrent clients, comma-separated")
     ap.add_argument("--duration", type=float, default=20.0,
                     help="seconds each level's clients keep starting requests")
@@ -684,8 +716,13 @@ def main():
     a.server_cpus = parse_cpus(a.server_cpus)
     if a.client_cpus:
         os.sched_setaffinity(0, parse_cpus(a.client_cpus))
+    a.gguf = None
+    if a.random_gguf and not a.random_model:
+        ap.error("--random-gguf needs --random-model")
     if a.random_model:
         a.model = random_model(a.random_model, a.model_root)
+        if a.random_gguf:
+            a.gguf = random_gguf(a.random_model, a.random_gguf, a.model_root)
     if not os.path.exists(a.model):
         ap.error(f"no model at {a.model}")
     mix = prompt_mix(a.prompts, a.seed, a.min_words, a.max_words, a.system_share)

@@ -313,8 +313,9 @@ typedef struct kiln_context_params {
     int n_seq;
     /* A token's logits must not depend on how many tokens share a forward. The auditable
      * arithmetic and the CPU's fast mode (8-bit activations at every batch size) are so
-     * without it: on the CPU it changes nothing. CUDA's fast mode has no such variant yet
-     * (KILN_ERR_UNSUPPORTED). Default 0. */
+     * without it: on the CPU it changes nothing. On CUDA, with fast, every call runs on
+     * kernels whose outputs for a token depend on that token alone (docs/CUDA.md, "The
+     * batch-invariant fast mode"); inference only. Default 0. */
     int batch_invariant;
     /* The matrix products' number format (kiln_format; default KILN_FORMAT_F32, the auditable
      * f32 products). KILN_FORMAT_MX16 / MX8: the exact block formats (docs/ARITHMETIC.md,

@@ -162,7 +162,8 @@ if has tests; then
             run_test "$n" "$LOG/$n.log" "$t" ;;
         esac
     done
-    # the serving engine on the GPU: every request against kiln_generate alone, auditable
+    # the serving engine on the GPU: every request against kiln_generate alone, auditable and
+    # the batch-invariant fast mode
     case " ${KILN_GPU_TESTS:-test_engine} " in
     *" test_engine "*)
         # its tokenizer: the shared test vocabulary, found as KILN_SHARED_DIR/testdata/tokenizer-vectors

@@ -22,7 +22,7 @@ static const char *serve_help =
     "      --device D           cpu (default), cuda or cuda:N\n"
     "      --fast               the device's fast arithmetic (docs/CUDA.md); default: auditable\n"
     "      --batch-invariant    with --fast: a request's tokens independent of the batch (the\n"
-    "                           CPU's --fast is that already; CUDA's --fast refuses it)\n"
+    "                           CPU's --fast is that already; on CUDA, batch-size-free kernels)\n"
     "      --format F           f32 (default) | mx16 | mx8: the products in an exact block format\n"
     "                           (the same bits on cpu and cuda; docs/ARITHMETIC.md), then\n"
     "                           per-weight rules: mx8,output=mx16,attn_v=mx16\n"

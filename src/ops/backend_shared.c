@@ -105,9 +105,6 @@ kiln_status kiln_backend_acquire_formats(int device, int mode, int n_threads, co
     else if (n_threads <= 0) n_threads = kiln_cpu_count();
     if (mode < 0 || mode > KILN_MODE_MX8)
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_acquire: mode %d not in [0, %d]", mode, KILN_MODE_MX8);
-    if (device >= 0 && mode == KILN_MODE_FAST_INVARIANT)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "the batch-invariant fast mode is the CPU's only for now: CUDA's fast "
-                          "products tile by the batch's size (use the auditable mode, which is batch-invariant on CUDA too)");
     if (t && (mode == KILN_MODE_FAST || mode == KILN_MODE_FAST_INVARIANT))
         return kiln_error(KILN_ERR_INVALID_ARG, "kiln_backend_acquire: formats per weight are an auditable arithmetic: not with fast");
     pthread_mutex_lock(&g_lock);

@@ -618,7 +618,7 @@ struct kiln_backend {
 kiln_status kiln_backend_cpu_create(int n_threads, kiln_backend **out);
 /* A backend's arithmetic mode (kiln_backend_acquire): auditable, fast, or fast and
  * batch-invariant (a token's result never depends on how many tokens share its products;
- * the CPU's only for now). */
+ * on CUDA an inference mode: docs/CUDA.md, "The batch-invariant fast mode"). */
 enum { KILN_MODE_AUDITABLE = 0, KILN_MODE_FAST = 1, KILN_MODE_FAST_INVARIANT = 2 };
 /* The exact block formats (docs/ARITHMETIC.md, "Exact block formats"): the auditable mode
  * with every matmul in mx16 or mx8 (both operands quantized along K, exact integer block

@@ -7,12 +7,14 @@
  * architecture (Qwen3.5). Also: cancellation frees the blocks, the queue bound gives
  * KILN_ERR_BUSY, logprobs agree with the sampled token, max_tokens 0, drain on shutdown.
  * Skipped (77) without a tokenizer to make the models with (test_util.h). KILN_TEST_DEVICE=N runs
- * the engine and the references on CUDA device N (scripts/gpu-check.sh), auditable arithmetic.
+ * the engine and the references on CUDA device N (scripts/gpu-check.sh), auditable arithmetic,
+ * and then CUDA's batch-invariant fast mode on bf16 weights (its tensor-core products).
  */
 #include "test_util.h"
 
 #include <kiln.h>
 
+#include <dirent.h>
 #include <math.h>
 #include <pthread.h>
 #include <unistd.h>
@@ -337,6 +339,73 @@ static void run_model(kiln_model *m, int recurrent) {
     kiln_engine_free(e);
 }
 
+/* Removes the files of folder dir (no subfolders), then dir. */
+static void remove_folder(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *de;
+    char path[1600];
+    while ((de = readdir(d)))
+        if (strcmp(de->d_name, ".") && strcmp(de->d_name, "..")) {
+            snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+            remove(path);
+        }
+    closedir(d);
+    rmdir(dir);
+}
+
+/* CUDA's batch-invariant fast mode on bf16 weights: a tiny qwen3 (widths of 128 and 256, so
+ * that its products take the tensor-core kernel) exported in bf16 and opened again; requests
+ * mixed with others in the engine's batches -- chunked prefill beside decodes, shared
+ * prefixes -- get the tokens kiln_generate gives each alone, in that arithmetic. */
+static void cuda_bf16_invariant(const char *tokp) {
+    const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+    char cfg[1200], dir[1200];
+    snprintf(cfg, sizeof cfg, "%s/kiln-test-engine-bf16-%d.json", tmp, (int)getpid());
+    snprintf(dir, sizeof dir, "%s/kiln-test-engine-bf16-%d", tmp, (int)getpid());
+    FILE *f = fopen(cfg, "w");
+    CHECK(f != NULL);
+    if (!f) return;
+    fprintf(f, "{\"model_type\": \"qwen3\", \"hidden_size\": 128, \"num_hidden_layers\": 2,"
+               " \"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 32,"
+               " \"intermediate_size\": 256, \"vocab_size\": %d, \"max_position_embeddings\": 512,"
+               " \"rms_norm_eps\": 1e-6, \"rope_theta\": 10000.0, \"tie_word_embeddings\": true}\n", V);
+    fclose(f);
+    kiln_model *m = NULL, *mb = NULL;
+    kiln_trainer *t = NULL;
+    kiln_status st = kiln_model_create(cfg, tokp, 12, &m);
+    remove(cfg);
+    CHECK_MSG(st == KILN_OK, "%s", kiln_last_error());
+    if (st != KILN_OK) return;
+    kiln_train_params tp = kiln_train_default_params();
+    st = kiln_trainer_create(m, &tp, &t);
+    CHECK_MSG(st == KILN_OK, "kiln_trainer_create: %s", kiln_last_error());
+    if (st == KILN_OK) {
+        st = kiln_train_export_hf(t, dir, 1, 1);
+        CHECK_MSG(st == KILN_OK, "kiln_train_export_hf: %s", kiln_last_error());
+        kiln_trainer_free(t);
+    }
+    kiln_model_close(m);
+    if (st == KILN_OK) {
+        st = kiln_model_open(dir, NULL, &mb);
+        CHECK_MSG(st == KILN_OK, "kiln_model_open %s: %s", dir, kiln_last_error());
+    }
+    if (st == KILN_OK) {
+        static spec s[12];
+        static got g[12];
+        g_fast = 1;
+        kiln_engine *e = engine(mb, 4, 32, 0, 16);
+        for (int i = 0; e && i < 12; i++) make_spec(&s[i], 300 + i, 5 + i * 13, i % 2 ? 24 : 0);
+        for (int i = 0; e && i < 12; i++) submit(e, &s[i], &g[i], -1);
+        if (e) check_same(mb, e, s, g, 12, "CUDA fast batch-invariant, bf16");
+        kiln_engine_free(e);
+        g_fast = 0;
+        kiln_model_close(mb);
+        printf("CUDA fast batch-invariant (bf16 weights): %s\n", t_failures ? "FAIL" : "OK");
+    }
+    remove_folder(dir);
+}
+
 int main(void) {
     char tokp[1200], cfg[1200];
     if (!test_tokenizer_path(tokp, sizeof tokp, &V)) {
@@ -375,7 +444,7 @@ int main(void) {
      * give each request kiln_generate's tokens in that arithmetic too */
     const char *gguf = getenv("KILN_SMOLLM2_GGUF");
     kiln_model *m = NULL;
-    if (g_device < 0 && gguf && kiln_model_open(gguf, NULL, &m) == KILN_OK) { /* (CUDA: no batch-invariant fast mode) */
+    if (g_device < 0 && gguf && kiln_model_open(gguf, NULL, &m) == KILN_OK) { /* (CUDA: below, on bf16 weights) */
         static spec s[8];
         static got g[8];
         kiln_model_info info;
@@ -395,5 +464,6 @@ int main(void) {
     } else if (g_device < 0) {
         printf("no $KILN_SMOLLM2_GGUF: the fast batch-invariant case is skipped\n");
     }
+    if (g_device >= 0) cuda_bf16_invariant(tokp);
     return test_finish("test_engine");
 }

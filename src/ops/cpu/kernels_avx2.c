@@ -191,9 +191,12 @@ TGT_INLINE void block_scales(const uint8_t *p, int n, const int BB, const int MO
         for (int64_t b0 = 0; b0 < nb; b0 += 16) {                                              \
             const int ng = nb - b0 < 16 ? (int)(nb - b0) : 16;                                 \
             _Alignas(32) float ds[4][16], ms[4][16];                                           \
-            for (int rr = 0; rr < RB; rr++)                                                    \
+            for (int rr = 0; rr < RB; rr++) {                                                  \
+                KILN_PREFETCH_SPAN(a->w + (size_t)(r + rr) * a->row_bytes + (size_t)b0 * BLOCK_BYTES, \
+                                   ng * BLOCK_BYTES);                                          \
                 block_scales(a->w + (size_t)(r + rr) * a->row_bytes + (size_t)b0 * BLOCK_BYTES, ng, \
                              BLOCK_BYTES, MO, ds[rr], ms[rr]);                                 \
+            }                                                                                  \
             for (int k = 0; k < ng; k++) {                                                     \
                 const int64_t b = b0 + k;                                                      \
                 for (int rr = 0; rr < RB; rr++) {                                              \

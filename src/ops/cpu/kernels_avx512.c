@@ -215,8 +215,10 @@ TGT_INLINE void block_scales(const uint8_t *p, int n, const int BB, const int MO
             const int ng = nb - b0 < 16 ? (int)(nb - b0) : 16;                                 \
             _Alignas(64) float ds[4][16], ms[4][16];                                           \
             KILN_UNROLL4                                                                       \
-            for (int rr = 0; rr < RB; rr++)                                                    \
+            for (int rr = 0; rr < RB; rr++) {                                                  \
+                KILN_PREFETCH_SPAN(wr[rr] + (size_t)b0 * BLOCK_BYTES, ng * BLOCK_BYTES);        \
                 block_scales(wr[rr] + (size_t)b0 * BLOCK_BYTES, ng, BLOCK_BYTES, MO, ds[rr], ms[rr]); \
+            }                                                                                  \
             for (int k = 0; k < ng; k++) {                                                     \
                 const int64_t b = b0 + k;                                                      \
                 KILN_UNROLL4                                                                   \

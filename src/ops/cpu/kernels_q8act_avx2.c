@@ -10,6 +10,7 @@
  * Padding lanes past the last block get weight scale 0 and activation scale 0, so
  * fmaf(0, 0, acc) leaves acc unchanged (acc starts at +0 and never becomes -0).
  */
+#include "cpu_kernels.h"
 #include "kernels_q8act.h"
 
 #if defined(__x86_64__)
@@ -171,6 +172,7 @@ TGT_INLINE void scales8(const uint8_t *blk0, int BB, int nv, __m256 *d, __m256 *
         for (int64_t g = 0; g < qa->nb; g += 8) {                                               \
             const int nv = qa->nb - g < 8 ? (int)(qa->nb - g) : 8;                              \
             const uint8_t *blk = row + (size_t)g * BB;                                          \
+            KILN_PREFETCH_SPAN(blk, 8 * BB); /* the rows stream: ask ahead (cpu_kernels.h) */   \
             __m256i w[8];                                                                       \
             for (int k = 0; k < 8; k++) {                                                       \
                 if (k >= nv)                                                                    \

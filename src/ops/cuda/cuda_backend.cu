@@ -61,6 +61,8 @@ typedef struct cuda_ctx {
     int32_t *ints; /* staging for host ids / pos */
     size_t cap_ints;
     bool fast; /* fast arithmetic (docs/CUDA.md, "Fast mode") instead of auditable */
+    bool invariant; /* with fast: the batch-invariant fast mode (docs/CUDA.md): every product
+                     * on kernels whose token outputs never depend on N, attention auditable */
     kiln_cuda_gemm *gemm; /* fast mode: cuBLASLt state, made on first use */
     kiln_cuda_attn *attn; /* fast mode: split-key decode workspace, made on first use */
     double *colsum_ws;    /* fast mode: kiln_cuda_col_sum_fast's partials (rmsnorm dw), */
@@ -606,6 +608,20 @@ static bool mmv_for(kiln_dtype dt, int N) {
     return on && dt == KILN_DTYPE_BF16 && N >= 2;
 }
 
+/* The batch-invariant fast mode's products of any N (kernels whose outputs for a token are the
+ * same bits whatever the other tokens): bf16 weights on the tensor cores
+ * (kiln_cuda_matvec_mma_multi_norm), Q8_0 / Q4_0 / Q4_1 with 8-bit activations (the CPU fast
+ * mode's bits), other dtypes -- or what those do not take -- the auditable f32 kernel. */
+static cudaError_t invariant_products(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
+                                      kiln_dtype dt, const float *x, const float *norm_w, float eps,
+                                      int64_t C, int N) {
+    cudaError_t e = cudaErrorNotSupported;
+    if (dt == KILN_DTYPE_BF16) e = kiln_cuda_matvec_mma_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
+    else if (kiln_cuda_q8act_supported(dt)) e = kiln_cuda_q8act_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
+    if (e == cudaErrorNotSupported) e = kiln_cuda_matmul_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
+    return e;
+}
+
 /* Fast mode's products of N <= 8 tokens (kiln_cuda_matvec_fast_multi_norm's jobs): the
  * int8-activation product when asked for (q8act_for), the tensor-core kernel for bf16 batches
  * (mmv_for), else -- or where those do not take the call -- the f32 kernel. Its
@@ -614,6 +630,7 @@ static cudaError_t fast_products(cudaStream_t s, int n, const kiln_cuda_product_
                                  kiln_dtype dt, const float *x, const float *norm_w, float eps,
                                  int64_t C, int N) {
     cudaError_t e = cudaErrorNotSupported;
+    if (N > 8) return e;
     if (q8act_for(dt)) e = kiln_cuda_q8act_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     else if (mmv_for(dt, N)) e = kiln_cuda_matvec_mma_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     if (e == cudaErrorNotSupported) e = kiln_cuda_matvec_fast_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
@@ -640,10 +657,13 @@ static void cu_matmul(kiln_backend *be, float *out, const float *x, const kiln_t
     } else if (!c->fast) {
         after_launch(c, kiln_cuda_matmul(c->stream, out, x, w, rb, W->dtype, R, C, bias, N),
                      "matmul");
-    } else if (N <= 8) {
-        /* decode: fixed-order kernels straight on the weights (fast_products) */
+    } else if (N <= 8 || c->invariant) {
+        /* decode: fixed-order kernels straight on the weights (fast_products); the
+         * batch-invariant mode's kernels at any N */
         const kiln_cuda_product_job job = {out, NULL, w, NULL, bias, NULL, rb, R};
-        after_launch(c, fast_products(c->stream, 1, &job, W->dtype, x, NULL, 0.0f, C, N),
+        after_launch(c,
+                     c->invariant ? invariant_products(c->stream, 1, &job, W->dtype, x, NULL, 0.0f, C, N)
+                                  : fast_products(c->stream, 1, &job, W->dtype, x, NULL, 0.0f, C, N),
                      "matmul (fast matvec)");
     } else {
         /* prefill: bf16 tensor cores through cuBLASLt, one fixed algorithm per shape */
@@ -686,7 +706,7 @@ static int multi_plan(cuda_ctx *c, const char *op, int n, int max, const kiln_te
         poison(c, KILN_ERR_INVALID_ARG, "%s: %d products (1..%d)", op, n, KILN_MATMUL_MULTI_MAX);
         return -1;
     }
-    bool one_call = c->fast && fast_ok;
+    bool one_call = c->fast && !c->invariant && fast_ok;
     *C = W[0]->shape[W[0]->n_dims - 1];
     for (int i = 0; i < n; i++)
         one_call = one_call && dtype_ok(W[i]->dtype) && W[i]->shape[W[i]->n_dims - 1] == *C;
@@ -709,7 +729,8 @@ static int multi_plan(cuda_ctx *c, const char *op, int n, int max, const kiln_te
 static bool product_jobs(cuda_ctx *c, int n, float *const *out, const float *const *res,
                          const float *x, const kiln_tensor *const *W, const float *const *bias,
                          const kiln_tensor *up, const float *norm_w, float eps, int N) {
-    if (n < 1 || n > KILN_CUDA_PRODUCT_MAX_JOBS || (up && n != 1) || !x || (c->fast && N > 8))
+    if (n < 1 || n > KILN_CUDA_PRODUCT_MAX_JOBS || (up && n != 1) || !x ||
+        (c->fast && !c->invariant && N > 8))
         return false;
     const kiln_dtype dt = W[0]->dtype;
     const int64_t C = W[0]->shape[W[0]->n_dims - 1];
@@ -730,8 +751,9 @@ static bool product_jobs(cuda_ctx *c, int n, float *const *out, const float *con
                                           up && bias ? bias[1] : NULL, rb, R};
     }
     if (norm_w && C > INT_MAX) return false;
-    cudaError_t e = !c->fast ? kiln_cuda_matmul_multi_norm(c->stream, n, jobs, dt, x, norm_w, eps, C, N)
-                             : fast_products(c->stream, n, jobs, dt, x, norm_w, eps, C, N);
+    cudaError_t e = !c->fast     ? kiln_cuda_matmul_multi_norm(c->stream, n, jobs, dt, x, norm_w, eps, C, N)
+                    : c->invariant ? invariant_products(c->stream, n, jobs, dt, x, norm_w, eps, C, N)
+                                   : fast_products(c->stream, n, jobs, dt, x, norm_w, eps, C, N);
     if (e == cudaErrorNotSupported) return false;
     after_launch(c, e,
                  up ? "matmul_swiglu"
@@ -842,7 +864,7 @@ static void compose_products(kiln_backend *be, const float *x, const kiln_produc
  * call (a pair, one product, one dtype, widths that differ, fast mode past 8 tokens). */
 static bool products_by_dtype(kiln_backend *be, const float *x, const kiln_products *p, int N) {
     cuda_ctx *c = ctx_of(be);
-    if (p->up || p->n < 2 || (c->fast && N > 8)) return false;
+    if (p->up || p->n < 2 || (c->fast && !c->invariant && N > 8)) return false;
     const int64_t C = p->W[0]->shape[p->W[0]->n_dims - 1];
     bool mixed = false;
     for (int i = 0; i < p->n; i++) {
@@ -932,7 +954,7 @@ static void cu_attention(kiln_backend *be, float *out, const float *q, const flo
         poison(c, KILN_ERR_UNSUPPORTED, "attention: head size %d > %d", HS, KILN_CUDA_MAX_HS);
         return;
     }
-    if (!c->fast || window_cuts(window, N, n_past)) {
+    if (!c->fast || c->invariant || window_cuts(window, N, n_past)) {
         after_launch(c,
                      kiln_cuda_attention(c->stream, out, q, k, v, N, n_past, NH, KVH, HS, scale,
                                          window),
@@ -1431,13 +1453,13 @@ static void cu_attention_seqs(kiln_backend *be, float *out, uint16_t *out16, flo
         return;
     }
     const size_t qs = (size_t)N * NH * HS, ks = (size_t)N * KVH * HS;
-    if (out16 && (!c->fast || out || !kiln_cuda_attn_saves_lse(out16, q, k, v, N, HS))) {
+    if (out16 && (!c->fast || c->invariant || out || !kiln_cuda_attn_saves_lse(out16, q, k, v, N, HS))) {
         poison(c, KILN_ERR_UNSUPPORTED, "attention_seqs: a bf16 output needs fast mode, the "
                "flash kernels' head sizes (64, 128), 16-byte alignment and no f32 output "
                "(head size %d, N %d)", HS, N);
         return;
     }
-    if (!c->fast || HS > KILN_ATTN_FAST_MAX_HS) {
+    if (!c->fast || c->invariant || HS > KILN_ATTN_FAST_MAX_HS) {
         for (int b = 0; b < B; b++)
             cu_attention(be, out + b * qs, q + b * qs, k + b * ks, v + b * ks, N, 0, NH, KVH, HS,
                          scale, 0);
@@ -1955,6 +1977,92 @@ static void attention_paged_fast(cuda_ctx *c, float *out, const float *q, const 
     }
 }
 
+/* The shortest prefill run that auditable attention_paged takes as one dense call (the tiled
+ * kernels' threshold: kiln_cuda_attention runs 4 tokens or more on them). */
+#define PAGED_DENSE_MIN_RUN 4
+
+/* The tokens [lo, hi) of a batch, each on its own over the block table (auditable). */
+static void paged_tokens(cuda_ctx *c, float *out, const float *q, const float *k_pool, const float *v_pool,
+                         const kiln_kv_pages *pg, const int32_t *seq, const int32_t *pos, int lo, int hi, int NH,
+                         int KVH, int HS, float scale, int window) {
+    if (hi <= lo || c->err != KILN_OK) return;
+    const size_t qrow = (size_t)NH * HS;
+    after_launch(c,
+                 kiln_cuda_attention_paged(c->stream, out + lo * qrow, q + lo * qrow, k_pool, v_pool,
+                                           pg->block_table, pg->block_size, pg->max_blocks, seq + lo, pos + lo,
+                                           hi - lo, NH, KVH, HS, scale, window),
+                 "attention_paged");
+}
+
+/* Auditable attention_paged with prefill runs taken together. A run of at least
+ * PAGED_DENSE_MIN_RUN tokens (with the host table) is one dense kiln_cuda_attention call of
+ * its queries over its sequence's keys kb .. pos0 + n - 1 at n_past = pos0 - kb, kb the first
+ * position of block paged_first_block (0 without a window; no query of the run sees a key
+ * below it): the pool rows in place when those blocks are consecutive, else gathered. kb is a
+ * multiple of the block size and so of KILN_ATTN_BLOCK: the online softmax's key blocks and
+ * each query's window fall on the same keys as for the token alone, so every token gets the
+ * bits ops.h asks for (attention(N = 1, n_past = pos) over its keys stored densely). The other
+ * tokens go to the per-token kernel, a range of the batch at a time. */
+static void attention_paged_runs(cuda_ctx *c, float *out, const float *q, const float *k_pool,
+                                 const float *v_pool, const kiln_kv_pages *pg, const int32_t *seq,
+                                 const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N, int NH,
+                                 int KVH, int HS, float scale, int window) {
+    const size_t qrow = (size_t)NH * HS, kvrow = (size_t)KVH * HS;
+    size_t gather_need = 0;
+    for (int r = 0; r < n_runs; r++) {
+        const kiln_batch_run *u = &runs[r];
+        if (u->first < 0 || u->n < 1 || u->first > N - u->n || u->pos0 < 0 || u->pos0 > INT_MAX - u->n ||
+            u->seq < 0 || (r > 0 && u->first < runs[r - 1].first + runs[r - 1].n)) {
+            poison(c, KILN_ERR_INVALID_ARG, "attention_paged: run %d (first %d, n %d, seq %d, pos0 %d) outside "
+                   "the batch of %d tokens or out of order", r, u->first, u->n, u->seq, u->pos0, N);
+            return;
+        }
+        if (u->n < PAGED_DENSE_MIN_RUN) continue;
+        const int T = u->pos0 + u->n, nb = (T - 1) / pg->block_size + 1;
+        if (nb > pg->max_blocks) {
+            poison(c, KILN_ERR_INVALID_ARG, "attention_paged: run %d reaches position %d, past %d blocks of %d", r,
+                   T - 1, pg->max_blocks, pg->block_size);
+            return;
+        }
+        const int b0 = paged_first_block(pg, u, window);
+        const size_t rows = (size_t)T - (size_t)b0 * pg->block_size;
+        if (!paged_consecutive(pg, u->seq, b0, nb) && 2 * rows * kvrow > gather_need) gather_need = 2 * rows * kvrow;
+    }
+    float *gk = NULL;
+    if (gather_need && !(gk = gather_scratch(c, gather_need))) return;
+    int next = 0; /* the first token not yet launched */
+    for (int r = 0; r < n_runs && c->err == KILN_OK; r++) {
+        const kiln_batch_run *u = &runs[r];
+        if (u->n < PAGED_DENSE_MIN_RUN) continue;
+        paged_tokens(c, out, q, k_pool, v_pool, pg, seq, pos, next, u->first, NH, KVH, HS, scale, window);
+        next = u->first + u->n;
+        const int T = u->pos0 + u->n, nb = (T - 1) / pg->block_size + 1;
+        const int b0 = paged_first_block(pg, u, window);
+        const int kb = b0 * pg->block_size, rows = T - kb; /* keys kb .. T - 1 */
+        const float *kp, *vp;
+        if (paged_consecutive(pg, u->seq, b0, nb)) { /* the pool rows in place */
+            const size_t row0 = (size_t)pg->host_table[(int64_t)u->seq * pg->max_blocks + b0] * pg->block_size;
+            kp = k_pool + row0 * kvrow;
+            vp = v_pool + row0 * kvrow;
+        } else {
+            float *gv = gk + (size_t)rows * kvrow;
+            after_launch(c,
+                         kiln_cuda_gather_pages(c->stream, gk, gv, k_pool, v_pool,
+                                                pg->block_table + (int64_t)u->seq * pg->max_blocks + b0,
+                                                pg->block_size, rows, kvrow),
+                         "attention_paged (gather)");
+            kp = gk;
+            vp = gv;
+        }
+        if (c->err != KILN_OK) return;
+        after_launch(c,
+                     kiln_cuda_attention(c->stream, out + u->first * qrow, q + u->first * qrow, kp, vp, u->n,
+                                         u->pos0 - kb, NH, KVH, HS, scale, window),
+                     "attention_paged (a prefill run)");
+    }
+    paged_tokens(c, out, q, k_pool, v_pool, pg, seq, pos, next, N, NH, KVH, HS, scale, window);
+}
+
 static void cu_attention_paged(kiln_backend *be, float *out, const float *q, const float *k_pool,
                                const float *v_pool, const kiln_kv_pages *pg, const int32_t *seq,
                                const int32_t *pos, const kiln_batch_run *runs, int n_runs, int N,
@@ -1972,7 +2080,7 @@ static void cu_attention_paged(kiln_backend *be, float *out, const float *q, con
                pg ? pg->max_blocks : 0);
         return;
     }
-    if (c->fast) {
+    if (c->fast && !c->invariant) {
         attention_paged_fast(c, out, q, k_pool, v_pool, pg, seq, pos, runs, runs ? n_runs : 0, N,
                              max_T, NH, KVH, HS, scale, window);
         return;
@@ -1982,12 +2090,14 @@ static void cu_attention_paged(kiln_backend *be, float *out, const float *q, con
                KILN_CUDA_MAX_HS);
         return;
     }
-    /* each token on its own, whatever the runs: a token's bits never depend on the batch */
-    after_launch(c,
-                 kiln_cuda_attention_paged(c->stream, out, q, k_pool, v_pool, pg->block_table,
-                                           pg->block_size, pg->max_blocks, seq, pos, N, NH, KVH,
-                                           HS, scale, window),
-                 "attention_paged");
+    /* a prefill run as one dense call (its tokens' own bits: a token's bits never depend on the
+     * batch), the other tokens each on its own */
+    if (runs && n_runs > 0 && pg->host_table) {
+        attention_paged_runs(c, out, q, k_pool, v_pool, pg, seq, pos, runs, n_runs, N, NH, KVH, HS, scale,
+                             window);
+        return;
+    }
+    paged_tokens(c, out, q, k_pool, v_pool, pg, seq, pos, 0, N, NH, KVH, HS, scale, window);
 }
 
 /* ---- Qwen3.5's ops (cuda_linear_attn.h): the CPU's bits in both modes --------------------- */
@@ -2439,7 +2549,8 @@ extern "C" kiln_status kiln_backend_cuda_create_formats(int device, int mode, co
         return kiln_error(KILN_ERR_NOMEM, "kiln_backend_cuda_create: out of memory");
     }
     c->device = device;
-    c->fast = mode == KILN_MODE_FAST;
+    c->fast = mode == KILN_MODE_FAST || mode == KILN_MODE_FAST_INVARIANT;
+    c->invariant = mode == KILN_MODE_FAST_INVARIANT;
     c->mx = mode == KILN_MODE_MX16 ? KILN_MX16 : mode == KILN_MODE_MX8 ? KILN_MX8 : 0;
     be->i = t ? &cuda_iface_formats : c->mx ? &cuda_iface_mx : &cuda_iface;
     if (t) {

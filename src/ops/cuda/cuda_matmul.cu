@@ -2104,6 +2104,12 @@ cudaError_t kiln_cuda_matvec_fast(cudaStream_t s, float *out, const float *x, co
  * per (row, token) adds the S partial sums in warp order, then the bias, the SwiGLU (PAIR:
  * the warp walks the gate's and the up's tiles side by side) and the residual, as the f32
  * kernel's epilogue does. Deterministic: nothing depends on timing, N or the grid.
+ *
+ * Past 8 tokens (the batch-invariant fast mode runs every product here, whatever N) a block
+ * takes NT groups of 8 tokens and multiplies each weight load by all of them; a token's
+ * chain of mma steps and its S partial sums are those it gets alone, so its outputs are the
+ * same bits for any N and any grouping. Blocks are ordered token block fastest, so that the
+ * blocks reading one weight tile run together and the tile comes from L2 after the first.
  * ============================================================================================== */
 
 #define MMV_THREADS 256
@@ -2117,24 +2123,29 @@ static __device__ __forceinline__ uint32_t mmv_word(const uint4 *v, int i) {
     return (i & 3) == 0 ? q.x : (i & 3) == 1 ? q.y : (i & 3) == 2 ? q.z : q.w;
 }
 
-template <bool PAIR, bool NORM>
+template <bool PAIR, bool NORM, int NT>
 static __global__ void __launch_bounds__(MMV_THREADS)
 matvec_mma_kernel(const __grid_constant__ prod_jobs jobs, const float *__restrict__ x, int64_t C,
-                  int N) {
+                  int N, int n_tb) {
     constexpr int RW = PAIR ? 2 : 1;     /* weight tiles a warp walks: the gate's, the up's */
     constexpr int UNR = PAIR ? 2 : 4;    /* chunks a step loads before it multiplies */
-    __shared__ float red[MMV_WARPS][RW][16 * 8];
-    __shared__ float sr[8];
+    __shared__ float red[MMV_WARPS][RW][NT][16 * 8];
+    __shared__ float sr[8 * NT];
     pdl_wait(); /* launched by launch_pdl (cuda_common.cuh): x is the kernel before's */
     pdl_launch_dependents();
-    if constexpr (NORM) norm_prologue(sr, x, C, 0, N, jobs.eps);
+    /* block = (row block, token block of 8 NT tokens), the token block fastest */
+    const unsigned rbk = blockIdx.x / (unsigned)n_tb;
+    const int n0 = (int)(blockIdx.x - rbk * (unsigned)n_tb) * 8 * NT;
+    const int nt = N - n0 < 8 * NT ? N - n0 : 8 * NT; /* this block's tokens */
+    if constexpr (NORM)
+        for (int q = 0; q < nt; q += 16) norm_prologue(sr + q, x, C, n0 + q, nt - q < 16 ? nt - q : 16, jobs.eps);
 
     int jb = 0;
-    while (jb + 1 < jobs.n && blockIdx.x >= jobs.job[jb + 1].blk0) jb++;
+    while (jb + 1 < jobs.n && rbk >= jobs.job[jb + 1].blk0) jb++;
     const prod_job &J = jobs.job[jb];
     const int64_t R = J.R;
     const int S = J.S, G = MMV_WARPS / S; /* G row tiles a block, S warps a tile */
-    const unsigned bx = blockIdx.x - J.blk0;
+    const unsigned bx = rbk - J.blk0;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int grp = warp / S, k = warp - grp * S;
     const int g = lane >> 2, t = lane & 3;
@@ -2148,14 +2159,13 @@ matvec_mma_kernel(const __grid_constant__ prod_jobs jobs, const float *__restric
         rowp[i][0] = w + (size_t)ra * J.row_bytes + 32 * t;
         rowp[i][1] = w + (size_t)rb * J.row_bytes + 32 * t;
     }
-    const bool has_x = g < N;
-    const float *xr = x + (int64_t)(has_x ? g : 0) * C + 16 * t;
     const float *nw = NORM ? jobs.norm_w + 16 * t : nullptr;
-    const float r_g = NORM && has_x ? sr[g] : 0.0f;
 
-    float acc[RW][4];
+    float acc[NT][RW][4];
 #pragma unroll
-    for (int i = 0; i < RW; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    for (int m = 0; m < NT; m++)
+#pragma unroll
+        for (int i = 0; i < RW; i++) acc[m][i][0] = acc[m][i][1] = acc[m][i][2] = acc[m][i][3] = 0.0f;
 
     const int64_t nch = C / MMV_KC;
     for (int64_t c0 = k; c0 < nch; c0 += (int64_t)UNR * S) {
@@ -2178,34 +2188,41 @@ matvec_mma_kernel(const __grid_constant__ prod_jobs jobs, const float *__restric
         for (int u = 0; u < UNR; u++) {
             const int64_t c = c0 + (int64_t)u * S;
             if (c >= nch) break; /* chunks only grow with u */
-            uint32_t xb[8];      /* token g's x at the lane's 16 k, bf16 pairs */
-            if (has_x) {
 #pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const float4 f = __ldg((const float4 *)(xr + c * MMV_KC) + q);
-                    float v[4] = {f.x, f.y, f.z, f.w};
-                    if constexpr (NORM) {
-                        const float4 w4 = __ldg((const float4 *)(nw + c * MMV_KC) + q);
-                        const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
+            for (int m = 0; m < NT; m++) {
+                const int tg = 8 * m + g; /* the lane's token in the block */
+                if (NT > 1 && 8 * m >= nt) break; /* groups past the block's tokens */
+                uint32_t xb[8];      /* token tg's x at the lane's 16 k, bf16 pairs */
+                if (tg < nt) {
+                    const float *xr = x + (int64_t)(n0 + tg) * C + 16 * t;
+                    const float r_g = NORM ? sr[tg] : 0.0f;
 #pragma unroll
-                        for (int e = 0; e < 4; e++) v[e] = normed(v[e], r_g, wv[e]);
+                    for (int q = 0; q < 4; q++) {
+                        const float4 f = __ldg((const float4 *)(xr + c * MMV_KC) + q);
+                        float v[4] = {f.x, f.y, f.z, f.w};
+                        if constexpr (NORM) {
+                            const float4 w4 = __ldg((const float4 *)(nw + c * MMV_KC) + q);
+                            const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+                            for (int e = 0; e < 4; e++) v[e] = normed(v[e], r_g, wv[e]);
+                        }
+                        xb[2 * q] = pack_bf16(v[0], v[1]);
+                        xb[2 * q + 1] = pack_bf16(v[2], v[3]);
                     }
-                    xb[2 * q] = pack_bf16(v[0], v[1]);
-                    xb[2 * q + 1] = pack_bf16(v[2], v[3]);
+                } else {
+#pragma unroll
+                    for (int q = 0; q < 8; q++) xb[q] = 0u;
                 }
-            } else {
 #pragma unroll
-                for (int q = 0; q < 8; q++) xb[q] = 0u;
-            }
+                for (int i = 0; i < RW; i++) {
+                    const uint4 *wa = raw[u][i][0], *wb = raw[u][i][1]; /* rows g, g + 8 */
 #pragma unroll
-            for (int i = 0; i < RW; i++) {
-                const uint4 *wa = raw[u][i][0], *wb = raw[u][i][1]; /* rows g, g + 8 */
-#pragma unroll
-                for (int st = 0; st < 4; st++) {
-                    const uint32_t a[4] = {mmv_word(wa, 2 * st), mmv_word(wb, 2 * st),
-                                           mmv_word(wa, 2 * st + 1), mmv_word(wb, 2 * st + 1)};
-                    const uint32_t b[2] = {xb[2 * st], xb[2 * st + 1]};
-                    mma_bf16_16816(acc[i], a, b);
+                    for (int st = 0; st < 4; st++) {
+                        const uint32_t a[4] = {mmv_word(wa, 2 * st), mmv_word(wb, 2 * st),
+                                               mmv_word(wa, 2 * st + 1), mmv_word(wb, 2 * st + 1)};
+                        const uint32_t b[2] = {xb[2 * st], xb[2 * st + 1]};
+                        mma_bf16_16816(acc[m][i], a, b);
+                    }
                 }
             }
         }
@@ -2213,29 +2230,32 @@ matvec_mma_kernel(const __grid_constant__ prod_jobs jobs, const float *__restric
 
     /* c[0] = (row g, token 2t), c[1] = (g, 2t + 1), c[2] = (g + 8, 2t), c[3] = (g + 8, 2t + 1) */
 #pragma unroll
-    for (int i = 0; i < RW; i++) {
-        red[warp][i][g * 8 + 2 * t] = acc[i][0];
-        red[warp][i][g * 8 + 2 * t + 1] = acc[i][1];
-        red[warp][i][(g + 8) * 8 + 2 * t] = acc[i][2];
-        red[warp][i][(g + 8) * 8 + 2 * t + 1] = acc[i][3];
-    }
+    for (int m = 0; m < NT; m++)
+#pragma unroll
+        for (int i = 0; i < RW; i++) {
+            red[warp][i][m][g * 8 + 2 * t] = acc[m][i][0];
+            red[warp][i][m][g * 8 + 2 * t + 1] = acc[m][i][1];
+            red[warp][i][m][(g + 8) * 8 + 2 * t] = acc[m][i][2];
+            red[warp][i][m][(g + 8) * 8 + 2 * t + 1] = acc[m][i][3];
+        }
     __syncthreads();
     /* one thread per (tile, row, token): the S warps' sums in warp order, the bias, (PAIR)
      * swiglu of the gate's and the up's, the residual */
-    for (int o = threadIdx.x; o < G * 16 * 8; o += MMV_THREADS) {
-        const int gt = o >> 7, j = o & 127, tok = j & 7;
+    for (int o = threadIdx.x; o < G * 16 * 8 * NT; o += MMV_THREADS) {
+        const int m = o / (G * 128), oo = o - m * (G * 128);
+        const int gt = oo >> 7, j = oo & 127, tok = 8 * m + (j & 7);
         const int64_t r = ((int64_t)bx * G + gt) * 16 + (j >> 3);
-        if (r >= R || tok >= N) continue;
-        float sum = red[gt * S][0][j];
-        for (int kk = 1; kk < S; kk++) sum = sum + red[gt * S + kk][0][j];
+        if (r >= R || tok >= nt) continue;
+        float sum = red[gt * S][0][m][j];
+        for (int kk = 1; kk < S; kk++) sum = sum + red[gt * S + kk][0][m][j];
         if (J.bias) sum = sum + J.bias[r];
         if constexpr (PAIR) {
-            float up = red[gt * S][1][j];
-            for (int kk = 1; kk < S; kk++) up = up + red[gt * S + kk][1][j];
+            float up = red[gt * S][1][m][j];
+            for (int kk = 1; kk < S; kk++) up = up + red[gt * S + kk][1][m][j];
             if (J.bias_up) up = up + J.bias_up[r];
             sum = kiln_swiglu(sum, up);
         }
-        const int64_t at = (int64_t)tok * R + r;
+        const int64_t at = (int64_t)(n0 + tok) * R + r;
         if (J.res) sum = sum + J.res[at];
         J.out[at] = sum;
     }
@@ -2254,7 +2274,7 @@ static int mmv_split(int64_t R, int64_t C) {
  * multiple of 64, the 16-byte alignment of every weight row, x and norm_w. */
 static bool mmv_ok(int n, const kiln_cuda_product_job *jobs, kiln_dtype dt, const float *x,
                    const float *norm_w, int64_t C, int N) {
-    if (dt != KILN_DTYPE_BF16 || N < 2 || N > 8 || C % MMV_KC || (uintptr_t)x % 16 ||
+    if (dt != KILN_DTYPE_BF16 || N < 1 || C % MMV_KC || (uintptr_t)x % 16 ||
         (uintptr_t)norm_w % 16)
         return false;
     for (int j = 0; j < n; j++)
@@ -2268,7 +2288,9 @@ cudaError_t kiln_cuda_matvec_mma_multi_norm(cudaStream_t s, int n,
                                             const float *x, const float *norm_w, float eps,
                                             int64_t C, int N) {
     bool pair = false;
-    if (!fast_jobs_ok(n, jobs, dt, x, norm_w, C, N, &pair)) return cudaErrorInvalidValue;
+    if (N < 1 || !kiln_cuda_dtype_supported(dt) || !product_jobs_ok(n, jobs, x, C, N, &pair) ||
+        (uintptr_t)norm_w % 4 || C > INT_MAX)
+        return cudaErrorInvalidValue;
     const kiln_dtype_traits *tr = kiln_dtype_get_traits(dt);
     if (C % tr->block_size) return cudaErrorInvalidValue;
     for (int j = 0; j < n; j++)
@@ -2276,6 +2298,7 @@ cudaError_t kiln_cuda_matvec_mma_multi_norm(cudaStream_t s, int n,
             return cudaErrorInvalidValue;
     if (!mmv_ok(n, jobs, dt, x, norm_w, C, N)) return cudaErrorNotSupported;
     prod_jobs a = prod_jobs_of(n, jobs, norm_w, eps);
+    const int NT = N <= 8 ? 1 : 4, n_tb = (N + 8 * NT - 1) / (8 * NT);
     int64_t total = 0;
     for (int j = 0; j < n; j++) {
         prod_job &J = a.job[j];
@@ -2283,11 +2306,17 @@ cudaError_t kiln_cuda_matvec_mma_multi_norm(cudaStream_t s, int n,
         const int64_t per_block = (int64_t)(MMV_WARPS / J.S) * 16;
         J.blk0 = (unsigned)total;
         total += (J.R + per_block - 1) / per_block;
-        if (total > 0x7fffffff) return cudaErrorInvalidValue;
+        if (total * n_tb > 0x7fffffff) return cudaErrorInvalidValue;
     }
-    auto k = pair ? (norm_w ? matvec_mma_kernel<true, true> : matvec_mma_kernel<true, false>)
-                  : (norm_w ? matvec_mma_kernel<false, true> : matvec_mma_kernel<false, false>);
-    return launch_pdl(k, dim3((unsigned)total), MMV_THREADS, 0, s, a, x, C, N);
+    const dim3 grid((unsigned)(total * n_tb));
+    if (NT == 1) {
+        auto k = pair ? (norm_w ? matvec_mma_kernel<true, true, 1> : matvec_mma_kernel<true, false, 1>)
+                      : (norm_w ? matvec_mma_kernel<false, true, 1> : matvec_mma_kernel<false, false, 1>);
+        return launch_pdl(k, grid, MMV_THREADS, 0, s, a, x, C, N, n_tb);
+    }
+    auto k = pair ? (norm_w ? matvec_mma_kernel<true, true, 4> : matvec_mma_kernel<true, false, 4>)
+                  : (norm_w ? matvec_mma_kernel<false, true, 4> : matvec_mma_kernel<false, false, 4>);
+    return launch_pdl(k, grid, MMV_THREADS, 0, s, a, x, C, N, n_tb);
 }
 
 int kiln_cuda_matvec_mma_split(int64_t R, int64_t C) {

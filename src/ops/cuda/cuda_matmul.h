@@ -320,9 +320,13 @@ int kiln_cuda_matvec_fast_split(kiln_dtype dt, int64_t R, int64_t C, int N);
  * ============================================================================================== */
 
 /* kiln_cuda_matvec_fast_multi_norm's products (the same jobs, epilogues and checks) on the
- * tensor cores, for bf16 weights and N in 2..8. cudaErrorNotSupported, nothing enqueued, when
- * it does not take them: another dtype, N = 1, C not a multiple of 64, a weight, row stride,
- * x or norm_w not 16-byte aligned (the caller takes the f32 kernel). */
+ * tensor cores, for bf16 weights and any N >= 1: x rounded to bf16 (after the norm), each
+ * (row, token) dot a fixed chain of mma steps split over S warps, S a function of (R, C)
+ * alone, so that a token's outputs are the same bits whatever N and the other tokens are
+ * (fast mode takes it for N in 2..8; the batch-invariant fast mode for every N).
+ * cudaErrorNotSupported, nothing enqueued, when it does not take them: another dtype, C not a
+ * multiple of 64, a weight, row stride, x or norm_w not 16-byte aligned (the caller takes
+ * another kernel). */
 cudaError_t kiln_cuda_matvec_mma_multi_norm(cudaStream_t s, int n,
                                             const kiln_cuda_product_job *jobs, kiln_dtype dt,
                                             const float *x, const float *norm_w, float eps,
