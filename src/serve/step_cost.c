@@ -49,30 +49,55 @@ void kiln_step_cost_add(kiln_step_cost *c, double seconds, int n_dec, int n_pre)
 /* The slope in use: the measured one, else the prior (0: none). */
 static double slope(const kiln_step_cost *c) { return c->have_p ? c->p : c->p_prior; }
 
-/* The band's d: its decode-only steps' mean, else its prefill steps' intercept. */
-static double band_decode(const kiln_step_cost *c, int b) {
+/* The band's prefill steps' intercept: d plus the fixed cost of any prefill (0: no such step). */
+static double band_intercept(const kiln_step_cost *c, int b) {
     const kiln_step_band *f = &c->band[b];
-    return f->n0 > 0 ? f->y0 : f->n > 0 ? f->y - slope(c) * f->x : 0;
+    return f->n > 0 ? f->y - slope(c) * f->x : 0;
+}
+
+/* d(n_dec) from decode-only steps: the band's own mean, else the nearest band's that has them
+ * (a lower band's plus p for each row more: a decode row passes the same products as a prefill
+ * token, its attention left out, so this errs low; a higher band's scaled down to n_dec rows,
+ * low too). 0 when no band has a decode-only step. */
+static double decode_measured(const kiln_step_cost *c, int n_dec) {
+    const int b = kiln_step_band_of(n_dec < 1 ? 1 : n_dec);
+    for (int k = 0; k < KILN_STEP_BANDS; k++) {
+        if (b - k >= 0 && c->band[b - k].n0 > 0) {
+            const kiln_step_band *f = &c->band[b - k];
+            return k ? f->y0 + slope(c) * (n_dec - f->rows) : f->y0;
+        }
+        if (k && b + k < KILN_STEP_BANDS && c->band[b + k].n0 > 0) {
+            const kiln_step_band *f = &c->band[b + k];
+            return f->y0 * n_dec / f->rows;
+        }
+    }
+    return 0;
 }
 
 /* The fixed cost of any prefill beside n_dec decode rows: the band's prefill steps' intercept
- * less its decode-only mean, where it has both (else 0), at least 0. */
+ * less d(n_dec) from decode-only steps (the band's, or its nearest neighbour's: a band whose
+ * steps all mix -- rows joining while prompts wait -- has none of its own), at least 0; 0
+ * where either is unknown. */
 static double band_prefill_fixed(const kiln_step_cost *c, int n_dec) {
-    const kiln_step_band *f = &c->band[kiln_step_band_of(n_dec)];
-    if (!(f->n0 > 0 && f->n > 0)) return 0;
-    const double fixed = f->y - slope(c) * f->x - f->y0;
-    return fixed > 0 ? fixed : 0;
+    const double icpt = band_intercept(c, kiln_step_band_of(n_dec));
+    const double d = decode_measured(c, n_dec);
+    if (!(icpt > 0) || !(d > 0)) return 0;
+    return icpt > d ? icpt - d : 0;
 }
 
 double kiln_step_cost_decode(const kiln_step_cost *c, int n_dec) {
+    const double m = decode_measured(c, n_dec);
+    if (m > 0) return m;
+    /* no decode-only step yet: the prefill steps' intercepts (on a GPU they hold the fixed
+     * cost of a prefill too, so this errs high), the nearest band's as above */
     const int b = kiln_step_band_of(n_dec < 1 ? 1 : n_dec);
     for (int k = 0; k < KILN_STEP_BANDS; k++) {
-        if (b - k >= 0) { /* a row more costs about a prefill token more */
-            const double d = band_decode(c, b - k);
+        if (b - k >= 0) {
+            const double d = band_intercept(c, b - k);
             if (d > 0) return k ? d + slope(c) * (n_dec - c->band[b - k].rows) : d;
         }
         if (k && b + k < KILN_STEP_BANDS) {
-            const double d = band_decode(c, b + k);
+            const double d = band_intercept(c, b + k);
             if (d > 0) return d * n_dec / c->band[b + k].rows;
         }
     }

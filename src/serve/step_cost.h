@@ -44,20 +44,23 @@ int kiln_step_band_of(int n_dec);
  * (prefill sizes 8 tokens apart) and the slope is positive; else the last p stays. */
 void kiln_step_cost_add(kiln_step_cost *c, double seconds, int n_dec, int n_pre);
 
-/* d(n_dec): the band's decode-only steps' mean, else its prefill steps' mean less p (or the
- * prior) times their mean prefill. A band not seen yet takes its nearest lower band's d plus
- * p for each row more (a decode row passes the same products as a prefill token; its
- * attention is left out, so this errs low), else its nearest higher band's scaled down to
- * n_dec rows (low too). 0 when nothing is known. A cap relative to a d that errs low errs
- * small; but d(n_running) taken as the lower band's d unchanged held a CPU engine at 8 of 64
- * admitted requests decoding (docs/SERVING.md). */
+/* d(n_dec) from decode-only steps: the band's mean, else -- a band not seen decoding alone --
+ * its nearest lower band's plus p for each row more (a decode row passes the same products as
+ * a prefill token; its attention is left out, so this errs low), else its nearest higher
+ * band's scaled down to n_dec rows (low too). Before any decode-only step, the same walk over
+ * the bands' prefill steps' intercepts (their mean t less p (or the prior) times their mean
+ * prefill; on a GPU that intercept holds the fixed cost of a prefill too). 0 when nothing is
+ * known. A cap relative to a d that errs low errs small; but d(n_running) taken as the lower
+ * band's d unchanged held a CPU engine at 8 of 64 admitted requests decoding, and a band's
+ * intercept taken for its d held a GPU engine at 16-token prefill chunks from a cold start
+ * (docs/SERVING.md). */
 double kiln_step_cost_decode(const kiln_step_cost *c, int n_dec);
 
 /* The prefill tokens a step of n_dec decode rows may add while n_running requests are admitted:
  * as many as keep d(n_dec) + f + p x within itl_bound x d(max(n_running, n_dec)), the step all
  * of them will share once their prompts are in (p the prior until it is measured; f the fixed
- * cost of any prefill beside n_dec rows, the band's prefill intercept less its decode-only
- * mean, 0 on a CPU and about two decode steps on a GPU). At least 16, and at least f / p: where
+ * cost of any prefill beside n_dec rows, the band's prefill intercept less d(n_dec) from
+ * decode-only steps, 0 on a CPU and about two decode steps on a GPU). At least 16, and at least f / p: where
  * f alone breaks the bound, the prefill comes in chunks worth their fixed cost, not in 16-token
  * steps that pay it again and again (a GPU at 8 clients did that: every step mixed, 3x a
  * decode step, a third of the throughput). INT_MAX (no cap) without decode rows, with

@@ -30,6 +30,57 @@ static void feed(kiln_step_cost *c, int n_dec, int steps) {
 
 static int near(double got, double want, double rel) { return fabs(got - want) <= rel * fabs(want); }
 
+/* A GPU's step as the H100 gave it (bench/RESULTS.md, 2026-12-07): d = 1.2 ms + 10 us a row, any
+ * prefill beside decodes a fixed 2.3 ms more, a token 5 us; a step of prefill alone 1 ms + the
+ * same. */
+static double gpu_step(int n_dec, int x) {
+    double t = n_dec ? 1.2e-3 + 1e-5 * n_dec : 1.0e-3;
+    return x ? t + 2.3e-3 + 5e-6 * x : t;
+}
+
+/* C closed-loop clients on an engine's schedule (decodes first, then prompts in order under
+ * 512 tokens a step and the prefill cap), each sending a new prompt of 100-999 tokens when its
+ * 64 tokens are out, for `secs` seconds of modelled steps. Returns output tokens a second;
+ * *small: the steps with at most 32 prefill tokens beside decodes. */
+static double closed_loop(kiln_step_cost *c, int C, double secs, int *small) {
+    int prompt[64], done[64], out[64];
+    unsigned r = 12345;
+    for (int i = 0; i < C; i++) {
+        r = r * 1103515245u + 12345u;
+        prompt[i] = 100 + (int)((r >> 8) % 900), done[i] = out[i] = 0;
+    }
+    double t = 0;
+    long tokens = 0;
+    *small = 0;
+    while (t < secs) {
+        int n_dec = 0;
+        for (int i = 0; i < C; i++) n_dec += done[i] == prompt[i];
+        int budget = 512 - n_dec;
+        const int cap = n_dec ? kiln_step_cost_prefill_cap(c, 2.0, n_dec, C) : INT_MAX;
+        if (cap < budget) budget = cap;
+        int x = 0, first[64] = {0};
+        for (int i = 0; i < C && budget > 0; i++) {
+            if (done[i] == prompt[i]) continue;
+            const int ch = prompt[i] - done[i] < budget ? prompt[i] - done[i] : budget;
+            done[i] += ch, x += ch, budget -= ch;
+            first[i] = done[i] == prompt[i];
+        }
+        const double dt = gpu_step(n_dec, x);
+        t += dt;
+        *small += n_dec && x && x <= 32;
+        kiln_step_cost_add(c, dt, n_dec, x);
+        for (int i = 0; i < C; i++) {
+            if (done[i] != prompt[i]) continue;
+            tokens++;
+            if (++out[i] == 64 && !first[i]) {
+                r = r * 1103515245u + 12345u;
+                prompt[i] = 100 + (int)((r >> 8) % 900), done[i] = out[i] = 0;
+            }
+        }
+    }
+    return (double)tokens / t;
+}
+
 int main(void) {
     CHECK(kiln_step_band_of(1) == 0 && kiln_step_band_of(2) == 1 && kiln_step_band_of(3) == 1);
     CHECK(kiln_step_band_of(4) == 2 && kiln_step_band_of(7) == 2 && kiln_step_band_of(64) == 6);
@@ -145,6 +196,22 @@ int main(void) {
     CHECK(kiln_step_cost_prefill_cap(&m, 1.0, 16, 16) == INT_MAX);
     CHECK(kiln_step_cost_prefill_cap(&m, 0.0, 16, 16) == INT_MAX);
     CHECK(kiln_step_cost_prefill_cap(&m, 2.0, 0, 16) == INT_MAX);
+
+    /* a GPU from cold, 8 clients: rows join while prompts wait, so the bands of 1-7 rows see
+     * only mixed steps. Their intercept (d + the fixed cost) once stood for d, their fixed cost
+     * read 0, and the cap held 16 tokens a step (a third of the throughput, TTFT p50 260 ms on
+     * an H100); with d from decode-only steps of any band and the fixed cost as the rest of the
+     * intercept, prompts come in chunks worth that cost */
+    {
+        kiln_step_cost g = {0};
+        int small = 0;
+        const double tps8 = closed_loop(&g, 8, 6.0, &small);
+        CHECK_MSG(tps8 > 3000 && small < 100, "GPU cold, 8 clients: %.0f tok/s, %d small mixed steps", tps8, small);
+        printf("GPU cold, 8 closed-loop clients: %.0f tok/s, %d small mixed steps\n", tps8, small);
+        const double tps64 = closed_loop(&g, 64, 6.0, &small);
+        CHECK_MSG(tps64 > 6000 && small < 100, "GPU, then 64 clients: %.0f tok/s, %d small mixed steps", tps64, small);
+        printf("then 64: %.0f tok/s, %d small mixed steps\n", tps64, small);
+    }
 
     /* a band whose steps grow slower with more prefill (noise, a cache effect) never makes p
      * negative: the last p stays */
