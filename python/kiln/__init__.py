@@ -799,8 +799,10 @@ class Context(_Handle):
                  batch_invariant=False, format="f32"):
         """device: -1 = CPU, N >= 0 = CUDA device N (bit-identical to the CPU unless fast).
         fast: the backend's fast arithmetic (CPU: 8-bit activations; CUDA: bf16 tensor cores).
-        batch_invariant: with fast on the CPU, the 8-bit path at every batch size, so a token's
-        logits never depend on the batch (kiln serve --fast --batch-invariant's arithmetic).
+        batch_invariant: with fast, a token's logits never depend on the batch (kiln serve
+        --fast --batch-invariant's arithmetic): on the CPU the 8-bit path at every batch size
+        (what fast is already), on CUDA kernels chosen without regard to the batch's size
+        (docs/CUDA.md, "The batch-invariant fast mode"; slower than plain fast).
         format: "f32" (default), "mx16" or "mx8": the matrix products in an exact block format
         (docs/ARITHMETIC.md, "Exact block formats"; the same bits on the CPU and CUDA), then
         optional per-weight rules, as `kiln generate --format`: "mx8,output=mx16,blk.0=f32"."""
