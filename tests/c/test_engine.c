@@ -339,6 +339,23 @@ static void run_model(kiln_model *m, int recurrent) {
     kiln_engine_free(e);
 }
 
+/* A random model of the config.json text json (kiln_model_create, weights from seed), the file
+ * written to $TMPDIR and removed; NULL (a failed check) when it cannot be made. */
+static kiln_model *model_of_json(const char *json, const char *tokp, uint64_t seed) {
+    char cfg[1200];
+    snprintf(cfg, sizeof cfg, "%s/kiln-test-engine-%d.json", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", (int)getpid());
+    FILE *f = fopen(cfg, "w");
+    CHECK(f != NULL);
+    if (!f) return NULL;
+    fputs(json, f);
+    fclose(f);
+    kiln_model *m = NULL;
+    kiln_status st = kiln_model_create(cfg, tokp, seed, &m);
+    remove(cfg);
+    CHECK_MSG(st == KILN_OK, "%s", kiln_last_error());
+    return st == KILN_OK ? m : NULL;
+}
+
 /* Removes the files of folder dir (no subfolders), then dir. */
 static void remove_folder(const char *dir) {
     DIR *d = opendir(dir);
@@ -360,25 +377,17 @@ static void remove_folder(const char *dir) {
  * prefixes -- get the tokens kiln_generate gives each alone, in that arithmetic. */
 static void cuda_bf16_invariant(const char *tokp) {
     const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
-    char cfg[1200], dir[1200];
-    snprintf(cfg, sizeof cfg, "%s/kiln-test-engine-bf16-%d.json", tmp, (int)getpid());
+    char json[1024], dir[1200];
     snprintf(dir, sizeof dir, "%s/kiln-test-engine-bf16-%d", tmp, (int)getpid());
-    FILE *f = fopen(cfg, "w");
-    CHECK(f != NULL);
-    if (!f) return;
-    fprintf(f, "{\"model_type\": \"qwen3\", \"hidden_size\": 128, \"num_hidden_layers\": 2,"
-               " \"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 32,"
-               " \"intermediate_size\": 256, \"vocab_size\": %d, \"max_position_embeddings\": 512,"
-               " \"rms_norm_eps\": 1e-6, \"rope_theta\": 10000.0, \"tie_word_embeddings\": true}\n", V);
-    fclose(f);
-    kiln_model *m = NULL, *mb = NULL;
+    snprintf(json, sizeof json, "{\"model_type\": \"qwen3\", \"hidden_size\": 128, \"num_hidden_layers\": 2,"
+             " \"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 32,"
+             " \"intermediate_size\": 256, \"vocab_size\": %d, \"max_position_embeddings\": 512,"
+             " \"rms_norm_eps\": 1e-6, \"rope_theta\": 10000.0, \"tie_word_embeddings\": true}\n", V);
+    kiln_model *m = model_of_json(json, tokp, 12), *mb = NULL;
     kiln_trainer *t = NULL;
-    kiln_status st = kiln_model_create(cfg, tokp, 12, &m);
-    remove(cfg);
-    CHECK_MSG(st == KILN_OK, "%s", kiln_last_error());
-    if (st != KILN_OK) return;
+    if (!m) return;
     kiln_train_params tp = kiln_train_default_params();
-    st = kiln_trainer_create(m, &tp, &t);
+    kiln_status st = kiln_trainer_create(m, &tp, &t);
     CHECK_MSG(st == KILN_OK, "kiln_trainer_create: %s", kiln_last_error());
     if (st == KILN_OK) {
         st = kiln_train_export_hf(t, dir, 1, 1);
@@ -407,19 +416,15 @@ static void cuda_bf16_invariant(const char *tokp) {
 }
 
 int main(void) {
-    char tokp[1200], cfg[1200];
+    char tokp[1200], json[1024];
     if (!test_tokenizer_path(tokp, sizeof tokp, &V)) {
         printf("no tokenizer (the shared test vocabulary or $KILN_SMOLLM2_GGUF): skipped\n");
         return 77;
     }
     if (getenv("KILN_TEST_DEVICE")) g_device = atoi(getenv("KILN_TEST_DEVICE"));
     for (int recurrent = 0; recurrent < 2; recurrent++) {
-        snprintf(cfg, sizeof cfg, "%s/kiln-test-engine-%d.json", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", (int)getpid());
-        FILE *f = fopen(cfg, "w");
-        CHECK(f != NULL);
-        if (!f) return 1;
         if (recurrent)
-            fprintf(f, "{\"model_type\": \"qwen3_5_text\", \"hidden_size\": 64, \"num_hidden_layers\": 2,"
+            snprintf(json, sizeof json, "{\"model_type\": \"qwen3_5_text\", \"hidden_size\": 64, \"num_hidden_layers\": 2,"
                        " \"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 16,"
                        " \"intermediate_size\": 96, \"vocab_size\": %d, \"max_position_embeddings\": 512,"
                        " \"rms_norm_eps\": 1e-6, \"full_attention_interval\": 2, \"linear_num_key_heads\": 2,"
@@ -427,16 +432,12 @@ int main(void) {
                        " \"linear_conv_kernel_dim\": 4, \"rope_parameters\": {\"rope_type\": \"default\","
                        " \"rope_theta\": 10000.0, \"partial_rotary_factor\": 0.25}, \"tie_word_embeddings\": true}\n", V);
         else
-            fprintf(f, "{\"model_type\": \"qwen3\", \"hidden_size\": 64, \"num_hidden_layers\": 2,"
+            snprintf(json, sizeof json, "{\"model_type\": \"qwen3\", \"hidden_size\": 64, \"num_hidden_layers\": 2,"
                        " \"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"head_dim\": 16,"
                        " \"intermediate_size\": 96, \"vocab_size\": %d, \"max_position_embeddings\": 512,"
                        " \"rms_norm_eps\": 1e-6, \"rope_theta\": 10000.0, \"tie_word_embeddings\": true}\n", V);
-        fclose(f);
-        kiln_model *m = NULL;
-        kiln_status st = kiln_model_create(cfg, tokp, 11, &m);
-        remove(cfg);
-        CHECK_MSG(st == KILN_OK, "%s", kiln_last_error());
-        if (st != KILN_OK) return 1;
+        kiln_model *m = model_of_json(json, tokp, 11);
+        if (!m) return 1;
         run_model(m, recurrent);
         kiln_model_close(m);
     }

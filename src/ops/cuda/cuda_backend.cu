@@ -1849,6 +1849,33 @@ static int paged_first_block(const kiln_kv_pages *pg, const kiln_batch_run *r, i
  * call sees the same keys): the pool rows themselves when those keys' blocks are consecutive
  * (no copy), else a gather of them into c->gather. Table entries of blocks wholly below a
  * window are never read. */
+/* The keys of prefill run u as dense rows: from the first block its window reaches (b0) to its
+ * last token, the pool rows in place when those blocks are consecutive, else gathered into gk
+ * (its values after its keys; room for 2 x rows x kvrow floats). *kp, *vp: the rows; returns
+ * the position of the first (b0 x block_size). */
+static int run_keys(cuda_ctx *c, const kiln_kv_pages *pg, const kiln_batch_run *u, int window,
+                    const float *k_pool, const float *v_pool, float *gk, size_t kvrow,
+                    const float **kp, const float **vp) {
+    const int T = u->pos0 + u->n, nb = (T - 1) / pg->block_size + 1;
+    const int b0 = paged_first_block(pg, u, window);
+    const int kb = b0 * pg->block_size, rows = T - kb; /* keys kb .. T - 1 */
+    if (paged_consecutive(pg, u->seq, b0, nb)) { /* the pool rows in place */
+        const size_t row0 = (size_t)pg->host_table[(int64_t)u->seq * pg->max_blocks + b0] * pg->block_size;
+        *kp = k_pool + row0 * kvrow;
+        *vp = v_pool + row0 * kvrow;
+    } else {
+        float *gv = gk + (size_t)rows * kvrow;
+        after_launch(c,
+                     kiln_cuda_gather_pages(c->stream, gk, gv, k_pool, v_pool,
+                                            pg->block_table + (int64_t)u->seq * pg->max_blocks + b0,
+                                            pg->block_size, rows, kvrow),
+                     "attention_paged (gather)");
+        *kp = gk;
+        *vp = gv;
+    }
+    return kb;
+}
+
 static void attention_paged_fast(cuda_ctx *c, float *out, const float *q, const float *k_pool,
                                  const float *v_pool, const kiln_kv_pages *pg,
                                  const int32_t *seq, const int32_t *pos,
@@ -1948,26 +1975,8 @@ static void attention_paged_fast(cuda_ctx *c, float *out, const float *q, const 
     for (int r = 0; r < n_runs && n_pre; r++) {
         const kiln_batch_run *u = &runs[r];
         if (!paged_prefill_run(pg, u)) continue;
-        const int T = u->pos0 + u->n, nb = (T - 1) / pg->block_size + 1;
-        const int b0 = paged_first_block(pg, u, window);
-        const int kb = b0 * pg->block_size, rows = T - kb; /* keys kb .. T - 1 */
         const float *kp, *vp;
-        if (paged_consecutive(pg, u->seq, b0, nb)) { /* the pool rows in place */
-            const size_t row0 =
-                (size_t)pg->host_table[(int64_t)u->seq * pg->max_blocks + b0] * pg->block_size;
-            kp = k_pool + row0 * kvrow;
-            vp = v_pool + row0 * kvrow;
-        } else {
-            float *gv = gk + (size_t)rows * kvrow;
-            after_launch(c,
-                         kiln_cuda_gather_pages(c->stream, gk, gv, k_pool, v_pool,
-                                                pg->block_table + (int64_t)u->seq * pg->max_blocks +
-                                                    b0,
-                                                pg->block_size, rows, kvrow),
-                         "attention_paged (gather)");
-            kp = gk;
-            vp = gv;
-        }
+        const int kb = run_keys(c, pg, u, window, k_pool, v_pool, gk, kvrow, &kp, &vp);
         after_launch(c,
                      kiln_cuda_attention_fast_window(c->attn, c->stream, out + u->first * qrow,
                                                      q + u->first * qrow, kp, vp, u->n,
@@ -2036,24 +2045,8 @@ static void attention_paged_runs(cuda_ctx *c, float *out, const float *q, const 
         if (u->n < PAGED_DENSE_MIN_RUN) continue;
         paged_tokens(c, out, q, k_pool, v_pool, pg, seq, pos, next, u->first, NH, KVH, HS, scale, window);
         next = u->first + u->n;
-        const int T = u->pos0 + u->n, nb = (T - 1) / pg->block_size + 1;
-        const int b0 = paged_first_block(pg, u, window);
-        const int kb = b0 * pg->block_size, rows = T - kb; /* keys kb .. T - 1 */
         const float *kp, *vp;
-        if (paged_consecutive(pg, u->seq, b0, nb)) { /* the pool rows in place */
-            const size_t row0 = (size_t)pg->host_table[(int64_t)u->seq * pg->max_blocks + b0] * pg->block_size;
-            kp = k_pool + row0 * kvrow;
-            vp = v_pool + row0 * kvrow;
-        } else {
-            float *gv = gk + (size_t)rows * kvrow;
-            after_launch(c,
-                         kiln_cuda_gather_pages(c->stream, gk, gv, k_pool, v_pool,
-                                                pg->block_table + (int64_t)u->seq * pg->max_blocks + b0,
-                                                pg->block_size, rows, kvrow),
-                         "attention_paged (gather)");
-            kp = gk;
-            vp = gv;
-        }
+        const int kb = run_keys(c, pg, u, window, k_pool, v_pool, gk, kvrow, &kp, &vp);
         if (c->err != KILN_OK) return;
         after_launch(c,
                      kiln_cuda_attention(c->stream, out + u->first * qrow, q + u->first * qrow, kp, vp, u->n,
