@@ -9,8 +9,10 @@
  * 5 such runs after a warm-up run. GB/s counts the weight bytes read once per call.
  * Q8_0 / Q4_0 / Q4_1 are timed twice: the f32 kernel (kiln_cuda_matvec_fast, "f32": fast
  * decode's default) and the int8-activation product (kiln_cuda_q8act_multi_norm, "i8": the
- * CPU fast mode's bits, fast decode's with KILN_CUDA_Q8ACT=1).
- * Usage: bench_cuda_fast_matvec [--quick]
+ * CPU fast mode's bits, fast decode's with KILN_CUDA_Q8ACT=1); Q4_K / Q5_K / Q6_K the f32
+ * kernel (fast decode's with KILN_CUDA_KQ=0) and the K-quant int8-activation product
+ * (kiln_cuda_kq_multi_norm, "i8": fast decode's default).
+ * Usage: bench_cuda_fast_matvec [--quick] [DTYPE ...]   (dtype names: only those, e.g. q4_k)
  */
 #include "ops/cuda/cuda_matmul.h"
 
@@ -72,7 +74,13 @@ static float median(std::vector<float> v) {
 }
 
 int main(int argc, char **argv) {
-    const bool quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
+    bool quick = false;
+    const char *only[16];
+    int n_only = 0;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--quick") == 0) quick = true;
+        else if (n_only < 16) only[n_only++] = argv[i];
+    }
     int ndev = 0;
     if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
         printf("no CUDA device: skipped\n");
@@ -126,13 +134,13 @@ int main(int argc, char **argv) {
                                   {"3B gate 8192x3072", 8192, 3072}};
     const kiln_dtype full_dts[] = {KILN_DTYPE_BF16, KILN_DTYPE_F16,  KILN_DTYPE_Q8_0,
                                    KILN_DTYPE_Q4_0, KILN_DTYPE_Q4_1, KILN_DTYPE_Q4_K,
-                                   KILN_DTYPE_Q6_K};
+                                   KILN_DTYPE_Q5_K, KILN_DTYPE_Q6_K};
     const kiln_dtype quick_dts[] = {KILN_DTYPE_BF16, KILN_DTYPE_Q8_0, KILN_DTYPE_Q4_0,
                                     KILN_DTYPE_Q4_K};
     const shape *shapes = quick ? quick_shapes : full;
     const int n_shapes = quick ? 3 : 9;
     const kiln_dtype *dts = quick ? quick_dts : full_dts;
-    const int n_dts = quick ? 4 : 7;
+    const int n_dts = quick ? 4 : 8;
     const int iters = quick ? 50 : 200;
 
     const int64_t maxC = 8960, maxR = 151936;
@@ -162,7 +170,13 @@ int main(int argc, char **argv) {
             fill_kernel<<<4096, 256, 0, st>>>(pool, pitch * (size_t)copies, dt, tr->type_size, 100);
             CUDA_OK(cudaGetLastError());
             CUDA_OK(cudaStreamSynchronize(st));
-            for (int kern = 0; kern < (kiln_cuda_q8act_supported(dt) ? 2 : 1); kern++)
+            const bool kq = kiln_cuda_kq_supported(dt);
+            if (n_only) {
+                bool want = false;
+                for (int i = 0; i < n_only; i++) want = want || strcmp(only[i], kiln_dtype_name(dt)) == 0;
+                if (!want) continue;
+            }
+            for (int kern = 0; kern < (kiln_cuda_q8act_supported(dt) || kq ? 2 : 1); kern++)
             for (int N = 1; N <= 8; N += 7) {
                 if (N == 8 && dt != KILN_DTYPE_BF16 && kern == 0) continue;
                 std::vector<float> t;
@@ -171,7 +185,8 @@ int main(int argc, char **argv) {
                     for (int it = 0; it < iters; it++) {
                         const uint8_t *w = pool + (size_t)(it % copies) * pitch;
                         const kiln_cuda_product_job job = {out, NULL, w, NULL, NULL, NULL, rb, sh.R};
-                        CUDA_OK(kern ? kiln_cuda_q8act_multi_norm(st, 1, &job, dt, x, NULL, 0.0f, sh.C, N)
+                        CUDA_OK(kern && kq ? kiln_cuda_kq_multi_norm(st, 1, &job, dt, x, NULL, 0.0f, sh.C, N)
+                                : kern ? kiln_cuda_q8act_multi_norm(st, 1, &job, dt, x, NULL, 0.0f, sh.C, N)
                                      : kiln_cuda_matvec_fast(st, out, x, w, rb, dt, sh.R, sh.C, NULL, N, 0));
                     }
                     CUDA_OK(cudaEventRecord(e1, st));

@@ -600,6 +600,14 @@ static bool q8act_for(kiln_dtype dt) {
     return on && kiln_cuda_q8act_supported(dt);
 }
 
+/* Whether fast mode's decode products of Q4_K / Q5_K / Q6_K weights take the K-quant
+ * int8-activation product (kiln_cuda_kq_multi_norm) instead of the f32 kernels, which
+ * dequantize every weight: on unless KILN_CUDA_KQ=0 (read once). */
+static bool kq_for(kiln_dtype dt) {
+    static const bool on = !kiln_env_off("KILN_CUDA_KQ");
+    return on && kiln_cuda_kq_supported(dt);
+}
+
 /* Whether fast mode's decode products of bf16 weights and 2..8 tokens take the tensor cores
  * (kiln_cuda_matvec_mma_multi_norm) instead of the f32 kernel, whose one FMA per weight and
  * token bounds a batch of 8 by the FMA rate: on unless KILN_CUDA_MMV=0 (read once). */
@@ -618,6 +626,7 @@ static cudaError_t invariant_products(cudaStream_t s, int n, const kiln_cuda_pro
     cudaError_t e = cudaErrorNotSupported;
     if (dt == KILN_DTYPE_BF16) e = kiln_cuda_matvec_mma_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     else if (kiln_cuda_q8act_supported(dt)) e = kiln_cuda_q8act_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
+    else if (kq_for(dt)) e = kiln_cuda_kq_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     if (e == cudaErrorNotSupported) e = kiln_cuda_matmul_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     return e;
 }
@@ -632,6 +641,7 @@ static cudaError_t fast_products(cudaStream_t s, int n, const kiln_cuda_product_
     cudaError_t e = cudaErrorNotSupported;
     if (N > 8) return e;
     if (q8act_for(dt)) e = kiln_cuda_q8act_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
+    else if (kq_for(dt)) e = kiln_cuda_kq_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     else if (mmv_for(dt, N)) e = kiln_cuda_matvec_mma_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     if (e == cudaErrorNotSupported) e = kiln_cuda_matvec_fast_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     return e;

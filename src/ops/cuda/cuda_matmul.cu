@@ -2362,11 +2362,14 @@ template <int DT> struct q8a {
     static constexpr int ALIGN = fmv<DT>::ALIGN;
     /* 32-bit words of quants a lane loads per block (its part: Q8_0 8 values, Q4 8 nibbles) */
     static constexpr int NW = DT == KILN_DTYPE_Q8_0 ? 2 : 1;
+    /* xe holds the two half sums (the K-quant product's tokens) */
+    static constexpr bool HALVES = DT == KILN_DTYPE_Q4_K || DT == KILN_DTYPE_Q5_K || DT == KILN_DTYPE_Q6_K;
 };
 
 /* Tokens n0 .. n0 + nt - 1 of x (rmsnorm(x) * norm_w first when norm_w is set: sr the scales)
  * as kiln_q8act blocks in shared memory: xq (nt, nb * 32) int8, xd (nt, nb) the scales d, xe
- * (nt, nb) s = d * sum (Q4_1) or sum's bits (Q4_0). 8 threads per block of 32, 4 elements
+ * (nt, nb) s = d * sum (Q4_1), the sums of the block's two halves of 16 as int16s (low: values
+ * 0..15; the K-quant product below, q8a<DT>::HALVES), or sum's bits (Q4_0, Q8_0). 8 threads per block of 32, 4 elements
  * each: kernels_q8act.c's quantize_block_ref, value for value (the max and the integer sum
  * are exact in any order; each q is its own element's rounding). */
 template <int DT>
@@ -2426,8 +2429,12 @@ static __device__ __forceinline__ void q8a_quantize(int8_t *xq, float *xd, float
                     sum += q[e];
                 }
             }
-#pragma unroll
-            for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            /* the 16 values of this half, then the other half's (exact integers, any order) */
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const int other = __shfl_xor_sync(0xffffffffu, sum, 4);
+            const int halves = sub < 4 ? (sum & 0xffff) | (other << 16) : (other & 0xffff) | (sum << 16);
+            sum += other;
             if (scaled) sc = __fmul_rn(d, (float)sum);
             if (valid) {
                 const uint32_t packed = (uint32_t)(q[0] & 0xff) | (uint32_t)(q[1] & 0xff) << 8 |
@@ -2435,7 +2442,8 @@ static __device__ __forceinline__ void q8a_quantize(int8_t *xq, float *xd, float
                 *(uint32_t *)(xq + (size_t)k * 32 + sub * 4) = packed;
                 if (sub == 0) {
                     xd[k] = d;
-                    xe[k] = DT == KILN_DTYPE_Q4_1 ? sc : __int_as_float(sum);
+                    xe[k] = DT == KILN_DTYPE_Q4_1 ? sc
+                            : q8a<DT>::HALVES ? __int_as_float(halves) : __int_as_float(sum);
                 }
             }
         }
@@ -2495,6 +2503,36 @@ static __device__ __forceinline__ void q8a_group(const prod_jobs &jobs, int64_t 
         r[i] = gr - (int64_t)J.blk0;
         rowp[i * P] = J.w + (size_t)r[i] * J.row_bytes;
         if constexpr (P == 2) rowp[i * P + 1] = J.w_up + (size_t)r[i] * J.row_bytes;
+    }
+}
+
+/* Row group g's outputs from its warp's sums acc (every lane holds them: a row's sum, or a
+ * pair's gate and up sums side by side): + bias, swiglu(gate, up) for a pair, + res; lane
+ * (i * NT + t) % 32 writes row i's token t. */
+template <int ROWS, int NT, bool PAIR>
+static __device__ __forceinline__ void q8a_store(const prod_jobs &jobs, const int (&jb)[ROWS],
+                                                 const int64_t (&r)[ROWS],
+                                                 const float (&acc)[ROWS * (PAIR ? 2 : 1)][NT],
+                                                 int64_t g, int64_t rows, int n0, int nt, int lane) {
+    constexpr int P = PAIR ? 2 : 1;
+#pragma unroll
+    for (int i = 0; i < ROWS; i++) {
+        const prod_job &J = jobs.job[jb[i]];
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < nt && lane == (i * NT + t) % 32 && g * ROWS + i < rows) {
+                float s = acc[i * P][t];
+                if (J.bias) s = s + J.bias[r[i]];
+                if constexpr (PAIR) {
+                    float u = acc[i * P + 1][t];
+                    if (J.bias_up) u = u + J.bias_up[r[i]];
+                    s = kiln_swiglu(s, u);
+                }
+                const int64_t at = (int64_t)(n0 + t) * J.R + r[i];
+                if (J.res) s = s + J.res[at];
+                J.out[at] = s;
+            }
+        }
     }
 }
 
@@ -2598,25 +2636,7 @@ q8act_kernel(const __grid_constant__ prod_jobs jobs, const float *__restrict__ x
                 v = v + __shfl_xor_sync(0xffffffffu, v, 4);
                 acc[i][t] = v;
             }
-#pragma unroll
-        for (int i = 0; i < ROWS; i++) {
-            const prod_job &J = jobs.job[jb[i]];
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                if (t < nt && lane == (i * NT + t) % 32 && g * ROWS + i < rows) {
-                    float s = acc[i * P][t];
-                    if (J.bias) s = s + J.bias[r[i]];
-                    if constexpr (PAIR) {
-                        float u = acc[i * P + 1][t];
-                        if (J.bias_up) u = u + J.bias_up[r[i]];
-                        s = kiln_swiglu(s, u);
-                    }
-                    const int64_t at = (int64_t)(n0 + t) * J.R + r[i];
-                    if (J.res) s = s + J.res[at];
-                    J.out[at] = s;
-                }
-            }
-        }
+        q8a_store<ROWS, NT, PAIR>(jobs, jb, r, acc, g, rows, n0, nt, lane);
         g += gstride;
         if (g < groups) q8a_group<ROWS, P>(jobs, g, rows, rowp, jb, r);
     }
@@ -2639,10 +2659,11 @@ static int q8a_sms() {
     return n;
 }
 
-template <int DT, int NT, int ROWS, int UNR, bool PAIR, int A>
-static cudaError_t q8a_launch_k(cudaStream_t s, const prod_jobs &a, int64_t rows, const float *x,
-                                int64_t C, int N) {
-    auto k = q8act_kernel<DT, NT, ROWS, UNR, PAIR, A>;
+/* Launches k (q8act_kernel or kq_kernel: Q8A_THREADS threads, token tiles of NT, groups of
+ * ROWS rows a warp) over the jobs' rows, its tiles' quantized tokens in dynamic shared memory. */
+template <class K>
+static cudaError_t q8a_persist(K k, int NT, int ROWS, cudaStream_t s, const prod_jobs &a,
+                               int64_t rows, const float *x, int64_t C, int N) {
     const size_t smem = (size_t)NT * (size_t)(C / 32) * Q8A_BLOCK_SMEM;
     if (smem > 48 * 1024) {
         const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -2659,6 +2680,12 @@ static cudaError_t q8a_launch_k(cudaStream_t s, const prod_jobs &a, int64_t rows
     const unsigned gx = (unsigned)(need < cap ? need : cap);
     return launch_pdl(k, dim3(gx, (unsigned)((N + NT - 1) / NT)), dim3(Q8A_THREADS), smem, s, a, x,
                       C, N, rows);
+}
+
+template <int DT, int NT, int ROWS, int UNR, bool PAIR, int A>
+static cudaError_t q8a_launch_k(cudaStream_t s, const prod_jobs &a, int64_t rows, const float *x,
+                                int64_t C, int N) {
+    return q8a_persist(q8act_kernel<DT, NT, ROWS, UNR, PAIR, A>, NT, ROWS, s, a, rows, x, C, N);
 }
 
 /* Rows of a launch past which a warp takes several rows at once (ROWS = 4, a pair 2): enough
@@ -2721,6 +2748,305 @@ cudaError_t kiln_cuda_q8act_multi_norm(cudaStream_t s, int n, const kiln_cuda_pr
     case KILN_DTYPE_Q8_0: return q8a_launch<KILN_DTYPE_Q8_0>(s, &a, pair, x, C, N);
     case KILN_DTYPE_Q4_0: return q8a_launch<KILN_DTYPE_Q4_0>(s, &a, pair, x, C, N);
     default: return q8a_launch<KILN_DTYPE_Q4_1>(s, &a, pair, x, C, N);
+    }
+}
+
+/* =================================================================================================
+ * Fast: decode products of K-quant weights (Q4_K, Q5_K, Q6_K) on 8-bit activations -- the
+ * arithmetic llama.cpp's CUDA decode uses (its q8_1 activations), in a fixed order, so that a
+ * token's outputs are the same bits whatever N and the other tokens are.
+ *
+ * The tokens are quantized as the int8-activation product above quantizes them (q8a_quantize:
+ * blocks of 32, d = amax / 127, q = round-half-even(v * (127 / amax)), the integer sums of the
+ * block's two halves of 16). A row's C / 32 "units" of 32 weights (unit u: superblock u / 8,
+ * part u % 8) go to lanes u % 32 of its warp, each lane walking its units in increasing order;
+ * a unit's dot with each activation block it meets is an exact integer sum (dp4a), and the
+ * lane accumulates, in f32 with one rounding each (fmaf):
+ *   Q4_K / Q5_K, part s = 2c + h: the weights of groups g = 2c (low nibbles) and 2c + 1 (high)
+ *     at l = 16h .. 16h + 15 meet activation blocks A = 8b + 2c and A + 1 at the same 16;
+ *     for each (A: scale sc, min m of group 2c; then A + 1): acc = fmaf(d * dA, sc * dot,
+ *     acc), acc = fmaf(-(dmin * dA), m * sumA, acc), dot the integer dot of the 16 quants with
+ *     the 16 int8 values and sumA the sum of those 16 values;
+ *   Q6_K, part s = 4H + j: l = 8j .. 8j + 7 of half H, its 4 groups k = 0..3 (elements
+ *     128H + 32k + l) meet activation blocks 8b + 4H + k at l: acc = fmaf(d * dk, sc * dot,
+ *     acc) in k order, dot the integer dot of (q - 32) with the 8 int8 values, sc the int8
+ *     scale of the group's 16.
+ * Then the xor tree over the 32 lanes (16, 8, 4, 2, 1), then bias, swiglu (a pair), residual
+ * as the other products. The order depends on C and the dtype only. tests/gpu/test_cuda_kq.cu
+ * holds a host reference of this definition and checks the kernel against it bit for bit.
+ *
+ * Speed: one launch streams each weight byte once with 16-byte loads (Q4_K, Q5_K; Q6_K's
+ * 210-byte superblocks are read as aligned words and funnel-shifted), four integer dot
+ * instructions for 16 weights in place of the f32 kernel's dequantization per weight (which
+ * bounds it at a fifth to a third of DRAM bandwidth: bench/RESULTS.md, 2026-12-06).
+ * ============================================================================================== */
+
+/* Words a lane keeps for one unit: Q4_K header (4) + quants (4); Q5_K + the 16 bytes of
+ * fifth bits; Q6_K two 8-byte runs of low bits, 8 bytes of high bits, the half's 8 scales, d. */
+template <int DT> struct kqu {
+    static constexpr int NW = DT == KILN_DTYPE_Q4_K ? 8 : DT == KILN_DTYPE_Q5_K ? 12 : 9;
+    static constexpr int ALIGN = DT == KILN_DTYPE_Q6_K ? 2 : 16;
+};
+
+/* NW words from p, which is 2-byte aligned: aligned 32-bit loads and a funnel shift. The last
+ * load re-reads the word before it when p is 4-byte aligned, so nothing past p + 4 NW is read. */
+template <int NW>
+static __device__ __forceinline__ void ldw_a2(const uint8_t *__restrict__ p, uint32_t *o) {
+    const uintptr_t a = (uintptr_t)p;
+    const uint32_t *q = (const uint32_t *)(a & ~(uintptr_t)3);
+    const unsigned sh = (unsigned)(a & 2u) * 8u;
+    uint32_t v[NW + 1];
+#pragma unroll
+    for (int i = 0; i < NW; i++) v[i] = __ldcs(q + i);
+    v[NW] = __ldcs(q + NW - (sh ? 0 : 1));
+#pragma unroll
+    for (int i = 0; i < NW; i++) o[i] = __funnelshift_r(v[i], v[i + 1], sh);
+}
+
+/* Unit u of the row at row into w. */
+template <int DT>
+static __device__ __forceinline__ void kq_load(uint32_t *w, const uint8_t *__restrict__ row, int u) {
+    const int b = u >> 3, s = u & 7;
+    if constexpr (DT == KILN_DTYPE_Q4_K) { /* d dmin scales[12] | qs[128] */
+        const uint8_t *p = row + (size_t)b * 144;
+        ldw<16, 4>(p, w);
+        ldw<16, 4>(p + 16 + 16 * s, w + 4);
+    } else if constexpr (DT == KILN_DTYPE_Q5_K) { /* d dmin scales[12] | qh[32] | qs[128] */
+        const uint8_t *p = row + (size_t)b * 176;
+        ldw<16, 4>(p, w);
+        ldw<16, 4>(p + 16 + 16 * (s & 1), w + 4);
+        ldw<16, 4>(p + 48 + 16 * s, w + 8);
+    } else { /* Q6_K: ql[128] | qh[64] | scales[16] | d */
+        const uint8_t *p = row + (size_t)b * 210;
+        const int H = s >> 2, j = s & 3;
+        ldw_a2<2>(p + 64 * H + 8 * j, w);
+        ldw_a2<2>(p + 64 * H + 32 + 8 * j, w + 2);
+        ldw_a2<2>(p + 128 + 32 * H + 8 * j, w + 4);
+        ldw_a2<2>(p + 192 + 8 * H, w + 6);
+        w[8] = ld16<2>(p + 208);
+    }
+}
+
+/* Half h (0: values 0..15) of an activation block's packed sums. */
+static __device__ __forceinline__ int kq_half(float packed, int h) {
+    const int v = __float_as_int(packed);
+    return h ? v >> 16 : (int)(short)(v & 0xffff);
+}
+
+/* Unit u (words w) against the nt tokens of the tile: acc[t] per the definition above. xq,
+ * xd, xe: the tile's quantized tokens (nb blocks each). */
+template <int DT, int NT>
+static __device__ __forceinline__ void kq_unit(const uint32_t *w, int u, const int8_t *xq,
+                                               const float *xd, const float *xe, int nb, int nt,
+                                               float (&acc)[NT]) {
+    const int b = u >> 3, s = u & 7;
+    if constexpr (DT == KILN_DTYPE_Q4_K || DT == KILN_DTYPE_Q5_K) {
+        const int c = s >> 1, h = s & 1;
+        const float d = fp16_f32(w[0] & 0xffffu), dmin = fp16_f32(w[0] >> 16);
+        uint32_t sc0, mn0, sc1, mn1;
+        k_scale_min_w(w[1], w[2], w[3], 2 * c, &sc0, &mn0);
+        k_scale_min_w(w[1], w[2], w[3], 2 * c + 1, &sc1, &mn1);
+        constexpr int Q = DT == KILN_DTYPE_Q4_K ? 4 : 8;
+        int lo[4], hi[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            uint32_t l4 = w[Q + k] & 0x0f0f0f0fu, h4 = (w[Q + k] >> 4) & 0x0f0f0f0fu;
+            if constexpr (DT == KILN_DTYPE_Q5_K) { /* fifth bits: bit 2c (low), 2c + 1 of qh[l] */
+                l4 |= ((w[4 + k] >> (2 * c)) & 0x01010101u) << 4;
+                h4 |= ((w[4 + k] >> (2 * c + 1)) & 0x01010101u) << 4;
+            }
+            lo[k] = (int)l4, hi[k] = (int)h4;
+        }
+        const int A = 8 * b + 2 * c;
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t >= nt) break;
+            const int8_t *xt = xq + (size_t)t * nb * 32;
+            const int4 xa = *(const int4 *)(xt + (size_t)A * 32 + 16 * h);
+            const int4 xb = *(const int4 *)(xt + (size_t)(A + 1) * 32 + 16 * h);
+            int da = __dp4a(lo[0], xa.x, 0), db = __dp4a(hi[0], xb.x, 0);
+            da = __dp4a(lo[1], xa.y, da), db = __dp4a(hi[1], xb.y, db);
+            da = __dp4a(lo[2], xa.z, da), db = __dp4a(hi[2], xb.z, db);
+            da = __dp4a(lo[3], xa.w, da), db = __dp4a(hi[3], xb.w, db);
+            const float dA = xd[t * nb + A], dB = xd[t * nb + A + 1];
+            const int sA = kq_half(xe[t * nb + A], h), sB = kq_half(xe[t * nb + A + 1], h);
+            float a = acc[t];
+            a = __fmaf_rn(__fmul_rn(d, dA), (float)((int)sc0 * da), a);
+            a = __fmaf_rn(-__fmul_rn(dmin, dA), (float)((int)mn0 * sA), a);
+            a = __fmaf_rn(__fmul_rn(d, dB), (float)((int)sc1 * db), a);
+            a = __fmaf_rn(-__fmul_rn(dmin, dB), (float)((int)mn1 * sB), a);
+            acc[t] = a;
+        }
+    } else { /* Q6_K */
+        const int H = s >> 2, j = s & 3;
+        const float d = fp16_f32(w[8]);
+        int q[4][2], sc[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int e = 2 * k + (j >> 1); /* the group's scale among the half's 8 */
+            sc[k] = (int)(int8_t)((w[6 + (e >> 2)] >> (8 * (e & 3))) & 0xffu);
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                const uint32_t ql = w[(k & 1) * 2 + m];
+                const uint32_t l4 = k < 2 ? ql & 0x0f0f0f0fu : (ql >> 4) & 0x0f0f0f0fu;
+                q[k][m] = (int)(l4 | (((w[4 + m] >> (2 * k)) & 0x03030303u) << 4));
+            }
+        }
+        const int A = 8 * b + 4 * H;
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t >= nt) break;
+            const int8_t *xt = xq + (size_t)t * nb * 32 + 8 * j;
+            float a = acc[t];
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int2 xv = *(const int2 *)(xt + (size_t)(A + k) * 32);
+                const int dot = __dp4a(q[k][0], xv.x, __dp4a(q[k][1], xv.y, 0)) -
+                                __dp4a(0x20202020, xv.x, __dp4a(0x20202020, xv.y, 0));
+                a = __fmaf_rn(__fmul_rn(d, xd[t * nb + A + k]), (float)(sc[k] * dot), a);
+            }
+            acc[t] = a;
+        }
+    }
+}
+
+/* Units base + 32 u (u < UNR; those < nb) of the RW rows. */
+template <int DT, int UNR, int RW>
+static __device__ __forceinline__ void kq_load_step(uint32_t (&w)[UNR][RW][kqu<DT>::NW],
+                                                    const uint8_t *const (&rowp)[RW], int base,
+                                                    int nb) {
+#pragma unroll
+    for (int u = 0; u < UNR; u++) {
+        if (base + 32 * u >= nb) continue;
+#pragma unroll
+        for (int i = 0; i < RW; i++) kq_load<DT>(w[u][i], rowp[i], base + 32 * u);
+    }
+}
+
+/* blocks an SM holds at once (Q5_K, whose units are 12 words, 2) */
+#define KQ_MIN_BLOCKS 3
+
+/* Grid as q8act_kernel's: x = blocks of Q8A_WARPS warps grid-stride over groups of ROWS rows
+ * (PAIR: a row's gate and up side by side), y = tiles of NT tokens; UNR steps of 32 units a
+ * lane loaded ahead. */
+template <int DT, int NT, int ROWS, int UNR, bool PAIR>
+static __global__ void __launch_bounds__(Q8A_THREADS, DT == KILN_DTYPE_Q5_K ? 2 : KQ_MIN_BLOCKS)
+kq_kernel(const __grid_constant__ prod_jobs jobs, const float *__restrict__ x, int64_t C, int N,
+          int64_t rows) {
+    constexpr int P = PAIR ? 2 : 1, RW = ROWS * P;
+    extern __shared__ __align__(16) uint8_t kq_smem[];
+    __shared__ float sr[NT];
+    const int nb = (int)(C / 32);
+    const int n0 = blockIdx.y * NT, nt = min(NT, N - n0);
+    int8_t *xq = (int8_t *)kq_smem;
+    float *xd = (float *)(kq_smem + (size_t)NT * nb * 32);
+    float *xe = xd + NT * nb;
+    const int lane = threadIdx.x & 31;
+    const int64_t groups = (rows + ROWS - 1) / ROWS, gstride = (int64_t)gridDim.x * Q8A_WARPS;
+    int64_t g = (int64_t)blockIdx.x * Q8A_WARPS + (threadIdx.x >> 5);
+    const uint8_t *rowp[RW];
+    int jb[ROWS];
+    int64_t r[ROWS];
+    if (g < groups) q8a_group<ROWS, P>(jobs, g, rows, rowp, jb, r);
+
+    pdl_wait();
+    pdl_launch_dependents();
+    uint32_t w[UNR][RW][kqu<DT>::NW];
+    if (g < groups) kq_load_step<DT, UNR, RW>(w, rowp, lane, nb);
+    if (jobs.norm_w) norm_prologue(sr, x, C, n0, nt, jobs.eps);
+    q8a_quantize<DT>(xq, xd, xe, x, C, n0, nt, sr, jobs.norm_w);
+    __syncthreads();
+
+    for (bool first = true; g < groups; first = false) {
+        float acc[RW][NT];
+#pragma unroll
+        for (int i = 0; i < RW; i++)
+#pragma unroll
+            for (int t = 0; t < NT; t++) acc[i][t] = 0.0f;
+        for (int u0 = 0; u0 < nb; u0 += 32 * UNR) {
+            if (!(first && u0 == 0)) kq_load_step<DT, UNR, RW>(w, rowp, u0 + lane, nb);
+#pragma unroll
+            for (int u = 0; u < UNR; u++) {
+                if (u0 + 32 * u >= nb) break; /* the same for the whole warp */
+                const int unit = u0 + 32 * u + lane;
+                if (unit < nb) {
+#pragma unroll
+                    for (int i = 0; i < RW; i++) kq_unit<DT, NT>(w[u][i], unit, xq, xd, xe, nb, nt, acc[i]);
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < RW; i++)
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                float v = acc[i][t];
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) v = v + __shfl_xor_sync(0xffffffffu, v, o);
+                acc[i][t] = v;
+            }
+        q8a_store<ROWS, NT, PAIR>(jobs, jb, r, acc, g, rows, n0, nt, lane);
+        g += gstride;
+        if (g < groups) q8a_group<ROWS, P>(jobs, g, rows, rowp, jb, r);
+    }
+}
+
+template <int DT, int NT, int ROWS, int UNR, bool PAIR>
+static cudaError_t kq_launch_k(cudaStream_t s, const prod_jobs &a, int64_t rows, const float *x,
+                               int64_t C, int N) {
+    return q8a_persist(kq_kernel<DT, NT, ROWS, UNR, PAIR>, NT, ROWS, s, a, rows, x, C, N);
+}
+
+template <int DT>
+static cudaError_t kq_launch(cudaStream_t s, prod_jobs *a, bool pair, const float *x, int64_t C,
+                             int N) {
+    constexpr int AL = kqu<DT>::ALIGN;
+    int64_t rows = 0;
+    for (int j = 0; j < a->n; j++) {
+        const prod_job &J = a->job[j];
+        if (J.row_bytes < (size_t)(C / 256) * blk<DT>::TS) return cudaErrorInvalidValue;
+        if ((uintptr_t)J.w % AL || (uintptr_t)J.w_up % AL || J.row_bytes % AL)
+            return cudaErrorNotSupported; /* nothing enqueued: another kernel takes them */
+    }
+    const int nt = q8a_tile(N, C / 32);
+    if (nt == 0) return cudaErrorNotSupported;
+    for (int j = 0; j < a->n; j++) {
+        if (rows > 0xffffffffll) return cudaErrorInvalidConfiguration;
+        a->job[j].blk0 = (unsigned)rows;
+        rows += a->job[j].R;
+    }
+    const bool many = rows >= Q8A_MANY_ROWS;
+    switch (nt) {
+    case 1:
+        if (pair) return kq_launch_k<DT, 1, 1, 2, true>(s, *a, rows, x, C, N);
+        return many ? kq_launch_k<DT, 1, 2, 2, false>(s, *a, rows, x, C, N)
+                    : kq_launch_k<DT, 1, 1, 4, false>(s, *a, rows, x, C, N);
+    case 2:
+        if (pair) return kq_launch_k<DT, 2, 1, 2, true>(s, *a, rows, x, C, N);
+        return many ? kq_launch_k<DT, 2, 2, 2, false>(s, *a, rows, x, C, N)
+                    : kq_launch_k<DT, 2, 1, 4, false>(s, *a, rows, x, C, N);
+    case 4: return pair ? kq_launch_k<DT, 4, 1, 1, true>(s, *a, rows, x, C, N)
+                        : kq_launch_k<DT, 4, 1, 2, false>(s, *a, rows, x, C, N);
+    default: return pair ? kq_launch_k<DT, 8, 1, 1, true>(s, *a, rows, x, C, N)
+                         : kq_launch_k<DT, 8, 1, 2, false>(s, *a, rows, x, C, N);
+    }
+}
+
+bool kiln_cuda_kq_supported(kiln_dtype dt) {
+    return dt == KILN_DTYPE_Q4_K || dt == KILN_DTYPE_Q5_K || dt == KILN_DTYPE_Q6_K;
+}
+
+cudaError_t kiln_cuda_kq_multi_norm(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
+                                    kiln_dtype dt, const float *x, const float *norm_w, float eps,
+                                    int64_t C, int N) {
+    bool pair = false;
+    if (!kiln_cuda_kq_supported(dt) || !product_jobs_ok(n, jobs, x, C, N, &pair) ||
+        (uintptr_t)norm_w % 4 || C % 256 || C > INT_MAX || (N + 7) / 8 > 65535)
+        return cudaErrorInvalidValue;
+    prod_jobs a = prod_jobs_of(n, jobs, norm_w, eps);
+    switch (dt) {
+    case KILN_DTYPE_Q4_K: return kq_launch<KILN_DTYPE_Q4_K>(s, &a, pair, x, C, N);
+    case KILN_DTYPE_Q5_K: return kq_launch<KILN_DTYPE_Q5_K>(s, &a, pair, x, C, N);
+    default: return kq_launch<KILN_DTYPE_Q6_K>(s, &a, pair, x, C, N);
     }
 }
 
