@@ -619,7 +619,8 @@ static bool mmv_for(kiln_dtype dt, int N) {
 /* The batch-invariant fast mode's products of any N (kernels whose outputs for a token are the
  * same bits whatever the other tokens): bf16 weights on the tensor cores
  * (kiln_cuda_matvec_mma_multi_norm), Q8_0 / Q4_0 / Q4_1 with 8-bit activations (the CPU fast
- * mode's bits), other dtypes -- or what those do not take -- the auditable f32 kernel. */
+ * mode's bits), Q4_K / Q5_K / Q6_K with 8-bit activations (kiln_cuda_kq_multi_norm, fast
+ * decode's own), other dtypes -- or what those do not take -- the auditable f32 kernel. */
 static cudaError_t invariant_products(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
                                       kiln_dtype dt, const float *x, const float *norm_w, float eps,
                                       int64_t C, int N) {
@@ -632,8 +633,8 @@ static cudaError_t invariant_products(cudaStream_t s, int n, const kiln_cuda_pro
 }
 
 /* Fast mode's products of N <= 8 tokens (kiln_cuda_matvec_fast_multi_norm's jobs): the
- * int8-activation product when asked for (q8act_for), the tensor-core kernel for bf16 batches
- * (mmv_for), else -- or where those do not take the call -- the f32 kernel. Its
+ * int8-activation product when asked for (q8act_for), the K-quant one (kq_for), the
+ * tensor-core kernel for bf16 batches (mmv_for), else -- or where those do not take the call -- the f32 kernel. Its
  * cudaErrorNotSupported (a pair off the aligned path) is the caller's. */
 static cudaError_t fast_products(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
                                  kiln_dtype dt, const float *x, const float *norm_w, float eps,
