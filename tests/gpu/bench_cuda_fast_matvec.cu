@@ -9,7 +9,7 @@
  * 5 such runs after a warm-up run. GB/s counts the weight bytes read once per call.
  * Q8_0 / Q4_0 / Q4_1 are timed twice: the f32 kernel (kiln_cuda_matvec_fast, "f32": fast
  * decode's default) and the int8-activation product (kiln_cuda_q8act_multi_norm, "i8": the
- * CPU fast mode's bits, fast decode's with KILN_CUDA_Q8ACT=1); Q4_K / Q5_K / Q6_K the f32
+ * CPU fast mode's bits, fast decode's with KILN_CUDA_Q8ACT=1); Q4_K / Q5_K / Q6_K / Q5_0 the f32
  * kernel (fast decode's with KILN_CUDA_KQ=0) and the K-quant int8-activation product
  * (kiln_cuda_kq_multi_norm, "i8": fast decode's default).
  * Usage: bench_cuda_fast_matvec [--quick] [DTYPE ...]   (dtype names: only those, e.g. q4_k)
@@ -132,7 +132,7 @@ int main(int argc, char **argv) {
     const shape quick_shapes[] = {{"0.5B q 896x896", 896, 896},
                                   {"0.5B down 896x4864", 896, 4864},
                                   {"3B gate 8192x3072", 8192, 3072}};
-    const kiln_dtype full_dts[] = {KILN_DTYPE_BF16, KILN_DTYPE_F16,  KILN_DTYPE_Q8_0,
+    const kiln_dtype full_dts[] = {KILN_DTYPE_BF16, KILN_DTYPE_F16,  KILN_DTYPE_Q8_0, KILN_DTYPE_Q5_0,
                                    KILN_DTYPE_Q4_0, KILN_DTYPE_Q4_1, KILN_DTYPE_Q4_K,
                                    KILN_DTYPE_Q5_K, KILN_DTYPE_Q6_K};
     const kiln_dtype quick_dts[] = {KILN_DTYPE_BF16, KILN_DTYPE_Q8_0, KILN_DTYPE_Q4_0,
@@ -140,7 +140,7 @@ int main(int argc, char **argv) {
     const shape *shapes = quick ? quick_shapes : full;
     const int n_shapes = quick ? 3 : 9;
     const kiln_dtype *dts = quick ? quick_dts : full_dts;
-    const int n_dts = quick ? 4 : 8;
+    const int n_dts = quick ? 4 : 9;
     const int iters = quick ? 50 : 200;
 
     const int64_t maxC = 8960, maxR = 151936;

@@ -1,6 +1,7 @@
 /*
  * test_cuda_kq.cu -- kiln_cuda_kq_multi_norm (src/ops/cuda/cuda_matmul.h), fast mode's decode
- * product of Q4_K / Q5_K / Q6_K weights on 8-bit activations, against two host references:
+ * product of Q4_K / Q5_K / Q6_K / Q5_0 weights on 8-bit activations, against two host
+ * references:
  *   - its definition (cuda_matmul.cu, "decode products of K-quant weights"): the activations
  *     quantized by the CPU's kernels_q8act (portable), each unit's exact integer dots, the
  *     lane's fmaf chain and the 32-lane xor tree, written out here: bit for bit;
@@ -8,8 +9,8 @@
  *     activations, in double: within 1e-4 of the sum of |products| (so that a layout mistake
  *     shared by the kernel and the reference above cannot pass);
  * for N = 1..11 (token tiles 1, 2, 4, 8 and a second tile: every token's outputs are the bits
- * it has alone), decode shapes, C of an odd number of superblocks (Q6_K rows at both 2-byte
- * parities), rows past Q8A_MANY_ROWS, bias; several products in one launch with a residual;
+ * it has alone), decode shapes, C of an odd number of superblocks (Q6_K and Q5_0 rows at both
+ * 2-byte parities), rows past Q8A_MANY_ROWS, bias; several products in one launch with a residual;
  * a SwiGLU pair with biases and a residual; the RMSNorm prologue (== kiln_cuda_rmsnorm then
  * the product); a NaN activation (its token NaN, the others unchanged); misaligned weights
  * refused with cudaErrorNotSupported and nothing written; bad arguments refused.
@@ -37,13 +38,14 @@ extern "C" {
 
 static int g_cases;
 
+static int64_t qk(kiln_dtype dt) { return kiln_dtype_get_traits(dt)->block_size; }
 static size_t row_bytes(kiln_dtype dt, int64_t C) {
-    return (size_t)(C / 256) * (size_t)kiln_dtype_get_traits(dt)->type_size;
+    return (size_t)(C / qk(dt)) * (size_t)kiln_dtype_get_traits(dt)->type_size;
 }
 
 /* R rows of random superblocks, rows rb apart, at offset off; d (and dmin) moderate f16. */
 static uint8_t *rnd_weights(kiln_dtype dt, int64_t R, int64_t C, size_t rb, size_t off) {
-    const size_t ts = (size_t)kiln_dtype_get_traits(dt)->type_size, nb = (size_t)C / 256;
+    const size_t ts = (size_t)kiln_dtype_get_traits(dt)->type_size, nb = (size_t)(C / qk(dt));
     const size_t n = off + rb * (size_t)R + 16;
     uint8_t *w = (uint8_t *)kiln_malloc(n);
     for (size_t i = 0; i < n; i++) w[i] = (uint8_t)rnd64();
@@ -54,6 +56,8 @@ static uint8_t *rnd_weights(kiln_dtype dt, int64_t R, int64_t C, size_t rb, size
             const uint16_t m = kiln_fp32_to_fp16(rndu() * 0.02f);
             if (dt == KILN_DTYPE_Q6_K) {
                 memcpy(p + 208, &d, 2);
+            } else if (dt == KILN_DTYPE_Q5_0) {
+                memcpy(p, &d, 2);
             } else {
                 memcpy(p, &d, 2);
                 memcpy(p + 2, &m, 2);
@@ -117,7 +121,18 @@ static float kq_dot(kiln_dtype dt, const uint8_t *w, const kiln_q8act *qa, int t
         const int64_t b = u / 8;
         const int s = (int)(u % 8);
         float a = lane[u % 32];
-        if (dt == KILN_DTYPE_Q4_K || dt == KILN_DTYPE_Q5_K) {
+        if (dt == KILN_DTYPE_Q5_0) { /* d | qh[4] | qs[16]: (q - 16) of block u */
+            const uint8_t *p = w + u * 22;
+            uint32_t qh;
+            memcpy(&qh, p + 2, 4);
+            int dot = 0;
+            for (int l = 0; l < 16; l++) {
+                const int q0 = ((p[6 + l] & 15) | ((qh >> l) & 1) << 4) - 16;
+                const int q1 = ((p[6 + l] >> 4) | ((qh >> (l + 16)) & 1) << 4) - 16;
+                dot += q0 * xq[u * 32 + l] + q1 * xq[u * 32 + 16 + l];
+            }
+            a = fmaf(f16(p) * xd[u], (float)dot, a);
+        } else if (dt == KILN_DTYPE_Q4_K || dt == KILN_DTYPE_Q5_K) {
             const bool five = dt == KILN_DTYPE_Q5_K;
             const uint8_t *p = w + b * (five ? 176 : 144);
             const uint8_t *qs = p + (five ? 48 : 16), *qh = p + 16;
@@ -362,7 +377,7 @@ static void misaligned(kiln_dtype dt) {
     float *x = rnd_x(1, C);
     float *dx = dev_copy<float>(x, (size_t)C * 4);
     float *out = dev_nan((size_t)R);
-    const size_t off = dt == KILN_DTYPE_Q6_K ? 1 : 8;
+    const size_t off = dt == KILN_DTYPE_Q6_K || dt == KILN_DTYPE_Q5_0 ? 1 : 8;
     kiln_cuda_product_job job = {out, NULL, dw + off, NULL, NULL, NULL, rb, R};
     const cudaError_t e = kiln_cuda_kq_multi_norm(0, 1, &job, dt, dx, NULL, 0.0f, C, 1);
     (void)cudaGetLastError();
@@ -392,6 +407,7 @@ static void refusals(void) {
         cudaError_t e;
     } cases[] = {
         {"Q8_0 dtype", kiln_cuda_kq_multi_norm(0, 1, &j, KILN_DTYPE_Q8_0, x, NULL, 0.0f, 256, 1)},
+        {"Q5_0 C % 32", kiln_cuda_kq_multi_norm(0, 1, &j, KILN_DTYPE_Q5_0, x, NULL, 0.0f, 48, 1)},
         {"C % 256", kiln_cuda_kq_multi_norm(0, 1, &j, KILN_DTYPE_Q4_K, x, NULL, 0.0f, 128, 1)},
         {"N 0", kiln_cuda_kq_multi_norm(0, 1, &j, KILN_DTYPE_Q4_K, x, NULL, 0.0f, 256, 0)},
         {"row_bytes short", kiln_cuda_kq_multi_norm(0, 1, &j, KILN_DTYPE_Q4_K, x, NULL, 0.0f, 512, 1)},
@@ -416,16 +432,18 @@ int main(int argc, char **argv) {
         return 77;
     }
     refusals();
-    const kiln_dtype dts[] = {KILN_DTYPE_Q4_K, KILN_DTYPE_Q5_K, KILN_DTYPE_Q6_K};
+    const kiln_dtype dts[] = {KILN_DTYPE_Q4_K, KILN_DTYPE_Q5_K, KILN_DTYPE_Q6_K, KILN_DTYPE_Q5_0};
     /* C: 1 superblock (a warp's lanes mostly idle), 3 (Q6_K rows at alternating parities),
-     * 3,072 (the 3B shape: 3 steps of 32 units), 8,960 (1.5B's down: 35 superblocks) */
-    const int64_t shapes[][2] = {{1, 256}, {7, 768}, {33, 3072}, {9, 8960}};
+     * 3,072 (the 3B shape: 3 steps of 32 units), 8,960 (1.5B's down: 35 superblocks); Q5_0
+     * also 96 (3 blocks: rows at alternating parities), 896 and 4,864 (the 0.5B shape) */
+    const int64_t shapes[][2] = {{1, 256}, {7, 768}, {33, 3072}, {9, 8960}, {5, 96}, {17, 896}, {6, 4864}};
     const int Ns[] = {1, 2, 3, 5, 8, 11};
     for (kiln_dtype dt : dts) {
         misaligned(dt);
         for (auto &sh : shapes)
-            for (int N : Ns) one_product(dt, sh[0], sh[1], N, (N + sh[0]) % 2 == 0, false, 0);
-        if (dt == KILN_DTYPE_Q6_K)
+            if (sh[1] % qk(dt) == 0)
+                for (int N : Ns) one_product(dt, sh[0], sh[1], N, (N + sh[0]) % 2 == 0, false, 0);
+        if (dt == KILN_DTYPE_Q6_K || dt == KILN_DTYPE_Q5_0)
             for (int N : {1, 3}) one_product(dt, 5, 768, N, true, false, 2);
         one_product(dt, 40, 512, 3, true, true, 0);
         for (int N : {1, 2, 4, 8}) fused(dt, 1536, N, 96);

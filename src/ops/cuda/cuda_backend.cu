@@ -600,7 +600,7 @@ static bool q8act_for(kiln_dtype dt) {
     return on && kiln_cuda_q8act_supported(dt);
 }
 
-/* Whether fast mode's decode products of Q4_K / Q5_K / Q6_K weights take the K-quant
+/* Whether fast mode's decode products of Q4_K / Q5_K / Q6_K / Q5_0 weights take the K-quant
  * int8-activation product (kiln_cuda_kq_multi_norm) instead of the f32 kernels, which
  * dequantize every weight: on unless KILN_CUDA_KQ=0 (read once). */
 static bool kq_for(kiln_dtype dt) {
@@ -619,7 +619,7 @@ static bool mmv_for(kiln_dtype dt, int N) {
 /* The batch-invariant fast mode's products of any N (kernels whose outputs for a token are the
  * same bits whatever the other tokens): bf16 weights on the tensor cores
  * (kiln_cuda_matvec_mma_multi_norm), Q8_0 / Q4_0 / Q4_1 with 8-bit activations (the CPU fast
- * mode's bits), Q4_K / Q5_K / Q6_K with 8-bit activations (kiln_cuda_kq_multi_norm, fast
+ * mode's bits), Q4_K / Q5_K / Q6_K / Q5_0 with 8-bit activations (kiln_cuda_kq_multi_norm, fast
  * decode's own), other dtypes -- or what those do not take -- the auditable f32 kernel. */
 static cudaError_t invariant_products(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
                                       kiln_dtype dt, const float *x, const float *norm_w, float eps,

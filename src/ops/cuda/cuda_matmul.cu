@@ -2363,7 +2363,8 @@ template <int DT> struct q8a {
     /* 32-bit words of quants a lane loads per block (its part: Q8_0 8 values, Q4 8 nibbles) */
     static constexpr int NW = DT == KILN_DTYPE_Q8_0 ? 2 : 1;
     /* xe holds the two half sums (the K-quant product's tokens) */
-    static constexpr bool HALVES = DT == KILN_DTYPE_Q4_K || DT == KILN_DTYPE_Q5_K || DT == KILN_DTYPE_Q6_K;
+    static constexpr bool HALVES = DT == KILN_DTYPE_Q4_K || DT == KILN_DTYPE_Q5_K ||
+                                   DT == KILN_DTYPE_Q6_K || DT == KILN_DTYPE_Q5_0;
 };
 
 /* Tokens n0 .. n0 + nt - 1 of x (rmsnorm(x) * norm_w first when norm_w is set: sr the scales)
@@ -2752,14 +2753,15 @@ cudaError_t kiln_cuda_q8act_multi_norm(cudaStream_t s, int n, const kiln_cuda_pr
 }
 
 /* =================================================================================================
- * Fast: decode products of K-quant weights (Q4_K, Q5_K, Q6_K) on 8-bit activations -- the
+ * Fast: decode products of K-quant and Q5_0 weights (Q4_K, Q5_K, Q6_K, Q5_0: the types of a
+ * Q4_K_M file) on 8-bit activations -- the
  * arithmetic llama.cpp's CUDA decode uses (its q8_1 activations), in a fixed order, so that a
  * token's outputs are the same bits whatever N and the other tokens are.
  *
  * The tokens are quantized as the int8-activation product above quantizes them (q8a_quantize:
  * blocks of 32, d = amax / 127, q = round-half-even(v * (127 / amax)), the integer sums of the
  * block's two halves of 16). A row's C / 32 "units" of 32 weights (unit u: superblock u / 8,
- * part u % 8) go to lanes u % 32 of its warp, each lane walking its units in increasing order;
+ * part u % 8; Q5_0 block u) go to lanes u % 32 of its warp, each lane walking its units in increasing order;
  * a unit's dot with each activation block it meets is an exact integer sum (dp4a), and the
  * lane accumulates, in f32 with one rounding each (fmaf):
  *   Q4_K / Q5_K, part s = 2c + h: the weights of groups g = 2c (low nibbles) and 2c + 1 (high)
@@ -2770,26 +2772,35 @@ cudaError_t kiln_cuda_q8act_multi_norm(cudaStream_t s, int n, const kiln_cuda_pr
  *   Q6_K, part s = 4H + j: l = 8j .. 8j + 7 of half H, its 4 groups k = 0..3 (elements
  *     128H + 32k + l) meet activation blocks 8b + 4H + k at l: acc = fmaf(d * dk, sc * dot,
  *     acc) in k order, dot the integer dot of (q - 32) with the 8 int8 values, sc the int8
- *     scale of the group's 16.
+ *     scale of the group's 16;
+ *   Q5_0, block u: acc = fmaf(d * du, dot, acc), dot the integer dot of (q - 16) with
+ *     activation block u.
  * Then the xor tree over the 32 lanes (16, 8, 4, 2, 1), then bias, swiglu (a pair), residual
  * as the other products. The order depends on C and the dtype only. tests/gpu/test_cuda_kq.cu
  * holds a host reference of this definition and checks the kernel against it bit for bit.
  *
  * Speed: one launch streams each weight byte once with 16-byte loads (Q4_K, Q5_K; Q6_K's
- * 210-byte superblocks are read as aligned words and funnel-shifted), four integer dot
+ * 210-byte superblocks and Q5_0's 22-byte blocks are read as aligned words and
+ * funnel-shifted), four integer dot
  * instructions for 16 weights in place of the f32 kernel's dequantization per weight (which
  * bounds it at a fifth to a third of DRAM bandwidth: bench/RESULTS.md, 2026-12-06).
  * ============================================================================================== */
 
 /* Words a lane keeps for one unit: Q4_K header (4) + quants (4); Q5_K + the 16 bytes of
- * fifth bits; Q6_K two 8-byte runs of low bits, 8 bytes of high bits, the half's 8 scales, d. */
+ * fifth bits; Q6_K two 8-byte runs of low bits, 8 bytes of high bits, the half's 8 scales, d;
+ * Q5_0 qh, qs[16], d. */
 template <int DT> struct kqu {
-    static constexpr int NW = DT == KILN_DTYPE_Q4_K ? 8 : DT == KILN_DTYPE_Q5_K ? 12 : 9;
-    static constexpr int ALIGN = DT == KILN_DTYPE_Q6_K ? 2 : 16;
+    static constexpr int NW = DT == KILN_DTYPE_Q4_K ? 8 : DT == KILN_DTYPE_Q5_K ? 12
+                              : DT == KILN_DTYPE_Q6_K ? 9 : 6;
+    static constexpr int ALIGN = DT == KILN_DTYPE_Q4_K || DT == KILN_DTYPE_Q5_K ? 16 : 2;
+    /* weights of a block */
+    static constexpr int QK = DT == KILN_DTYPE_Q5_0 ? 32 : 256;
 };
 
-/* NW words from p, which is 2-byte aligned: aligned 32-bit loads and a funnel shift. The last
- * load re-reads the word before it when p is 4-byte aligned, so nothing past p + 4 NW is read. */
+/* NW words from p, which is 2-byte aligned: aligned 32-bit loads and a funnel shift. Nothing
+ * past p + 4 NW is read (the last load is 16 bits when p is not 4-byte aligned, and re-reads
+ * the word before it when it is); the 2 bytes before p are (p is inside a row: a tensor's
+ * start is aligned). */
 template <int NW>
 static __device__ __forceinline__ void ldw_a2(const uint8_t *__restrict__ p, uint32_t *o) {
     const uintptr_t a = (uintptr_t)p;
@@ -2798,7 +2809,7 @@ static __device__ __forceinline__ void ldw_a2(const uint8_t *__restrict__ p, uin
     uint32_t v[NW + 1];
 #pragma unroll
     for (int i = 0; i < NW; i++) v[i] = __ldcs(q + i);
-    v[NW] = __ldcs(q + NW - (sh ? 0 : 1));
+    v[NW] = sh ? (uint32_t)__ldcs((const unsigned short *)(q + NW)) : __ldcs(q + NW - 1);
 #pragma unroll
     for (int i = 0; i < NW; i++) o[i] = __funnelshift_r(v[i], v[i + 1], sh);
 }
@@ -2816,6 +2827,10 @@ static __device__ __forceinline__ void kq_load(uint32_t *w, const uint8_t *__res
         ldw<16, 4>(p, w);
         ldw<16, 4>(p + 16 + 16 * (s & 1), w + 4);
         ldw<16, 4>(p + 48 + 16 * s, w + 8);
+    } else if constexpr (DT == KILN_DTYPE_Q5_0) { /* d | qh[4] | qs[16] */
+        const uint8_t *p = row + (size_t)u * 22;
+        ldw_a2<5>(p + 2, w);
+        w[5] = ld16<2>(p);
     } else { /* Q6_K: ql[128] | qh[64] | scales[16] | d */
         const uint8_t *p = row + (size_t)b * 210;
         const int H = s >> 2, j = s & 3;
@@ -2876,6 +2891,28 @@ static __device__ __forceinline__ void kq_unit(const uint32_t *w, int u, const i
             a = __fmaf_rn(__fmul_rn(d, dB), (float)((int)sc1 * db), a);
             a = __fmaf_rn(-__fmul_rn(dmin, dB), (float)((int)mn1 * sB), a);
             acc[t] = a;
+        }
+    } else if constexpr (DT == KILN_DTYPE_Q5_0) { /* q - 16: low nibbles values 0..15 */
+        const float d = fp16_f32(w[5]);
+        int lo[4], hi[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            lo[k] = (int)((w[1 + k] & 0x0f0f0f0fu) | hb4(w[0] >> (4 * k)));
+            hi[k] = (int)(((w[1 + k] >> 4) & 0x0f0f0f0fu) | hb4(w[0] >> (16 + 4 * k)));
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t >= nt) break;
+            const int8_t *xb = xq + ((size_t)t * nb + u) * 32;
+            const int4 xa = *(const int4 *)xb, xc = *(const int4 *)(xb + 16);
+            int dot = __dp4a(lo[0], xa.x, 0);
+            dot = __dp4a(lo[1], xa.y, dot), dot = __dp4a(lo[2], xa.z, dot);
+            dot = __dp4a(lo[3], xa.w, dot), dot = __dp4a(hi[0], xc.x, dot);
+            dot = __dp4a(hi[1], xc.y, dot), dot = __dp4a(hi[2], xc.z, dot);
+            dot = __dp4a(hi[3], xc.w, dot);
+            const float e = xe[t * nb + u];
+            dot -= 16 * (kq_half(e, 0) + kq_half(e, 1));
+            acc[t] = __fmaf_rn(__fmul_rn(d, xd[t * nb + u]), (float)dot, acc[t]);
         }
     } else { /* Q6_K */
         const int H = s >> 2, j = s & 3;
@@ -3003,7 +3040,7 @@ static cudaError_t kq_launch(cudaStream_t s, prod_jobs *a, bool pair, const floa
     int64_t rows = 0;
     for (int j = 0; j < a->n; j++) {
         const prod_job &J = a->job[j];
-        if (J.row_bytes < (size_t)(C / 256) * blk<DT>::TS) return cudaErrorInvalidValue;
+        if (J.row_bytes < (size_t)(C / kqu<DT>::QK) * blk<DT>::TS) return cudaErrorInvalidValue;
         if ((uintptr_t)J.w % AL || (uintptr_t)J.w_up % AL || J.row_bytes % AL)
             return cudaErrorNotSupported; /* nothing enqueued: another kernel takes them */
     }
@@ -3032,7 +3069,8 @@ static cudaError_t kq_launch(cudaStream_t s, prod_jobs *a, bool pair, const floa
 }
 
 bool kiln_cuda_kq_supported(kiln_dtype dt) {
-    return dt == KILN_DTYPE_Q4_K || dt == KILN_DTYPE_Q5_K || dt == KILN_DTYPE_Q6_K;
+    return dt == KILN_DTYPE_Q4_K || dt == KILN_DTYPE_Q5_K || dt == KILN_DTYPE_Q6_K ||
+           dt == KILN_DTYPE_Q5_0;
 }
 
 cudaError_t kiln_cuda_kq_multi_norm(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
@@ -3040,10 +3078,12 @@ cudaError_t kiln_cuda_kq_multi_norm(cudaStream_t s, int n, const kiln_cuda_produ
                                     int64_t C, int N) {
     bool pair = false;
     if (!kiln_cuda_kq_supported(dt) || !product_jobs_ok(n, jobs, x, C, N, &pair) ||
-        (uintptr_t)norm_w % 4 || C % 256 || C > INT_MAX || (N + 7) / 8 > 65535)
+        (uintptr_t)norm_w % 4 || C % (dt == KILN_DTYPE_Q5_0 ? 32 : 256) || C > INT_MAX ||
+        (N + 7) / 8 > 65535)
         return cudaErrorInvalidValue;
     prod_jobs a = prod_jobs_of(n, jobs, norm_w, eps);
     switch (dt) {
+    case KILN_DTYPE_Q5_0: return kq_launch<KILN_DTYPE_Q5_0>(s, &a, pair, x, C, N);
     case KILN_DTYPE_Q4_K: return kq_launch<KILN_DTYPE_Q4_K>(s, &a, pair, x, C, N);
     case KILN_DTYPE_Q5_K: return kq_launch<KILN_DTYPE_Q5_K>(s, &a, pair, x, C, N);
     default: return kq_launch<KILN_DTYPE_Q6_K>(s, &a, pair, x, C, N);

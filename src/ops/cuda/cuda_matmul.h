@@ -364,21 +364,23 @@ cudaError_t kiln_cuda_q8act_multi_norm(cudaStream_t s, int n, const kiln_cuda_pr
                                        float eps, int64_t C, int N);
 
 /* =================================================================================================
- * Fast: the decode product of K-quant weights (Q4_K, Q5_K, Q6_K) on 8-bit activations (the
- * arithmetic of llama.cpp's CUDA decode): each token's activations quantized to int8 blocks of
- * 32 as kiln_cuda_q8act_multi_norm quantizes them, each 16 (Q6_K 8) weights' dot with them an
+ * Fast: the decode product of K-quant and Q5_0 weights (Q4_K, Q5_K, Q6_K, Q5_0: the types of
+ * a Q4_K_M file) on 8-bit activations (the arithmetic of llama.cpp's CUDA decode): each
+ * token's activations quantized to int8 blocks of 32 as kiln_cuda_q8act_multi_norm quantizes
+ * them, each 16 (Q6_K 8, Q5_0 32) weights' dot with them an
  * exact integer sum, those combined in f32 in a fixed order that depends on C and the dtype
  * only (cuda_matmul.cu gives the definition; tests/gpu/test_cuda_kq.cu a host reference). A
  * token's outputs do not depend on N or on the other tokens (batch-invariant). NOT the exact
  * product: x is rounded to 8 bits, the superblock scales are applied to integer sums.
  * ============================================================================================== */
 
-/* Whether dt has the K-quant int8-activation product: Q4_K, Q5_K, Q6_K. */
+/* Whether dt has the K-quant int8-activation product: Q4_K, Q5_K, Q6_K, Q5_0. */
 bool kiln_cuda_kq_supported(kiln_dtype dt);
 
 /* kiln_cuda_q8act_multi_norm's contract (jobs, norm, epilogues, any N >= 1) for Q4_K / Q5_K /
- * Q6_K weights, C a multiple of 256. cudaErrorNotSupported, having enqueued nothing, when a
- * weight or row stride is not 16-byte aligned (Q6_K: 2-byte), or one token's C / 32 blocks
+ * Q6_K / Q5_0 weights, C a multiple of the block (256; Q5_0 32). cudaErrorNotSupported,
+ * having enqueued nothing, when a weight or row stride is not 16-byte aligned (Q6_K, Q5_0:
+ * 2-byte), or one token's C / 32 blocks
  * pass the kernel's shared memory: the caller runs them otherwise. */
 cudaError_t kiln_cuda_kq_multi_norm(cudaStream_t s, int n, const kiln_cuda_product_job *jobs,
                                     kiln_dtype dt, const float *x, const float *norm_w, float eps,
