@@ -600,12 +600,21 @@ static bool q8act_for(kiln_dtype dt) {
     return on && kiln_cuda_q8act_supported(dt);
 }
 
-/* Whether fast mode's decode products of Q4_K / Q5_K / Q6_K / Q5_0 weights take the K-quant
- * int8-activation product (kiln_cuda_kq_multi_norm) instead of the f32 kernels, which
- * dequantize every weight: on unless KILN_CUDA_KQ=0 (read once). */
-static bool kq_for(kiln_dtype dt) {
-    static const bool on = !kiln_env_off("KILN_CUDA_KQ");
-    return on && kiln_cuda_kq_supported(dt);
+/* Whether fast mode's decode products of Q4_K / Q5_K / Q6_K / Q5_0 weights and N tokens take
+ * the K-quant int8-activation product (kiln_cuda_kq_multi_norm) instead of the f32 kernel,
+ * which dequantizes every weight: for N up to KQ_MAX_N (KILN_CUDA_KQ_MAX_N overrides it, 0
+ * turns it off; KILN_CUDA_KQ=0 too; read once). Its per-token work (each token's activation
+ * blocks, scales and sums from shared memory for every 32 weights) grows with N: on an H100 a
+ * call of 8 tokens took 3.5x the time of one (bench/RESULTS.md, 2026-12-07), so batched decode
+ * keeps the f32 kernel until the two are measured side by side at N > 1. */
+#define KQ_MAX_N 1
+static bool kq_for(kiln_dtype dt, int N) {
+    static const int max_n = [] {
+        if (kiln_env_off("KILN_CUDA_KQ")) return 0;
+        const char *v = getenv("KILN_CUDA_KQ_MAX_N");
+        return v && *v ? atoi(v) : KQ_MAX_N;
+    }();
+    return N <= max_n && kiln_cuda_kq_supported(dt);
 }
 
 /* Whether fast mode's decode products of bf16 weights and 2..8 tokens take the tensor cores
@@ -627,7 +636,7 @@ static cudaError_t invariant_products(cudaStream_t s, int n, const kiln_cuda_pro
     cudaError_t e = cudaErrorNotSupported;
     if (dt == KILN_DTYPE_BF16) e = kiln_cuda_matvec_mma_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     else if (kiln_cuda_q8act_supported(dt)) e = kiln_cuda_q8act_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
-    else if (kq_for(dt)) e = kiln_cuda_kq_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
+    else if (kiln_cuda_kq_supported(dt)) e = kiln_cuda_kq_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     if (e == cudaErrorNotSupported) e = kiln_cuda_matmul_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     return e;
 }
@@ -642,7 +651,7 @@ static cudaError_t fast_products(cudaStream_t s, int n, const kiln_cuda_product_
     cudaError_t e = cudaErrorNotSupported;
     if (N > 8) return e;
     if (q8act_for(dt)) e = kiln_cuda_q8act_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
-    else if (kq_for(dt)) e = kiln_cuda_kq_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
+    else if (kq_for(dt, N)) e = kiln_cuda_kq_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     else if (mmv_for(dt, N)) e = kiln_cuda_matvec_mma_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     if (e == cudaErrorNotSupported) e = kiln_cuda_matvec_fast_multi_norm(s, n, jobs, dt, x, norm_w, eps, C, N);
     return e;
