@@ -37,6 +37,7 @@ extern "C" {
 #include "gpu_test_check.h" /* g_fail, the seeded stream rnd64 / rndu */
 
 static int g_cases;
+#include "gpu_test_buffers.h" /* dev_copy, dev_nan, host_of, expect_bits */
 
 static int64_t qk(kiln_dtype dt) { return kiln_dtype_get_traits(dt)->block_size; }
 static size_t row_bytes(kiln_dtype dt, int64_t C) {
@@ -75,24 +76,6 @@ static float *rnd_x(int N, int64_t C) {
     for (int i = 0; i < 32; i++) x[32 + i] = rndu() * 1e-30f;
     x[64 + 5] = 300.0f;
     return x;
-}
-
-template <class T> static T *dev_copy(const void *h, size_t bytes) {
-    T *d = NULL;
-    CUDA_OK(cudaMalloc(&d, bytes ? bytes : 4));
-    if (bytes) CUDA_OK(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
-    return d;
-}
-static float *dev_nan(size_t n) {
-    float *d = NULL;
-    CUDA_OK(cudaMalloc(&d, n * 4 + 4));
-    CUDA_OK(cudaMemset(d, 0xff, n * 4 + 4));
-    return d;
-}
-static float *host_of(const float *d, size_t n) {
-    float *h = (float *)kiln_malloc(n * 4 + 4);
-    CUDA_OK(cudaMemcpy(h, d, n * 4, cudaMemcpyDeviceToHost));
-    return h;
 }
 
 static float f16(const uint8_t *p) {
@@ -214,24 +197,6 @@ static void kq_ref(float *out, double *maxerr, const float *x, int N, int64_t C,
     }
     kiln_free(wf);
     kiln_free(buf);
-}
-
-static void expect_bits(const char *what, const float *dev, const float *ref, size_t n) {
-    float *h = host_of(dev, n);
-    bool ok = true;
-    for (size_t i = 0; i < n && ok; i++) {
-        uint32_t a, b;
-        memcpy(&a, &h[i], 4);
-        memcpy(&b, &ref[i], 4);
-        if (a != b && !(isnan(h[i]) && isnan(ref[i]))) {
-            fprintf(stderr, "  %s: element %zu: %08x (%g) vs reference %08x (%g)\n", what, i, a,
-                    h[i], b, ref[i]);
-            ok = false;
-        }
-    }
-    kiln_free(h);
-    g_cases++;
-    EXPECT(ok, "%s", what);
 }
 
 /* One product of R x C at byte offset off (0, or 2 for Q6_K's other parity). */

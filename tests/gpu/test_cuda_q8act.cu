@@ -38,6 +38,7 @@ extern "C" {
 #include "gpu_test_check.h" /* g_fail, the seeded stream rnd64 / rndu */
 
 static int g_cases;
+#include "gpu_test_buffers.h" /* dev_copy, dev_nan, host_of, expect_bits */
 
 static int type_size(kiln_dtype dt) { return kiln_dtype_get_traits(dt)->type_size; }
 
@@ -77,24 +78,6 @@ static float *rnd_x(int N, int64_t C) {
     return x;
 }
 
-template <class T> static T *dev_copy(const void *h, size_t bytes) {
-    T *d = NULL;
-    CUDA_OK(cudaMalloc(&d, bytes ? bytes : 4));
-    if (bytes) CUDA_OK(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
-    return d;
-}
-static float *dev_nan(size_t n) {
-    float *d = NULL;
-    CUDA_OK(cudaMalloc(&d, n * 4 + 4));
-    CUDA_OK(cudaMemset(d, 0xff, n * 4 + 4));
-    return d;
-}
-static float *host_of(const float *d, size_t n) {
-    float *h = (float *)kiln_malloc(n * 4 + 4);
-    CUDA_OK(cudaMemcpy(h, d, n * 4, cudaMemcpyDeviceToHost));
-    return h;
-}
-
 /* The CPU's fast product: out(N, R) = the q8act dot of x's tokens with w's rows (+ bias). */
 static void cpu_ref(float *out, const float *x, int N, int64_t C, const uint8_t *w, size_t rb,
                     kiln_dtype dt, int64_t R, const float *bias) {
@@ -106,26 +89,6 @@ static void cpu_ref(float *out, const float *x, int N, int64_t C, const uint8_t 
     kiln_q8act_mm m = {&qa, w, rb, dt, bias, out, R};
     kiln_q8act_kernels_portable.rows(&m, 0, R);
     kiln_free(buf);
-}
-
-/* Whether the device outputs (n floats) equal the host's bits (both NaN counts as equal:
- * only a NaN's payload may differ); prints the first difference. */
-static void expect_bits(const char *what, const float *dev, const float *ref, size_t n) {
-    float *h = host_of(dev, n);
-    bool ok = true;
-    for (size_t i = 0; i < n && ok; i++) {
-        uint32_t a, b;
-        memcpy(&a, &h[i], 4);
-        memcpy(&b, &ref[i], 4);
-        if (a != b && !(isnan(h[i]) && isnan(ref[i]))) {
-            fprintf(stderr, "  %s: element %zu: %08x (%g) vs CPU %08x (%g)\n", what, i, a, h[i], b,
-                    ref[i]);
-            ok = false;
-        }
-    }
-    kiln_free(h);
-    g_cases++;
-    EXPECT(ok, "%s", what);
 }
 
 /* One product of R x C against the CPU: aligned, and (off != 0) on the byte-load path. */
