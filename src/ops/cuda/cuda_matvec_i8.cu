@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 #include <float.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -344,13 +345,48 @@ static int q8a_tile(int N, int64_t nb) {
     return nb * Q8A_BLOCK_SMEM <= Q8A_MAX_SMEM ? nt : 0;
 }
 
-/* The current device's SM count (a launch-shape choice only: no bit depends on it). */
-static int q8a_sms() {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1)
-        n = 1;
-    return n;
+/* The blocks of k that run at once on the current device with smem bytes of dynamic shared
+ * memory (SMs x blocks an SM holds; a launch-shape choice only: no bit depends on it), worked
+ * out once per (kernel, smem, device) and kept: fast decode launches these products dozens of
+ * times a step, and the occupancy query costs host time on each. Where smem passes the
+ * default 48 KiB, k's limit is raised to Q8A_MAX_SMEM (q8a_tile keeps every tile within it)
+ * the first time. */
+#define Q8A_SHAPES 256
+struct q8a_shape {
+    const void *fn;
+    size_t smem;
+    int dev, blocks;
+};
+static pthread_mutex_t q8a_shapes_mu = PTHREAD_MUTEX_INITIALIZER;
+static q8a_shape q8a_shapes[Q8A_SHAPES];
+static int q8a_n_shapes;
+
+template <class K> static cudaError_t q8a_blocks(K k, size_t smem, int64_t *blocks) {
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    pthread_mutex_lock(&q8a_shapes_mu);
+    for (int i = 0; i < q8a_n_shapes; i++) {
+        const q8a_shape &sh = q8a_shapes[i];
+        if (sh.fn == (const void *)k && sh.smem == smem && sh.dev == dev) {
+            *blocks = sh.blocks;
+            pthread_mutex_unlock(&q8a_shapes_mu);
+            return cudaSuccess;
+        }
+    }
+    if (smem > 48 * 1024) e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Q8A_MAX_SMEM);
+    int per_sm = 0, sms = 0;
+    if (e == cudaSuccess) {
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, Q8A_THREADS, smem) != cudaSuccess ||
+            per_sm < 1)
+            per_sm = 1;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 1)
+            sms = 1;
+        *blocks = (int64_t)per_sm * sms;
+        if (q8a_n_shapes < Q8A_SHAPES) q8a_shapes[q8a_n_shapes++] = q8a_shape{(const void *)k, smem, dev, per_sm * sms};
+    }
+    pthread_mutex_unlock(&q8a_shapes_mu);
+    return e;
 }
 
 /* Launches k (q8act_kernel or kq_kernel: Q8A_THREADS threads, token tiles of NT, groups of
@@ -359,18 +395,12 @@ template <class K>
 static cudaError_t q8a_persist(K k, int NT, int ROWS, cudaStream_t s, const prod_jobs &a,
                                int64_t rows, const float *x, int64_t C, int N) {
     const size_t smem = (size_t)NT * (size_t)(C / 32) * Q8A_BLOCK_SMEM;
-    if (smem > 48 * 1024) {
-        const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (e != cudaSuccess) return e;
-    }
     /* grid-stride: no more blocks than run at once (a block that waits for a slot would start
      * its rows late) */
-    int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, Q8A_THREADS, smem) != cudaSuccess ||
-        per_sm < 1)
-        per_sm = 1;
+    int64_t cap = 0;
+    const cudaError_t e = q8a_blocks(k, smem, &cap);
+    if (e != cudaSuccess) return e;
     const int64_t need = ((rows + ROWS - 1) / ROWS + Q8A_WARPS - 1) / Q8A_WARPS;
-    const int64_t cap = (int64_t)q8a_sms() * per_sm;
     const unsigned gx = (unsigned)(need < cap ? need : cap);
     return launch_pdl(k, dim3(gx, (unsigned)((N + NT - 1) / NT)), dim3(Q8A_THREADS), smem, s, a, x,
                       C, N, rows);
